@@ -1,0 +1,42 @@
+# Project tasks. Everything runs from a local virtualenv (.venv) that `make venv`
+# creates and keeps in sync with pyproject.toml; no root and no manual steps needed.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.stamp
+PYTEST_ARGS ?=
+
+.PHONY: venv test lint typecheck demo bench clean
+
+venv: $(STAMP)
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# Re-install only when pyproject.toml changed since the last successful install.
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q --disable-pip-version-check --upgrade pip setuptools wheel
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[dev,spark]'
+	touch $(STAMP)
+
+lint: venv
+	$(BIN)/ruff check .
+
+typecheck: venv
+	$(BIN)/mypy cfemu sqm backup restore
+
+test: venv
+	$(BIN)/ruff check .
+	$(BIN)/mypy cfemu sqm backup restore
+	$(BIN)/pytest -q $(PYTEST_ARGS)
+
+demo: venv
+	$(BIN)/cfemu demo
+
+bench: venv
+	$(BIN)/python bench/run_all.py
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis spark-warehouse
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

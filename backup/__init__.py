@@ -1,0 +1,1 @@
+"""backup: CF structure backup tooling (cfbackup)."""

@@ -1,0 +1,77 @@
+"""Connecting to the coupling facility (a Redis server).
+
+``connect()`` takes a URL (argument, else ``$REDIS_URL``):
+
+* ``redis://[[user]:password@]host:port/db`` -- ACL users (``user:pass@``) or the default user
+  (``:pass@``); user names and passwords must be percent-encoded.
+* ``rediss://...`` -- TLS. CA/cert/key come from keyword arguments ``tls_ca``/``tls_cert``/
+  ``tls_key`` or the environment (``CFEMU_TLS_CA``/``CFEMU_TLS_CERT``/``CFEMU_TLS_KEY``).
+
+Clients are binary-safe (``decode_responses=False``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+from urllib.parse import urlsplit
+
+import redis
+
+__all__ = ["ConnectionConfigError", "connect"]
+
+ENV_URL = "REDIS_URL"
+ENV_TLS = {"tls_ca": "CFEMU_TLS_CA", "tls_cert": "CFEMU_TLS_CERT", "tls_key": "CFEMU_TLS_KEY"}
+
+
+class ConnectionConfigError(ValueError):
+    """No or unusable CF address."""
+
+
+def connect(
+    url: str | None = None,
+    *,
+    socket_timeout: float | None = 30.0,
+    socket_connect_timeout: float | None = 5.0,
+    health_check_interval: int = 30,
+    tls_ca: str | None = None,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+    tls_verify: bool = True,
+    **kw: Any,
+) -> redis.Redis:
+    """Return a ``redis.Redis`` for ``url`` (or ``$REDIS_URL``). Extra ``kw`` go to redis-py.
+
+    The connection is lazy: errors such as a wrong password surface on the first command as
+    ``redis.AuthenticationError`` (``WRONGPASS``) / ``redis.ConnectionError``.
+    """
+    url = url or os.environ.get(ENV_URL)
+    if not url:
+        raise ConnectionConfigError(
+            f"no Redis/CF URL given: pass one (e.g. redis://127.0.0.1:6379/0) or set ${ENV_URL}"
+        )
+    scheme = urlsplit(url).scheme
+    if scheme not in ("redis", "rediss", "unix"):
+        raise ConnectionConfigError(f"unsupported URL scheme {scheme!r} in {url!r} (use redis:// or rediss://)")
+    opts: dict[str, Any] = {
+        "decode_responses": False,
+        "socket_timeout": socket_timeout,
+        "socket_connect_timeout": socket_connect_timeout,
+        "health_check_interval": health_check_interval,
+    }
+    if scheme == "rediss":
+        files = {"tls_ca": tls_ca, "tls_cert": tls_cert, "tls_key": tls_key}
+        for name, env in ENV_TLS.items():
+            files[name] = files[name] or os.environ.get(env) or None
+        for name, path in files.items():
+            if path is not None and not os.path.isfile(path):
+                raise ConnectionConfigError(f"TLS file for {name} not found: {path}")
+        opts.update(
+            ssl_ca_certs=files["tls_ca"],
+            ssl_certfile=files["tls_cert"],
+            ssl_keyfile=files["tls_key"],
+            ssl_cert_reqs="required" if tls_verify else "none",
+            ssl_check_hostname=tls_verify,
+        )
+    opts.update(kw)
+    return redis.Redis.from_url(url, **opts)

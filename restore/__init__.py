@@ -1,0 +1,1 @@
+"""restore: CF structure restore/recovery tooling (cfrestore)."""

@@ -1,0 +1,1 @@
+"""sqm: the shared-queue manager built on the cfemu coupling facility."""
