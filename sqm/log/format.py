@@ -1,0 +1,431 @@
+"""On-disk format of the record log: segment headers, frames, the manifest, and the segment scanner.
+
+See docs/log-format.md for the full description. Everything here is shared by the writer
+(:class:`sqm.log.writer.RecordLog`) and the read-only view (:class:`sqm.log.reader.LogReader`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import crc32c as _crc32c
+import msgpack
+
+MAGIC = b"CFLOG1\n"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+LOCK_NAME = "writer.lock"
+SEGMENT_RE = re.compile(r"^seg-(\d{8})\.log$")
+#: Fixed part of the segment header: magic, u8 version, u32 segment, u32 capacity, u16 member length.
+_HEADER_FIXED = struct.Struct("<7sBIIH")
+_U32 = struct.Struct("<I")
+#: Frame header: u32 body length, u32 crc32c(body).
+FRAME = struct.Struct("<II")
+FRAME_HEADER_BYTES = FRAME.size
+#: Hard upper bound for one record body; a larger length field is always corruption.
+MAX_RECORD_BYTES = 256 * 2**20
+#: How far past a suspected torn frame the scanner looks for a valid frame (which would prove corruption).
+RESYNC_SCAN_BYTES = 4 * 2**20
+_READ_BUFFER = 1 << 20
+
+crc32c = _crc32c.crc32c
+
+
+class LogCorruptError(Exception):
+    """A frame before the end of the log is damaged (never skipped silently)."""
+
+    def __init__(self, path: str | Path, offset: int, what: str) -> None:
+        self.path = str(path)
+        self.offset = offset
+        self.what = what
+        super().__init__(f"corrupt record log {self.path} at byte offset {offset}: {what}")
+
+
+class LogFormatError(Exception):
+    """Not a log directory/segment of this format or member (wrong magic, version, member, layout)."""
+
+
+class LogLockedError(Exception):
+    """The log directory is already open for writing by another writer."""
+
+
+@dataclass(frozen=True, order=True)
+class LogPosition:
+    """Where a frame starts: segment number and byte offset within that segment file."""
+
+    segment: int
+    offset: int
+
+    def to_json(self) -> list[int]:
+        return [self.segment, self.offset]
+
+    @classmethod
+    def from_json(cls, value: Any) -> LogPosition:
+        seg, off = value
+        return cls(int(seg), int(off))
+
+    def __str__(self) -> str:
+        return f"{self.segment:08d}:{self.offset}"
+
+
+@dataclass(frozen=True)
+class SegmentInfo:
+    """What is known about one segment file (from the manifest for sealed segments, else from a scan)."""
+
+    segment: int
+    path: Path
+    first: LogPosition | None
+    last: LogPosition | None
+    end: LogPosition
+    min_lrsn: int | None
+    max_lrsn: int | None
+    records: int
+    sealed: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "segment": self.segment,
+            "file": self.path.name,
+            "first": self.first.to_json() if self.first else None,
+            "last": self.last.to_json() if self.last else None,
+            "end": self.end.to_json(),
+            "min_lrsn": self.min_lrsn,
+            "max_lrsn": self.max_lrsn,
+            "records": self.records,
+            "sealed": self.sealed,
+        }
+
+    @classmethod
+    def from_json(cls, directory: Path, value: dict[str, Any]) -> SegmentInfo:
+        first = value.get("first")
+        last = value.get("last")
+        return cls(
+            segment=int(value["segment"]),
+            path=directory / segment_name(int(value["segment"])),
+            first=LogPosition.from_json(first) if first else None,
+            last=LogPosition.from_json(last) if last else None,
+            end=LogPosition.from_json(value["end"]),
+            min_lrsn=value.get("min_lrsn"),
+            max_lrsn=value.get("max_lrsn"),
+            records=int(value.get("records", 0)),
+            sealed=bool(value.get("sealed", False)),
+        )
+
+
+@dataclass(frozen=True)
+class SegmentHeader:
+    version: int
+    segment: int
+    capacity: int
+    member: str
+    length: int
+
+
+def segment_name(segment: int) -> str:
+    return f"seg-{segment:08d}.log"
+
+
+def list_segments(directory: Path) -> list[tuple[int, Path]]:
+    """Segment files in ``directory`` sorted by number; a gap in the numbering is a format error."""
+    found: list[tuple[int, Path]] = []
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    for name in names:
+        m = SEGMENT_RE.match(name)
+        if m:
+            found.append((int(m.group(1)), directory / name))
+    found.sort()
+    for (a, _), (b, pb) in zip(found, found[1:]):
+        if b != a + 1:
+            raise LogFormatError(f"{directory}: segment {a + 1} is missing (next present is {pb.name})")
+    return found
+
+
+def encode_header(segment: int, capacity: int, member: str) -> bytes:
+    name = member.encode("utf-8")
+    head = _HEADER_FIXED.pack(MAGIC, FORMAT_VERSION, segment, capacity, len(name)) + name
+    return head + _U32.pack(crc32c(head))
+
+
+def read_header(f: IO[bytes], path: Path, *, allow_partial: bool) -> SegmentHeader | None:
+    """Parse the header at the start of ``f``. Returns None if the file holds only a prefix of a header
+    and ``allow_partial`` (a segment being created, or a crash during creation); otherwise
+    raises :class:`LogFormatError` for anything that is not a header of this format."""
+    fixed = f.read(_HEADER_FIXED.size)
+    if len(fixed) < _HEADER_FIXED.size:
+        if allow_partial and MAGIC.startswith(fixed[: len(MAGIC)]):
+            return None
+        raise LogFormatError(f"{path}: not a record log segment (file too short for a segment header)")
+    magic, version, segment, capacity, name_len = _HEADER_FIXED.unpack(fixed)
+    if magic != MAGIC:
+        raise LogFormatError(f"{path}: not a record log segment (bad magic {magic!r}, expected {MAGIC!r})")
+    if version != FORMAT_VERSION:
+        raise LogFormatError(f"{path}: unsupported log format version {version} (this code reads {FORMAT_VERSION})")
+    rest = f.read(name_len + _U32.size)
+    if len(rest) < name_len + _U32.size:
+        if allow_partial:
+            return None
+        raise LogFormatError(f"{path}: truncated segment header")
+    name = rest[:name_len]
+    (stored,) = _U32.unpack_from(rest, name_len)
+    if crc32c(fixed + name) != stored:
+        raise LogFormatError(f"{path}: segment header checksum mismatch (garbled header)")
+    try:
+        member = name.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise LogFormatError(f"{path}: garbled member name in segment header") from e
+    return SegmentHeader(version, segment, capacity, member, _HEADER_FIXED.size + name_len + _U32.size)
+
+
+def check_header(header: SegmentHeader, path: Path, segment: int, member: str | None) -> None:
+    if header.segment != segment:
+        raise LogFormatError(f"{path}: header says segment {header.segment}, file name says {segment}")
+    if member is not None and header.member != member:
+        raise LogFormatError(f"{path}: segment belongs to member {header.member!r}, not {member!r}")
+
+
+def decode_body(body: bytes, path: Path, offset: int) -> dict[str, Any]:
+    try:
+        rec = msgpack.unpackb(body, raw=False, strict_map_key=False)
+    except Exception as e:  # msgpack raises several unrelated exception types
+        raise LogCorruptError(path, offset, f"undecodable record body ({e})") from e
+    if not isinstance(rec, dict) or "k" not in rec or "l" not in rec:
+        raise LogCorruptError(path, offset, "record body is not a map with 'k' and 'l'")
+    return rec
+
+
+def _valid_frame_follows(data: bytes, start: int) -> int | None:
+    """Offset (in ``data``) of the first plausible complete frame at or after ``start``, if any."""
+    n = len(data)
+    stop = min(n - FRAME_HEADER_BYTES, start + RESYNC_SCAN_BYTES)
+    unpack = FRAME.unpack_from
+    for q in range(start, stop):
+        length, crc = unpack(data, q)
+        end = q + FRAME_HEADER_BYTES + length
+        if length > 0 and end <= n:
+            body = data[q + FRAME_HEADER_BYTES : end]
+            if crc32c(body) == crc:
+                try:
+                    rec = msgpack.unpackb(body, raw=False, strict_map_key=False)
+                except Exception:
+                    continue
+                if isinstance(rec, dict) and "k" in rec and "l" in rec:
+                    return q
+    return None
+
+
+class SegmentScan:
+    """Iterate over the frames of one segment file.
+
+    ``is_last``: the segment is the last one of the log, so a torn final frame is the normal end of log
+    (iteration stops silently, ``torn_bytes`` says how much was left over). Anything else that is wrong
+    raises :class:`LogCorruptError` / :class:`LogFormatError`.
+
+    After iteration: ``header`` (None if the file holds only a partial header), ``end_offset`` (offset just
+    after the last valid frame), ``torn_bytes``, ``records``, ``first``, ``last``, ``min_lrsn``, ``max_lrsn``
+    (the last five only over the frames actually visited).
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        segment: int,
+        member: str | None,
+        *,
+        is_last: bool,
+        start_offset: int = 0,
+    ) -> None:
+        self.path = path
+        self.segment = segment
+        self.member = member
+        self.is_last = is_last
+        self.start_offset = start_offset
+        self.header: SegmentHeader | None = None
+        self.end_offset = 0
+        self.torn_bytes = 0
+        self.records = 0
+        self.first: LogPosition | None = None
+        self.last: LogPosition | None = None
+        self.min_lrsn: int | None = None
+        self.max_lrsn: int | None = None
+
+    def info(self) -> SegmentInfo:
+        return SegmentInfo(
+            self.segment, self.path, self.first, self.last, LogPosition(self.segment, self.end_offset),
+            self.min_lrsn, self.max_lrsn, self.records, sealed=not self.is_last,
+        )
+
+    def run(self) -> SegmentScan:
+        """Scan the whole segment without keeping the records (validation, end of log, statistics)."""
+        for _ in self:
+            pass
+        return self
+
+    def __iter__(self) -> Iterator[tuple[LogPosition, dict[str, Any]]]:
+        path = self.path
+        with open(path, "rb", buffering=_READ_BUFFER) as f:
+            header = read_header(f, path, allow_partial=self.is_last)
+            if header is None:
+                return
+            check_header(header, path, self.segment, self.member)
+            self.header = header
+            first_frame = header.length
+            off = max(self.start_offset, first_frame)
+            if off != header.length:
+                f.seek(off)
+            self.end_offset = off
+            cap = header.capacity
+            is_last = self.is_last
+            unpack = FRAME.unpack
+            seg = self.segment
+            while True:
+                head = f.read(FRAME_HEADER_BYTES)
+                if len(head) < FRAME_HEADER_BYTES:
+                    if not head:
+                        return
+                    if is_last:
+                        self.torn_bytes = len(head)
+                        return
+                    raise LogCorruptError(
+                        path, off, f"truncated frame header ({len(head)} bytes before end of file)"
+                    )
+                length, crc = unpack(head)
+                if length == 0 or length > MAX_RECORD_BYTES or (
+                    off != first_frame and off + FRAME_HEADER_BYTES + length > cap
+                ):
+                    rest = head + f.read()
+                    if is_last and rest.count(0) == len(rest):
+                        self.torn_bytes = len(rest)  # zero-filled tail left by a crash
+                        return
+                    if length == 0:
+                        raise LogCorruptError(path, off, "length 0 is impossible for a frame")
+                    raise LogCorruptError(
+                        path, off, f"length {length} exceeds segment (capacity {cap}, frame at {off})"
+                    )
+                body = f.read(length)
+                if len(body) < length:
+                    if not is_last:
+                        raise LogCorruptError(
+                            path, off,
+                            f"truncated frame: length {length} but only {len(body)} bytes before end of file",
+                        )
+                    q = _valid_frame_follows(body, 0)
+                    if q is not None:
+                        raise LogCorruptError(
+                            path, off,
+                            f"length {length} runs past end of file but a valid frame follows at offset "
+                            f"{off + FRAME_HEADER_BYTES + q}",
+                        )
+                    self.torn_bytes = FRAME_HEADER_BYTES + len(body)
+                    return
+                actual = crc32c(body)
+                if actual != crc:
+                    more = f.peek(1)[:1] if hasattr(f, "peek") else b""
+                    if is_last and not more:
+                        self.torn_bytes = FRAME_HEADER_BYTES + length  # bad CRC on the final frame: torn
+                        return
+                    raise LogCorruptError(
+                        path, off, f"CRC mismatch (stored {crc:#010x}, computed {actual:#010x}, length {length})"
+                    )
+                rec = decode_body(body, path, off)
+                lrsn = rec["l"]
+                pos = LogPosition(seg, off)
+                if self.first is None:
+                    self.first = pos
+                    self.min_lrsn = self.max_lrsn = lrsn
+                else:
+                    if lrsn < self.min_lrsn:
+                        self.min_lrsn = lrsn
+                    if lrsn > self.max_lrsn:
+                        self.max_lrsn = lrsn
+                self.last = pos
+                self.records += 1
+                off += FRAME_HEADER_BYTES + length
+                self.end_offset = off
+                yield pos, rec
+
+
+def read_record_at(path: Path, segment: int, member: str | None, offset: int) -> dict[str, Any]:
+    """Read and verify the single frame at ``offset`` of one segment."""
+    scan = SegmentScan(path, segment, member, is_last=False, start_offset=offset)
+    for pos, rec in scan:
+        if pos.offset != offset:
+            break
+        return rec
+    raise LogCorruptError(path, offset, "no record at this position")
+
+
+# ----------------------------------------------------------------------------------------------- manifest
+
+
+def read_manifest(directory: Path) -> dict[str, Any] | None:
+    path = directory / MANIFEST_NAME
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise LogFormatError(f"{path}: manifest is not valid JSON ({e})") from e
+    if not isinstance(data, dict) or "member" not in data:
+        raise LogFormatError(f"{path}: not a record log manifest")
+    if data.get("version") != FORMAT_VERSION:
+        raise LogFormatError(f"{path}: unsupported manifest version {data.get('version')!r}")
+    return data
+
+
+def fsync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_manifest(directory: Path, data: dict[str, Any]) -> None:
+    """Atomically replace the manifest: temp file, fsync, rename, fsync directory."""
+    path = directory / MANIFEST_NAME
+    tmp = directory / (MANIFEST_NAME + ".tmp")
+    payload = json.dumps(data, indent=1, sort_keys=False).encode("utf-8") + b"\n"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(payload)
+        while view:
+            n = os.write(fd, view)
+            view = view[n:]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    fsync_directory(directory)
+
+
+def trusted_segments(directory: Path, manifest: dict[str, Any] | None) -> dict[int, SegmentInfo]:
+    """Sealed segment entries of the manifest (the only ones whose statistics may be trusted)."""
+    out: dict[int, SegmentInfo] = {}
+    if not manifest:
+        return out
+    for entry in manifest.get("segments", []):
+        try:
+            info = SegmentInfo.from_json(directory, entry)
+        except (KeyError, TypeError, ValueError) as e:
+            raise LogFormatError(f"{directory / MANIFEST_NAME}: bad segment entry {entry!r}") from e
+        if info.sealed:
+            out[info.segment] = info
+    return out
+
+
+def manifest_checkpoints(manifest: dict[str, Any] | None) -> list[tuple[LogPosition, int]]:
+    if not manifest:
+        return []
+    return [(LogPosition.from_json(c["position"]), int(c["lrsn"])) for c in manifest.get("checkpoints", [])]

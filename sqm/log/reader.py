@@ -1,0 +1,166 @@
+"""Read-only access to record logs: one member's log, and the merged log of several members."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from sqm.log.format import (
+    MANIFEST_NAME,
+    SEGMENT_RE,
+    LogFormatError,
+    LogPosition,
+    SegmentInfo,
+    SegmentScan,
+    list_segments,
+    manifest_checkpoints,
+    read_header,
+    read_manifest,
+    read_record_at,
+    segment_name,
+    trusted_segments,
+)
+
+
+class LogReader:
+    """Read-only view of a log directory.
+
+    Another process may be appending: the reader never modifies anything and never takes the writer lock.
+    Each call looks at the directory afresh (segment list, manifest) and reads the last segment to its real
+    end (a torn or still-being-written final frame is the end). ``segments_opened`` counts segment files
+    opened for scanning (so callers/tests can see that ``min_lrsn`` skipped old segments).
+    """
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        if not self.directory.is_dir():
+            raise LogFormatError(f"{self.directory}: no such log directory")
+        self.segments_opened = 0
+        manifest = read_manifest(self.directory)
+        if manifest is not None:
+            self.member: str = str(manifest["member"])
+        else:
+            segs = list_segments(self.directory)
+            if not segs:
+                raise LogFormatError(f"{self.directory}: not a record log directory (no manifest, no segments)")
+            segno, path = segs[0]
+            with open(path, "rb") as f:
+                header = read_header(f, path, allow_partial=len(segs) == 1)
+            if header is None:
+                raise LogFormatError(f"{path}: segment header is incomplete; member unknown")
+            self.member = header.member
+
+    def _scan(self, segno: int, path: Path, *, is_last: bool, start_offset: int = 0) -> SegmentScan:
+        self.segments_opened += 1
+        return SegmentScan(path, segno, self.member, is_last=is_last, start_offset=start_offset)
+
+    def records(
+        self, start: LogPosition | None = None, min_lrsn: int | None = None
+    ) -> Iterator[tuple[LogPosition, dict[str, Any]]]:
+        """Records in append order from ``start`` (a frame position; default: the beginning).
+
+        ``min_lrsn``: skip whole sealed segments whose maximum LRSN (per the manifest) is below it, and drop
+        records with ``l < min_lrsn``. Records are only approximately LRSN-ordered within one log, so this
+        never stops early on LRSN."""
+        segs = list_segments(self.directory)
+        if not segs:
+            return
+        trusted = trusted_segments(self.directory, read_manifest(self.directory)) if min_lrsn is not None else {}
+        last = segs[-1][0]
+        for segno, path in segs:
+            if start is not None and segno < start.segment:
+                continue
+            if min_lrsn is not None and segno != last:
+                info = trusted.get(segno)
+                if info is not None and (info.max_lrsn is None or info.max_lrsn < min_lrsn):
+                    continue
+            off = start.offset if start is not None and segno == start.segment else 0
+            scan = self._scan(segno, path, is_last=segno == last, start_offset=off)
+            if min_lrsn is None:
+                yield from scan
+            else:
+                for pos, rec in scan:
+                    if rec["l"] >= min_lrsn:
+                        yield pos, rec
+
+    def segments(self) -> list[SegmentInfo]:
+        """Per-segment information: from the manifest for sealed segments, by scanning for the others
+        (always for the last one)."""
+        segs = list_segments(self.directory)
+        trusted = trusted_segments(self.directory, read_manifest(self.directory))
+        out: list[SegmentInfo] = []
+        last = segs[-1][0] if segs else -1
+        for segno, path in segs:
+            info = trusted.get(segno)
+            if info is None or segno == last:
+                info = self._scan(segno, path, is_last=segno == last).run().info()
+            out.append(info)
+        return out
+
+    def last_checkpoint(self) -> tuple[LogPosition, dict[str, Any]] | None:
+        """The latest checkpoint recorded in the manifest, with its record read from the log."""
+        cps = manifest_checkpoints(read_manifest(self.directory))
+        if not cps:
+            return None
+        pos = cps[-1][0]
+        path = self.directory / segment_name(pos.segment)
+        return pos, read_record_at(path, pos.segment, self.member, pos.offset)
+
+    def checkpoints(self) -> list[tuple[LogPosition, int]]:
+        """(position, lrsn) of the checkpoints remembered in the manifest, oldest first."""
+        return manifest_checkpoints(read_manifest(self.directory))
+
+    def end_position(self) -> LogPosition:
+        """Position just after the last complete frame of the last segment (what a writer would append at)."""
+        segs = list_segments(self.directory)
+        if not segs:
+            return LogPosition(0, 0)
+        segno, path = segs[-1]
+        scan = self._scan(segno, path, is_last=True).run()
+        return LogPosition(segno, scan.end_offset)
+
+    def __repr__(self) -> str:
+        return f"LogReader({str(self.directory)!r}, member={self.member!r})"
+
+
+def merged_records(
+    directories: Iterable[str | Path], min_lrsn: int | None = None, max_lrsn: int | None = None
+) -> list[dict[str, Any]]:
+    """The merged log of several SQMs.
+
+    Every record of each log with ``min_lrsn <= l <= max_lrsn`` (bounds optional), copied and annotated
+    with ``"m"``: the member name, sorted by ``(l, m, position)``. This is an in-memory sort: records are
+    only approximately in LRSN order within one log (concurrent threads append out of order), so a
+    streaming k-way merge would be wrong."""
+    keyed: list[tuple[int, str, int, int, dict[str, Any]]] = []
+    seen: dict[str, Path] = {}
+    for d in directories:
+        reader = LogReader(d)
+        m = reader.member
+        if m in seen:
+            raise LogFormatError(f"member {m!r} appears twice: {seen[m]} and {reader.directory}")
+        seen[m] = reader.directory
+        for pos, rec in reader.records(min_lrsn=min_lrsn):
+            lrsn = rec["l"]
+            if max_lrsn is not None and lrsn > max_lrsn:
+                continue
+            out = dict(rec)
+            out["m"] = m
+            keyed.append((lrsn, m, pos.segment, pos.offset, out))
+    keyed.sort(key=lambda t: t[:4])
+    return [t[4] for t in keyed]
+
+
+def find_log_dirs(root: str | Path) -> list[Path]:
+    """Subdirectories of ``root`` (one level) that hold a record log (a manifest or segment files), sorted."""
+    rootp = Path(root)
+    out: list[Path] = []
+    if not rootp.is_dir():
+        return out
+    for p in sorted(rootp.iterdir()):
+        if not p.is_dir():
+            continue
+        if (p / MANIFEST_NAME).is_file() or any(SEGMENT_RE.match(c.name) for c in p.iterdir()):
+            out.append(p)
+    return out
