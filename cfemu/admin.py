@@ -1,0 +1,212 @@
+"""The CF admin structure {ADMIN}: structure and queue definitions, group members with their leases and fencing
+epochs, recovery locks, and the backup catalog.
+
+Like the CF itself the admin structure is lost with the CF; restore rebuilds what it needs (definitions from the
+backup, members re-join with epochs that only grow, the catalog from the backup directory).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import msgpack
+import redis
+
+from cfemu import keys
+
+A = keys.ADMIN
+STRUCTURES, QUEUES, MEMBERS, EPOCHS = f"{A}:structures", f"{A}:queues", f"{A}:members", f"{A}:epochs"
+
+STRUCTURE_STATES = ("ACTIVE", "FAILED", "RECOVERING")
+
+
+class AdminError(ValueError):
+    """A definition request that cannot be carried out (already defined, unknown name, bad value)."""
+
+
+@dataclass
+class StructureDef:
+    name: str
+    max_entries: int = 0  # 0 = unlimited
+    max_bytes: int = 0
+
+
+@dataclass
+class QueueDef:
+    name: str
+    structure: str
+    backout_threshold: int = 0  # 0 = never move to the backout queue
+    backout_queue: str = ""
+    max_msg_length: int = 4 * 2**20
+
+
+def _pack(obj: Any) -> bytes:
+    return msgpack.packb(asdict(obj), use_bin_type=True)
+
+
+_HEARTBEAT = """
+-- KEYS[1] lease key, KEYS[2] epochs hash; ARGV 1 member, 2 epoch, 3 ttl ms
+-- Returns 1 renewed, 0 fenced (another epoch is current), -1 unknown member (the CF was lost: re-join)
+local cur = redis.call('HGET', KEYS[2], ARGV[1])
+if not cur then return -1 end
+if cur ~= ARGV[2] then return 0 end
+redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
+return 1
+"""
+
+
+class Admin:
+    def __init__(self, client: redis.Redis) -> None:
+        self.redis = client
+        self._heartbeat = client.register_script(_HEARTBEAT)
+
+    # --- structures -----------------------------------------------------------------------------------
+    def define_structure(self, name: str, *, max_entries: int = 0, max_bytes: int = 0,
+                         replace: bool = False) -> StructureDef:
+        keys.check_name("structure", name)
+        if name == "ADMIN":
+            raise AdminError("ADMIN is the admin structure's name; choose another")
+        if max_entries < 0 or max_bytes < 0:
+            raise AdminError("structure capacity must be >= 0 (0 = unlimited)")
+        sdef = StructureDef(name, max_entries, max_bytes)
+        if not self.redis.hsetnx(STRUCTURES, name, _pack(sdef)):
+            if not replace:
+                raise AdminError(f"structure {name} is already defined")
+            self.redis.hset(STRUCTURES, name, _pack(sdef))
+        self.create_structure(sdef)
+        return sdef
+
+    def create_structure(self, sdef: StructureDef, *, state: str = "ACTIVE", gen: int = 1) -> None:
+        """Create (or re-size) the structure's header in the CF and copy the members' epochs into it."""
+        m = keys.meta(sdef.name)
+        self.redis.hsetnx(m, "gen", gen)
+        self.redis.hsetnx(m, "clock", 0)
+        self.redis.hsetnx(m, "floor", 0)
+        self.redis.hsetnx(m, "entries", 0)
+        self.redis.hsetnx(m, "bytes", 0)
+        self.redis.hsetnx(m, "state", state)
+        self.redis.hset(m, mapping={"max_entries": sdef.max_entries, "max_bytes": sdef.max_bytes})
+        epochs = self.redis.hgetall(EPOCHS)
+        if epochs:
+            self.redis.hset(keys.script_keys(sdef.name)[1], mapping=dict(epochs))  # type: ignore[arg-type]
+
+    def structures(self) -> list[StructureDef]:
+        return [StructureDef(**msgpack.unpackb(v, raw=False)) for v in self.redis.hvals(STRUCTURES)]
+
+    def structure_def(self, name: str) -> StructureDef:
+        raw = self.redis.hget(STRUCTURES, name)
+        if raw is None:
+            raise AdminError(f"structure {name} is not defined")
+        return StructureDef(**msgpack.unpackb(raw, raw=False))
+
+    def set_state(self, name: str, state: str) -> None:
+        if state not in STRUCTURE_STATES:
+            raise AdminError(f"structure state must be one of {', '.join(STRUCTURE_STATES)}, not {state}")
+        self.structure_def(name)
+        self.redis.hset(keys.meta(name), "state", state)
+
+    def state(self, name: str) -> str:
+        """ACTIVE, FAILED or RECOVERING; a defined structure missing from the CF (CF lost) counts as FAILED."""
+        st = self.redis.hget(keys.meta(name), "state")
+        return keys.text(st) if st else "FAILED"
+
+    # --- queues ---------------------------------------------------------------------------------------
+    def define_queue(self, name: str, structure: str, *, backout_threshold: int = 0, backout_queue: str = "",
+                     max_msg_length: int = 4 * 2**20, replace: bool = False) -> QueueDef:
+        keys.check_name("queue", name)
+        self.structure_def(structure)
+        if backout_queue:
+            keys.check_name("queue", backout_queue)
+        if backout_threshold < 0 or max_msg_length <= 0:
+            raise AdminError("backout threshold must be >= 0 and max message length > 0")
+        qdef = QueueDef(name, structure, backout_threshold, backout_queue, max_msg_length)
+        old = self.redis.hget(QUEUES, name)
+        if old is not None and not replace:
+            raise AdminError(f"queue {name} is already defined")
+        if old is not None and msgpack.unpackb(old, raw=False)["structure"] != structure:
+            raise AdminError(f"queue {name} is on another structure; it cannot move")
+        self.redis.hset(QUEUES, name, _pack(qdef))
+        self.redis.sadd(keys.script_keys(structure)[6], name)
+        return qdef
+
+    def queue_def(self, name: str) -> QueueDef:
+        raw = self.redis.hget(QUEUES, name)
+        if raw is None:
+            raise AdminError(f"queue {name} is not defined")
+        return QueueDef(**msgpack.unpackb(raw, raw=False))
+
+    def queues(self) -> list[QueueDef]:
+        return sorted((QueueDef(**msgpack.unpackb(v, raw=False)) for v in self.redis.hvals(QUEUES)),
+                      key=lambda q: q.name)
+
+    # --- members, leases, fencing ---------------------------------------------------------------------
+    def join(self, member: str, info: dict[str, Any], lease_ms: int) -> int:
+        """Register a member and give it a new epoch (epochs only grow, even across the loss of the CF)."""
+        keys.check_name("member", member)
+        old = int(self.redis.hget(EPOCHS, member) or 0)
+        epoch = max(old + 1, int(info.get("min_epoch", 0)), int(time.time() * 1000))
+        self._set_epoch(member, epoch)
+        self.redis.hset(MEMBERS, member, msgpack.packb(info, use_bin_type=True))
+        self.redis.set(f"{A}:lease:{member}", epoch, px=lease_ms)
+        return epoch
+
+    def _set_epoch(self, member: str, epoch: int) -> None:
+        self.redis.hset(EPOCHS, member, epoch)
+        for s in self.structures():
+            self.redis.hset(keys.script_keys(s.name)[1], member, epoch)
+
+    def heartbeat(self, member: str, epoch: int, lease_ms: int) -> int:
+        """Renew the lease: 1 renewed, 0 fenced (the epoch is no longer current), -1 unknown (CF lost: re-join)."""
+        return int(self._heartbeat(keys=[f"{A}:lease:{member}", EPOCHS], args=[member, epoch, lease_ms]))
+
+    def leave(self, member: str) -> None:
+        """Clean shutdown: no lease, no recovery needed (the member's log shows no open work)."""
+        self.redis.delete(f"{A}:lease:{member}")
+        self.redis.hdel(MEMBERS, member)
+
+    def fence(self, member: str) -> int:
+        """Bump a member's epoch so that every CF call it makes with the old one is refused."""
+        epoch = max(int(self.redis.hget(EPOCHS, member) or 0) + 1, int(time.time() * 1000))
+        self._set_epoch(member, epoch)
+        self.redis.delete(f"{A}:lease:{member}")
+        return epoch
+
+    def epoch(self, member: str) -> int:
+        return int(self.redis.hget(EPOCHS, member) or 0)
+
+    def members(self) -> dict[str, dict[str, Any]]:
+        out = {}
+        for k, v in self.redis.hgetall(MEMBERS).items():
+            info = msgpack.unpackb(v, raw=False)
+            name = keys.text(k)
+            info["epoch"] = self.epoch(name)
+            info["lease_ms"] = self.redis.pttl(f"{A}:lease:{name}")
+            out[name] = info
+        return out
+
+    def lapsed_members(self) -> list[str]:
+        """Members registered in the group whose lease has run out (failed, or paused past the lease)."""
+        return [m for m, info in self.members().items() if info["lease_ms"] < 0]
+
+    def try_recovery_lock(self, failed: str, by: str, ttl_ms: int) -> bool:
+        return bool(self.redis.set(f"{A}:recovering:{failed}", by, nx=True, px=ttl_ms))
+
+    def release_recovery_lock(self, failed: str) -> None:
+        self.redis.delete(f"{A}:recovering:{failed}")
+
+    def forget_member(self, member: str) -> None:
+        """After peer recovery: the member stays fenced (its epoch stays) but is no longer a live member."""
+        self.redis.hdel(MEMBERS, member)
+
+    # --- backup catalog (the copy in the CF; the backup directory holds the durable one) ----------------
+    def record_backup(self, structure: str, entry: dict[str, Any]) -> None:
+        self.redis.hset(f"{A}:backups:{structure}", entry["id"], msgpack.packb(entry, use_bin_type=True))
+
+    def backups(self, structure: str) -> list[dict[str, Any]]:
+        out = [msgpack.unpackb(v, raw=False) for v in self.redis.hvals(f"{A}:backups:{structure}")]
+        return sorted(out, key=lambda b: b.get("start_lrsn", 0))
+
+    def forget_backup(self, structure: str, backup_id: str) -> None:
+        self.redis.hdel(f"{A}:backups:{structure}", backup_id)

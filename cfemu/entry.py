@@ -1,0 +1,63 @@
+"""The descriptor of one CF entry (a message), as the CF scripts store it (a msgpack map)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+PropertyValue = str | int | float | bool
+
+
+@dataclass
+class Entry:
+    id: str
+    queue: str
+    priority: int = 0
+    persistent: bool = True
+    msgid: str = ""  # hex
+    correlid: str = ""  # hex
+    expiry: int = 0  # absolute, ms since the epoch; 0 = never
+    put_time: int = 0  # ms since the epoch
+    backout_count: int = 0
+    properties: dict[str, PropertyValue] = field(default_factory=dict)
+    state: str = ""  # UP, CP, UG, EX
+    lrsn: int = 0  # LRSN of the entry's last transition (the redo rule compares against it)
+    uow: str = ""  # the UOW holding it (UP or UG)
+    order: tuple[int, int] = (0, 0)  # (commit lrsn, put lrsn): FIFO order within a priority
+    length: int = 0
+
+    def wire(self) -> dict[str, Any]:
+        return {"id": self.id, "q": self.queue, "p": self.priority, "per": 1 if self.persistent else 0,
+                "mid": self.msgid, "cid": self.correlid, "exp": self.expiry, "pt": self.put_time,
+                "bc": self.backout_count, "pr": self.properties, "st": self.state, "l": self.lrsn,
+                "u": self.uow, "o1": self.order[0], "o2": self.order[1], "len": self.length}
+
+    def pack(self) -> bytes:
+        return msgpack.packb(self.wire(), use_bin_type=False)
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> Entry:
+        props = d.get("pr") or {}
+        return cls(id=d["id"], queue=d["q"], priority=int(d.get("p", 0)), persistent=bool(d.get("per", 1)),
+                   msgid=d.get("mid", ""), correlid=d.get("cid", ""), expiry=int(d.get("exp", 0)),
+                   put_time=int(d.get("pt", 0)), backout_count=int(d.get("bc", 0)),
+                   properties=dict(props) if isinstance(props, dict) else {}, state=d.get("st", ""),
+                   lrsn=int(d.get("l", 0)), uow=d.get("u", ""),
+                   order=(int(d.get("o1", 0)), int(d.get("o2", 0))), length=int(d.get("len", 0)))
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> Entry:
+        return cls.from_wire(msgpack.unpackb(raw, raw=False, unicode_errors="surrogateescape"))
+
+    def expired(self, now_ms: int) -> bool:
+        return 0 < self.expiry <= now_ms
+
+
+def check_properties(props: dict[str, Any]) -> dict[str, PropertyValue]:
+    """User properties: str names, str/int/float/bool values (the CF's Lua msgpack keeps only those intact)."""
+    for k, v in props.items():
+        if not isinstance(k, str) or not isinstance(v, str | int | float | bool):
+            raise ValueError(f"message property {k!r}: value {v!r} must be str, int, float or bool")
+    return dict(props)

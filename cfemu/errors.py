@@ -1,0 +1,103 @@
+"""Errors of the CF and the queue managers, each with the IBM MQ reason code an MQ programmer would expect."""
+
+from __future__ import annotations
+
+
+class MQError(Exception):
+    """Base error: carries an MQ-like reason code and name (MQRC_*)."""
+
+    reason: int = 2195  # MQRC_UNEXPECTED_ERROR
+    reason_name: str = "MQRC_UNEXPECTED_ERROR"
+
+    def __str__(self) -> str:
+        return f"{self.reason_name} ({self.reason}): {super().__str__()}"
+
+
+class NoMessageError(MQError):
+    reason, reason_name = 2033, "MQRC_NO_MSG_AVAILABLE"
+
+
+class UnknownObjectError(MQError):
+    reason, reason_name = 2085, "MQRC_UNKNOWN_OBJECT_NAME"
+
+
+class StructureFullError(MQError):
+    reason, reason_name = 2192, "MQRC_STORAGE_MEDIUM_FULL"
+
+
+class StructureFailedError(MQError):
+    reason, reason_name = 2373, "MQRC_CF_STRUC_FAILED"
+
+
+class FencedError(MQError):
+    """This queue manager's epoch is stale (peer recovery took over its work): it must restart."""
+
+    reason, reason_name = 2009, "MQRC_CONNECTION_BROKEN"
+
+
+class BackedOutError(MQError):
+    reason, reason_name = 2003, "MQRC_BACKED_OUT"
+
+
+class OutcomeUnknownError(MQError):
+    """The commit's outcome is not known (the connection died during commit)."""
+
+    reason, reason_name = 2009, "MQRC_CONNECTION_BROKEN"
+
+
+class InDoubtError(MQError):
+    reason, reason_name = 2352, "MQRC_UOW_IN_DOUBT"  # nearest MQ code: the unit of work is in doubt
+
+
+class BadRequestError(MQError):
+    reason, reason_name = 2046, "MQRC_OPTIONS_ERROR"
+
+
+class MessageTooBigError(MQError):
+    reason, reason_name = 2030, "MQRC_MSG_TOO_BIG_FOR_Q"
+
+
+class BackupRunningError(MQError):
+    reason, reason_name = 2362, "MQRC_CF_STRUC_IN_USE"  # nearest code: BACKUP CFSTRUCT already running
+
+
+class FloorError(MQError):
+    """Internal: a log-first record lies below the structure's recovery floor; log a fresh record and retry."""
+
+    def __init__(self, floor: int) -> None:
+        super().__init__(f"record below recovery floor {floor}")
+        self.floor = floor
+
+
+class BackupActiveError(MQError):
+    """Internal: a backup is running, so the BACKOUT record must carry the data of the gets it backs out."""
+
+
+class CompletedByRecoveryError(MQError):
+    """Internal: recovery already committed this unit of work."""
+
+
+def from_script_error(message: str, structure: str) -> MQError:
+    """Map a CF script's error reply ('CODE detail') to the matching exception."""
+    code, _, detail = message.partition(" ")
+    where = f"structure {structure}: {detail}"
+    if code == "FLOOR":
+        return FloorError(int(detail))
+    mapping: dict[str, type[MQError]] = {
+        "NOSTRUCT": StructureFailedError,
+        "CFSTATE": StructureFailedError,
+        "FENCED": FencedError,
+        "FULL": StructureFullError,
+        "NOQUEUE": UnknownObjectError,
+        "BACKEDOUT": BackedOutError,
+        "COMPLETED": CompletedByRecoveryError,
+        "BACKUPACTIVE": BackupActiveError,
+        "BACKUPRUNNING": BackupRunningError,
+        "BADUOW": BadRequestError,
+        "BADARG": BadRequestError,
+        "NOBACKUP": BadRequestError,
+    }
+    cls = mapping.get(code, MQError)
+    if cls is UnknownObjectError:
+        return cls(f"queue {detail} is not defined on structure {structure}")
+    return cls(where if cls is not MQError else f"structure {structure}: {message}")

@@ -1,0 +1,118 @@
+-- _prelude: shared helpers, prepended to every CF script when it is loaded (Redis Lua has no include).
+-- Every script gets the same KEYS, all inside one structure's hash tag {S} (one cluster slot):
+--   KEYS[1] {S}:meta    hash  state, gen, clock, floor, backup, entries, bytes, max_entries, max_bytes
+--   KEYS[2] {S}:fence   hash  member -> epoch (fencing of stale queue managers)
+--   KEYS[3] {S}:ent     hash  entry id -> msgpack descriptor
+--   KEYS[4] {S}:data    hash  entry id -> message data
+--   KEYS[5] {S}:uows    hash  uow id -> msgpack {o = owner member, f = first lrsn, g = gen}
+--   KEYS[6] {S}:tomb    hash  uow id -> 'C' | 'B' (an outcome decided by peer recovery or restore)
+--   KEYS[7] {S}:queues  set   queue names defined on the structure
+--   KEYS[8] {S}:expiry  zset  entry id scored by expiry time (ms)
+-- Per-queue lists are derived from the tag (same slot): {S}:q:<queue>:up|ug|ex|cp:<0-9>,
+-- per-UOW sets {S}:uow:<uow>, and correlation/message id indexes {S}:ix:<queue>:c|m:<hex>.
+local META, FENCE, ENT, DATA, UOWS, TOMB, QUEUES, EXPIRY =
+  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8]
+local PREFIX = string.sub(META, 1, #META - 4)
+
+local function qkey(queue, suffix) return PREFIX .. 'q:' .. queue .. ':' .. suffix end
+local function uowkey(uow) return PREFIX .. 'uow:' .. uow end
+local function ixkey(queue, kind, value) return PREFIX .. 'ix:' .. queue .. ':' .. kind .. ':' .. value end
+
+-- The structure's Lamport clock: cf = max(cf, caller) + 1; the caller adopts the result.
+local function tick(caller)
+  local cf = tonumber(redis.call('HGET', META, 'clock') or '0')
+  local c = tonumber(caller) or 0
+  if c > cf then cf = c end
+  cf = cf + 1
+  redis.call('HSET', META, 'clock', cf)
+  return cf
+end
+
+-- Refuse work unless the structure is ACTIVE and the caller's epoch is current.
+local function check_ready(member, epoch)
+  local st = redis.call('HGET', META, 'state')
+  if not st then return redis.error_reply('NOSTRUCT structure is not in the CF (never defined, or the CF was lost)') end
+  if st ~= 'ACTIVE' then return redis.error_reply('CFSTATE structure is ' .. st) end
+  local cur = redis.call('HGET', FENCE, member)
+  if not cur then return redis.error_reply('FENCED member ' .. member .. ' is not connected to this structure') end
+  if cur ~= epoch then
+    return redis.error_reply('FENCED member ' .. member .. ' epoch ' .. epoch .. ' is stale (current ' .. cur .. ')')
+  end
+  return nil
+end
+
+-- Log-first records must not sit below the structure's recovery floor (design notes, section 4).
+local function floor_check(lrsn)
+  local floor = tonumber(redis.call('HGET', META, 'floor') or '0')
+  if lrsn < floor then return redis.error_reply('FLOOR ' .. string.format('%d', floor)) end
+  return nil
+end
+
+local function capacity_check(entries, bytes)
+  local m = redis.call('HMGET', META, 'entries', 'bytes', 'max_entries', 'max_bytes')
+  local n, b = tonumber(m[1] or '0'), tonumber(m[2] or '0')
+  local maxn, maxb = tonumber(m[3] or '0'), tonumber(m[4] or '0')
+  if maxn > 0 and n + entries > maxn then
+    return redis.error_reply('FULL structure holds ' .. n .. ' of ' .. maxn .. ' entries')
+  end
+  if maxb > 0 and b + bytes > maxb then
+    return redis.error_reply('FULL structure holds ' .. b .. ' of ' .. maxb .. ' bytes')
+  end
+  return nil
+end
+
+local function account(entries, bytes)
+  redis.call('HINCRBY', META, 'entries', entries)
+  redis.call('HINCRBY', META, 'bytes', bytes)
+end
+
+local function load(id)
+  local raw = redis.call('HGET', ENT, id)
+  if not raw then return nil end
+  return cmsgpack.unpack(raw)
+end
+
+local function store(d) redis.call('HSET', ENT, d.id, cmsgpack.pack(d)) end
+
+-- Remove an entry completely (committed get, backed-out put, purge of an expired message).
+local function delete_entry(d)
+  redis.call('HDEL', ENT, d.id)
+  redis.call('HDEL', DATA, d.id)
+  redis.call('ZREM', EXPIRY, d.id)
+  if d.cid and d.cid ~= '' then redis.call('SREM', ixkey(d.q, 'c', d.cid), d.id) end
+  if d.mid and d.mid ~= '' then redis.call('SREM', ixkey(d.q, 'm', d.mid), d.id) end
+  account(-1, -(d.len or 0))
+end
+
+-- A UOW's standing on this structure: nil when it may go on, else an error reply.
+-- gen: 0 on the UOW's first touch of the structure, else the structure generation the UOW started in.
+local function uow_standing(uow, gen)
+  local t = redis.call('HGET', TOMB, uow)
+  if t == 'B' then return redis.error_reply('BACKEDOUT unit of work ' .. uow .. ' was backed out by recovery') end
+  if t == 'C' then return redis.error_reply('COMPLETED unit of work ' .. uow .. ' was committed by recovery') end
+  if redis.call('HEXISTS', UOWS, uow) == 0 and tonumber(gen) ~= 0
+      and tonumber(gen) ~= tonumber(redis.call('HGET', META, 'gen') or '0') then
+    return redis.error_reply('BACKEDOUT unit of work ' .. uow .. ' was lost with the CF and backed out by restore')
+  end
+  return nil
+end
+
+local function join_uow(uow, member, lrsn)
+  local raw = redis.call('HGET', UOWS, uow)
+  if raw then
+    local u = cmsgpack.unpack(raw)
+    if u.o ~= member then return redis.error_reply('BADUOW unit of work ' .. uow .. ' belongs to ' .. u.o) end
+    return nil
+  end
+  redis.call('HSET', UOWS, uow, cmsgpack.pack({o = member, f = lrsn, g = tonumber(redis.call('HGET', META, 'gen') or '0')}))
+  return nil
+end
+
+local function cur_gen() return tonumber(redis.call('HGET', META, 'gen') or '0') end
+
+-- Add a committed entry to its priority list, at the tail (FIFO) or head (a backed-out get returns first).
+local function make_available(d, at_head)
+  d.st = 'CP'; d.u = ''
+  local k = qkey(d.q, 'cp:' .. d.p)
+  if at_head then redis.call('LPUSH', k, d.id) else redis.call('RPUSH', k, d.id) end
+end

@@ -1,0 +1,15 @@
+-- snapshot: the ids of every entry in one state, across all queues of the structure, taken atomically
+-- (a true snapshot: removals by other queue managers cannot shift it, unlike paging a list by index).
+-- ARGV: 1 state ('UG' | 'UP' | 'CP' | 'EX')
+-- Returns a flat list of entry ids (committed puts in get order per queue).
+local lists = {UG = {'ug'}, UP = {'up'}, EX = {'ex'},
+  CP = {'cp:9', 'cp:8', 'cp:7', 'cp:6', 'cp:5', 'cp:4', 'cp:3', 'cp:2', 'cp:1', 'cp:0'}}
+local which = lists[ARGV[1]]
+if not which then return redis.error_reply('BADARG unknown state ' .. ARGV[1]) end
+local out = {}
+for _, queue in ipairs(redis.call('SMEMBERS', QUEUES)) do
+  for _, suffix in ipairs(which) do
+    for _, id in ipairs(redis.call('LRANGE', qkey(queue, suffix), 0, -1)) do out[#out + 1] = id end
+  end
+end
+return out

@@ -1,0 +1,620 @@
+"""A shared queue manager (SQM): one member of the queue-sharing group, with its own durable record log.
+
+Puts and gets inside a UOW run on the CF first and are then logged (not forced) with the LRSN the CF script
+returned. Commit and backout are logged and forced first (the log decides the outcome), then applied on the CF.
+Persistent puts outside syncpoint are log-first too. Non-persistent work is never logged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from cfemu.admin import Admin, AdminError, QueueDef
+from cfemu.cf import CF, Caller, Structure
+from cfemu.connection import connect
+from cfemu.entry import Entry, check_properties
+from cfemu.errors import (
+    BackedOutError,
+    BackupActiveError,
+    BadRequestError,
+    CompletedByRecoveryError,
+    FencedError,
+    FloorError,
+    InDoubtError,
+    MessageTooBigError,
+    MQError,
+    NoMessageError,
+    StructureFailedError,
+    UnknownObjectError,
+)
+from sqm.clock import LrsnClock
+from sqm.log import RecordLog
+from sqm.records import INBACKOUT, INCOMMIT, INDOUBT, INFLIGHT, Record
+from sqm.uow import UnitOfWork
+
+log = logging.getLogger("sqm")
+
+CF_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+
+
+@dataclass
+class Message:
+    body: bytes
+    queue: str = ""
+    msgid: bytes = b""
+    correlid: bytes = b""
+    priority: int = 0
+    persistent: bool = True
+    expiry: int = 0  # absolute ms since the epoch, 0 = never
+    put_time: int = 0
+    backout_count: int = 0
+    properties: dict[str, Any] = field(default_factory=dict)
+    entry_id: str = ""
+
+    @classmethod
+    def from_entry(cls, entry: Entry, data: bytes) -> Message:
+        return cls(body=data, queue=entry.queue, msgid=bytes.fromhex(entry.msgid),
+                   correlid=bytes.fromhex(entry.correlid), priority=entry.priority, persistent=entry.persistent,
+                   expiry=entry.expiry, put_time=entry.put_time, backout_count=entry.backout_count,
+                   properties=entry.properties, entry_id=entry.id)
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+@dataclass
+class QueueManagerConfig:
+    name: str
+    log_root: Path  # this member's log is log_root/name; peers' logs are beside it
+    redis_url: str | None = None
+    lease_ms: int = 5000
+    loglode: int = 10000  # take a checkpoint every this many log records (MQ's LOGLOAD)
+    expiry_interval_ms: int = 1000
+    clock_skew_us: int = 0
+    segment_bytes: int = 64 * 2**20
+    background: bool = True  # heartbeat, peer recovery, expiry and pending-work threads
+
+
+class QueueManager:
+    """One SQM. Start it, connect() handles to it, stop() it. See sqm.recovery for restart and peer recovery."""
+
+    def __init__(self, config: QueueManagerConfig, client: redis.Redis | None = None) -> None:
+        self.config = config
+        self.name = config.name
+        self.redis = client if client is not None else connect(config.redis_url)
+        self.cf = CF(self.redis)
+        self.admin = Admin(self.redis)
+        self.clock = LrsnClock(config.clock_skew_us)
+        self.caller = Caller(self.name, 0, self.clock)
+        self.log: RecordLog | None = None
+        self.uows: dict[str, UnitOfWork] = {}
+        self.uow_lock = threading.RLock()
+        self.pending: dict[str, Callable[[], None]] = {}  # durable work the CF has not seen yet, retried
+        self.fenced = False
+        self.running = False
+        self.activity = 0
+        self.counters = {"commits": 0, "backouts": 0, "puts": 0, "gets": 0, "peer_recoveries": 0,
+                         "backout_records_with_data": 0, "floor_retries": 0}
+        self._queue_cache: dict[str, QueueDef] = {}
+        self._seq = 0
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.last_restart: Any = None
+
+    # --- life cycle -------------------------------------------------------------------------------------
+    @property
+    def log_dir(self) -> Path:
+        return Path(self.config.log_root) / self.name
+
+    def start(self, progress: Callable[[str, dict[str, int]], None] | None = None) -> Any:
+        """Open the log, join the group (a new epoch fences any older incarnation), run restart recovery."""
+        from sqm.recovery import restart
+
+        self.log = RecordLog(self.log_dir, self.name, segment_bytes=self.config.segment_bytes)
+        self.caller.epoch = self.admin.join(self.name, {"pid": os.getpid(), "log": str(self.log_dir)},
+                                            self.config.lease_ms)
+        self.running = True
+        self.last_restart = restart(self, progress)
+        if self.config.background:
+            for target in (self._heartbeat_loop, self._housekeeping_loop):
+                t = threading.Thread(target=target, name=f"{self.name}-{target.__name__}", daemon=True)
+                t.start()
+                self._threads.append(t)
+        return self.last_restart
+
+    def stop(self, *, checkpoint: bool = True) -> None:
+        """Graceful shutdown: stop background work, take a checkpoint, leave the group, close the log."""
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=5)
+        self._threads.clear()
+        if self.log is not None:
+            if checkpoint and not self.fenced:
+                self.checkpoint("shutdown")
+                with contextlib.suppress(*CF_DOWN):
+                    self.admin.leave(self.name)
+            self.log.close()
+            self.log = None
+        self.running = False
+
+    def __enter__(self) -> QueueManager:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def connect(self) -> Connection:
+        self._check_usable()
+        return Connection(self)
+
+    # --- helpers shared by connections and recovery -------------------------------------------------------
+    def _check_usable(self) -> None:
+        if self.fenced:
+            raise FencedError(f"queue manager {self.name} was fenced by peer recovery; restart it")
+        if not self.running or self.log is None:
+            raise BadRequestError(f"queue manager {self.name} is not running")
+
+    def queue_def(self, queue: str) -> QueueDef:
+        q = self._queue_cache.get(queue)
+        if q is None:
+            try:
+                q = self.admin.queue_def(queue)
+            except AdminError:
+                raise UnknownObjectError(f"queue {queue} is not defined") from None
+            except CF_DOWN as e:
+                raise StructureFailedError(f"the CF is unavailable: {e}") from None
+            self._queue_cache[queue] = q
+        return q
+
+    def structure(self, name: str) -> Structure:
+        return self.cf.structure(name)
+
+    def new_uow(self, internal: bool = False) -> UnitOfWork:
+        with self.uow_lock:
+            self._seq += 1
+            uow = UnitOfWork(f"{self.name}.{self.caller.epoch:x}.{self._seq}", self.name)
+            self.uows[uow.id] = uow
+            return uow
+
+    def append(self, record: Record, *, force: bool = False) -> None:
+        assert self.log is not None
+        if force:
+            self.log.append_forced(record)
+        else:
+            self.log.append(record)
+        self.activity += 1
+        if self.activity >= self.config.loglode:
+            self.checkpoint("loglode")
+
+    def checkpoint(self, why: str) -> None:
+        """A checkpoint record carries the active UOW table, so restart reads the log from here on."""
+        if self.log is None:
+            return
+        with self.uow_lock:
+            uows = {u.id: u.snapshot() for u in self.uows.values() if u.persistent}
+            n, self.activity = self.activity, 0
+            self.log.checkpoint({"k": "CHECKPOINT", "l": self.clock.now(), "uows": uows, "n": n, "why": why})
+
+    def forget(self, uow: UnitOfWork) -> None:
+        with self.uow_lock:
+            self.uows.pop(uow.id, None)
+
+    def _cf_call(self, fn: Callable[[], Any]) -> Any:
+        """Run a CF call; a fencing refusal marks this queue manager fenced; a dead CF is a failed structure."""
+        try:
+            return fn()
+        except FencedError:
+            self.fenced = True
+            raise
+        except CF_DOWN as e:
+            raise StructureFailedError(f"the CF is unavailable: {e}") from None
+
+    # --- completing a UOW (commit or backout) on the CF ----------------------------------------------------
+    def complete(self, uow: UnitOfWork, commit: bool, *, reason: str = "application",
+                 for_member: str | None = None) -> None:
+        """Decide and apply a UOW's outcome: log it (forced) when it has persistent work, then apply it on every
+        structure it touched. for_member: peer recovery deciding another member's UOW (a RECOVERY record)."""
+        self._check_usable()
+        if for_member is None and uow.persistent:
+            rec: Record = {"k": "COMMIT" if commit else "BACKOUT", "l": self.clock.now(), "u": uow.id,
+                           "ss": dict(uow.structures)}
+            if not commit:
+                rec["r"] = reason
+                dd = self._gets_data(uow) if self._backup_running(uow) else []
+                if dd:
+                    rec["dd"] = dd
+                    self.counters["backout_records_with_data"] += 1
+            self.append(rec, force=True)
+            uow.decided_lrsn = rec["l"]
+        elif for_member is not None:
+            self._log_recovery(uow, commit, for_member, with_data=self._backup_running(uow))
+        uow.state = INCOMMIT if commit else INBACKOUT
+        try:
+            self.apply(uow, commit, for_member=for_member)
+        except (StructureFailedError, *CF_DOWN) as e:
+            if uow.persistent or for_member:
+                # The log decided the outcome; the CF is not there: finish when it (or its restore) is back.
+                log.warning("%s: %s of uow %s waits for the CF: %s", self.name,
+                            "commit" if commit else "backout", uow.id, e)
+                self.pending[uow.id] = lambda: self.apply(uow, commit, for_member=for_member)
+                return
+            raise
+        finally:
+            self.counters["commits" if commit else "backouts"] += 1
+
+    def apply(self, uow: UnitOfWork, commit: bool, *, for_member: str | None = None) -> None:
+        """Apply a decided outcome on every structure of the UOW (idempotent), then log END."""
+        for sname in list(uow.structures):
+            self._apply_one(uow, sname, commit, for_member)
+        if uow.persistent and self.log is not None and for_member is None:
+            self.append({"k": "END", "l": self.clock.now(), "u": uow.id})
+        self.pending.pop(uow.id, None)
+        self.forget(uow)
+
+    def _apply_one(self, uow: UnitOfWork, sname: str, commit: bool, for_member: str | None) -> None:
+        s = self.structure(sname)
+        gen = uow.structures[sname]
+        lrsn = uow.decided_lrsn if (uow.persistent or for_member) else 0
+        has_data = False
+        by_recovery = for_member is not None
+        while True:
+            try:
+                if commit:
+                    self._cf_call(partial(s.commit, self.caller, uow.id, gen=gen, lrsn=lrsn,
+                                          decided_by_recovery=by_recovery))
+                else:
+                    self._cf_call(partial(s.backout, self.caller, uow.id, gen=gen, lrsn=lrsn, has_data=has_data,
+                                          decided_by_recovery=by_recovery))
+                return
+            except FloorError as e:
+                # Our record sits below the recovery floor of a backup that started meanwhile: log afresh.
+                self.counters["floor_retries"] += 1
+                self.clock.observe(e.floor)
+                lrsn = self._relog(uow, commit, for_member)
+            except BackupActiveError:
+                lrsn = self._relog(uow, commit, for_member, with_data=True)
+                has_data = True
+            except CompletedByRecoveryError:
+                if commit:
+                    return
+                raise
+            except BackedOutError:
+                if not commit:
+                    return
+                # Recovery (a peer, or restore after CF loss) backed this UOW out; the log must say so too.
+                if uow.persistent and for_member is None:
+                    self.append({"k": "BACKOUT", "l": self.clock.now(), "u": uow.id, "ss": dict(uow.structures),
+                                 "r": "backed out by recovery"}, force=True)
+                    self.append({"k": "END", "l": self.clock.now(), "u": uow.id})
+                self.forget(uow)
+                raise
+
+    def _relog(self, uow: UnitOfWork, commit: bool, for_member: str | None, with_data: bool = False) -> int:
+        if for_member is not None:
+            return self._log_recovery(uow, commit, for_member, with_data=with_data)
+        rec: Record = {"k": "COMMIT" if commit else "BACKOUT", "l": self.clock.now(), "u": uow.id,
+                       "ss": dict(uow.structures)}
+        if with_data:
+            rec["dd"] = self._gets_data(uow)
+            self.counters["backout_records_with_data"] += 1
+        self.append(rec, force=True)
+        uow.decided_lrsn = rec["l"]
+        return int(rec["l"])
+
+    def _log_recovery(self, uow: UnitOfWork, commit: bool, member: str, *, with_data: bool) -> int:
+        rec: Record = {"k": "RECOVERY", "l": self.clock.now(), "u": uow.id, "o": "C" if commit else "B",
+                       "m": member, "by": self.name, "ss": dict(uow.structures)}
+        if with_data and not commit:
+            rec["dd"] = self._gets_data(uow)
+            self.counters["backout_records_with_data"] += 1
+        self.append(rec, force=True)
+        uow.decided_lrsn = rec["l"]
+        return int(rec["l"])
+
+    def _backup_running(self, uow: UnitOfWork) -> bool:
+        try:
+            return any(self.redis.hexists(f"{{{s}}}:meta", "backup") for s in uow.structures)
+        except CF_DOWN:
+            return False
+
+    def _gets_data(self, uow: UnitOfWork) -> list[list[Any]]:
+        """[structure, descriptor, data] of each persistent get the UOW holds (the patent's exception)."""
+        out: list[list[Any]] = []
+        for sname in uow.structures:
+            for entry, data in self._cf_call(partial(self.structure(sname).uow_entries, uow.id)):
+                if entry.state == "UG" and entry.persistent and entry.uow == uow.id:
+                    out.append([sname, entry.wire(), data])
+        return out
+
+    def indoubt(self) -> list[UnitOfWork]:
+        with self.uow_lock:
+            return [u for u in self.uows.values() if u.state == INDOUBT]
+
+    def resolve(self, uow_id: str, commit: bool) -> None:
+        """Resolve an in-doubt UOW (the external coordinator's decision), also after a restart."""
+        with self.uow_lock:
+            uow = self.uows.get(uow_id)
+        if uow is None or uow.state != INDOUBT:
+            raise BadRequestError(f"unit of work {uow_id} is not in doubt on {self.name}")
+        self.complete(uow, commit, reason="resolved by coordinator")
+
+    # --- background work --------------------------------------------------------------------------------
+    def _heartbeat_loop(self) -> None:
+        period = self.config.lease_ms / 3000
+        while not self._stop.wait(period):
+            try:
+                rc = self.admin.heartbeat(self.name, self.caller.epoch, self.config.lease_ms)
+            except CF_DOWN:
+                continue
+            if rc == 0:
+                log.error("%s: fenced (epoch %d is stale): peer recovery took over; restart required",
+                          self.name, self.caller.epoch)
+                self.fenced = True
+                return
+            if rc < 0:  # the CF was lost and rebuilt: join the group again, with a higher epoch
+                self.caller.epoch = self.admin.join(self.name, {"pid": os.getpid(), "log": str(self.log_dir),
+                                                                "min_epoch": self.caller.epoch + 1},
+                                                    self.config.lease_ms)
+                self._queue_cache.clear()
+
+    def _housekeeping_loop(self) -> None:
+        from sqm.recovery import recover_peers
+
+        next_expiry = 0.0
+        while not self._stop.wait(0.2):
+            if self.fenced:
+                return
+            try:
+                self.retry_pending()
+                recover_peers(self)
+                if time.monotonic() >= next_expiry:
+                    next_expiry = time.monotonic() + self.config.expiry_interval_ms / 1000
+                    self.expire_messages()
+            except (MQError, *CF_DOWN) as e:
+                log.debug("%s housekeeping: %s", self.name, e)
+            except Exception:  # keep the queue manager alive; the failure is in its log
+                log.exception("%s housekeeping failed", self.name)
+
+    def retry_pending(self) -> int:
+        done = 0
+        for uid, fn in list(self.pending.items()):
+            try:
+                fn()
+                self.pending.pop(uid, None)
+                done += 1
+            except BackedOutError:
+                self.pending.pop(uid, None)
+            except (StructureFailedError, *CF_DOWN):
+                break
+        return done
+
+    def expire_messages(self) -> int:
+        """The expiry task: expired messages leave the structures (logged when persistent)."""
+        n = 0
+        for sdef in self.admin.structures():
+            s = self.structure(sdef.name)
+            if self.admin.state(sdef.name) != "ACTIVE":
+                continue
+            ids, purged = s.expire(now_ms())
+            if ids:
+                self.append({"k": "EXPIRE", "l": self.clock.now(), "s": sdef.name, "ids": ids})
+            n += len(ids) + purged
+        return n
+
+    def status(self) -> dict[str, Any]:
+        with self.uow_lock:
+            states: dict[str, int] = {}
+            for u in self.uows.values():
+                states[u.state] = states.get(u.state, 0) + 1
+        stats = self.log.stats if self.log else None
+        return {"name": self.name, "epoch": self.caller.epoch, "fenced": self.fenced, "running": self.running,
+                "uows": states, "pending": len(self.pending), "lrsn": self.clock.last, **self.counters,
+                "log_records": getattr(stats, "records", 0), "log_bytes": getattr(stats, "bytes", 0),
+                "fsyncs": getattr(stats, "fsyncs", 0)}
+
+
+class Connection:
+    """A connection handle (like MQCONN): holds at most one current UOW."""
+
+    def __init__(self, qm: QueueManager) -> None:
+        self.qm = qm
+        self.uow: UnitOfWork | None = None
+
+    def _current_uow(self) -> UnitOfWork:
+        if self.uow is None:
+            self.uow = self.qm.new_uow()
+        return self.uow
+
+    # --- put ----------------------------------------------------------------------------------------------
+    def put(self, queue: str, body: bytes, *, persistent: bool = True, syncpoint: bool = True, priority: int = 0,
+            msgid: bytes | None = None, correlid: bytes = b"", expiry_ms: int = 0,
+            properties: dict[str, Any] | None = None) -> Message:
+        qm = self.qm
+        qm._check_usable()
+        qdef = qm.queue_def(queue)
+        if not isinstance(body, bytes | bytearray):
+            raise BadRequestError(f"message body must be bytes, not {type(body).__name__}")
+        if len(body) > qdef.max_msg_length:
+            raise MessageTooBigError(f"message of {len(body)} bytes exceeds {queue}'s limit of "
+                                     f"{qdef.max_msg_length}")
+        if not 0 <= priority <= 9:
+            raise BadRequestError(f"priority must be 0-9, not {priority}")
+        if expiry_ms < 0:
+            raise BadRequestError(f"expiry must be >= 0 ms, not {expiry_ms}")
+        try:
+            props = check_properties(properties or {})
+        except ValueError as e:
+            raise BadRequestError(str(e)) from None
+        t = now_ms()
+        entry = Entry(id=os.urandom(12).hex(), queue=queue, priority=priority, persistent=persistent,
+                      msgid=(msgid if msgid is not None else os.urandom(24)).hex(), correlid=correlid.hex(),
+                      expiry=t + expiry_ms if expiry_ms else 0, put_time=t, properties=props)
+        self._put_entry(qdef.structure, entry, bytes(body), self._current_uow() if syncpoint else None)
+        qm.counters["puts"] += 1
+        return Message.from_entry(entry, bytes(body))
+
+    def _put_entry(self, sname: str, entry: Entry, body: bytes, uow: UnitOfWork | None) -> None:
+        qm = self.qm
+        s = qm.structure(sname)
+        if uow is not None:
+            if uow.state != INFLIGHT:
+                raise BadRequestError(f"unit of work {uow.id} is {uow.state}; commit or back it out first")
+            cf, gen, _ = qm._cf_call(partial(s.put, qm.caller, entry, body, uow=uow.id,
+                                             gen=uow.structures.get(sname, 0)))
+            uow.structures[sname] = gen
+            uow.operations += 1
+            if entry.persistent:
+                uow.persistent = True
+                qm.append({"k": "PUT", "l": cf, "u": uow.id, "s": sname, "g": gen, "e": entry.wire(), "d": body})
+            return
+        if not entry.persistent:
+            qm._cf_call(lambda: s.put(qm.caller, entry, body))
+            return
+        # Persistent put outside syncpoint: log-first, it is committed once the record is on disk.
+        while True:
+            lrsn = qm.clock.now()
+            qm.append({"k": "PUT", "l": lrsn, "u": "", "s": sname, "g": 0, "e": entry.wire(), "d": body, "c": 1},
+                      force=True)
+            try:
+                qm._cf_call(partial(s.put, qm.caller, entry, body, log_lrsn=lrsn))
+                return
+            except FloorError as e:
+                qm.counters["floor_retries"] += 1
+                qm.clock.observe(e.floor)
+            except StructureFailedError:
+                # Durable in the log: restore (or the retry when the CF returns) puts it in the structure.
+                qm.pending[f"put:{entry.id}"] = lambda: self._put_entry(sname, entry, body, None)
+                return
+
+    # --- get ----------------------------------------------------------------------------------------------
+    def get(self, queue: str, *, syncpoint: bool = True, wait_ms: int = 0, msgid: bytes | None = None,
+            correlid: bytes | None = None) -> Message:
+        qm = self.qm
+        qm._check_usable()
+        qdef = qm.queue_def(queue)
+        if msgid is not None and correlid is not None:
+            raise BadRequestError("get by message id or by correlation id, not both")
+        match, value = ("m", msgid.hex()) if msgid is not None else ("c", correlid.hex()) if correlid else ("", "")
+        own = None if syncpoint else qm.new_uow(internal=True)
+        uow = own or self._current_uow()
+        if uow.state != INFLIGHT:
+            raise BadRequestError(f"unit of work {uow.id} is {uow.state}; commit or back it out first")
+        s = qm.structure(qdef.structure)
+        deadline = time.monotonic() + wait_ms / 1000
+        delay = 0.002
+        try:
+            while True:
+                _, gen, entry, data = qm._cf_call(lambda: s.get(
+                    qm.caller, queue, uow=uow.id, gen=uow.structures.get(qdef.structure, 0), match=match,
+                    value=value, now_ms=now_ms()))
+                uow.structures[qdef.structure] = gen
+                if entry is not None:
+                    assert data is not None
+                    uow.operations += 1
+                    if entry.persistent:
+                        uow.persistent = True
+                        qm.append({"k": "GET", "l": entry.lrsn, "u": uow.id, "s": qdef.structure, "g": gen,
+                                   "i": entry.id, "q": queue})
+                    if self._is_poison(qdef, entry):
+                        self._move_to_backout_queue(qdef, entry, data, uow)
+                        continue
+                    break
+                if time.monotonic() >= deadline:
+                    raise NoMessageError(f"no message available on {queue}")
+                time.sleep(delay)
+                delay = min(delay * 2, 0.05)
+        except BaseException:
+            if own is not None:
+                qm.complete(own, False)
+            raise
+        if own is not None:
+            qm.complete(own, True)
+        qm.counters["gets"] += 1
+        return Message.from_entry(entry, data)
+
+    def _is_poison(self, qdef: QueueDef, entry: Entry) -> bool:
+        return bool(qdef.backout_threshold and qdef.backout_queue
+                    and entry.backout_count >= qdef.backout_threshold)
+
+    def _move_to_backout_queue(self, qdef: QueueDef, entry: Entry, data: bytes, uow: UnitOfWork) -> None:
+        """A poison message moves to the backout queue inside the same UOW (a get plus a put, all or nothing)."""
+        bq = self.qm.queue_def(qdef.backout_queue)
+        moved = Entry(id=os.urandom(12).hex(), queue=bq.name, priority=entry.priority, persistent=entry.persistent,
+                      msgid=entry.msgid, correlid=entry.correlid, expiry=entry.expiry, put_time=entry.put_time,
+                      backout_count=entry.backout_count, properties=entry.properties)
+        self._put_entry(bq.structure, moved, data, uow)
+
+    def browse(self, queue: str, limit: int = 100) -> list[Message]:
+        qm = self.qm
+        qdef = qm.queue_def(queue)
+        s = qm.structure(qdef.structure)
+        return [Message.from_entry(e, d) for e, d in qm._cf_call(lambda: s.browse(queue, limit, now_ms()))]
+
+    # --- syncpoint ----------------------------------------------------------------------------------------
+    def commit(self) -> None:
+        uow, self.uow = self.uow, None
+        if uow is None:
+            return
+        if uow.state == INDOUBT:
+            self.uow = uow
+            raise InDoubtError(f"unit of work {uow.id} is prepared: resolve it through the coordinator")
+        if uow.operations == 0:
+            self.qm.forget(uow)
+            return
+        self.qm.complete(uow, True)
+
+    def backout(self) -> None:
+        uow, self.uow = self.uow, None
+        if uow is None:
+            return
+        if uow.operations == 0:
+            self.qm.forget(uow)
+            return
+        self.qm.complete(uow, False)
+
+    def prepare(self, xid: str) -> str:
+        """Two-phase commit, phase one: the UOW becomes in doubt (durably); resolve it with
+        QueueManager.resolve(uow_id, commit) later, also after a restart. Returns the UOW id."""
+        uow, self.uow = self.uow, None
+        if uow is None:
+            raise BadRequestError("no unit of work to prepare")
+        qm = self.qm
+        qm._check_usable()
+        uow.persistent = True
+        uow.xid = xid
+        qm.append({"k": "PREPARE", "l": qm.clock.now(), "u": uow.id, "x": xid, "ss": dict(uow.structures)},
+                  force=True)
+        uow.state = INDOUBT
+        return uow.id
+
+    @contextlib.contextmanager
+    def unit_of_work(self) -> Iterator[Connection]:
+        """with conn.unit_of_work(): ... commits on success, backs out on an exception."""
+        try:
+            yield self
+        except BaseException:
+            with contextlib.suppress(MQError):
+                self.backout()
+            raise
+        self.commit()
+
+    def close(self) -> None:
+        """Like MQDISC: an open UOW is backed out."""
+        if self.uow is not None and self.uow.state == INFLIGHT:
+            self.backout()
+
+
+__all__ = ["QueueManager", "QueueManagerConfig", "Connection", "Message", "INCOMMIT", "INBACKOUT", "INDOUBT"]

@@ -1,0 +1,179 @@
+"""Restart recovery of a queue manager and peer recovery of a failed one.
+
+Restart (seed 000's four phases, seed 002's messages):
+  1 current status rebuild: the last checkpoint's UOW table, then every later record; plus the UOWs the CF shows
+    for this member (puts and gets that reached the CF but not the log);
+  2 forward recovery: in-commit (and in-backout) UOWs are completed on the CF;
+  3 backward recovery: in-flight UOWs are backed out;
+  4 restart cleanup: in-doubt UOWs stay locked until the coordinator resolves them; a checkpoint is taken.
+
+Peer recovery: when a member's lease lapses, one live member wins the recovery lock, fences the failed member
+(bumps its epoch: every CF call it makes afterwards is refused), reads its log read-only, decides each of its
+UOWs (in-commit -> commit, in-flight and in-backout -> backout, in-doubt -> left locked), and logs each decision
+in its own log as a RECOVERY record, which outranks whatever the failed member writes later.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from cfemu.errors import BackedOutError, MQError, StructureFailedError
+from sqm.log import LogReader
+from sqm.records import INBACKOUT, INCOMMIT, INDOUBT, INFLIGHT, Record
+from sqm.uow import UnitOfWork, rebuild_table
+
+if TYPE_CHECKING:
+    from sqm.manager import QueueManager
+
+log = logging.getLogger("sqm.recovery")
+
+Progress = Callable[[str, dict[str, int]], None]
+
+
+@dataclass
+class RestartReport:
+    member: str
+    records_read: int = 0
+    in_commit: int = 0
+    in_backout: int = 0
+    in_flight: int = 0
+    in_doubt: int = 0
+    waiting_for_cf: int = 0
+    seconds: float = 0.0
+    phases: list[tuple[str, dict[str, int]]] = field(default_factory=list)
+
+
+@dataclass
+class PeerRecoveryReport:
+    failed: str
+    by: str
+    committed: int = 0
+    backed_out: int = 0
+    in_doubt: int = 0
+    seconds: float = 0.0
+
+
+def _table_from_log(reader_or_log: object, owner: str) -> tuple[dict[str, UnitOfWork], int]:
+    ckpt = reader_or_log.last_checkpoint()  # type: ignore[attr-defined]
+    start, ckpt_rec = (ckpt[0], ckpt[1]) if ckpt else (None, None)
+    count = 0
+
+    def records() -> Iterator[Record]:
+        nonlocal count
+        for _, rec in reader_or_log.records(start):  # type: ignore[attr-defined]
+            count += 1
+            yield rec
+
+    return rebuild_table(owner, ckpt_rec, records()), count
+
+
+def _add_cf_only_uows(qm: QueueManager, owner: str, table: dict[str, UnitOfWork]) -> None:
+    """UOWs that hold entries on a structure but never reached the owner's log are in flight."""
+    for sdef in qm.admin.structures():
+        try:
+            held = qm.structure(sdef.name).member_uows(owner)
+        except MQError:
+            continue
+        for uid, info in held.items():
+            uow = table.get(uid)
+            if uow is None:
+                uow = table[uid] = UnitOfWork(uid, owner)
+            uow.structures.setdefault(sdef.name, int(info.get("g", 0)))
+
+
+def restart(qm: QueueManager, progress: Progress | None = None) -> RestartReport:
+    t0 = time.monotonic()
+    rep = RestartReport(qm.name)
+
+    def phase(name: str, counts: dict[str, int]) -> None:
+        rep.phases.append((name, counts))
+        log.info("%s restart: %s %s", qm.name, name, " ".join(f"{k}={v}" for k, v in counts.items()))
+        if progress:
+            progress(name, counts)
+
+    assert qm.log is not None
+    table, rep.records_read = _table_from_log(qm.log, qm.name)
+    for uow in table.values():  # LRSNs this member handed out before the restart stay below new ones
+        qm.clock.observe(uow.decided_lrsn)
+    _add_cf_only_uows(qm, qm.name, table)
+    with qm.uow_lock:
+        qm.uows.update(table)
+    by_state = {s: [u for u in table.values() if u.state == s] for s in (INCOMMIT, INBACKOUT, INFLIGHT, INDOUBT)}
+    rep.in_commit, rep.in_backout = len(by_state[INCOMMIT]), len(by_state[INBACKOUT])
+    rep.in_flight, rep.in_doubt = len(by_state[INFLIGHT]), len(by_state[INDOUBT])
+    phase("current status rebuild", {"records": rep.records_read, "in-commit": rep.in_commit,
+                                     "in-backout": rep.in_backout, "in-flight": rep.in_flight,
+                                     "in-doubt": rep.in_doubt})
+
+    def finish(uow: UnitOfWork, commit: bool) -> None:
+        try:
+            qm.apply(uow, commit)
+        except BackedOutError:
+            pass  # recovery decided otherwise while we were down; the log now says so
+        except StructureFailedError:
+            rep.waiting_for_cf += 1
+            qm.pending[uow.id] = lambda: qm.apply(uow, commit)
+
+    for uow in by_state[INCOMMIT]:
+        finish(uow, True)
+    for uow in by_state[INBACKOUT]:
+        finish(uow, False)
+    phase("forward recovery", {"completed": rep.in_commit + rep.in_backout, "waiting for CF": rep.waiting_for_cf})
+
+    for uow in by_state[INFLIGHT]:
+        try:
+            qm.complete(uow, False, reason="restart")
+        except BackedOutError:
+            pass
+    phase("backward recovery", {"backed out": rep.in_flight})
+
+    qm.checkpoint("start")
+    phase("restart cleanup", {"in-doubt kept": rep.in_doubt})
+    rep.seconds = time.monotonic() - t0
+    return rep
+
+
+def recover_peers(qm: QueueManager) -> list[PeerRecoveryReport]:
+    """Called periodically by every live member: recover any member whose lease has lapsed."""
+    reports = []
+    for failed in qm.admin.lapsed_members():
+        if failed == qm.name or qm.fenced:
+            continue
+        if not qm.admin.try_recovery_lock(failed, qm.name, ttl_ms=max(30_000, 6 * qm.config.lease_ms)):
+            continue
+        try:
+            reports.append(recover_peer(qm, failed))
+        finally:
+            qm.admin.release_recovery_lock(failed)
+    return reports
+
+
+def recover_peer(qm: QueueManager, failed: str) -> PeerRecoveryReport:
+    t0 = time.monotonic()
+    rep = PeerRecoveryReport(failed, qm.name)
+    qm.admin.fence(failed)
+    log_dir = qm.config.log_root / failed
+    table: dict[str, UnitOfWork] = {}
+    if log_dir.exists():
+        table, _ = _table_from_log(LogReader(log_dir), failed)
+    _add_cf_only_uows(qm, failed, table)
+    for uow in table.values():
+        if uow.state == INDOUBT:
+            rep.in_doubt += 1
+            continue
+        commit = uow.state == INCOMMIT
+        qm.complete(uow, commit, for_member=failed)
+        if commit:
+            rep.committed += 1
+        else:
+            rep.backed_out += 1
+    qm.admin.forget_member(failed)
+    rep.seconds = time.monotonic() - t0
+    qm.counters["peer_recoveries"] += 1
+    log.warning("%s recovered %s in %.3fs: %d committed, %d backed out, %d in doubt kept", qm.name, failed,
+                rep.seconds, rep.committed, rep.backed_out, rep.in_doubt)
+    return rep

@@ -1,0 +1,68 @@
+"""Units of work: the in-memory UOW table, and its rebuild from a log (restart and peer recovery)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqm.records import DONE, INBACKOUT, INCOMMIT, INDOUBT, INFLIGHT, Record, kind_of
+
+
+@dataclass
+class UnitOfWork:
+    id: str
+    owner: str
+    state: str = INFLIGHT
+    structures: dict[str, int] = field(default_factory=dict)  # structure -> generation it started in (0: unknown)
+    persistent: bool = False  # has logged work: its outcome is decided by a forced record
+    xid: str = ""  # external (XA) transaction id once prepared
+    decided_lrsn: int = 0  # LRSN of the record that decided the outcome (COMMIT / BACKOUT)
+    operations: int = 0
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"st": self.state, "ss": dict(self.structures), "x": self.xid, "dl": self.decided_lrsn,
+                "p": self.persistent}
+
+    @classmethod
+    def from_snapshot(cls, uow_id: str, owner: str, snap: dict[str, Any]) -> UnitOfWork:
+        return cls(uow_id, owner, snap["st"], dict(snap.get("ss", {})), bool(snap.get("p", True)),
+                   snap.get("x", ""), int(snap.get("dl", 0)))
+
+
+def rebuild_table(owner: str, checkpoint: Record | None, records: Iterable[Record]) -> dict[str, UnitOfWork]:
+    """Current status rebuild (restart phase 1): the checkpoint's active UOWs, then every later record."""
+    table: dict[str, UnitOfWork] = {}
+    if checkpoint:
+        for uid, snap in checkpoint.get("uows", {}).items():
+            table[uid] = UnitOfWork.from_snapshot(uid, owner, snap)
+    for rec in records:
+        kind = kind_of(rec)
+        if kind.uow_state is None or not rec.get("u"):
+            continue
+        uid = rec["u"]
+        uow = table.get(uid)
+        if uow is None:
+            if kind.uow_state == DONE:
+                continue
+            uow = table[uid] = UnitOfWork(uid, owner)
+        uow.persistent = True
+        if "s" in rec and rec.get("g"):
+            uow.structures.setdefault(rec["s"], rec["g"])
+        for s, g in rec.get("ss", {}).items():
+            if g or s not in uow.structures:
+                uow.structures[s] = g
+        if kind.uow_state == DONE:
+            del table[uid]
+            continue
+        if kind.uow_state in (INCOMMIT, INBACKOUT):
+            uow.decided_lrsn = rec["l"]
+        if kind.uow_state == INFLIGHT and uow.state != INFLIGHT:
+            continue  # a late-appended PUT/GET record never moves a UOW back to in-flight
+        if kind.uow_state == INDOUBT:
+            uow.xid = rec.get("x", "")
+        uow.state = kind.uow_state
+    return table
+
+
+__all__ = ["UnitOfWork", "rebuild_table", "INFLIGHT", "INDOUBT", "INCOMMIT", "INBACKOUT", "DONE"]

@@ -1,0 +1,27 @@
+"""Test helpers: a queue-sharing group of in-process queue managers over one real redis-server."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import redis
+
+from cfemu.admin import Admin
+from cfemu.connection import connect
+from sqm.manager import QueueManager, QueueManagerConfig
+
+
+def define_group(url: str, *, structure: str = "APP1", queues: tuple[str, ...] = ("Q1", "Q2"),
+                 max_entries: int = 0, max_bytes: int = 0) -> redis.Redis:
+    client = connect(url)
+    admin = Admin(client)
+    admin.define_structure(structure, max_entries=max_entries, max_bytes=max_bytes)
+    for q in queues:
+        admin.define_queue(q, structure)
+    return client
+
+
+def start_qm(url: str, log_root: Path, name: str, **cfg: object) -> QueueManager:
+    qm = QueueManager(QueueManagerConfig(name=name, log_root=log_root, redis_url=url, **cfg))  # type: ignore[arg-type]
+    qm.start()
+    return qm
