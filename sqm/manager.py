@@ -316,7 +316,7 @@ class QueueManager:
 
     def _log_recovery(self, uow: UnitOfWork, commit: bool, member: str, *, with_data: bool) -> int:
         rec: Record = {"k": "RECOVERY", "l": self.clock.now(), "u": uow.id, "o": "C" if commit else "B",
-                       "m": member, "by": self.name, "ss": dict(uow.structures)}
+                       "of": member, "by": self.name, "ss": dict(uow.structures)}
         if with_data and not commit:
             rec["dd"] = self._gets_data(uow)
             self.counters["backout_records_with_data"] += 1

@@ -7,7 +7,8 @@ how the log printer describes it. Records are msgpack maps with short keys:
   k kind   l LRSN   u UOW id   s structure   g structure generation   ss {structure: generation}
   e entry descriptor (cfemu.entry wire form)   d data   c committed put (outside syncpoint)
   i entry id   q queue   x XA transaction id   dd [[structure, descriptor, data], ...]   r reason
-  o outcome 'C' | 'B'   m member whose UOW a recovery record decides   by who decided   ids entry ids
+  o outcome 'C' | 'B'   of member whose UOW a recovery record decides   by who decided
+  (m is not a record field: the merged log adds it, naming the log a record came from)   ids entry ids
   uows {uow: {st, ss, x}} (checkpoint)   n activity count
 """
 
@@ -54,7 +55,7 @@ KINDS: dict[str, RecordKind] = {k.code: k for k in [
     RecordKind("BACKOUT", True, "outcome", INBACKOUT,
                lambda r: f"backout uow {r['u']} ({r.get('r', 'application')}){_data_note(r)}"),
     RecordKind("RECOVERY", True, "outcome", None,
-               lambda r: (f"{'commit' if r['o'] == 'C' else 'backout'} of {r['m']}'s uow {r['u']} "
+               lambda r: (f"{'commit' if r['o'] == 'C' else 'backout'} of {r['of']}'s uow {r['u']} "
                           f"decided by {r['by']}{_data_note(r)}")),
     RecordKind("END", False, "none", DONE, lambda r: f"uow {r['u']} complete on the CF"),
     RecordKind("EXPIRE", False, "entry", None,

@@ -1,0 +1,127 @@
+"""Restore planning, in-process engine: compute the final state of every message off the CF.
+
+The plan is data-parallel (the Spark engine runs the same steps as DataFrame operations):
+  1 group the backup's copies by entry id, keep the best copy of each (settle.best_copy);
+  2 group the log records of the structure by entry id, and the outcome records by UOW;
+  3 decide each UOW's outcome (settle.decide_outcome); UOWs with no outcome were in flight when the CF was lost:
+    restore decides them backed out, at an LRSN above everything it read (written to its own log later);
+  4 fold each entry (settle.settle).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from restore.settle import (
+    BACKOUT,
+    COMMIT,
+    INDOUBT,
+    Outcome,
+    Settled,
+    best_copy,
+    decide_outcome,
+    settle,
+    uows_named,
+)
+from sqm.records import Record, entry_ids
+
+Copy = tuple[str, dict[str, Any], bytes]  # (structure, descriptor wire form, data)
+
+OUTCOME_KINDS = ("COMMIT", "BACKOUT", "PREPARE", "RECOVERY")
+
+
+@dataclass
+class RestorePlan:
+    structure: str
+    restore_lrsn: int  # above every LRSN read: the restore's own decisions and the CF clock start here
+    settled: list[Settled]
+    outcomes: dict[str, Outcome]
+    decisions: dict[str, str] = field(default_factory=dict)  # UOW -> owner, decided backed out by this restore
+    in_commit: set[str] = field(default_factory=set)  # committed UOWs the owner may still be completing
+    counts: Counter[str] = field(default_factory=Counter)
+    records_by_member: Counter[str] = field(default_factory=Counter)
+    max_lrsn: int = 0
+
+    def loaded(self) -> list[Settled]:
+        return [s for s in self.settled if s.entry is not None]
+
+    def in_doubt_uows(self) -> dict[str, str]:
+        """In-doubt UOWs that hold entries in the restored structure: UOW -> owner."""
+        return {s.entry["u"]: owner_of(s.entry["u"]) for s in self.settled if s.entry and s.entry.get("u")}
+
+
+def owner_of(uow: str) -> str:
+    """UOW ids are '<member>.<epoch>.<sequence>'."""
+    return uow.split(".", 1)[0]
+
+
+def relevant(record: Record, structure: str) -> bool:
+    """Does a record matter for restoring this structure?"""
+    k = record["k"]
+    if k in ("PUT", "GET", "EXPIRE"):
+        return bool(record["s"] == structure)
+    if k in OUTCOME_KINDS or k == "END":
+        return True
+    return False
+
+
+def restrict(record: Record, structure: str) -> Record:
+    """Drop the data other structures' entries carry in an outcome record."""
+    if record.get("dd"):
+        record = dict(record)
+        record["dd"] = [d for d in record["dd"] if d[0] == structure]
+    return record
+
+
+def plan_local(structure: str, backup: Iterable[Copy], records: Iterable[Record], *,
+               now_ms: int | None = None) -> RestorePlan:
+    now_ms = now_ms if now_ms is not None else int(time.time() * 1000)
+    copies: dict[str, list[Copy]] = defaultdict(list)
+    max_lrsn = 0
+    for c in backup:
+        copies[c[1]["id"]].append(c)
+        max_lrsn = max(max_lrsn, int(c[1]["l"]))
+    by_entry: dict[str, list[Record]] = defaultdict(list)
+    by_uow: dict[str, list[Record]] = defaultdict(list)
+    ended: set[str] = set()
+    per_member: Counter[str] = Counter()
+    for rec in records:
+        max_lrsn = max(max_lrsn, int(rec["l"]))
+        if not relevant(rec, structure):
+            continue
+        rec = restrict(rec, structure)
+        per_member[rec.get("m", "?")] += 1
+        if rec["k"] == "END":
+            ended.add(rec["u"])
+            continue
+        if rec["k"] in OUTCOME_KINDS:
+            by_uow[rec["u"]].append(rec)
+        for eid in entry_ids(rec):
+            by_entry[eid].append(rec)
+
+    best = {eid: best_copy(cs) for eid, cs in copies.items()}
+    outcomes: dict[str, Outcome] = {}
+    for uid, recs in by_uow.items():
+        o = decide_outcome(recs)
+        if o is not None:
+            outcomes[uid] = o
+    restore_lrsn = max(max_lrsn + 1, time.time_ns() // 1000)
+    decisions: dict[str, str] = {}
+    for eid in best.keys() | by_entry.keys():
+        for uid in uows_named(best.get(eid), by_entry.get(eid, ())):
+            if uid not in outcomes:
+                outcomes[uid] = Outcome(BACKOUT, restore_lrsn, "restore")
+                decisions[uid] = owner_of(uid)
+
+    settled = [settle(eid, best.get(eid), by_entry.get(eid, ()), outcomes, now_ms)
+               for eid in best.keys() | by_entry.keys()]
+    counts = Counter(s.disposition for s in settled)
+    in_commit = {u for u, o in outcomes.items() if o.kind == COMMIT and u not in ended}
+    counts["uows in doubt"] = sum(1 for o in outcomes.values() if o.kind == INDOUBT)
+    counts["uows in flight backed out"] = len(decisions)
+    return RestorePlan(structure, restore_lrsn, settled, outcomes, decisions, in_commit, counts, per_member,
+                       max_lrsn)

@@ -1,0 +1,158 @@
+"""The fold that settles one message's final disposition: the same code in every restore engine.
+
+Inputs, for one entry id: its copy in the backup (if any), the log records that name it (PUT, GET, EXPIRE, and
+BACKOUT / RECOVERY records that carry its data), and the outcome of every UOW those name. The fold applies the
+events in LRSN order under the redo rule: an event applies only if its LRSN is above the entry's current `l`
+(the LRSN of the last transition the copy reflects), which makes replay idempotent and lets the replay start
+early. See docs/architecture.md, "Restore".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqm.records import Record
+
+COMMIT, BACKOUT, INDOUBT = "C", "B", "D"
+
+# Final dispositions, one per message, as the restore report counts them.
+RESTORED = "restored"  # available (committed put), loaded
+HELD_INDOUBT = "in-doubt"  # held by an in-doubt UOW, loaded and locked
+CONSUMED = "consumed"  # deleted by a committed get
+PUT_BACKED_OUT = "put-backed-out"  # its put was backed out (or in flight at the failure)
+EXPIRED = "expired"
+GONE = "gone"  # named by the log, but gone before the replay range (nothing to restore)
+
+_RANK = {"PUT": 0, "GET": 1, "OUTCOME": 2, "EXPIRE": 3}
+
+
+@dataclass(frozen=True)
+class Outcome:
+    kind: str  # COMMIT, BACKOUT or INDOUBT
+    lrsn: int
+    decided_by: str = ""
+    data: Mapping[str, tuple[str, dict[str, Any], bytes]] = field(default_factory=dict)  # entry id -> copy
+
+
+@dataclass
+class Settled:
+    id: str
+    disposition: str
+    structure: str = ""
+    entry: dict[str, Any] | None = None  # final descriptor (wire form) when the message is loaded
+    data: bytes = b""
+
+
+def decide_outcome(records: Iterable[Record]) -> Outcome | None:
+    """A UOW's outcome from its COMMIT / BACKOUT / PREPARE / RECOVERY records (any order).
+
+    A RECOVERY record (peer recovery or restore decided it) outranks the owner's own records: the owner may have
+    written a COMMIT after the decision, which the CF then refused. Otherwise the owner's last record decides
+    (a COMMIT followed by a BACKOUT is a commit the CF refused); a last PREPARE leaves the UOW in doubt.
+    """
+    recs = list(records)
+    decided = sorted((r for r in recs if r["k"] == "RECOVERY"), key=lambda r: (r["l"], r["by"]))
+    if decided:
+        r = decided[0]
+        return Outcome(COMMIT if r["o"] == "C" else BACKOUT, r["l"], r["by"], _carried(r))
+    own = sorted((r for r in recs if r["k"] in ("COMMIT", "BACKOUT", "PREPARE")), key=lambda r: r["l"])
+    if not own:
+        return None
+    r = own[-1]
+    kind = {"COMMIT": COMMIT, "BACKOUT": BACKOUT, "PREPARE": INDOUBT}[r["k"]]
+    return Outcome(kind, r["l"], r.get("m", ""), _carried(r))
+
+
+def _carried(r: Record) -> dict[str, tuple[str, dict[str, Any], bytes]]:
+    return {d[1]["id"]: (d[0], d[1], d[2]) for d in r.get("dd", ())}
+
+
+def best_copy(copies: Iterable[tuple[str, dict[str, Any], bytes]]) -> tuple[str, dict[str, Any], bytes] | None:
+    """A backup may copy an entry twice (steps 1 and 4): keep the copy of the later transition."""
+    best = None
+    for c in copies:
+        if best is None or c[1]["l"] > best[1]["l"]:
+            best = c
+    return best
+
+
+def uows_named(backup: tuple[str, dict[str, Any], bytes] | None, records: Iterable[Record]) -> set[str]:
+    """The UOWs whose outcome the fold of one entry needs."""
+    out = {r["u"] for r in records if r.get("u") and r["k"] in ("PUT", "GET", "BACKOUT", "RECOVERY")}
+    if backup is not None and backup[1].get("u"):
+        out.add(backup[1]["u"])
+    return out
+
+
+def settle(entry_id: str, backup: tuple[str, dict[str, Any], bytes] | None, records: Iterable[Record],
+           outcomes: Mapping[str, Outcome], now_ms: int) -> Settled:
+    """Fold one entry's history into its final state. `outcomes` must hold a decision for every UOW the entry's
+    history names (restore decides undecided, in-flight UOWs as backed out before folding)."""
+    recs = list(records)
+    events: list[tuple[int, int, str, Any]] = []
+    for r in recs:
+        if r["k"] in ("PUT", "GET", "EXPIRE"):
+            events.append((r["l"], _RANK[r["k"]], r["k"], r))
+    for u in uows_named(backup, recs):
+        o = outcomes.get(u)
+        if o is not None and o.kind != INDOUBT:
+            events.append((o.lrsn, _RANK["OUTCOME"], "OUTCOME", (u, o)))
+    events.sort(key=lambda e: (e[0], e[1]))
+
+    structure = backup[0] if backup else ""
+    state: dict[str, Any] | None = dict(backup[1]) if backup else None
+    data: bytes = backup[2] if backup else b""
+    fate = GONE
+    if state is not None and state.get("st") == "EX":
+        return Settled(entry_id, EXPIRED)
+
+    for lrsn, _, kind, payload in events:
+        if state is not None and lrsn <= state["l"]:
+            continue  # the redo rule: the copy already reflects this transition
+        if kind == "PUT":
+            if state is None:
+                structure, state, data = payload["s"], dict(payload["e"]), payload["d"]
+                if payload.get("c"):
+                    state.update(st="CP", u="", l=lrsn, o1=lrsn, o2=lrsn)
+                else:
+                    state.update(st="UP", u=payload["u"], l=lrsn, o1=0, o2=lrsn)
+        elif kind == "GET":
+            if state is not None and state["st"] == "CP":
+                state.update(st="UG", u=payload["u"], l=lrsn)
+        elif kind == "EXPIRE":
+            if state is not None and state["st"] == "CP":
+                state, fate = None, EXPIRED
+        else:
+            uow, o = payload
+            if state is None:
+                copy = o.data.get(entry_id) if o.kind == BACKOUT else None
+                if copy is not None:  # the patent's exception: a get backed out while a backup ran
+                    structure, state, data = copy[0], dict(copy[1]), copy[2]
+                    state.update(st="CP", u="", l=lrsn, bc=int(state.get("bc", 0)) + 1)
+                continue
+            if state.get("u") != uow or state["st"] not in ("UP", "UG"):
+                continue
+            if o.kind == COMMIT:
+                if state["st"] == "UP":
+                    state.update(st="CP", u="", l=lrsn, o1=lrsn)
+                else:
+                    state, fate = None, CONSUMED
+            elif state["st"] == "UP":
+                state, fate = None, PUT_BACKED_OUT
+            else:
+                state.update(st="CP", u="", l=lrsn, bc=int(state.get("bc", 0)) + 1)
+
+    if state is None:
+        return Settled(entry_id, fate)
+    if state["st"] in ("UP", "UG"):
+        return Settled(entry_id, HELD_INDOUBT, structure, state, data)
+    if 0 < int(state.get("exp", 0)) <= now_ms:
+        return Settled(entry_id, EXPIRED)
+    return Settled(entry_id, RESTORED, structure, state, data)
+
+
+def fifo_key(entry: Mapping[str, Any]) -> tuple[int, int, int]:
+    """Get order within a queue: priority (highest first), then commit order, then put order."""
+    return (-int(entry.get("p", 0)), int(entry.get("o1", 0)), int(entry.get("o2", 0)))
