@@ -64,9 +64,7 @@ def relevant(record: Record, structure: str) -> bool:
     k = record["k"]
     if k in ("PUT", "GET", "EXPIRE"):
         return bool(record["s"] == structure)
-    if k in OUTCOME_KINDS or k == "END":
-        return True
-    return False
+    return k in OUTCOME_KINDS or k == "END"
 
 
 def restrict(record: Record, structure: str) -> Record:
