@@ -62,6 +62,15 @@ class Admin:
         self.redis = client
         self._heartbeat = client.register_script(_HEARTBEAT)
 
+    # --- the group ------------------------------------------------------------------------------------
+    def group_name(self) -> str:
+        """The queue-sharing group's name (backups record it; restore refuses another group's backup)."""
+        name = self.redis.get(f"{A}:group")
+        return keys.text(name) if name else "QSG1"
+
+    def set_group_name(self, name: str) -> None:
+        self.redis.set(f"{A}:group", keys.check_name("group", name))
+
     # --- structures -----------------------------------------------------------------------------------
     def define_structure(self, name: str, *, max_entries: int = 0, max_bytes: int = 0,
                          replace: bool = False) -> StructureDef:
