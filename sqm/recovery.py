@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from cfemu.errors import BackedOutError, MQError, StructureFailedError
-from sqm.log import LogReader
+from sqm.log import LogReader, RecordLog
 from sqm.records import INBACKOUT, INCOMMIT, INDOUBT, INFLIGHT, Record
 from sqm.uow import UnitOfWork, rebuild_table
 
@@ -57,18 +57,22 @@ class PeerRecoveryReport:
     seconds: float = 0.0
 
 
-def _table_from_log(reader_or_log: object, owner: str) -> tuple[dict[str, UnitOfWork], int]:
-    ckpt = reader_or_log.last_checkpoint()  # type: ignore[attr-defined]
+def _table_from_log(reader_or_log: RecordLog | LogReader, owner: str) -> tuple[dict[str, UnitOfWork], int, int]:
+    """The UOW table at the end of a log, the number of records read, and the highest LRSN in the log."""
+    ckpt = reader_or_log.last_checkpoint()
     start, ckpt_rec = (ckpt[0], ckpt[1]) if ckpt else (None, None)
     count = 0
+    high = max((s.max_lrsn or 0 for s in reader_or_log.segments()), default=0)
 
     def records() -> Iterator[Record]:
-        nonlocal count
-        for _, rec in reader_or_log.records(start):  # type: ignore[attr-defined]
+        nonlocal count, high
+        for _, rec in reader_or_log.records(start):
             count += 1
+            high = max(high, rec["l"])
             yield rec
 
-    return rebuild_table(owner, ckpt_rec, records()), count
+    table = rebuild_table(owner, ckpt_rec, records())
+    return table, count, high
 
 
 def _add_cf_only_uows(qm: QueueManager, owner: str, table: dict[str, UnitOfWork]) -> None:
@@ -96,9 +100,8 @@ def restart(qm: QueueManager, progress: Progress | None = None) -> RestartReport
             progress(name, counts)
 
     assert qm.log is not None
-    table, rep.records_read = _table_from_log(qm.log, qm.name)
-    for uow in table.values():  # LRSNs this member handed out before the restart stay below new ones
-        qm.clock.observe(uow.decided_lrsn)
+    table, rep.records_read, high = _table_from_log(qm.log, qm.name)
+    qm.clock.observe(high)  # LRSNs this member wrote before the restart stay below the ones it writes now
     _add_cf_only_uows(qm, qm.name, table)
     with qm.uow_lock:
         qm.uows.update(table)
@@ -159,7 +162,7 @@ def recover_peer(qm: QueueManager, failed: str) -> PeerRecoveryReport:
     log_dir = qm.config.log_root / failed
     table: dict[str, UnitOfWork] = {}
     if log_dir.exists():
-        table, _ = _table_from_log(LogReader(log_dir), failed)
+        table, _, _ = _table_from_log(LogReader(log_dir), failed)
     _add_cf_only_uows(qm, failed, table)
     for uow in table.values():
         if uow.state == INDOUBT:
