@@ -19,7 +19,7 @@ carries its data in the BACKOUT record (enforced by cfemu/scripts/backout.lua).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from cfemu.cf import Structure
@@ -40,11 +40,14 @@ class StepCount:
     copied: int = 0  # persistent entries copied
     skipped_nonpersistent: int = 0
     vanished: int = 0  # gone between snapshot and fetch (its later history is in the log)
+    excluded: int = 0  # persistent entries left out by the caller's `keep` test (EXCLINT: the log has them)
     bytes: int = 0
 
 
-def copy_step(structure: Structure, state: str, count: StepCount, batch: int = 2000) -> Iterator[tuple[Entry, bytes]]:
-    """Snapshot the ids of every entry in `state`, then yield the current copy of each persistent one."""
+def copy_step(structure: Structure, state: str, count: StepCount, batch: int = 2000,
+              keep: Callable[[Entry], bool] | None = None) -> Iterator[tuple[Entry, bytes]]:
+    """Snapshot the ids of every entry in `state`, then yield the current copy of each persistent one
+    (of each one `keep` accepts, when given)."""
     ids = structure.snapshot(state)
     count.snapshot += len(ids)
     for _, entry, data in structure.fetch(ids, batch=batch):
@@ -53,6 +56,9 @@ def copy_step(structure: Structure, state: str, count: StepCount, batch: int = 2
             continue
         if not entry.persistent:
             count.skipped_nonpersistent += 1
+            continue
+        if keep is not None and not keep(entry):
+            count.excluded += 1
             continue
         count.copied += 1
         count.bytes += len(data)

@@ -1,0 +1,164 @@
+"""BACKUP CFSTRUCT: a fuzzy backup of one CF structure while the queue-sharing group keeps working.
+
+run_backup() checks the structure, marks the backup running in the CF (which sets the recovery floor), copies the
+persistent entries in the patent's order (backup.protocol.STEPS), streaming each copy into the entry files as it
+is fetched, ends the backup in the CF, counts the exception records the group wrote meanwhile, writes the manifest
+(last, atomically) and records the backup in the admin catalog.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import redis
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from backup.files import BackupError, BackupWriter, new_backup_id
+from backup.protocol import STEPS, StepCount, copy_step
+from cfemu.admin import Admin, AdminError
+from cfemu.cf import CF
+from cfemu.entry import Entry
+from sqm.clock import LrsnClock
+from sqm.log import LogReader, find_log_dirs
+
+
+class StructureNotReadyError(BackupError):
+    """The structure is not defined, or not ACTIVE (a failed structure has nothing to back up)."""
+
+
+# Called before each copy step starts: (step number 1-5, state); tests use it to act between steps.
+StepHook = Callable[[int, str], None]
+
+_PROGRESS_EVERY = 1000
+
+
+def new_progress() -> Progress:
+    return Progress(TextColumn("{task.description:<36}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+
+
+def count_exception_records(log_root: Path, structure: str, start_lrsn: int, end_lrsn: int) -> int:
+    """BACKOUT / RECOVERY records carrying the data of this structure's gets ("dd"), written by any member of
+    the group between the backup's start and end: the only log records the backup caused (the patent's
+    exception). Those records are forced, so they are on disk by the time the backup ends."""
+    n = 0
+    for directory in find_log_dirs(log_root):
+        for _, rec in LogReader(directory).records(min_lrsn=start_lrsn):
+            if (rec["k"] in ("BACKOUT", "RECOVERY") and rec.get("dd") and start_lrsn <= rec["l"] <= end_lrsn
+                    and any(d[0] == structure for d in rec["dd"])):
+                n += 1
+    return n
+
+
+def catalog_entry(manifest: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The summary the admin structure keeps for each good backup (the directory holds the full record)."""
+    fields = ("id", "structure", "group", "start_lrsn", "floor_lrsn", "replay_from", "end_lrsn", "started_at",
+              "ended_at", "entries", "bytes", "exception_records")
+    return {**{k: manifest[k] for k in fields}, "path": str(path)}
+
+
+def _iso(t: datetime) -> str:
+    return t.isoformat(timespec="microseconds")
+
+
+def run_backup(client: redis.Redis, structure: str, backup_root: Path, *, log_root: Path | None = None,
+               exclint_s: int = 0, progress: bool | Progress = False, batch: int = 2000,
+               on_step: StepHook | None = None) -> dict[str, Any]:
+    """Back up `structure` into backup_root/<structure>/<id>/; returns the manifest.
+
+    exclint_s (MQ's EXCLINT): leave out entries put less than this many seconds before the backup started; the
+    manifest's replay_from is lowered to the lowest put LRSN among them, so restore replays their history.
+    log_root: where the members' logs are; when given, the manifest counts the exception records.
+    Raises StructureNotReadyError, cfemu.errors.BackupRunningError (a backup of the structure is running), or
+    whatever the CF or the file system raise; a failed backup is ended as failed and leaves no directory.
+    """
+    if exclint_s < 0:
+        raise ValueError(f"EXCLINT must be >= 0 seconds, not {exclint_s}")
+    admin = Admin(client)
+    try:
+        sdef = admin.structure_def(structure)
+    except AdminError as e:
+        raise StructureNotReadyError(str(e)) from None
+    state = admin.state(structure)
+    if state != "ACTIVE":
+        raise StructureNotReadyError(f"structure {structure} is {state}; only an ACTIVE structure can be backed up")
+    s = CF(client).structure(structure)
+    group = admin.group_name()
+    members = sorted(admin.members())
+    queues = [asdict(q) for q in admin.queues() if q.structure == structure]
+
+    clock = LrsnClock()
+    started_at = datetime.now(UTC)
+    backup_id = new_backup_id(structure, started_at)
+    start_lrsn, floor_lrsn = s.backup_begin(backup_id, clock.now())
+    clock.observe(start_lrsn)
+    t0 = time.monotonic()
+    cutoff_ms = int(started_at.timestamp() * 1000) - exclint_s * 1000
+    lowest_excluded = [floor_lrsn]
+
+    def old_enough(entry: Entry) -> bool:
+        if entry.put_time <= cutoff_ms:
+            return True
+        lowest_excluded[0] = min(lowest_excluded[0], entry.order[1])
+        return False
+
+    own_progress = progress is True
+    bar: Progress | None = new_progress() if own_progress else (progress if isinstance(progress, Progress)
+                                                                 else None)
+    writer: BackupWriter | None = None
+    counts: list[StepCount] = []
+    try:
+        writer = BackupWriter(Path(backup_root) / structure / backup_id)
+        if own_progress and bar is not None:
+            bar.start()
+        for number, (state_name, label) in enumerate(STEPS, start=1):
+            if on_step is not None:
+                on_step(number, state_name)
+            count = StepCount()
+            counts.append(count)
+            task = bar.add_task(f"{number} {label}", total=None) if bar is not None else None
+            copies = copy_step(s, state_name, count, batch, keep=old_enough if exclint_s else None)
+            for done, (entry, data) in enumerate(copies, start=1):
+                writer.add(number, entry.wire(), data)
+                if bar is not None and task is not None and done % _PROGRESS_EVERY == 0:
+                    bar.update(task, total=count.snapshot, completed=count.copied + count.skipped_nonpersistent
+                               + count.vanished + count.excluded)
+            if bar is not None and task is not None:
+                bar.update(task, total=count.snapshot, completed=count.snapshot)
+        end_lrsn = s.backup_end(backup_id, clock.now(), ok=True)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            s.backup_end(backup_id, clock.now(), ok=False)
+        if writer is not None:
+            writer.abort()
+        raise
+    finally:
+        if own_progress and bar is not None:
+            bar.stop()
+
+    steps = [{"step": n, "state": st, "label": label, **asdict(c)}
+             for n, ((st, label), c) in enumerate(zip(STEPS, counts), start=1)]
+    manifest: dict[str, Any] = {
+        "id": backup_id, "group": group, "structure": structure, "structure_def": asdict(sdef),
+        "queues": queues, "members": members, "gen": int(s.info().get("gen", 0)),
+        "start_lrsn": start_lrsn, "floor_lrsn": floor_lrsn, "replay_from": min(lowest_excluded[0], floor_lrsn),
+        "end_lrsn": end_lrsn, "started_at": _iso(started_at), "ended_at": _iso(datetime.now(UTC)),
+        "elapsed_s": round(time.monotonic() - t0, 3), "exclint_s": exclint_s, "steps": steps,
+        "entries": sum(c.copied for c in counts), "bytes": sum(c.bytes for c in counts),
+        "nonpersistent_skipped": sum(c.skipped_nonpersistent for c in counts),
+        "excluded": sum(c.excluded for c in counts),
+        "exception_records": (count_exception_records(log_root, structure, start_lrsn, end_lrsn)
+                              if log_root is not None else None),
+    }
+    try:
+        manifest = writer.finish(manifest)
+    except BaseException:
+        writer.abort()
+        raise
+    admin.record_backup(structure, catalog_entry(manifest, writer.directory))
+    return manifest
