@@ -1,0 +1,176 @@
+"""The durable backup catalog is the backup directory tree itself: <root>/<STRUCTURE>/<backup-id>/.
+
+Listing reads each backup's manifest (checksum verified) and checks its files' presence and sizes; `deep`
+also reads every frame (CRC32C, sha256, frame counts), as `cfbackup verify` does. The admin structure keeps a
+copy of the catalog (cfemu.admin.Admin.backups) that is lost with the CF; pruning updates it when it can.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from backup.files import (
+    BackupError,
+    BackupNotFoundError,
+    IncompleteBackupError,
+    parse_backup_id,
+    read_backup,
+    verify,
+)
+from cfemu import keys
+from cfemu.admin import Admin
+
+OK, CORRUPT, INCOMPLETE = "ok", "corrupt", "incomplete"
+
+_AGE = re.compile(r"^(\d+)([smhdw])$")
+_AGE_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
+
+
+@dataclass
+class BackupInfo:
+    id: str
+    structure: str
+    path: Path
+    started: datetime  # from the id (to the second); the manifest's started_at is exact
+    state: str  # ok, corrupt or incomplete
+    problem: str = ""  # why it is not ok
+    manifest: dict[str, Any] | None = field(default=None, repr=False)
+
+    def summary(self) -> dict[str, Any]:
+        """A JSON-friendly row for listings."""
+        m = self.manifest or {}
+        return {"id": self.id, "structure": self.structure, "state": self.state, "problem": self.problem,
+                "path": str(self.path), "started_at": m.get("started_at", self.started.isoformat()),
+                "entries": m.get("entries"), "bytes": m.get("bytes"), "start_lrsn": m.get("start_lrsn"),
+                "replay_from": m.get("replay_from"), "end_lrsn": m.get("end_lrsn"),
+                "exception_records": m.get("exception_records")}
+
+
+def inspect(path: Path, *, deep: bool = False) -> BackupInfo:
+    """The state of the backup directory at `path` (named by its backup id)."""
+    structure, started = parse_backup_id(path.name)
+    try:
+        manifest = verify(path) if deep else read_backup(path).manifest
+    except IncompleteBackupError as e:
+        return BackupInfo(path.name, structure, path, started, INCOMPLETE, str(e))
+    except BackupError as e:
+        return BackupInfo(path.name, structure, path, started, CORRUPT, str(e))
+    if manifest["id"] != path.name or manifest["structure"] != structure:
+        return BackupInfo(path.name, structure, path, started, CORRUPT,
+                          f"{path}: the manifest names backup {manifest['id']} of {manifest['structure']}")
+    return BackupInfo(path.name, structure, path, started, OK, manifest=manifest)
+
+
+def _sort_key(b: BackupInfo) -> tuple[datetime, int, str]:
+    return b.started, int((b.manifest or {}).get("start_lrsn", 0)), b.id
+
+
+def list_backups(backup_root: Path, structure: str | None = None, *, deep: bool = False) -> list[BackupInfo]:
+    """Backups (good or not) of one structure, or of all, newest first."""
+    root = Path(backup_root)
+    if structure:
+        dirs = [root / structure]
+    elif root.is_dir():
+        dirs = sorted(p for p in root.iterdir() if p.is_dir())
+    else:
+        dirs = []
+    found: list[BackupInfo] = []
+    for d in dirs:
+        if not d.is_dir():
+            continue
+        for p in d.iterdir():
+            try:
+                sname, _ = parse_backup_id(p.name)
+            except ValueError:
+                continue  # not a backup (a stray file or folder)
+            if p.is_dir() and sname == d.name:
+                found.append(inspect(p, deep=deep))
+    return sorted(found, key=_sort_key, reverse=True)
+
+
+def latest_good(backup_root: Path, structure: str, *, deep: bool = False) -> BackupInfo | None:
+    """The newest backup of `structure` whose state is ok (None when there is none)."""
+    return next((b for b in list_backups(backup_root, structure, deep=deep) if b.state == OK), None)
+
+
+def find_backup(backup_root: Path, backup_id: str) -> Path:
+    """The directory of a backup named by its id; BackupNotFoundError when there is none."""
+    try:
+        structure, _ = parse_backup_id(backup_id)
+    except ValueError as e:
+        raise BackupNotFoundError(str(e)) from None
+    path = Path(backup_root) / structure / backup_id
+    if not path.is_dir():
+        raise BackupNotFoundError(f"no backup {backup_id} in {backup_root}")
+    return path
+
+
+def parse_age(text: str) -> timedelta:
+    """'45s', '30m', '12h', '7d', '2w' -> timedelta; ValueError otherwise."""
+    m = _AGE.match(text.strip())
+    if not m:
+        raise ValueError(f"bad age {text!r}: use a number and a unit s, m, h, d or w (e.g. 7d)")
+    return timedelta(**{_AGE_UNITS[m[2]]: int(m[1])})
+
+
+@dataclass
+class PruneResult:
+    removed: list[BackupInfo]
+    kept: list[BackupInfo]
+    admin_updated: bool  # False when the CF was not reachable (its catalog copy is rebuilt on restore)
+    note: str = ""
+
+
+def _running_backup(client: redis.Redis, structure: str) -> str | None:
+    running = client.hget(keys.meta(structure), "backup")
+    return keys.text(running) if running else None
+
+
+def prune(backup_root: Path, structure: str, *, keep: int | None = None, older_than: timedelta | None = None,
+          client: redis.Redis | None = None, now: datetime | None = None) -> PruneResult:
+    """Remove backups of `structure` beyond the newest `keep`, and/or started more than `older_than` ago.
+
+    The newest good backup is never removed, nor the backup the CF says is running. When `client` reaches the
+    CF, the removed backups also leave the admin catalog."""
+    if keep is None and older_than is None:
+        raise ValueError("say what to prune: keep N newest, or older than an age")
+    if keep is not None and keep < 1:
+        raise ValueError(f"--keep must be at least 1, not {keep}")
+    now = now or datetime.now(UTC)
+    backups = list_backups(backup_root, structure)
+    newest_good = next((b.id for b in backups if b.state == OK), None)
+    running: str | None = None
+    reachable = client is not None
+    if client is not None:
+        try:
+            running = _running_backup(client, structure)
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+            reachable = False
+    removed: list[BackupInfo] = []
+    kept: list[BackupInfo] = []
+    for rank, b in enumerate(backups):
+        doomed = (keep is not None and rank >= keep) or (older_than is not None and b.started < now - older_than)
+        if doomed and b.id not in (newest_good, running):
+            removed.append(b)
+        else:
+            kept.append(b)
+    for b in removed:
+        shutil.rmtree(b.path)
+    note = ""
+    if reachable and client is not None:
+        try:
+            admin = Admin(client)
+            for b in removed:
+                admin.forget_backup(structure, b.id)
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+            reachable = False
+    if not reachable and removed:
+        note = "the CF was not reachable: its catalog copy still lists the removed backups"
+    return PruneResult(removed, kept, reachable, note)
