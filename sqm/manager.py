@@ -39,6 +39,7 @@ from cfemu.errors import (
     UnknownObjectError,
 )
 from sqm.clock import LrsnClock
+from sqm.failpoints import failpoint
 from sqm.log import RecordLog
 from sqm.records import INBACKOUT, INCOMMIT, INDOUBT, INFLIGHT, Record
 from sqm.uow import UnitOfWork
@@ -237,8 +238,10 @@ class QueueManager:
                 if dd:
                     rec["dd"] = dd
                     self.counters["backout_records_with_data"] += 1
+            failpoint("before-log-force")
             self.append(rec, force=True)
             uow.decided_lrsn = rec["l"]
+            failpoint("after-log-force" if commit else "backout-after-log")
         elif for_member is not None:
             self._log_recovery(uow, commit, for_member, with_data=self._backup_running(uow))
         uow.state = INCOMMIT if commit else INBACKOUT
@@ -259,6 +262,7 @@ class QueueManager:
         """Apply a decided outcome on every structure of the UOW (idempotent), then log END."""
         for sname in list(uow.structures):
             self._apply_one(uow, sname, commit, for_member)
+            failpoint("during-apply")
         if uow.persistent and self.log is not None and for_member is None:
             self.append({"k": "END", "l": self.clock.now(), "u": uow.id})
         self.pending.pop(uow.id, None)
@@ -476,6 +480,7 @@ class Connection:
                                              gen=uow.structures.get(sname, 0)))
             uow.structures[sname] = gen
             uow.operations += 1
+            failpoint("put-after-cf")
             if entry.persistent:
                 uow.persistent = True
                 qm.append({"k": "PUT", "l": cf, "u": uow.id, "s": sname, "g": gen, "e": entry.wire(), "d": body})

@@ -1,0 +1,54 @@
+"""Named crash points (as in TiKV's fail-rs or FoundationDB's buggify): kill the process for real at a chosen line.
+
+``failpoint(name)`` does nothing unless the environment variable ``SQM_FAILPOINTS``, read once at import, names
+it. The variable is a comma-separated list of ``name`` (crash on the first hit) or ``name=N`` (crash on the N-th
+hit). A crash is a real ``SIGKILL`` of the whole process: no ``finally`` blocks, no atexit handlers, no flushing of
+buffers, exactly what ``kill -9`` does, so tests see the same disk and CF state a real crash leaves.
+
+The check for an unarmed name is one frozenset lookup, so the calls stay in production code at no cost.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+ENV_VAR = "SQM_FAILPOINTS"
+
+
+def parse_failpoints(spec: str) -> dict[str, int]:
+    """``"a,b=3"`` -> ``{"a": 1, "b": 3}``; a malformed item is a one-line ValueError naming it."""
+    armed: dict[str, int] = {}
+    for item in spec.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        name, sep, count = item.partition("=")
+        name = name.strip()
+        if not name or (sep and not count.strip().isdigit()) or (sep and int(count) < 1):
+            raise ValueError(f"{ENV_VAR}: bad failpoint {item!r} (expected name or name=N with N >= 1)")
+        armed[name] = int(count) if sep else 1
+    return armed
+
+
+_ARMED: dict[str, int] = parse_failpoints(os.environ.get(ENV_VAR, ""))
+_NAMES: frozenset[str] = frozenset(_ARMED)
+_hits: dict[str, int] = {}
+_hits_lock = threading.Lock()
+
+
+def failpoint(name: str) -> None:
+    """Crash here with SIGKILL when SQM_FAILPOINTS arms ``name`` and this is its chosen hit."""
+    if name not in _NAMES:
+        return
+    with _hits_lock:
+        _hits[name] = _hits.get(name, 0) + 1
+        fire = _hits[name] == _ARMED[name]
+    if fire:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def armed() -> dict[str, int]:
+    """The failpoints this process was started with (name -> hit that crashes)."""
+    return dict(_ARMED)
