@@ -241,6 +241,7 @@ class QueueManager:
             failpoint("before-log-force")
             self.append(rec, force=True)
             uow.decided_lrsn = rec["l"]
+            uow.data_logged = bool(rec.get("dd"))
             failpoint("after-log-force" if commit else "backout-after-log")
         elif for_member is not None:
             self._log_recovery(uow, commit, for_member, with_data=self._backup_running(uow))
@@ -272,7 +273,7 @@ class QueueManager:
         s = self.structure(sname)
         gen = uow.structures[sname]
         lrsn = uow.decided_lrsn if (uow.persistent or for_member) else 0
-        has_data = False
+        has_data = uow.data_logged  # else the CF refuses a get backout while a backup runs (BACKUPACTIVE)
         by_recovery = for_member is not None
         while True:
             try:
@@ -287,7 +288,7 @@ class QueueManager:
                 # Our record sits below the recovery floor of a backup that started meanwhile: log afresh.
                 self.counters["floor_retries"] += 1
                 self.clock.observe(e.floor)
-                lrsn = self._relog(uow, commit, for_member)
+                lrsn = self._relog(uow, commit, for_member, with_data=has_data)
             except BackupActiveError:
                 lrsn = self._relog(uow, commit, for_member, with_data=True)
                 has_data = True
@@ -316,6 +317,7 @@ class QueueManager:
             self.counters["backout_records_with_data"] += 1
         self.append(rec, force=True)
         uow.decided_lrsn = rec["l"]
+        uow.data_logged = bool(rec.get("dd"))
         return int(rec["l"])
 
     def _log_recovery(self, uow: UnitOfWork, commit: bool, member: str, *, with_data: bool) -> int:
@@ -326,6 +328,7 @@ class QueueManager:
             self.counters["backout_records_with_data"] += 1
         self.append(rec, force=True)
         uow.decided_lrsn = rec["l"]
+        uow.data_logged = bool(rec.get("dd"))
         return int(rec["l"])
 
     def _backup_running(self, uow: UnitOfWork) -> bool:

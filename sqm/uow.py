@@ -18,6 +18,7 @@ class UnitOfWork:
     persistent: bool = False  # has logged work: its outcome is decided by a forced record
     xid: str = ""  # external (XA) transaction id once prepared
     decided_lrsn: int = 0  # LRSN of the record that decided the outcome (COMMIT / BACKOUT)
+    data_logged: bool = False  # that record carries the data of the UOW's persistent gets (backup running)
     operations: int = 0
 
     def snapshot(self) -> dict[str, Any]:
