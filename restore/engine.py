@@ -1,0 +1,138 @@
+"""Restore engines: where the restore plan is computed (docs: DESIGN-NOTES section 7).
+
+An engine turns a backup plus the logs of every member into a `restore.plan.RestorePlan`: the final state of
+every message of one structure, settled by the one fold `restore.settle.settle`. Engines differ only in where
+the work runs; every engine must produce the same plan for the same input.
+
+The interface is one method:
+
+    class Engine(Protocol):
+        name: str
+        def plan(self, structure, backup, log_dirs, replay_from, now_ms, progress) -> RestorePlan
+
+  structure    the structure to restore (e.g. "APP1")
+  backup       a good backup (`BackupSource`: `.manifest`, `.copies()` yielding (structure, descriptor, data))
+  log_dirs     every log directory to read (each member's, plus restore's own `_restore` log)
+  replay_from  the LRSN the replay starts at (the backup manifest's `replay_from`); earlier records are ignored
+  now_ms       "now" for expiry (ms since the epoch): a message whose expiry is at or before it is not restored
+  progress     `progress(phase, done, total)`, called as work advances: phases READ_BACKUP, READ_LOGS, SETTLE
+
+An engine must raise `sqm.log.LogCorruptError` / `LogFormatError` for a bad log (never skip it), and must not
+change anything: restore writes to the CF only after the whole plan is computed.
+
+`get_engine(name, **options)` returns an engine by name: "local" (in-process, the default) or "spark"
+(`restore.engine_spark`, imported only when asked for).
+"""
+
+from __future__ import annotations
+
+import heapq
+import importlib
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+from restore.plan import Copy, RestorePlan, plan_local
+from sqm.log import LogFormatError, merged_records
+from sqm.records import Record
+
+READ_BACKUP, READ_LOGS, SETTLE, LOAD = "read backup", "read logs", "settle", "load"
+PHASES = (READ_BACKUP, READ_LOGS, SETTLE, LOAD)
+
+Progress = Callable[[str, int, int | None], None]
+"""progress(phase, done, total): `done` units of `phase` finished so far; total is None when unknown."""
+
+
+def no_progress(phase: str, done: int, total: int | None) -> None:
+    """The default progress callback: report nothing."""
+
+
+class BackupSource(Protocol):
+    """What an engine needs of a backup (backup.files.Backup provides it)."""
+
+    @property
+    def manifest(self) -> dict[str, Any]: ...
+
+    def copies(self) -> Iterable[Copy]: ...
+
+
+class Engine(Protocol):
+    name: str
+
+    def plan(self, structure: str, backup: BackupSource, log_dirs: list[Path], replay_from: int, now_ms: int,
+             progress: Progress) -> RestorePlan: ...
+
+
+class UnknownEngineError(ValueError):
+    pass
+
+
+def read_logs(log_dirs: list[Path], replay_from: int, progress: Progress = no_progress) -> list[Record]:
+    """The merged log of `log_dirs` from `replay_from` on, ordered by (LRSN, member), each record tagged with
+    its member in "m". Progress counts log directories read."""
+    per_member: list[list[Record]] = []
+    seen: dict[str, Path] = {}
+    progress(READ_LOGS, 0, len(log_dirs))
+    for i, d in enumerate(log_dirs, 1):
+        records = merged_records([d], min_lrsn=replay_from)
+        if records:
+            member = records[0]["m"]
+            if member in seen:
+                raise LogFormatError(f"member {member!r} appears twice: {seen[member]} and {d}")
+            seen[member] = d
+        per_member.append(records)
+        progress(READ_LOGS, i, len(log_dirs))
+    # Each list is already in (LRSN, position) order: a k-way merge keeps that order within a member.
+    return list(heapq.merge(*per_member, key=lambda r: (r["l"], r["m"])))
+
+
+def _counted(copies: Iterable[Copy], progress: Progress, total: int | None) -> Iterator[Copy]:
+    n = 0
+    for c in copies:
+        yield c
+        n += 1
+        if n % 1000 == 0:
+            progress(READ_BACKUP, n, total)
+    progress(READ_BACKUP, n, total)
+
+
+class LocalEngine:
+    """The in-process engine: read the backup and the logs into memory, then `plan_local`."""
+
+    name = "local"
+
+    def plan(self, structure: str, backup: BackupSource, log_dirs: list[Path], replay_from: int, now_ms: int,
+             progress: Progress = no_progress) -> RestorePlan:
+        total = backup.manifest.get("entries")
+        copies = list(_counted(backup.copies(), progress, int(total) if total is not None else None))
+        records = read_logs(log_dirs, replay_from, progress)
+        progress(SETTLE, 0, None)
+        plan = plan_local(structure, copies, records, now_ms=now_ms)
+        progress(SETTLE, len(plan.settled), len(plan.settled))
+        return plan
+
+
+_ENGINES: dict[str, Callable[..., Engine]] = {"local": lambda **_: LocalEngine()}
+_LAZY = {"spark": "restore.engine_spark"}  # imported on first use: pyspark is an optional dependency
+
+
+def engine_names() -> list[str]:
+    return sorted(set(_ENGINES) | set(_LAZY))
+
+
+def register_engine(name: str, factory: Callable[..., Engine]) -> None:
+    """Make an engine available to get_engine (an engine module calls this when it is imported)."""
+    _ENGINES[name] = factory
+
+
+def get_engine(name: str = "local", **options: Any) -> Engine:
+    """The engine called `name`, made with `options`. A lazily imported engine module registers itself with
+    register_engine(name, factory) when imported (or defines `make_engine(**options)`)."""
+    if name not in _ENGINES and name in _LAZY:
+        module = importlib.import_module(_LAZY[name])
+        if name not in _ENGINES and hasattr(module, "make_engine"):
+            _ENGINES[name] = module.make_engine
+    factory = _ENGINES.get(name)
+    if factory is None:
+        raise UnknownEngineError(f"unknown restore engine {name!r}: choose one of {', '.join(engine_names())}")
+    return factory(**options)
