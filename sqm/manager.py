@@ -192,13 +192,16 @@ class QueueManager:
 
     def append(self, record: Record, *, force: bool = False) -> None:
         assert self.log is not None
+        # The LOGLOAD checkpoint goes before the record, never right after it: the caller updates the UOW table
+        # only once append returns, so a checkpoint taken after a COMMIT or PREPARE would still show the UOW in
+        # flight, and restart, which reads from the checkpoint on, would back it out.
+        if self.activity >= self.config.loglode:
+            self.checkpoint("loglode")
         if force:
             self.log.append_forced(record)
         else:
             self.log.append(record)
         self.activity += 1
-        if self.activity >= self.config.loglode:
-            self.checkpoint("loglode")
 
     def checkpoint(self, why: str) -> None:
         """A checkpoint record carries the active UOW table, so restart reads the log from here on."""

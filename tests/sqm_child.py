@@ -86,10 +86,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scenario", required=True, choices=["put", "put-backout", "get", "get-backout", "pause"])
     ap.add_argument("--count", type=int, default=6)
     ap.add_argument("--lease-ms", type=int, default=1000)
+    ap.add_argument("--loglode", type=int, default=10_000)
     args = ap.parse_args(argv)
 
     qm = QueueManager(QueueManagerConfig(name=args.name, log_root=args.log_root, redis_url=args.redis_url,
-                                         lease_ms=args.lease_ms, background=True))
+                                         lease_ms=args.lease_ms, loglode=args.loglode,
+                                         background=True))
     qm.start()
     say(f"started {qm.name} epoch={qm.caller.epoch} pid={os.getpid()}")
     conn = qm.connect()
