@@ -1,0 +1,143 @@
+"""cfrestore: RECOVER CFSTRUCT.
+
+  cfrestore run STRUCTURE [--backup ID] [--engine local|spark] [--dry-run] [--mark-failed] [--report FILE]
+                                              rebuild a failed structure from a backup plus every member's log
+  cfrestore plan STRUCTURE [--backup ID]      what run would do (= run --dry-run): touches nothing
+  cfrestore purge STRUCTURE [--mark-failed]   RECOVER CFSTRUCT TYPE(PURGE): empty it and make it usable again
+  cfrestore mark-failed STRUCTURE             fail an ACTIVE structure (work on it then fails: MQRC_CF_STRUC_FAILED)
+
+Options: --redis-url (default $REDIS_URL), --backup-dir (default $CFEMU_BACKUP_DIR or ./var/backups),
+--log-root (default $CFEMU_LOG_ROOT or ./var/logs), --json (machine-readable output). Errors are one line on
+stderr (exit 2); --verbose adds the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import redis
+from rich.console import Console
+
+from backup.files import BackupError
+from cfemu.admin import Admin, AdminError
+from cfemu.connection import ConnectionConfigError, connect
+from cfemu.errors import MQError
+from restore.engine import engine_names
+from restore.load import LoadVerifyError
+from restore.report import PhaseBars, purge_summary, summary
+from restore.run import RestoreError, run_purge, run_restore
+from sqm.log import LogCorruptError, LogFormatError
+
+ENV_BACKUP_DIR = "CFEMU_BACKUP_DIR"
+ENV_LOG_ROOT = "CFEMU_LOG_ROOT"
+DEFAULT_BACKUP_DIR = "./var/backups"
+DEFAULT_LOG_ROOT = "./var/logs"
+
+EXPECTED_ERRORS = (RestoreError, BackupError, LogCorruptError, LogFormatError, LoadVerifyError, MQError,
+                   AdminError, ValueError, ConnectionConfigError, OSError, redis.exceptions.RedisError)
+
+
+def _console() -> Console:
+    console = Console()
+    return console if console.is_terminal else Console(width=200, no_color=True)
+
+
+def _print_json(obj: Any) -> None:
+    print(json.dumps(obj, indent=1, sort_keys=True, default=str))
+
+
+def cmd_run(args: argparse.Namespace, console: Console, *, dry_run: bool = False) -> int:
+    client = connect(args.redis_url)
+    with PhaseBars(console, disabled=args.json or not console.is_terminal) as bars:
+        result = run_restore(client, args.structure, backup_root=Path(args.backup_dir),
+                             log_root=Path(args.log_root), backup_id=args.backup, engine=args.engine,
+                             dry_run=dry_run or args.dry_run, mark_failed=args.mark_failed, progress=bars,
+                             report_path=Path(args.report) if args.report else None)
+    if args.json:
+        _print_json(result.to_json())
+    else:
+        console.print(summary(result, console))
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace, console: Console) -> int:
+    return cmd_run(args, console, dry_run=True)
+
+
+def cmd_purge(args: argparse.Namespace, console: Console) -> int:
+    result = run_purge(connect(args.redis_url), args.structure, mark_failed=args.mark_failed)
+    if args.json:
+        _print_json(vars(result))
+    else:
+        console.print(purge_summary(result, console))
+    return 0
+
+
+def cmd_mark_failed(args: argparse.Namespace, console: Console) -> int:
+    admin = Admin(connect(args.redis_url))
+    before = admin.state(args.structure)
+    admin.set_state(args.structure, "FAILED")
+    if args.json:
+        _print_json({"structure": args.structure, "state_before": before, "state": "FAILED"})
+    else:
+        console.print(f"structure {args.structure}: {before} -> FAILED")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--redis-url", default=os.environ.get("REDIS_URL"), help="the CF (default $REDIS_URL)")
+    common.add_argument("--json", action="store_true", help="machine-readable output")
+    common.add_argument("--verbose", "-v", action="store_true", help="show the traceback of an error")
+    restore = argparse.ArgumentParser(add_help=False)
+    restore.add_argument("structure")
+    restore.add_argument("--backup-dir", default=os.environ.get(ENV_BACKUP_DIR, DEFAULT_BACKUP_DIR),
+                         help=f"backup root (default ${ENV_BACKUP_DIR} or {DEFAULT_BACKUP_DIR})")
+    restore.add_argument("--log-root", default=os.environ.get(ENV_LOG_ROOT, DEFAULT_LOG_ROOT),
+                         help=f"the members' logs (default ${ENV_LOG_ROOT} or {DEFAULT_LOG_ROOT})")
+    restore.add_argument("--backup", metavar="ID", help="restore from this backup (default: the latest good one)")
+    restore.add_argument("--engine", default="local", choices=engine_names(), help="planning engine")
+    restore.add_argument("--report", metavar="FILE",
+                         help="report file (default <backup-dir>/<structure>/restore-<time>.json)")
+    restore.add_argument("--mark-failed", action="store_true",
+                         help="fail the structure first when it is ACTIVE (its current content is replaced)")
+
+    p = argparse.ArgumentParser(prog="cfrestore", description="Restore CF structures (RECOVER CFSTRUCT).")
+    sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
+    run = sub.add_parser("run", parents=[common, restore], help="restore a structure from a backup and the logs")
+    run.add_argument("--dry-run", action="store_true", help="print the plan; change nothing")
+    run.set_defaults(func=cmd_run)
+    plan = sub.add_parser("plan", parents=[common, restore], help="print what run would do; change nothing")
+    plan.set_defaults(func=cmd_plan, dry_run=True)
+    purge = sub.add_parser("purge", parents=[common], help="empty a failed structure and make it usable again")
+    purge.add_argument("structure")
+    purge.add_argument("--mark-failed", action="store_true", help="purge an ACTIVE structure too")
+    purge.set_defaults(func=cmd_purge)
+    mark = sub.add_parser("mark-failed", parents=[common], help="fail an ACTIVE structure")
+    mark.add_argument("structure")
+    mark.set_defaults(func=cmd_mark_failed)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args, _console()))
+    except EXPECTED_ERRORS as e:
+        if args.verbose:
+            traceback.print_exc()
+        print(f"cfrestore: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("cfrestore: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""What a restore did (or, in a dry run, would do): the JSON report file, the summary tables and the progress bars.
+
+The report file (JSON, one object: restore.run.RestoreResult.to_json()) has: structure, backup_id, backup_path,
+engine, dry_run, state_before, replay_from / replay_to (LRSN range replayed), restore_lrsn (the restored
+structure's generation and recovery floor), log_ranges (member -> dir, from, to), records_by_member, counts
+(messages by disposition: restored, in-doubt, consumed, put-backed-out, expired, gone; UOWs: uows in doubt,
+uows in flight backed out), nonpersistent_lost (skipped by the backup; found in the CF before the load),
+in_doubt_uows (UOW -> owner), decisions_logged, keys_deleted, loaded_entries, loaded_bytes, timings (seconds per
+phase), report_path, started_at.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+from rich import box
+from rich.console import Console, Group
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from restore.engine import PHASES
+from restore.settle import CONSUMED, EXPIRED, GONE, HELD_INDOUBT, PUT_BACKED_OUT, RESTORED
+
+if TYPE_CHECKING:
+    from restore.run import PurgeResult, RestoreResult
+
+DISPOSITIONS = (RESTORED, HELD_INDOUBT, CONSUMED, PUT_BACKED_OUT, EXPIRED, GONE)
+UOW_COUNTS = ("uows in doubt", "uows in flight backed out")
+
+
+def write_report(result: RestoreResult, path: Path) -> None:
+    """Write the JSON report durably (temp file, fsync, rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(result.to_json(), f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _table(title: str, console: Console) -> Table:
+    return Table(title=title, box=box.ROUNDED if console.is_terminal else None, title_justify="left")
+
+
+def summary(result: RestoreResult, console: Console) -> Group:
+    """The tables printed after a restore (or as the plan of a dry run)."""
+    what = "plan (dry run: nothing changed)" if result.dry_run else "restore"
+    head = _table(f"{result.structure} {what}", console)
+    head.add_column("")
+    head.add_column("")
+    head.add_row("backup", f"{result.backup_id} ({result.backup_path})")
+    head.add_row("engine", result.engine)
+    head.add_row("state before", result.state_before)
+    head.add_row("replay", f"LRSN {result.replay_from} .. {result.replay_to}")
+    if not result.dry_run:
+        head.add_row("new generation", str(result.restore_lrsn))
+        head.add_row("loaded", f"{result.loaded_entries} messages, {result.loaded_bytes} bytes")
+        head.add_row("decisions logged", str(result.decisions_logged))
+    if result.report_path:
+        head.add_row("report", result.report_path)
+
+    logs = _table("logs", console)
+    for col in ("member", "from LRSN", "to LRSN", "records"):
+        logs.add_column(col, justify="left" if col == "member" else "right")
+    for member, r in sorted(result.log_ranges.items()):
+        logs.add_row(member, str(r["from"]), str(r["to"] if r["to"] is not None else "-"),
+                     str(result.records_by_member.get(member, 0)))
+
+    fates = _table("messages and units of work", console)
+    fates.add_column("disposition")
+    fates.add_column("count", justify="right")
+    for name in DISPOSITIONS + UOW_COUNTS:
+        fates.add_row(name, str(result.counts.get(name, 0)))
+    for why, n in result.nonpersistent_lost.items():
+        fates.add_row(f"non-persistent lost ({why})", str(n))
+
+    times = _table("timings", console)
+    times.add_column("phase")
+    times.add_column("seconds", justify="right")
+    for phase, secs in result.timings.items():
+        times.add_row(phase, f"{secs:.3f}")
+    return Group(head, logs, fates, times)
+
+
+def purge_summary(result: PurgeResult, console: Console) -> Table:
+    t = _table(f"{result.structure} purged", console)
+    t.add_column("")
+    t.add_column("")
+    t.add_row("state before", result.state_before)
+    t.add_row("messages discarded", str(result.discarded))
+    t.add_row("bytes discarded", str(result.discarded_bytes))
+    t.add_row("new generation", str(result.gen))
+    return t
+
+
+class PhaseBars:
+    """A restore.engine.Progress that shows one rich progress bar per phase (read backup, read logs, settle,
+    load). Use as a context manager; with disabled=True (not a terminal, or --json) it shows nothing."""
+
+    def __init__(self, console: Console, *, disabled: bool = False) -> None:
+        self.bars = Progress(TextColumn("{task.description:<12}"), BarColumn(), MofNCompleteColumn(),
+                             TimeElapsedColumn(), console=console, disable=disabled)
+        self.tasks: dict[str, TaskID] = {}
+
+    def __call__(self, phase: str, done: int, total: int | None) -> None:
+        task = self.tasks.get(phase)
+        if task is None:
+            for earlier in PHASES[:PHASES.index(phase)] if phase in PHASES else ():
+                if earlier in self.tasks:  # a phase that reported no total yet is over once a later one starts
+                    t = self.bars.tasks[self.tasks[earlier]]
+                    self.bars.update(self.tasks[earlier], total=t.completed or 1, completed=t.completed or 1)
+            task = self.tasks[phase] = self.bars.add_task(phase, total=total)
+        self.bars.update(task, completed=done, total=total)
+
+    def __enter__(self) -> PhaseBars:
+        self.bars.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.bars.stop()
