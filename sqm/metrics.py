@@ -17,6 +17,7 @@ from prometheus_client.core import CollectorRegistry, CounterMetricFamily, Gauge
 from prometheus_client.registry import Collector
 
 from cfemu import keys
+from cfemu.admin import Admin
 from sqm.manager import CF_DOWN, QueueManager
 from sqm.records import INBACKOUT, INCOMMIT, INDOUBT, INFLIGHT
 
@@ -36,10 +37,11 @@ def backup_finished_at(entry: dict[str, Any]) -> float | None:
         return None
 
 
-def last_backup_age(qm: QueueManager, structure: str, now: float | None = None) -> float | None:
-    """Seconds since the structure's last good backup ended, or None when it has none (or no time is known)."""
-    last_id = qm.redis.hget(keys.meta(structure), "last_backup")
-    entries = qm.admin.backups(structure)
+def last_backup_age(admin: Admin, structure: str, now: float | None = None) -> float | None:
+    """Seconds since the structure's last good backup ended (the catalog entry of the backup the structure's
+    ``last_backup`` names), or None when it has none or no time is known."""
+    last_id = admin.redis.hget(keys.meta(structure), "last_backup")
+    entries = admin.backups(structure)
     if last_id is not None:
         entries = [b for b in entries if b.get("id") == keys.text(last_id)] or entries
     times = [t for t in (backup_finished_at(b) for b in entries) if t is not None]
@@ -105,7 +107,7 @@ class SQMCollector(Collector):
             for queue, by_state in qm.structure(sdef.name).depths().items():
                 for state, n in by_state.items():
                     depth.add_metric([sdef.name, queue, state], n)
-            a = last_backup_age(qm, sdef.name)
+            a = last_backup_age(qm.admin, sdef.name)
             if a is not None:
                 age.add_metric([sdef.name], a)
         yield from (depth, age, up)
