@@ -88,6 +88,7 @@ def read_logs(log_dirs: list[Path], replay_from: int, progress: Progress = no_pr
 
 def _counted(copies: Iterable[Copy], progress: Progress, total: int | None) -> Iterator[Copy]:
     n = 0
+    progress(READ_BACKUP, n, total)
     for c in copies:
         yield c
         n += 1

@@ -68,7 +68,7 @@ def summary(result: RestoreResult, console: Console) -> Group:
     for col in ("member", "from LRSN", "to LRSN", "records"):
         logs.add_column(col, justify="left" if col == "member" else "right")
     for member, r in sorted(result.log_ranges.items()):
-        logs.add_row(member, str(r["from"]), str(r["to"] if r["to"] is not None else "-"),
+        logs.add_row(member, str(r["from"]), str(r["to"]) if r["to"] is not None else "- (nothing to replay)",
                      str(result.records_by_member.get(member, 0)))
 
     fates = _table("messages and units of work", console)

@@ -117,12 +117,14 @@ def member_log_dirs(log_root: Path, members: list[str], replay_from: int) -> lis
 
 
 def log_ranges(log_dirs: list[Path], replay_from: int) -> dict[str, dict[str, Any]]:
-    """Per member: its log directory and the LRSN range restore replays from it."""
+    """Per member: its log directory and the LRSN range restore replays from it ("to" None: nothing to replay,
+    the log ends before the replay range)."""
     out: dict[str, dict[str, Any]] = {}
     for d in log_dirs:
         reader = LogReader(d)
         top = max((s.max_lrsn for s in reader.segments() if s.max_lrsn is not None), default=None)
-        out[reader.member] = {"dir": str(d), "from": replay_from, "to": top}
+        out[reader.member] = {"dir": str(d), "from": replay_from,
+                              "to": top if top is not None and top >= replay_from else None}
     return out
 
 
