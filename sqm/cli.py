@@ -1,7 +1,7 @@
 """The ``sqm`` command: run a shared queue manager as a server, print logs.
 
     sqm run --name QM1 --port 7001 --redis-url redis://127.0.0.1:6379/0 --log-root ./var/logs
-    sqm log print ...            (sqm.logprint)
+    sqm log print --all          the merged log of every member (sqm.logprint)
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import os
 import sys
 from pathlib import Path
 
+from sqm.logprint import add_log_parser, run_log_command
 from sqm.protocol import DEFAULT_MAX_FRAME
 from sqm.server import EXIT_CONFIG, ServerConfig, configure_logging, serve
 
@@ -59,23 +60,11 @@ def run_command(args: argparse.Namespace) -> int:
         shutdown_grace_s=args.shutdown_grace, cf_wait_s=args.cf_wait, ready_file=args.ready_file))
 
 
-def add_log_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> bool:
-    """Wire ``sqm log`` to sqm.logprint; False when that module is not installed (the verb then says so)."""
-    try:
-        from sqm import logprint  # type: ignore[attr-defined,unused-ignore]
-    except ImportError:
-        p = subparsers.add_parser("log", help="print logs (sqm.logprint is not installed)")
-        p.add_argument("rest", nargs=argparse.REMAINDER)
-        return False
-    logprint.add_log_parser(subparsers)
-    return True
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sqm", description="Shared queue manager (SQM) commands.")
     sub = parser.add_subparsers(dest="command", required=True)
     add_run_parser(sub)
-    add_log_parser(sub)
+    add_log_parser(sub)  # sqm log print
     return parser
 
 
@@ -85,12 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "run":
         return run_command(args)
     if args.command == "log":
-        try:
-            from sqm import logprint  # type: ignore[attr-defined,unused-ignore]
-        except ImportError:
-            print("sqm log: the log printer (sqm.logprint) is not installed", file=sys.stderr)
-            return 2
-        return int(logprint.run_log_command(args))
+        return run_log_command(args)
     parser.error(f"unknown command {args.command}")
     return 2
 
