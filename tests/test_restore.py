@@ -23,7 +23,7 @@ from cfemu.errors import BackedOutError, NoMessageError, StructureFailedError
 from cfemu.server import EmbeddedRedis
 from restore.engine import LOAD, READ_BACKUP, READ_LOGS, SETTLE
 from restore.run import RESTORE_MEMBER, RestoreError, run_purge, run_restore
-from sqm.log import LogCorruptError, LogReader
+from sqm.log import LogCorruptError, LogReader, RecordLog
 from sqm.manager import Connection, QueueManager
 from tests.qsg import define_group, start_qm
 
@@ -403,3 +403,13 @@ def test_purge_empties_the_structure_and_keeps_it_usable(live_group: Any) -> Non
     conn.put("Q1", b"fresh")
     conn.commit()
     assert drain(qms[1].connect(), "Q1") == [(b"fresh", 0)]
+
+
+def test_a_second_restore_at_the_same_time_is_refused(live_group: Any, dirs: tuple[Path, Path]) -> None:
+    client = live_group[0]
+    logs, backups = dirs
+    lose_cf(client)
+    with RecordLog(logs / RESTORE_MEMBER, RESTORE_MEMBER):  # what a running restore holds
+        with pytest.raises(RestoreError, match="another restore is running"):
+            run_restore(client, S, backup_root=backups, log_root=logs)
+        assert all_keys(client) == {}
