@@ -32,6 +32,7 @@ MANIFEST_NAME = "manifest.json"
 ROLL_BYTES = 256 * 2**20
 _ID_RE = re.compile(r"^(?P<structure>[A-Za-z0-9_.\-]{1,48})-(?P<ts>\d{8}T\d{6}Z)-(?P<rand>[0-9a-f]{6})$")
 _READ_BUFFER = 4 * 2**20
+_WRITE_CHUNK = 2**20
 
 
 class BackupError(Exception):
@@ -108,8 +109,9 @@ class BackupWriter:
         self._packer = _packer()
         self._file: BinaryIO | None = None
         self._sha = hashlib.sha256()
-        self._size = 0
+        self._size = 0  # bytes of the current file, buffered ones included
         self._frames = 0
+        self._buf = bytearray()  # frames not yet written: one write and one hash update per ~1 MiB
 
     def _open_next(self) -> None:
         self._close_current()
@@ -118,17 +120,19 @@ class BackupWriter:
         self.files.append({"name": name})
         self._sha = hashlib.sha256()
         self._size = self._frames = 0
-        self._write(FILE_HEADER)
+        self._buf += FILE_HEADER
+        self._size += len(FILE_HEADER)
 
-    def _write(self, chunk: bytes) -> None:
+    def _flush_buffer(self) -> None:
         assert self._file is not None
-        self._file.write(chunk)
-        self._sha.update(chunk)
-        self._size += len(chunk)
+        self._file.write(self._buf)
+        self._sha.update(self._buf)
+        self._buf = bytearray()
 
     def _close_current(self) -> None:
         if self._file is None:
             return
+        self._flush_buffer()
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
@@ -140,8 +144,13 @@ class BackupWriter:
         body = self._packer.pack([step, descriptor, data])
         if self._file is None or (self._size + FRAME_HEAD.size + len(body) > self.roll_bytes and self._frames):
             self._open_next()
-        self._write(FRAME_HEAD.pack(len(body), crc32c.crc32c(body)) + body)
+        buf = self._buf
+        buf += FRAME_HEAD.pack(len(body), crc32c.crc32c(body))
+        buf += body
+        self._size += FRAME_HEAD.size + len(body)
         self._frames += 1
+        if len(buf) >= _WRITE_CHUNK:
+            self._flush_buffer()
 
     def finish(self, manifest: dict[str, Any]) -> dict[str, Any]:
         """Close the entry files (fsynced), then write the manifest atomically; returns the manifest written."""

@@ -20,10 +20,9 @@ import redis
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from backup.files import BackupError, BackupWriter, new_backup_id
-from backup.protocol import STEPS, StepCount, copy_step
+from backup.protocol import STEPS, StepCount, Wire, copy_step_wire
 from cfemu.admin import Admin, AdminError
 from cfemu.cf import CF
-from cfemu.entry import Entry
 from sqm.clock import LrsnClock
 from sqm.log import LogReader, find_log_dirs
 
@@ -101,10 +100,10 @@ def run_backup(client: redis.Redis, structure: str, backup_root: Path, *, log_ro
     cutoff_ms = int(started_at.timestamp() * 1000) - exclint_s * 1000
     lowest_excluded = [floor_lrsn]
 
-    def old_enough(entry: Entry) -> bool:
-        if entry.put_time <= cutoff_ms:
+    def old_enough(wire: Wire) -> bool:
+        if wire["pt"] <= cutoff_ms:
             return True
-        lowest_excluded[0] = min(lowest_excluded[0], entry.order[1])
+        lowest_excluded[0] = min(lowest_excluded[0], wire["o2"])  # its put LRSN: replay from there
         return False
 
     own_progress = progress is True
@@ -122,9 +121,9 @@ def run_backup(client: redis.Redis, structure: str, backup_root: Path, *, log_ro
             count = StepCount()
             counts.append(count)
             task = bar.add_task(f"{number} {label}", total=None) if bar is not None else None
-            copies = copy_step(s, state_name, count, batch, keep=old_enough if exclint_s else None)
-            for done, (entry, data) in enumerate(copies, start=1):
-                writer.add(number, entry.wire(), data)
+            copies = copy_step_wire(s, state_name, count, batch, keep=old_enough if exclint_s else None)
+            for done, (wire, data) in enumerate(copies, start=1):
+                writer.add(number, wire, data)
                 if bar is not None and task is not None and done % _PROGRESS_EVERY == 0:
                     bar.update(task, total=count.snapshot, completed=count.copied + count.skipped_nonpersistent
                                + count.vanished + count.excluded)

@@ -391,3 +391,24 @@ def test_prune_spares_the_running_backup_and_rejects_bad_requests(redis_url: str
         with pytest.raises(ValueError, match="bad age"):
             parse_age(bad)
     assert parse_age("2w") == timedelta(weeks=2)
+
+
+def test_copies_are_in_the_entry_wire_form(qsg: tuple[redis.Redis, list[QueueManager]], tmp_path: Path) -> None:
+    """The backup reads descriptors without Entry objects (its hot loop); they must still be Entry.wire() exactly,
+    properties or none, as restore and the model check expect."""
+    client, (qm, _) = qsg
+    conn = qm.connect()
+    conn.put("Q1", b"plain")
+    conn.put("Q1", b"rich", priority=7, correlid=b"\x01\x02", expiry_ms=600_000,
+             properties={"colour": "blue", "n": 3, "ok": True})
+    conn.commit()
+    conn.put("Q2", b"uncommitted")
+    manifest = run_backup(client, "APP1", tmp_path / "bk")
+    cf = CF(client).structure("APP1")
+    frames = list(read_backup(_backup_path(tmp_path / "bk", manifest)).frames())
+    assert len(frames) == 3
+    for _, wire, data in frames:
+        (_, entry, current), = list(cf.fetch([wire["id"]]))
+        assert entry is not None and wire == entry.wire() and data == current
+    assert {w["st"] for _, w, _ in frames} == {"CP", "UP"}
+    assert {tuple(sorted(w["pr"])) for _, w, _ in frames} == {(), ("colour", "n", "ok")}
