@@ -153,7 +153,7 @@ class Admin:
     # --- members, leases, fencing ---------------------------------------------------------------------
     def join(self, member: str, info: dict[str, Any], lease_ms: int) -> int:
         """Register a member and give it a new epoch (epochs only grow, even across the loss of the CF)."""
-        keys.check_name("member", member)
+        keys.check_member_name(member)
         old = int(self.redis.hget(EPOCHS, member) or 0)
         epoch = max(old + 1, int(info.get("min_epoch", 0)), int(time.time() * 1000))
         self._set_epoch(member, epoch)

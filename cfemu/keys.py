@@ -26,6 +26,16 @@ def text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
+_MEMBER = re.compile(r"^[A-Za-z0-9_\-]{1,32}$")
+
+
+def check_member_name(name: str) -> str:
+    """Member names: 1-32 of A-Z a-z 0-9 _ - (no '.': UOW ids are '<member>.<epoch>.<sequence>')."""
+    if not isinstance(name, str) or not _MEMBER.match(name):
+        raise ValueError(f"bad member name {name!r}: use 1-32 characters of A-Z a-z 0-9 _ -")
+    return name
+
+
 def tag(structure: str) -> str:
     return "{" + structure + "}"
 

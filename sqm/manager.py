@@ -38,6 +38,7 @@ from cfemu.errors import (
     StructureFailedError,
     UnknownObjectError,
 )
+from cfemu.keys import check_member_name
 from sqm.clock import LrsnClock
 from sqm.failpoints import failpoint
 from sqm.log import RecordLog
@@ -93,7 +94,7 @@ class QueueManager:
 
     def __init__(self, config: QueueManagerConfig, client: redis.Redis | None = None) -> None:
         self.config = config
-        self.name = config.name
+        self.name = check_member_name(config.name)
         self.redis = client if client is not None else connect(config.redis_url)
         self.cf = CF(self.redis)
         self.admin = Admin(self.redis)
@@ -267,7 +268,7 @@ class QueueManager:
         for sname in list(uow.structures):
             self._apply_one(uow, sname, commit, for_member)
             failpoint("during-apply")
-        if uow.persistent and self.log is not None and for_member is None:
+        if (uow.persistent or for_member is not None) and self.log is not None:
             self.append({"k": "END", "l": self.clock.now(), "u": uow.id})
         self.pending.pop(uow.id, None)
         self.forget(uow)
