@@ -1,0 +1,335 @@
+"""Benchmark of the transactional message lifecycle (issue 2), on a private redis-server started and stopped here.
+
+A lifecycle is one 1 KiB persistent message put and committed, then got and committed (each commit forces the
+log). It is measured against a plain Redis reliable-queue loop (LPUSH, LMOVE to a processing list, LREM) on the
+same redis-server in the same run, rounds of the two interleaved:
+  (a) 1 connection: one SQM, one thread; baseline one client, one thread. Target ratio >= 0.75.
+  (b) 8 connections over 2 SQMs (threads, 4 per SQM); baseline 8 threads with a client each.
+  (c) fsyncs per commit with 8 connections (group commit), target <= 0.25.
+  (d) log bytes and records per lifecycle (1 connection).
+  (e) where a single-connection lifecycle spends its time: fsync, CF round trips, the rest (Python), measured in
+      a separate instrumented run; plus the raw fdatasync latency of the log's disk.
+
+    .venv/bin/python bench/bench_lifecycle.py [--quick] [--seconds 5] [--rounds 3]
+
+The log lives in a temporary directory on the real disk (never tmpfs: fsync must cost what it costs). Prints a
+table and appends one JSON line to bench/results/lifecycle.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import redis
+from rich.console import Console
+from rich.table import Table
+
+import sqm.log.writer
+from cfemu.admin import Admin
+from cfemu.connection import connect
+from cfemu.server import EmbeddedRedis
+from sqm.manager import Connection, QueueManager, QueueManagerConfig
+
+BODY = os.urandom(1024)
+STRUCTURE, QUEUE = "APP1", "Q1"
+REPO = Path(__file__).resolve().parent.parent
+TARGET_RATIO_1 = 0.75
+TARGET_FSYNCS_PER_COMMIT = 0.25
+
+
+# --- the machine -------------------------------------------------------------------------------------------
+def _command(*argv: str) -> str:
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def filesystem_of(path: Path) -> str:
+    """The type and device of the mount holding path (from /proc/mounts: the longest matching mount point)."""
+    best = ("", "?", "?")
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                dev, mnt, fstype = line.split()[:3]
+                if (str(path).startswith(mnt.rstrip("/") + "/") or str(path) == mnt) and len(mnt) > len(best[0]):
+                    best = (mnt, fstype, dev)
+    except OSError:
+        pass
+    return f"{best[1]} on {best[2]} (mount {best[0] or '?'})"
+
+
+def machine(work: Path) -> dict[str, Any]:
+    model = _command("lscpu").splitlines()
+    return {"nproc": _command("nproc"),
+            "cpu": next((line.split(":", 1)[1].strip() for line in model if line.startswith("Model name")), "?"),
+            "memory": next((line.split()[1] + " GiB total" for line in _command("free", "-g").splitlines()
+                            if line.startswith("Mem:")), "?"),
+            "kernel": platform.release(), "python": platform.python_version(),
+            "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
+            "log_filesystem": filesystem_of(work)}
+
+
+# --- the loops -----------------------------------------------------------------------------------------------
+def sqm_lifecycles(conn: Connection, stop_at: float) -> int:
+    n = 0
+    while time.perf_counter() < stop_at:
+        conn.put(QUEUE, BODY)
+        conn.commit()
+        conn.get(QUEUE, wait_ms=1000)
+        conn.commit()
+        n += 1
+    return n
+
+
+def redis_lifecycles(client: redis.Redis, tag: int, stop_at: float) -> int:
+    """The reliable-queue pattern: LPUSH, LMOVE to a processing list, LREM once processed."""
+    n = 0
+    work, processing = f"bench:q:{QUEUE}", f"bench:processing:{tag}"
+    while time.perf_counter() < stop_at:
+        client.lpush(work, b"%d:%d:" % (tag, n) + BODY)
+        item = client.lmove(work, processing, "RIGHT", "LEFT")
+        client.lrem(processing, 1, item)  # type: ignore[arg-type]  # the stubs say str; redis-py takes bytes
+        n += 1
+    return n
+
+
+def in_threads(loops: list[Callable[[float], int]], seconds: float) -> float:
+    """Run each loop in its own thread for `seconds`; lifecycles per second over all of them."""
+    counts = [0] * len(loops)
+    start = threading.Barrier(len(loops) + 1)
+
+    def worker(i: int) -> None:
+        start.wait()
+        counts[i] = loops[i](stop_at)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(loops))]
+    for t in threads:
+        t.start()
+    stop_at = time.perf_counter() + seconds  # read by the workers only after the barrier
+    t0 = time.perf_counter()
+    start.wait()
+    for t in threads:
+        t.join()
+    return sum(counts) / (time.perf_counter() - t0)
+
+
+# --- where the time goes -----------------------------------------------------------------------------------
+@dataclass
+class Stopwatch:
+    seconds: float = 0.0
+    calls: int = 0
+
+    def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+                self.calls += 1
+        return timed
+
+
+def server_usec(client: redis.Redis) -> int:
+    """Microseconds the redis-server spent executing commands so far (INFO commandstats)."""
+    return sum(int(v["usec"]) for v in client.info("commandstats").values())
+
+
+def breakdown_sqm(qm: QueueManager, seconds: float) -> dict[str, float]:
+    """Per lifecycle, in µs: total, fsync, CF round trips (every Redis command: scripts and admin reads; of which
+    the server's own execution time), the rest (Python)."""
+    fsync, cf = Stopwatch(), Stopwatch()
+    server0 = server_usec(qm.redis)
+    real_fdatasync, real_execute = sqm.log.writer._fdatasync, qm.redis.execute_command
+    sqm.log.writer._fdatasync = fsync.wrap(real_fdatasync)
+    qm.redis.execute_command = cf.wrap(real_execute)  # type: ignore[method-assign]
+    try:
+        conn = qm.connect()
+        t0 = time.perf_counter()
+        n = sqm_lifecycles(conn, t0 + seconds)
+        total = time.perf_counter() - t0
+    finally:
+        sqm.log.writer._fdatasync = real_fdatasync
+        del qm.redis.execute_command  # back to the class's method
+    per = 1e6 / n
+    return {"lifecycles": n, "total_us": total * per, "fsync_us": fsync.seconds * per, "fsyncs": fsync.calls / n,
+            "cf_us": cf.seconds * per, "cf_round_trips": cf.calls / n,
+            "server_us": (server_usec(qm.redis) - server0) / n,
+            "python_us": (total - fsync.seconds - cf.seconds) * per}
+
+
+def breakdown_redis(client: redis.Redis, seconds: float) -> dict[str, float]:
+    rt = Stopwatch()
+    server0 = server_usec(client)
+    client.execute_command = rt.wrap(client.execute_command)  # type: ignore[method-assign]
+    try:
+        t0 = time.perf_counter()
+        n = redis_lifecycles(client, 99, t0 + seconds)
+        total = time.perf_counter() - t0
+    finally:
+        del client.execute_command
+    per = 1e6 / n
+    return {"lifecycles": n, "total_us": total * per, "cf_us": rt.seconds * per, "cf_round_trips": rt.calls / n,
+            "server_us": (server_usec(client) - server0) / n, "python_us": (total - rt.seconds) * per}
+
+
+def raw_fdatasync_us(directory: Path, n: int = 200) -> float:
+    """Median latency of appending 1 KiB and fdatasync-ing it, on the log's disk."""
+    path = directory / "fsync-probe"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        samples = []
+        for _ in range(n):
+            os.write(fd, BODY)
+            t0 = time.perf_counter()
+            os.fdatasync(fd)
+            samples.append(time.perf_counter() - t0)
+    finally:
+        os.close(fd)
+        path.unlink()
+    return statistics.median(samples) * 1e6
+
+
+# --- the run -------------------------------------------------------------------------------------------------
+def log_totals(qms: list[QueueManager]) -> tuple[int, int, int, int]:
+    """(records, bytes, fsyncs, commits) summed over the queue managers."""
+    stats = [qm.log.stats for qm in qms if qm.log is not None]
+    return (sum(s.records for s in stats), sum(s.bytes for s in stats), sum(s.fsyncs for s in stats),
+            sum(qm.counters["commits"] for qm in qms))
+
+
+def measure(url: str, work: Path, seconds: float, rounds: int, console: Console) -> dict[str, Any]:
+    admin = Admin(connect(url))
+    admin.define_structure(STRUCTURE)
+    admin.define_queue(QUEUE, STRUCTURE)
+    qms = [QueueManager(QueueManagerConfig(name=f"QM{i}", log_root=work / "logs", redis_url=url))
+           for i in (1, 2)]
+    for qm in qms:
+        qm.start()
+    clients = [connect(url) for _ in range(8)]
+    try:
+        one_sqm = qms[0].connect()
+        eight_sqm = [qms[i % 2].connect() for i in range(8)]
+        sqm_1: list[Callable[[float], int]] = [partial(sqm_lifecycles, one_sqm)]
+        sqm_8: list[Callable[[float], int]] = [partial(sqm_lifecycles, c) for c in eight_sqm]
+        redis_1: list[Callable[[float], int]] = [partial(redis_lifecycles, clients[0], 0)]
+        redis_8: list[Callable[[float], int]] = [partial(redis_lifecycles, clients[i], i) for i in range(8)]
+        for loops in (sqm_1, redis_1, sqm_8, redis_8):  # warm up: connections, scripts, caches
+            in_threads(loops, min(seconds, 0.5))
+
+        rates: dict[str, list[float]] = {"sqm_1": [], "redis_1": [], "sqm_8": [], "redis_8": []}
+        per_lifecycle: list[tuple[float, float]] = []
+        fsyncs_per_commit: list[float] = []
+        for r in range(rounds):
+            console.log(f"round {r + 1}/{rounds}")
+            rec0, byt0, _, _ = log_totals(qms[:1])
+            rates["sqm_1"].append(in_threads(sqm_1, seconds))
+            rec1, byt1, _, _ = log_totals(qms[:1])
+            lifecycles = rates["sqm_1"][-1] * seconds
+            per_lifecycle.append(((rec1 - rec0) / lifecycles, (byt1 - byt0) / lifecycles))
+            rates["redis_1"].append(in_threads(redis_1, seconds))
+            _, _, fs0, cm0 = log_totals(qms)
+            rates["sqm_8"].append(in_threads(sqm_8, seconds))
+            _, _, fs1, cm1 = log_totals(qms)
+            fsyncs_per_commit.append((fs1 - fs0) / (cm1 - cm0))
+            rates["redis_8"].append(in_threads(redis_8, seconds))
+
+        rate = {k: statistics.median(v) for k, v in rates.items()}
+        result: dict[str, Any] = {f"{k}_per_s": round(v, 1) for k, v in rate.items()}
+        result.update(ratio_1=round(rate["sqm_1"] / rate["redis_1"], 3),
+                      ratio_8=round(rate["sqm_8"] / rate["redis_8"], 3),
+                      fsyncs_per_commit_8=round(statistics.median(fsyncs_per_commit), 3),
+                      log_records_per_lifecycle=round(statistics.median(p[0] for p in per_lifecycle), 2),
+                      log_bytes_per_lifecycle=round(statistics.median(p[1] for p in per_lifecycle)),
+                      rounds=rounds, seconds_per_window=seconds)
+        result["breakdown_sqm_1"] = {k: round(v, 1) for k, v in breakdown_sqm(qms[0], min(seconds, 2)).items()}
+        result["breakdown_redis_1"] = {k: round(v, 1) for k, v in
+                                       breakdown_redis(clients[0], min(seconds, 2)).items()}
+        result["raw_fdatasync_us"] = round(raw_fdatasync_us(work), 1)
+        return result
+    finally:
+        for qm in qms:
+            qm.stop()
+        for c in clients:
+            c.close()
+
+
+def report(result: dict[str, Any], console: Console) -> None:
+    met = {True: "met", False: "MISSED"}
+    table = Table("measure", "value", "baseline (Redis loop)", "ratio", "target",
+                  title="transactional lifecycle of 1 KiB persistent messages")
+    table.add_row("1 connection, lifecycles/s", str(result["sqm_1_per_s"]), str(result["redis_1_per_s"]),
+                  str(result["ratio_1"]), f">= {TARGET_RATIO_1}: {met[result['ratio_1'] >= TARGET_RATIO_1]}")
+    table.add_row("8 connections / 2 SQMs, lifecycles/s", str(result["sqm_8_per_s"]), str(result["redis_8_per_s"]),
+                  str(result["ratio_8"]), "")
+    table.add_row("fsyncs per commit, 8 connections", str(result["fsyncs_per_commit_8"]), "", "",
+                  f"<= {TARGET_FSYNCS_PER_COMMIT}: "
+                  f"{met[result['fsyncs_per_commit_8'] <= TARGET_FSYNCS_PER_COMMIT]}")
+    table.add_row("log records per lifecycle", str(result["log_records_per_lifecycle"]), "", "", "")
+    table.add_row("log bytes per lifecycle", str(result["log_bytes_per_lifecycle"]), "", "", "")
+    console.print(table)
+    split = Table("per lifecycle, 1 connection (instrumented run)", "total µs", "fsync µs (count)",
+                  "round trips µs (count)", "of which server µs", "Python µs")
+    s, b = result["breakdown_sqm_1"], result["breakdown_redis_1"]
+    split.add_row("SQM", str(s["total_us"]), f"{s['fsync_us']} ({s['fsyncs']})",
+                  f"{s['cf_us']} ({s['cf_round_trips']})", str(s["server_us"]), str(s["python_us"]))
+    split.add_row("Redis loop", str(b["total_us"]), "-", f"{b['cf_us']} ({b['cf_round_trips']})",
+                  str(b["server_us"]), str(b["python_us"]))
+    console.print(split)
+    console.print(f"raw fdatasync of 1 KiB on the log's disk: {result['raw_fdatasync_us']} µs (median); "
+                  f"load average {result['machine']['load_average_at_start']} at start, "
+                  f"{result['machine']['load_average_at_end']} at end on {result['machine']['nproc']} CPUs")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a short run: 1 round of 1 s windows")
+    ap.add_argument("--seconds", type=float, default=5.0, help="length of each measuring window")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (the median is reported)")
+    ap.add_argument("--work-dir", type=Path, default=None,
+                    help="where the temporary CF and logs go (default: the system temp dir; must be a real disk)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.seconds, args.rounds = 1.0, 1
+    console = Console()
+    work = Path(tempfile.mkdtemp(prefix="bench-lifecycle-", dir=args.work_dir))
+    result: dict[str, Any] = {"bench": "lifecycle", "date": datetime.now(UTC).isoformat(timespec="seconds"),
+                              "machine": machine(work), "body_bytes": len(BODY), "quick": args.quick}
+    if "tmpfs" in result["machine"]["log_filesystem"]:
+        console.print(f"[red]{work} is on tmpfs: fsync costs nothing there; pass --work-dir on a real disk")
+        shutil.rmtree(work, ignore_errors=True)
+        return 2
+    srv = EmbeddedRedis(data_dir=work / "cf").start()
+    try:
+        result.update(measure(srv.url, work, args.seconds, args.rounds, console))
+    finally:
+        srv.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    result["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    report(result, console)
+    out = REPO / "bench" / "results"
+    out.mkdir(exist_ok=True)
+    with open(out / "lifecycle.jsonl", "a") as f:
+        f.write(json.dumps(result, sort_keys=True) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
