@@ -430,12 +430,17 @@ def _active_structures() -> list[str]:
         return []
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m cfemu.cluster")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("backup-scheduler", help="back up structures every N seconds (cfbackup run)")
     p.add_argument("--interval", type=float, required=True)
     p.add_argument("--structure", action="append", default=[], help="structure to back up (default: all ACTIVE)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.interval <= 0:
         parser.error(f"--interval must be > 0, not {args.interval}")
