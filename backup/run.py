@@ -110,6 +110,7 @@ def run_backup(client: redis.Redis, structure: str, backup_root: Path, *, log_ro
     bar: Progress | None = new_progress() if own_progress else (progress if isinstance(progress, Progress)
                                                                  else None)
     writer: BackupWriter | None = None
+    ended = False
     counts: list[StepCount] = []
     try:
         writer = BackupWriter(Path(backup_root) / structure / backup_id)
@@ -130,34 +131,30 @@ def run_backup(client: redis.Redis, structure: str, backup_root: Path, *, log_ro
             if bar is not None and task is not None:
                 bar.update(task, total=count.snapshot, completed=count.snapshot)
         end_lrsn = s.backup_end(backup_id, clock.now(), ok=True)
+        ended = True
+        steps = [{"step": n, "state": st, "label": label, **asdict(c)}
+                 for n, ((st, label), c) in enumerate(zip(STEPS, counts), start=1)]
+        manifest = writer.finish({
+            "id": backup_id, "group": group, "structure": structure, "structure_def": asdict(sdef),
+            "queues": queues, "members": members, "gen": int(s.info().get("gen", 0)),
+            "start_lrsn": start_lrsn, "floor_lrsn": floor_lrsn, "replay_from": lowest_excluded[0],
+            "end_lrsn": end_lrsn, "started_at": _iso(started_at), "ended_at": _iso(datetime.now(UTC)),
+            "elapsed_s": round(time.monotonic() - t0, 3), "exclint_s": exclint_s, "steps": steps,
+            "entries": sum(c.copied for c in counts), "bytes": sum(c.bytes for c in counts),
+            "nonpersistent_skipped": sum(c.skipped_nonpersistent for c in counts),
+            "excluded": sum(c.excluded for c in counts),
+            "exception_records": (count_exception_records(log_root, structure, start_lrsn, end_lrsn)
+                                  if log_root is not None else None),
+        })
     except BaseException:
-        with contextlib.suppress(Exception):
-            s.backup_end(backup_id, clock.now(), ok=False)
+        if not ended:
+            with contextlib.suppress(Exception):
+                s.backup_end(backup_id, clock.now(), ok=False)
         if writer is not None:
             writer.abort()
         raise
     finally:
         if own_progress and bar is not None:
             bar.stop()
-
-    steps = [{"step": n, "state": st, "label": label, **asdict(c)}
-             for n, ((st, label), c) in enumerate(zip(STEPS, counts), start=1)]
-    manifest: dict[str, Any] = {
-        "id": backup_id, "group": group, "structure": structure, "structure_def": asdict(sdef),
-        "queues": queues, "members": members, "gen": int(s.info().get("gen", 0)),
-        "start_lrsn": start_lrsn, "floor_lrsn": floor_lrsn, "replay_from": min(lowest_excluded[0], floor_lrsn),
-        "end_lrsn": end_lrsn, "started_at": _iso(started_at), "ended_at": _iso(datetime.now(UTC)),
-        "elapsed_s": round(time.monotonic() - t0, 3), "exclint_s": exclint_s, "steps": steps,
-        "entries": sum(c.copied for c in counts), "bytes": sum(c.bytes for c in counts),
-        "nonpersistent_skipped": sum(c.skipped_nonpersistent for c in counts),
-        "excluded": sum(c.excluded for c in counts),
-        "exception_records": (count_exception_records(log_root, structure, start_lrsn, end_lrsn)
-                              if log_root is not None else None),
-    }
-    try:
-        manifest = writer.finish(manifest)
-    except BaseException:
-        writer.abort()
-        raise
     admin.record_backup(structure, catalog_entry(manifest, writer.directory))
     return manifest
