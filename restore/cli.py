@@ -5,6 +5,11 @@
   cfrestore plan STRUCTURE [--backup ID]      what run would do (= run --dry-run): touches nothing
   cfrestore purge STRUCTURE [--mark-failed]   RECOVER CFSTRUCT TYPE(PURGE): empty it and make it usable again
   cfrestore mark-failed STRUCTURE             fail an ACTIVE structure (work on it then fails: MQRC_CF_STRUC_FAILED)
+  cfrestore archive --archive-dir DIR         copy the closed log segments to Parquet (docs/spark.md)
+  cfrestore audit ENTRY_ID --archive-dir DIR  where did message ENTRY_ID go? its records in the archive
+
+Spark engine options (docs/spark.md): --master URL (default local[*]), --conf KEY=VALUE (repeatable),
+--archive-dir DIR (read archived segments from there).
 
 Options: --redis-url (default $REDIS_URL), --backup-dir (default $CFEMU_BACKUP_DIR or ./var/backups),
 --log-root (default $CFEMU_LOG_ROOT or ./var/logs), --json (machine-readable output). Errors are one line on
@@ -58,12 +63,41 @@ def cmd_run(args: argparse.Namespace, console: Console, *, dry_run: bool = False
         result = run_restore(client, args.structure, backup_root=Path(args.backup_dir),
                              log_root=Path(args.log_root), backup_id=args.backup, engine=args.engine,
                              dry_run=dry_run or args.dry_run, mark_failed=args.mark_failed, progress=bars,
-                             report_path=Path(args.report) if args.report else None)
+                             report_path=Path(args.report) if args.report else None,
+                             engine_options=_engine_options(args))
     if args.json:
         _print_json(result.to_json())
     else:
         console.print(summary(result, console))
     return 0
+
+
+def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    if args.engine != "spark":
+        return {}
+    options: dict[str, Any] = {"master": args.master, "conf": dict(args.conf)}
+    if args.archive_dir:
+        options["archive_dir"] = Path(args.archive_dir)
+    return options
+
+
+def _key_value(text: str) -> tuple[str, str]:
+    key, eq, value = text.partition("=")
+    if not eq or not key:
+        raise argparse.ArgumentTypeError(f"--conf expects KEY=VALUE, not {text!r}")
+    return key, value
+
+
+def cmd_archive(args: argparse.Namespace, console: Console) -> int:
+    from restore.archive import archive_command
+
+    return archive_command(Path(args.log_root), Path(args.archive_dir), console, as_json=args.json)
+
+
+def cmd_audit(args: argparse.Namespace, console: Console) -> int:
+    from restore.archive import audit_command
+
+    return audit_command(Path(args.archive_dir), args.entry_id, console, as_json=args.json)
 
 
 def cmd_plan(args: argparse.Namespace, console: Console) -> int:
@@ -107,6 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
                          help="report file (default <backup-dir>/<structure>/restore-<time>.json)")
     restore.add_argument("--mark-failed", action="store_true",
                          help="fail the structure first when it is ACTIVE (its current content is replaced)")
+    restore.add_argument("--master", default="local[*]", help="spark engine: the Spark master URL")
+    restore.add_argument("--conf", action="append", type=_key_value, default=[], metavar="KEY=VALUE",
+                         help="spark engine: a Spark setting (repeatable)")
+    restore.add_argument("--archive-dir", help="spark engine: read archived log segments from this directory")
 
     p = argparse.ArgumentParser(prog="cfrestore", description="Restore CF structures (RECOVER CFSTRUCT).")
     sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
@@ -122,6 +160,15 @@ def build_parser() -> argparse.ArgumentParser:
     mark = sub.add_parser("mark-failed", parents=[common], help="fail an ACTIVE structure")
     mark.add_argument("structure")
     mark.set_defaults(func=cmd_mark_failed)
+    archive = sub.add_parser("archive", parents=[common], help="copy closed log segments to Parquet")
+    archive.add_argument("--log-root", default=os.environ.get(ENV_LOG_ROOT, DEFAULT_LOG_ROOT),
+                         help=f"the members' logs (default ${ENV_LOG_ROOT} or {DEFAULT_LOG_ROOT})")
+    archive.add_argument("--archive-dir", required=True, help="where the Parquet files go")
+    archive.set_defaults(func=cmd_archive)
+    audit = sub.add_parser("audit", parents=[common], help="where did a message go? (from the archive)")
+    audit.add_argument("entry_id")
+    audit.add_argument("--archive-dir", required=True, help="the archive (cfrestore archive)")
+    audit.set_defaults(func=cmd_audit)
     return p
 
 

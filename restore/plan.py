@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,6 +75,33 @@ def restrict(record: Record, structure: str) -> Record:
     return record
 
 
+def prepare_record(record: Record, structure: str) -> Record | None:
+    """The per-record stage: the record as the plan uses it, or None when it does not matter for `structure`."""
+    if not relevant(record, structure):
+        return None
+    return restrict(record, structure)
+
+
+def restore_lrsn_above(max_lrsn: int) -> int:
+    """The restore's own LRSN: above every LRSN read, and not below the wall clock (microseconds)."""
+    return max(max_lrsn + 1, time.time_ns() // 1000)
+
+
+def in_flight_outcome(restore_lrsn: int) -> Outcome:
+    """The outcome restore gives a UOW that has no outcome record: it was in flight when the CF was lost."""
+    return Outcome(BACKOUT, restore_lrsn, "restore")
+
+
+def summarize(dispositions: Counter[str], outcomes: Mapping[str, Outcome], decisions: Mapping[str, str],
+              ended: Collection[str]) -> tuple[Counter[str], set[str]]:
+    """The plan's report counts and its in-commit UOWs (committed, with no END record yet)."""
+    counts = Counter(dispositions)
+    in_commit = {u for u, o in outcomes.items() if o.kind == COMMIT and u not in ended}
+    counts["uows in doubt"] = sum(1 for o in outcomes.values() if o.kind == INDOUBT)
+    counts["uows in flight backed out"] = len(decisions)
+    return counts, in_commit
+
+
 def plan_local(structure: str, backup: Iterable[Copy], records: Iterable[Record], *,
                now_ms: int | None = None) -> RestorePlan:
     now_ms = now_ms if now_ms is not None else int(time.time() * 1000)
@@ -87,11 +114,11 @@ def plan_local(structure: str, backup: Iterable[Copy], records: Iterable[Record]
     by_uow: dict[str, list[Record]] = defaultdict(list)
     ended: set[str] = set()
     per_member: Counter[str] = Counter()
-    for rec in records:
-        max_lrsn = max(max_lrsn, int(rec["l"]))
-        if not relevant(rec, structure):
+    for raw in records:
+        max_lrsn = max(max_lrsn, int(raw["l"]))
+        rec = prepare_record(raw, structure)
+        if rec is None:
             continue
-        rec = restrict(rec, structure)
         per_member[rec.get("m", "?")] += 1
         if rec["k"] == "END":
             ended.add(rec["u"])
@@ -107,19 +134,16 @@ def plan_local(structure: str, backup: Iterable[Copy], records: Iterable[Record]
         o = decide_outcome(recs)
         if o is not None:
             outcomes[uid] = o
-    restore_lrsn = max(max_lrsn + 1, time.time_ns() // 1000)
+    restore_lrsn = restore_lrsn_above(max_lrsn)
     decisions: dict[str, str] = {}
     for eid in best.keys() | by_entry.keys():
         for uid in uows_named(best.get(eid), by_entry.get(eid, ())):
             if uid not in outcomes:
-                outcomes[uid] = Outcome(BACKOUT, restore_lrsn, "restore")
+                outcomes[uid] = in_flight_outcome(restore_lrsn)
                 decisions[uid] = owner_of(uid)
 
     settled = [settle(eid, best.get(eid), by_entry.get(eid, ()), outcomes, now_ms)
                for eid in best.keys() | by_entry.keys()]
-    counts = Counter(s.disposition for s in settled)
-    in_commit = {u for u, o in outcomes.items() if o.kind == COMMIT and u not in ended}
-    counts["uows in doubt"] = sum(1 for o in outcomes.values() if o.kind == INDOUBT)
-    counts["uows in flight backed out"] = len(decisions)
+    counts, in_commit = summarize(Counter(s.disposition for s in settled), outcomes, decisions, ended)
     return RestorePlan(structure, restore_lrsn, settled, outcomes, decisions, in_commit, counts, per_member,
                        max_lrsn)

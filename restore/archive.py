@@ -1,0 +1,247 @@
+"""A columnar archive of the record logs: each closed segment as one Parquet file (docs/spark.md).
+
+    <archive>/<member>/seg-00000001.parquet     one file per sealed segment, written once
+
+Columns, one row per log record, in the segment's append order:
+
+    lrsn int64 · member string · segment int32 · offset int64 (where the frame starts in its segment) ·
+    kind string · uow string (null when the record names none) · entry_ids list<string> (sqm.records.entry_ids) ·
+    structure string (PUT/GET/EXPIRE: the structure; null otherwise) · queue string (PUT/GET; null otherwise) ·
+    record binary (the record, msgpack, as in the log frame)
+
+Only closed segments are archived: every segment but a member's last one, which its writer may still append
+to. A segment's file is written to a temporary name, fsynced and renamed, so an archive never holds part of a
+segment; archiving again skips the segments already there. The Spark engine reads the archived segments
+instead of the segment files (with the LRSN and relevance filters pushed into the Parquet scan), and the
+archive answers audit questions such as "where did message X go?" (audit_message).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from restore.plan import OUTCOME_KINDS
+from sqm.log import LogReader, find_log_dirs
+from sqm.log.format import SegmentScan, fsync_directory, list_segments, segment_name
+from sqm.records import Record, describe, entry_ids
+
+SCHEMA = pa.schema([
+    ("lrsn", pa.int64()),
+    ("member", pa.string()),
+    ("segment", pa.int32()),
+    ("offset", pa.int64()),
+    ("kind", pa.string()),
+    ("uow", pa.string()),
+    ("entry_ids", pa.list_(pa.string())),
+    ("structure", pa.string()),
+    ("queue", pa.string()),
+    ("record", pa.binary()),
+])
+ROW_GROUP_ROWS = 64_000
+ENTRY_KINDS = ("PUT", "GET", "EXPIRE")
+
+
+def archived_segment(archive_dir: Path, member: str, segment: int) -> Path | None:
+    """The Parquet file of one archived segment, or None when that segment is not archived."""
+    path = archive_dir / member / segment_name(segment).replace(".log", ".parquet")
+    return path if path.is_file() else None
+
+
+def segment_table(path: Path, segment: int, member: str) -> pa.Table:
+    """One closed segment as an Arrow table (decoded by sqm.log's SegmentScan: a damaged frame raises)."""
+    cols: dict[str, list[Any]] = {name: [] for name in SCHEMA.names}
+    pack = msgpack.Packer(use_bin_type=True).pack
+    for pos, rec in SegmentScan(path, segment, member, is_last=False):
+        kind = rec["k"]
+        cols["lrsn"].append(rec["l"])
+        cols["member"].append(member)
+        cols["segment"].append(pos.segment)
+        cols["offset"].append(pos.offset)
+        cols["kind"].append(kind)
+        cols["uow"].append(rec.get("u") or None)
+        cols["entry_ids"].append(entry_ids(rec))
+        cols["structure"].append(rec["s"] if kind in ENTRY_KINDS else None)
+        cols["queue"].append(rec["q"] if kind == "GET" else rec["e"]["q"] if kind == "PUT" else None)
+        cols["record"].append(pack(rec))
+    return pa.table(cols, schema=SCHEMA)
+
+
+@dataclass
+class ArchiveResult:
+    archived: list[Path]  # Parquet files written by this run
+    skipped: int  # closed segments already archived
+    records: int  # records written by this run
+
+
+def closed_segments(log_dir: Path) -> list[tuple[int, Path]]:
+    """A log's closed segments: all but the last (the writer rolls to a new segment only after sealing)."""
+    return list_segments(log_dir)[:-1]
+
+
+def archive_logs(log_root: str | Path, out_dir: str | Path,
+                 progress: Callable[[int, int], None] | None = None) -> ArchiveResult:
+    """Archive every closed segment of every log under log_root into out_dir (idempotent).
+    progress(done, total) counts closed segments."""
+    out = Path(out_dir)
+    log_dirs = find_log_dirs(log_root)
+    if not log_dirs:
+        raise FileNotFoundError(f"{log_root}: no record logs here (expected one directory per member)")
+    work = [(LogReader(d).member, segno, path) for d in log_dirs for segno, path in closed_segments(d)]
+    result = ArchiveResult([], 0, 0)
+    for done, (member, segno, path) in enumerate(work, 1):
+        if archived_segment(out, member, segno) is not None:
+            result.skipped += 1
+        else:
+            table = segment_table(path, segno, member)
+            result.archived.append(_write_atomically(table, out / member, segno))
+            result.records += table.num_rows
+        if progress is not None:
+            progress(done, len(work))
+    return result
+
+
+def _write_atomically(table: pa.Table, directory: Path, segment: int) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    final = directory / segment_name(segment).replace(".log", ".parquet")
+    tmp = final.with_suffix(".parquet.tmp")
+    pq.write_table(table, tmp, row_group_size=ROW_GROUP_ROWS, compression="zstd")
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, final)
+    fsync_directory(directory)
+    return final
+
+
+def archive_files(archive_dir: str | Path) -> list[Path]:
+    return sorted(Path(archive_dir).glob("*/seg-*.parquet"))
+
+
+def decode(record: bytes, member: str) -> Record:
+    """A record from the archive, tagged with its member like the merged log's records."""
+    rec: Record = msgpack.unpackb(record, raw=False, strict_map_key=False)
+    rec["m"] = member
+    return rec
+
+
+# ---------------------------------------------------------------------------------------------- Spark reader
+
+
+def archived_records(spark: Any, files: list[str], structure: str, replay_from: int) -> tuple[Any, int]:
+    """(RDD of (merged-log order key, record), highest LRSN >= replay_from in the files) for the Spark engine.
+
+    The LRSN range and the relevance test (restore.plan.relevant) are pushed into the Parquet scan; the highest
+    LRSN is taken over every record in range, relevant or not, as plan_local does."""
+    from pyspark.sql import functions as F
+
+    df = spark.read.schema(SCHEMA_DDL).parquet(*files).where(F.col("lrsn") >= replay_from)
+    top = df.agg(F.max("lrsn")).first()[0]
+    wanted = df.where((F.col("kind").isin(*ENTRY_KINDS) & (F.col("structure") == structure))
+                      | F.col("kind").isin(*OUTCOME_KINDS, "END"))
+    rdd = wanted.select("lrsn", "member", "segment", "offset", "record").rdd.map(
+        lambda row: ((row[0], row[1], row[2], row[3]), decode(row[4], row[1])))
+    return rdd, int(top or 0)
+
+
+SCHEMA_DDL = ("lrsn BIGINT, member STRING, segment INT, offset BIGINT, kind STRING, uow STRING, "
+              "entry_ids ARRAY<STRING>, structure STRING, queue STRING, record BINARY")
+
+
+# -------------------------------------------------------------------------------------------------- audit
+
+
+def audit_message(archive_dir: str | Path, entry_id: str) -> list[Record]:
+    """Where did message `entry_id` go? Every archived record that names it (its put, its gets, expiry, a
+    backout carrying its data) and the outcome records (COMMIT, BACKOUT, PREPARE, RECOVERY, END) of the UOWs
+    those name, in merged-log order (LRSN, member, segment, offset). Each record carries its member in "m"."""
+    files = archive_files(archive_dir)
+    naming = list(_scan(files, lambda t: _names_entry(t, entry_id)))
+    uows = sorted({r["u"] for _, r in naming if r.get("u")})
+    outcomes = list(_scan(files, lambda t: pc.and_(pc.is_in(t["kind"], pa.array(OUTCOME_KINDS + ("END",))),
+                                                   pc.is_in(t["uow"], pa.array(uows, pa.string())))))
+    found = {key: rec for key, rec in naming + outcomes}
+    return [found[key] for key in sorted(found)]
+
+
+def _names_entry(table: pa.Table, entry_id: str) -> pa.ChunkedArray:
+    ids = pc.list_flatten(table["entry_ids"])
+    rows = pc.list_parent_indices(table["entry_ids"])
+    hit = pc.filter(rows, pc.equal(ids, entry_id))
+    return pc.is_in(pa.array(range(table.num_rows)), hit)
+
+
+def _scan(files: Iterable[Path], predicate: Callable[[pa.Table], Any]
+          ) -> Iterator[tuple[tuple[int, str, int, int], Record]]:
+    for f in files:
+        table = pq.read_table(f)
+        if table.num_rows == 0:
+            continue
+        for row in table.filter(predicate(table)).to_pylist():
+            yield (row["lrsn"], row["member"], row["segment"], row["offset"]), decode(row["record"], row["member"])
+
+
+# ---------------------------------------------------------------------------------------------------- CLI
+
+
+def archive_command(log_root: Path, archive_dir: Path, console: Console, *, as_json: bool = False) -> int:
+    """cfrestore archive: archive the closed segments with a progress bar, then a one-line summary."""
+    with Progress(TextColumn("archive"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, disable=as_json or not console.is_terminal) as bar:
+        task = bar.add_task("segments", total=None)
+        result = archive_logs(log_root, archive_dir, lambda done, total: bar.update(task, completed=done,
+                                                                                     total=total))
+    if as_json:
+        print(json.dumps({"archived": [str(p) for p in result.archived], "skipped": result.skipped,
+                          "records": result.records}))
+    else:
+        console.print(f"archived {len(result.archived)} segments ({result.records} records) into {archive_dir}; "
+                      f"{result.skipped} already archived")
+    return 0
+
+
+def audit_command(archive_dir: Path, entry_id: str, console: Console, *, as_json: bool = False) -> int:
+    """cfrestore audit: the records of one message, a table in LRSN order."""
+    if not archive_files(archive_dir):
+        raise FileNotFoundError(f"{archive_dir}: no archived segments here (run cfrestore archive first)")
+    found = audit_message(archive_dir, entry_id)
+    if as_json:
+        print(json.dumps([{"lrsn": r["l"], "member": r["m"], "kind": r["k"], "uow": r.get("u", ""),
+                           "what": describe(r)} for r in found]))
+        return 0 if found else 1
+    if not found:
+        console.print(f"no archived record names message {entry_id}")
+        return 1
+    table = Table(title=f"message {entry_id}")
+    for column in ("LRSN", "member", "kind", "UOW", "what"):
+        table.add_column(column)
+    for r in found:
+        table.add_row(str(r["l"]), r["m"], r["k"], r.get("u", ""), describe(r))
+    console.print(table)
+    return 0
+
+
+def audit_dataframe(spark: Any, archive_dir: str | Path, entry_id: str) -> Any:
+    """The Spark form of audit_message, for archives too big for one machine: a DataFrame of the records that
+    name `entry_id` and the outcome records of their UOWs, ordered by (lrsn, member, segment, offset)."""
+    from pyspark.sql import functions as F
+
+    log = spark.read.schema(SCHEMA_DDL).parquet(str(Path(archive_dir) / "*" / "seg-*.parquet"))
+    naming = log.where(F.array_contains("entry_ids", entry_id))
+    uows = naming.where(F.col("uow").isNotNull()).select("uow").distinct()
+    outcomes = log.where(F.col("kind").isin(*OUTCOME_KINDS, "END")).join(uows, "uow", "left_semi")
+    return naming.unionByName(outcomes).distinct().orderBy("lrsn", "member", "segment", "offset")

@@ -1,0 +1,454 @@
+"""The Spark restore engine: the restore plan as a PySpark job (docs/spark.md; DESIGN-NOTES section 7).
+
+The job is the local engine's plan, stage for stage, with the same functions running inside Spark's Python
+workers (restore.plan.prepare_record, restore.settle.decide_outcome / best_copy / uows_named / settle):
+
+  read backup  one task per backup entry file (backup.files.Backup verifies each file as it reads it);
+  read logs    one task per log segment, decoded by sqm.log's own SegmentScan (or, for segments archived by
+               restore.archive, a Parquet scan with the LRSN and relevance filters pushed down), each record
+               passed through prepare_record;
+  settle       outcome records grouped by UOW -> decide_outcome; entry records and backup copies grouped by
+               entry id -> best copy; the UOWs each entry names joined with their outcomes (UOWs with none
+               were in flight: backed out at restore_lrsn, like plan_local); then settle per entry.
+
+Within a group, records are put in merged-log order (LRSN, member, segment, offset) and copies in backup-file
+order before the fold sees them: that is the order the local engine reads them in, so ties fold the same way.
+The plan comes back to the driver as the same RestorePlan plan_local returns (the settled rows are streamed
+partition by partition with toLocalIterator rather than collected at once).
+
+Spark runs quietly: its log4j output, and the JVM's stderr, go to a log file; its stages report through the
+engine's progress callback as the restore phases (a thread polls the status tracker).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import tempfile
+import threading
+import time
+import zipfile
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from pyspark import AccumulatorParam, SparkConf, StorageLevel
+from pyspark.sql import SparkSession
+
+from restore.engine import (
+    READ_BACKUP,
+    READ_LOGS,
+    SETTLE,
+    BackupSource,
+    Progress,
+    no_progress,
+    register_engine,
+)
+from restore.plan import (
+    OUTCOME_KINDS,
+    Copy,
+    RestorePlan,
+    in_flight_outcome,
+    owner_of,
+    prepare_record,
+    restore_lrsn_above,
+    summarize,
+)
+from restore.settle import Outcome, Settled, best_copy, decide_outcome, settle, uows_named
+from sqm.log import LogFormatError, LogReader
+from sqm.log.format import SegmentScan, list_segments, read_manifest, trusted_segments
+from sqm.records import Record, entry_ids
+
+DEFAULT_LOG_FILE = Path("var") / "spark" / "spark.log"
+# Records per shuffle partition: small enough that one Python worker groups a partition in memory.
+RECORDS_PER_PARTITION = 200_000
+POLL_SECONDS = 0.25
+TASK_BYTES = 32 * 2**20  # input bytes per reading task
+STREAM_ABOVE = 1_000_000  # records and copies: above this, the plan is streamed to the driver, not collected
+
+# merged-log order of a record: (LRSN, member, segment, offset)
+OrderKey = tuple[int, str, int, int]
+SegmentTask = tuple[str, int, str, bool]  # (member, segment number, path, is the member's last segment)
+
+
+class _MaxParam(AccumulatorParam):
+    """A max accumulator: re-running a task cannot change it (max is idempotent)."""
+
+    def zero(self, value: int) -> int:
+        return 0
+
+    def addInPlace(self, value1: int, value2: int) -> int:
+        return max(value1, value2)
+
+
+# ------------------------------------------------------------------------------------------ worker functions
+# Module-level functions: Spark pickles them by reference, and the workers import this module.
+
+
+def scan_segment(task: SegmentTask, replay_from: int) -> Iterator[tuple[OrderKey, Record]]:
+    """Every record of one segment with LRSN >= replay_from, tagged with its member (the merged log's "m")."""
+    member, segno, path, is_last = task
+    for pos, rec in SegmentScan(Path(path), segno, member, is_last=is_last):
+        if rec["l"] >= replay_from:
+            rec["m"] = member
+            yield (rec["l"], member, pos.segment, pos.offset), rec
+
+
+def read_backup_file(backup_path: str, manifest: dict[str, Any], index: int
+                     ) -> Iterator[tuple[str, tuple[tuple[int, int], Copy]]]:
+    """The copies of one backup entry file, keyed by entry id, with their (file, frame) position."""
+    from backup.files import Backup  # the workers import it; the driver may be handed any BackupSource
+
+    one_file = Backup(Path(backup_path), dict(manifest, files=[manifest["files"][index]]))
+    for frame, copy in enumerate(one_file.copies()):
+        yield copy[1]["id"], ((index, frame), copy)
+
+
+def prepared(keyed: tuple[OrderKey, Record], structure: str, max_seen: Any) -> list[tuple[OrderKey, Record]]:
+    """prepare_record on one record (the LRSN of every record read counts towards max_lrsn, as in plan_local)."""
+    key, rec = keyed
+    max_seen.add(key[0])
+    out = prepare_record(rec, structure)
+    return [] if out is None else [(key, out)]
+
+
+def decide_group(group: tuple[str, Iterable[tuple[OrderKey, Record]]]) -> list[tuple[str, Outcome]]:
+    uow, keyed = group
+    outcome = decide_outcome([r for _, r in sorted(keyed, key=lambda kr: kr[0])])
+    return [] if outcome is None else [(uow, outcome)]
+
+
+def entry_group(values: Iterable[tuple[int, Any]]) -> tuple[Copy | None, list[Record]]:
+    """One entry's best backup copy and its records in merged-log order (tag 0: a record, 1: a copy)."""
+    records: list[tuple[OrderKey, Record]] = []
+    copies: list[tuple[tuple[int, int], Copy]] = []
+    for tag, item in values:
+        (copies if tag else records).append(item)
+    copies.sort(key=lambda pc: pc[0])
+    records.sort(key=lambda kr: kr[0])
+    return best_copy(c for _, c in copies), [r for _, r in records]
+
+
+def named_uows(item: tuple[str, tuple[Copy | None, list[Record]]]) -> list[tuple[str, str]]:
+    eid, (best, records) = item
+    return [(uow, eid) for uow in uows_named(best, records)]
+
+
+def settle_group(item: tuple[str, tuple[Iterable[tuple[Copy | None, list[Record]]],
+                                         Iterable[tuple[str, Outcome | None]]]],
+                 restore_lrsn: int, now_ms: int) -> list[tuple[str, Any]]:
+    """settle() one entry: ("s", Settled), then ("d", uow) for each UOW it names that restore decides (backed out
+    at restore_lrsn, as plan_local does for a UOW with no outcome record)."""
+    eid, (groups, named) = item
+    best, records = next(iter(groups))
+    outcomes: dict[str, Outcome] = {}
+    undecided: list[tuple[str, Any]] = []
+    for uow, outcome in named:
+        if outcome is None:
+            outcome = in_flight_outcome(restore_lrsn)
+            undecided.append(("d", uow))
+        outcomes[uow] = outcome
+    return [("s", settle(eid, best, records, outcomes, now_ms)), *undecided]
+
+
+def log_stats(keyed: Iterator[tuple[OrderKey, Record]]) -> Iterator[tuple[Counter[str], list[str]]]:
+    """Per partition: relevant records per member, and the UOWs with an END record."""
+    members: Counter[str] = Counter()
+    ended: list[str] = []
+    for _, rec in keyed:
+        members[rec.get("m", "?")] += 1
+        if rec["k"] == "END":
+            ended.append(rec["u"])
+    yield members, ended
+
+
+# ------------------------------------------------------------------------------------------------ the engine
+
+
+class SparkEngine:
+    """Restore planning on Spark. master: any Spark master URL ("local[*]", "spark://host:7077", ...); conf:
+    further Spark settings; log_file: where Spark's own logging goes; archive_dir: a restore.archive directory
+    whose Parquet copies of sealed segments are read instead of the segment files; spark: an existing
+    SparkSession to use (tests share one)."""
+
+    name = "spark"
+
+    def __init__(self, master: str = "local[*]", conf: Mapping[str, str] | None = None,
+                 log_file: str | Path = DEFAULT_LOG_FILE, archive_dir: str | Path | None = None,
+                 spark: SparkSession | None = None) -> None:
+        self.master = master
+        self.conf = dict(conf or {})
+        self.log_file = Path(log_file).absolute()
+        self.archive_dir = Path(archive_dir) if archive_dir is not None else None
+        self._spark = spark
+        self.phase_seconds: dict[str, float] = {}
+
+    # --- the session ---------------------------------------------------------------------------------------
+    def session(self) -> SparkSession:
+        """The SparkSession (started on first use, quietly: logging and JVM stderr go to log_file)."""
+        if self._spark is None:
+            self._spark = start_session(self.master, self.conf, self.log_file)
+        return self._spark
+
+    # --- the plan --------------------------------------------------------------------------------------------
+    def plan(self, structure: str, backup: BackupSource, log_dirs: list[Path], replay_from: int, now_ms: int,
+             progress: Progress = no_progress) -> RestorePlan:
+        spark = self.session()
+        sc = spark.sparkContext
+        segments, archived = self._log_sources(log_dirs, replay_from)
+        with _StageProgress(sc, progress) as phases:
+            phases.start(READ_BACKUP)
+            copies = self._backup_copies(sc, backup).persist(StorageLevel.MEMORY_AND_DISK)
+            n_copies, backup_max = copies.map(lambda kv: int(kv[1][1][1]["l"])).aggregate(
+                (0, 0), lambda acc, lrsn: (acc[0] + 1, max(acc[1], lrsn)),
+                lambda a, b: (a[0] + b[0], max(a[1], b[1])))
+            phases.done(READ_BACKUP)
+
+            phases.start(READ_LOGS)
+            max_seen = sc.accumulator(0, _MaxParam())
+            raw, archive_max = self._records(spark, segments, archived, structure, replay_from)
+            records = raw.flatMap(lambda kr: prepared(kr, structure, max_seen)).persist(
+                StorageLevel.MEMORY_AND_DISK)
+            per_member: Counter[str] = Counter()
+            ended: set[str] = set()
+            for members, ended_here in records.mapPartitions(log_stats).collect():
+                per_member.update(members)
+                ended.update(ended_here)
+            phases.done(READ_LOGS)
+
+            phases.start(SETTLE)
+            n_records = sum(per_member.values()) + n_copies
+            parts = max(sc.defaultParallelism, n_records // RECORDS_PER_PARTITION)
+            max_lrsn = max(backup_max, archive_max, max_seen.value)
+            restore_lrsn = restore_lrsn_above(max_lrsn)
+            outcome_rdd = (records.filter(lambda kr: kr[1]["k"] in OUTCOME_KINDS)
+                           .map(lambda kr: (kr[1]["u"], kr)).groupByKey(parts).flatMap(decide_group)
+                           .persist(StorageLevel.MEMORY_AND_DISK))
+            entries = (records.flatMap(lambda kr: [(eid, (0, kr)) for eid in entry_ids(kr[1])])
+                       .union(copies.mapValues(lambda pc: (1, pc)))
+                       .groupByKey(parts).mapValues(entry_group).persist(StorageLevel.MEMORY_AND_DISK))
+            # Each entry's UOWs with their outcomes (None: no outcome record, the UOW was in flight).
+            needs = entries.flatMap(named_uows).leftOuterJoin(outcome_rdd, parts).map(
+                lambda kv: (kv[1][0], (kv[0], kv[1][1])))
+            results = (entries.cogroup(needs, parts).flatMap(lambda item: settle_group(item, restore_lrsn, now_ms))
+                       .union(outcome_rdd.map(lambda uo: ("o", uo))))
+            # One job brings the plan back; a big one streams in partition by partition.
+            rows = results.toLocalIterator(prefetchPartitions=True) if n_records > STREAM_ABOVE \
+                else results.collect()
+            settled: list[Settled] = []
+            outcomes: dict[str, Outcome] = {}
+            decisions: dict[str, str] = {}
+            for tag, item in rows:
+                if tag == "s":
+                    settled.append(item)
+                elif tag == "o":
+                    outcomes[item[0]] = item[1]
+                else:
+                    decisions[item] = owner_of(item)
+            phases.done(SETTLE)
+            for rdd in (copies, records, outcome_rdd, entries):
+                rdd.unpersist()
+        self.phase_seconds = phases.seconds
+        for uow in decisions:
+            outcomes[uow] = in_flight_outcome(restore_lrsn)
+        counts, in_commit = summarize(Counter(s.disposition for s in settled), outcomes, decisions, ended)
+        return RestorePlan(structure, restore_lrsn, settled, outcomes, decisions, in_commit, counts, per_member,
+                           max_lrsn)
+
+    # --- inputs ---------------------------------------------------------------------------------------------
+    def _backup_copies(self, sc: Any, backup: BackupSource) -> Any:
+        manifest = backup.manifest
+        path = getattr(backup, "path", None)
+        if path is not None and manifest.get("files"):
+            sizes = [int(f["size"]) for f in manifest["files"]]
+            return sc.parallelize(range(len(sizes)), _slices(sc, sizes)).flatMap(
+                lambda i: read_backup_file(str(path), manifest, i))
+        # Any other BackupSource: read on the driver, then distributed.
+        copies = [(c[1]["id"], ((0, n), c)) for n, c in enumerate(backup.copies())]
+        return sc.parallelize(copies, max(1, min(sc.defaultParallelism, len(copies))))
+
+    def _log_sources(self, log_dirs: list[Path], replay_from: int) -> tuple[list[SegmentTask], list[str]]:
+        """The segments to scan, and the archived (Parquet) segment files to read instead of their segments.
+        A sealed segment whose manifest says every LRSN is below replay_from is skipped, as LogReader does."""
+        from restore.archive import archived_segment
+
+        tasks: list[SegmentTask] = []
+        archived: list[str] = []
+        seen: dict[str, Path] = {}
+        for d in log_dirs:
+            member = LogReader(d).member
+            if member in seen:
+                raise LogFormatError(f"member {member!r} appears twice: {seen[member]} and {d}")
+            seen[member] = Path(d)
+            segs = list_segments(Path(d))
+            trusted = trusted_segments(Path(d), read_manifest(Path(d)))
+            last = segs[-1][0] if segs else -1
+            for segno, path in segs:
+                info = trusted.get(segno)
+                if segno != last and info is not None and (info.max_lrsn is None or info.max_lrsn < replay_from):
+                    continue
+                parquet = archived_segment(self.archive_dir, member, segno) if self.archive_dir else None
+                if parquet is not None and segno != last:
+                    archived.append(str(parquet))
+                else:
+                    tasks.append((member, segno, str(path.absolute()), segno == last))
+        return tasks, archived
+
+    def _records(self, spark: SparkSession, segments: list[SegmentTask], archived: list[str], structure: str,
+                 replay_from: int) -> tuple[Any, int]:
+        """(merged-log order key, record) of the records read from segment files and archived segments, and
+        the highest LRSN in range of the archived ones (their irrelevant records are filtered out in the scan)."""
+        sc = spark.sparkContext
+        rdd = sc.parallelize(segments, _slices(sc, [Path(t[2]).stat().st_size for t in segments])).flatMap(
+            lambda t: scan_segment(t, replay_from))
+        if not archived:
+            return rdd, 0
+        from restore.archive import archived_records
+
+        from_archive, archive_max = archived_records(spark, archived, structure, replay_from)
+        return rdd.union(from_archive), archive_max
+
+
+def _slices(sc: Any, sizes: list[int]) -> int:
+    """How many tasks read these files: one per file when files are big (a 64 MiB log segment is a good
+    task), fewer for many small ones (a task costs ~10 ms even when it reads nothing), at least one per core."""
+    wanted = max(sc.defaultParallelism, sum(sizes) // TASK_BYTES)
+    return max(1, min(len(sizes), wanted))
+
+
+# ------------------------------------------------------------------------------------------- session set-up
+
+
+LOG4J2_TEMPLATE = """\
+status = error
+appender.file.type = File
+appender.file.name = file
+appender.file.fileName = {log_file}
+appender.file.layout.type = PatternLayout
+appender.file.layout.pattern = %d{{ISO8601}} %p %c{{1}}: %m%n
+rootLogger.level = info
+rootLogger.appenderRef.file.ref = file
+logger.jetty.name = org.sparkproject.jetty
+logger.jetty.level = warn
+"""
+
+
+def start_session(master: str, conf: Mapping[str, str], log_file: Path) -> SparkSession:
+    """Start (or join) a SparkSession whose log output and JVM stderr go to log_file, not the console."""
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    props = log_file.with_suffix(".log4j2.properties")
+    props.write_text(LOG4J2_TEMPLATE.format(log_file=log_file))
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    java_opts = f"-Dlog4j2.configurationFile=file:{props}"
+    spark_conf = SparkConf().setMaster(master).setAppName("cfrestore").setAll([
+        ("spark.ui.showConsoleProgress", "false"),
+        ("spark.ui.enabled", "false"),
+        ("spark.driver.extraJavaOptions", java_opts),
+        ("spark.executor.extraJavaOptions", java_opts),
+        ("spark.sql.shuffle.partitions", "8"),
+        ("spark.python.worker.reuse", "true"),
+    ])
+    spark_conf.setAll(list(conf.items()))
+    with _stderr_to(log_file):  # the JVM inherits stderr when it starts: its early warnings go to the file too
+        spark = SparkSession.builder.config(conf=spark_conf).getOrCreate()
+    if not master.startswith("local"):
+        # Executors on other machines import this code: ship the project's packages with the job.
+        spark.sparkContext.addPyFile(str(_packages_zip(log_file.parent)))
+    return spark
+
+
+@contextlib.contextmanager
+def _stderr_to(path: Path) -> Iterator[None]:
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(path, "ab") as f:
+        os.dup2(f.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _packages_zip(work_dir: Path) -> Path:
+    root = Path(__file__).resolve().parent.parent
+    fd, name = tempfile.mkstemp(prefix="cfrestore-", suffix=".zip", dir=work_dir)
+    os.close(fd)
+    with zipfile.ZipFile(name, "w") as z:
+        for package in ("cfemu", "sqm", "backup", "restore"):
+            for f in (root / package).rglob("*"):
+                if f.suffix in (".py", ".lua"):
+                    z.write(f, f.relative_to(root))
+    return Path(name)
+
+
+class _StageProgress:
+    """Reports the Spark jobs of the current restore phase (tasks done / total) through progress(), from a
+    polling thread; records each phase's wall time in `seconds`."""
+
+    def __init__(self, sc: Any, progress: Progress) -> None:
+        self.sc = sc
+        self.progress = progress
+        self.phase: str | None = None
+        self.seconds: dict[str, float] = {}
+        self._started = 0.0
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._poll, name="spark-progress", daemon=True)
+
+    def __enter__(self) -> _StageProgress:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sc.setLocalProperty("spark.jobGroup.id", None)
+
+    def start(self, phase: str) -> None:
+        with self._lock:
+            self.phase = phase
+            self._started = time.monotonic()
+        self.sc.setJobGroup(phase, f"cfrestore: {phase}")
+        self.progress(phase, 0, None)
+
+    def done(self, phase: str) -> None:
+        with self._lock:
+            self.seconds[phase] = time.monotonic() - self._started
+            self.phase = None
+        _, total = self._tasks(phase)
+        self.progress(phase, total, total)
+
+    def _tasks(self, phase: str) -> tuple[int, int]:
+        tracker = self.sc.statusTracker()
+        done = total = 0
+        for job_id in tracker.getJobIdsForGroup(phase):
+            job = tracker.getJobInfo(job_id)
+            if job is None:
+                continue
+            for stage_id in job.stageIds:
+                stage = tracker.getStageInfo(stage_id)
+                if stage is not None:
+                    done += stage.numCompletedTasks
+                    total += stage.numTasks
+        return done, total
+
+    def _poll(self) -> None:
+        while not self._stop.wait(POLL_SECONDS):
+            with self._lock:
+                phase = self.phase
+            if phase is None:
+                continue
+            done, total = self._tasks(phase)
+            if total:
+                self.progress(phase, done, total)
+
+
+def make_engine(**options: Any) -> SparkEngine:
+    return SparkEngine(**options)
+
+
+register_engine("spark", make_engine)
