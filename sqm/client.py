@@ -176,7 +176,18 @@ class Client:
             readable, _, _ = select.select([self._sock], [], [], 0)
         except (OSError, ValueError):
             return True
-        return bool(readable)
+        if not readable:
+            return False
+        if isinstance(self._sock, ssl.SSLSocket):
+            # TLS records that carry no application data (a TLS 1.3 session ticket) also make the socket readable.
+            try:
+                self._sock.setblocking(False)
+                self._sock.recv(1)
+            except ssl.SSLWantReadError:
+                return False
+            except OSError:
+                return True
+        return True
 
     def close(self) -> None:
         """Disconnect. Like MQDISC after an abnormal end, the server backs out an open unit of work."""
