@@ -163,6 +163,10 @@ class Admin:
 
     def _set_epoch(self, member: str, epoch: int) -> None:
         self.redis.hset(EPOCHS, member, epoch)
+        self.join_structures(member, epoch)
+
+    def join_structures(self, member: str, epoch: int) -> None:
+        """Carry a member's epoch into every structure's fence (a structure rebuilt by restore starts without)."""
         for s in self.structures():
             self.redis.hset(keys.script_keys(s.name)[1], member, epoch)
 

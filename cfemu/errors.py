@@ -35,6 +35,10 @@ class FencedError(MQError):
     reason, reason_name = 2009, "MQRC_CONNECTION_BROKEN"
 
 
+class NotJoinedError(StructureFailedError):
+    """The structure does not know this member (it was rebuilt after a CF loss): join the group again."""
+
+
 class BackedOutError(MQError):
     reason, reason_name = 2003, "MQRC_BACKED_OUT"
 
@@ -87,6 +91,7 @@ def from_script_error(message: str, structure: str) -> MQError:
         "NOSTRUCT": StructureFailedError,
         "CFSTATE": StructureFailedError,
         "FENCED": FencedError,
+        "NOTJOINED": NotJoinedError,
         "FULL": StructureFullError,
         "NOQUEUE": UnknownObjectError,
         "BACKEDOUT": BackedOutError,

@@ -35,6 +35,7 @@ from cfemu.errors import (
     MessageTooBigError,
     MQError,
     NoMessageError,
+    NotJoinedError,
     StructureFailedError,
     UnknownObjectError,
 )
@@ -110,6 +111,7 @@ class QueueManager:
         self.counters = {"commits": 0, "backouts": 0, "puts": 0, "gets": 0, "peer_recoveries": 0,
                          "backout_records_with_data": 0, "floor_retries": 0}
         self._queue_cache: dict[str, QueueDef] = {}
+        self._membership_lock = threading.Lock()
         self._seq = 0
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -218,14 +220,40 @@ class QueueManager:
             self.uows.pop(uow.id, None)
 
     def _cf_call(self, fn: Callable[[], Any]) -> Any:
-        """Run a CF call; a fencing refusal marks this queue manager fenced; a dead CF is a failed structure."""
+        """Run a CF call; a fencing refusal marks this queue manager fenced; a dead CF is a failed structure; a
+        structure rebuilt after a CF loss that does not know this member yet is joined, and the call retried."""
         try:
-            return fn()
+            try:
+                return fn()
+            except NotJoinedError:
+                self.renew_membership()
+                return fn()
         except FencedError:
             self.fenced = True
             raise
         except CF_DOWN as e:
             raise StructureFailedError(f"the CF is unavailable: {e}") from None
+
+    def renew_membership(self) -> None:
+        """Renew the lease; re-join the group when the CF lost it (a new, higher epoch); mark fenced when a peer
+        took over. Called by the heartbeat, and at once when a structure does not know this member."""
+        with self._membership_lock:
+            rc = self.admin.heartbeat(self.name, self.caller.epoch, self.config.lease_ms)
+            if rc == 0:
+                if not self.fenced:
+                    log.error("%s: fenced (epoch %d is stale): peer recovery took over; restart required",
+                              self.name, self.caller.epoch)
+                self.fenced = True
+                raise FencedError(f"queue manager {self.name} was fenced by peer recovery; restart it")
+            if rc < 0:  # the CF was lost and rebuilt: join the group again, with a higher epoch
+                self.caller.epoch = self.admin.join(self.name, {"pid": os.getpid(), "log": str(self.log_dir),
+                                                                "min_epoch": self.caller.epoch + 1},
+                                                    self.config.lease_ms)
+                self._queue_cache.clear()
+                log.warning("%s: re-joined the group after the CF was lost (epoch %d)", self.name,
+                            self.caller.epoch)
+            else:  # joined, but a structure rebuilt since does not carry our epoch yet
+                self.admin.join_structures(self.name, self.caller.epoch)
 
     # --- completing a UOW (commit or backout) on the CF ----------------------------------------------------
     def complete(self, uow: UnitOfWork, commit: bool, *, reason: str = "application",
@@ -367,19 +395,11 @@ class QueueManager:
         period = self.config.lease_ms / 3000
         while not self._stop.wait(period):
             try:
-                rc = self.admin.heartbeat(self.name, self.caller.epoch, self.config.lease_ms)
+                self.renew_membership()
             except CF_DOWN:
                 continue
-            if rc == 0:
-                log.error("%s: fenced (epoch %d is stale): peer recovery took over; restart required",
-                          self.name, self.caller.epoch)
-                self.fenced = True
+            except FencedError:
                 return
-            if rc < 0:  # the CF was lost and rebuilt: join the group again, with a higher epoch
-                self.caller.epoch = self.admin.join(self.name, {"pid": os.getpid(), "log": str(self.log_dir),
-                                                                "min_epoch": self.caller.epoch + 1},
-                                                    self.config.lease_ms)
-                self._queue_cache.clear()
 
     def _housekeeping_loop(self) -> None:
         from sqm.recovery import recover_peers

@@ -34,7 +34,7 @@ local function check_ready(member, epoch)
   if not st then return redis.error_reply('NOSTRUCT structure is not in the CF (never defined, or the CF was lost)') end
   if st ~= 'ACTIVE' then return redis.error_reply('CFSTATE structure is ' .. st) end
   local cur = redis.call('HGET', FENCE, member)
-  if not cur then return redis.error_reply('FENCED member ' .. member .. ' is not connected to this structure') end
+  if not cur then return redis.error_reply('NOTJOINED member ' .. member .. ' has not joined this structure') end
   if cur ~= epoch then
     return redis.error_reply('FENCED member ' .. member .. ' epoch ' .. epoch .. ' is stale (current ' .. cur .. ')')
   end
