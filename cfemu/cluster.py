@@ -40,7 +40,7 @@ from typing import Any
 
 from cfemu.admin import Admin, AdminError
 from cfemu.connection import connect
-from cfemu.server import EmbeddedRedis, ServerNotRunningError, _free_port, _pid_alive, _set_pdeathsig, _tail
+from cfemu.server import EmbeddedRedis, ServerNotRunningError, free_port, log_tail, pid_alive, set_pdeathsig
 
 log = logging.getLogger("cfemu.cluster")
 
@@ -55,7 +55,7 @@ class ClusterError(RuntimeError):
 
 def _pid_runs(pid: int | None, marker: bytes) -> bool:
     """Is pid alive and still the process we started (its command line holds marker)? Guards against pid reuse."""
-    if not pid or not _pid_alive(pid):
+    if not pid or not pid_alive(pid):
         return False
     try:
         return marker in Path(f"/proc/{pid}/cmdline").read_bytes()
@@ -131,7 +131,7 @@ class Cluster:
         state: dict[str, Any] = {
             "dir": str(d), "host": host, "detached": detach, "lease_ms": lease_ms, "token": token,
             "log_root": str(d / "logs"), "backup_dir": str(d / "backups"), "cf": {"dir": str(d / "cf")},
-            "managers": [{"name": f"QM{i}", "port": _free_port(host), "metrics_port": _free_port(host)}
+            "managers": [{"name": f"QM{i}", "port": free_port(host), "metrics_port": free_port(host)}
                          for i in range(1, managers + 1)],
             "manager_args": list(manager_args),
             "scheduler": {"interval": backup_interval} if backup_interval else None,
@@ -188,7 +188,7 @@ class Cluster:
     def _popen(self, key: str, cmd: list[str], log_name: str) -> subprocess.Popen[bytes]:
         with open(self.dir / "run" / log_name, "ab") as out:
             kw: dict[str, Any] = {"start_new_session": True} if self.state["detached"] else {
-                "preexec_fn": _set_pdeathsig}
+                "preexec_fn": set_pdeathsig}
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                     env=self._env(), close_fds=True, **kw)
         self._procs[key] = proc
@@ -241,7 +241,7 @@ class Cluster:
         while not ready.exists():
             if proc is not None and proc.poll() is not None:
                 raise ClusterError(f"{name} exited with status {proc.returncode} while starting; tail of "
-                                   f"{self.dir / 'run' / (name + '.log')}:\n{_tail(self.dir / 'run' / (name + '.log'))}")
+                                   f"{self.dir / 'run' / (name + '.log')}:\n{log_tail(self.dir / 'run' / (name + '.log'))}")
             if time.monotonic() >= deadline:
                 raise ClusterError(f"{name} was not serving within {timeout:g}s; see {self.dir / 'run'}")
             time.sleep(0.05)
@@ -303,7 +303,7 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 return False
         deadline = time.monotonic() + timeout
-        while _pid_alive(pid):
+        while pid_alive(pid):
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.02)
@@ -406,7 +406,7 @@ def run_backup_scheduler(interval: float, structures: Sequence[str] = (), stop: 
                 break
             t0 = time.monotonic()
             proc = subprocess.Popen([*BACKUP_COMMAND, "run", s], stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=_set_pdeathsig)
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=set_pdeathsig)
             current.append(proc)
             out, _ = proc.communicate()
             current.remove(proc)

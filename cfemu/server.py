@@ -134,13 +134,13 @@ def find_redis_server() -> str:
 # --------------------------------------------------------------------------- process helpers
 
 
-def _free_port(host: str = "127.0.0.1") -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     """True if ``pid`` is a live (non-zombie) process. Reaps it if it is our dead child."""
     try:
         done, _ = os.waitpid(pid, os.WNOHANG)
@@ -173,7 +173,7 @@ def _pid_is_redis(pid: int) -> bool:
     return b"redis" in cmdline
 
 
-def _tail(path: Path, lines: int = 25) -> str:
+def log_tail(path: Path, lines: int = 25) -> str:
     try:
         text = path.read_text(errors="replace")
     except OSError:
@@ -182,7 +182,7 @@ def _tail(path: Path, lines: int = 25) -> str:
     return "\n".join(out) if out else "(log is empty)"
 
 
-def _set_pdeathsig() -> None:  # pragma: no cover - runs in the child before exec
+def set_pdeathsig() -> None:  # pragma: no cover - runs in the child before exec
     """Ask Linux to SIGTERM the child if the thread that started it dies."""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -297,7 +297,7 @@ class EmbeddedRedis:
         return self._binary
 
     def is_running(self) -> bool:
-        return self._pid is not None and _pid_alive(self._pid)
+        return self._pid is not None and pid_alive(self._pid)
 
     def __repr__(self) -> str:
         state = f"pid={self._pid}" if self.is_running() else "stopped"
@@ -352,7 +352,7 @@ class EmbeddedRedis:
         attempts = 1 if self._port is not None else 3
         last: ServerStartError | None = None
         for _ in range(attempts):
-            port = self._port if self._port is not None else _free_port(self.host)
+            port = self._port if self._port is not None else free_port(self.host)
             try:
                 self._spawn(port, data_dir)
             except ServerStartError as exc:
@@ -379,7 +379,7 @@ class EmbeddedRedis:
             if self.detach:
                 popen_kw["start_new_session"] = True
             elif sys.platform.startswith("linux"):
-                popen_kw["preexec_fn"] = _set_pdeathsig
+                popen_kw["preexec_fn"] = set_pdeathsig
             proc = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 cwd=data_dir, close_fds=True, **popen_kw,
@@ -400,7 +400,7 @@ class EmbeddedRedis:
                 raise ServerStartError(
                     f"redis-server exited with status {code} during start-up "
                     f"({self.binary}, port {port}, dir {log_path.parent}); "
-                    f"tail of {log_path}:\n{_tail(log_path)}"
+                    f"tail of {log_path}:\n{log_tail(log_path)}"
                 )
             reply = self._raw_ping(port)
             if reply is not None:
@@ -410,7 +410,7 @@ class EmbeddedRedis:
             if time.monotonic() > deadline:
                 raise ServerStartError(
                     f"redis-server (pid {proc.pid}, port {port}) did not answer PING within "
-                    f"{self.startup_timeout:g}s (last: {last_err}); tail of {log_path}:\n{_tail(log_path)}"
+                    f"{self.startup_timeout:g}s (last: {last_err}); tail of {log_path}:\n{log_tail(log_path)}"
                 )
             time.sleep(0.02)
 
@@ -443,7 +443,7 @@ class EmbeddedRedis:
                 return True
             except subprocess.TimeoutExpired:
                 return False
-        if not _pid_alive(pid):
+        if not pid_alive(pid):
             return True
         if not _pid_is_redis(pid):  # recorded pid was reused by something else
             return True
@@ -451,10 +451,10 @@ class EmbeddedRedis:
             os.kill(pid, sig)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if not _pid_alive(pid):
+            if not pid_alive(pid):
                 return True
             time.sleep(0.02)
-        return not _pid_alive(pid)
+        return not pid_alive(pid)
 
     def kill(self) -> None:
         """SIGKILL the server (simulated CF loss). Data directory and port are kept, so
@@ -552,7 +552,7 @@ class EmbeddedRedis:
             detach=True,
         )
         pid = int(state["pid"])
-        if not _pid_alive(pid) or not _pid_is_redis(pid):
+        if not pid_alive(pid) or not _pid_is_redis(pid):
             for name in (STATE_NAME, PID_NAME, URL_NAME):
                 with contextlib.suppress(FileNotFoundError):
                     (d / name).unlink()

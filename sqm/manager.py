@@ -127,10 +127,16 @@ class QueueManager:
         from sqm.recovery import restart
 
         self.log = RecordLog(self.log_dir, self.name, segment_bytes=self.config.segment_bytes)
-        self.caller.epoch = self.admin.join(self.name, {"pid": os.getpid(), "log": str(self.log_dir)},
-                                            self.config.lease_ms)
-        self.running = True
-        self.last_restart = restart(self, progress)
+        try:
+            self.caller.epoch = self.admin.join(self.name, {"pid": os.getpid(), "log": str(self.log_dir)},
+                                                self.config.lease_ms)
+            self.running = True
+            self.last_restart = restart(self, progress)
+        except BaseException:  # leave nothing open or locked: the caller may try again
+            self.running = False
+            self.log.close()
+            self.log = None
+            raise
         if self.config.background:
             for target in (self._heartbeat_loop, self._housekeeping_loop):
                 t = threading.Thread(target=target, name=f"{self.name}-{target.__name__}", daemon=True)
@@ -193,18 +199,23 @@ class QueueManager:
             self.uows[uow.id] = uow
             return uow
 
-    def append(self, record: Record, *, force: bool = False) -> None:
+    def append(self, record: Record, *, force: bool = False, uow: UnitOfWork | None = None,
+               state: str | None = None) -> None:
+        """Append a record (and wait for it to be on disk when forced). With uow and state, the UOW takes that
+        state together with the append, as any checkpoint sees it: a checkpoint can never show a UOW in flight
+        after its COMMIT or PREPARE record (restart reads only from the checkpoint on, and would back it out)."""
         assert self.log is not None
-        # The LOGLOAD checkpoint goes before the record, never right after it: the caller updates the UOW table
-        # only once append returns, so a checkpoint taken after a COMMIT or PREPARE would still show the UOW in
-        # flight, and restart, which reads from the checkpoint on, would back it out.
         if self.activity >= self.config.loglode:
             self.checkpoint("loglode")
-        if force:
-            self.log.append_forced(record)
-        else:
-            self.log.append(record)
+        with self.uow_lock:
+            pos = self.log.append(record)
+            if uow is not None and state is not None:
+                uow.state = state
+                if state in (INCOMMIT, INBACKOUT):
+                    uow.decided_lrsn = record["l"]
         self.activity += 1
+        if force:
+            self.log.force(pos)  # outside the lock: concurrent committers share the fsync (group commit)
 
     def checkpoint(self, why: str) -> None:
         """A checkpoint record carries the active UOW table, so restart reads the log from here on."""
@@ -271,8 +282,7 @@ class QueueManager:
                     rec["dd"] = dd
                     self.counters["backout_records_with_data"] += 1
             failpoint("before-log-force")
-            self.append(rec, force=True)
-            uow.decided_lrsn = rec["l"]
+            self.append(rec, force=True, uow=uow, state=INCOMMIT if commit else INBACKOUT)
             uow.data_logged = bool(rec.get("dd"))
             failpoint("after-log-force" if commit else "backout-after-log")
         elif for_member is not None:
@@ -569,7 +579,11 @@ class Connection:
                 time.sleep(delay)
                 delay = min(delay * 2, 0.05)
         except BaseException:
-            if own is not None:
+            if uow.operations == 0:  # nothing taken: no UOW to keep (an idle connection holds none)
+                qm.forget(uow)
+                if own is None:
+                    self.uow = None
+            elif own is not None:
                 qm.complete(own, False)
             raise
         if own is not None:
@@ -628,8 +642,7 @@ class Connection:
         uow.persistent = True
         uow.xid = xid
         qm.append({"k": "PREPARE", "l": qm.clock.now(), "u": uow.id, "x": xid, "ss": dict(uow.structures)},
-                  force=True)
-        uow.state = INDOUBT
+                  force=True, uow=uow, state=INDOUBT)
         return uow.id
 
     @contextlib.contextmanager

@@ -13,7 +13,7 @@ import pytest
 
 from cfemu.cluster import Cluster
 from cfemu.errors import BackedOutError, NoMessageError, OutcomeUnknownError
-from cfemu.server import _free_port
+from cfemu.server import free_port
 from sqm.client import Client, parse_endpoint
 from sqm.protocol import QueueManagerUnavailableError
 from tests.qsg import define_group
@@ -158,7 +158,7 @@ def test_connection_lost_during_commit_is_outcome_unknown(redis_url: str, tmp_pa
 
 
 def test_no_server_answers(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     t0 = time.monotonic()
     with pytest.raises(QueueManagerUnavailableError, match=f"127.0.0.1:{port}"):
         Client(f"127.0.0.1:{port}", reconnect_timeout=0.5)

@@ -24,7 +24,7 @@ from cfemu import cluster as cluster_module
 from cfemu.admin import Admin
 from cfemu.cluster import Cluster, ClusterError
 from cfemu.connection import connect
-from cfemu.server import _pid_alive
+from cfemu.server import pid_alive
 from sqm import cli as sqm_cli
 from sqm.client import Client
 
@@ -144,7 +144,7 @@ def test_cli_cluster_up_status_backup_down(tmp_path: Path) -> None:
     finally:
         down = json.loads(cfemu("cluster", "down", "--dir", d, "--json").stdout)
     assert down["still_running"] == {} and down["killed_after_timeout"] == {}
-    assert not any(_pid_alive(pid) for pid in pids)
+    assert not any(pid_alive(pid) for pid in pids)
     assert cfemu("cluster", "status", "--dir", d, check=False).returncode == 1
     assert (tmp_path / "cluster" / "logs" / "QM1").is_dir()  # down keeps everything durable
     cfemu("cluster", "down", "--dir", d, "--purge")
@@ -174,7 +174,7 @@ def test_api_kill_and_restart_cf_and_managers_and_down_cleans_up(tmp_path: Path)
         killed = c.down()
     assert killed == {}
     assert c.running_processes() == {}
-    assert not any(_pid_alive(p) for p in pids)
+    assert not any(pid_alive(p) for p in pids)
     assert Cluster.load(tmp_path / "c").running_processes() == {}
 
 

@@ -38,7 +38,7 @@ def _gone(pid: int, timeout: float = 5.0) -> bool:
     """True once ``pid`` no longer exists (or is only a zombie someone else will reap)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not server_mod._pid_alive(pid):
+        if not server_mod.pid_alive(pid):
             return True
         time.sleep(0.02)
     return False
@@ -84,7 +84,7 @@ def test_default_config(fresh_redis: EmbeddedRedis) -> None:
 
 
 def test_given_port(redis_factory: Callable[..., EmbeddedRedis]) -> None:
-    port = server_mod._free_port()
+    port = server_mod.free_port()
     srv = redis_factory(port=port)
     assert srv.port == port
     assert srv.url == f"redis://127.0.0.1:{port}/0"
@@ -202,7 +202,7 @@ def test_detach_survives_starting_process(tmp_path: Path) -> None:
     pid_s, url = out.stdout.split()
     pid = int(pid_s)
     try:
-        assert server_mod._pid_alive(pid), "detached server died with its starter"
+        assert server_mod.pid_alive(pid), "detached server died with its starter"
         assert connect(url).ping()
         srv = EmbeddedRedis.attach(tmp_path)
         assert srv.url == url and srv.pid == pid
@@ -211,7 +211,7 @@ def test_detach_survives_starting_process(tmp_path: Path) -> None:
         with pytest.raises(redis.ConnectionError):
             connect(url, socket_connect_timeout=1).ping()
     finally:
-        if server_mod._pid_alive(pid):
+        if server_mod.pid_alive(pid):
             os.kill(pid, signal.SIGKILL)
 
 
