@@ -26,7 +26,7 @@ from rich.table import Table
 
 from backup.catalog import OK, find_backup, inspect, list_backups, parse_age, prune
 from backup.files import BackupError, verify
-from backup.run import run_backup
+from backup.run import DEFAULT_BATCH, run_backup
 from cfemu.admin import AdminError
 from cfemu.connection import ConnectionConfigError, connect
 from cfemu.errors import MQError
@@ -92,7 +92,7 @@ def cmd_run(args: argparse.Namespace, console: Console) -> int:
     client = connect(args.redis_url)
     log_root = Path(args.log_root) if args.log_root else None
     manifest = run_backup(client, args.structure, Path(args.backup_dir), log_root=log_root,
-                          exclint_s=args.exclint, progress=console.is_terminal and not args.json)
+                          exclint_s=args.exclint, batch=args.batch, progress=console.is_terminal and not args.json)
     path = Path(args.backup_dir) / args.structure / manifest["id"]
     if args.json:
         _print_json({**manifest, "path": str(path)})
@@ -184,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"the members' logs, to count exception records (default ${ENV_LOG_ROOT})")
     run.add_argument("--exclint", type=int, default=0, metavar="SECONDS",
                      help="leave out messages put less than SECONDS before the backup (restore replays them)")
+    run.add_argument("--batch", type=int, default=DEFAULT_BATCH, metavar="N",
+                     help=f"entries per pipelined fetch (default {DEFAULT_BATCH}); smaller batches hold up the CF's "
+                          "other work for less time, larger ones back up faster")
     run.set_defaults(func=cmd_run)
     ls = sub.add_parser("list", parents=[common], help="list backups, newest first")
     ls.add_argument("structure", nargs="?")

@@ -35,6 +35,7 @@ class StructureNotReadyError(BackupError):
 StepHook = Callable[[int, str], None]
 
 _PROGRESS_EVERY = 1000
+DEFAULT_BATCH = 2000
 
 
 def new_progress() -> Progress:
@@ -66,7 +67,7 @@ def _iso(t: datetime) -> str:
 
 
 def run_backup(client: redis.Redis, structure: str, backup_root: Path, *, log_root: Path | None = None,
-               exclint_s: int = 0, progress: bool | Progress = False, batch: int = 2000,
+               exclint_s: int = 0, progress: bool | Progress = False, batch: int = DEFAULT_BATCH,
                on_step: StepHook | None = None) -> dict[str, Any]:
     """Back up `structure` into backup_root/<structure>/<id>/; returns the manifest.
 
@@ -78,6 +79,8 @@ def run_backup(client: redis.Redis, structure: str, backup_root: Path, *, log_ro
     """
     if exclint_s < 0:
         raise ValueError(f"EXCLINT must be >= 0 seconds, not {exclint_s}")
+    if batch < 1:
+        raise ValueError(f"batch must be at least 1 entry, not {batch}")
     admin = Admin(client)
     try:
         sdef = admin.structure_def(structure)

@@ -45,7 +45,7 @@ def test_run_list_show_verify_prune(env: dict[str, str], redis_url: str, tmp_pat
     assert manifest["members"] == []  # QM1 left the group cleanly
     bid = manifest["id"]
 
-    table = cfbackup("run", "APP1", env=env)
+    table = cfbackup("run", "APP1", "--batch", "3", env=env)
     assert table.returncode == 0, table.stderr
     assert "committed puts" in table.stdout and "entries copied" in table.stdout
 
@@ -97,6 +97,7 @@ def test_corrupt_backup_and_bad_input_are_one_line_errors(env: dict[str, str], t
         (("verify", "APP1-20200101T000000Z-abcdef"), "no backup APP1-20200101T000000Z-abcdef"),
         (("prune", "APP1", "--older-than", "soon"), "bad age 'soon'"),
         (("run", "APP1", "--exclint", "-5"), "EXCLINT must be >= 0"),
+        (("run", "APP1", "--batch", "0"), "batch must be at least 1"),
     ]:
         out = cfbackup(*args, env=env)
         assert out.returncode == 2, (args, out.stdout, out.stderr)

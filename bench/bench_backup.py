@@ -1,0 +1,263 @@
+"""Benchmark of BACKUP CFSTRUCT (issue 3), on a private redis-server started and stopped here.
+
+  (a) raw read: the same entries read with pipelined HMGETs of descriptor and data, in batches
+  (b) run_backup of the structure: ratio raw-read time / backup time (target >= 0.5)
+  (c) foreground throughput of put+commit / get+commit loops on 2 SQMs (threads), first without a backup, then
+      with backups running back to back in another process (`cfbackup run`): drop % (target <= 10%)
+  (d) log records per message lifecycle under the patent's protocol, against naive logging of every list move as
+      a delete plus an insert (counted from the moves the foreground loops made)
+
+    .venv/bin/python bench/bench_backup.py [--messages 1000000] [--seconds 10]
+
+Prints a table and appends one JSON line to bench/results/backup.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import redis
+from rich.console import Console
+from rich.table import Table
+
+from backup.run import DEFAULT_BATCH, run_backup
+from cfemu import keys
+from cfemu.admin import Admin
+from cfemu.cf import CF
+from cfemu.errors import NoMessageError
+from cfemu.server import EmbeddedRedis
+from sqm.manager import QueueManager, QueueManagerConfig
+
+STRUCTURE, FILL_QUEUE, FG_QUEUE = "BENCH", "FILLQ", "FGQ"
+BODY = 1024
+BATCH = 2000
+
+
+def fill(client: redis.Redis, n: int, console: Console) -> list[str]:
+    """N persistent committed 1 KiB messages, written with pipelined calls of the CF's put script."""
+    cf = CF(client)
+    admin = Admin(client)
+    epoch = admin.join("FILLER", {"bench": True}, 600_000)
+    put = cf._scripts["put"]
+    skeys = keys.script_keys(STRUCTURE)
+    body = os.urandom(BODY)
+    ids = [os.urandom(12).hex() for _ in range(n)]
+    t0 = time.perf_counter()
+    now = int(time.time() * 1000) - 3_600_000
+    for start in range(0, n, BATCH):
+        pipe = client.pipeline(transaction=False)
+        for i in ids[start:start + BATCH]:
+            desc = msgpack.packb({"p": 0, "per": 1, "mid": i, "cid": "", "exp": 0, "pt": now, "bc": 0, "pr": {}},
+                                 use_bin_type=False)
+            put(keys=skeys, args=["FILLER", epoch, 0, "", 0, 0, i, FILL_QUEUE, desc, body], client=pipe)
+        pipe.execute()
+    admin.leave("FILLER")
+    console.print(f"filled {n} messages in {time.perf_counter() - t0:.1f} s")
+    return ids
+
+
+def raw_read(client: redis.Redis, ids: list[str]) -> tuple[float, int]:
+    ent, data = keys.script_keys(STRUCTURE)[2:4]
+    t0 = time.perf_counter()
+    nbytes = 0
+    for start in range(0, len(ids), BATCH):
+        chunk = ids[start:start + BATCH]
+        pipe = client.pipeline(transaction=False)
+        pipe.hmget(ent, chunk)
+        pipe.hmget(data, chunk)
+        descs, datas = pipe.execute()
+        nbytes += sum(len(d) for d in datas)
+    return time.perf_counter() - t0, nbytes
+
+
+class Foreground:
+    """put+commit, get+commit loops on two SQMs (one thread each); one get in ten is backed out first."""
+
+    def __init__(self, url: str, log_root: Path) -> None:
+        self.qms = [QueueManager(QueueManagerConfig(name=f"FG{i}", log_root=log_root, redis_url=url,
+                                                    background=False)) for i in (1, 2)]
+        for qm in self.qms:
+            qm.start()
+
+    def run(self, seconds: float) -> dict[str, float]:
+        stop = threading.Event()
+        done = [0, 0]
+        moves = [0, 0]
+        errors: list[BaseException] = []
+        records0 = sum(qm.log.stats.records for qm in self.qms if qm.log)
+
+        def loop(k: int) -> None:
+            conn = self.qms[k].connect()
+            body = os.urandom(BODY)
+            i = 0
+            try:
+                while not stop.is_set():
+                    i += 1
+                    conn.put(FG_QUEUE, body)
+                    conn.commit()  # moves: none -> UP (put), UP -> CP (commit)
+                    moves[k] += 2
+                    try:
+                        conn.get(FG_QUEUE)
+                    except NoMessageError:
+                        continue
+                    moves[k] += 1  # CP -> UG
+                    if i % 10 == 0:
+                        conn.backout()  # UG -> CP, then get it again
+                        moves[k] += 1
+                        conn.get(FG_QUEUE)
+                        moves[k] += 1
+                    conn.commit()  # UG -> gone
+                    moves[k] += 1
+                    done[k] += 1
+            except BaseException as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=loop, args=(k,)) for k in (0, 1)]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        time.sleep(seconds)
+        stop.set()
+        for t in threads:
+            t.join()
+        elapsed = time.perf_counter() - t0
+        if errors:
+            raise errors[0]
+        records = sum(qm.log.stats.records for qm in self.qms if qm.log) - records0
+        return {"lifecycles": sum(done), "per_s": sum(done) / elapsed, "moves": sum(moves), "records": records,
+                "seconds": elapsed, "backout_records_with_data": sum(qm.counters["backout_records_with_data"]
+                                                                     for qm in self.qms)}
+
+    def stop(self) -> None:
+        for qm in self.qms:
+            qm.stop()
+
+
+def backups_in_a_loop(url: str, backup_dir: Path, log_root: Path, stop: threading.Event,
+                      out: list[dict[str, Any]], batch: int, nice: int) -> None:
+    cfbackup = str(Path(sys.executable).parent / "cfbackup")
+    while not stop.is_set():
+        p = subprocess.run(["nice", "-n", str(nice), cfbackup, "run", STRUCTURE, "--json", "--backup-dir",
+                            str(backup_dir), "--redis-url", url, "--log-root", str(log_root), "--batch", str(batch)],
+                           capture_output=True, text=True)
+        if p.returncode != 0:
+            out.append({"error": p.stderr.strip()})
+            return
+        m = json.loads(p.stdout)
+        out.append({k: m[k] for k in ("entries", "elapsed_s", "exception_records")})
+        shutil.rmtree(backup_dir / STRUCTURE, ignore_errors=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--messages", type=int, default=1_000_000)
+    ap.add_argument("--seconds", type=float, default=10.0, help="length of each foreground window")
+    ap.add_argument("--rounds", type=int, default=2, help="raw read / backup pairs, interleaved; the best of each")
+    ap.add_argument("--batch", type=int, default=DEFAULT_BATCH, help="entries per fetch of the measured backup")
+    ap.add_argument("--fg-batch", type=int, default=DEFAULT_BATCH,
+                    help="entries per fetch of the backups that run beside the foreground loops")
+    ap.add_argument("--nice", type=int, default=0, help="niceness of those backups' process")
+    ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    args = ap.parse_args()
+    console = Console()
+    work = Path(tempfile.mkdtemp(prefix="bench-backup-"))
+    srv = EmbeddedRedis(data_dir=work / "cf").start()
+    result: dict[str, Any] = {"bench": "backup", "date": datetime.now(UTC).isoformat(timespec="seconds"),
+                              "machine": {"node": platform.node(), "cpus": os.cpu_count(),
+                                          "python": platform.python_version(), "platform": platform.platform()},
+                              "messages": args.messages, "body_bytes": BODY}
+    try:
+        client = srv.client()
+        admin = Admin(client)
+        admin.define_structure(STRUCTURE)
+        admin.define_queue(FILL_QUEUE, STRUCTURE)
+        admin.define_queue(FG_QUEUE, STRUCTURE)
+        ids = fill(client, args.messages, console)
+
+        # Interleaved rounds, the best of each: the machine may be shared, and a single pair can straddle a burst.
+        raws: list[float] = []
+        backups: list[float] = []
+        for _ in range(args.rounds):
+            raw_s, raw_bytes = raw_read(client, ids)
+            raws.append(raw_s)
+            t0 = time.perf_counter()
+            manifest = run_backup(client, STRUCTURE, work / "bk", progress=console.is_terminal, batch=args.batch)
+            backups.append(time.perf_counter() - t0)
+            assert manifest["entries"] == args.messages, manifest["entries"]
+            shutil.rmtree(work / "bk")
+        raw_s, backup_s = min(raws), min(backups)
+        result.update(raw_read_rounds_s=[round(x, 3) for x in raws], backup_rounds_s=[round(x, 3) for x in backups],
+                      batch=args.batch, fg_batch=args.fg_batch, nice=args.nice)
+        result.update(raw_read_s=round(raw_s, 3), raw_read_mb_s=round(raw_bytes / raw_s / 2**20, 1),
+                      backup_s=round(backup_s, 3), backup_mb_s=round(manifest["bytes"] / backup_s / 2**20, 1),
+                      backup_ratio=round(raw_s / backup_s, 3))
+
+        fg = Foreground(srv.url, work / "logs")
+        try:
+            fg.run(1.0)  # warm up
+            quiet = fg.run(args.seconds)
+            stop = threading.Event()
+            runs: list[dict[str, Any]] = []
+            looper = threading.Thread(target=backups_in_a_loop,
+                                      args=(srv.url, work / "bk-loop", work / "logs", stop, runs, args.fg_batch,
+                                            args.nice))
+            looper.start()
+            time.sleep(0.5)  # let the first backup begin
+            busy = fg.run(args.seconds)
+            stop.set()
+            looper.join()
+        finally:
+            fg.stop()
+        if any("error" in r for r in runs):
+            raise RuntimeError(f"background backup failed: {runs}")
+        drop = (1 - busy["per_s"] / quiet["per_s"]) * 100
+        lifecycles = quiet["lifecycles"] + busy["lifecycles"]
+        records = quiet["records"] + busy["records"]
+        moves = quiet["moves"] + busy["moves"]
+        result.update(fg_quiet_per_s=round(quiet["per_s"], 1), fg_busy_per_s=round(busy["per_s"], 1),
+                      fg_drop_pct=round(drop, 1), backups_during_fg=len(runs),
+                      backup_runs=runs, exception_records=sum(r["exception_records"] or 0 for r in runs),
+                      lifecycles=lifecycles, log_records=records, list_moves=moves,
+                      records_per_msg=round(records / lifecycles, 2),
+                      naive_move_records_per_msg=round(2 * moves / lifecycles, 2),
+                      naive_total_records_per_msg=round((records + 2 * moves) / lifecycles, 2))
+    finally:
+        srv.stop()
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+    table = Table("measure", "value", "target", title=f"backup benchmark, {args.messages} x {BODY} B")
+    table.add_row("raw pipelined read (s, MiB/s)", f"{result['raw_read_s']} s, {result['raw_read_mb_s']}", "")
+    table.add_row("run_backup (s, MiB/s)", f"{result['backup_s']} s, {result['backup_mb_s']}", "")
+    table.add_row("backup / raw read speed", str(result["backup_ratio"]), ">= 0.5")
+    table.add_row("foreground lifecycles/s, no backup", str(result["fg_quiet_per_s"]), "")
+    table.add_row("foreground lifecycles/s, backups running", f"{result['fg_busy_per_s']} "
+                  f"({result['backups_during_fg']} backup runs)", "")
+    table.add_row("foreground drop %", str(result["fg_drop_pct"]), "<= 10")
+    table.add_row("log records per message (patent)", str(result["records_per_msg"]), "")
+    table.add_row("naive: move records per message (delete+insert)", str(result["naive_move_records_per_msg"]), "")
+    table.add_row("naive: total records per message", str(result["naive_total_records_per_msg"]), "")
+    table.add_row("exception records (BACKOUT with data) during backups", str(result["exception_records"]), "")
+    console.print(table)
+    out = Path(__file__).resolve().parent / "results"
+    out.mkdir(exist_ok=True)
+    with open(out / "backup.jsonl", "a") as f:
+        f.write(json.dumps(result, sort_keys=True) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
