@@ -35,7 +35,7 @@ class StructureNotReadyError(BackupError):
 StepHook = Callable[[int, str], None]
 
 _PROGRESS_EVERY = 1000
-DEFAULT_BATCH = 2000
+DEFAULT_BATCH = 500
 
 
 def new_progress() -> Progress:
