@@ -1,20 +1,22 @@
 """The Spark restore engine: the restore plan as a PySpark job (docs/spark.md; DESIGN-NOTES section 7).
 
 The job is the local engine's plan, stage for stage, with the same functions running inside Spark's Python
-workers (restore.plan.prepare_record, restore.settle.decide_outcome / best_copy / uows_named / settle):
+workers (restore.plan.prepare_record / in_flight_outcome, restore.settle.decide_outcome / best_copy /
+uows_named / settle):
 
   read backup  one task per backup entry file (backup.files.Backup verifies each file as it reads it);
   read logs    one task per log segment, decoded by sqm.log's own SegmentScan (or, for segments archived by
                restore.archive, a Parquet scan with the LRSN and relevance filters pushed down), each record
-               passed through prepare_record;
-  settle       outcome records grouped by UOW -> decide_outcome; entry records and backup copies grouped by
-               entry id -> best copy; the UOWs each entry names joined with their outcomes (UOWs with none
-               were in flight: backed out at restore_lrsn, like plan_local); then settle per entry.
+               passed through prepare_record; the relevant records stay cached for the next phase;
+  settle       outcome records grouped by UOW -> decide_outcome, collected (the plan returns them all) and
+               broadcast back; entry records and backup copies grouped by entry id -> best copy + settle, with
+               the broadcast outcomes (a UOW with none was in flight: backed out at restore_lrsn, as in
+               plan_local).
 
 Within a group, records are put in merged-log order (LRSN, member, segment, offset) and copies in backup-file
 order before the fold sees them: that is the order the local engine reads them in, so ties fold the same way.
-The plan comes back to the driver as the same RestorePlan plan_local returns (the settled rows are streamed
-partition by partition with toLocalIterator rather than collected at once).
+The plan comes back to the driver as the same RestorePlan plan_local returns (a big one streamed partition by
+partition with toLocalIterator rather than collected at once).
 
 Spark runs quietly: its log4j output, and the JVM's stderr, go to a log file; its stages report through the
 engine's progress callback as the restore phases (a thread polls the status tracker).
@@ -25,9 +27,9 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-import tempfile
 import threading
 import time
+import uuid
 import zipfile
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
@@ -131,26 +133,21 @@ def entry_group(values: Iterable[tuple[int, Any]]) -> tuple[Copy | None, list[Re
     return best_copy(c for _, c in copies), [r for _, r in records]
 
 
-def named_uows(item: tuple[str, tuple[Copy | None, list[Record]]]) -> list[tuple[str, str]]:
-    eid, (best, records) = item
-    return [(uow, eid) for uow in uows_named(best, records)]
-
-
-def settle_group(item: tuple[str, tuple[Iterable[tuple[Copy | None, list[Record]]],
-                                         Iterable[tuple[str, Outcome | None]]]],
+def settle_group(group: tuple[str, Iterable[tuple[int, Any]]], outcomes: Mapping[str, Outcome],
                  restore_lrsn: int, now_ms: int) -> list[tuple[str, Any]]:
-    """settle() one entry: ("s", Settled), then ("d", uow) for each UOW it names that restore decides (backed out
-    at restore_lrsn, as plan_local does for a UOW with no outcome record)."""
-    eid, (groups, named) = item
-    best, records = next(iter(groups))
-    outcomes: dict[str, Outcome] = {}
+    """settle() one entry: ("s", Settled), then ("d", uow) for each UOW it names that has no outcome: restore
+    decides those backed out at restore_lrsn, as plan_local does."""
+    eid, values = group
+    best, records = entry_group(values)
+    named: dict[str, Outcome] = {}
     undecided: list[tuple[str, Any]] = []
-    for uow, outcome in named:
+    for uow in uows_named(best, records):
+        outcome = outcomes.get(uow)
         if outcome is None:
             outcome = in_flight_outcome(restore_lrsn)
             undecided.append(("d", uow))
-        outcomes[uow] = outcome
-    return [("s", settle(eid, best, records, outcomes, now_ms)), *undecided]
+        named[uow] = outcome
+    return [("s", settle(eid, best, records, named, now_ms)), *undecided]
 
 
 def log_stats(keyed: Iterator[tuple[OrderKey, Record]]) -> Iterator[tuple[Counter[str], list[str]]]:
@@ -223,32 +220,29 @@ class SparkEngine:
             parts = max(sc.defaultParallelism, n_records // RECORDS_PER_PARTITION)
             max_lrsn = max(backup_max, archive_max, max_seen.value)
             restore_lrsn = restore_lrsn_above(max_lrsn)
-            outcome_rdd = (records.filter(lambda kr: kr[1]["k"] in OUTCOME_KINDS)
-                           .map(lambda kr: (kr[1]["u"], kr)).groupByKey(parts).flatMap(decide_group)
-                           .persist(StorageLevel.MEMORY_AND_DISK))
-            entries = (records.flatMap(lambda kr: [(eid, (0, kr)) for eid in entry_ids(kr[1])])
+            # UOW outcomes: small next to the entries, and the plan returns them all, so they come to the
+            # driver and go out to the workers again as a broadcast (a map-side join, one shuffle less).
+            outcomes: dict[str, Outcome] = dict(
+                records.filter(lambda kr: kr[1]["k"] in OUTCOME_KINDS).map(lambda kr: (kr[1]["u"], kr))
+                .groupByKey(parts).flatMap(decide_group).collect())
+            shared = sc.broadcast(outcomes)
+            results = (records.flatMap(lambda kr: [(eid, (0, kr)) for eid in entry_ids(kr[1])])
                        .union(copies.mapValues(lambda pc: (1, pc)))
-                       .groupByKey(parts).mapValues(entry_group).persist(StorageLevel.MEMORY_AND_DISK))
-            # Each entry's UOWs with their outcomes (None: no outcome record, the UOW was in flight).
-            needs = entries.flatMap(named_uows).leftOuterJoin(outcome_rdd, parts).map(
-                lambda kv: (kv[1][0], (kv[0], kv[1][1])))
-            results = (entries.cogroup(needs, parts).flatMap(lambda item: settle_group(item, restore_lrsn, now_ms))
-                       .union(outcome_rdd.map(lambda uo: ("o", uo))))
-            # One job brings the plan back; a big one streams in partition by partition.
+                       .groupByKey(parts)
+                       .flatMap(lambda group: settle_group(group, shared.value, restore_lrsn, now_ms)))
+            # A big plan streams back partition by partition rather than in one collect.
             rows = results.toLocalIterator(prefetchPartitions=True) if n_records > STREAM_ABOVE \
                 else results.collect()
             settled: list[Settled] = []
-            outcomes: dict[str, Outcome] = {}
             decisions: dict[str, str] = {}
             for tag, item in rows:
                 if tag == "s":
                     settled.append(item)
-                elif tag == "o":
-                    outcomes[item[0]] = item[1]
                 else:
                     decisions[item] = owner_of(item)
             phases.done(SETTLE)
-            for rdd in (copies, records, outcome_rdd, entries):
+            shared.destroy()
+            for rdd in (copies, records):
                 rdd.unpersist()
         self.phase_seconds = phases.seconds
         for uow in decisions:
@@ -374,15 +368,17 @@ def _stderr_to(path: Path) -> Iterator[None]:
 
 
 def _packages_zip(work_dir: Path) -> Path:
+    """The project's packages as one zip (Spark serves it to the executors while the session lives)."""
     root = Path(__file__).resolve().parent.parent
-    fd, name = tempfile.mkstemp(prefix="cfrestore-", suffix=".zip", dir=work_dir)
-    os.close(fd)
-    with zipfile.ZipFile(name, "w") as z:
+    path = work_dir / "cfrestore-packages.zip"
+    tmp = path.with_suffix(".zip.tmp")
+    with zipfile.ZipFile(tmp, "w") as z:
         for package in ("cfemu", "sqm", "backup", "restore"):
-            for f in (root / package).rglob("*"):
+            for f in sorted((root / package).rglob("*")):
                 if f.suffix in (".py", ".lua"):
                     z.write(f, f.relative_to(root))
-    return Path(name)
+    os.replace(tmp, path)
+    return path
 
 
 class _StageProgress:
@@ -398,6 +394,7 @@ class _StageProgress:
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._poll, name="spark-progress", daemon=True)
+        self._run = uuid.uuid4().hex[:8]  # job groups of this plan only (the tracker remembers earlier plans')
 
     def __enter__(self) -> _StageProgress:
         self._thread.start()
@@ -412,20 +409,23 @@ class _StageProgress:
         with self._lock:
             self.phase = phase
             self._started = time.monotonic()
-        self.sc.setJobGroup(phase, f"cfrestore: {phase}")
+        self.sc.setJobGroup(self._group(phase), f"cfrestore: {phase}")
         self.progress(phase, 0, None)
 
     def done(self, phase: str) -> None:
-        with self._lock:
+        with self._lock:  # after any report the poller is making: the final report is the last one
             self.seconds[phase] = time.monotonic() - self._started
             self.phase = None
-        _, total = self._tasks(phase)
-        self.progress(phase, total, total)
+            _, total = self._tasks(phase)
+            self.progress(phase, total, total)
+
+    def _group(self, phase: str) -> str:
+        return f"cfrestore-{self._run}-{phase}"
 
     def _tasks(self, phase: str) -> tuple[int, int]:
         tracker = self.sc.statusTracker()
         done = total = 0
-        for job_id in tracker.getJobIdsForGroup(phase):
+        for job_id in tracker.getJobIdsForGroup(self._group(phase)):
             job = tracker.getJobInfo(job_id)
             if job is None:
                 continue
@@ -439,12 +439,10 @@ class _StageProgress:
     def _poll(self) -> None:
         while not self._stop.wait(POLL_SECONDS):
             with self._lock:
-                phase = self.phase
-            if phase is None:
-                continue
-            done, total = self._tasks(phase)
-            if total:
-                self.progress(phase, done, total)
+                if self.phase is not None:
+                    done, total = self._tasks(self.phase)
+                    if total:
+                        self.progress(self.phase, done, total)
 
 
 def make_engine(**options: Any) -> SparkEngine:
