@@ -110,9 +110,25 @@ end
 
 local function cur_gen() return tonumber(redis.call('HGET', META, 'gen') or '0') end
 
--- Add a committed entry to its priority list, at the tail (FIFO) or head (a backed-out get returns first).
-local function make_available(d, at_head)
+-- Get order within a priority: commit lrsn (o1), then put lrsn (o2): the order restore rebuilds
+-- (restore.settle.fifo_key), so the order survives a restore.
+local function before(a, b) return a.o1 < b.o1 or (a.o1 == b.o1 and a.o2 < b.o2) end
+
+-- Add a committed entry to its priority list at its place in get order. A commit almost always belongs at the
+-- tail, and a backed-out get (its o1 unchanged) at the head; but a commit applied after a later-logged commit,
+-- or gets of one list backed out in another order than they were taken, belong further in: walk to the place.
+local function make_available(d)
   d.st = 'CP'; d.u = ''
   local k = qkey(d.q, 'cp:' .. d.p)
-  if at_head then redis.call('LPUSH', k, d.id) else redis.call('RPUSH', k, d.id) end
+  local last = redis.call('LINDEX', k, -1)
+  local t = last and load(last)
+  if not t or not before(d, t) then redis.call('RPUSH', k, d.id) return end
+  local n = redis.call('LLEN', k)
+  for i = 0, n - 1, 256 do
+    for _, id in ipairs(redis.call('LRANGE', k, i, i + 255)) do
+      local e = load(id)
+      if e and before(d, e) then redis.call('LINSERT', k, 'BEFORE', id, d.id) return end
+    end
+  end
+  redis.call('RPUSH', k, d.id)
 end

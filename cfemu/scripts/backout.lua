@@ -1,5 +1,5 @@
--- backout: undo a UOW on this structure. Uncommitted puts are deleted; uncommitted gets return to the head
--- of their priority list with the backout count raised.
+-- backout: undo a UOW on this structure. Uncommitted puts are deleted; uncommitted gets return to their place in
+-- get order in their priority list with the backout count raised.
 -- While a backup of the structure runs, a persistent get may only be backed out by a BACKOUT record that carries
 -- the message data (the patent's exception): with has_data = 0 the script refuses with BACKUPACTIVE and the
 -- queue manager logs a new record with the data (uow_data.lua) and retries.
@@ -33,13 +33,12 @@ for _, d in ipairs(puts) do
   redis.call('LREM', qkey(d.q, 'up'), 1, d.id)
   delete_entry(d)
 end
--- Return gets in reverse get order so that LPUSH restores the original order at the head.
-table.sort(gets, function(a, b) return a.l > b.l end)
+-- A backed-out get returns to its place in get order (its o1 and o2 are unchanged).
 for _, d in ipairs(gets) do
   redis.call('LREM', qkey(d.q, 'ug'), 1, d.id)
   d.bc = (d.bc or 0) + 1
   d.l = lrsn
-  make_available(d, true)
+  make_available(d)
   store(d)
 end
 redis.call('DEL', uowkey(uow))

@@ -27,7 +27,7 @@ table.sort(puts, function(a, b) return a.o2 < b.o2 end)
 for _, d in ipairs(puts) do
   redis.call('LREM', qkey(d.q, 'up'), 1, d.id)
   d.l = lrsn; d.o1 = lrsn
-  make_available(d, false)
+  make_available(d)
   store(d)
 end
 for _, d in ipairs(gets) do

@@ -25,7 +25,7 @@ else
   local stamp = cf
   if log_lrsn > 0 then stamp = log_lrsn end
   d.l = stamp; d.o1 = stamp; d.o2 = stamp
-  make_available(d, false)
+  make_available(d)
 end
 store(d)
 redis.call('HSET', DATA, id, data)
