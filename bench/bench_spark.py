@@ -194,16 +194,16 @@ def check(plan: RestorePlan, truth: Truth) -> list[str]:
 # --------------------------------------------------------------------------------------------- one engine run
 
 
-def run_engine(root: Path, engine: str, master: str, truth_file: Path, memory: str) -> dict[str, Any]:
+def run_engine(root: Path, engine: str, master: str, truth_file: Path, memory: str, e2e: bool) -> dict[str, Any]:
     """Plan in a child process (one Spark driver per master); returns its measurements."""
-    cmd = [sys.executable, __file__, "--child", str(root), engine, master, str(truth_file), memory]
+    cmd = [sys.executable, __file__, "--child", str(root), engine, master, str(truth_file), memory, str(int(e2e))]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if out.returncode != 0:
         return {"engine": engine, "master": master, "error": (out.stderr.strip().splitlines() or ["?"])[-1]}
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
-def child(root: Path, engine: str, master: str, truth_file: Path, memory: str) -> None:
+def child(root: Path, engine: str, master: str, truth_file: Path, memory: str, e2e: bool) -> None:
     from restore.engine import get_engine
 
     truth = Truth(**json.loads(truth_file.read_text()))
@@ -235,7 +235,49 @@ def child(root: Path, engine: str, master: str, truth_file: Path, memory: str) -
     result["problems"] = check(plan, truth)
     result["restored"] = plan.counts["restored"]
     result["settled"] = len(plan.settled)
+    if e2e:
+        result.update(end_to_end(root, plan))
+        result["restore_over_raw"] = round((result["plan_s"] + result["load_s"]) / result["raw_write_s"], 2)
     print(json.dumps(result))
+
+
+def end_to_end(root: Path, plan: RestorePlan) -> dict[str, float]:
+    """Load the plan into a fresh CF with restore.load.load_plan, and time a raw pipelined write of the same
+    final data (descriptor and data hashes, queue lists, in batches of the same size) for comparison."""
+    from cfemu import keys
+    from cfemu.admin import Admin
+    from cfemu.server import EmbeddedRedis
+    from restore.load import BATCH, descriptor, list_suffix, load_plan
+
+    server = EmbeddedRedis(data_dir=root / "redis")
+    server.start()
+    try:
+        client = server.client()
+        survivors = [s for s in plan.settled if s.entry is not None]
+        _, _, ent_key, data_key, *_ = keys.script_keys(S)
+        t0 = time.perf_counter()
+        for start in range(0, len(survivors), BATCH):
+            chunk = survivors[start:start + BATCH]
+            pipe = client.pipeline(transaction=False)
+            pipe.hset(ent_key, mapping={s.id: descriptor(s) for s in chunk})
+            pipe.hset(data_key, mapping={s.id: s.data for s in chunk})
+            for s in chunk:
+                assert s.entry is not None
+                pipe.rpush(keys.queue_list(S, s.entry["q"], list_suffix(s.entry)), s.id)
+            pipe.execute()
+        raw_s = time.perf_counter() - t0
+        client.flushall()
+        admin = Admin(client)
+        admin.define_structure(S)
+        queues = [f"Q{n}" for n in range(4)]
+        for q in queues:
+            admin.define_queue(q, S)
+        t0 = time.perf_counter()
+        load = load_plan(client, plan, admin.structure_def(S), queues)
+        load_s = time.perf_counter() - t0
+        return {"raw_write_s": round(raw_s, 2), "load_s": round(load_s, 2), "loaded": load.entries}
+    finally:
+        server.stop()
 
 
 # --------------------------------------------------------------------------------------------------- main
@@ -256,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--masters", nargs="+", default=["local[2]", "local[1]"])
     ap.add_argument("--memory", default="8g", help="spark.driver.memory (local mode: the executors too)")
     ap.add_argument("--keep", action="store_true", help="keep the generated files (printed)")
+    ap.add_argument("--e2e-up-to", type=int, default=1_000_000,
+                    help="load the first spark plan into a fresh CF (and time a raw write) up to this size")
     args = ap.parse_args(argv)
     sizes = [20_000, 100_000] if args.quick else args.sizes
     console = Console()
@@ -276,12 +320,17 @@ def main(argv: list[str] | None = None) -> int:
                 runs.append(("local", "-"))
             runs += [("spark", m) for m in args.masters]
             for engine, master in runs:
-                r = run_engine(root, engine, master, truth_file, args.memory)
+                e2e = size <= args.e2e_up_to and (engine, master) == runs[-len(args.masters)]
+                r = run_engine(root, engine, master, truth_file, args.memory, e2e)
                 r.update(records=truth.records, messages=len(truth.restored), log_mib=round(truth.log_bytes / 2**20))
                 rows.append(r)
                 status = r.get("error") or ("correct" if not r["problems"] else "; ".join(r["problems"]))
                 console.print(f"  {engine:5} {master:8} plan {r.get('plan_s', '-')} s "
                               f"(start-up {r.get('startup_s', '-')} s) phases {r.get('phases_s', {})}: {status}")
+                if "load_s" in r:
+                    console.print(f"    end to end: plan {r['plan_s']} s + load {r['load_s']} s "
+                                  f"({r['loaded']:,} messages) = {r['restore_over_raw']} x a raw pipelined "
+                                  f"write of the same data ({r['raw_write_s']} s)")
         finally:
             if args.keep:
                 console.print(f"  kept {root}")
@@ -308,6 +357,6 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        child(Path(sys.argv[2]), sys.argv[3], sys.argv[4], Path(sys.argv[5]), sys.argv[6])
+        child(Path(sys.argv[2]), sys.argv[3], sys.argv[4], Path(sys.argv[5]), sys.argv[6], sys.argv[7] == "1")
     else:
         sys.exit(main())
