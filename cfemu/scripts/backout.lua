@@ -2,7 +2,7 @@
 -- get order in their priority list with the backout count raised.
 -- While a backup of the structure runs, a persistent get may only be backed out by a BACKOUT record that carries
 -- the message data (the patent's exception): with has_data = 0 the script refuses with BACKUPACTIVE and the
--- queue manager logs a new record with the data (uow_data.lua) and retries.
+-- queue manager logs a new record with the data (uow_entries.lua) and retries.
 -- ARGV: 1 member, 2 epoch, 3 caller lrsn, 4 uow, 5 uow gen, 6 backout lrsn (>0: the forced BACKOUT record;
 --       0: nothing was logged), 7 has_data (1 when the record carries the data of the persistent gets),
 --       8 record outcome (1: peer recovery or restore decided it; keep a 'B' tombstone for the owner)
