@@ -1,0 +1,417 @@
+"""The world of the model check: a real CF (the real Lua scripts on a real redis-server), group members whose logs
+are in-memory record lists, the backup actor, and the checks that lose the CF and restore it.
+
+Members write the record shapes sqm/manager.py writes, in its order:
+  * a put or get inside a UOW runs on the CF, then is logged with the LRSN the script returned (one step: nothing
+    but a CF loss can observe the log, and the CF is lost only at step boundaries);
+  * COMMIT / BACKOUT, and a persistent put outside syncpoint, are logged (forced) BEFORE the CF operation, as a
+    step of their own, so that any other step can fall between the record and the CF update (the stall);
+  * refusals: FloorError (the record is below a recovery floor set meanwhile) -> observe the floor, write a fresh
+    record with a higher LRSN, retry; BackupActiveError on a backout -> write a fresh BACKOUT record carrying the
+    data of the gets ("dd", from Structure.uow_entries), retry with has_data. Each record and each CF attempt is a
+    step of its own.
+  * like QueueManager.complete, a BACKOUT record carries the data when a backup is running as it is written, and
+    the first CF attempt still passes has_data=False (sqm/manager.py _apply_one starts that way).
+
+Mutations (for proving that the checker can fail): `Mutation.no_backout_data` disables the patent's exception
+(no data in BACKOUT records; the CF backout is told has_data=True, so it never refuses); `Mutation.steps` lets the
+backup run a different list of steps (e.g. without step 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import redis
+
+from backup.protocol import STEPS, StepCount, copy_step
+from cfemu import keys
+from cfemu.admin import Admin
+from cfemu.cf import CF, Caller, Structure
+from cfemu.entry import Entry
+from cfemu.errors import BackupActiveError, FloorError
+from restore.plan import Copy, RestorePlan, plan_local
+from restore.settle import HELD_INDOUBT, RESTORED, fifo_key
+from sqm.clock import LrsnClock
+from sqm.records import Record
+
+STRUCTURE = "APP1"
+QUEUE = "Q1"  # the queue every scenario's persistent messages use
+NP_QUEUE = "Q2"  # holds a non-persistent message that must never come back
+T_START = 1_000_000  # model time (ms) for gets and browses until the expiry actor runs
+T_EXPIRY = 2_000_000  # expiry time of a message that expires
+T_LATE = 3_000_000  # model time once the expiry actor has run
+BACKUP_ID = "APP1-model"
+
+Steps = Generator[str, None, Any]
+
+
+@dataclass
+class Mutation:
+    steps: Sequence[tuple[str, str]] = STEPS
+    no_backout_data: bool = False
+
+
+@dataclass
+class Uow:
+    id: str
+    structures: dict[str, int] = field(default_factory=dict)
+    persistent: bool = False
+    decided_lrsn: int = 0
+
+
+@dataclass
+class BackupState:
+    started: bool = False
+    ended: bool = False
+    floor: int = 0
+    start: int = 0
+    copies: list[Copy] = field(default_factory=list)
+    counts: list[StepCount] = field(default_factory=list)
+
+
+class Group:
+    """The group every run starts from: a flushed CF with the structure and its queues defined and the members
+    joined (through cfemu.admin.Admin), kept as a dump of every key so that each run restores it in one round
+    trip instead of redefining it."""
+
+    def __init__(self, client: redis.Redis, members: Sequence[tuple[str, int]]) -> None:
+        client.flushall()
+        admin = Admin(client)
+        admin.define_structure(STRUCTURE)
+        admin.define_queue(QUEUE, STRUCTURE)
+        admin.define_queue(NP_QUEUE, STRUCTURE)
+        self.client = client
+        self.cf = CF(client)
+        self.members = [(name, skew, admin.join(name, {}, 600_000)) for name, skew in members]
+        self.dump: dict[bytes | str, bytes] = {}
+        for k in client.keys("*"):
+            payload = client.dump(k)
+            assert payload is not None
+            self.dump[k] = payload
+
+    def reset(self) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        pipe.flushall()
+        for k, v in self.dump.items():
+            pipe.restore(k, 0, v)
+        pipe.execute()
+
+
+class World:
+    """One run of a scenario, from the group's initial state."""
+
+    def __init__(self, group: Group, mutation: Mutation) -> None:
+        group.reset()
+        self.client = group.client
+        self.structure: Structure = group.cf.structure(STRUCTURE)
+        self.mutation = mutation
+        self.now_ms = T_START
+        self.backup = BackupState()
+        self.members = {name: Member(self, name, skew, epoch) for name, skew, epoch in group.members}
+        self.reached_cf: set[str] = set()  # ids a put has created in the CF (the rest of a logged put is pending)
+
+    def records(self, min_lrsn: int = 0) -> list[Record]:
+        """The merged log of every member (as sqm.log.merged_records gives it: tagged with "m", by (l, m, position))."""
+        keyed = [(r["l"], m.name, pos, {**r, "m": m.name})
+                 for m in self.members.values() for pos, r in enumerate(m.log) if r["l"] >= min_lrsn]
+        keyed.sort(key=lambda t: t[:3])
+        return [t[3] for t in keyed]
+
+
+def run_to_end(steps: Steps) -> Any:
+    """Run an actor's steps without interleaving (a scenario's setup)."""
+    try:
+        while True:
+            next(steps)
+    except StopIteration as done:
+        return done.value
+
+
+class Member:
+    """A member of the group, reduced to what the protocol needs: a caller (epoch, LRSN clock) and a log."""
+
+    def __init__(self, world: World, name: str, skew_us: int, epoch: int) -> None:
+        self.world = world
+        self.name = name
+        self.clock = LrsnClock(skew_us)
+        self.caller = Caller(name, epoch, self.clock)
+        self.log: list[Record] = []
+        self._seq = 0
+
+    @property
+    def s(self) -> Structure:
+        return self.world.structure
+
+    def new_uow(self) -> Uow:
+        self._seq += 1
+        return Uow(f"{self.name}.{self.caller.epoch:x}.{self._seq}")
+
+    def entry(self, entry_id: str, *, persistent: bool = True, priority: int = 0, expiry: int = 0,
+              queue: str = QUEUE) -> Entry:
+        return Entry(id=entry_id, queue=queue, priority=priority, persistent=persistent, msgid=entry_id.encode().hex(),
+                     expiry=expiry, put_time=T_START)
+
+    # --- puts and gets inside a UOW: CF first, then the log -------------------------------------------------
+    def put(self, uow: Uow, entry: Entry, body: bytes) -> Steps:
+        yield f"put {entry.id} in {uow.id}"
+        cf, gen, created = self.s.put(self.caller, entry, body, uow=uow.id, gen=uow.structures.get(STRUCTURE, 0))
+        if created:
+            self.world.reached_cf.add(entry.id)
+        uow.structures[STRUCTURE] = gen
+        if entry.persistent:
+            uow.persistent = True
+            self.log.append({"k": "PUT", "l": cf, "u": uow.id, "s": STRUCTURE, "g": gen, "e": entry.wire(),
+                             "d": body})
+
+    def get(self, uow: Uow, queue: str = QUEUE) -> Steps:
+        yield f"get in {uow.id}"
+        _, gen, entry, _ = self.s.get(self.caller, queue, uow=uow.id, gen=uow.structures.get(STRUCTURE, 0),
+                                      now_ms=self.world.now_ms)
+        uow.structures[STRUCTURE] = gen
+        if entry is not None and entry.persistent:
+            uow.persistent = True
+            self.log.append({"k": "GET", "l": entry.lrsn, "u": uow.id, "s": STRUCTURE, "g": gen, "i": entry.id,
+                             "q": queue})
+        return entry.id if entry is not None else None
+
+    def put_nonpersistent(self, entry: Entry, body: bytes) -> Steps:
+        """A non-persistent put outside syncpoint: on the CF only, never logged."""
+        yield f"put {entry.id} (non-persistent)"
+        self.s.put(self.caller, entry, body)
+
+    # --- log-first work ---------------------------------------------------------------------------------------
+    def put_outside_syncpoint(self, entry: Entry, body: bytes) -> Steps:
+        """Persistent put outside syncpoint: committed once its PUT record is forced; then the CF put."""
+        while True:
+            yield f"log PUT {entry.id} (outside syncpoint)"
+            lrsn = self.clock.now()
+            self.log.append({"k": "PUT", "l": lrsn, "u": "", "s": STRUCTURE, "g": 0, "e": entry.wire(), "d": body,
+                             "c": 1})
+            yield f"CF put {entry.id} (log lrsn {lrsn})"
+            try:
+                _, _, created = self.s.put(self.caller, entry, body, log_lrsn=lrsn)
+            except FloorError as e:
+                self.clock.observe(e.floor)
+                continue
+            if created:
+                self.world.reached_cf.add(entry.id)
+            return
+
+    def commit(self, uow: Uow) -> Steps:
+        return self._complete(uow, True)
+
+    def backout(self, uow: Uow) -> Steps:
+        return self._complete(uow, False)
+
+    def _complete(self, uow: Uow, commit: bool) -> Steps:
+        what = "COMMIT" if commit else "BACKOUT"
+        yield f"log {what} {uow.id}"
+        if uow.persistent:
+            self._log_outcome(uow, commit, with_data=not commit and self._backup_running())
+        lrsn = uow.decided_lrsn if uow.persistent else 0
+        has_data = self.world.mutation.no_backout_data
+        while True:
+            yield f"CF {what.lower()} {uow.id}"
+            try:
+                if commit:
+                    self.s.commit(self.caller, uow.id, gen=uow.structures[STRUCTURE], lrsn=lrsn)
+                else:
+                    self.s.backout(self.caller, uow.id, gen=uow.structures[STRUCTURE], lrsn=lrsn, has_data=has_data)
+            except FloorError as e:
+                self.clock.observe(e.floor)
+                yield f"relog {what} {uow.id} (floor)"
+                lrsn = self._log_outcome(uow, commit)
+                continue
+            except BackupActiveError:
+                yield f"relog {what} {uow.id} with data (backup active)"
+                lrsn = self._log_outcome(uow, commit, with_data=True)
+                has_data = True
+                continue
+            if uow.persistent:
+                self.log.append({"k": "END", "l": self.clock.now(), "u": uow.id})
+            return
+
+    def _log_outcome(self, uow: Uow, commit: bool, with_data: bool = False) -> int:
+        rec: Record = {"k": "COMMIT" if commit else "BACKOUT", "l": self.clock.now(), "u": uow.id,
+                       "ss": dict(uow.structures)}
+        if not commit:
+            rec["r"] = "application"
+            dd = self._gets_data(uow) if with_data and not self.world.mutation.no_backout_data else []
+            if dd:
+                rec["dd"] = dd
+        self.log.append(rec)
+        uow.decided_lrsn = rec["l"]
+        return int(rec["l"])
+
+    def _backup_running(self) -> bool:
+        return bool(self.world.client.hexists(keys.meta(STRUCTURE), "backup"))
+
+    def _gets_data(self, uow: Uow) -> list[list[Any]]:
+        return [[STRUCTURE, e.wire(), d] for e, d in self.s.uow_entries(uow.id)
+                if e.state == "UG" and e.persistent and e.uow == uow.id]
+
+    # --- the expiry task ------------------------------------------------------------------------------------
+    def expire(self, now_ms: int) -> Steps:
+        yield f"expire at {now_ms}"
+        self.world.now_ms = now_ms
+        ids, _ = self.s.expire(now_ms)
+        if ids:
+            self.log.append({"k": "EXPIRE", "l": self.clock.now(), "s": STRUCTURE, "ids": ids})
+
+
+class _TakenSnapshot:
+    """Hands copy_step a snapshot taken in an earlier step, so that the fetch is a step of its own."""
+
+    def __init__(self, structure: Structure, ids: list[str]) -> None:
+        self._structure = structure
+        self._ids = ids
+
+    def snapshot(self, state: str) -> list[str]:
+        return self._ids
+
+    def fetch(self, ids: Iterable[str], batch: int = 2000) -> Iterable[tuple[str, Entry | None, bytes | None]]:
+        return self._structure.fetch(ids, batch)
+
+
+def backup_actor(world: World) -> Steps:
+    """backup.protocol's steps: begin (sets the floor), then per step an atomic snapshot of the ids and, as a
+    separate step, the fetch of their current copies; then end. A step whose snapshot is empty fetches nothing
+    and so has no fetch step."""
+    clock = LrsnClock()
+    s = world.structure
+    b = world.backup
+    yield "backup begin"
+    b.start, b.floor = s.backup_begin(BACKUP_ID, clock.now())
+    clock.observe(b.start)
+    b.started = True
+    for number, (state, _) in enumerate(world.mutation.steps, start=1):
+        yield f"backup step {number} {state} snapshot"
+        ids = s.snapshot(state)
+        count = StepCount(snapshot=0)
+        b.counts.append(count)
+        if ids:
+            yield f"backup step {number} {state} fetch"
+        taken = cast(Structure, _TakenSnapshot(s, ids))
+        b.copies.extend((STRUCTURE, e.wire(), d) for e, d in copy_step(taken, state, count))
+    yield "backup end"
+    s.backup_end(BACKUP_ID, clock.now(), ok=True)
+    b.ended = True
+
+
+# --- the checks: lose the CF, restore, compare -----------------------------------------------------------------
+Row = tuple[str, str, bytes, int]  # (id, queue, data, backout count)
+
+
+class Violation(AssertionError):
+    pass
+
+
+def restored_rows(plan: RestorePlan) -> dict[str, list[Row]]:
+    """The restored structure per queue, in get order (priority, then FIFO)."""
+    held = [s.id for s in plan.settled if s.disposition == HELD_INDOUBT]
+    if held:
+        raise Violation(f"restore holds {held} in doubt, but no UOW was prepared")
+    out: dict[str, list[Row]] = {}
+    for s in sorted((s for s in plan.settled if s.disposition == RESTORED), key=lambda s: fifo_key(s.entry or {})):
+        assert s.entry is not None
+        out.setdefault(s.entry["q"], []).append((s.id, s.entry["q"], s.data, int(s.entry.get("bc", 0))))
+    return out
+
+
+def cf_truth(world: World) -> dict[str, list[Row]]:
+    """The CF's committed persistent messages per queue, in get order, at model time now."""
+    out: dict[str, list[Row]] = {}
+    for q in (QUEUE, NP_QUEUE):
+        rows = [(e.id, e.queue, d, e.backout_count) for e, d in world.structure.browse(q, 1000, world.now_ms)
+                if e.persistent]
+        if rows:
+            out[q] = rows
+    return out
+
+
+def expected_after_loss(world: World, replay_from: int) -> dict[str, Row]:
+    """What restore must rebuild if the CF is lost now (any moment after the backup ended), read off the CF and
+    the logs: committed messages stay; an uncommitted put stays iff its UOW's COMMIT is logged (in-commit work
+    is completed); an uncommitted get is consumed iff its UOW's COMMIT is logged, else it is backed out (its
+    backout count rises); a logged put outside syncpoint that has not reached the CF is there iff its record is
+    in the replay range (a record below it was refused by the floor: its owner relogs and puts it afterwards)."""
+    committed = {r["u"] for m in world.members.values() for r in m.log if r["k"] == "COMMIT"}
+    pipe = world.client.pipeline(transaction=False)
+    for key in keys.script_keys(STRUCTURE)[2:4]:
+        pipe.hgetall(key)
+    raw_descs, raw_datas = pipe.execute()
+    descs = {keys.text(k): Entry.unpack(v) for k, v in raw_descs.items()}
+    datas = {keys.text(k): v for k, v in raw_datas.items()}
+    out: dict[str, Row] = {}
+    for eid, e in descs.items():
+        if not e.persistent or e.expired(world.now_ms):
+            continue
+        row = (eid, e.queue, datas[eid], e.backout_count)
+        if (e.state == "CP" or (e.state == "UP" and e.uow in committed)):
+            out[eid] = row
+        elif e.state == "UG" and e.uow not in committed:
+            out[eid] = (eid, e.queue, datas[eid], e.backout_count + 1)
+    for m in world.members.values():
+        for r in m.log:
+            if r["k"] != "PUT" or not r.get("c") or r["l"] < replay_from:
+                continue
+            put = Entry.from_wire(r["e"])
+            if put.id not in world.reached_cf and not put.expired(world.now_ms):
+                out[put.id] = (put.id, put.queue, r["d"], 0)
+    return out
+
+
+def check_after_loss(world: World) -> None:
+    """Lose the CF now (the backup has ended): the restore from the backup plus the logs from its floor must
+    rebuild exactly the expected messages."""
+    b = world.backup
+    plan = plan_local(STRUCTURE, b.copies, world.records(b.floor), now_ms=world.now_ms)
+    got = {row[0]: row for rows in restored_rows(plan).values() for row in rows}
+    want = expected_after_loss(world, b.floor)
+    compare(want, got)
+
+
+def check_complete(world: World) -> None:
+    """At the end of a schedule: the restore equals the CF's committed state (ids, queues, data, backout counts,
+    get order); the same with the replay started at LRSN 0; and the fold is idempotent (twice on the same input,
+    and again over its own result as the backup: the redo rule skips what the copies already reflect)."""
+    b = world.backup
+    truth = cf_truth(world)
+    plan = plan_local(STRUCTURE, b.copies, world.records(b.floor), now_ms=world.now_ms)
+    restored = restored_rows(plan)
+    compare_ordered(truth, restored, "replay from the floor")
+    compare_ordered(truth, restored_rows(plan_local(STRUCTURE, b.copies, world.records(0), now_ms=world.now_ms)),
+                    "replay from LRSN 0")
+    compare_ordered(restored, restored_rows(plan_local(STRUCTURE, b.copies, world.records(b.floor),
+                                                       now_ms=world.now_ms)), "second run of the fold")
+    again = [(s.structure, dict(s.entry), s.data) for s in plan.loaded() if s.entry is not None]
+    compare_ordered(restored, restored_rows(plan_local(STRUCTURE, again, world.records(b.floor),
+                                                       now_ms=world.now_ms)), "fold over its own result")
+
+
+def compare(want: dict[str, Row], got: dict[str, Row]) -> None:
+    lost = sorted(set(want) - set(got))
+    resurrected = sorted(set(got) - set(want))
+    wrong = sorted(i for i in set(want) & set(got) if want[i] != got[i])
+    if lost or resurrected or wrong:
+        raise Violation(f"lost {lost}, resurrected {resurrected}, "
+                        f"changed {[(want[i], got[i]) for i in wrong]}")
+
+
+def compare_ordered(want: dict[str, list[Row]], got: dict[str, list[Row]], how: str) -> None:
+    ids = [r[0] for rows in got.values() for r in rows]
+    dups = sorted({i for i in ids if ids.count(i) > 1})
+    if dups:
+        raise Violation(f"{how}: duplicated {dups}")
+    try:
+        compare({r[0]: r for rows in want.values() for r in rows}, {r[0]: r for rows in got.values() for r in rows})
+    except Violation as v:
+        raise Violation(f"{how}: {v}") from None
+    if want != got:
+        raise Violation(f"{how}: get order differs: CF {want} restored {got}")
+
+
+Scenario = Callable[[World], list[tuple[str, Steps]]]
