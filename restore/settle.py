@@ -51,12 +51,22 @@ def decide_outcome(records: Iterable[Record]) -> Outcome | None:
     A RECOVERY record (peer recovery or restore decided it) outranks the owner's own records: the owner may have
     written a COMMIT after the decision, which the CF then refused. Otherwise the owner's last record decides
     (a COMMIT followed by a BACKOUT is a commit the CF refused); a last PREPARE leaves the UOW in doubt.
+
+    When the owner had logged the same decision before the RECOVERY record (an in-commit or in-backout UOW that
+    peer recovery completed), the transition took place at the owner's LRSN: the owner may have applied it on
+    the CF before it failed, and other UOWs may have got (and consumed) the entries since. Placing it at the
+    RECOVERY record's LRSN would replay it after them and bring consumed messages back (chaos seed 2).
     """
     recs = list(records)
     decided = sorted((r for r in recs if r["k"] == "RECOVERY"), key=lambda r: (r["l"], r["by"]))
     if decided:
         r = decided[0]
-        return Outcome(COMMIT if r["o"] == "C" else BACKOUT, r["l"], r["by"], _carried(r))
+        kind = COMMIT if r["o"] == "C" else BACKOUT
+        same = [o for o in recs if o["k"] == ("COMMIT" if kind == COMMIT else "BACKOUT") and o["l"] < r["l"]]
+        if same:
+            first = min(same, key=lambda o: o["l"])
+            return Outcome(kind, first["l"], r["by"], {**_carried(r), **_carried(first)})
+        return Outcome(kind, r["l"], r["by"], _carried(r))
     own = sorted((r for r in recs if r["k"] in ("COMMIT", "BACKOUT", "PREPARE")), key=lambda r: r["l"])
     if not own:
         return None

@@ -304,7 +304,10 @@ class QueueManager:
     def apply(self, uow: UnitOfWork, commit: bool, *, for_member: str | None = None) -> None:
         """Apply a decided outcome on every structure of the UOW (idempotent), then log END."""
         for sname in list(uow.structures):
+            if sname in uow.applied:
+                continue
             self._apply_one(uow, sname, commit, for_member)
+            uow.applied.add(sname)
             failpoint("during-apply")
         if (uow.persistent or for_member is not None) and self.log is not None:
             self.append({"k": "END", "l": self.clock.now(), "u": uow.id})

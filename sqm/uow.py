@@ -20,6 +20,9 @@ class UnitOfWork:
     decided_lrsn: int = 0  # LRSN of the record that decided the outcome (COMMIT / BACKOUT)
     data_logged: bool = False  # that record carries the data of the UOW's persistent gets (backup running)
     operations: int = 0
+    # Structures on which this process has applied the decided outcome: a retry (the CF failed for a later one)
+    # skips them, since a structure restored meanwhile no longer knows the UOW and would call it backed out.
+    applied: set[str] = field(default_factory=set)
 
     def snapshot(self) -> dict[str, Any]:
         return {"st": self.state, "ss": dict(self.structures), "x": self.xid, "dl": self.decided_lrsn,

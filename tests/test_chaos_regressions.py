@@ -1,0 +1,75 @@
+"""Bugs the chaos suite found, each kept as a fast regression test of its root cause, with the seed that found it.
+
+Both were found by `cfemu chaos run --seed 2 --duration 35 --faults sqm-kill,cf-kill` (also seed 1): messages
+whose get had committed came back after a later restore (duplicated, and atomicity for their UOWs).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import redis
+
+from backup.run import run_backup
+from cfemu.admin import Admin
+from restore.run import run_restore
+from restore.settle import CONSUMED, decide_outcome, settle
+from sqm.log import LogReader
+from tests.qsg import define_group, start_qm
+
+
+def test_seed2_a_commit_completed_by_peer_recovery_takes_effect_at_the_owners_commit() -> None:
+    """QM2 committed its put (and applied it), QM1 got and consumed the message, then QM2 died and QM3's peer
+    recovery logged RECOVERY C for QM2's UOW. Restore placed the commit at the RECOVERY record's LRSN, after the
+    consumption, and brought the message back."""
+    entry = {"id": "e1", "q": "Q1", "p": 0, "per": 1, "st": "", "l": 0, "u": ""}
+    put_uow, get_uow = "QM2.1.1", "QM1.1.1"
+    records = {
+        put_uow: [{"k": "PUT", "l": 10, "u": put_uow, "s": "APP1", "g": 1, "e": dict(entry), "d": b"x"},
+                  {"k": "COMMIT", "l": 20, "u": put_uow, "ss": {"APP1": 1}},
+                  {"k": "RECOVERY", "l": 50, "u": put_uow, "o": "C", "of": "QM2", "by": "QM3",
+                   "ss": {"APP1": 1}}],
+        get_uow: [{"k": "GET", "l": 30, "u": get_uow, "s": "APP1", "g": 1, "i": "e1", "q": "Q1"},
+                  {"k": "COMMIT", "l": 40, "u": get_uow, "ss": {"APP1": 1}}],
+    }
+    outcomes = {u: decide_outcome(recs) for u, recs in records.items()}
+    assert outcomes[put_uow] is not None and outcomes[put_uow].lrsn == 20
+    entry_records = [r for recs in records.values() for r in recs if r["k"] in ("PUT", "GET")]
+    settled = settle("e1", None, entry_records, {u: o for u, o in outcomes.items() if o is not None}, now_ms=0)
+    assert settled.disposition == CONSUMED
+
+
+def test_seed2_a_commit_retried_after_a_restore_does_not_back_out_what_it_applied(redis_url: str,
+                                                                                  tmp_path: Path) -> None:
+    """An in-doubt UOW on two structures survived a CF loss; APP1 was restored, the coordinator committed (APP1
+    applied, APP2 not restored yet: pending); APP2 was restored. The retry re-applied APP1 too, where the UOW,
+    committed and gone from a structure with a new generation, looked 'lost with the CF and backed out by
+    restore': the member logged BACKOUT after its COMMIT, and the next restore backed the whole UOW out."""
+    logs, backups = tmp_path / "logs", tmp_path / "backups"
+    client: redis.Redis = define_group(redis_url, queues=("Q1",))
+    admin = Admin(client)
+    admin.define_structure("APP2")
+    admin.define_queue("Q3", "APP2")
+    qm = start_qm(redis_url, logs, "QM1", background=False)
+    try:
+        conn = qm.connect()
+        conn.put("Q1", b"one")
+        conn.put("Q3", b"two")
+        uow = conn.prepare("xid-1")
+        for s in ("APP1", "APP2"):
+            run_backup(client, s, backups, log_root=logs)
+        client.flushall()  # the CF is lost
+        run_restore(client, "APP1", backup_root=backups, log_root=logs)
+        qm.resolve(uow, True)
+        assert uow in qm.pending, "APP2 is not restored yet: the commit waits for it"
+        run_restore(client, "APP2", backup_root=backups, log_root=logs)
+        assert qm.retry_pending() == 1
+        assert qm.log is not None
+        qm.log.force()
+        kinds = [r["k"] for _, r in LogReader(logs / "QM1").records() if r.get("u") == uow]
+        assert kinds[-2:] == ["COMMIT", "END"] and "BACKOUT" not in kinds
+        getter = qm.connect()
+        assert getter.get("Q1").body == b"one" and getter.get("Q3").body == b"two"
+        getter.commit()
+    finally:
+        qm.stop()
