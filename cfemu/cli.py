@@ -9,6 +9,7 @@
   cfemu backup ... | restore ...                cfbackup / cfrestore
   cfemu cluster up|status|down                  a local group: CF, SQM servers, backup scheduler
   cfemu demo                                    the end-to-end demonstration
+  cfemu chaos run|soak|check|kinds              the chaos test suite (docs/chaos.md)
 
 The CF is found from --redis-url, else $REDIS_URL, else a cluster in --cluster-dir (default var/cluster), else a
 CF started with 'cfemu cf start' (var/cf). Tables are rich on a terminal and plain otherwise; --json prints
@@ -534,6 +535,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="the end-to-end demonstration", add_help=False)
     demo.add_argument("rest", nargs=argparse.REMAINDER)
+    chaos = sub.add_parser("chaos", help="the chaos test suite (run, soak, check, kinds)", add_help=False)
+    chaos.add_argument("rest", nargs=argparse.REMAINDER)
     return parser
 
 
@@ -542,7 +545,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace, Output], int]] = {
     "browse": cmd_browse, "indoubt": cmd_indoubt, "cluster": cmd_cluster,
 }
 DELEGATES = {"backup": _delegate("backup.cli", "cfbackup"), "restore": _delegate("restore.cli", "cfrestore"),
-             "demo": _delegate("cfemu.demo", "the demo")}
+             "demo": _delegate("cfemu.demo", "the demo"), "chaos": _delegate("cfemu.chaos.cli", "the chaos suite")}
 
 
 def main(argv: list[str] | None = None) -> int:

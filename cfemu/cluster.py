@@ -34,7 +34,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -112,11 +112,13 @@ class Cluster:
     def up(cls, directory: str | os.PathLike[str], managers: int = 3, *, backup_interval: float | None = 10.0,
            structure: str | None = "APP1", queues: Sequence[str] = ("Q1", "Q2"), lease_ms: int = 5000,
            token: str | None = None, host: str = "127.0.0.1", detach: bool = False, start_timeout: float = 30.0,
-           manager_args: Sequence[str] = ()) -> Cluster:
+           manager_args: Sequence[str] = (), cf_url_for: Callable[[str, str], str] | None = None) -> Cluster:
         """Start an embedded CF, managers QM1..QMn and (with a backup_interval) the backup scheduler.
 
         structure/queues are defined when missing (structure=None defines nothing). manager_args go to every
-        ``sqm run``. On any failure everything already started is stopped again.
+        ``sqm run``. cf_url_for(manager, cf_url) gives the CF URL a manager uses (a proxy in the path, for the
+        chaos suite); it is kept in cluster.json for restarts. On any failure everything already started is
+        stopped again.
         """
         if not 1 <= managers <= 32:
             raise ClusterError(f"--managers must be 1-32, not {managers}")
@@ -142,6 +144,9 @@ class Cluster:
             cluster._start_cf(port=None)
             if structure:
                 cluster._define(structure, queues)
+            if cf_url_for is not None:
+                for m in state["managers"]:
+                    m["cf_url"] = cf_url_for(m["name"], cluster.redis_url)
             for m in state["managers"]:
                 cluster._spawn_manager(m["name"])
             for m in state["managers"]:
@@ -223,9 +228,9 @@ class Cluster:
         with contextlib.suppress(FileNotFoundError):
             self._ready_file(name).unlink()
         cmd = [sys.executable, "-m", "sqm.cli", "run", "--name", name, "--host", self.host, "--port", str(m["port"]),
-               "--metrics-port", str(m["metrics_port"]), "--redis-url", self.redis_url, "--log-root",
-               str(self.log_root), "--lease-ms", str(self.state["lease_ms"]), "--ready-file",
-               str(self._ready_file(name)), *self.state.get("manager_args", [])]
+               "--metrics-port", str(m["metrics_port"]), "--redis-url", m.get("cf_url") or self.redis_url,
+               "--log-root", str(self.log_root), "--lease-ms", str(self.state["lease_ms"]), "--ready-file",
+               str(self._ready_file(name)), *self.state.get("manager_args", []), *m.get("extra_args", [])]
         proc = self._popen(name, cmd, f"{name}.log")
         self._set_manager(name, pid=proc.pid)
 
@@ -263,14 +268,29 @@ class Cluster:
         if not self._wait_gone(name, pid, timeout):
             raise ClusterError(f"{name} (pid {pid}) still runs {timeout:g}s after signal {sig}")
 
-    def restart_manager(self, name: str, timeout: float = 30.0) -> None:
-        """Start a stopped (or killed) manager again on its port; restart recovery runs from its log."""
+    def restart_manager(self, name: str, timeout: float = 30.0, *,
+                        extra_args: Sequence[str] | None = None) -> None:
+        """Start a stopped (or killed) manager again on its port; restart recovery runs from its log.
+        extra_args (kept for later restarts) go to this manager's ``sqm run`` only, e.g. --clock-skew-ms."""
         pid = self.manager(name).get("pid")
         if _pid_runs(pid, name.encode()):
             raise ClusterError(f"{name} is still running (pid {pid})")
+        if extra_args is not None:
+            self._set_manager(name, extra_args=list(extra_args))
         self._spawn_manager(name)
         self._wait_manager(name, timeout)
         self._save()
+
+    def wait_manager_exit(self, name: str, timeout: float) -> int | None:
+        """Wait until a manager started by this Cluster object exits; its exit code (None: still running after
+        timeout, or not started by this object, so its status cannot be known)."""
+        proc = self._procs.get(name)
+        if proc is None:
+            return None
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
 
     def kill_cf(self) -> None:
         """kill -9 the CF (everything in it is lost; the SQMs see a failed structure)."""

@@ -42,6 +42,8 @@ def add_run_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
                    help="seconds in-flight requests get at shutdown (default 10)")
     p.add_argument("--cf-wait", type=float, default=30.0, help="seconds to wait for the CF at start")
     p.add_argument("--ready-file", type=Path, help="write {pid, port, metrics_port} here once serving")
+    p.add_argument("--clock-skew-ms", type=int, default=0,
+                   help="skew this member's LRSN clock source by N ms (tests; the OS clock is not touched)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
@@ -57,7 +59,8 @@ def run_command(args: argparse.Namespace) -> int:
         name=args.name, log_root=args.log_root, redis_url=args.redis_url, host=args.host, port=args.port,
         token=args.token, tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
         metrics_port=args.metrics_port, lease_ms=args.lease_ms, loglode=args.loglode, max_frame=args.max_frame,
-        shutdown_grace_s=args.shutdown_grace, cf_wait_s=args.cf_wait, ready_file=args.ready_file))
+        shutdown_grace_s=args.shutdown_grace, cf_wait_s=args.cf_wait, ready_file=args.ready_file,
+        clock_skew_ms=args.clock_skew_ms))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -83,6 +83,7 @@ class ServerConfig:
     shutdown_grace_s: float = 10.0  # in-flight requests get this long to finish at shutdown
     cf_wait_s: float = 30.0  # how long to wait for the CF to answer at start
     ready_file: Path | None = None  # JSON {pid, host, port, metrics_port} written once serving
+    clock_skew_ms: int = 0  # added to the physical time the LRSN clock reads (tests of a skewed member)
 
     def ssl_context(self) -> ssl.SSLContext | None:
         if not (self.tls_cert or self.tls_key or self.tls_ca):
@@ -130,7 +131,7 @@ class SQMServer:
         self.ssl = config.ssl_context()
         self.qm = qm if qm is not None else QueueManager(QueueManagerConfig(
             name=config.name, log_root=Path(config.log_root), redis_url=config.redis_url, lease_ms=config.lease_ms,
-            loglode=config.loglode))
+            loglode=config.loglode, clock_skew_us=config.clock_skew_ms * 1000))
         self.stats = _Stats()
         self.port = config.port
         self.metrics_port = config.metrics_port

@@ -1,0 +1,384 @@
+"""The chaos checker: what the history says the group did, against what the clients were told.
+
+It runs after healing, resolving every in-doubt UOW and draining every queue, on the history alone (the drain's
+gets are in it, as op ``drain``). Definitions (docs/chaos.md has them with examples):
+
+Outcome of a unit of work: COMMITTED when its commit (or the coordinator's resolve, or an out-of-syncpoint put,
+or a drain get) returned ok; ABORTED when it was backed out (backout, or a BackedOutError); otherwise UNKNOWN,
+and then inferred from its effects:
+  * a put of the UOW is *visible* when its message was ever delivered (to any get, or the drain), and
+    *invisible* when it was never delivered (only decisive for persistent messages without expiry);
+  * a get of the UOW *took effect* when its message was never delivered again afterwards, and *did not* when it
+    was (only decisive for persistent messages without expiry).
+  An unknown UOW with effects of both kinds is an atomicity violation; with only taken effects it committed; with
+  only untaken ones it was backed out; with none it is undetermined (either way is allowed).
+
+Findings (each names the message ids and UOWs involved):
+  lost        a persistent message without expiry whose put committed (known, not inferred) and that no
+              committed or undetermined get consumed and the drain did not find;
+  duplicated  a message consumed by two committed gets (the drain counts as one);
+  phantom     a delivered message that no client put, or whose put was backed out or failed;
+  atomicity   a UOW (of any outcome) with decisive effects of both kinds;
+  corrupted   a delivered body whose CRC32C does not match (or that is not a chaos message at all);
+  order       see check_order;
+  resurrected a non-persistent message delivered by a get that began after a CF loss its put preceded;
+  expired     a message delivered by a get that began more than EXPIRY_SLACK_S after its expiry.
+Allowed and counted: non-persistent messages lost (with the CF), unknown outcomes (resolved either way),
+redeliveries after backout, expired messages that never came back.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+COMMITTED, ABORTED, UNKNOWN, UNDETERMINED = "committed", "aborted", "unknown", "undetermined"
+MUST_BE_ZERO = ("lost", "duplicated", "phantom", "atomicity", "corrupted")
+FINDING_KINDS = (*MUST_BE_ZERO, "order", "resurrected", "expired")
+EXPIRY_SLACK_S = 1.0  # the server's clock reads expiry at the get, some milliseconds after the client's invoke
+# After a fault has recovered, its after-effects last this long: pending CF work retried by the members, and a
+# request stalled behind a half-open path that the client gives up on only after its request timeout (5 s).
+SETTLE_S = 6.0
+CF_LOSS_KINDS = ("cf-kill", "cf-kill-during-restore", "during-backup")
+
+
+@dataclass
+class Op:
+    id: int
+    client: str
+    op: str
+    t0: float
+    t1: float | None
+    outcome: str  # ok, fail, unknown (no completion recorded: unknown)
+    args: dict[str, Any]
+    result: dict[str, Any]
+
+
+@dataclass
+class Delivery:
+    msg: str
+    uow: str
+    op: Op
+
+    @property
+    def t1(self) -> float:
+        return self.op.t1 if self.op.t1 is not None else self.op.t0
+
+
+@dataclass
+class Uow:
+    key: str
+    client: str
+    ops: list[Op] = field(default_factory=list)
+    outcome: str = UNKNOWN
+    known: bool = False  # outcome from a completion, not inferred
+    xid: str = ""
+    resolved_at: float | None = None  # a prepared UOW: when the coordinator's resolve returned ok
+
+    @property
+    def start(self) -> float:
+        return self.ops[0].t0
+
+    @property
+    def end(self) -> float:
+        """When its outcome was decided (as far as the history knows): its last operation, or its resolve."""
+        if self.resolved_at is not None:
+            return self.resolved_at
+        last = self.ops[-1]
+        return last.t1 if last.t1 is not None else last.t0
+
+
+@dataclass
+class Finding:
+    kind: str
+    msgs: list[str]
+    detail: str
+    uow: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "msgs": self.msgs, "uow": self.uow, "detail": self.detail}
+
+
+@dataclass
+class CheckResult:
+    findings: list[Finding] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def of(self, kind: str) -> list[Finding]:
+        return [f for f in self.findings if f.kind == kind]
+
+    @property
+    def ok(self) -> bool:
+        return not self.findings
+
+    def summary(self) -> dict[str, int]:
+        return {k: len(self.of(k)) for k in FINDING_KINDS}
+
+
+def pair_ops(events: Iterable[dict[str, Any]]) -> tuple[list[Op], list[dict[str, Any]]]:
+    """Invocations joined with their completions (in invocation order), and the fault events."""
+    ops: dict[int, Op] = {}
+    faults = []
+    for e in events:
+        kind = e.get("type")
+        if kind == "invoke":
+            args = {k: v for k, v in e.items() if k not in ("type", "id", "t", "client", "op")}
+            ops[e["id"]] = Op(e["id"], e["client"], e["op"], e["t"], None, "unknown", args, {})
+        elif kind in ("ok", "fail", "unknown") and e.get("id") in ops:
+            o = ops[e["id"]]
+            o.t1, o.outcome = e["t"], kind
+            o.result = {k: v for k, v in e.items() if k not in ("type", "id", "t")}
+        elif kind == "fault":
+            faults.append(e)
+    return sorted(ops.values(), key=lambda o: o.id), faults
+
+
+class Checker:
+    def __init__(self, events: Iterable[dict[str, Any]]) -> None:
+        self.ops, self.faults = pair_ops(events)
+        self.uows: dict[str, Uow] = {}
+        self.puts: dict[str, Op] = {}  # msg -> its put
+        self.put_uow: dict[str, str] = {}
+        self.deliveries: dict[str, list[Delivery]] = defaultdict(list)
+        self.result = CheckResult()
+        self.counts: dict[str, int] = defaultdict(int)
+
+    def find(self, kind: str, msgs: Iterable[str], detail: str, uow: str = "") -> None:
+        self.result.findings.append(Finding(kind, sorted(set(msgs)), detail, uow))
+
+    # --- building the picture ----------------------------------------------------------------------------------
+    def _uow(self, key: str, client: str) -> Uow:
+        u = self.uows.get(key)
+        if u is None:
+            u = self.uows[key] = Uow(key, client)
+        return u
+
+    def build(self) -> None:
+        resolves: dict[str, list[Op]] = defaultdict(list)
+        for o in self.ops:
+            if o.op == "resolve":
+                resolves[o.args.get("xid", "")].append(o)
+                continue
+            # A put outside syncpoint and a drain get are each a unit of work of their own.
+            key = o.args.get("uow") or f"op{o.id}"
+            u = self._uow(key, o.client)
+            u.ops.append(o)
+            if o.op == "put" and o.args.get("msg"):
+                self.puts[o.args["msg"]] = o
+                self.put_uow[o.args["msg"]] = key
+            if o.op in ("get", "drain") and o.outcome == "ok":
+                msg = o.result.get("msg")
+                if msg is None:
+                    self.find("corrupted", [], f"op {o.id} ({o.client}) got a body that is not a chaos message "
+                                               f"from queue {o.result.get('queue') or o.args.get('queue')}")
+                    continue
+                self.deliveries[msg].append(Delivery(msg, key, o))
+                if not o.result.get("crc_ok", True):
+                    self.find("corrupted", [msg], f"checksum mismatch at op {o.id} ({o.client})", key)
+                if int(o.result.get("backout_count", 0) or 0) > 0:
+                    self.counts["deliveries with a backout count"] += 1
+        for d in self.deliveries.values():
+            d.sort(key=lambda x: x.t1)
+        for u in self.uows.values():
+            self._known_outcome(u, resolves)
+
+    def _known_outcome(self, u: Uow, resolves: dict[str, list[Op]]) -> None:
+        first = u.ops[0]
+        if len(u.ops) == 1 and first.op in ("put", "drain") and not first.args.get("uow"):
+            u.outcome = {"ok": COMMITTED, "fail": ABORTED}.get(first.outcome, UNKNOWN)
+            u.known = u.outcome != UNKNOWN
+            return
+        for o in u.ops:
+            if o.op in ("put", "get") and o.outcome == "fail" and o.result.get("backed_out"):
+                u.outcome, u.known = ABORTED, True
+                return
+            if o.op == "backout":
+                u.outcome, u.known = ABORTED, True
+                return
+            if o.op == "commit":
+                if o.outcome == "ok":
+                    u.outcome, u.known = COMMITTED, True
+                elif o.outcome == "fail" and o.result.get("backed_out"):
+                    u.outcome, u.known = ABORTED, True
+                return
+            if o.op == "prepare":
+                u.xid = o.args.get("xid", "")
+                ok = [r for r in resolves.get(u.xid, []) if r.outcome == "ok"]
+                if ok:
+                    u.outcome, u.known = (COMMITTED if ok[0].args.get("commit") else ABORTED), True
+                    u.resolved_at = ok[0].t1
+                return
+
+    # --- inference and the rules ---------------------------------------------------------------------------------
+    def _decisive(self, m: str) -> bool:
+        p = self.puts.get(m)
+        return p is not None and bool(p.args.get("persistent")) and not p.args.get("expiry_ms")
+
+    def _effects(self, u: Uow) -> tuple[list[str], list[str]]:
+        """(messages whose effect is visible / taken, messages whose effect is not), decisive ones only."""
+        taken: list[str] = []
+        untaken: list[str] = []
+        for o in u.ops:
+            if o.op == "put" and o.outcome != "fail" and self._decisive(o.args["msg"]):
+                m = o.args["msg"]
+                (taken if self.deliveries.get(m) else untaken).append(m)
+            elif o.op == "get" and o.outcome == "ok" and o.result.get("msg") and self._decisive(o.result["msg"]):
+                m = o.result["msg"]
+                t1 = o.t1 if o.t1 is not None else o.t0
+                later = [d for d in self.deliveries.get(m, []) if d.t1 > t1 and d.op is not o]
+                (untaken if later else taken).append(m)
+        return taken, untaken
+
+    def infer(self) -> None:
+        for u in self.uows.values():
+            taken, untaken = self._effects(u)
+            if taken and untaken:
+                self.find("atomicity", taken + untaken, f"{u.outcome} UOW {u.key} ({u.client}): took effect for "
+                                                        f"{sorted(taken)}, not for {sorted(untaken)}", u.key)
+            if u.known:
+                continue
+            self.counts["unknown outcomes"] += 1
+            if taken and not untaken:
+                u.outcome = COMMITTED
+                self.counts["unknown outcomes resolved: committed"] += 1
+            elif untaken and not taken:
+                u.outcome = ABORTED
+                self.counts["unknown outcomes resolved: backed out"] += 1
+            else:
+                u.outcome = UNDETERMINED
+                self.counts["unknown outcomes resolved: undetermined"] += 1
+
+    def check_messages(self) -> None:
+        cf_losses = [f for f in self.faults if f.get("kind") in CF_LOSS_KINDS]
+        for m, ds in sorted(self.deliveries.items()):
+            put = self.puts.get(m)
+            if put is None:
+                self.find("phantom", [m], f"delivered {len(ds)}x, never put by any client")
+                continue
+            pu = self.uows[self.put_uow[m]]
+            if pu.outcome == ABORTED:
+                self.find("phantom", [m], f"delivered {len(ds)}x, but its put ({pu.key}) was backed out or failed",
+                          pu.key)
+            committed = [d for d in ds if self.uows[d.uow].outcome == COMMITTED]
+            if len(committed) > 1:
+                self.find("duplicated", [m], "consumed by " + ", ".join(
+                    f"{d.uow} ({d.op.client}, t={d.t1})" for d in committed))
+            redelivered = [d for d in ds[:-1] if self.uows[d.uow].outcome != COMMITTED]
+            self.counts["redeliveries after backout"] += len(redelivered)
+            expiry = int(put.args.get("expiry_ms") or 0)
+            put_done = put.t1 if put.t1 is not None else put.t0
+            for d in ds:
+                if expiry and d.op.t0 > put_done + expiry / 1000 + EXPIRY_SLACK_S:
+                    self.find("expired", [m], f"expiry {expiry} ms, put done at t={put_done}, delivered by "
+                                              f"op {d.op.id} begun at t={d.op.t0}", d.uow)
+                if not put.args.get("persistent"):
+                    for f in cf_losses:
+                        if f["phase"] == "inject" and put_done < f["t"] < d.op.t0 and self._cf_back(f) < d.op.t0:
+                            self.find("resurrected", [m], f"non-persistent, put at t={put_done}, CF lost at "
+                                                          f"t={f['t']}, delivered by op {d.op.id} at t={d.op.t0}")
+        unknown_drains = sum(1 for o in self.ops if o.op == "drain" and o.outcome == "unknown")
+        for m, put in sorted(self.puts.items()):
+            if self.deliveries.get(m):
+                continue
+            u = self.uows[self.put_uow[m]]
+            if not put.args.get("persistent"):
+                if u.outcome == COMMITTED:
+                    self.counts["non-persistent lost (allowed)"] += 1
+                continue
+            if put.args.get("expiry_ms"):
+                if u.outcome == COMMITTED:
+                    self.counts["expired, never delivered (allowed)"] += 1
+                continue
+            if u.known and u.outcome == COMMITTED:
+                note = f"; {unknown_drains} drain gets had an unknown outcome" if unknown_drains else ""
+                self.find("lost", [m], f"put committed by {u.key} ({u.client}) at t={u.end}, never consumed, "
+                                       f"not present at the end{note}", u.key)
+        # Consumed only by gets of undetermined UOWs: not lost, but worth counting.
+        self.counts["consumed only by undetermined UOWs"] = sum(
+            1 for ds in self.deliveries.values()
+            if ds and all(self.uows[d.uow].outcome == UNDETERMINED for d in ds))
+
+    def _cf_back(self, loss: dict[str, Any]) -> float:
+        """When the CF loss `loss` had recovered (the end of the history if it never did)."""
+        for f in self.faults:
+            if f.get("fault") == loss.get("fault") and f["phase"] == "recovered":
+                return float(f["t"])
+        return float("inf")
+
+    def disturbed(self) -> list[tuple[float, float]]:
+        """Intervals from each fault's injection to SETTLE_S after its recovery (open-ended if it never did)."""
+        spans: dict[Any, list[float]] = {}
+        for f in self.faults:
+            s = spans.setdefault(f.get("fault"), [f["t"], float("inf")])
+            if f["phase"] == "inject":
+                s[0] = min(s[0], f["t"])
+            elif f["phase"] == "recovered":
+                s[1] = f["t"] + SETTLE_S
+        return sorted((a, b) for a, b in spans.values())
+
+    def check_order(self) -> None:
+        """FIFO within (producer, queue, priority) as seen by one consumer.
+
+        m1 and m2 were put by one producer on one queue with one priority, persistent, without expiry, each in a
+        UOW that committed (known) and whose whole span (first op to commit) touched no fault window; m1's commit
+        completed before m2's put began. Each was delivered exactly once, with backout count 0, to a committed
+        get of the same consumer (the drain is a consumer too), in a UOW that touched no fault window either. If that consumer got m2 before m1, m1 was
+        available all along (committed earlier, held by nobody), so FIFO was broken. Everything else is allowed
+        to reorder: a message whose delivery was backed out (by the application, a failure, peer recovery or a
+        CF loss) goes back to its place, after others were taken; a commit that waits for the CF (pending work)
+        becomes visible late.
+        """
+        windows = self.disturbed()
+
+        def calm(a: float, b: float) -> bool:
+            return not any(a < w1 and w0 < b for w0, w1 in windows)
+
+        groups: dict[tuple[str, str, int, str], list[tuple[float, float, float, str]]] = defaultdict(list)
+        for m, ds in self.deliveries.items():
+            put = self.puts.get(m)
+            if put is None or len(ds) != 1 or not self._decisive(m):
+                continue
+            d = ds[0]
+            pu, du = self.uows[self.put_uow[m]], self.uows[d.uow]
+            if not (pu.known and pu.outcome == COMMITTED and du.outcome == COMMITTED):
+                continue
+            if int(d.op.result.get("backout_count", 0) or 0) or not (calm(pu.start, pu.end)
+                                                                     and calm(du.start, du.end)):
+                continue
+            consumer = "drain" if d.op.op == "drain" else d.op.client
+            key = (put.client, put.args["queue"], int(put.args.get("priority", 0)), consumer)
+            groups[key].append((d.t1, put.t0, pu.end, m))
+        for (producer, queue, prio, consumer), items in groups.items():
+            items.sort()  # in the consumer's delivery order
+            later_min: tuple[float, str] = (float("inf"), "")  # earliest commit among messages delivered later
+            for _, put_start, committed_at, m2 in reversed(items):
+                if later_min[0] < put_start:
+                    m1 = later_min[1]
+                    self.find("order", [m1, m2], f"{consumer} got {m2} before {m1} on {queue} (priority {prio}, "
+                                                 f"producer {producer}), though {m1} committed first")
+                if committed_at < later_min[0]:
+                    later_min = (committed_at, m2)
+
+    def run(self) -> CheckResult:
+        self.build()
+        self.infer()
+        self.check_messages()
+        self.check_order()
+        self.counts["operations"] = len(self.ops)
+        self.counts["units of work"] = len(self.uows)
+        self.counts["messages put"] = len(self.puts)
+        self.counts["messages delivered"] = len(self.deliveries)
+        self.counts["committed units of work"] = sum(1 for u in self.uows.values() if u.outcome == COMMITTED)
+        self.result.counts = dict(self.counts)
+        return self.result
+
+
+def check(events: Iterable[dict[str, Any]]) -> CheckResult:
+    """Check a history (the events of load_history, or History's lines)."""
+    return Checker(events).run()
+
+
+__all__ = ["ABORTED", "COMMITTED", "CheckResult", "Checker", "FINDING_KINDS", "Finding", "MUST_BE_ZERO",
+           "UNDETERMINED", "UNKNOWN", "check", "pair_ops"]
