@@ -72,7 +72,17 @@ def decide_outcome(records: Iterable[Record]) -> Outcome | None:
         return None
     r = own[-1]
     kind = {"COMMIT": COMMIT, "BACKOUT": BACKOUT, "PREPARE": INDOUBT}[r["k"]]
-    return Outcome(kind, r["l"], r.get("m", ""), _carried(r))
+    # Records of the same decision in a row are re-logs of it (a floor retry, or a retry after a restore that
+    # had already applied the first one): it took effect at the first, as far as other UOWs could see.
+    run = [r]
+    for earlier in reversed(own[:-1]):
+        if earlier["k"] != r["k"]:
+            break
+        run.append(earlier)
+    carried: dict[str, tuple[str, dict[str, Any], bytes]] = {}
+    for x in reversed(run):
+        carried.update(_carried(x))
+    return Outcome(kind, run[-1]["l"], r.get("m", ""), carried)
 
 
 def _carried(r: Record) -> dict[str, tuple[str, dict[str, Any], bytes]]:

@@ -1,17 +1,20 @@
 """Bugs the chaos suite found, each kept as a fast regression test of its root cause, with the seed that found it.
 
-Both were found by `cfemu chaos run --seed 2 --duration 35 --faults sqm-kill,cf-kill` (also seed 1): messages
-whose get had committed came back after a later restore (duplicated, and atomicity for their UOWs).
+Found as messages whose get had committed coming back after a later restore (duplicated, and atomicity for
+their UOWs). The seed-2 ones by `cfemu chaos run --seed 2 --duration 35 --faults sqm-kill,cf-kill` (seed 1 too),
+the seed-3 ones by `cfemu chaos run --seed 3 --duration 90 --faults all`.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import redis
 
 from backup.run import run_backup
 from cfemu.admin import Admin
+from cfemu.errors import NoMessageError
 from restore.run import run_restore
 from restore.settle import CONSUMED, decide_outcome, settle
 from sqm.log import LogReader
@@ -71,5 +74,57 @@ def test_seed2_a_commit_retried_after_a_restore_does_not_back_out_what_it_applie
         getter = qm.connect()
         assert getter.get("Q1").body == b"one" and getter.get("Q3").body == b"two"
         getter.commit()
+    finally:
+        qm.stop()
+
+
+def test_seed3_a_relogged_backout_takes_effect_at_the_first_backout() -> None:
+    """`cfemu chaos run --seed 3 --duration 90 --faults all`: a 2PC UOW that got a message was backed out by its
+    coordinator (BACKOUT forced, the CF lost before it was applied); the restore applied it, another UOW got the
+    message and committed; the owner's pending retry met the restored structure's floor and logged BACKOUT
+    again. The next restore placed the backout at that second record, after the consumption, and brought the
+    message back."""
+    entry = {"id": "e1", "q": "Q1", "p": 0, "per": 1, "st": "", "l": 0, "u": ""}
+    put_uow, held, taker = "QM1.1.1", "QM1.1.2", "QM2.1.1"
+    records = {
+        put_uow: [{"k": "PUT", "l": 10, "u": put_uow, "s": "APP1", "g": 1, "e": dict(entry), "d": b"x"},
+                  {"k": "COMMIT", "l": 20, "u": put_uow, "ss": {"APP1": 1}}],
+        held: [{"k": "GET", "l": 30, "u": held, "s": "APP1", "g": 1, "i": "e1", "q": "Q1"},
+               {"k": "PREPARE", "l": 35, "u": held, "x": "x1", "ss": {"APP1": 1}},
+               {"k": "BACKOUT", "l": 40, "u": held, "ss": {"APP1": 1}, "r": "resolved by coordinator"},
+               {"k": "BACKOUT", "l": 70, "u": held, "ss": {"APP1": 1}}],
+        taker: [{"k": "GET", "l": 50, "u": taker, "s": "APP1", "g": 1, "i": "e1", "q": "Q1"},
+                {"k": "COMMIT", "l": 60, "u": taker, "ss": {"APP1": 1}}],
+    }
+    outcomes = {u: decide_outcome(recs) for u, recs in records.items()}
+    assert outcomes[held] is not None and outcomes[held].lrsn == 40
+    entry_records = [r for recs in records.values() for r in recs if r["k"] in ("PUT", "GET")]
+    settled = settle("e1", None, entry_records, {u: o for u, o in outcomes.items() if o is not None}, now_ms=0)
+    assert settled.disposition == CONSUMED
+
+
+@pytest.mark.xfail(strict=True, reason="open bug (chaos seed 3): the pending retry of an out-of-syncpoint "
+                   "persistent put re-creates a message that the restore already replayed and that was consumed "
+                   "since; see CHAOS-RESULTS.md")
+def test_seed3_a_pending_put_outside_syncpoint_is_not_put_again_after_the_restore_replayed_it(
+        redis_url: str, tmp_path: Path) -> None:
+    logs, backups = tmp_path / "logs", tmp_path / "backups"
+    client: redis.Redis = define_group(redis_url, queues=("Q1",))
+    qm = start_qm(redis_url, logs, "QM1", background=False)
+    try:
+        conn = qm.connect()
+        conn.put("Q1", b"earlier")  # the member knows the queue (its definition is cached, as in a running SQM)
+        conn.commit()
+        run_backup(client, "APP1", backups, log_root=logs)
+        client.flushall()  # the CF is lost
+        conn.put("Q1", b"once", syncpoint=False)  # durable in the log; the CF is not there: pending
+        assert qm.pending
+        run_restore(client, "APP1", backup_root=backups, log_root=logs)  # replays the put
+        getter = qm.connect()
+        assert {getter.get("Q1").body, getter.get("Q1").body} == {b"earlier", b"once"}
+        getter.commit()
+        qm.retry_pending()
+        with pytest.raises(NoMessageError):
+            qm.connect().get("Q1")
     finally:
         qm.stop()
