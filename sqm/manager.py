@@ -528,21 +528,19 @@ class Connection:
         if not entry.persistent:
             qm._cf_call(lambda: s.put(qm.caller, entry, body))
             return
-        # Persistent put outside syncpoint: log-first, it is committed once the record is on disk.
-        while True:
-            lrsn = qm.clock.now()
-            qm.append({"k": "PUT", "l": lrsn, "u": "", "s": sname, "g": 0, "e": entry.wire(), "d": body, "c": 1},
-                      force=True)
-            try:
-                qm._cf_call(partial(s.put, qm.caller, entry, body, log_lrsn=lrsn))
-                return
-            except FloorError as e:
-                qm.counters["floor_retries"] += 1
-                qm.clock.observe(e.floor)
-            except StructureFailedError:
-                # Durable in the log: restore (or the retry when the CF returns) puts it in the structure.
-                qm.pending[f"put:{entry.id}"] = lambda: self._put_entry(sname, entry, body, None)
-                return
+        # A persistent put outside syncpoint is a unit of work of its own (PUT, then a forced COMMIT), so that
+        # every retry, peer recovery and restore treats it like any UOW. A log-first put with a retry by entry id
+        # would bring the message back if it were consumed between its application and the retry.
+        own = qm.new_uow(internal=True)
+        try:
+            self._put_entry(sname, entry, body, own)
+        except BaseException:
+            if own.operations:
+                qm.complete(own, False)
+            else:
+                qm.forget(own)
+            raise
+        qm.complete(own, True)
 
     # --- get ----------------------------------------------------------------------------------------------
     def get(self, queue: str, *, syncpoint: bool = True, wait_ms: int = 0, msgid: bytes | None = None,

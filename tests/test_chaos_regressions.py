@@ -7,6 +7,7 @@ the seed-3 ones by `cfemu chaos run --seed 3 --duration 90 --faults all`.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,8 @@ import redis
 
 from backup.run import run_backup
 from cfemu.admin import Admin
-from cfemu.errors import NoMessageError
+from cfemu.entry import Entry
+from cfemu.errors import NoMessageError, StructureFailedError
 from restore.run import run_restore
 from restore.settle import CONSUMED, decide_outcome, settle
 from sqm.log import LogReader
@@ -103,11 +105,12 @@ def test_seed3_a_relogged_backout_takes_effect_at_the_first_backout() -> None:
     assert settled.disposition == CONSUMED
 
 
-@pytest.mark.xfail(strict=True, reason="open bug (chaos seed 3): the pending retry of an out-of-syncpoint "
-                   "persistent put re-creates a message that the restore already replayed and that was consumed "
-                   "since; see CHAOS-RESULTS.md")
-def test_seed3_a_pending_put_outside_syncpoint_is_not_put_again_after_the_restore_replayed_it(
+def test_seed3_a_put_outside_syncpoint_is_never_put_again_after_the_restore_replayed_it(
         redis_url: str, tmp_path: Path) -> None:
+    """Chaos seed 3 found that a log-first put outside syncpoint, pending while the CF was lost, was put again by
+    its retry after the restore had replayed it and a consumer had consumed it. Such a put is now a unit of work
+    of its own: with the CF gone it fails cleanly; committed while the CF dies, restore completes it and the
+    owner's retry of the commit is a no-op, even after the message was consumed."""
     logs, backups = tmp_path / "logs", tmp_path / "backups"
     client: redis.Redis = define_group(redis_url, queues=("Q1",))
     qm = start_qm(redis_url, logs, "QM1", background=False)
@@ -117,14 +120,30 @@ def test_seed3_a_pending_put_outside_syncpoint_is_not_put_again_after_the_restor
         conn.commit()
         run_backup(client, "APP1", backups, log_root=logs)
         client.flushall()  # the CF is lost
-        conn.put("Q1", b"once", syncpoint=False)  # durable in the log; the CF is not there: pending
+        with pytest.raises(StructureFailedError):
+            conn.put("Q1", b"never", syncpoint=False)
+        assert not qm.pending
+        run_restore(client, "APP1", backup_root=backups, log_root=logs)
+
+        # The CF dies between the forced COMMIT of the put's own UOW and its application.
+        conn.put("Q1", b"once", syncpoint=False)
+        uow = qm.new_uow(internal=True)
+        conn._put_entry("APP1", _entry("Q1"), b"in-commit", uow)
+        client.hset("{APP1}:meta", "state", "FAILED")
+        qm.complete(uow, True)  # logged, then waits for the CF
         assert qm.pending
-        run_restore(client, "APP1", backup_root=backups, log_root=logs)  # replays the put
+        run_restore(client, "APP1", backup_root=backups, log_root=logs)  # completes it from the log
         getter = qm.connect()
-        assert {getter.get("Q1").body, getter.get("Q1").body} == {b"earlier", b"once"}
+        got = {getter.get("Q1").body for _ in range(3)}
         getter.commit()
+        assert got == {b"earlier", b"once", b"in-commit"}
         qm.retry_pending()
+        assert not qm.pending
         with pytest.raises(NoMessageError):
             qm.connect().get("Q1")
     finally:
         qm.stop()
+
+
+def _entry(queue: str) -> Entry:
+    return Entry(id=os.urandom(12).hex(), queue=queue, msgid=os.urandom(24).hex())
