@@ -199,6 +199,7 @@ def run_engine(root: Path, engine: str, master: str, truth_file: Path, memory: s
     cmd = [sys.executable, __file__, "--child", str(root), engine, master, str(truth_file), memory, str(int(e2e))]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if out.returncode != 0:
+        (root / f"{engine}-{master}.stderr").write_text(out.stderr)  # the whole story, for --keep
         return {"engine": engine, "master": master, "error": (out.stderr.strip().splitlines() or ["?"])[-1]}
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 

@@ -65,7 +65,7 @@ from sqm.records import Record, entry_ids
 
 DEFAULT_LOG_FILE = Path("var") / "spark" / "spark.log"
 # Records per shuffle partition: small enough that one Python worker groups a partition in memory.
-RECORDS_PER_PARTITION = 200_000
+RECORDS_PER_PARTITION = 100_000
 POLL_SECONDS = 0.25
 TASK_BYTES = 32 * 2**20  # input bytes per reading task
 STREAM_ABOVE = 1_000_000  # records and copies: above this, the plan is streamed to the driver, not collected
@@ -114,6 +114,15 @@ def prepared(keyed: tuple[OrderKey, Record], structure: str, max_seen: Any) -> l
     max_seen.add(key[0])
     out = prepare_record(rec, structure)
     return [] if out is None else [(key, out)]
+
+
+def by_key(pairs: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, list[Any]]]:
+    """The groups of one hash partition. PySpark's groupByKey combines (and spills) on the map side in Python,
+    which costs more than the whole fold here: partitionBy only routes records, and the grouping is this dict."""
+    groups: dict[str, list[Any]] = {}
+    for key, value in pairs:
+        groups.setdefault(key, []).append(value)
+    return iter(groups.items())
 
 
 def decide_group(group: tuple[str, Iterable[tuple[OrderKey, Record]]]) -> list[tuple[str, Outcome]]:
@@ -224,11 +233,11 @@ class SparkEngine:
             # driver and go out to the workers again as a broadcast (a map-side join, one shuffle less).
             outcomes: dict[str, Outcome] = dict(
                 records.filter(lambda kr: kr[1]["k"] in OUTCOME_KINDS).map(lambda kr: (kr[1]["u"], kr))
-                .groupByKey(parts).flatMap(decide_group).collect())
+                .partitionBy(parts).mapPartitions(by_key).flatMap(decide_group).collect())
             shared = sc.broadcast(outcomes)
             results = (records.flatMap(lambda kr: [(eid, (0, kr)) for eid in entry_ids(kr[1])])
                        .union(copies.mapValues(lambda pc: (1, pc)))
-                       .groupByKey(parts)
+                       .partitionBy(parts).mapPartitions(by_key)
                        .flatMap(lambda group: settle_group(group, shared.value, restore_lrsn, now_ms)))
             # A big plan streams back partition by partition rather than in one collect.
             rows = results.toLocalIterator(prefetchPartitions=True) if n_records > STREAM_ABOVE \
