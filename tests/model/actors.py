@@ -3,9 +3,10 @@ are in-memory record lists, the backup actor, and the checks that lose the CF an
 
 Members write the record shapes sqm/manager.py writes, in its order:
   * a put or get inside a UOW runs on the CF, then is logged with the LRSN the script returned (one step: nothing
-    but a CF loss can observe the log, and the CF is lost only at step boundaries);
-  * COMMIT / BACKOUT, and a persistent put outside syncpoint, are logged (forced) BEFORE the CF operation, as a
-    step of their own, so that any other step can fall between the record and the CF update (the stall);
+    but a CF loss can observe the log, and the CF is lost only at step boundaries); a persistent put outside
+    syncpoint is a UOW of its own (put, then commit);
+  * COMMIT / BACKOUT are logged (forced) BEFORE the CF operation, as a step of their own, so that any other step
+    can fall between the record and the CF update (the stall);
   * refusals: FloorError (the record is below a recovery floor set meanwhile) -> observe the floor, write a fresh
     record with a higher LRSN, retry; BackupActiveError on a backout -> write a fresh BACKOUT record carrying the
     data of the gets ("dd", from Structure.uow_entries), retry with has_data. Each record and each CF attempt is a
@@ -111,7 +112,6 @@ class World:
         self.now_ms = T_START
         self.backup = BackupState()
         self.members = {name: Member(self, name, skew, epoch) for name, skew, epoch in group.members}
-        self.reached_cf: set[str] = set()  # ids a put has created in the CF (the rest of a logged put is pending)
 
     def records(self, min_lrsn: int = 0) -> list[Record]:
         """The merged log of every member (as sqm.log.merged_records gives it: tagged with "m", by (l, m, position))."""
@@ -157,9 +157,7 @@ class Member:
     # --- puts and gets inside a UOW: CF first, then the log -------------------------------------------------
     def put(self, uow: Uow, entry: Entry, body: bytes) -> Steps:
         yield f"put {entry.id} in {uow.id}"
-        cf, gen, created = self.s.put(self.caller, entry, body, uow=uow.id, gen=uow.structures.get(STRUCTURE, 0))
-        if created:
-            self.world.reached_cf.add(entry.id)
+        cf, gen, _ = self.s.put(self.caller, entry, body, uow=uow.id, gen=uow.structures.get(STRUCTURE, 0))
         uow.structures[STRUCTURE] = gen
         if entry.persistent:
             uow.persistent = True
@@ -182,24 +180,13 @@ class Member:
         yield f"put {entry.id} (non-persistent)"
         self.s.put(self.caller, entry, body)
 
-    # --- log-first work ---------------------------------------------------------------------------------------
     def put_outside_syncpoint(self, entry: Entry, body: bytes) -> Steps:
-        """Persistent put outside syncpoint: committed once its PUT record is forced; then the CF put."""
-        while True:
-            yield f"log PUT {entry.id} (outside syncpoint)"
-            lrsn = self.clock.now()
-            self.log.append({"k": "PUT", "l": lrsn, "u": "", "s": STRUCTURE, "g": 0, "e": entry.wire(), "d": body,
-                             "c": 1})
-            yield f"CF put {entry.id} (log lrsn {lrsn})"
-            try:
-                _, _, created = self.s.put(self.caller, entry, body, log_lrsn=lrsn)
-            except FloorError as e:
-                self.clock.observe(e.floor)
-                continue
-            if created:
-                self.world.reached_cf.add(entry.id)
-            return
+        """A persistent put outside syncpoint is a UOW of its own (sqm/manager.py): the put, then its commit."""
+        uow = self.new_uow()
+        yield from self.put(uow, entry, body)
+        yield from self.commit(uow)
 
+    # --- log-first work: COMMIT and BACKOUT ---------------------------------------------------------------------
     def commit(self, uow: Uow) -> Steps:
         return self._complete(uow, True)
 
@@ -332,12 +319,11 @@ def cf_truth(world: World) -> dict[str, list[Row]]:
     return out
 
 
-def expected_after_loss(world: World, replay_from: int) -> dict[str, Row]:
+def expected_after_loss(world: World) -> dict[str, Row]:
     """What restore must rebuild if the CF is lost now (any moment after the backup ended), read off the CF and
     the logs: committed messages stay; an uncommitted put stays iff its UOW's COMMIT is logged (in-commit work
     is completed); an uncommitted get is consumed iff its UOW's COMMIT is logged, else it is backed out (its
-    backout count rises); a logged put outside syncpoint that has not reached the CF is there iff its record is
-    in the replay range (a record below it was refused by the floor: its owner relogs and puts it afterwards)."""
+    backout count rises)."""
     committed = {r["u"] for m in world.members.values() for r in m.log if r["k"] == "COMMIT"}
     pipe = world.client.pipeline(transaction=False)
     for key in keys.script_keys(STRUCTURE)[2:4]:
@@ -354,13 +340,6 @@ def expected_after_loss(world: World, replay_from: int) -> dict[str, Row]:
             out[eid] = row
         elif e.state == "UG" and e.uow not in committed:
             out[eid] = (eid, e.queue, datas[eid], e.backout_count + 1)
-    for m in world.members.values():
-        for r in m.log:
-            if r["k"] != "PUT" or not r.get("c") or r["l"] < replay_from:
-                continue
-            put = Entry.from_wire(r["e"])
-            if put.id not in world.reached_cf and not put.expired(world.now_ms):
-                out[put.id] = (put.id, put.queue, r["d"], 0)
     return out
 
 
@@ -370,7 +349,7 @@ def check_after_loss(world: World) -> None:
     b = world.backup
     plan = plan_local(STRUCTURE, b.copies, world.records(b.floor), now_ms=world.now_ms)
     got = {row[0]: row for rows in restored_rows(plan).values() for row in rows}
-    want = expected_after_loss(world, b.floor)
+    want = expected_after_loss(world)
     compare(want, got)
 
 
