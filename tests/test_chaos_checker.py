@@ -224,3 +224,20 @@ def test_a_prepared_uow_takes_the_coordinators_resolution() -> None:
     h.op("coordinator", "resolve", "ok", xid="x-p.2", server_uow="QM1.1.5", qmgr="QM1", commit=False)
     h.drain("x1")  # backed out by the coordinator, yet present
     only(h.findings(), "phantom")
+
+
+def test_deliveries_are_ordered_by_backout_count_not_by_when_a_slow_reply_arrived() -> None:
+    """Soak seed 6 (a delayed CF link): c4's get took s1 first, but its reply arrived after the message had been
+    backed out and delivered again to c2 (backout count 1). Ordered by reply time, c2's committed get looked
+    undone and c4's backed-out get looked done: two false atomicity findings."""
+    h = clean_base()
+    h.put("p", "p.2", "s1")
+    h.commit("p", "p.2")
+    h.get("c2", "c2.1", "s1", backout_count=1)
+    h.put("c2", "c2.1", "s2")
+    h.commit("c2", "c2.1")
+    h.get("c4", "c4.1", "s1", backout_count=0)  # the late reply
+    h.backout("c4", "c4.1")
+    h.drain("s2")
+    r = check(h.events)
+    assert r.ok, r.findings

@@ -180,7 +180,9 @@ class Checker:
                 if int(o.result.get("backout_count", 0) or 0) > 0:
                     self.counts["deliveries with a backout count"] += 1
         for d in self.deliveries.values():
-            d.sort(key=lambda x: x.t1)
+            # Delivery order: every backout of a get raises the message's backout count, so the count orders
+            # the deliveries of one message even when a reply arrives late (a slow link); then completion time.
+            d.sort(key=lambda x: (int(x.op.result.get("backout_count", 0) or 0), x.t1))
         for u in self.uows.values():
             self._known_outcome(u, resolves)
 
@@ -226,9 +228,9 @@ class Checker:
                 (taken if self.deliveries.get(m) else untaken).append(m)
             elif o.op == "get" and o.outcome == "ok" and o.result.get("msg") and self._decisive(o.result["msg"]):
                 m = o.result["msg"]
-                t1 = o.t1 if o.t1 is not None else o.t0
-                later = [d for d in self.deliveries.get(m, []) if d.t1 > t1 and d.op is not o]
-                (untaken if later else taken).append(m)
+                ds = self.deliveries.get(m, [])
+                at = next(i for i, d in enumerate(ds) if d.op is o)
+                (untaken if ds[at + 1:] else taken).append(m)
         return taken, untaken
 
     def infer(self) -> None:
