@@ -256,6 +256,10 @@ class Cluster:
         cmd = [sys.executable, "-m", "cfemu.cluster", "backup-scheduler", "--interval", str(sched["interval"])]
         proc = self._popen("scheduler", cmd, "backup-scheduler.log")
         sched["pid"] = proc.pid
+        # Until the child has exec'd, its command line is ours: wait, so that status never reports it dead.
+        deadline = time.monotonic() + 15
+        while not _pid_runs(proc.pid, b"backup-scheduler") and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
 
     # --- faults and restarts -------------------------------------------------------------------------------
     def kill_manager(self, name: str, sig: int = signal.SIGKILL, timeout: float = 15.0) -> None:
