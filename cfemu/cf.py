@@ -76,13 +76,12 @@ class Structure:
         head: list[Any] = [caller.member, caller.epoch, caller.clock.now()] if caller else []
         return self.cf.run(op, self.name, head + list(args))
 
-    def put(self, caller: Caller, entry: Entry, data: bytes, *, uow: str = "", gen: int = 0,
-            log_lrsn: int = 0) -> tuple[int, int, bool]:
+    def put(self, caller: Caller, entry: Entry, data: bytes, *, uow: str = "", gen: int = 0) -> tuple[int, int, bool]:
         """Returns (cf clock, structure gen, created)."""
         desc = msgpack.packb({"p": entry.priority, "per": 1 if entry.persistent else 0, "mid": entry.msgid,
                               "cid": entry.correlid, "exp": entry.expiry, "pt": entry.put_time,
                               "bc": entry.backout_count, "pr": entry.properties}, use_bin_type=False)
-        cf, g, created = self._call("put", caller, [uow, gen, log_lrsn, entry.id, entry.queue, desc, data])
+        cf, g, created = self._call("put", caller, [uow, gen, entry.id, entry.queue, desc, data])
         caller.clock.observe(int(cf))
         return int(cf), int(g), bool(created)
 
