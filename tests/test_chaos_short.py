@@ -63,6 +63,7 @@ def test_short_run_finds_nothing(tmp_path: Path, seed: int) -> None:
     for name in ("history.jsonl", "summary.json", "findings.json", "faults.json", "throughput.svg", "report.md"):
         assert (tmp_path / name).stat().st_size > 0, name
     assert (tmp_path / "throughput.svg").read_text().startswith("<svg")
+    assert (tmp_path / "process-logs" / "QM1.log").stat().st_size > 0
     assert not (tmp_path / "cluster").exists(), "the cluster's logs and backups are removed after the run"
 
 

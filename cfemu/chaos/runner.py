@@ -4,7 +4,9 @@ resolve what is in doubt, drain, check, report.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -250,6 +252,10 @@ def run_chaos(opts: ChaosOptions, console: Console | None = None) -> dict[str, A
     finally:
         history.close()
         group.down()
+        # Every process's own log (SQMs, CF, backup scheduler) stays with the report: small, and the first thing
+        # to read when a fault did not go as planned.
+        with contextlib.suppress(OSError):
+            shutil.copytree(group.dir / "run", rdir / "process-logs", dirs_exist_ok=True)
         if not opts.keep_cluster:
             group.remove()
     t2 = time.monotonic()
