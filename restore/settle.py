@@ -134,10 +134,7 @@ def settle(entry_id: str, backup: tuple[str, dict[str, Any], bytes] | None, reco
         if kind == "PUT":
             if state is None:
                 structure, state, data = payload["s"], dict(payload["e"]), payload["d"]
-                if payload.get("c"):
-                    state.update(st="CP", u="", l=lrsn, o1=lrsn, o2=lrsn)
-                else:
-                    state.update(st="UP", u=payload["u"], l=lrsn, o1=0, o2=lrsn)
+                state.update(st="UP", u=payload["u"], l=lrsn, o1=0, o2=lrsn)
         elif kind == "GET":
             if state is not None and state["st"] == "CP":
                 state.update(st="UG", u=payload["u"], l=lrsn)

@@ -5,7 +5,7 @@ Each kind names its fields, whether it is forced (write-ahead: it decides an out
 how the log printer describes it. Records are msgpack maps with short keys:
 
   k kind   l LRSN   u UOW id   s structure   g structure generation   ss {structure: generation}
-  e entry descriptor (cfemu.entry wire form)   d data   c committed put (outside syncpoint)
+  e entry descriptor (cfemu.entry wire form)   d data
   i entry id   q queue   x XA transaction id   dd [[structure, descriptor, data], ...]   r reason
   o outcome 'C' | 'B'   of member whose UOW a recovery record decides   by who decided
   (m is not a record field: the merged log adds it, naming the log a record came from)   ids entry ids
@@ -35,8 +35,7 @@ class RecordKind:
 
 def _entry_desc(r: Record) -> str:
     e = r["e"]
-    how = "committed put" if r.get("c") else "put"
-    return (f"{how} {e['id']} on {r['s']}/{e['q']} prio {e['p']} {len(r.get('d', b''))}B"
+    return (f"put {e['id']} on {r['s']}/{e['q']} prio {e['p']} {len(r.get('d', b''))}B"
             + (f" uow {r['u']}" if r.get("u") else ""))
 
 

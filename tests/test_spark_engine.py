@@ -117,17 +117,14 @@ def simulate(rnd: random.Random, steps: int) -> History:
         if op == "put":
             eid = os.urandom(6).hex()
             s = S if rnd.random() < 0.8 else OTHER
-            committed = rnd.random() < 0.2
-            u = "" if committed else uow_of(member)
+            u = uow_of(member)
             at = tick()
             e = Entry(id=eid, queue=rnd.choice(("Q1", "Q2")), priority=rnd.randint(0, 2), put_time=at // 1000,
                       expiry=rnd.choice((0, 0, 0, NOW_MS - 1, NOW_MS + 10_000))).wire()
             body = os.urandom(rnd.randint(0, 16))
             rec: Record = {"k": "PUT", "l": at, "u": u, "s": s, "g": 0, "e": dict(e), "d": body}
-            if committed:
-                rec["c"] = 1
             h.logs[member].append(rec)
-            e.update(st="CP" if committed else "UP", u=u, l=at, o1=at if committed else 0, o2=at)
+            e.update(st="UP", u=u, l=at, o1=0, o2=at)
             entries[eid], data[eid], structure_of[eid] = e, body, s
         elif op == "get":
             available = [i for i, e in entries.items() if e["st"] == "CP"]
@@ -171,7 +168,7 @@ def simulate(rnd: random.Random, steps: int) -> History:
                 for i in gone:
                     if structure_of[i] == structure_of[gone[0]]:
                         del entries[i]
-        if step > backup_at and h.copies and rnd.random() < 0.05:
+        if step > backup_at and h.copies and entries and rnd.random() < 0.05:
             # a second copy of an entry taken later in the backup (steps 1 and 4)
             i = rnd.choice(list(entries))
             if structure_of[i] == S:
@@ -241,7 +238,7 @@ def test_spark_and_local_engines_give_identical_plans(spark: Any, tmp_path_facto
 
 def test_a_rich_history_exercises_every_disposition(spark: Any, tmp_path: Path) -> None:
     """The random histories are not vacuous: one long one reaches every disposition and outcome kind."""
-    h = simulate(random.Random(7), 1500)
+    h = simulate(random.Random(3), 1500)
     backup, log_dirs = write_history(h, tmp_path)
     local, remote = both_plans(spark, backup, log_dirs, h.replay_from)
     assert remote == local
