@@ -40,7 +40,7 @@ from typing import Any
 
 from cfemu.admin import Admin, AdminError
 from cfemu.connection import connect
-from cfemu.server import EmbeddedRedis, ServerNotRunningError, free_port, log_tail, pid_alive, set_pdeathsig
+from cfemu.server import EmbeddedRedis, ServerNotRunningError, free_port, log_tail, pid_alive, popen_tied
 
 log = logging.getLogger("cfemu.cluster")
 
@@ -192,10 +192,12 @@ class Cluster:
 
     def _popen(self, key: str, cmd: list[str], log_name: str) -> subprocess.Popen[bytes]:
         with open(self.dir / "run" / log_name, "ab") as out:
-            kw: dict[str, Any] = {"start_new_session": True} if self.state["detached"] else {
-                "preexec_fn": set_pdeathsig}
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                    env=self._env(), close_fds=True, **kw)
+            kw: dict[str, Any] = {"stdin": subprocess.DEVNULL, "stdout": out, "stderr": subprocess.STDOUT,
+                                  "env": self._env(), "close_fds": True}
+            if self.state["detached"]:
+                proc = subprocess.Popen(cmd, start_new_session=True, **kw)
+            else:
+                proc = popen_tied(cmd, **kw)
         self._procs[key] = proc
         return proc
 
@@ -429,8 +431,8 @@ def run_backup_scheduler(interval: float, structures: Sequence[str] = (), stop: 
             if stop.is_set():
                 break
             t0 = time.monotonic()
-            proc = subprocess.Popen([*BACKUP_COMMAND, "run", s], stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=set_pdeathsig)
+            proc = popen_tied([*BACKUP_COMMAND, "run", s], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT)
             current.append(proc)
             out, _ = proc.communicate()
             current.remove(proc)

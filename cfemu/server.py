@@ -33,9 +33,11 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -189,6 +191,29 @@ def set_pdeathsig() -> None:  # pragma: no cover - runs in the child before exec
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
         pass
+
+
+_spawner: ThreadPoolExecutor | None = None
+_spawner_lock = threading.Lock()
+
+
+def popen_tied(cmd: list[str], **kw: Any) -> subprocess.Popen[bytes]:
+    """Start a child process that is terminated when this process dies.
+
+    Linux ties PR_SET_PDEATHSIG to the thread that forked the child, not to the process: a child started from a
+    short-lived thread (a fault injector restarting a queue manager, say) got SIGTERM as soon as that thread
+    ended. So every such child is started from one spawner thread that lives as long as the process."""
+    global _spawner
+    if not sys.platform.startswith("linux"):
+        return subprocess.Popen(cmd, **kw)
+    with _spawner_lock:
+        if _spawner is None:
+            _spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cfemu-spawner")
+
+    def start() -> subprocess.Popen[bytes]:
+        return subprocess.Popen(cmd, preexec_fn=set_pdeathsig, **kw)
+
+    return _spawner.submit(start).result()
 
 
 _LIVE: weakref.WeakSet[EmbeddedRedis] = weakref.WeakSet()
@@ -375,15 +400,12 @@ class EmbeddedRedis:
         with open(log_path, "ab") as log:
             log.write(f"# cfemu: starting {' '.join(c or repr(c) for c in cmd)}\n".encode())
             log.flush()
-            popen_kw: dict[str, Any] = {}
+            popen_kw: dict[str, Any] = {"stdin": subprocess.DEVNULL, "stdout": log, "stderr": subprocess.STDOUT,
+                                        "cwd": data_dir, "close_fds": True}
             if self.detach:
-                popen_kw["start_new_session"] = True
-            elif sys.platform.startswith("linux"):
-                popen_kw["preexec_fn"] = set_pdeathsig
-            proc = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                cwd=data_dir, close_fds=True, **popen_kw,
-            )  # fmt: skip
+                proc = subprocess.Popen(cmd, start_new_session=True, **popen_kw)
+            else:
+                proc = popen_tied(cmd, **popen_kw)
         self._proc, self._pid = proc, proc.pid
         try:
             self._wait_ready(port, proc, log_path)

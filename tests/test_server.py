@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -334,3 +335,19 @@ def test_connect_tls_missing_ca(monkeypatch: pytest.MonkeyPatch, tmp_path: Path)
     monkeypatch.setenv("CFEMU_TLS_CA", str(tmp_path / "ca.pem"))
     with pytest.raises(ConnectionConfigError, match="tls_ca"):
         connect("rediss://127.0.0.1:6380/0")
+
+
+def test_a_child_started_from_a_short_lived_thread_outlives_that_thread() -> None:
+    """PR_SET_PDEATHSIG follows the thread that forked: children of cluster restarts done by a fault injector's
+    thread used to get SIGTERM when that thread ended (the chaos suite saw queue managers exit with code 0)."""
+    started: list[subprocess.Popen[bytes]] = []
+    t = threading.Thread(target=lambda: started.append(
+        server_mod.popen_tied([sys.executable, "-c", "import time; time.sleep(30)"])))
+    t.start()
+    t.join()
+    try:
+        time.sleep(0.5)
+        assert started[0].poll() is None, "the child died with the thread that started it"
+    finally:
+        started[0].kill()
+        started[0].wait(timeout=10)
