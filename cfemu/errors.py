@@ -39,6 +39,13 @@ class NotJoinedError(StructureFailedError):
     """The structure does not know this member (it was rebuilt after a CF loss): join the group again."""
 
 
+class LogFailedError(MQError):
+    """This queue manager's record log cannot be written (disk full, I/O error): it stops serving and lets its
+    lease lapse, so that a peer recovers its units of work."""
+
+    reason, reason_name = 2102, "MQRC_RESOURCE_PROBLEM"
+
+
 class BackedOutError(MQError):
     reason, reason_name = 2003, "MQRC_BACKED_OUT"
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import redis
 
@@ -32,6 +32,7 @@ from cfemu.errors import (
     FencedError,
     FloorError,
     InDoubtError,
+    LogFailedError,
     MessageTooBigError,
     MQError,
     NoMessageError,
@@ -106,6 +107,7 @@ class QueueManager:
         self.uow_lock = threading.RLock()
         self.pending: dict[str, Callable[[], None]] = {}  # durable work the CF has not seen yet, retried
         self.fenced = False
+        self.log_failed = ""  # why the log cannot be written, once it cannot
         self.running = False
         self.activity = 0
         self.counters = {"commits": 0, "backouts": 0, "puts": 0, "gets": 0, "peer_recoveries": 0,
@@ -151,11 +153,14 @@ class QueueManager:
             t.join(timeout=5)
         self._threads.clear()
         if self.log is not None:
-            if checkpoint and not self.fenced:
+            if checkpoint and not self.fenced and not self.log_failed:
                 self.checkpoint("shutdown")
                 with contextlib.suppress(*CF_DOWN):
                     self.admin.leave(self.name)
-            self.log.close()
+            try:
+                self.log.close()
+            except OSError as e:  # the log failed: what is on disk is what restart and peers will read
+                log.error("%s: closing the log failed: %s", self.name, e)
             self.log = None
         self.running = False
 
@@ -174,6 +179,9 @@ class QueueManager:
     def _check_usable(self) -> None:
         if self.fenced:
             raise FencedError(f"queue manager {self.name} was fenced by peer recovery; restart it")
+        if self.log_failed:
+            raise LogFailedError(f"queue manager {self.name} cannot write its log ({self.log_failed}); "
+                                 "a peer recovers its work; restart it when the log disk is fixed")
         if not self.running or self.log is None:
             raise BadRequestError(f"queue manager {self.name} is not running")
 
@@ -207,15 +215,28 @@ class QueueManager:
         assert self.log is not None
         if self.activity >= self.config.loglode:
             self.checkpoint("loglode")
-        with self.uow_lock:
-            pos = self.log.append(record)
-            if uow is not None and state is not None:
-                uow.state = state
-                if state in (INCOMMIT, INBACKOUT):
-                    uow.decided_lrsn = record["l"]
-        self.activity += 1
-        if force:
-            self.log.force(pos)  # outside the lock: concurrent committers share the fsync (group commit)
+        try:
+            with self.uow_lock:
+                pos = self.log.append(record)
+                if uow is not None and state is not None:
+                    uow.state = state
+                    if state in (INCOMMIT, INBACKOUT):
+                        uow.decided_lrsn = record["l"]
+            self.activity += 1
+            if force:
+                self.log.force(pos)  # outside the lock: concurrent committers share the fsync (group commit)
+        except OSError as e:
+            self._log_failure(e)
+
+    def _log_failure(self, e: OSError) -> NoReturn:
+        """The log cannot be written: stop renewing the lease (a peer then fences this member and recovers its
+        work from the log as it is on disk) and refuse all work; the operator restarts it once the disk is fixed.
+        Carrying on would hold the lease while every persistent request failed, and nobody would recover."""
+        if not self.log_failed:
+            self.log_failed = str(e)
+            log.error("%s: the record log failed (%s): stopping; a peer will recover this member's work",
+                      self.name, e)
+        raise LogFailedError(f"queue manager {self.name} cannot write its log: {e}") from None
 
     def checkpoint(self, why: str) -> None:
         """A checkpoint record carries the active UOW table, so restart reads the log from here on."""
@@ -224,7 +245,10 @@ class QueueManager:
         with self.uow_lock:
             uows = {u.id: u.snapshot() for u in self.uows.values() if u.persistent}
             n, self.activity = self.activity, 0
-            self.log.checkpoint({"k": "CHECKPOINT", "l": self.clock.now(), "uows": uows, "n": n, "why": why})
+            try:
+                self.log.checkpoint({"k": "CHECKPOINT", "l": self.clock.now(), "uows": uows, "n": n, "why": why})
+            except OSError as e:
+                self._log_failure(e)
 
     def forget(self, uow: UnitOfWork) -> None:
         with self.uow_lock:
@@ -407,6 +431,8 @@ class QueueManager:
     def _heartbeat_loop(self) -> None:
         period = self.config.lease_ms / 3000
         while not self._stop.wait(period):
+            if self.log_failed:
+                return  # let the lease lapse: a peer recovers this member's work
             try:
                 self.renew_membership()
             except CF_DOWN:
@@ -419,7 +445,7 @@ class QueueManager:
 
         next_expiry = 0.0
         while not self._stop.wait(0.2):
-            if self.fenced:
+            if self.fenced or self.log_failed:
                 return
             try:
                 self.retry_pending()

@@ -8,7 +8,8 @@ out (MQ backs out on an abnormal end); a prepared (in-doubt) UOW stays in doubt 
 Health, readiness and Prometheus metrics are served over HTTP on a second port: /healthz, /readyz, /metrics.
 
 Exit codes of ``sqm run``: 0 after a graceful shutdown (SIGTERM/SIGINT, with a checkpoint), 1 on a failure,
-2 for a bad configuration, 3 when peer recovery fenced this queue manager (restart it).
+2 for a bad configuration, 3 when peer recovery fenced this queue manager (restart it), 4 when its record log
+cannot be written (disk full, I/O error: fix the disk, then restart it; meanwhile a peer recovers its work).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ from sqm.protocol import (
 
 log = logging.getLogger("sqm.server")
 
-EXIT_OK, EXIT_ERROR, EXIT_CONFIG, EXIT_FENCED = 0, 1, 2, 3
+EXIT_OK, EXIT_ERROR, EXIT_CONFIG, EXIT_FENCED, EXIT_LOG_FAILED = 0, 1, 2, 3, 4
 MAX_BROWSE = 10_000
 
 
@@ -222,6 +223,12 @@ class SQMServer:
                           self.qm.name, self.qm.caller.epoch, EXIT_FENCED)
                 self.request_stop(EXIT_FENCED)
                 return
+            if self.qm.log_failed:
+                log.error("%s cannot write its record log (%s); exiting with code %d: fix the log disk, then "
+                          "restart it (a peer recovers its work meanwhile)", self.qm.name, self.qm.log_failed,
+                          EXIT_LOG_FAILED)
+                self.request_stop(EXIT_LOG_FAILED)
+                return
             await asyncio.sleep(0.25)
 
     async def _shutdown(self, server: asyncio.Server, http: asyncio.Server | None) -> None:
@@ -240,12 +247,12 @@ class SQMServer:
             await asyncio.wait(list(self._tasks), timeout=max(1.0, deadline - loop.time()))
         if http is not None:
             http.close()
-        checkpoint = self.exit_code != EXIT_FENCED
+        checkpoint = self.exit_code not in (EXIT_FENCED, EXIT_LOG_FAILED)
         await loop.run_in_executor(None, lambda: self.qm.stop(checkpoint=checkpoint))
         if checkpoint and not self.qm.fenced:
             log.info("%s stopped: shutdown checkpoint taken", self.qm.name)
         else:
-            log.info("%s stopped without a checkpoint (fenced)", self.qm.name)
+            log.info("%s stopped without a checkpoint (%s)", self.qm.name, "fenced" if self.qm.fenced else "log failed")
         if self.config.ready_file is not None:
             with contextlib.suppress(FileNotFoundError):
                 Path(self.config.ready_file).unlink()
