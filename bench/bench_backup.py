@@ -171,7 +171,10 @@ def main() -> int:
     ap.add_argument("--fg-batch", type=int, default=DEFAULT_BATCH,
                     help="entries per fetch of the backups that run beside the foreground loops")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    ap.add_argument("--quick", action="store_true", help="a short run: 20k messages, 3 s windows, 1 round")
     args = ap.parse_args()
+    if args.quick:
+        args.messages, args.seconds, args.rounds = 20_000, 3.0, 1
     console = Console()
     work = Path(tempfile.mkdtemp(prefix="bench-backup-"))
     srv = EmbeddedRedis(data_dir=work / "cf").start()

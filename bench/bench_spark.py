@@ -68,7 +68,7 @@ class Truth:
     log_bytes: int = 0
 
 
-def generate(root: Path, records: int, seed: int = 1) -> Truth:
+def generate(root: Path, records: int, seed: int = 1, backup_messages: int | None = None) -> Truth:
     """Write the history (logs under root/logs, the backup under root/backup) and return its truth."""
     rnd = random.Random(seed)
     truth = Truth()
@@ -76,7 +76,7 @@ def generate(root: Path, records: int, seed: int = 1) -> Truth:
     lrsn = REPLAY_FROM - 1
 
     writer = BackupWriter(root / "backup" / S / "b")
-    for n in range(max(1000, records // 20)):  # the backup: messages committed before the replay range
+    for n in range(backup_messages or max(1000, records // 20)):  # the backup: committed before the replay range
         e = Entry(id=f"b{n:011x}", queue=f"Q{n % 4}", put_time=NOW_MS - 10**6,
                   msgid=os.urandom(8).hex()).wire()
         e.update(st="CP", l=REPLAY_FROM - 1000 + n % 900, o1=n, o2=n)
@@ -296,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", type=int, nargs="+", default=[100_000, 1_000_000, 5_000_000])
     ap.add_argument("--no-local-above", type=int, default=5_000_000,
                     help="skip the local engine for larger logs (it holds the whole log in memory)")
-    ap.add_argument("--masters", nargs="+", default=["local[2]", "local[1]"])
+    ap.add_argument("--masters", nargs="*", default=["local[2]", "local[1]"], help="none: the local engine only")
+    ap.add_argument("--backup-messages", type=int, help="messages in the backup (default: records / 20)")
     ap.add_argument("--memory", default="8g", help="spark.driver.memory (local mode: the executors too)")
     ap.add_argument("--keep", action="store_true", help="keep the generated files (printed)")
     ap.add_argument("--e2e-up-to", type=int, default=1_000_000,
@@ -309,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(tempfile.mkdtemp(prefix=f"bench-spark-{size}-"))
         try:
             t0 = time.perf_counter()
-            truth = generate(root, size)
+            truth = generate(root, size, backup_messages=args.backup_messages)
             gen_s = time.perf_counter() - t0
             truth_file = root / "truth.json"
             truth_file.write_text(json.dumps({**asdict(truth), "decided": sorted(truth.decided)}))
@@ -321,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
                 runs.append(("local", "-"))
             runs += [("spark", m) for m in args.masters]
             for engine, master in runs:
-                e2e = size <= args.e2e_up_to and (engine, master) == runs[-len(args.masters)]
+                # end to end: the local engine's plan, and the first spark plan
+                e2e = size <= args.e2e_up_to and (engine == "local" or (engine, master) == ("spark", args.masters[0]))
                 r = run_engine(root, engine, master, truth_file, args.memory, e2e)
                 r.update(records=truth.records, messages=len(truth.restored), log_mib=round(truth.log_bytes / 2**20))
                 rows.append(r)
