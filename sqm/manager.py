@@ -296,21 +296,11 @@ class QueueManager:
         """Decide and apply a UOW's outcome: log it (forced) when it has persistent work, then apply it on every
         structure it touched. for_member: peer recovery deciding another member's UOW (a RECOVERY record)."""
         self._check_usable()
-        if for_member is None and uow.persistent:
-            rec: Record = {"k": "COMMIT" if commit else "BACKOUT", "l": self.clock.now(), "u": uow.id,
-                           "ss": dict(uow.structures)}
-            if not commit:
-                rec["r"] = reason
-                dd = self._gets_data(uow) if self._backup_running(uow) else []
-                if dd:
-                    rec["dd"] = dd
-                    self.counters["backout_records_with_data"] += 1
+        if uow.persistent or for_member is not None:
             failpoint("before-log-force")
-            self.append(rec, force=True, uow=uow, state=INCOMMIT if commit else INBACKOUT)
-            uow.data_logged = bool(rec.get("dd"))
+            self.log_decision(uow, commit, for_member=for_member,
+                              with_data=not commit and self._backup_running(uow), reason=reason)
             failpoint("after-log-force" if commit else "backout-after-log")
-        elif for_member is not None:
-            self._log_recovery(uow, commit, for_member, with_data=self._backup_running(uow))
         uow.state = INCOMMIT if commit else INBACKOUT
         try:
             self.apply(uow, commit, for_member=for_member)
@@ -357,9 +347,9 @@ class QueueManager:
                 # Our record sits below the recovery floor of a backup that started meanwhile: log afresh.
                 self.counters["floor_retries"] += 1
                 self.clock.observe(e.floor)
-                lrsn = self._relog(uow, commit, for_member, with_data=has_data)
+                lrsn = self.log_decision(uow, commit, for_member=for_member, with_data=has_data)
             except BackupActiveError:
-                lrsn = self._relog(uow, commit, for_member, with_data=True)
+                lrsn = self.log_decision(uow, commit, for_member=for_member, with_data=True)
                 has_data = True
             except CompletedByRecoveryError:
                 if commit:
@@ -370,33 +360,29 @@ class QueueManager:
                     return
                 # Recovery (a peer, or restore after CF loss) backed this UOW out; the log must say so too.
                 if uow.persistent and for_member is None:
-                    self.append({"k": "BACKOUT", "l": self.clock.now(), "u": uow.id, "ss": dict(uow.structures),
-                                 "r": "backed out by recovery"}, force=True)
+                    self.log_decision(uow, False, reason="backed out by recovery")
                     self.append({"k": "END", "l": self.clock.now(), "u": uow.id})
                 self.forget(uow)
                 raise
 
-    def _relog(self, uow: UnitOfWork, commit: bool, for_member: str | None, with_data: bool = False) -> int:
+    def log_decision(self, uow: UnitOfWork, commit: bool, *, for_member: str | None = None,
+                     with_data: bool = False, reason: str = "application") -> int:
+        """Write the forced record that decides a UOW: COMMIT or BACKOUT for our own, RECOVERY when peer recovery
+        decides another member's. A backout while a backup runs carries the data of the UOW's persistent gets
+        (the patent's exception). Returns the record's LRSN, the one the CF stamps the entries with."""
+        rec: Record = {"l": self.clock.now(), "u": uow.id, "ss": dict(uow.structures)}
         if for_member is not None:
-            return self._log_recovery(uow, commit, for_member, with_data=with_data)
-        rec: Record = {"k": "COMMIT" if commit else "BACKOUT", "l": self.clock.now(), "u": uow.id,
-                       "ss": dict(uow.structures)}
-        if with_data:
-            rec["dd"] = self._gets_data(uow)
-            self.counters["backout_records_with_data"] += 1
-        self.append(rec, force=True)
-        uow.decided_lrsn = rec["l"]
-        uow.data_logged = bool(rec.get("dd"))
-        return int(rec["l"])
-
-    def _log_recovery(self, uow: UnitOfWork, commit: bool, member: str, *, with_data: bool) -> int:
-        rec: Record = {"k": "RECOVERY", "l": self.clock.now(), "u": uow.id, "o": "C" if commit else "B",
-                       "of": member, "by": self.name, "ss": dict(uow.structures)}
+            rec.update(k="RECOVERY", o="C" if commit else "B", of=for_member, by=self.name)
+        else:
+            rec["k"] = "COMMIT" if commit else "BACKOUT"
+            if not commit:
+                rec["r"] = reason
         if with_data and not commit:
-            rec["dd"] = self._gets_data(uow)
-            self.counters["backout_records_with_data"] += 1
-        self.append(rec, force=True)
-        uow.decided_lrsn = rec["l"]
+            dd = self._gets_data(uow)
+            if dd:
+                rec["dd"] = dd
+                self.counters["backout_records_with_data"] += 1
+        self.append(rec, force=True, uow=uow, state=INCOMMIT if commit else INBACKOUT)
         uow.data_logged = bool(rec.get("dd"))
         return int(rec["l"])
 
