@@ -108,6 +108,18 @@ local function join_uow(uow, member, lrsn)
   return nil
 end
 
+-- The entries a UOW still holds on this structure: its uncommitted puts and its uncommitted gets.
+local function held_entries(uow)
+  local puts, gets = {}, {}
+  for _, id in ipairs(redis.call('SMEMBERS', uowkey(uow))) do
+    local d = load(id)
+    if d and d.u == uow then
+      if d.st == 'UP' then puts[#puts + 1] = d elseif d.st == 'UG' then gets[#gets + 1] = d end
+    end
+  end
+  return puts, gets
+end
+
 local function cur_gen() return tonumber(redis.call('HGET', META, 'gen') or '0') end
 
 -- Get order within a priority: commit lrsn (o1), then put lrsn (o2): the order restore rebuilds

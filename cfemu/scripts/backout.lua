@@ -15,13 +15,7 @@ if t == 'B' then redis.call('HDEL', TOMB, uow) return {tick(ARGV[3]), 0, 0} end
 if t == 'C' then return redis.error_reply('COMPLETED unit of work ' .. uow .. ' was committed by recovery') end
 if lrsn > 0 then err = floor_check(lrsn) if err then return err end end
 
-local puts, gets = {}, {}
-for _, id in ipairs(redis.call('SMEMBERS', uowkey(uow))) do
-  local d = load(id)
-  if d and d.u == uow then
-    if d.st == 'UP' then puts[#puts + 1] = d elseif d.st == 'UG' then gets[#gets + 1] = d end
-  end
-end
+local puts, gets = held_entries(uow)
 if ARGV[7] ~= '1' and redis.call('HEXISTS', META, 'backup') == 1 then
   for _, d in ipairs(gets) do
     if d.per == 1 then return redis.error_reply('BACKUPACTIVE a backup is running; log the data of the gets') end

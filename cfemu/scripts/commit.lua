@@ -16,13 +16,7 @@ err = uow_standing(uow, ARGV[5]) if err then return err end
 local cf = tick(math.max(tonumber(ARGV[3]), lrsn))
 if lrsn == 0 then lrsn = cf end
 
-local puts, gets = {}, {}
-for _, id in ipairs(redis.call('SMEMBERS', uowkey(uow))) do
-  local d = load(id)
-  if d and d.u == uow then
-    if d.st == 'UP' then puts[#puts + 1] = d elseif d.st == 'UG' then gets[#gets + 1] = d end
-  end
-end
+local puts, gets = held_entries(uow)
 table.sort(puts, function(a, b) return a.o2 < b.o2 end)
 for _, d in ipairs(puts) do
   redis.call('LREM', qkey(d.q, 'up'), 1, d.id)
