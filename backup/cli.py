@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import sys
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ from backup.catalog import OK, find_backup, inspect, list_backups, parse_age, pr
 from backup.files import BackupError, verify
 from backup.run import DEFAULT_BATCH, run_backup
 from cfemu.admin import AdminError
+from cfemu.clitools import run_command
 from cfemu.connection import ConnectionConfigError, connect
 from cfemu.errors import MQError
 
@@ -37,11 +37,6 @@ DEFAULT_BACKUP_DIR = "./var/backups"
 
 EXPECTED_ERRORS = (BackupError, MQError, AdminError, ValueError, ConnectionConfigError, OSError,
                    redis.exceptions.RedisError)
-
-
-def _console() -> Console:
-    console = Console()
-    return console if console.is_terminal else Console(width=200, no_color=True)
 
 
 def _table(console: Console, *columns: str, title: str | None = None) -> Table:
@@ -209,16 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        return int(args.func(args, _console()))
-    except EXPECTED_ERRORS as e:
-        if args.verbose:
-            traceback.print_exc()
-        print(f"cfbackup: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("cfbackup: interrupted", file=sys.stderr)
-        return 130
+    return run_command("cfbackup", args, args.func, EXPECTED_ERRORS)
 
 
 if __name__ == "__main__":

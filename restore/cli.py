@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import sys
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +30,7 @@ from rich.console import Console
 
 from backup.files import BackupError
 from cfemu.admin import Admin, AdminError
+from cfemu.clitools import run_command
 from cfemu.connection import ConnectionConfigError, connect
 from cfemu.errors import MQError
 from restore.engine import engine_names
@@ -46,11 +46,6 @@ DEFAULT_LOG_ROOT = "./var/logs"
 
 EXPECTED_ERRORS = (RestoreError, BackupError, LogCorruptError, LogFormatError, LoadVerifyError, MQError,
                    AdminError, ValueError, ConnectionConfigError, OSError, redis.exceptions.RedisError)
-
-
-def _console() -> Console:
-    console = Console()
-    return console if console.is_terminal else Console(width=200, no_color=True)
 
 
 def _print_json(obj: Any) -> None:
@@ -174,16 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        return int(args.func(args, _console()))
-    except EXPECTED_ERRORS as e:
-        if args.verbose:
-            traceback.print_exc()
-        print(f"cfrestore: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("cfrestore: interrupted", file=sys.stderr)
-        return 130
+    return run_command("cfrestore", args, args.func, EXPECTED_ERRORS)
 
 
 if __name__ == "__main__":
