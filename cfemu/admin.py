@@ -57,10 +57,29 @@ return 1
 """
 
 
+_FENCE = """
+-- KEYS[1] lease key, KEYS[2] epochs hash; ARGV 1 member, 2 now (ms)
+-- Returns the new epoch, or 0 when the member holds a lease (it is alive: not to be fenced)
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+local epoch = math.max(tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0') + 1, tonumber(ARGV[2]))
+redis.call('HSET', KEYS[2], ARGV[1], epoch)
+return epoch
+"""
+
+_RAISE_FENCE = """
+-- KEYS[1] a structure's fence hash; ARGV 1 member, 2 epoch: set it unless a higher epoch is there already
+local cur = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0')
+if tonumber(ARGV[2]) > cur then redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) end
+return 1
+"""
+
+
 class Admin:
     def __init__(self, client: redis.Redis) -> None:
         self.redis = client
         self._heartbeat = client.register_script(_HEARTBEAT)
+        self._fence = client.register_script(_FENCE)
+        self._raise_fence = client.register_script(_RAISE_FENCE)
 
     # --- the group ------------------------------------------------------------------------------------
     def group_name(self) -> str:
@@ -152,23 +171,24 @@ class Admin:
 
     # --- members, leases, fencing ---------------------------------------------------------------------
     def join(self, member: str, info: dict[str, Any], lease_ms: int) -> int:
-        """Register a member and give it a new epoch (epochs only grow, even across the loss of the CF)."""
+        """Register a member and give it a new epoch (epochs only grow, even across the loss of the CF). The lease
+        is in place before the member is listed, so no peer ever sees it listed without a lease (lapsed)."""
         keys.check_member_name(member)
         old = int(self.redis.hget(EPOCHS, member) or 0)
         epoch = max(old + 1, int(info.get("min_epoch", 0)), int(time.time() * 1000))
-        self._set_epoch(member, epoch)
-        self.redis.hset(MEMBERS, member, msgpack.packb(info, use_bin_type=True))
-        self.redis.set(f"{A}:lease:{member}", epoch, px=lease_ms)
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(EPOCHS, member, epoch)
+        pipe.set(f"{A}:lease:{member}", epoch, px=lease_ms)
+        pipe.hset(MEMBERS, member, msgpack.packb(info, use_bin_type=True))
+        pipe.execute()
+        self.join_structures(member, epoch)
         return epoch
 
-    def _set_epoch(self, member: str, epoch: int) -> None:
-        self.redis.hset(EPOCHS, member, epoch)
-        self.join_structures(member, epoch)
-
     def join_structures(self, member: str, epoch: int) -> None:
-        """Carry a member's epoch into every structure's fence (a structure rebuilt by restore starts without)."""
+        """Carry a member's epoch into every structure's fence (a structure rebuilt by restore starts without).
+        A fence only moves up: a late write of an older epoch cannot unfence a newer incarnation."""
         for s in self.structures():
-            self.redis.hset(keys.script_keys(s.name)[1], member, epoch)
+            self._raise_fence(keys=[keys.script_keys(s.name)[1]], args=[member, epoch])
 
     def heartbeat(self, member: str, epoch: int, lease_ms: int) -> int:
         """Renew the lease: 1 renewed, 0 fenced (the epoch is no longer current), -1 unknown (CF lost: re-join)."""
@@ -180,10 +200,11 @@ class Admin:
         self.redis.hdel(MEMBERS, member)
 
     def fence(self, member: str) -> int:
-        """Bump a member's epoch so that every CF call it makes with the old one is refused."""
-        epoch = max(int(self.redis.hget(EPOCHS, member) or 0) + 1, int(time.time() * 1000))
-        self._set_epoch(member, epoch)
-        self.redis.delete(f"{A}:lease:{member}")
+        """Bump a lapsed member's epoch so that every CF call it makes with the old one is refused. Returns 0, and
+        changes nothing, when the member holds a lease again (it restarted since it was seen lapsed)."""
+        epoch = int(self._fence(keys=[f"{A}:lease:{member}", EPOCHS], args=[member, int(time.time() * 1000)]))
+        if epoch:
+            self.join_structures(member, epoch)
         return epoch
 
     def epoch(self, member: str) -> int:

@@ -158,7 +158,9 @@ def recover_peers(qm: QueueManager) -> list[PeerRecoveryReport]:
 def recover_peer(qm: QueueManager, failed: str) -> PeerRecoveryReport:
     t0 = time.monotonic()
     rep = PeerRecoveryReport(failed, qm.name)
-    qm.admin.fence(failed)
+    if not qm.admin.fence(failed):
+        log.info("%s: %s holds a lease again (it restarted): nothing to recover", qm.name, failed)
+        return rep
     log_dir = qm.config.log_root / failed
     table: dict[str, UnitOfWork] = {}
     if log_dir.exists():

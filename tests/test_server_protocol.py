@@ -320,7 +320,16 @@ def test_sigterm_shuts_down_gracefully_with_a_checkpoint(redis_url: str, tmp_pat
 def test_a_fenced_server_exits_with_its_own_code(redis_url: str, tmp_path: Path) -> None:
     define_group(redis_url)
     srv = start_server(redis_url, tmp_path, "QM8", "--lease-ms", "900")
-    Admin(connect(redis_url)).fence("QM8")  # what peer recovery does to a member it takes over
+    admin = Admin(connect(redis_url))
+    srv.proc.send_signal(signal.SIGSTOP)  # paused past its lease
+    try:
+        deadline = time.monotonic() + 10
+        while "QM8" not in admin.lapsed_members():
+            assert time.monotonic() < deadline, "the lease never lapsed"
+            time.sleep(0.1)
+        assert admin.fence("QM8")  # what peer recovery does to a member it takes over
+    finally:
+        srv.proc.send_signal(signal.SIGCONT)
     assert srv.proc.wait(timeout=20) == EXIT_FENCED
     assert "was fenced by peer recovery" in srv.log_text()
 
