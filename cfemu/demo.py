@@ -124,7 +124,7 @@ class Workload:
                     client.put(QUEUES[0], make_body(mid, self.size), persistent=False, syncpoint=False)
                     with led.lock:
                         led.nonpersistent.add(mid)
-                        if not self.restored.is_set():
+                        if not self.cf_lost.is_set():  # acknowledged before the kill began: in the lost CF
                             led.nonpersistent_before_loss.add(mid)
             except MQError as e:
                 with led.lock:
@@ -266,8 +266,8 @@ def run_demo(directory: Path, *, managers: int = 3, producers: int = 4, consumer
             task = bar.add_task("CF lost: redis-server killed", total=1, info="")
             with led.lock:
                 committed_before_loss = len(led.committed)
-            cluster.kill_cf()
             work.cf_lost.set()
+            cluster.kill_cf()
             time.sleep(1.0)  # the group sees the failed structure
             cluster.restart_cf()
             bar.update(task, completed=1, info="restarted empty")
