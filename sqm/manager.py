@@ -200,7 +200,7 @@ class QueueManager:
     def structure(self, name: str) -> Structure:
         return self.cf.structure(name)
 
-    def new_uow(self, internal: bool = False) -> UnitOfWork:
+    def new_uow(self) -> UnitOfWork:
         with self.uow_lock:
             self._seq += 1
             uow = UnitOfWork(f"{self.name}.{self.caller.epoch:x}.{self._seq}", self.name)
@@ -543,7 +543,7 @@ class Connection:
         # A persistent put outside syncpoint is a unit of work of its own (PUT, then a forced COMMIT), so that
         # every retry, peer recovery and restore treats it like any UOW. A log-first put with a retry by entry id
         # would bring the message back if it were consumed between its application and the retry.
-        own = qm.new_uow(internal=True)
+        own = qm.new_uow()
         try:
             self._put_entry(sname, entry, body, own)
         except BaseException:
@@ -563,7 +563,7 @@ class Connection:
         if msgid is not None and correlid is not None:
             raise BadRequestError("get by message id or by correlation id, not both")
         match, value = ("m", msgid.hex()) if msgid is not None else ("c", correlid.hex()) if correlid else ("", "")
-        own = None if syncpoint else qm.new_uow(internal=True)
+        own = None if syncpoint else qm.new_uow()
         uow = own or self._current_uow()
         if uow.state != INFLIGHT:
             raise BadRequestError(f"unit of work {uow.id} is {uow.state}; commit or back it out first")

@@ -127,7 +127,7 @@ def test_seed3_a_put_outside_syncpoint_is_never_put_again_after_the_restore_repl
 
         # The CF dies between the forced COMMIT of the put's own UOW and its application.
         conn.put("Q1", b"once", syncpoint=False)
-        uow = qm.new_uow(internal=True)
+        uow = qm.new_uow()
         conn._put_entry("APP1", _entry("Q1"), b"in-commit", uow)
         client.hset("{APP1}:meta", "state", "FAILED")
         qm.complete(uow, True)  # logged, then waits for the CF
