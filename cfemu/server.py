@@ -143,13 +143,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def pid_alive(pid: int) -> bool:
-    """True if ``pid`` is a live (non-zombie) process. Reaps it if it is our dead child."""
-    try:
-        done, _ = os.waitpid(pid, os.WNOHANG)
-        if done == pid:
-            return False
-    except ChildProcessError:
-        pass
+    """True if ``pid`` is a live (non-zombie) process. Never reaps a dead child: its Popen object must be the
+    one to collect the exit status (a reaped child's Popen.wait() returns 0, which once hid a fenced exit)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -351,3 +351,12 @@ def test_a_child_started_from_a_short_lived_thread_outlives_that_thread() -> Non
     finally:
         started[0].kill()
         started[0].wait(timeout=10)
+
+
+def test_asking_whether_a_dead_child_is_alive_leaves_its_exit_status_to_its_popen() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(4)"])
+    deadline = time.monotonic() + 10
+    while server_mod.pid_alive(proc.pid):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert proc.wait(timeout=10) == 4
