@@ -118,11 +118,13 @@ def cfemu(*args: str, check: bool = True, timeout: float = 90) -> subprocess.Com
 
 def test_cli_cluster_up_status_backup_down(tmp_path: Path) -> None:
     d = str(tmp_path / "cluster")
-    up = json.loads(cfemu("cluster", "up", "--dir", d, "--managers", "2", "--backup-interval", "1", "--json").stdout)
-    pids = [p["pid"] for p in up["processes"]]
-    assert [p["process"] for p in up["processes"]] == ["CF", "QM1", "QM2", "backup-scheduler"]
-    assert all(p["alive"] and p["ready"] for p in up["processes"])
-    try:
+    pids: list[int] = []
+    try:  # the cluster runs detached: take it down even when `up` itself fails an assertion
+        up = json.loads(cfemu("cluster", "up", "--dir", d, "--managers", "2", "--backup-interval", "1",
+                              "--json").stdout)
+        pids = [p["pid"] for p in up["processes"]]
+        assert [p["process"] for p in up["processes"]] == ["CF", "QM1", "QM2", "backup-scheduler"]
+        assert all(p["alive"] and p["ready"] for p in up["processes"])
         state = json.loads((tmp_path / "cluster" / "cluster.json").read_text())
         assert {"redis_url", "log_root", "backup_dir", "managers", "cf", "scheduler"} <= set(state)
         again = cfemu("cluster", "up", "--dir", d, check=False)
