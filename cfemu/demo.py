@@ -105,6 +105,16 @@ class Workload:
     def _pause(self) -> None:
         time.sleep(0.05)
 
+    def _abandon(self, client: Any, e: MQError) -> None:
+        """A put or get failed: count it, back the UOW out (nothing of it happened), and pause a moment."""
+        with self.ledger.lock:
+            self.ledger.errors[e.reason_name] += 1
+        try:
+            client.backout()
+        except MQError:
+            pass
+        self._pause()
+
     def _producer(self, n: int) -> None:
         rnd = random.Random(n)
         led = self.ledger
@@ -127,19 +137,12 @@ class Workload:
                         if not self.cf_lost.is_set():  # acknowledged before the kill began: in the lost CF
                             led.nonpersistent_before_loss.add(mid)
             except MQError as e:
-                with led.lock:
-                    led.errors[e.reason_name] += 1
-                try:
-                    client.backout()
-                except MQError:
-                    pass
-                self._pause()
+                self._abandon(client, e)
                 continue
             self._commit(client, batch, put=True)
         client.close()
 
     def _consumer(self, n: int) -> None:
-        led = self.ledger
         client = self._client(100 + n)
         while not self.stop.is_set():
             got = []
@@ -150,13 +153,7 @@ class Workload:
             except NoMessageError:
                 pass
             except MQError as e:
-                with led.lock:
-                    led.errors[e.reason_name] += 1
-                try:
-                    client.backout()
-                except MQError:
-                    pass
-                self._pause()
+                self._abandon(client, e)
                 continue
             if got:
                 self._commit(client, got, put=False)
