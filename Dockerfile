@@ -15,6 +15,7 @@ COPY cfemu ./cfemu
 COPY sqm ./sqm
 COPY backup ./backup
 COPY restore ./restore
+COPY qsg ./qsg
 RUN pip install . \
     && useradd --system --uid 10001 --home-dir /var/lib/cfemu cfemu \
     && mkdir -p /var/lib/cfemu/logs /var/lib/cfemu/backups \

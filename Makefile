@@ -22,13 +22,15 @@ $(STAMP): pyproject.toml | $(BIN)/python
 
 lint: venv
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 
 typecheck: venv
-	$(BIN)/mypy cfemu sqm backup restore
+	$(BIN)/mypy cfemu sqm backup restore qsg
 
 test: venv
 	$(BIN)/ruff check .
-	$(BIN)/mypy cfemu sqm backup restore
+	$(BIN)/mypy cfemu sqm backup restore qsg
+	$(BIN)/lint-imports
 	$(BIN)/pytest -q $(PYTEST_ARGS)
 
 demo: venv

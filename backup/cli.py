@@ -5,6 +5,7 @@
   cfbackup show ID                               one backup's manifest: LRSN range, steps, files
   cfbackup verify ID                             read everything: every frame's CRC, every file's sha256
   cfbackup prune STRUCTURE --keep N | --older-than AGE
+  cfbackup schedule --interval SECONDS [--structure S]...   back up every N seconds (a daemon, until SIGTERM)
 
 Errors are one line on stderr (exit 2); --verbose adds the traceback. --json prints machine-readable output.
 """
@@ -162,6 +163,18 @@ def cmd_prune(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def cmd_schedule(args: argparse.Namespace, console: Console) -> int:
+    import logging
+
+    from backup.schedule import run_backup_scheduler
+
+    if args.interval <= 0:
+        raise ValueError(f"--interval must be > 0, not {args.interval}")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    run_backup_scheduler(args.interval, args.structure)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--backup-dir", default=os.environ.get(ENV_BACKUP_DIR, DEFAULT_BACKUP_DIR),
@@ -199,6 +212,10 @@ def build_parser() -> argparse.ArgumentParser:
     how.add_argument("--keep", type=int, metavar="N", help="keep the N newest backups")
     how.add_argument("--older-than", metavar="AGE", help="remove backups older than AGE (e.g. 7d, 12h)")
     pr.set_defaults(func=cmd_prune)
+    sch = sub.add_parser("schedule", parents=[common, cf], help="back up structures every N seconds (a daemon)")
+    sch.add_argument("--interval", type=float, required=True, metavar="SECONDS")
+    sch.add_argument("--structure", action="append", default=[], help="structure to back up (default: all ACTIVE)")
+    sch.set_defaults(func=cmd_schedule)
     return p
 
 

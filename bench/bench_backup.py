@@ -38,8 +38,8 @@ from backup.run import DEFAULT_BATCH, run_backup
 from cfemu import keys
 from cfemu.admin import Admin
 from cfemu.cf import CF
+from cfemu.embedded import EmbeddedRedis
 from cfemu.errors import NoMessageError
-from cfemu.server import EmbeddedRedis
 from sqm.manager import QueueManager, QueueManagerConfig
 
 STRUCTURE, FILL_QUEUE, FG_QUEUE = "BENCH", "FILLQ", "FGQ"

@@ -43,12 +43,13 @@ from rich.table import Table
 import sqm.log.writer
 from cfemu.admin import Admin
 from cfemu.connection import connect
-from cfemu.server import EmbeddedRedis
-from sqm.manager import Connection, QueueManager, QueueManagerConfig
+from cfemu.embedded import EmbeddedRedis
+from sqm.connection import Connection
+from sqm.manager import QueueManager, QueueManagerConfig
 
 BODY = os.urandom(1024)
 STRUCTURE, QUEUE = "APP1", "Q1"
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TARGET_RATIO_1 = 0.75
 TARGET_FSYNCS_PER_COMMIT = 0.25
 

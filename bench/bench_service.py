@@ -3,7 +3,7 @@ to the in-process API in the same run.
 
 A lifecycle is one 1 KiB persistent message put and committed, then got and committed (each commit forces the
 log), exactly as in bench_lifecycle.py (its loop is reused). With 1, 8 and 32 clients spread over 3 SQMs:
-  service:    a local cluster (cfemu.cluster: an embedded CF, 3 `sqm run` processes), each client a sqm.client.Client
+  service:    a local cluster (qsg.cluster: an embedded CF, 3 `sqm run` processes), each client a sqm.service.client.Client
               in its own thread of this process, client i on server i mod 3;
   in-process: 3 QueueManagers in this process on the same CF, each client a sqm.manager.Connection in its own
               thread, client i on manager i mod 3.
@@ -34,11 +34,11 @@ from bench_lifecycle import QUEUE, STRUCTURE, in_threads, machine, sqm_lifecycle
 from rich.console import Console
 from rich.table import Table
 
-from cfemu.cluster import Cluster
-from sqm.client import Client
+from qsg.cluster import Cluster
 from sqm.manager import QueueManager, QueueManagerConfig
+from sqm.service.client import Client
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 MANAGERS = 3
 # Leases long enough that a member starved of CPU on a loaded machine is not fenced by its peers mid-measurement
 # (failure detection is not what is measured here).

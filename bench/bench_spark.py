@@ -40,7 +40,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from backup.files import BackupWriter, read_backup  # noqa: E402
@@ -247,7 +247,7 @@ def end_to_end(root: Path, plan: RestorePlan) -> dict[str, float]:
     final data (descriptor and data hashes, queue lists, in batches of the same size) for comparison."""
     from cfemu import keys
     from cfemu.admin import Admin
-    from cfemu.server import EmbeddedRedis
+    from cfemu.embedded import EmbeddedRedis
     from restore.load import BATCH, descriptor, list_suffix, load_plan
 
     server = EmbeddedRedis(data_dir=root / "redis")

@@ -15,7 +15,6 @@ import json
 import os
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING
 
 from rich import box
 from rich.console import Console, Group
@@ -23,10 +22,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 from rich.table import Table
 
 from restore.engine import PHASES
+from restore.result import PurgeResult, RestoreResult
 from restore.settle import CONSUMED, EXPIRED, GONE, HELD_INDOUBT, PUT_BACKED_OUT, RESTORED
-
-if TYPE_CHECKING:
-    from restore.run import PurgeResult, RestoreResult
 
 DISPOSITIONS = (RESTORED, HELD_INDOUBT, CONSUMED, PUT_BACKED_OUT, EXPIRED, GONE)
 UOW_COUNTS = ("uows in doubt", "uows in flight backed out")

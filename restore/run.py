@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -38,6 +37,7 @@ from restore.engine import PHASES, Progress, get_engine, no_progress
 from restore.load import LoadResult, count_nonpersistent, load_plan, restore_owned_uows, uow_owner, wipe
 from restore.plan import RestorePlan
 from restore.report import write_report
+from restore.result import PurgeResult, RestoreResult
 from sqm.log import LogLockedError, LogReader, RecordLog, find_log_dirs
 
 RESTORE_MEMBER = "_restore"  # restore's own log, beside the members' logs
@@ -45,34 +45,6 @@ RESTORE_MEMBER = "_restore"  # restore's own log, beside the members' logs
 
 class RestoreError(Exception):
     """A restore that cannot be done as asked; nothing was changed. The message names the problem."""
-
-
-@dataclass
-class RestoreResult:
-    structure: str
-    backup_id: str
-    backup_path: str
-    engine: str
-    dry_run: bool
-    state_before: str
-    replay_from: int = 0
-    replay_to: int = 0  # highest LRSN read (backup or logs)
-    restore_lrsn: int = 0  # the restored structure's generation and recovery floor; its clock starts above
-    log_ranges: dict[str, dict[str, Any]] = field(default_factory=dict)  # member -> {dir, from, to}
-    records_by_member: dict[str, int] = field(default_factory=dict)  # records read that concern the structure
-    counts: dict[str, int] = field(default_factory=dict)  # by disposition, and UOWs in doubt / backed out
-    nonpersistent_lost: dict[str, int] = field(default_factory=dict)  # skipped by the backup / found in the CF
-    in_doubt_uows: dict[str, str] = field(default_factory=dict)  # UOW -> owner, still in doubt
-    decisions_logged: int = 0  # RECOVERY records written by this run
-    keys_deleted: int = 0
-    loaded_entries: int = 0
-    loaded_bytes: int = 0
-    timings: dict[str, float] = field(default_factory=dict)  # seconds per phase
-    report_path: str | None = None
-    started_at: str = ""
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 class PhaseTimer:
@@ -258,15 +230,6 @@ class _restore_log:
     def __exit__(self, *exc: object) -> None:
         if self.log is not None:
             self.log.close()
-
-
-@dataclass
-class PurgeResult:
-    structure: str
-    state_before: str
-    discarded: int  # entries the structure held (0 when it was lost with the CF)
-    discarded_bytes: int
-    gen: int
 
 
 def run_purge(client: redis.Redis, structure: str, *, mark_failed: bool = False) -> PurgeResult:

@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 from sqm.logprint import add_log_parser, run_log_command
-from sqm.protocol import DEFAULT_MAX_FRAME
-from sqm.server import EXIT_CONFIG, ServerConfig, configure_logging, serve
+from sqm.service.protocol import DEFAULT_MAX_FRAME
+from sqm.service.server import EXIT_CONFIG, ServerConfig, configure_logging, serve
 
 
 def add_run_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -30,3 +30,8 @@ class LrsnClock:
     @property
     def last(self) -> int:
         return self._last
+
+
+def now_ms() -> int:
+    """Wall-clock milliseconds since the epoch (expiry and put times)."""
+    return time.time_ns() // 1_000_000

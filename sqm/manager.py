@@ -2,7 +2,8 @@
 
 Puts and gets inside a UOW run on the CF first and are then logged (not forced) with the LRSN the CF script
 returned. Commit and backout are logged and forced first (the log decides the outcome), then applied on the CF.
-Persistent puts outside syncpoint are log-first too. Non-persistent work is never logged.
+A persistent put outside syncpoint is a UOW of its own (PUT, then a forced COMMIT). Non-persistent work is never
+logged. The application's handle (MQCONN) is sqm.connection.Connection.
 """
 
 from __future__ import annotations
@@ -12,18 +13,17 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import redis
 
 from cfemu.admin import Admin, AdminError, QueueDef
 from cfemu.cf import CF, Caller, Structure
 from cfemu.connection import connect
-from cfemu.entry import Entry, check_properties
 from cfemu.errors import (
     BackedOutError,
     BackupActiveError,
@@ -31,51 +31,25 @@ from cfemu.errors import (
     CompletedByRecoveryError,
     FencedError,
     FloorError,
-    InDoubtError,
     LogFailedError,
-    MessageTooBigError,
     MQError,
-    NoMessageError,
     NotJoinedError,
     StructureFailedError,
     UnknownObjectError,
 )
 from cfemu.keys import check_member_name
-from sqm.clock import LrsnClock
+from sqm.clock import LrsnClock, now_ms
 from sqm.failpoints import failpoint
 from sqm.log import RecordLog
-from sqm.records import INBACKOUT, INCOMMIT, INDOUBT, INFLIGHT, Record
+from sqm.records import INBACKOUT, INCOMMIT, INDOUBT, Record
 from sqm.uow import UnitOfWork
+
+if TYPE_CHECKING:
+    from sqm.connection import Connection
 
 log = logging.getLogger("sqm")
 
 CF_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
-
-
-@dataclass
-class Message:
-    body: bytes
-    queue: str = ""
-    msgid: bytes = b""
-    correlid: bytes = b""
-    priority: int = 0
-    persistent: bool = True
-    expiry: int = 0  # absolute ms since the epoch, 0 = never
-    put_time: int = 0
-    backout_count: int = 0
-    properties: dict[str, Any] = field(default_factory=dict)
-    entry_id: str = ""
-
-    @classmethod
-    def from_entry(cls, entry: Entry, data: bytes) -> Message:
-        return cls(body=data, queue=entry.queue, msgid=bytes.fromhex(entry.msgid),
-                   correlid=bytes.fromhex(entry.correlid), priority=entry.priority, persistent=entry.persistent,
-                   expiry=entry.expiry, put_time=entry.put_time, backout_count=entry.backout_count,
-                   properties=entry.properties, entry_id=entry.id)
-
-
-def now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 @dataclass
@@ -172,11 +146,13 @@ class QueueManager:
         self.stop()
 
     def connect(self) -> Connection:
-        self._check_usable()
+        from sqm.connection import Connection
+
+        self.check_usable()
         return Connection(self)
 
     # --- helpers shared by connections and recovery -------------------------------------------------------
-    def _check_usable(self) -> None:
+    def check_usable(self) -> None:
         if self.fenced:
             raise FencedError(f"queue manager {self.name} was fenced by peer recovery; restart it")
         if self.log_failed:
@@ -196,6 +172,10 @@ class QueueManager:
                 raise StructureFailedError(f"the CF is unavailable: {e}") from None
             self._queue_cache[queue] = q
         return q
+
+    def forget_queue_def(self, queue: str) -> None:
+        """Drop a cached queue definition (it was redefined)."""
+        self._queue_cache.pop(queue, None)
 
     def structure(self, name: str) -> Structure:
         return self.cf.structure(name)
@@ -254,7 +234,7 @@ class QueueManager:
         with self.uow_lock:
             self.uows.pop(uow.id, None)
 
-    def _cf_call(self, fn: Callable[[], Any]) -> Any:
+    def cf_call(self, fn: Callable[[], Any]) -> Any:
         """Run a CF call; a fencing refusal marks this queue manager fenced; a dead CF is a failed structure; a
         structure rebuilt after a CF loss that does not know this member yet is joined, and the call retried."""
         try:
@@ -295,7 +275,7 @@ class QueueManager:
                  for_member: str | None = None) -> None:
         """Decide and apply a UOW's outcome: log it (forced) when it has persistent work, then apply it on every
         structure it touched. for_member: peer recovery deciding another member's UOW (a RECOVERY record)."""
-        self._check_usable()
+        self.check_usable()
         if uow.persistent or for_member is not None:
             failpoint("before-log-force")
             self.log_decision(uow, commit, for_member=for_member,
@@ -337,10 +317,10 @@ class QueueManager:
         while True:
             try:
                 if commit:
-                    self._cf_call(partial(s.commit, self.caller, uow.id, gen=gen, lrsn=lrsn,
+                    self.cf_call(partial(s.commit, self.caller, uow.id, gen=gen, lrsn=lrsn,
                                           decided_by_recovery=by_recovery))
                 else:
-                    self._cf_call(partial(s.backout, self.caller, uow.id, gen=gen, lrsn=lrsn, has_data=has_data,
+                    self.cf_call(partial(s.backout, self.caller, uow.id, gen=gen, lrsn=lrsn, has_data=has_data,
                                           decided_by_recovery=by_recovery))
                 return
             except FloorError as e:
@@ -396,7 +376,7 @@ class QueueManager:
         """[structure, descriptor, data] of each persistent get the UOW holds (the patent's exception)."""
         out: list[list[Any]] = []
         for sname in uow.structures:
-            for entry, data in self._cf_call(partial(self.structure(sname).uow_entries, uow.id)):
+            for entry, data in self.cf_call(partial(self.structure(sname).uow_entries, uow.id)):
                 if entry.state == "UG" and entry.persistent and entry.uow == uow.id:
                     out.append([sname, entry.wire(), data])
         return out
@@ -482,197 +462,4 @@ class QueueManager:
                 "fsyncs": getattr(stats, "fsyncs", 0)}
 
 
-class Connection:
-    """A connection handle (like MQCONN): holds at most one current UOW."""
-
-    def __init__(self, qm: QueueManager) -> None:
-        self.qm = qm
-        self.uow: UnitOfWork | None = None
-
-    def _current_uow(self) -> UnitOfWork:
-        if self.uow is None:
-            self.uow = self.qm.new_uow()
-        return self.uow
-
-    # --- put ----------------------------------------------------------------------------------------------
-    def put(self, queue: str, body: bytes, *, persistent: bool = True, syncpoint: bool = True, priority: int = 0,
-            msgid: bytes | None = None, correlid: bytes = b"", expiry_ms: int = 0,
-            properties: dict[str, Any] | None = None) -> Message:
-        qm = self.qm
-        qm._check_usable()
-        qdef = qm.queue_def(queue)
-        if not isinstance(body, bytes | bytearray):
-            raise BadRequestError(f"message body must be bytes, not {type(body).__name__}")
-        if len(body) > qdef.max_msg_length:
-            raise MessageTooBigError(f"message of {len(body)} bytes exceeds {queue}'s limit of "
-                                     f"{qdef.max_msg_length}")
-        if not 0 <= priority <= 9:
-            raise BadRequestError(f"priority must be 0-9, not {priority}")
-        if expiry_ms < 0:
-            raise BadRequestError(f"expiry must be >= 0 ms, not {expiry_ms}")
-        try:
-            props = check_properties(properties or {})
-        except ValueError as e:
-            raise BadRequestError(str(e)) from None
-        t = now_ms()
-        entry = Entry(id=os.urandom(12).hex(), queue=queue, priority=priority, persistent=persistent,
-                      msgid=(msgid if msgid is not None else os.urandom(24)).hex(), correlid=correlid.hex(),
-                      expiry=t + expiry_ms if expiry_ms else 0, put_time=t, properties=props)
-        self._put_entry(qdef.structure, entry, bytes(body), self._current_uow() if syncpoint else None)
-        qm.counters["puts"] += 1
-        return Message.from_entry(entry, bytes(body))
-
-    def _put_entry(self, sname: str, entry: Entry, body: bytes, uow: UnitOfWork | None) -> None:
-        qm = self.qm
-        s = qm.structure(sname)
-        if uow is not None:
-            if uow.state != INFLIGHT:
-                raise BadRequestError(f"unit of work {uow.id} is {uow.state}; commit or back it out first")
-            cf, gen, _ = qm._cf_call(partial(s.put, qm.caller, entry, body, uow=uow.id,
-                                             gen=uow.structures.get(sname, 0)))
-            uow.structures[sname] = gen
-            uow.operations += 1
-            failpoint("put-after-cf")
-            if entry.persistent:
-                uow.persistent = True
-                qm.append({"k": "PUT", "l": cf, "u": uow.id, "s": sname, "g": gen, "e": entry.wire(), "d": body})
-            return
-        if not entry.persistent:
-            qm._cf_call(lambda: s.put(qm.caller, entry, body))
-            return
-        # A persistent put outside syncpoint is a unit of work of its own (PUT, then a forced COMMIT), so that
-        # every retry, peer recovery and restore treats it like any UOW. A log-first put with a retry by entry id
-        # would bring the message back if it were consumed between its application and the retry.
-        own = qm.new_uow()
-        try:
-            self._put_entry(sname, entry, body, own)
-        except BaseException:
-            if own.operations:
-                qm.complete(own, False)
-            else:
-                qm.forget(own)
-            raise
-        qm.complete(own, True)
-
-    # --- get ----------------------------------------------------------------------------------------------
-    def get(self, queue: str, *, syncpoint: bool = True, wait_ms: int = 0, msgid: bytes | None = None,
-            correlid: bytes | None = None) -> Message:
-        qm = self.qm
-        qm._check_usable()
-        qdef = qm.queue_def(queue)
-        if msgid is not None and correlid is not None:
-            raise BadRequestError("get by message id or by correlation id, not both")
-        match, value = ("m", msgid.hex()) if msgid is not None else ("c", correlid.hex()) if correlid else ("", "")
-        own = None if syncpoint else qm.new_uow()
-        uow = own or self._current_uow()
-        if uow.state != INFLIGHT:
-            raise BadRequestError(f"unit of work {uow.id} is {uow.state}; commit or back it out first")
-        s = qm.structure(qdef.structure)
-        deadline = time.monotonic() + wait_ms / 1000
-        delay = 0.002
-        try:
-            while True:
-                _, gen, entry, data = qm._cf_call(lambda: s.get(
-                    qm.caller, queue, uow=uow.id, gen=uow.structures.get(qdef.structure, 0), match=match,
-                    value=value, now_ms=now_ms()))
-                uow.structures[qdef.structure] = gen
-                if entry is not None:
-                    assert data is not None
-                    uow.operations += 1
-                    if entry.persistent:
-                        uow.persistent = True
-                        qm.append({"k": "GET", "l": entry.lrsn, "u": uow.id, "s": qdef.structure, "g": gen,
-                                   "i": entry.id, "q": queue})
-                    if self._is_poison(qdef, entry):
-                        self._move_to_backout_queue(qdef, entry, data, uow)
-                        continue
-                    break
-                if time.monotonic() >= deadline:
-                    raise NoMessageError(f"no message available on {queue}")
-                time.sleep(delay)
-                delay = min(delay * 2, 0.05)
-        except BaseException:
-            if uow.operations == 0:  # nothing taken: no UOW to keep (an idle connection holds none)
-                qm.forget(uow)
-                if own is None:
-                    self.uow = None
-            elif own is not None:
-                qm.complete(own, False)
-            raise
-        if own is not None:
-            qm.complete(own, True)
-        qm.counters["gets"] += 1
-        return Message.from_entry(entry, data)
-
-    def _is_poison(self, qdef: QueueDef, entry: Entry) -> bool:
-        return bool(qdef.backout_threshold and qdef.backout_queue
-                    and entry.backout_count >= qdef.backout_threshold)
-
-    def _move_to_backout_queue(self, qdef: QueueDef, entry: Entry, data: bytes, uow: UnitOfWork) -> None:
-        """A poison message moves to the backout queue inside the same UOW (a get plus a put, all or nothing)."""
-        bq = self.qm.queue_def(qdef.backout_queue)
-        moved = Entry(id=os.urandom(12).hex(), queue=bq.name, priority=entry.priority, persistent=entry.persistent,
-                      msgid=entry.msgid, correlid=entry.correlid, expiry=entry.expiry, put_time=entry.put_time,
-                      backout_count=entry.backout_count, properties=entry.properties)
-        self._put_entry(bq.structure, moved, data, uow)
-
-    def browse(self, queue: str, limit: int = 100) -> list[Message]:
-        qm = self.qm
-        qdef = qm.queue_def(queue)
-        s = qm.structure(qdef.structure)
-        return [Message.from_entry(e, d) for e, d in qm._cf_call(lambda: s.browse(queue, limit, now_ms()))]
-
-    # --- syncpoint ----------------------------------------------------------------------------------------
-    def commit(self) -> None:
-        uow, self.uow = self.uow, None
-        if uow is None:
-            return
-        if uow.state == INDOUBT:
-            self.uow = uow
-            raise InDoubtError(f"unit of work {uow.id} is prepared: resolve it through the coordinator")
-        if uow.operations == 0:
-            self.qm.forget(uow)
-            return
-        self.qm.complete(uow, True)
-
-    def backout(self) -> None:
-        uow, self.uow = self.uow, None
-        if uow is None:
-            return
-        if uow.operations == 0:
-            self.qm.forget(uow)
-            return
-        self.qm.complete(uow, False)
-
-    def prepare(self, xid: str) -> str:
-        """Two-phase commit, phase one: the UOW becomes in doubt (durably); resolve it with
-        QueueManager.resolve(uow_id, commit) later, also after a restart. Returns the UOW id."""
-        uow, self.uow = self.uow, None
-        if uow is None:
-            raise BadRequestError("no unit of work to prepare")
-        qm = self.qm
-        qm._check_usable()
-        uow.persistent = True
-        uow.xid = xid
-        qm.append({"k": "PREPARE", "l": qm.clock.now(), "u": uow.id, "x": xid, "ss": dict(uow.structures)},
-                  force=True, uow=uow, state=INDOUBT)
-        return uow.id
-
-    @contextlib.contextmanager
-    def unit_of_work(self) -> Iterator[Connection]:
-        """with conn.unit_of_work(): ... commits on success, backs out on an exception."""
-        try:
-            yield self
-        except BaseException:
-            with contextlib.suppress(MQError):
-                self.backout()
-            raise
-        self.commit()
-
-    def close(self) -> None:
-        """Like MQDISC: an open UOW is backed out."""
-        if self.uow is not None and self.uow.state == INFLIGHT:
-            self.backout()
-
-
-__all__ = ["QueueManager", "QueueManagerConfig", "Connection", "Message", "INCOMMIT", "INBACKOUT", "INDOUBT"]
+__all__ = ["QueueManager", "QueueManagerConfig", "INCOMMIT", "INBACKOUT", "INDOUBT"]

@@ -18,7 +18,7 @@ import pytest
 import redis
 
 from cfemu.connection import connect
-from cfemu.server import EmbeddedRedis
+from cfemu.embedded import EmbeddedRedis
 
 
 class ExternalRedis:

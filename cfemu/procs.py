@@ -1,0 +1,90 @@
+"""Process helpers every floor that starts or watches a process shares: a free port, liveness without reaping,
+a log's tail, and children tied to this process's life (PR_SET_PDEATHSIG from one spawner thread)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def pid_alive(pid: int) -> bool:
+    """True if ``pid`` is a live (non-zombie) process. Never reaps a dead child: its Popen object must be the
+    one to collect the exit status (a reaped child's Popen.wait() returns 0, which once hid a fenced exit)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        state = stat.rsplit(")", 1)[1].split()[0]
+        return state not in ("Z", "X")
+    except (OSError, IndexError):
+        return True
+
+
+def pid_is_redis(pid: int) -> bool:
+    """Guard against pid reuse: does ``pid`` look like a redis-server? (True if unknowable.)"""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except FileNotFoundError:
+        return not Path("/proc/self").exists()
+    except OSError:
+        return True
+    return b"redis" in cmdline
+
+
+def log_tail(path: Path, lines: int = 25) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return "(no log)"
+    out = text.splitlines()[-lines:]
+    return "\n".join(out) if out else "(log is empty)"
+
+
+def set_pdeathsig() -> None:  # pragma: no cover - runs in the child before exec
+    """Ask Linux to SIGTERM the child if the thread that started it dies."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+_spawner: ThreadPoolExecutor | None = None
+_spawner_lock = threading.Lock()
+
+
+def popen_tied(cmd: list[str], **kw: Any) -> subprocess.Popen[bytes]:
+    """Start a child process that is terminated when this process dies.
+
+    Linux ties PR_SET_PDEATHSIG to the thread that forked the child, not to the process: a child started from a
+    short-lived thread (a fault injector restarting a queue manager, say) got SIGTERM as soon as that thread
+    ended. So every such child is started from one spawner thread that lives as long as the process."""
+    global _spawner
+    if not sys.platform.startswith("linux"):
+        return subprocess.Popen(cmd, **kw)
+    with _spawner_lock:
+        if _spawner is None:
+            _spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cfemu-spawner")
+
+    def start() -> subprocess.Popen[bytes]:
+        return subprocess.Popen(cmd, preexec_fn=set_pdeathsig, **kw)
+
+    return _spawner.submit(start).result()

@@ -1,0 +1,131 @@
+"""``cfemu chaos``: run the chaos suite against a local group of real processes.
+
+    cfemu chaos run [--seed N] [--duration S] [--faults all|short|none|k1,k2] [--clients N] [--managers N]
+    cfemu chaos soak --seeds 20 [--first-seed N] [--duration S] [--faults ...]
+    cfemu chaos check HISTORY.jsonl          re-check a recorded history
+    cfemu chaos kinds                        the fault kinds and what they do
+
+Exit status: 0 no findings, 1 findings (or a fault that could not be carried out), 2 bad usage or a failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from qsg.chaos.checker import FINDING_KINDS, check
+from qsg.chaos.faults import KINDS, parse_kinds
+from qsg.chaos.history import load_history
+
+
+def _kinds(text: str) -> tuple[str, ...]:
+    try:
+        return parse_kinds(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _positive(text: str) -> float:
+    v = float(text)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, not {text}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="cfemu chaos", description=__doc__.split("\n\n")[0] if __doc__ else None)
+    sub = p.add_subparsers(dest="command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--duration", type=_positive, default=25.0, help="seconds of workload per seed (25)")
+    common.add_argument("--faults", type=_kinds, default=KINDS, metavar="KINDS",
+                        help="all (default), short, none, or a comma-separated list (see 'cfemu chaos kinds')")
+    common.add_argument("--clients", type=int, default=8, help="client threads (8)")
+    common.add_argument("--managers", type=int, default=3, help="SQM servers (3)")
+    common.add_argument("--lease-ms", type=int, default=3000, help="SQM lease (3000)")
+    common.add_argument("--backup-interval", type=_positive, default=4.0, help="seconds between backups (4)")
+    common.add_argument("--dir", type=Path, default=Path("var/chaos"), help="report directory (var/chaos)")
+    common.add_argument("--keep-cluster", action="store_true", help="keep the cluster's logs and backups")
+    common.add_argument("--json", action="store_true", help="print the summary as JSON")
+    common.add_argument("-v", "--verbose", action="store_true", help="tracebacks and the suite's own log")
+    run = sub.add_parser("run", parents=[common], help="one seed")
+    run.add_argument("--seed", type=int, default=1)
+    soak = sub.add_parser("soak", parents=[common], help="many seeds, every fault kind by default")
+    soak.add_argument("--seeds", type=int, default=20, help="how many seeds (20)")
+    soak.add_argument("--first-seed", type=int, default=1)
+    chk = sub.add_parser("check", help="check a recorded history file")
+    chk.add_argument("history", type=Path)
+    chk.add_argument("--json", action="store_true")
+    sub.add_parser("kinds", help="list the fault kinds")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    console = Console(stderr=True)
+    if args.command == "kinds":
+        from qsg.chaos import faults
+
+        print(faults.__doc__.split("\n\n")[1] if faults.__doc__ else "\n".join(KINDS))
+        return 0
+    if args.command == "check":
+        try:
+            result = check(load_history(args.history))
+        except (OSError, ValueError) as e:
+            print(f"cfemu chaos check: {e}", file=sys.stderr)
+            return 2
+        out = {"findings": result.summary(), "counts": result.counts,
+               "details": [f.to_json() for f in result.findings]}
+        if args.json:
+            print(json.dumps(out))
+        else:
+            for f in result.findings:
+                print(f"{f.kind}: {', '.join(f.msgs)} {f.uow}: {f.detail}")
+            print(json.dumps(out["findings"]))
+        return 1 if result.findings else 0
+    if not 1 <= args.managers <= 9 or args.clients < 1 or args.lease_ms < 500:
+        print("cfemu chaos: --managers must be 1-9, --clients >= 1, --lease-ms >= 500", file=sys.stderr)
+        return 2
+    from qsg.chaos import report
+    from qsg.chaos.runner import ChaosOptions, run_chaos, run_soak
+
+    # The clients log every failover as a warning; the history and the report have them all.
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.CRITICAL)
+    opts = ChaosOptions(duration=args.duration, kinds=args.faults, clients=args.clients, managers=args.managers,
+                        lease_ms=args.lease_ms, backup_interval=args.backup_interval, report_dir=args.dir,
+                        keep_cluster=args.keep_cluster)
+    try:
+        if args.command == "run":
+            opts.seed = args.seed
+            summary = run_chaos(opts, console)
+            if args.json:
+                print(json.dumps({k: v for k, v in summary.items() if k != "finding_details"}))
+            else:
+                Console().print(report.summary_table(summary))
+                console.print(f"report: {args.dir / 'report.md'}")
+            return 0 if summary["ok"] and not summary["fault_errors"] else 1
+        soak = run_soak(opts, list(range(args.first_seed, args.first_seed + args.seeds)), console)
+    except KeyboardInterrupt:
+        print("cfemu chaos: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if args.verbose or os.environ.get("CFEMU_VERBOSE"):
+            raise
+        print(f"cfemu chaos: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({k: v for k, v in soak.items() if k != "runs"}))
+    else:
+        Console().print(report.soak_table(soak))
+        console.print(f"report: {args.dir / 'soak.md'}")
+    bad = any(soak["findings"][k] for k in FINDING_KINDS)
+    return 1 if bad or soak["fault_errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,249 @@
+"""The group under test: a local Cluster with a fault proxy on every SQM's path to the CF and on every client's
+path to an SQM, a second structure, a probe queue, and (where the machine allows) one SQM's log on a small tmpfs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+
+from cfemu.admin import Admin, AdminError
+from cfemu.connection import connect
+from cfemu.errors import MQError
+from qsg.chaos.proxy import FaultProxy
+from qsg.cluster import Cluster
+from sqm.service.client import Client
+
+STRUCTURES = {"APP1": ("Q1", "Q2"), "APP2": ("Q3",)}
+QUEUES = ("Q1", "Q2", "Q3")
+PROBE_QUEUE = "PROBE"  # on APP1; the history never sees it
+TMPFS_BYTES = 128 * 2**20
+
+
+class LogDisk:
+    """A size-limited filesystem (tmpfs) under one SQM's log directory, that the suite can fill and free."""
+
+    def __init__(self, path: Path, size: int = TMPFS_BYTES) -> None:
+        self.path = path
+        self.size = size
+        self.mounted = False
+
+    @staticmethod
+    def unavailable_because(probe_dir: Path) -> str:
+        """'' when a tmpfs can be mounted here, else why not (the fault kind then reports itself unavailable)."""
+        if os.geteuid() != 0:
+            return "needs root to mount a tmpfs (not running as root)"
+        probe = probe_dir / ".tmpfs-probe"
+        probe.mkdir(parents=True, exist_ok=True)
+        try:
+            out = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(probe)],
+                                 capture_output=True, text=True, timeout=10)
+            if out.returncode != 0:
+                return f"mount -t tmpfs failed: {out.stderr.strip() or out.returncode}"
+            subprocess.run(["umount", str(probe)], capture_output=True, timeout=10)
+            return ""
+        except (OSError, subprocess.SubprocessError) as e:
+            return f"mount -t tmpfs failed: {e}"
+        finally:
+            with contextlib.suppress(OSError):
+                probe.rmdir()
+
+    def mount(self) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={self.size}", "tmpfs", str(self.path)], check=True,
+                       capture_output=True, timeout=10)
+        self.mounted = True
+
+    @property
+    def filler(self) -> Path:
+        return self.path / "chaos-filler"
+
+    def fill(self) -> int:
+        """Write until the filesystem is full (ENOSPC); the bytes written."""
+        written = 0
+        block = b"\0" * 2**20
+        with open(self.filler, "ab", buffering=0) as f:
+            while block:
+                try:
+                    written += f.write(block)
+                except OSError as e:
+                    if e.errno != errno.ENOSPC:
+                        raise
+                    block = block[: len(block) // 2]  # fill the last bits too
+        return written
+
+    def free(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.filler.unlink()
+
+    def unmount(self) -> None:
+        if self.mounted:
+            subprocess.run(["umount", "-l", str(self.path)], capture_output=True, timeout=10)
+            self.mounted = False
+
+
+class ChaosGroup:
+    """Start, probe, heal and stop the group under test."""
+
+    def __init__(self, directory: Path, *, managers: int, lease_ms: int, backup_interval: float,
+                 log_disk: bool) -> None:
+        self.dir = directory
+        self.managers = managers
+        self.lease_ms = lease_ms
+        self.backup_interval = backup_interval
+        self.want_log_disk = log_disk
+        self.cluster: Cluster | None = None
+        self.cf_proxies: dict[str, FaultProxy] = {}
+        self.client_proxies: dict[str, FaultProxy] = {}
+        self.disk: LogDisk | None = None
+        self.disk_unavailable = ""
+        self.stopped: set[str] = set()  # managers the suite has SIGSTOPped
+
+    # --- start and stop ------------------------------------------------------------------------------------------
+    def up(self) -> ChaosGroup:
+        names = [f"QM{i}" for i in range(1, self.managers + 1)]
+        if self.want_log_disk:
+            self.disk_unavailable = LogDisk.unavailable_because(self.dir)
+            if not self.disk_unavailable:
+                self.disk = LogDisk(self.dir / "logs" / names[-1])
+                self.disk.mount()
+        try:
+            self.cluster = Cluster.up(self.dir, managers=self.managers, backup_interval=self.backup_interval,
+                                      structure="APP1", queues=(*STRUCTURES["APP1"], PROBE_QUEUE),
+                                      lease_ms=self.lease_ms, cf_url_for=self._cf_route)
+            client = self.cf()
+            try:
+                admin = Admin(client)
+                for s, queues in STRUCTURES.items():
+                    with contextlib.suppress(AdminError):
+                        admin.define_structure(s)
+                    for q in queues:
+                        with contextlib.suppress(AdminError):
+                            admin.define_queue(q, s)
+            finally:
+                client.close()
+            for name, host, port in self.cluster.endpoints:
+                self.client_proxies[name] = FaultProxy((host, port), name=f"clients->{name}").start()
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def _cf_route(self, manager: str, cf_url: str) -> str:
+        parts = urlsplit(cf_url)
+        proxy = FaultProxy((parts.hostname or "127.0.0.1", int(parts.port or 6379)), name=f"{manager}->CF").start()
+        self.cf_proxies[manager] = proxy
+        return urlunsplit(parts._replace(netloc=f"127.0.0.1:{proxy.port}"))
+
+    def down(self) -> None:
+        for name in list(self.stopped):
+            self.cont(name)
+        if self.cluster is not None:
+            with contextlib.suppress(Exception):
+                self.cluster.down(timeout=10.0)
+        for p in [*self.cf_proxies.values(), *self.client_proxies.values()]:
+            p.stop()
+        if self.disk is not None:
+            self.disk.unmount()
+
+    def remove(self) -> None:
+        """Delete the cluster directory (logs, backups): a soak keeps only the reports."""
+        if self.disk is not None and self.disk.mounted:
+            return
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    # --- what faults and checks use ------------------------------------------------------------------------------
+    @property
+    def c(self) -> Cluster:
+        assert self.cluster is not None, "the group is not up"
+        return self.cluster
+
+    @property
+    def names(self) -> list[str]:
+        return self.c.names
+
+    @property
+    def client_endpoints(self) -> list[tuple[str, int]]:
+        return [("127.0.0.1", self.client_proxies[n].port) for n in self.names]
+
+    @property
+    def direct(self) -> dict[str, tuple[str, int]]:
+        return {n: (h, p) for n, h, p in self.c.endpoints}
+
+    def cf(self) -> redis.Redis:
+        """A direct connection to the CF (no proxy): the operator's and the checker's view."""
+        return connect(self.c.redis_url, socket_timeout=5.0)
+
+    def pid(self, name: str) -> int | None:
+        pid = self.c.manager(name).get("pid")
+        return int(pid) if pid else None
+
+    def running(self, name: str) -> bool:
+        return name in self.c.running_processes()
+
+    def stop(self, name: str) -> None:
+        pid = self.pid(name)
+        assert pid is not None
+        os.kill(pid, 19)  # SIGSTOP
+        self.stopped.add(name)
+
+    def cont(self, name: str) -> None:
+        pid = self.pid(name)
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 18)  # SIGCONT
+        self.stopped.discard(name)
+
+    def probe(self, name: str, timeout: float = 3.0) -> bool:
+        """A persistent put, commit, get and commit through the manager's client proxy: full service."""
+
+        try:
+            with Client([("127.0.0.1", self.client_proxies[name].port)], token=self.c.token, client_name="probe",
+                        connect_timeout=timeout, request_timeout=timeout, reconnect_timeout=0.5) as c:
+                m = c.put(PROBE_QUEUE, b"probe")
+                c.commit()
+                c.get(PROBE_QUEUE, msgid=m.msgid, wait_ms=500)
+                c.commit()
+            return True
+        except (MQError, OSError):
+            return False
+
+    def wait_service(self, timeout: float, names: list[str] | None = None) -> float | None:
+        """Seconds until every manager passes the probe (None: not within timeout)."""
+        t0 = time.monotonic()
+        pending = list(names or self.names)
+        while pending:
+            pending = [n for n in pending if not self.probe(n)]
+            if not pending:
+                break
+            if time.monotonic() - t0 > timeout:
+                return None
+            time.sleep(0.2)
+        return time.monotonic() - t0
+
+    def wait_peer_recovered(self, name: str, timeout: float) -> bool:
+        """Until a peer has recovered `name` (it is no longer a member of the group)."""
+        deadline = time.monotonic() + timeout
+        client = self.cf()
+        try:
+            admin = Admin(client)
+            while time.monotonic() < deadline:
+                with contextlib.suppress(redis.RedisError):
+                    if name not in admin.members():
+                        return True
+                time.sleep(0.05)
+            return False
+        finally:
+            client.close()
+
+    def heal_network(self) -> None:
+        for p in [*self.cf_proxies.values(), *self.client_proxies.values()]:
+            p.heal()

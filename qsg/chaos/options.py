@@ -1,0 +1,26 @@
+"""The options of one chaos run (seed, duration, fault kinds, group size), shared by the runner and the report."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class ChaosOptions:
+    seed: int = 1
+    duration: float = 25.0  # seconds of workload (faults included); healing, draining and checking come after
+    kinds: tuple[str, ...] = ()
+    clients: int = 8
+    managers: int = 3
+    lease_ms: int = 3000
+    backup_interval: float = 4.0
+    report_dir: Path = Path("var/chaos")
+    keep_cluster: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["report_dir"] = str(self.report_dir)
+        d["kinds"] = list(self.kinds)
+        return d

@@ -1,0 +1,270 @@
+"""One chaos run, and a soak of many: start the group, drive the workload, inject the seed's faults, heal,
+resolve what is in doubt, drain, check, report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from cfemu.cf import CF
+from cfemu.errors import MQError, NoMessageError, OutcomeUnknownError
+from qsg.chaos import report
+from qsg.chaos.checker import MUST_BE_ZERO, check
+from qsg.chaos.faults import FAULTS, FaultError, FaultSpec, after_heal, restore_all, schedule
+from qsg.chaos.group import QUEUES, STRUCTURES, ChaosGroup
+from qsg.chaos.history import FAIL, OK, UNKNOWN, History, load_history
+from qsg.chaos.options import ChaosOptions
+from qsg.chaos.workload import Coordinator, Workload, parse_body
+from sqm.service.client import Client
+
+log = logging.getLogger("qsg.chaos")
+
+
+@dataclass
+class FaultRecord:
+    spec: FaultSpec
+    started: float = 0.0  # history time
+    recovered: float | None = None
+    service_s: float | None = None  # injection to full service
+    timings: dict[str, Any] = field(default_factory=dict)
+    error: str = ""
+    unavailable: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.spec.to_json(), "started": self.started, "recovered": self.recovered,
+                "service_s": self.service_s, "timings": self.timings, "error": self.error,
+                "unavailable": self.unavailable}
+
+
+def _execute(group: ChaosGroup, history: History, spec: FaultSpec) -> FaultRecord:
+    rec = FaultRecord(spec, started=history.now())
+    t0 = time.monotonic()
+    history.fault("inject", **spec.to_json())
+
+    def step(phase: str) -> float:
+        el = round(time.monotonic() - t0, 3)
+        history.fault(phase, fault=spec.n, kind=spec.kind, target=spec.target, elapsed_s=el)
+        return el
+
+    try:
+        rec.timings = FAULTS[spec.kind](group, spec, step)
+    except FaultError as e:
+        if str(e).startswith("unavailable"):
+            rec.unavailable = str(e)
+        else:
+            rec.error = str(e)
+        history.fault("error", fault=spec.n, kind=spec.kind, error=str(e))
+    except Exception as e:  # the report shows it; healing below still runs
+        log.exception("fault %d (%s) failed", spec.n, spec.kind)
+        rec.error = f"{type(e).__name__}: {e}"
+        history.fault("error", fault=spec.n, kind=spec.kind, error=rec.error)
+    heal(group, history)
+    service = group.wait_service(timeout=90.0)
+    if service is not None:
+        rec.service_s = round(time.monotonic() - t0, 3)
+        rec.recovered = history.now()
+        history.fault("recovered", fault=spec.n, kind=spec.kind, service_s=rec.service_s)
+    else:
+        rec.error = rec.error or "no full service within 90s of healing"
+        history.fault("error", fault=spec.n, kind=spec.kind, error=rec.error)
+    return rec
+
+
+def heal(group: ChaosGroup, history: History) -> list[str]:
+    """Undo whatever is still broken (a safety net: each fault heals itself): network, a full disk, paused
+    managers, a dead CF (restarted and restored), dead or non-serving managers (restarted)."""
+    actions: list[str] = []
+
+    def step(what: str) -> float:
+        actions.append(what)
+        return 0.0
+
+    group.heal_network()
+    if group.disk is not None:
+        group.disk.free()
+    for name in list(group.stopped):
+        group.cont(name)
+        step(f"SIGCONT {name}")
+    if "CF" not in group.c.running_processes():
+        group.c.restart_cf()
+        step("CF restarted")
+        restore_all(group, step)
+    for name in group.names:
+        if group.running(name):
+            after_heal(group, name, step)
+        else:
+            group.wait_peer_recovered(name, 30.0)
+            group.c.restart_manager(name, timeout=60.0)
+            step(f"{name} restarted")
+    if actions:
+        history.note(what="heal", actions=actions)
+    return actions
+
+
+def resolve_in_doubt(group: ChaosGroup, coordinator: Coordinator) -> dict[str, int]:
+    """The coordinator's final pass: every UOW still in doubt on any SQM is resolved (its decision, or backout
+    when the client never learned whether its prepare worked)."""
+
+    found: dict[str, list[dict[str, Any]]] = {}
+    for name, ep in group.direct.items():
+        with Client([ep], token=group.c.token, client_name="coordinator-final") as c:
+            found[name] = c.indoubt()
+    resolved = coordinator.resolve_all(found)
+    left = 0
+    for _name, ep in group.direct.items():
+        with Client([ep], token=group.c.token) as c:
+            left += len(c.indoubt())
+    return {"in doubt after healing": sum(len(v) for v in found.values()), "resolved": resolved,
+            "still in doubt": left}
+
+
+def drain(group: ChaosGroup, history: History) -> int:
+    """Get every message off every workload queue, outside syncpoint, each get in the history (op drain)."""
+
+    n = 0
+    eps = list(group.direct.values())
+    with Client(eps, token=group.c.token, client_name="drain", request_timeout=30.0) as c:
+        for q in QUEUES:
+            while True:
+                op = history.invoke("drain", "drain", queue=q)
+                try:
+                    m = c.get(q, syncpoint=False)
+                except NoMessageError as e:
+                    history.complete(op, FAIL, reason=e.reason_name)
+                    break
+                except OutcomeUnknownError as e:
+                    history.complete(op, UNKNOWN, reason=e.reason_name)
+                    continue
+                except MQError as e:
+                    history.complete(op, FAIL, reason=e.reason_name, detail=str(e)[:200])
+                    time.sleep(0.5)
+                    continue
+                msg, crc_ok = parse_body(m.body)
+                history.complete(op, OK, msg=msg, crc_ok=crc_ok, queue=m.queue, priority=m.priority,
+                                 persistent=m.persistent, backout_count=m.backout_count, qmgr=c.qmgr)
+                n += 1
+    return n
+
+
+def leftovers(group: ChaosGroup) -> dict[str, dict[str, int]]:
+    """What is still in the structures after the drain (entries locked by a UOW nobody resolved, for example)."""
+
+    client = group.cf()
+    try:
+        cf = CF(client)
+        out = {}
+        for s in STRUCTURES:
+            for q, states in cf.structure(s).depths().items():
+                if q in QUEUES and any(states.values()):
+                    out[q] = states
+        return out
+    finally:
+        client.close()
+
+
+def run_chaos(opts: ChaosOptions, console: Console | None = None) -> dict[str, Any]:
+    """One run; returns the summary (also written to the report directory)."""
+    console = console or Console(stderr=True)
+    rdir = Path(opts.report_dir)
+    rdir.mkdir(parents=True, exist_ok=True)
+    history_path = rdir / "history.jsonl"
+    history_path.unlink(missing_ok=True)
+    history = History(history_path, seed=opts.seed, options=opts.to_json())
+    group = ChaosGroup(rdir / "cluster", managers=opts.managers, lease_ms=opts.lease_ms,
+                       backup_interval=opts.backup_interval, log_disk="disk-full" in opts.kinds)
+    specs = schedule(opts.seed, opts.kinds, opts.duration, [f"QM{i}" for i in range(1, opts.managers + 1)],
+                     lease_ms=opts.lease_ms)
+    records: list[FaultRecord] = []
+    phases: dict[str, float] = {}
+    extra: dict[str, Any] = {}
+    t_start = time.monotonic()
+    try:
+        group.up()
+        history.note(what="group up", seconds=round(time.monotonic() - t_start, 2),
+                     disk_unavailable=group.disk_unavailable)
+        coordinator = Coordinator(history, group.direct, token=group.c.token)
+        work = Workload(history, group.client_endpoints, coordinator, seed=opts.seed, clients=opts.clients,
+                        queues=QUEUES, token=group.c.token)
+        with Progress(TextColumn("{task.description:<40}"), BarColumn(), TextColumn("{task.fields[info]}"),
+                      TimeElapsedColumn(), console=console, transient=not console.is_terminal) as bar:
+            task = bar.add_task(f"seed {opts.seed}: workload", total=opts.duration, info="")
+            t0 = time.monotonic()
+            history.note(what="workload start")
+            work.start()
+            pending = list(specs)
+
+            def tick(info: str = "") -> float:
+                el = time.monotonic() - t0
+                bar.update(task, completed=min(el, opts.duration),
+                           info=info or f"{work.actions_done} actions, {len(records)}/{len(specs)} faults")
+                return el
+
+            while tick() < opts.duration:
+                if pending and time.monotonic() - t0 >= pending[0].at:
+                    spec = pending.pop(0)
+                    tick(f"fault {spec.n}: {spec.kind} on {spec.target}")
+                    records.append(_execute(group, history, spec))
+                    continue
+                time.sleep(0.1)
+            history.note(what="workload stop")
+            stuck = work.stop()
+            if stuck:
+                extra["client threads still running at stop"] = stuck
+            phases["workload_s"] = round(time.monotonic() - t0, 2)
+            task = bar.add_task("heal, resolve in-doubt, drain", total=None, info="")
+            t1 = time.monotonic()
+            heal(group, history)
+            extra["service after healing"] = group.wait_service(timeout=90.0) is not None
+            extra["in doubt"] = resolve_in_doubt(group, coordinator)
+            extra["drained"] = drain(group, history)
+            extra["left in the structures"] = leftovers(group)
+            history.note(what="drained", **{k: v for k, v in extra.items() if k != "in doubt"})
+            phases["heal_drain_s"] = round(time.monotonic() - t1, 2)
+            bar.update(task, total=1, completed=1, info=f"{extra['drained']} drained")
+    finally:
+        history.close()
+        group.down()
+        # Every process's own log (SQMs, CF, backup scheduler) stays with the report: small, and the first thing
+        # to read when a fault did not go as planned.
+        with contextlib.suppress(OSError):
+            shutil.copytree(group.dir / "run", rdir / "process-logs", dirs_exist_ok=True)
+        if not opts.keep_cluster:
+            group.remove()
+    t2 = time.monotonic()
+    events = load_history(history_path)
+    result = check(events)
+    phases["check_s"] = round(time.monotonic() - t2, 2)
+    phases["total_s"] = round(time.monotonic() - t_start, 2)
+    summary = report.summarize(opts, events, result, [r.to_json() for r in records], phases, extra,
+                               disk_unavailable=group.disk_unavailable)
+    report.write_report(rdir, summary, result, events)
+    return summary
+
+
+def run_soak(base: ChaosOptions, seeds: list[int], console: Console | None = None) -> dict[str, Any]:
+    """Many runs, one per seed, each with its own report directory under base.report_dir/seed-N."""
+    console = console or Console(stderr=True)
+    runs = []
+    for seed in seeds:
+        opts = ChaosOptions(**{**asdict(base), "seed": seed, "report_dir": Path(base.report_dir) / f"seed-{seed}"})
+        s = run_chaos(opts, console)
+        bad = sum(s["findings"][k] for k in MUST_BE_ZERO)
+        console.print(f"seed {seed}: {s['operations']} operations, faults "
+                      f"{', '.join(f['kind'] for f in s['faults']) or 'none'}: "
+                      f"{'[bold red]' + str(bad) + ' FINDINGS[/]' if bad else 'no findings'}")
+        runs.append(s)
+    soak = report.summarize_soak(base, runs)
+    report.write_soak(Path(base.report_dir), soak)
+    return soak
+
+
+__all__ = ["ChaosOptions", "FaultRecord", "heal", "run_chaos", "run_soak"]

@@ -1,0 +1,359 @@
+"""The chaos workload: client threads on several SQMs, every operation recorded in the history.
+
+Each client thread follows a plan that is a pure function of (seed, client number): the same seed gives the
+same actions, message ids, payloads and decisions (the interleaving with faults is the machine's). Actions:
+
+* ``uow``: 1-3 puts across the queues (both structures) and 0-2 gets in one unit of work, then commit, or
+  (sometimes) backout;
+* ``consume``: 1-3 gets, then commit or backout;
+* ``put1``: one put outside syncpoint, persistent or not;
+* ``2pc``: puts and a get, prepare (two-phase commit, phase one), then the coordinator resolves it through the
+  owner's ``resolve`` operation, at once or later (left in doubt, across faults, resolved after healing).
+
+Messages: persistent or not, priorities 0/5/9 (mostly 0, so that order can be checked), some with an expiry.
+Every message has a unique id and a CRC32C of its payload, both in its body (see make_body).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import crc32c
+
+from cfemu.errors import BackedOutError, MQError, NoMessageError, OutcomeUnknownError
+from qsg.chaos.history import FAIL, OK, UNKNOWN, History
+from sqm.service.client import Client
+from sqm.service.protocol import QueueManagerUnavailableError
+
+log = logging.getLogger("qsg.chaos")
+
+BODY_MAGIC = b"CHAOS1"
+AWAY = "away"
+
+
+# --- message bodies --------------------------------------------------------------------------------------------
+def make_body(msg_id: str, size: int) -> bytes:
+    """CHAOS1|<id>|<crc32c of payload, hex>|<payload>; the payload is derived from the id (reproducible)."""
+    seed = hashlib.sha256(msg_id.encode()).digest()
+    payload = (seed * (size // len(seed) + 1))[:size]
+    return b"|".join((BODY_MAGIC, msg_id.encode(), b"%08x" % crc32c.crc32c(payload), payload))
+
+
+def parse_body(body: bytes) -> tuple[str | None, bool]:
+    """(message id or None when the body is not a chaos message, checksum matches)."""
+    parts = body.split(b"|", 3)
+    if len(parts) != 4 or parts[0] != BODY_MAGIC:
+        return None, False
+    try:
+        msg_id = parts[1].decode()
+        ok = int(parts[2], 16) == crc32c.crc32c(parts[3])
+    except ValueError:
+        return None, False
+    return msg_id, ok
+
+
+# --- the plan --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PutSpec:
+    msg: str
+    queue: str
+    priority: int
+    persistent: bool
+    expiry_ms: int
+    size: int
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str  # uow, consume, put1, 2pc
+    puts: tuple[PutSpec, ...] = ()
+    gets: tuple[str, ...] = ()  # queues
+    commit: bool = True  # for 2pc: the coordinator's decision
+    park_s: float = 0.0  # 2pc: leave in doubt this long before the coordinator resolves it (0: at once)
+
+
+def client_plan(seed: int, client: int, queues: tuple[str, ...]) -> Iterator[Action]:
+    """The endless, reproducible action sequence of one client."""
+    rnd = random.Random(f"chaos-{seed}-{client}")
+    n = 0
+
+    def put_spec(persistent_p: float = 0.9) -> PutSpec:
+        nonlocal n
+        n += 1
+        return PutSpec(msg=f"{seed}-{client}-{n}", queue=rnd.choice(queues),
+                       priority=rnd.choice((0, 0, 0, 0, 5, 9)), persistent=rnd.random() < persistent_p,
+                       expiry_ms=rnd.choice((300, 1500, 4000)) if rnd.random() < 0.08 else 0,
+                       size=rnd.randint(64, 1024))
+
+    while True:
+        r = rnd.random()
+        if r < 0.45:
+            puts = tuple(put_spec() for _ in range(rnd.randint(1, 3)))
+            gets = tuple(rnd.choice(queues) for _ in range(rnd.choice((0, 1, 1, 2))))
+            yield Action("uow", puts, gets, commit=rnd.random() < 0.88)
+        elif r < 0.72:
+            yield Action("consume", gets=tuple(rnd.choice(queues) for _ in range(rnd.randint(1, 3))),
+                         commit=rnd.random() < 0.9)
+        elif r < 0.87:
+            yield Action("put1", (put_spec(persistent_p=0.7),))
+        else:
+            puts = tuple(put_spec(persistent_p=1.0) for _ in range(rnd.randint(1, 2)))
+            gets = (rnd.choice(queues),) if rnd.random() < 0.5 else ()
+            park = rnd.choice((0.0, 0.0, 0.0, 1.0, 3.0, 6.0, 600.0))  # 600: resolved only after healing
+            yield Action("2pc", puts, gets, commit=rnd.random() < 0.7, park_s=park)
+
+
+# --- running it ------------------------------------------------------------------------------------------------
+Endpoint = tuple[str, int]
+
+
+def _reason(e: BaseException) -> str:
+    return getattr(e, "reason_name", type(e).__name__)
+
+
+@dataclass
+class Parked:
+    """A prepared (in-doubt) UOW the coordinator resolves later."""
+
+    xid: str
+    uow: str  # the server's UOW id
+    qmgr: str
+    commit: bool
+    due: float
+
+
+@dataclass
+class Coordinator:
+    """The external transaction coordinator: resolves prepared UOWs through their owner's ``resolve`` op.
+
+    It talks to each owner directly (not through the client-side proxies): the coordinator's own network is not
+    under test. Decisions are fixed at prepare time, so a retry after an unknown outcome resolves the same way.
+    """
+
+    history: History
+    owners: dict[str, Endpoint]  # queue manager name -> its real address
+    token: str | None = None
+    decisions: dict[str, bool] = field(default_factory=dict)  # xid -> commit?
+    parked: list[Parked] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def decide(self, xid: str, commit: bool) -> None:
+        with self.lock:
+            self.decisions[xid] = commit
+
+    def park(self, item: Parked) -> None:
+        with self.lock:
+            self.parked.append(item)
+
+    def resolve(self, xid: str, uow: str, qmgr: str, commit: bool, *, who: str = "coordinator") -> str:
+        """One resolve attempt: ok, fail, unknown, or "away" (the owner did not answer: try again later)."""
+
+        op = self.history.invoke(who, "resolve", xid=xid, server_uow=uow, qmgr=qmgr, commit=commit)
+        try:
+            with Client([self.owners[qmgr]], token=self.token, client_name=who, connect_timeout=2.0,
+                        request_timeout=10.0, reconnect_timeout=1.0) as c:
+                c.resolve(uow, commit)
+        except OutcomeUnknownError as e:
+            self.history.complete(op, UNKNOWN, reason=_reason(e))
+            return UNKNOWN
+        except MQError as e:
+            self.history.complete(op, FAIL, reason=_reason(e), detail=str(e)[:200])
+            return AWAY if isinstance(e, QueueManagerUnavailableError) else FAIL
+        self.history.complete(op, OK)
+        return OK
+
+    def resolve_due(self, now: float) -> None:
+        """Resolve every parked UOW whose time has come; keep the ones whose owner cannot be reached."""
+        with self.lock:
+            due = [p for p in self.parked if p.due <= now]
+        for p in due:
+            # An owner that is away (killed, restarting) is tried again; any other outcome is final: an unknown
+            # or failed resolve is settled by the final pass, which asks every owner what is still in doubt.
+            if self.resolve(p.xid, p.uow, p.qmgr, p.commit) == AWAY:
+                p.due = now + 0.5
+            else:
+                with self.lock:
+                    self.parked.remove(p)
+
+    def resolve_all(self, indoubt_by_qmgr: dict[str, list[dict[str, Any]]]) -> int:
+        """After healing: resolve every UOW still in doubt on any queue manager (presumed abort for a prepare
+        whose outcome the client never learned). Returns how many were resolved."""
+        n = 0
+        for qmgr, uows in sorted(indoubt_by_qmgr.items()):
+            for u in uows:
+                xid = str(u.get("xid", ""))
+                with self.lock:
+                    commit = self.decisions.get(xid, False)
+                    self.decisions.setdefault(xid, commit)
+                if self.resolve(xid, str(u["uow"]), qmgr, commit, who="coordinator-final") == OK:
+                    n += 1
+        with self.lock:
+            self.parked.clear()
+        return n
+
+
+class Workload:
+    """Client threads following their plans until stop(), each on its own sqm.service.client.Client."""
+
+    def __init__(self, history: History, endpoints: list[Endpoint], coordinator: Coordinator, *, seed: int,
+                 clients: int, queues: tuple[str, ...], token: str | None = None) -> None:
+        self.history = history
+        self.endpoints = endpoints
+        self.coordinator = coordinator
+        self.seed = seed
+        self.queues = queues
+        self.token = token
+        self._stop = threading.Event()
+        self.actions_done = 0
+        self._threads = [threading.Thread(target=self._run_client, args=(i,), name=f"chaos-c{i}", daemon=True)
+                         for i in range(clients)]
+        self._coordinator_thread = threading.Thread(target=self._run_coordinator, name="chaos-coordinator",
+                                                    daemon=True)
+
+    def start(self) -> None:
+        for t in self._threads:
+            t.start()
+        self._coordinator_thread.start()
+
+    def stop(self, timeout: float = 60.0) -> list[str]:
+        """Stop after each client's current action; the names of threads that did not finish in time."""
+        self._stop.set()
+        deadline = time.monotonic() + timeout
+        for t in [*self._threads, self._coordinator_thread]:
+            t.join(timeout=max(0.1, deadline - time.monotonic()))
+        return [t.name for t in self._threads if t.is_alive()]
+
+    def _run_coordinator(self) -> None:
+        while not self._stop.wait(0.25):
+            self.coordinator.resolve_due(time.monotonic())
+
+    def _run_client(self, i: int) -> None:
+
+        name = f"c{i}"
+        # Each client prefers one server (through its proxy) and fails over to the others in turn.
+        k = i % len(self.endpoints)
+        eps = self.endpoints[k:] + self.endpoints[:k]
+        client: Client | None = None
+        plan = client_plan(self.seed, i, self.queues)
+        n_uow = 0
+        while not self._stop.is_set():
+            if client is None:
+                try:
+                    client = Client(eps, token=self.token, client_name=name, connect_timeout=2.0,
+                                    request_timeout=5.0, reconnect_timeout=5.0)
+                except MQError:
+                    time.sleep(0.2)
+                    continue
+            action = next(plan)
+            n_uow += 1
+            try:
+                ok = Runner(self.history, client, name, f"{name}.{n_uow}", self.coordinator).run(action)
+            except Exception:  # a bug in the suite itself: keep the evidence, keep the run going
+                log.exception("%s: action %s failed", name, action.kind)
+                ok = False
+            self.actions_done += 1
+            if not ok:
+                time.sleep(0.1)  # a failing group (CF down, failover) is not hammered
+        if client is not None:
+            client.close()
+
+
+class Runner:
+    """Carries out one action on one client, recording each call."""
+
+    def __init__(self, history: History, client: Any, name: str, uow: str, coordinator: Coordinator) -> None:
+        self.h = history
+        self.c = client
+        self.name = name
+        self.uow = uow
+        self.coordinator = coordinator
+
+    def call(self, op: str, fn: Callable[[], Any], **args: Any) -> tuple[str, Any]:
+        """Invoke, run, complete: (outcome, result or exception)."""
+        op_id = self.h.invoke(self.name, op, **args)
+        try:
+            result = fn()
+        except OutcomeUnknownError as e:
+            self.h.complete(op_id, UNKNOWN, reason=_reason(e))
+            return UNKNOWN, e
+        except NoMessageError as e:
+            self.h.complete(op_id, FAIL, reason=_reason(e))
+            return FAIL, e
+        except MQError as e:
+            self.h.complete(op_id, FAIL, reason=_reason(e), backed_out=isinstance(e, BackedOutError),
+                            detail=str(e)[:200])
+            return FAIL, e
+        except (OSError, ValueError) as e:  # the connection broke in a way the client library did not map
+            self.h.complete(op_id, UNKNOWN, reason=type(e).__name__, detail=str(e)[:200])
+            return UNKNOWN, e
+        fields = result[1] if isinstance(result, tuple) else {}
+        self.h.complete(op_id, OK, **fields)
+        return OK, result
+
+    def put(self, p: PutSpec, syncpoint: bool) -> tuple[str, Any]:
+        body = make_body(p.msg, p.size)
+        return self.call("put", lambda: self.c.put(p.queue, body, persistent=p.persistent, syncpoint=syncpoint,
+                                                   priority=p.priority, expiry_ms=p.expiry_ms),
+                         uow=self.uow if syncpoint else None, msg=p.msg, queue=p.queue, priority=p.priority,
+                         persistent=p.persistent, syncpoint=syncpoint, expiry_ms=p.expiry_ms)
+
+    def get(self, queue: str) -> tuple[str, Any]:
+        def fn() -> tuple[Any, dict[str, Any]]:
+            m = self.c.get(queue, wait_ms=50)
+            msg_id, crc_ok = parse_body(m.body)
+            return m, {"msg": msg_id, "crc_ok": crc_ok, "queue": m.queue, "priority": m.priority,
+                       "persistent": m.persistent, "backout_count": m.backout_count, "qmgr": self.c.qmgr}
+        return self.call("get", fn, uow=self.uow, queue=queue)
+
+    def end(self, commit: bool) -> bool:
+        if commit:
+            outcome, _ = self.call("commit", self.c.commit, uow=self.uow)
+            return outcome == OK
+        self.call("backout", self.c.backout, uow=self.uow)
+        return True
+
+    def abandon(self, e: Any) -> bool:
+        """An operation inside the UOW failed: back the rest out (unless the failure already did)."""
+        if not isinstance(e, BackedOutError):
+            self.call("backout", self.c.backout, uow=self.uow)
+        return False
+
+    def run(self, a: Action) -> bool:
+        if a.kind == "put1":
+            outcome, _ = self.put(a.puts[0], syncpoint=False)
+            return outcome == OK
+        for p in a.puts:
+            outcome, e = self.put(p, syncpoint=True)
+            if outcome != OK:
+                return self.abandon(e)
+        for q in a.gets:
+            outcome, e = self.get(q)
+            if outcome != OK and not isinstance(e, NoMessageError):
+                return self.abandon(e)
+        if a.kind != "2pc":
+            return self.end(a.commit)
+        return self.two_phase(a)
+
+    def two_phase(self, a: Action) -> bool:
+        xid = f"x-{self.uow}"
+        self.coordinator.decide(xid, a.commit)
+        qmgr = self.c.qmgr
+        outcome, res = self.call("prepare", lambda: (r := self.c.prepare(xid), {"server_uow": r, "qmgr": qmgr}),
+                                 uow=self.uow, xid=xid)
+        if outcome == FAIL:
+            return self.abandon(res)
+        if outcome == UNKNOWN:
+            return False  # in doubt or backed out: the coordinator's final pass finds out
+        # The coordinator thread, not this client, owns the resolution and its retries (park_s 0: at once).
+        self.coordinator.park(Parked(xid, res[0], qmgr, a.commit, time.monotonic() + a.park_s))
+        return True
+
+
+__all__ = ["Action", "Coordinator", "Parked", "PutSpec", "Workload", "client_plan", "make_body", "parse_body"]

@@ -1,0 +1,586 @@
+"""cfemu: the operator's command line for the queue-sharing group.
+
+  cfemu cf start|stop|status                    an embedded CF (redis-server) running detached in a directory
+  cfemu define structure APP1 [--max-entries N] [--max-bytes N]
+  cfemu define queue Q1 --structure APP1 [--backout-threshold N --backout-queue BQ]
+  cfemu status                                  structures, queues, members (lease, epoch, log range, UOWs)
+  cfemu put Q1 MESSAGE... | get Q1 | browse Q1  in process (a short-lived SQM), or --server HOST:PORT
+  cfemu indoubt list | resolve UOW --commit|--backout --server HOST:PORT
+  cfemu backup ... | restore ...                cfbackup / cfrestore
+  cfemu cluster up|status|down                  a local group: CF, SQM servers, backup scheduler
+  cfemu demo                                    the end-to-end demonstration
+  cfemu chaos run|soak|check|kinds              the chaos test suite (docs/chaos.md)
+
+The CF is found from --redis-url, else $REDIS_URL, else a cluster in --cluster-dir (default var/cluster), else a
+CF started with 'cfemu cf start' (var/cf). Tables are rich on a terminal and plain otherwise; --json prints
+one JSON document. Errors are one line on stderr (exit 2); --verbose adds the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Protocol
+
+import redis
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from cfemu import keys
+from cfemu.admin import Admin, AdminError
+from cfemu.cf import CF
+from cfemu.connection import ConnectionConfigError, connect
+from cfemu.embedded import EmbeddedRedis, ServerError
+from cfemu.errors import MQError, NoMessageError
+from sqm.log import LogFormatError, LogReader
+from sqm.manager import QueueManager, QueueManagerConfig
+from sqm.service.client import Client
+from sqm.service.metrics import last_backup_age
+
+DEFAULT_CF_DIR = Path("var/cf")
+DEFAULT_CLUSTER_DIR = Path("var/cluster")
+DEFAULT_LOG_ROOT = Path("var/logs")
+OPERATOR_QM = "OPS"  # the short-lived in-process queue manager of one-shot put/get
+
+EXPECTED_ERRORS = (MQError, AdminError, ValueError, ConnectionConfigError, ServerError, OSError,
+                   redis.exceptions.RedisError, RuntimeError)
+
+
+class CLIError(Exception):
+    """A one-line error for the operator."""
+
+
+# --- output --------------------------------------------------------------------------------------------------
+class Output:
+    """Rich tables on a terminal, plain columns otherwise, or one JSON document with --json."""
+
+    def __init__(self, as_json: bool) -> None:
+        self.as_json = as_json
+        console = Console()
+        self.console = console if console.is_terminal else Console(width=200, no_color=True, highlight=False)
+
+    def table(self, title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+        t = Table(*columns, title=title, title_justify="left",
+                  box=box.ROUNDED if self.console.is_terminal else None)
+        for row in rows:
+            t.add_row(*("-" if v is None else str(v) for v in row))
+        self.console.print(t)
+
+    def json(self, obj: Any) -> None:
+        print(json.dumps(obj, indent=1, sort_keys=True, default=_json_default))
+
+    def line(self, text: str) -> None:
+        self.console.print(text, markup=False, highlight=False)
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, bytes):
+        try:
+            return obj.decode()
+        except UnicodeDecodeError:
+            return obj.hex()
+    return str(obj)
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "never"
+    if seconds < 120:
+        return f"{seconds:.0f}s ago"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m ago"
+    return f"{seconds / 3600:.1f}h ago"
+
+
+def _body_text(body: bytes, limit: int = 60) -> str:
+    try:
+        text = body.decode()
+    except UnicodeDecodeError:
+        text = body.hex()
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# --- finding the CF, the logs, the servers ---------------------------------------------------------------------
+def _cluster_state(args: argparse.Namespace) -> dict[str, Any] | None:
+    path = Path(getattr(args, "cluster_dir", DEFAULT_CLUSTER_DIR)) / "cluster.json"
+    try:
+        return dict(json.loads(path.read_text()))
+    except (OSError, ValueError):
+        return None
+
+
+def redis_url(args: argparse.Namespace) -> str:
+    if getattr(args, "redis_url", None):
+        return str(args.redis_url)
+    if os.environ.get("REDIS_URL"):
+        return os.environ["REDIS_URL"]
+    state = _cluster_state(args)
+    if state and state.get("redis_url") and (state.get("cf") or {}).get("pid"):
+        return str(state["redis_url"])
+    url_file = Path(getattr(args, "cf_dir", DEFAULT_CF_DIR)) / "server.url"
+    if url_file.exists():
+        return url_file.read_text().strip()
+    raise CLIError("no CF found: pass --redis-url, set $REDIS_URL, or start one ('cfemu cf start' or "
+                   "'cfemu cluster up')")
+
+
+def log_root(args: argparse.Namespace) -> Path:
+    if getattr(args, "log_root", None):
+        return Path(args.log_root)
+    if os.environ.get("CFEMU_LOG_ROOT"):
+        return Path(os.environ["CFEMU_LOG_ROOT"])
+    state = _cluster_state(args)
+    if state and state.get("log_root"):
+        return Path(state["log_root"])
+    return DEFAULT_LOG_ROOT
+
+
+@contextmanager
+def admin_client(args: argparse.Namespace) -> Iterator[Admin]:
+    client = connect(redis_url(args))
+    try:
+        client.ping()
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
+        raise CLIError(f"the CF at {redis_url(args)} does not answer: {e}") from None
+    try:
+        yield Admin(client)
+    finally:
+        client.close()
+
+
+class MessagingHandle(Protocol):
+    """What put/get/browse need: sqm.connection.Connection and sqm.service.client.Client both have it."""
+
+    def put(self, queue: str, body: bytes, *, persistent: bool = ..., priority: int = ...,
+            correlid: bytes = ...) -> Any: ...
+
+    def get(self, queue: str, *, wait_ms: int = ...) -> Any: ...
+
+    def browse(self, queue: str, limit: int = ...) -> list[Any]: ...
+
+    def commit(self) -> None: ...
+
+    def backout(self) -> None: ...
+
+
+@contextmanager
+def messaging(args: argparse.Namespace) -> Iterator[MessagingHandle]:
+    """A client of --server endpoints, or a short-lived in-process SQM (OPS) whose log goes to the log root, so
+    restore sees what it did. Whatever is left uncommitted when the block fails is backed out."""
+    if args.server:
+
+        client = Client(args.server, token=args.token or os.environ.get("SQM_TOKEN"), client_name="cfemu")
+        try:
+            yield client
+        finally:
+            client.close()
+        return
+
+    qm = QueueManager(QueueManagerConfig(name=args.qm_name, log_root=log_root(args), redis_url=redis_url(args),
+                                         background=False))
+    qm.start()
+    try:
+        conn = qm.connect()
+        try:
+            yield conn
+        finally:
+            conn.close()
+    finally:
+        qm.stop()
+
+
+# --- commands ----------------------------------------------------------------------------------------------------
+def cmd_cf(args: argparse.Namespace, out: Output) -> int:
+    cf_dir = Path(args.cf_dir)
+    if args.action == "start":
+        try:
+            running: EmbeddedRedis | None = EmbeddedRedis.attach(cf_dir)
+        except ServerError:
+            running = None
+        if running is not None:
+            raise CLIError(f"a CF already runs from {cf_dir} at {running.url} (pid {running.pid})")
+        srv = EmbeddedRedis(port=args.port, data_dir=cf_dir, appendonly=args.appendonly, detach=True).start()
+        info = {"url": srv.url, "pid": srv.pid, "dir": str(srv.data_dir)}
+    elif args.action == "stop":
+        srv = EmbeddedRedis.attach(cf_dir)
+        srv.stop()
+        info = {"stopped": srv.url, "dir": str(cf_dir)}
+    else:
+        try:
+            srv = EmbeddedRedis.attach(cf_dir)
+            info = {"running": True, "url": srv.url, "pid": srv.pid, "dir": str(cf_dir)}
+        except ServerError:
+            info = {"running": False, "dir": str(cf_dir)}
+    if args.json:
+        out.json(info)
+    else:
+        out.table(f"CF ({args.action})", ["field", "value"], sorted(info.items()))
+    return 0 if args.action != "status" or info.get("running") else 1
+
+
+def cmd_define(args: argparse.Namespace, out: Output) -> int:
+    with admin_client(args) as admin:
+        if args.kind == "structure":
+            d: Any = admin.define_structure(args.name, max_entries=args.max_entries, max_bytes=args.max_bytes,
+                                            replace=args.replace)
+        else:
+            d = admin.define_queue(args.name, args.structure, backout_threshold=args.backout_threshold,
+                                   backout_queue=args.backout_queue, max_msg_length=args.max_msg_length,
+                                   replace=args.replace)
+    fields = dict(vars(d))
+    if args.json:
+        out.json({"kind": args.kind, **fields})
+    else:
+        out.table(f"{args.kind} {args.name} defined", ["attribute", "value"], sorted(fields.items()))
+    return 0
+
+
+def gather_status(admin: Admin, root: Path) -> dict[str, Any]:
+    """Structures (state, depth by state, capacity, last backup), queues, and members (lease, epoch, log range,
+    UOWs) as one document."""
+
+    cf = CF(admin.redis)
+    structures, queues, members = [], [], []
+    uows_by_member: dict[str, int] = {}
+    qdefs = {q.name: q for q in admin.queues()}
+    for sdef in sorted(admin.structures(), key=lambda s: s.name):
+        s = cf.structure(sdef.name)
+        info = s.info()
+        depths = s.depths() if s.exists() else {}
+        total = {st: sum(d.get(st, 0) for d in depths.values()) for st in keys.STATES}
+        last = info.get("last_backup")
+        structures.append({"name": sdef.name, "state": admin.state(sdef.name), "depth": total,
+                           "entries": int(info.get("entries", 0)), "max_entries": sdef.max_entries,
+                           "bytes": int(info.get("bytes", 0)), "max_bytes": sdef.max_bytes,
+                           "backup_running": info.get("backup"), "last_backup": last,
+                           "last_backup_age_s": last_backup_age(admin, sdef.name)})
+        for qname, by_state in depths.items():
+            q = qdefs.get(qname)
+            queues.append({"name": qname, "structure": sdef.name, "depth": by_state,
+                           "backout_threshold": q.backout_threshold if q else None,
+                           "backout_queue": q.backout_queue if q else None})
+        if s.exists():
+            for member in admin.members():
+                uows_by_member[member] = uows_by_member.get(member, 0) + len(s.member_uows(member))
+    for name, m in sorted(admin.members().items()):
+        log_range: dict[str, Any] = {}
+        log_dir = Path(m.get("log") or root / name)
+        try:
+            segs = LogReader(log_dir).segments()
+            lrsns = [x for seg in segs for x in (seg.min_lrsn, seg.max_lrsn) if x is not None]
+            log_range = {"first_lrsn": min(lrsns, default=None), "last_lrsn": max(lrsns, default=None),
+                         "records": sum(seg.records for seg in segs), "segments": len(segs)}
+        except (LogFormatError, OSError) as e:
+            log_range = {"error": str(e)}
+        members.append({"name": name, "epoch": m.get("epoch"), "lease_ms": m.get("lease_ms"), "pid": m.get("pid"),
+                        "log": str(log_dir), "log_range": log_range, "uows": uows_by_member.get(name, 0)})
+    for qname, q in qdefs.items():
+        if not any(x["name"] == qname for x in queues):
+            queues.append({"name": qname, "structure": q.structure, "depth": None,
+                           "backout_threshold": q.backout_threshold, "backout_queue": q.backout_queue})
+    return {"group": admin.group_name(), "structures": structures, "queues": sorted(queues, key=lambda q: q["name"]),
+            "members": members}
+
+
+def cmd_status(args: argparse.Namespace, out: Output) -> int:
+    with admin_client(args) as admin:
+        doc = gather_status(admin, log_root(args))
+    if args.json:
+        out.json(doc)
+        return 0
+    out.table(f"structures of group {doc['group']}",
+              ["structure", "state", "UP", "CP", "UG", "EX", "entries", "bytes", "last backup"],
+              [(s["name"], s["state"] + (" (backup running)" if s["backup_running"] else ""),
+                *(s["depth"][st] for st in ("UP", "CP", "UG", "EX")),
+                f"{s['entries']}/{s['max_entries'] or 'unlimited'}", f"{s['bytes']}/{s['max_bytes'] or 'unlimited'}",
+                f"{s['last_backup']} ({_age(s['last_backup_age_s'])})" if s["last_backup"] else "never")
+               for s in doc["structures"]])
+    out.table("queues", ["queue", "structure", "UP", "CP", "UG", "EX", "backout threshold", "backout queue"],
+              [(q["name"], q["structure"], *((q["depth"] or {}).get(st) for st in ("UP", "CP", "UG", "EX")),
+                q["backout_threshold"] or "-", q["backout_queue"] or "-") for q in doc["queues"]])
+    out.table("members", ["SQM", "lease", "epoch", "pid", "log LRSN range", "log records", "UOWs"],
+              [(m["name"], f"{m['lease_ms']} ms" if (m["lease_ms"] or -1) >= 0 else "lapsed", m["epoch"], m["pid"],
+                f"{m['log_range'].get('first_lrsn')}..{m['log_range'].get('last_lrsn')}"
+                if "error" not in m["log_range"] else m["log_range"]["error"],
+                m["log_range"].get("records"), m["uows"]) for m in doc["members"]])
+    return 0
+
+
+def _message_row(m: Any) -> dict[str, Any]:
+    return {"queue": m.queue, "msgid": m.msgid.hex(), "correlid": m.correlid.hex(), "priority": m.priority,
+            "persistent": m.persistent, "backout_count": m.backout_count, "put_time": m.put_time,
+            "body": _body_text(m.body, 10_000), "length": len(m.body)}
+
+
+def _print_messages(out: Output, title: str, messages: list[Any], as_json: bool) -> None:
+    rows = [_message_row(m) for m in messages]
+    if as_json:
+        out.json({"messages": rows, "count": len(rows)})
+        return
+    out.table(title, ["#", "priority", "persistent", "backouts", "length", "msgid", "body"],
+              [(i + 1, r["priority"], "yes" if r["persistent"] else "no", r["backout_count"], r["length"],
+                r["msgid"][:16], _body_text(r["body"].encode())) for i, r in enumerate(rows)])
+
+
+def cmd_put(args: argparse.Namespace, out: Output) -> int:
+    bodies = [b.encode() for b in args.messages] * args.count
+    with messaging(args) as h:
+        try:
+            put = [h.put(args.queue, b, persistent=not args.non_persistent, priority=args.priority,
+                         correlid=args.correlid.encode()) for b in bodies]
+            h.commit()
+        except BaseException:
+            h.backout()
+            raise
+    if args.json:
+        out.json({"queue": args.queue, "put": len(put), "msgids": [m.msgid.hex() for m in put]})
+    else:
+        out.line(f"put {len(put)} message(s) on {args.queue} (committed)")
+    return 0
+
+
+def cmd_get(args: argparse.Namespace, out: Output) -> int:
+    got: list[Any] = []
+    with messaging(args) as h:
+        try:
+            while args.all or len(got) < args.count:
+                try:
+                    got.append(h.get(args.queue, wait_ms=args.wait_ms))
+                except NoMessageError:
+                    break
+            h.commit()
+        except BaseException:
+            h.backout()
+            raise
+    _print_messages(out, f"got {len(got)} message(s) from {args.queue} (committed)", got, args.json)
+    return 0 if got or args.all else 1
+
+
+def cmd_browse(args: argparse.Namespace, out: Output) -> int:
+    with messaging(args) as h:
+        msgs = h.browse(args.queue, args.limit)
+    _print_messages(out, f"{args.queue}: {len(msgs)} message(s) (browsed)", msgs, args.json)
+    return 0
+
+
+def cmd_indoubt(args: argparse.Namespace, out: Output) -> int:
+
+    token = args.token or os.environ.get("SQM_TOKEN")
+    if args.action == "resolve":
+        with Client(args.server, token=token, client_name="cfemu") as c:
+            c.resolve(args.uow, args.commit)
+            where = c.qmgr
+        outcome = "committed" if args.commit else "backed out"
+        if args.json:
+            out.json({"uow": args.uow, "outcome": outcome, "qmgr": where})
+        else:
+            out.line(f"unit of work {args.uow} {outcome} on {where}")
+        return 0
+    rows: list[dict[str, Any]] = []
+    for endpoint in args.server:  # every SQM holds its own in-doubt UOWs
+        with Client([endpoint], token=token, client_name="cfemu") as c:
+            rows += [{**u, "qmgr": c.qmgr, "server": endpoint} for u in c.indoubt()]
+    if args.json:
+        out.json({"indoubt": rows})
+    else:
+        out.table("in-doubt units of work", ["SQM", "UOW", "XID", "structures"],
+                  [(r["qmgr"], r["uow"], r["xid"], ", ".join(r["structures"])) for r in rows])
+    return 0
+
+
+# The verbs that belong to another command: everything after the verb is theirs, --help included. Each is
+# imported only when its verb runs, so that `cfemu status` does not load Spark's or the chaos suite's imports.
+def _backup_verb(argv: list[str]) -> int:
+    from backup.cli import main as backup_main
+
+    return backup_main(argv)
+
+
+def _restore_verb(argv: list[str]) -> int:
+    from restore.cli import main as restore_main
+
+    return restore_main(argv)
+
+
+def _demo_verb(argv: list[str]) -> int:
+    from qsg.demo import main as demo_main
+
+    return demo_main(argv)
+
+
+def _chaos_verb(argv: list[str]) -> int:
+    from qsg.chaos.cli import main as chaos_main
+
+    return chaos_main(argv)
+
+
+def cmd_cluster(args: argparse.Namespace, out: Output) -> int:
+    from qsg.cluster import Cluster
+
+    d = Path(args.cluster_dir)
+    if args.action == "up":
+        t0 = time.monotonic()
+        with out.console.status("starting the CF, the SQM servers and the backup scheduler...",
+                                spinner="dots") if not args.json and out.console.is_terminal else _nothing():
+            cluster = Cluster.up(d, managers=args.managers, backup_interval=args.backup_interval or None,
+                                 lease_ms=args.lease_ms, token=args.token, detach=True,
+                                 structure=args.structure or None, queues=args.queue or ("Q1", "Q2"))
+        doc = cluster.status()
+        doc["seconds"] = round(time.monotonic() - t0, 2)
+    elif args.action == "down":
+        cluster = Cluster.load(d)
+        killed = cluster.down(timeout=args.timeout, purge=args.purge)
+        left = {} if args.purge else cluster.running_processes()
+        doc = {"dir": str(d), "killed_after_timeout": killed, "still_running": left, "purged": args.purge}
+        if args.json:
+            out.json(doc)
+        else:
+            out.line(f"cluster in {d} is down" + (" and purged" if args.purge else "")
+                     + (f"; SIGKILLed after {args.timeout:g}s: {', '.join(killed)}" if killed else ""))
+        return 0 if not left else 1
+    else:
+        doc = Cluster.load(d).status()
+    if args.json:
+        out.json(doc)
+    else:
+        out.table(f"cluster {doc['dir']}", ["process", "pid", "alive", "ready", "address", "metrics"],
+                  [(p["process"], p["pid"], "yes" if p["alive"] else "NO", "yes" if p["ready"] else "no",
+                    p["address"], p.get("metrics")) for p in doc["processes"]])
+        out.line(f"CF {doc['redis_url']}   logs {doc['log_root']}   backups {doc['backup_dir']}")
+    return 0 if all(p["alive"] for p in doc["processes"]) else 1
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+# --- the parser -----------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", help="print one JSON document")
+    common.add_argument("-v", "--verbose", action="store_true", help="show the traceback of an error")
+    where = argparse.ArgumentParser(add_help=False)
+    where.add_argument("--redis-url", help="the CF (default $REDIS_URL, the cluster's, or var/cf's)")
+    where.add_argument("--cluster-dir", default=str(DEFAULT_CLUSTER_DIR), help="a 'cfemu cluster' directory")
+    where.add_argument("--cf-dir", default=str(DEFAULT_CF_DIR), help="a 'cfemu cf start' directory")
+    where.add_argument("--log-root", help="the members' logs (default $CFEMU_LOG_ROOT, the cluster's, var/logs)")
+    server = argparse.ArgumentParser(add_help=False)
+    server.add_argument("--server", action="append", default=[], metavar="HOST:PORT",
+                        help="go through an SQM server (repeat for failover); default: an in-process SQM")
+    server.add_argument("--token", help="the servers' token (default $SQM_TOKEN)")
+    server.add_argument("--qm-name", default=OPERATOR_QM, help=f"in-process SQM name (default {OPERATOR_QM})")
+
+    parser = argparse.ArgumentParser(prog="cfemu", description="Operate a coupling-facility queue-sharing group.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    cf = sub.add_parser("cf", parents=[common], help="an embedded CF (redis-server) running detached")
+    cf.add_argument("action", choices=["start", "stop", "status"])
+    cf.add_argument("--cf-dir", "--dir", dest="cf_dir", default=str(DEFAULT_CF_DIR), help="data directory")
+    cf.add_argument("--port", type=int, default=None, help="TCP port (default: a free one)")
+    cf.add_argument("--appendonly", action="store_true", help="keep an AOF (the CF survives a restart)")
+
+    define = sub.add_parser("define", help="define a structure or a queue")
+    dsub = define.add_subparsers(dest="kind", required=True)
+    ds = dsub.add_parser("structure", parents=[common, where], help="define a CF application structure")
+    ds.add_argument("name")
+    ds.add_argument("--max-entries", type=int, default=0, help="capacity in entries (0 = unlimited)")
+    ds.add_argument("--max-bytes", type=int, default=0, help="capacity in bytes of data (0 = unlimited)")
+    ds.add_argument("--replace", action="store_true", help="change an existing definition")
+    dq = dsub.add_parser("queue", parents=[common, where], help="define a shared queue")
+    dq.add_argument("name")
+    dq.add_argument("--structure", required=True)
+    dq.add_argument("--backout-threshold", type=int, default=0)
+    dq.add_argument("--backout-queue", default="")
+    dq.add_argument("--max-msg-length", type=int, default=4 * 2**20)
+    dq.add_argument("--replace", action="store_true", help="change an existing definition")
+
+    sub.add_parser("status", parents=[common, where], help="structures, queues and members")
+
+    put = sub.add_parser("put", parents=[common, where, server], help="put messages (one UOW, committed)")
+    put.add_argument("queue")
+    put.add_argument("messages", nargs="+", metavar="MESSAGE")
+    put.add_argument("--count", type=int, default=1, help="put the messages this many times")
+    put.add_argument("--priority", type=int, default=0)
+    put.add_argument("--non-persistent", action="store_true")
+    put.add_argument("--correlid", default="")
+    get = sub.add_parser("get", parents=[common, where, server], help="get messages (one UOW, committed)")
+    get.add_argument("queue")
+    how_many = get.add_mutually_exclusive_group()
+    how_many.add_argument("--count", type=int, default=1)
+    how_many.add_argument("--all", action="store_true", help="until the queue is empty")
+    get.add_argument("--wait-ms", type=int, default=0)
+    browse = sub.add_parser("browse", parents=[common, where, server], help="browse messages (no UOW)")
+    browse.add_argument("queue")
+    browse.add_argument("--limit", type=int, default=100)
+
+    indoubt = sub.add_parser("indoubt", help="list or resolve in-doubt units of work (through the servers)")
+    isub = indoubt.add_subparsers(dest="action", required=True)
+    il = isub.add_parser("list", parents=[common, server], help="in-doubt UOWs of each --server")
+    il.set_defaults(uow=None)
+    ir = isub.add_parser("resolve", parents=[common, server], help="commit or back out an in-doubt UOW")
+    ir.add_argument("uow")
+    outcome = ir.add_mutually_exclusive_group(required=True)
+    outcome.add_argument("--commit", dest="commit", action="store_true")
+    outcome.add_argument("--backout", dest="commit", action="store_false")
+
+    for name, what in (("backup", "cfbackup"), ("restore", "cfrestore")):
+        p = sub.add_parser(name, help=f"{what} (same arguments)", add_help=False)
+        p.add_argument("rest", nargs=argparse.REMAINDER)
+
+    cl = sub.add_parser("cluster", parents=[common], help="a local group of processes")
+    cl.add_argument("action", choices=["up", "status", "down"])
+    cl.add_argument("--cluster-dir", "--dir", dest="cluster_dir", default=str(DEFAULT_CLUSTER_DIR))
+    cl.add_argument("--managers", type=int, default=3)
+    cl.add_argument("--backup-interval", type=float, default=10.0, help="seconds between backups (0: none)")
+    cl.add_argument("--lease-ms", type=int, default=5000)
+    cl.add_argument("--token", help="require this token from clients")
+    cl.add_argument("--structure", default="APP1", help="structure to define if missing ('' for none)")
+    cl.add_argument("--queue", action="append", help="queue to define on it (default Q1, Q2)")
+    cl.add_argument("--timeout", type=float, default=10.0, help="down: seconds before SIGKILL")
+    cl.add_argument("--purge", action="store_true", help="down: also delete the directory (logs, backups)")
+
+    demo = sub.add_parser("demo", help="the end-to-end demonstration", add_help=False)
+    demo.add_argument("rest", nargs=argparse.REMAINDER)
+    chaos = sub.add_parser("chaos", help="the chaos test suite (run, soak, check, kinds)", add_help=False)
+    chaos.add_argument("rest", nargs=argparse.REMAINDER)
+    return parser
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace, Output], int]] = {
+    "cf": cmd_cf, "define": cmd_define, "status": cmd_status, "put": cmd_put, "get": cmd_get,
+    "browse": cmd_browse, "indoubt": cmd_indoubt, "cluster": cmd_cluster,
+}
+DELEGATES: dict[str, Callable[[list[str]], int]] = {"backup": _backup_verb, "restore": _restore_verb,
+                                                     "demo": _demo_verb, "chaos": _chaos_verb}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if argv and argv[0] in DELEGATES:  # everything after the verb belongs to the delegate, --help included
+        return int(DELEGATES[argv[0]](argv[1:]) or 0)
+    args = parser.parse_args(argv)
+    out = Output(getattr(args, "json", False))
+    try:
+        return COMMANDS[args.command](args, out)
+    except KeyboardInterrupt:
+        print("cfemu: interrupted", file=sys.stderr)
+        return 130
+    except (CLIError, *EXPECTED_ERRORS) as e:
+        print(f"cfemu: error: {e}", file=sys.stderr)
+        if getattr(args, "verbose", False):
+            traceback.print_exc()
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

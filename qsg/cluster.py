@@ -1,0 +1,405 @@
+"""A local queue-sharing group as real processes: an embedded CF, N ``sqm run`` servers, a backup scheduler.
+
+The same topology as docker-compose.yml, for machines without Docker::
+
+    cluster = Cluster.up("var/cluster", managers=3, backup_interval=10)
+    cluster.endpoints            # [("QM1", "127.0.0.1", 40001), ...]
+    cluster.kill_manager("QM2")  # kill -9; its peers recover its work once its lease lapses
+    cluster.restart_manager("QM2")
+    cluster.kill_cf(); cluster.restart_cf()   # lose the CF; it comes back empty on the same port
+    cluster.down()
+
+The directory holds ``cluster.json`` (pids, ports, URLs, paths), ``cf/`` (the redis-server's directory),
+``logs/`` (every member's log: the log root), ``backups/`` and ``run/`` (each process's stderr). A cluster started
+with ``detach=True`` (what ``cfemu cluster up`` does) outlives the process that started it; ``Cluster.load(dir)``
+finds it again. Otherwise its processes die with the thread that started them.
+
+The backup scheduler is its own process (``cfbackup schedule``) that runs
+``cfbackup run STRUCTURE`` for every ACTIVE structure every N seconds, as a subprocess, so a failed or slow backup
+never takes the scheduler down and the scheduler never imports more than it needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from cfemu.admin import Admin, AdminError
+from cfemu.connection import connect
+from cfemu.embedded import EmbeddedRedis, ServerNotRunningError
+from cfemu.procs import free_port, log_tail, pid_alive, popen_tied
+
+log = logging.getLogger("qsg.cluster")
+
+CLUSTER_FILE = "cluster.json"
+# Runs the backup CLI in a fresh interpreter (no dependence on console scripts being on PATH).
+SCHEDULER_COMMAND = [sys.executable, "-m", "backup.cli", "schedule"]  # cfbackup schedule
+
+
+class ClusterError(RuntimeError):
+    """The cluster cannot be started, found or stopped as asked."""
+
+
+def _pid_runs(pid: int | None, marker: bytes) -> bool:
+    """Is pid alive and still the process we started (its command line holds marker)? Guards against pid reuse."""
+    if not pid or not pid_alive(pid):
+        return False
+    try:
+        return marker in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return True
+
+
+class Cluster:
+    """A running (or stopped) local cluster, described by DIR/cluster.json."""
+
+    def __init__(self, directory: Path, state: dict[str, Any]) -> None:
+        self.dir = directory
+        self.state = state
+        self._procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._cf: EmbeddedRedis | None = None
+
+    # --- what callers use ----------------------------------------------------------------------------------
+    @property
+    def redis_url(self) -> str:
+        return str(self.state["redis_url"])
+
+    @property
+    def host(self) -> str:
+        return str(self.state["host"])
+
+    @property
+    def endpoints(self) -> list[tuple[str, str, int]]:
+        return [(m["name"], self.host, int(m["port"])) for m in self.state["managers"]]
+
+    @property
+    def log_root(self) -> Path:
+        return Path(self.state["log_root"])
+
+    @property
+    def backup_dir(self) -> Path:
+        return Path(self.state["backup_dir"])
+
+    @property
+    def token(self) -> str | None:
+        return self.state.get("token")
+
+    def manager(self, name: str) -> dict[str, Any]:
+        for m in self.state["managers"]:
+            if m["name"] == name:
+                return dict(m)
+        raise ClusterError(f"no queue manager {name} in this cluster ({', '.join(self.names)})")
+
+    @property
+    def names(self) -> list[str]:
+        return [m["name"] for m in self.state["managers"]]
+
+    # --- start ---------------------------------------------------------------------------------------------
+    @classmethod
+    def up(cls, directory: str | os.PathLike[str], managers: int = 3, *, backup_interval: float | None = 10.0,
+           structure: str | None = "APP1", queues: Sequence[str] = ("Q1", "Q2"), lease_ms: int = 5000,
+           token: str | None = None, host: str = "127.0.0.1", detach: bool = False, start_timeout: float = 30.0,
+           manager_args: Sequence[str] = (), cf_url_for: Callable[[str, str], str] | None = None) -> Cluster:
+        """Start an embedded CF, managers QM1..QMn and (with a backup_interval) the backup scheduler.
+
+        structure/queues are defined when missing (structure=None defines nothing). manager_args go to every
+        ``sqm run``. cf_url_for(manager, cf_url) gives the CF URL a manager uses (a proxy in the path, for the
+        chaos suite); it is kept in cluster.json for restarts. On any failure everything already started is
+        stopped again.
+        """
+        if not 1 <= managers <= 32:
+            raise ClusterError(f"--managers must be 1-32, not {managers}")
+        if backup_interval is not None and backup_interval <= 0:
+            raise ClusterError(f"the backup interval must be > 0 seconds, not {backup_interval}")
+        d = Path(directory).resolve()
+        existing = cls._read_state(d)
+        if existing is not None and cls(d, existing).running_processes():
+            raise ClusterError(f"a cluster is already running in {d}: run 'cfemu cluster down --dir {d}' first")
+        for sub in ("cf", "logs", "backups", "run"):
+            (d / sub).mkdir(parents=True, exist_ok=True)
+        state: dict[str, Any] = {
+            "dir": str(d), "host": host, "detached": detach, "lease_ms": lease_ms, "token": token,
+            "log_root": str(d / "logs"), "backup_dir": str(d / "backups"), "cf": {"dir": str(d / "cf")},
+            "managers": [{"name": f"QM{i}", "port": free_port(host), "metrics_port": free_port(host)}
+                         for i in range(1, managers + 1)],
+            "manager_args": list(manager_args),
+            "scheduler": {"interval": backup_interval} if backup_interval else None,
+            "started_at": time.time(),
+        }
+        cluster = cls(d, state)
+        try:
+            cluster._start_cf(port=None)
+            if structure:
+                cluster._define(structure, queues)
+            if cf_url_for is not None:
+                for m in state["managers"]:
+                    m["cf_url"] = cf_url_for(m["name"], cluster.redis_url)
+            for m in state["managers"]:
+                cluster._spawn_manager(m["name"])
+            for m in state["managers"]:
+                cluster._wait_manager(m["name"], start_timeout)
+            if backup_interval:
+                cluster._spawn_scheduler()
+        except BaseException:
+            cluster.down(timeout=5.0)
+            raise
+        cluster._save()
+        return cluster
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike[str]) -> Cluster:
+        d = Path(directory).resolve()
+        state = cls._read_state(d)
+        if state is None:
+            raise ClusterError(f"no cluster in {d} (no {CLUSTER_FILE}); start one with 'cfemu cluster up'")
+        return cls(d, state)
+
+    @staticmethod
+    def _read_state(d: Path) -> dict[str, Any] | None:
+        try:
+            return dict(json.loads((d / CLUSTER_FILE).read_text()))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:
+            raise ClusterError(f"unreadable {d / CLUSTER_FILE}: {e}") from None
+
+    def _save(self) -> None:
+        tmp = self.dir / (CLUSTER_FILE + ".tmp")
+        tmp.write_text(json.dumps(self.state, indent=2) + "\n")
+        os.replace(tmp, self.dir / CLUSTER_FILE)
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(REDIS_URL=self.redis_url, CFEMU_LOG_ROOT=str(self.log_root),
+                   CFEMU_BACKUP_DIR=str(self.backup_dir), PYTHONUNBUFFERED="1")
+        env.pop("SQM_TOKEN", None)
+        if self.token:
+            env["SQM_TOKEN"] = self.token  # in the environment, not on a command line anyone can read
+        return env
+
+    def _popen(self, key: str, cmd: list[str], log_name: str) -> subprocess.Popen[bytes]:
+        with open(self.dir / "run" / log_name, "ab") as out:
+            kw: dict[str, Any] = {"stdin": subprocess.DEVNULL, "stdout": out, "stderr": subprocess.STDOUT,
+                                  "env": self._env(), "close_fds": True}
+            if self.state["detached"]:
+                proc = subprocess.Popen(cmd, start_new_session=True, **kw)
+            else:
+                proc = popen_tied(cmd, **kw)
+        self._procs[key] = proc
+        return proc
+
+    def _start_cf(self, port: int | None) -> None:
+        cf_dir = Path(self.state["cf"]["dir"])
+        for leftover in ("dump.rdb", "appendonly.aof"):  # the CF always starts empty, like a lost CF
+            with contextlib.suppress(FileNotFoundError):
+                (cf_dir / leftover).unlink()
+        self._cf = EmbeddedRedis(port=port, data_dir=cf_dir, host=self.host, detach=self.state["detached"]).start()
+        self.state["cf"].update(port=self._cf.port, pid=self._cf.pid)
+        self.state["redis_url"] = self._cf.url
+
+    def _define(self, structure: str, queues: Sequence[str]) -> None:
+        client = connect(self.redis_url)
+        try:
+            admin = Admin(client)
+            with contextlib.suppress(AdminError):
+                admin.define_structure(structure)
+            for q in queues:
+                with contextlib.suppress(AdminError):
+                    admin.define_queue(q, structure)
+        finally:
+            client.close()
+
+    def _ready_file(self, name: str) -> Path:
+        return self.dir / "run" / f"{name}.ready"
+
+    def _spawn_manager(self, name: str) -> None:
+        m = self.manager(name)
+        with contextlib.suppress(FileNotFoundError):
+            self._ready_file(name).unlink()
+        cmd = [sys.executable, "-m", "sqm.cli", "run", "--name", name, "--host", self.host, "--port", str(m["port"]),
+               "--metrics-port", str(m["metrics_port"]), "--redis-url", m.get("cf_url") or self.redis_url,
+               "--log-root", str(self.log_root), "--lease-ms", str(self.state["lease_ms"]), "--ready-file",
+               str(self._ready_file(name)), *self.state.get("manager_args", []), *m.get("extra_args", [])]
+        proc = self._popen(name, cmd, f"{name}.log")
+        self._set_manager(name, pid=proc.pid)
+
+    def _set_manager(self, name: str, **values: Any) -> None:
+        for m in self.state["managers"]:
+            if m["name"] == name:
+                m.update(values)
+
+    def _wait_manager(self, name: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        ready = self._ready_file(name)
+        proc = self._procs.get(name)
+        while not ready.exists():
+            if proc is not None and proc.poll() is not None:
+                raise ClusterError(f"{name} exited with status {proc.returncode} while starting; tail of "
+                                   f"{self.dir / 'run' / (name + '.log')}:\n{log_tail(self.dir / 'run' / (name + '.log'))}")
+            if time.monotonic() >= deadline:
+                raise ClusterError(f"{name} was not serving within {timeout:g}s; see {self.dir / 'run'}")
+            time.sleep(0.05)
+
+    def _spawn_scheduler(self) -> None:
+        sched = self.state["scheduler"]
+        cmd = [*SCHEDULER_COMMAND, "--interval", str(sched["interval"])]
+        proc = self._popen("scheduler", cmd, "backup-scheduler.log")
+        sched["pid"] = proc.pid
+        # Until the child has exec'd, its command line is ours: wait, so that status never reports it dead.
+        deadline = time.monotonic() + 15
+        while not _pid_runs(proc.pid, b"backup.cli") and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+    # --- faults and restarts -------------------------------------------------------------------------------
+    def kill_manager(self, name: str, sig: int = signal.SIGKILL, timeout: float = 15.0) -> None:
+        """Send sig to a manager and wait (bounded) until it is gone."""
+        pid = self.manager(name).get("pid")
+        if not _pid_runs(pid, name.encode()):
+            raise ClusterError(f"{name} is not running")
+        assert pid is not None
+        os.kill(pid, sig)
+        if not self._wait_gone(name, pid, timeout):
+            raise ClusterError(f"{name} (pid {pid}) still runs {timeout:g}s after signal {sig}")
+
+    def restart_manager(self, name: str, timeout: float = 30.0, *,
+                        extra_args: Sequence[str] | None = None) -> None:
+        """Start a stopped (or killed) manager again on its port; restart recovery runs from its log.
+        extra_args (kept for later restarts) go to this manager's ``sqm run`` only, e.g. --clock-skew-ms."""
+        pid = self.manager(name).get("pid")
+        if _pid_runs(pid, name.encode()):
+            raise ClusterError(f"{name} is still running (pid {pid})")
+        if extra_args is not None:
+            self._set_manager(name, extra_args=list(extra_args))
+        self._spawn_manager(name)
+        self._wait_manager(name, timeout)
+        self._save()
+
+    def wait_manager_exit(self, name: str, timeout: float) -> int | None:
+        """Wait until a manager started by this Cluster object exits; its exit code (None: still running after
+        timeout, or not started by this object, so its status cannot be known)."""
+        proc = self._procs.get(name)
+        if proc is None:
+            return None
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def kill_cf(self) -> None:
+        """kill -9 the CF (everything in it is lost; the SQMs see a failed structure)."""
+        self._cf_server().kill()
+        self.state["cf"]["pid"] = None
+        self._save()
+
+    def restart_cf(self) -> None:
+        """Start the CF again on the same port, empty."""
+        if self._cf is not None and self._cf.is_running():
+            raise ClusterError("the CF is still running; kill_cf() first")
+        self._start_cf(port=int(self.state["cf"]["port"]))
+        self._save()
+
+    def _cf_server(self) -> EmbeddedRedis:
+        if self._cf is not None and self._cf.is_running():
+            return self._cf
+        try:
+            self._cf = EmbeddedRedis.attach(self.state["cf"]["dir"])
+        except ServerNotRunningError as e:
+            raise ClusterError(f"the CF is not running: {e}") from None
+        return self._cf
+
+    def _wait_gone(self, key: str, pid: int, timeout: float) -> bool:
+        proc = self._procs.get(key)
+        if proc is not None and proc.pid == pid:
+            try:
+                proc.wait(timeout=timeout)
+                return True
+            except subprocess.TimeoutExpired:
+                return False
+        deadline = time.monotonic() + timeout
+        while pid_alive(pid):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+        return True
+
+    # --- status and stop -------------------------------------------------------------------------------------
+    def running_processes(self) -> dict[str, int]:
+        """Name -> pid of every cluster process still alive (the CF as 'CF', the scheduler as 'scheduler')."""
+        out: dict[str, int] = {}
+        cf_pid = self.state.get("cf", {}).get("pid")
+        if _pid_runs(cf_pid, b"redis"):
+            out["CF"] = cf_pid
+        for m in self.state.get("managers", []):
+            if _pid_runs(m.get("pid"), m["name"].encode()):
+                out[m["name"]] = m["pid"]
+        sched = self.state.get("scheduler") or {}
+        if _pid_runs(sched.get("pid"), b"backup.cli"):
+            out["scheduler"] = sched["pid"]
+        return out
+
+    def status(self) -> dict[str, Any]:
+        """Each process: pid, alive, and for managers the answer of /readyz."""
+        alive = self.running_processes()
+        cf = self.state["cf"]
+        rows: list[dict[str, Any]] = [{"process": "CF", "pid": cf.get("pid"), "alive": "CF" in alive,
+                                       "address": self.state.get("redis_url", ""), "ready": "CF" in alive}]
+        for m in self.state["managers"]:
+            ready = m["name"] in alive and self._readyz(int(m["metrics_port"]))
+            rows.append({"process": m["name"], "pid": m.get("pid"), "alive": m["name"] in alive,
+                         "address": f"{self.host}:{m['port']}", "metrics": f"{self.host}:{m['metrics_port']}",
+                         "ready": ready})
+        if self.state.get("scheduler"):
+            s = self.state["scheduler"]
+            rows.append({"process": "backup-scheduler", "pid": s.get("pid"), "alive": "scheduler" in alive,
+                         "address": f"every {s['interval']}s", "ready": "scheduler" in alive})
+        return {"dir": str(self.dir), "redis_url": self.state.get("redis_url"), "log_root": str(self.log_root),
+                "backup_dir": str(self.backup_dir), "processes": rows}
+
+    def _readyz(self, port: int) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.host}:{port}/readyz", timeout=2.0) as r:
+                return bool(r.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def down(self, timeout: float = 10.0, *, purge: bool = False) -> dict[str, int]:
+        """SIGTERM the scheduler and the managers (they take a shutdown checkpoint), SIGKILL whatever is left after
+        timeout, then stop the CF. Returns name -> pid of what had to be killed. purge also deletes the directory."""
+        killed: dict[str, int] = {}
+        targets = {k: v for k, v in self.running_processes().items() if k != "CF"}
+        for pid in targets.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for key, pid in targets.items():
+            if not self._wait_gone(key, pid, max(0.1, deadline - time.monotonic())):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                self._wait_gone(key, pid, 10.0)
+                killed[key] = pid
+        if "pid" in self.state.get("cf", {}) and self.state["cf"].get("pid"):
+            with contextlib.suppress(ClusterError):
+                self._cf_server().stop(timeout=timeout)
+        self.state["cf"]["pid"] = None
+        for m in self.state["managers"]:
+            m["pid"] = None
+        if self.state.get("scheduler"):
+            self.state["scheduler"]["pid"] = None
+        self._procs.clear()
+        if purge:
+            shutil.rmtree(self.dir, ignore_errors=True)
+        elif self.dir.exists():
+            self._save()
+        return killed

@@ -1,0 +1,43 @@
+"""What a restore or a purge did: the results the CLI prints, the report file holds and --json shows."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class RestoreResult:
+    structure: str
+    backup_id: str
+    backup_path: str
+    engine: str
+    dry_run: bool
+    state_before: str
+    replay_from: int = 0
+    replay_to: int = 0  # highest LRSN read (backup or logs)
+    restore_lrsn: int = 0  # the restored structure's generation and recovery floor; its clock starts above
+    log_ranges: dict[str, dict[str, Any]] = field(default_factory=dict)  # member -> {dir, from, to}
+    records_by_member: dict[str, int] = field(default_factory=dict)  # records read that concern the structure
+    counts: dict[str, int] = field(default_factory=dict)  # by disposition, and UOWs in doubt / backed out
+    nonpersistent_lost: dict[str, int] = field(default_factory=dict)  # skipped by the backup / found in the CF
+    in_doubt_uows: dict[str, str] = field(default_factory=dict)  # UOW -> owner, still in doubt
+    decisions_logged: int = 0  # RECOVERY records written by this run
+    keys_deleted: int = 0
+    loaded_entries: int = 0
+    loaded_bytes: int = 0
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per phase
+    report_path: str | None = None
+    started_at: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class PurgeResult:
+    structure: str
+    state_before: str
+    discarded: int  # entries the structure held (0 when it was lost with the CF)
+    discarded_bytes: int
+    gen: int

@@ -1,0 +1,242 @@
+"""The application's connection to a queue manager (like MQCONN): put, get, browse and syncpoint, holding at
+most one current unit of work. The queue manager itself (log, CF calls, completion) is sqm.manager."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from cfemu.admin import QueueDef
+from cfemu.entry import Entry, check_properties
+from cfemu.errors import BadRequestError, InDoubtError, MessageTooBigError, MQError, NoMessageError
+from sqm.clock import now_ms
+from sqm.failpoints import failpoint
+from sqm.records import INDOUBT, INFLIGHT
+from sqm.uow import UnitOfWork
+
+if TYPE_CHECKING:
+    from sqm.manager import QueueManager
+
+
+@dataclass
+class Message:
+    body: bytes
+    queue: str = ""
+    msgid: bytes = b""
+    correlid: bytes = b""
+    priority: int = 0
+    persistent: bool = True
+    expiry: int = 0  # absolute ms since the epoch, 0 = never
+    put_time: int = 0
+    backout_count: int = 0
+    properties: dict[str, Any] = field(default_factory=dict)
+    entry_id: str = ""
+
+    @classmethod
+    def from_entry(cls, entry: Entry, data: bytes) -> Message:
+        return cls(body=data, queue=entry.queue, msgid=bytes.fromhex(entry.msgid),
+                   correlid=bytes.fromhex(entry.correlid), priority=entry.priority, persistent=entry.persistent,
+                   expiry=entry.expiry, put_time=entry.put_time, backout_count=entry.backout_count,
+                   properties=entry.properties, entry_id=entry.id)
+
+
+
+class Connection:
+    """A connection handle (like MQCONN): holds at most one current UOW."""
+
+    def __init__(self, qm: QueueManager) -> None:
+        self.qm = qm
+        self.uow: UnitOfWork | None = None
+
+    def _current_uow(self) -> UnitOfWork:
+        if self.uow is None:
+            self.uow = self.qm.new_uow()
+        return self.uow
+
+    # --- put ----------------------------------------------------------------------------------------------
+    def put(self, queue: str, body: bytes, *, persistent: bool = True, syncpoint: bool = True, priority: int = 0,
+            msgid: bytes | None = None, correlid: bytes = b"", expiry_ms: int = 0,
+            properties: dict[str, Any] | None = None) -> Message:
+        qm = self.qm
+        qm.check_usable()
+        qdef = qm.queue_def(queue)
+        if not isinstance(body, bytes | bytearray):
+            raise BadRequestError(f"message body must be bytes, not {type(body).__name__}")
+        if len(body) > qdef.max_msg_length:
+            raise MessageTooBigError(f"message of {len(body)} bytes exceeds {queue}'s limit of "
+                                     f"{qdef.max_msg_length}")
+        if not 0 <= priority <= 9:
+            raise BadRequestError(f"priority must be 0-9, not {priority}")
+        if expiry_ms < 0:
+            raise BadRequestError(f"expiry must be >= 0 ms, not {expiry_ms}")
+        try:
+            props = check_properties(properties or {})
+        except ValueError as e:
+            raise BadRequestError(str(e)) from None
+        t = now_ms()
+        entry = Entry(id=os.urandom(12).hex(), queue=queue, priority=priority, persistent=persistent,
+                      msgid=(msgid if msgid is not None else os.urandom(24)).hex(), correlid=correlid.hex(),
+                      expiry=t + expiry_ms if expiry_ms else 0, put_time=t, properties=props)
+        self._put_entry(qdef.structure, entry, bytes(body), self._current_uow() if syncpoint else None)
+        qm.counters["puts"] += 1
+        return Message.from_entry(entry, bytes(body))
+
+    def _put_entry(self, sname: str, entry: Entry, body: bytes, uow: UnitOfWork | None) -> None:
+        qm = self.qm
+        s = qm.structure(sname)
+        if uow is not None:
+            if uow.state != INFLIGHT:
+                raise BadRequestError(f"unit of work {uow.id} is {uow.state}; commit or back it out first")
+            cf, gen, _ = qm.cf_call(partial(s.put, qm.caller, entry, body, uow=uow.id,
+                                             gen=uow.structures.get(sname, 0)))
+            uow.structures[sname] = gen
+            uow.operations += 1
+            failpoint("put-after-cf")
+            if entry.persistent:
+                uow.persistent = True
+                qm.append({"k": "PUT", "l": cf, "u": uow.id, "s": sname, "g": gen, "e": entry.wire(), "d": body})
+            return
+        if not entry.persistent:
+            qm.cf_call(lambda: s.put(qm.caller, entry, body))
+            return
+        # A persistent put outside syncpoint is a unit of work of its own (PUT, then a forced COMMIT), so that
+        # every retry, peer recovery and restore treats it like any UOW. A log-first put with a retry by entry id
+        # would bring the message back if it were consumed between its application and the retry.
+        own = qm.new_uow()
+        try:
+            self._put_entry(sname, entry, body, own)
+        except BaseException:
+            if own.operations:
+                qm.complete(own, False)
+            else:
+                qm.forget(own)
+            raise
+        qm.complete(own, True)
+
+    # --- get ----------------------------------------------------------------------------------------------
+    def get(self, queue: str, *, syncpoint: bool = True, wait_ms: int = 0, msgid: bytes | None = None,
+            correlid: bytes | None = None) -> Message:
+        qm = self.qm
+        qm.check_usable()
+        qdef = qm.queue_def(queue)
+        if msgid is not None and correlid is not None:
+            raise BadRequestError("get by message id or by correlation id, not both")
+        match, value = ("m", msgid.hex()) if msgid is not None else ("c", correlid.hex()) if correlid else ("", "")
+        own = None if syncpoint else qm.new_uow()
+        uow = own or self._current_uow()
+        if uow.state != INFLIGHT:
+            raise BadRequestError(f"unit of work {uow.id} is {uow.state}; commit or back it out first")
+        s = qm.structure(qdef.structure)
+        deadline = time.monotonic() + wait_ms / 1000
+        delay = 0.002
+        try:
+            while True:
+                _, gen, entry, data = qm.cf_call(lambda: s.get(
+                    qm.caller, queue, uow=uow.id, gen=uow.structures.get(qdef.structure, 0), match=match,
+                    value=value, now_ms=now_ms()))
+                uow.structures[qdef.structure] = gen
+                if entry is not None:
+                    assert data is not None
+                    uow.operations += 1
+                    if entry.persistent:
+                        uow.persistent = True
+                        qm.append({"k": "GET", "l": entry.lrsn, "u": uow.id, "s": qdef.structure, "g": gen,
+                                   "i": entry.id, "q": queue})
+                    if self._is_poison(qdef, entry):
+                        self._move_to_backout_queue(qdef, entry, data, uow)
+                        continue
+                    break
+                if time.monotonic() >= deadline:
+                    raise NoMessageError(f"no message available on {queue}")
+                time.sleep(delay)
+                delay = min(delay * 2, 0.05)
+        except BaseException:
+            if uow.operations == 0:  # nothing taken: no UOW to keep (an idle connection holds none)
+                qm.forget(uow)
+                if own is None:
+                    self.uow = None
+            elif own is not None:
+                qm.complete(own, False)
+            raise
+        if own is not None:
+            qm.complete(own, True)
+        qm.counters["gets"] += 1
+        return Message.from_entry(entry, data)
+
+    def _is_poison(self, qdef: QueueDef, entry: Entry) -> bool:
+        return bool(qdef.backout_threshold and qdef.backout_queue
+                    and entry.backout_count >= qdef.backout_threshold)
+
+    def _move_to_backout_queue(self, qdef: QueueDef, entry: Entry, data: bytes, uow: UnitOfWork) -> None:
+        """A poison message moves to the backout queue inside the same UOW (a get plus a put, all or nothing)."""
+        bq = self.qm.queue_def(qdef.backout_queue)
+        moved = Entry(id=os.urandom(12).hex(), queue=bq.name, priority=entry.priority, persistent=entry.persistent,
+                      msgid=entry.msgid, correlid=entry.correlid, expiry=entry.expiry, put_time=entry.put_time,
+                      backout_count=entry.backout_count, properties=entry.properties)
+        self._put_entry(bq.structure, moved, data, uow)
+
+    def browse(self, queue: str, limit: int = 100) -> list[Message]:
+        qm = self.qm
+        qdef = qm.queue_def(queue)
+        s = qm.structure(qdef.structure)
+        return [Message.from_entry(e, d) for e, d in qm.cf_call(lambda: s.browse(queue, limit, now_ms()))]
+
+    # --- syncpoint ----------------------------------------------------------------------------------------
+    def commit(self) -> None:
+        uow, self.uow = self.uow, None
+        if uow is None:
+            return
+        if uow.state == INDOUBT:
+            self.uow = uow
+            raise InDoubtError(f"unit of work {uow.id} is prepared: resolve it through the coordinator")
+        if uow.operations == 0:
+            self.qm.forget(uow)
+            return
+        self.qm.complete(uow, True)
+
+    def backout(self) -> None:
+        uow, self.uow = self.uow, None
+        if uow is None:
+            return
+        if uow.operations == 0:
+            self.qm.forget(uow)
+            return
+        self.qm.complete(uow, False)
+
+    def prepare(self, xid: str) -> str:
+        """Two-phase commit, phase one: the UOW becomes in doubt (durably); resolve it with
+        QueueManager.resolve(uow_id, commit) later, also after a restart. Returns the UOW id."""
+        uow, self.uow = self.uow, None
+        if uow is None:
+            raise BadRequestError("no unit of work to prepare")
+        qm = self.qm
+        qm.check_usable()
+        uow.persistent = True
+        uow.xid = xid
+        qm.append({"k": "PREPARE", "l": qm.clock.now(), "u": uow.id, "x": xid, "ss": dict(uow.structures)},
+                  force=True, uow=uow, state=INDOUBT)
+        return uow.id
+
+    @contextlib.contextmanager
+    def unit_of_work(self) -> Iterator[Connection]:
+        """with conn.unit_of_work(): ... commits on success, backs out on an exception."""
+        try:
+            yield self
+        except BaseException:
+            with contextlib.suppress(MQError):
+                self.backout()
+            raise
+        self.commit()
+
+    def close(self) -> None:
+        """Like MQDISC: an open UOW is backed out."""
+        if self.uow is not None and self.uow.state == INFLIGHT:
+            self.backout()
+
+
+__all__ = ["Connection", "Message"]

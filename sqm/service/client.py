@@ -1,0 +1,349 @@
+"""The client library: a connection to an SQM server with the same API shape as sqm.connection.Connection.
+
+    with Client(["127.0.0.1:7001", "127.0.0.1:7002"], token="s3cret") as c:
+        with c.unit_of_work():
+            c.put("Q1", b"hello")
+        m = c.get("Q1", wait_ms=1000)
+        c.commit()
+
+A Client is one connection handle (like MQCONN): it holds at most one unit of work, on the server it is
+connected to. It takes a list of endpoints and moves to the next one when its connection dies. What the
+application is told then depends on what was at stake, and the library never guesses:
+
+* a UOW was open (or the request was a put or get under syncpoint): the server backs that UOW out (or peer
+  recovery does, when the server died), so the call raises BackedOutError; a syncpoint put or get that started
+  a new UOW is instead re-sent once on the next endpoint, since its first attempt is backed out either way;
+* the connection died while a commit was in flight: OutcomeUnknownError (it may or may not have committed);
+  the same for prepare, resolve, define and put/get outside syncpoint, which take effect on their own;
+* read-only requests (ping, browse, status, indoubt) are simply re-sent on the next endpoint.
+
+Errors from the server come back as the same exception classes (cfemu.errors), with their MQ reason codes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import select
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from cfemu.errors import BackedOutError, MQError, OutcomeUnknownError
+from sqm.connection import Message
+from sqm.service.protocol import (
+    DEFAULT_MAX_FRAME,
+    FrameTooLargeError,
+    NotAuthorizedError,
+    ProtocolError,
+    QueueManagerUnavailableError,
+    QuiescingError,
+    encode_frame,
+    error_from_wire,
+    message_from_wire,
+    recv_frame,
+)
+
+log = logging.getLogger("sqm.service.client")
+
+Endpoint = tuple[str, int]
+EndpointSpec = str | Endpoint
+
+# How a request may be treated when the connection dies under it.
+READ_ONLY = {"ping", "browse", "status", "indoubt"}
+TAKES_EFFECT_ALONE = {"prepare", "resolve", "define"}
+
+
+def parse_endpoint(spec: EndpointSpec) -> Endpoint:
+    """'host:port' or (host, port) -> (host, port); a bad one raises ValueError naming it."""
+    if isinstance(spec, tuple):
+        host, port = spec
+    else:
+        host, sep, port_text = str(spec).rpartition(":")
+        if not sep or not port_text.isdigit():
+            raise ValueError(f"bad endpoint {spec!r}: use host:port")
+        port = int(port_text)
+    if not host or not 0 < int(port) < 65536:
+        raise ValueError(f"bad endpoint {spec!r}: use host:port with a port 1-65535")
+    return str(host), int(port)
+
+
+def client_tls_context(ca: str | None = None, cert: str | None = None, key: str | None = None, *,
+                       check_hostname: bool = True) -> ssl.SSLContext:
+    """A TLS context for Client: verify the server with ``ca``; present ``cert``/``key`` for mutual TLS."""
+    ctx = ssl.create_default_context(cafile=ca)
+    ctx.check_hostname = check_hostname
+    if cert:
+        ctx.load_cert_chain(cert, key)
+    return ctx
+
+
+class Client:
+    """A connection handle to the queue-sharing group through one of its SQM servers."""
+
+    def __init__(self, endpoints: EndpointSpec | Sequence[EndpointSpec], port: int | None = None, *,
+                 token: str | None = None, tls: ssl.SSLContext | None = None, client_name: str = "",
+                 connect_timeout: float = 5.0, request_timeout: float = 30.0, reconnect_timeout: float = 15.0,
+                 max_frame: int = DEFAULT_MAX_FRAME, connect: bool = True) -> None:
+        if port is not None:
+            specs: list[EndpointSpec] = [(str(endpoints), port)]
+        elif isinstance(endpoints, str | tuple):
+            specs = [endpoints]
+        else:
+            specs = list(endpoints)
+        if not specs:
+            raise ValueError("no endpoints given")
+        self.endpoints = [parse_endpoint(e) for e in specs]
+        self.token = token
+        self.tls = tls
+        self.client_name = client_name
+        self.connect_timeout = connect_timeout
+        self.request_timeout = request_timeout
+        self.reconnect_timeout = reconnect_timeout
+        self.max_frame = max_frame
+        self.qmgr = ""  # name of the queue manager currently connected to
+        self.endpoint: Endpoint | None = None
+        self._index = 0
+        self._sock: socket.socket | None = None
+        self._ids = itertools.count(1)
+        self._uow_open = False
+        self._lock = threading.Lock()
+        if connect:
+            with self._lock:
+                self._connect()
+
+    # --- connection management -------------------------------------------------------------------------
+    def _connect(self) -> None:
+        """Connect to the next endpoint that answers, round robin, for up to reconnect_timeout seconds."""
+        deadline = time.monotonic() + self.reconnect_timeout
+        problems: dict[Endpoint, str] = {}
+        while True:
+            for _ in range(len(self.endpoints)):
+                ep = self.endpoints[self._index % len(self.endpoints)]
+                try:
+                    self._open(ep)
+                    return
+                except NotAuthorizedError:
+                    raise
+                except (OSError, MQError) as e:
+                    problems[ep] = str(e)
+                    self._index += 1
+            if time.monotonic() >= deadline:
+                detail = "; ".join(f"{h}:{p}: {why}" for (h, p), why in problems.items())
+                raise QueueManagerUnavailableError(f"no queue manager answered: {detail}")
+            time.sleep(0.2)
+
+    def _open(self, ep: Endpoint) -> None:
+        sock = socket.create_connection(ep, timeout=self.connect_timeout)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.tls is not None:
+                sock = self.tls.wrap_socket(sock, server_hostname=ep[0])
+            args: dict[str, Any] = {"client": self.client_name}
+            if self.token is not None:
+                args["token"] = self.token
+            sock.settimeout(self.request_timeout)
+            sock.sendall(encode_frame({"id": 0, "op": "hello", "args": args}))
+            reply = recv_frame(sock, self.max_frame)
+        except BaseException:
+            sock.close()
+            raise
+        if not isinstance(reply, dict) or not reply.get("ok"):
+            sock.close()
+            raise error_from_wire(reply.get("error") if isinstance(reply, dict) else reply)
+        hello = reply["result"]
+        self.max_frame = min(self.max_frame, int(hello.get("max_frame", self.max_frame)))
+        self.qmgr = str(hello.get("qmgr", ""))
+        self.endpoint = ep
+        self._sock = sock
+        log.debug("connected to %s at %s:%d", self.qmgr, *ep)
+
+    def _drop(self) -> None:
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.close()
+        self._sock = None
+        self._index += 1  # fail over: the next connection tries the next endpoint first
+
+    def _died_while_idle(self) -> bool:
+        """Between requests the server sends nothing, so a readable socket means it closed (or broke)."""
+        assert self._sock is not None
+        try:
+            readable, _, _ = select.select([self._sock], [], [], 0)
+        except (OSError, ValueError):
+            return True
+        if not readable:
+            return False
+        if isinstance(self._sock, ssl.SSLSocket):
+            # TLS records that carry no application data (a TLS 1.3 session ticket) also make the socket readable.
+            try:
+                self._sock.setblocking(False)
+                self._sock.recv(1)
+            except ssl.SSLWantReadError:
+                return False
+            except OSError:
+                return True
+        return True
+
+    def close(self) -> None:
+        """Disconnect. Like MQDISC after an abnormal end, the server backs out an open unit of work."""
+        with self._lock:
+            if self._sock is not None:
+                with contextlib.suppress(OSError):
+                    self._sock.close()
+            self._sock = None
+            self._uow_open = False
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def uow_open(self) -> bool:
+        return self._uow_open
+
+    # --- requests ------------------------------------------------------------------------------------------
+    def _call(self, op: str, args: dict[str, Any], *, syncpoint: bool = True, wait_s: float = 0.0) -> Any:
+        with self._lock:
+            for _attempt in (1, 2):
+                if self._sock is None:
+                    self._connect()
+                elif self._died_while_idle():
+                    self._lost(op, syncpoint, in_flight=False, why="the connection was closed")
+                    continue
+                assert self._sock is not None
+                rid = next(self._ids)
+                frame = encode_frame({"id": rid, "op": op, "args": args})
+                if len(frame) - 4 > self.max_frame:
+                    raise FrameTooLargeError(f"{op}: request of {len(frame) - 4} bytes exceeds the server's "
+                                             f"limit of {self.max_frame} bytes")
+                try:
+                    self._sock.settimeout(self.request_timeout + wait_s)
+                    self._sock.sendall(frame)
+                    reply = recv_frame(self._sock, self.max_frame)
+                except (OSError, ProtocolError, FrameTooLargeError) as e:
+                    self._lost(op, syncpoint, in_flight=True, why=str(e) or type(e).__name__)
+                    continue
+                if not isinstance(reply, dict) or "ok" not in reply:
+                    self._drop()
+                    raise ProtocolError(f"{op}: malformed reply from {self.qmgr}: {reply!r}")
+                if isinstance(reply.get("uow"), bool):
+                    self._uow_open = reply["uow"]
+                if reply["ok"]:
+                    return reply.get("result")
+                exc = error_from_wire(reply.get("error"))
+                if isinstance(exc, QuiescingError):  # not carried out: as if the connection had died before it
+                    self._lost(op, syncpoint, in_flight=False, why=str(exc))
+                    continue
+                if reply.get("id") is None:  # the server could not parse our frame and may have closed
+                    self._drop()
+                raise exc
+            # Both attempts lost their connection; any UOW the request started is backed out by the server.
+            if op in READ_ONLY:
+                raise QueueManagerUnavailableError(f"{op}: the connection was lost twice")
+            raise BackedOutError(f"{op}: the connection was lost twice; the unit of work was backed out")
+
+    def _lost(self, op: str, syncpoint: bool, *, in_flight: bool, why: str) -> None:
+        """The connection is gone. Return to re-send the request elsewhere, or raise what the caller must know."""
+        where = f"{self.qmgr} at {self.endpoint[0]}:{self.endpoint[1]}" if self.endpoint else "the server"
+        was_open, self._uow_open = self._uow_open, False
+        self._drop()
+        log.warning("connection to %s lost during %s: %s", where, op, why)
+        if op in READ_ONLY:
+            return
+        if op == "backout":
+            return  # the server backs the UOW out when the connection ends: that is what was asked
+        if op == "commit":
+            if in_flight and was_open:
+                raise OutcomeUnknownError(f"connection to {where} lost during commit ({why}): the unit of work "
+                                          "may or may not have committed")
+            if was_open:
+                raise BackedOutError(f"connection to {where} lost before commit ({why}): the unit of work was "
+                                     "backed out")
+            return
+        if in_flight and (op in TAKES_EFFECT_ALONE or not syncpoint):
+            raise OutcomeUnknownError(f"connection to {where} lost during {op} ({why}): it may or may not have "
+                                      "taken effect")
+        if was_open:
+            raise BackedOutError(f"connection to {where} lost ({why}): the unit of work was backed out")
+        # A syncpoint put/get that would have started a new UOW: any first attempt is backed out; re-send it.
+
+    # --- the Connection API ----------------------------------------------------------------------------------
+    def put(self, queue: str, body: bytes, *, persistent: bool = True, syncpoint: bool = True, priority: int = 0,
+            msgid: bytes | None = None, correlid: bytes = b"", expiry_ms: int = 0,
+            properties: dict[str, Any] | None = None) -> Message:
+        args: dict[str, Any] = {"queue": queue, "body": body, "persistent": persistent, "syncpoint": syncpoint,
+                                "priority": priority, "correlid": correlid, "expiry_ms": expiry_ms}
+        if msgid is not None:
+            args["msgid"] = msgid
+        if properties:
+            args["properties"] = properties
+        m = message_from_wire(self._call("put", args, syncpoint=syncpoint))
+        m.body = bytes(body)
+        return m
+
+    def get(self, queue: str, *, syncpoint: bool = True, wait_ms: int = 0, msgid: bytes | None = None,
+            correlid: bytes | None = None) -> Message:
+        args: dict[str, Any] = {"queue": queue, "syncpoint": syncpoint, "wait_ms": wait_ms}
+        if msgid is not None:
+            args["msgid"] = msgid
+        if correlid is not None:
+            args["correlid"] = correlid
+        return message_from_wire(self._call("get", args, syncpoint=syncpoint, wait_s=wait_ms / 1000))
+
+    def browse(self, queue: str, limit: int = 100) -> list[Message]:
+        return [message_from_wire(m) for m in self._call("browse", {"queue": queue, "limit": limit})]
+
+    def commit(self) -> None:
+        self._call("commit", {})
+
+    def backout(self) -> None:
+        self._call("backout", {})
+
+    def prepare(self, xid: str) -> str:
+        return str(self._call("prepare", {"xid": xid}))
+
+    @contextlib.contextmanager
+    def unit_of_work(self) -> Iterator[Client]:
+        """with client.unit_of_work(): ... commits on success, backs out on an exception."""
+        try:
+            yield self
+        except BaseException:
+            with contextlib.suppress(MQError):
+                self.backout()
+            raise
+        self.commit()
+
+    # --- operator requests -----------------------------------------------------------------------------------
+    def ping(self) -> dict[str, Any]:
+        return dict(self._call("ping", {}))
+
+    def status(self) -> dict[str, Any]:
+        return dict(self._call("status", {}))
+
+    def indoubt(self) -> list[dict[str, Any]]:
+        """In-doubt UOWs of the queue manager this client is connected to."""
+        return list(self._call("indoubt", {}))
+
+    def resolve(self, uow: str, commit: bool) -> None:
+        self._call("resolve", {"uow": uow, "commit": commit})
+
+    def define_structure(self, name: str, *, max_entries: int = 0, max_bytes: int = 0,
+                         replace: bool = False) -> dict[str, Any]:
+        return dict(self._call("define", {"kind": "structure", "name": name, "max_entries": max_entries,
+                                          "max_bytes": max_bytes, "replace": replace}))
+
+    def define_queue(self, name: str, structure: str, *, backout_threshold: int = 0, backout_queue: str = "",
+                     max_msg_length: int = 4 * 2**20, replace: bool = False) -> dict[str, Any]:
+        return dict(self._call("define", {"kind": "queue", "name": name, "structure": structure,
+                                          "backout_threshold": backout_threshold, "backout_queue": backout_queue,
+                                          "max_msg_length": max_msg_length, "replace": replace}))
+
+
+__all__ = ["Client", "Endpoint", "Message", "client_tls_context", "parse_endpoint"]

@@ -1,0 +1,122 @@
+"""Prometheus metrics of one SQM server, collected on each scrape (prometheus-client custom collector).
+
+The queue manager already counts what matters (QueueManager.counters, its log's stats) and the CF knows the
+depths, so the collector reads them when scraped instead of mirroring every event into client-side metrics.
+A CF that does not answer only leaves its metrics out of that scrape.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from datetime import datetime
+from typing import Any
+
+from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from cfemu import keys
+from cfemu.admin import Admin
+from sqm.manager import CF_DOWN, QueueManager
+from sqm.records import INBACKOUT, INCOMMIT, INDOUBT, INFLIGHT
+
+log = logging.getLogger("sqm.service.metrics")
+
+UOW_STATES = (INFLIGHT, INDOUBT, INCOMMIT, INBACKOUT)
+
+
+def backup_finished_at(entry: dict[str, Any]) -> float | None:
+    """When a catalogued backup ended, in seconds since the epoch (its manifest's ISO 8601 ``ended_at``)."""
+    ended = entry.get("ended_at")
+    if not isinstance(ended, str):
+        return None
+    try:
+        return datetime.fromisoformat(ended.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def last_backup_age(admin: Admin, structure: str, now: float | None = None) -> float | None:
+    """Seconds since the structure's last good backup ended (the catalog entry of the backup the structure's
+    ``last_backup`` names), or None when it has none or no time is known."""
+    last_id = admin.redis.hget(keys.meta(structure), "last_backup")
+    entries = admin.backups(structure)
+    if last_id is not None:
+        entries = [b for b in entries if b.get("id") == keys.text(last_id)] or entries
+    times = [t for t in (backup_finished_at(b) for b in entries) if t is not None]
+    if not times:
+        return None
+    return max(0.0, (now or time.time()) - max(times))
+
+
+class SQMCollector(Collector):
+    """Depth by state per queue, UOWs by state, commits, fsyncs, log bytes, backup age, peer recoveries, and
+    the server's own connection and request counts (``server_stats``)."""
+
+    def __init__(self, qm: QueueManager, server_stats: Callable[[], dict[str, Any]] | None = None) -> None:
+        self.qm = qm
+        self.server_stats = server_stats
+
+    def collect(self) -> Iterator[Metric]:
+        qm = self.qm
+        labels = {"qmgr": qm.name}
+        status = qm.status()
+        uows = GaugeMetricFamily("sqm_uows", "Units of work by state", labels=["qmgr", "state"])
+        for state in UOW_STATES:
+            uows.add_metric([qm.name, state], status["uows"].get(state, 0))
+        yield uows
+        for key, help_text in (("commits", "Units of work committed"), ("backouts", "Units of work backed out"),
+                               ("puts", "Messages put"), ("gets", "Messages got"),
+                               ("peer_recoveries", "Peer recoveries this SQM carried out"),
+                               ("fsyncs", "Log fsyncs"), ("log_bytes", "Bytes written to the log"),
+                               ("log_records", "Records written to the log"),
+                               ("backout_records_with_data", "Backout records carrying message data")):
+            c = CounterMetricFamily(f"sqm_{key}", help_text, labels=list(labels))
+            c.add_metric([qm.name], status.get(key, 0))
+            yield c
+        for key, help_text in (("fenced", "1 when peer recovery fenced this SQM"),
+                               ("pending", "Decided work waiting for the CF"), ("lrsn", "Current LRSN")):
+            g = GaugeMetricFamily(f"sqm_{key}", help_text, labels=list(labels))
+            g.add_metric([qm.name], float(status.get(key, 0)))
+            yield g
+        if self.server_stats is not None:
+            stats = self.server_stats()
+            g = GaugeMetricFamily("sqm_connections", "Open client connections", labels=list(labels))
+            g.add_metric([qm.name], stats.get("connections", 0))
+            yield g
+            c = CounterMetricFamily("sqm_requests", "Requests served, by operation and result",
+                                    labels=["qmgr", "op", "result"])
+            for (op, result), n in sorted(stats.get("requests", {}).items()):
+                c.add_metric([qm.name, op, result], n)
+            yield c
+        try:
+            yield from self._cf_metrics()
+        except CF_DOWN as e:
+            log.debug("metrics: the CF is unavailable: %s", e)
+
+    def _cf_metrics(self) -> Iterator[Metric]:
+        qm = self.qm
+        depth = GaugeMetricFamily("sqm_queue_depth", "Messages per queue and state (UP, CP, UG, EX)",
+                                  labels=["structure", "queue", "state"])
+        age = GaugeMetricFamily("sqm_last_backup_age_seconds", "Seconds since the last good backup ended",
+                                labels=["structure"])
+        up = GaugeMetricFamily("sqm_structure_active", "1 when the structure is ACTIVE", labels=["structure"])
+        for sdef in qm.admin.structures():
+            up.add_metric([sdef.name], 1.0 if qm.admin.state(sdef.name) == "ACTIVE" else 0.0)
+            for queue, by_state in qm.structure(sdef.name).depths().items():
+                for state, n in by_state.items():
+                    depth.add_metric([sdef.name, queue, state], n)
+            a = last_backup_age(qm.admin, sdef.name)
+            if a is not None:
+                age.add_metric([sdef.name], a)
+        yield from (depth, age, up)
+
+
+def make_registry(qm: QueueManager, server_stats: Callable[[], dict[str, Any]] | None = None) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SQMCollector(qm, server_stats))
+    return registry
+
+
+__all__ = ["SQMCollector", "backup_finished_at", "last_backup_age", "make_registry"]

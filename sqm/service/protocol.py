@@ -1,0 +1,203 @@
+"""The SQM wire protocol: length-prefixed msgpack frames over TCP (optionally TLS).
+
+A frame is a big-endian u32 body length followed by a msgpack body. A request is a map
+``{"id": int, "op": str, "args": map}``; its reply is ``{"id": int, "ok": true, "result": ...}`` or
+``{"id": int, "ok": false, "error": {"reason": int, "reason_name": str, "message": str, "type": str}}``.
+``type`` names the exception class (cfemu.errors or this module), so a client re-creates the same exception;
+``reason`` is the MQ reason code (MQRC_*), which alone does not always tell two classes apart.
+
+A reply to a request the server could not parse has ``id`` nil. A frame longer than the limit is answered with
+an error and the connection is closed: the stream cannot be trusted to re-synchronise after it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import socket
+import struct
+from typing import Any
+
+import msgpack
+
+from cfemu import errors
+from cfemu.errors import BadRequestError, MQError
+from sqm.connection import Message
+
+HEADER = struct.Struct(">I")
+DEFAULT_MAX_FRAME = 8 * 2**20
+PROTOCOL_VERSION = 1
+
+# Every operation the server understands (the client library uses the same names).
+OPS = ("hello", "auth", "ping", "put", "get", "browse", "commit", "backout", "prepare", "resolve", "indoubt",
+       "status", "define")
+
+
+class NotAuthorizedError(MQError):
+    """The connection did not authenticate (a missing or wrong token)."""
+
+    reason, reason_name = 2035, "MQRC_NOT_AUTHORIZED"
+
+
+class FrameTooLargeError(MQError):
+    """A frame is longer than the negotiated maximum."""
+
+    reason, reason_name = 2010, "MQRC_DATA_LENGTH_ERROR"
+
+
+class ProtocolError(MQError):
+    """A frame that is not a well-formed request (not msgpack, not a map, a missing or mistyped field)."""
+
+    reason, reason_name = 2046, "MQRC_OPTIONS_ERROR"
+
+
+class QuiescingError(MQError):
+    """The server is shutting down: the request was not carried out."""
+
+    reason, reason_name = 2161, "MQRC_Q_MGR_QUIESCING"
+
+
+class QueueManagerUnavailableError(MQError):
+    """No endpoint of the queue-sharing group accepted a connection."""
+
+    reason, reason_name = 2059, "MQRC_Q_MGR_NOT_AVAILABLE"
+
+
+def _error_classes() -> dict[str, type[MQError]]:
+    found: dict[str, type[MQError]] = {}
+    for module_vars in (vars(errors), globals()):
+        for name, value in module_vars.items():
+            if isinstance(value, type) and issubclass(value, MQError):
+                found[name] = value
+    return found
+
+
+ERROR_CLASSES = _error_classes()
+
+
+# --- frames ------------------------------------------------------------------------------------------------
+def encode_frame(obj: Any) -> bytes:
+    body = msgpack.packb(obj, use_bin_type=True)
+    return HEADER.pack(len(body)) + body
+
+
+def decode_body(body: bytes) -> Any:
+    """Unpack a frame body; anything msgpack cannot read is a ProtocolError."""
+    try:
+        return msgpack.unpackb(body, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated types (ExtraData, FormatError, ValueError, ...)
+        raise ProtocolError(f"frame is not valid msgpack: {type(e).__name__}: {e}") from None
+
+
+def check_length(length: int, max_frame: int) -> None:
+    if length > max_frame:
+        raise FrameTooLargeError(f"frame of {length} bytes exceeds the limit of {max_frame} bytes")
+
+
+async def read_frame(reader: asyncio.StreamReader, max_frame: int) -> bytes | None:
+    """The next frame's body, or None at a clean end of stream (between frames)."""
+    try:
+        head = await reader.readexactly(HEADER.size)
+    except asyncio.IncompleteReadError as e:
+        if not e.partial:
+            return None
+        raise
+    (length,) = HEADER.unpack(head)
+    check_length(length, max_frame)
+    return await reader.readexactly(length)
+
+
+def recv_exactly(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("connection closed by the server")
+        buf += chunk
+    return bytes(buf)
+
+
+def recv_frame(sock: socket.socket, max_frame: int) -> Any:
+    (length,) = HEADER.unpack(recv_exactly(sock, HEADER.size))
+    check_length(length, max_frame)
+    return decode_body(recv_exactly(sock, length))
+
+
+# --- requests and replies ----------------------------------------------------------------------------------
+def parse_request(obj: Any) -> tuple[int, str, dict[str, Any]]:
+    """(id, op, args) of a decoded request; a malformed one raises ProtocolError (with the id when known)."""
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"a request must be a map, not {type(obj).__name__}")
+    rid = obj.get("id")
+    if not isinstance(rid, int) or isinstance(rid, bool):
+        raise ProtocolError("a request needs an integer 'id'")
+    op = obj.get("op")
+    if not isinstance(op, str):
+        raise ProtocolError(f"request {rid}: 'op' must be a string")
+    args = obj.get("args", {})
+    if args is None:
+        args = {}
+    if not isinstance(args, dict):
+        raise ProtocolError(f"request {rid}: 'args' must be a map, not {type(args).__name__}")
+    return rid, op, args
+
+
+def ok_reply(rid: int | None, result: Any, **extra: Any) -> dict[str, Any]:
+    return {"id": rid, "ok": True, "result": result, **extra}
+
+
+def error_reply(rid: int | None, exc: MQError, **extra: Any) -> dict[str, Any]:
+    message = exc.args[0] if exc.args else ""
+    return {"id": rid, "ok": False, "error": {"reason": exc.reason, "reason_name": exc.reason_name,
+                                              "message": str(message), "type": type(exc).__name__}, **extra}
+
+
+def error_from_wire(err: Any) -> MQError:
+    """Re-create the exception a reply describes (by class name, else a generic MQError with its reason)."""
+    if not isinstance(err, dict):
+        return ProtocolError(f"malformed error reply: {err!r}")
+    message = str(err.get("message", ""))
+    cls = ERROR_CLASSES.get(str(err.get("type", "")))
+    if cls is not None and cls.__init__ is MQError.__init__:
+        return cls(message)
+    exc = MQError(message)
+    exc.reason = int(err.get("reason", MQError.reason))
+    exc.reason_name = str(err.get("reason_name", MQError.reason_name))
+    return exc
+
+
+# --- arguments -----------------------------------------------------------------------------------------------
+_MISSING = object()
+
+
+def arg(args: dict[str, Any], op: str, name: str, kind: type | tuple[type, ...], default: Any = _MISSING) -> Any:
+    """One request argument, type-checked: a wrong type is a BadRequestError naming the op and argument."""
+    value = args.get(name, default)
+    if value is _MISSING:
+        raise BadRequestError(f"{op}: missing argument '{name}'")
+    if value is None and default is None:
+        return None
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if isinstance(value, bool) and bool not in kinds:
+        ok = False
+    else:
+        ok = isinstance(value, kinds)
+    if not ok:
+        wanted = " or ".join(k.__name__ for k in kinds)
+        raise BadRequestError(f"{op}: argument '{name}' must be {wanted}, not {type(value).__name__}")
+    return value
+
+
+def message_to_wire(m: Message) -> dict[str, Any]:
+    return dataclasses.asdict(m)
+
+
+def message_from_wire(obj: dict[str, Any]) -> Message:
+    names = {f.name for f in dataclasses.fields(Message)}
+    return Message(**{k: v for k, v in obj.items() if k in names})
+
+
+__all__ = ["DEFAULT_MAX_FRAME", "ERROR_CLASSES", "FrameTooLargeError", "HEADER", "NotAuthorizedError", "OPS",
+           "PROTOCOL_VERSION", "ProtocolError", "QueueManagerUnavailableError", "QuiescingError", "arg", "check_length",
+           "decode_body", "encode_frame", "error_from_wire", "error_reply", "message_from_wire",
+           "message_to_wire", "ok_reply", "parse_request", "read_frame", "recv_frame"]

@@ -1,0 +1,110 @@
+"""cfbackup as a user runs it: a real process against a real redis-server."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from backup.files import MANIFEST_NAME
+from cfemu.admin import Admin
+from cfemu.connection import connect
+from tests.support.group import define_group, start_qm
+
+CFBACKUP = str(Path(sys.executable).parent / "cfbackup")
+
+
+def cfbackup(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([CFBACKUP, *args], env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture
+def env(redis_url: str, tmp_path: Path) -> dict[str, str]:
+    client = define_group(redis_url)
+    qm = start_qm(redis_url, tmp_path / "logs", "QM1", background=False)
+    conn = qm.connect()
+    for i in range(20):
+        conn.put("Q1", b"m%d" % i)
+    conn.commit()
+    qm.stop()
+    client.close()
+    e = {k: v for k, v in os.environ.items() if k not in ("CFEMU_BACKUP_DIR", "CFEMU_LOG_ROOT")}
+    e.update(REDIS_URL=redis_url, CFEMU_BACKUP_DIR=str(tmp_path / "bk"), CFEMU_LOG_ROOT=str(tmp_path / "logs"))
+    return e
+
+
+def test_run_list_show_verify_prune(env: dict[str, str], redis_url: str, tmp_path: Path) -> None:
+    first = cfbackup("run", "APP1", "--json", env=env)
+    assert first.returncode == 0, first.stderr
+    manifest = json.loads(first.stdout)
+    assert manifest["entries"] == 20 and manifest["exception_records"] == 0
+    assert manifest["members"] == []  # QM1 left the group cleanly
+    bid = manifest["id"]
+
+    table = cfbackup("run", "APP1", "--batch", "3", env=env)
+    assert table.returncode == 0, table.stderr
+    assert "committed puts" in table.stdout and "entries copied" in table.stdout
+
+    listed = cfbackup("list", "APP1", "--json", env=env)
+    rows = json.loads(listed.stdout)
+    assert [r["state"] for r in rows] == ["ok", "ok"] and rows[1]["id"] == bid
+    assert bid in cfbackup("list", env=env).stdout
+
+    shown = cfbackup("show", bid, env=env)
+    assert shown.returncode == 0 and "LRSN start / end" in shown.stdout and "uncommitted gets" in shown.stdout
+    assert json.loads(cfbackup("show", bid, "--json", env=env).stdout)["manifest"]["checksum"] == \
+        manifest["checksum"]
+
+    ok = cfbackup("verify", bid, "--json", env=env)
+    assert ok.returncode == 0 and json.loads(ok.stdout)["frames"] == 20
+
+    pruned = cfbackup("prune", "APP1", "--keep", "1", "--json", env=env)
+    assert pruned.returncode == 0, pruned.stderr
+    assert json.loads(pruned.stdout)["removed"] == [bid]
+    assert not (tmp_path / "bk" / "APP1" / bid).exists()
+    assert [b["id"] for b in Admin(connect(redis_url)).backups("APP1")] == \
+        [rows[0]["id"]]
+
+
+def test_corrupt_backup_and_bad_input_are_one_line_errors(env: dict[str, str], tmp_path: Path) -> None:
+    run = cfbackup("run", "APP1", "--json", env=env)
+    bid = json.loads(run.stdout)["id"]
+    path = tmp_path / "bk" / "APP1" / bid
+    f = path / "entries-0001.bin"
+    raw = bytearray(f.read_bytes())
+    raw[40] ^= 0xFF
+    f.write_bytes(bytes(raw))
+
+    bad = cfbackup("verify", bid, env=env)
+    assert bad.returncode == 2
+    assert bad.stderr.count("\n") == 1 and "bad CRC in the frame at byte 9" in bad.stderr
+    verbose = cfbackup("verify", bid, "--verbose", env=env)
+    assert verbose.returncode == 2 and "Traceback" in verbose.stderr
+
+    (path / MANIFEST_NAME).unlink()
+    listed = json.loads(cfbackup("list", "APP1", "--json", env=env).stdout)
+    assert [r["state"] for r in listed] == ["incomplete"]
+    shown = cfbackup("show", bid, env=env)
+    assert shown.returncode == 2 and "is incomplete" in shown.stderr
+
+    for args, message in [
+        (("run", "NOPE"), "structure NOPE is not defined"),
+        (("show", "garbage"), "'garbage' is not a backup id"),
+        (("verify", "APP1-20200101T000000Z-abcdef"), "no backup APP1-20200101T000000Z-abcdef"),
+        (("prune", "APP1", "--older-than", "soon"), "bad age 'soon'"),
+        (("run", "APP1", "--exclint", "-5"), "EXCLINT must be >= 0"),
+        (("run", "APP1", "--batch", "0"), "batch must be at least 1"),
+    ]:
+        out = cfbackup(*args, env=env)
+        assert out.returncode == 2, (args, out.stdout, out.stderr)
+        assert out.stderr.startswith("cfbackup: error: ") and out.stderr.count("\n") == 1, out.stderr
+        assert message in out.stderr, out.stderr
+    assert sorted(p.name for p in (tmp_path / "bk" / "APP1").iterdir()) == [bid], "bad input changed nothing"
+    assert not (tmp_path / "bk" / "NOPE").exists()
+
+    no_cf = cfbackup("run", "APP1", env={**env, "REDIS_URL": "redis://127.0.0.1:1/0"})
+    assert no_cf.returncode == 2 and no_cf.stderr.count("\n") == 1 and "Connection refused" in no_cf.stderr

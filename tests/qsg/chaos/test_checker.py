@@ -1,0 +1,243 @@
+"""The chaos checker catches what it claims to catch: crafted histories, one per kind of violation, each reported;
+a clean history, and the allowed anomalies (non-persistent loss, unknown outcomes, redelivery), report nothing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from qsg.chaos.checker import FINDING_KINDS, check
+
+
+class Hist:
+    """Builds a history the way the workload writes one: invoke, then its completion, time moving on."""
+
+    def __init__(self) -> None:
+        self.events: list[dict[str, Any]] = [{"type": "meta", "seed": 0}]
+        self.t = 0.0
+        self.n = 0
+
+    def op(self, client: str, op: str, outcome: str = "ok", result: dict[str, Any] | None = None,
+           **args: Any) -> None:
+        self.n += 1
+        self.t += 0.01
+        self.events.append({"type": "invoke", "id": self.n, "t": round(self.t, 4), "client": client, "op": op,
+                            **args})
+        self.t += 0.01
+        self.events.append({"type": outcome, "id": self.n, "t": round(self.t, 4), **(result or {})})
+
+    def put(self, client: str, uow: str | None, msg: str, *, persistent: bool = True, expiry_ms: int = 0,
+            queue: str = "Q1", priority: int = 0, outcome: str = "ok") -> None:
+        self.op(client, "put", outcome, uow=uow, msg=msg, queue=queue, priority=priority, persistent=persistent,
+                syncpoint=uow is not None, expiry_ms=expiry_ms)
+
+    def get(self, client: str, uow: str, msg: str, *, crc_ok: bool = True, backout_count: int = 0,
+            queue: str = "Q1") -> None:
+        self.op(client, "get", "ok", {"msg": msg, "crc_ok": crc_ok, "queue": queue, "priority": 0,
+                                      "backout_count": backout_count}, uow=uow, queue=queue)
+
+    def commit(self, client: str, uow: str, outcome: str = "ok") -> None:
+        self.op(client, "commit", outcome, uow=uow)
+
+    def backout(self, client: str, uow: str) -> None:
+        self.op(client, "backout", uow=uow)
+
+    def drain(self, msg: str, queue: str = "Q1", crc_ok: bool = True) -> None:
+        self.op("drain", "drain", "ok", {"msg": msg, "crc_ok": crc_ok, "queue": queue, "backout_count": 0},
+                queue=queue)
+
+    def fault(self, n: int, kind: str, phase: str) -> None:
+        self.t += 0.01
+        self.events.append({"type": "fault", "t": round(self.t, 4), "phase": phase, "fault": n, "kind": kind})
+
+    def findings(self) -> dict[str, int]:
+        return check(self.events).summary()
+
+
+def only(findings: dict[str, int], kind: str, n: int = 1) -> None:
+    assert findings[kind] == n, findings
+    assert all(v == 0 for k, v in findings.items() if k != kind), findings
+
+
+def clean_base() -> Hist:
+    h = Hist()
+    h.put("p", "p.1", "m1")
+    h.put("p", "p.1", "m2", queue="Q3")
+    h.commit("p", "p.1")
+    h.get("c", "c.1", "m1")
+    h.commit("c", "c.1")
+    h.put("p", None, "m3")  # outside syncpoint
+    h.drain("m2", "Q3")
+    h.drain("m3")
+    return h
+
+
+def test_a_clean_history_reports_nothing() -> None:
+    r = check(clean_base().events)
+    assert r.ok and set(r.summary()) == set(FINDING_KINDS)
+    assert r.counts["messages put"] == 3 and r.counts["committed units of work"] == 5
+
+
+def test_lost() -> None:
+    h = clean_base()
+    h.put("p", "p.2", "m4")
+    h.commit("p", "p.2")  # acknowledged, then never seen again
+    only(h.findings(), "lost")
+    assert check(h.events).of("lost")[0].msgs == ["m4"]
+
+
+def test_duplicated_by_two_committed_gets_and_by_consumed_then_drained() -> None:
+    h = clean_base()
+    h.get("c2", "c2.1", "m1")  # m1 was consumed by c.1 already
+    h.commit("c2", "c2.1")
+    only(h.findings(), "duplicated")
+    h = clean_base()
+    h.drain("m1")  # consumed and still present at the end
+    only(h.findings(), "duplicated")
+
+
+def test_phantom_never_put_and_put_backed_out() -> None:
+    h = clean_base()
+    h.drain("nobody-put-this")
+    only(h.findings(), "phantom")
+    h = clean_base()
+    h.put("p", "p.2", "m5")
+    h.backout("p", "p.2")
+    h.drain("m5")
+    only(h.findings(), "phantom")
+
+
+def test_atomicity_of_a_uow_with_unknown_outcome() -> None:
+    h = clean_base()
+    h.put("p", "p.2", "m6")
+    h.put("p", "p.2", "m7")
+    h.commit("p", "p.2", outcome="unknown")
+    h.drain("m6")  # one put visible, the other never: half a unit of work
+    f = check(h.events)
+    only(f.summary(), "atomicity")
+    assert f.of("atomicity")[0].msgs == ["m6", "m7"] and f.of("atomicity")[0].uow == "p.2"
+
+
+def test_atomicity_of_a_get_and_a_put() -> None:
+    h = clean_base()
+    h.put("p", "p.2", "m8")
+    h.commit("p", "p.2")
+    h.get("c", "c.2", "m8")
+    h.put("c", "c.2", "m9")
+    h.commit("c", "c.2", outcome="unknown")
+    h.drain("m8")  # the get did not take effect (m8 is back) ...
+    h.drain("m9")  # ... but the put did
+    only(h.findings(), "atomicity")
+
+
+def test_corrupted() -> None:
+    h = clean_base()
+    h.put("p", "p.2", "m10")
+    h.commit("p", "p.2")
+    h.drain("m10", crc_ok=False)
+    only(h.findings(), "corrupted")
+
+
+def test_order_one_producer_one_consumer() -> None:
+    h = clean_base()
+    for m in ("o1", "o2"):
+        h.put("p", f"p.{m}", m)
+        h.commit("p", f"p.{m}")
+    h.get("c", "c.o", "o2")
+    h.commit("c", "c.o")
+    h.get("c", "c.o2", "o1")
+    h.commit("c", "c.o2")
+    f = check(h.events)
+    only(f.summary(), "order")
+    assert f.of("order")[0].msgs == ["o1", "o2"]
+
+
+def test_order_allows_redelivery_after_backout_and_faults() -> None:
+    h = clean_base()
+    for m in ("o1", "o2"):
+        h.put("p", f"p.{m}", m)
+        h.commit("p", f"p.{m}")
+    h.get("x", "x.1", "o1")
+    h.backout("x", "x.1")  # o1 goes back to its place after o2 was taken
+    h.get("c", "c.o", "o2")
+    h.commit("c", "c.o")
+    h.get("c", "c.o2", "o1", backout_count=1)
+    h.commit("c", "c.o2")
+    f = check(h.events)
+    assert f.ok, f.summary()
+    assert f.counts["redeliveries after backout"] == 1
+    h = clean_base()  # the same inversion inside a fault window is not judged
+    h.fault(1, "sqm-kill", "inject")
+    for m in ("o1", "o2"):
+        h.put("p", f"p.{m}", m)
+        h.commit("p", f"p.{m}")
+    h.get("c", "c.o", "o2")
+    h.commit("c", "c.o")
+    h.get("c", "c.o2", "o1")
+    h.commit("c", "c.o2")
+    h.fault(1, "sqm-kill", "recovered")
+    assert check(h.events).ok
+
+
+def test_allowed_nonpersistent_loss_and_unknown_outcomes_either_way() -> None:
+    h = clean_base()
+    h.put("p", None, "np1", persistent=False)  # lost with the CF: allowed
+    h.put("p", "p.2", "u1")
+    h.commit("p", "p.2", outcome="unknown")  # resolved as committed: its put is visible
+    h.put("p", "p.3", "u2")
+    h.commit("p", "p.3", outcome="unknown")  # resolved as backed out: nothing visible
+    h.put("p", None, "u3", outcome="unknown")  # an out-of-syncpoint put, outcome unknown, never seen
+    h.drain("u1")
+    r = check(h.events)
+    assert r.ok, r.findings
+    assert r.counts["non-persistent lost (allowed)"] == 1
+    assert r.counts["unknown outcomes resolved: committed"] == 1
+    assert r.counts["unknown outcomes resolved: backed out"] == 2
+
+
+def test_resurrected_nonpersistent_after_a_cf_loss() -> None:
+    h = clean_base()
+    h.put("p", None, "np2", persistent=False)
+    h.fault(1, "cf-kill", "inject")
+    h.fault(1, "cf-kill", "recovered")
+    h.drain("np2")
+    only(h.findings(), "resurrected")
+
+
+def test_expired_message_delivered() -> None:
+    h = clean_base()
+    h.put("p", "p.2", "e1", expiry_ms=100)
+    h.commit("p", "p.2")
+    h.t += 5.0
+    h.drain("e1")
+    only(h.findings(), "expired")
+    h = clean_base()  # expired and gone: allowed, counted
+    h.put("p", "p.2", "e2", expiry_ms=100)
+    h.commit("p", "p.2")
+    r = check(h.events)
+    assert r.ok and r.counts["expired, never delivered (allowed)"] == 1
+
+
+def test_a_prepared_uow_takes_the_coordinators_resolution() -> None:
+    h = clean_base()
+    h.put("p", "p.2", "x1")
+    h.op("p", "prepare", "ok", {"server_uow": "QM1.1.5", "qmgr": "QM1"}, uow="p.2", xid="x-p.2")
+    h.op("coordinator", "resolve", "ok", xid="x-p.2", server_uow="QM1.1.5", qmgr="QM1", commit=False)
+    h.drain("x1")  # backed out by the coordinator, yet present
+    only(h.findings(), "phantom")
+
+
+def test_deliveries_are_ordered_by_backout_count_not_by_when_a_slow_reply_arrived() -> None:
+    """Soak seed 6 (a delayed CF link): c4's get took s1 first, but its reply arrived after the message had been
+    backed out and delivered again to c2 (backout count 1). Ordered by reply time, c2's committed get looked
+    undone and c4's backed-out get looked done: two false atomicity findings."""
+    h = clean_base()
+    h.put("p", "p.2", "s1")
+    h.commit("p", "p.2")
+    h.get("c2", "c2.1", "s1", backout_count=1)
+    h.put("c2", "c2.1", "s2")
+    h.commit("c2", "c2.1")
+    h.get("c4", "c4.1", "s1", backout_count=0)  # the late reply
+    h.backout("c4", "c4.1")
+    h.drain("s2")
+    r = check(h.events)
+    assert r.ok, r.findings

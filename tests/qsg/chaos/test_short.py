@@ -1,0 +1,78 @@
+"""The chaos suite in its short mode: a real group (CF, 3 SQM servers, backup scheduler), real faults (kill -9
+of an SQM, kill -9 of the CF with restore, a cut CF link, half-open client connections), two seeds; nothing
+lost, duplicated, phantom, half-applied or corrupted. The soak (every kind, 20 seeds) is marked `soak`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from qsg.chaos.faults import KINDS, SHORT_KINDS, schedule
+from qsg.chaos.workload import client_plan, make_body, parse_body
+
+QUEUES = ("Q1", "Q2", "Q3")
+
+
+def chaos(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "qsg.cli", "chaos", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_the_same_seed_gives_the_same_workload_and_fault_schedule() -> None:
+    def plan(seed: int, client: int) -> list[object]:
+        it = client_plan(seed, client, QUEUES)
+        return [next(it) for _ in range(200)]
+
+    assert plan(7, 3) == plan(7, 3) and plan(7, 3) != plan(8, 3) and plan(7, 3) != plan(7, 4)
+    names = ["QM1", "QM2", "QM3"]
+    assert schedule(7, KINDS, 60, names, lease_ms=3000) == schedule(7, KINDS, 60, names, lease_ms=3000)
+    assert schedule(7, KINDS, 60, names, lease_ms=3000) != schedule(8, KINDS, 60, names, lease_ms=3000)
+    every = {f.kind for seed in range(1, 21) for f in schedule(seed, KINDS, 25, names, lease_ms=3000)}
+    assert every == set(KINDS), "a 20-seed soak covers every fault kind"
+
+
+def test_message_bodies_carry_id_and_checksum() -> None:
+    body = make_body("7-3-12", 300)
+    assert parse_body(body) == ("7-3-12", True)
+    assert parse_body(body[:-1] + bytes([body[-1] ^ 1])) == ("7-3-12", False)
+    assert parse_body(b"not a chaos message") == (None, False)
+
+
+def test_bad_fault_kind_is_refused_by_name(tmp_path: Path) -> None:
+    out = chaos("run", "--faults", "sqm-kill,meteor-strike", "--dir", str(tmp_path))
+    assert out.returncode == 2 and "meteor-strike" in out.stderr
+    assert not (tmp_path / "history.jsonl").exists()
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_short_run_finds_nothing(tmp_path: Path, seed: int) -> None:
+    out = chaos("run", "--seed", str(seed), "--duration", "22", "--faults", ",".join(SHORT_KINDS), "--json",
+                "--dir", str(tmp_path))
+    assert out.stdout, out.stderr[-3000:]
+    s = json.loads(out.stdout)
+    assert out.returncode == 0, (s["findings"], s["fault_errors"], (tmp_path / "report.md").read_text()[-3000:])
+    assert len(s["faults"]) >= 2 and not s["fault_errors"]
+    assert all(f["service_s"] is not None for f in s["faults"])
+    assert s["operations"] > 1000 and s["committed_uows"] > 200
+    assert all(v == 0 for v in s["findings"].values())
+    assert s["counts"].get("unknown outcomes", 0) >= 0 and s["recovery"]["service_s"]
+    for name in ("history.jsonl", "summary.json", "findings.json", "faults.json", "throughput.svg", "report.md"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    assert (tmp_path / "throughput.svg").read_text().startswith("<svg")
+    assert (tmp_path / "process-logs" / "QM1.log").stat().st_size > 0
+    assert not (tmp_path / "cluster").exists(), "the cluster's logs and backups are removed after the run"
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize("seed", range(1, 21))
+def test_soak_every_fault_kind(tmp_path: Path, seed: int) -> None:
+    out = chaos("run", "--seed", str(seed), "--duration", "30", "--faults", "all", "--json", "--dir",
+                str(tmp_path), timeout=900)
+    s = json.loads(out.stdout)
+    assert all(v == 0 for v in s["findings"].values()), (s["findings"], s["finding_details"][:5])
+    assert out.returncode == 0, s["fault_errors"]

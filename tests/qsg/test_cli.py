@@ -1,0 +1,125 @@
+"""The operator CLI as operators run it: `cfemu` and `sqm` subprocesses against a real CF (and a real server for
+the --server and in-doubt verbs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cfemu.admin import Admin
+from cfemu.connection import connect
+from sqm.service.client import Client
+from tests.sqm.test_service import start_server
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run(tool: str, *args: str, cwd: Path = ROOT, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    module = {"cfemu": "qsg.cli", "sqm": "sqm.cli"}[tool]
+    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=60, cwd=cwd,
+                          env=env if env is not None else dict(os.environ))
+
+
+def ok(tool: str, *args: str) -> str:
+    r = run(tool, *args)
+    assert r.returncode == 0, f"{tool} {' '.join(args)} -> {r.returncode}\n{r.stdout}\n{r.stderr}"
+    return r.stdout
+
+
+@pytest.fixture
+def where(redis_url: str, tmp_path: Path) -> list[str]:
+    return ["--redis-url", redis_url, "--log-root", str(tmp_path / "logs")]
+
+
+def test_define_status_put_browse_get(where: list[str], redis_url: str, tmp_path: Path) -> None:
+    ok("cfemu", "define", "structure", "APP1", "--max-entries", "50", *where)
+    ok("cfemu", "define", "queue", "Q1", "--structure", "APP1", "--backout-threshold", "3", "--backout-queue", "BQ",
+       *where)
+    ok("cfemu", "define", "queue", "BQ", "--structure", "APP1", *where)
+    q = Admin(connect(redis_url)).queue_def("Q1")
+    assert (q.structure, q.backout_threshold, q.backout_queue) == ("APP1", 3, "BQ")
+
+    out = json.loads(ok("cfemu", "put", "Q1", "one", "two", "--priority", "4", "--json", *where))
+    assert out["put"] == 2
+    browsed = json.loads(ok("cfemu", "browse", "Q1", "--json", *where))
+    assert [m["body"] for m in browsed["messages"]] == ["one", "two"]
+    assert {m["priority"] for m in browsed["messages"]} == {4}
+
+    status = json.loads(ok("cfemu", "status", "--json", *where))
+    (app1,) = status["structures"]
+    assert (app1["name"], app1["state"], app1["depth"]["CP"], app1["max_entries"]) == ("APP1", "ACTIVE", 2, 50)
+    assert {q["name"]: q["depth"]["CP"] for q in status["queues"]} == {"Q1": 2, "BQ": 0}
+    assert app1["last_backup"] is None
+
+    plain = ok("cfemu", "status", *where)  # not a terminal: plain columns, no box drawing
+    assert "APP1" in plain and "ACTIVE" in plain and "│" not in plain and "╭" not in plain
+
+    got = json.loads(ok("cfemu", "get", "Q1", "--count", "5", "--json", *where))
+    assert [m["body"] for m in got["messages"]] == ["one", "two"]
+    empty = run("cfemu", "get", "Q1", *where)
+    assert empty.returncode == 1
+    # The in-process operator SQM logged what it did in the group's log root, where restore looks.
+    printed = ok("sqm", "log", "print", "--all", "--log-root", str(tmp_path / "logs"))
+    assert "PUT" in printed and "GET" in printed
+
+
+def test_errors_are_one_line_and_change_nothing(where: list[str], redis_url: str, tmp_path: Path) -> None:
+    ok("cfemu", "define", "structure", "APP1", *where)
+    for args, needle in ((["define", "structure", "APP1"], "already defined"),
+                         (["define", "queue", "Q!", "--structure", "APP1"], "bad queue name"),
+                         (["define", "queue", "Q1", "--structure", "NOPE"], "structure NOPE is not defined"),
+                         (["put", "NOQ", "x"], "queue NOQ is not defined")):
+        r = run("cfemu", *args, *where)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and needle in r.stderr, r.stderr
+    assert [q.name for q in Admin(connect(redis_url)).queues()] == []
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    r = run("cfemu", "status", cwd=tmp_path, env=env)
+    assert r.returncode == 2 and "no CF found" in r.stderr
+    r = run("cfemu", "status", "--redis-url", "http://x", env=env)
+    assert r.returncode == 2 and "unsupported URL scheme" in r.stderr
+
+
+def test_through_a_server_and_in_doubt_resolution(where: list[str], redis_url: str, tmp_path: Path) -> None:
+    ok("cfemu", "define", "structure", "APP1", *where)
+    ok("cfemu", "define", "queue", "Q1", "--structure", "APP1", *where)
+    srv = start_server(redis_url, tmp_path, "QM1", "--token", "tok")
+    try:
+        server = ["--server", srv.endpoint, "--token", "tok"]
+        ok("cfemu", "put", "Q1", "via server", *server)
+        assert [m["body"] for m in json.loads(ok("cfemu", "browse", "Q1", "--json", *server))["messages"]] == [
+            "via server"]
+        r = run("cfemu", "browse", "Q1", "--server", srv.endpoint, "--token", "wrong")
+        assert r.returncode == 2 and "MQRC_NOT_AUTHORIZED" in r.stderr
+
+        with Client(srv.endpoint, token="tok") as c:
+            c.put("Q1", b"two-phase")
+            uow = c.prepare("XID-1")
+        listed = json.loads(ok("cfemu", "indoubt", "list", "--json", *server))["indoubt"]
+        assert [(u["uow"], u["xid"], u["qmgr"]) for u in listed] == [(uow, "XID-1", "QM1")]
+        assert "XID-1" in ok("cfemu", "indoubt", "list", *server)
+        ok("cfemu", "indoubt", "resolve", uow, "--commit", *server)
+        assert json.loads(ok("cfemu", "indoubt", "list", "--json", *server))["indoubt"] == []
+        r = run("cfemu", "indoubt", "resolve", uow, "--backout", *server)
+        assert r.returncode == 2 and "not in doubt" in r.stderr
+        got = json.loads(ok("cfemu", "get", "Q1", "--all", "--json", *server))
+        assert sorted(m["body"] for m in got["messages"]) == ["two-phase", "via server"]
+    finally:
+        assert srv.stop() == 0
+
+
+def test_backup_and_restore_verbs_delegate(where: list[str], redis_url: str, tmp_path: Path) -> None:
+    ok("cfemu", "define", "structure", "APP1", *where)
+    backups = str(tmp_path / "backups")
+    out = json.loads(ok("cfemu", "backup", "run", "APP1", "--redis-url", redis_url, "--backup-dir", backups,
+                        "--json"))
+    assert out["structure"] == "APP1"
+    assert "APP1" in ok("cfemu", "backup", "list", "--backup-dir", backups)
+    assert "usage: cfrestore" in ok("cfemu", "restore", "--help")
+    assert "usage: sqm run" in ok("sqm", "run", "--help")
+    r = run("sqm", "run", "--name", "QM1", "--redis-url", redis_url, "--lease-ms", "10")
+    assert r.returncode == 2 and "--lease-ms must be >= 500" in r.stderr

@@ -1,0 +1,190 @@
+"""The local cluster launcher (real processes, cleaned up) and the docker-compose topology.
+
+docker-compose.yml is always parsed with PyYAML and its topology checked; when the docker-compose binary is
+installed (Debian's docker-compose package) `docker-compose config -q` validates the file as well. Every command
+line in the file is parsed by the project's own argument parsers, so the file cannot drift from the CLIs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from cfemu import cli as cfemu_cli
+from cfemu import cluster as cluster_module
+from cfemu.admin import Admin
+from cfemu.connection import connect
+from cfemu.procs import pid_alive
+from qsg.cluster import Cluster, ClusterError
+from sqm import cli as sqm_cli
+from sqm.service.client import Client
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = ROOT / "docker-compose.yml"
+MANAGERS = ("qm1", "qm2", "qm3")
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    doc = yaml.safe_load(COMPOSE.read_text())
+    assert isinstance(doc, dict)
+    return doc
+
+
+def volumes_of(service: dict[str, Any]) -> dict[str, str]:
+    """volume name -> mount point of the named volumes a service mounts."""
+    out = {}
+    for v in service.get("volumes", []):
+        name, target = v.split(":")[:2]
+        out[name] = target
+    return out
+
+
+def test_docker_compose_config_validates() -> None:
+    binary = shutil.which("docker-compose")
+    if binary is None:  # the YAML checks below still run; this is the extra check by the real tool
+        return
+    r = subprocess.run([binary, "-f", str(COMPOSE), "config", "-q"], capture_output=True, text=True, cwd=ROOT,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+
+
+def test_compose_topology(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    assert {"cf", *MANAGERS, "backup-scheduler", "spark-master", "spark-worker", "tools"} <= set(services)
+    assert set(compose["volumes"]) == {"logs", "backups"}
+    assert services["cf"]["image"].startswith("redis:")
+
+    published: list[str] = []
+    for name in MANAGERS:
+        qm = services[name]
+        assert qm["build"]["context"] == "." and qm["depends_on"]["cf"]["condition"] == "service_healthy"
+        assert volumes_of(qm)["logs"] == "/var/lib/cfemu/logs"  # every member's log on the shared volume
+        assert qm["environment"]["CFEMU_LOG_ROOT"] == "/var/lib/cfemu/logs"
+        assert qm["environment"]["REDIS_URL"] == "redis://cf:6379/0"
+        cmd = qm["command"]
+        assert cmd[:2] == ["sqm", "run"] and cmd[cmd.index("--name") + 1] == name.upper()
+        args = sqm_cli.build_parser().parse_args(cmd[1:])
+        assert str(args.port) in " ".join(qm["ports"]) and str(args.metrics_port) in " ".join(qm["ports"])
+        assert str(args.metrics_port) in " ".join(qm["healthcheck"]["test"])
+        published += qm["ports"]
+    assert len(published) == len(set(published))
+    assert all(p.startswith("127.0.0.1:") for s in services.values() for p in s.get("ports", []))
+
+    sched = services["backup-scheduler"]
+    assert {"logs", "backups"} <= set(volumes_of(sched))
+    assert sched["command"][:3] == ["python", "-m", "qsg.cluster"]
+    cluster_module.build_parser().parse_args([a.replace("${BACKUP_INTERVAL:-60}", "60")
+                                              for a in sched["command"][3:]])
+    assert set(MANAGERS) <= set(sched["depends_on"])
+
+    master, worker, tools = services["spark-master"], services["spark-worker"], services["tools"]
+    assert master["image"].split(":")[0] in ("apache/spark", "bitnami/spark")
+    assert "spark://spark-master:7077" in worker["command"]
+    for s in (master, worker, tools):  # the restore tool and the Spark job read every log and the backups
+        assert {"logs", "backups"} <= set(volumes_of(s))
+    assert worker["build"]["target"] == tools["build"]["target"] == "spark"
+
+    for line in services["define"]["command"][2].split("&&"):
+        words = line.strip().strip("()").replace("|| true", "").split()
+        assert words[0] == "cfemu"
+        cfemu_cli.build_parser().parse_args(words[1:])
+
+
+def test_dockerfile_builds_the_project_on_python_3_11_slim() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    assert "FROM python:3.11-slim AS base" in text and "pip install ." in text
+    assert "FROM base AS spark" in text
+    for package in ("cfemu", "sqm", "backup", "restore"):
+        assert f"COPY {package} ./{package}" in text
+
+
+def cfemu(*args: str, check: bool = True, timeout: float = 90) -> subprocess.CompletedProcess[str]:
+    r = subprocess.run([sys.executable, "-m", "qsg.cli", *args], capture_output=True, text=True, timeout=timeout,
+                       cwd=ROOT)
+    if check:
+        assert r.returncode == 0, f"cfemu {' '.join(args)}: {r.returncode}\n{r.stdout}\n{r.stderr}"
+    return r
+
+
+def test_cli_cluster_up_status_backup_down(tmp_path: Path) -> None:
+    d = str(tmp_path / "cluster")
+    pids: list[int] = []
+    try:  # the cluster runs detached: take it down even when `up` itself fails an assertion
+        up = json.loads(cfemu("cluster", "up", "--dir", d, "--managers", "2", "--backup-interval", "1",
+                              "--json").stdout)
+        pids = [p["pid"] for p in up["processes"]]
+        assert [p["process"] for p in up["processes"]] == ["CF", "QM1", "QM2", "backup-scheduler"]
+        assert all(p["alive"] and p["ready"] for p in up["processes"])
+        state = json.loads((tmp_path / "cluster" / "cluster.json").read_text())
+        assert {"redis_url", "log_root", "backup_dir", "managers", "cf", "scheduler"} <= set(state)
+        again = cfemu("cluster", "up", "--dir", d, check=False)
+        assert again.returncode == 2 and "already running" in again.stderr
+        with Client([f"127.0.0.1:{m['port']}" for m in state["managers"]]) as c:
+            c.put("Q1", b"backed up", syncpoint=False)
+        deadline = time.monotonic() + 60
+        manifests: list[Path] = []
+        while not manifests and time.monotonic() < deadline:  # the scheduler runs cfbackup every second
+            manifests = list((tmp_path / "cluster" / "backups").glob("APP1/*/manifest.json"))
+            time.sleep(0.2)
+        assert manifests, (tmp_path / "cluster" / "run" / "backup-scheduler.log").read_text()
+        status = json.loads(cfemu("status", "--cluster-dir", d, "--json").stdout)
+        assert status["structures"][0]["name"] == "APP1"
+        assert {m["name"] for m in status["members"]} == {"QM1", "QM2"}
+        assert all(m["lease_ms"] > 0 and m["epoch"] > 0 for m in status["members"])
+        st = json.loads(cfemu("cluster", "status", "--dir", d, "--json").stdout)
+        assert all(p["alive"] for p in st["processes"])
+    finally:
+        down = json.loads(cfemu("cluster", "down", "--dir", d, "--json").stdout)
+    assert down["still_running"] == {} and down["killed_after_timeout"] == {}
+    assert not any(pid_alive(pid) for pid in pids)
+    assert cfemu("cluster", "status", "--dir", d, check=False).returncode == 1
+    assert (tmp_path / "cluster" / "logs" / "QM1").is_dir()  # down keeps everything durable
+    cfemu("cluster", "down", "--dir", d, "--purge")
+    assert not (tmp_path / "cluster").exists()
+
+
+def test_api_kill_and_restart_cf_and_managers_and_down_cleans_up(tmp_path: Path) -> None:
+    c = Cluster.up(tmp_path / "c", managers=2, backup_interval=None, lease_ms=1000)
+    try:
+        with pytest.raises(ClusterError, match="already running"):
+            Cluster.up(tmp_path / "c", managers=1)
+        port = int(c.state["cf"]["port"])
+        c.kill_cf()
+        c.restart_cf()
+        assert int(c.state["cf"]["port"]) == port
+        client = connect(c.redis_url)
+        assert Admin(client).structures() == []  # it came back empty, like a lost CF
+        client.close()
+        c.kill_manager("QM2")
+        assert "QM2" not in c.running_processes()
+        with pytest.raises(ClusterError, match="not running"):
+            c.kill_manager("QM2")
+        c.restart_manager("QM2")
+        assert c.running_processes().keys() == {"CF", "QM1", "QM2"}
+        pids = list(c.running_processes().values())
+    finally:
+        killed = c.down()
+    assert killed == {}
+    assert c.running_processes() == {}
+    assert not any(pid_alive(p) for p in pids)
+    assert Cluster.load(tmp_path / "c").running_processes() == {}
+
+
+def test_bad_arguments_are_one_line_errors(tmp_path: Path) -> None:
+    with pytest.raises(ClusterError, match="--managers must be 1-32"):
+        Cluster.up(tmp_path, managers=0)
+    with pytest.raises(ClusterError, match="no cluster in"):
+        Cluster.load(tmp_path / "nothing")
+    r = cfemu("cluster", "status", "--dir", str(tmp_path / "nothing"), check=False)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "no cluster in" in r.stderr
+    assert not os.listdir(tmp_path)

@@ -1,0 +1,149 @@
+"""Bugs the chaos suite found, each kept as a fast regression test of its root cause, with the seed that found it.
+
+Found as messages whose get had committed coming back after a later restore (duplicated, and atomicity for
+their UOWs). The seed-2 ones by `cfemu chaos run --seed 2 --duration 35 --faults sqm-kill,cf-kill` (seed 1 too),
+the seed-3 ones by `cfemu chaos run --seed 3 --duration 90 --faults all`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import redis
+
+from backup.run import run_backup
+from cfemu.admin import Admin
+from cfemu.entry import Entry
+from cfemu.errors import NoMessageError, StructureFailedError
+from restore.run import run_restore
+from restore.settle import CONSUMED, decide_outcome, settle
+from sqm.log import LogReader
+from tests.support.group import define_group, start_qm
+
+
+def test_seed2_a_commit_completed_by_peer_recovery_takes_effect_at_the_owners_commit() -> None:
+    """QM2 committed its put (and applied it), QM1 got and consumed the message, then QM2 died and QM3's peer
+    recovery logged RECOVERY C for QM2's UOW. Restore placed the commit at the RECOVERY record's LRSN, after the
+    consumption, and brought the message back."""
+    entry = {"id": "e1", "q": "Q1", "p": 0, "per": 1, "st": "", "l": 0, "u": ""}
+    put_uow, get_uow = "QM2.1.1", "QM1.1.1"
+    records = {
+        put_uow: [{"k": "PUT", "l": 10, "u": put_uow, "s": "APP1", "g": 1, "e": dict(entry), "d": b"x"},
+                  {"k": "COMMIT", "l": 20, "u": put_uow, "ss": {"APP1": 1}},
+                  {"k": "RECOVERY", "l": 50, "u": put_uow, "o": "C", "of": "QM2", "by": "QM3",
+                   "ss": {"APP1": 1}}],
+        get_uow: [{"k": "GET", "l": 30, "u": get_uow, "s": "APP1", "g": 1, "i": "e1", "q": "Q1"},
+                  {"k": "COMMIT", "l": 40, "u": get_uow, "ss": {"APP1": 1}}],
+    }
+    outcomes = {u: decide_outcome(recs) for u, recs in records.items()}
+    assert outcomes[put_uow] is not None and outcomes[put_uow].lrsn == 20
+    entry_records = [r for recs in records.values() for r in recs if r["k"] in ("PUT", "GET")]
+    settled = settle("e1", None, entry_records, {u: o for u, o in outcomes.items() if o is not None}, now_ms=0)
+    assert settled.disposition == CONSUMED
+
+
+def test_seed2_a_commit_retried_after_a_restore_does_not_back_out_what_it_applied(redis_url: str,
+                                                                                  tmp_path: Path) -> None:
+    """An in-doubt UOW on two structures survived a CF loss; APP1 was restored, the coordinator committed (APP1
+    applied, APP2 not restored yet: pending); APP2 was restored. The retry re-applied APP1 too, where the UOW,
+    committed and gone from a structure with a new generation, looked 'lost with the CF and backed out by
+    restore': the member logged BACKOUT after its COMMIT, and the next restore backed the whole UOW out."""
+    logs, backups = tmp_path / "logs", tmp_path / "backups"
+    client: redis.Redis = define_group(redis_url, queues=("Q1",))
+    admin = Admin(client)
+    admin.define_structure("APP2")
+    admin.define_queue("Q3", "APP2")
+    qm = start_qm(redis_url, logs, "QM1", background=False)
+    try:
+        conn = qm.connect()
+        conn.put("Q1", b"one")
+        conn.put("Q3", b"two")
+        uow = conn.prepare("xid-1")
+        for s in ("APP1", "APP2"):
+            run_backup(client, s, backups, log_root=logs)
+        client.flushall()  # the CF is lost
+        run_restore(client, "APP1", backup_root=backups, log_root=logs)
+        qm.resolve(uow, True)
+        assert uow in qm.pending, "APP2 is not restored yet: the commit waits for it"
+        run_restore(client, "APP2", backup_root=backups, log_root=logs)
+        assert qm.retry_pending() == 1
+        assert qm.log is not None
+        qm.log.force()
+        kinds = [r["k"] for _, r in LogReader(logs / "QM1").records() if r.get("u") == uow]
+        assert kinds[-2:] == ["COMMIT", "END"] and "BACKOUT" not in kinds
+        getter = qm.connect()
+        assert getter.get("Q1").body == b"one" and getter.get("Q3").body == b"two"
+        getter.commit()
+    finally:
+        qm.stop()
+
+
+def test_seed3_a_relogged_backout_takes_effect_at_the_first_backout() -> None:
+    """`cfemu chaos run --seed 3 --duration 90 --faults all`: a 2PC UOW that got a message was backed out by its
+    coordinator (BACKOUT forced, the CF lost before it was applied); the restore applied it, another UOW got the
+    message and committed; the owner's pending retry met the restored structure's floor and logged BACKOUT
+    again. The next restore placed the backout at that second record, after the consumption, and brought the
+    message back."""
+    entry = {"id": "e1", "q": "Q1", "p": 0, "per": 1, "st": "", "l": 0, "u": ""}
+    put_uow, held, taker = "QM1.1.1", "QM1.1.2", "QM2.1.1"
+    records = {
+        put_uow: [{"k": "PUT", "l": 10, "u": put_uow, "s": "APP1", "g": 1, "e": dict(entry), "d": b"x"},
+                  {"k": "COMMIT", "l": 20, "u": put_uow, "ss": {"APP1": 1}}],
+        held: [{"k": "GET", "l": 30, "u": held, "s": "APP1", "g": 1, "i": "e1", "q": "Q1"},
+               {"k": "PREPARE", "l": 35, "u": held, "x": "x1", "ss": {"APP1": 1}},
+               {"k": "BACKOUT", "l": 40, "u": held, "ss": {"APP1": 1}, "r": "resolved by coordinator"},
+               {"k": "BACKOUT", "l": 70, "u": held, "ss": {"APP1": 1}}],
+        taker: [{"k": "GET", "l": 50, "u": taker, "s": "APP1", "g": 1, "i": "e1", "q": "Q1"},
+                {"k": "COMMIT", "l": 60, "u": taker, "ss": {"APP1": 1}}],
+    }
+    outcomes = {u: decide_outcome(recs) for u, recs in records.items()}
+    assert outcomes[held] is not None and outcomes[held].lrsn == 40
+    entry_records = [r for recs in records.values() for r in recs if r["k"] in ("PUT", "GET")]
+    settled = settle("e1", None, entry_records, {u: o for u, o in outcomes.items() if o is not None}, now_ms=0)
+    assert settled.disposition == CONSUMED
+
+
+def test_seed3_a_put_outside_syncpoint_is_never_put_again_after_the_restore_replayed_it(
+        redis_url: str, tmp_path: Path) -> None:
+    """Chaos seed 3 found that a log-first put outside syncpoint, pending while the CF was lost, was put again by
+    its retry after the restore had replayed it and a consumer had consumed it. Such a put is now a unit of work
+    of its own: with the CF gone it fails cleanly; committed while the CF dies, restore completes it and the
+    owner's retry of the commit is a no-op, even after the message was consumed."""
+    logs, backups = tmp_path / "logs", tmp_path / "backups"
+    client: redis.Redis = define_group(redis_url, queues=("Q1",))
+    qm = start_qm(redis_url, logs, "QM1", background=False)
+    try:
+        conn = qm.connect()
+        conn.put("Q1", b"earlier")  # the member knows the queue (its definition is cached, as in a running SQM)
+        conn.commit()
+        run_backup(client, "APP1", backups, log_root=logs)
+        client.flushall()  # the CF is lost
+        with pytest.raises(StructureFailedError):
+            conn.put("Q1", b"never", syncpoint=False)
+        assert not qm.pending
+        run_restore(client, "APP1", backup_root=backups, log_root=logs)
+
+        # The CF dies between the forced COMMIT of the put's own UOW and its application.
+        conn.put("Q1", b"once", syncpoint=False)
+        uow = qm.new_uow()
+        conn._put_entry("APP1", _entry("Q1"), b"in-commit", uow)
+        client.hset("{APP1}:meta", "state", "FAILED")
+        qm.complete(uow, True)  # logged, then waits for the CF
+        assert qm.pending
+        run_restore(client, "APP1", backup_root=backups, log_root=logs)  # completes it from the log
+        getter = qm.connect()
+        got = {getter.get("Q1").body for _ in range(3)}
+        getter.commit()
+        assert got == {b"earlier", b"once", b"in-commit"}
+        qm.retry_pending()
+        assert not qm.pending
+        with pytest.raises(NoMessageError):
+            qm.connect().get("Q1")
+    finally:
+        qm.stop()
+
+
+def _entry(queue: str) -> Entry:
+    return Entry(id=os.urandom(12).hex(), queue=queue, msgid=os.urandom(24).hex())

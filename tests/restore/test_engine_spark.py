@@ -1,0 +1,369 @@
+"""The Spark restore engine against the local one: the same plan on every input (DESIGN-NOTES section 7).
+
+Random histories are built as data (the records sqm.manager writes, and backup copies), written to real log
+segment files (small segments, so each log has several, some sealed below replay_from) and a real backup
+directory (several entry files), then planned by both engines. Two real histories come from running queue
+managers, with a fuzzy backup taken while they work.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from backup.files import Backup, BackupWriter, read_backup
+from cfemu.entry import Entry
+from restore.archive import archive_logs
+from restore.engine import READ_BACKUP, READ_LOGS, SETTLE, LocalEngine, get_engine
+from restore.engine_spark import SparkEngine, start_session
+from restore.plan import RestorePlan
+from sqm.log import RecordLog, find_log_dirs
+from sqm.records import Record
+
+pyspark = pytest.importorskip("pyspark")
+
+S, OTHER = "APP1", "APP2"
+MEMBERS = ("QM1", "QM2", "QM3")
+NOW_MS = 1_700_000_000_000
+
+
+@pytest.fixture(scope="session")
+def spark(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    log_file = tmp_path_factory.mktemp("spark") / "spark.log"
+    session = start_session("local[2]", {"spark.default.parallelism": "2"}, log_file)
+    yield session
+    session.stop()
+
+
+# ------------------------------------------------------------------------------------------- random histories
+
+
+@dataclass
+class History:
+    """Records per member (in append order) and backup copies, built by a small simulation of a QSG."""
+
+    logs: dict[str, list[Record]] = field(default_factory=lambda: {m: [] for m in MEMBERS})
+    copies: list[tuple[int, dict[str, Any], bytes, str]] = field(default_factory=list)  # step, wire, data, s
+    replay_from: int = 0
+
+
+def simulate(rnd: random.Random, steps: int) -> History:
+    h = History()
+    lrsn = 1000
+    entries: dict[str, dict[str, Any]] = {}  # id -> wire descriptor (the CF's view)
+    data: dict[str, bytes] = {}
+    structure_of: dict[str, str] = {}
+    open_uows: dict[str, list[str]] = {m: [] for m in MEMBERS}  # member -> open UOW ids
+    prepared: list[str] = []
+    seq = 0
+    backup_at = rnd.randrange(steps) if steps else 0
+
+    def tick() -> int:
+        nonlocal lrsn
+        lrsn += rnd.choice((0, 1, 1, 2, 5))  # ties happen, across members and within one
+        return lrsn - rnd.choice((0, 0, 0, 1))  # appends land slightly out of LRSN order
+
+    def uow_of(member: str) -> str:
+        nonlocal seq
+        if open_uows[member] and rnd.random() < 0.7:
+            return rnd.choice(open_uows[member])
+        seq += 1
+        u = f"{member}.1.{seq}"
+        open_uows[member].append(u)
+        return u
+
+    def held_by(u: str) -> list[str]:
+        return [i for i, e in entries.items() if e["u"] == u]
+
+    def finish(member: str, u: str, commit: bool, record: Record) -> None:
+        for i in held_by(u):
+            e = entries[i]
+            if commit and e["st"] == "UG" or not commit and e["st"] == "UP":
+                del entries[i]
+            else:
+                e.update(st="CP", u="", l=record["l"])
+                if commit:
+                    e["o1"] = record["l"]
+                else:
+                    e["bc"] += 1
+        for m in MEMBERS:
+            if u in open_uows[m]:
+                open_uows[m].remove(u)
+        if u in prepared:
+            prepared.remove(u)
+        if rnd.random() < 0.8:
+            h.logs[member].append({"k": "END", "l": tick(), "u": u})
+
+    def gets_data(u: str) -> list[list[Any]]:
+        return [[structure_of[i], dict(entries[i]), data[i]] for i in held_by(u) if entries[i]["st"] == "UG"]
+
+    for step in range(steps):
+        if step == backup_at:
+            h.replay_from = lrsn - rnd.choice((0, 3, 10, 50))
+            for i, e in entries.items():
+                if rnd.random() < 0.9 and structure_of[i] == S:
+                    h.copies.append((rnd.randint(1, 5), dict(e), data[i], S))
+        member = rnd.choice(MEMBERS)
+        op = rnd.choices(("put", "get", "commit", "backout", "prepare", "recover", "expire"),
+                         (8, 5, 4, 2, 1, 1, 1))[0]
+        if op == "put":
+            eid = os.urandom(6).hex()
+            s = S if rnd.random() < 0.8 else OTHER
+            u = uow_of(member)
+            at = tick()
+            e = Entry(id=eid, queue=rnd.choice(("Q1", "Q2")), priority=rnd.randint(0, 2), put_time=at // 1000,
+                      expiry=rnd.choice((0, 0, 0, NOW_MS - 1, NOW_MS + 10_000))).wire()
+            body = os.urandom(rnd.randint(0, 16))
+            rec: Record = {"k": "PUT", "l": at, "u": u, "s": s, "g": 0, "e": dict(e), "d": body}
+            h.logs[member].append(rec)
+            e.update(st="UP", u=u, l=at, o1=0, o2=at)
+            entries[eid], data[eid], structure_of[eid] = e, body, s
+        elif op == "get":
+            available = [i for i, e in entries.items() if e["st"] == "CP"]
+            if available:
+                i = rnd.choice(available)
+                u, at = uow_of(member), tick()
+                h.logs[member].append({"k": "GET", "l": at, "u": u, "s": structure_of[i], "g": 0, "i": i,
+                                       "q": entries[i]["q"]})
+                entries[i].update(st="UG", u=u, l=at)
+        elif op in ("commit", "backout") and open_uows[member]:
+            u = rnd.choice(open_uows[member])
+            rec = {"k": op.upper(), "l": tick(), "u": u, "ss": {S: 0}}
+            if op == "backout" and rnd.random() < 0.5 and gets_data(u):
+                rec["dd"] = gets_data(u)
+            if op == "commit" and rnd.random() < 0.05:
+                h.logs[member].append(rec)  # a commit the CF refused: the owner's BACKOUT follows
+                rec = {"k": "BACKOUT", "l": tick(), "u": u, "ss": {S: 0}, "r": "backed out by recovery"}
+            h.logs[member].append(rec)
+            finish(member, u, rec["k"] == "COMMIT", rec)
+        elif op == "prepare" and open_uows[member]:
+            u = rnd.choice(open_uows[member])
+            if u not in prepared:
+                prepared.append(u)
+                h.logs[member].append({"k": "PREPARE", "l": tick(), "u": u, "x": f"xid-{u}", "ss": {S: 0}})
+        elif op == "recover":
+            victim = rnd.choice([m for m in MEMBERS if m != member])
+            if open_uows[victim]:
+                u = rnd.choice(open_uows[victim])
+                commit = u in prepared and rnd.random() < 0.5
+                rec = {"k": "RECOVERY", "l": tick(), "u": u, "o": "C" if commit else "B", "of": victim,
+                       "by": member, "ss": {S: 0}}
+                if not commit and rnd.random() < 0.5 and gets_data(u):
+                    rec["dd"] = gets_data(u)
+                h.logs[member].append(rec)
+                finish(member, u, commit, rec)
+        elif op == "expire":
+            gone = [i for i, e in entries.items() if e["st"] == "CP" and e["exp"] and rnd.random() < 0.5]
+            if gone:
+                h.logs[member].append({"k": "EXPIRE", "l": tick(), "s": structure_of[gone[0]],
+                                       "ids": [i for i in gone if structure_of[i] == structure_of[gone[0]]]})
+                for i in gone:
+                    if structure_of[i] == structure_of[gone[0]]:
+                        del entries[i]
+        if step > backup_at and h.copies and entries and rnd.random() < 0.05:
+            # a second copy of an entry taken later in the backup (steps 1 and 4)
+            i = rnd.choice(list(entries))
+            if structure_of[i] == S:
+                h.copies.append((4, dict(entries[i]), data[i], S))
+    return h
+
+
+def write_history(h: History, root: Path, segment_bytes: int = 600) -> tuple[Backup, list[Path]]:
+    """The history as real files: one RecordLog per member (small segments), one backup directory."""
+    for member, records in h.logs.items():
+        with RecordLog(root / "logs" / member, member, segment_bytes=segment_bytes) as log:
+            for r in records:
+                log.append(r)
+            log.force()
+    writer = BackupWriter(root / "backup" / S / "b", roll_bytes=400)
+    for step, wire, body, _ in h.copies:
+        writer.add(step, wire, body)
+    writer.finish({"id": "b", "group": "G", "structure": S, "entries": len(h.copies), "replay_from": h.replay_from})
+    return read_backup(root / "backup" / S / "b"), find_log_dirs(root / "logs")
+
+
+# ------------------------------------------------------------------------------------------------ comparison
+
+
+def normalized(plan: RestorePlan) -> dict[str, Any]:
+    """Everything a plan says, with the restore's own LRSN (it reads the wall clock) replaced by a marker."""
+
+    def fix(value: Any) -> Any:
+        if value == plan.restore_lrsn:
+            return "RESTORE_LRSN"
+        if isinstance(value, dict):
+            return {k: fix(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [fix(v) for v in value]
+        return value
+
+    return {
+        "settled": {s.id: (s.disposition, s.structure, fix(s.entry), s.data) for s in plan.settled},
+        "settled_count": len(list(plan.settled)),
+        "outcomes": {u: (o.kind, fix(o.lrsn), o.decided_by, fix(dict(o.data))) for u, o in plan.outcomes.items()},
+        "decisions": plan.decisions,
+        "in_commit": plan.in_commit,
+        "counts": dict(plan.counts),
+        "records_by_member": dict(plan.records_by_member),
+        "max_lrsn": plan.max_lrsn,
+        "above_max": plan.restore_lrsn > plan.max_lrsn,
+    }
+
+
+def both_plans(spark: Any, backup: Backup, log_dirs: list[Path], replay_from: int, **spark_options: Any
+               ) -> tuple[dict[str, Any], dict[str, Any]]:
+    local = LocalEngine().plan(S, backup, log_dirs, replay_from, NOW_MS)
+    remote = SparkEngine(spark=spark, **spark_options).plan(S, backup, log_dirs, replay_from, NOW_MS)
+    return normalized(local), normalized(remote)
+
+
+@settings(max_examples=25, derandomize=True, database=None, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1), steps=st.integers(0, 120))
+def test_spark_and_local_engines_give_identical_plans(spark: Any, tmp_path_factory: pytest.TempPathFactory,
+                                                       seed: int, steps: int) -> None:
+    h = simulate(random.Random(seed), steps)
+    backup, log_dirs = write_history(h, tmp_path_factory.mktemp("history"))
+    local, remote = both_plans(spark, backup, log_dirs, h.replay_from)
+    assert remote == local
+
+
+def test_a_rich_history_exercises_every_disposition(spark: Any, tmp_path: Path) -> None:
+    """The random histories are not vacuous: one long one reaches every disposition and outcome kind."""
+    h = simulate(random.Random(3), 1500)
+    backup, log_dirs = write_history(h, tmp_path)
+    local, remote = both_plans(spark, backup, log_dirs, h.replay_from)
+    assert remote == local
+    dispositions = {d for d, *_ in local["settled"].values()}
+    assert dispositions == {"restored", "in-doubt", "consumed", "put-backed-out", "expired", "gone"}
+    assert {k for k, *_ in local["outcomes"].values()} == {"C", "B", "D"}
+    assert local["decisions"] and local["in_commit"]
+    assert any(len(list(d.iterdir())) > 3 for d in log_dirs)  # several segments per member were read
+
+
+def test_archived_segments_give_the_same_plan(spark: Any, tmp_path: Path) -> None:
+    h = simulate(random.Random(11), 600)
+    backup, log_dirs = write_history(h, tmp_path, segment_bytes=8192)
+    result = archive_logs(tmp_path / "logs", tmp_path / "archive")
+    assert result.archived and result.records
+    local, remote = both_plans(spark, backup, log_dirs, h.replay_from, archive_dir=tmp_path / "archive")
+    assert remote == local
+
+
+def test_a_log_with_a_corrupt_frame_fails_the_spark_plan(spark: Any, tmp_path: Path) -> None:
+    h = simulate(random.Random(3), 200)
+    backup, log_dirs = write_history(h, tmp_path)
+    first = sorted(log_dirs[0].glob("seg-*.log"))[0]
+    raw = bytearray(first.read_bytes())
+    raw[40] ^= 0xFF  # inside the first frame of a sealed segment
+    first.write_bytes(bytes(raw))
+    with pytest.raises(Exception, match="corrupt record log .*seg-00000001.log"):
+        SparkEngine(spark=spark).plan(S, backup, log_dirs, 0, NOW_MS)
+
+
+def test_progress_reports_spark_stages_as_the_restore_phases(spark: Any, tmp_path: Path) -> None:
+    h = simulate(random.Random(5), 300)
+    backup, log_dirs = write_history(h, tmp_path)
+    engine = get_engine("spark", spark=spark)
+    finals = []
+    for _ in range(2):  # a second plan on the same session counts its own tasks only
+        seen: list[tuple[str, int, int | None]] = []
+        engine.plan(S, backup, log_dirs, h.replay_from, NOW_MS, lambda p, d, t, seen=seen: seen.append((p, d, t)))
+        phases = [p for p, _, _ in seen]
+        assert phases.index(READ_BACKUP) < phases.index(READ_LOGS) < phases.index(SETTLE)
+        last = {p: (d, t) for p, d, t in seen}
+        assert all(d == t and t for d, t in last.values())  # each phase ends with all of its Spark tasks done
+        finals.append(last)
+    assert finals[0] == finals[1]
+    assert set(engine.phase_seconds) == {READ_BACKUP, READ_LOGS, SETTLE}  # type: ignore[attr-defined]
+
+
+def test_spark_logging_goes_to_the_log_file_not_the_console(spark: Any, tmp_path_factory: Any) -> None:
+    log_file = Path(spark.sparkContext.getConf().get("spark.driver.extraJavaOptions").split("file:")[1])
+    text = log_file.with_suffix("").with_suffix(".log").read_text()
+    assert "SparkContext" in text  # Spark's INFO lines landed in the file
+
+
+# -------------------------------------------------------------------------------------------- real histories
+
+
+def _real_history(redis_url: str, root: Path, seed: int) -> tuple[Backup, list[Path], int]:
+    """Three queue managers put, get, commit and back out while a fuzzy backup runs; some UOWs stay open."""
+    import threading
+
+    from backup.run import run_backup
+    from tests.support.group import define_group, start_qm
+
+    client = define_group(redis_url)
+    qms = [start_qm(redis_url, root / "logs", m, segment_bytes=4096) for m in MEMBERS]
+    rnd = random.Random(seed)
+    stop = threading.Event()
+
+    def work(qm: Any, rnd: random.Random) -> None:
+        conn = qm.connect()
+        while not stop.is_set():
+            for _ in range(rnd.randint(1, 4)):
+                conn.put(rnd.choice(("Q1", "Q2")), os.urandom(20), priority=rnd.randint(0, 3))
+            for _ in range(rnd.randint(0, 3)):
+                try:
+                    conn.get(rnd.choice(("Q1", "Q2")))
+                except Exception:
+                    break
+            conn.commit() if rnd.random() < 0.8 else conn.backout()
+        conn.put("Q1", b"left in flight")  # an open UOW at the end: restore backs it out
+
+    threads = [threading.Thread(target=work, args=(qm, random.Random(rnd.random()))) for qm in qms]
+    for t in threads:
+        t.start()
+    manifest = run_backup(client, S, root / "backups", log_root=root / "logs")
+    stop.set()
+    for t in threads:
+        t.join()
+    for qm in qms:
+        qm.log.force()
+    backup = read_backup(root / "backups" / S / manifest["id"])
+    for qm in qms:
+        qm.stop(checkpoint=False)
+    return backup, find_log_dirs(root / "logs"), int(manifest["replay_from"])
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_real_queue_manager_histories_plan_the_same(spark: Any, redis_url: str, tmp_path: Path, seed: int) -> None:
+    backup, log_dirs, replay_from = _real_history(redis_url, tmp_path, seed)
+    local, remote = both_plans(spark, backup, log_dirs, replay_from)
+    assert remote == local
+    assert local["counts"]["restored"] > 0 and local["counts"]["consumed"] > 0
+
+
+def test_the_pyspark_audit_query_finds_a_message_history(spark: Any, tmp_path: Path) -> None:
+    from restore.archive import audit_dataframe, audit_message
+
+    h = simulate(random.Random(13), 400)
+    write_history(h, tmp_path, segment_bytes=4096)
+    archive_logs(tmp_path / "logs", tmp_path / "archive")
+    got = [r for rs in h.logs.values() for r in rs if r["k"] == "GET"]
+    target = got[len(got) // 2]["i"]
+    rows = audit_dataframe(spark, tmp_path / "archive", target).collect()
+    expected = audit_message(tmp_path / "archive", target)
+    assert [(r["lrsn"], r["member"], r["kind"]) for r in rows] == [(r["l"], r["m"], r["k"]) for r in expected]
+    assert {"PUT", "GET"} <= {r["kind"] for r in rows}
+
+
+def test_cfrestore_passes_master_conf_and_archive_to_the_spark_engine() -> None:
+    from restore.cli import _engine_options, build_parser
+
+    args = build_parser().parse_args(["run", "APP1", "--engine", "spark", "--master", "spark://h:7077", "--conf",
+                                      "spark.driver.memory=8g", "--conf", "spark.a=b=c", "--archive-dir", "/a"])
+    assert _engine_options(args) == {"master": "spark://h:7077", "archive_dir": Path("/a"),
+                                     "conf": {"spark.driver.memory": "8g", "spark.a": "b=c"}}
+    assert _engine_options(build_parser().parse_args(["run", "APP1"])) == {}
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["run", "APP1", "--engine", "spark", "--conf", "no-equals-sign"])
