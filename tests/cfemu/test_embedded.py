@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from cfemu import server as server_mod
+from cfemu import embedded as server_mod
+from cfemu import procs
 from cfemu.connection import ConnectionConfigError, connect
 from cfemu.embedded import (
     EmbeddedRedis,
@@ -39,7 +40,7 @@ def _gone(pid: int, timeout: float = 5.0) -> bool:
     """True once ``pid`` no longer exists (or is only a zombie someone else will reap)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not server_mod.pid_alive(pid):
+        if not procs.pid_alive(pid):
             return True
         time.sleep(0.02)
     return False
@@ -85,7 +86,7 @@ def test_default_config(fresh_redis: EmbeddedRedis) -> None:
 
 
 def test_given_port(redis_factory: Callable[..., EmbeddedRedis]) -> None:
-    port = server_mod.free_port()
+    port = procs.free_port()
     srv = redis_factory(port=port)
     assert srv.port == port
     assert srv.url == f"redis://127.0.0.1:{port}/0"
@@ -203,7 +204,7 @@ def test_detach_survives_starting_process(tmp_path: Path) -> None:
     pid_s, url = out.stdout.split()
     pid = int(pid_s)
     try:
-        assert server_mod.pid_alive(pid), "detached server died with its starter"
+        assert procs.pid_alive(pid), "detached server died with its starter"
         assert connect(url).ping()
         srv = EmbeddedRedis.attach(tmp_path)
         assert srv.url == url and srv.pid == pid
@@ -212,7 +213,7 @@ def test_detach_survives_starting_process(tmp_path: Path) -> None:
         with pytest.raises(redis.ConnectionError):
             connect(url, socket_connect_timeout=1).ping()
     finally:
-        if server_mod.pid_alive(pid):
+        if procs.pid_alive(pid):
             os.kill(pid, signal.SIGKILL)
 
 
@@ -342,7 +343,7 @@ def test_a_child_started_from_a_short_lived_thread_outlives_that_thread() -> Non
     thread used to get SIGTERM when that thread ended (the chaos suite saw queue managers exit with code 0)."""
     started: list[subprocess.Popen[bytes]] = []
     t = threading.Thread(target=lambda: started.append(
-        server_mod.popen_tied([sys.executable, "-c", "import time; time.sleep(30)"])))
+        procs.popen_tied([sys.executable, "-c", "import time; time.sleep(30)"])))
     t.start()
     t.join()
     try:
@@ -356,7 +357,7 @@ def test_a_child_started_from_a_short_lived_thread_outlives_that_thread() -> Non
 def test_asking_whether_a_dead_child_is_alive_leaves_its_exit_status_to_its_popen() -> None:
     proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(4)"])
     deadline = time.monotonic() + 10
-    while server_mod.pid_alive(proc.pid):
+    while procs.pid_alive(proc.pid):
         assert time.monotonic() < deadline
         time.sleep(0.02)
     assert proc.wait(timeout=10) == 4

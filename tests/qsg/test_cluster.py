@@ -19,11 +19,11 @@ from typing import Any
 import pytest
 import yaml
 
-from cfemu import cli as cfemu_cli
-from cfemu import cluster as cluster_module
+from backup import cli as backup_cli
 from cfemu.admin import Admin
 from cfemu.connection import connect
 from cfemu.procs import pid_alive
+from qsg import cli as cfemu_cli
 from qsg.cluster import Cluster, ClusterError
 from sqm import cli as sqm_cli
 from sqm.service.client import Client
@@ -82,9 +82,8 @@ def test_compose_topology(compose: dict[str, Any]) -> None:
 
     sched = services["backup-scheduler"]
     assert {"logs", "backups"} <= set(volumes_of(sched))
-    assert sched["command"][:3] == ["python", "-m", "qsg.cluster"]
-    cluster_module.build_parser().parse_args([a.replace("${BACKUP_INTERVAL:-60}", "60")
-                                              for a in sched["command"][3:]])
+    assert sched["command"][:2] == ["cfbackup", "schedule"]
+    backup_cli.build_parser().parse_args([a.replace("${BACKUP_INTERVAL:-60}", "60") for a in sched["command"][1:]])
     assert set(MANAGERS) <= set(sched["depends_on"])
 
     master, worker, tools = services["spark-master"], services["spark-worker"], services["tools"]
