@@ -24,6 +24,8 @@ from typing import Any, BinaryIO
 import crc32c
 import msgpack
 
+from sqm.log.format import fsync_directory
+
 FORMAT_VERSION = 1
 MAGIC = b"CFBKP1\n"
 FILE_HEADER = MAGIC + struct.pack("<H", FORMAT_VERSION)
@@ -83,14 +85,6 @@ def canonical_json(obj: Any) -> bytes:
 def manifest_checksum(manifest: dict[str, Any]) -> str:
     """SHA-256 of the canonical JSON of every field but `checksum`."""
     return hashlib.sha256(canonical_json({k: v for k, v in manifest.items() if k != "checksum"})).hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _packer() -> msgpack.Packer:
@@ -157,7 +151,7 @@ class BackupWriter:
         if self._file is None and not self.files:
             self._open_next()  # an empty structure still has one (empty) entry file: the format stays uniform
         self._close_current()
-        _fsync_dir(self.directory)
+        fsync_directory(self.directory)
         out = dict(manifest, format=FORMAT_VERSION, files=self.files)
         out["checksum"] = manifest_checksum(out)
         tmp = self.directory / (MANIFEST_NAME + ".tmp")
@@ -166,7 +160,7 @@ class BackupWriter:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.directory / MANIFEST_NAME)
-        _fsync_dir(self.directory)
+        fsync_directory(self.directory)
         return out
 
     def abort(self) -> None:

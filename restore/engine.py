@@ -1,4 +1,4 @@
-"""Restore engines: where the restore plan is computed (docs: DESIGN-NOTES section 7).
+"""Restore engines: where the restore plan is computed (docs/architecture.md, "Restore engines"; docs/spark.md).
 
 An engine turns a backup plus the logs of every member into a `restore.plan.RestorePlan`: the final state of
 every message of one structure, settled by the one fold `restore.settle.settle`. Engines differ only in where

@@ -1,4 +1,4 @@
-"""The Spark restore engine: the restore plan as a PySpark job (docs/spark.md; DESIGN-NOTES section 7).
+"""The Spark restore engine: the restore plan as a PySpark job (docs/spark.md).
 
 The job is the local engine's plan, stage for stage, with the same functions running inside Spark's Python
 workers (restore.plan.prepare_record / in_flight_outcome, restore.settle.decide_outcome / best_copy /

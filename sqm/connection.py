@@ -3,19 +3,18 @@ most one current unit of work. The queue manager itself (log, CF calls, completi
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from cfemu.admin import QueueDef
 from cfemu.entry import Entry, check_properties
-from cfemu.errors import BadRequestError, InDoubtError, MessageTooBigError, MQError, NoMessageError
+from cfemu.errors import BadRequestError, InDoubtError, MessageTooBigError, NoMessageError
 from sqm.clock import now_ms
 from sqm.failpoints import failpoint
+from sqm.messaging import UnitOfWorkScope
 from sqm.records import INDOUBT, INFLIGHT
 from sqm.uow import UnitOfWork
 
@@ -46,7 +45,7 @@ class Message:
 
 
 
-class Connection:
+class Connection(UnitOfWorkScope):
     """A connection handle (like MQCONN): holds at most one current UOW."""
 
     def __init__(self, qm: QueueManager) -> None:
@@ -222,16 +221,6 @@ class Connection:
                   force=True, uow=uow, state=INDOUBT)
         return uow.id
 
-    @contextlib.contextmanager
-    def unit_of_work(self) -> Iterator[Connection]:
-        """with conn.unit_of_work(): ... commits on success, backs out on an exception."""
-        try:
-            yield self
-        except BaseException:
-            with contextlib.suppress(MQError):
-                self.backout()
-            raise
-        self.commit()
 
     def close(self) -> None:
         """Like MQDISC: an open UOW is backed out."""

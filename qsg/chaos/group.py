@@ -93,7 +93,7 @@ class LogDisk:
 class ChaosGroup:
     """Start, probe, heal and stop the group under test."""
 
-    def __init__(self, directory: Path, *, managers: int, lease_ms: int, backup_interval: float,
+    def __init__(self, directory: Path, *, managers: int, lease_ms: int, backup_interval: float | None,
                  log_disk: bool) -> None:
         self.dir = directory
         self.managers = managers

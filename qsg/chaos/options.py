@@ -15,7 +15,7 @@ class ChaosOptions:
     clients: int = 8
     managers: int = 3
     lease_ms: int = 3000
-    backup_interval: float = 4.0
+    backup_interval: float | None = 4.0  # None: no backup scheduler (the demo takes its backup as a fault)
     report_dir: Path = Path("var/chaos")
     keep_cluster: bool = False
 

@@ -171,8 +171,10 @@ def leftovers(group: ChaosGroup) -> dict[str, dict[str, int]]:
         client.close()
 
 
-def run_chaos(opts: ChaosOptions, console: Console | None = None) -> dict[str, Any]:
-    """One run; returns the summary (also written to the report directory)."""
+def run_chaos(opts: ChaosOptions, console: Console | None = None,
+              specs: list[FaultSpec] | None = None) -> dict[str, Any]:
+    """One run; returns the summary (also written to the report directory). specs: a scripted fault schedule
+    (the demo's) instead of the seed's."""
     console = console or Console(stderr=True)
     rdir = Path(opts.report_dir)
     rdir.mkdir(parents=True, exist_ok=True)
@@ -181,8 +183,9 @@ def run_chaos(opts: ChaosOptions, console: Console | None = None) -> dict[str, A
     history = History(history_path, seed=opts.seed, options=opts.to_json())
     group = ChaosGroup(rdir / "cluster", managers=opts.managers, lease_ms=opts.lease_ms,
                        backup_interval=opts.backup_interval, log_disk="disk-full" in opts.kinds)
-    specs = schedule(opts.seed, opts.kinds, opts.duration, [f"QM{i}" for i in range(1, opts.managers + 1)],
-                     lease_ms=opts.lease_ms)
+    if specs is None:
+        specs = schedule(opts.seed, opts.kinds, opts.duration, [f"QM{i}" for i in range(1, opts.managers + 1)],
+                         lease_ms=opts.lease_ms)
     records: list[FaultRecord] = []
     phases: dict[str, float] = {}
     extra: dict[str, Any] = {}

@@ -30,11 +30,12 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from cfemu.errors import BackedOutError, MQError, OutcomeUnknownError
 from sqm.connection import Message
+from sqm.messaging import UnitOfWorkScope
 from sqm.service.protocol import (
     DEFAULT_MAX_FRAME,
     FrameTooLargeError,
@@ -82,7 +83,7 @@ def client_tls_context(ca: str | None = None, cert: str | None = None, key: str 
     return ctx
 
 
-class Client:
+class Client(UnitOfWorkScope):
     """A connection handle to the queue-sharing group through one of its SQM servers."""
 
     def __init__(self, endpoints: EndpointSpec | Sequence[EndpointSpec], port: int | None = None, *,
@@ -309,16 +310,6 @@ class Client:
     def prepare(self, xid: str) -> str:
         return str(self._call("prepare", {"xid": xid}))
 
-    @contextlib.contextmanager
-    def unit_of_work(self) -> Iterator[Client]:
-        """with client.unit_of_work(): ... commits on success, backs out on an exception."""
-        try:
-            yield self
-        except BaseException:
-            with contextlib.suppress(MQError):
-                self.backout()
-            raise
-        self.commit()
 
     # --- operator requests -----------------------------------------------------------------------------------
     def ping(self) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Exhaustive model check of the fuzzy backup protocol (DESIGN-NOTES section 8, invariant 4; issue 3).
+"""Exhaustive model check of the fuzzy backup protocol (docs/invariants.md, invariant 4).
 
 Every interleaving (no sampling) of the backup's steps with a few message transitions, run against the real CF
 scripts on the real redis-server, then the CF is lost and restored with the real fold (restore.plan.plan_local).

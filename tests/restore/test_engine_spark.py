@@ -1,4 +1,4 @@
-"""The Spark restore engine against the local one: the same plan on every input (DESIGN-NOTES section 7).
+"""The Spark restore engine against the local one: the same plan on every input (docs/spark.md).
 
 Random histories are built as data (the records sqm.manager writes, and backup copies), written to real log
 segment files (small segments, so each log has several, some sealed below replay_from) and a real backup

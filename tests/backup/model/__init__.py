@@ -1,4 +1,4 @@
-"""An exhaustive model checker for the fuzzy backup protocol (DESIGN-NOTES section 8, invariant 4).
+"""An exhaustive model checker for the fuzzy backup protocol (docs/invariants.md, invariant 4).
 
 scheduler: a stateless depth-first search over every interleaving of a few actors (generators that yield between
            atomic steps), replaying each schedule from a fresh world.
