@@ -425,6 +425,20 @@ def trusted_segments(directory: Path, manifest: dict[str, Any] | None) -> dict[i
     return out
 
 
+def checked_segments(directory: Path, manifest: dict[str, Any] | None) -> list[tuple[int, Path]]:
+    """The segment files (list_segments), checked against the manifest: a segment the manifest lists that is
+    not on disk is corruption, reported by file name. Without this check a deleted last segment (or a deleted
+    first one) would leave a log with no gap in its numbering, and its records would be lost without a word."""
+    found = list_segments(directory)
+    have = {segno for segno, _ in found}
+    for entry in (manifest or {}).get("segments", []):
+        segno = entry.get("segment") if isinstance(entry, dict) else None
+        if isinstance(segno, int) and segno not in have:
+            raise LogFormatError(f"{directory / segment_name(segno)}: segment {segno} is listed in "
+                                 f"{MANIFEST_NAME} but missing from the log directory: its records are lost")
+    return found
+
+
 def manifest_checkpoints(manifest: dict[str, Any] | None) -> list[tuple[LogPosition, int]]:
     if not manifest:
         return []

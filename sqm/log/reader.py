@@ -13,6 +13,7 @@ from sqm.log.format import (
     LogPosition,
     SegmentInfo,
     SegmentScan,
+    checked_segments,
     list_segments,
     manifest_checkpoints,
     read_header,
@@ -63,10 +64,11 @@ class LogReader:
         ``min_lrsn``: skip whole sealed segments whose maximum LRSN (per the manifest) is below it, and drop
         records with ``l < min_lrsn``. Records are only approximately LRSN-ordered within one log, so this
         never stops early on LRSN."""
-        segs = list_segments(self.directory)
+        manifest = read_manifest(self.directory)
+        segs = checked_segments(self.directory, manifest)
         if not segs:
             return
-        trusted = trusted_segments(self.directory, read_manifest(self.directory)) if min_lrsn is not None else {}
+        trusted = trusted_segments(self.directory, manifest) if min_lrsn is not None else {}
         last = segs[-1][0]
         for segno, path in segs:
             if start is not None and segno < start.segment:
@@ -87,8 +89,9 @@ class LogReader:
     def segments(self) -> list[SegmentInfo]:
         """Per-segment information: from the manifest for sealed segments, by scanning for the others
         (always for the last one)."""
-        segs = list_segments(self.directory)
-        trusted = trusted_segments(self.directory, read_manifest(self.directory))
+        manifest = read_manifest(self.directory)
+        segs = checked_segments(self.directory, manifest)
+        trusted = trusted_segments(self.directory, manifest)
         out: list[SegmentInfo] = []
         last = segs[-1][0] if segs else -1
         for segno, path in segs:
@@ -113,7 +116,7 @@ class LogReader:
 
     def end_position(self) -> LogPosition:
         """Position just after the last complete frame of the last segment (what a writer would append at)."""
-        segs = list_segments(self.directory)
+        segs = checked_segments(self.directory, read_manifest(self.directory))
         if not segs:
             return LogPosition(0, 0)
         segno, path = segs[-1]

@@ -25,10 +25,10 @@ from sqm.log.format import (
     LogPosition,
     SegmentInfo,
     SegmentScan,
+    checked_segments,
     crc32c,
     encode_header,
     fsync_directory,
-    list_segments,
     manifest_checkpoints,
     read_header,
     read_manifest,
@@ -161,7 +161,7 @@ class RecordLog:
             )
         self._checkpoints = manifest_checkpoints(manifest)
         trusted = trusted_segments(d, manifest)
-        segs = list_segments(d)
+        segs = checked_segments(d, manifest)
         if not segs:
             start = max(trusted, default=0) + 1
             os.close(self._create_segment(start))

@@ -328,6 +328,28 @@ def test_manifest_lagging_or_missing(tmp_path: Path) -> None:
     assert read_all(d) == [*everything, (p, rec(150))]
 
 
+@pytest.mark.parametrize("which", ["last", "first"])
+def test_a_segment_listed_in_the_manifest_but_deleted_is_corruption_named_by_file(tmp_path: Path,
+                                                                                   which: str) -> None:
+    """Issue 10, hole 12: deleting the last segment left no gap in the numbering, and its records were lost
+    silently by the reader, the writer (which carried on after the previous segment) and restore alike."""
+    d = tmp_path / "QM1"
+    write_log(d, 60, segment_bytes=1024)
+    segs = sorted(d.glob("seg-*"))
+    assert len(segs) >= 3
+    victim = segs[-1] if which == "last" else segs[0]
+    victim.unlink()
+    with pytest.raises(LogFormatError, match=f"{victim.name}.*missing"):
+        read_all(d)
+    with pytest.raises(LogFormatError, match=f"{victim.name}.*missing"):
+        LogReader(d).end_position()
+    with pytest.raises(LogFormatError, match=f"{victim.name}.*missing"):
+        merged_records([d])
+    with pytest.raises(LogFormatError, match=f"{victim.name}.*missing"):
+        RecordLog(d, "QM1", segment_bytes=1024).close()
+    assert not victim.exists(), "a failed open must not recreate the lost segment"
+
+
 def test_checkpoints(tmp_path: Path) -> None:
     d = tmp_path / "QM1"
     cps = []
