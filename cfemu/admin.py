@@ -7,6 +7,7 @@ backup, members re-join with epochs that only grow, the catalog from the backup 
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -15,6 +16,8 @@ import msgpack
 import redis
 
 from cfemu import keys
+
+log = logging.getLogger("cfemu.admin")
 
 A = keys.ADMIN
 STRUCTURES, QUEUES, MEMBERS, EPOCHS = f"{A}:structures", f"{A}:queues", f"{A}:members", f"{A}:epochs"
@@ -80,6 +83,7 @@ class Admin:
         self._heartbeat = client.register_script(_HEARTBEAT)
         self._fence = client.register_script(_FENCE)
         self._raise_fence = client.register_script(_RAISE_FENCE)
+        self.bad_entries: dict[tuple[str, str], str] = {}  # (hash, field) -> why it could not be read
 
     # --- the group ------------------------------------------------------------------------------------
     def group_name(self) -> str:
@@ -121,7 +125,20 @@ class Admin:
             self.redis.hset(keys.script_keys(sdef.name)[1], mapping=dict(epochs))  # type: ignore[arg-type]
 
     def structures(self) -> list[StructureDef]:
-        return [StructureDef(**msgpack.unpackb(v, raw=False)) for v in self.redis.hvals(STRUCTURES)]
+        """Every defined structure; a malformed definition is reported (bad_entries) and skipped, so one bad
+        admin entry cannot stop every member's housekeeping."""
+        return [d for d in (self._decode(STRUCTURES, k, v, StructureDef)
+                            for k, v in self.redis.hgetall(STRUCTURES).items()) if d is not None]
+
+    def _decode(self, key: str, field: Any, value: Any, cls: Any) -> Any:
+        try:
+            return cls(**msgpack.unpackb(value, raw=False))
+        except (ValueError, TypeError, msgpack.UnpackException) as e:
+            name = keys.text(field)
+            if (key, name) not in self.bad_entries:
+                log.error("malformed admin entry %s[%s] skipped: %s", key, name, e)
+            self.bad_entries[(key, name)] = f"{type(e).__name__}: {e}"
+            return None
 
     def structure_def(self, name: str) -> StructureDef:
         raw = self.redis.hget(STRUCTURES, name)
@@ -213,7 +230,9 @@ class Admin:
     def members(self) -> dict[str, dict[str, Any]]:
         out = {}
         for k, v in self.redis.hgetall(MEMBERS).items():
-            info = msgpack.unpackb(v, raw=False)
+            info = self._decode(MEMBERS, k, v, dict)
+            if info is None:
+                continue
             name = keys.text(k)
             info["epoch"] = self.epoch(name)
             info["lease_ms"] = self.redis.pttl(f"{A}:lease:{name}")

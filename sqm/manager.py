@@ -396,15 +396,26 @@ class QueueManager:
     # --- background work --------------------------------------------------------------------------------
     def _heartbeat_loop(self) -> None:
         period = self.config.lease_ms / 3000
+        failing = ""
         while not self._stop.wait(period):
             if self.log_failed:
                 return  # let the lease lapse: a peer recovers this member's work
             try:
                 self.renew_membership()
-            except CF_DOWN:
-                continue
             except FencedError:
                 return
+            except Exception as e:  # noqa: BLE001 - the heartbeat must outlive any one failed renewal
+                # A dead CF, a transient OOM refusal, a script error on a malformed admin entry: the lease is
+                # ours until it lapses, so try again next period. A heartbeat thread that died here let a healthy
+                # member's lease lapse for good, and its peers fenced it (issue 10, hole 11).
+                what = f"{type(e).__name__}: {e}"
+                if what != failing:
+                    log.warning("%s: lease renewal failed (will retry every %.1fs): %s", self.name, period, what)
+                failing = what
+                continue
+            if failing:
+                log.warning("%s: lease renewed again", self.name)
+                failing = ""
 
     def _housekeeping_loop(self) -> None:
         from sqm.recovery import recover_peers

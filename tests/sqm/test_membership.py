@@ -1,0 +1,71 @@
+"""A member's lease survives what the CF throws at its heartbeat (issue 10, hole 11).
+
+Any Redis error that was not a connection error (a transient out-of-memory refusal, a script error on one
+malformed {ADMIN} entry) killed the heartbeat thread for good: the lease lapsed, peers fenced the member, and a
+whole group of `sqm run` processes exited fenced. Real redis-server, real threads, real leases.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from cfemu.admin import MEMBERS, STRUCTURES, Admin
+from cfemu.embedded import EmbeddedRedis
+from sqm.recovery import recover_peers
+from tests.support.group import define_group, start_qm
+
+LEASE_MS = 900
+
+
+def _lease_renewed_after(admin: Admin, member: str, t: float, timeout: float = 3.0) -> bool:
+    """Does the member's lease get renewed (its TTL jumps back up) after monotonic time t?"""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if time.monotonic() > t and admin.redis.pttl(f"{{ADMIN}}:lease:{member}") > LEASE_MS * 0.8:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_the_heartbeat_rides_out_a_transient_out_of_memory_refusal(
+        redis_factory: Callable[..., EmbeddedRedis], tmp_path: Path) -> None:
+    srv = redis_factory()
+    define_group(srv.url)
+    qm = start_qm(srv.url, tmp_path / "logs", "QM1", lease_ms=LEASE_MS)
+    admin = Admin(srv.client())
+    try:
+        admin.redis.config_set("maxmemory-policy", "noeviction")
+        admin.redis.config_set("maxmemory", 1)  # every write, the lease's SET included, is refused with OOM
+        time.sleep(LEASE_MS / 1000 * 0.7)  # two heartbeats fail
+        admin.redis.config_set("maxmemory", 0)
+        assert _lease_renewed_after(admin, "QM1", time.monotonic()), "the heartbeat died on an OOM refusal"
+        assert not qm.fenced
+        conn = qm.connect()
+        conn.put("Q1", b"still serving")
+        conn.commit()
+    finally:
+        admin.redis.config_set("maxmemory", 0)
+        qm.stop()
+
+
+def test_one_malformed_admin_entry_is_reported_and_skipped_not_fatal(
+        redis_factory: Callable[..., EmbeddedRedis], tmp_path: Path) -> None:
+    srv = redis_factory()
+    define_group(srv.url)
+    qm = start_qm(srv.url, tmp_path / "logs", "QM1", lease_ms=LEASE_MS)
+    admin = Admin(srv.client())
+    try:
+        admin.redis.hset(MEMBERS, "QMBAD", b"\xc1 not msgpack")
+        admin.redis.hset(STRUCTURES, "APPBAD", b"\x92\x01")  # msgpack, but not a structure definition
+        assert [s.name for s in admin.structures()] == ["APP1"]
+        assert "QMBAD" not in admin.members()
+        assert {k for k, _ in admin.bad_entries} == {MEMBERS, STRUCTURES}
+        recover_peers(qm)  # reads every member: must not raise
+        qm.expire_messages()  # reads every structure: must not raise
+        time.sleep(LEASE_MS / 1000 * 1.5)
+        assert _lease_renewed_after(admin, "QM1", time.monotonic())
+        assert not qm.fenced
+    finally:
+        qm.stop()
