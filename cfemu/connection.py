@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 import redis
 
-__all__ = ["ConnectionConfigError", "connect"]
+__all__ = ["ConnectionConfigError", "PoolExhaustedError", "connect"]
 
 ENV_URL = "REDIS_URL"
 ENV_TLS = {"tls_ca": "CFEMU_TLS_CA", "tls_cert": "CFEMU_TLS_CERT", "tls_key": "CFEMU_TLS_KEY"}
@@ -26,6 +26,24 @@ ENV_TLS = {"tls_ca": "CFEMU_TLS_CA", "tls_cert": "CFEMU_TLS_CERT", "tls_key": "C
 
 class ConnectionConfigError(ValueError):
     """No or unusable CF address."""
+
+
+class PoolExhaustedError(redis.exceptions.RedisError):
+    """Every connection of the pool stayed busy for the pool timeout: a local limit, not a failed CF (so it is
+    deliberately not a redis ConnectionError, which callers read as "the CF is down")."""
+
+
+class _WaitingPool(redis.BlockingConnectionPool):
+    """A bounded pool whose callers wait for a free connection, and whose wait timing out says so."""
+
+    def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().get_connection(*args, **kwargs)
+        except redis.exceptions.ConnectionError as e:
+            if str(e) != "No connection available.":  # redis-py's only word for "the pool is empty"
+                raise
+            raise PoolExhaustedError(f"all {self.max_connections} connections to the CF stayed busy for "
+                                     f"{self.timeout:g}s") from None
 
 
 def connect(
@@ -38,9 +56,14 @@ def connect(
     tls_cert: str | None = None,
     tls_key: str | None = None,
     tls_verify: bool = True,
+    max_connections: int | None = None,
+    pool_timeout: float = 30.0,
     **kw: Any,
 ) -> redis.Redis:
     """Return a ``redis.Redis`` for ``url`` (or ``$REDIS_URL``). Extra ``kw`` go to redis-py.
+
+    ``max_connections``: a bounded pool of that many connections, where a caller waits up to ``pool_timeout``
+    seconds for a free one and then gets PoolExhaustedError (redis-py's default pool fails at once at 100).
 
     The connection is lazy: errors such as a wrong password surface on the first command as
     ``redis.AuthenticationError`` (``WRONGPASS``) / ``redis.ConnectionError``.
@@ -74,4 +97,9 @@ def connect(
             ssl_check_hostname=tls_verify,
         )
     opts.update(kw)
+    if max_connections is not None:
+        if max_connections < 1:
+            raise ConnectionConfigError(f"the CF connection pool needs at least 1 connection, not {max_connections}")
+        pool = _WaitingPool.from_url(url, max_connections=max_connections, timeout=pool_timeout, **opts)
+        return redis.Redis(connection_pool=pool)
     return redis.Redis.from_url(url, **opts)

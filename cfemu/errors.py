@@ -46,6 +46,12 @@ class LogFailedError(MQError):
     reason, reason_name = 2102, "MQRC_RESOURCE_PROBLEM"
 
 
+class ResourceProblemError(MQError):
+    """A local limit was reached (every CF connection busy): try again; nothing is wrong with the CF."""
+
+    reason, reason_name = 2102, "MQRC_RESOURCE_PROBLEM"
+
+
 class BackedOutError(MQError):
     reason, reason_name = 2003, "MQRC_BACKED_OUT"
 

@@ -23,7 +23,7 @@ import redis
 
 from cfemu.admin import Admin, AdminError, QueueDef
 from cfemu.cf import CF, Caller, Structure
-from cfemu.connection import connect
+from cfemu.connection import PoolExhaustedError, connect
 from cfemu.errors import (
     BackedOutError,
     BackupActiveError,
@@ -34,6 +34,7 @@ from cfemu.errors import (
     LogFailedError,
     MQError,
     NotJoinedError,
+    ResourceProblemError,
     StructureFailedError,
     UnknownObjectError,
 )
@@ -63,6 +64,10 @@ class QueueManagerConfig:
     clock_skew_us: int = 0
     segment_bytes: int = 64 * 2**20
     background: bool = True  # heartbeat, peer recovery, expiry and pending-work threads
+    # CF connections: requests beyond this wait for a free one (up to cf_pool_timeout_s), then fail with
+    # MQRC_RESOURCE_PROBLEM; a local limit is never reported as a failed CF structure.
+    cf_connections: int = 64
+    cf_pool_timeout_s: float = 30.0
 
 
 class QueueManager:
@@ -71,7 +76,8 @@ class QueueManager:
     def __init__(self, config: QueueManagerConfig, client: redis.Redis | None = None) -> None:
         self.config = config
         self.name = check_member_name(config.name)
-        self.redis = client if client is not None else connect(config.redis_url)
+        self.redis = client if client is not None else connect(
+            config.redis_url, max_connections=config.cf_connections, pool_timeout=config.cf_pool_timeout_s)
         self.cf = CF(self.redis)
         self.admin = Admin(self.redis)
         self.clock = LrsnClock(config.clock_skew_us)
@@ -170,6 +176,8 @@ class QueueManager:
                 raise UnknownObjectError(f"queue {queue} is not defined") from None
             except CF_DOWN as e:
                 raise StructureFailedError(f"the CF is unavailable: {e}") from None
+            except PoolExhaustedError as e:
+                raise ResourceProblemError(f"queue manager {self.name}: {e}; raise --cf-connections") from None
             self._queue_cache[queue] = q
         return q
 
@@ -248,6 +256,8 @@ class QueueManager:
             raise
         except CF_DOWN as e:
             raise StructureFailedError(f"the CF is unavailable: {e}") from None
+        except PoolExhaustedError as e:
+            raise ResourceProblemError(f"queue manager {self.name}: {e}; raise --cf-connections") from None
 
     def renew_membership(self) -> None:
         """Renew the lease; re-join the group when the CF lost it (a new, higher epoch); mark fenced when a peer
