@@ -46,6 +46,12 @@ class LogFailedError(MQError):
     reason, reason_name = 2102, "MQRC_RESOURCE_PROBLEM"
 
 
+class ClientGoneError(MQError):
+    """The client that asked left before the answer: a waiting get ends, and takes nothing."""
+
+    reason, reason_name = 2009, "MQRC_CONNECTION_BROKEN"
+
+
 class ResourceProblemError(MQError):
     """A local limit was reached (every CF connection busy): try again; nothing is wrong with the CF."""
 

@@ -4,6 +4,7 @@ most one current unit of work. The queue manager itself (log, CF calls, completi
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -11,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from cfemu.admin import QueueDef
 from cfemu.entry import Entry, check_properties
-from cfemu.errors import BadRequestError, InDoubtError, MessageTooBigError, NoMessageError
+from cfemu.errors import BadRequestError, ClientGoneError, InDoubtError, MessageTooBigError, NoMessageError
 from sqm.clock import now_ms
 from sqm.failpoints import failpoint
 from sqm.messaging import UnitOfWorkScope
@@ -48,9 +49,13 @@ class Message:
 class Connection(UnitOfWorkScope):
     """A connection handle (like MQCONN): holds at most one current UOW."""
 
-    def __init__(self, qm: QueueManager) -> None:
+    def __init__(self, qm: QueueManager, gone: threading.Event | None = None) -> None:
         self.qm = qm
         self.uow: UnitOfWork | None = None
+        # Set when the application behind this handle has left (the service's client disconnected): a waiting
+        # get stops waiting, and a get outside syncpoint that found a message backs it out instead of consuming
+        # it for nobody (issue 10, hole 9).
+        self.gone = gone or threading.Event()
 
     def _current_uow(self) -> UnitOfWork:
         if self.uow is None:
@@ -135,6 +140,8 @@ class Connection(UnitOfWorkScope):
         delay = 0.002
         try:
             while True:
+                if self.gone.is_set():
+                    raise ClientGoneError(f"the client left while waiting for a message on {queue}")
                 _, gen, entry, data = qm.cf_call(lambda: s.get(
                     qm.caller, queue, uow=uow.id, gen=uow.structures.get(qdef.structure, 0), match=match,
                     value=value, now_ms=now_ms()))
@@ -163,6 +170,9 @@ class Connection(UnitOfWorkScope):
                 qm.complete(own, False)
             raise
         if own is not None:
+            if self.gone.is_set():  # nobody to deliver it to: the message stays on the queue
+                qm.complete(own, False)
+                raise ClientGoneError(f"the client left before a message from {queue} could be delivered")
             qm.complete(own, True)
         qm.counters["gets"] += 1
         return Message.from_entry(entry, data)

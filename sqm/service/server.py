@@ -22,6 +22,7 @@ import logging
 import os
 import signal
 import ssl
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -115,6 +116,8 @@ class Session:
     authenticated: bool
     client_name: str = ""
     conn: Connection | None = None
+    gone: threading.Event = field(default_factory=threading.Event)  # the client disconnected
+    reading: asyncio.Task[bytes | None] | None = None  # the read of the next frame, when one is pending
 
     def uow_open(self) -> bool:
         """Has the connection's UOW done anything (an empty UOW is not worth reporting as open)?"""
@@ -281,6 +284,8 @@ class SQMServer:
             log.debug("%s: connection %d ended: %s", self.qm.name, session.number, e)
         finally:
             self.stats.connections -= 1
+            if session.reading is not None and not session.reading.done():
+                session.reading.cancel()
             await self._end_session(session)
             writer.close()
             with contextlib.suppress(Exception):
@@ -294,15 +299,22 @@ class SQMServer:
     async def _session_loop(self, session: Session, reader: asyncio.StreamReader,
                             writer: asyncio.StreamWriter) -> None:
         loop = asyncio.get_running_loop()
+        # The next frame is read while a request runs, so that a client that leaves mid-request is noticed at
+        # once (a waiting get must end with its connection, not consume a message for nobody).
+        next_frame: asyncio.Task[bytes | None] | None = None
         while True:
+            if next_frame is None:
+                next_frame = session.reading = asyncio.ensure_future(read_frame(reader, self.config.max_frame))
             try:
-                body = await read_frame(reader, self.config.max_frame)
+                body = await next_frame
             except FrameTooLargeError as e:
                 log.warning("%s: connection %d (%s): %s; closing it", self.qm.name, session.number, session.peer,
                             e)
                 self.stats.requests[("?", e.reason_name)] += 1
                 await self._send(writer, error_reply(None, e))
                 return
+            finally:
+                next_frame = None
             if body is None:
                 return
             obj: Any = None
@@ -339,9 +351,19 @@ class SQMServer:
                 continue
             self._inflight += 1
             try:
-                reply = await loop.run_in_executor(session.executor, self._dispatch, session, rid, op, args)
+                work = loop.run_in_executor(session.executor, self._dispatch, session, rid, op, args)
+                next_frame = session.reading = asyncio.ensure_future(read_frame(reader, self.config.max_frame))
+                both: list[asyncio.Future[Any]] = [work, next_frame]
+                await asyncio.wait(both, return_when=asyncio.FIRST_COMPLETED)
+                if next_frame.done() and (next_frame.exception() is not None or next_frame.result() is None):
+                    session.gone.set()  # the client left (or broke the stream) while its request ran
+                reply = await work
             finally:
                 self._inflight -= 1
+            if session.gone.is_set():
+                log.info("%s: connection %d (%s) left during %s; its reply is dropped", self.qm.name,
+                         session.number, session.peer, op)
+                return
             self.stats.requests[(op, "ok" if reply["ok"] else reply["error"]["reason_name"])] += 1
             await self._send(writer, reply)
             if not reply["ok"] and reply["error"]["type"] == FencedError.__name__:
@@ -400,6 +422,7 @@ class SQMServer:
     def _connection(self, session: Session) -> Connection:
         if session.conn is None:
             session.conn = self.qm.connect()
+            session.conn.gone = session.gone
         return session.conn
 
     def _op_ping(self, session: Session, args: dict[str, Any]) -> dict[str, Any]:

@@ -373,3 +373,22 @@ def test_msgpack_of_the_reply_is_plain(raw: Raw) -> None:
     raw.sock.sendall(HEADER.pack(len(b := msgpack.packb({"id": 7, "op": "ping"}))) + b)
     r = raw.reply()
     assert r["id"] == 7 and r["ok"] and r["result"]["qmgr"] == "QM1"
+
+
+@pytest.mark.parametrize("syncpoint", [False, True])
+def test_a_waiting_get_ends_with_its_connection_and_takes_nothing(server: ServerProc, syncpoint: bool) -> None:
+    """Issue 10, hole 9: a get with a 20 s wait whose client left after 0.5 s went on waiting, then consumed a
+    message put 1 s later (GET and COMMIT logged) and delivered it to nobody."""
+    queue = "Q2"
+    r = Raw(server.port)
+    assert r.request("hello", {"token": TOKEN})["ok"]
+    r.send_bytes(encode_frame({"id": 1, "op": "get", "args": {"queue": queue, "wait_ms": 20_000, "syncpoint": syncpoint}}))
+    time.sleep(0.5)
+    r.close()  # the client leaves mid-wait
+    time.sleep(0.5)
+    body = b"for a client that is gone %d" % syncpoint
+    with client(server) as c:
+        c.put(queue, body, syncpoint=False)
+        time.sleep(1.0)  # the old wait would have polled the queue many times by now
+        got = c.get(queue, syncpoint=False, wait_ms=1000)
+    assert got.body == body and got.backout_count == 0, "the message was taken by a get whose client had left"
