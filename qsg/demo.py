@@ -20,7 +20,6 @@ import argparse
 import hashlib
 import json
 import logging
-import os
 import random
 import sys
 import tempfile
@@ -36,6 +35,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from backup.run import run_backup
+from cfemu.clitools import Output, run_command
 from cfemu.connection import connect
 from cfemu.errors import MQError, NoMessageError, OutcomeUnknownError
 from restore.run import run_restore
@@ -337,7 +337,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="a short run (for tests)")
     p.add_argument("--dir", type=Path, help="where the cluster lives (default: a temporary directory)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    args = p.parse_args(argv)
+    p.add_argument("-v", "--verbose", action="store_true", help="the traceback of an error")
+    # The demo drives real processes: any failure of it is one line (the traceback with --verbose).
+    return run_command("cfemu demo", p.parse_args(argv), cmd_demo, (Exception,))
+
+
+def cmd_demo(args: argparse.Namespace, out: Output) -> int:
     seconds = 3.0 if args.quick else args.seconds
     console = Console(stderr=True)
     # Clients report failovers and refusals as warnings; the demo counts them in its table instead.
@@ -350,18 +355,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = run_demo(directory, managers=args.managers, producers=args.producers, consumers=args.consumers,
                           size=args.size, work_s=seconds, console=console)
-    except Exception as e:  # one clear line; the detail with CFEMU_VERBOSE=1
-        if os.environ.get("CFEMU_VERBOSE"):
-            raise
-        print(f"cfemu demo: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
     finally:
         if tmp is not None:
             tmp.cleanup()
     if args.json:
         print(json.dumps(result))
     else:
-        Console().print(summary_table(result))
+        out.print(summary_table(result))
     bad = result["lost"] + result["duplicated"] + result["phantom"] + result["corrupted"] + result["resurrected"]
     return 1 if bad else 0
 
