@@ -77,3 +77,20 @@ def test_every_verb_has_json(prog: str, parser: argparse.ArgumentParser) -> None
         options = {o for a in leaf._actions for o in a.option_strings}
         delegated = any(a.dest == "rest" for a in leaf._actions)  # cfemu backup/restore/demo/chaos: their own CLI
         assert delegated or "--json" in options, f"{prog} {' '.join(path)} has no --json"
+
+
+def test_a_daemon_with_json_logs_json_lines(redis_url: str, tmp_path: Path) -> None:
+    """`sqm run --json` (and `cfbackup schedule --json`, through the same clitools.configure_logging): every log
+    line is one JSON object."""
+    import json
+
+    from cfemu.admin import Admin
+    from cfemu.connection import connect
+    from tests.sqm.test_service import start_server
+
+    Admin(connect(redis_url)).define_structure("APP1")
+    srv = start_server(redis_url, tmp_path, "QM1", "--json")
+    assert srv.stop() == 0
+    lines = [json.loads(line) for line in srv.log_text().splitlines()]
+    assert lines and all({"time", "level", "logger", "message"} <= set(x) for x in lines)
+    assert any("QM1" in x["message"] for x in lines)
