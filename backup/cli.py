@@ -7,51 +7,42 @@
   cfbackup prune STRUCTURE --keep N | --older-than AGE
   cfbackup schedule --interval SECONDS [--structure S]...   back up every N seconds (a daemon, until SIGTERM)
 
-Errors are one line on stderr (exit 2); --verbose adds the traceback. --json prints machine-readable output.
+The CF, the members' logs and the backup root are found as by every command (cfemu.settings): the flag, else the
+environment ($REDIS_URL, $CFEMU_LOG_ROOT, $CFEMU_BACKUP_DIR), else the nearest 'cfemu cluster' directory, else the
+CF of 'cfemu cf start', else var/logs and var/backups. Errors are one line on stderr (exit 2); --verbose adds the
+traceback. --json prints machine-readable output (schedule: its log lines as JSON).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
-import redis
-from rich import box
 from rich.console import Console
 from rich.table import Table
 
 from backup.catalog import OK, find_backup, inspect, list_backups, parse_age, prune
 from backup.files import BackupError, verify
 from backup.run import DEFAULT_BATCH, run_backup
-from cfemu.admin import AdminError
-from cfemu.clitools import run_command
-from cfemu.connection import ConnectionConfigError, connect
-from cfemu.errors import MQError
+from cfemu.clitools import (
+    Output,
+    PhaseBars,
+    add_settings_arguments,
+    configure_logging,
+    require_url,
+    run_command,
+    settings,
+)
+from cfemu.clitools import styled_table as _table
+from cfemu.connection import connect
 
-ENV_BACKUP_DIR = "CFEMU_BACKUP_DIR"
-ENV_LOG_ROOT = "CFEMU_LOG_ROOT"
-DEFAULT_BACKUP_DIR = "./var/backups"
-
-EXPECTED_ERRORS = (BackupError, MQError, AdminError, ValueError, ConnectionConfigError, OSError,
-                   redis.exceptions.RedisError)
-
-
-def _table(console: Console, *columns: str, title: str | None = None) -> Table:
-    table = Table(*columns, title=title, box=box.ROUNDED if console.is_terminal else None,
-                  title_justify="left")
-    return table
+EXPECTED_ERRORS = (BackupError,)  # beyond clitools.COMMON_ERRORS
 
 
 def _mib(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**20:.1f}"
-
-
-def _print_json(obj: Any) -> None:
-    print(json.dumps(obj, indent=1, sort_keys=True, default=str))
 
 
 def _steps_table(console: Console, manifest: dict[str, Any]) -> Table:
@@ -84,112 +75,112 @@ def _summary_table(console: Console, manifest: dict[str, Any], path: Path, state
     return t
 
 
-def cmd_run(args: argparse.Namespace, console: Console) -> int:
-    client = connect(args.redis_url)
-    log_root = Path(args.log_root) if args.log_root else None
-    manifest = run_backup(client, args.structure, Path(args.backup_dir), log_root=log_root,
-                          exclint_s=args.exclint, batch=args.batch, progress=console.is_terminal and not args.json)
-    path = Path(args.backup_dir) / args.structure / manifest["id"]
-    if args.json:
-        _print_json({**manifest, "path": str(path)})
+def cmd_run(args: argparse.Namespace, out: Output) -> int:
+    found = settings(args)
+    client = connect(require_url(found))
+    # The members' logs are only read to count exception records: a log root that is not there is no error.
+    log_root = found.log_root if found.log_root.is_dir() else None
+    with PhaseBars(out.console, disabled=out.as_json or not out.console.is_terminal, width=36) as bars:
+        manifest = run_backup(client, args.structure, found.backup_dir, log_root=log_root, exclint_s=args.exclint,
+                              batch=args.batch, progress=bars)
+    path = found.backup_dir / args.structure / manifest["id"]
+    if out.as_json:
+        out.json({**manifest, "path": str(path)})
         return 0
-    console.print(_steps_table(console, manifest))
-    console.print(_summary_table(console, manifest, path))
+    out.print(_steps_table(out.console, manifest))
+    out.print(_summary_table(out.console, manifest, path))
     return 0
 
 
-def cmd_list(args: argparse.Namespace, console: Console) -> int:
-    backups = list_backups(Path(args.backup_dir), args.structure, deep=args.deep)
-    if args.json:
-        _print_json([b.summary() for b in backups])
+def cmd_list(args: argparse.Namespace, out: Output) -> int:
+    backup_dir = settings(args).backup_dir
+    backups = list_backups(backup_dir, args.structure, deep=args.deep)
+    if out.as_json:
+        out.json([b.summary() for b in backups])
         return 0
     if not backups:
-        console.print(f"no backups{' of ' + args.structure if args.structure else ''} in {args.backup_dir}")
+        out.line(f"no backups{' of ' + args.structure if args.structure else ''} in {backup_dir}")
         return 0
-    t = _table(console, "id", "state", "started", "entries", "MiB", "replay from", "end LRSN", "problem")
+    t = _table(out.console, "id", "state", "started", "entries", "MiB", "replay from", "end LRSN", "problem")
     for b in backups:
         row = b.summary()
         t.add_row(b.id, b.state, row["started_at"], str(row["entries"] if row["entries"] is not None else "-"),
                   _mib(row["bytes"]), str(row["replay_from"] or "-"), str(row["end_lrsn"] or "-"), b.problem)
-    console.print(t)
+    out.print(t)
     return 0
 
 
-def cmd_show(args: argparse.Namespace, console: Console) -> int:
-    info = inspect(find_backup(Path(args.backup_dir), args.id))
-    if args.json:
-        _print_json({**info.summary(), "manifest": info.manifest})
+def cmd_show(args: argparse.Namespace, out: Output) -> int:
+    info = inspect(find_backup(settings(args).backup_dir, args.id))
+    if out.as_json:
+        out.json({**info.summary(), "manifest": info.manifest})
     elif info.manifest is not None:
-        console.print(_summary_table(console, info.manifest, info.path, info.state))
-        console.print(_steps_table(console, info.manifest))
+        out.print(_summary_table(out.console, info.manifest, info.path, info.state))
+        out.print(_steps_table(out.console, info.manifest))
     if info.state != OK:
         print(f"cfbackup: backup {info.id} is {info.state}: {info.problem}", file=sys.stderr)
         return 2
     return 0
 
 
-def cmd_verify(args: argparse.Namespace, console: Console) -> int:
-    path = find_backup(Path(args.backup_dir), args.id)
+def cmd_verify(args: argparse.Namespace, out: Output) -> int:
+    path = find_backup(settings(args).backup_dir, args.id)
     manifest = verify(path)
     frames = sum(f["frames"] for f in manifest["files"])
-    if args.json:
-        _print_json({"id": manifest["id"], "state": OK, "entries": manifest["entries"], "frames": frames,
+    if out.as_json:
+        out.json({"id": manifest["id"], "state": OK, "entries": manifest["entries"], "frames": frames,
                      "bytes": manifest["bytes"], "files": len(manifest["files"])})
     else:
-        console.print(f"backup {manifest['id']} is good: {frames} frames in {len(manifest['files'])} file(s), "
+        out.line(f"backup {manifest['id']} is good: {frames} frames in {len(manifest['files'])} file(s), "
                       f"{_mib(manifest['bytes'])} MiB of data, every CRC and checksum matches")
     return 0
 
 
-def cmd_prune(args: argparse.Namespace, console: Console) -> int:
+def cmd_prune(args: argparse.Namespace, out: Output) -> int:
     older = parse_age(args.older_than) if args.older_than else None
-    url = args.redis_url
-    client = connect(url) if url else None
-    result = prune(Path(args.backup_dir), args.structure, keep=args.keep, older_than=older, client=client)
-    if args.json:
-        _print_json({"removed": [b.id for b in result.removed], "kept": [b.id for b in result.kept],
+    found = settings(args)
+    client = connect(found.redis_url) if found.redis_url else None  # without a CF, only the files are pruned
+    result = prune(found.backup_dir, args.structure, keep=args.keep, older_than=older, client=client)
+    if out.as_json:
+        out.json({"removed": [b.id for b in result.removed], "kept": [b.id for b in result.kept],
                      "admin_updated": result.admin_updated, "note": result.note})
         return 0
     if not result.removed:
-        console.print(f"nothing to prune: {len(result.kept)} backup(s) of {args.structure} kept")
+        out.line(f"nothing to prune: {len(result.kept)} backup(s) of {args.structure} kept")
     else:
-        t = _table(console, "removed", "state", "started")
+        t = _table(out.console, "removed", "state", "started")
         for b in result.removed:
             t.add_row(b.id, b.state, b.started.isoformat())
-        console.print(t)
-        console.print(f"{len(result.removed)} removed, {len(result.kept)} kept")
+        out.print(t)
+        out.line(f"{len(result.removed)} removed, {len(result.kept)} kept")
     if result.note:
-        console.print(f"note: {result.note}")
+        out.line(f"note: {result.note}")
     return 0
 
 
-def cmd_schedule(args: argparse.Namespace, console: Console) -> int:
-    import logging
-
+def cmd_schedule(args: argparse.Namespace, out: Output) -> int:
     from backup.schedule import run_backup_scheduler
 
     if args.interval <= 0:
         raise ValueError(f"--interval must be > 0, not {args.interval}")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    run_backup_scheduler(args.interval, args.structure)
+    configure_logging(args.verbose, as_json=out.as_json)
+    run_backup_scheduler(args.interval, settings(args), args.structure)
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--backup-dir", default=os.environ.get(ENV_BACKUP_DIR, DEFAULT_BACKUP_DIR),
-                        help=f"backup root (default ${ENV_BACKUP_DIR} or {DEFAULT_BACKUP_DIR})")
+    add_settings_arguments(common, "backup_dir", "cluster_dir")
     common.add_argument("--json", action="store_true", help="machine-readable output")
     common.add_argument("--verbose", "-v", action="store_true", help="show the traceback of an error")
     cf = argparse.ArgumentParser(add_help=False)
-    cf.add_argument("--redis-url", default=os.environ.get("REDIS_URL"), help="the CF (default $REDIS_URL)")
+    add_settings_arguments(cf, "redis_url", "cf_dir")
 
     p = argparse.ArgumentParser(prog="cfbackup", description="Fuzzy backup of CF structures (BACKUP CFSTRUCT).")
     sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
     run = sub.add_parser("run", parents=[common, cf], help="back up a structure")
     run.add_argument("structure")
-    run.add_argument("--log-root", default=os.environ.get(ENV_LOG_ROOT),
-                     help=f"the members' logs, to count exception records (default ${ENV_LOG_ROOT})")
+    add_settings_arguments(run, "log_root")  # to count the exception records
     run.add_argument("--exclint", type=int, default=0, metavar="SECONDS",
                      help="leave out messages put less than SECONDS before the backup (restore replays them)")
     run.add_argument("--batch", type=int, default=DEFAULT_BATCH, metavar="N",
@@ -213,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     how.add_argument("--older-than", metavar="AGE", help="remove backups older than AGE (e.g. 7d, 12h)")
     pr.set_defaults(func=cmd_prune)
     sch = sub.add_parser("schedule", parents=[common, cf], help="back up structures every N seconds (a daemon)")
+    add_settings_arguments(sch, "log_root")  # handed on to every backup it runs
     sch.add_argument("--interval", type=float, required=True, metavar="SECONDS")
     sch.add_argument("--structure", action="append", default=[], help="structure to back up (default: all ACTIVE)")
     sch.set_defaults(func=cmd_schedule)

@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from backup.files import BackupError, BackupWriter, new_backup_id
 from backup.protocol import STEPS, StepCount, Wire, copy_step_wire
 from cfemu.admin import Admin, AdminError
 from cfemu.cf import CF
+from cfemu.progress import Progress, no_progress
 from sqm.clock import LrsnClock
 from sqm.log import LogReader, find_log_dirs
 
@@ -36,10 +36,6 @@ StepHook = Callable[[int, str], None]
 
 _PROGRESS_EVERY = 1000
 DEFAULT_BATCH = 500
-
-
-def new_progress() -> Progress:
-    return Progress(TextColumn("{task.description:<36}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
 
 
 def count_exception_records(log_root: Path, structure: str, start_lrsn: int, end_lrsn: int) -> int:
@@ -67,13 +63,14 @@ def _iso(t: datetime) -> str:
 
 
 def run_backup(client: redis.Redis, structure: str, backup_root: Path, *, log_root: Path | None = None,
-               exclint_s: int = 0, progress: bool | Progress = False, batch: int = DEFAULT_BATCH,
+               exclint_s: int = 0, progress: Progress = no_progress, batch: int = DEFAULT_BATCH,
                on_step: StepHook | None = None) -> dict[str, Any]:
     """Back up `structure` into backup_root/<structure>/<id>/; returns the manifest.
 
     exclint_s (MQ's EXCLINT): leave out entries put less than this many seconds before the backup started; the
     manifest's replay_from is lowered to the lowest put LRSN among them, so restore replays their history.
     log_root: where the members' logs are; when given, the manifest counts the exception records.
+    progress(phase, done, total): one phase per copy step ("1 <label>" .. "5 <label>"), counting its snapshot.
     Raises StructureNotReadyError, cfemu.errors.BackupRunningError (a backup of the structure is running), or
     whatever the CF or the file system raise; a failed backup is ended as failed and leaves no directory.
     """
@@ -109,30 +106,25 @@ def run_backup(client: redis.Redis, structure: str, backup_root: Path, *, log_ro
         lowest_excluded[0] = min(lowest_excluded[0], wire["o2"])  # its put LRSN: replay from there
         return False
 
-    own_progress = progress is True
-    bar: Progress | None = new_progress() if own_progress else (progress if isinstance(progress, Progress)
-                                                                 else None)
     writer: BackupWriter | None = None
     ended = False
     counts: list[StepCount] = []
     try:
         writer = BackupWriter(Path(backup_root) / structure / backup_id)
-        if own_progress and bar is not None:
-            bar.start()
         for number, (state_name, label) in enumerate(STEPS, start=1):
             if on_step is not None:
                 on_step(number, state_name)
             count = StepCount()
             counts.append(count)
-            task = bar.add_task(f"{number} {label}", total=None) if bar is not None else None
+            phase = f"{number} {label}"
+            progress(phase, 0, None)  # the snapshot, and so the total, is taken when the step's copy starts
             copies = copy_step_wire(s, state_name, count, batch, keep=old_enough if exclint_s else None)
             for done, (wire, data) in enumerate(copies, start=1):
                 writer.add(number, wire, data)
-                if bar is not None and task is not None and done % _PROGRESS_EVERY == 0:
-                    bar.update(task, total=count.snapshot, completed=count.copied + count.skipped_nonpersistent
-                               + count.vanished + count.excluded)
-            if bar is not None and task is not None:
-                bar.update(task, total=count.snapshot, completed=count.snapshot)
+                if done % _PROGRESS_EVERY == 0:
+                    progress(phase, count.copied + count.skipped_nonpersistent + count.vanished + count.excluded,
+                             count.snapshot)
+            progress(phase, count.snapshot, count.snapshot)
         end_lrsn = s.backup_end(backup_id, clock.now(), ok=True)
         ended = True
         steps = [{"step": n, "state": st, "label": label, **asdict(c)}
@@ -156,8 +148,5 @@ def run_backup(client: redis.Redis, structure: str, backup_root: Path, *, log_ro
         if writer is not None:
             writer.abort()
         raise
-    finally:
-        if own_progress and bar is not None:
-            bar.stop()
     admin.record_backup(structure, catalog_entry(manifest, writer.directory))
     return manifest

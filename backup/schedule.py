@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -19,19 +20,22 @@ from collections.abc import Sequence
 from cfemu.admin import Admin
 from cfemu.connection import connect
 from cfemu.procs import popen_tied
+from cfemu.settings import Settings
 
 log = logging.getLogger("backup.schedule")
 
 BACKUP_COMMAND = [sys.executable, "-m", "backup.cli"]
 
 
-def run_backup_scheduler(interval: float, structures: Sequence[str] = (), stop: threading.Event | None = None) -> None:
+def run_backup_scheduler(interval: float, settings: Settings, structures: Sequence[str] = (),
+                         stop: threading.Event | None = None) -> None:
     """Every interval seconds run ``cfbackup run S`` for each structure (default: every ACTIVE one), until stop.
 
-    The CF, log root and backup directory come from the environment (REDIS_URL, CFEMU_LOG_ROOT, CFEMU_BACKUP_DIR),
-    which is how the cluster launcher and docker-compose configure every process.
+    settings (the scheduler's own, resolved once) go to every child through its environment, so that each backup
+    uses the scheduler's CF, log root and backup directory whatever the child would find on its own.
     """
     stop = stop or threading.Event()
+    child_env = {**os.environ, **settings.env()}
     current: list[subprocess.Popen[bytes]] = []
 
     def on_term(signum: int, frame: object) -> None:
@@ -45,12 +49,12 @@ def run_backup_scheduler(interval: float, structures: Sequence[str] = (), stop: 
         signal.signal(signal.SIGINT, on_term)
     log.info("backup scheduler: every %gs, structures: %s", interval, ", ".join(structures) or "all ACTIVE")
     while not stop.wait(interval):
-        for s in structures or _active_structures():
+        for s in structures or _active_structures(settings.redis_url):
             if stop.is_set():
                 break
             t0 = time.monotonic()
             proc = popen_tied([*BACKUP_COMMAND, "run", s], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT)
+                              stderr=subprocess.STDOUT, env=child_env)
             current.append(proc)
             out, _ = proc.communicate()
             current.remove(proc)
@@ -61,9 +65,9 @@ def run_backup_scheduler(interval: float, structures: Sequence[str] = (), stop: 
                 log.error("backup of %s failed (exit %s): %s", s, proc.returncode, tail[0])
 
 
-def _active_structures() -> list[str]:
+def _active_structures(url: str | None) -> list[str]:
     try:
-        client = connect()
+        client = connect(url)
         try:
             admin = Admin(client)
             return sorted(s.name for s in admin.structures() if admin.state(s.name) == "ACTIVE")

@@ -38,6 +38,7 @@ from backup.run import DEFAULT_BATCH, run_backup
 from cfemu import keys
 from cfemu.admin import Admin
 from cfemu.cf import CF
+from cfemu.clitools import PhaseBars
 from cfemu.embedded import EmbeddedRedis
 from cfemu.errors import NoMessageError
 from sqm.manager import QueueManager, QueueManagerConfig
@@ -197,7 +198,8 @@ def main() -> int:
             raw_s, raw_bytes = raw_read(client, ids)
             raws.append(raw_s)
             t0 = time.perf_counter()
-            manifest = run_backup(client, STRUCTURE, work / "bk", progress=console.is_terminal, batch=args.batch)
+            with PhaseBars(console, disabled=not console.is_terminal, width=36) as bars:
+                manifest = run_backup(client, STRUCTURE, work / "bk", progress=bars, batch=args.batch)
             backups.append(time.perf_counter() - t0)
             assert manifest["entries"] == args.messages, manifest["entries"]
             shutil.rmtree(work / "bk")

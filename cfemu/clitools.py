@@ -1,31 +1,195 @@
-"""What every command line of the project shares: the console and the one-line error convention."""
+"""What every command line of the project shares (cfemu, sqm, cfbackup, cfrestore).
+
+* Settings: ``add_settings_arguments`` gives a parser the flags of cfemu.settings (--redis-url, --log-root,
+  --backup-dir, --token, --cluster-dir, --cf-dir) with one help text each, and ``settings(args)`` resolves them:
+  flag, environment, the nearest cluster, the ``cfemu cf start`` CF, the default.
+* Output: ``Output`` prints rich tables on a terminal, plain columns otherwise, or one JSON document (--json).
+* Errors: ``run_command`` runs a verb; an expected error is one line on stderr, ``PROG: error: ...``, exit status 2,
+  and --verbose adds the traceback. Ctrl-C is ``PROG: interrupted``, exit status 130.
+* Progress: ``PhaseBars`` draws the cfemu.progress port as one rich bar per phase.
+* Daemons (``sqm run``, ``cfbackup schedule``): ``configure_logging`` writes their log lines, as JSON with --json.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+from types import TracebackType
+from typing import Any
 
-from rich.console import Console
+import redis
+from rich import box
+from rich.console import Console, RenderableType
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from cfemu import settings as _settings
+from cfemu.admin import AdminError
+from cfemu.connection import ConnectionConfigError
+from cfemu.errors import MQError
+from cfemu.settings import Settings
 
 
-def console() -> Console:
-    """A rich console; plain (no colour, wide) when the output is not a terminal."""
+class CLIError(Exception):
+    """A one-line error for the operator."""
+
+
+# What any verb may raise for a reason the operator can act on; each CLI adds its own (run_command's expected).
+COMMON_ERRORS: tuple[type[BaseException], ...] = (
+    CLIError, MQError, AdminError, ConnectionConfigError, ValueError, OSError, redis.exceptions.RedisError)
+
+# --- settings --------------------------------------------------------------------------------------------------
+SETTINGS_HELP = {
+    "redis_url": f"the CF (default ${_settings.ENV_URL}, the cluster's, or the 'cfemu cf start' CF's)",
+    "log_root": f"the members' logs (default ${_settings.ENV_LOG_ROOT}, the cluster's, or "
+                f"{_settings.DEFAULT_LOG_ROOT})",
+    "backup_dir": f"the backup root (default ${_settings.ENV_BACKUP_DIR}, the cluster's, or "
+                  f"{_settings.DEFAULT_BACKUP_DIR})",
+    "token": f"the SQM servers' shared secret (default ${_settings.ENV_TOKEN} or the cluster's)",
+    "cluster_dir": f"a 'cfemu cluster' directory to take settings from (default ${_settings.ENV_CLUSTER_DIR} or "
+                   f"the nearest {_settings.DEFAULT_CLUSTER_DIR})",
+    "cf_dir": f"a 'cfemu cf start' directory (default ${_settings.ENV_CF_DIR} or the nearest "
+              f"{_settings.DEFAULT_CF_DIR})",
+}
+
+
+def add_settings_arguments(parser: argparse.ArgumentParser, *names: str) -> None:
+    """Add the settings flags ``names`` (keys of SETTINGS_HELP; default: all). Every default is None: the
+    resolver, not argparse, decides what an absent flag means."""
+    for name in names or tuple(SETTINGS_HELP):
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, default=None, help=SETTINGS_HELP[name])
+
+
+def settings(args: argparse.Namespace) -> Settings:
+    """The settings for a parsed command line (flags it does not have count as not given)."""
+    return _settings.resolve(**{name: getattr(args, name, None) for name in SETTINGS_HELP})
+
+
+def require_url(s: Settings) -> str:
+    """The CF URL, or the error that says every way to give one."""
+    if not s.redis_url:
+        raise CLIError(f"no CF found: pass --redis-url, set ${_settings.ENV_URL}, or start one ('cfemu cluster up' "
+                       "or 'cfemu cf start')")
+    return s.redis_url
+
+
+# --- output -----------------------------------------------------------------------------------------------------
+def console(width: int = 250) -> Console:
+    """A rich console; plain (no colour, wide) when the output is not a terminal, so that pipes get columns."""
     c = Console()
-    return c if c.is_terminal else Console(width=200, no_color=True)
+    return c if c.is_terminal else Console(width=width, no_color=True, highlight=False)
 
 
-def run_command(prog: str, args: argparse.Namespace, func: Callable[[argparse.Namespace, Console], int],
-                expected: tuple[type[BaseException], ...]) -> int:
-    """Run a verb: an expected error is one line on stderr and exit status 2 (--verbose adds the traceback)."""
+def styled_table(console: Console, *columns: str, title: str | None = None) -> Table:
+    """A table in the house style: rounded boxes on a terminal, bare columns otherwise."""
+    return Table(*columns, title=title, title_justify="left", box=box.ROUNDED if console.is_terminal else None)
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, bytes):
+        try:
+            return obj.decode()
+        except UnicodeDecodeError:
+            return obj.hex()
+    return str(obj)
+
+
+def dumps(obj: Any, *, indent: int | None = 1) -> str:
+    """JSON as every command prints it: sorted keys, bytes as text (hex when not UTF-8), anything else str()."""
+    return json.dumps(obj, indent=indent, sort_keys=True, default=_json_default)
+
+
+class Output:
+    """Rich tables on a terminal, plain columns otherwise, or one JSON document with --json."""
+
+    def __init__(self, as_json: bool = False, width: int = 250) -> None:
+        self.as_json = as_json
+        self.console = console(width)
+
+    def table(self, title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+        t = styled_table(self.console, *columns, title=title)
+        for row in rows:
+            t.add_row(*("-" if v is None else str(v) for v in row))
+        self.console.print(t)
+
+    def print(self, *renderables: RenderableType) -> None:
+        self.console.print(*renderables)
+
+    def json(self, obj: Any) -> None:
+        print(dumps(obj))
+
+    def line(self, text: str) -> None:
+        self.console.print(text, markup=False, highlight=False)
+
+
+# --- errors -----------------------------------------------------------------------------------------------------
+def run_command(prog: str, args: argparse.Namespace, func: Callable[[argparse.Namespace, Output], int],
+                expected: tuple[type[BaseException], ...] = ()) -> int:
+    """Run a verb with an Output (JSON when args.json): an expected error (COMMON_ERRORS or ``expected``) is one
+    line on stderr and exit status 2; --verbose adds the traceback above it."""
     try:
-        return int(func(args, console()))
-    except expected as e:
+        return int(func(args, Output(bool(getattr(args, "json", False)))))
+    except (*COMMON_ERRORS, *expected) as e:
         if getattr(args, "verbose", False):
             traceback.print_exc()
-        print(f"{prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        print(f"{prog}: error: {' '.join(str(e).split()) or type(e).__name__}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
+
+
+# --- progress ---------------------------------------------------------------------------------------------------
+class PhaseBars:
+    """A cfemu.progress.Progress drawn as one rich bar per phase (restore's read backup ... load, backup's five
+    copy steps). Phases come one after another, so one that never reported a total is shown complete once the
+    next one starts. Use as a context manager; with disabled=True (not a terminal, or --json) it shows nothing."""
+
+    def __init__(self, console: Console, *, disabled: bool = False, width: int = 12) -> None:
+        self.bars = Progress(TextColumn(f"{{task.description:<{width}}}"), BarColumn(), MofNCompleteColumn(),
+                             TimeElapsedColumn(), console=console, disable=disabled)
+        self.tasks: dict[str, TaskID] = {}
+
+    def __call__(self, phase: str, done: int, total: int | None) -> None:
+        task = self.tasks.get(phase)
+        if task is None:
+            for t in self.bars.tasks:
+                if t.total is None:
+                    self.bars.update(t.id, total=t.completed or 1, completed=t.completed or 1)
+            task = self.tasks[phase] = self.bars.add_task(phase, total=total)
+        self.bars.update(task, completed=done, total=total)
+
+    def __enter__(self) -> PhaseBars:
+        self.bars.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.bars.stop()
+
+
+# --- daemons ----------------------------------------------------------------------------------------------------
+class JsonLogFormatter(logging.Formatter):
+    """One JSON object per log line: time (UTC, ISO 8601), level, logger, thread, message (and exc)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        doc: dict[str, Any] = {
+            "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname, "logger": record.name, "thread": record.threadName,
+            "message": record.getMessage()}
+        if record.exc_info:
+            doc["exc"] = self.formatException(record.exc_info)
+        return dumps(doc, indent=None)
+
+
+def configure_logging(verbose: bool = False, as_json: bool = False) -> None:
+    """The log of a daemon verb on stderr: INFO (DEBUG with --verbose), text or (--json) JSON lines."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonLogFormatter() if as_json else
+                         logging.Formatter("%(asctime)s %(levelname)s %(name)s[%(threadName)s]: %(message)s"))
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, handlers=[handler])

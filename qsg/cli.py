@@ -11,83 +11,42 @@
   cfemu demo                                    the end-to-end demonstration
   cfemu chaos run|soak|check|kinds              the chaos test suite (docs/chaos.md)
 
-The CF is found from --redis-url, else $REDIS_URL, else a cluster in --cluster-dir (default var/cluster), else a
-CF started with 'cfemu cf start' (var/cf). Tables are rich on a terminal and plain otherwise; --json prints
-one JSON document. Errors are one line on stderr (exit 2); --verbose adds the traceback.
+The CF, the log root and the servers' token are found as by every command (cfemu.settings): the flag, else the
+environment ($REDIS_URL, $CFEMU_LOG_ROOT, $SQM_TOKEN), else the nearest cluster (--cluster-dir, $CFEMU_CLUSTER_DIR
+or var/cluster here or above), else the CF of 'cfemu cf start' (--cf-dir, $CFEMU_CF_DIR or var/cf), else the
+default. Tables are rich on a terminal and plain otherwise; --json prints one JSON document. Errors are one line
+on stderr (exit 2); --verbose adds the traceback (cfemu.clitools.run_command).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
-import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
 import redis
-from rich import box
-from rich.console import Console
-from rich.table import Table
 
 from cfemu import keys
-from cfemu.admin import Admin, AdminError
+from cfemu.admin import Admin
 from cfemu.cf import CF
-from cfemu.connection import ConnectionConfigError, connect
+from cfemu.clitools import CLIError, Output, add_settings_arguments, require_url, run_command, settings
+from cfemu.connection import connect
 from cfemu.embedded import EmbeddedRedis, ServerError
-from cfemu.errors import MQError, NoMessageError
+from cfemu.errors import NoMessageError
+from cfemu.settings import find_cf_dir, find_cluster_dir
 from sqm.log import LogFormatError, LogReader
 from sqm.manager import QueueManager, QueueManagerConfig
 from sqm.service.client import Client
 from sqm.service.metrics import last_backup_age
 
-DEFAULT_CF_DIR = Path("var/cf")
-DEFAULT_CLUSTER_DIR = Path("var/cluster")
-DEFAULT_LOG_ROOT = Path("var/logs")
 OPERATOR_QM = "OPS"  # the short-lived in-process queue manager of one-shot put/get
 
-EXPECTED_ERRORS = (MQError, AdminError, ValueError, ConnectionConfigError, ServerError, OSError,
-                   redis.exceptions.RedisError, RuntimeError)
-
-
-class CLIError(Exception):
-    """A one-line error for the operator."""
-
-
-# --- output --------------------------------------------------------------------------------------------------
-class Output:
-    """Rich tables on a terminal, plain columns otherwise, or one JSON document with --json."""
-
-    def __init__(self, as_json: bool) -> None:
-        self.as_json = as_json
-        console = Console()
-        self.console = console if console.is_terminal else Console(width=200, no_color=True, highlight=False)
-
-    def table(self, title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
-        t = Table(*columns, title=title, title_justify="left",
-                  box=box.ROUNDED if self.console.is_terminal else None)
-        for row in rows:
-            t.add_row(*("-" if v is None else str(v) for v in row))
-        self.console.print(t)
-
-    def json(self, obj: Any) -> None:
-        print(json.dumps(obj, indent=1, sort_keys=True, default=_json_default))
-
-    def line(self, text: str) -> None:
-        self.console.print(text, markup=False, highlight=False)
-
-
-def _json_default(obj: Any) -> Any:
-    if isinstance(obj, bytes):
-        try:
-            return obj.decode()
-        except UnicodeDecodeError:
-            return obj.hex()
-    return str(obj)
+# Beyond clitools.COMMON_ERRORS: the embedded CF's and the cluster's errors (ClusterError is a RuntimeError).
+EXPECTED_ERRORS = (ServerError, RuntimeError)
 
 
 def _age(seconds: float | None) -> str:
@@ -109,47 +68,14 @@ def _body_text(body: bytes, limit: int = 60) -> str:
 
 
 # --- finding the CF, the logs, the servers ---------------------------------------------------------------------
-def _cluster_state(args: argparse.Namespace) -> dict[str, Any] | None:
-    path = Path(getattr(args, "cluster_dir", DEFAULT_CLUSTER_DIR)) / "cluster.json"
-    try:
-        return dict(json.loads(path.read_text()))
-    except (OSError, ValueError):
-        return None
-
-
-def redis_url(args: argparse.Namespace) -> str:
-    if getattr(args, "redis_url", None):
-        return str(args.redis_url)
-    if os.environ.get("REDIS_URL"):
-        return os.environ["REDIS_URL"]
-    state = _cluster_state(args)
-    if state and state.get("redis_url") and (state.get("cf") or {}).get("pid"):
-        return str(state["redis_url"])
-    url_file = Path(getattr(args, "cf_dir", DEFAULT_CF_DIR)) / "server.url"
-    if url_file.exists():
-        return url_file.read_text().strip()
-    raise CLIError("no CF found: pass --redis-url, set $REDIS_URL, or start one ('cfemu cf start' or "
-                   "'cfemu cluster up')")
-
-
-def log_root(args: argparse.Namespace) -> Path:
-    if getattr(args, "log_root", None):
-        return Path(args.log_root)
-    if os.environ.get("CFEMU_LOG_ROOT"):
-        return Path(os.environ["CFEMU_LOG_ROOT"])
-    state = _cluster_state(args)
-    if state and state.get("log_root"):
-        return Path(state["log_root"])
-    return DEFAULT_LOG_ROOT
-
-
 @contextmanager
 def admin_client(args: argparse.Namespace) -> Iterator[Admin]:
-    client = connect(redis_url(args))
+    url = require_url(settings(args))
+    client = connect(url)
     try:
         client.ping()
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
-        raise CLIError(f"the CF at {redis_url(args)} does not answer: {e}") from None
+        raise CLIError(f"the CF at {url} does not answer: {e}") from None
     try:
         yield Admin(client)
     finally:
@@ -175,16 +101,16 @@ class MessagingHandle(Protocol):
 def messaging(args: argparse.Namespace) -> Iterator[MessagingHandle]:
     """A client of --server endpoints, or a short-lived in-process SQM (OPS) whose log goes to the log root, so
     restore sees what it did. Whatever is left uncommitted when the block fails is backed out."""
+    found = settings(args)
     if args.server:
-
-        client = Client(args.server, token=args.token or os.environ.get("SQM_TOKEN"), client_name="cfemu")
+        client = Client(args.server, token=found.token, client_name="cfemu")
         try:
             yield client
         finally:
             client.close()
         return
 
-    qm = QueueManager(QueueManagerConfig(name=args.qm_name, log_root=log_root(args), redis_url=redis_url(args),
+    qm = QueueManager(QueueManagerConfig(name=args.qm_name, log_root=found.log_root, redis_url=require_url(found),
                                          background=False))
     qm.start()
     try:
@@ -199,7 +125,7 @@ def messaging(args: argparse.Namespace) -> Iterator[MessagingHandle]:
 
 # --- commands ----------------------------------------------------------------------------------------------------
 def cmd_cf(args: argparse.Namespace, out: Output) -> int:
-    cf_dir = Path(args.cf_dir)
+    cf_dir = find_cf_dir(args.cf_dir)
     if args.action == "start":
         try:
             running: EmbeddedRedis | None = EmbeddedRedis.attach(cf_dir)
@@ -292,7 +218,7 @@ def gather_status(admin: Admin, root: Path) -> dict[str, Any]:
 
 def cmd_status(args: argparse.Namespace, out: Output) -> int:
     with admin_client(args) as admin:
-        doc = gather_status(admin, log_root(args))
+        doc = gather_status(admin, settings(args).log_root)
     if args.json:
         out.json(doc)
         return 0
@@ -372,8 +298,7 @@ def cmd_browse(args: argparse.Namespace, out: Output) -> int:
 
 
 def cmd_indoubt(args: argparse.Namespace, out: Output) -> int:
-
-    token = args.token or os.environ.get("SQM_TOKEN")
+    token = settings(args).token
     if args.action == "resolve":
         with Client(args.server, token=token, client_name="cfemu") as c:
             c.resolve(args.uow, args.commit)
@@ -425,7 +350,7 @@ def _chaos_verb(argv: list[str]) -> int:
 def cmd_cluster(args: argparse.Namespace, out: Output) -> int:
     from qsg.cluster import Cluster
 
-    d = Path(args.cluster_dir)
+    d = find_cluster_dir(args.cluster_dir)
     if args.action == "up":
         t0 = time.monotonic()
         with out.console.status("starting the CF, the SQM servers and the backup scheduler...",
@@ -469,14 +394,11 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--json", action="store_true", help="print one JSON document")
     common.add_argument("-v", "--verbose", action="store_true", help="show the traceback of an error")
     where = argparse.ArgumentParser(add_help=False)
-    where.add_argument("--redis-url", help="the CF (default $REDIS_URL, the cluster's, or var/cf's)")
-    where.add_argument("--cluster-dir", default=str(DEFAULT_CLUSTER_DIR), help="a 'cfemu cluster' directory")
-    where.add_argument("--cf-dir", default=str(DEFAULT_CF_DIR), help="a 'cfemu cf start' directory")
-    where.add_argument("--log-root", help="the members' logs (default $CFEMU_LOG_ROOT, the cluster's, var/logs)")
+    add_settings_arguments(where, "redis_url", "log_root", "cluster_dir", "cf_dir")
     server = argparse.ArgumentParser(add_help=False)
     server.add_argument("--server", action="append", default=[], metavar="HOST:PORT",
                         help="go through an SQM server (repeat for failover); default: an in-process SQM")
-    server.add_argument("--token", help="the servers' token (default $SQM_TOKEN)")
+    add_settings_arguments(server, "token")
     server.add_argument("--qm-name", default=OPERATOR_QM, help=f"in-process SQM name (default {OPERATOR_QM})")
 
     parser = argparse.ArgumentParser(prog="cfemu", description="Operate a coupling-facility queue-sharing group.")
@@ -484,7 +406,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     cf = sub.add_parser("cf", parents=[common], help="an embedded CF (redis-server) running detached")
     cf.add_argument("action", choices=["start", "stop", "status"])
-    cf.add_argument("--cf-dir", "--dir", dest="cf_dir", default=str(DEFAULT_CF_DIR), help="data directory")
+    cf.add_argument("--cf-dir", "--dir", dest="cf_dir",
+                    help="data directory (default $CFEMU_CF_DIR, else the nearest var/cf, else var/cf)")
     cf.add_argument("--port", type=int, default=None, help="TCP port (default: a free one)")
     cf.add_argument("--appendonly", action="store_true", help="keep an AOF (the CF survives a restart)")
 
@@ -538,7 +461,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     cl = sub.add_parser("cluster", parents=[common], help="a local group of processes")
     cl.add_argument("action", choices=["up", "status", "down"])
-    cl.add_argument("--cluster-dir", "--dir", dest="cluster_dir", default=str(DEFAULT_CLUSTER_DIR))
+    cl.add_argument("--cluster-dir", "--dir", dest="cluster_dir",
+                    help="its directory (default $CFEMU_CLUSTER_DIR, else the nearest var/cluster, else var/cluster)")
     cl.add_argument("--managers", type=int, default=3)
     cl.add_argument("--backup-interval", type=float, default=10.0, help="seconds between backups (0: none)")
     cl.add_argument("--lease-ms", type=int, default=5000)
@@ -569,17 +493,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in DELEGATES:  # everything after the verb belongs to the delegate, --help included
         return int(DELEGATES[argv[0]](argv[1:]) or 0)
     args = parser.parse_args(argv)
-    out = Output(getattr(args, "json", False))
-    try:
-        return COMMANDS[args.command](args, out)
-    except KeyboardInterrupt:
-        print("cfemu: interrupted", file=sys.stderr)
-        return 130
-    except (CLIError, *EXPECTED_ERRORS) as e:
-        print(f"cfemu: error: {e}", file=sys.stderr)
-        if getattr(args, "verbose", False):
-            traceback.print_exc()
-        return 2
+    return run_command("cfemu", args, COMMANDS[args.command], EXPECTED_ERRORS)
 
 
 if __name__ == "__main__":

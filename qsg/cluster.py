@@ -9,7 +9,8 @@ The same topology as docker-compose.yml, for machines without Docker::
     cluster.kill_cf(); cluster.restart_cf()   # lose the CF; it comes back empty on the same port
     cluster.down()
 
-The directory holds ``cluster.json`` (pids, ports, URLs, paths), ``cf/`` (the redis-server's directory),
+The directory holds ``cluster.json`` (pids, ports, URLs, paths; the names every command reads it by are in
+cfemu.settings), ``cf/`` (the redis-server's directory),
 ``logs/`` (every member's log: the log root), ``backups/`` and ``run/`` (each process's stderr). A cluster started
 with ``detach=True`` (what ``cfemu cluster up`` does) outlives the process that started it; ``Cluster.load(dir)``
 finds it again. Otherwise its processes die with the thread that started them.
@@ -40,10 +41,22 @@ from cfemu.admin import Admin, AdminError
 from cfemu.connection import connect
 from cfemu.embedded import EmbeddedRedis, ServerNotRunningError
 from cfemu.procs import free_port, log_tail, pid_alive, popen_tied
+from cfemu.settings import (
+    CLUSTER_BACKUP_DIR,
+    CLUSTER_CF,
+    CLUSTER_FILE,
+    CLUSTER_LOG_ROOT,
+    CLUSTER_REDIS_URL,
+    CLUSTER_TOKEN,
+    ENV_BACKUP_DIR,
+    ENV_CLUSTER_DIR,
+    ENV_LOG_ROOT,
+    ENV_TOKEN,
+    ENV_URL,
+)
 
 log = logging.getLogger("qsg.cluster")
 
-CLUSTER_FILE = "cluster.json"
 # Runs the backup CLI in a fresh interpreter (no dependence on console scripts being on PATH).
 SCHEDULER_COMMAND = [sys.executable, "-m", "backup.cli", "schedule"]  # cfbackup schedule
 
@@ -74,7 +87,7 @@ class Cluster:
     # --- what callers use ----------------------------------------------------------------------------------
     @property
     def redis_url(self) -> str:
-        return str(self.state["redis_url"])
+        return str(self.state[CLUSTER_REDIS_URL])
 
     @property
     def host(self) -> str:
@@ -86,15 +99,15 @@ class Cluster:
 
     @property
     def log_root(self) -> Path:
-        return Path(self.state["log_root"])
+        return Path(self.state[CLUSTER_LOG_ROOT])
 
     @property
     def backup_dir(self) -> Path:
-        return Path(self.state["backup_dir"])
+        return Path(self.state[CLUSTER_BACKUP_DIR])
 
     @property
     def token(self) -> str | None:
-        return self.state.get("token")
+        return self.state.get(CLUSTER_TOKEN)
 
     def manager(self, name: str) -> dict[str, Any]:
         for m in self.state["managers"]:
@@ -130,8 +143,9 @@ class Cluster:
         for sub in ("cf", "logs", "backups", "run"):
             (d / sub).mkdir(parents=True, exist_ok=True)
         state: dict[str, Any] = {
-            "dir": str(d), "host": host, "detached": detach, "lease_ms": lease_ms, "token": token,
-            "log_root": str(d / "logs"), "backup_dir": str(d / "backups"), "cf": {"dir": str(d / "cf")},
+            "dir": str(d), "host": host, "detached": detach, "lease_ms": lease_ms, CLUSTER_TOKEN: token,
+            CLUSTER_LOG_ROOT: str(d / "logs"), CLUSTER_BACKUP_DIR: str(d / "backups"),
+            CLUSTER_CF: {"dir": str(d / "cf")},
             "managers": [{"name": f"QM{i}", "port": free_port(host), "metrics_port": free_port(host)}
                          for i in range(1, managers + 1)],
             "manager_args": list(manager_args),
@@ -182,11 +196,13 @@ class Cluster:
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
-        env.update(REDIS_URL=self.redis_url, CFEMU_LOG_ROOT=str(self.log_root),
-                   CFEMU_BACKUP_DIR=str(self.backup_dir), PYTHONUNBUFFERED="1")
-        env.pop("SQM_TOKEN", None)
+        # Every setting in the environment, this cluster's directory included, so that the children (and the
+        # scheduler's backups) resolve this cluster's settings, not those of a cluster near their working directory.
+        env.update({ENV_URL: self.redis_url, ENV_LOG_ROOT: str(self.log_root), ENV_BACKUP_DIR: str(self.backup_dir),
+                    ENV_CLUSTER_DIR: str(self.dir), "PYTHONUNBUFFERED": "1"})
+        env.pop(ENV_TOKEN, None)
         if self.token:
-            env["SQM_TOKEN"] = self.token  # in the environment, not on a command line anyone can read
+            env[ENV_TOKEN] = self.token  # in the environment, not on a command line anyone can read
         return env
 
     def _popen(self, key: str, cmd: list[str], log_name: str) -> subprocess.Popen[bytes]:
@@ -201,13 +217,13 @@ class Cluster:
         return proc
 
     def _start_cf(self, port: int | None) -> None:
-        cf_dir = Path(self.state["cf"]["dir"])
+        cf_dir = Path(self.state[CLUSTER_CF]["dir"])
         for leftover in ("dump.rdb", "appendonly.aof"):  # the CF always starts empty, like a lost CF
             with contextlib.suppress(FileNotFoundError):
                 (cf_dir / leftover).unlink()
         self._cf = EmbeddedRedis(port=port, data_dir=cf_dir, host=self.host, detach=self.state["detached"]).start()
-        self.state["cf"].update(port=self._cf.port, pid=self._cf.pid)
-        self.state["redis_url"] = self._cf.url
+        self.state[CLUSTER_CF].update(port=self._cf.port, pid=self._cf.pid)
+        self.state[CLUSTER_REDIS_URL] = self._cf.url
 
     def _define(self, structure: str, queues: Sequence[str]) -> None:
         client = connect(self.redis_url)
@@ -300,21 +316,21 @@ class Cluster:
     def kill_cf(self) -> None:
         """kill -9 the CF (everything in it is lost; the SQMs see a failed structure)."""
         self._cf_server().kill()
-        self.state["cf"]["pid"] = None
+        self.state[CLUSTER_CF]["pid"] = None
         self._save()
 
     def restart_cf(self) -> None:
         """Start the CF again on the same port, empty."""
         if self._cf is not None and self._cf.is_running():
             raise ClusterError("the CF is still running; kill_cf() first")
-        self._start_cf(port=int(self.state["cf"]["port"]))
+        self._start_cf(port=int(self.state[CLUSTER_CF]["port"]))
         self._save()
 
     def _cf_server(self) -> EmbeddedRedis:
         if self._cf is not None and self._cf.is_running():
             return self._cf
         try:
-            self._cf = EmbeddedRedis.attach(self.state["cf"]["dir"])
+            self._cf = EmbeddedRedis.attach(self.state[CLUSTER_CF]["dir"])
         except ServerNotRunningError as e:
             raise ClusterError(f"the CF is not running: {e}") from None
         return self._cf
@@ -338,7 +354,7 @@ class Cluster:
     def running_processes(self) -> dict[str, int]:
         """Name -> pid of every cluster process still alive (the CF as 'CF', the scheduler as 'scheduler')."""
         out: dict[str, int] = {}
-        cf_pid = self.state.get("cf", {}).get("pid")
+        cf_pid = self.state.get(CLUSTER_CF, {}).get("pid")
         if _pid_runs(cf_pid, b"redis"):
             out["CF"] = cf_pid
         for m in self.state.get("managers", []):
@@ -352,9 +368,9 @@ class Cluster:
     def status(self) -> dict[str, Any]:
         """Each process: pid, alive, and for managers the answer of /readyz."""
         alive = self.running_processes()
-        cf = self.state["cf"]
+        cf = self.state[CLUSTER_CF]
         rows: list[dict[str, Any]] = [{"process": "CF", "pid": cf.get("pid"), "alive": "CF" in alive,
-                                       "address": self.state.get("redis_url", ""), "ready": "CF" in alive}]
+                                       "address": self.state.get(CLUSTER_REDIS_URL, ""), "ready": "CF" in alive}]
         for m in self.state["managers"]:
             ready = m["name"] in alive and self._readyz(int(m["metrics_port"]))
             rows.append({"process": m["name"], "pid": m.get("pid"), "alive": m["name"] in alive,
@@ -364,7 +380,8 @@ class Cluster:
             s = self.state["scheduler"]
             rows.append({"process": "backup-scheduler", "pid": s.get("pid"), "alive": "scheduler" in alive,
                          "address": f"every {s['interval']}s", "ready": "scheduler" in alive})
-        return {"dir": str(self.dir), "redis_url": self.state.get("redis_url"), "log_root": str(self.log_root),
+        return {"dir": str(self.dir), "redis_url": self.state.get(CLUSTER_REDIS_URL),
+                "log_root": str(self.log_root),
                 "backup_dir": str(self.backup_dir), "processes": rows}
 
     def _readyz(self, port: int) -> bool:
@@ -389,10 +406,10 @@ class Cluster:
                     os.kill(pid, signal.SIGKILL)
                 self._wait_gone(key, pid, 10.0)
                 killed[key] = pid
-        if "pid" in self.state.get("cf", {}) and self.state["cf"].get("pid"):
+        if "pid" in self.state.get(CLUSTER_CF, {}) and self.state[CLUSTER_CF].get("pid"):
             with contextlib.suppress(ClusterError):
                 self._cf_server().stop(timeout=timeout)
-        self.state["cf"]["pid"] = None
+        self.state[CLUSTER_CF]["pid"] = None
         for m in self.state["managers"]:
             m["pid"] = None
         if self.state.get("scheduler"):

@@ -25,6 +25,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from cfemu.clitools import Output, run_command
 from qsg.chaos.checker import FINDING_KINDS, MUST_BE_ZERO
 from qsg.chaos.faults import COST_S, FaultSpec
 from qsg.chaos.history import load_history
@@ -102,18 +103,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="a short run (for tests)")
     p.add_argument("--dir", type=Path, help="where the cluster and the report live (default: a temporary directory)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    args = p.parse_args(argv)
+    p.add_argument("-v", "--verbose", action="store_true", help="the traceback of an error")
+    # The demo drives real processes: any failure of it is one line (the traceback with --verbose).
+    return run_command("cfemu demo", p.parse_args(argv), cmd_demo, (Exception,))
+
+
+def cmd_demo(args: argparse.Namespace, out: Output) -> int:
     # Clients report failovers and refusals as warnings; the demo counts them in its table instead.
     logging.getLogger("sqm").setLevel(logging.ERROR)
     with tempfile.TemporaryDirectory(prefix="cfemu-demo-") as tmp:
         result = run_demo(args.dir or Path(tmp), managers=args.managers, clients=args.clients,
                           work_s=3.0 if args.quick else args.seconds, seed=args.seed)
-    if args.json:
+    if out.as_json:
         print(json.dumps(result))
     else:
-        Console().print(summary_table(result))
+        out.print(summary_table(result))
         if result["fault_errors"]:
-            Console(stderr=True).print(f"[bold red]faults that failed:[/] {'; '.join(result['fault_errors'])}")
+            out.line(f"faults that failed: {'; '.join(result['fault_errors'])}")
     return 1 if failed(result) else 0
 
 

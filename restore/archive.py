@@ -18,7 +18,6 @@ archive answers audit questions such as "where did message X go?" (audit_message
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -29,14 +28,12 @@ import msgpack
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
+from cfemu.progress import Progress, no_progress
 from restore.plan import OUTCOME_KINDS
 from sqm.log import LogReader, find_log_dirs
 from sqm.log.format import SegmentScan, fsync_directory, list_segments, segment_name
-from sqm.records import Record, describe, entry_ids
+from sqm.records import Record, entry_ids
 
 SCHEMA = pa.schema([
     ("lrsn", pa.int64()),
@@ -52,6 +49,7 @@ SCHEMA = pa.schema([
 ])
 ROW_GROUP_ROWS = 64_000
 ENTRY_KINDS = ("PUT", "GET", "EXPIRE")
+ARCHIVE = "archive"  # the progress phase of archive_logs
 
 
 def archived_segment(archive_dir: Path, member: str, segment: int) -> Path | None:
@@ -91,10 +89,9 @@ def closed_segments(log_dir: Path) -> list[tuple[int, Path]]:
     return list_segments(log_dir)[:-1]
 
 
-def archive_logs(log_root: str | Path, out_dir: str | Path,
-                 progress: Callable[[int, int], None] | None = None) -> ArchiveResult:
+def archive_logs(log_root: str | Path, out_dir: str | Path, progress: Progress = no_progress) -> ArchiveResult:
     """Archive every closed segment of every log under log_root into out_dir (idempotent).
-    progress(done, total) counts closed segments."""
+    progress(ARCHIVE, done, total) counts closed segments."""
     out = Path(out_dir)
     log_dirs = find_log_dirs(log_root)
     if not log_dirs:
@@ -108,8 +105,7 @@ def archive_logs(log_root: str | Path, out_dir: str | Path,
             table = segment_table(path, segno, member)
             result.archived.append(_write_atomically(table, out / member, segno))
             result.records += table.num_rows
-        if progress is not None:
-            progress(done, len(work))
+        progress(ARCHIVE, done, len(work))
     return result
 
 
@@ -193,46 +189,6 @@ def _scan(files: Iterable[Path], predicate: Callable[[pa.Table], Any]
             continue
         for row in table.filter(predicate(table)).to_pylist():
             yield (row["lrsn"], row["member"], row["segment"], row["offset"]), decode(row["record"], row["member"])
-
-
-# ---------------------------------------------------------------------------------------------------- CLI
-
-
-def archive_command(log_root: Path, archive_dir: Path, console: Console, *, as_json: bool = False) -> int:
-    """cfrestore archive: archive the closed segments with a progress bar, then a one-line summary."""
-    with Progress(TextColumn("archive"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, disable=as_json or not console.is_terminal) as bar:
-        task = bar.add_task("segments", total=None)
-        result = archive_logs(log_root, archive_dir, lambda done, total: bar.update(task, completed=done,
-                                                                                     total=total))
-    if as_json:
-        print(json.dumps({"archived": [str(p) for p in result.archived], "skipped": result.skipped,
-                          "records": result.records}))
-    else:
-        console.print(f"archived {len(result.archived)} segments ({result.records} records) into {archive_dir}; "
-                      f"{result.skipped} already archived")
-    return 0
-
-
-def audit_command(archive_dir: Path, entry_id: str, console: Console, *, as_json: bool = False) -> int:
-    """cfrestore audit: the records of one message, a table in LRSN order."""
-    if not archive_files(archive_dir):
-        raise FileNotFoundError(f"{archive_dir}: no archived segments here (run cfrestore archive first)")
-    found = audit_message(archive_dir, entry_id)
-    if as_json:
-        print(json.dumps([{"lrsn": r["l"], "member": r["m"], "kind": r["k"], "uow": r.get("u", ""),
-                           "what": describe(r)} for r in found]))
-        return 0 if found else 1
-    if not found:
-        console.print(f"no archived record names message {entry_id}")
-        return 1
-    table = Table(title=f"message {entry_id}")
-    for column in ("LRSN", "member", "kind", "UOW", "what"):
-        table.add_column(column)
-    for r in found:
-        table.add_row(str(r["l"]), r["m"], r["k"], r.get("u", ""), describe(r))
-    console.print(table)
-    return 0
 
 
 def audit_dataframe(spark: Any, archive_dir: str | Path, entry_id: str) -> Any:

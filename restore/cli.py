@@ -11,59 +11,59 @@
 Spark engine options (docs/spark.md): --master URL (default local[*]), --conf KEY=VALUE (repeatable),
 --archive-dir DIR (read archived segments from there).
 
-Options: --redis-url (default $REDIS_URL), --backup-dir (default $CFEMU_BACKUP_DIR or ./var/backups),
---log-root (default $CFEMU_LOG_ROOT or ./var/logs), --json (machine-readable output). Errors are one line on
+The CF, the members' logs and the backup root are found as by every command (cfemu.settings): --redis-url,
+--log-root, --backup-dir, else the environment ($REDIS_URL, $CFEMU_LOG_ROOT, $CFEMU_BACKUP_DIR), else the nearest
+'cfemu cluster' directory (--cluster-dir, $CFEMU_CLUSTER_DIR, var/cluster here or above), else the CF of
+'cfemu cf start', else var/logs and var/backups. --json prints machine-readable output. Errors are one line on
 stderr (exit 2); --verbose adds the traceback.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
-import redis
-from rich.console import Console
-
 from backup.files import BackupError
-from cfemu.admin import Admin, AdminError
-from cfemu.clitools import run_command
-from cfemu.connection import ConnectionConfigError, connect
-from cfemu.errors import MQError
+from cfemu.admin import Admin
+from cfemu.clitools import (
+    Output,
+    PhaseBars,
+    add_settings_arguments,
+    require_url,
+    run_command,
+    settings,
+    styled_table,
+)
+from cfemu.connection import connect
 from restore.engine import engine_names
 from restore.load import LoadVerifyError
-from restore.report import PhaseBars, purge_summary, summary
+from restore.report import purge_summary, summary
 from restore.run import RestoreError, run_purge, run_restore
 from sqm.log import LogCorruptError, LogFormatError
 
-ENV_BACKUP_DIR = "CFEMU_BACKUP_DIR"
-ENV_LOG_ROOT = "CFEMU_LOG_ROOT"
-DEFAULT_BACKUP_DIR = "./var/backups"
-DEFAULT_LOG_ROOT = "./var/logs"
-
-EXPECTED_ERRORS = (RestoreError, BackupError, LogCorruptError, LogFormatError, LoadVerifyError, MQError,
-                   AdminError, ValueError, ConnectionConfigError, OSError, redis.exceptions.RedisError)
+# Beyond clitools.COMMON_ERRORS.
+EXPECTED_ERRORS = (RestoreError, BackupError, LogCorruptError, LogFormatError, LoadVerifyError)
 
 
-def _print_json(obj: Any) -> None:
-    print(json.dumps(obj, indent=1, sort_keys=True, default=str))
+def _bars(out: Output) -> PhaseBars:
+    return PhaseBars(out.console, disabled=out.as_json or not out.console.is_terminal)
 
 
-def cmd_run(args: argparse.Namespace, console: Console, *, dry_run: bool = False) -> int:
-    client = connect(args.redis_url)
-    with PhaseBars(console, disabled=args.json or not console.is_terminal) as bars:
-        result = run_restore(client, args.structure, backup_root=Path(args.backup_dir),
-                             log_root=Path(args.log_root), backup_id=args.backup, engine=args.engine,
-                             dry_run=dry_run or args.dry_run, mark_failed=args.mark_failed, progress=bars,
+def cmd_run(args: argparse.Namespace, out: Output, *, dry_run: bool = False) -> int:
+    found = settings(args)
+    client = connect(require_url(found))
+    with _bars(out) as bars:
+        result = run_restore(client, args.structure, backup_root=found.backup_dir, log_root=found.log_root,
+                             backup_id=args.backup, engine=args.engine, dry_run=dry_run or args.dry_run,
+                             mark_failed=args.mark_failed, progress=bars,
                              report_path=Path(args.report) if args.report else None,
                              engine_options=_engine_options(args))
-    if args.json:
-        _print_json(result.to_json())
+    if out.as_json:
+        out.json(result.to_json())
     else:
-        console.print(summary(result, console))
+        out.print(summary(result, out.console))
     return 0
 
 
@@ -83,53 +83,77 @@ def _key_value(text: str) -> tuple[str, str]:
     return key, value
 
 
-def cmd_archive(args: argparse.Namespace, console: Console) -> int:
-    from restore.archive import archive_command
+def cmd_archive(args: argparse.Namespace, out: Output) -> int:
+    """Archive the closed segments with a progress bar, then a one-line summary."""
+    from restore.archive import archive_logs  # pyarrow: imported only by the verbs that use it
 
-    return archive_command(Path(args.log_root), Path(args.archive_dir), console, as_json=args.json)
-
-
-def cmd_audit(args: argparse.Namespace, console: Console) -> int:
-    from restore.archive import audit_command
-
-    return audit_command(Path(args.archive_dir), args.entry_id, console, as_json=args.json)
-
-
-def cmd_plan(args: argparse.Namespace, console: Console) -> int:
-    return cmd_run(args, console, dry_run=True)
-
-
-def cmd_purge(args: argparse.Namespace, console: Console) -> int:
-    result = run_purge(connect(args.redis_url), args.structure, mark_failed=args.mark_failed)
-    if args.json:
-        _print_json(vars(result))
+    archive_dir = Path(args.archive_dir)
+    with _bars(out) as bars:
+        result = archive_logs(settings(args).log_root, archive_dir, bars)
+    if out.as_json:
+        out.json({"archived": [str(p) for p in result.archived], "skipped": result.skipped,
+                  "records": result.records})
     else:
-        console.print(purge_summary(result, console))
+        out.line(f"archived {len(result.archived)} segments ({result.records} records) into {archive_dir}; "
+                 f"{result.skipped} already archived")
     return 0
 
 
-def cmd_mark_failed(args: argparse.Namespace, console: Console) -> int:
-    admin = Admin(connect(args.redis_url))
+def cmd_audit(args: argparse.Namespace, out: Output) -> int:
+    """The records of one message, a table in LRSN order; exit status 1 when no archived record names it."""
+    from restore.archive import archive_files, audit_message
+    from sqm.records import describe
+
+    archive_dir = Path(args.archive_dir)
+    if not archive_files(archive_dir):
+        raise FileNotFoundError(f"{archive_dir}: no archived segments here (run cfrestore archive first)")
+    found = audit_message(archive_dir, args.entry_id)
+    rows = [{"lrsn": r["l"], "member": r["m"], "kind": r["k"], "uow": r.get("u", ""), "what": describe(r)}
+            for r in found]
+    if out.as_json:
+        out.json(rows)
+    elif not found:
+        out.line(f"no archived record names message {args.entry_id}")
+    else:
+        table = styled_table(out.console, "LRSN", "member", "kind", "UOW", "what", title=f"message {args.entry_id}")
+        for row in rows:
+            table.add_row(*(str(v) for v in row.values()))
+        out.print(table)
+    return 0 if found else 1
+
+
+def cmd_plan(args: argparse.Namespace, out: Output) -> int:
+    return cmd_run(args, out, dry_run=True)
+
+
+def cmd_purge(args: argparse.Namespace, out: Output) -> int:
+    result = run_purge(connect(require_url(settings(args))), args.structure, mark_failed=args.mark_failed)
+    if out.as_json:
+        out.json(vars(result))
+    else:
+        out.print(purge_summary(result, out.console))
+    return 0
+
+
+def cmd_mark_failed(args: argparse.Namespace, out: Output) -> int:
+    admin = Admin(connect(require_url(settings(args))))
     before = admin.state(args.structure)
     admin.set_state(args.structure, "FAILED")
-    if args.json:
-        _print_json({"structure": args.structure, "state_before": before, "state": "FAILED"})
+    if out.as_json:
+        out.json({"structure": args.structure, "state_before": before, "state": "FAILED"})
     else:
-        console.print(f"structure {args.structure}: {before} -> FAILED")
+        out.line(f"structure {args.structure}: {before} -> FAILED")
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--redis-url", default=os.environ.get("REDIS_URL"), help="the CF (default $REDIS_URL)")
+    add_settings_arguments(common, "redis_url", "cluster_dir", "cf_dir")
     common.add_argument("--json", action="store_true", help="machine-readable output")
     common.add_argument("--verbose", "-v", action="store_true", help="show the traceback of an error")
     restore = argparse.ArgumentParser(add_help=False)
     restore.add_argument("structure")
-    restore.add_argument("--backup-dir", default=os.environ.get(ENV_BACKUP_DIR, DEFAULT_BACKUP_DIR),
-                         help=f"backup root (default ${ENV_BACKUP_DIR} or {DEFAULT_BACKUP_DIR})")
-    restore.add_argument("--log-root", default=os.environ.get(ENV_LOG_ROOT, DEFAULT_LOG_ROOT),
-                         help=f"the members' logs (default ${ENV_LOG_ROOT} or {DEFAULT_LOG_ROOT})")
+    add_settings_arguments(restore, "backup_dir", "log_root")
     restore.add_argument("--backup", metavar="ID", help="restore from this backup (default: the latest good one)")
     restore.add_argument("--engine", default="local", choices=engine_names(), help="planning engine")
     restore.add_argument("--report", metavar="FILE",
@@ -156,8 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     mark.add_argument("structure")
     mark.set_defaults(func=cmd_mark_failed)
     archive = sub.add_parser("archive", parents=[common], help="copy closed log segments to Parquet")
-    archive.add_argument("--log-root", default=os.environ.get(ENV_LOG_ROOT, DEFAULT_LOG_ROOT),
-                         help=f"the members' logs (default ${ENV_LOG_ROOT} or {DEFAULT_LOG_ROOT})")
+    add_settings_arguments(archive, "log_root")
     archive.add_argument("--archive-dir", required=True, help="where the Parquet files go")
     archive.set_defaults(func=cmd_archive)
     audit = sub.add_parser("audit", parents=[common], help="where did a message go? (from the archive)")

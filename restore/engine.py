@@ -32,20 +32,13 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
+from cfemu.progress import Progress, no_progress  # the cfemu floor's port, named from here too
 from restore.plan import Copy, RestorePlan, plan_local
 from sqm.log import LogFormatError, merged_records
 from sqm.records import Record
 
 READ_BACKUP, READ_LOGS, SETTLE, LOAD = "read backup", "read logs", "settle", "load"
 PHASES = (READ_BACKUP, READ_LOGS, SETTLE, LOAD)
-
-Progress = Callable[[str, int, int | None], None]
-"""progress(phase, done, total): `done` units of `phase` finished so far; total is None when unknown."""
-
-
-def no_progress(phase: str, done: int, total: int | None) -> None:
-    """The default progress callback: report nothing."""
-
 
 class BackupSource(Protocol):
     """What an engine needs of a backup (backup.files.Backup provides it)."""

@@ -12,8 +12,6 @@ str/int/float/bool values).
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -29,9 +27,9 @@ from cfemu.entry import Entry
 from restore.engine import LOAD, Progress, no_progress
 from restore.plan import RestorePlan, owner_of
 from restore.settle import BACKOUT, Settled, fifo_key
+from sqm.failpoints import failpoint
 
 BATCH = 1000
-CRASH_ENV = "CFEMU_RESTORE_CRASH_AFTER_BATCHES"  # failpoint for tests: SIGKILL this process after N batches
 
 
 class LoadVerifyError(RuntimeError):
@@ -101,11 +99,6 @@ def load_order(settled: list[Settled]) -> list[Settled]:
     return sorted((s for s in settled if s.entry is not None), key=key)
 
 
-def _crash_point() -> int:
-    raw = os.environ.get(CRASH_ENV, "")
-    return int(raw) if raw.isdigit() else 0
-
-
 def restore_owned_uows(plan: RestorePlan) -> dict[str, str]:
     """Tombstones: 'C' for committed UOWs whose owner may still be completing them (its retry is then a
     no-op), 'B' for in-flight UOWs restore backed out (now or in an earlier run: a re-run writes the same)."""
@@ -129,7 +122,6 @@ def load_plan(client: redis.Redis, plan: RestorePlan, sdef: StructureDef, queues
 
     ordered = load_order(plan.settled)
     gen = plan.restore_lrsn
-    crash_after = _crash_point()
     held: dict[str, int] = {}  # in-doubt UOW -> lowest LRSN of its entries
     progress(LOAD, 0, len(ordered))
     for start in range(0, len(ordered), batch):
@@ -161,8 +153,7 @@ def load_plan(client: redis.Redis, plan: RestorePlan, sdef: StructureDef, queues
         result.entries += len(chunk)
         result.batches += 1
         progress(LOAD, result.entries, len(ordered))
-        if crash_after and result.batches >= crash_after:
-            os.kill(os.getpid(), signal.SIGKILL)
+        failpoint("restore-load-batch")  # tests: SQM_FAILPOINTS=restore-load-batch=N dies after batch N
 
     pipe = client.pipeline(transaction=False)
     all_queues = sorted(set(queues) | {s.entry["q"] for s in ordered if s.entry is not None})

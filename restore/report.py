@@ -1,6 +1,6 @@
-"""What a restore did (or, in a dry run, would do): the JSON report file, the summary tables and the progress bars.
+"""What a restore did (or, in a dry run, would do), drawn for the operator: the summary tables.
 
-The report file (JSON, one object: restore.run.RestoreResult.to_json()) has: structure, backup_id, backup_path,
+The report file (written by restore.result.write_report) (JSON, one object: restore.run.RestoreResult.to_json()) has: structure, backup_id, backup_path,
 engine, dry_run, state_before, replay_from / replay_to (LRSN range replayed), restore_lrsn (the restored
 structure's generation and recovery floor), log_ranges (member -> dir, from, to), records_by_member, counts
 (messages by disposition: restored, in-doubt, consumed, put-backed-out, expired, gone; UOWs: uows in doubt,
@@ -11,17 +11,10 @@ phase), report_path, started_at.
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
-from types import TracebackType
-
-from rich import box
 from rich.console import Console, Group
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from restore.engine import PHASES
+from cfemu.clitools import styled_table
 from restore.result import PurgeResult, RestoreResult
 from restore.settle import CONSUMED, EXPIRED, GONE, HELD_INDOUBT, PUT_BACKED_OUT, RESTORED
 
@@ -29,19 +22,8 @@ DISPOSITIONS = (RESTORED, HELD_INDOUBT, CONSUMED, PUT_BACKED_OUT, EXPIRED, GONE)
 UOW_COUNTS = ("uows in doubt", "uows in flight backed out")
 
 
-def write_report(result: RestoreResult, path: Path) -> None:
-    """Write the JSON report durably (temp file, fsync, rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(result.to_json(), f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _table(title: str, console: Console) -> Table:
-    return Table(title=title, box=box.ROUNDED if console.is_terminal else None, title_justify="left")
+    return styled_table(console, title=title)
 
 
 def summary(result: RestoreResult, console: Console) -> Group:
@@ -93,31 +75,3 @@ def purge_summary(result: PurgeResult, console: Console) -> Table:
     t.add_row("bytes discarded", str(result.discarded_bytes))
     t.add_row("new generation", str(result.gen))
     return t
-
-
-class PhaseBars:
-    """A restore.engine.Progress that shows one rich progress bar per phase (read backup, read logs, settle,
-    load). Use as a context manager; with disabled=True (not a terminal, or --json) it shows nothing."""
-
-    def __init__(self, console: Console, *, disabled: bool = False) -> None:
-        self.bars = Progress(TextColumn("{task.description:<12}"), BarColumn(), MofNCompleteColumn(),
-                             TimeElapsedColumn(), console=console, disable=disabled)
-        self.tasks: dict[str, TaskID] = {}
-
-    def __call__(self, phase: str, done: int, total: int | None) -> None:
-        task = self.tasks.get(phase)
-        if task is None:
-            for earlier in PHASES[:PHASES.index(phase)] if phase in PHASES else ():
-                if earlier in self.tasks:  # a phase that reported no total yet is over once a later one starts
-                    t = self.bars.tasks[self.tasks[earlier]]
-                    self.bars.update(self.tasks[earlier], total=t.completed or 1, completed=t.completed or 1)
-            task = self.tasks[phase] = self.bars.add_task(phase, total=total)
-        self.bars.update(task, completed=done, total=total)
-
-    def __enter__(self) -> PhaseBars:
-        self.bars.start()
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.bars.stop()

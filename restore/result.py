@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 
@@ -41,3 +44,14 @@ class PurgeResult:
     discarded: int  # entries the structure held (0 when it was lost with the CF)
     discarded_bytes: int
     gen: int
+
+
+def write_report(result: RestoreResult, path: Path) -> None:
+    """Write the JSON report durably (temp file, fsync, rename); restore.report documents its fields."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(result.to_json(), f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

@@ -36,8 +36,7 @@ from cfemu.admin import Admin, AdminError, StructureDef
 from restore.engine import PHASES, Progress, get_engine, no_progress
 from restore.load import LoadResult, count_nonpersistent, load_plan, restore_owned_uows, uow_owner, wipe
 from restore.plan import RestorePlan
-from restore.report import write_report
-from restore.result import PurgeResult, RestoreResult
+from restore.result import PurgeResult, RestoreResult, write_report
 from sqm.log import LogLockedError, LogReader, RecordLog, find_log_dirs
 
 RESTORE_MEMBER = "_restore"  # restore's own log, beside the members' logs

@@ -1,19 +1,32 @@
 """The ``sqm`` command: run a shared queue manager as a server, print logs.
 
-    sqm run --name QM1 --port 7001 --redis-url redis://127.0.0.1:6379/0 --log-root ./var/logs
+    sqm run --name QM1 --port 7001 --redis-url redis://127.0.0.1:6379/0 --log-root var/logs
     sqm log print --all          the merged log of every member (sqm.logprint)
+
+The CF, the log root and the token are found as by every command (cfemu.settings): the flag, else $REDIS_URL,
+$CFEMU_LOG_ROOT, $SQM_TOKEN, else the nearest 'cfemu cluster' directory, else the CF of 'cfemu cf start', else
+var/logs. Errors are one line on stderr (exit 2); --verbose adds the traceback. ``sqm run`` exits with the
+server's status (sqm.service.server: 3 fenced, 4 log failed); its --json writes its log lines as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
-from sqm.logprint import add_log_parser, run_log_command
+from cfemu.clitools import (
+    CLIError,
+    Output,
+    add_settings_arguments,
+    configure_logging,
+    require_url,
+    run_command,
+    settings,
+)
+from sqm.logprint import LOG_ERRORS, add_log_parser
 from sqm.service.protocol import DEFAULT_MAX_FRAME
-from sqm.service.server import EXIT_CONFIG, ServerConfig, configure_logging, serve
+from sqm.service.server import ServerConfig, serve
 
 
 def add_run_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -24,12 +37,7 @@ def add_run_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
     p.add_argument("--name", required=True, help="queue manager name (its log is LOG_ROOT/NAME)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=0, help="TCP port (0: any free port, see --ready-file)")
-    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL"),
-                   help="the CF (default $REDIS_URL)")
-    p.add_argument("--log-root", type=Path, default=Path(os.environ.get("CFEMU_LOG_ROOT", "var/logs")),
-                   help="directory holding every member's log (default $CFEMU_LOG_ROOT or var/logs)")
-    p.add_argument("--token", default=os.environ.get("SQM_TOKEN"),
-                   help="shared secret clients must send first (default $SQM_TOKEN)")
+    add_settings_arguments(p, "redis_url", "log_root", "token", "cluster_dir", "cf_dir")
     p.add_argument("--tls-cert", help="server certificate (PEM) for TLS")
     p.add_argument("--tls-key", help="server private key (PEM)")
     p.add_argument("--tls-ca", help="CA (PEM) for client certificates: turns on mutual TLS")
@@ -46,22 +54,22 @@ def add_run_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
     p.add_argument("--ready-file", type=Path, help="write {pid, port, metrics_port} here once serving")
     p.add_argument("--clock-skew-ms", type=int, default=0,
                    help="skew this member's LRSN clock source by N ms (tests; the OS clock is not touched)")
+    p.add_argument("--json", action="store_true", help="log lines as JSON objects")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.set_defaults(func=cmd_run)
 
 
-def run_command(args: argparse.Namespace) -> int:
-    configure_logging(args.verbose)
-    if not args.redis_url:
-        print("sqm run: no CF address: pass --redis-url or set $REDIS_URL", file=sys.stderr)
-        return EXIT_CONFIG
+def cmd_run(args: argparse.Namespace, out: Output) -> int:
     if args.lease_ms < 500 or args.max_frame < 1024 or args.loglode < 1 or args.cf_connections < 4:
-        print("sqm run: --lease-ms must be >= 500, --max-frame >= 1024, --loglode >= 1 and --cf-connections >= 4",
-              file=sys.stderr)
-        return EXIT_CONFIG
+        raise CLIError("--lease-ms must be >= 500, --max-frame >= 1024, --loglode >= 1 and --cf-connections >= 4")
+    found = settings(args)
+    url = require_url(found)
+    configure_logging(args.verbose, as_json=out.as_json)
     return serve(ServerConfig(
-        name=args.name, log_root=args.log_root, redis_url=args.redis_url, host=args.host, port=args.port,
-        token=args.token, tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
-        metrics_port=args.metrics_port, lease_ms=args.lease_ms, cf_connections=args.cf_connections, loglode=args.loglode, max_frame=args.max_frame,
+        name=args.name, log_root=found.log_root, redis_url=url, host=args.host, port=args.port,
+        token=found.token, tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
+        metrics_port=args.metrics_port, lease_ms=args.lease_ms, cf_connections=args.cf_connections,
+        loglode=args.loglode, max_frame=args.max_frame,
         shutdown_grace_s=args.shutdown_grace, cf_wait_s=args.cf_wait, ready_file=args.ready_file,
         clock_skew_ms=args.clock_skew_ms))
 
@@ -75,14 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command == "run":
-        return run_command(args)
-    if args.command == "log":
-        return run_log_command(args)
-    parser.error(f"unknown command {args.command}")
-    return 2
+    args = build_parser().parse_args(argv)
+    return run_command("sqm", args, args.func, LOG_ERRORS)
 
 
 if __name__ == "__main__":

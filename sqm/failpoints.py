@@ -6,6 +6,17 @@ hit). A crash is a real ``SIGKILL`` of the whole process: no ``finally`` blocks,
 buffers, exactly what ``kill -9`` does, so tests see the same disk and CF state a real crash leaves.
 
 The check for an unarmed name is one frozenset lookup, so the calls stay in production code at no cost.
+
+Every failpoint in the project (add a row with each new ``failpoint()`` call):
+
+    name                 where                              the process dies
+    before-log-force     sqm.manager.QueueManager.complete  before the UOW's decision record is forced
+    after-log-force      sqm.manager.QueueManager.complete  after a commit is forced, before it is applied
+    backout-after-log    sqm.manager.QueueManager.complete  after a backout is forced, before it is applied
+    during-apply         sqm.manager.QueueManager.apply     after each structure of the UOW is applied
+    put-after-cf         sqm.connection (put in a UOW)      after the CF holds the put, before it is logged
+    restore-load-batch   restore.load.load_plan             after each pipelined batch of the bulk load
+                                                            (``=N``: after batch N; the structure stays RECOVERING)
 """
 
 from __future__ import annotations

@@ -10,30 +10,24 @@
 the message. Output is a table (plain when stdout is not a terminal) or, with --json, one JSON object per line
 (bytes as hex). The logs are read only: a member may be running and appending meanwhile.
 
-sqm.cli wires the verb: add_log_parser(subparsers) adds ``log print``, run_log_command(args) runs it.
+The log root is found as by every command (cfemu.settings): --log-root, $CFEMU_LOG_ROOT, the nearest
+'cfemu cluster' directory's, else var/logs. sqm.cli wires the verb: add_log_parser(subparsers) adds ``log print``,
+cmd_log(args, out) runs it (through cfemu.clitools.run_command: errors are one line, exit status 2).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
-import traceback
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rich import box
-from rich.console import Console
-from rich.table import Table
-
+from cfemu.clitools import Output, add_settings_arguments, settings, styled_table
+from cfemu.settings import ENV_LOG_ROOT
 from sqm.log import LogCorruptError, LogFormatError, LogReader, find_log_dirs, merged_records
 from sqm.records import KINDS, Record, UnknownRecordError, describe, entry_ids, queues_of
-
-ENV_LOG_ROOT = "CFEMU_LOG_ROOT"
-DEFAULT_LOG_ROOT = "./var/logs"
 
 
 class LogPrintError(Exception):
@@ -137,15 +131,11 @@ def print_json(records: Iterable[Record]) -> None:
         print(json.dumps(line, sort_keys=True))
 
 
-def print_table(records: list[Record], title: str) -> None:
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=250, no_color=True)
-    table = Table("LRSN", "member", "kind", "UOW", "description", title=title, title_justify="left",
-                  box=box.ROUNDED if console.is_terminal else None)
+def print_table(records: list[Record], title: str, out: Output) -> None:
+    table = styled_table(out.console, "LRSN", "member", "kind", "UOW", "description", title=title)
     for r in records:
         table.add_row(str(r["l"]), r["m"], r["k"], r.get("u", "") or "-", describe_safely(r))
-    console.print(table)
+    out.print(table)
 
 
 def add_log_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -160,8 +150,7 @@ def add_log_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--member", help="print this member's log (in append order)")
     which.add_argument("--all", action="store_true", help="print the merged log of every member (LRSN order)")
-    p.add_argument("--log-root", type=Path, default=Path(os.environ.get(ENV_LOG_ROOT, DEFAULT_LOG_ROOT)),
-                   help=f"directory holding every member's log (default ${ENV_LOG_ROOT} or {DEFAULT_LOG_ROOT})")
+    add_settings_arguments(p, "log_root", "cluster_dir")
     p.add_argument("--uow", help="only this unit of work's records")
     p.add_argument("--queue", help="records about this queue, with the outcomes of their UOWs")
     p.add_argument("--message", help="records about this message (entry id or message id, hex), with outcomes")
@@ -171,25 +160,24 @@ def add_log_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
                    help=f"only these record kinds ({', '.join(KINDS)}); repeatable")
     p.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
     p.add_argument("-v", "--verbose", action="store_true", help="a traceback with errors")
+    p.set_defaults(func=cmd_log)
 
 
-def run_log_command(args: argparse.Namespace) -> int:
-    """Run ``sqm log <verb>`` (parsed by add_log_parser's parser); the process exit code."""
-    try:
-        if args.from_lrsn is not None and args.to_lrsn is not None and args.from_lrsn > args.to_lrsn:
-            raise LogPrintError(f"--from-lrsn {args.from_lrsn} is above --to-lrsn {args.to_lrsn}")
-        log_filter = LogFilter(uow=args.uow, queue=args.queue, message=args.message, kinds=parse_kinds(args.kind))
-        log_root = Path(args.log_root)
-        records = log_filter.select(read_records(log_root, None if args.all else args.member,
-                                                 args.from_lrsn, args.to_lrsn))
-    except (LogPrintError, LogCorruptError, LogFormatError, OSError) as e:
-        print(f"sqm log print: {e}", file=sys.stderr)
-        if args.verbose:
-            traceback.print_exc()
-        return 2
-    if args.json:
-        print_json(records)
+# What ``sqm log print`` reports as a one-line error (beyond clitools.COMMON_ERRORS).
+LOG_ERRORS = (LogPrintError, LogCorruptError, LogFormatError)
+
+
+def cmd_log(args: argparse.Namespace, out: Output) -> int:
+    """Run ``sqm log print`` (parsed by add_log_parser's parser); the process exit code."""
+    if args.from_lrsn is not None and args.to_lrsn is not None and args.from_lrsn > args.to_lrsn:
+        raise LogPrintError(f"--from-lrsn {args.from_lrsn} is above --to-lrsn {args.to_lrsn}")
+    log_filter = LogFilter(uow=args.uow, queue=args.queue, message=args.message, kinds=parse_kinds(args.kind))
+    log_root = settings(args).log_root
+    records = log_filter.select(read_records(log_root, None if args.all else args.member,
+                                             args.from_lrsn, args.to_lrsn))
+    if out.as_json:
+        print_json(records)  # one object per line, so that a long log streams into jq/grep
     else:
         what = "merged log of all members" if args.all else f"log of {args.member}"
-        print_table(records, f"{what} under {log_root}: {len(records)} records")
+        print_table(records, f"{what} under {log_root}: {len(records)} records", out)
     return 0

@@ -5,7 +5,8 @@
     cfemu chaos check HISTORY.jsonl          re-check a recorded history
     cfemu chaos kinds                        the fault kinds and what they do
 
-Exit status: 0 no findings, 1 findings (or a fault that could not be carried out), 2 bad usage or a failure.
+Exit status: 0 no findings, 1 findings (or a fault that could not be carried out), 2 bad usage or a failure (one
+line on stderr, the traceback with --verbose: cfemu.clitools.run_command). --json prints the summary as JSON.
 """
 
 from __future__ import annotations
@@ -13,14 +14,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 
 from rich.console import Console
 
+from cfemu.clitools import Output, run_command
 from qsg.chaos.checker import FINDING_KINDS, check
-from qsg.chaos.faults import KINDS, parse_kinds
+from qsg.chaos.faults import KINDS, SHORT_KINDS, parse_kinds
 from qsg.chaos.history import load_history
 
 
@@ -60,37 +61,42 @@ def build_parser() -> argparse.ArgumentParser:
     soak.add_argument("--first-seed", type=int, default=1)
     chk = sub.add_parser("check", help="check a recorded history file")
     chk.add_argument("history", type=Path)
-    chk.add_argument("--json", action="store_true")
-    sub.add_parser("kinds", help="list the fault kinds")
+    chk.add_argument("--json", action="store_true", help="print the result as JSON")
+    chk.add_argument("-v", "--verbose", action="store_true", help="the traceback of an error")
+    kinds = sub.add_parser("kinds", help="list the fault kinds")
+    kinds.add_argument("--json", action="store_true", help="the kinds as JSON")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # The suite drives real processes: any failure of it is reported as one line (the traceback with --verbose).
+    return run_command("cfemu chaos", args, cmd_chaos, (Exception,))
+
+
+def cmd_chaos(args: argparse.Namespace, out: Output) -> int:
     console = Console(stderr=True)
     if args.command == "kinds":
         from qsg.chaos import faults
 
-        print(faults.__doc__.split("\n\n")[1] if faults.__doc__ else "\n".join(KINDS))
+        if args.json:
+            out.json({"kinds": list(KINDS), "short": list(SHORT_KINDS)})
+        else:
+            print(faults.__doc__.split("\n\n")[1] if faults.__doc__ else "\n".join(KINDS))
         return 0
     if args.command == "check":
-        try:
-            result = check(load_history(args.history))
-        except (OSError, ValueError) as e:
-            print(f"cfemu chaos check: {e}", file=sys.stderr)
-            return 2
-        out = {"findings": result.summary(), "counts": result.counts,
-               "details": [f.to_json() for f in result.findings]}
+        result = check(load_history(args.history))
+        found = {"findings": result.summary(), "counts": result.counts,
+                 "details": [f.to_json() for f in result.findings]}
         if args.json:
-            print(json.dumps(out))
+            print(json.dumps(found))
         else:
             for f in result.findings:
                 print(f"{f.kind}: {', '.join(f.msgs)} {f.uow}: {f.detail}")
-            print(json.dumps(out["findings"]))
+            print(json.dumps(found["findings"]))
         return 1 if result.findings else 0
     if not 1 <= args.managers <= 9 or args.clients < 1 or args.lease_ms < 500:
-        print("cfemu chaos: --managers must be 1-9, --clients >= 1, --lease-ms >= 500", file=sys.stderr)
-        return 2
+        raise ValueError("--managers must be 1-9, --clients >= 1, --lease-ms >= 500")
     from qsg.chaos import report
     from qsg.chaos.runner import ChaosOptions, run_chaos, run_soak
 
@@ -99,29 +105,20 @@ def main(argv: list[str] | None = None) -> int:
     opts = ChaosOptions(duration=args.duration, kinds=args.faults, clients=args.clients, managers=args.managers,
                         lease_ms=args.lease_ms, backup_interval=args.backup_interval, report_dir=args.dir,
                         keep_cluster=args.keep_cluster)
-    try:
-        if args.command == "run":
-            opts.seed = args.seed
-            summary = run_chaos(opts, console)
-            if args.json:
-                print(json.dumps({k: v for k, v in summary.items() if k != "finding_details"}))
-            else:
-                Console().print(report.summary_table(summary))
-                console.print(f"report: {args.dir / 'report.md'}")
-            return 0 if summary["ok"] and not summary["fault_errors"] else 1
-        soak = run_soak(opts, list(range(args.first_seed, args.first_seed + args.seeds)), console)
-    except KeyboardInterrupt:
-        print("cfemu chaos: interrupted", file=sys.stderr)
-        return 130
-    except Exception as e:
-        if args.verbose or os.environ.get("CFEMU_VERBOSE"):
-            raise
-        print(f"cfemu chaos: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
+    if args.command == "run":
+        opts.seed = args.seed
+        summary = run_chaos(opts, console)
+        if args.json:
+            print(json.dumps({k: v for k, v in summary.items() if k != "finding_details"}))
+        else:
+            out.print(report.summary_table(summary))
+            console.print(f"report: {args.dir / 'report.md'}")
+        return 0 if summary["ok"] and not summary["fault_errors"] else 1
+    soak = run_soak(opts, list(range(args.first_seed, args.first_seed + args.seeds)), console)
     if args.json:
         print(json.dumps({k: v for k, v in soak.items() if k != "runs"}))
     else:
-        Console().print(report.soak_table(soak))
+        out.print(report.soak_table(soak))
         console.print(f"report: {args.dir / 'soak.md'}")
     bad = any(soak["findings"][k] for k in FINDING_KINDS)
     return 1 if bad or soak["fault_errors"] else 0

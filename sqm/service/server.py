@@ -564,10 +564,5 @@ def serve(config: ServerConfig) -> int:
         return EXIT_FENCED if isinstance(e, FencedError) else EXIT_ERROR
 
 
-def configure_logging(verbose: bool = False) -> None:
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s[%(threadName)s]: %(message)s")
-
-
 __all__ = ["EXIT_CONFIG", "EXIT_ERROR", "EXIT_FENCED", "EXIT_OK", "SQMServer", "ServerConfig",
-           "ServerConfigError", "configure_logging", "serve"]
+           "ServerConfigError", "serve"]

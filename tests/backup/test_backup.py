@@ -412,3 +412,23 @@ def test_copies_are_in_the_entry_wire_form(qsg: tuple[redis.Redis, list[QueueMan
         assert entry is not None and wire == entry.wire() and data == current
     assert {w["st"] for _, w, _ in frames} == {"CP", "UP"}
     assert {tuple(sorted(w["pr"])) for _, w, _ in frames} == {(), ("colour", "n", "ok")}
+
+
+def test_progress_is_reported_through_the_port_one_phase_per_step(
+        qsg: tuple[redis.Redis, list[QueueManager]], tmp_path: Path) -> None:
+    """run_backup reports through cfemu.progress (no rich below the CLI): each step starts with an unknown total
+    and ends complete, with its snapshot as the total."""
+    client, (qm, _) = qsg
+    conn = qm.connect()
+    for _ in range(5):
+        conn.put("Q1", b"m")
+    conn.commit()
+    calls: list[tuple[str, int, int | None]] = []
+    manifest = run_backup(client, "APP1", tmp_path / "bk",
+                          progress=lambda phase, done, total: calls.append((phase, done, total)))
+    phases = list(dict.fromkeys(phase for phase, _, _ in calls))
+    assert [p.split()[0] for p in phases] == ["1", "2", "3", "4", "5"]
+    for step, phase in zip(manifest["steps"], phases):
+        mine = [(done, total) for p, done, total in calls if p == phase]
+        assert mine[0] == (0, None) and mine[-1] == (step["snapshot"], step["snapshot"])
+    assert sum(step["snapshot"] for step in manifest["steps"]) >= 5

@@ -187,3 +187,70 @@ def test_bad_arguments_are_one_line_errors(tmp_path: Path) -> None:
     r = cfemu("cluster", "status", "--dir", str(tmp_path / "nothing"), check=False)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "no cluster in" in r.stderr
     assert not os.listdir(tmp_path)
+
+
+SETTINGS_ENV = ("REDIS_URL", "CFEMU_LOG_ROOT", "CFEMU_BACKUP_DIR", "CFEMU_CLUSTER_DIR", "CFEMU_CF_DIR", "SQM_TOKEN")
+
+
+def test_every_cli_finds_the_cluster_from_its_directory_with_no_flags_and_no_environment(tmp_path: Path) -> None:
+    """README "Using it": after `cfemu cluster up`, cfemu, cfbackup, cfrestore and sqm run in the same directory
+    find the cluster's CF, logs and backups by themselves (cfemu.settings: the nearest var/cluster)."""
+    env = {k: v for k, v in os.environ.items() if k not in SETTINGS_ENV}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(ROOT), env.get("PYTHONPATH"))))
+    cluster = (tmp_path / "var" / "cluster").resolve()
+
+    def cli(module: str, *args: str, cwd: Path = tmp_path) -> subprocess.CompletedProcess[str]:
+        r = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=120,
+                           cwd=cwd, env=env)
+        assert r.returncode == 0, f"{module} {' '.join(args)}: {r.returncode}\n{r.stdout}\n{r.stderr}"
+        return r
+
+    try:
+        # The only flags: two managers for the 2-core machines, and a scheduler that does not fire during the test
+        # (its backup would race the one run below; test_cli_cluster_up_status_backup_down covers its backups).
+        cli("qsg.cli", "cluster", "up", "--managers", "2", "--backup-interval", "3600")
+        assert (cluster / "cluster.json").is_file()
+        cli("qsg.cli", "put", "Q1", "one", "two")  # an in-process SQM: the cluster's CF and log root
+        assert (cluster / "logs" / "OPS").is_dir()
+
+        run = cli("backup.cli", "run", "APP1")
+        (manifest,) = (cluster / "backups").glob("APP1/*/manifest.json")
+        backup_id = manifest.parent.name
+        assert backup_id in run.stdout and json.loads(manifest.read_text())["entries"] == 2
+        assert backup_id in cli("backup.cli", "list").stdout
+        below = tmp_path / "somewhere" / "deeper"  # the nearest cluster: found from below too
+        below.mkdir(parents=True)
+        assert backup_id in cli("backup.cli", "list", cwd=below).stdout
+
+        plan = cli("restore.cli", "plan", "APP1").stdout
+        assert backup_id in plan and "restored" in plan and str(cluster / "backups") in plan
+
+        printed = cli("sqm.cli", "log", "print", "--all").stdout
+        assert f"under {cluster / 'logs'}" in printed and "PUT" in printed and "COMMIT" in printed
+        assert not (tmp_path / "var" / "logs").exists() and not (tmp_path / "var" / "backups").exists()
+    finally:
+        cli("qsg.cli", "cluster", "down", "--purge")
+    assert not cluster.exists()
+
+
+def test_cfbackup_schedule_hands_its_settings_to_every_backup(redis_url: str, tmp_path: Path) -> None:
+    """The scheduler's backups (child processes, started from another working directory) use the scheduler's
+    settings, not what they would find on their own."""
+    import threading
+
+    from backup.schedule import run_backup_scheduler
+    from cfemu.settings import resolve
+
+    Admin(connect(redis_url)).define_structure("APP1")
+    mine = resolve(redis_url=redis_url, backup_dir=tmp_path / "backups", log_root=tmp_path / "logs", env={})
+    stop = threading.Event()
+    t = threading.Thread(target=run_backup_scheduler, args=(0.2, mine, ["APP1"], stop), daemon=True)
+    t.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not list((tmp_path / "backups").glob("APP1/*/manifest.json")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        stop.set()
+        t.join(timeout=60)
+    assert list((tmp_path / "backups").glob("APP1/*/manifest.json"))

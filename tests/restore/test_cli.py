@@ -12,6 +12,7 @@ import pytest
 from rich.console import Console
 
 from cfemu.admin import Admin
+from cfemu.clitools import PhaseBars
 from cfemu.errors import StructureFailedError
 from restore import engine as engine_module
 from restore.cli import main
@@ -25,7 +26,6 @@ from restore.engine import (
     engine_names,
     get_engine,
 )
-from restore.report import PhaseBars
 from restore.run import RESTORE_MEMBER, run_restore
 from sqm.manager import QueueManager
 from tests.restore.test_restore import S, all_keys, small_workload

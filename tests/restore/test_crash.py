@@ -13,8 +13,8 @@ import redis
 from backup.run import run_backup
 from cfemu import keys
 from cfemu.admin import Admin
-from restore.load import CRASH_ENV
 from restore.run import RESTORE_MEMBER, run_restore
+from sqm.failpoints import ENV_VAR as FAILPOINTS
 from sqm.log import LogReader
 from tests.restore.test_restore import S, snapshot
 from tests.support.group import define_group, start_qm
@@ -47,7 +47,7 @@ def test_restore_killed_mid_load_resumes_to_the_clean_result(redis_url: str, tmp
     b.commit()
     client.flushall()  # the CF is lost
 
-    crashed = cfrestore(redis_url, logs, backups, env={CRASH_ENV: "1"})
+    crashed = cfrestore(redis_url, logs, backups, env={FAILPOINTS: "restore-load-batch=1"})
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr
     assert Admin(client).state(S) == "RECOVERING"
     assert client.hlen(keys.script_keys(S)[2]) == 1000  # one batch made it

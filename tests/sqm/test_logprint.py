@@ -117,7 +117,7 @@ def test_bad_input_is_one_line(history: dict[str, object], capsys: pytest.Captur
     root = str(history["root"])
     rc, out, err = run(capsys, *argv, "--log-root", root)
     assert rc == 2 and out == ""
-    assert err.startswith("sqm log print: " + message.format(root=root))
+    assert err.startswith("sqm: error: " + message.format(root=root))
     assert err.count("\n") == 1
 
 
@@ -141,7 +141,7 @@ def test_corrupt_log_names_file_and_offset(history: dict[str, object], tmp_path:
     seg.write_bytes(bytes(data))
     rc, _, err = run(capsys, "--member", "QM1", "--log-root", str(tmp_path / "logs"))
     assert rc == 2
-    assert err.startswith(f"sqm log print: corrupt record log {seg} at byte offset {pos.offset}: CRC mismatch")
+    assert err.startswith(f"sqm: error: corrupt record log {seg} at byte offset {pos.offset}: CRC mismatch")
     assert err.count("\n") == 1
     rc, _, err = run(capsys, "--member", "QM1", "--log-root", str(tmp_path / "logs"), "--verbose")
     assert rc == 2 and "Traceback" in err

@@ -1,0 +1,167 @@
+"""Where every command line finds the CF, the members' logs, the backups and the servers' token: one resolver.
+
+Each setting comes from the first of these that has it:
+
+  1. its flag             --redis-url, --log-root, --backup-dir, --token
+  2. its environment      $REDIS_URL, $CFEMU_LOG_ROOT, $CFEMU_BACKUP_DIR, $SQM_TOKEN
+  3. the cluster          cluster.json of the nearest ``cfemu cluster`` directory: --cluster-dir, else
+                          $CFEMU_CLUSTER_DIR, else the first var/cluster holding one, looking in the working
+                          directory and then its parents (as git looks for .git). Its CF URL counts only while
+                          its CF runs; its log root, backup directory and token count even when it is down,
+                          because ``cfemu cluster down`` keeps them.
+  4. the CF directory     the CF URL of ``cfemu cf start``: --cf-dir, else $CFEMU_CF_DIR, else the nearest var/cf,
+                          while that CF runs
+  5. the default          var/logs, var/backups (relative to the working directory); no CF URL and no token
+
+The cluster's file belongs to qsg.cluster, which writes it; it writes it with the names defined here, so that the
+floor that reads it (every command line's) and the floor that writes it cannot disagree. The resolver only reads:
+it never starts, stops or cleans up anything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cfemu.connection import ENV_URL
+from cfemu.embedded import PID_NAME, URL_NAME
+from cfemu.procs import pid_alive
+
+ENV_LOG_ROOT = "CFEMU_LOG_ROOT"
+ENV_BACKUP_DIR = "CFEMU_BACKUP_DIR"
+ENV_TOKEN = "SQM_TOKEN"
+ENV_CLUSTER_DIR = "CFEMU_CLUSTER_DIR"
+ENV_CF_DIR = "CFEMU_CF_DIR"
+
+DEFAULT_CLUSTER_DIR = Path("var/cluster")
+DEFAULT_CF_DIR = Path("var/cf")
+DEFAULT_LOG_ROOT = Path("var/logs")
+DEFAULT_BACKUP_DIR = Path("var/backups")
+
+# cluster.json: written by qsg.cluster, read here. Paths in it are absolute.
+CLUSTER_FILE = "cluster.json"
+CLUSTER_REDIS_URL = "redis_url"
+CLUSTER_LOG_ROOT = "log_root"
+CLUSTER_BACKUP_DIR = "backup_dir"
+CLUSTER_TOKEN = "token"
+CLUSTER_CF = "cf"  # {"dir", "port", "pid"}: the pid is None once the CF is stopped
+
+# Where a value came from (Settings.sources), in the order they are tried.
+FLAG, ENV, CLUSTER, CF_DIR, DEFAULT = "flag", "env", "cluster", "cf", "default"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The resolved settings; ``sources`` says for each which layer gave it (flag, env, cluster, cf, default)."""
+
+    redis_url: str | None
+    log_root: Path
+    backup_dir: Path
+    token: str | None
+    cluster_dir: Path | None  # the cluster directory whose cluster.json was read, if any
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def env(self) -> dict[str, str]:
+        """The environment that hands these settings to a child process (cfbackup schedule's backups), so that
+        the child resolves exactly what this process did, whatever its working directory."""
+        out = {ENV_LOG_ROOT: str(self.log_root), ENV_BACKUP_DIR: str(self.backup_dir)}
+        if self.redis_url:
+            out[ENV_URL] = self.redis_url
+        if self.token:
+            out[ENV_TOKEN] = self.token
+        if self.cluster_dir is not None:
+            out[ENV_CLUSTER_DIR] = str(self.cluster_dir)
+        return out
+
+
+def read_cluster_file(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """DIR/cluster.json as a dict, or None when there is none or it cannot be read (a half-written or foreign
+    file is no cluster to take settings from; ``cfemu cluster status`` reports it as an error)."""
+    try:
+        state = json.loads((Path(directory) / CLUSTER_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return state if isinstance(state, dict) else None
+
+
+def nearest(relative: Path, start: Path | None = None) -> Path | None:
+    """The first START/relative, START/../relative, ... that exists (START: the working directory)."""
+    here = (start or Path.cwd()).resolve()
+    for d in (here, *here.parents):
+        if (d / relative).exists():
+            return d / relative
+    return None
+
+
+def find_cluster_dir(flag: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None,
+                     cwd: Path | None = None) -> Path:
+    """The cluster directory the commands talk about: the flag, $CFEMU_CLUSTER_DIR, the nearest var/cluster
+    holding a cluster.json, else var/cluster (where ``cfemu cluster up`` creates one)."""
+    return _find_dir(flag, ENV_CLUSTER_DIR, DEFAULT_CLUSTER_DIR / CLUSTER_FILE, DEFAULT_CLUSTER_DIR, env, cwd)
+
+
+def find_cf_dir(flag: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None,
+                cwd: Path | None = None) -> Path:
+    """The ``cfemu cf start`` directory: the flag, $CFEMU_CF_DIR, the nearest var/cf that recorded a CF's URL,
+    else var/cf."""
+    return _find_dir(flag, ENV_CF_DIR, DEFAULT_CF_DIR / URL_NAME, DEFAULT_CF_DIR, env, cwd)
+
+
+def _find_dir(flag: str | os.PathLike[str] | None, env_name: str, marker: Path, default: Path,
+              env: Mapping[str, str] | None, cwd: Path | None) -> Path:
+    environ = os.environ if env is None else env
+    if flag:
+        return Path(flag)
+    if environ.get(env_name):
+        return Path(environ[env_name])
+    found = nearest(marker, cwd)
+    return found.parent if found is not None else default
+
+
+def _cf_dir_url(cf_dir: Path) -> str | None:
+    """The URL a running ``cfemu cf start`` CF recorded in its directory (None when it is not running)."""
+    try:
+        url = (cf_dir / URL_NAME).read_text().strip()
+        pid = int((cf_dir / PID_NAME).read_text().strip())
+    except (OSError, ValueError):
+        return None
+    return url if url and pid_alive(pid) else None
+
+
+def _cluster_cf_runs(state: Mapping[str, Any]) -> bool:
+    pid = (state.get(CLUSTER_CF) or {}).get("pid")
+    return isinstance(pid, int) and pid_alive(pid)
+
+
+def resolve(*, redis_url: str | None = None, log_root: str | os.PathLike[str] | None = None,
+            backup_dir: str | os.PathLike[str] | None = None, token: str | None = None,
+            cluster_dir: str | os.PathLike[str] | None = None, cf_dir: str | os.PathLike[str] | None = None,
+            env: Mapping[str, str] | None = None, cwd: Path | None = None) -> Settings:
+    """Resolve every setting (see the module doc). The keyword arguments are the flags (None: not given); env
+    and cwd default to the process's own and exist for tests."""
+    environ = os.environ if env is None else env
+    cdir = find_cluster_dir(cluster_dir, environ, cwd)
+    state = read_cluster_file(cdir) or {}
+    sources: dict[str, str] = {}
+
+    def pick(name: str, flag: Any, env_name: str, from_cluster: Any, *later: tuple[str, Any]) -> Any:
+        for source, value in ((FLAG, flag), (ENV, environ.get(env_name)), (CLUSTER, from_cluster), *later):
+            if value:
+                sources[name] = source
+                return value
+        sources[name] = DEFAULT
+        return None
+
+    url = pick("redis_url", redis_url, ENV_URL, state.get(CLUSTER_REDIS_URL) if _cluster_cf_runs(state) else None,
+               (CF_DIR, _cf_dir_url(find_cf_dir(cf_dir, environ, cwd))))
+    logs = pick("log_root", log_root, ENV_LOG_ROOT, state.get(CLUSTER_LOG_ROOT), (DEFAULT, DEFAULT_LOG_ROOT))
+    backups = pick("backup_dir", backup_dir, ENV_BACKUP_DIR, state.get(CLUSTER_BACKUP_DIR),
+                   (DEFAULT, DEFAULT_BACKUP_DIR))
+    tok = pick("token", token, ENV_TOKEN, state.get(CLUSTER_TOKEN))
+    return Settings(redis_url=str(url) if url else None, log_root=Path(logs), backup_dir=Path(backups),
+                    token=str(tok) if tok else None, cluster_dir=cdir.resolve() if state else None,
+                    sources=sources)

@@ -1,0 +1,147 @@
+"""The one settings resolver (cfemu.settings): flag > environment > nearest cluster > `cfemu cf start` CF > default.
+
+The layers are built by hand in a temporary directory: a cluster.json as qsg.cluster writes it and a CF
+directory as `cfemu cf start` leaves it, each naming this test process's pid as the running CF (any live pid
+will do: the resolver only asks whether it runs).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from cfemu import settings
+from cfemu.embedded import PID_NAME, URL_NAME
+from cfemu.settings import (
+    CF_DIR,
+    CLUSTER,
+    CLUSTER_BACKUP_DIR,
+    CLUSTER_CF,
+    CLUSTER_FILE,
+    CLUSTER_LOG_ROOT,
+    CLUSTER_REDIS_URL,
+    CLUSTER_TOKEN,
+    DEFAULT,
+    ENV,
+    FLAG,
+    resolve,
+)
+
+LIVE_PID = os.getpid()
+DEAD_PID = 2**22 + 1  # above the kernel's pid_max: never a live process
+
+
+def write_cluster(d: Path, *, cf_pid: int | None = LIVE_PID) -> Path:
+    d.mkdir(parents=True)
+    (d / CLUSTER_FILE).write_text(json.dumps({
+        CLUSTER_REDIS_URL: "redis://cluster:1/0", CLUSTER_LOG_ROOT: str(d / "logs"),
+        CLUSTER_BACKUP_DIR: str(d / "backups"), CLUSTER_TOKEN: "cluster-token", CLUSTER_CF: {"pid": cf_pid}}))
+    return d
+
+
+def write_cf(d: Path, pid: int = LIVE_PID) -> Path:
+    d.mkdir(parents=True)
+    (d / URL_NAME).write_text("redis://cf-dir:2/0\n")
+    (d / PID_NAME).write_text(f"{pid}\n")
+    return d
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Path:
+    """A working directory holding a cluster in var/cluster and a `cfemu cf start` CF in var/cf."""
+    home = tmp_path / "home"
+    write_cluster(home / "var" / "cluster")
+    write_cf(home / "var" / "cf")
+    return home
+
+
+ENV_ALL = {"REDIS_URL": "redis://env:3/0", "CFEMU_LOG_ROOT": "/env/logs", "CFEMU_BACKUP_DIR": "/env/backups",
+           "SQM_TOKEN": "env-token"}
+
+
+def test_flag_beats_environment_beats_cluster(home: Path) -> None:
+    flags = resolve(redis_url="redis://flag:4/0", log_root="/flag/logs", backup_dir="/flag/backups",
+                    token="flag-token", env=ENV_ALL, cwd=home)
+    assert (flags.redis_url, flags.log_root, flags.backup_dir, flags.token) == (
+        "redis://flag:4/0", Path("/flag/logs"), Path("/flag/backups"), "flag-token")
+    assert set(flags.sources.values()) == {FLAG}
+
+    env = resolve(env=ENV_ALL, cwd=home)
+    assert (env.redis_url, env.log_root, env.backup_dir, env.token) == (
+        "redis://env:3/0", Path("/env/logs"), Path("/env/backups"), "env-token")
+    assert set(env.sources.values()) == {ENV}
+
+
+def test_cluster_beats_cf_dir_beats_default(home: Path, tmp_path: Path) -> None:
+    s = resolve(env={}, cwd=home)
+    cluster = home / "var" / "cluster"
+    assert (s.redis_url, s.log_root, s.backup_dir, s.token) == (
+        "redis://cluster:1/0", cluster / "logs", cluster / "backups", "cluster-token")
+    assert set(s.sources.values()) == {CLUSTER} and s.cluster_dir == cluster.resolve()
+
+    (cluster / CLUSTER_FILE).unlink()
+    s = resolve(env={}, cwd=home)
+    assert s.redis_url == "redis://cf-dir:2/0" and s.sources["redis_url"] == CF_DIR
+    assert (s.log_root, s.backup_dir, s.token) == (Path("var/logs"), Path("var/backups"), None)
+    assert s.sources["log_root"] == s.sources["backup_dir"] == DEFAULT and s.cluster_dir is None
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    s = resolve(env={}, cwd=empty)
+    assert s.redis_url is None and s.sources["redis_url"] == DEFAULT
+
+
+def test_a_stopped_cluster_gives_its_logs_and_backups_but_not_its_cf(tmp_path: Path) -> None:
+    write_cluster(tmp_path / "var" / "cluster", cf_pid=None)
+    s = resolve(env={}, cwd=tmp_path)
+    assert s.redis_url is None
+    assert s.log_root == tmp_path / "var" / "cluster" / "logs"
+    write_cf(tmp_path / "var" / "cf", pid=DEAD_PID)  # a CF that died without cleaning up: not found either
+    assert resolve(env={}, cwd=tmp_path).redis_url is None
+
+
+def test_the_nearest_cluster_is_found_from_below(home: Path) -> None:
+    below = home / "a" / "b"
+    below.mkdir(parents=True)
+    s = resolve(env={}, cwd=below)
+    assert s.redis_url == "redis://cluster:1/0" and s.cluster_dir == (home / "var" / "cluster").resolve()
+
+
+def test_cluster_dir_by_flag_or_environment(home: Path, tmp_path: Path) -> None:
+    other = write_cluster(tmp_path / "elsewhere")
+    assert resolve(cluster_dir=other, env={}, cwd=home).log_root == other / "logs"
+    assert resolve(env={"CFEMU_CLUSTER_DIR": str(other)}, cwd=home).log_root == other / "logs"
+    # A named directory without a cluster is no cluster: the next layers answer, not var/cluster.
+    s = resolve(cluster_dir=tmp_path / "nothing", env={}, cwd=home)
+    assert s.sources["log_root"] == DEFAULT and s.redis_url == "redis://cf-dir:2/0"
+    cf = write_cf(tmp_path / "cf2")
+    (cf / URL_NAME).write_text("redis://cf2:5/0")
+    assert resolve(cluster_dir=tmp_path / "nothing", cf_dir=cf, env={}, cwd=home).redis_url == "redis://cf2:5/0"
+    assert resolve(cluster_dir=tmp_path / "nothing", env={"CFEMU_CF_DIR": str(cf)}, cwd=home).redis_url == (
+        "redis://cf2:5/0")
+
+
+def test_settings_env_hands_the_same_settings_to_a_child(home: Path, tmp_path: Path) -> None:
+    mine = resolve(backup_dir="/flag/backups", env={}, cwd=home)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    child = resolve(env=mine.env(), cwd=elsewhere)  # a child started anywhere resolves what its parent did
+    assert (child.redis_url, child.log_root, child.backup_dir, child.token, child.cluster_dir) == (
+        mine.redis_url, mine.log_root, mine.backup_dir, mine.token, mine.cluster_dir)
+
+
+def test_defaults_agree_with_every_cli() -> None:
+    from backup import cli as backup_cli
+    from restore import cli as restore_cli
+    from sqm import cli as sqm_cli
+
+    for parser, argv in ((backup_cli.build_parser(), ["run", "S"]), (restore_cli.build_parser(), ["run", "S"]),
+                         (sqm_cli.build_parser(), ["log", "print", "--all"]),
+                         (sqm_cli.build_parser(), ["run", "--name", "QM1"])):
+        args = parser.parse_args(argv)
+        # No CLI decides a default of its own: an absent flag is None and the resolver decides.
+        assert all(getattr(args, name, None) is None for name in ("redis_url", "log_root", "backup_dir"))
+    assert Path("var/logs") == settings.DEFAULT_LOG_ROOT and Path("var/backups") == settings.DEFAULT_BACKUP_DIR

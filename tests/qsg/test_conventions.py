@@ -1,0 +1,96 @@
+"""What every command line shares (cfemu.clitools): one-line errors with exit status 2 and the traceback only with
+--verbose, and --json on every verb. In process, through each console script's main()."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from backup import cli as backup_cli
+from qsg import cli as cfemu_cli
+from qsg.chaos import cli as chaos_cli
+from restore import cli as restore_cli
+from sqm import cli as sqm_cli
+
+Main = Callable[[list[str] | None], int]
+
+# (prog, main, argv that fails for a reason the operator can act on, words of the message)
+ERRORS: list[tuple[str, Main, list[str], str]] = [
+    ("cfemu", cfemu_cli.main, ["status", "--redis-url", "http://x"], "unsupported URL scheme"),
+    ("cfemu", cfemu_cli.main, ["status"], "no CF found: pass --redis-url"),
+    ("sqm", sqm_cli.main, ["log", "print", "--all", "--log-root", "{tmp}/nowhere"], "does not exist"),
+    ("sqm", sqm_cli.main, ["run", "--name", "QM1", "--redis-url", "redis://x", "--lease-ms", "10"],
+     "--lease-ms must be >= 500"),
+    ("sqm", sqm_cli.main, ["run", "--name", "QM1"], "no CF found: pass --redis-url"),
+    ("cfbackup", backup_cli.main, ["show", "NOPE", "--backup-dir", "{tmp}"], "is not a backup id"),
+    ("cfbackup", backup_cli.main, ["run", "APP1"], "no CF found: pass --redis-url"),
+    ("cfrestore", restore_cli.main, ["run", "APP1", "--redis-url", "http://x"], "unsupported URL scheme"),
+    ("cfrestore", restore_cli.main, ["plan", "APP1"], "no CF found: pass --redis-url"),
+]
+
+
+@pytest.fixture
+def nowhere(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """No settings anywhere: no environment, and a working directory with no cluster or CF above it."""
+    for name in ("REDIS_URL", "CFEMU_LOG_ROOT", "CFEMU_BACKUP_DIR", "CFEMU_CLUSTER_DIR", "CFEMU_CF_DIR", "SQM_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize("prog, main, argv, message", ERRORS, ids=lambda v: v if isinstance(v, str) else None)
+def test_an_error_is_one_line_and_exit_2(prog: str, main: Main, argv: list[str], message: str, nowhere: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [a.replace("{tmp}", str(nowhere)) for a in argv]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1, err
+    assert err.startswith(f"{prog}: error: ") and message in err, err
+
+    assert main([*argv, "--verbose"]) == 2
+    _, err = capsys.readouterr()
+    assert err.startswith("Traceback") and err.splitlines()[-1].startswith(f"{prog}: error: "), err
+
+
+def leaf_parsers(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()
+                 ) -> Iterator[tuple[tuple[str, ...], argparse.ArgumentParser]]:
+    """Every verb's own parser (the leaves of the subcommand tree), with the words that reach it."""
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        yield path, parser
+    for action in subs:
+        for name, sub in action.choices.items():
+            yield from leaf_parsers(sub, (*path, name))
+
+
+@pytest.mark.parametrize("prog, parser", [
+    ("cfemu", cfemu_cli.build_parser()), ("sqm", sqm_cli.build_parser()), ("cfbackup", backup_cli.build_parser()),
+    ("cfrestore", restore_cli.build_parser()), ("cfemu chaos", chaos_cli.build_parser())], ids=lambda v: v
+    if isinstance(v, str) else None)
+def test_every_verb_has_json(prog: str, parser: argparse.ArgumentParser) -> None:
+    verbs = list(leaf_parsers(parser))
+    assert verbs
+    for path, leaf in verbs:
+        options = {o for a in leaf._actions for o in a.option_strings}
+        delegated = any(a.dest == "rest" for a in leaf._actions)  # cfemu backup/restore/demo/chaos: their own CLI
+        assert delegated or "--json" in options, f"{prog} {' '.join(path)} has no --json"
+
+
+def test_a_daemon_with_json_logs_json_lines(redis_url: str, tmp_path: Path) -> None:
+    """`sqm run --json` (and `cfbackup schedule --json`, through the same clitools.configure_logging): every log
+    line is one JSON object."""
+    import json
+
+    from cfemu.admin import Admin
+    from cfemu.connection import connect
+    from tests.sqm.test_service import start_server
+
+    Admin(connect(redis_url)).define_structure("APP1")
+    srv = start_server(redis_url, tmp_path, "QM1", "--json")
+    assert srv.stop() == 0
+    lines = [json.loads(line) for line in srv.log_text().splitlines()]
+    assert lines and all({"time", "level", "logger", "message"} <= set(x) for x in lines)
+    assert any("QM1" in x["message"] for x in lines)
