@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+from cfemu import keys
 from cfemu.admin import Admin
 from cfemu.cf import CF
 from cfemu.connection import connect
@@ -20,7 +21,7 @@ def test_a_member_that_restarted_after_it_was_seen_lapsed_is_not_fenced(redis_ur
     epoch = admin.join("QM2", {}, lease_ms=10_000)  # ... just before QM2 restarts
     assert admin.fence("QM2") == 0
     assert admin.epoch("QM2") == epoch
-    assert admin.redis.hget("{APP1}:fence", "QM2") == str(epoch).encode()
+    assert admin.redis.hget(keys.fence("APP1"), "QM2") == str(epoch).encode()
 
 
 def test_fencing_a_lapsed_member_raises_its_epoch_everywhere(redis_url: str) -> None:
@@ -30,7 +31,7 @@ def test_fencing_a_lapsed_member_raises_its_epoch_everywhere(redis_url: str) -> 
     time.sleep(0.2)
     new = admin.fence("QM2")
     assert new > old and admin.epoch("QM2") == new
-    assert int(admin.redis.hget("{APP1}:fence", "QM2") or 0) == new
+    assert int(admin.redis.hget(keys.fence("APP1"), "QM2") or 0) == new
     assert CF(admin.redis).structure("APP1").exists()
 
 
@@ -39,4 +40,4 @@ def test_a_structure_fence_never_moves_down(redis_url: str) -> None:
     admin.define_structure("APP1")
     admin.join_structures("QM2", 5)
     admin.join_structures("QM2", 3)  # a late write of an older epoch
-    assert admin.redis.hget("{APP1}:fence", "QM2") == b"5"
+    assert admin.redis.hget(keys.fence("APP1"), "QM2") == b"5"

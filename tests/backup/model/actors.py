@@ -326,8 +326,8 @@ def expected_after_loss(world: World) -> dict[str, Row]:
     backout count rises)."""
     committed = {r["u"] for m in world.members.values() for r in m.log if r["k"] == "COMMIT"}
     pipe = world.client.pipeline(transaction=False)
-    for key in keys.script_keys(STRUCTURE)[2:4]:
-        pipe.hgetall(key)
+    pipe.hgetall(keys.entries(STRUCTURE))
+    pipe.hgetall(keys.data(STRUCTURE))
     raw_descs, raw_datas = pipe.execute()
     descs = {keys.text(k): Entry.unpack(v) for k, v in raw_descs.items()}
     datas = {keys.text(k): v for k, v in raw_datas.items()}
