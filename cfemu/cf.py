@@ -4,24 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from importlib import resources
 from typing import Any, Protocol
 
 import msgpack
 import redis
 
-from cfemu import keys
+from cfemu import keys, lua
 from cfemu.entry import Entry
 from cfemu.errors import from_script_error
-
-_SCRIPT_NAMES = ("put", "get", "browse", "commit", "backout", "uow_entries", "member_uows", "expire",
-                 "backup_begin", "backup_end", "snapshot")
-
-
-def script_source(name: str) -> str:
-    """The full source of one CF script: the shared prelude, then the operation itself."""
-    folder = resources.files("cfemu") / "scripts"
-    return (folder / "_prelude.lua").read_text() + "\n" + (folder / f"{name}.lua").read_text()
 
 
 class Clock(Protocol):
@@ -42,11 +32,11 @@ class Caller:
 
 
 class CF:
-    """A connection to the CF (a Redis server) with every CF script registered."""
+    """A connection to the CF (a Redis server) with every structure script registered (the admin ones: Admin)."""
 
     def __init__(self, client: redis.Redis) -> None:
         self.redis = client
-        self._scripts = {n: client.register_script(script_source(n)) for n in _SCRIPT_NAMES}
+        self._scripts = lua.register(client, lua.structure_operations())  # cfemu/scripts/<op>.lua
 
     def structure(self, name: str) -> Structure:
         return Structure(self, keys.check_name("structure", name))
