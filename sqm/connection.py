@@ -136,9 +136,10 @@ class Connection:
         delay = 0.002
         try:
             while True:
-                _, gen, entry, data = qm.cf_call(lambda: s.get(
+                got = qm.cf_call(lambda: s.get(
                     qm.caller, queue, uow=uow.id, gen=uow.structures.get(qdef.structure, 0), match=match,
                     value=value, now_ms=now_ms()))
+                gen, entry, data = got.gen, got.entry, got.data
                 uow.structures[qdef.structure] = gen
                 if entry is not None:
                     assert data is not None

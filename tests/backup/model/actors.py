@@ -166,8 +166,9 @@ class Member:
 
     def get(self, uow: Uow, queue: str = QUEUE) -> Steps:
         yield f"get in {uow.id}"
-        _, gen, entry, _ = self.s.get(self.caller, queue, uow=uow.id, gen=uow.structures.get(STRUCTURE, 0),
-                                      now_ms=self.world.now_ms)
+        got = self.s.get(self.caller, queue, uow=uow.id, gen=uow.structures.get(STRUCTURE, 0),
+                         now_ms=self.world.now_ms)
+        gen, entry = got.gen, got.entry
         uow.structures[STRUCTURE] = gen
         if entry is not None and entry.persistent:
             uow.persistent = True
