@@ -9,7 +9,7 @@ from typing import Any, NamedTuple, Protocol
 import msgpack
 import redis
 
-from cfemu import keys, lua
+from cfemu import bulk, keys, lua
 from cfemu.entry import Entry
 from cfemu.errors import from_script_error
 
@@ -151,27 +151,10 @@ class Structure:
     def snapshot(self, state: str) -> list[str]:
         return [x.decode() for x in self._call("snapshot", None, [state])]
 
-    def fetch(self, ids: Iterable[str], batch: int = 2000) -> Iterable[tuple[str, Entry | None, bytes | None]]:
+    def fetch(self, ids: Iterable[str],
+              batch: int = bulk.FETCH_BATCH) -> Iterable[tuple[str, Entry | None, bytes | None]]:
         """Current descriptor and data of each id (None when the entry is gone), read in pipelined batches."""
-        ent, data = keys.script_keys(self.name)[2:4]
-        chunk: list[str] = []
-        r = self.cf.redis
-
-        def flush() -> Iterable[tuple[str, Entry | None, bytes | None]]:
-            pipe = r.pipeline(transaction=False)
-            pipe.hmget(ent, chunk)
-            pipe.hmget(data, chunk)
-            descs, datas = pipe.execute()
-            for i, raw, d in zip(chunk, descs, datas, strict=True):
-                yield i, (Entry.unpack(raw) if raw else None), d
-
-        for i in ids:
-            chunk.append(i)
-            if len(chunk) >= batch:
-                yield from flush()
-                chunk = []
-        if chunk:
-            yield from flush()
+        return bulk.fetch(self.cf.redis, self.name, ids, batch)
 
     # --- structure metadata -------------------------------------------------------------------------------
     def info(self) -> dict[str, str]:
