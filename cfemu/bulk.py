@@ -126,6 +126,12 @@ def wipe(client: redis.Redis, structure: str, *, keep: tuple[str, ...] = (), bat
     return len(doomed)
 
 
+def mark_recovering(client: redis.Redis, structure: str) -> None:
+    """Set the header's state to RECOVERING, whether or not the structure is defined (after the loss of the CF
+    the admin structure may not know it yet): from now on every script refuses work on it."""
+    client.hset(keys.meta(structure), "state", "RECOVERING")
+
+
 def reset(client: redis.Redis, sdef: StructureDef, *, batch: int = BATCH) -> int:
     """Empty a RECOVERING structure: delete every key but its header, then give it back its header fields and
     its fence (every member's current epoch). Returns the number of keys deleted."""
@@ -277,7 +283,7 @@ def purge(client: redis.Redis, sdef: StructureDef, queues: Sequence[str]) -> Pur
     info = {keys.text(k): keys.text(v) for k, v in client.hgetall(meta).items()}
     discarded = int(client.hlen(keys.entries(S)))
     gen = max(time.time_ns() // 1000, int(info.get("clock", 0)) + 1, int(info.get("gen", 0)) + 1)
-    client.hset(meta, "state", "RECOVERING")
+    mark_recovering(client, S)
     reset(client, sdef)
     if queues:
         client.sadd(keys.queues(S), *queues)

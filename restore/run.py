@@ -113,7 +113,7 @@ def _redefine(admin: Admin, manifest: dict[str, Any]) -> StructureDef:
     backup (the header says RECOVERING first, so that no queue manager uses the structure meanwhile)."""
     admin.set_group_name(manifest["group"])
     sd = manifest["structure_def"]
-    admin.redis.hset(keys.meta(sd["name"]), "state", "RECOVERING")
+    bulk.mark_recovering(admin.redis, sd["name"])
     sdef = admin.define_structure(sd["name"], max_entries=int(sd.get("max_entries", 0)),
                                   max_bytes=int(sd.get("max_bytes", 0)), replace=True)
     for q in manifest["queues"]:
