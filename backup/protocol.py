@@ -11,27 +11,24 @@ patent's order, while the group keeps working.
   6 end: clear the running mark
 
 Each step's membership is a true snapshot (cfemu/scripts/snapshot.lua takes every id in one atomic script);
-the descriptors and data are fetched afterwards in pipelined batches, and an entry that changed or vanished
-meanwhile is copied as it is then (or skipped): any copy taken during the backup is consistent under the redo
-rule. The only log record the backup causes is the patent's exception: a get backed out while the backup runs
-carries its data in the BACKOUT record (enforced by cfemu/scripts/backout.lua).
+the descriptors and data are fetched afterwards in pipelined batches (cfemu.bulk), and an entry that changed or
+vanished meanwhile is copied as it is then (or skipped): any copy taken during the backup is consistent under
+the redo rule. The only log record the backup causes is the patent's exception: a get backed out while the
+backup runs carries its data in the BACKOUT record (enforced by cfemu/scripts/backout.lua).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
-import msgpack
-
-from cfemu import keys
+from cfemu import bulk
+from cfemu.bulk import Wire
 from cfemu.cf import Structure
 from cfemu.entry import Entry
 
 T = TypeVar("T")
-Wire = dict[str, Any]  # an entry descriptor in wire form
 
 STEPS: tuple[tuple[str, str], ...] = (
     ("UG", "uncommitted gets (first pass)"),
@@ -80,41 +77,10 @@ def copy_step(structure: Structure, state: str, count: StepCount, batch: int = 2
                        lambda e: e.persistent, keep)
 
 
-def _fetch_raw(structure: Structure, chunk: list[str]) -> tuple[list[bytes | None], list[bytes | None]]:
-    ent, data_key = keys.script_keys(structure.name)[2:4]
-    pipe = structure.cf.redis.pipeline(transaction=False)
-    pipe.hmget(ent, chunk)
-    pipe.hmget(data_key, chunk)
-    descs, datas = pipe.execute()
-    return descs, datas
-
-
-def fetch_wire(structure: Structure, ids: list[str], batch: int = 2000) -> Iterator[tuple[Wire | None, bytes | None]]:
-    """Like Structure.fetch, but each descriptor comes as its wire-form dict straight from the CF's msgpack,
-    without an Entry object in between, and the next batch is fetched while the caller handles this one (the
-    backup's hot loop: a million entries)."""
-    chunks = [ids[i:i + batch] for i in range(0, len(ids), batch)]
-    if not chunks:
-        return
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="backup-fetch") as pool:
-        pending = pool.submit(_fetch_raw, structure, chunks[0])
-        for k in range(len(chunks)):
-            descs, datas = pending.result()
-            if k + 1 < len(chunks):
-                pending = pool.submit(_fetch_raw, structure, chunks[k + 1])
-            for raw, d in zip(descs, datas, strict=True):
-                if raw is None:
-                    yield None, d
-                    continue
-                wire = msgpack.unpackb(raw, raw=False, unicode_errors="surrogateescape")
-                if not isinstance(wire.get("pr"), dict):
-                    wire["pr"] = {}  # Lua's msgpack writes an empty property table as an empty array
-                yield wire, d
-
-
 def copy_step_wire(structure: Structure, state: str, count: StepCount, batch: int = 2000,
                    keep: Callable[[Wire], bool] | None = None) -> Iterator[tuple[Wire, bytes]]:
     """copy_step with descriptors in wire form (cfemu.entry.Entry.wire()), the form a backup stores."""
     ids = structure.snapshot(state)
     count.snapshot += len(ids)
-    yield from _select(count, fetch_wire(structure, ids, batch), lambda w: w.get("per", 1) == 1, keep)
+    yield from _select(count, bulk.fetch_wire(structure.cf.redis, structure.name, ids, batch),
+                       lambda w: w.get("per", 1) == 1, keep)

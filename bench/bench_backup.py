@@ -72,7 +72,7 @@ def fill(client: redis.Redis, n: int, console: Console) -> list[str]:
 
 
 def raw_read(client: redis.Redis, ids: list[str]) -> tuple[float, int]:
-    ent, data = keys.script_keys(STRUCTURE)[2:4]
+    ent, data = keys.entries(STRUCTURE), keys.data(STRUCTURE)
     t0 = time.perf_counter()
     nbytes = 0
     for start in range(0, len(ids), BATCH):

@@ -247,24 +247,25 @@ def end_to_end(root: Path, plan: RestorePlan) -> dict[str, float]:
     final data (descriptor and data hashes, queue lists, in batches of the same size) for comparison."""
     from cfemu import keys
     from cfemu.admin import Admin
+    from cfemu.bulk import descriptor, list_of
     from cfemu.embedded import EmbeddedRedis
-    from restore.load import BATCH, descriptor, list_suffix, load_plan
+    from restore.load import BATCH, load_plan
 
     server = EmbeddedRedis(data_dir=root / "redis")
     server.start()
     try:
         client = server.client()
         survivors = [s for s in plan.settled if s.entry is not None]
-        _, _, ent_key, data_key, *_ = keys.script_keys(S)
+        ent_key, data_key = keys.entries(S), keys.data(S)
         t0 = time.perf_counter()
         for start in range(0, len(survivors), BATCH):
             chunk = survivors[start:start + BATCH]
             pipe = client.pipeline(transaction=False)
-            pipe.hset(ent_key, mapping={s.id: descriptor(s) for s in chunk})
+            pipe.hset(ent_key, mapping={s.id: descriptor(s.entry or {}, s.data) for s in chunk})
             pipe.hset(data_key, mapping={s.id: s.data for s in chunk})
             for s in chunk:
                 assert s.entry is not None
-                pipe.rpush(keys.queue_list(S, s.entry["q"], list_suffix(s.entry)), s.id)
+                pipe.rpush(list_of(S, s.entry), s.id)
             pipe.execute()
         raw_s = time.perf_counter() - t0
         client.flushall()

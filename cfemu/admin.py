@@ -7,20 +7,21 @@ backup, members re-join with epochs that only grow, the catalog from the backup 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import msgpack
 import redis
 
-from cfemu import keys
+from cfemu import keys, lua
 
 log = logging.getLogger("cfemu.admin")
 
-A = keys.ADMIN
-STRUCTURES, QUEUES, MEMBERS, EPOCHS = f"{A}:structures", f"{A}:queues", f"{A}:members", f"{A}:epochs"
+STRUCTURES, QUEUES, MEMBERS, EPOCHS = keys.structure_defs(), keys.queue_defs(), keys.members(), keys.epochs()
 
 STRUCTURE_STATES = ("ACTIVE", "FAILED", "RECOVERING")
 
@@ -49,50 +50,24 @@ def _pack(obj: Any) -> bytes:
     return msgpack.packb(asdict(obj), use_bin_type=True)
 
 
-_HEARTBEAT = """
--- KEYS[1] lease key, KEYS[2] epochs hash; ARGV 1 member, 2 epoch, 3 ttl ms
--- Returns 1 renewed, 0 fenced (another epoch is current), -1 unknown member (the CF was lost: re-join)
-local cur = redis.call('HGET', KEYS[2], ARGV[1])
-if not cur then return -1 end
-if cur ~= ARGV[2] then return 0 end
-redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3])
-return 1
-"""
-
-
-_FENCE = """
--- KEYS[1] lease key, KEYS[2] epochs hash; ARGV 1 member, 2 now (ms)
--- Returns the new epoch, or 0 when the member holds a lease (it is alive: not to be fenced)
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-local epoch = math.max(tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0') + 1, tonumber(ARGV[2]))
-redis.call('HSET', KEYS[2], ARGV[1], epoch)
-return epoch
-"""
-
-_RAISE_FENCE = """
--- KEYS[1] a structure's fence hash; ARGV 1 member, 2 epoch: set it unless a higher epoch is there already
-local cur = tonumber(redis.call('HGET', KEYS[1], ARGV[1]) or '0')
-if tonumber(ARGV[2]) > cur then redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) end
-return 1
-"""
-
-
 class Admin:
     def __init__(self, client: redis.Redis) -> None:
         self.redis = client
-        self._heartbeat = client.register_script(_HEARTBEAT)
-        self._fence = client.register_script(_FENCE)
-        self._raise_fence = client.register_script(_RAISE_FENCE)
+        self._scripts = lua.register(client, lua.admin_operations())  # cfemu/scripts/admin_*.lua
         self.bad_entries: dict[tuple[str, str], str] = {}  # (hash, field) -> why it could not be read
+
+    def _run(self, op: str, keys_: list[str], args: list[Any]) -> int:
+        """One admin script (cfemu/scripts/admin_<op>.lua); each returns an integer."""
+        return int(self._scripts[f"admin_{op}"](keys=keys_, args=args))
 
     # --- the group ------------------------------------------------------------------------------------
     def group_name(self) -> str:
         """The queue-sharing group's name (backups record it; restore refuses another group's backup)."""
-        name = self.redis.get(f"{A}:group")
+        name = self.redis.get(keys.group())
         return keys.text(name) if name else "QSG1"
 
     def set_group_name(self, name: str) -> None:
-        self.redis.set(f"{A}:group", keys.check_name("group", name))
+        self.redis.set(keys.group(), keys.check_name("group", name))
 
     # --- structures -----------------------------------------------------------------------------------
     def define_structure(self, name: str, *, max_entries: int = 0, max_bytes: int = 0,
@@ -122,7 +97,7 @@ class Admin:
         self.redis.hset(m, mapping={"max_entries": sdef.max_entries, "max_bytes": sdef.max_bytes})
         epochs = self.redis.hgetall(EPOCHS)
         if epochs:
-            self.redis.hset(keys.script_keys(sdef.name)[1], mapping=dict(epochs))  # type: ignore[arg-type]
+            self.redis.hset(keys.fence(sdef.name), mapping=dict(epochs))  # type: ignore[arg-type]
 
     def structures(self) -> list[StructureDef]:
         """Every defined structure; a malformed definition is reported (bad_entries) and skipped, so one bad
@@ -173,8 +148,19 @@ class Admin:
         if old is not None and msgpack.unpackb(old, raw=False)["structure"] != structure:
             raise AdminError(f"queue {name} is on another structure; it cannot move")
         self.redis.hset(QUEUES, name, _pack(qdef))
-        self.redis.sadd(keys.script_keys(structure)[6], name)
+        self.redis.sadd(keys.queues(structure), name)
         return qdef
+
+    def ensure_structure(self, name: str, queues: Iterable[str] = (), *, max_entries: int = 0,
+                         max_bytes: int = 0) -> None:
+        """Define a structure and its queues where they are not defined yet. A definition refused with AdminError
+        (already there, perhaps with other values) is left as it is and the next one is tried: for a launcher
+        that sets up a group it may have set up before, where the existing definitions win."""
+        with contextlib.suppress(AdminError):
+            self.define_structure(name, max_entries=max_entries, max_bytes=max_bytes)
+        for q in queues:
+            with contextlib.suppress(AdminError):
+                self.define_queue(q, name)
 
     def queue_def(self, name: str) -> QueueDef:
         raw = self.redis.hget(QUEUES, name)
@@ -195,7 +181,7 @@ class Admin:
         epoch = max(old + 1, int(info.get("min_epoch", 0)), int(time.time() * 1000))
         pipe = self.redis.pipeline(transaction=True)
         pipe.hset(EPOCHS, member, epoch)
-        pipe.set(f"{A}:lease:{member}", epoch, px=lease_ms)
+        pipe.set(keys.lease(member), epoch, px=lease_ms)
         pipe.hset(MEMBERS, member, msgpack.packb(info, use_bin_type=True))
         pipe.execute()
         self.join_structures(member, epoch)
@@ -205,21 +191,21 @@ class Admin:
         """Carry a member's epoch into every structure's fence (a structure rebuilt by restore starts without).
         A fence only moves up: a late write of an older epoch cannot unfence a newer incarnation."""
         for s in self.structures():
-            self._raise_fence(keys=[keys.script_keys(s.name)[1]], args=[member, epoch])
+            self._run("raise_fence", [keys.fence(s.name)], [member, epoch])
 
     def heartbeat(self, member: str, epoch: int, lease_ms: int) -> int:
         """Renew the lease: 1 renewed, 0 fenced (the epoch is no longer current), -1 unknown (CF lost: re-join)."""
-        return int(self._heartbeat(keys=[f"{A}:lease:{member}", EPOCHS], args=[member, epoch, lease_ms]))
+        return self._run("heartbeat", [keys.lease(member), EPOCHS], [member, epoch, lease_ms])
 
     def leave(self, member: str) -> None:
         """Clean shutdown: no lease, no recovery needed (the member's log shows no open work)."""
-        self.redis.delete(f"{A}:lease:{member}")
+        self.redis.delete(keys.lease(member))
         self.redis.hdel(MEMBERS, member)
 
     def fence(self, member: str) -> int:
         """Bump a lapsed member's epoch so that every CF call it makes with the old one is refused. Returns 0, and
         changes nothing, when the member holds a lease again (it restarted since it was seen lapsed)."""
-        epoch = int(self._fence(keys=[f"{A}:lease:{member}", EPOCHS], args=[member, int(time.time() * 1000)]))
+        epoch = self._run("fence", [keys.lease(member), EPOCHS], [member, int(time.time() * 1000)])
         if epoch:
             self.join_structures(member, epoch)
         return epoch
@@ -235,7 +221,7 @@ class Admin:
                 continue
             name = keys.text(k)
             info["epoch"] = self.epoch(name)
-            info["lease_ms"] = self.redis.pttl(f"{A}:lease:{name}")
+            info["lease_ms"] = self.redis.pttl(keys.lease(name))
             out[name] = info
         return out
 
@@ -244,10 +230,10 @@ class Admin:
         return [m for m, info in self.members().items() if info["lease_ms"] < 0]
 
     def try_recovery_lock(self, failed: str, by: str, ttl_ms: int) -> bool:
-        return bool(self.redis.set(f"{A}:recovering:{failed}", by, nx=True, px=ttl_ms))
+        return bool(self.redis.set(keys.recovery_lock(failed), by, nx=True, px=ttl_ms))
 
     def release_recovery_lock(self, failed: str) -> None:
-        self.redis.delete(f"{A}:recovering:{failed}")
+        self.redis.delete(keys.recovery_lock(failed))
 
     def forget_member(self, member: str) -> None:
         """After peer recovery: the member stays fenced (its epoch stays) but is no longer a live member."""
@@ -255,11 +241,11 @@ class Admin:
 
     # --- backup catalog (the copy in the CF; the backup directory holds the durable one) ----------------
     def record_backup(self, structure: str, entry: dict[str, Any]) -> None:
-        self.redis.hset(f"{A}:backups:{structure}", entry["id"], msgpack.packb(entry, use_bin_type=True))
+        self.redis.hset(keys.backups(structure), entry["id"], msgpack.packb(entry, use_bin_type=True))
 
     def backups(self, structure: str) -> list[dict[str, Any]]:
-        out = [msgpack.unpackb(v, raw=False) for v in self.redis.hvals(f"{A}:backups:{structure}")]
+        out = [msgpack.unpackb(v, raw=False) for v in self.redis.hvals(keys.backups(structure))]
         return sorted(out, key=lambda b: b.get("start_lrsn", 0))
 
     def forget_backup(self, structure: str, backup_id: str) -> None:
-        self.redis.hdel(f"{A}:backups:{structure}", backup_id)
+        self.redis.hdel(keys.backups(structure), backup_id)

@@ -4,24 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from importlib import resources
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import msgpack
 import redis
 
-from cfemu import keys
+from cfemu import bulk, keys, lua
 from cfemu.entry import Entry
 from cfemu.errors import from_script_error
-
-_SCRIPT_NAMES = ("put", "get", "browse", "commit", "backout", "uow_entries", "member_uows", "expire",
-                 "backup_begin", "backup_end", "snapshot")
-
-
-def script_source(name: str) -> str:
-    """The full source of one CF script: the shared prelude, then the operation itself."""
-    folder = resources.files("cfemu") / "scripts"
-    return (folder / "_prelude.lua").read_text() + "\n" + (folder / f"{name}.lua").read_text()
 
 
 class Clock(Protocol):
@@ -42,11 +32,11 @@ class Caller:
 
 
 class CF:
-    """A connection to the CF (a Redis server) with every CF script registered."""
+    """A connection to the CF (a Redis server) with every structure script registered (the admin ones: Admin)."""
 
     def __init__(self, client: redis.Redis) -> None:
         self.redis = client
-        self._scripts = {n: client.register_script(script_source(n)) for n in _SCRIPT_NAMES}
+        self._scripts = lua.register(client, lua.structure_operations())  # cfemu/scripts/<op>.lua
 
     def structure(self, name: str) -> Structure:
         return Structure(self, keys.check_name("structure", name))
@@ -59,6 +49,37 @@ class CF:
             if msg.startswith(("NOSCRIPT", "ERR", "WRONGTYPE", "BUSY", "LOADING", "READONLY", "OOM")):
                 raise
             raise from_script_error(msg, structure) from None
+
+
+class PutReply(NamedTuple):
+    clock: int  # the CF clock after the put: the LRSN of the put (its PUT record's)
+    gen: int  # the structure's generation
+    created: bool  # False when an entry with this id was there already (puts are idempotent by id)
+
+
+class GetReply(NamedTuple):
+    clock: int  # the CF clock after the get: the LRSN of the get
+    gen: int  # the structure's generation
+    entry: Entry | None  # None when no message is available
+    data: bytes | None
+
+
+class OutcomeReply(NamedTuple):
+    """What a commit or a backout did to the entries the UOW held on the structure."""
+
+    clock: int  # the CF clock after the call
+    puts: int  # uncommitted puts made available (commit) or deleted (backout)
+    gets: int  # uncommitted gets deleted (commit) or made available again (backout)
+
+
+class BackupBegun(NamedTuple):
+    start: int  # the backup's start LRSN
+    floor: int  # the recovery floor: restore replays the logs from here
+
+
+class Expired(NamedTuple):
+    ids: list[str]  # persistent entries moved to the expired list by this call (the caller logs EXPIRE)
+    purged: int  # entries that were on the expired list and are now deleted
 
 
 def _pairs(flat: list[Any]) -> list[tuple[Entry, bytes]]:
@@ -76,39 +97,37 @@ class Structure:
         head: list[Any] = [caller.member, caller.epoch, caller.clock.now()] if caller else []
         return self.cf.run(op, self.name, head + list(args))
 
-    def put(self, caller: Caller, entry: Entry, data: bytes, *, uow: str = "", gen: int = 0) -> tuple[int, int, bool]:
-        """Returns (cf clock, structure gen, created)."""
+    def put(self, caller: Caller, entry: Entry, data: bytes, *, uow: str = "", gen: int = 0) -> PutReply:
         desc = msgpack.packb({"p": entry.priority, "per": 1 if entry.persistent else 0, "mid": entry.msgid,
                               "cid": entry.correlid, "exp": entry.expiry, "pt": entry.put_time,
                               "bc": entry.backout_count, "pr": entry.properties}, use_bin_type=False)
         cf, g, created = self._call("put", caller, [uow, gen, entry.id, entry.queue, desc, data])
         caller.clock.observe(int(cf))
-        return int(cf), int(g), bool(created)
+        return PutReply(int(cf), int(g), bool(created))
 
     def get(self, caller: Caller, queue: str, *, uow: str, gen: int = 0, match: str = "", value: str = "",
-            now_ms: int) -> tuple[int, int, Entry | None, bytes | None]:
-        """Returns (cf clock, gen, entry, data); entry is None when no message is available."""
+            now_ms: int) -> GetReply:
         out = self._call("get", caller, [uow, gen, queue, match, value, now_ms])
         caller.clock.observe(int(out[0]))
         if len(out) == 2:
-            return int(out[0]), int(out[1]), None, None
-        return int(out[0]), int(out[1]), Entry.unpack(out[2]), out[3] or b""
+            return GetReply(int(out[0]), int(out[1]), None, None)
+        return GetReply(int(out[0]), int(out[1]), Entry.unpack(out[2]), out[3] or b"")
 
     def browse(self, queue: str, limit: int, now_ms: int) -> list[tuple[Entry, bytes]]:
         return _pairs(self._call("browse", None, [queue, limit, now_ms]))
 
     def commit(self, caller: Caller, uow: str, *, gen: int, lrsn: int,
-               decided_by_recovery: bool = False) -> tuple[int, int, int]:
+               decided_by_recovery: bool = False) -> OutcomeReply:
         cf, puts, gets = self._call("commit", caller, [uow, gen, lrsn, 1 if decided_by_recovery else 0])
         caller.clock.observe(int(cf))
-        return int(cf), int(puts), int(gets)
+        return OutcomeReply(int(cf), int(puts), int(gets))
 
     def backout(self, caller: Caller, uow: str, *, gen: int, lrsn: int, has_data: bool,
-                decided_by_recovery: bool = False) -> tuple[int, int, int]:
+                decided_by_recovery: bool = False) -> OutcomeReply:
         cf, puts, gets = self._call("backout", caller, [uow, gen, lrsn, 1 if has_data else 0,
                                                         1 if decided_by_recovery else 0])
         caller.clock.observe(int(cf))
-        return int(cf), int(puts), int(gets)
+        return OutcomeReply(int(cf), int(puts), int(gets))
 
     def uow_entries(self, uow: str) -> list[tuple[Entry, bytes]]:
         return _pairs(self._call("uow_entries", None, [uow]))
@@ -117,14 +136,14 @@ class Structure:
         flat = self._call("member_uows", None, [member])
         return {flat[i].decode(): msgpack.unpackb(flat[i + 1], raw=False) for i in range(0, len(flat), 2)}
 
-    def expire(self, now_ms: int, limit: int = 1000) -> tuple[list[str], int]:
-        """Moves expired messages to the expired list and purges those already there: (persistent ids, purged)."""
+    def expire(self, now_ms: int, limit: int = 1000) -> Expired:
+        """Moves expired messages to the expired list and purges those already there."""
         out = self._call("expire", None, [now_ms, limit])
-        return [x.decode() for x in out[:-2]], int(out[-1])
+        return Expired([x.decode() for x in out[:-2]], int(out[-1]))
 
-    def backup_begin(self, backup_id: str, caller_lrsn: int) -> tuple[int, int]:
+    def backup_begin(self, backup_id: str, caller_lrsn: int) -> BackupBegun:
         start, floor = self._call("backup_begin", None, [backup_id, caller_lrsn])
-        return int(start), int(floor)
+        return BackupBegun(int(start), int(floor))
 
     def backup_end(self, backup_id: str, caller_lrsn: int, ok: bool) -> int:
         return int(self._call("backup_end", None, [backup_id, caller_lrsn, "ok" if ok else "failed"]))
@@ -132,27 +151,10 @@ class Structure:
     def snapshot(self, state: str) -> list[str]:
         return [x.decode() for x in self._call("snapshot", None, [state])]
 
-    def fetch(self, ids: Iterable[str], batch: int = 2000) -> Iterable[tuple[str, Entry | None, bytes | None]]:
+    def fetch(self, ids: Iterable[str],
+              batch: int = bulk.FETCH_BATCH) -> Iterable[tuple[str, Entry | None, bytes | None]]:
         """Current descriptor and data of each id (None when the entry is gone), read in pipelined batches."""
-        ent, data = keys.script_keys(self.name)[2:4]
-        chunk: list[str] = []
-        r = self.cf.redis
-
-        def flush() -> Iterable[tuple[str, Entry | None, bytes | None]]:
-            pipe = r.pipeline(transaction=False)
-            pipe.hmget(ent, chunk)
-            pipe.hmget(data, chunk)
-            descs, datas = pipe.execute()
-            for i, raw, d in zip(chunk, descs, datas, strict=True):
-                yield i, (Entry.unpack(raw) if raw else None), d
-
-        for i in ids:
-            chunk.append(i)
-            if len(chunk) >= batch:
-                yield from flush()
-                chunk = []
-        if chunk:
-            yield from flush()
+        return bulk.fetch(self.cf.redis, self.name, ids, batch)
 
     # --- structure metadata -------------------------------------------------------------------------------
     def info(self) -> dict[str, str]:
@@ -163,7 +165,7 @@ class Structure:
         return bool(self.cf.redis.exists(keys.meta(self.name)))
 
     def queues(self) -> list[str]:
-        return sorted(keys.text(q) for q in self.cf.redis.smembers(keys.script_keys(self.name)[6]))
+        return sorted(keys.text(q) for q in self.cf.redis.smembers(keys.queues(self.name)))
 
     def depths(self) -> dict[str, dict[str, int]]:
         """Per queue: number of entries in each state (CP summed over priorities)."""
@@ -171,10 +173,10 @@ class Structure:
         out: dict[str, dict[str, int]] = {}
         for q in self.queues():
             pipe = r.pipeline(transaction=False)
-            for s in ("up", "ug", "ex"):
-                pipe.llen(keys.queue_list(self.name, q, s))
+            for st in ("UP", "UG", "EX"):
+                pipe.llen(keys.state_list(self.name, q, st))
             for p in keys.PRIORITIES:
-                pipe.llen(keys.queue_list(self.name, q, f"cp:{p}"))
+                pipe.llen(keys.state_list(self.name, q, "CP", p))
             n = pipe.execute()
             out[q] = {"UP": n[0], "UG": n[1], "EX": n[2], "CP": sum(n[3:])}
         return out

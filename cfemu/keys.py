@@ -1,11 +1,15 @@
-"""Redis key layout of the CF. One structure = one hash tag {NAME} = one Redis Cluster slot.
+"""Redis key layout of the CF: every key has one builder here, and nothing else spells a key.
 
-The layout is documented in docs/cf-layout.md and in the header of cfemu/scripts/_prelude.lua.
+One structure = one hash tag {NAME} = one Redis Cluster slot, so every script may touch any of its keys. The
+admin structure is the tag {ADMIN}. The layout (types, fields, writers) is documented in docs/cf-layout.md; the
+Lua side names the same keys in the header of cfemu/scripts/_prelude.lua (SCRIPT_KEYS below gives the order,
+and tests/cfemu/test_scripts.py checks that the two agree).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 STATES = ("UP", "CP", "UG", "EX")
 PRIORITIES = range(10)
@@ -40,29 +44,118 @@ def tag(structure: str) -> str:
     return "{" + structure + "}"
 
 
-def script_keys(structure: str) -> list[str]:
-    """The KEYS every CF script receives, in the order _prelude.lua names them."""
-    t = tag(structure)
-    return [f"{t}:meta", f"{t}:fence", f"{t}:ent", f"{t}:data", f"{t}:uows", f"{t}:tomb", f"{t}:queues",
-            f"{t}:expiry"]
-
-
+# --- a structure's fixed keys: the KEYS every CF script receives -------------------------------------------------
 def meta(structure: str) -> str:
+    """Hash: the structure's header (state, gen, clock, floor, backup, entries, bytes, capacity)."""
     return f"{tag(structure)}:meta"
 
 
+def fence(structure: str) -> str:
+    """Hash: member -> the epoch the structure accepts from it."""
+    return f"{tag(structure)}:fence"
+
+
+def entries(structure: str) -> str:
+    """Hash: entry id -> msgpack descriptor."""
+    return f"{tag(structure)}:ent"
+
+
+def data(structure: str) -> str:
+    """Hash: entry id -> message data."""
+    return f"{tag(structure)}:data"
+
+
+def uows(structure: str) -> str:
+    """Hash: UOW id -> msgpack {o: owner member, f: first LRSN, g: generation} of each UOW holding entries."""
+    return f"{tag(structure)}:uows"
+
+
+def tomb(structure: str) -> str:
+    """Hash: UOW id -> 'C' | 'B', an outcome peer recovery or restore decided, for the owner to learn."""
+    return f"{tag(structure)}:tomb"
+
+
+def queues(structure: str) -> str:
+    """Set: the names of the queues defined on the structure."""
+    return f"{tag(structure)}:queues"
+
+
+def expiry(structure: str) -> str:
+    """Zset: entry id scored by its expiry time (ms)."""
+    return f"{tag(structure)}:expiry"
+
+
+# The order _prelude.lua gives them (KEYS[1] .. KEYS[8]); a new fixed key goes here and in the prelude's header.
+SCRIPT_KEYS: tuple[Callable[[str], str], ...] = (meta, fence, entries, data, uows, tomb, queues, expiry)
+
+
+def script_keys(structure: str) -> list[str]:
+    """The KEYS every CF script receives, in the order _prelude.lua names them."""
+    return [key(structure) for key in SCRIPT_KEYS]
+
+
+# --- a structure's derived keys (the scripts build the same names from the tag: qkey, uowkey, ixkey) -------------
 def queue_list(structure: str, queue: str, suffix: str) -> str:
-    """suffix: 'up', 'ug', 'ex' or 'cp:<priority>'."""
+    """List of entry ids; suffix: 'up', 'ug', 'ex' or 'cp:<priority>'."""
     return f"{tag(structure)}:q:{queue}:{suffix}"
 
 
+def state_list(structure: str, queue: str, state: str, priority: int = 0) -> str:
+    """The list that holds a queue's entries in `state` (UP, UG, EX; CP has one list per priority)."""
+    return queue_list(structure, queue, f"cp:{priority}" if state == "CP" else state.lower())
+
+
 def uow_set(structure: str, uow: str) -> str:
+    """Set: the ids of the entries a UOW holds."""
     return f"{tag(structure)}:uow:{uow}"
 
 
 def index_set(structure: str, queue: str, kind: str, value: str) -> str:
+    """Set: ids of a queue's entries by correlation id (kind 'c') or message id (kind 'm'), value in hex."""
     return f"{tag(structure)}:ix:{queue}:{kind}:{value}"
 
 
 def all_structure_keys_pattern(structure: str) -> str:
+    """A SCAN pattern for every key of the structure (all of them share the tag)."""
     return f"{tag(structure)}:*"
+
+
+# --- the admin structure {ADMIN} -----------------------------------------------------------------------------
+def group() -> str:
+    """String: the queue-sharing group's name."""
+    return f"{ADMIN}:group"
+
+
+def structure_defs() -> str:
+    """Hash: structure name -> msgpack StructureDef."""
+    return f"{ADMIN}:structures"
+
+
+def queue_defs() -> str:
+    """Hash: queue name -> msgpack QueueDef."""
+    return f"{ADMIN}:queues"
+
+
+def members() -> str:
+    """Hash: member -> msgpack info of each live member (joined, not yet left or recovered)."""
+    return f"{ADMIN}:members"
+
+
+def epochs() -> str:
+    """Hash: member -> its current fencing epoch (kept after the member leaves: epochs only grow)."""
+    return f"{ADMIN}:epochs"
+
+
+def lease(member: str) -> str:
+    """String with a TTL: the member's epoch while its lease runs."""
+    return f"{ADMIN}:lease:{member}"
+
+
+def recovery_lock(member: str) -> str:
+    """String with a TTL: the peer recovering this failed member."""
+    return f"{ADMIN}:recovering:{member}"
+
+
+def backups(structure: str) -> str:
+    """Hash: backup id -> msgpack catalog entry of the structure's backups (the copy in the CF)."""
+    return f"{ADMIN}:backups:{structure}"

@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from cfemu.admin import Admin, AdminError
+from cfemu.admin import Admin
 from cfemu.connection import connect
 from cfemu.embedded import EmbeddedRedis, ServerNotRunningError
 from cfemu.procs import free_port, log_tail, pid_alive, popen_tied
@@ -228,12 +228,7 @@ class Cluster:
     def _define(self, structure: str, queues: Sequence[str]) -> None:
         client = connect(self.redis_url)
         try:
-            admin = Admin(client)
-            with contextlib.suppress(AdminError):
-                admin.define_structure(structure)
-            for q in queues:
-                with contextlib.suppress(AdminError):
-                    admin.define_queue(q, structure)
+            Admin(client).ensure_structure(structure, queues)
         finally:
             client.close()
 

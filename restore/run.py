@@ -31,10 +31,10 @@ import redis
 
 from backup.catalog import OK, find_backup, list_backups
 from backup.files import Backup, read_backup
-from cfemu import keys
+from cfemu import bulk, keys
 from cfemu.admin import Admin, AdminError, StructureDef
 from restore.engine import PHASES, Progress, get_engine, no_progress
-from restore.load import LoadResult, count_nonpersistent, load_plan, restore_owned_uows, uow_owner, wipe
+from restore.load import LoadResult, load_plan, restore_owned_uows, uow_owner
 from restore.plan import RestorePlan
 from restore.result import PurgeResult, RestoreResult, write_report
 from sqm.log import LogLockedError, LogReader, RecordLog, find_log_dirs
@@ -112,7 +112,7 @@ def _redefine(admin: Admin, manifest: dict[str, Any]) -> StructureDef:
     backup (the header says RECOVERING first, so that no queue manager uses the structure meanwhile)."""
     admin.set_group_name(manifest["group"])
     sd = manifest["structure_def"]
-    admin.redis.hset(keys.meta(sd["name"]), "state", "RECOVERING")
+    bulk.mark_recovering(admin.redis, sd["name"])
     sdef = admin.define_structure(sd["name"], max_entries=int(sd.get("max_entries", 0)),
                                   max_bytes=int(sd.get("max_bytes", 0)), replace=True)
     for q in manifest["queues"]:
@@ -185,7 +185,7 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
                 admin.set_state(structure, "FAILED")  # from now on no member changes the structure
                 plan = make_plan()  # again: members may have logged more before the structure failed
             if client.exists(keys.meta(structure)):
-                found_in_cf = count_nonpersistent(client, structure)
+                found_in_cf = bulk.count_nonpersistent(client, structure)
             if sdef is None:
                 sdef = _redefine(admin, manifest)
             else:
@@ -247,19 +247,6 @@ def run_purge(client: redis.Redis, structure: str, *, mark_failed: bool = False)
     if state == "ACTIVE" and not mark_failed:
         raise RestoreError(f"structure {structure} is ACTIVE: purge it only once it has failed, or mark it "
                            f"failed first (--mark-failed)")
-    meta = keys.meta(structure)
-    info = {keys.text(k): keys.text(v) for k, v in client.hgetall(meta).items()}
-    discarded = int(client.hlen(keys.script_keys(structure)[2]))
     queues = [q.name for q in admin.queues() if q.structure == structure]
-    gen = max(time.time_ns() // 1000, int(info.get("clock", 0)) + 1, int(info.get("gen", 0)) + 1)
-    client.hset(meta, "state", "RECOVERING")
-    wipe(client, structure, keep=(meta,))
-    admin.create_structure(sdef, state="RECOVERING")
-    if queues:
-        client.sadd(keys.script_keys(structure)[6], *queues)
-    tx = client.pipeline(transaction=True)
-    tx.delete(meta)
-    tx.hset(meta, mapping={"state": "ACTIVE", "gen": gen, "clock": gen + 1, "floor": gen, "entries": 0,
-                           "bytes": 0, "max_entries": sdef.max_entries, "max_bytes": sdef.max_bytes})
-    tx.execute()
-    return PurgeResult(structure, state, discarded, int(info.get("bytes", 0)), gen)
+    purged = bulk.purge(client, sdef, queues)
+    return PurgeResult(structure, state, purged.discarded, purged.discarded_bytes, purged.gen)

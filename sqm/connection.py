@@ -142,9 +142,10 @@ class Connection(UnitOfWorkScope):
             while True:
                 if self.gone.is_set():
                     raise ClientGoneError(f"the client left while waiting for a message on {queue}")
-                _, gen, entry, data = qm.cf_call(lambda: s.get(
+                got = qm.cf_call(lambda: s.get(
                     qm.caller, queue, uow=uow.id, gen=uow.structures.get(qdef.structure, 0), match=match,
                     value=value, now_ms=now_ms()))
+                gen, entry, data = got.gen, got.entry, got.data
                 uow.structures[qdef.structure] = gen
                 if entry is not None:
                     assert data is not None

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import redis
 
+from cfemu import keys
 from cfemu.admin import Admin, AdminError, QueueDef
 from cfemu.cf import CF, Caller, Structure
 from cfemu.connection import PoolExhaustedError, connect
@@ -378,7 +379,7 @@ class QueueManager:
 
     def _backup_running(self, uow: UnitOfWork) -> bool:
         try:
-            return any(self.redis.hexists(f"{{{s}}}:meta", "backup") for s in uow.structures)
+            return any(self.redis.hexists(keys.meta(s), "backup") for s in uow.structures)
         except CF_DOWN:
             return False
 

@@ -10,6 +10,8 @@
 --   KEYS[8] {S}:expiry  zset  entry id scored by expiry time (ms)
 -- Per-queue lists are derived from the tag (same slot): {S}:q:<queue>:up|ug|ex|cp:<0-9>,
 -- per-UOW sets {S}:uow:<uow>, and correlation/message id indexes {S}:ix:<queue>:c|m:<hex>.
+-- Python names the same keys in cfemu/keys.py (keys.SCRIPT_KEYS is this order; tests/cfemu/test_scripts.py checks
+-- it); every key, its fields and its writers: docs/cf-layout.md.
 local META, FENCE, ENT, DATA, UOWS, TOMB, QUEUES, EXPIRY =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8]
 local PREFIX = string.sub(META, 1, #META - 4)

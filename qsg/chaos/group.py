@@ -15,7 +15,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
-from cfemu.admin import Admin, AdminError
+from cfemu.admin import Admin
 from cfemu.connection import connect
 from cfemu.errors import MQError
 from qsg.chaos.proxy import FaultProxy
@@ -123,11 +123,7 @@ class ChaosGroup:
             try:
                 admin = Admin(client)
                 for s, queues in STRUCTURES.items():
-                    with contextlib.suppress(AdminError):
-                        admin.define_structure(s)
-                    for q in queues:
-                        with contextlib.suppress(AdminError):
-                            admin.define_queue(q, s)
+                    admin.ensure_structure(s, queues)
             finally:
                 client.close()
             for name, host, port in self.cluster.endpoints:

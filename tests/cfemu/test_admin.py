@@ -1,11 +1,12 @@
-"""The admin structure's membership rules, against a real redis-server."""
+"""The admin structure's membership rules, against a real redis-server (each admin script on its own:
+tests/cfemu/test_scripts.py)."""
 
 from __future__ import annotations
 
 import time
 
+from cfemu import keys
 from cfemu.admin import Admin
-from cfemu.cf import CF
 from cfemu.connection import connect
 
 
@@ -20,23 +21,14 @@ def test_a_member_that_restarted_after_it_was_seen_lapsed_is_not_fenced(redis_ur
     epoch = admin.join("QM2", {}, lease_ms=10_000)  # ... just before QM2 restarts
     assert admin.fence("QM2") == 0
     assert admin.epoch("QM2") == epoch
-    assert admin.redis.hget("{APP1}:fence", "QM2") == str(epoch).encode()
+    assert admin.redis.hget(keys.fence("APP1"), "QM2") == str(epoch).encode()
 
 
-def test_fencing_a_lapsed_member_raises_its_epoch_everywhere(redis_url: str) -> None:
+def test_ensure_structure_defines_what_is_missing_and_keeps_what_is_there(redis_url: str) -> None:
     admin = Admin(connect(redis_url))
-    admin.define_structure("APP1")
-    old = admin.join("QM2", {}, lease_ms=100)
-    time.sleep(0.2)
-    new = admin.fence("QM2")
-    assert new > old and admin.epoch("QM2") == new
-    assert int(admin.redis.hget("{APP1}:fence", "QM2") or 0) == new
-    assert CF(admin.redis).structure("APP1").exists()
-
-
-def test_a_structure_fence_never_moves_down(redis_url: str) -> None:
-    admin = Admin(connect(redis_url))
-    admin.define_structure("APP1")
-    admin.join_structures("QM2", 5)
-    admin.join_structures("QM2", 3)  # a late write of an older epoch
-    assert admin.redis.hget("{APP1}:fence", "QM2") == b"5"
+    admin.ensure_structure("APP1", ("Q1",), max_entries=10)
+    admin.ensure_structure("APP1", ("Q1", "Q2"), max_entries=99)  # a second launch: no error, Q2 added
+    assert admin.structure_def("APP1").max_entries == 10
+    assert [(q.name, q.structure) for q in admin.queues()] == [("Q1", "APP1"), ("Q2", "APP1")]
+    admin.ensure_structure("APP2", ("Q1",))  # Q1 is APP1's: left there
+    assert admin.queue_def("Q1").structure == "APP1" and admin.structure_def("APP2").name == "APP2"

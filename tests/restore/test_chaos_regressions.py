@@ -14,6 +14,7 @@ import pytest
 import redis
 
 from backup.run import run_backup
+from cfemu import keys
 from cfemu.admin import Admin
 from cfemu.entry import Entry
 from cfemu.errors import NoMessageError, StructureFailedError
@@ -129,7 +130,7 @@ def test_seed3_a_put_outside_syncpoint_is_never_put_again_after_the_restore_repl
         conn.put("Q1", b"once", syncpoint=False)
         uow = qm.new_uow()
         conn._put_entry("APP1", _entry("Q1"), b"in-commit", uow)
-        client.hset("{APP1}:meta", "state", "FAILED")
+        client.hset(keys.meta("APP1"), "state", "FAILED")
         qm.complete(uow, True)  # logged, then waits for the CF
         assert qm.pending
         run_restore(client, "APP1", backup_root=backups, log_root=logs)  # completes it from the log

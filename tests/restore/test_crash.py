@@ -50,7 +50,7 @@ def test_restore_killed_mid_load_resumes_to_the_clean_result(redis_url: str, tmp
     crashed = cfrestore(redis_url, logs, backups, env={FAILPOINTS: "restore-load-batch=1"})
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr
     assert Admin(client).state(S) == "RECOVERING"
-    assert client.hlen(keys.script_keys(S)[2]) == 1000  # one batch made it
+    assert client.hlen(keys.entries(S)) == 1000  # one batch made it
     decided = [r for _, r in LogReader(logs / RESTORE_MEMBER).records()]
     assert [(r["k"], r["o"], r["by"]) for r in decided] == [("RECOVERY", "B", "restore")]
 
@@ -59,7 +59,7 @@ def test_restore_killed_mid_load_resumes_to_the_clean_result(redis_url: str, tmp
     assert '"decisions_logged": 0' in resumed.stdout  # the crashed run's decision stands
     assert Admin(client).state(S) == "ACTIVE"
     after_resume = snapshot(client, volatile=("clock", "floor", "gen"))
-    assert client.hlen(keys.script_keys(S)[2]) == MESSAGES - 10 + 1
+    assert client.hlen(keys.entries(S)) == MESSAGES - 10 + 1
 
     Admin(client).set_state(S, "FAILED")
     run_restore(client, S, backup_root=backups, log_root=logs)  # a clean run, to the end

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from cfemu import keys
 from cfemu.admin import Admin
 from cfemu.errors import NoMessageError, StructureFullError, UnknownObjectError
 from sqm.manager import QueueManager
@@ -90,7 +91,7 @@ def test_full_structure_refuses_and_uow_stays_consistent(redis_url: str, tmp_pat
         got = [c.get("S1").body for _ in range(3)]
         c.commit()
         assert got == [b"0", b"1", b"2"]
-        assert client.hget("{SMALL}:meta", "entries") == b"0"
+        assert client.hget(keys.meta("SMALL"), "entries") == b"0"
     finally:
         qm.stop()
 

@@ -20,6 +20,7 @@ from typing import Any
 import msgpack
 import pytest
 
+from cfemu import keys
 from cfemu.admin import Admin
 from cfemu.cf import CF
 from cfemu.connection import connect
@@ -295,7 +296,7 @@ def test_backup_age_metric_follows_the_catalog(redis_url: str, tmp_path: Path) -
     assert last_backup_age(admin, "APP1") is None
     admin.record_backup("APP1", {"id": "B1", "start_lrsn": 1, "ended_at": "2020-01-01T00:00:00+00:00"})
     admin.record_backup("APP1", {"id": "B2", "start_lrsn": 2, "ended_at": "2020-01-01T00:01:40+00:00"})
-    client_.hset("{APP1}:meta", "last_backup", "B2")
+    client_.hset(keys.meta("APP1"), "last_backup", "B2")
     t = 1577836900.0 + 50  # 2020-01-01T00:01:40Z + 50 s
     assert last_backup_age(admin, "APP1", now=t) == pytest.approx(50)
 

@@ -14,10 +14,7 @@ from sqm.manager import QueueManager, QueueManagerConfig
 def define_group(url: str, *, structure: str = "APP1", queues: tuple[str, ...] = ("Q1", "Q2"),
                  max_entries: int = 0, max_bytes: int = 0) -> redis.Redis:
     client = connect(url)
-    admin = Admin(client)
-    admin.define_structure(structure, max_entries=max_entries, max_bytes=max_bytes)
-    for q in queues:
-        admin.define_queue(q, structure)
+    Admin(client).ensure_structure(structure, queues, max_entries=max_entries, max_bytes=max_bytes)
     return client
 
 

@@ -166,8 +166,9 @@ class Member:
 
     def get(self, uow: Uow, queue: str = QUEUE) -> Steps:
         yield f"get in {uow.id}"
-        _, gen, entry, _ = self.s.get(self.caller, queue, uow=uow.id, gen=uow.structures.get(STRUCTURE, 0),
-                                      now_ms=self.world.now_ms)
+        got = self.s.get(self.caller, queue, uow=uow.id, gen=uow.structures.get(STRUCTURE, 0),
+                         now_ms=self.world.now_ms)
+        gen, entry = got.gen, got.entry
         uow.structures[STRUCTURE] = gen
         if entry is not None and entry.persistent:
             uow.persistent = True
@@ -326,8 +327,8 @@ def expected_after_loss(world: World) -> dict[str, Row]:
     backout count rises)."""
     committed = {r["u"] for m in world.members.values() for r in m.log if r["k"] == "COMMIT"}
     pipe = world.client.pipeline(transaction=False)
-    for key in keys.script_keys(STRUCTURE)[2:4]:
-        pipe.hgetall(key)
+    pipe.hgetall(keys.entries(STRUCTURE))
+    pipe.hgetall(keys.data(STRUCTURE))
     raw_descs, raw_datas = pipe.execute()
     descs = {keys.text(k): Entry.unpack(v) for k, v in raw_descs.items()}
     datas = {keys.text(k): v for k, v in raw_datas.items()}

@@ -1,0 +1,529 @@
+"""The CF operations, one test class per script in cfemu/scripts/ (test_every_script_has_a_test_class keeps it so),
+against a real redis-server. Each class checks the operation's semantics, its idempotency where its header claims
+it, and its refusals as the exceptions cfemu/errors.py maps them to.
+
+Adding a CF operation: its <op>.lua, its Structure.<op> (or Admin method), and a Test<Op> class here.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+from importlib import resources
+
+import pytest
+
+from cfemu import keys, lua
+from cfemu.admin import Admin
+from cfemu.cf import CF, Caller, OutcomeReply, Structure
+from cfemu.connection import connect
+from cfemu.entry import Entry
+from cfemu.errors import (
+    BackedOutError,
+    BackupActiveError,
+    BackupRunningError,
+    BadRequestError,
+    CompletedByRecoveryError,
+    FencedError,
+    FloorError,
+    NotJoinedError,
+    StructureFailedError,
+    StructureFullError,
+    UnknownObjectError,
+)
+
+S, Q, Q2 = "APP1", "Q1", "Q2"
+LONG = 10**13  # an expiry time (ms) far in the future
+NOW = 2_000  # the `now` (ms) the tests pass; an entry expiring at 1_000 has expired by then
+
+
+class Clock:
+    """A caller's LRSN clock that only counts: enough for the CF's Lamport merge."""
+
+    def __init__(self, start: int = 0) -> None:
+        self.t = start
+
+    def now(self) -> int:
+        self.t += 1
+        return self.t
+
+    def observe(self, lrsn: int) -> None:
+        self.t = max(self.t, lrsn)
+
+
+@pytest.fixture
+def admin(redis_url: str) -> Iterator[Admin]:
+    client = connect(redis_url)
+    try:
+        a = Admin(client)
+        a.ensure_structure(S, (Q, Q2))
+        yield a
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def s(admin: Admin) -> Structure:
+    return CF(admin.redis).structure(S)
+
+
+@pytest.fixture
+def qm1(admin: Admin) -> Caller:
+    return join(admin, "QM1")
+
+
+def join(admin: Admin, member: str) -> Caller:
+    return Caller(member, admin.join(member, {}, lease_ms=60_000), Clock())
+
+
+def entry(eid: str, queue: str = Q, **kw: object) -> Entry:
+    return Entry(id=eid, queue=queue, **kw)  # type: ignore[arg-type]
+
+
+def available(s: Structure, caller: Caller, uow: str, queue: str = Q) -> list[str]:
+    """Take every available message of the queue under `uow`: their ids in get order."""
+    out = []
+    while (got := s.get(caller, queue, uow=uow, now_ms=NOW)).entry is not None:
+        out.append(got.entry.id)
+    return out
+
+
+def held_uows(s: Structure) -> set[str]:
+    return {keys.text(u) for u in s.cf.redis.hkeys(keys.uows(S))}
+
+
+def tombstone(s: Structure, uow: str) -> str | None:
+    t = s.cf.redis.hget(keys.tomb(S), uow)
+    return keys.text(t) if t is not None else None
+
+
+# --- the registry of scripts and the key layout --------------------------------------------------------------
+def _class_name(op: str) -> str:
+    return "Test" + "".join(part.title() for part in op.split("_"))
+
+
+def test_every_script_has_a_test_class() -> None:
+    missing = [f"{op}.lua -> {_class_name(op)}" for op in lua.operations() if _class_name(op) not in globals()]
+    assert not missing, f"CF scripts without a test class in {__name__}: {missing}"
+
+
+def test_script_keys_follow_the_prelude_header() -> None:
+    """keys.script_keys must hand the scripts their KEYS in the order _prelude.lua's header names and binds them."""
+    prelude = (resources.files("cfemu") / "scripts" / "_prelude.lua").read_text()
+    header = re.findall(r"^--\s+KEYS\[(\d+)\]\s+(\S+)", prelude, re.MULTILINE)
+    assert [int(n) for n, _ in header] == list(range(1, len(header) + 1))
+    assert [k for _, k in header] == keys.script_keys("S")
+    binding = re.search(r"^local [A-Z_, ]+=\s*((?:KEYS\[\d+\],?\s*)+)", prelude, re.MULTILINE)
+    assert binding is not None, "the prelude binds its KEYS to names in one local statement"
+    assert re.findall(r"KEYS\[(\d+)\]", binding.group(1)) == [str(i) for i in range(1, len(header) + 1)]
+
+
+def test_scripts_are_found_by_kind() -> None:
+    assert {"put", "get", "commit", "backout"} <= set(lua.structure_operations())
+    assert set(lua.admin_operations()) == {"admin_heartbeat", "admin_fence", "admin_raise_fence"}
+    assert lua.source("put").startswith("-- _prelude")  # a structure operation comes after the prelude
+    assert lua.source("admin_fence").startswith("-- admin_fence")  # an admin one stands alone
+    with pytest.raises(KeyError):
+        lua.source("_prelude")
+
+
+# --- the structure operations ------------------------------------------------------------------------------------
+class TestPut:
+    def test_an_uncommitted_put_is_held_by_its_uow(self, s: Structure, qm1: Caller) -> None:
+        reply = s.put(qm1, entry("e1"), b"data", uow="U1")
+        assert reply.created and reply.gen == 1
+        assert s.depths()[Q] == {"UP": 1, "CP": 0, "UG": 0, "EX": 0}
+        [(held, data)] = s.uow_entries("U1")
+        assert (held.id, held.state, held.uow, held.lrsn, held.length, data) == ("e1", "UP", "U1", reply.clock, 4,
+                                                                                  b"data")
+        assert s.member_uows("QM1") == {"U1": {"o": "QM1", "f": reply.clock, "g": 1}}
+        assert s.browse(Q, 10, NOW) == []
+        assert s.info()["entries"] == "1" and s.info()["bytes"] == "4"
+
+    def test_a_put_outside_syncpoint_is_available_at_once(self, s: Structure, qm1: Caller) -> None:
+        s.put(qm1, entry("e1", correlid="0a", msgid="0b", expiry=LONG), b"x")
+        [(e, data)] = s.browse(Q, 10, NOW)
+        assert (e.id, e.state, e.uow, data) == ("e1", "CP", "", b"x")
+        r = s.cf.redis
+        assert r.sismember(keys.index_set(S, Q, "c", "0a"), "e1") and r.sismember(keys.index_set(S, Q, "m", "0b"), "e1")
+        assert r.zscore(keys.expiry(S), "e1") == LONG
+        assert held_uows(s) == set()
+
+    def test_puts_are_idempotent_by_id(self, s: Structure, qm1: Caller) -> None:
+        assert s.put(qm1, entry("e1"), b"first", uow="U1").created
+        again = s.put(qm1, entry("e1"), b"second", uow="U1")
+        assert not again.created
+        assert s.depths()[Q]["UP"] == 1 and s.info()["entries"] == "1"
+        assert [d for _, d in s.uow_entries("U1")] == [b"first"]
+
+    def test_the_cf_clock_merges_the_callers(self, s: Structure, admin: Admin) -> None:
+        clock = Clock(start=1_000)
+        reply = s.put(Caller("QM1", admin.join("QM1", {}, lease_ms=60_000), clock), entry("e1"), b"x")
+        assert reply.clock == 1_002  # max(cf, caller's 1_001) + 1
+        assert clock.t == reply.clock  # the caller adopts it
+        assert s.put(join(admin, "QM2"), entry("e2"), b"x").clock == 1_003  # a caller behind the CF moves it on
+
+    def test_refuses_a_structure_that_is_not_in_the_cf_or_not_active(self, admin: Admin, s: Structure,
+                                                                      qm1: Caller) -> None:
+        with pytest.raises(StructureFailedError, match="not in the CF"):
+            CF(admin.redis).structure("NOPE").put(qm1, entry("e1"), b"x")
+        admin.set_state(S, "FAILED")
+        with pytest.raises(StructureFailedError, match="FAILED"):
+            s.put(qm1, entry("e1"), b"x")
+
+    def test_refuses_a_member_that_has_not_joined_or_is_fenced(self, admin: Admin, s: Structure,
+                                                               qm1: Caller) -> None:
+        with pytest.raises(NotJoinedError):
+            s.put(Caller("QM9", 1, Clock()), entry("e1"), b"x")
+        with pytest.raises(FencedError):
+            s.put(Caller("QM1", qm1.epoch - 1, Clock()), entry("e1"), b"x")
+
+    def test_refuses_an_unknown_queue(self, s: Structure, qm1: Caller) -> None:
+        with pytest.raises(UnknownObjectError, match="NOQ"):
+            s.put(qm1, entry("e1", queue="NOQ"), b"x")
+
+    def test_refuses_beyond_the_structures_capacity(self, admin: Admin) -> None:
+        admin.ensure_structure("SMALL", ("QS",), max_entries=1)  # a queue name is unique in the group
+        small, caller = CF(admin.redis).structure("SMALL"), join(admin, "QM1")
+        small.put(caller, entry("e1", queue="QS"), b"x")
+        with pytest.raises(StructureFullError):
+            small.put(caller, entry("e2", queue="QS"), b"x")
+
+    def test_refuses_another_members_uow(self, admin: Admin, s: Structure, qm1: Caller) -> None:
+        s.put(qm1, entry("e1"), b"x", uow="U1")
+        with pytest.raises(BadRequestError, match="belongs to QM1"):
+            s.put(join(admin, "QM2"), entry("e2"), b"x", uow="U1")
+
+    def test_refuses_a_uow_decided_by_recovery_or_lost_with_the_cf(self, s: Structure, qm1: Caller) -> None:
+        s.cf.redis.hset(keys.tomb(S), mapping={"UB": "B", "UC": "C"})
+        with pytest.raises(BackedOutError, match="backed out by recovery"):
+            s.put(qm1, entry("e1"), b"x", uow="UB", gen=1)
+        with pytest.raises(CompletedByRecoveryError):
+            s.put(qm1, entry("e1"), b"x", uow="UC", gen=1)
+        with pytest.raises(BackedOutError, match="lost with the CF"):
+            s.put(qm1, entry("e1"), b"x", uow="U1", gen=7)  # started in generation 7, the structure is in 1
+
+
+class TestGet:
+    def test_takes_the_highest_priority_first_then_fifo(self, s: Structure, qm1: Caller) -> None:
+        for eid, p in (("a", 0), ("b", 5), ("c", 5), ("d", 0), ("e", 9)):
+            s.put(qm1, entry(eid, priority=p), eid.encode())
+        assert available(s, qm1, "U1") == ["e", "b", "c", "a", "d"]
+
+    def test_a_get_is_held_by_its_uow(self, s: Structure, qm1: Caller) -> None:
+        s.put(qm1, entry("e1"), b"data")
+        got = s.get(qm1, Q, uow="U1", now_ms=NOW)
+        assert got.entry is not None and got.data == b"data" and got.gen == 1
+        assert (got.entry.state, got.entry.uow, got.entry.lrsn) == ("UG", "U1", got.clock)
+        assert s.depths()[Q] == {"UP": 0, "CP": 0, "UG": 1, "EX": 0}
+        assert [e.id for e, _ in s.uow_entries("U1")] == ["e1"]
+        assert s.member_uows("QM1") == {"U1": {"o": "QM1", "f": got.clock, "g": 1}}
+
+    def test_no_message_available(self, s: Structure, qm1: Caller) -> None:
+        s.put(qm1, entry("e1"), b"x", uow="U0")  # uncommitted: not available
+        got = s.get(qm1, Q, uow="U1", now_ms=NOW)
+        assert (got.entry, got.data, got.gen) == (None, None, 1)
+        assert "U1" not in held_uows(s)  # a get that found nothing does not join the UOW
+
+    def test_gets_by_message_id_or_correlation_id(self, s: Structure, qm1: Caller) -> None:
+        s.put(qm1, entry("a", msgid="01", correlid="0c"), b"a")
+        s.put(qm1, entry("b", msgid="02", correlid="0c", priority=3), b"b")
+        s.put(qm1, entry("c", msgid="03", correlid="0c"), b"c")
+        got = s.get(qm1, Q, uow="U1", match="m", value="03", now_ms=NOW)
+        assert got.entry is not None and got.entry.id == "c"
+        by_correlid = [s.get(qm1, Q, uow="U1", match="c", value="0c", now_ms=NOW).entry for _ in range(3)]
+        assert [e.id if e else None for e in by_correlid] == ["b", "a", None]  # priority, then FIFO
+        assert s.get(qm1, Q, uow="U1", match="m", value="ff", now_ms=NOW).entry is None
+
+    def test_expired_messages_are_never_returned(self, s: Structure, qm1: Caller) -> None:
+        s.put(qm1, entry("old", expiry=1_000), b"x")
+        s.put(qm1, entry("old2", expiry=1_000, correlid="0c"), b"x")
+        assert s.get(qm1, Q, uow="U1", match="c", value="0c", now_ms=NOW).entry is None  # moves old2
+        assert s.get(qm1, Q, uow="U1", now_ms=NOW).entry is None  # moves old
+        assert s.depths()[Q] == {"UP": 0, "CP": 0, "UG": 0, "EX": 2}
+
+    def test_refuses_an_unknown_queue_and_a_lost_uow(self, s: Structure, qm1: Caller) -> None:
+        with pytest.raises(UnknownObjectError):
+            s.get(qm1, "NOQ", uow="U1", now_ms=NOW)
+        with pytest.raises(BackedOutError, match="lost with the CF"):
+            s.get(qm1, Q, uow="U1", gen=7, now_ms=NOW)
+
+    def test_refuses_a_fenced_member(self, s: Structure, qm1: Caller) -> None:
+        with pytest.raises(FencedError):
+            s.get(Caller("QM1", qm1.epoch + 1, Clock()), Q, uow="U1", now_ms=NOW)
+
+
+class TestBrowse:
+    def test_reads_available_messages_in_get_order_without_taking_them(self, s: Structure, qm1: Caller) -> None:
+        for eid, p in (("a", 0), ("b", 5), ("c", 0)):
+            s.put(qm1, entry(eid, priority=p), eid.encode())
+        s.put(qm1, entry("held"), b"x", uow="U1")
+        s.put(qm1, entry("old", expiry=1_000), b"x")
+        assert [(e.id, d) for e, d in s.browse(Q, 10, NOW)] == [("b", b"b"), ("a", b"a"), ("c", b"c")]
+        assert [e.id for e, _ in s.browse(Q, 2, NOW)] == ["b", "a"]
+        assert s.depths()[Q]["CP"] == 4  # nothing taken, nothing moved (the expired one included)
+
+    def test_refusals(self, admin: Admin, s: Structure) -> None:
+        with pytest.raises(UnknownObjectError):
+            s.browse("NOQ", 10, NOW)
+        with pytest.raises(StructureFailedError, match="not in the CF"):
+            CF(admin.redis).structure("NOPE").browse(Q, 10, NOW)
+        admin.set_state(S, "RECOVERING")
+        with pytest.raises(StructureFailedError, match="RECOVERING"):
+            s.browse(Q, 10, NOW)
+
+
+class TestCommit:
+    def test_puts_become_available_in_put_order_and_gets_are_deleted(self, s: Structure, qm1: Caller) -> None:
+        s.put(qm1, entry("got"), b"x")
+        s.get(qm1, Q, uow="U1", now_ms=NOW)
+        for eid in ("p1", "p2", "p3"):
+            s.put(qm1, entry(eid), b"x", uow="U1")
+        reply = s.commit(qm1, "U1", gen=1, lrsn=500)
+        assert (reply.puts, reply.gets) == (3, 1) and reply.clock > 500
+        assert [(e.id, e.state, e.lrsn, e.order[0]) for e, _ in s.browse(Q, 10, NOW)] == [
+            ("p1", "CP", 500, 500), ("p2", "CP", 500, 500), ("p3", "CP", 500, 500)]
+        assert s.info()["entries"] == "3" and held_uows(s) == set() and s.uow_entries("U1") == []
+
+    def test_without_a_log_record_the_cf_clock_stamps_the_entries(self, s: Structure, qm1: Caller) -> None:
+        s.put(qm1, entry("p1", persistent=False), b"x", uow="U1")
+        reply = s.commit(qm1, "U1", gen=1, lrsn=0)
+        [(e, _)] = s.browse(Q, 10, NOW)
+        assert e.lrsn == reply.clock
+
+    def test_is_idempotent(self, s: Structure, qm1: Caller) -> None:
+        s.put(qm1, entry("p1"), b"x", uow="U1")
+        s.commit(qm1, "U1", gen=1, lrsn=500)
+        before = s.browse(Q, 10, NOW)
+        again = s.commit(qm1, "U1", gen=1, lrsn=500)
+        assert (again.puts, again.gets) == (0, 0) and s.browse(Q, 10, NOW) == before
+
+    def test_an_outcome_decided_by_recovery_is_kept_for_the_owner(self, admin: Admin, s: Structure,
+                                                                   qm1: Caller) -> None:
+        s.put(qm1, entry("p1"), b"x", uow="U1")
+        peer = join(admin, "QM2")
+        assert s.commit(peer, "U1", gen=1, lrsn=500, decided_by_recovery=True).puts == 1
+        assert tombstone(s, "U1") == "C"
+        with pytest.raises(CompletedByRecoveryError):
+            s.backout(qm1, "U1", gen=1, lrsn=600, has_data=False)
+        owner = s.commit(qm1, "U1", gen=1, lrsn=600)  # the owner's retry: a no-op that learns the outcome
+        assert (owner.puts, owner.gets) == (0, 0) and tombstone(s, "U1") is None
+
+    def test_refuses_a_uow_backed_out_by_recovery_or_lost_with_the_cf(self, s: Structure, qm1: Caller) -> None:
+        s.cf.redis.hset(keys.tomb(S), "UB", "B")
+        with pytest.raises(BackedOutError, match="by recovery"):
+            s.commit(qm1, "UB", gen=1, lrsn=500)
+        assert tombstone(s, "UB") == "B"  # kept: the owner's backout learns it
+        with pytest.raises(BackedOutError, match="lost with the CF"):
+            s.commit(qm1, "U1", gen=7, lrsn=500)
+
+    def test_refuses_a_record_below_the_recovery_floor(self, s: Structure, qm1: Caller) -> None:
+        s.put(qm1, entry("p1"), b"x", uow="U1")
+        floor = s.backup_begin("B1", 1_000).floor
+        with pytest.raises(FloorError) as refused:
+            s.commit(qm1, "U1", gen=1, lrsn=floor - 1)
+        assert refused.value.floor == floor
+        assert s.commit(qm1, "U1", gen=1, lrsn=floor + 1).puts == 1
+
+    def test_refuses_a_fenced_member(self, s: Structure, qm1: Caller) -> None:
+        with pytest.raises(FencedError):
+            s.commit(Caller("QM1", qm1.epoch - 1, Clock()), "U1", gen=1, lrsn=500)
+
+
+class TestBackout:
+    def test_puts_are_deleted_and_gets_return_to_their_place(self, s: Structure, qm1: Caller) -> None:
+        s.put(qm1, entry("a"), b"a")
+        b_lrsn = s.put(qm1, entry("b"), b"b").clock
+        s.get(qm1, Q, uow="U1", now_ms=NOW)
+        s.put(qm1, entry("p1"), b"x", uow="U1")
+        reply = s.backout(qm1, "U1", gen=1, lrsn=500, has_data=False)
+        assert (reply.puts, reply.gets) == (1, 1)
+        assert [(e.id, e.backout_count, e.lrsn) for e, _ in s.browse(Q, 10, NOW)] == [("a", 1, 500),
+                                                                                      ("b", 0, b_lrsn)]
+        assert s.info()["entries"] == "2" and held_uows(s) == set()
+
+    def test_while_a_backup_runs_persistent_gets_need_their_data_logged(self, s: Structure, qm1: Caller) -> None:
+        s.put(qm1, entry("a"), b"a")
+        s.put(qm1, entry("np", persistent=False), b"np")
+        s.get(qm1, Q, uow="U1", now_ms=NOW)
+        s.get(qm1, Q, uow="U2", now_ms=NOW)
+        start = s.backup_begin("B1", 0).start
+        with pytest.raises(BackupActiveError):
+            s.backout(qm1, "U1", gen=1, lrsn=start + 1, has_data=False)
+        assert s.backout(qm1, "U1", gen=1, lrsn=start + 2, has_data=True).gets == 1
+        assert s.backout(qm1, "U2", gen=1, lrsn=0, has_data=False).gets == 1  # a non-persistent get: no data
+
+    def test_an_outcome_decided_by_recovery_is_kept_for_the_owner(self, admin: Admin, s: Structure,
+                                                                   qm1: Caller) -> None:
+        s.put(qm1, entry("p1"), b"x", uow="U1")
+        assert s.backout(join(admin, "QM2"), "U1", gen=1, lrsn=500, has_data=True,
+                         decided_by_recovery=True).puts == 1
+        assert tombstone(s, "U1") == "B"
+        owner = s.backout(qm1, "U1", gen=1, lrsn=600, has_data=False)  # the owner's retry learns it
+        assert owner == OutcomeReply(owner.clock, 0, 0) and tombstone(s, "U1") is None
+
+    def test_refuses_a_uow_committed_by_recovery(self, s: Structure, qm1: Caller) -> None:
+        s.cf.redis.hset(keys.tomb(S), "UC", "C")
+        with pytest.raises(CompletedByRecoveryError):
+            s.backout(qm1, "UC", gen=1, lrsn=500, has_data=False)
+
+    def test_refuses_a_record_below_the_recovery_floor(self, s: Structure, qm1: Caller) -> None:
+        s.put(qm1, entry("p1"), b"x", uow="U1")
+        floor = s.backup_begin("B1", 1_000).floor
+        with pytest.raises(FloorError):
+            s.backout(qm1, "U1", gen=1, lrsn=floor - 1, has_data=True)
+
+
+class TestExpire:
+    def test_moves_expired_messages_then_purges_them(self, s: Structure, qm1: Caller) -> None:
+        s.put(qm1, entry("p", expiry=1_000), b"x")
+        s.put(qm1, entry("np", expiry=1_000, persistent=False), b"x")
+        s.put(qm1, entry("live", expiry=LONG), b"x")
+        first = s.expire(NOW)
+        assert first.ids == ["p"] and first.purged == 0  # only persistent ones are for the caller to log
+        assert s.depths()[Q] == {"UP": 0, "CP": 1, "UG": 0, "EX": 2}
+        second = s.expire(NOW)
+        assert second.ids == [] and second.purged == 2
+        assert s.depths()[Q]["EX"] == 0 and s.info()["entries"] == "1"
+
+    def test_a_held_message_expires_once_it_is_available_again(self, s: Structure, qm1: Caller) -> None:
+        s.put(qm1, entry("held", expiry=1_000), b"x", uow="U1")
+        assert s.expire(NOW).ids == []
+        assert s.depths()[Q]["UP"] == 1
+        assert s.cf.redis.zscore(keys.expiry(S), "held") == NOW + 1_000  # looked at again later
+
+    def test_refuses_a_structure_that_is_not_active(self, admin: Admin, s: Structure) -> None:
+        admin.set_state(S, "FAILED")
+        with pytest.raises(StructureFailedError):
+            s.expire(NOW)
+        with pytest.raises(StructureFailedError):
+            CF(admin.redis).structure("NOPE").expire(NOW)
+
+
+class TestUowEntries:
+    def test_the_entries_a_uow_holds_with_their_data(self, s: Structure, qm1: Caller) -> None:
+        s.put(qm1, entry("g"), b"got")
+        s.get(qm1, Q, uow="U1", now_ms=NOW)
+        s.put(qm1, entry("p"), b"put", uow="U1")
+        s.put(qm1, entry("other"), b"x", uow="U2")
+        depths = s.depths()
+        assert sorted((e.id, e.state, d) for e, d in s.uow_entries("U1")) == [("g", "UG", b"got"),
+                                                                               ("p", "UP", b"put")]
+        assert s.depths() == depths  # read only
+        assert s.uow_entries("NOSUCH") == []
+
+
+class TestMemberUows:
+    def test_the_uows_a_member_holds(self, admin: Admin, s: Structure, qm1: Caller) -> None:
+        first = s.put(qm1, entry("a"), b"x", uow="U1").clock
+        s.put(qm1, entry("b"), b"x", uow="U1")
+        s.put(join(admin, "QM2"), entry("c"), b"x", uow="U2")
+        assert s.member_uows("QM1") == {"U1": {"o": "QM1", "f": first, "g": 1}}  # f: its first LRSN here
+        assert set(s.member_uows("QM2")) == {"U2"}
+        assert s.member_uows("QM3") == {}
+
+
+class TestBackupBegin:
+    def test_marks_the_backup_and_sets_the_floor(self, s: Structure) -> None:
+        begun = s.backup_begin("B1", 1_000)
+        assert begun.start == 1_001 and begun.floor == begun.start
+        assert s.info()["backup"] == "B1" and s.info()["floor"] == str(begun.floor)
+
+    def test_the_floor_goes_down_to_the_first_lrsn_of_a_uow_holding_entries(self, s: Structure,
+                                                                            qm1: Caller) -> None:
+        first = s.put(qm1, entry("a"), b"x", uow="U1").clock
+        begun = s.backup_begin("B1", 1_000)
+        assert begun.floor == first < begun.start
+
+    def test_refuses_a_second_backup_and_a_structure_not_active(self, admin: Admin, s: Structure) -> None:
+        s.backup_begin("B1", 0)
+        with pytest.raises(BackupRunningError, match="B1"):
+            s.backup_begin("B2", 0)
+        admin.set_state(S, "FAILED")
+        with pytest.raises(StructureFailedError):
+            s.backup_begin("B3", 0)
+        with pytest.raises(StructureFailedError, match="not in the CF"):
+            CF(admin.redis).structure("NOPE").backup_begin("B4", 0)
+
+
+class TestBackupEnd:
+    def test_clears_the_mark_and_records_a_good_backup(self, s: Structure) -> None:
+        start = s.backup_begin("B1", 0).start
+        assert s.backup_end("B1", 0, ok=True) > start
+        assert "backup" not in s.info() and s.info()["last_backup"] == "B1"
+        s.backup_begin("B2", 0)
+        s.backup_end("B2", 0, ok=False)
+        assert "backup" not in s.info() and s.info()["last_backup"] == "B1"
+
+    def test_refuses_a_backup_that_is_not_the_one_running(self, s: Structure) -> None:
+        with pytest.raises(BadRequestError, match="not the one running"):
+            s.backup_end("B1", 0, ok=True)
+        s.backup_begin("B1", 0)
+        with pytest.raises(BadRequestError):
+            s.backup_end("B2", 0, ok=True)
+        assert s.info()["backup"] == "B1"
+
+
+class TestSnapshot:
+    def test_the_ids_in_one_state(self, s: Structure, qm1: Caller) -> None:
+        for eid, p in (("a", 0), ("b", 9), ("c", 0)):
+            s.put(qm1, entry(eid, priority=p), b"x")
+        s.put(qm1, entry("d"), b"x")
+        s.put(qm1, entry("other", queue=Q2), b"x")
+        s.get(qm1, Q2, uow="U1", now_ms=NOW)
+        s.put(qm1, entry("up"), b"x", uow="U1")
+        s.put(qm1, entry("old", expiry=1_000), b"x")
+        s.expire(NOW)
+        assert s.snapshot("CP") == ["b", "a", "c", "d"]  # get order
+        assert (s.snapshot("UP"), s.snapshot("UG"), s.snapshot("EX")) == (["up"], ["other"], ["old"])
+
+    def test_refuses_an_unknown_state(self, s: Structure) -> None:
+        with pytest.raises(BadRequestError, match="unknown state"):
+            s.snapshot("XX")
+
+
+# --- the admin operations ----------------------------------------------------------------------------------------
+class TestAdminHeartbeat:
+    def test_renews_the_lease_of_a_current_member(self, admin: Admin) -> None:
+        epoch = admin.join("QM1", {}, lease_ms=1_000)
+        assert admin.heartbeat("QM1", epoch, 60_000) == 1
+        assert admin.redis.pttl(keys.lease("QM1")) > 1_000
+
+    def test_a_fenced_member_is_told_so_and_keeps_no_lease(self, admin: Admin) -> None:
+        epoch = admin.join("QM1", {}, lease_ms=60_000)
+        admin.redis.delete(keys.lease("QM1"))  # its lease lapsed ...
+        assert admin.fence("QM1") > epoch  # ... and a peer fenced it
+        assert admin.heartbeat("QM1", epoch, 60_000) == 0
+        assert not admin.redis.exists(keys.lease("QM1"))
+
+    def test_an_unknown_member_must_join_again(self, admin: Admin) -> None:
+        assert admin.heartbeat("QM9", 1, 60_000) == -1  # e.g. the admin structure was lost with the CF
+        assert not admin.redis.exists(keys.lease("QM9"))
+
+
+class TestAdminFence:
+    def test_a_lapsed_member_gets_a_new_epoch_everywhere(self, admin: Admin) -> None:
+        old = admin.join("QM1", {}, lease_ms=60_000)
+        admin.redis.delete(keys.lease("QM1"))
+        before = int(time.time() * 1000)
+        new = admin.fence("QM1")
+        assert new > old and new >= before
+        assert admin.epoch("QM1") == new
+        assert int(admin.redis.hget(keys.fence(S), "QM1") or 0) == new
+
+    def test_a_member_holding_a_lease_is_left_alone(self, admin: Admin) -> None:
+        epoch = admin.join("QM1", {}, lease_ms=60_000)
+        assert admin.fence("QM1") == 0
+        assert admin.epoch("QM1") == epoch and admin.redis.hget(keys.fence(S), "QM1") == str(epoch).encode()
+
+
+class TestAdminRaiseFence:
+    def test_a_fence_only_moves_up(self, admin: Admin) -> None:
+        admin.join_structures("QM1", 5)
+        admin.join_structures("QM1", 3)  # a late write of an older epoch
+        assert admin.redis.hget(keys.fence(S), "QM1") == b"5"
+        admin.join_structures("QM1", 5)  # idempotent
+        assert admin.redis.hget(keys.fence(S), "QM1") == b"5"
+        admin.join_structures("QM1", 8)
+        assert admin.redis.hget(keys.fence(S), "QM1") == b"8"
