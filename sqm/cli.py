@@ -36,7 +36,8 @@ def add_run_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
     p.add_argument("--metrics-port", type=int, default=None,
                    help="HTTP port for /healthz, /readyz and /metrics (0: any free port; default: none)")
     p.add_argument("--lease-ms", type=int, default=5000, help="lease in the admin structure (default 5000)")
-    p.add_argument("--loglode", type=int, default=10000, help="checkpoint every N log records (default 10000)")
+    p.add_argument("--logload", type=int, default=10000,
+                   help="LOGLOAD: take a checkpoint every N log records (default 10000)")
     p.add_argument("--max-frame", type=int, default=DEFAULT_MAX_FRAME, help="largest frame accepted, bytes")
     p.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds in-flight requests get at shutdown (default 10)")
@@ -52,13 +53,13 @@ def run_command(args: argparse.Namespace) -> int:
     if not args.redis_url:
         print("sqm run: no CF address: pass --redis-url or set $REDIS_URL", file=sys.stderr)
         return EXIT_CONFIG
-    if args.lease_ms < 500 or args.max_frame < 1024 or args.loglode < 1:
-        print("sqm run: --lease-ms must be >= 500, --max-frame >= 1024 and --loglode >= 1", file=sys.stderr)
+    if args.lease_ms < 500 or args.max_frame < 1024 or args.logload < 1:
+        print("sqm run: --lease-ms must be >= 500, --max-frame >= 1024 and --logload >= 1", file=sys.stderr)
         return EXIT_CONFIG
     return serve(ServerConfig(
         name=args.name, log_root=args.log_root, redis_url=args.redis_url, host=args.host, port=args.port,
         token=args.token, tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
-        metrics_port=args.metrics_port, lease_ms=args.lease_ms, loglode=args.loglode, max_frame=args.max_frame,
+        metrics_port=args.metrics_port, lease_ms=args.lease_ms, logload=args.logload, max_frame=args.max_frame,
         shutdown_grace_s=args.shutdown_grace, cf_wait_s=args.cf_wait, ready_file=args.ready_file,
         clock_skew_ms=args.clock_skew_ms))
 

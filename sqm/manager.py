@@ -58,7 +58,7 @@ class QueueManagerConfig:
     log_root: Path  # this member's log is log_root/name; peers' logs are beside it
     redis_url: str | None = None
     lease_ms: int = 5000
-    loglode: int = 10000  # take a checkpoint every this many log records (MQ's LOGLOAD)
+    logload: int = 10000  # take a checkpoint every this many log records (MQ's LOGLOAD)
     expiry_interval_ms: int = 1000
     clock_skew_us: int = 0
     segment_bytes: int = 64 * 2**20
@@ -193,8 +193,8 @@ class QueueManager:
         state together with the append, as any checkpoint sees it: a checkpoint can never show a UOW in flight
         after its COMMIT or PREPARE record (restart reads only from the checkpoint on, and would back it out)."""
         assert self.log is not None
-        if self.activity >= self.config.loglode:
-            self.checkpoint("loglode")
+        if self.activity >= self.config.logload:
+            self.checkpoint("logload")
         try:
             with self.uow_lock:
                 pos = self.log.append(record)

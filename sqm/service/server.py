@@ -79,7 +79,7 @@ class ServerConfig:
     tls_ca: str | None = None  # with cert and key: mutual TLS, clients must present a certificate from this CA
     metrics_port: int | None = None  # /healthz, /readyz and /metrics; None: no HTTP endpoint
     lease_ms: int = 5000
-    loglode: int = 10000
+    logload: int = 10000  # LOGLOAD: a checkpoint every this many log records
     max_frame: int = DEFAULT_MAX_FRAME
     max_wait_ms: int = 60_000  # longest get wait a request may ask for
     shutdown_grace_s: float = 10.0  # in-flight requests get this long to finish at shutdown
@@ -133,7 +133,7 @@ class SQMServer:
         self.ssl = config.ssl_context()
         self.qm = qm if qm is not None else QueueManager(QueueManagerConfig(
             name=config.name, log_root=Path(config.log_root), redis_url=config.redis_url, lease_ms=config.lease_ms,
-            loglode=config.loglode, clock_skew_us=config.clock_skew_ms * 1000))
+            logload=config.logload, clock_skew_us=config.clock_skew_ms * 1000))
         self.stats = _Stats()
         self.port = config.port
         self.metrics_port = config.metrics_port
