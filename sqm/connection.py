@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from cfemu.admin import QueueDef
 from cfemu.entry import Entry, check_properties
 from cfemu.errors import BadRequestError, InDoubtError, MessageTooBigError, MQError, NoMessageError
+from sqm import records
 from sqm.clock import now_ms
 from sqm.failpoints import failpoint
 from sqm.records import INDOUBT, INFLIGHT
@@ -99,7 +100,7 @@ class Connection:
             failpoint("put-after-cf")
             if entry.persistent:
                 uow.persistent = True
-                qm.append({"k": "PUT", "l": cf, "u": uow.id, "s": sname, "g": gen, "e": entry.wire(), "d": body})
+                qm.append(records.put(uow.id, cf, structure=sname, gen=gen, entry=entry.wire(), data=body))
             return
         if not entry.persistent:
             qm.cf_call(lambda: s.put(qm.caller, entry, body))
@@ -145,8 +146,8 @@ class Connection:
                     uow.operations += 1
                     if entry.persistent:
                         uow.persistent = True
-                        qm.append({"k": "GET", "l": entry.lrsn, "u": uow.id, "s": qdef.structure, "g": gen,
-                                   "i": entry.id, "q": queue})
+                        qm.append(records.get(uow.id, entry.lrsn, structure=qdef.structure, gen=gen,
+                                              entry_id=entry.id, queue=queue))
                     if self._is_poison(qdef, entry):
                         self._move_to_backout_queue(qdef, entry, data, uow)
                         continue
@@ -218,8 +219,7 @@ class Connection:
         qm.check_usable()
         uow.persistent = True
         uow.xid = xid
-        qm.append({"k": "PREPARE", "l": qm.clock.now(), "u": uow.id, "x": xid, "ss": dict(uow.structures)},
-                  force=True, uow=uow, state=INDOUBT)
+        qm.append(records.prepare(uow.id, qm.clock.now(), uow.structures, xid=xid), uow=uow, state=INDOUBT)
         return uow.id
 
     @contextlib.contextmanager

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from cfemu.errors import NoMessageError
+from sqm import records
 from sqm.connection import Connection
 from sqm.log import LogCorruptError, LogReader, find_log_dirs, merged_records
 from sqm.manager import QueueManager
@@ -105,9 +106,9 @@ def test_restart_completes_in_commit_and_in_backout_and_backs_out_in_flight(redi
     in_commit.put("Q1", b"commit-2")
     assert in_backout.get("Q1").body == b"to-be-got"
     # A crash between the forced COMMIT / BACKOUT record and the CF update: log the outcome, skip apply.
-    for conn, kind in ((in_commit, "COMMIT"), (in_backout, "BACKOUT")):
+    for conn, decide in ((in_commit, records.commit), (in_backout, records.backout)):
         assert conn.uow is not None
-        qm.append({"k": kind, "l": qm.clock.now(), "u": conn.uow.id, "ss": dict(conn.uow.structures)}, force=True)
+        qm.append(decide(conn.uow.id, qm.clock.now(), conn.uow.structures))
     crash(qm)
     assert locked(qm) == 5
 
@@ -273,8 +274,8 @@ def test_flipped_byte_mid_segment_is_a_clear_error(redis_url: str, log_root: Pat
     qm = start_qm(redis_url, log_root, "QM1", background=False)
     lifecycles(qm, 3)
     qm.stop()
-    records = list(LogReader(log_root / "QM1").records())
-    pos, _ = records[len(records) // 2]
+    logged = list(LogReader(log_root / "QM1").records())
+    pos, _ = logged[len(logged) // 2]
     seg = log_root / "QM1" / f"seg-{pos.segment:08d}.log"
     data = bytearray(seg.read_bytes())
     data[pos.offset + 10] ^= 0x40  # inside the frame's body
