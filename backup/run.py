@@ -25,6 +25,7 @@ from cfemu.cf import CF
 from cfemu.progress import Progress, no_progress
 from sqm.clock import LrsnClock
 from sqm.log import LogReader, find_log_dirs
+from sqm.records import lookup
 
 
 class StructureNotReadyError(BackupError):
@@ -45,7 +46,7 @@ def count_exception_records(log_root: Path, structure: str, start_lrsn: int, end
     n = 0
     for directory in find_log_dirs(log_root):
         for _, rec in LogReader(directory).records(min_lrsn=start_lrsn):
-            if (rec["k"] in ("BACKOUT", "RECOVERY") and rec.get("dd") and start_lrsn <= rec["l"] <= end_lrsn
+            if (lookup(rec).carries_data and rec.get("dd") and start_lrsn <= rec["l"] <= end_lrsn
                     and any(d[0] == structure for d in rec["dd"])):
                 n += 1
     return n

@@ -43,6 +43,7 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+import sqm.records  # noqa: E402  (by its full name: generate() has a parameter called records)
 from backup.files import BackupWriter, read_backup  # noqa: E402
 from cfemu.entry import Entry  # noqa: E402
 from restore.plan import RestorePlan  # noqa: E402
@@ -103,7 +104,7 @@ def generate(root: Path, records: int, seed: int = 1, backup_messages: int | Non
             eid = f"{seq:08x}{len(mine):02x}{rnd.getrandbits(16):04x}"
             e = Entry(id=eid, queue=f"Q{rnd.randrange(4)}", put_time=lrsn // 1000, msgid=eid).wire()
             body = rnd.randbytes(64)
-            log.append({"k": "PUT", "l": lrsn, "u": u, "s": S, "g": 0, "e": e, "d": body})
+            log.append(sqm.records.put(u, lrsn, structure=S, gen=0, entry=e, data=body))
             mine.append((eid, e, body))
         written += len(mine)
         if not finish:
@@ -112,9 +113,9 @@ def generate(root: Path, records: int, seed: int = 1, backup_messages: int | Non
             return
         lrsn += 1
         commit = rnd.random() >= 0.03
-        log.append({"k": "COMMIT" if commit else "BACKOUT", "l": lrsn, "u": u, "ss": {S: 0}})
+        log.append((sqm.records.commit if commit else sqm.records.backout)(u, lrsn, {S: 0}))
         lrsn += 1
-        log.append({"k": "END", "l": lrsn, "u": u})
+        log.append(sqm.records.end(u, lrsn))
         written += 2
         if commit:
             for eid, e, body in mine:
@@ -132,7 +133,7 @@ def generate(root: Path, records: int, seed: int = 1, backup_messages: int | Non
         for _ in range(min(rnd.randint(1, 4), len(available))):
             lrsn += 1
             eid, e, body = available.popleft()
-            log.append({"k": "GET", "l": lrsn, "u": u, "s": S, "g": 0, "i": eid, "q": e["q"]})
+            log.append(sqm.records.get(u, lrsn, structure=S, gen=0, entry_id=eid, queue=e["q"]))
             taken.append((eid, e, body))
         written += len(taken)
         if not finish:
@@ -142,9 +143,9 @@ def generate(root: Path, records: int, seed: int = 1, backup_messages: int | Non
             return
         lrsn += 1
         commit = rnd.random() >= 0.05
-        log.append({"k": "COMMIT" if commit else "BACKOUT", "l": lrsn, "u": u, "ss": {S: 0}})
+        log.append((sqm.records.commit if commit else sqm.records.backout)(u, lrsn, {S: 0}))
         lrsn += 1
-        log.append({"k": "END", "l": lrsn, "u": u})
+        log.append(sqm.records.end(u, lrsn))
         written += 2
         for item in taken:
             if commit:

@@ -30,10 +30,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from cfemu.progress import Progress, no_progress
-from restore.plan import OUTCOME_KINDS
 from sqm.log import LogReader, find_log_dirs
 from sqm.log.format import SegmentScan, fsync_directory, list_segments, segment_name
-from sqm.records import Record, entry_ids
+from sqm.records import Record, Role, codes, lookup
 
 SCHEMA = pa.schema([
     ("lrsn", pa.int64()),
@@ -48,7 +47,10 @@ SCHEMA = pa.schema([
     ("record", pa.binary()),
 ])
 ROW_GROUP_ROWS = 64_000
-ENTRY_KINDS = ("PUT", "GET", "EXPIRE")
+# For the filters pushed into Parquet and Spark scans (restore.plan.relevant as column predicates): the kinds with
+# a structure column, and the kinds restore and the audit take by UOW.
+ENTRY_KINDS = codes(Role.ENTRY)
+UOW_KINDS = codes(Role.OUTCOME, Role.END)
 ARCHIVE = "archive"  # the progress phase of archive_logs
 
 
@@ -63,16 +65,18 @@ def segment_table(path: Path, segment: int, member: str) -> pa.Table:
     cols: dict[str, list[Any]] = {name: [] for name in SCHEMA.names}
     pack = msgpack.Packer(use_bin_type=True).pack
     for pos, rec in SegmentScan(path, segment, member, is_last=False):
-        kind = rec["k"]
+        kind = lookup(rec)
+        # An event's queue; a backout's carried entries are in entry_ids, but their queues are not the record's.
+        queues = kind.queues(rec) if kind.role is Role.ENTRY else []
         cols["lrsn"].append(rec["l"])
         cols["member"].append(member)
         cols["segment"].append(pos.segment)
         cols["offset"].append(pos.offset)
-        cols["kind"].append(kind)
+        cols["kind"].append(rec["k"])
         cols["uow"].append(rec.get("u") or None)
-        cols["entry_ids"].append(entry_ids(rec))
-        cols["structure"].append(rec["s"] if kind in ENTRY_KINDS else None)
-        cols["queue"].append(rec["q"] if kind == "GET" else rec["e"]["q"] if kind == "PUT" else None)
+        cols["entry_ids"].append(kind.entry_ids(rec))
+        cols["structure"].append(kind.structure(rec))
+        cols["queue"].append(queues[0] if queues else None)
         cols["record"].append(pack(rec))
     return pa.table(cols, schema=SCHEMA)
 
@@ -148,7 +152,7 @@ def archived_records(spark: Any, files: list[str], structure: str, replay_from: 
     df = spark.read.schema(SCHEMA_DDL).parquet(*files).where(F.col("lrsn") >= replay_from)
     top = df.agg(F.max("lrsn")).first()[0]
     wanted = df.where((F.col("kind").isin(*ENTRY_KINDS) & (F.col("structure") == structure))
-                      | F.col("kind").isin(*OUTCOME_KINDS, "END"))
+                      | F.col("kind").isin(*UOW_KINDS))
     rdd = wanted.select("lrsn", "member", "segment", "offset", "record").rdd.map(
         lambda row: ((row[0], row[1], row[2], row[3]), decode(row[4], row[1])))
     return rdd, int(top or 0)
@@ -168,7 +172,7 @@ def audit_message(archive_dir: str | Path, entry_id: str) -> list[Record]:
     files = archive_files(archive_dir)
     naming = list(_scan(files, lambda t: _names_entry(t, entry_id)))
     uows = sorted({r["u"] for _, r in naming if r.get("u")})
-    outcomes = list(_scan(files, lambda t: pc.and_(pc.is_in(t["kind"], pa.array(OUTCOME_KINDS + ("END",))),
+    outcomes = list(_scan(files, lambda t: pc.and_(pc.is_in(t["kind"], pa.array(UOW_KINDS)),
                                                    pc.is_in(t["uow"], pa.array(uows, pa.string())))))
     found = {key: rec for key, rec in naming + outcomes}
     return [found[key] for key in sorted(found)]
@@ -199,5 +203,5 @@ def audit_dataframe(spark: Any, archive_dir: str | Path, entry_id: str) -> Any:
     log = spark.read.schema(SCHEMA_DDL).parquet(str(Path(archive_dir) / "*" / "seg-*.parquet"))
     naming = log.where(F.array_contains("entry_ids", entry_id))
     uows = naming.where(F.col("uow").isNotNull()).select("uow").distinct()
-    outcomes = log.where(F.col("kind").isin(*OUTCOME_KINDS, "END")).join(uows, "uow", "left_semi")
+    outcomes = log.where(F.col("kind").isin(*UOW_KINDS)).join(uows, "uow", "left_semi")
     return naming.unionByName(outcomes).distinct().orderBy("lrsn", "member", "segment", "offset")

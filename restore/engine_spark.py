@@ -49,7 +49,6 @@ from restore.engine import (
     register_engine,
 )
 from restore.plan import (
-    OUTCOME_KINDS,
     Copy,
     RestorePlan,
     in_flight_outcome,
@@ -61,7 +60,7 @@ from restore.plan import (
 from restore.settle import Outcome, Settled, best_copy, decide_outcome, settle, uows_named
 from sqm.log import LogFormatError, LogReader
 from sqm.log.format import SegmentScan, list_segments, read_manifest, trusted_segments
-from sqm.records import Record, entry_ids
+from sqm.records import Record, Role, entry_ids, lookup
 
 DEFAULT_LOG_FILE = Path("var") / "spark" / "spark.log"
 # Records per shuffle partition: small enough that one Python worker groups a partition in memory.
@@ -165,7 +164,7 @@ def log_stats(keyed: Iterator[tuple[OrderKey, Record]]) -> Iterator[tuple[Counte
     ended: list[str] = []
     for _, rec in keyed:
         members[rec.get("m", "?")] += 1
-        if rec["k"] == "END":
+        if lookup(rec).role is Role.END:
             ended.append(rec["u"])
     yield members, ended
 
@@ -232,7 +231,7 @@ class SparkEngine:
             # UOW outcomes: small next to the entries, and the plan returns them all, so they come to the
             # driver and go out to the workers again as a broadcast (a map-side join, one shuffle less).
             outcomes: dict[str, Outcome] = dict(
-                records.filter(lambda kr: kr[1]["k"] in OUTCOME_KINDS).map(lambda kr: (kr[1]["u"], kr))
+                records.filter(lambda kr: lookup(kr[1]).role is Role.OUTCOME).map(lambda kr: (kr[1]["u"], kr))
                 .partitionBy(parts).mapPartitions(by_key).flatMap(decide_group).collect())
             shared = sc.broadcast(outcomes)
             results = (records.flatMap(lambda kr: [(eid, (0, kr)) for eid in entry_ids(kr[1])])

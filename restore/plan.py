@@ -27,11 +27,9 @@ from restore.settle import (
     settle,
     uows_named,
 )
-from sqm.records import Record, entry_ids
+from sqm.records import Record, Role, entry_ids, lookup
 
 Copy = tuple[str, dict[str, Any], bytes]  # (structure, descriptor wire form, data)
-
-OUTCOME_KINDS = ("COMMIT", "BACKOUT", "PREPARE", "RECOVERY")
 
 
 @dataclass
@@ -60,11 +58,12 @@ def owner_of(uow: str) -> str:
 
 
 def relevant(record: Record, structure: str) -> bool:
-    """Does a record matter for restoring this structure?"""
-    k = record["k"]
-    if k in ("PUT", "GET", "EXPIRE"):
-        return bool(record["s"] == structure)
-    return k in OUTCOME_KINDS or k == "END"
+    """Does a record matter for restoring this structure? Its events on the structure's entries, and every UOW's
+    outcome and END (a UOW may span structures: its outcome record names them all)."""
+    kind = lookup(record)
+    if kind.role is Role.ENTRY:
+        return kind.structure(record) == structure
+    return kind.role in (Role.OUTCOME, Role.END)
 
 
 def restrict(record: Record, structure: str) -> Record:
@@ -120,10 +119,11 @@ def plan_local(structure: str, backup: Iterable[Copy], records: Iterable[Record]
         if rec is None:
             continue
         per_member[rec.get("m", "?")] += 1
-        if rec["k"] == "END":
+        role = lookup(rec).role
+        if role is Role.END:
             ended.add(rec["u"])
             continue
-        if rec["k"] in OUTCOME_KINDS:
+        if role is Role.OUTCOME:
             by_uow[rec["u"]].append(rec)
         for eid in entry_ids(rec):
             by_entry[eid].append(rec)

@@ -37,6 +37,7 @@ from restore.engine import PHASES, Progress, get_engine, no_progress
 from restore.load import LoadResult, load_plan, restore_owned_uows, uow_owner
 from restore.plan import RestorePlan
 from restore.result import PurgeResult, RestoreResult, write_report
+from sqm import records
 from sqm.log import LogLockedError, LogReader, RecordLog, find_log_dirs
 
 RESTORE_MEMBER = "_restore"  # restore's own log, beside the members' logs
@@ -123,10 +124,11 @@ def _redefine(admin: Admin, manifest: dict[str, Any]) -> StructureDef:
 
 
 def _log_decisions(log: RecordLog, plan: RestorePlan) -> int:
-    """Restore's decisions (in-flight UOWs backed out) as forced RECOVERY records, before anything is loaded."""
+    """Restore's decisions (in-flight UOWs backed out) as forced RECOVERY records, before anything is loaded.
+    Appended to the log directly, not through a queue manager: one force covers them all."""
     for uow, owner in sorted(plan.decisions.items()):
-        log.append({"k": "RECOVERY", "l": plan.restore_lrsn, "u": uow, "o": "B", "of": owner, "by": "restore",
-                    "ss": {plan.structure: 0}})
+        log.append(records.recovery(uow, plan.restore_lrsn, {plan.structure: 0}, commit=False, of=owner,
+                                    by="restore"))
     if plan.decisions:
         log.force()
     return len(plan.decisions)

@@ -13,9 +13,19 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqm.records import Record
+from sqm.records import (
+    OUTCOME_BACKOUT,
+    OUTCOME_COMMIT,
+    OUTCOME_INDOUBT,
+    OUTCOME_RANK,
+    Record,
+    RecordKind,
+    Role,
+    lookup,
+)
 
-COMMIT, BACKOUT, INDOUBT = "C", "B", "D"
+# An Outcome's kind: the outcome letters of sqm.records.
+COMMIT, BACKOUT, INDOUBT = OUTCOME_COMMIT, OUTCOME_BACKOUT, OUTCOME_INDOUBT
 
 # Final dispositions, one per message, as the restore report counts them.
 RESTORED = "restored"  # available (committed put), loaded
@@ -25,7 +35,7 @@ PUT_BACKED_OUT = "put-backed-out"  # its put was backed out (or in flight at the
 EXPIRED = "expired"
 GONE = "gone"  # named by the log, but gone before the replay range (nothing to restore)
 
-_RANK = {"PUT": 0, "GET": 1, "OUTCOME": 2, "EXPIRE": 3}
+_OUTCOME = "OUTCOME"  # the fold's event kind for a UOW's outcome (the other events are records, by their kind)
 
 
 @dataclass(frozen=True)
@@ -58,20 +68,20 @@ def decide_outcome(records: Iterable[Record]) -> Outcome | None:
     RECOVERY record's LRSN would replay it after them and bring consumed messages back (chaos seed 2).
     """
     recs = list(records)
-    decided = sorted((r for r in recs if r["k"] == "RECOVERY"), key=lambda r: (r["l"], r["by"]))
+    decided = sorted((r for r in recs if lookup(r).outranks_owner), key=lambda r: (r["l"], r["by"]))
     if decided:
         r = decided[0]
-        kind = COMMIT if r["o"] == "C" else BACKOUT
-        same = [o for o in recs if o["k"] == ("COMMIT" if kind == COMMIT else "BACKOUT") and o["l"] < r["l"]]
+        kind = _decision(r)
+        same = [o for o in recs if _owners_decision(o) == kind and o["l"] < r["l"]]
         if same:
             first = min(same, key=lambda o: o["l"])
             return Outcome(kind, first["l"], r["by"], {**_carried(r), **_carried(first)})
         return Outcome(kind, r["l"], r["by"], _carried(r))
-    own = sorted((r for r in recs if r["k"] in ("COMMIT", "BACKOUT", "PREPARE")), key=lambda r: r["l"])
+    own = sorted((r for r in recs if _owners_decision(r) is not None), key=lambda r: r["l"])
     if not own:
         return None
     r = own[-1]
-    kind = {"COMMIT": COMMIT, "BACKOUT": BACKOUT, "PREPARE": INDOUBT}[r["k"]]
+    kind = _decision(r)
     # Records of the same decision in a row are re-logs of it (a floor retry, or a retry after a restore that
     # had already applied the first one): it took effect at the first, as far as other UOWs could see.
     run = [r]
@@ -83,6 +93,19 @@ def decide_outcome(records: Iterable[Record]) -> Outcome | None:
     for x in reversed(run):
         carried.update(_carried(x))
     return Outcome(kind, run[-1]["l"], r.get("m", ""), carried)
+
+
+def _decision(r: Record) -> str:
+    """The outcome an OUTCOME record decides (COMMIT, BACKOUT or INDOUBT)."""
+    decides = lookup(r).decides
+    assert decides is not None, r["k"]
+    return decides(r)
+
+
+def _owners_decision(r: Record) -> str | None:
+    """The outcome the owner's own record decides (a commit, backout or prepare); None for any other record."""
+    kind = lookup(r)
+    return None if kind.decides is None or kind.outranks_owner else kind.decides(r)
 
 
 def _carried(r: Record) -> dict[str, tuple[str, dict[str, Any], bytes]]:
@@ -98,9 +121,15 @@ def best_copy(copies: Iterable[tuple[str, dict[str, Any], bytes]]) -> tuple[str,
     return best
 
 
+def _holds_entries(kind: RecordKind) -> bool:
+    """A put or get holds an entry in its UOW; a backout carrying an entry's data gives it back with its outcome."""
+    return kind.role is Role.ENTRY or kind.carries_data
+
+
 def uows_named(backup: tuple[str, dict[str, Any], bytes] | None, records: Iterable[Record]) -> set[str]:
-    """The UOWs whose outcome the fold of one entry needs."""
-    out = {r["u"] for r in records if r.get("u") and r["k"] in ("PUT", "GET", "BACKOUT", "RECOVERY")}
+    """The UOWs whose outcome the fold of one entry needs: those that put or got it (an event on it), and those
+    whose backout carries its data (their outcome gives it back)."""
+    out = {r["u"] for r in records if r.get("u") and _holds_entries(lookup(r))}
     if backup is not None and backup[1].get("u"):
         out.add(backup[1]["u"])
     return out
@@ -113,12 +142,14 @@ def settle(entry_id: str, backup: tuple[str, dict[str, Any], bytes] | None, reco
     recs = list(records)
     events: list[tuple[int, int, str, Any]] = []
     for r in recs:
-        if r["k"] in ("PUT", "GET", "EXPIRE"):
-            events.append((r["l"], _RANK[r["k"]], r["k"], r))
+        rk = lookup(r)
+        if rk.role is Role.ENTRY:
+            assert rk.fold_rank is not None, rk.code
+            events.append((r["l"], rk.fold_rank, rk.code, r))
     for u in uows_named(backup, recs):
         o = outcomes.get(u)
         if o is not None and o.kind != INDOUBT:
-            events.append((o.lrsn, _RANK["OUTCOME"], "OUTCOME", (u, o)))
+            events.append((o.lrsn, OUTCOME_RANK, _OUTCOME, (u, o)))
     events.sort(key=lambda e: (e[0], e[1]))
 
     structure = backup[0] if backup else ""
@@ -131,17 +162,7 @@ def settle(entry_id: str, backup: tuple[str, dict[str, Any], bytes] | None, reco
     for lrsn, _, kind, payload in events:
         if state is not None and lrsn <= state["l"]:
             continue  # the redo rule: the copy already reflects this transition
-        if kind == "PUT":
-            if state is None:
-                structure, state, data = payload["s"], dict(payload["e"]), payload["d"]
-                state.update(st="UP", u=payload["u"], l=lrsn, o1=0, o2=lrsn)
-        elif kind == "GET":
-            if state is not None and state["st"] == "CP":
-                state.update(st="UG", u=payload["u"], l=lrsn)
-        elif kind == "EXPIRE":
-            if state is not None and state["st"] == "CP":
-                state, fate = None, EXPIRED
-        else:
+        if kind == _OUTCOME:
             uow, o = payload
             if state is None:
                 copy = o.data.get(entry_id) if o.kind == BACKOUT else None
@@ -160,6 +181,19 @@ def settle(entry_id: str, backup: tuple[str, dict[str, Any], bytes] | None, reco
                 state, fate = None, PUT_BACKED_OUT
             else:
                 state.update(st="CP", u="", l=lrsn, bc=int(state.get("bc", 0)) + 1)
+        # The redo step of each ENTRY kind (sqm.records.Role): a new one needs its step here.
+        elif kind == "PUT":
+            if state is None:
+                structure, state, data = payload["s"], dict(payload["e"]), payload["d"]
+                state.update(st="UP", u=payload["u"], l=lrsn, o1=0, o2=lrsn)
+        elif kind == "GET":
+            if state is not None and state["st"] == "CP":
+                state.update(st="UG", u=payload["u"], l=lrsn)
+        elif kind == "EXPIRE":
+            if state is not None and state["st"] == "CP":
+                state, fate = None, EXPIRED
+        else:
+            raise ValueError(f"restore's fold has no redo step for {kind} records")
 
     if state is None:
         return Settled(entry_id, fate)

@@ -46,7 +46,8 @@ def add_run_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
     p.add_argument("--lease-ms", type=int, default=5000, help="lease in the admin structure (default 5000)")
     p.add_argument("--cf-connections", type=int, default=64,
                    help="connections to the CF; more concurrent requests wait for one (default 64)")
-    p.add_argument("--loglode", type=int, default=10000, help="checkpoint every N log records (default 10000)")
+    p.add_argument("--logload", type=int, default=10000,
+                   help="LOGLOAD: take a checkpoint every N log records (default 10000)")
     p.add_argument("--max-frame", type=int, default=DEFAULT_MAX_FRAME, help="largest frame accepted, bytes")
     p.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds in-flight requests get at shutdown (default 10)")
@@ -60,8 +61,8 @@ def add_run_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
 
 
 def cmd_run(args: argparse.Namespace, out: Output) -> int:
-    if args.lease_ms < 500 or args.max_frame < 1024 or args.loglode < 1 or args.cf_connections < 4:
-        raise CLIError("--lease-ms must be >= 500, --max-frame >= 1024, --loglode >= 1 and --cf-connections >= 4")
+    if args.lease_ms < 500 or args.max_frame < 1024 or args.logload < 1 or args.cf_connections < 4:
+        raise CLIError("--lease-ms must be >= 500, --max-frame >= 1024, --logload >= 1 and --cf-connections >= 4")
     found = settings(args)
     url = require_url(found)
     configure_logging(args.verbose, as_json=out.as_json)
@@ -69,7 +70,7 @@ def cmd_run(args: argparse.Namespace, out: Output) -> int:
         name=args.name, log_root=found.log_root, redis_url=url, host=args.host, port=args.port,
         token=found.token, tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
         metrics_port=args.metrics_port, lease_ms=args.lease_ms, cf_connections=args.cf_connections,
-        loglode=args.loglode, max_frame=args.max_frame,
+        logload=args.logload, max_frame=args.max_frame,
         shutdown_grace_s=args.shutdown_grace, cf_wait_s=args.cf_wait, ready_file=args.ready_file,
         clock_skew_ms=args.clock_skew_ms))
 

@@ -12,7 +12,14 @@ from typing import TYPE_CHECKING, Any
 
 from cfemu.admin import QueueDef
 from cfemu.entry import Entry, check_properties
-from cfemu.errors import BadRequestError, ClientGoneError, InDoubtError, MessageTooBigError, NoMessageError
+from cfemu.errors import (
+    BadRequestError,
+    ClientGoneError,
+    InDoubtError,
+    MessageTooBigError,
+    NoMessageError,
+)
+from sqm import records
 from sqm.clock import now_ms
 from sqm.failpoints import failpoint
 from sqm.messaging import UnitOfWorkScope
@@ -103,7 +110,7 @@ class Connection(UnitOfWorkScope):
             failpoint("put-after-cf")
             if entry.persistent:
                 uow.persistent = True
-                qm.append({"k": "PUT", "l": cf, "u": uow.id, "s": sname, "g": gen, "e": entry.wire(), "d": body})
+                qm.append(records.put(uow.id, cf, structure=sname, gen=gen, entry=entry.wire(), data=body))
             return
         if not entry.persistent:
             qm.cf_call(lambda: s.put(qm.caller, entry, body))
@@ -152,8 +159,8 @@ class Connection(UnitOfWorkScope):
                     uow.operations += 1
                     if entry.persistent:
                         uow.persistent = True
-                        qm.append({"k": "GET", "l": entry.lrsn, "u": uow.id, "s": qdef.structure, "g": gen,
-                                   "i": entry.id, "q": queue})
+                        qm.append(records.get(uow.id, entry.lrsn, structure=qdef.structure, gen=gen,
+                                              entry_id=entry.id, queue=queue))
                     if self._is_poison(qdef, entry):
                         self._move_to_backout_queue(qdef, entry, data, uow)
                         continue
@@ -228,8 +235,7 @@ class Connection(UnitOfWorkScope):
         qm.check_usable()
         uow.persistent = True
         uow.xid = xid
-        qm.append({"k": "PREPARE", "l": qm.clock.now(), "u": uow.id, "x": xid, "ss": dict(uow.structures)},
-                  force=True, uow=uow, state=INDOUBT)
+        qm.append(records.prepare(uow.id, qm.clock.now(), uow.structures, xid=xid), uow=uow, state=INDOUBT)
         return uow.id
 
 

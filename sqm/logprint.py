@@ -27,7 +27,7 @@ from typing import Any
 from cfemu.clitools import Output, add_settings_arguments, settings, styled_table
 from cfemu.settings import ENV_LOG_ROOT
 from sqm.log import LogCorruptError, LogFormatError, LogReader, find_log_dirs, merged_records
-from sqm.records import KINDS, Record, UnknownRecordError, describe, entry_ids, queues_of
+from sqm.records import KINDS, Record, Role, UnknownRecordError, describe, entry_ids, lookup, queues_of
 
 
 class LogPrintError(Exception):
@@ -51,7 +51,7 @@ class LogFilter:
     def _about_target(self, records: list[Record]) -> list[Record]:
         if self.message is not None:
             wanted = self.message.lower()
-            ids = {wanted} | {d["id"] for r in records for d in _descriptors(r) if d.get("mid") == wanted}
+            ids = {wanted} | {d["id"] for r in records for d in lookup(r).descriptors(r) if d.get("mid") == wanted}
 
             def about(r: Record) -> bool:
                 return not ids.isdisjoint(entry_ids(r))
@@ -63,14 +63,7 @@ class LogFilter:
         uows = {r["u"] for r, hit in zip(records, hits) if hit and r.get("u")}
         # With the records about the target come the outcomes of their UOWs (but not the UOWs' other puts/gets).
         return [r for r, hit in zip(records, hits)
-                if hit or (r.get("u") in uows and r["k"] in KINDS and KINDS[r["k"]].restore_role != "entry")]
-
-
-def _descriptors(r: Record) -> list[dict[str, Any]]:
-    """The entry descriptors a record carries (a PUT's entry, a backout's data of gets)."""
-    if r["k"] == "PUT":
-        return [r["e"]]
-    return [d[1] for d in r.get("dd", [])]
+                if hit or (r.get("u") in uows and lookup(r).role in (Role.OUTCOME, Role.END))]
 
 
 def parse_kinds(value: list[str] | None) -> frozenset[str] | None:

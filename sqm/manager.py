@@ -40,6 +40,7 @@ from cfemu.errors import (
     UnknownObjectError,
 )
 from cfemu.keys import check_member_name
+from sqm import records
 from sqm.clock import LrsnClock, now_ms
 from sqm.failpoints import failpoint
 from sqm.log import RecordLog
@@ -60,7 +61,7 @@ class QueueManagerConfig:
     log_root: Path  # this member's log is log_root/name; peers' logs are beside it
     redis_url: str | None = None
     lease_ms: int = 5000
-    loglode: int = 10000  # take a checkpoint every this many log records (MQ's LOGLOAD)
+    logload: int = 10000  # take a checkpoint every this many log records (MQ's LOGLOAD)
     expiry_interval_ms: int = 1000
     clock_skew_us: int = 0
     segment_bytes: int = 64 * 2**20
@@ -196,14 +197,15 @@ class QueueManager:
             self.uows[uow.id] = uow
             return uow
 
-    def append(self, record: Record, *, force: bool = False, uow: UnitOfWork | None = None,
-               state: str | None = None) -> None:
-        """Append a record (and wait for it to be on disk when forced). With uow and state, the UOW takes that
-        state together with the append, as any checkpoint sees it: a checkpoint can never show a UOW in flight
-        after its COMMIT or PREPARE record (restart reads only from the checkpoint on, and would back it out)."""
+    def append(self, record: Record, *, uow: UnitOfWork | None = None, state: str | None = None) -> None:
+        """Append a record, and wait for it to be on disk when its kind is forced (sqm.records.KINDS). With uow
+        and state, the UOW takes that state together with the append, as any checkpoint sees it: a checkpoint can
+        never show a UOW in flight after its COMMIT or PREPARE record (restart reads only from the checkpoint on,
+        and would back it out)."""
         assert self.log is not None
-        if self.activity >= self.config.loglode:
-            self.checkpoint("loglode")
+        force = records.kind_of(record).forced
+        if self.activity >= self.config.logload:
+            self.checkpoint("logload")
         try:
             with self.uow_lock:
                 pos = self.log.append(record)
@@ -235,7 +237,7 @@ class QueueManager:
             uows = {u.id: u.snapshot() for u in self.uows.values() if u.persistent}
             n, self.activity = self.activity, 0
             try:
-                self.log.checkpoint({"k": "CHECKPOINT", "l": self.clock.now(), "uows": uows, "n": n, "why": why})
+                self.log.checkpoint(records.checkpoint(self.clock.now(), uows=uows, n=n, why=why))
             except OSError as e:
                 self._log_failure(e)
 
@@ -315,7 +317,7 @@ class QueueManager:
             uow.applied.add(sname)
             failpoint("during-apply")
         if (uow.persistent or for_member is not None) and self.log is not None:
-            self.append({"k": "END", "l": self.clock.now(), "u": uow.id})
+            self.append(records.end(uow.id, self.clock.now()))
         self.pending.pop(uow.id, None)
         self.forget(uow)
 
@@ -352,7 +354,7 @@ class QueueManager:
                 # Recovery (a peer, or restore after CF loss) backed this UOW out; the log must say so too.
                 if uow.persistent and for_member is None:
                     self.log_decision(uow, False, reason="backed out by recovery")
-                    self.append({"k": "END", "l": self.clock.now(), "u": uow.id})
+                    self.append(records.end(uow.id, self.clock.now()))
                 self.forget(uow)
                 raise
 
@@ -361,21 +363,20 @@ class QueueManager:
         """Write the forced record that decides a UOW: COMMIT or BACKOUT for our own, RECOVERY when peer recovery
         decides another member's. A backout while a backup runs carries the data of the UOW's persistent gets
         (the patent's exception). Returns the record's LRSN, the one the CF stamps the entries with."""
-        rec: Record = {"l": self.clock.now(), "u": uow.id, "ss": dict(uow.structures)}
+        lrsn = self.clock.now()  # taken before the CF is asked for the gets' data
+        dd = self._gets_data(uow) if with_data and not commit else []
+        if dd:
+            self.counters["backout_records_with_data"] += 1
+        ss = uow.structures
         if for_member is not None:
-            rec.update(k="RECOVERY", o="C" if commit else "B", of=for_member, by=self.name)
+            rec = records.recovery(uow.id, lrsn, ss, commit=commit, of=for_member, by=self.name, data=dd)
+        elif commit:
+            rec = records.commit(uow.id, lrsn, ss)
         else:
-            rec["k"] = "COMMIT" if commit else "BACKOUT"
-            if not commit:
-                rec["r"] = reason
-        if with_data and not commit:
-            dd = self._gets_data(uow)
-            if dd:
-                rec["dd"] = dd
-                self.counters["backout_records_with_data"] += 1
-        self.append(rec, force=True, uow=uow, state=INCOMMIT if commit else INBACKOUT)
-        uow.data_logged = bool(rec.get("dd"))
-        return int(rec["l"])
+            rec = records.backout(uow.id, lrsn, ss, reason=reason, data=dd)
+        self.append(rec, uow=uow, state=INCOMMIT if commit else INBACKOUT)
+        uow.data_logged = bool(dd)
+        return lrsn
 
     def _backup_running(self, uow: UnitOfWork) -> bool:
         try:
@@ -468,7 +469,7 @@ class QueueManager:
                 continue
             ids, purged = s.expire(now_ms())
             if ids:
-                self.append({"k": "EXPIRE", "l": self.clock.now(), "s": sdef.name, "ids": ids})
+                self.append(records.expire(self.clock.now(), structure=sdef.name, ids=ids))
             n += len(ids) + purged
         return n
 

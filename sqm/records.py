@@ -1,39 +1,225 @@
-"""Every kind of log record, registered in one table (like PostgreSQL's resource managers).
+"""Every kind of log record, registered in one table, KINDS (like PostgreSQL's resource managers, rmgrlist.h).
 
-Each kind names its fields, whether it is forced (write-ahead: it decides an outcome), what it means for restart
-(the UOW state it leaves behind), what it means for restore (an event on one entry, or an outcome of a UOW), and
-how the log printer describes it. Records are msgpack maps with short keys:
+A row names a kind's fields (a TypedDict), its constructor, whether it is forced (write-ahead: it decides an
+outcome), its role for restore, the UOW state it leaves for restart, the properties restore's fold needs, how the
+log printer describes it, and how to read the entries, queues and structure it is about. The rest of the house asks
+the table rather than spelling kind codes, so adding a kind is its TypedDict, its constructor, one row here and
+one row in docs/log-format.md's "Record kinds" catalogue (tests/sqm/test_records.py fails until all are there).
+
+Records are msgpack maps with short keys (the on-disk format; old logs must keep reading, so never rename one):
 
   k kind   l LRSN   u UOW id   s structure   g structure generation   ss {structure: generation}
   e entry descriptor (cfemu.entry wire form)   d data
   i entry id   q queue   x XA transaction id   dd [[structure, descriptor, data], ...]   r reason
   o outcome 'C' | 'B'   of member whose UOW a recovery record decides   by who decided
   (m is not a record field: the merged log adds it, naming the log a record came from)   ids entry ids
-  uows {uow: {st, ss, x}} (checkpoint)   n activity count
+  uows {uow: {st, ss, x, dl, p}} (checkpoint: sqm.uow.UnitOfWork.snapshot)   n activity count   why reason
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import enum
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final, Literal, NoReturn, TypedDict, cast
 
 Record = dict[str, Any]
+Carried = list[Any]  # [structure, descriptor (wire form), data]: a backed-out get's entry, carried in "dd"
 
 # UOW states (seed 000 / seed 002): in-flight, in-doubt, in-commit, in-backout, complete.
 INFLIGHT, INDOUBT, INCOMMIT, INBACKOUT, DONE = "INFLIGHT", "INDOUBT", "INCOMMIT", "INBACKOUT", "DONE"
 
+# The outcome an OUTCOME record decides for its UOW. A RECOVERY record's "o" holds C or B; D (in doubt, a
+# PREPARE) is never written, only decided.
+OUTCOME_COMMIT: Final = "C"
+OUTCOME_BACKOUT: Final = "B"
+OUTCOME_INDOUBT: Final = "D"
 
-@dataclass(frozen=True)
-class RecordKind:
-    code: str
-    forced: bool  # forced to disk before the operation goes on (write-ahead)
-    restore_role: str  # 'entry' (an event on entries), 'outcome' (a UOW's outcome), or 'none'
-    uow_state: str | None  # the UOW state the record leaves for restart, None when it names no UOW state
-    describe: Callable[[Record], str]
+# restore's fold orders the events at one LRSN by rank (RecordKind.fold_rank): puts, then gets, then UOW outcomes,
+# then expiry. The fold applies a UOW's outcome (decided from all its records), not a record: this is its rank.
+OUTCOME_RANK = 2
 
 
-def _entry_desc(r: Record) -> str:
+class Role(enum.Enum):
+    """What a kind is to restore (and to the printers, which show the outcomes of the UOWs a message went through)."""
+
+    ENTRY = "entry"  # an event on entries of one structure: restore folds it into each entry it names
+    OUTCOME = "outcome"  # decides a UOW's outcome, or leaves it in doubt: restore groups it by UOW
+    END = "end"  # the UOW's outcome is applied on the CF: a committed UOW without one may still be completing
+    NONE = "none"  # nothing for restore (a checkpoint; a kind this version does not know)
+
+
+# --- the fields of each kind ----------------------------------------------------------------------------------
+class Logged(TypedDict):
+    """What every record has besides its kind "k": its LRSN."""
+
+    l: int  # noqa: E741  (the on-disk key)
+
+
+class CarriesData(TypedDict, total=False):
+    """Only while a backup runs, and only when the UOW got persistent messages: their entries (the patent's
+    exception: the backup cannot see a backed-out get's entry come back). total=False, as NotRequired is not
+    seen at runtime under `from __future__ import annotations` on Python 3.11."""
+
+    dd: list[Carried]
+
+
+class PutRecord(Logged):
+    k: Literal["PUT"]
+    u: str
+    s: str
+    g: int
+    e: dict[str, Any]
+    d: bytes
+
+
+class GetRecord(Logged):
+    k: Literal["GET"]
+    u: str
+    s: str
+    g: int
+    i: str
+    q: str
+
+
+class PrepareRecord(Logged):
+    k: Literal["PREPARE"]
+    u: str
+    x: str
+    ss: dict[str, int]
+
+
+class CommitRecord(Logged):
+    k: Literal["COMMIT"]
+    u: str
+    ss: dict[str, int]
+
+
+class BackoutRecord(Logged, CarriesData):
+    k: Literal["BACKOUT"]
+    u: str
+    ss: dict[str, int]
+    r: str
+
+
+class RecoveryRecord(Logged, CarriesData):
+    k: Literal["RECOVERY"]
+    u: str
+    ss: dict[str, int]
+    o: Literal["C", "B"]
+    of: str
+    by: str
+
+
+class EndRecord(Logged):
+    k: Literal["END"]
+    u: str
+
+
+class ExpireRecord(Logged):
+    k: Literal["EXPIRE"]
+    s: str
+    ids: list[str]
+
+
+class CheckpointRecord(Logged):
+    k: Literal["CHECKPOINT"]
+    uows: dict[str, dict[str, Any]]
+    n: int
+    why: str
+
+
+# --- constructors: the only place records are written as maps --------------------------------------------------
+def _record(fields: Mapping[str, Any]) -> Record:
+    """A kind's TypedDict as the plain dict the log and its readers take (to mypy a TypedDict is no dict[str, Any]);
+    no copy. The TypedDict annotation in each constructor is what keeps it in step with its kind's fields."""
+    return cast(Record, fields)
+
+
+def put(uow: str, lrsn: int, *, structure: str, gen: int, entry: dict[str, Any], data: bytes) -> Record:
+    """A persistent put in a UOW, logged after the CF took it, at the LRSN the CF returned."""
+    rec: PutRecord = {"k": "PUT", "l": lrsn, "u": uow, "s": structure, "g": gen, "e": entry, "d": data}
+    return _record(rec)
+
+
+def get(uow: str, lrsn: int, *, structure: str, gen: int, entry_id: str, queue: str) -> Record:
+    """A persistent get in a UOW, logged after the CF took it, at the entry's LRSN the CF returned."""
+    rec: GetRecord = {"k": "GET", "l": lrsn, "u": uow, "s": structure, "g": gen, "i": entry_id, "q": queue}
+    return _record(rec)
+
+
+def prepare(uow: str, lrsn: int, ss: Mapping[str, int], *, xid: str) -> Record:
+    """Two-phase commit, phase one: the UOW is in doubt until its coordinator resolves it."""
+    rec: PrepareRecord = {"k": "PREPARE", "l": lrsn, "u": uow, "x": xid, "ss": dict(ss)}
+    return _record(rec)
+
+
+def commit(uow: str, lrsn: int, ss: Mapping[str, int]) -> Record:
+    """The owner commits its UOW on the structures in ss (structure -> generation)."""
+    rec: CommitRecord = {"k": "COMMIT", "l": lrsn, "u": uow, "ss": dict(ss)}
+    return _record(rec)
+
+
+def backout(uow: str, lrsn: int, ss: Mapping[str, int], *, reason: str = "application",
+            data: Sequence[Carried] = ()) -> Record:
+    """The owner backs its UOW out. data: its persistent gets' entries, while a backup runs (CarriesData)."""
+    rec: BackoutRecord = {"k": "BACKOUT", "l": lrsn, "u": uow, "ss": dict(ss), "r": reason}
+    if data:
+        rec["dd"] = list(data)
+    return _record(rec)
+
+
+def recovery(uow: str, lrsn: int, ss: Mapping[str, int], *, commit: bool, of: str, by: str,
+             data: Sequence[Carried] = ()) -> Record:
+    """Peer recovery (by a member) or restore (by "restore") decides another member's UOW; it outranks the
+    owner's own records. data as in backout()."""
+    rec: RecoveryRecord = {"k": "RECOVERY", "l": lrsn, "u": uow, "ss": dict(ss),
+                           "o": OUTCOME_COMMIT if commit else OUTCOME_BACKOUT, "of": of, "by": by}
+    if data:
+        rec["dd"] = list(data)
+    return _record(rec)
+
+
+def end(uow: str, lrsn: int) -> Record:
+    """The UOW's outcome is applied on every structure it touched."""
+    rec: EndRecord = {"k": "END", "l": lrsn, "u": uow}
+    return _record(rec)
+
+
+def expire(lrsn: int, *, structure: str, ids: list[str]) -> Record:
+    """The expiry task took these expired persistent messages off a structure."""
+    rec: ExpireRecord = {"k": "EXPIRE", "l": lrsn, "s": structure, "ids": ids}
+    return _record(rec)
+
+
+def checkpoint(lrsn: int, *, uows: dict[str, dict[str, Any]], n: int, why: str) -> Record:
+    """The active UOW table (snapshots), so that restart reads the log from here on; n: records since the last."""
+    rec: CheckpointRecord = {"k": "CHECKPOINT", "l": lrsn, "uows": uows, "n": n, "why": why}
+    return _record(rec)
+
+
+# --- what a record is about (the defaults read the carried data of a backout or recovery record) --------------
+def _carried_descriptors(r: Record) -> list[dict[str, Any]]:
+    return [d[1] for d in r.get("dd", ())]
+
+
+def _carried_ids(r: Record) -> list[str]:
+    return [d[1]["id"] for d in r.get("dd", ())]
+
+
+def _carried_queues(r: Record) -> list[str]:
+    return [d[1]["q"] for d in r.get("dd", ())]
+
+
+def _no_structure(r: Record) -> str | None:
+    return None
+
+
+def _on_structure(r: Record) -> str | None:
+    return cast(str, r["s"])
+
+
+def _put_desc(r: Record) -> str:
     e = r["e"]
     return (f"put {e['id']} on {r['s']}/{e['q']} prio {e['p']} {len(r.get('d', b''))}B"
             + (f" uow {r['u']}" if r.get("u") else ""))
@@ -43,26 +229,80 @@ def _data_note(r: Record) -> str:
     return f", carries data of {len(r['dd'])} gets" if r.get("dd") else ""
 
 
+def _recovery_decides(r: Record) -> str:
+    return OUTCOME_COMMIT if r["o"] == OUTCOME_COMMIT else OUTCOME_BACKOUT
+
+
+def _unknown(r: Record, *args: Any, **kwargs: Any) -> NoReturn:
+    raise UnknownRecordError(f"unknown log record kind {r.get('k')!r} at LRSN {r.get('l')}")
+
+
+@dataclass(frozen=True)
+class RecordKind:
+    """One row of the registry: what the house needs to know about a kind of record."""
+
+    code: str
+    fields: type  # the kind's TypedDict
+    build: Callable[..., Record]  # its constructor
+    forced: bool  # QueueManager.append forces it to disk before the operation goes on (write-ahead)
+    role: Role
+    uow_state: str | None  # the UOW state it leaves for restart (uow.rebuild_table); None: it names none
+    describe: Callable[[Record], str]  # the log printer's line
+    # OUTCOME kinds: the outcome the record decides (OUTCOME_COMMIT, _BACKOUT or _INDOUBT); None for the others.
+    decides: Callable[[Record], str] | None = None
+    # A peer or restore decided it for another member: it outranks the owner's own outcome records.
+    outranks_owner: bool = False
+    # It may carry the data of its UOW's backed-out gets ("dd"): the entries it gives back are its entry_ids.
+    carries_data: bool = False
+    # ENTRY kinds: restore's fold ranks their events at one LRSN by this (and a UOW's outcome by OUTCOME_RANK).
+    fold_rank: int | None = None
+    entry_ids: Callable[[Record], list[str]] = _carried_ids  # the entries it is about
+    descriptors: Callable[[Record], list[dict[str, Any]]] = _carried_descriptors  # the entry descriptors it holds
+    queues: Callable[[Record], list[str]] = _carried_queues  # the queues of those entries
+    structure: Callable[[Record], str | None] = _no_structure  # ENTRY kinds: the structure the event is on
+
+
+# Columns: code, fields, constructor, forced, role, UOW state for restart, describe; then what is not a default.
+# ENTRY kinds say what they are about; the defaults read the entries an OUTCOME record carries (none, mostly).
 KINDS: dict[str, RecordKind] = {k.code: k for k in [
-    RecordKind("PUT", False, "entry", INFLIGHT, _entry_desc),
-    RecordKind("GET", False, "entry", INFLIGHT,
-               lambda r: f"get {r['i']} from {r['s']}/{r['q']} uow {r['u']}"),
-    RecordKind("PREPARE", True, "outcome", INDOUBT,
-               lambda r: f"prepare uow {r['u']} xid {r.get('x', '')} (in doubt)"),
-    RecordKind("COMMIT", True, "outcome", INCOMMIT,
-               lambda r: f"commit uow {r['u']} on {', '.join(r.get('ss', {})) or '-'}"),
-    RecordKind("BACKOUT", True, "outcome", INBACKOUT,
-               lambda r: f"backout uow {r['u']} ({r.get('r', 'application')}){_data_note(r)}"),
-    RecordKind("RECOVERY", True, "outcome", None,
-               lambda r: (f"{'commit' if r['o'] == 'C' else 'backout'} of {r['of']}'s uow {r['u']} "
-                          f"decided by {r['by']}{_data_note(r)}")),
-    RecordKind("END", False, "none", DONE, lambda r: f"uow {r['u']} complete on the CF"),
-    RecordKind("EXPIRE", False, "entry", None,
-               lambda r: f"expired {len(r['ids'])} messages on {r['s']}"),
-    RecordKind("CHECKPOINT", True, "none", None,
+    RecordKind("PUT", PutRecord, put, False, Role.ENTRY, INFLIGHT, _put_desc, fold_rank=0,
+               entry_ids=lambda r: [r["e"]["id"]], descriptors=lambda r: [r["e"]],
+               queues=lambda r: [r["e"]["q"]], structure=_on_structure),
+    RecordKind("GET", GetRecord, get, False, Role.ENTRY, INFLIGHT,
+               lambda r: f"get {r['i']} from {r['s']}/{r['q']} uow {r['u']}", fold_rank=1,
+               entry_ids=lambda r: [r["i"]], descriptors=lambda r: [], queues=lambda r: [r["q"]],
+               structure=_on_structure),
+    RecordKind("PREPARE", PrepareRecord, prepare, True, Role.OUTCOME, INDOUBT,
+               lambda r: f"prepare uow {r['u']} xid {r.get('x', '')} (in doubt)",
+               decides=lambda r: OUTCOME_INDOUBT),
+    RecordKind("COMMIT", CommitRecord, commit, True, Role.OUTCOME, INCOMMIT,
+               lambda r: f"commit uow {r['u']} on {', '.join(r.get('ss', {})) or '-'}",
+               decides=lambda r: OUTCOME_COMMIT),
+    RecordKind("BACKOUT", BackoutRecord, backout, True, Role.OUTCOME, INBACKOUT,
+               lambda r: f"backout uow {r['u']} ({r.get('r', 'application')}){_data_note(r)}",
+               decides=lambda r: OUTCOME_BACKOUT, carries_data=True),
+    RecordKind("RECOVERY", RecoveryRecord, recovery, True, Role.OUTCOME, None,
+               lambda r: (f"{'commit' if r['o'] == OUTCOME_COMMIT else 'backout'} of {r['of']}'s uow {r['u']} "
+                          f"decided by {r['by']}{_data_note(r)}"),
+               decides=_recovery_decides, outranks_owner=True, carries_data=True),
+    RecordKind("END", EndRecord, end, False, Role.END, DONE, lambda r: f"uow {r['u']} complete on the CF"),
+    RecordKind("EXPIRE", ExpireRecord, expire, False, Role.ENTRY, None,
+               lambda r: f"expired {len(r['ids'])} messages on {r['s']}", fold_rank=3,
+               entry_ids=lambda r: list(r["ids"]), descriptors=lambda r: [], queues=lambda r: [],
+               structure=_on_structure),
+    RecordKind("CHECKPOINT", CheckpointRecord, checkpoint, True, Role.NONE, None,
                lambda r: f"checkpoint: {len(r.get('uows', {}))} active UOWs, activity {r.get('n', 0)}"
                          + (f" ({r['why']})" if r.get("why") else "")),
 ]}
+
+
+class _ForeignRecord(Logged):
+    k: str
+
+
+# A kind this version does not know (a newer writer's): readers that pass over records they do not need (restore,
+# the printers' filters, the archive) see it through lookup() as this; restart, which must not, asks kind_of().
+FOREIGN = RecordKind("?", _ForeignRecord, _unknown, False, Role.NONE, None, _unknown)
 
 
 class UnknownRecordError(ValueError):
@@ -70,10 +310,21 @@ class UnknownRecordError(ValueError):
 
 
 def kind_of(record: Record) -> RecordKind:
-    try:
-        return KINDS[record["k"]]
-    except KeyError:
-        raise UnknownRecordError(f"unknown log record kind {record.get('k')!r} at LRSN {record.get('l')}") from None
+    """The record's kind; UnknownRecordError for a kind this version does not know."""
+    kind = KINDS.get(record.get("k", ""))  # a record without "k" is of an unknown kind too
+    if kind is None:
+        _unknown(record)
+    return kind
+
+
+def lookup(record: Record) -> RecordKind:
+    """The record's kind, or FOREIGN for a kind this version does not know."""
+    return KINDS.get(record["k"], FOREIGN)
+
+
+def codes(*roles: Role) -> tuple[str, ...]:
+    """The codes of the kinds with these roles (for filters pushed down to Parquet and Spark)."""
+    return tuple(code for code, kind in KINDS.items() if kind.role in roles)
 
 
 def describe(record: Record) -> str:
@@ -82,22 +333,9 @@ def describe(record: Record) -> str:
 
 def entry_ids(record: Record) -> list[str]:
     """The entries a record is about (for filters and for restore's grouping by entry)."""
-    k = record["k"]
-    if k == "PUT":
-        return [record["e"]["id"]]
-    if k == "GET":
-        return [record["i"]]
-    if k == "EXPIRE":
-        return list(record["ids"])
-    if record.get("dd"):
-        return [d[1]["id"] for d in record["dd"]]
-    return []
+    return lookup(record).entry_ids(record)
 
 
 def queues_of(record: Record) -> list[str]:
-    k = record["k"]
-    if k == "PUT":
-        return [record["e"]["q"]]
-    if k == "GET":
-        return [record["q"]]
-    return [d[1]["q"] for d in record.get("dd", [])]
+    """The queues of the entries a record is about."""
+    return lookup(record).queues(record)

@@ -81,7 +81,7 @@ class ServerConfig:
     metrics_port: int | None = None  # /healthz, /readyz and /metrics; None: no HTTP endpoint
     lease_ms: int = 5000
     cf_connections: int = 64
-    loglode: int = 10000
+    logload: int = 10000  # LOGLOAD: a checkpoint every this many log records
     max_frame: int = DEFAULT_MAX_FRAME
     max_wait_ms: int = 60_000  # longest get wait a request may ask for
     shutdown_grace_s: float = 10.0  # in-flight requests get this long to finish at shutdown
@@ -138,7 +138,7 @@ class SQMServer:
         self.qm = qm if qm is not None else QueueManager(QueueManagerConfig(
             name=config.name, log_root=Path(config.log_root), redis_url=config.redis_url, lease_ms=config.lease_ms,
             cf_connections=config.cf_connections,
-            loglode=config.loglode, clock_skew_us=config.clock_skew_ms * 1000))
+            logload=config.logload, clock_skew_us=config.clock_skew_ms * 1000))
         self.stats = _Stats()
         self.port = config.port
         self.metrics_port = config.metrics_port

@@ -13,6 +13,7 @@ import pytest
 from cfemu.entry import Entry
 from restore.archive import SCHEMA, archive_logs, audit_message
 from restore.cli import main as cfrestore
+from sqm import records
 from sqm.log import LogCorruptError, LogReader, RecordLog
 from sqm.records import entry_ids
 
@@ -20,8 +21,8 @@ SEGMENT = 700  # bytes: a few records per segment
 
 
 def _put(lrsn: int, uow: str, eid: str, queue: str = "Q1", structure: str = "APP1") -> dict[str, Any]:
-    return {"k": "PUT", "l": lrsn, "u": uow, "s": structure, "g": 0,
-            "e": Entry(id=eid, queue=queue).wire(), "d": os.urandom(8)}
+    return records.put(uow, lrsn, structure=structure, gen=0, entry=Entry(id=eid, queue=queue).wire(),
+                       data=os.urandom(8))
 
 
 def _journey(logs: Path) -> None:
@@ -31,19 +32,19 @@ def _journey(logs: Path) -> None:
     qm2 = RecordLog(logs / "QM2", "QM2", segment_bytes=SEGMENT)
     qm1.append(_put(10, "QM1.1.1", "X"))
     qm1.append(_put(11, "QM1.1.1", "Y"))
-    qm1.append({"k": "COMMIT", "l": 12, "u": "QM1.1.1", "ss": {"APP1": 0}})
-    qm1.append({"k": "END", "l": 13, "u": "QM1.1.1"})
-    qm2.append({"k": "GET", "l": 20, "u": "QM2.1.1", "s": "APP1", "g": 0, "i": "X", "q": "Q1"})
-    qm2.append({"k": "BACKOUT", "l": 21, "u": "QM2.1.1", "ss": {"APP1": 0}, "r": "application"})
-    qm2.append({"k": "END", "l": 22, "u": "QM2.1.1"})
+    qm1.append(records.commit("QM1.1.1", 12, {"APP1": 0}))
+    qm1.append(records.end("QM1.1.1", 13))
+    qm2.append(records.get("QM2.1.1", 20, structure="APP1", gen=0, entry_id="X", queue="Q1"))
+    qm2.append(records.backout("QM2.1.1", 21, {"APP1": 0}))
+    qm2.append(records.end("QM2.1.1", 22))
     qm2.append(_put(23, "QM2.1.2", "Z", structure="APP2"))
-    qm2.append({"k": "COMMIT", "l": 24, "u": "QM2.1.2", "ss": {"APP2": 0}})
-    qm1.append({"k": "GET", "l": 30, "u": "QM1.1.2", "s": "APP1", "g": 0, "i": "X", "q": "Q1"})
-    qm1.append({"k": "COMMIT", "l": 31, "u": "QM1.1.2", "ss": {"APP1": 0}})
-    qm1.append({"k": "END", "l": 32, "u": "QM1.1.2"})
+    qm2.append(records.commit("QM2.1.2", 24, {"APP2": 0}))
+    qm1.append(records.get("QM1.1.2", 30, structure="APP1", gen=0, entry_id="X", queue="Q1"))
+    qm1.append(records.commit("QM1.1.2", 31, {"APP1": 0}))
+    qm1.append(records.end("QM1.1.2", 32))
     for _ in range(20):  # roll both logs on so that the records above sit in closed segments
-        qm1.append({"k": "END", "l": 40, "u": "QM1.1.9"})
-        qm2.append({"k": "END", "l": 40, "u": "QM2.1.9"})
+        qm1.append(records.end("QM1.1.9", 40))
+        qm2.append(records.end("QM2.1.9", 40))
     qm1.close()
     qm2.close()
 
@@ -78,7 +79,7 @@ def test_archiving_again_skips_what_is_archived_and_adds_newly_closed_segments(t
     assert {p: p.stat().st_mtime_ns for p in first.archived} == mtimes
     with RecordLog(tmp_path / "logs" / "QM1", "QM1", segment_bytes=SEGMENT) as log:
         for _ in range(20):
-            log.append({"k": "END", "l": 50, "u": "QM1.1.10"})
+            log.append(records.end("QM1.1.10", 50))
     more = archive_logs(tmp_path / "logs", tmp_path / "archive")
     assert more.archived and all(p.parent.name == "QM1" for p in more.archived)
     assert more.skipped == len(first.archived)

@@ -20,6 +20,7 @@ from cfemu.entry import Entry
 from cfemu.errors import NoMessageError, StructureFailedError
 from restore.run import run_restore
 from restore.settle import CONSUMED, decide_outcome, settle
+from sqm import records
 from sqm.log import LogReader
 from tests.support.group import define_group, start_qm
 
@@ -30,17 +31,16 @@ def test_seed2_a_commit_completed_by_peer_recovery_takes_effect_at_the_owners_co
     consumption, and brought the message back."""
     entry = {"id": "e1", "q": "Q1", "p": 0, "per": 1, "st": "", "l": 0, "u": ""}
     put_uow, get_uow = "QM2.1.1", "QM1.1.1"
-    records = {
-        put_uow: [{"k": "PUT", "l": 10, "u": put_uow, "s": "APP1", "g": 1, "e": dict(entry), "d": b"x"},
-                  {"k": "COMMIT", "l": 20, "u": put_uow, "ss": {"APP1": 1}},
-                  {"k": "RECOVERY", "l": 50, "u": put_uow, "o": "C", "of": "QM2", "by": "QM3",
-                   "ss": {"APP1": 1}}],
-        get_uow: [{"k": "GET", "l": 30, "u": get_uow, "s": "APP1", "g": 1, "i": "e1", "q": "Q1"},
-                  {"k": "COMMIT", "l": 40, "u": get_uow, "ss": {"APP1": 1}}],
+    logged = {
+        put_uow: [records.put(put_uow, 10, structure="APP1", gen=1, entry=dict(entry), data=b"x"),
+                  records.commit(put_uow, 20, {"APP1": 1}),
+                  records.recovery(put_uow, 50, {"APP1": 1}, commit=True, of="QM2", by="QM3")],
+        get_uow: [records.get(get_uow, 30, structure="APP1", gen=1, entry_id="e1", queue="Q1"),
+                  records.commit(get_uow, 40, {"APP1": 1})],
     }
-    outcomes = {u: decide_outcome(recs) for u, recs in records.items()}
+    outcomes = {u: decide_outcome(recs) for u, recs in logged.items()}
     assert outcomes[put_uow] is not None and outcomes[put_uow].lrsn == 20
-    entry_records = [r for recs in records.values() for r in recs if r["k"] in ("PUT", "GET")]
+    entry_records = [r for recs in logged.values() for r in recs if r["k"] in ("PUT", "GET")]
     settled = settle("e1", None, entry_records, {u: o for u, o in outcomes.items() if o is not None}, now_ms=0)
     assert settled.disposition == CONSUMED
 
@@ -89,19 +89,19 @@ def test_seed3_a_relogged_backout_takes_effect_at_the_first_backout() -> None:
     message back."""
     entry = {"id": "e1", "q": "Q1", "p": 0, "per": 1, "st": "", "l": 0, "u": ""}
     put_uow, held, taker = "QM1.1.1", "QM1.1.2", "QM2.1.1"
-    records = {
-        put_uow: [{"k": "PUT", "l": 10, "u": put_uow, "s": "APP1", "g": 1, "e": dict(entry), "d": b"x"},
-                  {"k": "COMMIT", "l": 20, "u": put_uow, "ss": {"APP1": 1}}],
-        held: [{"k": "GET", "l": 30, "u": held, "s": "APP1", "g": 1, "i": "e1", "q": "Q1"},
-               {"k": "PREPARE", "l": 35, "u": held, "x": "x1", "ss": {"APP1": 1}},
-               {"k": "BACKOUT", "l": 40, "u": held, "ss": {"APP1": 1}, "r": "resolved by coordinator"},
-               {"k": "BACKOUT", "l": 70, "u": held, "ss": {"APP1": 1}}],
-        taker: [{"k": "GET", "l": 50, "u": taker, "s": "APP1", "g": 1, "i": "e1", "q": "Q1"},
-                {"k": "COMMIT", "l": 60, "u": taker, "ss": {"APP1": 1}}],
+    logged = {
+        put_uow: [records.put(put_uow, 10, structure="APP1", gen=1, entry=dict(entry), data=b"x"),
+                  records.commit(put_uow, 20, {"APP1": 1})],
+        held: [records.get(held, 30, structure="APP1", gen=1, entry_id="e1", queue="Q1"),
+               records.prepare(held, 35, {"APP1": 1}, xid="x1"),
+               records.backout(held, 40, {"APP1": 1}, reason="resolved by coordinator"),
+               records.backout(held, 70, {"APP1": 1})],
+        taker: [records.get(taker, 50, structure="APP1", gen=1, entry_id="e1", queue="Q1"),
+                records.commit(taker, 60, {"APP1": 1})],
     }
-    outcomes = {u: decide_outcome(recs) for u, recs in records.items()}
+    outcomes = {u: decide_outcome(recs) for u, recs in logged.items()}
     assert outcomes[held] is not None and outcomes[held].lrsn == 40
-    entry_records = [r for recs in records.values() for r in recs if r["k"] in ("PUT", "GET")]
+    entry_records = [r for recs in logged.values() for r in recs if r["k"] in ("PUT", "GET")]
     settled = settle("e1", None, entry_records, {u: o for u, o in outcomes.items() if o is not None}, now_ms=0)
     assert settled.disposition == CONSUMED
 

@@ -25,6 +25,7 @@ from restore.archive import archive_logs
 from restore.engine import READ_BACKUP, READ_LOGS, SETTLE, LocalEngine, get_engine
 from restore.engine_spark import SparkEngine, start_session
 from restore.plan import RestorePlan
+from sqm import records
 from sqm.log import RecordLog, find_log_dirs
 from sqm.records import Record
 
@@ -100,7 +101,7 @@ def simulate(rnd: random.Random, steps: int) -> History:
         if u in prepared:
             prepared.remove(u)
         if rnd.random() < 0.8:
-            h.logs[member].append({"k": "END", "l": tick(), "u": u})
+            h.logs[member].append(records.end(u, tick()))
 
     def gets_data(u: str) -> list[list[Any]]:
         return [[structure_of[i], dict(entries[i]), data[i]] for i in held_by(u) if entries[i]["st"] == "UG"]
@@ -122,7 +123,7 @@ def simulate(rnd: random.Random, steps: int) -> History:
             e = Entry(id=eid, queue=rnd.choice(("Q1", "Q2")), priority=rnd.randint(0, 2), put_time=at // 1000,
                       expiry=rnd.choice((0, 0, 0, NOW_MS - 1, NOW_MS + 10_000))).wire()
             body = os.urandom(rnd.randint(0, 16))
-            rec: Record = {"k": "PUT", "l": at, "u": u, "s": s, "g": 0, "e": dict(e), "d": body}
+            rec = records.put(u, at, structure=s, gen=0, entry=dict(e), data=body)
             h.logs[member].append(rec)
             e.update(st="UP", u=u, l=at, o1=0, o2=at)
             entries[eid], data[eid], structure_of[eid] = e, body, s
@@ -131,40 +132,41 @@ def simulate(rnd: random.Random, steps: int) -> History:
             if available:
                 i = rnd.choice(available)
                 u, at = uow_of(member), tick()
-                h.logs[member].append({"k": "GET", "l": at, "u": u, "s": structure_of[i], "g": 0, "i": i,
-                                       "q": entries[i]["q"]})
+                h.logs[member].append(records.get(u, at, structure=structure_of[i], gen=0, entry_id=i,
+                                                  queue=entries[i]["q"]))
                 entries[i].update(st="UG", u=u, l=at)
         elif op in ("commit", "backout") and open_uows[member]:
             u = rnd.choice(open_uows[member])
-            rec = {"k": op.upper(), "l": tick(), "u": u, "ss": {S: 0}}
-            if op == "backout" and rnd.random() < 0.5 and gets_data(u):
-                rec["dd"] = gets_data(u)
+            if op == "commit":
+                rec = records.commit(u, tick(), {S: 0})
+            else:
+                rec = records.backout(u, tick(), {S: 0}, data=gets_data(u) if rnd.random() < 0.5 else ())
             if op == "commit" and rnd.random() < 0.05:
                 h.logs[member].append(rec)  # a commit the CF refused: the owner's BACKOUT follows
-                rec = {"k": "BACKOUT", "l": tick(), "u": u, "ss": {S: 0}, "r": "backed out by recovery"}
+                rec = records.backout(u, tick(), {S: 0}, reason="backed out by recovery")
             h.logs[member].append(rec)
             finish(member, u, rec["k"] == "COMMIT", rec)
         elif op == "prepare" and open_uows[member]:
             u = rnd.choice(open_uows[member])
             if u not in prepared:
                 prepared.append(u)
-                h.logs[member].append({"k": "PREPARE", "l": tick(), "u": u, "x": f"xid-{u}", "ss": {S: 0}})
+                h.logs[member].append(records.prepare(u, tick(), {S: 0}, xid=f"xid-{u}"))
         elif op == "recover":
             victim = rnd.choice([m for m in MEMBERS if m != member])
             if open_uows[victim]:
                 u = rnd.choice(open_uows[victim])
                 commit = u in prepared and rnd.random() < 0.5
-                rec = {"k": "RECOVERY", "l": tick(), "u": u, "o": "C" if commit else "B", "of": victim,
-                       "by": member, "ss": {S: 0}}
-                if not commit and rnd.random() < 0.5 and gets_data(u):
-                    rec["dd"] = gets_data(u)
+                at = tick()
+                carried = gets_data(u) if not commit and rnd.random() < 0.5 else []
+                rec = records.recovery(u, at, {S: 0}, commit=commit, of=victim, by=member, data=carried)
                 h.logs[member].append(rec)
                 finish(member, u, commit, rec)
         elif op == "expire":
             gone = [i for i, e in entries.items() if e["st"] == "CP" and e["exp"] and rnd.random() < 0.5]
             if gone:
-                h.logs[member].append({"k": "EXPIRE", "l": tick(), "s": structure_of[gone[0]],
-                                       "ids": [i for i in gone if structure_of[i] == structure_of[gone[0]]]})
+                s = structure_of[gone[0]]
+                h.logs[member].append(records.expire(tick(), structure=s,
+                                                     ids=[i for i in gone if structure_of[i] == s]))
                 for i in gone:
                     if structure_of[i] == structure_of[gone[0]]:
                         del entries[i]
@@ -178,9 +180,9 @@ def simulate(rnd: random.Random, steps: int) -> History:
 
 def write_history(h: History, root: Path, segment_bytes: int = 600) -> tuple[Backup, list[Path]]:
     """The history as real files: one RecordLog per member (small segments), one backup directory."""
-    for member, records in h.logs.items():
+    for member, logged in h.logs.items():
         with RecordLog(root / "logs" / member, member, segment_bytes=segment_bytes) as log:
-            for r in records:
+            for r in logged:
                 log.append(r)
             log.force()
     writer = BackupWriter(root / "backup" / S / "b", roll_bytes=400)

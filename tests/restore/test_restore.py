@@ -23,6 +23,7 @@ from cfemu.embedded import EmbeddedRedis
 from cfemu.errors import BackedOutError, NoMessageError, StructureFailedError
 from restore.engine import LOAD, READ_BACKUP, READ_LOGS, SETTLE
 from restore.run import RESTORE_MEMBER, RestoreError, run_purge, run_restore
+from sqm import records
 from sqm.connection import Connection
 from sqm.log import LogCorruptError, LogReader, RecordLog
 from sqm.manager import QueueManager
@@ -184,7 +185,7 @@ def test_restore_after_cf_loss_settles_every_message(fresh_redis: EmbeddedRedis,
     e.get("Q1", msgid=msgs["a5"].msgid)
     assert e.uow is not None
     in_commit = e.uow.id
-    qm3.append({"k": "COMMIT", "l": qm3.clock.now(), "u": e.uow.id, "ss": dict(e.uow.structures)}, force=True)
+    qm3.append(records.commit(e.uow.id, qm3.clock.now(), e.uow.structures))
     qm3.stop(checkpoint=False)
     d = qm2.connect()  # in flight, its records on disk (b's commit below forces QM2's log): restore decides it
     d.put("Q2", b"f0")

@@ -46,7 +46,7 @@ class Child:
     """tests/support/sqm_child.py in its own process; its stdout lines are collected by a reader thread."""
 
     def __init__(self, url: str, log_root: Path, scenario: str, failpoints: str = "", stdin: bool = False,
-                 loglode: int = 10_000) -> None:
+                 logload: int = 10_000) -> None:
         env = dict(os.environ)
         env.pop("SQM_FAILPOINTS", None)
         if failpoints:
@@ -54,7 +54,7 @@ class Child:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.support.sqm_child", "--redis-url", url, "--log-root", str(log_root),
              "--name", DEAD, "--scenario", scenario, "--count", str(COUNT), "--lease-ms", str(LEASE_MS),
-             "--loglode", str(loglode)],
+             "--logload", str(logload)],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             stdin=subprocess.PIPE if stdin else subprocess.DEVNULL)
         self.lines: queue.Queue[str] = queue.Queue()
@@ -109,7 +109,7 @@ class Case:
     failpoint: str  # SQM_FAILPOINTS value
     committed: bool  # the outcome the log decides
     last_line: str  # what the child printed last before it died (proves where it died)
-    loglode: int = 10_000
+    logload: int = 10_000
 
 
 CASES = [
@@ -118,7 +118,7 @@ CASES = [
     Case("put", "during-apply", True, "committing"),
     # The COMMIT record is the LOGLOAD-th record since the start checkpoint: a checkpoint taken right after it
     # must not record the UOW as in flight (restart reads only from that checkpoint on).
-    Case("put", "after-log-force", True, "committing", loglode=COUNT + 1),
+    Case("put", "after-log-force", True, "committing", logload=COUNT + 1),
     Case("put", "put-after-cf=3", False, "put 1"),
     Case("put-backout", "backout-after-log", False, "backing out"),
     Case("get", "before-log-force", False, "committing"),
@@ -196,7 +196,7 @@ def seed(qm: QueueManager) -> None:
 
 
 @pytest.mark.parametrize("recovered_by", ["peer", "restart"])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.scenario}-{c.failpoint}-loglode{c.loglode}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.scenario}-{c.failpoint}-logload{c.logload}")
 def test_kill_9_mid_uow(case: Case, recovered_by: str, redis_url: str,
                         peer_factory: tuple[Path, list[QueueManager]]) -> None:
     log_root, started = peer_factory
@@ -206,7 +206,7 @@ def test_kill_9_mid_uow(case: Case, recovered_by: str, redis_url: str,
     started.append(peer)
     if case.scenario.startswith("get"):
         seed(peer)
-    child = Child(redis_url, log_root, case.scenario, case.failpoint, loglode=case.loglode)
+    child = Child(redis_url, log_root, case.scenario, case.failpoint, logload=case.logload)
     try:
         rc = child.wait()
         died = time.monotonic()

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from cfemu.errors import NoMessageError
+from sqm import records
 from sqm.connection import Connection
 from sqm.log import LogCorruptError, LogReader, find_log_dirs, merged_records
 from sqm.manager import QueueManager
@@ -105,9 +106,9 @@ def test_restart_completes_in_commit_and_in_backout_and_backs_out_in_flight(redi
     in_commit.put("Q1", b"commit-2")
     assert in_backout.get("Q1").body == b"to-be-got"
     # A crash between the forced COMMIT / BACKOUT record and the CF update: log the outcome, skip apply.
-    for conn, kind in ((in_commit, "COMMIT"), (in_backout, "BACKOUT")):
+    for conn, decide in ((in_commit, records.commit), (in_backout, records.backout)):
         assert conn.uow is not None
-        qm.append({"k": kind, "l": qm.clock.now(), "u": conn.uow.id, "ss": dict(conn.uow.structures)}, force=True)
+        qm.append(decide(conn.uow.id, qm.clock.now(), conn.uow.structures))
     crash(qm)
     assert locked(qm) == 5
 
@@ -144,22 +145,22 @@ def lifecycles(qm: QueueManager, n: int) -> None:
         conn.commit()
 
 
-@pytest.mark.parametrize("loglode", [10, 10_000])
-def test_loglode_checkpoints_bound_restart(redis_url: str, log_root: Path, loglode: int) -> None:
-    qm = start_qm(redis_url, log_root, "QM1", background=False, loglode=loglode)
+@pytest.mark.parametrize("logload", [10, 10_000])
+def test_logload_checkpoints_bound_restart(redis_url: str, log_root: Path, logload: int) -> None:
+    qm = start_qm(redis_url, log_root, "QM1", background=False, logload=logload)
     lifecycles(qm, 20)  # 6 records each (PUT COMMIT END GET COMMIT END): 120 records
     open_uow = qm.connect()
     open_uow.put("Q1", b"in-flight")  # restart must still find it, from the checkpoint's UOW table or after it
     crash(qm)
 
     reasons = [r.get("why") for _, r in LogReader(log_root / "QM1").records() if r["k"] == "CHECKPOINT"]
-    qm = start_qm(redis_url, log_root, "QM1", background=False, loglode=loglode)
+    qm = start_qm(redis_url, log_root, "QM1", background=False, logload=logload)
     try:
         rep = qm.last_restart
         assert rep.in_flight == 1
-        if loglode == 10:
-            assert reasons.count("loglode") >= 120 // 10
-            assert rep.records_read <= loglode + 1, rep.records_read  # the last checkpoint and what followed it
+        if logload == 10:
+            assert reasons.count("logload") >= 120 // 10
+            assert rep.records_read <= logload + 1, rep.records_read  # the last checkpoint and what followed it
         else:
             assert reasons == ["start"]
             assert rep.records_read > 120
@@ -168,16 +169,16 @@ def test_loglode_checkpoints_bound_restart(redis_url: str, log_root: Path, loglo
         qm.stop()
 
 
-def test_loglode_checkpoint_never_hides_a_prepare(redis_url: str, log_root: Path) -> None:
+def test_logload_checkpoint_never_hides_a_prepare(redis_url: str, log_root: Path) -> None:
     """The PREPARE is the LOGLOAD-th record since the start checkpoint: a checkpoint right after it must not
     record the UOW as in flight, or restart (which reads from that checkpoint on) would back it out."""
-    qm = start_qm(redis_url, log_root, "QM1", background=False, loglode=3)
+    qm = start_qm(redis_url, log_root, "QM1", background=False, logload=3)
     conn = qm.connect()
     conn.put("Q1", b"a")
     conn.put("Q1", b"b")
     uow_id = conn.prepare("xid-7")
     crash(qm)
-    qm = start_qm(redis_url, log_root, "QM1", background=False, loglode=3)
+    qm = start_qm(redis_url, log_root, "QM1", background=False, logload=3)
     try:
         assert [u.id for u in qm.indoubt()] == [uow_id]
         qm.resolve(uow_id, commit=True)
@@ -273,8 +274,8 @@ def test_flipped_byte_mid_segment_is_a_clear_error(redis_url: str, log_root: Pat
     qm = start_qm(redis_url, log_root, "QM1", background=False)
     lifecycles(qm, 3)
     qm.stop()
-    records = list(LogReader(log_root / "QM1").records())
-    pos, _ = records[len(records) // 2]
+    logged = list(LogReader(log_root / "QM1").records())
+    pos, _ = logged[len(logged) // 2]
     seg = log_root / "QM1" / f"seg-{pos.segment:08d}.log"
     data = bytearray(seg.read_bytes())
     data[pos.offset + 10] ^= 0x40  # inside the frame's body

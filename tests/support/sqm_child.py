@@ -88,11 +88,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scenario", required=True, choices=["put", "put-backout", "get", "get-backout", "pause"])
     ap.add_argument("--count", type=int, default=6)
     ap.add_argument("--lease-ms", type=int, default=1000)
-    ap.add_argument("--loglode", type=int, default=10_000)
+    ap.add_argument("--logload", type=int, default=10_000)
     args = ap.parse_args(argv)
 
     qm = QueueManager(QueueManagerConfig(name=args.name, log_root=args.log_root, redis_url=args.redis_url,
-                                         lease_ms=args.lease_ms, loglode=args.loglode,
+                                         lease_ms=args.lease_ms, logload=args.logload,
                                          background=True))
     qm.start()
     say(f"started {qm.name} epoch={qm.caller.epoch} pid={os.getpid()}")

@@ -1,7 +1,7 @@
 """The world of the model check: a real CF (the real Lua scripts on a real redis-server), group members whose logs
 are in-memory record lists, the backup actor, and the checks that lose the CF and restore it.
 
-Members write the record shapes sqm/manager.py writes, in its order:
+Members write the records sqm/manager.py writes (built with sqm.records' constructors), in its order:
   * a put or get inside a UOW runs on the CF, then is logged with the LRSN the script returned (one step: nothing
     but a CF loss can observe the log, and the CF is lost only at step boundaries); a persistent put outside
     syncpoint is a UOW of its own (put, then commit);
@@ -35,6 +35,7 @@ from cfemu.entry import Entry
 from cfemu.errors import BackupActiveError, FloorError
 from restore.plan import Copy, RestorePlan, plan_local
 from restore.settle import HELD_INDOUBT, RESTORED, fifo_key
+from sqm import records
 from sqm.clock import LrsnClock
 from sqm.records import Record
 
@@ -161,8 +162,7 @@ class Member:
         uow.structures[STRUCTURE] = gen
         if entry.persistent:
             uow.persistent = True
-            self.log.append({"k": "PUT", "l": cf, "u": uow.id, "s": STRUCTURE, "g": gen, "e": entry.wire(),
-                             "d": body})
+            self.log.append(records.put(uow.id, cf, structure=STRUCTURE, gen=gen, entry=entry.wire(), data=body))
 
     def get(self, uow: Uow, queue: str = QUEUE) -> Steps:
         yield f"get in {uow.id}"
@@ -172,8 +172,8 @@ class Member:
         uow.structures[STRUCTURE] = gen
         if entry is not None and entry.persistent:
             uow.persistent = True
-            self.log.append({"k": "GET", "l": entry.lrsn, "u": uow.id, "s": STRUCTURE, "g": gen, "i": entry.id,
-                             "q": queue})
+            self.log.append(records.get(uow.id, entry.lrsn, structure=STRUCTURE, gen=gen, entry_id=entry.id,
+                                        queue=queue))
         return entry.id if entry is not None else None
 
     def put_nonpersistent(self, entry: Entry, body: bytes) -> Steps:
@@ -219,20 +219,19 @@ class Member:
                 has_data = True
                 continue
             if uow.persistent:
-                self.log.append({"k": "END", "l": self.clock.now(), "u": uow.id})
+                self.log.append(records.end(uow.id, self.clock.now()))
             return
 
     def _log_outcome(self, uow: Uow, commit: bool, with_data: bool = False) -> int:
-        rec: Record = {"k": "COMMIT" if commit else "BACKOUT", "l": self.clock.now(), "u": uow.id,
-                       "ss": dict(uow.structures)}
-        if not commit:
-            rec["r"] = "application"
+        lrsn = self.clock.now()  # before the CF is asked for the gets' data, as sqm/manager.py does
+        if commit:
+            rec = records.commit(uow.id, lrsn, uow.structures)
+        else:
             dd = self._gets_data(uow) if with_data and not self.world.mutation.no_backout_data else []
-            if dd:
-                rec["dd"] = dd
+            rec = records.backout(uow.id, lrsn, uow.structures, data=dd)
         self.log.append(rec)
-        uow.decided_lrsn = rec["l"]
-        return int(rec["l"])
+        uow.decided_lrsn = lrsn
+        return lrsn
 
     def _backup_running(self) -> bool:
         return bool(self.world.client.hexists(keys.meta(STRUCTURE), "backup"))
@@ -247,7 +246,7 @@ class Member:
         self.world.now_ms = now_ms
         ids, _ = self.s.expire(now_ms)
         if ids:
-            self.log.append({"k": "EXPIRE", "l": self.clock.now(), "s": STRUCTURE, "ids": ids})
+            self.log.append(records.expire(self.clock.now(), structure=STRUCTURE, ids=ids))
 
 
 class _TakenSnapshot:
