@@ -53,7 +53,7 @@ def fill(client: redis.Redis, n: int, console: Console) -> list[str]:
     cf = CF(client)
     admin = Admin(client)
     epoch = admin.join("FILLER", {"bench": True}, 600_000)
-    put = cf._scripts["put"]
+    put = cf.script("put")
     skeys = keys.script_keys(STRUCTURE)
     body = os.urandom(BODY)
     ids = [os.urandom(12).hex() for _ in range(n)]

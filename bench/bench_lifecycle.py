@@ -12,6 +12,9 @@ same redis-server in the same run, rounds of the two interleaved:
 
     .venv/bin/python bench/bench_lifecycle.py [--quick] [--seconds 5] [--rounds 3]
 
+Part (e) times fsyncs by wrapping sqm.log.writer._fdatasync, a private name: a deliberate coupling (the writer's
+stats count fsyncs but not their time, and a timing hook in the log's hot path would cost every commit).
+
 The log lives in a temporary directory on the real disk (never tmpfs: fsync must cost what it costs). Prints a
 table and appends one JSON line to bench/results/lifecycle.jsonl.
 """

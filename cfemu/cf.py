@@ -41,6 +41,11 @@ class CF:
     def structure(self, name: str) -> Structure:
         return Structure(self, keys.check_name("structure", name))
 
+    def script(self, op: str) -> Any:
+        """The registered script of an operation (a redis-py Script), for callers that pipeline many calls
+        of it themselves (a benchmark's fill)."""
+        return self._scripts[op]
+
     def run(self, op: str, structure: str, args: Sequence[Any]) -> Any:
         try:
             return self._scripts[op](keys=keys.script_keys(structure), args=list(args))

@@ -43,7 +43,7 @@ local function check_ready(member, epoch)
   return nil
 end
 
--- Log-first records must not sit below the structure's recovery floor (design notes, section 4).
+-- Log-first records must not sit below the structure's recovery floor (docs/architecture.md, "Recovery floor").
 local function floor_check(lrsn)
   local floor = tonumber(redis.call('HGET', META, 'floor') or '0')
   if lrsn < floor then return redis.error_reply('FLOOR ' .. string.format('%d', floor)) end
