@@ -529,7 +529,7 @@ def big_messages(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
             expect(f"get of {longest.msg} ({limit} bytes) through the healed target", outcome, res, None)
             taker.end(outcome == CALL_OK)
     if problems:
-        raise FaultError("big-messages: " + "; ".join(problems))
+        raise FaultError("; ".join(problems))
     return out
 
 
