@@ -320,6 +320,8 @@ class Checker:
         for g in self.ops:
             if g.op not in ("get", "drain") or g.outcome != "unknown" or g.args.get("queue") != queue:
                 continue
+            if g.args.get("correlid") not in (None, put.args.get("correlid")):
+                continue  # a get by correlation id takes no message with another one
             if g.result.get("left"):  # a server that missed the leave would have waited out the get's wait
                 end = max(g.t1 or g.t0, g.t0 + int(g.args.get("wait_ms") or 0) / 1000) + LEFT_SLACK_S
             else:

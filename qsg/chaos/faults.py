@@ -418,7 +418,7 @@ def client_leaves_waiting_get(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[s
             putter = Runner(h, c, f"{name}-putter", f"{name}.put")
             put = partial(c.put, EDGE_QUEUE, make_body(msg, 64), syncpoint=False, correlid=correlid)
             outcome, _ = putter.call("put", put, uow=None, msg=msg, queue=EDGE_QUEUE, priority=0, persistent=True,
-                                     syncpoint=False, expiry_ms=0)
+                                     syncpoint=False, expiry_ms=0, correlid=correlid.hex())
             if outcome != CALL_OK:
                 continue
             time.sleep(1.5)  # a get that outlived its client would have taken it by now

@@ -267,3 +267,9 @@ def test_undelivered_consumed_by_a_get_whose_client_left() -> None:
     h.t += 5.0
     h.put("p", None, "w3")
     only(h.findings(), "lost")
+    h = clean_base()  # a get by correlation id takes only a message with that correlation id
+    h.op("leaver", "get", "unknown", {"left": True}, uow=None, queue="Q1", syncpoint=False, wait_ms=20_000,
+         correlid="0a")
+    h.op("p", "put", uow=None, msg="w4", queue="Q1", priority=0, persistent=True, syncpoint=False, expiry_ms=0,
+         correlid="0b")
+    only(h.findings(), "lost")
