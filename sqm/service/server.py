@@ -322,16 +322,20 @@ class SQMServer:
         session.reading = asyncio.ensure_future(read_frame(reader, session.request_limit, why))
         return session.reading
 
-    def _bounded(self, session: Session, rid: int, op: str, reply: dict[str, Any]) -> dict[str, Any]:
-        """The reply, or an error in its place when it would exceed what the client accepts. Gets and browses
-        are bounded before they take or read anything, so this is a safety net that should never fire."""
-        length = len(encode_frame(reply)) - HEADER.size
+    def _bounded(self, session: Session, rid: int, op: str,
+                 reply: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+        """The reply and its frame, or an error in its place when it would exceed what the client accepts. Gets
+        and browses are bounded before they take or read anything, so this is a safety net that should never
+        fire. (Encoded once: a reply may carry 100 MiB.)"""
+        frame = encode_frame(reply)
+        length = len(frame) - HEADER.size
         if length <= session.reply_limit:
-            return reply
+            return reply, frame
         log.error("%s: connection %d: the %s reply of %d bytes exceeds the connection's limit of %d; an error is "
                   "sent instead", self.qm.name, session.number, op, length, session.reply_limit)
-        return error_reply(rid, MQError(f"{op}: the reply of {length} bytes exceeds this connection's limit of "
-                                        f"{session.reply_limit} bytes"), uow=session.uow_open())
+        reply = error_reply(rid, MQError(f"{op}: the reply of {length} bytes exceeds this connection's limit of "
+                                         f"{session.reply_limit} bytes"), uow=session.uow_open())
+        return reply, encode_frame(reply)
 
     async def _session_loop(self, session: Session, reader: asyncio.StreamReader,
                             writer: asyncio.StreamWriter) -> None:
@@ -401,9 +405,10 @@ class SQMServer:
                 log.info("%s: connection %d (%s) left during %s; its reply is dropped", self.qm.name,
                          session.number, session.peer, op)
                 return
-            reply = self._bounded(session, rid, op, reply)
+            reply, frame = self._bounded(session, rid, op, reply)
             self.stats.requests[(op, "ok" if reply["ok"] else reply["error"]["reason_name"])] += 1
-            await self._send(writer, reply)
+            writer.write(frame)
+            await writer.drain()
             if not reply["ok"] and reply["error"]["type"] == FencedError.__name__:
                 self.request_stop(EXIT_FENCED)
 
