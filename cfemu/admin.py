@@ -18,6 +18,7 @@ import msgpack
 import redis
 
 from cfemu import keys, lua
+from cfemu.limits import DEFAULT_MSG_LENGTH, check_max_msg_length
 
 log = logging.getLogger("cfemu.admin")
 
@@ -43,7 +44,7 @@ class QueueDef:
     structure: str
     backout_threshold: int = 0  # 0 = never move to the backout queue
     backout_queue: str = ""
-    max_msg_length: int = 4 * 2**20
+    max_msg_length: int = DEFAULT_MSG_LENGTH  # at most cfemu.limits.MAX_MSG_LENGTH
 
 
 def _pack(obj: Any) -> bytes:
@@ -134,13 +135,17 @@ class Admin:
 
     # --- queues ---------------------------------------------------------------------------------------
     def define_queue(self, name: str, structure: str, *, backout_threshold: int = 0, backout_queue: str = "",
-                     max_msg_length: int = 4 * 2**20, replace: bool = False) -> QueueDef:
+                     max_msg_length: int = DEFAULT_MSG_LENGTH, replace: bool = False) -> QueueDef:
         keys.check_name("queue", name)
         self.structure_def(structure)
         if backout_queue:
             keys.check_name("queue", backout_queue)
-        if backout_threshold < 0 or max_msg_length <= 0:
-            raise AdminError("backout threshold must be >= 0 and max message length > 0")
+        if backout_threshold < 0:
+            raise AdminError(f"backout threshold must be >= 0, not {backout_threshold}")
+        try:  # the group's bound: a message a queue accepts must fit every path a message takes
+            check_max_msg_length(max_msg_length)
+        except ValueError as e:
+            raise AdminError(f"queue {name}: {e}") from None
         qdef = QueueDef(name, structure, backout_threshold, backout_queue, max_msg_length)
         old = self.redis.hget(QUEUES, name)
         if old is not None and not replace:

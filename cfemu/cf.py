@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import msgpack
 import redis
@@ -87,6 +87,18 @@ class Expired(NamedTuple):
     purged: int  # entries that were on the expired list and are now deleted
 
 
+T = TypeVar("T")
+
+
+class Browsed(list[T]):
+    """The messages a browse returned, in get order; ``more`` when an available message was left out (by the count
+    or by the byte bound of a caller that must carry the reply: browse again with room, or after taking some)."""
+
+    def __init__(self, items: Iterable[T] = (), *, more: bool = False) -> None:
+        super().__init__(items)
+        self.more = more
+
+
 def _pairs(flat: list[Any]) -> list[tuple[Entry, bytes]]:
     return [(Entry.unpack(flat[i]), flat[i + 1] or b"") for i in range(0, len(flat), 2)]
 
@@ -111,15 +123,22 @@ class Structure:
         return PutReply(int(cf), int(g), bool(created))
 
     def get(self, caller: Caller, queue: str, *, uow: str, gen: int = 0, match: str = "", value: str = "",
-            now_ms: int) -> GetReply:
-        out = self._call("get", caller, [uow, gen, queue, match, value, now_ms])
+            now_ms: int, max_length: int = 0) -> GetReply:
+        """Take the next message under ``uow``. ``max_length``: the longest message (data plus stored descriptor)
+        the caller can carry, 0 for any; a longer one is refused (TruncatedMessageError) and left untouched."""
+        out = self._call("get", caller, [uow, gen, queue, match, value, now_ms, max_length])
         caller.clock.observe(int(out[0]))
         if len(out) == 2:
             return GetReply(int(out[0]), int(out[1]), None, None)
         return GetReply(int(out[0]), int(out[1]), Entry.unpack(out[2]), out[3] or b"")
 
-    def browse(self, queue: str, limit: int, now_ms: int) -> list[tuple[Entry, bytes]]:
-        return _pairs(self._call("browse", None, [queue, limit, now_ms]))
+    def browse(self, queue: str, limit: int, now_ms: int, *, max_bytes: int = 0,
+               each: int = 0) -> Browsed[tuple[Entry, bytes]]:
+        """Up to ``limit`` available messages without taking them. ``max_bytes`` (0: any) bounds the sum of their
+        lengths (data plus stored descriptor, plus ``each`` per message): as many as fit, ``more`` set when one was
+        left out; TruncatedMessageError when not even the first fits."""
+        out = self._call("browse", None, [queue, limit, now_ms, max_bytes, each])
+        return Browsed(_pairs(out[1:]), more=bool(int(out[0])))
 
     def commit(self, caller: Caller, uow: str, *, gen: int, lrsn: int,
                decided_by_recovery: bool = False) -> OutcomeReply:

@@ -7,6 +7,8 @@ from typing import Any
 
 import msgpack
 
+from cfemu.limits import check_properties_length
+
 PropertyValue = str | int | float | bool
 
 
@@ -56,8 +58,10 @@ class Entry:
 
 
 def check_properties(props: dict[str, Any]) -> dict[str, PropertyValue]:
-    """User properties: str names, str/int/float/bool values (the CF's Lua msgpack keeps only those intact)."""
+    """User properties: str names, str/int/float/bool values (the CF's Lua msgpack keeps only those intact), at
+    most cfemu.limits.MAX_PROPERTIES_LENGTH bytes packed (so that every descriptor fits its allowance)."""
     for k, v in props.items():
         if not isinstance(k, str) or not isinstance(v, str | int | float | bool):
             raise ValueError(f"message property {k!r}: value {v!r} must be str, int, float or bool")
+    check_properties_length(props)
     return dict(props)

@@ -80,6 +80,13 @@ class MessageTooBigError(MQError):
     reason, reason_name = 2030, "MQRC_MSG_TOO_BIG_FOR_Q"
 
 
+class TruncatedMessageError(MQError):
+    """The message a get would take is longer than the caller can carry (a buffer, a frame): it stays where it
+    was, untouched, as MQ leaves it for a buffer too small without MQGMO_ACCEPT_TRUNCATED_MSG."""
+
+    reason, reason_name = 2080, "MQRC_TRUNCATED_MSG_FAILED"
+
+
 class BackupRunningError(MQError):
     reason, reason_name = 2362, "MQRC_CF_STRUC_IN_USE"  # nearest code: BACKUP CFSTRUCT already running
 
@@ -120,6 +127,7 @@ def from_script_error(message: str, structure: str) -> MQError:
         "BADUOW": BadRequestError,
         "BADARG": BadRequestError,
         "NOBACKUP": BadRequestError,
+        "TOOLONG": TruncatedMessageError,
     }
     cls = mapping.get(code, MQError)
     if cls is UnknownObjectError:

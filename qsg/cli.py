@@ -37,6 +37,7 @@ from cfemu.clitools import CLIError, Output, add_settings_arguments, require_url
 from cfemu.connection import connect
 from cfemu.embedded import EmbeddedRedis, ServerError
 from cfemu.errors import NoMessageError
+from cfemu.limits import DEFAULT_MSG_LENGTH, MAX_MSG_LENGTH
 from cfemu.settings import find_cf_dir, find_cluster_dir
 from sqm.log import LogFormatError, LogReader
 from sqm.manager import QueueManager, QueueManagerConfig
@@ -293,7 +294,8 @@ def cmd_get(args: argparse.Namespace, out: Output) -> int:
 def cmd_browse(args: argparse.Namespace, out: Output) -> int:
     with messaging(args) as h:
         msgs = h.browse(args.queue, args.limit)
-    _print_messages(out, f"{args.queue}: {len(msgs)} message(s) (browsed)", msgs, args.json)
+    more = ", more on the queue" if getattr(msgs, "more", False) else ""
+    _print_messages(out, f"{args.queue}: {len(msgs)} message(s) (browsed{more})", msgs, args.json)
     return 0
 
 
@@ -423,7 +425,8 @@ def build_parser() -> argparse.ArgumentParser:
     dq.add_argument("--structure", required=True)
     dq.add_argument("--backout-threshold", type=int, default=0)
     dq.add_argument("--backout-queue", default="")
-    dq.add_argument("--max-msg-length", type=int, default=4 * 2**20)
+    dq.add_argument("--max-msg-length", type=int, default=DEFAULT_MSG_LENGTH,
+                    help=f"longest message body, bytes (1-{MAX_MSG_LENGTH}; default {DEFAULT_MSG_LENGTH})")
     dq.add_argument("--replace", action="store_true", help="change an existing definition")
 
     sub.add_parser("status", parents=[common, where], help="structures, queues and members")

@@ -25,7 +25,7 @@ from cfemu.clitools import (
     settings,
 )
 from sqm.logprint import LOG_ERRORS, add_log_parser
-from sqm.service.protocol import DEFAULT_MAX_FRAME
+from sqm.service.protocol import DEFAULT_MAX_FRAME, MAX_FRAME, MIN_FRAME
 from sqm.service.server import ServerConfig, serve
 
 
@@ -48,7 +48,9 @@ def add_run_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
                    help="connections to the CF; more concurrent requests wait for one (default 64)")
     p.add_argument("--logload", type=int, default=10000,
                    help="LOGLOAD: take a checkpoint every N log records (default 10000)")
-    p.add_argument("--max-frame", type=int, default=DEFAULT_MAX_FRAME, help="largest frame accepted, bytes")
+    p.add_argument("--max-frame", type=int, default=DEFAULT_MAX_FRAME,
+                   help=f"longest frame accepted or sent after hello, bytes ({MIN_FRAME}-{MAX_FRAME}; the default "
+                        "carries any message a queue can hold; less refuses longer messages)")
     p.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds in-flight requests get at shutdown (default 10)")
     p.add_argument("--cf-wait", type=float, default=30.0, help="seconds to wait for the CF at start")
@@ -61,8 +63,11 @@ def add_run_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
 
 
 def cmd_run(args: argparse.Namespace, out: Output) -> int:
-    if args.lease_ms < 500 or args.max_frame < 1024 or args.logload < 1 or args.cf_connections < 4:
-        raise CLIError("--lease-ms must be >= 500, --max-frame >= 1024, --logload >= 1 and --cf-connections >= 4")
+    if args.lease_ms < 500 or args.logload < 1 or args.cf_connections < 4:
+        raise CLIError("--lease-ms must be >= 500, --logload >= 1 and --cf-connections >= 4")
+    if not MIN_FRAME <= args.max_frame <= MAX_FRAME:
+        raise CLIError(f"--max-frame must be {MIN_FRAME}-{MAX_FRAME} bytes (the most carries any message a queue can "
+                       f"hold), not {args.max_frame}")
     found = settings(args)
     url = require_url(found)
     configure_logging(args.verbose, as_json=out.as_json)

@@ -11,6 +11,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from cfemu.admin import QueueDef
+from cfemu.cf import Browsed
 from cfemu.entry import Entry, check_properties
 from cfemu.errors import (
     BadRequestError,
@@ -19,6 +20,7 @@ from cfemu.errors import (
     MessageTooBigError,
     NoMessageError,
 )
+from cfemu.limits import check_id
 from sqm import records
 from sqm.clock import now_ms
 from sqm.failpoints import failpoint
@@ -87,6 +89,9 @@ class Connection(UnitOfWorkScope):
             raise BadRequestError(f"expiry must be >= 0 ms, not {expiry_ms}")
         try:
             props = check_properties(properties or {})
+            if msgid is not None:
+                check_id("msgid", msgid)
+            check_id("correlid", correlid)
         except ValueError as e:
             raise BadRequestError(str(e)) from None
         t = now_ms()
@@ -131,7 +136,9 @@ class Connection(UnitOfWorkScope):
 
     # --- get ----------------------------------------------------------------------------------------------
     def get(self, queue: str, *, syncpoint: bool = True, wait_ms: int = 0, msgid: bytes | None = None,
-            correlid: bytes | None = None) -> Message:
+            correlid: bytes | None = None, max_length: int = 0) -> Message:
+        """Take the next message. ``max_length`` (0: any): the longest message, data plus stored descriptor, the
+        caller can carry (the service's frame); a longer one raises TruncatedMessageError and stays untouched."""
         qm = self.qm
         qm.check_usable()
         qdef = qm.queue_def(queue)
@@ -151,7 +158,7 @@ class Connection(UnitOfWorkScope):
                     raise ClientGoneError(f"the client left while waiting for a message on {queue}")
                 got = qm.cf_call(lambda: s.get(
                     qm.caller, queue, uow=uow.id, gen=uow.structures.get(qdef.structure, 0), match=match,
-                    value=value, now_ms=now_ms()))
+                    value=value, now_ms=now_ms(), max_length=max_length))
                 gen, entry, data = got.gen, got.entry, got.data
                 uow.structures[qdef.structure] = gen
                 if entry is not None:
@@ -197,11 +204,14 @@ class Connection(UnitOfWorkScope):
                       backout_count=entry.backout_count, properties=entry.properties)
         self._put_entry(bq.structure, moved, data, uow)
 
-    def browse(self, queue: str, limit: int = 100) -> list[Message]:
+    def browse(self, queue: str, limit: int = 100, *, max_bytes: int = 0, each: int = 0) -> Browsed[Message]:
+        """Up to ``limit`` available messages, not taken; ``max_bytes``/``each`` bound the reply (Structure.browse):
+        ``more`` on the result says one was left out."""
         qm = self.qm
         qdef = qm.queue_def(queue)
         s = qm.structure(qdef.structure)
-        return [Message.from_entry(e, d) for e, d in qm.cf_call(lambda: s.browse(queue, limit, now_ms()))]
+        found = qm.cf_call(lambda: s.browse(queue, limit, now_ms(), max_bytes=max_bytes, each=each))
+        return Browsed((Message.from_entry(e, d) for e, d in found), more=found.more)
 
     # --- syncpoint ----------------------------------------------------------------------------------------
     def commit(self) -> None:

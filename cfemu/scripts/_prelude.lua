@@ -99,15 +99,32 @@ local function uow_standing(uow, gen)
   return nil
 end
 
-local function join_uow(uow, member, lrsn)
+-- May `member` work under `uow` here? nil, or BADUOW when another member's UOW holds entries on the structure.
+-- Scripts call it before they change anything (Redis does not roll a script back after an error reply).
+local function uow_owner_check(uow, member)
   local raw = redis.call('HGET', UOWS, uow)
   if raw then
     local u = cmsgpack.unpack(raw)
     if u.o ~= member then return redis.error_reply('BADUOW unit of work ' .. uow .. ' belongs to ' .. u.o) end
-    return nil
   end
+  return nil
+end
+
+local function join_uow(uow, member, lrsn)
+  local err = uow_owner_check(uow, member) if err then return err end
+  if redis.call('HEXISTS', UOWS, uow) == 1 then return nil end
   redis.call('HSET', UOWS, uow, cmsgpack.pack({o = member, f = lrsn, g = tonumber(redis.call('HGET', META, 'gen') or '0')}))
   return nil
+end
+
+-- The length of an entry as a caller must carry it: its data plus its descriptor as stored (bytes).
+local function carried_length(id)
+  return redis.call('HSTRLEN', DATA, id) + redis.call('HSTRLEN', ENT, id)
+end
+
+local function too_long_reply(id, length, max)
+  return redis.error_reply(string.format('TOOLONG message %s is %d bytes (data and descriptor); the caller can take %d',
+    id, length, max))
 end
 
 -- The entries a UOW still holds on this structure: its uncommitted puts and its uncommitted gets.

@@ -1,14 +1,21 @@
 -- get: take the next available message of a queue under a UOW (it becomes an uncommitted get).
 -- Highest priority first, FIFO within a priority; or the best match by message id / correlation id.
 -- Expired messages met on the way are moved to the expired list and never returned.
+-- Refusals change nothing but that expiry (Redis does not roll a script back, so every check comes before the
+-- message is touched): BADUOW when another member's UOW has that id; TOOLONG when the message it would take is
+-- longer than the caller can carry (ARGV[10]): the message stays where it was, its backout count unchanged, no
+-- UOW joined, nothing for the caller to log (MQ's MQRC_TRUNCATED_MSG_FAILED for a buffer that is too small).
 -- ARGV: 1 member, 2 epoch, 3 caller lrsn, 4 uow, 5 uow gen (0 = first touch), 6 queue,
---       7 match ('' | 'm' message id | 'c' correlation id), 8 match value (hex), 9 now (ms)
+--       7 match ('' | 'm' message id | 'c' correlation id), 8 match value (hex), 9 now (ms),
+--       10 the longest message the caller can take, data plus descriptor as stored (bytes; 0 or absent = any)
 -- Returns {cf clock, gen, descriptor (msgpack), data} or {cf clock, gen} when no message is available.
 local err = check_ready(ARGV[1], ARGV[2]) if err then return err end
 local queue, uow, match, value = ARGV[6], ARGV[4], ARGV[7], ARGV[8]
 local now = tonumber(ARGV[9])
+local max_length = tonumber(ARGV[10] or '0') or 0
 if redis.call('SISMEMBER', QUEUES, queue) == 0 then return redis.error_reply('NOQUEUE ' .. queue) end
 err = uow_standing(uow, ARGV[5]) if err then return err end
+err = uow_owner_check(uow, ARGV[1]) if err then return err end
 
 local function expire(d)
   d.st = 'EX'
@@ -17,43 +24,48 @@ local function expire(d)
 end
 local function live(d) return not (d.exp and d.exp > 0 and d.exp <= now) end
 
-local found
+-- Find the message without taking it: the head of the highest non-empty priority list, or the best match.
+local found, head_of
 if match == '' then
   for p = 9, 0, -1 do
     local k = qkey(queue, 'cp:' .. p)
     while true do
-      local id = redis.call('LPOP', k)
+      local id = redis.call('LINDEX', k, 0)
       if not id then break end
       local d = load(id)
-      if d then
-        if live(d) then found = d break end
-        expire(d)
-      end
+      if d and live(d) then found, head_of = d, k break end
+      redis.call('LPOP', k)
+      if d then expire(d) end
     end
     if found then break end
   end
 else
-  local best
   for _, id in ipairs(redis.call('SMEMBERS', ixkey(queue, match, value))) do
     local d = load(id)
     if d and d.st == 'CP' then
       if not live(d) then
         redis.call('LREM', qkey(queue, 'cp:' .. d.p), 1, id)
         expire(d)
-      elseif not best or d.p > best.p or (d.p == best.p and (d.o1 < best.o1 or (d.o1 == best.o1 and d.o2 < best.o2))) then
-        best = d
+      elseif not found or d.p > found.p or (d.p == found.p and before(d, found)) then
+        found = d
       end
     end
   end
-  if best then
-    redis.call('LREM', qkey(queue, 'cp:' .. best.p), 1, best.id)
-    found = best
-  end
+end
+
+if found and max_length > 0 then
+  local length = carried_length(found.id)
+  if length > max_length then return too_long_reply(found.id, length, max_length) end
 end
 
 local cf = tick(ARGV[3])
 if not found then return {cf, cur_gen()} end
-err = join_uow(uow, ARGV[1], cf) if err then return err end
+join_uow(uow, ARGV[1], cf)  -- cannot refuse: the owner was checked above
+if head_of then
+  redis.call('LPOP', head_of)  -- found is that list's head
+else
+  redis.call('LREM', qkey(queue, 'cp:' .. found.p), 1, found.id)
+end
 found.st = 'UG'; found.u = uow; found.l = cf
 store(found)
 redis.call('RPUSH', qkey(queue, 'ug'), found.id)

@@ -6,7 +6,10 @@
 local err = check_ready(ARGV[1], ARGV[2]) if err then return err end
 local queue, id, uow = ARGV[7], ARGV[6], ARGV[4]
 if redis.call('SISMEMBER', QUEUES, queue) == 0 then return redis.error_reply('NOQUEUE ' .. queue) end
-if uow ~= '' then err = uow_standing(uow, ARGV[5]) if err then return err end end
+if uow ~= '' then
+  err = uow_standing(uow, ARGV[5]) if err then return err end
+  err = uow_owner_check(uow, ARGV[1]) if err then return err end  -- before anything changes
+end
 if redis.call('HEXISTS', ENT, id) == 1 then return {tick(ARGV[3]), cur_gen(), 0} end
 local data = ARGV[9]
 err = capacity_check(1, #data) if err then return err end

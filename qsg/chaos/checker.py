@@ -3,8 +3,8 @@
 It runs after healing, resolving every in-doubt UOW and draining every queue, on the history alone (the drain's
 gets are in it, as op ``drain``). Definitions (docs/chaos.md has them with examples):
 
-Outcome of a unit of work: COMMITTED when its commit (or the coordinator's resolve, or an out-of-syncpoint put,
-or a drain get) returned ok; ABORTED when it was backed out (backout, or a BackedOutError); otherwise UNKNOWN,
+Outcome of a unit of work: COMMITTED when its commit (or the coordinator's resolve, or an out-of-syncpoint put
+or get, or a drain get) returned ok; ABORTED when it was backed out (backout, or a BackedOutError); otherwise UNKNOWN,
 and then inferred from its effects:
   * a put of the UOW is *visible* when its message was ever delivered (to any get, or the drain), and
     *invisible* when it was never delivered (only decisive for persistent messages without expiry);
@@ -16,6 +16,8 @@ and then inferred from its effects:
 Findings (each names the message ids and UOWs involved):
   lost        a persistent message without expiry whose put committed (known, not inferred) and that no
               committed or undetermined get consumed and the drain did not find;
+  undelivered such a message when a get on its queue whose client never received a reply (the client left while
+              it waited, or its outcome is unknown) was active while the message was there: consumed for nobody;
   duplicated  a message consumed by two committed gets (the drain counts as one);
   phantom     a delivered message that no client put, or whose put was backed out or failed;
   atomicity   a UOW (of any outcome) with decisive effects of both kinds;
@@ -35,13 +37,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 COMMITTED, ABORTED, UNKNOWN, UNDETERMINED = "committed", "aborted", "unknown", "undetermined"
-MUST_BE_ZERO = ("lost", "duplicated", "phantom", "atomicity", "corrupted")
+MUST_BE_ZERO = ("lost", "undelivered", "duplicated", "phantom", "atomicity", "corrupted")
 FINDING_KINDS = (*MUST_BE_ZERO, "order", "resurrected", "expired")
 EXPIRY_SLACK_S = 1.0  # the server's clock reads expiry at the get, some milliseconds after the client's invoke
 # After a fault has recovered, its after-effects last this long: pending CF work retried by the members, and a
 # request stalled behind a half-open path that the client gives up on only after its request timeout (5 s).
 SETTLE_S = 6.0
 CF_LOSS_KINDS = ("cf-kill", "cf-kill-during-restore", "during-backup")
+LEFT_SLACK_S = 1.0  # a get whose client left: the server might have gone on this long past the get's own wait
 
 
 @dataclass
@@ -188,7 +191,7 @@ class Checker:
 
     def _known_outcome(self, u: Uow, resolves: dict[str, list[Op]]) -> None:
         first = u.ops[0]
-        if len(u.ops) == 1 and first.op in ("put", "drain") and not first.args.get("uow"):
+        if len(u.ops) == 1 and first.op in ("put", "get", "drain") and not first.args.get("uow"):
             u.outcome = {"ok": COMMITTED, "fail": ABORTED}.get(first.outcome, UNKNOWN)
             u.known = u.outcome != UNKNOWN
             return
@@ -294,6 +297,14 @@ class Checker:
                     self.counts["expired, never delivered (allowed)"] += 1
                 continue
             if u.known and u.outcome == COMMITTED:
+                taker = self._replyless_get(put, u)
+                if taker is not None:
+                    why = "its client left while it waited" if taker.result.get("left") else "its outcome is unknown"
+                    self.find("undelivered", [m], f"put committed by {u.key} ({u.client}) at t={u.end}, never "
+                                                  f"delivered: {taker.op} op {taker.id} ({taker.client}) on "
+                                                  f"{put.args['queue']} got no reply to its client ({why}) while "
+                                                  "the message was there: consumed for nobody", u.key)
+                    continue
                 note = f"; {unknown_drains} drain gets had an unknown outcome" if unknown_drains else ""
                 self.find("lost", [m], f"put committed by {u.key} ({u.client}) at t={u.end}, never consumed, "
                                        f"not present at the end{note}", u.key)
@@ -301,6 +312,23 @@ class Checker:
         self.counts["consumed only by undetermined UOWs"] = sum(
             1 for ds in self.deliveries.values()
             if ds and all(self.uows[d.uow].outcome == UNDETERMINED for d in ds))
+
+    def _replyless_get(self, put: Op, pu: Uow) -> Op | None:
+        """A get on the message's queue whose client never had its reply (it left while the get waited, or the
+        outcome is unknown), active after the message's put began: the get that may have consumed it for nobody."""
+        queue = put.args.get("queue")
+        for g in self.ops:
+            if g.op not in ("get", "drain") or g.outcome != "unknown" or g.args.get("queue") != queue:
+                continue
+            if g.args.get("correlid") not in (None, put.args.get("correlid")):
+                continue  # a get by correlation id takes no message with another one
+            if g.result.get("left"):  # a server that missed the leave would have waited out the get's wait
+                end = max(g.t1 or g.t0, g.t0 + int(g.args.get("wait_ms") or 0) / 1000) + LEFT_SLACK_S
+            else:
+                end = (g.t1 if g.t1 is not None else float("inf")) + SETTLE_S
+            if end >= pu.start:
+                return g
+        return None
 
     def _cf_back(self, loss: dict[str, Any]) -> float:
         """When the CF loss `loss` had recovered (the end of the history if it never did)."""
@@ -372,6 +400,7 @@ class Checker:
         self.counts["units of work"] = len(self.uows)
         self.counts["messages put"] = len(self.puts)
         self.counts["messages delivered"] = len(self.deliveries)
+        self.counts["gets whose client left while they waited"] = sum(1 for o in self.ops if o.result.get("left"))
         self.counts["committed units of work"] = sum(1 for u in self.uows.values() if u.outcome == COMMITTED)
         self.result.counts = dict(self.counts)
         return self.result

@@ -16,6 +16,11 @@
 | disk-full             | the SQM whose log is on a small tmpfs: the tmpfs is filled, then freed              |
 | clock-skew            | an SQM is restarted with its LRSN clock source skewed by seconds (--clock-skew-ms)  |
 | backup                | a fuzzy backup of every structure under load (what the demo scripts before a loss)  |
+| client-leaves-waiting-| clients disconnect (close or reset) while their get waits, outside syncpoint and     |
+| get                   | under it; the message they waited for is put after they left: it must be there     |
+| big-messages          | an SQM restarted with frames smaller than its queues hold; an in-process member puts |
+|                       | at and over the queue's limit; puts, gets and browses through that SQM and through a |
+|                       | client accepting small frames must refuse cleanly and take nothing; then restored   |
 
 After a fault heals, an SQM that exited (fenced) or no longer serves (its log failed) is restarted, as an
 operator would; the report says so. Every fault records its timings: to peer recovery, to restart, the restore,
@@ -27,24 +32,37 @@ from __future__ import annotations
 import contextlib
 import random
 import signal
+import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from backup.catalog import OK, list_backups
 from backup.run import run_backup
+from cfemu.admin import Admin
 from cfemu.errors import BackupRunningError
-from qsg.chaos.group import STRUCTURES, ChaosGroup
+from cfemu.limits import DESCRIPTOR_ALLOWANCE
+from qsg.chaos.group import EDGE_QUEUE, STRUCTURES, ChaosGroup
+from qsg.chaos.history import OK as CALL_OK
+from qsg.chaos.history import UNKNOWN as CALL_UNKNOWN
+from qsg.chaos.history import History
+from qsg.chaos.workload import PutSpec, Runner, make_body
 from restore.engine import LOAD
 from restore.run import run_restore
+from sqm.manager import QueueManager, QueueManagerConfig
+from sqm.service.client import Client
+from sqm.service.protocol import ENVELOPE, PRE_HELLO_MAX_FRAME, encode_frame, recv_frame
 from sqm.service.server import EXIT_FENCED
 
 SHORT_KINDS = ("sqm-kill", "cf-kill", "cf-link-cut", "client-link-halfopen")
 # Rough seconds each kind takes from injection to full service, to space the schedule.
 COST_S = {"sqm-kill": 7.0, "sqm-pause": 8.0, "cf-kill": 6.0, "cf-kill-during-restore": 8.0,
-          "during-backup": 12.0, "disk-full": 8.0, "clock-skew": 4.0, "backup": 3.0}
+          "during-backup": 12.0, "disk-full": 8.0, "clock-skew": 4.0, "backup": 3.0,
+          "client-leaves-waiting-get": 9.0, "big-messages": 12.0}
 
 
 class FaultError(RuntimeError):
@@ -332,6 +350,189 @@ def clock_skew(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
     return out
 
 
+# --- the edges of the service: clients that leave, messages near and over the size limits ------------------------
+LEAVE_WAIT_MS = 20_000  # the waiting get's wait: far longer than the client stays
+EDGE_FRAME = 2**20  # the frame big-messages gives its target SQM: less than EDGE holds (4 MiB by default)
+BIG_MEMBER = "QMBIG"  # the in-process member big-messages puts through (its log is in the group's log root)
+
+
+def _history(g: ChaosGroup) -> History:
+    if g.history is None:
+        raise FaultError("this fault acts as a client and records its calls: the group has no history")
+    return g.history
+
+
+def _client_ep(g: ChaosGroup, name: str) -> tuple[str, int]:
+    """The SQM's address as clients see it: through its client proxy."""
+    return "127.0.0.1", g.client_proxies[name].port
+
+
+def _sized(msg: str, length: int) -> int:
+    """The payload size (PutSpec.size) that makes the chaos body of ``msg`` exactly ``length`` bytes long."""
+    return length - len(make_body(msg, 0))
+
+
+def _leave_during_get(g: ChaosGroup, ep: tuple[str, int], correlid: bytes, syncpoint: bool, stay_s: float,
+                      reset: bool) -> None:
+    """A raw client: hello, a get by correlation id with a long wait, then gone (a close, or a reset) while the
+    get waits. Raw, because the client library always reads its reply."""
+    sock = socket.create_connection(ep, timeout=5.0)
+    try:
+        hello: dict[str, Any] = {"client": "leaver"}
+        if g.c.token:
+            hello["token"] = g.c.token
+        sock.sendall(encode_frame({"id": 0, "op": "hello", "args": hello}))
+        reply = recv_frame(sock, PRE_HELLO_MAX_FRAME)
+        if not (isinstance(reply, dict) and reply.get("ok")):
+            raise FaultError(f"the leaving client's hello was refused: {reply!r:.200}")
+        sock.sendall(encode_frame({"id": 1, "op": "get", "args": {
+            "queue": EDGE_QUEUE, "wait_ms": LEAVE_WAIT_MS, "syncpoint": syncpoint, "correlid": correlid}}))
+        time.sleep(stay_s)
+        if reset:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    finally:
+        sock.close()
+
+
+def client_leaves_waiting_get(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
+    """Issue 10, hole 9: a waiting get must end with its connection and take nothing. Each round a client sends
+    a get by correlation id with a 20 s wait and leaves; only then is a message with that correlation id put; a
+    second client must find it there (a get that outlived its client would have consumed it for nobody: the
+    checker's ``undelivered``)."""
+    h = _history(g)
+    rnd = random.Random(f"leave-{f.n}-{f.at}-{f.target}")
+    ep = _client_ep(g, f.target)
+    out: dict[str, Any] = {"found_after_leave": 0, "backout_counts": []}
+    for i, syncpoint in enumerate((False, True, rnd.random() < 0.5)):
+        name, correlid = f"leaver{f.n}.{i}", f"L{f.n}.{i}".encode()
+        stay_s, reset = rnd.choice((0.2, 0.5, 1.0)), rnd.random() < 0.5
+        op = h.invoke(name, "get", uow=f"{name}.get" if syncpoint else None, queue=EDGE_QUEUE,
+                      syncpoint=syncpoint, wait_ms=LEAVE_WAIT_MS, correlid=correlid.hex())
+        _leave_during_get(g, ep, correlid, syncpoint, stay_s, reset)
+        h.complete(op, CALL_UNKNOWN, reason="client left", left=True)
+        step(f"{name} left its waiting get after {stay_s}s ({'reset' if reset else 'close'}, "
+             f"syncpoint {syncpoint})")
+        time.sleep(0.5)
+        msg = f"leave{f.n}-{i}"
+        with Client([ep], token=g.c.token, client_name=f"{name}-after", request_timeout=10.0) as c:
+            putter = Runner(h, c, f"{name}-putter", f"{name}.put")
+            put = partial(c.put, EDGE_QUEUE, make_body(msg, 64), syncpoint=False, correlid=correlid)
+            outcome, _ = putter.call("put", put, uow=None, msg=msg, queue=EDGE_QUEUE, priority=0, persistent=True,
+                                     syncpoint=False, expiry_ms=0, correlid=correlid.hex())
+            if outcome != CALL_OK:
+                continue
+            time.sleep(1.5)  # a get that outlived its client would have taken it by now
+            taker = Runner(h, c, f"{name}-taker", f"{name}.take")
+            outcome, got = taker.get(EDGE_QUEUE, wait_ms=2000, correlid=correlid)
+            if outcome == CALL_OK:
+                out["found_after_leave"] += 1
+                out["backout_counts"].append(got[0].backout_count)
+            taker.end(outcome == CALL_OK)
+    step("heal")
+    return out
+
+
+def big_messages(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
+    """Issue 10, hole 10: messages near and over the size limits, in process and through the service. The target
+    SQM serves with frames smaller than EDGE holds; an in-process member puts at the queue's limit (and over it:
+    refused); through the target a put over its frame is refused at the client (2218), a get of a message its
+    reply cannot carry fails (2080) and takes nothing, a browse says so instead of losing its connection; a client
+    that accepts small frames is never sent more; healed, the target delivers the longest message whole. A broken
+    expectation is a FaultError (the run fails); a message consumed for nobody is the checker's."""
+    h = _history(g)
+    target = f.target
+    other = next((n for n in g.names if n != target), target)
+    client = g.cf()
+    try:
+        limit = Admin(client).queue_def(EDGE_QUEUE).max_msg_length
+    finally:
+        client.close()
+    problems: list[str] = []
+
+    def expect(what: str, outcome: str, res: Any, reason: int | None) -> None:
+        got = getattr(res, "reason", None) if outcome != CALL_OK else None
+        if got != reason:
+            problems.append(f"{what}: expected {reason or 'success'}, got {outcome} {res!r:.160}")
+
+    def body(name: str, length: int, priority: int) -> PutSpec:
+        msg = f"big{f.n}-{name}"
+        return PutSpec(msg, EDGE_QUEUE, priority, True, 0, _sized(msg, length))
+
+    base = [a for a in g.c.manager(target).get("extra_args", [])]
+    if "--max-frame" in base:
+        k = base.index("--max-frame")
+        del base[k:k + 2]
+    g.c.kill_manager(target, signal.SIGTERM, timeout=30.0)
+    step("stopped")
+    out: dict[str, Any] = {"limit": limit, "frame": EDGE_FRAME}
+    longest = body("limit", limit, 9)
+    longest_msgid = b""
+    try:
+        out["restart_s"] = _restart(g, target, step, extra_args=[*base, "--max-frame", str(EDGE_FRAME)])
+        qm = QueueManager(QueueManagerConfig(name=BIG_MEMBER, log_root=g.c.log_root, redis_url=g.c.redis_url,
+                                             lease_ms=g.lease_ms))
+        qm.start()
+        try:
+            conn = qm.connect()
+            inproc = Runner(h, conn, "big-inproc", f"big{f.n}.in")
+            for spec in (longest, body("between", (EDGE_FRAME + limit) // 2, 9)):
+                outcome, res = inproc.put(spec, syncpoint=True)
+                expect(f"in-process put of {spec.msg}", outcome, res, None)
+                if spec is longest and outcome == CALL_OK:
+                    longest_msgid = res.msgid
+            inproc.end(True)
+            outcome, res = Runner(h, conn, "big-inproc", f"big{f.n}.over").put(body("over", limit + 1, 0), False)
+            expect("in-process put over the queue's limit", outcome, res, 2030)
+        finally:
+            qm.stop()
+        step(f"in-process member put {limit} bytes and {limit + 1} (refused)")
+        with Client([_client_ep(g, target)], token=g.c.token, client_name="big-svc", request_timeout=30.0) as c:
+            svc = Runner(h, c, "big-svc", f"big{f.n}.svc")
+            outcome, res = svc.put(body("wide", EDGE_FRAME + 1024, 0), syncpoint=False)
+            expect("put over the target's frame", outcome, res, 2218)
+            outcome, res = svc.put(body("fits", EDGE_FRAME - 64 * 1024, 0), syncpoint=True)
+            expect("put within the target's frame", outcome, res, None)
+            svc.end(True)
+            outcome, res = svc.get(EDGE_QUEUE, syncpoint=False)  # the head: one of the p9 messages, > the frame
+            expect("get outside syncpoint of a message longer than the target's frame", outcome, res, 2080)
+            held = Runner(h, c, "big-svc", f"big{f.n}.svc2")
+            outcome, res = held.get(EDGE_QUEUE)
+            expect("syncpoint get of a message longer than the target's frame", outcome, res, 2080)
+            held.end(False)
+            try:
+                c.browse(EDGE_QUEUE, limit=50)
+                problems.append("browse through the target: its head message fits no reply, yet no refusal")
+            except Exception as e:  # noqa: BLE001 (any other failure is what the fault looks for)
+                if getattr(e, "reason", None) != 2080:
+                    problems.append(f"browse through the target: expected 2080, got {e!r:.160}")
+        step("through the target: refusals checked")
+        with Client([_client_ep(g, other)], token=g.c.token, client_name="big-narrow", max_frame=EDGE_FRAME,
+                    request_timeout=30.0) as c:
+            outcome, res = Runner(h, c, "big-narrow", f"big{f.n}.narrow").get(EDGE_QUEUE, syncpoint=False)
+            expect("get by a client accepting small frames", outcome, res, 2080)
+        one = limit + DESCRIPTOR_ALLOWANCE + 2 * ENVELOPE  # one message at the limit fits; two never
+        with Client([_client_ep(g, other)], token=g.c.token, client_name="big-browse", max_frame=one,
+                    request_timeout=30.0) as c:
+            seen = c.browse(EDGE_QUEUE, limit=50)
+            if not (seen and getattr(seen, "more", False)):
+                problems.append(f"browse of a queue two of whose messages do not fit one reply: {len(seen)} "
+                                f"messages, more={getattr(seen, 'more', None)}")
+    finally:
+        if g.running(target):
+            g.c.kill_manager(target, signal.SIGTERM, timeout=30.0)
+        out["heal_restart_s"] = _restart(g, target, step, extra_args=base)
+    step("heal")
+    if longest_msgid:  # the limits agree: the longest message a queue holds goes through a healed SQM
+        with Client([_client_ep(g, target)], token=g.c.token, client_name="big-wide", request_timeout=30.0) as c:
+            taker = Runner(h, c, "big-wide", f"big{f.n}.wide")
+            outcome, res = taker.get(EDGE_QUEUE, msgid=longest_msgid, wait_ms=2000)
+            expect(f"get of {longest.msg} ({limit} bytes) through the healed target", outcome, res, None)
+            taker.end(outcome == CALL_OK)
+    if problems:
+        raise FaultError("; ".join(problems))
+    return out
+
+
 FAULTS: dict[str, Callable[[ChaosGroup, FaultSpec, Step], dict[str, Any]]] = {
     "sqm-kill": sqm_kill, "sqm-pause": sqm_pause, "cf-kill": cf_kill,
     "cf-kill-during-restore": cf_kill_during_restore, "during-backup": during_backup,
@@ -339,6 +540,7 @@ FAULTS: dict[str, Callable[[ChaosGroup, FaultSpec, Step], dict[str, Any]]] = {
     "cf-link-halfopen": _link("cf", "halfopen"), "client-link-cut": _link("client", "cut"),
     "client-link-delay": _link("client", "delay"), "client-link-halfopen": _link("client", "halfopen"),
     "disk-full": disk_full, "clock-skew": clock_skew, "backup": backup,
+    "client-leaves-waiting-get": client_leaves_waiting_get, "big-messages": big_messages,
 }
 KINDS = tuple(FAULTS)  # a new kind is one function, one FAULTS row and one line in the table above
 

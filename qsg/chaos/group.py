@@ -18,6 +18,7 @@ import redis
 from cfemu.admin import Admin
 from cfemu.connection import connect
 from cfemu.errors import MQError
+from qsg.chaos.history import History
 from qsg.chaos.proxy import FaultProxy
 from qsg.cluster import Cluster
 from sqm.service.client import Client
@@ -25,6 +26,10 @@ from sqm.service.client import Client
 STRUCTURES = {"APP1": ("Q1", "Q2"), "APP2": ("Q3",)}
 QUEUES = ("Q1", "Q2", "Q3")
 PROBE_QUEUE = "PROBE"  # on APP1; the history never sees it
+# On APP1, for the faults whose own clients need a queue the workload does not compete for (clients that leave a
+# waiting get, messages near and over the size limits); in the history like any queue, and drained.
+EDGE_QUEUE = "EDGE"
+DRAINED = (*QUEUES, EDGE_QUEUE)
 TMPFS_BYTES = 128 * 2**20
 
 
@@ -106,6 +111,7 @@ class ChaosGroup:
         self.disk: LogDisk | None = None
         self.disk_unavailable = ""
         self.stopped: set[str] = set()  # managers the suite has SIGSTOPped
+        self.history: History | None = None  # where faults that act as clients record their calls
 
     # --- start and stop ------------------------------------------------------------------------------------------
     def up(self) -> ChaosGroup:
@@ -117,7 +123,7 @@ class ChaosGroup:
                 self.disk.mount()
         try:
             self.cluster = Cluster.up(self.dir, managers=self.managers, backup_interval=self.backup_interval,
-                                      structure="APP1", queues=(*STRUCTURES["APP1"], PROBE_QUEUE),
+                                      structure="APP1", queues=(*STRUCTURES["APP1"], PROBE_QUEUE, EDGE_QUEUE),
                                       lease_ms=self.lease_ms, cf_url_for=self._cf_route)
             client = self.cf()
             try:

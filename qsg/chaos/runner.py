@@ -20,7 +20,7 @@ from cfemu.errors import MQError, NoMessageError, OutcomeUnknownError
 from qsg.chaos import report
 from qsg.chaos.checker import MUST_BE_ZERO, check
 from qsg.chaos.faults import FAULTS, FaultError, FaultSpec, after_heal, restore_all, schedule
-from qsg.chaos.group import QUEUES, STRUCTURES, ChaosGroup
+from qsg.chaos.group import DRAINED, QUEUES, STRUCTURES, ChaosGroup
 from qsg.chaos.history import FAIL, OK, UNKNOWN, History, load_history
 from qsg.chaos.options import ChaosOptions
 from qsg.chaos.workload import Coordinator, Workload, parse_body
@@ -133,7 +133,7 @@ def drain(group: ChaosGroup, history: History) -> int:
     n = 0
     eps = list(group.direct.values())
     with Client(eps, token=group.c.token, client_name="drain", request_timeout=30.0) as c:
-        for q in QUEUES:
+        for q in DRAINED:
             while True:
                 op = history.invoke("drain", "drain", queue=q)
                 try:
@@ -164,7 +164,7 @@ def leftovers(group: ChaosGroup) -> dict[str, dict[str, int]]:
         out = {}
         for s in STRUCTURES:
             for q, states in cf.structure(s).depths().items():
-                if q in QUEUES and any(states.values()):
+                if q in DRAINED and any(states.values()):
                     out[q] = states
         return out
     finally:
@@ -183,6 +183,7 @@ def run_chaos(opts: ChaosOptions, console: Console | None = None,
     history = History(history_path, seed=opts.seed, options=opts.to_json())
     group = ChaosGroup(rdir / "cluster", managers=opts.managers, lease_ms=opts.lease_ms,
                        backup_interval=opts.backup_interval, log_disk="disk-full" in opts.kinds)
+    group.history = history
     if specs is None:
         specs = schedule(opts.seed, opts.kinds, opts.duration, [f"QM{i}" for i in range(1, opts.managers + 1)],
                          lease_ms=opts.lease_ms)

@@ -268,7 +268,8 @@ class Workload:
 class Runner:
     """Carries out one action on one client, recording each call."""
 
-    def __init__(self, history: History, client: Any, name: str, uow: str, coordinator: Coordinator) -> None:
+    def __init__(self, history: History, client: Any, name: str, uow: str,
+                 coordinator: Coordinator | None = None) -> None:
         self.h = history
         self.c = client
         self.name = name
@@ -304,13 +305,15 @@ class Runner:
                          uow=self.uow if syncpoint else None, msg=p.msg, queue=p.queue, priority=p.priority,
                          persistent=p.persistent, syncpoint=syncpoint, expiry_ms=p.expiry_ms)
 
-    def get(self, queue: str) -> tuple[str, Any]:
+    def get(self, queue: str, *, syncpoint: bool = True, wait_ms: int = 50, **match: bytes) -> tuple[str, Any]:
+        """A get (``match``: msgid= or correlid=); outside syncpoint it is a unit of work of its own."""
         def fn() -> tuple[Any, dict[str, Any]]:
-            m = self.c.get(queue, wait_ms=50)
+            m = self.c.get(queue, syncpoint=syncpoint, wait_ms=wait_ms, **match)
             msg_id, crc_ok = parse_body(m.body)
             return m, {"msg": msg_id, "crc_ok": crc_ok, "queue": m.queue, "priority": m.priority,
-                       "persistent": m.persistent, "backout_count": m.backout_count, "qmgr": self.c.qmgr}
-        return self.call("get", fn, uow=self.uow, queue=queue)
+                       "persistent": m.persistent, "backout_count": m.backout_count,
+                       "qmgr": self.c.qmgr}
+        return self.call("get", fn, uow=self.uow if syncpoint else None, queue=queue, syncpoint=syncpoint)
 
     def end(self, commit: bool) -> bool:
         if commit:
@@ -343,6 +346,7 @@ class Runner:
 
     def two_phase(self, a: Action) -> bool:
         xid = f"x-{self.uow}"
+        assert self.coordinator is not None, "a 2pc action needs the coordinator"
         self.coordinator.decide(xid, a.commit)
         qmgr = self.c.qmgr
         outcome, res = self.call("prepare", lambda: (r := self.c.prepare(xid), {"server_uow": r, "qmgr": qmgr}),

@@ -18,6 +18,13 @@ application is told then depends on what was at stake, and the library never gue
 * read-only requests (ping, browse, status, indoubt) are simply re-sent on the next endpoint.
 
 Errors from the server come back as the same exception classes (cfemu.errors), with their MQ reason codes.
+
+Sizes: ``max_frame`` is the longest frame this client accepts (by default one that carries any message a queue
+can hold); the hello tells the server, and the server's reply says the longest request it accepts. A put whose
+request is longer than the smaller of the two is refused here, before anything is sent, with
+MessageTooBigForChannelError (MQRC_MSG_TOO_BIG_FOR_CHANNEL), and the unit of work is left as it was; a get
+whose message a reply could not carry fails with TruncatedMessageError and the message stays on its queue; a
+browse returns the messages one reply carries, with ``more`` set when it left some out.
 """
 
 from __future__ import annotations
@@ -31,14 +38,17 @@ import ssl
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
+from cfemu.cf import Browsed
 from cfemu.errors import BackedOutError, MQError, OutcomeUnknownError
 from sqm.connection import Message
 from sqm.messaging import UnitOfWorkScope
 from sqm.service.protocol import (
     DEFAULT_MAX_FRAME,
+    MIN_FRAME,
     FrameTooLargeError,
+    MessageTooBigForChannelError,
     NotAuthorizedError,
     ProtocolError,
     QueueManagerUnavailableError,
@@ -99,13 +109,16 @@ class Client(UnitOfWorkScope):
         if not specs:
             raise ValueError("no endpoints given")
         self.endpoints = [parse_endpoint(e) for e in specs]
+        if max_frame < MIN_FRAME:
+            raise ValueError(f"max_frame must be at least {MIN_FRAME} bytes, not {max_frame}")
         self.token = token
         self.tls = tls
         self.client_name = client_name
         self.connect_timeout = connect_timeout
         self.request_timeout = request_timeout
         self.reconnect_timeout = reconnect_timeout
-        self.max_frame = max_frame
+        self.own_max_frame = max_frame  # the longest frame this client accepts: told to every server at hello
+        self.max_frame = max_frame  # the longest frame either side accepts on the current connection
         self.qmgr = ""  # name of the queue manager currently connected to
         self.endpoint: Endpoint | None = None
         self._index = 0
@@ -144,12 +157,12 @@ class Client(UnitOfWorkScope):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.tls is not None:
                 sock = self.tls.wrap_socket(sock, server_hostname=ep[0])
-            args: dict[str, Any] = {"client": self.client_name}
+            args: dict[str, Any] = {"client": self.client_name, "max_frame": self.own_max_frame}
             if self.token is not None:
                 args["token"] = self.token
             sock.settimeout(self.request_timeout)
             sock.sendall(encode_frame({"id": 0, "op": "hello", "args": args}))
-            reply = recv_frame(sock, self.max_frame)
+            reply = recv_frame(sock, self.own_max_frame)
         except BaseException:
             sock.close()
             raise
@@ -157,7 +170,7 @@ class Client(UnitOfWorkScope):
             sock.close()
             raise error_from_wire(reply.get("error") if isinstance(reply, dict) else reply)
         hello = reply["result"]
-        self.max_frame = min(self.max_frame, int(hello.get("max_frame", self.max_frame)))
+        self.max_frame = min(self.own_max_frame, int(hello.get("max_frame", self.own_max_frame)))
         self.qmgr = str(hello.get("qmgr", ""))
         self.endpoint = ep
         self._sock = sock
@@ -222,8 +235,7 @@ class Client(UnitOfWorkScope):
                 rid = next(self._ids)
                 frame = encode_frame({"id": rid, "op": op, "args": args})
                 if len(frame) - 4 > self.max_frame:
-                    raise FrameTooLargeError(f"{op}: request of {len(frame) - 4} bytes exceeds the server's "
-                                             f"limit of {self.max_frame} bytes")
+                    self._too_long(op, args, len(frame) - 4)
                 try:
                     self._sock.settimeout(self.request_timeout + wait_s)
                     self._sock.sendall(frame)
@@ -249,6 +261,16 @@ class Client(UnitOfWorkScope):
             if op in READ_ONLY:
                 raise QueueManagerUnavailableError(f"{op}: the connection was lost twice")
             raise BackedOutError(f"{op}: the connection was lost twice; the unit of work was backed out")
+
+    def _too_long(self, op: str, args: dict[str, Any], length: int) -> NoReturn:
+        """A request this connection cannot carry: refused before anything is sent (the UOW is as it was)."""
+        where = f"the connection to {self.qmgr}" if self.qmgr else "this connection"
+        if op == "put":
+            raise MessageTooBigForChannelError(
+                f"put: a message of {len(args['body'])} bytes makes a request of {length} bytes, longer than "
+                f"{where} carries ({self.max_frame} bytes); nothing was sent")
+        raise FrameTooLargeError(f"{op}: request of {length} bytes exceeds the limit of {where} "
+                                 f"({self.max_frame} bytes); nothing was sent")
 
     def _lost(self, op: str, syncpoint: bool, *, in_flight: bool, why: str) -> None:
         """The connection is gone. Return to re-send the request elsewhere, or raise what the caller must know."""
@@ -298,8 +320,11 @@ class Client(UnitOfWorkScope):
             args["correlid"] = correlid
         return message_from_wire(self._call("get", args, syncpoint=syncpoint, wait_s=wait_ms / 1000))
 
-    def browse(self, queue: str, limit: int = 100) -> list[Message]:
-        return [message_from_wire(m) for m in self._call("browse", {"queue": queue, "limit": limit})]
+    def browse(self, queue: str, limit: int = 100) -> Browsed[Message]:
+        """Up to ``limit`` available messages, not taken, as many as one reply carries: ``more`` on the result
+        says the server left some out (browse again with a smaller limit, or after taking some)."""
+        result = self._call("browse", {"queue": queue, "limit": limit})
+        return Browsed((message_from_wire(m) for m in result["messages"]), more=bool(result["more"]))
 
     def commit(self) -> None:
         self._call("commit", {})

@@ -8,6 +8,16 @@ A frame is a big-endian u32 body length followed by a msgpack body. A request is
 
 A reply to a request the server could not parse has ``id`` nil. A frame longer than the limit is answered with
 an error and the connection is closed: the stream cannot be trusted to re-synchronise after it.
+
+Frame limits (docs/architecture.md, "Size limits"). Until its hello succeeds a peer may send frames of at most
+PRE_HELLO_MAX_FRAME bytes, so an unauthenticated peer cannot make the server buffer much. The hello carries the
+client's limit (``max_frame``: the longest frame it accepts) and its reply the server's (``max_frame``: the
+longest request it accepts; ``reply_frame``: the longest reply it will send on this connection, the smaller of
+the two). By default both carry any message a queue can hold (MAX_FRAME). A request the server's limit cannot
+carry is refused by the client before it is sent (a put: MessageTooBigForChannelError); a get whose message a
+reply could not carry is refused by the CF and takes nothing (TruncatedMessageError); a browse returns the
+messages that fit, with ``more`` set when it left some out. Version 2: hello exchanges limits, and browse
+returns ``{"messages": [...], "more": bool}``.
 """
 
 from __future__ import annotations
@@ -21,12 +31,22 @@ from typing import Any
 import msgpack
 
 from cfemu import errors
-from cfemu.errors import BadRequestError, MQError
+from cfemu.errors import BadRequestError, MessageTooBigError, MQError
+from cfemu.limits import DESCRIPTOR_ALLOWANCE, MAX_MSG_LENGTH
 from sqm.connection import Message
 
 HEADER = struct.Struct(">I")
-DEFAULT_MAX_FRAME = 8 * 2**20
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+# What a frame holds beside its messages: the request or reply map, its id, op and flags, argument names.
+ENVELOPE = 512
+# What a Message costs a reply beyond its data and its descriptor as the CF stores it (which already holds the
+# ids, in hex, the queue, the entry id and the properties): the field names and fixed-size values.
+MESSAGE_COST = 512
+# A frame that carries any message a queue can hold (cfemu.limits): the most a server accepts, and the default.
+MAX_FRAME = MAX_MSG_LENGTH + DESCRIPTOR_ALLOWANCE + ENVELOPE
+DEFAULT_MAX_FRAME = MAX_FRAME
+MIN_FRAME = 4096  # the least a server or a client may set: room for the envelope and a small message
+PRE_HELLO_MAX_FRAME = 64 * 2**10  # frames a peer may send before its hello succeeds
 
 # Every operation the server understands (the client library uses the same names).
 OPS = ("hello", "auth", "ping", "put", "get", "browse", "commit", "backout", "prepare", "resolve", "indoubt",
@@ -43,6 +63,13 @@ class FrameTooLargeError(MQError):
     """A frame is longer than the negotiated maximum."""
 
     reason, reason_name = 2010, "MQRC_DATA_LENGTH_ERROR"
+
+
+class MessageTooBigForChannelError(MessageTooBigError):
+    """A put whose request is longer than the connection's frame limit: refused by the client before anything is
+    sent (MQ's client channel MAXMSGL); the queue might hold it, this connection cannot carry it."""
+
+    reason, reason_name = 2218, "MQRC_MSG_TOO_BIG_FOR_CHANNEL"
 
 
 class ProtocolError(MQError):
@@ -89,13 +116,14 @@ def decode_body(body: bytes) -> Any:
         raise ProtocolError(f"frame is not valid msgpack: {type(e).__name__}: {e}") from None
 
 
-def check_length(length: int, max_frame: int) -> None:
+def check_length(length: int, max_frame: int, why: str = "") -> None:
     if length > max_frame:
-        raise FrameTooLargeError(f"frame of {length} bytes exceeds the limit of {max_frame} bytes")
+        raise FrameTooLargeError(f"frame of {length} bytes exceeds the limit of {max_frame} bytes{why}")
 
 
-async def read_frame(reader: asyncio.StreamReader, max_frame: int) -> bytes | None:
-    """The next frame's body, or None at a clean end of stream (between frames)."""
+async def read_frame(reader: asyncio.StreamReader, max_frame: int, why: str = "") -> bytes | None:
+    """The next frame's body, or None at a clean end of stream (between frames). A longer frame is refused from
+    its header, before its body is read (``why`` says which limit applied)."""
     try:
         head = await reader.readexactly(HEADER.size)
     except asyncio.IncompleteReadError as e:
@@ -103,7 +131,7 @@ async def read_frame(reader: asyncio.StreamReader, max_frame: int) -> bytes | No
             return None
         raise
     (length,) = HEADER.unpack(head)
-    check_length(length, max_frame)
+    check_length(length, max_frame, why)
     return await reader.readexactly(length)
 
 
@@ -197,7 +225,8 @@ def message_from_wire(obj: dict[str, Any]) -> Message:
     return Message(**{k: v for k, v in obj.items() if k in names})
 
 
-__all__ = ["DEFAULT_MAX_FRAME", "ERROR_CLASSES", "FrameTooLargeError", "HEADER", "NotAuthorizedError", "OPS",
-           "PROTOCOL_VERSION", "ProtocolError", "QueueManagerUnavailableError", "QuiescingError", "arg", "check_length",
-           "decode_body", "encode_frame", "error_from_wire", "error_reply", "message_from_wire",
-           "message_to_wire", "ok_reply", "parse_request", "read_frame", "recv_frame"]
+__all__ = ["DEFAULT_MAX_FRAME", "ENVELOPE", "ERROR_CLASSES", "FrameTooLargeError", "HEADER", "MAX_FRAME",
+           "MESSAGE_COST", "MIN_FRAME", "MessageTooBigForChannelError", "NotAuthorizedError", "OPS",
+           "PRE_HELLO_MAX_FRAME", "PROTOCOL_VERSION", "ProtocolError", "QueueManagerUnavailableError",
+           "QuiescingError", "arg", "check_length", "decode_body", "encode_frame", "error_from_wire", "error_reply",
+           "message_from_wire", "message_to_wire", "ok_reply", "parse_request", "read_frame", "recv_frame"]

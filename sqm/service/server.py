@@ -34,14 +34,20 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from cfemu.admin import AdminError
-from cfemu.errors import BadRequestError, FencedError, MQError, StructureFailedError
+from cfemu.errors import BadRequestError, FencedError, MQError, StructureFailedError, TruncatedMessageError
 from sqm.connection import Connection
 from sqm.log import LogLockedError
 from sqm.manager import CF_DOWN, QueueManager, QueueManagerConfig
 from sqm.service import metrics
 from sqm.service.protocol import (
     DEFAULT_MAX_FRAME,
+    ENVELOPE,
+    HEADER,
+    MAX_FRAME,
+    MESSAGE_COST,
+    MIN_FRAME,
     OPS,
+    PRE_HELLO_MAX_FRAME,
     PROTOCOL_VERSION,
     FrameTooLargeError,
     NotAuthorizedError,
@@ -82,12 +88,16 @@ class ServerConfig:
     lease_ms: int = 5000
     cf_connections: int = 64
     logload: int = 10000  # LOGLOAD: a checkpoint every this many log records
-    max_frame: int = DEFAULT_MAX_FRAME
+    max_frame: int = DEFAULT_MAX_FRAME  # MIN_FRAME-MAX_FRAME; less than MAX_FRAME cannot carry every message
     max_wait_ms: int = 60_000  # longest get wait a request may ask for
     shutdown_grace_s: float = 10.0  # in-flight requests get this long to finish at shutdown
     cf_wait_s: float = 30.0  # how long to wait for the CF to answer at start
     ready_file: Path | None = None  # JSON {pid, host, port, metrics_port} written once serving
     clock_skew_ms: int = 0  # added to the physical time the LRSN clock reads (tests of a skewed member)
+
+    def check(self) -> None:
+        if not MIN_FRAME <= self.max_frame <= MAX_FRAME:
+            raise ServerConfigError(f"max frame must be {MIN_FRAME}-{MAX_FRAME} bytes, not {self.max_frame}")
 
     def ssl_context(self) -> ssl.SSLContext | None:
         if not (self.tls_cert or self.tls_key or self.tls_ca):
@@ -114,6 +124,9 @@ class Session:
     peer: str
     executor: ThreadPoolExecutor
     authenticated: bool
+    request_limit: int  # the longest frame accepted from the client: small until its hello succeeds
+    reply_limit: int  # the longest frame sent to it: the server's limit, or the client's when smaller
+    said_hello: bool = False
     client_name: str = ""
     conn: Connection | None = None
     gone: threading.Event = field(default_factory=threading.Event)  # the client disconnected
@@ -134,6 +147,7 @@ class _Stats:
 class SQMServer:
     def __init__(self, config: ServerConfig, qm: QueueManager | None = None) -> None:
         self.config = config
+        config.check()
         self.ssl = config.ssl_context()
         self.qm = qm if qm is not None else QueueManager(QueueManagerConfig(
             name=config.name, log_root=Path(config.log_root), redis_url=config.redis_url, lease_ms=config.lease_ms,
@@ -212,6 +226,11 @@ class SQMServer:
         report = self.qm.start()  # sqm.recovery logs each restart phase
         log.info("%s restarted in %.3fs: %d log records read, %d in doubt kept", self.qm.name, report.seconds,
                  report.records_read, report.in_doubt)
+        if self.config.max_frame < MAX_FRAME:
+            log.warning("%s: frames are limited to %d bytes (--max-frame), less than a message a queue may hold "
+                        "needs (%d): a longer put fails at the client with MQRC_MSG_TOO_BIG_FOR_CHANNEL, a get of a "
+                        "longer message fails with MQRC_TRUNCATED_MSG_FAILED and leaves it on its queue",
+                        self.qm.name, self.config.max_frame, MAX_FRAME)
 
     def _write_ready_file(self) -> None:
         if self.config.ready_file is None:
@@ -272,7 +291,9 @@ class SQMServer:
         peer = writer.get_extra_info("peername")
         session = Session(self._sessions, f"{peer[0]}:{peer[1]}" if peer else "?",
                           ThreadPoolExecutor(1, thread_name_prefix=f"{self.qm.name}-c{self._sessions}"),
-                          authenticated=self.config.token is None)
+                          authenticated=self.config.token is None,
+                          request_limit=min(PRE_HELLO_MAX_FRAME, self.config.max_frame),
+                          reply_limit=self.config.max_frame)
         self.stats.connections += 1
         self.stats.accepted += 1
         log.debug("%s: connection %d from %s", self.qm.name, session.number, session.peer)
@@ -296,6 +317,26 @@ class SQMServer:
         writer.write(encode_frame(reply))
         await writer.drain()
 
+    def _read_next(self, session: Session, reader: asyncio.StreamReader) -> asyncio.Task[bytes | None]:
+        why = "" if session.said_hello else " before hello (send hello first)"
+        session.reading = asyncio.ensure_future(read_frame(reader, session.request_limit, why))
+        return session.reading
+
+    def _bounded(self, session: Session, rid: int, op: str,
+                 reply: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+        """The reply and its frame, or an error in its place when it would exceed what the client accepts. Gets
+        and browses are bounded before they take or read anything, so this is a safety net that should never
+        fire. (Encoded once: a reply may carry 100 MiB.)"""
+        frame = encode_frame(reply)
+        length = len(frame) - HEADER.size
+        if length <= session.reply_limit:
+            return reply, frame
+        log.error("%s: connection %d: the %s reply of %d bytes exceeds the connection's limit of %d; an error is "
+                  "sent instead", self.qm.name, session.number, op, length, session.reply_limit)
+        reply = error_reply(rid, MQError(f"{op}: the reply of {length} bytes exceeds this connection's limit of "
+                                         f"{session.reply_limit} bytes"), uow=session.uow_open())
+        return reply, encode_frame(reply)
+
     async def _session_loop(self, session: Session, reader: asyncio.StreamReader,
                             writer: asyncio.StreamWriter) -> None:
         loop = asyncio.get_running_loop()
@@ -304,7 +345,7 @@ class SQMServer:
         next_frame: asyncio.Task[bytes | None] | None = None
         while True:
             if next_frame is None:
-                next_frame = session.reading = asyncio.ensure_future(read_frame(reader, self.config.max_frame))
+                next_frame = self._read_next(session, reader)
             try:
                 body = await next_frame
             except FrameTooLargeError as e:
@@ -352,7 +393,7 @@ class SQMServer:
             self._inflight += 1
             try:
                 work = loop.run_in_executor(session.executor, self._dispatch, session, rid, op, args)
-                next_frame = session.reading = asyncio.ensure_future(read_frame(reader, self.config.max_frame))
+                next_frame = self._read_next(session, reader)
                 both: list[asyncio.Future[Any]] = [work, next_frame]
                 await asyncio.wait(both, return_when=asyncio.FIRST_COMPLETED)
                 if next_frame.done() and (next_frame.exception() is not None or next_frame.result() is None):
@@ -364,8 +405,10 @@ class SQMServer:
                 log.info("%s: connection %d (%s) left during %s; its reply is dropped", self.qm.name,
                          session.number, session.peer, op)
                 return
+            reply, frame = self._bounded(session, rid, op, reply)
             self.stats.requests[(op, "ok" if reply["ok"] else reply["error"]["reason_name"])] += 1
-            await self._send(writer, reply)
+            writer.write(frame)
+            await writer.drain()
             if not reply["ok"] and reply["error"]["type"] == FencedError.__name__:
                 self.request_stop(EXIT_FENCED)
 
@@ -373,6 +416,9 @@ class SQMServer:
         try:
             token = arg(args, "hello", "token", str, None)
             session.client_name = arg(args, "hello", "client", str, "")
+            client_max = arg(args, "hello", "max_frame", int, None)  # the longest frame the client accepts
+            if client_max is not None and client_max < MIN_FRAME:
+                raise BadRequestError(f"hello: max_frame must be at least {MIN_FRAME} bytes, not {client_max}")
         except MQError as e:
             return error_reply(rid, e)
         if self.config.token is not None:
@@ -382,9 +428,13 @@ class SQMServer:
                 self.stats.requests[("hello", NotAuthorizedError.reason_name)] += 1
                 return error_reply(rid, NotAuthorizedError("authentication failed: wrong or missing token"))
             session.authenticated = True
+        session.said_hello = True
+        session.request_limit = self.config.max_frame
+        session.reply_limit = min(self.config.max_frame, client_max or self.config.max_frame)
         self.stats.requests[("hello", "ok")] += 1
         return ok_reply(rid, {"qmgr": self.qm.name, "version": PROTOCOL_VERSION, "max_frame": self.config.max_frame,
-                              "epoch": self.qm.caller.epoch, "session": session.number})
+                              "reply_frame": session.reply_limit, "epoch": self.qm.caller.epoch,
+                              "session": session.number})
 
     async def _end_session(self, session: Session) -> None:
         """Like MQDISC after an abnormal end: the connection's in-flight UOW is backed out, in its own thread."""
@@ -446,17 +496,32 @@ class SQMServer:
         wait_ms = arg(args, "get", "wait_ms", int, 0)
         if not 0 <= wait_ms <= self.config.max_wait_ms:
             raise BadRequestError(f"get: wait_ms must be 0-{self.config.max_wait_ms}, not {wait_ms}")
-        m = conn.get(arg(args, "get", "queue", str), syncpoint=arg(args, "get", "syncpoint", bool, True),
-                     wait_ms=wait_ms, msgid=arg(args, "get", "msgid", bytes, None),
-                     correlid=arg(args, "get", "correlid", bytes, None))
+        queue = arg(args, "get", "queue", str)
+        try:  # the CF refuses, untouched, a message the reply could not carry: nothing is taken for nobody
+            m = conn.get(queue, syncpoint=arg(args, "get", "syncpoint", bool, True),
+                         wait_ms=wait_ms, msgid=arg(args, "get", "msgid", bytes, None),
+                         correlid=arg(args, "get", "correlid", bytes, None),
+                         max_length=session.reply_limit - ENVELOPE - MESSAGE_COST)
+        except TruncatedMessageError as e:
+            raise self._too_long(session, "get", queue, e) from None
         return message_to_wire(m)
 
-    def _op_browse(self, session: Session, args: dict[str, Any]) -> list[dict[str, Any]]:
+    def _op_browse(self, session: Session, args: dict[str, Any]) -> dict[str, Any]:
         limit = arg(args, "browse", "limit", int, 100)
         if not 1 <= limit <= MAX_BROWSE:
             raise BadRequestError(f"browse: limit must be 1-{MAX_BROWSE}, not {limit}")
+        queue = arg(args, "browse", "queue", str)
         conn = self._connection(session)
-        return [message_to_wire(m) for m in conn.browse(arg(args, "browse", "queue", str), limit)]
+        try:  # as many as one reply carries; "more" tells the client it did not get them all
+            found = conn.browse(queue, limit, max_bytes=session.reply_limit - ENVELOPE, each=MESSAGE_COST)
+        except TruncatedMessageError as e:
+            raise self._too_long(session, "browse", queue, e) from None
+        return {"messages": [message_to_wire(m) for m in found], "more": found.more}
+
+    def _too_long(self, session: Session, op: str, queue: str, e: TruncatedMessageError) -> TruncatedMessageError:
+        detail = e.args[0] if e.args else ""
+        return TruncatedMessageError(f"{op} on {queue}: {detail}: replies on this connection to {self.qm.name} are "
+                                     f"limited to {session.reply_limit} bytes; the message stays on the queue")
 
     def _op_commit(self, session: Session, args: dict[str, Any]) -> None:
         if session.conn is not None:

@@ -27,6 +27,7 @@ from cfemu.errors import (
     CompletedByRecoveryError,
     FencedError,
     FloorError,
+    MQError,
     NotJoinedError,
     StructureFailedError,
     StructureFullError,
@@ -91,6 +92,17 @@ def available(s: Structure, caller: Caller, uow: str, queue: str = Q) -> list[st
 
 def held_uows(s: Structure) -> set[str]:
     return {keys.text(u) for u in s.cf.redis.hkeys(keys.uows(S))}
+
+
+def dump(s: Structure) -> dict[bytes, bytes]:
+    """Every key of the structure with its value, serialised (to show that a refusal changed nothing)."""
+    r = s.cf.redis
+    return {k: r.dump(k) for k in sorted(r.scan_iter(match=keys.all_structure_keys_pattern(S)))}
+
+
+def carried_length(s: Structure, eid: str) -> int:
+    """What the get and browse bounds count: the data plus the descriptor as stored."""
+    return int(s.cf.redis.hstrlen(keys.data(S), eid)) + int(s.cf.redis.hstrlen(keys.entries(S), eid))
 
 
 def tombstone(s: Structure, uow: str) -> str | None:
@@ -253,6 +265,33 @@ class TestGet:
         with pytest.raises(FencedError):
             s.get(Caller("QM1", qm1.epoch + 1, Clock()), Q, uow="U1", now_ms=NOW)
 
+    @pytest.mark.parametrize("match", ["", "m"])
+    def test_refuses_a_message_longer_than_the_caller_can_take_and_changes_nothing(
+            self, s: Structure, qm1: Caller, match: str) -> None:
+        """Issue 10, hole 10: a get that cannot deliver must not consume. The message stays where it was (MQ's
+        MQRC_TRUNCATED_MSG_FAILED): no UOW joined, no backout count, not even the clock moves."""
+        s.put(qm1, entry("big", msgid="0b"), b"x" * 1000)
+        length = carried_length(s, "big")
+        before = dump(s)
+        with pytest.raises(MQError) as e:
+            s.get(qm1, Q, uow="U1", match=match, value="0b", now_ms=NOW, max_length=length - 1)
+        assert e.value.reason == 2080 and f"is {length} bytes" in str(e.value), e.value
+        assert dump(s) == before
+        got = s.get(qm1, Q, uow="U1", match=match, value="0b", now_ms=NOW, max_length=length)
+        assert got.entry is not None and got.entry.id == "big" and got.entry.backout_count == 0
+
+    def test_refuses_another_members_uow_before_taking_anything(self, admin: Admin, s: Structure,
+                                                                qm1: Caller) -> None:
+        """The UOW's owner is checked before the message leaves its list: Redis does not roll a script back, so a
+        refusal after the pop lost the message from every list."""
+        s.put(qm1, entry("e1"), b"x")
+        s.put(join(admin, "QM2"), entry("theirs"), b"y", uow="U1")
+        before = dump(s)
+        with pytest.raises(BadRequestError, match="belongs to QM2"):
+            s.get(qm1, Q, uow="U1", now_ms=NOW)
+        assert dump(s) == before
+        assert available(s, qm1, "U2") == ["e1"]
+
 
 class TestBrowse:
     def test_reads_available_messages_in_get_order_without_taking_them(self, s: Structure, qm1: Caller) -> None:
@@ -263,6 +302,23 @@ class TestBrowse:
         assert [(e.id, d) for e, d in s.browse(Q, 10, NOW)] == [("b", b"b"), ("a", b"a"), ("c", b"c")]
         assert [e.id for e, _ in s.browse(Q, 2, NOW)] == ["b", "a"]
         assert s.depths()[Q]["CP"] == 4  # nothing taken, nothing moved (the expired one included)
+
+    def test_says_when_it_left_messages_out(self, s: Structure, qm1: Caller) -> None:
+        for eid in ("a", "b", "c"):
+            s.put(qm1, entry(eid), eid.encode() * 100)
+        s.put(qm1, entry("old", expiry=1_000), b"x")  # expired: never counted, never "more"
+        assert (len(s.browse(Q, 3, NOW)), s.browse(Q, 3, NOW).more) == (3, False)
+        assert (len(s.browse(Q, 2, NOW)), s.browse(Q, 2, NOW).more) == (2, True)
+        two = sum(carried_length(s, eid) + 10 for eid in ("a", "b"))
+        bounded = s.browse(Q, 10, NOW, max_bytes=two, each=10)  # by bytes: what fits, and "more"
+        assert [e.id for e, _ in bounded] == ["a", "b"] and bounded.more
+        assert not s.browse(Q, 10, NOW, max_bytes=two + carried_length(s, "c") + 10, each=10).more
+
+    def test_refuses_when_not_even_the_first_message_fits(self, s: Structure, qm1: Caller) -> None:
+        s.put(qm1, entry("big"), b"x" * 1000)
+        with pytest.raises(MQError) as e:
+            s.browse(Q, 10, NOW, max_bytes=500)
+        assert e.value.reason == 2080 and "message big is" in str(e.value)
 
     def test_refusals(self, admin: Admin, s: Structure) -> None:
         with pytest.raises(UnknownObjectError):

@@ -3,6 +3,7 @@ health and metrics, TLS, graceful shutdown and fencing. Every abuse is followed 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -21,11 +22,16 @@ import msgpack
 import pytest
 
 from cfemu import keys
-from cfemu.admin import Admin
+from cfemu.admin import Admin, AdminError
 from cfemu.cf import CF
 from cfemu.connection import connect
-from cfemu.errors import BadRequestError, MessageTooBigError, NoMessageError, UnknownObjectError
+from cfemu.errors import BadRequestError, MessageTooBigError, MQError, NoMessageError, UnknownObjectError
+from cfemu.limits import DESCRIPTOR_ALLOWANCE, MAX_MSG_LENGTH, MAX_PROPERTIES_LENGTH
+from sqm.connection import Connection, Message
 from sqm.log import LogReader
+from sqm.log.format import MAX_RECORD_BYTES
+from sqm.manager import QueueManager
+from sqm.service import protocol
 from sqm.service.client import Client, client_tls_context
 from sqm.service.protocol import (
     HEADER,
@@ -36,7 +42,7 @@ from sqm.service.protocol import (
     recv_frame,
 )
 from sqm.service.server import EXIT_FENCED
-from tests.support.group import define_group
+from tests.support.group import define_group, start_qm
 
 TOKEN = "t0ken-for-tests"
 MAX_FRAME = 64 * 1024
@@ -192,7 +198,7 @@ def test_a_frame_over_the_limit_is_refused_and_that_connection_closed(server: Se
     assert raw.closed_by_server()
     with client(server) as c:  # the client library refuses it before sending anything
         with pytest.raises(FrameTooLargeError):
-            c.put("Q1", b"x" * (MAX_FRAME + 10))
+            c.browse("Q" * (MAX_FRAME + 10))
         assert c.ping()["qmgr"] == "QM1"
 
 
@@ -393,3 +399,208 @@ def test_a_waiting_get_ends_with_its_connection_and_takes_nothing(server: Server
         time.sleep(1.0)  # the old wait would have polled the queue many times by now
         got = c.get(queue, syncpoint=False, wait_ms=1000)
     assert got.body == body and got.backout_count == 0, "the message was taken by a get whose client had left"
+
+
+# --- issue 10, hole 10: messages larger than the service can carry ------------------------------------------------
+# The scenario: a queue accepted --max-msg-length 209715200; an in-process member put 100 MiB; a get outside
+# syncpoint through the service committed it and the client discarded the frame (destroyed); a syncpoint get backed
+# out and the message then blocked the head of the queue; a browse over the frame limit failed as "the connection
+# was lost twice". Reasons are checked by code (2080 MQRC_TRUNCATED_MSG_FAILED, 2218 MQRC_MSG_TOO_BIG_FOR_CHANNEL).
+BIGQ = "BIGQ"  # on APP1, max_msg_length 1 MiB: more than the 64 KiB frames of the module's server carry
+
+
+@pytest.fixture(scope="module")
+def wide(redis_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
+    """A token-protected server with the default frame limit (it carries any message a queue can hold)."""
+    define_group(redis_server.url, queues=("Q1", "Q2"))
+    srv = start_server(redis_server.url, tmp_path_factory.mktemp("wide"), "QM2", "--token", TOKEN)
+    yield srv
+    assert srv.stop() == 0, srv.log_text()
+
+
+@pytest.fixture
+def member(redis_server: Any, tmp_path: Path) -> Iterator[QueueManager]:
+    """An in-process member of the group (it puts what the service may not carry), and BIGQ defined."""
+    admin = Admin(define_group(redis_server.url, queues=("Q1", "Q2")))
+    with contextlib.suppress(AdminError):
+        admin.define_queue(BIGQ, "APP1", max_msg_length=2**20)
+    qm = start_qm(redis_server.url, tmp_path / "logs", "QM6")
+    yield qm
+    drain(qm.connect(), BIGQ)
+    qm.stop()
+
+
+def drain(conn: Connection, queue: str) -> list[Message]:
+    got = []
+    with contextlib.suppress(NoMessageError):
+        while True:
+            got.append(conn.get(queue, syncpoint=False))
+    return got
+
+
+def logged_gets(srv: ServerProc, entry_id: str) -> list[dict[str, Any]]:
+    return [r for _, r in LogReader(srv.log_root / srv.name).records() if r["k"] == "GET" and r["i"] == entry_id]
+
+
+def test_a_queue_cannot_hold_more_than_the_group_carries(server: ServerProc, redis_server: Any) -> None:
+    """A max_msg_length above the group's limit (MQ's 100 MB) is refused by every define path, changing nothing."""
+    admin = Admin(connect(redis_server.url))
+    with pytest.raises(AdminError, match=f"1-{MAX_MSG_LENGTH} bytes"):
+        admin.define_queue("HUGE", "APP1", max_msg_length=209715200)
+    with client(server) as c, pytest.raises(BadRequestError, match="1-104857600 bytes"):
+        c.define_queue("HUGE", "APP1", max_msg_length=209715200)
+    r = subprocess.run([sys.executable, "-m", "qsg.cli", "define", "queue", "HUGE", "--structure", "APP1",
+                        "--max-msg-length", "209715200", "--redis-url", redis_server.url],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "1-104857600 bytes" in r.stderr, r.stderr
+    assert "HUGE" not in [q.name for q in admin.queues()]
+    assert admin.define_queue("HUGE", "APP1", max_msg_length=MAX_MSG_LENGTH).max_msg_length == MAX_MSG_LENGTH
+
+
+def test_a_message_as_long_as_a_queue_may_hold_goes_through_the_service(wide: ServerProc, redis_server: Any,
+                                                                       tmp_path: Path) -> None:
+    """The scenario at full size: an in-process member puts two messages of the longest length a queue may hold;
+    a browse, a get outside syncpoint and a syncpoint get through the service deliver them whole."""
+    Admin(define_group(redis_server.url, queues=("Q1", "Q2"))).define_queue("LARGEST", "APP1",
+                                                                            max_msg_length=MAX_MSG_LENGTH)
+    qm = start_qm(redis_server.url, tmp_path / "logs", "QM5")
+    try:
+        bodies = [bytes([i]) * MAX_MSG_LENGTH for i in (1, 2)]
+        conn = qm.connect()
+        with conn.unit_of_work():
+            for b in bodies:
+                conn.put("LARGEST", b, msgid=b"largest-%d" % b[0], properties={"p": "v" * 1000})
+        with client(wide) as c:
+            seen = c.browse("LARGEST")
+            assert [m.body for m in seen] == bodies[:1] and seen.more  # two do not fit one reply
+            m1 = c.get("LARGEST", syncpoint=False)
+            m2 = c.get("LARGEST")
+            c.commit()
+        assert [m1.body, m2.body] == bodies and (m1.msgid, m2.properties) == (b"largest-1", {"p": "v" * 1000})
+        assert drain(conn, "LARGEST") == []
+    finally:
+        qm.stop()
+
+
+@pytest.mark.parametrize("syncpoint", [False, True])
+def test_a_get_the_connection_cannot_carry_takes_nothing(server: ServerProc, member: QueueManager,
+                                                         syncpoint: bool) -> None:
+    """A message the queue holds but a reply of this connection cannot carry: the get fails with
+    MQRC_TRUNCATED_MSG_FAILED and takes nothing (no GET record, no backout count), the UOW is as it was, and the
+    message is there for a connection that can carry it."""
+    inproc = member.connect()
+    big = inproc.put(BIGQ, b"B" * 200_000, syncpoint=False)
+    with client(server) as c:
+        c.put("Q1", b"in the same unit of work")
+        with pytest.raises(MQError) as e:
+            c.get(BIGQ, syncpoint=syncpoint)
+        assert e.value.reason == 2080 and "stays on the queue" in str(e.value), e.value
+        assert c.uow_open  # the UOW was not backed out, and holds what it held
+        c.commit()
+        assert c.get("Q1", syncpoint=False).body == b"in the same unit of work"
+    assert logged_gets(server, big.entry_id) == []
+    got = inproc.get(BIGQ, syncpoint=False)
+    assert (got.entry_id, got.backout_count) == (big.entry_id, 0)
+
+
+def test_a_browse_returns_what_one_reply_carries_and_says_there_are_more(server: ServerProc,
+                                                                         member: QueueManager) -> None:
+    inproc = member.connect()
+    for i in range(5):
+        inproc.put(BIGQ, bytes([65 + i]) * 20_000, syncpoint=False)
+    with client(server) as c:
+        seen = c.browse(BIGQ, limit=100)
+        assert 1 < len(seen) < 5 and seen.more, (len(seen), seen.more)
+        assert [m.body[:1] for m in seen] == [b"A", b"B", b"C", b"D"][:len(seen)]
+        assert c.browse(BIGQ, limit=1).more
+        drain(inproc, BIGQ)
+        inproc.put(BIGQ, b"H" * 200_000, syncpoint=False)
+        with pytest.raises(MQError) as e:  # not even the first fits: said so, not "the connection was lost"
+            c.browse(BIGQ)
+        assert e.value.reason == 2080 and "limited to 65536 bytes" in str(e.value), e.value
+        assert c.ping()["qmgr"] == "QM1"
+
+
+def test_a_put_the_connection_cannot_carry_fails_at_the_client_as_too_big(server: ServerProc,
+                                                                           member: QueueManager) -> None:
+    """BIGQ holds 1 MiB, a request to this server carries 64 KiB: the client refuses the put before sending it
+    (MQRC_MSG_TOO_BIG_FOR_CHANNEL, a kind of MQRC_MSG_TOO_BIG_FOR_Q), the UOW is untouched, the connection goes on."""
+    with client(server) as c:
+        c.put("Q1", b"kept")
+        with pytest.raises(MessageTooBigError) as e:
+            c.put(BIGQ, b"x" * 100_000)
+        assert e.value.reason == 2218 and "nothing was sent" in str(e.value), e.value
+        assert c.uow_open
+        c.commit()
+        assert c.get("Q1", syncpoint=False).body == b"kept"
+    assert drain(member.connect(), BIGQ) == []
+
+
+def test_before_hello_a_peer_may_send_only_a_small_frame(wide: ServerProc) -> None:
+    """Bounded resources for a peer that has not authenticated: a frame header over 64 KiB is refused at once,
+    without the server reading (or waiting for) its body, and the connection is closed."""
+    r = Raw(wide.port)
+    r.send_bytes(HEADER.pack(2**20))  # the header alone: the body is never sent
+    reply = r.reply()
+    assert reply["error"]["type"] == "FrameTooLargeError" and "before hello" in reply["error"]["message"]
+    assert r.closed_by_server()
+    r = Raw(wide.port)
+    assert r.request("hello", {"token": TOKEN, "max_frame": 10})["error"]["type"] == "BadRequestError"
+
+
+def test_the_server_learns_the_clients_frame_limit_at_hello(wide: ServerProc, member: QueueManager) -> None:
+    """A client that accepts only 64 KiB frames says so at hello: the server never sends it more, so a get of a
+    longer message fails with MQRC_TRUNCATED_MSG_FAILED instead of consuming it for nobody."""
+    big = member.connect().put(BIGQ, b"L" * 200_000, syncpoint=False)
+    with Client(wide.endpoint, token=TOKEN, max_frame=64 * 1024) as small:
+        with pytest.raises(MQError) as e:
+            small.get(BIGQ, syncpoint=False)
+        assert e.value.reason == 2080, e.value
+    assert logged_gets(wide, big.entry_id) == []
+    with client(wide) as c:
+        got = c.get(BIGQ, syncpoint=False)
+    assert (got.entry_id, got.backout_count, len(got.body)) == (big.entry_id, 0, 200_000)
+
+
+def test_a_message_at_the_edge_of_a_reply_goes_through(server: ServerProc, member: QueueManager) -> None:
+    """The bound is exact and safe: a message with the longest ids, properties and queue name whose data plus
+    descriptor is exactly what a 64 KiB reply may carry is delivered; one byte more is refused."""
+    inproc = member.connect()
+    props = {f"k{i}": "v" * 20 for i in range(100)}
+    probe = inproc.put(BIGQ, b"p" * 1000, msgid=b"m" * 24, correlid=b"c" * 24, properties=props, syncpoint=False)
+    descriptor = int(member.redis.hstrlen(keys.entries("APP1"), probe.entry_id))
+    drain(inproc, BIGQ)
+    room = MAX_FRAME - protocol.ENVELOPE - protocol.MESSAGE_COST - descriptor
+    fits = inproc.put(BIGQ, b"f" * room, msgid=b"F" * 24, correlid=b"c" * 24, properties=props, syncpoint=False)
+    over = inproc.put(BIGQ, b"o" * (room + 1), msgid=b"O" * 24, correlid=b"c" * 24, properties=props,
+                      syncpoint=False)
+    with client(server) as c:
+        assert len(c.get(BIGQ, msgid=b"F" * 24, syncpoint=False).body) == room
+        with pytest.raises(MQError) as e:
+            c.get(BIGQ, msgid=b"O" * 24, syncpoint=False)
+        assert e.value.reason == 2080
+    assert [m.entry_id for m in drain(inproc, BIGQ)] == [over.entry_id] and fits.entry_id
+
+
+def test_message_ids_and_properties_are_bounded(member: QueueManager) -> None:
+    """So that any descriptor fits its allowance, and any message a queue holds fits a frame."""
+    conn = member.connect()
+    with pytest.raises(BadRequestError, match="msgid must be at most 24 bytes"):
+        conn.put("Q1", b"x", msgid=b"m" * 25)
+    with pytest.raises(BadRequestError, match="correlid must be at most 24 bytes"):
+        conn.put("Q1", b"x", correlid=b"c" * 25)
+    with pytest.raises(BadRequestError, match="properties take"):
+        conn.put("Q1", b"x", properties={"p": "v" * MAX_PROPERTIES_LENGTH})
+    assert conn.uow is None or conn.uow.operations == 0
+
+
+def test_the_limits_agree_end_to_end(redis_server: Any) -> None:
+    """Every carrier of a message takes the longest one a queue may hold: the record log, the backup files, the
+    service's frames and the CF's redis-server."""
+    longest = MAX_MSG_LENGTH + DESCRIPTOR_ALLOWANCE
+    assert longest <= MAX_RECORD_BYTES
+    assert longest <= 2**32 - 1  # backup frames have a u32 length
+    assert protocol.DEFAULT_MAX_FRAME == protocol.MAX_FRAME >= longest + protocol.ENVELOPE
+    r = redis_server.client()
+    assert int(r.config_get("proto-max-bulk-len")["proto-max-bulk-len"]) >= longest
+    assert int(r.config_get("client-query-buffer-limit")["client-query-buffer-limit"]) >= 2 * longest

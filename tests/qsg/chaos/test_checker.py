@@ -241,3 +241,35 @@ def test_deliveries_are_ordered_by_backout_count_not_by_when_a_slow_reply_arrive
     h.drain("s2")
     r = check(h.events)
     assert r.ok, r.findings
+
+
+def test_undelivered_consumed_by_a_get_whose_client_left() -> None:
+    """Issue 10, holes 9 and 10: a get whose client left while it waited (or whose reply never reached the client)
+    took a message, and nobody ever received it. Told apart from a plain loss, and not reported when the message
+    was delivered after all."""
+    h = clean_base()
+    h.op("leaver", "get", "unknown", {"reason": "client left", "left": True}, uow=None, queue="Q1", syncpoint=False,
+         wait_ms=20_000)
+    h.put("p", None, "w1")  # put after the client left, while a server that missed it would still wait
+    r = check(h.events)
+    only(r.summary(), "undelivered")
+    assert r.of("undelivered")[0].msgs == ["w1"] and "client left" in r.of("undelivered")[0].detail
+    assert r.counts["gets whose client left while they waited"] == 1
+    h.drain("w1")  # the get took nothing: w1 is there at the end
+    assert check(h.events).ok
+    h = clean_base()  # a get outside syncpoint whose reply was lost (a frame the client refused): unknown outcome
+    h.put("p", None, "w2")
+    h.op("c", "get", "unknown", {"reason": "MQRC_CONNECTION_BROKEN"}, uow=None, queue="Q1", syncpoint=False)
+    only(h.findings(), "undelivered")
+    h = clean_base()  # the same loss on another queue, or long before the put: a plain loss
+    h.op("leaver", "get", "unknown", {"left": True}, uow=None, queue="Q3", syncpoint=False, wait_ms=100)
+    h.op("leaver", "get", "unknown", {"left": True}, uow=None, queue="Q1", syncpoint=False, wait_ms=100)
+    h.t += 5.0
+    h.put("p", None, "w3")
+    only(h.findings(), "lost")
+    h = clean_base()  # a get by correlation id takes only a message with that correlation id
+    h.op("leaver", "get", "unknown", {"left": True}, uow=None, queue="Q1", syncpoint=False, wait_ms=20_000,
+         correlid="0a")
+    h.op("p", "put", uow=None, msg="w4", queue="Q1", priority=0, persistent=True, syncpoint=False, expiry_ms=0,
+         correlid="0b")
+    only(h.findings(), "lost")
