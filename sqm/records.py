@@ -254,6 +254,11 @@ def _data_note(r: Record) -> str:
     return f", carries data of {len(r['dd'])} gets" if r.get("dd") else ""
 
 
+def _at_note(r: Record) -> str:
+    """Where a decision counts, when not at its own LRSN (a re-log, a peer completing the owner's decision)."""
+    return f", counts at {r['at']}" if r.get("at") and r["at"] != r["l"] else ""
+
+
 def _recovery_decides(r: Record) -> str:
     return OUTCOME_COMMIT if r["o"] == OUTCOME_COMMIT else OUTCOME_BACKOUT
 
@@ -301,14 +306,14 @@ KINDS: dict[str, RecordKind] = {k.code: k for k in [
                lambda r: f"prepare uow {r['u']} xid {r.get('x', '')} (in doubt)",
                decides=lambda r: OUTCOME_INDOUBT),
     RecordKind("COMMIT", CommitRecord, commit, True, Role.OUTCOME, INCOMMIT,
-               lambda r: f"commit uow {r['u']} on {', '.join(r.get('ss', {})) or '-'}",
+               lambda r: f"commit uow {r['u']} on {', '.join(r.get('ss', {})) or '-'}{_at_note(r)}",
                decides=lambda r: OUTCOME_COMMIT),
     RecordKind("BACKOUT", BackoutRecord, backout, True, Role.OUTCOME, INBACKOUT,
-               lambda r: f"backout uow {r['u']} ({r.get('r', 'application')}){_data_note(r)}",
+               lambda r: f"backout uow {r['u']} ({r.get('r', 'application')}){_data_note(r)}{_at_note(r)}",
                decides=lambda r: OUTCOME_BACKOUT, carries_data=True),
     RecordKind("RECOVERY", RecoveryRecord, recovery, True, Role.OUTCOME, None,
                lambda r: (f"{'commit' if r['o'] == OUTCOME_COMMIT else 'backout'} of {r['of']}'s uow {r['u']} "
-                          f"decided by {r['by']}{_data_note(r)}"),
+                          f"decided by {r['by']}{_data_note(r)}{_at_note(r)}"),
                decides=_recovery_decides, outranks_owner=True, carries_data=True),
     RecordKind("END", EndRecord, end, False, Role.END, DONE, lambda r: f"uow {r['u']} complete on the CF"),
     RecordKind("EXPIRE", ExpireRecord, expire, False, Role.ENTRY, None,
