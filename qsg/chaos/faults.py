@@ -16,10 +16,10 @@
 | disk-full             | the SQM whose log is on a small tmpfs: the tmpfs is filled, then freed              |
 | clock-skew            | an SQM is restarted with its LRSN clock source skewed by seconds (--clock-skew-ms); |
 |                       | sometimes another SQM is then killed -9, so the skewed one may be its recoverer     |
-| peer-clock-skew       | the peers of an SQM restart with their clocks skewed behind by more than the lease, |
-|                       | one kept idle (its clients cut off); the SQM is killed right after a COMMIT is      |
-|                       | forced (failpoint after-log-force); a skewed peer recovers it; then a CF loss and   |
-|                       | restore; the SQM restarts                                                           |
+| peer-clock-skew       | the peers of an SQM restart with their clocks skewed behind by more than the lease  |
+|                       | (in half the seeds one is idle: clients cut off, the others stopped until it has    |
+|                       | recovered); the SQM dies right after a COMMIT is forced (failpoint after-log-force);|
+|                       | a skewed peer recovers it; then a CF loss and restore; the SQM restarts             |
 | backup                | a fuzzy backup of every structure under load (what the demo scripts before a loss)  |
 
 After a fault heals, an SQM that exited (fenced) or no longer serves (its log failed) is restarted, as an
@@ -57,8 +57,9 @@ from sqm.service.server import EXIT_FENCED
 SHORT_KINDS = ("sqm-kill", "cf-kill", "cf-link-cut", "client-link-halfopen")
 # Rough seconds each kind takes from injection to full service, to space the schedule.
 COST_S = {"sqm-kill": 7.0, "sqm-pause": 8.0, "cf-kill": 6.0, "cf-kill-during-restore": 8.0,
-          "during-backup": 12.0, "disk-full": 8.0, "clock-skew": 6.0, "peer-clock-skew": 22.0, "backup": 3.0}
+          "during-backup": 12.0, "disk-full": 8.0, "clock-skew": 6.0, "peer-clock-skew": 32.0, "backup": 3.0}
 ORDER_LIMIT = 100_000  # messages per queue an order snapshot reads
+IDLE_SETTLE_S = 7.0  # peer-clock-skew: longer than the coordinator's longest park before a resolve (6 s)
 
 
 class FaultError(RuntimeError):
@@ -130,7 +131,8 @@ def schedule(seed: int, kinds: tuple[str, ...], duration: float, managers: list[
                 params["then_kill"] = rnd.choice([m for m in managers if m != target])
         elif kind == "peer-clock-skew":
             params["skew_ms"] = -(lease_ms + rnd.choice((1000, 2000, 4000)))
-            params["idle"] = rnd.choice([m for m in managers if m != target] or [target])
+            if len(managers) > 2 and rnd.random() < 0.5:  # else a busy peer recovers it
+                params["idle"] = rnd.choice([m for m in managers if m != target])
             params["commit"] = rnd.randint(2, 12)  # the victim dies right after forcing this many COMMITs
         elif kind == "during-backup":
             params["step"] = rnd.randint(1, 5)
@@ -389,34 +391,49 @@ def clock_skew(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
 
 
 def peer_clock_skew(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
-    """The recovering side's clock lags: every peer of the target runs skewed behind by more than the lease, and
-    one of them serves no clients (its clock then lags the group's: only CF calls move it on); the target dies
-    right after forcing a COMMIT, so a peer completes that commit; then the CF is lost and restored. A RECOVERY
-    record that sorts below the dead member's operations, or a commit the CF and restore place at different
-    LRSNs, shows as locked messages (stuck) or as an order that changed across the restore (restore-order)."""
-    skew, idle, victim = int(f.params["skew_ms"]), f.params["idle"], f.target
+    """The recovering side's clock lags: every peer of the target runs skewed behind by more than the lease; the
+    target dies right after forcing a COMMIT, so a peer completes that commit; then the CF is lost and restored.
+    With an idle peer (params["idle"]) the recoverer is that peer, serving no clients and left alone long enough
+    that nothing moves its clock on (the other peers are stopped until it has recovered the target, and are
+    restarted if they were fenced meanwhile): its RECOVERY record once sorted below the dead member's operations
+    (issue 10, hole 2: entries locked for good, the checker's `stuck`). Without one, a busy peer recovers while
+    the others commit: the CF once stamped the completed commit where restore did not place it (hole 3: the
+    checker's `restore-order`)."""
+    skew, idle, victim = int(f.params["skew_ms"]), f.params.get("idle"), f.target
     peers = [n for n in g.names if n != victim]
-    out: dict[str, Any] = {"skew_ms": skew, "idle": idle}
+    stopped = [n for n in peers if idle and n != idle]
+    out: dict[str, Any] = {"skew_ms": skew, "idle": idle or "-"}
     for name in peers:
         out[f"{name}_restart_s"] = _skew(g, name, skew, step)
-    g.client_proxies[idle].cut()
-    step(f"{idle} idle (its clients cut off)")
+    if idle:
+        g.client_proxies[idle].cut()
+        step(f"{idle} idle (its clients cut off)")
+        time.sleep(IDLE_SETTLE_S)  # the coordinator's resolves of what it prepared end: nothing moves its clock
     try:
         g.c.kill_manager(victim, signal.SIGTERM, timeout=30.0)
-        g.c.restart_manager(victim, timeout=60.0,
-                            env={FAILPOINTS_ENV: f"after-log-force={int(f.params.get('commit', 3))}"})
-        step(f"{victim} restarted, to die after its COMMIT number {f.params.get('commit', 3)} is forced")
+        hit = int(f.params.get("commit", 3))
+        g.c.restart_manager(victim, timeout=60.0, env={FAILPOINTS_ENV: f"after-log-force={hit}"})
+        step(f"{victim} restarted, to die after forcing its COMMIT number {hit}")
         code = g.c.wait_manager_exit(victim, timeout=30.0)
         if code is None:  # too few commits reached it: kill it anyway
             g.c.kill_manager(victim, signal.SIGKILL)
             out["victim"] = "killed -9 (the failpoint was not reached in 30 s)"
         else:
             out["victim"] = f"died at the failpoint (exit code {code})"
-        step(f"{victim} dead")
-        out["peer_recovery_s"] = _peer_recovery(g, victim, step)
+        for name in stopped:
+            g.stop(name)
+        step(f"{victim} dead" + (f"; {', '.join(stopped)} stopped: {idle} recovers it" if stopped else ""))
+        try:
+            out["peer_recovery_s"] = _peer_recovery(g, victim, step)
+        finally:
+            for name in stopped:
+                g.cont(name)
     finally:
-        g.client_proxies[idle].heal()
-    step(f"{idle} serves again")
+        if idle:
+            g.client_proxies[idle].heal()
+    step("heal")
+    for name in stopped:  # stopped past its lease: fenced and recovered too, it exits and is restarted
+        out[f"{name}_after_stop"] = after_heal(g, name, step)
     out.update(_cf_loss(g, f, step))
     out["restart_s"] = _restart(g, victim, step)  # without the failpoint
     return out
