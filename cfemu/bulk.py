@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple, Protocol
 
@@ -223,16 +223,18 @@ def _wire(s: Survivor) -> Wire:
     return s.entry
 
 
-def verify(client: redis.Redis, structure: str, survivors: Sequence[Survivor]) -> list[str]:
-    """Compare the structure's content with what was loaded: entry and data counts, UOWs holding entries, and
-    the length of every list. Returns the differences found (none: an empty list)."""
+def verify(client: redis.Redis, structure: str, survivors: Sequence[Survivor],
+           uows: Collection[str] | None = None) -> list[str]:
+    """Compare the structure's content with what was loaded: entry and data counts, UOW records (`uows`, by
+    default those holding entries), and the length of every list. Returns the differences found (none: [])."""
     expected: dict[str, int] = defaultdict(int)
-    uows: set[str] = set()
+    holding: set[str] = set()
     for s in survivors:
         e = _wire(s)
         expected[list_of(structure, e)] += 1
         if e.get("u"):
-            uows.add(e["u"])
+            holding.add(e["u"])
+    uows = holding if uows is None else set(uows) | holding
     pipe = client.pipeline(transaction=False)
     pipe.hlen(keys.entries(structure))
     pipe.hlen(keys.data(structure))

@@ -140,18 +140,25 @@ class Structure:
         out = self._call("browse", None, [queue, limit, now_ms, max_bytes, each])
         return Browsed(_pairs(out[1:]), more=bool(int(out[0])))
 
-    def commit(self, caller: Caller, uow: str, *, gen: int, lrsn: int,
+    def commit(self, caller: Caller, uow: str, *, gen: int, lrsn: int, at: int = 0,
                decided_by_recovery: bool = False) -> OutcomeReply:
-        cf, puts, gets = self._call("commit", caller, [uow, gen, lrsn, 1 if decided_by_recovery else 0])
+        """lrsn: the deciding record's LRSN (0: nothing logged), checked against the floor; at: the LRSN the
+        commit counts at, when it is not lrsn (sqm.records.counts_at)."""
+        cf, puts, gets = self._call("commit", caller, [uow, gen, lrsn, 1 if decided_by_recovery else 0, at])
         caller.clock.observe(int(cf))
         return OutcomeReply(int(cf), int(puts), int(gets))
 
-    def backout(self, caller: Caller, uow: str, *, gen: int, lrsn: int, has_data: bool,
+    def backout(self, caller: Caller, uow: str, *, gen: int, lrsn: int, has_data: bool, at: int = 0,
                 decided_by_recovery: bool = False) -> OutcomeReply:
         cf, puts, gets = self._call("backout", caller, [uow, gen, lrsn, 1 if has_data else 0,
-                                                        1 if decided_by_recovery else 0])
+                                                        1 if decided_by_recovery else 0, at])
         caller.clock.observe(int(cf))
         return OutcomeReply(int(cf), int(puts), int(gets))
+
+    def standing(self, caller: Caller, uow: str, *, gen: int) -> str:
+        """How the UOW stands here (standing.lua): 'H' held, 'C' / 'B' decided by recovery, 'L' lost with the
+        CF, 'N' nothing here. Raises as commit would for a structure that is not ACTIVE or a fenced member."""
+        return keys.text(self.cf.run("standing", self.name, [caller.member, caller.epoch, uow, gen]))
 
     def uow_entries(self, uow: str) -> list[tuple[Entry, bytes]]:
         return _pairs(self._call("uow_entries", None, [uow]))

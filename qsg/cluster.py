@@ -33,7 +33,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -205,10 +205,11 @@ class Cluster:
             env[ENV_TOKEN] = self.token  # in the environment, not on a command line anyone can read
         return env
 
-    def _popen(self, key: str, cmd: list[str], log_name: str) -> subprocess.Popen[bytes]:
+    def _popen(self, key: str, cmd: list[str], log_name: str,
+               env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
         with open(self.dir / "run" / log_name, "ab") as out:
             kw: dict[str, Any] = {"stdin": subprocess.DEVNULL, "stdout": out, "stderr": subprocess.STDOUT,
-                                  "env": self._env(), "close_fds": True}
+                                  "env": {**self._env(), **(env or {})}, "close_fds": True}
             if self.state["detached"]:
                 proc = subprocess.Popen(cmd, start_new_session=True, **kw)
             else:
@@ -235,7 +236,7 @@ class Cluster:
     def _ready_file(self, name: str) -> Path:
         return self.dir / "run" / f"{name}.ready"
 
-    def _spawn_manager(self, name: str) -> None:
+    def _spawn_manager(self, name: str, env: Mapping[str, str] | None = None) -> None:
         m = self.manager(name)
         with contextlib.suppress(FileNotFoundError):
             self._ready_file(name).unlink()
@@ -243,7 +244,7 @@ class Cluster:
                "--metrics-port", str(m["metrics_port"]), "--redis-url", m.get("cf_url") or self.redis_url,
                "--log-root", str(self.log_root), "--lease-ms", str(self.state["lease_ms"]), "--ready-file",
                str(self._ready_file(name)), *self.state.get("manager_args", []), *m.get("extra_args", [])]
-        proc = self._popen(name, cmd, f"{name}.log")
+        proc = self._popen(name, cmd, f"{name}.log", env)
         self._set_manager(name, pid=proc.pid)
 
     def _set_manager(self, name: str, **values: Any) -> None:
@@ -285,15 +286,16 @@ class Cluster:
             raise ClusterError(f"{name} (pid {pid}) still runs {timeout:g}s after signal {sig}")
 
     def restart_manager(self, name: str, timeout: float = 30.0, *,
-                        extra_args: Sequence[str] | None = None) -> None:
+                        extra_args: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> None:
         """Start a stopped (or killed) manager again on its port; restart recovery runs from its log.
-        extra_args (kept for later restarts) go to this manager's ``sqm run`` only, e.g. --clock-skew-ms."""
+        extra_args (kept for later restarts) go to this manager's ``sqm run`` only, e.g. --clock-skew-ms; env
+        (this start only) is added to its environment, e.g. SQM_FAILPOINTS for the chaos suite."""
         pid = self.manager(name).get("pid")
         if _pid_runs(pid, name.encode()):
             raise ClusterError(f"{name} is still running (pid {pid})")
         if extra_args is not None:
             self._set_manager(name, extra_args=list(extra_args))
-        self._spawn_manager(name)
+        self._spawn_manager(name, env)
         self._wait_manager(name, timeout)
         self._save()
 

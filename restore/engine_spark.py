@@ -255,7 +255,7 @@ class SparkEngine:
         self.phase_seconds = phases.seconds
         for uow in decisions:
             outcomes[uow] = in_flight_outcome(restore_lrsn)
-        counts, in_commit = summarize(Counter(s.disposition for s in settled), outcomes, decisions, ended)
+        counts, in_commit = summarize(structure, settled, outcomes, decisions, ended)
         return RestorePlan(structure, restore_lrsn, settled, outcomes, decisions, in_commit, counts, per_member,
                            max_lrsn)
 

@@ -21,7 +21,7 @@ import redis
 from cfemu import bulk
 from cfemu.admin import StructureDef
 from restore.engine import LOAD, Progress, no_progress
-from restore.plan import RestorePlan, owner_of
+from restore.plan import RestorePlan
 from restore.settle import BACKOUT, Settled, fifo_key
 from sqm.failpoints import failpoint
 
@@ -86,10 +86,15 @@ def load_plan(client: redis.Redis, plan: RestorePlan, sdef: StructureDef, queues
         progress(LOAD, result.entries, len(ordered))
         failpoint("restore-load-batch")  # tests: SQM_FAILPOINTS=restore-load-batch=N dies after batch N
     result.bytes = loader.bytes
-    result.uows_in_doubt = loader.finish(queues, owner=lambda u: uow_owner(plan, u),
-                                         tomb=restore_owned_uows(plan))
+    # In-doubt UOWs the structure holds though none of their work on it survived (non-persistent only) are
+    # registered too, at their PREPARE's LRSN (a later backup's floor keeps it in the replay): their commit or
+    # backout then completes here as a no-op instead of being refused as lost with the CF (issue 10, hole 13).
+    held = plan.in_doubt_uows()
+    for u in held.keys() - loader.held.keys():
+        loader.held[u] = plan.outcomes[u].lrsn
+    result.uows_in_doubt = loader.finish(queues, owner=held.__getitem__, tomb=restore_owned_uows(plan))
 
-    problems = bulk.verify(client, S, ordered)
+    problems = bulk.verify(client, S, ordered, uows=held.keys())
     if problems:
         raise LoadVerifyError(f"structure {S} after the load: {'; '.join(problems)} (left RECOVERING)")
     bulk.activate(client, sdef, gen=plan.restore_lrsn, clock=plan.restore_lrsn + 1, floor=plan.restore_lrsn,
@@ -97,8 +102,3 @@ def load_plan(client: redis.Redis, plan: RestorePlan, sdef: StructureDef, queues
     result.seconds = time.monotonic() - t0
     return result
 
-
-def uow_owner(plan: RestorePlan, uow: str) -> str:
-    """The member that owns an in-doubt UOW: the one that logged its PREPARE (UOW ids start with it too)."""
-    o = plan.outcomes.get(uow)
-    return o.decided_by if o is not None and o.decided_by else owner_of(uow)

@@ -48,13 +48,34 @@ class RestorePlan:
         return [s for s in self.settled if s.entry is not None]
 
     def in_doubt_uows(self) -> dict[str, str]:
-        """In-doubt UOWs that hold entries in the restored structure: UOW -> owner."""
-        return {s.entry["u"]: owner_of(s.entry["u"]) for s in self.settled if s.entry and s.entry.get("u")}
+        """The UOWs the restored structure holds, in doubt: UOW -> owner (restore.plan.held_uows)."""
+        return held_uows(self.structure, self.settled, self.outcomes)
 
 
 def owner_of(uow: str) -> str:
     """UOW ids are '<member>.<epoch>.<sequence>'."""
     return uow.split(".", 1)[0]
+
+
+def uow_owner(uow: str, outcome: Outcome | None) -> str:
+    """The member that owns a UOW: the one that logged its PREPARE for an in-doubt one, else the one its id
+    names (never the peer whose RECOVERY record decided it: that member cannot resolve it)."""
+    if outcome is not None and outcome.kind == INDOUBT and outcome.decided_by:
+        return outcome.decided_by
+    return owner_of(uow)
+
+
+def held_uows(structure: str, settled: Iterable[Settled], outcomes: Mapping[str, Outcome]) -> dict[str, str]:
+    """The UOWs the restored structure holds, UOW -> owner: those holding loaded entries, and the in-doubt UOWs
+    whose records name the structure though none of their work on it survives (non-persistent work only: the
+    load registers them too, so that their coordinator can still commit or back them out). The report's count
+    of UOWs in doubt and its list are both this set, so they cannot disagree."""
+    out = {s.entry["u"]: uow_owner(s.entry["u"], outcomes.get(s.entry["u"]))
+           for s in settled if s.entry and s.entry.get("u")}
+    for u, o in outcomes.items():
+        if o.kind == INDOUBT and structure in o.structures and u not in out:
+            out[u] = uow_owner(u, o)
+    return dict(sorted(out.items()))
 
 
 def relevant(record: Record, structure: str) -> bool:
@@ -91,12 +112,12 @@ def in_flight_outcome(restore_lrsn: int) -> Outcome:
     return Outcome(BACKOUT, restore_lrsn, "restore")
 
 
-def summarize(dispositions: Counter[str], outcomes: Mapping[str, Outcome], decisions: Mapping[str, str],
-              ended: Collection[str]) -> tuple[Counter[str], set[str]]:
+def summarize(structure: str, settled: list[Settled], outcomes: Mapping[str, Outcome],
+              decisions: Mapping[str, str], ended: Collection[str]) -> tuple[Counter[str], set[str]]:
     """The plan's report counts and its in-commit UOWs (committed, with no END record yet)."""
-    counts = Counter(dispositions)
+    counts = Counter(s.disposition for s in settled)
     in_commit = {u for u, o in outcomes.items() if o.kind == COMMIT and u not in ended}
-    counts["uows in doubt"] = sum(1 for o in outcomes.values() if o.kind == INDOUBT)
+    counts["uows in doubt"] = len(held_uows(structure, settled, outcomes))
     counts["uows in flight backed out"] = len(decisions)
     return counts, in_commit
 
@@ -144,6 +165,6 @@ def plan_local(structure: str, backup: Iterable[Copy], records: Iterable[Record]
 
     settled = [settle(eid, best.get(eid), by_entry.get(eid, ()), outcomes, now_ms)
                for eid in best.keys() | by_entry.keys()]
-    counts, in_commit = summarize(Counter(s.disposition for s in settled), outcomes, decisions, ended)
+    counts, in_commit = summarize(structure, settled, outcomes, decisions, ended)
     return RestorePlan(structure, restore_lrsn, settled, outcomes, decisions, in_commit, counts, per_member,
                        max_lrsn)

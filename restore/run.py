@@ -34,7 +34,7 @@ from backup.files import Backup, read_backup
 from cfemu import bulk, keys
 from cfemu.admin import Admin, AdminError, StructureDef
 from restore.engine import PHASES, Progress, get_engine, no_progress
-from restore.load import LoadResult, load_plan, restore_owned_uows, uow_owner
+from restore.load import LoadResult, load_plan, restore_owned_uows
 from restore.plan import RestorePlan
 from restore.result import PurgeResult, RestoreResult, write_report
 from sqm import records
@@ -205,7 +205,7 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
     result.counts = _counts(plan)
     result.nonpersistent_lost = {"skipped by the backup": int(manifest.get("nonpersistent_skipped", 0)),
                                  "found in the CF": found_in_cf}
-    result.in_doubt_uows = {u: uow_owner(plan, u) for u in sorted(plan.in_doubt_uows())}
+    result.in_doubt_uows = plan.in_doubt_uows()  # the same set the count of UOWs in doubt counts
     result.timings = timer.seconds()
     if report_path is not None or not dry_run:
         path = report_path or default_report_path(backup_root, structure, started)

@@ -21,6 +21,7 @@ from sqm.records import (
     Record,
     RecordKind,
     Role,
+    counts_at,
     lookup,
 )
 
@@ -41,9 +42,10 @@ _OUTCOME = "OUTCOME"  # the fold's event kind for a UOW's outcome (the other eve
 @dataclass(frozen=True)
 class Outcome:
     kind: str  # COMMIT, BACKOUT or INDOUBT
-    lrsn: int
-    decided_by: str = ""
+    lrsn: int  # where it counts (sqm.records.counts_at of the record that decided it)
+    decided_by: str = ""  # the member whose record decided it (for INDOUBT: the owner that prepared), or restore
     data: Mapping[str, tuple[str, dict[str, Any], bytes]] = field(default_factory=dict)  # entry id -> copy
+    structures: tuple[str, ...] = ()  # every structure its records name (ss)
 
 
 @dataclass
@@ -56,43 +58,51 @@ class Settled:
 
 
 def decide_outcome(records: Iterable[Record]) -> Outcome | None:
-    """A UOW's outcome from its COMMIT / BACKOUT / PREPARE / RECOVERY records (any order).
+    """A UOW's outcome from its COMMIT / BACKOUT / PREPARE / RECOVERY records (any order), and where it counts.
 
     A RECOVERY record (peer recovery or restore decided it) outranks the owner's own records: the owner may have
     written a COMMIT after the decision, which the CF then refused. Otherwise the owner's last record decides
     (a COMMIT followed by a BACKOUT is a commit the CF refused); a last PREPARE leaves the UOW in doubt.
 
-    When the owner had logged the same decision before the RECOVERY record (an in-commit or in-backout UOW that
-    peer recovery completed), the transition took place at the owner's LRSN: the owner may have applied it on
-    the CF before it failed, and other UOWs may have got (and consumed) the entries since. Placing it at the
-    RECOVERY record's LRSN would replay it after them and bring consumed messages back (chaos seed 2).
+    Where it counts is one rule, shared with the CF (docs/log-format.md, "When an outcome counts"): at
+    sqm.records.counts_at of the first record of the decision. Records of one decision in a row are re-logs of it
+    (the CF refused the first: below a backup's floor, or a backup running), and say in `at` where the first one
+    counts; a RECOVERY record that completes the owner's own COMMIT or BACKOUT counts at the owner's record (the
+    owner may have applied it on the CF before it failed, and other UOWs may have got, and consumed, the entries
+    since: placing it later would bring consumed messages back, chaos seed 2). The CF stamps the entries with the
+    same LRSN, so get order is the same on the live CF and after a restore. Records written before `at` existed
+    are read as they always were: the owner's earlier record of the same decision, else the record's own LRSN.
     """
     recs = list(records)
+    structures = tuple(sorted({s for r in recs for s in r.get("ss", {})}))
     decided = sorted((r for r in recs if lookup(r).outranks_owner), key=lambda r: (r["l"], r["by"]))
     if decided:
         r = decided[0]
         kind = _decision(r)
-        same = [o for o in recs if _owners_decision(o) == kind and o["l"] < r["l"]]
-        if same:
-            first = min(same, key=lambda o: o["l"])
-            return Outcome(kind, first["l"], r["by"], {**_carried(r), **_carried(first)})
-        return Outcome(kind, r["l"], r["by"], _carried(r))
+        relogs = [d for d in decided if _decision(d) == kind]
+        own = sorted((o for o in recs if _owners_decision(o) == kind and o["l"] < r["l"]), key=lambda o: o["l"])
+        carried: dict[str, tuple[str, dict[str, Any], bytes]] = {}
+        for x in (*relogs[::-1], *own[::-1]):
+            carried.update(_carried(x))
+        if any("at" in d for d in relogs):
+            lrsn = min(counts_at(d) for d in relogs)
+        else:  # written before `at`: the owner's first record of the same decision, if any
+            lrsn = own[0]["l"] if own else r["l"]
+        return Outcome(kind, lrsn, r["by"], carried, structures)
     own = sorted((r for r in recs if _owners_decision(r) is not None), key=lambda r: r["l"])
     if not own:
         return None
     r = own[-1]
     kind = _decision(r)
-    # Records of the same decision in a row are re-logs of it (a floor retry, or a retry after a restore that
-    # had already applied the first one): it took effect at the first, as far as other UOWs could see.
     run = [r]
     for earlier in reversed(own[:-1]):
         if earlier["k"] != r["k"]:
             break
         run.append(earlier)
-    carried: dict[str, tuple[str, dict[str, Any], bytes]] = {}
+    carried = {}
     for x in reversed(run):
         carried.update(_carried(x))
-    return Outcome(kind, run[-1]["l"], r.get("m", ""), carried)
+    return Outcome(kind, min(counts_at(x) for x in run), r.get("m", ""), carried, structures)
 
 
 def _decision(r: Record) -> str:
@@ -149,7 +159,7 @@ def settle(entry_id: str, backup: tuple[str, dict[str, Any], bytes] | None, reco
     for u in uows_named(backup, recs):
         o = outcomes.get(u)
         if o is not None and o.kind != INDOUBT:
-            events.append((o.lrsn, OUTCOME_RANK, _OUTCOME, (u, o)))
+            events.append((_counted_after_own(u, o.lrsn, backup, recs), OUTCOME_RANK, _OUTCOME, (u, o)))
     events.sort(key=lambda e: (e[0], e[1]))
 
     structure = backup[0] if backup else ""
@@ -202,6 +212,20 @@ def settle(entry_id: str, backup: tuple[str, dict[str, Any], bytes] | None, reco
     if 0 < int(state.get("exp", 0)) <= now_ms:
         return Settled(entry_id, EXPIRED)
     return Settled(entry_id, RESTORED, structure, state, data)
+
+
+def _counted_after_own(uow: str, lrsn: int, backup: tuple[str, dict[str, Any], bytes] | None,
+                       recs: Iterable[Record]) -> int:
+    """Where a UOW's outcome counts for one entry: never at or below the UOW's own operations on it. A decision
+    always sorts after them as written today (a peer adopts the failed member's highest LRSN first, an owner's
+    clock has seen the CF's answer to each operation), but a RECOVERY record written by a peer whose clock lagged
+    (before issue 10, hole 2) could lie below them: the fold then met the outcome before the put or get, skipped
+    it, and left the entries locked for good by a UOW that was decided. Defensive, so such logs restore too."""
+    own = [r["l"] for r in recs if r.get("u") == uow and lookup(r).role is Role.ENTRY]
+    if backup is not None and backup[1].get("u") == uow:
+        own.append(int(backup[1]["l"]))
+    top = max(own, default=0)
+    return lrsn if lrsn > top else top + 1
 
 
 def fifo_key(entry: Mapping[str, Any]) -> tuple[int, int, int]:

@@ -210,9 +210,7 @@ class QueueManager:
             with self.uow_lock:
                 pos = self.log.append(record)
                 if uow is not None and state is not None:
-                    uow.state = state
-                    if state in (INCOMMIT, INBACKOUT):
-                        uow.decided_lrsn = record["l"]
+                    uow.decide(state, record)
             self.activity += 1
             if force:
                 self.log.force(pos)  # outside the lock: concurrent committers share the fsync (group commit)
@@ -310,9 +308,10 @@ class QueueManager:
 
     def apply(self, uow: UnitOfWork, commit: bool, *, for_member: str | None = None) -> None:
         """Apply a decided outcome on every structure of the UOW (idempotent), then log END."""
-        for sname in list(uow.structures):
-            if sname in uow.applied:
-                continue
+        todo = [s for s in uow.structures if s not in uow.applied]
+        if commit and len(todo) > 1:
+            todo = self._refusing_first(uow, todo)
+        for sname in todo:
             self._apply_one(uow, sname, commit, for_member)
             uow.applied.add(sname)
             failpoint("during-apply")
@@ -321,23 +320,40 @@ class QueueManager:
         self.pending.pop(uow.id, None)
         self.forget(uow)
 
+    def _refusing_first(self, uow: UnitOfWork, todo: list[str]) -> list[str]:
+        """Before a commit touches any of several structures, ask each how the UOW stands there (standing.lua,
+        after the COMMIT is forced): one that is not ACTIVE makes the whole commit wait, applied nowhere yet
+        (StructureFailedError: the caller keeps it pending); one that will refuse it (backed out by recovery, or
+        its work there lost with the CF) goes first, so that the UOW is backed out everywhere before it is
+        committed anywhere. A restore reads the logs only once its structure has failed, so a structure that
+        answers here, after the COMMIT was forced, can no longer be restored without seeing it."""
+        refusing = [sname for sname in todo
+                    if self.cf_call(partial(self.structure(sname).standing, self.caller, uow.id,
+                                            gen=uow.structures[sname])) in ("B", "L")]
+        return refusing + [sname for sname in todo if sname not in refusing]
+
     def _apply_one(self, uow: UnitOfWork, sname: str, commit: bool, for_member: str | None) -> None:
         s = self.structure(sname)
         gen = uow.structures[sname]
-        lrsn = uow.decided_lrsn if (uow.persistent or for_member) else 0
+        logged = uow.persistent or for_member is not None
+        # The record's own LRSN is checked against the floor; the entries are stamped with the LRSN at which the
+        # decision counts (sqm.records.counts_at), which a re-log below keeps.
+        lrsn = (uow.record_lrsn or uow.decided_lrsn) if logged else 0
+        at = uow.decided_lrsn if logged else 0
         has_data = uow.data_logged  # else the CF refuses a get backout while a backup runs (BACKUPACTIVE)
         by_recovery = for_member is not None
         while True:
             try:
                 if commit:
-                    self.cf_call(partial(s.commit, self.caller, uow.id, gen=gen, lrsn=lrsn,
+                    self.cf_call(partial(s.commit, self.caller, uow.id, gen=gen, lrsn=lrsn, at=at,
                                           decided_by_recovery=by_recovery))
                 else:
-                    self.cf_call(partial(s.backout, self.caller, uow.id, gen=gen, lrsn=lrsn, has_data=has_data,
-                                          decided_by_recovery=by_recovery))
+                    self.cf_call(partial(s.backout, self.caller, uow.id, gen=gen, lrsn=lrsn, at=at,
+                                          has_data=has_data, decided_by_recovery=by_recovery))
                 return
             except FloorError as e:
-                # Our record sits below the recovery floor of a backup that started meanwhile: log afresh.
+                # Our record sits below the recovery floor of a backup that started meanwhile: log afresh (the
+                # re-log still counts where the first record did).
                 self.counters["floor_retries"] += 1
                 self.clock.observe(e.floor)
                 lrsn = self.log_decision(uow, commit, for_member=for_member, with_data=has_data)
@@ -351,30 +367,43 @@ class QueueManager:
             except BackedOutError:
                 if not commit:
                     return
-                # Recovery (a peer, or restore after CF loss) backed this UOW out; the log must say so too.
-                if uow.persistent and for_member is None:
-                    self.log_decision(uow, False, reason="backed out by recovery")
-                    self.append(records.end(uow.id, self.clock.now()))
-                self.forget(uow)
+                self._backed_out_by_recovery(uow, for_member)
                 raise
+
+    def _backed_out_by_recovery(self, uow: UnitOfWork, for_member: str | None) -> None:
+        """A structure refused a commit: recovery (a peer, or restore after a CF loss) backed the UOW out there, or
+        its work there was lost with the CF. The log must say so too, and every structure of the UOW backs it out
+        (_refusing_first made the refusing one go first, so none has committed it)."""
+        if uow.persistent and for_member is None:
+            self.log_decision(uow, False, reason="backed out by recovery")
+        uow.applied.clear()
+        try:
+            self.apply(uow, False, for_member=for_member)
+        except (StructureFailedError, *CF_DOWN):
+            self.pending[uow.id] = lambda: self.apply(uow, False, for_member=for_member)
 
     def log_decision(self, uow: UnitOfWork, commit: bool, *, for_member: str | None = None,
                      with_data: bool = False, reason: str = "application") -> int:
         """Write the forced record that decides a UOW: COMMIT or BACKOUT for our own, RECOVERY when peer recovery
         decides another member's. A backout while a backup runs carries the data of the UOW's persistent gets
-        (the patent's exception). Returns the record's LRSN, the one the CF stamps the entries with."""
+        (the patent's exception). Returns the record's LRSN, the one the CF checks against its recovery floor; the
+        entries are stamped with the LRSN the decision counts at (uow.decided_lrsn)."""
         lrsn = self.clock.now()  # taken before the CF is asked for the gets' data
         dd = self._gets_data(uow) if with_data and not commit else []
         if dd:
             self.counters["backout_records_with_data"] += 1
         ss = uow.structures
+        state = INCOMMIT if commit else INBACKOUT
+        # The decision taken already (a re-log after the CF refused the record, or peer recovery completing the
+        # owner's own COMMIT or BACKOUT) counts where it was first taken: the record says so (counts_at).
+        at = uow.decided_lrsn if uow.state == state and uow.decided_lrsn else 0
         if for_member is not None:
-            rec = records.recovery(uow.id, lrsn, ss, commit=commit, of=for_member, by=self.name, data=dd)
+            rec = records.recovery(uow.id, lrsn, ss, commit=commit, of=for_member, by=self.name, data=dd, at=at)
         elif commit:
-            rec = records.commit(uow.id, lrsn, ss)
+            rec = records.commit(uow.id, lrsn, ss, at=at)
         else:
-            rec = records.backout(uow.id, lrsn, ss, reason=reason, data=dd)
-        self.append(rec, uow=uow, state=INCOMMIT if commit else INBACKOUT)
+            rec = records.backout(uow.id, lrsn, ss, reason=reason, data=dd, at=at)
+        self.append(rec, uow=uow, state=state)
         uow.data_logged = bool(dd)
         return lrsn
 

@@ -13,7 +13,8 @@ Records are msgpack maps with short keys (the on-disk format; old logs must keep
   i entry id   q queue   x XA transaction id   dd [[structure, descriptor, data], ...]   r reason
   o outcome 'C' | 'B'   of member whose UOW a recovery record decides   by who decided
   (m is not a record field: the merged log adds it, naming the log a record came from)   ids entry ids
-  uows {uow: {st, ss, x, dl, p}} (checkpoint: sqm.uow.UnitOfWork.snapshot)   n activity count   why reason
+  uows {uow: {st, ss, x, dl, rl, p}} (checkpoint: sqm.uow.UnitOfWork.snapshot)   n activity count   why reason
+  at the LRSN at which a decision counts (COMMIT / BACKOUT re-logs, RECOVERY): see counts_at()
 """
 
 from __future__ import annotations
@@ -64,6 +65,15 @@ class CarriesData(TypedDict, total=False):
     dd: list[Carried]
 
 
+class CountsAt(TypedDict, total=False):
+    """The LRSN at which the decision counts, when it is not the record's own `l`: a re-log after the CF refused
+    the first record (below a backup's recovery floor, or a backup running) counts at the first one; a RECOVERY
+    record that completes the owner's own decision counts at the owner's record. The CF stamps the entries with
+    it and restore places the outcome there: the one rule of counts_at(), written in docs/log-format.md."""
+
+    at: int
+
+
 class PutRecord(Logged):
     k: Literal["PUT"]
     u: str
@@ -89,20 +99,20 @@ class PrepareRecord(Logged):
     ss: dict[str, int]
 
 
-class CommitRecord(Logged):
+class CommitRecord(Logged, CountsAt):
     k: Literal["COMMIT"]
     u: str
     ss: dict[str, int]
 
 
-class BackoutRecord(Logged, CarriesData):
+class BackoutRecord(Logged, CarriesData, CountsAt):
     k: Literal["BACKOUT"]
     u: str
     ss: dict[str, int]
     r: str
 
 
-class RecoveryRecord(Logged, CarriesData):
+class RecoveryRecord(Logged, CarriesData, CountsAt):
     k: Literal["RECOVERY"]
     u: str
     ss: dict[str, int]
@@ -154,30 +164,45 @@ def prepare(uow: str, lrsn: int, ss: Mapping[str, int], *, xid: str) -> Record:
     return _record(rec)
 
 
-def commit(uow: str, lrsn: int, ss: Mapping[str, int]) -> Record:
-    """The owner commits its UOW on the structures in ss (structure -> generation)."""
+def commit(uow: str, lrsn: int, ss: Mapping[str, int], *, at: int = 0) -> Record:
+    """The owner commits its UOW on the structures in ss (structure -> generation). at: a re-log of a commit
+    the CF refused counts at the first record's LRSN (CountsAt)."""
     rec: CommitRecord = {"k": "COMMIT", "l": lrsn, "u": uow, "ss": dict(ss)}
+    if at and at != lrsn:
+        rec["at"] = at
     return _record(rec)
 
 
 def backout(uow: str, lrsn: int, ss: Mapping[str, int], *, reason: str = "application",
-            data: Sequence[Carried] = ()) -> Record:
-    """The owner backs its UOW out. data: its persistent gets' entries, while a backup runs (CarriesData)."""
+            data: Sequence[Carried] = (), at: int = 0) -> Record:
+    """The owner backs its UOW out. data: its persistent gets' entries, while a backup runs (CarriesData); at as
+    in commit()."""
     rec: BackoutRecord = {"k": "BACKOUT", "l": lrsn, "u": uow, "ss": dict(ss), "r": reason}
     if data:
         rec["dd"] = list(data)
+    if at and at != lrsn:
+        rec["at"] = at
     return _record(rec)
 
 
 def recovery(uow: str, lrsn: int, ss: Mapping[str, int], *, commit: bool, of: str, by: str,
-             data: Sequence[Carried] = ()) -> Record:
+             data: Sequence[Carried] = (), at: int = 0) -> Record:
     """Peer recovery (by a member) or restore (by "restore") decides another member's UOW; it outranks the
-    owner's own records. data as in backout()."""
+    owner's own records. data as in backout(). at: where the outcome counts, always written (CountsAt): the
+    owner's own record of the same decision when the recovery completes it, else this record's LRSN."""
     rec: RecoveryRecord = {"k": "RECOVERY", "l": lrsn, "u": uow, "ss": dict(ss),
-                           "o": OUTCOME_COMMIT if commit else OUTCOME_BACKOUT, "of": of, "by": by}
+                           "o": OUTCOME_COMMIT if commit else OUTCOME_BACKOUT, "of": of, "by": by,
+                           "at": at or lrsn}
     if data:
         rec["dd"] = list(data)
     return _record(rec)
+
+
+def counts_at(record: Record) -> int:
+    """The LRSN at which a decision record's outcome counts: its `at` when it has one, else its own LRSN. The CF
+    stamps the UOW's entries with it (commit.lua, backout.lua) and restore places the outcome there
+    (restore.settle.decide_outcome): one rule, docs/log-format.md "When an outcome counts"."""
+    return int(record.get("at") or record["l"])
 
 
 def end(uow: str, lrsn: int) -> Record:
@@ -229,6 +254,11 @@ def _data_note(r: Record) -> str:
     return f", carries data of {len(r['dd'])} gets" if r.get("dd") else ""
 
 
+def _at_note(r: Record) -> str:
+    """Where a decision counts, when not at its own LRSN (a re-log, a peer completing the owner's decision)."""
+    return f", counts at {r['at']}" if r.get("at") and r["at"] != r["l"] else ""
+
+
 def _recovery_decides(r: Record) -> str:
     return OUTCOME_COMMIT if r["o"] == OUTCOME_COMMIT else OUTCOME_BACKOUT
 
@@ -276,14 +306,14 @@ KINDS: dict[str, RecordKind] = {k.code: k for k in [
                lambda r: f"prepare uow {r['u']} xid {r.get('x', '')} (in doubt)",
                decides=lambda r: OUTCOME_INDOUBT),
     RecordKind("COMMIT", CommitRecord, commit, True, Role.OUTCOME, INCOMMIT,
-               lambda r: f"commit uow {r['u']} on {', '.join(r.get('ss', {})) or '-'}",
+               lambda r: f"commit uow {r['u']} on {', '.join(r.get('ss', {})) or '-'}{_at_note(r)}",
                decides=lambda r: OUTCOME_COMMIT),
     RecordKind("BACKOUT", BackoutRecord, backout, True, Role.OUTCOME, INBACKOUT,
-               lambda r: f"backout uow {r['u']} ({r.get('r', 'application')}){_data_note(r)}",
+               lambda r: f"backout uow {r['u']} ({r.get('r', 'application')}){_data_note(r)}{_at_note(r)}",
                decides=lambda r: OUTCOME_BACKOUT, carries_data=True),
     RecordKind("RECOVERY", RecoveryRecord, recovery, True, Role.OUTCOME, None,
                lambda r: (f"{'commit' if r['o'] == OUTCOME_COMMIT else 'backout'} of {r['of']}'s uow {r['u']} "
-                          f"decided by {r['by']}{_data_note(r)}"),
+                          f"decided by {r['by']}{_data_note(r)}{_at_note(r)}"),
                decides=_recovery_decides, outranks_owner=True, carries_data=True),
     RecordKind("END", EndRecord, end, False, Role.END, DONE, lambda r: f"uow {r['u']} complete on the CF"),
     RecordKind("EXPIRE", ExpireRecord, expire, False, Role.ENTRY, None,

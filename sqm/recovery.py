@@ -10,7 +10,10 @@ Restart (seed 000's four phases, seed 002's messages):
 Peer recovery: when a member's lease lapses, one live member wins the recovery lock, fences the failed member
 (bumps its epoch: every CF call it makes afterwards is refused), reads its log read-only, decides each of its
 UOWs (in-commit -> commit, in-flight and in-backout -> backout, in-doubt -> left locked), and logs each decision
-in its own log as a RECOVERY record, which outranks whatever the failed member writes later.
+in its own log as a RECOVERY record, which outranks whatever the failed member writes later. Its clock first adopts
+the failed member's highest LRSN (as restart does), so each RECOVERY record sorts after the UOW's operations; a
+RECOVERY record that completes the owner's own COMMIT or BACKOUT counts at the owner's record (its `at`), where the
+owner may have applied it already: the CF stamps the entries there, and restore places the outcome there.
 """
 
 from __future__ import annotations
@@ -164,7 +167,12 @@ def recover_peer(qm: QueueManager, failed: str) -> PeerRecoveryReport:
     log_dir = qm.config.log_root / failed
     table: dict[str, UnitOfWork] = {}
     if log_dir.exists():
-        table, _, _ = _table_from_log(LogReader(log_dir), failed)
+        table, _, high = _table_from_log(LogReader(log_dir), failed)
+        # As restart does: every RECOVERY record this member writes for the failed one sorts after everything the
+        # failed member logged, whatever our own clock says. A peer whose clock lags (skewed, or idle since before
+        # the failed member's last operations) once decided a UOW below its own operations, and restore left its
+        # entries locked for good (issue 10, hole 2).
+        qm.clock.observe(high)
     _add_cf_only_uows(qm, failed, table)
     for uow in table.values():
         if uow.state == INDOUBT:

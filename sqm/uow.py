@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqm.records import DONE, INBACKOUT, INCOMMIT, INDOUBT, INFLIGHT, Record, kind_of
+from sqm.records import DONE, INBACKOUT, INCOMMIT, INDOUBT, INFLIGHT, Record, counts_at, kind_of
 
 
 @dataclass
@@ -17,21 +17,35 @@ class UnitOfWork:
     structures: dict[str, int] = field(default_factory=dict)  # structure -> generation it started in (0: unknown)
     persistent: bool = False  # has logged work: its outcome is decided by a forced record
     xid: str = ""  # external (XA) transaction id once prepared
-    decided_lrsn: int = 0  # LRSN of the record that decided the outcome (COMMIT / BACKOUT)
+    # The LRSN at which the decided outcome counts (sqm.records.counts_at of the first record of the decision):
+    # the CF stamps the entries with it, restore places the outcome there.
+    decided_lrsn: int = 0
+    record_lrsn: int = 0  # LRSN of the latest record of that decision: the CF checks it against its floor
     data_logged: bool = False  # that record carries the data of the UOW's persistent gets (backup running)
     operations: int = 0
-    # Structures on which this process has applied the decided outcome: a retry (the CF failed for a later one)
-    # skips them, since a structure restored meanwhile no longer knows the UOW and would call it backed out.
+    # Structures on which this process has applied the decided outcome: a retry skips them (fewer CF calls). Not
+    # needed for correctness: a structure that applied the outcome answers a retry as done, durably (a tombstone
+    # when a restore carried the UOW into a new generation; see commit.lua), also after a restart.
     applied: set[str] = field(default_factory=set)
 
     def snapshot(self) -> dict[str, Any]:
         return {"st": self.state, "ss": dict(self.structures), "x": self.xid, "dl": self.decided_lrsn,
-                "p": self.persistent}
+                "rl": self.record_lrsn, "p": self.persistent}
 
     @classmethod
     def from_snapshot(cls, uow_id: str, owner: str, snap: dict[str, Any]) -> UnitOfWork:
+        dl = int(snap.get("dl", 0))
         return cls(uow_id, owner, snap["st"], dict(snap.get("ss", {})), bool(snap.get("p", True)),
-                   snap.get("x", ""), int(snap.get("dl", 0)))
+                   snap.get("x", ""), dl, int(snap.get("rl", dl)))
+
+    def decide(self, state: str, record: Record) -> None:
+        """Take the state a decision record leaves. A record of the decision already taken is a re-log of it (the
+        CF refused the first): the outcome still counts where the first one said."""
+        if state in (INCOMMIT, INBACKOUT):
+            if state != self.state or not self.decided_lrsn:
+                self.decided_lrsn = counts_at(record)
+            self.record_lrsn = record["l"]
+        self.state = state
 
 
 def rebuild_table(owner: str, checkpoint: Record | None, records: Iterable[Record]) -> dict[str, UnitOfWork]:
@@ -59,13 +73,11 @@ def rebuild_table(owner: str, checkpoint: Record | None, records: Iterable[Recor
         if kind.uow_state == DONE:
             del table[uid]
             continue
-        if kind.uow_state in (INCOMMIT, INBACKOUT):
-            uow.decided_lrsn = rec["l"]
         if kind.uow_state == INFLIGHT and uow.state != INFLIGHT:
             continue  # a late-appended PUT/GET record never moves a UOW back to in-flight
         if kind.uow_state == INDOUBT:
             uow.xid = rec.get("x", "")
-        uow.state = kind.uow_state
+        uow.decide(kind.uow_state, rec)
     return table
 
 

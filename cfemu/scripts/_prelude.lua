@@ -99,6 +99,13 @@ local function uow_standing(uow, gen)
   return nil
 end
 
+-- gen (the generation the caller's UOW started in on this structure) is older than the structure's: a restore
+-- carried the UOW over (in doubt, or in commit), or it was lost with the CF.
+local function carried_over(gen)
+  local g = tonumber(gen) or 0
+  return g ~= 0 and g ~= tonumber(redis.call('HGET', META, 'gen') or '0')
+end
+
 -- May `member` work under `uow` here? nil, or BADUOW when another member's UOW holds entries on the structure.
 -- Scripts call it before they change anything (Redis does not roll a script back after an error reply).
 local function uow_owner_check(uow, member)
@@ -142,7 +149,8 @@ end
 local function cur_gen() return tonumber(redis.call('HGET', META, 'gen') or '0') end
 
 -- Get order within a priority: commit lrsn (o1), then put lrsn (o2): the order restore rebuilds
--- (restore.settle.fifo_key), so the order survives a restore.
+-- (restore.settle.fifo_key), so the order survives a restore. o1 is the LRSN at which the commit counts
+-- (commit.lua's counts-at, sqm.records.counts_at), the same one restore places the commit at.
 local function before(a, b) return a.o1 < b.o1 or (a.o1 == b.o1 and a.o2 < b.o2) end
 
 -- Add a committed entry to its priority list at its place in get order. A commit almost always belongs at the

@@ -24,7 +24,12 @@ Findings (each names the message ids and UOWs involved):
   corrupted   a delivered body whose CRC32C does not match (or that is not a chaos message at all);
   order       see check_order;
   resurrected a non-persistent message delivered by a get that began after a CF loss its put preceded;
-  expired     a message delivered by a get that began more than EXPIRY_SLACK_S after its expiry.
+  expired     a message delivered by a get that began more than EXPIRY_SLACK_S after its expiry;
+  stuck       entries still locked (uncommitted puts or gets) in a queue after healing, resolving every
+              in-doubt UOW and draining (the run's "drained" note): held by a UOW no member can resolve;
+  restore-order  two messages available on the live CF just before a CF loss and again right after its
+              restore, in the other order (the fault steps' live_order / restored_order): the CF and restore
+              disagree on where a commit counts (see check_restore_order).
 Allowed and counted: non-persistent messages lost (with the CF), unknown outcomes (resolved either way),
 redeliveries after backout, expired messages that never came back.
 """
@@ -37,13 +42,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 COMMITTED, ABORTED, UNKNOWN, UNDETERMINED = "committed", "aborted", "unknown", "undetermined"
-MUST_BE_ZERO = ("lost", "undelivered", "duplicated", "phantom", "atomicity", "corrupted")
-FINDING_KINDS = (*MUST_BE_ZERO, "order", "resurrected", "expired")
+MUST_BE_ZERO = ("lost", "undelivered", "duplicated", "phantom", "atomicity", "corrupted", "stuck")
+FINDING_KINDS = (*MUST_BE_ZERO, "order", "restore-order", "resurrected", "expired")
 EXPIRY_SLACK_S = 1.0  # the server's clock reads expiry at the get, some milliseconds after the client's invoke
 # After a fault has recovered, its after-effects last this long: pending CF work retried by the members, and a
 # request stalled behind a half-open path that the client gives up on only after its request timeout (5 s).
 SETTLE_S = 6.0
-CF_LOSS_KINDS = ("cf-kill", "cf-kill-during-restore", "during-backup")
+CF_LOSS_KINDS = ("cf-kill", "cf-kill-during-restore", "during-backup", "peer-clock-skew")
 LEFT_SLACK_S = 1.0  # a get whose client left: the server might have gone on this long past the get's own wait
 
 
@@ -121,7 +126,8 @@ class CheckResult:
 
 
 def pair_ops(events: Iterable[dict[str, Any]]) -> tuple[list[Op], list[dict[str, Any]]]:
-    """Invocations joined with their completions (in invocation order), and the fault events."""
+    """Invocations joined with their completions (in invocation order), and the fault events (the run's notes
+    too, with type "note")."""
     ops: dict[int, Op] = {}
     faults = []
     for e in events:
@@ -133,14 +139,16 @@ def pair_ops(events: Iterable[dict[str, Any]]) -> tuple[list[Op], list[dict[str,
             o = ops[e["id"]]
             o.t1, o.outcome = e["t"], kind
             o.result = {k: v for k, v in e.items() if k not in ("type", "id", "t")}
-        elif kind == "fault":
+        elif kind in ("fault", "note"):
             faults.append(e)
     return sorted(ops.values(), key=lambda o: o.id), faults
 
 
 class Checker:
     def __init__(self, events: Iterable[dict[str, Any]]) -> None:
-        self.ops, self.faults = pair_ops(events)
+        self.ops, marks = pair_ops(events)
+        self.faults = [e for e in marks if e.get("type") == "fault"]
+        self.notes = [e for e in marks if e.get("type") == "note"]
         self.uows: dict[str, Uow] = {}
         self.puts: dict[str, Op] = {}  # msg -> its put
         self.put_uow: dict[str, str] = {}
@@ -391,11 +399,47 @@ class Checker:
                 if committed_at < later_min[0]:
                     later_min = (committed_at, m2)
 
+    def check_restore_order(self) -> None:
+        """Get order across a restore: the messages of a queue that were available on the live CF just before a
+        CF loss (a fault step's live_order) and again right after its restore (restored_order) must come in the
+        same relative order. Work between the two snapshots only removes messages (gets) or adds ones that are
+        in one snapshot only (new commits; pending commits that restore completed), and a backed-out get goes
+        back to its place, so the order of the messages in both is what the live CF and restore each decided
+        for them: priority, then the LRSN at which the commit counts, then the put."""
+        live: dict[Any, dict[str, list[str]]] = {}
+        for f in self.faults:
+            if "live_order" in f:
+                live[f.get("fault")] = f["live_order"]
+            elif "restored_order" in f and f.get("fault") in live:
+                before = live.pop(f.get("fault"))
+                for queue, after in sorted(f["restored_order"].items()):
+                    common = set(before.get(queue, ())) & set(after)
+                    a = [m for m in before.get(queue, ()) if m in common]
+                    b = [m for m in after if m in common]
+                    if a != b:
+                        i = next(i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y)
+                        self.find("restore-order", [a[i], b[i]],
+                                  f"{queue}: {a[i]} came before {b[i]} on the live CF before the CF loss of fault "
+                                  f"{f.get('fault')} ({f.get('kind')}), after its restore {b[i]} comes first")
+
+    def check_stuck(self) -> None:
+        """Entries still locked after healing, resolving every in-doubt UOW and draining: nobody can free them."""
+        for n in self.notes:
+            if n.get("what") != "drained":
+                continue
+            for queue, states in sorted((n.get("left in the structures") or {}).items()):
+                held = int(states.get("UP", 0)) + int(states.get("UG", 0))
+                if held:
+                    self.find("stuck", [], f"{queue}: {states.get('UP', 0)} uncommitted puts and "
+                                           f"{states.get('UG', 0)} uncommitted gets still locked after the drain")
+
     def run(self) -> CheckResult:
         self.build()
         self.infer()
         self.check_messages()
         self.check_order()
+        self.check_restore_order()
+        self.check_stuck()
         self.counts["operations"] = len(self.ops)
         self.counts["units of work"] = len(self.uows)
         self.counts["messages put"] = len(self.puts)

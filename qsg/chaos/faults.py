@@ -14,7 +14,12 @@
 | -halfopen             | / stops forwarding without closing; a cut past the lease gets the SQM fenced        |
 | client-link-cut/...   | the same on the proxy between the clients and one SQM                               |
 | disk-full             | the SQM whose log is on a small tmpfs: the tmpfs is filled, then freed              |
-| clock-skew            | an SQM is restarted with its LRSN clock source skewed by seconds (--clock-skew-ms)  |
+| clock-skew            | an SQM is restarted with its LRSN clock source skewed by seconds (--clock-skew-ms); |
+|                       | sometimes another SQM is then killed -9, so the skewed one may be its recoverer     |
+| peer-clock-skew       | the peers of an SQM restart with their clocks skewed behind by more than the lease  |
+|                       | (in half the seeds one is idle: clients cut off, the others stopped until it has    |
+|                       | recovered); the SQM dies right after a COMMIT is forced (failpoint after-log-force);|
+|                       | a skewed peer recovers it; then a CF loss and restore; the SQM restarts             |
 | backup                | a fuzzy backup of every structure under load (what the demo scripts before a loss)  |
 | client-leaves-waiting-| clients disconnect (close or reset) while their get waits, outside syncpoint and     |
 | get                   | under it; the message they waited for is put after they left: it must be there     |
@@ -23,13 +28,15 @@
 |                       | client accepting small frames must refuse cleanly and take nothing; then restored   |
 
 After a fault heals, an SQM that exited (fenced) or no longer serves (its log failed) is restarted, as an
-operator would; the report says so. Every fault records its timings: to peer recovery, to restart, the restore,
+operator would; the report says so. Every CF loss records each queue's get order on the live CF just before the
+loss and right after the restore (fault steps with live_order / restored_order): the checker holds them equal. Every fault records its timings: to peer recovery, to restart, the restore,
 and to full service (every SQM passes a probe: a persistent put, commit, get, commit).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import random
 import signal
 import socket
@@ -41,18 +48,23 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+import redis
+
 from backup.catalog import OK, list_backups
 from backup.run import run_backup
 from cfemu.admin import Admin
+from cfemu.cf import CF
 from cfemu.errors import BackupRunningError
 from cfemu.limits import DESCRIPTOR_ALLOWANCE
 from qsg.chaos.group import EDGE_QUEUE, STRUCTURES, ChaosGroup
 from qsg.chaos.history import OK as CALL_OK
 from qsg.chaos.history import UNKNOWN as CALL_UNKNOWN
 from qsg.chaos.history import History
-from qsg.chaos.workload import PutSpec, Runner, make_body
+from qsg.chaos.workload import PutSpec, Runner, make_body, parse_body
 from restore.engine import LOAD
 from restore.run import run_restore
+from sqm.clock import now_ms
+from sqm.failpoints import ENV_VAR as FAILPOINTS_ENV
 from sqm.manager import QueueManager, QueueManagerConfig
 from sqm.service.client import Client
 from sqm.service.protocol import ENVELOPE, PRE_HELLO_MAX_FRAME, encode_frame, recv_frame
@@ -61,8 +73,10 @@ from sqm.service.server import EXIT_FENCED
 SHORT_KINDS = ("sqm-kill", "cf-kill", "cf-link-cut", "client-link-halfopen")
 # Rough seconds each kind takes from injection to full service, to space the schedule.
 COST_S = {"sqm-kill": 7.0, "sqm-pause": 8.0, "cf-kill": 6.0, "cf-kill-during-restore": 8.0,
-          "during-backup": 12.0, "disk-full": 8.0, "clock-skew": 4.0, "backup": 3.0,
+          "during-backup": 12.0, "disk-full": 8.0, "clock-skew": 6.0, "peer-clock-skew": 32.0, "backup": 3.0,
           "client-leaves-waiting-get": 9.0, "big-messages": 12.0}
+ORDER_LIMIT = 100_000  # messages per queue an order snapshot reads
+IDLE_SETTLE_S = 7.0  # peer-clock-skew: longer than the coordinator's longest park before a resolve (6 s)
 
 
 class FaultError(RuntimeError):
@@ -105,7 +119,9 @@ def schedule(seed: int, kinds: tuple[str, ...], duration: float, managers: list[
     if not kinds:
         return []
     rnd = random.Random(f"faults-{seed}")
-    start = (seed * 3) % len(kinds)
+    # A stride coprime with the number of kinds, so that consecutive seeds start at every kind in turn.
+    stride = next(k for k in (3, 5, 7, 11, 13, 1) if math.gcd(k, len(kinds)) == 1)
+    start = (seed * stride) % len(kinds)
     order = kinds[start:] + kinds[:start]
     lease = lease_ms / 1000
     out: list[FaultSpec] = []
@@ -128,6 +144,13 @@ def schedule(seed: int, kinds: tuple[str, ...], duration: float, managers: list[
             hold = rnd.choice((1.5, 3.0))
         elif kind == "clock-skew":
             params["skew_ms"] = rnd.choice((-1, 1)) * rnd.choice((2000, 5000, 15000))
+            if len(managers) > 1 and rnd.random() < 0.5:  # the skewed SQM may then recover a peer
+                params["then_kill"] = rnd.choice([m for m in managers if m != target])
+        elif kind == "peer-clock-skew":
+            params["skew_ms"] = -(lease_ms + rnd.choice((1000, 2000, 4000)))
+            if len(managers) > 2 and rnd.random() < 0.5:  # else a busy peer recovers it
+                params["idle"] = rnd.choice([m for m in managers if m != target])
+            params["commit"] = rnd.randint(2, 12)  # the victim dies right after forcing this many COMMITs
         elif kind == "during-backup":
             params["step"] = rnd.randint(1, 5)
         elif kind in ("cf-kill", "cf-kill-during-restore"):
@@ -138,7 +161,9 @@ def schedule(seed: int, kinds: tuple[str, ...], duration: float, managers: list[
     return out
 
 
-Step = Callable[[str], float]  # records a phase of the fault (a history event); returns seconds since inject
+# step(phase, **fields) records a phase of the fault (a history event, with any fields the checker reads);
+# returns seconds since inject.
+Step = Callable[..., float]
 
 
 # --- helpers -------------------------------------------------------------------------------------------------
@@ -217,15 +242,36 @@ def restore_all(g: ChaosGroup, step: Step, kill_during_load: bool = False) -> di
     return out
 
 
+def order_snapshot(g: ChaosGroup) -> dict[str, list[str]]:
+    """Each workload queue's available messages (chaos message ids) in get order, browsed on the CF directly.
+    Taken just before a CF loss and right after its restore: messages in both must keep their relative order
+    (invariant 7; the checker's restore-order rule). Empty when the CF does not answer."""
+    client = g.cf()
+    try:
+        cf = CF(client)
+        out: dict[str, list[str]] = {}
+        for s, queues in STRUCTURES.items():
+            for q in queues:
+                ids = (parse_body(data)[0] for _, data in cf.structure(s).browse(q, ORDER_LIMIT, now_ms()))
+                out[q] = [m for m in ids if m]
+        return out
+    except (redis.RedisError, OSError):
+        return {}
+    finally:
+        client.close()
+
+
 def _cf_loss(g: ChaosGroup, f: FaultSpec, step: Step, *, kill_during_load: bool = False) -> dict[str, Any]:
     ensure_backups(g)
     step("backups checked")
+    live = order_snapshot(g)
     g.c.kill_cf()
-    step("CF killed")
+    step("CF killed", live_order=live)
     time.sleep(f.hold)
     g.c.restart_cf()
     step("CF restarted empty")
     out = restore_all(g, step, kill_during_load=kill_during_load)
+    step("restored order read", restored_order=order_snapshot(g))
     step("heal")
     return out
 
@@ -341,11 +387,22 @@ def backup(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
     return out
 
 
+def _skew(g: ChaosGroup, name: str, skew_ms: int, step: Step) -> float:
+    """Restart an SQM with its LRSN clock source skewed by skew_ms (kept for its later restarts)."""
+    g.c.kill_manager(name, signal.SIGTERM, timeout=30.0)
+    step(f"{name} stopped")
+    return _restart(g, name, step, extra_args=["--clock-skew-ms", str(skew_ms)])
+
+
 def clock_skew(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
     skew = int(f.params["skew_ms"])
-    g.c.kill_manager(f.target, signal.SIGTERM, timeout=30.0)
-    step("stopped")
-    out = {"skew_ms": skew, "restart_s": _restart(g, f.target, step, extra_args=["--clock-skew-ms", str(skew)])}
+    out: dict[str, Any] = {"skew_ms": skew, "restart_s": _skew(g, f.target, skew, step)}
+    victim = f.params.get("then_kill")
+    if victim and g.running(victim):  # the skewed SQM is one of the peers that may recover it
+        g.c.kill_manager(victim, signal.SIGKILL)
+        step(f"{victim} killed")
+        out["peer_recovery_s"] = _peer_recovery(g, victim, step)
+        out["victim_restart_s"] = _restart(g, victim, step)
     step("heal")
     return out
 
@@ -533,16 +590,65 @@ def big_messages(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
     return out
 
 
+def peer_clock_skew(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
+    """The recovering side's clock lags: every peer of the target runs skewed behind by more than the lease; the
+    target dies right after forcing a COMMIT, so a peer completes that commit; then the CF is lost and restored.
+    With an idle peer (params["idle"]) the recoverer is that peer, serving no clients and left alone long enough
+    that nothing moves its clock on (the other peers are stopped until it has recovered the target, and are
+    restarted if they were fenced meanwhile): its RECOVERY record once sorted below the dead member's operations
+    (issue 10, hole 2: entries locked for good, the checker's `stuck`). Without one, a busy peer recovers while
+    the others commit: the CF once stamped the completed commit where restore did not place it (hole 3: the
+    checker's `restore-order`)."""
+    skew, idle, victim = int(f.params["skew_ms"]), f.params.get("idle"), f.target
+    peers = [n for n in g.names if n != victim]
+    stopped = [n for n in peers if idle and n != idle]
+    out: dict[str, Any] = {"skew_ms": skew, "idle": idle or "-"}
+    for name in peers:
+        out[f"{name}_restart_s"] = _skew(g, name, skew, step)
+    if idle:
+        g.client_proxies[idle].cut()
+        step(f"{idle} idle (its clients cut off)")
+        time.sleep(IDLE_SETTLE_S)  # the coordinator's resolves of what it prepared end: nothing moves its clock
+    try:
+        g.c.kill_manager(victim, signal.SIGTERM, timeout=30.0)
+        hit = int(f.params.get("commit", 3))
+        g.c.restart_manager(victim, timeout=60.0, env={FAILPOINTS_ENV: f"after-log-force={hit}"})
+        step(f"{victim} restarted, to die after forcing its COMMIT number {hit}")
+        code = g.c.wait_manager_exit(victim, timeout=30.0)
+        if code is None:  # too few commits reached it: kill it anyway
+            g.c.kill_manager(victim, signal.SIGKILL)
+            out["victim"] = "killed -9 (the failpoint was not reached in 30 s)"
+        else:
+            out["victim"] = f"died at the failpoint (exit code {code})"
+        for name in stopped:
+            g.stop(name)
+        step(f"{victim} dead" + (f"; {', '.join(stopped)} stopped: {idle} recovers it" if stopped else ""))
+        try:
+            out["peer_recovery_s"] = _peer_recovery(g, victim, step)
+        finally:
+            for name in stopped:
+                g.cont(name)
+    finally:
+        if idle:
+            g.client_proxies[idle].heal()
+    step("heal")
+    for name in stopped:  # stopped past its lease: fenced and recovered too, it exits and is restarted
+        out[f"{name}_after_stop"] = after_heal(g, name, step)
+    out.update(_cf_loss(g, f, step))
+    out["restart_s"] = _restart(g, victim, step)  # without the failpoint
+    return out
+
+
 FAULTS: dict[str, Callable[[ChaosGroup, FaultSpec, Step], dict[str, Any]]] = {
     "sqm-kill": sqm_kill, "sqm-pause": sqm_pause, "cf-kill": cf_kill,
     "cf-kill-during-restore": cf_kill_during_restore, "during-backup": during_backup,
     "cf-link-cut": _link("cf", "cut"), "cf-link-delay": _link("cf", "delay"),
     "cf-link-halfopen": _link("cf", "halfopen"), "client-link-cut": _link("client", "cut"),
     "client-link-delay": _link("client", "delay"), "client-link-halfopen": _link("client", "halfopen"),
-    "disk-full": disk_full, "clock-skew": clock_skew, "backup": backup,
+    "disk-full": disk_full, "clock-skew": clock_skew, "peer-clock-skew": peer_clock_skew, "backup": backup,
     "client-leaves-waiting-get": client_leaves_waiting_get, "big-messages": big_messages,
 }
 KINDS = tuple(FAULTS)  # a new kind is one function, one FAULTS row and one line in the table above
 
 __all__ = ["FAULTS", "FaultError", "FaultSpec", "KINDS", "SHORT_KINDS", "after_heal", "ensure_backups",
-           "parse_kinds", "restore_all", "schedule"]
+           "order_snapshot", "parse_kinds", "restore_all", "schedule"]

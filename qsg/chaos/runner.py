@@ -50,9 +50,9 @@ def _execute(group: ChaosGroup, history: History, spec: FaultSpec) -> FaultRecor
     t0 = time.monotonic()
     history.fault("inject", **spec.to_json())
 
-    def step(phase: str) -> float:
+    def step(phase: str, **fields: Any) -> float:
         el = round(time.monotonic() - t0, 3)
-        history.fault(phase, fault=spec.n, kind=spec.kind, target=spec.target, elapsed_s=el)
+        history.fault(phase, fault=spec.n, kind=spec.kind, target=spec.target, elapsed_s=el, **fields)
         return el
 
     try:
@@ -84,7 +84,7 @@ def heal(group: ChaosGroup, history: History) -> list[str]:
     managers, a dead CF (restarted and restored), dead or non-serving managers (restarted)."""
     actions: list[str] = []
 
-    def step(what: str) -> float:
+    def step(what: str, **fields: Any) -> float:
         actions.append(what)
         return 0.0
 

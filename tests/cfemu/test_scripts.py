@@ -386,6 +386,50 @@ class TestCommit:
         with pytest.raises(FencedError):
             s.commit(Caller("QM1", qm1.epoch - 1, Clock()), "U1", gen=1, lrsn=500)
 
+    def test_stamps_the_lrsn_the_commit_counts_at_and_checks_the_floor_against_the_record(
+            self, s: Structure, qm1: Caller) -> None:
+        """A re-log (or a peer's RECOVERY record) counts at the first record of the decision: the entries get that
+        LRSN, in get order before a commit that counts later, though the re-log itself lies above the floor."""
+        s.put(qm1, entry("early"), b"x", uow="U1")
+        s.put(qm1, entry("later"), b"x", uow="U2")
+        floor = 1_000
+        s.cf.redis.hset(keys.meta(S), "floor", floor)  # as a backup that began at 1000 leaves it
+        s.commit(qm1, "U2", gen=1, lrsn=floor + 10)
+        with pytest.raises(FloorError):
+            s.commit(qm1, "U1", gen=1, lrsn=floor - 5)
+        s.commit(qm1, "U1", gen=1, lrsn=floor + 20, at=floor - 5)
+        assert [(e.id, e.lrsn, e.order[0]) for e, _ in s.browse(Q, 10, NOW)] == [
+            ("early", floor - 5, floor - 5), ("later", floor + 10, floor + 10)]
+
+    def test_a_uow_carried_over_by_a_restore_leaves_a_tombstone_for_every_retry(self, s: Structure,
+                                                                                qm1: Caller) -> None:
+        """A UOW held in an older generation and loaded by a restore (record in {S}:uows, new generation): after
+        its commit, a retry from the owner (its old generation) is a no-op, not 'lost with the CF', however often."""
+        s.cf.redis.hset(keys.meta(S), "gen", 9)
+        s.put(qm1, entry("p1"), b"x", uow="U1", gen=0)  # joins in generation 9, as restore's load writes it
+        assert s.commit(qm1, "U1", gen=1, lrsn=500).puts == 1
+        assert tombstone(s, "U1") == "C"
+        for _ in range(2):
+            assert s.commit(qm1, "U1", gen=1, lrsn=600).puts == 0
+        assert tombstone(s, "U1") == "C"
+
+
+class TestStanding:
+    def test_tells_how_a_uow_stands(self, s: Structure, qm1: Caller) -> None:
+        clock = s.put(qm1, entry("p1"), b"x", uow="UH").clock
+        s.cf.redis.hset(keys.tomb(S), mapping={"UB": "B", "UC": "C"})
+        assert [s.standing(qm1, u, gen=1) for u in ("UH", "UB", "UC", "UN")] == ["H", "B", "C", "N"]
+        assert s.standing(qm1, "UN", gen=7) == "L"  # unknown, from another generation: lost with the CF
+        assert s.info()["clock"] == str(clock)  # read only: no tick of its own
+
+    def test_refuses_a_structure_that_is_not_active_and_a_fenced_member(self, admin: Admin, s: Structure,
+                                                                        qm1: Caller) -> None:
+        with pytest.raises(FencedError):
+            s.standing(Caller("QM1", qm1.epoch - 1, Clock()), "U1", gen=1)
+        admin.set_state(S, "FAILED")
+        with pytest.raises(StructureFailedError):
+            s.standing(qm1, "U1", gen=1)
+
 
 class TestBackout:
     def test_puts_are_deleted_and_gets_return_to_their_place(self, s: Structure, qm1: Caller) -> None:

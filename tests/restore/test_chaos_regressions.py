@@ -25,16 +25,21 @@ from sqm.log import LogReader
 from tests.support.group import define_group, start_qm
 
 
-def test_seed2_a_commit_completed_by_peer_recovery_takes_effect_at_the_owners_commit() -> None:
+@pytest.mark.parametrize("written", ["with at", "before at"])
+def test_seed2_a_commit_completed_by_peer_recovery_takes_effect_at_the_owners_commit(written: str) -> None:
     """QM2 committed its put (and applied it), QM1 got and consumed the message, then QM2 died and QM3's peer
     recovery logged RECOVERY C for QM2's UOW. Restore placed the commit at the RECOVERY record's LRSN, after the
-    consumption, and brought the message back."""
+    consumption, and brought the message back. Peer recovery now writes where the commit counts (`at`, the
+    owner's COMMIT); a record written before `at` existed is read the same way."""
     entry = {"id": "e1", "q": "Q1", "p": 0, "per": 1, "st": "", "l": 0, "u": ""}
     put_uow, get_uow = "QM2.1.1", "QM1.1.1"
+    recovered = records.recovery(put_uow, 50, {"APP1": 1}, commit=True, of="QM2", by="QM3", at=20)
+    if written == "before at":
+        del recovered["at"]
     logged = {
         put_uow: [records.put(put_uow, 10, structure="APP1", gen=1, entry=dict(entry), data=b"x"),
                   records.commit(put_uow, 20, {"APP1": 1}),
-                  records.recovery(put_uow, 50, {"APP1": 1}, commit=True, of="QM2", by="QM3")],
+                  recovered],
         get_uow: [records.get(get_uow, 30, structure="APP1", gen=1, entry_id="e1", queue="Q1"),
                   records.commit(get_uow, 40, {"APP1": 1})],
     }

@@ -8,7 +8,7 @@ import pytest
 
 from restore.plan import relevant
 from restore.settle import decide_outcome, settle
-from sqm.records import KINDS, Role, codes, entry_ids
+from sqm.records import KINDS, Role, codes, counts_at, entry_ids
 from tests.support.samples import SAMPLES
 
 
@@ -32,4 +32,4 @@ def test_every_outcome_kind_decides_its_uow(code: str) -> None:
     decides = KINDS[code].decides
     assert decides is not None
     outcome = decide_outcome([rec])
-    assert outcome is not None and (outcome.kind, outcome.lrsn) == (decides(rec), rec["l"])
+    assert outcome is not None and (outcome.kind, outcome.lrsn) == (decides(rec), counts_at(rec))

@@ -46,14 +46,14 @@ class Child:
     """tests/support/sqm_child.py in its own process; its stdout lines are collected by a reader thread."""
 
     def __init__(self, url: str, log_root: Path, scenario: str, failpoints: str = "", stdin: bool = False,
-                 logload: int = 10_000) -> None:
+                 logload: int = 10_000, count: int = COUNT) -> None:
         env = dict(os.environ)
         env.pop("SQM_FAILPOINTS", None)
         if failpoints:
             env["SQM_FAILPOINTS"] = failpoints
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.support.sqm_child", "--redis-url", url, "--log-root", str(log_root),
-             "--name", DEAD, "--scenario", scenario, "--count", str(COUNT), "--lease-ms", str(LEASE_MS),
+             "--name", DEAD, "--scenario", scenario, "--count", str(count), "--lease-ms", str(LEASE_MS),
              "--logload", str(logload)],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             stdin=subprocess.PIPE if stdin else subprocess.DEVNULL)

@@ -45,9 +45,14 @@ class Hist:
         self.op("drain", "drain", "ok", {"msg": msg, "crc_ok": crc_ok, "queue": queue, "backout_count": 0},
                 queue=queue)
 
-    def fault(self, n: int, kind: str, phase: str) -> None:
+    def fault(self, n: int, kind: str, phase: str, **fields: Any) -> None:
         self.t += 0.01
-        self.events.append({"type": "fault", "t": round(self.t, 4), "phase": phase, "fault": n, "kind": kind})
+        self.events.append({"type": "fault", "t": round(self.t, 4), "phase": phase, "fault": n, "kind": kind,
+                            **fields})
+
+    def note(self, **fields: Any) -> None:
+        self.t += 0.01
+        self.events.append({"type": "note", "t": round(self.t, 4), **fields})
 
     def findings(self) -> dict[str, int]:
         return check(self.events).summary()
@@ -273,3 +278,35 @@ def test_undelivered_consumed_by_a_get_whose_client_left() -> None:
     h.op("p", "put", uow=None, msg="w4", queue="Q1", priority=0, persistent=True, syncpoint=False, expiry_ms=0,
          correlid="0b")
     only(h.findings(), "lost")
+
+
+def test_stuck_entries_left_locked_after_the_drain() -> None:
+    """Issue 10, hole 2: a UOW decided by a lagging peer was restored as in doubt for nobody; its entries stayed
+    locked after every in-doubt UOW was resolved and every queue drained."""
+    h = clean_base()
+    h.note(what="drained", drained=2, **{"left in the structures": {
+        "Q1": {"UP": 0, "UG": 1, "EX": 0, "CP": 0}, "Q2": {"UP": 2, "UG": 0, "EX": 0, "CP": 0},
+        "Q3": {"UP": 0, "UG": 0, "EX": 3, "CP": 0}}})  # expired messages waiting for their purge are allowed
+    only(h.findings(), "stuck", 2)
+
+
+def test_restore_order_the_live_cf_and_restore_disagree() -> None:
+    """Issue 10, hole 3: a commit peer recovery completed was stamped at the RECOVERY record's LRSN on the live CF
+    and placed at the owner's COMMIT by restore. Messages taken, added or backed out in between are allowed."""
+    h = clean_base()
+    h.fault(1, "peer-clock-skew", "inject")
+    h.fault(1, "peer-clock-skew", "CF killed", live_order={"Q1": ["a", "x0", "c0", "b"], "Q3": ["k"]})
+    h.fault(1, "peer-clock-skew", "restored order read",
+            restored_order={"Q1": ["c0", "x0", "b", "new"], "Q3": ["k"]})
+    h.fault(1, "peer-clock-skew", "recovered")
+    only(h.findings(), "restore-order")
+
+
+def test_restore_order_allows_gets_and_new_messages_in_between() -> None:
+    h = clean_base()
+    h.fault(1, "cf-kill", "inject")
+    h.fault(1, "cf-kill", "CF killed", live_order={"Q1": ["a", "x0", "c0", "b"], "Q2": []})
+    h.fault(1, "cf-kill", "restored order read",
+            restored_order={"Q1": ["x0", "pending", "b", "new"], "Q2": ["late"]})
+    h.fault(1, "cf-kill", "recovered")
+    assert h.findings() == dict.fromkeys(FINDING_KINDS, 0)
