@@ -55,9 +55,24 @@ class Entry:
         return 0 < self.expiry <= now_ms
 
 
+MAX_PROPERTIES = 64
+MAX_PROPERTY_NAME = 128  # characters
+MAX_PROPERTY_VALUE = 4096  # characters of a str value
+
+
 def check_properties(props: dict[str, Any]) -> dict[str, PropertyValue]:
-    """User properties: str names, str/int/float/bool values (the CF's Lua msgpack keeps only those intact)."""
+    """User properties: str names, str/int/float/bool values (the CF's Lua msgpack keeps only those intact), in
+    bounded numbers and sizes (every descriptor is decoded by every CF call that touches its message)."""
+    if len(props) > MAX_PROPERTIES:
+        raise ValueError(f"{len(props)} message properties: at most {MAX_PROPERTIES}")
     for k, v in props.items():
         if not isinstance(k, str) or not isinstance(v, str | int | float | bool):
-            raise ValueError(f"message property {k!r}: value {v!r} must be str, int, float or bool")
+            raise ValueError(f"message property {str(k)[:40]!r}: value must be str, int, float or bool")
+        if not 0 < len(k) <= MAX_PROPERTY_NAME:
+            raise ValueError(f"message property name of {len(k)} characters: 1-{MAX_PROPERTY_NAME}")
+        if isinstance(v, str) and len(v) > MAX_PROPERTY_VALUE:
+            raise ValueError(f"message property {k[:40]!r}: a value of {len(v)} characters (at most "
+                             f"{MAX_PROPERTY_VALUE})")
+        if isinstance(v, int) and not isinstance(v, bool) and not -2**53 <= v <= 2**53:
+            raise ValueError(f"message property {k[:40]!r}: integer out of range (Lua keeps +-2^53 exactly)")
     return dict(props)

@@ -26,6 +26,11 @@ from sqm.messaging import UnitOfWorkScope
 from sqm.records import INDOUBT, INFLIGHT
 from sqm.uow import UnitOfWork
 
+# MQ's message and correlation ids are MQBYTE24; its expiry is a 32-bit count of tenths of a second. Bounded here
+# so that no request can make descriptors, indexes or expiry arithmetic grow without limit or overflow.
+MAX_ID_BYTES = 24
+MAX_EXPIRY_MS = (2**31 - 1) * 100
+
 if TYPE_CHECKING:
     from sqm.manager import QueueManager
 
@@ -83,8 +88,11 @@ class Connection(UnitOfWorkScope):
                                      f"{qdef.max_msg_length}")
         if not 0 <= priority <= 9:
             raise BadRequestError(f"priority must be 0-9, not {priority}")
-        if expiry_ms < 0:
-            raise BadRequestError(f"expiry must be >= 0 ms, not {expiry_ms}")
+        if not 0 <= expiry_ms <= MAX_EXPIRY_MS:
+            raise BadRequestError(f"expiry must be 0-{MAX_EXPIRY_MS} ms (MQ's limit), not {expiry_ms}")
+        for name, value in (("message id", msgid), ("correlation id", correlid)):
+            if value is not None and len(value) > MAX_ID_BYTES:
+                raise BadRequestError(f"{name} of {len(value)} bytes: at most {MAX_ID_BYTES} (MQ's MQBYTE24)")
         try:
             props = check_properties(properties or {})
         except ValueError as e:
@@ -137,6 +145,8 @@ class Connection(UnitOfWorkScope):
         qdef = qm.queue_def(queue)
         if msgid is not None and correlid is not None:
             raise BadRequestError("get by message id or by correlation id, not both")
+        if max(len(msgid or b""), len(correlid or b"")) > MAX_ID_BYTES:
+            raise BadRequestError(f"a message or correlation id is at most {MAX_ID_BYTES} bytes (MQ's MQBYTE24)")
         match, value = ("m", msgid.hex()) if msgid is not None else ("c", correlid.hex()) if correlid else ("", "")
         own = None if syncpoint else qm.new_uow()
         uow = own or self._current_uow()
