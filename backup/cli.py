@@ -208,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     sch.add_argument("--interval", type=float, required=True, metavar="SECONDS")
     sch.add_argument("--structure", action="append", default=[], help="structure to back up (default: all ACTIVE)")
     sch.set_defaults(func=cmd_schedule)
+    p.set_defaults(cf_role="backup")  # the CF user this command connects as (cfemu.credentials)
     return p
 
 

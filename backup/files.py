@@ -24,6 +24,7 @@ from typing import Any, BinaryIO
 import crc32c
 import msgpack
 
+from cfemu.private_files import open_private, private_dir
 from sqm.log.format import fsync_directory
 
 FORMAT_VERSION = 1
@@ -98,7 +99,8 @@ class BackupWriter:
     def __init__(self, directory: Path, *, roll_bytes: int = ROLL_BYTES) -> None:
         self.directory = Path(directory)
         self.roll_bytes = roll_bytes
-        self.directory.mkdir(parents=True, exist_ok=False)
+        private_dir(self.directory.parent)  # the structure's backups hold every message: 0700
+        self.directory.mkdir(exist_ok=False, mode=0o700)
         self.files: list[dict[str, Any]] = []
         self._packer = _packer()
         self._file: BinaryIO | None = None
@@ -110,7 +112,7 @@ class BackupWriter:
     def _open_next(self) -> None:
         self._close_current()
         name = f"entries-{len(self.files) + 1:04d}.bin"
-        self._file = open(self.directory / name, "xb")  # noqa: SIM115 - closed by _close_current
+        self._file = os.fdopen(open_private(self.directory / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb")
         self.files.append({"name": name})
         self._sha = hashlib.sha256()
         self._size = self._frames = 0
@@ -155,7 +157,7 @@ class BackupWriter:
         out = dict(manifest, format=FORMAT_VERSION, files=self.files)
         out["checksum"] = manifest_checksum(out)
         tmp = self.directory / (MANIFEST_NAME + ".tmp")
-        with open(tmp, "wb") as f:
+        with os.fdopen(open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb") as f:
             f.write(json.dumps(out, sort_keys=True, indent=1, ensure_ascii=False).encode())
             f.flush()
             os.fsync(f.fileno())

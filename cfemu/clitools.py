@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -66,8 +67,10 @@ def add_settings_arguments(parser: argparse.ArgumentParser, *names: str) -> None
 
 
 def settings(args: argparse.Namespace) -> Settings:
-    """The settings for a parsed command line (flags it does not have count as not given)."""
-    return _settings.resolve(**{name: getattr(args, name, None) for name in SETTINGS_HELP})
+    """The settings for a parsed command line (flags it does not have count as not given), with the CF user of
+    the command's role (``cf_role``, set by each command's parser: cfemu.credentials.ROLES)."""
+    return _settings.resolve(role=getattr(args, "cf_role", "operator"),
+                             **{name: getattr(args, name, None) for name in SETTINGS_HELP})
 
 
 def require_url(s: Settings) -> str:
@@ -132,6 +135,9 @@ def run_command(prog: str, args: argparse.Namespace, func: Callable[[argparse.Na
                 expected: tuple[type[BaseException], ...] = ()) -> int:
     """Run a verb with an Output (JSON when args.json): an expected error (COMMON_ERRORS or ``expected``) is one
     line on stderr and exit status 2; --verbose adds the traceback above it."""
+    # Whatever a command creates (reports, archives, chaos histories, a cluster's files) holds message bodies or
+    # secrets: its owner's only, whatever the caller's umask. The data files set their modes themselves as well.
+    os.umask(0o077)
     try:
         return int(func(args, Output(bool(getattr(args, "json", False)))))
     except (*COMMON_ERRORS, *expected) as e:

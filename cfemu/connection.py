@@ -18,6 +18,8 @@ from urllib.parse import urlsplit
 
 import redis
 
+from cfemu.credentials import redact
+
 __all__ = ["ConnectionConfigError", "PoolExhaustedError", "connect"]
 
 ENV_URL = "REDIS_URL"
@@ -75,7 +77,8 @@ def connect(
         )
     scheme = urlsplit(url).scheme
     if scheme not in ("redis", "rediss", "unix"):
-        raise ConnectionConfigError(f"unsupported URL scheme {scheme!r} in {url!r} (use redis:// or rediss://)")
+        raise ConnectionConfigError(f"unsupported URL scheme {scheme!r} in {redact(url)!r} (use redis:// or "
+                                    "rediss://)")
     opts: dict[str, Any] = {
         "decode_responses": False,
         "socket_timeout": socket_timeout,

@@ -249,7 +249,8 @@ class EmbeddedRedis:
         if self._data_dir is None or (self._owns_data_dir and not self._data_dir.exists()):
             self._data_dir = Path(tempfile.mkdtemp(prefix="cfemu-redis-")).resolve()
             self._owns_data_dir = True
-        self._data_dir.mkdir(parents=True, exist_ok=True)
+        self._data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._data_dir.chmod(0o700)  # the CF's files (AOF, RDB, log, ACL) are its owner's only
         return self._data_dir
 
     def _command(self, port: int, data_dir: Path) -> list[str]:
@@ -312,10 +313,12 @@ class EmbeddedRedis:
     def _spawn(self, port: int, data_dir: Path) -> None:
         cmd = self._command(port, data_dir)
         log_path = data_dir / LOG_NAME
-        with open(log_path, "ab") as log:
+        with os.fdopen(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as log:
             log.write(f"# cfemu: starting {' '.join(c or repr(c) for c in cmd)}\n".encode())
             log.flush()
-            popen_kw: dict[str, Any] = {"stdin": subprocess.DEVNULL, "stdout": log, "stderr": subprocess.STDOUT,
+            # umask 077: the AOF, the RDB and the log hold every message: readable by their owner only.
+            popen_kw: dict[str, Any] = {"umask": 0o077, "stdin": subprocess.DEVNULL, "stdout": log,
+                                        "stderr": subprocess.STDOUT,
                                         "cwd": data_dir, "close_fds": True}
             if self.detach:
                 proc = subprocess.Popen(cmd, start_new_session=True, **popen_kw)

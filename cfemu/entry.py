@@ -58,10 +58,14 @@ class Entry:
 
 
 def check_properties(props: dict[str, Any]) -> dict[str, PropertyValue]:
-    """User properties: str names, str/int/float/bool values (the CF's Lua msgpack keeps only those intact), at
-    most cfemu.limits.MAX_PROPERTIES_LENGTH bytes packed (so that every descriptor fits its allowance)."""
+    """User properties: non-empty str names, str/int/float/bool values (the CF's Lua msgpack keeps only those
+    intact, integers within +-2^53), at most cfemu.limits.MAX_PROPERTIES_LENGTH bytes packed (so that every
+    descriptor fits its allowance)."""
     for k, v in props.items():
-        if not isinstance(k, str) or not isinstance(v, str | int | float | bool):
-            raise ValueError(f"message property {k!r}: value {v!r} must be str, int, float or bool")
+        if not isinstance(k, str) or not k or not isinstance(v, str | int | float | bool):
+            raise ValueError(f"message property {str(k)[:40]!r}: a non-empty name, and a value of str, int, "
+                             "float or bool")
+        if isinstance(v, int) and not isinstance(v, bool) and not -2**53 <= v <= 2**53:
+            raise ValueError(f"message property {k[:40]!r}: integer out of range (Lua keeps +-2^53 exactly)")
     check_properties_length(props)
     return dict(props)

@@ -20,7 +20,8 @@ _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,48}$")
 
 def check_name(kind: str, name: str) -> str:
     """Structure, queue and member names: 1-48 of A-Z a-z 0-9 _ . - (they become parts of Redis keys)."""
-    if not isinstance(name, str) or not _NAME.match(name):
+    # fullmatch: '$' would also match before a trailing newline, letting "Q1\n" through as a key part
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise ValueError(f"bad {kind} name {name!r}: use 1-48 characters of A-Z a-z 0-9 _ . -")
     return name
 
@@ -35,7 +36,7 @@ _MEMBER = re.compile(r"^[A-Za-z0-9_\-]{1,32}$")
 
 def check_member_name(name: str) -> str:
     """Member names: 1-32 of A-Z a-z 0-9 _ - (no '.': UOW ids are '<member>.<epoch>.<sequence>')."""
-    if not isinstance(name, str) or not _MEMBER.match(name):
+    if not isinstance(name, str) or not _MEMBER.fullmatch(name):
         raise ValueError(f"bad member name {name!r}: use 1-32 characters of A-Z a-z 0-9 _ -")
     return name
 

@@ -13,6 +13,11 @@ Each setting comes from the first of these that has it:
                           while that CF runs
   5. the default          var/logs, var/backups (relative to the working directory); no CF URL and no token
 
+The CF's credentials: a CF URL that names no user gets the user and password of the command's role (sqm: member,
+cfbackup: backup, cfrestore: restore, cfemu: operator; see cfemu.credentials) from the group's secrets directory:
+$CFEMU_SECRETS_DIR, else the cluster directory's secrets/, else the CF directory's secrets/. So no password ever
+needs to be typed, put on a command line (where ``ps`` shows it) or printed.
+
 The cluster's file belongs to qsg.cluster, which writes it; it writes it with the names defined here, so that the
 floor that reads it (every command line's) and the floor that writes it cannot disagree. The resolver only reads:
 it never starts, stops or cleans up anything.
@@ -27,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cfemu import credentials
 from cfemu.connection import ENV_URL
 from cfemu.embedded import PID_NAME, URL_NAME
 from cfemu.procs import pid_alive
@@ -47,7 +53,6 @@ CLUSTER_FILE = "cluster.json"
 CLUSTER_REDIS_URL = "redis_url"
 CLUSTER_LOG_ROOT = "log_root"
 CLUSTER_BACKUP_DIR = "backup_dir"
-CLUSTER_TOKEN = "token"
 CLUSTER_CF = "cf"  # {"dir", "port", "pid"}: the pid is None once the CF is stopped
 
 # Where a value came from (Settings.sources), in the order they are tried.
@@ -64,6 +69,7 @@ class Settings:
     token: str | None
     cluster_dir: Path | None  # the cluster directory whose cluster.json was read, if any
     sources: dict[str, str] = field(default_factory=dict)
+    secrets_dir: Path | None = None  # the group's secrets (cfemu.credentials), when there are any
 
     def env(self) -> dict[str, str]:
         """The environment that hands these settings to a child process (cfbackup schedule's backups), so that
@@ -75,6 +81,8 @@ class Settings:
             out[ENV_TOKEN] = self.token
         if self.cluster_dir is not None:
             out[ENV_CLUSTER_DIR] = str(self.cluster_dir)
+        if self.secrets_dir is not None:
+            out[credentials.ENV_SECRETS_DIR] = str(self.secrets_dir)
         return out
 
 
@@ -140,7 +148,7 @@ def _cluster_cf_runs(state: Mapping[str, Any]) -> bool:
 def resolve(*, redis_url: str | None = None, log_root: str | os.PathLike[str] | None = None,
             backup_dir: str | os.PathLike[str] | None = None, token: str | None = None,
             cluster_dir: str | os.PathLike[str] | None = None, cf_dir: str | os.PathLike[str] | None = None,
-            env: Mapping[str, str] | None = None, cwd: Path | None = None) -> Settings:
+            role: str = "operator", env: Mapping[str, str] | None = None, cwd: Path | None = None) -> Settings:
     """Resolve every setting (see the module doc). The keyword arguments are the flags (None: not given); env
     and cwd default to the process's own and exist for tests."""
     environ = os.environ if env is None else env
@@ -156,12 +164,29 @@ def resolve(*, redis_url: str | None = None, log_root: str | os.PathLike[str] | 
         sources[name] = DEFAULT
         return None
 
+    cfdir = find_cf_dir(cf_dir, environ, cwd)
     url = pick("redis_url", redis_url, ENV_URL, state.get(CLUSTER_REDIS_URL) if _cluster_cf_runs(state) else None,
-               (CF_DIR, _cf_dir_url(find_cf_dir(cf_dir, environ, cwd))))
+               (CF_DIR, _cf_dir_url(cfdir)))
+    secrets_dir = find_secrets_dir(environ, cdir if state else None, cfdir)
+    if url and secrets_dir is not None:
+        password = credentials.read_password(secrets_dir, role)
+        if password:
+            url = credentials.with_user(str(url), role, password)
     logs = pick("log_root", log_root, ENV_LOG_ROOT, state.get(CLUSTER_LOG_ROOT), (DEFAULT, DEFAULT_LOG_ROOT))
     backups = pick("backup_dir", backup_dir, ENV_BACKUP_DIR, state.get(CLUSTER_BACKUP_DIR),
                    (DEFAULT, DEFAULT_BACKUP_DIR))
-    tok = pick("token", token, ENV_TOKEN, state.get(CLUSTER_TOKEN))
+    tok = pick("token", token, ENV_TOKEN,
+               credentials.service_token(secrets_dir, create=False) if secrets_dir is not None else None)
     return Settings(redis_url=str(url) if url else None, log_root=Path(logs), backup_dir=Path(backups),
                     token=str(tok) if tok else None, cluster_dir=cdir.resolve() if state else None,
-                    sources=sources)
+                    sources=sources, secrets_dir=secrets_dir)
+
+
+def find_secrets_dir(env: Mapping[str, str], cluster_dir: Path | None, cf_dir: Path) -> Path | None:
+    """$CFEMU_SECRETS_DIR, else the cluster's secrets/, else the CF directory's secrets/ (None: none exists)."""
+    if env.get(credentials.ENV_SECRETS_DIR):
+        return Path(env[credentials.ENV_SECRETS_DIR]).resolve()
+    for d in (cluster_dir, cf_dir):
+        if d is not None and (d / credentials.SECRETS_DIR).is_dir():
+            return (d / credentials.SECRETS_DIR).resolve()
+    return None

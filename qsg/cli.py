@@ -21,6 +21,7 @@ on stderr (exit 2); --verbose adds the traceback (cfemu.clitools.run_command).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -30,7 +31,7 @@ from typing import Any, Protocol
 
 import redis
 
-from cfemu import keys
+from cfemu import credentials, keys
 from cfemu.admin import Admin
 from cfemu.cf import CF
 from cfemu.clitools import CLIError, Output, add_settings_arguments, require_url, run_command, settings
@@ -38,6 +39,7 @@ from cfemu.connection import connect
 from cfemu.embedded import EmbeddedRedis, ServerError
 from cfemu.errors import NoMessageError
 from cfemu.limits import DEFAULT_MSG_LENGTH, MAX_MSG_LENGTH
+from cfemu.private_files import write_private
 from cfemu.settings import find_cf_dir, find_cluster_dir
 from sqm.log import LogFormatError, LogReader
 from sqm.manager import QueueManager, QueueManagerConfig
@@ -76,7 +78,7 @@ def admin_client(args: argparse.Namespace) -> Iterator[Admin]:
     try:
         client.ping()
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
-        raise CLIError(f"the CF at {url} does not answer: {e}") from None
+        raise CLIError(f"the CF at {credentials.redact(url)} does not answer: {e}") from None
     try:
         yield Admin(client)
     finally:
@@ -134,8 +136,12 @@ def cmd_cf(args: argparse.Namespace, out: Output) -> int:
             running = None
         if running is not None:
             raise CLIError(f"a CF already runs from {cf_dir} at {running.url} (pid {running.pid})")
-        srv = EmbeddedRedis(port=args.port, data_dir=cf_dir, appendonly=args.appendonly, detach=True).start()
-        info = {"url": srv.url, "pid": srv.pid, "dir": str(srv.data_dir)}
+        # Secured from its first start: the default user off, one user per role, passwords in cf_dir/secrets.
+        passwords = credentials.create(cf_dir / credentials.SECRETS_DIR)
+        srv = EmbeddedRedis(port=args.port, data_dir=cf_dir, appendonly=args.appendonly, detach=True,
+                            acl_users=credentials.acl_lines(passwords)).start()
+        info = {"url": srv.url, "pid": srv.pid, "dir": str(srv.data_dir),
+                "secrets": str((cf_dir / credentials.SECRETS_DIR).resolve())}
     elif args.action == "stop":
         srv = EmbeddedRedis.attach(cf_dir)
         srv.stop()
@@ -151,6 +157,27 @@ def cmd_cf(args: argparse.Namespace, out: Output) -> int:
     else:
         out.table(f"CF ({args.action})", ["field", "value"], sorted(info.items()))
     return 0 if args.action != "status" or info.get("running") else 1
+
+
+def cmd_secrets(args: argparse.Namespace, out: Output) -> int:
+    """cfemu secrets init: the group's secrets in DIR (kept when they exist), and optionally the CF's ACL file for
+    them (for a CF this command does not start: docker-compose's redis-server, or an external Redis)."""
+    directory = Path(args.dir)
+    passwords = credentials.create(directory)
+    credentials.service_token(directory)
+    info: dict[str, Any] = {"dir": str(directory.resolve()), "files": sorted(p.name for p in directory.iterdir())}
+    if args.acl_file:
+        acl = Path(args.acl_file)
+        write_private(acl, "".join(line + "\n" for line in credentials.acl_lines(passwords)).encode())
+        if args.acl_owner is not None:  # the redis-server that reads it may run as another user (its image's)
+            os.chown(acl, args.acl_owner, -1)
+        info["acl_file"] = str(acl.resolve())
+    if args.json:
+        out.json(info)
+    else:
+        out.table("group secrets (values are never printed)", ["field", "value"],
+                  [(k, ", ".join(v) if isinstance(v, list) else v) for k, v in sorted(info.items())])
+    return 0
 
 
 def cmd_define(args: argparse.Namespace, out: Output) -> int:
@@ -413,6 +440,12 @@ def build_parser() -> argparse.ArgumentParser:
     cf.add_argument("--port", type=int, default=None, help="TCP port (default: a free one)")
     cf.add_argument("--appendonly", action="store_true", help="keep an AOF (the CF survives a restart)")
 
+    sec = sub.add_parser("secrets", parents=[common], help="the group's secrets (CF users, service token)")
+    sec.add_argument("action", choices=["init"])
+    sec.add_argument("--dir", required=True, help="the secrets directory (made 0700; files 0600)")
+    sec.add_argument("--acl-file", help="also write the CF's ACL file for these secrets here (0600)")
+    sec.add_argument("--acl-owner", type=int, default=None, help="uid to own the ACL file (the redis-server's)")
+
     define = sub.add_parser("define", help="define a structure or a queue")
     dsub = define.add_subparsers(dest="kind", required=True)
     ds = dsub.add_parser("structure", parents=[common, where], help="define a CF application structure")
@@ -479,11 +512,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("rest", nargs=argparse.REMAINDER)
     chaos = sub.add_parser("chaos", help="the chaos test suite (run, soak, check, kinds)", add_help=False)
     chaos.add_argument("rest", nargs=argparse.REMAINDER)
+    parser.set_defaults(cf_role="operator")  # the CF user this command connects as (cfemu.credentials)
     return parser
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace, Output], int]] = {
-    "cf": cmd_cf, "define": cmd_define, "status": cmd_status, "put": cmd_put, "get": cmd_get,
+    "cf": cmd_cf, "secrets": cmd_secrets, "define": cmd_define, "status": cmd_status, "put": cmd_put, "get": cmd_get,
     "browse": cmd_browse, "indoubt": cmd_indoubt, "cluster": cmd_cluster,
 }
 DELEGATES: dict[str, Callable[[list[str]], int]] = {"backup": _backup_verb, "restore": _restore_verb,

@@ -37,9 +37,11 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from cfemu import credentials
 from cfemu.admin import Admin
 from cfemu.connection import connect
 from cfemu.embedded import EmbeddedRedis, ServerNotRunningError
+from cfemu.private_files import private_dir, write_private
 from cfemu.procs import free_port, log_tail, pid_alive, popen_tied
 from cfemu.settings import (
     CLUSTER_BACKUP_DIR,
@@ -47,7 +49,6 @@ from cfemu.settings import (
     CLUSTER_FILE,
     CLUSTER_LOG_ROOT,
     CLUSTER_REDIS_URL,
-    CLUSTER_TOKEN,
     ENV_BACKUP_DIR,
     ENV_CLUSTER_DIR,
     ENV_LOG_ROOT,
@@ -106,8 +107,19 @@ class Cluster:
         return Path(self.state[CLUSTER_BACKUP_DIR])
 
     @property
+    def secrets_dir(self) -> Path:
+        return self.dir / credentials.SECRETS_DIR
+
+    @property
     def token(self) -> str | None:
-        return self.state.get(CLUSTER_TOKEN)
+        """The service's token, from the group's secrets (never from cluster.json, which is not a secret file)."""
+        return credentials.service_token(self.secrets_dir, create=False)
+
+    def cf_url(self, role: str = "operator") -> str:
+        """The CF's URL with the user and password of a role (for this process's own connections: never put it
+        on a command line or in a file)."""
+        password = credentials.read_password(self.secrets_dir, role)
+        return credentials.with_user(self.redis_url, role, password) if password else self.redis_url
 
     def manager(self, name: str) -> dict[str, Any]:
         for m in self.state["managers"]:
@@ -140,10 +152,14 @@ class Cluster:
         existing = cls._read_state(d)
         if existing is not None and cls(d, existing).running_processes():
             raise ClusterError(f"a cluster is already running in {d}: run 'cfemu cluster down --dir {d}' first")
+        private_dir(d)
         for sub in ("cf", "logs", "backups", "run"):
-            (d / sub).mkdir(parents=True, exist_ok=True)
+            private_dir(d / sub)
+        # The group's secrets, made once and kept across restarts: the CF's users and the service's token.
+        credentials.create(d / credentials.SECRETS_DIR)
+        token = token or credentials.service_token(d / credentials.SECRETS_DIR)
         state: dict[str, Any] = {
-            "dir": str(d), "host": host, "detached": detach, "lease_ms": lease_ms, CLUSTER_TOKEN: token,
+            "dir": str(d), "host": host, "detached": detach, "lease_ms": lease_ms,
             CLUSTER_LOG_ROOT: str(d / "logs"), CLUSTER_BACKUP_DIR: str(d / "backups"),
             CLUSTER_CF: {"dir": str(d / "cf")},
             "managers": [{"name": f"QM{i}", "port": free_port(host), "metrics_port": free_port(host)}
@@ -190,19 +206,15 @@ class Cluster:
             raise ClusterError(f"unreadable {d / CLUSTER_FILE}: {e}") from None
 
     def _save(self) -> None:
-        tmp = self.dir / (CLUSTER_FILE + ".tmp")
-        tmp.write_text(json.dumps(self.state, indent=2) + "\n")
-        os.replace(tmp, self.dir / CLUSTER_FILE)
+        write_private(self.dir / CLUSTER_FILE, (json.dumps(self.state, indent=2) + "\n").encode())
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
         # Every setting in the environment, this cluster's directory included, so that the children (and the
         # scheduler's backups) resolve this cluster's settings, not those of a cluster near their working directory.
-        env.update({ENV_URL: self.redis_url, ENV_LOG_ROOT: str(self.log_root), ENV_BACKUP_DIR: str(self.backup_dir),
+        env.update({ENV_URL: self.redis_url, credentials.ENV_SECRETS_DIR: str(self.secrets_dir), ENV_LOG_ROOT: str(self.log_root), ENV_BACKUP_DIR: str(self.backup_dir),
                     ENV_CLUSTER_DIR: str(self.dir), "PYTHONUNBUFFERED": "1"})
-        env.pop(ENV_TOKEN, None)
-        if self.token:
-            env[ENV_TOKEN] = self.token  # in the environment, not on a command line anyone can read
+        env.pop(ENV_TOKEN, None)  # the children read the token from the secrets directory, like the CF's passwords
         return env
 
     def _popen(self, key: str, cmd: list[str], log_name: str,
@@ -222,12 +234,14 @@ class Cluster:
         for leftover in ("dump.rdb", "appendonly.aof"):  # the CF always starts empty, like a lost CF
             with contextlib.suppress(FileNotFoundError):
                 (cf_dir / leftover).unlink()
-        self._cf = EmbeddedRedis(port=port, data_dir=cf_dir, host=self.host, detach=self.state["detached"]).start()
+        passwords = credentials.create(self.secrets_dir)
+        self._cf = EmbeddedRedis(port=port, data_dir=cf_dir, host=self.host, detach=self.state["detached"],
+                                 acl_users=credentials.acl_lines(passwords)).start()
         self.state[CLUSTER_CF].update(port=self._cf.port, pid=self._cf.pid)
         self.state[CLUSTER_REDIS_URL] = self._cf.url
 
     def _define(self, structure: str, queues: Sequence[str]) -> None:
-        client = connect(self.redis_url)
+        client = connect(self.cf_url("operator"))
         try:
             Admin(client).ensure_structure(structure, queues)
         finally:

@@ -187,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument("entry_id")
     audit.add_argument("--archive-dir", required=True, help="the archive (cfrestore archive)")
     audit.set_defaults(func=cmd_audit)
+    p.set_defaults(cf_role="restore")  # the CF user this command connects as (cfemu.credentials)
     return p
 
 

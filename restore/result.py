@@ -8,6 +8,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cfemu.private_files import open_private, private_dir
+
 
 @dataclass
 class RestoreResult:
@@ -48,9 +50,9 @@ class PurgeResult:
 
 def write_report(result: RestoreResult, path: Path) -> None:
     """Write the JSON report durably (temp file, fsync, rename); restore.report documents its fields."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(path.parent)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
+    with os.fdopen(open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w") as f:
         json.dump(result.to_json(), f, indent=1, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())

@@ -85,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     add_run_parser(sub)
     add_log_parser(sub)  # sqm log print
+    parser.set_defaults(cf_role="member")  # the CF user this command connects as (cfemu.credentials)
     return parser
 
 

@@ -28,6 +28,9 @@ from sqm.messaging import UnitOfWorkScope
 from sqm.records import INDOUBT, INFLIGHT
 from sqm.uow import UnitOfWork
 
+# MQ's expiry is a 32-bit count of tenths of a second: bounded so that expiry arithmetic cannot overflow.
+MAX_EXPIRY_MS = (2**31 - 1) * 100
+
 if TYPE_CHECKING:
     from sqm.manager import QueueManager
 
@@ -85,8 +88,8 @@ class Connection(UnitOfWorkScope):
                                      f"{qdef.max_msg_length}")
         if not 0 <= priority <= 9:
             raise BadRequestError(f"priority must be 0-9, not {priority}")
-        if expiry_ms < 0:
-            raise BadRequestError(f"expiry must be >= 0 ms, not {expiry_ms}")
+        if not 0 <= expiry_ms <= MAX_EXPIRY_MS:
+            raise BadRequestError(f"expiry must be 0-{MAX_EXPIRY_MS} ms (MQ's limit), not {expiry_ms}")
         try:
             props = check_properties(properties or {})
             if msgid is not None:
@@ -144,6 +147,12 @@ class Connection(UnitOfWorkScope):
         qdef = qm.queue_def(queue)
         if msgid is not None and correlid is not None:
             raise BadRequestError("get by message id or by correlation id, not both")
+        try:
+            for kind, wanted in (("msgid", msgid), ("correlid", correlid)):
+                if wanted is not None:
+                    check_id(kind, wanted)
+        except ValueError as e:
+            raise BadRequestError(str(e)) from None
         match, value = ("m", msgid.hex()) if msgid is not None else ("c", correlid.hex()) if correlid else ("", "")
         own = None if syncpoint else qm.new_uow()
         uow = own or self._current_uow()

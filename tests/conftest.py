@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
 
+from cfemu import credentials
 from cfemu.connection import connect
 from cfemu.embedded import EmbeddedRedis
+from tests.support.harness import HARNESS
 
 
 class ExternalRedis:
@@ -40,15 +43,35 @@ class ExternalRedis:
         pass
 
 
+class GroupCF(EmbeddedRedis):
+    """The session CF, secured as the product secures a group's CF (cfemu.credentials): the default user off and
+    one user per role. Tests connect as a member, the role with the fewest rights (``url``), so that a product
+    command a member may not run fails here first; ``client()`` is a harness user that may FLUSHALL between tests."""
+
+    def __init__(self, secrets_dir: Path) -> None:
+        self.passwords = credentials.create(secrets_dir)
+        self.harness_password = self.passwords["operator"] + "-harness"
+        super().__init__(acl_users=[*credentials.acl_lines(self.passwords),
+                                    f"user qsg-harness on >{self.harness_password} ~* &* +@all"])
+
+    @property
+    def url(self) -> str:
+        return credentials.with_user(super().url, "member", self.passwords["member"])
+
+    def client(self, **kwargs: Any) -> redis.Redis:
+        return super().client(**{"username": "qsg-harness", "password": self.harness_password, **kwargs})
+
+
 @pytest.fixture(scope="session")
-def redis_server() -> Iterator[EmbeddedRedis | ExternalRedis]:
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedRedis | ExternalRedis]:
     url = os.environ.get("REDIS_URL")
     if url:
         yield ExternalRedis(url)
         return
-    srv = EmbeddedRedis()
+    srv = GroupCF(tmp_path_factory.mktemp("group") / credentials.SECRETS_DIR)
     try:
         srv.start()
+        HARNESS[f"{srv.host}:{srv.port}"] = ("qsg-harness", srv.harness_password)
         yield srv
     finally:
         srv.stop()

@@ -182,7 +182,7 @@ class ChaosGroup:
 
     def cf(self) -> redis.Redis:
         """A direct connection to the CF (no proxy): the operator's and the checker's view."""
-        return connect(self.c.redis_url, socket_timeout=5.0)
+        return connect(self.c.cf_url("operator"), socket_timeout=5.0)
 
     def pid(self, name: str) -> int | None:
         pid = self.c.manager(name).get("pid")

@@ -397,7 +397,7 @@ def write_manifest(directory: Path, data: dict[str, Any]) -> None:
     path = directory / MANIFEST_NAME
     tmp = directory / (MANIFEST_NAME + ".tmp")
     payload = json.dumps(data, indent=1, sort_keys=False).encode("utf-8") + b"\n"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # the manifest names members and LRSNs
     try:
         view = memoryview(payload)
         while view:

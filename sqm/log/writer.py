@@ -14,6 +14,7 @@ from typing import Any
 
 import msgpack
 
+from cfemu.private_files import open_private, private_dir
 from sqm.log.format import (
     FORMAT_VERSION,
     FRAME,
@@ -112,10 +113,9 @@ class RecordLog:
         self._fd = -1
         self._checkpoints: list[tuple[LogPosition, int]] = []
         self._sealed: list[SegmentInfo] = []
-        if not self.directory.is_dir():
-            if not create:
-                raise LogFormatError(f"{self.directory}: no such log directory")
-            self.directory.mkdir(parents=True, exist_ok=True)
+        if not self.directory.is_dir() and not create:
+            raise LogFormatError(f"{self.directory}: no such log directory")
+        private_dir(self.directory)  # segments hold message bodies: 0700, refused when others can write it
         self._acquire_lock()
         try:
             self._open()
@@ -128,7 +128,7 @@ class RecordLog:
 
     def _acquire_lock(self) -> None:
         path = self.directory / LOCK_NAME
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_private(path, os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -223,7 +223,7 @@ class RecordLog:
 
     def _create_segment(self, segno: int) -> int:
         path = self.directory / segment_name(segno)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+        fd = open_private(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND)
         try:
             _write_all(fd, encode_header(segno, self.segment_bytes, self.member))
             os.fsync(fd)

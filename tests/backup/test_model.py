@@ -50,12 +50,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 import redis
 
 from backup.protocol import STEPS
-from cfemu.connection import connect
 from restore.plan import plan_local
 from tests.backup.model.actors import (
     NP_QUEUE,
@@ -219,8 +219,10 @@ def check(client: redis.Redis, scenario: Scenario, mutation: Mutation | None = N
 
 
 @pytest.fixture
-def client(redis_url: str) -> redis.Redis:
-    return connect(redis_url)
+def client(redis_url: str, redis_server: Any) -> redis.Redis:
+    """The harness user: the model checker resets the CF between runs with FLUSHALL, KEYS, DUMP and RESTORE,
+    which no role of the product may run."""
+    return redis_server.client()
 
 
 # Interleavings explored per scenario (equivalence classes under the sleep-set reduction). Pinned: a change in

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from cfemu import settings
+from cfemu import credentials, settings
 from cfemu.embedded import PID_NAME, URL_NAME
+from cfemu.private_files import private_dir, write_private
 from cfemu.settings import (
     CF_DIR,
     CLUSTER,
@@ -23,7 +24,6 @@ from cfemu.settings import (
     CLUSTER_FILE,
     CLUSTER_LOG_ROOT,
     CLUSTER_REDIS_URL,
-    CLUSTER_TOKEN,
     DEFAULT,
     ENV,
     FLAG,
@@ -38,7 +38,10 @@ def write_cluster(d: Path, *, cf_pid: int | None = LIVE_PID) -> Path:
     d.mkdir(parents=True)
     (d / CLUSTER_FILE).write_text(json.dumps({
         CLUSTER_REDIS_URL: "redis://cluster:1/0", CLUSTER_LOG_ROOT: str(d / "logs"),
-        CLUSTER_BACKUP_DIR: str(d / "backups"), CLUSTER_TOKEN: "cluster-token", CLUSTER_CF: {"pid": cf_pid}}))
+        CLUSTER_BACKUP_DIR: str(d / "backups"), CLUSTER_CF: {"pid": cf_pid}}))
+    secrets_dir = d / credentials.SECRETS_DIR
+    private_dir(secrets_dir)
+    write_private(secrets_dir / "service.token", b"cluster-token")
     return d
 
 

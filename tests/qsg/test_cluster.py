@@ -27,6 +27,7 @@ from qsg import cli as cfemu_cli
 from qsg.cluster import Cluster, ClusterError
 from sqm import cli as sqm_cli
 from sqm.service.client import Client
+from sqm.service.protocol import NotAuthorizedError
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -128,7 +129,11 @@ def test_cli_cluster_up_status_backup_down(tmp_path: Path) -> None:
         assert {"redis_url", "log_root", "backup_dir", "managers", "cf", "scheduler"} <= set(state)
         again = cfemu("cluster", "up", "--dir", d, check=False)
         assert again.returncode == 2 and "already running" in again.stderr
-        with Client([f"127.0.0.1:{m['port']}" for m in state["managers"]]) as c:
+        assert "token" not in state, "the service token is a secret: cluster.json is not where it lives"
+        with pytest.raises(NotAuthorizedError):  # authentication is on by default
+            Client([f"127.0.0.1:{m['port']}" for m in state["managers"]], reconnect_timeout=0)
+        token = Cluster.load(tmp_path / "cluster").token
+        with Client([f"127.0.0.1:{m['port']}" for m in state["managers"]], token=token) as c:
             c.put("Q1", b"backed up", syncpoint=False)
         deadline = time.monotonic() + 60
         manifests: list[Path] = []
@@ -161,7 +166,7 @@ def test_api_kill_and_restart_cf_and_managers_and_down_cleans_up(tmp_path: Path)
         c.kill_cf()
         c.restart_cf()
         assert int(c.state["cf"]["port"]) == port
-        client = connect(c.redis_url)
+        client = connect(c.cf_url())
         assert Admin(client).structures() == []  # it came back empty, like a lost CF
         client.close()
         c.kill_manager("QM2")

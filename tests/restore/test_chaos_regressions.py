@@ -23,6 +23,7 @@ from restore.settle import CONSUMED, decide_outcome, settle
 from sqm import records
 from sqm.log import LogReader
 from tests.support.group import define_group, start_qm
+from tests.support.harness import lose_cf
 
 
 @pytest.mark.parametrize("written", ["with at", "before at"])
@@ -69,7 +70,7 @@ def test_seed2_a_commit_retried_after_a_restore_does_not_back_out_what_it_applie
         uow = conn.prepare("xid-1")
         for s in ("APP1", "APP2"):
             run_backup(client, s, backups, log_root=logs)
-        client.flushall()  # the CF is lost
+        lose_cf(client)  # the CF is lost
         run_restore(client, "APP1", backup_root=backups, log_root=logs)
         qm.resolve(uow, True)
         assert uow in qm.pending, "APP2 is not restored yet: the commit waits for it"
@@ -125,7 +126,7 @@ def test_seed3_a_put_outside_syncpoint_is_never_put_again_after_the_restore_repl
         conn.put("Q1", b"earlier")  # the member knows the queue (its definition is cached, as in a running SQM)
         conn.commit()
         run_backup(client, "APP1", backups, log_root=logs)
-        client.flushall()  # the CF is lost
+        lose_cf(client)  # the CF is lost
         with pytest.raises(StructureFailedError):
             conn.put("Q1", b"never", syncpoint=False)
         assert not qm.pending

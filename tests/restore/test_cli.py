@@ -29,6 +29,7 @@ from restore.engine import (
 from restore.run import RESTORE_MEMBER, run_restore
 from sqm.manager import QueueManager
 from tests.restore.test_restore import S, all_keys, small_workload
+from tests.support.harness import lose_cf
 
 
 @pytest.fixture
@@ -52,7 +53,7 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
 def test_plan_prints_the_plan_and_changes_nothing(group: list[QueueManager], tmp_path: Path,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     client = group[0].redis
-    client.flushall()
+    lose_cf(client)
     rc, out, err = run(capsys, "plan", S)
     assert rc == 0, err
     assert "APP1 plan (dry run: nothing changed)" in out
@@ -67,7 +68,7 @@ def test_plan_prints_the_plan_and_changes_nothing(group: list[QueueManager], tmp
 
 def test_run_restores_and_writes_the_report(group: list[QueueManager], tmp_path: Path,
                                             capsys: pytest.CaptureFixture[str]) -> None:
-    group[0].redis.flushall()
+    lose_cf(group[0].redis)
     report = tmp_path / "report.json"
     rc, out, err = run(capsys, "run", S, "--report", str(report), "--json")
     assert rc == 0, err
@@ -91,7 +92,7 @@ def test_errors_are_one_line_with_exit_2(group: list[QueueManager], tmp_path: Pa
     assert rc == 2 and "Traceback" in err and "RestoreError" in err
     rc, _, err = run(capsys, "run", "bad/name", "--mark-failed")
     assert rc == 2 and "bad structure name" in err
-    group[0].redis.flushall()
+    lose_cf(group[0].redis)
     rc, _, err = run(capsys, "run", S, "--log-root", str(tmp_path / "nowhere"))
     assert rc == 2 and "no log for members QM1, QM2, QM3 under" in err
 
@@ -112,7 +113,7 @@ def test_mark_failed_then_purge(group: list[QueueManager], capsys: pytest.Captur
 
 
 def test_progress_bars_show_every_phase(group: list[QueueManager], tmp_path: Path) -> None:
-    group[0].redis.flushall()
+    lose_cf(group[0].redis)
     screen = io.StringIO()
     console = Console(file=screen, force_terminal=True, width=100)
     with PhaseBars(console) as bars:

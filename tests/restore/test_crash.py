@@ -18,6 +18,7 @@ from sqm.failpoints import ENV_VAR as FAILPOINTS
 from sqm.log import LogReader
 from tests.restore.test_restore import S, snapshot
 from tests.support.group import define_group, start_qm
+from tests.support.harness import lose_cf
 
 MESSAGES = 2500  # three load batches of 1000
 
@@ -45,7 +46,7 @@ def test_restore_killed_mid_load_resumes_to_the_clean_result(redis_url: str, tmp
     inflight.get("Q2")
     b.put("Q1", b"forces QM2's log")
     b.commit()
-    client.flushall()  # the CF is lost
+    lose_cf(client)  # the CF is lost
 
     crashed = cfrestore(redis_url, logs, backups, env={FAILPOINTS: "restore-load-batch=1"})
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr

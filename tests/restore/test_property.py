@@ -47,6 +47,7 @@ from sqm.connection import Connection
 from sqm.manager import QueueManager
 from tests.restore.test_restore import rejoin
 from tests.support.group import define_group, start_qm
+from tests.support.harness import lose_cf
 
 STRUCTURE = "APP1"
 QUEUES = ("Q1", "Q2")
@@ -86,7 +87,7 @@ class RestoreHistory(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.client: redis.Redis = connect(self.redis_url)
-        self.client.flushall()
+        lose_cf(self.client)
         define_group(self.redis_url, structure=STRUCTURE, queues=QUEUES)
         run = self.root / f"example-{next(self.examples)}"
         self.logs, self.backups = run / "logs", run / "backups"
@@ -211,7 +212,7 @@ class RestoreHistory(RuleBasedStateMachine):
     @precondition(lambda self: self.backed_up)
     @rule()
     def lose_cf_and_restore(self) -> None:
-        self.client.flushall()
+        lose_cf(self.client)
         for qm in self.qms:
             assert qm.log is not None
             qm.log.force()

@@ -28,6 +28,7 @@ from sqm.connection import Connection
 from sqm.log import LogCorruptError, LogReader, RecordLog
 from sqm.manager import QueueManager
 from tests.support.group import define_group, start_qm
+from tests.support.harness import lose_cf
 
 S = "APP1"
 
@@ -126,10 +127,6 @@ def small_workload(url: str, logs: Path, backups: Path) -> tuple[list[QueueManag
     b.put("Q2", b"forces QM2's log")
     b.commit()
     return qms, manifest
-
-
-def lose_cf(client: redis.Redis) -> None:
-    client.flushall()
 
 
 # --- the full scenario ------------------------------------------------------------------------------------

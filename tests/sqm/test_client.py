@@ -56,7 +56,7 @@ def test_parse_endpoint() -> None:
 
 def test_several_clients_on_several_servers(cluster: Cluster) -> None:
     names = cluster.names
-    producers = [Client(endpoints(cluster, names[i % 3])) for i in range(6)]
+    producers = [Client(endpoints(cluster, names[i % 3]), token=cluster.token) for i in range(6)]
     errors: list[BaseException] = []
 
     def produce(i: int, c: Client) -> None:
@@ -77,11 +77,11 @@ def test_several_clients_on_several_servers(cluster: Cluster) -> None:
     assert {p.qmgr for p in producers} == set(names)
     got: list[bytes] = []
     for name in names:  # consumers on every server: each message exactly once
-        with Client(endpoints(cluster, name)) as consumer:
+        with Client(endpoints(cluster, name), token=cluster.token) as consumer:
             for _ in range(20):
                 got.append(consumer.get("Q1").body)
             consumer.commit()
-    with Client(endpoints(cluster, names[0])) as c:
+    with Client(endpoints(cluster, names[0]), token=cluster.token) as c:
         got += drain(c, "Q1")
     assert sorted(got) == sorted(f"p{i}-{j}".encode() for i in range(6) for j in range(30))
     for p in producers:
@@ -89,7 +89,7 @@ def test_several_clients_on_several_servers(cluster: Cluster) -> None:
 
 
 def test_unit_of_work_backs_out_on_an_exception(cluster: Cluster) -> None:
-    with Client(endpoints(cluster, "QM1")) as a, Client(endpoints(cluster, "QM2")) as b:
+    with Client(endpoints(cluster, "QM1"), token=cluster.token) as a, Client(endpoints(cluster, "QM2"), token=cluster.token) as b:
         with pytest.raises(RuntimeError), a.unit_of_work():
             a.put("Q2", b"never")
             raise RuntimeError("application failure")
@@ -100,10 +100,10 @@ def test_unit_of_work_backs_out_on_an_exception(cluster: Cluster) -> None:
 
 
 def test_kill_9_of_a_server_fails_clients_over_and_peer_recovery_releases_its_messages(cluster: Cluster) -> None:
-    with Client(endpoints(cluster, "QM1")) as setup:
+    with Client(endpoints(cluster, "QM1"), token=cluster.token) as setup:
         setup.put("Q3", b"held by the victim", syncpoint=False)
-    victim = Client(endpoints(cluster, "QM2", "QM3"))
-    bystander = Client(endpoints(cluster, "QM2", "QM3"))
+    victim = Client(endpoints(cluster, "QM2", "QM3"), token=cluster.token)
+    bystander = Client(endpoints(cluster, "QM2", "QM3"), token=cluster.token)
     assert victim.qmgr == bystander.qmgr == "QM2"
     held = victim.get("Q3")  # in an open UOW on QM2
     assert held.body == b"held by the victim" and victim.uow_open
@@ -119,7 +119,7 @@ def test_kill_9_of_a_server_fails_clients_over_and_peer_recovery_releases_its_me
     assert bystander.qmgr == "QM3"
 
     # Peer recovery (QM1 or QM3) backs out the dead member's UOW once its lease lapses: the message is back.
-    with Client(endpoints(cluster, "QM1")) as c:
+    with Client(endpoints(cluster, "QM1"), token=cluster.token) as c:
         m = c.get("Q3", msgid=held.msgid, wait_ms=20_000)
         released_after = time.monotonic() - killed_at
         assert (m.body, m.backout_count) == (b"held by the victim", 1)
@@ -130,7 +130,7 @@ def test_kill_9_of_a_server_fails_clients_over_and_peer_recovery_releases_its_me
     bystander.close()
 
     cluster.restart_manager("QM2")
-    with Client(endpoints(cluster, "QM2")) as again:
+    with Client(endpoints(cluster, "QM2"), token=cluster.token) as again:
         assert again.qmgr == "QM2"
         again.put("Q3", b"QM2 is back", syncpoint=False)
         assert again.get("Q3", syncpoint=False).body == b"QM2 is back"

@@ -14,6 +14,7 @@ import pytest
 from sqm.cli import main
 from sqm.log import LogReader
 from tests.support.group import define_group, start_qm
+from tests.support.harness import lose_cf
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -23,7 +24,7 @@ def history(tmp_path_factory: pytest.TempPathFactory, redis_server: Any) -> dict
     """Two members' logs: QM1 puts on Q1 and Q2, QM2 gets the Q1 message (after one backed-out get)."""
     url = redis_server.url
     client = redis_server.client()
-    client.flushall()
+    lose_cf(client)
     define_group(url, queues=("Q1", "Q2"))
     root = tmp_path_factory.mktemp("logprint") / "logs"
     qm1 = start_qm(url, root, "QM1", background=False)
@@ -40,7 +41,7 @@ def history(tmp_path_factory: pytest.TempPathFactory, redis_server: Any) -> dict
     b.commit()
     qm1.stop()
     qm2.stop()
-    client.flushall()
+    lose_cf(client)
     return {"root": root, "msgid": m1.msgid.hex(), "entry": m1.entry_id, "put_uow": put_uow, "get_uow": get_uow}
 
 

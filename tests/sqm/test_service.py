@@ -43,6 +43,7 @@ from sqm.service.protocol import (
 )
 from sqm.service.server import EXIT_FENCED
 from tests.support.group import define_group, start_qm
+from tests.support.harness import lose_cf
 
 TOKEN = "t0ken-for-tests"
 MAX_FRAME = 64 * 1024
@@ -128,7 +129,7 @@ class Raw:
 def server(redis_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
     """One token-protected server for the module (the CF is flushed once, here)."""
     client = redis_server.client()
-    client.flushall()
+    lose_cf(client)
     client.close()
     define_group(redis_server.url, queues=("Q1", "Q2"))
     admin = Admin(connect(redis_server.url))

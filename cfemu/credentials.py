@@ -1,0 +1,128 @@
+"""The group's secrets: one CF user per role with only the commands its role needs, and where their passwords live.
+
+A group is created with its secrets (``cfemu cluster up``, ``cfemu cf start``): a directory readable by its owner
+only (0700) holding one file per secret (0600), made with ``secrets.token_urlsafe``. The CF's ``default`` user is
+off; every process connects as the user of its role:
+
+  member    qsg-member    ``sqm run`` and in-process queue managers: the CF scripts and reads
+  backup    qsg-backup    ``cfbackup``: reads and the backup scripts, the catalog
+  restore   qsg-restore   ``cfrestore``: restore's writes (wipe, load, purge), definitions after a lost CF
+  operator  qsg-operator  ``cfemu``: definitions, status, one-shot put/get
+
+Nobody gets CONFIG, MODULE, DEBUG, FLUSHALL/FLUSHDB, SAVE/BGSAVE, SHUTDOWN, SCRIPT FLUSH, KEYS, ACL, CLIENT,
+MONITOR or REPLICAOF (Redis's @dangerous category), nor SCRIPT FLUSH/KILL. Scripts run with their caller's
+permissions (Redis checks every redis.call against the caller's ACL), so EVAL and SCRIPT LOAD give no more than
+the commands a role already has.
+
+Redis 6.2 (the bundled server) has no per-command key patterns, so the roles differ in commands, not in keys:
+a member could still write a definition key with HSET. Redis 7's selectors close that; docs/security.md gives the
+ACL file for an external Redis 7.
+"""
+
+from __future__ import annotations
+
+import secrets
+import stat
+from pathlib import Path
+from urllib.parse import quote, urlsplit, urlunsplit
+
+from cfemu.private_files import private_dir, write_private
+
+ROLES = ("member", "backup", "restore", "operator")
+SECRETS_DIR = "secrets"  # inside the cluster directory or the ``cfemu cf start`` directory
+ENV_SECRETS_DIR = "CFEMU_SECRETS_DIR"
+
+# Command rules per role (Redis 6.2 ACL syntax). Order matters: categories are added, then @dangerous removed.
+# INFO (in @dangerous) is given back: it is read-only, and restore checks with it (INFO server's run_id) that it
+# still talks to the CF it started on.
+# SCRIPT is taken out whole (Redis 6.2 cannot take out one subcommand) and LOAD and EXISTS given back: redis-py
+# loads a script on NOSCRIPT; FLUSH and KILL stay out.
+_BASE = ("-@all +@read +@write +@keyspace +@scripting +@transaction +@connection -@dangerous -script "
+         "+script|load +script|exists +ping +info")
+_RULES = {role: _BASE for role in ("member", "backup", "restore", "operator")}
+
+
+class SecretsError(RuntimeError):
+    """A secrets directory or file that is missing, or that others could read or write."""
+
+
+def user(role: str) -> str:
+    """The CF user name of a role."""
+    if role not in _RULES:
+        raise ValueError(f"unknown role {role!r}; roles: {', '.join(ROLES)}")
+    return f"qsg-{role}"
+
+
+def acl_lines(passwords: dict[str, str]) -> list[str]:
+    """The CF's ACL file: the default user off, one user per role with its password and command rules."""
+    lines = ["user default off nopass -@all"]
+    for role in ROLES:
+        lines.append(f"user {user(role)} on >{passwords[role]} ~* &* {_RULES[role]}")
+    return lines
+
+
+def _password_file(directory: Path, role: str) -> Path:
+    return directory / f"cf-{role}.password"
+
+
+def create(directory: Path) -> dict[str, str]:
+    """The group's CF passwords, made now where missing (existing ones are kept: the CF's ACL file has them)."""
+    private_dir(directory)
+    out: dict[str, str] = {}
+    for role in ROLES:
+        path = _password_file(directory, role)
+        if not path.exists():
+            write_private(path, secrets.token_urlsafe(32).encode())
+        out[role] = read_password(directory, role) or ""
+    return out
+
+
+def service_token(directory: Path, *, create: bool = True) -> str | None:
+    """The token ``sqm run`` servers ask every client for (made at group creation when create)."""
+    path = directory / "service.token"
+    if not path.exists():
+        if not create:
+            return None
+        private_dir(directory)
+        write_private(path, secrets.token_urlsafe(32).encode())
+    return _read_private(path)
+
+
+def _read_private(path: Path) -> str | None:
+    st = path.stat()
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        raise SecretsError(f"{path} is readable or writable by others (mode {stat.S_IMODE(st.st_mode):o}); "
+                           "chmod 600 it and rotate the secret (docs/security.md)")
+    return path.read_text().strip() or None
+
+
+def read_password(directory: Path, role: str) -> str | None:
+    """A role's CF password from the secrets directory, or None when it has none. A password file that others
+    may read is refused (the secret may already be out: rotate it)."""
+    path = _password_file(directory, role)
+    if not path.exists():
+        return None
+    return _read_private(path)
+
+
+def with_user(url: str, role: str, password: str) -> str:
+    """URL with the role's user and password in it, unless it names a user or password already."""
+    parts = urlsplit(url)
+    if parts.username or parts.password or parts.scheme not in ("redis", "rediss"):
+        return url
+    host = parts.hostname or "127.0.0.1"
+    netloc = f"{quote(user(role), safe='')}:{quote(password, safe='')}@{host}"
+    if parts.port:
+        netloc += f":{parts.port}"
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+def redact(url: str) -> str:
+    """URL with its password replaced by ***, for messages and status (never print a secret)."""
+    parts = urlsplit(url)
+    if not parts.password:
+        return url
+    userinfo = f"{parts.username}:***" if parts.username else ":***"
+    host = parts.hostname or ""
+    netloc = f"{userinfo}@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
