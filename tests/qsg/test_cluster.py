@@ -62,8 +62,17 @@ def test_docker_compose_config_validates() -> None:
 def test_compose_topology(compose: dict[str, Any]) -> None:
     services = compose["services"]
     assert {"cf", *MANAGERS, "backup-scheduler", "spark-master", "spark-worker", "tools"} <= set(services)
-    assert set(compose["volumes"]) == {"logs", "backups"}
+    assert set(compose["volumes"]) == {"logs", "backups", "secrets"}
     assert services["cf"]["image"].startswith("redis:")
+    # secured with no step for the user: the CF's default user is off (an ACL file from the group's secrets), every
+    # cfemu process finds its role's credentials in the secrets volume, and no token has a default value
+    assert "--aclfile" in services["cf"]["command"]
+    assert services["secrets-init"]["command"][:3] == ["cfemu", "secrets", "init"]
+    for name, svc in services.items():
+        if svc.get("image", "").startswith("cfemu") and name != "secrets-init":
+            assert "secrets" in volumes_of(svc), name
+            assert svc["environment"]["CFEMU_SECRETS_DIR"] == "/run/cfemu/secrets", name
+            assert "SQM_TOKEN" not in svc["environment"], name
 
     published: list[str] = []
     for name in MANAGERS:

@@ -23,6 +23,7 @@ from sqm.manager import QueueManager
 from sqm.recovery import PeerRecoveryReport, recover_peers
 from tests.sqm.test_crash import DEAD, Child
 from tests.support.group import define_group, start_qm
+from tests.support.harness import lose_cf
 
 LAG_US = 3_000_000  # QM1's LRSN clock runs 3 s behind; the child's lease is 1 s
 
@@ -49,7 +50,7 @@ def die_after_commit(url: str, logs: Path, scenario: str, count: int) -> None:
 
 
 def lose_cf_and_restore(client: redis.Redis, backups: Path, logs: Path, structure: str = "APP1") -> object:
-    client.flushall()  # the CF is lost
+    lose_cf(client)  # the CF is lost
     return run_restore(client, structure, backup_root=backups, log_root=logs)
 
 
@@ -218,7 +219,7 @@ def test_hole13_the_structures_a_uow_applied_are_known_after_a_restart(redis_url
         uow_id = conn.prepare("xid-1")
         for s in ("APP1", "APP2"):
             run_backup(client, s, backups, log_root=logs)
-        client.flushall()
+        lose_cf(client)
         for s in ("APP1", "APP2"):
             run_restore(client, s, backup_root=backups, log_root=logs)
         uow = qm.uows[uow_id]
