@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -51,6 +51,19 @@ def _pack(obj: Any) -> bytes:
     return msgpack.packb(asdict(obj), use_bin_type=True)
 
 
+def stage_structure(writer: redis.Redis, sdef: StructureDef, *, state: str, gen: int,
+                    epochs: Mapping[Any, Any]) -> None:
+    """The writes that create (or re-size) a structure's header, keeping the fields it already has, and copy the
+    members' epochs into its fence: on a client (Admin.create_structure), or queued on a transaction (a restore's
+    guarded reset, cfemu.bulk.reset)."""
+    m = keys.meta(sdef.name)
+    for field, value in (("gen", gen), ("clock", 0), ("floor", 0), ("entries", 0), ("bytes", 0), ("state", state)):
+        writer.hsetnx(m, field, value)
+    writer.hset(m, mapping={"max_entries": sdef.max_entries, "max_bytes": sdef.max_bytes})
+    if epochs:
+        writer.hset(keys.fence(sdef.name), mapping=dict(epochs))
+
+
 class Admin:
     def __init__(self, client: redis.Redis) -> None:
         self.redis = client
@@ -88,17 +101,7 @@ class Admin:
 
     def create_structure(self, sdef: StructureDef, *, state: str = "ACTIVE", gen: int = 1) -> None:
         """Create (or re-size) the structure's header in the CF and copy the members' epochs into it."""
-        m = keys.meta(sdef.name)
-        self.redis.hsetnx(m, "gen", gen)
-        self.redis.hsetnx(m, "clock", 0)
-        self.redis.hsetnx(m, "floor", 0)
-        self.redis.hsetnx(m, "entries", 0)
-        self.redis.hsetnx(m, "bytes", 0)
-        self.redis.hsetnx(m, "state", state)
-        self.redis.hset(m, mapping={"max_entries": sdef.max_entries, "max_bytes": sdef.max_bytes})
-        epochs = self.redis.hgetall(EPOCHS)
-        if epochs:
-            self.redis.hset(keys.fence(sdef.name), mapping=dict(epochs))  # type: ignore[arg-type]
+        stage_structure(self.redis, sdef, state=state, gen=gen, epochs=self.redis.hgetall(EPOCHS))
 
     def structures(self) -> list[StructureDef]:
         """Every defined structure; a malformed definition is reported (bad_entries) and skipped, so one bad

@@ -27,6 +27,7 @@ from typing import Any
 
 from backup.files import BackupError
 from cfemu.admin import Admin
+from cfemu.bulk import NotOwnerError
 from cfemu.clitools import (
     Output,
     PhaseBars,
@@ -44,7 +45,7 @@ from restore.run import RestoreError, run_purge, run_restore
 from sqm.log import LogCorruptError, LogFormatError
 
 # Beyond clitools.COMMON_ERRORS.
-EXPECTED_ERRORS = (RestoreError, BackupError, LogCorruptError, LogFormatError, LoadVerifyError)
+EXPECTED_ERRORS = (RestoreError, BackupError, LogCorruptError, LogFormatError, LoadVerifyError, NotOwnerError)
 
 
 def _bars(out: Output) -> PhaseBars:

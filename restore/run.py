@@ -1,18 +1,25 @@
 """RECOVER CFSTRUCT: rebuild a lost (or failed) CF structure from its latest good backup plus every member's log.
 
 run_restore() does it in this order, and changes nothing before step 5:
-  1 check the structure's state: FAILED (a structure missing from the CF counts as FAILED), RECOVERING (an
+  1 observe the structure (cfemu.bulk.observe: the CF's identity, the header's restore token, state and
+    generation) and check its state: FAILED (a structure missing from the CF counts as FAILED), RECOVERING (an
     earlier restore stopped midway: this one resumes it), or ACTIVE with mark_failed (the operator fails it);
   2 open the backup (the latest good one, or the one named) and check that it belongs to this structure and
     group;
   3 find the log of every member the backup names (and any other log under the log root, restore's own
     `_restore` log included);
   4 plan: the engine reads the backup and the logs and settles every message (restore.engine);
-  5 state RECOVERING; the UOWs restore decides (in flight at the failure: backed out) are logged, forced, as
-    RECOVERY records in restore's own log `<log root>/_restore`, so that any later restore or re-run sees the
-    same decisions;
-  6 the bulk load (restore.load), which ends by switching the structure to ACTIVE.
+  5 claim the structure (cfemu.bulk.claim), only if nothing happened to it since step 1: the same CF, no other
+    restore or purge claimed it, not restored again. The claim gives it a new restore token and state
+    RECOVERING; the UOWs restore decides (in flight at the failure: backed out) are logged, forced, as RECOVERY
+    records in restore's own log `<log root>/_restore`, so that any later restore or re-run sees the same
+    decisions;
+  6 the bulk load (restore.load), each batch a transaction that lands only while the structure is still this
+    restore's, in the CF it claimed it on; it ends by switching the structure to ACTIVE.
 
+So a restore owns its structure from its start to the end of its load: one that planned while another restored
+the structure refuses at step 5, having written nothing; one that a later restore or a purge took over, or whose
+CF was lost (or replaced) under it, stops at its next batch and writes nothing more (RestoreStoppedError).
 A crash anywhere leaves the structure FAILED or RECOVERING; running the restore again gives the same structure
 as a clean run (the RECOVERY records make the decisions stable, the load starts from a wipe).
 
@@ -23,6 +30,8 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -45,6 +54,15 @@ RESTORE_MEMBER = "_restore"  # restore's own log, beside the members' logs
 
 class RestoreError(Exception):
     """A restore that cannot be done as asked; nothing was changed. The message names the problem."""
+
+
+class RestoreStoppedError(RestoreError):
+    """A restore stopped during its load: the CF was lost or replaced under it (cf_lost), or a later restore or a
+    purge took the structure over. It wrote nothing more; the message says so, and what to do."""
+
+    def __init__(self, message: str, *, cf_lost: bool) -> None:
+        super().__init__(message)
+        self.cf_lost = cf_lost
 
 
 class PhaseTimer:
@@ -160,7 +178,8 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
         raise RestoreError(str(e)) from None
     backup_root, log_root = Path(backup_root), Path(log_root)
     admin = Admin(client)
-    state = admin.state(structure)
+    seen = bulk.observe(client, structure)  # what the claim compares against, after the plan
+    state = seen.state or "FAILED"  # a structure missing from the CF counts as FAILED (Admin.state)
     sdef = _admin_definition(admin, structure)
     if state == "ACTIVE" and not (mark_failed or dry_run):
         raise RestoreError(f"structure {structure} is ACTIVE: restore works on a FAILED structure; mark it "
@@ -182,20 +201,19 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
     plan = make_plan()  # reads everything: a bad backup or log is refused here, before any change
     found_in_cf = 0
     if not dry_run:
-        with _restore_log(log_root) as rlog:
+        _refuse_if_changed(client, structure, seen)  # the common case, before restore's log is even opened
+        with _restore_log(log_root) as rlog, _owning(client, structure, seen) as owner:
+            owned = Admin(owner.client)  # the owner's connection: it never reconnects to another CF
             if state == "ACTIVE":
-                admin.set_state(structure, "FAILED")  # from now on no member changes the structure
-                plan = make_plan()  # again: members may have logged more before the structure failed
-            if client.exists(keys.meta(structure)):
-                found_in_cf = bulk.count_nonpersistent(client, structure)
+                plan = make_plan()  # again: members may have logged more before the claim stopped them
+            if seen.state:
+                found_in_cf = bulk.count_nonpersistent(owner.client, structure)
             if sdef is None:
-                sdef = _redefine(admin, manifest)
-            else:
-                admin.set_state(structure, "RECOVERING")
+                sdef = _redefine(owned, manifest)
             result.decisions_logged = _log_decisions(rlog, plan)
             queues = sorted({q["name"] for q in manifest["queues"]}
-                            | {q.name for q in admin.queues() if q.structure == structure})
-            loaded: LoadResult = load_plan(client, plan, sdef, queues, progress=timer, restored_from=backup.id)
+                            | {q.name for q in owned.queues() if q.structure == structure})
+            loaded: LoadResult = load_plan(owner, plan, sdef, queues, progress=timer, restored_from=backup.id)
             result.keys_deleted, result.loaded_entries = loaded.keys_deleted, loaded.entries
             result.loaded_bytes = loaded.bytes
 
@@ -212,6 +230,45 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
         result.report_path = str(path)
         write_report(result, path)
     return result
+
+
+def _refused(structure: str, e: bulk.NotOwnerError) -> RestoreError:
+    if isinstance(e, bulk.CFReplacedError):
+        return RestoreError(f"restore of {structure} refused: the CF was lost or replaced since this restore "
+                            f"started ({e}); nothing was written: run the restore of {structure} again")
+    return RestoreError(f"restore of {structure} refused: {e}; nothing was written")
+
+
+def _refuse_if_changed(client: redis.Redis, structure: str, seen: bulk.Seen) -> None:
+    """Refuse, writing nothing, when the structure is no longer as the restore saw it at its start."""
+    why = bulk.changed_since(seen, bulk.observe(client, structure))
+    if why is not None:
+        raise _refused(structure, why)
+
+
+@contextmanager
+def _owning(client: redis.Redis, structure: str, seen: bulk.Seen) -> Iterator[bulk.Owner]:
+    """The restore's claim on the structure (cfemu.bulk.claim) for the rest of the run, with what can end it in
+    the operator's words: refused before anything was written, or stopped during the load."""
+    try:
+        owner = bulk.claim(client, structure, seen)
+    except bulk.NotOwnerError as e:
+        raise _refused(structure, e) from e
+    try:
+        yield owner
+    except redis.exceptions.MaxConnectionsError:
+        raise  # a bug in the use of the owner's one connection, not a lost CF
+    except (bulk.CFReplacedError, redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
+        why = str(e) if isinstance(e, bulk.CFReplacedError) else "the connection to the CF broke"
+        raise RestoreStoppedError(
+            f"restore of {structure} stopped: the CF was lost or replaced during the restore ({why}); nothing "
+            f"more was written: run the restore of {structure} again once the CF is back (a CF restarted empty "
+            f"is restored from the start)", cf_lost=True) from e
+    except bulk.NotOwnerError as e:
+        raise RestoreStoppedError(f"restore of {structure} stopped: {e}; nothing more was written by this "
+                                  f"restore", cf_lost=False) from e
+    finally:
+        owner.close()
 
 
 class _restore_log:

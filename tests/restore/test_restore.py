@@ -17,7 +17,7 @@ import redis
 
 from backup.files import BackupError
 from backup.run import run_backup
-from cfemu import keys
+from cfemu import bulk, keys
 from cfemu.admin import Admin
 from cfemu.embedded import EmbeddedRedis
 from cfemu.errors import BackedOutError, NoMessageError, StructureFailedError
@@ -345,7 +345,7 @@ def test_dry_run_touches_nothing(live_group: Any, dirs: tuple[Path, Path]) -> No
 
 # --- idempotence, mark-failed, purge ---------------------------------------------------------------------------
 
-VOLATILE = ("clock", "floor", "gen")
+VOLATILE = ("clock", "floor", "gen", bulk.TOKEN)  # a new generation and restore token each time
 
 
 def test_restore_twice_gives_the_same_structure(live_group: Any, dirs: tuple[Path, Path]) -> None:
