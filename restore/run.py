@@ -190,6 +190,7 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
     manifest = backup.manifest
     replay_from = int(manifest["replay_from"])
     log_dirs = member_log_dirs(log_root, list(manifest["members"]), replay_from)
+    decisions_seen = _decisions_logged(log_root)  # before the plan reads them: compared under the log's lock
     timer = PhaseTimer(progress)
     now = now_ms if now_ms is not None else time.time_ns() // 1_000_000
 
@@ -202,7 +203,7 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
     found_in_cf = 0
     if not dry_run:
         _refuse_if_changed(client, structure, seen)  # the common case, before restore's log is even opened
-        with _restore_log(log_root) as rlog, _owning(client, structure, seen) as owner:
+        with _restore_log(log_root, structure, decisions_seen) as rlog, _owning(client, structure, seen) as owner:
             owned = Admin(owner.client)  # the owner's connection: it never reconnects to another CF
             if state == "ACTIVE":
                 plan = make_plan()  # again: members may have logged more before the claim stopped them
@@ -271,18 +272,33 @@ def _owning(client: redis.Redis, structure: str, seen: bulk.Seen) -> Iterator[bu
         owner.close()
 
 
-class _restore_log:
-    """Restore's own log, opened for writing: its writer lock also keeps a second restore out meanwhile."""
+def _decisions_logged(log_root: Path) -> int:
+    """How many records restore's own log holds (its RECOVERY decisions, of every restore so far)."""
+    directory = log_root / RESTORE_MEMBER
+    return sum(s.records for s in LogReader(directory).segments()) if directory.is_dir() else 0
 
-    def __init__(self, log_root: Path) -> None:
+
+class _restore_log:
+    """Restore's own log, opened for writing: its writer lock also keeps a second restore out meanwhile. `seen`:
+    how many records it held when this restore started, before it planned; if another restore has logged
+    decisions since, this one's plan may not have read them, so it refuses."""
+
+    def __init__(self, log_root: Path, structure: str, seen: int) -> None:
         self.directory = log_root / RESTORE_MEMBER
         self.log: RecordLog | None = None
+        self.structure, self.seen, self.log_root = structure, seen, log_root
 
     def __enter__(self) -> RecordLog:
         try:
             self.log = RecordLog(self.directory, RESTORE_MEMBER)
         except LogLockedError as e:
             raise RestoreError(f"another restore is running ({e})") from None
+        now = _decisions_logged(self.log_root)
+        if now != self.seen:
+            self.log.close()
+            raise RestoreError(f"restore of {self.structure} refused: another restore logged decisions in "
+                               f"{self.directory} since this one started ({now - self.seen} records), which its "
+                               f"plan may not have read; nothing was written: run the restore again")
         return self.log
 
     def __exit__(self, *exc: object) -> None:

@@ -29,7 +29,11 @@ Findings (each names the message ids and UOWs involved):
               in-doubt UOW and draining (the run's "drained" note): held by a UOW no member can resolve;
   restore-order  two messages available on the live CF just before a CF loss and again right after its
               restore, in the other order (the fault steps' live_order / restored_order): the CF and restore
-              disagree on where a commit counts (see check_restore_order).
+              disagree on where a commit counts (see check_restore_order);
+  restore-foreign-cf  a restore that wrote into a CF it did not start on (the faults' restore events: it
+              completed on another CF, or a CF started empty under it held restore-written keys right after it);
+  restore-wiped       two restores of one structure that overlapped and both completed: the later one loaded a
+              plan older than the other's result, wiping it and the work acknowledged in between (named).
 Allowed and counted: non-persistent messages lost (with the CF), unknown outcomes (resolved either way),
 redeliveries after backout, expired messages that never came back.
 """
@@ -42,13 +46,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 COMMITTED, ABORTED, UNKNOWN, UNDETERMINED = "committed", "aborted", "unknown", "undetermined"
-MUST_BE_ZERO = ("lost", "undelivered", "duplicated", "phantom", "atomicity", "corrupted", "stuck")
+MUST_BE_ZERO = ("lost", "undelivered", "duplicated", "phantom", "atomicity", "corrupted", "stuck",
+                "restore-foreign-cf", "restore-wiped")
 FINDING_KINDS = (*MUST_BE_ZERO, "order", "restore-order", "resurrected", "expired")
 EXPIRY_SLACK_S = 1.0  # the server's clock reads expiry at the get, some milliseconds after the client's invoke
 # After a fault has recovered, its after-effects last this long: pending CF work retried by the members, and a
 # request stalled behind a half-open path that the client gives up on only after its request timeout (5 s).
 SETTLE_S = 6.0
-CF_LOSS_KINDS = ("cf-kill", "cf-kill-during-restore", "during-backup", "peer-clock-skew")
+CF_LOSS_KINDS = ("cf-kill", "cf-kill-during-restore", "during-backup", "peer-clock-skew",
+                 "cf-kill-during-load-restart")
 LEFT_SLACK_S = 1.0  # a get whose client left: the server might have gone on this long past the get's own wait
 
 
@@ -433,6 +439,51 @@ class Checker:
                     self.find("stuck", [], f"{queue}: {states.get('UP', 0)} uncommitted puts and "
                                            f"{states.get('UG', 0)} uncommitted gets still locked after the drain")
 
+    def restores(self) -> list[dict[str, Any]]:
+        """The restores the faults ran (qsg.chaos.faults._restore): each 'restore began' event joined with its
+        'restore ended' one, by the restore's number."""
+        spans: dict[Any, dict[str, Any]] = {}
+        for f in self.faults:
+            if f.get("restore") is None:
+                continue
+            r = spans.setdefault(f["restore"], {"restore": f["restore"], "structure": f.get("structure")})
+            if "outcome" in f:
+                r.update(t1=f["t"], outcome=f["outcome"], cf1=f.get("cf"),
+                         written_into_new_cf=int(f.get("written_into_new_cf") or 0))
+            else:
+                r.update(t0=f["t"], cf0=f.get("cf"), queues=f.get("queues") or [])
+        return [r for r in spans.values() if "t0" in r and "t1" in r]
+
+    def check_restores(self) -> None:
+        """A restore owns its structure from its start to the end of its load, on the CF it started on."""
+        done = []
+        for r in self.restores():
+            moved = r["cf0"] is not None and r["cf1"] is not None and r["cf0"] != r["cf1"]
+            if r["written_into_new_cf"] or (moved and r["outcome"] == "ok"):
+                self.find("restore-foreign-cf", [], f"restore {r['restore']} of {r['structure']} (t={r['t0']}.."
+                                                    f"{r['t1']}, {r['outcome']}) started on CF {r['cf0']} and "
+                                                    f"wrote into CF {r['cf1']}: {r['written_into_new_cf']} keys "
+                                                    f"only a restore writes were there right after it")
+            if r["outcome"] == "ok":
+                done.append(r)
+        done.sort(key=lambda r: r["t1"])
+        for i, later in enumerate(done):
+            for earlier in done[:i]:
+                if earlier["structure"] != later["structure"] or not later["t0"] < earlier["t1"]:
+                    continue
+                queues = set(later["queues"])
+                acked = [u for u in self.uows.values() if u.known and u.outcome == COMMITTED
+                         and earlier["t1"] < u.end < later["t1"]
+                         and any(o.args.get("queue") in queues for o in u.ops)]
+                msgs = [m for u in acked for o in u.ops if o.args.get("queue") in queues
+                        for m in (o.args.get("msg"), o.result.get("msg")) if m]
+                self.find("restore-wiped", msgs, f"restore {later['restore']} of {later['structure']} (t="
+                                                 f"{later['t0']}..{later['t1']}) completed after restore "
+                                                 f"{earlier['restore']} (t={earlier['t0']}..{earlier['t1']}) had "
+                                                 f"restored it while it ran: it loaded an older plan over that "
+                                                 f"result and the {len(acked)} units of work acknowledged in "
+                                                 f"between ({', '.join(sorted(u.key for u in acked)[:10])})")
+
     def run(self) -> CheckResult:
         self.build()
         self.infer()
@@ -440,6 +491,7 @@ class Checker:
         self.check_order()
         self.check_restore_order()
         self.check_stuck()
+        self.check_restores()
         self.counts["operations"] = len(self.ops)
         self.counts["units of work"] = len(self.uows)
         self.counts["messages put"] = len(self.puts)

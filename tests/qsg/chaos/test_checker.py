@@ -310,3 +310,80 @@ def test_restore_order_allows_gets_and_new_messages_in_between() -> None:
             restored_order={"Q1": ["x0", "pending", "b", "new"], "Q2": ["late"]})
     h.fault(1, "cf-kill", "recovered")
     assert h.findings() == dict.fromkeys(FINDING_KINDS, 0)
+
+
+# --- restores (issue 10, holes 4 and 5): the faults' 'restore began' / 'restore ended' events ---------------------
+
+def restore_began(h: Hist, n: int, *, cf: str = "cf-1", structure: str = "APP1") -> None:
+    h.t += 0.01
+    h.events.append({"type": "fault", "t": round(h.t, 4), "phase": "restore began", "fault": 1, "kind": "k",
+                     "restore": n, "structure": structure, "queues": ["Q1", "Q2"], "cf": cf})
+
+
+def restore_ended(h: Hist, n: int, outcome: str = "ok", *, cf: str = "cf-1", structure: str = "APP1",
+                  **extra: Any) -> None:
+    h.t += 0.01
+    h.events.append({"type": "fault", "t": round(h.t, 4), "phase": f"restore ended: {outcome}", "fault": 1,
+                     "kind": "k", "restore": n, "structure": structure, "outcome": outcome, "cf": cf, **extra})
+
+
+def test_restore_foreign_cf_a_restore_wrote_into_a_cf_started_empty_under_it() -> None:
+    h = clean_base()
+    restore_began(h, 1)
+    restore_ended(h, 1, "failed", cf="cf-2", written_into_new_cf=3)  # verify found the load half in the new CF
+    restore_began(h, 2, cf="cf-2")
+    restore_ended(h, 2, cf="cf-2")
+    r = check(h.events)
+    only(r.summary(), "restore-foreign-cf")
+    assert "restore 1 of APP1" in r.of("restore-foreign-cf")[0].detail
+
+
+def test_restore_foreign_cf_a_restore_that_completed_on_another_cf_than_it_started_on() -> None:
+    h = clean_base()
+    restore_began(h, 1)
+    restore_ended(h, 1, cf="cf-2")
+    only(h.findings(), "restore-foreign-cf")
+
+
+def test_a_restore_that_stopped_when_its_cf_was_replaced_and_wrote_nothing_is_clean() -> None:
+    h = clean_base()
+    restore_began(h, 1)
+    restore_ended(h, 1, "stopped", cf="cf-2", written_into_new_cf=0)
+    restore_began(h, 2, cf="cf-2")
+    restore_ended(h, 2, cf="cf-2")
+    assert check(h.events).ok
+
+
+def test_restore_wiped_a_stale_restore_completed_after_another_and_wiped_acknowledged_work() -> None:
+    """Hole 5: the slow restore began first; the fast one restored the structure; a client's put was
+    acknowledged as committed; then the slow one loaded its older plan: the put is gone (lost, too)."""
+    h = clean_base()
+    restore_began(h, 1)  # slow to plan
+    restore_began(h, 2)
+    restore_ended(h, 2)
+    h.put("p", "p.9", "w1")
+    h.commit("p", "p.9")
+    h.put("p", "p.10", "w2", queue="Q3")  # another structure's queue: not wiped by a restore of APP1
+    h.commit("p", "p.10")
+    h.drain("w2", "Q3")
+    restore_ended(h, 1)
+    r = check(h.events)
+    assert r.summary()["restore-wiped"] == 1 and r.summary()["lost"] == 1, r.findings
+    wiped = r.of("restore-wiped")[0]
+    assert wiped.msgs == ["w1"] and "restore 1 of APP1" in wiped.detail and "p.9" in wiped.detail
+
+
+def test_overlapping_restores_of_which_one_refused_are_clean() -> None:
+    h = clean_base()
+    restore_began(h, 1)
+    restore_began(h, 2)
+    restore_ended(h, 2)
+    h.put("p", "p.9", "w1")
+    h.commit("p", "p.9")
+    h.drain("w1")
+    restore_ended(h, 1, "refused")
+    restore_began(h, 3, structure="APP2")  # another structure, overlapping: allowed
+    restore_began(h, 4)
+    restore_ended(h, 3, structure="APP2")
+    restore_ended(h, 4)
+    assert check(h.events).ok
