@@ -109,6 +109,52 @@ def client_tls_context(ca: str | None = None, cert: str | None = None, key: str 
     return ctx
 
 
+def _result(reply: Any) -> dict[str, Any]:
+    """The result of a handshake reply, or its error raised."""
+    if not isinstance(reply, dict) or not reply.get("ok"):
+        raise error_from_wire(reply.get("error") if isinstance(reply, dict) else reply)
+    result = reply.get("result")
+    if not isinstance(result, dict):
+        raise ProtocolError(f"malformed handshake reply: {reply!r:.200}")
+    return result
+
+
+def handshake(sock: socket.socket, *, token: str | None, role: str = APPLICATION, client_name: str = "",
+              max_frame: int = DEFAULT_MAX_FRAME, where: str = "the server") -> dict[str, Any]:
+    """Say hello on a connected socket and authenticate (sqm.service.protocol): answer the server's challenge with
+    the token's HMAC and check the server's answer, which shows it holds the same token. Returns the hello's
+    result. For raw clients too (the chaos suite's), which then speak frames themselves."""
+    nonce = new_nonce()
+    sock.sendall(encode_frame({"id": 0, "op": "hello", "args": {
+        "client": client_name, "max_frame": max_frame, "version": PROTOCOL_VERSION, "nonce": nonce}}))
+    hello = _result(recv_frame(sock, max_frame))
+    auth = hello.get("auth") or {}
+    if not auth.get("required"):
+        return hello  # a server run with --no-auth (loopback only)
+    where = f"{hello.get('qmgr', '?')} at {where}"
+    if token is None:
+        raise NotAuthorizedError(f"{where} requires authentication and this client has no token: give the {role} "
+                                 "token (the group's secrets directory, or $SQM_TOKEN)")
+    if AUTH_METHOD not in auth.get("methods", ()) or not isinstance(auth.get("nonce"), bytes):
+        raise ProtocolError(f"{where} offers no authentication this client knows: {auth.get('methods')!r:.100}")
+
+    def transcript(side: str) -> bytes:
+        return auth_transcript(side, role=role, server_nonce=auth["nonce"], client_nonce=nonce,
+                               qmgr=str(hello.get("qmgr", "")), session=int(hello.get("session", 0)),
+                               client=client_name, client_max_frame=max_frame,
+                               server_max_frame=int(hello.get("max_frame", 0)))
+
+    sock.sendall(encode_frame({"id": 0, "op": "auth", "args": {
+        "role": role, "proof": auth_proof(token, transcript("client"))}}))
+    done = _result(recv_frame(sock, max_frame))
+    proof = done.get("proof")
+    if not (isinstance(proof, bytes) and len(proof) == PROOF_BYTES
+            and hmac.compare_digest(proof, auth_proof(token, transcript("server")))):
+        raise NotAuthorizedError(f"{where} did not prove it holds the {role} token: not the group's server (or "
+                                 "another group's); nothing was sent")
+    return {**hello, **done}
+
+
 class Client(UnitOfWorkScope):
     """A connection handle to the queue-sharing group through one of its SQM servers."""
 
@@ -177,13 +223,9 @@ class Client(UnitOfWorkScope):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.tls is not None:
                 sock = self.tls.wrap_socket(sock, server_hostname=ep[0])
-            nonce = new_nonce()
-            args: dict[str, Any] = {"client": self.client_name, "max_frame": self.own_max_frame,
-                                    "version": PROTOCOL_VERSION, "nonce": nonce}
             sock.settimeout(self.request_timeout)
-            sock.sendall(encode_frame({"id": 0, "op": "hello", "args": args}))
-            hello = self._result(recv_frame(sock, self.own_max_frame))
-            self._authenticate(sock, ep, hello, nonce)
+            hello = handshake(sock, token=self.token, role=self.role, client_name=self.client_name,
+                              max_frame=self.own_max_frame, where=f"{ep[0]}:{ep[1]}")
         except BaseException:
             sock.close()
             raise
@@ -192,43 +234,6 @@ class Client(UnitOfWorkScope):
         self.endpoint = ep
         self._sock = sock
         log.debug("connected to %s at %s:%d", self.qmgr, *ep)
-
-    @staticmethod
-    def _result(reply: Any) -> dict[str, Any]:
-        """The result of a handshake reply, or its error raised."""
-        if not isinstance(reply, dict) or not reply.get("ok"):
-            raise error_from_wire(reply.get("error") if isinstance(reply, dict) else reply)
-        result = reply.get("result")
-        if not isinstance(result, dict):
-            raise ProtocolError(f"malformed handshake reply: {reply!r:.200}")
-        return result
-
-    def _authenticate(self, sock: socket.socket, ep: Endpoint, hello: dict[str, Any], nonce: bytes) -> None:
-        """Answer the server's challenge with the token's HMAC, and check the server's answer (it holds it too)."""
-        auth = hello.get("auth") or {}
-        if not auth.get("required"):
-            return  # a server run with --no-auth (loopback only)
-        where = f"{hello.get('qmgr', '?')} at {ep[0]}:{ep[1]}"
-        if self.token is None:
-            raise NotAuthorizedError(f"{where} requires authentication and this client has no token: give the "
-                                     f"{self.role} token (the group's secrets directory, or $SQM_TOKEN)")
-        if AUTH_METHOD not in auth.get("methods", ()) or not isinstance(auth.get("nonce"), bytes):
-            raise ProtocolError(f"{where} offers no authentication this client knows: {auth.get('methods')!r:.100}")
-
-        def transcript(side: str) -> bytes:
-            return auth_transcript(side, role=self.role, server_nonce=auth["nonce"], client_nonce=nonce,
-                                   qmgr=str(hello.get("qmgr", "")), session=int(hello.get("session", 0)),
-                                   client=self.client_name, client_max_frame=self.own_max_frame,
-                                   server_max_frame=int(hello.get("max_frame", 0)))
-
-        sock.sendall(encode_frame({"id": 0, "op": "auth", "args": {
-            "role": self.role, "proof": auth_proof(self.token, transcript("client"))}}))
-        done = self._result(recv_frame(sock, self.own_max_frame))
-        proof = done.get("proof")
-        if not (isinstance(proof, bytes) and len(proof) == PROOF_BYTES
-                and hmac.compare_digest(proof, auth_proof(self.token, transcript("server")))):
-            raise NotAuthorizedError(f"{where} did not prove it holds the {self.role} token: not the group's "
-                                     "server (or another group's); nothing was sent")
 
     def _drop(self) -> None:
         if self._sock is not None:
@@ -422,4 +427,4 @@ class Client(UnitOfWorkScope):
                                           "max_msg_length": max_msg_length, "replace": replace}))
 
 
-__all__ = ["Client", "Endpoint", "Message", "client_tls_context", "parse_endpoint"]
+__all__ = ["Client", "Endpoint", "Message", "client_tls_context", "handshake", "parse_endpoint"]
