@@ -438,7 +438,8 @@ class SQMServer:
                                        "(--max-unauthenticated)")
         return None
 
-    async def _refuse(self, writer: asyncio.StreamWriter, ip: str, limit: str, what: str) -> None:
+    async def _refuse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, ip: str, limit: str,
+                      what: str) -> None:
         self.stats.refused[limit] += 1
         self._warn(f"limit-{limit}", "%s: connection from %s refused: the limit of %s is reached (refusals so far: "
                    "%d)", self.qm.name, ip, what, self.stats.refused[limit])
@@ -446,6 +447,13 @@ class SQMServer:
                                    "later")
         with contextlib.suppress(Exception):
             writer.write(encode_frame(error_reply(None, exc)))
+            # Half-close and take in what the peer sends meanwhile (its hello), briefly: closing with unread data
+            # would reset the connection, and the peer might lose the refusal before it reads it.
+            if writer.can_write_eof():
+                writer.write_eof()
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(reader.read(PRE_HELLO_MAX_FRAME), 0.5)
+        with contextlib.suppress(Exception):
             writer.close()
             await asyncio.wait_for(writer.wait_closed(), 1.0)
 
@@ -456,7 +464,7 @@ class SQMServer:
         ip = str(peer[0]) if peer else "?"
         refusal = self._over_limit(ip)
         if refusal is not None:
-            await self._refuse(writer, ip, *refusal)
+            await self._refuse(reader, writer, ip, *refusal)
             return
         self._tasks.add(task)
         self._sessions += 1
