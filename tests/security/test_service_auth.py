@@ -192,10 +192,10 @@ def test_a_captured_handshake_is_useless(group: tuple[ServerProc, dict[str, str]
     deadline = time.monotonic() + 5
     while len(frames(bytes(spy.sent))) < 3 and time.monotonic() < deadline:
         time.sleep(0.02)
-    captured = frames(bytes(spy.sent))
-    assert len(captured) >= 3  # hello, auth, put
     for t in tokens.values():
         assert t.encode() not in spy.sent, "a token crossed the wire"
+    captured = frames(bytes(spy.sent))
+    assert len(captured) >= 3  # hello, auth, put
     r = Raw(srv.port)
     r.send_bytes(captured[0])  # the victim's hello, byte for byte
     assert r.reply()["ok"]
@@ -249,7 +249,7 @@ def test_guessing_tokens_is_slowed_down_and_counted(group: tuple[ServerProc, dic
         t0 = time.monotonic()
         reply = login(r, f"guess-{i}-" + "A" * 30, role="operator")
         waits.append(time.monotonic() - t0)
-        assert reply["error"]["reason"] == 2035 and reply["error"]["message"] == "authentication failed"
+        assert reply["error"]["reason"] == 2035 and reply["error"]["message"].startswith("authentication failed")
         assert r.closed_by_server()
     assert waits[-1] >= 1.0 and waits[-1] > 4 * waits[0], waits  # grows with each failure from the address
     assert max(waits) < 10, waits  # and is bounded
