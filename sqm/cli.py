@@ -94,10 +94,10 @@ def cmd_run(args: argparse.Namespace, out: Output) -> int:
         raise CLIError(f"--no-auth is refused on --host {args.host}, which is not a loopback address: anyone who "
                        "reaches it could do anything; run with the group's tokens instead")
     found = settings(args)
+    url = require_url(found)
     op_token = operator_token(found)
     if not args.no_auth and not (found.token or op_token):
         raise CLIError(NO_TOKEN)
-    url = require_url(found)
     configure_logging(args.verbose, as_json=out.as_json)
     return serve(ServerConfig(
         name=args.name, log_root=found.log_root, redis_url=url, host=args.host, port=args.port,
