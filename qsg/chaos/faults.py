@@ -523,7 +523,7 @@ def big_messages(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
     longest_msgid = b""
     try:
         out["restart_s"] = _restart(g, target, step, extra_args=[*base, "--max-frame", str(EDGE_FRAME)])
-        qm = QueueManager(QueueManagerConfig(name=BIG_MEMBER, log_root=g.c.log_root, redis_url=g.c.redis_url,
+        qm = QueueManager(QueueManagerConfig(name=BIG_MEMBER, log_root=g.c.log_root, redis_url=g.c.cf_url("member"),
                                              lease_ms=g.lease_ms))
         qm.start()
         try:
