@@ -9,7 +9,7 @@ A frame is a big-endian u32 body length followed by a msgpack body. A request is
 A reply to a request the server could not parse has ``id`` nil. A frame longer than the limit is answered with
 an error and the connection is closed: the stream cannot be trusted to re-synchronise after it.
 
-Frame limits (docs/architecture.md, "Size limits"). Until its hello succeeds a peer may send frames of at most
+Frame limits (docs/architecture.md, "Size limits"). Until it has authenticated a peer may send frames of at most
 PRE_HELLO_MAX_FRAME bytes, so an unauthenticated peer cannot make the server buffer much. The hello carries the
 client's limit (``max_frame``: the longest frame it accepts) and its reply the server's (``max_frame``: the
 longest request it accepts; ``reply_frame``: the longest reply it will send on this connection, the smaller of
@@ -17,7 +17,7 @@ the two). By default both carry any message a queue can hold (MAX_FRAME). A requ
 carry is refused by the client before it is sent (a put: MessageTooBigForChannelError); a get whose message a
 reply could not carry is refused by the CF and takes nothing (TruncatedMessageError); a browse returns the
 messages that fit, with ``more`` set when it left some out. Version 2: hello exchanges limits, and browse
-returns ``{"messages": [...], "more": bool}``.
+returns ``{"messages": [...], "more": bool}``. Version 3: the challenge-response below.
 
 Authentication (version 3; docs/security.md, "The service"). A connection is authenticated by a challenge and
 response, so that no credential crosses the wire and a captured handshake cannot be replayed:
