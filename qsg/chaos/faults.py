@@ -62,7 +62,7 @@ from backup.run import run_backup
 from cfemu import bulk, keys
 from cfemu.admin import Admin
 from cfemu.cf import CF
-from cfemu.errors import BackupRunningError
+from cfemu.errors import BackupRunningError, MQError
 from cfemu.limits import DESCRIPTOR_ALLOWANCE
 from qsg.chaos.group import EDGE_QUEUE, STRUCTURES, ChaosGroup
 from qsg.chaos.history import OK as CALL_OK
@@ -75,8 +75,8 @@ from restore.run import RestoreError, RestoreStoppedError, run_restore
 from sqm.clock import now_ms
 from sqm.failpoints import ENV_VAR as FAILPOINTS_ENV
 from sqm.manager import QueueManager, QueueManagerConfig
-from sqm.service.client import Client
-from sqm.service.protocol import ENVELOPE, PRE_HELLO_MAX_FRAME, encode_frame, recv_frame
+from sqm.service.client import Client, handshake
+from sqm.service.protocol import ENVELOPE, PRE_HELLO_MAX_FRAME, encode_frame
 from sqm.service.server import EXIT_FENCED
 
 SHORT_KINDS = ("sqm-kill", "cf-kill", "cf-link-cut", "client-link-halfopen")
@@ -594,13 +594,10 @@ def _leave_during_get(g: ChaosGroup, ep: tuple[str, int], correlid: bytes, syncp
     get waits. Raw, because the client library always reads its reply."""
     sock = socket.create_connection(ep, timeout=5.0)
     try:
-        hello: dict[str, Any] = {"client": "leaver"}
-        if g.c.token:
-            hello["token"] = g.c.token
-        sock.sendall(encode_frame({"id": 0, "op": "hello", "args": hello}))
-        reply = recv_frame(sock, PRE_HELLO_MAX_FRAME)
-        if not (isinstance(reply, dict) and reply.get("ok")):
-            raise FaultError(f"the leaving client's hello was refused: {reply!r:.200}")
+        try:
+            handshake(sock, token=g.c.token, client_name="leaver", max_frame=PRE_HELLO_MAX_FRAME)
+        except MQError as e:
+            raise FaultError(f"the leaving client's handshake was refused: {e}") from None
         sock.sendall(encode_frame({"id": 1, "op": "get", "args": {
             "queue": EDGE_QUEUE, "wait_ms": LEAVE_WAIT_MS, "syncpoint": syncpoint, "correlid": correlid}}))
         time.sleep(stay_s)

@@ -112,16 +112,17 @@ def heal(group: ChaosGroup, history: History) -> list[str]:
 
 def resolve_in_doubt(group: ChaosGroup, coordinator: Coordinator) -> dict[str, int]:
     """The coordinator's final pass: every UOW still in doubt on any SQM is resolved (its decision, or backout
-    when the client never learned whether its prepare worked)."""
+    when the client never learned whether its prepare worked). The operator lists them (an application may list
+    only the xids it names); the coordinator resolves each as an application, naming its xid."""
 
     found: dict[str, list[dict[str, Any]]] = {}
     for name, ep in group.direct.items():
-        with Client([ep], token=group.c.token, client_name="coordinator-final") as c:
+        with Client([ep], token=group.c.operator_token, role="operator", client_name="operator-final") as c:
             found[name] = c.indoubt()
     resolved = coordinator.resolve_all(found)
     left = 0
     for _name, ep in group.direct.items():
-        with Client([ep], token=group.c.token) as c:
+        with Client([ep], token=group.c.operator_token, role="operator", client_name="operator-final") as c:
             left += len(c.indoubt())
     return {"in doubt after healing": sum(len(v) for v in found.values()), "resolved": resolved,
             "still in doubt": left}

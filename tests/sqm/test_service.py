@@ -45,7 +45,9 @@ from sqm.service.server import EXIT_FENCED
 from tests.support.group import define_group, start_qm
 from tests.support.harness import lose_cf
 
-TOKEN = "t0ken-for-tests"
+TOKEN = "t0ken-for-tests"  # the application role's
+OP_TOKEN = "operator-t0ken-for-tests"
+TOKENS_ENV = {"SQM_TOKEN": TOKEN, "SQM_OPERATOR_TOKEN": OP_TOKEN}
 MAX_FRAME = 64 * 1024
 
 
@@ -81,8 +83,9 @@ def start_server(redis_url: str, tmp: Path, name: str, *args: str, env: dict[str
     ready.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "sqm.cli", "run", "--name", name, "--redis-url", redis_url, "--log-root",
            str(tmp / "logs"), "--port", "0", "--metrics-port", "0", "--ready-file", str(ready), *args]
-    with open(stderr, "ab") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env={**os.environ, **(env or {})})
+    with open(stderr, "ab") as err:  # the tests' tokens unless env or a flag gives others
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err,
+                                env={**os.environ, **TOKENS_ENV, **(env or {})})
     deadline = time.monotonic() + timeout
     while not ready.exists():
         if proc.poll() is not None:
@@ -104,6 +107,17 @@ class Raw:
 
     def send_bytes(self, data: bytes) -> None:
         self.sock.sendall(data)
+
+    def login(self, token: str = TOKEN, role: str = "application", client: str = "raw") -> dict[str, Any]:
+        """The challenge-response handshake by hand (sqm.service.protocol): hello, then auth with the HMAC."""
+        nonce = os.urandom(32)
+        hello = self.request("hello", {"client": client, "nonce": nonce})
+        assert hello["ok"], hello
+        h = hello["result"]
+        transcript = protocol.auth_transcript(
+            "client", role=role, server_nonce=h["auth"]["nonce"], client_nonce=nonce, qmgr=h["qmgr"],
+            session=h["session"], client=client, client_max_frame=0, server_max_frame=h["max_frame"])
+        return self.request("auth", {"role": role, "proof": protocol.auth_proof(token, transcript)})
 
     def request(self, op: str, args: Any = None, **fields: Any) -> dict[str, Any]:
         self.ids += 1
@@ -143,13 +157,17 @@ def server(redis_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Itera
 @pytest.fixture
 def raw(server: ServerProc) -> Iterator[Raw]:
     r = Raw(server.port)
-    assert r.request("hello", {"token": TOKEN})["ok"]
+    assert r.login()["ok"]
     yield r
     r.close()
 
 
 def client(server: ServerProc) -> Client:
     return Client(server.endpoint, token=TOKEN)
+
+
+def operator(server: ServerProc) -> Client:
+    return Client(server.endpoint, token=OP_TOKEN, role="operator")
 
 
 def test_put_get_browse_round_trip_with_every_field(server: ServerProc) -> None:
@@ -311,7 +329,7 @@ def test_backup_age_metric_follows_the_catalog(redis_url: str, tmp_path: Path) -
 def test_sigterm_shuts_down_gracefully_with_a_checkpoint(redis_url: str, tmp_path: Path) -> None:
     define_group(redis_url)
     srv = start_server(redis_url, tmp_path, "QM7")
-    with Client(srv.endpoint) as c:
+    with Client(srv.endpoint, token=TOKEN) as c:
         c.put("Q1", b"durable")
         c.commit()
         c.put("Q1", b"in flight at shutdown")
@@ -362,15 +380,15 @@ def test_mutual_tls(redis_url: str, tmp_path: Path) -> None:
                        str(d / "server.key"), "--tls-ca", str(d / "ca.pem"))
     try:
         good = client_tls_context(str(d / "ca.pem"), str(d / "client.pem"), str(d / "client.key"))
-        with Client(srv.endpoint, tls=good) as c:
+        with Client(srv.endpoint, token=TOKEN, tls=good) as c:
             c.put("Q1", b"over TLS", syncpoint=False)
             assert c.get("Q1", syncpoint=False).body == b"over TLS"
         with pytest.raises(QueueManagerUnavailableError, match="closed by the server|SSL|certificate"):
-            Client(srv.endpoint, tls=client_tls_context(str(d / "ca.pem")), reconnect_timeout=0.5)
+            Client(srv.endpoint, token=TOKEN, tls=client_tls_context(str(d / "ca.pem")), reconnect_timeout=0.5)
         plain = Raw(srv.port)  # a plain-text client on the TLS port: the handshake fails, the server closes
         plain.send_bytes(encode_frame({"id": 1, "op": "ping", "args": {}}))
         assert plain.closed_by_server()
-        with Client(srv.endpoint, tls=good) as c:
+        with Client(srv.endpoint, token=TOKEN, tls=good) as c:
             assert c.ping()["qmgr"] == "QM9"
     finally:
         assert srv.stop() == 0, srv.log_text()
@@ -448,7 +466,7 @@ def test_a_queue_cannot_hold_more_than_the_group_carries(server: ServerProc, red
     admin = Admin(connect(redis_server.url))
     with pytest.raises(AdminError, match=f"1-{MAX_MSG_LENGTH} bytes"):
         admin.define_queue("HUGE", "APP1", max_msg_length=209715200)
-    with client(server) as c, pytest.raises(BadRequestError, match="1-104857600 bytes"):
+    with operator(server) as c, pytest.raises(BadRequestError, match="1-104857600 bytes"):
         c.define_queue("HUGE", "APP1", max_msg_length=209715200)
     r = subprocess.run([sys.executable, "-m", "qsg.cli", "define", "queue", "HUGE", "--structure", "APP1",
                         "--max-msg-length", "209715200", "--redis-url", redis_server.url],
