@@ -8,6 +8,7 @@ backup, members re-join with epochs that only grow, the catalog from the backup 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import time
 from collections.abc import Iterable
@@ -71,7 +72,9 @@ class Admin:
 
     # --- structures -----------------------------------------------------------------------------------
     def define_structure(self, name: str, *, max_entries: int = 0, max_bytes: int = 0,
-                         replace: bool = False) -> StructureDef:
+                         replace: bool = False, clock: int = 0) -> StructureDef:
+        """Define a structure and create it in the CF. clock: where a new structure's LRSN clock starts (the
+        group repository's definition LRSN: every record of the structure's work then lies above it)."""
         keys.check_name("structure", name)
         if name == "ADMIN":
             raise AdminError("ADMIN is the admin structure's name; choose another")
@@ -82,14 +85,14 @@ class Admin:
             if not replace:
                 raise AdminError(f"structure {name} is already defined")
             self.redis.hset(STRUCTURES, name, _pack(sdef))
-        self.create_structure(sdef)
+        self.create_structure(sdef, clock=clock)
         return sdef
 
-    def create_structure(self, sdef: StructureDef, *, state: str = "ACTIVE", gen: int = 1) -> None:
+    def create_structure(self, sdef: StructureDef, *, state: str = "ACTIVE", gen: int = 1, clock: int = 0) -> None:
         """Create (or re-size) the structure's header in the CF and copy the members' epochs into it."""
         m = keys.meta(sdef.name)
         self.redis.hsetnx(m, "gen", gen)
-        self.redis.hsetnx(m, "clock", 0)
+        self.redis.hsetnx(m, "clock", clock)
         self.redis.hsetnx(m, "floor", 0)
         self.redis.hsetnx(m, "entries", 0)
         self.redis.hsetnx(m, "bytes", 0)
@@ -238,6 +241,26 @@ class Admin:
     def forget_member(self, member: str) -> None:
         """After peer recovery: the member stays fenced (its epoch stays) but is no longer a live member."""
         self.redis.hdel(MEMBERS, member)
+
+    # --- the group repository's identity (cfemu.repository) ----------------------------------------------
+    def repository(self) -> dict[str, str] | None:
+        """{id, path} of the group repository the CF knows as the group's, or None (a new or lost CF)."""
+        raw = self.redis.get(keys.repository())
+        if raw is None:
+            return None
+        try:
+            rec = json.loads(raw)
+            return {"id": str(rec["id"]), "path": str(rec["path"])}
+        except (ValueError, TypeError, KeyError) as e:
+            log.error("malformed admin entry %s ignored: %s", keys.repository(), e)
+            return None
+
+    def claim_repository(self, repo_id: str, path: str, *, overwrite: bool = False) -> dict[str, str]:
+        """Record the group's repository unless one is recorded (overwrite: restore, which is authoritative);
+        returns the one recorded now."""
+        value = json.dumps({"id": repo_id, "path": path})
+        self.redis.set(keys.repository(), value, nx=not overwrite)
+        return self.repository() or {"id": repo_id, "path": path}
 
     # --- backup catalog (the copy in the CF; the backup directory holds the durable one) ----------------
     def record_backup(self, structure: str, entry: dict[str, Any]) -> None:

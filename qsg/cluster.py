@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from cfemu import repository
 from cfemu.admin import Admin
 from cfemu.connection import connect
 from cfemu.embedded import EmbeddedRedis, ServerNotRunningError
@@ -226,9 +227,12 @@ class Cluster:
         self.state[CLUSTER_REDIS_URL] = self._cf.url
 
     def _define(self, structure: str, queues: Sequence[str]) -> None:
+        """Define what is missing, in the CF and in the group repository under the cluster's log root."""
         client = connect(self.redis_url)
         try:
-            Admin(client).ensure_structure(structure, queues)
+            admin = Admin(client)
+            repo = repository.open_group_repository(admin, self.log_root, who="cfemu cluster")
+            repository.ensure_structure(admin, repo, structure, list(queues))
         finally:
             client.close()
 

@@ -15,6 +15,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
+from cfemu import repository
 from cfemu.admin import Admin
 from cfemu.connection import connect
 from cfemu.errors import MQError
@@ -122,8 +123,9 @@ class ChaosGroup:
             client = self.cf()
             try:
                 admin = Admin(client)
+                repo = repository.open_group_repository(admin, self.cluster.log_root, who="chaos group")
                 for s, queues in STRUCTURES.items():
-                    admin.ensure_structure(s, queues)
+                    repository.ensure_structure(admin, repo, s, queues)
             finally:
                 client.close()
             for name, host, port in self.cluster.endpoints:
