@@ -97,6 +97,11 @@ def count_nonpersistent(client: redis.Redis, structure: str) -> int:
     return n
 
 
+def tombstones(client: redis.Redis, structure: str) -> dict[str, str]:
+    """The structure's tombstones, UOW -> 'C' | 'B' (outcomes decided for their owners, who may still retry)."""
+    return {keys.text(u): keys.text(o) for u, o in client.hgetall(keys.tomb(structure)).items()}
+
+
 # --- writes: wipe, load, verify, activate, purge ---------------------------------------------------------------
 class Survivor(Protocol):
     """An entry to load (restore.settle.Settled has this shape): its id, its final descriptor in wire form (None:
@@ -255,13 +260,15 @@ def verify(client: redis.Redis, structure: str, survivors: Sequence[Survivor]) -
 
 
 def activate(client: redis.Redis, sdef: StructureDef, *, gen: int, clock: int, floor: int, entries: int,
-             nbytes: int, restored_from: str = "") -> None:
+             nbytes: int, restored_from: str = "", last_backup: str = "") -> None:
     """The switch back to ACTIVE, last and in one transaction: the whole header is replaced (no field of the
-    RECOVERING one, such as a backup's running mark, survives)."""
+    RECOVERING one, such as a backup's running mark, survives). last_backup: the restore point just written."""
     header: dict[str, Any] = {"state": "ACTIVE", "gen": gen, "clock": clock, "floor": floor, "entries": entries,
                               "bytes": nbytes, "max_entries": sdef.max_entries, "max_bytes": sdef.max_bytes}
     if restored_from:
         header["restored_from"] = restored_from
+    if last_backup:
+        header["last_backup"] = last_backup
     meta = keys.meta(sdef.name)
     tx = client.pipeline(transaction=True)
     tx.delete(meta)
@@ -275,17 +282,21 @@ class Purged(NamedTuple):
     gen: int  # the structure's new generation
 
 
-def purge(client: redis.Redis, sdef: StructureDef, queues: Sequence[str]) -> Purged:
+def purge(client: redis.Redis, sdef: StructureDef, queues: Sequence[str], *,
+          before_activate: Callable[[int], str] | None = None) -> Purged:
     """Empty the structure and make it ACTIVE again in a new generation, above its clock and its old generation
-    (so every unit of work from before is backed out when it next touches it); its queues stay defined."""
+    (so every unit of work from before is backed out when it next touches it); its queues stay defined.
+    before_activate(gen), once nothing can change the structure any more and before it is usable again, makes
+    the purge durable (restore.run writes an empty restore point) and returns the id of what it wrote."""
     S = sdef.name
+    mark_recovering(client, S)  # first: from here on no member changes what the purge discards
     meta = keys.meta(S)
     info = {keys.text(k): keys.text(v) for k, v in client.hgetall(meta).items()}
     discarded = int(client.hlen(keys.entries(S)))
     gen = max(time.time_ns() // 1000, int(info.get("clock", 0)) + 1, int(info.get("gen", 0)) + 1)
-    mark_recovering(client, S)
+    last = before_activate(gen) if before_activate is not None else ""
     reset(client, sdef)
     if queues:
         client.sadd(keys.queues(S), *queues)
-    activate(client, sdef, gen=gen, clock=gen + 1, floor=gen, entries=0, nbytes=0)
+    activate(client, sdef, gen=gen, clock=gen + 1, floor=gen, entries=0, nbytes=0, last_backup=last)
     return Purged(discarded, int(info.get("bytes", 0)), gen)

@@ -13,6 +13,7 @@ write) are cfemu.bulk's.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,9 +68,13 @@ def restore_owned_uows(plan: RestorePlan) -> dict[str, str]:
 
 
 def load_plan(client: redis.Redis, plan: RestorePlan, sdef: StructureDef, queues: list[str], *,
-              batch: int = BATCH, progress: Progress = no_progress, restored_from: str = "") -> LoadResult:
+              batch: int = BATCH, progress: Progress = no_progress, restored_from: str = "",
+              base_tombstones: Mapping[str, str] | None = None, before_activate: Callable[[], None] | None = None,
+              last_backup: str = "") -> LoadResult:
     """Replace the structure's content with the plan's survivors and make it ACTIVE (see the module doc).
-    The header must already say RECOVERING."""
+    The header must already say RECOVERING. base_tombstones: those the base carried (the plan's own win).
+    before_activate: called once the load is verified, before the structure is ACTIVE (restore writes its
+    restore point there, `last_backup`: the header names it)."""
     t0 = time.monotonic()
     S = plan.structure
     result = LoadResult()
@@ -87,13 +92,15 @@ def load_plan(client: redis.Redis, plan: RestorePlan, sdef: StructureDef, queues
         failpoint("restore-load-batch")  # tests: SQM_FAILPOINTS=restore-load-batch=N dies after batch N
     result.bytes = loader.bytes
     result.uows_in_doubt = loader.finish(queues, owner=lambda u: uow_owner(plan, u),
-                                         tomb=restore_owned_uows(plan))
+                                         tomb={**(base_tombstones or {}), **restore_owned_uows(plan)})
 
     problems = bulk.verify(client, S, ordered)
     if problems:
         raise LoadVerifyError(f"structure {S} after the load: {'; '.join(problems)} (left RECOVERING)")
+    if before_activate is not None:
+        before_activate()
     bulk.activate(client, sdef, gen=plan.restore_lrsn, clock=plan.restore_lrsn + 1, floor=plan.restore_lrsn,
-                  entries=result.entries, nbytes=result.bytes, restored_from=restored_from)
+                  entries=result.entries, nbytes=result.bytes, restored_from=restored_from, last_backup=last_backup)
     result.seconds = time.monotonic() - t0
     return result
 
