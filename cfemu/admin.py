@@ -2,7 +2,8 @@
 epochs, recovery locks, and the backup catalog.
 
 Like the CF itself the admin structure is lost with the CF; restore rebuilds what it needs (definitions from the
-backup, members re-join with epochs that only grow, the catalog from the backup directory).
+group repository, cfemu.repository, and the backup; members re-join with epochs that only grow; the catalog from
+the backup directory).
 """
 
 from __future__ import annotations

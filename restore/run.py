@@ -53,6 +53,7 @@ from restore.plan import Copy, RestorePlan
 from restore.result import PurgeResult, RestoreResult, write_report
 from sqm import records
 from sqm.log import LogLockedError, LogReader, RecordLog, find_log_dirs
+from sqm.log.format import list_segments
 
 RESTORE_MEMBER = "_restore"  # restore's own log, beside the members' logs
 
@@ -128,6 +129,17 @@ def open_backup(backup_root: Path, structure: str, backup_id: str | None, group:
                            + ("" if backups or repo is None else f", and the group repository {repo.path} has no "
                                                                  f"definition of it"))
     return read_backup(good.path, structure=structure, group=group)
+
+
+def _logs_reach_back(log_dirs: list[Path], structure: str) -> None:
+    """A restore from a definition replays every log from the definition on: each must still begin with its
+    first segment (the product never removes one; an operator might have)."""
+    for d in log_dirs:
+        segments = list_segments(d)
+        if segments and segments[0][0] != 1:
+            raise RestoreError(f"the log {d} begins at segment {segments[0][0]}: its earlier records are gone, and "
+                               f"structure {structure} was never backed up (a restore from its definition replays "
+                               f"every log from the definition on); bring the segments back")
 
 
 def known_members(repo: GroupRepository, manifest: dict[str, Any], admin: Admin) -> dict[str, str]:
@@ -268,6 +280,8 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
     replay_from = int(manifest["replay_from"])
     members = known_members(repo, manifest, admin)
     log_dirs = member_log_dirs(log_root, members, replay_from)
+    if kind_of(manifest) == DEFINITION:
+        _logs_reach_back(log_dirs, structure)
     timer = PhaseTimer(progress)
     now = now_ms if now_ms is not None else time.time_ns() // 1_000_000
 
