@@ -22,9 +22,12 @@ Findings (each names the message ids and UOWs involved):
   corrupted   a delivered body whose CRC32C does not match (or that is not a chaos message at all);
   order       see check_order;
   resurrected a non-persistent message delivered by a get that began after a CF loss its put preceded;
-  expired     a message delivered by a get that began more than EXPIRY_SLACK_S after its expiry.
+  expired     a message delivered by a get that began more than EXPIRY_SLACK_S after its expiry;
+  purge-undone a message a purge discarded (the fault names them: its "purged" step), delivered by a get
+              that began after the purge (a later restore crossed the purge).
 Allowed and counted: non-persistent messages lost (with the CF), unknown outcomes (resolved either way),
-redeliveries after backout, expired messages that never came back.
+redeliveries after backout, expired messages that never came back, messages a purge discarded (neither lost nor
+evidence about their UOW's outcome: the operator threw them away).
 """
 
 from __future__ import annotations
@@ -35,13 +38,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 COMMITTED, ABORTED, UNKNOWN, UNDETERMINED = "committed", "aborted", "unknown", "undetermined"
-MUST_BE_ZERO = ("lost", "duplicated", "phantom", "atomicity", "corrupted")
+MUST_BE_ZERO = ("lost", "duplicated", "phantom", "atomicity", "corrupted", "purge-undone")
 FINDING_KINDS = (*MUST_BE_ZERO, "order", "resurrected", "expired")
 EXPIRY_SLACK_S = 1.0  # the server's clock reads expiry at the get, some milliseconds after the client's invoke
 # After a fault has recovered, its after-effects last this long: pending CF work retried by the members, and a
 # request stalled behind a half-open path that the client gives up on only after its request timeout (5 s).
 SETTLE_S = 6.0
-CF_LOSS_KINDS = ("cf-kill", "cf-kill-during-restore", "during-backup")
+CF_LOSS_KINDS = ("cf-kill", "cf-kill-during-restore", "during-backup", "cf-kill-twice", "purge-then-cf-kill",
+                 "member-own-log-root")
+PURGED = "purged"  # the phase of a fault's history event that names the messages a purge discarded ("msgs")
 
 
 @dataclass
@@ -144,6 +149,11 @@ class Checker:
         self.deliveries: dict[str, list[Delivery]] = defaultdict(list)
         self.result = CheckResult()
         self.counts: dict[str, int] = defaultdict(int)
+        self.purged: dict[str, float] = {}  # message -> when a purge discarded it
+        for f in sorted(self.faults, key=lambda f: f["t"]):
+            if f.get("phase") == PURGED:
+                for m in f.get("msgs", ()):
+                    self.purged.setdefault(m, float(f["t"]))
 
     def find(self, kind: str, msgs: Iterable[str], detail: str, uow: str = "") -> None:
         self.result.findings.append(Finding(kind, sorted(set(msgs)), detail, uow))
@@ -216,7 +226,8 @@ class Checker:
     # --- inference and the rules ---------------------------------------------------------------------------------
     def _decisive(self, m: str) -> bool:
         p = self.puts.get(m)
-        return p is not None and bool(p.args.get("persistent")) and not p.args.get("expiry_ms")
+        return (p is not None and bool(p.args.get("persistent")) and not p.args.get("expiry_ms")
+                and m not in self.purged)
 
     def _effects(self, u: Uow) -> tuple[list[str], list[str]]:
         """(messages whose effect is visible / taken, messages whose effect is not), decisive ones only."""
@@ -272,6 +283,9 @@ class Checker:
             expiry = int(put.args.get("expiry_ms") or 0)
             put_done = put.t1 if put.t1 is not None else put.t0
             for d in ds:
+                if m in self.purged and d.op.t0 > self.purged[m]:
+                    self.find("purge-undone", [m], f"purged at t={self.purged[m]}, delivered by op {d.op.id} "
+                                                   f"({d.op.client}) begun at t={d.op.t0}", d.uow)
                 if expiry and d.op.t0 > put_done + expiry / 1000 + EXPIRY_SLACK_S:
                     self.find("expired", [m], f"expiry {expiry} ms, put done at t={put_done}, delivered by "
                                               f"op {d.op.id} begun at t={d.op.t0}", d.uow)
@@ -285,6 +299,9 @@ class Checker:
             if self.deliveries.get(m):
                 continue
             u = self.uows[self.put_uow[m]]
+            if m in self.purged:
+                self.counts["purged (allowed)"] += 1
+                continue
             if not put.args.get("persistent"):
                 if u.outcome == COMMITTED:
                     self.counts["non-persistent lost (allowed)"] += 1

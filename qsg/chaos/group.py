@@ -8,17 +8,21 @@ import contextlib
 import errno
 import os
 import shutil
+import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
-from cfemu import repository
+from cfemu import keys, repository
 from cfemu.admin import Admin
 from cfemu.connection import connect
 from cfemu.errors import MQError
+from cfemu.procs import free_port
+from qsg.chaos.history import History
 from qsg.chaos.proxy import FaultProxy
 from qsg.cluster import Cluster
 from sqm.service.client import Client
@@ -107,6 +111,8 @@ class ChaosGroup:
         self.disk: LogDisk | None = None
         self.disk_unavailable = ""
         self.stopped: set[str] = set()  # managers the suite has SIGSTOPped
+        self.backups_paused: int | None = None  # the backup scheduler's pid while a fault holds it stopped
+        self.history: History | None = None  # the run's history, for faults that act as a client themselves
 
     # --- start and stop ------------------------------------------------------------------------------------------
     def up(self) -> ChaosGroup:
@@ -142,6 +148,7 @@ class ChaosGroup:
         return urlunsplit(parts._replace(netloc=f"127.0.0.1:{proxy.port}"))
 
     def down(self) -> None:
+        self.resume_backups()
         for name in list(self.stopped):
             self.cont(name)
         if self.cluster is not None:
@@ -241,6 +248,41 @@ class ChaosGroup:
             return False
         finally:
             client.close()
+
+    def pause_backups(self, timeout: float = 30.0) -> None:
+        """Hold the backup scheduler (SIGSTOP), and wait until no backup it started still runs: a fault that
+        needs the next restore to start from an older base (two CF losses, a purge then a loss) is then sure
+        that no backup falls between."""
+        pid = self.c.running_processes().get("scheduler")
+        if pid is not None:
+            os.kill(pid, signal.SIGSTOP)
+            self.backups_paused = pid
+        deadline = time.monotonic() + timeout
+        client = self.cf()
+        try:
+            while any(client.hexists(keys.meta(s), "backup") for s in STRUCTURES):
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+        finally:
+            client.close()
+
+    def resume_backups(self) -> None:
+        if self.backups_paused is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.backups_paused, signal.SIGCONT)
+            self.backups_paused = None
+
+    def start_stray_member(self, name: str, log_root: Path, ready: Path) -> subprocess.Popen[bytes]:
+        """`sqm run` of one more member, as an operator might start it, with a log root of its own (not the
+        group's): on the CF directly, with the cluster's token and lease, its output in run/<name>.log."""
+        ready.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "sqm.cli", "run", "--name", name, "--host", self.c.host, "--port",
+               str(free_port(self.c.host)), "--redis-url", self.c.redis_url, "--log-root", str(log_root),
+               "--lease-ms", str(self.lease_ms), "--ready-file", str(ready)]
+        with open(self.dir / "run" / f"{name}.log", "ab") as out:
+            return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                    env=self.c.child_env(), close_fds=True)
 
     def heal_network(self) -> None:
         for p in [*self.cf_proxies.values(), *self.client_proxies.values()]:

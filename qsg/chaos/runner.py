@@ -50,9 +50,9 @@ def _execute(group: ChaosGroup, history: History, spec: FaultSpec) -> FaultRecor
     t0 = time.monotonic()
     history.fault("inject", **spec.to_json())
 
-    def step(phase: str) -> float:
+    def step(phase: str, **fields: Any) -> float:
         el = round(time.monotonic() - t0, 3)
-        history.fault(phase, fault=spec.n, kind=spec.kind, target=spec.target, elapsed_s=el)
+        history.fault(phase, fault=spec.n, kind=spec.kind, target=spec.target, elapsed_s=el, **fields)
         return el
 
     try:
@@ -84,11 +84,14 @@ def heal(group: ChaosGroup, history: History) -> list[str]:
     managers, a dead CF (restarted and restored), dead or non-serving managers (restarted)."""
     actions: list[str] = []
 
-    def step(what: str) -> float:
+    def step(what: str, **fields: Any) -> float:
         actions.append(what)
         return 0.0
 
     group.heal_network()
+    if group.backups_paused is not None:
+        group.resume_backups()
+        step("backup scheduler resumed")
     if group.disk is not None:
         group.disk.free()
     for name in list(group.stopped):
@@ -186,6 +189,7 @@ def run_chaos(opts: ChaosOptions, console: Console | None = None,
     if specs is None:
         specs = schedule(opts.seed, opts.kinds, opts.duration, [f"QM{i}" for i in range(1, opts.managers + 1)],
                          lease_ms=opts.lease_ms)
+    group.history = history
     records: list[FaultRecord] = []
     phases: dict[str, float] = {}
     extra: dict[str, Any] = {}

@@ -45,9 +45,10 @@ class Hist:
         self.op("drain", "drain", "ok", {"msg": msg, "crc_ok": crc_ok, "queue": queue, "backout_count": 0},
                 queue=queue)
 
-    def fault(self, n: int, kind: str, phase: str) -> None:
+    def fault(self, n: int, kind: str, phase: str, **fields: Any) -> None:
         self.t += 0.01
-        self.events.append({"type": "fault", "t": round(self.t, 4), "phase": phase, "fault": n, "kind": kind})
+        self.events.append({"type": "fault", "t": round(self.t, 4), "phase": phase, "fault": n, "kind": kind,
+                            **fields})
 
     def findings(self) -> dict[str, int]:
         return check(self.events).summary()
@@ -241,3 +242,47 @@ def test_deliveries_are_ordered_by_backout_count_not_by_when_a_slow_reply_arrive
     h.drain("s2")
     r = check(h.events)
     assert r.ok, r.findings
+
+
+def purge_of(h: Hist, *msgs: str) -> None:
+    """What purge-then-cf-kill writes: the purge names the messages it discarded, then the CF is lost."""
+    h.fault(1, "purge-then-cf-kill", "inject")
+    h.fault(1, "purge-then-cf-kill", "purged", structure="APP1", msgs=list(msgs))
+    h.fault(1, "purge-then-cf-kill", "CF killed")
+    h.fault(1, "purge-then-cf-kill", "recovered")
+
+
+def test_purge_undone_a_purged_message_delivered_after_the_purge() -> None:
+    h = clean_base()
+    h.put("p", "p.2", "m4")
+    h.put("p", "p.2", "m5")
+    h.commit("p", "p.2")
+    purge_of(h, "m4", "m5")
+    h.drain("m4")  # a restore that crossed the purge brought it back
+    only(h.findings(), "purge-undone")
+    assert check(h.events).of("purge-undone")[0].msgs == ["m4"]
+
+
+def test_purged_messages_are_neither_lost_nor_evidence_about_their_uow() -> None:
+    h = clean_base()
+    h.put("p", "p.2", "m4")  # committed, then discarded by the purge: allowed
+    h.put("p", "p.2", "m5", queue="Q3")  # its UOW's put on the other structure survives
+    h.commit("p", "p.2")
+    purge_of(h, "m4")
+    h.drain("m5", "Q3")
+    r = check(h.events)
+    assert r.ok, r.summary()
+    assert r.counts["purged (allowed)"] == 1
+
+
+def test_a_stray_members_committed_puts_lost_with_the_cf_are_lost() -> None:
+    """member-own-log-root, if the member joined: its puts are in the history as a client's; a restore that
+    cannot read its log loses them, and the lost rule sees it."""
+    h = clean_base()
+    h.fault(1, "member-own-log-root", "inject")
+    h.put("stray-1", "stray-1.1", "stray-1-0")
+    h.put("stray-1", "stray-1.1", "stray-1-1")
+    h.commit("stray-1", "stray-1.1")
+    h.fault(1, "member-own-log-root", "CF killed")
+    h.fault(1, "member-own-log-root", "recovered")
+    only(h.findings(), "lost", 2)
