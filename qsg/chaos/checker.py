@@ -44,8 +44,10 @@ EXPIRY_SLACK_S = 1.0  # the server's clock reads expiry at the get, some millise
 # After a fault has recovered, its after-effects last this long: pending CF work retried by the members, and a
 # request stalled behind a half-open path that the client gives up on only after its request timeout (5 s).
 SETTLE_S = 6.0
-CF_LOSS_KINDS = ("cf-kill", "cf-kill-during-restore", "during-backup", "cf-kill-twice", "purge-then-cf-kill",
-                 "member-own-log-root")
+# Kinds that always lose the CF (their injection counts as the loss); a kind that loses it only sometimes
+# (member-own-log-root, when the stray member was let in) says so with a "CF killed" step.
+CF_LOSS_KINDS = ("cf-kill", "cf-kill-during-restore", "during-backup", "cf-kill-twice", "purge-then-cf-kill")
+CF_KILLED = "CF killed"
 PURGED = "purged"  # the phase of a fault's history event that names the messages a purge discarded ("msgs")
 
 
@@ -264,7 +266,8 @@ class Checker:
                 self.counts["unknown outcomes resolved: undetermined"] += 1
 
     def check_messages(self) -> None:
-        cf_losses = [f for f in self.faults if f.get("kind") in CF_LOSS_KINDS]
+        cf_losses = [f for f in self.faults if f.get("kind") in CF_LOSS_KINDS and f["phase"] == "inject"
+                     or f.get("kind") not in CF_LOSS_KINDS and str(f["phase"]).startswith(CF_KILLED)]
         for m, ds in sorted(self.deliveries.items()):
             put = self.puts.get(m)
             if put is None:
@@ -291,7 +294,7 @@ class Checker:
                                               f"op {d.op.id} begun at t={d.op.t0}", d.uow)
                 if not put.args.get("persistent"):
                     for f in cf_losses:
-                        if f["phase"] == "inject" and put_done < f["t"] < d.op.t0 and self._cf_back(f) < d.op.t0:
+                        if put_done < f["t"] < d.op.t0 and self._cf_back(f) < d.op.t0:
                             self.find("resurrected", [m], f"non-persistent, put at t={put_done}, CF lost at "
                                                           f"t={f['t']}, delivered by op {d.op.id} at t={d.op.t0}")
         unknown_drains = sum(1 for o in self.ops if o.op == "drain" and o.outcome == "unknown")

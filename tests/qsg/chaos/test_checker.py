@@ -286,3 +286,22 @@ def test_a_stray_members_committed_puts_lost_with_the_cf_are_lost() -> None:
     h.fault(1, "member-own-log-root", "CF killed")
     h.fault(1, "member-own-log-root", "recovered")
     only(h.findings(), "lost", 2)
+
+
+def test_a_refused_stray_member_is_no_cf_loss_but_a_cf_killed_step_is() -> None:
+    """member-own-log-root loses the CF only when the stray member got in (its "CF killed" step): a refusal
+    alone must not make the non-persistent messages delivered after it count as resurrected."""
+    h = Hist()
+    h.put("p", None, "np1", persistent=False)
+    h.fault(1, "member-own-log-root", "inject")
+    h.fault(1, "member-own-log-root", "QM4 refused to join: exit code 2")
+    h.fault(1, "member-own-log-root", "recovered")
+    h.drain("np1")
+    assert h.findings()["resurrected"] == 0
+    h = Hist()
+    h.put("p", None, "np1", persistent=False)
+    h.fault(1, "member-own-log-root", "inject")
+    h.fault(1, "member-own-log-root", "CF killed")
+    h.fault(1, "member-own-log-root", "recovered")
+    h.drain("np1")
+    only(h.findings(), "resurrected")
