@@ -173,8 +173,10 @@ class Admin:
         return QueueDef(**msgpack.unpackb(raw, raw=False))
 
     def queues(self) -> list[QueueDef]:
-        return sorted((QueueDef(**msgpack.unpackb(v, raw=False)) for v in self.redis.hvals(QUEUES)),
-                      key=lambda q: q.name)
+        """Every defined queue, by name; a malformed definition is reported (bad_entries) and skipped, as in
+        structures() (every member reads them when it joins: cfemu.repository)."""
+        found = (self._decode(QUEUES, k, v, QueueDef) for k, v in self.redis.hgetall(QUEUES).items())
+        return sorted((q for q in found if q is not None), key=lambda q: q.name)
 
     # --- members, leases, fencing ---------------------------------------------------------------------
     def join(self, member: str, info: dict[str, Any], lease_ms: int) -> int:

@@ -67,6 +67,12 @@ def restore_owned_uows(plan: RestorePlan) -> dict[str, str]:
     return tomb
 
 
+def loaded_tombstones(plan: RestorePlan, base_tombstones: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The tombstones a load writes (and its restore point keeps): those the base carried, and the plan's own,
+    which win."""
+    return {**(base_tombstones or {}), **restore_owned_uows(plan)}
+
+
 def load_plan(client: redis.Redis, plan: RestorePlan, sdef: StructureDef, queues: list[str], *,
               batch: int = BATCH, progress: Progress = no_progress, restored_from: str = "",
               base_tombstones: Mapping[str, str] | None = None, before_activate: Callable[[], None] | None = None,
@@ -92,7 +98,7 @@ def load_plan(client: redis.Redis, plan: RestorePlan, sdef: StructureDef, queues
         failpoint("restore-load-batch")  # tests: SQM_FAILPOINTS=restore-load-batch=N dies after batch N
     result.bytes = loader.bytes
     result.uows_in_doubt = loader.finish(queues, owner=lambda u: uow_owner(plan, u),
-                                         tomb={**(base_tombstones or {}), **restore_owned_uows(plan)})
+                                         tomb=loaded_tombstones(plan, base_tombstones))
 
     problems = bulk.verify(client, S, ordered)
     if problems:

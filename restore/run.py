@@ -48,7 +48,7 @@ from cfemu import bulk, keys
 from cfemu.admin import Admin, AdminError, QueueDef, StructureDef
 from cfemu.repository import GroupRepository
 from restore.engine import PHASES, Progress, get_engine, no_progress
-from restore.load import LoadResult, load_plan, restore_owned_uows, uow_owner
+from restore.load import LoadResult, load_plan, loaded_tombstones, restore_owned_uows, uow_owner
 from restore.plan import Copy, RestorePlan
 from restore.result import PurgeResult, RestoreResult, write_report
 from sqm import records
@@ -316,10 +316,10 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
             def write_point() -> None:  # after the load is verified, before the structure is ACTIVE
                 write_restore_point(
                     backup_root, point, kind=RESTORE, group=str(manifest["group"]), sdef=sdef, queues=queues,
-                    members=[*members, *(d.name for d in log_dirs if d.name != RESTORE_MEMBER)],
+                    members=[*members.keys(), *(d.name for d in log_dirs if d.name != RESTORE_MEMBER)],
                     gen=plan.restore_lrsn, lrsn=plan.restore_lrsn, replay_from=point_replay_from(plan),
                     entries=((s.entry, s.data) for s in plan.loaded() if s.entry is not None),
-                    tombstones={**base_tombstones, **restore_owned_uows(plan)}, restored_from=backup.id)
+                    tombstones=loaded_tombstones(plan, base_tombstones), restored_from=backup.id)
 
             loaded: LoadResult = load_plan(client, plan, sdef, [q.name for q in queues], progress=timer,
                                            restored_from=backup.id, base_tombstones=base_tombstones,
