@@ -195,6 +195,11 @@ class Cluster:
         tmp.write_text(json.dumps(self.state, indent=2) + "\n")
         os.replace(tmp, self.dir / CLUSTER_FILE)
 
+    def child_env(self) -> dict[str, str]:
+        """The environment the cluster gives its processes (its settings, its token), for one started beside
+        them (the chaos suite's stray member)."""
+        return self._env()
+
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
         # Every setting in the environment, this cluster's directory included, so that the children (and the
