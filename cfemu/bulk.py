@@ -283,20 +283,34 @@ class Purged(NamedTuple):
 
 
 def purge(client: redis.Redis, sdef: StructureDef, queues: Sequence[str], *,
-          before_activate: Callable[[int], str] | None = None) -> Purged:
+          before_activate: Callable[[int, dict[str, str]], str] | None = None) -> Purged:
     """Empty the structure and make it ACTIVE again in a new generation, above its clock and its old generation
-    (so every unit of work from before is backed out when it next touches it); its queues stay defined.
-    before_activate(gen), once nothing can change the structure any more and before it is usable again, makes
-    the purge durable (restore.run writes an empty restore point) and returns the id of what it wrote."""
+    (so a unit of work from before that had no work here is backed out when it next touches it); its queues stay
+    defined, and the UOWs that held entries get a 'P' tombstone (purged_tombstones). before_activate(gen,
+    tombstones), once nothing can change the structure any more and before it is usable again, makes the purge
+    durable (restore.run writes an empty restore point with those tombstones) and returns the id it wrote."""
     S = sdef.name
     mark_recovering(client, S)  # first: from here on no member changes what the purge discards
     meta = keys.meta(S)
     info = {keys.text(k): keys.text(v) for k, v in client.hgetall(meta).items()}
     discarded = int(client.hlen(keys.entries(S)))
     gen = max(time.time_ns() // 1000, int(info.get("clock", 0)) + 1, int(info.get("gen", 0)) + 1)
-    last = before_activate(gen) if before_activate is not None else ""
+    tomb = purged_tombstones(client, S)
+    last = before_activate(gen, tomb) if before_activate is not None else ""
     reset(client, sdef)
     if queues:
         client.sadd(keys.queues(S), *queues)
+    if tomb:
+        client.hset(keys.tomb(S), mapping=tomb)  # type: ignore[arg-type]
     activate(client, sdef, gen=gen, clock=gen + 1, floor=gen, entries=0, nbytes=0, last_backup=last)
     return Purged(discarded, int(info.get("bytes", 0)), gen)
+
+
+def purged_tombstones(client: redis.Redis, structure: str) -> dict[str, str]:
+    """The tombstones a purge leaves: those already there (outcomes decided for owners that may still retry), and
+    'P' for every UOW holding entries: a purge discards messages, not outcomes, so the owner's commit or backout
+    of such a UOW is a no-op here and goes on on its other structures (a commit refused here as "lost" would
+    make the owner back out work that committed elsewhere, or that it already told its application committed),
+    while more work of it here is refused as backed out."""
+    held = {keys.text(u): "P" for u in client.hkeys(keys.uows(structure))}
+    return {**held, **tombstones(client, structure)}

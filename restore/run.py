@@ -403,10 +403,10 @@ def run_purge(client: redis.Redis, structure: str, *, backup_root: Path, log_roo
     _redefine(admin, group, sdef, queues, lost=lost)
     point = point_id(structure)
 
-    def write_point(gen: int) -> str:  # once the structure is RECOVERING, before it is usable again
+    def write_point(gen: int, tombstones: dict[str, str]) -> str:  # RECOVERING, before it is usable again
         write_restore_point(backup_root, point, kind=PURGE, group=group, sdef=sdef, queues=queues,
                             members=known_members(repo, {}, admin), gen=gen, lrsn=gen, replay_from=gen,
-                            entries=(), tombstones={})
+                            entries=(), tombstones=tombstones)
         return point
 
     purged = bulk.purge(client, sdef, [q.name for q in queues], before_activate=write_point)

@@ -12,6 +12,7 @@ local uow = ARGV[4]
 local lrsn = tonumber(ARGV[6])
 local t = redis.call('HGET', TOMB, uow)
 if t == 'B' then redis.call('HDEL', TOMB, uow) return {tick(ARGV[3]), 0, 0} end
+if t == 'P' then return {tick(ARGV[3]), 0, 0} end  -- a purge discarded its work here: nothing to undo
 if t == 'C' then return redis.error_reply('COMPLETED unit of work ' .. uow .. ' was committed by recovery') end
 if lrsn > 0 then err = floor_check(lrsn) if err then return err end end
 

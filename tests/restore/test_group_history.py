@@ -187,6 +187,42 @@ def test_hole8_purged_messages_do_not_come_back_after_a_later_cf_loss(redis_url:
         qm.stop()
 
 
+def test_hole8_a_purge_discards_messages_not_the_outcome_of_uows_on_other_structures(
+        redis_url: str, tmp_path: Path) -> None:
+    """Found by the purge-then-cf-kill fault (seed 1): a UOW on APP1 and APP2 whose commit was logged while APP1
+    had failed (the application was told it committed), and an in-doubt one; APP1 is purged. The owner's retry
+    met APP1's new generation, was refused as lost, logged BACKOUT and left its APP2 work locked (the committed
+    put never became available), and the coordinator's commit of the in-doubt one failed the same way."""
+    logs, backups = tmp_path / "logs", tmp_path / "backups"
+    client = define_group(redis_url, queues=("Q1",))
+    admin = Admin(client)
+    admin.define_structure("APP2")
+    admin.define_queue("Q3", "APP2")
+    qm = start_qm(redis_url, logs, "QM1", background=False)
+    try:
+        a = qm.connect()
+        a.put("Q1", b"purged")
+        a.put("Q3", b"committed on APP2")
+        d = qm.connect()
+        d.put("Q1", b"purged too")
+        d.put("Q3", b"in doubt on APP2")
+        uow = d.prepare("xid-1")
+        client.hset(keys.meta(S), "state", "FAILED")
+        a.commit()  # logged: the commit waits for APP1
+        assert qm.pending
+        ok("restore.cli", "purge", S, env=settings_env(redis_url, logs, backups))
+        assert qm.retry_pending() == 1
+        qm.resolve(uow, True)
+        assert qm.log is not None
+        qm.log.force()
+        assert "BACKOUT" not in [r["k"] for _, r in LogReader(logs / "QM1").records()]
+        got = qm.connect()
+        assert drain(got, "Q3") == [(b"committed on APP2", 0), (b"in doubt on APP2", 0)]
+        assert drain(got, "Q1") == []
+    finally:
+        qm.stop()
+
+
 # --- hole 7 ----------------------------------------------------------------------------------------------------
 @pytest.fixture
 def cli_group(redis_url: str, tmp_path: Path) -> tuple[dict[str, str], Path, Path]:
