@@ -193,8 +193,12 @@ class Checker:
                     self.counts["deliveries with a backout count"] += 1
         for d in self.deliveries.values():
             # Delivery order: every backout of a get raises the message's backout count, so the count orders
-            # the deliveries of one message even when a reply arrives late (a slow link); then completion time.
-            d.sort(key=lambda x: (int(x.op.result.get("backout_count", 0) or 0), x.t1))
+            # the deliveries of one message even when a reply arrives late (a slow link). Two deliveries with one
+            # count mean that a take was erased without a backout: a CF lost before its GET reached a log the
+            # restore read. The erased take came first, so the get asked first comes first: by completion time,
+            # a reply held up across the loss and the restore (cf-kill-twice holds an SQM there) made the
+            # committed get after it look undone and the aborted one look done.
+            d.sort(key=lambda x: (int(x.op.result.get("backout_count", 0) or 0), x.op.t0))
         for u in self.uows.values():
             self._known_outcome(u, resolves)
 

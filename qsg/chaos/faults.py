@@ -16,8 +16,9 @@
 | disk-full             | the SQM whose log is on a small tmpfs: the tmpfs is filled, then freed              |
 | clock-skew            | an SQM is restarted with its LRSN clock source skewed by seconds (--clock-skew-ms)  |
 | backup                | a fuzzy backup of every structure under load (what the demo scripts before a loss)  |
-| cf-kill-twice         | cf-kill, live work, and cf-kill again before any new backup (the scheduler is held):|
-|                       | the second restore must start at the first one's restore point                      |
+| cf-kill-twice         | an SQM held (SIGSTOP) across a cf-kill, live work, and cf-kill again before any new |
+|                       | backup (the scheduler is held): the second restore must start at the first one's   |
+|                       | restore point, whatever the held SQM forced after the first restore                 |
 | purge-then-cf-kill    | APP1 is failed and purged (the purged messages go in the history), live work, then |
 |                       | cf-kill before any new backup: no purged message may come back                      |
 | member-own-log-root   | one more ``sqm run`` with a log root of its own: it must refuse to join (exit 2);   |
@@ -360,12 +361,24 @@ def _live_work(g: ChaosGroup, f: FaultSpec, step: Step) -> None:
 
 def cf_kill_twice(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
     """Issue 10, hole 1: a get appended (not forced) before the first loss reaches the disk after the first
-    restore; a second loss before any new backup must not fold it in again."""
+    restore; a second loss before any new backup must not fold it in again. The target SQM is held (SIGSTOP)
+    from just before the first loss until that restore is done, so that what it had appended but not forced
+    reaches its log only afterwards, at its next force (a busy member forces too often for that to happen by
+    chance). It holds no lease meanwhile that a peer could see lapse: the new CF does not know it yet."""
     ensure_backups(g)
     g.pause_backups()
     step("backup scheduler held")
     try:
-        out: dict[str, Any] = {"first": _cf_loss(g, f, step)}
+        g.stop(f.target)
+        step(f"{f.target} held (SIGSTOP) across the first loss")
+        try:
+            out: dict[str, Any] = {"first": _cf_loss(g, f, step)}
+        finally:
+            g.cont(f.target)
+            step(f"{f.target} resumed: its unforced records reach its log after the restore")
+        # A CF call it had in flight carries its old epoch into the new CF, where it has re-joined meanwhile:
+        # refused as fenced, it exits (code 3), as an operator would see it; restart it then.
+        out["held"] = after_heal(g, f.target, step)
         _live_work(g, f, step)
         out["second"] = _cf_loss(g, f, step)
     finally:

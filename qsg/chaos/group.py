@@ -17,7 +17,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
-from cfemu import keys, repository
+from cfemu import repository
 from cfemu.admin import Admin
 from cfemu.connection import connect
 from cfemu.errors import MQError
@@ -31,6 +31,24 @@ STRUCTURES = {"APP1": ("Q1", "Q2"), "APP2": ("Q3",)}
 QUEUES = ("Q1", "Q2", "Q3")
 PROBE_QUEUE = "PROBE"  # on APP1; the history never sees it
 TMPFS_BYTES = 128 * 2**20
+
+
+def _live_children(pid: int) -> list[int]:
+    """The children of a process that have not exited yet (a stopped parent cannot reap them: zombies count
+    as ended)."""
+    try:
+        children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except (OSError, ValueError):
+        return []
+    live = []
+    for c in children:
+        try:
+            state = Path(f"/proc/{c}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state != "Z":
+            live.append(c)
+    return live
 
 
 class LogDisk:
@@ -249,23 +267,18 @@ class ChaosGroup:
         finally:
             client.close()
 
-    def pause_backups(self, timeout: float = 30.0) -> None:
-        """Hold the backup scheduler (SIGSTOP), and wait until no backup it started still runs: a fault that
-        needs the next restore to start from an older base (two CF losses, a purge then a loss) is then sure
-        that no backup falls between."""
+    def pause_backups(self, timeout: float = 60.0) -> None:
+        """Hold the backup scheduler (SIGSTOP), and wait until every backup it started (a `cfbackup run` child,
+        perhaps still importing) has ended: a fault that needs the next restore to start from an older base (two
+        CF losses, a purge then a loss) is then sure that no backup falls between."""
         pid = self.c.running_processes().get("scheduler")
-        if pid is not None:
-            os.kill(pid, signal.SIGSTOP)
-            self.backups_paused = pid
+        if pid is None:
+            return
+        os.kill(pid, signal.SIGSTOP)
+        self.backups_paused = pid
         deadline = time.monotonic() + timeout
-        client = self.cf()
-        try:
-            while any(client.hexists(keys.meta(s), "backup") for s in STRUCTURES):
-                if time.monotonic() > deadline:
-                    break
-                time.sleep(0.1)
-        finally:
-            client.close()
+        while _live_children(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
 
     def resume_backups(self) -> None:
         if self.backups_paused is not None:

@@ -244,6 +244,32 @@ def test_deliveries_are_ordered_by_backout_count_not_by_when_a_slow_reply_arrive
     assert r.ok, r.findings
 
 
+def test_a_get_whose_reply_outlived_a_cf_loss_comes_first_by_when_it_was_asked() -> None:
+    """cf-kill-twice (seed 4): c2's get took m4 from the CF just before it was lost; its SQM, held, replied after
+    the restore, which had brought m4 back (the take's GET never reached a log it read), and after c1 had got m4
+    and committed. Both deliveries have backout count 0; by reply time c1's committed get looked undone and c2's
+    backed-out one done: two false atomicity findings."""
+    h = clean_base()
+    h.put("p", "p.2", "m4")
+    h.commit("p", "p.2")
+    h.n += 1
+    late = h.n
+    h.t += 0.01
+    h.events.append({"type": "invoke", "id": late, "t": round(h.t, 4), "client": "c2", "op": "get", "uow": "c2.1",
+                     "queue": "Q1"})
+    h.fault(1, "cf-kill-twice", "inject")
+    h.fault(1, "cf-kill-twice", "CF killed")
+    h.get("c1", "c1.1", "m4")
+    h.commit("c1", "c1.1")
+    h.t += 0.01
+    h.events.append({"type": "ok", "id": late, "t": round(h.t, 4), "msg": "m4", "crc_ok": True, "queue": "Q1",
+                     "priority": 0, "backout_count": 0})
+    h.op("c2", "commit", "fail", {"reason": "MQRC_BACKED_OUT", "backed_out": True}, uow="c2.1")
+    h.fault(1, "cf-kill-twice", "recovered")
+    r = check(h.events)
+    assert r.ok, r.findings
+
+
 def purge_of(h: Hist, *msgs: str) -> None:
     """What purge-then-cf-kill writes: the purge names the messages it discarded, then the CF is lost."""
     h.fault(1, "purge-then-cf-kill", "inject")
