@@ -351,12 +351,15 @@ def clock_skew(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
     return out
 
 
-def _live_work(g: ChaosGroup, f: FaultSpec, step: Step) -> None:
-    """Full service, then the workload goes on for the fault's live_s: the work the next loss must keep."""
+def _live_work(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
+    """Full service (an SQM that exited, fenced, or stopped serving after the loss is restarted, as an operator
+    would), then the workload goes on for the fault's live_s: the work the next loss must keep."""
+    restarted = {name: out for name in g.names if (out := after_heal(g, name, step))}
     if g.wait_service(timeout=60.0) is None:
         raise FaultError("no full service within 60s of the restore")
     step("full service: live work")
     time.sleep(float(f.params.get("live_s", 2.0)))
+    return restarted
 
 
 def cf_kill_twice(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
@@ -377,9 +380,8 @@ def cf_kill_twice(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
             g.cont(f.target)
             step(f"{f.target} resumed: its unforced records reach its log after the restore")
         # A CF call it had in flight carries its old epoch into the new CF, where it has re-joined meanwhile:
-        # refused as fenced, it exits (code 3), as an operator would see it; restart it then.
-        out["held"] = after_heal(g, f.target, step)
-        _live_work(g, f, step)
+        # refused as fenced, it exits (code 3), as an operator would see it; _live_work restarts it then.
+        out["restarted"] = _live_work(g, f, step)
         out["second"] = _cf_loss(g, f, step)
     finally:
         g.resume_backups()
@@ -411,8 +413,7 @@ def purge_then_cf_kill(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any
         finally:
             client.close()
         step("purged", structure="APP1", msgs=discarded, restore_point=result.restore_point)
-        out: dict[str, Any] = {"purged": len(discarded)}
-        _live_work(g, f, step)
+        out: dict[str, Any] = {"purged": len(discarded), "restarted": _live_work(g, f, step)}
         out.update(_cf_loss(g, f, step))
     finally:
         g.resume_backups()
