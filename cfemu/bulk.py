@@ -285,6 +285,12 @@ def claim(client: redis.Redis, structure: str, seen: Seen) -> Owner:
     return Owner(pinned, structure, token, seen.cf)
 
 
+def tombstones(client: redis.Redis, structure: str) -> dict[str, str]:
+    """The structure's tombstones, UOW -> 'C' | 'B' | 'P' (outcomes decided for their owners, who may still
+    retry)."""
+    return {keys.text(u): keys.text(o) for u, o in client.hgetall(keys.tomb(structure)).items()}
+
+
 # --- writes: wipe, load, verify, activate, purge (each batch a transaction of the Owner) -------------------
 class Survivor(Protocol):
     """An entry to load (restore.settle.Settled has this shape): its id, its final descriptor in wire form (None:
@@ -475,15 +481,18 @@ def verify(owner: Owner, survivors: Sequence[Survivor], uows: Collection[str] | 
 
 
 def activate(owner: Owner, sdef: StructureDef, *, gen: int, clock: int, floor: int, entries: int,
-             nbytes: int, restored_from: str = "") -> None:
+             nbytes: int, restored_from: str = "", last_backup: str = "") -> None:
     """The switch back to ACTIVE, last and in one transaction of the owner: the whole header is replaced (no
     field of the RECOVERING one, such as a backup's running mark, survives) but the owner's restore token, which
-    stays so that a restore that started before this one cannot claim the structure any more."""
+    stays so that a restore that started before this one cannot claim the structure any more. last_backup: the
+    restore point just written."""
     header: dict[str, Any] = {"state": "ACTIVE", "gen": gen, "clock": clock, "floor": floor, "entries": entries,
                               "bytes": nbytes, "max_entries": sdef.max_entries, "max_bytes": sdef.max_bytes,
                               TOKEN: owner.token}
     if restored_from:
         header["restored_from"] = restored_from
+    if last_backup:
+        header["last_backup"] = last_backup
     meta = keys.meta(sdef.name)
 
     def stage(pipe: Pipeline) -> None:
@@ -499,17 +508,35 @@ class Purged(NamedTuple):
     gen: int  # the structure's new generation
 
 
-def purge(client: redis.Redis, sdef: StructureDef, queues: Sequence[str]) -> Purged:
+def purge(client: redis.Redis, sdef: StructureDef, queues: Sequence[str], *,
+          before_activate: Callable[[int, dict[str, str]], str] | None = None) -> Purged:
     """Empty the structure and make it ACTIVE again in a new generation, above its clock and its old generation
-    (so every unit of work from before is backed out when it next touches it); its queues stay defined. The
-    purge claims the structure first, so a restore loading it meanwhile stops at its next batch."""
+    (so a unit of work from before that had no work here is backed out when it next touches it); its queues stay
+    defined, and the UOWs that held entries get a 'P' tombstone (purged_tombstones). The purge claims the
+    structure first, so a restore loading it meanwhile stops at its next batch. before_activate(gen, tombstones),
+    once nothing can change the structure any more and before it is usable again, makes the purge durable
+    (restore.run writes an empty restore point with those tombstones) and returns the id it wrote."""
     S = sdef.name
     with claim(client, S, observe(client, S)) as owner:
         info = {keys.text(k): keys.text(v) for k, v in owner.client.hgetall(keys.meta(S)).items()}
         discarded = int(owner.client.hlen(keys.entries(S)))
         gen = max(time.time_ns() // 1000, int(info.get("clock", 0)) + 1, int(info.get("gen", 0)) + 1)
+        tomb = purged_tombstones(owner.client, S)
+        last = before_activate(gen, tomb) if before_activate is not None else ""
         reset(owner, sdef)
         if queues:
             owner.transaction(lambda pipe: pipe.sadd(keys.queues(S), *queues))
-        activate(owner, sdef, gen=gen, clock=gen + 1, floor=gen, entries=0, nbytes=0)
+        if tomb:
+            owner.transaction(lambda pipe: pipe.hset(keys.tomb(S), mapping=tomb))  # type: ignore[arg-type]
+        activate(owner, sdef, gen=gen, clock=gen + 1, floor=gen, entries=0, nbytes=0, last_backup=last)
     return Purged(discarded, int(info.get("bytes", 0)), gen)
+
+
+def purged_tombstones(client: redis.Redis, structure: str) -> dict[str, str]:
+    """The tombstones a purge leaves: those already there (outcomes decided for owners that may still retry), and
+    'P' for every UOW holding entries: a purge discards messages, not outcomes, so the owner's commit or backout
+    of such a UOW is a no-op here and goes on on its other structures (a commit refused here as "lost" would
+    make the owner back out work that committed elsewhere, or that it already told its application committed),
+    while more work of it here is refused as backed out."""
+    held = {keys.text(u): "P" for u in client.hkeys(keys.uows(structure))}
+    return {**held, **tombstones(client, structure)}

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 import redis
 
-from cfemu import credentials, keys
+from cfemu import credentials, keys, repository
 from cfemu.admin import Admin
 from cfemu.cf import CF
 from cfemu.clitools import CLIError, Output, add_settings_arguments, require_url, run_command, settings
@@ -180,14 +180,16 @@ def cmd_secrets(args: argparse.Namespace, out: Output) -> int:
 
 
 def cmd_define(args: argparse.Namespace, out: Output) -> int:
+    """In the CF and, durably, in the group repository under the log root (cfemu.repository)."""
     with admin_client(args) as admin:
+        repo = repository.open_group_repository(admin, settings(args).log_root, who=f"cfemu define {args.kind}")
         if args.kind == "structure":
-            d: Any = admin.define_structure(args.name, max_entries=args.max_entries, max_bytes=args.max_bytes,
-                                            replace=args.replace)
+            d: Any = repository.define_structure(admin, repo, args.name, max_entries=args.max_entries,
+                                                 max_bytes=args.max_bytes, replace=args.replace)
         else:
-            d = admin.define_queue(args.name, args.structure, backout_threshold=args.backout_threshold,
-                                   backout_queue=args.backout_queue, max_msg_length=args.max_msg_length,
-                                   replace=args.replace)
+            d = repository.define_queue(admin, repo, args.name, args.structure,
+                                        backout_threshold=args.backout_threshold, backout_queue=args.backout_queue,
+                                        max_msg_length=args.max_msg_length, replace=args.replace)
     fields = dict(vars(d))
     if args.json:
         out.json({"kind": args.kind, **fields})

@@ -37,7 +37,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from cfemu import credentials
+from cfemu import credentials, repository
 from cfemu.admin import Admin
 from cfemu.connection import connect
 from cfemu.embedded import EmbeddedRedis, ServerNotRunningError
@@ -218,6 +218,11 @@ class Cluster:
     def _save(self) -> None:
         write_private(self.dir / CLUSTER_FILE, (json.dumps(self.state, indent=2) + "\n").encode())
 
+    def child_env(self) -> dict[str, str]:
+        """The environment the cluster gives its processes (its settings, its token), for one started beside
+        them (the chaos suite's stray member)."""
+        return self._env()
+
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
         # Every setting in the environment, this cluster's directory included, so that the children (and the
@@ -253,9 +258,12 @@ class Cluster:
         self.state[CLUSTER_REDIS_URL] = self._cf.url
 
     def _define(self, structure: str, queues: Sequence[str]) -> None:
+        """Define what is missing, in the CF and in the group repository under the cluster's log root."""
         client = connect(self.cf_url("operator"))
         try:
-            Admin(client).ensure_structure(structure, queues)
+            admin = Admin(client)
+            repo = repository.open_group_repository(admin, self.log_root, who="cfemu cluster")
+            repository.ensure_structure(admin, repo, structure, list(queues))
         finally:
             client.close()
 

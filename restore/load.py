@@ -18,6 +18,7 @@ write) are cfemu.bulk's.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,10 +70,21 @@ def restore_owned_uows(plan: RestorePlan) -> dict[str, str]:
     return tomb
 
 
+def loaded_tombstones(plan: RestorePlan, base_tombstones: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The tombstones a load writes (and its restore point keeps): those the base carried, and the plan's own,
+    which win."""
+    return {**(base_tombstones or {}), **restore_owned_uows(plan)}
+
+
 def load_plan(owner: bulk.Owner, plan: RestorePlan, sdef: StructureDef, queues: list[str], *,
-              batch: int = BATCH, progress: Progress = no_progress, restored_from: str = "") -> LoadResult:
+              batch: int = BATCH, progress: Progress = no_progress, restored_from: str = "",
+              base_tombstones: Mapping[str, str] | None = None, before_activate: Callable[[], None] | None = None,
+              last_backup: str = "") -> LoadResult:
     """Replace the structure's content with the plan's survivors and make it ACTIVE (see the module doc), as
-    `owner`, the restore's claim on the structure (cfemu.bulk.claim: the header says RECOVERING)."""
+    `owner`, the restore's claim on the structure (cfemu.bulk.claim: the header says RECOVERING).
+    base_tombstones: those the base carried (the plan's own win). before_activate: called once the load is
+    verified, before the structure is ACTIVE (restore writes its restore point there, `last_backup`: the header
+    names it)."""
     t0 = time.monotonic()
     S = plan.structure
     result = LoadResult()
@@ -95,12 +107,16 @@ def load_plan(owner: bulk.Owner, plan: RestorePlan, sdef: StructureDef, queues: 
         held = plan.in_doubt_uows()
         for u in held.keys() - loader.held.keys():
             loader.held[u] = plan.outcomes[u].lrsn
-        result.uows_in_doubt = loader.finish(queues, owner=held.__getitem__, tomb=restore_owned_uows(plan))
+        result.uows_in_doubt = loader.finish(queues, owner=held.__getitem__,
+                                             tomb=loaded_tombstones(plan, base_tombstones))
         problems = bulk.verify(owner, ordered, uows=held.keys())
         if problems:
             raise LoadVerifyError(f"structure {S} after the load: {'; '.join(problems)} (left RECOVERING)")
+        if before_activate is not None:
+            before_activate()
         bulk.activate(owner, sdef, gen=plan.restore_lrsn, clock=plan.restore_lrsn + 1, floor=plan.restore_lrsn,
-                      entries=result.entries, nbytes=result.bytes, restored_from=restored_from)
+                      entries=result.entries, nbytes=result.bytes, restored_from=restored_from,
+                      last_backup=last_backup)
     except bulk.NotOwnerError as e:  # say how far the load had come
         raise type(e)(f"{e}; it had loaded {result.entries} of {len(ordered)} entries") from e
     result.seconds = time.monotonic() - t0

@@ -34,8 +34,11 @@ Findings (each names the message ids and UOWs involved):
               completed on another CF, or a CF started empty under it held restore-written keys right after it);
   restore-wiped       two restores of one structure that overlapped and both completed: the later one loaded a
               plan older than the other's result, wiping it and the work acknowledged in between (named).
+  purge-undone a message a purge discarded (the fault names them: its "purged" step), delivered by a get
+              that began after the purge (a later restore crossed the purge).
 Allowed and counted: non-persistent messages lost (with the CF), unknown outcomes (resolved either way),
-redeliveries after backout, expired messages that never came back.
+redeliveries after backout, expired messages that never came back, messages a purge discarded (neither lost nor
+evidence about their UOW's outcome: the operator threw them away).
 """
 
 from __future__ import annotations
@@ -47,14 +50,18 @@ from typing import Any
 
 COMMITTED, ABORTED, UNKNOWN, UNDETERMINED = "committed", "aborted", "unknown", "undetermined"
 MUST_BE_ZERO = ("lost", "undelivered", "duplicated", "phantom", "atomicity", "corrupted", "stuck",
-                "restore-foreign-cf", "restore-wiped")
+                "restore-foreign-cf", "restore-wiped", "purge-undone")
 FINDING_KINDS = (*MUST_BE_ZERO, "order", "restore-order", "resurrected", "expired")
 EXPIRY_SLACK_S = 1.0  # the server's clock reads expiry at the get, some milliseconds after the client's invoke
 # After a fault has recovered, its after-effects last this long: pending CF work retried by the members, and a
 # request stalled behind a half-open path that the client gives up on only after its request timeout (5 s).
 SETTLE_S = 6.0
+# Kinds that always lose the CF (their injection counts as the loss); a kind that loses it only sometimes
+# (member-own-log-root, when the stray member was let in) says so with a "CF killed" step.
 CF_LOSS_KINDS = ("cf-kill", "cf-kill-during-restore", "during-backup", "peer-clock-skew",
-                 "cf-kill-during-load-restart")
+                 "cf-kill-during-load-restart", "cf-kill-twice", "purge-then-cf-kill")
+CF_KILLED = "CF killed"
+PURGED = "purged"  # the phase of a fault's history event that names the messages a purge discarded ("msgs")
 LEFT_SLACK_S = 1.0  # a get whose client left: the server might have gone on this long past the get's own wait
 
 
@@ -161,6 +168,11 @@ class Checker:
         self.deliveries: dict[str, list[Delivery]] = defaultdict(list)
         self.result = CheckResult()
         self.counts: dict[str, int] = defaultdict(int)
+        self.purged: dict[str, float] = {}  # message -> when a purge discarded it
+        for f in sorted(self.faults, key=lambda f: f["t"]):
+            if f.get("phase") == PURGED:
+                for m in f.get("msgs", ()):
+                    self.purged.setdefault(m, float(f["t"]))
 
     def find(self, kind: str, msgs: Iterable[str], detail: str, uow: str = "") -> None:
         self.result.findings.append(Finding(kind, sorted(set(msgs)), detail, uow))
@@ -198,8 +210,12 @@ class Checker:
                     self.counts["deliveries with a backout count"] += 1
         for d in self.deliveries.values():
             # Delivery order: every backout of a get raises the message's backout count, so the count orders
-            # the deliveries of one message even when a reply arrives late (a slow link); then completion time.
-            d.sort(key=lambda x: (int(x.op.result.get("backout_count", 0) or 0), x.t1))
+            # the deliveries of one message even when a reply arrives late (a slow link). Two deliveries with one
+            # count mean that a take was erased without a backout: a CF lost before its GET reached a log the
+            # restore read. The erased take came first, so the get asked first comes first: by completion time,
+            # a reply held up across the loss and the restore (cf-kill-twice holds an SQM there) made the
+            # committed get after it look undone and the aborted one look done.
+            d.sort(key=lambda x: (int(x.op.result.get("backout_count", 0) or 0), x.op.t0))
         for u in self.uows.values():
             self._known_outcome(u, resolves)
 
@@ -233,7 +249,8 @@ class Checker:
     # --- inference and the rules ---------------------------------------------------------------------------------
     def _decisive(self, m: str) -> bool:
         p = self.puts.get(m)
-        return p is not None and bool(p.args.get("persistent")) and not p.args.get("expiry_ms")
+        return (p is not None and bool(p.args.get("persistent")) and not p.args.get("expiry_ms")
+                and m not in self.purged)
 
     def _effects(self, u: Uow) -> tuple[list[str], list[str]]:
         """(messages whose effect is visible / taken, messages whose effect is not), decisive ones only."""
@@ -270,7 +287,8 @@ class Checker:
                 self.counts["unknown outcomes resolved: undetermined"] += 1
 
     def check_messages(self) -> None:
-        cf_losses = [f for f in self.faults if f.get("kind") in CF_LOSS_KINDS]
+        cf_losses = [f for f in self.faults if f.get("kind") in CF_LOSS_KINDS and f["phase"] == "inject"
+                     or f.get("kind") not in CF_LOSS_KINDS and str(f["phase"]).startswith(CF_KILLED)]
         for m, ds in sorted(self.deliveries.items()):
             put = self.puts.get(m)
             if put is None:
@@ -289,12 +307,15 @@ class Checker:
             expiry = int(put.args.get("expiry_ms") or 0)
             put_done = put.t1 if put.t1 is not None else put.t0
             for d in ds:
+                if m in self.purged and d.op.t0 > self.purged[m]:
+                    self.find("purge-undone", [m], f"purged at t={self.purged[m]}, delivered by op {d.op.id} "
+                                                   f"({d.op.client}) begun at t={d.op.t0}", d.uow)
                 if expiry and d.op.t0 > put_done + expiry / 1000 + EXPIRY_SLACK_S:
                     self.find("expired", [m], f"expiry {expiry} ms, put done at t={put_done}, delivered by "
                                               f"op {d.op.id} begun at t={d.op.t0}", d.uow)
                 if not put.args.get("persistent"):
                     for f in cf_losses:
-                        if f["phase"] == "inject" and put_done < f["t"] < d.op.t0 and self._cf_back(f) < d.op.t0:
+                        if put_done < f["t"] < d.op.t0 and self._cf_back(f) < d.op.t0:
                             self.find("resurrected", [m], f"non-persistent, put at t={put_done}, CF lost at "
                                                           f"t={f['t']}, delivered by op {d.op.id} at t={d.op.t0}")
         unknown_drains = sum(1 for o in self.ops if o.op == "drain" and o.outcome == "unknown")
@@ -302,6 +323,9 @@ class Checker:
             if self.deliveries.get(m):
                 continue
             u = self.uows[self.put_uow[m]]
+            if m in self.purged:
+                self.counts["purged (allowed)"] += 1
+                continue
             if not put.args.get("persistent"):
                 if u.outcome == COMMITTED:
                     self.counts["non-persistent lost (allowed)"] += 1

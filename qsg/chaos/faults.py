@@ -32,6 +32,13 @@
 | big-messages          | an SQM restarted with frames smaller than its queues hold; an in-process member puts |
 |                       | at and over the queue's limit; puts, gets and browses through that SQM and through a |
 |                       | client accepting small frames must refuse cleanly and take nothing; then restored   |
+| cf-kill-twice         | an SQM held (SIGSTOP) across a cf-kill, live work, and cf-kill again before any new |
+|                       | backup (the scheduler is held): the second restore must start at the first one's   |
+|                       | restore point, whatever the held SQM forced after the first restore                 |
+| purge-then-cf-kill    | APP1 is failed and purged (the purged messages go in the history), live work, then |
+|                       | cf-kill before any new backup: no purged message may come back                      |
+| member-own-log-root   | one more ``sqm run`` with a log root of its own: it must refuse to join (exit 2);   |
+|                       | if it joins, two committed puts go through it, then cf-kill (restore cannot see them)|
 
 After a fault heals, an SQM that exited (fenced) or no longer serves (its log failed) is restarted, as an
 operator would; the report says so. Every CF loss records each queue's get order on the live CF just before the
@@ -43,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import math
 import random
 import signal
@@ -53,6 +61,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -71,20 +80,21 @@ from qsg.chaos.history import History
 from qsg.chaos.workload import PutSpec, Runner, make_body, parse_body
 from restore.engine import LOAD, READ_BACKUP, Progress, no_progress
 from restore.result import RestoreResult
-from restore.run import RestoreError, RestoreStoppedError, run_restore
+from restore.run import RestoreError, RestoreStoppedError, run_purge, run_restore
 from sqm.clock import now_ms
 from sqm.failpoints import ENV_VAR as FAILPOINTS_ENV
 from sqm.manager import QueueManager, QueueManagerConfig
 from sqm.service.client import Client, handshake
 from sqm.service.protocol import ENVELOPE, PRE_HELLO_MAX_FRAME, encode_frame
-from sqm.service.server import EXIT_FENCED
+from sqm.service.server import EXIT_CONFIG, EXIT_FENCED
 
 SHORT_KINDS = ("sqm-kill", "cf-kill", "cf-link-cut", "client-link-halfopen")
 # Rough seconds each kind takes from injection to full service, to space the schedule.
 COST_S = {"sqm-kill": 7.0, "sqm-pause": 8.0, "cf-kill": 6.0, "cf-kill-during-restore": 8.0,
           "during-backup": 12.0, "disk-full": 8.0, "clock-skew": 6.0, "peer-clock-skew": 32.0, "backup": 3.0,
           "client-leaves-waiting-get": 9.0, "big-messages": 12.0,
-          "cf-kill-during-load-restart": 8.0, "restore-race": 8.0}
+          "cf-kill-during-load-restart": 8.0, "restore-race": 8.0, "cf-kill-twice": 14.0,
+          "purge-then-cf-kill": 10.0, "member-own-log-root": 6.0}
 ORDER_LIMIT = 100_000  # messages per queue an order snapshot reads
 IDLE_SETTLE_S = 7.0  # peer-clock-skew: longer than the coordinator's longest park before a resolve (6 s)
 
@@ -169,6 +179,9 @@ def schedule(seed: int, kinds: tuple[str, ...], duration: float, managers: list[
             hold = rnd.choice((1.0, 2.0, 3.0))  # the first restore held, while the second runs and clients work
             params["structure"] = rnd.choice(sorted(STRUCTURES))
             params["where"] = rnd.choice(("plan", "load"))
+        elif kind in ("cf-kill-twice", "purge-then-cf-kill"):
+            hold = rnd.choice((0.3, 1.0))
+            params["live_s"] = rnd.choice((1.0, 2.5, 4.0))  # live work before the (second) loss
         out.append(FaultSpec(len(out) + 1, round(t, 2), kind, target, hold, params))
         t += hold + COST_S.get(kind, 4.0) + rnd.uniform(1.0, 3.0)
         i += 1
@@ -795,6 +808,121 @@ def peer_clock_skew(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
     return out
 
 
+def _live_work(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
+    """Full service (an SQM that exited, fenced, or stopped serving after the loss is restarted, as an operator
+    would), then the workload goes on for the fault's live_s: the work the next loss must keep."""
+    restarted = {name: out for name in g.names if (out := after_heal(g, name, step))}
+    if g.wait_service(timeout=60.0) is None:
+        raise FaultError("no full service within 60s of the restore")
+    step("full service: live work")
+    time.sleep(float(f.params.get("live_s", 2.0)))
+    return restarted
+
+
+def cf_kill_twice(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
+    """Issue 10, hole 1: a get appended (not forced) before the first loss reaches the disk after the first
+    restore; a second loss before any new backup must not fold it in again. The target SQM is held (SIGSTOP)
+    from just before the first loss until that restore is done, so that what it had appended but not forced
+    reaches its log only afterwards, at its next force (a busy member forces too often for that to happen by
+    chance). It holds no lease meanwhile that a peer could see lapse: the new CF does not know it yet."""
+    ensure_backups(g)
+    g.pause_backups()
+    step("backup scheduler held")
+    try:
+        g.stop(f.target)
+        step(f"{f.target} held (SIGSTOP) across the first loss")
+        try:
+            out: dict[str, Any] = {"first": _cf_loss(g, f, step)}
+        finally:
+            g.cont(f.target)
+            step(f"{f.target} resumed: its unforced records reach its log after the restore")
+        # A CF call it had in flight carries its old epoch into the new CF, where it has re-joined meanwhile:
+        # refused as fenced, it exits (code 3), as an operator would see it; _live_work restarts it then.
+        out["restarted"] = _live_work(g, f, step)
+        out["second"] = _cf_loss(g, f, step)
+    finally:
+        g.resume_backups()
+        step("backup scheduler resumed")
+    out["restore_s"] = round(out["first"]["restore_s"] + out["second"]["restore_s"], 3)
+    return out
+
+
+def purged_messages(client: Any, structure: str) -> list[str]:
+    """The chaos message ids of every entry the structure holds (the messages a purge now discards)."""
+    ids = [keys.text(i) for i in client.hkeys(keys.entries(structure))]
+    found = (parse_body(data)[0] for _, _, data in bulk.fetch(client, structure, ids) if data is not None)
+    return sorted(m for m in found if m)
+
+
+def purge_then_cf_kill(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
+    """Issue 10, hole 8: RECOVER CFSTRUCT TYPE(PURGE) of APP1, live work, then a CF loss before any new backup:
+    the restore must start at the purge, not at the backup before it. The purged messages are named in the
+    history (the fault's "purged" step), so that the checker can tell a purged message from a lost one."""
+    ensure_backups(g)
+    g.pause_backups()
+    step("backup scheduler held")
+    try:
+        client = g.cf()
+        try:
+            Admin(client).set_state("APP1", "FAILED")  # from here on nothing changes what the purge discards
+            discarded = purged_messages(client, "APP1")
+            result = run_purge(client, "APP1", backup_root=g.c.backup_dir, log_root=g.c.log_root)
+        finally:
+            client.close()
+        step("purged", structure="APP1", msgs=discarded, restore_point=result.restore_point)
+        out: dict[str, Any] = {"purged": len(discarded), "restarted": _live_work(g, f, step)}
+        out.update(_cf_loss(g, f, step))
+    finally:
+        g.resume_backups()
+        step("backup scheduler resumed")
+    return out
+
+
+def member_own_log_root(g: ChaosGroup, f: FaultSpec, step: Step, timeout: float = 45.0) -> dict[str, Any]:
+    """Issue 10, hole 6: an operator starts a member with a log root of its own. It must refuse to join (exit 2):
+    peer recovery, backup and restore read only the group's log root. Should it join, two persistent puts are
+    committed through it, as a client of the history, and the CF is lost: the checker then finds them lost."""
+    name = f"QM{len(g.names) + 1}"
+    elsewhere = g.dir / f"elsewhere-{f.n}"
+    ready = g.dir / "run" / f"{name}.ready"
+    proc = g.start_stray_member(name, elsewhere, ready)
+    step(f"{name} started with its own log root {elsewhere}")
+    deadline = time.monotonic() + timeout
+    try:
+        while proc.poll() is None and not ready.exists():
+            if time.monotonic() > deadline:
+                raise FaultError(f"{name} neither refused nor joined within {timeout:g}s")
+            time.sleep(0.1)
+        if proc.returncode is not None:
+            step(f"{name} refused to join: exit code {proc.returncode}")
+            if proc.returncode != EXIT_CONFIG:
+                raise FaultError(f"{name} exited with {proc.returncode}, not the configuration error "
+                                 f"{EXIT_CONFIG}; see run/{name}.log")
+            return {"refused": True, "exit_code": proc.returncode}
+        step(f"{name} joined the group with its own log root")
+        _commit_through(g, name, ready, f.n)
+        proc.terminate()
+        proc.wait(timeout=30)
+        step(f"{name} stopped")
+        return {"refused": False, **_cf_loss(g, f, step)}
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _commit_through(g: ChaosGroup, name: str, ready: Path, n: int) -> None:
+    """Two persistent puts in one UOW through the stray member, recorded in the history as client "stray-<n>"."""
+    if g.history is None:
+        raise FaultError("the fault needs the run's history")
+    port = int(json.loads(ready.read_text())["port"])
+    with Client([(g.c.host, port)], token=g.c.token, client_name=f"stray-{n}") as c:
+        runner = Runner(g.history, c, f"stray-{n}", f"stray-{n}.1", coordinator=None)
+        for i in range(2):
+            runner.put(PutSpec(f"stray-{n}-{i}", "Q1", 0, True, 0, 64), syncpoint=True)
+        runner.end(commit=True)
+
+
 FAULTS: dict[str, Callable[[ChaosGroup, FaultSpec, Step], dict[str, Any]]] = {
     "sqm-kill": sqm_kill, "sqm-pause": sqm_pause, "cf-kill": cf_kill,
     "cf-kill-during-restore": cf_kill_during_restore, "during-backup": during_backup,
@@ -804,6 +932,7 @@ FAULTS: dict[str, Callable[[ChaosGroup, FaultSpec, Step], dict[str, Any]]] = {
     "disk-full": disk_full, "clock-skew": clock_skew, "peer-clock-skew": peer_clock_skew, "backup": backup,
     "client-leaves-waiting-get": client_leaves_waiting_get, "big-messages": big_messages,
     "cf-kill-during-load-restart": cf_kill_during_load_restart, "restore-race": restore_race,
+    "cf-kill-twice": cf_kill_twice, "purge-then-cf-kill": purge_then_cf_kill, "member-own-log-root": member_own_log_root,
 }
 KINDS = tuple(FAULTS)  # a new kind is one function, one FAULTS row and one line in the table above
 

@@ -89,6 +89,9 @@ def heal(group: ChaosGroup, history: History) -> list[str]:
         return 0.0
 
     group.heal_network()
+    if group.backups_paused is not None:
+        group.resume_backups()
+        step("backup scheduler resumed")
     if group.disk is not None:
         group.disk.free()
     for name in list(group.stopped):
@@ -188,6 +191,7 @@ def run_chaos(opts: ChaosOptions, console: Console | None = None,
     if specs is None:
         specs = schedule(opts.seed, opts.kinds, opts.duration, [f"QM{i}" for i in range(1, opts.managers + 1)],
                          lease_ms=opts.lease_ms)
+    group.history = history
     records: list[FaultRecord] = []
     phases: dict[str, float] = {}
     extra: dict[str, Any] = {}

@@ -45,8 +45,10 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from cfemu import repository
 from cfemu.admin import AdminError
 from cfemu.errors import BadRequestError, FencedError, MQError, StructureFailedError, TruncatedMessageError
+from cfemu.repository import RepositoryError
 from sqm.connection import Connection
 from sqm.log import LogLockedError
 from sqm.manager import CF_DOWN, QueueManager, QueueManagerConfig
@@ -887,17 +889,20 @@ class SQMServer:
         kind = arg(args, "define", "kind", str)
         name = arg(args, "define", "name", str)
         replace = arg(args, "define", "replace", bool, False)
-        admin = self.qm.admin
-        if kind == "structure":
-            sdef = admin.define_structure(name, max_entries=arg(args, "define", "max_entries", int, 0),
-                                          max_bytes=arg(args, "define", "max_bytes", int, 0), replace=replace)
+        admin, repo = self.qm.admin, self.qm.repository
+        if repo is None:
+            raise BadRequestError(f"queue manager {self.qm.name} is not running")
+        if kind == "structure":  # in the CF and, durably, in the group repository (cfemu.repository)
+            sdef = repository.define_structure(admin, repo, name,
+                                               max_entries=arg(args, "define", "max_entries", int, 0),
+                                               max_bytes=arg(args, "define", "max_bytes", int, 0), replace=replace)
             return vars(sdef)
         if kind == "queue":
-            qdef = admin.define_queue(name, arg(args, "define", "structure", str),
-                                      backout_threshold=arg(args, "define", "backout_threshold", int, 0),
-                                      backout_queue=arg(args, "define", "backout_queue", str, ""),
-                                      max_msg_length=arg(args, "define", "max_msg_length", int, 4 * 2**20),
-                                      replace=replace)
+            qdef = repository.define_queue(admin, repo, name, arg(args, "define", "structure", str),
+                                           backout_threshold=arg(args, "define", "backout_threshold", int, 0),
+                                           backout_queue=arg(args, "define", "backout_queue", str, ""),
+                                           max_msg_length=arg(args, "define", "max_msg_length", int, 4 * 2**20),
+                                           replace=replace)
             self.qm.forget_queue_def(name)
             return vars(qdef)
         raise BadRequestError(f"define: kind must be 'structure' or 'queue', not {kind!r}")
@@ -958,6 +963,9 @@ def serve(config: ServerConfig) -> int:
     except LogLockedError as e:
         log.error("%s: its log is in use by another process (is %s already running?): %s", config.name,
                   config.name, e)
+        return EXIT_CONFIG
+    except RepositoryError as e:  # a log root that is not the group's: a configuration error
+        log.error("%s", e)
         return EXIT_CONFIG
     except OSError as e:  # e.g. the port is taken
         log.error("%s: %s", config.name, e)

@@ -106,6 +106,7 @@ def test_compose_topology(compose: dict[str, Any]) -> None:
         assert {"logs", "backups"} <= set(volumes_of(s))
     assert worker["build"]["target"] == tools["build"]["target"] == "spark"
 
+    assert "logs" in volumes_of(services["define"])  # definitions go to the group repository on the log volume
     for line in services["define"]["command"][2].split("&&"):
         words = line.strip().strip("()").replace("|| true", "").split()
         assert words[0] == "cfemu"

@@ -139,6 +139,14 @@ class Raw:
         self.sock.close()
 
 
+@pytest.fixture
+def redis_url(fresh_redis: Any) -> str:
+    """A CF of the test's own. The module's server is a member of another group (its log root elsewhere) and
+    re-joins whatever CF it is connected to, claiming it for its group's log root: a shared CF flushed under it
+    would refuse a member started here with another log root (one log root per group: cfemu.repository)."""
+    return str(fresh_redis.url)
+
+
 @pytest.fixture(scope="module")
 def server(redis_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
     """One token-protected server for the module (the CF is flushed once, here)."""
@@ -310,6 +318,10 @@ def test_health_readiness_and_metrics(server: ServerProc) -> None:
                  "sqm_requests_total", "sqm_connections"):
         assert name in text
     assert http_get(server.metrics_port, "/nope")[0] == 404
+    with client(server) as a:  # the module's server and queues are shared: leave Q2 as it was found
+        a.get("Q2")
+        a.get("Q2")
+        a.commit()
 
 
 def test_backup_age_metric_follows_the_catalog(redis_url: str, tmp_path: Path) -> None:

@@ -387,3 +387,92 @@ def test_overlapping_restores_of_which_one_refused_are_clean() -> None:
     restore_ended(h, 3, structure="APP2")
     restore_ended(h, 4)
     assert check(h.events).ok
+
+
+def test_a_get_whose_reply_outlived_a_cf_loss_comes_first_by_when_it_was_asked() -> None:
+    """cf-kill-twice (seed 4): c2's get took m4 from the CF just before it was lost; its SQM, held, replied after
+    the restore, which had brought m4 back (the take's GET never reached a log it read), and after c1 had got m4
+    and committed. Both deliveries have backout count 0; by reply time c1's committed get looked undone and c2's
+    backed-out one done: two false atomicity findings."""
+    h = clean_base()
+    h.put("p", "p.2", "m4")
+    h.commit("p", "p.2")
+    h.n += 1
+    late = h.n
+    h.t += 0.01
+    h.events.append({"type": "invoke", "id": late, "t": round(h.t, 4), "client": "c2", "op": "get", "uow": "c2.1",
+                     "queue": "Q1"})
+    h.fault(1, "cf-kill-twice", "inject")
+    h.fault(1, "cf-kill-twice", "CF killed")
+    h.get("c1", "c1.1", "m4")
+    h.commit("c1", "c1.1")
+    h.t += 0.01
+    h.events.append({"type": "ok", "id": late, "t": round(h.t, 4), "msg": "m4", "crc_ok": True, "queue": "Q1",
+                     "priority": 0, "backout_count": 0})
+    h.op("c2", "commit", "fail", {"reason": "MQRC_BACKED_OUT", "backed_out": True}, uow="c2.1")
+    h.fault(1, "cf-kill-twice", "recovered")
+    r = check(h.events)
+    assert r.ok, r.findings
+
+
+def purge_of(h: Hist, *msgs: str) -> None:
+    """What purge-then-cf-kill writes: the purge names the messages it discarded, then the CF is lost."""
+    h.fault(1, "purge-then-cf-kill", "inject")
+    h.fault(1, "purge-then-cf-kill", "purged", structure="APP1", msgs=list(msgs))
+    h.fault(1, "purge-then-cf-kill", "CF killed")
+    h.fault(1, "purge-then-cf-kill", "recovered")
+
+
+def test_purge_undone_a_purged_message_delivered_after_the_purge() -> None:
+    h = clean_base()
+    h.put("p", "p.2", "m4")
+    h.put("p", "p.2", "m5")
+    h.commit("p", "p.2")
+    purge_of(h, "m4", "m5")
+    h.drain("m4")  # a restore that crossed the purge brought it back
+    only(h.findings(), "purge-undone")
+    assert check(h.events).of("purge-undone")[0].msgs == ["m4"]
+
+
+def test_purged_messages_are_neither_lost_nor_evidence_about_their_uow() -> None:
+    h = clean_base()
+    h.put("p", "p.2", "m4")  # committed, then discarded by the purge: allowed
+    h.put("p", "p.2", "m5", queue="Q3")  # its UOW's put on the other structure survives
+    h.commit("p", "p.2")
+    purge_of(h, "m4")
+    h.drain("m5", "Q3")
+    r = check(h.events)
+    assert r.ok, r.summary()
+    assert r.counts["purged (allowed)"] == 1
+
+
+def test_a_stray_members_committed_puts_lost_with_the_cf_are_lost() -> None:
+    """member-own-log-root, if the member joined: its puts are in the history as a client's; a restore that
+    cannot read its log loses them, and the lost rule sees it."""
+    h = clean_base()
+    h.fault(1, "member-own-log-root", "inject")
+    h.put("stray-1", "stray-1.1", "stray-1-0")
+    h.put("stray-1", "stray-1.1", "stray-1-1")
+    h.commit("stray-1", "stray-1.1")
+    h.fault(1, "member-own-log-root", "CF killed")
+    h.fault(1, "member-own-log-root", "recovered")
+    only(h.findings(), "lost", 2)
+
+
+def test_a_refused_stray_member_is_no_cf_loss_but_a_cf_killed_step_is() -> None:
+    """member-own-log-root loses the CF only when the stray member got in (its "CF killed" step): a refusal
+    alone must not make the non-persistent messages delivered after it count as resurrected."""
+    h = Hist()
+    h.put("p", None, "np1", persistent=False)
+    h.fault(1, "member-own-log-root", "inject")
+    h.fault(1, "member-own-log-root", "QM4 refused to join: exit code 2")
+    h.fault(1, "member-own-log-root", "recovered")
+    h.drain("np1")
+    assert h.findings()["resurrected"] == 0
+    h = Hist()
+    h.put("p", None, "np1", persistent=False)
+    h.fault(1, "member-own-log-root", "inject")
+    h.fault(1, "member-own-log-root", "CF killed")
+    h.fault(1, "member-own-log-root", "recovered")
+    h.drain("np1")
+    only(h.findings(), "resurrected")
