@@ -15,6 +15,7 @@ from cfemu import keys, repository
 from cfemu.admin import Admin, StructureDef
 from cfemu.connection import connect
 from cfemu.repository import GroupRepository, RepositoryError, open_group_repository
+from tests.support.harness import lose_cf
 
 
 def test_definitions_and_members_are_recorded_owner_only_and_atomically(tmp_path: Path) -> None:
@@ -72,7 +73,7 @@ def test_the_cf_records_the_groups_repository_and_refuses_another_log_root(redis
 def test_a_lost_cf_learns_the_repository_again_from_the_first_member(redis_url: str, tmp_path: Path) -> None:
     client = connect(redis_url)
     first = open_group_repository(Admin(client), tmp_path / "logs", who="QM1").id
-    client.flushall()
+    lose_cf(client)
     assert open_group_repository(Admin(client), tmp_path / "logs", who="QM1").id == first
     assert Admin(client).repository() is not None
 
@@ -88,7 +89,7 @@ def test_a_structure_starts_its_clock_at_its_definition_and_is_never_defined_aga
     assert known is not None
     assert int(client.hget(keys.meta("APP1"), "clock") or 0) == known[1] > 0
     assert [q.name for q in repo.queues("APP1")] == ["Q1"] and repo.queues("APP1")[0].backout_threshold == 2
-    client.flushall()  # the CF is lost
+    lose_cf(client)  # the CF is lost
     with pytest.raises(RepositoryError, match="restore it with 'cfrestore run APP1'"):
         repository.define_structure(admin, repo, "APP1")
     assert admin.structures() == []

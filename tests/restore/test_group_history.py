@@ -27,6 +27,7 @@ from sqm.log import LogReader
 from sqm.manager import QueueManager
 from tests.restore.test_restore import drain, rejoin
 from tests.support.group import define_group, start_qm
+from tests.support.harness import lose_cf as flush_cf
 
 S = "APP1"
 
@@ -52,7 +53,7 @@ def settings_env(url: str, logs: Path, backups: Path) -> dict[str, str]:
 
 def lose_cf(client: redis.Redis, qms: list[QueueManager]) -> None:
     """The CF is lost (and comes back empty); the members stay up and re-join when it is back."""
-    client.flushall()
+    flush_cf(client)
 
 
 def back(qms: list[QueueManager]) -> None:
@@ -242,7 +243,7 @@ def test_hole7_a_queue_defined_after_the_last_backup_is_defined_again_by_restore
     run_backup(client, S, backups, log_root=logs)
     ok("qsg.cli", "define", "queue", "Q3", "--structure", S, env=env)
     ok("qsg.cli", "put", "Q3", "on Q3", env=env)
-    client.flushall()
+    flush_cf(client)
     run_restore(client, S, backup_root=backups, log_root=logs)
     got = json.loads(ok("qsg.cli", "get", "Q3", "--json", env=env))
     assert [m["body"] for m in got["messages"]] == ["on Q3"]
@@ -256,7 +257,7 @@ def test_hole7_a_structure_never_backed_up_is_restored_from_its_definition_and_t
     ok("qsg.cli", "define", "structure", "APP2", env=env)
     ok("qsg.cli", "define", "queue", "Q5", "--structure", "APP2", env=env)
     ok("qsg.cli", "put", "Q5", "never backed up", env=env)
-    client.flushall()
+    flush_cf(client)
     out = json.loads(ok("restore.cli", "run", "APP2", "--json", env=env))
     assert out["base_kind"] == "definition" and out["loaded_entries"] == 1
     got = json.loads(ok("qsg.cli", "get", "Q5", "--json", env=env))
@@ -270,7 +271,7 @@ def test_hole7_status_shows_the_last_backup_after_a_restore(
     env, logs, backups = cli_group
     client = connect(redis_url)
     run_backup(client, S, backups, log_root=logs)
-    client.flushall()
+    flush_cf(client)
     run_restore(client, S, backup_root=backups, log_root=logs)
     (app1,) = json.loads(ok("qsg.cli", "status", "--json", env=env))["structures"]
     assert app1["last_backup"] is not None and app1["last_backup_age_s"] is not None
@@ -282,7 +283,7 @@ def test_defining_again_a_structure_the_cf_lost_is_refused(
         redis_url: str, cli_group: tuple[dict[str, str], Path, Path]) -> None:
     """Defining APP1 again, empty, over its history would hide its committed messages: restore it instead."""
     env, _, _ = cli_group
-    connect(redis_url).flushall()
+    flush_cf(connect(redis_url))
     r = tool("qsg.cli", "define", "structure", S, env=env)
     assert r.returncode == 2 and "restore it with 'cfrestore run APP1'" in r.stderr
     assert Admin(connect(redis_url)).structures() == []
@@ -300,7 +301,7 @@ def test_hole6_sqm_run_with_a_log_root_that_is_not_the_groups_is_refused(redis_u
         ready = tmp_path / "QM3.ready"
         proc = subprocess.Popen(
             [sys.executable, "-m", "sqm.cli", "run", "--name", "QM3", "--log-root", str(elsewhere), "--redis-url",
-             redis_url, "--port", str(free_port("127.0.0.1")), "--ready-file", str(ready)],
+             redis_url, "--port", str(free_port("127.0.0.1")), "--ready-file", str(ready), "--no-auth"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         try:
             deadline = time.monotonic() + 60
@@ -339,7 +340,7 @@ def test_hole6_restore_refuses_while_a_member_the_group_knows_has_no_log_under_t
         (logs / "QM3").rename(tmp_path / "QM3-elsewhere")
         with pytest.raises(RestoreError, match=r"no log for member QM3 under .*bring it back"):
             run_restore(client, S, backup_root=backups, log_root=logs, dry_run=True)
-        client.flushall()  # the CF is lost: only the group repository knows QM3 now
+        flush_cf(client)  # the CF is lost: only the group repository knows QM3 now
         with pytest.raises(RestoreError, match=r"no log for member QM3 under .*bring it back"):
             run_restore(client, S, backup_root=backups, log_root=logs)
         (tmp_path / "QM3-elsewhere").rename(logs / "QM3")

@@ -202,7 +202,7 @@ def test_a_purge_while_a_restore_loads_stops_the_restore_at_its_next_batch(
 
     def progress(phase: str, done: int, total: int | None) -> None:
         if phase == LOAD and done >= 10_000 and not purged:
-            purged.append(run_purge(cf.client(), S))
+            purged.append(run_purge(cf.client(), S, backup_root=backups, log_root=logs))
 
     with pytest.raises(RestoreError) as stopped:
         run_restore(client, S, backup_root=backups, log_root=logs, progress=progress)
