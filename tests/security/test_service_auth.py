@@ -31,6 +31,7 @@ from sqm.service.client import Client
 from sqm.service.protocol import HEADER, NotAuthorizedError, encode_frame, recv_frame
 from tests.sqm.test_service import Raw, ServerProc, http_get, start_server
 from tests.support.group import define_group
+from tests.support.harness import lose_cf
 
 BIN = Path(sys.executable).parent
 NO_TOKENS = {"SQM_TOKEN": "", "SQM_OPERATOR_TOKEN": ""}  # start_server's test tokens off: the secrets decide
@@ -55,6 +56,7 @@ def group(redis_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     """A server that found its tokens in the group's secrets directory, and those tokens."""
     tmp = tmp_path_factory.mktemp("auth")
     tokens = secrets_init(tmp / "secrets")
+    lose_cf(redis_server.client())  # a group of its own: the CF may still name another module's group
     define_group(redis_server.url, queues=("Q1", "Q2"))
     srv = start_server(redis_server.url, tmp, "QMA", env={**NO_TOKENS, "CFEMU_SECRETS_DIR": str(tmp / "secrets")})
     yield srv, tokens

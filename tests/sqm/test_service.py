@@ -148,7 +148,13 @@ def redis_url(fresh_redis: Any) -> str:
 
 
 @pytest.fixture(scope="module")
-def server(redis_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
+def group_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The module's group: its servers share one log root (the group repository under it), as a group's do."""
+    return tmp_path_factory.mktemp("group")
+
+
+@pytest.fixture(scope="module")
+def server(redis_server: Any, group_dir: Path) -> Iterator[ServerProc]:
     """One token-protected server for the module (the CF is flushed once, here)."""
     client = redis_server.client()
     lose_cf(client)
@@ -156,7 +162,7 @@ def server(redis_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Itera
     define_group(redis_server.url, queues=("Q1", "Q2"))
     admin = Admin(connect(redis_server.url))
     admin.define_queue("SMALL", "APP1", max_msg_length=1024)
-    srv = start_server(redis_server.url, tmp_path_factory.mktemp("srv"), "QM1", "--token", TOKEN, "--max-frame",
+    srv = start_server(redis_server.url, group_dir, "QM1", "--token", TOKEN, "--max-frame",
                        str(MAX_FRAME))
     yield srv
     assert srv.stop() == 0, srv.log_text()
@@ -441,21 +447,22 @@ BIGQ = "BIGQ"  # on APP1, max_msg_length 1 MiB: more than the 64 KiB frames of t
 
 
 @pytest.fixture(scope="module")
-def wide(redis_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
-    """A token-protected server with the default frame limit (it carries any message a queue can hold)."""
+def wide(redis_server: Any, server: ServerProc, group_dir: Path) -> Iterator[ServerProc]:
+    """A token-protected server with the default frame limit (it carries any message a queue can hold), in the
+    module's group beside `server`."""
     define_group(redis_server.url, queues=("Q1", "Q2"))
-    srv = start_server(redis_server.url, tmp_path_factory.mktemp("wide"), "QM2", "--token", TOKEN)
+    srv = start_server(redis_server.url, group_dir, "QM2", "--token", TOKEN)
     yield srv
     assert srv.stop() == 0, srv.log_text()
 
 
 @pytest.fixture
-def member(redis_server: Any, tmp_path: Path) -> Iterator[QueueManager]:
+def member(redis_server: Any, server: ServerProc) -> Iterator[QueueManager]:
     """An in-process member of the group (it puts what the service may not carry), and BIGQ defined."""
     admin = Admin(define_group(redis_server.url, queues=("Q1", "Q2")))
     with contextlib.suppress(AdminError):
         admin.define_queue(BIGQ, "APP1", max_msg_length=2**20)
-    qm = start_qm(redis_server.url, tmp_path / "logs", "QM6")
+    qm = start_qm(redis_server.url, server.log_root, "QM6")  # in the module's group: its log root
     yield qm
     drain(qm.connect(), BIGQ)
     qm.stop()
@@ -481,7 +488,8 @@ def test_a_queue_cannot_hold_more_than_the_group_carries(server: ServerProc, red
     with operator(server) as c, pytest.raises(BadRequestError, match="1-104857600 bytes"):
         c.define_queue("HUGE", "APP1", max_msg_length=209715200)
     r = subprocess.run([sys.executable, "-m", "qsg.cli", "define", "queue", "HUGE", "--structure", "APP1",
-                        "--max-msg-length", "209715200", "--redis-url", redis_server.url],
+                        "--max-msg-length", "209715200", "--redis-url", redis_server.url, "--log-root",
+                        str(server.log_root)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "1-104857600 bytes" in r.stderr, r.stderr
     assert "HUGE" not in [q.name for q in admin.queues()]
@@ -494,7 +502,7 @@ def test_a_message_as_long_as_a_queue_may_hold_goes_through_the_service(wide: Se
     a browse, a get outside syncpoint and a syncpoint get through the service deliver them whole."""
     Admin(define_group(redis_server.url, queues=("Q1", "Q2"))).define_queue("LARGEST", "APP1",
                                                                             max_msg_length=MAX_MSG_LENGTH)
-    qm = start_qm(redis_server.url, tmp_path / "logs", "QM5")
+    qm = start_qm(redis_server.url, wide.log_root, "QM5")  # in the module's group: its log root
     try:
         bodies = [bytes([i]) * MAX_MSG_LENGTH for i in (1, 2)]
         conn = qm.connect()
