@@ -85,7 +85,7 @@ class LogDisk:
 
     def mount(self) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={self.size}", "tmpfs", str(self.path)], check=True,
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={self.size},mode=700", "tmpfs", str(self.path)], check=True,
                        capture_output=True, timeout=10)
         self.mounted = True
 
