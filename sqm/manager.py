@@ -73,6 +73,14 @@ class QueueManagerConfig:
     cf_pool_timeout_s: float = 30.0
 
 
+def reply_lost(e: BaseException) -> bool:
+    """Did a CF call fail after its request was sent (the reply was lost: a reset or a timeout while reading)?
+    Then the script may have run: its effect is unknown, not absent. A refused or failed connect sent nothing."""
+    if isinstance(e, redis.exceptions.TimeoutError):
+        return "connect" not in str(e).lower()
+    return "while reading" in str(e) or "reading from" in str(e)
+
+
 class QueueManager:
     """One SQM. Start it, connect() handles to it, stop() it. See sqm.recovery for restart and peer recovery."""
 
@@ -262,7 +270,9 @@ class QueueManager:
             self.fenced = True
             raise
         except CF_DOWN as e:
-            raise StructureFailedError(f"the CF is unavailable: {e}") from None
+            failed = StructureFailedError(f"the CF is unavailable: {e}")
+            failed.maybe_applied = reply_lost(e)
+            raise failed from None
         except PoolExhaustedError as e:
             raise ResourceProblemError(f"queue manager {self.name}: {e}; raise --cf-connections") from None
 
