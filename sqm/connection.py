@@ -212,13 +212,16 @@ class Connection(UnitOfWorkScope):
         return Message.from_entry(entry, data)
 
     def _uow_cf_call(self, uow: UnitOfWork, sname: str, fn: Callable[[], Any]) -> Any:
-        """A CF call that works under ``uow`` on structure ``sname``. When it fails, the member cannot know what it
-        did there (a reply lost on a cut link means the script may have run after the member stopped waiting): the
-        structure joins the UOW, so that its backout reaches it, and the UOW can only be backed out. A UOW that
-        forgot such a call left its entry locked for good (B7, CHAOS-RESULTS.md)."""
+        """A CF call that works under ``uow`` on structure ``sname``. When the CF did not answer it, the member
+        cannot know what it did there (a reply lost on a cut link means the script may have run after the member
+        stopped waiting): the structure joins the UOW, so that its backout reaches it, and the UOW can only be
+        backed out. A UOW that forgot such a call left its entry locked for good (B7, CHAOS-RESULTS.md). A
+        structure that answered (FAILED, not in the CF) changed nothing: the UOW goes on."""
         try:
             return self.qm.cf_call(fn)
         except StructureFailedError as e:
+            if not e.no_answer:
+                raise
             uow.structures.setdefault(sname, 0)
             uow.doomed = uow.doomed or f"a CF call of it on {sname} failed ({e})"
             raise

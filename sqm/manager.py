@@ -79,7 +79,8 @@ def reply_lost(e: BaseException) -> bool:
     Then the script may have run: its effect is unknown, not absent. A refused or failed connect sent nothing."""
     if isinstance(e, redis.exceptions.TimeoutError):
         return "connect" not in str(e).lower()
-    return "while reading" in str(e) or "reading from" in str(e)
+    text = str(e)
+    return "while reading" in text or "reading from" in text or "closed by server" in text
 
 
 class QueueManager:
@@ -273,6 +274,7 @@ class QueueManager:
         except CF_DOWN as e:
             failed = StructureFailedError(f"the CF is unavailable: {e}")
             failed.maybe_applied = reply_lost(e)
+            failed.no_answer = True
             raise failed from None
         except PoolExhaustedError as e:
             raise ResourceProblemError(f"queue manager {self.name}: {e}; raise --cf-connections") from None
