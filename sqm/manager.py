@@ -262,6 +262,7 @@ class QueueManager:
     def cf_call(self, fn: Callable[[], Any]) -> Any:
         """Run a CF call; a fencing refusal marks this queue manager fenced; a dead CF is a failed structure; a
         structure rebuilt after a CF loss that does not know this member yet is joined, and the call retried."""
+        epoch = self.caller.epoch
         try:
             try:
                 return fn()
@@ -269,6 +270,11 @@ class QueueManager:
                 self.renew_membership()
                 return fn()
         except FencedError:
+            if self.caller.epoch != epoch and not self.fenced:
+                # The member re-joined a CF that came back empty (a higher epoch) while this call, built with the
+                # old one, was on its way: the stale epoch is its own, not a peer's fencing. FENCED is answered
+                # before a script changes anything, so the call is made again with the new epoch.
+                return self.cf_call(fn)
             self.fenced = True
             raise
         except CF_DOWN as e:
