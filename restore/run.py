@@ -37,6 +37,7 @@ empty restore point (kind "purge") before the structure is usable again (hole 8)
 
 from __future__ import annotations
 
+import json
 import time
 from collections import Counter
 from collections.abc import Iterator, Mapping
@@ -48,9 +49,9 @@ from typing import Any
 
 import redis
 
-from backup.catalog import OK, find_backup, list_backups
-from backup.files import Backup, read_backup
-from backup.points import DEFINITION, PURGE, RESTORE, kind_of, point_id, write_restore_point
+from backup.catalog import CORRUPT, OK, BackupInfo, find_backup, list_backups
+from backup.files import MANIFEST_NAME, Backup, read_backup
+from backup.points import DEFINITION, FUZZY, PURGE, RESTORE, kind_of, point_id, write_restore_point
 from backup.run import rebuild_catalog
 from cfemu import bulk, keys
 from cfemu.admin import Admin, AdminError, QueueDef, StructureDef
@@ -136,6 +137,7 @@ def open_backup(backup_root: Path, structure: str, backup_id: str | None, group:
         return read_backup(find_backup(backup_root, backup_id), structure=structure, group=group)
     backups = list_backups(backup_root, structure)
     good = next((b for b in backups if b.state == OK), None)
+    _refuse_to_cross_damaged_points(backups, good)
     if good is None:
         defined = _definition_base(repo, structure, group or "QSG1") if repo is not None and not backups else None
         if defined is not None:
@@ -146,6 +148,34 @@ def open_backup(backup_root: Path, structure: str, backup_id: str | None, group:
                            + ("" if backups or repo is None else f", and the group repository {repo.path} has no "
                                                                  f"definition of it"))
     return read_backup(good.path, structure=structure, group=group)
+
+
+def _refuse_to_cross_damaged_points(backups: list[BackupInfo], good: BackupInfo | None) -> None:
+    """A restore or purge point cuts the structure's history: a base older than it brings back what it purged or
+    consumed. A corrupt backup newer than the newest good one that is such a point (or whose kind cannot be read)
+    is not skipped without a word, as restore once did; an incomplete one never made its structure ACTIVE (a
+    restore writes its point before that), so an older base is right then."""
+    for b in backups:
+        # Not newer by the catalog's order alone: a damaged manifest has no LRSN to sort by, and ids are to the
+        # second, so one begun in the same second as the good one counts as newer.
+        if b.state != CORRUPT or (good is not None and b.started < good.started):
+            continue
+        kind = _readable_kind(b.path)
+        if kind == FUZZY:
+            continue
+        what = f"a {kind} point" if kind else "unreadable: it may be a restore or purge point"
+        raise RestoreError(f"backup {b.id} of {b.structure} is corrupt ({b.problem}) and {what}: a restore from an "
+                           f"older base would cross the restore or purge point (messages it consumed or purged "
+                           f"would come back). Repair or restore it from a copy; or, having checked, name the base "
+                           f"with --backup")
+
+
+def _readable_kind(path: Path) -> str:
+    """The kind a damaged backup's manifest still says ("" when it cannot be read)."""
+    try:
+        return kind_of(json.loads((path / MANIFEST_NAME).read_text()))
+    except (OSError, ValueError, AttributeError):
+        return ""
 
 
 def _logs_reach_back(log_dirs: list[Path], structure: str) -> None:
