@@ -280,6 +280,9 @@ class Connection(UnitOfWorkScope):
             raise BadRequestError("no unit of work to prepare")
         qm = self.qm
         qm.check_usable()
+        if uow.doomed:  # a coordinator's commit would apply work the application was told had failed
+            qm.complete(uow, False, reason="a CF call failed")
+            raise BackedOutError(f"unit of work {uow.id} was backed out, not prepared: {uow.doomed}")
         uow.persistent = True
         uow.xid = xid
         qm.append(records.prepare(uow.id, qm.clock.now(), uow.structures, xid=xid), uow=uow, state=INDOUBT)

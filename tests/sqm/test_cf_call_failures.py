@@ -104,6 +104,17 @@ def test_a_put_whose_reply_is_lost_cannot_be_committed_and_is_backed_out(qm: Que
         qm.connect().get("Q1")
 
 
+def test_a_unit_of_work_with_a_lost_reply_cannot_be_prepared(qm: QueueManager, redis_server: Any) -> None:
+    conn = qm.connect()
+    conn.put("Q1", b"first")
+    with reply_lost(redis_server), pytest.raises(StructureFailedError):
+        conn.put("Q1", b"maybe")
+    with pytest.raises(BackedOutError, match="not prepared"):
+        conn.prepare("xid-1")
+    assert held(redis_server) == {"UP": 0, "UG": 0, "EX": 0, "CP": 0}
+    assert not qm.indoubt()
+
+
 def test_a_put_alone_whose_reply_is_lost_is_released_when_the_client_leaves(qm: QueueManager, redis_server: Any) -> None:
     conn = qm.connect()
     with reply_lost(redis_server), pytest.raises(StructureFailedError):
