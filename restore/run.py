@@ -146,7 +146,7 @@ def logs_base(structure: str, member: str, relog: dict[str, Any], backup: Backup
     return DefinitionBase({
         **m, "id": f"{structure}-relog-{e}", "kind": LOGS, "structure": structure, "gen": int(relog["gen"]),
         "start_lrsn": w, "floor_lrsn": w, "replay_from": w, "end_lrsn": e, "entries": 0, "bytes": 0,
-        "nonpersistent_skipped": 0, "carried": list(relog.get("held", ())), "relog_member": member,
+        "nonpersistent_skipped": 0, "files": [], "carried": list(relog.get("held", ())), "relog_member": member,
         "relog_pass": dict(relog)}, Path(repo.path))
 
 
