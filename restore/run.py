@@ -355,9 +355,9 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
         found: Backup | DefinitionBase | None = open_backup(backup_root, structure, backup_id, group=group,
                                                             repo=repo)
     except RestoreError as e:
-        if backup_id is not None:
-            raise
-        found, no_backup = None, e  # the logs alone may do (choose_start), else this error stands
+        if backup_id is not None or not from_logs:
+            raise  # a damaged newest backup is said, not passed over, unless the logs alone are asked for
+        found, no_backup = None, e
     manifest = found.manifest if found is not None else {}
     members = known_members(repo, manifest, admin)
     log_dirs = member_log_dirs(log_root, members, int(manifest.get("replay_from", 0)))
