@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, TypeVar
@@ -80,6 +81,21 @@ class OutcomeReply(NamedTuple):
 class BackupBegun(NamedTuple):
     start: int  # the backup's start LRSN
     floor: int  # the recovery floor: restore replays the logs from here
+
+
+class RelogBegun(NamedTuple):
+    begin: int  # B: the pass's begin, the CF clock, and the recovery floor from now on
+    gen: int  # the structure's generation
+    cpl: dict[str, Any] | None  # the stored CPL {"g": gen, "p": [[begin, end], ...]} (None: no pass yet)
+    first: int  # the lowest first LRSN of the UOWs holding entries (begin when none)
+    carried: list[str]  # UOWs holding entries that started in an older generation
+
+
+class RelogBatch(NamedTuple):
+    clock: int
+    cursor: str  # "0" when the scan is done
+    scanned: int  # entries looked at
+    copies: list[tuple[Entry, bytes, dict[str, Any]]]  # (entry, data, the descriptor as stored) that qualify
 
 
 class Expired(NamedTuple):
@@ -178,6 +194,30 @@ class Structure:
 
     def backup_end(self, backup_id: str, caller_lrsn: int, ok: bool) -> int:
         return int(self._call("backup_end", None, [backup_id, caller_lrsn, "ok" if ok else "failed"]))
+
+    # --- relogging (docs/log-management.md) -----------------------------------------------------------------
+    def relog_begin(self, caller: Caller, *, now_ms: int, lease_ms: int) -> RelogBegun:
+        b, gen, cpl, first, carried = self._call("relog_begin", caller, [now_ms, lease_ms])
+        caller.clock.observe(int(b))
+        return RelogBegun(int(b), int(gen), json.loads(cpl) if cpl else None, int(first),
+                          [keys.text(u) for u in carried])
+
+    def relog_scan(self, caller: Caller, *, threshold: int, cursor: str = "0", count: int = 500) -> RelogBatch:
+        """One batch of the entries whose newest copy is at or below `threshold` (-1: every entry)."""
+        out = self._call("relog_scan", caller, [threshold, cursor, count])
+        caller.clock.observe(int(out[0]))
+        copies = [(Entry.unpack(out[i]), out[i + 1] or b"",
+                   msgpack.unpackb(out[i], raw=False, unicode_errors="surrogateescape"))
+                  for i in range(3, len(out), 2)]
+        return RelogBatch(int(out[0]), keys.text(out[1]), int(out[2]), copies)
+
+    def relog_end(self, caller: Caller, *, relog_lrsn: int, ids: Sequence[str],
+                  cpl: dict[str, Any] | None = None) -> int:
+        """Mark `ids` as copied at relog_lrsn; with cpl, store it and release the lock. Returns entries marked."""
+        packed = json.dumps(cpl, separators=(",", ":")) if cpl is not None else ""
+        cf, marked = self._call("relog_end", caller, [relog_lrsn, packed, *ids])
+        caller.clock.observe(int(cf))
+        return int(marked)
 
     def snapshot(self, state: str) -> list[str]:
         return [x.decode() for x in self._call("snapshot", None, [state])]

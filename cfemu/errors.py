@@ -105,6 +105,10 @@ class BackupActiveError(MQError):
     """Internal: a backup is running, so the BACKOUT record must carry the data of the gets it backs out."""
 
 
+class RelogBusyError(MQError):
+    """Internal: another member holds the structure's relog lock (docs/log-management.md): it relogs it."""
+
+
 class CompletedByRecoveryError(MQError):
     """Internal: recovery already committed this unit of work."""
 
@@ -130,6 +134,7 @@ def from_script_error(message: str, structure: str) -> MQError:
         "BADARG": BadRequestError,
         "NOBACKUP": BadRequestError,
         "TOOLONG": TruncatedMessageError,
+        "RELOGBUSY": RelogBusyError,
     }
     cls = mapping.get(code, MQError)
     if cls is UnknownObjectError:

@@ -60,7 +60,8 @@ def cmd_run(args: argparse.Namespace, out: Output, *, dry_run: bool = False) -> 
                              backup_id=args.backup, engine=args.engine, dry_run=dry_run or args.dry_run,
                              mark_failed=args.mark_failed, progress=bars,
                              report_path=Path(args.report) if args.report else None,
-                             engine_options=_engine_options(args))
+                             engine_options=_engine_options(args),
+                             from_logs=bool(getattr(args, "from_logs", False)))
     if out.as_json:
         out.json(result.to_json())
     else:
@@ -159,6 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_settings_arguments(restore, "backup_dir", "log_root")
     restore.add_argument("--backup", metavar="ID", help="restore from this backup (default: the latest good one)")
     restore.add_argument("--engine", default="local", choices=engine_names(), help="planning engine")
+    restore.add_argument("--from-logs", action="store_true",
+                         help="start from the relog window of the newest complete relog pass, from the logs alone, "
+                              "even when a backup is newer (by default the newer start is used; the report says "
+                              "which)")
     restore.add_argument("--report", metavar="FILE",
                          help="report file (default <backup-dir>/<structure>/restore-<time>.json)")
     restore.add_argument("--mark-failed", action="store_true",

@@ -64,8 +64,10 @@ class Base:
 
 def base_of(manifest: Mapping[str, Any], held_by: Iterable[str]) -> Base:
     """The Base of a backup: its manifest's generation, and the UOWs its copies name (`held_by`: the copies'
-    "u" fields, empty ones included)."""
-    return Base(int(manifest.get("gen", 0) or 0), frozenset(u for u in held_by if u))
+    "u" fields, empty ones included); a base of the logs alone (restore.run.LogsBase) names in "carried" the UOWs
+    of older generations that hold entries its relog copies show (docs/log-management.md)."""
+    return Base(int(manifest.get("gen", 0) or 0),
+                frozenset(u for u in [*held_by, *manifest.get("carried", ())] if u))
 
 
 def current_incarnation(record: Record, structure: str, base: Base) -> bool:
@@ -167,15 +169,16 @@ def summarize(structure: str, settled: list[Settled], outcomes: Mapping[str, Out
 
 
 def plan_local(structure: str, backup: Iterable[Copy], records: Iterable[Record], *,
-               now_ms: int | None = None, gen: int = 0) -> RestorePlan:
-    """gen: the structure generation the backup was taken in (its manifest's "gen"; 0: unknown)."""
+               now_ms: int | None = None, gen: int = 0, carried: Iterable[str] = ()) -> RestorePlan:
+    """gen: the structure generation the backup was taken in (its manifest's "gen"; 0: unknown); carried: UOWs
+    the base names besides its copies' (base_of)."""
     now_ms = now_ms if now_ms is not None else int(time.time() * 1000)
     copies: dict[str, list[Copy]] = defaultdict(list)
     max_lrsn = 0
     for c in backup:
         copies[c[1]["id"]].append(c)
         max_lrsn = max(max_lrsn, int(c[1]["l"]))
-    base = base_of({"gen": gen}, (c[1].get("u", "") for cs in copies.values() for c in cs))
+    base = base_of({"gen": gen, "carried": list(carried)}, (c[1].get("u", "") for cs in copies.values() for c in cs))
     by_entry: dict[str, list[Record]] = defaultdict(list)
     by_uow: dict[str, list[Record]] = defaultdict(list)
     ended: set[str] = set()

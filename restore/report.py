@@ -6,8 +6,8 @@ structure's generation and recovery floor), log_ranges (member -> dir, from, to)
 (messages by disposition: restored, in-doubt, consumed, put-backed-out, expired, gone; UOWs: uows in doubt,
 uows in flight backed out), nonpersistent_lost (skipped by the backup; found in the CF before the load),
 in_doubt_uows (UOW -> owner), decisions_logged, keys_deleted, loaded_entries, loaded_bytes, timings (seconds per
-phase), report_path, started_at, base_kind (fuzzy, restore, purge or definition: backup.points) and
-restore_point (the id of the restore point the restore wrote, empty in a dry run).
+phase), report_path, started_at, base_kind (fuzzy, restore, purge or definition: backup.points; logs: the
+logs alone, docs/log-management.md), start (which start it used, in words) and restore_point (the id of the restore point the restore wrote, empty in a dry run).
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from restore.settle import CONSUMED, EXPIRED, GONE, HELD_INDOUBT, PUT_BACKED_OUT
 DISPOSITIONS = (RESTORED, HELD_INDOUBT, CONSUMED, PUT_BACKED_OUT, EXPIRED, GONE)
 UOW_COUNTS = ("uows in doubt", "uows in flight backed out")
 BASE_NOTE = {"restore": ": the restore point of the last restore", "purge": ": the restore point of a purge",
-             "definition": ": never backed up, restored from its definition and the logs"}
+             "definition": ": never backed up, restored from its definition and the logs",
+             "logs": ": no backup is newer: restored from the logs alone (the relog window)"}
 
 
 def _table(title: str, console: Console) -> Table:
@@ -39,6 +40,8 @@ def summary(result: RestoreResult, console: Console) -> Group:
     head.add_row("engine", result.engine)
     head.add_row("state before", result.state_before)
     head.add_row("replay", f"LRSN {result.replay_from} .. {result.replay_to}")
+    if result.start:
+        head.add_row("start", result.start)
     if not result.dry_run:
         head.add_row("new generation", str(result.restore_lrsn))
         head.add_row("loaded", f"{result.loaded_entries} messages, {result.loaded_bytes} bytes")

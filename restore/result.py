@@ -36,6 +36,7 @@ class RestoreResult:
     started_at: str = ""
     base_kind: str = "fuzzy"  # the base's kind: fuzzy, restore, purge (restore points) or definition
     restore_point: str = ""  # the restore point this restore wrote (backup.points)
+    start: str = ""  # which start it used, in words: a backup (which), or the logs alone (which relog pass)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

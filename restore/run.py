@@ -114,6 +114,62 @@ class DefinitionBase:
         return iter(())
 
 
+LOGS = "logs"  # the kind of a base of the logs alone: the relog window of the newest complete relog pass
+
+
+def newest_pass(log_dirs: list[Path], structure: str) -> tuple[str, dict[str, Any]] | None:
+    """The newest complete relog pass of `structure` (docs/log-management.md), as (member, pass): each member
+    carries the last pass it completed for each structure in every checkpoint record, so its last checkpoint
+    says it. A pass is complete only once that record is on disk: a pass cut short by a crash is in no record."""
+    best: tuple[str, dict[str, Any]] | None = None
+    for d in log_dirs:
+        reader = LogReader(d)
+        last = reader.last_checkpoint()
+        p = ((last[1].get("rl") or {}).get(structure)) if last else None
+        if p and (best is None or int(p["e"]) > int(best[1]["e"])):
+            best = (reader.member, p)
+    return best
+
+
+def logs_base(structure: str, member: str, relog: dict[str, Any], backup: Backup | DefinitionBase | None,
+              repo: GroupRepository, group: str) -> DefinitionBase:
+    """A base of the logs alone: empty, at the window start of a complete relog pass, in its generation. The merged
+    logs from the window hold a copy (PUT or RELOG) of every entry that lived at the pass; the UOWs of older
+    generations that held copied entries are carried (the generation rule keeps their records); tombstones,
+    definitions and members come from the newest good backup (or the repository)."""
+    m = dict(backup.manifest) if backup is not None else {}
+    if not m:
+        known = repo.structure(structure)
+        sdef = known[0] if known is not None else StructureDef(structure)
+        m = {"structure_def": asdict(sdef), "queues": [asdict(q) for q in repo.queues(structure)], "members": [],
+             "group": group, "tombstones": {}}
+    w, e = int(relog["w"]), int(relog["e"])
+    return DefinitionBase({
+        **m, "id": f"{structure}-relog-{e}", "kind": LOGS, "structure": structure, "gen": int(relog["gen"]),
+        "start_lrsn": w, "floor_lrsn": w, "replay_from": w, "end_lrsn": e, "entries": 0, "bytes": 0,
+        "nonpersistent_skipped": 0, "files": [], "carried": list(relog.get("held", ())), "relog_member": member,
+        "relog_pass": dict(relog)}, Path(repo.path))
+
+
+def choose_start(structure: str, backup: Backup | DefinitionBase | None, log_dirs: list[Path],
+                 repo: GroupRepository, group: str, *, from_logs: bool = False) -> Backup | DefinitionBase | None:
+    """Where a restore starts: the newest good backup, or the relog window of the newest complete relog pass when
+    that is newer (its generation at least the backup's and its start above the backup's replay start: less log
+    to read, and no backup needed), or when asked (from_logs)."""
+    found = newest_pass(log_dirs, structure)
+    if found is None:
+        if from_logs:
+            raise RestoreError(f"no complete relog pass of structure {structure} in the logs under "
+                               f"{log_dirs[0].parent if log_dirs else '?'}: restore it from a backup")
+        return backup
+    member, relog = found
+    if backup is not None and not from_logs:
+        gen, start = int(backup.manifest.get("gen", 0) or 0), int(backup.manifest["replay_from"])
+        if int(relog["gen"]) < gen or int(relog["w"]) <= start:
+            return backup
+    return logs_base(structure, member, relog, backup, repo, group)
+
+
 def _definition_base(repo: GroupRepository, structure: str, group: str) -> DefinitionBase | None:
     known = repo.structure(structure)
     if known is None:
@@ -302,7 +358,8 @@ def default_report_path(backup_root: Path, structure: str, when: datetime) -> Pa
 def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_root: Path,
                 backup_id: str | None = None, engine: str = "local", dry_run: bool = False,
                 mark_failed: bool = False, progress: Progress = no_progress, report_path: Path | None = None,
-                now_ms: int | None = None, engine_options: dict[str, Any] | None = None) -> RestoreResult:
+                now_ms: int | None = None, engine_options: dict[str, Any] | None = None,
+                from_logs: bool = False) -> RestoreResult:
     """Restore `structure` (see the module doc). Raises RestoreError, backup.files.BackupError,
     sqm.log.LogCorruptError / LogFormatError, cfemu.admin.AdminError; nothing is changed when it raises before
     the load starts. The report is written (as JSON) to report_path, default
@@ -322,12 +379,27 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
                            f"failed first (--mark-failed) if you mean to replace its content")
     chosen_engine = get_engine(engine, **(engine_options or {}))
     repo = GroupRepository(log_root)  # read only until the load
-    backup = open_backup(backup_root, structure, backup_id, group=admin.group_name() if sdef is not None else None,
-                         repo=repo)
+    group = admin.group_name() if sdef is not None else None
+    no_backup: RestoreError | None = None
+    try:
+        found: Backup | DefinitionBase | None = open_backup(backup_root, structure, backup_id, group=group,
+                                                            repo=repo)
+    except RestoreError as e:
+        if backup_id is not None or not from_logs:
+            raise  # a damaged newest backup is said, not passed over, unless the logs alone are asked for
+        found, no_backup = None, e
+    manifest = found.manifest if found is not None else {}
+    members = known_members(repo, manifest, admin)
+    log_dirs = member_log_dirs(log_root, members, int(manifest.get("replay_from", 0)))
+    if backup_id is None:
+        found = choose_start(structure, found, log_dirs, repo, group or str(manifest.get("group") or "QSG1"),
+                             from_logs=from_logs)
+    if found is None:
+        assert no_backup is not None
+        raise no_backup
+    backup = found
     manifest = backup.manifest
     replay_from = int(manifest["replay_from"])
-    members = known_members(repo, manifest, admin)
-    log_dirs = member_log_dirs(log_root, members, replay_from)
     if kind_of(manifest) == DEFINITION:
         _logs_reach_back(log_dirs, structure)
     decisions_seen = _decisions_logged(log_root)  # before the plan reads them: compared under the log's lock
@@ -339,7 +411,7 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
 
     result = RestoreResult(structure, backup.id, str(backup.path), chosen_engine.name, dry_run, state,
                            replay_from=replay_from, started_at=started.isoformat(timespec="seconds"),
-                           base_kind=kind_of(manifest))
+                           base_kind=kind_of(manifest), start=describe_start(manifest))
     plan = make_plan()  # reads everything: a bad backup or log is refused here, before any change
     found_in_cf = 0
     if not dry_run:
@@ -390,6 +462,15 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
         result.report_path = str(path)
         write_report(result, path)
     return result
+
+
+def describe_start(manifest: Mapping[str, Any]) -> str:
+    """Which start a restore used, in words (the report's `start`)."""
+    if kind_of(manifest) == LOGS:
+        p = manifest["relog_pass"]
+        return (f"the logs alone, from LRSN {manifest['replay_from']}: the relog window of the newest complete relog "
+                f"pass (by {manifest['relog_member']}, ended at LRSN {p['e']}, generation {p['gen']})")
+    return f"{kind_of(manifest)} backup {manifest['id']}, replaying the logs from LRSN {manifest['replay_from']}"
 
 
 def _refused(structure: str, e: bulk.NotOwnerError) -> RestoreError:

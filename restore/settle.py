@@ -131,6 +131,18 @@ def best_copy(copies: Iterable[tuple[str, dict[str, Any], bytes]]) -> tuple[str,
     return best
 
 
+def with_logged_copies(backup: tuple[str, dict[str, Any], bytes] | None,
+                       records: Iterable[Record]) -> tuple[str, dict[str, Any], bytes] | None:
+    """The entry's best copy: the backup's, or a copy a relog pass logged (a kind whose row says `copy`: RELOG),
+    whichever reflects the later transition (best_copy). A RELOG is a copy, not an event: read twice, from an
+    incomplete pass, or older than the backup's copy, it changes nothing the redo rule would not
+    (docs/log-management.md)."""
+    logged = [(r["s"], r["e"], r.get("d", b"")) for r in records if lookup(r).copy]
+    if not logged:
+        return backup
+    return best_copy([*([backup] if backup is not None else []), *logged])
+
+
 def _holds_entries(kind: RecordKind) -> bool:
     """A put or get holds an entry in its UOW; a backout carrying an entry's data gives it back with its outcome."""
     return kind.role is Role.ENTRY or kind.carries_data
@@ -138,7 +150,10 @@ def _holds_entries(kind: RecordKind) -> bool:
 
 def uows_named(backup: tuple[str, dict[str, Any], bytes] | None, records: Iterable[Record]) -> set[str]:
     """The UOWs whose outcome the fold of one entry needs: those that put or got it (an event on it), and those
-    whose backout carries its data (their outcome gives it back)."""
+    whose backout carries its data (their outcome gives it back); and the UOW the best copy shows holding it (a
+    backup's, or a relog's: with_logged_copies)."""
+    records = list(records)
+    backup = with_logged_copies(backup, records)
     out = {r["u"] for r in records if r.get("u") and _holds_entries(lookup(r))}
     if backup is not None and backup[1].get("u"):
         out.add(backup[1]["u"])
@@ -150,10 +165,11 @@ def settle(entry_id: str, backup: tuple[str, dict[str, Any], bytes] | None, reco
     """Fold one entry's history into its final state. `outcomes` must hold a decision for every UOW the entry's
     history names (restore decides undecided, in-flight UOWs as backed out before folding)."""
     recs = list(records)
+    backup = with_logged_copies(backup, recs)
     events: list[tuple[int, int, str, Any]] = []
     for r in recs:
         rk = lookup(r)
-        if rk.role is Role.ENTRY:
+        if rk.role is Role.ENTRY and not rk.copy:
             assert rk.fold_rank is not None, rk.code
             events.append((r["l"], rk.fold_rank, rk.code, r))
     for u in uows_named(backup, recs):
@@ -221,7 +237,7 @@ def _counted_after_own(uow: str, lrsn: int, backup: tuple[str, dict[str, Any], b
     clock has seen the CF's answer to each operation), but a RECOVERY record written by a peer whose clock lagged
     (before issue 10, hole 2) could lie below them: the fold then met the outcome before the put or get, skipped
     it, and left the entries locked for good by a UOW that was decided. Defensive, so such logs restore too."""
-    own = [r["l"] for r in recs if r.get("u") == uow and lookup(r).role is Role.ENTRY]
+    own = [r["l"] for r in recs if r.get("u") == uow and lookup(r).role is Role.ENTRY and not lookup(r).copy]
     if backup is not None and backup[1].get("u") == uow:
         own.append(int(backup[1]["l"]))
     top = max(own, default=0)

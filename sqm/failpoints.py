@@ -15,6 +15,9 @@ Every failpoint in the project (add a row with each new ``failpoint()`` call):
     backout-after-log    sqm.manager.QueueManager.complete  after a backout is forced, before it is applied
     during-apply         sqm.manager.QueueManager.apply     after each structure of the UOW is applied
     put-after-cf         sqm.connection (put in a UOW)      after the CF holds the put, before it is logged
+    relog-before-force   sqm.relog (a relog pass)           after a batch's RELOG records are appended, before the force
+    relog-after-force    sqm.relog (a relog pass)           after they are forced, before the entries are marked
+    relog-before-checkpoint  sqm.manager.checkpoint         after the relog passes, before the checkpoint record
     restore-load-batch   restore.load.load_plan             after each pipelined batch of the bulk load
                                                             (``=N``: after batch N; the structure stays RECOVERING)
 """

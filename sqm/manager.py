@@ -42,7 +42,7 @@ from cfemu.errors import (
 )
 from cfemu.keys import check_member_name
 from cfemu.repository import GroupRepository, RepositoryError, open_group_repository
-from sqm import records
+from sqm import records, relog
 from sqm.clock import LrsnClock, now_ms
 from sqm.failpoints import failpoint
 from sqm.log import RecordLog
@@ -72,6 +72,11 @@ class QueueManagerConfig:
     # MQRC_RESOURCE_PROBLEM; a local limit is never reported as a failed CF structure.
     cf_connections: int = 64
     cf_pool_timeout_s: float = 30.0
+    # Selective relogging (docs/log-management.md): the CPL's n (0: no relogging), the relog lock's lease, the
+    # entries one relog_scan batch looks at.
+    cpl_entries: int = 3
+    relog_lock_ms: int = 60_000
+    relog_batch: int = 500
 
 
 def reply_lost(e: BaseException) -> bool:
@@ -112,6 +117,10 @@ class QueueManager:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.last_restart: Any = None
+        self._checkpointing = threading.Lock()
+        # The last complete relog pass of each structure this member relogged (sqm.relog), carried forward in
+        # every checkpoint record: restore finds the newest window in the members' last checkpoints.
+        self.relog_passes: dict[str, dict[str, Any]] = {}
 
     # --- life cycle -------------------------------------------------------------------------------------
     @property
@@ -126,6 +135,8 @@ class QueueManager:
         # backup and restore do not read would have its committed work dropped by them (issue 10, hole 6).
         self.repository = open_group_repository(self.admin, self.config.log_root, who=self.name)
         self.log = RecordLog(self.log_dir, self.name, segment_bytes=self.config.segment_bytes)
+        last = self.log.last_checkpoint()
+        self.relog_passes = relog.last_passes(last[1] if last else None)
         try:
             self.repository.record_member(self.name, self.log_dir)  # restore then knows to read this log
             self.caller.epoch = self.admin.join(self.name, {"pid": os.getpid(), "log": str(self.log_dir)},
@@ -244,16 +255,30 @@ class QueueManager:
         raise LogFailedError(f"queue manager {self.name} cannot write its log: {e}") from None
 
     def checkpoint(self, why: str) -> None:
-        """A checkpoint record carries the active UOW table, so restart reads the log from here on."""
+        """A checkpoint record carries the active UOW table, so restart reads the log from here on, and completes
+        the relog passes taken before it (sqm.relog: their windows and CPLs). One checkpoint at a time: a LOGLOAD
+        checkpoint that finds another running leaves it to that one."""
         if self.log is None:
             return
-        with self.uow_lock:
-            uows = {u.id: u.snapshot() for u in self.uows.values() if u.persistent}
-            n, self.activity = self.activity, 0
-            try:
-                self.log.checkpoint(records.checkpoint(self.clock.now(), uows=uows, n=n, why=why))
-            except OSError as e:
-                self._log_failure(e)
+        if not self._checkpointing.acquire(blocking=why != "logload"):
+            return
+        try:
+            passes = relog.begin_passes(self, why)
+            failpoint("relog-before-checkpoint")
+            with self.uow_lock:
+                uows = {u.id: u.snapshot() for u in self.uows.values() if u.persistent}
+                n, self.activity = self.activity, 0
+                lrsn = self.clock.now()
+                for p in passes:
+                    p.complete(lrsn, self.config.cpl_entries, termination=why == "shutdown")
+                    self.relog_passes[p.structure] = p.as_record()
+                try:
+                    self.log.checkpoint(records.checkpoint(lrsn, uows=uows, n=n, why=why, passes=self.relog_passes))
+                except OSError as e:
+                    self._log_failure(e)
+            relog.finish(self, passes)
+        finally:
+            self._checkpointing.release()
 
     def forget(self, uow: UnitOfWork) -> None:
         with self.uow_lock:

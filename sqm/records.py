@@ -15,6 +15,7 @@ Records are msgpack maps with short keys (the on-disk format; old logs must keep
   (m is not a record field: the merged log adds it, naming the log a record came from)   ids entry ids
   uows {uow: {st, ss, x, dl, rl, p}} (checkpoint: sqm.uow.UnitOfWork.snapshot)   n activity count   why reason
   at the LRSN at which a decision counts (COMMIT / BACKOUT re-logs, RECOVERY): see counts_at()
+  rl {structure: relog pass} (checkpoint: the last complete relog pass of each structure, docs/log-management.md)
 """
 
 from __future__ import annotations
@@ -132,7 +133,24 @@ class ExpireRecord(Logged):
     ids: list[str]
 
 
-class CheckpointRecord(Logged):
+class RelogRecord(Logged):
+    """A copy of one entry as the CF held it, written by a relog pass (seed 000; docs/log-management.md)."""
+
+    k: Literal["RELOG"]
+    s: str
+    g: int
+    e: dict[str, Any]
+    d: bytes
+
+
+class RelogPasses(TypedDict, total=False):
+    """The last complete relog pass of each structure the member relogged: {structure: {cpl, gen, w, b, e,
+    held}} (sqm.relog.Pass.as_record): restore starts from the logs alone at the newest one's window `w`."""
+
+    rl: dict[str, dict[str, Any]]
+
+
+class CheckpointRecord(Logged, RelogPasses):
     k: Literal["CHECKPOINT"]
     uows: dict[str, dict[str, Any]]
     n: int
@@ -217,9 +235,20 @@ def expire(lrsn: int, *, structure: str, ids: list[str]) -> Record:
     return _record(rec)
 
 
-def checkpoint(lrsn: int, *, uows: dict[str, dict[str, Any]], n: int, why: str) -> Record:
-    """The active UOW table (snapshots), so that restart reads the log from here on; n: records since the last."""
+def checkpoint(lrsn: int, *, uows: dict[str, dict[str, Any]], n: int, why: str,
+               passes: Mapping[str, dict[str, Any]] | None = None) -> Record:
+    """The active UOW table (snapshots), so that restart reads the log from here on; n: records since the last.
+    passes: the last complete relog pass of each structure this member relogged (RelogPasses)."""
     rec: CheckpointRecord = {"k": "CHECKPOINT", "l": lrsn, "uows": uows, "n": n, "why": why}
+    if passes:
+        rec["rl"] = dict(passes)
+    return _record(rec)
+
+
+def relog(lrsn: int, *, structure: str, gen: int, entry: dict[str, Any], data: bytes) -> Record:
+    """A relog pass's copy of one entry: its descriptor as the CF held it (state, UOW, LRSN and order included)
+    and its data. Restore's fold takes it as a copy, as it takes a backup's (RecordKind.copy)."""
+    rec: RelogRecord = {"k": "RELOG", "l": lrsn, "s": structure, "g": gen, "e": entry, "d": data}
     return _record(rec)
 
 
@@ -290,6 +319,9 @@ class RecordKind:
     descriptors: Callable[[Record], list[dict[str, Any]]] = _carried_descriptors  # the entry descriptors it holds
     queues: Callable[[Record], list[str]] = _carried_queues  # the queues of those entries
     structure: Callable[[Record], str | None] = _no_structure  # ENTRY kinds: the structure the event is on
+    # ENTRY kinds that are a copy of an entry (a RELOG), not an event: the fold takes them as it takes a backup's
+    # copies (the best one is its starting state; the redo rule does the rest).
+    copy: bool = False
 
 
 # Columns: code, fields, constructor, forced, role, UOW state for restart, describe; then what is not a default.
@@ -322,7 +354,13 @@ KINDS: dict[str, RecordKind] = {k.code: k for k in [
                structure=_on_structure),
     RecordKind("CHECKPOINT", CheckpointRecord, checkpoint, True, Role.NONE, None,
                lambda r: f"checkpoint: {len(r.get('uows', {}))} active UOWs, activity {r.get('n', 0)}"
-                         + (f" ({r['why']})" if r.get("why") else "")),
+                         + (f" ({r['why']})" if r.get("why") else "")
+                         + "".join(f", relog window of {s} from {p['w']}" for s, p in sorted(r.get("rl", {}).items()))),
+    RecordKind("RELOG", RelogRecord, relog, False, Role.ENTRY, None,
+               lambda r: (f"relog {r['e']['id']} on {r['s']}/{r['e']['q']} ({r['e'].get('st', '')}"
+                          + (f" uow {r['e']['u']}" if r['e'].get('u') else "") + f") {len(r.get('d', b''))}B"),
+               entry_ids=lambda r: [r["e"]["id"]], descriptors=lambda r: [r["e"]],
+               queues=lambda r: [r["e"]["q"]], structure=_on_structure, copy=True),
 ]}
 
 

@@ -29,6 +29,7 @@ from cfemu.errors import (
     FloorError,
     MQError,
     NotJoinedError,
+    RelogBusyError,
     StructureFailedError,
     StructureFullError,
     UnknownObjectError,
@@ -559,6 +560,65 @@ class TestBackupBegin:
             s.backup_begin("B3", 0)
         with pytest.raises(StructureFailedError, match="not in the CF"):
             CF(admin.redis).structure("NOPE").backup_begin("B4", 0)
+
+
+class TestRelogBegin:
+    def test_takes_the_lock_raises_the_floor_and_reads_the_cpl(self, s: Structure, qm1: Caller, admin: Admin) -> None:
+        first = s.put(qm1, entry("a"), b"x", uow="U1").clock
+        begun = s.relog_begin(qm1, now_ms=NOW, lease_ms=1_000)
+        assert begun.cpl is None and begun.gen == 1 and begun.first == first < begun.begin
+        assert s.info()["floor"] == str(begun.begin) and s.info()["relog_owner"] == "QM1"
+        qm2 = join(admin, "QM2")
+        with pytest.raises(RelogBusyError, match="QM1"):
+            s.relog_begin(qm2, now_ms=NOW, lease_ms=1_000)
+        assert s.relog_begin(qm2, now_ms=NOW + 1_000, lease_ms=1_000).begin > begun.begin  # the lease ran out
+
+    def test_never_lowers_the_floor_and_a_backup_keeps_it(self, s: Structure, qm1: Caller) -> None:
+        s.cf.redis.hset(keys.meta(S), "floor", 10**12)
+        s.relog_begin(qm1, now_ms=NOW, lease_ms=1_000)
+        assert s.info()["floor"] == str(10**12)
+        begun = s.backup_begin("B1", 1)
+        assert begun.floor < 10**12 and s.info()["floor"] == str(10**12)
+
+    def test_refuses_a_fenced_member(self, s: Structure, qm1: Caller) -> None:
+        with pytest.raises(FencedError):
+            s.relog_begin(Caller("QM1", qm1.epoch + 1, Clock()), now_ms=NOW, lease_ms=1_000)
+        assert "relog_owner" not in s.info()
+
+
+class TestRelogScan:
+    def test_returns_the_persistent_entries_whose_newest_copy_is_old(self, s: Structure, qm1: Caller) -> None:
+        old = s.put(qm1, entry("old"), b"o", uow="U1").clock
+        s.commit(qm1, "U1", gen=1, lrsn=0)
+        s.put(qm1, entry("np", persistent=False), b"n")
+        new = s.put(qm1, entry("new"), b"n2", uow="U2").clock
+        batch = s.relog_scan(qm1, threshold=old, count=100)
+        assert batch.cursor == "0" and batch.scanned == 3
+        assert [(e.id, d) for e, d, _ in batch.copies] == [("old", b"o")]
+        assert {e.id for e, _, _ in s.relog_scan(qm1, threshold=-1).copies} == {"old", "new"}
+        held = [raw for e, _, raw in s.relog_scan(qm1, threshold=new).copies if e.id == "new"]
+        assert held[0]["st"] == "UP" and held[0]["u"] == "U2"  # copied as held, with its UOW
+
+    def test_a_marked_entry_is_old_only_below_its_mark(self, s: Structure, qm1: Caller) -> None:
+        put = s.put(qm1, entry("a"), b"x", uow="U1").clock
+        assert s.relog_end(qm1, relog_lrsn=put + 100, ids=["a", "gone"]) == 1
+        assert s.relog_scan(qm1, threshold=put + 99).copies == []
+        assert len(s.relog_scan(qm1, threshold=put + 100).copies) == 1
+
+
+class TestRelogEnd:
+    def test_marks_only_grow_and_the_cpl_is_stored_by_the_lock_holder(self, s: Structure, qm1: Caller,
+                                                                      admin: Admin) -> None:
+        s.put(qm1, entry("a"), b"x", uow="U1")
+        s.relog_end(qm1, relog_lrsn=500, ids=["a"])
+        assert s.relog_end(qm1, relog_lrsn=400, ids=["a"]) == 0  # a stale pass never hides a newer copy
+        qm2 = join(admin, "QM2")
+        s.relog_begin(qm1, now_ms=NOW, lease_ms=1_000)
+        s.relog_end(qm2, relog_lrsn=0, ids=(), cpl={"g": 1, "p": [[1, 2]]})
+        assert "relog_cpl" not in s.info() and s.info()["relog_owner"] == "QM1"  # not the holder: nothing
+        s.relog_end(qm1, relog_lrsn=0, ids=(), cpl={"g": 1, "p": [[1, 2]]})
+        assert "relog_owner" not in s.info() and s.relog_begin(qm2, now_ms=NOW, lease_ms=1).cpl == {
+            "g": 1, "p": [[1, 2]]}
 
 
 class TestBackupEnd:

@@ -259,7 +259,9 @@ def test_hole7_a_structure_never_backed_up_is_restored_from_its_definition_and_t
     ok("qsg.cli", "put", "Q5", "never backed up", env=env)
     flush_cf(client)
     out = json.loads(ok("restore.cli", "run", "APP2", "--json", env=env))
-    assert out["base_kind"] == "definition" and out["loaded_entries"] == 1
+    # from its definition, or from the logs alone when a member's relog pass made a window (docs/log-management.md):
+    # either way the definitions come from the group repository
+    assert out["base_kind"] in ("definition", "logs") and out["loaded_entries"] == 1
     got = json.loads(ok("qsg.cli", "get", "Q5", "--json", env=env))
     assert [m["body"] for m in got["messages"]] == ["never backed up"]
     # It has a restore point now: the next loss restores from there.

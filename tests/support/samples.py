@@ -15,6 +15,8 @@ CARRIED = [["APP1", GOT, b"got"]]
 UOWS = {"QM1.1.3": {"st": "INDOUBT", "ss": {"APP1": 3}, "x": "xid-1", "dl": 0, "p": True}}
 
 # kind -> (built by its constructor, the map on disk)
+PASSES = {"APP1": {"cpl": [[5, 6], [70, 75]], "gen": 3, "w": 6, "b": 78, "e": 80, "held": []}}
+RELOGGED = {**ENTRY, "st": "UG", "u": "QM1.1.2", "l": 30, "o1": 12, "o2": 10}
 SAMPLES: dict[str, tuple[Record, Record]] = {
     "PUT": (records.put("QM1.1.1", 10, structure="APP1", gen=3, entry=ENTRY, data=b"body"),
             {"k": "PUT", "l": 10, "u": "QM1.1.1", "s": "APP1", "g": 3, "e": ENTRY, "d": b"body"}),
@@ -33,6 +35,8 @@ SAMPLES: dict[str, tuple[Record, Record]] = {
             {"k": "END", "l": 25, "u": "QM1.1.1"}),
     "EXPIRE": (records.expire(70, structure="APP1", ids=["e3", "e4"]),
                {"k": "EXPIRE", "l": 70, "s": "APP1", "ids": ["e3", "e4"]}),
-    "CHECKPOINT": (records.checkpoint(80, uows=UOWS, n=12, why="logload"),
-                   {"k": "CHECKPOINT", "l": 80, "uows": UOWS, "n": 12, "why": "logload"}),
+    "CHECKPOINT": (records.checkpoint(80, uows=UOWS, n=12, why="logload", passes=PASSES),
+                   {"k": "CHECKPOINT", "l": 80, "uows": UOWS, "n": 12, "why": "logload", "rl": PASSES}),
+    "RELOG": (records.relog(90, structure="APP1", gen=3, entry=RELOGGED, data=b"body"),
+              {"k": "RELOG", "l": 90, "s": "APP1", "g": 3, "e": RELOGGED, "d": b"body"}),
 }
