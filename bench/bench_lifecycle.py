@@ -52,7 +52,7 @@ from sqm.manager import QueueManager, QueueManagerConfig
 
 BODY = os.urandom(1024)
 STRUCTURE, QUEUE = "APP1", "Q1"
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 TARGET_RATIO_1 = 0.75
 TARGET_FSYNCS_PER_COMMIT = 0.25
 
