@@ -78,7 +78,6 @@ from sqm.service.protocol import (
     arg,
     auth_proof,
     auth_transcript,
-    check_length,
     decode_body,
     encode_frame,
     error_reply,
@@ -87,6 +86,8 @@ from sqm.service.protocol import (
     ok_reply,
     parse_request,
     read_frame,
+    recv_body,
+    set_kernel_timeout,
 )
 
 log = logging.getLogger("sqm.service.server")
@@ -163,29 +164,6 @@ class _PeerWatch(threading.Event):
             pass
         self.set()  # end of stream, or a broken connection
         return True
-
-
-def _recv_body(sock: socket.socket, buf: bytearray, limit: int) -> bytes | None:
-    """The next frame's body from a blocking socket (buf: bytes read ahead, kept for the next call), or None at a
-    clean end of stream between frames. A longer frame than limit is refused from its header."""
-    while len(buf) < HEADER.size:
-        chunk = sock.recv(65536)
-        if not chunk:
-            if buf:
-                raise ConnectionError("the client closed the connection in the middle of a frame")
-            return None
-        buf += chunk
-    (length,) = HEADER.unpack_from(buf)
-    check_length(length, limit)
-    end = HEADER.size + length
-    while len(buf) < end:
-        chunk = sock.recv(min(end - len(buf), 2**20) if end - len(buf) > 65536 else 65536)
-        if not chunk:
-            raise ConnectionError("the client closed the connection in the middle of a frame")
-        buf += chunk
-    body = bytes(buf[HEADER.size:end])
-    del buf[:end]
-    return body
 
 
 class ServerConfigError(ValueError):
@@ -750,11 +728,11 @@ class SQMServer:
     def _direct_loop(self, session: Session, sock: socket.socket, buf: bytearray,
                      loop: asyncio.AbstractEventLoop) -> None:
         try:
-            sock.settimeout(self.config.idle_timeout_s or None)
+            set_kernel_timeout(sock, self.config.idle_timeout_s)
             while True:
                 try:
-                    body = _recv_body(sock, buf, session.request_limit)
-                except TimeoutError:
+                    body = recv_body(sock, buf, session.request_limit)
+                except (BlockingIOError, TimeoutError):  # SO_RCVTIMEO: no request for the idle timeout
                     with self._lock:
                         self.stats.closed["idle_timeout"] += 1
                     log.info("%s: connection %d (%s, %s) idle for %gs; closing it (its open UOW is backed out)",
@@ -818,7 +796,7 @@ class SQMServer:
         finally:
             with self._lock:
                 self._inflight -= 1
-        if session.gone.is_set():
+        if threading.Event.is_set(session.gone):  # only what the request saw (no look at the socket per request)
             return None
         reply, frame = self._bounded(session, rid, op, reply)
         self._count((op, "ok" if reply["ok"] else reply["error"]["reason_name"]))
