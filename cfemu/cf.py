@@ -70,9 +70,11 @@ class CF:
         pool = self.redis.connection_pool
         conn = pool.get_connection()
         packer = conn._command_packer
-        if isinstance(packer, HiredisRespSerializer) and not any(isinstance(a, bytearray | memoryview) for a in args):
-            packed = [hiredis.pack_command(cmd)]  # what the packer makes of these arguments, without its checks
-        else:
+        try:  # what redis-py's hiredis packer makes of these arguments, without its per-argument checks
+            if not isinstance(packer, HiredisRespSerializer):
+                raise TypeError
+            packed = [hiredis.pack_command(cmd)]
+        except TypeError:  # a bytearray or a memoryview (the packer converts them), or an argument it refuses
             packed = packer.pack(*cmd)
 
         def send_and_read() -> Any:
