@@ -65,6 +65,8 @@ BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+# The servers this benchmark starts (`sqm run`) and its client processes run this tree's code, not an installed one.
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
 
 from bench_lifecycle import machine  # noqa: E402
 

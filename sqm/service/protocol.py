@@ -309,13 +309,18 @@ def arg(args: dict[str, Any], op: str, name: str, kind: type | tuple[type, ...],
     return value
 
 
+# A message's fields, read once: dataclasses.asdict (a recursive deep copy) and fields() per message cost about as
+# much CPU as the rest of a request's handling (issue 15). The wire form is a shallow map: it is packed at once.
+_MESSAGE_FIELDS = tuple(f.name for f in dataclasses.fields(Message))
+_MESSAGE_NAMES = frozenset(_MESSAGE_FIELDS)
+
+
 def message_to_wire(m: Message) -> dict[str, Any]:
-    return dataclasses.asdict(m)
+    return {name: getattr(m, name) for name in _MESSAGE_FIELDS}
 
 
 def message_from_wire(obj: dict[str, Any]) -> Message:
-    names = {f.name for f in dataclasses.fields(Message)}
-    return Message(**{k: v for k, v in obj.items() if k in names})
+    return Message(**{k: v for k, v in obj.items() if k in _MESSAGE_NAMES})
 
 
 __all__ = ["APPLICATION", "AUTH_METHOD", "DEFAULT_MAX_FRAME", "ENVELOPE", "ERROR_CLASSES", "NONCE_BYTES", "OPERATOR",
