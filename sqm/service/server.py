@@ -2,7 +2,10 @@
 
 The QueueManager API is synchronous (blocking Redis calls, fsync), so each client connection gets one worker
 thread: its requests run there one after another, on one sqm.connection.Connection, which keeps the connection's
-unit of work on one handle, like an MQ connection handle. When the connection goes away its open UOW is backed
+unit of work on one handle, like an MQ connection handle. The event loop accepts the connection and runs the
+handshake; once a plain (non-TLS) connection has authenticated, its thread reads, runs and answers its requests
+itself on blocking socket calls (no hand-off from the loop to the thread and back per request: issue 15), and the
+loop only ends it at shutdown. A TLS connection stays on the event loop, which hands each request to its thread. When the connection goes away its open UOW is backed
 out (MQ backs out on an abnormal end); a prepared (in-doubt) UOW stays in doubt for its coordinator.
 
 Health, readiness and Prometheus metrics are served over HTTP on a second port: /healthz, /readyz, /metrics.
