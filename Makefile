@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.stamp
 PYTEST_ARGS ?=
 
-.PHONY: venv test lint typecheck demo bench clean
+.PHONY: venv test lint typecheck demo bench bench-full clean
 
 venv: $(STAMP)
 
@@ -36,7 +36,12 @@ test: venv
 demo: venv
 	$(BIN)/cfemu demo
 
+# Every benchmark in bench/, each in its --quick mode (a stale one fails here; tests/bench runs them shorter still).
 bench: venv
+	$(BIN)/python bench/run_all.py --quick
+
+# The full runs whose figures go into BENCHMARKS.md (long: bench_peers alone takes about half an hour).
+bench-full: venv
 	$(BIN)/python bench/run_all.py
 
 clean:

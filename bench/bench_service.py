@@ -38,7 +38,7 @@ from qsg.cluster import Cluster
 from sqm.manager import QueueManager, QueueManagerConfig
 from sqm.service.client import Client
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 MANAGERS = 3
 # Leases long enough that a member starved of CPU on a loaded machine is not fenced by its peers mid-measurement
 # (failure detection is not what is measured here).
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     cluster = Cluster.up(work / "cluster", managers=MANAGERS, backup_interval=None, structure=STRUCTURE,
                          queues=(QUEUE,), lease_ms=LEASE_MS)
     qms = [QueueManager(QueueManagerConfig(name=f"INPROC{i + 1}", log_root=cluster.log_root,
-                                           redis_url=cluster.redis_url, lease_ms=LEASE_MS))
+                                           redis_url=cluster.cf_url("member"), lease_ms=LEASE_MS))
            for i in range(MANAGERS)]
     for qm in qms:
         qm.start()

@@ -295,8 +295,8 @@ def machine() -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="a short run: 20k and 100k records")
-    ap.add_argument("--sizes", type=int, nargs="+", default=[100_000, 1_000_000, 5_000_000])
+    ap.add_argument("--quick", action="store_true", help="a short run: 20k and 100k records (unless --sizes)")
+    ap.add_argument("--sizes", type=int, nargs="+")
     ap.add_argument("--no-local-above", type=int, default=5_000_000,
                     help="skip the local engine for larger logs (it holds the whole log in memory)")
     ap.add_argument("--masters", nargs="*", default=["local[2]", "local[1]"], help="none: the local engine only")
@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--e2e-up-to", type=int, default=1_000_000,
                     help="load the first spark plan into a fresh CF (and time a raw write) up to this size")
     args = ap.parse_args(argv)
-    sizes = [20_000, 100_000] if args.quick else args.sizes
+    sizes = args.sizes or ([20_000, 100_000] if args.quick else [100_000, 1_000_000, 5_000_000])
     console = Console()
     rows: list[dict[str, Any]] = []
     for size in sizes:

@@ -7,8 +7,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, TypeVar
 
+import hiredis
 import msgpack
 import redis
+from redis.connection import HiredisRespSerializer
 
 from cfemu import bulk, keys, lua
 from cfemu.entry import Entry
@@ -38,6 +40,7 @@ class CF:
     def __init__(self, client: redis.Redis) -> None:
         self.redis = client
         self._scripts = lua.register(client, lua.structure_operations())  # cfemu/scripts/<op>.lua
+        self._keys: dict[str, list[str]] = {}  # structure -> its scripts' KEYS (keys.script_keys), built once
 
     def structure(self, name: str) -> Structure:
         return Structure(self, keys.check_name("structure", name))
@@ -49,12 +52,49 @@ class CF:
 
     def run(self, op: str, structure: str, args: Sequence[Any]) -> Any:
         try:
-            return self._scripts[op](keys=keys.script_keys(structure), args=list(args))
+            script_keys = self._keys.get(structure)
+            if script_keys is None:
+                script_keys = self._keys[structure] = keys.script_keys(structure)
+            return self._evalsha(self._scripts[op], script_keys, args)
         except redis.exceptions.ResponseError as e:
             msg = str(e)
             if msg.startswith(("NOSCRIPT", "ERR", "WRONGTYPE", "BUSY", "LOADING", "READONLY", "OOM")):
                 raise
             raise from_script_error(msg, structure) from None
+
+    def _evalsha(self, script: Any, script_keys: list[str], args: Sequence[Any]) -> Any:
+        """EVALSHA of a registered script, as redis-py's Script call does it (the pool's connection, its retry
+        policy with a disconnect before each retry, NOSCRIPT loads the script and runs it again) without the rest
+        of redis-py's per-command path (observability records, argument filtering, wrappers): that path cost more
+        CPU than the script itself, four times per message lifecycle (issue 15)."""
+        cmd = ("EVALSHA", script.sha, len(script_keys), *script_keys, *args)
+        pool = self.redis.connection_pool
+        conn = pool.get_connection()
+        packer = conn._command_packer
+        try:  # what redis-py's hiredis packer makes of these arguments, without its per-argument checks
+            if not isinstance(packer, HiredisRespSerializer):
+                raise TypeError
+            packed = [hiredis.pack_command(cmd)]
+        except TypeError:  # a bytearray or a memoryview (the packer converts them), or an argument it refuses
+            packed = packer.pack(*cmd)
+
+        def send_and_read() -> Any:
+            conn.send_packed_command(packed)
+            return conn.read_response()
+
+        try:
+            try:
+                return conn.retry.call_with_retry(send_and_read, lambda error, count: conn.disconnect(),
+                                                  with_failure_count=True)
+            finally:
+                try:
+                    if conn.should_reconnect():
+                        conn.disconnect()
+                        conn.connect()
+                finally:
+                    pool.release(conn)
+        except redis.exceptions.NoScriptError:  # the CF restarted or flushed its scripts: load it, run it again
+            return script(keys=script_keys, args=list(args))
 
 
 class PutReply(NamedTuple):

@@ -68,11 +68,14 @@ from sqm.service.protocol import (
     QuiescingError,
     auth_proof,
     auth_transcript,
+    decode_body,
     encode_frame,
     error_from_wire,
     message_from_wire,
     new_nonce,
+    recv_body,
     recv_frame,
+    set_kernel_timeout,
 )
 
 log = logging.getLogger("sqm.service.client")
@@ -191,6 +194,8 @@ class Client(UnitOfWorkScope):
         self._sock: socket.socket | None = None
         self._ids = itertools.count(1)
         self._uow_open = False
+        self._rbuf = bytearray()  # what was read past the last reply
+        self._timeout: float | None = None
         self._lock = threading.Lock()
         if connect:
             with self._lock:
@@ -233,6 +238,8 @@ class Client(UnitOfWorkScope):
         self.qmgr = str(hello.get("qmgr", ""))
         self.endpoint = ep
         self._sock = sock
+        self._rbuf = bytearray()
+        self._timeout = None  # the timeout set on this socket (plain sockets: SO_RCVTIMEO and SO_SNDTIMEO)
         log.debug("connected to %s at %s:%d", self.qmgr, *ep)
 
     def _drop(self) -> None:
@@ -296,9 +303,12 @@ class Client(UnitOfWorkScope):
                 if len(frame) - 4 > self.max_frame:
                     self._too_long(op, args, len(frame) - 4)
                 try:
-                    self._sock.settimeout(self.request_timeout + wait_s)
+                    self._set_timeout(self.request_timeout + wait_s)
                     self._sock.sendall(frame)
-                    reply = recv_frame(self._sock, self.max_frame)
+                    body = recv_body(self._sock, self._rbuf, self.max_frame)
+                    if body is None:
+                        raise ConnectionError("connection closed by the server")
+                    reply = decode_body(body)
                 except (OSError, ProtocolError, FrameTooLargeError) as e:
                     self._lost(op, syncpoint, in_flight=True, why=str(e) or type(e).__name__)
                     continue
@@ -320,6 +330,18 @@ class Client(UnitOfWorkScope):
             if op in READ_ONLY:
                 raise QueueManagerUnavailableError(f"{op}: the connection was lost twice")
             raise BackedOutError(f"{op}: the connection was lost twice; the unit of work was backed out")
+
+    def _set_timeout(self, seconds: float) -> None:
+        """The reply must come within seconds. A plain socket stays blocking with the kernel's receive timeout
+        (set only when it changes): no poll before each send and receive, as a Python socket timeout makes."""
+        assert self._sock is not None
+        if seconds == self._timeout:
+            return
+        if isinstance(self._sock, ssl.SSLSocket):
+            self._sock.settimeout(seconds)
+        else:
+            set_kernel_timeout(self._sock, seconds)
+        self._timeout = seconds
 
     def _too_long(self, op: str, args: dict[str, Any], length: int) -> NoReturn:
         """A request this connection cannot carry: refused before anything is sent (the UOW is as it was)."""

@@ -209,6 +209,41 @@ def recv_frame(sock: socket.socket, max_frame: int) -> Any:
     return decode_body(recv_exactly(sock, length))
 
 
+def recv_body(sock: socket.socket, buf: bytearray, max_frame: int) -> bytes | None:
+    """The next frame's body from a blocking socket, reading ahead into buf (kept by the caller for the next
+    call: one recv usually brings a whole frame), or None at a clean end of stream between frames. A longer frame
+    than max_frame is refused from its header, before its body is read."""
+    while len(buf) < HEADER.size:
+        chunk = sock.recv(65536)
+        if not chunk:
+            if buf:
+                raise ConnectionError("the peer closed the connection in the middle of a frame")
+            return None
+        buf += chunk
+    (length,) = HEADER.unpack_from(buf)
+    check_length(length, max_frame)
+    end = HEADER.size + length
+    while len(buf) < end:
+        chunk = sock.recv(max(65536, min(end - len(buf), 2**20)))
+        if not chunk:
+            raise ConnectionError("the peer closed the connection in the middle of a frame")
+        buf += chunk
+    body = bytes(buf[HEADER.size:end])
+    del buf[:end]
+    return body
+
+
+def set_kernel_timeout(sock: socket.socket, seconds: float | None) -> None:
+    """Blocking mode, with the kernel timing out a receive or a send (SO_RCVTIMEO, SO_SNDTIMEO: the call fails
+    with EAGAIN, an OSError) instead of Python polling before every call, as a socket with a Python timeout does
+    (a syscall each). None or 0: no timeout."""
+    sock.settimeout(None)
+    sec = 0.0 if not seconds or seconds <= 0 else seconds
+    timeval = struct.pack("ll", int(sec), int((sec - int(sec)) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+
+
 # --- requests and replies ----------------------------------------------------------------------------------
 def parse_request(obj: Any) -> tuple[int, str, dict[str, Any]]:
     """(id, op, args) of a decoded request; a malformed one raises ProtocolError (with the id when known)."""
@@ -274,13 +309,18 @@ def arg(args: dict[str, Any], op: str, name: str, kind: type | tuple[type, ...],
     return value
 
 
+# A message's fields, read once: dataclasses.asdict (a recursive deep copy) and fields() per message cost about as
+# much CPU as the rest of a request's handling (issue 15). The wire form is a shallow map: it is packed at once.
+_MESSAGE_FIELDS = tuple(f.name for f in dataclasses.fields(Message))
+_MESSAGE_NAMES = frozenset(_MESSAGE_FIELDS)
+
+
 def message_to_wire(m: Message) -> dict[str, Any]:
-    return dataclasses.asdict(m)
+    return {name: getattr(m, name) for name in _MESSAGE_FIELDS}
 
 
 def message_from_wire(obj: dict[str, Any]) -> Message:
-    names = {f.name for f in dataclasses.fields(Message)}
-    return Message(**{k: v for k, v in obj.items() if k in names})
+    return Message(**{k: v for k, v in obj.items() if k in _MESSAGE_NAMES})
 
 
 __all__ = ["APPLICATION", "AUTH_METHOD", "DEFAULT_MAX_FRAME", "ENVELOPE", "ERROR_CLASSES", "NONCE_BYTES", "OPERATOR",

@@ -2,7 +2,10 @@
 
 The QueueManager API is synchronous (blocking Redis calls, fsync), so each client connection gets one worker
 thread: its requests run there one after another, on one sqm.connection.Connection, which keeps the connection's
-unit of work on one handle, like an MQ connection handle. When the connection goes away its open UOW is backed
+unit of work on one handle, like an MQ connection handle. The event loop accepts the connection and runs the
+handshake; once a plain (non-TLS) connection has authenticated, its thread reads, runs and answers its requests
+itself on blocking socket calls (no hand-off from the loop to the thread and back per request: issue 15), and the
+loop only ends it at shutdown. A TLS connection stays on the event loop, which hands each request to its thread. When the connection goes away its open UOW is backed
 out (MQ backs out on an abnormal end); a prepared (in-doubt) UOW stays in doubt for its coordinator.
 
 Health, readiness and Prometheus metrics are served over HTTP on a second port: /healthz, /readyz, /metrics.
@@ -31,6 +34,7 @@ import json
 import logging
 import os
 import secrets
+import select
 import signal
 import socket
 import ssl
@@ -85,6 +89,8 @@ from sqm.service.protocol import (
     ok_reply,
     parse_request,
     read_frame,
+    recv_body,
+    set_kernel_timeout,
 )
 
 log = logging.getLogger("sqm.service.server")
@@ -138,6 +144,29 @@ def is_loopback_host(host: str) -> bool:
 def _short(text: str, n: int = 40) -> str:
     """A peer-chosen string as it may appear in a message or a log line: bounded."""
     return repr(text) if len(text) <= n else repr(text[:n]) + f"...({len(text)} chars)"
+
+
+class _PeerWatch(threading.Event):
+    """Set when the client of a connection served by its own thread has gone: is_set() looks at the socket (a
+    waiting get asks it between polls of the CF), like the event loop's read of the next frame does."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        super().__init__()
+        self._sock = sock
+
+    def is_set(self) -> bool:
+        if super().is_set():
+            return True
+        try:
+            readable, _, _ = select.select([self._sock], [], [], 0)
+            if not readable or self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
+                return False  # nothing to read, or the client's next request (sent ahead): still there
+        except (BlockingIOError, InterruptedError):
+            return False
+        except (OSError, ValueError):
+            pass
+        self.set()  # end of stream, or a broken connection
+        return True
 
 
 class ServerConfigError(ValueError):
@@ -283,6 +312,8 @@ class SQMServer:
         self._stop: asyncio.Event | None = None
         self._stopping = False
         self._inflight = 0
+        self._lock = threading.Lock()  # counts shared by the event loop and the connections' threads
+        self._direct: dict[int, socket.socket] = {}  # session number -> socket served by its own thread
         self._tasks: set[asyncio.Task[Any]] = set()
         self._sessions = 0
         self._failures = _Failures()
@@ -296,6 +327,10 @@ class SQMServer:
             "define": self._op_define,
         }
         self.registry = metrics.make_registry(self.qm, self.server_stats)
+
+    def _count(self, key: tuple[str, str]) -> None:
+        with self._lock:
+            self.stats.requests[key] += 1
 
     # --- life cycle --------------------------------------------------------------------------------------
     def server_stats(self) -> dict[str, Any]:
@@ -404,6 +439,9 @@ class SQMServer:
         if self._inflight:
             log.warning("%s: %d requests still running after %.1fs; closing their connections", self.qm.name,
                         self._inflight, self.config.shutdown_grace_s)
+        for sock in list(self._direct.values()):  # wakes each connection thread blocked reading its next request
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
@@ -573,7 +611,7 @@ class SQMServer:
             except FrameTooLargeError as e:
                 self._warn("frame", "%s: connection %d (%s): %s; closing it", self.qm.name, session.number,
                            session.peer, e)
-                self.stats.requests[(OP_LABEL_UNKNOWN, e.reason_name)] += 1
+                self._count((OP_LABEL_UNKNOWN, e.reason_name))
                 if not session.authenticated:
                     self._unauthenticated_refusal(session, "frame_too_large")
                 await self._send(writer, error_reply(None, e))
@@ -589,7 +627,7 @@ class SQMServer:
             except ProtocolError as e:
                 known_id = obj.get("id") if isinstance(obj, dict) and isinstance(obj.get("id"), int) else None
                 log.info("%s: connection %d: bad request: %.200s", self.qm.name, session.number, e)
-                self.stats.requests[(OP_LABEL_UNKNOWN, e.reason_name)] += 1
+                self._count((OP_LABEL_UNKNOWN, e.reason_name))
                 await self._send(writer, error_reply(known_id, e))
                 if not session.authenticated:
                     self._unauthenticated_refusal(session, "malformed")
@@ -598,30 +636,33 @@ class SQMServer:
             if op in ("hello", "auth"):
                 if session.authenticated and (self.config.auth or op == "auth"):
                     again = BadRequestError(f"{op}: this connection has already authenticated (as {session.role})")
-                    self.stats.requests[(op, again.reason_name)] += 1
+                    self._count((op, again.reason_name))
                     await self._send(writer, error_reply(rid, again, uow=session.uow_open()))
                     continue
                 reply = await (self._hello(session, rid, args) if op == "hello" else self._auth(session, rid, args))
                 await self._send(writer, reply)
                 if not reply["ok"]:
                     return
+                if session.authenticated and not session.tls:
+                    await self._serve_direct(session, reader, writer)
+                    return
                 continue
             if not session.authenticated:
                 exc = NotAuthorizedError(f"authenticate first: send hello and auth before {_short(op)}")
-                self.stats.requests[(op_label(op), exc.reason_name)] += 1
+                self._count((op_label(op), exc.reason_name))
                 self._unauthenticated_refusal(session, "not_authenticated")
                 await self._send(writer, error_reply(rid, exc))
                 return
             if op not in self._handlers:
                 bad = BadRequestError(f"unknown operation {_short(op)}; known: {', '.join(OPS)}")
-                self.stats.requests[(OP_LABEL_UNKNOWN, bad.reason_name)] += 1
+                self._count((OP_LABEL_UNKNOWN, bad.reason_name))
                 await self._send(writer, error_reply(rid, bad, uow=session.uow_open()))
                 continue
             assert session.role is not None
             if op not in ROLE_OPS[session.role]:
                 denied = NotAuthorizedError(f"{op}: not authorized for the {session.role} role (an operator's "
                                             "request: connect with the operator token)")
-                self.stats.requests[(op, denied.reason_name)] += 1
+                self._count((op, denied.reason_name))
                 self._warn(f"denied-{op}", "%s: connection %d (%s, %s): %s refused to the %s role", self.qm.name,
                            session.number, session.peer, session.client_name or "no name", op, session.role)
                 await self._send(writer, error_reply(rid, denied, uow=session.uow_open()))
@@ -630,7 +671,8 @@ class SQMServer:
                 quiesce = QuiescingError(f"queue manager {self.qm.name} is shutting down; {op} not carried out")
                 await self._send(writer, error_reply(rid, quiesce, uow=session.uow_open()))
                 continue
-            self._inflight += 1
+            with self._lock:
+                self._inflight += 1
             try:
                 work = loop.run_in_executor(session.executor, self._dispatch, session, rid, op, args)
                 next_frame = self._read_next(session, reader)
@@ -640,17 +682,128 @@ class SQMServer:
                     session.gone.set()  # the client left (or broke the stream) while its request ran
                 reply = await work
             finally:
-                self._inflight -= 1
+                with self._lock:
+                    self._inflight -= 1
             if session.gone.is_set():
                 log.info("%s: connection %d (%s) left during %s; its reply is dropped", self.qm.name,
                          session.number, session.peer, op)
                 return
             reply, frame = self._bounded(session, rid, op, reply)
-            self.stats.requests[(op, "ok" if reply["ok"] else reply["error"]["reason_name"])] += 1
+            self._count((op, "ok" if reply["ok"] else reply["error"]["reason_name"]))
             writer.write(frame)
             await writer.drain()
             if not reply["ok"] and reply["error"]["type"] == FencedError.__name__:
                 self.request_stop(EXIT_FENCED)
+
+    # --- an authenticated connection served by its own thread -------------------------------------------------
+    async def _serve_direct(self, session: Session, reader: asyncio.StreamReader,
+                            writer: asyncio.StreamWriter) -> None:
+        """From here on the connection's thread reads, runs and answers its requests itself, on blocking socket
+        calls: no hand-off from the event loop to the thread and back per request (two wake-ups and a self-pipe
+        write each), which cost more CPU than the request's own work (issue 15). The event loop keeps the accept,
+        the handshake, the limits, TLS connections (whose transport it cannot hand over) and the shutdown."""
+        transport = writer.transport
+        assert isinstance(transport, asyncio.Transport)
+        tsock = transport.get_extra_info("socket")
+        if tsock is None:
+            raise ConnectionError("no socket to hand over")
+        transport.pause_reading()
+        buffered = getattr(reader, "_buffer", None)  # what the stream read past the handshake (normally nothing)
+        leftover = bytearray(buffered or b"")
+        if buffered:
+            buffered.clear()
+        sock = socket.socket(fileno=os.dup(tsock.fileno()))  # ours; the transport closes its own at the end
+        sock.setblocking(True)
+        session.gone = _PeerWatch(sock)
+        if session.conn is not None:
+            session.conn.gone = session.gone
+        self._direct[session.number] = sock
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(session.executor, self._direct_loop, session, sock, leftover, loop)
+        except asyncio.CancelledError:  # shutdown: the thread ends at its next read (the socket is shut down)
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            raise
+        finally:
+            self._direct.pop(session.number, None)
+
+    def _direct_loop(self, session: Session, sock: socket.socket, buf: bytearray,
+                     loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            set_kernel_timeout(sock, self.config.idle_timeout_s)
+            while True:
+                try:
+                    body = recv_body(sock, buf, session.request_limit)
+                except (BlockingIOError, TimeoutError):  # SO_RCVTIMEO: no request for the idle timeout
+                    with self._lock:
+                        self.stats.closed["idle_timeout"] += 1
+                    log.info("%s: connection %d (%s, %s) idle for %gs; closing it (its open UOW is backed out)",
+                             self.qm.name, session.number, session.peer, session.client_name or "no name",
+                             self.config.idle_timeout_s)
+                    return
+                except FrameTooLargeError as e:
+                    self._warn("frame", "%s: connection %d (%s): %s; closing it", self.qm.name, session.number,
+                               session.peer, e)
+                    self._count((OP_LABEL_UNKNOWN, e.reason_name))
+                    sock.sendall(encode_frame(error_reply(None, e)))
+                    return
+                if body is None:
+                    return
+                reply = self._direct_request(session, body)
+                if reply is None:
+                    log.info("%s: connection %d (%s) left during a request; its reply is dropped", self.qm.name,
+                             session.number, session.peer)
+                    return
+                sock.sendall(reply[0])
+                if reply[1]:
+                    loop.call_soon_threadsafe(self.request_stop, EXIT_FENCED)
+        except OSError as e:  # the client went away (reset, broken pipe) or the shutdown closed its socket
+            log.debug("%s: connection %d ended: %s", self.qm.name, session.number, e)
+        finally:
+            sock.close()
+
+    def _direct_request(self, session: Session, body: bytes) -> tuple[bytes, bool] | None:
+        """One request of an authenticated connection: (reply frame, fenced), or None when the client left."""
+        obj: Any = None
+        try:
+            obj = decode_body(body)
+            rid, op, args = parse_request(obj)
+        except ProtocolError as e:
+            known_id = obj.get("id") if isinstance(obj, dict) and isinstance(obj.get("id"), int) else None
+            log.info("%s: connection %d: bad request: %.200s", self.qm.name, session.number, e)
+            self._count((OP_LABEL_UNKNOWN, e.reason_name))
+            return encode_frame(error_reply(known_id, e)), False
+        refusal: MQError | None = None
+        label = op
+        if op in ("hello", "auth"):
+            refusal = BadRequestError(f"{op}: this connection has already authenticated (as {session.role})")
+        elif op not in self._handlers:
+            refusal = BadRequestError(f"unknown operation {_short(op)}; known: {', '.join(OPS)}")
+            label = OP_LABEL_UNKNOWN
+        elif op not in ROLE_OPS[session.role or ""]:
+            refusal = NotAuthorizedError(f"{op}: not authorized for the {session.role} role (an operator's "
+                                         "request: connect with the operator token)")
+            self._warn(f"denied-{op}", "%s: connection %d (%s, %s): %s refused to the %s role", self.qm.name,
+                       session.number, session.peer, session.client_name or "no name", op, session.role)
+        elif self._stopping:
+            quiesce = QuiescingError(f"queue manager {self.qm.name} is shutting down; {op} not carried out")
+            return encode_frame(error_reply(rid, quiesce, uow=session.uow_open())), False
+        if refusal is not None:
+            self._count((label, refusal.reason_name))
+            return encode_frame(error_reply(rid, refusal, uow=session.uow_open())), False
+        with self._lock:
+            self._inflight += 1
+        try:
+            reply = self._dispatch(session, rid, op, args)
+        finally:
+            with self._lock:
+                self._inflight -= 1
+        if threading.Event.is_set(session.gone):  # only what the request saw (no look at the socket per request)
+            return None
+        reply, frame = self._bounded(session, rid, op, reply)
+        self._count((op, "ok" if reply["ok"] else reply["error"]["reason_name"]))
+        return frame, not reply["ok"] and reply["error"]["type"] == FencedError.__name__
 
     # --- authentication ---------------------------------------------------------------------------------------
     def _authenticated(self, session: Session, role: str, method: str) -> None:
@@ -666,7 +819,7 @@ class SQMServer:
                       message: str = "authentication failed") -> dict[str, Any]:
         """A failed authentication: counted, logged (throttled), answered after the address's delay."""
         self.stats.auth_failures[reason] += 1
-        self.stats.requests[("auth", NotAuthorizedError.reason_name)] += 1
+        self._count(("auth", NotAuthorizedError.reason_name))
         n, delay = self._failures.record(session.peer_ip, time.monotonic())
         if n & (n - 1) == 0:  # the 1st, 2nd, 4th, 8th... failure in a row from that address
             log.warning("%s: connection %d (%s, %s): authentication failed: %s (%d failures in a row from %s; "
@@ -697,7 +850,7 @@ class SQMServer:
         session.nonce = new_nonce()
         if token is not None and self.config.auth:
             return await self._bearer(session, rid, token)
-        self.stats.requests[("hello", "ok")] += 1
+        self._count(("hello", "ok"))
         return ok_reply(rid, self._hello_result(session))
 
     def _hello_result(self, session: Session) -> dict[str, Any]:
@@ -723,7 +876,7 @@ class SQMServer:
         if not matched:
             return await self._failed(session, rid, "bad_proof", "wrong token")
         self._authenticated(session, matched[0], "bearer")
-        self.stats.requests[("hello", "ok")] += 1
+        self._count(("hello", "ok"))
         return ok_reply(rid, self._hello_result(session))
 
     def _transcript(self, session: Session, side: str, role: str) -> bytes:
@@ -747,7 +900,7 @@ class SQMServer:
             why = "wrong proof" if token is not None else f"no such role here: {_short(role)}"
             return await self._failed(session, rid, "bad_proof", why)
         self._authenticated(session, role, "challenge")
-        self.stats.requests[("auth", "ok")] += 1
+        self._count(("auth", "ok"))
         return ok_reply(rid, {"role": role, "epoch": self.qm.caller.epoch,
                               "proof": auth_proof(token, self._transcript(session, "server", role))})
 

@@ -1,0 +1,143 @@
+"""Where one message lifecycle's time goes through the network service (issue 15): a profile, not a benchmark.
+
+An SQM server (sqm.service.server.SQMServer with its QueueManager, authentication on) runs in this process on a
+private CF (redis-server, no persistence); N clients (sqm.service.client.Client, one thread each) run the lifecycle
+of bench_peers.py (1 KiB persistent put + commit, get + commit) from a child process for --seconds. Per lifecycle:
+  wall:          the time one client waits for one lifecycle;
+  fsync:         wall time in the log's fdatasync (sqm.log.writer._fdatasync wrapped; summed over the clients);
+  CF round trip: wall time in CF.run (every CF script call, as the server waits for it), and of that the CF's own
+                 execution time of the scripts (redis-server's INFO commandstats, evalsha);
+  CPU:           user+system time of the server process, the CF and the client process.
+
+    PYTHONPATH=<tree> .venv/bin/python bench/profile_service.py [--seconds 8] [--clients 1]
+
+PYTHONPATH picks the tree whose server and client are profiled (e.g. a `git archive` of an older commit, for a
+before/after); prints one JSON line. The work files go under var/ and are removed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+BENCH_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH_DIR))
+
+from bench_peers import TICK, cpu_ticks  # noqa: E402
+
+import sqm.log.writer as writer  # noqa: E402
+from cfemu import cf as cfmod  # noqa: E402
+from cfemu.admin import Admin  # noqa: E402
+from cfemu.embedded import EmbeddedRedis  # noqa: E402
+from sqm.manager import QueueManager, QueueManagerConfig  # noqa: E402
+from sqm.service.server import ServerConfig, SQMServer  # noqa: E402
+
+TOKEN = "profile-token-" + "x" * 24
+CLIENT = '''
+import os, sys, threading, time
+from sqm.service.client import Client
+body = os.urandom(1024)
+n, seconds = int(sys.argv[2]), float(sys.argv[3])
+handles = [Client(sys.argv[1], token=sys.argv[4]) for _ in range(n)]
+for c in handles:
+    for _ in range(20):
+        c.put("Q1", body); c.commit(); c.get("Q1", wait_ms=1000); c.commit()
+print("ready", flush=True)
+sys.stdin.readline()
+stop, counts = time.time() + seconds, [0] * n
+def run(i):
+    c = handles[i]
+    while time.time() < stop:
+        c.put("Q1", body); c.commit(); c.get("Q1", wait_ms=1000); c.commit(); counts[i] += 1
+threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+[t.start() for t in threads]; [t.join() for t in threads]
+print(sum(counts), flush=True)
+'''
+
+
+class Stopwatch:
+    def __init__(self) -> None:
+        self.seconds, self.calls = 0.0, 0
+
+    def wrap(self, fn: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+                self.calls += 1
+        return timed
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=float, default=8.0)
+    ap.add_argument("--clients", type=int, default=1)
+    args = ap.parse_args(argv)
+    (BENCH_DIR.parent / "var").mkdir(exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="profile-service-", dir=BENCH_DIR.parent / "var"))
+    srv = EmbeddedRedis(data_dir=work / "cf").start()
+    try:
+        r = srv.client()
+        admin = Admin(r)
+        admin.define_structure("APP1")
+        admin.define_queue("Q1", "APP1")
+        fsync, cf = Stopwatch(), Stopwatch()
+        writer._fdatasync = fsync.wrap(writer._fdatasync)  # type: ignore[attr-defined]
+        cfmod.CF.run = cf.wrap(cfmod.CF.run)  # type: ignore[method-assign]
+        qm = QueueManager(QueueManagerConfig(name="QM1", log_root=work / "logs", redis_url=srv.url, lease_ms=60_000))
+        server = SQMServer(ServerConfig(name="QM1", log_root=work / "logs", redis_url=srv.url, token=TOKEN), qm=qm)
+        threading.Thread(target=lambda: asyncio.run(server.run(install_signals=False)), daemon=True).start()
+        deadline = time.monotonic() + 60
+        while not (qm.running and server.port) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        client = subprocess.Popen([sys.executable, "-c", CLIENT, f"127.0.0.1:{server.port}", str(args.clients),
+                                   str(args.seconds), TOKEN], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert client.stdin is not None and client.stdout is not None
+        if client.stdout.readline().strip() != "ready":
+            raise SystemExit("the client did not start")
+        stats0 = r.info("commandstats")
+        fsync.seconds = fsync.calls = cf.seconds = cf.calls = 0  # type: ignore[assignment]
+        pids = {"server": os.getpid(), "cf": srv.pid or 0, "client": client.pid}
+        cpu0 = {k: cpu_ticks([p]) for k, p in pids.items()}
+        t0 = time.time()
+        client.stdin.write("go\n")
+        client.stdin.flush()
+        n = int(client.stdout.readline())
+        elapsed = time.time() - t0
+        cpu1 = {k: cpu_ticks([p]) for k, p in pids.items()}
+        stats1 = r.info("commandstats")
+        client.wait()
+
+        def usec(stats: dict[str, Any], only: str | None = None) -> int:
+            return sum(int(v["usec"]) for k, v in stats.items() if only is None or k == only)
+        per = 1e6 / n
+        print(json.dumps({
+            "pythonpath": os.environ.get("PYTHONPATH", ""), "clients": args.clients,
+            "lifecycles_per_s": round(n / elapsed, 1), "wall_us_per_lifecycle": round(elapsed * per * args.clients),
+            "fsync_us": round(fsync.seconds * per), "fsyncs": round(fsync.calls / n, 2),
+            "cf_round_trip_us": round(cf.seconds * per), "cf_calls": round(cf.calls / n, 2),
+            "cf_script_server_us": round((usec(stats1, "cmdstat_evalsha") - usec(stats0, "cmdstat_evalsha")) / n),
+            "cf_all_commands_server_us": round((usec(stats1) - usec(stats0)) / n),
+            **{f"cpu_{k}_us": round((cpu1[k] - cpu0[k]) / TICK * per) for k in pids},
+            "load": [round(x, 2) for x in os.getloadavg()]}))
+        sys.stdout.flush()
+    finally:
+        srv.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    os._exit(0)  # the server's thread and its QueueManager's threads are daemons of a throwaway process
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""Every benchmark in bench/ runs (issue 15): each script in its quickest mode, side by side, so that a stale one
+(bench_backup.py once filled with put arguments from before a protocol change, bench_service.py once connected
+to a CF that had since gained users and passwords) fails the default suite instead of waiting for someone to run
+it. The figures are not checked: on a loaded machine they mean nothing at this length.
+
+The scripts run from a copy of bench/ in a temporary directory, so their result lines and work files stay out of
+the repository; peers that would need installing (bench_peers.py's PostgreSQL and RabbitMQ) are skipped by the
+script itself (--no-install) with a message and no figure.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BENCH = REPO / "bench"
+
+# Each script's quickest run (default: --quick). Keep the whole test well under a minute on 2 cores.
+QUICKEST: dict[str, list[str]] = {
+    "bench_lifecycle.py": ["--quick"],
+    "bench_service.py": ["--quick", "--seconds", "0.5", "--clients", "1", "2"],
+    "bench_backup.py": ["--quick", "--messages", "2000", "--seconds", "0.5"],
+    "bench_spark.py": ["--quick", "--sizes", "5000", "--masters"],  # the local engine only: no JVM start
+    "bench_peers.py": ["--quick", "--seconds", "0.5", "--clients", "1", "--client-procs", "1", "--no-install"],
+}
+TIMEOUT_S = 240
+
+
+def scripts() -> list[str]:
+    return sorted(p.name for p in BENCH.glob("bench_*.py"))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, str, float]]:
+    """Run every script at once (each mostly waits on servers and fsyncs); name -> (exit code, output, seconds)."""
+    copy = tmp_path_factory.mktemp("bench-run") / "bench"
+    shutil.copytree(BENCH, copy, ignore=shutil.ignore_patterns("results", "__pycache__"))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "COLUMNS": "160"}
+    procs = {}
+    for name in scripts():
+        out = open(copy / f"{name}.out", "wb")  # noqa: SIM115  (closed below)
+        procs[name] = (subprocess.Popen([sys.executable, str(copy / name), *QUICKEST.get(name, ["--quick"])],
+                                        cwd=copy.parent, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                        stderr=subprocess.STDOUT, start_new_session=True), out, time.monotonic())
+    results = {}
+    deadline = time.monotonic() + TIMEOUT_S
+    for name, (proc, out, t0) in procs.items():
+        try:
+            rc = proc.wait(max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = proc.wait()
+        out.close()
+        results[name] = (rc, (copy / f"{name}.out").read_text(errors="replace"), time.monotonic() - t0)
+    return results
+
+
+def test_every_benchmark_has_a_quickest_mode() -> None:
+    assert set(QUICKEST) <= set(scripts()), f"QUICKEST names a script that is gone: {set(QUICKEST) - set(scripts())}"
+
+
+@pytest.mark.parametrize("name", scripts())
+def test_benchmark_runs(name: str, runs: dict[str, tuple[int, str, float]]) -> None:
+    rc, output, seconds = runs[name]
+    assert rc == 0, f"{name} {' '.join(QUICKEST.get(name, ['--quick']))} exited {rc} after {seconds:.0f} s:\n{output[-4000:]}"
+
+
+def test_a_peer_that_cannot_be_had_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not installed and --no-install (or not root): Unavailable, with the reason; bench_peers then reports the
+    peer as skipped, with no figure."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import bench_peers
+
+    monkeypatch.setattr(bench_peers.glob, "glob", lambda pattern: [])
+    monkeypatch.setattr(bench_peers.shutil, "which", lambda name: None)
+    monkeypatch.setattr(bench_peers, "Path", lambda p: Path("/nonexistent") / str(p).lstrip("/"))
+    with pytest.raises(bench_peers.Unavailable, match="--no-install"):
+        bench_peers.pg_bin(False)
+    with pytest.raises(bench_peers.Unavailable, match="--no-install"):
+        bench_peers.rabbit_bin(False)
+    monkeypatch.setattr(bench_peers.os, "geteuid", lambda: 1000)
+    with pytest.raises(bench_peers.Unavailable, match="does not allow installing"):
+        bench_peers.pg_bin(True)
