@@ -46,6 +46,7 @@ from sqm import records
 from sqm.clock import LrsnClock, now_ms
 from sqm.failpoints import failpoint
 from sqm.log import RecordLog
+from sqm.recauto import RecoverStructure, StructureRecovery
 from sqm.records import INBACKOUT, INCOMMIT, INDOUBT, Record
 from sqm.uow import UnitOfWork
 
@@ -72,6 +73,9 @@ class QueueManagerConfig:
     # MQRC_RESOURCE_PROBLEM; a local limit is never reported as a failed CF structure.
     cf_connections: int = 64
     cf_pool_timeout_s: float = 30.0
+    # RECAUTO (sqm.recauto): how this member restores a failed structure; injected by the top floor (qsg.member
+    # wires restore in); None: this member never recovers a structure by itself.
+    recover_structure: RecoverStructure | None = None
 
 
 def reply_lost(e: BaseException) -> bool:
@@ -112,6 +116,7 @@ class QueueManager:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.last_restart: Any = None
+        self.recauto = StructureRecovery(self, config.recover_structure) if config.recover_structure else None
 
     # --- life cycle -------------------------------------------------------------------------------------
     @property
@@ -521,6 +526,8 @@ class QueueManager:
             try:
                 self.retry_pending()
                 recover_peers(self)
+                if self.recauto is not None:
+                    self.recauto.check()
                 if time.monotonic() >= next_expiry:
                     next_expiry = time.monotonic() + self.config.expiry_interval_ms / 1000
                     self.expire_messages()
