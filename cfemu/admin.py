@@ -38,6 +38,15 @@ class StructureDef:
     name: str
     max_entries: int = 0  # 0 = unlimited
     max_bytes: int = 0
+    # RECAUTO (MQ's CFSTRUCT RECAUTO): a member that finds the structure failed restores it without an operator
+    # (sqm.recauto). On by default, as in MQ; a definition written before the attribute existed reads as on.
+    recauto: bool = True
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> StructureDef:
+        """A definition as stored (admin structure, group repository, a backup's structure_def), old ones too."""
+        return cls(str(d["name"]), int(d.get("max_entries", 0) or 0), int(d.get("max_bytes", 0) or 0),
+                   bool(d.get("recauto", True)))
 
 
 @dataclass
@@ -87,7 +96,7 @@ class Admin:
 
     # --- structures -----------------------------------------------------------------------------------
     def define_structure(self, name: str, *, max_entries: int = 0, max_bytes: int = 0,
-                         replace: bool = False, clock: int = 0) -> StructureDef:
+                         replace: bool = False, clock: int = 0, recauto: bool = True) -> StructureDef:
         """Define a structure and create it in the CF. clock: where a new structure's LRSN clock starts (the
         group repository's definition LRSN: every record of the structure's work then lies above it)."""
         keys.check_name("structure", name)
@@ -95,7 +104,7 @@ class Admin:
             raise AdminError("ADMIN is the admin structure's name; choose another")
         if max_entries < 0 or max_bytes < 0:
             raise AdminError("structure capacity must be >= 0 (0 = unlimited)")
-        sdef = StructureDef(name, max_entries, max_bytes)
+        sdef = StructureDef(name, max_entries, max_bytes, recauto)
         if not self.redis.hsetnx(STRUCTURES, name, _pack(sdef)):
             if not replace:
                 raise AdminError(f"structure {name} is already defined")
@@ -110,13 +119,13 @@ class Admin:
     def structures(self) -> list[StructureDef]:
         """Every defined structure; a malformed definition is reported (bad_entries) and skipped, so one bad
         admin entry cannot stop every member's housekeeping."""
-        return [d for d in (self._decode(STRUCTURES, k, v, StructureDef)
+        return [d for d in (self._decode(STRUCTURES, k, v, lambda **d: StructureDef.from_dict(d))
                             for k, v in self.redis.hgetall(STRUCTURES).items()) if d is not None]
 
     def _decode(self, key: str, field: Any, value: Any, cls: Any) -> Any:
         try:
             return cls(**msgpack.unpackb(value, raw=False))
-        except (ValueError, TypeError, msgpack.UnpackException) as e:
+        except (ValueError, TypeError, KeyError, msgpack.UnpackException) as e:
             name = keys.text(field)
             if (key, name) not in self.bad_entries:
                 log.error("malformed admin entry %s[%s] skipped: %s", key, name, e)
@@ -127,7 +136,7 @@ class Admin:
         raw = self.redis.hget(STRUCTURES, name)
         if raw is None:
             raise AdminError(f"structure {name} is not defined")
-        return StructureDef(**msgpack.unpackb(raw, raw=False))
+        return StructureDef.from_dict(msgpack.unpackb(raw, raw=False))
 
     def set_state(self, name: str, state: str) -> None:
         if state not in STRUCTURE_STATES:
@@ -248,6 +257,37 @@ class Admin:
 
     def release_recovery_lock(self, failed: str) -> None:
         self.redis.delete(keys.recovery_lock(failed))
+
+    # --- automatic structure recovery (RECAUTO; sqm.recauto) ----------------------------------------------
+    def try_structure_recovery_lock(self, structure: str, holder: str, ttl_ms: int) -> bool:
+        """Take the lock that makes one member the recoverer of a failed structure (SET NX PX). holder: the
+        member and its epoch ("QM2@1795..."), so that a re-joined incarnation is not taken for its old one."""
+        return bool(self.redis.set(keys.structure_recovery_lock(structure), holder, nx=True, px=ttl_ms))
+
+    def renew_structure_recovery_lock(self, structure: str, holder: str, ttl_ms: int) -> bool:
+        """Move the lock's expiry on, only while holder holds it; False: it lapsed or another took it."""
+        return self._run("hold_lock", [keys.structure_recovery_lock(structure)], [holder, ttl_ms]) == 1
+
+    def release_structure_recovery_lock(self, structure: str, holder: str) -> bool:
+        """Release the lock, only if holder still holds it (never another member's)."""
+        return self._run("hold_lock", [keys.structure_recovery_lock(structure)], [holder, 0]) == 1
+
+    def structure_recovery_holder(self, structure: str) -> str | None:
+        raw = self.redis.get(keys.structure_recovery_lock(structure))
+        return keys.text(raw) if raw is not None else None
+
+    def set_recovery_attempt(self, structure: str, holder: str | None) -> None:
+        """Mark (or, with None, clear) an automatic recovery under way. The mark has no TTL: a structure left
+        RECOVERING by an automatic restore whose member died shows the mark with no live lock, and is recovered
+        again; a RECOVERING structure without it is an operator's restore, which members leave alone."""
+        if holder is None:
+            self.redis.hdel(keys.recovery_attempts(), structure)
+        else:
+            self.redis.hset(keys.recovery_attempts(), structure, holder)
+
+    def recovery_attempt(self, structure: str) -> str | None:
+        raw = self.redis.hget(keys.recovery_attempts(), structure)
+        return keys.text(raw) if raw is not None else None
 
     def forget_member(self, member: str) -> None:
         """After peer recovery: the member stays fenced (its epoch stays) but is no longer a live member."""

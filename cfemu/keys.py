@@ -157,6 +157,16 @@ def recovery_lock(member: str) -> str:
     return f"{ADMIN}:recovering:{member}"
 
 
+def structure_recovery_lock(structure: str) -> str:
+    """String with a TTL: the member recovering this failed structure automatically (RECAUTO), "member@epoch"."""
+    return f"{ADMIN}:recauto:{structure}"
+
+
+def recovery_attempts() -> str:
+    """Hash: structure -> "member@epoch" of an automatic recovery under way (no TTL; cleared when it ends)."""
+    return f"{ADMIN}:recauto-attempts"
+
+
 def backups(structure: str) -> str:
     """Hash: backup id -> msgpack catalog entry of the structure's backups (the copy in the CF)."""
     return f"{ADMIN}:backups:{structure}"

@@ -12,7 +12,7 @@ repository.json is replaced atomically (cfemu.durable.replace_file: temp file, f
     {"format": "cfemu-group-repository", "version": 1,
      "id": "<32 hex>",               the repository's identity; the CF records it ({ADMIN}:repository)
      "created_at": "<ISO 8601>",
-     "structures": {"APP1": {"name", "max_entries", "max_bytes", "lrsn", "defined_at", "updated_at"}},
+     "structures": {"APP1": {"name", "max_entries", "max_bytes", "recauto", "lrsn", "defined_at", "updated_at"}},
      "queues": {"Q1": {"name", "structure", "backout_threshold", "backout_queue", "max_msg_length", "lrsn",
                        "defined_at", "updated_at"}},
      "members": {"QM1": {"log": "<absolute log directory>", "joined_at", "last_joined_at"}}}
@@ -178,7 +178,12 @@ class GroupRepository:
         rec = ((self.load() or {}).get("structures") or {}).get(name)
         if rec is None:
             return None
-        return StructureDef(rec["name"], int(rec.get("max_entries", 0)), int(rec.get("max_bytes", 0))), int(rec["lrsn"])
+        return StructureDef.from_dict(rec), int(rec["lrsn"])
+
+    def structures(self) -> dict[str, StructureDef]:
+        """Every structure the repository defines, by name (an entry written before RECAUTO existed reads as on)."""
+        return {name: StructureDef.from_dict(rec)
+                for name, rec in ((self.load() or {}).get("structures") or {}).items()}
 
     def queues(self, structure: str | None = None) -> list[QueueDef]:
         """The queue definitions (of one structure, or all), sorted by name."""
@@ -217,7 +222,7 @@ def open_group_repository(admin: Admin, log_root: str | os.PathLike[str], *, who
 
 
 def define_structure(admin: Admin, repo: GroupRepository, name: str, *, max_entries: int = 0, max_bytes: int = 0,
-                     replace: bool = False) -> StructureDef:
+                     replace: bool = False, recauto: bool = True) -> StructureDef:
     """Define a structure in the CF and, durably, in the group repository (the CF is lost with its content;
     the repository is not). A structure the repository knows but the CF does not has a history in the logs:
     it is restored (cfrestore run), never defined again empty over it."""
@@ -228,9 +233,33 @@ def define_structure(admin: Admin, repo: GroupRepository, name: str, *, max_entr
                               f"the CF: the CF was lost; restore it with 'cfrestore run {name}' (or empty it with "
                               f"'cfrestore purge {name}')")
     lrsn = now_lrsn()
-    sdef = admin.define_structure(name, max_entries=max_entries, max_bytes=max_bytes, replace=replace, clock=lrsn)
+    sdef = admin.define_structure(name, max_entries=max_entries, max_bytes=max_bytes, replace=replace, clock=lrsn,
+                                  recauto=recauto)
     repo.record_structure(sdef, lrsn)
     return sdef
+
+
+def alter_structure(admin: Admin, repo: GroupRepository, name: str, *, max_entries: int | None = None,
+                    max_bytes: int | None = None, recauto: bool | None = None) -> StructureDef:
+    """Change the attributes given (None: keep), in the CF and the group repository (ALTER CFSTRUCT). A structure
+    the CF lost is altered in the repository alone (e.g. RECAUTO off before anyone restores it): restore
+    recreates it from there."""
+    keys.check_name("structure", name)
+    known = repo.structure(name)
+    in_cf = name in {s.name for s in admin.structures()}
+    if in_cf:
+        old = admin.structure_def(name)
+    elif known is not None:
+        old = known[0]
+    else:
+        raise RepositoryError(f"structure {name} is not defined")
+    new = StructureDef(name, old.max_entries if max_entries is None else max_entries,
+                       old.max_bytes if max_bytes is None else max_bytes, old.recauto if recauto is None else recauto)
+    if in_cf:
+        new = admin.define_structure(name, max_entries=new.max_entries, max_bytes=new.max_bytes, replace=True,
+                                     recauto=new.recauto)
+    repo.record_structure(new, known[1] if known else now_lrsn())
+    return new
 
 
 def define_queue(admin: Admin, repo: GroupRepository, name: str, structure: str, *, backout_threshold: int = 0,
@@ -243,11 +272,11 @@ def define_queue(admin: Admin, repo: GroupRepository, name: str, structure: str,
 
 
 def ensure_structure(admin: Admin, repo: GroupRepository, name: str, queues: tuple[str, ...] | list[str] = (), *,
-                     max_entries: int = 0, max_bytes: int = 0) -> None:
+                     max_entries: int = 0, max_bytes: int = 0, recauto: bool = True) -> None:
     """Admin.ensure_structure, durably: for a launcher that sets up a group it may have set up before. What is
     defined already stays as it is; a structure the repository knows but the CF lost is left to restore."""
     with contextlib.suppress(AdminError):
-        define_structure(admin, repo, name, max_entries=max_entries, max_bytes=max_bytes)
+        define_structure(admin, repo, name, max_entries=max_entries, max_bytes=max_bytes, recauto=recauto)
     for q in queues:
         with contextlib.suppress(AdminError):
             define_queue(admin, repo, q, name)

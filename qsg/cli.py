@@ -1,13 +1,14 @@
 """cfemu: the operator's command line for the queue-sharing group.
 
   cfemu cf start|stop|status                    an embedded CF (redis-server) running detached in a directory
-  cfemu define structure APP1 [--max-entries N] [--max-bytes N]
+  cfemu define structure APP1 [--max-entries N] [--max-bytes N] [--recauto|--no-recauto]
+  cfemu alter structure APP1 [--max-entries N] [--max-bytes N] [--recauto|--no-recauto]
   cfemu define queue Q1 --structure APP1 [--backout-threshold N --backout-queue BQ]
   cfemu status                                  structures, queues, members (lease, epoch, log range, UOWs)
   cfemu put Q1 MESSAGE... | get Q1 | browse Q1  in process (a short-lived SQM), or --server HOST:PORT
   cfemu indoubt list | resolve UOW --commit|--backout --server HOST:PORT
   cfemu backup ... | restore ...                cfbackup / cfrestore
-  cfemu cluster up|status|down                  a local group: CF, SQM servers, backup scheduler
+  cfemu cluster up|status|down                  a local group: CF (restarted when it dies), SQM servers, backups
   cfemu demo                                    the end-to-end demonstration
   cfemu chaos run|soak|check|kinds              the chaos test suite (docs/chaos.md)
 
@@ -185,7 +186,8 @@ def cmd_define(args: argparse.Namespace, out: Output) -> int:
         repo = repository.open_group_repository(admin, settings(args).log_root, who=f"cfemu define {args.kind}")
         if args.kind == "structure":
             d: Any = repository.define_structure(admin, repo, args.name, max_entries=args.max_entries,
-                                                 max_bytes=args.max_bytes, replace=args.replace)
+                                                 max_bytes=args.max_bytes, replace=args.replace,
+                                                 recauto=args.recauto)
         else:
             d = repository.define_queue(admin, repo, args.name, args.structure,
                                         backout_threshold=args.backout_threshold, backout_queue=args.backout_queue,
@@ -195,6 +197,21 @@ def cmd_define(args: argparse.Namespace, out: Output) -> int:
         out.json({"kind": args.kind, **fields})
     else:
         out.table(f"{args.kind} {args.name} defined", ["attribute", "value"], sorted(fields.items()))
+    return 0
+
+
+def cmd_alter(args: argparse.Namespace, out: Output) -> int:
+    """ALTER CFSTRUCT: only the attributes given change; a structure the CF lost is altered in the group
+    repository (restore recreates it from there)."""
+    with admin_client(args) as admin:
+        repo = repository.open_group_repository(admin, settings(args).log_root, who="cfemu alter structure")
+        d = repository.alter_structure(admin, repo, args.name, max_entries=args.max_entries,
+                                       max_bytes=args.max_bytes, recauto=args.recauto)
+    fields = dict(vars(d))
+    if args.json:
+        out.json({"kind": "structure", **fields})
+    else:
+        out.table(f"structure {args.name} altered", ["attribute", "value"], sorted(fields.items()))
     return 0
 
 
@@ -212,7 +229,8 @@ def gather_status(admin: Admin, root: Path) -> dict[str, Any]:
         depths = s.depths() if s.exists() else {}
         total = {st: sum(d.get(st, 0) for d in depths.values()) for st in keys.STATES}
         last = info.get("last_backup")
-        structures.append({"name": sdef.name, "state": admin.state(sdef.name), "depth": total,
+        structures.append({"name": sdef.name, "state": admin.state(sdef.name), "recauto": sdef.recauto,
+                           "recovering_by": admin.structure_recovery_holder(sdef.name), "depth": total,
                            "entries": int(info.get("entries", 0)), "max_entries": sdef.max_entries,
                            "bytes": int(info.get("bytes", 0)), "max_bytes": sdef.max_bytes,
                            "backup_running": info.get("backup"), "last_backup": last,
@@ -252,8 +270,10 @@ def cmd_status(args: argparse.Namespace, out: Output) -> int:
         out.json(doc)
         return 0
     out.table(f"structures of group {doc['group']}",
-              ["structure", "state", "UP", "CP", "UG", "EX", "entries", "bytes", "last backup"],
-              [(s["name"], s["state"] + (" (backup running)" if s["backup_running"] else ""),
+              ["structure", "state", "RECAUTO", "UP", "CP", "UG", "EX", "entries", "bytes", "last backup"],
+              [(s["name"], s["state"] + (" (backup running)" if s["backup_running"] else "")
+                + (f" (recovery by {s['recovering_by']})" if s["recovering_by"] else ""),
+                "yes" if s["recauto"] else "no",
                 *(s["depth"][st] for st in ("UP", "CP", "UG", "EX")),
                 f"{s['entries']}/{s['max_entries'] or 'unlimited'}", f"{s['bytes']}/{s['max_bytes'] or 'unlimited'}",
                 f"{s['last_backup']} ({_age(s['last_backup_age_s'])})" if s["last_backup"] else "never")
@@ -388,7 +408,8 @@ def cmd_cluster(args: argparse.Namespace, out: Output) -> int:
                                 spinner="dots") if not args.json and out.console.is_terminal else _nothing():
             cluster = Cluster.up(d, managers=args.managers, backup_interval=args.backup_interval or None,
                                  lease_ms=args.lease_ms, token=args.token, detach=True,
-                                 structure=args.structure or None, queues=args.queue or ("Q1", "Q2"))
+                                 structure=args.structure or None, queues=args.queue or ("Q1", "Q2"),
+                                 restart_cf=args.cf_restart, recauto=args.recauto)
         doc = cluster.status()
         doc["seconds"] = round(time.monotonic() - t0, 2)
     elif args.action == "down":
@@ -456,6 +477,17 @@ def build_parser() -> argparse.ArgumentParser:
     ds.add_argument("--max-entries", type=int, default=0, help="capacity in entries (0 = unlimited)")
     ds.add_argument("--max-bytes", type=int, default=0, help="capacity in bytes of data (0 = unlimited)")
     ds.add_argument("--replace", action="store_true", help="change an existing definition")
+    ds.add_argument("--recauto", action=argparse.BooleanOptionalAction, default=True,
+                    help="RECAUTO: a member restores the structure by itself when it fails or the CF is lost "
+                         "(default on, as in MQ)")
+    alter = sub.add_parser("alter", help="change attributes of a defined structure (ALTER CFSTRUCT)")
+    asub = alter.add_subparsers(dest="kind", required=True)
+    al = asub.add_parser("structure", parents=[common, where], help="alter a CF application structure")
+    al.add_argument("name")
+    al.add_argument("--max-entries", type=int, default=None, help="capacity in entries (0 = unlimited)")
+    al.add_argument("--max-bytes", type=int, default=None, help="capacity in bytes of data (0 = unlimited)")
+    al.add_argument("--recauto", action=argparse.BooleanOptionalAction, default=None,
+                    help="RECAUTO on or off (default: unchanged)")
     dq = dsub.add_parser("queue", parents=[common, where], help="define a shared queue")
     dq.add_argument("name")
     dq.add_argument("--structure", required=True)
@@ -509,6 +541,10 @@ def build_parser() -> argparse.ArgumentParser:
                                     "service.token, made at the first 'up')")
     cl.add_argument("--structure", default="APP1", help="structure to define if missing ('' for none)")
     cl.add_argument("--queue", action="append", help="queue to define on it (default Q1, Q2)")
+    cl.add_argument("--no-cf-restart", dest="cf_restart", action="store_false",
+                    help="up: no supervisor restarting a dead CF (default: restarted, empty, on the same port)")
+    cl.add_argument("--no-recauto", dest="recauto", action="store_false",
+                    help="up: define the structure with RECAUTO off (a lost structure waits for 'cfrestore run')")
     cl.add_argument("--timeout", type=float, default=10.0, help="down: seconds before SIGKILL")
     cl.add_argument("--purge", action="store_true", help="down: also delete the directory (logs, backups)")
 
@@ -521,7 +557,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace, Output], int]] = {
-    "cf": cmd_cf, "secrets": cmd_secrets, "define": cmd_define, "status": cmd_status, "put": cmd_put, "get": cmd_get,
+    "cf": cmd_cf, "secrets": cmd_secrets, "define": cmd_define, "alter": cmd_alter, "status": cmd_status,
+    "put": cmd_put, "get": cmd_get,
     "browse": cmd_browse, "indoubt": cmd_indoubt, "cluster": cmd_cluster,
 }
 DELEGATES: dict[str, Callable[[list[str]], int]] = {"backup": _backup_verb, "restore": _restore_verb,

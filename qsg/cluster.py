@@ -7,7 +7,15 @@ The same topology as docker-compose.yml, for machines without Docker::
     cluster.kill_manager("QM2")  # kill -9; its peers recover its work once its lease lapses
     cluster.restart_manager("QM2")
     cluster.kill_cf(); cluster.restart_cf()   # lose the CF; it comes back empty on the same port
+    cluster.supervise_cf()       # from now on a dead CF is restarted (empty, same port) within a second
     cluster.down()
+
+Who brings a lost CF back: with ``restart_cf=True`` (``cfemu cluster up`` does it) a supervisor restarts the CF's
+redis-server, empty, on the same port, whenever it dies; the members re-join it and, for structures defined with
+RECAUTO, restore them by themselves (sqm.recauto; docs/runbook.md "When the CF is lost"). In a cluster run by
+this process the supervisor is a thread of the Cluster object (``supervise_cf()``, stopped by ``down()`` or
+``supervise_cf(False)``); a detached cluster (``cfemu cluster up``) gets a process of its own,
+``python -m qsg.cluster supervise --dir DIR``, listed by status as ``cf-supervisor``.
 
 The directory holds ``cluster.json`` (pids, ports, URLs, paths; the names every command reads it by are in
 cfemu.settings), ``cf/`` (the redis-server's directory),
@@ -30,6 +38,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -61,6 +70,10 @@ log = logging.getLogger("qsg.cluster")
 
 # Runs the backup CLI in a fresh interpreter (no dependence on console scripts being on PATH).
 SCHEDULER_COMMAND = [sys.executable, "-m", "backup.cli", "schedule"]  # cfbackup schedule
+# A member: the ``sqm`` command, restore wired in for RECAUTO (qsg.member).
+MEMBER_COMMAND = [sys.executable, "-m", "qsg.member", "run"]
+SUPERVISOR_COMMAND = [sys.executable, "-m", "qsg.cluster", "supervise"]
+SUPERVISE_INTERVAL_S = 0.2
 
 
 class ClusterError(RuntimeError):
@@ -85,6 +98,9 @@ class Cluster:
         self.state = state
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
         self._cf: EmbeddedRedis | None = None
+        self._cf_lock = threading.RLock()  # the supervisor and the API's CF restarts, one at a time
+        self._supervisor: tuple[threading.Thread, threading.Event] | None = None
+        self.cf_restarts = 0  # restarts the supervisor made
 
     # --- what callers use ----------------------------------------------------------------------------------
     @property
@@ -143,13 +159,15 @@ class Cluster:
     def up(cls, directory: str | os.PathLike[str], managers: int = 3, *, backup_interval: float | None = 10.0,
            structure: str | None = "APP1", queues: Sequence[str] = ("Q1", "Q2"), lease_ms: int = 5000,
            token: str | None = None, host: str = "127.0.0.1", detach: bool = False, start_timeout: float = 30.0,
-           manager_args: Sequence[str] = (), cf_url_for: Callable[[str, str], str] | None = None) -> Cluster:
+           manager_args: Sequence[str] = (), cf_url_for: Callable[[str, str], str] | None = None,
+           restart_cf: bool = False, recauto: bool = True) -> Cluster:
         """Start an embedded CF, managers QM1..QMn and (with a backup_interval) the backup scheduler.
 
         structure/queues are defined when missing (structure=None defines nothing). manager_args go to every
         ``sqm run``. cf_url_for(manager, cf_url) gives the CF URL a manager uses (a proxy in the path, for the
-        chaos suite); it is kept in cluster.json for restarts. On any failure everything already started is
-        stopped again.
+        chaos suite); it is kept in cluster.json for restarts. restart_cf: a supervisor restarts the CF whenever
+        it dies (a thread here, or with detach a process). recauto: the RECAUTO attribute of the structure defined
+        here. On any failure everything already started is stopped again.
         """
         if not 1 <= managers <= 32:
             raise ClusterError(f"--managers must be 1-32, not {managers}")
@@ -176,13 +194,14 @@ class Cluster:
                          for i in range(1, managers + 1)],
             "manager_args": list(manager_args),
             "scheduler": {"interval": backup_interval} if backup_interval else None,
+            "cf_supervisor": {} if restart_cf else None,
             "started_at": time.time(),
         }
         cluster = cls(d, state)
         try:
             cluster._start_cf(port=None)
             if structure:
-                cluster._define(structure, queues)
+                cluster._define(structure, queues, recauto=recauto)
             if cf_url_for is not None:
                 for m in state["managers"]:
                     m["cf_url"] = cf_url_for(m["name"], cluster.redis_url)
@@ -192,6 +211,11 @@ class Cluster:
                 cluster._wait_manager(m["name"], start_timeout)
             if backup_interval:
                 cluster._spawn_scheduler()
+            if restart_cf and detach:
+                cluster._save()  # the supervisor process reads it
+                cluster._spawn_supervisor()
+            elif restart_cf:
+                cluster.supervise_cf()
         except BaseException:
             cluster.down(timeout=5.0)
             raise
@@ -257,13 +281,13 @@ class Cluster:
         self.state[CLUSTER_CF].update(port=self._cf.port, pid=self._cf.pid)
         self.state[CLUSTER_REDIS_URL] = self._cf.url
 
-    def _define(self, structure: str, queues: Sequence[str]) -> None:
+    def _define(self, structure: str, queues: Sequence[str], *, recauto: bool = True) -> None:
         """Define what is missing, in the CF and in the group repository under the cluster's log root."""
         client = connect(self.cf_url("operator"))
         try:
             admin = Admin(client)
             repo = repository.open_group_repository(admin, self.log_root, who="cfemu cluster")
-            repository.ensure_structure(admin, repo, structure, list(queues))
+            repository.ensure_structure(admin, repo, structure, list(queues), recauto=recauto)
         finally:
             client.close()
 
@@ -274,9 +298,9 @@ class Cluster:
         m = self.manager(name)
         with contextlib.suppress(FileNotFoundError):
             self._ready_file(name).unlink()
-        cmd = [sys.executable, "-m", "sqm.cli", "run", "--name", name, "--host", self.host, "--port", str(m["port"]),
+        cmd = [*MEMBER_COMMAND, "--name", name, "--host", self.host, "--port", str(m["port"]),
                "--metrics-port", str(m["metrics_port"]), "--redis-url", m.get("cf_url") or self.redis_url,
-               "--log-root", str(self.log_root), "--lease-ms", str(self.state["lease_ms"]), "--ready-file",
+               "--log-root", str(self.log_root), "--backup-dir", str(self.backup_dir), "--lease-ms", str(self.state["lease_ms"]), "--ready-file",
                str(self._ready_file(name)), *self.state.get("manager_args", []), *m.get("extra_args", [])]
         proc = self._popen(name, cmd, f"{name}.log", env)
         self._set_manager(name, pid=proc.pid)
@@ -352,10 +376,62 @@ class Cluster:
 
     def restart_cf(self) -> None:
         """Start the CF again on the same port, empty."""
-        if self._cf is not None and self._cf.is_running():
-            raise ClusterError("the CF is still running; kill_cf() first")
-        self._start_cf(port=int(self.state[CLUSTER_CF]["port"]))
-        self._save()
+        with self._cf_lock:
+            if self._cf is not None and self._cf.is_running():
+                raise ClusterError("the CF is still running; kill_cf() first")
+            self._start_cf(port=int(self.state[CLUSTER_CF]["port"]))
+            self._save()
+
+    # --- the CF supervisor: who brings a lost CF back ----------------------------------------------------------
+    def cf_alive(self) -> bool:
+        return _pid_runs(self.state.get(CLUSTER_CF, {}).get("pid"), b"redis")
+
+    def restart_dead_cf(self) -> bool:
+        """Restart the CF (empty, same port) if it is dead; True when it did. What the supervisor does."""
+        with self._cf_lock:
+            if self.cf_alive():
+                return False
+            if self._cf is not None:  # reap a child killed under us (a zombie holds no port, but is a pid)
+                with contextlib.suppress(Exception):
+                    self._cf.kill()
+            self._start_cf(port=int(self.state[CLUSTER_CF]["port"]))
+            self._save()
+            self.cf_restarts += 1
+            log.warning("the CF died; restarted it empty on port %s (pid %s): members re-join it, RECAUTO "
+                        "structures are restored by a member", self.state[CLUSTER_CF]["port"],
+                        self.state[CLUSTER_CF]["pid"])
+            return True
+
+    def supervise_cf(self, on: bool = True, interval: float = SUPERVISE_INTERVAL_S) -> None:
+        """Start (or stop) the supervisor thread: a dead CF is restarted within `interval` seconds."""
+        if not on:
+            if self._supervisor is not None:
+                thread, stop = self._supervisor
+                stop.set()
+                thread.join(timeout=30)
+                self._supervisor = None
+            return
+        if self._supervisor is not None:
+            return
+        stop = threading.Event()
+
+        def loop() -> None:
+            while not stop.wait(interval):
+                try:
+                    self.restart_dead_cf()
+                except Exception as e:  # noqa: BLE001 - e.g. the port is briefly taken: try again
+                    log.error("restarting the CF failed (will retry): %s", e)
+
+        thread = threading.Thread(target=loop, name="cf-supervisor", daemon=True)
+        self._supervisor = (thread, stop)
+        thread.start()
+
+    def _spawn_supervisor(self) -> None:
+        proc = self._popen("cf_supervisor", [*SUPERVISOR_COMMAND, "--dir", str(self.dir)], "cf-supervisor.log")
+        self.state["cf_supervisor"] = {"pid": proc.pid}
+        deadline = time.monotonic() + 15
+        while not _pid_runs(proc.pid, b"qsg.cluster") and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
 
     def _cf_server(self) -> EmbeddedRedis:
         if self._cf is not None and self._cf.is_running():
@@ -394,6 +470,9 @@ class Cluster:
         sched = self.state.get("scheduler") or {}
         if _pid_runs(sched.get("pid"), b"backup.cli"):
             out["scheduler"] = sched["pid"]
+        sup = self.state.get("cf_supervisor") or {}
+        if _pid_runs(sup.get("pid"), b"qsg.cluster"):
+            out["cf_supervisor"] = sup["pid"]
         return out
 
     def status(self) -> dict[str, Any]:
@@ -411,6 +490,10 @@ class Cluster:
             s = self.state["scheduler"]
             rows.append({"process": "backup-scheduler", "pid": s.get("pid"), "alive": "scheduler" in alive,
                          "address": f"every {s['interval']}s", "ready": "scheduler" in alive})
+        if self.state.get("cf_supervisor") and self.state["detached"]:
+            pid = self.state["cf_supervisor"].get("pid")
+            rows.append({"process": "cf-supervisor", "pid": pid, "alive": "cf_supervisor" in alive,
+                         "address": "restarts a dead CF", "ready": "cf_supervisor" in alive})
         return {"dir": str(self.dir), "redis_url": self.state.get(CLUSTER_REDIS_URL),
                 "log_root": str(self.log_root),
                 "backup_dir": str(self.backup_dir), "processes": rows}
@@ -426,6 +509,7 @@ class Cluster:
         """SIGTERM the scheduler and the managers (they take a shutdown checkpoint), SIGKILL whatever is left after
         timeout, then stop the CF. Returns name -> pid of what had to be killed. purge also deletes the directory."""
         killed: dict[str, int] = {}
+        self.supervise_cf(False)  # nothing may restart the CF while it is taken down
         targets = {k: v for k, v in self.running_processes().items() if k != "CF"}
         for pid in targets.values():
             with contextlib.suppress(ProcessLookupError):
@@ -437,6 +521,10 @@ class Cluster:
                     os.kill(pid, signal.SIGKILL)
                 self._wait_gone(key, pid, 10.0)
                 killed[key] = pid
+        if "cf_supervisor" in targets:  # it may have restarted the CF since this object read cluster.json
+            fresh = self._read_state(self.dir) or {}
+            self.state[CLUSTER_CF] = fresh.get(CLUSTER_CF, self.state[CLUSTER_CF])
+            self._cf = None
         if "pid" in self.state.get(CLUSTER_CF, {}) and self.state[CLUSTER_CF].get("pid"):
             with contextlib.suppress(ClusterError):
                 self._cf_server().stop(timeout=timeout)
@@ -445,9 +533,41 @@ class Cluster:
             m["pid"] = None
         if self.state.get("scheduler"):
             self.state["scheduler"]["pid"] = None
+        if self.state.get("cf_supervisor"):
+            self.state["cf_supervisor"]["pid"] = None
         self._procs.clear()
         if purge:
             shutil.rmtree(self.dir, ignore_errors=True)
         elif self.dir.exists():
             self._save()
         return killed
+
+
+def supervise_main(argv: list[str] | None = None) -> int:
+    """``python -m qsg.cluster supervise --dir DIR``: the CF supervisor of a detached cluster (``cfemu cluster
+    up``). Restarts the CF whenever it dies, until SIGTERM (``cfemu cluster down`` sends it first)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="qsg.cluster")
+    p.add_argument("verb", choices=["supervise"])
+    p.add_argument("--dir", required=True)
+    p.add_argument("--interval", type=float, default=SUPERVISE_INTERVAL_S)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    cluster = Cluster.load(args.dir)
+    while not stop.wait(args.interval):
+        try:
+            if not cluster.cf_alive():
+                cluster = Cluster.load(args.dir)  # what other processes changed since (managers' pids)
+                if not stop.is_set():
+                    cluster.restart_dead_cf()
+        except Exception as e:  # noqa: BLE001 - try again at the next interval
+            log.error("restarting the CF failed (will retry): %s", e)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(supervise_main())

@@ -302,8 +302,7 @@ def definitions(admin_def: StructureDef | None, admin_queues: list[QueueDef], re
     structure = str(manifest["structure"])
     sd = manifest["structure_def"]
     known = repo.structure(structure)
-    sdef = admin_def or (known[0] if known else None) or StructureDef(
-        sd["name"], int(sd.get("max_entries", 0)), int(sd.get("max_bytes", 0)))
+    sdef = admin_def or (known[0] if known else None) or StructureDef.from_dict(sd)
     queues = {q["name"]: QueueDef(q["name"], structure, int(q.get("backout_threshold", 0)),
                                   q.get("backout_queue", ""), int(q.get("max_msg_length", 4 * 2**20)))
               for q in manifest["queues"]}
@@ -319,7 +318,8 @@ def _redefine(admin: Admin, group: str, sdef: StructureDef, queues: list[QueueDe
     if lost:
         admin.set_group_name(group)
         bulk.mark_recovering(admin.redis, sdef.name)
-        admin.define_structure(sdef.name, max_entries=sdef.max_entries, max_bytes=sdef.max_bytes, replace=True)
+        admin.define_structure(sdef.name, max_entries=sdef.max_entries, max_bytes=sdef.max_bytes, replace=True,
+                               recauto=sdef.recauto)
     for q in queues:
         if lost or q.name not in known:
             admin.define_queue(q.name, sdef.name, backout_threshold=q.backout_threshold,

@@ -8,6 +8,10 @@ $CFEMU_LOG_ROOT, $SQM_TOKEN, else the nearest 'cfemu cluster' directory, else th
 var/logs. Errors are one line on stderr (exit 2); --verbose adds the traceback. ``sqm run`` exits with the
 server's status (sqm.service.server: 3 fenced, 4 log failed); its --json writes its log lines as JSON.
 
+``sqm run`` recovers a failed structure defined with RECAUTO (sqm.recauto) when run as the ``sqm`` command
+(qsg.member: restore wired in), from the backups under --backup-dir ($CFEMU_BACKUP_DIR, the cluster's, else
+var/backups); ``python -m sqm.cli run`` has no restore and leaves such structures to the operator.
+
 ``sqm run`` authenticates every connection (docs/security.md): it needs the application token (--token,
 $SQM_TOKEN, the group's service.token) and takes the operator's too ($SQM_OPERATOR_TOKEN, operator.token); with
 neither it refuses to start, unless --no-auth, which is refused on a non-loopback address.
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from cfemu.clitools import (
@@ -28,8 +33,9 @@ from cfemu.clitools import (
     run_command,
     settings,
 )
-from cfemu.settings import operator_token
+from cfemu.settings import Settings, operator_token
 from sqm.logprint import LOG_ERRORS, add_log_parser
+from sqm.recauto import RecoverStructure
 from sqm.service.protocol import DEFAULT_MAX_FRAME, MAX_FRAME, MIN_FRAME
 from sqm.service.server import ServerConfig, is_loopback_host, serve
 
@@ -47,7 +53,7 @@ def add_run_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
     p.add_argument("--name", required=True, help="queue manager name (its log is LOG_ROOT/NAME)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=0, help="TCP port (0: any free port, see --ready-file)")
-    add_settings_arguments(p, "redis_url", "log_root", "token", "cluster_dir", "cf_dir")
+    add_settings_arguments(p, "redis_url", "log_root", "token", "cluster_dir", "cf_dir", "backup_dir")
     p.add_argument("--tls-cert", help="server certificate (PEM) for TLS")
     p.add_argument("--tls-key", help="server private key (PEM)")
     p.add_argument("--tls-ca", help="CA (PEM) for client certificates: turns on mutual TLS")
@@ -99,6 +105,7 @@ def cmd_run(args: argparse.Namespace, out: Output) -> int:
     if not args.no_auth and not (found.token or op_token):
         raise CLIError(NO_TOKEN)
     configure_logging(args.verbose, as_json=out.as_json)
+    recovery = args.recovery(args, found) if args.recovery is not None else None
     return serve(ServerConfig(
         name=args.name, log_root=found.log_root, redis_url=url, host=args.host, port=args.port,
         token=found.token, operator_token=op_token, auth=not args.no_auth, auth_timeout_s=args.auth_timeout,
@@ -108,20 +115,28 @@ def cmd_run(args: argparse.Namespace, out: Output) -> int:
         metrics_port=args.metrics_port, lease_ms=args.lease_ms, cf_connections=args.cf_connections,
         logload=args.logload, max_frame=args.max_frame,
         shutdown_grace_s=args.shutdown_grace, cf_wait_s=args.cf_wait, ready_file=args.ready_file,
-        clock_skew_ms=args.clock_skew_ms))
+        clock_skew_ms=args.clock_skew_ms, recover_structure=recovery))
 
 
-def build_parser() -> argparse.ArgumentParser:
+# How the composition root gives ``sqm run`` its automatic structure recovery (RECAUTO, sqm.recauto): from the
+# parsed command line and the resolved settings, the restore the member runs (None: none). sqm cannot import
+# restore (a higher floor); the ``sqm`` console script is qsg.member.main, which passes one.
+RecoveryFactory = Callable[[argparse.Namespace, Settings], RecoverStructure | None]
+
+
+def build_parser(recovery: RecoveryFactory | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sqm", description="Shared queue manager (SQM) commands.")
     sub = parser.add_subparsers(dest="command", required=True)
     add_run_parser(sub)
     add_log_parser(sub)  # sqm log print
-    parser.set_defaults(cf_role="member")  # the CF user this command connects as (cfemu.credentials)
+    parser.set_defaults(cf_role="member", recovery=recovery)  # cf_role: the CF user (cfemu.credentials)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, *, recovery: RecoveryFactory | None = None) -> int:
+    """``python -m sqm.cli``: a member without automatic structure recovery (RECAUTO structures wait for an
+    operator). The ``sqm`` command is qsg.member.main, this with restore wired in."""
+    args = build_parser(recovery).parse_args(argv)
     return run_command("sqm", args, args.func, LOG_ERRORS)
 
 

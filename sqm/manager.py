@@ -46,6 +46,7 @@ from sqm import records, relog
 from sqm.clock import LrsnClock, now_ms
 from sqm.failpoints import failpoint
 from sqm.log import RecordLog
+from sqm.recauto import RecoverStructure, StructureRecovery
 from sqm.records import INBACKOUT, INCOMMIT, INDOUBT, Record
 from sqm.uow import UnitOfWork
 
@@ -77,6 +78,9 @@ class QueueManagerConfig:
     cpl_entries: int = 3
     relog_lock_ms: int = 60_000
     relog_batch: int = 500
+    # RECAUTO (sqm.recauto): how this member restores a failed structure; injected by the top floor (qsg.member
+    # wires restore in); None: this member never recovers a structure by itself.
+    recover_structure: RecoverStructure | None = None
 
 
 def reply_lost(e: BaseException) -> bool:
@@ -121,6 +125,7 @@ class QueueManager:
         # The last complete relog pass of each structure this member relogged (sqm.relog), carried forward in
         # every checkpoint record: restore finds the newest window in the members' last checkpoints.
         self.relog_passes: dict[str, dict[str, Any]] = {}
+        self.recauto = StructureRecovery(self, config.recover_structure) if config.recover_structure else None
 
     # --- life cycle -------------------------------------------------------------------------------------
     @property
@@ -546,6 +551,8 @@ class QueueManager:
             try:
                 self.retry_pending()
                 recover_peers(self)
+                if self.recauto is not None:
+                    self.recauto.check()
                 if time.monotonic() >= next_expiry:
                     next_expiry = time.monotonic() + self.config.expiry_interval_ms / 1000
                     self.expire_messages()

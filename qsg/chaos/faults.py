@@ -39,6 +39,9 @@
 |                       | restore point, whatever the held SQM forced after the first restore                 |
 | purge-then-cf-kill    | APP1 is failed and purged (the purged messages go in the history), live work, then |
 |                       | cf-kill before any new backup: no purged message may come back                      |
+| cf-kill-recauto       | RECAUTO turned on for every structure; kill -9 of the CF; nobody acts: the cluster's|
+|                       | supervisor restarts it, a member restores each structure (sqm.recauto); the time to|
+|                       | every structure ACTIVE; RECAUTO off again                                           |
 | member-own-log-root   | one more ``sqm run`` with a log root of its own: it must refuse to join (exit 2);   |
 |                       | if it joins, two committed puts go through it, then cf-kill (restore cannot see them)|
 
@@ -54,6 +57,7 @@ import contextlib
 import itertools
 import json
 import math
+import os
 import random
 import signal
 import socket
@@ -70,11 +74,12 @@ import redis
 
 from backup.catalog import OK, list_backups
 from backup.run import run_backup
-from cfemu import bulk, keys
+from cfemu import bulk, keys, repository
 from cfemu.admin import Admin
 from cfemu.cf import CF
 from cfemu.errors import BackupRunningError, MQError
 from cfemu.limits import DESCRIPTOR_ALLOWANCE
+from cfemu.settings import CLUSTER_CF
 from qsg.chaos.group import EDGE_QUEUE, STRUCTURES, ChaosGroup
 from qsg.chaos.history import OK as CALL_OK
 from qsg.chaos.history import UNKNOWN as CALL_UNKNOWN
@@ -96,7 +101,7 @@ COST_S = {"sqm-kill": 7.0, "sqm-pause": 8.0, "cf-kill": 6.0, "cf-kill-during-res
           "during-backup": 12.0, "disk-full": 8.0, "clock-skew": 6.0, "peer-clock-skew": 32.0, "backup": 3.0,
           "client-leaves-waiting-get": 9.0, "big-messages": 12.0,
           "cf-kill-during-load-restart": 8.0, "restore-race": 8.0, "cf-kill-twice": 14.0,
-          "purge-then-cf-kill": 10.0, "member-own-log-root": 6.0}
+          "purge-then-cf-kill": 10.0, "member-own-log-root": 6.0, "cf-kill-recauto": 6.0}
 ORDER_LIMIT = 100_000  # messages per queue an order snapshot reads
 IDLE_SETTLE_S = 7.0  # peer-clock-skew: longer than the coordinator's longest park before a resolve (6 s)
 
@@ -177,7 +182,7 @@ def schedule(seed: int, kinds: tuple[str, ...], duration: float, managers: list[
             params["commit"] = rnd.randint(2, 12)  # the victim dies right after forcing this many COMMITs
         elif kind == "during-backup":
             params["step"] = rnd.randint(1, 5)
-        elif kind in ("cf-kill", "cf-kill-during-restore", "cf-kill-during-load-restart"):
+        elif kind in ("cf-kill", "cf-kill-during-restore", "cf-kill-during-load-restart", "cf-kill-recauto"):
             hold = rnd.choice((0.3, 1.0))
         elif kind == "restore-race":
             hold = rnd.choice((1.0, 2.0, 3.0))  # the first restore held, while the second runs and clients work
@@ -371,6 +376,63 @@ def _cf_loss(g: ChaosGroup, f: FaultSpec, step: Step, *, kill_during_load: bool 
     step("CF restarted empty")
     out = restore_all(g, step, kill_during_load=kill_during_load, restart_at_once=restart_at_once)
     step("restored order read", restored_order=order_snapshot(g))
+    step("heal")
+    return out
+
+
+def _set_recauto(g: ChaosGroup, on: bool) -> None:
+    """RECAUTO on or off for every structure (cfemu alter structure), in the CF and the group repository."""
+    client = g.cf()
+    try:
+        admin = Admin(client)
+        repo = repository.open_group_repository(admin, g.c.log_root, who="chaos")
+        for s in STRUCTURES:
+            repository.alter_structure(admin, repo, s, recauto=on)
+    finally:
+        client.close()
+
+
+def _all_active(g: ChaosGroup) -> bool:
+    client = g.cf()
+    try:
+        admin = Admin(client)
+        return all(admin.state(s) == "ACTIVE" for s in STRUCTURES)
+    except redis.RedisError:
+        return False
+    finally:
+        client.close()
+
+
+def cf_kill_recauto(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
+    """The CF lost with RECAUTO on: nobody restores by hand. The cluster's supervisor restarts the CF (as
+    ``cfemu cluster up`` runs it), the members re-join it and one restores each structure (sqm.recauto). The
+    other CF kinds keep RECAUTO off: they play the operator, whose restores would race the members'."""
+    ensure_backups(g)
+    step("backups checked")
+    _set_recauto(g, True)
+    step("RECAUTO on")
+    out: dict[str, Any] = {}
+    try:
+        live = order_snapshot(g)
+        restarts = g.c.cf_restarts
+        g.c.supervise_cf()
+        pid = g.c.state[CLUSTER_CF]["pid"]
+        os.kill(int(pid), signal.SIGKILL)
+        t0 = time.monotonic()
+        step("CF killed", live_order=live)
+        deadline = t0 + 120.0
+        while not _all_active(g):
+            if time.monotonic() > deadline:
+                raise FaultError("RECAUTO: not every structure ACTIVE within 120s of the CF loss")
+            time.sleep(0.1)
+        out["recauto_s"] = round(time.monotonic() - t0, 3)
+        out["cf_restarts"] = g.c.cf_restarts - restarts  # by the supervisor: nobody else restarted it
+        step("every structure ACTIVE again, restored by a member")
+        step("restored order read", restored_order=order_snapshot(g))
+    finally:
+        g.c.supervise_cf(False)
+        with contextlib.suppress(Exception):
+            _set_recauto(g, False)
     step("heal")
     return out
 
@@ -942,6 +1004,7 @@ FAULTS: dict[str, Callable[[ChaosGroup, FaultSpec, Step], dict[str, Any]]] = {
     "client-leaves-waiting-get": client_leaves_waiting_get, "big-messages": big_messages,
     "cf-kill-during-load-restart": cf_kill_during_load_restart, "restore-race": restore_race,
     "cf-kill-twice": cf_kill_twice, "purge-then-cf-kill": purge_then_cf_kill, "member-own-log-root": member_own_log_root,
+    "cf-kill-recauto": cf_kill_recauto,
 }
 KINDS = tuple(FAULTS)  # a new kind is one function, one FAULTS row and one line in the table above
 

@@ -147,13 +147,16 @@ class ChaosGroup:
         try:
             self.cluster = Cluster.up(self.dir, managers=self.managers, backup_interval=self.backup_interval,
                                       structure="APP1", queues=(*STRUCTURES["APP1"], PROBE_QUEUE, EDGE_QUEUE),
-                                      lease_ms=self.lease_ms, cf_url_for=self._cf_route)
+                                      lease_ms=self.lease_ms, cf_url_for=self._cf_route, recauto=False)
             client = self.cf()
             try:
                 admin = Admin(client)
                 repo = repository.open_group_repository(admin, self.cluster.log_root, who="chaos group")
                 for s, queues in STRUCTURES.items():
-                    repository.ensure_structure(admin, repo, s, queues)
+                    # RECAUTO off: the other fault kinds play the operator, who restores after a CF loss (their
+                    # restore spans are what the checker's restore rules read); cf-kill-recauto turns it on for
+                    # the length of its fault.
+                    repository.ensure_structure(admin, repo, s, queues, recauto=False)
             finally:
                 client.close()
             for name, host, port in self.cluster.endpoints:

@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector
 
 from cfemu import keys
 from cfemu.admin import Admin
+from sqm import recauto
 from sqm.manager import CF_DOWN, QueueManager
 from sqm.records import INBACKOUT, INCOMMIT, INDOUBT, INFLIGHT
 
@@ -75,6 +76,11 @@ class SQMCollector(Collector):
             c = CounterMetricFamily(f"sqm_{key}", help_text, labels=list(labels))
             c.add_metric([qm.name], status.get(key, 0))
             yield c
+        c = CounterMetricFamily("sqm_structure_recoveries", "Automatic structure recoveries (RECAUTO) this SQM "
+                                "started, completed and failed (CSQE132I, CSQE131I, CSQE135E)", labels=["qmgr", "event"])
+        for event in recauto.EVENTS:
+            c.add_metric([qm.name, event], status.get(recauto.counter(event), 0))
+        yield c
         for key, help_text in (("fenced", "1 when peer recovery fenced this SQM"),
                                ("pending", "Decided work waiting for the CF"), ("lrsn", "Current LRSN")):
             g = GaugeMetricFamily(f"sqm_{key}", help_text, labels=list(labels))

@@ -56,6 +56,7 @@ from cfemu.repository import RepositoryError
 from sqm.connection import Connection
 from sqm.log import LogLockedError
 from sqm.manager import CF_DOWN, QueueManager, QueueManagerConfig
+from sqm.recauto import RecoverStructure
 from sqm.service import metrics
 from sqm.service.protocol import (
     APPLICATION,
@@ -201,6 +202,7 @@ class ServerConfig:
     cf_wait_s: float = 30.0  # how long to wait for the CF to answer at start
     ready_file: Path | None = None  # JSON {pid, host, port, metrics_port} written once serving
     clock_skew_ms: int = 0  # added to the physical time the LRSN clock reads (tests of a skewed member)
+    recover_structure: RecoverStructure | None = None  # RECAUTO's restore (sqm.recauto), injected by qsg.member
 
     def check(self) -> None:
         if not MIN_FRAME <= self.max_frame <= MAX_FRAME:
@@ -304,7 +306,8 @@ class SQMServer:
         self.qm = qm if qm is not None else QueueManager(QueueManagerConfig(
             name=config.name, log_root=Path(config.log_root), redis_url=config.redis_url, lease_ms=config.lease_ms,
             cf_connections=config.cf_connections,
-            logload=config.logload, clock_skew_us=config.clock_skew_ms * 1000))
+            logload=config.logload, clock_skew_us=config.clock_skew_ms * 1000,
+            recover_structure=config.recover_structure))
         self.stats = _Stats()
         self.port = config.port
         self.metrics_port = config.metrics_port
@@ -1048,7 +1051,8 @@ class SQMServer:
         if kind == "structure":  # in the CF and, durably, in the group repository (cfemu.repository)
             sdef = repository.define_structure(admin, repo, name,
                                                max_entries=arg(args, "define", "max_entries", int, 0),
-                                               max_bytes=arg(args, "define", "max_bytes", int, 0), replace=replace)
+                                               max_bytes=arg(args, "define", "max_bytes", int, 0), replace=replace,
+                                               recauto=arg(args, "define", "recauto", bool, True))
             return vars(sdef)
         if kind == "queue":
             qdef = repository.define_queue(admin, repo, name, arg(args, "define", "structure", str),

@@ -134,7 +134,7 @@ def test_script_keys_follow_the_prelude_header() -> None:
 
 def test_scripts_are_found_by_kind() -> None:
     assert {"put", "get", "commit", "backout"} <= set(lua.structure_operations())
-    assert set(lua.admin_operations()) == {"admin_heartbeat", "admin_fence", "admin_raise_fence"}
+    assert set(lua.admin_operations()) == {"admin_heartbeat", "admin_fence", "admin_raise_fence", "admin_hold_lock"}
     assert lua.source("put").startswith("-- _prelude")  # a structure operation comes after the prelude
     assert lua.source("admin_fence").startswith("-- admin_fence")  # an admin one stands alone
     with pytest.raises(KeyError):
@@ -701,3 +701,26 @@ class TestAdminRaiseFence:
         assert admin.redis.hget(keys.fence(S), "QM1") == b"5"
         admin.join_structures("QM1", 8)
         assert admin.redis.hget(keys.fence(S), "QM1") == b"8"
+
+
+class TestAdminHoldLock:
+    def test_the_holder_renews_and_releases_its_own_lock_only(self, admin: Admin) -> None:
+        assert admin.try_structure_recovery_lock(S, "QM1@5", 1_000)
+        assert not admin.try_structure_recovery_lock(S, "QM2@7", 1_000)  # one recoverer at a time
+        assert admin.renew_structure_recovery_lock(S, "QM1@5", 60_000)
+        assert admin.redis.pttl(keys.structure_recovery_lock(S)) > 1_000
+        assert not admin.renew_structure_recovery_lock(S, "QM2@7", 60_000)  # not another's
+        assert not admin.renew_structure_recovery_lock(S, "QM1@4", 60_000)  # not an older incarnation's
+        assert not admin.release_structure_recovery_lock(S, "QM2@7")
+        assert admin.structure_recovery_holder(S) == "QM1@5"
+        assert admin.release_structure_recovery_lock(S, "QM1@5")
+        assert admin.structure_recovery_holder(S) is None
+        assert not admin.release_structure_recovery_lock(S, "QM1@5")  # idempotent: gone is gone
+
+    def test_a_lapsed_lock_taken_by_another_stays_the_others(self, admin: Admin) -> None:
+        assert admin.try_structure_recovery_lock(S, "QM1@5", 1_000)
+        admin.redis.delete(keys.structure_recovery_lock(S))  # QM1's lock lapsed (it stalled) ...
+        assert admin.try_structure_recovery_lock(S, "QM2@7", 60_000)  # ... and QM2 took it
+        assert not admin.renew_structure_recovery_lock(S, "QM1@5", 60_000)
+        assert not admin.release_structure_recovery_lock(S, "QM1@5")
+        assert admin.structure_recovery_holder(S) == "QM2@7"

@@ -68,6 +68,28 @@ def test_define_status_put_browse_get(where: list[str], redis_url: str, tmp_path
     assert "PUT" in printed and "GET" in printed
 
 
+def test_recauto_is_defined_shown_and_altered(where: list[str], redis_url: str, tmp_path: Path) -> None:
+    """RECAUTO: on by default, off with --no-recauto, shown by status, altered alone (the capacity stays), in the
+    CF and the group repository; and altered in the repository alone once the CF has lost the structure."""
+    from cfemu.repository import GroupRepository
+    from tests.support.harness import lose_cf
+
+    ok("cfemu", "define", "structure", "APP1", *where)
+    ok("cfemu", "define", "structure", "APP2", "--max-entries", "7", "--no-recauto", *where)
+    status = json.loads(ok("cfemu", "status", "--json", *where))
+    assert {s["name"]: s["recauto"] for s in status["structures"]} == {"APP1": True, "APP2": False}
+    assert "RECAUTO" in ok("cfemu", "status", *where)
+    altered = json.loads(ok("cfemu", "alter", "structure", "APP2", "--recauto", "--json", *where))
+    assert (altered["recauto"], altered["max_entries"]) == (True, 7)
+    admin = Admin(connect(redis_url))
+    assert admin.structure_def("APP2").recauto is True
+    repo = GroupRepository(tmp_path / "logs")
+    assert repo.structures()["APP2"].recauto is True and repo.structures()["APP2"].max_entries == 7
+    lose_cf(admin.redis)
+    ok("cfemu", "alter", "structure", "APP1", "--no-recauto", *where)
+    assert repo.structures()["APP1"].recauto is False and admin.structures() == []
+
+
 def test_errors_are_one_line_and_change_nothing(where: list[str], redis_url: str, tmp_path: Path) -> None:
     ok("cfemu", "define", "structure", "APP1", *where)
     for args, needle in ((["define", "structure", "APP1"], "already defined"),

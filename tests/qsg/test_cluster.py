@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -136,7 +137,7 @@ def test_cli_cluster_up_status_backup_down(tmp_path: Path) -> None:
         up = json.loads(cfemu("cluster", "up", "--dir", d, "--managers", "2", "--backup-interval", "1",
                               "--json").stdout)
         pids = [p["pid"] for p in up["processes"]]
-        assert [p["process"] for p in up["processes"]] == ["CF", "QM1", "QM2", "backup-scheduler"]
+        assert [p["process"] for p in up["processes"]] == ["CF", "QM1", "QM2", "backup-scheduler", "cf-supervisor"]
         assert all(p["alive"] and p["ready"] for p in up["processes"])
         state = json.loads((tmp_path / "cluster" / "cluster.json").read_text())
         assert {"redis_url", "log_root", "backup_dir", "managers", "cf", "scheduler"} <= set(state)
@@ -166,6 +167,22 @@ def test_cli_cluster_up_status_backup_down(tmp_path: Path) -> None:
         assert all(m["lease_ms"] > 0 and m["epoch"] > 0 for m in status["members"])
         st = json.loads(cfemu("cluster", "status", "--dir", d, "--json").stdout)
         assert all(p["alive"] for p in st["processes"])
+        # The CF dies (kill -9, no command): the supervisor restarts it, a member restores APP1 (RECAUTO is on by
+        # default, `cluster up` gave the members the backup directory).
+        assert status["structures"][0]["recauto"] is True
+        os.kill(int(state["cf"]["pid"]), signal.SIGKILL)
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            r = cfemu("status", "--cluster-dir", d, "--json", check=False)
+            if r.returncode == 0 and json.loads(r.stdout)["structures"][:1] and \
+                    json.loads(r.stdout)["structures"][0]["state"] == "ACTIVE":
+                break
+            time.sleep(0.5)
+        else:
+            raise AssertionError(f"APP1 not ACTIVE again: {r.stdout} {r.stderr}")
+        pids.append(json.loads((tmp_path / "cluster" / "cluster.json").read_text())["cf"]["pid"])
+        with Client([f"127.0.0.1:{m['port']}" for m in state["managers"]], token=token) as c:
+            assert c.get("Q1", syncpoint=False).body == b"backed up"  # restored from the scheduler's backups
     finally:
         down = json.loads(cfemu("cluster", "down", "--dir", d, "--json").stdout)
     assert down["still_running"] == {} and down["killed_after_timeout"] == {}

@@ -67,6 +67,22 @@ def test_short_run_finds_nothing(tmp_path: Path, seed: int) -> None:
     assert not (tmp_path / "cluster").exists(), "the cluster's logs and backups are removed after the run"
 
 
+def test_cf_kill_recauto_run_finds_nothing(tmp_path: Path) -> None:
+    """The fault kind cf-kill-recauto: the CF killed under the chaos workload with RECAUTO on; nobody restores by
+    hand; the checker finds nothing lost, duplicated or out of order."""
+    out = chaos("run", "--seed", "3", "--duration", "16", "--faults", "cf-kill-recauto", "--json",
+                "--dir", str(tmp_path))
+    assert out.stdout, out.stderr[-3000:]
+    s = json.loads(out.stdout)
+    assert out.returncode == 0, (s["findings"], s["fault_errors"], (tmp_path / "report.md").read_text()[-3000:])
+    assert s["faults"] and not s["fault_errors"]
+    assert all(f["kind"] == "cf-kill-recauto" and f["service_s"] is not None for f in s["faults"])
+    assert all(f["timings"]["recauto_s"] > 0 and f["timings"]["cf_restarts"] == 1 for f in s["faults"])
+    assert all(v == 0 for v in s["findings"].values())
+    logs = "".join(p.read_text(errors="replace") for p in (tmp_path / "process-logs").glob("QM*.log"))
+    assert "CSQE131I recovery of APP1 completed" in logs and "CSQE131I recovery of APP2 completed" in logs
+
+
 @pytest.mark.soak
 @pytest.mark.timeout(3600)
 @pytest.mark.parametrize("seed", range(1, 21))

@@ -1,0 +1,73 @@
+"""The ``sqm`` command as installed: sqm.cli with restore wired in, so that a member recovers a failed RECAUTO
+structure by itself (sqm.recauto). The composition root lives here, on the top floor, because the member's floor
+(sqm) may not import restore; ``sqm run``'s command line and behaviour are sqm.cli's, plus the hook.
+
+    sqm run --name QM1 ...          (pyproject [project.scripts]: sqm = "qsg.member:main")
+    python -m qsg.member run ...    the same, as ``cfemu cluster`` starts its members
+
+Least privilege (docs/security.md, "RECAUTO"): the member connects to the CF as ``qsg-member``. Only when it is
+about to restore a structure does it read the restore role's password from the group's secrets (the same
+resolver as ``cfrestore``: role ``restore``) and open one connection as ``qsg-restore`` for that restore, closed
+when it ends. A group whose structures all have RECAUTO off never reads it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+from cfemu import settings as settings_mod
+from cfemu.clitools import SETTINGS_HELP
+from cfemu.connection import connect
+from cfemu.progress import Progress
+from cfemu.settings import Settings
+from restore.run import run_restore
+from sqm import cli as sqm_cli
+from sqm.recauto import RecoverStructure
+
+log = logging.getLogger("qsg.member")
+
+
+def restore_url(args: argparse.Namespace) -> str | None:
+    """The CF URL as the restore role finds it: the member's flags and environment, the restore user's password
+    (read now, from the group's secrets)."""
+    flags = {name: getattr(args, name, None) for name in SETTINGS_HELP}
+    return settings_mod.resolve(role="restore", **flags).redis_url
+
+
+def summary(result: Any) -> str:
+    """One line of what a restore did, for CSQE131I."""
+    counts = ", ".join(f"{k} {v}" for k, v in sorted(result.counts.items()) if v)
+    return (f"{result.loaded_entries} entries loaded ({counts or 'nothing to settle'}), restore point "
+            f"{result.restore_point}, report {result.report_path}")
+
+
+def restore_hook(args: argparse.Namespace, found: Settings) -> RecoverStructure:
+    """The member's RECAUTO restore: restore.run.run_restore from the latest good backup and every member's log,
+    as ``cfrestore run STRUCTURE`` would with this member's settings."""
+    backup_root, log_root = found.backup_dir, found.log_root
+
+    def recover(structure: str, progress: Progress) -> Mapping[str, Any]:
+        url = restore_url(args) or found.redis_url
+        client = connect(url)
+        try:
+            result = run_restore(client, structure, backup_root=backup_root, log_root=log_root, progress=progress)
+        finally:
+            client.close()
+        return {"backup": result.backup_id, "base_kind": result.base_kind, "replay_from": result.replay_from,
+                "summary": summary(result), "report": result.report_path}
+
+    log.info("automatic structure recovery (RECAUTO) available: backups under %s, logs under %s", backup_root,
+             log_root)
+    return recover
+
+
+def main(argv: list[str] | None = None) -> int:
+    return sqm_cli.main(argv, recovery=restore_hook)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
