@@ -30,7 +30,11 @@ an in-flight UOW had got when the GET record never reached the disk (the restore
 backup caught it holding the message). Either count is allowed once, and the model adopts the restored one; a
 later restore must keep it.
 
-A failure prints the history (the model's notes, one line a step) and the steps to reproduce it.
+The bugs the model found are kept below as the smallest deterministic histories (strict xfail while open); the
+model steers around the open ones (OPEN_BUGS) so that a run finds the next. A failure prints the history (the
+model's notes, one line a step) and the steps that reproduce it. CFEMU_PROPERTY_EXAMPLES sets the number of
+histories, CFEMU_PROPERTY_NO_SHRINK=1 reports the first failing one as found, CFEMU_PROPERTY_UNGATED names open
+bugs not to steer around. The soak (`pytest -m soak`) runs longer histories from a new seed each time.
 """
 
 from __future__ import annotations
@@ -298,8 +302,8 @@ class RestoreHistory(RuleBasedStateMachine):
         work, m.dead_work = m.dead_work, None
         if work is not None and not work.stale:
             assert work.obj is not None
-            self.apply(work, m.dead_commits, work.obj.decided_lrsn)
             self.say(f"  {how}: {m.name}'s {work} {'committed' if m.dead_commits else 'backed out'}")
+            self.apply(work, m.dead_commits, work.obj.decided_lrsn)
 
     # --- application work -----------------------------------------------------------------------------------
     @rule(i=st.integers(0, 2), queue=st.sampled_from(QUEUES), persistent=st.booleans(), priority=st.integers(0, 2),
@@ -498,6 +502,9 @@ class RestoreHistory(RuleBasedStateMachine):
         for m in self.members:
             if m.alive and m.open is not None and not m.open.stale:
                 back_out_unseen(m.open)
+            if not m.alive and m.dead_work is not None:  # its non-persistent work went with the CF
+                m.dead_work.puts = [msg for msg in m.dead_work.puts if msg.persistent]
+                m.dead_work.gets = [msg for msg in m.dead_work.gets if msg.persistent]
             if not m.alive:
                 m.listed = False  # the group's admin structure went with the CF: only its restart recovers it
                 work = m.dead_work
@@ -654,14 +661,12 @@ class RestoreHistory(RuleBasedStateMachine):
                 f"{[(m, m.backouts) for m in model]}"
 
     @invariant()
-    def cf_holds_the_models_messages_in_order(self) -> None:
-        if self.members:
-            self.check_cf()
-
-    @invariant()
-    def nothing_is_locked_but_live_work(self) -> None:
+    def cf_is_the_model(self) -> None:
+        """The CF's available messages are the model's, in order, and its uncommitted entries are those of the
+        model's live units of work: nothing is locked for good."""
         if not self.members:
             return
+        self.check_cf()
         want = {q: {"UP": 0, "UG": 0} for q in QUEUES}
         for work in self.held():
             for m in work.puts:
@@ -693,9 +698,10 @@ def run(machine: type[RestoreHistory], examples: int, steps: int, derandomize: b
     print("; ".join(f"{k}: {v}" for k, v in sorted(machine.stats.items())))
 
 
+@pytest.mark.timeout(900)  # a failure shrinks for up to 5 minutes (hypothesis's own bound) before it is reported
 def test_random_histories_with_cf_losses_deaths_and_skewed_clocks(redis_url: str, tmp_path: Path) -> None:
     machine = make_machine(redis_url, tmp_path)
-    run(machine, int(os.environ.get("CFEMU_PROPERTY_EXAMPLES", "200")), 50, derandomize=True)
+    run(machine, int(os.environ.get("CFEMU_PROPERTY_EXAMPLES", "250")), 50, derandomize=True)
     s = machine.stats  # the histories do reach what they are for
     assert s["CF losses"] >= 50 and s["CF losses again before a new backup"] >= 10, s
     assert s["... with live work on the restored structure"] >= 5, s
@@ -705,6 +711,7 @@ def test_random_histories_with_cf_losses_deaths_and_skewed_clocks(redis_url: str
 
 
 @pytest.mark.soak
+@pytest.mark.timeout(3600)
 def test_soak_random_histories(redis_url: str, tmp_path: Path) -> None:
     """Many more, longer histories, a new random seed each run (hypothesis prints the seed of a failure:
     `pytest --hypothesis-seed=N` runs it again)."""
