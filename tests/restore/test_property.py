@@ -165,6 +165,7 @@ class Uow:
     # structures that lost its work there (a restore backed it out, a purge discarded it) while the application
     # did not know: its commit is refused there, so everywhere; what it holds elsewhere is backed out
     lost_on: set[str] = field(default_factory=set)
+    lost_persistent: bool = False  # persistent work among what it lost (else its loss may be forgiven, below)
 
     @property
     def id(self) -> str:
@@ -483,9 +484,13 @@ class RestoreHistory(RuleBasedStateMachine):
                 self.say(f"{what}: refused, backed out")
                 self.apply(work, False)
                 return
-            # A restore since may have carried it in doubt with nothing left: nothing to commit
-            assert not (work.puts or work.gets), f"{what}: accepted, though {sorted(work.lost_on)} lost its work"
-            self.say(f"{what}: accepted, nothing left to commit")
+            # Accepted: a restore since carried it in doubt where its work was lost. Right when that work was only
+            # non-persistent (losing it does not back the UOW out), or when nothing is left to commit.
+            assert not work.lost_persistent or not (work.puts or work.gets), \
+                f"{what}: accepted, though {sorted(work.lost_on)} lost its persistent work"
+            self.say(f"{what}: accepted")
+            self.committed(work)
+            self.apply(work, True, self.decided_at(obj, mem.qm))
             return
         mem.qm.resolve(uow_id, commit)
         self.say(what)
@@ -594,7 +599,9 @@ class RestoreHistory(RuleBasedStateMachine):
             if m.alive:
                 if work.touches(lost):
                     work.lost_on |= {s for s in lost if work.touches([s])}
-                    give_back(work, work.drop(lambda x: not on(x))[1])
+                    puts, gets = work.drop(lambda x: not on(x))
+                    work.lost_persistent |= purged or any(x.persistent for x in puts + gets)
+                    give_back(work, gets)
                 continue
             if purged:  # what it held there is gone; the rest ends as its log decided
                 work.drop(lambda x: not on(x))
@@ -609,6 +616,7 @@ class RestoreHistory(RuleBasedStateMachine):
         for uow_id, work in list(self.in_doubt.items()) + list(self.doomed.items()):
             if purged and work.touches(lost):
                 work.lost_on |= {s for s in lost if work.touches([s])}
+                work.lost_persistent = True
                 work.drop(lambda x: not on(x))
                 self.doomed[uow_id] = work
                 self.in_doubt.pop(uow_id, None)
