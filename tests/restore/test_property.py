@@ -263,13 +263,18 @@ class RestoreHistory(RuleBasedStateMachine):
         self.maybe: dict[str, set[int]] = {}  # entry id -> the backout counts the last restore may have left
         self.count_may_drop: set[str] = set()  # entry ids (OPEN_BUGS, recovery-backout-count-unlogged)
         self.generations: dict[str, set[int]] = {s: set() for s in STRUCTURES}  # every restore's (steering)
+        self.only: dict[str, str] = {}  # queue -> the queue used instead (histories on one structure)
 
     # --- life cycle ---------------------------------------------------------------------------------------
-    @initialize(skews=st.lists(SKEWS, min_size=3, max_size=3))
-    def start(self, skews: list[int]) -> None:
+    @initialize(skews=st.lists(SKEWS, min_size=3, max_size=3), both=st.booleans())
+    def start(self, skews: list[int], both: bool) -> None:
+        """Three members, their clocks skewed; the work on both structures, or (half the histories, denser) on
+        APP1 only."""
         for name, skew in zip(NAMES, skews, strict=True):
             self.members.append(self._start(name, skew))
-        self.say(f"members {', '.join(f'{m.name} skew {m.skew / 1e6:+.2f}s' for m in self.members)}")
+        self.only = {} if both else {"Q3": "Q2"}
+        self.say(f"members {', '.join(f'{m.name} skew {m.skew / 1e6:+.2f}s' for m in self.members)}"
+                 + ("" if both else "; work on APP1 only"))
 
     def _start(self, name: str, skew: int, member: Member | None = None) -> Member:
         qm = start_qm(self.redis_url, self.logs, name, background=False, clock_skew_us=skew, lease_ms=LEASE_MS)
@@ -354,7 +359,7 @@ class RestoreHistory(RuleBasedStateMachine):
     @rule(i=st.integers(0, 2), queue=st.sampled_from(ALL_QUEUES), persistent=st.booleans(),
           priority=st.integers(0, 2), syncpoint=st.booleans())
     def put(self, i: int, queue: str, persistent: bool, priority: int, syncpoint: bool) -> None:
-        mem = self.live(i)
+        mem, queue = self.live(i), self.only.get(queue, queue)
         seq = next(self.seq)
         body = f"m{seq}".encode()
         what = f"{mem.name} put m{seq} {queue} p{priority} {'P' if persistent else 'NP'}" + \
@@ -383,7 +388,7 @@ class RestoreHistory(RuleBasedStateMachine):
 
     @rule(i=st.integers(0, 2), queue=st.sampled_from(ALL_QUEUES), syncpoint=st.booleans())
     def get(self, i: int, queue: str, syncpoint: bool) -> None:
-        mem = self.live(i)
+        mem, queue = self.live(i), self.only.get(queue, queue)
         what = f"{mem.name} get {queue}" + (" in its UOW" if syncpoint else "")
         if syncpoint and mem.open is not None and STRUCTURE_OF[queue] in mem.open.lost_on:
             with pytest.raises(BackedOutError):
@@ -551,6 +556,14 @@ class RestoreHistory(RuleBasedStateMachine):
                  disk: Any) -> None:
         """The model after a restore of `lost` (the CF lost, or one structure failed); then the checks."""
         for r in results:
+            # the restore's LRSN (its clock, floor and generation) lies above its backup's replay start, so that a
+            # later restore from that backup replays what happens now; and it is a new generation, so that a UOW
+            # from before is known as lost (steered around while the bug is open: see prepare_restore)
+            if "restore-lrsn-not-above-its-backup" not in self.open_bugs:
+                assert r.restore_lrsn > r.replay_from, f"{r.structure}: restored at {r.restore_lrsn}, its backup " \
+                    f"replays from {r.replay_from}"
+                assert r.restore_lrsn not in self.generations[r.structure], \
+                    f"{r.structure}: restored at {r.restore_lrsn} again"
             self.generations[r.structure].add(r.restore_lrsn)
         self.lose(lost, purged=False, disk=disk)
         self.check_cf(pin=self.maybe)
@@ -644,7 +657,7 @@ class RestoreHistory(RuleBasedStateMachine):
             if self.work_since_loss:
                 stats["... with live work on the restored structures"] += 1
         if self.purged_since_backup:
-            stats["CF losses after a purge"] += 1
+            stats["restores after a purge"] += 1
         lose_cf(self.client)
         results = [run_restore(self.client, s, backup_root=self.backups, log_root=self.logs) for s in order]
         self.losses_since_backup += 1
@@ -668,6 +681,8 @@ class RestoreHistory(RuleBasedStateMachine):
             return
         self.say(f"{structure} fails")
         type(self).stats["structure failures"] += 1
+        if structure in self.purged_since_backup:
+            type(self).stats["restores after a purge"] += 1
         result = run_restore(self.client, structure, backup_root=self.backups, log_root=self.logs,
                              mark_failed=True)
         self.restored({structure}, [result], *before)
@@ -690,7 +705,7 @@ class RestoreHistory(RuleBasedStateMachine):
     def die(self, i: int, how: str, queue: str, now: bool) -> None:
         if not now:
             return  # half as often as a step of each other kind
-        mem = self.live(i)
+        mem, queue = self.live(i), self.only.get(queue, queue)
         if how in ("before-log-force", "after-log-force", "during-apply", "backout-after-log") and (
                 mem.open is None or not (mem.open.persistent or mem.open.lost_on)):
             self.put(i, queue, persistent=True, priority=0, syncpoint=True)  # work for the failpoint to decide
@@ -848,13 +863,13 @@ def run(machine: type[RestoreHistory], examples: int, steps: int, derandomize: b
 def test_random_histories_with_cf_losses_deaths_and_skewed_clocks(redis_url: str, tmp_path: Path) -> None:
     machine = make_machine(redis_url, tmp_path)
     run(machine, int(os.environ.get("CFEMU_PROPERTY_EXAMPLES", "200")), 50, derandomize=True)
-    s = machine.stats  # the histories do reach what they are for
-    assert s["CF losses"] >= 100 and s["CF losses again before a new backup"] >= 30, s
-    assert s["... with live work on the restored structures"] >= 10, s
-    assert s["structure failures"] >= 20 and s["UOWs committed on two structures"] >= 10, s
-    assert s["peer recoveries"] >= 10 and s["... by a peer whose clock lags"] >= 3, s
-    assert s["... completing a forced COMMIT"] >= 3, s
-    assert s["purges"] >= 5 and (s["CF losses after a purge"] >= 1 or "purge-then-cf-loss" in machine.open_bugs), s
+    s = machine.stats  # the histories do reach what they are for (about half of what this run gives)
+    assert s["CF losses"] >= 60 and s["CF losses again before a new backup"] >= 25, s
+    assert s["... with live work on the restored structures"] >= 5, s
+    assert s["structure failures"] >= 20 and s["UOWs committed on two structures"] >= 8, s
+    assert s["peer recoveries"] >= 30 and s["... by a peer whose clock lags"] >= 10, s
+    assert s["... completing a forced COMMIT"] >= 5, s
+    assert s["purges"] >= 10 and (s["restores after a purge"] >= 1 or "purge-then-cf-loss" in machine.open_bugs), s
 
 
 @pytest.mark.soak
