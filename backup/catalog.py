@@ -24,6 +24,7 @@ from backup.files import (
     read_backup,
     verify,
 )
+from backup.points import kind_of
 from cfemu import keys
 from cfemu.admin import Admin
 
@@ -46,7 +47,8 @@ class BackupInfo:
     def summary(self) -> dict[str, Any]:
         """A JSON-friendly row for listings."""
         m = self.manifest or {}
-        return {"id": self.id, "structure": self.structure, "state": self.state, "problem": self.problem,
+        return {"id": self.id, "structure": self.structure, "kind": kind_of(m) if m else None,
+                "state": self.state, "problem": self.problem,
                 "path": str(self.path), "started_at": m.get("started_at", self.started.isoformat()),
                 "entries": m.get("entries"), "bytes": m.get("bytes"), "start_lrsn": m.get("start_lrsn"),
                 "replay_from": m.get("replay_from"), "end_lrsn": m.get("end_lrsn"),

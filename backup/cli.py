@@ -101,11 +101,13 @@ def cmd_list(args: argparse.Namespace, out: Output) -> int:
     if not backups:
         out.line(f"no backups{' of ' + args.structure if args.structure else ''} in {backup_dir}")
         return 0
-    t = _table(out.console, "id", "state", "started", "entries", "MiB", "replay from", "end LRSN", "problem")
+    t = _table(out.console, "id", "kind", "state", "started", "entries", "MiB", "replay from", "end LRSN",
+               "problem")
     for b in backups:
         row = b.summary()
-        t.add_row(b.id, b.state, row["started_at"], str(row["entries"] if row["entries"] is not None else "-"),
-                  _mib(row["bytes"]), str(row["replay_from"] or "-"), str(row["end_lrsn"] or "-"), b.problem)
+        t.add_row(b.id, row["kind"] or "-", b.state, row["started_at"],
+                  str(row["entries"] if row["entries"] is not None else "-"), _mib(row["bytes"]),
+                  str(row["replay_from"] or "-"), str(row["end_lrsn"] or "-"), b.problem)
     out.print(t)
     return 0
 

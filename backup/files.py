@@ -24,8 +24,8 @@ from typing import Any, BinaryIO
 import crc32c
 import msgpack
 
+from cfemu.durable import fsync_directory, replace_file
 from cfemu.private_files import open_private, private_dir
-from sqm.log.format import fsync_directory
 
 FORMAT_VERSION = 1
 MAGIC = b"CFBKP1\n"
@@ -156,13 +156,8 @@ class BackupWriter:
         fsync_directory(self.directory)
         out = dict(manifest, format=FORMAT_VERSION, files=self.files)
         out["checksum"] = manifest_checksum(out)
-        tmp = self.directory / (MANIFEST_NAME + ".tmp")
-        with os.fdopen(open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb") as f:
-            f.write(json.dumps(out, sort_keys=True, indent=1, ensure_ascii=False).encode())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.directory / MANIFEST_NAME)
-        fsync_directory(self.directory)
+        replace_file(self.directory / MANIFEST_NAME,
+                     json.dumps(out, sort_keys=True, indent=1, ensure_ascii=False).encode())
         return out
 
     def abort(self) -> None:

@@ -18,8 +18,11 @@ from typing import Any
 
 import redis
 
+from backup.catalog import OK, list_backups
 from backup.files import BackupError, BackupWriter, new_backup_id
+from backup.points import FUZZY, kind_of
 from backup.protocol import STEPS, StepCount, Wire, copy_step_wire
+from cfemu import bulk
 from cfemu.admin import Admin, AdminError
 from cfemu.cf import CF
 from cfemu.progress import Progress, no_progress
@@ -56,7 +59,18 @@ def catalog_entry(manifest: dict[str, Any], path: Path) -> dict[str, Any]:
     """The summary the admin structure keeps for each good backup (the directory holds the full record)."""
     fields = ("id", "structure", "group", "start_lrsn", "floor_lrsn", "replay_from", "end_lrsn", "started_at",
               "ended_at", "entries", "bytes", "exception_records")
-    return {**{k: manifest[k] for k in fields}, "path": str(path)}
+    return {**{k: manifest[k] for k in fields}, "kind": kind_of(manifest), "path": str(path)}
+
+
+def rebuild_catalog(admin: Admin, backup_root: Path, structure: str) -> int:
+    """The admin structure's copy of the catalog, from the good backups on disk (restore and purge points
+    included): after a CF loss the CF's copy is gone, and `cfemu status` would say "last backup: never".
+    Returns how many backups it lists."""
+    good = [b for b in list_backups(backup_root, structure) if b.state == OK and b.manifest is not None]
+    for b in good:
+        assert b.manifest is not None
+        admin.record_backup(structure, catalog_entry(b.manifest, b.path))
+    return len(good)
 
 
 def _iso(t: datetime) -> str:
@@ -126,12 +140,15 @@ def run_backup(client: redis.Redis, structure: str, backup_root: Path, *, log_ro
                     progress(phase, count.copied + count.skipped_nonpersistent + count.vanished + count.excluded,
                              count.snapshot)
             progress(phase, count.snapshot, count.snapshot)
+        # The tombstones (outcomes decided for owners that may still retry) are part of the structure's state
+        # as a restore from this backup must rebuild it: the decisions behind them may lie before its replay.
+        tombstones = bulk.tombstones(client, structure)
         end_lrsn = s.backup_end(backup_id, clock.now(), ok=True)
         ended = True
         steps = [{"step": n, "state": st, "label": label, **asdict(c)}
                  for n, ((st, label), c) in enumerate(zip(STEPS, counts), start=1)]
         manifest = writer.finish({
-            "id": backup_id, "group": group, "structure": structure, "structure_def": asdict(sdef),
+            "id": backup_id, "kind": FUZZY, "group": group, "structure": structure, "structure_def": asdict(sdef),
             "queues": queues, "members": members, "gen": int(s.info().get("gen", 0)),
             "start_lrsn": start_lrsn, "floor_lrsn": floor_lrsn, "replay_from": lowest_excluded[0],
             "end_lrsn": end_lrsn, "started_at": _iso(started_at), "ended_at": _iso(datetime.now(UTC)),
@@ -141,6 +158,7 @@ def run_backup(client: redis.Redis, structure: str, backup_root: Path, *, log_ro
             "excluded": sum(c.excluded for c in counts),
             "exception_records": (count_exception_records(log_root, structure, start_lrsn, end_lrsn)
                                   if log_root is not None else None),
+            "tombstones": tombstones,
         })
     except BaseException:
         if not ended:

@@ -10,6 +10,15 @@
 
     .venv/bin/python bench/bench_backup.py [--messages 1000000] [--seconds 10]
 
+With --restore it measures RECOVER CFSTRUCT's load instead (issue 10, holes 4 and 5: every batch of the load
+is a guarded transaction of the restore's claim): one backup of the filled structure, then --rounds restores of
+it into an emptied CF (FLUSHALL, as after a CF loss), each interleaved with a raw pipelined write of the same
+entries (descriptor and data hashes, queue list, index sets; batches of restore's size) as the baseline. The
+load is timed from the restore's first load report to its end (its batches, UOW records, verify and switch to
+ACTIVE). To compare with an older restore, run the same script with that tree first on PYTHONPATH.
+
+    .venv/bin/python bench/bench_backup.py --restore --messages 200000 --rounds 3
+
 Prints a table and appends one JSON line to bench/results/backup.jsonl.
 """
 
@@ -64,7 +73,7 @@ def fill(client: redis.Redis, n: int, console: Console) -> list[str]:
         for i in ids[start:start + BATCH]:
             desc = msgpack.packb({"p": 0, "per": 1, "mid": i, "cid": "", "exp": 0, "pt": now, "bc": 0, "pr": {}},
                                  use_bin_type=False)
-            put(keys=skeys, args=["FILLER", epoch, 0, "", 0, 0, i, FILL_QUEUE, desc, body], client=pipe)
+            put(keys=skeys, args=["FILLER", epoch, 0, "", 0, i, FILL_QUEUE, desc, body], client=pipe)
         pipe.execute()
     admin.leave("FILLER")
     console.print(f"filled {n} messages in {time.perf_counter() - t0:.1f} s")
@@ -163,6 +172,84 @@ def backups_in_a_loop(url: str, backup_dir: Path, log_root: Path, stop: threadin
         shutil.rmtree(backup_dir / STRUCTURE, ignore_errors=True)
 
 
+def raw_write(client: redis.Redis, ids: list[str], body: bytes, *, guarded: bool = False) -> float:
+    """The restore load's baseline: the same entries written with plain pipelines (descriptor and data hashes,
+    the queue list and the message-id index sets), in batches of restore's size, into an emptied CF: what each
+    batch of the load did before it was guarded. guarded: the same batches, each a transaction of an owner of
+    the structure (cfemu.bulk.Owner: WATCH, check of token, state and CF identity, MULTI/EXEC), as the load
+    writes them now; the difference is the guard's cost alone."""
+    from cfemu import bulk
+
+    desc = msgpack.packb({"id": "x", "q": FILL_QUEUE, "p": 0, "per": 1, "st": "CP"}, use_bin_type=False)
+    ent, data, lst = keys.entries(STRUCTURE), keys.data(STRUCTURE), keys.state_list(STRUCTURE, FILL_QUEUE, "CP")
+    owner = bulk.claim(client, STRUCTURE, bulk.observe(client, STRUCTURE)) if guarded else None
+    t0 = time.perf_counter()
+    for start in range(0, len(ids), bulk.BATCH):
+        chunk = ids[start:start + bulk.BATCH]
+
+        def stage(pipe: Any, chunk: list[str] = chunk) -> None:
+            pipe.hset(ent, mapping=dict.fromkeys(chunk, desc))
+            pipe.hset(data, mapping=dict.fromkeys(chunk, body))
+            pipe.rpush(lst, *chunk)
+            for i in chunk:
+                pipe.sadd(keys.index_set(STRUCTURE, FILL_QUEUE, "m", i), i)
+
+        if owner is not None:
+            owner.transaction(stage)
+        else:
+            pipe = client.pipeline(transaction=False)
+            stage(pipe)
+            pipe.execute()
+    elapsed = time.perf_counter() - t0
+    if owner is not None:
+        owner.close()
+    return elapsed
+
+
+def restore_rounds(client: redis.Redis, work: Path, ids: list[str], rounds: int, console: Console, *,
+                   guard: bool = True) -> dict[str, Any]:
+    """--restore: the load of run_restore against a raw pipelined write (and, with guard, the same batches as
+    guarded transactions), interleaved rounds, the best of each."""
+    from restore.engine import LOAD
+    from restore.run import run_restore
+
+    manifest = run_backup(client, STRUCTURE, work / "bk")
+    loads: list[float] = []
+    totals: list[float] = []
+    raws: list[float] = []
+    guarded: list[float] = []
+    for _ in range(rounds):
+        client.flushall()  # the CF is lost
+        raws.append(raw_write(client, ids, os.urandom(BODY)))
+        client.flushall()
+        if guard:
+            guarded.append(raw_write(client, ids, os.urandom(BODY), guarded=True))
+            client.flushall()
+        marks: dict[str, float] = {}
+
+        def progress(phase: str, done: int, total: int | None, marks: dict[str, float] = marks) -> None:
+            if phase == LOAD:
+                marks.setdefault("load", time.perf_counter())
+
+        t0 = time.perf_counter()
+        result = run_restore(client, STRUCTURE, backup_root=work / "bk", log_root=work / "logs", progress=progress)
+        t1 = time.perf_counter()
+        assert result.loaded_entries == len(ids), result.loaded_entries
+        loads.append(t1 - marks["load"])
+        totals.append(t1 - t0)
+        console.print(f"round: raw write {raws[-1]:.2f} s" + (f", guarded write {guarded[-1]:.2f} s" if guard else "")
+                      + f", restore load {loads[-1]:.2f} s (restore {totals[-1]:.2f} s)")
+    out = {"bench": "restore-load", "backup_entries": manifest["entries"], "rounds": rounds,
+           "raw_write_rounds_s": [round(x, 3) for x in raws], "load_rounds_s": [round(x, 3) for x in loads],
+           "restore_rounds_s": [round(x, 3) for x in totals], "raw_write_s": round(min(raws), 3),
+           "load_s": round(min(loads), 3), "restore_s": round(min(totals), 3),
+           "load_over_raw": round(min(loads) / min(raws), 3)}
+    if guard:
+        out.update(guarded_write_rounds_s=[round(x, 3) for x in guarded], guarded_write_s=round(min(guarded), 3),
+                   guarded_over_raw=round(min(guarded) / min(raws), 3))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--messages", type=int, default=1_000_000)
@@ -173,6 +260,10 @@ def main() -> int:
                     help="entries per fetch of the backups that run beside the foreground loops")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     ap.add_argument("--quick", action="store_true", help="a short run: 20k messages, 3 s windows, 1 round")
+    ap.add_argument("--restore", action="store_true",
+                    help="measure restore's load (against a raw pipelined write) instead of the backup")
+    ap.add_argument("--no-guard", action="store_true",
+                    help="--restore: skip the guarded write (for a tree from before the guard, to compare)")
     args = ap.parse_args()
     if args.quick:
         args.messages, args.seconds, args.rounds = 20_000, 3.0, 1
@@ -190,6 +281,9 @@ def main() -> int:
         admin.define_queue(FILL_QUEUE, STRUCTURE)
         admin.define_queue(FG_QUEUE, STRUCTURE)
         ids = fill(client, args.messages, console)
+        if args.restore:
+            result.update(restore_rounds(client, work, ids, args.rounds, console, guard=not args.no_guard))
+            return _finish(console, result, args)
 
         # Interleaved rounds, the best of each: the machine may be shared, and a single pair can straddle a burst.
         raws: list[float] = []
@@ -254,6 +348,19 @@ def main() -> int:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
 
+    return _finish(console, result, args)
+
+
+def _finish(console: Console, result: dict[str, Any], args: argparse.Namespace) -> int:
+    """The table, and the result line appended to bench/results/backup.jsonl."""
+    if result.get("bench") == "restore-load":
+        table = Table("measure", "value", title=f"restore load, {args.messages} x {BODY} B")
+        for k in ("raw_write_s", "guarded_write_s", "guarded_over_raw", "load_s", "load_over_raw", "restore_s"):
+            if k not in result:
+                continue
+            table.add_row(k, str(result[k]))
+        console.print(table)
+        return _append(result)
     table = Table("measure", "value", "target", title=f"backup benchmark, {args.messages} x {BODY} B")
     table.add_row("raw pipelined read (s, MiB/s)", f"{result['raw_read_s']} s, {result['raw_read_mb_s']}", "")
     table.add_row("run_backup (s, MiB/s)", f"{result['backup_s']} s, {result['backup_mb_s']}", "")
@@ -270,6 +377,10 @@ def main() -> int:
     table.add_row("naive: total records per message", str(result["naive_total_records_per_msg"]), "")
     table.add_row("exception records (BACKOUT with data) during backups", str(result["exception_records"]), "")
     console.print(table)
+    return _append(result)
+
+
+def _append(result: dict[str, Any]) -> int:
     out = Path(__file__).resolve().parent / "results"
     out.mkdir(exist_ok=True)
     with open(out / "backup.jsonl", "a") as f:

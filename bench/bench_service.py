@@ -47,7 +47,7 @@ LEASE_MS = 60_000
 
 def measure_service(cluster: Cluster, clients: int, seconds: float) -> float:
     endpoints = [f"{host}:{port}" for _, host, port in cluster.endpoints]
-    handles = [Client(endpoints[i % MANAGERS], reconnect_timeout=5) for i in range(clients)]
+    handles = [Client(endpoints[i % MANAGERS], token=cluster.token, reconnect_timeout=5) for i in range(clients)]
     try:
         return in_threads([partial(sqm_lifecycles, h) for h in handles], seconds)  # type: ignore[arg-type]
     finally:

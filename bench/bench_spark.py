@@ -248,7 +248,7 @@ def end_to_end(root: Path, plan: RestorePlan) -> dict[str, float]:
     final data (descriptor and data hashes, queue lists, in batches of the same size) for comparison."""
     from cfemu import keys
     from cfemu.admin import Admin
-    from cfemu.bulk import descriptor, list_of
+    from cfemu.bulk import claim, descriptor, list_of, observe
     from cfemu.embedded import EmbeddedRedis
     from restore.load import BATCH, load_plan
 
@@ -276,7 +276,8 @@ def end_to_end(root: Path, plan: RestorePlan) -> dict[str, float]:
         for q in queues:
             admin.define_queue(q, S)
         t0 = time.perf_counter()
-        load = load_plan(client, plan, admin.structure_def(S), queues)
+        with claim(client, S, observe(client, S)) as owner:
+            load = load_plan(owner, plan, admin.structure_def(S), queues)
         load_s = time.perf_counter() - t0
         return {"raw_write_s": round(raw_s, 2), "load_s": round(load_s, 2), "loaded": load.entries}
     finally:

@@ -2,15 +2,17 @@
 epochs, recovery locks, and the backup catalog.
 
 Like the CF itself the admin structure is lost with the CF; restore rebuilds what it needs (definitions from the
-backup, members re-join with epochs that only grow, the catalog from the backup directory).
+group repository, cfemu.repository, and the backup; members re-join with epochs that only grow; the catalog from
+the backup directory).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -51,6 +53,19 @@ def _pack(obj: Any) -> bytes:
     return msgpack.packb(asdict(obj), use_bin_type=True)
 
 
+def stage_structure(writer: redis.Redis, sdef: StructureDef, *, state: str, gen: int,
+                    epochs: Mapping[Any, Any], clock: int = 0) -> None:
+    """The writes that create (or re-size) a structure's header, keeping the fields it already has, and copy the
+    members' epochs into its fence: on a client (Admin.create_structure), or queued on a transaction (a restore's
+    guarded reset, cfemu.bulk.reset)."""
+    m = keys.meta(sdef.name)
+    for field, value in (("gen", gen), ("clock", clock), ("floor", 0), ("entries", 0), ("bytes", 0), ("state", state)):
+        writer.hsetnx(m, field, value)
+    writer.hset(m, mapping={"max_entries": sdef.max_entries, "max_bytes": sdef.max_bytes})
+    if epochs:
+        writer.hset(keys.fence(sdef.name), mapping=dict(epochs))
+
+
 class Admin:
     def __init__(self, client: redis.Redis) -> None:
         self.redis = client
@@ -72,7 +87,9 @@ class Admin:
 
     # --- structures -----------------------------------------------------------------------------------
     def define_structure(self, name: str, *, max_entries: int = 0, max_bytes: int = 0,
-                         replace: bool = False) -> StructureDef:
+                         replace: bool = False, clock: int = 0) -> StructureDef:
+        """Define a structure and create it in the CF. clock: where a new structure's LRSN clock starts (the
+        group repository's definition LRSN: every record of the structure's work then lies above it)."""
         keys.check_name("structure", name)
         if name == "ADMIN":
             raise AdminError("ADMIN is the admin structure's name; choose another")
@@ -83,22 +100,12 @@ class Admin:
             if not replace:
                 raise AdminError(f"structure {name} is already defined")
             self.redis.hset(STRUCTURES, name, _pack(sdef))
-        self.create_structure(sdef)
+        self.create_structure(sdef, clock=clock)
         return sdef
 
-    def create_structure(self, sdef: StructureDef, *, state: str = "ACTIVE", gen: int = 1) -> None:
+    def create_structure(self, sdef: StructureDef, *, state: str = "ACTIVE", gen: int = 1, clock: int = 0) -> None:
         """Create (or re-size) the structure's header in the CF and copy the members' epochs into it."""
-        m = keys.meta(sdef.name)
-        self.redis.hsetnx(m, "gen", gen)
-        self.redis.hsetnx(m, "clock", 0)
-        self.redis.hsetnx(m, "floor", 0)
-        self.redis.hsetnx(m, "entries", 0)
-        self.redis.hsetnx(m, "bytes", 0)
-        self.redis.hsetnx(m, "state", state)
-        self.redis.hset(m, mapping={"max_entries": sdef.max_entries, "max_bytes": sdef.max_bytes})
-        epochs = self.redis.hgetall(EPOCHS)
-        if epochs:
-            self.redis.hset(keys.fence(sdef.name), mapping=dict(epochs))  # type: ignore[arg-type]
+        stage_structure(self.redis, sdef, state=state, gen=gen, clock=clock, epochs=self.redis.hgetall(EPOCHS))
 
     def structures(self) -> list[StructureDef]:
         """Every defined structure; a malformed definition is reported (bad_entries) and skipped, so one bad
@@ -174,8 +181,10 @@ class Admin:
         return QueueDef(**msgpack.unpackb(raw, raw=False))
 
     def queues(self) -> list[QueueDef]:
-        return sorted((QueueDef(**msgpack.unpackb(v, raw=False)) for v in self.redis.hvals(QUEUES)),
-                      key=lambda q: q.name)
+        """Every defined queue, by name; a malformed definition is reported (bad_entries) and skipped, as in
+        structures() (every member reads them when it joins: cfemu.repository)."""
+        found = (self._decode(QUEUES, k, v, QueueDef) for k, v in self.redis.hgetall(QUEUES).items())
+        return sorted((q for q in found if q is not None), key=lambda q: q.name)
 
     # --- members, leases, fencing ---------------------------------------------------------------------
     def join(self, member: str, info: dict[str, Any], lease_ms: int) -> int:
@@ -243,6 +252,26 @@ class Admin:
     def forget_member(self, member: str) -> None:
         """After peer recovery: the member stays fenced (its epoch stays) but is no longer a live member."""
         self.redis.hdel(MEMBERS, member)
+
+    # --- the group repository's identity (cfemu.repository) ----------------------------------------------
+    def repository(self) -> dict[str, str] | None:
+        """{id, path} of the group repository the CF knows as the group's, or None (a new or lost CF)."""
+        raw = self.redis.get(keys.repository())
+        if raw is None:
+            return None
+        try:
+            rec = json.loads(raw)
+            return {"id": str(rec["id"]), "path": str(rec["path"])}
+        except (ValueError, TypeError, KeyError) as e:
+            log.error("malformed admin entry %s ignored: %s", keys.repository(), e)
+            return None
+
+    def claim_repository(self, repo_id: str, path: str, *, overwrite: bool = False) -> dict[str, str]:
+        """Record the group's repository unless one is recorded (overwrite: restore, which is authoritative);
+        returns the one recorded now."""
+        value = json.dumps({"id": repo_id, "path": path})
+        self.redis.set(keys.repository(), value, nx=not overwrite)
+        return self.repository() or {"id": repo_id, "path": path}
 
     # --- backup catalog (the copy in the CF; the backup directory holds the durable one) ----------------
     def record_backup(self, structure: str, entry: dict[str, Any]) -> None:

@@ -10,9 +10,15 @@ A pipeline is not atomic, and each use is safe for its own reason:
   * the backup's fetch reads ids that an atomic snapshot (snapshot.lua) took; an entry that changed or vanished
     between snapshot and fetch is copied as it is then, or reported gone (backup/protocol.py says why that copy
     is consistent);
-  * the writes run while the structure's header says RECOVERING, and every script refuses work on it then, so
-    nothing else changes the structure meanwhile; the header goes back to ACTIVE last, in one transaction
-    (activate), and a crash before it leaves the structure RECOVERING for a re-run that starts from the wipe.
+  * the writes (wipe, load, verify, activate; a purge's too) are made by an Owner: the restore or purge that
+    claimed the structure (claim). Each batch is one transaction, WATCH on the header, a check that the header
+    still carries the owner's restore token and says RECOVERING and that the CF is still the server the claim
+    was made on (its INFO run_id), then MULTI/EXEC. A newer restore or a purge that claims the structure changes
+    the token, so a stale owner's next batch writes nothing; the owner's connection never reconnects, so a CF
+    restarted under it (empty, or from its own snapshot) gets nothing more from it. Every member script refuses
+    work on a RECOVERING structure, so no one else changes it meanwhile; the header goes back to ACTIVE last,
+    in one transaction (activate), and a crash before it leaves the structure RECOVERING for a re-run that
+    starts from the wipe.
 """
 
 from __future__ import annotations
@@ -21,13 +27,16 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import msgpack
 import redis
+from redis.backoff import NoBackoff
+from redis.client import Pipeline
+from redis.retry import Retry
 
 from cfemu import keys
-from cfemu.admin import Admin, StructureDef
+from cfemu.admin import EPOCHS, StructureDef, stage_structure
 from cfemu.entry import Entry
 
 BATCH = 1000  # writes: entries (or keys to delete) per pipeline
@@ -97,7 +106,192 @@ def count_nonpersistent(client: redis.Redis, structure: str) -> int:
     return n
 
 
-# --- writes: wipe, load, verify, activate, purge ---------------------------------------------------------------
+# --- ownership: a restore's (or a purge's) hold on a structure -----------------------------------------------
+TOKEN = "restore_token"  # header field: the token of the restore or purge that claimed the structure last
+WATCH_RETRIES = 20  # a transaction whose header changed under it, though still the owner's, is tried again
+_WATCH_CHANGED = "Watched variable changed."  # redis-py's WatchError when EXEC applied nothing
+T = TypeVar("T")
+
+
+class NotOwnerError(RuntimeError):
+    """A restore or purge that does not own the structure (or no longer does) wrote nothing (more) into it; the
+    message says why: a later restore or a purge took it over, another restore restored it, its state changed."""
+
+
+class CFReplacedError(NotOwnerError):
+    """The CF the structure was claimed on is gone: the connection to it broke, or the server that answers is
+    another one (restarted: empty, or from its own snapshot). Nothing more was written."""
+
+
+class Seen(NamedTuple):
+    """What a restore saw of the structure at its start, for its claim to compare against."""
+
+    cf: str  # the CF's identity: the server's INFO run_id (every start of a redis-server has a new one)
+    token: int  # the header's restore token (0: none)
+    state: str  # ACTIVE, FAILED or RECOVERING; "" when the structure has no header in the CF
+    gen: int  # the generation (0: no header)
+    restored_from: str  # the backup the last restore loaded ("" when none, or after a purge)
+
+
+def cf_identity(client: redis.Redis) -> str:
+    """The CF's identity: the run id of its redis-server process (a restarted server has a new one, even when it
+    reloads its data from disk)."""
+    return str(client.info("server")["run_id"])
+
+
+def _header(client: redis.Redis, structure: str) -> Seen:
+    """The CF's identity first, then the header: a CF replaced between the two reads shows as replaced."""
+    cf = cf_identity(client)
+    token, state, gen, restored = client.hmget(keys.meta(structure), TOKEN, "state", "gen", "restored_from")
+    return Seen(cf, int(token or 0), keys.text(state) if state else "", int(gen or 0),
+                keys.text(restored) if restored else "")
+
+
+def observe(client: redis.Redis, structure: str) -> Seen:
+    """What the structure looks like now (read only): a restore observes it before it plans, and claims it after
+    planning only if nothing has happened to it in between (claim)."""
+    return _header(client, structure)
+
+
+def changed_since(seen: Seen, now: Seen) -> NotOwnerError | None:
+    """Why a restore that saw `seen` at its start may not take the structure over `now`; None when it may."""
+    if now.cf != seen.cf:
+        return CFReplacedError(f"the CF is another server now (run id {seen.cf[:12]} when the restore started, "
+                               f"{now.cf[:12]} now): it was restarted")
+    if now.gen != seen.gen or (now.state == "ACTIVE" and seen.state != "ACTIVE"):
+        by = "another restore restored" if now.restored_from else "a purge emptied"
+        return NotOwnerError(f"{by} the structure since this one started (now {now.state or 'gone'}, generation "
+                             f"{now.gen})")
+    if now.token != seen.token:
+        return NotOwnerError(f"another restore or a purge took the structure over since this one started (now "
+                             f"{now.state or 'gone'}, restore token {now.token})")
+    return None
+
+
+def _transact(client: redis.Redis, watch: Sequence[str], check: Callable[[Pipeline], T],
+              stage: Callable[[Pipeline, T], object]) -> tuple[T, list[Any]]:
+    """One guarded transaction: WATCH `watch`; check (reads on the watching connection; raises to refuse);
+    stage's writes in MULTI/EXEC. A watched key that changed between the check and EXEC made EXEC apply nothing:
+    check again. A broken connection or a timeout is CFReplacedError: whether EXEC applied is unknown, and an
+    owner's connection does not reconnect, so the owner stops (a re-run starts from the wipe)."""
+    for _ in range(WATCH_RETRIES):
+        pipe = client.pipeline(transaction=True)
+        try:
+            pipe.watch(*watch)
+            value = check(pipe)
+            pipe.multi()
+            stage(pipe, value)
+            return value, pipe.execute()
+        except redis.exceptions.WatchError as e:
+            if str(e) != _WATCH_CHANGED:  # redis-py's word for a connection that broke while watching
+                raise CFReplacedError("the connection to the CF broke") from e
+        except redis.exceptions.MaxConnectionsError:
+            raise  # two uses of an owner's one connection at once: a bug here, not a lost CF
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
+            raise CFReplacedError("the connection to the CF broke") from e
+        finally:
+            pipe.reset()
+    raise NotOwnerError(f"the structure's header changed under {WATCH_RETRIES} transactions in a row")
+
+
+def _pinned(client: redis.Redis) -> redis.Redis:
+    """A client with a single connection of its own to the server `client` names, which never reconnects: once
+    that connection breaks, every command raises ConnectionError. (redis-py reconnects by itself and retries a
+    whole pipeline on the new connection: that is how a restore once carried the rest of its load into an empty
+    CF started on the same port, issue 10 hole 4.)"""
+    pool = client.connection_pool
+
+    class Pinned(pool.connection_class):  # type: ignore[name-defined]
+        connected_once = False
+
+        def connect_check_health(self, *args: Any, **kwargs: Any) -> None:
+            if self.connected_once and self._sock is None:
+                raise redis.exceptions.ConnectionError("the connection to the CF broke (an owner's connection "
+                                                       "does not reconnect)")
+            super().connect_check_health(*args, **kwargs)
+            self.connected_once = True
+
+    kwargs = {**pool.connection_kwargs, "retry": Retry(NoBackoff(), 0)}
+    return redis.Redis(connection_pool=redis.ConnectionPool(connection_class=Pinned, max_connections=1, **kwargs))
+
+
+class Owner:
+    """A restore's (or a purge's) hold on one structure, from its claim to the end of its load. Its writes go
+    through transaction(), so each lands only while the structure is still this owner's (the header carries its
+    restore token and says RECOVERING) and only in the CF the claim was made on. `client` is the owner's own
+    connection, which never reconnects: use it for anything else the owner writes (definitions)."""
+
+    def __init__(self, client: redis.Redis, structure: str, token: int, cf: str) -> None:
+        self.client = client
+        self.structure = structure
+        self.token = token
+        self.cf = cf
+
+    def check(self, client: redis.Redis) -> None:
+        """Raise NotOwnerError (CFReplacedError) unless the header, read through `client` (a watching pipeline),
+        still says this owner's, in the same CF."""
+        now = _header(client, self.structure)
+        if now.cf != self.cf:
+            raise CFReplacedError(f"the CF is another server now (run id {self.cf[:12]} at the claim, "
+                                  f"{now.cf[:12]} now)")
+        if not now.state:
+            raise CFReplacedError("the structure's header is gone from the CF (flushed, or a CF restarted empty)")
+        if now.token != self.token:
+            raise NotOwnerError(f"a later restore or a purge took the structure over (restore token {now.token}; "
+                                f"this one's is {self.token})")
+        if now.state != "RECOVERING":
+            raise NotOwnerError(f"the structure is {now.state} now: someone else changed its state")
+
+    def transaction(self, stage: Callable[[Pipeline], object], *, watch: Sequence[str] = ()) -> list[Any]:
+        """stage's writes (or reads) as one transaction that applies only while this owner owns the structure;
+        returns their replies. Raises NotOwnerError (or CFReplacedError) having applied nothing."""
+        return _transact(self.client, (keys.meta(self.structure), *watch), self.check,
+                         lambda pipe, _: stage(pipe))[1]
+
+    def close(self) -> None:
+        self.client.close()
+
+    def __enter__(self) -> Owner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def claim(client: redis.Redis, structure: str, seen: Seen) -> Owner:
+    """Take the structure over for a restore or a purge, when nothing has happened to it since `seen` (observe,
+    at the restore's start): the same CF, the same restore token and generation, and not ACTIVE again. One
+    transaction gives the header a new restore token (above the last one and the wall clock in ms, so tokens
+    keep growing across CF losses) and state RECOVERING, under which every member script refuses work; a missing
+    header is created so. Returns the Owner, on a connection of its own; raises NotOwnerError (CFReplacedError)
+    having written nothing."""
+    pinned = _pinned(client)
+
+    def check(pipe: Pipeline) -> int:
+        now = _header(pipe, structure)
+        why = changed_since(seen, now)
+        if why is not None:
+            raise why
+        return max(now.token + 1, time.time_ns() // 1_000_000)
+
+    def stage(pipe: Pipeline, token: int) -> None:
+        pipe.hset(keys.meta(structure), mapping={TOKEN: token, "state": "RECOVERING"})
+
+    try:
+        token, _ = _transact(pinned, (keys.meta(structure),), check, stage)
+    except BaseException:
+        pinned.close()
+        raise
+    return Owner(pinned, structure, token, seen.cf)
+
+
+def tombstones(client: redis.Redis, structure: str) -> dict[str, str]:
+    """The structure's tombstones, UOW -> 'C' | 'B' | 'P' (outcomes decided for their owners, who may still
+    retry)."""
+    return {keys.text(u): keys.text(o) for u, o in client.hgetall(keys.tomb(structure)).items()}
+
+
+# --- writes: wipe, load, verify, activate, purge (each batch a transaction of the Owner) -------------------
 class Survivor(Protocol):
     """An entry to load (restore.settle.Settled has this shape): its id, its final descriptor in wire form (None:
     not loaded) and its data."""
@@ -117,12 +311,17 @@ def structure_keys(client: redis.Redis, structure: str) -> Iterator[bytes]:
     yield from client.scan_iter(match=keys.all_structure_keys_pattern(structure), count=1000)
 
 
-def wipe(client: redis.Redis, structure: str, *, keep: tuple[str, ...] = (), batch: int = BATCH) -> int:
-    """Delete every key of the structure except `keep`; returns how many were deleted."""
+def wipe(owner: Owner, *, keep: tuple[str, ...] = (), batch: int = BATCH) -> int:
+    """Delete every key of the owner's structure except `keep`; returns how many were deleted."""
     kept = {k.encode() for k in keep}
-    doomed = [k for k in structure_keys(client, structure) if k not in kept]
+    doomed = [k for k in structure_keys(owner.client, owner.structure) if k not in kept]
     for i in range(0, len(doomed), batch):
-        client.unlink(*doomed[i:i + batch])
+        chunk = doomed[i:i + batch]
+
+        def stage(pipe: Pipeline, chunk: list[bytes] = chunk) -> None:
+            pipe.unlink(*chunk)
+
+        owner.transaction(stage)
     return len(doomed)
 
 
@@ -132,11 +331,20 @@ def mark_recovering(client: redis.Redis, structure: str) -> None:
     client.hset(keys.meta(structure), "state", "RECOVERING")
 
 
-def reset(client: redis.Redis, sdef: StructureDef, *, batch: int = BATCH) -> int:
-    """Empty a RECOVERING structure: delete every key but its header, then give it back its header fields and
-    its fence (every member's current epoch). Returns the number of keys deleted."""
-    deleted = wipe(client, sdef.name, keep=(keys.meta(sdef.name),), batch=batch)
-    Admin(client).create_structure(sdef, state="RECOVERING")
+def reset(owner: Owner, sdef: StructureDef, *, batch: int = BATCH) -> int:
+    """Empty the owner's RECOVERING structure: delete every key but its header, then give it back its header
+    fields and its fence (every member's current epoch). Returns the number of keys deleted."""
+    S = sdef.name
+    deleted = wipe(owner, keep=(keys.meta(S),), batch=batch)
+
+    def check(pipe: Pipeline) -> Any:
+        owner.check(pipe)
+        return pipe.hgetall(EPOCHS)  # read while the fence is watched: a fence raised meanwhile is read again
+
+    def stage(pipe: Pipeline, epochs: Any) -> None:
+        stage_structure(pipe, sdef, state="RECOVERING", gen=1, epochs=epochs)
+
+    _transact(owner.client, (keys.meta(S), keys.fence(S)), check, stage)
     return deleted
 
 
@@ -161,60 +369,73 @@ def uow_record(owner: str, first_lrsn: int, gen: int) -> bytes:
 
 
 class Loader:
-    """Writes entries into an emptied, RECOVERING structure (after reset), batch by batch, then the records of the
-    UOWs that hold them. The caller chooses the batches and the order (a list keeps the order it is written in),
-    so that it can report progress between them."""
+    """Writes entries into the owner's emptied, RECOVERING structure (after reset), batch by batch, each batch one
+    transaction of the owner; then the records of the UOWs that hold them. The caller chooses the batches and the
+    order (a list keeps the order it is written in), so that it can report progress between them."""
 
-    def __init__(self, client: redis.Redis, structure: str, gen: int) -> None:
-        self.client = client
-        self.structure = structure
+    def __init__(self, holder: Owner, gen: int) -> None:
+        self.holder = holder
+        self.structure = holder.structure
         self.gen = gen  # the generation a loaded UOW is recorded in
         self.bytes = 0
         self.held: dict[str, int] = {}  # UOW holding entries -> lowest LRSN of its entries
         self.queues: set[str] = set()
 
     def write(self, batch: Sequence[Survivor]) -> None:
-        """One pipelined batch: descriptors, data, list places, UOW sets, expiry times and id indexes."""
+        """One batch: descriptors, data, list places, UOW sets, expiry times and id indexes."""
         S = self.structure
-        pipe = self.client.pipeline(transaction=False)
-        pipe.hset(keys.entries(S), mapping={s.id: descriptor(_wire(s), s.data) for s in batch})
-        pipe.hset(keys.data(S), mapping={s.id: s.data for s in batch})
         lists: dict[str, list[str]] = defaultdict(list)
+        sets: dict[str, list[str]] = defaultdict(list)
         expiry: dict[str, int] = {}
+        held: dict[str, int] = {}
         for s in batch:
             e = _wire(s)
             lists[list_of(S, e)].append(s.id)
-            self.queues.add(e["q"])
             if e.get("u"):
-                pipe.sadd(keys.uow_set(S, e["u"]), s.id)
-                self.held[e["u"]] = min(self.held.get(e["u"], int(e["l"])), int(e["l"]))
+                sets[keys.uow_set(S, e["u"])].append(s.id)
+                held[e["u"]] = min(held.get(e["u"], int(e["l"])), int(e["l"]))
             if int(e.get("exp", 0)) > 0:
                 expiry[s.id] = int(e["exp"])
             if e.get("cid"):
-                pipe.sadd(keys.index_set(S, e["q"], "c", e["cid"]), s.id)
+                sets[keys.index_set(S, e["q"], "c", e["cid"])].append(s.id)
             if e.get("mid"):
-                pipe.sadd(keys.index_set(S, e["q"], "m", e["mid"]), s.id)
-            self.bytes += len(s.data)
-        for k, ids in lists.items():
-            pipe.rpush(k, *ids)
-        if expiry:
-            pipe.zadd(keys.expiry(S), expiry)
-        pipe.execute()
+                sets[keys.index_set(S, e["q"], "m", e["mid"])].append(s.id)
+        descriptors = {s.id: descriptor(_wire(s), s.data) for s in batch}
+        datas = {s.id: s.data for s in batch}
+
+        def stage(pipe: Pipeline) -> None:
+            pipe.hset(keys.entries(S), mapping=descriptors)  # type: ignore[arg-type]
+            pipe.hset(keys.data(S), mapping=datas)  # type: ignore[arg-type]
+            for k, ids in sets.items():
+                pipe.sadd(k, *ids)
+            for k, ids in lists.items():
+                pipe.rpush(k, *ids)
+            if expiry:
+                pipe.zadd(keys.expiry(S), expiry)
+
+        self.holder.transaction(stage)
+        # counted once the batch is in (a transaction tried again must not count it twice)
+        for u, first in held.items():
+            self.held[u] = min(self.held.get(u, first), first)
+        self.queues.update(_wire(s)["q"] for s in batch)
+        self.bytes += sum(len(s.data) for s in batch)
 
     def finish(self, queues: Iterable[str], owner: Callable[[str], str], tomb: Mapping[str, str]) -> int:
         """After the last batch: the queue set (`queues` and every queue written to), a record for each UOW
         holding entries (its owner by `owner`), and the tombstones (UOW -> 'C' | 'B'). Returns the number of UOWs
         holding entries."""
         S = self.structure
-        pipe = self.client.pipeline(transaction=False)
         all_queues = sorted(set(queues) | self.queues)
-        if all_queues:
-            pipe.sadd(keys.queues(S), *all_queues)
-        if self.held:
-            pipe.hset(keys.uows(S), mapping={u: uow_record(owner(u), f, self.gen) for u, f in self.held.items()})
-        if tomb:
-            pipe.hset(keys.tomb(S), mapping=dict(tomb))  # type: ignore[arg-type]
-        pipe.execute()
+
+        def stage(pipe: Pipeline) -> None:
+            if all_queues:
+                pipe.sadd(keys.queues(S), *all_queues)
+            if self.held:
+                pipe.hset(keys.uows(S), mapping={u: uow_record(owner(u), f, self.gen) for u, f in self.held.items()})
+            if tomb:
+                pipe.hset(keys.tomb(S), mapping=dict(tomb))  # type: ignore[arg-type]
+
+        self.holder.transaction(stage)
         return len(self.held)
 
 
@@ -223,10 +444,11 @@ def _wire(s: Survivor) -> Wire:
     return s.entry
 
 
-def verify(client: redis.Redis, structure: str, survivors: Sequence[Survivor],
-           uows: Collection[str] | None = None) -> list[str]:
-    """Compare the structure's content with what was loaded: entry and data counts, UOW records (`uows`, by
-    default those holding entries), and the length of every list. Returns the differences found (none: [])."""
+def verify(owner: Owner, survivors: Sequence[Survivor], uows: Collection[str] | None = None) -> list[str]:
+    """Compare the owner's structure with what was loaded: entry and data counts, UOW records (`uows`, by default
+    those holding entries), and the length of every list (read in one transaction of the owner: a count from
+    another CF is never compared). Returns the differences found (none: [])."""
+    structure = owner.structure
     expected: dict[str, int] = defaultdict(int)
     holding: set[str] = set()
     for s in survivors:
@@ -235,14 +457,16 @@ def verify(client: redis.Redis, structure: str, survivors: Sequence[Survivor],
         if e.get("u"):
             holding.add(e["u"])
     uows = holding if uows is None else set(uows) | holding
-    pipe = client.pipeline(transaction=False)
-    pipe.hlen(keys.entries(structure))
-    pipe.hlen(keys.data(structure))
-    pipe.hlen(keys.uows(structure))
     names = sorted(expected)
-    for k in names:
-        pipe.llen(k)
-    n_ent, n_data, n_uows, *lengths = pipe.execute()
+
+    def stage(pipe: Pipeline) -> None:
+        pipe.hlen(keys.entries(structure))
+        pipe.hlen(keys.data(structure))
+        pipe.hlen(keys.uows(structure))
+        for k in names:
+            pipe.llen(k)
+
+    n_ent, n_data, n_uows, *lengths = owner.transaction(stage)
     problems = []
     if n_ent != len(survivors):
         problems.append(f"{n_ent} descriptors, expected {len(survivors)}")
@@ -256,19 +480,26 @@ def verify(client: redis.Redis, structure: str, survivors: Sequence[Survivor],
     return problems
 
 
-def activate(client: redis.Redis, sdef: StructureDef, *, gen: int, clock: int, floor: int, entries: int,
-             nbytes: int, restored_from: str = "") -> None:
-    """The switch back to ACTIVE, last and in one transaction: the whole header is replaced (no field of the
-    RECOVERING one, such as a backup's running mark, survives)."""
+def activate(owner: Owner, sdef: StructureDef, *, gen: int, clock: int, floor: int, entries: int,
+             nbytes: int, restored_from: str = "", last_backup: str = "") -> None:
+    """The switch back to ACTIVE, last and in one transaction of the owner: the whole header is replaced (no
+    field of the RECOVERING one, such as a backup's running mark, survives) but the owner's restore token, which
+    stays so that a restore that started before this one cannot claim the structure any more. last_backup: the
+    restore point just written."""
     header: dict[str, Any] = {"state": "ACTIVE", "gen": gen, "clock": clock, "floor": floor, "entries": entries,
-                              "bytes": nbytes, "max_entries": sdef.max_entries, "max_bytes": sdef.max_bytes}
+                              "bytes": nbytes, "max_entries": sdef.max_entries, "max_bytes": sdef.max_bytes,
+                              TOKEN: owner.token}
     if restored_from:
         header["restored_from"] = restored_from
+    if last_backup:
+        header["last_backup"] = last_backup
     meta = keys.meta(sdef.name)
-    tx = client.pipeline(transaction=True)
-    tx.delete(meta)
-    tx.hset(meta, mapping=header)  # type: ignore[arg-type]
-    tx.execute()
+
+    def stage(pipe: Pipeline) -> None:
+        pipe.delete(meta)
+        pipe.hset(meta, mapping=header)  # type: ignore[arg-type]
+
+    owner.transaction(stage)
 
 
 class Purged(NamedTuple):
@@ -277,17 +508,35 @@ class Purged(NamedTuple):
     gen: int  # the structure's new generation
 
 
-def purge(client: redis.Redis, sdef: StructureDef, queues: Sequence[str]) -> Purged:
+def purge(client: redis.Redis, sdef: StructureDef, queues: Sequence[str], *,
+          before_activate: Callable[[int, dict[str, str]], str] | None = None) -> Purged:
     """Empty the structure and make it ACTIVE again in a new generation, above its clock and its old generation
-    (so every unit of work from before is backed out when it next touches it); its queues stay defined."""
+    (so a unit of work from before that had no work here is backed out when it next touches it); its queues stay
+    defined, and the UOWs that held entries get a 'P' tombstone (purged_tombstones). The purge claims the
+    structure first, so a restore loading it meanwhile stops at its next batch. before_activate(gen, tombstones),
+    once nothing can change the structure any more and before it is usable again, makes the purge durable
+    (restore.run writes an empty restore point with those tombstones) and returns the id it wrote."""
     S = sdef.name
-    meta = keys.meta(S)
-    info = {keys.text(k): keys.text(v) for k, v in client.hgetall(meta).items()}
-    discarded = int(client.hlen(keys.entries(S)))
-    gen = max(time.time_ns() // 1000, int(info.get("clock", 0)) + 1, int(info.get("gen", 0)) + 1)
-    mark_recovering(client, S)
-    reset(client, sdef)
-    if queues:
-        client.sadd(keys.queues(S), *queues)
-    activate(client, sdef, gen=gen, clock=gen + 1, floor=gen, entries=0, nbytes=0)
+    with claim(client, S, observe(client, S)) as owner:
+        info = {keys.text(k): keys.text(v) for k, v in owner.client.hgetall(keys.meta(S)).items()}
+        discarded = int(owner.client.hlen(keys.entries(S)))
+        gen = max(time.time_ns() // 1000, int(info.get("clock", 0)) + 1, int(info.get("gen", 0)) + 1)
+        tomb = purged_tombstones(owner.client, S)
+        last = before_activate(gen, tomb) if before_activate is not None else ""
+        reset(owner, sdef)
+        if queues:
+            owner.transaction(lambda pipe: pipe.sadd(keys.queues(S), *queues))
+        if tomb:
+            owner.transaction(lambda pipe: pipe.hset(keys.tomb(S), mapping=tomb))  # type: ignore[arg-type]
+        activate(owner, sdef, gen=gen, clock=gen + 1, floor=gen, entries=0, nbytes=0, last_backup=last)
     return Purged(discarded, int(info.get("bytes", 0)), gen)
+
+
+def purged_tombstones(client: redis.Redis, structure: str) -> dict[str, str]:
+    """The tombstones a purge leaves: those already there (outcomes decided for owners that may still retry), and
+    'P' for every UOW holding entries: a purge discards messages, not outcomes, so the owner's commit or backout
+    of such a UOW is a no-op here and goes on on its other structures (a commit refused here as "lost" would
+    make the owner back out work that committed elsewhere, or that it already told its application committed),
+    while more work of it here is refused as backed out."""
+    held = {keys.text(u): "P" for u in client.hkeys(keys.uows(structure))}
+    return {**held, **tombstones(client, structure)}

@@ -51,7 +51,9 @@ SETTINGS_HELP = {
                 f"{_settings.DEFAULT_LOG_ROOT})",
     "backup_dir": f"the backup root (default ${_settings.ENV_BACKUP_DIR}, the cluster's, or "
                   f"{_settings.DEFAULT_BACKUP_DIR})",
-    "token": f"the SQM servers' shared secret (default ${_settings.ENV_TOKEN} or the cluster's)",
+    "token": (f"the SQM servers' token of this command's role (cfemu: the operator's, default "
+              f"${_settings.ENV_OPERATOR_TOKEN}; others: the application's, default ${_settings.ENV_TOKEN}; "
+              "else the group's secrets directory). Prefer the variable or the file: ps shows a flag"),
     "cluster_dir": f"a 'cfemu cluster' directory to take settings from (default ${_settings.ENV_CLUSTER_DIR} or "
                    f"the nearest {_settings.DEFAULT_CLUSTER_DIR})",
     "cf_dir": f"a 'cfemu cf start' directory (default ${_settings.ENV_CF_DIR} or the nearest "

@@ -9,6 +9,11 @@ off; every process connects as the user of its role:
   restore   qsg-restore   ``cfrestore``: restore's writes (wipe, load, purge), definitions after a lost CF
   operator  qsg-operator  ``cfemu``: definitions, status, one-shot put/get
 
+Beside them, the two tokens of the ``sqm run`` service (sqm.service.protocol's roles): ``service.token`` for
+applications (put, get, browse, commit, backout, prepare, resolve of their own in-doubt UOWs) and
+``operator.token`` for operators (also define, status, resolve of any in-doubt UOW). They never cross the wire:
+a client proves it holds one (HMAC-SHA256 of a fresh challenge).
+
 Nobody gets CONFIG, MODULE, DEBUG, FLUSHALL/FLUSHDB, SAVE/BGSAVE, SHUTDOWN, SCRIPT FLUSH, KEYS, ACL, CLIENT,
 MONITOR or REPLICAOF (Redis's @dangerous category), nor SCRIPT FLUSH/KILL. Scripts run with their caller's
 permissions (Redis checks every redis.call against the caller's ACL), so EVAL and SCRIPT LOAD give no more than
@@ -29,6 +34,8 @@ from urllib.parse import quote, urlsplit, urlunsplit
 from cfemu.private_files import private_dir, write_private
 
 ROLES = ("member", "backup", "restore", "operator")
+SERVICE_ROLES = ("application", "operator")  # the roles of the sqm run service (sqm.service.protocol.ROLES)
+SERVICE_TOKEN_FILES = {"application": "service.token", "operator": "operator.token"}
 SECRETS_DIR = "secrets"  # inside the cluster directory or the ``cfemu cf start`` directory
 ENV_SECRETS_DIR = "CFEMU_SECRETS_DIR"
 
@@ -66,7 +73,8 @@ def _password_file(directory: Path, role: str) -> Path:
 
 
 def create(directory: Path) -> dict[str, str]:
-    """The group's CF passwords, made now where missing (existing ones are kept: the CF's ACL file has them)."""
+    """The group's secrets, made now where missing (existing ones are kept: the CF's ACL file has them, clients
+    have the service's tokens): the CF passwords, which are returned, and the service's two tokens."""
     private_dir(directory)
     out: dict[str, str] = {}
     for role in ROLES:
@@ -74,12 +82,21 @@ def create(directory: Path) -> dict[str, str]:
         if not path.exists():
             write_private(path, secrets.token_urlsafe(32).encode())
         out[role] = read_password(directory, role) or ""
+    for service_role in SERVICE_ROLES:
+        service_token(directory, service_role)
     return out
 
 
-def service_token(directory: Path, *, create: bool = True) -> str | None:
-    """The token ``sqm run`` servers ask every client for (made at group creation when create)."""
-    path = directory / "service.token"
+def service_token_file(directory: Path, role: str = "application") -> Path:
+    if role not in SERVICE_TOKEN_FILES:
+        raise ValueError(f"unknown service role {role!r}; roles: {', '.join(SERVICE_ROLES)}")
+    return directory / SERVICE_TOKEN_FILES[role]
+
+
+def service_token(directory: Path, role: str = "application", *, create: bool = True) -> str | None:
+    """A role's token for the ``sqm run`` servers (application: service.token, operator: operator.token), made
+    now when missing and create."""
+    path = service_token_file(directory, role)
     if not path.exists():
         if not create:
             return None

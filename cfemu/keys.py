@@ -160,3 +160,8 @@ def recovery_lock(member: str) -> str:
 def backups(structure: str) -> str:
     """Hash: backup id -> msgpack catalog entry of the structure's backups (the copy in the CF)."""
     return f"{ADMIN}:backups:{structure}"
+
+
+def repository() -> str:
+    """String: JSON {id, path} of the group repository (cfemu.repository) whose log root is the group's."""
+    return f"{ADMIN}:repository"

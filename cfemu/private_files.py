@@ -12,6 +12,8 @@ import os
 import stat
 from pathlib import Path
 
+from cfemu.durable import replace_file
+
 FILE_MODE = 0o600
 DIR_MODE = 0o700
 
@@ -39,13 +41,5 @@ def open_private(path: Path, flags: int) -> int:
 
 
 def write_private(path: Path, data: bytes) -> None:
-    """Write a file readable by its owner only, atomically (temp file, fsync, rename)."""
-    tmp = path.with_name(path.name + ".tmp")
-    fd = open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.chmod(tmp, FILE_MODE)  # an older temp file may have had another mode
-    os.replace(tmp, path)
+    """Write a file readable by its owner only, atomically (temp file, fsync, rename, directory fsync)."""
+    replace_file(path, data, mode=FILE_MODE)

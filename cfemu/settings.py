@@ -3,7 +3,7 @@
 Each setting comes from the first of these that has it:
 
   1. its flag             --redis-url, --log-root, --backup-dir, --token
-  2. its environment      $REDIS_URL, $CFEMU_LOG_ROOT, $CFEMU_BACKUP_DIR, $SQM_TOKEN
+  2. its environment      $REDIS_URL, $CFEMU_LOG_ROOT, $CFEMU_BACKUP_DIR, $SQM_TOKEN ($SQM_OPERATOR_TOKEN)
   3. the cluster          cluster.json of the nearest ``cfemu cluster`` directory: --cluster-dir, else
                           $CFEMU_CLUSTER_DIR, else the first var/cluster holding one, looking in the working
                           directory and then its parents (as git looks for .git). Its CF URL counts only while
@@ -17,6 +17,13 @@ The CF's credentials: a CF URL that names no user gets the user and password of 
 cfbackup: backup, cfrestore: restore, cfemu: operator; see cfemu.credentials) from the group's secrets directory:
 $CFEMU_SECRETS_DIR, else the cluster directory's secrets/, else the CF directory's secrets/. So no password ever
 needs to be typed, put on a command line (where ``ps`` shows it) or printed.
+
+The servers' token: ``sqm run`` has two roles (sqm.service.protocol: application and operator), each with its
+token in the secrets directory (service.token, operator.token). A command of the CF operator role (``cfemu``)
+takes the operator's: --token, else $SQM_OPERATOR_TOKEN, else operator.token; and when it finds none, the
+application's ($SQM_TOKEN, service.token), with the application's rights. Every other command (applications,
+``sqm run``) takes the application's: --token, else $SQM_TOKEN, else service.token. ``Settings.token_role``
+says whose it is. ``sqm run`` also reads the operator's (``operator_token``).
 
 The cluster's file belongs to qsg.cluster, which writes it; it writes it with the names defined here, so that the
 floor that reads it (every command line's) and the floor that writes it cannot disagree. The resolver only reads:
@@ -40,6 +47,7 @@ from cfemu.procs import pid_alive
 ENV_LOG_ROOT = "CFEMU_LOG_ROOT"
 ENV_BACKUP_DIR = "CFEMU_BACKUP_DIR"
 ENV_TOKEN = "SQM_TOKEN"
+ENV_OPERATOR_TOKEN = "SQM_OPERATOR_TOKEN"
 ENV_CLUSTER_DIR = "CFEMU_CLUSTER_DIR"
 ENV_CF_DIR = "CFEMU_CF_DIR"
 
@@ -70,6 +78,7 @@ class Settings:
     cluster_dir: Path | None  # the cluster directory whose cluster.json was read, if any
     sources: dict[str, str] = field(default_factory=dict)
     secrets_dir: Path | None = None  # the group's secrets (cfemu.credentials), when there are any
+    token_role: str = "application"  # the service role whose token ``token`` is: application or operator
 
     def env(self) -> dict[str, str]:
         """The environment that hands these settings to a child process (cfbackup schedule's backups), so that
@@ -78,7 +87,7 @@ class Settings:
         if self.redis_url:
             out[ENV_URL] = self.redis_url
         if self.token:
-            out[ENV_TOKEN] = self.token
+            out[ENV_OPERATOR_TOKEN if self.token_role == "operator" else ENV_TOKEN] = self.token
         if self.cluster_dir is not None:
             out[ENV_CLUSTER_DIR] = str(self.cluster_dir)
         if self.secrets_dir is not None:
@@ -175,11 +184,32 @@ def resolve(*, redis_url: str | None = None, log_root: str | os.PathLike[str] | 
     logs = pick("log_root", log_root, ENV_LOG_ROOT, state.get(CLUSTER_LOG_ROOT), (DEFAULT, DEFAULT_LOG_ROOT))
     backups = pick("backup_dir", backup_dir, ENV_BACKUP_DIR, state.get(CLUSTER_BACKUP_DIR),
                    (DEFAULT, DEFAULT_BACKUP_DIR))
-    tok = pick("token", token, ENV_TOKEN,
-               credentials.service_token(secrets_dir, create=False) if secrets_dir is not None else None)
+    def stored(service_role: str) -> str | None:
+        return credentials.service_token(secrets_dir, service_role, create=False) if secrets_dir else None
+
+    token_role = "application"
+    if role == "operator":
+        tok = pick("token", token, ENV_OPERATOR_TOKEN, stored("operator"))
+        if tok:
+            token_role = "operator"
+        else:  # no operator token to be found: the application's, with its rights
+            tok = pick("token", None, ENV_TOKEN, stored("application"))
+    else:
+        tok = pick("token", token, ENV_TOKEN, stored("application"))
     return Settings(redis_url=str(url) if url else None, log_root=Path(logs), backup_dir=Path(backups),
                     token=str(tok) if tok else None, cluster_dir=cdir.resolve() if state else None,
-                    sources=sources, secrets_dir=secrets_dir)
+                    sources=sources, secrets_dir=secrets_dir, token_role=token_role)
+
+
+def operator_token(found: Settings, env: Mapping[str, str] | None = None) -> str | None:
+    """The operator's service token (for ``sqm run``, which knows both roles): $SQM_OPERATOR_TOKEN, else the
+    secrets directory's operator.token."""
+    environ = os.environ if env is None else env
+    if environ.get(ENV_OPERATOR_TOKEN):
+        return environ[ENV_OPERATOR_TOKEN]
+    if found.secrets_dir is not None:
+        return credentials.service_token(found.secrets_dir, "operator", create=False)
+    return None
 
 
 def find_secrets_dir(env: Mapping[str, str], cluster_dir: Path | None, cf_dir: Path) -> Path | None:

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 import redis
 
-from cfemu import credentials, keys
+from cfemu import credentials, keys, repository
 from cfemu.admin import Admin
 from cfemu.cf import CF
 from cfemu.clitools import CLIError, Output, add_settings_arguments, require_url, run_command, settings
@@ -106,7 +106,7 @@ def messaging(args: argparse.Namespace) -> Iterator[MessagingHandle]:
     restore sees what it did. Whatever is left uncommitted when the block fails is backed out."""
     found = settings(args)
     if args.server:
-        client = Client(args.server, token=found.token, client_name="cfemu")
+        client = Client(args.server, token=found.token, role=found.token_role, client_name="cfemu")
         try:
             yield client
         finally:
@@ -164,7 +164,6 @@ def cmd_secrets(args: argparse.Namespace, out: Output) -> int:
     them (for a CF this command does not start: docker-compose's redis-server, or an external Redis)."""
     directory = Path(args.dir)
     passwords = credentials.create(directory)
-    credentials.service_token(directory)
     info: dict[str, Any] = {"dir": str(directory.resolve()), "files": sorted(p.name for p in directory.iterdir())}
     if args.acl_file:
         acl = Path(args.acl_file)
@@ -181,14 +180,16 @@ def cmd_secrets(args: argparse.Namespace, out: Output) -> int:
 
 
 def cmd_define(args: argparse.Namespace, out: Output) -> int:
+    """In the CF and, durably, in the group repository under the log root (cfemu.repository)."""
     with admin_client(args) as admin:
+        repo = repository.open_group_repository(admin, settings(args).log_root, who=f"cfemu define {args.kind}")
         if args.kind == "structure":
-            d: Any = admin.define_structure(args.name, max_entries=args.max_entries, max_bytes=args.max_bytes,
-                                            replace=args.replace)
+            d: Any = repository.define_structure(admin, repo, args.name, max_entries=args.max_entries,
+                                                 max_bytes=args.max_bytes, replace=args.replace)
         else:
-            d = admin.define_queue(args.name, args.structure, backout_threshold=args.backout_threshold,
-                                   backout_queue=args.backout_queue, max_msg_length=args.max_msg_length,
-                                   replace=args.replace)
+            d = repository.define_queue(admin, repo, args.name, args.structure,
+                                        backout_threshold=args.backout_threshold, backout_queue=args.backout_queue,
+                                        max_msg_length=args.max_msg_length, replace=args.replace)
     fields = dict(vars(d))
     if args.json:
         out.json({"kind": args.kind, **fields})
@@ -327,9 +328,10 @@ def cmd_browse(args: argparse.Namespace, out: Output) -> int:
 
 
 def cmd_indoubt(args: argparse.Namespace, out: Output) -> int:
-    token = settings(args).token
+    found = settings(args)
+    token, role = found.token, found.token_role
     if args.action == "resolve":
-        with Client(args.server, token=token, client_name="cfemu") as c:
+        with Client(args.server, token=token, role=role, client_name="cfemu") as c:
             c.resolve(args.uow, args.commit)
             where = c.qmgr
         outcome = "committed" if args.commit else "backed out"
@@ -340,7 +342,7 @@ def cmd_indoubt(args: argparse.Namespace, out: Output) -> int:
         return 0
     rows: list[dict[str, Any]] = []
     for endpoint in args.server:  # every SQM holds its own in-doubt UOWs
-        with Client([endpoint], token=token, client_name="cfemu") as c:
+        with Client([endpoint], token=token, role=role, client_name="cfemu") as c:
             rows += [{**u, "qmgr": c.qmgr, "server": endpoint} for u in c.indoubt()]
     if args.json:
         out.json({"indoubt": rows})
@@ -440,7 +442,8 @@ def build_parser() -> argparse.ArgumentParser:
     cf.add_argument("--port", type=int, default=None, help="TCP port (default: a free one)")
     cf.add_argument("--appendonly", action="store_true", help="keep an AOF (the CF survives a restart)")
 
-    sec = sub.add_parser("secrets", parents=[common], help="the group's secrets (CF users, service token)")
+    sec = sub.add_parser("secrets", parents=[common],
+                         help="the group's secrets (CF users, the service's application and operator tokens)")
     sec.add_argument("action", choices=["init"])
     sec.add_argument("--dir", required=True, help="the secrets directory (made 0700; files 0600)")
     sec.add_argument("--acl-file", help="also write the CF's ACL file for these secrets here (0600)")
@@ -502,7 +505,8 @@ def build_parser() -> argparse.ArgumentParser:
     cl.add_argument("--managers", type=int, default=3)
     cl.add_argument("--backup-interval", type=float, default=10.0, help="seconds between backups (0: none)")
     cl.add_argument("--lease-ms", type=int, default=5000)
-    cl.add_argument("--token", help="require this token from clients")
+    cl.add_argument("--token", help="the application token clients must prove they hold (default: the group's "
+                                    "service.token, made at the first 'up')")
     cl.add_argument("--structure", default="APP1", help="structure to define if missing ('' for none)")
     cl.add_argument("--queue", action="append", help="queue to define on it (default Q1, Q2)")
     cl.add_argument("--timeout", type=float, default=10.0, help="down: seconds before SIGKILL")

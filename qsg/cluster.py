@@ -37,7 +37,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from cfemu import credentials
+from cfemu import credentials, repository
 from cfemu.admin import Admin
 from cfemu.connection import connect
 from cfemu.embedded import EmbeddedRedis, ServerNotRunningError
@@ -52,6 +52,7 @@ from cfemu.settings import (
     ENV_BACKUP_DIR,
     ENV_CLUSTER_DIR,
     ENV_LOG_ROOT,
+    ENV_OPERATOR_TOKEN,
     ENV_TOKEN,
     ENV_URL,
 )
@@ -112,8 +113,14 @@ class Cluster:
 
     @property
     def token(self) -> str | None:
-        """The service's token, from the group's secrets (never from cluster.json, which is not a secret file)."""
-        return credentials.service_token(self.secrets_dir, create=False)
+        """The service's application token, from the group's secrets (never from cluster.json, which is not a
+        secret file)."""
+        return credentials.service_token(self.secrets_dir, "application", create=False)
+
+    @property
+    def operator_token(self) -> str | None:
+        """The service's operator token (define, status, resolve of any in-doubt UOW), from the group's secrets."""
+        return credentials.service_token(self.secrets_dir, "operator", create=False)
 
     def cf_url(self, role: str = "operator") -> str:
         """The CF's URL with the user and password of a role (for this process's own connections: never put it
@@ -155,9 +162,12 @@ class Cluster:
         private_dir(d)
         for sub in ("cf", "logs", "backups", "run"):
             private_dir(d / sub)
-        # The group's secrets, made once and kept across restarts: the CF's users and the service's token.
-        credentials.create(d / credentials.SECRETS_DIR)
-        token = token or credentials.service_token(d / credentials.SECRETS_DIR)
+        # The group's secrets, made once and kept across restarts: the CF's users and the service's tokens. A token
+        # given here replaces the application's (what clients already hold).
+        secrets_dir = d / credentials.SECRETS_DIR
+        credentials.create(secrets_dir)
+        if token and token != credentials.service_token(secrets_dir, "application"):
+            write_private(credentials.service_token_file(secrets_dir, "application"), token.encode())
         state: dict[str, Any] = {
             "dir": str(d), "host": host, "detached": detach, "lease_ms": lease_ms,
             CLUSTER_LOG_ROOT: str(d / "logs"), CLUSTER_BACKUP_DIR: str(d / "backups"),
@@ -208,13 +218,20 @@ class Cluster:
     def _save(self) -> None:
         write_private(self.dir / CLUSTER_FILE, (json.dumps(self.state, indent=2) + "\n").encode())
 
+    def child_env(self) -> dict[str, str]:
+        """The environment the cluster gives its processes (its settings, its token), for one started beside
+        them (the chaos suite's stray member)."""
+        return self._env()
+
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
         # Every setting in the environment, this cluster's directory included, so that the children (and the
         # scheduler's backups) resolve this cluster's settings, not those of a cluster near their working directory.
         env.update({ENV_URL: self.redis_url, credentials.ENV_SECRETS_DIR: str(self.secrets_dir), ENV_LOG_ROOT: str(self.log_root), ENV_BACKUP_DIR: str(self.backup_dir),
                     ENV_CLUSTER_DIR: str(self.dir), "PYTHONUNBUFFERED": "1"})
-        env.pop(ENV_TOKEN, None)  # the children read the token from the secrets directory, like the CF's passwords
+        # The children read the tokens from the secrets directory, like the CF's passwords.
+        env.pop(ENV_TOKEN, None)
+        env.pop(ENV_OPERATOR_TOKEN, None)
         return env
 
     def _popen(self, key: str, cmd: list[str], log_name: str,
@@ -241,9 +258,12 @@ class Cluster:
         self.state[CLUSTER_REDIS_URL] = self._cf.url
 
     def _define(self, structure: str, queues: Sequence[str]) -> None:
+        """Define what is missing, in the CF and in the group repository under the cluster's log root."""
         client = connect(self.cf_url("operator"))
         try:
-            Admin(client).ensure_structure(structure, queues)
+            admin = Admin(client)
+            repo = repository.open_group_repository(admin, self.log_root, who="cfemu cluster")
+            repository.ensure_structure(admin, repo, structure, list(queues))
         finally:
             client.close()
 

@@ -29,9 +29,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from cfemu.durable import fsync_directory
 from cfemu.progress import Progress, no_progress
 from sqm.log import LogReader, find_log_dirs
-from sqm.log.format import SegmentScan, fsync_directory, list_segments, segment_name
+from sqm.log.format import SegmentScan, list_segments, segment_name
 from sqm.records import Record, Role, codes, lookup
 
 SCHEMA = pa.schema([

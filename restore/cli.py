@@ -27,6 +27,7 @@ from typing import Any
 
 from backup.files import BackupError
 from cfemu.admin import Admin
+from cfemu.bulk import NotOwnerError
 from cfemu.clitools import (
     Output,
     PhaseBars,
@@ -44,7 +45,7 @@ from restore.run import RestoreError, run_purge, run_restore
 from sqm.log import LogCorruptError, LogFormatError
 
 # Beyond clitools.COMMON_ERRORS.
-EXPECTED_ERRORS = (RestoreError, BackupError, LogCorruptError, LogFormatError, LoadVerifyError)
+EXPECTED_ERRORS = (RestoreError, BackupError, LogCorruptError, LogFormatError, LoadVerifyError, NotOwnerError)
 
 
 def _bars(out: Output) -> PhaseBars:
@@ -127,7 +128,9 @@ def cmd_plan(args: argparse.Namespace, out: Output) -> int:
 
 
 def cmd_purge(args: argparse.Namespace, out: Output) -> int:
-    result = run_purge(connect(require_url(settings(args))), args.structure, mark_failed=args.mark_failed)
+    found = settings(args)
+    result = run_purge(connect(require_url(found)), args.structure, backup_root=found.backup_dir,
+                       log_root=found.log_root, mark_failed=args.mark_failed)
     if out.as_json:
         out.json(vars(result))
     else:
@@ -174,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.set_defaults(func=cmd_plan, dry_run=True)
     purge = sub.add_parser("purge", parents=[common], help="empty a failed structure and make it usable again")
     purge.add_argument("structure")
+    add_settings_arguments(purge, "backup_dir", "log_root")
     purge.add_argument("--mark-failed", action="store_true", help="purge an ACTIVE structure too")
     purge.set_defaults(func=cmd_purge)
     mark = sub.add_parser("mark-failed", parents=[common], help="fail an ACTIVE structure")

@@ -101,7 +101,7 @@ class LocalEngine:
         copies = list(_counted(backup.copies(), progress, int(total) if total is not None else None))
         records = read_logs(log_dirs, replay_from, progress)
         progress(SETTLE, 0, None)
-        plan = plan_local(structure, copies, records, now_ms=now_ms)
+        plan = plan_local(structure, copies, records, now_ms=now_ms, gen=int(backup.manifest.get("gen", 0) or 0))
         progress(SETTLE, len(plan.settled), len(plan.settled))
         return plan
 

@@ -49,8 +49,10 @@ from restore.engine import (
     register_engine,
 )
 from restore.plan import (
+    Base,
     Copy,
     RestorePlan,
+    base_of,
     in_flight_outcome,
     owner_of,
     prepare_record,
@@ -107,11 +109,12 @@ def read_backup_file(backup_path: str, manifest: dict[str, Any], index: int
         yield copy[1]["id"], ((index, frame), copy)
 
 
-def prepared(keyed: tuple[OrderKey, Record], structure: str, max_seen: Any) -> list[tuple[OrderKey, Record]]:
+def prepared(keyed: tuple[OrderKey, Record], structure: str, max_seen: Any,
+             base: Base) -> list[tuple[OrderKey, Record]]:
     """prepare_record on one record (the LRSN of every record read counts towards max_lrsn, as in plan_local)."""
     key, rec = keyed
     max_seen.add(key[0])
-    out = prepare_record(rec, structure)
+    out = prepare_record(rec, structure, base)
     return [] if out is None else [(key, out)]
 
 
@@ -209,12 +212,14 @@ class SparkEngine:
             n_copies, backup_max = copies.map(lambda kv: int(kv[1][1][1]["l"])).aggregate(
                 (0, 0), lambda acc, lrsn: (acc[0] + 1, max(acc[1], lrsn)),
                 lambda a, b: (a[0] + b[0], max(a[1], b[1])))
+            # The UOWs the base's copies name: the generation rule keeps their older records (plan.Base).
+            base = base_of(backup.manifest, copies.map(lambda kv: kv[1][1][1].get("u", "")).distinct().collect())
             phases.done(READ_BACKUP)
 
             phases.start(READ_LOGS)
             max_seen = sc.accumulator(0, _MaxParam())
             raw, archive_max = self._records(spark, segments, archived, structure, replay_from)
-            records = raw.flatMap(lambda kr: prepared(kr, structure, max_seen)).persist(
+            records = raw.flatMap(lambda kr: prepared(kr, structure, max_seen, base)).persist(
                 StorageLevel.MEMORY_AND_DISK)
             per_member: Counter[str] = Counter()
             ended: set[str] = set()
@@ -227,7 +232,7 @@ class SparkEngine:
             n_records = sum(per_member.values()) + n_copies
             parts = max(sc.defaultParallelism, n_records // RECORDS_PER_PARTITION)
             max_lrsn = max(backup_max, archive_max, max_seen.value)
-            restore_lrsn = restore_lrsn_above(max_lrsn)
+            restore_lrsn = restore_lrsn_above(max_lrsn, base)
             # UOW outcomes: small next to the entries, and the plan returns them all, so they come to the
             # driver and go out to the workers again as a broadcast (a map-side join, one shuffle less).
             outcomes: dict[str, Outcome] = dict(

@@ -6,6 +6,11 @@ except its header, writes only the survivors in pipelined batches, checks the co
 the header with state ACTIVE. A crash anywhere before that last step leaves the structure RECOVERING, and a
 re-run starts again from the wipe: the load is idempotent.
 
+Every batch is a transaction of the restore's claim (cfemu.bulk.Owner): it lands only while the header still
+carries this restore's token, in the CF the claim was made on. A later restore or a purge that takes the
+structure over, or a CF lost (or replaced) under the load, stops it at its next batch with bulk.NotOwnerError
+(CFReplacedError), having written nothing more.
+
 This module decides what is loaded, in which order and batches; the writes themselves (and the CF format they
 write) are cfemu.bulk's.
 """
@@ -13,10 +18,9 @@ write) are cfemu.bulk's.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
-
-import redis
 
 from cfemu import bulk
 from cfemu.admin import StructureDef
@@ -66,39 +70,55 @@ def restore_owned_uows(plan: RestorePlan) -> dict[str, str]:
     return tomb
 
 
-def load_plan(client: redis.Redis, plan: RestorePlan, sdef: StructureDef, queues: list[str], *,
-              batch: int = BATCH, progress: Progress = no_progress, restored_from: str = "") -> LoadResult:
-    """Replace the structure's content with the plan's survivors and make it ACTIVE (see the module doc).
-    The header must already say RECOVERING."""
+def loaded_tombstones(plan: RestorePlan, base_tombstones: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The tombstones a load writes (and its restore point keeps): those the base carried, and the plan's own,
+    which win."""
+    return {**(base_tombstones or {}), **restore_owned_uows(plan)}
+
+
+def load_plan(owner: bulk.Owner, plan: RestorePlan, sdef: StructureDef, queues: list[str], *,
+              batch: int = BATCH, progress: Progress = no_progress, restored_from: str = "",
+              base_tombstones: Mapping[str, str] | None = None, before_activate: Callable[[], None] | None = None,
+              last_backup: str = "") -> LoadResult:
+    """Replace the structure's content with the plan's survivors and make it ACTIVE (see the module doc), as
+    `owner`, the restore's claim on the structure (cfemu.bulk.claim: the header says RECOVERING).
+    base_tombstones: those the base carried (the plan's own win). before_activate: called once the load is
+    verified, before the structure is ACTIVE (restore writes its restore point there, `last_backup`: the header
+    names it)."""
     t0 = time.monotonic()
     S = plan.structure
     result = LoadResult()
-    result.keys_deleted = bulk.reset(client, sdef, batch=batch)
-
     ordered = load_order(plan.settled)
-    loader = bulk.Loader(client, S, gen=plan.restore_lrsn)
-    progress(LOAD, 0, len(ordered))
-    for start in range(0, len(ordered), batch):
-        chunk = ordered[start:start + batch]
-        loader.write(chunk)
-        result.entries += len(chunk)
-        result.batches += 1
-        progress(LOAD, result.entries, len(ordered))
-        failpoint("restore-load-batch")  # tests: SQM_FAILPOINTS=restore-load-batch=N dies after batch N
-    result.bytes = loader.bytes
-    # In-doubt UOWs the structure holds though none of their work on it survived (non-persistent only) are
-    # registered too, at their PREPARE's LRSN (a later backup's floor keeps it in the replay): their commit or
-    # backout then completes here as a no-op instead of being refused as lost with the CF (issue 10, hole 13).
-    held = plan.in_doubt_uows()
-    for u in held.keys() - loader.held.keys():
-        loader.held[u] = plan.outcomes[u].lrsn
-    result.uows_in_doubt = loader.finish(queues, owner=held.__getitem__, tomb=restore_owned_uows(plan))
-
-    problems = bulk.verify(client, S, ordered, uows=held.keys())
-    if problems:
-        raise LoadVerifyError(f"structure {S} after the load: {'; '.join(problems)} (left RECOVERING)")
-    bulk.activate(client, sdef, gen=plan.restore_lrsn, clock=plan.restore_lrsn + 1, floor=plan.restore_lrsn,
-                  entries=result.entries, nbytes=result.bytes, restored_from=restored_from)
+    try:
+        result.keys_deleted = bulk.reset(owner, sdef, batch=batch)
+        loader = bulk.Loader(owner, gen=plan.restore_lrsn)
+        progress(LOAD, 0, len(ordered))
+        for start in range(0, len(ordered), batch):
+            chunk = ordered[start:start + batch]
+            loader.write(chunk)
+            result.entries += len(chunk)
+            result.batches += 1
+            progress(LOAD, result.entries, len(ordered))
+            failpoint("restore-load-batch")  # tests: SQM_FAILPOINTS=restore-load-batch=N dies after batch N
+        result.bytes = loader.bytes
+        # In-doubt UOWs the structure holds though none of their work on it survived (non-persistent only) are
+        # registered too, at their PREPARE's LRSN (a later backup's floor keeps it in the replay): their commit or
+        # backout then completes here as a no-op instead of being refused as lost with the CF (issue 10, hole 13).
+        held = plan.in_doubt_uows()
+        for u in held.keys() - loader.held.keys():
+            loader.held[u] = plan.outcomes[u].lrsn
+        result.uows_in_doubt = loader.finish(queues, owner=held.__getitem__,
+                                             tomb=loaded_tombstones(plan, base_tombstones))
+        problems = bulk.verify(owner, ordered, uows=held.keys())
+        if problems:
+            raise LoadVerifyError(f"structure {S} after the load: {'; '.join(problems)} (left RECOVERING)")
+        if before_activate is not None:
+            before_activate()
+        bulk.activate(owner, sdef, gen=plan.restore_lrsn, clock=plan.restore_lrsn + 1, floor=plan.restore_lrsn,
+                      entries=result.entries, nbytes=result.bytes, restored_from=restored_from,
+                      last_backup=last_backup)
+    except bulk.NotOwnerError as e:  # say how far the load had come
+        raise type(e)(f"{e}; it had loaded {result.entries} of {len(ordered)} entries") from e
     result.seconds = time.monotonic() - t0
     return result
 

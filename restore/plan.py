@@ -2,7 +2,8 @@
 
 The plan is data-parallel (the Spark engine runs the same steps as DataFrame operations):
   1 group the backup's copies by entry id, keep the best copy of each (settle.best_copy);
-  2 group the log records of the structure by entry id, and the outcome records by UOW;
+  2 group the log records of the structure by entry id, and the outcome records by UOW, leaving out the
+    records of older incarnations of the structure (current_incarnation, the generation rule);
   3 decide each UOW's outcome (settle.decide_outcome); UOWs with no outcome were in flight when the CF was lost:
     restore decides them backed out, at an LRSN above everything it read (written to its own log later);
   4 fold each entry (settle.settle).
@@ -52,6 +53,47 @@ class RestorePlan:
         return held_uows(self.structure, self.settled, self.outcomes)
 
 
+@dataclass(frozen=True)
+class Base:
+    """What the plan knows of its base (the backup or restore point it starts from) before it reads the logs:
+    the structure generation the base was taken in, and the UOWs that hold entries in it."""
+
+    gen: int = 0  # 0: unknown (the generation rule then keeps every record)
+    carried: frozenset[str] = frozenset()
+
+
+def base_of(manifest: Mapping[str, Any], held_by: Iterable[str]) -> Base:
+    """The Base of a backup: its manifest's generation, and the UOWs its copies name (`held_by`: the copies'
+    "u" fields, empty ones included)."""
+    return Base(int(manifest.get("gen", 0) or 0), frozenset(u for u in held_by if u))
+
+
+def current_incarnation(record: Record, structure: str, base: Base) -> bool:
+    """The generation rule. A structure's generation changes with every restore and purge (a new incarnation);
+    a UOW runs in the generation it first touched the structure in (PUT / GET "g", outcome "ss"). The work of a
+    UOW from a generation below the base's either took effect before the base (it is in the base) or never did
+    (the CF refuses an older generation's UOW it does not know): its records are left out, however late they
+    reached the disk and whatever their LRSN (issue 10, hole 1: a GET appended before a CF loss and forced after
+    the restore must not be folded into a later restore). A UOW that holds entries in the base (an in-doubt UOW
+    carried across a restore, or a UOW a fuzzy backup caught in flight) is current whatever its generation: its
+    outcome still applies to the entries it holds. A generation 0 (restore's own RECOVERY records before
+    generations were recorded in them) counts as current."""
+    if base.gen <= 0 or record.get("u") in base.carried:
+        return True
+    kind = lookup(record)
+    if kind.role is Role.ENTRY:
+        gen = record.get("g")
+    elif kind.role is Role.OUTCOME:
+        gen = (record.get("ss") or {}).get(structure)
+    else:
+        return True
+    if gen is None:  # EXPIRE (no UOW: expiry is idempotent by time), or a UOW that never touched the structure
+        return True
+    if int(gen) == 0:
+        return kind.role is Role.OUTCOME
+    return int(gen) >= base.gen
+
+
 def owner_of(uow: str) -> str:
     """UOW ids are '<member>.<epoch>.<sequence>'."""
     return uow.split(".", 1)[0]
@@ -95,16 +137,18 @@ def restrict(record: Record, structure: str) -> Record:
     return record
 
 
-def prepare_record(record: Record, structure: str) -> Record | None:
-    """The per-record stage: the record as the plan uses it, or None when it does not matter for `structure`."""
-    if not relevant(record, structure):
+def prepare_record(record: Record, structure: str, base: Base = Base()) -> Record | None:
+    """The per-record stage: the record as the plan uses it, or None when it does not matter for `structure`
+    (another structure's, or an older incarnation's: current_incarnation)."""
+    if not relevant(record, structure) or not current_incarnation(record, structure, base):
         return None
     return restrict(record, structure)
 
 
-def restore_lrsn_above(max_lrsn: int) -> int:
-    """The restore's own LRSN: above every LRSN read, and not below the wall clock (microseconds)."""
-    return max(max_lrsn + 1, time.time_ns() // 1000)
+def restore_lrsn_above(max_lrsn: int, base: Base = Base()) -> int:
+    """The restore's own LRSN, which is also the new generation: above every LRSN read and above the base's
+    generation (generations only grow, even when no record was read), and not below the wall clock (µs)."""
+    return max(max_lrsn + 1, base.gen + 1, time.time_ns() // 1000)
 
 
 def in_flight_outcome(restore_lrsn: int) -> Outcome:
@@ -123,20 +167,22 @@ def summarize(structure: str, settled: list[Settled], outcomes: Mapping[str, Out
 
 
 def plan_local(structure: str, backup: Iterable[Copy], records: Iterable[Record], *,
-               now_ms: int | None = None) -> RestorePlan:
+               now_ms: int | None = None, gen: int = 0) -> RestorePlan:
+    """gen: the structure generation the backup was taken in (its manifest's "gen"; 0: unknown)."""
     now_ms = now_ms if now_ms is not None else int(time.time() * 1000)
     copies: dict[str, list[Copy]] = defaultdict(list)
     max_lrsn = 0
     for c in backup:
         copies[c[1]["id"]].append(c)
         max_lrsn = max(max_lrsn, int(c[1]["l"]))
+    base = base_of({"gen": gen}, (c[1].get("u", "") for cs in copies.values() for c in cs))
     by_entry: dict[str, list[Record]] = defaultdict(list)
     by_uow: dict[str, list[Record]] = defaultdict(list)
     ended: set[str] = set()
     per_member: Counter[str] = Counter()
     for raw in records:
         max_lrsn = max(max_lrsn, int(raw["l"]))
-        rec = prepare_record(raw, structure)
+        rec = prepare_record(raw, structure, base)
         if rec is None:
             continue
         per_member[rec.get("m", "?")] += 1
@@ -155,7 +201,7 @@ def plan_local(structure: str, backup: Iterable[Copy], records: Iterable[Record]
         o = decide_outcome(recs)
         if o is not None:
             outcomes[uid] = o
-    restore_lrsn = restore_lrsn_above(max_lrsn)
+    restore_lrsn = restore_lrsn_above(max_lrsn, base)
     decisions: dict[str, str] = {}
     for eid in best.keys() | by_entry.keys():
         for uid in uows_named(best.get(eid), by_entry.get(eid, ())):

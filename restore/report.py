@@ -6,7 +6,8 @@ structure's generation and recovery floor), log_ranges (member -> dir, from, to)
 (messages by disposition: restored, in-doubt, consumed, put-backed-out, expired, gone; UOWs: uows in doubt,
 uows in flight backed out), nonpersistent_lost (skipped by the backup; found in the CF before the load),
 in_doubt_uows (UOW -> owner), decisions_logged, keys_deleted, loaded_entries, loaded_bytes, timings (seconds per
-phase), report_path, started_at.
+phase), report_path, started_at, base_kind (fuzzy, restore, purge or definition: backup.points) and
+restore_point (the id of the restore point the restore wrote, empty in a dry run).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from restore.settle import CONSUMED, EXPIRED, GONE, HELD_INDOUBT, PUT_BACKED_OUT
 
 DISPOSITIONS = (RESTORED, HELD_INDOUBT, CONSUMED, PUT_BACKED_OUT, EXPIRED, GONE)
 UOW_COUNTS = ("uows in doubt", "uows in flight backed out")
+BASE_NOTE = {"restore": ": the restore point of the last restore", "purge": ": the restore point of a purge",
+             "definition": ": never backed up, restored from its definition and the logs"}
 
 
 def _table(title: str, console: Console) -> Table:
@@ -32,7 +35,7 @@ def summary(result: RestoreResult, console: Console) -> Group:
     head = _table(f"{result.structure} {what}", console)
     head.add_column("")
     head.add_column("")
-    head.add_row("backup", f"{result.backup_id} ({result.backup_path})")
+    head.add_row("backup", f"{result.backup_id} ({result.backup_path})" + BASE_NOTE.get(result.base_kind, ""))
     head.add_row("engine", result.engine)
     head.add_row("state before", result.state_before)
     head.add_row("replay", f"LRSN {result.replay_from} .. {result.replay_to}")
@@ -40,6 +43,7 @@ def summary(result: RestoreResult, console: Console) -> Group:
         head.add_row("new generation", str(result.restore_lrsn))
         head.add_row("loaded", f"{result.loaded_entries} messages, {result.loaded_bytes} bytes")
         head.add_row("decisions logged", str(result.decisions_logged))
+        head.add_row("restore point", result.restore_point)
     if result.report_path:
         head.add_row("report", result.report_path)
 
@@ -74,4 +78,5 @@ def purge_summary(result: PurgeResult, console: Console) -> Table:
     t.add_row("messages discarded", str(result.discarded))
     t.add_row("bytes discarded", str(result.discarded_bytes))
     t.add_row("new generation", str(result.gen))
+    t.add_row("restore point", result.restore_point)
     return t

@@ -34,6 +34,8 @@ class RestoreResult:
     timings: dict[str, float] = field(default_factory=dict)  # seconds per phase
     report_path: str | None = None
     started_at: str = ""
+    base_kind: str = "fuzzy"  # the base's kind: fuzzy, restore, purge (restore points) or definition
+    restore_point: str = ""  # the restore point this restore wrote (backup.points)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -46,6 +48,7 @@ class PurgeResult:
     discarded: int  # entries the structure held (0 when it was lost with the CF)
     discarded_bytes: int
     gen: int
+    restore_point: str = ""  # the empty restore point the purge wrote (backup.points)
 
 
 def write_report(result: RestoreResult, path: Path) -> None:

@@ -1,28 +1,47 @@
 """RECOVER CFSTRUCT: rebuild a lost (or failed) CF structure from its latest good backup plus every member's log.
 
 run_restore() does it in this order, and changes nothing before step 5:
-  1 check the structure's state: FAILED (a structure missing from the CF counts as FAILED), RECOVERING (an
+  1 observe the structure (cfemu.bulk.observe: the CF's identity, the header's restore token, state and
+    generation) and check its state: FAILED (a structure missing from the CF counts as FAILED), RECOVERING (an
     earlier restore stopped midway: this one resumes it), or ACTIVE with mark_failed (the operator fails it);
   2 open the backup (the latest good one, or the one named) and check that it belongs to this structure and
     group;
   3 find the log of every member the backup names (and any other log under the log root, restore's own
     `_restore` log included);
   4 plan: the engine reads the backup and the logs and settles every message (restore.engine);
-  5 state RECOVERING; the UOWs restore decides (in flight at the failure: backed out) are logged, forced, as
-    RECOVERY records in restore's own log `<log root>/_restore`, so that any later restore or re-run sees the
-    same decisions;
-  6 the bulk load (restore.load), which ends by switching the structure to ACTIVE.
+  5 claim the structure (cfemu.bulk.claim), only if nothing happened to it since step 1: the same CF, no other
+    restore or purge claimed it, not restored again. The claim gives it a new restore token and state
+    RECOVERING; the UOWs restore decides (in flight at the failure: backed out) are logged, forced, as RECOVERY
+    records in restore's own log `<log root>/_restore`, so that any later restore or re-run sees the same
+    decisions;
+  6 the bulk load (restore.load), each batch a transaction that lands only while the structure is still this
+    restore's, in the CF it claimed it on; it ends by switching the structure to ACTIVE.
 
+So a restore owns its structure from its start to the end of its load: one that planned while another restored
+the structure refuses at step 5, having written nothing; one that a later restore or a purge took over, or whose
+CF was lost (or replaced) under it, stops at its next batch and writes nothing more (RestoreStoppedError).
 A crash anywhere leaves the structure FAILED or RECOVERING; running the restore again gives the same structure
 as a clean run (the RECOVERY records make the decisions stable, the load starts from a wipe).
 
-run_purge() is RECOVER CFSTRUCT TYPE(PURGE): an empty structure, definitions kept, usable again.
+Every restore ends by writing its result as a restore point (backup.points): a backup of kind "restore" at the
+restore's LRSN and generation, written after the load is verified and before the structure is ACTIVE, so that a
+later restore starts there instead of crossing it with an older view (issue 10, hole 1). Which records a plan
+folds is decided by the generation rule (restore.plan.current_incarnation). The definitions come from the CF,
+else the group repository (cfemu.repository: queues defined after the last backup too), else the backup; a
+structure never backed up restores from its definition in the repository (hole 7). Restore refuses while any
+member the group knows (repository, backup, admin structure) has no log under the log root (hole 6).
+
+run_purge() is RECOVER CFSTRUCT TYPE(PURGE): an empty structure, definitions kept, usable again; it writes an
+empty restore point (kind "purge") before the structure is usable again (hole 8).
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -31,20 +50,33 @@ import redis
 
 from backup.catalog import OK, find_backup, list_backups
 from backup.files import Backup, read_backup
+from backup.points import DEFINITION, PURGE, RESTORE, kind_of, point_id, write_restore_point
+from backup.run import rebuild_catalog
 from cfemu import bulk, keys
-from cfemu.admin import Admin, AdminError, StructureDef
+from cfemu.admin import Admin, AdminError, QueueDef, StructureDef
+from cfemu.repository import GroupRepository
 from restore.engine import PHASES, Progress, get_engine, no_progress
-from restore.load import LoadResult, load_plan, restore_owned_uows
-from restore.plan import RestorePlan
+from restore.load import LoadResult, load_plan, loaded_tombstones, restore_owned_uows
+from restore.plan import Copy, RestorePlan
 from restore.result import PurgeResult, RestoreResult, write_report
 from sqm import records
 from sqm.log import LogLockedError, LogReader, RecordLog, find_log_dirs
+from sqm.log.format import list_segments
 
 RESTORE_MEMBER = "_restore"  # restore's own log, beside the members' logs
 
 
 class RestoreError(Exception):
     """A restore that cannot be done as asked; nothing was changed. The message names the problem."""
+
+
+class RestoreStoppedError(RestoreError):
+    """A restore stopped during its load: the CF was lost or replaced under it (cf_lost), or a later restore or a
+    purge took the structure over. It wrote nothing more; the message says so, and what to do."""
+
+    def __init__(self, message: str, *, cf_lost: bool) -> None:
+        super().__init__(message)
+        self.cf_lost = cf_lost
 
 
 class PhaseTimer:
@@ -64,27 +96,95 @@ class PhaseTimer:
         return {p: round(self.spans[p][1] - self.spans[p][0], 6) for p in PHASES if p in self.spans}
 
 
-def open_backup(backup_root: Path, structure: str, backup_id: str | None, group: str | None) -> Backup:
-    """The named backup, or the latest good one of the structure; checked to be this structure's (and group's).
-    Entry frames are checked as the engine reads them."""
+class DefinitionBase:
+    """The base of a structure that was never backed up: empty, at the LRSN of its definition in the group
+    repository (the structure's CF clock started there, so every record of its work lies above it). Restore
+    replays every log from there: the product never prunes a log, so the logs reach back to the definition."""
+
+    def __init__(self, manifest: dict[str, Any], path: Path) -> None:
+        self.manifest = manifest
+        self.path = path
+
+    @property
+    def id(self) -> str:
+        return str(self.manifest["id"])
+
+    def copies(self) -> Iterator[Copy]:
+        return iter(())
+
+
+def _definition_base(repo: GroupRepository, structure: str, group: str) -> DefinitionBase | None:
+    known = repo.structure(structure)
+    if known is None:
+        return None
+    sdef, lrsn = known
+    # Generation 1: a structure defined and never backed up was never restored or purged either (both write a
+    # restore point), so it is still in the incarnation its definition created.
+    return DefinitionBase({
+        "id": f"{structure}-definition", "kind": DEFINITION, "group": group, "structure": structure,
+        "structure_def": asdict(sdef), "queues": [asdict(q) for q in repo.queues(structure)], "members": [],
+        "gen": 1, "start_lrsn": lrsn, "floor_lrsn": lrsn, "replay_from": lrsn, "end_lrsn": lrsn, "entries": 0,
+        "bytes": 0, "nonpersistent_skipped": 0, "tombstones": {}}, repo.path)
+
+
+def open_backup(backup_root: Path, structure: str, backup_id: str | None, group: str | None,
+                repo: GroupRepository | None = None) -> Backup | DefinitionBase:
+    """The named backup, or the latest good one of the structure (restore and purge points included: a later
+    restore never crosses one); checked to be this structure's (and group's). Entry frames are checked as the
+    engine reads them. A structure with no backup at all restores from its definition in the group repository."""
     if backup_id is not None:
         return read_backup(find_backup(backup_root, backup_id), structure=structure, group=group)
     backups = list_backups(backup_root, structure)
     good = next((b for b in backups if b.state == OK), None)
     if good is None:
+        defined = _definition_base(repo, structure, group or "QSG1") if repo is not None and not backups else None
+        if defined is not None:
+            return defined
         why = "; ".join(f"{b.id} is {b.state}: {b.problem}" for b in backups[:3])
         raise RestoreError(f"no good backup of structure {structure} under {backup_root / structure}"
-                           + (f" ({why})" if why else ""))
+                           + (f" ({why})" if why else "")
+                           + ("" if backups or repo is None else f", and the group repository {repo.path} has no "
+                                                                 f"definition of it"))
     return read_backup(good.path, structure=structure, group=group)
 
 
-def member_log_dirs(log_root: Path, members: list[str], replay_from: int) -> list[Path]:
-    """Every log under log_root; refuses when a member the backup names has none."""
+def _logs_reach_back(log_dirs: list[Path], structure: str) -> None:
+    """A restore from a definition replays every log from the definition on: each must still begin with its
+    first segment (the product never removes one; an operator might have)."""
+    for d in log_dirs:
+        segments = list_segments(d)
+        if segments and segments[0][0] != 1:
+            raise RestoreError(f"the log {d} begins at segment {segments[0][0]}: its earlier records are gone, and "
+                               f"structure {structure} was never backed up (a restore from its definition replays "
+                               f"every log from the definition on); bring the segments back")
+
+
+def known_members(repo: GroupRepository, manifest: dict[str, Any], admin: Admin) -> dict[str, str]:
+    """Every member the group knows durably, with where it logs ("" when not recorded): those the group
+    repository recorded at their join, those the base backup names, and the live ones the admin structure lists
+    when the CF still has it. Restore must read every one's log (issue 10, hole 6)."""
+    known = {str(m): "" for m in manifest.get("members", [])}
+    known.update(repo.members())
+    for member, info in admin.members().items():
+        known[member] = str(info.get("log") or known.get(member, ""))
+    known.pop(RESTORE_MEMBER, None)
+    return known
+
+
+def member_log_dirs(log_root: Path, members: Mapping[str, str] | list[str], replay_from: int) -> list[Path]:
+    """Every log under log_root; refuses when a member the group knows (members: name -> where it logs) has
+    none there, naming each and where its log is or should be."""
     found = {d.name: d for d in find_log_dirs(log_root)}
-    missing = [m for m in members if m not in found]
+    where = members if isinstance(members, Mapping) else dict.fromkeys(members, "")
+    missing = sorted(m for m in where if m not in found)
     if missing:
+        elsewhere = [f"{m} logs to {where[m]}" for m in missing
+                     if where[m] and Path(where[m]).absolute() != (log_root / m).absolute()]
         raise RestoreError(f"no log for member{'s' if len(missing) > 1 else ''} {', '.join(missing)} under "
-                           f"{log_root}: restore needs every member's log from LRSN {replay_from} on")
+                           f"{log_root}: restore needs every member's log from LRSN {replay_from} on"
+                           + (f" ({'; '.join(elsewhere)})" if elsewhere else "")
+                           + f"; bring {'each' if len(missing) > 1 else 'it'} back to {log_root}/<member> (or "
+                             "mount it there) and run again")
     return [found[name] for name in sorted(found)]
 
 
@@ -108,30 +208,54 @@ def _admin_definition(admin: Admin, structure: str) -> StructureDef | None:
         return None
 
 
-def _redefine(admin: Admin, manifest: dict[str, Any]) -> StructureDef:
-    """The admin structure was lost with the CF: define the group, the structure and its queues again from the
-    backup (the header says RECOVERING first, so that no queue manager uses the structure meanwhile)."""
-    admin.set_group_name(manifest["group"])
+def definitions(admin_def: StructureDef | None, admin_queues: list[QueueDef], repo: GroupRepository,
+                manifest: dict[str, Any]) -> tuple[StructureDef, list[QueueDef]]:
+    """The structure's definition and every queue on it: the CF's where the admin structure still has them,
+    else the group repository's (queues defined after the last backup included: issue 10, hole 7), else the
+    base backup's."""
+    structure = str(manifest["structure"])
     sd = manifest["structure_def"]
-    bulk.mark_recovering(admin.redis, sd["name"])
-    sdef = admin.define_structure(sd["name"], max_entries=int(sd.get("max_entries", 0)),
-                                  max_bytes=int(sd.get("max_bytes", 0)), replace=True)
-    for q in manifest["queues"]:
-        admin.define_queue(q["name"], sdef.name, backout_threshold=int(q.get("backout_threshold", 0)),
-                           backout_queue=q.get("backout_queue", ""),
-                           max_msg_length=int(q.get("max_msg_length", 4 * 2**20)), replace=True)
-    return sdef
+    known = repo.structure(structure)
+    sdef = admin_def or (known[0] if known else None) or StructureDef(
+        sd["name"], int(sd.get("max_entries", 0)), int(sd.get("max_bytes", 0)))
+    queues = {q["name"]: QueueDef(q["name"], structure, int(q.get("backout_threshold", 0)),
+                                  q.get("backout_queue", ""), int(q.get("max_msg_length", 4 * 2**20)))
+              for q in manifest["queues"]}
+    queues.update({q.name: q for q in repo.queues(structure)})
+    queues.update({q.name: q for q in admin_queues if q.structure == structure})
+    return sdef, [queues[name] for name in sorted(queues)]
 
 
-def _log_decisions(log: RecordLog, plan: RestorePlan) -> int:
+def _redefine(admin: Admin, group: str, sdef: StructureDef, queues: list[QueueDef], *, lost: bool) -> None:
+    """Define again what the CF lost: the group, the structure (lost: the admin structure went with the CF)
+    and the queues it lacks. The header says RECOVERING first, so that no queue manager uses the structure."""
+    known = {q.name for q in admin.queues()}
+    if lost:
+        admin.set_group_name(group)
+        bulk.mark_recovering(admin.redis, sdef.name)
+        admin.define_structure(sdef.name, max_entries=sdef.max_entries, max_bytes=sdef.max_bytes, replace=True)
+    for q in queues:
+        if lost or q.name not in known:
+            admin.define_queue(q.name, sdef.name, backout_threshold=q.backout_threshold,
+                               backout_queue=q.backout_queue, max_msg_length=q.max_msg_length, replace=True)
+
+
+def _log_decisions(log: RecordLog, plan: RestorePlan, gen: int) -> int:
     """Restore's decisions (in-flight UOWs backed out) as forced RECOVERY records, before anything is loaded.
-    Appended to the log directly, not through a queue manager: one force covers them all."""
+    Appended to the log directly, not through a queue manager: one force covers them all. gen: the base's
+    generation, the incarnation the decided UOWs ran in (a later restore from a newer base leaves them out)."""
     for uow, owner in sorted(plan.decisions.items()):
-        log.append(records.recovery(uow, plan.restore_lrsn, {plan.structure: 0}, commit=False, of=owner,
+        log.append(records.recovery(uow, plan.restore_lrsn, {plan.structure: gen}, commit=False, of=owner,
                                     by="restore"))
     if plan.decisions:
         log.force()
     return len(plan.decisions)
+
+
+def point_replay_from(plan: RestorePlan) -> int:
+    """Where a restore from this restore's point starts reading the logs: its LRSN, or the first LRSN of the
+    entries an in-doubt UOW holds (so that the UOW's PREPARE is read, and it stays in doubt)."""
+    return min([plan.restore_lrsn, *(int(s.entry["l"]) for s in plan.loaded() if s.entry and s.entry.get("u"))])
 
 
 def _counts(plan: RestorePlan) -> dict[str, int]:
@@ -160,17 +284,23 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
         raise RestoreError(str(e)) from None
     backup_root, log_root = Path(backup_root), Path(log_root)
     admin = Admin(client)
-    state = admin.state(structure)
+    seen = bulk.observe(client, structure)  # what the claim compares against, after the plan
+    state = seen.state or "FAILED"  # a structure missing from the CF counts as FAILED (Admin.state)
     sdef = _admin_definition(admin, structure)
     if state == "ACTIVE" and not (mark_failed or dry_run):
         raise RestoreError(f"structure {structure} is ACTIVE: restore works on a FAILED structure; mark it "
                            f"failed first (--mark-failed) if you mean to replace its content")
     chosen_engine = get_engine(engine, **(engine_options or {}))
-    backup = open_backup(backup_root, structure, backup_id,
-                         group=admin.group_name() if sdef is not None else None)
+    repo = GroupRepository(log_root)  # read only until the load
+    backup = open_backup(backup_root, structure, backup_id, group=admin.group_name() if sdef is not None else None,
+                         repo=repo)
     manifest = backup.manifest
     replay_from = int(manifest["replay_from"])
-    log_dirs = member_log_dirs(log_root, list(manifest["members"]), replay_from)
+    members = known_members(repo, manifest, admin)
+    log_dirs = member_log_dirs(log_root, members, replay_from)
+    if kind_of(manifest) == DEFINITION:
+        _logs_reach_back(log_dirs, structure)
+    decisions_seen = _decisions_logged(log_root)  # before the plan reads them: compared under the log's lock
     timer = PhaseTimer(progress)
     now = now_ms if now_ms is not None else time.time_ns() // 1_000_000
 
@@ -178,26 +308,44 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
         return chosen_engine.plan(structure, backup, log_dirs, replay_from, now, timer)
 
     result = RestoreResult(structure, backup.id, str(backup.path), chosen_engine.name, dry_run, state,
-                           replay_from=replay_from, started_at=started.isoformat(timespec="seconds"))
+                           replay_from=replay_from, started_at=started.isoformat(timespec="seconds"),
+                           base_kind=kind_of(manifest))
     plan = make_plan()  # reads everything: a bad backup or log is refused here, before any change
     found_in_cf = 0
     if not dry_run:
-        with _restore_log(log_root) as rlog:
+        _refuse_if_changed(client, structure, seen)  # the common case, before restore's log is even opened
+        with _restore_log(log_root, structure, decisions_seen) as rlog, _owning(client, structure, seen) as owner:
+            owned = Admin(owner.client)  # the owner's connection: it never reconnects to another CF
             if state == "ACTIVE":
-                admin.set_state(structure, "FAILED")  # from now on no member changes the structure
-                plan = make_plan()  # again: members may have logged more before the structure failed
-            if client.exists(keys.meta(structure)):
-                found_in_cf = bulk.count_nonpersistent(client, structure)
-            if sdef is None:
-                sdef = _redefine(admin, manifest)
-            else:
-                admin.set_state(structure, "RECOVERING")
-            result.decisions_logged = _log_decisions(rlog, plan)
-            queues = sorted({q["name"] for q in manifest["queues"]}
-                            | {q.name for q in admin.queues() if q.structure == structure})
-            loaded: LoadResult = load_plan(client, plan, sdef, queues, progress=timer, restored_from=backup.id)
+                plan = make_plan()  # again: members may have logged more before the claim stopped them
+            if seen.state:
+                found_in_cf = bulk.count_nonpersistent(owner.client, structure)
+            lost = sdef is None
+            sdef, queues = definitions(sdef, owned.queues(), repo, manifest)
+            _redefine(owned, str(manifest["group"]), sdef, queues, lost=lost)
+            # The group repository learns what it lacked (a group from before it existed), and the new CF
+            # learns where it is, so that a member started with another log root is refused.
+            repo.adopt([sdef], queues)
+            owned.claim_repository(str(repo.id), str(repo.path), overwrite=True)
+            result.decisions_logged = _log_decisions(rlog, plan, int(manifest.get("gen", 0) or 0))
+            base_tombstones = dict(manifest.get("tombstones") or {})
+            point = point_id(structure)
+
+            def write_point() -> None:  # after the load is verified, before the structure is ACTIVE
+                write_restore_point(
+                    backup_root, point, kind=RESTORE, group=str(manifest["group"]), sdef=sdef, queues=queues,
+                    members=[*members.keys(), *(d.name for d in log_dirs if d.name != RESTORE_MEMBER)],
+                    gen=plan.restore_lrsn, lrsn=plan.restore_lrsn, replay_from=point_replay_from(plan),
+                    entries=((s.entry, s.data) for s in plan.loaded() if s.entry is not None),
+                    tombstones=loaded_tombstones(plan, base_tombstones), restored_from=backup.id)
+
+            loaded: LoadResult = load_plan(owner, plan, sdef, [q.name for q in queues], progress=timer,
+                                           restored_from=backup.id, base_tombstones=base_tombstones,
+                                           before_activate=write_point, last_backup=point)
             result.keys_deleted, result.loaded_entries = loaded.keys_deleted, loaded.entries
             result.loaded_bytes = loaded.bytes
+            result.restore_point = point
+            rebuild_catalog(admin, backup_root, structure)
 
     result.replay_to, result.restore_lrsn = plan.max_lrsn, plan.restore_lrsn
     result.log_ranges = log_ranges(log_dirs, replay_from)
@@ -214,18 +362,72 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
     return result
 
 
-class _restore_log:
-    """Restore's own log, opened for writing: its writer lock also keeps a second restore out meanwhile."""
+def _refused(structure: str, e: bulk.NotOwnerError) -> RestoreError:
+    if isinstance(e, bulk.CFReplacedError):
+        return RestoreError(f"restore of {structure} refused: the CF was lost or replaced since this restore "
+                            f"started ({e}); nothing was written: run the restore of {structure} again")
+    return RestoreError(f"restore of {structure} refused: {e}; nothing was written")
 
-    def __init__(self, log_root: Path) -> None:
+
+def _refuse_if_changed(client: redis.Redis, structure: str, seen: bulk.Seen) -> None:
+    """Refuse, writing nothing, when the structure is no longer as the restore saw it at its start."""
+    why = bulk.changed_since(seen, bulk.observe(client, structure))
+    if why is not None:
+        raise _refused(structure, why)
+
+
+@contextmanager
+def _owning(client: redis.Redis, structure: str, seen: bulk.Seen) -> Iterator[bulk.Owner]:
+    """The restore's claim on the structure (cfemu.bulk.claim) for the rest of the run, with what can end it in
+    the operator's words: refused before anything was written, or stopped during the load."""
+    try:
+        owner = bulk.claim(client, structure, seen)
+    except bulk.NotOwnerError as e:
+        raise _refused(structure, e) from e
+    try:
+        yield owner
+    except redis.exceptions.MaxConnectionsError:
+        raise  # a bug in the use of the owner's one connection, not a lost CF
+    except (bulk.CFReplacedError, redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
+        why = str(e) if isinstance(e, bulk.CFReplacedError) else "the connection to the CF broke"
+        raise RestoreStoppedError(
+            f"restore of {structure} stopped: the CF was lost or replaced during the restore ({why}); nothing "
+            f"more was written: run the restore of {structure} again once the CF is back (a CF restarted empty "
+            f"is restored from the start)", cf_lost=True) from e
+    except bulk.NotOwnerError as e:
+        raise RestoreStoppedError(f"restore of {structure} stopped: {e}; nothing more was written by this "
+                                  f"restore", cf_lost=False) from e
+    finally:
+        owner.close()
+
+
+def _decisions_logged(log_root: Path) -> int:
+    """How many records restore's own log holds (its RECOVERY decisions, of every restore so far)."""
+    directory = log_root / RESTORE_MEMBER
+    return sum(s.records for s in LogReader(directory).segments()) if directory.is_dir() else 0
+
+
+class _restore_log:
+    """Restore's own log, opened for writing: its writer lock also keeps a second restore out meanwhile. `seen`:
+    how many records it held when this restore started, before it planned; if another restore has logged
+    decisions since, this one's plan may not have read them, so it refuses."""
+
+    def __init__(self, log_root: Path, structure: str, seen: int) -> None:
         self.directory = log_root / RESTORE_MEMBER
         self.log: RecordLog | None = None
+        self.structure, self.seen, self.log_root = structure, seen, log_root
 
     def __enter__(self) -> RecordLog:
         try:
             self.log = RecordLog(self.directory, RESTORE_MEMBER)
         except LogLockedError as e:
             raise RestoreError(f"another restore is running ({e})") from None
+        now = _decisions_logged(self.log_root)
+        if now != self.seen:
+            self.log.close()
+            raise RestoreError(f"restore of {self.structure} refused: another restore logged decisions in "
+                               f"{self.directory} since this one started ({now - self.seen} records), which its "
+                               f"plan may not have read; nothing was written: run the restore again")
         return self.log
 
     def __exit__(self, *exc: object) -> None:
@@ -233,22 +435,55 @@ class _restore_log:
             self.log.close()
 
 
-def run_purge(client: redis.Redis, structure: str, *, mark_failed: bool = False) -> PurgeResult:
+def _group_of(admin: Admin, backup_root: Path, structure: str, lost: bool) -> str:
+    """The group's name for a restore point: the admin structure's, or when the CF lost it, the newest good
+    backup's (a point of another group's name would be refused as foreign by the next restore)."""
+    if not lost:
+        return admin.group_name()
+    newest = next((b for b in list_backups(backup_root, structure) if b.state == OK and b.manifest), None)
+    return str(newest.manifest["group"]) if newest is not None and newest.manifest else admin.group_name()
+
+
+def run_purge(client: redis.Redis, structure: str, *, backup_root: Path, log_root: Path,
+              mark_failed: bool = False) -> PurgeResult:
     """RECOVER CFSTRUCT TYPE(PURGE): discard every message, keep the definition and queues, a new generation
-    (so every unit of work from before is backed out when it next touches the structure), state ACTIVE."""
+    (so every unit of work from before is backed out when it next touches the structure), state ACTIVE.
+    The purge is a restore point (kind purge, empty) in the backup catalog, written before the structure is
+    usable again: a later restore starts there and never brings the purged messages back (issue 10, hole 8).
+    The definitions come from the CF, or from the group repository under log_root when the CF lost them."""
     try:
         keys.check_name("structure", structure)
     except ValueError as e:
         raise RestoreError(str(e)) from None
+    backup_root = Path(backup_root)
     admin = Admin(client)
-    sdef = _admin_definition(admin, structure)
-    if sdef is None:
-        raise RestoreError(f"structure {structure} is not defined (a purge keeps a definition; restore it from "
-                           f"a backup instead)")
+    repo = GroupRepository(log_root)
+    admin_def = _admin_definition(admin, structure)
+    known = repo.structure(structure)
+    if admin_def is None and known is None:
+        raise RestoreError(f"structure {structure} is not defined, in the CF or in the group repository "
+                           f"{repo.path} (a purge keeps a definition; restore it from a backup instead)")
     state = admin.state(structure)
     if state == "ACTIVE" and not mark_failed:
         raise RestoreError(f"structure {structure} is ACTIVE: purge it only once it has failed, or mark it "
                            f"failed first (--mark-failed)")
-    queues = [q.name for q in admin.queues() if q.structure == structure]
-    purged = bulk.purge(client, sdef, queues)
-    return PurgeResult(structure, state, purged.discarded, purged.discarded_bytes, purged.gen)
+    lost = admin_def is None
+    base_def = admin_def or (known[0] if known else StructureDef(structure))
+    sdef, queues = definitions(admin_def, admin.queues(), repo,
+                               {"structure": structure, "structure_def": asdict(base_def), "queues": []})
+    group = _group_of(admin, backup_root, structure, lost)
+    _redefine(admin, group, sdef, queues, lost=lost)
+    point = point_id(structure)
+
+    def write_point(gen: int, tombstones: dict[str, str]) -> str:  # RECOVERING, before it is usable again
+        write_restore_point(backup_root, point, kind=PURGE, group=group, sdef=sdef, queues=queues,
+                            members=known_members(repo, {}, admin), gen=gen, lrsn=gen, replay_from=gen,
+                            entries=(), tombstones=tombstones)
+        return point
+
+    try:
+        purged = bulk.purge(client, sdef, [q.name for q in queues], before_activate=write_point)
+    except bulk.NotOwnerError as e:
+        raise _refused(structure, e) from e
+    rebuild_catalog(admin, backup_root, structure)
+    return PurgeResult(structure, state, purged.discarded, purged.discarded_bytes, purged.gen, restore_point=point)

@@ -7,6 +7,10 @@ The CF, the log root and the token are found as by every command (cfemu.settings
 $CFEMU_LOG_ROOT, $SQM_TOKEN, else the nearest 'cfemu cluster' directory, else the CF of 'cfemu cf start', else
 var/logs. Errors are one line on stderr (exit 2); --verbose adds the traceback. ``sqm run`` exits with the
 server's status (sqm.service.server: 3 fenced, 4 log failed); its --json writes its log lines as JSON.
+
+``sqm run`` authenticates every connection (docs/security.md): it needs the application token (--token,
+$SQM_TOKEN, the group's service.token) and takes the operator's too ($SQM_OPERATOR_TOKEN, operator.token); with
+neither it refuses to start, unless --no-auth, which is refused on a non-loopback address.
 """
 
 from __future__ import annotations
@@ -24,9 +28,15 @@ from cfemu.clitools import (
     run_command,
     settings,
 )
+from cfemu.settings import operator_token
 from sqm.logprint import LOG_ERRORS, add_log_parser
 from sqm.service.protocol import DEFAULT_MAX_FRAME, MAX_FRAME, MIN_FRAME
-from sqm.service.server import ServerConfig, serve
+from sqm.service.server import ServerConfig, is_loopback_host, serve
+
+NO_TOKEN = ("no service token found (--token, $SQM_TOKEN, or service.token in the group's secrets directory: "
+            "$CFEMU_SECRETS_DIR, the cluster's or the CF's): make one with 'cfemu secrets init --dir DIR' and set "
+            "CFEMU_SECRETS_DIR=DIR, or run the queue manager in a cluster ('cfemu cluster up'); --no-auth runs "
+            "without authentication, on a loopback address only")
 
 
 def add_run_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -41,6 +51,18 @@ def add_run_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
     p.add_argument("--tls-cert", help="server certificate (PEM) for TLS")
     p.add_argument("--tls-key", help="server private key (PEM)")
     p.add_argument("--tls-ca", help="CA (PEM) for client certificates: turns on mutual TLS")
+    p.add_argument("--no-auth", action="store_true",
+                   help="no authentication: every connection is an operator (refused on a non-loopback --host)")
+    p.add_argument("--auth-timeout", type=float, default=5.0,
+                   help="seconds a connection has to authenticate before it is closed (default 5)")
+    p.add_argument("--idle-timeout", type=float, default=3600.0,
+                   help="close an authenticated connection idle this many seconds; its open UOW is backed out "
+                        "(default 3600; 0: never)")
+    p.add_argument("--max-connections", type=int, default=512, help="connections at once (default 512)")
+    p.add_argument("--max-connections-per-peer", type=int, default=128,
+                   help="connections at once from one address (default 128)")
+    p.add_argument("--max-unauthenticated", type=int, default=64,
+                   help="connections at once that have not authenticated yet (default 64)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="HTTP port for /healthz, /readyz and /metrics (0: any free port; default: none)")
     p.add_argument("--lease-ms", type=int, default=5000, help="lease in the admin structure (default 5000)")
@@ -68,12 +90,21 @@ def cmd_run(args: argparse.Namespace, out: Output) -> int:
     if not MIN_FRAME <= args.max_frame <= MAX_FRAME:
         raise CLIError(f"--max-frame must be {MIN_FRAME}-{MAX_FRAME} bytes (the most carries any message a queue can "
                        f"hold), not {args.max_frame}")
+    if args.no_auth and not is_loopback_host(args.host):
+        raise CLIError(f"--no-auth is refused on --host {args.host}, which is not a loopback address: anyone who "
+                       "reaches it could do anything; run with the group's tokens instead")
     found = settings(args)
     url = require_url(found)
+    op_token = operator_token(found)
+    if not args.no_auth and not (found.token or op_token):
+        raise CLIError(NO_TOKEN)
     configure_logging(args.verbose, as_json=out.as_json)
     return serve(ServerConfig(
         name=args.name, log_root=found.log_root, redis_url=url, host=args.host, port=args.port,
-        token=found.token, tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
+        token=found.token, operator_token=op_token, auth=not args.no_auth, auth_timeout_s=args.auth_timeout,
+        idle_timeout_s=args.idle_timeout, max_connections=args.max_connections,
+        max_connections_per_peer=args.max_connections_per_peer, max_unauthenticated=args.max_unauthenticated,
+        tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
         metrics_port=args.metrics_port, lease_ms=args.lease_ms, cf_connections=args.cf_connections,
         logload=args.logload, max_frame=args.max_frame,
         shutdown_grace_s=args.shutdown_grace, cf_wait_s=args.cf_wait, ready_file=args.ready_file,

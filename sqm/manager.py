@@ -40,6 +40,7 @@ from cfemu.errors import (
     UnknownObjectError,
 )
 from cfemu.keys import check_member_name
+from cfemu.repository import GroupRepository, RepositoryError, open_group_repository
 from sqm import records
 from sqm.clock import LrsnClock, now_ms
 from sqm.failpoints import failpoint
@@ -72,6 +73,14 @@ class QueueManagerConfig:
     cf_pool_timeout_s: float = 30.0
 
 
+def reply_lost(e: BaseException) -> bool:
+    """Did a CF call fail after its request was sent (the reply was lost: a reset or a timeout while reading)?
+    Then the script may have run: its effect is unknown, not absent. A refused or failed connect sent nothing."""
+    if isinstance(e, redis.exceptions.TimeoutError):
+        return "connect" not in str(e).lower()
+    return "while reading" in str(e) or "reading from" in str(e)
+
+
 class QueueManager:
     """One SQM. Start it, connect() handles to it, stop() it. See sqm.recovery for restart and peer recovery."""
 
@@ -85,6 +94,7 @@ class QueueManager:
         self.clock = LrsnClock(config.clock_skew_us)
         self.caller = Caller(self.name, 0, self.clock)
         self.log: RecordLog | None = None
+        self.repository: GroupRepository | None = None  # the group's (cfemu.repository), once started
         self.uows: dict[str, UnitOfWork] = {}
         self.uow_lock = threading.RLock()
         self.pending: dict[str, Callable[[], None]] = {}  # durable work the CF has not seen yet, retried
@@ -110,8 +120,12 @@ class QueueManager:
         """Open the log, join the group (a new epoch fences any older incarnation), run restart recovery."""
         from sqm.recovery import restart
 
+        # The group's log root first (before anything is created here): a member logging where peer recovery,
+        # backup and restore do not read would have its committed work dropped by them (issue 10, hole 6).
+        self.repository = open_group_repository(self.admin, self.config.log_root, who=self.name)
         self.log = RecordLog(self.log_dir, self.name, segment_bytes=self.config.segment_bytes)
         try:
+            self.repository.record_member(self.name, self.log_dir)  # restore then knows to read this log
             self.caller.epoch = self.admin.join(self.name, {"pid": os.getpid(), "log": str(self.log_dir)},
                                                 self.config.lease_ms)
             self.running = True
@@ -256,7 +270,9 @@ class QueueManager:
             self.fenced = True
             raise
         except CF_DOWN as e:
-            raise StructureFailedError(f"the CF is unavailable: {e}") from None
+            failed = StructureFailedError(f"the CF is unavailable: {e}")
+            failed.maybe_applied = reply_lost(e)
+            raise failed from None
         except PoolExhaustedError as e:
             raise ResourceProblemError(f"queue manager {self.name}: {e}; raise --cf-connections") from None
 
@@ -272,6 +288,7 @@ class QueueManager:
                 self.fenced = True
                 raise FencedError(f"queue manager {self.name} was fenced by peer recovery; restart it")
             if rc < 0:  # the CF was lost and rebuilt: join the group again, with a higher epoch
+                self._reclaim_repository()
                 self.caller.epoch = self.admin.join(self.name, {"pid": os.getpid(), "log": str(self.log_dir),
                                                                 "min_epoch": self.caller.epoch + 1},
                                                     self.config.lease_ms)
@@ -280,6 +297,14 @@ class QueueManager:
                             self.caller.epoch)
             else:  # joined, but a structure rebuilt since does not carry our epoch yet
                 self.admin.join_structures(self.name, self.caller.epoch)
+
+    def _reclaim_repository(self) -> None:
+        """Tell a new CF where the group's repository is (this member's log root was checked at start), so that a
+        member started meanwhile with another log root is refused. A running member never stops over it."""
+        try:
+            open_group_repository(self.admin, self.config.log_root, who=self.name)
+        except RepositoryError as e:
+            log.error("%s", e)
 
     # --- completing a UOW (commit or backout) on the CF ----------------------------------------------------
     def complete(self, uow: UnitOfWork, commit: bool, *, reason: str = "application",

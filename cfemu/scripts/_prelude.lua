@@ -5,7 +5,8 @@
 --   KEYS[3] {S}:ent     hash  entry id -> msgpack descriptor
 --   KEYS[4] {S}:data    hash  entry id -> message data
 --   KEYS[5] {S}:uows    hash  uow id -> msgpack {o = owner member, f = first lrsn, g = gen}
---   KEYS[6] {S}:tomb    hash  uow id -> 'C' | 'B' (an outcome decided by peer recovery or restore)
+--   KEYS[6] {S}:tomb    hash  uow id -> 'C' | 'B' (an outcome decided by peer recovery or restore), or 'P' (the
+--                             UOW's work on this structure was discarded by a purge: its outcome is not decided)
 --   KEYS[7] {S}:queues  set   queue names defined on the structure
 --   KEYS[8] {S}:expiry  zset  entry id scored by expiry time (ms)
 -- Per-queue lists are derived from the tag (same slot): {S}:q:<queue>:up|ug|ex|cp:<0-9>,
@@ -92,6 +93,9 @@ local function uow_standing(uow, gen)
   local t = redis.call('HGET', TOMB, uow)
   if t == 'B' then return redis.error_reply('BACKEDOUT unit of work ' .. uow .. ' was backed out by recovery') end
   if t == 'C' then return redis.error_reply('COMPLETED unit of work ' .. uow .. ' was committed by recovery') end
+  if t == 'P' then
+    return redis.error_reply('BACKEDOUT unit of work ' .. uow .. ': its work on this structure was purged')
+  end
   if redis.call('HEXISTS', UOWS, uow) == 0 and tonumber(gen) ~= 0
       and tonumber(gen) ~= tonumber(redis.call('HGET', META, 'gen') or '0') then
     return redis.error_reply('BACKEDOUT unit of work ' .. uow .. ' was lost with the CF and backed out by restore')

@@ -18,6 +18,7 @@ if t == 'B' then
   if not carried_over(ARGV[5]) then redis.call('HDEL', TOMB, uow) end
   return {tick(ARGV[3]), 0, 0}
 end
+if t == 'P' then return {tick(ARGV[3]), 0, 0} end  -- a purge discarded its work here: nothing to undo
 if t == 'C' then return redis.error_reply('COMPLETED unit of work ' .. uow .. ' was committed by recovery') end
 if lrsn > 0 then err = floor_check(lrsn) if err then return err end end
 

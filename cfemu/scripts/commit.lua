@@ -1,6 +1,7 @@
 -- commit: apply a UOW's commit to the entries it still holds on this structure.
 -- Uncommitted puts become available (in put order); uncommitted gets are deleted.
--- Idempotent: a UOW that holds nothing (already applied) is a no-op.
+-- Idempotent: a UOW that holds nothing (already applied) is a no-op. So is a UOW whose work here a purge discarded
+-- (tombstone 'P'): a purge discards messages, not outcomes, and the commit goes on on the UOW's other structures.
 -- ARGV: 1 member, 2 epoch, 3 caller lrsn, 4 uow, 5 uow gen, 6 commit lrsn (>0: the forced COMMIT record, log-first;
 --       0: a UOW with no persistent work, nothing was logged), 7 record outcome (1: peer recovery or restore decided
 --       this outcome for another member's UOW; keep a 'C' tombstone so that the owner learns it when it retries),
@@ -23,6 +24,7 @@ if t == 'C' then
   if not carried_over(ARGV[5]) then redis.call('HDEL', TOMB, uow) end
   return {tick(ARGV[3]), 0, 0}
 end
+if t == 'P' then return {tick(ARGV[3]), 0, 0} end  -- a purge discarded its work here: the outcome stands
 if lrsn > 0 then err = floor_check(lrsn) if err then return err end end
 err = uow_standing(uow, ARGV[5]) if err then return err end
 local carried = carried_over(ARGV[5]) and redis.call('HEXISTS', UOWS, uow) == 1

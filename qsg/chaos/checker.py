@@ -29,9 +29,16 @@ Findings (each names the message ids and UOWs involved):
               in-doubt UOW and draining (the run's "drained" note): held by a UOW no member can resolve;
   restore-order  two messages available on the live CF just before a CF loss and again right after its
               restore, in the other order (the fault steps' live_order / restored_order): the CF and restore
-              disagree on where a commit counts (see check_restore_order).
+              disagree on where a commit counts (see check_restore_order);
+  restore-foreign-cf  a restore that wrote into a CF it did not start on (the faults' restore events: it
+              completed on another CF, or a CF started empty under it held restore-written keys right after it);
+  restore-wiped       two restores of one structure that overlapped and both completed: the later one loaded a
+              plan older than the other's result, wiping it and the work acknowledged in between (named).
+  purge-undone a message a purge discarded (the fault names them: its "purged" step), delivered by a get
+              that began after the purge (a later restore crossed the purge).
 Allowed and counted: non-persistent messages lost (with the CF), unknown outcomes (resolved either way),
-redeliveries after backout, expired messages that never came back.
+redeliveries after backout, expired messages that never came back, messages a purge discarded (neither lost nor
+evidence about their UOW's outcome: the operator threw them away).
 """
 
 from __future__ import annotations
@@ -42,13 +49,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 COMMITTED, ABORTED, UNKNOWN, UNDETERMINED = "committed", "aborted", "unknown", "undetermined"
-MUST_BE_ZERO = ("lost", "undelivered", "duplicated", "phantom", "atomicity", "corrupted", "stuck")
+MUST_BE_ZERO = ("lost", "undelivered", "duplicated", "phantom", "atomicity", "corrupted", "stuck",
+                "restore-foreign-cf", "restore-wiped", "purge-undone")
 FINDING_KINDS = (*MUST_BE_ZERO, "order", "restore-order", "resurrected", "expired")
 EXPIRY_SLACK_S = 1.0  # the server's clock reads expiry at the get, some milliseconds after the client's invoke
 # After a fault has recovered, its after-effects last this long: pending CF work retried by the members, and a
 # request stalled behind a half-open path that the client gives up on only after its request timeout (5 s).
 SETTLE_S = 6.0
-CF_LOSS_KINDS = ("cf-kill", "cf-kill-during-restore", "during-backup", "peer-clock-skew")
+# Kinds that always lose the CF (their injection counts as the loss); a kind that loses it only sometimes
+# (member-own-log-root, when the stray member was let in) says so with a "CF killed" step.
+CF_LOSS_KINDS = ("cf-kill", "cf-kill-during-restore", "during-backup", "peer-clock-skew",
+                 "cf-kill-during-load-restart", "cf-kill-twice", "purge-then-cf-kill")
+CF_KILLED = "CF killed"
+PURGED = "purged"  # the phase of a fault's history event that names the messages a purge discarded ("msgs")
 LEFT_SLACK_S = 1.0  # a get whose client left: the server might have gone on this long past the get's own wait
 
 
@@ -155,6 +168,11 @@ class Checker:
         self.deliveries: dict[str, list[Delivery]] = defaultdict(list)
         self.result = CheckResult()
         self.counts: dict[str, int] = defaultdict(int)
+        self.purged: dict[str, float] = {}  # message -> when a purge discarded it
+        for f in sorted(self.faults, key=lambda f: f["t"]):
+            if f.get("phase") == PURGED:
+                for m in f.get("msgs", ()):
+                    self.purged.setdefault(m, float(f["t"]))
 
     def find(self, kind: str, msgs: Iterable[str], detail: str, uow: str = "") -> None:
         self.result.findings.append(Finding(kind, sorted(set(msgs)), detail, uow))
@@ -192,8 +210,12 @@ class Checker:
                     self.counts["deliveries with a backout count"] += 1
         for d in self.deliveries.values():
             # Delivery order: every backout of a get raises the message's backout count, so the count orders
-            # the deliveries of one message even when a reply arrives late (a slow link); then completion time.
-            d.sort(key=lambda x: (int(x.op.result.get("backout_count", 0) or 0), x.t1))
+            # the deliveries of one message even when a reply arrives late (a slow link). Two deliveries with one
+            # count mean that a take was erased without a backout: a CF lost before its GET reached a log the
+            # restore read. The erased take came first, so the get asked first comes first: by completion time,
+            # a reply held up across the loss and the restore (cf-kill-twice holds an SQM there) made the
+            # committed get after it look undone and the aborted one look done.
+            d.sort(key=lambda x: (int(x.op.result.get("backout_count", 0) or 0), x.op.t0))
         for u in self.uows.values():
             self._known_outcome(u, resolves)
 
@@ -227,7 +249,8 @@ class Checker:
     # --- inference and the rules ---------------------------------------------------------------------------------
     def _decisive(self, m: str) -> bool:
         p = self.puts.get(m)
-        return p is not None and bool(p.args.get("persistent")) and not p.args.get("expiry_ms")
+        return (p is not None and bool(p.args.get("persistent")) and not p.args.get("expiry_ms")
+                and m not in self.purged)
 
     def _effects(self, u: Uow) -> tuple[list[str], list[str]]:
         """(messages whose effect is visible / taken, messages whose effect is not), decisive ones only."""
@@ -264,7 +287,8 @@ class Checker:
                 self.counts["unknown outcomes resolved: undetermined"] += 1
 
     def check_messages(self) -> None:
-        cf_losses = [f for f in self.faults if f.get("kind") in CF_LOSS_KINDS]
+        cf_losses = [f for f in self.faults if f.get("kind") in CF_LOSS_KINDS and f["phase"] == "inject"
+                     or f.get("kind") not in CF_LOSS_KINDS and str(f["phase"]).startswith(CF_KILLED)]
         for m, ds in sorted(self.deliveries.items()):
             put = self.puts.get(m)
             if put is None:
@@ -283,12 +307,15 @@ class Checker:
             expiry = int(put.args.get("expiry_ms") or 0)
             put_done = put.t1 if put.t1 is not None else put.t0
             for d in ds:
+                if m in self.purged and d.op.t0 > self.purged[m]:
+                    self.find("purge-undone", [m], f"purged at t={self.purged[m]}, delivered by op {d.op.id} "
+                                                   f"({d.op.client}) begun at t={d.op.t0}", d.uow)
                 if expiry and d.op.t0 > put_done + expiry / 1000 + EXPIRY_SLACK_S:
                     self.find("expired", [m], f"expiry {expiry} ms, put done at t={put_done}, delivered by "
                                               f"op {d.op.id} begun at t={d.op.t0}", d.uow)
                 if not put.args.get("persistent"):
                     for f in cf_losses:
-                        if f["phase"] == "inject" and put_done < f["t"] < d.op.t0 and self._cf_back(f) < d.op.t0:
+                        if put_done < f["t"] < d.op.t0 and self._cf_back(f) < d.op.t0:
                             self.find("resurrected", [m], f"non-persistent, put at t={put_done}, CF lost at "
                                                           f"t={f['t']}, delivered by op {d.op.id} at t={d.op.t0}")
         unknown_drains = sum(1 for o in self.ops if o.op == "drain" and o.outcome == "unknown")
@@ -296,6 +323,9 @@ class Checker:
             if self.deliveries.get(m):
                 continue
             u = self.uows[self.put_uow[m]]
+            if m in self.purged:
+                self.counts["purged (allowed)"] += 1
+                continue
             if not put.args.get("persistent"):
                 if u.outcome == COMMITTED:
                     self.counts["non-persistent lost (allowed)"] += 1
@@ -433,6 +463,51 @@ class Checker:
                     self.find("stuck", [], f"{queue}: {states.get('UP', 0)} uncommitted puts and "
                                            f"{states.get('UG', 0)} uncommitted gets still locked after the drain")
 
+    def restores(self) -> list[dict[str, Any]]:
+        """The restores the faults ran (qsg.chaos.faults._restore): each 'restore began' event joined with its
+        'restore ended' one, by the restore's number."""
+        spans: dict[Any, dict[str, Any]] = {}
+        for f in self.faults:
+            if f.get("restore") is None:
+                continue
+            r = spans.setdefault(f["restore"], {"restore": f["restore"], "structure": f.get("structure")})
+            if "outcome" in f:
+                r.update(t1=f["t"], outcome=f["outcome"], cf1=f.get("cf"),
+                         written_into_new_cf=int(f.get("written_into_new_cf") or 0))
+            else:
+                r.update(t0=f["t"], cf0=f.get("cf"), queues=f.get("queues") or [])
+        return [r for r in spans.values() if "t0" in r and "t1" in r]
+
+    def check_restores(self) -> None:
+        """A restore owns its structure from its start to the end of its load, on the CF it started on."""
+        done = []
+        for r in self.restores():
+            moved = r["cf0"] is not None and r["cf1"] is not None and r["cf0"] != r["cf1"]
+            if r["written_into_new_cf"] or (moved and r["outcome"] == "ok"):
+                self.find("restore-foreign-cf", [], f"restore {r['restore']} of {r['structure']} (t={r['t0']}.."
+                                                    f"{r['t1']}, {r['outcome']}) started on CF {r['cf0']} and "
+                                                    f"wrote into CF {r['cf1']}: {r['written_into_new_cf']} keys "
+                                                    f"only a restore writes were there right after it")
+            if r["outcome"] == "ok":
+                done.append(r)
+        done.sort(key=lambda r: r["t1"])
+        for i, later in enumerate(done):
+            for earlier in done[:i]:
+                if earlier["structure"] != later["structure"] or not later["t0"] < earlier["t1"]:
+                    continue
+                queues = set(later["queues"])
+                acked = [u for u in self.uows.values() if u.known and u.outcome == COMMITTED
+                         and earlier["t1"] < u.end < later["t1"]
+                         and any(o.args.get("queue") in queues for o in u.ops)]
+                msgs = [m for u in acked for o in u.ops if o.args.get("queue") in queues
+                        for m in (o.args.get("msg"), o.result.get("msg")) if m]
+                self.find("restore-wiped", msgs, f"restore {later['restore']} of {later['structure']} (t="
+                                                 f"{later['t0']}..{later['t1']}) completed after restore "
+                                                 f"{earlier['restore']} (t={earlier['t0']}..{earlier['t1']}) had "
+                                                 f"restored it while it ran: it loaded an older plan over that "
+                                                 f"result and the {len(acked)} units of work acknowledged in "
+                                                 f"between ({', '.join(sorted(u.key for u in acked)[:10])})")
+
     def run(self) -> CheckResult:
         self.build()
         self.infer()
@@ -440,6 +515,7 @@ class Checker:
         self.check_order()
         self.check_restore_order()
         self.check_stuck()
+        self.check_restores()
         self.counts["operations"] = len(self.ops)
         self.counts["units of work"] = len(self.uows)
         self.counts["messages put"] = len(self.puts)

@@ -8,6 +8,12 @@
 | cf-kill               | kill -9 of the CF's redis-server; restart it empty; restore every structure from    |
 |                       | its latest backup and the merged logs (run_restore, as the operator would)          |
 | cf-kill-during-restore| as cf-kill, and the CF is killed again while the restore is loading; restore again  |
+| cf-kill-during-load-  | as cf-kill, and while the restore loads the CF is killed and an empty one started on|
+| restart               | the same port at once: the restore must stop, say so and write nothing into it;     |
+|                       | every structure is restored again (as the operator would)                           |
+| restore-race          | a structure is marked failed; two restores of it overlap, the first held in its plan|
+|                       | (a slow Spark plan) or its load, while the second runs and clients work on the     |
+|                       | structure once it is ACTIVE; the stale one must refuse and wipe nothing             |
 | during-backup         | a backup runs; at one of its steps an SQM is killed -9; the backup completes; the   |
 |                       | SQM is recovered and restarted; then the CF is lost and restored from that backup   |
 | cf-link-cut/-delay/   | the proxy between one SQM and the CF closes and refuses connections / adds latency  |
@@ -26,6 +32,13 @@
 | big-messages          | an SQM restarted with frames smaller than its queues hold; an in-process member puts |
 |                       | at and over the queue's limit; puts, gets and browses through that SQM and through a |
 |                       | client accepting small frames must refuse cleanly and take nothing; then restored   |
+| cf-kill-twice         | an SQM held (SIGSTOP) across a cf-kill, live work, and cf-kill again before any new |
+|                       | backup (the scheduler is held): the second restore must start at the first one's   |
+|                       | restore point, whatever the held SQM forced after the first restore                 |
+| purge-then-cf-kill    | APP1 is failed and purged (the purged messages go in the history), live work, then |
+|                       | cf-kill before any new backup: no purged message may come back                      |
+| member-own-log-root   | one more ``sqm run`` with a log root of its own: it must refuse to join (exit 2);   |
+|                       | if it joins, two committed puts go through it, then cf-kill (restore cannot see them)|
 
 After a fault heals, an SQM that exited (fenced) or no longer serves (its log failed) is restarted, as an
 operator would; the report says so. Every CF loss records each queue's get order on the live CF just before the
@@ -36,6 +49,8 @@ and to full service (every SQM passes a probe: a persistent put, commit, get, co
 from __future__ import annotations
 
 import contextlib
+import itertools
+import json
 import math
 import random
 import signal
@@ -46,35 +61,40 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import redis
 
 from backup.catalog import OK, list_backups
 from backup.run import run_backup
+from cfemu import bulk, keys
 from cfemu.admin import Admin
 from cfemu.cf import CF
-from cfemu.errors import BackupRunningError
+from cfemu.errors import BackupRunningError, MQError
 from cfemu.limits import DESCRIPTOR_ALLOWANCE
 from qsg.chaos.group import EDGE_QUEUE, STRUCTURES, ChaosGroup
 from qsg.chaos.history import OK as CALL_OK
 from qsg.chaos.history import UNKNOWN as CALL_UNKNOWN
 from qsg.chaos.history import History
 from qsg.chaos.workload import PutSpec, Runner, make_body, parse_body
-from restore.engine import LOAD
-from restore.run import run_restore
+from restore.engine import LOAD, READ_BACKUP, Progress, no_progress
+from restore.result import RestoreResult
+from restore.run import RestoreError, RestoreStoppedError, run_purge, run_restore
 from sqm.clock import now_ms
 from sqm.failpoints import ENV_VAR as FAILPOINTS_ENV
 from sqm.manager import QueueManager, QueueManagerConfig
-from sqm.service.client import Client
-from sqm.service.protocol import ENVELOPE, PRE_HELLO_MAX_FRAME, encode_frame, recv_frame
-from sqm.service.server import EXIT_FENCED
+from sqm.service.client import Client, handshake
+from sqm.service.protocol import ENVELOPE, PRE_HELLO_MAX_FRAME, encode_frame
+from sqm.service.server import EXIT_CONFIG, EXIT_FENCED
 
 SHORT_KINDS = ("sqm-kill", "cf-kill", "cf-link-cut", "client-link-halfopen")
 # Rough seconds each kind takes from injection to full service, to space the schedule.
 COST_S = {"sqm-kill": 7.0, "sqm-pause": 8.0, "cf-kill": 6.0, "cf-kill-during-restore": 8.0,
           "during-backup": 12.0, "disk-full": 8.0, "clock-skew": 6.0, "peer-clock-skew": 32.0, "backup": 3.0,
-          "client-leaves-waiting-get": 9.0, "big-messages": 12.0}
+          "client-leaves-waiting-get": 9.0, "big-messages": 12.0,
+          "cf-kill-during-load-restart": 8.0, "restore-race": 8.0, "cf-kill-twice": 14.0,
+          "purge-then-cf-kill": 10.0, "member-own-log-root": 6.0}
 ORDER_LIMIT = 100_000  # messages per queue an order snapshot reads
 IDLE_SETTLE_S = 7.0  # peer-clock-skew: longer than the coordinator's longest park before a resolve (6 s)
 
@@ -153,8 +173,15 @@ def schedule(seed: int, kinds: tuple[str, ...], duration: float, managers: list[
             params["commit"] = rnd.randint(2, 12)  # the victim dies right after forcing this many COMMITs
         elif kind == "during-backup":
             params["step"] = rnd.randint(1, 5)
-        elif kind in ("cf-kill", "cf-kill-during-restore"):
+        elif kind in ("cf-kill", "cf-kill-during-restore", "cf-kill-during-load-restart"):
             hold = rnd.choice((0.3, 1.0))
+        elif kind == "restore-race":
+            hold = rnd.choice((1.0, 2.0, 3.0))  # the first restore held, while the second runs and clients work
+            params["structure"] = rnd.choice(sorted(STRUCTURES))
+            params["where"] = rnd.choice(("plan", "load"))
+        elif kind in ("cf-kill-twice", "purge-then-cf-kill"):
+            hold = rnd.choice((0.3, 1.0))
+            params["live_s"] = rnd.choice((1.0, 2.5, 4.0))  # live work before the (second) loss
         out.append(FaultSpec(len(out) + 1, round(t, 2), kind, target, hold, params))
         t += hold + COST_S.get(kind, 4.0) + rnd.uniform(1.0, 3.0)
         i += 1
@@ -204,8 +231,70 @@ def _backup(g: ChaosGroup, structure: str, on_step: Callable[[int, str], None] |
             client.close()
 
 
-def restore_all(g: ChaosGroup, step: Step, kill_during_load: bool = False) -> dict[str, Any]:
+_restore_ids = itertools.count(1)
 
+
+def _cf_id(g: ChaosGroup) -> str | None:
+    """The CF's identity (its run id) as a fresh connection finds it; None when it cannot be reached."""
+    client = g.cf()
+    try:
+        return bulk.cf_identity(client)
+    except redis.exceptions.RedisError:
+        return None
+    finally:
+        client.close()
+
+
+# Admin keys only a restore (or the operator) writes: members write leases, epochs and themselves, never these.
+_DEFINITIONS = {k.encode() for k in (keys.group(), keys.structure_defs(), keys.queue_defs())}
+
+
+def _restore_written(g: ChaosGroup) -> int:
+    """Keys in the CF that only a restore writes: any structure's, and the group's definitions. In a CF started
+    empty under a restore, before anyone restored anything into it, they can only be that restore's."""
+    client = g.cf()
+    try:
+        return sum(1 for k in client.scan_iter(count=1000) if not k.startswith(b"{ADMIN}:") or k in _DEFINITIONS)
+    finally:
+        client.close()
+
+
+def _restore(g: ChaosGroup, structure: str, step: Step, progress: Progress = no_progress) -> RestoreResult:
+    """run_restore, as the operator runs cfrestore, with its span in the history for the checker: 'restore
+    began' and 'restore ended' events carrying the restore's number, the structure and its queues, the CF's
+    identity at each end, the outcome (ok, refused, stopped, failed) and, when the CF changed under the restore,
+    how many keys only a restore writes the new CF held right after it (written_into_new_cf)."""
+    rid = next(_restore_ids)
+    cf0 = _cf_id(g)
+    step("restore began", restore=rid, structure=structure, queues=list(STRUCTURES[structure]), cf=cf0)
+    client = g.cf()
+    outcome, error = "ok", ""
+    try:
+        return run_restore(client, structure, backup_root=g.c.backup_dir, log_root=g.c.log_root, progress=progress)
+    except RestoreStoppedError as e:
+        outcome, error = "stopped", str(e)
+        raise
+    except RestoreError as e:
+        outcome, error = "refused", str(e)
+        raise
+    except Exception as e:
+        outcome, error = "failed", f"{type(e).__name__}: {e}"
+        raise
+    finally:
+        client.close()
+        cf1 = _cf_id(g)
+        extra: dict[str, Any] = {}
+        if cf0 is not None and cf1 is not None and cf1 != cf0:
+            extra["written_into_new_cf"] = _restore_written(g)
+        step(f"restore ended: {outcome}", restore=rid, structure=structure, outcome=outcome, cf=cf1,
+             error=error[:300], **extra)
+
+
+def restore_all(g: ChaosGroup, step: Step, kill_during_load: bool = False,
+                restart_at_once: bool = False) -> dict[str, Any]:
+    """Restore every structure, as the operator would after a CF loss. kill_during_load: the CF is killed when
+    the first restore reports its load; restart_at_once: and an empty one started on the same port before the
+    restore goes on (it must stop and say that the CF was lost). Either way every structure is restored again."""
     out: dict[str, Any] = {"restore_attempts": 0}
     t0 = time.monotonic()
     killed = threading.Event()
@@ -215,28 +304,33 @@ def restore_all(g: ChaosGroup, step: Step, kill_during_load: bool = False) -> di
             killed.set()
             step("CF killed during the restore's load")
             g.c.kill_cf()
+            if restart_at_once:
+                g.c.restart_cf()
+                step("CF restarted empty at once, under the restore")
 
     for s in STRUCTURES:
         while True:
             out["restore_attempts"] += 1
-            client = g.cf()
             try:
-                run_restore(client, s, backup_root=g.c.backup_dir, log_root=g.c.log_root, progress=progress)
+                _restore(g, s, step, progress)
                 break
             except Exception as e:
                 if not killed.is_set() or out.get("restore_failed_by_cf_loss"):
                     raise FaultError(f"restore of {s} failed: {type(e).__name__}: {e}") from e
-                out["restore_failed_by_cf_loss"] = f"{type(e).__name__}: {str(e)[:120]}"
-                g.c.restart_cf()
+                out["restore_failed_by_cf_loss"] = f"{type(e).__name__}: {str(e)[:160]}"
+                if restart_at_once:
+                    if not (isinstance(e, RestoreStoppedError) and e.cf_lost):
+                        raise FaultError(f"restore of {s} did not say that the CF was lost under it: "
+                                         f"{type(e).__name__}: {e}") from e
+                else:
+                    g.c.restart_cf()
                 step("CF restarted empty again; restore re-run from the start")
                 # the structures restored before this one were lost again with the CF: restore them again
                 for earlier in STRUCTURES:
                     if earlier == s:
                         break
-                    run_restore(g.cf(), earlier, backup_root=g.c.backup_dir, log_root=g.c.log_root)
+                    _restore(g, earlier, step)
                     out["restore_attempts"] += 1
-            finally:
-                client.close()
         step(f"{s} restored")
     out["restore_s"] = round(time.monotonic() - t0, 3)
     return out
@@ -261,7 +355,8 @@ def order_snapshot(g: ChaosGroup) -> dict[str, list[str]]:
         client.close()
 
 
-def _cf_loss(g: ChaosGroup, f: FaultSpec, step: Step, *, kill_during_load: bool = False) -> dict[str, Any]:
+def _cf_loss(g: ChaosGroup, f: FaultSpec, step: Step, *, kill_during_load: bool = False,
+             restart_at_once: bool = False) -> dict[str, Any]:
     ensure_backups(g)
     step("backups checked")
     live = order_snapshot(g)
@@ -270,7 +365,7 @@ def _cf_loss(g: ChaosGroup, f: FaultSpec, step: Step, *, kill_during_load: bool 
     time.sleep(f.hold)
     g.c.restart_cf()
     step("CF restarted empty")
-    out = restore_all(g, step, kill_during_load=kill_during_load)
+    out = restore_all(g, step, kill_during_load=kill_during_load, restart_at_once=restart_at_once)
     step("restored order read", restored_order=order_snapshot(g))
     step("heal")
     return out
@@ -308,6 +403,83 @@ def cf_kill(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
 
 def cf_kill_during_restore(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
     return _cf_loss(g, f, step, kill_during_load=True)
+
+
+def cf_kill_during_load_restart(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
+    return _cf_loss(g, f, step, kill_during_load=True, restart_at_once=True)
+
+
+def restore_race(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
+    """Two restores of one structure overlap (issue 10, hole 5). The structure is marked failed (cfrestore
+    mark-failed); the first restore is held in its plan (where=plan: a slow Spark plan) or at the start of its
+    load (where=load); meanwhile a second restore of it runs, and the workload's clients work on the structure
+    once it is ACTIVE again, for `hold` seconds; then the first goes on. Exactly one of them may restore it:
+    the one that planned while the other restored refuses, and one that finds the other loading is refused by
+    its lock. The checker reads both spans from the history (restore-wiped), and the get order before the
+    structure failed and after it was restored (restore-order)."""
+    structure, where = str(f.params.get("structure", "APP1")), str(f.params.get("where", "plan"))
+    ensure_backups(g)
+    live = order_snapshot(g)
+    client = g.cf()
+    try:
+        Admin(client).set_state(structure, "FAILED")
+    finally:
+        client.close()
+    step(f"{structure} marked failed", live_order=live)
+    held, release = threading.Event(), threading.Event()
+    hold_at = READ_BACKUP if where == "plan" else LOAD
+
+    def hold(phase: str, done: int, total: int | None) -> None:
+        if phase == hold_at and not held.is_set():
+            held.set()
+            release.wait(120)
+
+    first: dict[str, Any] = {}
+
+    def run_first() -> None:
+        try:
+            first["result"] = _restore(g, structure, step, hold)
+        except Exception as e:  # judged below
+            first["error"] = e
+
+    thread = threading.Thread(target=run_first, name="restore-race-first", daemon=True)
+    thread.start()
+    out: dict[str, Any] = {"structure": structure, "where": where}
+    try:
+        if not held.wait(60):
+            raise FaultError(f"the first restore of {structure} never reached its {where}: {first}")
+        step(f"first restore held in its {where}")
+        try:
+            _restore(g, structure, step)
+            out["second"] = "ok"
+        except RestoreError as e:
+            out["second"] = f"refused: {str(e)[:160]}"
+        time.sleep(f.hold)  # clients work on the structure, if the second restore made it ACTIVE
+    finally:
+        release.set()
+        thread.join(120)
+    out["first"] = "ok" if "result" in first else f"{type(first.get('error')).__name__}: " \
+                                                     f"{str(first.get('error'))[:160]}"
+    step("restored order read", restored_order=order_snapshot(g))
+    step("heal")
+    if (out["first"] == "ok") == (out["second"] == "ok"):
+        # both restored it (the checker counts the stale one), or neither did: restore it now, as an operator
+        # would, so that the run goes on
+        state = _state(g, structure)
+        if state != "ACTIVE":
+            _restore(g, structure, step)
+            out["restored_after"] = True
+        if out["first"] == "ok":
+            raise FaultError(f"both overlapping restores of {structure} completed")
+    return out
+
+
+def _state(g: ChaosGroup, structure: str) -> str:
+    client = g.cf()
+    try:
+        return Admin(client).state(structure)
+    finally:
+        client.close()
 
 
 def during_backup(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
@@ -435,13 +607,10 @@ def _leave_during_get(g: ChaosGroup, ep: tuple[str, int], correlid: bytes, syncp
     get waits. Raw, because the client library always reads its reply."""
     sock = socket.create_connection(ep, timeout=5.0)
     try:
-        hello: dict[str, Any] = {"client": "leaver"}
-        if g.c.token:
-            hello["token"] = g.c.token
-        sock.sendall(encode_frame({"id": 0, "op": "hello", "args": hello}))
-        reply = recv_frame(sock, PRE_HELLO_MAX_FRAME)
-        if not (isinstance(reply, dict) and reply.get("ok")):
-            raise FaultError(f"the leaving client's hello was refused: {reply!r:.200}")
+        try:
+            handshake(sock, token=g.c.token, client_name="leaver", max_frame=PRE_HELLO_MAX_FRAME)
+        except MQError as e:
+            raise FaultError(f"the leaving client's handshake was refused: {e}") from None
         sock.sendall(encode_frame({"id": 1, "op": "get", "args": {
             "queue": EDGE_QUEUE, "wait_ms": LEAVE_WAIT_MS, "syncpoint": syncpoint, "correlid": correlid}}))
         time.sleep(stay_s)
@@ -639,6 +808,121 @@ def peer_clock_skew(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
     return out
 
 
+def _live_work(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
+    """Full service (an SQM that exited, fenced, or stopped serving after the loss is restarted, as an operator
+    would), then the workload goes on for the fault's live_s: the work the next loss must keep."""
+    restarted = {name: out for name in g.names if (out := after_heal(g, name, step))}
+    if g.wait_service(timeout=60.0) is None:
+        raise FaultError("no full service within 60s of the restore")
+    step("full service: live work")
+    time.sleep(float(f.params.get("live_s", 2.0)))
+    return restarted
+
+
+def cf_kill_twice(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
+    """Issue 10, hole 1: a get appended (not forced) before the first loss reaches the disk after the first
+    restore; a second loss before any new backup must not fold it in again. The target SQM is held (SIGSTOP)
+    from just before the first loss until that restore is done, so that what it had appended but not forced
+    reaches its log only afterwards, at its next force (a busy member forces too often for that to happen by
+    chance). It holds no lease meanwhile that a peer could see lapse: the new CF does not know it yet."""
+    ensure_backups(g)
+    g.pause_backups()
+    step("backup scheduler held")
+    try:
+        g.stop(f.target)
+        step(f"{f.target} held (SIGSTOP) across the first loss")
+        try:
+            out: dict[str, Any] = {"first": _cf_loss(g, f, step)}
+        finally:
+            g.cont(f.target)
+            step(f"{f.target} resumed: its unforced records reach its log after the restore")
+        # A CF call it had in flight carries its old epoch into the new CF, where it has re-joined meanwhile:
+        # refused as fenced, it exits (code 3), as an operator would see it; _live_work restarts it then.
+        out["restarted"] = _live_work(g, f, step)
+        out["second"] = _cf_loss(g, f, step)
+    finally:
+        g.resume_backups()
+        step("backup scheduler resumed")
+    out["restore_s"] = round(out["first"]["restore_s"] + out["second"]["restore_s"], 3)
+    return out
+
+
+def purged_messages(client: Any, structure: str) -> list[str]:
+    """The chaos message ids of every entry the structure holds (the messages a purge now discards)."""
+    ids = [keys.text(i) for i in client.hkeys(keys.entries(structure))]
+    found = (parse_body(data)[0] for _, _, data in bulk.fetch(client, structure, ids) if data is not None)
+    return sorted(m for m in found if m)
+
+
+def purge_then_cf_kill(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
+    """Issue 10, hole 8: RECOVER CFSTRUCT TYPE(PURGE) of APP1, live work, then a CF loss before any new backup:
+    the restore must start at the purge, not at the backup before it. The purged messages are named in the
+    history (the fault's "purged" step), so that the checker can tell a purged message from a lost one."""
+    ensure_backups(g)
+    g.pause_backups()
+    step("backup scheduler held")
+    try:
+        client = g.cf()
+        try:
+            Admin(client).set_state("APP1", "FAILED")  # from here on nothing changes what the purge discards
+            discarded = purged_messages(client, "APP1")
+            result = run_purge(client, "APP1", backup_root=g.c.backup_dir, log_root=g.c.log_root)
+        finally:
+            client.close()
+        step("purged", structure="APP1", msgs=discarded, restore_point=result.restore_point)
+        out: dict[str, Any] = {"purged": len(discarded), "restarted": _live_work(g, f, step)}
+        out.update(_cf_loss(g, f, step))
+    finally:
+        g.resume_backups()
+        step("backup scheduler resumed")
+    return out
+
+
+def member_own_log_root(g: ChaosGroup, f: FaultSpec, step: Step, timeout: float = 45.0) -> dict[str, Any]:
+    """Issue 10, hole 6: an operator starts a member with a log root of its own. It must refuse to join (exit 2):
+    peer recovery, backup and restore read only the group's log root. Should it join, two persistent puts are
+    committed through it, as a client of the history, and the CF is lost: the checker then finds them lost."""
+    name = f"QM{len(g.names) + 1}"
+    elsewhere = g.dir / f"elsewhere-{f.n}"
+    ready = g.dir / "run" / f"{name}.ready"
+    proc = g.start_stray_member(name, elsewhere, ready)
+    step(f"{name} started with its own log root {elsewhere}")
+    deadline = time.monotonic() + timeout
+    try:
+        while proc.poll() is None and not ready.exists():
+            if time.monotonic() > deadline:
+                raise FaultError(f"{name} neither refused nor joined within {timeout:g}s")
+            time.sleep(0.1)
+        if proc.returncode is not None:
+            step(f"{name} refused to join: exit code {proc.returncode}")
+            if proc.returncode != EXIT_CONFIG:
+                raise FaultError(f"{name} exited with {proc.returncode}, not the configuration error "
+                                 f"{EXIT_CONFIG}; see run/{name}.log")
+            return {"refused": True, "exit_code": proc.returncode}
+        step(f"{name} joined the group with its own log root")
+        _commit_through(g, name, ready, f.n)
+        proc.terminate()
+        proc.wait(timeout=30)
+        step(f"{name} stopped")
+        return {"refused": False, **_cf_loss(g, f, step)}
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _commit_through(g: ChaosGroup, name: str, ready: Path, n: int) -> None:
+    """Two persistent puts in one UOW through the stray member, recorded in the history as client "stray-<n>"."""
+    if g.history is None:
+        raise FaultError("the fault needs the run's history")
+    port = int(json.loads(ready.read_text())["port"])
+    with Client([(g.c.host, port)], token=g.c.token, client_name=f"stray-{n}") as c:
+        runner = Runner(g.history, c, f"stray-{n}", f"stray-{n}.1", coordinator=None)
+        for i in range(2):
+            runner.put(PutSpec(f"stray-{n}-{i}", "Q1", 0, True, 0, 64), syncpoint=True)
+        runner.end(commit=True)
+
+
 FAULTS: dict[str, Callable[[ChaosGroup, FaultSpec, Step], dict[str, Any]]] = {
     "sqm-kill": sqm_kill, "sqm-pause": sqm_pause, "cf-kill": cf_kill,
     "cf-kill-during-restore": cf_kill_during_restore, "during-backup": during_backup,
@@ -647,6 +931,8 @@ FAULTS: dict[str, Callable[[ChaosGroup, FaultSpec, Step], dict[str, Any]]] = {
     "client-link-delay": _link("client", "delay"), "client-link-halfopen": _link("client", "halfopen"),
     "disk-full": disk_full, "clock-skew": clock_skew, "peer-clock-skew": peer_clock_skew, "backup": backup,
     "client-leaves-waiting-get": client_leaves_waiting_get, "big-messages": big_messages,
+    "cf-kill-during-load-restart": cf_kill_during_load_restart, "restore-race": restore_race,
+    "cf-kill-twice": cf_kill_twice, "purge-then-cf-kill": purge_then_cf_kill, "member-own-log-root": member_own_log_root,
 }
 KINDS = tuple(FAULTS)  # a new kind is one function, one FAULTS row and one line in the table above
 

@@ -8,16 +8,20 @@ import contextlib
 import errno
 import os
 import shutil
+import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
+from cfemu import repository
 from cfemu.admin import Admin
 from cfemu.connection import connect
 from cfemu.errors import MQError
+from cfemu.procs import free_port
 from qsg.chaos.history import History
 from qsg.chaos.proxy import FaultProxy
 from qsg.cluster import Cluster
@@ -31,6 +35,24 @@ PROBE_QUEUE = "PROBE"  # on APP1; the history never sees it
 EDGE_QUEUE = "EDGE"
 DRAINED = (*QUEUES, EDGE_QUEUE)
 TMPFS_BYTES = 128 * 2**20
+
+
+def _live_children(pid: int) -> list[int]:
+    """The children of a process that have not exited yet (a stopped parent cannot reap them: zombies count
+    as ended)."""
+    try:
+        children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except (OSError, ValueError):
+        return []
+    live = []
+    for c in children:
+        try:
+            state = Path(f"/proc/{c}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state != "Z":
+            live.append(c)
+    return live
 
 
 class LogDisk:
@@ -63,7 +85,7 @@ class LogDisk:
 
     def mount(self) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={self.size}", "tmpfs", str(self.path)], check=True,
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={self.size},mode=700", "tmpfs", str(self.path)], check=True,
                        capture_output=True, timeout=10)
         self.mounted = True
 
@@ -111,6 +133,7 @@ class ChaosGroup:
         self.disk: LogDisk | None = None
         self.disk_unavailable = ""
         self.stopped: set[str] = set()  # managers the suite has SIGSTOPped
+        self.backups_paused: int | None = None  # the backup scheduler's pid while a fault holds it stopped
         self.history: History | None = None  # where faults that act as clients record their calls
 
     # --- start and stop ------------------------------------------------------------------------------------------
@@ -128,8 +151,9 @@ class ChaosGroup:
             client = self.cf()
             try:
                 admin = Admin(client)
+                repo = repository.open_group_repository(admin, self.cluster.log_root, who="chaos group")
                 for s, queues in STRUCTURES.items():
-                    admin.ensure_structure(s, queues)
+                    repository.ensure_structure(admin, repo, s, queues)
             finally:
                 client.close()
             for name, host, port in self.cluster.endpoints:
@@ -146,6 +170,7 @@ class ChaosGroup:
         return urlunsplit(parts._replace(netloc=f"127.0.0.1:{proxy.port}"))
 
     def down(self) -> None:
+        self.resume_backups()
         for name in list(self.stopped):
             self.cont(name)
         if self.cluster is not None:
@@ -245,6 +270,36 @@ class ChaosGroup:
             return False
         finally:
             client.close()
+
+    def pause_backups(self, timeout: float = 60.0) -> None:
+        """Hold the backup scheduler (SIGSTOP), and wait until every backup it started (a `cfbackup run` child,
+        perhaps still importing) has ended: a fault that needs the next restore to start from an older base (two
+        CF losses, a purge then a loss) is then sure that no backup falls between."""
+        pid = self.c.running_processes().get("scheduler")
+        if pid is None:
+            return
+        os.kill(pid, signal.SIGSTOP)
+        self.backups_paused = pid
+        deadline = time.monotonic() + timeout
+        while _live_children(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+    def resume_backups(self) -> None:
+        if self.backups_paused is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.backups_paused, signal.SIGCONT)
+            self.backups_paused = None
+
+    def start_stray_member(self, name: str, log_root: Path, ready: Path) -> subprocess.Popen[bytes]:
+        """`sqm run` of one more member, as an operator might start it, with a log root of its own (not the
+        group's): on the CF directly, with the cluster's token and lease, its output in run/<name>.log."""
+        ready.unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "sqm.cli", "run", "--name", name, "--host", self.c.host, "--port",
+               str(free_port(self.c.host)), "--redis-url", self.c.redis_url, "--log-root", str(log_root),
+               "--lease-ms", str(self.lease_ms), "--ready-file", str(ready)]
+        with open(self.dir / "run" / f"{name}.log", "ab") as out:
+            return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                    env=self.c.child_env(), close_fds=True)
 
     def heal_network(self) -> None:
         for p in [*self.cf_proxies.values(), *self.client_proxies.values()]:

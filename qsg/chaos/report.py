@@ -195,7 +195,7 @@ def summary_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
         rows.append((f"{k.removesuffix('_s').replace('_', ' ')} (s, median / max)",
                      f"{statistics.median(v):.2f} / {max(v):.2f}"))
     for k in ("unknown outcomes", "redeliveries after backout", "non-persistent lost (allowed)",
-              "expired, never delivered (allowed)"):
+              "expired, never delivered (allowed)", "purged (allowed)"):
         rows.append((k, str(s["counts"].get(k, 0))))
     for k in FINDING_KINDS:
         rows.append((k.upper(), str(s["findings"][k])))

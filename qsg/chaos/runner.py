@@ -89,6 +89,9 @@ def heal(group: ChaosGroup, history: History) -> list[str]:
         return 0.0
 
     group.heal_network()
+    if group.backups_paused is not None:
+        group.resume_backups()
+        step("backup scheduler resumed")
     if group.disk is not None:
         group.disk.free()
     for name in list(group.stopped):
@@ -112,16 +115,17 @@ def heal(group: ChaosGroup, history: History) -> list[str]:
 
 def resolve_in_doubt(group: ChaosGroup, coordinator: Coordinator) -> dict[str, int]:
     """The coordinator's final pass: every UOW still in doubt on any SQM is resolved (its decision, or backout
-    when the client never learned whether its prepare worked)."""
+    when the client never learned whether its prepare worked). The operator lists them (an application may list
+    only the xids it names); the coordinator resolves each as an application, naming its xid."""
 
     found: dict[str, list[dict[str, Any]]] = {}
     for name, ep in group.direct.items():
-        with Client([ep], token=group.c.token, client_name="coordinator-final") as c:
+        with Client([ep], token=group.c.operator_token, role="operator", client_name="operator-final") as c:
             found[name] = c.indoubt()
     resolved = coordinator.resolve_all(found)
     left = 0
     for _name, ep in group.direct.items():
-        with Client([ep], token=group.c.token) as c:
+        with Client([ep], token=group.c.operator_token, role="operator", client_name="operator-final") as c:
             left += len(c.indoubt())
     return {"in doubt after healing": sum(len(v) for v in found.values()), "resolved": resolved,
             "still in doubt": left}
@@ -187,6 +191,7 @@ def run_chaos(opts: ChaosOptions, console: Console | None = None,
     if specs is None:
         specs = schedule(opts.seed, opts.kinds, opts.duration, [f"QM{i}" for i in range(1, opts.managers + 1)],
                          lease_ms=opts.lease_ms)
+    group.history = history
     records: list[FaultRecord] = []
     phases: dict[str, float] = {}
     extra: dict[str, Any] = {}

@@ -159,7 +159,7 @@ class Coordinator:
         try:
             with Client([self.owners[qmgr]], token=self.token, client_name=who, connect_timeout=2.0,
                         request_timeout=10.0, reconnect_timeout=1.0) as c:
-                c.resolve(uow, commit)
+                c.resolve(uow, commit, xid=xid)  # an application resolves its own: it names the xid
         except OutcomeUnknownError as e:
             self.history.complete(op, UNKNOWN, reason=_reason(e))
             return UNKNOWN

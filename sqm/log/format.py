@@ -18,6 +18,8 @@ from typing import IO, Any
 import crc32c as _crc32c
 import msgpack
 
+from cfemu.durable import replace_file
+
 MAGIC = b"CFLOG1\n"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -384,30 +386,9 @@ def read_manifest(directory: Path) -> dict[str, Any] | None:
     return data
 
 
-def fsync_directory(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_manifest(directory: Path, data: dict[str, Any]) -> None:
     """Atomically replace the manifest: temp file, fsync, rename, fsync directory."""
-    path = directory / MANIFEST_NAME
-    tmp = directory / (MANIFEST_NAME + ".tmp")
-    payload = json.dumps(data, indent=1, sort_keys=False).encode("utf-8") + b"\n"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # the manifest names members and LRSNs
-    try:
-        view = memoryview(payload)
-        while view:
-            n = os.write(fd, view)
-            view = view[n:]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    fsync_directory(directory)
+    replace_file(directory / MANIFEST_NAME, json.dumps(data, indent=1, sort_keys=False).encode("utf-8") + b"\n")
 
 
 def trusted_segments(directory: Path, manifest: dict[str, Any] | None) -> dict[int, SegmentInfo]:

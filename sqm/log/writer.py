@@ -14,6 +14,7 @@ from typing import Any
 
 import msgpack
 
+from cfemu.durable import fsync_directory
 from cfemu.private_files import open_private, private_dir
 from sqm.log.format import (
     FORMAT_VERSION,
@@ -29,7 +30,6 @@ from sqm.log.format import (
     checked_segments,
     crc32c,
     encode_header,
-    fsync_directory,
     manifest_checkpoints,
     read_header,
     read_manifest,

@@ -1,6 +1,6 @@
 """The client library: a connection to an SQM server with the same API shape as sqm.connection.Connection.
 
-    with Client(["127.0.0.1:7001", "127.0.0.1:7002"], token="s3cret") as c:
+    with Client(["127.0.0.1:7001", "127.0.0.1:7002"], token=settings.token) as c:
         with c.unit_of_work():
             c.put("Q1", b"hello")
         m = c.get("Q1", wait_ms=1000)
@@ -19,6 +19,13 @@ application is told then depends on what was at stake, and the library never gue
 
 Errors from the server come back as the same exception classes (cfemu.errors), with their MQ reason codes.
 
+Authentication: ``token`` is the token of ``role`` (application, the default, or operator; an application gets
+it from the group's secrets, service.token, or $SQM_TOKEN: cfemu.settings). It never leaves this process: the
+client answers the server's challenge with an HMAC of it, and checks the server's own answer, so a server that
+does not hold the same token is refused (NotAuthorizedError) before any request is sent. A wrong token fails at
+once (NotAuthorizedError, not retried); a server at its connection limit (ConnectionLimitError) is treated like
+one that does not answer: the next endpoint is tried.
+
 Sizes: ``max_frame`` is the longest frame this client accepts (by default one that carries any message a queue
 can hold); the hello tells the server, and the server's reply says the longest request it accepts. A put whose
 request is longer than the smaller of the two is refused here, before anything is sent, with
@@ -30,6 +37,7 @@ browse returns the messages one reply carries, with ``more`` set when it left so
 from __future__ import annotations
 
 import contextlib
+import hmac
 import itertools
 import logging
 import select
@@ -45,17 +53,25 @@ from cfemu.errors import BackedOutError, MQError, OutcomeUnknownError
 from sqm.connection import Message
 from sqm.messaging import UnitOfWorkScope
 from sqm.service.protocol import (
+    APPLICATION,
+    AUTH_METHOD,
     DEFAULT_MAX_FRAME,
     MIN_FRAME,
+    PROOF_BYTES,
+    PROTOCOL_VERSION,
+    ROLES,
     FrameTooLargeError,
     MessageTooBigForChannelError,
     NotAuthorizedError,
     ProtocolError,
     QueueManagerUnavailableError,
     QuiescingError,
+    auth_proof,
+    auth_transcript,
     encode_frame,
     error_from_wire,
     message_from_wire,
+    new_nonce,
     recv_frame,
 )
 
@@ -93,11 +109,58 @@ def client_tls_context(ca: str | None = None, cert: str | None = None, key: str 
     return ctx
 
 
+def _result(reply: Any) -> dict[str, Any]:
+    """The result of a handshake reply, or its error raised."""
+    if not isinstance(reply, dict) or not reply.get("ok"):
+        raise error_from_wire(reply.get("error") if isinstance(reply, dict) else reply)
+    result = reply.get("result")
+    if not isinstance(result, dict):
+        raise ProtocolError(f"malformed handshake reply: {reply!r:.200}")
+    return result
+
+
+def handshake(sock: socket.socket, *, token: str | None, role: str = APPLICATION, client_name: str = "",
+              max_frame: int = DEFAULT_MAX_FRAME, where: str = "the server") -> dict[str, Any]:
+    """Say hello on a connected socket and authenticate (sqm.service.protocol): answer the server's challenge with
+    the token's HMAC and check the server's answer, which shows it holds the same token. Returns the hello's
+    result. For raw clients too (the chaos suite's), which then speak frames themselves."""
+    nonce = new_nonce()
+    sock.sendall(encode_frame({"id": 0, "op": "hello", "args": {
+        "client": client_name, "max_frame": max_frame, "version": PROTOCOL_VERSION, "nonce": nonce}}))
+    hello = _result(recv_frame(sock, max_frame))
+    auth = hello.get("auth") or {}
+    if not auth.get("required"):
+        return hello  # a server run with --no-auth (loopback only)
+    where = f"{hello.get('qmgr', '?')} at {where}"
+    if token is None:
+        raise NotAuthorizedError(f"{where} requires authentication and this client has no token: give the {role} "
+                                 "token (the group's secrets directory, or $SQM_TOKEN)")
+    if AUTH_METHOD not in auth.get("methods", ()) or not isinstance(auth.get("nonce"), bytes):
+        raise ProtocolError(f"{where} offers no authentication this client knows: {auth.get('methods')!r:.100}")
+
+    def transcript(side: str) -> bytes:
+        return auth_transcript(side, role=role, server_nonce=auth["nonce"], client_nonce=nonce,
+                               qmgr=str(hello.get("qmgr", "")), session=int(hello.get("session", 0)),
+                               client=client_name, client_max_frame=max_frame,
+                               server_max_frame=int(hello.get("max_frame", 0)))
+
+    sock.sendall(encode_frame({"id": 0, "op": "auth", "args": {
+        "role": role, "proof": auth_proof(token, transcript("client"))}}))
+    done = _result(recv_frame(sock, max_frame))
+    proof = done.get("proof")
+    if not (isinstance(proof, bytes) and len(proof) == PROOF_BYTES
+            and hmac.compare_digest(proof, auth_proof(token, transcript("server")))):
+        raise NotAuthorizedError(f"{where} did not prove it holds the {role} token: not the group's server (or "
+                                 "another group's); nothing was sent")
+    return {**hello, **done}
+
+
 class Client(UnitOfWorkScope):
     """A connection handle to the queue-sharing group through one of its SQM servers."""
 
     def __init__(self, endpoints: EndpointSpec | Sequence[EndpointSpec], port: int | None = None, *,
-                 token: str | None = None, tls: ssl.SSLContext | None = None, client_name: str = "",
+                 token: str | None = None, role: str = APPLICATION, tls: ssl.SSLContext | None = None,
+                 client_name: str = "",
                  connect_timeout: float = 5.0, request_timeout: float = 30.0, reconnect_timeout: float = 15.0,
                  max_frame: int = DEFAULT_MAX_FRAME, connect: bool = True) -> None:
         if port is not None:
@@ -111,7 +174,10 @@ class Client(UnitOfWorkScope):
         self.endpoints = [parse_endpoint(e) for e in specs]
         if max_frame < MIN_FRAME:
             raise ValueError(f"max_frame must be at least {MIN_FRAME} bytes, not {max_frame}")
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r}; roles: {', '.join(ROLES)}")
         self.token = token
+        self.role = role
         self.tls = tls
         self.client_name = client_name
         self.connect_timeout = connect_timeout
@@ -157,19 +223,12 @@ class Client(UnitOfWorkScope):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.tls is not None:
                 sock = self.tls.wrap_socket(sock, server_hostname=ep[0])
-            args: dict[str, Any] = {"client": self.client_name, "max_frame": self.own_max_frame}
-            if self.token is not None:
-                args["token"] = self.token
             sock.settimeout(self.request_timeout)
-            sock.sendall(encode_frame({"id": 0, "op": "hello", "args": args}))
-            reply = recv_frame(sock, self.own_max_frame)
+            hello = handshake(sock, token=self.token, role=self.role, client_name=self.client_name,
+                              max_frame=self.own_max_frame, where=f"{ep[0]}:{ep[1]}")
         except BaseException:
             sock.close()
             raise
-        if not isinstance(reply, dict) or not reply.get("ok"):
-            sock.close()
-            raise error_from_wire(reply.get("error") if isinstance(reply, dict) else reply)
-        hello = reply["result"]
         self.max_frame = min(self.own_max_frame, int(hello.get("max_frame", self.own_max_frame)))
         self.qmgr = str(hello.get("qmgr", ""))
         self.endpoint = ep
@@ -343,12 +402,18 @@ class Client(UnitOfWorkScope):
     def status(self) -> dict[str, Any]:
         return dict(self._call("status", {}))
 
-    def indoubt(self) -> list[dict[str, Any]]:
-        """In-doubt UOWs of the queue manager this client is connected to."""
-        return list(self._call("indoubt", {}))
+    def indoubt(self, xids: Sequence[str] | None = None) -> list[dict[str, Any]]:
+        """In-doubt UOWs of the queue manager this client is connected to: an operator may list all; an
+        application lists its own, those of the ``xids`` it names."""
+        return list(self._call("indoubt", {} if xids is None else {"xids": list(xids)}))
 
-    def resolve(self, uow: str, commit: bool) -> None:
-        self._call("resolve", {"uow": uow, "commit": commit})
+    def resolve(self, uow: str, commit: bool, xid: str | None = None) -> None:
+        """Commit or back out an in-doubt UOW: an operator may resolve any; an application its own, naming the
+        ``xid`` it prepared it with."""
+        args: dict[str, Any] = {"uow": uow, "commit": commit}
+        if xid is not None:
+            args["xid"] = xid
+        self._call("resolve", args)
 
     def define_structure(self, name: str, *, max_entries: int = 0, max_bytes: int = 0,
                          replace: bool = False) -> dict[str, Any]:
@@ -362,4 +427,4 @@ class Client(UnitOfWorkScope):
                                           "max_msg_length": max_msg_length, "replace": replace}))
 
 
-__all__ = ["Client", "Endpoint", "Message", "client_tls_context", "parse_endpoint"]
+__all__ = ["Client", "Endpoint", "Message", "client_tls_context", "handshake", "parse_endpoint"]

@@ -85,10 +85,31 @@ class SQMCollector(Collector):
             g = GaugeMetricFamily("sqm_connections", "Open client connections", labels=list(labels))
             g.add_metric([qm.name], stats.get("connections", 0))
             yield g
-            c = CounterMetricFamily("sqm_requests", "Requests served, by operation and result",
-                                    labels=["qmgr", "op", "result"])
+            c = CounterMetricFamily("sqm_requests", "Requests served, by operation and result ('?': an operation "
+                                    "the server does not know)", labels=["qmgr", "op", "result"])
             for (op, result), n in sorted(stats.get("requests", {}).items()):
                 c.add_metric([qm.name, op, result], n)
+            yield c
+            # The security metrics: every label value comes from a fixed set (sqm.service.server), never from
+            # what a peer sent.
+            g = GaugeMetricFamily("sqm_connections_unauthenticated", "Open connections that have not authenticated",
+                                  labels=list(labels))
+            g.add_metric([qm.name], stats.get("unauthenticated", 0))
+            yield g
+            for name, help_text, label, key in (
+                    ("sqm_auth_failures", "Connections refused before or at authentication, by reason", "reason",
+                     "auth_failures"),
+                    ("sqm_connections_refused", "Connections refused at accept by a connection limit", "limit",
+                     "refused"),
+                    ("sqm_connections_closed", "Connections the server closed for a timeout", "reason", "closed")):
+                c = CounterMetricFamily(name, help_text, labels=["qmgr", label])
+                for value, n in sorted(stats.get(key, {}).items()):
+                    c.add_metric([qm.name, value], n)
+                yield c
+            c = CounterMetricFamily("sqm_authentications", "Connections authenticated, by role and method",
+                                    labels=["qmgr", "role", "method"])
+            for (role, method), n in sorted(stats.get("authenticated", {}).items()):
+                c.add_metric([qm.name, role, method], n)
             yield c
         try:
             yield from self._cf_metrics()

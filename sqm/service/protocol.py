@@ -9,7 +9,7 @@ A frame is a big-endian u32 body length followed by a msgpack body. A request is
 A reply to a request the server could not parse has ``id`` nil. A frame longer than the limit is answered with
 an error and the connection is closed: the stream cannot be trusted to re-synchronise after it.
 
-Frame limits (docs/architecture.md, "Size limits"). Until its hello succeeds a peer may send frames of at most
+Frame limits (docs/architecture.md, "Size limits"). Until it has authenticated a peer may send frames of at most
 PRE_HELLO_MAX_FRAME bytes, so an unauthenticated peer cannot make the server buffer much. The hello carries the
 client's limit (``max_frame``: the longest frame it accepts) and its reply the server's (``max_frame``: the
 longest request it accepts; ``reply_frame``: the longest reply it will send on this connection, the smaller of
@@ -17,13 +17,31 @@ the two). By default both carry any message a queue can hold (MAX_FRAME). A requ
 carry is refused by the client before it is sent (a put: MessageTooBigForChannelError); a get whose message a
 reply could not carry is refused by the CF and takes nothing (TruncatedMessageError); a browse returns the
 messages that fit, with ``more`` set when it left some out. Version 2: hello exchanges limits, and browse
-returns ``{"messages": [...], "more": bool}``.
+returns ``{"messages": [...], "more": bool}``. Version 3: the challenge-response below.
+
+Authentication (version 3; docs/security.md, "The service"). A connection is authenticated by a challenge and
+response, so that no credential crosses the wire and a captured handshake cannot be replayed:
+
+  client -> hello  {client, max_frame, version, nonce: 32 random bytes}
+  server <- ok     {qmgr, version, max_frame, reply_frame, session, auth: {required, methods, nonce}}
+  client -> auth   {role: "application" | "operator", proof: HMAC-SHA256(role's token, transcript("client"))}
+  server <- ok     {role, proof: HMAC-SHA256(role's token, transcript("server")), epoch}
+
+The transcript (``auth_transcript``) binds both nonces, the role, the queue manager, the session number, the
+client's name and both frame limits: a proof is good for that connection only (the server's nonce is fresh for
+each), and the server's proof shows the client that it talks to a holder of the same token. A wrong proof or an
+unknown role is answered MQRC_NOT_AUTHORIZED (the same message for both) and the connection closed. The token of
+version 2 (``hello {token}``, a bearer credential) is still accepted on a loopback connection or over TLS, and
+refused elsewhere: it was sent in clear, off the host. Each role may run its own operations (``ROLE_OPS``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
+import hmac
+import secrets
 import socket
 import struct
 from typing import Any
@@ -36,7 +54,7 @@ from cfemu.limits import DESCRIPTOR_ALLOWANCE, MAX_MSG_LENGTH
 from sqm.connection import Message
 
 HEADER = struct.Struct(">I")
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 # What a frame holds beside its messages: the request or reply map, its id, op and flags, argument names.
 ENVELOPE = 512
 # What a Message costs a reply beyond its data and its descriptor as the CF stores it (which already holds the
@@ -46,17 +64,57 @@ MESSAGE_COST = 512
 MAX_FRAME = MAX_MSG_LENGTH + DESCRIPTOR_ALLOWANCE + ENVELOPE
 DEFAULT_MAX_FRAME = MAX_FRAME
 MIN_FRAME = 4096  # the least a server or a client may set: room for the envelope and a small message
-PRE_HELLO_MAX_FRAME = 64 * 2**10  # frames a peer may send before its hello succeeds
+PRE_HELLO_MAX_FRAME = 64 * 2**10  # frames a peer may send before it has authenticated
 
 # Every operation the server understands (the client library uses the same names).
 OPS = ("hello", "auth", "ping", "put", "get", "browse", "commit", "backout", "prepare", "resolve", "indoubt",
        "status", "define")
+
+# --- roles and authentication ----------------------------------------------------------------------------------
+APPLICATION, OPERATOR = "application", "operator"
+ROLES = (APPLICATION, OPERATOR)
+# What each role may run. An application resolves and lists only the in-doubt UOWs it names by their xid (the
+# server checks it); an operator may do anything, and resolve any in-doubt UOW.
+ROLE_OPS: dict[str, frozenset[str]] = {
+    APPLICATION: frozenset({"ping", "put", "get", "browse", "commit", "backout", "prepare", "resolve",
+                            "indoubt"}),
+    OPERATOR: frozenset(OPS) - {"hello", "auth"},
+}
+AUTH_METHOD = "hmac-sha256"
+NONCE_BYTES = 32
+PROOF_BYTES = 32
+
+
+def new_nonce() -> bytes:
+    return secrets.token_bytes(NONCE_BYTES)
+
+
+def auth_transcript(side: str, *, role: str, server_nonce: bytes, client_nonce: bytes, qmgr: str, session: int,
+                    client: str, client_max_frame: int, server_max_frame: int) -> bytes:
+    """What a proof signs: which side ("client" or "server") and every detail of this connection's handshake."""
+    return msgpack.packb([f"sqm-auth-v{PROTOCOL_VERSION}", side, role, server_nonce, client_nonce, qmgr, session,
+                          client, client_max_frame, server_max_frame], use_bin_type=True)
+
+
+def auth_proof(token: str, transcript: bytes) -> bytes:
+    """HMAC-SHA256 of the transcript, keyed with the role's token."""
+    return hmac.new(token.encode(), transcript, hashlib.sha256).digest()
+
+
+def proof_matches(token: str, transcript: bytes, proof: bytes) -> bool:
+    return hmac.compare_digest(auth_proof(token, transcript), proof)
 
 
 class NotAuthorizedError(MQError):
     """The connection did not authenticate (a missing or wrong token)."""
 
     reason, reason_name = 2035, "MQRC_NOT_AUTHORIZED"
+
+
+class ConnectionLimitError(MQError):
+    """The server refused the connection: one of its connection limits (named in the message) is reached."""
+
+    reason, reason_name = 2025, "MQRC_MAX_CONNS_LIMIT_REACHED"
 
 
 class FrameTooLargeError(MQError):
@@ -225,8 +283,9 @@ def message_from_wire(obj: dict[str, Any]) -> Message:
     return Message(**{k: v for k, v in obj.items() if k in names})
 
 
-__all__ = ["DEFAULT_MAX_FRAME", "ENVELOPE", "ERROR_CLASSES", "FrameTooLargeError", "HEADER", "MAX_FRAME",
+__all__ = ["APPLICATION", "AUTH_METHOD", "DEFAULT_MAX_FRAME", "ENVELOPE", "ERROR_CLASSES", "NONCE_BYTES", "OPERATOR",
+           "ROLES", "ROLE_OPS", "ConnectionLimitError", "FrameTooLargeError", "HEADER", "MAX_FRAME",
            "MESSAGE_COST", "MIN_FRAME", "MessageTooBigForChannelError", "NotAuthorizedError", "OPS",
-           "PRE_HELLO_MAX_FRAME", "PROTOCOL_VERSION", "ProtocolError", "QueueManagerUnavailableError",
+           "PRE_HELLO_MAX_FRAME", "PROOF_BYTES", "PROTOCOL_VERSION", "auth_proof", "auth_transcript", "new_nonce", "proof_matches", "ProtocolError", "QueueManagerUnavailableError",
            "QuiescingError", "arg", "check_length", "decode_body", "encode_frame", "error_from_wire", "error_reply",
            "message_from_wire", "message_to_wire", "ok_reply", "parse_request", "read_frame", "recv_frame"]

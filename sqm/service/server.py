@@ -7,6 +7,15 @@ out (MQ backs out on an abnormal end); a prepared (in-doubt) UOW stays in doubt 
 
 Health, readiness and Prometheus metrics are served over HTTP on a second port: /healthz, /readyz, /metrics.
 
+Who may connect (docs/security.md, "The service"): authentication is on unless ``--no-auth`` (refused on a
+non-loopback address). A connection proves it holds the token of a role (sqm.service.protocol: challenge and
+response; a bearer token only on loopback or TLS) and may then run that role's operations. Until it has
+authenticated a peer may send only small frames, must do so within ``auth_timeout_s``, and counts against
+``max_unauthenticated``; every connection counts against ``max_connections`` and ``max_connections_per_peer``
+(a refused one gets an error naming the limit, then is closed); an authenticated one idle for
+``idle_timeout_s`` is closed. A failed authentication is answered after a delay that grows with the failures
+from that address (bounded by ``AUTH_DELAY_MAX_S``). All of it is counted in the metrics, with bounded labels.
+
 Exit codes of ``sqm run``: 0 after a graceful shutdown (SIGTERM/SIGINT, with a checkpoint), 1 on a failure,
 2 for a bad configuration, 3 when peer recovery fenced this queue manager (restart it), 4 when its record log
 cannot be written (disk full, I/O error: fix the disk, then restart it; meanwhile a peer recovers its work).
@@ -17,14 +26,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import ipaddress
 import json
 import logging
 import os
+import secrets
 import signal
+import socket
 import ssl
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -33,31 +45,43 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from cfemu import repository
 from cfemu.admin import AdminError
 from cfemu.errors import BadRequestError, FencedError, MQError, StructureFailedError, TruncatedMessageError
+from cfemu.repository import RepositoryError
 from sqm.connection import Connection
 from sqm.log import LogLockedError
 from sqm.manager import CF_DOWN, QueueManager, QueueManagerConfig
 from sqm.service import metrics
 from sqm.service.protocol import (
+    APPLICATION,
+    AUTH_METHOD,
     DEFAULT_MAX_FRAME,
     ENVELOPE,
     HEADER,
     MAX_FRAME,
     MESSAGE_COST,
     MIN_FRAME,
+    OPERATOR,
     OPS,
     PRE_HELLO_MAX_FRAME,
+    PROOF_BYTES,
     PROTOCOL_VERSION,
+    ROLE_OPS,
+    ROLES,
+    ConnectionLimitError,
     FrameTooLargeError,
     NotAuthorizedError,
     ProtocolError,
     QuiescingError,
     arg,
+    auth_proof,
+    auth_transcript,
     decode_body,
     encode_frame,
     error_reply,
     message_to_wire,
+    new_nonce,
     ok_reply,
     parse_request,
     read_frame,
@@ -68,9 +92,56 @@ log = logging.getLogger("sqm.service.server")
 EXIT_OK, EXIT_ERROR, EXIT_CONFIG, EXIT_FENCED, EXIT_LOG_FAILED = 0, 1, 2, 3, 4
 MAX_BROWSE = 10_000
 
+# A failed authentication is answered after AUTH_DELAY_BASE_S * 2**(n-1) seconds, n the failures from that address
+# in a row (forgotten AUTH_FORGET_S after the last), at most AUTH_DELAY_MAX_S; the connection (and its slot
+# under the limits) is held meanwhile, so one address gets at most max_connections_per_peer / delay guesses a
+# second. Addresses remembered: at most AUTH_TRACKED (the least recent forgotten first).
+AUTH_DELAY_BASE_S = 0.1
+AUTH_DELAY_MAX_S = 3.0
+AUTH_FORGET_S = 60.0
+AUTH_TRACKED = 4096
+# The bounded label values of the security metrics (sqm.service.metrics).
+AUTH_FAILURE_REASONS = ("bad_proof", "bearer_in_clear", "not_authenticated", "malformed", "frame_too_large",
+                        "timeout")
+LIMITS = ("server", "peer", "unauthenticated")
+CLOSE_REASONS = ("auth_timeout", "idle_timeout")
+AUTH_METHODS = ("challenge", "bearer", "none")
+OP_LABEL_UNKNOWN = "?"  # any op name not in OPS: a label is never taken from what a peer sent
+
+
+def op_label(op: str) -> str:
+    return op if op in OPS else OP_LABEL_UNKNOWN
+
+
+def is_loopback_ip(address: str) -> bool:
+    """Is this peer address on the loopback network (127.0.0.0/8, ::1, or an IPv4-mapped 127.x)?"""
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback
+
+
+def is_loopback_host(host: str) -> bool:
+    """Does listening on HOST accept loopback connections only? (0.0.0.0, '' and :: listen everywhere.)"""
+    if not host:
+        return False
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    return bool(infos) and all(is_loopback_ip(str(info[4][0])) for info in infos)
+
+
+def _short(text: str, n: int = 40) -> str:
+    """A peer-chosen string as it may appear in a message or a log line: bounded."""
+    return repr(text) if len(text) <= n else repr(text[:n]) + f"...({len(text)} chars)"
+
 
 class ServerConfigError(ValueError):
-    """A server option that cannot work (a missing TLS file, a token and no TLS on a non-loopback host...)."""
+    """A server option that cannot work (a missing TLS file, no token, --no-auth on a non-loopback host...)."""
 
 
 @dataclass
@@ -80,7 +151,14 @@ class ServerConfig:
     redis_url: str | None = None
     host: str = "127.0.0.1"
     port: int = 0  # 0: any free port (see ready_file)
-    token: str | None = None  # when set, a connection's first frame must be hello with this token
+    token: str | None = None  # the application role's token (sqm.service.protocol.ROLES)
+    operator_token: str | None = None  # the operator role's token; None: nobody may run operator requests
+    auth: bool = True  # False (--no-auth, loopback only): every connection is an operator, unauthenticated
+    auth_timeout_s: float = 5.0  # a connection not authenticated by then is closed
+    idle_timeout_s: float = 3600.0  # an authenticated connection with no request for this long is closed; 0: never
+    max_connections: int = 512  # connections at once, all peers
+    max_connections_per_peer: int = 128  # connections at once from one address
+    max_unauthenticated: int = 64  # connections at once that have not authenticated yet
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_ca: str | None = None  # with cert and key: mutual TLS, clients must present a certificate from this CA
@@ -98,6 +176,22 @@ class ServerConfig:
     def check(self) -> None:
         if not MIN_FRAME <= self.max_frame <= MAX_FRAME:
             raise ServerConfigError(f"max frame must be {MIN_FRAME}-{MAX_FRAME} bytes, not {self.max_frame}")
+        if self.auth and not (self.token or self.operator_token):
+            raise ServerConfigError("authentication is on and no token was given (the application's or the "
+                                    "operator's)")
+        if self.auth and self.token and self.token == self.operator_token:
+            raise ServerConfigError("the application and operator tokens are the same: an application would be "
+                                    "an operator; give each role its own")
+        if not self.auth and not is_loopback_host(self.host):
+            raise ServerConfigError(f"--no-auth is refused on {self.host!r}, which is not a loopback address: anyone "
+                                    "who reaches it could do anything; listen on 127.0.0.1, or run with a token")
+        if self.auth_timeout_s <= 0 or self.idle_timeout_s < 0:
+            raise ServerConfigError("the authentication timeout must be > 0 s and the idle timeout >= 0 s (0: none)")
+        if min(self.max_connections, self.max_connections_per_peer, self.max_unauthenticated) < 1:
+            raise ServerConfigError("connection limits must be at least 1")
+
+    def role_tokens(self) -> dict[str, str]:
+        return {role: tok for role, tok in ((APPLICATION, self.token), (OPERATOR, self.operator_token)) if tok}
 
     def ssl_context(self) -> ssl.SSLContext | None:
         if not (self.tls_cert or self.tls_key or self.tls_ca):
@@ -124,10 +218,17 @@ class Session:
     peer: str
     executor: ThreadPoolExecutor
     authenticated: bool
-    request_limit: int  # the longest frame accepted from the client: small until its hello succeeds
+    request_limit: int  # the longest frame accepted from the client: small until it has authenticated
     reply_limit: int  # the longest frame sent to it: the server's limit, or the client's when smaller
+    peer_ip: str = "?"
+    tls: bool = False
+    opened: float = 0.0  # loop time of the accept
+    role: str | None = None  # once authenticated: APPLICATION or OPERATOR
     said_hello: bool = False
     client_name: str = ""
+    client_max: int = 0  # the client's frame limit from its hello (0: it gave none)
+    nonce: bytes = b""  # the challenge of this connection (the server's, fresh at each hello)
+    client_nonce: bytes = b""
     conn: Connection | None = None
     gone: threading.Event = field(default_factory=threading.Event)  # the client disconnected
     reading: asyncio.Task[bytes | None] | None = None  # the read of the next frame, when one is pending
@@ -141,7 +242,29 @@ class Session:
 class _Stats:
     connections: int = 0
     accepted: int = 0
-    requests: Counter[tuple[str, str]] = field(default_factory=Counter)
+    unauthenticated: int = 0  # connections open that have not authenticated
+    requests: Counter[tuple[str, str]] = field(default_factory=Counter)  # (op label, result)
+    auth_failures: Counter[str] = field(default_factory=Counter)  # reason (AUTH_FAILURE_REASONS)
+    authenticated: Counter[tuple[str, str]] = field(default_factory=Counter)  # (role, method)
+    refused: Counter[str] = field(default_factory=Counter)  # limit (LIMITS)
+    closed: Counter[str] = field(default_factory=Counter)  # reason (CLOSE_REASONS)
+    peers: Counter[str] = field(default_factory=Counter)  # open connections per address (no zero entries)
+
+
+class _Failures:
+    """Failed authentications per peer address, for the delay before answering the next one (bounded)."""
+
+    def __init__(self) -> None:
+        self._by_ip: OrderedDict[str, tuple[int, float]] = OrderedDict()
+
+    def record(self, ip: str, now: float) -> tuple[int, float]:
+        """Count a failure from ip; (failures in a row, seconds to wait before answering it)."""
+        n, last = self._by_ip.pop(ip, (0, now))
+        n = 1 if now - last > AUTH_FORGET_S else n + 1
+        self._by_ip[ip] = (n, now)
+        while len(self._by_ip) > AUTH_TRACKED:
+            self._by_ip.popitem(last=False)
+        return n, min(AUTH_DELAY_MAX_S, AUTH_DELAY_BASE_S * 2 ** min(n - 1, 30))
 
 
 class SQMServer:
@@ -162,6 +285,10 @@ class SQMServer:
         self._inflight = 0
         self._tasks: set[asyncio.Task[Any]] = set()
         self._sessions = 0
+        self._failures = _Failures()
+        self._tokens = config.role_tokens() if config.auth else {}
+        self._decoy = secrets.token_urlsafe(32)  # what a proof naming an unknown role is compared with
+        self._last_warned: dict[str, float] = {}
         self._handlers: dict[str, Callable[[Session, dict[str, Any]], Any]] = {
             "ping": self._op_ping, "put": self._op_put, "get": self._op_get, "browse": self._op_browse,
             "commit": self._op_commit, "backout": self._op_backout, "prepare": self._op_prepare,
@@ -172,7 +299,12 @@ class SQMServer:
 
     # --- life cycle --------------------------------------------------------------------------------------
     def server_stats(self) -> dict[str, Any]:
-        return {"connections": self.stats.connections, "requests": dict(self.stats.requests)}
+        st = self.stats
+        return {"connections": st.connections, "requests": dict(st.requests), "unauthenticated": st.unauthenticated,
+                "auth_failures": {r: st.auth_failures[r] for r in AUTH_FAILURE_REASONS},
+                "authenticated": {(role, m): st.authenticated[(role, m)] for role in ROLES for m in AUTH_METHODS},
+                "refused": {limit: st.refused[limit] for limit in LIMITS},
+                "closed": {r: st.closed[r] for r in CLOSE_REASONS}}
 
     def request_stop(self, exit_code: int = EXIT_OK) -> None:
         """Begin a graceful shutdown (thread-safe only from the event loop; signals and the watcher use it)."""
@@ -187,7 +319,8 @@ class SQMServer:
         self._stop = asyncio.Event()
         await loop.run_in_executor(None, self._start_queue_manager)
         server = await asyncio.start_server(self._serve_client, self.config.host, self.config.port, ssl=self.ssl,
-                                            limit=2**16)
+                                            limit=2**16, backlog=128,
+                                            ssl_handshake_timeout=self.config.auth_timeout_s if self.ssl else None)
         self.port = server.sockets[0].getsockname()[1]
         http = None
         if self.config.metrics_port is not None:
@@ -198,8 +331,13 @@ class SQMServer:
                 loop.add_signal_handler(sig, self._on_signal, sig)
         watcher = asyncio.create_task(self._watch_fencing())
         self._write_ready_file()
-        log.info("%s serving on %s:%d%s (metrics %s), epoch %d", self.qm.name, self.config.host, self.port,
-                 " with TLS" if self.ssl else "", self.metrics_port, self.qm.caller.epoch)
+        log.info("%s serving on %s:%d%s (metrics %s), epoch %d, %s", self.qm.name, self.config.host, self.port,
+                 " with TLS" if self.ssl else "", self.metrics_port, self.qm.caller.epoch,
+                 f"authentication on (roles: {', '.join(self._tokens)})" if self.config.auth else
+                 "authentication OFF (--no-auth: every local connection is an operator)")
+        if self.config.auth and OPERATOR not in self._tokens:
+            log.warning("%s: no operator token (operator.token, $SQM_OPERATOR_TOKEN): define, status and resolving "
+                        "another's in-doubt UOW are refused to every connection", self.qm.name)
         try:
             await self._stop.wait()
         finally:
@@ -283,20 +421,68 @@ class SQMServer:
                 Path(self.config.ready_file).unlink()
 
     # --- client connections ------------------------------------------------------------------------------
+    def _warn(self, key: str, msg: str, *args: Any) -> None:
+        """A warning about what peers do, at most once a second per key (a flood must not flood the log)."""
+        now = time.monotonic()
+        if now - self._last_warned.get(key, 0.0) >= 1.0:
+            self._last_warned[key] = now
+            log.warning(msg, *args)
+
+    def _over_limit(self, ip: str) -> tuple[str, str] | None:
+        """(limit, message) when a new connection from ip would exceed a connection limit."""
+        c = self.config
+        if self.stats.connections >= c.max_connections:
+            return "server", f"{c.max_connections} connections at once (--max-connections)"
+        if self.stats.peers[ip] >= c.max_connections_per_peer:
+            return "peer", f"{c.max_connections_per_peer} connections at once from {ip} (--max-connections-per-peer)"
+        if self.stats.unauthenticated >= c.max_unauthenticated:
+            return "unauthenticated", (f"{c.max_unauthenticated} connections at once that have not authenticated "
+                                       "(--max-unauthenticated)")
+        return None
+
+    async def _refuse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, ip: str, limit: str,
+                      what: str) -> None:
+        self.stats.refused[limit] += 1
+        self._warn(f"limit-{limit}", "%s: connection from %s refused: the limit of %s is reached (refusals so far: "
+                   "%d)", self.qm.name, ip, what, self.stats.refused[limit])
+        exc = ConnectionLimitError(f"connection refused by {self.qm.name}: the limit of {what} is reached; try again "
+                                   "later")
+        with contextlib.suppress(Exception):
+            writer.write(encode_frame(error_reply(None, exc)))
+            # Half-close and take in what the peer sends meanwhile (its hello), briefly: closing with unread data
+            # would reset the connection, and the peer might lose the refusal before it reads it.
+            if writer.can_write_eof():
+                writer.write_eof()
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(reader.read(PRE_HELLO_MAX_FRAME), 0.5)
+        with contextlib.suppress(Exception):
+            writer.close()
+            await asyncio.wait_for(writer.wait_closed(), 1.0)
+
     async def _serve_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
+        peer = writer.get_extra_info("peername")
+        ip = str(peer[0]) if peer else "?"
+        refusal = self._over_limit(ip)
+        if refusal is not None:
+            await self._refuse(reader, writer, ip, *refusal)
+            return
         self._tasks.add(task)
         self._sessions += 1
-        peer = writer.get_extra_info("peername")
-        session = Session(self._sessions, f"{peer[0]}:{peer[1]}" if peer else "?",
+        session = Session(self._sessions, f"{ip}:{peer[1]}" if peer else "?",
                           ThreadPoolExecutor(1, thread_name_prefix=f"{self.qm.name}-c{self._sessions}"),
-                          authenticated=self.config.token is None,
-                          request_limit=min(PRE_HELLO_MAX_FRAME, self.config.max_frame),
-                          reply_limit=self.config.max_frame)
+                          authenticated=False, request_limit=min(PRE_HELLO_MAX_FRAME, self.config.max_frame),
+                          reply_limit=self.config.max_frame, peer_ip=ip,
+                          tls=writer.get_extra_info("ssl_object") is not None,
+                          opened=asyncio.get_running_loop().time())
         self.stats.connections += 1
+        self.stats.unauthenticated += 1
+        self.stats.peers[ip] += 1
         self.stats.accepted += 1
         log.debug("%s: connection %d from %s", self.qm.name, session.number, session.peer)
+        if not self.config.auth:  # --no-auth (loopback only): every connection is an operator
+            self._authenticated(session, OPERATOR, "none")
         try:
             await self._session_loop(session, reader, writer)
         except asyncio.CancelledError:
@@ -305,6 +491,11 @@ class SQMServer:
             log.debug("%s: connection %d ended: %s", self.qm.name, session.number, e)
         finally:
             self.stats.connections -= 1
+            if not session.authenticated:
+                self.stats.unauthenticated -= 1
+            self.stats.peers[ip] -= 1
+            if self.stats.peers[ip] <= 0:
+                del self.stats.peers[ip]
             if session.reading is not None and not session.reading.done():
                 session.reading.cancel()
             await self._end_session(session)
@@ -318,7 +509,8 @@ class SQMServer:
         await writer.drain()
 
     def _read_next(self, session: Session, reader: asyncio.StreamReader) -> asyncio.Task[bytes | None]:
-        why = "" if session.said_hello else " before hello (send hello first)"
+        why = ("" if session.authenticated else " before authentication (send hello and auth first)"
+               if session.said_hello else " before hello (send hello first)")
         session.reading = asyncio.ensure_future(read_frame(reader, session.request_limit, why))
         return session.reading
 
@@ -337,6 +529,17 @@ class SQMServer:
                                          f"{session.reply_limit} bytes"), uow=session.uow_open())
         return reply, encode_frame(reply)
 
+    def _frame_deadline(self, session: Session) -> float | None:
+        """Seconds the next frame may take: what is left of the authentication time, else the idle timeout."""
+        if not session.authenticated:
+            return max(0.0, session.opened + self.config.auth_timeout_s - asyncio.get_running_loop().time())
+        return self.config.idle_timeout_s or None
+
+    def _unauthenticated_refusal(self, session: Session, reason: str) -> None:
+        """Count a refusal of a peer that has not authenticated (its connection is closed after the reply)."""
+        if not session.authenticated:
+            self.stats.auth_failures[reason] += 1
+
     async def _session_loop(self, session: Session, reader: asyncio.StreamReader,
                             writer: asyncio.StreamWriter) -> None:
         loop = asyncio.get_running_loop()
@@ -346,12 +549,33 @@ class SQMServer:
         while True:
             if next_frame is None:
                 next_frame = self._read_next(session, reader)
+            await asyncio.wait([next_frame], timeout=self._frame_deadline(session))
+            if not next_frame.done():
+                next_frame.cancel()
+                with contextlib.suppress(BaseException):
+                    await next_frame
+                if not session.authenticated:
+                    self.stats.auth_failures["timeout"] += 1
+                    self.stats.closed["auth_timeout"] += 1
+                    self._warn("auth-timeout", "%s: connection %d (%s) did not authenticate within %gs; closing it",
+                               self.qm.name, session.number, session.peer, self.config.auth_timeout_s)
+                    exc = NotAuthorizedError(f"not authenticated within {self.config.auth_timeout_s:g}s: closing the "
+                                             "connection")
+                    writer.write(encode_frame(error_reply(None, exc)))
+                else:
+                    self.stats.closed["idle_timeout"] += 1
+                    log.info("%s: connection %d (%s, %s) idle for %gs; closing it (its open UOW is backed out)",
+                             self.qm.name, session.number, session.peer, session.client_name or "no name",
+                             self.config.idle_timeout_s)
+                return
             try:
-                body = await next_frame
+                body = next_frame.result()
             except FrameTooLargeError as e:
-                log.warning("%s: connection %d (%s): %s; closing it", self.qm.name, session.number, session.peer,
-                            e)
-                self.stats.requests[("?", e.reason_name)] += 1
+                self._warn("frame", "%s: connection %d (%s): %s; closing it", self.qm.name, session.number,
+                           session.peer, e)
+                self.stats.requests[(OP_LABEL_UNKNOWN, e.reason_name)] += 1
+                if not session.authenticated:
+                    self._unauthenticated_refusal(session, "frame_too_large")
                 await self._send(writer, error_reply(None, e))
                 return
             finally:
@@ -364,27 +588,43 @@ class SQMServer:
                 rid, op, args = parse_request(obj)
             except ProtocolError as e:
                 known_id = obj.get("id") if isinstance(obj, dict) and isinstance(obj.get("id"), int) else None
-                log.info("%s: connection %d: bad request: %s", self.qm.name, session.number, e)
-                self.stats.requests[("?", e.reason_name)] += 1
+                log.info("%s: connection %d: bad request: %.200s", self.qm.name, session.number, e)
+                self.stats.requests[(OP_LABEL_UNKNOWN, e.reason_name)] += 1
                 await self._send(writer, error_reply(known_id, e))
                 if not session.authenticated:
+                    self._unauthenticated_refusal(session, "malformed")
                     return
                 continue
             if op in ("hello", "auth"):
-                reply = self._hello(session, rid, args)
+                if session.authenticated and (self.config.auth or op == "auth"):
+                    again = BadRequestError(f"{op}: this connection has already authenticated (as {session.role})")
+                    self.stats.requests[(op, again.reason_name)] += 1
+                    await self._send(writer, error_reply(rid, again, uow=session.uow_open()))
+                    continue
+                reply = await (self._hello(session, rid, args) if op == "hello" else self._auth(session, rid, args))
                 await self._send(writer, reply)
                 if not reply["ok"]:
                     return
                 continue
             if not session.authenticated:
-                exc = NotAuthorizedError(f"authenticate first: send hello with the token before {op!r}")
-                self.stats.requests[(op, exc.reason_name)] += 1
+                exc = NotAuthorizedError(f"authenticate first: send hello and auth before {_short(op)}")
+                self.stats.requests[(op_label(op), exc.reason_name)] += 1
+                self._unauthenticated_refusal(session, "not_authenticated")
                 await self._send(writer, error_reply(rid, exc))
                 return
             if op not in self._handlers:
-                bad = BadRequestError(f"unknown operation {op!r}; known: {', '.join(OPS)}")
-                self.stats.requests[("?", bad.reason_name)] += 1
+                bad = BadRequestError(f"unknown operation {_short(op)}; known: {', '.join(OPS)}")
+                self.stats.requests[(OP_LABEL_UNKNOWN, bad.reason_name)] += 1
                 await self._send(writer, error_reply(rid, bad, uow=session.uow_open()))
+                continue
+            assert session.role is not None
+            if op not in ROLE_OPS[session.role]:
+                denied = NotAuthorizedError(f"{op}: not authorized for the {session.role} role (an operator's "
+                                            "request: connect with the operator token)")
+                self.stats.requests[(op, denied.reason_name)] += 1
+                self._warn(f"denied-{op}", "%s: connection %d (%s, %s): %s refused to the %s role", self.qm.name,
+                           session.number, session.peer, session.client_name or "no name", op, session.role)
+                await self._send(writer, error_reply(rid, denied, uow=session.uow_open()))
                 continue
             if self._stopping:
                 quiesce = QuiescingError(f"queue manager {self.qm.name} is shutting down; {op} not carried out")
@@ -412,29 +652,104 @@ class SQMServer:
             if not reply["ok"] and reply["error"]["type"] == FencedError.__name__:
                 self.request_stop(EXIT_FENCED)
 
-    def _hello(self, session: Session, rid: int, args: dict[str, Any]) -> dict[str, Any]:
+    # --- authentication ---------------------------------------------------------------------------------------
+    def _authenticated(self, session: Session, role: str, method: str) -> None:
+        session.authenticated = True
+        session.role = role
+        session.request_limit = self.config.max_frame
+        self.stats.unauthenticated -= 1
+        self.stats.authenticated[(role, method)] += 1
+        log.debug("%s: connection %d (%s, %s) authenticated as %s (%s)", self.qm.name, session.number,
+                  session.peer, session.client_name or "no name", role, method)
+
+    async def _failed(self, session: Session, rid: int, reason: str, why: str,
+                      message: str = "authentication failed") -> dict[str, Any]:
+        """A failed authentication: counted, logged (throttled), answered after the address's delay."""
+        self.stats.auth_failures[reason] += 1
+        self.stats.requests[("auth", NotAuthorizedError.reason_name)] += 1
+        n, delay = self._failures.record(session.peer_ip, time.monotonic())
+        if n & (n - 1) == 0:  # the 1st, 2nd, 4th, 8th... failure in a row from that address
+            log.warning("%s: connection %d (%s, %s): authentication failed: %s (%d failures in a row from %s; "
+                        "answers to it now wait %.1fs)", self.qm.name, session.number, session.peer,
+                        _short(session.client_name), why, n, session.peer_ip, delay)
+        await asyncio.sleep(delay)
+        return error_reply(rid, NotAuthorizedError(message))
+
+    async def _hello(self, session: Session, rid: int, args: dict[str, Any]) -> dict[str, Any]:
         try:
-            token = arg(args, "hello", "token", str, None)
+            token = arg(args, "hello", "token", str, None)  # version 2's bearer token
             session.client_name = arg(args, "hello", "client", str, "")
             client_max = arg(args, "hello", "max_frame", int, None)  # the longest frame the client accepts
+            client_nonce = arg(args, "hello", "nonce", bytes, None)
             if client_max is not None and client_max < MIN_FRAME:
                 raise BadRequestError(f"hello: max_frame must be at least {MIN_FRAME} bytes, not {client_max}")
+            if len(session.client_name) > 256:
+                raise BadRequestError("hello: a client name is at most 256 characters")
+            if client_nonce is not None and not 16 <= len(client_nonce) <= 64:
+                raise BadRequestError("hello: nonce must be 16-64 bytes")
         except MQError as e:
+            self._unauthenticated_refusal(session, "malformed")
             return error_reply(rid, e)
-        if self.config.token is not None:
-            if token is None or not hmac.compare_digest(token.encode(), self.config.token.encode()):
-                log.warning("%s: connection %d (%s): authentication failed", self.qm.name, session.number,
-                            session.peer)
-                self.stats.requests[("hello", NotAuthorizedError.reason_name)] += 1
-                return error_reply(rid, NotAuthorizedError("authentication failed: wrong or missing token"))
-            session.authenticated = True
         session.said_hello = True
-        session.request_limit = self.config.max_frame
+        session.client_max = client_max or 0
         session.reply_limit = min(self.config.max_frame, client_max or self.config.max_frame)
+        session.client_nonce = client_nonce or b""
+        session.nonce = new_nonce()
+        if token is not None and self.config.auth:
+            return await self._bearer(session, rid, token)
         self.stats.requests[("hello", "ok")] += 1
-        return ok_reply(rid, {"qmgr": self.qm.name, "version": PROTOCOL_VERSION, "max_frame": self.config.max_frame,
-                              "reply_frame": session.reply_limit, "epoch": self.qm.caller.epoch,
-                              "session": session.number})
+        return ok_reply(rid, self._hello_result(session))
+
+    def _hello_result(self, session: Session) -> dict[str, Any]:
+        result: dict[str, Any] = {
+            "qmgr": self.qm.name, "version": PROTOCOL_VERSION, "max_frame": self.config.max_frame,
+            "reply_frame": session.reply_limit, "session": session.number,
+            "auth": {"required": not session.authenticated, "methods": [AUTH_METHOD] if self.config.auth else [],
+                     "nonce": session.nonce}}
+        if session.authenticated:
+            result.update(role=session.role, epoch=self.qm.caller.epoch)
+        return result
+
+    async def _bearer(self, session: Session, rid: int, token: str) -> dict[str, Any]:
+        """Version 2's hello with the token itself: accepted only where it did not travel in clear off the host."""
+        matched = [role for role, tok in self._tokens.items() if hmac.compare_digest(tok.encode(), token.encode())]
+        if not (session.tls or is_loopback_ip(session.peer_ip)):
+            self._warn("bearer", "%s: connection %d (%s) sent a token in clear on a non-loopback connection%s; "
+                       "refused", self.qm.name, session.number, session.peer,
+                       ": IT WAS VALID, treat it as exposed and rotate it (docs/security.md)" if matched else "")
+            return await self._failed(session, rid, "bearer_in_clear", "a token in clear off loopback",
+                                      "a token sent in clear is refused on a non-loopback connection without TLS: "
+                                      "use the challenge-response (hello with a nonce, then auth) or TLS")
+        if not matched:
+            return await self._failed(session, rid, "bad_proof", "wrong token")
+        self._authenticated(session, matched[0], "bearer")
+        self.stats.requests[("hello", "ok")] += 1
+        return ok_reply(rid, self._hello_result(session))
+
+    def _transcript(self, session: Session, side: str, role: str) -> bytes:
+        return auth_transcript(side, role=role, server_nonce=session.nonce, client_nonce=session.client_nonce,
+                               qmgr=self.qm.name, session=session.number, client=session.client_name,
+                               client_max_frame=session.client_max, server_max_frame=self.config.max_frame)
+
+    async def _auth(self, session: Session, rid: int, args: dict[str, Any]) -> dict[str, Any]:
+        try:
+            role = arg(args, "auth", "role", str)
+            proof = arg(args, "auth", "proof", bytes)
+            if not session.said_hello or not session.client_nonce:
+                raise BadRequestError("auth: send hello with a nonce first")
+        except MQError as e:
+            self._unauthenticated_refusal(session, "malformed")
+            return error_reply(rid, e)
+        # The same work and the same answer for an unknown role, a role with no token here and a wrong proof.
+        token = self._tokens.get(role)
+        expected = auth_proof(token or self._decoy, self._transcript(session, "client", role))
+        if token is None or len(proof) != PROOF_BYTES or not hmac.compare_digest(expected, proof):
+            why = "wrong proof" if token is not None else f"no such role here: {_short(role)}"
+            return await self._failed(session, rid, "bad_proof", why)
+        self._authenticated(session, role, "challenge")
+        self.stats.requests[("auth", "ok")] += 1
+        return ok_reply(rid, {"role": role, "epoch": self.qm.caller.epoch,
+                              "proof": auth_proof(token, self._transcript(session, "server", role))})
 
     async def _end_session(self, session: Session) -> None:
         """Like MQDISC after an abnormal end: the connection's in-flight UOW is backed out, in its own thread."""
@@ -535,31 +850,59 @@ class SQMServer:
         return self._connection(session).prepare(arg(args, "prepare", "xid", str))
 
     def _op_resolve(self, session: Session, args: dict[str, Any]) -> None:
-        self.qm.resolve(arg(args, "resolve", "uow", str), arg(args, "resolve", "commit", bool))
+        uow_id = arg(args, "resolve", "uow", str)
+        commit = arg(args, "resolve", "commit", bool)
+        if session.role != OPERATOR:
+            # An application resolves its own in-doubt UOWs: those it names by the xid it prepared them with.
+            xid = arg(args, "resolve", "xid", str, None)
+            if xid is None:
+                raise NotAuthorizedError("resolve: an application resolves only its own in-doubt units of work: give "
+                                         "the xid it prepared the unit of work with (an operator may resolve any)")
+            mine = [u for u in self.qm.indoubt() if u.id == uow_id]
+            if mine and not hmac.compare_digest(mine[0].xid.encode(), xid.encode()):
+                raise NotAuthorizedError(f"resolve: unit of work {_short(uow_id)} was not prepared with that xid: an "
+                                         "application resolves only its own (an operator may resolve any)")
+        self.qm.resolve(uow_id, commit)
 
     def _op_indoubt(self, session: Session, args: dict[str, Any]) -> list[dict[str, Any]]:
-        return [{"uow": u.id, "xid": u.xid, "owner": u.owner, "structures": sorted(u.structures)}
-                for u in self.qm.indoubt()]
+        found = self.qm.indoubt()
+        if session.role != OPERATOR:
+            # An application lists its own: the in-doubt UOWs of the xids it names.
+            xids = arg(args, "indoubt", "xids", list, None)
+            if xids is None:
+                raise NotAuthorizedError("indoubt: an application lists only its own in-doubt units of work: give "
+                                         "their xids (an operator may list all)")
+            wanted = {x for x in xids if isinstance(x, str)}
+            found = [u for u in found if u.xid in wanted]
+        return [{"uow": u.id, "xid": u.xid, "owner": u.owner, "structures": sorted(u.structures)} for u in found]
 
     def _op_status(self, session: Session, args: dict[str, Any]) -> dict[str, Any]:
-        return {**self.qm.status(), "host": self.config.host, "port": self.port, "metrics_port": self.metrics_port,
-                "connections": self.stats.connections, "tls": self.ssl is not None}
+        c = self.config
+        return {**self.qm.status(), "host": c.host, "port": self.port, "metrics_port": self.metrics_port,
+                "connections": self.stats.connections, "unauthenticated": self.stats.unauthenticated,
+                "tls": self.ssl is not None, "auth": c.auth, "roles": sorted(self._tokens),
+                "limits": {"max_connections": c.max_connections, "max_connections_per_peer":
+                           c.max_connections_per_peer, "max_unauthenticated": c.max_unauthenticated,
+                           "auth_timeout_s": c.auth_timeout_s, "idle_timeout_s": c.idle_timeout_s}}
 
     def _op_define(self, session: Session, args: dict[str, Any]) -> dict[str, Any]:
         kind = arg(args, "define", "kind", str)
         name = arg(args, "define", "name", str)
         replace = arg(args, "define", "replace", bool, False)
-        admin = self.qm.admin
-        if kind == "structure":
-            sdef = admin.define_structure(name, max_entries=arg(args, "define", "max_entries", int, 0),
-                                          max_bytes=arg(args, "define", "max_bytes", int, 0), replace=replace)
+        admin, repo = self.qm.admin, self.qm.repository
+        if repo is None:
+            raise BadRequestError(f"queue manager {self.qm.name} is not running")
+        if kind == "structure":  # in the CF and, durably, in the group repository (cfemu.repository)
+            sdef = repository.define_structure(admin, repo, name,
+                                               max_entries=arg(args, "define", "max_entries", int, 0),
+                                               max_bytes=arg(args, "define", "max_bytes", int, 0), replace=replace)
             return vars(sdef)
         if kind == "queue":
-            qdef = admin.define_queue(name, arg(args, "define", "structure", str),
-                                      backout_threshold=arg(args, "define", "backout_threshold", int, 0),
-                                      backout_queue=arg(args, "define", "backout_queue", str, ""),
-                                      max_msg_length=arg(args, "define", "max_msg_length", int, 4 * 2**20),
-                                      replace=replace)
+            qdef = repository.define_queue(admin, repo, name, arg(args, "define", "structure", str),
+                                           backout_threshold=arg(args, "define", "backout_threshold", int, 0),
+                                           backout_queue=arg(args, "define", "backout_queue", str, ""),
+                                           max_msg_length=arg(args, "define", "max_msg_length", int, 4 * 2**20),
+                                           replace=replace)
             self.qm.forget_queue_def(name)
             return vars(qdef)
         raise BadRequestError(f"define: kind must be 'structure' or 'queue', not {kind!r}")
@@ -620,6 +963,9 @@ def serve(config: ServerConfig) -> int:
     except LogLockedError as e:
         log.error("%s: its log is in use by another process (is %s already running?): %s", config.name,
                   config.name, e)
+        return EXIT_CONFIG
+    except RepositoryError as e:  # a log root that is not the group's: a configuration error
+        log.error("%s", e)
         return EXIT_CONFIG
     except OSError as e:  # e.g. the port is taken
         log.error("%s: %s", config.name, e)

@@ -215,6 +215,9 @@ class TestPut:
             s.put(qm1, entry("e1"), b"x", uow="UC", gen=1)
         with pytest.raises(BackedOutError, match="lost with the CF"):
             s.put(qm1, entry("e1"), b"x", uow="U1", gen=7)  # started in generation 7, the structure is in 1
+        s.cf.redis.hset(keys.tomb(S), "UP", "P")
+        with pytest.raises(BackedOutError, match="its work on this structure was purged"):
+            s.put(qm1, entry("e1"), b"x", uow="UP", gen=7)
 
 
 class TestGet:
@@ -374,6 +377,12 @@ class TestCommit:
         with pytest.raises(BackedOutError, match="lost with the CF"):
             s.commit(qm1, "U1", gen=7, lrsn=500)
 
+    def test_a_uow_whose_work_here_was_purged_commits_as_a_no_op(self, s: Structure, qm1: Caller) -> None:
+        """A purge discards messages, not outcomes: the owner's commit goes on on its other structures."""
+        s.cf.redis.hset(keys.tomb(S), "UP", "P")
+        again = s.commit(qm1, "UP", gen=7, lrsn=500)  # its generation is older than the purge's
+        assert (again.puts, again.gets) == (0, 0) and tombstone(s, "UP") == "P"
+
     def test_refuses_a_record_below_the_recovery_floor(self, s: Structure, qm1: Caller) -> None:
         s.put(qm1, entry("p1"), b"x", uow="U1")
         floor = s.backup_begin("B1", 1_000).floor
@@ -467,6 +476,11 @@ class TestBackout:
         s.cf.redis.hset(keys.tomb(S), "UC", "C")
         with pytest.raises(CompletedByRecoveryError):
             s.backout(qm1, "UC", gen=1, lrsn=500, has_data=False)
+
+    def test_a_uow_whose_work_here_was_purged_backs_out_as_a_no_op(self, s: Structure, qm1: Caller) -> None:
+        s.cf.redis.hset(keys.tomb(S), "UP", "P")
+        again = s.backout(qm1, "UP", gen=7, lrsn=500, has_data=False)
+        assert (again.puts, again.gets) == (0, 0) and tombstone(s, "UP") == "P"
 
     def test_refuses_a_record_below_the_recovery_floor(self, s: Structure, qm1: Caller) -> None:
         s.put(qm1, entry("p1"), b"x", uow="U1")

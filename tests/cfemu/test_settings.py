@@ -27,6 +27,7 @@ from cfemu.settings import (
     DEFAULT,
     ENV,
     FLAG,
+    operator_token,
     resolve,
 )
 
@@ -148,3 +149,21 @@ def test_defaults_agree_with_every_cli() -> None:
         # No CLI decides a default of its own: an absent flag is None and the resolver decides.
         assert all(getattr(args, name, None) is None for name in ("redis_url", "log_root", "backup_dir"))
     assert Path("var/logs") == settings.DEFAULT_LOG_ROOT and Path("var/backups") == settings.DEFAULT_BACKUP_DIR
+
+
+def test_each_command_finds_the_service_token_of_its_role(home: Path) -> None:
+    """cfemu (the operator's CF role) takes the operator's token, every other command the application's; cfemu
+    falls back to the application's, with its rights, when no operator token is to be found."""
+    secrets_dir = home / "var" / "cluster" / credentials.SECRETS_DIR
+    assert (resolve(env={}, cwd=home).token, resolve(env={}, cwd=home).token_role) == ("cluster-token",
+                                                                                       "application")
+    write_private(secrets_dir / "operator.token", b"operator-token")
+    ops = resolve(env={}, cwd=home)
+    assert (ops.token, ops.token_role) == ("operator-token", "operator")
+    assert ops.env()["SQM_OPERATOR_TOKEN"] == "operator-token" and "SQM_TOKEN" not in ops.env()
+    app = resolve(role="member", env={}, cwd=home)
+    assert (app.token, app.token_role) == ("cluster-token", "application")
+    assert operator_token(app, env={}) == "operator-token"
+    assert resolve(env={"SQM_OPERATOR_TOKEN": "env-op"}, cwd=home).token == "env-op"
+    assert resolve(role="backup", env={"SQM_OPERATOR_TOKEN": "env-op", "SQM_TOKEN": "env-app"},
+                   cwd=home).token == "env-app"

@@ -87,9 +87,9 @@ def test_errors_are_one_line_and_change_nothing(where: list[str], redis_url: str
 def test_through_a_server_and_in_doubt_resolution(where: list[str], redis_url: str, tmp_path: Path) -> None:
     ok("cfemu", "define", "structure", "APP1", *where)
     ok("cfemu", "define", "queue", "Q1", "--structure", "APP1", *where)
-    srv = start_server(redis_url, tmp_path, "QM1", "--token", "tok")
+    srv = start_server(redis_url, tmp_path, "QM1", "--token", "tok", env={"SQM_OPERATOR_TOKEN": "op-tok"})
     try:
-        server = ["--server", srv.endpoint, "--token", "tok"]
+        server = ["--server", srv.endpoint, "--token", "op-tok"]  # cfemu's --token is the operator's
         ok("cfemu", "put", "Q1", "via server", *server)
         assert [m["body"] for m in json.loads(ok("cfemu", "browse", "Q1", "--json", *server))["messages"]] == [
             "via server"]
@@ -99,6 +99,12 @@ def test_through_a_server_and_in_doubt_resolution(where: list[str], redis_url: s
         with Client(srv.endpoint, token="tok") as c:
             c.put("Q1", b"two-phase")
             uow = c.prepare("XID-1")
+        # With only the application's token (no operator token anywhere), cfemu has an application's rights: it
+        # may not list every in-doubt UOW.
+        app_env = {k: v for k, v in os.environ.items() if k not in ("SQM_OPERATOR_TOKEN", "CFEMU_SECRETS_DIR")}
+        r = run("cfemu", "indoubt", "list", "--server", srv.endpoint, env={**app_env, "SQM_TOKEN": "tok"},
+                cwd=tmp_path)
+        assert r.returncode == 2 and "MQRC_NOT_AUTHORIZED" in r.stderr and "xid" in r.stderr, r.stderr
         listed = json.loads(ok("cfemu", "indoubt", "list", "--json", *server))["indoubt"]
         assert [(u["uow"], u["xid"], u["qmgr"]) for u in listed] == [(uow, "XID-1", "QM1")]
         assert "XID-1" in ok("cfemu", "indoubt", "list", *server)

@@ -83,6 +83,9 @@ def test_compose_topology(compose: dict[str, Any]) -> None:
         assert qm["environment"]["REDIS_URL"] == "redis://cf:6379/0"
         cmd = qm["command"]
         assert cmd[:2] == ["sqm", "run"] and cmd[cmd.index("--name") + 1] == name.upper()
+        # Secured: it finds the group's tokens in the secrets volume, and nothing turns authentication off.
+        assert volumes_of(qm)["secrets"] == "/run/cfemu" and "--no-auth" not in cmd
+        assert qm["environment"]["CFEMU_SECRETS_DIR"] == "/run/cfemu/secrets"
         args = sqm_cli.build_parser().parse_args(cmd[1:])
         assert str(args.port) in " ".join(qm["ports"]) and str(args.metrics_port) in " ".join(qm["ports"])
         assert str(args.metrics_port) in " ".join(qm["healthcheck"]["test"])
@@ -103,6 +106,7 @@ def test_compose_topology(compose: dict[str, Any]) -> None:
         assert {"logs", "backups"} <= set(volumes_of(s))
     assert worker["build"]["target"] == tools["build"]["target"] == "spark"
 
+    assert "logs" in volumes_of(services["define"])  # definitions go to the group repository on the log volume
     for line in services["define"]["command"][2].split("&&"):
         words = line.strip().strip("()").replace("|| true", "").split()
         assert words[0] == "cfemu"
@@ -141,9 +145,15 @@ def test_cli_cluster_up_status_backup_down(tmp_path: Path) -> None:
         assert "token" not in state, "the service token is a secret: cluster.json is not where it lives"
         with pytest.raises(NotAuthorizedError):  # authentication is on by default
             Client([f"127.0.0.1:{m['port']}" for m in state["managers"]], reconnect_timeout=0)
-        token = Cluster.load(tmp_path / "cluster").token
+        loaded = Cluster.load(tmp_path / "cluster")
+        token, op_token = loaded.token, loaded.operator_token
+        assert token and op_token and token != op_token  # one token per role, both made by `cluster up`
         with Client([f"127.0.0.1:{m['port']}" for m in state["managers"]], token=token) as c:
             c.put("Q1", b"backed up", syncpoint=False)
+            with pytest.raises(NotAuthorizedError):  # an application may not redefine anything
+                c.define_queue("Q1", "APP1", replace=True)
+        with Client([f"127.0.0.1:{m['port']}" for m in state["managers"]], token=op_token, role="operator") as c:
+            assert c.status()["auth"] is True
         deadline = time.monotonic() + 60
         manifests: list[Path] = []
         while not manifests and time.monotonic() < deadline:  # the scheduler runs cfbackup every second

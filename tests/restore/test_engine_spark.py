@@ -54,6 +54,7 @@ class History:
     logs: dict[str, list[Record]] = field(default_factory=lambda: {m: [] for m in MEMBERS})
     copies: list[tuple[int, dict[str, Any], bytes, str]] = field(default_factory=list)  # step, wire, data, s
     replay_from: int = 0
+    gen: int = 1  # the structure generation the backup was taken in
 
 
 def simulate(rnd: random.Random, steps: int) -> History:
@@ -66,6 +67,10 @@ def simulate(rnd: random.Random, steps: int) -> History:
     prepared: list[str] = []
     seq = 0
     backup_at = rnd.randrange(steps) if steps else 0
+    # The structure's generation moves on once (a restore or a purge): UOWs keep the one they started in, and
+    # the generation rule (restore.plan.current_incarnation) leaves out the older one's unless carried.
+    gen, flip_at = 1, rnd.randrange(steps) if steps else 0
+    gen_of: dict[str, int] = {}
 
     def tick() -> int:
         nonlocal lrsn
@@ -79,6 +84,7 @@ def simulate(rnd: random.Random, steps: int) -> History:
         seq += 1
         u = f"{member}.1.{seq}"
         open_uows[member].append(u)
+        gen_of[u] = gen
         return u
 
     def held_by(u: str) -> list[str]:
@@ -106,8 +112,34 @@ def simulate(rnd: random.Random, steps: int) -> History:
     def gets_data(u: str) -> list[list[Any]]:
         return [[structure_of[i], dict(entries[i]), data[i]] for i in held_by(u) if entries[i]["st"] == "UG"]
 
+    stale: list[tuple[str, str]] = []  # (member, UOW) of the old generation the new one no longer knows
+
     for step in range(steps):
+        if step == flip_at:  # a restore: the in-flight UOWs are backed out; their owners' later records are stale
+            gen = 2
+            for m in MEMBERS:
+                for u in [u for u in open_uows[m] if u not in prepared]:
+                    for i in held_by(u):
+                        if entries[i]["st"] == "UP":
+                            del entries[i]
+                        else:
+                            entries[i].update(st="CP", u="", l=lrsn, bc=entries[i]["bc"] + 1)
+                    open_uows[m].remove(u)
+                    stale.append((m, u))
+        if stale and rnd.random() < 0.1:
+            # A stale UOW's record reaches the disk after the restore (hole 1): a GET the CF never saw in this
+            # generation, or its owner's refused COMMIT and the BACKOUT after it. The CF's state does not change.
+            m, u = rnd.choice(stale)
+            available = [i for i, e in entries.items() if e["st"] == "CP"]
+            if available and rnd.random() < 0.5:
+                i = rnd.choice(available)
+                h.logs[m].append(records.get(u, tick(), structure=structure_of[i], gen=1, entry_id=i,
+                                             queue=entries[i]["q"]))
+            else:
+                h.logs[m].append(records.commit(u, tick(), {S: 1}))
+                h.logs[m].append(records.backout(u, tick(), {S: 1}, reason="backed out by recovery"))
         if step == backup_at:
+            h.gen = gen
             h.replay_from = lrsn - rnd.choice((0, 3, 10, 50))
             for i, e in entries.items():
                 if rnd.random() < 0.9 and structure_of[i] == S:
@@ -123,7 +155,7 @@ def simulate(rnd: random.Random, steps: int) -> History:
             e = Entry(id=eid, queue=rnd.choice(("Q1", "Q2")), priority=rnd.randint(0, 2), put_time=at // 1000,
                       expiry=rnd.choice((0, 0, 0, NOW_MS - 1, NOW_MS + 10_000))).wire()
             body = os.urandom(rnd.randint(0, 16))
-            rec = records.put(u, at, structure=s, gen=0, entry=dict(e), data=body)
+            rec = records.put(u, at, structure=s, gen=gen_of[u], entry=dict(e), data=body)
             h.logs[member].append(rec)
             e.update(st="UP", u=u, l=at, o1=0, o2=at)
             entries[eid], data[eid], structure_of[eid] = e, body, s
@@ -132,25 +164,26 @@ def simulate(rnd: random.Random, steps: int) -> History:
             if available:
                 i = rnd.choice(available)
                 u, at = uow_of(member), tick()
-                h.logs[member].append(records.get(u, at, structure=structure_of[i], gen=0, entry_id=i,
+                h.logs[member].append(records.get(u, at, structure=structure_of[i], gen=gen_of[u], entry_id=i,
                                                   queue=entries[i]["q"]))
                 entries[i].update(st="UG", u=u, l=at)
         elif op in ("commit", "backout") and open_uows[member]:
             u = rnd.choice(open_uows[member])
+            ss = {S: gen_of[u]}
             if op == "commit":
-                rec = records.commit(u, tick(), {S: 0})
+                rec = records.commit(u, tick(), ss)
             else:
-                rec = records.backout(u, tick(), {S: 0}, data=gets_data(u) if rnd.random() < 0.5 else ())
+                rec = records.backout(u, tick(), ss, data=gets_data(u) if rnd.random() < 0.5 else ())
             if op == "commit" and rnd.random() < 0.05:
                 h.logs[member].append(rec)  # a commit the CF refused: the owner's BACKOUT follows
-                rec = records.backout(u, tick(), {S: 0}, reason="backed out by recovery")
+                rec = records.backout(u, tick(), ss, reason="backed out by recovery")
             h.logs[member].append(rec)
             finish(member, u, rec["k"] == "COMMIT", rec)
         elif op == "prepare" and open_uows[member]:
             u = rnd.choice(open_uows[member])
             if u not in prepared:
                 prepared.append(u)
-                h.logs[member].append(records.prepare(u, tick(), {S: 0}, xid=f"xid-{u}"))
+                h.logs[member].append(records.prepare(u, tick(), {S: gen_of[u]}, xid=f"xid-{u}"))
         elif op == "recover":
             victim = rnd.choice([m for m in MEMBERS if m != member])
             if open_uows[victim]:
@@ -158,7 +191,7 @@ def simulate(rnd: random.Random, steps: int) -> History:
                 commit = u in prepared and rnd.random() < 0.5
                 at = tick()
                 carried = gets_data(u) if not commit and rnd.random() < 0.5 else []
-                rec = records.recovery(u, at, {S: 0}, commit=commit, of=victim, by=member, data=carried)
+                rec = records.recovery(u, at, {S: gen_of[u]}, commit=commit, of=victim, by=member, data=carried)
                 h.logs[member].append(rec)
                 finish(member, u, commit, rec)
         elif op == "expire":
@@ -188,7 +221,8 @@ def write_history(h: History, root: Path, segment_bytes: int = 600) -> tuple[Bac
     writer = BackupWriter(root / "backup" / S / "b", roll_bytes=400)
     for step, wire, body, _ in h.copies:
         writer.add(step, wire, body)
-    writer.finish({"id": "b", "group": "G", "structure": S, "entries": len(h.copies), "replay_from": h.replay_from})
+    writer.finish({"id": "b", "group": "G", "structure": S, "entries": len(h.copies), "replay_from": h.replay_from,
+                   "gen": h.gen})
     return read_backup(root / "backup" / S / "b"), find_log_dirs(root / "logs")
 
 
@@ -249,6 +283,23 @@ def test_a_rich_history_exercises_every_disposition(spark: Any, tmp_path: Path) 
     assert {k for k, *_ in local["outcomes"].values()} == {"C", "B", "D"}
     assert local["decisions"] and local["in_commit"]
     assert any(len(list(d.iterdir())) > 3 for d in log_dirs)  # several segments per member were read
+
+
+def test_a_history_across_a_restore_exercises_the_generation_rule(spark: Any, tmp_path: Path) -> None:
+    """A history whose backup was taken after the structure's generation moved on, with stale records of the old
+    generation written after it (issue 10, hole 1): both engines leave them out alike, and leaving them out
+    changes what is restored (the rule is not vacuous here)."""
+    h = simulate(random.Random(12), 300)
+    assert h.gen == 2
+    backup, log_dirs = write_history(h, tmp_path)
+    local, remote = both_plans(spark, backup, log_dirs, h.replay_from)
+    assert remote == local
+    without_rule = LocalEngine().plan(S, _with_gen(backup, 0), log_dirs, h.replay_from, NOW_MS)
+    assert normalized(without_rule)["settled"] != local["settled"]
+
+
+def _with_gen(backup: Backup, gen: int) -> Backup:
+    return Backup(backup.path, {**backup.manifest, "gen": gen})
 
 
 def test_archived_segments_give_the_same_plan(spark: Any, tmp_path: Path) -> None:

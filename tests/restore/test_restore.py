@@ -17,7 +17,7 @@ import redis
 
 from backup.files import BackupError
 from backup.run import run_backup
-from cfemu import keys
+from cfemu import bulk, keys
 from cfemu.admin import Admin
 from cfemu.embedded import EmbeddedRedis
 from cfemu.errors import BackedOutError, NoMessageError, StructureFailedError
@@ -345,7 +345,9 @@ def test_dry_run_touches_nothing(live_group: Any, dirs: tuple[Path, Path]) -> No
 
 # --- idempotence, mark-failed, purge ---------------------------------------------------------------------------
 
-VOLATILE = ("clock", "floor", "gen")
+# The header fields that name a restore rather than the content: the generation, clock and floor it started, the
+# base it read, the restore point it wrote and the restore token of its claim.
+VOLATILE = ("clock", "floor", "gen", "restored_from", "last_backup", bulk.TOKEN)
 
 
 def test_restore_twice_gives_the_same_structure(live_group: Any, dirs: tuple[Path, Path]) -> None:
@@ -358,8 +360,10 @@ def test_restore_twice_gives_the_same_structure(live_group: Any, dirs: tuple[Pat
     assert any(k.endswith(":tomb") for k in after_first)
     Admin(client).set_state(S, "FAILED")
     second = run_restore(client, S, backup_root=backups, log_root=logs)
-    assert second.decisions_logged == 0  # the first run's RECOVERY records decide the same UOWs
-    assert second.counts == first.counts
+    # The second run starts at the first one's restore point: what the first settled is in it, tombstones too.
+    assert (second.backup_id, second.base_kind) == (first.restore_point, "restore")
+    assert second.decisions_logged == 0
+    assert second.counts["restored"] == first.counts["restored"] and second.loaded_entries == 17
     assert snapshot(client, volatile=VOLATILE) == after_first
     assert second.restore_lrsn > first.restore_lrsn  # a new generation each time
 
@@ -386,17 +390,23 @@ def test_marked_failed_structure_refuses_work(live_group: Any) -> None:
         qms[0].connect().put("Q1", b"x")
 
 
-def test_purge_empties_the_structure_and_keeps_it_usable(live_group: Any) -> None:
+def test_purge_empties_the_structure_and_keeps_it_usable(live_group: Any, dirs: tuple[Path, Path]) -> None:
     client, qms, _ = live_group
+    logs, backups = dirs
     inflight = qms[2].connect()
     inflight.get("Q1")
+    busy = qms[2].connect()
+    busy.get("Q1")
     with pytest.raises(RestoreError, match="ACTIVE"):
-        run_purge(client, S)
-    result = run_purge(client, S, mark_failed=True)
+        run_purge(client, S, backup_root=backups, log_root=logs)
+    result = run_purge(client, S, backup_root=backups, log_root=logs, mark_failed=True)
     assert result.discarded == 19 and result.state_before == "ACTIVE"  # 17 committed, 1 non-persistent, 1 in flight
     assert Admin(client).state(S) == "ACTIVE" and {q.name for q in Admin(client).queues()} == {"Q1", "Q2"}
-    with pytest.raises(BackedOutError):  # work from before the purge belongs to the old generation
-        inflight.commit()
+    # A purge discards messages, not outcomes: the UOWs that held some complete as decided (here a no-op), and
+    # more work of theirs on the purged structure is refused.
+    inflight.commit()
+    with pytest.raises(BackedOutError, match="purged"):
+        busy.put("Q1", b"more")
     conn = qms[0].connect()
     assert drain(conn, "Q1") == [] and drain(conn, "Q2") == []
     conn.put("Q1", b"fresh")

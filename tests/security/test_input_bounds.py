@@ -4,6 +4,7 @@ log. Each probed through the public API or the command line, as a client or an o
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -62,7 +63,7 @@ def test_sqm_run_on_a_corrupt_log_says_so_in_one_line(redis_url: str, tmp_path: 
     seg.write_bytes(bytes(data))
     out = subprocess.run([sys.executable, "-m", "sqm.cli", "run", "--name", "QM1", "--redis-url", redis_url,
                           "--log-root", str(tmp_path / "logs"), "--port", "0"], capture_output=True, text=True,
-                         timeout=60)
+                         timeout=60, env={**os.environ, "SQM_TOKEN": "a-token-for-this-test"})
     assert out.returncode != 0
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert "Traceback" not in out.stderr, out.stderr

@@ -16,7 +16,7 @@ from cfemu.procs import free_port
 from qsg.cluster import Cluster
 from sqm.service.client import Client, parse_endpoint
 from sqm.service.protocol import QueueManagerUnavailableError
-from tests.sqm.test_service import start_server
+from tests.sqm.test_service import TOKEN, start_server
 from tests.support.group import define_group
 
 LEASE_MS = 1000
@@ -141,7 +141,7 @@ def test_connection_lost_during_commit_is_outcome_unknown(redis_url: str, tmp_pa
     Restart recovery then completes the in-commit UOW, so here the truth was 'committed'."""
     define_group(redis_url)
     srv = start_server(redis_url, tmp_path, "QM5", env={"SQM_FAILPOINTS": "after-log-force"})
-    c = Client(srv.endpoint, reconnect_timeout=2)
+    c = Client(srv.endpoint, token=TOKEN, reconnect_timeout=2)
     c.put("Q1", b"committed or not?")
     with pytest.raises(OutcomeUnknownError) as e:
         c.commit()
@@ -150,7 +150,7 @@ def test_connection_lost_during_commit_is_outcome_unknown(redis_url: str, tmp_pa
     c.close()
     again = start_server(redis_url, tmp_path, "QM5")
     try:
-        with Client(again.endpoint) as c2:
+        with Client(again.endpoint, token=TOKEN) as c2:
             assert c2.get("Q1").body == b"committed or not?"
             c2.commit()
     finally:

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from cfemu import keys
 from cfemu.admin import Admin
-from cfemu.errors import NoMessageError, StructureFullError, UnknownObjectError
-from sqm.manager import QueueManager
+from cfemu.connection import connect
+from cfemu.errors import NoMessageError, OutcomeUnknownError, StructureFullError, UnknownObjectError
+from sqm.manager import QueueManager, QueueManagerConfig
 from tests.support.group import define_group, start_qm
 
 
@@ -139,5 +143,31 @@ def test_backout_threshold_moves_poison_message(redis_url: str, tmp_path: Path) 
         c.commit()
         m = c.get("BQ")
         assert m.body == b"poison" and m.backout_count == 2
+    finally:
+        qm.stop()
+
+
+def test_a_put_whose_cf_reply_is_lost_is_outcome_unknown_not_failed(redis_server: Any, redis_url: str,
+                                                                     tmp_path: Path) -> None:
+    """Found by the chaos soak (seed 9, cf-link-cut): a non-persistent put outside syncpoint whose request reached
+    the CF but whose reply was lost was reported as MQRC_CF_STRUC_FAILED, though the message was on the queue and
+    was delivered later (a 'phantom'). Here the reply is lost for real: the CF is held busy (DEBUG SLEEP from the
+    harness) past the member's read timeout, and runs the put after the member stopped waiting."""
+    define_group(redis_url)
+    qm = QueueManager(QueueManagerConfig(name="QM1", log_root=tmp_path / "logs", redis_url=redis_url,
+                                         background=False), client=connect(redis_url, socket_timeout=0.3))
+    qm.start()
+    try:
+        conn = qm.connect()
+        conn.put("Q1", b"warm-up", persistent=False, syncpoint=False)  # scripts loaded, connection open
+        conn.get("Q1", syncpoint=False)
+        harness = redis_server.client()
+        busy = threading.Thread(target=lambda: harness.execute_command("DEBUG", "SLEEP", "1.0"))
+        busy.start()
+        time.sleep(0.1)
+        with pytest.raises(OutcomeUnknownError, match="may or may not be on the queue"):
+            conn.put("Q1", b"maybe", persistent=False, syncpoint=False)
+        busy.join()
+        assert [m.body for m in conn.browse("Q1")] == [b"maybe"], "the CF ran the put after the reply was lost"
     finally:
         qm.stop()

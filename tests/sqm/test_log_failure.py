@@ -4,6 +4,7 @@ serving and lets its lease lapse, so that a peer recovers its units of work: not
 from __future__ import annotations
 
 import json
+import os
 import resource
 import signal
 import subprocess
@@ -16,6 +17,7 @@ import pytest
 from cfemu.errors import LogFailedError, NoMessageError
 from sqm.service.client import Client
 from sqm.service.server import EXIT_LOG_FAILED
+from tests.sqm.test_service import TOKEN, TOKENS_ENV
 from tests.support.group import define_group, start_qm
 
 LOG_LIMIT = 256 * 1024  # bytes any file of the child may grow to: its log segment hits it first
@@ -33,7 +35,8 @@ def test_full_log_stops_the_member_and_a_peer_recovers_its_work(redis_url: str, 
     proc = subprocess.Popen(
         [sys.executable, "-m", "sqm.cli", "run", "--name", "QM2", "--port", "0", "--redis-url", redis_url,
          "--log-root", str(logs), "--lease-ms", "1000", "--ready-file", str(ready)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=limit_file_size)
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=limit_file_size,
+        env={**os.environ, **TOKENS_ENV})
     peer = None
     try:
         deadline = time.monotonic() + 30
@@ -43,7 +46,7 @@ def test_full_log_stops_the_member_and_a_peer_recovers_its_work(redis_url: str, 
         port = json.loads(ready.read_text())["port"]
         peer = start_qm(redis_url, logs, "QM1", lease_ms=1000)
 
-        client = Client(("127.0.0.1", port), reconnect_timeout=1.0)
+        client = Client(("127.0.0.1", port), token=TOKEN, reconnect_timeout=1.0)
         client.put("Q1", b"held", syncpoint=False)
         client.get("Q1")  # held by an open UOW on QM2 when its log fills
         committed = 0  # puts acknowledged before the log filled

@@ -45,7 +45,9 @@ from sqm.service.server import EXIT_FENCED
 from tests.support.group import define_group, start_qm
 from tests.support.harness import lose_cf
 
-TOKEN = "t0ken-for-tests"
+TOKEN = "t0ken-for-tests"  # the application role's
+OP_TOKEN = "operator-t0ken-for-tests"
+TOKENS_ENV = {"SQM_TOKEN": TOKEN, "SQM_OPERATOR_TOKEN": OP_TOKEN}
 MAX_FRAME = 64 * 1024
 
 
@@ -81,8 +83,9 @@ def start_server(redis_url: str, tmp: Path, name: str, *args: str, env: dict[str
     ready.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "sqm.cli", "run", "--name", name, "--redis-url", redis_url, "--log-root",
            str(tmp / "logs"), "--port", "0", "--metrics-port", "0", "--ready-file", str(ready), *args]
-    with open(stderr, "ab") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env={**os.environ, **(env or {})})
+    with open(stderr, "ab") as err:  # the tests' tokens unless env or a flag gives others
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err,
+                                env={**os.environ, **TOKENS_ENV, **(env or {})})
     deadline = time.monotonic() + timeout
     while not ready.exists():
         if proc.poll() is not None:
@@ -105,6 +108,17 @@ class Raw:
     def send_bytes(self, data: bytes) -> None:
         self.sock.sendall(data)
 
+    def login(self, token: str = TOKEN, role: str = "application", client: str = "raw") -> dict[str, Any]:
+        """The challenge-response handshake by hand (sqm.service.protocol): hello, then auth with the HMAC."""
+        nonce = os.urandom(32)
+        hello = self.request("hello", {"client": client, "nonce": nonce})
+        assert hello["ok"], hello
+        h = hello["result"]
+        transcript = protocol.auth_transcript(
+            "client", role=role, server_nonce=h["auth"]["nonce"], client_nonce=nonce, qmgr=h["qmgr"],
+            session=h["session"], client=client, client_max_frame=0, server_max_frame=h["max_frame"])
+        return self.request("auth", {"role": role, "proof": protocol.auth_proof(token, transcript)})
+
     def request(self, op: str, args: Any = None, **fields: Any) -> dict[str, Any]:
         self.ids += 1
         self.sock.sendall(encode_frame({"id": self.ids, "op": op, "args": args or {}, **fields}))
@@ -125,8 +139,22 @@ class Raw:
         self.sock.close()
 
 
+@pytest.fixture
+def redis_url(fresh_redis: Any) -> str:
+    """A CF of the test's own. The module's server is a member of another group (its log root elsewhere) and
+    re-joins whatever CF it is connected to, claiming it for its group's log root: a shared CF flushed under it
+    would refuse a member started here with another log root (one log root per group: cfemu.repository)."""
+    return str(fresh_redis.url)
+
+
 @pytest.fixture(scope="module")
-def server(redis_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
+def group_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The module's group: its servers share one log root (the group repository under it), as a group's do."""
+    return tmp_path_factory.mktemp("group")
+
+
+@pytest.fixture(scope="module")
+def server(redis_server: Any, group_dir: Path) -> Iterator[ServerProc]:
     """One token-protected server for the module (the CF is flushed once, here)."""
     client = redis_server.client()
     lose_cf(client)
@@ -134,7 +162,7 @@ def server(redis_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Itera
     define_group(redis_server.url, queues=("Q1", "Q2"))
     admin = Admin(connect(redis_server.url))
     admin.define_queue("SMALL", "APP1", max_msg_length=1024)
-    srv = start_server(redis_server.url, tmp_path_factory.mktemp("srv"), "QM1", "--token", TOKEN, "--max-frame",
+    srv = start_server(redis_server.url, group_dir, "QM1", "--token", TOKEN, "--max-frame",
                        str(MAX_FRAME))
     yield srv
     assert srv.stop() == 0, srv.log_text()
@@ -143,13 +171,17 @@ def server(redis_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Itera
 @pytest.fixture
 def raw(server: ServerProc) -> Iterator[Raw]:
     r = Raw(server.port)
-    assert r.request("hello", {"token": TOKEN})["ok"]
+    assert r.login()["ok"]
     yield r
     r.close()
 
 
 def client(server: ServerProc) -> Client:
     return Client(server.endpoint, token=TOKEN)
+
+
+def operator(server: ServerProc) -> Client:
+    return Client(server.endpoint, token=OP_TOKEN, role="operator")
 
 
 def test_put_get_browse_round_trip_with_every_field(server: ServerProc) -> None:
@@ -292,6 +324,10 @@ def test_health_readiness_and_metrics(server: ServerProc) -> None:
                  "sqm_requests_total", "sqm_connections"):
         assert name in text
     assert http_get(server.metrics_port, "/nope")[0] == 404
+    with client(server) as a:  # the module's server and queues are shared: leave Q2 as it was found
+        a.get("Q2")
+        a.get("Q2")
+        a.commit()
 
 
 def test_backup_age_metric_follows_the_catalog(redis_url: str, tmp_path: Path) -> None:
@@ -311,7 +347,7 @@ def test_backup_age_metric_follows_the_catalog(redis_url: str, tmp_path: Path) -
 def test_sigterm_shuts_down_gracefully_with_a_checkpoint(redis_url: str, tmp_path: Path) -> None:
     define_group(redis_url)
     srv = start_server(redis_url, tmp_path, "QM7")
-    with Client(srv.endpoint) as c:
+    with Client(srv.endpoint, token=TOKEN) as c:
         c.put("Q1", b"durable")
         c.commit()
         c.put("Q1", b"in flight at shutdown")
@@ -362,15 +398,15 @@ def test_mutual_tls(redis_url: str, tmp_path: Path) -> None:
                        str(d / "server.key"), "--tls-ca", str(d / "ca.pem"))
     try:
         good = client_tls_context(str(d / "ca.pem"), str(d / "client.pem"), str(d / "client.key"))
-        with Client(srv.endpoint, tls=good) as c:
+        with Client(srv.endpoint, token=TOKEN, tls=good) as c:
             c.put("Q1", b"over TLS", syncpoint=False)
             assert c.get("Q1", syncpoint=False).body == b"over TLS"
         with pytest.raises(QueueManagerUnavailableError, match="closed by the server|SSL|certificate"):
-            Client(srv.endpoint, tls=client_tls_context(str(d / "ca.pem")), reconnect_timeout=0.5)
+            Client(srv.endpoint, token=TOKEN, tls=client_tls_context(str(d / "ca.pem")), reconnect_timeout=0.5)
         plain = Raw(srv.port)  # a plain-text client on the TLS port: the handshake fails, the server closes
         plain.send_bytes(encode_frame({"id": 1, "op": "ping", "args": {}}))
         assert plain.closed_by_server()
-        with Client(srv.endpoint, tls=good) as c:
+        with Client(srv.endpoint, token=TOKEN, tls=good) as c:
             assert c.ping()["qmgr"] == "QM9"
     finally:
         assert srv.stop() == 0, srv.log_text()
@@ -411,21 +447,22 @@ BIGQ = "BIGQ"  # on APP1, max_msg_length 1 MiB: more than the 64 KiB frames of t
 
 
 @pytest.fixture(scope="module")
-def wide(redis_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
-    """A token-protected server with the default frame limit (it carries any message a queue can hold)."""
+def wide(redis_server: Any, server: ServerProc, group_dir: Path) -> Iterator[ServerProc]:
+    """A token-protected server with the default frame limit (it carries any message a queue can hold), in the
+    module's group beside `server`."""
     define_group(redis_server.url, queues=("Q1", "Q2"))
-    srv = start_server(redis_server.url, tmp_path_factory.mktemp("wide"), "QM2", "--token", TOKEN)
+    srv = start_server(redis_server.url, group_dir, "QM2", "--token", TOKEN)
     yield srv
     assert srv.stop() == 0, srv.log_text()
 
 
 @pytest.fixture
-def member(redis_server: Any, tmp_path: Path) -> Iterator[QueueManager]:
+def member(redis_server: Any, server: ServerProc) -> Iterator[QueueManager]:
     """An in-process member of the group (it puts what the service may not carry), and BIGQ defined."""
     admin = Admin(define_group(redis_server.url, queues=("Q1", "Q2")))
     with contextlib.suppress(AdminError):
         admin.define_queue(BIGQ, "APP1", max_msg_length=2**20)
-    qm = start_qm(redis_server.url, tmp_path / "logs", "QM6")
+    qm = start_qm(redis_server.url, server.log_root, "QM6")  # in the module's group: its log root
     yield qm
     drain(qm.connect(), BIGQ)
     qm.stop()
@@ -448,10 +485,11 @@ def test_a_queue_cannot_hold_more_than_the_group_carries(server: ServerProc, red
     admin = Admin(connect(redis_server.url))
     with pytest.raises(AdminError, match=f"1-{MAX_MSG_LENGTH} bytes"):
         admin.define_queue("HUGE", "APP1", max_msg_length=209715200)
-    with client(server) as c, pytest.raises(BadRequestError, match="1-104857600 bytes"):
+    with operator(server) as c, pytest.raises(BadRequestError, match="1-104857600 bytes"):
         c.define_queue("HUGE", "APP1", max_msg_length=209715200)
     r = subprocess.run([sys.executable, "-m", "qsg.cli", "define", "queue", "HUGE", "--structure", "APP1",
-                        "--max-msg-length", "209715200", "--redis-url", redis_server.url],
+                        "--max-msg-length", "209715200", "--redis-url", redis_server.url, "--log-root",
+                        str(server.log_root)],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "1-104857600 bytes" in r.stderr, r.stderr
     assert "HUGE" not in [q.name for q in admin.queues()]
@@ -464,7 +502,7 @@ def test_a_message_as_long_as_a_queue_may_hold_goes_through_the_service(wide: Se
     a browse, a get outside syncpoint and a syncpoint get through the service deliver them whole."""
     Admin(define_group(redis_server.url, queues=("Q1", "Q2"))).define_queue("LARGEST", "APP1",
                                                                             max_msg_length=MAX_MSG_LENGTH)
-    qm = start_qm(redis_server.url, tmp_path / "logs", "QM5")
+    qm = start_qm(redis_server.url, wide.log_root, "QM5")  # in the module's group: its log root
     try:
         bodies = [bytes([i]) * MAX_MSG_LENGTH for i in (1, 2)]
         conn = qm.connect()

@@ -310,3 +310,169 @@ def test_restore_order_allows_gets_and_new_messages_in_between() -> None:
             restored_order={"Q1": ["x0", "pending", "b", "new"], "Q2": ["late"]})
     h.fault(1, "cf-kill", "recovered")
     assert h.findings() == dict.fromkeys(FINDING_KINDS, 0)
+
+
+# --- restores (issue 10, holes 4 and 5): the faults' 'restore began' / 'restore ended' events ---------------------
+
+def restore_began(h: Hist, n: int, *, cf: str = "cf-1", structure: str = "APP1") -> None:
+    h.t += 0.01
+    h.events.append({"type": "fault", "t": round(h.t, 4), "phase": "restore began", "fault": 1, "kind": "k",
+                     "restore": n, "structure": structure, "queues": ["Q1", "Q2"], "cf": cf})
+
+
+def restore_ended(h: Hist, n: int, outcome: str = "ok", *, cf: str = "cf-1", structure: str = "APP1",
+                  **extra: Any) -> None:
+    h.t += 0.01
+    h.events.append({"type": "fault", "t": round(h.t, 4), "phase": f"restore ended: {outcome}", "fault": 1,
+                     "kind": "k", "restore": n, "structure": structure, "outcome": outcome, "cf": cf, **extra})
+
+
+def test_restore_foreign_cf_a_restore_wrote_into_a_cf_started_empty_under_it() -> None:
+    h = clean_base()
+    restore_began(h, 1)
+    restore_ended(h, 1, "failed", cf="cf-2", written_into_new_cf=3)  # verify found the load half in the new CF
+    restore_began(h, 2, cf="cf-2")
+    restore_ended(h, 2, cf="cf-2")
+    r = check(h.events)
+    only(r.summary(), "restore-foreign-cf")
+    assert "restore 1 of APP1" in r.of("restore-foreign-cf")[0].detail
+
+
+def test_restore_foreign_cf_a_restore_that_completed_on_another_cf_than_it_started_on() -> None:
+    h = clean_base()
+    restore_began(h, 1)
+    restore_ended(h, 1, cf="cf-2")
+    only(h.findings(), "restore-foreign-cf")
+
+
+def test_a_restore_that_stopped_when_its_cf_was_replaced_and_wrote_nothing_is_clean() -> None:
+    h = clean_base()
+    restore_began(h, 1)
+    restore_ended(h, 1, "stopped", cf="cf-2", written_into_new_cf=0)
+    restore_began(h, 2, cf="cf-2")
+    restore_ended(h, 2, cf="cf-2")
+    assert check(h.events).ok
+
+
+def test_restore_wiped_a_stale_restore_completed_after_another_and_wiped_acknowledged_work() -> None:
+    """Hole 5: the slow restore began first; the fast one restored the structure; a client's put was
+    acknowledged as committed; then the slow one loaded its older plan: the put is gone (lost, too)."""
+    h = clean_base()
+    restore_began(h, 1)  # slow to plan
+    restore_began(h, 2)
+    restore_ended(h, 2)
+    h.put("p", "p.9", "w1")
+    h.commit("p", "p.9")
+    h.put("p", "p.10", "w2", queue="Q3")  # another structure's queue: not wiped by a restore of APP1
+    h.commit("p", "p.10")
+    h.drain("w2", "Q3")
+    restore_ended(h, 1)
+    r = check(h.events)
+    assert r.summary()["restore-wiped"] == 1 and r.summary()["lost"] == 1, r.findings
+    wiped = r.of("restore-wiped")[0]
+    assert wiped.msgs == ["w1"] and "restore 1 of APP1" in wiped.detail and "p.9" in wiped.detail
+
+
+def test_overlapping_restores_of_which_one_refused_are_clean() -> None:
+    h = clean_base()
+    restore_began(h, 1)
+    restore_began(h, 2)
+    restore_ended(h, 2)
+    h.put("p", "p.9", "w1")
+    h.commit("p", "p.9")
+    h.drain("w1")
+    restore_ended(h, 1, "refused")
+    restore_began(h, 3, structure="APP2")  # another structure, overlapping: allowed
+    restore_began(h, 4)
+    restore_ended(h, 3, structure="APP2")
+    restore_ended(h, 4)
+    assert check(h.events).ok
+
+
+def test_a_get_whose_reply_outlived_a_cf_loss_comes_first_by_when_it_was_asked() -> None:
+    """cf-kill-twice (seed 4): c2's get took m4 from the CF just before it was lost; its SQM, held, replied after
+    the restore, which had brought m4 back (the take's GET never reached a log it read), and after c1 had got m4
+    and committed. Both deliveries have backout count 0; by reply time c1's committed get looked undone and c2's
+    backed-out one done: two false atomicity findings."""
+    h = clean_base()
+    h.put("p", "p.2", "m4")
+    h.commit("p", "p.2")
+    h.n += 1
+    late = h.n
+    h.t += 0.01
+    h.events.append({"type": "invoke", "id": late, "t": round(h.t, 4), "client": "c2", "op": "get", "uow": "c2.1",
+                     "queue": "Q1"})
+    h.fault(1, "cf-kill-twice", "inject")
+    h.fault(1, "cf-kill-twice", "CF killed")
+    h.get("c1", "c1.1", "m4")
+    h.commit("c1", "c1.1")
+    h.t += 0.01
+    h.events.append({"type": "ok", "id": late, "t": round(h.t, 4), "msg": "m4", "crc_ok": True, "queue": "Q1",
+                     "priority": 0, "backout_count": 0})
+    h.op("c2", "commit", "fail", {"reason": "MQRC_BACKED_OUT", "backed_out": True}, uow="c2.1")
+    h.fault(1, "cf-kill-twice", "recovered")
+    r = check(h.events)
+    assert r.ok, r.findings
+
+
+def purge_of(h: Hist, *msgs: str) -> None:
+    """What purge-then-cf-kill writes: the purge names the messages it discarded, then the CF is lost."""
+    h.fault(1, "purge-then-cf-kill", "inject")
+    h.fault(1, "purge-then-cf-kill", "purged", structure="APP1", msgs=list(msgs))
+    h.fault(1, "purge-then-cf-kill", "CF killed")
+    h.fault(1, "purge-then-cf-kill", "recovered")
+
+
+def test_purge_undone_a_purged_message_delivered_after_the_purge() -> None:
+    h = clean_base()
+    h.put("p", "p.2", "m4")
+    h.put("p", "p.2", "m5")
+    h.commit("p", "p.2")
+    purge_of(h, "m4", "m5")
+    h.drain("m4")  # a restore that crossed the purge brought it back
+    only(h.findings(), "purge-undone")
+    assert check(h.events).of("purge-undone")[0].msgs == ["m4"]
+
+
+def test_purged_messages_are_neither_lost_nor_evidence_about_their_uow() -> None:
+    h = clean_base()
+    h.put("p", "p.2", "m4")  # committed, then discarded by the purge: allowed
+    h.put("p", "p.2", "m5", queue="Q3")  # its UOW's put on the other structure survives
+    h.commit("p", "p.2")
+    purge_of(h, "m4")
+    h.drain("m5", "Q3")
+    r = check(h.events)
+    assert r.ok, r.summary()
+    assert r.counts["purged (allowed)"] == 1
+
+
+def test_a_stray_members_committed_puts_lost_with_the_cf_are_lost() -> None:
+    """member-own-log-root, if the member joined: its puts are in the history as a client's; a restore that
+    cannot read its log loses them, and the lost rule sees it."""
+    h = clean_base()
+    h.fault(1, "member-own-log-root", "inject")
+    h.put("stray-1", "stray-1.1", "stray-1-0")
+    h.put("stray-1", "stray-1.1", "stray-1-1")
+    h.commit("stray-1", "stray-1.1")
+    h.fault(1, "member-own-log-root", "CF killed")
+    h.fault(1, "member-own-log-root", "recovered")
+    only(h.findings(), "lost", 2)
+
+
+def test_a_refused_stray_member_is_no_cf_loss_but_a_cf_killed_step_is() -> None:
+    """member-own-log-root loses the CF only when the stray member got in (its "CF killed" step): a refusal
+    alone must not make the non-persistent messages delivered after it count as resurrected."""
+    h = Hist()
+    h.put("p", None, "np1", persistent=False)
+    h.fault(1, "member-own-log-root", "inject")
+    h.fault(1, "member-own-log-root", "QM4 refused to join: exit code 2")
+    h.fault(1, "member-own-log-root", "recovered")
+    h.drain("np1")
+    assert h.findings()["resurrected"] == 0
+    h = Hist()
+    h.put("p", None, "np1", persistent=False)
+    h.fault(1, "member-own-log-root", "inject")
+    h.fault(1, "member-own-log-root", "CF killed")
+    h.fault(1, "member-own-log-root", "recovered")
+    h.drain("np1")
+    only(h.findings(), "resurrected")

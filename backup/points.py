@@ -1,0 +1,79 @@
+"""Restore points: what a restore or a purge left in a structure, written as a backup that later restores start from.
+
+A restore and a purge are points in a structure's history that no later restore may cross with an older view:
+a restore loads what the logs it could read said, a purge discards everything, and the group goes on working
+from there in a new generation. A later CF loss restored from a backup taken before that point would replay the
+old incarnation's logs again: records that reached the disk only after the first restore (a GET appended but
+not forced when the CF was lost) would be folded in as if they had happened, and purged messages would come
+back (issue 10, holes 1 and 8). So each writes its result into the catalog as a backup of its own kind:
+
+  kind "restore"  every entry the restore loaded, with its final descriptor (entries held by in-doubt UOWs
+                  included, with their UOW), and the tombstones it loaded;
+  kind "purge"    no entries.
+
+Its generation is the structure's new one; start, floor and end are the restore's LRSN (the purge's new
+generation); replay_from is that LRSN, or lower when an in-doubt UOW holds entries (from the first LRSN of those
+entries, so that a later restore reads the UOW's PREPARE and keeps it in doubt). The manifest is a version-1
+backup manifest (docs/backup-format.md) with `kind`, `tombstones` and `restored_from`; frames are copies of step
+0 (no copy step of the patent's wrote them). Everything else (verification, catalog, pruning) treats it as any
+good backup: the newest good backup of a structure is where its next restore starts.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from backup.files import BackupWriter, new_backup_id
+from cfemu.admin import QueueDef, StructureDef
+
+# A backup manifest's kind (a manifest without one is a fuzzy backup: written before kinds existed).
+FUZZY, RESTORE, PURGE, DEFINITION = "fuzzy", "restore", "purge", "definition"
+POINT_STEP = 0  # the step number of a restore point's frames
+
+
+def kind_of(manifest: Mapping[str, Any]) -> str:
+    return str(manifest.get("kind", FUZZY))
+
+
+def point_id(structure: str) -> str:
+    """A new backup id for a restore point (the same form as any backup's: it sorts among them by time)."""
+    return new_backup_id(structure, datetime.now(UTC))
+
+
+def write_restore_point(backup_root: Path, backup_id: str, *, kind: str, group: str, sdef: StructureDef,
+                        queues: Iterable[QueueDef], members: Iterable[str], gen: int, lrsn: int, replay_from: int,
+                        entries: Iterable[tuple[dict[str, Any], bytes]], tombstones: Mapping[str, str],
+                        restored_from: str = "") -> tuple[dict[str, Any], Path]:
+    """Write a restore point (see the module doc) as backup `backup_id` of sdef.name; returns its manifest and
+    directory. The manifest is written last, atomically: a restore point without one is an unfinished one."""
+    if kind not in (RESTORE, PURGE):
+        raise ValueError(f"a restore point is of kind {RESTORE} or {PURGE}, not {kind!r}")
+    t0 = time.monotonic()
+    started = datetime.now(UTC)
+    directory = Path(backup_root) / sdef.name / backup_id
+    writer = BackupWriter(directory)
+    n = nbytes = 0
+    try:
+        for descriptor, data in entries:
+            writer.add(POINT_STEP, descriptor, data)
+            n += 1
+            nbytes += len(data)
+        manifest = writer.finish({
+            "id": backup_id, "kind": kind, "group": group, "structure": sdef.name, "structure_def": asdict(sdef),
+            "queues": [asdict(q) for q in sorted(queues, key=lambda q: q.name)], "members": sorted(set(members)),
+            "gen": gen, "start_lrsn": lrsn, "floor_lrsn": lrsn, "replay_from": min(replay_from, lrsn),
+            "end_lrsn": lrsn, "started_at": started.isoformat(timespec="microseconds"),
+            "ended_at": datetime.now(UTC).isoformat(timespec="microseconds"),
+            "elapsed_s": round(time.monotonic() - t0, 3), "exclint_s": 0, "steps": [], "entries": n,
+            "bytes": nbytes, "nonpersistent_skipped": 0, "excluded": 0, "exception_records": 0,
+            "tombstones": dict(sorted(tombstones.items())), "restored_from": restored_from,
+        })
+    except BaseException:
+        writer.abort()
+        raise
+    return manifest, directory

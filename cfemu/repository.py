@@ -1,0 +1,253 @@
+"""The group repository: what the queue-sharing group must remember when the CF is lost.
+
+IBM MQ keeps a queue-sharing group's definitions in a shared repository (Db2), not in the CF. Here the shared
+place that outlives the CF is the log volume every member, backup and restore reach, so the repository lives
+beside the members' logs::
+
+    <log root>/_group/repository.json   the definitions and the membership (owner-only, 0600)
+    <log root>/_group/lock              flock'ed around every read-modify-write (several processes write)
+
+repository.json is replaced atomically (cfemu.durable.replace_file: temp file, fsync, rename, fsync dir):
+
+    {"format": "cfemu-group-repository", "version": 1,
+     "id": "<32 hex>",               the repository's identity; the CF records it ({ADMIN}:repository)
+     "created_at": "<ISO 8601>",
+     "structures": {"APP1": {"name", "max_entries", "max_bytes", "lrsn", "defined_at", "updated_at"}},
+     "queues": {"Q1": {"name", "structure", "backout_threshold", "backout_queue", "max_msg_length", "lrsn",
+                       "defined_at", "updated_at"}},
+     "members": {"QM1": {"log": "<absolute log directory>", "joined_at", "last_joined_at"}}}
+
+A definition's ``lrsn`` is the LRSN (physical microseconds) it was made at: a new structure's CF clock starts
+there, so every record of its work lies above it, and restore can rebuild a structure that was never backed up
+from an empty base at that LRSN plus the logs. ``updated_at`` moves when a definition is replaced; ``lrsn`` does
+not (the structure's history began at its first definition).
+
+Who writes it: every define path (``define_structure`` / ``define_queue`` below: the qsg CLI, the service's
+define operation, the cluster launcher), every member when it joins (``open_group_repository`` then
+``record_member``), and restore (the definitions it recreates). Membership is how restore knows every log it
+must read: a member the repository knows but whose log is missing stops a restore.
+
+One log root, one group. A member whose log root holds another repository (or none, while the CF knows the
+group's) refuses to join (``RepositoryError``): peer recovery, backup and restore read every member's log under
+the group's log root, so a member logging elsewhere would be dropped by them (issue 10, hole 6).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import secrets
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from cfemu import keys
+from cfemu.admin import Admin, AdminError, QueueDef, StructureDef
+from cfemu.durable import replace_file
+
+DIRECTORY = "_group"  # under the log root, beside the members' logs (not a log: no manifest.json, no segments)
+FILE = "repository.json"
+LOCK = "lock"
+FORMAT = "cfemu-group-repository"
+VERSION = 1
+
+State = dict[str, Any]
+
+
+class RepositoryError(AdminError):
+    """The group repository cannot be used as asked (another group's, unreadable, or it knows better)."""
+
+
+def now_lrsn() -> int:
+    """An LRSN for a definition: the physical clock in microseconds (the scale every LRSN clock starts from)."""
+    return time.time_ns() // 1000
+
+
+def _iso() -> str:
+    return datetime.now(UTC).isoformat(timespec="seconds")
+
+
+class GroupRepository:
+    """The repository under one log root (it need not exist yet: `exists`, `load`, and every write creates it)."""
+
+    def __init__(self, log_root: str | os.PathLike[str]) -> None:
+        self.log_root = Path(log_root).absolute()
+        self.directory = self.log_root / DIRECTORY
+        self.path = self.directory / FILE
+
+    def exists(self) -> bool:
+        return self.path.is_file()
+
+    def load(self) -> State | None:
+        """The repository's content, or None when there is none; RepositoryError when it cannot be read."""
+        try:
+            raw = self.path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise RepositoryError(f"the group repository {self.path} cannot be read: {e}") from None
+        try:
+            state = json.loads(raw)
+        except ValueError as e:
+            raise RepositoryError(f"the group repository {self.path} is not valid JSON ({e})") from None
+        if not isinstance(state, dict) or state.get("format") != FORMAT or not state.get("id"):
+            raise RepositoryError(f"{self.path} is not a group repository")
+        if state.get("version") != VERSION:
+            raise RepositoryError(f"the group repository {self.path} has version {state.get('version')!r}; this "
+                                  f"version reads {VERSION}")
+        for section in ("structures", "queues", "members"):
+            state.setdefault(section, {})
+        return state
+
+    @property
+    def id(self) -> str | None:
+        state = self.load()
+        return str(state["id"]) if state else None
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.directory, 0o700)  # definitions and log paths are the operator's business only
+        fd = os.open(self.directory / LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+    def update(self, change: Callable[[State], None]) -> State:
+        """Read, change and durably replace the repository under its lock (created when missing; not rewritten
+        when the change changed nothing)."""
+        with self._locked():
+            old = self.load()
+            state = json.loads(json.dumps(old)) if old else {
+                "format": FORMAT, "version": VERSION, "id": secrets.token_hex(16), "created_at": _iso(),
+                "structures": {}, "queues": {}, "members": {}}
+            change(state)
+            if state != old:
+                replace_file(self.path, json.dumps(state, indent=1, sort_keys=True).encode() + b"\n", mode=0o600)
+            return state
+
+    def ensure(self) -> State:
+        """The repository, created (empty, with a new identity) when there is none."""
+        return self.load() or self.update(lambda state: None)
+
+    # --- what it records -----------------------------------------------------------------------------------
+    def record_structure(self, sdef: StructureDef, lrsn: int) -> None:
+        """A structure's definition; a new one is made at `lrsn`, a replaced one keeps the LRSN it had."""
+        def change(state: State) -> None:
+            old = state["structures"].get(sdef.name) or {}
+            state["structures"][sdef.name] = {**asdict(sdef), "lrsn": int(old.get("lrsn", lrsn)),
+                                              "defined_at": old.get("defined_at", _iso()), "updated_at": _iso()}
+        self.update(change)
+
+    def record_queue(self, qdef: QueueDef, lrsn: int) -> None:
+        def change(state: State) -> None:
+            old = state["queues"].get(qdef.name) or {}
+            state["queues"][qdef.name] = {**asdict(qdef), "lrsn": int(old.get("lrsn", lrsn)),
+                                          "defined_at": old.get("defined_at", _iso()), "updated_at": _iso()}
+        self.update(change)
+
+    def adopt(self, structures: list[StructureDef], queues: list[QueueDef]) -> None:
+        """Definitions made elsewhere (in the CF before the repository existed, or restored from a backup) that
+        the repository lacks; what it knows stays. Their LRSN is 0, unknown: a structure restored from its
+        definition alone is then replayed from the start of every log."""
+        def change(state: State) -> None:
+            for section, defs in (("structures", structures), ("queues", queues)):
+                for d in defs:
+                    if d.name not in state[section]:
+                        state[section][d.name] = {**asdict(d), "lrsn": 0, "defined_at": _iso(),
+                                                  "updated_at": _iso()}
+        self.update(change)
+
+    def record_member(self, member: str, log_dir: Path) -> None:
+        def change(state: State) -> None:
+            old = state["members"].get(member) or {}
+            state["members"][member] = {"log": str(Path(log_dir).absolute()),
+                                        "joined_at": old.get("joined_at", _iso()), "last_joined_at": _iso()}
+        self.update(change)
+
+    # --- what it knows ---------------------------------------------------------------------------------------
+    def structure(self, name: str) -> tuple[StructureDef, int] | None:
+        """A structure's definition and the LRSN it was made at, or None."""
+        rec = ((self.load() or {}).get("structures") or {}).get(name)
+        if rec is None:
+            return None
+        return StructureDef(rec["name"], int(rec.get("max_entries", 0)), int(rec.get("max_bytes", 0))), int(rec["lrsn"])
+
+    def queues(self, structure: str | None = None) -> list[QueueDef]:
+        """The queue definitions (of one structure, or all), sorted by name."""
+        out = []
+        for rec in ((self.load() or {}).get("queues") or {}).values():
+            if structure is None or rec.get("structure") == structure:
+                out.append(QueueDef(rec["name"], rec["structure"], int(rec.get("backout_threshold", 0)),
+                                    rec.get("backout_queue", ""), int(rec.get("max_msg_length", 4 * 2**20))))
+        return sorted(out, key=lambda q: q.name)
+
+    def members(self) -> dict[str, str]:
+        """Member -> its log directory, for every member that ever joined."""
+        return {m: str(rec.get("log", "")) for m, rec in ((self.load() or {}).get("members") or {}).items()}
+
+
+def open_group_repository(admin: Admin, log_root: str | os.PathLike[str], *, who: str) -> GroupRepository:
+    """The group repository under log_root, checked to be the group's: the one the CF records, or, when the CF
+    records none (a new group, or a CF lost and not yet restored), this one, created if need be and recorded
+    as the group's. RepositoryError, naming `who` and both places, when log_root is not the group's."""
+    repo = GroupRepository(log_root)
+    recorded = admin.repository()
+    if recorded is None:
+        state = repo.ensure()
+        recorded = admin.claim_repository(str(state["id"]), str(repo.path))
+    mine = repo.id
+    if mine == recorded["id"]:
+        repo.adopt(admin.structures(), admin.queues())  # definitions made without the repository
+    else:
+        raise RepositoryError(
+            f"{who}: the log root {repo.log_root} is not the group's: the CF records the group's repository at "
+            f"{recorded['path']}, and {repo.path} "
+            + ("does not exist" if mine is None else "is another one")
+            + "; peer recovery, backup and restore read every member's log under the group's log root, so use "
+              "that one (--log-root or $CFEMU_LOG_ROOT)")
+    return repo
+
+
+def define_structure(admin: Admin, repo: GroupRepository, name: str, *, max_entries: int = 0, max_bytes: int = 0,
+                     replace: bool = False) -> StructureDef:
+    """Define a structure in the CF and, durably, in the group repository (the CF is lost with its content;
+    the repository is not). A structure the repository knows but the CF does not has a history in the logs:
+    it is restored (cfrestore run), never defined again empty over it."""
+    keys.check_name("structure", name)
+    known = repo.structure(name)
+    if known is not None and name not in {s.name for s in admin.structures()}:
+        raise RepositoryError(f"structure {name} is in the group repository (defined at LRSN {known[1]}) but not in "
+                              f"the CF: the CF was lost; restore it with 'cfrestore run {name}' (or empty it with "
+                              f"'cfrestore purge {name}')")
+    lrsn = now_lrsn()
+    sdef = admin.define_structure(name, max_entries=max_entries, max_bytes=max_bytes, replace=replace, clock=lrsn)
+    repo.record_structure(sdef, lrsn)
+    return sdef
+
+
+def define_queue(admin: Admin, repo: GroupRepository, name: str, structure: str, *, backout_threshold: int = 0,
+                 backout_queue: str = "", max_msg_length: int = 4 * 2**20, replace: bool = False) -> QueueDef:
+    """Define a queue in the CF and, durably, in the group repository."""
+    qdef = admin.define_queue(name, structure, backout_threshold=backout_threshold, backout_queue=backout_queue,
+                              max_msg_length=max_msg_length, replace=replace)
+    repo.record_queue(qdef, now_lrsn())
+    return qdef
+
+
+def ensure_structure(admin: Admin, repo: GroupRepository, name: str, queues: tuple[str, ...] | list[str] = (), *,
+                     max_entries: int = 0, max_bytes: int = 0) -> None:
+    """Admin.ensure_structure, durably: for a launcher that sets up a group it may have set up before. What is
+    defined already stays as it is; a structure the repository knows but the CF lost is left to restore."""
+    with contextlib.suppress(AdminError):
+        define_structure(admin, repo, name, max_entries=max_entries, max_bytes=max_bytes)
+    for q in queues:
+        with contextlib.suppress(AdminError):
+            define_queue(admin, repo, q, name)

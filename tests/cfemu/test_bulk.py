@@ -1,0 +1,158 @@
+"""cfemu.bulk's ownership of a structure (claim, Owner.transaction) against a real redis-server: a claim refuses a
+structure that changed since the restore saw it; a later claim stops an earlier owner at its next transaction;
+an owner never writes into a CF other than the one it claimed on, and its connection never reconnects."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pytest
+import redis
+from redis.client import Pipeline
+
+from cfemu import bulk, keys
+from cfemu.admin import Admin
+from cfemu.embedded import EmbeddedRedis
+
+S = "APP1"
+
+
+def header(client: redis.Redis) -> dict[str, str]:
+    return {keys.text(k): keys.text(v) for k, v in client.hgetall(keys.meta(S)).items()}
+
+
+def marker(value: str) -> Callable[[Pipeline], object]:
+    return lambda pipe: pipe.hset(keys.data(S), "marker", value)
+
+
+@pytest.fixture
+def client(redis_url: str) -> redis.Redis:
+    c = redis.Redis.from_url(redis_url)
+    Admin(c).define_structure(S)
+    Admin(c).set_state(S, "FAILED")
+    return c
+
+
+def test_a_claim_takes_a_growing_token_and_makes_the_structure_recovering(client: redis.Redis) -> None:
+    seen = bulk.observe(client, S)
+    assert seen.state == "FAILED" and seen.token == 0 and seen.gen == 1 and len(seen.cf) == 40
+    with bulk.claim(client, S, seen) as owner:
+        assert owner.token >= time.time_ns() // 1_000_000 - 60_000
+        assert header(client)["state"] == "RECOVERING" and int(header(client)[bulk.TOKEN]) == owner.token
+        owner.transaction(marker("one"))
+    assert client.hget(keys.data(S), "marker") == b"one"
+    with bulk.claim(client, S, bulk.observe(client, S)) as second:
+        assert second.token > owner.token
+
+
+def test_a_claim_on_a_cf_without_the_structure_creates_a_recovering_header(redis_url: str) -> None:
+    c = redis.Redis.from_url(redis_url)
+    seen = bulk.observe(c, S)
+    assert seen.state == "" and seen.gen == 0
+    with bulk.claim(c, S, seen):
+        assert header(c)["state"] == "RECOVERING"
+    assert Admin(c).state(S) == "RECOVERING"
+
+
+@pytest.mark.parametrize("meanwhile, why", [
+    ("another claim", "another restore or a purge took the structure over since this one started"),
+    ("restored", "another restore restored the structure since this one started (now ACTIVE, generation"),
+    ("purged", "a purge emptied the structure since this one started (now ACTIVE, generation"),
+])
+def test_a_claim_refuses_a_structure_that_changed_since_it_was_observed(client: redis.Redis, meanwhile: str,
+                                                                        why: str) -> None:
+    seen = bulk.observe(client, S)
+    if meanwhile == "purged":
+        bulk.purge(client, Admin(client).structure_def(S), ["Q1"])
+    else:
+        with bulk.claim(client, S, bulk.observe(client, S)) as other:
+            if meanwhile == "restored":
+                bulk.activate(other, Admin(client).structure_def(S), gen=5, clock=6, floor=5, entries=0, nbytes=0,
+                              restored_from="APP1-B1")
+    before = header(client)
+    assert bulk.changed_since(seen, bulk.observe(client, S)) is not None
+    with pytest.raises(bulk.NotOwnerError, match=rf"^{why.replace('(', r'[(]')}") as refused:
+        bulk.claim(client, S, seen)
+    assert not isinstance(refused.value, bulk.CFReplacedError)
+    assert header(client) == before  # nothing written
+
+
+def test_a_later_claim_stops_the_earlier_owner_at_its_next_transaction(client: redis.Redis) -> None:
+    first = bulk.claim(client, S, bulk.observe(client, S))
+    first.transaction(marker("first"))
+    second = bulk.claim(client, S, bulk.observe(client, S))
+    with pytest.raises(bulk.NotOwnerError, match="a later restore or a purge took the structure over"):
+        first.transaction(marker("stale"))
+    assert client.hget(keys.data(S), "marker") == b"first"  # the stale transaction applied nothing
+    second.transaction(marker("second"))
+    assert client.hget(keys.data(S), "marker") == b"second"
+    first.close()
+    second.close()
+
+
+def test_an_owner_stops_when_someone_else_changes_the_state(client: redis.Redis) -> None:
+    with bulk.claim(client, S, bulk.observe(client, S)) as owner:
+        Admin(client).set_state(S, "FAILED")  # cfrestore mark-failed meanwhile
+        with pytest.raises(bulk.NotOwnerError, match="the structure is FAILED now"):
+            owner.transaction(marker("x"))
+
+
+def test_a_header_changed_under_a_transaction_but_still_the_owners_is_tried_again(client: redis.Redis) -> None:
+    other = redis.Redis(connection_pool=client.connection_pool)
+    attempts: list[int] = []
+
+    def stage(pipe: Pipeline) -> None:
+        attempts.append(1)
+        if len(attempts) == 1:  # between the check and EXEC, someone re-sizes the structure: EXEC applies nothing
+            other.hset(keys.meta(S), "max_entries", 10)
+        pipe.hincrby(keys.data(S), "counter", 1)
+
+    with bulk.claim(client, S, bulk.observe(client, S)) as owner:
+        owner.transaction(stage)
+    assert len(attempts) == 2 and client.hget(keys.data(S), "counter") == b"1"  # applied once
+
+
+def test_an_owner_never_writes_into_a_cf_restarted_under_it(fresh_redis: EmbeddedRedis) -> None:
+    c = fresh_redis.client()
+    Admin(c).define_structure(S)
+    owner = bulk.claim(c, S, bulk.observe(c, S))
+    owner.transaction(marker("before"))
+    fresh_redis.kill()
+    fresh_redis.start()  # an empty CF on the same port
+    with pytest.raises(bulk.CFReplacedError, match="the connection to the CF broke"):
+        owner.transaction(marker("after"))
+    with pytest.raises(redis.exceptions.ConnectionError):  # and its connection does not come back
+        owner.client.ping()
+    assert fresh_redis.client().keys("*") == []
+    owner.close()
+
+
+def test_an_owner_checks_the_cf_identity_at_each_transaction(client: redis.Redis) -> None:
+    """Behind a proxy that keeps the client's connection open, a CF restarted from its own snapshot would still
+    carry the token: the run id tells the servers apart."""
+    with bulk.claim(client, S, bulk.observe(client, S)) as owner:
+        owner.cf = "0" * 40  # as if the claim had been made on another server
+        with pytest.raises(bulk.CFReplacedError, match="the CF is another server now"):
+            owner.transaction(marker("x"))
+    assert client.hget(keys.data(S), "marker") is None
+
+
+def test_a_claim_refuses_when_the_cf_was_replaced_since_it_was_observed(client: redis.Redis) -> None:
+    seen = bulk.observe(client, S)._replace(cf="f" * 40)
+    with pytest.raises(bulk.CFReplacedError, match="the CF is another server now"):
+        bulk.claim(client, S, seen)
+    assert header(client)["state"] == "FAILED"
+
+
+def test_activate_keeps_the_token_and_a_purge_fences_a_loading_restore(client: redis.Redis) -> None:
+    sdef = Admin(client).structure_def(S)
+    loading = bulk.claim(client, S, bulk.observe(client, S))
+    bulk.reset(loading, sdef)
+    purged = bulk.purge(client, sdef, ["Q1"])
+    assert header(client)["state"] == "ACTIVE" and int(header(client)["gen"]) == purged.gen
+    assert int(header(client)[bulk.TOKEN]) > loading.token  # the purge's token stays in the header
+    with pytest.raises(bulk.NotOwnerError, match="took the structure over"):
+        bulk.Loader(loading, gen=1).finish(["Q9"], owner=lambda u: "QM1", tomb={})
+    assert not client.sismember(keys.queues(S), "Q9")
+    loading.close()

@@ -1,0 +1,106 @@
+"""The group repository (cfemu.repository) against real files and a real redis-server: what it records, how it
+is written (owner-only, atomically, under a lock), how a bad one is refused, and how the CF tells a member
+whether its log root is the group's."""
+
+from __future__ import annotations
+
+import json
+import stat
+import threading
+from pathlib import Path
+
+import pytest
+
+from cfemu import keys, repository
+from cfemu.admin import Admin, StructureDef
+from cfemu.connection import connect
+from cfemu.repository import GroupRepository, RepositoryError, open_group_repository
+from tests.support.harness import lose_cf
+
+
+def test_definitions_and_members_are_recorded_owner_only_and_atomically(tmp_path: Path) -> None:
+    repo = GroupRepository(tmp_path / "logs")
+    assert not repo.exists() and repo.load() is None and repo.members() == {}
+    repo.record_structure(StructureDef("APP1", 10, 0), lrsn=123)
+    repo.record_structure(StructureDef("APP1", 20, 0), lrsn=999)  # replaced: the first LRSN stays
+    repo.record_member("QM1", tmp_path / "logs" / "QM1")
+    assert repo.structure("APP1") == (StructureDef("APP1", 20, 0), 123)
+    assert repo.members() == {"QM1": str(tmp_path / "logs" / "QM1")}
+    assert stat.S_IMODE(repo.path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(repo.directory.stat().st_mode) == 0o700
+    assert sorted(p.name for p in repo.directory.iterdir()) == ["lock", "repository.json"]  # no temp file left
+
+
+def test_concurrent_writers_lose_nothing(tmp_path: Path) -> None:
+    repo = GroupRepository(tmp_path)
+    threads = [threading.Thread(target=lambda i=i: repo.record_member(f"QM{i}", tmp_path / f"QM{i}"))
+               for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(repo.members()) == sorted(f"QM{i}" for i in range(16))
+
+
+@pytest.mark.parametrize(("content", "why"), [
+    (b"{not json", "is not valid JSON"),
+    (b'{"format": "something else", "id": "x"}', "is not a group repository"),
+    (b'{"format": "cfemu-group-repository", "version": 9, "id": "x"}', "has version 9"),
+])
+def test_a_bad_repository_is_refused_by_name_and_left_as_it_is(tmp_path: Path, content: bytes, why: str) -> None:
+    repo = GroupRepository(tmp_path)
+    repo.directory.mkdir()
+    repo.path.write_bytes(content)
+    with pytest.raises(RepositoryError, match=why) as e:
+        repo.record_member("QM1", tmp_path / "QM1")
+    assert str(repo.path) in str(e.value)
+    assert repo.path.read_bytes() == content
+
+
+def test_the_cf_records_the_groups_repository_and_refuses_another_log_root(redis_url: str, tmp_path: Path) -> None:
+    admin = Admin(connect(redis_url))
+    mine = open_group_repository(admin, tmp_path / "logs", who="QM1")
+    assert admin.repository() == {"id": mine.id, "path": str(mine.path)}
+    assert open_group_repository(admin, tmp_path / "logs", who="QM2").id == mine.id
+    with pytest.raises(RepositoryError, match=r"QM3: the log root .*elsewhere is not the group's: .* does not exist"):
+        open_group_repository(admin, tmp_path / "elsewhere", who="QM3")
+    assert not (tmp_path / "elsewhere").exists()
+    GroupRepository(tmp_path / "other").ensure()
+    with pytest.raises(RepositoryError, match="is another one"):
+        open_group_repository(admin, tmp_path / "other", who="QM4")
+
+
+def test_a_lost_cf_learns_the_repository_again_from_the_first_member(redis_url: str, tmp_path: Path) -> None:
+    client = connect(redis_url)
+    first = open_group_repository(Admin(client), tmp_path / "logs", who="QM1").id
+    lose_cf(client)
+    assert open_group_repository(Admin(client), tmp_path / "logs", who="QM1").id == first
+    assert Admin(client).repository() is not None
+
+
+def test_a_structure_starts_its_clock_at_its_definition_and_is_never_defined_again_over_its_history(
+        redis_url: str, tmp_path: Path) -> None:
+    client = connect(redis_url)
+    admin = Admin(client)
+    repo = open_group_repository(admin, tmp_path, who="test")
+    repository.define_structure(admin, repo, "APP1")
+    repository.define_queue(admin, repo, "Q1", "APP1", backout_threshold=2)
+    known = repo.structure("APP1")
+    assert known is not None
+    assert int(client.hget(keys.meta("APP1"), "clock") or 0) == known[1] > 0
+    assert [q.name for q in repo.queues("APP1")] == ["Q1"] and repo.queues("APP1")[0].backout_threshold == 2
+    lose_cf(client)  # the CF is lost
+    with pytest.raises(RepositoryError, match="restore it with 'cfrestore run APP1'"):
+        repository.define_structure(admin, repo, "APP1")
+    assert admin.structures() == []
+
+
+def test_definitions_made_without_the_repository_are_adopted_from_the_beginning_of_the_logs(
+        redis_url: str, tmp_path: Path) -> None:
+    admin = Admin(connect(redis_url))
+    admin.define_structure("OLD")
+    admin.define_queue("QOLD", "OLD")
+    repo = open_group_repository(admin, tmp_path, who="QM1")
+    assert repo.structure("OLD") == (StructureDef("OLD"), 0)  # LRSN 0: replayed from the start of every log
+    state = json.loads(repo.path.read_text())
+    assert set(state["queues"]) == {"QOLD"} and state["queues"]["QOLD"]["lrsn"] == 0
