@@ -163,6 +163,9 @@ class Uow:
     # structures that lost its work there (a restore backed it out, a purge discarded it) while the application
     # did not know: its commit is refused there, so everywhere; what it holds elsewhere is backed out
     lost_on: set[str] = field(default_factory=set)
+    # structures a purge emptied while it held entries there: more work there is refused, its commit goes on
+    # (a purge discards messages, not outcomes)
+    purged_on: set[str] = field(default_factory=set)
     lost_persistent: bool = False  # persistent work among what it lost (else its loss may be forgiven, below)
 
     @property
@@ -188,6 +191,7 @@ class Uow:
     def __repr__(self) -> str:
         what = [f"put {m}" for m in self.puts] + [f"get {m}" for m in self.gets]
         lost = f" lost on {','.join(sorted(self.lost_on))}" if self.lost_on else ""
+        lost += f" purged on {','.join(sorted(self.purged_on))}" if self.purged_on else ""
         return f"{self.uow_id or 'uow'}[{', '.join(what)}]{lost}"
 
 
@@ -360,7 +364,7 @@ class RestoreHistory(RuleBasedStateMachine):
         body = f"m{seq}".encode()
         what = f"{mem.name} put m{seq} {queue} p{priority} {'P' if persistent else 'NP'}" + \
                (" in its UOW" if syncpoint else "")
-        if syncpoint and mem.open is not None and STRUCTURE_OF[queue] in mem.open.lost_on:
+        if syncpoint and mem.open is not None and STRUCTURE_OF[queue] in mem.open.lost_on | mem.open.purged_on:
             with pytest.raises(BackedOutError):
                 mem.conn.put(queue, body, persistent=persistent, priority=priority)
             self.say(f"{what}: refused, {STRUCTURE_OF[queue]} backed its UOW out")
@@ -368,7 +372,7 @@ class RestoreHistory(RuleBasedStateMachine):
         try:
             msg = mem.conn.put(queue, body, persistent=persistent, priority=priority, syncpoint=syncpoint)
         except BackedOutError:
-            if not (syncpoint and mem.open is not None and mem.open.lost_on):
+            if not (syncpoint and mem.open is not None and (mem.open.lost_on or mem.open.purged_on)):
                 raise
             self.refused(mem, what, queue)  # a restore decided it: every structure may refuse it
             return
@@ -386,7 +390,7 @@ class RestoreHistory(RuleBasedStateMachine):
     def get(self, i: int, queue: str, syncpoint: bool) -> None:
         mem, queue = self.live(i), self.only.get(queue, queue)
         what = f"{mem.name} get {queue}" + (" in its UOW" if syncpoint else "")
-        if syncpoint and mem.open is not None and STRUCTURE_OF[queue] in mem.open.lost_on:
+        if syncpoint and mem.open is not None and STRUCTURE_OF[queue] in mem.open.lost_on | mem.open.purged_on:
             with pytest.raises(BackedOutError):
                 mem.conn.get(queue)
             self.say(f"{what}: refused, {STRUCTURE_OF[queue]} backed its UOW out")
@@ -399,7 +403,7 @@ class RestoreHistory(RuleBasedStateMachine):
             self.say(f"{what}: none")
             return
         except BackedOutError:
-            if not (syncpoint and mem.open is not None and mem.open.lost_on):
+            if not (syncpoint and mem.open is not None and (mem.open.lost_on or mem.open.purged_on)):
                 raise
             self.refused(mem, what, queue)  # a restore decided it: every structure may refuse it
             return
@@ -575,7 +579,8 @@ class RestoreHistory(RuleBasedStateMachine):
             assert [x for x in after if x in both] == [x for x in before if x in both], \
                 f"{q}: get order after the restore differs from the live CF's"
         reported = {u for r in results for u in r.in_doubt_uows}
-        must = {u for u, w in self.in_doubt.items() if w.obj is not None and set(w.obj.structures) & lost}
+        must = {u for u, w in self.in_doubt.items()
+                if w.obj is not None and set(w.obj.structures) & (lost - w.purged_on)}
         assert must <= reported <= set(self.in_doubt) | set(self.doomed), \
             f"restore reports in doubt {sorted(reported)}, the model {sorted(must)} (at most {sorted(self.in_doubt)})"
 
@@ -612,6 +617,9 @@ class RestoreHistory(RuleBasedStateMachine):
             work = m.open if m.alive else m.dead_work
             if work is None:
                 continue
+            if m.alive and purged:
+                self.purge_work(work, lost, uow_id="")
+                continue
             if m.alive:
                 if work.touches(lost):
                     work.lost_on |= {s for s in lost if work.touches([s])}
@@ -631,15 +639,28 @@ class RestoreHistory(RuleBasedStateMachine):
                 give_back(work, gets)
         for uow_id, work in list(self.in_doubt.items()) + list(self.doomed.items()):
             if purged and work.touches(lost):
-                work.lost_on |= {s for s in lost if work.touches([s])}
-                work.lost_persistent = True
-                work.drop(lambda x: not on(x))
-                self.doomed[uow_id] = work
-                self.in_doubt.pop(uow_id, None)
+                self.purge_work(work, lost, uow_id)
+                if work.lost_on:
+                    self.doomed[uow_id] = work
+                    self.in_doubt.pop(uow_id, None)
             elif not purged:
                 work.drop(lambda x: not on(x) or x.persistent)
                 if uow_id in self.doomed and uow_id in backed_out:  # the restore reads its backout: it holds
                     self.apply(Uow(work.member, *work.drop(lambda x: not on(x))), False)  # nothing there now
+
+    def purge_work(self, work: Uow, lost: set[str], uow_id: str) -> None:
+        """A purge of `lost` and a unit of work: where the CF held it (entries, or an in-doubt registration), a
+        'P' tombstone: more work there is refused, its outcome goes on; where it only touched the structure (a get
+        that found nothing), the purge lost it: its commit is refused."""
+        for s in sorted(lost):
+            if not work.touches([s]):
+                continue
+            if any(x.structure == s for x in work.puts + work.gets) or (uow_id, s) in self.registered:
+                work.purged_on.add(s)
+            else:
+                work.lost_on.add(s)
+                work.lost_persistent = True
+        work.drop(lambda x: x.structure not in lost)
 
     @precondition(lambda self: self.restorable(STRUCTURES))
     @rule(forced=st.lists(st.booleans(), min_size=3, max_size=3), order=st.permutations(sorted(STRUCTURES)))
