@@ -62,6 +62,8 @@ from restore.result import PurgeResult, RestoreResult, write_report
 from sqm import records
 from sqm.log import LogLockedError, LogReader, RecordLog, find_log_dirs
 from sqm.log.format import list_segments
+from sqm.records import INCOMMIT
+from sqm.uow import rebuild_table
 
 RESTORE_MEMBER = "_restore"  # restore's own log, beside the members' logs
 
@@ -200,6 +202,42 @@ def log_ranges(log_dirs: list[Path], replay_from: int) -> dict[str, dict[str, An
     return out
 
 
+def committed_before_base(log_dirs: list[Path], structure: str, gen: int) -> set[str]:
+    """Units of work whose owner may still retry a commit that the base already holds: the owner's log ends with
+    the UOW committed (COMMIT, no END: the END was appended but lost with the member, or it is still in its
+    buffer) and names `structure` in the base's generation `gen`. Read as restart reads a log: from its last
+    checkpoint on.
+
+    Such a UOW held no entries on the structure when the base's backup started (its recovery floor would then lie
+    at or below the UOW's first LRSN, and the COMMIT would be replayed), so its work there had taken effect before
+    the base: the base holds it. Restore leaves it a 'C' tombstone, as it does for the in-commit UOWs it replays,
+    so that the owner's retry (its restart, a peer's recovery, its pending commit) learns that the commit stands
+    here. Without one, the structure answers "lost with the CF" (a UOW of an older generation it does not know),
+    the owner logs BACKOUT after its COMMIT and backs the UOW out on its other structures, and a later restore of
+    one of those, reading COMMIT then BACKOUT, drops messages whose put was committed (the property model's
+    test_a_member_restarts_after_a_structure_forgot_its_commit_and_the_next_restore_keeps_it)."""
+    out: set[str] = set()
+    for d in log_dirs:
+        if d.name == RESTORE_MEMBER:
+            continue  # restore decides only in-flight UOWs backed out: none it decided is in commit
+        reader = LogReader(d)
+        ckpt = reader.last_checkpoint()
+        start, ckpt_rec = (ckpt[0], ckpt[1]) if ckpt else (None, None)
+        table = rebuild_table(reader.member, ckpt_rec, (r for _, r in reader.records(start)))
+        for uow in table.values():
+            named = uow.structures.get(structure)
+            if uow.state == INCOMMIT and named is not None and (gen <= 0 or int(named) == gen):
+                out.add(uow.id)
+    return out
+
+
+def with_commits_before_base(plan: RestorePlan, log_dirs: list[Path], gen: int) -> RestorePlan:
+    """The plan, its in-commit UOWs joined by those whose commit its base holds (committed_before_base) and that
+    its replay did not decide otherwise. Every engine's plan goes through it, so that they stay equal."""
+    plan.in_commit |= {u for u in committed_before_base(log_dirs, plan.structure, gen) if u not in plan.outcomes}
+    return plan
+
+
 def _admin_definition(admin: Admin, structure: str) -> StructureDef | None:
     """The structure's definition, or None when the admin structure was lost with the CF."""
     try:
@@ -305,7 +343,8 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
     now = now_ms if now_ms is not None else time.time_ns() // 1_000_000
 
     def make_plan() -> RestorePlan:
-        return chosen_engine.plan(structure, backup, log_dirs, replay_from, now, timer)
+        return with_commits_before_base(chosen_engine.plan(structure, backup, log_dirs, replay_from, now, timer),
+                                        log_dirs, int(manifest.get("gen", 0) or 0))
 
     result = RestoreResult(structure, backup.id, str(backup.path), chosen_engine.name, dry_run, state,
                            replay_from=replay_from, started_at=started.isoformat(timespec="seconds"),
@@ -482,7 +521,8 @@ def run_purge(client: redis.Redis, structure: str, *, backup_root: Path, log_roo
         return point
 
     try:
-        purged = bulk.purge(client, sdef, [q.name for q in queues], before_activate=write_point)
+        purged = bulk.purge(client, sdef, [q.name for q in queues], before_activate=write_point,
+                            committed=lambda gen: committed_before_base(find_log_dirs(log_root), structure, gen))
     except bulk.NotOwnerError as e:
         raise _refused(structure, e) from e
     rebuild_catalog(admin, backup_root, structure)

@@ -114,12 +114,6 @@ OPEN_BUGS = {
     # clock, floor and generation) can lie at or below its backup's replay start, or repeat an earlier restore's.
     # Steering: before each restore a dry run plans it; a loss whose restore would do that does not happen.
     "restore-lrsn-not-above-its-backup",
-    # test_peer_recovery_recovers_every_uow_of_a_member_whose_structure_forgot_one and
-    # test_a_member_restarts_after_a_structure_forgot_its_commit_and_the_next_restore_keeps_it: a structure
-    # restored from a backup taken after a UOW completed (or purged since) answers "lost with the CF" to its
-    # owner's retry of the commit. Steering: a dead member whose log holds a COMMIT with no END from an older
-    # generation of a structure that holds no tombstone for it is neither recovered by a peer nor restarted.
-    "recovery-of-a-forgotten-commit",
     # test_a_backout_count_raised_by_recovery_survives_a_restore (backout counts only). Steering: a message whose
     # count a recovery raised for a UOW whose GET record its member lost may come back from the next restore of
     # its structure with that count one lower (the model takes the restored one).
@@ -769,29 +763,11 @@ class RestoreHistory(RuleBasedStateMachine):
     def recoverable(self) -> list[Member]:
         return [m for m in self.members if not m.alive and m.listed]
 
-    def forgot_a_commit(self, m: Member) -> bool:
-        """Does m's log hold a COMMIT with no END in an older generation of a structure than its current one,
-        with no tombstone there to say it was completed?"""
-        gens = {s: int(self.cf[s].info().get("gen", 0)) for s in STRUCTURES}
-        decided: dict[str, dict[str, int]] = {}
-        ended: set[str] = set()
-        for _, r in LogReader(self.logs / m.name).records():
-            if r["k"] == "COMMIT":
-                decided[r["u"]] = {s: int(g) for s, g in r["ss"].items()}
-            elif r["k"] == "END":
-                ended.add(r["u"])
-        return any(g != gens.get(s) and not self.client.hexists(keys.tomb(s), u)
-                   for u, ss in decided.items() if u not in ended for s, g in ss.items())
-
     @precondition(lambda self: bool(self.recoverable()))
     @rule(i=st.integers(0, 2), by=st.integers(0, 2))
     def peer_recovery(self, i: int, by: int) -> None:
         cands = self.recoverable()
         dead, peer = cands[i % len(cands)], self.live(by)
-        if "recovery-of-a-forgotten-commit" in self.open_bugs and self.forgot_a_commit(dead):
-            self.say(f"(steering: {dead.name}'s log holds a COMMIT a structure forgot: no peer recovery)")
-            type(self).stats["(steering: peer recoveries not done)"] += 1
-            return
         peer.qm.redis.delete(keys.lease(dead.name))  # its lease has lapsed
         rep = recover_peer(peer.qm, dead.name)
         self.say(f"{peer.name} (skew {peer.skew / 1e6:+.2f}s) recovers {dead.name}: {rep.committed} committed, "
@@ -811,10 +787,6 @@ class RestoreHistory(RuleBasedStateMachine):
     @rule(i=st.integers(0, 2), skew=SKEWS)
     def restart(self, i: int, skew: int) -> None:
         dead = self.dead()[i % len(self.dead())]
-        if "recovery-of-a-forgotten-commit" in self.open_bugs and self.forgot_a_commit(dead):
-            self.say(f"(steering: {dead.name}'s log holds a COMMIT a structure forgot: no restart)")
-            type(self).stats["(steering: restarts not done)"] += 1
-            return
         self._start(dead.name, skew, dead)
         self.say(f"{dead.name} restarts (skew {skew / 1e6:+.2f}s)")
         type(self).stats["restarts"] += 1
@@ -981,17 +953,15 @@ def test_a_uow_open_across_two_restores_from_one_backup_cannot_commit_what_they_
 
 
 @pytest.mark.parametrize("forgot", ["restored", "purged"])
-@pytest.mark.xfail(strict=True, reason="peer recovery stops at the first UOW the CF refuses as backed out "
-                   "(sqm.recovery.recover_peer lets BackedOutError out; restart catches it): a UOW in commit whose "
-                   "END never reached the disk, on a structure restored from a later backup or purged since, makes "
-                   "every recovery of its member fail, and the member's other UOWs stay locked")
 def test_peer_recovery_recovers_every_uow_of_a_member_whose_structure_forgot_one(
         redis_url: str, tmp_path: Path, forgot: str) -> None:
     """QM2 commits U1, a put of m1 (its END appended, not forced). The structure forgets U1: restored after a CF
     loss from a backup taken since (U1 lies before its replay), or purged. QM2's U2 gets m2, and QM2 dies (U1's END
-    is lost). QM1's peer recovery must finish U1 (nothing to do there) and back U2 out: m2 available again. It
-    commits U1 again, the CF answers 'lost with the CF', recover_peer raises BackedOutError before U2, and m2 stays
-    locked for as long as QM2 stays down; every later attempt fences QM2 again and fails the same way."""
+    is lost). QM1's peer recovery must finish U1 (nothing to do there) and back U2 out: m2 available again. (It
+    used to commit U1 again, the CF answered 'lost with the CF', recover_peer raised BackedOutError before U2, and
+    m2 stayed locked for as long as QM2 stayed down. Now the restore, or the purge, leaves U1 a tombstone: its
+    commit is in the base, or its work there discarded; and a refusal no longer stops a peer recovery:
+    test_peer_recovery_goes_on_past_a_commit_a_restore_backed_out.)"""
     logs, backups = tmp_path / "logs", tmp_path / "backups"
     client = define_group(redis_url, queues=QUEUES)
     qm1 = start_qm(redis_url, logs, "QM1", background=False, lease_ms=LEASE_MS)
@@ -1018,18 +988,16 @@ def test_peer_recovery_recovers_every_uow_of_a_member_whose_structure_forgot_one
         qm2.stop(checkpoint=False)
 
 
-@pytest.mark.xfail(strict=True, reason="a member's restart retries a commit whose END it lost; a structure restored "
-                   "from a backup taken after the commit answers 'lost with the CF', the restart logs BACKOUT for "
-                   "the committed UOW and fails on the structure that kept a tombstone (CompletedByRecoveryError): "
-                   "the member cannot restart, and the next restore of the other structure backs the UOW out")
 def test_a_member_restarts_after_a_structure_forgot_its_commit_and_the_next_restore_keeps_it(
         redis_url: str, tmp_path: Path) -> None:
     """APP1 is backed up; QM1 commits a UOW that puts a on APP1 and b on APP2 (its END appended, not forced);
     APP2 is backed up; QM1 dies (the END is lost) and the CF is lost. APP1's restore replays the COMMIT (a UOW in
-    commit: a tombstone), APP2's starts after it (the UOW unknown). QM1's restart commits the UOW again: APP2
-    refuses as 'lost with the CF', the restart logs BACKOUT and backs out on APP1, which refuses as committed
-    by recovery: the restart fails, every time. The next restore of APP1 reads COMMIT then BACKOUT: a, committed
-    and available, is gone."""
+    commit: a tombstone), APP2's starts after it. QM1's restart commits the UOW again: both structures must
+    answer that the commit stands, and QM1's log must not back it out. (APP2 used to refuse as 'lost with the
+    CF'; the restart logged BACKOUT and backed out on APP1, which refused as committed by recovery: the restart
+    failed, every time. The BACKOUT after the COMMIT is what loses a committed message in a later restore:
+    test_a_commit_a_structure_restored_since_forgot_is_not_backed_out_by_its_owner. Now APP2's restore leaves the
+    UOW a 'C' tombstone: restore.run.committed_before_base.)"""
     logs, backups = tmp_path / "logs", tmp_path / "backups"
     client = define_group(redis_url, queues=("Q1",))
     define_group(redis_url, structure="APP2", queues=("Q3",))
@@ -1048,7 +1016,10 @@ def test_a_member_restarts_after_a_structure_forgot_its_commit_and_the_next_rest
             run_restore(client, s, backup_root=backups, log_root=logs)
         rejoin(qm2)
         qm1 = start_qm(redis_url, logs, "QM1", background=False)
+        decided = [r["k"] for _, r in LogReader(logs / "QM1").records() if r["k"] in ("COMMIT", "BACKOUT")]
+        assert "BACKOUT" not in decided, f"QM1's log decides its committed UOW {decided}"
         assert [m.body for m in qm2.connect().browse("Q1")] == [b"a"]
+        assert [m.body for m in qm2.connect().browse("Q3")] == [b"b"]
         run_restore(client, "APP1", backup_root=backups, log_root=logs, mark_failed=True)
         assert [m.body for m in qm2.connect().browse("Q1")] == [b"a"], "a committed message was lost"
     finally:
@@ -1118,3 +1089,39 @@ def test_a_backout_count_raised_by_recovery_survives_a_restore(redis_url: str, t
     finally:
         qm1.stop()
         qm2.stop(checkpoint=False)
+
+
+def test_a_commit_a_structure_restored_since_forgot_is_not_backed_out_by_its_owner(
+        redis_url: str, tmp_path: Path) -> None:
+    """Bug (d) as a committed message lost. APP1 is backed up; QM1 commits a UOW that puts a on APP1 and b on APP2
+    (its END appended, not forced); APP2 is backed up and QM1 dies (the END is lost). APP2 alone fails and is
+    restored from that backup, which holds b committed: the UOW lies before its replay. QM1 restarts and retries
+    the commit: APP2 must not answer 'lost with the CF' (it would make QM1 log BACKOUT after its COMMIT); then the
+    CF is lost, and APP1's restore from its backup replays the UOW: a, whose put was committed, must come back."""
+    logs, backups = tmp_path / "logs", tmp_path / "backups"
+    client = define_group(redis_url, queues=("Q1",))
+    define_group(redis_url, structure="APP2", queues=("Q3",))
+    qm1 = start_qm(redis_url, logs, "QM1", background=False)
+    qm2 = start_qm(redis_url, logs, "QM2", background=False)
+    try:
+        run_backup(client, "APP1", backups, log_root=logs)
+        conn = qm1.connect()
+        conn.put("Q1", b"a")
+        conn.put("Q3", b"b")
+        conn.commit()
+        run_backup(client, "APP2", backups, log_root=logs)
+        crash(qm1)
+        run_restore(client, "APP2", backup_root=backups, log_root=logs, mark_failed=True)
+        qm1 = start_qm(redis_url, logs, "QM1", background=False)
+        decided = [r["k"] for _, r in LogReader(logs / "QM1").records() if r["k"] in ("COMMIT", "BACKOUT")]
+        assert "BACKOUT" not in decided, f"QM1's log decides its committed UOW {decided}"
+        lose_cf(client)
+        for s in ("APP1", "APP2"):
+            run_restore(client, s, backup_root=backups, log_root=logs)
+        for qm in (qm1, qm2):
+            rejoin(qm)
+        assert [m.body for m in qm2.connect().browse("Q1")] == [b"a"], "a committed message was lost"
+        assert [m.body for m in qm2.connect().browse("Q3")] == [b"b"]
+    finally:
+        qm1.stop(checkpoint=False)
+        qm2.stop()
