@@ -1125,3 +1125,36 @@ def test_a_commit_a_structure_restored_since_forgot_is_not_backed_out_by_its_own
     finally:
         qm1.stop(checkpoint=False)
         qm2.stop()
+
+
+def test_peer_recovery_goes_on_past_a_commit_a_restore_backed_out(redis_url: str, tmp_path: Path) -> None:
+    """QM2's U1 puts m1 (its PUT forced); APP1 fails and is restored: U1 was in flight, the restore backs it out.
+    QM2's U2 gets m2, and QM2 dies just after forcing U1's COMMIT. QM1's peer recovery commits U1, which APP1
+    refuses as backed out by recovery (right: U1 is backed out); it must still back U2 out (m2 available again,
+    its backout count raised) and finish, instead of stopping there with m2 locked while QM2 stays down."""
+    logs, backups = tmp_path / "logs", tmp_path / "backups"
+    client = define_group(redis_url, queues=QUEUES)
+    qm1 = start_qm(redis_url, logs, "QM1", background=False, lease_ms=LEASE_MS)
+    qm2 = start_qm(redis_url, logs, "QM2", background=False, lease_ms=LEASE_MS)
+    try:
+        qm1.connect().put("Q2", b"m2", syncpoint=False)
+        run_backup(client, STRUCTURE, backups, log_root=logs)
+        u1, u2 = qm2.connect(), qm2.connect()
+        u1.put("Q1", b"m1")
+        assert qm2.log is not None
+        qm2.log.force()
+        result = run_restore(client, STRUCTURE, backup_root=backups, log_root=logs, mark_failed=True)
+        assert result.counts["uows in flight backed out"] == 1
+        assert u2.get("Q2").body == b"m2"
+        with failpoint_armed("after-log-force"), pytest.raises(Crash):
+            u1.commit()
+        crash(qm2)
+        qm1.redis.delete(keys.lease("QM2"))  # its lease has lapsed
+        rep = recover_peer(qm1, "QM2")
+        assert (rep.committed, rep.backed_out) == (0, 2)
+        assert [(m.body, m.backout_count) for m in qm1.connect().browse("Q2")] == [(b"m2", 1)]
+        assert [m.body for m in qm1.connect().browse("Q1")] == []
+        assert not any(d["UP"] or d["UG"] for d in qm1.structure(STRUCTURE).depths().values())
+    finally:
+        qm1.stop()
+        qm2.stop(checkpoint=False)
