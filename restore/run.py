@@ -57,7 +57,7 @@ from cfemu.admin import Admin, AdminError, QueueDef, StructureDef
 from cfemu.repository import GroupRepository
 from restore.engine import PHASES, Progress, get_engine, no_progress
 from restore.load import LoadResult, load_plan, loaded_tombstones, restore_owned_uows
-from restore.plan import Copy, RestorePlan
+from restore.plan import EARLIER_GENERATIONS, Copy, RestorePlan
 from restore.result import PurgeResult, RestoreResult, write_report
 from sqm import records
 from sqm.log import LogLockedError, LogReader, RecordLog, find_log_dirs
@@ -127,6 +127,27 @@ def _definition_base(repo: GroupRepository, structure: str, group: str) -> Defin
         "structure_def": asdict(sdef), "queues": [asdict(q) for q in repo.queues(structure)], "members": [],
         "gen": 1, "start_lrsn": lrsn, "floor_lrsn": lrsn, "replay_from": lrsn, "end_lrsn": lrsn, "entries": 0,
         "bytes": 0, "nonpersistent_skipped": 0, "tombstones": {}}, repo.path)
+
+
+class _AsPlanned:
+    """The base as the engines see it: its copies, and its manifest with the structure's earlier generations
+    (plan.EARLIER_GENERATIONS) beside what the base records."""
+
+    def __init__(self, base: Backup | DefinitionBase, earlier: int) -> None:
+        self.base = base
+        self.manifest = {**base.manifest, EARLIER_GENERATIONS: earlier}
+        self.path = base.path
+
+    def copies(self) -> Iterator[Copy]:
+        return iter(self.base.copies())
+
+
+def earlier_generations(backup_root: Path, structure: str, seen: bulk.Seen) -> int:
+    """The highest generation the structure has had: every restore and purge writes one as a restore point
+    before the structure is usable (a fuzzy backup records the generation it was taken in), and the CF's own
+    when it still holds the structure."""
+    return max([seen.gen, *(int(b.manifest.get("gen", 0) or 0) for b in list_backups(backup_root, structure)
+                            if b.state == OK and b.manifest)])
 
 
 def open_backup(backup_root: Path, structure: str, backup_id: str | None, group: str | None,
@@ -342,8 +363,10 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
     timer = PhaseTimer(progress)
     now = now_ms if now_ms is not None else time.time_ns() // 1_000_000
 
+    as_planned = _AsPlanned(backup, earlier_generations(backup_root, structure, seen))
+
     def make_plan() -> RestorePlan:
-        return with_commits_before_base(chosen_engine.plan(structure, backup, log_dirs, replay_from, now, timer),
+        return with_commits_before_base(chosen_engine.plan(structure, as_planned, log_dirs, replay_from, now, timer),
                                         log_dirs, int(manifest.get("gen", 0) or 0))
 
     result = RestoreResult(structure, backup.id, str(backup.path), chosen_engine.name, dry_run, state,

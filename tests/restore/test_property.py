@@ -109,11 +109,6 @@ WORK = st.lists(st.one_of(
 # this one again; once it is fixed, its name goes (the xfail test turns XPASS and says so).
 # CFEMU_PROPERTY_UNGATED=all steers around none of them, CFEMU_PROPERTY_UNGATED=name,name around all but those.
 OPEN_BUGS = {
-    # test_work_after_a_restore_is_replayed_by_the_next_restore_from_the_same_backup and
-    # test_a_uow_open_across_two_restores_from_one_backup_cannot_commit_what_they_lost: a restore's LRSN (its
-    # clock, floor and generation) can lie at or below its backup's replay start, or repeat an earlier restore's.
-    # Steering: before each restore a dry run plans it; a loss whose restore would do that does not happen.
-    "restore-lrsn-not-above-its-backup",
     # test_a_backout_count_raised_by_recovery_survives_a_restore (backout counts only). Steering: a message whose
     # count a recovery raised for a UOW whose GET record its member lost may come back from the next restore of
     # its structure with that count one lower (the model takes the restored one).
@@ -255,7 +250,7 @@ class RestoreHistory(RuleBasedStateMachine):
         self.purged_since_backup: set[str] = set()
         self.maybe: dict[str, set[int]] = {}  # entry id -> the backout counts the last restore may have left
         self.count_may_drop: set[str] = set()  # entry ids (OPEN_BUGS, recovery-backout-count-unlogged)
-        self.generations: dict[str, set[int]] = {s: set() for s in STRUCTURES}  # every restore's (steering)
+        self.generations: dict[str, set[int]] = {s: set() for s in STRUCTURES}  # every restore's
         self.only: dict[str, str] = {}  # queue -> the queue used instead (histories on one structure)
         self.registered: set[tuple[str, str]] = set()  # (uow, structure): in doubt there, non-persistent work only
 
@@ -534,14 +529,6 @@ class RestoreHistory(RuleBasedStateMachine):
                 type(self).stats["(steering: restores not done)"] += 1
                 self.say(f"(steering: no restore: {sorted(held)} in doubt with non-persistent work only there)")
                 return None
-        if "restore-lrsn-not-above-its-backup" in self.open_bugs:
-            for s in structures:
-                plan = run_restore(self.client, s, backup_root=self.backups, log_root=self.logs, dry_run=True)
-                if plan.restore_lrsn <= plan.replay_from or plan.restore_lrsn in self.generations[s]:
-                    type(self).stats["(steering: restores not done)"] += 1
-                    self.say(f"(steering: no restore: {s}'s would start at {plan.restore_lrsn}, its backup "
-                             f"replays from {plan.replay_from}, earlier restores {sorted(self.generations[s])})")
-                    return None
         live = {q: [e.id for e, _ in self.cf[STRUCTURE_OF[q]].browse(q, 10_000, NOW_MS)]
                 for s in structures for q in STRUCTURES[s]}
         names = [m.name for m, f in zip(self.members, forced, strict=True) if f and m.alive]
@@ -554,12 +541,11 @@ class RestoreHistory(RuleBasedStateMachine):
         for r in results:
             # the restore's LRSN (its clock, floor and generation) lies above its backup's replay start, so that a
             # later restore from that backup replays what happens now; and it is a new generation, so that a UOW
-            # from before is known as lost (steered around while the bug is open: see prepare_restore)
-            if "restore-lrsn-not-above-its-backup" not in self.open_bugs:
-                assert r.restore_lrsn > r.replay_from, f"{r.structure}: restored at {r.restore_lrsn}, its backup " \
-                    f"replays from {r.replay_from}"
-                assert r.restore_lrsn not in self.generations[r.structure], \
-                    f"{r.structure}: restored at {r.restore_lrsn} again"
+            # from before is known as lost
+            assert r.restore_lrsn > r.replay_from, f"{r.structure}: restored at {r.restore_lrsn}, its backup " \
+                f"replays from {r.replay_from}"
+            assert r.restore_lrsn not in self.generations[r.structure], \
+                f"{r.structure}: restored at {r.restore_lrsn} again"
             self.generations[r.structure].add(r.restore_lrsn)
         self.lose(lost, purged=False, disk=disk)
         self.registered |= {(u, s) for u, w in self.in_doubt.items() for s in lost
@@ -879,16 +865,14 @@ def test_soak_random_histories(redis_url: str, tmp_path: Path) -> None:
 AHEAD_US = 30_000_000  # a member whose clock runs 30 s ahead: far more than any test takes
 
 
-@pytest.mark.xfail(strict=True, reason="restore's clock can start below its backup's replay start (restore."
-                   "plan.restore_lrsn_above ignores the backup's LRSNs): work logged on the restored structure "
-                   "is skipped by the next restore from that backup, and a consumed message comes back")
 def test_work_after_a_restore_is_replayed_by_the_next_restore_from_the_same_backup(
         redis_url: str, tmp_path: Path) -> None:
     """QM1's clock runs ahead and moves the CF's clock ahead of the wall clock (a non-persistent put, nothing
-    logged); a backup replays from there. The CF is lost and restored: no record read is that high, so the
-    restored clock is the wall clock, below the backup's replay start. QM2 consumes m1 (GET and COMMIT logged at
-    LRSNs below it). The CF is lost again before a new backup: the restore from the same backup skips QM2's
-    records and m1 comes back, consumed twice."""
+    logged); a backup replays from there. The CF is lost and restored. QM2 consumes m1 (GET and COMMIT logged).
+    The CF is lost again before a new backup, and the operator restores from the same backup: QM2's records must
+    be replayed, and m1 stay consumed. (No record read was as high as the backup's replay start, so the restored
+    clock used to be the wall clock, below it: QM2's records lay below the second replay, and m1 came back,
+    consumed twice. Now a restore's LRSN lies above every LRSN its base records: restore.plan.base_lrsn.)"""
     logs, backups = tmp_path / "logs", tmp_path / "backups"
     client = define_group(redis_url, queues=QUEUES)
     qm1 = start_qm(redis_url, logs, "QM1", background=False, clock_skew_us=AHEAD_US)
@@ -896,10 +880,10 @@ def test_work_after_a_restore_is_replayed_by_the_next_restore_from_the_same_back
     try:
         qm2.connect().put("Q1", b"m1", syncpoint=False)
         qm1.connect().put("Q2", b"np", persistent=False, syncpoint=False)  # the CF's clock jumps 30 s ahead
-        run_backup(client, STRUCTURE, backups, log_root=logs)
+        backup_id = run_backup(client, STRUCTURE, backups, log_root=logs)["id"]
         for again in (False, True):
             lose_cf(client)
-            run_restore(client, STRUCTURE, backup_root=backups, log_root=logs)
+            run_restore(client, STRUCTURE, backup_root=backups, log_root=logs, backup_id=backup_id)
             for qm in (qm1, qm2):
                 rejoin(qm)
             if not again:
@@ -911,17 +895,17 @@ def test_work_after_a_restore_is_replayed_by_the_next_restore_from_the_same_back
         qm2.stop()
 
 
-@pytest.mark.xfail(strict=True, reason="two restores from one backup can give the structure the same generation "
-                   "(restore.plan.restore_lrsn_above: nothing read above the first one's, and the wall clock behind "
-                   "a clock that ran ahead): a UOW open across both is not known as lost, and its commit succeeds "
-                   "with its persistent put gone")
+@pytest.mark.parametrize("named", [False, True])  # the latest backup, or the fuzzy one named again
 def test_a_uow_open_across_two_restores_from_one_backup_cannot_commit_what_they_lost(
-        redis_url: str, tmp_path: Path) -> None:
+        redis_url: str, tmp_path: Path, named: bool) -> None:
     """QM1's clock runs ahead: m0 commits at an LRSN ahead of the wall clock, and QM1's later work moves the CF's
     clock further ahead; a backup replays from there. The CF is lost and restored: its generation is m0's LRSN + 1.
-    QM2 puts m1 in a UOW; the CF is lost again and restored from the same backup: nothing new is read, so the
-    generation is the same. QM2's UOW, whose put the restore could not see, looks untouched: QM2 commits it, the
-    commit succeeds (COMMIT forced), and m1 is nowhere."""
+    QM2 puts m1 in a UOW; the CF is lost again and restored, from the latest backup or (named) the same one again:
+    the second restore must start a new generation, so that QM2's UOW, whose put it could not see, is known as
+    lost and its commit refused. (Nothing new was read, so the generation used to be the same: QM2's commit
+    succeeded, COMMIT forced, with m1 nowhere; the restore point, below its base's LRSNs, even sorted before it.
+    Now a restore's LRSN lies above its base's and every earlier generation: restore.plan.base_lrsn,
+    restore.run.earlier_generations.)"""
     logs, backups = tmp_path / "logs", tmp_path / "backups"
     client = define_group(redis_url, queues=QUEUES)
     qm1 = start_qm(redis_url, logs, "QM1", background=False, clock_skew_us=AHEAD_US)
@@ -930,12 +914,13 @@ def test_a_uow_open_across_two_restores_from_one_backup_cannot_commit_what_they_
         qm1.connect().put("Q1", b"m0", syncpoint=False)
         time.sleep(0.05)
         qm1.connect().put("Q2", b"np", persistent=False, syncpoint=False)  # the CF's clock moves on, unlogged
-        run_backup(client, STRUCTURE, backups, log_root=logs)
+        backup_id = run_backup(client, STRUCTURE, backups, log_root=logs)["id"]
         conn = qm2.connect()
         gens = []
         for again in (False, True):
             lose_cf(client)
-            gens.append(run_restore(client, STRUCTURE, backup_root=backups, log_root=logs).restore_lrsn)
+            gens.append(run_restore(client, STRUCTURE, backup_root=backups, log_root=logs,
+                                    backup_id=backup_id if named else None).restore_lrsn)
             for qm in (qm1, qm2):
                 rejoin(qm)
             if not again:
