@@ -291,6 +291,16 @@ def tombstones(client: redis.Redis, structure: str) -> dict[str, str]:
     return {keys.text(u): keys.text(o) for u, o in client.hgetall(keys.tomb(structure)).items()}
 
 
+def registered(client: redis.Redis, structure: str) -> dict[str, int]:
+    """The UOWs the structure holds a record of (in {S}:uows), UOW -> the first LRSN of its work here: those
+    holding entries, and in-doubt ones a restore registered though none of their work here survived."""
+    out: dict[str, int] = {}
+    for u, raw in client.hgetall(keys.uows(structure)).items():
+        rec = msgpack.unpackb(raw, raw=False)
+        out[keys.text(u)] = int(rec.get("f") or 0)
+    return out
+
+
 # --- writes: wipe, load, verify, activate, purge (each batch a transaction of the Owner) -------------------
 class Survivor(Protocol):
     """An entry to load (restore.settle.Settled has this shape): its id, its final descriptor in wire form (None:

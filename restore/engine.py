@@ -102,7 +102,7 @@ class LocalEngine:
         records = read_logs(log_dirs, replay_from, progress)
         progress(SETTLE, 0, None)
         plan = plan_local(structure, copies, records, now_ms=now_ms, gen=int(backup.manifest.get("gen", 0) or 0),
-                          lrsn=base_lrsn(backup.manifest))
+                          lrsn=base_lrsn(backup.manifest), registered=list(backup.manifest.get("uows") or ()))
         progress(SETTLE, len(plan.settled), len(plan.settled))
         return plan
 

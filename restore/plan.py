@@ -78,9 +78,11 @@ def base_lrsn(manifest: Mapping[str, Any]) -> int:
 
 
 def base_of(manifest: Mapping[str, Any], held_by: Iterable[str]) -> Base:
-    """The Base of a backup: its manifest's generation and highest LRSN, and the UOWs its copies name
-    (`held_by`: the copies' "u" fields, empty ones included)."""
-    return Base(int(manifest.get("gen", 0) or 0), frozenset(u for u in held_by if u), base_lrsn(manifest))
+    """The Base of a backup: its manifest's generation and highest LRSN, and the UOWs it holds: those its copies
+    name (`held_by`: the copies' "u" fields, empty ones included) and those its manifest lists as registered
+    ("uows": an in-doubt UOW registered without entries, its work there non-persistent)."""
+    held = {u for u in held_by if u} | set(manifest.get("uows") or ())
+    return Base(int(manifest.get("gen", 0) or 0), frozenset(held), base_lrsn(manifest))
 
 
 def current_incarnation(record: Record, structure: str, base: Base) -> bool:
@@ -185,16 +187,18 @@ def summarize(structure: str, settled: list[Settled], outcomes: Mapping[str, Out
 
 
 def plan_local(structure: str, backup: Iterable[Copy], records: Iterable[Record], *,
-               now_ms: int | None = None, gen: int = 0, lrsn: int = 0) -> RestorePlan:
+               now_ms: int | None = None, gen: int = 0, lrsn: int = 0,
+               registered: Collection[str] = ()) -> RestorePlan:
     """gen: the structure generation the backup was taken in (its manifest's "gen"; 0: unknown); lrsn: the
-    highest LRSN its manifest records (base_lrsn; 0: unknown)."""
+    highest LRSN its manifest records (base_lrsn; 0: unknown); registered: the UOWs its manifest lists ("uows")."""
     now_ms = now_ms if now_ms is not None else int(time.time() * 1000)
     copies: dict[str, list[Copy]] = defaultdict(list)
     max_lrsn = 0
     for c in backup:
         copies[c[1]["id"]].append(c)
         max_lrsn = max(max_lrsn, int(c[1]["l"]))
-    base = base_of({"gen": gen, "end_lrsn": lrsn}, (c[1].get("u", "") for cs in copies.values() for c in cs))
+    base = base_of({"gen": gen, "end_lrsn": lrsn, "uows": registered},
+                   (c[1].get("u", "") for cs in copies.values() for c in cs))
     by_entry: dict[str, list[Record]] = defaultdict(list)
     by_uow: dict[str, list[Record]] = defaultdict(list)
     ended: set[str] = set()

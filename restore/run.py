@@ -311,10 +311,22 @@ def _log_decisions(log: RecordLog, plan: RestorePlan, gen: int) -> int:
     return len(plan.decisions)
 
 
+def point_uows(plan: RestorePlan) -> dict[str, int]:
+    """The UOWs the restored structure holds a record of (plan.in_doubt_uows), each with the first LRSN its record
+    carries, as the load writes it: its first entry's, or its PREPARE's when none of its work here survived."""
+    first = {u: plan.outcomes[u].lrsn for u in plan.in_doubt_uows() if u in plan.outcomes}
+    for s in plan.loaded():
+        if s.entry and s.entry.get("u"):
+            u = s.entry["u"]
+            first[u] = min(first.get(u, int(s.entry["l"])), int(s.entry["l"]))
+    return first
+
+
 def point_replay_from(plan: RestorePlan) -> int:
-    """Where a restore from this restore's point starts reading the logs: its LRSN, or the first LRSN of the
-    entries an in-doubt UOW holds (so that the UOW's PREPARE is read, and it stays in doubt)."""
-    return min([plan.restore_lrsn, *(int(s.entry["l"]) for s in plan.loaded() if s.entry and s.entry.get("u"))])
+    """Where a restore from this restore's point starts reading the logs: its LRSN, or the first LRSN of a UOW it
+    holds (the entries of an in-doubt UOW, or its PREPARE when it holds none: so that the PREPARE is read, and the
+    UOW stays in doubt)."""
+    return min([plan.restore_lrsn, *point_uows(plan).values()])
 
 
 def _counts(plan: RestorePlan) -> dict[str, int]:
@@ -399,7 +411,8 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
                     members=[*members.keys(), *(d.name for d in log_dirs if d.name != RESTORE_MEMBER)],
                     gen=plan.restore_lrsn, lrsn=plan.restore_lrsn, replay_from=point_replay_from(plan),
                     entries=((s.entry, s.data) for s in plan.loaded() if s.entry is not None),
-                    tombstones=loaded_tombstones(plan, base_tombstones), restored_from=backup.id)
+                    tombstones=loaded_tombstones(plan, base_tombstones), restored_from=backup.id,
+                    uows=point_uows(plan))
 
             loaded: LoadResult = load_plan(owner, plan, sdef, [q.name for q in queues], progress=timer,
                                            restored_from=backup.id, base_tombstones=base_tombstones,
