@@ -331,6 +331,20 @@ class RestoreHistory(RuleBasedStateMachine):
             return obj.decided_lrsn
         return qm.clock.last
 
+    def stamped_by_the_cf(self, obj: UnitOfWork | None, puts: list[Msg]) -> None:
+        """A commit with no decision record (no persistent work): the CF stamped each structure's puts with its
+        own clock at that structure's commit, which the member's clock afterwards (decided_at) does not tell
+        when the UOW spans structures (it has adopted the last structure's answer): take the puts' order from the
+        CF's answer."""
+        if obj is not None and obj.decided_lrsn:
+            return
+        for q in {m.queue for m in puts}:
+            o1 = {e.id: e.order[0] for e, _ in self.cf[STRUCTURE_OF[q]].browse(q, 10_000, NOW_MS)}
+            for m in puts:
+                if m.queue == q and m.entry_id in o1:
+                    m.o1 = o1[m.entry_id]
+            self.available[q].sort(key=Msg.key)
+
     def held(self) -> list[Uow]:
         """Units of work whose work the CF holds uncommitted."""
         out = [m.open for m in self.members if m.alive and m.open is not None]
@@ -438,7 +452,9 @@ class RestoreHistory(RuleBasedStateMachine):
         if work is not None:
             self.say(f"{mem.name} commit {work}")
             self.committed(work)
+            puts = list(work.puts)
             self.apply(work, True, self.decided_at(obj, mem.qm))
+            self.stamped_by_the_cf(obj, puts)
             self.work_since_loss = True
 
     @rule(i=st.integers(0, 2))
@@ -492,13 +508,18 @@ class RestoreHistory(RuleBasedStateMachine):
                 f"{what}: accepted, though {sorted(work.lost_on)} lost its persistent work"
             self.say(f"{what}: accepted")
             self.committed(work)
+            puts = list(work.puts)
             self.apply(work, True, self.decided_at(obj, mem.qm))
+            self.stamped_by_the_cf(obj, puts)
             return
         mem.qm.resolve(uow_id, commit)
         self.say(what)
         if commit:
             self.committed(work)
+        puts = list(work.puts)
         self.apply(work, commit, self.decided_at(obj, mem.qm))
+        if commit:
+            self.stamped_by_the_cf(obj, puts)
 
     @rule(ops=WORK)
     def work(self, ops: list[tuple[Any, ...]]) -> None:
