@@ -48,7 +48,7 @@ def point_id(structure: str) -> str:
 def write_restore_point(backup_root: Path, backup_id: str, *, kind: str, group: str, sdef: StructureDef,
                         queues: Iterable[QueueDef], members: Iterable[str], gen: int, lrsn: int, replay_from: int,
                         entries: Iterable[tuple[dict[str, Any], bytes]], tombstones: Mapping[str, str],
-                        restored_from: str = "") -> tuple[dict[str, Any], Path]:
+                        restored_from: str = "", uows: Mapping[str, int] | None = None) -> tuple[dict[str, Any], Path]:
     """Write a restore point (see the module doc) as backup `backup_id` of sdef.name; returns its manifest and
     directory. The manifest is written last, atomically: a restore point without one is an unfinished one."""
     if kind not in (RESTORE, PURGE):
@@ -72,6 +72,7 @@ def write_restore_point(backup_root: Path, backup_id: str, *, kind: str, group: 
             "elapsed_s": round(time.monotonic() - t0, 3), "exclint_s": 0, "steps": [], "entries": n,
             "bytes": nbytes, "nonpersistent_skipped": 0, "excluded": 0, "exception_records": 0,
             "tombstones": dict(sorted(tombstones.items())), "restored_from": restored_from,
+            "uows": dict(sorted((uows or {}).items())),
         })
     except BaseException:
         writer.abort()

@@ -143,6 +143,9 @@ def run_backup(client: redis.Redis, structure: str, backup_root: Path, *, log_ro
         # The tombstones (outcomes decided for owners that may still retry) are part of the structure's state
         # as a restore from this backup must rebuild it: the decisions behind them may lie before its replay.
         tombstones = bulk.tombstones(client, structure)
+        # So are the UOWs it holds a record of: an in-doubt UOW registered without entries (its work here was
+        # non-persistent) is known to a restore from this backup only by its records, of an older generation.
+        uows = bulk.registered(client, structure)
         end_lrsn = s.backup_end(backup_id, clock.now(), ok=True)
         ended = True
         steps = [{"step": n, "state": st, "label": label, **asdict(c)}
@@ -158,7 +161,7 @@ def run_backup(client: redis.Redis, structure: str, backup_root: Path, *, log_ro
             "excluded": sum(c.excluded for c in counts),
             "exception_records": (count_exception_records(log_root, structure, start_lrsn, end_lrsn)
                                   if log_root is not None else None),
-            "tombstones": tombstones,
+            "tombstones": tombstones, "uows": uows,
         })
     except BaseException:
         if not ended:

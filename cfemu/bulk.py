@@ -291,6 +291,16 @@ def tombstones(client: redis.Redis, structure: str) -> dict[str, str]:
     return {keys.text(u): keys.text(o) for u, o in client.hgetall(keys.tomb(structure)).items()}
 
 
+def registered(client: redis.Redis, structure: str) -> dict[str, int]:
+    """The UOWs the structure holds a record of (in {S}:uows), UOW -> the first LRSN of its work here: those
+    holding entries, and in-doubt ones a restore registered though none of their work here survived."""
+    out: dict[str, int] = {}
+    for u, raw in client.hgetall(keys.uows(structure)).items():
+        rec = msgpack.unpackb(raw, raw=False)
+        out[keys.text(u)] = int(rec.get("f") or 0)
+    return out
+
+
 # --- writes: wipe, load, verify, activate, purge (each batch a transaction of the Owner) -------------------
 class Survivor(Protocol):
     """An entry to load (restore.settle.Settled has this shape): its id, its final descriptor in wire form (None:
@@ -509,19 +519,25 @@ class Purged(NamedTuple):
 
 
 def purge(client: redis.Redis, sdef: StructureDef, queues: Sequence[str], *,
-          before_activate: Callable[[int, dict[str, str]], str] | None = None) -> Purged:
+          before_activate: Callable[[int, dict[str, str]], str] | None = None,
+          committed: Callable[[int], Iterable[str]] | None = None) -> Purged:
     """Empty the structure and make it ACTIVE again in a new generation, above its clock and its old generation
     (so a unit of work from before that had no work here is backed out when it next touches it); its queues stay
     defined, and the UOWs that held entries get a 'P' tombstone (purged_tombstones). The purge claims the
     structure first, so a restore loading it meanwhile stops at its next batch. before_activate(gen, tombstones),
     once nothing can change the structure any more and before it is usable again, makes the purge durable
-    (restore.run writes an empty restore point with those tombstones) and returns the id it wrote."""
+    (restore.run writes an empty restore point with those tombstones) and returns the id it wrote.
+    committed(gen): the UOWs whose commit took effect here in generation `gen` (the one purged) and whose owner may
+    still retry it (restore.run.committed_before_base): they get a 'P' tombstone too, so that the retry is a no-op
+    here instead of a "lost with the CF" that would make the owner back out a committed UOW."""
     S = sdef.name
     with claim(client, S, observe(client, S)) as owner:
         info = {keys.text(k): keys.text(v) for k, v in owner.client.hgetall(keys.meta(S)).items()}
         discarded = int(owner.client.hlen(keys.entries(S)))
         gen = max(time.time_ns() // 1000, int(info.get("clock", 0)) + 1, int(info.get("gen", 0)) + 1)
         tomb = purged_tombstones(owner.client, S)
+        if committed is not None:
+            tomb = {**dict.fromkeys(committed(int(info.get("gen", 0))), "P"), **tomb}
         last = before_activate(gen, tomb) if before_activate is not None else ""
         reset(owner, sdef)
         if queues:

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from cfemu.progress import Progress, no_progress  # the cfemu floor's port, named from here too
-from restore.plan import Copy, RestorePlan, plan_local
+from restore.plan import Copy, RestorePlan, base_lrsn, plan_local
 from sqm.log import LogFormatError, merged_records
 from sqm.records import Record
 
@@ -102,7 +102,8 @@ class LocalEngine:
         records = read_logs(log_dirs, replay_from, progress)
         progress(SETTLE, 0, None)
         plan = plan_local(structure, copies, records, now_ms=now_ms, gen=int(backup.manifest.get("gen", 0) or 0),
-                          carried=backup.manifest.get("carried", ()))
+                          carried=backup.manifest.get("carried", ()), lrsn=base_lrsn(backup.manifest),
+                          registered=list(backup.manifest.get("uows") or ()))
         progress(SETTLE, len(plan.settled), len(plan.settled))
         return plan
 

@@ -60,14 +60,31 @@ class Base:
 
     gen: int = 0  # 0: unknown (the generation rule then keeps every record)
     carried: frozenset[str] = frozenset()
+    lrsn: int = 0  # the highest LRSN the base records (base_lrsn): the restore's own LRSN lies above it
+
+
+# A key restore.run adds to the base's manifest as the engines see it (never written): the highest generation the
+# structure has had, by any restore or purge (their restore points) or in the CF now. A restore from a base an
+# earlier restore already used, that reads no record above that one's, must still start a new generation.
+EARLIER_GENERATIONS = "earlier_generations"
+
+
+def base_lrsn(manifest: Mapping[str, Any]) -> int:
+    """The highest LRSN a backup's manifest records: its start, floor, replay start and end (the CF's clock while
+    it ran), and the structure's earlier generations (EARLIER_GENERATIONS). It may lie above every LRSN in any
+    log: the CF's clock moves with unlogged work too (a non-persistent put of a member whose clock runs ahead)."""
+    return max(int(manifest.get(k, 0) or 0)
+               for k in ("start_lrsn", "floor_lrsn", "replay_from", "end_lrsn", EARLIER_GENERATIONS))
 
 
 def base_of(manifest: Mapping[str, Any], held_by: Iterable[str]) -> Base:
-    """The Base of a backup: its manifest's generation, and the UOWs its copies name (`held_by`: the copies'
-    "u" fields, empty ones included); a base of the logs alone (restore.run.LogsBase) names in "carried" the UOWs
-    of older generations that hold entries its relog copies show (docs/log-management.md)."""
-    return Base(int(manifest.get("gen", 0) or 0),
-                frozenset(u for u in [*held_by, *manifest.get("carried", ())] if u))
+    """The Base of a backup: its manifest's generation and highest LRSN, and the UOWs it holds: those its copies
+    name (`held_by`: the copies' "u" fields, empty ones included), those its manifest lists as registered ("uows":
+    an in-doubt UOW registered without entries, its work there non-persistent), and, for a base of the logs alone
+    (restore.run.LogsBase), those in "carried": UOWs of older generations that hold entries its relog copies show
+    (docs/log-management.md)."""
+    held = {u for u in [*held_by, *manifest.get("carried", ())] if u} | set(manifest.get("uows") or ())
+    return Base(int(manifest.get("gen", 0) or 0), frozenset(held), base_lrsn(manifest))
 
 
 def current_incarnation(record: Record, structure: str, base: Base) -> bool:
@@ -148,9 +165,12 @@ def prepare_record(record: Record, structure: str, base: Base = Base()) -> Recor
 
 
 def restore_lrsn_above(max_lrsn: int, base: Base = Base()) -> int:
-    """The restore's own LRSN, which is also the new generation: above every LRSN read and above the base's
-    generation (generations only grow, even when no record was read), and not below the wall clock (µs)."""
-    return max(max_lrsn + 1, base.gen + 1, time.time_ns() // 1000)
+    """The restore's own LRSN, which is also the new generation: above every LRSN read, above the base's
+    generation (generations only grow, even when no record was read) and above every LRSN the base records (its
+    replay start: else work logged on the restored structure, at LRSNs from here on, lies below the replay of the
+    next restore from the same base and is skipped; and a restore point sorts after its base), and not below the
+    wall clock (µs)."""
+    return max(max_lrsn + 1, base.gen + 1, base.lrsn + 1, time.time_ns() // 1000)
 
 
 def in_flight_outcome(restore_lrsn: int) -> Outcome:
@@ -169,16 +189,19 @@ def summarize(structure: str, settled: list[Settled], outcomes: Mapping[str, Out
 
 
 def plan_local(structure: str, backup: Iterable[Copy], records: Iterable[Record], *,
-               now_ms: int | None = None, gen: int = 0, carried: Iterable[str] = ()) -> RestorePlan:
+               now_ms: int | None = None, gen: int = 0, carried: Iterable[str] = (), lrsn: int = 0,
+               registered: Collection[str] = ()) -> RestorePlan:
     """gen: the structure generation the backup was taken in (its manifest's "gen"; 0: unknown); carried: UOWs
-    the base names besides its copies' (base_of)."""
+    the base names besides its copies' (base_of); lrsn: the highest LRSN its manifest records (base_lrsn; 0:
+    unknown); registered: the UOWs its manifest lists ("uows")."""
     now_ms = now_ms if now_ms is not None else int(time.time() * 1000)
     copies: dict[str, list[Copy]] = defaultdict(list)
     max_lrsn = 0
     for c in backup:
         copies[c[1]["id"]].append(c)
         max_lrsn = max(max_lrsn, int(c[1]["l"]))
-    base = base_of({"gen": gen, "carried": list(carried)}, (c[1].get("u", "") for cs in copies.values() for c in cs))
+    base = base_of({"gen": gen, "carried": list(carried), "end_lrsn": lrsn, "uows": registered},
+                   (c[1].get("u", "") for cs in copies.values() for c in cs))
     by_entry: dict[str, list[Record]] = defaultdict(list)
     by_uow: dict[str, list[Record]] = defaultdict(list)
     ended: set[str] = set()

@@ -58,11 +58,13 @@ from cfemu.admin import Admin, AdminError, QueueDef, StructureDef
 from cfemu.repository import GroupRepository
 from restore.engine import PHASES, Progress, get_engine, no_progress
 from restore.load import LoadResult, load_plan, loaded_tombstones, restore_owned_uows
-from restore.plan import Copy, RestorePlan
+from restore.plan import EARLIER_GENERATIONS, Copy, RestorePlan
 from restore.result import PurgeResult, RestoreResult, write_report
 from sqm import records
 from sqm.log import LogLockedError, LogReader, RecordLog, find_log_dirs
 from sqm.log.format import list_segments
+from sqm.records import INCOMMIT
+from sqm.uow import rebuild_table
 
 RESTORE_MEMBER = "_restore"  # restore's own log, beside the members' logs
 
@@ -184,6 +186,27 @@ def _definition_base(repo: GroupRepository, structure: str, group: str) -> Defin
         "bytes": 0, "nonpersistent_skipped": 0, "tombstones": {}}, repo.path)
 
 
+class _AsPlanned:
+    """The base as the engines see it: its copies, and its manifest with the structure's earlier generations
+    (plan.EARLIER_GENERATIONS) beside what the base records."""
+
+    def __init__(self, base: Backup | DefinitionBase, earlier: int) -> None:
+        self.base = base
+        self.manifest = {**base.manifest, EARLIER_GENERATIONS: earlier}
+        self.path = base.path
+
+    def copies(self) -> Iterator[Copy]:
+        return iter(self.base.copies())
+
+
+def earlier_generations(backup_root: Path, structure: str, seen: bulk.Seen) -> int:
+    """The highest generation the structure has had: every restore and purge writes one as a restore point
+    before the structure is usable (a fuzzy backup records the generation it was taken in), and the CF's own
+    when it still holds the structure."""
+    return max([seen.gen, *(int(b.manifest.get("gen", 0) or 0) for b in list_backups(backup_root, structure)
+                            if b.state == OK and b.manifest)])
+
+
 def open_backup(backup_root: Path, structure: str, backup_id: str | None, group: str | None,
                 repo: GroupRepository | None = None) -> Backup | DefinitionBase:
     """The named backup, or the latest good one of the structure (restore and purge points included: a later
@@ -286,6 +309,42 @@ def log_ranges(log_dirs: list[Path], replay_from: int) -> dict[str, dict[str, An
     return out
 
 
+def committed_before_base(log_dirs: list[Path], structure: str, gen: int) -> set[str]:
+    """Units of work whose owner may still retry a commit that the base already holds: the owner's log ends with
+    the UOW committed (COMMIT, no END: the END was appended but lost with the member, or it is still in its
+    buffer) and names `structure` in the base's generation `gen`. Read as restart reads a log: from its last
+    checkpoint on.
+
+    Such a UOW held no entries on the structure when the base's backup started (its recovery floor would then lie
+    at or below the UOW's first LRSN, and the COMMIT would be replayed), so its work there had taken effect before
+    the base: the base holds it. Restore leaves it a 'C' tombstone, as it does for the in-commit UOWs it replays,
+    so that the owner's retry (its restart, a peer's recovery, its pending commit) learns that the commit stands
+    here. Without one, the structure answers "lost with the CF" (a UOW of an older generation it does not know),
+    the owner logs BACKOUT after its COMMIT and backs the UOW out on its other structures, and a later restore of
+    one of those, reading COMMIT then BACKOUT, drops messages whose put was committed (the property model's
+    test_a_member_restarts_after_a_structure_forgot_its_commit_and_the_next_restore_keeps_it)."""
+    out: set[str] = set()
+    for d in log_dirs:
+        if d.name == RESTORE_MEMBER:
+            continue  # restore decides only in-flight UOWs backed out: none it decided is in commit
+        reader = LogReader(d)
+        ckpt = reader.last_checkpoint()
+        start, ckpt_rec = (ckpt[0], ckpt[1]) if ckpt else (None, None)
+        table = rebuild_table(reader.member, ckpt_rec, (r for _, r in reader.records(start)))
+        for uow in table.values():
+            named = uow.structures.get(structure)
+            if uow.state == INCOMMIT and named is not None and (gen <= 0 or int(named) == gen):
+                out.add(uow.id)
+    return out
+
+
+def with_commits_before_base(plan: RestorePlan, log_dirs: list[Path], gen: int) -> RestorePlan:
+    """The plan, its in-commit UOWs joined by those whose commit its base holds (committed_before_base) and that
+    its replay did not decide otherwise. Every engine's plan goes through it, so that they stay equal."""
+    plan.in_commit |= {u for u in committed_before_base(log_dirs, plan.structure, gen) if u not in plan.outcomes}
+    return plan
+
+
 def _admin_definition(admin: Admin, structure: str) -> StructureDef | None:
     """The structure's definition, or None when the admin structure was lost with the CF."""
     try:
@@ -338,10 +397,22 @@ def _log_decisions(log: RecordLog, plan: RestorePlan, gen: int) -> int:
     return len(plan.decisions)
 
 
+def point_uows(plan: RestorePlan) -> dict[str, int]:
+    """The UOWs the restored structure holds a record of (plan.in_doubt_uows), each with the first LRSN its record
+    carries, as the load writes it: its first entry's, or its PREPARE's when none of its work here survived."""
+    first = {u: plan.outcomes[u].lrsn for u in plan.in_doubt_uows() if u in plan.outcomes}
+    for s in plan.loaded():
+        if s.entry and s.entry.get("u"):
+            u = s.entry["u"]
+            first[u] = min(first.get(u, int(s.entry["l"])), int(s.entry["l"]))
+    return first
+
+
 def point_replay_from(plan: RestorePlan) -> int:
-    """Where a restore from this restore's point starts reading the logs: its LRSN, or the first LRSN of the
-    entries an in-doubt UOW holds (so that the UOW's PREPARE is read, and it stays in doubt)."""
-    return min([plan.restore_lrsn, *(int(s.entry["l"]) for s in plan.loaded() if s.entry and s.entry.get("u"))])
+    """Where a restore from this restore's point starts reading the logs: its LRSN, or the first LRSN of a UOW it
+    holds (the entries of an in-doubt UOW, or its PREPARE when it holds none: so that the PREPARE is read, and the
+    UOW stays in doubt)."""
+    return min([plan.restore_lrsn, *point_uows(plan).values()])
 
 
 def _counts(plan: RestorePlan) -> dict[str, int]:
@@ -406,8 +477,11 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
     timer = PhaseTimer(progress)
     now = now_ms if now_ms is not None else time.time_ns() // 1_000_000
 
+    as_planned = _AsPlanned(backup, earlier_generations(backup_root, structure, seen))
+
     def make_plan() -> RestorePlan:
-        return chosen_engine.plan(structure, backup, log_dirs, replay_from, now, timer)
+        return with_commits_before_base(chosen_engine.plan(structure, as_planned, log_dirs, replay_from, now, timer),
+                                        log_dirs, int(manifest.get("gen", 0) or 0))
 
     result = RestoreResult(structure, backup.id, str(backup.path), chosen_engine.name, dry_run, state,
                            replay_from=replay_from, started_at=started.isoformat(timespec="seconds"),
@@ -439,7 +513,8 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
                     members=[*members.keys(), *(d.name for d in log_dirs if d.name != RESTORE_MEMBER)],
                     gen=plan.restore_lrsn, lrsn=plan.restore_lrsn, replay_from=point_replay_from(plan),
                     entries=((s.entry, s.data) for s in plan.loaded() if s.entry is not None),
-                    tombstones=loaded_tombstones(plan, base_tombstones), restored_from=backup.id)
+                    tombstones=loaded_tombstones(plan, base_tombstones), restored_from=backup.id,
+                    uows=point_uows(plan))
 
             loaded: LoadResult = load_plan(owner, plan, sdef, [q.name for q in queues], progress=timer,
                                            restored_from=backup.id, base_tombstones=base_tombstones,
@@ -593,7 +668,8 @@ def run_purge(client: redis.Redis, structure: str, *, backup_root: Path, log_roo
         return point
 
     try:
-        purged = bulk.purge(client, sdef, [q.name for q in queues], before_activate=write_point)
+        purged = bulk.purge(client, sdef, [q.name for q in queues], before_activate=write_point,
+                            committed=lambda gen: committed_before_base(find_log_dirs(log_root), structure, gen))
     except bulk.NotOwnerError as e:
         raise _refused(structure, e) from e
     rebuild_catalog(admin, backup_root, structure)

@@ -201,7 +201,14 @@ def recover_peer(qm: QueueManager, failed: str) -> PeerRecoveryReport | None:
             rep.in_doubt += 1
             continue
         commit = uow.state == INCOMMIT
-        qm.complete(uow, commit, for_member=failed)
+        try:
+            qm.complete(uow, commit, for_member=failed)
+        except BackedOutError:
+            # A structure refused the commit: a restore backed the UOW out there (or its work there was lost with
+            # the CF). complete() backed it out everywhere; the member's other UOWs are recovered all the same, as
+            # restart does (before, the first refusal stopped the recovery: every later UOW of the member stayed
+            # locked, and every later attempt failed the same way).
+            commit = False
         if commit:
             rep.committed += 1
         else:
