@@ -208,7 +208,7 @@ class Cluster:
             for m in state["managers"]:
                 cluster._spawn_manager(m["name"])
             for m in state["managers"]:
-                cluster._wait_manager(m["name"], start_timeout)
+                cluster._wait_first_start(m["name"], start_timeout)
             if backup_interval:
                 cluster._spawn_scheduler()
             if restart_cf and detach:
@@ -321,6 +321,21 @@ class Cluster:
             if time.monotonic() >= deadline:
                 raise ClusterError(f"{name} was not serving within {timeout:g}s; see {self.dir / 'run'}")
             time.sleep(0.05)
+
+    def _wait_first_start(self, name: str, timeout: float, attempts: int = 3) -> None:
+        """Wait for a manager's first start. Its ports were picked free when the cluster was planned, but another
+        process on the machine may have taken one since (seen in the test suite while other suites ran): then it
+        gets fresh ports and starts again. Only the first start may move: later restarts keep the ports clients
+        hold."""
+        for attempt in range(attempts):
+            try:
+                self._wait_manager(name, timeout)
+                return
+            except ClusterError as e:
+                if "address already in use" not in str(e) or attempt == attempts - 1:
+                    raise
+            self._set_manager(name, port=free_port(self.host), metrics_port=free_port(self.host))
+            self._spawn_manager(name)
 
     def _spawn_scheduler(self) -> None:
         sched = self.state["scheduler"]

@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -20,6 +21,7 @@ from typing import Any
 import pytest
 import yaml
 
+import qsg.cluster as cluster_mod
 from backup import cli as backup_cli
 from cfemu.admin import Admin
 from cfemu.connection import connect
@@ -295,3 +297,27 @@ def test_cfbackup_schedule_hands_its_settings_to_every_backup(redis_url: str, tm
         stop.set()
         t.join(timeout=60)
     assert list((tmp_path / "backups").glob("APP1/*/manifest.json"))
+
+
+def test_a_manager_whose_planned_port_was_taken_meanwhile_starts_on_another(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ports are picked free when the cluster is planned and bound seconds later, after the CF starts: another
+    process took one in between (the short chaos run failed so while other suites ran: QM2 'address already in
+    use'). The first start moves to fresh ports; it used to abort the whole cluster."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    planned = iter([taken.getsockname()[1]])
+    real_free_port = cluster_mod.free_port
+    monkeypatch.setattr(cluster_mod, "free_port", lambda host: next(planned, None) or real_free_port(host))
+    try:
+        c = Cluster.up(tmp_path / "c", managers=1, backup_interval=None, lease_ms=1000)
+        try:
+            port = int(c.manager("QM1")["port"])
+            assert port != taken.getsockname()[1]
+            with socket.create_connection(("127.0.0.1", port), timeout=5):
+                pass
+        finally:
+            c.down()
+    finally:
+        taken.close()
