@@ -19,6 +19,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from cfemu.credentials import redact
 
@@ -130,6 +132,9 @@ def connect(
         raise ConnectionConfigError(f"unsupported URL scheme {scheme!r} in {redact(url)!r} (use redis:// or "
                                     "rediss://)")
     opts: dict[str, Any] = {
+        # Never send a command again by itself: a CF script whose reply was lost may have run, and a get run twice
+        # takes two messages for one delivery. The caller decides what a lost reply means (sqm.manager.reply_lost).
+        "retry": Retry(NoBackoff(), 0),
         "decode_responses": False,
         "socket_timeout": socket_timeout,
         "socket_connect_timeout": socket_connect_timeout,

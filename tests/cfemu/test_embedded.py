@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
@@ -33,6 +34,7 @@ from cfemu.embedded import (
     ServerStartError,
     find_redis_server,
 )
+from tests.support.harness import HARNESS
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -362,3 +364,23 @@ def test_asking_whether_a_dead_child_is_alive_leaves_its_exit_status_to_its_pope
         assert time.monotonic() < deadline
         time.sleep(0.02)
     assert proc.wait(timeout=10) == 4
+
+
+def test_a_command_whose_reply_is_lost_is_never_sent_again_by_the_client(redis_server: Any) -> None:
+    """redis-py retries a command after a connection error or a timeout when its client has a retry policy (the
+    library's default for some constructors): a CF script whose reply was lost would then run twice, and a get run
+    twice takes two messages for one delivery. connect() never retries: a lost reply is the caller's to judge."""
+    harness = redis_server.client()
+    harness.delete("ran")
+    user, password = HARNESS[f"{redis_server.host}:{redis_server.port}"]
+    client = connect(f"redis://{user}:{password}@{redis_server.host}:{redis_server.port}/0", socket_timeout=0.3)
+    client.ping()
+    busy = threading.Thread(target=lambda: harness.execute_command("DEBUG", "SLEEP", "1.0"))
+    busy.start()
+    time.sleep(0.1)
+    with pytest.raises(redis.exceptions.TimeoutError):
+        client.incr("ran")
+    busy.join()
+    time.sleep(0.2)
+    assert harness.get("ran") == b"1", "the command ran once: the client did not send it again"
+    harness.delete("ran")
