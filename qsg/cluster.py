@@ -122,6 +122,11 @@ class Cluster:
         """The service's operator token (define, status, resolve of any in-doubt UOW), from the group's secrets."""
         return credentials.service_token(self.secrets_dir, "operator", create=False)
 
+    def backup_keys(self) -> credentials.BackupKeys:
+        """The group's backup keys, from its secrets: what signs and checks this cluster's backups (its
+        scheduler's, and those a process beside it takes or restores from)."""
+        return credentials.backup_keys(self.secrets_dir)
+
     def cf_url(self, role: str = "operator") -> str:
         """The CF's URL with the user and password of a role (for this process's own connections: never put it
         on a command line or in a file)."""
