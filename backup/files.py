@@ -438,6 +438,9 @@ def read_backup(path: str | Path, *, structure: str | None = None, group: str | 
     checked now, frames (CRC32C), sha256 and frame counts as copies() reads them. Raises a BackupError subclass."""
     path = Path(path)
     manifest = read_manifest(path, backup_keys=backup_keys)
+    if manifest.get("id") != path.name:  # an old backup copied under a newer id would pass for the latest
+        raise UntrustedBackupError(f"{path / MANIFEST_NAME}: the manifest is of backup {manifest.get('id')}, not "
+                                   f"{path.name}: a backup copied or moved under another name: refused")
     if structure is not None and manifest["structure"] != structure:
         raise ForeignBackupError(f"backup {manifest['id']} is of structure {manifest['structure']}, "
                                  f"not {structure}")

@@ -264,6 +264,17 @@ def test_a_backup_signed_with_another_groups_key_is_refused(group: Group) -> Non
     check_refused(group, f"signed with a key this group does not hold (key id {other_id}")
 
 
+def test_an_old_backup_copied_under_a_newer_id_is_refused(group: Group) -> None:
+    """The signature holds, but the backup is not the one its directory says: restore would take it for the
+    latest and start from an older view."""
+    newer = group.id[:-6] + "ffffff"
+    newer = newer.replace(newer.split("-")[1], "29991231T235959Z")
+    shutil.copytree(group.path, group.backups / S / newer)
+    for result in (group.cfbackup("verify", newer), group.cfrestore(), group.cfrestore("--backup", newer)):
+        group.refused(result, group.backups / S / newer / "manifest.json", f"the manifest is of backup {group.id}")
+    group.nothing_restored()
+
+
 def test_no_backup_key_no_backup_and_no_restore(group: Group, tmp_path: Path) -> None:
     empty = private_dir(tmp_path / "no-key")
     define_group(group.url, queues=("Q1",))
