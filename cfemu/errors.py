@@ -28,6 +28,7 @@ class StructureFullError(MQError):
 class StructureFailedError(MQError):
     reason, reason_name = 2373, "MQRC_CF_STRUC_FAILED"
     maybe_applied = False  # the request reached the CF and its reply was lost: the call may have taken effect
+    no_answer = False  # the CF did not answer (unreachable, reset, timed out), unlike a structure that said FAILED
 
 
 class FencedError(MQError):

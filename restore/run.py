@@ -37,6 +37,7 @@ empty restore point (kind "purge") before the structure is usable again (hole 8)
 
 from __future__ import annotations
 
+import json
 import time
 from collections import Counter
 from collections.abc import Iterator, Mapping
@@ -48,9 +49,9 @@ from typing import Any
 
 import redis
 
-from backup.catalog import OK, UNSIGNED, UNTRUSTED, find_backup, list_backups
-from backup.files import Backup, read_backup, resolve_keys, signing_key
-from backup.points import DEFINITION, PURGE, RESTORE, kind_of, point_id, write_restore_point
+from backup.catalog import CORRUPT, OK, UNSIGNED, UNTRUSTED, BackupInfo, find_backup, list_backups
+from backup.files import MANIFEST_NAME, Backup, read_backup, resolve_keys, signing_key
+from backup.points import DEFINITION, FUZZY, PURGE, RESTORE, kind_of, point_id, write_restore_point
 from backup.run import rebuild_catalog
 from cfemu import bulk, keys
 from cfemu.admin import Admin, AdminError, QueueDef, StructureDef
@@ -142,13 +143,7 @@ def open_backup(backup_root: Path, structure: str, backup_id: str | None, group:
                            backup_keys=backup_keys)
     backups = list_backups(backup_root, structure, backup_keys=backup_keys)
     good = next((b for b in backups if b.state == OK), None)
-    for b in backups:
-        if b is good:
-            break
-        if b.state in (UNTRUSTED, UNSIGNED):
-            raise RestoreError(
-                f"backup {b.id} of {structure} is {b.state} and newer than any good backup: {b.problem}"
-                + ("" if good is None else f"; to restore from an older one, name it (--backup {good.id})"))
+    _refuse_to_cross_damaged_points(backups, good)
     if good is None:
         defined = _definition_base(repo, structure, group or "QSG1") if repo is not None and not backups else None
         if defined is not None:
@@ -159,6 +154,43 @@ def open_backup(backup_root: Path, structure: str, backup_id: str | None, group:
                            + ("" if backups or repo is None else f", and the group repository {repo.path} has no "
                                                                  f"definition of it"))
     return read_backup(good.path, structure=structure, group=group, backup_keys=backup_keys)
+
+
+def _refuse_to_cross_damaged_points(backups: list[BackupInfo], good: BackupInfo | None) -> None:
+    """A restore or purge point cuts the structure's history: a base older than it brings back what it purged or
+    consumed. A corrupt backup newer than the newest good one that is such a point (or whose kind cannot be read)
+    is not skipped without a word, as restore once did; an incomplete one never made its structure ACTIVE (a
+    restore writes its point before that), so an older base is right then. A newer backup that is untrusted
+    (altered, another key's) or unsigned is refused whatever its kind: someone may have tampered with the backups,
+    and what it claims to be cannot be believed."""
+    for b in backups:
+        # Not newer by the catalog's order alone: a damaged manifest has no LRSN to sort by, and ids are to the
+        # second, so one begun in the same second as the good one counts as newer.
+        if good is not None and (b is good or b.started < good.started):
+            continue
+        if b.state in (UNTRUSTED, UNSIGNED):
+            raise RestoreError(
+                f"backup {b.id} of {b.structure} is {b.state} and newer than any good backup: {b.problem}"
+                + ("" if good is None else f"; to restore from an older one, having checked, name it "
+                                           f"(--backup {good.id})"))
+        if b.state != CORRUPT:
+            continue
+        kind = _readable_kind(b.path)
+        if kind == FUZZY:
+            continue
+        what = f"a {kind} point" if kind else "unreadable: it may be a restore or purge point"
+        raise RestoreError(f"backup {b.id} of {b.structure} is corrupt ({b.problem}) and {what}: a restore from an "
+                           f"older base would cross the restore or purge point (messages it consumed or purged "
+                           f"would come back). Repair or restore it from a copy; or, having checked, name the base "
+                           f"with --backup")
+
+
+def _readable_kind(path: Path) -> str:
+    """The kind a damaged backup's manifest still says ("" when it cannot be read)."""
+    try:
+        return kind_of(json.loads((path / MANIFEST_NAME).read_text()))
+    except (OSError, ValueError, AttributeError):
+        return ""
 
 
 def _logs_reach_back(log_dirs: list[Path], structure: str) -> None:

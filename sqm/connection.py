@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -14,6 +15,7 @@ from cfemu.admin import QueueDef
 from cfemu.cf import Browsed
 from cfemu.entry import Entry, check_properties
 from cfemu.errors import (
+    BackedOutError,
     BadRequestError,
     ClientGoneError,
     InDoubtError,
@@ -113,8 +115,8 @@ class Connection(UnitOfWorkScope):
         if uow is not None:
             if uow.state != INFLIGHT:
                 raise BadRequestError(f"unit of work {uow.id} is {uow.state}; commit or back it out first")
-            cf, gen, _ = qm.cf_call(partial(s.put, qm.caller, entry, body, uow=uow.id,
-                                             gen=uow.structures.get(sname, 0)))
+            cf, gen, _ = self._uow_cf_call(uow, sname, partial(s.put, qm.caller, entry, body, uow=uow.id,
+                                                               gen=uow.structures.get(sname, 0)))
             uow.structures[sname] = gen
             uow.operations += 1
             failpoint("put-after-cf")
@@ -138,7 +140,7 @@ class Connection(UnitOfWorkScope):
         try:
             self._put_entry(sname, entry, body, own)
         except BaseException:
-            if own.operations:
+            if own.operations or own.doomed:
                 qm.complete(own, False)
             else:
                 qm.forget(own)
@@ -173,7 +175,7 @@ class Connection(UnitOfWorkScope):
             while True:
                 if self.gone.is_set():
                     raise ClientGoneError(f"the client left while waiting for a message on {queue}")
-                got = qm.cf_call(lambda: s.get(
+                got = self._uow_cf_call(uow, qdef.structure, lambda: s.get(
                     qm.caller, queue, uow=uow.id, gen=uow.structures.get(qdef.structure, 0), match=match,
                     value=value, now_ms=now_ms(), max_length=max_length))
                 gen, entry, data = got.gen, got.entry, got.data
@@ -194,7 +196,7 @@ class Connection(UnitOfWorkScope):
                 time.sleep(delay)
                 delay = min(delay * 2, 0.05)
         except BaseException:
-            if uow.operations == 0:  # nothing taken: no UOW to keep (an idle connection holds none)
+            if uow.operations == 0 and not uow.doomed:  # nothing taken: no UOW to keep (an idle connection holds none)
                 qm.forget(uow)
                 if own is None:
                     self.uow = None
@@ -208,6 +210,21 @@ class Connection(UnitOfWorkScope):
             qm.complete(own, True)
         qm.counters["gets"] += 1
         return Message.from_entry(entry, data)
+
+    def _uow_cf_call(self, uow: UnitOfWork, sname: str, fn: Callable[[], Any]) -> Any:
+        """A CF call that works under ``uow`` on structure ``sname``. When the CF did not answer it, the member
+        cannot know what it did there (a reply lost on a cut link means the script may have run after the member
+        stopped waiting): the structure joins the UOW, so that its backout reaches it, and the UOW can only be
+        backed out. A UOW that forgot such a call left its entry locked for good (B7, CHAOS-RESULTS.md). A
+        structure that answered (FAILED, not in the CF) changed nothing: the UOW goes on."""
+        try:
+            return self.qm.cf_call(fn)
+        except StructureFailedError as e:
+            if not e.no_answer:
+                raise
+            uow.structures.setdefault(sname, 0)
+            uow.doomed = uow.doomed or f"a CF call of it on {sname} failed ({e})"
+            raise
 
     def _is_poison(self, qdef: QueueDef, entry: Entry) -> bool:
         return bool(qdef.backout_threshold and qdef.backout_queue
@@ -238,6 +255,9 @@ class Connection(UnitOfWorkScope):
         if uow.state == INDOUBT:
             self.uow = uow
             raise InDoubtError(f"unit of work {uow.id} is prepared: resolve it through the coordinator")
+        if uow.doomed:
+            self.qm.complete(uow, False, reason="a CF call failed")
+            raise BackedOutError(f"unit of work {uow.id} was backed out: {uow.doomed}")
         if uow.operations == 0:
             self.qm.forget(uow)
             return
@@ -247,7 +267,7 @@ class Connection(UnitOfWorkScope):
         uow, self.uow = self.uow, None
         if uow is None:
             return
-        if uow.operations == 0:
+        if uow.operations == 0 and not uow.doomed:
             self.qm.forget(uow)
             return
         self.qm.complete(uow, False)
@@ -260,6 +280,9 @@ class Connection(UnitOfWorkScope):
             raise BadRequestError("no unit of work to prepare")
         qm = self.qm
         qm.check_usable()
+        if uow.doomed:  # a coordinator's commit would apply work the application was told had failed
+            qm.complete(uow, False, reason="a CF call failed")
+            raise BackedOutError(f"unit of work {uow.id} was backed out, not prepared: {uow.doomed}")
         uow.persistent = True
         uow.xid = xid
         qm.append(records.prepare(uow.id, qm.clock.now(), uow.structures, xid=xid), uow=uow, state=INDOUBT)

@@ -35,6 +35,7 @@ from cfemu.errors import (
     LogFailedError,
     MQError,
     NotJoinedError,
+    OutcomeUnknownError,
     ResourceProblemError,
     StructureFailedError,
     UnknownObjectError,
@@ -78,7 +79,8 @@ def reply_lost(e: BaseException) -> bool:
     Then the script may have run: its effect is unknown, not absent. A refused or failed connect sent nothing."""
     if isinstance(e, redis.exceptions.TimeoutError):
         return "connect" not in str(e).lower()
-    return "while reading" in str(e) or "reading from" in str(e)
+    text = str(e)
+    return "while reading" in text or "reading from" in text or "closed by server" in text
 
 
 class QueueManager:
@@ -260,6 +262,7 @@ class QueueManager:
     def cf_call(self, fn: Callable[[], Any]) -> Any:
         """Run a CF call; a fencing refusal marks this queue manager fenced; a dead CF is a failed structure; a
         structure rebuilt after a CF loss that does not know this member yet is joined, and the call retried."""
+        epoch = self.caller.epoch
         try:
             try:
                 return fn()
@@ -267,11 +270,17 @@ class QueueManager:
                 self.renew_membership()
                 return fn()
         except FencedError:
+            if self.caller.epoch != epoch and not self.fenced:
+                # The member re-joined a CF that came back empty (a higher epoch) while this call, built with the
+                # old one, was on its way: the stale epoch is its own, not a peer's fencing. FENCED is answered
+                # before a script changes anything, so the call is made again with the new epoch.
+                return self.cf_call(fn)
             self.fenced = True
             raise
         except CF_DOWN as e:
             failed = StructureFailedError(f"the CF is unavailable: {e}")
             failed.maybe_applied = reply_lost(e)
+            failed.no_answer = True
             raise failed from None
         except PoolExhaustedError as e:
             raise ResourceProblemError(f"queue manager {self.name}: {e}; raise --cf-connections") from None
@@ -321,15 +330,34 @@ class QueueManager:
         try:
             self.apply(uow, commit, for_member=for_member)
         except (StructureFailedError, *CF_DOWN) as e:
-            if uow.persistent or for_member:
-                # The log decided the outcome; the CF is not there: finish when it (or its restore) is back.
-                log.warning("%s: %s of uow %s waits for the CF: %s", self.name,
-                            "commit" if commit else "backout", uow.id, e)
-                self.pending[uow.id] = lambda: self.apply(uow, commit, for_member=for_member)
+            if uow.persistent or for_member or not commit:
+                # The log decided the outcome (or it is a backout, which is always the outcome of a UOW whose
+                # decision reached no log); the CF is not there: finish when it (or its restore) is back. A UOW
+                # left unapplied here held its entries locked until the member restarted (B7, CHAOS-RESULTS.md).
+                self._finish_later(uow, commit, for_member, e)
                 return
-            raise
+            self._commit_failed(uow, e)
         finally:
             self.counters["commits" if commit else "backouts"] += 1
+
+    def _finish_later(self, uow: UnitOfWork, commit: bool, for_member: str | None, why: BaseException) -> None:
+        log.warning("%s: %s of uow %s waits for the CF: %s", self.name, "commit" if commit else "backout", uow.id,
+                    why)
+        self.pending[uow.id] = lambda: self.apply(uow, commit, for_member=for_member)
+
+    def _commit_failed(self, uow: UnitOfWork, e: BaseException) -> NoReturn:
+        """A commit of a UOW with no persistent work (nothing logged decides it) that the CF did not take. When no
+        structure can have applied it, it is backed out (MQRC_BACKED_OUT); when one may have (applied already, or
+        its reply lost), the commit is carried through and its outcome is unknown to the application. Either way
+        the outcome is finished when the CF is back: never left holding its entries."""
+        maybe = bool(uow.applied) or getattr(e, "maybe_applied", False) or reply_lost(e)
+        if maybe:
+            self._finish_later(uow, True, None, e)
+            raise OutcomeUnknownError(f"the commit of unit of work {uow.id} may or may not have been applied: "
+                                      f"the CF's reply was lost ({e}); it is finished when the CF is back")
+        uow.state = INBACKOUT
+        self._finish_later(uow, False, None, e)
+        raise BackedOutError(f"unit of work {uow.id} was backed out: the CF did not take its commit ({e})")
 
     def apply(self, uow: UnitOfWork, commit: bool, *, for_member: str | None = None) -> None:
         """Apply a decided outcome on every structure of the UOW (idempotent), then log END."""

@@ -19,9 +19,11 @@ owner may have applied it already: the CF stamps the entries there, and restore 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cfemu.errors import BackedOutError, MQError, StructureFailedError
@@ -143,6 +145,19 @@ def restart(qm: QueueManager, progress: Progress | None = None) -> RestartReport
     return rep
 
 
+_UNREADABLE_SAID: dict[tuple[str, str], float] = {}  # (recoverer, failed) -> when it last said so
+
+
+def _cannot_read_log(qm: QueueManager, failed: str, log_dir: Path) -> None:
+    """Say (once a minute per failed member, not every housekeeping pass) why the failed member is not recovered."""
+    key = (qm.name, failed)
+    if time.monotonic() - _UNREADABLE_SAID.get(key, -math.inf) < 60.0:
+        return
+    _UNREADABLE_SAID[key] = time.monotonic()
+    log.error("%s: cannot read the log of %s at %s (not a directory here): its work is not recovered; it stays "
+              "fenced with its entries locked until its log is back there or it restarts", qm.name, failed, log_dir)
+
+
 def recover_peers(qm: QueueManager) -> list[PeerRecoveryReport]:
     """Called periodically by every live member: recover any member whose lease has lapsed."""
     reports = []
@@ -152,27 +167,34 @@ def recover_peers(qm: QueueManager) -> list[PeerRecoveryReport]:
         if not qm.admin.try_recovery_lock(failed, qm.name, ttl_ms=max(30_000, 6 * qm.config.lease_ms)):
             continue
         try:
-            reports.append(recover_peer(qm, failed))
+            rep = recover_peer(qm, failed)
+            if rep is not None:
+                reports.append(rep)
         finally:
             qm.admin.release_recovery_lock(failed)
     return reports
 
 
-def recover_peer(qm: QueueManager, failed: str) -> PeerRecoveryReport:
+def recover_peer(qm: QueueManager, failed: str) -> PeerRecoveryReport | None:
+    """Fence the failed member and complete its work from its log. None when its log cannot be read: then nothing
+    is decided (it stays fenced, its entries locked, until its log is back or it restarts and recovers itself)."""
     t0 = time.monotonic()
     rep = PeerRecoveryReport(failed, qm.name)
     if not qm.admin.fence(failed):
         log.info("%s: %s holds a lease again (it restarted): nothing to recover", qm.name, failed)
         return rep
     log_dir = qm.config.log_root / failed
-    table: dict[str, UnitOfWork] = {}
-    if log_dir.exists():
-        table, _, high = _table_from_log(LogReader(log_dir), failed)
-        # As restart does: every RECOVERY record this member writes for the failed one sorts after everything the
-        # failed member logged, whatever our own clock says. A peer whose clock lags (skewed, or idle since before
-        # the failed member's last operations) once decided a UOW below its own operations, and restore left its
-        # entries locked for good (issue 10, hole 2).
-        qm.clock.observe(high)
+    if not log_dir.is_dir():
+        # Without the log, a UOW found only in the CF could be in flight (back it out) or committed with its
+        # COMMIT forced (complete it): backing them all out lost committed messages.
+        _cannot_read_log(qm, failed, log_dir)
+        return None
+    table, _, high = _table_from_log(LogReader(log_dir), failed)
+    # As restart does: every RECOVERY record this member writes for the failed one sorts after everything the
+    # failed member logged, whatever our own clock says. A peer whose clock lags (skewed, or idle since before
+    # the failed member's last operations) once decided a UOW below its own operations, and restore left its
+    # entries locked for good (issue 10, hole 2).
+    qm.clock.observe(high)
     _add_cf_only_uows(qm, failed, table)
     for uow in table.values():
         if uow.state == INDOUBT:

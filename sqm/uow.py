@@ -23,6 +23,9 @@ class UnitOfWork:
     record_lrsn: int = 0  # LRSN of the latest record of that decision: the CF checks it against its floor
     data_logged: bool = False  # that record carries the data of the UOW's persistent gets (backup running)
     operations: int = 0
+    # Why this UOW can only be backed out (empty: it may commit): a CF call of it failed, so its state on that
+    # structure is unknown to the member (the call may have run, its reply lost). MQ backs such a UOW out.
+    doomed: str = ""
     # Structures on which this process has applied the decided outcome: a retry skips them (fewer CF calls). Not
     # needed for correctness: a structure that applied the outcome answers a retry as done, durably (a tombstone
     # when a restore carried the UOW into a new generation; see commit.lua), also after a restart.

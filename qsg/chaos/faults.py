@@ -19,6 +19,8 @@
 | cf-link-cut/-delay/   | the proxy between one SQM and the CF closes and refuses connections / adds latency  |
 | -halfopen             | / stops forwarding without closing; a cut past the lease gets the SQM fenced        |
 | client-link-cut/...   | the same on the proxy between the clients and one SQM                               |
+| cf-link-reply-loss    | the proxy between one SQM and the CF forwards its requests and drops the CF's       |
+|                       | replies, then cuts: calls that ran on the CF with their outcome unknown to the SQM  |
 | disk-full             | the SQM whose log is on a small tmpfs: the tmpfs is filled, then freed              |
 | clock-skew            | an SQM is restarted with its LRSN clock source skewed by seconds (--clock-skew-ms); |
 |                       | sometimes another SQM is then killed -9, so the skewed one may be its recoverer     |
@@ -88,7 +90,7 @@ from sqm.service.client import Client, handshake
 from sqm.service.protocol import ENVELOPE, PRE_HELLO_MAX_FRAME, encode_frame
 from sqm.service.server import EXIT_CONFIG, EXIT_FENCED
 
-SHORT_KINDS = ("sqm-kill", "cf-kill", "cf-link-cut", "client-link-halfopen")
+SHORT_KINDS = ("sqm-kill", "cf-kill", "cf-link-cut", "client-link-halfopen", "cf-link-reply-loss")
 # Rough seconds each kind takes from injection to full service, to space the schedule.
 COST_S = {"sqm-kill": 7.0, "sqm-pause": 8.0, "cf-kill": 6.0, "cf-kill-during-restore": 8.0,
           "during-backup": 12.0, "disk-full": 8.0, "clock-skew": 6.0, "peer-clock-skew": 32.0, "backup": 3.0,
@@ -155,6 +157,8 @@ def schedule(seed: int, kinds: tuple[str, ...], duration: float, managers: list[
         if kind.endswith("-cut") or kind.endswith("-halfopen"):
             # Sometimes past the lease (the SQM is fenced and must restart), sometimes a short blip.
             hold = rnd.choice((1.0, 2.0, round(lease * 1.6 + 1.0, 1)))
+        elif kind.endswith("-reply-loss"):
+            hold = rnd.choice((0.3, 1.0, 2.0))  # shorter than the lease: the SQM stays, its calls' replies do not
         elif kind.endswith("-delay"):
             hold = rnd.choice((2.0, 3.0))
             params["delay_ms"] = rnd.choice((50, 150, 400))
@@ -505,12 +509,16 @@ def _link(which: str, mode: str) -> Callable[[ChaosGroup, FaultSpec, Step], dict
         proxy = (g.cf_proxies if which == "cf" else g.client_proxies)[f.target]
         if mode == "cut":
             proxy.cut()
+        elif mode == "reply-loss":
+            proxy.lose_replies()
         elif mode == "delay":
             proxy.delay(f.params.get("delay_ms", 100) / 1000)
         else:
             proxy.half_open()
         step(f"{which} link {mode}")
         time.sleep(f.hold)
+        if mode == "reply-loss":
+            proxy.cut()  # the SQM's calls waiting for a reply learn that it is lost (a reset)
         proxy.heal()
         step("heal")
         return after_heal(g, f.target, step)
@@ -930,7 +938,8 @@ FAULTS: dict[str, Callable[[ChaosGroup, FaultSpec, Step], dict[str, Any]]] = {
     "sqm-kill": sqm_kill, "sqm-pause": sqm_pause, "cf-kill": cf_kill,
     "cf-kill-during-restore": cf_kill_during_restore, "during-backup": during_backup,
     "cf-link-cut": _link("cf", "cut"), "cf-link-delay": _link("cf", "delay"),
-    "cf-link-halfopen": _link("cf", "halfopen"), "client-link-cut": _link("client", "cut"),
+    "cf-link-halfopen": _link("cf", "halfopen"), "cf-link-reply-loss": _link("cf", "reply-loss"),
+    "client-link-cut": _link("client", "cut"),
     "client-link-delay": _link("client", "delay"), "client-link-halfopen": _link("client", "halfopen"),
     "disk-full": disk_full, "clock-skew": clock_skew, "peer-clock-skew": peer_clock_skew, "backup": backup,
     "client-leaves-waiting-get": client_leaves_waiting_get, "big-messages": big_messages,

@@ -7,6 +7,7 @@ clients and an SQM, with faults a real network has.
     proxy.heal()         # the listener comes back on the same port; forwarding resumes
     proxy.delay(0.2)     # every chunk waits 200 ms before it is forwarded (both directions)
     proxy.half_open()    # nothing is forwarded and nothing is closed: peers wait until their own timeouts
+    proxy.lose_replies() # requests reach the target, its replies are dropped (then cut(): the callers learn it)
     proxy.stop()
 
 Half-open keeps what it read: on heal() it is delivered, as TCP would retransmit it once the path is back.
@@ -26,7 +27,7 @@ from typing import Any
 
 LOOPBACK = "127.0.0.1"
 CHUNK = 64 * 1024
-PASS, CUT, HALF_OPEN = "pass", "cut", "half-open"
+PASS, CUT, HALF_OPEN, REPLIES_LOST = "pass", "cut", "half-open", "replies-lost"
 
 
 class ProxyError(RuntimeError):
@@ -90,6 +91,11 @@ class FaultProxy:
         """Stop forwarding in both directions; keep every connection open; accept new ones but forward nothing."""
         self._run(self._set_flowing(False, HALF_OPEN))
 
+    def lose_replies(self) -> None:
+        """Forward every request, drop every reply: the target acts on requests whose callers never hear back (the
+        window a cut link opens between a request's arrival and its reply, held open). End it with cut()."""
+        self.mode = REPLIES_LOST
+
     def delay(self, seconds: float) -> None:
         """Add this much latency to every chunk forwarded, in both directions (0 removes it)."""
         if seconds < 0:
@@ -143,14 +149,15 @@ class FaultProxy:
             _reset(writer)  # the target is down: the client sees its connection reset, as without a proxy
             return
         self._open.update((writer, up_writer))
-        await asyncio.gather(self._pump(reader, up_writer), self._pump(up_reader, writer),
+        await asyncio.gather(self._pump(reader, up_writer), self._pump(up_reader, writer, replies=True),
                              return_exceptions=True)
         for w in (writer, up_writer):
             self._open.discard(w)
             with contextlib.suppress(Exception):
                 w.close()
 
-    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *,
+                    replies: bool = False) -> None:
         assert self._flowing is not None
         try:
             while True:
@@ -160,6 +167,8 @@ class FaultProxy:
                 await self._flowing.wait()
                 if not data:
                     break
+                if replies and self.mode == REPLIES_LOST:
+                    continue
                 writer.write(data)
                 await writer.drain()
         except (ConnectionError, OSError):
@@ -182,4 +191,4 @@ def _reset(writer: asyncio.StreamWriter) -> None:
         transport.abort()
 
 
-__all__ = ["CUT", "FaultProxy", "HALF_OPEN", "PASS", "ProxyError"]
+__all__ = ["CUT", "FaultProxy", "HALF_OPEN", "PASS", "REPLIES_LOST", "ProxyError"]

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import redis
 
+from backup.catalog import find_backup
 from backup.files import BackupError
 from backup.run import run_backup
 from cfemu import bulk, keys
@@ -422,3 +423,19 @@ def test_a_second_restore_at_the_same_time_is_refused(live_group: Any, dirs: tup
         with pytest.raises(RestoreError, match="another restore is running"):
             run_restore(client, S, backup_root=backups, log_root=logs)
         assert all_keys(client) == {}
+
+
+def test_a_damaged_purge_point_is_never_crossed_silently(live_group: Any, dirs: tuple[Path, Path]) -> None:
+    """A restore point or purge point cuts the structure's history: a restore from an older base crosses it and
+    brings back what it purged or consumed. When the newest such point is damaged, restore fell back to the older
+    fuzzy backup without a word (the 17 purged messages came back). It must refuse, naming the point; an
+    operator who has checked may still name a base with --backup."""
+    client, _, _ = live_group
+    logs, backups = dirs
+    purge = run_purge(client, S, backup_root=backups, log_root=logs, mark_failed=True)
+    point = find_backup(backups, purge.restore_point)
+    (point / "manifest.json").write_text("{ damaged")
+    lose_cf(client)
+    with pytest.raises(RestoreError, match=f"{purge.restore_point} .*corrupt.*restore or purge point"):
+        run_restore(client, S, backup_root=backups, log_root=logs)
+    assert Admin(client).state(S) != "ACTIVE"

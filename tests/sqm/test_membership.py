@@ -11,10 +11,16 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from cfemu.admin import MEMBERS, STRUCTURES, Admin
+from cfemu.cf import Caller
 from cfemu.embedded import EmbeddedRedis
+from cfemu.entry import Entry
+from cfemu.errors import FencedError
 from sqm.recovery import recover_peers
 from tests.support.group import define_group, start_qm
+from tests.support.harness import lose_cf
 
 LEASE_MS = 900
 
@@ -69,3 +75,52 @@ def test_one_malformed_admin_entry_is_reported_and_skipped_not_fatal(
         assert not qm.fenced
     finally:
         qm.stop()
+
+
+def test_a_call_that_left_before_the_member_rejoined_a_new_cf_does_not_fence_it(
+        redis_factory: Callable[..., EmbeddedRedis], tmp_path: Path) -> None:
+    """The CF was lost and came back empty; the member re-joined it with a higher epoch while one of its calls,
+    built with the old epoch, was still on its way. The structure answers that call FENCED (the epoch is stale),
+    yet no peer fenced anyone: the member must retry it with its new epoch, not stop as fenced (it did, and a
+    whole healthy member exited with code 3)."""
+    srv = redis_factory()
+    define_group(srv.url)
+    qm = start_qm(srv.url, tmp_path / "logs", "QM1", background=False)
+    try:
+        old = Caller(qm.caller.member, qm.caller.epoch, qm.caller.clock)
+        lose_cf(srv.client())
+        define_group(srv.url)
+        s = qm.structure("APP1")
+        entry = Entry(id="e1", queue="Q1", priority=0, persistent=False, msgid="00", correlid="", expiry=0,
+                      put_time=0, properties={})
+        calls: list[int] = []
+
+        def put() -> object:
+            calls.append(qm.caller.epoch)
+            if len(calls) == 1:  # on its way with the old epoch while the heartbeat re-joins (a higher epoch)
+                qm.renew_membership()
+                return s.put(old, entry, b"after the re-join")
+            return s.put(qm.caller, entry, b"after the re-join")
+
+        qm.cf_call(put)
+        assert qm.caller.epoch > old.epoch and len(calls) == 2
+        assert not qm.fenced
+        assert [m.body for m in qm.connect().browse("Q1")] == [b"after the re-join"]
+    finally:
+        qm.stop()
+
+
+def test_a_member_fenced_by_a_peer_still_stops(redis_factory: Callable[..., EmbeddedRedis], tmp_path: Path) -> None:
+    srv = redis_factory()
+    define_group(srv.url)
+    qm = start_qm(srv.url, tmp_path / "logs", "QM1", background=False)
+    try:
+        stale = Caller(qm.caller.member, qm.caller.epoch - 1, qm.caller.clock)
+        entry = Entry(id="e1", queue="Q1", priority=0, persistent=False, msgid="00", correlid="", expiry=0,
+                      put_time=0, properties={})
+        s = qm.structure("APP1")
+        with pytest.raises(FencedError):
+            qm.cf_call(lambda: s.put(stale, entry, b"x"))
+        assert qm.fenced
+    finally:
+        qm.stop(checkpoint=False)

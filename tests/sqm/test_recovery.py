@@ -8,6 +8,7 @@ flipped byte before it is a clear error.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from sqm import records
 from sqm.connection import Connection
 from sqm.log import LogCorruptError, LogReader, find_log_dirs, merged_records
 from sqm.manager import QueueManager
+from sqm.recovery import recover_peers
 from tests.support.group import define_group, start_qm
 
 
@@ -290,3 +292,31 @@ def test_flipped_byte_mid_segment_is_a_clear_error(redis_url: str, log_root: Pat
     # Nothing durable changed: the segment is as we left it, and the member did not join the group.
     assert seg.read_bytes() == bytes(data)
     assert qm.admin.epoch("QM1") == epoch
+
+
+def test_a_peer_that_cannot_read_the_failed_members_log_does_not_guess(redis_url: str, log_root: Path,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """QM2 forced a COMMIT and died before applying it; its log directory is not where its peer looks (a
+    mount that did not come back, an operator who moved it). Peer recovery backed out every UOW it found only in
+    the CF, that committed one too: a committed message lost. It must recover nothing it cannot read, say so,
+    and recover it once the log is back (or leave it to QM2's own restart)."""
+    qm1 = start_qm(redis_url, log_root, "QM1", background=False, lease_ms=300)
+    qm2 = start_qm(redis_url, log_root, "QM2", background=False, lease_ms=300)
+    try:
+        conn = qm2.connect()
+        conn.put("Q1", b"committed")
+        assert conn.uow is not None
+        qm2.append(records.commit(conn.uow.id, qm2.clock.now(), conn.uow.structures))
+        crash(qm2)
+        away = log_root.parent / "QM2-away"
+        (log_root / "QM2").rename(away)
+        time.sleep(0.4)  # QM2's lease lapses
+        assert recover_peers(qm1) == []
+        assert "cannot read the log of QM2" in caplog.text
+        assert locked(qm1) == 1, "nothing decided without the log"
+        away.rename(log_root / "QM2")
+        reports = recover_peers(qm1)
+        assert [(r.failed, r.committed, r.backed_out) for r in reports] == [("QM2", 1, 0)]
+        assert bodies(qm1.connect()) == [(b"committed", 0)]
+    finally:
+        qm1.stop()

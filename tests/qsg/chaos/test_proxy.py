@@ -108,6 +108,41 @@ def test_half_open_forwards_nothing_and_closes_nothing_then_delivers_on_heal(pro
         late.close()
 
 
+def test_lost_replies_reach_the_target_and_never_the_caller_then_the_cut_tells_it() -> None:
+    received: list[bytes] = []
+
+    class Recording(socketserver.BaseRequestHandler):
+        def handle(self) -> None:
+            while data := self.request.recv(4096):
+                received.append(data)
+                self.request.sendall(data)
+
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Recording)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    p = FaultProxy(server.server_address, name="test").start()
+    try:
+        with _connect(p) as s:
+            _roundtrip(s)
+            p.lose_replies()
+            s.sendall(b"acted-on")
+            s.settimeout(0.5)
+            with pytest.raises(TimeoutError):  # the reply never comes
+                s.recv(10)
+            assert received[-1] == b"acted-on", "the request reached the target"
+            p.cut()
+            s.settimeout(2)
+            with pytest.raises(ConnectionResetError):
+                s.recv(10)
+            p.heal()
+        with _connect(p) as s:
+            _roundtrip(s)  # forwarding both ways again
+    finally:
+        p.stop()
+        server.shutdown()
+        server.server_close()
+
+
 def test_refuses_non_loopback_targets() -> None:
     with pytest.raises(ProxyError, match="127.0.0.1"):
         FaultProxy(("10.0.0.1", 80))
