@@ -1,7 +1,10 @@
 """The durable backup catalog is the backup directory tree itself: <root>/<STRUCTURE>/<backup-id>/.
 
-Listing reads each backup's manifest (checksum verified) and checks its files' presence and sizes; `deep`
-also reads every frame (CRC32C, sha256, frame counts), as `cfbackup verify` does. The admin structure keeps a
+Listing reads each backup's manifest (its signature checked with the group's backup keys) and checks its files'
+presence and sizes; `deep` also reads every frame (CRC32C, sha256, frame counts), as `cfbackup verify` does. A
+backup is ok, corrupt (damaged: a file, a frame, a checksum), incomplete (no manifest: unfinished), unsigned
+(taken before backups were signed: ok only with the operator's override) or untrusted (not the group's backup as
+it was written: its signature does not match or is another key's, or it names files outside itself). The admin structure keeps a
 copy of the catalog (cfemu.admin.Admin.backups) that is lost with the CF; pruning updates it when it can.
 """
 
@@ -20,15 +23,19 @@ from backup.files import (
     BackupError,
     BackupNotFoundError,
     IncompleteBackupError,
+    UnsignedBackupError,
+    UntrustedBackupError,
     parse_backup_id,
     read_backup,
+    resolve_keys,
     verify,
 )
 from backup.points import kind_of
 from cfemu import keys
 from cfemu.admin import Admin
+from cfemu.credentials import BackupKeys
 
-OK, CORRUPT, INCOMPLETE = "ok", "corrupt", "incomplete"
+OK, CORRUPT, INCOMPLETE, UNSIGNED, UNTRUSTED = "ok", "corrupt", "incomplete", "unsigned", "untrusted"
 
 _AGE = re.compile(r"^(\d+)([smhdw])$")
 _AGE_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
@@ -40,7 +47,7 @@ class BackupInfo:
     structure: str
     path: Path
     started: datetime  # from the id (to the second); the manifest's started_at is exact
-    state: str  # ok, corrupt or incomplete
+    state: str  # ok, corrupt, incomplete, unsigned or untrusted
     problem: str = ""  # why it is not ok
     manifest: dict[str, Any] | None = field(default=None, repr=False)
 
@@ -55,13 +62,18 @@ class BackupInfo:
                 "exception_records": m.get("exception_records")}
 
 
-def inspect(path: Path, *, deep: bool = False) -> BackupInfo:
+def inspect(path: Path, *, deep: bool = False, backup_keys: BackupKeys | None = None) -> BackupInfo:
     """The state of the backup directory at `path` (named by its backup id)."""
     structure, started = parse_backup_id(path.name)
     try:
-        manifest = verify(path) if deep else read_backup(path).manifest
+        manifest = (verify(path, backup_keys=backup_keys) if deep
+                    else read_backup(path, backup_keys=backup_keys).manifest)
     except IncompleteBackupError as e:
         return BackupInfo(path.name, structure, path, started, INCOMPLETE, str(e))
+    except UnsignedBackupError as e:
+        return BackupInfo(path.name, structure, path, started, UNSIGNED, str(e))
+    except UntrustedBackupError as e:
+        return BackupInfo(path.name, structure, path, started, UNTRUSTED, str(e))
     except BackupError as e:
         return BackupInfo(path.name, structure, path, started, CORRUPT, str(e))
     if manifest["id"] != path.name or manifest["structure"] != structure:
@@ -74,9 +86,12 @@ def _sort_key(b: BackupInfo) -> tuple[datetime, int, str]:
     return b.started, int((b.manifest or {}).get("start_lrsn", 0)), b.id
 
 
-def list_backups(backup_root: Path, structure: str | None = None, *, deep: bool = False) -> list[BackupInfo]:
-    """Backups (good or not) of one structure, or of all, newest first."""
+def list_backups(backup_root: Path, structure: str | None = None, *, deep: bool = False,
+                 backup_keys: BackupKeys | None = None) -> list[BackupInfo]:
+    """Backups (good or not) of one structure, or of all, newest first, checked with backup_keys (default: those
+    this process's settings find)."""
     root = Path(backup_root)
+    backup_keys = resolve_keys(backup_keys)
     if structure:
         dirs = [root / structure]
     elif root.is_dir():
@@ -93,13 +108,15 @@ def list_backups(backup_root: Path, structure: str | None = None, *, deep: bool 
             except ValueError:
                 continue  # not a backup (a stray file or folder)
             if p.is_dir() and sname == d.name:
-                found.append(inspect(p, deep=deep))
+                found.append(inspect(p, deep=deep, backup_keys=backup_keys))
     return sorted(found, key=_sort_key, reverse=True)
 
 
-def latest_good(backup_root: Path, structure: str, *, deep: bool = False) -> BackupInfo | None:
+def latest_good(backup_root: Path, structure: str, *, deep: bool = False,
+                backup_keys: BackupKeys | None = None) -> BackupInfo | None:
     """The newest backup of `structure` whose state is ok (None when there is none)."""
-    return next((b for b in list_backups(backup_root, structure, deep=deep) if b.state == OK), None)
+    return next((b for b in list_backups(backup_root, structure, deep=deep, backup_keys=backup_keys)
+                 if b.state == OK), None)
 
 
 def find_backup(backup_root: Path, backup_id: str) -> Path:
@@ -136,7 +153,8 @@ def _running_backup(client: redis.Redis, structure: str) -> str | None:
 
 
 def prune(backup_root: Path, structure: str, *, keep: int | None = None, older_than: timedelta | None = None,
-          client: redis.Redis | None = None, now: datetime | None = None) -> PruneResult:
+          client: redis.Redis | None = None, now: datetime | None = None,
+          backup_keys: BackupKeys | None = None) -> PruneResult:
     """Remove backups of `structure` beyond the newest `keep`, and/or started more than `older_than` ago.
 
     The newest good backup is never removed, nor the backup the CF says is running. When `client` reaches the
@@ -146,7 +164,7 @@ def prune(backup_root: Path, structure: str, *, keep: int | None = None, older_t
     if keep is not None and keep < 1:
         raise ValueError(f"--keep must be at least 1, not {keep}")
     now = now or datetime.now(UTC)
-    backups = list_backups(backup_root, structure)
+    backups = list_backups(backup_root, structure, backup_keys=backup_keys)
     newest_good = next((b.id for b in backups if b.state == OK), None)
     running: str | None = None
     reachable = client is not None

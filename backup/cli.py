@@ -3,14 +3,21 @@
   cfbackup run STRUCTURE [--exclint SECONDS]     back up a structure while the group keeps working
   cfbackup list [STRUCTURE] [--deep]             backups, newest first, with their state (ok/corrupt/incomplete)
   cfbackup show ID                               one backup's manifest: LRSN range, steps, files
-  cfbackup verify ID                             read everything: every frame's CRC, every file's sha256
+  cfbackup verify ID                             read everything: the signature, every frame's CRC, every
+                                                 file's sha256
+  cfbackup sign ID                               sign a backup again with the current key, once all of it checks
+                                                 (after a key rotation; with --accept-unsigned, adopt an old one)
   cfbackup prune STRUCTURE --keep N | --older-than AGE
   cfbackup schedule --interval SECONDS [--structure S]...   back up every N seconds (a daemon, until SIGTERM)
 
 The CF, the members' logs and the backup root are found as by every command (cfemu.settings): the flag, else the
 environment ($REDIS_URL, $CFEMU_LOG_ROOT, $CFEMU_BACKUP_DIR), else the nearest 'cfemu cluster' directory, else the
-CF of 'cfemu cf start', else var/logs and var/backups. Errors are one line on stderr (exit 2); --verbose adds the
-traceback. --json prints machine-readable output (schedule: its log lines as JSON).
+CF of 'cfemu cf start', else var/logs and var/backups. So is the group's backup key (backup.key in its secrets
+directory: $CFEMU_SECRETS_DIR, the cluster's, the CF directory's), which signs every backup and without which
+none is written or read. A backup taken before backups were signed is refused (state "unsigned") unless
+--accept-unsigned is given (list, show, verify, sign), which logs each one it lets through. Errors are one line
+on stderr (exit 2); --verbose adds the traceback. --json prints machine-readable output (schedule: its log lines
+as JSON).
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from rich.console import Console
 from rich.table import Table
 
 from backup.catalog import OK, find_backup, inspect, list_backups, parse_age, prune
-from backup.files import BackupError, verify
+from backup.files import BackupError, sign_backup, verify
 from backup.run import DEFAULT_BATCH, run_backup
 from cfemu.clitools import (
     Output,
@@ -37,6 +44,8 @@ from cfemu.clitools import (
 )
 from cfemu.clitools import styled_table as _table
 from cfemu.connection import connect
+from cfemu.credentials import BackupKeys
+from cfemu.settings import Settings
 
 EXPECTED_ERRORS = (BackupError,)  # beyond clitools.COMMON_ERRORS
 
@@ -75,6 +84,11 @@ def _summary_table(console: Console, manifest: dict[str, Any], path: Path, state
     return t
 
 
+def _keys(found: Settings, args: argparse.Namespace) -> BackupKeys:
+    """The group's backup keys, as the settings resolver finds them, with the operator's override."""
+    return found.backup_keys(accept_unsigned=getattr(args, "accept_unsigned", False))
+
+
 def cmd_run(args: argparse.Namespace, out: Output) -> int:
     found = settings(args)
     client = connect(require_url(found))
@@ -82,7 +96,7 @@ def cmd_run(args: argparse.Namespace, out: Output) -> int:
     log_root = found.log_root if found.log_root.is_dir() else None
     with PhaseBars(out.console, disabled=out.as_json or not out.console.is_terminal, width=36) as bars:
         manifest = run_backup(client, args.structure, found.backup_dir, log_root=log_root, exclint_s=args.exclint,
-                              batch=args.batch, progress=bars)
+                              batch=args.batch, progress=bars, backup_keys=_keys(found, args))
     path = found.backup_dir / args.structure / manifest["id"]
     if out.as_json:
         out.json({**manifest, "path": str(path)})
@@ -93,8 +107,9 @@ def cmd_run(args: argparse.Namespace, out: Output) -> int:
 
 
 def cmd_list(args: argparse.Namespace, out: Output) -> int:
-    backup_dir = settings(args).backup_dir
-    backups = list_backups(backup_dir, args.structure, deep=args.deep)
+    found = settings(args)
+    backup_dir = found.backup_dir
+    backups = list_backups(backup_dir, args.structure, deep=args.deep, backup_keys=_keys(found, args))
     if out.as_json:
         out.json([b.summary() for b in backups])
         return 0
@@ -113,7 +128,8 @@ def cmd_list(args: argparse.Namespace, out: Output) -> int:
 
 
 def cmd_show(args: argparse.Namespace, out: Output) -> int:
-    info = inspect(find_backup(settings(args).backup_dir, args.id))
+    found = settings(args)
+    info = inspect(find_backup(found.backup_dir, args.id), backup_keys=_keys(found, args))
     if out.as_json:
         out.json({**info.summary(), "manifest": info.manifest})
     elif info.manifest is not None:
@@ -126,15 +142,31 @@ def cmd_show(args: argparse.Namespace, out: Output) -> int:
 
 
 def cmd_verify(args: argparse.Namespace, out: Output) -> int:
-    path = find_backup(settings(args).backup_dir, args.id)
-    manifest = verify(path)
+    found = settings(args)
+    path = find_backup(found.backup_dir, args.id)
+    manifest = verify(path, backup_keys=_keys(found, args))
     frames = sum(f["frames"] for f in manifest["files"])
+    signed = "signature" in manifest
     if out.as_json:
         out.json({"id": manifest["id"], "state": OK, "entries": manifest["entries"], "frames": frames,
-                     "bytes": manifest["bytes"], "files": len(manifest["files"])})
+                  "bytes": manifest["bytes"], "files": len(manifest["files"]), "signed": signed,
+                  "key": manifest["signature"]["key"] if signed else None})
     else:
+        how = (f"its signature (key {manifest['signature']['key']}), every CRC and sha256 match" if signed else
+               "UNSIGNED (accepted with --accept-unsigned), every CRC and sha256 match")
         out.line(f"backup {manifest['id']} is good: {frames} frames in {len(manifest['files'])} file(s), "
-                      f"{_mib(manifest['bytes'])} MiB of data, every CRC and checksum matches")
+                 f"{_mib(manifest['bytes'])} MiB of data; {how}")
+    return 0
+
+
+def cmd_sign(args: argparse.Namespace, out: Output) -> int:
+    found = settings(args)
+    path = find_backup(found.backup_dir, args.id)
+    manifest = sign_backup(path, backup_keys=_keys(found, args))
+    if out.as_json:
+        out.json({"id": manifest["id"], "key": manifest["signature"]["key"]})
+    else:
+        out.line(f"backup {manifest['id']} checked and signed with key {manifest['signature']['key']}")
     return 0
 
 
@@ -142,7 +174,8 @@ def cmd_prune(args: argparse.Namespace, out: Output) -> int:
     older = parse_age(args.older_than) if args.older_than else None
     found = settings(args)
     client = connect(found.redis_url) if found.redis_url else None  # without a CF, only the files are pruned
-    result = prune(found.backup_dir, args.structure, keep=args.keep, older_than=older, client=client)
+    result = prune(found.backup_dir, args.structure, keep=args.keep, older_than=older, client=client,
+                   backup_keys=_keys(found, args))
     if out.as_json:
         out.json({"removed": [b.id for b in result.removed], "kept": [b.id for b in result.kept],
                      "admin_updated": result.admin_updated, "note": result.note})
@@ -178,6 +211,11 @@ def build_parser() -> argparse.ArgumentParser:
     cf = argparse.ArgumentParser(add_help=False)
     add_settings_arguments(cf, "redis_url", "cf_dir")
 
+    unsigned = argparse.ArgumentParser(add_help=False)
+    unsigned.add_argument("--accept-unsigned", action="store_true",
+                          help="use backups taken before backups were signed (each is logged); only for backups "
+                               "you know are the group's (docs/security.md)")
+
     p = argparse.ArgumentParser(prog="cfbackup", description="Fuzzy backup of CF structures (BACKUP CFSTRUCT).")
     sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
     run = sub.add_parser("run", parents=[common, cf], help="back up a structure")
@@ -189,17 +227,22 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"entries per pipelined fetch (default {DEFAULT_BATCH}); smaller batches hold up the CF's "
                           "other work for less time, larger ones back up faster")
     run.set_defaults(func=cmd_run)
-    ls = sub.add_parser("list", parents=[common], help="list backups, newest first")
+    ls = sub.add_parser("list", parents=[common, unsigned], help="list backups, newest first")
     ls.add_argument("structure", nargs="?")
     ls.add_argument("--deep", action="store_true", help="read every frame to decide the state (slow)")
     ls.set_defaults(func=cmd_list)
-    show = sub.add_parser("show", parents=[common], help="show one backup")
+    show = sub.add_parser("show", parents=[common, unsigned], help="show one backup")
     show.add_argument("id")
     show.set_defaults(func=cmd_show)
-    ver = sub.add_parser("verify", parents=[common], help="read and check a whole backup")
+    ver = sub.add_parser("verify", parents=[common, unsigned], help="read and check a whole backup")
     ver.add_argument("id")
     ver.set_defaults(func=cmd_verify)
-    pr = sub.add_parser("prune", parents=[common, cf], help="remove old backups (never the newest good one)")
+    sign = sub.add_parser("sign", parents=[common, unsigned],
+                          help="check a whole backup, then sign it with the current key (after a key rotation)")
+    sign.add_argument("id")
+    sign.set_defaults(func=cmd_sign)
+    pr = sub.add_parser("prune", parents=[common, cf, unsigned],
+                        help="remove old backups (never the newest good one)")
     pr.add_argument("structure")
     how = pr.add_mutually_exclusive_group(required=True)
     how.add_argument("--keep", type=int, metavar="N", help="keep the N newest backups")

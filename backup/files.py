@@ -1,20 +1,30 @@
-"""The on-disk backup format (docs/backup-format.md): entry files of CRC32C frames and a checksummed manifest.
+"""The on-disk backup format (docs/backup-format.md): entry files of CRC32C frames and a signed manifest.
 
 BackupWriter streams frames into entry files as the backup copies entries and writes the manifest last,
-atomically, so that a backup without a manifest is always an unfinished one. read_backup() opens a backup and
-refuses anything that is not exactly what the manifest describes, with one line naming the file (and the byte
-offset of a bad frame).
+atomically, so that a backup without a manifest is always an unfinished one. The manifest carries every entry
+file's size, sha256 and frame count, and is signed with the group's backup key (HMAC-SHA256 over its canonical
+JSON: cfemu.credentials.BackupKeys, found by cfemu.settings), so that the manifest and, through its digests, the
+entry files are the group's: nobody without the key can alter a backup (its replay start, a body, its members)
+and have it accepted. read_backup() opens a backup and refuses anything that is not exactly what the manifest
+describes, with one line naming the file (and the byte offset of a bad frame): an unsigned manifest (a backup
+taken before backups were signed: accepted only with the operator's override, ``accept_unsigned``), a signature
+that does not match or was made with a key the group does not hold, an entry file name that is not one of the
+backup's own (entries-NNNN.bin in its directory; never a path, never a symbolic link), a file whose digest does
+not match. Messages name files and key ids, never a key.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import hmac
 import json
+import logging
 import os
 import re
 import secrets
 import shutil
+import stat
 import struct
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -24,12 +34,22 @@ from typing import Any, BinaryIO
 import crc32c
 import msgpack
 
+from cfemu import settings
+from cfemu.credentials import BackupKeys, key_id
 from cfemu.durable import fsync_directory, replace_file
 from cfemu.private_files import open_private, private_dir
 
-FORMAT_VERSION = 1
+log = logging.getLogger("backup.files")
+
+FORMAT_VERSION = 2  # the manifest's: signed with the group's backup key
+UNSIGNED_FORMAT = 1  # a manifest from before signing: an unkeyed checksum only (read with accept_unsigned)
+ENTRY_FILE_VERSION = 1
 MAGIC = b"CFBKP1\n"
-FILE_HEADER = MAGIC + struct.pack("<H", FORMAT_VERSION)
+FILE_HEADER = MAGIC + struct.pack("<H", ENTRY_FILE_VERSION)
+SIGNATURE_ALG = "hmac-sha256"
+_MAC_CONTEXT = b"cfemu backup manifest v2\n"  # what the MAC is of: only a manifest, never another message
+ENTRY_NAME_RE = re.compile(r"entries-[0-9]{4,6}\.bin")  # what the writer names entry files (fullmatch)
+_SHA256_RE = re.compile(r"[0-9a-f]{64}")
 FRAME_HEAD = struct.Struct("<II")  # length, CRC32C of the body
 MANIFEST_NAME = "manifest.json"
 ROLL_BYTES = 256 * 2**20
@@ -66,6 +86,42 @@ class ForeignBackupError(BackupError):
     """The backup belongs to another structure or another queue-sharing group."""
 
 
+class UnsignedBackupError(BackupError):
+    """The manifest carries no signature: a backup taken before backups were signed, or one whose signature was
+    removed. Used only with the operator's override (BackupKeys.accept_unsigned, ``--accept-unsigned``)."""
+
+
+class UntrustedBackupError(BackupError):
+    """Not the group's backup as it was written: the signature does not match (the manifest was altered), it was
+    made with a key the group does not hold (another group's backup, or a key rotated out), or the manifest names
+    an entry file outside the backup (a path, a symbolic link)."""
+
+
+class NoBackupKeyError(BackupError):
+    """This process found no backup key to sign or check a backup with."""
+
+
+def _no_key(doing: str, keys: BackupKeys) -> NoBackupKeyError:
+    return NoBackupKeyError(
+        f"no backup key to {doing} (looked in: {keys.source or 'nowhere'}): backups are signed with the group's "
+        "key, backup.key in its secrets directory; make one with 'cfemu secrets init --dir DIR' (existing secrets "
+        "are kept) and set CFEMU_SECRETS_DIR=DIR, or run in a cluster ('cfemu cluster up')")
+
+
+def resolve_keys(backup_keys: BackupKeys | None) -> BackupKeys:
+    """The keys given, or when none are, those this process's settings find (cfemu.settings.backup_keys)."""
+    return backup_keys if backup_keys is not None else settings.backup_keys()
+
+
+def signing_key(backup_keys: BackupKeys | None, doing: str = "sign the backup with") -> bytes:
+    """The key new backups are signed with; NoBackupKeyError when this process has none. Writers ask before
+    they start, so that a backup or restore without a key fails before it changes anything."""
+    keys = resolve_keys(backup_keys)
+    if keys.current is None:
+        raise _no_key(doing, keys)
+    return keys.current
+
+
 def new_backup_id(structure: str, when: datetime) -> str:
     """<STRUCTURE>-<YYYYmmddTHHMMSSZ>-<6 hex>: ids of one structure sort by start time (to the second)."""
     return f"{structure}-{when.astimezone(UTC):%Y%m%dT%H%M%SZ}-{secrets.token_hex(3)}"
@@ -84,8 +140,28 @@ def canonical_json(obj: Any) -> bytes:
 
 
 def manifest_checksum(manifest: dict[str, Any]) -> str:
-    """SHA-256 of the canonical JSON of every field but `checksum`."""
+    """SHA-256 of the canonical JSON of every field but `checksum`: the unkeyed check of an unsigned (format 1)
+    manifest. Anyone can recompute it: it shows damage, not tampering."""
     return hashlib.sha256(canonical_json({k: v for k, v in manifest.items() if k != "checksum"})).hexdigest()
+
+
+def manifest_mac(manifest: dict[str, Any], key: bytes) -> str:
+    """HMAC-SHA256, with the group's backup key, of the canonical JSON of every field but `signature`."""
+    body = {k: v for k, v in manifest.items() if k != "signature"}
+    return hmac.new(key, _MAC_CONTEXT + canonical_json(body), hashlib.sha256).hexdigest()
+
+
+def sign_manifest(manifest: dict[str, Any], key: bytes) -> dict[str, Any]:
+    """The manifest as format 2, signed with key: {"alg", "key" (its id), "mac"} in `signature`."""
+    out = {k: v for k, v in manifest.items() if k not in ("signature", "checksum")}
+    out["format"] = FORMAT_VERSION
+    out["signature"] = {"alg": SIGNATURE_ALG, "key": key_id(key), "mac": manifest_mac(out, key)}
+    return out
+
+
+def _write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
+    replace_file(directory / MANIFEST_NAME, json.dumps(manifest, sort_keys=True, indent=1,
+                                                       ensure_ascii=False).encode())
 
 
 def _packer() -> msgpack.Packer:
@@ -96,7 +172,9 @@ def _packer() -> msgpack.Packer:
 class BackupWriter:
     """Writes one backup directory: frames into entry files (rolled at roll_bytes), then the manifest."""
 
-    def __init__(self, directory: Path, *, roll_bytes: int = ROLL_BYTES) -> None:
+    def __init__(self, directory: Path, *, roll_bytes: int = ROLL_BYTES,
+                 backup_keys: BackupKeys | None = None) -> None:
+        self._key = signing_key(backup_keys)  # before anything is written: no key, no backup
         self.directory = Path(directory)
         self.roll_bytes = roll_bytes
         private_dir(self.directory.parent)  # the structure's backups hold every message: 0700
@@ -149,15 +227,13 @@ class BackupWriter:
             self._flush_buffer()
 
     def finish(self, manifest: dict[str, Any]) -> dict[str, Any]:
-        """Close the entry files (fsynced), then write the manifest atomically; returns the manifest written."""
+        """Close the entry files (fsynced), then write the manifest, signed, atomically; returns it."""
         if self._file is None and not self.files:
             self._open_next()  # an empty structure still has one (empty) entry file: the format stays uniform
         self._close_current()
         fsync_directory(self.directory)
-        out = dict(manifest, format=FORMAT_VERSION, files=self.files)
-        out["checksum"] = manifest_checksum(out)
-        replace_file(self.directory / MANIFEST_NAME,
-                     json.dumps(out, sort_keys=True, indent=1, ensure_ascii=False).encode())
+        out = sign_manifest(dict(manifest, files=self.files), self._key)
+        _write_manifest(self.directory, out)
         return out
 
     def abort(self) -> None:
@@ -183,7 +259,7 @@ class Backup:
     def frames(self) -> Iterator[tuple[int, dict[str, Any], bytes]]:
         """(step, descriptor, data) of every frame, in file order, each checked; raises BackupError."""
         for info in self.manifest["files"]:
-            yield from _read_entry_file(self.path / info["name"], info)
+            yield from _read_entry_file(entry_path(self.path, info["name"]), info)
 
     def copies(self) -> Iterator[tuple[str, dict[str, Any], bytes]]:
         """(structure, descriptor wire form, data) of every copy in the backup (an entry may appear twice)."""
@@ -192,14 +268,44 @@ class Backup:
             yield structure, descriptor, data
 
 
+def entry_path(backup_dir: Path, name: Any) -> Path:
+    """The path of an entry file the manifest names: only a name the writer gives (entries-NNNN.bin), so always
+    in the backup's own directory; anything else (``../x``, an absolute path) is refused before it is opened."""
+    if not isinstance(name, str) or not ENTRY_NAME_RE.fullmatch(name):
+        raise UntrustedBackupError(f"{backup_dir / MANIFEST_NAME}: the entry file name {name!r} is not one of "
+                                   f"this backup's (entries-NNNN.bin in {backup_dir}): refused, nothing read")
+    return backup_dir / name
+
+
+def _open_file(path: Path) -> BinaryIO:
+    """Open a backup's file for reading, never through a symbolic link (which may lead outside the backup)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        raise TruncatedBackupError(f"{path}: entry file is missing") from None
+    except OSError:
+        if path.is_symlink():
+            raise _symlink(path) from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise UntrustedBackupError(f"{path}: not a regular file: refused")
+    return os.fdopen(fd, "rb", buffering=_READ_BUFFER)
+
+
+def _symlink(path: Path) -> UntrustedBackupError:
+    return UntrustedBackupError(f"{path}: a symbolic link, which no file of a backup is (it may lead outside the "
+                                "backup): refused, nothing read")
+
+
 def _read_entry_file(path: Path, info: dict[str, Any]) -> Iterator[tuple[int, dict[str, Any], bytes]]:
     sha = hashlib.sha256()
     frames = 0
-    with open(path, "rb", buffering=_READ_BUFFER) as f:
+    with _open_file(path) as f:
         header = f.read(len(FILE_HEADER))
         sha.update(header)
         if header != FILE_HEADER:
-            raise ChecksumMismatchError(f"{path}: not a version {FORMAT_VERSION} backup entry file (bad header)")
+            raise ChecksumMismatchError(f"{path}: not a version {ENTRY_FILE_VERSION} backup entry file (bad header)")
         offset = len(header)
         while head := f.read(FRAME_HEAD.size):
             if len(head) < FRAME_HEAD.size:
@@ -226,46 +332,115 @@ def _read_entry_file(path: Path, info: dict[str, Any]) -> Iterator[tuple[int, di
         raise ChecksumMismatchError(f"{path}: {frames} frames, the manifest says {info['frames']}")
 
 
-def read_manifest(path: Path) -> dict[str, Any]:
-    """The manifest of the backup at `path`, its checksum verified (entry files not read)."""
+def read_manifest(path: Path, *, backup_keys: BackupKeys | None = None) -> dict[str, Any]:
+    """The manifest of the backup at `path`, checked (entry files not read): its entry file names, then its
+    signature with the group's backup keys (an unsigned one only with keys.accept_unsigned, and logged)."""
     path = Path(path)
+    keys = resolve_keys(backup_keys)
     if not path.is_dir():
         raise BackupNotFoundError(f"{path}: no such backup directory")
     mpath = path / MANIFEST_NAME
-    if not mpath.is_file():
+    if not mpath.exists() and not mpath.is_symlink():
         raise IncompleteBackupError(f"backup {path.name} has no manifest: it is unfinished (or its manifest "
                                     f"was removed) and cannot be used")
+    with _open_file(mpath) as f:
+        raw = f.read()
     try:
-        manifest = json.loads(mpath.read_bytes())
+        manifest = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise ChecksumMismatchError(f"{mpath}: the manifest is not valid JSON ({e})") from None
-    if not isinstance(manifest, dict) or "checksum" not in manifest:
-        raise ChecksumMismatchError(f"{mpath}: the manifest has no checksum")
-    if manifest_checksum(manifest) != manifest["checksum"]:
-        raise ChecksumMismatchError(f"{mpath}: manifest checksum mismatch (the manifest was altered or damaged)")
+    if not isinstance(manifest, dict):
+        raise ChecksumMismatchError(f"{mpath}: the manifest is not a JSON object")
+    _check_file_list(path, manifest)
+    signature = manifest.get("signature")
+    if signature is None:
+        return _unsigned(path, manifest, keys)
+    if (not isinstance(signature, dict) or signature.get("alg") != SIGNATURE_ALG
+            or not isinstance(signature.get("key"), str) or not isinstance(signature.get("mac"), str)):
+        raise UntrustedBackupError(f"{mpath}: the manifest's signature is not an {SIGNATURE_ALG} signature: refused")
+    if not keys.checking():
+        raise _no_key("check the backup's signature with", keys)
+    key = keys.find(signature["key"])
+    if key is None:
+        held = ", ".join(key_id(k) for k in keys.checking())
+        raise UntrustedBackupError(
+            f"{mpath}: signed with a key this group does not hold (key id {signature['key']}; the group's: "
+            f"{held}): a backup of another group, or signed with a key since rotated out: refused")
+    if not hmac.compare_digest(manifest_mac(manifest, key), signature["mac"]):
+        raise UntrustedBackupError(f"{mpath}: the signature does not match: the manifest was altered after it "
+                                   f"was signed: refused")
     if manifest.get("format") != FORMAT_VERSION:
         raise ChecksumMismatchError(f"{mpath}: backup format {manifest.get('format')!r} is not supported "
-                                    f"(this tool reads format {FORMAT_VERSION})")
+                                    f"(this tool reads format {FORMAT_VERSION}, and {UNSIGNED_FORMAT} unsigned)")
+    return manifest
+
+
+def _check_file_list(path: Path, manifest: dict[str, Any]) -> None:
+    """Every entry file the manifest lists has a name the writer gives (in the backup's directory), once, and a
+    size, digest and frame count of the right types: checked before anything else is read."""
+    mpath = path / MANIFEST_NAME
+    files = manifest.get("files")
+    if not isinstance(files, list) or not files:
+        raise ChecksumMismatchError(f"{mpath}: the manifest lists no entry files")
+    seen: set[str] = set()
+    for info in files:
+        if not isinstance(info, dict):
+            raise ChecksumMismatchError(f"{mpath}: bad entry file record {info!r}")
+        name = entry_path(path, info.get("name")).name
+        if name in seen:
+            raise UntrustedBackupError(f"{mpath}: the entry file {name} is listed twice: refused")
+        seen.add(name)
+        if (not isinstance(info.get("size"), int) or not isinstance(info.get("frames"), int)
+                or not isinstance(info.get("sha256"), str) or not _SHA256_RE.fullmatch(info["sha256"])):
+            raise ChecksumMismatchError(f"{mpath}: bad size, sha256 or frame count for {name}")
+
+
+def _unsigned(path: Path, manifest: dict[str, Any], keys: BackupKeys) -> dict[str, Any]:
+    """A manifest without a signature: refused, unless the operator accepts unsigned backups; then it must be
+    an intact format 1 manifest (its unkeyed checksum matches), and its use is logged."""
+    mpath = path / MANIFEST_NAME
+    if not keys.accept_unsigned:
+        raise UnsignedBackupError(
+            f"{mpath}: the manifest is not signed (a backup taken before backups were signed, or its signature "
+            f"was removed), so nothing shows it is the group's: refused; if you know where it came from, "
+            f"--accept-unsigned uses it (docs/security.md)")
+    if manifest.get("format") != UNSIGNED_FORMAT or "checksum" not in manifest:
+        raise UnsignedBackupError(f"{mpath}: a format {manifest.get('format')!r} manifest without its signature "
+                                  f"(removed): refused, even with --accept-unsigned")
+    if manifest_checksum(manifest) != manifest["checksum"]:
+        raise ChecksumMismatchError(f"{mpath}: manifest checksum mismatch (the manifest was altered or damaged)")
+    log.warning("backup %s is unsigned (taken before backups were signed): used because of --accept-unsigned",
+                path.name)
     return manifest
 
 
 def _check_files(path: Path, manifest: dict[str, Any]) -> None:
     for info in manifest["files"]:
-        f = path / info["name"]
-        if not f.is_file():
-            raise TruncatedBackupError(f"{f}: entry file is missing")
-        size = f.stat().st_size
+        f = entry_path(path, info["name"])
+        try:
+            st = os.lstat(f)
+        except FileNotFoundError:
+            raise TruncatedBackupError(f"{f}: entry file is missing") from None
+        if stat.S_ISLNK(st.st_mode):
+            raise _symlink(f)
+        if not stat.S_ISREG(st.st_mode):
+            raise UntrustedBackupError(f"{f}: not a regular file: refused")
+        size = st.st_size
         if size < info["size"]:
             raise TruncatedBackupError(f"{f}: truncated: {size} of {info['size']} bytes")
         if size > info["size"]:
             raise ChecksumMismatchError(f"{f}: {size} bytes, the manifest says {info['size']}")
 
 
-def read_backup(path: str | Path, *, structure: str | None = None, group: str | None = None) -> Backup:
-    """Open the backup at `path` for reading: manifest checksum, owner and file sizes are checked now, frames
-    (CRC32C), sha256 and frame counts as copies() reads them. Raises a BackupError subclass."""
+def read_backup(path: str | Path, *, structure: str | None = None, group: str | None = None,
+                backup_keys: BackupKeys | None = None) -> Backup:
+    """Open the backup at `path` for reading: the manifest's signature and file names, owner and file sizes are
+    checked now, frames (CRC32C), sha256 and frame counts as copies() reads them. Raises a BackupError subclass."""
     path = Path(path)
-    manifest = read_manifest(path)
+    manifest = read_manifest(path, backup_keys=backup_keys)
+    if manifest.get("id") != path.name:  # an old backup copied under a newer id would pass for the latest
+        raise UntrustedBackupError(f"{path / MANIFEST_NAME}: the manifest is of backup {manifest.get('id')}, not "
+                                   f"{path.name}: a backup copied or moved under another name: refused")
     if structure is not None and manifest["structure"] != structure:
         raise ForeignBackupError(f"backup {manifest['id']} is of structure {manifest['structure']}, "
                                  f"not {structure}")
@@ -275,9 +450,23 @@ def read_backup(path: str | Path, *, structure: str | None = None, group: str | 
     return Backup(path, manifest)
 
 
-def verify(path: str | Path, *, structure: str | None = None, group: str | None = None) -> dict[str, Any]:
+def verify(path: str | Path, *, structure: str | None = None, group: str | None = None,
+           backup_keys: BackupKeys | None = None) -> dict[str, Any]:
     """Read the whole backup, checking everything; returns its manifest. Raises a BackupError subclass."""
-    backup = read_backup(path, structure=structure, group=group)
+    backup = read_backup(path, structure=structure, group=group, backup_keys=backup_keys)
     for _ in backup.frames():
         pass
     return backup.manifest
+
+
+def sign_backup(path: str | Path, *, backup_keys: BackupKeys | None = None) -> dict[str, Any]:
+    """Sign the backup at `path` again with the current key, after checking all of it with the keys given (a
+    previous key's signature, or an unsigned backup with accept_unsigned): after a key rotation, or to adopt a
+    backup taken before backups were signed. Returns the new manifest."""
+    path = Path(path)
+    keys = resolve_keys(backup_keys)
+    key = signing_key(keys, "sign the backup with")
+    manifest = verify(path, backup_keys=keys)
+    signed = sign_manifest(manifest, key)
+    _write_manifest(path, signed)
+    return signed

@@ -30,6 +30,7 @@ from typing import Any
 
 from backup.files import BackupWriter, new_backup_id
 from cfemu.admin import QueueDef, StructureDef
+from cfemu.credentials import BackupKeys
 
 # A backup manifest's kind (a manifest without one is a fuzzy backup: written before kinds existed).
 FUZZY, RESTORE, PURGE, DEFINITION = "fuzzy", "restore", "purge", "definition"
@@ -48,15 +49,17 @@ def point_id(structure: str) -> str:
 def write_restore_point(backup_root: Path, backup_id: str, *, kind: str, group: str, sdef: StructureDef,
                         queues: Iterable[QueueDef], members: Iterable[str], gen: int, lrsn: int, replay_from: int,
                         entries: Iterable[tuple[dict[str, Any], bytes]], tombstones: Mapping[str, str],
-                        restored_from: str = "", uows: Mapping[str, int] | None = None) -> tuple[dict[str, Any], Path]:
-    """Write a restore point (see the module doc) as backup `backup_id` of sdef.name; returns its manifest and
-    directory. The manifest is written last, atomically: a restore point without one is an unfinished one."""
+                        restored_from: str = "", uows: Mapping[str, int] | None = None,
+                        backup_keys: BackupKeys | None = None) -> tuple[dict[str, Any], Path]:
+    """Write a restore point (see the module doc) as backup `backup_id` of sdef.name, signed with the group's
+    backup key (backup_keys, default: those this process's settings find); returns its manifest and directory.
+    The manifest is written last, atomically: a restore point without one is an unfinished one."""
     if kind not in (RESTORE, PURGE):
         raise ValueError(f"a restore point is of kind {RESTORE} or {PURGE}, not {kind!r}")
     t0 = time.monotonic()
     started = datetime.now(UTC)
     directory = Path(backup_root) / sdef.name / backup_id
-    writer = BackupWriter(directory)
+    writer = BackupWriter(directory, backup_keys=backup_keys)
     n = nbytes = 0
     try:
         for descriptor, data in entries:

@@ -19,12 +19,13 @@ from typing import Any
 import redis
 
 from backup.catalog import OK, list_backups
-from backup.files import BackupError, BackupWriter, new_backup_id
+from backup.files import BackupError, BackupWriter, new_backup_id, resolve_keys, signing_key
 from backup.points import FUZZY, kind_of
 from backup.protocol import STEPS, StepCount, Wire, copy_step_wire
 from cfemu import bulk
 from cfemu.admin import Admin, AdminError
 from cfemu.cf import CF
+from cfemu.credentials import BackupKeys
 from cfemu.progress import Progress, no_progress
 from sqm.clock import LrsnClock
 from sqm.log import LogReader, find_log_dirs
@@ -62,11 +63,13 @@ def catalog_entry(manifest: dict[str, Any], path: Path) -> dict[str, Any]:
     return {**{k: manifest[k] for k in fields}, "kind": kind_of(manifest), "path": str(path)}
 
 
-def rebuild_catalog(admin: Admin, backup_root: Path, structure: str) -> int:
+def rebuild_catalog(admin: Admin, backup_root: Path, structure: str, *,
+                    backup_keys: BackupKeys | None = None) -> int:
     """The admin structure's copy of the catalog, from the good backups on disk (restore and purge points
     included): after a CF loss the CF's copy is gone, and `cfemu status` would say "last backup: never".
     Returns how many backups it lists."""
-    good = [b for b in list_backups(backup_root, structure) if b.state == OK and b.manifest is not None]
+    good = [b for b in list_backups(backup_root, structure, backup_keys=backup_keys)
+            if b.state == OK and b.manifest is not None]
     for b in good:
         assert b.manifest is not None
         admin.record_backup(structure, catalog_entry(b.manifest, b.path))
@@ -79,13 +82,15 @@ def _iso(t: datetime) -> str:
 
 def run_backup(client: redis.Redis, structure: str, backup_root: Path, *, log_root: Path | None = None,
                exclint_s: int = 0, progress: Progress = no_progress, batch: int = DEFAULT_BATCH,
-               on_step: StepHook | None = None) -> dict[str, Any]:
+               on_step: StepHook | None = None, backup_keys: BackupKeys | None = None) -> dict[str, Any]:
     """Back up `structure` into backup_root/<structure>/<id>/; returns the manifest.
 
     exclint_s (MQ's EXCLINT): leave out entries put less than this many seconds before the backup started; the
     manifest's replay_from is lowered to the lowest put LRSN among them, so restore replays their history.
     log_root: where the members' logs are; when given, the manifest counts the exception records.
     progress(phase, done, total): one phase per copy step ("1 <label>" .. "5 <label>"), counting its snapshot.
+    backup_keys: the group's backup keys (default: those this process's settings find); the manifest is signed
+    with the current one, and without one the backup is refused before it starts (backup.files.NoBackupKeyError).
     Raises StructureNotReadyError, cfemu.errors.BackupRunningError (a backup of the structure is running), or
     whatever the CF or the file system raise; a failed backup is ended as failed and leaves no directory.
     """
@@ -93,6 +98,8 @@ def run_backup(client: redis.Redis, structure: str, backup_root: Path, *, log_ro
         raise ValueError(f"EXCLINT must be >= 0 seconds, not {exclint_s}")
     if batch < 1:
         raise ValueError(f"batch must be at least 1 entry, not {batch}")
+    backup_keys = resolve_keys(backup_keys)
+    signing_key(backup_keys)  # no key, no backup: refused before the CF is touched
     admin = Admin(client)
     try:
         sdef = admin.structure_def(structure)
@@ -125,7 +132,7 @@ def run_backup(client: redis.Redis, structure: str, backup_root: Path, *, log_ro
     ended = False
     counts: list[StepCount] = []
     try:
-        writer = BackupWriter(Path(backup_root) / structure / backup_id)
+        writer = BackupWriter(Path(backup_root) / structure / backup_id, backup_keys=backup_keys)
         for number, (state_name, label) in enumerate(STEPS, start=1):
             if on_step is not None:
                 on_step(number, state_name)

@@ -44,7 +44,7 @@ from rich.console import Console
 from rich.table import Table
 
 from backup.run import DEFAULT_BATCH, run_backup
-from cfemu import keys
+from cfemu import credentials, keys
 from cfemu.admin import Admin
 from cfemu.cf import CF
 from cfemu.clitools import PhaseBars
@@ -206,6 +206,12 @@ def raw_write(client: redis.Redis, ids: list[str], body: bytes, *, guarded: bool
     return elapsed
 
 
+def bench_keys(work: Path) -> credentials.BackupKeys:
+    """A backup key of the bench's own, in its work directory (backups are signed: docs/security.md)."""
+    credentials.create_backup_key(work / "secrets")
+    return credentials.backup_keys(work / "secrets")
+
+
 def restore_rounds(client: redis.Redis, work: Path, ids: list[str], rounds: int, console: Console, *,
                    guard: bool = True) -> dict[str, Any]:
     """--restore: the load of run_restore against a raw pipelined write (and, with guard, the same batches as
@@ -213,7 +219,7 @@ def restore_rounds(client: redis.Redis, work: Path, ids: list[str], rounds: int,
     from restore.engine import LOAD
     from restore.run import run_restore
 
-    manifest = run_backup(client, STRUCTURE, work / "bk")
+    manifest = run_backup(client, STRUCTURE, work / "bk", backup_keys=bench_keys(work))
     loads: list[float] = []
     totals: list[float] = []
     raws: list[float] = []
@@ -232,7 +238,8 @@ def restore_rounds(client: redis.Redis, work: Path, ids: list[str], rounds: int,
                 marks.setdefault("load", time.perf_counter())
 
         t0 = time.perf_counter()
-        result = run_restore(client, STRUCTURE, backup_root=work / "bk", log_root=work / "logs", progress=progress)
+        result = run_restore(client, STRUCTURE, backup_root=work / "bk", log_root=work / "logs", progress=progress,
+                             backup_keys=bench_keys(work))
         t1 = time.perf_counter()
         assert result.loaded_entries == len(ids), result.loaded_entries
         loads.append(t1 - marks["load"])
@@ -293,7 +300,8 @@ def main() -> int:
             raws.append(raw_s)
             t0 = time.perf_counter()
             with PhaseBars(console, disabled=not console.is_terminal, width=36) as bars:
-                manifest = run_backup(client, STRUCTURE, work / "bk", progress=bars, batch=args.batch)
+                manifest = run_backup(client, STRUCTURE, work / "bk", progress=bars, batch=args.batch,
+                                      backup_keys=bench_keys(work))
             backups.append(time.perf_counter() - t0)
             assert manifest["entries"] == args.messages, manifest["entries"]
             shutil.rmtree(work / "bk")

@@ -45,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 import sqm.records  # noqa: E402  (by its full name: generate() has a parameter called records)
 from backup.files import BackupWriter, read_backup  # noqa: E402
+from cfemu import credentials  # noqa: E402
 from cfemu.entry import Entry  # noqa: E402
 from restore.plan import RestorePlan  # noqa: E402
 from sqm.log import RecordLog, find_log_dirs  # noqa: E402
@@ -76,7 +77,7 @@ def generate(root: Path, records: int, seed: int = 1, backup_messages: int | Non
     available: deque[tuple[str, dict[str, Any], bytes]] = deque()  # committed messages, oldest first
     lrsn = REPLAY_FROM - 1
 
-    writer = BackupWriter(root / "backup" / S / "b")
+    writer = BackupWriter(root / "backup" / S / "b", backup_keys=bench_keys(root))
     for n in range(backup_messages or max(1000, records // 20)):  # the backup: committed before the replay range
         e = Entry(id=f"b{n:011x}", queue=f"Q{n % 4}", put_time=NOW_MS - 10**6,
                   msgid=os.urandom(8).hex()).wire()
@@ -205,12 +206,18 @@ def run_engine(root: Path, engine: str, master: str, truth_file: Path, memory: s
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
+def bench_keys(root: Path) -> credentials.BackupKeys:
+    """A backup key of the bench's own, beside its data (backups are signed: docs/security.md)."""
+    credentials.create_backup_key(root / "secrets")
+    return credentials.backup_keys(root / "secrets")
+
+
 def child(root: Path, engine: str, master: str, truth_file: Path, memory: str, e2e: bool) -> None:
     from restore.engine import get_engine
 
     truth = Truth(**json.loads(truth_file.read_text()))
     truth.decided = set(truth.decided)
-    backup = read_backup(root / "backup" / S / "b")
+    backup = read_backup(root / "backup" / S / "b", backup_keys=bench_keys(root))
     log_dirs = find_log_dirs(root / "logs")
     result: dict[str, Any] = {"engine": engine, "master": master}
     t0 = time.perf_counter()

@@ -9,7 +9,10 @@ off; every process connects as the user of its role:
   restore   qsg-restore   ``cfrestore``: restore's writes (wipe, load, purge), definitions after a lost CF
   operator  qsg-operator  ``cfemu``: definitions, status, one-shot put/get
 
-Beside them, the two tokens of the ``sqm run`` service (sqm.service.protocol's roles): ``service.token`` for
+Beside them, the group's backup key (``backup.key``): cfbackup signs every backup manifest with it (HMAC-SHA256,
+backup.files), and everything that reads a backup (verify, list, restore, purge) checks the signature with it, so
+that a backup someone else altered or made is refused. ``backup-previous.key``, when present, is still accepted
+for reading (a rotated key: docs/security.md). And the two tokens of the ``sqm run`` service (sqm.service.protocol's roles): ``service.token`` for
 applications (put, get, browse, commit, backout, prepare, resolve of their own in-doubt UOWs) and
 ``operator.token`` for operators (also define, status, resolve of any in-doubt UOW). They never cross the wire:
 a client proves it holds one (HMAC-SHA256 of a fresh challenge).
@@ -26,8 +29,10 @@ ACL file for an external Redis 7.
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 import stat
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote, urlsplit, urlunsplit
 
@@ -36,6 +41,8 @@ from cfemu.private_files import private_dir, write_private
 ROLES = ("member", "backup", "restore", "operator")
 SERVICE_ROLES = ("application", "operator")  # the roles of the sqm run service (sqm.service.protocol.ROLES)
 SERVICE_TOKEN_FILES = {"application": "service.token", "operator": "operator.token"}
+BACKUP_KEY_FILE = "backup.key"  # signs new backups; checks them
+BACKUP_PREVIOUS_KEY_FILE = "backup-previous.key"  # a rotated-out key: still checks the backups it signed
 SECRETS_DIR = "secrets"  # inside the cluster directory or the ``cfemu cf start`` directory
 ENV_SECRETS_DIR = "CFEMU_SECRETS_DIR"
 
@@ -84,7 +91,62 @@ def create(directory: Path) -> dict[str, str]:
         out[role] = read_password(directory, role) or ""
     for service_role in SERVICE_ROLES:
         service_token(directory, service_role)
+    create_backup_key(directory)
     return out
+
+
+def create_backup_key(directory: Path) -> None:
+    """The group's backup key in DIRECTORY, made now when missing (an existing one is kept: it signed the
+    backups there are)."""
+    private_dir(directory)
+    if not (directory / BACKUP_KEY_FILE).exists():
+        write_private(directory / BACKUP_KEY_FILE, secrets.token_urlsafe(32).encode())
+
+
+def key_id(key: bytes) -> str:
+    """A key's public name (16 hex digits of a hash of it): says which key signed a backup without giving any
+    of the key away."""
+    return hashlib.sha256(b"cfemu backup key id\0" + key).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class BackupKeys:
+    """The keys a process signs and checks backups with (never printed: repr shows their ids only).
+
+    ``current`` signs what this process writes and checks; ``previous`` only checks (backups signed before a
+    rotation). ``accept_unsigned`` is the operator's override for backups taken before backups were signed
+    (``--accept-unsigned``). ``source`` says where the keys were looked for, for messages."""
+
+    current: bytes | None = field(default=None, repr=False)
+    previous: tuple[bytes, ...] = field(default=(), repr=False)
+    accept_unsigned: bool = False
+    source: str = ""
+
+    def __repr__(self) -> str:
+        ids = ", ".join(key_id(k) for k in self.checking())
+        return (f"BackupKeys(ids=[{ids}], accept_unsigned={self.accept_unsigned}, source={self.source!r})")
+
+    def checking(self) -> tuple[bytes, ...]:
+        """Every key a signature may be checked with: the current one first."""
+        return (*((self.current,) if self.current else ()), *self.previous)
+
+    def find(self, wanted_id: str) -> bytes | None:
+        """The key whose id is wanted_id, if this process holds it."""
+        return next((k for k in self.checking() if key_id(k) == wanted_id), None)
+
+
+def backup_keys(directory: Path | None, *, accept_unsigned: bool = False) -> BackupKeys:
+    """The backup keys in a secrets directory (none when directory is None or holds no backup.key). A key file
+    that others may read is refused, like every secret."""
+    if directory is None:
+        return BackupKeys(accept_unsigned=accept_unsigned, source="no secrets directory")
+    found: list[bytes] = []
+    for name in (BACKUP_KEY_FILE, BACKUP_PREVIOUS_KEY_FILE):
+        path = directory / name
+        text = _read_private(path) if path.exists() else None
+        found.append(text.encode() if text else b"")
+    return BackupKeys(current=found[0] or None, previous=(found[1],) if found[1] else (),
+                      accept_unsigned=accept_unsigned, source=str(directory))
 
 
 def service_token_file(directory: Path, role: str = "application") -> Path:

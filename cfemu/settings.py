@@ -18,6 +18,11 @@ cfbackup: backup, cfrestore: restore, cfemu: operator; see cfemu.credentials) fr
 $CFEMU_SECRETS_DIR, else the cluster directory's secrets/, else the CF directory's secrets/. So no password ever
 needs to be typed, put on a command line (where ``ps`` shows it) or printed.
 
+The group's backup key (cfemu.credentials.BackupKeys): backup.key in the same secrets directory, found the same
+way (``Settings.backup_keys``). Every writer and reader of backups takes it from here: the commands through their
+settings, library callers that pass none through ``backup_keys()`` (this process's settings, as a command line
+with no flags would resolve them).
+
 The servers' token: ``sqm run`` has two roles (sqm.service.protocol: application and operator), each with its
 token in the secrets directory (service.token, operator.token). A command of the CF operator role (``cfemu``)
 takes the operator's: --token, else $SQM_OPERATOR_TOKEN, else operator.token; and when it finds none, the
@@ -79,6 +84,11 @@ class Settings:
     sources: dict[str, str] = field(default_factory=dict)
     secrets_dir: Path | None = None  # the group's secrets (cfemu.credentials), when there are any
     token_role: str = "application"  # the service role whose token ``token`` is: application or operator
+
+    def backup_keys(self, *, accept_unsigned: bool = False) -> credentials.BackupKeys:
+        """The group's backup keys (backup.key, and backup-previous.key after a rotation) from the secrets
+        directory; none when there is none (writing a backup is then refused, and so is reading one)."""
+        return credentials.backup_keys(self.secrets_dir, accept_unsigned=accept_unsigned)
 
     def env(self) -> dict[str, str]:
         """The environment that hands these settings to a child process (cfbackup schedule's backups), so that
@@ -220,3 +230,10 @@ def find_secrets_dir(env: Mapping[str, str], cluster_dir: Path | None, cf_dir: P
         if d is not None and (d / credentials.SECRETS_DIR).is_dir():
             return (d / credentials.SECRETS_DIR).resolve()
     return None
+
+
+def backup_keys(*, accept_unsigned: bool = False) -> credentials.BackupKeys:
+    """The backup keys of this process's group, found as a command line with no flags finds them
+    ($CFEMU_SECRETS_DIR, else the nearest cluster's secrets/, else the CF directory's): what a library caller
+    that passes no keys gets."""
+    return resolve(role="backup").backup_keys(accept_unsigned=accept_unsigned)

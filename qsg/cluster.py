@@ -138,6 +138,11 @@ class Cluster:
         """The service's operator token (define, status, resolve of any in-doubt UOW), from the group's secrets."""
         return credentials.service_token(self.secrets_dir, "operator", create=False)
 
+    def backup_keys(self) -> credentials.BackupKeys:
+        """The group's backup keys, from its secrets: what signs and checks this cluster's backups (its
+        scheduler's, and those a process beside it takes or restores from)."""
+        return credentials.backup_keys(self.secrets_dir)
+
     def cf_url(self, role: str = "operator") -> str:
         """The CF's URL with the user and password of a role (for this process's own connections: never put it
         on a command line or in a file)."""
@@ -190,7 +195,7 @@ class Cluster:
             "dir": str(d), "host": host, "detached": detach, "lease_ms": lease_ms,
             CLUSTER_LOG_ROOT: str(d / "logs"), CLUSTER_BACKUP_DIR: str(d / "backups"),
             CLUSTER_CF: {"dir": str(d / "cf")},
-            "managers": [{"name": f"QM{i}", "port": free_port(host), "metrics_port": free_port(host)}
+            "managers": [{"name": f"QM{i}", "port": free_port(host), "metrics_port": free_port("127.0.0.1")}
                          for i in range(1, managers + 1)],
             "manager_args": list(manager_args),
             "scheduler": {"interval": backup_interval} if backup_interval else None,
@@ -499,7 +504,7 @@ class Cluster:
         for m in self.state["managers"]:
             ready = m["name"] in alive and self._readyz(int(m["metrics_port"]))
             rows.append({"process": m["name"], "pid": m.get("pid"), "alive": m["name"] in alive,
-                         "address": f"{self.host}:{m['port']}", "metrics": f"{self.host}:{m['metrics_port']}",
+                         "address": f"{self.host}:{m['port']}", "metrics": f"127.0.0.1:{m['metrics_port']}",
                          "ready": ready})
         if self.state.get("scheduler"):
             s = self.state["scheduler"]
@@ -515,7 +520,8 @@ class Cluster:
 
     def _readyz(self, port: int) -> bool:
         try:
-            with urllib.request.urlopen(f"http://{self.host}:{port}/readyz", timeout=2.0) as r:
+            # the managers' HTTP port listens on loopback (sqm run --metrics-host): this machine's processes
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2.0) as r:
                 return bool(r.status == 200)
         except (urllib.error.URLError, OSError):
             return False

@@ -14,8 +14,10 @@ Spark engine options (docs/spark.md): --master URL (default local[*]), --conf KE
 The CF, the members' logs and the backup root are found as by every command (cfemu.settings): --redis-url,
 --log-root, --backup-dir, else the environment ($REDIS_URL, $CFEMU_LOG_ROOT, $CFEMU_BACKUP_DIR), else the nearest
 'cfemu cluster' directory (--cluster-dir, $CFEMU_CLUSTER_DIR, var/cluster here or above), else the CF of
-'cfemu cf start', else var/logs and var/backups. --json prints machine-readable output. Errors are one line on
-stderr (exit 2); --verbose adds the traceback.
+'cfemu cf start', else var/logs and var/backups. So is the group's backup key (backup.key in its secrets
+directory), which checks the backup restore starts from and signs the restore point it writes: a backup that is
+not signed with it is refused, one taken before backups were signed only used with --accept-unsigned (logged).
+--json prints machine-readable output. Errors are one line on stderr (exit 2); --verbose adds the traceback.
 """
 
 from __future__ import annotations
@@ -61,7 +63,8 @@ def cmd_run(args: argparse.Namespace, out: Output, *, dry_run: bool = False) -> 
                              mark_failed=args.mark_failed, progress=bars,
                              report_path=Path(args.report) if args.report else None,
                              engine_options=_engine_options(args),
-                             from_logs=bool(getattr(args, "from_logs", False)))
+                             from_logs=bool(getattr(args, "from_logs", False)),
+                             backup_keys=found.backup_keys(accept_unsigned=args.accept_unsigned))
     if out.as_json:
         out.json(result.to_json())
     else:
@@ -131,7 +134,8 @@ def cmd_plan(args: argparse.Namespace, out: Output) -> int:
 def cmd_purge(args: argparse.Namespace, out: Output) -> int:
     found = settings(args)
     result = run_purge(connect(require_url(found)), args.structure, backup_root=found.backup_dir,
-                       log_root=found.log_root, mark_failed=args.mark_failed)
+                       log_root=found.log_root, mark_failed=args.mark_failed,
+                       backup_keys=found.backup_keys(accept_unsigned=args.accept_unsigned))
     if out.as_json:
         out.json(vars(result))
     else:
@@ -159,6 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
     restore.add_argument("structure")
     add_settings_arguments(restore, "backup_dir", "log_root")
     restore.add_argument("--backup", metavar="ID", help="restore from this backup (default: the latest good one)")
+    unsigned = argparse.ArgumentParser(add_help=False)
+    unsigned.add_argument("--accept-unsigned", action="store_true",
+                          help="use a backup taken before backups were signed (logged); only one you know is the "
+                               "group's (docs/security.md)")
     restore.add_argument("--engine", default="local", choices=engine_names(), help="planning engine")
     restore.add_argument("--from-logs", action="store_true",
                          help="start from the relog window of the newest complete relog pass, from the logs alone, "
@@ -175,12 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog="cfrestore", description="Restore CF structures (RECOVER CFSTRUCT).")
     sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
-    run = sub.add_parser("run", parents=[common, restore], help="restore a structure from a backup and the logs")
+    run = sub.add_parser("run", parents=[common, restore, unsigned], help="restore a structure from a backup and the logs")
     run.add_argument("--dry-run", action="store_true", help="print the plan; change nothing")
     run.set_defaults(func=cmd_run)
-    plan = sub.add_parser("plan", parents=[common, restore], help="print what run would do; change nothing")
+    plan = sub.add_parser("plan", parents=[common, restore, unsigned], help="print what run would do; change nothing")
     plan.set_defaults(func=cmd_plan, dry_run=True)
-    purge = sub.add_parser("purge", parents=[common], help="empty a failed structure and make it usable again")
+    purge = sub.add_parser("purge", parents=[common, unsigned], help="empty a failed structure and make it usable again")
     purge.add_argument("structure")
     add_settings_arguments(purge, "backup_dir", "log_root")
     purge.add_argument("--mark-failed", action="store_true", help="purge an ACTIVE structure too")

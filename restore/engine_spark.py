@@ -19,13 +19,17 @@ The plan comes back to the driver as the same RestorePlan plan_local returns (a 
 partition with toLocalIterator rather than collected at once).
 
 Spark runs quietly: its log4j output, and the JVM's stderr, go to a log file; its stages report through the
-engine's progress callback as the restore phases (a thread polls the status tracker).
+engine's progress callback as the restore phases (a thread polls the status tracker). A backup error a worker
+raises (a changed entry file, a corrupt frame) comes back to the driver as the same error, one
+line naming the file, not the worker's traceback.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
+import re
 import sys
 import threading
 import time
@@ -74,6 +78,24 @@ STREAM_ABOVE = 1_000_000  # records and copies: above this, the plan is streamed
 # merged-log order of a record: (LRSN, member, segment, offset)
 OrderKey = tuple[int, str, int, int]
 SegmentTask = tuple[str, int, str, bool]  # (member, segment number, path, is the member's last segment)
+
+
+# The last line of a worker's traceback that names one of the product's errors: "<module>.<Class>: <message>".
+_WORKER_ERROR = re.compile(r"^((?:backup|sqm)(?:\.\w+)+)\.(\w+Error): (.+)$", re.MULTILINE)
+
+
+def worker_error(e: BaseException) -> Exception | None:
+    """The backup error (backup.files.BackupError) or LogFormatError a Spark worker raised, as found in the
+    traceback Spark hands the driver, rebuilt with its message; None for anything else (a LogCorruptError too:
+    it is built from its parts, and still comes back as Spark's error)."""
+    from backup.files import BackupError  # as read_backup_file does: the workers import backup.files lazily
+
+    for module, name, message in reversed(_WORKER_ERROR.findall(str(e))):
+        with contextlib.suppress(ImportError):
+            cls = getattr(importlib.import_module(module), name, None)
+            if isinstance(cls, type) and issubclass(cls, (BackupError, LogFormatError)):
+                return cls(message)
+    return None
 
 
 class _MaxParam(AccumulatorParam):
@@ -203,6 +225,16 @@ class SparkEngine:
     # --- the plan --------------------------------------------------------------------------------------------
     def plan(self, structure: str, backup: BackupSource, log_dirs: list[Path], replay_from: int, now_ms: int,
              progress: Progress = no_progress) -> RestorePlan:
+        try:
+            return self._plan(structure, backup, log_dirs, replay_from, now_ms, progress)
+        except Exception as e:
+            raised = worker_error(e)
+            if raised is None:
+                raise
+            raise raised from None
+
+    def _plan(self, structure: str, backup: BackupSource, log_dirs: list[Path], replay_from: int, now_ms: int,
+              progress: Progress) -> RestorePlan:
         spark = self.session()
         sc = spark.sparkContext
         segments, archived = self._log_sources(log_dirs, replay_from)

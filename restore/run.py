@@ -49,12 +49,13 @@ from typing import Any
 
 import redis
 
-from backup.catalog import CORRUPT, OK, BackupInfo, find_backup, list_backups
-from backup.files import MANIFEST_NAME, Backup, read_backup
+from backup.catalog import CORRUPT, OK, UNSIGNED, UNTRUSTED, BackupInfo, find_backup, list_backups
+from backup.files import MANIFEST_NAME, Backup, read_backup, resolve_keys, signing_key
 from backup.points import DEFINITION, FUZZY, PURGE, RESTORE, kind_of, point_id, write_restore_point
 from backup.run import rebuild_catalog
 from cfemu import bulk, keys
 from cfemu.admin import Admin, AdminError, QueueDef, StructureDef
+from cfemu.credentials import BackupKeys
 from cfemu.repository import GroupRepository
 from restore.engine import PHASES, Progress, get_engine, no_progress
 from restore.load import LoadResult, load_plan, loaded_tombstones, restore_owned_uows
@@ -208,13 +209,18 @@ def earlier_generations(backup_root: Path, structure: str, seen: bulk.Seen) -> i
 
 
 def open_backup(backup_root: Path, structure: str, backup_id: str | None, group: str | None,
-                repo: GroupRepository | None = None) -> Backup | DefinitionBase:
+                repo: GroupRepository | None = None, backup_keys: BackupKeys | None = None) -> Backup | DefinitionBase:
     """The named backup, or the latest good one of the structure (restore and purge points included: a later
-    restore never crosses one); checked to be this structure's (and group's). Entry frames are checked as the
-    engine reads them. A structure with no backup at all restores from its definition in the group repository."""
+    restore never crosses one); checked to be this structure's (and group's), and signed with the group's backup
+    key. Entry frames and digests are checked as the engine reads them. A structure with no backup at all
+    restores from its definition in the group repository. A backup newer than the latest good one that is
+    untrusted (altered, another key's) or unsigned is refused rather than passed over: someone may have
+    tampered with the backups, and an older base may cross a restore point; the operator names the base then."""
+    backup_keys = resolve_keys(backup_keys)
     if backup_id is not None:
-        return read_backup(find_backup(backup_root, backup_id), structure=structure, group=group)
-    backups = list_backups(backup_root, structure)
+        return read_backup(find_backup(backup_root, backup_id), structure=structure, group=group,
+                           backup_keys=backup_keys)
+    backups = list_backups(backup_root, structure, backup_keys=backup_keys)
     good = next((b for b in backups if b.state == OK), None)
     _refuse_to_cross_damaged_points(backups, good)
     if good is None:
@@ -226,18 +232,27 @@ def open_backup(backup_root: Path, structure: str, backup_id: str | None, group:
                            + (f" ({why})" if why else "")
                            + ("" if backups or repo is None else f", and the group repository {repo.path} has no "
                                                                  f"definition of it"))
-    return read_backup(good.path, structure=structure, group=group)
+    return read_backup(good.path, structure=structure, group=group, backup_keys=backup_keys)
 
 
 def _refuse_to_cross_damaged_points(backups: list[BackupInfo], good: BackupInfo | None) -> None:
     """A restore or purge point cuts the structure's history: a base older than it brings back what it purged or
     consumed. A corrupt backup newer than the newest good one that is such a point (or whose kind cannot be read)
     is not skipped without a word, as restore once did; an incomplete one never made its structure ACTIVE (a
-    restore writes its point before that), so an older base is right then."""
+    restore writes its point before that), so an older base is right then. A newer backup that is untrusted
+    (altered, another key's) or unsigned is refused whatever its kind: someone may have tampered with the backups,
+    and what it claims to be cannot be believed."""
     for b in backups:
         # Not newer by the catalog's order alone: a damaged manifest has no LRSN to sort by, and ids are to the
         # second, so one begun in the same second as the good one counts as newer.
-        if b.state != CORRUPT or (good is not None and b.started < good.started):
+        if good is not None and (b is good or b.started < good.started):
+            continue
+        if b.state in (UNTRUSTED, UNSIGNED):
+            raise RestoreError(
+                f"backup {b.id} of {b.structure} is {b.state} and newer than any good backup: {b.problem}"
+                + ("" if good is None else f"; to restore from an older one, having checked, name it "
+                                           f"(--backup {good.id})"))
+        if b.state != CORRUPT:
             continue
         kind = _readable_kind(b.path)
         if kind == FUZZY:
@@ -430,8 +445,11 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
                 backup_id: str | None = None, engine: str = "local", dry_run: bool = False,
                 mark_failed: bool = False, progress: Progress = no_progress, report_path: Path | None = None,
                 now_ms: int | None = None, engine_options: dict[str, Any] | None = None,
-                from_logs: bool = False) -> RestoreResult:
-    """Restore `structure` (see the module doc). Raises RestoreError, backup.files.BackupError,
+                from_logs: bool = False, backup_keys: BackupKeys | None = None) -> RestoreResult:
+    """Restore `structure` (see the module doc). from_logs: start from the logs alone (the newest complete relog
+    pass's window) even when a backup is newer. backup_keys: the group's backup keys, which check the backup and
+    sign the restore point (default: those this process's settings find; without one a restore is refused
+    before it reads anything). Raises RestoreError, backup.files.BackupError,
     sqm.log.LogCorruptError / LogFormatError, cfemu.admin.AdminError; nothing is changed when it raises before
     the load starts. The report is written (as JSON) to report_path, default
     <backup_root>/<structure>/restore-<timestamp>.json (a dry run writes one only when report_path is given)."""
@@ -441,6 +459,9 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
     except ValueError as e:
         raise RestoreError(str(e)) from None
     backup_root, log_root = Path(backup_root), Path(log_root)
+    backup_keys = resolve_keys(backup_keys)
+    if not dry_run:
+        signing_key(backup_keys, "sign the restore point with")  # refused now, not after the load
     admin = Admin(client)
     seen = bulk.observe(client, structure)  # what the claim compares against, after the plan
     state = seen.state or "FAILED"  # a structure missing from the CF counts as FAILED (Admin.state)
@@ -454,7 +475,7 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
     no_backup: RestoreError | None = None
     try:
         found: Backup | DefinitionBase | None = open_backup(backup_root, structure, backup_id, group=group,
-                                                            repo=repo)
+                                                            repo=repo, backup_keys=backup_keys)
     except RestoreError as e:
         if backup_id is not None or not from_logs:
             raise  # a damaged newest backup is said, not passed over, unless the logs alone are asked for
@@ -514,7 +535,7 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
                     gen=plan.restore_lrsn, lrsn=plan.restore_lrsn, replay_from=point_replay_from(plan),
                     entries=((s.entry, s.data) for s in plan.loaded() if s.entry is not None),
                     tombstones=loaded_tombstones(plan, base_tombstones), restored_from=backup.id,
-                    uows=point_uows(plan))
+                    uows=point_uows(plan), backup_keys=backup_keys)
 
             loaded: LoadResult = load_plan(owner, plan, sdef, [q.name for q in queues], progress=timer,
                                            restored_from=backup.id, base_tombstones=base_tombstones,
@@ -522,7 +543,7 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
             result.keys_deleted, result.loaded_entries = loaded.keys_deleted, loaded.entries
             result.loaded_bytes = loaded.bytes
             result.restore_point = point
-            rebuild_catalog(admin, backup_root, structure)
+            rebuild_catalog(admin, backup_root, structure, backup_keys=backup_keys)
 
     result.replay_to, result.restore_lrsn = plan.max_lrsn, plan.restore_lrsn
     result.log_ranges = log_ranges(log_dirs, replay_from)
@@ -621,27 +642,31 @@ class _restore_log:
             self.log.close()
 
 
-def _group_of(admin: Admin, backup_root: Path, structure: str, lost: bool) -> str:
+def _group_of(admin: Admin, backup_root: Path, structure: str, lost: bool, backup_keys: BackupKeys) -> str:
     """The group's name for a restore point: the admin structure's, or when the CF lost it, the newest good
     backup's (a point of another group's name would be refused as foreign by the next restore)."""
     if not lost:
         return admin.group_name()
-    newest = next((b for b in list_backups(backup_root, structure) if b.state == OK and b.manifest), None)
+    newest = next((b for b in list_backups(backup_root, structure, backup_keys=backup_keys)
+                   if b.state == OK and b.manifest), None)
     return str(newest.manifest["group"]) if newest is not None and newest.manifest else admin.group_name()
 
 
 def run_purge(client: redis.Redis, structure: str, *, backup_root: Path, log_root: Path,
-              mark_failed: bool = False) -> PurgeResult:
+              mark_failed: bool = False, backup_keys: BackupKeys | None = None) -> PurgeResult:
     """RECOVER CFSTRUCT TYPE(PURGE): discard every message, keep the definition and queues, a new generation
     (so every unit of work from before is backed out when it next touches the structure), state ACTIVE.
     The purge is a restore point (kind purge, empty) in the backup catalog, written before the structure is
     usable again: a later restore starts there and never brings the purged messages back (issue 10, hole 8).
-    The definitions come from the CF, or from the group repository under log_root when the CF lost them."""
+    The definitions come from the CF, or from the group repository under log_root when the CF lost them.
+    backup_keys sign the restore point (default: those this process's settings find; none: refused at once)."""
     try:
         keys.check_name("structure", structure)
     except ValueError as e:
         raise RestoreError(str(e)) from None
     backup_root = Path(backup_root)
+    backup_keys = resolve_keys(backup_keys)
+    signing_key(backup_keys, "sign the purge's restore point with")  # before anything changes
     admin = Admin(client)
     repo = GroupRepository(log_root)
     admin_def = _admin_definition(admin, structure)
@@ -657,14 +682,14 @@ def run_purge(client: redis.Redis, structure: str, *, backup_root: Path, log_roo
     base_def = admin_def or (known[0] if known else StructureDef(structure))
     sdef, queues = definitions(admin_def, admin.queues(), repo,
                                {"structure": structure, "structure_def": asdict(base_def), "queues": []})
-    group = _group_of(admin, backup_root, structure, lost)
+    group = _group_of(admin, backup_root, structure, lost, backup_keys)
     _redefine(admin, group, sdef, queues, lost=lost)
     point = point_id(structure)
 
     def write_point(gen: int, tombstones: dict[str, str]) -> str:  # RECOVERING, before it is usable again
         write_restore_point(backup_root, point, kind=PURGE, group=group, sdef=sdef, queues=queues,
                             members=known_members(repo, {}, admin), gen=gen, lrsn=gen, replay_from=gen,
-                            entries=(), tombstones=tombstones)
+                            entries=(), tombstones=tombstones, backup_keys=backup_keys)
         return point
 
     try:
@@ -672,5 +697,5 @@ def run_purge(client: redis.Redis, structure: str, *, backup_root: Path, log_roo
                             committed=lambda gen: committed_before_base(find_log_dirs(log_root), structure, gen))
     except bulk.NotOwnerError as e:
         raise _refused(structure, e) from e
-    rebuild_catalog(admin, backup_root, structure)
+    rebuild_catalog(admin, backup_root, structure, backup_keys=backup_keys)
     return PurgeResult(structure, state, purged.discarded, purged.discarded_bytes, purged.gen, restore_point=point)

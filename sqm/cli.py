@@ -71,6 +71,9 @@ def add_run_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
                    help="connections at once that have not authenticated yet (default 64)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="HTTP port for /healthz, /readyz and /metrics (0: any free port; default: none)")
+    p.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address of the HTTP port (default 127.0.0.1: it has no authentication; another address "
+                        "lets whoever reaches it read queue names, depths and counters, and is logged)")
     p.add_argument("--lease-ms", type=int, default=5000, help="lease in the admin structure (default 5000)")
     p.add_argument("--cf-connections", type=int, default=64,
                    help="connections to the CF; more concurrent requests wait for one (default 64)")
@@ -112,7 +115,7 @@ def cmd_run(args: argparse.Namespace, out: Output) -> int:
         idle_timeout_s=args.idle_timeout, max_connections=args.max_connections,
         max_connections_per_peer=args.max_connections_per_peer, max_unauthenticated=args.max_unauthenticated,
         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
-        metrics_port=args.metrics_port, lease_ms=args.lease_ms, cf_connections=args.cf_connections,
+        metrics_port=args.metrics_port, metrics_host=args.metrics_host, lease_ms=args.lease_ms, cf_connections=args.cf_connections,
         logload=args.logload, max_frame=args.max_frame,
         shutdown_grace_s=args.shutdown_grace, cf_wait_s=args.cf_wait, ready_file=args.ready_file,
         clock_skew_ms=args.clock_skew_ms, recover_structure=recovery))

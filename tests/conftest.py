@@ -6,6 +6,11 @@
 * ``redis_factory`` (function): ``redis_factory(**EmbeddedRedis_kwargs)`` starts a private
   server (data dir under pytest's tmp dir); all are stopped after the test.
 * ``fresh_redis`` (function): a private, started ``EmbeddedRedis`` for tests that kill it.
+* ``group_backup_key`` (session, autouse): the tests' group's backup key (cfemu.credentials.BackupKeys), found
+  by every backup writer and reader of the suite, in-process or a command line, as a deployment's are:
+  through $CFEMU_SECRETS_DIR. That directory holds the backup key only, so that nothing else the settings
+  resolver finds changes (no CF password is put into a URL, no service token found). A test that runs a group
+  of its own (a cluster) takes the variable out of its commands' environment: the cluster's secrets hold its key.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import redis
 from cfemu import credentials
 from cfemu.connection import connect
 from cfemu.embedded import EmbeddedRedis
+from cfemu.private_files import private_dir
 from tests.support.harness import HARNESS
 
 
@@ -60,6 +66,21 @@ class GroupCF(EmbeddedRedis):
 
     def client(self, **kwargs: Any) -> redis.Redis:
         return super().client(**{"username": "qsg-harness", "password": self.harness_password, **kwargs})
+
+
+@pytest.fixture(scope="session", autouse=True)
+def group_backup_key(tmp_path_factory: pytest.TempPathFactory) -> Iterator[credentials.BackupKeys]:
+    directory = private_dir(tmp_path_factory.mktemp("backup-key") / credentials.SECRETS_DIR)
+    credentials.create_backup_key(directory)
+    before = os.environ.get(credentials.ENV_SECRETS_DIR)
+    os.environ[credentials.ENV_SECRETS_DIR] = str(directory)
+    try:
+        yield credentials.backup_keys(directory)
+    finally:
+        if before is None:
+            os.environ.pop(credentials.ENV_SECRETS_DIR, None)
+        else:
+            os.environ[credentials.ENV_SECRETS_DIR] = before
 
 
 @pytest.fixture(scope="session")

@@ -220,7 +220,7 @@ def ensure_backups(g: ChaosGroup) -> None:
     """A CF loss needs a good backup of every structure; take one now if the scheduler has not yet."""
 
     for s in STRUCTURES:
-        if any(b.state == OK for b in list_backups(g.c.backup_dir, s)):
+        if any(b.state == OK for b in list_backups(g.c.backup_dir, s, backup_keys=g.c.backup_keys())):
             continue
         _backup(g, s)
 
@@ -231,7 +231,8 @@ def _backup(g: ChaosGroup, structure: str, on_step: Callable[[int, str], None] |
     while True:
         client = g.cf()
         try:
-            return run_backup(client, structure, g.c.backup_dir, log_root=g.c.log_root, on_step=on_step)
+            return run_backup(client, structure, g.c.backup_dir, log_root=g.c.log_root, on_step=on_step,
+                              backup_keys=g.c.backup_keys())
         except BackupRunningError:  # the scheduler's backup is running: ours starts after it
             if time.monotonic() > deadline:
                 raise
@@ -279,7 +280,8 @@ def _restore(g: ChaosGroup, structure: str, step: Step, progress: Progress = no_
     client = g.cf()
     outcome, error = "ok", ""
     try:
-        return run_restore(client, structure, backup_root=g.c.backup_dir, log_root=g.c.log_root, progress=progress)
+        return run_restore(client, structure, backup_root=g.c.backup_dir, log_root=g.c.log_root, progress=progress,
+                           backup_keys=g.c.backup_keys())
     except RestoreStoppedError as e:
         outcome, error = "stopped", str(e)
         raise
@@ -936,7 +938,8 @@ def purge_then_cf_kill(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any
         try:
             Admin(client).set_state("APP1", "FAILED")  # from here on nothing changes what the purge discards
             discarded = purged_messages(client, "APP1")
-            result = run_purge(client, "APP1", backup_root=g.c.backup_dir, log_root=g.c.log_root)
+            result = run_purge(client, "APP1", backup_root=g.c.backup_dir, log_root=g.c.log_root,
+                               backup_keys=g.c.backup_keys())
         finally:
             client.close()
         step("purged", structure="APP1", msgs=discarded, restore_point=result.restore_point)

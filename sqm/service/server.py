@@ -8,7 +8,9 @@ itself on blocking socket calls (no hand-off from the loop to the thread and bac
 loop only ends it at shutdown. A TLS connection stays on the event loop, which hands each request to its thread. When the connection goes away its open UOW is backed
 out (MQ backs out on an abnormal end); a prepared (in-doubt) UOW stays in doubt for its coordinator.
 
-Health, readiness and Prometheus metrics are served over HTTP on a second port: /healthz, /readyz, /metrics.
+Health, readiness and Prometheus metrics are served over HTTP on a second port: /healthz, /readyz, /metrics. They
+have no authentication, so that port listens on loopback (``--metrics-host``, default 127.0.0.1) whatever address
+the service itself listens on; another address is the operator's explicit choice, and logged as unauthenticated.
 
 Who may connect (docs/security.md, "The service"): authentication is on unless ``--no-auth`` (refused on a
 non-loopback address). A connection proves it holds the token of a role (sqm.service.protocol: challenge and
@@ -193,6 +195,9 @@ class ServerConfig:
     tls_key: str | None = None
     tls_ca: str | None = None  # with cert and key: mutual TLS, clients must present a certificate from this CA
     metrics_port: int | None = None  # /healthz, /readyz and /metrics; None: no HTTP endpoint
+    # They have no authentication (what they show: queue names, depths, counters), so they listen on loopback
+    # unless the operator says otherwise, whatever ``host`` the service itself listens on.
+    metrics_host: str = "127.0.0.1"
     lease_ms: int = 5000
     cf_connections: int = 64
     logload: int = 10000  # LOGLOAD: a checkpoint every this many log records
@@ -362,15 +367,19 @@ class SQMServer:
         self.port = server.sockets[0].getsockname()[1]
         http = None
         if self.config.metrics_port is not None:
-            http = await asyncio.start_server(self._serve_http, self.config.host, self.config.metrics_port)
+            http = await asyncio.start_server(self._serve_http, self.config.metrics_host, self.config.metrics_port)
             self.metrics_port = http.sockets[0].getsockname()[1]
+            if not is_loopback_host(self.config.metrics_host):
+                log.warning("%s: /metrics, /healthz and /readyz on %s:%d have no authentication: whoever reaches "
+                            "them reads queue names, depths and counters (--metrics-host)", self.qm.name,
+                            self.config.metrics_host, self.metrics_port)
         if install_signals:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self._on_signal, sig)
         watcher = asyncio.create_task(self._watch_fencing())
         self._write_ready_file()
-        log.info("%s serving on %s:%d%s (metrics %s), epoch %d, %s", self.qm.name, self.config.host, self.port,
-                 " with TLS" if self.ssl else "", self.metrics_port, self.qm.caller.epoch,
+        log.info("%s serving on %s:%d%s (metrics %s:%s), epoch %d, %s", self.qm.name, self.config.host, self.port,
+                 " with TLS" if self.ssl else "", self.config.metrics_host, self.metrics_port, self.qm.caller.epoch,
                  f"authentication on (roles: {', '.join(self._tokens)})" if self.config.auth else
                  "authentication OFF (--no-auth: every local connection is an operator)")
         if self.config.auth and OPERATOR not in self._tokens:
@@ -414,7 +423,8 @@ class SQMServer:
         path = Path(self.config.ready_file)
         tmp = path.with_suffix(path.suffix + ".tmp")
         tmp.write_text(json.dumps({"pid": os.getpid(), "name": self.qm.name, "host": self.config.host,
-                                   "port": self.port, "metrics_port": self.metrics_port}))
+                                   "port": self.port, "metrics_host": self.config.metrics_host,
+                                   "metrics_port": self.metrics_port}))
         os.replace(tmp, path)
 
     async def _watch_fencing(self) -> None:

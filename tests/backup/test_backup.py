@@ -25,15 +25,21 @@ from backup.files import (
     CorruptFrameError,
     ForeignBackupError,
     IncompleteBackupError,
+    NoBackupKeyError,
     TruncatedBackupError,
+    UntrustedBackupError,
     new_backup_id,
     read_backup,
+    sign_backup,
     verify,
 )
 from backup.run import StructureNotReadyError, run_backup
+from cfemu import credentials
 from cfemu.admin import Admin
 from cfemu.cf import CF
+from cfemu.credentials import BackupKeys, key_id
 from cfemu.errors import BackupRunningError, NoMessageError
+from cfemu.private_files import private_dir
 from sqm.log import LogReader
 from sqm.manager import QueueManager
 from tests.support.group import define_group, start_qm
@@ -46,9 +52,9 @@ def _descriptor(i: int, state: str = "CP") -> dict[str, Any]:
 
 
 def _write_backup(root: Path, structure: str = "APP1", n: int = 50, roll_bytes: int = 2000,
-                  when: datetime | None = None) -> Path:
+                  when: datetime | None = None, backup_keys: BackupKeys | None = None) -> Path:
     bid = new_backup_id(structure, when or datetime.now(UTC))
-    w = BackupWriter(root / structure / bid, roll_bytes=roll_bytes)
+    w = BackupWriter(root / structure / bid, roll_bytes=roll_bytes, backup_keys=backup_keys)
     for i in range(n):
         w.add(3, _descriptor(i), f"d{i:02d}".encode())
     w.finish({"id": bid, "group": "QSG1", "structure": structure, "entries": n, "start_lrsn": 1})
@@ -90,11 +96,11 @@ def test_flipped_byte_in_a_frame_names_file_and_offset(tmp_path: Path) -> None:
         verify(path)
 
 
-def test_flipped_byte_in_the_manifest_is_a_checksum_mismatch(tmp_path: Path) -> None:
+def test_a_changed_manifest_no_longer_matches_its_signature(tmp_path: Path) -> None:
     path = _write_backup(tmp_path)
     m = path / MANIFEST_NAME
     m.write_text(m.read_text().replace('"entries": 50', '"entries": 51'))
-    with pytest.raises(ChecksumMismatchError, match="manifest checksum mismatch"):
+    with pytest.raises(UntrustedBackupError, match=f"{m}: the signature does not match"):
         read_backup(path)
 
 
@@ -118,6 +124,66 @@ def test_missing_manifest_is_an_unfinished_backup(tmp_path: Path) -> None:
         read_backup(path)
     with pytest.raises(BackupNotFoundError):
         read_backup(tmp_path / "APP1" / "nothing-here")
+
+
+def test_key_rotation_the_previous_key_still_checks_and_sign_moves_a_backup_to_the_new_one(tmp_path: Path) -> None:
+    """docs/security.md, "Rotating the backup key": the current key becomes backup-previous.key, a new one is made;
+    backups signed before still verify; `cfbackup sign` re-signs them; once the previous key is gone, a backup
+    nobody re-signed is untrusted."""
+    secrets = private_dir(tmp_path / "secrets")
+    credentials.create_backup_key(secrets)
+    before = credentials.backup_keys(secrets)
+    assert before.current is not None and key_id(before.current) not in repr(before.current)
+    assert "ids=[" in repr(before) and before.current.decode() not in repr(before)  # a key is never printed
+    old, resigned = (_write_backup(tmp_path / "bk", backup_keys=before, when=datetime(2026, 1, 1, 0, 0, i, tzinfo=UTC))
+                     for i in (1, 2))
+    (secrets / credentials.BACKUP_KEY_FILE).rename(secrets / credentials.BACKUP_PREVIOUS_KEY_FILE)
+    credentials.create_backup_key(secrets)
+    rotated = credentials.backup_keys(secrets)
+    assert rotated.current != before.current and rotated.previous == (before.current,)
+    assert verify(old, backup_keys=rotated)["signature"]["key"] == key_id(before.current)
+    new = _write_backup(tmp_path / "bk", backup_keys=rotated)
+    assert read_backup(new, backup_keys=rotated).manifest["signature"]["key"] == key_id(rotated.current)
+    assert sign_backup(resigned, backup_keys=rotated)["signature"]["key"] == key_id(rotated.current)
+
+    (secrets / credentials.BACKUP_PREVIOUS_KEY_FILE).unlink()
+    after = credentials.backup_keys(secrets)
+    assert verify(resigned, backup_keys=after) and verify(new, backup_keys=after)
+    with pytest.raises(UntrustedBackupError, match=rf"signed with a key this group does not hold \(key id "
+                                                   rf"{key_id(before.current)}"):
+        verify(old, backup_keys=after)
+    assert {b.path: b.state for b in list_backups(tmp_path / "bk", "APP1", backup_keys=after)}[old] == "untrusted"
+
+    (secrets / credentials.BACKUP_KEY_FILE).chmod(0o644)  # a key others could read is refused, like any secret
+    with pytest.raises(credentials.SecretsError, match="chmod 600 it and rotate"):
+        credentials.backup_keys(secrets)
+    with pytest.raises(NoBackupKeyError, match="no backup key to sign the backup with"):
+        _write_backup(tmp_path / "bk", backup_keys=BackupKeys(source="nowhere"))
+    assert sorted(p.name for p in (tmp_path / "bk" / "APP1").iterdir()) == sorted(p.name for p in (old, resigned, new))
+
+
+def test_every_product_reader_and_writer_of_backups_passes_the_groups_keys() -> None:
+    """The keys reach every reader and writer through the settings resolver: a command passes the ones it
+    resolved (its flags, its cluster), never leaving a library call to find its own from the working directory."""
+    import ast
+
+    calls = {"run_backup", "run_restore", "run_purge", "list_backups", "latest_good", "inspect", "prune",
+             "rebuild_catalog", "write_restore_point", "open_backup", "read_backup", "verify", "read_manifest",
+             "sign_backup", "BackupWriter"}
+    root = Path(__file__).resolve().parents[2]
+    missing = []
+    for package in ("backup", "restore", "qsg", "sqm", "cfemu"):
+        for path in (root / package).rglob("*.py"):
+            tree = ast.parse(path.read_text())
+            ours = {a.asname or a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                    and (node.module or "").startswith(("backup.", "restore.")) for a in node.names}  # not the log's
+            if package in ("backup", "restore"):
+                ours |= {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+            for node in ast.walk(tree):
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in calls & ours
+                        and not any(k.arg == "backup_keys" for k in node.keywords)):
+                    missing.append(f"{path.relative_to(root)}:{node.lineno} {node.func.id}()")
+    assert not missing, "calls without backup_keys=: " + ", ".join(missing)
 
 
 def test_wrong_structure_or_group_is_refused(tmp_path: Path) -> None:

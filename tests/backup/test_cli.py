@@ -56,11 +56,12 @@ def test_run_list_show_verify_prune(env: dict[str, str], redis_url: str, tmp_pat
 
     shown = cfbackup("show", bid, env=env)
     assert shown.returncode == 0 and "LRSN start / end" in shown.stdout and "uncommitted gets" in shown.stdout
-    assert json.loads(cfbackup("show", bid, "--json", env=env).stdout)["manifest"]["checksum"] == \
-        manifest["checksum"]
+    assert json.loads(cfbackup("show", bid, "--json", env=env).stdout)["manifest"]["signature"] == \
+        manifest["signature"]
 
     ok = cfbackup("verify", bid, "--json", env=env)
     assert ok.returncode == 0 and json.loads(ok.stdout)["frames"] == 20
+    assert json.loads(ok.stdout)["signed"] is True and json.loads(ok.stdout)["key"] == manifest["signature"]["key"]
 
     pruned = cfbackup("prune", "APP1", "--keep", "1", "--json", env=env)
     assert pruned.returncode == 0, pruned.stderr

@@ -125,8 +125,10 @@ def test_dockerfile_builds_the_project_on_python_3_11_slim() -> None:
 
 
 def cfemu(*args: str, check: bool = True, timeout: float = 90) -> subprocess.CompletedProcess[str]:
+    # The cluster's commands find its secrets in its directory: not the suite's (tests/conftest.py).
+    env = {k: v for k, v in os.environ.items() if k != "CFEMU_SECRETS_DIR"}
     r = subprocess.run([sys.executable, "-m", "qsg.cli", *args], capture_output=True, text=True, timeout=timeout,
-                       cwd=ROOT)
+                       cwd=ROOT, env=env)
     if check:
         assert r.returncode == 0, f"cfemu {' '.join(args)}: {r.returncode}\n{r.stdout}\n{r.stderr}"
     return r
@@ -232,7 +234,8 @@ def test_bad_arguments_are_one_line_errors(tmp_path: Path) -> None:
     assert not os.listdir(tmp_path)
 
 
-SETTINGS_ENV = ("REDIS_URL", "CFEMU_LOG_ROOT", "CFEMU_BACKUP_DIR", "CFEMU_CLUSTER_DIR", "CFEMU_CF_DIR", "SQM_TOKEN")
+SETTINGS_ENV = ("REDIS_URL", "CFEMU_LOG_ROOT", "CFEMU_BACKUP_DIR", "CFEMU_CLUSTER_DIR", "CFEMU_CF_DIR", "SQM_TOKEN",
+                "CFEMU_SECRETS_DIR")
 
 
 def test_every_cli_finds_the_cluster_from_its_directory_with_no_flags_and_no_environment(tmp_path: Path) -> None:
