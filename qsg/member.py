@@ -54,7 +54,8 @@ def restore_hook(args: argparse.Namespace, found: Settings) -> RecoverStructure:
         url = restore_url(args) or found.redis_url
         client = connect(url)
         try:
-            result = run_restore(client, structure, backup_root=backup_root, log_root=log_root, progress=progress)
+            result = run_restore(client, structure, backup_root=backup_root, log_root=log_root, progress=progress,
+                                 backup_keys=found.backup_keys())
         finally:
             client.close()
         return {"backup": result.backup_id, "base_kind": result.base_kind, "replay_from": result.replay_from,

@@ -200,11 +200,13 @@ class _AsPlanned:
         return iter(self.base.copies())
 
 
-def earlier_generations(backup_root: Path, structure: str, seen: bulk.Seen) -> int:
+def earlier_generations(backup_root: Path, structure: str, seen: bulk.Seen,
+                        backup_keys: BackupKeys | None = None) -> int:
     """The highest generation the structure has had: every restore and purge writes one as a restore point
     before the structure is usable (a fuzzy backup records the generation it was taken in), and the CF's own
     when it still holds the structure."""
-    return max([seen.gen, *(int(b.manifest.get("gen", 0) or 0) for b in list_backups(backup_root, structure)
+    return max([seen.gen, *(int(b.manifest.get("gen", 0) or 0)
+                            for b in list_backups(backup_root, structure, backup_keys=backup_keys)
                             if b.state == OK and b.manifest)])
 
 
@@ -498,7 +500,7 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
     timer = PhaseTimer(progress)
     now = now_ms if now_ms is not None else time.time_ns() // 1_000_000
 
-    as_planned = _AsPlanned(backup, earlier_generations(backup_root, structure, seen))
+    as_planned = _AsPlanned(backup, earlier_generations(backup_root, structure, seen, backup_keys))
 
     def make_plan() -> RestorePlan:
         return with_commits_before_base(chosen_engine.plan(structure, as_planned, log_dirs, replay_from, now, timer),

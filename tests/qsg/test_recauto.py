@@ -193,7 +193,7 @@ def test_the_cf_killed_under_load_comes_back_with_every_recauto_structure_active
     for s in STRUCTURES:
         client = connect(c.cf_url("backup"))
         try:
-            run_backup(client, s, c.backup_dir, log_root=c.log_root)
+            run_backup(client, s, c.backup_dir, log_root=c.log_root, backup_keys=c.backup_keys())
         finally:
             client.close()
     with Load(c) as load:
@@ -218,7 +218,7 @@ def test_the_cf_killed_under_load_comes_back_with_every_recauto_structure_active
     assert "recovery started for APP2" not in logs
     client = connect(c.cf_url("restore"))
     try:
-        run_restore(client, "APP2", backup_root=c.backup_dir, log_root=c.log_root)
+        run_restore(client, "APP2", backup_root=c.backup_dir, log_root=c.log_root, backup_keys=c.backup_keys())
     finally:
         client.close()
     assert _states(c)["APP2"] == "ACTIVE"
