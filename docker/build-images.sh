@@ -28,10 +28,13 @@ if [ "${CFEMU_COMPOSE_SPARK:-1}" != 0 ]; then
     "$PYTHON" -m pip wheel -q --disable-pip-version-check -w "$WHEELS" "pyspark==$SPARK_VERSION" pyarrow
 fi
 
-PORT=$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+# A fixed port: the URL is a build argument, part of the layer cache's key.
+PORT=${CFEMU_WHEEL_PORT:-38111}
 "$PYTHON" -m http.server --bind 127.0.0.1 --directory "$WHEELS" "$PORT" >/dev/null 2>&1 &
 SERVER=$!
 trap 'kill $SERVER 2>/dev/null || true' EXIT INT TERM
+sleep 1
+kill -0 "$SERVER" 2>/dev/null || { echo "cannot serve the wheels on 127.0.0.1:$PORT (CFEMU_WHEEL_PORT)" >&2; exit 1; }
 PIP="--build-arg PIP_FIND_LINKS=http://127.0.0.1:$PORT/ --build-arg PIP_NO_INDEX=1"
 
 # shellcheck disable=SC2086
