@@ -54,6 +54,9 @@ ARG SPARK_VERSION=4.0.0
 ARG PIP_FIND_LINKS
 ARG PIP_NO_INDEX
 RUN pip install "pyspark==${SPARK_VERSION}" pyarrow
+# The worker's work directory (executors' files and output) in the cfemu user's home (0700): its default, under
+# SPARK_HOME, is root's and the worker, which runs as cfemu, died at start on it.
 ENV SPARK_HOME=/opt/cfemu/venv/lib/python3.11/site-packages/pyspark \
-    PYSPARK_PYTHON=/opt/cfemu/venv/bin/python
+    PYSPARK_PYTHON=/opt/cfemu/venv/bin/python \
+    SPARK_WORKER_DIR=/var/lib/cfemu/spark-work
 USER cfemu
