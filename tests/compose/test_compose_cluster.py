@@ -145,6 +145,7 @@ class Ledger:
         self.never: set[bytes] = set()  # bodies put in units of work that were backed out or left in flight
         self.lock = threading.Lock()
         self.seq = 0
+        self.committed_puts = 0
 
     def body(self, tag: str) -> bytes:
         with self.lock:
@@ -168,6 +169,7 @@ class Ledger:
             client.backout()
         with self.lock:
             if commit:
+                self.committed_puts += len(put)
                 for queue, body in put:
                     self.expected[queue][body] += 1
                 for queue, body in got:
@@ -226,6 +228,8 @@ def refused_while_lost(client: Client) -> set[str]:
 def restore(*engine: str) -> dict[str, Any]:
     result = json.loads(tools("cfrestore", "run", "APP1", "--json", *engine))
     assert result["state_before"] == "FAILED", result
+    print(f"restore ({result['engine']}):", {k: v for k, v in result["counts"].items() if v},
+          "records by member:", result["records_by_member"])
     return result
 
 
@@ -320,6 +324,7 @@ def test_the_compose_cluster_runs_secured_loses_its_cf_and_restores(cluster: dic
     for c in conns.values():
         c.close()
     assert sum(map(ledger.depth, QUEUES)) > 50
+    print("drained:", {q: sum(drained[q].values()) for q in QUEUES}, "committed puts:", ledger.committed_puts, "never to be seen (backed out, in flight):", len(ledger.never))
 
     # Nothing world- (or group-) readable in the volumes, everything owned by the group's user; every process of
     # the group runs as that user.
