@@ -103,6 +103,7 @@ def test_compose_topology(compose: dict[str, Any]) -> None:
     master, worker, tools = services["spark-master"], services["spark-worker"], services["tools"]
     assert master["image"].split(":")[0] in ("apache/spark", "bitnami/spark")
     assert "spark://spark-master:7077" in worker["command"]
+    assert "ports" not in master  # no authentication: reachable from the group's containers only
     for s in (master, worker, tools):  # the restore tool and the Spark job read every log and the backups
         assert {"logs", "backups"} <= set(volumes_of(s))
     assert worker["build"]["target"] == tools["build"]["target"] == "spark"
