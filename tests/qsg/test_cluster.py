@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -105,20 +106,31 @@ def test_compose_topology(compose: dict[str, Any]) -> None:
     master, worker, tools = services["spark-master"], services["spark-worker"], services["tools"]
     assert master["image"].split(":")[0] in ("apache/spark", "bitnami/spark")
     assert "spark://spark-master:7077" in worker["command"]
+    assert "ports" not in master  # no authentication: reachable from the group's containers only
     for s in (master, worker, tools):  # the restore tool and the Spark job read every log and the backups
         assert {"logs", "backups"} <= set(volumes_of(s))
     assert worker["build"]["target"] == tools["build"]["target"] == "spark"
 
     assert "logs" in volumes_of(services["define"])  # definitions go to the group repository on the log volume
-    for line in services["define"]["command"][2].split("&&"):
-        words = line.strip().strip("()").replace("|| true", "").split()
-        assert words[0] == "cfemu"
-        cfemu_cli.build_parser().parse_args(words[1:])
+    script = services["define"]["command"][2]
+    assert "cfemu define $$definition" in script and "|| true" not in script  # only "already defined" is fine
+    definitions = re.findall(r'"((?:structure|queue) [^"]+)"', script)
+    assert definitions[0] == "structure APP1" and len(definitions) == 3
+    for definition in definitions:
+        cfemu_cli.build_parser().parse_args(["define", *definition.split()])
+
+    # The CF comes back (empty) when it dies, for restore to refill it; it runs as the owner of the secrets volume
+    # (10001, the image's cfemu user), which keeps the ACL file 0600, and reachable on the compose network.
+    cf = services["cf"]
+    assert cf["restart"] == "unless-stopped" and cf["user"].split(":")[0] == "10001"
+    assert cf["command"][cf["command"].index("--protected-mode") + 1] == "no"
 
 
 def test_dockerfile_builds_the_project_on_python_3_11_slim() -> None:
     text = (ROOT / "Dockerfile").read_text()
-    assert "FROM python:3.11-slim AS base" in text and "pip install ." in text
+    # the public image by default; docker/build-images.sh passes a local stand-in where no registry is reachable
+    assert "ARG BASE=python:3.11-slim\nFROM ${BASE} AS base" in text and "pip install ." in text
+    assert "useradd --system --uid 10001" in text  # the uid the CF runs as in docker-compose.yml
     assert "FROM base AS spark" in text
     for package in ("cfemu", "sqm", "backup", "restore"):
         assert f"COPY {package} ./{package}" in text

@@ -1,0 +1,345 @@
+"""docker-compose.yml run for real, the way a user runs it (opt-in: `pytest -m compose`, or `make compose-test`).
+
+`docker-compose up -d` brings up the secured group (the CF with its default user off, QM1-QM3 authenticating every
+client, the backup scheduler, a Spark master and worker); the test then drives it from the host through the
+127.0.0.1-published ports with the application token the README says to take from the tools service:
+- an attacker's view first: the CF answers NOAUTH, the service refuses no token, a wrong token, and an
+  operator's request made with the application token;
+- units of work on every member (committed, backed out), a fuzzy backup through the tools service under load,
+  more work after it, a unit of work left in flight;
+- the CF container's redis-server killed (SIGKILL, as a crash): the restart policy brings the CF back, empty; the
+  members carry on without a restart; `cfrestore run APP1` through the tools service (the runbook's steps)
+  restores every committed message and nothing else; work goes on; the CF killed again and restored by the Spark
+  engine on the compose Spark cluster (`--engine spark --master spark://spark-master:7077`); every queue drained
+  through the service and checked against what the test committed (nothing lost, nothing extra);
+- nothing in the logs, backups and secrets volumes readable by anyone but their owner (uid 10001), and every
+  container of the group runs as that user;
+- `docker-compose down -v` leaves no container, network or volume behind.
+
+The images must exist: docker/build-images.sh builds them where no registry is reachable (make compose-test does);
+COMPOSE_FILE picks the compose files (default: docker-compose.yml with docker/compose.local.yml, the local
+stand-ins for the public redis and apache/spark images), DOCKER the docker client.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cfemu.errors import MQError, NoMessageError
+from sqm.service.client import Client
+from sqm.service.protocol import NotAuthorizedError
+
+pytestmark = [pytest.mark.compose, pytest.mark.timeout(3600)]  # up, two restores and down on a loaded machine
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKER = os.environ.get("DOCKER", "docker")
+PROJECT = os.environ.get("COMPOSE_PROJECT_NAME", "cfemucompose")
+FILES = os.environ.get("COMPOSE_FILE", "docker-compose.yml:docker/compose.local.yml")
+IMAGES = ["cfemu:latest", "cfemu-spark:latest"] + (["cfemu-debian:bookworm"] if "compose.local" in FILES else [])
+PORTS = [6379, 7001, 7002, 7003, 9101, 9102, 9103]
+MEMBERS = {"QM1": 7001, "QM2": 7002, "QM3": 7003}
+QUEUES = ("Q1", "Q2")
+OWNER = 10001  # the image's cfemu user: owns every volume, runs every process of the group
+
+
+# The scheduler's first backup comes after an hour: the restores start from the test's own backup, then from the
+# first restore's restore point, and must replay the members' logs past it.
+def compose_env() -> dict[str, str]:
+    return {**os.environ, "COMPOSE_PROJECT_NAME": PROJECT, "COMPOSE_FILE": FILES, "BACKUP_INTERVAL": "3600",
+            "COMPOSE_HTTP_TIMEOUT": "600"}
+
+
+def run(cmd: list[str], *, timeout: float = 900, check: bool = True) -> subprocess.CompletedProcess[str]:
+    r = subprocess.run(cmd, cwd=ROOT, env=compose_env(), capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert r.returncode == 0, f"{' '.join(cmd)}: exit {r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
+    return r
+
+
+def dc(*args: str, timeout: float = 900, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return run(["docker-compose", *args], timeout=timeout, check=check)
+
+
+def tools(*args: str, timeout: float = 900) -> str:
+    """A command in the tools service, as the README and the runbook say: docker-compose run --rm tools ..."""
+    return dc("run", "--rm", "-T", "tools", *args, timeout=timeout).stdout
+
+
+def container(service: str) -> str:
+    return dc("ps", "-q", service).stdout.strip()
+
+
+def inspect(service: str, fmt: str) -> str:
+    return run([DOCKER, "inspect", "-f", fmt, container(service)]).stdout.strip()
+
+
+def wait_healthy(services: list[str], timeout: float = 900) -> None:
+    deadline = time.monotonic() + timeout
+    pending = list(services)
+    while pending:
+        pending = [s for s in pending if inspect(s, "{{.State.Status}} {{.State.Health.Status}}") != "running healthy"]
+        if pending and time.monotonic() > deadline:
+            logs = dc("logs", "--no-color", "--tail", "30", *pending, check=False).stdout
+            raise AssertionError(f"not healthy after {timeout}s: {pending}\n{logs}")
+        time.sleep(2)
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[dict[str, float]]:
+    for binary in (DOCKER, "docker-compose"):
+        if shutil.which(binary) is None:
+            pytest.skip(f"{binary} is not installed (apt-get install docker.io docker-compose)")
+    if run([DOCKER, "info"], check=False, timeout=60).returncode != 0:
+        pytest.skip("no Docker daemon answers")
+    missing = [i for i in IMAGES if run([DOCKER, "image", "inspect", i], check=False).returncode != 0]
+    if missing:
+        pytest.skip(f"images {missing} are missing: make compose-test (docker/build-images.sh) builds them")
+    dc("down", "-v", "--remove-orphans")  # what an aborted earlier run left
+    busy = [p for p in PORTS if not port_free(p)]
+    assert not busy, f"127.0.0.1 ports {busy} are in use: the compose file publishes them"
+    volumes_before = set(run([DOCKER, "volume", "ls", "-q"]).stdout.split())
+    times: dict[str, float] = {}
+    t0 = time.monotonic()
+    try:
+        dc("up", "-d", "--no-build", timeout=1800)
+        wait_healthy(["cf", "qm1", "qm2", "qm3"])
+        times["up"] = time.monotonic() - t0
+        yield times
+    except BaseException:
+        print(dc("logs", "--no-color", "--tail", "50", check=False).stdout[-20000:])
+        raise
+    finally:
+        t1 = time.monotonic()
+        dc("down", "-v", "--remove-orphans", timeout=900)
+        times["down"] = time.monotonic() - t1
+        print("compose run times (s):", json.dumps({k: round(v, 1) for k, v in times.items()}))
+        label = f"label=com.docker.compose.project={PROJECT}"
+        for kind in ("container", "network", "volume"):
+            left = run([DOCKER, kind, "ls", *(["-a"] if kind == "container" else []), "-q", "--filter", label])
+            assert not left.stdout.strip(), f"{kind}s left behind: {left.stdout}"
+        leaked = set(run([DOCKER, "volume", "ls", "-q"]).stdout.split()) - volumes_before
+        assert not leaked, f"anonymous volumes left behind: {leaked}"
+
+
+class Ledger:
+    """What the test committed: the bodies every queue must hold after any restore."""
+
+    def __init__(self) -> None:
+        self.expected: dict[str, collections.Counter[bytes]] = {q: collections.Counter() for q in QUEUES}
+        self.never: set[bytes] = set()  # bodies put in units of work that were backed out or left in flight
+        self.lock = threading.Lock()
+        self.seq = 0
+        self.committed_puts = 0
+
+    def body(self, tag: str) -> bytes:
+        with self.lock:
+            self.seq += 1
+            return f"{tag}-{self.seq:06d}".encode()
+
+    def uow(self, client: Client, tag: str, puts: int = 3, gets: int = 0, commit: bool = True) -> None:
+        put = [(QUEUES[i % 2], self.body(tag)) for i in range(puts)]
+        for queue, body in put:
+            client.put(queue, body)
+        got = []
+        for i in range(gets):
+            queue = QUEUES[i % 2]
+            try:
+                got.append((queue, client.get(queue).body))
+            except NoMessageError:
+                pass
+        if commit:
+            client.commit()
+        else:
+            client.backout()
+        with self.lock:
+            if commit:
+                self.committed_puts += len(put)
+                for queue, body in put:
+                    self.expected[queue][body] += 1
+                for queue, body in got:
+                    self.expected[queue][body] -= 1
+                    assert self.expected[queue][body] >= 0, f"{body!r} delivered more often than it was put"
+            else:
+                self.never.update(body for _, body in put)
+
+    def depth(self, queue: str) -> int:
+        return sum(self.expected[queue].values())
+
+
+def clients(token: str) -> dict[str, Client]:
+    return {qm: Client(("127.0.0.1", port), token=token, client_name=f"compose-test-{qm}")
+            for qm, port in MEMBERS.items()}
+
+
+def queue_depths() -> dict[str, int]:
+    status = json.loads(tools("cfemu", "status", "--json"))
+    (app1,) = [s for s in status["structures"] if s["name"] == "APP1"]
+    assert app1["state"] == "ACTIVE", app1
+    return {q["name"]: q["depth"]["CP"] for q in status["queues"] if q["name"] in QUEUES}
+
+
+def kill_cf() -> None:
+    """SIGKILL the CF's redis-server (a crash, not a docker stop): the restart policy must bring it back."""
+    restarts = int(inspect("cf", "{{.RestartCount}}"))
+    os.kill(int(inspect("cf", "{{.State.Pid}}")), signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while int(inspect("cf", "{{.RestartCount}}")) == restarts:
+        assert time.monotonic() < deadline, "the CF did not come back after it was killed"
+        time.sleep(0.5)
+    wait_healthy(["cf"], timeout=120)
+
+
+LOST = {2373, 2085}  # MQRC_CF_STRUC_FAILED; MQRC_UNKNOWN_OBJECT_NAME once the CF is back empty (no definitions)
+
+
+def refused_while_lost(client: Client) -> set[str]:
+    """Until the structure is restored, every put is refused: while the CF is down with MQRC_CF_STRUC_FAILED,
+    and once it is back, empty, with MQRC_UNKNOWN_OBJECT_NAME (the queue's definition went with it; restore brings
+    it back from the group repository). Returns the reasons seen."""
+    seen = set()
+    for _ in range(5):
+        try:
+            client.put("Q1", b"refused", syncpoint=False)
+        except MQError as e:
+            assert e.reason in LOST, e
+            seen.add(e.reason_name)
+        else:
+            raise AssertionError("a put was accepted into a structure lost with the CF")
+        time.sleep(0.5)
+    return seen
+
+
+def restore(*engine: str) -> dict[str, Any]:
+    result = json.loads(tools("cfrestore", "run", "APP1", "--json", *engine))
+    assert result["state_before"] == "FAILED", result
+    assert sum(result["records_by_member"].values()) > 0, result  # the work after the backup came from the logs
+    print(f"restore ({result['engine']}):", {k: v for k, v in result["counts"].items() if v},
+          "records by member:", result["records_by_member"])
+    return result
+
+
+def test_the_compose_cluster_runs_secured_loses_its_cf_and_restores(cluster: dict[str, float]) -> None:
+    t0 = time.monotonic()
+    token = tools("cat", "/run/cfemu/secrets/service.token").strip()
+    assert len(token) >= 40
+
+    # An attacker's view from the host: the published ports let nobody in without the group's secrets.
+    with socket.create_connection(("127.0.0.1", 6379), timeout=10) as s:
+        s.sendall(b"PING\r\nFLUSHALL\r\nCONFIG GET dir\r\n")
+        time.sleep(0.5)
+        answer = s.recv(4096)
+    assert answer.count(b"-NOAUTH") == 3, answer
+    with pytest.raises(NotAuthorizedError):
+        Client(("127.0.0.1", 7001)).put("Q1", b"no token", syncpoint=False)
+    with pytest.raises(NotAuthorizedError):
+        Client(("127.0.0.1", 7002), token="x" * 43).put("Q1", b"wrong token", syncpoint=False)
+    with pytest.raises(NotAuthorizedError):
+        Client(("127.0.0.1", 7003), token=token).define_structure("EVIL")
+
+    ledger = Ledger()
+    conns = clients(token)
+    for i in range(12):  # committed work on every member, a backout now and then, gets from the second round
+        for qm, c in conns.items():
+            ledger.uow(c, f"{qm}-a", puts=3, gets=2 if i else 0, commit=i % 5 != 3)
+
+    # A fuzzy backup through the tools service while QM1 keeps putting and getting.
+    stop = threading.Event()
+
+    def load() -> None:
+        while not stop.is_set():
+            ledger.uow(conns["QM1"], "QM1-during-backup", puts=2, gets=1)
+
+    loader = threading.Thread(target=load)
+    loader.start()
+    try:
+        backup = json.loads(tools("cfbackup", "run", "APP1", "--json"))
+    finally:
+        stop.set()
+        loader.join()
+    assert backup["structure"] == "APP1"
+    for i in range(6):  # work after the backup: only the logs have it
+        for qm, c in conns.items():
+            ledger.uow(c, f"{qm}-b", puts=2, gets=1, commit=i != 4)
+    conns["QM3"].put("Q1", b"in-flight-at-the-crash")  # never committed: must not come back
+    ledger.never.add(b"in-flight-at-the-crash")
+    assert queue_depths() == {q: ledger.depth(q) for q in QUEUES}
+    cluster["workload and backup"] = time.monotonic() - t0
+
+    # The CF dies. It comes back empty; the members wait for it; restore as the runbook says.
+    t1 = time.monotonic()
+    kill_cf()
+    cluster["cf back after kill"] = time.monotonic() - t1
+    print("refused while the CF was lost:", refused_while_lost(conns["QM1"]))
+    t2 = time.monotonic()
+    result = restore()
+    cluster["restore, local engine"] = time.monotonic() - t2
+    assert result["engine"] == "local" and result["counts"]["restored"] == sum(map(ledger.depth, QUEUES)), result
+    assert queue_depths() == {q: ledger.depth(q) for q in QUEUES}
+    for qm in MEMBERS:  # the members carried on: no restart, and they serve the restored structure
+        assert inspect(qm.lower(), "{{.RestartCount}}") == "0", qm
+    try:
+        conns["QM3"].backout()  # its unit of work was in flight when the CF died
+    except MQError:
+        pass
+    conns = clients(token)
+    for _ in range(4):
+        for qm, c in conns.items():
+            ledger.uow(c, f"{qm}-c", puts=2, gets=2)
+
+    # Again, restored by the Spark engine on the compose Spark cluster (the tools service is the driver).
+    kill_cf()
+    print("refused while the CF was lost:", refused_while_lost(conns["QM2"]))
+    t3 = time.monotonic()
+    result = restore("--engine", "spark", "--master", "spark://spark-master:7077")
+    cluster["restore, spark engine"] = time.monotonic() - t3
+    assert result["engine"] == "spark" and result["counts"]["restored"] == sum(map(ledger.depth, QUEUES)), result
+
+    # Drained through the service: exactly what was committed, nothing lost, nothing extra, nothing backed out.
+    drained: dict[str, collections.Counter[bytes]] = {q: collections.Counter() for q in QUEUES}
+    for i, queue in enumerate(QUEUES * 2):
+        c = list(conns.values())[i % len(conns)]
+        while True:
+            try:
+                drained[queue][c.get(queue, syncpoint=False).body] += 1
+            except NoMessageError:
+                break
+    for queue in QUEUES:
+        assert drained[queue] == +ledger.expected[queue], queue
+        assert not ledger.never & set(drained[queue]), queue
+    for c in conns.values():
+        c.close()
+    assert sum(map(ledger.depth, QUEUES)) > 50
+    print("drained:", {q: sum(drained[q].values()) for q in QUEUES}, "committed puts:", ledger.committed_puts, "never to be seen (backed out, in flight):", len(ledger.never))
+
+    # Nothing world- (or group-) readable in the volumes, everything owned by the group's user; every process of
+    # the group runs as that user.
+    mounts = [arg for v in ("logs", "backups", "secrets") for arg in ("-v", f"{PROJECT}_{v}:/v/{v}:ro")]
+    find = [DOCKER, "run", "--rm", "--user", "0", "--network", "none", *mounts, "--entrypoint", "find", "cfemu:latest",
+            "/v", "-mindepth", "1"]
+    exposed = run([*find, "(", "-perm", "/077", "-o", "!", "-uid", str(OWNER), ")", "-printf", "%m %U %p\n"]).stdout
+    assert exposed == "", f"readable by others, or not the owner's:\n{exposed}"
+    listed = run([*find, "-type", "f", "-printf", "%p\n"]).stdout.split()
+    for kind in ("/v/logs/QM1/", "/v/backups/APP1/", "/v/secrets/secrets/service.token", "/v/secrets/users.acl"):
+        assert any(p.startswith(kind) for p in listed), kind
+    assert any("/restore-" in p for p in listed)  # the restore reports
+    for service in ("cf", "qm1", "qm2", "qm3", "backup-scheduler", "spark-master", "spark-worker"):
+        assert inspect(service, "{{.Config.User}}") in ("cfemu", f"{OWNER}:{OWNER}"), service
+    cluster["test"] = time.monotonic() - t0
