@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from cfemu.errors import NoMessageError
+from cfemu.errors import NoMessageError, OutcomeUnknownError
 from sqm import records
 from sqm.connection import Connection
 from sqm.log import LogCorruptError, LogReader, find_log_dirs, merged_records
@@ -320,3 +321,40 @@ def test_a_peer_that_cannot_read_the_failed_members_log_does_not_guess(redis_url
         assert bodies(qm1.connect()) == [(b"committed", 0)]
     finally:
         qm1.stop()
+
+
+@pytest.mark.parametrize("syncpoint", [True, False], ids=["uow", "put-outside-syncpoint"])
+def test_a_commit_fenced_after_its_log_force_is_outcome_unknown_not_failed(redis_url: str, log_root: Path,
+                                                                            syncpoint: bool,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by the chaos soak (seed 1, cf-link-halfopen): a persistent put outside syncpoint was reported failed
+    (MQRC_CONNECTION_BROKEN, fenced) and delivered later: its COMMIT was forced, then a peer fenced the member
+    before the CF applied it, and peer recovery completed it from the log. The application must hear 'outcome
+    unknown', not 'failed'."""
+    qm1 = start_qm(redis_url, log_root, "QM1", background=False, lease_ms=300)
+    qm2 = start_qm(redis_url, log_root, "QM2", background=False, lease_ms=60_000)
+    try:
+        conn = qm1.connect()
+        if syncpoint:
+            conn.put("Q1", b"logged")
+        time.sleep(0.4)  # QM1's lease lapses (its heartbeat is off)
+        append = qm1.append
+
+        def append_then_fenced(record: records.Record, **kw: Any) -> None:
+            append(record, **kw)
+            if record["k"] == "COMMIT":  # forced: a peer fences QM1 before the CF applies it
+                assert qm1.admin.fence("QM1")
+
+        monkeypatch.setattr(qm1, "append", append_then_fenced)
+        with pytest.raises(OutcomeUnknownError, match="peer completes it"):
+            if syncpoint:
+                conn.commit()
+            else:
+                conn.put("Q1", b"logged", syncpoint=False)
+        assert qm1.fenced
+        reports = recover_peers(qm2)
+        assert [(r.failed, r.committed) for r in reports] == [("QM1", 1)]
+        assert bodies(qm2.connect()) == [(b"logged", 0)]
+    finally:
+        qm1.stop(checkpoint=False)
+        qm2.stop()
