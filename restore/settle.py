@@ -190,11 +190,14 @@ def settle(entry_id: str, backup: tuple[str, dict[str, Any], bytes] | None, reco
             continue  # the redo rule: the copy already reflects this transition
         if kind == _OUTCOME:
             uow, o = payload
+            copy = o.data.get(entry_id) if o.kind == BACKOUT else None
+            if copy is not None and (state is None or int(copy[1]["l"]) > int(state["l"])):
+                # A backout carrying the entry as its get held it, newer than what the fold holds: the patent's
+                # exception (a get backed out while a backup ran), or a recovery's backout of a get whose GET
+                # record died with its member (sqm.manager.complete). The get is taken from the copy, so the
+                # backout below raises the count the CF raised.
+                structure, state, data = copy[0], dict(copy[1]), copy[2]
             if state is None:
-                copy = o.data.get(entry_id) if o.kind == BACKOUT else None
-                if copy is not None:  # the patent's exception: a get backed out while a backup ran
-                    structure, state, data = copy[0], dict(copy[1]), copy[2]
-                    state.update(st="CP", u="", l=lrsn, bc=int(state.get("bc", 0)) + 1)
                 continue
             if state.get("u") != uow or state["st"] not in ("UP", "UG"):
                 continue

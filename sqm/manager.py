@@ -351,10 +351,17 @@ class QueueManager:
         """Decide and apply a UOW's outcome: log it (forced) when it has persistent work, then apply it on every
         structure it touched. for_member: peer recovery deciding another member's UOW (a RECOVERY record)."""
         self.check_usable()
+        # A recovery (restart, or a peer) backing out a UOW carries the data of its persistent gets as the CF
+        # holds them: their GET records may have died with the member (a UOW known only from the CF), and the
+        # backout raises their backout counts, which a later restore must not forget (invariant 1).
+        recovering = not commit and (for_member is not None or reason == "restart")
+        carry = not commit and (recovering or self._backup_running(uow))
+        if recovering and not uow.persistent and for_member is None and self._gets_data(uow, best_effort=True):
+            uow.persistent = True  # its gets are persistent: the backout is logged, forced, like any other
         if uow.persistent or for_member is not None:
             failpoint("before-log-force")
-            self.log_decision(uow, commit, for_member=for_member,
-                              with_data=not commit and self._backup_running(uow), reason=reason)
+            self.log_decision(uow, commit, for_member=for_member, with_data=carry, reason=reason,
+                              best_effort=recovering)
             failpoint("after-log-force" if commit else "backout-after-log")
         uow.state = INCOMMIT if commit else INBACKOUT
         try:
@@ -482,13 +489,14 @@ class QueueManager:
             self.pending[uow.id] = lambda: self.apply(uow, False, for_member=for_member)
 
     def log_decision(self, uow: UnitOfWork, commit: bool, *, for_member: str | None = None,
-                     with_data: bool = False, reason: str = "application") -> int:
+                     with_data: bool = False, reason: str = "application", best_effort: bool = False) -> int:
         """Write the forced record that decides a UOW: COMMIT or BACKOUT for our own, RECOVERY when peer recovery
         decides another member's. A backout while a backup runs carries the data of the UOW's persistent gets
         (the patent's exception). Returns the record's LRSN, the one the CF checks against its recovery floor; the
-        entries are stamped with the LRSN the decision counts at (uow.decided_lrsn)."""
+        entries are stamped with the LRSN the decision counts at (uow.decided_lrsn). best_effort: a recovery's
+        backout carries what data the CF can give, and is logged without it when the CF cannot answer."""
         lrsn = self.clock.now()  # taken before the CF is asked for the gets' data
-        dd = self._gets_data(uow) if with_data and not commit else []
+        dd = self._gets_data(uow, best_effort=best_effort) if with_data and not commit else []
         if dd:
             self.counters["backout_records_with_data"] += 1
         ss = uow.structures
@@ -512,11 +520,18 @@ class QueueManager:
         except CF_DOWN:
             return False
 
-    def _gets_data(self, uow: UnitOfWork) -> list[list[Any]]:
-        """[structure, descriptor, data] of each persistent get the UOW holds (the patent's exception)."""
+    def _gets_data(self, uow: UnitOfWork, *, best_effort: bool = False) -> list[list[Any]]:
+        """[structure, descriptor, data] of each persistent get the UOW holds (the patent's exception). Best
+        effort: a structure that cannot answer (failed, or the CF down) gives nothing."""
         out: list[list[Any]] = []
         for sname in uow.structures:
-            for entry, data in self.cf_call(partial(self.structure(sname).uow_entries, uow.id)):
+            try:
+                held = self.cf_call(partial(self.structure(sname).uow_entries, uow.id))
+            except (StructureFailedError, *CF_DOWN):
+                if not best_effort:
+                    raise
+                continue
+            for entry, data in held:
                 if entry.state == "UG" and entry.persistent and entry.uow == uow.id:
                     out.append([sname, entry.wire(), data])
         return out

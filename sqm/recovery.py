@@ -213,9 +213,11 @@ def recover_peer(qm: QueueManager, failed: str) -> PeerRecoveryReport | None:
             rep.committed += 1
         else:
             rep.backed_out += 1
+    # Counted before the member is forgotten: whoever sees it gone from the group sees its recovery counted (a
+    # test polling the members read the counter a moment too early under load).
+    qm.counters["peer_recoveries"] += 1
     qm.admin.forget_member(failed)
     rep.seconds = time.monotonic() - t0
-    qm.counters["peer_recoveries"] += 1
     log.warning("%s recovered %s in %.3fs: %d committed, %d backed out, %d in doubt kept", qm.name, failed,
                 rep.seconds, rep.committed, rep.backed_out, rep.in_doubt)
     return rep

@@ -633,19 +633,14 @@ class SQMServer:
                 next_frame = None
             if body is None:
                 return
-            obj: Any = None
-            try:
-                obj = decode_body(body)
-                rid, op, args = parse_request(obj)
-            except ProtocolError as e:
-                known_id = obj.get("id") if isinstance(obj, dict) and isinstance(obj.get("id"), int) else None
-                log.info("%s: connection %d: bad request: %.200s", self.qm.name, session.number, e)
-                self._count((OP_LABEL_UNKNOWN, e.reason_name))
-                await self._send(writer, error_reply(known_id, e))
+            parsed = self._parse(session, body)
+            if isinstance(parsed, dict):
+                await self._send(writer, parsed)
                 if not session.authenticated:
                     self._unauthenticated_refusal(session, "malformed")
                     return
                 continue
+            rid, op, args = parsed
             if op in ("hello", "auth"):
                 if session.authenticated and (self.config.auth or op == "auth"):
                     again = BadRequestError(f"{op}: this connection has already authenticated (as {session.role})")
@@ -666,23 +661,9 @@ class SQMServer:
                 self._unauthenticated_refusal(session, "not_authenticated")
                 await self._send(writer, error_reply(rid, exc))
                 return
-            if op not in self._handlers:
-                bad = BadRequestError(f"unknown operation {_short(op)}; known: {', '.join(OPS)}")
-                self._count((OP_LABEL_UNKNOWN, bad.reason_name))
-                await self._send(writer, error_reply(rid, bad, uow=session.uow_open()))
-                continue
-            assert session.role is not None
-            if op not in ROLE_OPS[session.role]:
-                denied = NotAuthorizedError(f"{op}: not authorized for the {session.role} role (an operator's "
-                                            "request: connect with the operator token)")
-                self._count((op, denied.reason_name))
-                self._warn(f"denied-{op}", "%s: connection %d (%s, %s): %s refused to the %s role", self.qm.name,
-                           session.number, session.peer, session.client_name or "no name", op, session.role)
-                await self._send(writer, error_reply(rid, denied, uow=session.uow_open()))
-                continue
-            if self._stopping:
-                quiesce = QuiescingError(f"queue manager {self.qm.name} is shutting down; {op} not carried out")
-                await self._send(writer, error_reply(rid, quiesce, uow=session.uow_open()))
+            refused = self._refusal(session, rid, op)
+            if refused is not None:
+                await self._send(writer, refused)
                 continue
             with self._lock:
                 self._inflight += 1
@@ -778,33 +759,17 @@ class SQMServer:
 
     def _direct_request(self, session: Session, body: bytes) -> tuple[bytes, bool] | None:
         """One request of an authenticated connection: (reply frame, fenced), or None when the client left."""
-        obj: Any = None
-        try:
-            obj = decode_body(body)
-            rid, op, args = parse_request(obj)
-        except ProtocolError as e:
-            known_id = obj.get("id") if isinstance(obj, dict) and isinstance(obj.get("id"), int) else None
-            log.info("%s: connection %d: bad request: %.200s", self.qm.name, session.number, e)
-            self._count((OP_LABEL_UNKNOWN, e.reason_name))
-            return encode_frame(error_reply(known_id, e)), False
-        refusal: MQError | None = None
-        label = op
+        parsed = self._parse(session, body)
+        if isinstance(parsed, dict):
+            return encode_frame(parsed), False
+        rid, op, args = parsed
         if op in ("hello", "auth"):
-            refusal = BadRequestError(f"{op}: this connection has already authenticated (as {session.role})")
-        elif op not in self._handlers:
-            refusal = BadRequestError(f"unknown operation {_short(op)}; known: {', '.join(OPS)}")
-            label = OP_LABEL_UNKNOWN
-        elif op not in ROLE_OPS[session.role or ""]:
-            refusal = NotAuthorizedError(f"{op}: not authorized for the {session.role} role (an operator's "
-                                         "request: connect with the operator token)")
-            self._warn(f"denied-{op}", "%s: connection %d (%s, %s): %s refused to the %s role", self.qm.name,
-                       session.number, session.peer, session.client_name or "no name", op, session.role)
-        elif self._stopping:
-            quiesce = QuiescingError(f"queue manager {self.qm.name} is shutting down; {op} not carried out")
-            return encode_frame(error_reply(rid, quiesce, uow=session.uow_open())), False
-        if refusal is not None:
-            self._count((label, refusal.reason_name))
-            return encode_frame(error_reply(rid, refusal, uow=session.uow_open())), False
+            again = BadRequestError(f"{op}: this connection has already authenticated (as {session.role})")
+            self._count((op, again.reason_name))
+            return encode_frame(error_reply(rid, again, uow=session.uow_open())), False
+        refused = self._refusal(session, rid, op)
+        if refused is not None:
+            return encode_frame(refused), False
         with self._lock:
             self._inflight += 1
         try:
@@ -817,6 +782,38 @@ class SQMServer:
         reply, frame = self._bounded(session, rid, op, reply)
         self._count((op, "ok" if reply["ok"] else reply["error"]["reason_name"]))
         return frame, not reply["ok"] and reply["error"]["type"] == FencedError.__name__
+
+    # --- what both paths do with a request before it runs ---------------------------------------------------
+    def _parse(self, session: Session, body: bytes) -> tuple[int, str, dict[str, Any]] | dict[str, Any]:
+        """The request a frame holds (id, op, args), or the error reply to a malformed one (logged, counted)."""
+        obj: Any = None
+        try:
+            obj = decode_body(body)
+            return parse_request(obj)
+        except ProtocolError as e:
+            known_id = obj.get("id") if isinstance(obj, dict) and isinstance(obj.get("id"), int) else None
+            log.info("%s: connection %d: bad request: %.200s", self.qm.name, session.number, e)
+            self._count((OP_LABEL_UNKNOWN, e.reason_name))
+            return error_reply(known_id, e)
+
+    def _refusal(self, session: Session, rid: int, op: str) -> dict[str, Any] | None:
+        """The error reply to an authenticated session's request that must not run (an unknown operation, one its
+        role may not do, any while the queue manager stops), counted; None when it may run."""
+        if op not in self._handlers:
+            bad = BadRequestError(f"unknown operation {_short(op)}; known: {', '.join(OPS)}")
+            self._count((OP_LABEL_UNKNOWN, bad.reason_name))
+            return error_reply(rid, bad, uow=session.uow_open())
+        if op not in ROLE_OPS[session.role or ""]:
+            denied = NotAuthorizedError(f"{op}: not authorized for the {session.role} role (an operator's "
+                                        "request: connect with the operator token)")
+            self._count((op, denied.reason_name))
+            self._warn(f"denied-{op}", "%s: connection %d (%s, %s): %s refused to the %s role", self.qm.name,
+                       session.number, session.peer, session.client_name or "no name", op, session.role)
+            return error_reply(rid, denied, uow=session.uow_open())
+        if self._stopping:
+            quiesce = QuiescingError(f"queue manager {self.qm.name} is shutting down; {op} not carried out")
+            return error_reply(rid, quiesce, uow=session.uow_open())
+        return None
 
     # --- authentication ---------------------------------------------------------------------------------------
     def _authenticated(self, session: Session, role: str, method: str) -> None:

@@ -117,12 +117,7 @@ WORK = st.lists(st.one_of(
 # fixes it). While one is open the model steers around its trigger, so that a run finds the next bug instead of
 # this one again; once it is fixed, its name goes (the xfail test turns XPASS and says so).
 # CFEMU_PROPERTY_UNGATED=all steers around none of them, CFEMU_PROPERTY_UNGATED=name,name around all but those.
-OPEN_BUGS = {
-    # test_a_backout_count_raised_by_recovery_survives_a_restore (backout counts only). Steering: a message whose
-    # count a recovery raised for a UOW whose GET record its member lost may come back from the next restore of
-    # its structure with that count one lower (the model takes the restored one).
-    "recovery-backout-count-unlogged",
-}
+OPEN_BUGS: set[str] = set()
 
 
 @dataclass(eq=False)
@@ -254,7 +249,6 @@ class RestoreHistory(RuleBasedStateMachine):
         self.work_since_loss = False
         self.purged_since_backup: set[str] = set()
         self.maybe: dict[str, set[int]] = {}  # entry id -> the backout counts the last restore may have left
-        self.count_may_drop: set[str] = set()  # entry ids (OPEN_BUGS, recovery-backout-count-unlogged)
         self.generations: dict[str, set[int]] = {s: set() for s in STRUCTURES}  # every restore's
         self.only: dict[str, str] = {}  # queue -> the queue used instead (histories on one structure)
         self.registered: set[tuple[str, str]] = set()  # (uow, structure): in doubt there, non-persistent work only
@@ -357,10 +351,6 @@ class RestoreHistory(RuleBasedStateMachine):
         if work is not None and (work.puts or work.gets):
             assert work.obj is not None
             self.say(f"  {how}: {m.name}'s {work} {'committed' if m.dead_commits else 'backed out'}")
-            if not m.dead_commits and "recovery-backout-count-unlogged" in self.open_bugs:
-                seen, _ = on_disk(self.logs)
-                self.count_may_drop |= {g.entry_id for g in work.gets
-                                        if g.persistent and (work.id, g.entry_id) not in seen}
             self.apply(work, m.dead_commits, work.obj.decided_lrsn)
 
     # --- application work -----------------------------------------------------------------------------------
@@ -599,11 +589,6 @@ class RestoreHistory(RuleBasedStateMachine):
         (nothing), and what becomes of the work of every unit of work on them."""
         seen, backed_out = disk
         self.maybe = {}
-        for q in ALL_QUEUES:
-            for msg in self.available[q] if STRUCTURE_OF[q] in lost and not purged else ():
-                if msg.entry_id in self.count_may_drop:
-                    self.maybe[msg.entry_id] = {msg.backouts - 1, msg.backouts}
-        self.count_may_drop -= {m.entry_id for q in ALL_QUEUES if STRUCTURE_OF[q] in lost for m in self.available[q]}
 
         def on(m: Msg) -> bool:
             return m.structure in lost
@@ -1080,13 +1065,6 @@ def test_an_in_doubt_uow_stays_committable_across_two_restores_of_a_structure_it
 
 
 @pytest.mark.parametrize("recoverer", ["restart", "peer"])
-@pytest.mark.xfail(strict=True, reason="open (backout counts only: nothing is lost or consumed twice): a recovery "
-                   "that backs out a UOW known only from the CF (its GET record lost with its member) raises the "
-                   "backout count on the CF, but logs nothing that names the message (restart logs nothing for a "
-                   "UOW it does not know as persistent; a peer's RECOVERY carries no data unless a backup runs): "
-                   "the next restore brings the message back with the count it had before. Invariant 1 says a "
-                   "backed-out get raises the count (stricter than MQ without HARDENBO); the fix belongs in "
-                   "sqm.manager.complete (log the gets' descriptors of a CF-only UOW it backs out)")
 def test_a_backout_count_raised_by_recovery_survives_a_restore(redis_url: str, tmp_path: Path,
                                                                recoverer: str) -> None:
     """Backout counts only (nothing is lost or consumed twice). QM2 gets m1 in a UOW and dies before the GET record
