@@ -207,13 +207,25 @@ class QueueManager:
             try:
                 q = self.admin.queue_def(queue)
             except AdminError:
-                raise UnknownObjectError(f"queue {queue} is not defined") from None
+                raise self._not_in_cf(queue) from None
             except CF_DOWN as e:
                 raise StructureFailedError(f"the CF is unavailable: {e}") from None
             except PoolExhaustedError as e:
                 raise ResourceProblemError(f"queue manager {self.name}: {e}; raise --cf-connections") from None
             self._queue_cache[queue] = q
         return q
+
+    def _not_in_cf(self, queue: str) -> MQError:
+        """A queue the CF does not know: unknown (MQRC_UNKNOWN_OBJECT_NAME), unless the group repository defines it
+        (the CF lost its definitions with everything else, and came back empty): then its structure has failed
+        (MQRC_CF_STRUC_FAILED) until it is restored, as MQ answers while a CF structure is lost; an application
+        that took 'unknown' for a configuration error stopped retrying, and an operator looked in the wrong place."""
+        known = {q.name: q.structure for q in self.repository.queues()} if self.repository is not None else {}
+        if queue in known:
+            return StructureFailedError(f"queue {queue} is defined on structure {known[queue]}, which the CF does not "
+                                        "hold (it came back empty): it is recovered automatically (RECAUTO) or by "
+                                        f"'cfrestore run {known[queue]}'")
+        return UnknownObjectError(f"queue {queue} is not defined")
 
     def forget_queue_def(self, queue: str) -> None:
         """Drop a cached queue definition (it was redefined)."""

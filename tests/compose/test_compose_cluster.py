@@ -208,13 +208,13 @@ def kill_cf() -> None:
     wait_healthy(["cf"], timeout=120)
 
 
-LOST = {2373, 2085}  # MQRC_CF_STRUC_FAILED; MQRC_UNKNOWN_OBJECT_NAME once the CF is back empty (no definitions)
+LOST = {2373}  # MQRC_CF_STRUC_FAILED, also once the CF is back empty (the members know Q1 from the group repository)
 
 
 def refused_while_lost(client: Client) -> set[str]:
-    """Until the structure is restored, every put is refused: while the CF is down with MQRC_CF_STRUC_FAILED,
-    and once it is back, empty, with MQRC_UNKNOWN_OBJECT_NAME (the queue's definition went with it; restore brings
-    it back from the group repository). Returns the reasons seen."""
+    """Until the structure is restored, every put is refused with MQRC_CF_STRUC_FAILED: while the CF is down, and
+    once it is back, empty (the queue's definition went with it; the group repository still has it, and the
+    restore brings it back). Returns the reasons seen."""
     seen = set()
     for _ in range(5):
         try:

@@ -366,3 +366,33 @@ def test_recauto_off_and_an_operators_restore_are_left_alone(redis_url: str, tmp
     finally:
         qm.stop()
         client.close()
+
+
+def test_a_queue_of_a_structure_the_cf_lost_is_failed_not_unknown(redis_url: str, tmp_path: Path) -> None:
+    """The CF back empty holds no definitions; the group repository still does. A queue it defines is on a failed
+    structure (MQRC_CF_STRUC_FAILED, 2373, what MQ answers while a structure is lost, which applications retry),
+    never 'unknown' (2085, a configuration error to an application); a queue nobody defined stays unknown."""
+    from cfemu.errors import StructureFailedError, UnknownObjectError
+    from sqm.manager import QueueManager, QueueManagerConfig
+    from tests.support.harness import lose_cf
+
+    log_root = tmp_path / "logs"
+    client = connect(redis_url)
+    admin = Admin(client)
+    repo = repository.open_group_repository(admin, log_root, who="test")
+    repository.ensure_structure(admin, repo, "APP1", ["Q1"], recauto=False)
+    qm = QueueManager(QueueManagerConfig(name="QM1", log_root=log_root, redis_url=redis_url, background=False))
+    qm.start()
+    try:
+        lose_cf(client)
+        qm.renew_membership()
+        conn = qm.connect()
+        with pytest.raises(StructureFailedError, match="Q1 is defined on structure APP1.*cfrestore run APP1") as e:
+            conn.put("Q1", b"m", syncpoint=False)
+        assert e.value.reason == 2373
+        with pytest.raises(UnknownObjectError) as unknown:
+            conn.put("NOSUCH", b"m", syncpoint=False)
+        assert unknown.value.reason == 2085
+    finally:
+        qm.stop(checkpoint=False)
+        client.close()
