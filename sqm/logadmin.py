@@ -112,23 +112,30 @@ def cmd_archive(args: argparse.Namespace, out: Output) -> int:
     return 0
 
 
+def prune_log(d: Path, admin: Admin, log_root: Path, below: int | None = None) -> list[int]:
+    """Remove for good the segments of a stopped member's log that no recovery needs (all of them, or those
+    numbered below `below`, refused with what needs it when one is needed). Returns the segments removed."""
+    with _open_stopped(d) as rlog:
+        ret = log_retention(d, admin, log_root)
+        segs = [*rlog.archived(), *rlog.segments()]
+        bound = ret.inactive_below(segs)
+        if below is not None:
+            if below > bound:
+                first = next(i for i in segs if i.segment == bound)
+                raise CLIError(f"{rlog.member}: segment {bound} is still needed, by "
+                               f"{'; '.join(ret.kept_for(first))}: nothing removed (segments below {bound} "
+                               "may be pruned)")
+            bound = below
+        return rlog.prune(bound)
+
+
 def cmd_prune(args: argparse.Namespace, out: Output) -> int:
     admin, log_root = _admin(args)
     removed: list[dict[str, Any]] = []
     for d in _dirs(args, log_root):
-        with _open_stopped(d) as rlog:
-            ret = log_retention(d, admin, log_root)
-            segs = [*rlog.archived(), *rlog.segments()]
-            below = ret.inactive_below(segs)
-            if args.below is not None:
-                if args.below > below:
-                    first = next(i for i in segs if i.segment == below)
-                    raise CLIError(f"{rlog.member}: segment {below} is still needed, by "
-                                   f"{'; '.join(ret.kept_for(first))}: nothing removed (segments below {below} "
-                                   "may be pruned)")
-                below = args.below
-            for n in rlog.prune(below):
-                removed.append({"member": rlog.member, "segment": n})
+        member = LogReader(d).member
+        for n in prune_log(d, admin, log_root, args.below):
+            removed.append({"member": member, "segment": n})
     if out.as_json:
         out.json({"pruned": removed})
     else:
@@ -158,4 +165,4 @@ def add_log_admin_parsers(verbs: argparse._SubParsersAction[argparse.ArgumentPar
         p.set_defaults(func=func)
 
 
-__all__ = ["add_log_admin_parsers", "segment_rows"]
+__all__ = ["add_log_admin_parsers", "prune_log", "segment_rows"]

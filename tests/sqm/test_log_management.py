@@ -295,3 +295,41 @@ def test_log_status_archive_and_prune(redis_url: str, tmp_path: Path, capsys: py
 def newest_window(logs: Path) -> Any:
     found = newest_pass(find_log_dirs(logs), S)
     return found[1]["w"] if found else None
+
+
+def test_a_structure_whose_last_backup_is_older_than_the_retained_logs_restores_from_the_logs_alone(
+        redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A backup, then many checkpoint intervals with messages that stay; the logs pruned to what recovery needs no
+    longer reach back to the backup's replay start. The CF lost, restore starts from the relog window (the logs
+    alone) and rebuilds what the clients see."""
+    from backup.run import run_backup
+
+    logs, backups = tmp_path / "logs", tmp_path / "backups"
+    client = define_group(redis_url, queues=("Q1",))
+    qm = start_qm(redis_url, logs, "QM1", background=False, cpl_entries=2, segment_bytes=4096)
+    c = qm.connect()
+    for i in range(6):
+        c.put("Q1", f"stay-{i}".encode() + b"." * 100, priority=i % 3)
+    c.commit()
+    c.get("Q1")
+    c.backout()
+    backup = run_backup(client, S, backups, log_root=logs)
+    for k in range(10):
+        for j in range(6):
+            c.put("Q1", f"churn-{k}-{j}".encode() + b"." * 200, priority=9)
+            c.commit()
+            c.get("Q1")
+            c.commit()
+        qm.checkpoint("logload")
+    truth = drain(c)
+    qm.stop(checkpoint=False)
+    rc, out, _ = run_cli(capsys, "log", "prune", "--all", "--json", "--log-root", str(logs), "--redis-url", redis_url)
+    assert rc == 0 and json.loads(out)["pruned"]
+    first = LogReader(logs / "QM1").segments()[0]
+    assert first.min_lrsn is not None and first.min_lrsn > int(backup["replay_from"])  # the backup's range is gone
+    lose_cf(client)
+    result = run_restore(client, S, backup_root=backups, log_root=logs)
+    assert result.base_kind == LOGS and "logs alone" in result.start
+    qm = start_qm(redis_url, logs, "QM1", background=False)
+    assert drain(qm.connect()) == truth
+    qm.stop()
