@@ -160,6 +160,10 @@ def restart(qm: QueueManager, progress: Progress | None = None) -> RestartReport
     phase("current status rebuild", {"records": rep.records_read, "in-commit": rep.in_commit,
                                      "in-backout": rep.in_backout, "in-flight": rep.in_flight,
                                      "in-doubt": rep.in_doubt})
+    if qm.config.log_mode == "circular":
+        # A ring left full by the last run: release what is inactive now that the UOW table is known, so that the
+        # records restart writes (backouts, the start checkpoint) find room without overwriting a needed one.
+        qm.manage_log()
 
     def finish(uow: UnitOfWork, commit: bool) -> None:
         try:

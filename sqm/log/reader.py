@@ -13,6 +13,7 @@ from sqm.log.format import (
     LogPosition,
     SegmentInfo,
     SegmentScan,
+    archived_segments,
     list_segments,
     log_segments,
     manifest_checkpoints,
@@ -54,6 +55,11 @@ class LogReader:
 
     def _scan(self, segno: int, path: Path, *, is_last: bool, start_offset: int = 0) -> SegmentScan:
         self.segments_opened += 1
+        if not path.exists():
+            # Archived by its running writer since this reader listed the segments: the archive lists the copy
+            # before the active file goes (RecordLog.archive), so the manifest read now names it.
+            moved = {i.segment: i.path for i in archived_segments(read_manifest(self.directory))}.get(segno)
+            path = moved or path
         return SegmentScan(path, segno, self.member, is_last=is_last, start_offset=start_offset)
 
     def records(

@@ -202,6 +202,12 @@ def test_a_full_circular_log_refuses_persistent_work_and_loses_nothing(redis_url
     with pytest.raises(ResourceProblemError):  # refused again, the member still up
         c.put("Q1", b"refused", syncpoint=False)
     assert [m.body for m in c.browse("Q1", limit=10_000)] == []  # nothing refused got in, nothing else was lost
+    qm.stop(checkpoint=False)  # killed with its ring full: the restart finds room without overwriting
+    qm = start_qm(redis_url, logs, "QM1", background=False, cpl_entries=1, segment_bytes=4096,
+                  log_mode="circular", log_ring=4)
+    assert [u.id for u in qm.indoubt()] == [uow_id]
+    assert any(r["l"] == in_doubt_put for _, r in LogReader(qm.log_dir).records())
+    c = qm.connect()
     qm.resolve(uow_id, True)
     c.put("Q1", b"after", syncpoint=False)  # the ring frees at the next checkpoints
     assert [m.body for m in c.browse("Q1", limit=10_000)] == [b"in-doubt", b"after"]
@@ -209,6 +215,25 @@ def test_a_full_circular_log_refuses_persistent_work_and_loses_nothing(redis_url
     qm = start_qm(redis_url, logs, "QM1", background=False, log_mode="circular", log_ring=4, segment_bytes=4096)
     assert [m.body for m in qm.connect().browse("Q1", limit=10_000)] == [b"in-doubt", b"after"]
     qm.stop()
+
+
+def test_a_reader_follows_a_segment_archived_while_it_reads(tmp_path: Path) -> None:
+    """A running member archives while restore or the printer reads its log: a segment listed as active when the
+    reader began and archived before it got there is read from the archive."""
+    from sqm.log import RecordLog
+
+    d = tmp_path / "QM1"
+    with RecordLog(d, "QM1", segment_bytes=1024) as rlog:
+        for i in range(60):
+            rlog.append({"k": "END", "l": 1000 + i, "u": f"u{i}", "pad": "." * 100})
+        rlog.force()
+        assert len(rlog.segments()) > 4
+        it = LogReader(d).records()
+        first = [next(it)]
+        moved = rlog.archive(4, tmp_path / "archive")
+        assert [m.segment for m in moved] == [1, 2, 3]
+        rest = list(it)
+    assert [r["l"] for _, r in first + rest] == list(range(1000, 1060))
 
 
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
