@@ -87,7 +87,7 @@ class Steady:
 
 
 def fresh_cf(client: redis.Redis) -> None:
-    client.flushall()
+    client.flushall(asynchronous=True)
     admin = Admin(client)
     admin.define_structure(S)
     for q in ("LONG", "SHORT"):
@@ -107,7 +107,7 @@ def dir_bytes(d: Path) -> int:
 
 # --- (a) relog records per checkpoint ---------------------------------------------------------------------------
 def relog_cost(url: str, work: Path, intervals: int, args: argparse.Namespace) -> dict[str, Any]:
-    client = redis.Redis.from_url(url)
+    client = redis.Redis.from_url(url, socket_timeout=600)
     out: dict[str, Any] = {}
     for name, why in (("selective (CPL n=3)", "logload"), ("everything (IMS/SNAP)", "shutdown")):
         fresh_cf(client)
@@ -140,7 +140,7 @@ def relog_cost(url: str, work: Path, intervals: int, args: argparse.Namespace) -
 # --- (b) restart and restore time against the log span ----------------------------------------------------------
 def restart_vs_span(url: str, work: Path, spans: list[int], args: argparse.Namespace,
                     keys: credentials.BackupKeys) -> list[dict[str, Any]]:
-    client = redis.Redis.from_url(url)
+    client = redis.Redis.from_url(url, socket_timeout=600)
     rows = []
     for span in spans:
         for relog in (True, False):
@@ -157,7 +157,7 @@ def restart_vs_span(url: str, work: Path, spans: list[int], args: argparse.Names
             restart_s = time.perf_counter() - t0
             rep = qm.last_restart
             qm.stop(checkpoint=False)
-            client.flushall()
+            client.flushall(asynchronous=True)
             t0 = time.perf_counter()
             # A backup root of its own: no backup, and no restore point of another run's (the restore writes one).
             res = run_restore(client, S, backup_root=work / f"bk-{span}-{relog}", log_root=logs, backup_keys=keys)
@@ -175,7 +175,7 @@ def restore_logs_vs_backup(url: str, work: Path, n: int, console: Console,
                            keys: credentials.BackupKeys) -> dict[str, Any]:
     from backup.run import run_backup
 
-    client = redis.Redis.from_url(url)
+    client = redis.Redis.from_url(url, socket_timeout=600)
     fresh_cf(client)
     logs, backups = work / "big-logs", work / "big-bk"
     qm = member(url, logs, cpl_entries=3, segment_bytes=64 << 20)
@@ -197,7 +197,7 @@ def restore_logs_vs_backup(url: str, work: Path, n: int, console: Console,
     out: dict[str, Any] = {"messages": n, "body_bytes": 256, "fill_s": round(fill_s, 1),
                            "relog_everything_s": round(relog_s, 1)}
     for how in ("backup", "logs alone"):
-        client.flushall()
+        client.flushall(asynchronous=True)
         t0 = time.perf_counter()
         res = run_restore(client, S, backup_root=backups, log_root=logs, backup_keys=keys,
                           backup_id=manifest["id"] if how == "backup" else None, from_logs=how == "logs alone")
@@ -214,7 +214,7 @@ def restore_logs_vs_backup(url: str, work: Path, n: int, console: Console,
 
 # --- (d) log disk use over a long run -------------------------------------------------------------------------------
 def disk_use(url: str, work: Path, intervals: int, args: argparse.Namespace) -> dict[str, Any]:
-    client = redis.Redis.from_url(url)
+    client = redis.Redis.from_url(url, socket_timeout=600)
     out: dict[str, Any] = {}
     seg = 64 << 10
     for mode in ("linear", "circular"):
