@@ -358,3 +358,43 @@ def test_a_structure_whose_last_backup_is_older_than_the_retained_logs_restores_
     qm = start_qm(redis_url, logs, "QM1", background=False)
     assert drain(qm.connect()) == truth
     qm.stop()
+
+
+def test_checkpoints_by_time_and_when_log_space_runs_low(redis_url: str, tmp_path: Path) -> None:
+    """Besides LOGLOAD: the housekeeping thread checkpoints every checkpoint_interval_s, and when the log's file
+    system has less free space than log_low_space_bytes (here: more than any disk has, so always low)."""
+    import time
+
+    logs = tmp_path / "logs"
+    define_group(redis_url, queues=("Q1",))
+
+    def whys(qm: Any) -> list[str]:
+        return [r["why"] for _, r in LogReader(qm.log_dir).records() if r["k"] == "CHECKPOINT"]
+
+    qm = start_qm(redis_url, logs, "QM1", checkpoint_interval_s=0.5, log_low_space_bytes=0)
+    time.sleep(1.6)
+    assert whys(qm).count("time") >= 2
+    qm.stop()
+    qm = start_qm(redis_url, logs, "QM2", checkpoint_interval_s=0, log_low_space_bytes=2**62)
+    deadline = time.monotonic() + 15
+    while "log space" not in whys(qm) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert "log space" in whys(qm) and "time" not in whys(qm)
+    qm.stop()
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--log-ring", "2"], "--log-ring must be >= 3"),
+    (["--checkpoint-interval", "-1"], "--checkpoint-interval >= 0"),
+    (["--cpl-entries", "-1"], "--cpl-entries >= 0"),
+    (["--log-mode", "spiral"], "invalid choice"),
+])
+def test_sqm_run_refuses_bad_log_settings(tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str],
+                                          message: str) -> None:
+    try:
+        rc = sqm_main(["run", "--name", "QM1", "--no-auth", "--log-root", str(tmp_path / "logs"), *args])
+    except SystemExit as e:  # argparse's own refusal
+        rc = int(e.code or 0)
+    _, err = capsys.readouterr()
+    assert rc == 2 and message in err
+    assert not (tmp_path / "logs").exists()  # nothing durable changed
