@@ -311,15 +311,16 @@ class RecordLog:
         return fd
 
     def _reuse_segment(self, old: Path, segno: int) -> int:
-        """A circular log's released segment file, renamed to segment `segno` and emptied to its new header (the
-        file, and so its disk blocks, stay in the ring)."""
+        """A circular log's released segment file, emptied to segment `segno`'s header and then renamed to it (the
+        file, and so its disk blocks, stay in the ring). A crash before the rename leaves a file numbered below the
+        manifest's "pruned" mark, which the next open removes; after it, a valid empty segment."""
         path = self.directory / segment_name(segno)
-        os.replace(old, path)
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+        fd = os.open(old, os.O_WRONLY | os.O_APPEND)
         try:
             os.ftruncate(fd, 0)
             _write_all(fd, encode_header(segno, self.segment_bytes, self.member))
             os.fsync(fd)
+            os.replace(old, path)
         except BaseException:
             os.close(fd)
             raise

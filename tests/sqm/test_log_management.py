@@ -398,3 +398,39 @@ def test_sqm_run_refuses_bad_log_settings(tmp_path: Path, capsys: pytest.Capture
     _, err = capsys.readouterr()
     assert rc == 2 and message in err
     assert not (tmp_path / "logs").exists()  # nothing durable changed
+
+
+def test_a_circular_roll_interrupted_while_reusing_a_segment_leaves_a_readable_log(tmp_path: Path) -> None:
+    """A crash between emptying the released segment and renaming it: the next open removes the emptied file (below
+    the manifest's pruned mark) and every record recovery was told to keep is read back."""
+    from unittest import mock
+
+    from sqm.log import RecordLog
+
+    d = tmp_path / "QM1"
+    real_replace = os.replace
+
+    def crash_on_segment(src: Any, dst: Any) -> None:
+        if str(src).endswith(".log"):
+            raise OSError("killed here")
+        real_replace(src, dst)
+
+    rlog = RecordLog(d, "QM1", segment_bytes=512, ring=3)
+    lrsn = 1000
+    while len(rlog.segments()) < 3:
+        lrsn += 1
+        rlog.append({"k": "END", "l": lrsn, "u": "u", "pad": "." * 60})
+    rlog.force()
+    rlog.release_below(2)
+    kept = [r["l"] for _, r in LogReader(d).records() if r["l"] > max(s.max_lrsn or 0 for s in rlog.segments()[:1])]
+    with mock.patch("sqm.log.writer.os.replace", crash_on_segment), pytest.raises(OSError, match="killed here"):
+        while True:
+            lrsn += 1
+            rlog.append({"k": "END", "l": lrsn, "u": "u", "pad": "." * 60})
+    rlog._release_lock()  # the process is gone: the kernel drops its lock (what it buffered is lost with it)
+    with RecordLog(d, "QM1", segment_bytes=512, ring=3) as again:
+        assert [s.segment for s in again.segments()][0] == 2
+        got = [r["l"] for _, r in again.records()]
+        assert got[:len(kept)] == kept
+        again.append({"k": "END", "l": lrsn + 1, "u": "u"})
+    assert len(list_segments(d)) <= 3
