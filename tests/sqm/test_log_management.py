@@ -434,3 +434,24 @@ def test_a_circular_roll_interrupted_while_reusing_a_segment_leaves_a_readable_l
         assert got[:len(kept)] == kept
         again.append({"k": "END", "l": lrsn + 1, "u": "u"})
     assert len(list_segments(d)) <= 3
+
+
+def test_restart_reports_progress_on_a_long_range(redis_url: str, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """CSQR031I every PROGRESS_EVERY records read (50,000; 5 here), as MQ reports a long log range."""
+    import sqm.recovery
+
+    logs = tmp_path / "logs"
+    define_group(redis_url, queues=("Q1",))
+    qm = start_qm(redis_url, logs, "QM1", background=False)
+    c = qm.connect()
+    for i in range(12):
+        c.put("Q1", b"m-%d" % i)
+        c.commit()
+    qm.stop(checkpoint=False)
+    monkeypatch.setattr(sqm.recovery, "PROGRESS_EVERY", 5)
+    qm = start_qm(redis_url, logs, "QM1", background=False)
+    progress = [m for m in qm.last_restart.messages if m.startswith("CSQR031I")]
+    assert len(progress) == qm.last_restart.records_read // 5 >= 4
+    assert all("reading the log forward" in m for m in progress)
+    qm.stop()
