@@ -104,7 +104,8 @@ class PhaseTimer:
 class DefinitionBase:
     """The base of a structure that was never backed up: empty, at the LRSN of its definition in the group
     repository (the structure's CF clock started there, so every record of its work lies above it). Restore
-    replays every log from there: the product never prunes a log, so the logs reach back to the definition."""
+    replays every log from there: log management (sqm.retention) keeps every log from the definition on while the
+    structure has neither a backup nor a complete relog pass, so the logs reach back to it."""
 
     def __init__(self, manifest: dict[str, Any], path: Path) -> None:
         self.manifest = manifest
@@ -263,7 +264,8 @@ def _readable_kind(path: Path) -> str:
 
 def _logs_reach_back(log_dirs: list[Path], structure: str) -> None:
     """A restore from a definition replays every log from the definition on: each must still begin with its
-    first segment (the product never removes one; an operator might have)."""
+    first segment, where it is archived included (log management removes none while a structure restores from its
+    definition; an operator might have)."""
     for d in log_dirs:
         segments = log_segments(d, read_manifest(d))  # archived segments count: restore reads them there
         if segments and segments[0][0] != 1:
