@@ -60,7 +60,9 @@ def catalog_entry(manifest: dict[str, Any], path: Path) -> dict[str, Any]:
     """The summary the admin structure keeps for each good backup (the directory holds the full record)."""
     fields = ("id", "structure", "group", "start_lrsn", "floor_lrsn", "replay_from", "end_lrsn", "started_at",
               "ended_at", "entries", "bytes", "exception_records")
-    return {**{k: manifest[k] for k in fields}, "kind": kind_of(manifest), "path": str(path)}
+    # gen: log retention (sqm.retention) compares it with a relog pass's, as restore's choice of start does.
+    return {**{k: manifest[k] for k in fields}, "gen": int(manifest.get("gen", 0) or 0), "kind": kind_of(manifest),
+            "path": str(path)}
 
 
 def rebuild_catalog(admin: Admin, backup_root: Path, structure: str, *,

@@ -56,6 +56,8 @@ SETTINGS_HELP = {
               "else the group's secrets directory). Prefer the variable or the file: ps shows a flag"),
     "cluster_dir": f"a 'cfemu cluster' directory to take settings from (default ${_settings.ENV_CLUSTER_DIR} or "
                    f"the nearest {_settings.DEFAULT_CLUSTER_DIR})",
+    "log_archive_dir": f"where linear logging archives inactive log segments, DIR/<member> (default "
+                       f"${_settings.ENV_LOG_ARCHIVE_DIR}, the cluster's, else each member's log directory's archive/)",
     "cf_dir": f"a 'cfemu cf start' directory (default ${_settings.ENV_CF_DIR} or the nearest "
               f"{_settings.DEFAULT_CF_DIR})",
 }

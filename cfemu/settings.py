@@ -3,7 +3,9 @@
 Each setting comes from the first of these that has it:
 
   1. its flag             --redis-url, --log-root, --backup-dir, --token
-  2. its environment      $REDIS_URL, $CFEMU_LOG_ROOT, $CFEMU_BACKUP_DIR, $SQM_TOKEN ($SQM_OPERATOR_TOKEN)
+  2. its environment      $REDIS_URL, $CFEMU_LOG_ROOT, $CFEMU_BACKUP_DIR, $SQM_TOKEN ($SQM_OPERATOR_TOKEN),
+                          $CFEMU_LOG_ARCHIVE_DIR (--log-archive-dir: linear logging's archive; default: none, each
+                          member archives into its log directory's archive/)
   3. the cluster          cluster.json of the nearest ``cfemu cluster`` directory: --cluster-dir, else
                           $CFEMU_CLUSTER_DIR, else the first var/cluster holding one, looking in the working
                           directory and then its parents (as git looks for .git). Its CF URL counts only while
@@ -51,6 +53,7 @@ from cfemu.procs import pid_alive
 
 ENV_LOG_ROOT = "CFEMU_LOG_ROOT"
 ENV_BACKUP_DIR = "CFEMU_BACKUP_DIR"
+ENV_LOG_ARCHIVE_DIR = "CFEMU_LOG_ARCHIVE_DIR"
 ENV_TOKEN = "SQM_TOKEN"
 ENV_OPERATOR_TOKEN = "SQM_OPERATOR_TOKEN"
 ENV_CLUSTER_DIR = "CFEMU_CLUSTER_DIR"
@@ -66,6 +69,7 @@ CLUSTER_FILE = "cluster.json"
 CLUSTER_REDIS_URL = "redis_url"
 CLUSTER_LOG_ROOT = "log_root"
 CLUSTER_BACKUP_DIR = "backup_dir"
+CLUSTER_LOG_ARCHIVE_DIR = "log_archive_dir"
 CLUSTER_CF = "cf"  # {"dir", "port", "pid"}: the pid is None once the CF is stopped
 
 # Where a value came from (Settings.sources), in the order they are tried.
@@ -84,6 +88,9 @@ class Settings:
     sources: dict[str, str] = field(default_factory=dict)
     secrets_dir: Path | None = None  # the group's secrets (cfemu.credentials), when there are any
     token_role: str = "application"  # the service role whose token ``token`` is: application or operator
+    # Where linear logging archives inactive log segments (DIR/<member>); None: each member's log directory's
+    # archive/ (docs/log-management.md).
+    log_archive_dir: Path | None = None
 
     def backup_keys(self, *, accept_unsigned: bool = False) -> credentials.BackupKeys:
         """The group's backup keys (backup.key, and backup-previous.key after a rotation) from the secrets
@@ -102,6 +109,8 @@ class Settings:
             out[ENV_CLUSTER_DIR] = str(self.cluster_dir)
         if self.secrets_dir is not None:
             out[credentials.ENV_SECRETS_DIR] = str(self.secrets_dir)
+        if self.log_archive_dir is not None:
+            out[ENV_LOG_ARCHIVE_DIR] = str(self.log_archive_dir)
         return out
 
 
@@ -167,7 +176,7 @@ def _cluster_cf_runs(state: Mapping[str, Any]) -> bool:
 def resolve(*, redis_url: str | None = None, log_root: str | os.PathLike[str] | None = None,
             backup_dir: str | os.PathLike[str] | None = None, token: str | None = None,
             cluster_dir: str | os.PathLike[str] | None = None, cf_dir: str | os.PathLike[str] | None = None,
-            role: str = "operator", env: Mapping[str, str] | None = None, cwd: Path | None = None) -> Settings:
+            log_archive_dir: str | os.PathLike[str] | None = None, role: str = "operator", env: Mapping[str, str] | None = None, cwd: Path | None = None) -> Settings:
     """Resolve every setting (see the module doc). The keyword arguments are the flags (None: not given); env
     and cwd default to the process's own and exist for tests."""
     environ = os.environ if env is None else env
@@ -194,6 +203,8 @@ def resolve(*, redis_url: str | None = None, log_root: str | os.PathLike[str] | 
     logs = pick("log_root", log_root, ENV_LOG_ROOT, state.get(CLUSTER_LOG_ROOT), (DEFAULT, DEFAULT_LOG_ROOT))
     backups = pick("backup_dir", backup_dir, ENV_BACKUP_DIR, state.get(CLUSTER_BACKUP_DIR),
                    (DEFAULT, DEFAULT_BACKUP_DIR))
+    archive = pick("log_archive_dir", log_archive_dir, ENV_LOG_ARCHIVE_DIR, state.get(CLUSTER_LOG_ARCHIVE_DIR))
+
     def stored(service_role: str) -> str | None:
         return credentials.service_token(secrets_dir, service_role, create=False) if secrets_dir else None
 
@@ -208,7 +219,8 @@ def resolve(*, redis_url: str | None = None, log_root: str | os.PathLike[str] | 
         tok = pick("token", token, ENV_TOKEN, stored("application"))
     return Settings(redis_url=str(url) if url else None, log_root=Path(logs), backup_dir=Path(backups),
                     token=str(tok) if tok else None, cluster_dir=cdir.resolve() if state else None,
-                    sources=sources, secrets_dir=secrets_dir, token_role=token_role)
+                    sources=sources, secrets_dir=secrets_dir, token_role=token_role,
+                    log_archive_dir=Path(archive) if archive else None)
 
 
 def operator_token(found: Settings, env: Mapping[str, str] | None = None) -> str | None:

@@ -32,7 +32,7 @@ import pyarrow.parquet as pq
 from cfemu.durable import fsync_directory
 from cfemu.progress import Progress, no_progress
 from sqm.log import LogReader, find_log_dirs
-from sqm.log.format import SegmentScan, list_segments, segment_name
+from sqm.log.format import SegmentScan, log_segments, read_manifest, segment_name
 from sqm.records import Record, Role, codes, lookup
 
 SCHEMA = pa.schema([
@@ -90,8 +90,9 @@ class ArchiveResult:
 
 
 def closed_segments(log_dir: Path) -> list[tuple[int, Path]]:
-    """A log's closed segments: all but the last (the writer rolls to a new segment only after sealing)."""
-    return list_segments(log_dir)[:-1]
+    """A log's closed segments: all but the last (the writer rolls to a new segment only after sealing), those
+    linear logging archived included, read where they are archived (docs/log-management.md)."""
+    return log_segments(log_dir, read_manifest(log_dir))[:-1]
 
 
 def archive_logs(log_root: str | Path, out_dir: str | Path, progress: Progress = no_progress) -> ArchiveResult:

@@ -65,7 +65,7 @@ from restore.plan import (
 )
 from restore.settle import Outcome, Settled, best_copy, decide_outcome, settle, uows_named
 from sqm.log import LogFormatError, LogReader
-from sqm.log.format import SegmentScan, list_segments, read_manifest, trusted_segments
+from sqm.log.format import SegmentScan, log_segments, read_manifest, trusted_segments
 from sqm.records import Record, Role, entry_ids, lookup
 
 DEFAULT_LOG_FILE = Path("var") / "spark" / "spark.log"
@@ -321,7 +321,7 @@ class SparkEngine:
             if member in seen:
                 raise LogFormatError(f"member {member!r} appears twice: {seen[member]} and {d}")
             seen[member] = Path(d)
-            segs = list_segments(Path(d))
+            segs = log_segments(Path(d), read_manifest(Path(d)))  # archived segments read where archived
             trusted = trusted_segments(Path(d), read_manifest(Path(d)))
             last = segs[-1][0] if segs else -1
             for segno, path in segs:

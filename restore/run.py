@@ -63,8 +63,9 @@ from restore.plan import EARLIER_GENERATIONS, Copy, RestorePlan
 from restore.result import PurgeResult, RestoreResult, write_report
 from sqm import records
 from sqm.log import LogLockedError, LogReader, RecordLog, find_log_dirs
-from sqm.log.format import list_segments
+from sqm.log.format import log_segments, read_manifest
 from sqm.records import INCOMMIT
+from sqm.relog import newest_pass
 from sqm.uow import rebuild_table
 
 RESTORE_MEMBER = "_restore"  # restore's own log, beside the members' logs
@@ -103,7 +104,8 @@ class PhaseTimer:
 class DefinitionBase:
     """The base of a structure that was never backed up: empty, at the LRSN of its definition in the group
     repository (the structure's CF clock started there, so every record of its work lies above it). Restore
-    replays every log from there: the product never prunes a log, so the logs reach back to the definition."""
+    replays every log from there: log management (sqm.retention) keeps every log from the definition on while the
+    structure has neither a backup nor a complete relog pass, so the logs reach back to it."""
 
     def __init__(self, manifest: dict[str, Any], path: Path) -> None:
         self.manifest = manifest
@@ -118,20 +120,6 @@ class DefinitionBase:
 
 
 LOGS = "logs"  # the kind of a base of the logs alone: the relog window of the newest complete relog pass
-
-
-def newest_pass(log_dirs: list[Path], structure: str) -> tuple[str, dict[str, Any]] | None:
-    """The newest complete relog pass of `structure` (docs/log-management.md), as (member, pass): each member
-    carries the last pass it completed for each structure in every checkpoint record, so its last checkpoint
-    says it. A pass is complete only once that record is on disk: a pass cut short by a crash is in no record."""
-    best: tuple[str, dict[str, Any]] | None = None
-    for d in log_dirs:
-        reader = LogReader(d)
-        last = reader.last_checkpoint()
-        p = ((last[1].get("rl") or {}).get(structure)) if last else None
-        if p and (best is None or int(p["e"]) > int(best[1]["e"])):
-            best = (reader.member, p)
-    return best
 
 
 def logs_base(structure: str, member: str, relog: dict[str, Any], backup: Backup | DefinitionBase | None,
@@ -276,9 +264,10 @@ def _readable_kind(path: Path) -> str:
 
 def _logs_reach_back(log_dirs: list[Path], structure: str) -> None:
     """A restore from a definition replays every log from the definition on: each must still begin with its
-    first segment (the product never removes one; an operator might have)."""
+    first segment, where it is archived included (log management removes none while a structure restores from its
+    definition; an operator might have)."""
     for d in log_dirs:
-        segments = list_segments(d)
+        segments = log_segments(d, read_manifest(d))  # archived segments count: restore reads them there
         if segments and segments[0][0] != 1:
             raise RestoreError(f"the log {d} begins at segment {segments[0][0]}: its earlier records are gone, and "
                                f"structure {structure} was never backed up (a restore from its definition replays "

@@ -34,6 +34,7 @@ from cfemu.clitools import (
     settings,
 )
 from cfemu.settings import Settings, operator_token
+from sqm.logadmin import add_log_admin_parsers
 from sqm.logprint import LOG_ERRORS, add_log_parser
 from sqm.recauto import RecoverStructure
 from sqm.service.protocol import DEFAULT_MAX_FRAME, MAX_FRAME, MIN_FRAME
@@ -53,7 +54,18 @@ def add_run_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
     p.add_argument("--name", required=True, help="queue manager name (its log is LOG_ROOT/NAME)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=0, help="TCP port (0: any free port, see --ready-file)")
-    add_settings_arguments(p, "redis_url", "log_root", "token", "cluster_dir", "cf_dir", "backup_dir")
+    add_settings_arguments(p, "redis_url", "log_root", "token", "cluster_dir", "cf_dir", "backup_dir",
+                           "log_archive_dir")
+    p.add_argument("--log-mode", choices=("linear", "circular"), default="linear",
+                   help="linear (default): inactive log segments are archived, then removed from the active log; "
+                        "circular: a fixed ring of --log-ring segments reused once inactive")
+    p.add_argument("--log-ring", type=int, default=8, help="segments in a circular log's ring (default 8, >= 3)")
+    p.add_argument("--log-segment-mb", type=float, default=64.0, help="log segment size in MiB (default 64)")
+    p.add_argument("--checkpoint-interval", type=float, default=300.0,
+                   help="also take a checkpoint every N seconds (default 300; 0: only by LOGLOAD and log space)")
+    p.add_argument("--cpl-entries", type=int, default=3,
+                   help="n, the checkpoints the Checkpoint Positioning List keeps: a live message's newest copy is "
+                        "never older than n checkpoint intervals (default 3; 0: no relogging)")
     p.add_argument("--tls-cert", help="server certificate (PEM) for TLS")
     p.add_argument("--tls-key", help="server private key (PEM)")
     p.add_argument("--tls-ca", help="CA (PEM) for client certificates: turns on mutual TLS")
@@ -96,6 +108,9 @@ def add_run_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
 def cmd_run(args: argparse.Namespace, out: Output) -> int:
     if args.lease_ms < 500 or args.logload < 1 or args.cf_connections < 4:
         raise CLIError("--lease-ms must be >= 500, --logload >= 1 and --cf-connections >= 4")
+    if args.log_ring < 3 or args.log_segment_mb <= 0 or args.checkpoint_interval < 0 or args.cpl_entries < 0:
+        raise CLIError("--log-ring must be >= 3, --log-segment-mb > 0, --checkpoint-interval >= 0 and "
+                       "--cpl-entries >= 0")
     if not MIN_FRAME <= args.max_frame <= MAX_FRAME:
         raise CLIError(f"--max-frame must be {MIN_FRAME}-{MAX_FRAME} bytes (the most carries any message a queue can "
                        f"hold), not {args.max_frame}")
@@ -116,7 +131,9 @@ def cmd_run(args: argparse.Namespace, out: Output) -> int:
         max_connections_per_peer=args.max_connections_per_peer, max_unauthenticated=args.max_unauthenticated,
         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
         metrics_port=args.metrics_port, metrics_host=args.metrics_host, lease_ms=args.lease_ms, cf_connections=args.cf_connections,
-        logload=args.logload, max_frame=args.max_frame,
+        logload=args.logload, max_frame=args.max_frame, log_mode=args.log_mode, log_ring=args.log_ring,
+        log_archive_dir=found.log_archive_dir, segment_bytes=max(4096, int(args.log_segment_mb * 2**20)),
+        checkpoint_interval_s=args.checkpoint_interval, cpl_entries=args.cpl_entries,
         shutdown_grace_s=args.shutdown_grace, cf_wait_s=args.cf_wait, ready_file=args.ready_file,
         clock_skew_ms=args.clock_skew_ms, recover_structure=recovery))
 
@@ -131,7 +148,7 @@ def build_parser(recovery: RecoveryFactory | None = None) -> argparse.ArgumentPa
     parser = argparse.ArgumentParser(prog="sqm", description="Shared queue manager (SQM) commands.")
     sub = parser.add_subparsers(dest="command", required=True)
     add_run_parser(sub)
-    add_log_parser(sub)  # sqm log print
+    add_log_admin_parsers(add_log_parser(sub))  # sqm log print | status | archive | prune
     parser.set_defaults(cf_role="member", recovery=recovery)  # cf_role: the CF user (cfemu.credentials)
     return parser
 

@@ -101,6 +101,8 @@ class Connection(UnitOfWorkScope):
             check_id("correlid", correlid)
         except ValueError as e:
             raise BadRequestError(str(e)) from None
+        if persistent:
+            qm.ensure_log_space()  # a full circular log refuses new persistent work, with the reason
         t = now_ms()
         entry = Entry(id=os.urandom(12).hex(), queue=queue, priority=priority, persistent=persistent,
                       msgid=(msgid if msgid is not None else os.urandom(24)).hex(), correlid=correlid.hex(),

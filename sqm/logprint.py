@@ -131,8 +131,11 @@ def print_table(records: list[Record], title: str, out: Output) -> None:
     out.print(table)
 
 
-def add_log_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add ``log`` with its verb ``print`` to an argparse subparsers object (sqm.cli calls this)."""
+def add_log_parser(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse._SubParsersAction[argparse.ArgumentParser]:
+    """Add ``log`` with its verb ``print`` to an argparse subparsers object (sqm.cli calls this); returns the
+    verbs, to which sqm.logadmin adds status, archive and prune."""
     log_parser = subparsers.add_parser("log", help="read the record logs",
                                        description="Read the record logs of the queue-sharing group.")
     verbs = log_parser.add_subparsers(dest="log_command", required=True)
@@ -154,6 +157,7 @@ def add_log_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
     p.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")
     p.add_argument("-v", "--verbose", action="store_true", help="a traceback with errors")
     p.set_defaults(func=cmd_log)
+    return verbs
 
 
 # What ``sqm log print`` reports as a one-line error (beyond clitools.COMMON_ERRORS).

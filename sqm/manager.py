@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -45,9 +46,10 @@ from cfemu.repository import GroupRepository, RepositoryError, open_group_reposi
 from sqm import records, relog
 from sqm.clock import LrsnClock, now_ms
 from sqm.failpoints import failpoint
-from sqm.log import RecordLog
+from sqm.log import LogFormatError, RecordLog
 from sqm.recauto import RecoverStructure, StructureRecovery
 from sqm.records import INBACKOUT, INCOMMIT, INDOUBT, Record
+from sqm.retention import Retention, member_retention
 from sqm.uow import UnitOfWork
 
 if TYPE_CHECKING:
@@ -56,6 +58,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("sqm")
 
 CF_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+LINEAR, CIRCULAR = "linear", "circular"
+LOG_MODES = (LINEAR, CIRCULAR)
 
 
 @dataclass
@@ -78,6 +82,16 @@ class QueueManagerConfig:
     cpl_entries: int = 3
     relog_lock_ms: int = 60_000
     relog_batch: int = 500
+    # Log management (docs/log-management.md): linear (the default) archives the inactive segments to
+    # log_archive_dir/NAME (default: the member's log directory's archive/) and removes them from the active log;
+    # circular reuses a ring of log_ring segments once inactive, and refuses new persistent work when none can be
+    # freed. Checkpoints also every checkpoint_interval_s (0: never by time) and when the log runs low on space
+    # (linear: the log's file system has less than log_low_space_bytes free; circular: one free segment left).
+    log_mode: str = "linear"
+    log_ring: int = 8
+    log_archive_dir: Path | None = None
+    checkpoint_interval_s: float = 300.0
+    log_low_space_bytes: int = 256 * 2**20
     # RECAUTO (sqm.recauto): how this member restores a failed structure; injected by the top floor (qsg.member
     # wires restore in); None: this member never recovers a structure by itself.
     recover_structure: RecoverStructure | None = None
@@ -125,6 +139,10 @@ class QueueManager:
         # The last complete relog pass of each structure this member relogged (sqm.relog), carried forward in
         # every checkpoint record: restore finds the newest window in the members' last checkpoints.
         self.relog_passes: dict[str, dict[str, Any]] = {}
+        self.retention: Retention | None = None  # what recovery needed of the log at the last checkpoint
+        self.last_checkpoint_at = time.monotonic()
+        if config.log_mode not in LOG_MODES:
+            raise ValueError(f"log mode must be one of {', '.join(LOG_MODES)}, not {config.log_mode!r}")
         self.recauto = StructureRecovery(self, config.recover_structure) if config.recover_structure else None
 
     # --- life cycle -------------------------------------------------------------------------------------
@@ -139,7 +157,8 @@ class QueueManager:
         # The group's log root first (before anything is created here): a member logging where peer recovery,
         # backup and restore do not read would have its committed work dropped by them (issue 10, hole 6).
         self.repository = open_group_repository(self.admin, self.config.log_root, who=self.name)
-        self.log = RecordLog(self.log_dir, self.name, segment_bytes=self.config.segment_bytes)
+        self.log = RecordLog(self.log_dir, self.name, segment_bytes=self.config.segment_bytes,
+                             ring=self.config.log_ring if self.config.log_mode == CIRCULAR else 0)
         last = self.log.last_checkpoint()
         self.relog_passes = relog.last_passes(last[1] if last else None)
         try:
@@ -253,6 +272,9 @@ class QueueManager:
         try:
             with self.uow_lock:
                 pos = self.log.append(record)
+                owner = uow or (self.uows.get(record["u"]) if record.get("u") else None)
+                if owner is not None and not owner.first_lrsn:
+                    owner.first_lrsn = int(record["l"])
                 if uow is not None and state is not None:
                     uow.decide(state, record)
             self.activity += 1
@@ -294,8 +316,63 @@ class QueueManager:
                 except OSError as e:
                     self._log_failure(e)
             relog.finish(self, passes)
+            self.last_checkpoint_at = time.monotonic()
+            self.manage_log()
         finally:
             self._checkpointing.release()
+
+    @property
+    def archive_dir(self) -> Path:
+        root = self.config.log_archive_dir
+        return Path(root) / self.name if root is not None else self.log_dir / "archive"
+
+    def manage_log(self) -> Retention | None:
+        """After a checkpoint: what recovery still needs of this member's log (sqm.retention); the segments wholly
+        before it are inactive: linear logging archives them, circular logging releases them for reuse."""
+        if self.log is None:
+            return None
+        ret = self.retention = member_retention(self)
+        below = ret.inactive_below(self.log.segments())
+        if self.config.log_mode == CIRCULAR:
+            self.log.release_below(below)
+            return ret
+        try:
+            moved = self.log.archive(below, self.archive_dir)
+        except (OSError, LogFormatError) as e:  # the segments stay in the active log: nothing is lost
+            log.warning("%s: archiving the inactive log segments failed (%s); they stay in the active log",
+                        self.name, e)
+            return ret
+        if moved:
+            log.info("%s: archived log segments %s to %s (recovery needs the log from LRSN %d on)", self.name,
+                     ", ".join(str(m.segment) for m in moved), self.archive_dir, ret.lrsn)
+            self.counters["segments_archived"] = self.counters.get("segments_archived", 0) + len(moved)
+        return ret
+
+    @property
+    def log_reserve(self) -> int:
+        """Circular logging: the log space kept for checkpoints and the outcomes of work already begun (one
+        segment): relog passes stop short of it, new persistent work is refused before it is reached."""
+        return self.config.segment_bytes
+
+    def ensure_log_space(self) -> None:
+        """Circular logging: before new persistent work, make sure the ring has room beyond twice the reserve.
+        When it has not, take checkpoints (each relogs and moves the windows on, so that segments become inactive)
+        until it has; when it still has not, refuse the work with the reason: a needed record is never
+        overwritten."""
+        if self.log is None or self.config.log_mode != CIRCULAR or self.log.room() > 2 * self.log_reserve:
+            return
+        for _ in range(max(1, self.config.cpl_entries) + 1):
+            self.checkpoint("log full")
+            if self.log is None or self.log.room() > 2 * self.log_reserve:
+                return
+        ret = self.retention
+        oldest = self.log.segments()[0]
+        why = "; ".join(ret.kept_for(oldest)) if ret is not None else "unknown"
+        self.counters["log_full_refusals"] = self.counters.get("log_full_refusals", 0) + 1
+        raise ResourceProblemError(
+            f"queue manager {self.name}: the circular log is full ({self.config.log_ring} segments) and no segment "
+            f"can be freed: segment {oldest.segment} is still needed by {why}; new persistent work is refused until "
+            "that is resolved (commit or resolve the unit of work, back up the structure) or the ring is made larger")
 
     def forget(self, uow: UnitOfWork) -> None:
         with self.uow_lock:
@@ -596,6 +673,7 @@ class QueueManager:
                 recover_peers(self)
                 if self.recauto is not None:
                     self.recauto.check()
+                self._checkpoint_when_due()
                 if time.monotonic() >= next_expiry:
                     next_expiry = time.monotonic() + self.config.expiry_interval_ms / 1000
                     self.expire_messages()
@@ -603,6 +681,23 @@ class QueueManager:
                 log.debug("%s housekeeping: %s", self.name, e)
             except Exception:  # keep the queue manager alive; the failure is in its log
                 log.exception("%s housekeeping failed", self.name)
+
+    def _checkpoint_when_due(self) -> None:
+        """Checkpoints by time and when log space runs low (besides LOGLOAD's count of records)."""
+        if self.log is None:
+            return
+        cfg = self.config
+        if cfg.checkpoint_interval_s and time.monotonic() - self.last_checkpoint_at >= cfg.checkpoint_interval_s:
+            self.checkpoint("time")
+        elif cfg.log_mode == CIRCULAR and 0 <= self.log.room() <= 3 * self.log_reserve:
+            self.checkpoint("log space")
+        elif cfg.log_mode == LINEAR and cfg.log_low_space_bytes:
+            try:
+                free = shutil.disk_usage(self.log_dir).free
+            except OSError:
+                return
+            if free < cfg.log_low_space_bytes and time.monotonic() - self.last_checkpoint_at > 5.0:
+                self.checkpoint("log space")
 
     def retry_pending(self) -> int:
         done = 0

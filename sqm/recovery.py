@@ -50,6 +50,19 @@ class RestartReport:
     waiting_for_cf: int = 0
     seconds: float = 0.0
     phases: list[tuple[str, dict[str, int]]] = field(default_factory=list)
+    # The log range restart read: from the checkpoint it used (its LRSN and position), the segments opened, and the
+    # LRSN range of the records read. Messages (logger sqm.recovery) name them as MQ's CSQR messages do.
+    checkpoint_lrsn: int = 0
+    checkpoint_position: str = ""
+    segments_read: list[int] = field(default_factory=list)
+    lrsn_range: tuple[int, int] = (0, 0)
+    forward_range: tuple[int, int] = (0, 0)  # LRSN range of the in-commit/in-backout UOWs completed
+    backward_range: tuple[int, int] = (0, 0)  # LRSN range of the in-flight UOWs backed out
+    messages: list[str] = field(default_factory=list)
+
+
+#: Restart reports its progress every this many records read (CSQR031I).
+PROGRESS_EVERY = 50_000
 
 
 @dataclass
@@ -62,22 +75,49 @@ class PeerRecoveryReport:
     seconds: float = 0.0
 
 
-def _table_from_log(reader_or_log: RecordLog | LogReader, owner: str) -> tuple[dict[str, UnitOfWork], int, int]:
-    """The UOW table at the end of a log, the number of records read, and the highest LRSN in the log."""
+def _table_from_log(reader_or_log: RecordLog | LogReader, owner: str,
+                    rep: RestartReport | None = None,
+                    say: Callable[[str], None] | None = None) -> tuple[dict[str, UnitOfWork], int, int]:
+    """The UOW table at the end of a log, the number of records read, and the highest LRSN in the log. With rep,
+    the range read is recorded there (the checkpoint used, the segments and LRSNs read) and said (say)."""
     ckpt = reader_or_log.last_checkpoint()
     start, ckpt_rec = (ckpt[0], ckpt[1]) if ckpt else (None, None)
     count = 0
-    high = max((s.max_lrsn or 0 for s in reader_or_log.segments()), default=0)
+    segs = reader_or_log.segments()
+    high = max((s.max_lrsn or 0 for s in segs), default=0)
+    low = -1
+    read: set[int] = set()
+    if rep is not None and say is not None:
+        first = start.segment if start else (segs[0].segment if segs else 0)
+        rep.checkpoint_lrsn = int(ckpt_rec["l"]) if ckpt_rec else 0
+        rep.checkpoint_position = str(start) if start else ""
+        say(f"CSQR003I {owner} restart: " + (f"using the checkpoint at LRSN {rep.checkpoint_lrsn} (position {start})"
+                                             if start else "no checkpoint: reading the whole log")
+            + f"; reading log segments {first}..{segs[-1].segment if segs else first} up to LRSN {high}")
 
     def records() -> Iterator[Record]:
-        nonlocal count, high
-        for _, rec in reader_or_log.records(start):
+        nonlocal count, high, low
+        for pos, rec in reader_or_log.records(start):
             count += 1
-            high = max(high, rec["l"])
+            lrsn = rec["l"]
+            high = max(high, lrsn)
+            low = lrsn if low < 0 else min(low, lrsn)
+            read.add(pos.segment)
+            if say is not None and count % PROGRESS_EVERY == 0:
+                say(f"CSQR031I {owner} restart: reading the log forward, {count} records, at LRSN {lrsn} (segment "
+                    f"{pos.segment}) of {high}")
             yield rec
 
     table = rebuild_table(owner, ckpt_rec, records())
+    if rep is not None:
+        rep.segments_read = sorted(read)
+        rep.lrsn_range = (max(low, 0), high if count else max(low, 0))
     return table, count, high
+
+
+def _range(uows: list[UnitOfWork]) -> tuple[int, int]:
+    lrsns = [x for u in uows for x in (u.first_lrsn, u.decided_lrsn, u.record_lrsn) if x]
+    return (min(lrsns), max(lrsns)) if lrsns else (0, 0)
 
 
 def _add_cf_only_uows(qm: QueueManager, owner: str, table: dict[str, UnitOfWork]) -> None:
@@ -104,8 +144,12 @@ def restart(qm: QueueManager, progress: Progress | None = None) -> RestartReport
         if progress:
             progress(name, counts)
 
+    def say(text: str) -> None:
+        rep.messages.append(text)
+        log.info("%s", text)
+
     assert qm.log is not None
-    table, rep.records_read, high = _table_from_log(qm.log, qm.name)
+    table, rep.records_read, high = _table_from_log(qm.log, qm.name, rep, say)
     qm.clock.observe(high)  # LRSNs this member wrote before the restart stay below the ones it writes now
     _add_cf_only_uows(qm, qm.name, table)
     with qm.uow_lock:
@@ -116,6 +160,10 @@ def restart(qm: QueueManager, progress: Progress | None = None) -> RestartReport
     phase("current status rebuild", {"records": rep.records_read, "in-commit": rep.in_commit,
                                      "in-backout": rep.in_backout, "in-flight": rep.in_flight,
                                      "in-doubt": rep.in_doubt})
+    if qm.config.log_mode == "circular":
+        # A ring left full by the last run: release what is inactive now that the UOW table is known, so that the
+        # records restart writes (backouts, the start checkpoint) find room without overwriting a needed one.
+        qm.manage_log()
 
     def finish(uow: UnitOfWork, commit: bool) -> None:
         try:
@@ -126,6 +174,16 @@ def restart(qm: QueueManager, progress: Progress | None = None) -> RestartReport
             rep.waiting_for_cf += 1
             qm.pending[uow.id] = lambda: qm.apply(uow, commit)
 
+    rep.forward_range = _range(by_state[INCOMMIT] + by_state[INBACKOUT])
+    rep.backward_range = _range(by_state[INFLIGHT])
+    say(f"CSQR004I {qm.name} restart: {rep.records_read} records read, LRSN {rep.lrsn_range[0]}..{rep.lrsn_range[1]} "
+        f"in segments {', '.join(map(str, rep.segments_read)) or 'none'}")
+    if rep.in_commit + rep.in_backout:
+        say(f"CSQR005I {qm.name} restart: forward recovery of {rep.in_commit + rep.in_backout} units of work, log "
+            f"range LRSN {rep.forward_range[0]}..{rep.forward_range[1]}")
+    if rep.in_flight:
+        say(f"CSQR006I {qm.name} restart: backward recovery of {rep.in_flight} units of work, log range LRSN "
+            f"{rep.backward_range[0]}..{rep.backward_range[1]}")
     for uow in by_state[INCOMMIT]:
         finish(uow, True)
     for uow in by_state[INBACKOUT]:

@@ -16,8 +16,10 @@ A pass, in order (a crash anywhere leaves the previous complete pass in force):
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -26,6 +28,7 @@ from cfemu.errors import MQError, RelogBusyError
 from sqm import records
 from sqm.clock import now_ms
 from sqm.failpoints import failpoint
+from sqm.log import LogFullError, LogReader
 
 if TYPE_CHECKING:
     from sqm.manager import QueueManager
@@ -92,6 +95,9 @@ def begin_passes(qm: QueueManager, why: str) -> list[Pass]:
             p = _relog_structure(qm, name, termination=why == "shutdown")
         except RelogBusyError:
             continue  # another member relogs it
+        except LogFullError as e:
+            log.warning("%s: relog pass on %s stopped: %s; the previous pass stays in force", qm.name, name, e)
+            break
         except (MQError, *CF_DOWN) as e:
             log.warning("%s: relog pass on %s did not finish (%s): the previous pass stays in force", qm.name,
                         name, e)
@@ -120,6 +126,12 @@ def _relog_structure(qm: QueueManager, name: str, *, termination: bool) -> Pass:
                                    count=qm.config.relog_batch))
         p.scanned += batch.scanned
         if batch.copies:
+            room = qm.log.room()
+            if room >= 0 and room - sum(len(d) + 200 for _, d, _ in batch.copies) < qm.log_reserve:
+                # A circular log: the copies would eat the space kept for the checkpoint and the outcomes of work
+                # begun. The pass stops, incomplete; the previous one stays in force (the ring is too small for
+                # n intervals of relogging, or a unit of work holds it: ensure_log_space says which).
+                raise LogFullError(f"{qm.log.directory}: no room in the circular log for the relog copies")
             lrsn = qm.clock.now()
             try:  # straight to the log: a pass's records are not activity that calls for another checkpoint
                 for _entry, data, stored_desc in batch.copies:
@@ -128,6 +140,8 @@ def _relog_structure(qm: QueueManager, name: str, *, termination: bool) -> Pass:
                     p.bytes += len(data)
                 failpoint("relog-before-force")
                 qm.log.force()
+            except LogFullError:
+                raise  # a full circular log: the pass stops, incomplete (the previous one stays in force)
             except OSError as e:
                 qm._log_failure(e)
             failpoint("relog-after-force")
@@ -152,9 +166,24 @@ def finish(qm: QueueManager, passes: list[Pass]) -> None:
                         qm.name, p.structure, e)
 
 
+def newest_pass(log_dirs: Iterable[Path], structure: str) -> tuple[str, dict[str, Any]] | None:
+    """The newest complete relog pass of `structure` (docs/log-management.md), as (member, pass): each member
+    carries the last pass it completed for each structure in every checkpoint record, so its last checkpoint
+    says it. A pass is complete only once that record is on disk: a pass cut short by a crash is in no record.
+    Restore starts from its window; log retention (sqm.retention) keeps the logs from there."""
+    best: tuple[str, dict[str, Any]] | None = None
+    for d in log_dirs:
+        reader = LogReader(d)
+        last = reader.last_checkpoint()
+        p = ((last[1].get("rl") or {}).get(structure)) if last else None
+        if p and (best is None or int(p["e"]) > int(best[1]["e"])):
+            best = (reader.member, p)
+    return best
+
+
 def last_passes(checkpoint: records.Record | None) -> dict[str, dict[str, Any]]:
     """The relog passes a checkpoint record carries (restart seeds the member's from its last checkpoint)."""
     return dict((checkpoint or {}).get("rl") or {})
 
 
-__all__ = ["Pass", "aged", "begin_passes", "finish", "fitted", "last_passes", "EVERYTHING"]
+__all__ = ["Pass", "aged", "begin_passes", "finish", "fitted", "last_passes", "newest_pass", "EVERYTHING"]

@@ -23,6 +23,9 @@ class UnitOfWork:
     record_lrsn: int = 0  # LRSN of the latest record of that decision: the CF checks it against its floor
     data_logged: bool = False  # that record carries the data of the UOW's persistent gets (backup running)
     operations: int = 0
+    # The LRSN of its first logged record (0: not known, a UOW from a checkpoint written before this was kept):
+    # the log must keep it while the UOW is active or in doubt (sqm.retention).
+    first_lrsn: int = 0
     # Why this UOW can only be backed out (empty: it may commit): a CF call of it failed, so its state on that
     # structure is unknown to the member (the call may have run, its reply lost). MQ backs such a UOW out.
     doomed: str = ""
@@ -33,13 +36,13 @@ class UnitOfWork:
 
     def snapshot(self) -> dict[str, Any]:
         return {"st": self.state, "ss": dict(self.structures), "x": self.xid, "dl": self.decided_lrsn,
-                "rl": self.record_lrsn, "p": self.persistent}
+                "rl": self.record_lrsn, "p": self.persistent, "f": self.first_lrsn}
 
     @classmethod
     def from_snapshot(cls, uow_id: str, owner: str, snap: dict[str, Any]) -> UnitOfWork:
         dl = int(snap.get("dl", 0))
         return cls(uow_id, owner, snap["st"], dict(snap.get("ss", {})), bool(snap.get("p", True)),
-                   snap.get("x", ""), dl, int(snap.get("rl", dl)))
+                   snap.get("x", ""), dl, int(snap.get("rl", dl)), first_lrsn=int(snap.get("f", 0)))
 
     def decide(self, state: str, record: Record) -> None:
         """Take the state a decision record leaves. A record of the decision already taken is a re-log of it (the
@@ -66,7 +69,7 @@ def rebuild_table(owner: str, checkpoint: Record | None, records: Iterable[Recor
         if uow is None:
             if kind.uow_state == DONE:
                 continue
-            uow = table[uid] = UnitOfWork(uid, owner)
+            uow = table[uid] = UnitOfWork(uid, owner, first_lrsn=int(rec["l"]))
         uow.persistent = True
         if "s" in rec and rec.get("g"):
             uow.structures.setdefault(rec["s"], rec["g"])

@@ -13,10 +13,12 @@ from sqm.log.format import (
     SegmentInfo,
 )
 from sqm.log.reader import LogReader, find_log_dirs, merged_records
-from sqm.log.writer import LogStats, RecordLog
+from sqm.log.writer import ArchiveOutcome, LogFullError, LogStats, RecordLog
 
 __all__ = [
+    "ArchiveOutcome",
     "FORMAT_VERSION",
+    "LogFullError",
     "LogCorruptError",
     "LogFormatError",
     "LogLockedError",

@@ -391,11 +391,49 @@ def write_manifest(directory: Path, data: dict[str, Any]) -> None:
     replace_file(directory / MANIFEST_NAME, json.dumps(data, indent=1, sort_keys=False).encode("utf-8") + b"\n")
 
 
+def archived_segments(manifest: dict[str, Any] | None) -> list[SegmentInfo]:
+    """The segments archived out of the active log (docs/log-management.md), oldest first: each manifest entry
+    names the archived file by its absolute path. They are sealed, so their statistics may be trusted."""
+    out = []
+    for entry in (manifest or {}).get("archived", []):
+        try:
+            info = SegmentInfo.from_json(Path(entry["path"]).parent, entry)
+        except (KeyError, TypeError, ValueError) as e:
+            raise LogFormatError(f"manifest of {(manifest or {}).get('member')}: bad archived entry {entry!r}") from e
+        out.append(info)
+    return sorted(out, key=lambda i: i.segment)
+
+
+def log_segments(directory: Path, manifest: dict[str, Any] | None) -> list[tuple[int, Path]]:
+    """Every segment of the log, oldest first: the archived ones (read where the archive keeps them) and then the
+    active ones (checked_segments). A segment both archived and still in the active log (an archive interrupted
+    before it removed the active file) is read from the active log. Segments below the manifest's "pruned" mark
+    were removed on purpose (sqm log prune: no recovery needed them); any other gap is a format error."""
+    active = checked_segments(directory, manifest)
+    have = {segno for segno, _ in active}
+    out: list[tuple[int, Path]] = []
+    for info in archived_segments(manifest):
+        if info.segment in have:
+            continue
+        if not info.path.is_file():
+            raise LogFormatError(f"{info.path}: archived segment {info.segment} of {directory} is listed in "
+                                 f"{MANIFEST_NAME} but missing from the archive: its records are lost")
+        out.append((info.segment, info.path))
+    out += active
+    for (a, _), (b, pb) in zip(out, out[1:]):
+        if b != a + 1:
+            raise LogFormatError(f"{directory}: segment {a + 1} is missing (next present is {pb})")
+    return out
+
+
 def trusted_segments(directory: Path, manifest: dict[str, Any] | None) -> dict[int, SegmentInfo]:
-    """Sealed segment entries of the manifest (the only ones whose statistics may be trusted)."""
+    """Sealed segment entries of the manifest (the only ones whose statistics may be trusted), archived ones
+    included."""
     out: dict[int, SegmentInfo] = {}
     if not manifest:
         return out
+    for info in archived_segments(manifest):
+        out[info.segment] = info
     for entry in manifest.get("segments", []):
         try:
             info = SegmentInfo.from_json(directory, entry)

@@ -13,8 +13,9 @@ from sqm.log.format import (
     LogPosition,
     SegmentInfo,
     SegmentScan,
-    checked_segments,
+    archived_segments,
     list_segments,
+    log_segments,
     manifest_checkpoints,
     read_header,
     read_manifest,
@@ -54,6 +55,11 @@ class LogReader:
 
     def _scan(self, segno: int, path: Path, *, is_last: bool, start_offset: int = 0) -> SegmentScan:
         self.segments_opened += 1
+        if not path.exists():
+            # Archived by its running writer since this reader listed the segments: the archive lists the copy
+            # before the active file goes (RecordLog.archive), so the manifest read now names it.
+            moved = {i.segment: i.path for i in archived_segments(read_manifest(self.directory))}.get(segno)
+            path = moved or path
         return SegmentScan(path, segno, self.member, is_last=is_last, start_offset=start_offset)
 
     def records(
@@ -65,7 +71,7 @@ class LogReader:
         records with ``l < min_lrsn``. Records are only approximately LRSN-ordered within one log, so this
         never stops early on LRSN."""
         manifest = read_manifest(self.directory)
-        segs = checked_segments(self.directory, manifest)
+        segs = log_segments(self.directory, manifest)
         if not segs:
             return
         trusted = trusted_segments(self.directory, manifest) if min_lrsn is not None else {}
@@ -90,7 +96,7 @@ class LogReader:
         """Per-segment information: from the manifest for sealed segments, by scanning for the others
         (always for the last one)."""
         manifest = read_manifest(self.directory)
-        segs = checked_segments(self.directory, manifest)
+        segs = log_segments(self.directory, manifest)
         trusted = trusted_segments(self.directory, manifest)
         out: list[SegmentInfo] = []
         last = segs[-1][0] if segs else -1
@@ -107,7 +113,8 @@ class LogReader:
         if not cps:
             return None
         pos = cps[-1][0]
-        path = self.directory / segment_name(pos.segment)
+        path = dict(log_segments(self.directory, read_manifest(self.directory))).get(
+            pos.segment, self.directory / segment_name(pos.segment))
         return pos, read_record_at(path, pos.segment, self.member, pos.offset)
 
     def checkpoints(self) -> list[tuple[LogPosition, int]]:
@@ -116,7 +123,7 @@ class LogReader:
 
     def end_position(self) -> LogPosition:
         """Position just after the last complete frame of the last segment (what a writer would append at)."""
-        segs = checked_segments(self.directory, read_manifest(self.directory))
+        segs = log_segments(self.directory, read_manifest(self.directory))
         if not segs:
             return LogPosition(0, 0)
         segno, path = segs[-1]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import hashlib
 import os
 import threading
 import time
@@ -27,6 +29,7 @@ from sqm.log.format import (
     LogPosition,
     SegmentInfo,
     SegmentScan,
+    archived_segments,
     checked_segments,
     crc32c,
     encode_header,
@@ -75,6 +78,52 @@ def _write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
         view = view[n:]
 
 
+class LogFullError(OSError):
+    """A circular log's ring has no segment it may reuse: every one holds a record recovery still needs."""
+
+
+@dataclass(frozen=True)
+class ArchiveOutcome:
+    segment: int
+    path: Path  # the archived copy
+    records: int
+    bytes: int
+
+
+def _copy_verified(src: Path, dst: Path, segment: int, member: str, info: SegmentInfo) -> int:
+    """Copy one sealed segment to dst (0600, fsynced, renamed into place, directory fsynced) and check the copy:
+    the same bytes, and every frame readable with the record count and LRSN range the manifest has. Returns bytes."""
+    tmp = dst.with_name(dst.name + ".tmp")
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()
+    fd = open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    digest = hashlib.sha256()
+    size = 0
+    try:
+        with open(src, "rb") as f:
+            while chunk := f.read(1 << 20):
+                _write_all(fd, chunk)
+                digest.update(chunk)
+                size += len(chunk)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    check = hashlib.sha256()
+    with open(tmp, "rb") as f:
+        while chunk := f.read(1 << 20):
+            check.update(chunk)
+    scan = SegmentScan(tmp, segment, member, is_last=False).run().info()
+    if check.digest() != digest.digest() or (scan.records, scan.min_lrsn, scan.max_lrsn) != (
+            info.records, info.min_lrsn, info.max_lrsn):
+        tmp.unlink()
+        raise LogFormatError(f"{dst}: the archived copy of segment {segment} does not read back as the segment "
+                             f"({scan.records} records, LRSN {scan.min_lrsn}..{scan.max_lrsn}; the log has "
+                             f"{info.records}, {info.min_lrsn}..{info.max_lrsn}): not archived")
+    os.replace(tmp, dst)
+    fsync_directory(dst.parent)
+    return size
+
+
 class RecordLog:
     """One SQM's log, opened for writing.
 
@@ -92,6 +141,7 @@ class RecordLog:
         *,
         segment_bytes: int = 64 * 2**20,
         create: bool = True,
+        ring: int = 0,
     ) -> None:
         if not member:
             raise ValueError("member name must not be empty")
@@ -100,6 +150,14 @@ class RecordLog:
         self.directory = Path(directory)
         self.member = member
         self.segment_bytes = segment_bytes
+        if ring and ring < 3:
+            raise ValueError("a circular log needs a ring of at least 3 segments")
+        # Circular logging (ring > 0): at most `ring` segment files; a roll reuses the oldest once the member has
+        # said it is inactive (release_below), and refuses (LogFullError) rather than overwrite a needed record.
+        self.ring = ring
+        self._reusable_below = 0
+        self._archived: list[dict[str, Any]] = []  # manifest entries of segments archived out of the active log
+        self._pruned = 0  # segments below this were removed on purpose (no recovery needed them)
         self.stats = LogStats()
         self._lock = threading.Lock()  # buffer, current segment, counters of appends
         self._fcond = threading.Condition(threading.Lock())  # group commit state (never take _lock inside)
@@ -160,8 +218,25 @@ class RecordLog:
                 f"{d}: log directory belongs to member {manifest['member']!r}, not {self.member!r}"
             )
         self._checkpoints = manifest_checkpoints(manifest)
+        self._archived = list((manifest or {}).get("archived", []))
+        self._pruned = int((manifest or {}).get("pruned", 0))
+        archived = {i.segment for i in archived_segments(manifest)}
         trusted = trusted_segments(d, manifest)
         segs = checked_segments(d, manifest)
+        if segs and archived & {n for n, _ in segs[:-1]}:
+            # An archive interrupted after the manifest listed the copy and before the active file was removed.
+            for segno, path in segs[:-1]:
+                if segno in archived:
+                    path.unlink()
+            fsync_directory(d)
+            segs = [(n, p) for n, p in segs if n not in archived or n == segs[-1][0]]
+        if segs and segs[0][0] < self._pruned <= segs[-1][0]:
+            # A prune interrupted after the manifest dropped the segments and before their files were removed.
+            for segno, path in segs:
+                if segno < self._pruned:
+                    path.unlink()
+            fsync_directory(d)
+            segs = [(n, p) for n, p in segs if n >= self._pruned]
         if not segs:
             start = max(trusted, default=0) + 1
             os.close(self._create_segment(start))
@@ -169,6 +244,8 @@ class RecordLog:
         self._sealed = []
         for segno, path in segs[:-1]:
             info = trusted.get(segno)
+            if info is not None and not info.sealed:
+                info = None
             if info is not None:
                 with open(path, "rb") as f:
                     header = read_header(f, path, allow_partial=False)
@@ -233,6 +310,96 @@ class RecordLog:
         fsync_directory(self.directory)
         return fd
 
+    def _reuse_segment(self, old: Path, segno: int) -> int:
+        """A circular log's released segment file, emptied to segment `segno`'s header and then renamed to it (the
+        file, and so its disk blocks, stay in the ring). A crash before the rename leaves a file numbered below the
+        manifest's "pruned" mark, which the next open removes; after it, a valid empty segment."""
+        path = self.directory / segment_name(segno)
+        fd = os.open(old, os.O_WRONLY | os.O_APPEND)
+        try:
+            os.ftruncate(fd, 0)
+            _write_all(fd, encode_header(segno, self.segment_bytes, self.member))
+            os.fsync(fd)
+            os.replace(old, path)
+        except BaseException:
+            os.close(fd)
+            raise
+        fsync_directory(self.directory)
+        return fd
+
+    # ------------------------------------------------------------------- log management (docs/log-management.md)
+
+    def release_below(self, segment: int) -> None:
+        """Circular logging: segments numbered below `segment` hold nothing recovery needs; a roll may reuse them."""
+        with self._lock:
+            self._reusable_below = max(self._reusable_below, segment)
+
+    def ring_free(self) -> int:
+        """Circular logging: how many more rolls can happen before one finds no reusable segment (linear: -1)."""
+        with self._lock:
+            if not self.ring:
+                return -1
+            unused = self.ring - len(self._sealed) - 1
+            return unused + sum(1 for i in self._sealed if i.segment < self._reusable_below)
+
+    def room(self) -> int:
+        """Circular logging: about how many bytes can still be appended before a roll would find no reusable
+        segment (the rest of the current segment and the free ones; linear: -1)."""
+        free = self.ring_free()
+        if free < 0:
+            return -1
+        with self._lock:
+            return max(0, self._capacity - self._off) + free * self.segment_bytes
+
+    def archive(self, below: int, archive_dir: Path) -> list[ArchiveOutcome]:
+        """Linear logging: move the sealed segments numbered below `below` (inactive: the caller computed it) to
+        archive_dir (0700): each copied, fsynced and verified, then listed in the manifest as archived, then
+        removed from the active log. Readers (LogReader, restore, the printer) read them there transparently."""
+        archive_dir = Path(archive_dir)
+        with self._lock:
+            todo = [i for i in self._sealed if i.segment < below]
+        if not todo:
+            return []
+        private_dir(archive_dir)  # segments hold message bodies: 0700 (each file 0600)
+        done = []
+        for info in todo:
+            dst = archive_dir / segment_name(info.segment)
+            size = _copy_verified(info.path, dst, info.segment, self.member, info)
+            with self._lock:
+                self._sealed.remove(info)
+                self._archived.append({**info.to_json(), "path": str(dst.absolute()), "bytes": size})
+                self._write_manifest_locked()
+                self.stats.segments -= 1
+            info.path.unlink()
+            fsync_directory(self.directory)
+            done.append(ArchiveOutcome(info.segment, dst, info.records, size))
+        return done
+
+    def prune(self, below: int) -> list[int]:
+        """Remove every segment numbered below `below` for good, active or archived (the caller checked that no
+        recovery needs them): the manifest first, then the files."""
+        with self._lock:
+            below = min(below, self._seg)  # never the current segment
+            gone_active = [i for i in self._sealed if i.segment < below]
+            gone_archived = [a for a in self._archived if int(a["segment"]) < below]
+            if not gone_active and not gone_archived:
+                return []
+            self._sealed = [i for i in self._sealed if i.segment >= below]
+            self._archived = [a for a in self._archived if int(a["segment"]) >= below]
+            self._pruned = max(self._pruned, below)
+            self._write_manifest_locked()
+            self.stats.segments -= len(gone_active)
+        for info in gone_active:
+            info.path.unlink(missing_ok=True)
+        for a in gone_archived:
+            Path(a["path"]).unlink(missing_ok=True)
+        fsync_directory(self.directory)
+        return sorted([i.segment for i in gone_active] + [int(a["segment"]) for a in gone_archived])
+
+    def archived(self) -> list[SegmentInfo]:
+        with self._lock:
+            return archived_segments({"archived": self._archived})
+
     # ------------------------------------------------------------------------------------- manifest
 
     def _current_info(self) -> SegmentInfo:
@@ -248,6 +415,9 @@ class RecordLog:
             "member": self.member,
             "segment_bytes": self.segment_bytes,
             "segments": [i.to_json() for i in self._sealed] + [self._current_info().to_json()],
+            "archived": self._archived,
+            "pruned": self._pruned,
+            "ring": self.ring,
             "checkpoints": [{"position": p.to_json(), "lrsn": lrsn} for p, lrsn in self._checkpoints],
         }
         write_manifest(self.directory, data)
@@ -308,7 +478,16 @@ class RecordLog:
             self._buf.clear()
 
     def _roll_locked(self) -> None:
-        """Seal the current segment (write, fsync, keep fd until no flush can use it) and start the next."""
+        """Seal the current segment (write, fsync, keep fd until no flush can use it) and start the next. A full
+        circular ring reuses its oldest segment, only once it is released (release_below); else LogFullError, and
+        nothing is appended or overwritten."""
+        reuse = None
+        if self.ring and len(self._sealed) + 1 >= self.ring:
+            oldest = self._sealed[0]
+            if oldest.segment >= self._reusable_below:
+                raise LogFullError(f"{self.directory}: circular log full: all {self.ring} segments hold records "
+                                   f"recovery still needs (oldest, segment {oldest.segment}, is not released)")
+            reuse = oldest
         self._write_locked()
         try:
             _fdatasync(self._fd)
@@ -330,7 +509,14 @@ class RecordLog:
             else:
                 os.close(self._fd)
         segno = self._seg + 1
-        self._fd = self._create_segment(segno)
+        if reuse is not None:
+            self._sealed.remove(reuse)
+            self._pruned = reuse.segment + 1
+            self._write_manifest_locked()  # first: a crash before the rename leaves an unlisted, readable segment
+            self._fd = self._reuse_segment(reuse.path, segno)
+            self.stats.segments -= 1
+        else:
+            self._fd = self._create_segment(segno)
         self._seg = segno
         self._capacity = self.segment_bytes
         self._first_frame = self._off = len(encode_header(segno, self.segment_bytes, self.member))
@@ -445,7 +631,9 @@ class RecordLog:
             if self._closed:
                 self._raise_unusable()
             self._write_locked()
-            segs = [(i.segment, i.path) for i in self._sealed] + [
+            segs = [(i.segment, i.path) for i in archived_segments({"archived": self._archived})
+                    if i.segment < (self._sealed[0].segment if self._sealed else self._seg)]
+            segs += [(i.segment, i.path) for i in self._sealed] + [
                 (self._seg, self.directory / segment_name(self._seg))
             ]
         return self._iter(segs, start)

@@ -201,6 +201,13 @@ class ServerConfig:
     lease_ms: int = 5000
     cf_connections: int = 64
     logload: int = 10000  # LOGLOAD: a checkpoint every this many log records
+    # Log management (sqm.manager.QueueManagerConfig, docs/log-management.md)
+    log_mode: str = "linear"
+    log_ring: int = 8
+    log_archive_dir: Path | None = None
+    segment_bytes: int = 64 * 2**20
+    checkpoint_interval_s: float = 300.0
+    cpl_entries: int = 3
     max_frame: int = DEFAULT_MAX_FRAME  # MIN_FRAME-MAX_FRAME; less than MAX_FRAME cannot carry every message
     max_wait_ms: int = 60_000  # longest get wait a request may ask for
     shutdown_grace_s: float = 10.0  # in-flight requests get this long to finish at shutdown
@@ -312,7 +319,9 @@ class SQMServer:
             name=config.name, log_root=Path(config.log_root), redis_url=config.redis_url, lease_ms=config.lease_ms,
             cf_connections=config.cf_connections,
             logload=config.logload, clock_skew_us=config.clock_skew_ms * 1000,
-            recover_structure=config.recover_structure))
+            log_mode=config.log_mode, log_ring=config.log_ring, log_archive_dir=config.log_archive_dir,
+            segment_bytes=config.segment_bytes, checkpoint_interval_s=config.checkpoint_interval_s,
+            cpl_entries=config.cpl_entries, recover_structure=config.recover_structure))
         self.stats = _Stats()
         self.port = config.port
         self.metrics_port = config.metrics_port

@@ -22,6 +22,7 @@ from cfemu.settings import (
     CLUSTER_BACKUP_DIR,
     CLUSTER_CF,
     CLUSTER_FILE,
+    CLUSTER_LOG_ARCHIVE_DIR,
     CLUSTER_LOG_ROOT,
     CLUSTER_REDIS_URL,
     DEFAULT,
@@ -39,7 +40,8 @@ def write_cluster(d: Path, *, cf_pid: int | None = LIVE_PID) -> Path:
     d.mkdir(parents=True)
     (d / CLUSTER_FILE).write_text(json.dumps({
         CLUSTER_REDIS_URL: "redis://cluster:1/0", CLUSTER_LOG_ROOT: str(d / "logs"),
-        CLUSTER_BACKUP_DIR: str(d / "backups"), CLUSTER_CF: {"pid": cf_pid}}))
+        CLUSTER_BACKUP_DIR: str(d / "backups"), CLUSTER_LOG_ARCHIVE_DIR: str(d / "archive"),
+        CLUSTER_CF: {"pid": cf_pid}}))
     secrets_dir = d / credentials.SECRETS_DIR
     private_dir(secrets_dir)
     write_private(secrets_dir / "service.token", b"cluster-token")
@@ -63,20 +65,20 @@ def home(tmp_path: Path) -> Path:
 
 
 ENV_ALL = {"REDIS_URL": "redis://env:3/0", "CFEMU_LOG_ROOT": "/env/logs", "CFEMU_BACKUP_DIR": "/env/backups",
-           "SQM_TOKEN": "env-token"}
+           "SQM_TOKEN": "env-token", "CFEMU_LOG_ARCHIVE_DIR": "/env/archive"}
 
 
 def test_flag_beats_environment_beats_cluster(home: Path) -> None:
     flags = resolve(redis_url="redis://flag:4/0", log_root="/flag/logs", backup_dir="/flag/backups",
-                    token="flag-token", env=ENV_ALL, cwd=home)
+                    token="flag-token", log_archive_dir="/flag/archive", env=ENV_ALL, cwd=home)
     assert (flags.redis_url, flags.log_root, flags.backup_dir, flags.token) == (
         "redis://flag:4/0", Path("/flag/logs"), Path("/flag/backups"), "flag-token")
-    assert set(flags.sources.values()) == {FLAG}
+    assert set(flags.sources.values()) == {FLAG} and flags.log_archive_dir == Path("/flag/archive")
 
     env = resolve(env=ENV_ALL, cwd=home)
     assert (env.redis_url, env.log_root, env.backup_dir, env.token) == (
         "redis://env:3/0", Path("/env/logs"), Path("/env/backups"), "env-token")
-    assert set(env.sources.values()) == {ENV}
+    assert set(env.sources.values()) == {ENV} and env.log_archive_dir == Path("/env/archive")
 
 
 def test_cluster_beats_cf_dir_beats_default(home: Path, tmp_path: Path) -> None:
@@ -85,12 +87,14 @@ def test_cluster_beats_cf_dir_beats_default(home: Path, tmp_path: Path) -> None:
     assert (s.redis_url, s.log_root, s.backup_dir, s.token) == (
         "redis://cluster:1/0", cluster / "logs", cluster / "backups", "cluster-token")
     assert set(s.sources.values()) == {CLUSTER} and s.cluster_dir == cluster.resolve()
+    assert s.log_archive_dir == cluster / "archive"
 
     (cluster / CLUSTER_FILE).unlink()
     s = resolve(env={}, cwd=home)
     assert s.redis_url == "redis://cf-dir:2/0" and s.sources["redis_url"] == CF_DIR
     assert (s.log_root, s.backup_dir, s.token) == (Path("var/logs"), Path("var/backups"), None)
     assert s.sources["log_root"] == s.sources["backup_dir"] == DEFAULT and s.cluster_dir is None
+    assert s.log_archive_dir is None  # no default: each member archives into its own log directory
 
     empty = tmp_path / "empty"
     empty.mkdir()

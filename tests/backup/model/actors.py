@@ -113,6 +113,7 @@ class World:
         self.now_ms = T_START
         self.backup = BackupState()
         self.members = {name: Member(self, name, skew, epoch) for name, skew, epoch in group.members}
+        self.relog_pass: tuple[str, dict[str, Any]] | None = None  # the last complete relog pass (model.relogging)
 
     def records(self, min_lrsn: int = 0) -> list[Record]:
         """The merged log of every member (as sqm.log.merged_records gives it: tagged with "m", by (l, m, position))."""

@@ -1,0 +1,168 @@
+"""``sqm log status|archive|prune``: the operator's view and manual control of the active and inactive log (seed
+002; docs/log-management.md).
+
+    sqm log status [--member QM1 | --all] [--json]   each segment: LRSN range, active/inactive/archived, why kept
+    sqm log archive [--member QM1 | --all] [--archive-dir DIR]
+    sqm log prune [--member QM1 | --all] [--below N]
+
+What is needed is computed by sqm.retention from the log and the CF (its backup catalog, the structures): a
+segment is kept while a restart, a peer's recovery, an active or in-doubt unit of work, or a structure's CF
+recovery needs it. archive and prune act only on a log whose member is not running (a running member archives by
+itself at each checkpoint, or reuses its ring); prune refuses to remove a needed segment and says what needs it.
+When the CF cannot be asked, every segment is needed (the structures' recovery starts are unknown).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from cfemu.admin import Admin
+from cfemu.clitools import CLIError, Output, add_settings_arguments, require_url, settings
+from cfemu.connection import connect
+from sqm.log import LogLockedError, LogReader, RecordLog, find_log_dirs
+from sqm.log.format import archived_segments, read_manifest
+from sqm.retention import Retention, log_retention
+
+ACTIVE, INACTIVE, ARCHIVED = "active", "inactive", "archived"
+
+
+def segment_rows(log_dir: Path, ret: Retention) -> list[dict[str, Any]]:
+    """Each segment of one log with its state and why it is kept (empty: nothing needs it)."""
+    reader = LogReader(log_dir)
+    archived = {i.segment for i in archived_segments(read_manifest(log_dir))}
+    segs = reader.segments()
+    below = ret.inactive_below(segs)
+    rows = []
+    for info in segs:
+        state = ARCHIVED if info.segment in archived else (INACTIVE if info.segment < below else ACTIVE)
+        rows.append({"member": reader.member, "segment": info.segment, "path": str(info.path),
+                     "min_lrsn": info.min_lrsn, "max_lrsn": info.max_lrsn, "records": info.records,
+                     "state": state, "kept_for": [] if info.segment < below else ret.kept_for(info)})
+    return rows
+
+
+def _dirs(args: argparse.Namespace, log_root: Path) -> list[Path]:
+    dirs = find_log_dirs(log_root)
+    if not dirs:
+        raise CLIError(f"no record logs under {log_root} (set --log-root or $CFEMU_LOG_ROOT)")
+    if args.member:
+        found = [d for d in dirs if d.name == args.member]
+        if not found:
+            raise CLIError(f"no log for member {args.member} under {log_root} (members: "
+                           f"{', '.join(d.name for d in dirs)})")
+        return found
+    return dirs
+
+
+def _admin(args: argparse.Namespace) -> tuple[Admin, Path]:
+    found = settings(args)
+    args.archive_root = found.log_archive_dir
+    return Admin(connect(require_url(found))), found.log_root
+
+
+def cmd_status(args: argparse.Namespace, out: Output) -> int:
+    admin, log_root = _admin(args)
+    rows: list[dict[str, Any]] = []
+    members = []
+    for d in _dirs(args, log_root):
+        ret = log_retention(d, admin, log_root)
+        members.append({"member": ret.member, "needed_from_lrsn": ret.lrsn, "unknown": ret.unknown,
+                        "needs": [{"kind": n.kind, "lrsn": n.lrsn, "why": n.why} for n in ret.needs]})
+        rows += segment_rows(d, ret)
+    if out.as_json:
+        out.json({"log_root": str(log_root), "members": members, "segments": rows})
+        return 0
+    out.table(f"log segments under {log_root}", ["member", "segment", "LRSN range", "records", "state", "kept for"],
+              [[r["member"], r["segment"], f"{r['min_lrsn']}..{r['max_lrsn']}" if r["records"] else "empty",
+                r["records"], r["state"], "; ".join(r["kept_for"]) or "-"] for r in rows])
+    return 0
+
+
+def _open_stopped(d: Path) -> RecordLog:
+    manifest = read_manifest(d) or {}
+    try:
+        return RecordLog(d, LogReader(d).member, create=False,
+                         segment_bytes=int(manifest.get("segment_bytes") or 64 * 2**20),
+                         ring=int(manifest.get("ring") or 0))
+    except LogLockedError:
+        raise CLIError(f"the log {d} is open by its running member: a running member archives (linear logging) or "
+                       "reuses (circular) its inactive segments itself at each checkpoint; stop it to do it by "
+                       "hand") from None
+
+
+def cmd_archive(args: argparse.Namespace, out: Output) -> int:
+    admin, log_root = _admin(args)
+    done: list[dict[str, Any]] = []
+    for d in _dirs(args, log_root):
+        with _open_stopped(d) as rlog:
+            ret = log_retention(d, admin, log_root)
+            if rlog.ring:
+                raise CLIError(f"the log {d} is circular: its inactive segments are reused, not archived")
+            target = Path(args.archive_root) / rlog.member if args.archive_root else d / "archive"
+            for a in rlog.archive(ret.inactive_below(rlog.segments()), target):
+                done.append({"member": rlog.member, "segment": a.segment, "path": str(a.path), "records": a.records,
+                             "bytes": a.bytes})
+    if out.as_json:
+        out.json({"archived": done})
+    else:
+        out.line(f"archived {len(done)} segment(s)" + "".join(f"\n  {r['member']} segment {r['segment']} -> "
+                                                            f"{r['path']}" for r in done))
+    return 0
+
+
+def prune_log(d: Path, admin: Admin, log_root: Path, below: int | None = None) -> list[int]:
+    """Remove for good the segments of a stopped member's log that no recovery needs (all of them, or those
+    numbered below `below`, refused with what needs it when one is needed). Returns the segments removed."""
+    with _open_stopped(d) as rlog:
+        ret = log_retention(d, admin, log_root)
+        segs = [*rlog.archived(), *rlog.segments()]
+        bound = ret.inactive_below(segs)
+        if below is not None:
+            if below > bound:
+                first = next(i for i in segs if i.segment == bound)
+                raise CLIError(f"{rlog.member}: segment {bound} is still needed, by "
+                               f"{'; '.join(ret.kept_for(first))}: nothing removed (segments below {bound} "
+                               "may be pruned)")
+            bound = below
+        return rlog.prune(bound)
+
+
+def cmd_prune(args: argparse.Namespace, out: Output) -> int:
+    admin, log_root = _admin(args)
+    removed: list[dict[str, Any]] = []
+    for d in _dirs(args, log_root):
+        member = LogReader(d).member
+        for n in prune_log(d, admin, log_root, args.below):
+            removed.append({"member": member, "segment": n})
+    if out.as_json:
+        out.json({"pruned": removed})
+    else:
+        out.line(f"pruned {len(removed)} segment(s)" + "".join(f"\n  {r['member']} segment {r['segment']}"
+                                                            for r in removed))
+    return 0
+
+
+def add_log_admin_parsers(verbs: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``status``, ``archive`` and ``prune`` to ``sqm log``'s verbs."""
+    specs = (("status", cmd_status, "each log segment: LRSN range, active/inactive/archived, and why it is kept"),
+             ("archive", cmd_archive, "archive the inactive segments of a stopped member's log (copied, verified, "
+                                      "fsynced, then removed from the active log)"),
+             ("prune", cmd_prune, "remove inactive segments (active or archived) for good; refuses needed ones"))
+    for name, func, text in specs:
+        p = verbs.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
+        which = p.add_mutually_exclusive_group()
+        which.add_argument("--member", help="this member's log only")
+        which.add_argument("--all", action="store_true", help="every member's log (the default)")
+        add_settings_arguments(p, "redis_url", "log_root", "cluster_dir", "cf_dir",
+                               *(("log_archive_dir",) if name == "archive" else ()))
+        if name == "prune":
+            p.add_argument("--below", type=int, help="remove the segments numbered below N (refused if any is "
+                                                     "needed; default: every inactive one)")
+        p.add_argument("--json", action="store_true", help="JSON instead of a table")
+        p.add_argument("-v", "--verbose", action="store_true", help="a traceback with errors")
+        p.set_defaults(func=func)
+
+
+__all__ = ["add_log_admin_parsers", "prune_log", "segment_rows"]
