@@ -55,6 +55,7 @@ ENV_TOKEN = "SQM_TOKEN"
 ENV_OPERATOR_TOKEN = "SQM_OPERATOR_TOKEN"
 ENV_CLUSTER_DIR = "CFEMU_CLUSTER_DIR"
 ENV_CF_DIR = "CFEMU_CF_DIR"
+ENV_SPARK_MASTER = "CFEMU_SPARK_MASTER"
 
 DEFAULT_CLUSTER_DIR = Path("var/cluster")
 DEFAULT_CF_DIR = Path("var/cf")
@@ -67,6 +68,8 @@ CLUSTER_REDIS_URL = "redis_url"
 CLUSTER_LOG_ROOT = "log_root"
 CLUSTER_BACKUP_DIR = "backup_dir"
 CLUSTER_CF = "cf"  # {"dir", "port", "pid"}: the pid is None once the CF is stopped
+# {"dir", "master_url", "master_pid", ...}: the cluster's standalone Spark (cfemu cluster up --spark N)
+CLUSTER_SPARK = "spark"
 
 # Where a value came from (Settings.sources), in the order they are tried.
 FLAG, ENV, CLUSTER, CF_DIR, DEFAULT = "flag", "env", "cluster", "cf", "default"
@@ -84,6 +87,7 @@ class Settings:
     sources: dict[str, str] = field(default_factory=dict)
     secrets_dir: Path | None = None  # the group's secrets (cfemu.credentials), when there are any
     token_role: str = "application"  # the service role whose token ``token`` is: application or operator
+    spark_master: str | None = None  # the Spark master restore's spark engine uses (None: local[*])
 
     def backup_keys(self, *, accept_unsigned: bool = False) -> credentials.BackupKeys:
         """The group's backup keys (backup.key, and backup-previous.key after a rotation) from the secrets
@@ -102,6 +106,8 @@ class Settings:
             out[ENV_CLUSTER_DIR] = str(self.cluster_dir)
         if self.secrets_dir is not None:
             out[credentials.ENV_SECRETS_DIR] = str(self.secrets_dir)
+        if self.spark_master:
+            out[ENV_SPARK_MASTER] = self.spark_master
         return out
 
 
@@ -159,6 +165,13 @@ def _cf_dir_url(cf_dir: Path) -> str | None:
     return url if url and pid_alive(pid) else None
 
 
+def _cluster_spark_master(state: Mapping[str, Any]) -> str | None:
+    """The cluster's Spark master URL while its master runs."""
+    spark = state.get(CLUSTER_SPARK) or {}
+    pid = spark.get("master_pid")
+    return str(spark["master_url"]) if isinstance(pid, int) and pid_alive(pid) and spark.get("master_url") else None
+
+
 def _cluster_cf_runs(state: Mapping[str, Any]) -> bool:
     pid = (state.get(CLUSTER_CF) or {}).get("pid")
     return isinstance(pid, int) and pid_alive(pid)
@@ -167,7 +180,7 @@ def _cluster_cf_runs(state: Mapping[str, Any]) -> bool:
 def resolve(*, redis_url: str | None = None, log_root: str | os.PathLike[str] | None = None,
             backup_dir: str | os.PathLike[str] | None = None, token: str | None = None,
             cluster_dir: str | os.PathLike[str] | None = None, cf_dir: str | os.PathLike[str] | None = None,
-            role: str = "operator", env: Mapping[str, str] | None = None, cwd: Path | None = None) -> Settings:
+            spark_master: str | None = None, role: str = "operator", env: Mapping[str, str] | None = None, cwd: Path | None = None) -> Settings:
     """Resolve every setting (see the module doc). The keyword arguments are the flags (None: not given); env
     and cwd default to the process's own and exist for tests."""
     environ = os.environ if env is None else env
@@ -206,9 +219,11 @@ def resolve(*, redis_url: str | None = None, log_root: str | os.PathLike[str] | 
             tok = pick("token", None, ENV_TOKEN, stored("application"))
     else:
         tok = pick("token", token, ENV_TOKEN, stored("application"))
+    master = pick("spark_master", spark_master, ENV_SPARK_MASTER, _cluster_spark_master(state))
     return Settings(redis_url=str(url) if url else None, log_root=Path(logs), backup_dir=Path(backups),
                     token=str(tok) if tok else None, cluster_dir=cdir.resolve() if state else None,
-                    sources=sources, secrets_dir=secrets_dir, token_role=token_role)
+                    sources=sources, secrets_dir=secrets_dir, token_role=token_role,
+                    spark_master=str(master) if master else None)
 
 
 def operator_token(found: Settings, env: Mapping[str, str] | None = None) -> str | None:

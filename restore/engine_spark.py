@@ -66,8 +66,8 @@ from restore.plan import (
     restore_lrsn_above,
     summarize,
 )
-from restore.spark_fetch import stream
 from restore.settle import Outcome, Settled, best_copy, decide_outcome, settle, uows_named
+from restore.spark_fetch import stream
 from sqm.log import LogFormatError, LogReader
 from sqm.log.format import SegmentScan, list_segments, read_manifest, trusted_segments
 from sqm.records import Record, Role, entry_ids, lookup
