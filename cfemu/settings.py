@@ -13,6 +13,10 @@ Each setting comes from the first of these that has it:
                           while that CF runs
   5. the default          var/logs, var/backups (relative to the working directory); no CF URL and no token
 
+The Spark master of restore's spark engine resolves the same way: cfrestore's --master, else
+$CFEMU_SPARK_MASTER, else the cluster's Spark master (``cfemu cluster up --spark N``) while it runs, else none
+(the engine's default, local[*]).
+
 The CF's credentials: a CF URL that names no user gets the user and password of the command's role (sqm: member,
 cfbackup: backup, cfrestore: restore, cfemu: operator; see cfemu.credentials) from the group's secrets directory:
 $CFEMU_SECRETS_DIR, else the cluster directory's secrets/, else the CF directory's secrets/. So no password ever
