@@ -223,11 +223,15 @@ def resolve(*, redis_url: str | None = None, log_root: str | os.PathLike[str] | 
             tok = pick("token", None, ENV_TOKEN, stored("application"))
     else:
         tok = pick("token", token, ENV_TOKEN, stored("application"))
-    master = pick("spark_master", spark_master, ENV_SPARK_MASTER, _cluster_spark_master(state))
+    # Only a Spark master found has a source: most commands never use one.
+    master = next(((src, v) for src, v in ((FLAG, spark_master), (ENV, environ.get(ENV_SPARK_MASTER)),
+                                           (CLUSTER, _cluster_spark_master(state))) if v), (DEFAULT, None))
+    if master[1]:
+        sources["spark_master"] = master[0]
     return Settings(redis_url=str(url) if url else None, log_root=Path(logs), backup_dir=Path(backups),
                     token=str(tok) if tok else None, cluster_dir=cdir.resolve() if state else None,
                     sources=sources, secrets_dir=secrets_dir, token_role=token_role,
-                    spark_master=str(master) if master else None)
+                    spark_master=str(master[1]) if master[1] else None)
 
 
 def operator_token(found: Settings, env: Mapping[str, str] | None = None) -> str | None:

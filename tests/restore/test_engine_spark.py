@@ -469,3 +469,32 @@ def test_stream_splits_partitions_into_runs_of_bounded_bytes() -> None:
     assert list(pickled_chunks([b"x" * 5000], 1000)) and len(list(pickled_chunks([b"x" * 5000], 1000))) == 1
     assert list(runs([10, 10, 10, 50, 5], 30)) == [(0, 3), (3, 4), (4, 5)]
     assert list(runs([], 30)) == []
+
+
+def test_cfrestore_gives_a_loopback_standalone_master_the_groups_secret_in_process(tmp_path: Path) -> None:
+    """The project's standalone cluster (cfemu cluster up --spark N) runs with spark.authenticate: cfrestore's
+    driver gets the group's spark.secret and loopback addresses in its SparkConf, never on a command line; a
+    local master gets nothing; --conf still wins; a secret file others can read is refused."""
+    import stat
+
+    from cfemu import credentials
+    from cfemu.settings import resolve
+    from restore.cli import _engine_options, build_parser
+
+    secrets_dir = tmp_path / "secrets"
+    secret = credentials.spark_secret(credentials.spark_secret_file(secrets_dir).parent)
+    assert secret and stat.S_IMODE(credentials.spark_secret_file(secrets_dir).stat().st_mode) == 0o600
+    found = resolve(env={"CFEMU_SECRETS_DIR": str(secrets_dir), "CFEMU_SPARK_MASTER": "spark://127.0.0.1:7077"},
+                    cwd=tmp_path)
+    options = _engine_options(build_parser().parse_args(["run", "APP1", "--engine", "spark"]), found)
+    assert options["master"] == "spark://127.0.0.1:7077"
+    assert options["conf"] == {"spark.authenticate": "true", "spark.authenticate.secret": secret,
+                               "spark.network.crypto.enabled": "true", "spark.driver.host": "127.0.0.1",
+                               "spark.driver.bindAddress": "127.0.0.1"}
+    args = build_parser().parse_args(["run", "APP1", "--engine", "spark", "--master", "local[2]"])
+    assert _engine_options(args, found)["conf"] == {}
+    args = build_parser().parse_args(["run", "APP1", "--engine", "spark", "--conf", "spark.driver.host=10.0.0.1"])
+    assert _engine_options(args, found)["conf"]["spark.driver.host"] == "10.0.0.1"
+    credentials.spark_secret_file(secrets_dir).chmod(0o644)
+    with pytest.raises(credentials.SecretsError, match="spark.secret is readable"):
+        _engine_options(build_parser().parse_args(["run", "APP1", "--engine", "spark"]), found)
