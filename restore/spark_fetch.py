@@ -7,8 +7,9 @@ Counting records cannot know that; sizes can. So:
   1. on the executors, each partition's elements are pickled into chunks of at most `chunk_bytes` (an element
      bigger than that is a chunk of its own), and the chunks are kept (MEMORY_AND_DISK);
   2. one small job brings back each partition's chunk sizes (one int per chunk);
-  3. the driver fetches runs of consecutive chunks of one partition, each run at most `budget` bytes (a fraction
-     of maxResultSize), one job per run, and unpickles them one chunk at a time.
+  3. the driver fetches whole partitions, several in one job while they fit in `budget` bytes (a fraction of
+     maxResultSize), and a partition bigger than that in runs of consecutive chunks, one job per run, and
+     unpickles them one chunk at a time.
 
 No job's results pass the budget unless one element alone is bigger than it. A run fetched again after a lost
 executor recomputes the same chunks: the caller keeps each partition's output deterministic (its order
@@ -30,10 +31,10 @@ CHUNK_CAP = 8 * 2**20  # bytes of one pickled chunk at most
 
 
 def result_budget(sc: Any) -> int:
-    """Bytes one fetch may bring: a quarter of spark.driver.maxResultSize (Spark counts its own framing and
-    task metadata too), at most BUDGET_CAP; BUDGET_CAP when the limit is off (0)."""
+    """Bytes one fetch may bring: half of spark.driver.maxResultSize (Spark counts its own framing and each
+    task's metrics too, a few KiB), at most BUDGET_CAP; BUDGET_CAP when the limit is off (0)."""
     limit = int(sc._jsc.sc().conf().getSizeAsBytes("spark.driver.maxResultSize", str(DEFAULT_MAX_RESULT)))
-    return BUDGET_CAP if limit <= 0 else max(1, min(BUDGET_CAP, limit // 4))
+    return BUDGET_CAP if limit <= 0 else max(1, min(BUDGET_CAP, limit // 2))
 
 
 def pickled_chunks(items: Iterable[Any], chunk_bytes: int) -> Iterator[bytes]:
@@ -75,12 +76,36 @@ def stream(rdd: Any, budget: int | None = None) -> Iterator[Any]:
     chunk_bytes = max(1, min(CHUNK_CAP, budget // 2))
     chunks = rdd.mapPartitions(lambda it: pickled_chunks(it, chunk_bytes)).persist(StorageLevel.MEMORY_AND_DISK)
     try:
-        for index, sizes in sorted(chunks.mapPartitionsWithIndex(_chunk_sizes).collect()):
-            for start, end in runs(sizes, budget):
-                fetched = sc.runJob(chunks, lambda it, s=start, e=end: islice(it, s, e), [index])
-                for blob in fetched:
-                    for one in pickle.loads(blob):
-                        yield pickle.loads(one)
-                del fetched
+        for partitions, start, end in fetches(sorted(chunks.mapPartitionsWithIndex(_chunk_sizes).collect()),
+                                              budget):
+            if end is None:  # whole partitions
+                fetched = sc.runJob(chunks, lambda it: it, partitions)
+            else:
+                fetched = sc.runJob(chunks, lambda it, s=start, e=end: islice(it, s, e), partitions)
+            for blob in fetched:
+                for one in pickle.loads(blob):
+                    yield pickle.loads(one)
+            del fetched
     finally:
         chunks.unpersist()
+
+
+def fetches(sizes: list[tuple[int, list[int]]], budget: int) -> Iterator[tuple[list[int], int, int | None]]:
+    """The jobs that bring back partitions of these chunk sizes, each at most budget bytes: (partitions, 0, None)
+    for whole partitions, consecutive ones together while they fit (a small plan is one job, as a collect
+    was), and (partition, start, end) for the runs of a partition too big for one."""
+    batch: list[int] = []
+    total = 0
+    for index, chunk_sizes in sizes:
+        size = sum(chunk_sizes)
+        if batch and total + size > budget:
+            yield batch, 0, None
+            batch, total = [], 0
+        if size <= budget:
+            batch.append(index)
+            total += size
+        else:
+            for start, end in runs(chunk_sizes, budget):
+                yield [index], start, end
+    if batch:
+        yield batch, 0, None

@@ -424,12 +424,12 @@ def test_cfrestore_passes_master_conf_and_archive_to_the_spark_engine() -> None:
 
 @pytest.fixture
 def tiny_max_result_size(spark: Any) -> Iterator[int]:
-    """spark.driver.maxResultSize set to 64 KiB in the running session (each new job reads it), for one test."""
+    """spark.driver.maxResultSize set to 96 KiB in the running session (each new job reads it), for one test."""
     conf = spark.sparkContext._jsc.sc().conf()
     before = conf.getOption("spark.driver.maxResultSize")
-    conf.set("spark.driver.maxResultSize", "64k")
+    conf.set("spark.driver.maxResultSize", "96k")
     try:
-        yield 64 * 1024
+        yield 96 * 1024
     finally:
         if before.isDefined():
             conf.set("spark.driver.maxResultSize", before.get())
@@ -440,8 +440,8 @@ def tiny_max_result_size(spark: Any) -> Iterator[int]:
 def test_a_plan_bigger_than_max_result_size_comes_back_in_bounded_fetches(
         spark: Any, tmp_path: Path, tiny_max_result_size: int) -> None:
     """Issue 16: the plan of 1M messages (1.07 GB) went through collect() and broke the 1 GiB default
-    maxResultSize, because streaming was decided by a count of records. Here the limit is 64 KiB and the plan
-    several times that, with a few hundred records only: the plan still comes back whole, equal to the local
+    maxResultSize, because streaming was decided by a count of records. Here the limit is 96 KiB and the plan
+    twice that, with a few hundred records only: the plan still comes back whole, equal to the local
     engine's, and a plain collect() of it does fail under the same limit (the test is not vacuous)."""
     import pickle
 
@@ -453,7 +453,7 @@ def test_a_plan_bigger_than_max_result_size_comes_back_in_bounded_fetches(
     assert remote == local
     plan_bytes = len(pickle.dumps(local["settled"]))
     assert plan_bytes > 2 * tiny_max_result_size
-    assert result_budget(spark.sparkContext) == tiny_max_result_size // 4
+    assert result_budget(spark.sparkContext) == tiny_max_result_size // 2
     big = spark.sparkContext.parallelize([os.urandom(1024) for _ in range(plan_bytes // 1024)], 2)
     with pytest.raises(Exception, match="maxResultSize"):
         big.collect()
@@ -469,6 +469,11 @@ def test_stream_splits_partitions_into_runs_of_bounded_bytes() -> None:
     assert list(pickled_chunks([b"x" * 5000], 1000)) and len(list(pickled_chunks([b"x" * 5000], 1000))) == 1
     assert list(runs([10, 10, 10, 50, 5], 30)) == [(0, 3), (3, 4), (4, 5)]
     assert list(runs([], 30)) == []
+    from restore.spark_fetch import fetches
+
+    # small partitions share a job; a big one is fetched in runs; nothing passes the budget but a lone chunk
+    assert list(fetches([(0, [5, 5]), (1, [10]), (2, [20]), (3, [30, 30, 5]), (4, [1])], 30)) == [
+        ([0, 1], 0, None), ([2], 0, None), ([3], 0, 1), ([3], 1, 2), ([3], 2, 3), ([4], 0, None)]
 
 
 def test_cfrestore_gives_a_loopback_standalone_master_the_groups_secret_in_process(tmp_path: Path) -> None:
