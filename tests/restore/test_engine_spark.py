@@ -424,12 +424,12 @@ def test_cfrestore_passes_master_conf_and_archive_to_the_spark_engine() -> None:
 
 @pytest.fixture
 def tiny_max_result_size(spark: Any) -> Iterator[int]:
-    """spark.driver.maxResultSize set to 96 KiB in the running session (each new job reads it), for one test."""
+    """spark.driver.maxResultSize set to 80 KiB in the running session (each new job reads it), for one test."""
     conf = spark.sparkContext._jsc.sc().conf()
     before = conf.getOption("spark.driver.maxResultSize")
-    conf.set("spark.driver.maxResultSize", "96k")
+    conf.set("spark.driver.maxResultSize", "80k")
     try:
-        yield 96 * 1024
+        yield 80 * 1024
     finally:
         if before.isDefined():
             conf.set("spark.driver.maxResultSize", before.get())
@@ -440,7 +440,7 @@ def tiny_max_result_size(spark: Any) -> Iterator[int]:
 def test_a_plan_bigger_than_max_result_size_comes_back_in_bounded_fetches(
         spark: Any, tmp_path: Path, tiny_max_result_size: int) -> None:
     """Issue 16: the plan of 1M messages (1.07 GB) went through collect() and broke the 1 GiB default
-    maxResultSize, because streaming was decided by a count of records. Here the limit is 96 KiB and the plan
+    maxResultSize, because streaming was decided by a count of records. Here the limit is 80 KiB and the plan
     twice that, with a few hundred records only: the plan still comes back whole, equal to the local
     engine's, and a plain collect() of it does fail under the same limit (the test is not vacuous)."""
     import pickle
