@@ -50,7 +50,7 @@ USER root
 RUN apt-get update \
     && apt-get install -y --no-install-recommends openjdk-17-jre-headless procps \
     && rm -rf /var/lib/apt/lists/*
-ARG SPARK_VERSION=4.0.0
+ARG SPARK_VERSION=4.3.0
 ARG PIP_FIND_LINKS
 ARG PIP_NO_INDEX
 RUN pip install "pyspark==${SPARK_VERSION}" pyarrow

@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.stamp
 PYTEST_ARGS ?=
 
-.PHONY: venv test lint typecheck demo bench bench-full compose-images compose-test clean
+.PHONY: venv test lint typecheck demo bench bench-full compose-images compose-test spark-cluster-test clean
 
 venv: $(STAMP)
 
@@ -55,6 +55,10 @@ compose-images: venv
 
 compose-test: compose-images
 	DOCKER=$(DOCKER) $(BIN)/pytest -m compose -p no:cacheprovider -s tests/compose $(PYTEST_ARGS)
+
+# A Spark standalone master and two workers from the installed pyspark (needs java): cfrestore on them (~3 min).
+spark-cluster-test:
+	$(BIN)/pytest -m spark_cluster -p no:cacheprovider tests/restore/test_spark_standalone.py $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis spark-warehouse

@@ -10,11 +10,15 @@ and a get UOW in flight (restore backs them out). About one message in five put 
 For each log size the plan is computed by
   * local          restore.engine.LocalEngine (in-process)
   * spark local[2] restore.engine_spark.SparkEngine on both cores, and local[1] for the scaling with cores
+  * spark standalone N   the spark engine on a Spark standalone cluster of N workers (qsg.spark_standalone: a
+                 master and N workers from the installed pyspark on 127.0.0.1, 1 core each, authenticated, as
+                 `cfemu cluster up --spark N` starts it), for each N of --workers (issue 16)
 (each Spark master in its own driver process, started before the clock starts: the table shows start-up apart),
 and every plan is checked against the known truth of the history (which messages are restored, with which
 backout count; how many were consumed, backed out; which UOWs restore decided).
 
     .venv/bin/python bench/bench_spark.py [--quick] [--sizes 100000 1000000 5000000] [--no-local-above N]
+                                          [--masters local[2] local[1]] [--workers 1 2 4]
 
 Prints tables and appends one JSON line to bench/results/spark.jsonl.
 """
@@ -47,6 +51,7 @@ import sqm.records  # noqa: E402  (by its full name: generate() has a parameter 
 from backup.files import BackupWriter, read_backup  # noqa: E402
 from cfemu import credentials  # noqa: E402
 from cfemu.entry import Entry  # noqa: E402
+from cfemu.private_files import write_private  # noqa: E402
 from restore.plan import RestorePlan  # noqa: E402
 from sqm.log import RecordLog, find_log_dirs  # noqa: E402
 
@@ -196,9 +201,14 @@ def check(plan: RestorePlan, truth: Truth) -> list[str]:
 # --------------------------------------------------------------------------------------------- one engine run
 
 
-def run_engine(root: Path, engine: str, master: str, truth_file: Path, memory: str, e2e: bool) -> dict[str, Any]:
-    """Plan in a child process (one Spark driver per master); returns its measurements."""
-    cmd = [sys.executable, __file__, "--child", str(root), engine, master, str(truth_file), memory, str(int(e2e))]
+def run_engine(root: Path, engine: str, master: str, truth_file: Path, memory: str, e2e: bool,
+               conf: dict[str, str] | None = None) -> dict[str, Any]:
+    """Plan in a child process (one Spark driver per master); returns its measurements. conf: further Spark
+    settings for the driver (a standalone cluster's secret), handed over in a 0600 file, not on a command line."""
+    conf_file = root / "driver-conf.json"
+    write_private(conf_file, json.dumps(conf or {}).encode())
+    cmd = [sys.executable, __file__, "--child", str(root), engine, master, str(truth_file), memory, str(int(e2e)),
+           str(conf_file)]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if out.returncode != 0:
         (root / f"{engine}-{master}.stderr").write_text(out.stderr)  # the whole story, for --keep
@@ -212,7 +222,7 @@ def bench_keys(root: Path) -> credentials.BackupKeys:
     return credentials.backup_keys(root / "secrets")
 
 
-def child(root: Path, engine: str, master: str, truth_file: Path, memory: str, e2e: bool) -> None:
+def child(root: Path, engine: str, master: str, truth_file: Path, memory: str, e2e: bool, conf_file: Path) -> None:
     from restore.engine import get_engine
 
     truth = Truth(**json.loads(truth_file.read_text()))
@@ -223,7 +233,8 @@ def child(root: Path, engine: str, master: str, truth_file: Path, memory: str, e
     t0 = time.perf_counter()
     if engine == "spark":
         eng: Any = get_engine("spark", master=master, log_file=root / "spark.log",
-                              conf={"spark.driver.memory": memory, "spark.local.dir": str(root / "spark-tmp")})
+                              conf={"spark.driver.memory": memory, "spark.local.dir": str(root / "spark-tmp"),
+                                    **json.loads(conf_file.read_text())})
         eng.session()
     else:
         eng = get_engine("local")
@@ -291,6 +302,35 @@ def end_to_end(root: Path, plan: RestorePlan) -> dict[str, float]:
         server.stop()
 
 
+def standalone_runs(console: Console, n: int, kept: list[tuple[Path, Truth, Path]], memory: str,
+                    executor_memory: str) -> list[dict[str, Any]]:
+    """Start a standalone cluster of n workers (1 core each), plan every kept size on it, stop it (by pid)."""
+    from qsg.spark_standalone import SparkStandalone
+
+    work = Path(tempfile.mkdtemp(prefix=f"bench-spark-standalone-{n}-"))
+    rows = []
+    t0 = time.perf_counter()
+    cluster = SparkStandalone.start(work / "spark", n, secrets_dir=work / "secrets", cores=1,
+                                    memory=executor_memory)
+    try:
+        console.print(f"[bold]standalone, {n} worker(s)[/]: {cluster.master_url} up in "
+                      f"{time.perf_counter() - t0:.0f} s")
+        conf = {**cluster.driver_conf(), "spark.executor.memory": executor_memory,
+                "spark.default.parallelism": str(max(2, n))}
+        for root, truth, truth_file in kept:
+            r = run_engine(root, "spark", cluster.master_url, truth_file, memory, False, conf)
+            r.update(master=f"standalone x{n}", records=truth.records, messages=len(truth.restored),
+                     log_mib=round(truth.log_bytes / 2**20), workers=n)
+            rows.append(r)
+            status = r.get("error") or ("correct" if not r["problems"] else "; ".join(r["problems"]))
+            console.print(f"  {truth.records:,} records: plan {r.get('plan_s', '-')} s (start-up "
+                          f"{r.get('startup_s', '-')} s) phases {r.get('phases_s', {})}: {status}")
+    finally:
+        cluster.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    return rows
+
+
 # --------------------------------------------------------------------------------------------------- main
 
 
@@ -307,6 +347,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-local-above", type=int, default=5_000_000,
                     help="skip the local engine for larger logs (it holds the whole log in memory)")
     ap.add_argument("--masters", nargs="*", default=["local[2]", "local[1]"], help="none: the local engine only")
+    ap.add_argument("--workers", nargs="*", type=int, default=None,
+                    help="standalone clusters of these many workers, 1 core each (default 1 2 4; --quick: 1 2; "
+                         "none: no standalone cluster)")
+    ap.add_argument("--executor-memory", default="2g", help="standalone: each worker's executor memory")
     ap.add_argument("--backup-messages", type=int, help="messages in the backup (default: records / 20)")
     ap.add_argument("--memory", default="8g", help="spark.driver.memory (local mode: the executors too)")
     ap.add_argument("--keep", action="store_true", help="keep the generated files (printed)")
@@ -314,10 +358,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="load the first spark plan into a fresh CF (and time a raw write) up to this size")
     args = ap.parse_args(argv)
     sizes = args.sizes or ([20_000, 100_000] if args.quick else [100_000, 1_000_000, 5_000_000])
+    workers = args.workers if args.workers is not None else ([1, 2] if args.quick else [1, 2, 4])
     console = Console()
+    console.print(f"load average before: {os.getloadavg()}")
     rows: list[dict[str, Any]] = []
+    kept: list[tuple[Path, Truth, Path]] = []  # each size's data, for the standalone clusters after
     for size in sizes:
         root = Path(tempfile.mkdtemp(prefix=f"bench-spark-{size}-"))
+        keep_for_clusters = False
         try:
             t0 = time.perf_counter()
             truth = generate(root, size, backup_messages=args.backup_messages)
@@ -344,10 +392,20 @@ def main(argv: list[str] | None = None) -> int:
                     console.print(f"    end to end: plan {r['plan_s']} s + load {r['load_s']} s "
                                   f"({r['loaded']:,} messages) = {r['restore_over_raw']} x a raw pipelined "
                                   f"write of the same data ({r['raw_write_s']} s)")
+            if workers:
+                kept.append((root, truth, truth_file))
+                keep_for_clusters = True
         finally:
             if args.keep:
                 console.print(f"  kept {root}")
-            else:
+            elif not keep_for_clusters:
+                shutil.rmtree(root, ignore_errors=True)
+    try:
+        for n in workers:
+            rows += standalone_runs(console, n, kept, args.memory, args.executor_memory)
+    finally:
+        for root, _, _ in kept:
+            if not args.keep:
                 shutil.rmtree(root, ignore_errors=True)
 
     table = Table(title="Restore planning: local vs spark (seconds; Spark start-up not included)")
@@ -364,12 +422,13 @@ def main(argv: list[str] | None = None) -> int:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     with RESULTS.open("a") as f:
         f.write(json.dumps({"date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": machine(),
-                            "quick": args.quick, "runs": rows}) + "\n")
+                            "quick": args.quick, "load_after": os.getloadavg(), "runs": rows}) + "\n")
     return 0 if all(not r.get("error") and not r.get("problems") for r in rows) else 1
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        child(Path(sys.argv[2]), sys.argv[3], sys.argv[4], Path(sys.argv[5]), sys.argv[6], sys.argv[7] == "1")
+        child(Path(sys.argv[2]), sys.argv[3], sys.argv[4], Path(sys.argv[5]), sys.argv[6], sys.argv[7] == "1",
+              Path(sys.argv[8]))
     else:
         sys.exit(main())

@@ -42,6 +42,7 @@ ROLES = ("member", "backup", "restore", "operator")
 SERVICE_ROLES = ("application", "operator")  # the roles of the sqm run service (sqm.service.protocol.ROLES)
 SERVICE_TOKEN_FILES = {"application": "service.token", "operator": "operator.token"}
 BACKUP_KEY_FILE = "backup.key"  # signs new backups; checks them
+SPARK_SECRET_FILE = "spark.secret"  # the standalone Spark cluster's shared secret (spark.authenticate)
 BACKUP_PREVIOUS_KEY_FILE = "backup-previous.key"  # a rotated-out key: still checks the backups it signed
 SECRETS_DIR = "secrets"  # inside the cluster directory or the ``cfemu cf start`` directory
 ENV_SECRETS_DIR = "CFEMU_SECRETS_DIR"
@@ -165,6 +166,22 @@ def service_token(directory: Path, role: str = "application", *, create: bool = 
         private_dir(directory)
         write_private(path, secrets.token_urlsafe(32).encode())
     return _read_private(path)
+
+
+def spark_secret_file(directory: Path, *, create: bool = True) -> Path:
+    """The file holding the group's standalone Spark cluster's shared secret (qsg.spark_standalone), made now
+    (0600) when missing and create."""
+    path = directory / SPARK_SECRET_FILE
+    if create and not path.exists():
+        private_dir(directory)
+        write_private(path, secrets.token_hex(32).encode())
+    return path
+
+
+def spark_secret(directory: Path) -> str | None:
+    """The Spark cluster's shared secret, None when there is none; refused when the file is not private."""
+    path = spark_secret_file(directory, create=False)
+    return _read_private(path) if path.exists() else None
 
 
 def _read_private(path: Path) -> str | None:

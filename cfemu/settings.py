@@ -15,6 +15,10 @@ Each setting comes from the first of these that has it:
                           while that CF runs
   5. the default          var/logs, var/backups (relative to the working directory); no CF URL and no token
 
+The Spark master of restore's spark engine resolves the same way: cfrestore's --master, else
+$CFEMU_SPARK_MASTER, else the cluster's Spark master (``cfemu cluster up --spark N``) while it runs, else none
+(the engine's default, local[*]).
+
 The CF's credentials: a CF URL that names no user gets the user and password of the command's role (sqm: member,
 cfbackup: backup, cfrestore: restore, cfemu: operator; see cfemu.credentials) from the group's secrets directory:
 $CFEMU_SECRETS_DIR, else the cluster directory's secrets/, else the CF directory's secrets/. So no password ever
@@ -58,6 +62,7 @@ ENV_TOKEN = "SQM_TOKEN"
 ENV_OPERATOR_TOKEN = "SQM_OPERATOR_TOKEN"
 ENV_CLUSTER_DIR = "CFEMU_CLUSTER_DIR"
 ENV_CF_DIR = "CFEMU_CF_DIR"
+ENV_SPARK_MASTER = "CFEMU_SPARK_MASTER"
 
 DEFAULT_CLUSTER_DIR = Path("var/cluster")
 DEFAULT_CF_DIR = Path("var/cf")
@@ -71,6 +76,8 @@ CLUSTER_LOG_ROOT = "log_root"
 CLUSTER_BACKUP_DIR = "backup_dir"
 CLUSTER_LOG_ARCHIVE_DIR = "log_archive_dir"
 CLUSTER_CF = "cf"  # {"dir", "port", "pid"}: the pid is None once the CF is stopped
+# {"dir", "master_url", "master_pid", ...}: the cluster's standalone Spark (cfemu cluster up --spark N)
+CLUSTER_SPARK = "spark"
 
 # Where a value came from (Settings.sources), in the order they are tried.
 FLAG, ENV, CLUSTER, CF_DIR, DEFAULT = "flag", "env", "cluster", "cf", "default"
@@ -91,6 +98,7 @@ class Settings:
     # Where linear logging archives inactive log segments (DIR/<member>); None: each member's log directory's
     # archive/ (docs/log-management.md).
     log_archive_dir: Path | None = None
+    spark_master: str | None = None  # the Spark master restore's spark engine uses (None: local[*])
 
     def backup_keys(self, *, accept_unsigned: bool = False) -> credentials.BackupKeys:
         """The group's backup keys (backup.key, and backup-previous.key after a rotation) from the secrets
@@ -111,6 +119,8 @@ class Settings:
             out[credentials.ENV_SECRETS_DIR] = str(self.secrets_dir)
         if self.log_archive_dir is not None:
             out[ENV_LOG_ARCHIVE_DIR] = str(self.log_archive_dir)
+        if self.spark_master:
+            out[ENV_SPARK_MASTER] = self.spark_master
         return out
 
 
@@ -168,6 +178,13 @@ def _cf_dir_url(cf_dir: Path) -> str | None:
     return url if url and pid_alive(pid) else None
 
 
+def _cluster_spark_master(state: Mapping[str, Any]) -> str | None:
+    """The cluster's Spark master URL while its master runs."""
+    spark = state.get(CLUSTER_SPARK) or {}
+    pid = spark.get("master_pid")
+    return str(spark["master_url"]) if isinstance(pid, int) and pid_alive(pid) and spark.get("master_url") else None
+
+
 def _cluster_cf_runs(state: Mapping[str, Any]) -> bool:
     pid = (state.get(CLUSTER_CF) or {}).get("pid")
     return isinstance(pid, int) and pid_alive(pid)
@@ -176,7 +193,8 @@ def _cluster_cf_runs(state: Mapping[str, Any]) -> bool:
 def resolve(*, redis_url: str | None = None, log_root: str | os.PathLike[str] | None = None,
             backup_dir: str | os.PathLike[str] | None = None, token: str | None = None,
             cluster_dir: str | os.PathLike[str] | None = None, cf_dir: str | os.PathLike[str] | None = None,
-            log_archive_dir: str | os.PathLike[str] | None = None, role: str = "operator", env: Mapping[str, str] | None = None, cwd: Path | None = None) -> Settings:
+            log_archive_dir: str | os.PathLike[str] | None = None, spark_master: str | None = None,
+            role: str = "operator", env: Mapping[str, str] | None = None, cwd: Path | None = None) -> Settings:
     """Resolve every setting (see the module doc). The keyword arguments are the flags (None: not given); env
     and cwd default to the process's own and exist for tests."""
     environ = os.environ if env is None else env
@@ -217,10 +235,16 @@ def resolve(*, redis_url: str | None = None, log_root: str | os.PathLike[str] | 
             tok = pick("token", None, ENV_TOKEN, stored("application"))
     else:
         tok = pick("token", token, ENV_TOKEN, stored("application"))
+    # Only a Spark master found has a source: most commands never use one.
+    master = next(((src, v) for src, v in ((FLAG, spark_master), (ENV, environ.get(ENV_SPARK_MASTER)),
+                                           (CLUSTER, _cluster_spark_master(state))) if v), (DEFAULT, None))
+    if master[1]:
+        sources["spark_master"] = master[0]
     return Settings(redis_url=str(url) if url else None, log_root=Path(logs), backup_dir=Path(backups),
                     token=str(tok) if tok else None, cluster_dir=cdir.resolve() if state else None,
                     sources=sources, secrets_dir=secrets_dir, token_role=token_role,
-                    log_archive_dir=Path(archive) if archive else None)
+                    log_archive_dir=Path(archive) if archive else None,
+                    spark_master=str(master[1]) if master[1] else None)
 
 
 def operator_token(found: Settings, env: Mapping[str, str] | None = None) -> str | None:

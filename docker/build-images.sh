@@ -10,13 +10,13 @@
 # without NAT (dockerd --iptables=false) reaches nothing outside. Layers are cached: a second run takes seconds.
 #
 # Settings: DOCKER (the docker client), PYTHON (a Python 3.11 with pip, as the image's: default .venv/bin/python),
-# SPARK_VERSION (default: the pyspark installed for PYTHON, else 4.0.0), CFEMU_COMPOSE_SPARK=0 (no Spark image).
+# SPARK_VERSION (default: 4.3.0, the pin of pyproject.toml's spark extra), CFEMU_COMPOSE_SPARK=0 (no Spark image).
 set -eu
 cd "$(dirname "$0")/.."
 DOCKER=${DOCKER:-docker}
 PYTHON=${PYTHON:-.venv/bin/python}
 BASE=${CFEMU_BASE_IMAGE:-cfemu-debian:bookworm}
-SPARK_VERSION=${SPARK_VERSION:-$("$PYTHON" -c 'import pyspark; print(pyspark.__version__)' 2>/dev/null || echo 4.0.0)}
+SPARK_VERSION=${SPARK_VERSION:-4.3.0}
 WHEELS=docker/wheels
 
 DOCKER="$DOCKER" docker/base-image.sh "$BASE"

@@ -404,12 +404,14 @@ def cmd_cluster(args: argparse.Namespace, out: Output) -> int:
     d = find_cluster_dir(args.cluster_dir)
     if args.action == "up":
         t0 = time.monotonic()
-        with out.console.status("starting the CF, the SQM servers and the backup scheduler...",
+        with out.console.status("starting the CF, the SQM servers, the backup scheduler"
+                                + (f" and a Spark master with {args.spark} worker(s)" if args.spark else "") + "...",
                                 spinner="dots") if not args.json and out.console.is_terminal else _nothing():
             cluster = Cluster.up(d, managers=args.managers, backup_interval=args.backup_interval or None,
                                  lease_ms=args.lease_ms, token=args.token, detach=True,
                                  structure=args.structure or None, queues=args.queue or ("Q1", "Q2"),
-                                 restart_cf=args.cf_restart, recauto=args.recauto)
+                                 restart_cf=args.cf_restart, recauto=args.recauto, spark_workers=args.spark,
+                                 spark_cores=args.spark_cores, spark_memory=args.spark_memory)
         doc = cluster.status()
         doc["seconds"] = round(time.monotonic() - t0, 2)
     elif args.action == "down":
@@ -431,7 +433,8 @@ def cmd_cluster(args: argparse.Namespace, out: Output) -> int:
         out.table(f"cluster {doc['dir']}", ["process", "pid", "alive", "ready", "address", "metrics"],
                   [(p["process"], p["pid"], "yes" if p["alive"] else "NO", "yes" if p["ready"] else "no",
                     p["address"], p.get("metrics")) for p in doc["processes"]])
-        out.line(f"CF {doc['redis_url']}   logs {doc['log_root']}   backups {doc['backup_dir']}")
+        out.line(f"CF {doc['redis_url']}   logs {doc['log_root']}   backups {doc['backup_dir']}"
+                 + (f"   Spark {doc['spark_master']}" if doc.get("spark_master") else ""))
     return 0 if all(p["alive"] for p in doc["processes"]) else 1
 
 
@@ -545,6 +548,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="up: no supervisor restarting a dead CF (default: restarted, empty, on the same port)")
     cl.add_argument("--no-recauto", dest="recauto", action="store_false",
                     help="up: define the structure with RECAUTO off (a lost structure waits for 'cfrestore run')")
+    cl.add_argument("--spark", type=int, default=0, metavar="N",
+                    help="up: also a standalone Spark master and N workers on 127.0.0.1, from the installed pyspark "
+                         "(cfrestore run --engine spark then uses it; docs/spark.md)")
+    cl.add_argument("--spark-cores", type=int, default=1, help="up: cores each Spark worker offers")
+    cl.add_argument("--spark-memory", default="2g", help="up: memory each Spark worker offers (Spark's units)")
     cl.add_argument("--timeout", type=float, default=10.0, help="down: seconds before SIGKILL")
     cl.add_argument("--purge", action="store_true", help="down: also delete the directory (logs, backups)")
 

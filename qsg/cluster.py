@@ -58,6 +58,7 @@ from cfemu.settings import (
     CLUSTER_FILE,
     CLUSTER_LOG_ROOT,
     CLUSTER_REDIS_URL,
+    CLUSTER_SPARK,
     ENV_BACKUP_DIR,
     ENV_CLUSTER_DIR,
     ENV_LOG_ROOT,
@@ -165,14 +166,17 @@ class Cluster:
            structure: str | None = "APP1", queues: Sequence[str] = ("Q1", "Q2"), lease_ms: int = 5000,
            token: str | None = None, host: str = "127.0.0.1", detach: bool = False, start_timeout: float = 30.0,
            manager_args: Sequence[str] = (), cf_url_for: Callable[[str, str], str] | None = None,
-           restart_cf: bool = False, recauto: bool = True) -> Cluster:
+           restart_cf: bool = False, recauto: bool = True, spark_workers: int = 0, spark_cores: int = 1,
+           spark_memory: str = "2g") -> Cluster:
         """Start an embedded CF, managers QM1..QMn and (with a backup_interval) the backup scheduler.
 
         structure/queues are defined when missing (structure=None defines nothing). manager_args go to every
         ``sqm run``. cf_url_for(manager, cf_url) gives the CF URL a manager uses (a proxy in the path, for the
         chaos suite); it is kept in cluster.json for restarts. restart_cf: a supervisor restarts the CF whenever
         it dies (a thread here, or with detach a process). recauto: the RECAUTO attribute of the structure defined
-        here. On any failure everything already started is stopped again.
+        here. spark_workers: also a standalone Spark master and that many workers (qsg.spark_standalone), each
+        offering spark_cores and spark_memory, in DIR/spark. On any failure everything already started is
+        stopped again.
         """
         if not 1 <= managers <= 32:
             raise ClusterError(f"--managers must be 1-32, not {managers}")
@@ -200,6 +204,7 @@ class Cluster:
             "manager_args": list(manager_args),
             "scheduler": {"interval": backup_interval} if backup_interval else None,
             "cf_supervisor": {} if restart_cf else None,
+            CLUSTER_SPARK: None,
             "started_at": time.time(),
         }
         cluster = cls(d, state)
@@ -216,6 +221,8 @@ class Cluster:
                 cluster._wait_first_start(m["name"], start_timeout)
             if backup_interval:
                 cluster._spawn_scheduler()
+            if spark_workers:
+                cluster._start_spark(spark_workers, spark_cores, spark_memory)
             if restart_cf and detach:
                 cluster._save()  # the supervisor process reads it
                 cluster._spawn_supervisor()
@@ -477,6 +484,23 @@ class Cluster:
             time.sleep(0.02)
         return True
 
+    # --- Spark ----------------------------------------------------------------------------------------------------
+    def _start_spark(self, workers: int, cores: int, memory: str) -> None:
+        from qsg.spark_standalone import SparkStandalone  # pyspark: only for a cluster that asks for Spark
+
+        self.state[CLUSTER_SPARK] = {"dir": str(self.dir / "spark"), "workers": workers}
+        spark = SparkStandalone.start(self.dir / "spark", workers, secrets_dir=self.secrets_dir, cores=cores,
+                                      memory=memory, detach=self.state["detached"])
+        self.state[CLUSTER_SPARK].update(master_url=spark.master_url, master_pid=spark.state["master_pid"])
+
+    def spark(self) -> Any:
+        """The cluster's SparkStandalone (qsg.spark_standalone), None when it has none."""
+        if not self.state.get(CLUSTER_SPARK):
+            return None
+        from qsg.spark_standalone import SparkStandalone
+
+        return SparkStandalone.load(self.state[CLUSTER_SPARK]["dir"])
+
     # --- status and stop -------------------------------------------------------------------------------------
     def running_processes(self) -> dict[str, int]:
         """Name -> pid of every cluster process still alive (the CF as 'CF', the scheduler as 'scheduler')."""
@@ -493,6 +517,9 @@ class Cluster:
         sup = self.state.get("cf_supervisor") or {}
         if _pid_runs(sup.get("pid"), b"qsg.cluster"):
             out["cf_supervisor"] = sup["pid"]
+        spark = self.spark()
+        if spark is not None:
+            out.update(spark.running())
         return out
 
     def status(self) -> dict[str, Any]:
@@ -514,7 +541,13 @@ class Cluster:
             pid = self.state["cf_supervisor"].get("pid")
             rows.append({"process": "cf-supervisor", "pid": pid, "alive": "cf_supervisor" in alive,
                          "address": "restarts a dead CF", "ready": "cf_supervisor" in alive})
-        return {"dir": str(self.dir), "redis_url": self.state.get(CLUSTER_REDIS_URL),
+        spark = self.spark()
+        spark_master = None
+        if spark is not None:
+            for row in spark.processes():
+                rows.append({**row, "ready": row["alive"]})
+            spark_master = spark.master_url
+        return {"dir": str(self.dir), "redis_url": self.state.get(CLUSTER_REDIS_URL), "spark_master": spark_master,
                 "log_root": str(self.log_root),
                 "backup_dir": str(self.backup_dir), "processes": rows}
 
@@ -531,6 +564,10 @@ class Cluster:
         timeout, then stop the CF. Returns name -> pid of what had to be killed. purge also deletes the directory."""
         killed: dict[str, int] = {}
         self.supervise_cf(False)  # nothing may restart the CF while it is taken down
+        spark = self.spark()
+        if spark is not None:  # first: its executors may be reading the members' logs for a restore
+            killed.update(spark.stop(timeout=timeout))
+            self.state[CLUSTER_SPARK]["master_pid"] = None
         targets = {k: v for k, v in self.running_processes().items() if k != "CF"}
         for pid in targets.values():
             with contextlib.suppress(ProcessLookupError):

@@ -8,8 +8,10 @@
   cfrestore archive --archive-dir DIR         copy the closed log segments to Parquet (docs/spark.md)
   cfrestore audit ENTRY_ID --archive-dir DIR  where did message ENTRY_ID go? its records in the archive
 
-Spark engine options (docs/spark.md): --master URL (default local[*]), --conf KEY=VALUE (repeatable),
---archive-dir DIR (read archived segments from there).
+Spark engine options (docs/spark.md): --master URL (default $CFEMU_SPARK_MASTER, else the Spark master of the
+cluster's 'cfemu cluster up --spark N' while it runs, else local[*]), --conf KEY=VALUE (repeatable), --archive-dir
+DIR (read archived segments from there). A spark:// master gets the group's Spark secret (spark.secret in its
+secrets directory) in the driver's settings, in process, when there is one.
 
 The CF, the members' logs and the backup root are found as by every command (cfemu.settings): --redis-url,
 --log-root, --backup-dir, else the environment ($REDIS_URL, $CFEMU_LOG_ROOT, $CFEMU_BACKUP_DIR), else the nearest
@@ -40,10 +42,12 @@ from cfemu.clitools import (
     styled_table,
 )
 from cfemu.connection import connect
+from cfemu.settings import ENV_SPARK_MASTER, Settings
 from restore.engine import engine_names
 from restore.load import LoadVerifyError
 from restore.report import purge_summary, summary
 from restore.run import RestoreError, run_purge, run_restore
+from restore.spark_conf import driver_conf
 from sqm.log import LogCorruptError, LogFormatError
 
 # Beyond clitools.COMMON_ERRORS.
@@ -62,7 +66,7 @@ def cmd_run(args: argparse.Namespace, out: Output, *, dry_run: bool = False) -> 
                              backup_id=args.backup, engine=args.engine, dry_run=dry_run or args.dry_run,
                              mark_failed=args.mark_failed, progress=bars,
                              report_path=Path(args.report) if args.report else None,
-                             engine_options=_engine_options(args),
+                             engine_options=_engine_options(args, found),
                              from_logs=bool(getattr(args, "from_logs", False)),
                              backup_keys=found.backup_keys(accept_unsigned=args.accept_unsigned))
     if out.as_json:
@@ -72,10 +76,14 @@ def cmd_run(args: argparse.Namespace, out: Output, *, dry_run: bool = False) -> 
     return 0
 
 
-def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
+def _engine_options(args: argparse.Namespace, found: Settings | None = None) -> dict[str, Any]:
+    """The spark engine's options: the master (the flag, else the settings' Spark master, else local[*]) and
+    its settings (what joining that master needs, spark_conf.driver_conf, then the --conf given, which win)."""
     if args.engine != "spark":
         return {}
-    options: dict[str, Any] = {"master": args.master, "conf": dict(args.conf)}
+    master = args.master or (found.spark_master if found is not None else None) or "local[*]"
+    conf = {**driver_conf(master, found.secrets_dir if found is not None else None), **dict(args.conf)}
+    options: dict[str, Any] = {"master": master, "conf": conf}
     if args.archive_dir:
         options["archive_dir"] = Path(args.archive_dir)
     return options
@@ -176,7 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="report file (default <backup-dir>/<structure>/restore-<time>.json)")
     restore.add_argument("--mark-failed", action="store_true",
                          help="fail the structure first when it is ACTIVE (its current content is replaced)")
-    restore.add_argument("--master", default="local[*]", help="spark engine: the Spark master URL")
+    restore.add_argument("--master", default=None,
+                         help=f"spark engine: the Spark master URL (default ${ENV_SPARK_MASTER}, else the cluster's "
+                              "Spark master while it runs, else local[*])")
     restore.add_argument("--conf", action="append", type=_key_value, default=[], metavar="KEY=VALUE",
                          help="spark engine: a Spark setting (repeatable)")
     restore.add_argument("--archive-dir", help="spark engine: read archived log segments from this directory")

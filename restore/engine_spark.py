@@ -15,8 +15,11 @@ uows_named / settle):
 
 Within a group, records are put in merged-log order (LRSN, member, segment, offset) and copies in backup-file
 order before the fold sees them: that is the order the local engine reads them in, so ties fold the same way.
-The plan comes back to the driver as the same RestorePlan plan_local returns (a big one streamed partition by
-partition with toLocalIterator rather than collected at once).
+The plan comes back to the driver as the same RestorePlan plan_local returns. Nothing the driver needs is
+collect()ed whole: every result whose size grows with the backup or the logs (the UOWs the base names, the
+UOWs that ended, the outcomes, the settled entries) comes back through restore.spark_fetch.stream, in jobs of
+bounded bytes under spark.driver.maxResultSize, however many records it holds (issue 16: a 1.07 GB plan of
+exactly 1M records broke the 1 GiB default when streaming was decided by record count).
 
 Spark runs quietly: its log4j output, and the JVM's stderr, go to a log file; its stages report through the
 engine's progress callback as the restore phases (a thread polls the status tracker). A backup error a worker
@@ -64,6 +67,7 @@ from restore.plan import (
     summarize,
 )
 from restore.settle import Outcome, Settled, best_copy, decide_outcome, settle, uows_named
+from restore.spark_fetch import stream
 from sqm.log import LogFormatError, LogReader
 from sqm.log.format import SegmentScan, log_segments, read_manifest, trusted_segments
 from sqm.records import Record, Role, entry_ids, lookup
@@ -71,9 +75,12 @@ from sqm.records import Record, Role, entry_ids, lookup
 DEFAULT_LOG_FILE = Path("var") / "spark" / "spark.log"
 # Records per shuffle partition: small enough that one Python worker groups a partition in memory.
 RECORDS_PER_PARTITION = 100_000
+# Input bytes (backup files and log segments) per shuffle partition: big messages make a partition big in bytes
+# long before it is big in records; a partition's plan is fetched in runs of bounded bytes (spark_fetch), and
+# fewer runs per partition means fewer re-reads of it.
+BYTES_PER_PARTITION = 64 * 2**20
 POLL_SECONDS = 0.25
 TASK_BYTES = 32 * 2**20  # input bytes per reading task
-STREAM_ABOVE = 1_000_000  # records and copies: above this, the plan is streamed to the driver, not collected
 
 # merged-log order of a record: (LRSN, member, segment, offset)
 OrderKey = tuple[int, str, int, int]
@@ -142,11 +149,13 @@ def prepared(keyed: tuple[OrderKey, Record], structure: str, max_seen: Any,
 
 def by_key(pairs: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, list[Any]]]:
     """The groups of one hash partition. PySpark's groupByKey combines (and spills) on the map side in Python,
-    which costs more than the whole fold here: partitionBy only routes records, and the grouping is this dict."""
+    which costs more than the whole fold here: partitionBy only routes records, and the grouping is this dict.
+    The groups come out sorted by key: the order shuffle blocks arrive in varies from run to run, and
+    spark_fetch.stream needs a partition recomputed after a lost executor to come out the same."""
     groups: dict[str, list[Any]] = {}
     for key, value in pairs:
         groups.setdefault(key, []).append(value)
-    return iter(groups.items())
+    return iter(sorted(groups.items(), key=lambda kv: kv[0]))
 
 
 def decide_group(group: tuple[str, Iterable[tuple[OrderKey, Record]]]) -> list[tuple[str, Outcome]]:
@@ -183,15 +192,15 @@ def settle_group(group: tuple[str, Iterable[tuple[int, Any]]], outcomes: Mapping
     return [("s", settle(eid, best, records, named, now_ms)), *undecided]
 
 
-def log_stats(keyed: Iterator[tuple[OrderKey, Record]]) -> Iterator[tuple[Counter[str], list[str]]]:
-    """Per partition: relevant records per member, and the UOWs with an END record."""
+def log_stats(keyed: Iterator[tuple[OrderKey, Record]]) -> Iterator[tuple[int, Any]]:
+    """Per partition: (1, uow) for each UOW with an END record, then (0, relevant records per member). One
+    element per UOW, not one list per partition: stream() can split the UOWs into fetches of bounded size."""
     members: Counter[str] = Counter()
-    ended: list[str] = []
     for _, rec in keyed:
         members[rec.get("m", "?")] += 1
         if lookup(rec).role is Role.END:
-            ended.append(rec["u"])
-    yield members, ended
+            yield 1, rec["u"]
+    yield 0, members
 
 
 # ------------------------------------------------------------------------------------------------ the engine
@@ -245,7 +254,8 @@ class SparkEngine:
                 (0, 0), lambda acc, lrsn: (acc[0] + 1, max(acc[1], lrsn)),
                 lambda a, b: (a[0] + b[0], max(a[1], b[1])))
             # The UOWs the base's copies name: the generation rule keeps their older records (plan.Base).
-            base = base_of(backup.manifest, copies.map(lambda kv: kv[1][1][1].get("u", "")).distinct().collect())
+            base = base_of(backup.manifest, list(stream(
+                copies.map(lambda kv: kv[1][1][1].get("u", "")).distinct().mapPartitions(_sorted))))
             phases.done(READ_BACKUP)
 
             phases.start(READ_LOGS)
@@ -255,29 +265,31 @@ class SparkEngine:
                 StorageLevel.MEMORY_AND_DISK)
             per_member: Counter[str] = Counter()
             ended: set[str] = set()
-            for members, ended_here in records.mapPartitions(log_stats).collect():
-                per_member.update(members)
-                ended.update(ended_here)
+            for tag, item in stream(records.mapPartitions(log_stats)):
+                if tag:
+                    ended.add(item)
+                else:
+                    per_member.update(item)
             phases.done(READ_LOGS)
 
             phases.start(SETTLE)
             n_records = sum(per_member.values()) + n_copies
-            parts = max(sc.defaultParallelism, n_records // RECORDS_PER_PARTITION)
+            parts = max(sc.defaultParallelism, n_records // RECORDS_PER_PARTITION,
+                        self._input_bytes(backup, segments, archived) // BYTES_PER_PARTITION)
             max_lrsn = max(backup_max, archive_max, max_seen.value)
             restore_lrsn = restore_lrsn_above(max_lrsn, base)
             # UOW outcomes: small next to the entries, and the plan returns them all, so they come to the
             # driver and go out to the workers again as a broadcast (a map-side join, one shuffle less).
-            outcomes: dict[str, Outcome] = dict(
+            outcomes: dict[str, Outcome] = dict(stream(
                 records.filter(lambda kr: lookup(kr[1]).role is Role.OUTCOME).map(lambda kr: (kr[1]["u"], kr))
-                .partitionBy(parts).mapPartitions(by_key).flatMap(decide_group).collect())
+                .partitionBy(parts).mapPartitions(by_key).flatMap(decide_group)))
             shared = sc.broadcast(outcomes)
             results = (records.flatMap(lambda kr: [(eid, (0, kr)) for eid in entry_ids(kr[1])])
                        .union(copies.mapValues(lambda pc: (1, pc)))
                        .partitionBy(parts).mapPartitions(by_key)
                        .flatMap(lambda group: settle_group(group, shared.value, restore_lrsn, now_ms)))
-            # A big plan streams back partition by partition rather than in one collect.
-            rows = results.toLocalIterator(prefetchPartitions=True) if n_records > STREAM_ABOVE \
-                else results.collect()
+            # The plan streams back in fetches of bounded bytes, never in one collect (spark_fetch).
+            rows = stream(results)
             settled: list[Settled] = []
             decisions: dict[str, str] = {}
             for tag, item in rows:
@@ -297,6 +309,15 @@ class SparkEngine:
                            max_lrsn)
 
     # --- inputs ---------------------------------------------------------------------------------------------
+    @staticmethod
+    def _input_bytes(backup: BackupSource, segments: list[SegmentTask], archived: list[str]) -> int:
+        """Bytes of the files the plan reads (what sizes its shuffle partitions); a file gone since counts 0."""
+        total = sum(int(f.get("size", 0)) for f in backup.manifest.get("files") or [] if isinstance(f, dict))
+        for p in [t[2] for t in segments] + archived:
+            with contextlib.suppress(OSError):
+                total += Path(p).stat().st_size
+        return total
+
     def _backup_copies(self, sc: Any, backup: BackupSource) -> Any:
         manifest = backup.manifest
         path = getattr(backup, "path", None)
@@ -348,6 +369,10 @@ class SparkEngine:
 
         from_archive, archive_max = archived_records(spark, archived, structure, replay_from)
         return rdd.union(from_archive), archive_max
+
+
+def _sorted(items: Iterable[str]) -> Iterator[str]:
+    return iter(sorted(items))
 
 
 def _slices(sc: Any, sizes: list[int]) -> int:

@@ -27,7 +27,7 @@ QUICKEST: dict[str, list[str]] = {
     "bench_lifecycle.py": ["--quick"],
     "bench_service.py": ["--quick", "--seconds", "0.5", "--clients", "1", "2"],
     "bench_backup.py": ["--quick", "--messages", "2000", "--seconds", "0.5"],
-    "bench_spark.py": ["--quick", "--sizes", "5000", "--masters"],  # the local engine only: no JVM start
+    "bench_spark.py": ["--quick", "--sizes", "5000", "--masters", "--workers"],  # the local engine only: no JVM
     "bench_peers.py": ["--quick", "--seconds", "0.5", "--clients", "1", "--client-procs", "1", "--no-install"],
 }
 TIMEOUT_S = 240

@@ -171,3 +171,25 @@ def test_each_command_finds_the_service_token_of_its_role(home: Path) -> None:
     assert resolve(env={"SQM_OPERATOR_TOKEN": "env-op"}, cwd=home).token == "env-op"
     assert resolve(role="backup", env={"SQM_OPERATOR_TOKEN": "env-op", "SQM_TOKEN": "env-app"},
                    cwd=home).token == "env-app"
+
+
+def test_the_spark_master_is_the_flag_else_the_environment_else_the_clusters_running_master(tmp_path: Path) -> None:
+    """cfrestore --engine spark finds the Spark master of `cfemu cluster up --spark N` while it runs (issue 16)."""
+    from cfemu.settings import CLUSTER_SPARK, ENV_SPARK_MASTER
+
+    home = tmp_path / "home"
+    d = write_cluster(home / "var" / "cluster")
+    state = json.loads((d / CLUSTER_FILE).read_text())
+    assert resolve(env={}, cwd=home).spark_master is None
+    assert "spark_master" not in resolve(env={}, cwd=home).sources
+    state[CLUSTER_SPARK] = {"master_url": "spark://127.0.0.1:7077", "master_pid": LIVE_PID}
+    (d / CLUSTER_FILE).write_text(json.dumps(state))
+    found = resolve(env={}, cwd=home)
+    assert (found.spark_master, found.sources["spark_master"]) == ("spark://127.0.0.1:7077", CLUSTER)
+    assert found.env()[ENV_SPARK_MASTER] == "spark://127.0.0.1:7077"  # handed to child processes
+    env = {ENV_SPARK_MASTER: "spark://env:7077"}
+    assert resolve(env=env, cwd=home).spark_master == "spark://env:7077"
+    assert resolve(spark_master="local[1]", env=env, cwd=home).spark_master == "local[1]"
+    state[CLUSTER_SPARK]["master_pid"] = None  # stopped by `cfemu cluster down`
+    (d / CLUSTER_FILE).write_text(json.dumps(state))
+    assert resolve(env={}, cwd=home).spark_master is None
