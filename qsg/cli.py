@@ -409,7 +409,7 @@ def cmd_cluster(args: argparse.Namespace, out: Output) -> int:
             cluster = Cluster.up(d, managers=args.managers, backup_interval=args.backup_interval or None,
                                  lease_ms=args.lease_ms, token=args.token, detach=True,
                                  structure=args.structure or None, queues=args.queue or ("Q1", "Q2"),
-                                 restart_cf=args.cf_restart, recauto=args.recauto)
+                                 restart_cf=args.cf_restart, recauto=args.recauto, duplex=args.duplex)
         doc = cluster.status()
         doc["seconds"] = round(time.monotonic() - t0, 2)
     elif args.action == "down":
@@ -432,6 +432,11 @@ def cmd_cluster(args: argparse.Namespace, out: Output) -> int:
                   [(p["process"], p["pid"], "yes" if p["alive"] else "NO", "yes" if p["ready"] else "no",
                     p["address"], p.get("metrics")) for p in doc["processes"]])
         out.line(f"CF {doc['redis_url']}   logs {doc['log_root']}   backups {doc['backup_dir']}")
+        if doc.get("duplex"):
+            pair = doc["duplex"]
+            out.line(f"duplexed CF: {pair['mode']} (generation {pair['generation']}), primary {pair['primary']}, "
+                     f"secondary {pair['secondary'] or '-'} {pair['secondary_state']}; promotions "
+                     f"{pair['promotions']}, degrades {pair['degrades']}, resyncs {pair['resyncs']}")
     return 0 if all(p["alive"] for p in doc["processes"]) else 1
 
 
@@ -545,6 +550,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="up: no supervisor restarting a dead CF (default: restarted, empty, on the same port)")
     cl.add_argument("--no-recauto", dest="recauto", action="store_false",
                     help="up: define the structure with RECAUTO off (a lost structure waits for 'cfrestore run')")
+    cl.add_argument("--duplex", action="store_true",
+                    help="up: a duplexed CF, a second redis-server holding a synchronous copy (promoted when the "
+                         "primary is lost; docs/runbook.md)")
     cl.add_argument("--timeout", type=float, default=10.0, help="down: seconds before SIGKILL")
     cl.add_argument("--purge", action="store_true", help="down: also delete the directory (logs, backups)")
 
