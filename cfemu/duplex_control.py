@@ -53,7 +53,7 @@ def acl_lines(directory: Path) -> list[str]:
     pw = passwords(directory)
     return [f"user {REPLICA_USER} on >{pw[REPLICA_USER]} -@all +psync +replconf +ping",
             f"user {CONTROL_USER} on >{pw[CONTROL_USER]} ~{keys.duplex()} -@all +@connection +info +ping +wait "
-            "+replicaof +config|set +hset +hget +hgetall"]
+            "+replicaof +config|set +hset +hget +hmget +hgetall"]
 
 
 def control_client(host: str, port: int, directory: Path, *, timeout: float = 2.0) -> redis.Redis:
