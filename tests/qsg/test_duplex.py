@@ -11,6 +11,7 @@ import stat
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -42,6 +43,13 @@ def _nothing_lost(c: Cluster, load: Load) -> None:
     assert set(seen) <= load.acked_puts | load.maybe_puts, "a message nobody put"
     resurrected = set(load.consumed) & set(drained)
     assert not resurrected, f"acknowledged gets came back: {sorted(resurrected)[:10]}"
+
+
+def _metric(c: Cluster, name: str) -> str:
+    port = c.manager(c.names[0])["metrics_port"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        lines = r.read().decode().splitlines()
+    return next(ln.split()[-1] for ln in lines if ln.startswith(name + " "))
 
 
 def _structure_state(c: Cluster) -> str:
@@ -96,6 +104,7 @@ def test_secondary_killed_under_load_the_group_carries_on_simplex_then_resyncs(c
     print(f"\nduplex: secondary killed -> degraded, {len(load.acked_puts) - acked_before} more puts within "
           f"{t_on:.2f}s, duplexed again ({len(load.errors)} client errors)")
     assert status["duplex"]["mode"] == "SIMPLEX" and "CSQE250W" in status["duplex"]["last_event"]
+    assert _metric(c, "sqm_cf_duplexed") == "1.0"
     assert c.pair.state["promotions"] == 0 and c.cf_restarts == 0
     final = c.status()
     assert final["duplex"]["secondary_state"] == "in sync" and "CSQE251I" in final["duplex"]["last_event"]
@@ -107,8 +116,10 @@ def test_primary_lost_while_simplex_is_not_promoted_it_is_restarted_empty(cluste
     work, so the controller restarts the primary empty at a new generation (RECAUTO's path, the loss of both)."""
     c = cluster
     c.supervise_cf(False)  # this test plays the supervisor, one step at a time
+    assert _metric(c, "sqm_cf_duplexed") == "1.0" and _metric(c, "sqm_cf_generation") == "1.0"
     c.pair.kill_secondary()
     assert c.restart_dead_cf() and c.pair.state["mode"] == "SIMPLEX"  # degraded
+    assert _metric(c, "sqm_cf_duplexed") == "0.0"  # what the members report (and CSQE250W in the supervisor's log)
     assert duplex_control.state(c.pair._control(c.pair.primary_address)) == ("SIMPLEX", 1)
     c.kill_cf()
     assert c.restart_dead_cf()
