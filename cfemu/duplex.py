@@ -41,6 +41,7 @@ MODE_FIELD, GEN_FIELD = b"mode", b"gen"
 DUPLEX, SIMPLEX = "DUPLEX", "SIMPLEX"
 WAIT_MS = 250  # one WAIT's bound; a slow replica is waited for again until settle_s
 SETTLE_S = 10.0  # an operation waits this long for the replica's acknowledgement or the controller's degrade
+PROBE_TIMEOUT_S = 1.0  # asking a server of the pair whether it is the primary
 
 
 class DuplexUnconfirmedError(redis.exceptions.TimeoutError):
@@ -128,19 +129,25 @@ class DuplexConnection(Connection):
         state = self.duplex
         found: list[tuple[int, tuple[str, int]]] = []
         notes: list[str] = []
-        for address in state.addresses:
+        # The primary last found first: while it answers as a primary of the highest generation seen, it is the
+        # primary (a promotion happens only once it can no longer act: cfemu.duplex_control), and the other server
+        # is not asked (a hung one would hold every new connection for its probe's timeout).
+        order = sorted(state.addresses, key=lambda a: a != state.primary)
+        for address in order:
             self.host, self.port = address
             try:
-                super().connect_check_health(check_health=check_health, retry_socket_connect=False)
-                role, gen = self._probe()
+                role, gen = self._connect_and_probe(check_health)
             except redis.exceptions.RedisError as e:
                 notes.append(f"{address[0]}:{address[1]} {type(e).__name__}")
                 self.disconnect()
                 continue
-            self.disconnect()
             notes.append(f"{address[0]}:{address[1]} {role} gen {gen}")
             if role == "master" and gen >= max(1, state.gen):
+                if address == state.primary and gen >= state.gen:
+                    state.seen(address, gen)
+                    return  # connected: the probe's connection is the one used
                 found.append((gen, address))
+            self.disconnect()
         if not found:
             raise NotPrimaryError(f"no primary of the duplexed CF answers ({'; '.join(notes)}; generation at "
                                   f"least {max(1, state.gen)} wanted)")
@@ -148,6 +155,20 @@ class DuplexConnection(Connection):
         self.host, self.port = address
         super().connect_check_health(check_health=check_health, retry_socket_connect=False)
         state.seen(address, gen)
+
+    def _connect_and_probe(self, check_health: bool) -> tuple[str, int]:
+        """Connect to self.host:self.port and ask its role and generation, with a short timeout for the probe (a
+        hung server must not hold a connect for the CF's socket timeout); the timeouts as configured after."""
+        saved = self.socket_timeout, self.socket_connect_timeout
+        self.socket_timeout = min(saved[0] or PROBE_TIMEOUT_S, PROBE_TIMEOUT_S)
+        self.socket_connect_timeout = min(saved[1] or PROBE_TIMEOUT_S, PROBE_TIMEOUT_S)
+        try:
+            super().connect_check_health(check_health=check_health, retry_socket_connect=False)
+            return self._probe()
+        finally:
+            self.socket_timeout, self.socket_connect_timeout = saved
+            if self._sock is not None:
+                self._sock.settimeout(self.socket_timeout)
 
     def _probe(self) -> tuple[str, int]:
         self.send_command("INFO", "replication")
