@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from backup.run import run_backup
 from cfemu import duplex_control
 from cfemu.admin import Admin
 from cfemu.connection import connect
@@ -126,6 +128,32 @@ def test_primary_lost_while_simplex_is_not_promoted_it_is_restarted_empty(cluste
     assert c.pair.state["promotions"] == 0 and c.pair.state["empty_restarts"] == 1
     assert "CSQE253E" in c.pair.state["last_event"] and c.pair.state["gen"] == 2
     assert _structure_state(c) == "FAILED"  # the CF came back empty: RECAUTO's turn
+
+
+def test_both_lost_under_load_falls_back_to_the_backup_and_the_logs(cluster: Cluster) -> None:
+    """The loss of both servers of the pair: the controller restarts the primary empty at a new generation and a
+    member restores APP1 (RECAUTO) from the fuzzy backup and the logs; nothing acknowledged is lost."""
+    c = cluster
+    client = connect(c.cf_url("backup"))
+    try:
+        run_backup(client, "APP1", c.backup_dir, log_root=c.log_root, backup_keys=c.backup_keys())
+    finally:
+        client.close()
+    with Load(c) as load:
+        _wait("load running", lambda: len(load.acked_puts) >= 30 and len(load.consumed) >= 10, 60)
+        os.kill(int(c.pair.state["secondary"]["pid"]), signal.SIGKILL)
+        os.kill(int(c.state["cf"]["pid"]), signal.SIGKILL)
+        t_kill = time.monotonic()
+        _wait("the primary restarted empty", lambda: c.pair.state["empty_restarts"] == 1, 30, 0.05)
+        _wait("APP1 ACTIVE again (RECAUTO)", lambda: _structure_state(c) == "ACTIVE", 120)
+        _wait("full service through every member", lambda: all(_probe(c, n) for n in c.names), 60, 0.2)
+        t_service = time.monotonic() - t_kill
+        acked_before = len(load.acked_puts)
+        _wait("the load goes on", lambda: len(load.acked_puts) >= acked_before + 10, 60)
+    print(f"\nduplex: both lost -> restarted empty, restored by RECAUTO, full service in {t_service:.2f}s")
+    assert c.pair.state["promotions"] == 0 and c.pair.state["empty_restarts"] == 1
+    assert re.search(r"CSQE131I recovery of APP1 completed", _member_logs(c))
+    _nothing_lost(c, load)
 
 
 def test_hung_primary_loses_its_lease_and_is_killed_before_the_promotion(cluster: Cluster) -> None:
