@@ -210,17 +210,18 @@ def settle(conn: Connection, state: PairState, acked: int) -> None:
             return
 
 
-def confirm_after(conn: Connection, state: PairState) -> list[Any]:
-    """The commands to send right after a write on conn, in the same round trip: a WAIT while the pair is
-    duplexed, else a read of its mode (which says whether it became duplexed since)."""
+def confirm_after(state: PairState) -> tuple[bool, list[Any]]:
+    """The command to send right after a write, in the same round trip, and whether it is a WAIT: a WAIT while
+    the pair was last seen duplexed, else a read of its mode (which says whether it became duplexed since). The
+    choice is returned, not read again from state later: another thread of the pool may change state meanwhile."""
     if state.duplex:
-        return [("WAIT", 1, state.wait_ms)]
-    return [("HGET", keys.duplex(), MODE_FIELD)]
+        return True, [("WAIT", 1, state.wait_ms)]
+    return False, [("HGET", keys.duplex(), MODE_FIELD)]
 
 
-def finish(conn: Connection, state: PairState, reply: Any) -> None:
+def finish(conn: Connection, state: PairState, waited: bool, reply: Any) -> None:
     """Act on the reply of confirm_after's command."""
-    if state.duplex:
+    if waited:
         settle(conn, state, int(reply))
     elif _text(reply) == DUPLEX:  # the pair became duplexed before our read: this write must be on both
         state.duplex = True
@@ -231,13 +232,14 @@ def finish(conn: Connection, state: PairState, reply: Any) -> None:
 def exchange(conn: Connection, state: PairState, packed: list[bytes]) -> Any:
     """Send a packed CF script call and its confirmation in one round trip; the script's reply once confirmed.
     A script that failed (a CF refusal: nothing to confirm) raises its error after the tail is read."""
-    conn.send_packed_command([*packed, *conn.pack_commands(confirm_after(conn, state))])
+    waited, tail = confirm_after(state)
+    conn.send_packed_command([*packed, *conn.pack_commands(tail)])
     try:
         reply = conn.read_response()
     except redis.exceptions.ResponseError:
         conn.read_response()  # the tail's reply, so that the connection stays usable
         raise
-    finish(conn, state, conn.read_response())
+    finish(conn, state, waited, conn.read_response())
     return reply
 
 
@@ -248,7 +250,7 @@ def run_confirmed(client: redis.Redis, commands: Sequence[Sequence[Any]]) -> lis
     pool = client.connection_pool
     conn = pool.get_connection()
     try:
-        tail = confirm_after(conn, state) if state is not None else []
+        waited, tail = confirm_after(state) if state is not None else (False, [])
         conn.send_packed_command(conn.pack_commands([*commands, *tail]))
         replies: list[Any] = []
         error: BaseException | None = None
@@ -259,7 +261,7 @@ def run_confirmed(client: redis.Redis, commands: Sequence[Sequence[Any]]) -> lis
                 error = error or e
                 replies.append(e)
         if state is not None:
-            finish(conn, state, conn.read_response())
+            finish(conn, state, waited, conn.read_response())
         if error is not None:
             raise error
         return replies

@@ -155,3 +155,22 @@ def test_server_without_a_generation_is_not_a_primary(tmp_path: Path) -> None:
             client.ping()
     finally:
         p.stop()
+
+
+def test_a_wait_reply_is_never_read_as_the_mode_when_another_thread_changed_the_pool_state(
+        pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pool's view of the mode is shared by its threads: a call that sent a WAIT must read a WAIT's reply,
+    even when another thread saw the pair simplex meanwhile (a 0 read as 'not DUPLEX' acknowledged the call)."""
+    cf, caller = _member(pair, settle_s=0.5)
+    _put(cf, caller, 1)
+    pair.servers[1].kill()  # the copy is lost; the pair is still DUPLEX (not degraded)
+    real = duplex.confirm_after
+
+    def racing(state: duplex.PairState) -> tuple[bool, list[object]]:
+        chosen = real(state)
+        state.duplex = False  # another thread read SIMPLEX between this call's send and its reply
+        return chosen
+
+    monkeypatch.setattr(duplex, "confirm_after", racing)
+    with pytest.raises(duplex.DuplexUnconfirmedError):
+        _put(cf, caller, 2)
