@@ -201,6 +201,17 @@ def test_cli_up_duplex_status_json_and_private_files(tmp_path: Path) -> None:
         secret = (d / "secrets" / "cf-replica.password").read_text().strip()
         pid = doc["processes"][1]["pid"]
         assert secret.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
+        # the detached cluster's supervisor process is the pair's controller: it promotes the secondary
+        os.kill(int(doc["processes"][0]["pid"]), signal.SIGKILL)
+
+        def promoted() -> bool:
+            out = subprocess.run([*cmd, "status", "--dir", str(d), "--json"], capture_output=True, text=True,
+                                 timeout=60, env=env).stdout
+            pair = json.loads(out)["duplex"]
+            return bool(pair["generation"] == 2 and pair["promotions"] == 1 and pair["mode"] == "DUPLEX")
+
+        _wait("promoted by the supervisor process, then duplexed again", promoted, 60, 0.5)
+        assert "CSQE252I" in (d / "run" / "cf-supervisor.log").read_text()
     finally:
         down = subprocess.run([*cmd, "down", "--dir", str(d), "--json"], capture_output=True, text=True,
                               timeout=120, env=env)
