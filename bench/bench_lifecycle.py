@@ -52,6 +52,7 @@ from cfemu.admin import Admin
 from cfemu.connection import connect
 from cfemu.duplex import DUPLEX, SIMPLEX, duplex_url
 from cfemu.embedded import EmbeddedRedis
+from cfemu.entry import Entry
 from sqm.connection import Connection
 from sqm.manager import QueueManager, QueueManagerConfig
 
@@ -337,6 +338,10 @@ def measure_duplex(work: Path, seconds: float, rounds: int, console: Console) ->
                     rates[f"{kind}_{n}"].append(in_threads(loops[kind][n], seconds))
         rate = {k: statistics.median(v) for k, v in rates.items()}
         out: dict[str, Any] = {f"{k}_per_s": round(v, 1) for k, v in rate.items()}
+        # Where the time goes: one CF call (a put script) alone, simplex and duplexed (its WAIT for the copy).
+        by_kind = {"simplex": qms[0], "duplexed": qms[2]}
+        for kind, qm in by_kind.items():
+            out[f"{kind}_cf_put_us"] = round(cf_put_us(qm, 300), 1)
         out.update(ratio_1=round(rate["duplexed_1"] / rate["simplex_1"], 3),
                    ratio_8=round(rate["duplexed_8"] / rate["simplex_8"], 3), rounds=rounds,
                    seconds_per_window=seconds, wait="WAIT 1 (redis-server has no WAITAOF)")
@@ -348,11 +353,26 @@ def measure_duplex(work: Path, seconds: float, rounds: int, console: Console) ->
             srv.stop()
 
 
+def cf_put_us(qm: QueueManager, n: int) -> float:
+    """Median µs of one put script on the CF (no log, no commit): the CF call alone."""
+    s = qm.cf.structure(STRUCTURE)
+    samples = []
+    for _ in range(n):
+        entry = Entry(id=os.urandom(12).hex(), queue=QUEUE, priority=0, persistent=False, msgid=os.urandom(24).hex(),
+                      correlid="", expiry=0, put_time=0)
+        t0 = time.perf_counter()
+        s.put(qm.caller, entry, BODY)
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples) * 1e6
+
+
 def report_duplex(d: dict[str, Any], console: Console) -> None:
     table = Table("connections", "simplex lifecycles/s", "duplexed lifecycles/s", "duplexed / simplex",
                   title="the cost of a duplexed CF (same run, interleaved rounds)")
     for n in ("1", "8"):
         table.add_row(n, str(d[f"simplex_{n}_per_s"]), str(d[f"duplexed_{n}_per_s"]), str(d[f"ratio_{n}"]))
+    table.add_row("one CF call (put script), µs", str(d["simplex_cf_put_us"]), str(d["duplexed_cf_put_us"]),
+                  f"+{round(d['duplexed_cf_put_us'] - d['simplex_cf_put_us'], 1)} µs")
     console.print(table)
 
 
