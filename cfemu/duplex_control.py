@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from cfemu import credentials, keys
 from cfemu.duplex import DUPLEX, GEN_FIELD, MODE_FIELD, SIMPLEX
@@ -52,14 +54,18 @@ def acl_lines(directory: Path) -> list[str]:
     """The pair's ACL lines, added to the group's (cfemu.credentials.acl_lines) on both servers."""
     pw = passwords(directory)
     return [f"user {REPLICA_USER} on >{pw[REPLICA_USER]} -@all +psync +replconf +ping",
-            f"user {CONTROL_USER} on >{pw[CONTROL_USER]} ~{keys.duplex()} -@all +@connection +info +ping +wait "
-            "+replicaof +config|set +hset +hget +hmget +hgetall"]
+            f"user {CONTROL_USER} on >{pw[CONTROL_USER]} ~{keys.duplex()} ~{keys.lease('*')} ~{keys.epochs()} "
+            f"~{keys.members()} -@all +@connection +info +ping +wait +replicaof +config|set +hset +hget +hmget "
+            "+hgetall +hkeys +set"]
 
 
 def control_client(host: str, port: int, directory: Path, *, timeout: float = 2.0) -> redis.Redis:
     """The controller's connection to one server of the pair."""
+    # No retry: a server that does not answer within timeout is what the controller wants to know about, at once
+    # (redis-py's default retries a timeout three times, which turned a 2 s lease into half a minute).
     return redis.Redis(host=host, port=port, username=CONTROL_USER, password=passwords(directory)[CONTROL_USER],
-                       socket_timeout=timeout, socket_connect_timeout=timeout, decode_responses=False)
+                       socket_timeout=timeout, socket_connect_timeout=timeout, decode_responses=False,
+                       retry=Retry(NoBackoff(), 0))
 
 
 def replication(client: redis.Redis) -> dict[str, str]:
@@ -109,11 +115,25 @@ def set_mode(primary: redis.Redis, mode: str, *, gen: int | None = None, confirm
     return True
 
 
-def promote(secondary: redis.Redis, gen: int) -> None:
+def promote(secondary: redis.Redis, gen: int, *, grace_ms: int) -> None:
     """Make the secondary the primary, at a new generation, simplex until a new secondary is in sync. The caller
-    made sure the old primary can no longer act (killed, or demoted: ``attach`` it to the new one)."""
-    secondary.execute_command("REPLICAOF", "NO", "ONE")
-    set_mode(secondary, SIMPLEX, gen=gen)
+    made sure the old primary can no longer act (killed, or demoted: ``attach`` it to the new one).
+
+    Before it answers as a primary, still a replica (writable for the moment), it gets its generation and mode,
+    and every live member's lease runs for grace_ms again: the members could not renew their leases while the old
+    primary was failing (a hung one holds them for the controller's whole lease), and a copy whose leases ran out
+    meanwhile made the members fence each other the moment it was promoted. A member that died meanwhile is
+    recovered one grace later."""
+    secondary.config_set("replica-read-only", "no")
+    try:
+        set_mode(secondary, SIMPLEX, gen=gen)
+        epochs = {keys.text(k): v for k, v in secondary.hgetall(keys.epochs()).items()}
+        for member in (keys.text(m) for m in secondary.hkeys(keys.members())):
+            if member in epochs:
+                secondary.set(keys.lease(member), epochs[member], px=grace_ms)
+        secondary.execute_command("REPLICAOF", "NO", "ONE")
+    finally:
+        secondary.config_set("replica-read-only", "yes")
 
 
 __all__ = ["CONTROL_USER", "DUPLEX", "REPLICA_USER", "SIMPLEX", "acl_lines", "attach", "control_client",

@@ -180,7 +180,7 @@ class CFPair:
         if st["mode"] == DUPLEX and secondary_runs:
             client = self._control(self.secondary_address)
             try:
-                duplex_control.promote(client, st["gen"])
+                duplex_control.promote(client, st["gen"], grace_ms=int(self.c.state.get("lease_ms", 5000)))
             finally:
                 client.close()
             self._swap()

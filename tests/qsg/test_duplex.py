@@ -168,6 +168,10 @@ def test_hung_primary_loses_its_lease_and_is_killed_before_the_promotion(cluster
         if Path(f"/proc/{pid}").exists():
             os.kill(pid, signal.SIGCONT)
     _wait("full service", lambda: all(_probe(c, n) for n in c.names), 60, 0.1)
+    # the members could not renew their leases while the primary hung (2 s, their lease's length): the promoted copy
+    # gave them a grace, so none took the others for dead and fenced them
+    assert set(c.names) <= set(c.running_processes()), c.running_processes()
+    assert "fenced" not in _member_logs(c) and "recovered QM" not in _member_logs(c), _member_logs(c)[-3000:]
 
 
 def test_duplex_needs_the_supervisor(tmp_path: Path) -> None:

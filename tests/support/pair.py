@@ -67,7 +67,7 @@ class Pair:
     def promote(self) -> None:
         """The secondary becomes the primary at the next generation (the caller dealt with the old primary)."""
         self.gen += 1
-        duplex_control.promote(self.control(self.secondary), self.gen)
+        duplex_control.promote(self.control(self.secondary), self.gen, grace_ms=60_000)
         self.primary = self.secondary
 
     def stop(self) -> None:
