@@ -8,7 +8,6 @@ is fetched, ends the backup in the CF, counts the exception records the group wr
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -80,6 +79,27 @@ def rebuild_catalog(admin: Admin, backup_root: Path, structure: str, *,
 
 def _iso(t: datetime) -> str:
     return t.isoformat(timespec="microseconds")
+
+
+END_FAILED_RETRY_S = 10.0  # how long a failed backup keeps trying to clear its mark while the CF does not answer
+
+
+def _end_failed(s: Any, backup_id: str, clock: LrsnClock) -> None:
+    """Clear a failed backup's mark. A CF that did not answer (a duplexed CF promoting its copy takes a fraction of
+    a second; a link cut) is asked again for a while: a mark left behind on a CF that kept its data refused every
+    later backup of the structure (BACKUPRUNNING). A CF that answers with a refusal (the structure gone with a
+    lost CF: no mark either) is not asked again."""
+    deadline = time.monotonic() + END_FAILED_RETRY_S
+    while True:
+        try:
+            s.backup_end(backup_id, clock.now(), ok=False)
+            return
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.2)
+        except Exception:  # noqa: BLE001 - the backup's own failure is what the caller reports
+            return
 
 
 def run_backup(client: redis.Redis, structure: str, backup_root: Path, *, log_root: Path | None = None,
@@ -174,8 +194,7 @@ def run_backup(client: redis.Redis, structure: str, backup_root: Path, *, log_ro
         })
     except BaseException:
         if not ended:
-            with contextlib.suppress(Exception):
-                s.backup_end(backup_id, clock.now(), ok=False)
+            _end_failed(s, backup_id, clock)
         if writer is not None:
             writer.abort()
         raise

@@ -9,8 +9,11 @@ same redis-server in the same run, rounds of the two interleaved:
   (d) log bytes and records per lifecycle (1 connection).
   (e) where a single-connection lifecycle spends its time: fsync, CF round trips, the rest (Python), measured in
       a separate instrumented run; plus the raw fdatasync latency of the log's disk.
+  (f) with --duplex: the cost of a duplexed CF (issue 17): the same lifecycles, 1 and 8 connections, on a simplex
+      CF and on a duplexed pair (a second redis-server, a replica every CF call waits for: WAIT), rounds of the
+      two interleaved in the same run; the ratio duplexed / simplex.
 
-    .venv/bin/python bench/bench_lifecycle.py [--quick] [--seconds 5] [--rounds 3]
+    .venv/bin/python bench/bench_lifecycle.py [--quick] [--seconds 5] [--rounds 3] [--duplex]
 
 Part (e) times fsyncs by wrapping sqm.log.writer._fdatasync, a private name: a deliberate coupling (the writer's
 stats count fsyncs but not their time, and a timing hook in the log's hot path would cost every commit).
@@ -44,9 +47,12 @@ from rich.console import Console
 from rich.table import Table
 
 import sqm.log.writer
+from cfemu import credentials, duplex_control
 from cfemu.admin import Admin
 from cfemu.connection import connect
+from cfemu.duplex import DUPLEX, SIMPLEX, duplex_url
 from cfemu.embedded import EmbeddedRedis
+from cfemu.entry import Entry
 from sqm.connection import Connection
 from sqm.manager import QueueManager, QueueManagerConfig
 
@@ -280,6 +286,96 @@ def measure(url: str, work: Path, seconds: float, rounds: int, console: Console)
             c.close()
 
 
+# --- (f) simplex against duplexed ------------------------------------------------------------------------------
+def start_pair(work: Path) -> tuple[list[EmbeddedRedis], str, str]:
+    """A simplex CF and a duplexed pair, secured alike (the group's users); their operator URLs."""
+    secrets = work / "secrets"
+    passwords = credentials.create(secrets)
+    acl = [*credentials.acl_lines(passwords), *duplex_control.acl_lines(secrets)]
+    servers = [EmbeddedRedis(data_dir=work / name, acl_users=acl).start() for name in ("simplex", "pa", "pb")]
+    simplex, a, b = servers
+    control = [duplex_control.control_client(srv.host, srv.port, secrets) for srv in (a, b)]
+    duplex_control.set_mode(control[0], SIMPLEX, gen=1)
+    duplex_control.attach(control[1], (a.host, a.port), secrets)
+    deadline = time.monotonic() + 30
+    while not duplex_control.in_sync(control[1]):
+        if time.monotonic() > deadline:
+            raise RuntimeError("the duplexed pair's secondary did not sync within 30s")
+        time.sleep(0.05)
+    if not duplex_control.set_mode(control[0], DUPLEX):
+        raise RuntimeError("the duplexed pair could not be confirmed DUPLEX")
+
+    def url(srv: EmbeddedRedis) -> str:
+        return credentials.with_user(f"redis://{srv.host}:{srv.port}/0", "operator", passwords["operator"])
+
+    return servers, url(simplex), duplex_url(url(a), (b.host, b.port))
+
+
+def measure_duplex(work: Path, seconds: float, rounds: int, console: Console) -> dict[str, Any]:
+    servers, simplex_url, pair_url = start_pair(work / "duplex")
+    qms: list[QueueManager] = []
+    try:
+        loops: dict[str, dict[str, list[Callable[[float], int]]]] = {}
+        for kind, url in (("simplex", simplex_url), ("duplexed", pair_url)):
+            admin = Admin(connect(url))
+            admin.define_structure(STRUCTURE)
+            admin.define_queue(QUEUE, STRUCTURE)
+            pair = [QueueManager(QueueManagerConfig(name=f"{kind[0].upper()}{i}", log_root=work / kind / "logs",
+                                                    redis_url=url)) for i in (1, 2)]
+            for qm in pair:
+                qm.start()
+            qms += pair
+            loops[kind] = {"1": [partial(sqm_lifecycles, pair[0].connect())],
+                           "8": [partial(sqm_lifecycles, pair[i % 2].connect()) for i in range(8)]}
+        for kind in loops:  # warm up
+            for n in ("1", "8"):
+                in_threads(loops[kind][n], min(seconds, 0.5))
+        rates: dict[str, list[float]] = {f"{k}_{n}": [] for k in loops for n in ("1", "8")}
+        for r in range(rounds):
+            console.log(f"duplex round {r + 1}/{rounds}")
+            for n in ("1", "8"):
+                for kind in ("simplex", "duplexed"):
+                    rates[f"{kind}_{n}"].append(in_threads(loops[kind][n], seconds))
+        rate = {k: statistics.median(v) for k, v in rates.items()}
+        out: dict[str, Any] = {f"{k}_per_s": round(v, 1) for k, v in rate.items()}
+        # Where the time goes: one CF call (a put script) alone, simplex and duplexed (its WAIT for the copy).
+        by_kind = {"simplex": qms[0], "duplexed": qms[2]}
+        for kind, qm in by_kind.items():
+            out[f"{kind}_cf_put_us"] = round(cf_put_us(qm, 300), 1)
+        out.update(ratio_1=round(rate["duplexed_1"] / rate["simplex_1"], 3),
+                   ratio_8=round(rate["duplexed_8"] / rate["simplex_8"], 3), rounds=rounds,
+                   seconds_per_window=seconds, wait="WAIT 1 (redis-server has no WAITAOF)")
+        return out
+    finally:
+        for qm in qms:
+            qm.stop()
+        for srv in servers:
+            srv.stop()
+
+
+def cf_put_us(qm: QueueManager, n: int) -> float:
+    """Median µs of one put script on the CF (no log, no commit): the CF call alone."""
+    s = qm.cf.structure(STRUCTURE)
+    samples = []
+    for _ in range(n):
+        entry = Entry(id=os.urandom(12).hex(), queue=QUEUE, priority=0, persistent=False, msgid=os.urandom(24).hex(),
+                      correlid="", expiry=0, put_time=0)
+        t0 = time.perf_counter()
+        s.put(qm.caller, entry, BODY)
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples) * 1e6
+
+
+def report_duplex(d: dict[str, Any], console: Console) -> None:
+    table = Table("connections", "simplex lifecycles/s", "duplexed lifecycles/s", "duplexed / simplex",
+                  title="the cost of a duplexed CF (same run, interleaved rounds)")
+    for n in ("1", "8"):
+        table.add_row(n, str(d[f"simplex_{n}_per_s"]), str(d[f"duplexed_{n}_per_s"]), str(d[f"ratio_{n}"]))
+    table.add_row("one CF call (put script), µs", str(d["simplex_cf_put_us"]), str(d["duplexed_cf_put_us"]),
+                  f"+{round(d['duplexed_cf_put_us'] - d['simplex_cf_put_us'], 1)} µs")
+    console.print(table)
+
+
 def report(result: dict[str, Any], console: Console) -> None:
     met = {True: "met", False: "MISSED"}
     table = Table("measure", "value", "baseline (Redis loop)", "ratio", "target",
@@ -312,6 +408,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="a short run: 1 round of 1 s windows")
     ap.add_argument("--seconds", type=float, default=5.0, help="length of each measuring window")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (the median is reported)")
+    ap.add_argument("--duplex", action="store_true",
+                    help="also compare a simplex CF with a duplexed pair (a replica every CF call waits for)")
     ap.add_argument("--work-dir", type=Path, default=None,
                     help="where the temporary CF and logs go (default: the system temp dir; must be a real disk)")
     args = ap.parse_args(argv)
@@ -327,12 +425,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     srv = EmbeddedRedis(data_dir=work / "cf").start()
     try:
-        result.update(measure(srv.url, work, args.seconds, args.rounds, console))
+        try:
+            result.update(measure(srv.url, work, args.seconds, args.rounds, console))
+        finally:
+            srv.stop()
+        if args.duplex:
+            result["duplex"] = measure_duplex(work, args.seconds, args.rounds, console)
     finally:
-        srv.stop()
         shutil.rmtree(work, ignore_errors=True)
     result["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     report(result, console)
+    if "duplex" in result:
+        report_duplex(result["duplex"], console)
     out = REPO / "bench" / "results"
     out.mkdir(exist_ok=True)
     with open(out / "lifecycle.jsonl", "a") as f:

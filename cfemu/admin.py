@@ -19,7 +19,7 @@ from typing import Any
 import msgpack
 import redis
 
-from cfemu import keys, lua
+from cfemu import duplex, keys, lua
 from cfemu.limits import DEFAULT_MSG_LENGTH, check_max_msg_length
 
 log = logging.getLogger("cfemu.admin")
@@ -82,8 +82,17 @@ class Admin:
         self.bad_entries: dict[tuple[str, str], str] = {}  # (hash, field) -> why it could not be read
 
     def _run(self, op: str, keys_: list[str], args: list[Any]) -> int:
-        """One admin script (cfemu/scripts/admin_<op>.lua); each returns an integer."""
-        return int(self._scripts[f"admin_{op}"](keys=keys_, args=args))
+        """One admin script (cfemu/scripts/admin_<op>.lua); each returns an integer. On a duplexed CF the write
+        (a fence, a lease, a lock) is on both servers before it counts (cfemu.duplex)."""
+        script = self._scripts[f"admin_{op}"]
+        if duplex.pair_of(self.redis) is None:
+            return int(script(keys=keys_, args=args))
+        command = ("EVALSHA", script.sha, len(keys_), *keys_, *args)
+        try:
+            return int(duplex.run_confirmed(self.redis, [command])[0])
+        except redis.exceptions.NoScriptError:
+            self.redis.script_load(script.script)
+            return int(duplex.run_confirmed(self.redis, [command])[0])
 
     # --- the group ------------------------------------------------------------------------------------
     def group_name(self) -> str:
@@ -202,11 +211,17 @@ class Admin:
         keys.check_member_name(member)
         old = int(self.redis.hget(EPOCHS, member) or 0)
         epoch = max(old + 1, int(info.get("min_epoch", 0)), int(time.time() * 1000))
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.hset(EPOCHS, member, epoch)
-        pipe.set(keys.lease(member), epoch, px=lease_ms)
-        pipe.hset(MEMBERS, member, msgpack.packb(info, use_bin_type=True))
-        pipe.execute()
+        packed_info = msgpack.packb(info, use_bin_type=True)
+        if duplex.pair_of(self.redis) is not None:  # the new epoch is on both servers before the member uses it
+            duplex.run_confirmed(self.redis, [("MULTI",), ("HSET", EPOCHS, member, epoch),
+                                              ("SET", keys.lease(member), epoch, "PX", lease_ms),
+                                              ("HSET", MEMBERS, member, packed_info), ("EXEC",)])
+        else:
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.hset(EPOCHS, member, epoch)
+            pipe.set(keys.lease(member), epoch, px=lease_ms)
+            pipe.hset(MEMBERS, member, packed_info)
+            pipe.execute()
         self.join_structures(member, epoch)
         return epoch
 

@@ -12,7 +12,7 @@ import msgpack
 import redis
 from redis.connection import HiredisRespSerializer
 
-from cfemu import bulk, keys, lua
+from cfemu import bulk, duplex, keys, lua
 from cfemu.entry import Entry
 from cfemu.errors import from_script_error
 
@@ -41,6 +41,7 @@ class CF:
         self.redis = client
         self._scripts = lua.register(client, lua.structure_operations())  # cfemu/scripts/<op>.lua
         self._keys: dict[str, list[str]] = {}  # structure -> its scripts' KEYS (keys.script_keys), built once
+        self._pair = duplex.pair_of(client)  # a duplexed CF: every call waits for its copy (cfemu.duplex)
 
     def structure(self, name: str) -> Structure:
         return Structure(self, keys.check_name("structure", name))
@@ -79,6 +80,8 @@ class CF:
             packed = packer.pack(*cmd)
 
         def send_and_read() -> Any:
+            if self._pair is not None:
+                return duplex.exchange(conn, self._pair, packed)
             conn.send_packed_command(packed)
             return conn.read_response()
 
@@ -94,6 +97,9 @@ class CF:
                 finally:
                     pool.release(conn)
         except redis.exceptions.NoScriptError:  # the CF restarted or flushed its scripts: load it, run it again
+            if self._pair is not None:  # on a connection of ours, so that the call is confirmed as any other
+                self.redis.script_load(script.script)
+                return self._evalsha(script, script_keys, args)
             return script(keys=script_keys, args=list(args))
 
 

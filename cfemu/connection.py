@@ -22,6 +22,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from cfemu import duplex
 from cfemu.credentials import redact
 
 __all__ = ["ConnectionConfigError", "PoolExhaustedError", "connect"]
@@ -155,6 +156,15 @@ def connect(
             ssl_check_hostname=tls_verify,
         )
     opts.update(kw)
+    try:  # a duplexed CF's URL names both servers of the pair (cfemu.duplex)
+        paired = duplex.pool_options(url)
+    except ValueError as e:
+        raise ConnectionConfigError(f"{e} ({redact(url)!r})") from None
+    if paired is not None and scheme != "redis":
+        raise ConnectionConfigError(f"a duplexed CF is reached over redis:// only, not {scheme}:// ({redact(url)!r})")
+    if paired is not None:
+        url = paired[0]
+        opts.update(paired[1])
     if max_connections is not None:
         if max_connections < 1:
             raise ConnectionConfigError(f"the CF connection pool needs at least 1 connection, not {max_connections}")

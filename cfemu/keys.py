@@ -175,3 +175,9 @@ def backups(structure: str) -> str:
 def repository() -> str:
     """String: JSON {id, path} of the group repository (cfemu.repository) whose log root is the group's."""
     return f"{ADMIN}:repository"
+
+
+def duplex() -> str:
+    """Hash {mode: DUPLEX | SIMPLEX, gen: N} of a duplexed CF, written by its controller (cfemu.duplex_control):
+    members wait for the secondary while DUPLEX; gen grows at every promotion (a stale primary is never used)."""
+    return f"{ADMIN}:duplex"

@@ -411,7 +411,8 @@ def cmd_cluster(args: argparse.Namespace, out: Output) -> int:
                                  lease_ms=args.lease_ms, token=args.token, detach=True,
                                  structure=args.structure or None, queues=args.queue or ("Q1", "Q2"),
                                  restart_cf=args.cf_restart, recauto=args.recauto, spark_workers=args.spark,
-                                 spark_cores=args.spark_cores, spark_memory=args.spark_memory)
+                                 spark_cores=args.spark_cores, spark_memory=args.spark_memory,
+                                 duplex=args.duplex)
         doc = cluster.status()
         doc["seconds"] = round(time.monotonic() - t0, 2)
     elif args.action == "down":
@@ -435,6 +436,11 @@ def cmd_cluster(args: argparse.Namespace, out: Output) -> int:
                     p["address"], p.get("metrics")) for p in doc["processes"]])
         out.line(f"CF {doc['redis_url']}   logs {doc['log_root']}   backups {doc['backup_dir']}"
                  + (f"   Spark {doc['spark_master']}" if doc.get("spark_master") else ""))
+        if doc.get("duplex"):
+            pair = doc["duplex"]
+            out.line(f"duplexed CF: {pair['mode']} (generation {pair['generation']}), primary {pair['primary']}, "
+                     f"secondary {pair['secondary'] or '-'} {pair['secondary_state']}; promotions "
+                     f"{pair['promotions']}, degrades {pair['degrades']}, resyncs {pair['resyncs']}")
     return 0 if all(p["alive"] for p in doc["processes"]) else 1
 
 
@@ -553,6 +559,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "(cfrestore run --engine spark then uses it; docs/spark.md)")
     cl.add_argument("--spark-cores", type=int, default=1, help="up: cores each Spark worker offers")
     cl.add_argument("--spark-memory", default="2g", help="up: memory each Spark worker offers (Spark's units)")
+    cl.add_argument("--duplex", action="store_true",
+                    help="up: a duplexed CF, a second redis-server holding a synchronous copy (promoted when the "
+                         "primary is lost; docs/runbook.md)")
     cl.add_argument("--timeout", type=float, default=10.0, help="down: seconds before SIGKILL")
     cl.add_argument("--purge", action="store_true", help="down: also delete the directory (logs, backups)")
 

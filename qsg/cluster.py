@@ -66,6 +66,7 @@ from cfemu.settings import (
     ENV_TOKEN,
     ENV_URL,
 )
+from qsg.cfpair import CFPair
 
 log = logging.getLogger("qsg.cluster")
 
@@ -102,6 +103,20 @@ class Cluster:
         self._cf_lock = threading.RLock()  # the supervisor and the API's CF restarts, one at a time
         self._supervisor: tuple[threading.Thread, threading.Event] | None = None
         self.cf_restarts = 0  # restarts the supervisor made
+        self._pair: CFPair | None = None
+
+    @property
+    def duplexed(self) -> bool:
+        return bool(self.state.get("duplex"))
+
+    @property
+    def pair(self) -> CFPair:
+        """The duplexed CF's controller (qsg.cfpair); only for a cluster started with duplex=True."""
+        if not self.duplexed:
+            raise ClusterError("this cluster's CF is not duplexed (start it with 'cfemu cluster up --duplex')")
+        if self._pair is None:
+            self._pair = CFPair(self)
+        return self._pair
 
     # --- what callers use ----------------------------------------------------------------------------------
     @property
@@ -167,7 +182,7 @@ class Cluster:
            token: str | None = None, host: str = "127.0.0.1", detach: bool = False, start_timeout: float = 30.0,
            manager_args: Sequence[str] = (), cf_url_for: Callable[[str, str], str] | None = None,
            restart_cf: bool = False, recauto: bool = True, spark_workers: int = 0, spark_cores: int = 1,
-           spark_memory: str = "2g") -> Cluster:
+           spark_memory: str = "2g", duplex: bool = False) -> Cluster:
         """Start an embedded CF, managers QM1..QMn and (with a backup_interval) the backup scheduler.
 
         structure/queues are defined when missing (structure=None defines nothing). manager_args go to every
@@ -175,9 +190,14 @@ class Cluster:
         chaos suite); it is kept in cluster.json for restarts. restart_cf: a supervisor restarts the CF whenever
         it dies (a thread here, or with detach a process). recauto: the RECAUTO attribute of the structure defined
         here. spark_workers: also a standalone Spark master and that many workers (qsg.spark_standalone), each
-        offering spark_cores and spark_memory, in DIR/spark. On any failure everything already started is
+        offering spark_cores and spark_memory, in DIR/spark. duplex: the CF is a pair, the secondary a
+        synchronous copy of the primary (qsg.cfpair); its controller is the supervisor, so restart_cf is
+        required. On any failure everything already started is
         stopped again.
         """
+        if duplex and not restart_cf:
+            raise ClusterError("a duplexed CF needs the CF supervisor, which degrades and promotes the pair: drop "
+                               "--no-cf-restart")
         if not 1 <= managers <= 32:
             raise ClusterError(f"--managers must be 1-32, not {managers}")
         if backup_interval is not None and backup_interval <= 0:
@@ -187,7 +207,7 @@ class Cluster:
         if existing is not None and cls(d, existing).running_processes():
             raise ClusterError(f"a cluster is already running in {d}: run 'cfemu cluster down --dir {d}' first")
         private_dir(d)
-        for sub in ("cf", "logs", "backups", "run"):
+        for sub in ("cf", "logs", "backups", "run", *(("cf2",) if duplex else ())):
             private_dir(d / sub)
         # The group's secrets, made once and kept across restarts: the CF's users and the service's tokens. A token
         # given here replaces the application's (what clients already hold).
@@ -205,11 +225,14 @@ class Cluster:
             "scheduler": {"interval": backup_interval} if backup_interval else None,
             "cf_supervisor": {} if restart_cf else None,
             CLUSTER_SPARK: None,
+            "duplex": CFPair.new_state(d / "cf2") if duplex else None,
             "started_at": time.time(),
         }
         cluster = cls(d, state)
         try:
             cluster._start_cf(port=None)
+            if duplex:
+                cluster.pair.establish()
             if structure:
                 cluster._define(structure, queues, recauto=recauto)
             if cf_url_for is not None:
@@ -288,10 +311,12 @@ class Cluster:
             with contextlib.suppress(FileNotFoundError):
                 (cf_dir / leftover).unlink()
         passwords = credentials.create(self.secrets_dir)
+        acl = credentials.acl_lines(passwords) + (self.pair.acl() if self.duplexed else [])
         self._cf = EmbeddedRedis(port=port, data_dir=cf_dir, host=self.host, detach=self.state["detached"],
-                                 acl_users=credentials.acl_lines(passwords)).start()
+                                 acl_users=acl).start()
         self.state[CLUSTER_CF].update(port=self._cf.port, pid=self._cf.pid)
-        self.state[CLUSTER_REDIS_URL] = self._cf.url
+        self.state[CLUSTER_REDIS_URL] = self.pair.url() if self.duplexed and self.pair.state["addresses"] \
+            else self._cf.url
 
     def _define(self, structure: str, queues: Sequence[str], *, recauto: bool = True) -> None:
         """Define what is missing, in the CF and in the group repository under the cluster's log root."""
@@ -407,6 +432,8 @@ class Cluster:
             if self._cf is not None and self._cf.is_running():
                 raise ClusterError("the CF is still running; kill_cf() first")
             self._start_cf(port=int(self.state[CLUSTER_CF]["port"]))
+            if self.duplexed:  # a new generation, simplex; the secondary's copy is replaced by the empty one's
+                self.pair.restarted_empty()
             self._save()
 
     # --- the CF supervisor: who brings a lost CF back ----------------------------------------------------------
@@ -414,8 +441,14 @@ class Cluster:
         return _pid_runs(self.state.get(CLUSTER_CF, {}).get("pid"), b"redis")
 
     def restart_dead_cf(self) -> bool:
-        """Restart the CF (empty, same port) if it is dead; True when it did. What the supervisor does."""
+        """Restart the CF (empty, same port) if it is dead; True when it did. What the supervisor does. A
+        duplexed CF's supervisor tends the pair instead (qsg.cfpair: degrade, promote, resync, or restart empty)."""
         with self._cf_lock:
+            if self.duplexed:
+                event = self.pair.tend()
+                if event:
+                    self._save()
+                return event is not None
             if self.cf_alive():
                 return False
             if self._cf is not None:  # reap a child killed under us (a zombie holds no port, but is a pid)
@@ -514,6 +547,8 @@ class Cluster:
         sched = self.state.get("scheduler") or {}
         if _pid_runs(sched.get("pid"), b"backup.cli"):
             out["scheduler"] = sched["pid"]
+        if self.duplexed and self.pair.secondary_runs():
+            out["CF2"] = self.pair.state["secondary"]["pid"]
         sup = self.state.get("cf_supervisor") or {}
         if _pid_runs(sup.get("pid"), b"qsg.cluster"):
             out["cf_supervisor"] = sup["pid"]
@@ -528,6 +563,12 @@ class Cluster:
         cf = self.state[CLUSTER_CF]
         rows: list[dict[str, Any]] = [{"process": "CF", "pid": cf.get("pid"), "alive": "CF" in alive,
                                        "address": self.state.get(CLUSTER_REDIS_URL, ""), "ready": "CF" in alive}]
+        pair = self.pair.status() if self.duplexed else None
+        if pair is not None:
+            rows[0].update(process="CF (primary)", address=pair["primary"], role="primary")
+            rows.append({"process": "CF (secondary)", "pid": self.pair.state["secondary"].get("pid"),
+                         "alive": "CF2" in alive, "address": pair["secondary"], "role": "secondary",
+                         "ready": pair["secondary_state"] == "in sync", "state": pair["secondary_state"]})
         for m in self.state["managers"]:
             ready = m["name"] in alive and self._readyz(int(m["metrics_port"]))
             rows.append({"process": m["name"], "pid": m.get("pid"), "alive": m["name"] in alive,
@@ -547,9 +588,12 @@ class Cluster:
             for row in spark.processes():
                 rows.append({**row, "ready": row["alive"]})
             spark_master = spark.master_url
-        return {"dir": str(self.dir), "redis_url": self.state.get(CLUSTER_REDIS_URL), "spark_master": spark_master,
-                "log_root": str(self.log_root),
-                "backup_dir": str(self.backup_dir), "processes": rows}
+        doc = {"dir": str(self.dir), "redis_url": self.state.get(CLUSTER_REDIS_URL), "spark_master": spark_master,
+               "log_root": str(self.log_root),
+               "backup_dir": str(self.backup_dir), "processes": rows}
+        if pair is not None:
+            doc["duplex"] = pair
+        return doc
 
     def _readyz(self, port: int) -> bool:
         try:
@@ -568,7 +612,7 @@ class Cluster:
         if spark is not None:  # first: its executors may be reading the members' logs for a restore
             killed.update(spark.stop(timeout=timeout))
             self.state[CLUSTER_SPARK]["master_pid"] = None
-        targets = {k: v for k, v in self.running_processes().items() if k != "CF"}
+        targets = {k: v for k, v in self.running_processes().items() if k not in ("CF", "CF2")}
         for pid in targets.values():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
@@ -583,10 +627,15 @@ class Cluster:
             fresh = self._read_state(self.dir) or {}
             self.state[CLUSTER_CF] = fresh.get(CLUSTER_CF, self.state[CLUSTER_CF])
             self._cf = None
+            if self.duplexed:  # and promoted the secondary (the roles swapped)
+                self.state["duplex"] = fresh.get("duplex") or self.state["duplex"]
+                self._pair = None
         if "pid" in self.state.get(CLUSTER_CF, {}) and self.state[CLUSTER_CF].get("pid"):
             with contextlib.suppress(ClusterError):
                 self._cf_server().stop(timeout=timeout)
         self.state[CLUSTER_CF]["pid"] = None
+        if self.duplexed:
+            self.pair.stop_secondary(timeout=timeout)
         for m in self.state["managers"]:
             m["pid"] = None
         if self.state.get("scheduler"):
@@ -618,6 +667,11 @@ def supervise_main(argv: list[str] | None = None) -> int:
     cluster = Cluster.load(args.dir)
     while not stop.wait(args.interval):
         try:
+            if cluster.duplexed:  # the pair is tended at every interval, its primary alive or not
+                cluster = Cluster.load(args.dir)
+                if not stop.is_set():
+                    cluster.restart_dead_cf()
+                continue
             if not cluster.cf_alive():
                 cluster = Cluster.load(args.dir)  # what other processes changed since (managers' pids)
                 if not stop.is_set():

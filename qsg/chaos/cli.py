@@ -21,7 +21,7 @@ from rich.console import Console
 
 from cfemu.clitools import Output, run_command
 from qsg.chaos.checker import FINDING_KINDS, check
-from qsg.chaos.faults import KINDS, SHORT_KINDS, parse_kinds
+from qsg.chaos.faults import DUPLEX_KINDS, KINDS, SHORT_KINDS, parse_kinds
 from qsg.chaos.history import load_history
 
 
@@ -44,8 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--duration", type=_positive, default=25.0, help="seconds of workload per seed (25)")
-    common.add_argument("--faults", type=_kinds, default=KINDS, metavar="KINDS",
-                        help="all (default), short, none, or a comma-separated list (see 'cfemu chaos kinds')")
+    common.add_argument("--faults", type=_kinds, default=parse_kinds("all"), metavar="KINDS",
+                        help="all (default: every kind but the duplexed CF's), short, none, or a comma-separated "
+                             "list (see 'cfemu chaos kinds')")
     common.add_argument("--clients", type=int, default=8, help="client threads (8)")
     common.add_argument("--managers", type=int, default=3, help="SQM servers (3)")
     common.add_argument("--lease-ms", type=int, default=3000, help="SQM lease (3000)")
@@ -80,7 +81,7 @@ def cmd_chaos(args: argparse.Namespace, out: Output) -> int:
         from qsg.chaos import faults
 
         if args.json:
-            out.json({"kinds": list(KINDS), "short": list(SHORT_KINDS)})
+            out.json({"kinds": list(KINDS), "short": list(SHORT_KINDS), "duplex": list(DUPLEX_KINDS)})
         else:
             print(faults.__doc__.split("\n\n")[1] if faults.__doc__ else "\n".join(KINDS))
         return 0

@@ -44,6 +44,9 @@
 |                       | every structure ACTIVE; RECAUTO off again                                           |
 | member-own-log-root   | one more ``sqm run`` with a log root of its own: it must refuse to join (exit 2);   |
 |                       | if it joins, two committed puts go through it, then cf-kill (restore cannot see them)|
+| cf-kill-duplex-primary| (a duplexed group; not in 'all') the pair's supervisor on, the pair DUPLEX; kill -9 |
+|                       | of the primary: the secondary is promoted, nothing restored, nothing lost; the old  |
+|                       | primary resyncs as the secondary; the time to the promotion and to DUPLEX again     |
 
 After a fault heals, an SQM that exited (fenced) or no longer serves (its log failed) is restarted, as an
 operator would; the report says so. Every CF loss records each queue's get order on the live CF just before the
@@ -101,7 +104,11 @@ COST_S = {"sqm-kill": 7.0, "sqm-pause": 8.0, "cf-kill": 6.0, "cf-kill-during-res
           "during-backup": 12.0, "disk-full": 8.0, "clock-skew": 6.0, "peer-clock-skew": 32.0, "backup": 3.0,
           "client-leaves-waiting-get": 9.0, "big-messages": 12.0,
           "cf-kill-during-load-restart": 8.0, "restore-race": 8.0, "cf-kill-twice": 14.0,
-          "purge-then-cf-kill": 10.0, "member-own-log-root": 6.0, "cf-kill-recauto": 6.0}
+          "purge-then-cf-kill": 10.0, "member-own-log-root": 6.0, "cf-kill-recauto": 6.0,
+          "cf-kill-duplex-primary": 5.0}
+# Kinds that need a duplexed group (the runner starts one when a run has them): left out of 'all', which runs the
+# group simplex, so that every other kind keeps meeting the CF it was written for.
+DUPLEX_KINDS = ("cf-kill-duplex-primary",)
 ORDER_LIMIT = 100_000  # messages per queue an order snapshot reads
 IDLE_SETTLE_S = 7.0  # peer-clock-skew: longer than the coordinator's longest park before a resolve (6 s)
 
@@ -127,7 +134,7 @@ class FaultSpec:
 def parse_kinds(text: str) -> tuple[str, ...]:
     """'all', 'short', 'none' or a comma-separated list of kinds; an unknown kind is a ValueError naming it."""
     if text == "all":
-        return KINDS
+        return tuple(k for k in KINDS if k not in DUPLEX_KINDS)
     if text == "short":
         return SHORT_KINDS
     if text in ("none", ""):
@@ -403,6 +410,50 @@ def _all_active(g: ChaosGroup) -> bool:
         return False
     finally:
         client.close()
+
+
+def cf_kill_duplex_primary(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
+    """The duplexed CF's primary lost: its copy is promoted by the pair's controller (the cluster's CF supervisor,
+    qsg.cfpair), with nothing restored and nothing lost; the old primary comes back as the secondary."""
+    if not g.c.duplexed:
+        raise FaultError("cf-kill-duplex-primary needs a duplexed group: the runner starts one when the run's "
+                         "kinds name it")
+    out: dict[str, Any] = {}
+    pair = g.c.pair
+    g.c.supervise_cf()
+    try:
+        t0 = time.monotonic()
+        while pair.state["mode"] != "DUPLEX":  # after a cf-kill by hand the pair is simplex until it resyncs
+            if time.monotonic() - t0 > 60.0:
+                raise FaultError("the pair was not DUPLEX within 60s of its supervisor's start")
+            time.sleep(0.05)
+        step("pair DUPLEX", generation=pair.state["gen"])
+        promotions, restarts = pair.state["promotions"], pair.state["empty_restarts"]
+        live = order_snapshot(g)
+        pid = g.c.state[CLUSTER_CF]["pid"]
+        os.kill(int(pid), signal.SIGKILL)
+        t0 = time.monotonic()
+        step("primary CF killed", live_order=live)
+        while pair.state["promotions"] == promotions:
+            if time.monotonic() - t0 > 30.0:
+                raise FaultError("the secondary was not promoted within 30s of the primary's loss")
+            time.sleep(0.02)
+        out["promotion_s"] = round(time.monotonic() - t0, 3)
+        step("secondary promoted", generation=pair.state["gen"])
+        step("restored order read", restored_order=order_snapshot(g))
+        while pair.state["mode"] != "DUPLEX":
+            if time.monotonic() - t0 > 60.0:
+                raise FaultError("the pair was not DUPLEX again within 60s (the old primary's resync)")
+            time.sleep(0.05)
+        out["duplex_again_s"] = round(time.monotonic() - t0, 3)
+        out["empty_restarts"] = pair.state["empty_restarts"] - restarts  # a restore would follow one: must be 0
+        if out["empty_restarts"]:
+            raise FaultError("the pair restarted its primary empty instead of promoting the in-sync secondary")
+        step("duplexed again")
+    finally:
+        g.c.supervise_cf(False)
+    step("heal")
+    return out
 
 
 def cf_kill_recauto(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
@@ -1007,9 +1058,9 @@ FAULTS: dict[str, Callable[[ChaosGroup, FaultSpec, Step], dict[str, Any]]] = {
     "client-leaves-waiting-get": client_leaves_waiting_get, "big-messages": big_messages,
     "cf-kill-during-load-restart": cf_kill_during_load_restart, "restore-race": restore_race,
     "cf-kill-twice": cf_kill_twice, "purge-then-cf-kill": purge_then_cf_kill, "member-own-log-root": member_own_log_root,
-    "cf-kill-recauto": cf_kill_recauto,
+    "cf-kill-recauto": cf_kill_recauto, "cf-kill-duplex-primary": cf_kill_duplex_primary,
 }
 KINDS = tuple(FAULTS)  # a new kind is one function, one FAULTS row and one line in the table above
 
-__all__ = ["FAULTS", "FaultError", "FaultSpec", "KINDS", "SHORT_KINDS", "after_heal", "ensure_backups",
+__all__ = ["DUPLEX_KINDS", "FAULTS", "FaultError", "FaultSpec", "KINDS", "SHORT_KINDS", "after_heal", "ensure_backups",
            "order_snapshot", "parse_kinds", "restore_all", "schedule"]

@@ -121,12 +121,13 @@ class ChaosGroup:
     """Start, probe, heal and stop the group under test."""
 
     def __init__(self, directory: Path, *, managers: int, lease_ms: int, backup_interval: float | None,
-                 log_disk: bool) -> None:
+                 log_disk: bool, duplex: bool = False) -> None:
         self.dir = directory
         self.managers = managers
         self.lease_ms = lease_ms
         self.backup_interval = backup_interval
         self.want_log_disk = log_disk
+        self.duplex = duplex  # a duplexed CF (qsg.cfpair), for the kinds that need one (faults.DUPLEX_KINDS)
         self.cluster: Cluster | None = None
         self.cf_proxies: dict[str, FaultProxy] = {}
         self.client_proxies: dict[str, FaultProxy] = {}
@@ -147,7 +148,10 @@ class ChaosGroup:
         try:
             self.cluster = Cluster.up(self.dir, managers=self.managers, backup_interval=self.backup_interval,
                                       structure="APP1", queues=(*STRUCTURES["APP1"], PROBE_QUEUE, EDGE_QUEUE),
-                                      lease_ms=self.lease_ms, cf_url_for=self._cf_route, recauto=False)
+                                      lease_ms=self.lease_ms, cf_url_for=self._cf_route, recauto=False,
+                                      duplex=self.duplex, restart_cf=self.duplex)
+            if self.duplex:  # the pair's supervisor runs only while a duplex fault runs (the others restart by hand)
+                self.cluster.supervise_cf(False)
             client = self.cf()
             try:
                 admin = Admin(client)

@@ -19,7 +19,7 @@ from cfemu.cf import CF
 from cfemu.errors import MQError, NoMessageError, OutcomeUnknownError
 from qsg.chaos import report
 from qsg.chaos.checker import MUST_BE_ZERO, check
-from qsg.chaos.faults import FAULTS, FaultError, FaultSpec, after_heal, restore_all, schedule
+from qsg.chaos.faults import DUPLEX_KINDS, FAULTS, FaultError, FaultSpec, after_heal, restore_all, schedule
 from qsg.chaos.group import DRAINED, QUEUES, STRUCTURES, ChaosGroup
 from qsg.chaos.history import FAIL, OK, UNKNOWN, History, load_history
 from qsg.chaos.options import ChaosOptions
@@ -191,7 +191,8 @@ def run_chaos(opts: ChaosOptions, console: Console | None = None,
     history_path.unlink(missing_ok=True)
     history = History(history_path, seed=opts.seed, options=opts.to_json())
     group = ChaosGroup(rdir / "cluster", managers=opts.managers, lease_ms=opts.lease_ms,
-                       backup_interval=opts.backup_interval, log_disk="disk-full" in opts.kinds)
+                       backup_interval=opts.backup_interval, log_disk="disk-full" in opts.kinds,
+                       duplex=any(k in DUPLEX_KINDS for k in opts.kinds))
     group.history = history
     if specs is None:
         specs = schedule(opts.seed, opts.kinds, opts.duration, [f"QM{i}" for i in range(1, opts.managers + 1)],

@@ -16,7 +16,7 @@ from typing import Any
 from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from cfemu import keys
+from cfemu import duplex, keys
 from cfemu.admin import Admin
 from sqm import recauto
 from sqm.manager import CF_DOWN, QueueManager
@@ -138,6 +138,16 @@ class SQMCollector(Collector):
             if a is not None:
                 age.add_metric([sdef.name], a)
         yield from (depth, age, up)
+        if duplex.pair_of(qm.redis) is not None:  # a duplexed CF (cfemu.duplex): the pair's mode as the CF records it
+            mode, gen = qm.redis.hmget(keys.duplex(), [duplex.MODE_FIELD, duplex.GEN_FIELD])
+            g = GaugeMetricFamily("sqm_cf_duplexed", "1 when the duplexed CF's copy is in sync (DUPLEX), 0 when "
+                                  "it runs simplex (the secondary lost or resynchronising: CSQE250W)", labels=[])
+            g.add_metric([], 1.0 if mode == duplex.DUPLEX.encode() else 0.0)
+            yield g
+            g = GaugeMetricFamily("sqm_cf_generation", "The duplexed CF's generation (one more at every promotion)",
+                                  labels=[])
+            g.add_metric([], float(int(gen or 0)))
+            yield g
 
 
 def make_registry(qm: QueueManager, server_stats: Callable[[], dict[str, Any]] | None = None) -> CollectorRegistry:

@@ -498,3 +498,34 @@ def test_progress_is_reported_through_the_port_one_phase_per_step(
         mine = [(done, total) for p, done, total in calls if p == phase]
         assert mine[0] == (0, None) and mine[-1] == (step["snapshot"], step["snapshot"])
     assert sum(step["snapshot"] for step in manifest["steps"]) >= 5
+
+
+def test_failed_backup_clears_its_mark_once_the_cf_answers_again(
+        qsg: tuple[redis.Redis, list[QueueManager]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backup that fails while the CF does not answer (a duplexed CF promoting its copy, a cut link) keeps
+    asking to clear its mark: a mark left on a CF that kept its data refused every later backup (BACKUPRUNNING)."""
+    from cfemu.cf import Structure
+
+    client, (qm, _) = qsg
+    conn = qm.connect()
+    conn.put("Q1", b"x")
+    conn.commit()
+    real_end = Structure.backup_end
+    refused: list[int] = []
+
+    def end_while_cf_away(self: Structure, backup_id: str, caller_lrsn: int, ok: bool) -> int:
+        if not ok and len(refused) < 3:
+            refused.append(1)
+            raise redis.exceptions.ConnectionError("the CF does not answer (promotion under way)")
+        return real_end(self, backup_id, caller_lrsn, ok)
+
+    def explode(number: int, state: str) -> None:
+        if number == 2:
+            raise redis.exceptions.ConnectionError("Connection closed by server.")
+
+    monkeypatch.setattr(Structure, "backup_end", end_while_cf_away)
+    with pytest.raises(redis.exceptions.ConnectionError):
+        run_backup(client, "APP1", tmp_path / "bk", on_step=explode)
+    assert len(refused) == 3
+    assert "backup" not in CF(client).structure("APP1").info()
+    assert run_backup(client, "APP1", tmp_path / "bk")["entries"] == 1

@@ -92,3 +92,19 @@ def test_soak_every_fault_kind(tmp_path: Path, seed: int) -> None:
     s = json.loads(out.stdout)
     assert all(v == 0 for v in s["findings"].values()), (s["findings"], s["finding_details"][:5])
     assert out.returncode == 0, s["fault_errors"]
+
+
+def test_cf_kill_duplex_primary_run_finds_nothing(tmp_path: Path) -> None:
+    """The fault kind cf-kill-duplex-primary: a duplexed group; the primary killed under the chaos workload; its
+    copy is promoted, nothing restored; the checker finds nothing lost, duplicated or out of order."""
+    out = chaos("run", "--seed", "2", "--duration", "16", "--faults", "cf-kill-duplex-primary", "--json",
+                "--dir", str(tmp_path))
+    assert out.stdout, out.stderr[-3000:]
+    s = json.loads(out.stdout)
+    assert out.returncode == 0, (s["findings"], s["fault_errors"], (tmp_path / "report.md").read_text()[-3000:])
+    assert s["faults"] and not s["fault_errors"]
+    assert all(f["kind"] == "cf-kill-duplex-primary" and f["service_s"] is not None for f in s["faults"])
+    assert all(f["timings"]["promotion_s"] > 0 and f["timings"]["empty_restarts"] == 0 for f in s["faults"])
+    assert all(v == 0 for v in s["findings"].values())
+    logs = "".join(p.read_text(errors="replace") for p in (tmp_path / "process-logs").glob("QM*.log"))
+    assert "CSQE132I" not in logs  # no member restored anything
