@@ -1,0 +1,151 @@
+"""The CF spread over a local 3-master Redis Cluster (issue 17 part 3): real redis-server processes in cluster mode,
+in-process members, backup and restore over a ``redis+cluster://`` URL."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from backup.run import run_backup
+from cfemu import cluster_cf, keys, lua
+from cfemu.admin import Admin
+from cfemu.connection import ConnectionConfigError, connect
+from cfemu.embedded_cluster import EmbeddedCluster
+from cfemu.errors import MQError, NoMessageError
+from restore.run import run_restore
+from sqm.manager import QueueManager
+from tests.support.group import start_qm
+
+# Each of these lands on another master of a 3-master cluster with the slots split evenly (checked below).
+STRUCTURES = {"APP1": ("Q1",), "APP2": ("Q2",), "APP3": ("Q3",)}
+
+
+def define(cl: EmbeddedCluster) -> redis.Redis:
+    client = connect(cl.url("operator"))
+    admin = Admin(client)
+    for s, queues in STRUCTURES.items():
+        admin.ensure_structure(s, queues)
+    return client
+
+
+def put_committed(qm: QueueManager, queue: str, bodies: list[bytes]) -> None:
+    conn = qm.connect()
+    for b in bodies:
+        conn.put(queue, b)
+        conn.commit()
+
+
+def drain(qm: QueueManager, queue: str) -> list[bytes]:
+    conn = qm.connect()
+    out = []
+    while True:
+        try:
+            out.append(conn.get(queue).body)
+        except NoMessageError:
+            break
+        conn.commit()
+    return out
+
+
+def test_a_cluster_url_is_checked_before_anything_is_sent() -> None:
+    with pytest.raises(ConnectionConfigError, match="bad address"):
+        connect("redis+cluster://127.0.0.1:7000/?node=127.0.0.1:notaport")
+
+
+def test_every_script_names_the_keys_of_one_hash_tag_only() -> None:
+    """A script that touched two tags would be refused by a cluster (CROSSSLOT): a structure script gets the
+    structure's eight keys (one tag); an admin script's KEYS are all {ADMIN}'s, but raise_fence, which gets one
+    structure's fence and nothing else."""
+    assert {k.split("}")[0] for k in keys.script_keys("APP1")} == {"{APP1"}
+    for name in lua.admin_operations():
+        header = next(line for line in lua.source(name).splitlines() if line.startswith("-- KEYS"))
+        tags = {part.split("}")[0] + "}" for part in header.split("{")[1:]}
+        assert len(tags) == 1, f"{name} names keys of several tags: {header}"
+
+
+def test_structures_spread_over_the_masters_and_members_work_on_each(redis_cluster: EmbeddedCluster,
+                                                                    tmp_path: Path) -> None:
+    cl = redis_cluster
+    client = define(cl)
+    masters = {s: cl.master_of(s) for s in STRUCTURES}
+    assert len(set(masters.values())) == 3, masters  # one structure per master
+    assert cluster_cf.structure_masters(client, STRUCTURES) == {s: cl.address(n) for s, n in masters.items()}
+    # Every key of a structure is on its master, none elsewhere; the admin structure is on its own slot's master.
+    for s, node in masters.items():
+        for other in cl.nodes:
+            found = list(cl.admin_client(other).scan_iter(match=f"{{{s}}}:*"))
+            assert bool(found) == (other == node), (s, other)
+    assert list(cl.admin_client(cl.master_of("ADMIN")).scan_iter(match="{ADMIN}:*"))
+
+    logs = tmp_path / "logs"
+    qm1 = start_qm(cl.url("member"), logs, "QM1", background=False)
+    qm2 = start_qm(cl.url("member"), logs, "QM2", background=False)
+    try:
+        for s, (q,) in STRUCTURES.items():
+            put_committed(qm1, q, [f"{s}-{i}".encode() for i in range(5)])
+        for s, (q,) in STRUCTURES.items():
+            assert drain(qm2, q) == [f"{s}-{i}".encode() for i in range(5)]
+    finally:
+        qm1.stop()
+        qm2.stop()
+
+
+def test_one_structure_is_restored_while_the_others_keep_working_on_other_masters(
+        redis_cluster: EmbeddedCluster, tmp_path: Path) -> None:
+    cl = redis_cluster
+    client = define(cl)
+    logs, backups = tmp_path / "logs", tmp_path / "backups"
+    qm1 = start_qm(cl.url("member"), logs, "QM1", background=False)
+    qm2 = start_qm(cl.url("member"), logs, "QM2", background=False)
+    try:
+        put_committed(qm1, "Q1", [b"before-%d" % i for i in range(20)])
+        backup_client = connect(cl.url("backup"))
+        run_backup(backup_client, "APP1", backups, log_root=logs)
+        put_committed(qm1, "Q1", [b"after-%d" % i for i in range(20)])  # only in the logs
+        qm1.log.force() if qm1.log else None  # type: ignore[func-returns-value]
+        # APP1's master loses it (its keys only); the other masters and the admin structure are untouched.
+        node = cl.master_of("APP1")
+        assert node not in (cl.master_of("APP2"), cl.master_of("APP3"), cl.master_of("ADMIN"))
+        doomed = list(cl.admin_client(node).scan_iter(match="{APP1}:*"))
+        cl.admin_client(node).delete(*doomed)
+        assert Admin(client).state("APP1") == "FAILED"
+
+        stop = threading.Event()
+        served: list[int] = []
+        errors: list[str] = []
+
+        def others() -> None:  # work on APP2 and APP3 all along the restore
+            conn = qm2.connect()
+            while not stop.is_set():
+                try:
+                    for q in ("Q2", "Q3"):
+                        conn.put(q, b"x")
+                        conn.commit()
+                        conn.get(q)
+                        conn.commit()
+                    served.append(1)
+                except MQError as e:
+                    errors.append(str(e))
+
+        worker = threading.Thread(target=others, daemon=True)
+        worker.start()
+        t0 = time.monotonic()
+        try:
+            result = run_restore(connect(cl.url("restore")), "APP1", backup_root=backups, log_root=logs)
+        finally:
+            took = time.monotonic() - t0
+            time.sleep(0.2)
+            stop.set()
+            worker.join(10)
+        assert errors == [] and len(served) > 0, (errors, len(served), took)
+        assert result.loaded_entries == 40
+        assert Admin(client).state("APP1") == "ACTIVE"
+        assert sorted(drain(qm2, "Q1")) == sorted([b"before-%d" % i for i in range(20)]
+                                                  + [b"after-%d" % i for i in range(20)])
+    finally:
+        qm1.stop()
+        qm2.stop()
