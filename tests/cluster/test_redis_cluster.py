@@ -149,3 +149,116 @@ def test_one_structure_is_restored_while_the_others_keep_working_on_other_master
     finally:
         qm1.stop()
         qm2.stop()
+
+
+def recovery_hook(cl: EmbeddedCluster, backups: Path, logs: Path):  # type: ignore[no-untyped-def]
+    """A member's RECAUTO restore, as qsg.member wires it into ``sqm run``: run_restore with the restore role."""
+    def recover(structure: str, progress):  # type: ignore[no-untyped-def]
+        client = connect(cl.url("restore"))
+        try:
+            r = run_restore(client, structure, backup_root=backups, log_root=logs, progress=progress)
+        finally:
+            client.close()
+        return {"backup": r.backup_id, "base_kind": r.base_kind, "replay_from": r.replay_from,
+                "summary": f"{r.loaded_entries} entries", "report": r.report_path}
+    return recover
+
+
+class Producer:
+    """Committed puts on a queue through one member, each its own UOW; what the application was told."""
+
+    def __init__(self, qm: QueueManager, queue: str) -> None:
+        self.qm, self.queue = qm, queue
+        self.acked: list[bytes] = []
+        self.maybe: list[bytes] = []
+        self.failures = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        conn = self.qm.connect()
+        i = 0
+        while not self.stop.is_set():
+            body = b"%s-%d" % (self.queue.encode(), i)
+            i += 1
+            try:
+                conn.put(self.queue, body)
+            except MQError:
+                self.failures += 1
+                try:
+                    conn.backout()
+                except MQError:
+                    pass
+                time.sleep(0.05)
+                continue
+            try:
+                conn.commit()
+                self.acked.append(body)
+            except MQError:
+                self.maybe.append(body)
+                self.failures += 1
+                time.sleep(0.05)
+
+    def __enter__(self) -> Producer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(30)
+
+
+def wait_for(cond, timeout: float, what: str) -> float:  # type: ignore[no-untyped-def]
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        try:
+            if cond():
+                return time.monotonic() - t0
+        except (MQError, redis.exceptions.RedisError):
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def test_a_master_killed_under_load_has_its_structures_restored_automatically_and_nothing_is_lost(
+        redis_cluster: EmbeddedCluster, tmp_path: Path) -> None:
+    """SIGKILL the master holding APP1 (no replica): the other masters keep serving APP2 and APP3 meanwhile; the
+    node comes back empty on its port (as the launcher's supervisor brings it back); a member restores APP1 by
+    itself (RECAUTO) from its backup and the logs; every acknowledged put is there, once."""
+    cl = redis_cluster
+    client = define(cl)
+    logs, backups = tmp_path / "logs", tmp_path / "backups"
+    hook = recovery_hook(cl, backups, logs)
+    qm1 = start_qm(cl.url("member"), logs, "QM1", recover_structure=hook)
+    qm2 = start_qm(cl.url("member"), logs, "QM2", recover_structure=hook)
+    try:
+        put_committed(qm1, "Q1", [b"early-%d" % i for i in range(10)])
+        for s in STRUCTURES:
+            run_backup(connect(cl.url("backup")), s, backups, log_root=logs)
+        node = cl.master_of("APP1")
+        assert node != cl.master_of("ADMIN")
+        with Producer(qm1, "Q1") as p1, Producer(qm2, "Q3") as p3:
+            wait_for(lambda: len(p1.acked) >= 20 and len(p3.acked) >= 20, 30, "load on APP1 and APP3")
+            pid = cl.kill(node)
+            killed = time.monotonic()
+            assert pid
+            served_before = len(p3.acked)
+            wait_for(lambda: len(p3.acked) > served_before + 10, 20, "APP3 to keep working while APP1's master is down")
+            time.sleep(1.5)  # past the cluster's node timeout: the others see the master failed
+            cl.start_node(node)  # back empty on its port, owning its slots again
+            wait_for(lambda: Admin(client).state("APP1") == "ACTIVE", 90, "APP1 ACTIVE again (RECAUTO)")
+            acked_at_kill = len(p1.acked)
+            wait_for(lambda: len(p1.acked) > acked_at_kill + 5, 30, "puts on APP1 again")
+            to_full_service = time.monotonic() - killed
+        recoveries = qm1.counters.get("structure_recoveries_completed", 0) + qm2.counters.get(
+            "structure_recoveries_completed", 0)
+        assert recoveries == 1, (qm1.counters, qm2.counters)
+        got = drain(qm2, "Q1")
+        acked = [b"early-%d" % i for i in range(10)] + p1.acked
+        assert len(got) == len(set(got)), "a message delivered twice"
+        assert set(acked) <= set(got), f"lost: {sorted(set(acked) - set(got))[:5]}"
+        assert set(got) <= set(acked) | set(p1.maybe)
+        print(f"kill to full service: {to_full_service:.1f}s; acked {len(acked)}, maybe {len(p1.maybe)}")
+    finally:
+        qm1.stop()
+        qm2.stop()
