@@ -220,40 +220,43 @@ def wait_for(cond, timeout: float, what: str) -> float:  # type: ignore[no-untyp
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
+@pytest.mark.parametrize("victim", ["APP1", "APP2"])
 def test_a_master_killed_under_load_has_its_structures_restored_automatically_and_nothing_is_lost(
-        redis_cluster: EmbeddedCluster, tmp_path: Path) -> None:
-    """SIGKILL the master holding APP1 (no replica): the other masters keep serving APP2 and APP3 meanwhile; the
-    node comes back empty on its port (as the launcher's supervisor brings it back); a member restores APP1 by
-    itself (RECAUTO) from its backup and the logs; every acknowledged put is there, once."""
+        redis_cluster: EmbeddedCluster, tmp_path: Path, victim: str) -> None:
+    """SIGKILL the master holding a structure (no replica): the other masters keep serving APP3 meanwhile; the
+    node comes back empty on its port (as the launcher's supervisor brings it back); a member restores the
+    structure by itself (RECAUTO) from its backup and the logs; every acknowledged put is there, once. APP2 shares
+    its master with the admin structure: the members re-join the admin structure that came back empty."""
     cl = redis_cluster
+    queue = STRUCTURES[victim][0]
     client = define(cl)
     logs, backups = tmp_path / "logs", tmp_path / "backups"
     hook = recovery_hook(cl, backups, logs)
     qm1 = start_qm(cl.url("member"), logs, "QM1", recover_structure=hook)
     qm2 = start_qm(cl.url("member"), logs, "QM2", recover_structure=hook)
     try:
-        put_committed(qm1, "Q1", [b"early-%d" % i for i in range(10)])
+        put_committed(qm1, queue, [b"early-%d" % i for i in range(10)])
         for s in STRUCTURES:
             run_backup(connect(cl.url("backup")), s, backups, log_root=logs)
-        node = cl.master_of("APP1")
-        assert node != cl.master_of("ADMIN")
-        with Producer(qm1, "Q1") as p1, Producer(qm2, "Q3") as p3:
+        node = cl.master_of(victim)
+        assert (node == cl.master_of("ADMIN")) == (victim == "APP2") and node != cl.master_of("APP3")
+        with Producer(qm1, queue) as p1, Producer(qm2, "Q3") as p3:
             wait_for(lambda: len(p1.acked) >= 20 and len(p3.acked) >= 20, 30, "load on APP1 and APP3")
             pid = cl.kill(node)
             killed = time.monotonic()
             assert pid
             served_before = len(p3.acked)
-            wait_for(lambda: len(p3.acked) > served_before + 10, 20, "APP3 to keep working while APP1's master is down")
+            wait_for(lambda: len(p3.acked) > served_before + 10, 20, "APP3 to keep working meanwhile")
             time.sleep(1.5)  # past the cluster's node timeout: the others see the master failed
             cl.start_node(node)  # back empty on its port, owning its slots again
-            wait_for(lambda: Admin(client).state("APP1") == "ACTIVE", 90, "APP1 ACTIVE again (RECAUTO)")
+            wait_for(lambda: Admin(client).state(victim) == "ACTIVE", 90, f"{victim} ACTIVE again (RECAUTO)")
             acked_at_kill = len(p1.acked)
-            wait_for(lambda: len(p1.acked) > acked_at_kill + 5, 30, "puts on APP1 again")
+            wait_for(lambda: len(p1.acked) > acked_at_kill + 5, 30, f"puts on {victim} again")
             to_full_service = time.monotonic() - killed
         recoveries = qm1.counters.get("structure_recoveries_completed", 0) + qm2.counters.get(
             "structure_recoveries_completed", 0)
         assert recoveries == 1, (qm1.counters, qm2.counters)
-        got = drain(qm2, "Q1")
+        got = drain(qm2, queue)
         acked = [b"early-%d" % i for i in range(10)] + p1.acked
         assert len(got) == len(set(got)), "a message delivered twice"
         assert set(acked) <= set(got), f"lost: {sorted(set(acked) - set(got))[:5]}"
