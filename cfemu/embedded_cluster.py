@@ -34,7 +34,7 @@ import redis
 
 from cfemu import credentials
 from cfemu.cluster_cf import slot_of
-from cfemu.embedded import EmbeddedRedis
+from cfemu.embedded import EmbeddedRedis, ServerNotRunningError
 from cfemu.private_files import private_dir, write_private
 
 __all__ = ["ADMIN_USER", "REPLICATION_USER", "EmbeddedCluster", "cluster_acl_lines"]
@@ -100,7 +100,8 @@ class EmbeddedCluster:
     """N masters (+ N replicas) in cluster mode, their directories under `directory` (node-<i>)."""
 
     def __init__(self, directory: str | Path, *, masters: int = 3, replicas: int = 0, node_timeout_ms: int = 1000,
-                 ports: list[int] | None = None, secrets_dir: Path | None = None) -> None:
+                 ports: list[int] | None = None, secrets_dir: Path | None = None, host: str = "127.0.0.1",
+                 detach: bool = False) -> None:
         if masters < 3:
             raise ValueError(f"a Redis Cluster needs at least 3 masters, not {masters}")
         if replicas not in (0, 1):
@@ -109,20 +110,30 @@ class EmbeddedCluster:
         self.secrets_dir = private_dir(secrets_dir or self.directory / credentials.SECRETS_DIR)
         self.passwords, self.admin_password, self.replication_password = cluster_secrets(self.secrets_dir)
         self.masters, self.replicas, self.node_timeout_ms = masters, replicas, node_timeout_ms
-        acl = cluster_acl_lines(self.passwords, self.admin_password, self.replication_password)
+        self.host, self.detach = host, detach
         count = masters * (1 + replicas)
         if ports is not None and len(ports) != count:
             raise ValueError(f"{count} ports needed, {len(ports)} given")
-        self.nodes: dict[str, EmbeddedRedis] = {}
         taken: set[int] = set()
-        for i in range(count):
-            config = {"cluster-enabled": "yes", "cluster-config-file": "nodes.conf",
-                      "cluster-node-timeout": str(node_timeout_ms), "cluster-require-full-coverage": "no",
-                      "cluster-replica-validity-factor": "0"}
-            # masterauth is set with CONFIG SET once the node runs (start_node): never on a command line (ps).
-            self.nodes[f"node-{i}"] = EmbeddedRedis(port=ports[i] if ports else cluster_port(taken=taken),
-                                                    data_dir=self.directory / f"node-{i}", acl_users=acl,
-                                                    config=config)
+        self.ports = {f"node-{i}": ports[i] if ports else cluster_port(host, taken) for i in range(count)}
+        self.nodes: dict[str, EmbeddedRedis] = {n: self._server(n) for n in self.ports}
+
+    def _server(self, name: str) -> EmbeddedRedis:
+        """A node's server (not started): its port, directory, ACL file and cluster settings. masterauth is set
+        with CONFIG SET once it runs (start_node): never on a command line, where ps shows it."""
+        config = {"cluster-enabled": "yes", "cluster-config-file": "nodes.conf",
+                  "cluster-node-timeout": str(self.node_timeout_ms), "cluster-require-full-coverage": "no",
+                  "cluster-replica-validity-factor": "0"}
+        acl = cluster_acl_lines(self.passwords, self.admin_password, self.replication_password)
+        return EmbeddedRedis(port=self.ports[name], data_dir=self.directory / name, host=self.host, acl_users=acl,
+                             config=config, detach=self.detach)
+
+    def adopt(self) -> EmbeddedCluster:
+        """Take over the nodes another process started detached (their server.json), to kill or stop them."""
+        for n in self.nodes:
+            with contextlib.suppress(ServerNotRunningError):
+                self.nodes[n] = EmbeddedRedis.attach(self.directory / n)
+        return self
 
     # --- addresses -------------------------------------------------------------------------------------------
     def address(self, name: str) -> str:
@@ -206,6 +217,12 @@ class EmbeddedCluster:
     def running(self) -> list[str]:
         return [n for n, s in self.nodes.items() if s.is_running()]
 
+    def dead(self) -> list[str]:
+        return [n for n, s in self.nodes.items() if not s.is_running()]
+
+    def pids(self) -> dict[str, int | None]:
+        return {n: s.pid if s.is_running() else None for n, s in self.nodes.items()}
+
     def slot_masters(self) -> dict[str, list[tuple[int, int]]]:
         """address -> the slot ranges it serves as master, as a running node sees it."""
         for n in self.running():
@@ -245,6 +262,14 @@ class EmbeddedCluster:
     def start_node(self, name: str) -> None:
         """Start a (stopped) node on its port: empty (no data on disk), with its cluster config; then give it the
         replication user's password, so that as a replica it can authenticate to its master."""
+        if self.nodes[name].is_running():
+            return
+        with contextlib.suppress(Exception):
+            self.nodes[name].kill()  # reap a child killed under us
+        for leftover in ("dump.rdb", "appendonly.aof"):  # a node always starts empty, as a lost CF does
+            with contextlib.suppress(FileNotFoundError):
+                (self.directory / name / leftover).unlink()
+        self.nodes[name] = self._server(name)
         self.nodes[name].start()
         self._ask(name, "CONFIG", "SET", "masteruser", REPLICATION_USER)
         self._ask(name, "CONFIG", "SET", "masterauth", self.replication_password)

@@ -409,7 +409,8 @@ def cmd_cluster(args: argparse.Namespace, out: Output) -> int:
             cluster = Cluster.up(d, managers=args.managers, backup_interval=args.backup_interval or None,
                                  lease_ms=args.lease_ms, token=args.token, detach=True,
                                  structure=args.structure or None, queues=args.queue or ("Q1", "Q2"),
-                                 restart_cf=args.cf_restart, recauto=args.recauto)
+                                 restart_cf=args.cf_restart, recauto=args.recauto,
+                                 redis_cluster=args.redis_cluster)
         doc = cluster.status()
         doc["seconds"] = round(time.monotonic() - t0, 2)
     elif args.action == "down":
@@ -545,6 +546,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="up: no supervisor restarting a dead CF (default: restarted, empty, on the same port)")
     cl.add_argument("--no-recauto", dest="recauto", action="store_false",
                     help="up: define the structure with RECAUTO off (a lost structure waits for 'cfrestore run')")
+    cl.add_argument("--redis-cluster", type=int, default=0, metavar="N",
+                    help="up: the CF as a Redis Cluster of N masters (3-16): the structures spread over them")
     cl.add_argument("--timeout", type=float, default=10.0, help="down: seconds before SIGKILL")
     cl.add_argument("--purge", action="store_true", help="down: also delete the directory (logs, backups)")
 

@@ -1,0 +1,56 @@
+"""``cfemu cluster up --redis-cluster 3``: the local launcher with a 3-master Redis Cluster as the CF (real
+redis-server nodes, real ``sqm run`` members, the backup scheduler, the supervisor that restarts a dead node)."""
+
+from __future__ import annotations
+
+import json
+import stat
+import time
+from pathlib import Path
+
+import pytest
+
+from cfemu.admin import Admin
+from cfemu.connection import connect
+from qsg.cluster import Cluster, ClusterError
+
+
+def test_a_cluster_with_a_redis_cluster_cf_shows_its_nodes_and_heals_a_killed_master(tmp_path: Path) -> None:
+    c = Cluster.up(tmp_path / "cl", managers=2, backup_interval=1.0, redis_cluster=3, restart_cf=True)
+    try:
+        doc = c.status()
+        nodes = [r for r in doc["processes"] if r["process"].startswith("CF ")]
+        assert [r["role"] for r in nodes] == ["master"] * 3 and all(r["slots"] for r in nodes)
+        assert doc["redis_url"].startswith("redis+cluster://") and "@" not in doc["redis_url"]  # no secret
+        json.dumps(doc)  # what status --json prints
+        for path in (tmp_path / "cl" / "cf").rglob("*"):
+            mode = stat.S_IMODE(path.stat().st_mode)
+            assert mode & 0o077 == 0, f"{path} is {oct(mode)}"
+        client = connect(c.cf_url("operator"))
+        admin = Admin(client)
+        assert admin.state("APP1") == "ACTIVE"
+        time.sleep(2.5)  # a backup of APP1 by the scheduler
+        holder = next(r for r in nodes if r["address"] == c._cluster_nodes().address(
+            c._cluster_nodes().master_of("APP1")))
+        killed = c.kill_cf_node(holder["process"].split()[1])
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 60:
+            try:
+                if c.cf_alive() and admin.state("APP1") == "ACTIVE":
+                    break
+            except Exception:  # noqa: BLE001 - the cluster settles
+                pass
+            time.sleep(0.2)
+        assert admin.state("APP1") == "ACTIVE" and c.cf_restarts >= 1
+        assert c.running_processes()[holder["process"]] != killed
+        with pytest.raises(ClusterError, match="no CF node"):
+            c.kill_cf_node("node-9")
+    finally:
+        c.down()
+    assert not c.running_processes()
+
+
+def test_a_redis_cluster_needs_three_masters(tmp_path: Path) -> None:
+    with pytest.raises(ClusterError, match="3-16"):
+        Cluster.up(tmp_path / "cl", redis_cluster=2)
+    assert not (tmp_path / "cl").exists()
