@@ -135,7 +135,10 @@ class Seen(NamedTuple):
 
 def cf_identity(client: redis.Redis) -> str:
     """The CF's identity: the run id of its redis-server process (a restarted server has a new one, even when it
-    reloads its data from disk)."""
+    reloads its data from disk). A Redis Cluster's, through its cluster client: its masters' run ids (a restore
+    compares the one master that holds its structure: observe and claim ask that master, cluster_cf.node_client)."""
+    if cluster_cf.is_cluster(client):
+        return "+".join(sorted(cluster_cf.master_run_ids(client)))
     return str(client.info("server")["run_id"])
 
 

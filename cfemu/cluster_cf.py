@@ -141,6 +141,13 @@ def node_client(client: redis.Redis, structure: str, *, fresh: bool = True) -> r
     return rc.get_redis_connection(node)
 
 
+def master_run_ids(client: redis.Redis) -> list[str]:
+    """The INFO run_id of every master the client's slot map names."""
+    rc = cast(RedisCluster, client)
+    rc.nodes_manager.initialize()
+    return [str(rc.get_redis_connection(n).info("server")["run_id"]) for n in rc.get_primaries()]
+
+
 def structure_masters(client: redis.Redis, structures: Iterable[str]) -> dict[str, str]:
     """structure -> "host:port" of its master (status, tests)."""
     return {s: master_of(client, s) for s in structures}

@@ -121,8 +121,9 @@ class ChaosGroup:
     """Start, probe, heal and stop the group under test."""
 
     def __init__(self, directory: Path, *, managers: int, lease_ms: int, backup_interval: float | None,
-                 log_disk: bool) -> None:
+                 log_disk: bool, redis_cluster: int = 0) -> None:
         self.dir = directory
+        self.redis_cluster = redis_cluster  # the CF as a Redis Cluster: no proxy between the SQMs and the CF
         self.managers = managers
         self.lease_ms = lease_ms
         self.backup_interval = backup_interval
@@ -147,7 +148,10 @@ class ChaosGroup:
         try:
             self.cluster = Cluster.up(self.dir, managers=self.managers, backup_interval=self.backup_interval,
                                       structure="APP1", queues=(*STRUCTURES["APP1"], PROBE_QUEUE, EDGE_QUEUE),
-                                      lease_ms=self.lease_ms, cf_url_for=self._cf_route, recauto=False)
+                                      lease_ms=self.lease_ms, recauto=False, redis_cluster=self.redis_cluster,
+                                      # a cluster client follows the cluster's redirections to the nodes
+                                      # themselves: no proxy can stand between an SQM and a Redis Cluster CF
+                                      cf_url_for=None if self.redis_cluster else self._cf_route)
             client = self.cf()
             try:
                 admin = Admin(client)

@@ -253,6 +253,11 @@ def test_a_master_killed_under_load_has_its_structures_restored_automatically_an
             acked_at_kill = len(p1.acked)
             wait_for(lambda: len(p1.acked) > acked_at_kill + 5, 30, f"puts on {victim} again")
             to_full_service = time.monotonic() - killed
+            # The structures that outlived the node (and, for APP2, the admin structure) serve the re-joined
+            # members: their fences carry the members' new epochs (cfemu.repository.redefine_survivors).
+            served_after = len(p3.acked)
+            wait_for(lambda: len(p3.acked) > served_after + 10, 20, "APP3 to serve the re-joined members")
+        assert not qm1.fenced and not qm2.fenced
         recoveries = qm1.counters.get("structure_recoveries_completed", 0) + qm2.counters.get(
             "structure_recoveries_completed", 0)
         assert recoveries == 1, (qm1.counters, qm2.counters)
