@@ -307,6 +307,7 @@ class Cluster:
         if all((nodes.directory / n / "nodes.conf").exists() for n in nodes.nodes):
             for n in nodes.dead():
                 nodes.start_node(n)
+            nodes.wait_ok()  # as a single CF's start waits for PING: the restarted nodes serve their slots
         else:
             nodes.start()
         self.state[CLUSTER_REDIS_URL] = cluster_cf.record(self.state[CLUSTER_CF], nodes)
