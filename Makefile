@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.stamp
 PYTEST_ARGS ?=
 
-.PHONY: venv test lint typecheck demo bench bench-full compose-images compose-test clean
+.PHONY: venv test lint typecheck demo bench bench-full compose-images compose-test rcluster-test clean
 
 venv: $(STAMP)
 
@@ -55,6 +55,11 @@ compose-images: venv
 
 compose-test: compose-images
 	DOCKER=$(DOCKER) $(BIN)/pytest -m compose -p no:cacheprovider -s tests/compose $(PYTEST_ARGS)
+
+# The demo and the chaos short runs against a local 3-master Redis Cluster as the CF (opt-in: about 4 minutes on
+# 2 cores); the cluster's own tests (tests/cluster, not marked) run in `make test`.
+rcluster-test: venv
+	$(BIN)/pytest -m rcluster -p no:cacheprovider tests/cluster $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis spark-warehouse
