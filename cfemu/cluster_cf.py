@@ -50,7 +50,15 @@ class CFCluster(RedisCluster):
 
     def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         try:
-            return super().execute_command(*args, **kwargs)
+            try:
+                return super().execute_command(*args, **kwargs)
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
+                # A master that could not be connected to was sent nothing, and redis-py has just read the slot map
+                # again: after a failover the slot has a new master, so the command goes there, once. Any other
+                # connection error may have lost a reply: never resent (cfemu.connection).
+                if "connecting to" not in str(e).lower() or "target_nodes" in kwargs:
+                    raise
+                return super().execute_command(*args, **kwargs)
         except redis.exceptions.ClusterDownError as e:
             raise ClusterUnavailableError(f"the CF cluster cannot serve the slot now: {e}") from None
         except redis.exceptions.SlotNotCoveredError as e:
