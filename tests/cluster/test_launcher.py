@@ -54,3 +54,27 @@ def test_a_redis_cluster_needs_three_masters(tmp_path: Path) -> None:
     with pytest.raises(ClusterError, match="3-16"):
         Cluster.up(tmp_path / "cl", redis_cluster=2)
     assert not (tmp_path / "cl").exists()
+
+
+def test_the_settings_resolver_gives_a_redis_cluster_cf_url_with_the_role_user(tmp_path: Path) -> None:
+    """cluster.json of a Redis Cluster CF: its URL counts while any node runs (node-0 may be the dead one), and
+    each command's role user and password go into it as for a single CF."""
+    import os
+
+    from cfemu import credentials
+    from cfemu.settings import CLUSTER_CF, CLUSTER_FILE, CLUSTER_REDIS_URL, resolve
+
+    d = tmp_path / "cl"
+    d.mkdir()
+    credentials.create(d / credentials.SECRETS_DIR)
+    url = "redis+cluster://127.0.0.1:7000/?node=127.0.0.1:7001&node=127.0.0.1:7002"
+    state = {CLUSTER_REDIS_URL: url, CLUSTER_CF: {"dir": str(d / "cf"), "redis_cluster": 3, "pid": None,
+                                                  "nodes": [{"name": "node-0", "pid": None},
+                                                            {"name": "node-1", "pid": os.getpid()}]}}
+    (d / CLUSTER_FILE).write_text(json.dumps(state))
+    found = resolve(cluster_dir=d, role="member", env={})
+    password = credentials.read_password(d / credentials.SECRETS_DIR, "member")
+    assert found.redis_url == url.replace("//", f"//qsg-member:{password}@", 1)
+    state[CLUSTER_CF]["nodes"][1]["pid"] = None  # type: ignore[index]
+    (d / CLUSTER_FILE).write_text(json.dumps(state))
+    assert resolve(cluster_dir=d, role="member", env={}).redis_url is None  # no node runs: no CF
