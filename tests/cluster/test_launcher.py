@@ -78,3 +78,31 @@ def test_the_settings_resolver_gives_a_redis_cluster_cf_url_with_the_role_user(t
     state[CLUSTER_CF]["nodes"][1]["pid"] = None  # type: ignore[index]
     (d / CLUSTER_FILE).write_text(json.dumps(state))
     assert resolve(cluster_dir=d, role="member", env={}).redis_url is None  # no node runs: no CF
+
+
+def test_cfemu_cluster_up_redis_cluster_on_the_command_line(tmp_path: Path) -> None:
+    """The detached launcher (what a user runs): up --json lists the nodes, down stops every one of them."""
+    import subprocess
+    import sys
+
+    d = tmp_path / "cl"
+
+    def cfemu(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "qsg.cli", "cluster", *args, "--dir", str(d), "--json"],
+                              capture_output=True, text=True, timeout=120)
+
+    up = cfemu("up", "--redis-cluster", "3", "--managers", "1", "--backup-interval", "0")
+    try:
+        assert up.returncode == 0, up.stderr[-2000:]
+        doc = json.loads(up.stdout)
+        nodes = [r for r in doc["processes"] if r["process"].startswith("CF node-")]
+        assert len(nodes) == 3 and all(r["alive"] and r["role"] == "master" for r in nodes)
+        assert {r["process"] for r in doc["processes"]} >= {"QM1", "cf-supervisor"}
+        status = json.loads(cfemu("status").stdout)
+        assert [r["slots"] for r in status["processes"] if r["process"].startswith("CF node-")] == [
+            r["slots"] for r in nodes]
+    finally:
+        down = cfemu("down")
+    assert down.returncode == 0, down.stderr[-2000:]
+    assert json.loads(down.stdout)["still_running"] == {}
+    assert not Cluster.load(d).running_processes()
