@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.stamp
 PYTEST_ARGS ?=
 
-.PHONY: venv test lint typecheck demo bench bench-full compose-images compose-test spark-cluster-test clean
+.PHONY: venv test lint typecheck demo bench bench-full compose-images compose-test spark-cluster-test rcluster-test clean
 
 venv: $(STAMP)
 
@@ -59,6 +59,11 @@ compose-test: compose-images
 # A Spark standalone master and two workers from the installed pyspark (needs java): cfrestore on them (~3 min).
 spark-cluster-test:
 	$(BIN)/pytest -m spark_cluster -p no:cacheprovider tests/restore/test_spark_standalone.py $(PYTEST_ARGS)
+
+# The demo and the chaos short runs against a local 3-master Redis Cluster as the CF (opt-in: about 4 minutes on
+# 2 cores); the cluster's own tests (tests/cluster, not marked) run in `make test`.
+rcluster-test: venv
+	$(BIN)/pytest -m rcluster -p no:cacheprovider tests/cluster $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis spark-warehouse

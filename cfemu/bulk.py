@@ -35,7 +35,7 @@ from redis.backoff import NoBackoff
 from redis.client import Pipeline
 from redis.retry import Retry
 
-from cfemu import keys
+from cfemu import cluster_cf, keys
 from cfemu.admin import EPOCHS, StructureDef, stage_structure
 from cfemu.entry import Entry
 
@@ -135,7 +135,10 @@ class Seen(NamedTuple):
 
 def cf_identity(client: redis.Redis) -> str:
     """The CF's identity: the run id of its redis-server process (a restarted server has a new one, even when it
-    reloads its data from disk)."""
+    reloads its data from disk). A Redis Cluster's, through its cluster client: its masters' run ids (a restore
+    compares the one master that holds its structure: observe and claim ask that master, cluster_cf.node_client)."""
+    if cluster_cf.is_cluster(client):
+        return "+".join(sorted(cluster_cf.master_run_ids(client)))
     return str(client.info("server")["run_id"])
 
 
@@ -149,8 +152,9 @@ def _header(client: redis.Redis, structure: str) -> Seen:
 
 def observe(client: redis.Redis, structure: str) -> Seen:
     """What the structure looks like now (read only): a restore observes it before it plans, and claims it after
-    planning only if nothing has happened to it in between (claim)."""
-    return _header(client, structure)
+    planning only if nothing has happened to it in between (claim). On a Redis Cluster: the master that holds the
+    structure's slot now is the CF (its run id), cfemu.cluster_cf.'s node_client."""
+    return _header(cluster_cf.node_client(client, structure), structure)
 
 
 def changed_since(seen: Seen, now: Seen) -> NotOwnerError | None:
@@ -221,11 +225,16 @@ class Owner:
     restore token and says RECOVERING) and only in the CF the claim was made on. `client` is the owner's own
     connection, which never reconnects: use it for anything else the owner writes (definitions)."""
 
-    def __init__(self, client: redis.Redis, structure: str, token: int, cf: str) -> None:
+    def __init__(self, client: redis.Redis, structure: str, token: int, cf: str,
+                 admin: redis.Redis | None = None) -> None:
         self.client = client
         self.structure = structure
         self.token = token
         self.cf = cf
+        # Where the owner reads and writes the admin structure: its own connection on a single server; on a Redis
+        # Cluster, {ADMIN} has a slot of its own, perhaps on another master: the cluster client (cfemu.cluster_cf).
+        self.separate_admin = admin is not None
+        self.admin = admin if admin is not None else client
 
     def check(self, client: redis.Redis) -> None:
         """Raise NotOwnerError (CFReplacedError) unless the header, read through `client` (a watching pipeline),
@@ -265,7 +274,7 @@ def claim(client: redis.Redis, structure: str, seen: Seen) -> Owner:
     keep growing across CF losses) and state RECOVERING, under which every member script refuses work; a missing
     header is created so. Returns the Owner, on a connection of its own; raises NotOwnerError (CFReplacedError)
     having written nothing."""
-    pinned = _pinned(client)
+    pinned = _pinned(cluster_cf.node_client(client, structure, fresh=False))  # observe read the slot map
 
     def check(pipe: Pipeline) -> int:
         now = _header(pipe, structure)
@@ -282,7 +291,7 @@ def claim(client: redis.Redis, structure: str, seen: Seen) -> Owner:
     except BaseException:
         pinned.close()
         raise
-    return Owner(pinned, structure, token, seen.cf)
+    return Owner(pinned, structure, token, seen.cf, client if cluster_cf.is_cluster(client) else None)
 
 
 def tombstones(client: redis.Redis, structure: str) -> dict[str, str]:
@@ -349,7 +358,9 @@ def reset(owner: Owner, sdef: StructureDef, *, batch: int = BATCH) -> int:
 
     def check(pipe: Pipeline) -> Any:
         owner.check(pipe)
-        return pipe.hgetall(EPOCHS)  # read while the fence is watched: a fence raised meanwhile is read again
+        # Read while the fence is watched: a fence raised meanwhile is read again (a member writes its epoch before
+        # it raises the fences). On a cluster the epochs live in {ADMIN}'s slot: read there, after the WATCH.
+        return owner.admin.hgetall(EPOCHS) if owner.separate_admin else pipe.hgetall(EPOCHS)
 
     def stage(pipe: Pipeline, epochs: Any) -> None:
         stage_structure(pipe, sdef, state="RECOVERING", gen=1, epochs=epochs)

@@ -12,7 +12,7 @@ import msgpack
 import redis
 from redis.connection import HiredisRespSerializer
 
-from cfemu import bulk, duplex, keys, lua
+from cfemu import bulk, cluster_cf, duplex, keys, lua
 from cfemu.entry import Entry
 from cfemu.errors import from_script_error
 
@@ -42,6 +42,7 @@ class CF:
         self._scripts = lua.register(client, lua.structure_operations())  # cfemu/scripts/<op>.lua
         self._keys: dict[str, list[str]] = {}  # structure -> its scripts' KEYS (keys.script_keys), built once
         self._pair = duplex.pair_of(client)  # a duplexed CF: every call waits for its copy (cfemu.duplex)
+        self._cluster = cluster_cf.is_cluster(client)  # a Redis Cluster: each script goes to its slot's master
 
     def structure(self, name: str) -> Structure:
         return Structure(self, keys.check_name("structure", name))
@@ -68,6 +69,8 @@ class CF:
         policy with a disconnect before each retry, NOSCRIPT loads the script and runs it again) without the rest
         of redis-py's per-command path (observability records, argument filtering, wrappers): that path cost more
         CPU than the script itself, four times per message lifecycle (issue 15)."""
+        if self._cluster:  # redis-py's cluster client routes EVALSHA by its keys (one hash tag: one slot)
+            return script(keys=script_keys, args=list(args))
         cmd = ("EVALSHA", script.sha, len(script_keys), *script_keys, *args)
         pool = self.redis.connection_pool
         conn = pool.get_connection()

@@ -22,7 +22,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from cfemu import duplex
+from cfemu import cluster_cf, duplex
 from cfemu.credentials import redact
 
 __all__ = ["ConnectionConfigError", "PoolExhaustedError", "connect"]
@@ -129,9 +129,9 @@ def connect(
             f"no Redis/CF URL given: pass one (e.g. redis://127.0.0.1:6379/0) or set ${ENV_URL}"
         )
     scheme = urlsplit(url).scheme
-    if scheme not in ("redis", "rediss", "unix"):
-        raise ConnectionConfigError(f"unsupported URL scheme {scheme!r} in {redact(url)!r} (use redis:// or "
-                                    "rediss://)")
+    if scheme not in ("redis", "rediss", "unix", *cluster_cf.SCHEMES):
+        raise ConnectionConfigError(f"unsupported URL scheme {scheme!r} in {redact(url)!r} (use redis://, "
+                                    "rediss:// or redis+cluster://)")
     opts: dict[str, Any] = {
         # Never send a command again by itself: a CF script whose reply was lost may have run, and a get run twice
         # takes two messages for one delivery. The caller decides what a lost reply means (sqm.manager.reply_lost).
@@ -141,7 +141,7 @@ def connect(
         "socket_connect_timeout": socket_connect_timeout,
         "health_check_interval": health_check_interval,
     }
-    if scheme == "rediss":
+    if scheme in ("rediss", "rediss+cluster"):
         files = {"tls_ca": tls_ca, "tls_cert": tls_cert, "tls_key": tls_key}
         for name, env in ENV_TLS.items():
             files[name] = files[name] or os.environ.get(env) or None
@@ -156,6 +156,12 @@ def connect(
             ssl_check_hostname=tls_verify,
         )
     opts.update(kw)
+    if scheme in cluster_cf.SCHEMES:  # a Redis Cluster: the structures spread over its masters (cfemu.cluster_cf)
+        try:
+            return cluster_cf.connect_cluster(url, opts=opts, max_connections=max_connections,
+                                              pool_timeout=pool_timeout)
+        except ValueError as e:
+            raise ConnectionConfigError(f"{e} in {redact(url)!r}") from None
     try:  # a duplexed CF's URL names both servers of the pair (cfemu.duplex)
         paired = duplex.pool_options(url)
     except ValueError as e:

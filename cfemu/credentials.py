@@ -204,7 +204,7 @@ def read_password(directory: Path, role: str) -> str | None:
 def with_user(url: str, role: str, password: str) -> str:
     """URL with the role's user and password in it, unless it names a user or password already."""
     parts = urlsplit(url)
-    if parts.username or parts.password or parts.scheme not in ("redis", "rediss"):
+    if parts.username or parts.password or parts.scheme not in ("redis", "rediss", "redis+cluster", "rediss+cluster"):
         return url
     host = parts.hostname or "127.0.0.1"
     netloc = f"{quote(user(role), safe='')}:{quote(password, safe='')}@{host}"

@@ -210,6 +210,7 @@ def open_group_repository(admin: Admin, log_root: str | os.PathLike[str], *, who
         recorded = admin.claim_repository(str(state["id"]), str(repo.path))
     mine = repo.id
     if mine == recorded["id"]:
+        redefine_survivors(admin, repo)
         repo.adopt(admin.structures(), admin.queues())  # definitions made without the repository
     else:
         raise RepositoryError(
@@ -219,6 +220,27 @@ def open_group_repository(admin: Admin, log_root: str | os.PathLike[str], *, who
             + "; peer recovery, backup and restore read every member's log under the group's log root, so use "
               "that one (--log-root or $CFEMU_LOG_ROOT)")
     return repo
+
+
+def redefine_survivors(admin: Admin, repo: GroupRepository) -> list[str]:
+    """Define again, from the repository, the structures that outlived the admin structure: on a Redis Cluster CF
+    (cfemu.cluster_cf) the master holding {ADMIN} can be lost while the structures on the other masters are not.
+    Without their definitions, a member re-joining the new admin structure would not carry its new epoch into
+    their fences (Admin.join_structures walks the definitions) and be refused there as stale. A structure whose
+    header is gone too is left to restore (which defines it again itself). Returns the names defined again."""
+    defined = {s.name for s in admin.structures()}
+    out = []
+    for name, sdef in sorted(repo.structures().items()):
+        if name in defined or not admin.redis.exists(keys.meta(name)):
+            continue
+        admin.define_structure(name, max_entries=sdef.max_entries, max_bytes=sdef.max_bytes, replace=True,
+                               recauto=sdef.recauto)
+        for q in repo.queues(name):
+            with contextlib.suppress(AdminError):
+                admin.define_queue(q.name, name, backout_threshold=q.backout_threshold,
+                                   backout_queue=q.backout_queue, max_msg_length=q.max_msg_length)
+        out.append(name)
+    return out
 
 
 def define_structure(admin: Admin, repo: GroupRepository, name: str, *, max_entries: int = 0, max_bytes: int = 0,

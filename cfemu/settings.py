@@ -186,8 +186,10 @@ def _cluster_spark_master(state: Mapping[str, Any]) -> str | None:
 
 
 def _cluster_cf_runs(state: Mapping[str, Any]) -> bool:
-    pid = (state.get(CLUSTER_CF) or {}).get("pid")
-    return isinstance(pid, int) and pid_alive(pid)
+    cf = state.get(CLUSTER_CF) or {}
+    # A Redis Cluster CF (cfemu cluster up --redis-cluster) runs while any of its nodes runs.
+    pids = [cf.get("pid"), *((n or {}).get("pid") for n in cf.get("nodes") or [])]
+    return any(isinstance(pid, int) and pid_alive(pid) for pid in pids)
 
 
 def resolve(*, redis_url: str | None = None, log_root: str | os.PathLike[str] | None = None,

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 import redis
 
-from cfemu import credentials, keys, repository
+from cfemu import cluster_cf, credentials, keys, repository
 from cfemu.admin import Admin
 from cfemu.cf import CF
 from cfemu.clitools import CLIError, Output, add_settings_arguments, require_url, run_command, settings
@@ -235,6 +235,9 @@ def gather_status(admin: Admin, root: Path) -> dict[str, Any]:
                            "bytes": int(info.get("bytes", 0)), "max_bytes": sdef.max_bytes,
                            "backup_running": info.get("backup"), "last_backup": last,
                            "last_backup_age_s": last_backup_age(admin, sdef.name)})
+        if cluster_cf.is_cluster(admin.redis):  # which master of a Redis Cluster CF holds it (its slot's)
+            structures[-1].update(slot=cluster_cf.slot_of(sdef.name),
+                                  master=cluster_cf.master_of(admin.redis, sdef.name))
         for qname, by_state in depths.items():
             q = qdefs.get(qname)
             queues.append({"name": qname, "structure": sdef.name, "depth": by_state,
@@ -412,7 +415,7 @@ def cmd_cluster(args: argparse.Namespace, out: Output) -> int:
                                  structure=args.structure or None, queues=args.queue or ("Q1", "Q2"),
                                  restart_cf=args.cf_restart, recauto=args.recauto, spark_workers=args.spark,
                                  spark_cores=args.spark_cores, spark_memory=args.spark_memory,
-                                 duplex=args.duplex)
+                                 duplex=args.duplex, redis_cluster=args.redis_cluster)
         doc = cluster.status()
         doc["seconds"] = round(time.monotonic() - t0, 2)
     elif args.action == "down":
@@ -562,6 +565,8 @@ def build_parser() -> argparse.ArgumentParser:
     cl.add_argument("--duplex", action="store_true",
                     help="up: a duplexed CF, a second redis-server holding a synchronous copy (promoted when the "
                          "primary is lost; docs/runbook.md)")
+    cl.add_argument("--redis-cluster", type=int, default=0, metavar="N",
+                    help="up: the CF as a Redis Cluster of N masters (3-16): the structures spread over them")
     cl.add_argument("--timeout", type=float, default=10.0, help="down: seconds before SIGKILL")
     cl.add_argument("--purge", action="store_true", help="down: also delete the directory (logs, backups)")
 

@@ -50,6 +50,7 @@ from cfemu import credentials, repository
 from cfemu.admin import Admin
 from cfemu.connection import connect
 from cfemu.embedded import EmbeddedRedis, ServerNotRunningError
+from cfemu.embedded_cluster import EmbeddedCluster
 from cfemu.private_files import private_dir, write_private
 from cfemu.procs import free_port, log_tail, pid_alive, popen_tied
 from cfemu.settings import (
@@ -66,6 +67,7 @@ from cfemu.settings import (
     ENV_TOKEN,
     ENV_URL,
 )
+from qsg import cluster_cf
 from qsg.cfpair import CFPair
 
 log = logging.getLogger("qsg.cluster")
@@ -100,6 +102,7 @@ class Cluster:
         self.state = state
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
         self._cf: EmbeddedRedis | None = None
+        self._nodes: EmbeddedCluster | None = None  # the CF's nodes when it is a Redis Cluster (qsg.cluster_cf)
         self._cf_lock = threading.RLock()  # the supervisor and the API's CF restarts, one at a time
         self._supervisor: tuple[threading.Thread, threading.Event] | None = None
         self.cf_restarts = 0  # restarts the supervisor made
@@ -182,7 +185,7 @@ class Cluster:
            token: str | None = None, host: str = "127.0.0.1", detach: bool = False, start_timeout: float = 30.0,
            manager_args: Sequence[str] = (), cf_url_for: Callable[[str, str], str] | None = None,
            restart_cf: bool = False, recauto: bool = True, spark_workers: int = 0, spark_cores: int = 1,
-           spark_memory: str = "2g", duplex: bool = False) -> Cluster:
+           spark_memory: str = "2g", duplex: bool = False, redis_cluster: int = 0) -> Cluster:
         """Start an embedded CF, managers QM1..QMn and (with a backup_interval) the backup scheduler.
 
         structure/queues are defined when missing (structure=None defines nothing). manager_args go to every
@@ -192,14 +195,19 @@ class Cluster:
         here. spark_workers: also a standalone Spark master and that many workers (qsg.spark_standalone), each
         offering spark_cores and spark_memory, in DIR/spark. duplex: the CF is a pair, the secondary a
         synchronous copy of the primary (qsg.cfpair); its controller is the supervisor, so restart_cf is
-        required. On any failure everything already started is
-        stopped again.
+        required. redis_cluster: the CF is a Redis Cluster of that many masters (qsg.cluster_cf; 0: one
+        redis-server). On any failure everything already started is stopped again.
         """
+        if duplex and redis_cluster:
+            raise ClusterError("--duplex and --redis-cluster do not go together: a Redis Cluster CF keeps its copies "
+                               "with its own replicas (docs/architecture.md)")
         if duplex and not restart_cf:
             raise ClusterError("a duplexed CF needs the CF supervisor, which degrades and promotes the pair: drop "
                                "--no-cf-restart")
         if not 1 <= managers <= 32:
             raise ClusterError(f"--managers must be 1-32, not {managers}")
+        if redis_cluster and not 3 <= redis_cluster <= 16:
+            raise ClusterError(f"--redis-cluster must be 3-16 masters, not {redis_cluster}")
         if backup_interval is not None and backup_interval <= 0:
             raise ClusterError(f"the backup interval must be > 0 seconds, not {backup_interval}")
         d = Path(directory).resolve()
@@ -218,7 +226,7 @@ class Cluster:
         state: dict[str, Any] = {
             "dir": str(d), "host": host, "detached": detach, "lease_ms": lease_ms,
             CLUSTER_LOG_ROOT: str(d / "logs"), CLUSTER_BACKUP_DIR: str(d / "backups"),
-            CLUSTER_CF: {"dir": str(d / "cf")},
+            CLUSTER_CF: {"dir": str(d / "cf"), **({cluster_cf.KEY: redis_cluster} if redis_cluster else {})},
             "managers": [{"name": f"QM{i}", "port": free_port(host), "metrics_port": free_port("127.0.0.1")}
                          for i in range(1, managers + 1)],
             "manager_args": list(manager_args),
@@ -306,6 +314,9 @@ class Cluster:
         return proc
 
     def _start_cf(self, port: int | None) -> None:
+        if cluster_cf.is_cluster_cf(self.state[CLUSTER_CF]):
+            self._start_cluster_cf()
+            return
         cf_dir = Path(self.state[CLUSTER_CF]["dir"])
         for leftover in ("dump.rdb", "appendonly.aof"):  # the CF always starts empty, like a lost CF
             with contextlib.suppress(FileNotFoundError):
@@ -317,6 +328,23 @@ class Cluster:
         self.state[CLUSTER_CF].update(port=self._cf.port, pid=self._cf.pid)
         self.state[CLUSTER_REDIS_URL] = self.pair.url() if self.duplexed and self.pair.state["addresses"] \
             else self._cf.url
+
+    def _cluster_nodes(self) -> EmbeddedCluster:
+        if self._nodes is None:
+            self._nodes = cluster_cf.embedded(self.state[CLUSTER_CF], self.secrets_dir, self.host,
+                                              bool(self.state["detached"]))
+        return self._nodes
+
+    def _start_cluster_cf(self) -> None:
+        """Start (or restart) the Redis Cluster's nodes: those that do not run, empty, on their ports."""
+        nodes = self._cluster_nodes()
+        if all((nodes.directory / n / "nodes.conf").exists() for n in nodes.nodes):
+            for n in nodes.dead():
+                nodes.start_node(n)
+            nodes.wait_ok()  # as a single CF's start waits for PING: the restarted nodes serve their slots
+        else:
+            nodes.start()
+        self.state[CLUSTER_REDIS_URL] = cluster_cf.record(self.state[CLUSTER_CF], nodes)
 
     def _define(self, structure: str, queues: Sequence[str], *, recauto: bool = True) -> None:
         """Define what is missing, in the CF and in the group repository under the cluster's log root."""
@@ -420,8 +448,25 @@ class Cluster:
         except subprocess.TimeoutExpired:
             return None
 
+    def kill_cf_node(self, node: str) -> int:
+        """kill -9 one node of a Redis Cluster CF (its structures are lost; the others' keep working); its pid."""
+        if not cluster_cf.is_cluster_cf(self.state[CLUSTER_CF]):
+            raise ClusterError("the CF is one redis-server, not a Redis Cluster (cfemu cluster up --redis-cluster)")
+        with self._cf_lock:
+            nodes = self._cluster_nodes()
+            if node not in nodes.nodes:
+                raise ClusterError(f"no CF node {node} (nodes: {', '.join(nodes.nodes)})")
+            pid = nodes.kill(node)
+            cluster_cf.record(self.state[CLUSTER_CF], nodes)
+            self._save()
+            return pid
+
     def kill_cf(self) -> None:
         """kill -9 the CF (everything in it is lost; the SQMs see a failed structure)."""
+        if cluster_cf.is_cluster_cf(self.state[CLUSTER_CF]):
+            for n in self._cluster_nodes().running():
+                self.kill_cf_node(n)
+            return
         self._cf_server().kill()
         self.state[CLUSTER_CF]["pid"] = None
         self._save()
@@ -429,15 +474,17 @@ class Cluster:
     def restart_cf(self) -> None:
         """Start the CF again on the same port, empty."""
         with self._cf_lock:
-            if self._cf is not None and self._cf.is_running():
+            if self.cf_alive():
                 raise ClusterError("the CF is still running; kill_cf() first")
-            self._start_cf(port=int(self.state[CLUSTER_CF]["port"]))
+            self._start_cf(port=int(self.state[CLUSTER_CF].get("port") or 0) or None)
             if self.duplexed:  # a new generation, simplex; the secondary's copy is replaced by the empty one's
                 self.pair.restarted_empty()
             self._save()
 
     # --- the CF supervisor: who brings a lost CF back ----------------------------------------------------------
     def cf_alive(self) -> bool:
+        if cluster_cf.is_cluster_cf(self.state.get(CLUSTER_CF, {})):
+            return cluster_cf.alive(self.state[CLUSTER_CF], _pid_runs)
         return _pid_runs(self.state.get(CLUSTER_CF, {}).get("pid"), b"redis")
 
     def restart_dead_cf(self) -> bool:
@@ -454,11 +501,11 @@ class Cluster:
             if self._cf is not None:  # reap a child killed under us (a zombie holds no port, but is a pid)
                 with contextlib.suppress(Exception):
                     self._cf.kill()
-            self._start_cf(port=int(self.state[CLUSTER_CF]["port"]))
+            self._start_cf(port=int(self.state[CLUSTER_CF].get("port") or 0) or None)
             self._save()
             self.cf_restarts += 1
             log.warning("the CF died; restarted it empty on port %s (pid %s): members re-join it, RECAUTO "
-                        "structures are restored by a member", self.state[CLUSTER_CF]["port"],
+                        "structures are restored by a member", self.state[CLUSTER_CF].get("port") or "(its nodes' ports)",
                         self.state[CLUSTER_CF]["pid"])
             return True
 
@@ -541,6 +588,9 @@ class Cluster:
         cf_pid = self.state.get(CLUSTER_CF, {}).get("pid")
         if _pid_runs(cf_pid, b"redis"):
             out["CF"] = cf_pid
+        for node in self.state.get(CLUSTER_CF, {}).get("nodes") or []:  # a Redis Cluster CF's nodes
+            if _pid_runs(node.get("pid"), b"redis"):
+                out[f"CF {node['name']}"] = node["pid"]
         for m in self.state.get("managers", []):
             if _pid_runs(m.get("pid"), m["name"].encode()):
                 out[m["name"]] = m["pid"]
@@ -564,7 +614,9 @@ class Cluster:
         rows: list[dict[str, Any]] = [{"process": "CF", "pid": cf.get("pid"), "alive": "CF" in alive,
                                        "address": self.state.get(CLUSTER_REDIS_URL, ""), "ready": "CF" in alive}]
         pair = self.pair.status() if self.duplexed else None
-        if pair is not None:
+        if cluster_cf.is_cluster_cf(cf):  # one row per node: role and slots
+            rows = cluster_cf.status_rows(cf, self._cluster_nodes())
+        elif pair is not None:
             rows[0].update(process="CF (primary)", address=pair["primary"], role="primary")
             rows.append({"process": "CF (secondary)", "pid": self.pair.state["secondary"].get("pid"),
                          "alive": "CF2" in alive, "address": pair["secondary"], "role": "secondary",
@@ -612,7 +664,7 @@ class Cluster:
         if spark is not None:  # first: its executors may be reading the members' logs for a restore
             killed.update(spark.stop(timeout=timeout))
             self.state[CLUSTER_SPARK]["master_pid"] = None
-        targets = {k: v for k, v in self.running_processes().items() if k not in ("CF", "CF2")}
+        targets = {k: v for k, v in self.running_processes().items() if not k.startswith("CF")}
         for pid in targets.values():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
@@ -630,7 +682,12 @@ class Cluster:
             if self.duplexed:  # and promoted the secondary (the roles swapped)
                 self.state["duplex"] = fresh.get("duplex") or self.state["duplex"]
                 self._pair = None
-        if "pid" in self.state.get(CLUSTER_CF, {}) and self.state[CLUSTER_CF].get("pid"):
+        if cluster_cf.is_cluster_cf(self.state.get(CLUSTER_CF, {})):
+            self._nodes = None  # the supervisor may have restarted nodes: adopt what runs now
+            self._cluster_nodes().stop()
+            for node in self.state[CLUSTER_CF].get("nodes") or []:
+                node["pid"] = None
+        elif "pid" in self.state.get(CLUSTER_CF, {}) and self.state[CLUSTER_CF].get("pid"):
             with contextlib.suppress(ClusterError):
                 self._cf_server().stop(timeout=timeout)
         self.state[CLUSTER_CF]["pid"] = None

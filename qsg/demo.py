@@ -43,11 +43,13 @@ def demo_faults(work_s: float) -> list[FaultSpec]:
 
 
 def run_demo(directory: Path, *, managers: int = 3, clients: int = 6, work_s: float = 6.0, seed: int = 1,
-             console: Console | None = None) -> dict[str, Any]:
+             console: Console | None = None, redis_cluster: int = 0) -> dict[str, Any]:
+    """redis_cluster: the CF as a Redis Cluster of that many masters; the CF loss kills every one of them."""
     faults = demo_faults(work_s)
     duration = faults[-1].at + COST_S["cf-kill"] + work_s / 2
     opts = ChaosOptions(seed=seed, duration=duration, kinds=tuple(f.kind for f in faults), clients=clients,
-                        managers=managers, lease_ms=3000, backup_interval=None, report_dir=directory)
+                        managers=managers, lease_ms=3000, backup_interval=None, report_dir=directory,
+                        redis_cluster=redis_cluster)
     summary = run_chaos(opts, console or Console(stderr=True), specs=faults)
     return demo_result(summary, load_history(directory / "history.jsonl"))
 
@@ -102,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=8.0, help="length of the first work phase")
     p.add_argument("--quick", action="store_true", help="a short run (for tests)")
     p.add_argument("--dir", type=Path, help="where the cluster and the report live (default: a temporary directory)")
+    p.add_argument("--redis-cluster", type=int, default=0, metavar="N",
+                   help="the CF as a Redis Cluster of N masters (3-16), the structures spread over them")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("-v", "--verbose", action="store_true", help="the traceback of an error")
     # The demo drives real processes: any failure of it is one line (the traceback with --verbose).
@@ -109,11 +113,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def cmd_demo(args: argparse.Namespace, out: Output) -> int:
+    if args.redis_cluster and not 3 <= args.redis_cluster <= 16:
+        raise ValueError(f"--redis-cluster must be 3-16 masters, not {args.redis_cluster}")
     # Clients report failovers and refusals as warnings; the demo counts them in its table instead.
     logging.getLogger("sqm").setLevel(logging.ERROR)
     with tempfile.TemporaryDirectory(prefix="cfemu-demo-") as tmp:
         result = run_demo(args.dir or Path(tmp), managers=args.managers, clients=args.clients,
-                          work_s=3.0 if args.quick else args.seconds, seed=args.seed)
+                          work_s=3.0 if args.quick else args.seconds, seed=args.seed,
+                          redis_cluster=args.redis_cluster)
     if out.as_json:
         print(json.dumps(result))
     else:

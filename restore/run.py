@@ -503,7 +503,7 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
     if not dry_run:
         _refuse_if_changed(client, structure, seen)  # the common case, before restore's log is even opened
         with _restore_log(log_root, structure, decisions_seen) as rlog, _owning(client, structure, seen) as owner:
-            owned = Admin(owner.client)  # the owner's connection: it never reconnects to another CF
+            owned = Admin(owner.admin)  # the owner's own connection (a cluster's: its {ADMIN} slot, bulk.Owner)
             if state == "ACTIVE":
                 plan = make_plan()  # again: members may have logged more before the claim stopped them
             if seen.state:

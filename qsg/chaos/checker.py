@@ -59,7 +59,8 @@ SETTLE_S = 6.0
 # Kinds that always lose the CF (their injection counts as the loss); a kind that loses it only sometimes
 # (member-own-log-root, when the stray member was let in) says so with a "CF killed" step.
 CF_LOSS_KINDS = ("cf-kill", "cf-kill-during-restore", "during-backup", "peer-clock-skew",
-                 "cf-kill-during-load-restart", "cf-kill-twice", "purge-then-cf-kill", "cf-kill-recauto")
+                 "cf-kill-during-load-restart", "cf-kill-twice", "purge-then-cf-kill", "cf-kill-recauto",
+                 "cluster-node-kill")
 CF_KILLED = "CF killed"
 PURGED = "purged"  # the phase of a fault's history event that names the messages a purge discarded ("msgs")
 LEFT_SLACK_S = 1.0  # a get whose client left: the server might have gone on this long past the get's own wait

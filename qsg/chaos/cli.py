@@ -21,7 +21,7 @@ from rich.console import Console
 
 from cfemu.clitools import Output, run_command
 from qsg.chaos.checker import FINDING_KINDS, check
-from qsg.chaos.faults import DUPLEX_KINDS, KINDS, SHORT_KINDS, parse_kinds
+from qsg.chaos.faults import CF_LINK_KINDS, CLUSTER_SHORT_KINDS, DUPLEX_KINDS, KINDS, SHORT_KINDS, parse_kinds
 from qsg.chaos.history import load_history
 
 
@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--backup-interval", type=_positive, default=4.0, help="seconds between backups (4)")
     common.add_argument("--dir", type=Path, default=Path("var/chaos"), help="report directory (var/chaos)")
     common.add_argument("--keep-cluster", action="store_true", help="keep the cluster's logs and backups")
+    common.add_argument("--redis-cluster", type=int, default=0, metavar="N",
+                        help="the CF as a Redis Cluster of N masters (3-16); without the cf-link kinds, and "
+                             "'short' is then: " + ",".join(CLUSTER_SHORT_KINDS))
     common.add_argument("--json", action="store_true", help="print the summary as JSON")
     common.add_argument("-v", "--verbose", action="store_true", help="tracebacks and the suite's own log")
     run = sub.add_parser("run", parents=[common], help="one seed")
@@ -98,14 +101,26 @@ def cmd_chaos(args: argparse.Namespace, out: Output) -> int:
         return 1 if result.findings else 0
     if not 1 <= args.managers <= 9 or args.clients < 1 or args.lease_ms < 500:
         raise ValueError("--managers must be 1-9, --clients >= 1, --lease-ms >= 500")
+    kinds = args.faults
+    if args.redis_cluster:
+        if not 3 <= args.redis_cluster <= 16:
+            raise ValueError(f"--redis-cluster must be 3-16 masters, not {args.redis_cluster}")
+        if kinds == SHORT_KINDS:
+            kinds = CLUSTER_SHORT_KINDS
+        elif kinds == KINDS:
+            kinds = tuple(k for k in KINDS if k not in CF_LINK_KINDS)
+        refused = [k for k in kinds if k in CF_LINK_KINDS]
+        if refused:
+            raise ValueError(f"fault kind {', '.join(refused)} needs a proxy between each SQM and the CF, which a "
+                             "Redis Cluster CF cannot have (its clients follow the cluster to the nodes): leave it out")
     from qsg.chaos import report
     from qsg.chaos.runner import ChaosOptions, run_chaos, run_soak
 
     # The clients log every failover as a warning; the history and the report have them all.
     logging.basicConfig(level=logging.INFO if args.verbose else logging.CRITICAL)
-    opts = ChaosOptions(duration=args.duration, kinds=args.faults, clients=args.clients, managers=args.managers,
+    opts = ChaosOptions(duration=args.duration, kinds=kinds, clients=args.clients, managers=args.managers,
                         lease_ms=args.lease_ms, backup_interval=args.backup_interval, report_dir=args.dir,
-                        keep_cluster=args.keep_cluster)
+                        keep_cluster=args.keep_cluster, redis_cluster=args.redis_cluster)
     if args.command == "run":
         opts.seed = args.seed
         summary = run_chaos(opts, console)

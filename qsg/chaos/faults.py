@@ -42,6 +42,10 @@
 | cf-kill-recauto       | RECAUTO turned on for every structure; kill -9 of the CF; nobody acts: the cluster's|
 |                       | supervisor restarts it, a member restores each structure (sqm.recauto); the time to|
 |                       | every structure ACTIVE; RECAUTO off again                                           |
+| cluster-node-kill     | RECAUTO on; kill -9 of the CF node that holds a structure (chosen by the seed): on a |
+|                       | Redis Cluster CF (--redis-cluster) the master of its slot, the other masters serve  |
+|                       | on; on one redis-server, the CF. The supervisor restarts the node empty, a member   |
+|                       | restores what it held; the time to every structure ACTIVE; RECAUTO off again        |
 | member-own-log-root   | one more ``sqm run`` with a log root of its own: it must refuse to join (exit 2);   |
 |                       | if it joins, two committed puts go through it, then cf-kill (restore cannot see them)|
 | cf-kill-duplex-primary| (a duplexed group; not in 'all') the pair's supervisor on, the pair DUPLEX; kill -9 |
@@ -83,6 +87,7 @@ from cfemu.cf import CF
 from cfemu.errors import BackupRunningError, MQError
 from cfemu.limits import DESCRIPTOR_ALLOWANCE
 from cfemu.settings import CLUSTER_CF
+from qsg import cluster_cf
 from qsg.chaos.group import EDGE_QUEUE, STRUCTURES, ChaosGroup
 from qsg.chaos.history import OK as CALL_OK
 from qsg.chaos.history import UNKNOWN as CALL_UNKNOWN
@@ -99,13 +104,17 @@ from sqm.service.protocol import ENVELOPE, PRE_HELLO_MAX_FRAME, encode_frame
 from sqm.service.server import EXIT_CONFIG, EXIT_FENCED
 
 SHORT_KINDS = ("sqm-kill", "cf-kill", "cf-link-cut", "client-link-halfopen", "cf-link-reply-loss")
+# Against a Redis Cluster CF (--redis-cluster): no kind that needs a proxy between an SQM and the CF (a cluster client
+# follows the cluster's redirections to the nodes themselves), and a node kill instead.
+CF_LINK_KINDS = ("cf-link-cut", "cf-link-delay", "cf-link-halfopen", "cf-link-reply-loss")
+CLUSTER_SHORT_KINDS = ("sqm-kill", "cf-kill", "cluster-node-kill", "client-link-halfopen")
 # Rough seconds each kind takes from injection to full service, to space the schedule.
 COST_S = {"sqm-kill": 7.0, "sqm-pause": 8.0, "cf-kill": 6.0, "cf-kill-during-restore": 8.0,
           "during-backup": 12.0, "disk-full": 8.0, "clock-skew": 6.0, "peer-clock-skew": 32.0, "backup": 3.0,
           "client-leaves-waiting-get": 9.0, "big-messages": 12.0,
           "cf-kill-during-load-restart": 8.0, "restore-race": 8.0, "cf-kill-twice": 14.0,
           "purge-then-cf-kill": 10.0, "member-own-log-root": 6.0, "cf-kill-recauto": 6.0,
-          "cf-kill-duplex-primary": 5.0}
+          "cf-kill-duplex-primary": 5.0, "cluster-node-kill": 6.0}
 # Kinds that need a duplexed group (the runner starts one when a run has them): left out of 'all', which runs the
 # group simplex, so that every other kind keeps meeting the CF it was written for.
 DUPLEX_KINDS = ("cf-kill-duplex-primary",)
@@ -191,6 +200,9 @@ def schedule(seed: int, kinds: tuple[str, ...], duration: float, managers: list[
             params["step"] = rnd.randint(1, 5)
         elif kind in ("cf-kill", "cf-kill-during-restore", "cf-kill-during-load-restart", "cf-kill-recauto"):
             hold = rnd.choice((0.3, 1.0))
+        elif kind == "cluster-node-kill":
+            hold = rnd.choice((0.3, 1.0))
+            params["structure"] = rnd.choice(sorted(STRUCTURES))  # the node that holds it is killed
         elif kind == "restore-race":
             hold = rnd.choice((1.0, 2.0, 3.0))  # the first restore held, while the second runs and clients work
             params["structure"] = rnd.choice(sorted(STRUCTURES))
@@ -456,10 +468,30 @@ def cf_kill_duplex_primary(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str,
     return out
 
 
-def cf_kill_recauto(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
+def cluster_node_kill(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
+    """One node of the CF killed with RECAUTO on: on a Redis Cluster CF, the master that holds the chosen
+    structure's slot (the structures of the other masters are served all along); on one redis-server, the CF
+    itself. The supervisor restarts the node, empty; a member restores what it held (sqm.recauto)."""
+    if not cluster_cf.is_cluster_cf(g.c.state[CLUSTER_CF]):
+        return cf_kill_recauto(g, f, step)
+    structure = str(f.params.get("structure", "APP1"))
+
+    def kill() -> dict[str, Any]:
+        nodes = g.c._cluster_nodes()
+        node = nodes.master_of(structure)
+        held = sorted(s for s in STRUCTURES if nodes.master_of(s) == node)
+        g.c.kill_cf_node(node)
+        return {"node": node, "structures": held, "admin": nodes.master_of("ADMIN") == node}
+
+    return cf_kill_recauto(g, f, step, kill=kill)
+
+
+def cf_kill_recauto(g: ChaosGroup, f: FaultSpec, step: Step,
+                    kill: Callable[[], dict[str, Any]] | None = None) -> dict[str, Any]:
     """The CF lost with RECAUTO on: nobody restores by hand. The cluster's supervisor restarts the CF (as
     ``cfemu cluster up`` runs it), the members re-join it and one restores each structure (sqm.recauto). The
-    other CF kinds keep RECAUTO off: they play the operator, whose restores would race the members'."""
+    other CF kinds keep RECAUTO off: they play the operator, whose restores would race the members'. kill: what
+    is killed (default the whole CF: each node of a Redis Cluster CF), returning what to report of it."""
     ensure_backups(g)
     step("backups checked")
     _set_recauto(g, True)
@@ -469,8 +501,12 @@ def cf_kill_recauto(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
         live = order_snapshot(g)
         restarts = g.c.cf_restarts
         g.c.supervise_cf()
-        pid = g.c.state[CLUSTER_CF]["pid"]
-        os.kill(int(pid), signal.SIGKILL)
+        if kill is not None:
+            out.update(kill())
+        elif cluster_cf.is_cluster_cf(g.c.state[CLUSTER_CF]):
+            g.c.kill_cf()  # every node
+        else:
+            os.kill(int(g.c.state[CLUSTER_CF]["pid"]), signal.SIGKILL)
         t0 = time.monotonic()
         step("CF killed", live_order=live)
         deadline = t0 + 120.0
@@ -1058,9 +1094,12 @@ FAULTS: dict[str, Callable[[ChaosGroup, FaultSpec, Step], dict[str, Any]]] = {
     "client-leaves-waiting-get": client_leaves_waiting_get, "big-messages": big_messages,
     "cf-kill-during-load-restart": cf_kill_during_load_restart, "restore-race": restore_race,
     "cf-kill-twice": cf_kill_twice, "purge-then-cf-kill": purge_then_cf_kill, "member-own-log-root": member_own_log_root,
-    "cf-kill-recauto": cf_kill_recauto, "cf-kill-duplex-primary": cf_kill_duplex_primary,
+    "cf-kill-recauto": cf_kill_recauto,
+    "cf-kill-duplex-primary": cf_kill_duplex_primary,
+    "cluster-node-kill": cluster_node_kill,
 }
 KINDS = tuple(FAULTS)  # a new kind is one function, one FAULTS row and one line in the table above
 
-__all__ = ["DUPLEX_KINDS", "FAULTS", "FaultError", "FaultSpec", "KINDS", "SHORT_KINDS", "after_heal", "ensure_backups",
+__all__ = ["CF_LINK_KINDS", "CLUSTER_SHORT_KINDS", "DUPLEX_KINDS", "FAULTS", "FaultError", "FaultSpec", "KINDS",
+           "SHORT_KINDS", "after_heal", "ensure_backups",
            "order_snapshot", "parse_kinds", "restore_all", "schedule"]

@@ -121,8 +121,9 @@ class ChaosGroup:
     """Start, probe, heal and stop the group under test."""
 
     def __init__(self, directory: Path, *, managers: int, lease_ms: int, backup_interval: float | None,
-                 log_disk: bool, duplex: bool = False) -> None:
+                 log_disk: bool, duplex: bool = False, redis_cluster: int = 0) -> None:
         self.dir = directory
+        self.redis_cluster = redis_cluster  # the CF as a Redis Cluster: no proxy between the SQMs and the CF
         self.managers = managers
         self.lease_ms = lease_ms
         self.backup_interval = backup_interval
@@ -148,8 +149,11 @@ class ChaosGroup:
         try:
             self.cluster = Cluster.up(self.dir, managers=self.managers, backup_interval=self.backup_interval,
                                       structure="APP1", queues=(*STRUCTURES["APP1"], PROBE_QUEUE, EDGE_QUEUE),
-                                      lease_ms=self.lease_ms, cf_url_for=self._cf_route, recauto=False,
-                                      duplex=self.duplex, restart_cf=self.duplex)
+                                      lease_ms=self.lease_ms, recauto=False, redis_cluster=self.redis_cluster,
+                                      duplex=self.duplex, restart_cf=self.duplex,
+                                      # a cluster client follows the cluster's redirections to the nodes
+                                      # themselves: no proxy can stand between an SQM and a Redis Cluster CF
+                                      cf_url_for=None if self.redis_cluster else self._cf_route)
             if self.duplex:  # the pair's supervisor runs only while a duplex fault runs (the others restart by hand)
                 self.cluster.supervise_cf(False)
             client = self.cf()

@@ -18,6 +18,7 @@ class ChaosOptions:
     backup_interval: float | None = 4.0  # None: no backup scheduler (the demo takes its backup as a fault)
     report_dir: Path = Path("var/chaos")
     keep_cluster: bool = False
+    redis_cluster: int = 0  # the CF as a Redis Cluster of this many masters (0: one redis-server)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
