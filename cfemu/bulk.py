@@ -458,16 +458,21 @@ def verify(owner: Owner, survivors: Sequence[Survivor], uows: Collection[str] | 
     """Compare the owner's structure with what was loaded: entry and data counts, UOW records (`uows`, by default
     those holding entries), and the length of every list (read in one transaction of the owner: a count from
     another CF is never compared). Returns the differences found (none: [])."""
-    structure = owner.structure
     expected: dict[str, int] = defaultdict(int)
     holding: set[str] = set()
     for s in survivors:
         e = _wire(s)
-        expected[list_of(structure, e)] += 1
+        expected[list_of(owner.structure, e)] += 1
         if e.get("u"):
             holding.add(e["u"])
-    uows = holding if uows is None else set(uows) | holding
-    names = sorted(expected)
+    return verify_counts(owner, len(survivors), expected, holding if uows is None else set(uows) | holding)
+
+
+def verify_counts(owner: Owner, entries: int, lists: Mapping[str, int], uows: Collection[str]) -> list[str]:
+    """verify, from counts kept while loading (a load that streams its survivors does not hold them): `entries`
+    loaded, `lists` list -> entries written to it, `uows` the UOWs that must have a record."""
+    structure = owner.structure
+    names = sorted(lists)
 
     def stage(pipe: Pipeline) -> None:
         pipe.hlen(keys.entries(structure))
@@ -478,15 +483,15 @@ def verify(owner: Owner, survivors: Sequence[Survivor], uows: Collection[str] | 
 
     n_ent, n_data, n_uows, *lengths = owner.transaction(stage)
     problems = []
-    if n_ent != len(survivors):
-        problems.append(f"{n_ent} descriptors, expected {len(survivors)}")
-    if n_data != len(survivors):
-        problems.append(f"{n_data} data fields, expected {len(survivors)}")
+    if n_ent != entries:
+        problems.append(f"{n_ent} descriptors, expected {entries}")
+    if n_data != entries:
+        problems.append(f"{n_data} data fields, expected {entries}")
     if n_uows != len(uows):
         problems.append(f"{n_uows} UOWs holding entries, expected {len(uows)}")
     for k, n in zip(names, lengths, strict=True):
-        if n != expected[k]:
-            problems.append(f"list {k} holds {n}, expected {expected[k]}")
+        if n != lists[k]:
+            problems.append(f"list {k} holds {n}, expected {lists[k]}")
     return problems
 
 

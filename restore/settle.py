@@ -247,3 +247,14 @@ def _counted_after_own(uow: str, lrsn: int, backup: tuple[str, dict[str, Any], b
 def fifo_key(entry: Mapping[str, Any]) -> tuple[int, int, int]:
     """Get order within a queue: priority (highest first), then commit order, then put order."""
     return (-int(entry.get("p", 0)), int(entry.get("o1", 0)), int(entry.get("o2", 0)))
+
+
+def load_key(entry_id: str, entry: Mapping[str, Any]) -> tuple[str, int, int, int, int, str]:
+    """Where a loaded entry goes in the CF: grouped by the list it goes on, each list in the CF's order: committed
+    puts by priority then FIFO (fifo_key), uncommitted puts in put order, uncommitted gets in get order. Unique
+    (the id is last), and of the same types at every position, so that keys compare as plain tuples (or lists)."""
+    if entry["st"] == "CP":
+        return (entry["q"], 0, *fifo_key(entry), entry_id)
+    if entry["st"] == "UP":
+        return (entry["q"], 1, int(entry.get("o2", 0)), 0, 0, entry_id)
+    return (entry["q"], 2, int(entry["l"]), 0, 0, entry_id)
