@@ -2,8 +2,9 @@
 
 Each setting comes from the first of these that has it:
 
-  1. its flag             --redis-url, --log-root, --backup-dir, --token
-  2. its environment      $REDIS_URL, $CFEMU_LOG_ROOT, $CFEMU_BACKUP_DIR, $SQM_TOKEN ($SQM_OPERATOR_TOKEN)
+  1. its flag             --redis-url, --log-root, --backup-dir, --token, --memory-limit (cfrestore)
+  2. its environment      $REDIS_URL, $CFEMU_LOG_ROOT, $CFEMU_BACKUP_DIR, $SQM_TOKEN ($SQM_OPERATOR_TOKEN),
+                          $CFEMU_RESTORE_MEMORY
   3. the cluster          cluster.json of the nearest ``cfemu cluster`` directory: --cluster-dir, else
                           $CFEMU_CLUSTER_DIR, else the first var/cluster holding one, looking in the working
                           directory and then its parents (as git looks for .git). Its CF URL counts only while
@@ -11,7 +12,8 @@ Each setting comes from the first of these that has it:
                           because ``cfemu cluster down`` keeps them.
   4. the CF directory     the CF URL of ``cfemu cf start``: --cf-dir, else $CFEMU_CF_DIR, else the nearest var/cf,
                           while that CF runs
-  5. the default          var/logs, var/backups (relative to the working directory); no CF URL and no token
+  5. the default          var/logs, var/backups (relative to the working directory); no CF URL and no token;
+                          restore's working memory 1GiB
 
 The CF's credentials: a CF URL that names no user gets the user and password of the command's role (sqm: member,
 cfbackup: backup, cfrestore: restore, cfemu: operator; see cfemu.credentials) from the group's secrets directory:
@@ -55,11 +57,16 @@ ENV_TOKEN = "SQM_TOKEN"
 ENV_OPERATOR_TOKEN = "SQM_OPERATOR_TOKEN"
 ENV_CLUSTER_DIR = "CFEMU_CLUSTER_DIR"
 ENV_CF_DIR = "CFEMU_CF_DIR"
+ENV_MEMORY_LIMIT = "CFEMU_RESTORE_MEMORY"
 
 DEFAULT_CLUSTER_DIR = Path("var/cluster")
 DEFAULT_CF_DIR = Path("var/cf")
 DEFAULT_LOG_ROOT = Path("var/logs")
 DEFAULT_BACKUP_DIR = Path("var/backups")
+DEFAULT_MEMORY_LIMIT = "1GiB"  # restore's working memory (docs/runbook.md, "Sizing a restore's memory")
+MIN_MEMORY_LIMIT = 64 << 10
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2, "mib": 1 << 20,
+          "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30, "t": 1 << 40, "tb": 1000**4, "tib": 1 << 40}
 
 # cluster.json: written by qsg.cluster, read here. Paths in it are absolute.
 CLUSTER_FILE = "cluster.json"
@@ -84,6 +91,13 @@ class Settings:
     sources: dict[str, str] = field(default_factory=dict)
     secrets_dir: Path | None = None  # the group's secrets (cfemu.credentials), when there are any
     token_role: str = "application"  # the service role whose token ``token`` is: application or operator
+    memory_limit_text: str = DEFAULT_MEMORY_LIMIT  # as given (flag, $CFEMU_RESTORE_MEMORY, or the default)
+
+    def memory_limit(self) -> int:
+        """Restore's working memory in bytes (parse_size of the setting); ValueError, one line, when it is bad.
+        Parsed only by the commands that use it, so that a bad value never stops another command."""
+        where = {FLAG: "--memory-limit", ENV: f"${ENV_MEMORY_LIMIT}"}.get(self.sources.get("memory_limit", ""), "")
+        return parse_size(self.memory_limit_text, what=where or "the restore memory limit")
 
     def backup_keys(self, *, accept_unsigned: bool = False) -> credentials.BackupKeys:
         """The group's backup keys (backup.key, and backup-previous.key after a rotation) from the secrets
@@ -103,6 +117,24 @@ class Settings:
         if self.secrets_dir is not None:
             out[credentials.ENV_SECRETS_DIR] = str(self.secrets_dir)
         return out
+
+
+def parse_size(text: str, *, what: str = "size") -> int:
+    """A size in bytes from '512MiB', '2G', '1.5GiB', '65536' (k/m/g/t: binary; kb/mb/gb/tb: decimal). Raises
+    ValueError with one line naming the problem: not a size, or below MIN_MEMORY_LIMIT."""
+    raw = str(text).strip().lower().replace(" ", "").replace("_", "")
+    number = raw.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = raw[len(number):]
+    try:
+        value = float(number)
+    except ValueError:
+        value = float("nan")
+    if unit not in _UNITS or not value == value or value in (float("inf"), float("-inf")):  # noqa: PLR0124
+        raise ValueError(f"{what}: {text!r} is not a size (say e.g. 512MiB, 2GiB or a number of bytes)")
+    size = int(value * _UNITS[unit])
+    if size < MIN_MEMORY_LIMIT:
+        raise ValueError(f"{what}: {text!r} is below the least it can be, {MIN_MEMORY_LIMIT // 1024} KiB")
+    return size
 
 
 def read_cluster_file(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
@@ -167,7 +199,8 @@ def _cluster_cf_runs(state: Mapping[str, Any]) -> bool:
 def resolve(*, redis_url: str | None = None, log_root: str | os.PathLike[str] | None = None,
             backup_dir: str | os.PathLike[str] | None = None, token: str | None = None,
             cluster_dir: str | os.PathLike[str] | None = None, cf_dir: str | os.PathLike[str] | None = None,
-            role: str = "operator", env: Mapping[str, str] | None = None, cwd: Path | None = None) -> Settings:
+            memory_limit: str | None = None, role: str = "operator", env: Mapping[str, str] | None = None,
+            cwd: Path | None = None) -> Settings:
     """Resolve every setting (see the module doc). The keyword arguments are the flags (None: not given); env
     and cwd default to the process's own and exist for tests."""
     environ = os.environ if env is None else env
@@ -206,9 +239,11 @@ def resolve(*, redis_url: str | None = None, log_root: str | os.PathLike[str] | 
             tok = pick("token", None, ENV_TOKEN, stored("application"))
     else:
         tok = pick("token", token, ENV_TOKEN, stored("application"))
+    memory = pick("memory_limit", memory_limit, ENV_MEMORY_LIMIT, None)
     return Settings(redis_url=str(url) if url else None, log_root=Path(logs), backup_dir=Path(backups),
                     token=str(tok) if tok else None, cluster_dir=cdir.resolve() if state else None,
-                    sources=sources, secrets_dir=secrets_dir, token_role=token_role)
+                    sources=sources, secrets_dir=secrets_dir, token_role=token_role,
+                    memory_limit_text=str(memory) if memory else DEFAULT_MEMORY_LIMIT)
 
 
 def operator_token(found: Settings, env: Mapping[str, str] | None = None) -> str | None:

@@ -1,6 +1,7 @@
 """cfrestore: RECOVER CFSTRUCT.
 
   cfrestore run STRUCTURE [--backup ID] [--engine local|spark] [--dry-run] [--mark-failed] [--report FILE]
+                          [--memory-limit SIZE]
                                               rebuild a failed structure from a backup plus every member's log
   cfrestore plan STRUCTURE [--backup ID]      what run would do (= run --dry-run): touches nothing
   cfrestore purge STRUCTURE [--mark-failed]   RECOVER CFSTRUCT TYPE(PURGE): empty it and make it usable again
@@ -56,13 +57,14 @@ def _bars(out: Output) -> PhaseBars:
 
 def cmd_run(args: argparse.Namespace, out: Output, *, dry_run: bool = False) -> int:
     found = settings(args)
+    options = _engine_options(args)  # a bad --memory-limit is refused before anything is read
     client = connect(require_url(found))
     with _bars(out) as bars:
         result = run_restore(client, args.structure, backup_root=found.backup_dir, log_root=found.log_root,
                              backup_id=args.backup, engine=args.engine, dry_run=dry_run or args.dry_run,
                              mark_failed=args.mark_failed, progress=bars,
                              report_path=Path(args.report) if args.report else None,
-                             engine_options=_engine_options(args),
+                             engine_options=options,
                              from_logs=bool(getattr(args, "from_logs", False)),
                              backup_keys=found.backup_keys(accept_unsigned=args.accept_unsigned))
     if out.as_json:
@@ -73,6 +75,8 @@ def cmd_run(args: argparse.Namespace, out: Output, *, dry_run: bool = False) -> 
 
 
 def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    if args.engine == "local":
+        return {"memory": settings(args).memory_limit()}
     if args.engine != "spark":
         return {}
     options: dict[str, Any] = {"master": args.master, "conf": dict(args.conf)}
@@ -161,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--verbose", "-v", action="store_true", help="show the traceback of an error")
     restore = argparse.ArgumentParser(add_help=False)
     restore.add_argument("structure")
-    add_settings_arguments(restore, "backup_dir", "log_root")
+    add_settings_arguments(restore, "backup_dir", "log_root", "memory_limit")
     restore.add_argument("--backup", metavar="ID", help="restore from this backup (default: the latest good one)")
     unsigned = argparse.ArgumentParser(add_help=False)
     unsigned.add_argument("--accept-unsigned", action="store_true",
