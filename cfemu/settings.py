@@ -137,6 +137,13 @@ def parse_size(text: str, *, what: str = "size") -> int:
     return size
 
 
+def restore_memory(env: Mapping[str, str] | None = None) -> int:
+    """Restore's working memory for a caller with no flag (run_restore's default, RECAUTO's):
+    $CFEMU_RESTORE_MEMORY, else the default. ValueError, one line, when the variable is bad."""
+    text = (os.environ if env is None else env).get(ENV_MEMORY_LIMIT)
+    return parse_size(text, what=f"${ENV_MEMORY_LIMIT}") if text else parse_size(DEFAULT_MEMORY_LIMIT)
+
+
 def read_cluster_file(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
     """DIR/cluster.json as a dict, or None when there is none or it cannot be read (a half-written or foreign
     file is no cluster to take settings from; ``cfemu cluster status`` reports it as an error)."""
@@ -239,7 +246,9 @@ def resolve(*, redis_url: str | None = None, log_root: str | os.PathLike[str] | 
             tok = pick("token", None, ENV_TOKEN, stored("application"))
     else:
         tok = pick("token", token, ENV_TOKEN, stored("application"))
-    memory = pick("memory_limit", memory_limit, ENV_MEMORY_LIMIT, None)
+    # Restore's own setting: in `sources` only when given (the other commands never use it).
+    memory = pick("memory_limit", memory_limit, ENV_MEMORY_LIMIT, None) if (
+        memory_limit or environ.get(ENV_MEMORY_LIMIT)) else None
     return Settings(redis_url=str(url) if url else None, log_root=Path(logs), backup_dir=Path(backups),
                     token=str(tok) if tok else None, cluster_dir=cdir.resolve() if state else None,
                     sources=sources, secrets_dir=secrets_dir, token_role=token_role,

@@ -17,10 +17,13 @@ write) are cfemu.bulk's.
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from cfemu import bulk
 from cfemu.admin import StructureDef
@@ -56,6 +59,64 @@ def batches(items: Iterable[Settled], size: int) -> Iterator[list[Settled]]:
             chunk = []
     if chunk:
         yield chunk
+
+
+class Prepared:
+    """The load's batches, prepared (bulk.Loader.prepare: the merge of the plan's runs, descriptors packed) by a
+    thread of their own while the previous batch is sent and applied, at most DEPTH batches ahead: the CF works
+    on one batch while this process prepares the next. Iterate it in a `with`: leaving stops the thread."""
+
+    DEPTH = 2
+
+    def __init__(self, loader: bulk.Loader, chunks: Iterator[list[Settled]]) -> None:
+        self.loader, self.chunks = loader, chunks
+        self.queue: queue.Queue[Any] = queue.Queue(maxsize=self.DEPTH)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._produce, name="restore-load-prepare", daemon=True)
+
+    def _put(self, item: Any) -> bool:
+        while not self.stop.is_set():
+            try:
+                self.queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _produce(self) -> None:
+        try:
+            for chunk in self.chunks:
+                if not self._put(self.loader.prepare(chunk)):
+                    return
+        except BaseException as e:  # handed to the loading thread, which raises it
+            self._put(_Failed(e))
+            return
+        self._put(_DONE)
+
+    def __enter__(self) -> Prepared:
+        self.thread.start()
+        return self
+
+    def __iter__(self) -> Iterator[bulk.Staged]:
+        while True:
+            item = self.queue.get()
+            if item is _DONE:
+                return
+            if isinstance(item, _Failed):
+                raise item.error
+            yield item
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+class _Failed:
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+_DONE = object()
 
 
 def load_order(settled: Iterable[Settled]) -> list[Settled]:
@@ -95,13 +156,14 @@ def load_plan(owner: bulk.Owner, plan: RestorePlan, sdef: StructureDef, queues: 
         result.keys_deleted = bulk.reset(owner, sdef, batch=batch)
         loader = bulk.Loader(owner, gen=plan.restore_lrsn)
         progress(LOAD, 0, total)
-        for chunk in batches(plan.in_load_order(), batch):
-            loader.write(chunk)
-            expected.update(bulk.list_of(S, s.entry) for s in chunk if s.entry is not None)
-            result.entries += len(chunk)
-            result.batches += 1
-            progress(LOAD, result.entries, total)
-            failpoint("restore-load-batch")  # tests: SQM_FAILPOINTS=restore-load-batch=N dies after batch N
+        with Prepared(loader, batches(plan.in_load_order(), batch)) as prepared:
+            for staged in prepared:
+                loader.send(staged)
+                expected.update({k: len(ids) for k, ids in staged.lists.items()})
+                result.entries += staged.entries
+                result.batches += 1
+                progress(LOAD, result.entries, total)
+                failpoint("restore-load-batch")  # tests: SQM_FAILPOINTS=restore-load-batch=N dies after batch N
         result.bytes = loader.bytes
         # In-doubt UOWs the structure holds though none of their work on it survived (non-persistent only) are
         # registered too, at their PREPARE's LRSN (a later backup's floor keeps it in the replay): their commit or

@@ -288,11 +288,13 @@ def plan_partitioned(structure: str, backup: Iterable[Copy], records: Iterable[t
         run: list[tuple[Any, ...]] = []
         gone = SpillWriter(spill, f"gone-{i}")
         for eid in copies.keys() | by_entry.keys():
-            keyed = by_entry.get(eid) or []
-            keyed.sort(key=lambda kr: kr[0])
-            recs = [r for _, r in keyed]
-            best = best_copy(copies.get(eid, ()))
-            for u in uows_named(best, recs):
+            named = by_entry.get(eid)
+            if named:
+                named.sort(key=lambda kr: kr[0])
+            recs = [r for _, r in named] if named else []
+            cs = copies.get(eid)
+            best = (cs[0] if len(cs) == 1 else best_copy(cs)) if cs else None
+            for u in (uows_named(best, recs) if recs or (best and best[1].get("u")) else ()):
                 if outs.get(u) is None:
                     o = outcomes.get(u) if u not in outs else None  # a UOW no need named (defensive)
                     if o is None:

@@ -58,6 +58,7 @@ from cfemu import bulk, keys
 from cfemu.admin import Admin, AdminError, QueueDef, StructureDef
 from cfemu.credentials import BackupKeys
 from cfemu.repository import GroupRepository
+from cfemu.settings import restore_memory
 from restore.engine import PHASES, Progress, get_engine, no_progress
 from restore.load import LoadResult, load_plan, loaded_tombstones, restore_owned_uows
 from restore.plan import EARLIER_GENERATIONS, Copy, RestorePlan
@@ -474,6 +475,11 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
     options = dict(engine_options or {})
     if engine == "local":  # its spill files: a private directory beside the backups (docs/runbook.md)
         options.setdefault("work_dir", backup_root / WORK_DIR)
+        if "memory" not in options:  # RECAUTO and library callers: $CFEMU_RESTORE_MEMORY, else the default
+            try:
+                options["memory"] = restore_memory()
+            except ValueError as e:
+                raise RestoreError(str(e)) from None
     chosen_engine = get_engine(engine, **options)
     repo = GroupRepository(log_root)  # read only until the load
     group = admin.group_name() if sdef is not None else None

@@ -165,18 +165,19 @@ def settle(entry_id: str, backup: tuple[str, dict[str, Any], bytes] | None, reco
     """Fold one entry's history into its final state. `outcomes` must hold a decision for every UOW the entry's
     history names (restore decides undecided, in-flight UOWs as backed out before folding)."""
     recs = list(records)
-    backup = with_logged_copies(backup, recs)
     events: list[tuple[int, int, str, Any]] = []
-    for r in recs:
-        rk = lookup(r)
-        if rk.role is Role.ENTRY and not rk.copy:
-            assert rk.fold_rank is not None, rk.code
-            events.append((r["l"], rk.fold_rank, rk.code, r))
-    for u in uows_named(backup, recs):
-        o = outcomes.get(u)
-        if o is not None and o.kind != INDOUBT:
-            events.append((_counted_after_own(u, o.lrsn, backup, recs), OUTCOME_RANK, _OUTCOME, (u, o)))
-    events.sort(key=lambda e: (e[0], e[1]))
+    if recs or (backup is not None and backup[1].get("u")):  # else: untouched since its copy, held by no UOW
+        backup = with_logged_copies(backup, recs)
+        for r in recs:
+            rk = lookup(r)
+            if rk.role is Role.ENTRY and not rk.copy:
+                assert rk.fold_rank is not None, rk.code
+                events.append((r["l"], rk.fold_rank, rk.code, r))
+        for u in uows_named(backup, recs):
+            o = outcomes.get(u)
+            if o is not None and o.kind != INDOUBT:
+                events.append((_counted_after_own(u, o.lrsn, backup, recs), OUTCOME_RANK, _OUTCOME, (u, o)))
+        events.sort(key=lambda e: (e[0], e[1]))
 
     structure = backup[0] if backup else ""
     state: dict[str, Any] | None = dict(backup[1]) if backup else None

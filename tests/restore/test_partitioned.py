@@ -29,7 +29,7 @@ from restore.engine import LocalEngine, read_logs
 from restore.load import load_order
 from restore.partitioned import SpilledPlan, partitions_for
 from restore.plan import RestorePlan, base_lrsn, plan_local
-from restore.run import WORK_DIR, run_restore
+from restore.run import WORK_DIR, RestoreError, run_restore
 from sqm import records
 from sqm.log import RecordLog
 from tests.restore.test_engine_spark import NOW_MS, S, _real_history, normalized, simulate, write_history
@@ -250,6 +250,22 @@ def test_the_memory_limit_resolves_from_the_flag_then_the_environment(tmp_path: 
     assert resolve(env={}, cwd=tmp_path).memory_limit() == 1 << 30
     with pytest.raises(ValueError, match=r"^\$CFEMU_RESTORE_MEMORY: 'x' is not a size"):
         resolve(env={"CFEMU_RESTORE_MEMORY": "x"}, cwd=tmp_path).memory_limit()
+
+
+def test_run_restore_takes_the_memory_limit_from_the_environment(fresh_redis: EmbeddedRedis, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A caller with no flag (RECAUTO) gets $CFEMU_RESTORE_MEMORY; a bad one is a RestoreError of one line,
+    raised before anything is read."""
+    logs, backups = tmp_path / "logs", tmp_path / "backups"
+    qms, _ = small_workload(fresh_redis.url, logs, backups)
+    client = connect(fresh_redis.url)
+    monkeypatch.setenv("CFEMU_RESTORE_MEMORY", "3MiB")
+    assert run_restore(client, S, backup_root=backups, log_root=logs, dry_run=True).memory_limit == 3 << 20
+    monkeypatch.setenv("CFEMU_RESTORE_MEMORY", "much")
+    with pytest.raises(RestoreError, match=r"^\$CFEMU_RESTORE_MEMORY: 'much' is not a size"):
+        run_restore(client, S, backup_root=backups, log_root=logs, dry_run=True)
+    for qm in qms:
+        qm.stop(checkpoint=False)
 
 
 def test_cfrestore_refuses_a_bad_memory_limit_in_one_line(tmp_path: Path) -> None:
