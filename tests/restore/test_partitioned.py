@@ -12,6 +12,7 @@ import random
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -278,3 +279,45 @@ def test_cfrestore_refuses_a_bad_memory_limit_in_one_line(tmp_path: Path) -> Non
     assert out.stderr.strip().splitlines() == [out.stderr.strip()]
     assert "--memory-limit: 'lots' is not a size" in out.stderr
     assert not (tmp_path / "b").exists()
+
+
+# ------------------------------------------------------------------------------------------ the load pipeline
+
+class _Loader:
+    """Stands in for bulk.Loader.prepare: counts what it prepared, fails at batch `fail_at`."""
+
+    def __init__(self, fail_at: int = -1) -> None:
+        self.prepared, self.fail_at = 0, fail_at
+
+    def prepare(self, chunk: list[int]) -> list[int]:
+        if self.prepared == self.fail_at:
+            raise RuntimeError("prepare failed")
+        self.prepared += 1
+        return chunk
+
+
+def test_the_load_pipeline_keeps_order_and_hands_errors_to_the_loader() -> None:
+    from restore.load import Prepared
+
+    with Prepared(_Loader(), iter([[1], [2], [3]])) as p:  # type: ignore[arg-type]
+        assert list(p) == [[1], [2], [3]]
+    with pytest.raises(RuntimeError, match="prepare failed"), \
+            Prepared(_Loader(fail_at=1), iter([[1], [2], [3]])) as p:  # type: ignore[arg-type]
+        for _ in p:
+            pass
+
+
+def test_a_load_that_stops_early_stops_the_preparing_thread_at_most_two_batches_ahead() -> None:
+    """The loader leaves after one batch (a NotOwnerError, say): the thread does not prepare the whole plan, and
+    the `with` ends it (it would otherwise block on the full queue for ever)."""
+    from restore.load import Prepared
+
+    loader = _Loader()
+    with Prepared(loader, iter([[i] for i in range(100)])) as p:  # type: ignore[arg-type]
+        next(iter(p))
+        deadline = time.monotonic() + 5
+        while loader.prepared < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        assert loader.prepared <= 1 + Prepared.DEPTH + 1
+    assert not p.thread.is_alive()
