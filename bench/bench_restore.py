@@ -21,7 +21,8 @@ batch size, no transaction, no index.
     .venv/bin/python bench/bench_restore.py [--quick] [--sizes 1000000:2000000 10000000:20000000]
                                             [--body 1024] [--memory 1GiB]
 
-A size is FINAL_MESSAGES:LOG_RECORDS. Prints tables and appends one JSON line to bench/results/restore.jsonl.
+A size is FINAL_MESSAGES:LOG_RECORDS. Prints tables and appends one JSON line per size to
+bench/results/restore.jsonl as each size ends.
 """
 
 from __future__ import annotations
@@ -477,6 +478,9 @@ def main(argv: list[str] | None = None) -> int:
                        loadavg_after=os.getloadavg())
             record["runs"].append(run)
             console.print(run)
+            RESULTS.parent.mkdir(parents=True, exist_ok=True)
+            with RESULTS.open("a") as f:  # one line per size as it ends: a run cut short keeps what it measured
+                f.write(json.dumps({**record, "runs": [run]}) + "\n")
             if "error" not in run:
                 table.add_row(f"{truth.restored:,}", f"{truth.records:,}", str(body), str(run["partitions"]),
                               str(run["plan_s"]), str(run["load_s"]), str(run["point_s"]), str(run["restore_s"]),
@@ -490,9 +494,6 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if not args.keep and not args.dir:
             shutil.rmtree(base, ignore_errors=True)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    with RESULTS.open("a") as f:
-        f.write(json.dumps(record) + "\n")
     bad = [r for r in record["runs"] if "error" in r or r.get("problems")]
     return 1 if bad or not record["calibration"]["ok"] else 0
 
