@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import heapq
 import importlib
+import resource
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -132,6 +133,13 @@ def input_bytes(backup: BackupSource, log_dirs: list[Path], replay_from: int) ->
     return total
 
 
+def _allow_open_files(n: int) -> None:
+    """Raise this process's soft limit of open files to `n` when it is lower (up to the hard limit)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < n:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (n if hard == resource.RLIM_INFINITY else min(n, hard), hard))
+
+
 class LocalEngine:
     """The in-process engine: plans in bounded memory (restore.partitioned), partitioned by entry id through
     spill files in a private temporary directory under `work_dir`, so that one partition's objects, the scan's
@@ -151,6 +159,7 @@ class LocalEngine:
              progress: Progress = no_progress) -> RestorePlan:
         total = backup.manifest.get("entries")
         partitions = self.partitions or partitions_for(input_bytes(backup, log_dirs, replay_from), self.memory)
+        _allow_open_files(partitions + 128)  # the load merges one open run per partition
         spill = SpillDir(self.work_dir)
         try:
             plan = plan_partitioned(
