@@ -20,8 +20,9 @@ The interface is one method:
 An engine must raise `sqm.log.LogCorruptError` / `LogFormatError` for a bad log (never skip it), and must not
 change anything: restore writes to the CF only after the whole plan is computed.
 
-`get_engine(name, **options)` returns an engine by name: "local" (in-process, the default) or "spark"
-(`restore.engine_spark`, imported only when asked for).
+`get_engine(name, **options)` returns an engine by name: "local" (in-process, in bounded memory:
+restore.partitioned; options memory, work_dir, partitions; the default) or "spark" (`restore.engine_spark`,
+imported only when asked for).
 """
 
 from __future__ import annotations

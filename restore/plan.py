@@ -1,4 +1,6 @@
-"""Restore planning, in-process engine: compute the final state of every message off the CF.
+"""Restore planning: compute the final state of every message off the CF. plan_local does it in memory, all at
+once: the reference every engine is compared with; the local engine runs the same steps one partition at a time
+(restore.partitioned), the Spark engine as DataFrame operations.
 
 The plan is data-parallel (the Spark engine runs the same steps as DataFrame operations):
   1 group the backup's copies by entry id, keep the best copy of each (settle.best_copy);
