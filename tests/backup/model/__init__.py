@@ -4,6 +4,5 @@ scheduler: a stateless depth-first search over every interleaving of a few actor
            atomic steps), replaying each schedule from a fresh world.
 actors:    the world (a flushed real CF with the real Lua scripts, in-memory member logs written with the record
            shapes of sqm/manager.py), the members' operations, the backup actor (backup.protocol), and the checks
-           that lose the CF and fold the backup plus logs with the real restore.plan.plan_local (and, at the end of each
-           schedule, with the local engine's partitioned plan, restore.partitioned).
+           that lose the CF and fold the backup plus logs with the real restore.plan.plan_local.
 """

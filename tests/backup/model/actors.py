@@ -33,10 +33,8 @@ from cfemu.admin import Admin
 from cfemu.cf import CF, Caller, Structure
 from cfemu.entry import Entry
 from cfemu.errors import BackupActiveError, FloorError
-from restore.partitioned import plan_partitioned
 from restore.plan import Copy, RestorePlan, plan_local
 from restore.settle import HELD_INDOUBT, RESTORED, fifo_key
-from restore.spill import SpillDir
 from sqm import records
 from sqm.clock import LrsnClock
 from sqm.records import Record
@@ -355,10 +353,6 @@ def check_after_loss(world: World) -> None:
     compare(want, got)
 
 
-PARTITIONED_EVERY = 8  # the partitioned plan checks the first schedule and every 8th after it (in DFS order)
-_partitioned_checks = [0]
-
-
 def check_complete(world: World) -> None:
     """At the end of a schedule: the restore equals the CF's committed state (ids, queues, data, backout counts,
     get order); the same with the replay started at LRSN 0; and the fold is idempotent (twice on the same input,
@@ -372,13 +366,6 @@ def check_complete(world: World) -> None:
                     "replay from LRSN 0")
     compare_ordered(restored, restored_rows(plan_local(STRUCTURE, b.copies, world.records(b.floor),
                                                        now_ms=world.now_ms)), "second run of the fold")
-    _partitioned_checks[0] += 1
-    if _partitioned_checks[0] % PARTITIONED_EVERY == 1:  # a spill directory per schedule would double the run
-        with SpillDir() as spill:  # the local engine's plan, in bounded memory: 7 partitions through spill files
-            records = world.records(b.floor)
-            parted = plan_partitioned(STRUCTURE, b.copies, (((i,), r) for i, r in enumerate(records)),
-                                      spill=spill, partitions=7, now_ms=world.now_ms)
-            compare_ordered(restored, restored_rows(parted), "partitioned plan")
     again = [(s.structure, dict(s.entry), s.data) for s in plan.loaded() if s.entry is not None]
     compare_ordered(restored, restored_rows(plan_local(STRUCTURE, again, world.records(b.floor),
                                                        now_ms=world.now_ms)), "fold over its own result")
