@@ -27,6 +27,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, TypeVar
 
 import msgpack
@@ -389,6 +390,21 @@ def uow_record(owner: str, first_lrsn: int, gen: int) -> bytes:
     return msgpack.packb({"o": owner, "f": first_lrsn, "g": gen}, use_bin_type=False)
 
 
+@dataclass
+class Staged:
+    """One batch of a Loader, prepared (Loader.prepare) and not yet sent (Loader.send)."""
+
+    entries: int
+    descriptors: dict[str, bytes] = field(default_factory=dict)
+    datas: dict[str, bytes] = field(default_factory=dict)
+    lists: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
+    sets: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
+    expiry: dict[str, int] = field(default_factory=dict)
+    held: dict[str, int] = field(default_factory=dict)
+    queues: set[str] = field(default_factory=set)
+    bytes: int = 0
+
+
 class Loader:
     """Writes entries into the owner's emptied, RECOVERING structure (after reset), batch by batch, each batch one
     transaction of the owner; then the records of the UOWs that hold them. The caller chooses the batches and the
@@ -404,42 +420,52 @@ class Loader:
 
     def write(self, batch: Sequence[Survivor]) -> None:
         """One batch: descriptors, data, list places, UOW sets, expiry times and id indexes."""
+        self.send(self.prepare(batch))
+
+    def prepare(self, batch: Sequence[Survivor]) -> Staged:
+        """A batch's writes, computed but not sent (touches no server: a loader may prepare the next batch in
+        another thread while this one's is sent)."""
         S = self.structure
-        lists: dict[str, list[str]] = defaultdict(list)
-        sets: dict[str, list[str]] = defaultdict(list)
-        expiry: dict[str, int] = {}
-        held: dict[str, int] = {}
+        st = Staged(len(batch))
         for s in batch:
             e = _wire(s)
-            lists[list_of(S, e)].append(s.id)
+            st.lists[list_of(S, e)].append(s.id)
             if e.get("u"):
-                sets[keys.uow_set(S, e["u"])].append(s.id)
-                held[e["u"]] = min(held.get(e["u"], int(e["l"])), int(e["l"]))
+                st.sets[keys.uow_set(S, e["u"])].append(s.id)
+                st.held[e["u"]] = min(st.held.get(e["u"], int(e["l"])), int(e["l"]))
             if int(e.get("exp", 0)) > 0:
-                expiry[s.id] = int(e["exp"])
+                st.expiry[s.id] = int(e["exp"])
             if e.get("cid"):
-                sets[keys.index_set(S, e["q"], "c", e["cid"])].append(s.id)
+                st.sets[keys.index_set(S, e["q"], "c", e["cid"])].append(s.id)
             if e.get("mid"):
-                sets[keys.index_set(S, e["q"], "m", e["mid"])].append(s.id)
-        descriptors = {s.id: descriptor(_wire(s), s.data) for s in batch}
-        datas = {s.id: s.data for s in batch}
+                st.sets[keys.index_set(S, e["q"], "m", e["mid"])].append(s.id)
+            st.descriptors[s.id] = descriptor(e, s.data)
+            st.datas[s.id] = s.data
+            st.queues.add(e["q"])
+            st.bytes += len(s.data)
+        return st
+
+    def send(self, st: Staged) -> None:
+        """Write a prepared batch, as one transaction of the owner."""
+        S = self.structure
 
         def stage(pipe: Pipeline) -> None:
-            pipe.hset(keys.entries(S), mapping=descriptors)  # type: ignore[arg-type]
-            pipe.hset(keys.data(S), mapping=datas)  # type: ignore[arg-type]
-            for k, ids in sets.items():
+            pipe.hset(keys.entries(S), mapping=st.descriptors)  # type: ignore[arg-type]
+            pipe.hset(keys.data(S), mapping=st.datas)  # type: ignore[arg-type]
+            for k, ids in st.sets.items():
                 pipe.sadd(k, *ids)
-            for k, ids in lists.items():
+            for k, ids in st.lists.items():
                 pipe.rpush(k, *ids)
-            if expiry:
-                pipe.zadd(keys.expiry(S), expiry)
+            if st.expiry:
+                pipe.zadd(keys.expiry(S), st.expiry)
 
-        self.holder.transaction(stage)
+        if st.entries:
+            self.holder.transaction(stage)
         # counted once the batch is in (a transaction tried again must not count it twice)
-        for u, first in held.items():
+        for u, first in st.held.items():
             self.held[u] = min(self.held.get(u, first), first)
-        self.queues.update(_wire(s)["q"] for s in batch)
-        self.bytes += sum(len(s.data) for s in batch)
+        self.queues.update(st.queues)
+        self.bytes += st.bytes
 
     def finish(self, queues: Iterable[str], owner: Callable[[str], str], tomb: Mapping[str, str]) -> int:
         """After the last batch: the queue set (`queues` and every queue written to), a record for each UOW
@@ -469,16 +495,21 @@ def verify(owner: Owner, survivors: Sequence[Survivor], uows: Collection[str] | 
     """Compare the owner's structure with what was loaded: entry and data counts, UOW records (`uows`, by default
     those holding entries), and the length of every list (read in one transaction of the owner: a count from
     another CF is never compared). Returns the differences found (none: [])."""
-    structure = owner.structure
     expected: dict[str, int] = defaultdict(int)
     holding: set[str] = set()
     for s in survivors:
         e = _wire(s)
-        expected[list_of(structure, e)] += 1
+        expected[list_of(owner.structure, e)] += 1
         if e.get("u"):
             holding.add(e["u"])
-    uows = holding if uows is None else set(uows) | holding
-    names = sorted(expected)
+    return verify_counts(owner, len(survivors), expected, holding if uows is None else set(uows) | holding)
+
+
+def verify_counts(owner: Owner, entries: int, lists: Mapping[str, int], uows: Collection[str]) -> list[str]:
+    """verify, from counts kept while loading (a load that streams its survivors does not hold them): `entries`
+    loaded, `lists` list -> entries written to it, `uows` the UOWs that must have a record."""
+    structure = owner.structure
+    names = sorted(lists)
 
     def stage(pipe: Pipeline) -> None:
         pipe.hlen(keys.entries(structure))
@@ -489,15 +520,15 @@ def verify(owner: Owner, survivors: Sequence[Survivor], uows: Collection[str] | 
 
     n_ent, n_data, n_uows, *lengths = owner.transaction(stage)
     problems = []
-    if n_ent != len(survivors):
-        problems.append(f"{n_ent} descriptors, expected {len(survivors)}")
-    if n_data != len(survivors):
-        problems.append(f"{n_data} data fields, expected {len(survivors)}")
+    if n_ent != entries:
+        problems.append(f"{n_ent} descriptors, expected {entries}")
+    if n_data != entries:
+        problems.append(f"{n_data} data fields, expected {entries}")
     if n_uows != len(uows):
         problems.append(f"{n_uows} UOWs holding entries, expected {len(uows)}")
     for k, n in zip(names, lengths, strict=True):
-        if n != expected[k]:
-            problems.append(f"list {k} holds {n}, expected {expected[k]}")
+        if n != lists[k]:
+            problems.append(f"list {k} holds {n}, expected {lists[k]}")
     return problems
 
 

@@ -60,6 +60,9 @@ SETTINGS_HELP = {
                        f"${_settings.ENV_LOG_ARCHIVE_DIR}, the cluster's, else each member's log directory's archive/)",
     "cf_dir": f"a 'cfemu cf start' directory (default ${_settings.ENV_CF_DIR} or the nearest "
               f"{_settings.DEFAULT_CF_DIR})",
+    "memory_limit": f"restore's working memory, e.g. 512MiB or 4GiB (default ${_settings.ENV_MEMORY_LIMIT} or "
+                    f"{_settings.DEFAULT_MEMORY_LIMIT}): the local engine plans in partitions that fit it; the "
+                    "process needs about 150 MiB besides (docs/runbook.md)",
 }
 
 

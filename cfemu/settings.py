@@ -2,10 +2,10 @@
 
 Each setting comes from the first of these that has it:
 
-  1. its flag             --redis-url, --log-root, --backup-dir, --token
+  1. its flag             --redis-url, --log-root, --backup-dir, --token, --memory-limit (cfrestore)
   2. its environment      $REDIS_URL, $CFEMU_LOG_ROOT, $CFEMU_BACKUP_DIR, $SQM_TOKEN ($SQM_OPERATOR_TOKEN),
-                          $CFEMU_LOG_ARCHIVE_DIR (--log-archive-dir: linear logging's archive; default: none, each
-                          member archives into its log directory's archive/)
+                          $CFEMU_RESTORE_MEMORY, $CFEMU_LOG_ARCHIVE_DIR (--log-archive-dir: linear logging's
+                          archive; default: none, each member archives into its log directory's archive/)
   3. the cluster          cluster.json of the nearest ``cfemu cluster`` directory: --cluster-dir, else
                           $CFEMU_CLUSTER_DIR, else the first var/cluster holding one, looking in the working
                           directory and then its parents (as git looks for .git). Its CF URL counts only while
@@ -13,7 +13,8 @@ Each setting comes from the first of these that has it:
                           because ``cfemu cluster down`` keeps them.
   4. the CF directory     the CF URL of ``cfemu cf start``: --cf-dir, else $CFEMU_CF_DIR, else the nearest var/cf,
                           while that CF runs
-  5. the default          var/logs, var/backups (relative to the working directory); no CF URL and no token
+  5. the default          var/logs, var/backups (relative to the working directory); no CF URL and no token;
+                          restore's working memory 1GiB
 
 The Spark master of restore's spark engine resolves the same way: cfrestore's --master, else
 $CFEMU_SPARK_MASTER, else the cluster's Spark master (``cfemu cluster up --spark N``) while it runs, else none
@@ -63,11 +64,16 @@ ENV_OPERATOR_TOKEN = "SQM_OPERATOR_TOKEN"
 ENV_CLUSTER_DIR = "CFEMU_CLUSTER_DIR"
 ENV_CF_DIR = "CFEMU_CF_DIR"
 ENV_SPARK_MASTER = "CFEMU_SPARK_MASTER"
+ENV_MEMORY_LIMIT = "CFEMU_RESTORE_MEMORY"
 
 DEFAULT_CLUSTER_DIR = Path("var/cluster")
 DEFAULT_CF_DIR = Path("var/cf")
 DEFAULT_LOG_ROOT = Path("var/logs")
 DEFAULT_BACKUP_DIR = Path("var/backups")
+DEFAULT_MEMORY_LIMIT = "1GiB"  # restore's working memory (docs/runbook.md, "Sizing a restore's memory")
+MIN_MEMORY_LIMIT = 64 << 10
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2, "mib": 1 << 20,
+          "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30, "t": 1 << 40, "tb": 1000**4, "tib": 1 << 40}
 
 # cluster.json: written by qsg.cluster, read here. Paths in it are absolute.
 CLUSTER_FILE = "cluster.json"
@@ -99,6 +105,13 @@ class Settings:
     # archive/ (docs/log-management.md).
     log_archive_dir: Path | None = None
     spark_master: str | None = None  # the Spark master restore's spark engine uses (None: local[*])
+    memory_limit_text: str = DEFAULT_MEMORY_LIMIT  # as given (flag, $CFEMU_RESTORE_MEMORY, or the default)
+
+    def memory_limit(self) -> int:
+        """Restore's working memory in bytes (parse_size of the setting); ValueError, one line, when it is bad.
+        Parsed only by the commands that use it, so that a bad value never stops another command."""
+        where = {FLAG: "--memory-limit", ENV: f"${ENV_MEMORY_LIMIT}"}.get(self.sources.get("memory_limit", ""), "")
+        return parse_size(self.memory_limit_text, what=where or "the restore memory limit")
 
     def backup_keys(self, *, accept_unsigned: bool = False) -> credentials.BackupKeys:
         """The group's backup keys (backup.key, and backup-previous.key after a rotation) from the secrets
@@ -122,6 +135,31 @@ class Settings:
         if self.spark_master:
             out[ENV_SPARK_MASTER] = self.spark_master
         return out
+
+
+def parse_size(text: str, *, what: str = "size") -> int:
+    """A size in bytes from '512MiB', '2G', '1.5GiB', '65536' (k/m/g/t: binary; kb/mb/gb/tb: decimal). Raises
+    ValueError with one line naming the problem: not a size, or below MIN_MEMORY_LIMIT."""
+    raw = str(text).strip().lower().replace(" ", "").replace("_", "")
+    number = raw.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = raw[len(number):]
+    try:
+        value = float(number)
+    except ValueError:
+        value = float("nan")
+    if unit not in _UNITS or not value == value or value in (float("inf"), float("-inf")):  # noqa: PLR0124
+        raise ValueError(f"{what}: {text!r} is not a size (say e.g. 512MiB, 2GiB or a number of bytes)")
+    size = int(value * _UNITS[unit])
+    if size < MIN_MEMORY_LIMIT:
+        raise ValueError(f"{what}: {text!r} is below the least it can be, {MIN_MEMORY_LIMIT // 1024} KiB")
+    return size
+
+
+def restore_memory(env: Mapping[str, str] | None = None) -> int:
+    """Restore's working memory for a caller with no flag (run_restore's default, RECAUTO's):
+    $CFEMU_RESTORE_MEMORY, else the default. ValueError, one line, when the variable is bad."""
+    text = (os.environ if env is None else env).get(ENV_MEMORY_LIMIT)
+    return parse_size(text, what=f"${ENV_MEMORY_LIMIT}") if text else parse_size(DEFAULT_MEMORY_LIMIT)
 
 
 def read_cluster_file(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
@@ -196,7 +234,8 @@ def resolve(*, redis_url: str | None = None, log_root: str | os.PathLike[str] | 
             backup_dir: str | os.PathLike[str] | None = None, token: str | None = None,
             cluster_dir: str | os.PathLike[str] | None = None, cf_dir: str | os.PathLike[str] | None = None,
             log_archive_dir: str | os.PathLike[str] | None = None, spark_master: str | None = None,
-            role: str = "operator", env: Mapping[str, str] | None = None, cwd: Path | None = None) -> Settings:
+            memory_limit: str | None = None, role: str = "operator", env: Mapping[str, str] | None = None,
+            cwd: Path | None = None) -> Settings:
     """Resolve every setting (see the module doc). The keyword arguments are the flags (None: not given); env
     and cwd default to the process's own and exist for tests."""
     environ = os.environ if env is None else env
@@ -247,6 +286,13 @@ def resolve(*, redis_url: str | None = None, log_root: str | os.PathLike[str] | 
                     sources=sources, secrets_dir=secrets_dir, token_role=token_role,
                     log_archive_dir=Path(archive) if archive else None,
                     spark_master=str(master[1]) if master[1] else None)
+    # Restore's own setting: in `sources` only when given (the other commands never use it).
+    memory = pick("memory_limit", memory_limit, ENV_MEMORY_LIMIT, None) if (
+        memory_limit or environ.get(ENV_MEMORY_LIMIT)) else None
+    return Settings(redis_url=str(url) if url else None, log_root=Path(logs), backup_dir=Path(backups),
+                    token=str(tok) if tok else None, cluster_dir=cdir.resolve() if state else None,
+                    sources=sources, secrets_dir=secrets_dir, token_role=token_role,
+                    memory_limit_text=str(memory) if memory else DEFAULT_MEMORY_LIMIT)
 
 
 def operator_token(found: Settings, env: Mapping[str, str] | None = None) -> str | None:

@@ -1,6 +1,7 @@
 """cfrestore: RECOVER CFSTRUCT.
 
   cfrestore run STRUCTURE [--backup ID] [--engine local|spark] [--dry-run] [--mark-failed] [--report FILE]
+                          [--memory-limit SIZE]
                                               rebuild a failed structure from a backup plus every member's log
   cfrestore plan STRUCTURE [--backup ID]      what run would do (= run --dry-run): touches nothing
   cfrestore purge STRUCTURE [--mark-failed]   RECOVER CFSTRUCT TYPE(PURGE): empty it and make it usable again
@@ -60,13 +61,14 @@ def _bars(out: Output) -> PhaseBars:
 
 def cmd_run(args: argparse.Namespace, out: Output, *, dry_run: bool = False) -> int:
     found = settings(args)
+    options = _engine_options(args, found)  # a bad --memory-limit is refused before anything is read
     client = connect(require_url(found))
     with _bars(out) as bars:
         result = run_restore(client, args.structure, backup_root=found.backup_dir, log_root=found.log_root,
                              backup_id=args.backup, engine=args.engine, dry_run=dry_run or args.dry_run,
                              mark_failed=args.mark_failed, progress=bars,
                              report_path=Path(args.report) if args.report else None,
-                             engine_options=_engine_options(args, found),
+                             engine_options=options,
                              from_logs=bool(getattr(args, "from_logs", False)),
                              backup_keys=found.backup_keys(accept_unsigned=args.accept_unsigned))
     if out.as_json:
@@ -77,8 +79,11 @@ def cmd_run(args: argparse.Namespace, out: Output, *, dry_run: bool = False) -> 
 
 
 def _engine_options(args: argparse.Namespace, found: Settings | None = None) -> dict[str, Any]:
-    """The spark engine's options: the master (the flag, else the settings' Spark master, else local[*]) and
-    its settings (what joining that master needs, spark_conf.driver_conf, then the --conf given, which win)."""
+    """The engine's options. Local: its working memory (--memory-limit). Spark: the master (the flag, else the
+    settings' Spark master, else local[*]) and its settings (what joining that master needs,
+    spark_conf.driver_conf, then the --conf given, which win)."""
+    if args.engine == "local":
+        return {"memory": (found or settings(args)).memory_limit()}
     if args.engine != "spark":
         return {}
     master = args.master or (found.spark_master if found is not None else None) or "local[*]"
@@ -169,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--verbose", "-v", action="store_true", help="show the traceback of an error")
     restore = argparse.ArgumentParser(add_help=False)
     restore.add_argument("structure")
-    add_settings_arguments(restore, "backup_dir", "log_root")
+    add_settings_arguments(restore, "backup_dir", "log_root", "memory_limit")
     restore.add_argument("--backup", metavar="ID", help="restore from this backup (default: the latest good one)")
     unsigned = argparse.ArgumentParser(add_help=False)
     unsigned.add_argument("--accept-unsigned", action="store_true",

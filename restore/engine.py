@@ -20,21 +20,27 @@ The interface is one method:
 An engine must raise `sqm.log.LogCorruptError` / `LogFormatError` for a bad log (never skip it), and must not
 change anything: restore writes to the CF only after the whole plan is computed.
 
-`get_engine(name, **options)` returns an engine by name: "local" (in-process, the default) or "spark"
-(`restore.engine_spark`, imported only when asked for).
+`get_engine(name, **options)` returns an engine by name: "local" (in-process, in bounded memory:
+restore.partitioned; options memory, work_dir, partitions; the default) or "spark" (`restore.engine_spark`,
+imported only when asked for).
 """
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import importlib
+import resource
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
 from cfemu.progress import Progress, no_progress  # the cfemu floor's port, named from here too
-from restore.plan import Copy, RestorePlan, base_lrsn, plan_local
-from sqm.log import LogFormatError, merged_records
+from restore.partitioned import DEFAULT_MEMORY, partitions_for, plan_partitioned
+from restore.plan import Copy, RestorePlan, base_lrsn
+from restore.spill import SpillDir
+from sqm.log import LogFormatError, LogReader, merged_records
+from sqm.log.format import list_segments, read_manifest, trusted_segments
 from sqm.records import Record
 
 READ_BACKUP, READ_LOGS, SETTLE, LOAD = "read backup", "read logs", "settle", "load"
@@ -90,25 +96,86 @@ def _counted(copies: Iterable[Copy], progress: Progress, total: int | None) -> I
     progress(READ_BACKUP, n, total)
 
 
+def stream_logs(log_dirs: list[Path], replay_from: int,
+                progress: Progress = no_progress) -> Iterator[tuple[tuple[int, str, int, int], Record]]:
+    """Every record of `log_dirs` from `replay_from` on, one log after another, each tagged with its member in
+    "m" and with its place in the merged log, (LRSN, member, segment, offset): the order read_logs gives, which
+    the partitioned plan restores by sorting each partition. Progress counts log directories read."""
+    seen: dict[str, Path] = {}
+    progress(READ_LOGS, 0, len(log_dirs))
+    for i, d in enumerate(log_dirs, 1):
+        reader = LogReader(d)
+        member = reader.member
+        first = True
+        for pos, rec in reader.records(min_lrsn=replay_from):
+            if first:
+                if member in seen:
+                    raise LogFormatError(f"member {member!r} appears twice: {seen[member]} and {d}")
+                seen[member] = d
+                first = False
+            rec["m"] = member
+            yield (rec["l"], member, pos.segment, pos.offset), rec
+        progress(READ_LOGS, i, len(log_dirs))
+
+
+def input_bytes(backup: BackupSource, log_dirs: list[Path], replay_from: int) -> int:
+    """About how many bytes a plan reads: the backup's data and descriptors, and the log segments that may hold
+    records from `replay_from` on (what restore.partitioned sizes its partitions by)."""
+    m = backup.manifest
+    total = int(m.get("bytes", 0) or 0) + 200 * int(m.get("entries", 0) or 0)
+    for d in log_dirs:
+        trusted = trusted_segments(d, read_manifest(d))
+        for segno, path in list_segments(d):
+            info = trusted.get(segno)
+            if info is not None and info.max_lrsn is not None and info.max_lrsn < replay_from:
+                continue
+            with contextlib.suppress(OSError):
+                total += path.stat().st_size
+    return total
+
+
+def _allow_open_files(n: int) -> None:
+    """Raise this process's soft limit of open files to `n` when it is lower (up to the hard limit)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < n:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (n if hard == resource.RLIM_INFINITY else min(n, hard), hard))
+
+
 class LocalEngine:
-    """The in-process engine: read the backup and the logs into memory, then `plan_local`."""
+    """The in-process engine: plans in bounded memory (restore.partitioned), partitioned by entry id through
+    spill files in a private temporary directory under `work_dir`, so that one partition's objects, the scan's
+    buffers and the load's batches stay within `memory` bytes of working memory."""
 
     name = "local"
+
+    def __init__(self, memory: int = DEFAULT_MEMORY, work_dir: Path | None = None,
+                 partitions: int | None = None) -> None:
+        if memory <= 0:
+            raise ValueError(f"the restore memory limit must be positive, not {memory}")
+        self.memory = memory
+        self.work_dir = Path(work_dir) if work_dir is not None else None  # None: the system's temporary directory
+        self.partitions = partitions  # None: from the input's size and `memory` (partitions_for)
 
     def plan(self, structure: str, backup: BackupSource, log_dirs: list[Path], replay_from: int, now_ms: int,
              progress: Progress = no_progress) -> RestorePlan:
         total = backup.manifest.get("entries")
-        copies = list(_counted(backup.copies(), progress, int(total) if total is not None else None))
-        records = read_logs(log_dirs, replay_from, progress)
-        progress(SETTLE, 0, None)
-        plan = plan_local(structure, copies, records, now_ms=now_ms, gen=int(backup.manifest.get("gen", 0) or 0),
-                          carried=backup.manifest.get("carried", ()), lrsn=base_lrsn(backup.manifest),
-                          registered=list(backup.manifest.get("uows") or ()))
-        progress(SETTLE, len(plan.settled), len(plan.settled))
+        partitions = self.partitions or partitions_for(input_bytes(backup, log_dirs, replay_from), self.memory)
+        _allow_open_files(partitions + 128)  # the load merges one open run per partition
+        spill = SpillDir(self.work_dir)
+        try:
+            plan = plan_partitioned(
+                structure, _counted(backup.copies(), progress, int(total) if total is not None else None),
+                stream_logs(log_dirs, replay_from, progress), spill=spill, partitions=partitions,
+                memory=self.memory, now_ms=now_ms, gen=int(backup.manifest.get("gen", 0) or 0),
+                carried=backup.manifest.get("carried", ()), lrsn=base_lrsn(backup.manifest),
+                registered=list(backup.manifest.get("uows") or ()), progress=progress)
+        except BaseException:
+            spill.close()
+            raise
         return plan
 
 
-_ENGINES: dict[str, Callable[..., Engine]] = {"local": lambda **_: LocalEngine()}
+_ENGINES: dict[str, Callable[..., Engine]] = {"local": lambda **options: LocalEngine(**options)}
 _LAZY = {"spark": "restore.engine_spark"}  # imported on first use: pyspark is an optional dependency
 
 

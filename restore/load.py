@@ -17,8 +17,11 @@ write) are cfemu.bulk's.
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
-from collections.abc import Callable, Mapping
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +29,7 @@ from cfemu import bulk
 from cfemu.admin import StructureDef
 from restore.engine import LOAD, Progress, no_progress
 from restore.plan import RestorePlan
-from restore.settle import BACKOUT, Settled, fifo_key
+from restore.settle import Settled, load_key
 from sqm.failpoints import failpoint
 
 BATCH = bulk.BATCH
@@ -46,27 +49,86 @@ class LoadResult:
     seconds: float = 0.0
 
 
-def load_order(settled: list[Settled]) -> list[Settled]:
-    """Loaded entries grouped by the list they go on, each list in the CF's order: committed puts by priority
-    then FIFO (settle.fifo_key), uncommitted puts in put order, uncommitted gets in get order."""
-    def key(s: Settled) -> tuple[Any, ...]:
-        e = s.entry
-        assert e is not None
-        if e["st"] == "CP":
-            return (e["q"], 0, *fifo_key(e), s.id)
-        if e["st"] == "UP":
-            return (e["q"], 1, int(e.get("o2", 0)), 0, 0, s.id)
-        return (e["q"], 2, int(e["l"]), 0, 0, s.id)
-    return sorted((s for s in settled if s.entry is not None), key=key)
+def batches(items: Iterable[Settled], size: int) -> Iterator[list[Settled]]:
+    """`items` in lists of `size` (the last one shorter): the load streams its survivors batch by batch."""
+    chunk: list[Settled] = []
+    for s in items:
+        chunk.append(s)
+        if len(chunk) >= size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+class Prepared:
+    """The load's batches, prepared (bulk.Loader.prepare: the merge of the plan's runs, descriptors packed) by a
+    thread of their own while the previous batch is sent and applied, at most DEPTH batches ahead: the CF works
+    on one batch while this process prepares the next. Iterate it in a `with`: leaving stops the thread."""
+
+    DEPTH = 2
+
+    def __init__(self, loader: bulk.Loader, chunks: Iterator[list[Settled]]) -> None:
+        self.loader, self.chunks = loader, chunks
+        self.queue: queue.Queue[Any] = queue.Queue(maxsize=self.DEPTH)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._produce, name="restore-load-prepare", daemon=True)
+
+    def _put(self, item: Any) -> bool:
+        while not self.stop.is_set():
+            try:
+                self.queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _produce(self) -> None:
+        try:
+            for chunk in self.chunks:
+                if not self._put(self.loader.prepare(chunk)):
+                    return
+        except BaseException as e:  # handed to the loading thread, which raises it
+            self._put(_Failed(e))
+            return
+        self._put(_DONE)
+
+    def __enter__(self) -> Prepared:
+        self.thread.start()
+        return self
+
+    def __iter__(self) -> Iterator[bulk.Staged]:
+        while True:
+            item = self.queue.get()
+            if item is _DONE:
+                return
+            if isinstance(item, _Failed):
+                raise item.error
+            yield item
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+class _Failed:
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+_DONE = object()
+
+
+def load_order(settled: Iterable[Settled]) -> list[Settled]:
+    """Loaded entries grouped by the list they go on, each list in the CF's order (settle.load_key)."""
+    return sorted((s for s in settled if s.entry is not None), key=lambda s: load_key(s.id, s.entry or {}))
 
 
 def restore_owned_uows(plan: RestorePlan) -> dict[str, str]:
     """Tombstones: 'C' for committed UOWs whose owner may still be completing them (its retry is then a
     no-op), 'B' for in-flight UOWs restore backed out (now or in an earlier run: a re-run writes the same)."""
     tomb = {u: "C" for u in plan.in_commit}
-    for u, o in plan.outcomes.items():
-        if o.kind == BACKOUT and o.decided_by == "restore":
-            tomb[u] = "B"
+    tomb.update(dict.fromkeys(plan.backed_out_by_restore(), "B"))
     return tomb
 
 
@@ -88,18 +150,20 @@ def load_plan(owner: bulk.Owner, plan: RestorePlan, sdef: StructureDef, queues: 
     t0 = time.monotonic()
     S = plan.structure
     result = LoadResult()
-    ordered = load_order(plan.settled)
+    total = plan.loaded_total()
+    expected: Counter[str] = Counter()  # list -> entries written to it (for the verify step)
     try:
         result.keys_deleted = bulk.reset(owner, sdef, batch=batch)
         loader = bulk.Loader(owner, gen=plan.restore_lrsn)
-        progress(LOAD, 0, len(ordered))
-        for start in range(0, len(ordered), batch):
-            chunk = ordered[start:start + batch]
-            loader.write(chunk)
-            result.entries += len(chunk)
-            result.batches += 1
-            progress(LOAD, result.entries, len(ordered))
-            failpoint("restore-load-batch")  # tests: SQM_FAILPOINTS=restore-load-batch=N dies after batch N
+        progress(LOAD, 0, total)
+        with Prepared(loader, batches(plan.in_load_order(), batch)) as prepared:
+            for staged in prepared:
+                loader.send(staged)
+                expected.update({k: len(ids) for k, ids in staged.lists.items()})
+                result.entries += staged.entries
+                result.batches += 1
+                progress(LOAD, result.entries, total)
+                failpoint("restore-load-batch")  # tests: SQM_FAILPOINTS=restore-load-batch=N dies after batch N
         result.bytes = loader.bytes
         # In-doubt UOWs the structure holds though none of their work on it survived (non-persistent only) are
         # registered too, at their PREPARE's LRSN (a later backup's floor keeps it in the replay): their commit or
@@ -109,7 +173,7 @@ def load_plan(owner: bulk.Owner, plan: RestorePlan, sdef: StructureDef, queues: 
             loader.held[u] = plan.outcomes[u].lrsn
         result.uows_in_doubt = loader.finish(queues, owner=held.__getitem__,
                                              tomb=loaded_tombstones(plan, base_tombstones))
-        problems = bulk.verify(owner, ordered, uows=held.keys())
+        problems = bulk.verify_counts(owner, result.entries, expected, uows=held.keys() | loader.held.keys())
         if problems:
             raise LoadVerifyError(f"structure {S} after the load: {'; '.join(problems)} (left RECOVERING)")
         if before_activate is not None:
@@ -118,7 +182,7 @@ def load_plan(owner: bulk.Owner, plan: RestorePlan, sdef: StructureDef, queues: 
                       entries=result.entries, nbytes=result.bytes, restored_from=restored_from,
                       last_backup=last_backup)
     except bulk.NotOwnerError as e:  # say how far the load had come
-        raise type(e)(f"{e}; it had loaded {result.entries} of {len(ordered)} entries") from e
+        raise type(e)(f"{e}; it had loaded {result.entries} of {total} entries") from e
     result.seconds = time.monotonic() - t0
     return result
 

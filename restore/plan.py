@@ -1,4 +1,6 @@
-"""Restore planning, in-process engine: compute the final state of every message off the CF.
+"""Restore planning: compute the final state of every message off the CF. plan_local does it in memory, all at
+once: the reference every engine is compared with; the local engine runs the same steps one partition at a time
+(restore.partitioned), the Spark engine as DataFrame operations.
 
 The plan is data-parallel (the Spark engine runs the same steps as DataFrame operations):
   1 group the backup's copies by entry id, keep the best copy of each (settle.best_copy);
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, defaultdict
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +27,7 @@ from restore.settle import (
     Settled,
     best_copy,
     decide_outcome,
+    load_key,
     settle,
     uows_named,
 )
@@ -37,20 +40,43 @@ Copy = tuple[str, dict[str, Any], bytes]  # (structure, descriptor wire form, da
 class RestorePlan:
     structure: str
     restore_lrsn: int  # above every LRSN read: the restore's own decisions and the CF clock start here
-    settled: list[Settled]
-    outcomes: dict[str, Outcome]
+    settled: Collection[Settled]  # a list in memory, or read back from spill files (restore.partitioned)
+    outcomes: Mapping[str, Outcome]
     decisions: dict[str, str] = field(default_factory=dict)  # UOW -> owner, decided backed out by this restore
     in_commit: set[str] = field(default_factory=set)  # committed UOWs the owner may still be completing
     counts: Counter[str] = field(default_factory=Counter)
     records_by_member: Counter[str] = field(default_factory=Counter)
     max_lrsn: int = 0
 
-    def loaded(self) -> list[Settled]:
+    def loaded(self) -> Iterable[Settled]:
         return [s for s in self.settled if s.entry is not None]
+
+    def in_load_order(self) -> Iterator[Settled]:
+        """The entries to load, in the CF's order (settle.load_key)."""
+        return iter(sorted(self.loaded(), key=lambda s: load_key(s.id, s.entry or {})))
+
+    def loaded_total(self) -> int:
+        return sum(1 for s in self.settled if s.entry is not None)
 
     def in_doubt_uows(self) -> dict[str, str]:
         """The UOWs the restored structure holds, in doubt: UOW -> owner (restore.plan.held_uows)."""
         return held_uows(self.structure, self.settled, self.outcomes)
+
+    def loaded_first_lrsn(self) -> dict[str, int]:
+        """UOW -> the lowest LRSN of the loaded entries it holds."""
+        first: dict[str, int] = {}
+        for s in self.loaded():
+            if s.entry and s.entry.get("u"):
+                u, lrsn = s.entry["u"], int(s.entry["l"])
+                first[u] = min(first.get(u, lrsn), lrsn)
+        return first
+
+    def backed_out_by_restore(self) -> set[str]:
+        """The UOWs restore decided backed out (in flight at the failure): now, or in an earlier run."""
+        return {u for u, o in self.outcomes.items() if o.kind == BACKOUT and o.decided_by == "restore"}
+
+    def close(self) -> None:
+        """Free what the plan keeps outside memory (a partitioned plan's spill files); nothing for this one."""
 
 
 @dataclass(frozen=True)

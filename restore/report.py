@@ -5,7 +5,8 @@ engine, dry_run, state_before, replay_from / replay_to (LRSN range replayed), re
 structure's generation and recovery floor), log_ranges (member -> dir, from, to), records_by_member, counts
 (messages by disposition: restored, in-doubt, consumed, put-backed-out, expired, gone; UOWs: uows in doubt,
 uows in flight backed out), nonpersistent_lost (skipped by the backup; found in the CF before the load),
-in_doubt_uows (UOW -> owner), decisions_logged, keys_deleted, loaded_entries, loaded_bytes, timings (seconds per
+in_doubt_uows (UOW -> owner), decisions_logged, keys_deleted, loaded_entries, loaded_bytes, peak_rss_bytes (the
+process's peak resident memory, plan and load), memory_limit and partitions (the local engine's), timings (seconds per
 phase), report_path, started_at, base_kind (fuzzy, restore, purge or definition: backup.points; logs: the
 logs alone, docs/log-management.md), start (which start it used, in words) and restore_point (the id of the restore point the restore wrote, empty in a dry run).
 """
@@ -38,6 +39,10 @@ def summary(result: RestoreResult, console: Console) -> Group:
     head.add_column("")
     head.add_row("backup", f"{result.backup_id} ({result.backup_path})" + BASE_NOTE.get(result.base_kind, ""))
     head.add_row("engine", result.engine)
+    if result.peak_rss_bytes:
+        limit = (f" (working memory limit {result.memory_limit / 2**20:.0f} MiB, {result.partitions} partitions)"
+                 if result.memory_limit else "")
+        head.add_row("peak memory", f"{result.peak_rss_bytes / 2**20:.0f} MiB resident{limit}")
     head.add_row("state before", result.state_before)
     head.add_row("replay", f"LRSN {result.replay_from} .. {result.replay_to}")
     if result.start:

@@ -38,6 +38,7 @@ empty restore point (kind "purge") before the structure is usable again (hole 8)
 from __future__ import annotations
 
 import json
+import resource
 import time
 from collections import Counter
 from collections.abc import Iterator, Mapping
@@ -57,6 +58,7 @@ from cfemu import bulk, keys
 from cfemu.admin import Admin, AdminError, QueueDef, StructureDef
 from cfemu.credentials import BackupKeys
 from cfemu.repository import GroupRepository
+from cfemu.settings import restore_memory
 from restore.engine import PHASES, Progress, get_engine, no_progress
 from restore.load import LoadResult, load_plan, loaded_tombstones, restore_owned_uows
 from restore.plan import EARLIER_GENERATIONS, Copy, RestorePlan
@@ -69,6 +71,7 @@ from sqm.relog import newest_pass
 from sqm.uow import rebuild_table
 
 RESTORE_MEMBER = "_restore"  # restore's own log, beside the members' logs
+WORK_DIR = ".restore-work"  # under the backup root: the local engine's spill files, removed after each restore
 
 
 class RestoreError(Exception):
@@ -407,10 +410,8 @@ def point_uows(plan: RestorePlan) -> dict[str, int]:
     """The UOWs the restored structure holds a record of (plan.in_doubt_uows), each with the first LRSN its record
     carries, as the load writes it: its first entry's, or its PREPARE's when none of its work here survived."""
     first = {u: plan.outcomes[u].lrsn for u in plan.in_doubt_uows() if u in plan.outcomes}
-    for s in plan.loaded():
-        if s.entry and s.entry.get("u"):
-            u = s.entry["u"]
-            first[u] = min(first.get(u, int(s.entry["l"])), int(s.entry["l"]))
+    for u, lrsn in plan.loaded_first_lrsn().items():
+        first[u] = min(first.get(u, lrsn), lrsn)
     return first
 
 
@@ -460,7 +461,15 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
     if state == "ACTIVE" and not (mark_failed or dry_run):
         raise RestoreError(f"structure {structure} is ACTIVE: restore works on a FAILED structure; mark it "
                            f"failed first (--mark-failed) if you mean to replace its content")
-    chosen_engine = get_engine(engine, **(engine_options or {}))
+    options = dict(engine_options or {})
+    if engine == "local":  # its spill files: a private directory beside the backups (docs/runbook.md)
+        options.setdefault("work_dir", backup_root / WORK_DIR)
+        if "memory" not in options:  # RECAUTO and library callers: $CFEMU_RESTORE_MEMORY, else the default
+            try:
+                options["memory"] = restore_memory()
+            except ValueError as e:
+                raise RestoreError(str(e)) from None
+    chosen_engine = get_engine(engine, **options)
     repo = GroupRepository(log_root)  # read only until the load
     group = admin.group_name() if sdef is not None else None
     no_backup: RestoreError | None = None
@@ -491,64 +500,81 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
 
     as_planned = _AsPlanned(backup, earlier_generations(backup_root, structure, seen, backup_keys))
 
+    plans: list[RestorePlan] = []  # closed at the end, whatever happens (a partitioned plan's spill files)
+
     def make_plan() -> RestorePlan:
-        return with_commits_before_base(chosen_engine.plan(structure, as_planned, log_dirs, replay_from, now, timer),
-                                        log_dirs, int(manifest.get("gen", 0) or 0))
+        for earlier in plans:
+            earlier.close()  # planned again: the earlier plan's spill files are not needed any more
+        plans.append(chosen_engine.plan(structure, as_planned, log_dirs, replay_from, now, timer))
+        return with_commits_before_base(plans[-1], log_dirs, int(manifest.get("gen", 0) or 0))
 
     result = RestoreResult(structure, backup.id, str(backup.path), chosen_engine.name, dry_run, state,
                            replay_from=replay_from, started_at=started.isoformat(timespec="seconds"),
                            base_kind=kind_of(manifest), start=describe_start(manifest))
-    plan = make_plan()  # reads everything: a bad backup or log is refused here, before any change
-    found_in_cf = 0
-    if not dry_run:
-        _refuse_if_changed(client, structure, seen)  # the common case, before restore's log is even opened
-        with _restore_log(log_root, structure, decisions_seen) as rlog, _owning(client, structure, seen) as owner:
-            owned = Admin(owner.admin)  # the owner's own connection (a cluster's: its {ADMIN} slot, bulk.Owner)
-            if state == "ACTIVE":
-                plan = make_plan()  # again: members may have logged more before the claim stopped them
-            if seen.state:
-                found_in_cf = bulk.count_nonpersistent(owner.client, structure)
-            lost = sdef is None
-            sdef, queues = definitions(sdef, owned.queues(), repo, manifest)
-            _redefine(owned, str(manifest["group"]), sdef, queues, lost=lost)
-            # The group repository learns what it lacked (a group from before it existed), and the new CF
-            # learns where it is, so that a member started with another log root is refused.
-            repo.adopt([sdef], queues)
-            owned.claim_repository(str(repo.id), str(repo.path), overwrite=True)
-            result.decisions_logged = _log_decisions(rlog, plan, int(manifest.get("gen", 0) or 0))
-            base_tombstones = dict(manifest.get("tombstones") or {})
-            point = point_id(structure)
+    try:
+        plan = make_plan()  # reads everything: a bad backup or log is refused here, before any change
+        found_in_cf = 0
+        if not dry_run:
+            _refuse_if_changed(client, structure, seen)  # the common case, before restore's log is even opened
+            with (_restore_log(log_root, structure, decisions_seen) as rlog,
+                  _owning(client, structure, seen) as owner):
+                owned = Admin(owner.admin)  # the owner's own connection (a cluster's: its {ADMIN} slot, bulk.Owner)
+                if state == "ACTIVE":
+                    plan = make_plan()  # again: members may have logged more before the claim stopped them
+                if seen.state:
+                    found_in_cf = bulk.count_nonpersistent(owner.client, structure)
+                lost = sdef is None
+                sdef, queues = definitions(sdef, owned.queues(), repo, manifest)
+                _redefine(owned, str(manifest["group"]), sdef, queues, lost=lost)
+                # The group repository learns what it lacked (a group from before it existed), and the new CF
+                # learns where it is, so that a member started with another log root is refused.
+                repo.adopt([sdef], queues)
+                owned.claim_repository(str(repo.id), str(repo.path), overwrite=True)
+                result.decisions_logged = _log_decisions(rlog, plan, int(manifest.get("gen", 0) or 0))
+                base_tombstones = dict(manifest.get("tombstones") or {})
+                point = point_id(structure)
 
-            def write_point() -> None:  # after the load is verified, before the structure is ACTIVE
-                write_restore_point(
-                    backup_root, point, kind=RESTORE, group=str(manifest["group"]), sdef=sdef, queues=queues,
-                    members=[*members.keys(), *(d.name for d in log_dirs if d.name != RESTORE_MEMBER)],
-                    gen=plan.restore_lrsn, lrsn=plan.restore_lrsn, replay_from=point_replay_from(plan),
-                    entries=((s.entry, s.data) for s in plan.loaded() if s.entry is not None),
-                    tombstones=loaded_tombstones(plan, base_tombstones), restored_from=backup.id,
-                    uows=point_uows(plan), backup_keys=backup_keys)
+                def write_point() -> None:  # after the load is verified, before the structure is ACTIVE
+                    write_restore_point(
+                        backup_root, point, kind=RESTORE, group=str(manifest["group"]), sdef=sdef, queues=queues,
+                        members=[*members.keys(), *(d.name for d in log_dirs if d.name != RESTORE_MEMBER)],
+                        gen=plan.restore_lrsn, lrsn=plan.restore_lrsn, replay_from=point_replay_from(plan),
+                        entries=((s.entry, s.data) for s in plan.in_load_order() if s.entry is not None),
+                        tombstones=loaded_tombstones(plan, base_tombstones), restored_from=backup.id,
+                        uows=point_uows(plan), backup_keys=backup_keys)
 
-            loaded: LoadResult = load_plan(owner, plan, sdef, [q.name for q in queues], progress=timer,
-                                           restored_from=backup.id, base_tombstones=base_tombstones,
-                                           before_activate=write_point, last_backup=point)
-            result.keys_deleted, result.loaded_entries = loaded.keys_deleted, loaded.entries
-            result.loaded_bytes = loaded.bytes
-            result.restore_point = point
-            rebuild_catalog(admin, backup_root, structure, backup_keys=backup_keys)
+                loaded: LoadResult = load_plan(owner, plan, sdef, [q.name for q in queues], progress=timer,
+                                               restored_from=backup.id, base_tombstones=base_tombstones,
+                                               before_activate=write_point, last_backup=point)
+                result.keys_deleted, result.loaded_entries = loaded.keys_deleted, loaded.entries
+                result.loaded_bytes = loaded.bytes
+                result.restore_point = point
+                rebuild_catalog(admin, backup_root, structure, backup_keys=backup_keys)
 
-    result.replay_to, result.restore_lrsn = plan.max_lrsn, plan.restore_lrsn
-    result.log_ranges = log_ranges(log_dirs, replay_from)
-    result.records_by_member = dict(plan.records_by_member)
-    result.counts = _counts(plan)
-    result.nonpersistent_lost = {"skipped by the backup": int(manifest.get("nonpersistent_skipped", 0)),
-                                 "found in the CF": found_in_cf}
-    result.in_doubt_uows = plan.in_doubt_uows()  # the same set the count of UOWs in doubt counts
-    result.timings = timer.seconds()
-    if report_path is not None or not dry_run:
-        path = report_path or default_report_path(backup_root, structure, started)
-        result.report_path = str(path)
-        write_report(result, path)
+        result.replay_to, result.restore_lrsn = plan.max_lrsn, plan.restore_lrsn
+        result.log_ranges = log_ranges(log_dirs, replay_from)
+        result.records_by_member = dict(plan.records_by_member)
+        result.counts = _counts(plan)
+        result.nonpersistent_lost = {"skipped by the backup": int(manifest.get("nonpersistent_skipped", 0)),
+                                     "found in the CF": found_in_cf}
+        result.in_doubt_uows = plan.in_doubt_uows()  # the same set the count of UOWs in doubt counts
+        result.timings = timer.seconds()
+        result.peak_rss_bytes = peak_rss_bytes()
+        result.memory_limit = int(getattr(chosen_engine, "memory", 0) or 0)
+        result.partitions = int(getattr(plan, "partitions", 0) or 0)
+        if report_path is not None or not dry_run:
+            path = report_path or default_report_path(backup_root, structure, started)
+            result.report_path = str(path)
+            write_report(result, path)
+    finally:
+        for p in plans:
+            p.close()
     return result
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far (getrusage: KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def describe_start(manifest: Mapping[str, Any]) -> str:

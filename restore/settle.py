@@ -165,18 +165,19 @@ def settle(entry_id: str, backup: tuple[str, dict[str, Any], bytes] | None, reco
     """Fold one entry's history into its final state. `outcomes` must hold a decision for every UOW the entry's
     history names (restore decides undecided, in-flight UOWs as backed out before folding)."""
     recs = list(records)
-    backup = with_logged_copies(backup, recs)
     events: list[tuple[int, int, str, Any]] = []
-    for r in recs:
-        rk = lookup(r)
-        if rk.role is Role.ENTRY and not rk.copy:
-            assert rk.fold_rank is not None, rk.code
-            events.append((r["l"], rk.fold_rank, rk.code, r))
-    for u in uows_named(backup, recs):
-        o = outcomes.get(u)
-        if o is not None and o.kind != INDOUBT:
-            events.append((_counted_after_own(u, o.lrsn, backup, recs), OUTCOME_RANK, _OUTCOME, (u, o)))
-    events.sort(key=lambda e: (e[0], e[1]))
+    if recs or (backup is not None and backup[1].get("u")):  # else: untouched since its copy, held by no UOW
+        backup = with_logged_copies(backup, recs)
+        for r in recs:
+            rk = lookup(r)
+            if rk.role is Role.ENTRY and not rk.copy:
+                assert rk.fold_rank is not None, rk.code
+                events.append((r["l"], rk.fold_rank, rk.code, r))
+        for u in uows_named(backup, recs):
+            o = outcomes.get(u)
+            if o is not None and o.kind != INDOUBT:
+                events.append((_counted_after_own(u, o.lrsn, backup, recs), OUTCOME_RANK, _OUTCOME, (u, o)))
+        events.sort(key=lambda e: (e[0], e[1]))
 
     structure = backup[0] if backup else ""
     state: dict[str, Any] | None = dict(backup[1]) if backup else None
@@ -250,3 +251,14 @@ def _counted_after_own(uow: str, lrsn: int, backup: tuple[str, dict[str, Any], b
 def fifo_key(entry: Mapping[str, Any]) -> tuple[int, int, int]:
     """Get order within a queue: priority (highest first), then commit order, then put order."""
     return (-int(entry.get("p", 0)), int(entry.get("o1", 0)), int(entry.get("o2", 0)))
+
+
+def load_key(entry_id: str, entry: Mapping[str, Any]) -> tuple[str, int, int, int, int, str]:
+    """Where a loaded entry goes in the CF: grouped by the list it goes on, each list in the CF's order: committed
+    puts by priority then FIFO (fifo_key), uncommitted puts in put order, uncommitted gets in get order. Unique
+    (the id is last), and of the same types at every position, so that keys compare as plain tuples (or lists)."""
+    if entry["st"] == "CP":
+        return (entry["q"], 0, *fifo_key(entry), entry_id)
+    if entry["st"] == "UP":
+        return (entry["q"], 1, int(entry.get("o2", 0)), 0, 0, entry_id)
+    return (entry["q"], 2, int(entry["l"]), 0, 0, entry_id)

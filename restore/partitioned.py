@@ -1,0 +1,339 @@
+"""Restore planning in bounded memory: the plan of restore.plan, partitioned by entry id through spill files.
+
+plan_local holds every copy, record and settled entry in memory at once; this planner holds one partition at a
+time, so its memory is set by the number of partitions, not by the size of the backup and the logs
+(docs/architecture.md, "Restore in bounded memory"). Three passes, each a sequential read and write of spill
+files (restore.spill), then a streamed result:
+
+  1 scan: each backup copy goes to the entry partition of its id; each log record that matters (prepare_record,
+    the generation rule) goes to the entry partition of every entry it names, its outcome records and END to
+    the UOW partition of its UOW, and a "need" (UOW, entry partition) to the UOW partition for each UOW an entry
+    partition will ask about (a grace hash join of entries with their UOWs' outcomes);
+  2 per UOW partition: decide each UOW's outcome (settle.decide_outcome) and send it to the entry partitions that
+    need it;
+  3 per entry partition: fold each entry (settle.best_copy, uows_named, settle: the one fold every engine uses),
+    deciding in-flight UOWs backed out as plan_local does; the survivors are written as a run sorted in load
+    order (settle.load_key), the others as (id, disposition).
+
+The plan's survivors are then one k-way merge of the sorted runs, in the CF's order, read as the load (and the
+restore point) goes. What stays in memory besides one partition is what the report and the load need about UOWs
+still open at the failure: those in doubt, in commit, decided by restore (bounded by the work in flight, not by
+the history's size). The result equals plan_local's for the same input (tests/restore/test_partitioned.py, and
+the engines' differential tests).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import Counter, defaultdict
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from typing import Any
+
+from restore.plan import (
+    COMMIT,
+    INDOUBT,
+    Copy,
+    RestorePlan,
+    base_of,
+    in_flight_outcome,
+    owner_of,
+    prepare_record,
+    restore_lrsn_above,
+    uow_owner,
+)
+from restore.settle import BACKOUT, Outcome, Settled, best_copy, decide_outcome, load_key, settle, uows_named
+from restore.spill import Partitioned, SpillDir, SpillWriter, read_frames
+from sqm.records import Record, Role, entry_ids, lookup
+
+Key = tuple[Any, ...]  # a record's place in the merged log: (LRSN, member, segment, offset)
+Progress = Callable[[str, int, int | None], None]
+
+# Frames of the entry partitions, and of the UOW partitions.
+_COPY, _RECORD = 0, 1
+_OUTCOME_REC, _END, _NEED = 0, 1, 2
+
+DEFAULT_MEMORY = 1 << 30  # the working memory a restore may use by default (cfemu.settings: restore_memory)
+MAX_PARTITIONS = 4096
+# Python objects take this many times the bytes of their msgpack frames in a spill file (measured: small log
+# records about 5x, 1 KiB messages about 1.5x; the higher figure, so that a partition of small records fits).
+EXPANSION = 6
+
+
+def partitions_for(input_bytes: int, memory: int) -> int:
+    """How many partitions keep one partition's objects within about half of `memory` (the other half: the
+    scan's buffers, the merge's read buffers, a load batch, and the sort of one partition's survivors)."""
+    return max(1, min(MAX_PARTITIONS, math.ceil(input_bytes * EXPANSION / max(1, memory // 2))))
+
+
+def buffers_for(memory: int) -> int:
+    """The bytes the scan may buffer in all before it writes to its spill files."""
+    return max(64 << 10, min(64 << 20, memory // 8))
+
+
+def _pack_outcome(o: Outcome) -> list[Any]:
+    return [o.kind, o.lrsn, o.decided_by, [[eid, *c] for eid, c in o.data.items()], list(o.structures)]
+
+
+def _unpack_outcome(f: list[Any]) -> Outcome:
+    return Outcome(f[0], f[1], f[2], {d[0]: (d[1], d[2], d[3]) for d in f[3]}, tuple(f[4]))
+
+
+class SpilledOutcomes(Mapping[str, Outcome]):
+    """Every UOW's outcome, as RestorePlan.outcomes: read from the UOW partitions' decided outcomes, one partition
+    at a time (the last one read is kept), and the in-flight UOWs restore decided."""
+
+    def __init__(self, decided: Partitioned, part: Callable[[str], int], count: int,
+                 in_flight: Mapping[str, Outcome]) -> None:
+        self.decided, self.part, self.count, self.in_flight = decided, part, count, in_flight
+        self._cached: tuple[int, dict[str, Outcome]] | None = None
+
+    def _partition(self, j: int) -> dict[str, Outcome]:
+        if self._cached is None or self._cached[0] != j:
+            self._cached = (j, {u: _unpack_outcome(o) for u, o in self.decided.read(j)})
+        return self._cached[1]
+
+    def __getitem__(self, uow: str) -> Outcome:
+        if uow in self.in_flight:
+            return self.in_flight[uow]
+        return self._partition(self.part(uow))[uow]
+
+    def __iter__(self) -> Iterator[str]:
+        for j in range(self.decided.n):
+            yield from self._partition(j)
+        yield from self.in_flight
+
+    def __len__(self) -> int:
+        return self.count + len(self.in_flight)
+
+
+class SpilledSettled(Collection[Settled]):
+    """Every settled entry of a partitioned plan (RestorePlan.settled), read back from the spill files: the
+    survivors in load order, then the others."""
+
+    def __init__(self, plan: SpilledPlan) -> None:
+        self.plan = plan
+
+    def __iter__(self) -> Iterator[Settled]:
+        yield from self.plan.in_load_order()
+        for i in range(self.plan.partitions):
+            for eid, disposition in read_frames(self.plan.spill.file(f"gone-{i}")):
+                yield Settled(eid, disposition)
+
+    def __len__(self) -> int:
+        return self.plan.settled_count
+
+    def __contains__(self, item: object) -> bool:
+        return any(s == item for s in self)
+
+
+class SpilledPlan(RestorePlan):
+    """A RestorePlan whose settled entries and outcomes live in spill files (restore.spill) until close()."""
+
+    spill: SpillDir
+    partitions: int
+    settled_count: int
+    loaded_count: int
+    read_size: int
+    held: dict[str, str]
+    first_lrsn: dict[str, int]
+    restore_decided: set[str]
+
+    def in_load_order(self) -> Iterator[Settled]:
+        """The survivors in the CF's order: a k-way merge of the partitions' sorted runs."""
+        runs = [read_frames(self.spill.file(f"run-{i}"), self.read_size) for i in range(self.partitions)]
+        for f in heapq.merge(*runs):
+            yield Settled(f[1], f[2], f[3], f[4], f[5])
+
+    def loaded(self) -> Iterator[Settled]:
+        return self.in_load_order()
+
+    def loaded_total(self) -> int:
+        return self.loaded_count
+
+    def in_doubt_uows(self) -> dict[str, str]:
+        return dict(self.held)
+
+    def loaded_first_lrsn(self) -> dict[str, int]:
+        return dict(self.first_lrsn)
+
+    def backed_out_by_restore(self) -> set[str]:
+        return set(self.restore_decided)
+
+    def close(self) -> None:
+        self.spill.close()
+
+
+def plan_partitioned(structure: str, backup: Iterable[Copy], records: Iterable[tuple[Key, Record]], *,
+                     spill: SpillDir, partitions: int, memory: int = DEFAULT_MEMORY, now_ms: int, gen: int = 0,
+                     carried: Iterable[str] = (), lrsn: int = 0, registered: Collection[str] = (),
+                     progress: Progress | None = None) -> SpilledPlan:
+    """The plan of plan_local (same arguments; `records` each with its place in the merged log, in any order),
+    computed one partition at a time in `spill` (see the module doc). The plan owns `spill`: close() it."""
+    P = max(1, partitions)
+
+    def part(key: str) -> int:
+        return hash(key) % P
+
+    buffers = buffers_for(memory)
+    ent = Partitioned(spill, "entries", P, buffers // 2)
+    uow = Partitioned(spill, "uows", P, buffers // 2)
+
+    # 1 scan
+    max_lrsn = 0
+    held_by: set[str] = set()
+    for c in backup:
+        desc = c[1]
+        i = part(desc["id"])
+        ent.add(i, (_COPY, c[0], desc, c[2]))
+        max_lrsn = max(max_lrsn, int(desc["l"]))
+        u = desc.get("u", "")
+        held_by.add(u)
+        if u:
+            uow.add(part(u), (_NEED, u, i))
+    base = base_of({"gen": gen, "carried": list(carried), "end_lrsn": lrsn, "uows": registered}, held_by)
+    per_member: Counter[str] = Counter()
+    for key, raw in records:
+        max_lrsn = max(max_lrsn, int(raw["l"]))
+        rec = prepare_record(raw, structure, base)
+        if rec is None:
+            continue
+        per_member[rec.get("m", "?")] += 1
+        kind = lookup(rec)
+        u = rec.get("u", "")
+        if kind.role is Role.END:
+            uow.add(part(u), (_END, u))
+            continue
+        if kind.role is Role.OUTCOME:
+            uow.add(part(u), (_OUTCOME_REC, key, rec))
+        targets = {part(eid) for eid in kind.entry_ids(rec)}
+        for i in targets:
+            ent.add(i, (_RECORD, key, rec))
+            if u:
+                uow.add(part(u), (_NEED, u, i))
+            holder = (rec.get("e") or {}).get("u") if kind.copy else None
+            if holder:
+                uow.add(part(holder), (_NEED, holder, i))
+    ent.close()
+    uow.close()
+    restore_lrsn = restore_lrsn_above(max_lrsn, base)
+    if progress is not None:
+        progress("settle", 0, P)
+
+    # 2 outcomes, per UOW partition, sent to the entry partitions that need them
+    decided = Partitioned(spill, "decided", P, buffers // 2)
+    needed = Partitioned(spill, "needed", P, buffers // 2)
+    in_commit: set[str] = set()
+    in_doubt: dict[str, str] = {}  # in-doubt UOWs whose records name the structure (plan.held_uows)
+    restore_decided: set[str] = set()
+    n_decided = 0
+    for j in range(P):
+        by_uow: dict[str, list[tuple[Key, Record]]] = defaultdict(list)
+        ended: set[str] = set()
+        needs: dict[str, set[int]] = defaultdict(set)
+        for f in uow.read(j):
+            if f[0] == _OUTCOME_REC:
+                by_uow[f[2]["u"]].append((f[1], f[2]))
+            elif f[0] == _END:
+                ended.add(f[1])
+            else:
+                needs[f[1]].add(f[2])
+        uow.remove(j)
+        packed: dict[str, list[Any]] = {}
+        for u, keyed in by_uow.items():
+            keyed.sort(key=lambda kr: kr[0])
+            o = decide_outcome(r for _, r in keyed)
+            if o is None:
+                continue
+            n_decided += 1
+            packed[u] = _pack_outcome(o)
+            decided.add(j, (u, packed[u]))
+            if o.kind == COMMIT and u not in ended:
+                in_commit.add(u)
+            elif o.kind == INDOUBT and structure in o.structures:
+                in_doubt[u] = uow_owner(u, o)
+            elif o.kind == BACKOUT and o.decided_by == "restore":
+                restore_decided.add(u)
+        for u, targets in needs.items():
+            for i in targets:
+                needed.add(i, (u, packed.get(u)))
+        del by_uow, needs, packed
+    decided.close()
+    needed.close()
+    in_flight: dict[str, Outcome] = {}
+    outcomes = SpilledOutcomes(decided, part, n_decided, in_flight)
+
+    # 3 fold, per entry partition
+    counts: Counter[str] = Counter()
+    held: dict[str, str] = {}
+    first: dict[str, int] = {}
+    decisions: dict[str, str] = {}
+    flight = in_flight_outcome(restore_lrsn)
+    settled_count = loaded_count = 0
+    for i in range(P):
+        outs: dict[str, Outcome | None] = {u: (None if o is None else _unpack_outcome(o))
+                                           for u, o in needed.read(i)}
+        needed.remove(i)
+        copies: dict[str, list[Copy]] = defaultdict(list)
+        by_entry: dict[str, list[tuple[Key, Record]]] = defaultdict(list)
+        for f in ent.read(i):
+            if f[0] == _COPY:
+                copies[f[2]["id"]].append((f[1], f[2], f[3]))
+                continue
+            key, rec = f[1], f[2]
+            for eid in entry_ids(rec):
+                if part(eid) == i:
+                    by_entry[eid].append((key, rec))
+        ent.remove(i)
+        run: list[tuple[Any, ...]] = []
+        gone = SpillWriter(spill, f"gone-{i}")
+        for eid in copies.keys() | by_entry.keys():
+            named = by_entry.get(eid)
+            if named:
+                named.sort(key=lambda kr: kr[0])
+            recs = [r for _, r in named] if named else []
+            cs = copies.get(eid)
+            best = (cs[0] if len(cs) == 1 else best_copy(cs)) if cs else None
+            for u in (uows_named(best, recs) if recs or (best and best[1].get("u")) else ()):
+                if outs.get(u) is None:
+                    o = outcomes.get(u) if u not in outs else None  # a UOW no need named (defensive)
+                    if o is None:
+                        o = flight
+                        in_flight[u] = o
+                        decisions[u] = owner_of(u)
+                        restore_decided.add(u)
+                    outs[u] = o
+            s = settle(eid, best, recs, outs, now_ms)  # type: ignore[arg-type]  # every named UOW is decided
+            settled_count += 1
+            counts[s.disposition] += 1
+            if s.entry is None:
+                gone.add((s.id, s.disposition))
+                continue
+            loaded_count += 1
+            run.append((load_key(s.id, s.entry), s.id, s.disposition, s.structure, s.entry, s.data))
+            u = s.entry.get("u")
+            if u:
+                held[u] = uow_owner(u, outs.get(u))
+                first[u] = min(first.get(u, int(s.entry["l"])), int(s.entry["l"]))
+        gone.flush()
+        run.sort(key=lambda t: t[0])
+        out = SpillWriter(spill, f"run-{i}")
+        for t in run:
+            out.add(t)
+        out.flush()
+        del run, copies, by_entry, outs
+        if progress is not None:
+            progress("settle", i + 1, P)
+
+    for u, owner in in_doubt.items():
+        held.setdefault(u, owner)
+    held = dict(sorted(held.items()))
+    counts["uows in doubt"] = len(held)
+    counts["uows in flight backed out"] = len(decisions)
+    plan = SpilledPlan(structure, restore_lrsn, [], outcomes, decisions, in_commit, counts, per_member, max_lrsn)
+    plan.spill, plan.partitions = spill, P
+    plan.settled_count, plan.loaded_count = settled_count, loaded_count
+    plan.read_size = max(16 << 10, min(1 << 20, memory // (4 * P)))
+    plan.held, plan.first_lrsn, plan.restore_decided = held, first, restore_decided
+    plan.settled = SpilledSettled(plan)
+    return plan
