@@ -38,6 +38,7 @@ empty restore point (kind "purge") before the structure is usable again (hole 8)
 from __future__ import annotations
 
 import json
+import os
 import resource
 import time
 from collections import Counter
@@ -463,7 +464,8 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
                            f"failed first (--mark-failed) if you mean to replace its content")
     options = dict(engine_options or {})
     if engine == "local":  # its spill files: a private directory beside the backups (docs/runbook.md)
-        options.setdefault("work_dir", backup_root / WORK_DIR)
+        # A read-only backup volume (the compose tools service mounts it so): the system's temporary directory.
+        options.setdefault("work_dir", backup_root / WORK_DIR if os.access(backup_root, os.W_OK) else None)
         if "memory" not in options:  # RECAUTO and library callers: $CFEMU_RESTORE_MEMORY, else the default
             try:
                 options["memory"] = restore_memory()
