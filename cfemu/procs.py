@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,23 @@ def pid_is_redis(pid: int) -> bool:
     except OSError:
         return True
     return b"redis" in cmdline
+
+
+def wait_gone(pid: int, timeout: float, proc: subprocess.Popen[Any] | None = None, poll_s: float = 0.02) -> bool:
+    """True once process `pid` has exited (reaped through `proc`, our own child, when given), False after `timeout`
+    seconds. A process that is not our child is polled (pid_alive) until it is gone."""
+    if proc is not None and proc.pid == pid:
+        try:
+            proc.wait(timeout=timeout)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+    deadline = time.monotonic() + timeout
+    while pid_alive(pid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)
+    return True
 
 
 def log_tail(path: Path, lines: int = 25) -> str:

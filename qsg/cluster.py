@@ -52,7 +52,7 @@ from cfemu.connection import connect
 from cfemu.embedded import EmbeddedRedis, ServerNotRunningError
 from cfemu.embedded_cluster import EmbeddedCluster
 from cfemu.private_files import private_dir, write_private
-from cfemu.procs import free_port, log_tail, pid_alive, popen_tied
+from cfemu.procs import free_port, log_tail, pid_alive, popen_tied, wait_gone
 from cfemu.settings import (
     CLUSTER_BACKUP_DIR,
     CLUSTER_CF,
@@ -550,19 +550,7 @@ class Cluster:
         return self._cf
 
     def _wait_gone(self, key: str, pid: int, timeout: float) -> bool:
-        proc = self._procs.get(key)
-        if proc is not None and proc.pid == pid:
-            try:
-                proc.wait(timeout=timeout)
-                return True
-            except subprocess.TimeoutExpired:
-                return False
-        deadline = time.monotonic() + timeout
-        while pid_alive(pid):
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.02)
-        return True
+        return wait_gone(pid, timeout, self._procs.get(key))
 
     # --- Spark ----------------------------------------------------------------------------------------------------
     def _start_spark(self, workers: int, cores: int, memory: str) -> None:

@@ -40,7 +40,7 @@ from typing import Any
 
 from cfemu import credentials
 from cfemu.private_files import private_dir, write_private
-from cfemu.procs import free_port, log_tail, pid_alive, popen_tied
+from cfemu.procs import free_port, log_tail, pid_alive, popen_tied, wait_gone
 from restore.spark_conf import driver_conf, security_conf
 
 MASTER_CLASS = "org.apache.spark.deploy.master.Master"
@@ -278,16 +278,4 @@ class SparkStandalone:
         return killed
 
     def _wait_gone(self, pid: int, timeout: float) -> bool:
-        proc = self._procs.get(pid)
-        if proc is not None:
-            try:
-                proc.wait(timeout=timeout)
-                return True
-            except subprocess.TimeoutExpired:
-                return False
-        deadline = time.monotonic() + timeout
-        while pid_alive(pid):
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.05)
-        return True
+        return wait_gone(pid, timeout, self._procs.get(pid), poll_s=0.05)
