@@ -449,8 +449,12 @@ class QueueManager:
             uow.persistent = True  # its gets are persistent: the backout is logged, forced, like any other
         if uow.persistent or for_member is not None:
             failpoint("before-log-force")
+            # A backout carries what data the CF can give: one the CF cannot answer now is logged without it and
+            # finished later (the CF refuses it while a backup runs, and then it is logged again with the data);
+            # raising here left the UOW's entries locked for good (found by the chaos run against a Redis Cluster,
+            # seed 3: the CF's node lost between the check for a running backup and the read of the gets' data).
             self.log_decision(uow, commit, for_member=for_member, with_data=carry, reason=reason,
-                              best_effort=recovering)
+                              best_effort=not commit)
             failpoint("after-log-force" if commit else "backout-after-log")
         uow.state = INCOMMIT if commit else INBACKOUT
         try:

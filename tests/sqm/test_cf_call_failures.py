@@ -162,3 +162,29 @@ def test_a_non_persistent_commit_whose_reply_is_lost_is_outcome_unknown_and_fini
     qm.retry_pending()
     assert held(redis_server) == {"UP": 0, "UG": 0, "EX": 0, "CP": 1}
     assert not qm.uows and not qm.pending
+
+
+def test_a_backout_during_a_backup_whose_gets_data_the_cf_cannot_give_is_finished_later(
+        qm: QueueManager, redis_server: Any) -> None:
+    """A backout while a backup runs carries its gets' data (the patent's exception). When the CF cannot give it
+    (its node lost between the look for a running backup and the read: the chaos run against a Redis Cluster,
+    seed 3), the backout must not fail with its entries left locked: it is logged without the data and finished
+    when the CF answers again (then logged again with the data if the backup still runs)."""
+    from unittest import mock
+
+    from cfemu import keys
+    from cfemu.cf import Structure
+
+    conn = qm.connect()
+    conn.put("Q1", b"m1", syncpoint=False)
+    assert conn.get("Q1").body == b"m1"
+    harness = redis_server.client()
+    harness.hset(keys.meta("APP1"), "backup", "B-test")  # a backup runs
+    lost = StructureFailedError("the CF is unavailable: its node was lost")
+    with mock.patch.object(Structure, "uow_entries", side_effect=lost):
+        conn.backout()  # raised MQRC_CF_STRUC_FAILED, and the UOW was forgotten with m1 locked to it
+    harness.hdel(keys.meta("APP1"), "backup")
+    qm.retry_pending()
+    assert held(redis_server) == {"UP": 0, "UG": 0, "EX": 0, "CP": 1}
+    m = qm.connect().get("Q1", syncpoint=False)
+    assert m.body == b"m1" and m.backout_count == 1
