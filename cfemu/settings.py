@@ -281,17 +281,14 @@ def resolve(*, redis_url: str | None = None, log_root: str | os.PathLike[str] | 
                                            (CLUSTER, _cluster_spark_master(state))) if v), (DEFAULT, None))
     if master[1]:
         sources["spark_master"] = master[0]
-    return Settings(redis_url=str(url) if url else None, log_root=Path(logs), backup_dir=Path(backups),
-                    token=str(tok) if tok else None, cluster_dir=cdir.resolve() if state else None,
-                    sources=sources, secrets_dir=secrets_dir, token_role=token_role,
-                    log_archive_dir=Path(archive) if archive else None,
-                    spark_master=str(master[1]) if master[1] else None)
     # Restore's own setting: in `sources` only when given (the other commands never use it).
     memory = pick("memory_limit", memory_limit, ENV_MEMORY_LIMIT, None) if (
         memory_limit or environ.get(ENV_MEMORY_LIMIT)) else None
     return Settings(redis_url=str(url) if url else None, log_root=Path(logs), backup_dir=Path(backups),
                     token=str(tok) if tok else None, cluster_dir=cdir.resolve() if state else None,
                     sources=sources, secrets_dir=secrets_dir, token_role=token_role,
+                    log_archive_dir=Path(archive) if archive else None,
+                    spark_master=str(master[1]) if master[1] else None,
                     memory_limit_text=str(memory) if memory else DEFAULT_MEMORY_LIMIT)
 
 
