@@ -290,6 +290,9 @@ class Checker:
     def check_messages(self) -> None:
         cf_losses = [f for f in self.faults if f.get("kind") in CF_LOSS_KINDS and f["phase"] == "inject"
                      or f.get("kind") not in CF_LOSS_KINDS and str(f["phase"]).startswith(CF_KILLED)]
+        # A loss of one node of a Redis Cluster CF (cluster-node-kill) lost only the queues of its structures.
+        lost_queues = {f.get("fault"): set(f["lost_queues"]) for f in self.faults
+                       if str(f["phase"]).startswith(CF_KILLED) and "lost_queues" in f}
         for m, ds in sorted(self.deliveries.items()):
             put = self.puts.get(m)
             if put is None:
@@ -316,6 +319,8 @@ class Checker:
                                               f"op {d.op.id} begun at t={d.op.t0}", d.uow)
                 if not put.args.get("persistent"):
                     for f in cf_losses:
+                        if put.args.get("queue") not in lost_queues.get(f.get("fault"), {put.args.get("queue")}):
+                            continue  # its structure's node survived that loss
                         if put_done < f["t"] < d.op.t0 and self._cf_back(f) < d.op.t0:
                             self.find("resurrected", [m], f"non-persistent, put at t={put_done}, CF lost at "
                                                           f"t={f['t']}, delivered by op {d.op.id} at t={d.op.t0}")

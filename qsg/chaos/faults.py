@@ -508,7 +508,10 @@ def cf_kill_recauto(g: ChaosGroup, f: FaultSpec, step: Step,
         else:
             os.kill(int(g.c.state[CLUSTER_CF]["pid"]), signal.SIGKILL)
         t0 = time.monotonic()
-        step("CF killed", live_order=live)
+        # One node of a Redis Cluster CF: only its structures' queues lost their content (the checker's
+        # "resurrected" holds a non-persistent message to the loss only there).
+        lost = {"lost_queues": sorted(q for s in out["structures"] for q in STRUCTURES[s])} if "structures" in out else {}
+        step("CF killed", live_order=live, **lost)
         deadline = t0 + 120.0
         while not _all_active(g):
             if time.monotonic() > deadline:
