@@ -181,8 +181,17 @@ def _write_input(n: int, root: Path) -> None:
 
 
 _MEASURE = textwrap.dedent("""
-    import resource, sys
+    import sys
     from pathlib import Path
+
+    def peak_kib():
+        # VmHWM, this process's own peak RSS: ru_maxrss keeps the forking parent's peak across exec (Linux), so
+        # a child of a pytest process grown by a long suite started at that process's size.
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+        raise SystemExit("no VmHWM")
+
     from backup.files import read_backup
     from restore.engine import LocalEngine
     from restore.engine import read_logs
@@ -190,7 +199,7 @@ _MEASURE = textwrap.dedent("""
     memory, root = int(sys.argv[1]), Path(sys.argv[2])
     backup = read_backup(root / "b")
     logs = [root / "logs" / "QM1"]
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    before = peak_kib()
     if memory:
         plan = LocalEngine(memory=memory, work_dir=root / "work").plan("APP1", backup, logs, 10**7, 0)
     else:  # the in-memory plan, for contrast
@@ -198,7 +207,7 @@ _MEASURE = textwrap.dedent("""
         plan.partitions = 0
     loaded = sum(1 for _ in plan.in_load_order())
     plan.close()
-    print(loaded, plan.partitions, before, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    print(loaded, plan.partitions, before, peak_kib())
 """)
 
 
