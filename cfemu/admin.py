@@ -13,7 +13,7 @@ import json
 import logging
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import msgpack
@@ -21,6 +21,7 @@ import redis
 
 from cfemu import duplex, keys, lua
 from cfemu.limits import DEFAULT_MSG_LENGTH, check_max_msg_length
+from cfemu.uow_attributes import UowAttributes, control_queue, data_queue
 
 log = logging.getLogger("cfemu.admin")
 
@@ -56,6 +57,19 @@ class QueueDef:
     backout_threshold: int = 0  # 0 = never move to the backout queue
     backout_queue: str = ""
     max_msg_length: int = DEFAULT_MSG_LENGTH  # at most cfemu.limits.MAX_MSG_LENGTH
+    # A service's unit-of-work attributes (cfemu.uow_attributes.UowAttributes as a dict); empty: a plain queue.
+    uow: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> QueueDef:
+        """A definition as stored (admin structure, group repository, a backup's manifest), old ones too."""
+        return cls(str(d["name"]), str(d["structure"]), int(d.get("backout_threshold", 0) or 0),
+                   str(d.get("backout_queue", "") or ""), int(d.get("max_msg_length", DEFAULT_MSG_LENGTH)),
+                   dict(d.get("uow") or {}))
+
+    @property
+    def uow_attributes(self) -> UowAttributes | None:
+        return UowAttributes.from_dict(self.uow) if self.uow else None
 
 
 def _pack(obj: Any) -> bytes:
@@ -160,7 +174,10 @@ class Admin:
 
     # --- queues ---------------------------------------------------------------------------------------
     def define_queue(self, name: str, structure: str, *, backout_threshold: int = 0, backout_queue: str = "",
-                     max_msg_length: int = DEFAULT_MSG_LENGTH, replace: bool = False) -> QueueDef:
+                     max_msg_length: int = DEFAULT_MSG_LENGTH, replace: bool = False,
+                     uow: Mapping[str, Any] | None = None) -> QueueDef:
+        """``uow``: the service's unit-of-work attributes (cfemu.uow_attributes); a service's companion queues
+        (<name>.UOWDATA, <name>.UOWCTL) are defined with it, on the same structure."""
         keys.check_name("queue", name)
         self.structure_def(structure)
         if backout_queue:
@@ -171,7 +188,15 @@ class Admin:
             check_max_msg_length(max_msg_length)
         except ValueError as e:
             raise AdminError(f"queue {name}: {e}") from None
-        qdef = QueueDef(name, structure, backout_threshold, backout_queue, max_msg_length)
+        attrs: dict[str, Any] = {}
+        if uow is not None:
+            try:
+                attrs = UowAttributes.from_dict(uow).to_dict()
+                for companion in (data_queue(name), control_queue(name)):
+                    keys.check_name("queue", companion)
+            except ValueError as e:
+                raise AdminError(f"service {name}: {e}") from None
+        qdef = QueueDef(name, structure, backout_threshold, backout_queue, max_msg_length, attrs)
         old = self.redis.hget(QUEUES, name)
         if old is not None and not replace:
             raise AdminError(f"queue {name} is already defined")
@@ -179,6 +204,11 @@ class Admin:
             raise AdminError(f"queue {name} is on another structure; it cannot move")
         self.redis.hset(QUEUES, name, _pack(qdef))
         self.redis.sadd(keys.queues(structure), name)
+        if attrs:
+            for companion in (data_queue(name), control_queue(name)):
+                cdef = QueueDef(companion, structure, 0, "", max_msg_length)
+                self.redis.hset(QUEUES, companion, _pack(cdef))
+                self.redis.sadd(keys.queues(structure), companion)
         return qdef
 
     def ensure_structure(self, name: str, queues: Iterable[str] = (), *, max_entries: int = 0,
@@ -196,12 +226,12 @@ class Admin:
         raw = self.redis.hget(QUEUES, name)
         if raw is None:
             raise AdminError(f"queue {name} is not defined")
-        return QueueDef(**msgpack.unpackb(raw, raw=False))
+        return QueueDef.from_dict(msgpack.unpackb(raw, raw=False))
 
     def queues(self) -> list[QueueDef]:
         """Every defined queue, by name; a malformed definition is reported (bad_entries) and skipped, as in
         structures() (every member reads them when it joins: cfemu.repository)."""
-        found = (self._decode(QUEUES, k, v, QueueDef) for k, v in self.redis.hgetall(QUEUES).items())
+        found = (self._decode(QUEUES, k, v, lambda **d: QueueDef.from_dict(d)) for k, v in self.redis.hgetall(QUEUES).items())
         return sorted((q for q in found if q is not None), key=lambda q: q.name)
 
     # --- members, leases, fencing ---------------------------------------------------------------------

@@ -205,6 +205,16 @@ class Structure:
         out = self._call("browse", None, [queue, limit, now_ms, max_bytes, each])
         return Browsed(_pairs(out[1:]), more=bool(int(out[0])))
 
+    def peek(self, queue: str, match: str, value: str, limit: int = 100) -> list[tuple[Entry, bytes]]:
+        """Entries of ``queue`` whose message id (match 'm') or correlation id ('c') is ``value`` (hex), committed or
+        held by an uncommitted get, without taking them (peek.lua), in get order."""
+        return _pairs(self._call("peek", None, [queue, match, value, limit]))
+
+    def pclock(self, *, max_gap_ms: int, floor: int = 0) -> int:
+        """The structure's pseudo-clock (ms of up-time), advanced by the CF's time since the last tick when that gap
+        is at most ``max_gap_ms``, and raised to ``floor`` (pclock.lua)."""
+        return int(self._call("pclock", None, [max_gap_ms, floor]))
+
     def commit(self, caller: Caller, uow: str, *, gen: int, lrsn: int, at: int = 0,
                decided_by_recovery: bool = False) -> OutcomeReply:
         """lrsn: the deciding record's LRSN (0: nothing logged), checked against the floor; at: the LRSN the

@@ -49,11 +49,11 @@ ENV_SECRETS_DIR = "CFEMU_SECRETS_DIR"
 
 # Command rules per role (Redis 6.2 ACL syntax). Order matters: categories are added, then @dangerous removed.
 # INFO (in @dangerous) is given back: it is read-only, and restore checks with it (INFO server's run_id) that it
-# still talks to the CF it started on.
+# still talks to the CF it started on. TIME: the pseudo-clock (pclock.lua) counts on the CF's time, not a member's.
 # SCRIPT is taken out whole (Redis 6.2 cannot take out one subcommand) and LOAD and EXISTS given back: redis-py
 # loads a script on NOSCRIPT; FLUSH and KILL stay out.
 _BASE = ("-@all +@read +@write +@keyspace +@scripting +@transaction +@connection -@dangerous -script "
-         "+script|load +script|exists +ping +info")
+         "+script|load +script|exists +ping +info +time")
 _RULES = {role: _BASE for role in ("member", "backup", "restore", "operator")}
 
 

@@ -116,6 +116,11 @@ def index_set(structure: str, queue: str, kind: str, value: str) -> str:
     return f"{tag(structure)}:ix:{queue}:{kind}:{value}"
 
 
+def pclock(structure: str) -> str:
+    """Hash: the structure's pseudo-clock (v = ms of up-time, w = the CF's time of the last tick): pclock.lua."""
+    return f"{tag(structure)}:pclock"
+
+
 def all_structure_keys_pattern(structure: str) -> str:
     """A SCAN pattern for every key of the structure (all of them share the tag)."""
     return f"{tag(structure)}:*"

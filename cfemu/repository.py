@@ -40,7 +40,7 @@ import json
 import os
 import secrets
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
@@ -49,6 +49,7 @@ from typing import Any
 from cfemu import keys
 from cfemu.admin import Admin, AdminError, QueueDef, StructureDef
 from cfemu.durable import replace_file
+from cfemu.uow_attributes import control_queue, data_queue
 
 DIRECTORY = "_group"  # under the log root, beside the members' logs (not a log: no manifest.json, no segments)
 FILE = "repository.json"
@@ -190,8 +191,7 @@ class GroupRepository:
         out = []
         for rec in ((self.load() or {}).get("queues") or {}).values():
             if structure is None or rec.get("structure") == structure:
-                out.append(QueueDef(rec["name"], rec["structure"], int(rec.get("backout_threshold", 0)),
-                                    rec.get("backout_queue", ""), int(rec.get("max_msg_length", 4 * 2**20))))
+                out.append(QueueDef.from_dict(rec))
         return sorted(out, key=lambda q: q.name)
 
     def members(self) -> dict[str, str]:
@@ -285,11 +285,17 @@ def alter_structure(admin: Admin, repo: GroupRepository, name: str, *, max_entri
 
 
 def define_queue(admin: Admin, repo: GroupRepository, name: str, structure: str, *, backout_threshold: int = 0,
-                 backout_queue: str = "", max_msg_length: int = 4 * 2**20, replace: bool = False) -> QueueDef:
-    """Define a queue in the CF and, durably, in the group repository."""
+                 backout_queue: str = "", max_msg_length: int = 4 * 2**20, replace: bool = False,
+                 uow: Mapping[str, Any] | None = None) -> QueueDef:
+    """Define a queue (or, with ``uow`` attributes, a service and its companion queues) in the CF and, durably, in
+    the group repository."""
     qdef = admin.define_queue(name, structure, backout_threshold=backout_threshold, backout_queue=backout_queue,
-                              max_msg_length=max_msg_length, replace=replace)
-    repo.record_queue(qdef, now_lrsn())
+                              max_msg_length=max_msg_length, replace=replace, uow=uow)
+    lrsn = now_lrsn()
+    repo.record_queue(qdef, lrsn)
+    if qdef.uow:
+        for companion in (data_queue(name), control_queue(name)):
+            repo.record_queue(admin.queue_def(companion), lrsn)
     return qdef
 
 

@@ -372,9 +372,7 @@ def definitions(admin_def: StructureDef | None, admin_queues: list[QueueDef], re
     sd = manifest["structure_def"]
     known = repo.structure(structure)
     sdef = admin_def or (known[0] if known else None) or StructureDef.from_dict(sd)
-    queues = {q["name"]: QueueDef(q["name"], structure, int(q.get("backout_threshold", 0)),
-                                  q.get("backout_queue", ""), int(q.get("max_msg_length", 4 * 2**20)))
-              for q in manifest["queues"]}
+    queues = {q["name"]: QueueDef.from_dict({**q, "structure": structure}) for q in manifest["queues"]}
     queues.update({q.name: q for q in repo.queues(structure)})
     queues.update({q.name: q for q in admin_queues if q.structure == structure})
     return sdef, [queues[name] for name in sorted(queues)]
@@ -392,7 +390,8 @@ def _redefine(admin: Admin, group: str, sdef: StructureDef, queues: list[QueueDe
     for q in queues:
         if lost or q.name not in known:
             admin.define_queue(q.name, sdef.name, backout_threshold=q.backout_threshold,
-                               backout_queue=q.backout_queue, max_msg_length=q.max_msg_length, replace=True)
+                               backout_queue=q.backout_queue, max_msg_length=q.max_msg_length, replace=True,
+                               uow=q.uow or None)
 
 
 def _log_decisions(log: RecordLog, plan: RestorePlan, gen: int) -> int:

@@ -334,6 +334,63 @@ class TestBrowse:
             s.browse(Q, 10, NOW)
 
 
+class TestPeek:
+    def test_finds_committed_and_held_entries_by_id_in_get_order(self, s: Structure, qm1: Caller) -> None:
+        for eid, p in (("a", 0), ("b", 5), ("c", 0)):
+            s.put(qm1, entry(eid, priority=p, correlid="ab"), eid.encode())
+        s.put(qm1, entry("other", correlid="cd"), b"x")
+        s.put(qm1, entry("uncommitted", correlid="ab"), b"x", uow="U1")  # an uncommitted put is not there yet
+        assert [(e.id, d) for e, d in s.peek(Q, "c", "ab")] == [("b", b"b"), ("a", b"a"), ("c", b"c")]
+        taken = s.get(qm1, Q, uow="U2", match="c", value="ab", now_ms=NOW).entry
+        assert taken is not None and taken.id == "b"
+        peeked = s.peek(Q, "c", "ab")
+        assert [e.id for e, _ in peeked] == ["b", "a", "c"]  # a held one is still seen, as it was committed
+        assert peeked[0][0].state == "UG" and s.peek(Q, "c", "ab", limit=1)[0][0].id == "b"
+        s.put(qm1, entry("m1", msgid="0101"), b"m")
+        assert [e.id for e, _ in s.peek(Q, "m", "0101")] == ["m1"]
+
+    def test_changes_nothing(self, s: Structure, qm1: Caller) -> None:
+        s.put(qm1, entry("a", correlid="ab"), b"a")
+        before = dump(s)
+        s.peek(Q, "c", "ab")
+        assert dump(s) == before
+
+    def test_refusals(self, admin: Admin, s: Structure) -> None:
+        with pytest.raises(UnknownObjectError):
+            s.peek("NOQ", "c", "ab")
+        with pytest.raises(BadRequestError, match="match"):
+            s.peek(Q, "x", "ab")
+        admin.set_state(S, "RECOVERING")
+        with pytest.raises(StructureFailedError, match="RECOVERING"):
+            s.peek(Q, "c", "ab")
+
+
+class TestPclock:
+    def test_counts_up_time_and_not_a_gap_longer_than_allowed(self, s: Structure) -> None:
+        start = s.pclock(max_gap_ms=60_000)
+        time.sleep(0.2)
+        ran = s.pclock(max_gap_ms=60_000) - start
+        assert 150 <= ran <= 2_000  # the CF's time between the ticks
+        time.sleep(0.2)
+        assert s.pclock(max_gap_ms=50) == start + ran  # a gap over the limit is downtime: nothing added
+
+    def test_two_ticks_at_once_count_the_time_once(self, s: Structure) -> None:
+        s.pclock(max_gap_ms=60_000)
+        time.sleep(0.1)
+        a = s.pclock(max_gap_ms=60_000)
+        b = s.pclock(max_gap_ms=60_000)
+        assert 0 <= b - a < 50
+
+    def test_a_floor_raises_it_and_never_lowers_it(self, s: Structure) -> None:
+        assert s.pclock(max_gap_ms=1, floor=10_000_000) == 10_000_000
+        assert s.pclock(max_gap_ms=1, floor=5) >= 10_000_000
+
+    def test_does_not_run_while_the_structure_is_unavailable(self, admin: Admin, s: Structure) -> None:
+        admin.set_state(S, "RECOVERING")
+        with pytest.raises(StructureFailedError, match="RECOVERING"):
+            s.pclock(max_gap_ms=1000)
+
+
 class TestCommit:
     def test_puts_become_available_in_put_order_and_gets_are_deleted(self, s: Structure, qm1: Caller) -> None:
         s.put(qm1, entry("got"), b"x")
