@@ -82,8 +82,8 @@ def stage_structure(writer: redis.Redis, sdef: StructureDef, *, state: str, gen:
     members' epochs into its fence: on a client (Admin.create_structure), or queued on a transaction (a restore's
     guarded reset, cfemu.bulk.reset)."""
     m = keys.meta(sdef.name)
-    for field, value in (("gen", gen), ("clock", clock), ("floor", 0), ("entries", 0), ("bytes", 0), ("state", state)):
-        writer.hsetnx(m, field, value)
+    for name, value in (("gen", gen), ("clock", clock), ("floor", 0), ("entries", 0), ("bytes", 0), ("state", state)):
+        writer.hsetnx(m, name, value)
     writer.hset(m, mapping={"max_entries": sdef.max_entries, "max_bytes": sdef.max_bytes})
     if epochs:
         writer.hset(keys.fence(sdef.name), mapping=dict(epochs))

@@ -297,6 +297,11 @@ class Structure:
     def queues(self) -> list[str]:
         return sorted(keys.text(q) for q in self.cf.redis.smembers(keys.queues(self.name)))
 
+    def index_count(self, queue: str, kind: str, value: str) -> int:
+        """How many entries of ``queue`` (in any state) carry message id (kind 'm') or correlation id ('c') ``value``:
+        a read of the index set, for a limit that counts (a service's MAX-UOWS)."""
+        return int(self.cf.redis.scard(keys.index_set(self.name, queue, kind, value)))
+
     def depths(self) -> dict[str, dict[str, int]]:
         """Per queue: number of entries in each state (CP summed over priorities)."""
         r = self.cf.redis

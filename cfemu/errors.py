@@ -140,3 +140,29 @@ def from_script_error(message: str, structure: str) -> MQError:
     if cls is UnknownObjectError:
         return cls(f"queue {detail} is not defined on structure {structure}")
     return cls(where if cls is not MQError else f"structure {structure}: {message}")
+
+
+# --- units of work sent to a service (sqm.conversation; seed 003) --------------------------------------------------
+class UowStatusError(MQError):
+    """A UOW operation not allowed in the UOW's status (the state table of sqm.uowstatus), or by this caller: the
+    message names the operation and the status."""
+
+    reason, reason_name = 2046, "MQRC_OPTIONS_ERROR"
+
+
+class EndOfUowError(MQError):
+    """A receive past the last message of the UOW being received (EntireX 00740301: end of unit of work)."""
+
+    reason, reason_name = 2033, "MQRC_NO_MSG_AVAILABLE"
+
+
+class UowLimitError(MQError):
+    """A service's MAX-UOWS or MAX-MESSAGES-IN-UOW was reached."""
+
+    reason, reason_name = 2102, "MQRC_RESOURCE_PROBLEM"
+
+
+class UnknownUowError(MQError):
+    """No UOW with that id (never sent, or its status was not kept: it is not persistent, or it was deleted)."""
+
+    reason, reason_name = 2085, "MQRC_UNKNOWN_OBJECT_NAME"

@@ -18,9 +18,9 @@ from rich.table import Table
 
 from cfemu.clitools import styled_table
 from restore.result import PurgeResult, RestoreResult
-from restore.settle import CONSUMED, EXPIRED, GONE, HELD_INDOUBT, PUT_BACKED_OUT, RESTORED
+from restore.settle import CONSUMED, EXPIRED, GONE, HELD_INDOUBT, PUT_BACKED_OUT, RESTORED, STATUS_DROPPED
 
-DISPOSITIONS = (RESTORED, HELD_INDOUBT, CONSUMED, PUT_BACKED_OUT, EXPIRED, GONE)
+DISPOSITIONS = (RESTORED, HELD_INDOUBT, CONSUMED, PUT_BACKED_OUT, EXPIRED, GONE, STATUS_DROPPED)
 UOW_COUNTS = ("uows in doubt", "uows in flight backed out")
 BASE_NOTE = {"restore": ": the restore point of the last restore", "purge": ": the restore point of a purge",
              "definition": ": never backed up, restored from its definition and the logs",

@@ -24,6 +24,7 @@ from sqm.records import (
     counts_at,
     lookup,
 )
+from sqm.uowstatus import is_control_queue, restore_control_entry
 
 # An Outcome's kind: the outcome letters of sqm.records.
 COMMIT, BACKOUT, INDOUBT = OUTCOME_COMMIT, OUTCOME_BACKOUT, OUTCOME_INDOUBT
@@ -35,6 +36,7 @@ CONSUMED = "consumed"  # deleted by a committed get
 PUT_BACKED_OUT = "put-backed-out"  # its put was backed out (or in flight at the failure)
 EXPIRED = "expired"
 GONE = "gone"  # named by the log, but gone before the replay range (nothing to restore)
+STATUS_DROPPED = "status-dropped"  # a UOW's status that the restart tables do not keep (sqm.uowstatus.after_restart)
 
 _OUTCOME = "OUTCOME"  # the fold's event kind for a UOW's outcome (the other events are records, by their kind)
 
@@ -231,6 +233,11 @@ def settle(entry_id: str, backup: tuple[str, dict[str, Any], bytes] | None, reco
         return Settled(entry_id, HELD_INDOUBT, structure, state, data)
     if 0 < int(state.get("exp", 0)) <= now_ms:
         return Settled(entry_id, EXPIRED)
+    if is_control_queue(str(state.get("q", ""))):  # a UOW's status: seed 003's restart tables (sqm.uowstatus)
+        kept = restore_control_entry(state, data)
+        if kept is None:
+            return Settled(entry_id, STATUS_DROPPED)
+        state, data = kept
     return Settled(entry_id, RESTORED, structure, state, data)
 
 

@@ -70,6 +70,7 @@ class QueueManagerConfig:
     lease_ms: int = 5000
     logload: int = 10000  # take a checkpoint every this many log records (MQ's LOGLOAD)
     expiry_interval_ms: int = 1000
+    uow_sweep_interval_ms: int = 1000  # units of work sent to services: lifetimes, postponement (sqm.uowsweeper)
     clock_skew_us: int = 0
     segment_bytes: int = 64 * 2**20
     background: bool = True  # heartbeat, peer recovery, expiry and pending-work threads
@@ -135,6 +136,7 @@ class QueueManager:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.last_restart: Any = None
+        self.sweeper: Any = None  # sqm.uowsweeper.Sweeper, made by the housekeeping thread
         self._checkpointing = threading.Lock()
         # The last complete relog pass of each structure this member relogged (sqm.relog), carried forward in
         # every checkpoint record: restore finds the newest window in the members' last checkpoints.
@@ -667,8 +669,10 @@ class QueueManager:
 
     def _housekeeping_loop(self) -> None:
         from sqm.recovery import recover_peers
+        from sqm.uowsweeper import Sweeper
 
-        next_expiry = 0.0
+        next_expiry = next_sweep = 0.0
+        self.sweeper = Sweeper(self)
         while not self._stop.wait(0.2):
             if self.fenced or self.log_failed:
                 return
@@ -681,6 +685,9 @@ class QueueManager:
                 if time.monotonic() >= next_expiry:
                     next_expiry = time.monotonic() + self.config.expiry_interval_ms / 1000
                     self.expire_messages()
+                if self.config.uow_sweep_interval_ms and time.monotonic() >= next_sweep:
+                    next_sweep = time.monotonic() + self.config.uow_sweep_interval_ms / 1000
+                    self.sweeper.sweep()
             except (MQError, *CF_DOWN) as e:
                 log.debug("%s housekeeping: %s", self.name, e)
             except Exception:  # keep the queue manager alive; the failure is in its log

@@ -196,6 +196,11 @@ def restart(qm: QueueManager, progress: Progress | None = None) -> RestartReport
         except BackedOutError:
             pass
     phase("backward recovery", {"backed out": rep.in_flight})
+    from sqm.uowsweeper import settle_member_best_effort
+
+    settled = settle_member_best_effort(qm)  # units of work sent to services: seed 003's restart tables
+    if settled:
+        say(f"units of work settled by the restart tables: {dict(settled)}")
 
     qm.checkpoint("start")
     phase("restart cleanup", {"in-doubt kept": rep.in_doubt})
@@ -273,6 +278,9 @@ def recover_peer(qm: QueueManager, failed: str) -> PeerRecoveryReport | None:
             rep.backed_out += 1
     # Counted before the member is forgotten: whoever sees it gone from the group sees its recovery counted (a
     # test polling the members read the counter a moment too early under load).
+    from sqm.uowsweeper import settle_member_best_effort
+
+    settle_member_best_effort(qm)  # the failed member's units of work sent to services (its epoch is fenced)
     qm.counters["peer_recoveries"] += 1
     qm.admin.forget_member(failed)
     rep.seconds = time.monotonic() - t0

@@ -1,0 +1,598 @@
+"""Units of work as conversations (seeds 003 and 004): an application logs on with a user id and a token, sends
+units of work (UOWs) of several messages to a service, receives a UOW whole and in order, and settles it with
+SYNCPOINT; each UOW has a status every member shares (sqm.uowstatus), kept on the CF and logged like any message.
+
+One Conversation is one participant's session on a queue manager. It holds one *scope*: a queue-manager unit of
+work that carries the messages of the UOW it is sending (uncommitted puts) and of the UOW it is receiving
+(uncommitted gets), so that COMMIT BOTH settles the two atomically. While both are open, each must be settled with
+BOTH (or backed out together): committing one would commit the other. Status changes that stand on their own
+(creation, ACCEPTED -> DELIVERED, a backout's return) are short units of work of their own, committed at once, so
+every member sees them. docs/uow.md has the model, the state diagram and the restart tables.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from cfemu.errors import (
+    BackedOutError,
+    BadRequestError,
+    EndOfUowError,
+    NoMessageError,
+    UnknownUowError,
+    UowLimitError,
+    UowStatusError,
+)
+from cfemu.uow_attributes import UWSTATP_DEFAULT, UWSTATP_NONE
+from sqm import uowcontrols as ctl
+from sqm.clock import now_ms
+from sqm.connection import Connection
+from sqm.manager import QueueManager
+from sqm.uowstatus import (
+    ACCEPTED,
+    ACTIVE,
+    DELIVERED,
+    FINAL,
+    POSTPONED,
+    PROCESSED,
+    RECEIVED,
+    RECEIVER,
+    RECV_FIRST,
+    RECV_LAST,
+    RECV_MIDDLE,
+    RECV_NONE,
+    RECV_ONLY,
+    SENDER,
+    USER_STATUS_ALLOWED,
+    USER_STATUS_MAX,
+    Control,
+    TransitionError,
+    after_backout,
+    after_restart,
+    finish,
+    transition,
+)
+
+SYNC, MSG, ANY = "SYNC", "MSG", "ANY"  # what a receive may be satisfied with (seed 003, "Options used for UOWs")
+BOTH = "BOTH"  # COMMIT / BACKOUT of the received and the sent UOW at once
+OPTIONS = ("COMMIT", "BACKOUT", "CANCEL", "QUERY", "LAST", "SETUSTATUS", "DELETE", "EOC", "EOCCANCEL")
+MAX_USER = 32  # EntireX's USER-ID and TOKEN are 32 characters
+
+
+@dataclass
+class Sent:
+    uow: str
+    status: str
+    messages: int
+    persistent: bool
+    conversation: str
+
+
+@dataclass
+class Received:
+    body: bytes
+    uow: str  # "" for a message outside a UOW
+    recv: str  # RECV_NONE / FIRST / MIDDLE / LAST / ONLY
+    status: str  # DELIVERED for a UOW message, "" otherwise
+    persistent: bool
+    user_status: bytes = b""
+    eoc: str = ""
+    deliveries: int = 0
+    conversation: str = ""
+
+
+@dataclass
+class _Open:
+    svc: ctl.Service
+    control: Control
+    received: int = 0  # receiving: messages taken so far
+
+
+def _check_identity(kind: str, value: str) -> str:
+    if not isinstance(value, str) or not value or len(value) > MAX_USER or not value.isprintable():
+        raise BadRequestError(f"{kind} must be 1-{MAX_USER} printable characters, not {value!r}")
+    return value
+
+
+class Conversation:
+    """A participant's session (EntireX's LOGON with USER-ID and TOKEN): send, receive, syncpoint."""
+
+    def __init__(self, qm: QueueManager, user: str, token: str = "") -> None:
+        self.qm = qm
+        self.user = _check_identity("user id", user)
+        self.token = _check_identity("token", token) if token else ""
+        self.scope: Connection = qm.connect()
+        self.sending: _Open | None = None
+        self.receiving: _Open | None = None
+        self._known: dict[str, ctl.Service] = {}  # uow -> its service, for lookups by id
+
+    # --- send -----------------------------------------------------------------------------------------------
+    def send(self, service: str, body: bytes, *, option: str = SYNC, commit: bool = False, store: bool | None = None,
+             status_lifetime: int = UWSTATP_DEFAULT, lifetime_s: int = 0, user_status: bytes | None = None,
+             conversation: str = "", eoc: str = "") -> Sent:
+        """SEND. ``option`` SYNC: the message joins the UOW this session is sending (made on the first send);
+        MSG: a message outside any UOW. ``commit``: SEND with COMMIT (the UOW is committed after this message).
+        ``store``: the UOW's messages persistent (None: the service's STORE). ``status_lifetime``: UWSTATP (0 the
+        service's, 1-254 lifetimes, 255 none). ``lifetime_s``: UWTIME (0: the service's)."""
+        svc = ctl.service(self.qm, service)
+        if not isinstance(body, bytes | bytearray):
+            raise BadRequestError(f"message body must be bytes, not {type(body).__name__}")
+        if option == MSG:
+            persistent = svc.attributes.store if store is None else bool(store)
+            self.scope.qm.connect().put(svc.name, bytes(body), persistent=persistent, syncpoint=False)
+            return Sent("", "", 1, persistent, "")
+        if option != SYNC:
+            raise BadRequestError(f"send option must be SYNC or MSG, not {option!r}")
+        if self.sending is None:
+            self.sending = self._create(svc, store=store, status_lifetime=status_lifetime, lifetime_s=lifetime_s,
+                                        user_status=user_status, conversation=conversation)
+        elif self.sending.svc.name != svc.name:
+            raise UowStatusError(f"unit of work {self.sending.control.uow} is being sent to "
+                                 f"{self.sending.svc.name}: commit or back it out before sending to {svc.name}")
+        op = self.sending
+        c = op.control
+        if c.messages >= svc.attributes.max_messages:
+            raise UowLimitError(f"unit of work {c.uow} holds {c.messages} messages, service {svc.name}'s "
+                                f"MAX-MESSAGES-IN-UOW")
+        self.scope.put(svc.data, bytes(body), persistent=c.persistent, syncpoint=True,
+                       correlid=bytes.fromhex(c.uow), properties={"uow.seq": c.messages})
+        op.control = replace(c, messages=c.messages + 1, length=c.length + len(body))
+        if commit or eoc:
+            status = self._commit_sent(eoc=eoc)
+            return Sent(c.uow, status, op.control.messages, c.persistent, c.conversation)
+        return Sent(c.uow, RECEIVED, op.control.messages, c.persistent, c.conversation)
+
+    def _create(self, svc: ctl.Service, *, store: bool | None, status_lifetime: int, lifetime_s: int,
+                user_status: bytes | None, conversation: str) -> _Open:
+        """A new UOW in RECEIVED status, committed at once so that every member (and a restart) sees it."""
+        a = svc.attributes
+        if a.max_uows == 0:
+            raise UowLimitError(f"service {svc.name} takes no units of work (MAX-UOWS 0)")
+        if not 0 <= status_lifetime <= 255:
+            raise BadRequestError(f"status lifetime (UWSTATP) must be 0-255, not {status_lifetime}")
+        if not 0 <= lifetime_s <= 366 * 86400:
+            raise BadRequestError(f"UOW lifetime must be 0-{366 * 86400} s, not {lifetime_s}")
+        ustatus = self._check_user_status(user_status)
+        active = sum(ctl.count_status(self.qm, svc, s) for s in ACTIVE)
+        if active >= a.max_uows:
+            raise UowLimitError(f"service {svc.name} has {active} active units of work, its MAX-UOWS")
+        mult = a.status_lifetime if status_lifetime == UWSTATP_DEFAULT else (
+            0 if status_lifetime == UWSTATP_NONE else status_lifetime)
+        scope_uow = self.scope._current_uow()  # the owner must exist before the control names it
+        pc = ctl.pseudo_clock(self.qm, svc.structure)
+        uow = os.urandom(16).hex()
+        c = Control(uow=uow, service=svc.name, status=RECEIVED, sender=self.user, token=self.token,
+                    persistent=a.store if store is None else bool(store), status_mult=mult,
+                    lifetime_ms=(lifetime_s or a.lifetime_s) * 1000, created_pc=pc, changed_pc=pc,
+                    user_status=ustatus, home=f"{self.qm.name}.{self.qm.caller.epoch:x}", owner=scope_uow.id,
+                    conversation=conversation or os.urandom(8).hex())
+        conn = self.qm.connect()
+        try:
+            ctl.put_control(conn, svc, c)
+            ctl.set_last(conn, svc, self.user, self.token, uow, now_ms(), c.entry_persistent)
+            conn.commit()
+        except BaseException:
+            conn.backout()
+            raise
+        self._known[uow] = svc
+        return _Open(svc, c)
+
+    def _commit_sent(self, *, eoc: str = "") -> str:
+        """Sender COMMIT (or EOC / EOCCANCEL): RECEIVED -> ACCEPTED with its messages, in one commit."""
+        op = self._need(self.sending, "no unit of work is being sent")
+        if self.receiving is not None:
+            raise UowStatusError(f"unit of work {self.receiving.control.uow} is being received in the same syncpoint "
+                                 f"scope: COMMIT BOTH, or settle it first")
+        self._stage_sent(op, eoc)
+        self._commit_scope()
+        self.sending = None
+        return ACCEPTED
+
+    def _stage_sent(self, op: _Open, eoc: str) -> None:
+        event = eoc or "COMMIT"
+        if eoc not in ("", "EOC", "EOCCANCEL"):
+            raise BadRequestError(f"end of conversation must be EOC or EOCCANCEL, not {eoc!r}")
+        if op.control.messages == 0:
+            raise UowStatusError(f"unit of work {op.control.uow} holds no message: send one before COMMIT")
+        pc = ctl.pseudo_clock(self.qm, op.svc.structure)
+
+        def accept(old: Control) -> Control | None:
+            self._expect(old, op.control.owner)
+            to = transition(SENDER, event, old.status)
+            return replace(op.control, status=to, owner="", changed_pc=pc, committed_ms=now_ms(), eoc=eoc,
+                           user_status=old.user_status)
+        ctl.replace(self.qm, op.svc, op.control.uow, self._refusing(accept), conn=self.scope)
+
+    # --- receive --------------------------------------------------------------------------------------------
+    def receive(self, service: str, *, option: str = ANY, wait_ms: int = 0) -> Received:
+        """RECEIVE. Within a UOW being received: its next message (RECV_MIDDLE / LAST), or EndOfUowError after the
+        last. Otherwise SYNC: the first message of the next ACCEPTED UOW (commit order), MSG: a message outside any
+        UOW, ANY: either."""
+        if option not in (SYNC, MSG, ANY):
+            raise BadRequestError(f"receive option must be SYNC, MSG or ANY, not {option!r}")
+        svc = ctl.service(self.qm, service)
+        if self.receiving is not None and option != MSG:
+            if self.receiving.svc.name != svc.name:
+                raise UowStatusError(f"unit of work {self.receiving.control.uow} from {self.receiving.svc.name} is "
+                                     "being received: settle it first")
+            return self._next_of(self.receiving)
+        deadline = time.monotonic() + wait_ms / 1000
+        delay = 0.005
+        while True:
+            if option in (SYNC, ANY):
+                got = self._start_receiving(svc)
+                if got is not None:
+                    return got
+            if option in (MSG, ANY):
+                try:
+                    m = self.qm.connect().get(svc.name, syncpoint=False)
+                    return Received(m.body, "", RECV_NONE, "", m.persistent)
+                except NoMessageError:
+                    pass
+            if time.monotonic() >= deadline:
+                what = {SYNC: "unit of work", MSG: "message outside a unit of work", ANY: "message"}[option]
+                raise NoMessageError(f"no {what} available on service {svc.name}")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    def _start_receiving(self, svc: ctl.Service) -> Received | None:
+        """Take the next ACCEPTED UOW: ACCEPTED -> DELIVERED (committed at once, owned by this session's scope),
+        then its first message into the scope."""
+        scope_uow = self.scope._current_uow()
+        pc = ctl.pseudo_clock(self.qm, svc.structure)
+        conn = self.qm.connect()
+        try:
+            try:
+                m = conn.get(svc.control, syncpoint=True, correlid=b"A")
+            except NoMessageError:
+                conn.backout()
+                return None
+            old = Control.unpack(m.body)
+            to = transition(RECEIVER, "RECEIVE", old.status)
+            new = replace(old, status=to, owner=scope_uow.id, receiver=self.user, receiver_token=self.token,
+                          changed_pc=pc)
+            ctl.put_control(conn, svc, new)
+            conn.commit()
+        except BaseException:
+            conn.backout()
+            raise
+        self._known[new.uow] = svc
+        self.receiving = _Open(svc, new)
+        return self._next_of(self.receiving)
+
+    def _next_of(self, op: _Open) -> Received:
+        c = op.control
+        if op.received >= c.messages:
+            raise EndOfUowError(f"end of unit of work {c.uow}: all {c.messages} messages were received")
+        try:
+            m = self.scope.get(op.svc.data, syncpoint=True, correlid=bytes.fromhex(c.uow))
+        except NoMessageError:
+            raise EndOfUowError(f"end of unit of work {c.uow}: no further message (received {op.received} of "
+                                f"{c.messages})") from None
+        op.received += 1
+        if c.messages == 1:
+            recv = RECV_ONLY
+        elif op.received == 1:
+            recv = RECV_FIRST
+        elif op.received == c.messages:
+            recv = RECV_LAST
+        else:
+            recv = RECV_MIDDLE
+        return Received(m.body, c.uow, recv, DELIVERED, c.persistent, c.user_status, c.eoc, c.deliveries,
+                        c.conversation)
+
+    # --- syncpoint ------------------------------------------------------------------------------------------
+    def syncpoint(self, option: str, uow: str = "", *, user_status: bytes | None = None) -> dict[str, Any]:
+        """SYNCPOINT with OPTION=COMMIT, BACKOUT, CANCEL, QUERY, LAST, SETUSTATUS, DELETE, EOC, EOCCANCEL. ``uow``:
+        the UOW it applies to ("" the one this session holds; BOTH for COMMIT or BACKOUT of the received and the
+        sent UOW at once). Returns the UOW's status (QUERY's fields; ``status`` None when no trace is kept)."""
+        handler: dict[str, Callable[[], dict[str, Any]]] = {
+            "COMMIT": lambda: self.commit(uow),
+            "EOC": lambda: self._public(self._commit_sent_by_id(uow, "EOC")),
+            "EOCCANCEL": lambda: self._public(self._commit_sent_by_id(uow, "EOCCANCEL")),
+            "BACKOUT": lambda: self.backout(uow),
+            "CANCEL": lambda: self.cancel(uow),
+            "QUERY": lambda: self.query(uow),
+            "LAST": lambda: self.last(),
+            "SETUSTATUS": lambda: self.set_user_status(uow, user_status),
+            "DELETE": lambda: self.delete(uow),
+        }
+        if option not in handler:
+            raise BadRequestError(f"syncpoint option must be one of {', '.join(OPTIONS)}, not {option!r}")
+        return handler[option]()
+
+    def commit(self, uow: str = "") -> dict[str, Any]:
+        """COMMIT: the sent UOW (RECEIVED -> ACCEPTED), the received one (DELIVERED -> PROCESSED), or BOTH."""
+        if uow == BOTH:
+            snd = self._need(self.sending, "COMMIT BOTH needs a unit of work being sent")
+            rcv = self._need(self.receiving, "COMMIT BOTH needs a unit of work being received")
+            self._stage_processed(rcv)
+            self._stage_sent(snd, "")
+            self._commit_scope()
+            self.sending = self.receiving = None
+            return {"status": ACCEPTED, "uow": snd.control.uow, "received": {"uow": rcv.control.uow,
+                                                                              "status": PROCESSED}}
+        op = self._held(uow)
+        if op is self.sending:
+            return self._public(self._commit_sent_by_id(uow, ""))
+        if self.sending is not None:
+            raise UowStatusError(f"unit of work {self.sending.control.uow} is being sent in the same syncpoint "
+                                 "scope: COMMIT BOTH, or settle it first")
+        self._stage_processed(op)
+        self._commit_scope()
+        self.receiving = None
+        return {"status": PROCESSED, "uow": op.control.uow}
+
+    def _commit_sent_by_id(self, uow: str, eoc: str) -> dict[str, Any]:
+        op = self._held(uow)
+        if op is not self.sending:
+            raise UowStatusError(f"unit of work {op.control.uow} is being received: {eoc or 'COMMIT'} is the "
+                                 "sender's")
+        status = self._commit_sent(eoc=eoc)
+        return {"status": status, "uow": op.control.uow}
+
+    def _stage_processed(self, op: _Open) -> None:
+        """Receiver COMMIT, staged in the scope: the rest of its messages taken, DELIVERED -> PROCESSED."""
+        pc = ctl.pseudo_clock(self.qm, op.svc.structure)
+
+        def process(old: Control) -> Control | None:
+            self._expect(old, op.control.owner)
+            return finish(old, transition(RECEIVER, "COMMIT", old.status), pc)
+        ctl.replace(self.qm, op.svc, op.control.uow, self._refusing(process), drain=lambda old, new: True,
+                    conn=self.scope)
+
+    def backout(self, uow: str = "") -> dict[str, Any]:
+        """BACKOUT: a sent UOW becomes BACKEDOUT (its messages gone); a received one is ACCEPTED again, its delivery
+        count raised. BOTH: both at once."""
+        ops = [o for o in (self.receiving, self.sending) if o is not None] if uow == BOTH else [self._held(uow)]
+        if uow != BOTH and len([o for o in (self.receiving, self.sending) if o is not None]) > 1:
+            raise UowStatusError("a unit of work is being sent and one received in the same syncpoint scope: "
+                                 "BACKOUT BOTH")
+        if not ops:
+            raise UowStatusError("no unit of work to back out")
+        self.scope.backout()
+        self.sending = self.receiving = None
+        out: dict[str, Any] = {}
+        for op in ops:
+            who = SENDER if op.control.status == RECEIVED else RECEIVER
+            pc = ctl.pseudo_clock(self.qm, op.svc.structure)
+
+            def back(old: Control, op: _Open = op, who: str = who, pc: int = pc) -> Control | None:
+                self._expect(old, op.control.owner)
+                to = transition(who, "BACKOUT", old.status)
+                if to == ACCEPTED:
+                    return replace(old, status=ACCEPTED, owner="", deliveries=old.deliveries + 1, changed_pc=pc)
+                return finish(old, to, pc)
+            try:
+                _, new = ctl.replace(self.qm, op.svc, op.control.uow, self._refusing(back))
+            except UowStatusError:  # settled meanwhile (the sweeper found its scope gone): report what it is now
+                new = ctl.peek(self.qm, op.svc, op.control.uow)
+            out = {"uow": op.control.uow, "status": new.status if new else None, **out}
+        return out
+
+    def cancel(self, uow: str = "") -> dict[str, Any]:
+        """CANCEL. Receiver (of the UOW it holds): postponed while POSTPONE-ATTEMPTS remain, else CANCELLED, its
+        messages removed or moved to the service's backout queue. Sender (by id): an ACCEPTED UOW it sent is
+        withdrawn: CANCELLED, its messages removed."""
+        if self.receiving is not None and uow in ("", self.receiving.control.uow):
+            return self._cancel_received(self.receiving)
+        if not uow:
+            raise UowStatusError("CANCEL needs the id of a unit of work you sent, or one being received")
+        svc, c = self._find(uow)
+        if c.sender != self.user or c.token != self.token:
+            raise UowStatusError(f"unit of work {uow} was sent by another user: only its sender may CANCEL it")
+        pc = ctl.pseudo_clock(self.qm, svc.structure)
+
+        def withdraw(old: Control) -> Control | None:
+            return finish(old, transition(SENDER, "CANCEL", old.status), pc)
+        _, new = ctl.replace(self.qm, svc, uow, self._refusing(withdraw), drain=lambda old, new: True)
+        return {"uow": uow, "status": new.status if new else None}
+
+    def _cancel_received(self, op: _Open) -> dict[str, Any]:
+        if self.sending is not None:
+            raise UowStatusError(f"unit of work {self.sending.control.uow} is being sent in the same syncpoint "
+                                 "scope: commit or back it out before CANCEL")
+        a = op.svc.attributes
+        pc = ctl.pseudo_clock(self.qm, op.svc.structure)
+        c = op.control
+        if c.postponements < a.postpone_attempts:
+            self.scope.backout()  # its messages stay for the next attempt
+            self.receiving = None
+
+            def postpone(old: Control) -> Control | None:
+                self._expect(old, c.owner)
+                to = transition(RECEIVER, "POSTPONE", old.status)
+                return replace(old, status=to, owner="", postponements=old.postponements + 1, changed_pc=pc,
+                               until_pc=pc + a.postpone_delay_s * 1000)
+            _, new = ctl.replace(self.qm, op.svc, c.uow, self._refusing(postpone))
+            return {"uow": c.uow, "status": POSTPONED, "postponements": new.postponements if new else 0}
+
+        def cancelled(old: Control) -> Control | None:
+            self._expect(old, c.owner)
+            return finish(old, transition(RECEIVER, "CANCEL", old.status), pc)
+        ctl.replace(self.qm, op.svc, c.uow, self._refusing(cancelled), conn=self.scope)
+        moved = move_to_backout_queue(self.scope, op.svc, c.uow)
+        self._commit_scope()
+        self.receiving = None
+        new = ctl.peek(self.qm, op.svc, c.uow)
+        return {"uow": c.uow, "status": new.status if new else None, "moved_to": op.svc.backout_queue if moved else ""}
+
+    def query(self, uow: str) -> dict[str, Any]:
+        """QUERY: the status of a UOW by id (any member's)."""
+        if not uow:
+            raise BadRequestError("QUERY needs a unit of work id")
+        for op in (self.sending, self.receiving):
+            if op is not None and op.control.uow == uow:
+                return self._public(op.control.public())
+        _, c = self._find(uow)
+        return self._public(c.public())
+
+    def last(self) -> dict[str, Any]:
+        """LAST: the status of the last UOW this user (id and token) sent, found again after any failure."""
+        if self.sending is not None:
+            return self._public(self.sending.control.public())
+        found = ctl.find_last(self.qm, self.user, self.token)
+        if found is None:
+            raise UnknownUowError(f"user {self.user} has sent no unit of work whose status is kept")
+        svc, uow = found
+        c = ctl.peek(self.qm, svc, uow)
+        if c is None:
+            return {"uow": uow, "service": svc.name, "status": None}
+        return self._public(c.public())
+
+    def set_user_status(self, uow: str, user_status: bytes | None) -> dict[str, Any]:
+        """SETUSTATUS: the UOW's user status, in RECEIVED, ACCEPTED or DELIVERED, by its sender or receiver."""
+        value = self._check_user_status(user_status)
+        uow = uow or (self.sending or self.receiving or _no_uow()).control.uow
+        svc, c = self._find(uow)
+        if self.user not in (c.sender, c.receiver):
+            raise UowStatusError(f"unit of work {uow} is neither sent nor received by user {self.user}")
+
+        def set_it(old: Control) -> Control | None:
+            if old.status not in USER_STATUS_ALLOWED:
+                raise TransitionError(f"SETUSTATUS is not allowed in status {old.status} (only in "
+                                      f"{', '.join(USER_STATUS_ALLOWED)})")
+            return replace(old, user_status=value)
+        _, new = ctl.replace(self.qm, svc, uow, self._refusing(set_it))
+        for op in (self.sending, self.receiving):
+            if op is not None and op.control.uow == uow:
+                op.control = replace(op.control, user_status=value)
+        assert new is not None
+        return self._public(new.public())
+
+    def delete(self, uow: str) -> dict[str, Any]:
+        """DELETE: the persistent status of a finished UOW this user sent; no trace remains."""
+        svc, c = self._find(uow)
+        if c.sender != self.user or c.token != self.token:
+            raise UowStatusError(f"unit of work {uow} was sent by another user: only its sender may DELETE it")
+
+        def gone(old: Control) -> Control | None:
+            if old.status not in FINAL:
+                raise TransitionError(f"DELETE is not allowed in status {old.status} (only in {', '.join(FINAL)})")
+            return None
+        ctl.replace(self.qm, svc, uow, self._refusing(gone))
+        return {"uow": uow, "status": None, "deleted": True}
+
+    def close(self) -> None:
+        """LOGOFF: what this session holds is backed out (a sent UOW BACKEDOUT, a received one ACCEPTED again).
+        What cannot be settled now (the CF is away) the sweeper settles later."""
+        if self.sending is None and self.receiving is None:
+            self.scope.close()
+            return
+        try:
+            self.backout(BOTH)
+        except Exception:  # noqa: BLE001 - the sweeper finds a control whose owner is gone and settles it
+            self.scope.close()
+
+    def __enter__(self) -> Conversation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- helpers --------------------------------------------------------------------------------------------
+    def _commit_scope(self) -> None:
+        """Commit the scope; if it was backed out instead, what it held is settled as a backout would be."""
+        held = [o for o in (self.sending, self.receiving) if o is not None]
+        try:
+            self.scope.commit()
+        except BackedOutError:
+            self.sending = self.receiving = None
+            for op in held:
+                settle_orphan(self.qm, op.svc, op.control.uow, op.control.owner)
+            raise
+
+    def _held(self, uow: str) -> _Open:
+        for op in (self.sending, self.receiving):
+            if op is not None and uow in ("", op.control.uow):
+                if uow == "" and self.sending is not None and self.receiving is not None:
+                    raise UowStatusError("a unit of work is being sent and one received: name it, or use BOTH")
+                return op
+        if uow:
+            raise UowStatusError(f"unit of work {uow} is not held by this session (sent and committed, or never "
+                                 "received here)")
+        raise UowStatusError("this session holds no unit of work")
+
+    def _find(self, uow: str) -> tuple[ctl.Service, Control]:
+        found = ctl.find(self.qm, uow, self._known.get(uow))
+        if found is None:
+            raise UnknownUowError(f"unit of work {uow} is not known (never sent, or its status was not kept)")
+        self._known[uow] = found[0]
+        return found
+
+    @staticmethod
+    def _need(op: _Open | None, why: str) -> _Open:
+        if op is None:
+            raise UowStatusError(why)
+        return op
+
+    @staticmethod
+    def _expect(c: Control, owner: str) -> None:
+        if c.owner != owner:
+            raise UowStatusError(f"unit of work {c.uow} is {c.status} and no longer held by this session")
+
+    @staticmethod
+    def _refusing(fn: Callable[[Control], Control | None]) -> Callable[[Control], Control | None]:
+        def run(c: Control) -> Control | None:
+            try:
+                return fn(c)
+            except TransitionError as e:
+                raise UowStatusError(f"unit of work {c.uow}: {e}") from None
+        return run
+
+    @staticmethod
+    def _check_user_status(value: bytes | None) -> bytes:
+        if value is None:
+            return b""
+        if not isinstance(value, bytes | bytearray) or len(value) > USER_STATUS_MAX:
+            raise BadRequestError(f"user status must be at most {USER_STATUS_MAX} bytes")
+        return bytes(value)
+
+    @staticmethod
+    def _public(d: dict[str, Any]) -> dict[str, Any]:
+        return d
+
+
+def _no_uow() -> Any:
+    raise UowStatusError("this session holds no unit of work: name one")
+
+
+def move_to_backout_queue(conn: Connection, svc: ctl.Service, uow: str) -> bool:
+    """A cancelled UOW's remaining messages: to the service's backout queue as plain messages when it has one, else
+    removed; in the connection's unit of work."""
+    moved = False
+    while True:
+        try:
+            m = conn.get(svc.data, syncpoint=True, correlid=bytes.fromhex(uow))
+        except NoMessageError:
+            return moved
+        if svc.backout_queue:
+            conn.put(svc.backout_queue, m.body, persistent=m.persistent, syncpoint=True,
+                     correlid=bytes.fromhex(uow), properties=m.properties)
+            moved = True
+
+
+def settle_orphan(qm: QueueManager, svc: ctl.Service, uow: str, owner: str, *, gone: bool = False) -> Control | None:
+    """A UOW whose owning scope was backed out (``gone``: died with its member): its status as a backout leaves it
+    (sqm.uowstatus.after_backout) or, when its process is gone, as the restart tables say (after_restart); its
+    remaining messages are removed when it is not restored. Best effort: a control that changed meanwhile, or a CF
+    that cannot be reached, is left to the sweeper."""
+    pc = ctl.pseudo_clock(qm, svc.structure) if not gone else 0
+
+    def settle(old: Control) -> Control | None:
+        if old.owner != owner or old.status not in (RECEIVED, DELIVERED):
+            raise UowStatusError(f"unit of work {uow} changed meanwhile")
+        return after_restart(old) if gone else after_backout(old, pc)
+    try:
+        _, new = ctl.replace(qm, svc, uow, settle, drain=lambda old, new: new is None or new.status in FINAL)
+        return new
+    except Exception:  # noqa: BLE001 - left to the sweeper
+        return None
+
+
+__all__ = ["Conversation", "Sent", "Received", "SYNC", "MSG", "ANY", "BOTH", "OPTIONS", "settle_orphan",
+           "move_to_backout_queue"]

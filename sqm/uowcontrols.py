@@ -1,0 +1,176 @@
+"""Control entries: where a UOW's status is kept on the CF, and the one way it changes (a replacement inside a
+queue-manager unit of work). Shared by the application's conversation (sqm.conversation), the sweeper that runs
+lifetimes and postponement (sqm.uowsweeper) and recovery's settling of UOWs whose process is gone."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from cfemu.admin import QueueDef
+from cfemu.errors import NoMessageError, UowStatusError
+from cfemu.uow_attributes import UowAttributes, control_queue, data_queue
+from sqm.connection import Connection
+from sqm.manager import QueueManager
+from sqm.uowstatus import LETTER, Control, status_letter_hex
+
+# Pseudo-clock ticks farther apart than this are downtime (pclock.lua). Members tick every sweep (about a second).
+PCLOCK_GAP_MS = 10_000
+LAST_LETTER = "L"  # a user's pointer to the last UOW it sent (SYNCPOINT LAST)
+PEEK_LIMIT = 1000
+
+
+@dataclass(frozen=True)
+class Service:
+    name: str
+    structure: str
+    attributes: UowAttributes
+    backout_queue: str
+
+    @property
+    def data(self) -> str:
+        return data_queue(self.name)
+
+    @property
+    def control(self) -> str:
+        return control_queue(self.name)
+
+
+def service_of(qdef: QueueDef) -> Service:
+    attrs = qdef.uow_attributes
+    if attrs is None:
+        raise UowStatusError(f"queue {qdef.name} is not a service: define it with UOW attributes "
+                             "(cfemu define queue NAME --uow ...)")
+    return Service(qdef.name, qdef.structure, attrs, qdef.backout_queue)
+
+
+def service(qm: QueueManager, name: str) -> Service:
+    return service_of(qm.queue_def(name))
+
+
+def services(qm: QueueManager) -> Iterator[Service]:
+    """Every service of the group (queues with UOW attributes), for lookups by UOW id alone and the sweeper."""
+    for qdef in qm.admin.queues():
+        if qdef.uow:
+            yield service_of(qdef)
+
+
+def pseudo_clock(qm: QueueManager, structure: str, floor: int = 0) -> int:
+    return qm.structure(structure).pclock(max_gap_ms=PCLOCK_GAP_MS, floor=floor)
+
+
+def peek(qm: QueueManager, svc: Service, uow: str) -> Control | None:
+    """The UOW's control as the CF holds it (also while a transition holds it), without taking it."""
+    found = qm.cf_call(lambda: qm.structure(svc.structure).peek(svc.control, "m", uow, 1))
+    return Control.unpack(found[0][1]) if found else None
+
+
+def peek_status(qm: QueueManager, svc: Service, status: str, limit: int = PEEK_LIMIT) -> list[Control]:
+    """Controls in one status, in commit order (the sweeper's and recovery's scan)."""
+    found = qm.cf_call(lambda: qm.structure(svc.structure).peek(svc.control, "c", status_letter_hex(status), limit))
+    return [Control.unpack(data) for _, data in found]
+
+
+def count_status(qm: QueueManager, svc: Service, status: str) -> int:
+    return int(qm.cf_call(lambda: qm.structure(svc.structure).index_count(svc.control, "c",
+                                                                           status_letter_hex(status))))
+
+
+def put_control(conn: Connection, svc: Service, c: Control) -> None:
+    conn.put(svc.control, c.pack(), persistent=c.entry_persistent, syncpoint=True, msgid=bytes.fromhex(c.uow),
+             correlid=LETTER[c.status].encode())
+
+
+def take_control(conn: Connection, svc: Service, uow: str) -> Control:
+    """Get the UOW's control under the connection's unit of work (it is replaced or removed at its commit)."""
+    try:
+        msg = conn.get(svc.control, syncpoint=True, msgid=bytes.fromhex(uow))
+    except NoMessageError:
+        raise UowStatusError(f"unit of work {uow} changed status meanwhile (or its status is not kept)") from None
+    return Control.unpack(msg.body)
+
+
+def drain_data(conn: Connection, svc: Service, uow: str) -> int:
+    """Get (under the connection's unit of work) every message of the UOW still on the service's data queue."""
+    n = 0
+    while True:
+        try:
+            conn.get(svc.data, syncpoint=True, correlid=bytes.fromhex(uow))
+        except NoMessageError:
+            return n
+        n += 1
+
+
+def replace(qm: QueueManager, svc: Service, uow: str, change: Callable[[Control], Control | None], *,
+            drain: Callable[[Control, Control | None], bool] = lambda old, new: False,
+            conn: Connection | None = None) -> tuple[Control, Control | None]:
+    """One status change, as one unit of work: take the control, compute its successor (``change`` may raise
+    UowStatusError, which changes nothing), take the UOW's messages where ``drain`` says so, put the successor (None:
+    no trace kept), commit. With ``conn`` the change joins that connection's unit of work, uncommitted."""
+    own = conn is None
+    c = conn or qm.connect()
+    try:
+        old = take_control(c, svc, uow)
+        new = change(old)
+        if drain(old, new):
+            drain_data(c, svc, uow)
+        if new is not None:
+            put_control(c, svc, new)
+        if own:
+            c.commit()
+    except BaseException:
+        if own:
+            c.backout()
+        raise
+    return old, new
+
+
+def last_pointer_id(user: str, token: str) -> bytes:
+    """The message id of a user's pointer to its last UOW (SYNCPOINT LAST finds it by user id and token)."""
+    return hashlib.sha256(f"{user}\0{token}".encode()).digest()[:24]
+
+
+def set_last(conn: Connection, svc: Service, user: str, token: str, uow: str, created_ms: int,
+             persistent: bool) -> None:
+    """Replace the user's pointer on this service's control queue, in the connection's unit of work."""
+    pid = last_pointer_id(user, token)
+    try:
+        conn.get(svc.control, syncpoint=True, msgid=pid)
+    except NoMessageError:
+        pass
+    conn.put(svc.control, msgpack.packb({"uow": uow, "at": created_ms}), persistent=persistent, syncpoint=True,
+             msgid=pid, correlid=LAST_LETTER.encode())
+
+
+def _peek_id(qm: QueueManager, svc: Service, value: str) -> list[tuple[Any, bytes]]:
+    return list(qm.cf_call(lambda: qm.structure(svc.structure).peek(svc.control, "m", value, 1)))
+
+
+def find_last(qm: QueueManager, user: str, token: str) -> tuple[Service, str] | None:
+    """The service and id of the user's last UOW, over every service."""
+    pid = last_pointer_id(user, token).hex()
+    best: tuple[int, Service, str] | None = None
+    for svc in services(qm):
+        found = _peek_id(qm, svc, pid)
+        if found:
+            p = msgpack.unpackb(found[0][1])
+            if best is None or int(p["at"]) > best[0]:
+                best = (int(p["at"]), svc, str(p["uow"]))
+    return (best[1], best[2]) if best else None
+
+
+def find(qm: QueueManager, uow: str, hint: Service | None = None) -> tuple[Service, Control] | None:
+    """A UOW's service and control, by its id alone."""
+    for svc in ([hint] if hint else []) + [s for s in services(qm) if s != hint]:
+        c = peek(qm, svc, uow)
+        if c is not None:
+            return svc, c
+    return None
+
+
+__all__ = ["Service", "service", "services", "pseudo_clock", "peek", "peek_status", "put_control", "take_control",
+           "drain_data", "replace", "set_last", "find_last", "find", "PCLOCK_GAP_MS"]

@@ -1,0 +1,161 @@
+"""What happens to UOWs with no caller: lifetimes and postponement on the pseudo-clock, status lifetimes, and the
+settling of UOWs whose holder is gone (seed 003's restart tables). Run by every member's housekeeping (about once
+a second) and, for one member, by its restart and by the peer that recovers it. Every change is one replacement of
+the UOW's control entry (sqm.uowcontrols.replace), so two members sweeping at once change a UOW once: the second
+finds the control taken or changed, and leaves it.
+
+Lifetimes count on the structure's pseudo-clock (cfemu/scripts/pclock.lua), which runs only while the structure is
+ACTIVE and some member ticks it: a group stopped for a day does not come back to find every UOW timed out, and a
+structure that is failed or being restored times nothing out. MQ's own message expiry stays on the wall clock, as
+MQ defines it (an MQMD expiry is real time); a UOW's messages carry none, their UOW's lifetime governs them."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import replace
+
+from cfemu import keys
+from cfemu.errors import MQError, StructureFailedError, UowStatusError
+from sqm import uowcontrols as ctl
+from sqm.conversation import settle_orphan
+from sqm.manager import QueueManager
+from sqm.uowstatus import (
+    ACCEPTED,
+    ACTIVE,
+    DELIVERED,
+    FINAL,
+    POSTPONED,
+    RECEIVED,
+    SYSTEM,
+    Control,
+    after_restart,
+    finish,
+    transition,
+)
+
+log = logging.getLogger(__name__)
+
+
+class Sweeper:
+    """One member's sweeper. An orphan (a RECEIVED or DELIVERED UOW held by a unit of work this member no longer
+    has) is settled when two sweeps in a row see it, so that a caller settling its own backout goes first."""
+
+    def __init__(self, qm: QueueManager) -> None:
+        self.qm = qm
+        self.suspects: set[tuple[str, str]] = set()
+        self.counts: Counter[str] = Counter()
+
+    def sweep(self) -> Counter[str]:
+        qm = self.qm
+        done: Counter[str] = Counter()
+        suspects: set[tuple[str, str]] = set()
+        for svc in list(ctl.services(qm)):
+            try:
+                done += self._sweep_service(svc, suspects)
+            except (StructureFailedError, UowStatusError):
+                continue  # not ACTIVE (no timeout processing while the store is unavailable), or raced
+        self.suspects = suspects
+        self.counts += done
+        return done
+
+    def _sweep_service(self, svc: ctl.Service, suspects: set[tuple[str, str]]) -> Counter[str]:
+        qm = self.qm
+        done: Counter[str] = Counter()
+        pc = ctl.pseudo_clock(qm, svc.structure)
+        by_status = {st: ctl.peek_status(qm, svc, st) for st in (*ACTIVE, *FINAL)}
+        newest = max((c.changed_pc for cs in by_status.values() for c in cs), default=0)
+        if newest > pc:  # a restored structure: its clock resumes from the newest status it holds
+            pc = ctl.pseudo_clock(qm, svc.structure, floor=newest)
+        for c in by_status[ACCEPTED]:
+            if c.created_pc + c.lifetime_ms <= pc:
+                done[_apply(qm, svc, c, lambda old: finish(old, transition(SYSTEM, "TIMEOUT", old.status), pc),
+                            "timed-out")] += 1
+        for c in by_status[POSTPONED]:
+            if c.until_pc <= pc:
+                done[_apply(qm, svc, c, lambda old: replace(old, status=transition(SYSTEM, "RESUME", old.status),
+                                                            until_pc=0, changed_pc=pc), "resumed")] += 1
+        epochs = member_epochs(qm)
+        done += _settle_outlived(qm, svc, [c for st in ACTIVE for c in by_status[st]], epochs)
+        for c in (*by_status[RECEIVED], *by_status[DELIVERED]):
+            if c.owner_member == qm.name and c.owner not in qm.uows and not c.outlived(epochs)[0]:
+                key = (c.uow, c.owner)
+                if key in self.suspects:
+                    settle_orphan(qm, svc, c.uow, c.owner)
+                    done["orphans-settled"] += 1
+                else:
+                    suspects.add(key)
+        for st in FINAL:
+            for c in by_status[st]:
+                if c.final_pc + c.status_mult * c.lifetime_ms <= pc:
+                    done[_apply(qm, svc, c, lambda old: None, "statuses-expired")] += 1
+        return done
+
+
+def _apply(qm: QueueManager, svc: ctl.Service, seen: Control, change: object, what: str) -> str:
+    """One sweeper change, if the control is still as seen (another member may have changed it)."""
+    def guarded(old: Control) -> Control | None:
+        if (old.status, old.owner, old.changed_pc) != (seen.status, seen.owner, seen.changed_pc):
+            raise UowStatusError(f"unit of work {old.uow} changed meanwhile")
+        return change(old)  # type: ignore[operator]
+    try:
+        _, new = ctl.replace(qm, svc, seen.uow, guarded,
+                             drain=lambda old, new: new is None or new.status in FINAL)
+    except UowStatusError:
+        return "raced"
+    return what
+
+
+def member_epochs(qm: QueueManager) -> dict[str, int]:
+    """Every member's current epoch (the admin structure's), this member's own as it knows it."""
+    epochs = {keys.text(m): int(e) for m, e in qm.admin.redis.hgetall(keys.epochs()).items()}
+    epochs[qm.name] = qm.caller.epoch
+    return epochs
+
+
+def settle_member(qm: QueueManager) -> Counter[str]:
+    """After a member restarted (qm is it) or was recovered by a peer (qm is the peer, after the fence): every UOW
+    that a gone member incarnation held is settled by seed 003's restart tables (sqm.uowstatus.after_restart).
+    Idempotent, and safe while the members work on: only gone incarnations are named (Control.outlived)."""
+    done: Counter[str] = Counter()
+    epochs = member_epochs(qm)
+    for svc in list(ctl.services(qm)):
+        try:
+            controls = [c for st in ACTIVE for c in ctl.peek_status(qm, svc, st)]
+        except StructureFailedError:
+            continue
+        done += _settle_outlived(qm, svc, controls, epochs)
+    if done:
+        log.info("%s: units of work of gone member incarnations settled: %s", qm.name, dict(done))
+    return done
+
+
+def _settle_outlived(qm: QueueManager, svc: ctl.Service, controls: list[Control],
+                     epochs: dict[str, int]) -> Counter[str]:
+    """The ones a unit of work of a gone incarnation held (RECEIVED, DELIVERED), and the ones it was home to that
+    nobody holds (a non-persistent UOW lives as long as the member incarnation it was sent through; a postponed one
+    is ACCEPTED again). A UOW that a live receiver on another member holds is left to it."""
+    done: Counter[str] = Counter()
+    for c in controls:
+        held, home = c.outlived(epochs)
+        if not (held or (home and not c.owner)):
+            continue
+        new = after_restart(c)
+        if new == c:
+            continue  # a persistent ACCEPTED UOW: restored as it is
+        if new is not None:
+            new = replace(new, home="")  # settled once: no later restart of that member touches it again
+        what = "restart-" + (new.status.lower() if new is not None else "dropped")
+        done[_apply(qm, svc, c, lambda old, new=new: new, what)] += 1
+    return done
+
+
+def settle_member_best_effort(qm: QueueManager) -> Counter[str]:
+    try:
+        return settle_member(qm)
+    except MQError as e:
+        log.warning("%s: settling the units of work of gone members failed (the sweeper retries): %s", qm.name, e)
+        return Counter()
+
+
+__all__ = ["Sweeper", "settle_member", "settle_member_best_effort"]
