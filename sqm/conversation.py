@@ -414,10 +414,17 @@ class Conversation:
         def cancelled(old: Control) -> Control | None:
             self._expect(old, c.owner)
             return finish(old, transition(RECEIVER, "CANCEL", old.status), pc)
-        ctl.replace(self.qm, op.svc, c.uow, self._refusing(cancelled), conn=self.scope)
-        moved = move_to_backout_queue(self.scope, op.svc, c.uow)
-        self._commit_scope()
+        # The scope's gets are given back first, so that every message of the UOW (read or not) is moved whole.
+        self.scope.backout()
         self.receiving = None
+        conn = self.qm.connect()
+        try:
+            ctl.replace(self.qm, op.svc, c.uow, self._refusing(cancelled), conn=conn)
+            moved = move_to_backout_queue(conn, op.svc, c.uow)
+            conn.commit()
+        except BaseException:
+            conn.backout()
+            raise
         new = ctl.peek(self.qm, op.svc, c.uow)
         return {"uow": c.uow, "status": new.status if new else None, "moved_to": op.svc.backout_queue if moved else ""}
 
