@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -131,11 +132,11 @@ def variants(groups: dict[str, Group], sizes: list[int]) -> list[Variant]:
                 g = groups[setting]
                 snd, rcv = Conversation(g.qms[0], "sender", "s1"), Conversation(g.qms[1], "receiver", "r1")
                 out.append(Variant(f"UOW {per}, {setting.replace('_', ' ')}", g, n,
-                                   lambda stop, s=snd, r=rcv, n=n, store=store: uow_lifecycles(s, r, n, store, stop)))
+                                   partial(uow_lifecycles, snd, rcv, n, store)))
             g = groups["status_off"]
             put, get = g.qms[0].connect(), g.qms[1].connect()
             out.append(Variant(f"MQ {per} (baseline)", g, n,
-                               lambda stop, p=put, q=get, n=n, store=store: mq_lifecycles(p, q, n, store, stop)))
+                               partial(mq_lifecycles, put, get, n, store)))
     return out
 
 
