@@ -146,8 +146,8 @@ def set_last(conn: Connection, svc: Service, user: str, token: str, uow: str, cr
              msgid=pid, correlid=LAST_LETTER.encode())
 
 
-def _peek_id(qm: QueueManager, svc: Service, value: str) -> list[tuple[Any, bytes]]:
-    return list(qm.cf_call(lambda: qm.structure(svc.structure).peek(svc.control, "m", value, 1)))
+def _peek_id(qm: QueueManager, svc: Service, value: str, limit: int = 1) -> list[tuple[Any, bytes]]:
+    return list(qm.cf_call(lambda: qm.structure(svc.structure).peek(svc.control, "m", value, limit)))
 
 
 def find_last(qm: QueueManager, user: str, token: str) -> tuple[Service, str] | None:
@@ -155,9 +155,9 @@ def find_last(qm: QueueManager, user: str, token: str) -> tuple[Service, str] | 
     pid = last_pointer_id(user, token).hex()
     best: tuple[int, Service, str] | None = None
     for svc in services(qm):
-        found = _peek_id(qm, svc, pid)
-        if found:
-            p = msgpack.unpackb(found[0][1])
+        # Two sessions of one user creating UOWs at once can each leave a pointer: the newest counts.
+        for _, raw in _peek_id(qm, svc, pid, 16):
+            p = msgpack.unpackb(raw)
             if best is None or int(p["at"]) > best[0]:
                 best = (int(p["at"]), svc, str(p["uow"]))
     return (best[1], best[2]) if best else None

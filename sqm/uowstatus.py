@@ -60,7 +60,6 @@ TABLE: dict[tuple[str, str, str], str] = {
     (RECEIVER, "POSTPONE", DELIVERED): POSTPONED,  # a receiver's CANCEL while postponement attempts remain
     (SYSTEM, "TIMEOUT", ACCEPTED): TIMEOUT,
     (SYSTEM, "RESUME", POSTPONED): ACCEPTED,  # POSTPONE-DELAY has passed
-    (SYSTEM, "EXHAUSTED", POSTPONED): CANCELLED,
 }
 # SETUSTATUS keeps the status, and is allowed in these (seed 003: "The UOW must be in RECEIVED, ACCEPTED, or
 # DELIVERED status").
