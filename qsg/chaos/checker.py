@@ -36,6 +36,7 @@ Findings (each names the message ids and UOWs involved):
               plan older than the other's result, wiping it and the work acknowledged in between (named).
   purge-undone a message a purge discarded (the fault names them: its "purged" step), delivered by a get
               that began after the purge (a later restore crossed the purge).
+  uow-*        units of work sent to a service (conversations): qsg.chaos.uowcheck has those rules.
 Allowed and counted: non-persistent messages lost (with the CF), unknown outcomes (resolved either way),
 redeliveries after backout, expired messages that never came back, messages a purge discarded (neither lost nor
 evidence about their UOW's outcome: the operator threw them away).
@@ -43,14 +44,16 @@ evidence about their UOW's outcome: the operator threw them away).
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from qsg.chaos.uowcheck import CONV_OPS, UOW_KINDS, check_uows
+
 COMMITTED, ABORTED, UNKNOWN, UNDETERMINED = "committed", "aborted", "unknown", "undetermined"
 MUST_BE_ZERO = ("lost", "undelivered", "duplicated", "phantom", "atomicity", "corrupted", "stuck",
-                "restore-foreign-cf", "restore-wiped", "purge-undone")
+                "restore-foreign-cf", "restore-wiped", "purge-undone", *UOW_KINDS)
 FINDING_KINDS = (*MUST_BE_ZERO, "order", "restore-order", "resurrected", "expired")
 EXPIRY_SLACK_S = 1.0  # the server's clock reads expiry at the get, some milliseconds after the client's invoke
 # After a fault has recovered, its after-effects last this long: pending CF work retried by the members, and a
@@ -168,7 +171,7 @@ class Checker:
         self.put_uow: dict[str, str] = {}
         self.deliveries: dict[str, list[Delivery]] = defaultdict(list)
         self.result = CheckResult()
-        self.counts: dict[str, int] = defaultdict(int)
+        self.counts: Counter[str] = Counter()
         self.purged: dict[str, float] = {}  # message -> when a purge discarded it
         for f in sorted(self.faults, key=lambda f: f["t"]):
             if f.get("phase") == PURGED:
@@ -188,6 +191,8 @@ class Checker:
     def build(self) -> None:
         resolves: dict[str, list[Op]] = defaultdict(list)
         for o in self.ops:
+            if o.op in CONV_OPS:  # units of work sent to a service: qsg.chaos.uowcheck's rules
+                continue
             if o.op == "resolve":
                 resolves[o.args.get("xid", "")].append(o)
                 continue
@@ -522,8 +527,9 @@ class Checker:
         self.check_restore_order()
         self.check_stuck()
         self.check_restores()
+        check_uows(self.ops, self.find, self.counts)
         self.counts["operations"] = len(self.ops)
-        self.counts["units of work"] = len(self.uows)
+        self.counts["units of work"] = len(self.uows)  # MQ units of work; UOWs sent to a service count apart
         self.counts["messages put"] = len(self.puts)
         self.counts["messages delivered"] = len(self.deliveries)
         self.counts["gets whose client left while they waited"] = sum(1 for o in self.ops if o.result.get("left"))

@@ -476,3 +476,227 @@ def test_a_refused_stray_member_is_no_cf_loss_but_a_cf_killed_step_is() -> None:
     h.fault(1, "member-own-log-root", "recovered")
     h.drain("np1")
     only(h.findings(), "resurrected")
+
+
+# --- units of work sent to a service (qsg.chaos.uowcheck) --------------------------------------------------------
+RECV = {1: ["RECV_ONLY"], 2: ["RECV_FIRST", "RECV_LAST"], 3: ["RECV_FIRST", "RECV_MIDDLE", "RECV_LAST"]}
+
+
+class Conv(Hist):
+    """A history of conversation actions as qsg.chaos.conversations writes one."""
+
+    def send(self, key: str, suow: str, msgs: list[str], end: str = "COMMIT") -> None:
+        client = key.split(".")[0]
+        for i, m in enumerate(msgs):
+            self.op(client, "usend", "ok", {"suow": suow, "status": "RECEIVED", "messages": i + 1}, uow=key,
+                    svc="SVC1", msg=m, idx=i, of=len(msgs))
+        status = {"COMMIT": "ACCEPTED", "BACKOUT": "BACKEDOUT"}[end]
+        self.sync(key, "sender", end, suow, status)
+
+    def sync(self, key: str, role: str, option: str, suow: str, status: str | None, outcome: str = "ok",
+             client: str = "", **result: Any) -> None:
+        res = {"status": status, "suow": suow, **result} if outcome == "ok" else result
+        self.op(client or key.split(".")[0], "usync", outcome, res, uow=key, svc="SVC1", option=option, role=role,
+                suow=suow)
+
+    def recv(self, key: str, suow: str, msgs: list[str], markers: list[str] | None = None,
+             end: str | None = "COMMIT", *, to_end: bool = True, client: str = "", of: int = 0) -> None:
+        client = client or key.split(".")[0]
+        markers = markers or RECV[of or len(msgs)][:len(msgs)]
+        for m, mark in zip(msgs, markers, strict=True):
+            self.op(client, "urecv", "ok", {"msg": m, "crc_ok": True, "suow": suow, "recv": mark,
+                                            "status": "DELIVERED"}, uow=key, svc="SVC1")
+        if to_end:
+            self.op(client, "urecv", "fail", {"reason": "MQRC_NO_MSG_AVAILABLE", "error": "EndOfUowError"},
+                    uow=key, svc="SVC1")
+        if end is not None:
+            status = {"COMMIT": "PROCESSED", "BACKOUT": "ACCEPTED", "CANCEL": "POSTPONED"}[end]
+            self.sync(key, "receiver", end, suow, status, client=client)
+
+    def query(self, suow: str, status: str | None, client: str = "q", outcome: str = "ok", **result: Any) -> None:
+        self.sync(f"{client}.q", "query", "QUERY", suow, status, outcome, client=client, **result)
+
+    def final(self, suow: str, status: str | None, outcome: str = "ok", **result: Any) -> None:
+        self.query(suow, status, "ufinal", outcome, **result)
+
+
+def conv_base() -> Conv:
+    """A clean history: a UOW sent, received whole after one postponement, processed; one backed out; one
+    cancelled by its sender; one timed out; statuses queried along the way."""
+    h = Conv()
+    h.send("s.1", "U1", ["a1", "a2", "a3"])
+    h.query("U1", "ACCEPTED")
+    h.recv("r.1", "U1", ["a1", "a2"], end="CANCEL", to_end=False, of=3)  # postponed after a partial receive
+    h.query("U1", "POSTPONED")
+    h.recv("r.2", "U1", ["a1", "a2", "a3"])
+    h.send("s.2", "U2", ["b1", "b2"], end="BACKOUT")
+    h.send("s.3", "U3", ["c1"])
+    h.sync("s.3", "sender", "CANCEL", "U3", "CANCELLED")
+    h.send("s.4", "U4", ["d1", "d2"])
+    h.query("U4", "TIMEOUT")
+    h.send("s.5", "U5", ["e1"])
+    h.recv("udrain.1", "U5", ["e1"], client="udrain")
+    for suow, status in (("U1", "PROCESSED"), ("U2", "BACKEDOUT"), ("U3", "CANCELLED"), ("U4", "TIMEOUT"),
+                         ("U5", "PROCESSED")):
+        h.final(suow, status)
+    return h
+
+
+def test_uow_a_clean_conversation_history_finds_nothing() -> None:
+    s = check(conv_base().events)
+    assert not any(s.summary().values()), s.findings
+    assert s.counts["UOWs sent"] == 5 and s.counts["UOW receipts"] == 3
+    assert s.counts["units of work"] == 0, "conversation ops are not MQ units of work"
+
+
+def test_uow_received_interleaved_is_found() -> None:
+    h = Conv()
+    h.send("s.1", "U1", ["a1", "a2"])
+    h.send("s.2", "U2", ["b1", "b2"])
+    h.recv("r.1", "U1", ["a1", "b2"])
+    h.recv("r.2", "U2", ["b1"], end="BACKOUT", to_end=False)
+    assert check(h.events).summary()["uow-interleaved"] == 1
+
+
+def test_uow_out_of_order_and_wrong_markers_are_found() -> None:
+    h = Conv()
+    h.send("s.1", "U1", ["a1", "a2", "a3"])
+    h.recv("r.1", "U1", ["a2", "a1", "a3"])
+    h.final("U1", "PROCESSED")
+    only(h.findings(), "uow-order")
+    h = Conv()
+    h.send("s.1", "U1", ["a1", "a2", "a3"])
+    h.recv("r.1", "U1", ["a1", "a2", "a3"], ["RECV_FIRST", "RECV_LAST", "RECV_LAST"])
+    h.final("U1", "PROCESSED")
+    only(h.findings(), "uow-order")
+    h = Conv()
+    h.send("s.1", "U1", ["a1"])
+    h.recv("r.1", "U1", ["a1"], ["RECV_FIRST"])
+    h.final("U1", "PROCESSED")
+    only(h.findings(), "uow-order")
+
+
+def test_uow_a_partial_receipt_committed_or_ended_early_is_found() -> None:
+    h = Conv()
+    h.send("s.1", "U1", ["a1", "a2", "a3"])
+    h.recv("r.1", "U1", ["a1", "a2"], to_end=False, of=3)  # committed after two of three
+    h.final("U1", "PROCESSED")
+    only(h.findings(), "uow-partial")
+    h = Conv()
+    h.send("s.1", "U1", ["a1", "a2", "a3"])
+    h.recv("r.1", "U1", ["a1", "a2"], end="BACKOUT", of=3)  # told "end of unit of work" after two of three
+    h.recv("r.2", "U1", ["a1", "a2", "a3"])
+    h.final("U1", "PROCESSED")
+    only(h.findings(), "uow-partial")
+
+
+def test_uow_a_backed_out_uow_received_is_found() -> None:
+    h = Conv()
+    h.send("s.1", "U1", ["a1"], end="BACKOUT")
+    h.recv("r.1", "U1", ["a1"], end="BACKOUT")
+    h.final("U1", "BACKEDOUT")
+    # seen BACKEDOUT (the sender's backout) and DELIVERED after it: the status rule finds it too
+    f = h.findings()
+    assert f["uow-received-backedout"] == 1 and f["uow-status"] == 1, f
+
+
+def test_uow_processed_twice_is_found() -> None:
+    h = Conv()
+    h.send("s.1", "U1", ["a1", "a2"])
+    h.recv("r.1", "U1", ["a1", "a2"])
+    h.recv("r.2", "U1", ["a1", "a2"])
+    h.final("U1", "PROCESSED")
+    f = h.findings()
+    assert f["uow-duplicated"] == 1 and f["uow-status"] == 1, f  # DELIVERED after PROCESSED as well
+
+
+def test_uow_committed_never_processed_is_lost() -> None:
+    h = Conv()
+    h.send("s.1", "U1", ["a1", "a2"])
+    h.final("U1", None, "fail", reason="MQRC_UNKNOWN_OBJECT_NAME", error="UnknownUowError")
+    only(h.findings(), "uow-lost")
+    h = Conv()
+    h.send("s.1", "U1", ["a1", "a2"])
+    h.final("U1", "DISCARDED")  # reachable (a non-persistent UOW's restart) but not for a UOW committed whole
+    only(h.findings(), "uow-lost")
+    h = Conv()  # the final pass could not ask: counted, not a finding
+    h.send("s.1", "U1", ["a1"])
+    h.final("U1", None, "unknown", reason="MQRC_CONNECTION_BROKEN", error="OutcomeUnknownError")
+    assert not any(h.findings().values())
+
+
+def test_uow_cancelled_and_processed_is_found() -> None:
+    h = Conv()
+    h.send("s.1", "U1", ["a1"])
+    h.sync("s.1", "sender", "CANCEL", "U1", "CANCELLED")
+    h.recv("r.1", "U1", ["a1"])
+    h.final("U1", "CANCELLED")
+    f = h.findings()
+    assert f["uow-cancelled-processed"] == 1 and f["uow-status"] == 1, f
+
+
+def test_uow_still_active_after_the_drain_is_unsettled() -> None:
+    h = Conv()
+    h.send("s.1", "U1", ["a1"])
+    h.final("U1", "ACCEPTED")
+    only(h.findings(), "uow-unsettled")
+
+
+def test_uow_statuses_follow_the_table_and_the_restart_rule() -> None:
+    h = Conv()  # DELIVERED, then ACCEPTED again (a restart: delivery counted), then processed: allowed
+    h.send("s.1", "U1", ["a1"])
+    h.recv("r.1", "U1", ["a1"], end=None)
+    h.query("U1", "ACCEPTED")
+    h.recv("r.2", "U1", ["a1"])
+    h.query("U1", "PROCESSED")
+    h.final("U1", "PROCESSED")
+    assert not any(h.findings().values()), h.findings()
+    h = Conv()  # PROCESSED, then ACCEPTED: no transition leads back from a final status
+    h.send("s.1", "U1", ["a1"])
+    h.recv("r.1", "U1", ["a1"])
+    h.query("U1", "ACCEPTED")
+    h.final("U1", "PROCESSED")
+    only(h.findings(), "uow-status")
+    h = Conv()  # RECEIVED after ACCEPTED
+    h.send("s.1", "U1", ["a1"])
+    h.query("U1", "RECEIVED")
+    h.final("U1", "TIMEOUT")
+    only(h.findings(), "uow-status")
+    h = Conv()  # a status not in the model
+    h.send("s.1", "U1", ["a1"])
+    h.query("U1", "FROZEN")
+    h.final("U1", "TIMEOUT")
+    only(h.findings(), "uow-status")
+
+
+def test_uow_overlapping_calls_are_not_ordered() -> None:
+    """Two QUERYs whose calls overlap may see the statuses in either order: only a call that completed before
+    another began orders their statuses."""
+    h = Conv()
+    h.send("s.1", "U1", ["a1"])
+    h.recv("r.1", "U1", ["a1"], end=None)
+    t = h.t
+    h.query("U1", "PROCESSED")
+    h.query("U1", "DELIVERED")
+    # the PROCESSED query began before the DELIVERED one completed
+    h.events[-4]["t"], h.events[-3]["t"], h.events[-2]["t"], h.events[-1]["t"] = t + 0.01, t + 0.05, t + 0.02, t + 0.03
+    h.sync("r.1", "receiver", "COMMIT", "U1", "PROCESSED", client="r")
+    h.final("U1", "PROCESSED")
+    assert not any(h.findings().values()), h.findings()
+
+
+def test_uow_processed_without_a_receiver_commit_is_a_status_finding() -> None:
+    h = Conv()
+    h.send("s.1", "U1", ["a1"])
+    h.recv("r.1", "U1", ["a1"], end="BACKOUT")
+    h.final("U1", "PROCESSED")
+    only(h.findings(), "uow-status")
+
+
+def test_uow_reachability_matches_the_state_table() -> None:
+    from qsg.chaos.uowcheck import allowed_after
+
+    assert allowed_after("RECEIVED", "PROCESSED") and allowed_after("DELIVERED", "ACCEPTED")
+    assert allowed_after("POSTPONED", "TIMEOUT") and allowed_after("ACCEPTED", "DISCARDED")
+    assert not allowed_after("PROCESSED", "ACCEPTED") and not allowed_after("ACCEPTED", "RECEIVED")
+    assert not allowed_after("CANCELLED", "PROCESSED") and not allowed_after("BACKEDOUT", "ACCEPTED")
