@@ -7,8 +7,9 @@ A UOW lifecycle: a sender (a Conversation on QM1) sends N messages of 1 KiB to a
   - for persistent and non-persistent UOWs (STORE on / off: the four persistence variations of seed 004),
   - against the same messages as plain MQ: put N + commit on QM1, get N + commit on QM2 (the baseline),
 for N = 1 and N = 4, rounds of every variant interleaved in the same run; medians are reported. Per UOW it also
-reports log records, log bytes and fsyncs (both members' log stats, qm.status()) and CF commands (the CF's INFO
-commandstats: every script and read, including the members' background work over the window).
+reports log records, log bytes and fsyncs (both members' log stats, qm.status()), CF operations (Lua scripts
+called: each one round trip) and Redis commands (INFO commandstats, which counts the commands inside scripts too),
+both including the members' background work over the window (heartbeats, housekeeping, the sweeper).
 
 The two status settings run on two groups of their own (a CF and two members each, alike), so that one group's
 sweeper, which scans the statuses a service keeps (sqm.uowsweeper), does not slow the other's rounds; the MQ
@@ -63,9 +64,11 @@ class Group:
 
     def totals(self) -> dict[str, int]:
         s = [qm.status() for qm in self.qms]
-        calls = sum(int(v["calls"]) for v in connect(self.cf.url).info("commandstats").values())
+        stats = connect(self.cf.url).info("commandstats")
+        scripts = sum(int(stats.get(f"cmdstat_{c}", {}).get("calls", 0)) for c in ("evalsha", "eval"))
         return {"log_records": sum(x["log_records"] for x in s), "log_bytes": sum(x["log_bytes"] for x in s),
-                "fsyncs": sum(x["fsyncs"] for x in s), "cf_commands": calls}
+                "fsyncs": sum(x["fsyncs"] for x in s), "cf_scripts": scripts,
+                "redis_commands": sum(int(v["calls"]) for v in stats.values())}
 
     def stop(self) -> None:
         for qm in self.qms:
@@ -194,10 +197,11 @@ def ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
 
 def report(result: dict[str, Any], console: Console) -> None:
     table = Table("messages", "variant", "UOWs/s", "msgs/s", "log records/UOW", "log bytes/UOW", "fsyncs/UOW",
-                  "CF commands/UOW", title="UOW lifecycles (send N + COMMIT on QM1, receive N + COMMIT on QM2)")
+                  "CF scripts/UOW", "Redis commands/UOW", title="UOW lifecycles (send N + COMMIT on QM1, receive N + COMMIT on QM2)")
     for r in result["rows"]:
         table.add_row(str(r["messages"]), r["variant"], str(r["per_s"]), str(round(r["messages_per_s"], 1)),
-                      str(r["log_records"]), str(round(r["log_bytes"])), str(r["fsyncs"]), str(r["cf_commands"]))
+                      str(r["log_records"]), str(round(r["log_bytes"])), str(r["fsyncs"]), str(r["cf_scripts"]),
+                      str(round(r["redis_commands"])))
     console.print(table)
     console.print("ratios: " + ", ".join(f"{k} {v}" for k, v in result["ratios"].items()))
     m = result["machine"]
@@ -207,15 +211,18 @@ def report(result: dict[str, Any], console: Console) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="a short run: 1 round of 0.5 s windows")
-    ap.add_argument("--seconds", type=float, default=3.0, help="length of each measuring window")
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (the median is reported)")
+    ap.add_argument("--quick", action="store_true", help="a short run: 1 round of 0.5 s windows (unless --seconds, --rounds say otherwise)")
+    ap.add_argument("--seconds", type=float, default=None, help="length of each measuring window (default 3, quick 0.5)")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="interleaved rounds, the median is reported (default 3, quick 1)")
     ap.add_argument("--sizes", type=int, nargs="+", default=[1, 4], help="messages per UOW")
     ap.add_argument("--work-dir", type=Path, default=None,
                     help="where the temporary CFs and logs go (default: the system temp dir; must be a real disk)")
     args = ap.parse_args(argv)
-    if args.quick:
-        args.seconds, args.rounds = 0.5, 1
+    args.seconds = args.seconds if args.seconds is not None else 0.5 if args.quick else 3.0
+    args.rounds = args.rounds if args.rounds is not None else 1 if args.quick else 3
+    if args.seconds <= 0 or args.rounds < 1:
+        ap.error("--seconds must be > 0 and --rounds >= 1")
     if any(n < 1 for n in args.sizes):
         ap.error("--sizes: a UOW holds at least 1 message")
     console = Console()
