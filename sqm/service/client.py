@@ -17,6 +17,14 @@ application is told then depends on what was at stake, and the library never gue
   the same for prepare, resolve, define and put/get outside syncpoint, which take effect on their own;
 * read-only requests (ping, browse, status, indoubt) are simply re-sent on the next endpoint.
 
+Conversations (sqm.conversation; docs/uow.md): ``logon(user, token)`` makes this connection's session on the
+server; ``send``, ``receive`` and ``syncpoint`` use it. The session lives as long as the connection: when the
+connection is lost the server ends it, backing out what it held, and the application logs on again (with the same
+user id and token, LAST and QUERY find its work). So a lost connection during a conversation request is never
+hidden by a re-send: a COMMIT (or EOC, EOCCANCEL, a send with ``commit``) in flight raises OutcomeUnknownError
+(ask QUERY or LAST after logging on again); one that held a UOW, or a send or receive in flight, BackedOutError;
+otherwise SessionLostError. Only a logon is re-sent on the next endpoint.
+
 Errors from the server come back as the same exception classes (cfemu.errors), with their MQ reason codes.
 
 Authentication: ``token`` is the token of ``role`` (application, the default, or operator; an application gets
@@ -55,6 +63,7 @@ from sqm.messaging import UnitOfWorkScope
 from sqm.service.protocol import (
     APPLICATION,
     AUTH_METHOD,
+    CONVERSATION_OPS,
     DEFAULT_MAX_FRAME,
     MIN_FRAME,
     PROOF_BYTES,
@@ -66,6 +75,7 @@ from sqm.service.protocol import (
     ProtocolError,
     QueueManagerUnavailableError,
     QuiescingError,
+    SessionLostError,
     auth_proof,
     auth_transcript,
     decode_body,
@@ -86,6 +96,9 @@ EndpointSpec = str | Endpoint
 # How a request may be treated when the connection dies under it.
 READ_ONLY = {"ping", "browse", "status", "indoubt"}
 TAKES_EFFECT_ALONE = {"prepare", "resolve", "define"}
+# SYNCPOINT options that commit (the outcome of one lost in flight is unknown) or change a status on their own.
+SYNCPOINT_COMMITS = frozenset({"COMMIT", "EOC", "EOCCANCEL"})
+SYNCPOINT_ALONE = frozenset({"CANCEL", "SETUSTATUS", "DELETE"})
 
 
 def parse_endpoint(spec: EndpointSpec) -> Endpoint:
@@ -194,6 +207,8 @@ class Client(UnitOfWorkScope):
         self._sock: socket.socket | None = None
         self._ids = itertools.count(1)
         self._uow_open = False
+        self._user: str | None = None  # the user id this connection's session logged on with
+        self._held = False  # the session holds a unit of work (sent or received, not settled): the server says
         self._rbuf = bytearray()  # what was read past the last reply
         self._timeout: float | None = None
         self._lock = threading.Lock()
@@ -277,6 +292,7 @@ class Client(UnitOfWorkScope):
                     self._sock.close()
             self._sock = None
             self._uow_open = False
+            self._user, self._held = None, False
 
     def __enter__(self) -> Client:
         return self
@@ -288,14 +304,26 @@ class Client(UnitOfWorkScope):
     def uow_open(self) -> bool:
         return self._uow_open
 
+    @property
+    def user(self) -> str | None:
+        """The user id this connection's session logged on with; None when it has none (never logged on, or the
+        session ended with a lost connection)."""
+        return self._user
+
+    @property
+    def held(self) -> bool:
+        """Does the session hold a unit of work (being sent or received, not settled)?"""
+        return self._held
+
     # --- requests ------------------------------------------------------------------------------------------
-    def _call(self, op: str, args: dict[str, Any], *, syncpoint: bool = True, wait_s: float = 0.0) -> Any:
+    def _call(self, op: str, args: dict[str, Any], *, syncpoint: bool = True, wait_s: float = 0.0,
+              settles: str = "") -> Any:
         with self._lock:
             for _attempt in (1, 2):
                 if self._sock is None:
                     self._connect()
                 elif self._died_while_idle():
-                    self._lost(op, syncpoint, in_flight=False, why="the connection was closed")
+                    self._lost(op, syncpoint, in_flight=False, why="the connection was closed", settles=settles)
                     continue
                 assert self._sock is not None
                 rid = next(self._ids)
@@ -310,24 +338,26 @@ class Client(UnitOfWorkScope):
                         raise ConnectionError("connection closed by the server")
                     reply = decode_body(body)
                 except (OSError, ProtocolError, FrameTooLargeError) as e:
-                    self._lost(op, syncpoint, in_flight=True, why=str(e) or type(e).__name__)
+                    self._lost(op, syncpoint, in_flight=True, why=str(e) or type(e).__name__, settles=settles)
                     continue
                 if not isinstance(reply, dict) or "ok" not in reply:
                     self._drop()
                     raise ProtocolError(f"{op}: malformed reply from {self.qmgr}: {reply!r}")
                 if isinstance(reply.get("uow"), bool):
                     self._uow_open = reply["uow"]
+                if isinstance(reply.get("held"), bool):
+                    self._held = reply["held"]
                 if reply["ok"]:
                     return reply.get("result")
                 exc = error_from_wire(reply.get("error"))
                 if isinstance(exc, QuiescingError):  # not carried out: as if the connection had died before it
-                    self._lost(op, syncpoint, in_flight=False, why=str(exc))
+                    self._lost(op, syncpoint, in_flight=False, why=str(exc), settles=settles)
                     continue
                 if reply.get("id") is None:  # the server could not parse our frame and may have closed
                     self._drop()
                 raise exc
             # Both attempts lost their connection; any UOW the request started is backed out by the server.
-            if op in READ_ONLY:
+            if op in READ_ONLY or op == "logon":
                 raise QueueManagerUnavailableError(f"{op}: the connection was lost twice")
             raise BackedOutError(f"{op}: the connection was lost twice; the unit of work was backed out")
 
@@ -353,12 +383,19 @@ class Client(UnitOfWorkScope):
         raise FrameTooLargeError(f"{op}: request of {length} bytes exceeds the limit of {where} "
                                  f"({self.max_frame} bytes); nothing was sent")
 
-    def _lost(self, op: str, syncpoint: bool, *, in_flight: bool, why: str) -> None:
-        """The connection is gone. Return to re-send the request elsewhere, or raise what the caller must know."""
+    def _lost(self, op: str, syncpoint: bool, *, in_flight: bool, why: str, settles: str = "") -> None:
+        """The connection is gone. Return to re-send the request elsewhere, or raise what the caller must know.
+        ``settles``: what a conversation request would have settled on its own ("commit", or "alone" for a status
+        change or a message outside any UOW), for the outcome of one lost in flight."""
         where = f"{self.qmgr} at {self.endpoint[0]}:{self.endpoint[1]}" if self.endpoint else "the server"
         was_open, self._uow_open = self._uow_open, False
+        user, was_held = self._user, self._held
+        self._user, self._held = None, False  # the server ends the session with the connection
         self._drop()
         log.warning("connection to %s lost during %s: %s", where, op, why)
+        if op in CONVERSATION_OPS:
+            self._session_lost(op, user, was_held, in_flight=in_flight, where=where, why=why, settles=settles)
+            return
         if op in READ_ONLY:
             return
         if op == "backout":
@@ -377,6 +414,25 @@ class Client(UnitOfWorkScope):
         if was_open:
             raise BackedOutError(f"connection to {where} lost ({why}): the unit of work was backed out")
         # A syncpoint put/get that would have started a new UOW: any first attempt is backed out; re-send it.
+
+    @staticmethod
+    def _session_lost(op: str, user: str | None, was_held: bool, *, in_flight: bool, where: str, why: str,
+                      settles: str) -> None:
+        """A conversation request whose connection was lost: only a logon (or a request of a client that never
+        logged on, which the server refuses anyway) is re-sent; otherwise the application must log on again."""
+        if op == "logon" or user is None:
+            return
+        again = f"the session of user {user} ended with it: log on again"
+        if in_flight and settles == "commit":
+            raise OutcomeUnknownError(f"connection to {where} lost during {op} ({why}): the unit of work may or may "
+                                      f"not have committed; {again} and ask QUERY or LAST")
+        if in_flight and settles:
+            raise OutcomeUnknownError(f"connection to {where} lost during {op} ({why}): it may or may not have "
+                                      f"taken effect; {again}")
+        if was_held or (in_flight and op in ("send", "receive")):
+            raise BackedOutError(f"connection to {where} lost during {op} ({why}): what the session held was "
+                                 f"backed out (a sent unit of work BACKEDOUT, a received one ACCEPTED again); {again}")
+        raise SessionLostError(f"connection to {where} lost during {op} ({why}): nothing was held; {again}")
 
     # --- the Connection API ----------------------------------------------------------------------------------
     def put(self, queue: str, body: bytes, *, persistent: bool = True, syncpoint: bool = True, priority: int = 0,
@@ -443,10 +499,60 @@ class Client(UnitOfWorkScope):
                                           "max_bytes": max_bytes, "replace": replace}))
 
     def define_queue(self, name: str, structure: str, *, backout_threshold: int = 0, backout_queue: str = "",
-                     max_msg_length: int = 4 * 2**20, replace: bool = False) -> dict[str, Any]:
-        return dict(self._call("define", {"kind": "queue", "name": name, "structure": structure,
-                                          "backout_threshold": backout_threshold, "backout_queue": backout_queue,
-                                          "max_msg_length": max_msg_length, "replace": replace}))
+                     max_msg_length: int = 4 * 2**20, replace: bool = False,
+                     uow: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Define a queue; with ``uow`` attributes (cfemu.uow_attributes: store, max_uows, max_messages,
+        lifetime_s, status_lifetime, postpone_attempts, postpone_delay_s) a service and its companion queues."""
+        args: dict[str, Any] = {"kind": "queue", "name": name, "structure": structure,
+                                "backout_threshold": backout_threshold, "backout_queue": backout_queue,
+                                "max_msg_length": max_msg_length, "replace": replace}
+        if uow is not None:
+            args["uow"] = dict(uow)
+        return dict(self._call("define", args))
+
+    # --- conversations (sqm.conversation; EntireX's LOGON, SEND, RECEIVE, SYNCPOINT) ----------------------------
+    def logon(self, user: str, token: str = "") -> None:
+        """LOGON: this connection's session, as ``user`` (1-32 characters) with ``token`` (by which LAST finds the
+        user's work again after a failure). A second logon ends the first session (what it held is backed out)."""
+        self._call("logon", {"user": user, "token": token})
+        self._user, self._held = user, False
+
+    def send(self, service: str, body: bytes, *, option: str = "SYNC", commit: bool = False,
+             store: bool | None = None, status_lifetime: int = 0, lifetime_s: int = 0,
+             user_status: bytes | None = None, conversation: str = "", eoc: str = "") -> dict[str, Any]:
+        """SEND (sqm.conversation.Conversation.send): ``option`` SYNC adds the message to the unit of work this
+        session is sending (made by the first send), MSG sends it outside any; ``commit`` commits the UOW after
+        it. Returns uow, status, messages, persistent, conversation."""
+        args: dict[str, Any] = {"service": service, "body": body, "option": option, "commit": commit,
+                                "status_lifetime": status_lifetime, "lifetime_s": lifetime_s,
+                                "conversation": conversation, "eoc": eoc}
+        if store is not None:
+            args["store"] = store
+        if user_status is not None:
+            args["user_status"] = user_status
+        settles = "commit" if commit or eoc else "alone" if option == "MSG" else ""
+        return dict(self._call("send", args, settles=settles))
+
+    def receive(self, service: str, *, option: str = "ANY", wait_ms: int = 0) -> dict[str, Any]:
+        """RECEIVE: the next message of the unit of work being received (EndOfUowError past its last), else SYNC
+        the first of the next ACCEPTED UOW, MSG a message outside any UOW, ANY either; waiting up to ``wait_ms``.
+        Returns body, uow, recv (RECV_FIRST / MIDDLE / LAST / ONLY / NONE), status, persistent, user_status, eoc,
+        deliveries, conversation."""
+        # A message outside any UOW is taken outside syncpoint: one lost in flight may have been taken.
+        settles = "alone" if option in ("MSG", "ANY") and not self._held else ""
+        return dict(self._call("receive", {"service": service, "option": option, "wait_ms": wait_ms},
+                               wait_s=wait_ms / 1000, settles=settles))
+
+    def syncpoint(self, option: str, uow: str = "", *, user_status: bytes | None = None) -> dict[str, Any]:
+        """SYNCPOINT with OPTION COMMIT, BACKOUT, CANCEL, QUERY, LAST, SETUSTATUS, DELETE, EOC or EOCCANCEL, for
+        ``uow`` ("" the one the session holds; "BOTH" for COMMIT or BACKOUT of the received and the sent UOW at
+        once). Returns the UOW's status (QUERY and LAST: its public fields). A COMMIT whose connection is lost in
+        flight raises OutcomeUnknownError."""
+        args: dict[str, Any] = {"option": option, "uow": uow}
+        if user_status is not None:
+            args["user_status"] = user_status
+        settles = "commit" if option in SYNCPOINT_COMMITS else "alone" if option in SYNCPOINT_ALONE else ""
+        return dict(self._call("syncpoint", args, settles=settles))
 
 
 __all__ = ["Client", "Endpoint", "Message", "client_tls_context", "handshake", "parse_endpoint"]

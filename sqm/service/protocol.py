@@ -33,6 +33,11 @@ each), and the server's proof shows the client that it talks to a holder of the 
 unknown role is answered MQRC_NOT_AUTHORIZED (the same message for both) and the connection closed. The token of
 version 2 (``hello {token}``, a bearer credential) is still accepted on a loopback connection or over TLS, and
 refused elsewhere: it was sent in clear, off the host. Each role may run its own operations (``ROLE_OPS``).
+
+Conversations (docs/uow.md): ``logon {user, token}`` makes the connection's session (sqm.conversation), ``send``,
+``receive`` and ``syncpoint`` use it (before a logon they are refused with NotLoggedOnError), and it ends, what it
+holds backed out, with the connection: a client that reconnects logs on again. Replies on a logged-on connection
+carry ``held``: the session holds a unit of work (being sent or received).
 """
 
 from __future__ import annotations
@@ -68,7 +73,10 @@ PRE_HELLO_MAX_FRAME = 64 * 2**10  # frames a peer may send before it has authent
 
 # Every operation the server understands (the client library uses the same names).
 OPS = ("hello", "auth", "ping", "put", "get", "browse", "commit", "backout", "prepare", "resolve", "indoubt",
-       "status", "define")
+       "status", "define", "logon", "send", "receive", "syncpoint")
+# A connection's conversation (sqm.conversation: EntireX's LOGON, SEND, RECEIVE, SYNCPOINT): logon makes it, the
+# others need it; it ends, backed out, with the connection.
+CONVERSATION_OPS = frozenset({"logon", "send", "receive", "syncpoint"})
 
 # --- roles and authentication ----------------------------------------------------------------------------------
 APPLICATION, OPERATOR = "application", "operator"
@@ -77,7 +85,7 @@ ROLES = (APPLICATION, OPERATOR)
 # server checks it); an operator may do anything, and resolve any in-doubt UOW.
 ROLE_OPS: dict[str, frozenset[str]] = {
     APPLICATION: frozenset({"ping", "put", "get", "browse", "commit", "backout", "prepare", "resolve",
-                            "indoubt"}),
+                            "indoubt"}) | CONVERSATION_OPS,
     OPERATOR: frozenset(OPS) - {"hello", "auth"},
 }
 AUTH_METHOD = "hmac-sha256"
@@ -134,6 +142,20 @@ class ProtocolError(MQError):
     """A frame that is not a well-formed request (not msgpack, not a map, a missing or mistyped field)."""
 
     reason, reason_name = 2046, "MQRC_OPTIONS_ERROR"
+
+
+class NotLoggedOnError(MQError):
+    """A send, receive or syncpoint on a connection that has not logged on (or whose session ended with its
+    previous connection): log on first."""
+
+    reason, reason_name = 2018, "MQRC_HCONN_ERROR"
+
+
+class SessionLostError(MQError):
+    """The connection was lost while the client was logged on and held no unit of work: the session ended with it
+    (nothing was backed out); log on again."""
+
+    reason, reason_name = 2009, "MQRC_CONNECTION_BROKEN"
 
 
 class QuiescingError(MQError):
@@ -325,7 +347,8 @@ def message_from_wire(obj: dict[str, Any]) -> Message:
 
 __all__ = ["APPLICATION", "AUTH_METHOD", "DEFAULT_MAX_FRAME", "ENVELOPE", "ERROR_CLASSES", "NONCE_BYTES", "OPERATOR",
            "ROLES", "ROLE_OPS", "ConnectionLimitError", "FrameTooLargeError", "HEADER", "MAX_FRAME",
-           "MESSAGE_COST", "MIN_FRAME", "MessageTooBigForChannelError", "NotAuthorizedError", "OPS",
+           "MESSAGE_COST", "MIN_FRAME", "MessageTooBigForChannelError", "NotAuthorizedError", "NotLoggedOnError",
+           "OPS", "CONVERSATION_OPS", "SessionLostError",
            "PRE_HELLO_MAX_FRAME", "PROOF_BYTES", "PROTOCOL_VERSION", "auth_proof", "auth_transcript", "new_nonce", "proof_matches", "ProtocolError", "QueueManagerUnavailableError",
            "QuiescingError", "arg", "check_length", "decode_body", "encode_frame", "error_from_wire", "error_reply",
            "message_from_wire", "message_to_wire", "ok_reply", "parse_request", "read_frame", "recv_frame"]

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import ipaddress
 import json
@@ -53,9 +54,20 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from cfemu import repository
 from cfemu.admin import AdminError
-from cfemu.errors import BadRequestError, FencedError, MQError, StructureFailedError, TruncatedMessageError
+from cfemu.errors import (
+    BadRequestError,
+    ClientGoneError,
+    EndOfUowError,
+    FencedError,
+    MQError,
+    NoMessageError,
+    StructureFailedError,
+    TruncatedMessageError,
+)
 from cfemu.repository import RepositoryError
+from cfemu.uow_attributes import control_queue, data_queue
 from sqm.connection import Connection
+from sqm.conversation import MAX_USER, OPTIONS, Conversation
 from sqm.log import LogLockedError
 from sqm.manager import CF_DOWN, QueueManager, QueueManagerConfig
 from sqm.recauto import RecoverStructure
@@ -63,6 +75,7 @@ from sqm.service import metrics
 from sqm.service.protocol import (
     APPLICATION,
     AUTH_METHOD,
+    CONVERSATION_OPS,
     DEFAULT_MAX_FRAME,
     ENVELOPE,
     HEADER,
@@ -79,6 +92,7 @@ from sqm.service.protocol import (
     ConnectionLimitError,
     FrameTooLargeError,
     NotAuthorizedError,
+    NotLoggedOnError,
     ProtocolError,
     QuiescingError,
     arg,
@@ -95,11 +109,15 @@ from sqm.service.protocol import (
     recv_body,
     set_kernel_timeout,
 )
+from sqm.uowstatus import USER_STATUS_MAX
 
 log = logging.getLogger("sqm.service.server")
 
 EXIT_OK, EXIT_ERROR, EXIT_CONFIG, EXIT_FENCED, EXIT_LOG_FAILED = 0, 1, 2, 3, 4
 MAX_BROWSE = 10_000
+MAX_NAME = 48  # a service (queue) name in a conversation request; the CF refuses a bad one with its own message
+MAX_CONVERSATION_ID = 64  # a conversation id a sender chooses (one it is given is 16 hex characters)
+MAX_UOW_ATTRIBUTES = 16  # entries of a define's UOW attribute map (UowAttributes has 7)
 
 # A failed authentication is answered after AUTH_DELAY_BASE_S * 2**(n-1) seconds, n the failures from that address
 # in a row (forgotten AUTH_FORGET_S after the last), at most AUTH_DELAY_MAX_S; the connection (and its slot
@@ -273,12 +291,21 @@ class Session:
     nonce: bytes = b""  # the challenge of this connection (the server's, fresh at each hello)
     client_nonce: bytes = b""
     conn: Connection | None = None
+    conversation: Conversation | None = None  # made by logon (sqm.conversation); closed with the connection
     gone: threading.Event = field(default_factory=threading.Event)  # the client disconnected
     reading: asyncio.Task[bytes | None] | None = None  # the read of the next frame, when one is pending
 
     def uow_open(self) -> bool:
         """Has the connection's UOW done anything (an empty UOW is not worth reporting as open)?"""
         return self.conn is not None and self.conn.uow is not None and self.conn.uow.operations > 0
+
+    def flags(self) -> dict[str, bool]:
+        """What every reply tells the client of the connection's state: its UOW open, its session holding one."""
+        flags = {"uow": self.uow_open()}
+        if self.conversation is not None:
+            c = self.conversation
+            flags["held"] = c.sending is not None or c.receiving is not None
+        return flags
 
 
 @dataclass
@@ -341,7 +368,8 @@ class SQMServer:
             "ping": self._op_ping, "put": self._op_put, "get": self._op_get, "browse": self._op_browse,
             "commit": self._op_commit, "backout": self._op_backout, "prepare": self._op_prepare,
             "resolve": self._op_resolve, "indoubt": self._op_indoubt, "status": self._op_status,
-            "define": self._op_define,
+            "define": self._op_define, "logon": self._op_logon, "send": self._op_send,
+            "receive": self._op_receive, "syncpoint": self._op_syncpoint,
         }
         self.registry = metrics.make_registry(self.qm, self.server_stats)
 
@@ -821,7 +849,12 @@ class SQMServer:
             return error_reply(rid, denied, uow=session.uow_open())
         if self._stopping:
             quiesce = QuiescingError(f"queue manager {self.qm.name} is shutting down; {op} not carried out")
-            return error_reply(rid, quiesce, uow=session.uow_open())
+            return error_reply(rid, quiesce, **session.flags())
+        if op in CONVERSATION_OPS and op != "logon" and session.conversation is None:
+            alone = NotLoggedOnError(f"{op}: this connection has not logged on: send logon with a user id (and a "
+                                     "token) first; a session ends with its connection")
+            self._count((op, alone.reason_name))
+            return error_reply(rid, alone, **session.flags())
         return None
 
     # --- authentication ---------------------------------------------------------------------------------------
@@ -927,10 +960,12 @@ class SQMServer:
         """Like MQDISC after an abnormal end: the connection's in-flight UOW is backed out, in its own thread."""
         loop = asyncio.get_running_loop()
         conn = session.conn
-        if conn is not None and conn.uow is not None:
+        if (conn is not None and conn.uow is not None) or session.conversation is not None:
             def backout() -> None:
+                self._logoff(session, "closed connection")
                 try:
-                    conn.close()
+                    if conn is not None:
+                        conn.close()
                 except MQError as e:
                     log.warning("%s: backing out the UOW of closed connection %d: %s", self.qm.name,
                                 session.number, e)
@@ -942,7 +977,7 @@ class SQMServer:
     def _dispatch(self, session: Session, rid: int, op: str, args: dict[str, Any]) -> dict[str, Any]:
         try:
             result = self._handlers[op](session, args)
-            return ok_reply(rid, result, uow=session.uow_open())
+            return ok_reply(rid, result, **session.flags())
         except MQError as e:
             error: MQError = e
         except AdminError as e:
@@ -954,7 +989,7 @@ class SQMServer:
         except Exception as e:  # the server stays up; the failure is in its log
             log.exception("%s: %s failed", self.qm.name, op)
             error = MQError(f"internal error in {op}: {type(e).__name__}: {e}")
-        return error_reply(rid, error, uow=session.uow_open())
+        return error_reply(rid, error, **session.flags())
 
     def _connection(self, session: Session) -> Connection:
         if session.conn is None:
@@ -1075,10 +1110,102 @@ class SQMServer:
                                            backout_threshold=arg(args, "define", "backout_threshold", int, 0),
                                            backout_queue=arg(args, "define", "backout_queue", str, ""),
                                            max_msg_length=arg(args, "define", "max_msg_length", int, 4 * 2**20),
-                                           replace=replace)
-            self.qm.forget_queue_def(name)
+                                           replace=replace, uow=self._uow_attributes(args))
+            for queue in (name, *((data_queue(name), control_queue(name)) if qdef.uow else ())):
+                self.qm.forget_queue_def(queue)
             return vars(qdef)
         raise BadRequestError(f"define: kind must be 'structure' or 'queue', not {kind!r}")
+
+    @staticmethod
+    def _uow_attributes(args: dict[str, Any]) -> dict[str, Any] | None:
+        """A define's UOW attributes (a service: cfemu.uow_attributes), bounded; their values are checked there."""
+        uow = arg(args, "define", "uow", dict, None)
+        if uow is None:
+            return None
+        if len(uow) > MAX_UOW_ATTRIBUTES or not all(isinstance(k, str) and len(k) <= 64 for k in uow):
+            raise BadRequestError(f"define: 'uow' must map at most {MAX_UOW_ATTRIBUTES} attribute names to values")
+        bad = [k for k, v in uow.items() if not isinstance(v, bool | int)]
+        if bad:
+            raise BadRequestError(f"define: UOW attribute {_short(bad[0])} must be an integer or a boolean")
+        return dict(uow)
+
+    # --- conversations (sqm.conversation): one session per connection, made by logon -------------------------
+    def _logoff(self, session: Session, why: str) -> None:
+        """End the connection's session: what it holds is backed out (a sent UOW BACKEDOUT, a received one ACCEPTED
+        again with its delivery counted); what the CF cannot settle now the sweeper settles later."""
+        conv, session.conversation = session.conversation, None
+        if conv is None:
+            return
+        try:
+            conv.close()
+        except Exception as e:  # noqa: BLE001 - the session ends whatever happens; the sweeper settles the rest
+            log.warning("%s: ending the session of user %s on connection %d (%s): %s", self.qm.name,
+                        _short(conv.user), session.number, why, e)
+
+    def _op_logon(self, session: Session, args: dict[str, Any]) -> dict[str, Any]:
+        user = _identity(args, "user", required=True)
+        token = _identity(args, "token", required=False)
+        self._logoff(session, "a new logon")  # one session per connection: the new one replaces it
+        session.conversation = Conversation(self.qm, user, token)
+        return {"user": user, "token": bool(token), "qmgr": self.qm.name}
+
+    def _op_send(self, session: Session, args: dict[str, Any]) -> dict[str, Any]:
+        conv = self._logged_on(session)
+        eoc = arg(args, "send", "eoc", str, "")
+        if eoc not in ("", "EOC", "EOCCANCEL"):
+            raise BadRequestError(f"send: 'eoc' must be EOC or EOCCANCEL, not {_short(eoc)}")
+        sent = conv.send(_service(args, "send"), arg(args, "send", "body", bytes),
+                         option=_choice(args, "send", "option", ("SYNC", "MSG"), "SYNC"),
+                         commit=arg(args, "send", "commit", bool, False),
+                         store=arg(args, "send", "store", bool, None),
+                         status_lifetime=arg(args, "send", "status_lifetime", int, 0),
+                         lifetime_s=arg(args, "send", "lifetime_s", int, 0),
+                         user_status=_user_status(args, "send"),
+                         conversation=_bounded_str(args, "send", "conversation", MAX_CONVERSATION_ID), eoc=eoc)
+        return dataclasses.asdict(sent)
+
+    def _op_receive(self, session: Session, args: dict[str, Any]) -> dict[str, Any]:
+        """A receive that may wait: polled here (not in Conversation.receive) so that it ends with its connection
+        and takes nothing for a client that has gone."""
+        conv = self._logged_on(session)
+        service = _service(args, "receive")
+        option = _choice(args, "receive", "option", ("ANY", "SYNC", "MSG"), "ANY")
+        wait_ms = arg(args, "receive", "wait_ms", int, 0)
+        if not 0 <= wait_ms <= self.config.max_wait_ms:
+            raise BadRequestError(f"receive: wait_ms must be 0-{self.config.max_wait_ms}, not {wait_ms}")
+        deadline = time.monotonic() + wait_ms / 1000
+        delay = 0.005
+        while True:
+            if session.gone.is_set():
+                raise ClientGoneError(f"receive on {service}: the client has gone")
+            try:
+                got = conv.receive(service, option=option)
+                break
+            except EndOfUowError:
+                raise
+            except NoMessageError:
+                if time.monotonic() >= deadline:
+                    raise
+            threading.Event.wait(session.gone, delay)  # a plain wait: a _PeerWatch looks at its socket above
+            delay = min(delay * 2, 0.05)
+        if len(got.body) > session.reply_limit - ENVELOPE - MESSAGE_COST:
+            raise TruncatedMessageError(
+                f"receive on {service}: a message of {len(got.body)} bytes does not fit the replies of this "
+                f"connection to {self.qm.name} ({session.reply_limit} bytes)"
+                + (f"; unit of work {got.uow} stays held by this session: BACKOUT returns it" if got.uow else ""))
+        return dataclasses.asdict(got)
+
+    def _op_syncpoint(self, session: Session, args: dict[str, Any]) -> dict[str, Any]:
+        conv = self._logged_on(session)
+        option = _choice(args, "syncpoint", "option", OPTIONS)
+        uow = _bounded_str(args, "syncpoint", "uow", MAX_USER)
+        return conv.syncpoint(option, uow, user_status=_user_status(args, "syncpoint"))
+
+    @staticmethod
+    def _logged_on(session: Session) -> Conversation:
+        if session.conversation is None:  # _refusal refuses it first; a logon that failed leaves none
+            raise NotLoggedOnError("this connection has not logged on: send logon first")
+        return session.conversation
 
     # --- HTTP: health, readiness, metrics ----------------------------------------------------------------
     async def _serve_http(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -1122,6 +1249,43 @@ class SQMServer:
         except CF_DOWN as e:
             return f"the CF does not answer: {e}"
         return ""
+
+
+# --- conversation request arguments, bounded before anything runs --------------------------------------------------
+def _bounded_str(args: dict[str, Any], op: str, name: str, longest: int, default: str = "") -> str:
+    value = arg(args, op, name, str, default)
+    if len(value) > longest:
+        raise BadRequestError(f"{op}: '{name}' must be at most {longest} characters, not {len(value)}")
+    return str(value)
+
+
+def _identity(args: dict[str, Any], name: str, *, required: bool) -> str:
+    """A logon's user id or token: 1-32 printable characters (EntireX's USER-ID and TOKEN); a token may be empty."""
+    value = _bounded_str(args, "logon", name, MAX_USER)
+    if (required and not value) or not value.isprintable():
+        raise BadRequestError(f"logon: '{name}' must be 1-{MAX_USER} printable characters, not {_short(value)}")
+    return value
+
+
+def _service(args: dict[str, Any], op: str) -> str:
+    service = _bounded_str(args, op, "service", MAX_NAME)
+    if not service:
+        raise BadRequestError(f"{op}: missing argument 'service'")
+    return service
+
+
+def _choice(args: dict[str, Any], op: str, name: str, allowed: tuple[str, ...], default: str | None = None) -> str:
+    value = arg(args, op, name, str) if default is None else arg(args, op, name, str, default)
+    if value not in allowed:
+        raise BadRequestError(f"{op}: '{name}' must be one of {', '.join(allowed)}, not {_short(value)}")
+    return str(value)
+
+
+def _user_status(args: dict[str, Any], op: str) -> bytes | None:
+    value = arg(args, op, "user_status", bytes, None)
+    if value is not None and len(value) > USER_STATUS_MAX:
+        raise BadRequestError(f"{op}: a user status is at most {USER_STATUS_MAX} bytes, not {len(value)}")
+    return None if value is None else bytes(value)
 
 
 def serve(config: ServerConfig) -> int:
