@@ -4,9 +4,11 @@
   cfemu define structure APP1 [--max-entries N] [--max-bytes N] [--recauto|--no-recauto]
   cfemu alter structure APP1 [--max-entries N] [--max-bytes N] [--recauto|--no-recauto]
   cfemu define queue Q1 --structure APP1 [--backout-threshold N --backout-queue BQ]
+  cfemu define queue SVC --structure APP1 --uow [--max-uows N --max-messages N ...]   a service (docs/uow.md)
   cfemu status                                  structures, queues, members (lease, epoch, log range, UOWs)
   cfemu put Q1 MESSAGE... | get Q1 | browse Q1  in process (a short-lived SQM), or --server HOST:PORT
   cfemu indoubt list | resolve UOW --commit|--backout --server HOST:PORT
+  cfemu uow query UOWID | last | set-status UOWID STATUS | delete UOWID --server HOST:PORT [--user U]
   cfemu backup ... | restore ...                cfbackup / cfrestore
   cfemu cluster up|status|down                  a local group: CF (restarted when it dies), SQM servers, backups
   cfemu demo                                    the end-to-end demonstration
@@ -30,6 +32,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
 
+import msgpack
 import redis
 
 from cfemu import cluster_cf, credentials, keys, repository
@@ -42,10 +45,13 @@ from cfemu.errors import NoMessageError
 from cfemu.limits import DEFAULT_MSG_LENGTH, MAX_MSG_LENGTH
 from cfemu.private_files import write_private
 from cfemu.settings import find_cf_dir, find_cluster_dir
+from cfemu.uow_attributes import CONTROL_SUFFIX, DATA_SUFFIX
 from sqm.log import LogFormatError, LogReader
 from sqm.manager import QueueManager, QueueManagerConfig
 from sqm.service.client import Client
 from sqm.service.metrics import last_backup_age
+from sqm.uowcontrols import LAST_LETTER
+from sqm.uowstatus import Control
 
 OPERATOR_QM = "OPS"  # the short-lived in-process queue manager of one-shot put/get
 
@@ -191,13 +197,36 @@ def cmd_define(args: argparse.Namespace, out: Output) -> int:
         else:
             d = repository.define_queue(admin, repo, args.name, args.structure,
                                         backout_threshold=args.backout_threshold, backout_queue=args.backout_queue,
-                                        max_msg_length=args.max_msg_length, replace=args.replace)
+                                        max_msg_length=args.max_msg_length, replace=args.replace,
+                                        uow=_uow_attributes(args))
     fields = dict(vars(d))
     if args.json:
         out.json({"kind": args.kind, **fields})
     else:
-        out.table(f"{args.kind} {args.name} defined", ["attribute", "value"], sorted(fields.items()))
+        uow = fields.pop("uow", None) or {}
+        title = f"{'service' if uow else args.kind} {args.name} defined"
+        if uow:
+            title += f" (with {args.name}{DATA_SUFFIX} and {args.name}{CONTROL_SUFFIX})"
+        out.table(title, ["attribute", "value"],
+                  sorted(fields.items()) + sorted((f"uow.{k}", v) for k, v in uow.items()))
     return 0
+
+
+# cfemu define queue's UOW options -> cfemu.uow_attributes.UowAttributes fields (seconds stay seconds).
+UOW_OPTIONS = {"uow_store": "store", "max_uows": "max_uows", "max_messages": "max_messages",
+               "uow_lifetime": "lifetime_s", "status_lifetime": "status_lifetime",
+               "postpone_attempts": "postpone_attempts", "postpone_delay": "postpone_delay_s"}
+
+
+def _uow_attributes(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The service attributes given (the rest keep their defaults), or None for a plain queue."""
+    given = {attr: getattr(args, opt) for opt, attr in UOW_OPTIONS.items() if getattr(args, opt) is not None}
+    if not args.uow:
+        if given:
+            flags = ", ".join("--" + opt.replace("_", "-") for opt in UOW_OPTIONS if getattr(args, opt) is not None)
+            raise CLIError(f"{flags}: unit-of-work attributes need --uow (the queue is then a service)")
+        return None
+    return given
 
 
 def cmd_alter(args: argparse.Namespace, out: Output) -> int:
@@ -295,7 +324,32 @@ def cmd_status(args: argparse.Namespace, out: Output) -> int:
 def _message_row(m: Any) -> dict[str, Any]:
     return {"queue": m.queue, "msgid": m.msgid.hex(), "correlid": m.correlid.hex(), "priority": m.priority,
             "persistent": m.persistent, "backout_count": m.backout_count, "put_time": m.put_time,
-            "body": _body_text(m.body, 10_000), "length": len(m.body)}
+            "body": _body_text(m.body, 10_000), "length": len(m.body), **_uow_of(m)}
+
+
+def _uow_of(m: Any) -> dict[str, Any]:
+    """What a message is to a service (docs/uow.md): a message of a UOW on <SVC>.UOWDATA (the UOW id is its
+    correlid; its position, from 1, its ``uow.seq`` property + 1), or a UOW's control entry on <SVC>.UOWCTL (the
+    UOW id is its msgid; its status in the body) or a user's LAST pointer there (status LAST, the UOW it points
+    to). A plain message: an empty UOW."""
+    queue = str(m.queue or "")
+    seq = (m.properties or {}).get("uow.seq")
+    if queue.endswith(DATA_SUFFIX) and isinstance(seq, int):
+        return {"uow": m.correlid.hex(), "uow_position": seq + 1, "uow_status": ""}
+    if queue.endswith(CONTROL_SUFFIX):
+        try:
+            if m.correlid == LAST_LETTER.encode():  # a user's pointer to the last UOW it sent (SYNCPOINT LAST)
+                return {"uow": str(msgpack.unpackb(m.body)["uow"]), "uow_position": None, "uow_status": "LAST"}
+            return {"uow": m.msgid.hex(), "uow_position": None, "uow_status": Control.unpack(m.body).status}
+        except Exception:  # noqa: BLE001 - not a control entry (put there by hand): shown as such, not fatal
+            return {"uow": m.msgid.hex(), "uow_position": None, "uow_status": "?"}
+    return {"uow": "", "uow_position": None, "uow_status": ""}
+
+
+def _uow_cell(r: dict[str, Any]) -> str:
+    if not r["uow"]:
+        return ""
+    return f"{r['uow'][:16]} " + (f"#{r['uow_position']}" if r["uow_position"] else r["uow_status"])
 
 
 def _print_messages(out: Output, title: str, messages: list[Any], as_json: bool) -> None:
@@ -303,9 +357,9 @@ def _print_messages(out: Output, title: str, messages: list[Any], as_json: bool)
     if as_json:
         out.json({"messages": rows, "count": len(rows)})
         return
-    out.table(title, ["#", "priority", "persistent", "backouts", "length", "msgid", "body"],
+    out.table(title, ["#", "priority", "persistent", "backouts", "length", "msgid", "UOW", "body"],
               [(i + 1, r["priority"], "yes" if r["persistent"] else "no", r["backout_count"], r["length"],
-                r["msgid"][:16], _body_text(r["body"].encode())) for i, r in enumerate(rows)])
+                r["msgid"][:16], _uow_cell(r), _body_text(r["body"].encode())) for i, r in enumerate(rows)])
 
 
 def cmd_put(args: argparse.Namespace, out: Output) -> int:
@@ -372,6 +426,42 @@ def cmd_indoubt(args: argparse.Namespace, out: Output) -> int:
     else:
         out.table("in-doubt units of work", ["SQM", "UOW", "XID", "structures"],
                   [(r["qmgr"], r["uow"], r["xid"], ", ".join(r["structures"])) for r in rows])
+    return 0
+
+
+# What cfemu uow prints of a UOW's status (sqm.uowstatus.Control.public), in this order; the rest after.
+UOW_FIELDS = ("uow", "service", "status", "user_status", "sender", "receiver", "messages", "bytes", "persistent",
+              "persistent_status", "status_lifetime", "deliveries", "postponements", "conversation", "eoc",
+              "lifetime_ms", "age_ms", "committed_ms", "deleted")
+
+
+def cmd_uow(args: argparse.Namespace, out: Output) -> int:
+    """SYNCPOINT QUERY, LAST, SETUSTATUS and DELETE through a member's service, logged on as --user (with
+    --user-token): LAST finds that user's last UOW, SETUSTATUS needs its sender or receiver, DELETE its sender."""
+    if not args.server:
+        raise CLIError(f"uow {args.action}: give --server HOST:PORT (a member's service: UOW statuses are read and "
+                       "changed through a session on it)")
+    found = settings(args)
+    with Client(args.server, token=found.token, role=found.token_role, client_name="cfemu") as c:
+        c.logon(args.user, args.user_token)
+        if args.action == "query":
+            doc = c.syncpoint("QUERY", args.uow_id)
+        elif args.action == "last":
+            doc = c.syncpoint("LAST")
+        elif args.action == "set-status":
+            doc = c.syncpoint("SETUSTATUS", args.uow_id, user_status=args.status.encode())
+        else:
+            doc = c.syncpoint("DELETE", args.uow_id)
+        doc = {**doc, "qmgr": c.qmgr}
+    if args.json:
+        out.json(doc)
+        return 0
+    if args.action == "delete":
+        out.line(f"unit of work {doc['uow']}: its status is deleted (no trace remains)")
+        return 0
+    order = [k for k in UOW_FIELDS if k in doc] + sorted(k for k in doc if k not in UOW_FIELDS)
+    out.table(f"unit of work {doc.get('uow', '')} ({args.action}, through {doc['qmgr']})", ["field", "value"],
+              [(k, "-" if doc[k] is None else doc[k]) for k in order])
     return 0
 
 
@@ -508,6 +598,22 @@ def build_parser() -> argparse.ArgumentParser:
     dq.add_argument("--max-msg-length", type=int, default=DEFAULT_MSG_LENGTH,
                     help=f"longest message body, bytes (1-{MAX_MSG_LENGTH}; default {DEFAULT_MSG_LENGTH})")
     dq.add_argument("--replace", action="store_true", help="change an existing definition")
+    dq.add_argument("--uow", action="store_true",
+                    help="a service: senders send units of work of several messages to it (docs/uow.md); its "
+                         "messages and statuses live on NAME.UOWDATA and NAME.UOWCTL, defined with it")
+    dq.add_argument("--uow-store", action=argparse.BooleanOptionalAction, default=None,
+                    help="STORE: a UOW's messages persistent unless the sender says otherwise (default on)")
+    dq.add_argument("--max-uows", type=int, default=None, help="MAX-UOWS: active UOWs at once (0: none; "
+                                                                 "default 1000)")
+    dq.add_argument("--max-messages", type=int, default=None, help="MAX-MESSAGES-IN-UOW (default 16)")
+    dq.add_argument("--uow-lifetime", type=int, default=None, metavar="SECONDS",
+                    help="UOW-DATA-LIFETIME, counted in the group's up-time (default 86400)")
+    dq.add_argument("--status-lifetime", type=int, default=None, metavar="N",
+                    help="UWSTATP: keep a UOW's status N lifetimes after it ends, 1-254 (default 0: not kept)")
+    dq.add_argument("--postpone-attempts", type=int, default=None, metavar="N",
+                    help="POSTPONE-ATTEMPTS: a receiver's CANCEL postpones the UOW this many times (default 0)")
+    dq.add_argument("--postpone-delay", type=int, default=None, metavar="SECONDS",
+                    help="POSTPONE-DELAY before a postponed UOW is ACCEPTED again (default 0)")
 
     sub.add_parser("status", parents=[common, where], help="structures, queues and members")
 
@@ -537,6 +643,26 @@ def build_parser() -> argparse.ArgumentParser:
     outcome = ir.add_mutually_exclusive_group(required=True)
     outcome.add_argument("--commit", dest="commit", action="store_true")
     outcome.add_argument("--backout", dest="commit", action="store_false")
+
+    uow = sub.add_parser("uow", help="a unit of work's status, through a member's service (docs/uow.md)")
+    usub = uow.add_subparsers(dest="action", required=True)
+    anyone, who = argparse.ArgumentParser(add_help=False), argparse.ArgumentParser(add_help=False)
+    anyone.add_argument("--user", default="cfemu", help="the user id to log on with (default cfemu)")
+    who.add_argument("--user", required=True, help="the user id to log on with (1-32 characters)")
+    for p in (anyone, who):
+        p.add_argument("--user-token", default="", metavar="TOKEN",
+                       help="the user's token (with the user id, what LAST finds a user's work by)")
+    uq = usub.add_parser("query", parents=[common, server, anyone], help="SYNCPOINT QUERY: a UOW's status by its id")
+    uq.add_argument("uow_id", metavar="UOWID")
+    usub.add_parser("last", parents=[common, server, who],
+                    help="SYNCPOINT LAST: the last UOW --user with --user-token sent")
+    us = usub.add_parser("set-status", parents=[common, server, who],
+                         help="SYNCPOINT SETUSTATUS: a UOW's user status (by its sender or receiver)")
+    us.add_argument("uow_id", metavar="UOWID")
+    us.add_argument("status", metavar="STATUS", help="the user status (text, at most 64 bytes)")
+    ud = usub.add_parser("delete", parents=[common, server, who],
+                         help="SYNCPOINT DELETE: the kept status of a finished UOW (by its sender)")
+    ud.add_argument("uow_id", metavar="UOWID")
 
     for name, what in (("backup", "cfbackup"), ("restore", "cfrestore")):
         p = sub.add_parser(name, help=f"{what} (same arguments)", add_help=False)
@@ -581,7 +707,7 @@ def build_parser() -> argparse.ArgumentParser:
 COMMANDS: dict[str, Callable[[argparse.Namespace, Output], int]] = {
     "cf": cmd_cf, "secrets": cmd_secrets, "define": cmd_define, "alter": cmd_alter, "status": cmd_status,
     "put": cmd_put, "get": cmd_get,
-    "browse": cmd_browse, "indoubt": cmd_indoubt, "cluster": cmd_cluster,
+    "browse": cmd_browse, "indoubt": cmd_indoubt, "cluster": cmd_cluster, "uow": cmd_uow,
 }
 DELEGATES: dict[str, Callable[[list[str]], int]] = {"backup": _backup_verb, "restore": _restore_verb,
                                                      "demo": _demo_verb, "chaos": _chaos_verb}
