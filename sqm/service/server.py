@@ -1178,6 +1178,8 @@ class SQMServer:
         while True:
             if session.gone.is_set():
                 raise ClientGoneError(f"receive on {service}: the client has gone")
+            if self._stopping:  # not carried out: the client may go on elsewhere (nothing was taken)
+                raise QuiescingError(f"queue manager {self.qm.name} is shutting down; receive not carried out")
             try:
                 got = conv.receive(service, option=option)
                 break

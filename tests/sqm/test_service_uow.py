@@ -133,6 +133,17 @@ def test_query_and_last_after_reconnecting_with_the_same_user_and_token(servers:
         other.syncpoint("LAST")  # LAST is by user id and token
 
 
+def test_a_second_logon_ends_the_first_session(servers: Any) -> None:
+    qm1, _ = servers
+    with logged_on(qm1, "mike", "m-tok") as c:
+        uow = c.send(SVC, b"abandoned")["uow"]
+        c.logon("nina")  # the same connection, a new session: mike's sending UOW is backed out first
+        assert not c.held and c.user == "nina"
+        assert c.syncpoint("QUERY", uow)["status"] == "BACKEDOUT"
+        with pytest.raises(UowStatusError):
+            c.syncpoint("COMMIT")
+
+
 def test_a_client_that_leaves_mid_receive_gives_the_uow_back_with_its_delivery_counted(servers: Any) -> None:
     qm1, qm2 = servers
     with logged_on(qm1, "dave") as d:
