@@ -22,6 +22,7 @@ from cfemu.admin import Admin
 from cfemu.connection import connect
 from cfemu.errors import MQError
 from cfemu.procs import free_port
+from qsg.chaos.conversations import SERVICE, SERVICE_UOW
 from qsg.chaos.history import History
 from qsg.chaos.proxy import FaultProxy
 from qsg.cluster import Cluster
@@ -34,6 +35,7 @@ PROBE_QUEUE = "PROBE"  # on APP1; the history never sees it
 # waiting get, messages near and over the size limits); in the history like any queue, and drained.
 EDGE_QUEUE = "EDGE"
 DRAINED = (*QUEUES, EDGE_QUEUE)
+SERVICE_STRUCTURE = "APP2"  # where the service of the conversation actions lives (qsg.chaos.conversations.SERVICE)
 TMPFS_BYTES = 128 * 2**20
 
 
@@ -165,6 +167,8 @@ class ChaosGroup:
                     # restore spans are what the checker's restore rules read); cf-kill-recauto turns it on for
                     # the length of its fault.
                     repository.ensure_structure(admin, repo, s, queues, recauto=False)
+                # The service the conversation actions send units of work to, with its companion queues.
+                repository.define_queue(admin, repo, SERVICE, SERVICE_STRUCTURE, uow=SERVICE_UOW)
             finally:
                 client.close()
             for name, host, port in self.cluster.endpoints:

@@ -19,6 +19,7 @@ from cfemu.cf import CF
 from cfemu.errors import MQError, NoMessageError, OutcomeUnknownError
 from qsg.chaos import report
 from qsg.chaos.checker import MUST_BE_ZERO, check
+from qsg.chaos.conversations import drain_service, service_queues
 from qsg.chaos.faults import DUPLEX_KINDS, FAULTS, FaultError, FaultSpec, after_heal, restore_all, schedule
 from qsg.chaos.group import DRAINED, QUEUES, STRUCTURES, ChaosGroup
 from qsg.chaos.history import FAIL, OK, UNKNOWN, History, load_history
@@ -173,7 +174,10 @@ def leftovers(group: ChaosGroup) -> dict[str, dict[str, int]]:
         out = {}
         for s in STRUCTURES:
             for q, states in cf.structure(s).depths().items():
-                if q in DRAINED and any(states.values()):
+                # The service's control queue keeps final statuses: only its locked entries count there.
+                held = states["UP"] or states["UG"]
+                if q in DRAINED and any(states.values()) or q in service_queues() and held \
+                        or q == service_queues()[0] and any(states.values()):
                     out[q] = states
         return out
     finally:
@@ -241,6 +245,7 @@ def run_chaos(opts: ChaosOptions, console: Console | None = None,
             extra["service after healing"] = group.wait_service(timeout=90.0) is not None
             extra["in doubt"] = resolve_in_doubt(group, coordinator)
             extra["drained"] = drain(group, history)
+            extra["service"] = drain_service(history, list(group.direct.values()), group.c.token)
             extra["left in the structures"] = leftovers(group)
             history.note(what="drained", **{k: v for k, v in extra.items() if k != "in doubt"})
             phases["heal_drain_s"] = round(time.monotonic() - t1, 2)

@@ -8,7 +8,8 @@ same actions, message ids, payloads and decisions (the interleaving with faults 
 * ``consume``: 1-3 gets, then commit or backout;
 * ``put1``: one put outside syncpoint, persistent or not;
 * ``2pc``: puts and a get, prepare (two-phase commit, phase one), then the coordinator resolves it through the
-  owner's ``resolve`` operation, at once or later (left in doubt, across faults, resolved after healing).
+  owner's ``resolve`` operation, at once or later (left in doubt, across faults, resolved after healing);
+* ``conv``: a unit of work sent to, or received from, a service, or a status query (qsg.chaos.conversations).
 
 Messages: persistent or not, priorities 0/5/9 (mostly 0, so that order can be checked), some with an expiry.
 Every message has a unique id and a CRC32C of its payload, both in its body (see make_body).
@@ -16,7 +17,6 @@ Every message has a unique id and a CRC32C of its payload, both in its body (see
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import random
 import threading
@@ -25,38 +25,17 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import crc32c
-
 from cfemu.errors import BackedOutError, MQError, NoMessageError, OutcomeUnknownError
+from qsg.chaos.bodies import make_body, parse_body
+from qsg.chaos.conversations import Conv, ConvRunner, ConvSession, conv_plan
 from qsg.chaos.history import FAIL, OK, UNKNOWN, History
 from sqm.service.client import Client
 from sqm.service.protocol import QueueManagerUnavailableError
 
 log = logging.getLogger("qsg.chaos")
 
-BODY_MAGIC = b"CHAOS1"
 AWAY = "away"
-
-
-# --- message bodies --------------------------------------------------------------------------------------------
-def make_body(msg_id: str, size: int) -> bytes:
-    """CHAOS1|<id>|<crc32c of payload, hex>|<payload>; the payload is derived from the id (reproducible)."""
-    seed = hashlib.sha256(msg_id.encode()).digest()
-    payload = (seed * (size // len(seed) + 1))[:size]
-    return b"|".join((BODY_MAGIC, msg_id.encode(), b"%08x" % crc32c.crc32c(payload), payload))
-
-
-def parse_body(body: bytes) -> tuple[str | None, bool]:
-    """(message id or None when the body is not a chaos message, checksum matches)."""
-    parts = body.split(b"|", 3)
-    if len(parts) != 4 or parts[0] != BODY_MAGIC:
-        return None, False
-    try:
-        msg_id = parts[1].decode()
-        ok = int(parts[2], 16) == crc32c.crc32c(parts[3])
-    except ValueError:
-        return None, False
-    return msg_id, ok
+CONV_SHARE = 0.15  # of the actions: conversations with the service (units of work sent and received, queries)
 
 
 # --- the plan --------------------------------------------------------------------------------------------------
@@ -72,11 +51,12 @@ class PutSpec:
 
 @dataclass(frozen=True)
 class Action:
-    kind: str  # uow, consume, put1, 2pc
+    kind: str  # uow, consume, put1, 2pc, conv
     puts: tuple[PutSpec, ...] = ()
     gets: tuple[str, ...] = ()  # queues
     commit: bool = True  # for 2pc: the coordinator's decision
     park_s: float = 0.0  # 2pc: leave in doubt this long before the coordinator resolves it (0: at once)
+    conv: Conv | None = None  # conv: the conversation action
 
 
 def client_plan(seed: int, client: int, queues: tuple[str, ...]) -> Iterator[Action]:
@@ -84,15 +64,21 @@ def client_plan(seed: int, client: int, queues: tuple[str, ...]) -> Iterator[Act
     rnd = random.Random(f"chaos-{seed}-{client}")
     n = 0
 
-    def put_spec(persistent_p: float = 0.9) -> PutSpec:
+    def next_msg() -> str:
         nonlocal n
         n += 1
-        return PutSpec(msg=f"{seed}-{client}-{n}", queue=rnd.choice(queues),
+        return f"{seed}-{client}-{n}"
+
+    def put_spec(persistent_p: float = 0.9) -> PutSpec:
+        return PutSpec(msg=next_msg(), queue=rnd.choice(queues),
                        priority=rnd.choice((0, 0, 0, 0, 5, 9)), persistent=rnd.random() < persistent_p,
                        expiry_ms=rnd.choice((300, 1500, 4000)) if rnd.random() < 0.08 else 0,
                        size=rnd.randint(64, 1024))
 
     while True:
+        if rnd.random() < CONV_SHARE:
+            yield Action("conv", conv=conv_plan(rnd, next_msg))
+            continue
         r = rnd.random()
         if r < 0.45:
             puts = tuple(put_spec() for _ in range(rnd.randint(1, 3)))
@@ -241,6 +227,7 @@ class Workload:
         k = i % len(self.endpoints)
         eps = self.endpoints[k:] + self.endpoints[:k]
         client: Client | None = None
+        conv = ConvSession(self.history, eps, name, user=name, user_token=f"chaos-{self.seed}", token=self.token)
         plan = client_plan(self.seed, i, self.queues)
         n_uow = 0
         while not self._stop.is_set():
@@ -254,7 +241,7 @@ class Workload:
             action = next(plan)
             n_uow += 1
             try:
-                ok = Runner(self.history, client, name, f"{name}.{n_uow}", self.coordinator).run(action)
+                ok = Runner(self.history, client, name, f"{name}.{n_uow}", self.coordinator, conv).run(action)
             except Exception:  # a bug in the suite itself: keep the evidence, keep the run going
                 log.exception("%s: action %s failed", name, action.kind)
                 ok = False
@@ -263,18 +250,20 @@ class Workload:
                 time.sleep(0.1)  # a failing group (CF down, failover) is not hammered
         if client is not None:
             client.close()
+        conv.close()
 
 
 class Runner:
     """Carries out one action on one client, recording each call."""
 
     def __init__(self, history: History, client: Any, name: str, uow: str,
-                 coordinator: Coordinator | None = None) -> None:
+                 coordinator: Coordinator | None = None, conv: ConvSession | None = None) -> None:
         self.h = history
         self.c = client
         self.name = name
         self.uow = uow
         self.coordinator = coordinator
+        self.conv = conv
 
     def call(self, op: str, fn: Callable[[], Any], **args: Any) -> tuple[str, Any]:
         """Invoke, run, complete: (outcome, result or exception)."""
@@ -329,6 +318,9 @@ class Runner:
         return False
 
     def run(self, a: Action) -> bool:
+        if a.kind == "conv":
+            assert self.conv is not None and a.conv is not None, "a conv action needs the client's conversation"
+            return ConvRunner(self.h, self.conv, self.uow).run(a.conv)
         if a.kind == "put1":
             outcome, _ = self.put(a.puts[0], syncpoint=False)
             return outcome == OK
