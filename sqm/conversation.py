@@ -23,6 +23,7 @@ from cfemu.errors import (
     BadRequestError,
     EndOfUowError,
     NoMessageError,
+    TruncatedMessageError,
     UnknownUowError,
     UowLimitError,
     UowStatusError,
@@ -109,6 +110,7 @@ class Conversation:
         self.sending: _Open | None = None
         self.receiving: _Open | None = None
         self._known: dict[str, ctl.Service] = {}  # uow -> its service, for lookups by id
+        self._max_length = 0  # the current receive's bound (receive's max_length)
 
     # --- send -----------------------------------------------------------------------------------------------
     def send(self, service: str, body: bytes, *, option: str = SYNC, commit: bool = False, store: bool | None = None,
@@ -208,10 +210,12 @@ class Conversation:
         ctl.replace(self.qm, op.svc, op.control.uow, self._refusing(accept), conn=self.scope)
 
     # --- receive --------------------------------------------------------------------------------------------
-    def receive(self, service: str, *, option: str = ANY, wait_ms: int = 0) -> Received:
+    def receive(self, service: str, *, option: str = ANY, wait_ms: int = 0, max_length: int = 0) -> Received:
         """RECEIVE. Within a UOW being received: its next message (RECV_MIDDLE / LAST), or EndOfUowError after the
         last. Otherwise SYNC: the first message of the next ACCEPTED UOW (commit order), MSG: a message outside any
-        UOW, ANY: either."""
+        UOW, ANY: either. ``max_length`` (0: any): the longest message the caller can carry (Connection.get); a
+        longer one raises TruncatedMessageError and is not taken (a UOW's first message: the UOW is ACCEPTED again)."""
+        self._max_length = max_length
         if option not in (SYNC, MSG, ANY):
             raise BadRequestError(f"receive option must be SYNC, MSG or ANY, not {option!r}")
         svc = ctl.service(self.qm, service)
@@ -229,7 +233,7 @@ class Conversation:
                     return got
             if option in (MSG, ANY):
                 try:
-                    m = self.qm.connect().get(svc.name, syncpoint=False)
+                    m = self.qm.connect().get(svc.name, syncpoint=False, max_length=max_length)
                     return Received(m.body, "", RECV_NONE, "", m.persistent)
                 except NoMessageError:
                     pass
@@ -262,14 +266,19 @@ class Conversation:
             raise
         self._known[new.uow] = svc
         self.receiving = _Open(svc, new)
-        return self._next_of(self.receiving)
+        try:
+            return self._next_of(self.receiving)
+        except TruncatedMessageError:
+            self.backout(new.uow)  # nothing of it taken: ACCEPTED again, for a receiver that can carry it
+            raise
 
     def _next_of(self, op: _Open) -> Received:
         c = op.control
         if op.received >= c.messages:
             raise EndOfUowError(f"end of unit of work {c.uow}: all {c.messages} messages were received")
         try:
-            m = self.scope.get(op.svc.data, syncpoint=True, correlid=bytes.fromhex(c.uow))
+            m = self.scope.get(op.svc.data, syncpoint=True, correlid=bytes.fromhex(c.uow),
+                               max_length=self._max_length)
         except NoMessageError:
             raise EndOfUowError(f"end of unit of work {c.uow}: no further message (received {op.received} of "
                                 f"{c.messages})") from None

@@ -1181,7 +1181,8 @@ class SQMServer:
             if self._stopping:  # not carried out: the client may go on elsewhere (nothing was taken)
                 raise QuiescingError(f"queue manager {self.qm.name} is shutting down; receive not carried out")
             try:
-                got = conv.receive(service, option=option)
+                got = conv.receive(service, option=option,
+                                   max_length=session.reply_limit - ENVELOPE - MESSAGE_COST)
                 break
             except EndOfUowError:
                 raise
