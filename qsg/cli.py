@@ -491,6 +491,26 @@ def _chaos_verb(argv: list[str]) -> int:
     return chaos_main(argv)
 
 
+def _pubsub_verb(verb: str) -> Callable[[list[str]], int]:
+    def run(argv: list[str]) -> int:
+        from qsg.pubsub_cli import main as pubsub_main
+
+        return pubsub_main([verb, *argv])
+    return run
+
+
+def _pstore_verb(argv: list[str]) -> int:
+    from qsg.pstore_cli import main as pstore_main
+
+    return pstore_main(argv)
+
+
+def _migrate_verb(argv: list[str]) -> int:
+    from qsg.migrate_cli import main as migrate_main
+
+    return migrate_main(argv)
+
+
 def cmd_cluster(args: argparse.Namespace, out: Output) -> int:
     from qsg.cluster import Cluster
 
@@ -710,7 +730,11 @@ COMMANDS: dict[str, Callable[[argparse.Namespace, Output], int]] = {
     "browse": cmd_browse, "indoubt": cmd_indoubt, "cluster": cmd_cluster, "uow": cmd_uow,
 }
 DELEGATES: dict[str, Callable[[list[str]], int]] = {"backup": _backup_verb, "restore": _restore_verb,
-                                                     "demo": _demo_verb, "chaos": _chaos_verb}
+                                                     "demo": _demo_verb, "chaos": _chaos_verb,
+                                                     # issue 14: each in a module of its own (qsg/*_cli.py)
+                                                     "topic": _pubsub_verb("topic"), "sub": _pubsub_verb("sub"),
+                                                     "publish": _pubsub_verb("publish"), "pstore": _pstore_verb,
+                                                     "migrate": _migrate_verb}
 
 
 def main(argv: list[str] | None = None) -> int:
