@@ -357,8 +357,14 @@ class Player:
             self._check_deadline("resuming")
             try:
                 nxt = self._next_turn(self._session())
-            except UnknownUowError:  # nothing sent yet in this game
-                nxt = self.first_turn
+            except UnknownUowError:
+                if self.transcript.sent or self.resumed_at > self.first_turn:
+                    # We know a move of ours was committed: its status is only away for now (the structure is
+                    # being recovered), not gone. Starting the game again would repeat a move.
+                    self.say(f"[{self.color}] LAST knows no UOW of ours yet: waiting for the service")
+                    time.sleep(0.5)
+                    continue
+                nxt = self.first_turn  # nothing sent yet in this game
             except (MQError, OSError) as e:
                 self._failed(e)
                 continue
