@@ -23,6 +23,7 @@ from cfemu.errors import (
     BadRequestError,
     EndOfUowError,
     NoMessageError,
+    OutcomeUnknownError,
     TruncatedMessageError,
     UnknownUowError,
     UowLimitError,
@@ -249,6 +250,7 @@ class Conversation:
         scope_uow = self.scope._current_uow()
         pc = ctl.pseudo_clock(self.qm, svc.structure)
         conn = self.qm.connect()
+        delivered: Control | None = None
         try:
             try:
                 m = conn.get(svc.control, syncpoint=True, correlid=b"A")
@@ -257,10 +259,16 @@ class Conversation:
                 return None
             old = Control.unpack(m.body)
             to = transition(RECEIVER, "RECEIVE", old.status)
-            new = replace(old, status=to, owner=scope_uow.id, receiver=self.user, receiver_token=self.token,
-                          changed_pc=pc)
+            new = delivered = replace(old, status=to, owner=scope_uow.id, receiver=self.user,
+                                      receiver_token=self.token, changed_pc=pc)
             ctl.put_control(conn, svc, new)
             conn.commit()
+        except OutcomeUnknownError:
+            # DELIVERED to this session, or still ACCEPTED: not knowing which, give it back if it is ours (an idle
+            # scope would otherwise hold it for as long as the session lives).
+            if delivered is not None:
+                settle_orphan(self.qm, svc, delivered.uow, delivered.owner)
+            raise
         except BaseException:
             conn.backout()
             raise
@@ -516,10 +524,13 @@ class Conversation:
         held = [o for o in (self.sending, self.receiving) if o is not None]
         try:
             self.scope.commit()
-        except BackedOutError:
+        except BaseException as e:
+            # The scope's unit of work is over whatever the outcome (committed, backed out, or not known: then
+            # recovery decides it, and the sweeper settles a UOW it left held): this session holds neither any more.
             self.sending = self.receiving = None
-            for op in held:
-                settle_orphan(self.qm, op.svc, op.control.uow, op.control.owner)
+            if isinstance(e, BackedOutError):
+                for op in held:
+                    settle_orphan(self.qm, op.svc, op.control.uow, op.control.owner)
             raise
 
     def _held(self, uow: str) -> _Open:

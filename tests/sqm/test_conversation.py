@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -16,6 +17,7 @@ from cfemu.errors import (
     BadRequestError,
     EndOfUowError,
     NoMessageError,
+    OutcomeUnknownError,
     UnknownUowError,
     UowLimitError,
     UowStatusError,
@@ -428,3 +430,39 @@ def test_a_uow_whose_holder_vanished_is_settled_by_the_sweeper(pair: tuple[Conve
     assert sweeper.sweep()["orphans-settled"] == 1
     assert status(snd, uow) == "ACCEPTED"
     assert Conversation(qms[0], "h").receive(SVC, option=SYNC).deliveries == 1
+
+
+# --- a commit whose outcome is not known ---------------------------------------------------------------------------
+def _lose_the_next_reply(qm: QueueManager, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The next completion is applied, and then its caller is told the outcome is unknown (a reply lost on the way)."""
+    real = qm.complete
+
+    def complete(uow: Any, commit: bool, **kw: Any) -> Any:
+        monkeypatch.setattr(qm, "complete", real)
+        real(uow, commit, **kw)
+        raise OutcomeUnknownError("reply lost (test)")
+    monkeypatch.setattr(qm, "complete", complete)
+
+
+def test_after_a_commit_of_unknown_outcome_the_session_holds_nothing(
+        pair: tuple[Conversation, Conversation], monkeypatch: pytest.MonkeyPatch) -> None:
+    snd, _ = pair
+    first = snd.send(SVC, b"a").uow
+    _lose_the_next_reply(snd.qm, monkeypatch)
+    with pytest.raises(OutcomeUnknownError):
+        snd.commit()
+    assert snd.last()["status"] == "ACCEPTED"  # LAST tells what happened
+    second = snd.send(SVC, b"b").uow  # a new UOW: before, the session went on adding to the first
+    assert second != first and snd.query(second)["messages"] == 1
+
+
+def test_a_receive_whose_delivery_has_an_unknown_outcome_gives_the_uow_back(
+        pair: tuple[Conversation, Conversation], monkeypatch: pytest.MonkeyPatch) -> None:
+    snd, rcv = pair
+    uow = sent_uow(snd, 1)
+    _lose_the_next_reply(rcv.qm, monkeypatch)
+    with pytest.raises(OutcomeUnknownError):
+        rcv.receive(SVC, option=SYNC)
+    assert rcv.receiving is None
+    assert (status(snd, uow), snd.query(uow)["deliveries"]) == ("ACCEPTED", 1)  # not held by an idle session
+    assert Conversation(snd.qm, "ivan").receive(SVC, option=SYNC).uow == uow
