@@ -196,13 +196,19 @@ def finish(c: Control, status: str, pc: int) -> Control | None:
     return replace(c, status=status, changed_pc=pc)
 
 
+_STATUS_CIDS = frozenset(status_letter_hex(s) for s in STATUSES)
+
+
 def is_control_queue(queue: str) -> bool:
     return queue.endswith(CONTROL_SUFFIX)
 
 
 def restore_control_entry(entry: Mapping[str, Any], data: bytes) -> tuple[dict[str, Any], bytes] | None:
     """The restore fold's step for a control entry that survived the CF's loss (restore.settle): after_restart on
-    its record, the entry's correlation id following the status. None: the status is not kept."""
+    its record, the entry's correlation id following the status. None: the status is not kept. An entry that is no
+    status (a user's LAST pointer, on the same queue) is restored as it is."""
+    if str(entry.get("cid", "")) not in _STATUS_CIDS:
+        return dict(entry), data
     c = after_restart(Control.unpack(data))
     if c is None:
         return None

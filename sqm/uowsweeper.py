@@ -134,17 +134,38 @@ def _settle_outlived(qm: QueueManager, svc: ctl.Service, controls: list[Control]
                      epochs: dict[str, int]) -> Counter[str]:
     """The ones a unit of work of a gone incarnation held (RECEIVED, DELIVERED), and the ones it was home to that
     nobody holds (a non-persistent UOW lives as long as the member incarnation it was sent through; a postponed one
-    is ACCEPTED again). A UOW that a live receiver on another member holds is left to it."""
+    is ACCEPTED again). A UOW that a live receiver on another member holds is left to it.
+
+    A held one waits until the gone holder's unit of work is backed out (restart and peer recovery do that before
+    they settle, but every member's sweeper sees the new epoch at once, and a peer that cannot read the dead
+    member's log fences it and leaves its work in flight): its puts and gets still hold the UOW's messages, so a
+    UOW made ACCEPTED then would be received in part, and one discarded then would get its messages back, with no
+    status to own them, from the backout.
+
+    A settled UOW's home becomes its home member's current incarnation: each later restart or recovery of that
+    member settles it again (Table 1 once per restart), and none before it does (a postponement made after a
+    restart the UOW lived through keeps its delay)."""
     done: Counter[str] = Counter()
+    holding: dict[str, dict[str, object]] = {}  # member -> the units of work it still holds on the structure
+
+    def still_held(c: Control) -> bool:
+        member = c.owner_member
+        if member not in holding:
+            holding[member] = qm.cf_call(lambda: qm.structure(svc.structure).member_uows(member))
+        return c.owner in holding[member]
+
     for c in controls:
         held, home = c.outlived(epochs)
         if not (held or (home and not c.owner)):
             continue
+        if held and still_held(c):
+            continue  # its holder's work is not backed out yet: a later sweep settles it
         new = after_restart(c)
+        if new is not None and home:
+            member = c.home.split(".", 1)[0]
+            new = replace(new, home=f"{member}.{epochs[member]:x}" if member in epochs else "")
         if new == c:
-            continue  # a persistent ACCEPTED UOW: restored as it is
-        if new is not None:
-            new = replace(new, home="")  # settled once: no later restart of that member touches it again
+            continue
         what = "restart-" + (new.status.lower() if new is not None else "dropped")
         done[_apply(qm, svc, c, lambda old, new=new: new, what)] += 1
     return done
