@@ -128,6 +128,11 @@ class ConvSession:
             self.h.complete(op, OK, qmgr=self._c.qmgr)
         return self._c
 
+    @property
+    def current(self) -> Client | None:
+        """The client as it is (None when there is none), without connecting or logging on."""
+        return self._c
+
     def close(self) -> None:
         if self._c is not None:
             self._c.close()
@@ -170,12 +175,25 @@ class ConvRunner:
         if c is None:
             return False
         if a.role == "send":
-            return self.send(c, a)
-        if a.role == "receive":
-            return self.receive(c, a)
-        if a.last or not self.s.last_sent:
-            return self.sync(c, "LAST", QUERY)[0] == OK
-        return self.sync(c, "QUERY", QUERY, self.s.last_sent)[0] == OK
+            ok = self.send(c, a)
+        elif a.role == "receive":
+            ok = self.receive(c, a)
+        elif a.last or not self.s.last_sent:
+            ok = self.sync(c, "LAST", QUERY)[0] == OK
+        else:
+            ok = self.sync(c, "QUERY", QUERY, self.s.last_sent)[0] == OK
+        self._leave_nothing_held(a.role)
+        return ok
+
+    def _leave_nothing_held(self, role: str) -> None:
+        """A settling call that was refused (the UOW changed status meanwhile: a restore or a peer settled it) leaves
+        the session holding it: back everything out, so that the next action starts clean (else its sends would
+        join a stale UOW); a session that cannot is ended (the server backs it out)."""
+        c = self.s.current
+        if c is None or c.user is None or not c.held:
+            return
+        if self.sync(c, "BACKOUT", SENDER if role == "send" else RECEIVER, "BOTH")[0] != OK:
+            self.s.close()
 
     def _abandon(self, c: Client, role: str, suow: str, e: Any) -> bool:
         """A call inside the UOW failed: back out what the session still holds (a lost session backed it out)."""

@@ -207,7 +207,7 @@ class UowChecker:
             return
         status = o.result.get("status")
         suow = o.result.get("suow") or o.args.get("suow")
-        if not status or not suow:
+        if not status or not suow or suow == "BOTH":
             return  # no trace kept (None), or a call about no UOW
         self.seen[str(suow)].append(Seen(str(status), o.t0, o.t1 if o.t1 is not None else o.t0, o))
 
