@@ -21,6 +21,7 @@ import redis
 
 from cfemu import duplex, keys, lua
 from cfemu.limits import DEFAULT_MSG_LENGTH, check_max_msg_length
+from cfemu.topic_attributes import TopicAttributes, companion_queues
 from cfemu.uow_attributes import UowAttributes, control_queue, data_queue
 
 log = logging.getLogger("cfemu.admin")
@@ -59,17 +60,29 @@ class QueueDef:
     max_msg_length: int = DEFAULT_MSG_LENGTH  # at most cfemu.limits.MAX_MSG_LENGTH
     # A service's unit-of-work attributes (cfemu.uow_attributes.UowAttributes as a dict); empty: a plain queue.
     uow: dict[str, Any] = field(default_factory=dict)
+    # A topic's attributes (cfemu.topic_attributes.TopicAttributes as a dict); empty: not a topic.
+    topic: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> QueueDef:
         """A definition as stored (admin structure, group repository, a backup's manifest), old ones too."""
         return cls(str(d["name"]), str(d["structure"]), int(d.get("backout_threshold", 0) or 0),
                    str(d.get("backout_queue", "") or ""), int(d.get("max_msg_length", DEFAULT_MSG_LENGTH)),
-                   dict(d.get("uow") or {}))
+                   dict(d.get("uow") or {}), dict(d.get("topic") or {}))
 
     @property
     def uow_attributes(self) -> UowAttributes | None:
         return UowAttributes.from_dict(self.uow) if self.uow else None
+
+    @property
+    def topic_attributes(self) -> TopicAttributes | None:
+        return TopicAttributes.from_dict(self.topic) if self.topic else None
+
+    @property
+    def companions(self) -> tuple[str, ...]:
+        """The companion queues defined with this one (a service's, a topic's)."""
+        return ((data_queue(self.name), control_queue(self.name)) if self.uow else ()) + (
+            companion_queues(self.name) if self.topic else ())
 
 
 def _pack(obj: Any) -> bytes:
@@ -175,9 +188,10 @@ class Admin:
     # --- queues ---------------------------------------------------------------------------------------
     def define_queue(self, name: str, structure: str, *, backout_threshold: int = 0, backout_queue: str = "",
                      max_msg_length: int = DEFAULT_MSG_LENGTH, replace: bool = False,
-                     uow: Mapping[str, Any] | None = None) -> QueueDef:
+                     uow: Mapping[str, Any] | None = None, topic: Mapping[str, Any] | None = None) -> QueueDef:
         """``uow``: the service's unit-of-work attributes (cfemu.uow_attributes); a service's companion queues
-        (<name>.UOWDATA, <name>.UOWCTL) are defined with it, on the same structure."""
+        (<name>.UOWDATA, <name>.UOWCTL) are defined with it, on the same structure. ``topic``: a topic's attributes
+        (cfemu.topic_attributes); its companion queues (<name>.PUB, <name>.SUB) likewise."""
         keys.check_name("queue", name)
         self.structure_def(structure)
         if backout_queue:
@@ -196,7 +210,17 @@ class Admin:
                     keys.check_name("queue", companion)
             except ValueError as e:
                 raise AdminError(f"service {name}: {e}") from None
-        qdef = QueueDef(name, structure, backout_threshold, backout_queue, max_msg_length, attrs)
+        tattrs: dict[str, Any] = {}
+        if topic is not None:
+            if uow is not None:
+                raise AdminError(f"queue {name}: a topic cannot be a service too (choose --uow or --topic)")
+            try:
+                tattrs = TopicAttributes.from_dict(topic).to_dict()
+                for companion in companion_queues(name):
+                    keys.check_name("queue", companion)
+            except (ValueError, TypeError) as e:
+                raise AdminError(f"topic {name}: {e}") from None
+        qdef = QueueDef(name, structure, backout_threshold, backout_queue, max_msg_length, attrs, tattrs)
         old = self.redis.hget(QUEUES, name)
         if old is not None and not replace:
             raise AdminError(f"queue {name} is already defined")
@@ -204,8 +228,8 @@ class Admin:
             raise AdminError(f"queue {name} is on another structure; it cannot move")
         self.redis.hset(QUEUES, name, _pack(qdef))
         self.redis.sadd(keys.queues(structure), name)
-        if attrs:
-            for companion in (data_queue(name), control_queue(name)):
+        if qdef.companions:
+            for companion in qdef.companions:
                 cdef = QueueDef(companion, structure, 0, "", max_msg_length)
                 self.redis.hset(QUEUES, companion, _pack(cdef))
                 self.redis.sadd(keys.queues(structure), companion)

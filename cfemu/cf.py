@@ -127,6 +127,14 @@ class OutcomeReply(NamedTuple):
     gets: int  # uncommitted gets deleted (commit) or made available again (backout)
 
 
+class TopicNext(NamedTuple):
+    clock: int  # the structure's LRSN clock when it was read
+    state: str  # 'P' a publication, 'W' the next one waits for an open publication, 'N' none after the position
+    lrsn: int  # the publication's commit LRSN (o1): with pub, the subscriber's position after it
+    pub: str  # the publication id (hex)
+    messages: list[tuple[Entry, bytes]]
+
+
 class BackupBegun(NamedTuple):
     start: int  # the backup's start LRSN
     floor: int  # the recovery floor: restore replays the logs from here
@@ -209,6 +217,16 @@ class Structure:
         """Entries of ``queue`` whose message id (match 'm') or correlation id ('c') is ``value`` (hex), committed or
         held by an uncommitted get, without taking them (peek.lua), in get order."""
         return _pairs(self._call("peek", None, [queue, match, value, limit]))
+
+    def topic_next(self, queue: str, after_lrsn: int, after_pub: str = "") -> TopicNext:
+        """The next publication on a topic's publication queue after the position (``after_lrsn``, ``after_pub``):
+        every message of it in put order, without taking them (topic_next.lua); state 'W' when it waits for an
+        open publication that could still commit below it, 'N' when there is none."""
+        out = self._call("topic_next", None, [queue, after_lrsn, after_pub])
+        state = keys.text(out[1])
+        if state != "P":
+            return TopicNext(int(out[0]), state, 0, "", [])
+        return TopicNext(int(out[0]), state, int(out[2]), keys.text(out[3]), _pairs(out[4:]))
 
     def pclock(self, *, max_gap_ms: int, floor: int = 0) -> int:
         """The structure's pseudo-clock (ms of up-time), advanced by the CF's time since the last tick when that gap

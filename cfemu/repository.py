@@ -49,7 +49,6 @@ from typing import Any
 from cfemu import keys
 from cfemu.admin import Admin, AdminError, QueueDef, StructureDef
 from cfemu.durable import replace_file
-from cfemu.uow_attributes import control_queue, data_queue
 
 DIRECTORY = "_group"  # under the log root, beside the members' logs (not a log: no manifest.json, no segments)
 FILE = "repository.json"
@@ -286,16 +285,15 @@ def alter_structure(admin: Admin, repo: GroupRepository, name: str, *, max_entri
 
 def define_queue(admin: Admin, repo: GroupRepository, name: str, structure: str, *, backout_threshold: int = 0,
                  backout_queue: str = "", max_msg_length: int = 4 * 2**20, replace: bool = False,
-                 uow: Mapping[str, Any] | None = None) -> QueueDef:
-    """Define a queue (or, with ``uow`` attributes, a service and its companion queues) in the CF and, durably, in
-    the group repository."""
+                 uow: Mapping[str, Any] | None = None, topic: Mapping[str, Any] | None = None) -> QueueDef:
+    """Define a queue (or, with ``uow`` attributes, a service, with ``topic`` attributes, a topic, and its companion
+    queues) in the CF and, durably, in the group repository."""
     qdef = admin.define_queue(name, structure, backout_threshold=backout_threshold, backout_queue=backout_queue,
-                              max_msg_length=max_msg_length, replace=replace, uow=uow)
+                              max_msg_length=max_msg_length, replace=replace, uow=uow, topic=topic)
     lrsn = now_lrsn()
     repo.record_queue(qdef, lrsn)
-    if qdef.uow:
-        for companion in (data_queue(name), control_queue(name)):
-            repo.record_queue(admin.queue_def(companion), lrsn)
+    for companion in qdef.companions:
+        repo.record_queue(admin.queue_def(companion), lrsn)
     return qdef
 
 

@@ -365,6 +365,70 @@ class TestPeek:
             s.peek(Q, "c", "ab")
 
 
+class TestTopicNext:
+    """The next publication after a position: whole, in commit order, never past an open publication."""
+
+    @staticmethod
+    def publish(s: Structure, caller: Caller, uow: str, pub: str, n: int, *, commit: bool = True) -> None:
+        for i in range(n):
+            s.put(caller, entry(f"{pub}-{i}", correlid=pub, properties={"pub.count": n, "pub.index": i}),
+                  f"{pub}{i}".encode(), uow=uow)
+        if commit:
+            s.commit(caller, uow, gen=1, lrsn=0)
+
+    def test_walks_publications_in_commit_order_whole(self, s: Structure, qm1: Caller) -> None:
+        start = s.topic_next(Q, 0).clock
+        self.publish(s, qm1, "U1", "aa", 1, commit=False)
+        self.publish(s, qm1, "U2", "bb", 3)  # committed first though its puts came later
+        s.commit(qm1, "U1", gen=1, lrsn=0)
+        pos, pub, seen = start, "", []
+        while (nxt := s.topic_next(Q, pos, pub)).state == "P":
+            seen.append((nxt.pub, [d for _, d in nxt.messages]))
+            pos, pub = nxt.lrsn, nxt.pub
+        assert nxt.state == "N"
+        assert seen == [("bb", [b"bb0", b"bb1", b"bb2"]), ("aa", [b"aa0"])]
+        assert s.topic_next(Q, nxt.clock, "~").state == "N"  # after everything at the clock (a subscribe's)
+
+    def test_same_commit_lrsn_ordered_by_publication_id(self, s: Structure, qm1: Caller, admin: Admin) -> None:
+        qm2 = join(admin, "QM2")
+        self.publish(s, qm1, "U1", "cc", 2, commit=False)
+        self.publish(s, qm2, "U2", "bb", 1, commit=False)
+        at = s.topic_next(Q, 0).clock + 5
+        s.commit(qm1, "U1", gen=1, lrsn=at)
+        s.commit(qm2, "U2", gen=1, lrsn=at)
+        first = s.topic_next(Q, 0)
+        assert (first.lrsn, first.pub) == (at, "bb")
+        second = s.topic_next(Q, first.lrsn, first.pub)
+        assert (second.lrsn, second.pub, len(second.messages)) == (at, "cc", 2)
+        assert s.topic_next(Q, second.lrsn, second.pub).state == "N"
+
+    def test_waits_for_an_open_publication_that_could_commit_below(self, s: Structure, qm1: Caller) -> None:
+        self.publish(s, qm1, "U1", "aa", 1, commit=False)  # open: its commit could still count below bb's
+        self.publish(s, qm1, "U2", "bb", 1)
+        assert s.topic_next(Q, 0).state == "W"
+        s.backout(qm1, "U1", gen=1, lrsn=0, has_data=False)
+        assert s.topic_next(Q, 0).pub == "bb"
+
+    def test_skips_a_publication_being_removed(self, s: Structure, qm1: Caller) -> None:
+        self.publish(s, qm1, "U1", "aa", 2)
+        self.publish(s, qm1, "U2", "bb", 1)
+        assert s.get(qm1, Q, uow="U3", match="c", value="aa", now_ms=NOW).entry is not None  # the sweeper's take
+        assert s.topic_next(Q, 0).pub == "bb"
+
+    def test_changes_nothing(self, s: Structure, qm1: Caller) -> None:
+        self.publish(s, qm1, "U1", "aa", 2)
+        before = dump(s)
+        s.topic_next(Q, 0)
+        assert dump(s) == before
+
+    def test_refusals(self, admin: Admin, s: Structure) -> None:
+        with pytest.raises(UnknownObjectError):
+            s.topic_next("NOQ", 0)
+        admin.set_state(S, "RECOVERING")
+        with pytest.raises(StructureFailedError, match="RECOVERING"):
+            s.topic_next(Q, 0)
+
+
 class TestPclock:
     def test_counts_up_time_and_not_a_gap_longer_than_allowed(self, s: Structure) -> None:
         start = s.pclock(max_gap_ms=60_000)
