@@ -24,11 +24,13 @@ from typing import Any
 
 import pytest
 
+from cfemu import keys
 from cfemu.admin import Admin
 from cfemu.cf import CF
 from cfemu.connection import connect
 from cfemu.embedded import EmbeddedRedis
 from cfemu.uow_attributes import UWSTATP_NONE, control_queue, data_queue
+from sqm import uowcontrols as ctl
 from sqm.uowstatus import (
     ACCEPTED,
     BACKEDOUT,
@@ -40,6 +42,7 @@ from sqm.uowstatus import (
     RECEIVED,
     TIMEOUT,
     Control,
+    status_letter_hex,
 )
 from tests.support.uow_member import UowMember, start_members
 
@@ -286,6 +289,7 @@ def run_scenario(scenario: str, tmp: Path) -> Run:
         notes["event_s"] = time.monotonic() - t0 - notes["built_s"]
         observe_after(g, observer, out)
         notes["observed_s"] = time.monotonic() - t0 - notes["built_s"] - notes["event_s"]
+        notes["sweeps"] = {n: m.request("counts") for n, m in g.members.items()}  # which sweeper settled what
         notes["newest_stamp"] = max((o.control_before.changed_pc for o in out.values()
                                      if o.control_before is not None), default=0)
         return Run(out, notes)
@@ -414,3 +418,63 @@ def test_postponement_after_a_restart_of_the_home_member_keeps_its_delay(group: 
     assert (after.created_pc, after.lifetime_ms, after.postponements) == (
         before.created_pc, before.lifetime_ms, before.postponements)
     assert [b for b, _ in home.request("drain", service=SVC)[uow]] == row.bodies()
+
+
+# --- the lifetime's pseudo-clock across downtime -------------------------------------------------------------
+
+def pclock_value(g: Group) -> int:
+    """The structure's pseudo-clock as the CF holds it, read without ticking it."""
+    return int(g.cf.client().hget(keys.pclock(S), "v") or 0)
+
+
+def test_a_lifetime_counts_up_time_only_across_a_stop_of_the_whole_group(group: Group) -> None:
+    """Every member stopped for longer than the UOW's lifetime (and longer than the longest gap the pseudo-clock
+    counts as up-time): started again, the UOW is still ACCEPTED, and times out (its status kept) only once its
+    lifetime has passed in up-time."""
+    g = group
+    life_s = 3
+    home, _ = g.start("QM1", "QM2", lease_ms=SHORT_LEASE_MS)
+    home.conv("snd", "alice", "tok-a")
+    row = Row(ACCEPTED, True, True, TIMEOUT)
+    uow = send(home, "snd", row, commit=True, lifetime_s=life_s)
+    created = control_of(g, uow)
+    assert created is not None and created.lifetime_ms == life_s * 1000
+    g.kill("QM1")  # one crashes ...
+    g.stop_all()  # ... the other is stopped: no member ticks the clock
+    at_stop = pclock_value(g)
+    lived = at_stop - created.created_pc
+    assert 0 <= lived < life_s * 1000 - 1000, "the group must stop well within the lifetime"
+    time.sleep(ctl.PCLOCK_GAP_MS / 1000 + 1)  # longer than the lifetime, and than any gap counted as up-time
+    home = g.start("QM1", "QM2", lease_ms=SHORT_LEASE_MS)[0]
+    restarted = time.monotonic()
+    assert home.query(uow) == ACCEPTED
+    assert pclock_value(g) - at_stop < 2000, "the downtime counted as up-time"
+    while home.query(uow) == ACCEPTED:
+        assert time.monotonic() - restarted < life_s + 10, "never timed out"
+        time.sleep(0.1)
+    up = time.monotonic() - restarted
+    assert home.query(uow) == TIMEOUT  # with its persistent status
+    assert up >= (life_s * 1000 - lived) / 1000 - 0.5, f"timed out after {up:.1f} s of up-time, {lived} ms before"
+    timed_out = control_of(g, uow)
+    assert timed_out is not None and timed_out.final_pc >= created.created_pc + created.lifetime_ms
+    assert messages_on_cf(g, uow) == 0
+
+
+def test_a_structure_that_is_not_active_times_nothing_out(group: Group) -> None:
+    """While the structure is RECOVERING (an operator's restore), its pseudo-clock stands still and no sweeper
+    times anything out; ACTIVE again, the sweep resumes."""
+    g = group
+    home = g.start("QM1", lease_ms=SHORT_LEASE_MS)[0]
+    home.conv("snd", "alice", "tok-a")
+    uow = send(home, "snd", Row(ACCEPTED, True, True, TIMEOUT), commit=True, lifetime_s=1)
+    admin = Admin(g.cf.client())
+    admin.set_state(S, "RECOVERING")
+    client = g.cf.client()
+    accepted = keys.index_set(S, control_queue(SVC), "c", status_letter_hex(ACCEPTED))
+    timed_out = keys.index_set(S, control_queue(SVC), "c", status_letter_hex(TIMEOUT))
+    still = pclock_value(g)
+    time.sleep(2.5)  # well past the lifetime, ten sweeps
+    assert pclock_value(g) == still
+    assert (client.scard(accepted), client.scard(timed_out)) == (1, 0)
+    admin.set_state(S, "ACTIVE")
+    wait_for("the timeout once ACTIVE", lambda: home.query(uow) == TIMEOUT)
