@@ -135,6 +135,15 @@ class TopicNext(NamedTuple):
     messages: list[tuple[Entry, bytes]]
 
 
+class PstoreStatus(NamedTuple):
+    """The availability of a structure's persistent store (pstore.lua)."""
+
+    state: str  # ACTIVE, FAILED or RECOVERING
+    connected: bool  # False while persistent work is refused (disconnected)
+    no_new_uows: str  # "" (off), "OPERATOR" or "FULL" (set by the structure reaching its capacity)
+    started: str  # "WARM" while the structure runs from a WARM start, else ""
+
+
 class BackupBegun(NamedTuple):
     start: int  # the backup's start LRSN
     floor: int  # the recovery floor: restore replays the logs from here
@@ -232,6 +241,12 @@ class Structure:
         """The structure's pseudo-clock (ms of up-time), advanced by the CF's time since the last tick when that gap
         is at most ``max_gap_ms``, and raised to ``floor`` (pclock.lua)."""
         return int(self._call("pclock", None, [max_gap_ms, floor]))
+
+    def pstore(self, action: str = "status") -> PstoreStatus:
+        """Read or change the availability of the structure's persistent store (pstore.lua; docs/pstore.md):
+        action status, disconnect, connect, nonew-on or nonew-off."""
+        state, pstore, nonew, started = self._call("pstore", None, [action])
+        return PstoreStatus(keys.text(state), keys.text(pstore) == "CONNECTED", keys.text(nonew), keys.text(started))
 
     def commit(self, caller: Caller, uow: str, *, gen: int, lrsn: int, at: int = 0,
                decided_by_recovery: bool = False) -> OutcomeReply:

@@ -364,6 +364,7 @@ class Player:
                     self.say(f"[{self.color}] LAST knows no UOW of ours yet: waiting for the service")
                     time.sleep(0.5)
                     continue
+                self.last = {}
                 nxt = self.first_turn  # nothing sent yet in this game
             except (MQError, OSError) as e:
                 self._failed(e)

@@ -28,7 +28,9 @@ from cfemu.errors import (
     FencedError,
     FloorError,
     MQError,
+    NoNewUowsError,
     NotJoinedError,
+    PstoreUnavailableError,
     RelogBusyError,
     StructureFailedError,
     StructureFullError,
@@ -845,3 +847,99 @@ class TestAdminHoldLock:
         assert not admin.renew_structure_recovery_lock(S, "QM1@5", 60_000)
         assert not admin.release_structure_recovery_lock(S, "QM1@5")
         assert admin.structure_recovery_holder(S) == "QM2@7"
+
+
+class TestPstore:
+    """The persistent store's availability (docs/pstore.md): disconnect / connect and the "no new units of work"
+    state, as pstore.lua sets them and put, get, commit, standing and pclock honour them."""
+
+    def test_disconnected_refuses_persistent_work_and_lets_the_rest_go_on(self, s: Structure, qm1: Caller) -> None:
+        s.put(qm1, entry("p1"), b"x")  # a persistent message, committed
+        s.put(qm1, entry("held", queue=Q2), b"y", uow="U1")  # persistent work in progress
+        assert s.pstore("disconnect") == ("ACTIVE", False, "", "")
+        assert s.pstore("disconnect").connected is False  # idempotent
+        with pytest.raises(PstoreUnavailableError, match="persistent message cannot be put") as e:
+            s.put(qm1, entry("p2"), b"x", uow="U2")
+        assert e.value.reason_name == "MQRC_RESOURCE_PROBLEM"
+        with pytest.raises(PstoreUnavailableError, match="p1 on Q1 is persistent"):
+            s.get(qm1, Q, uow="U3", now_ms=NOW)
+        assert s.depths()[Q]["CP"] == 1 and held_uows(s) == {"U1"}  # refusals changed nothing
+        s.put(qm1, entry("n1", queue=Q2, persistent=False), b"z", uow="U4")  # non-persistent work goes on
+        s.commit(qm1, "U4", gen=1, lrsn=0)
+        assert s.standing(qm1, "U1", gen=1) == "D"
+        with pytest.raises(BackedOutError, match="persistent store is disconnected"):
+            s.commit(qm1, "U1", gen=1, lrsn=qm1.clock.now())  # a logged commit: refused as backed out
+        assert s.uow_entries("U1")  # nothing changed: the member backs it out
+        s.backout(qm1, "U1", gen=1, lrsn=qm1.clock.now(), has_data=False)
+        assert s.pstore("connect") == ("ACTIVE", True, "", "")
+        got = s.get(qm1, Q, uow="U5", now_ms=NOW)  # everything resumes
+        assert got.entry is not None and got.entry.id == "p1"
+
+    def test_a_commit_decided_by_recovery_goes_on_while_disconnected(self, s: Structure, qm1: Caller) -> None:
+        s.put(qm1, entry("p1"), b"x", uow="U1")
+        s.pstore("disconnect")
+        assert s.commit(qm1, "U1", gen=1, lrsn=qm1.clock.now(), decided_by_recovery=True).puts == 1
+
+    def test_the_pseudo_clock_stands_still_while_disconnected(self, s: Structure) -> None:
+        s.pclock(max_gap_ms=10_000)
+        s.pstore("disconnect")
+        before = s.pclock(max_gap_ms=10_000)
+        time.sleep(0.3)
+        assert s.pclock(max_gap_ms=10_000) == before
+        s.pstore("connect")
+        time.sleep(0.05)
+        assert 40 <= s.pclock(max_gap_ms=10_000) - before < 250  # the connected time counts, not the 0.3 s before
+
+    def test_no_new_uows_allows_only_consuming_work(self, s: Structure, qm1: Caller) -> None:
+        s.put(qm1, entry("c1", msgid="0c"), b"ctl")
+        assert s.pstore("nonew-on").no_new_uows == "OPERATOR"
+        with pytest.raises(NoNewUowsError, match="set by an operator"):
+            s.put(qm1, entry("n1", persistent=False), b"x")
+        got = s.get(qm1, Q, uow="U1", now_ms=NOW)  # consuming goes on
+        assert got.entry is not None
+        s.put(qm1, entry("c2", msgid="0c"), b"ctl2", uow="U1")  # the replacement of the entry U1 takes
+        with pytest.raises(NoNewUowsError):
+            s.put(qm1, entry("c3", msgid="0d"), b"new", uow="U1")
+        s.commit(qm1, "U1", gen=1, lrsn=0)
+        assert [d for _, d in s.browse(Q, 10, NOW)] == [b"ctl2"]
+        assert s.pstore("nonew-off").no_new_uows == ""
+        s.put(qm1, entry("n2"), b"x")
+
+    def test_capacity_sets_it_and_the_low_water_mark_clears_it(self, admin: Admin) -> None:
+        admin.ensure_structure("SMALL", ("QS",), max_entries=10)
+        small, caller = CF(admin.redis).structure("SMALL"), join(admin, "QM1")
+        for i in range(10):
+            small.put(caller, entry(f"e{i}", queue="QS"), b"x")
+        with pytest.raises(StructureFullError):
+            small.put(caller, entry("e10", queue="QS"), b"x")
+        assert small.pstore().no_new_uows == "FULL"
+        with pytest.raises(NoNewUowsError, match="reached its capacity"):
+            small.put(caller, entry("e11", queue="QS"), b"x")
+        for n in range(1, 3):  # 9 entries: above the mark (80% of 10); 8: at it
+            small.get(caller, "QS", uow=f"G{n}", now_ms=NOW)
+            small.commit(caller, f"G{n}", gen=1, lrsn=0)
+            assert small.pstore().no_new_uows == ("FULL" if n == 1 else "")
+        small.put(caller, entry("e7", queue="QS"), b"x")
+
+    def test_an_operators_state_is_not_cleared_by_the_low_water_mark(self, admin: Admin) -> None:
+        admin.ensure_structure("SMALL2", ("QT",), max_entries=2)
+        small, caller = CF(admin.redis).structure("SMALL2"), join(admin, "QM1")
+        small.put(caller, entry("e1", queue="QT"), b"x")
+        small.pstore("nonew-on")
+        small.get(caller, "QT", uow="G1", now_ms=NOW)
+        small.commit(caller, "G1", gen=1, lrsn=0)
+        assert small.pstore().no_new_uows == "OPERATOR"
+
+    def test_refusals(self, admin: Admin, s: Structure) -> None:
+        with pytest.raises(BadRequestError, match="pstore action must be"):
+            s.pstore("sideways")
+        admin.set_state(S, "FAILED")
+        assert s.pstore().state == "FAILED"  # read in any state
+        with pytest.raises(StructureFailedError, match="structure is FAILED"):
+            s.pstore("disconnect")
+        with pytest.raises(StructureFailedError, match="not in the CF"):
+            CF(admin.redis).structure("NOPE").pstore()
+        admin.set_state(S, "ACTIVE")
+        admin.redis.hset(keys.meta(S), "started", "WARM")
+        with pytest.raises(BadRequestError, match="started WARM"):
+            s.pstore("connect")
