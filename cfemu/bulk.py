@@ -533,12 +533,14 @@ def verify_counts(owner: Owner, entries: int, lists: Mapping[str, int], uows: Co
 
 
 def activate(owner: Owner, sdef: StructureDef, *, gen: int, clock: int, floor: int, entries: int,
-             nbytes: int, restored_from: str = "", last_backup: str = "") -> None:
+             nbytes: int, restored_from: str = "", last_backup: str = "",
+             flags: Mapping[str, str] | None = None) -> None:
     """The switch back to ACTIVE, last and in one transaction of the owner: the whole header is replaced (no
     field of the RECOVERING one, such as a backup's running mark, survives) but the owner's restore token, which
     stays so that a restore that started before this one cannot claim the structure any more. last_backup: the
-    restore point just written."""
-    header: dict[str, Any] = {"state": "ACTIVE", "gen": gen, "clock": clock, "floor": floor, "entries": entries,
+    restore point just written. flags: more header fields, set in the same switch (a WARM start's disconnected
+    persistent store, docs/pstore.md: no persistent work may slip in between)."""
+    header: dict[str, Any] = {**(flags or {}), "state": "ACTIVE", "gen": gen, "clock": clock, "floor": floor, "entries": entries,
                               "bytes": nbytes, "max_entries": sdef.max_entries, "max_bytes": sdef.max_bytes,
                               TOKEN: owner.token}
     if restored_from:
@@ -562,7 +564,8 @@ class Purged(NamedTuple):
 
 def purge(client: redis.Redis, sdef: StructureDef, queues: Sequence[str], *,
           before_activate: Callable[[int, dict[str, str]], str] | None = None,
-          committed: Callable[[int], Iterable[str]] | None = None) -> Purged:
+          committed: Callable[[int], Iterable[str]] | None = None,
+          flags: Mapping[str, str] | None = None) -> Purged:
     """Empty the structure and make it ACTIVE again in a new generation, above its clock and its old generation
     (so a unit of work from before that had no work here is backed out when it next touches it); its queues stay
     defined, and the UOWs that held entries get a 'P' tombstone (purged_tombstones). The purge claims the
@@ -571,7 +574,8 @@ def purge(client: redis.Redis, sdef: StructureDef, queues: Sequence[str], *,
     (restore.run writes an empty restore point with those tombstones) and returns the id it wrote.
     committed(gen): the UOWs whose commit took effect here in generation `gen` (the one purged) and whose owner may
     still retry it (restore.run.committed_before_base): they get a 'P' tombstone too, so that the retry is a no-op
-    here instead of a "lost with the CF" that would make the owner back out a committed UOW."""
+    here instead of a "lost with the CF" that would make the owner back out a committed UOW. flags: header fields
+    set as it becomes ACTIVE (activate)."""
     S = sdef.name
     with claim(client, S, observe(client, S)) as owner:
         info = {keys.text(k): keys.text(v) for k, v in owner.client.hgetall(keys.meta(S)).items()}
@@ -586,7 +590,7 @@ def purge(client: redis.Redis, sdef: StructureDef, queues: Sequence[str], *,
             owner.transaction(lambda pipe: pipe.sadd(keys.queues(S), *queues))
         if tomb:
             owner.transaction(lambda pipe: pipe.hset(keys.tomb(S), mapping=tomb))  # type: ignore[arg-type]
-        activate(owner, sdef, gen=gen, clock=gen + 1, floor=gen, entries=0, nbytes=0, last_backup=last)
+        activate(owner, sdef, gen=gen, clock=gen + 1, floor=gen, entries=0, nbytes=0, last_backup=last, flags=flags)
     return Purged(discarded, int(info.get("bytes", 0)), gen)
 
 

@@ -109,6 +109,21 @@ class RelogBusyError(MQError):
     """Internal: another member holds the structure's relog lock (docs/log-management.md): it relogs it."""
 
 
+class PstoreUnavailableError(StructureFailedError):
+    """Persistent work on a structure whose persistent store is disconnected (cfemu pstore disconnect, or a WARM
+    start; docs/pstore.md): refused, nothing changed; non-persistent work goes on. A failed structure for the code
+    that skips a structure it cannot use now (the UOW sweeper), with EntireX's kind of reason: a resource problem."""
+
+    reason, reason_name = 2102, "MQRC_RESOURCE_PROBLEM"
+
+
+class NoNewUowsError(MQError):
+    """A put while the structure takes no new units of work (set by an operator, or by the structure reaching its
+    capacity; docs/pstore.md): only consuming work is allowed. Nothing changed."""
+
+    reason, reason_name = 2102, "MQRC_RESOURCE_PROBLEM"
+
+
 class CompletedByRecoveryError(MQError):
     """Internal: recovery already committed this unit of work."""
 
@@ -135,6 +150,8 @@ def from_script_error(message: str, structure: str) -> MQError:
         "NOBACKUP": BadRequestError,
         "TOOLONG": TruncatedMessageError,
         "RELOGBUSY": RelogBusyError,
+        "PSTORE": PstoreUnavailableError,
+        "NONEW": NoNewUowsError,
     }
     cls = mapping.get(code, MQError)
     if cls is UnknownObjectError:

@@ -524,13 +524,13 @@ class QueueManager:
     def _refusing_first(self, uow: UnitOfWork, todo: list[str]) -> list[str]:
         """Before a commit touches any of several structures, ask each how the UOW stands there (standing.lua,
         after the COMMIT is forced): one that is not ACTIVE makes the whole commit wait, applied nowhere yet
-        (StructureFailedError: the caller keeps it pending); one that will refuse it (backed out by recovery, or
-        its work there lost with the CF) goes first, so that the UOW is backed out everywhere before it is
+        (StructureFailedError: the caller keeps it pending); one that will refuse it (backed out by recovery, its
+        work there lost with the CF, or its persistent store disconnected: 'D', docs/pstore.md) goes first, so that the UOW is backed out everywhere before it is
         committed anywhere. A restore reads the logs only once its structure has failed, so a structure that
         answers here, after the COMMIT was forced, can no longer be restored without seeing it."""
         refusing = [sname for sname in todo
                     if self.cf_call(partial(self.structure(sname).standing, self.caller, uow.id,
-                                            gen=uow.structures[sname])) in ("B", "L")]
+                                            gen=uow.structures[sname])) in ("B", "L", "D")]
         return refusing + [sname for sname in todo if sname not in refusing]
 
     def _apply_one(self, uow: UnitOfWork, sname: str, commit: bool, for_member: str | None) -> None:
@@ -668,6 +668,7 @@ class QueueManager:
                 failing = ""
 
     def _housekeeping_loop(self) -> None:
+        from sqm import pubsub_sweeper
         from sqm.recovery import recover_peers
         from sqm.uowsweeper import Sweeper
 
@@ -688,6 +689,7 @@ class QueueManager:
                 if self.config.uow_sweep_interval_ms and time.monotonic() >= next_sweep:
                     next_sweep = time.monotonic() + self.config.uow_sweep_interval_ms / 1000
                     self.sweeper.sweep()
+                    pubsub_sweeper.sweep(self)  # publications passed or past their lifetime, idle subscriptions
             except (MQError, *CF_DOWN) as e:
                 log.debug("%s housekeeping: %s", self.name, e)
             except Exception:  # keep the queue manager alive; the failure is in its log

@@ -1,6 +1,6 @@
 -- _prelude: shared helpers, prepended to every CF script when it is loaded (Redis Lua has no include).
 -- Every script gets the same KEYS, all inside one structure's hash tag {S} (one cluster slot):
---   KEYS[1] {S}:meta    hash  state, gen, clock, floor, backup, entries, bytes, max_entries, max_bytes
+--   KEYS[1] {S}:meta    hash  state, gen, clock, floor, backup, entries, bytes, max_entries, max_bytes, pstore, nonew
 --   KEYS[2] {S}:fence   hash  member -> epoch (fencing of stale queue managers)
 --   KEYS[3] {S}:ent     hash  entry id -> msgpack descriptor
 --   KEYS[4] {S}:data    hash  entry id -> message data
@@ -64,9 +64,29 @@ local function capacity_check(entries, bytes)
   return nil
 end
 
+-- The persistent store's availability (pstore.lua, docs/pstore.md): 'pstore' is DISCONNECTED while persistent work
+-- is refused; 'nonew' (OPERATOR or FULL) while only consuming work may enter.
+local function disconnected() return redis.call('HGET', META, 'pstore') == 'DISCONNECTED' end
+local function pstore_refusal(what)
+  return redis.error_reply('PSTORE ' .. what .. ': the persistent store is disconnected (cfemu pstore connect)')
+end
+
+-- A 'no new units of work' state that capacity set (put.lua) ends once the structure is back below this share of
+-- both of its limits, so that it does not flap at the limit; one an operator set ends only by the operator.
+local LOW_WATER = 0.8
+local function relieve()
+  local m = redis.call('HMGET', META, 'entries', 'bytes', 'max_entries', 'max_bytes')
+  local n, b = tonumber(m[1] or '0'), tonumber(m[2] or '0')
+  local maxn, maxb = tonumber(m[3] or '0'), tonumber(m[4] or '0')
+  if (maxn == 0 or n <= maxn * LOW_WATER) and (maxb == 0 or b <= maxb * LOW_WATER) then
+    redis.call('HDEL', META, 'nonew')
+  end
+end
+
 local function account(entries, bytes)
   redis.call('HINCRBY', META, 'entries', entries)
   redis.call('HINCRBY', META, 'bytes', bytes)
+  if entries < 0 and redis.call('HGET', META, 'nonew') == 'FULL' then relieve() end
 end
 
 local function load(id)

@@ -5,6 +5,8 @@
 -- message is touched): BADUOW when another member's UOW has that id; TOOLONG when the message it would take is
 -- longer than the caller can carry (ARGV[10]): the message stays where it was, its backout count unchanged, no
 -- UOW joined, nothing for the caller to log (MQ's MQRC_TRUNCATED_MSG_FAILED for a buffer that is too small).
+-- PSTORE: the message it would take is persistent and the persistent store is disconnected (docs/pstore.md): it
+-- stays where it was, as for TOOLONG.
 -- ARGV: 1 member, 2 epoch, 3 caller lrsn, 4 uow, 5 uow gen (0 = first touch), 6 queue,
 --       7 match ('' | 'm' message id | 'c' correlation id), 8 match value (hex), 9 now (ms),
 --       10 the longest message the caller can take, data plus descriptor as stored (bytes; 0 or absent = any)
@@ -53,6 +55,9 @@ else
   end
 end
 
+if found and found.per == 1 and disconnected() then
+  return pstore_refusal('message ' .. found.id .. ' on ' .. queue .. ' is persistent and cannot be taken')
+end
 if found and max_length > 0 then
   local length = carried_length(found.id)
   if length > max_length then return too_long_reply(found.id, length, max_length) end

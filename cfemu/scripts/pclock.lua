@@ -3,7 +3,9 @@
 -- the last tick, but only when that gap is at most ARGV[1]: members tick it every second or so while the group is
 -- up, so a longer gap is downtime (the group, or this structure, was down) and adds nothing. A restored structure
 -- comes back without its clock: ARGV[2] raises it to at least the newest stamp its restored statuses carry.
--- Ticks only while the structure is ACTIVE (no timeout processing while the store is unavailable).
+-- Ticks only while the structure is ACTIVE (no timeout processing while the store is unavailable). While its
+-- persistent store is disconnected (pstore.lua) the clock stands still: it is read, and the tick only moves the CF
+-- time it counts from, so that neither the disconnected time nor a lifetime passes (seed 004).
 -- Idempotent in the sense that matters: two members ticking at once add the elapsed time once.
 -- ARGV: 1 the longest gap counted as up-time (ms), 2 floor (ms; 0 = none)
 -- Returns the clock (ms of up-time).
@@ -16,7 +18,7 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local k = PREFIX .. 'pclock'
 local v = tonumber(redis.call('HGET', k, 'v') or '0')
 local last = tonumber(redis.call('HGET', k, 'w') or '0')
-if last > 0 and now > last and now - last <= gap then v = v + (now - last) end
+if last > 0 and now > last and now - last <= gap and not disconnected() then v = v + (now - last) end
 if floor > v then v = floor end
 redis.call('HSET', k, 'v', string.format('%d', v), 'w', string.format('%d', now))
 return v

@@ -1,5 +1,11 @@
 -- put: add one message to a queue, as an uncommitted put of a UOW, or (a non-persistent message outside
 -- syncpoint, never logged) as a committed put. Persistent puts outside syncpoint are UOWs of their own.
+-- Refused (before anything changes, docs/pstore.md): a persistent put while the persistent store is disconnected
+-- (PSTORE); any put while the structure takes no new units of work (NONEW), but the replacement of an entry the same
+-- UOW takes (a put whose message id is that of an uncommitted get of the UOW on the queue: a status change of a UOW,
+-- consuming work that adds nothing, and exempt from the capacity check too). A put refused for capacity (FULL) puts
+-- the structure in the "no new units of work" state (nonew = FULL), which the prelude's account() clears below the
+-- low-water mark.
 -- ARGV: 1 member, 2 epoch, 3 caller lrsn, 4 uow ('' = outside syncpoint), 5 uow gen (0 = first touch),
 --       6 entry id, 7 queue, 8 descriptor (msgpack map: p, per, mid, cid, exp, pt, bc, pr, len), 9 data
 -- Returns {cf clock, gen, created (1, or 0 when the id already exists: puts are idempotent by id)}.
@@ -12,9 +18,33 @@ if uow ~= '' then
 end
 if redis.call('HEXISTS', ENT, id) == 1 then return {tick(ARGV[3]), cur_gen(), 0} end
 local data = ARGV[9]
-err = capacity_check(1, #data) if err then return err end
-
 local d = cmsgpack.unpack(ARGV[8])
+if d.per == 1 and disconnected() then return pstore_refusal('a persistent message cannot be put') end
+
+-- A replacement: the UOW holds an uncommitted get of an entry with this message id on this queue.
+local function replacement()
+  if uow == '' or not d.mid or d.mid == '' then return false end
+  for _, other in ipairs(redis.call('SMEMBERS', ixkey(queue, 'm', d.mid))) do
+    local o = load(other)
+    if o and o.st == 'UG' and o.u == uow then return true end
+  end
+  return false
+end
+local nonew = redis.call('HGET', META, 'nonew')
+local replacing = (nonew or redis.call('HGET', META, 'max_entries') ~= '0' or redis.call('HGET', META, 'max_bytes') ~= '0')
+  and replacement()
+if nonew and not replacing then
+  return redis.error_reply('NONEW the structure takes no new units of work (' .. (nonew == 'FULL' and
+    'it reached its capacity' or 'set by an operator') .. '): only consuming work is allowed')
+end
+if not replacing then
+  err = capacity_check(1, #data)
+  if err then
+    if not nonew then redis.call('HSET', META, 'nonew', 'FULL') end
+    return err
+  end
+end
+
 d.id = id; d.q = queue; d.len = #data
 local cf = tick(ARGV[3])
 if uow ~= '' then

@@ -7,11 +7,13 @@
 -- ARGV: 1 member, 2 epoch, 3 uow, 4 uow gen (the generation the UOW started in on this structure; 0: unknown)
 -- Returns one letter: 'H' the structure holds the UOW (its record is here), 'C' / 'B' an outcome decided by
 -- recovery or carried over by restore (tombstone), 'L' the UOW is unknown here and from an older generation (lost
--- with the CF: its work here cannot be committed), 'N' unknown here in its own generation (nothing left to do).
+-- with the CF: its work here cannot be committed), 'N' unknown here in its own generation (nothing left to do),
+-- 'D' the structure holds the UOW and its persistent store is disconnected (commit.lua refuses a member's logged
+-- commit: it must refuse first, docs/pstore.md).
 local err = check_ready(ARGV[1], ARGV[2]) if err then return err end
 local uow = ARGV[3]
 local t = redis.call('HGET', TOMB, uow)
 if t then return t end
-if redis.call('HEXISTS', UOWS, uow) == 1 then return 'H' end
+if redis.call('HEXISTS', UOWS, uow) == 1 then return disconnected() and 'D' or 'H' end
 if carried_over(ARGV[4]) then return 'L' end
 return 'N'
