@@ -1,0 +1,118 @@
+"""What happens to publications and subscriptions with no caller, run by every member's housekeeping (with the UOW
+sweeper, sqm.uowsweeper): a publication every subscription has passed is removed, and so is one past its lifetime;
+an idle subscription past its topic's SUBSCRIPTION-EXPIRATION is removed, and so is a non-durable one whose home
+member incarnation is gone (it lives as long as the member it was made through, like a non-persistent UOW). Every
+change is gets inside a queue-manager unit of work, so two members sweeping at once remove a thing once: the second
+finds it taken, and leaves it.
+
+Lifetimes count on the structure's pseudo-clock (cfemu/scripts/pclock.lua): nothing times out while the store is
+down. A publication is removed only at or below the structure's clock read before the subscriptions are read, so a
+subscription made during a sweep (its position is the clock at its subscribe) never loses one it should receive."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+from cfemu.errors import MQError, NoMessageError, StructureFailedError
+from sqm import pubsub as ps
+from sqm import uowcontrols as ctl
+from sqm.manager import QueueManager
+from sqm.uowsweeper import member_epochs
+
+log = logging.getLogger(__name__)
+MAX_PER_SWEEP = 500  # publications looked at per topic and sweep (the next sweep goes on)
+
+
+class PubSubSweeper:
+    def __init__(self, qm: QueueManager) -> None:
+        self.qm = qm
+        self.counts: Counter[str] = Counter()
+
+    def sweep(self) -> Counter[str]:
+        done: Counter[str] = Counter()
+        for t in list(ps.topics(self.qm)):
+            try:
+                done += self.sweep_topic(t)
+            except StructureFailedError:
+                continue  # not ACTIVE: no timeout processing while the store is unavailable
+        self.counts += done
+        return done
+
+    def sweep_topic(self, t: ps.Topic) -> Counter[str]:
+        qm = self.qm
+        done: Counter[str] = Counter()
+        clock = ps.structure_clock(qm, t)  # before the subscriptions: see the module's docstring
+        subs = ps.subscriptions(qm, t)
+        newest = max((s.active_pc for s in subs), default=0)
+        pc = ctl.pseudo_clock(qm, t.structure, floor=newest)  # a restored structure resumes from what it holds
+        epochs = member_epochs(qm)
+        live = []
+        for s in subs:
+            why = ("non-durable-dropped" if not s.durable and s.home_gone(epochs) else
+                   "subscriptions-expired" if s.active_pc + t.attributes.subscription_expiration_s * 1000 <= pc
+                   else "")
+            if why and _remove_subscription(qm, t, s):
+                done[why] += 1
+            else:
+                live.append(s)
+        floor = min([s.position for s in live] + [(clock, ps.AFTER_ALL)])
+        lifetime_ms = t.attributes.lifetime_s * 1000
+        position: tuple[int, str] = (0, "")
+        for _ in range(MAX_PER_SWEEP):
+            nxt = ps.next_publication(qm, t, position)
+            if nxt.state != "P":
+                break
+            position = (nxt.lrsn, nxt.pub)
+            created = int(nxt.messages[0][0].properties.get("pub.created", 0))
+            if position <= floor:
+                why = "publications-received"
+            elif created + lifetime_ms <= pc:
+                why = "publications-expired"
+            else:
+                break  # in commit order: those after it are newer (their lifetimes, near enough, too)
+            done[why] += _remove_publication(qm, t, nxt.pub, len(nxt.messages))
+        return done
+
+
+def _remove_subscription(qm: QueueManager, t: ps.Topic, seen: ps.Subscription) -> bool:
+    """Remove it if it is still as seen and no session holds it."""
+    conn = qm.connect()
+    try:
+        s = ps.take_subscription(conn, t, seen.name)
+        if s != seen:
+            conn.backout()
+            return False
+        conn.commit()
+        return True
+    except MQError:
+        conn.backout()
+        return False
+
+
+def _remove_publication(qm: QueueManager, t: ps.Topic, pub: str, count: int) -> int:
+    conn = qm.connect()
+    try:
+        taken = 0
+        for _ in range(count):
+            try:
+                conn.get(t.pub_queue, syncpoint=True, correlid=bytes.fromhex(pub))
+            except NoMessageError:
+                break  # another member's sweep took it
+            taken += 1
+        conn.commit()
+        return 1 if taken == count else 0
+    except BaseException:
+        conn.backout()
+        raise
+
+
+def sweep(qm: QueueManager) -> Counter[str]:
+    """One sweep of every topic, by the member's housekeeping (its counts kept on the queue manager)."""
+    sweeper = getattr(qm, "pubsub_sweeper", None)
+    if sweeper is None:
+        sweeper = qm.pubsub_sweeper = PubSubSweeper(qm)  # type: ignore[attr-defined]
+    return sweeper.sweep()
+
+
+__all__ = ["PubSubSweeper", "sweep", "MAX_PER_SWEEP"]

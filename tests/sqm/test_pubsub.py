@@ -1,0 +1,174 @@
+"""Publish and subscribe (sqm.pubsub, sqm.pubsub_sweeper) against a real redis-server and real logs, two members:
+publications received whole, in commit order, once per subscription; invisible until commit; backout redelivers;
+one receiver per subscription; removal when every subscriber has passed and when the lifetime passes; expiry of
+idle subscriptions; storage counted once. Member kills, CF loss: tests/sqm/test_pubsub_failures.py."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cfemu.admin import Admin, AdminError
+from cfemu.connection import connect
+from cfemu.errors import BadRequestError, NoMessageError, ResourceProblemError, UnknownObjectError
+from sqm import pubsub as ps
+from sqm.manager import QueueManager
+from sqm.pubsub_sweeper import PubSubSweeper
+from tests.support.group import start_qm
+
+S, T, SHORT, NONDUR = "APP1", "NEWS", "FLASH", "CHAT"
+
+
+@pytest.fixture
+def qms(redis_url: str, tmp_path: Path) -> Iterator[tuple[QueueManager, QueueManager]]:
+    admin = Admin(connect(redis_url))
+    admin.ensure_structure(S)
+    admin.define_queue(T, S, topic={})
+    admin.define_queue(SHORT, S, topic={"lifetime_s": 1, "subscription_expiration_s": 2})
+    admin.define_queue(NONDUR, S, topic={"durable": False, "persistent": False})
+    a = start_qm(redis_url, tmp_path / "logs", "QM1", background=False)
+    b = start_qm(redis_url, tmp_path / "logs", "QM2", background=False)
+    yield a, b
+    a.stop()
+    b.stop()
+
+
+def drain(session: ps.PubSubSession, topic: str, name: str) -> list[list[bytes]]:
+    out = []
+    while True:
+        try:
+            out.append(session.receive(topic, name).messages)
+        except NoMessageError:
+            return out
+
+
+def test_definition_refusals(redis_url: str) -> None:
+    admin = Admin(connect(redis_url))
+    admin.ensure_structure(S)
+    with pytest.raises(AdminError, match="lifetime_s"):
+        admin.define_queue("BAD", S, topic={"lifetime_s": 0})
+    with pytest.raises(AdminError, match="unknown topic attribute"):
+        admin.define_queue("BAD", S, topic={"colour": 1})
+    with pytest.raises(AdminError, match="service too"):
+        admin.define_queue("BAD", S, topic={}, uow={})
+    q = admin.define_queue("OK", S, topic={"persistent": False})
+    assert q.companions == ("OK.PUB", "OK.SUB") and admin.queue_def("OK.SUB").structure == S
+    assert q.topic_attributes is not None and not q.topic_attributes.persistent
+
+
+def test_publications_reach_every_subscriber_on_both_members_whole_in_commit_order(
+        qms: tuple[QueueManager, QueueManager]) -> None:
+    a, b = qms
+    ps.publish(a, T, [b"before"])  # committed before anyone subscribed: nobody receives it
+    ps.subscribe(a, T, "alice")
+    ps.subscribe(b, T, "bob")
+    pub_a, pub_b = ps.PubSubSession(a), ps.PubSubSession(b)
+    pub_a.publish(T, b"a1")
+    pub_a.publish(T, b"a2")
+    pub_b.publish(T, b"b1", commit=True)  # committed first
+    subscriber = ps.PubSubSession(b)
+    assert drain(subscriber, T, "alice") == [[b"b1"]]  # a's publication is invisible until its commit
+    subscriber.commit()
+    pub_a.commit()
+    for qm, name in ((a, "alice"), (b, "bob"), (a, "bob")):
+        s = ps.PubSubSession(qm)
+        got = drain(s, T, name)
+        s.commit()
+        if (qm, name) == (a, "bob"):
+            assert got == []  # bob committed them on b already
+        else:
+            assert got == ([[b"a1", b"a2"]] if name == "alice" else [[b"b1"], [b"a1", b"a2"]])
+
+
+def test_backout_redelivers_and_one_receiver_at_a_time(qms: tuple[QueueManager, QueueManager]) -> None:
+    a, b = qms
+    ps.subscribe(a, T, "alice")
+    ps.publish(a, T, [b"x"])
+    first, second = ps.PubSubSession(a), ps.PubSubSession(b)
+    assert first.receive(T, "alice").messages == [b"x"]
+    with pytest.raises(ResourceProblemError, match="another session"):
+        second.receive(T, "alice")
+    first.backout()
+    assert second.receive(T, "alice").messages == [b"x"]  # given back unchanged: received again, on b
+    second.commit()
+    with pytest.raises(NoMessageError):
+        first.receive(T, "alice")
+    assert ps.peek_subscription(a, ps.topic(a, T), "alice").received == 1  # type: ignore[union-attr]
+
+
+def test_subscribe_refusals_and_unsubscribe(qms: tuple[QueueManager, QueueManager]) -> None:
+    a, _ = qms
+    with pytest.raises(BadRequestError, match="does not allow durable"):
+        ps.subscribe(a, NONDUR, "x", durable=True)
+    with pytest.raises(BadRequestError, match="not a topic"):
+        ps.subscribe(a, "NEWS.PUB", "x")
+    with pytest.raises(BadRequestError, match="printable"):
+        ps.subscribe(a, T, "")
+    s = ps.subscribe(a, T, "alice")
+    assert ps.subscribe(a, T, "alice") == s  # subscribe once
+    ps.unsubscribe(a, T, "alice")
+    with pytest.raises(UnknownObjectError, match="no subscription alice"):
+        ps.unsubscribe(a, T, "alice")
+    with pytest.raises(UnknownObjectError):
+        ps.PubSubSession(a).receive(T, "alice")
+
+
+def test_publications_removed_when_the_last_subscriber_commits_counted_once(
+        qms: tuple[QueueManager, QueueManager]) -> None:
+    a, b = qms
+    for name in ("s1", "s2", "s3"):
+        ps.subscribe(a, T, name)
+    before = int(a.structure(S).info()["entries"])
+    ps.publish(a, T, [b"m1", b"m2"])
+    assert int(a.structure(S).info()["entries"]) == before + 2  # one copy for three subscribers
+    sweeper = PubSubSweeper(b)
+    for name in ("s1", "s2"):
+        s = ps.PubSubSession(a)
+        s.receive(T, name)
+        s.commit()
+        assert sweeper.sweep()["publications-received"] == 0
+    s = ps.PubSubSession(b)
+    s.receive(T, "s3")
+    assert sweeper.sweep()["publications-received"] == 0  # received, not committed
+    s.commit()
+    assert sweeper.sweep()["publications-received"] == 1
+    assert int(a.structure(S).info()["entries"]) == before
+
+
+def test_lifetime_and_subscription_expiration_on_the_pseudo_clock(qms: tuple[QueueManager, QueueManager]) -> None:
+    a, _ = qms
+    ps.subscribe(a, SHORT, "idle")
+    ps.subscribe(a, SHORT, "slow")
+    ps.publish(a, SHORT, [b"old"])
+    sweeper = PubSubSweeper(a)
+    assert sweeper.sweep()["publications-expired"] == 0
+    for _ in range(14):  # the pseudo-clock runs while members tick it (about a second apart)
+        time.sleep(0.1)
+        sweeper.sweep()
+    assert sweeper.counts["publications-expired"] == 1  # past its lifetime though nobody received it
+    assert sweeper.counts["subscriptions-expired"] == 0
+    with pytest.raises(NoMessageError):
+        ps.PubSubSession(a).receive(SHORT, "slow")
+    for _ in range(12):
+        time.sleep(0.1)
+        sweeper.sweep()
+    assert sweeper.counts["subscriptions-expired"] == 2  # idle past SUBSCRIPTION-EXPIRATION
+    assert ps.subscriptions(a, ps.topic(a, SHORT)) == []
+
+
+def test_a_non_durable_subscription_ends_with_its_member(qms: tuple[QueueManager, QueueManager],
+                                                         redis_url: str, tmp_path: Path) -> None:
+    a, b = qms
+    ps.subscribe(b, NONDUR, "temp")
+    ps.subscribe(a, NONDUR, "stays")
+    b.stop()
+    b2 = start_qm(redis_url, tmp_path / "logs", "QM2", background=False)
+    try:
+        done = PubSubSweeper(a).sweep()
+        assert done["non-durable-dropped"] == 1
+        assert [s.name for s in ps.subscriptions(a, ps.topic(a, NONDUR))] == ["stays"]
+    finally:
+        b2.stop()
