@@ -554,7 +554,8 @@ def play_both(endpoints: Sequence[tuple[str, int]], token: str, *, game: str, pr
 
 def game_result(game: str, players: dict[str, dict[str, Any]], errors: dict[str, str]) -> dict[str, Any]:
     moves = " ".join(notation(p) if p % 2 else GAME[p - 1][0] for p in range(1, MOVES + 1)) + " " + RESULT
-    complete = not errors and all(players.get(c, {}).get("complete") for c in players)
+    players = {c: players[c] for c in COLORS if c in players}  # white first, whichever ended first
+    complete = not errors and all(report.get("complete") for report in players.values())
     return {"game": game, "result": RESULT if complete else None, "moves": moves, "plies": LAST_PLY,
             "complete": complete, "errors": errors, "players": players}
 
