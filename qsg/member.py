@@ -23,8 +23,11 @@ from cfemu import settings as settings_mod
 from cfemu.clitools import SETTINGS_HELP
 from cfemu.connection import connect
 from cfemu.progress import Progress
+from cfemu.pstore import HOT, start_mode
+from cfemu.repository import GroupRepository
 from cfemu.settings import Settings
 from restore.run import run_restore
+from restore.start_modes import automatic_start
 from sqm import cli as sqm_cli
 from sqm.recauto import RecoverStructure
 
@@ -47,13 +50,19 @@ def summary(result: Any) -> str:
 
 def restore_hook(args: argparse.Namespace, found: Settings) -> RecoverStructure:
     """The member's RECAUTO restore: restore.run.run_restore from the latest good backup and every member's log,
-    as ``cfrestore run STRUCTURE`` would with this member's settings."""
+    as ``cfrestore run STRUCTURE`` would with this member's settings; or, for a structure whose start mode is WARM
+    or COLD (cfemu pstore mode), that start (restore.start_modes, docs/pstore.md)."""
     backup_root, log_root = found.backup_dir, found.log_root
 
     def recover(structure: str, progress: Progress) -> Mapping[str, Any]:
         url = restore_url(args) or found.redis_url
         client = connect(url)
         try:
+            if start_mode(GroupRepository(log_root), structure) != HOT:
+                started = automatic_start(client, structure, backup_root=backup_root, log_root=log_root,
+                                          progress=progress, backup_keys=found.backup_keys())
+                return {"backup": "none", "base_kind": f"{started['mode']} start", "replay_from": "-",
+                        "summary": started["summary"]}
             result = run_restore(client, structure, backup_root=backup_root, log_root=log_root, progress=progress,
                                  backup_keys=found.backup_keys())
         finally:

@@ -1,0 +1,131 @@
+"""Starting a structure after a CF loss in one of seed 004's start modes (docs/pstore.md):
+
+  HOT   restore its content from the latest good backup and every member's log (restore.run.run_restore: today's
+        restore, what RECAUTO did before start modes existed);
+  COLD  start it empty (restore.run.run_purge, RECOVER CFSTRUCT TYPE(PURGE)): its messages are gone for good, the
+        purge's restore point keeps any later restore from bringing them back;
+  WARM  start it empty *without* a restore point, its persistent store disconnected (header flags pstore =
+        DISCONNECTED, started = WARM, set in the same switch that makes it ACTIVE): non-persistent work goes on at
+        once, every persistent put, get and commit is refused, and the backups and logs stay the truth of its
+        persistent content, so that a later HOT start restores it with nothing committed lost. Why refuse
+        persistent work meanwhile: what it committed would be logged in a generation that the later restore, which
+        starts from the backup taken before the loss, would have to merge with the lost one; and the empty store
+        would answer "no message" for messages that exist. The units of work whose COMMIT their owner logged but
+        had not applied when the CF was lost get a 'P' tombstone (as a purge gives them), so that the owner's retry
+        is a no-op here and not a backout: the later HOT restore replays their COMMIT. A WARM structure is never
+        simply connected (pstore.lua refuses): it is started HOT or COLD.
+
+A started structure records nothing else: RECAUTO (qsg.member) runs `automatic_start` with the structure's mode
+from the group repository (cfemu.pstore.start_mode)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from backup.files import resolve_keys
+from backup.run import rebuild_catalog
+from cfemu import bulk, keys
+from cfemu.admin import Admin, StructureDef
+from cfemu.cf import CF
+from cfemu.credentials import BackupKeys
+from cfemu.errors import StructureFailedError
+from cfemu.pstore import COLD, HOT, WARM, check_mode, start_mode
+from cfemu.repository import GroupRepository
+from restore.engine import Progress, no_progress
+from restore.run import (
+    RestoreError,
+    _admin_definition,
+    _group_of,
+    _redefine,
+    _refused,
+    committed_before_base,
+    definitions,
+    run_purge,
+    run_restore,
+)
+from sqm.log import find_log_dirs
+
+WARM_FLAGS = {"pstore": "DISCONNECTED", "started": WARM}
+
+
+def _started(client: redis.Redis, structure: str) -> str:
+    try:
+        return CF(client).structure(structure).pstore().started
+    except StructureFailedError:
+        return ""
+
+
+def start(client: redis.Redis, structure: str, mode: str, *, backup_root: Path, log_root: Path,
+          backup_keys: BackupKeys | None = None, progress: Progress = no_progress) -> dict[str, Any]:
+    """Start `structure` in `mode` (HOT, WARM or COLD); returns what was done. A structure that is ACTIVE is
+    started again only when it runs from a WARM start (HOT restores it, COLD empties it); else RestoreError."""
+    mode = check_mode(mode)
+    keys.check_name("structure", structure)
+    admin = Admin(client)
+    state = admin.state(structure)
+    warm = state == "ACTIVE" and _started(client, structure) == WARM
+    if state == "ACTIVE" and not warm:
+        raise RestoreError(f"structure {structure} is ACTIVE: a start mode applies to a structure that failed or "
+                           f"was lost with the CF (or that runs from a WARM start)")
+    out: dict[str, Any] = {"structure": structure, "mode": mode, "state_before": state,
+                           "started_before": WARM if warm else ""}
+    if mode == HOT:
+        r = run_restore(client, structure, backup_root=backup_root, log_root=log_root, mark_failed=warm,
+                        progress=progress, backup_keys=backup_keys)
+        out.update(backup=r.backup_id, base_kind=r.base_kind, replay_from=r.replay_from,
+                   loaded_entries=r.loaded_entries, restore_point=r.restore_point, report=str(r.report_path),
+                   summary=f"{r.loaded_entries} entries restored from {r.backup_id or 'the logs'}")
+    elif mode == COLD:
+        p = run_purge(client, structure, backup_root=backup_root, log_root=log_root, mark_failed=warm,
+                      backup_keys=backup_keys)
+        out.update(discarded=p.discarded, gen=p.gen, restore_point=p.restore_point,
+                   summary=f"started empty ({p.discarded} entries discarded), restore point {p.restore_point}")
+    else:
+        if warm:
+            raise RestoreError(f"structure {structure} runs from a WARM start already")
+        gen = warm_start(client, structure, backup_root=backup_root, log_root=log_root, backup_keys=backup_keys)
+        out.update(gen=gen, summary="started empty with its persistent store disconnected; its backups and logs "
+                                    "are kept for a later HOT start")
+    return out
+
+
+def warm_start(client: redis.Redis, structure: str, *, backup_root: Path, log_root: Path,
+               backup_keys: BackupKeys | None = None) -> int:
+    """The WARM start (module doc): the structure empty and ACTIVE in a new generation, persistent store
+    disconnected, no restore point. Returns the generation."""
+    admin = Admin(client)
+    repo = GroupRepository(log_root)
+    admin_def = _admin_definition(admin, structure)
+    known = repo.structure(structure)
+    if admin_def is None and known is None:
+        raise RestoreError(f"structure {structure} is not defined, in the CF or in the group repository {repo.path}")
+    lost = admin_def is None
+    base_def = admin_def or (known[0] if known else StructureDef(structure))
+    sdef, queues = definitions(admin_def, admin.queues(), repo,
+                               {"structure": structure, "structure_def": asdict(base_def), "queues": []})
+    keys_ = resolve_keys(backup_keys)
+    _redefine(admin, _group_of(admin, backup_root, structure, lost, keys_), sdef, queues, lost=lost)
+    try:
+        purged = bulk.purge(client, sdef, [q.name for q in queues], flags=WARM_FLAGS,
+                            committed=lambda gen: committed_before_base(find_log_dirs(log_root), structure, gen))
+    except bulk.NotOwnerError as e:
+        raise _refused(structure, e) from e
+    rebuild_catalog(admin, backup_root, structure, backup_keys=keys_)
+    return purged.gen
+
+
+def automatic_start(client: redis.Redis, structure: str, *, backup_root: Path, log_root: Path,
+                    backup_keys: BackupKeys | None = None, progress: Progress = no_progress) -> Mapping[str, Any]:
+    """RECAUTO's start of a failed structure in the mode the group repository gives it (HOT: today's restore).
+    COLD is the operator's choice made in advance (setting it is the confirmation, as EntireX's PSTORE=COLD)."""
+    mode = start_mode(GroupRepository(log_root), structure)
+    return start(client, structure, mode, backup_root=backup_root, log_root=log_root, backup_keys=backup_keys,
+                 progress=progress)
+
+
+__all__ = ["WARM_FLAGS", "automatic_start", "start", "warm_start"]
