@@ -1,0 +1,150 @@
+"""Start modes after a CF loss (issue 14, part 2; docs/pstore.md), on a real redis-server lost with FLUSHALL, real
+queue managers and their logs, a real backup, and `cfemu pstore` itself: what survives HOT, WARM then HOT, and
+COLD; RECAUTO's start in the structure's mode."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from backup.run import run_backup
+from cfemu.admin import Admin
+from cfemu.cf import CF
+from cfemu.embedded import EmbeddedRedis
+from cfemu.errors import NoMessageError, PstoreUnavailableError
+from qsg.pstore_cli import main as pstore
+from restore.start_modes import automatic_start
+from sqm.manager import QueueManager
+from tests.support.group import define_group, start_qm
+from tests.support.harness import lose_cf
+
+S = "APP1"
+
+
+@pytest.fixture
+def dirs(tmp_path: Path) -> tuple[Path, Path]:
+    return tmp_path / "logs", tmp_path / "backups"
+
+
+def _before_the_loss(url: str, logs: Path, backups: Path, redis: EmbeddedRedis) -> QueueManager:
+    """p0..p4 committed before a backup, p5 and p6 after it (in the log only), one non-persistent message; then the
+    CF is lost."""
+    client = define_group(url)
+    qm = start_qm(url, logs, "QM1", background=False)
+    c = qm.connect()
+    for i in range(5):
+        c.put("Q1", f"p{i}".encode())
+    c.commit()
+    run_backup(client, S, backups, log_root=logs)
+    c.put("Q1", b"p5")
+    c.put("Q1", b"p6")
+    c.put("Q2", b"np", persistent=False, syncpoint=False)
+    c.commit()
+    lose_cf(redis.client())
+    return qm
+
+
+def _drain(qm: QueueManager, queue: str) -> list[bytes]:
+    c, out = qm.connect(), []
+    while True:
+        try:
+            out.append(c.get(queue).body)
+        except NoMessageError:
+            c.commit()
+            return out
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    rc = pstore(list(argv))
+    got = capsys.readouterr()
+    return rc, got.out, got.err
+
+
+def _where(url: str, logs: Path, backups: Path) -> list[str]:
+    return ["--redis-url", url, "--log-root", str(logs), "--backup-dir", str(backups)]
+
+
+def test_warm_then_hot_loses_nothing_committed(fresh_redis: EmbeddedRedis, dirs: tuple[Path, Path],
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    logs, backups = dirs
+    url = fresh_redis.url
+    qm = _before_the_loss(url, logs, backups, fresh_redis)
+    rc, out, err = _cli(capsys, "start", S, "--mode", "WARM", "--json", *_where(url, logs, backups))
+    assert rc == 0, err
+    assert json.loads(out)["mode"] == "WARM"
+    rc, out, _ = _cli(capsys, "status", S, "--json", "--redis-url", url, "--log-root", str(logs))
+    [row] = json.loads(out)
+    assert (row["state"], row["connected"], row["started"]) == ("ACTIVE", False, "WARM")
+
+    c = qm.connect()  # WARM: empty; non-persistent work goes on, persistent work is refused with the reason
+    with pytest.raises(PstoreUnavailableError, match="persistent store is disconnected") as e:
+        c.put("Q1", b"refused")
+    assert e.value.reason_name == "MQRC_RESOURCE_PROBLEM"
+    c.backout()
+    c.put("Q2", b"np-warm", persistent=False)
+    c.commit()
+    assert _drain(qm, "Q2") == [b"np-warm"] and _drain(qm, "Q1") == []
+    c.put("Q2", b"np-warm-2", persistent=False, syncpoint=False)
+
+    rc, _, err = _cli(capsys, "connect", S, "--redis-url", url)
+    assert rc == 2 and "started WARM: start it HOT" in err  # a WARM store is never simply connected
+
+    rc, out, err = _cli(capsys, "start", S, "--mode", "HOT", "--json", *_where(url, logs, backups))
+    assert rc == 0, err
+    assert CF(qm.redis).structure(S).pstore() == ("ACTIVE", True, "", "")
+    assert sorted(_drain(qm, "Q1")) == [f"p{i}".encode() for i in range(7)]  # the backup's and the log's
+    assert _drain(qm, "Q2") == []  # non-persistent messages do not outlive a restore
+    qm.stop()
+
+
+def test_cold_needs_a_confirmation_and_starts_empty_for_good(fresh_redis: EmbeddedRedis, dirs: tuple[Path, Path],
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    logs, backups = dirs
+    url = fresh_redis.url
+    qm = _before_the_loss(url, logs, backups, fresh_redis)
+    for confirm in ([], ["--confirm", "APP2"]):
+        rc, _, err = _cli(capsys, "start", S, "--mode", "COLD", *confirm, *_where(url, logs, backups))
+        assert rc == 2 and "confirm with --yes or --confirm APP1" in err
+        assert Admin(qm.redis).state(S) == "FAILED"  # nothing changed
+    rc, out, err = _cli(capsys, "start", S, "--mode", "cold", "--confirm", S, "--json", *_where(url, logs, backups))
+    assert rc == 0, err
+    assert json.loads(out)["restore_point"]
+    c = qm.connect()
+    c.put("Q1", b"after")  # connected: persistent work at once
+    c.commit()
+    assert _drain(qm, "Q1") == [b"after"]
+    rc, _, err = _cli(capsys, "start", S, "--mode", "HOT", *_where(url, logs, backups))
+    assert rc == 2 and "ACTIVE" in err  # only a failed, lost or WARM structure is started
+    qm.stop()
+
+
+def test_hot_restores_the_content(fresh_redis: EmbeddedRedis, dirs: tuple[Path, Path],
+                                  capsys: pytest.CaptureFixture[str]) -> None:
+    logs, backups = dirs
+    url = fresh_redis.url
+    qm = _before_the_loss(url, logs, backups, fresh_redis)
+    rc, out, err = _cli(capsys, "start", S, "--mode", "HOT", *_where(url, logs, backups))
+    assert rc == 0, err
+    assert "HOT start" in out
+    assert sorted(_drain(qm, "Q1")) == [f"p{i}".encode() for i in range(7)]
+    qm.stop()
+
+
+def test_recauto_starts_a_lost_structure_in_its_mode(fresh_redis: EmbeddedRedis, dirs: tuple[Path, Path],
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    logs, backups = dirs
+    url = fresh_redis.url
+    qm = _before_the_loss(url, logs, backups, fresh_redis)
+    with pytest.raises(SystemExit):
+        pstore(["mode", S, "sideways", "--log-root", str(logs)])
+    assert "invalid choice: 'SIDEWAYS'" in capsys.readouterr().err
+    rc, out, err = _cli(capsys, "mode", S, "WARM", "--log-root", str(logs))
+    assert rc == 0 and "start mode WARM" in out, err
+    done = automatic_start(fresh_redis.client(), S, backup_root=backups, log_root=logs)
+    assert done["mode"] == "WARM"
+    assert CF(qm.redis).structure(S).pstore().started == "WARM"
+    rc, out, _ = _cli(capsys, "status", "--json", "--redis-url", url, "--log-root", str(logs))
+    assert [(r["structure"], r["start_mode"], r["connected"]) for r in json.loads(out)] == [(S, "WARM", False)]
+    qm.stop()
