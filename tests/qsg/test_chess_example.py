@@ -51,6 +51,9 @@ ALL = range(1, chess.LAST_PLY + 1)
 ODD, EVEN = [p for p in ALL if p % 2], [p for p in ALL if not p % 2]
 
 
+STARTED: list[subprocess.Popen[str]] = []  # every player process, killed at the end of its test if still there
+
+
 class PlayerProcess:
     """`python examples/chess_by_mail.py --player COLOR --json`, its progress lines read as they come."""
 
@@ -67,6 +70,7 @@ class PlayerProcess:
         self.lines: list[str] = []  # stderr: progress
         self.out: list[str] = []  # stdout: the JSON result
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        STARTED.append(self.proc)
         assert self.proc.stdout is not None and self.proc.stderr is not None
         self._readers = [threading.Thread(target=self._read, args=(f, into), daemon=True)
                          for f, into in ((self.proc.stderr, self.lines), (self.proc.stdout, self.out))]
@@ -137,6 +141,11 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
     try:
         yield c
     finally:
+        while STARTED:  # a failed test leaves its players waiting for their opponent
+            proc = STARTED.pop()
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
         c.down()
 
 
