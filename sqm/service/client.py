@@ -68,6 +68,7 @@ from sqm.service.protocol import (
     MIN_FRAME,
     PROOF_BYTES,
     PROTOCOL_VERSION,
+    PUBSUB_OPS,
     ROLES,
     FrameTooLargeError,
     MessageTooBigForChannelError,
@@ -208,6 +209,7 @@ class Client(UnitOfWorkScope):
         self._ids = itertools.count(1)
         self._uow_open = False
         self._user: str | None = None  # the user id this connection's session logged on with
+        self._ps_held = False  # the publish/subscribe session holds something (the server says, in each reply)
         self._held = False  # the session holds a unit of work (sent or received, not settled): the server says
         self._rbuf = bytearray()  # what was read past the last reply
         self._timeout: float | None = None
@@ -347,6 +349,8 @@ class Client(UnitOfWorkScope):
                     self._uow_open = reply["uow"]
                 if isinstance(reply.get("held"), bool):
                     self._held = reply["held"]
+                if isinstance(reply.get("ps_held"), bool):
+                    self._ps_held = reply["ps_held"]
                 if reply["ok"]:
                     return reply.get("result")
                 exc = error_from_wire(reply.get("error"))
@@ -393,8 +397,12 @@ class Client(UnitOfWorkScope):
         self._user, self._held = None, False  # the server ends the session with the connection
         self._drop()
         log.warning("connection to %s lost during %s: %s", where, op, why)
+        ps_held, self._ps_held = self._ps_held, False
         if op in CONVERSATION_OPS:
             self._session_lost(op, user, was_held, in_flight=in_flight, where=where, why=why, settles=settles)
+            return
+        if op in PUBSUB_OPS:
+            self._pubsub_lost(op, ps_held, in_flight=in_flight, where=where, why=why)
             return
         if op in READ_ONLY:
             return
@@ -414,6 +422,22 @@ class Client(UnitOfWorkScope):
         if was_open:
             raise BackedOutError(f"connection to {where} lost ({why}): the unit of work was backed out")
         # A syncpoint put/get that would have started a new UOW: any first attempt is backed out; re-send it.
+
+    @staticmethod
+    def _pubsub_lost(op: str, was_held: bool, *, in_flight: bool, where: str, why: str) -> None:
+        """The publish/subscribe session ended with the connection: what it held (a publication being published,
+        publications received) was backed out by the server; a commit lost in flight may or may not have happened."""
+        if op == "pub_backout" or op in ("subscribe", "subscriptions"):
+            return  # backed out, as asked; subscribe finds the subscription it made, if it made one
+        if op == "pub_commit" and in_flight and was_held:
+            raise OutcomeUnknownError(f"connection to {where} lost during pub_commit ({why}): the publication and "
+                                      "the subscriptions' positions may or may not have committed")
+        if op == "unsubscribe" and in_flight:
+            raise OutcomeUnknownError(f"connection to {where} lost during unsubscribe ({why}): it may or may not "
+                                      "have taken effect")
+        if was_held or (in_flight and op == "receive_pub"):
+            raise BackedOutError(f"connection to {where} lost during {op} ({why}): the publish/subscribe session "
+                                 "was backed out (a publication being published dropped, received ones returned)")
 
     @staticmethod
     def _session_lost(op: str, user: str | None, was_held: bool, *, in_flight: bool, where: str, why: str,
@@ -500,15 +524,52 @@ class Client(UnitOfWorkScope):
 
     def define_queue(self, name: str, structure: str, *, backout_threshold: int = 0, backout_queue: str = "",
                      max_msg_length: int = 4 * 2**20, replace: bool = False,
-                     uow: dict[str, Any] | None = None) -> dict[str, Any]:
+                     uow: dict[str, Any] | None = None, topic: dict[str, Any] | None = None) -> dict[str, Any]:
         """Define a queue; with ``uow`` attributes (cfemu.uow_attributes: store, max_uows, max_messages,
-        lifetime_s, status_lifetime, postpone_attempts, postpone_delay_s) a service and its companion queues."""
+        lifetime_s, status_lifetime, postpone_attempts, postpone_delay_s) a service and its companion queues; with
+        ``topic`` attributes (cfemu.topic_attributes: persistent, lifetime_s, durable, subscription_expiration_s,
+        max_messages) a topic and its companion queues."""
         args: dict[str, Any] = {"kind": "queue", "name": name, "structure": structure,
                                 "backout_threshold": backout_threshold, "backout_queue": backout_queue,
                                 "max_msg_length": max_msg_length, "replace": replace}
         if uow is not None:
             args["uow"] = dict(uow)
+        if topic is not None:
+            args["topic"] = dict(topic)
         return dict(self._call("define", args))
+
+    # --- publish and subscribe (sqm.pubsub; docs/pubsub.md) -------------------------------------------------------
+    def subscribe(self, topic: str, name: str, *, durable: bool | None = None) -> dict[str, Any]:
+        """SUBSCRIBE (once: an existing subscription is returned as it is). Returns its public fields."""
+        args: dict[str, Any] = {"topic": topic, "name": name}
+        if durable is not None:
+            args["durable"] = durable
+        return dict(self._call("subscribe", args))
+
+    def unsubscribe(self, topic: str, name: str) -> dict[str, Any]:
+        return dict(self._call("unsubscribe", {"topic": topic, "name": name}))
+
+    def subscriptions(self, topic: str) -> list[dict[str, Any]]:
+        return list(self._call("subscriptions", {"topic": topic}))
+
+    def publish(self, topic: str, body: bytes, *, commit: bool = False) -> dict[str, Any]:
+        """A message of the publication this connection is publishing (begun by the first); ``commit``: commit
+        after it (pub_commit). Returns pub, topic, messages, committed."""
+        return dict(self._call("publish", {"topic": topic, "body": body, "commit": commit}))
+
+    def receive_pub(self, topic: str, name: str, *, wait_ms: int = 0) -> dict[str, Any]:
+        """The next publication for subscription ``name``, whole: topic, pub, lrsn, messages (list of bytes),
+        created_pc, persistent. NoMessageError when none comes within ``wait_ms``. Settle it with pub_commit."""
+        return dict(self._call("receive_pub", {"topic": topic, "name": name, "wait_ms": wait_ms},
+                               wait_s=wait_ms / 1000))
+
+    def pub_commit(self) -> dict[str, Any]:
+        """COMMIT of the publish/subscribe session: the publication being published, and the positions of the
+        subscriptions received for. Lost in flight: OutcomeUnknownError."""
+        return dict(self._call("pub_commit", {}))
+
+    def pub_backout(self) -> dict[str, Any]:
+        return dict(self._call("pub_backout", {}))
 
     # --- conversations (sqm.conversation; EntireX's LOGON, SEND, RECEIVE, SYNCPOINT) ----------------------------
     def logon(self, user: str, token: str = "") -> None:

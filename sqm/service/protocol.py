@@ -73,10 +73,15 @@ PRE_HELLO_MAX_FRAME = 64 * 2**10  # frames a peer may send before it has authent
 
 # Every operation the server understands (the client library uses the same names).
 OPS = ("hello", "auth", "ping", "put", "get", "browse", "commit", "backout", "prepare", "resolve", "indoubt",
-       "status", "define", "logon", "send", "receive", "syncpoint")
+       "status", "define", "logon", "send", "receive", "syncpoint", "subscribe", "unsubscribe", "subscriptions",
+       "publish", "receive_pub", "pub_commit", "pub_backout")
 # A connection's conversation (sqm.conversation: EntireX's LOGON, SEND, RECEIVE, SYNCPOINT): logon makes it, the
 # others need it; it ends, backed out, with the connection.
 CONVERSATION_OPS = frozenset({"logon", "send", "receive", "syncpoint"})
+# Publish and subscribe (sqm.pubsub, docs/pubsub.md): the connection's publish/subscribe session is made by its first
+# publish or receive_pub; pub_commit / pub_backout settle it, and it ends, backed out, with the connection.
+PUBSUB_OPS = frozenset({"subscribe", "unsubscribe", "subscriptions", "publish", "receive_pub", "pub_commit",
+                        "pub_backout"})
 
 # --- roles and authentication ----------------------------------------------------------------------------------
 APPLICATION, OPERATOR = "application", "operator"
@@ -85,7 +90,7 @@ ROLES = (APPLICATION, OPERATOR)
 # server checks it); an operator may do anything, and resolve any in-doubt UOW.
 ROLE_OPS: dict[str, frozenset[str]] = {
     APPLICATION: frozenset({"ping", "put", "get", "browse", "commit", "backout", "prepare", "resolve",
-                            "indoubt"}) | CONVERSATION_OPS,
+                            "indoubt"}) | CONVERSATION_OPS | PUBSUB_OPS,
     OPERATOR: frozenset(OPS) - {"hello", "auth"},
 }
 AUTH_METHOD = "hmac-sha256"
@@ -348,7 +353,7 @@ def message_from_wire(obj: dict[str, Any]) -> Message:
 __all__ = ["APPLICATION", "AUTH_METHOD", "DEFAULT_MAX_FRAME", "ENVELOPE", "ERROR_CLASSES", "NONCE_BYTES", "OPERATOR",
            "ROLES", "ROLE_OPS", "ConnectionLimitError", "FrameTooLargeError", "HEADER", "MAX_FRAME",
            "MESSAGE_COST", "MIN_FRAME", "MessageTooBigForChannelError", "NotAuthorizedError", "NotLoggedOnError",
-           "OPS", "CONVERSATION_OPS", "SessionLostError",
+           "OPS", "CONVERSATION_OPS", "PUBSUB_OPS", "SessionLostError",
            "PRE_HELLO_MAX_FRAME", "PROOF_BYTES", "PROTOCOL_VERSION", "auth_proof", "auth_transcript", "new_nonce", "proof_matches", "ProtocolError", "QueueManagerUnavailableError",
            "QuiescingError", "arg", "check_length", "decode_body", "encode_frame", "error_from_wire", "error_reply",
            "message_from_wire", "message_to_wire", "ok_reply", "parse_request", "read_frame", "recv_frame"]

@@ -65,7 +65,7 @@ from cfemu.errors import (
     TruncatedMessageError,
 )
 from cfemu.repository import RepositoryError
-from cfemu.uow_attributes import control_queue, data_queue
+from sqm import pubsub
 from sqm.connection import Connection
 from sqm.conversation import MAX_USER, OPTIONS, Conversation
 from sqm.log import LogLockedError
@@ -292,6 +292,7 @@ class Session:
     client_nonce: bytes = b""
     conn: Connection | None = None
     conversation: Conversation | None = None  # made by logon (sqm.conversation); closed with the connection
+    pubsub: pubsub.PubSubSession | None = None  # made by the first publish or receive_pub; backed out with it
     gone: threading.Event = field(default_factory=threading.Event)  # the client disconnected
     reading: asyncio.Task[bytes | None] | None = None  # the read of the next frame, when one is pending
 
@@ -305,6 +306,8 @@ class Session:
         if self.conversation is not None:
             c = self.conversation
             flags["held"] = c.sending is not None or c.receiving is not None
+        if self.pubsub is not None:
+            flags["ps_held"] = self.pubsub.draft is not None or bool(self.pubsub.held)
         return flags
 
 
@@ -370,6 +373,9 @@ class SQMServer:
             "resolve": self._op_resolve, "indoubt": self._op_indoubt, "status": self._op_status,
             "define": self._op_define, "logon": self._op_logon, "send": self._op_send,
             "receive": self._op_receive, "syncpoint": self._op_syncpoint,
+            "subscribe": self._op_subscribe, "unsubscribe": self._op_unsubscribe,
+            "subscriptions": self._op_subscriptions, "publish": self._op_publish, "receive_pub": self._op_receive_pub,
+            "pub_commit": self._op_pub_commit, "pub_backout": self._op_pub_backout,
         }
         self.registry = metrics.make_registry(self.qm, self.server_stats)
 
@@ -960,9 +966,10 @@ class SQMServer:
         """Like MQDISC after an abnormal end: the connection's in-flight UOW is backed out, in its own thread."""
         loop = asyncio.get_running_loop()
         conn = session.conn
-        if (conn is not None and conn.uow is not None) or session.conversation is not None:
+        if (conn is not None and conn.uow is not None) or session.conversation is not None or session.pubsub:
             def backout() -> None:
                 self._logoff(session, "closed connection")
+                self._end_pubsub(session)
                 try:
                     if conn is not None:
                         conn.close()
@@ -1110,23 +1117,25 @@ class SQMServer:
                                            backout_threshold=arg(args, "define", "backout_threshold", int, 0),
                                            backout_queue=arg(args, "define", "backout_queue", str, ""),
                                            max_msg_length=arg(args, "define", "max_msg_length", int, 4 * 2**20),
-                                           replace=replace, uow=self._uow_attributes(args))
-            for queue in (name, *((data_queue(name), control_queue(name)) if qdef.uow else ())):
+                                           replace=replace, uow=self._uow_attributes(args),
+                                           topic=self._uow_attributes(args, "topic"))
+            for queue in (name, *qdef.companions):
                 self.qm.forget_queue_def(queue)
             return vars(qdef)
         raise BadRequestError(f"define: kind must be 'structure' or 'queue', not {kind!r}")
 
     @staticmethod
-    def _uow_attributes(args: dict[str, Any]) -> dict[str, Any] | None:
-        """A define's UOW attributes (a service: cfemu.uow_attributes), bounded; their values are checked there."""
-        uow = arg(args, "define", "uow", dict, None)
+    def _uow_attributes(args: dict[str, Any], field: str = "uow") -> dict[str, Any] | None:
+        """A define's UOW attributes (a service: cfemu.uow_attributes) or, with field "topic", a topic's
+        (cfemu.topic_attributes), bounded; their values are checked there."""
+        uow = arg(args, "define", field, dict, None)
         if uow is None:
             return None
         if len(uow) > MAX_UOW_ATTRIBUTES or not all(isinstance(k, str) and len(k) <= 64 for k in uow):
-            raise BadRequestError(f"define: 'uow' must map at most {MAX_UOW_ATTRIBUTES} attribute names to values")
+            raise BadRequestError(f"define: '{field}' must map at most {MAX_UOW_ATTRIBUTES} attribute names to values")
         bad = [k for k, v in uow.items() if not isinstance(v, bool | int)]
         if bad:
-            raise BadRequestError(f"define: UOW attribute {_short(bad[0])} must be an integer or a boolean")
+            raise BadRequestError(f"define: {field} attribute {_short(bad[0])} must be an integer or a boolean")
         return dict(uow)
 
     # --- conversations (sqm.conversation): one session per connection, made by logon -------------------------
@@ -1204,6 +1213,60 @@ class SQMServer:
         uow = _bounded_str(args, "syncpoint", "uow", MAX_USER)
         return conv.syncpoint(option, uow, user_status=_user_status(args, "syncpoint"))
 
+    # --- publish and subscribe (sqm.pubsub): one session per connection, made by its first publish or receive ---
+    def _pubsub(self, session: Session) -> pubsub.PubSubSession:
+        if session.pubsub is None:
+            session.pubsub = pubsub.PubSubSession(self.qm, session.gone)
+        return session.pubsub
+
+    def _end_pubsub(self, session: Session) -> None:
+        ps, session.pubsub = session.pubsub, None
+        if ps is None:
+            return
+        try:
+            ps.close()
+        except Exception as e:  # noqa: BLE001 - the connection ends whatever happens; recovery backs it out
+            log.warning("%s: backing out the publish/subscribe session of connection %d: %s", self.qm.name,
+                        session.number, e)
+
+    def _op_subscribe(self, session: Session, args: dict[str, Any]) -> dict[str, Any]:
+        durable = arg(args, "subscribe", "durable", bool, None)
+        return pubsub.subscribe(self.qm, _service(args, "subscribe", "topic"),
+                                _bounded_str(args, "subscribe", "name", pubsub.MAX_NAME), durable=durable).public()
+
+    def _op_unsubscribe(self, session: Session, args: dict[str, Any]) -> dict[str, Any]:
+        return pubsub.unsubscribe(self.qm, _service(args, "unsubscribe", "topic"),
+                                  _bounded_str(args, "unsubscribe", "name", pubsub.MAX_NAME)).public()
+
+    def _op_subscriptions(self, session: Session, args: dict[str, Any]) -> list[dict[str, Any]]:
+        t = pubsub.topic(self.qm, _service(args, "subscriptions", "topic"))
+        return [s.public() for s in pubsub.subscriptions(self.qm, t)]
+
+    def _op_publish(self, session: Session, args: dict[str, Any]) -> dict[str, Any]:
+        return self._pubsub(session).publish(_service(args, "publish", "topic"), arg(args, "publish", "body", bytes),
+                                             commit=arg(args, "publish", "commit", bool, False))
+
+    def _op_receive_pub(self, session: Session, args: dict[str, Any]) -> dict[str, Any]:
+        wait_ms = arg(args, "receive_pub", "wait_ms", int, 0)
+        if not 0 <= wait_ms <= self.config.max_wait_ms:
+            raise BadRequestError(f"receive_pub: wait_ms must be 0-{self.config.max_wait_ms}, not {wait_ms}")
+        topic = _service(args, "receive_pub", "topic")
+        got = self._pubsub(session).receive(topic, _bounded_str(args, "receive_pub", "name", pubsub.MAX_NAME),
+                                            wait_ms=wait_ms)
+        room = session.reply_limit - ENVELOPE - MESSAGE_COST * max(1, len(got.messages))
+        if sum(len(m) for m in got.messages) > room:
+            raise TruncatedMessageError(
+                f"receive_pub on {topic}: publication {got.pub} does not fit the replies of this connection to "
+                f"{self.qm.name} ({session.reply_limit} bytes); it stays held by this session: pub_backout returns "
+                "it")
+        return got.public()
+
+    def _op_pub_commit(self, session: Session, args: dict[str, Any]) -> dict[str, Any]:
+        return self._pubsub(session).commit()
+
+    def _op_pub_backout(self, session: Session, args: dict[str, Any]) -> dict[str, Any]:
+        return self._pubsub(session).backout()
+
     @staticmethod
     def _logged_on(session: Session) -> Conversation:
         if session.conversation is None:  # _refusal refuses it first; a logon that failed leaves none
@@ -1270,10 +1333,10 @@ def _identity(args: dict[str, Any], name: str, *, required: bool) -> str:
     return value
 
 
-def _service(args: dict[str, Any], op: str) -> str:
-    service = _bounded_str(args, op, "service", MAX_NAME)
+def _service(args: dict[str, Any], op: str, name: str = "service") -> str:
+    service = _bounded_str(args, op, name, MAX_NAME)
     if not service:
-        raise BadRequestError(f"{op}: missing argument 'service'")
+        raise BadRequestError(f"{op}: missing argument '{name}'")
     return service
 
 
