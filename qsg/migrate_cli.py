@@ -1,10 +1,173 @@
-"""Placeholder for the `cfemu` verbs of issue 14 (being built): refuses with a clear message until it lands."""
+"""`cfemu migrate`: move a structure from one CF to another through files (seed 004's PSTORE-UNLOAD / PSTORE-LOAD,
+backup.migrate), with a report of every record on both sides and their comparison (backup.migrate_report).
+
+    cfemu migrate unload STRUCT --to DIR [--redis-url SOURCE]        the source ends MIGRATED
+    cfemu migrate load DIR --redis-url TARGET [--structure NAME] [--group NAME] [--restart] [--report FILE]
+                           [--source-keys-dir DIR]
+    cfemu migrate compare UNLOAD_REPORT LOAD_REPORT [--keys-dir DIR]  equal, or each difference (exit status 1)
+    cfemu migrate status STRUCT [--redis-url URL]
+    cfemu migrate reopen STRUCT --confirm STRUCT [--redis-url SOURCE] the source serves again (deliberately)
+
+Every verb takes --json; errors are one line on stderr with exit status 2 (docs/migration.md)."""
 
 from __future__ import annotations
 
+import argparse
 import sys
+from pathlib import Path
+
+from backup import migrate
+from backup.files import BackupError
+from backup.migrate_report import ReportError, compare, read_report
+from cfemu import credentials
+from cfemu.clitools import (
+    CLIError,
+    Output,
+    PhaseBars,
+    add_settings_arguments,
+    require_url,
+    run_command,
+    settings,
+)
+from cfemu.connection import connect
+
+EXPECTED_ERRORS = (migrate.MigrationError, BackupError, ReportError)
+
+
+def _bars(out: Output) -> PhaseBars:
+    return PhaseBars(out.console, disabled=out.as_json or not out.console.is_terminal)
+
+
+def _counts_rows(by_type: dict[str, int]) -> list[list[object]]:
+    return [[t, n] for t, n in sorted(by_type.items())]
+
+
+def cmd_unload(args: argparse.Namespace, out: Output) -> int:
+    found = settings(args)
+    client = connect(require_url(found))
+    with _bars(out) as bars:
+        done = migrate.unload(client, args.structure, args.to, backup_keys=found.backup_keys(), progress=bars)
+    d = done.to_dict()
+    if out.as_json:
+        out.json(d)
+        return 0
+    out.line(f"unloaded structure {done.structure} of group {done.group} (migration {done.migration}): "
+             f"{done.entries} entries, {done.bytes} bytes in {done.seconds:.2f} s; the source is now {done.state}")
+    out.table("records", ["type", "entries"], _counts_rows(done.by_type))
+    out.line(f"unload: {d['unload']}  report: {d['report']}")
+    return 0
+
+
+def cmd_load(args: argparse.Namespace, out: Output) -> int:
+    if not args.redis_url:
+        raise CLIError("migrate load needs --redis-url: the target CF, named explicitly (never a default that may "
+                       "be the source's)")
+    found = settings(args)
+    client = connect(require_url(found))
+    source_keys = credentials.backup_keys(Path(args.source_keys_dir)) if args.source_keys_dir else None
+    with _bars(out) as bars:
+        done = migrate.load(client, args.dir, structure=args.structure, group=args.group, restart=args.restart,
+                            report=args.report, backup_keys=found.backup_keys(), source_keys=source_keys,
+                            batch=args.batch, progress=bars, log_root=args.log_root)
+    d = done.to_dict()
+    if out.as_json:
+        out.json(d)
+        return 0
+    out.line(f"loaded migration {done.migration} as structure {done.structure} of group {done.group}: "
+             f"{done.entries} entries, {done.bytes} bytes in {done.seconds:.2f} s; the target is {done.state}")
+    out.table("records", ["type", "entries"], _counts_rows(done.by_type))
+    out.line(f"report: {done.report}  (compare it: cfemu migrate compare UNLOAD_REPORT {done.report})")
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace, out: Output) -> int:
+    keys = settings(args).backup_keys()
+    if args.keys_dir:
+        keys = migrate.with_keys(keys, credentials.backup_keys(Path(args.keys_dir)))
+    result = compare(read_report(args.unload_report, backup_keys=keys),
+                     read_report(args.load_report, backup_keys=keys))
+    if out.as_json:
+        out.json(result.to_dict())
+    else:
+        out.table("records", ["type", "unloaded", "loaded"],
+                  [[t, v[0], v[1]] for t, v in sorted(result.by_type.items())])
+        if result.equal:
+            out.line(f"equal: the {result.loaded} records loaded are the {result.unloaded} unloaded, each with the "
+                     "same content at the same place")
+        else:
+            out.table(f"{len(result.differences)} differences", ["difference"], [[d] for d in result.differences])
+    return 0 if result.equal else 1
+
+
+def cmd_status(args: argparse.Namespace, out: Output) -> int:
+    client = connect(require_url(settings(args)))
+    st = migrate.status(client, args.structure)
+    if out.as_json:
+        out.json(st)
+    else:
+        out.table("migration status", ["structure", "state", "migration", "entries", "meaning"],
+                  [[st["structure"], st["state"], st["migration"] or "-", st["entries"], st["meaning"]]])
+    return 0
+
+
+def cmd_reopen(args: argparse.Namespace, out: Output) -> int:
+    if args.confirm != args.structure:
+        raise CLIError(f"reopening {args.structure} makes it serve again: if its target serves too, applications "
+                       f"get the same messages twice; confirm with --confirm {args.structure}")
+    st = migrate.reopen(connect(require_url(settings(args))), args.structure)
+    if out.as_json:
+        out.json(st)
+    else:
+        out.line(f"structure {st['structure']}: {st['state_before']} -> ACTIVE (migration {st['migration']}); "
+                 "its members' work is accepted again")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    add_settings_arguments(common, "cluster_dir")
+    common.add_argument("--json", action="store_true", help="machine-readable output")
+    common.add_argument("--verbose", "-v", action="store_true", help="show the traceback of an error")
+    cf = argparse.ArgumentParser(add_help=False)
+    add_settings_arguments(cf, "redis_url", "cf_dir")
+
+    p = argparse.ArgumentParser(prog="cfemu migrate", description="Migrate a structure to another CF through files "
+                                "(unload, load, compare the reports; docs/migration.md).")
+    sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
+    un = sub.add_parser("unload", parents=[common, cf], help="unload a structure into a directory (it ends MIGRATED)")
+    un.add_argument("structure")
+    un.add_argument("--to", required=True, metavar="DIR", help="a new or empty directory")
+    un.set_defaults(func=cmd_unload, cf_role="operator")
+    ld = sub.add_parser("load", parents=[common, cf], help="load an unload into another CF (an empty structure)")
+    ld.add_argument("dir", metavar="DIR", help="the unload's directory (cfemu migrate unload --to DIR)")
+    ld.add_argument("--structure", help="the structure's name in the target (default: the source's)")
+    ld.add_argument("--group", help="the target's group: set on a CF that has none, refused when it has another")
+    ld.add_argument("--restart", action="store_true", help="start a partial load of this migration over")
+    ld.add_argument("--report", metavar="FILE", help=f"the load report (default DIR/{migrate.LOAD_REPORT})")
+    ld.add_argument("--source-keys-dir", metavar="DIR",
+                    help="the source group's secrets directory, to check an unload another group signed")
+    ld.add_argument("--log-root", metavar="DIR", help="the target group's log root: its group repository then "
+                    "defines the structure and its queues too (RECAUTO and restore need them after a CF loss)")
+    ld.add_argument("--batch", type=int, default=1000, metavar="N", help="entries per guarded transaction")
+    ld.set_defaults(func=cmd_load, cf_role="restore")
+    cmp = sub.add_parser("compare", parents=[common], help="compare an unload report with a load report")
+    cmp.add_argument("unload_report")
+    cmp.add_argument("load_report")
+    cmp.add_argument("--keys-dir", metavar="DIR", help="another group's secrets directory (its backup key)")
+    cmp.set_defaults(func=cmd_compare, cf_role="operator")
+    stp = sub.add_parser("status", parents=[common, cf], help="a structure's migration state")
+    stp.add_argument("structure")
+    stp.set_defaults(func=cmd_status, cf_role="operator")
+    ro = sub.add_parser("reopen", parents=[common, cf], help="give a MIGRATING or MIGRATED source back (ACTIVE)")
+    ro.add_argument("structure")
+    ro.add_argument("--confirm", metavar="STRUCT", default="", help="the structure's name again")
+    ro.set_defaults(func=cmd_reopen, cf_role="operator")
+    return p
 
 
 def main(argv: list[str]) -> int:
-    print(f"cfemu {' '.join(argv[:1])}: not built yet (issue 14)", file=sys.stderr)
-    return 2
+    args = build_parser().parse_args(argv)
+    if getattr(args, "batch", 1) < 1:
+        print(f"cfemu migrate: error: --batch must be at least 1, not {args.batch}", file=sys.stderr)
+        return 2
+    return run_command("cfemu migrate", args, args.func, EXPECTED_ERRORS)

@@ -1,0 +1,555 @@
+"""Store migration (seed 004's PSTORE-UNLOAD / PSTORE-LOAD): unload a structure from one CF into files, load them
+into another CF (another redis-server, another group, a Redis Cluster), with a handshake, reports on both sides
+(backup.migrate_report) and a guard against both stores serving at once.
+
+It lives on the backup floor because it is made of the backup's parts: the unload is written in the backup's file
+format (backup.files: CRC32C frames in entry files, a manifest signed with the group's backup key), and both sides
+read and write the CF only through cfemu.bulk (its pipelined reads; a restore's claim, guarded Loader, verify and
+activate on the target). It imports cfemu and backup only; qsg.migrate_cli is its command line.
+
+The source while it runs and after: the unload sets the structure's state to MIGRATING in one transaction that
+also checks that no unit of work holds entries there (WATCH on the header and the UOW records: a member that joins
+a UOW meanwhile makes it look again) and that no backup runs. Every member script refuses work on a structure that
+is not ACTIVE (check_ready, cfemu/scripts/_prelude.lua: CFSTATE, MQRC_CF_STRUC_FAILED to the application), and
+RECAUTO (sqm.recauto) only restores a structure that is FAILED, or RECOVERING with an automatic recovery's mark:
+a MIGRATING or MIGRATED structure is neither, so no member takes it for a lost CF. At the end the source is left
+MIGRATED (a failed unload puts it back to ACTIVE): it serves nothing until an operator reopens it deliberately
+(``reopen``), so the two stores never serve at once.
+
+The target while it loads: the load claims the structure as a restore does (cfemu.bulk.claim: RECOVERING with a
+restore token, every write one guarded transaction; RECAUTO leaves a RECOVERING structure without its mark alone),
+marks the header with the migration's id (``migration``), empties it, loads the entries batch by batch in their
+list order, reads each batch back into the load report, verifies counts and list order, and switches it ACTIVE
+last. A load killed midway leaves the target RECOVERING with the migration's id and a report without a trailer:
+``status`` and ``read_report`` say so, and a new load refuses the target (not empty) unless told to start it over
+(restart=True, only for the same migration).
+
+The handshake (before anything is written on the target): the manifest is the group's (its signature), of this
+format (MIGRATION_FORMAT) and kind, every entry file intact; the target is not the source store (same CF run id and
+structure, or a header that says it is this migration's source); the target structure is empty (no entries, no
+UOW records, no tombstones; not being restored or migrated), its queues are not defined on another structure of the
+target, and the target's group is the one asked for.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import msgpack
+import redis
+
+from backup.files import Backup, BackupWriter, new_backup_id, read_manifest, resolve_keys, signing_key
+from backup.migrate_report import (
+    CREATED,
+    LOADED,
+    UNLOADED,
+    ReportWriter,
+    definition_record,
+    entry_record,
+)
+from cfemu import bulk, cluster_cf, keys
+from cfemu.admin import QUEUES, STRUCTURES, Admin, QueueDef, StructureDef
+from cfemu.credentials import BackupKeys
+from cfemu.progress import Progress, no_progress
+from cfemu.repository import GroupRepository
+from sqm.failpoints import failpoint
+
+MIGRATION_FORMAT = 1  # the unload's format: a load refuses another
+KIND = "cfemu-migration-unload"
+MIGRATING, MIGRATED = "MIGRATING", "MIGRATED"
+FIELD = "migration"  # header field: the migration's id (source: MIGRATING/MIGRATED; target: while it loads)
+UNLOAD_DIR, UNLOAD_REPORT, LOAD_REPORT = "unload", "unload-report.jsonl", "load-report.jsonl"
+_HEADER_CARRIED = ("gen", "clock", "floor")  # the source header fields the target keeps (LRSNs keep growing)
+_RETRIES = 20
+
+
+class MigrationError(RuntimeError):
+    """A migration step refused or failed; the message is one line naming the structure and the problem."""
+
+
+class HandshakeError(MigrationError):
+    """The unload and the target do not fit: another format, the same store, a foreign group, a busy source."""
+
+
+class SameStoreError(HandshakeError):
+    pass
+
+
+class TargetNotEmptyError(HandshakeError):
+    pass
+
+
+class LoadVerifyError(MigrationError):
+    """The target does not hold what was loaded (it stays RECOVERING)."""
+
+
+class Stored(NamedTuple):
+    """One unloaded entry in cfemu.bulk's Survivor shape: id, descriptor (wire form), data."""
+
+    id: str
+    entry: dict[str, Any]
+    data: bytes
+
+
+# --- reading a structure in list order ------------------------------------------------------------------------
+def _list_prefix(structure: str) -> str:
+    return keys.queue_list(structure, "", "")[:-1]  # "{S}:q:"
+
+
+def list_name(structure: str, wire: Mapping[str, Any]) -> str:
+    """The list an entry sits on, without the structure's tag ("Q1:cp:0"): the same on both sides of a rename."""
+    return bulk.list_of(structure, dict(wire))[len(_list_prefix(structure)):]
+
+
+def list_order(client: redis.Redis, structure: str) -> list[tuple[str, list[str]]]:
+    """Every queue list of the structure (by name, tag left out) with its ids in list order."""
+    prefix = _list_prefix(structure)
+    names = sorted({keys.text(k) for k in client.scan_iter(match=prefix + "*", count=1000)})
+    out = []
+    for name in names:
+        ids: list[str] = []
+        n = int(client.llen(name))
+        for i in range(0, n, 10_000):
+            ids.extend(keys.text(x) for x in client.lrange(name, i, i + 9_999))
+        out.append((name[len(prefix):], ids))
+    return out
+
+
+def read_store(client: redis.Redis, structure: str) -> Iterator[tuple[str, int, dict[str, Any], bytes]]:
+    """(list name, position, descriptor wire form, data) of every entry, list by list in list order. Meant for a
+    structure nobody changes meanwhile (MIGRATING, MIGRATED, or a target still RECOVERING): an entry that is in no
+    list, or in two, is an inconsistency and raises."""
+    lists = list_order(client, structure)
+    ids = [i for _, chunk in lists for i in chunk]
+    n_entries = int(client.hlen(keys.entries(structure)))
+    if len(ids) != n_entries or len(set(ids)) != len(ids):
+        raise MigrationError(f"structure {structure}: its lists hold {len(ids)} ids ({len(set(ids))} distinct), its "
+                             f"entries {n_entries}: not a consistent structure, refused")
+    places = [(name, pos) for name, chunk in lists for pos in range(len(chunk))]
+    for i, ((name, pos), (wire, data)) in enumerate(zip(places, bulk.fetch_wire(client, structure, ids),
+                                                         strict=True)):
+        if wire is None or data is None:
+            raise MigrationError(f"structure {structure}: entry {ids[i]} vanished while it was read")
+        yield name, pos, wire, data
+
+
+def _definitions(client: redis.Redis, structure: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The structure's definition and its queues' as stored in {ADMIN} (every field, also ones this version
+    does not know, such as a topic's attributes)."""
+    raw = client.hget(STRUCTURES, structure)
+    if raw is None:
+        raise MigrationError(f"structure {structure} is not defined in this CF")
+    sdef = msgpack.unpackb(raw, raw=False)
+    queues = []
+    for _, value in sorted(client.hgetall(QUEUES).items()):
+        q = msgpack.unpackb(value, raw=False)
+        if q.get("structure") == structure:
+            queues.append(q)
+    return sdef, queues
+
+
+def _header(client: redis.Redis, structure: str) -> dict[str, str]:
+    return {keys.text(k): keys.text(v) for k, v in client.hgetall(keys.meta(structure)).items()}
+
+
+def _guarded(node: redis.Redis, watch: tuple[str, ...], check: Any, stage: Any) -> Any:
+    """WATCH, check (raises to refuse), MULTI/EXEC stage; again when a watched key changed under it."""
+    for _ in range(_RETRIES):
+        pipe = node.pipeline(transaction=True)
+        try:
+            pipe.watch(*watch)
+            value = check(pipe)
+            pipe.multi()
+            stage(pipe, value)
+            pipe.execute()
+            return value
+        except redis.exceptions.WatchError:
+            continue
+        finally:
+            pipe.reset()
+    raise MigrationError(f"the structure's header changed under {_RETRIES} transactions in a row")
+
+
+# --- the source: unload, reopen ---------------------------------------------------------------------------------
+def freeze(client: redis.Redis, structure: str, migration: str) -> None:
+    """ACTIVE -> MIGRATING in one transaction, refused while a unit of work holds entries or a backup runs."""
+    node = cluster_cf.node_client(client, structure)
+    meta, uows = keys.meta(structure), keys.uows(structure)
+
+    def check(pipe: Any) -> None:
+        state, backup, other = (keys.text(v) if v is not None else None
+                                for v in pipe.hmget(meta, "state", "backup", FIELD))
+        if state is None:
+            raise MigrationError(f"structure {structure} is not in this CF")
+        if state in (MIGRATING, MIGRATED):
+            raise HandshakeError(f"structure {structure} is {state} (migration {other}): reopen it first "
+                                 f"('cfemu migrate reopen {structure}') to unload it again")
+        if state != "ACTIVE":
+            raise MigrationError(f"structure {structure} is {state}; only an ACTIVE structure can be unloaded")
+        if backup:
+            raise MigrationError(f"structure {structure}: backup {backup} is running; unload once it has ended")
+        held = [keys.text(u) for u in pipe.hkeys(uows)]
+        if held:
+            raise MigrationError(f"structure {structure}: {len(held)} units of work hold entries on it (e.g. "
+                                 f"{', '.join(sorted(held)[:3])}): let them end (or stop the members) and unload again")
+
+    _guarded(node, (meta, uows), check,
+             lambda pipe, _: pipe.hset(meta, mapping={"state": MIGRATING, FIELD: migration}))
+
+
+def _set_state(client: redis.Redis, structure: str, *, to: str, expect: tuple[str, ...],
+               migration: str | None = None) -> str:
+    """Move the header's state from one of `expect` (of `migration` when given) to `to`; returns the old state."""
+    node = cluster_cf.node_client(client, structure)
+    meta = keys.meta(structure)
+
+    def check(pipe: Any) -> str:
+        state, mid = (keys.text(v) if v is not None else "" for v in pipe.hmget(meta, "state", FIELD))
+        if state not in expect or (migration is not None and mid != migration):
+            raise MigrationError(f"structure {structure} is {state or 'not in this CF'}"
+                                 f"{f' (migration {mid})' if mid else ''}, not {' or '.join(expect)}"
+                                 f"{f' of migration {migration}' if migration else ''}: left as it is")
+        return state
+
+    def stage(pipe: Any, _: str) -> None:
+        pipe.hset(meta, "state", to)
+        if to == "ACTIVE":
+            pipe.hdel(meta, FIELD)
+
+    return str(_guarded(node, (meta,), check, stage))
+
+
+def reopen(client: redis.Redis, structure: str) -> dict[str, Any]:
+    """Give a MIGRATING or MIGRATED source back to its members (ACTIVE): the operator's deliberate choice, after
+    a migration that is abandoned, or before a second unload. Never while the target serves (both would)."""
+    header = _header(cluster_cf.node_client(client, structure), structure)
+    before = _set_state(client, structure, to="ACTIVE", expect=(MIGRATING, MIGRATED))
+    return {"structure": structure, "state_before": before, "state": "ACTIVE", "migration": header.get(FIELD, "")}
+
+
+@dataclass
+class Unloaded:
+    migration: str
+    structure: str
+    group: str
+    cf: str
+    directory: Path
+    entries: int = 0
+    bytes: int = 0
+    by_type: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+    state: str = MIGRATED
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"migration": self.migration, "structure": self.structure, "group": self.group, "cf": self.cf,
+                "directory": str(self.directory), "unload": str(self.directory / UNLOAD_DIR),
+                "report": str(self.directory / UNLOAD_REPORT), "entries": self.entries, "bytes": self.bytes,
+                "by_type": dict(sorted(self.by_type.items())), "seconds": round(self.seconds, 3),
+                "state": self.state}
+
+
+def unload(client: redis.Redis, structure: str, to: str | Path, *, backup_keys: BackupKeys | None = None,
+           progress: Progress = no_progress) -> Unloaded:
+    """Unload `structure` into the directory `to` (new, or empty): ``unload/`` (the backup file format, its
+    manifest signed) and ``unload-report.jsonl``. The source ends MIGRATED; a failure puts it back to ACTIVE
+    and removes what was written."""
+    t0 = time.monotonic()
+    keys_ = resolve_keys(backup_keys)
+    signing_key(keys_, "sign the unload with")  # no key, no unload: refused before the CF is touched
+    directory = Path(to)
+    if directory.exists() and any(directory.iterdir()):
+        raise MigrationError(f"{directory} is not empty: unload into a new or empty directory")
+    keys.check_name("structure", structure)
+    admin = Admin(client)
+    sdef, queues = _definitions(client, structure)
+    group = admin.group_name()
+    node = cluster_cf.node_client(client, structure)
+    cf = bulk.cf_identity(node)
+    migration = new_backup_id(structure, datetime.now(UTC))
+    freeze(client, structure, migration)
+    writer: BackupWriter | None = None
+    report: ReportWriter | None = None
+    try:
+        header = _header(node, structure)
+        writer = BackupWriter(directory / UNLOAD_DIR, backup_keys=keys_)
+        report = ReportWriter(directory / UNLOAD_REPORT, {
+            "report": "unload", "migration": migration, "structure": structure, "group": group, "cf": cf,
+            "started": datetime.now(UTC).isoformat()}, backup_keys=keys_)
+        result = Unloaded(migration, structure, group, cf, directory)
+        report.add(definition_record("structure", structure, sdef, action=UNLOADED))
+        for q in queues:
+            report.add(definition_record("queue", q["name"], q, action=UNLOADED))
+        total = int(node.hlen(keys.entries(structure)))
+        for name, pos, wire, data in read_store(node, structure):
+            writer.add(0, wire, data)
+            rec = entry_record(wire, data, list_name=name, pos=pos, action=UNLOADED)
+            report.add(rec)
+            result.entries += 1
+            result.bytes += len(data)
+            result.by_type[rec["type"]] = result.by_type.get(rec["type"], 0) + 1
+            if result.entries % 5000 == 0:
+                progress("unload", result.entries, total)
+        progress("unload", result.entries, total)
+        report_sha = report.close()
+        report = None
+        writer.finish({
+            "kind": KIND, "id": migration, "structure": structure, "group": group,
+            "migration": {"format": MIGRATION_FORMAT, "id": migration, "source_cf": cf, "source_group": group,
+                          "structure": structure, "unloaded_at": datetime.now(UTC).isoformat()},
+            "structure_def": sdef, "queues": queues,
+            "header": {k: int(header.get(k, 0) or 0) for k in _HEADER_CARRIED},
+            "tombstones": {keys.text(u): keys.text(o) for u, o in node.hgetall(keys.tomb(structure)).items()},
+            "queue_names": sorted(keys.text(q) for q in node.smembers(keys.queues(structure))),
+            "pclock": {keys.text(k): keys.text(v) for k, v in node.hgetall(keys.pclock(structure)).items()},
+            "entries": result.entries, "bytes": result.bytes, "report": {"name": UNLOAD_REPORT, "sha256": report_sha},
+        })
+        writer = None
+        _set_state(client, structure, to=MIGRATED, expect=(MIGRATING,), migration=migration)
+    except BaseException:
+        if report is not None:
+            report.abandon()
+            (directory / UNLOAD_REPORT).unlink(missing_ok=True)
+        if writer is not None:
+            writer.abort()
+        try:
+            _set_state(client, structure, to="ACTIVE", expect=(MIGRATING,), migration=migration)
+        except (MigrationError, redis.exceptions.RedisError):
+            pass  # left MIGRATING: 'cfemu migrate reopen' gives it back
+        raise
+    result.seconds = time.monotonic() - t0
+    return result
+
+
+# --- the target: load -------------------------------------------------------------------------------------------
+@dataclass
+class Loaded:
+    migration: str
+    structure: str
+    source_structure: str
+    group: str
+    cf: str
+    report: Path
+    entries: int = 0
+    bytes: int = 0
+    by_type: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+    state: str = "ACTIVE"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"migration": self.migration, "structure": self.structure, "source_structure": self.source_structure,
+                "group": self.group, "cf": self.cf, "report": str(self.report), "entries": self.entries,
+                "bytes": self.bytes, "by_type": dict(sorted(self.by_type.items())), "seconds": round(self.seconds, 3),
+                "state": self.state}
+
+
+def with_keys(backup_keys: BackupKeys, extra: BackupKeys | None) -> BackupKeys:
+    """This process's keys plus another group's (to check an unload that group signed)."""
+    if extra is None:
+        return backup_keys
+    return BackupKeys(current=backup_keys.current, previous=(*backup_keys.previous, *extra.checking()),
+                      accept_unsigned=backup_keys.accept_unsigned, source=f"{backup_keys.source}; {extra.source}")
+
+
+def open_unload(directory: str | Path, *, backup_keys: BackupKeys | None = None) -> Backup:
+    """The unload in `directory`, its manifest checked (the group's signature, kind, format) and every entry file
+    read through (CRC32C of each frame, digests, counts): nothing of a damaged unload reaches a target."""
+    path = Path(directory) / UNLOAD_DIR
+    manifest = read_manifest(path, backup_keys=backup_keys)
+    info = manifest.get("migration")
+    if manifest.get("kind") != KIND or not isinstance(info, dict):
+        raise HandshakeError(f"{path}: not a migration unload (a backup? restore it with cfrestore instead)")
+    if info.get("format") != MIGRATION_FORMAT:
+        raise HandshakeError(f"{path}: unload format {info.get('format')!r}; this tool loads format "
+                             f"{MIGRATION_FORMAT} only: load it with the version that unloaded it")
+    unload = Backup(path, manifest)
+    frames = sum(1 for _ in unload.frames())
+    if frames != manifest["entries"]:
+        raise HandshakeError(f"{path}: {frames} entries in its files, the manifest says {manifest['entries']}")
+    return unload
+
+
+def handshake(client: redis.Redis, manifest: Mapping[str, Any], structure: str, *, group: str | None = None,
+              restart: bool = False) -> dict[str, Any]:
+    """The checks a load makes on the target before it writes anything; returns what it found there."""
+    info = manifest["migration"]
+    node = cluster_cf.node_client(client, structure)
+    cf = bulk.cf_identity(node)
+    header = _header(node, structure)
+    if (cf == info["source_cf"] and structure == info["structure"]) or (
+            header.get(FIELD) == info["id"] and header.get("state") in (MIGRATING, MIGRATED)):
+        raise SameStoreError(f"the target is the source store of migration {info['id']} (CF run id {cf[:12]}, "
+                             f"structure {structure}): load into another CF or under another structure name")
+    partial = header.get(FIELD) == info["id"] and header.get("state") == "RECOVERING"
+    if partial and not restart:
+        raise TargetNotEmptyError(f"structure {structure} holds a partial load of migration {info['id']} (killed "
+                                  "midway): start it over with --restart")
+    if not partial:
+        state = header.get("state", "")
+        if state and state not in ("ACTIVE", "FAILED"):
+            raise TargetNotEmptyError(f"structure {structure} is {state} in the target"
+                                      f"{' (migration ' + header[FIELD] + ')' if header.get(FIELD) else ''}: "
+                                      "not an empty store")
+        counts = {"entries": node.hlen(keys.entries(structure)), "units of work": node.hlen(keys.uows(structure)),
+                  "tombstones": node.hlen(keys.tomb(structure))}
+        busy = {k: int(v) for k, v in counts.items() if int(v)}
+        if busy:
+            raise TargetNotEmptyError(f"structure {structure} in the target is not empty ("
+                                      f"{', '.join(f'{v} {k}' for k, v in busy.items())}): a load needs an empty "
+                                      "structure (purge it first, or load under another name)")
+    for q in manifest["queues"]:
+        raw = client.hget(QUEUES, q["name"])
+        if raw is not None and msgpack.unpackb(raw, raw=False).get("structure") != structure:
+            raise HandshakeError(f"queue {q['name']} is defined in the target on structure "
+                                 f"{msgpack.unpackb(raw, raw=False).get('structure')}: queue names are the group's")
+    has_group = client.exists(keys.group())
+    target_group = Admin(client).group_name()
+    if group is not None and has_group and target_group != group:
+        raise HandshakeError(f"the target CF is group {target_group}, not {group}")
+    return {"cf": cf, "group": group or target_group, "set_group": group is not None and not has_group,
+            "partial": partial}
+
+
+def load(client: redis.Redis, directory: str | Path, *, structure: str | None = None, group: str | None = None,
+         restart: bool = False, report: str | Path | None = None, backup_keys: BackupKeys | None = None,
+         source_keys: BackupKeys | None = None, batch: int = bulk.BATCH, progress: Progress = no_progress,
+         log_root: str | Path | None = None) -> Loaded:
+    """Load the unload in `directory` into the CF `client` names, as `structure` (default: the source's name).
+    The load report goes to `report` (default: load-report.jsonl in `directory`). log_root: the target group's
+    log root, whose group repository (cfemu.repository) then knows the structure and its queues too, so that
+    RECAUTO and restore find them after a loss of the target CF."""
+    t0 = time.monotonic()
+    keys_ = resolve_keys(backup_keys)
+    signing_key(keys_, "sign the load report with")
+    unloaded = open_unload(directory, backup_keys=with_keys(keys_, source_keys))
+    manifest = unloaded.manifest
+    info = manifest["migration"]
+    S = keys.check_name("structure", structure or info["structure"])
+    if group is not None:
+        keys.check_name("group", group)
+    found = handshake(client, manifest, S, group=group, restart=restart)
+    report_path = Path(report) if report is not None else Path(directory) / LOAD_REPORT
+    if report_path.exists():
+        if not (restart and found["partial"]):
+            raise MigrationError(f"{report_path} exists: a load report is never overwritten (--report elsewhere)")
+        report_path.unlink()
+    if found["set_group"]:
+        Admin(client).set_group_name(str(group))
+    sdef_raw = dict(manifest["structure_def"], name=S)
+    queues_raw = [dict(q, structure=S) for q in manifest["queues"]]
+    sdef = StructureDef.from_dict(sdef_raw)
+    hdr = manifest["header"]
+    result = Loaded(info["id"], S, info["structure"], found["group"], found["cf"], report_path)
+    with bulk.claim(client, S, bulk.observe(client, S)) as owner:
+        owner.transaction(lambda pipe: pipe.hset(keys.meta(S), FIELD, info["id"]))
+        writer = ReportWriter(report_path, {
+            "report": "load", "migration": info["id"], "structure": S, "source_structure": info["structure"],
+            "group": found["group"], "cf": found["cf"], "source_cf": info["source_cf"],
+            "started": datetime.now(UTC).isoformat()}, backup_keys=keys_)
+        try:
+            bulk.reset(owner, sdef)
+            # definitions: the structure's and its queues', every field as the source stored them
+            owner.admin.hset(STRUCTURES, S, msgpack.packb(sdef_raw, use_bin_type=True))
+            for q in queues_raw:
+                owner.admin.hset(QUEUES, q["name"], msgpack.packb(q, use_bin_type=True))
+            writer.add(definition_record("structure", S, sdef_raw, action=CREATED))
+            for q in queues_raw:
+                writer.add(definition_record("queue", q["name"], q, action=CREATED))
+            _load_entries(owner, unloaded, writer, result, batch, progress)
+            if manifest["pclock"]:
+                owner.transaction(lambda pipe: pipe.hset(keys.pclock(S), mapping=manifest["pclock"]))
+            _verify(owner, unloaded, result)
+            writer.close()
+        except BaseException:
+            writer.abandon()
+            raise
+        bulk.activate(owner, sdef, gen=int(hdr["gen"]) or 1, clock=int(hdr["clock"]), floor=int(hdr["floor"]),
+                      entries=result.entries, nbytes=result.bytes)
+    if log_root is not None:
+        GroupRepository(log_root).adopt([sdef], [QueueDef.from_dict(q) for q in queues_raw])
+    result.seconds = time.monotonic() - t0
+    return result
+
+
+def _load_entries(owner: bulk.Owner, unloaded: Backup, writer: ReportWriter, result: Loaded, batch: int,
+                  progress: Progress) -> None:
+    """The entries in file order (each list's order), batch by batch: each batch one guarded transaction, then
+    read back from the target into the report (what the target holds, not what was meant to be written)."""
+    S = owner.structure
+    loader = bulk.Loader(owner, gen=int(unloaded.manifest["header"]["gen"]) or 1)
+    positions: dict[str, int] = defaultdict(int)
+    total = int(unloaded.manifest["entries"])
+    chunk: list[Stored] = []
+
+    def flush() -> None:
+        loader.write(chunk)
+        descs, datas = bulk.read(owner.client, S, [s.id for s in chunk])
+        for s, raw, data in zip(chunk, descs, datas, strict=True):
+            if raw is None or data is None:
+                raise LoadVerifyError(f"structure {S}: entry {s.id} is not in the target after its batch")
+            wire = msgpack.unpackb(raw, raw=False, unicode_errors="surrogateescape")
+            if not isinstance(wire.get("pr"), dict):
+                wire["pr"] = {}
+            name = list_name(S, wire)
+            rec = entry_record(wire, data, list_name=name, pos=positions[name], action=LOADED)
+            positions[name] += 1
+            writer.add(rec)
+            result.entries += 1
+            result.bytes += len(data)
+            result.by_type[rec["type"]] = result.by_type.get(rec["type"], 0) + 1
+        writer.flush()
+        progress("load", result.entries, total)
+        failpoint("migrate-load-batch")
+
+    for _, wire, data in unloaded.frames():
+        chunk.append(Stored(str(wire["id"]), wire, data))
+        if len(chunk) >= batch:
+            flush()
+            chunk = []
+    if chunk:
+        flush()
+    # the queue set, and the tombstones (outcomes decided for owners that may still retry: the same answer here);
+    # no UOW record: the unload refused a structure where a unit of work held entries
+    loader.finish(unloaded.manifest["queue_names"], lambda u: "", unloaded.manifest["tombstones"])
+
+
+def _verify(owner: bulk.Owner, unloaded: Backup, result: Loaded) -> None:
+    """Counts (entries, data, lists, no UOW records) and every list's order against the unload's."""
+    S = owner.structure
+    expected: dict[str, list[str]] = defaultdict(list)
+    for _, wire, _data in unloaded.frames():
+        expected[bulk.list_of(S, wire)].append(str(wire["id"]))
+    problems = bulk.verify_counts(owner, result.entries, {k: len(v) for k, v in expected.items()}, set())
+    if result.entries != unloaded.manifest["entries"]:
+        problems.append(f"{result.entries} entries loaded, the unload holds {unloaded.manifest['entries']}")
+    for k, ids in expected.items():
+        got = [keys.text(x) for x in owner.client.lrange(k, 0, -1)]
+        if got != ids:
+            problems.append(f"list {k} is not in the source's order")
+    if problems:
+        raise LoadVerifyError(f"structure {S} after the load: {'; '.join(problems[:5])} (left RECOVERING)")
+
+
+# --- status and reports of a store --------------------------------------------------------------------------------
+def status(client: redis.Redis, structure: str) -> dict[str, Any]:
+    """Where a structure stands in a migration: its state and migration id, and what that means."""
+    node = cluster_cf.node_client(client, structure)
+    header = _header(node, structure)
+    state, mid = header.get("state", ""), header.get(FIELD, "")
+    meaning = {
+        MIGRATING: "being unloaded (or an unload died: 'cfemu migrate reopen' gives it back); members' work refused",
+        MIGRATED: "unloaded: serves nothing so that its target alone does; 'cfemu migrate reopen' to serve again",
+    }.get(state, "")
+    if state == "RECOVERING" and mid:
+        meaning = f"a load of migration {mid} is running, or was killed midway (partial: load again with --restart)"
+    elif state == "ACTIVE":
+        meaning = "serving"
+    elif not state:
+        meaning = "not in this CF"
+    return {"structure": structure, "state": state or "-", "migration": mid, "entries": int(header.get("entries", 0) or 0)
+            if state != "RECOVERING" else int(node.hlen(keys.entries(structure))), "meaning": meaning}
