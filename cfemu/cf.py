@@ -172,6 +172,11 @@ class Expired(NamedTuple):
 T = TypeVar("T")
 
 
+class PClockReply(NamedTuple):
+    value: int  # the pseudo-clock: ms of up-time
+    cf_ms: int  # the CF's own time, ms since the epoch
+
+
 class Browsed(list[T]):
     """The messages a browse returned, in get order; ``more`` when an available message was left out (by the count
     or by the byte bound of a caller that must carry the reply: browse again with room, or after taking some)."""
@@ -237,10 +242,11 @@ class Structure:
             return TopicNext(int(out[0]), state, 0, "", [])
         return TopicNext(int(out[0]), state, int(out[2]), keys.text(out[3]), _pairs(out[4:]))
 
-    def pclock(self, *, max_gap_ms: int, floor: int = 0) -> int:
+    def pclock(self, *, max_gap_ms: int, floor: int = 0) -> PClockReply:
         """The structure's pseudo-clock (ms of up-time), advanced by the CF's time since the last tick when that gap
-        is at most ``max_gap_ms``, and raised to ``floor`` (pclock.lua)."""
-        return int(self._call("pclock", None, [max_gap_ms, floor]))
+        is at most ``max_gap_ms``, and raised to ``floor``; with the CF's time (pclock.lua)."""
+        value, cf_ms = self._call("pclock", None, [max_gap_ms, floor])
+        return PClockReply(int(value), int(cf_ms))
 
     def pstore(self, action: str = "status") -> PstoreStatus:
         """Read or change the availability of the structure's persistent store (pstore.lua; docs/pstore.md):

@@ -12,6 +12,7 @@ every member sees them. docs/uow.md has the model, the state diagram and the res
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable
@@ -22,9 +23,9 @@ from cfemu.errors import (
     BackedOutError,
     BadRequestError,
     EndOfUowError,
+    MQError,
     NoMessageError,
     OutcomeUnknownError,
-    TruncatedMessageError,
     UnknownUowError,
     UowLimitError,
     UowStatusError,
@@ -137,6 +138,7 @@ class Conversation:
             raise UowStatusError(f"unit of work {self.sending.control.uow} is being sent to "
                                  f"{self.sending.svc.name}: commit or back it out before sending to {svc.name}")
         op = self.sending
+        self._check_scope(op)
         c = op.control
         if c.messages >= svc.attributes.max_messages:
             raise UowLimitError(f"unit of work {c.uow} holds {c.messages} messages, service {svc.name}'s "
@@ -176,7 +178,8 @@ class Conversation:
         conn = self.qm.connect()
         try:
             ctl.put_control(conn, svc, c)
-            ctl.set_last(conn, svc, self.user, self.token, uow, now_ms(), c.entry_persistent)
+            ctl.set_last(conn, svc, self.user, self.token, uow, ctl.cf_now_ms(self.qm, svc.structure),
+                         c.entry_persistent)
             conn.commit()
         except BaseException:
             conn.backout()
@@ -195,12 +198,17 @@ class Conversation:
         self.sending = None
         return ACCEPTED
 
+    @staticmethod
+    def _ready_to_commit(op: _Open) -> None:
+        if op.control.messages == 0:
+            raise UowStatusError(f"unit of work {op.control.uow} holds no message: send one before COMMIT")
+
     def _stage_sent(self, op: _Open, eoc: str) -> None:
         event = eoc or "COMMIT"
         if eoc not in ("", "EOC", "EOCCANCEL"):
             raise BadRequestError(f"end of conversation must be EOC or EOCCANCEL, not {eoc!r}")
-        if op.control.messages == 0:
-            raise UowStatusError(f"unit of work {op.control.uow} holds no message: send one before COMMIT")
+        self._ready_to_commit(op)
+        self._check_scope(op)
         pc = ctl.pseudo_clock(self.qm, op.svc.structure)
 
         def accept(old: Control) -> Control | None:
@@ -268,6 +276,8 @@ class Conversation:
             # scope would otherwise hold it for as long as the session lives).
             if delivered is not None:
                 settle_orphan(self.qm, svc, delivered.uow, delivered.owner)
+            if self.sending is None:  # an idle scope ends, so that the sweeper sees a UOW it still holds as orphaned
+                self.scope.backout()
             raise
         except BaseException:
             conn.backout()
@@ -276,11 +286,16 @@ class Conversation:
         self.receiving = _Open(svc, new)
         try:
             return self._next_of(self.receiving)
-        except TruncatedMessageError:
-            self.backout(new.uow)  # nothing of it taken: ACCEPTED again, for a receiver that can carry it
+        except BaseException:
+            # Nothing of it taken (too long for this caller, or the get refused): ACCEPTED again at once, for a
+            # receiver that can take it, rather than held by a scope the refusal may have ended.
+            if self.receiving is not None and self.sending is None:
+                with contextlib.suppress(MQError):
+                    self.backout(new.uow)
             raise
 
     def _next_of(self, op: _Open) -> Received:
+        self._check_scope(op)
         c = op.control
         if op.received >= c.messages:
             raise EndOfUowError(f"end of unit of work {c.uow}: all {c.messages} messages were received")
@@ -327,6 +342,7 @@ class Conversation:
         if uow == BOTH:
             snd = self._need(self.sending, "COMMIT BOTH needs a unit of work being sent")
             rcv = self._need(self.receiving, "COMMIT BOTH needs a unit of work being received")
+            self._ready_to_commit(snd)  # before anything is staged: a refusal half way left the session stuck
             self._stage_processed(rcv)
             self._stage_sent(snd, "")
             self._commit_scope()
@@ -354,6 +370,7 @@ class Conversation:
 
     def _stage_processed(self, op: _Open) -> None:
         """Receiver COMMIT, staged in the scope: the rest of its messages taken, DELIVERED -> PROCESSED."""
+        self._check_scope(op)
         pc = ctl.pseudo_clock(self.qm, op.svc.structure)
 
         def process(old: Control) -> Control | None:
@@ -473,8 +490,9 @@ class Conversation:
         value = self._check_user_status(user_status)
         uow = uow or (self.sending or self.receiving or _no_uow()).control.uow
         svc, c = self._find(uow)
-        if self.user not in (c.sender, c.receiver):
-            raise UowStatusError(f"unit of work {uow} is neither sent nor received by user {self.user}")
+        if (self.user, self.token) not in ((c.sender, c.token), (c.receiver, c.receiver_token)):
+            raise UowStatusError(f"unit of work {uow} is neither sent nor received by user {self.user} with this "
+                                 "token")
 
         def set_it(old: Control) -> Control | None:
             if old.status not in USER_STATUS_ALLOWED:
@@ -532,6 +550,22 @@ class Conversation:
                 for op in held:
                     settle_orphan(self.qm, op.svc, op.control.uow, op.control.owner)
             raise
+
+    def _check_scope(self, op: _Open) -> None:
+        """The scope's unit of work must still be the one the UOW's control names as its holder. A refused call can
+        end an idle unit of work under the session (Connection forgets one that did nothing): going on under a new
+        one let the sweeper give the UOW back while this session still read it, and a second receiver got the rest
+        of it (review R, finding 1). Then the UOW is given back now, and the caller told."""
+        cur = self.scope.uow
+        if cur is not None and cur.id == op.control.owner:
+            return
+        if op is self.sending:
+            self.sending = None
+        if op is self.receiving:
+            self.receiving = None
+        settle_orphan(self.qm, op.svc, op.control.uow, op.control.owner)
+        raise UowStatusError(f"unit of work {op.control.uow}: this session's syncpoint scope ended under it (a call "
+                             "was refused); it was given back as a backout leaves it")
 
     def _held(self, uow: str) -> _Open:
         for op in (self.sending, self.receiving):
@@ -608,13 +642,12 @@ def settle_orphan(qm: QueueManager, svc: ctl.Service, uow: str, owner: str, *, g
     (sqm.uowstatus.after_backout) or, when its process is gone, as the restart tables say (after_restart); its
     remaining messages are removed when it is not restored. Best effort: a control that changed meanwhile, or a CF
     that cannot be reached, is left to the sweeper."""
-    pc = ctl.pseudo_clock(qm, svc.structure) if not gone else 0
-
     def settle(old: Control) -> Control | None:
         if old.owner != owner or old.status not in (RECEIVED, DELIVERED):
             raise UowStatusError(f"unit of work {uow} changed meanwhile")
         return after_restart(old) if gone else after_backout(old, pc)
     try:
+        pc = ctl.pseudo_clock(qm, svc.structure) if not gone else 0
         _, new = ctl.replace(qm, svc, uow, settle, drain=lambda old, new: new is None or new.status in FINAL)
         return new
     except Exception:  # noqa: BLE001 - left to the sweeper

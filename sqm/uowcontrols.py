@@ -5,6 +5,7 @@ lifetimes and postponement (sqm.uowsweeper) and recovery's settling of UOWs whos
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +18,8 @@ from cfemu.uow_attributes import UowAttributes, control_queue, data_queue
 from sqm.connection import Connection
 from sqm.manager import QueueManager
 from sqm.uowstatus import LETTER, Control, status_letter_hex
+
+log = logging.getLogger(__name__)
 
 # Pseudo-clock ticks farther apart than this are downtime (pclock.lua). Members tick every sweep (about a second).
 PCLOCK_GAP_MS = 10_000
@@ -53,14 +56,23 @@ def service(qm: QueueManager, name: str) -> Service:
 
 
 def services(qm: QueueManager) -> Iterator[Service]:
-    """Every service of the group (queues with UOW attributes), for lookups by UOW id alone and the sweeper."""
-    for qdef in qm.admin.queues():
+    """Every service of the group (queues with UOW attributes), for lookups by UOW id alone and the sweeper: the CF's
+    definitions, and the group repository's where the CF lost them (its structure then answers FAILED, 2373, until
+    it is restored, where "no such UOW" would tell an application it has no work in progress)."""
+    defs = {q.name: q for q in (qm.repository.queues() if qm.repository is not None else [])}
+    defs.update({q.name: q for q in qm.cf_call(qm.admin.queues)})
+    for qdef in sorted(defs.values(), key=lambda q: q.name):
         if qdef.uow:
             yield service_of(qdef)
 
 
 def pseudo_clock(qm: QueueManager, structure: str, floor: int = 0) -> int:
-    return qm.structure(structure).pclock(max_gap_ms=PCLOCK_GAP_MS, floor=floor)
+    return int(qm.cf_call(lambda: qm.structure(structure).pclock(max_gap_ms=PCLOCK_GAP_MS, floor=floor)).value)
+
+
+def cf_now_ms(qm: QueueManager, structure: str) -> int:
+    """The CF's own time (one clock for the group: a member's wall clock may be skewed), ticking the pseudo-clock."""
+    return int(qm.cf_call(lambda: qm.structure(structure).pclock(max_gap_ms=PCLOCK_GAP_MS)).cf_ms)
 
 
 def peek(qm: QueueManager, svc: Service, uow: str) -> Control | None:
@@ -70,9 +82,16 @@ def peek(qm: QueueManager, svc: Service, uow: str) -> Control | None:
 
 
 def peek_status(qm: QueueManager, svc: Service, status: str, limit: int = PEEK_LIMIT) -> list[Control]:
-    """Controls in one status, in commit order (the sweeper's and recovery's scan)."""
+    """Controls in one status, in commit order (the sweeper's and recovery's scan). An entry that is not a control
+    (something put there by other means) is skipped and logged: one must not stop every service's sweeping."""
     found = qm.cf_call(lambda: qm.structure(svc.structure).peek(svc.control, "c", status_letter_hex(status), limit))
-    return [Control.unpack(data) for _, data in found]
+    out = []
+    for entry, data in found:
+        try:
+            out.append(Control.unpack(data))
+        except Exception as e:  # noqa: BLE001 - any undecodable body
+            log.warning("%s: entry %s is not a UOW control (%s): skipped", svc.control, entry.id, e)
+    return out
 
 
 def count_status(qm: QueueManager, svc: Service, status: str) -> int:

@@ -8,7 +8,8 @@
 -- time it counts from, so that neither the disconnected time nor a lifetime passes (seed 004).
 -- Idempotent in the sense that matters: two members ticking at once add the elapsed time once.
 -- ARGV: 1 the longest gap counted as up-time (ms), 2 floor (ms; 0 = none)
--- Returns the clock (ms of up-time).
+-- Returns {the clock (ms of up-time), the CF's time (ms since the epoch): one clock for the whole group where an
+-- order must not follow a member's wall clock (a user's LAST unit of work)}.
 local st = redis.call('HGET', META, 'state')
 if not st then return redis.error_reply('NOSTRUCT structure is not in the CF (never defined, or the CF was lost)') end
 if st ~= 'ACTIVE' then return redis.error_reply('CFSTATE structure is ' .. st) end
@@ -21,4 +22,4 @@ local last = tonumber(redis.call('HGET', k, 'w') or '0')
 if last > 0 and now > last and now - last <= gap and not disconnected() then v = v + (now - last) end
 if floor > v then v = floor end
 redis.call('HSET', k, 'v', string.format('%d', v), 'w', string.format('%d', now))
-return v
+return {v, now}

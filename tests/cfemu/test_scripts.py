@@ -433,28 +433,32 @@ class TestTopicNext:
 
 class TestPclock:
     def test_counts_up_time_and_not_a_gap_longer_than_allowed(self, s: Structure) -> None:
-        start = s.pclock(max_gap_ms=60_000)
+        start = s.pclock(max_gap_ms=60_000).value
         time.sleep(0.2)
-        ran = s.pclock(max_gap_ms=60_000) - start
+        ran = s.pclock(max_gap_ms=60_000).value - start
         assert 150 <= ran <= 2_000  # the CF's time between the ticks
         time.sleep(0.2)
-        assert s.pclock(max_gap_ms=50) == start + ran  # a gap over the limit is downtime: nothing added
+        assert s.pclock(max_gap_ms=50).value == start + ran  # a gap over the limit is downtime: nothing added
 
     def test_two_ticks_at_once_count_the_time_once(self, s: Structure) -> None:
-        s.pclock(max_gap_ms=60_000)
+        s.pclock(max_gap_ms=60_000).value
         time.sleep(0.1)
-        a = s.pclock(max_gap_ms=60_000)
-        b = s.pclock(max_gap_ms=60_000)
+        a = s.pclock(max_gap_ms=60_000).value
+        b = s.pclock(max_gap_ms=60_000).value
         assert 0 <= b - a < 50
 
+    def test_gives_the_cf_s_own_time(self, s: Structure) -> None:
+        server_ms = int(s.cf.redis.time()[0]) * 1000
+        assert abs(s.pclock(max_gap_ms=1).cf_ms - server_ms) < 2_000
+
     def test_a_floor_raises_it_and_never_lowers_it(self, s: Structure) -> None:
-        assert s.pclock(max_gap_ms=1, floor=10_000_000) == 10_000_000
-        assert s.pclock(max_gap_ms=1, floor=5) >= 10_000_000
+        assert s.pclock(max_gap_ms=1, floor=10_000_000).value == 10_000_000
+        assert s.pclock(max_gap_ms=1, floor=5).value >= 10_000_000
 
     def test_does_not_run_while_the_structure_is_unavailable(self, admin: Admin, s: Structure) -> None:
         admin.set_state(S, "RECOVERING")
         with pytest.raises(StructureFailedError, match="RECOVERING"):
-            s.pclock(max_gap_ms=1000)
+            s.pclock(max_gap_ms=1000).value
 
 
 class TestCommit:
@@ -881,14 +885,14 @@ class TestPstore:
         assert s.commit(qm1, "U1", gen=1, lrsn=qm1.clock.now(), decided_by_recovery=True).puts == 1
 
     def test_the_pseudo_clock_stands_still_while_disconnected(self, s: Structure) -> None:
-        s.pclock(max_gap_ms=10_000)
+        s.pclock(max_gap_ms=10_000).value
         s.pstore("disconnect")
-        before = s.pclock(max_gap_ms=10_000)
+        before = s.pclock(max_gap_ms=10_000).value
         time.sleep(0.3)
-        assert s.pclock(max_gap_ms=10_000) == before
+        assert s.pclock(max_gap_ms=10_000).value == before
         s.pstore("connect")
         time.sleep(0.05)
-        assert 40 <= s.pclock(max_gap_ms=10_000) - before < 250  # the connected time counts, not the 0.3 s before
+        assert 40 <= s.pclock(max_gap_ms=10_000).value - before < 250  # the connected time counts, not the 0.3 s before
 
     def test_no_new_uows_allows_only_consuming_work(self, s: Structure, qm1: Caller) -> None:
         s.put(qm1, entry("c1", msgid="0c"), b"ctl")
