@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -73,7 +74,7 @@ def fill(qm: QueueManager, messages: int, *, per_uow: int = 1000, uows: int = 6)
     return statuses
 
 
-def order_of(client: redis.Redis) -> list[bytes]:
+def order_of(client: redis.Redis) -> list[Any]:
     """Q1's messages in get order (priority 9 first, then each list in order), read from the CF."""
     out = []
     for p in range(9, -1, -1):
@@ -112,7 +113,12 @@ def test_a_structure_moves_to_another_cf_and_group_and_the_reports_compare_equal
         c.put(Q, b"late")
     # ...and no member takes it for a lost CF: RECAUTO restores only FAILED (or its own dead RECOVERING) structures
     recovered: list[str] = []
-    recauto = StructureRecovery(qm, lambda name, progress: recovered.append(name) or {})
+
+    def recover(name: str, progress: Any) -> dict[str, Any]:
+        recovered.append(name)
+        return {}
+
+    recauto = StructureRecovery(qm, recover)
     qm.repository.record_structure(Admin(src).structure_def(S), 1)  # type: ignore[union-attr]
     assert recauto.check(now=1e9) == [] and recovered == []
 
@@ -282,3 +288,33 @@ def test_the_command_line(source: tuple[QueueManager, dict[str, Any]], redis_url
     assert "queue Q1 is defined in the target on structure APP1" in cfemu(
         "load", str(tmp_path / "mig2"), "--redis-url", fresh_redis.url, "--structure", "APP3", "--report",
         str(tmp_path / "r3.jsonl"), status=2).stderr
+
+
+@pytest.mark.soak
+def test_a_structure_of_100k_messages_and_uow_statuses_migrates_and_compares_equal(
+        redis_url: str, fresh_redis: EmbeddedRedis, tmp_path: Path) -> None:
+    """100k plain messages put by a real member in UOWs of 1000, and 200 UOWs sent to the service (100 received and
+    committed); unload, load into another CF, compare. The phases' times are printed (pytest -s)."""
+    define(redis_url)
+    qm = start_qm(redis_url, tmp_path / "logs", "QM1", background=False)
+    t0 = time.monotonic()
+    try:
+        statuses = fill(qm, 100_000, per_uow=1000, uows=200)
+    finally:
+        qm.stop()
+    t1 = time.monotonic()
+    src = connect(redis_url)
+    done = migrate.unload(src, S, tmp_path / "mig")
+    t2 = time.monotonic()
+    target = fresh_redis.client()
+    loaded = migrate.load(target, tmp_path / "mig", group="QSG2")
+    t3 = time.monotonic()
+    result = compare(read_report(tmp_path / "mig" / migrate.UNLOAD_REPORT),
+                     read_report(tmp_path / "mig" / migrate.LOAD_REPORT))
+    t4 = time.monotonic()
+    print(f"\nfill {t1 - t0:.1f} s, unload {t2 - t1:.1f} s, load {t3 - t2:.1f} s, compare {t4 - t3:.1f} s "
+          f"({done.entries} entries, {done.bytes} bytes)")
+    assert result.equal, result.differences[:5]
+    assert done.by_type["uow-status"] == 200 and done.by_type["message"] == 100_000 + 1 + 100 * 3
+    assert loaded.entries == done.entries and sum(1 for s in statuses.values() if s == "PROCESSED") == 100
+    assert order_of(target) == order_of(src)
