@@ -1,0 +1,59 @@
+"""`cfemu topic|sub|publish` (issue 14): defining and listing topics, subscriptions and a publication through a real
+`sqm run`'s service, every command with --json and with tables, one-line errors; `cfemu` subprocesses, a real CF."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from cfemu.admin import Admin
+from cfemu.connection import connect
+from sqm.service.client import Client
+from tests.qsg.test_cli import ok, run
+from tests.sqm.test_service import TOKEN, start_server
+
+
+def fails(*args: str) -> str:
+    r = run("cfemu", *args)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, (r.returncode, r.stdout, r.stderr)
+    return r.stderr
+
+
+def test_topics_subscriptions_and_a_publication(redis_url: str, tmp_path: Path) -> None:
+    where = ["--redis-url", redis_url, "--log-root", str(tmp_path / "logs")]
+    ok("cfemu", "define", "structure", "APP1", *where)
+    assert "lifetime_s" in fails("topic", "define", "NEWS", "--structure", "APP1", "--lifetime", "0", *where)
+    assert "--structure" in fails("topic", "define", "NEWS", *where)
+    assert Admin(connect(redis_url)).queues() == []  # a refused define defines nothing
+    d = json.loads(ok("cfemu", "topic", "define", "NEWS", "--structure", "APP1", "--lifetime", "600",
+                      "--subscription-expiration", "3600", "--json", *where))
+    assert d["persistent"] and d["durable"] and d["lifetime_s"] == 600
+    assert d["companions"] == ["NEWS.PUB", "NEWS.SUB"]
+    assert "topic CHAT defined" in ok("cfemu", "topic", "define", "CHAT", "--structure", "APP1", "--no-durable",
+                                      "--no-persistent", *where)
+    srv = start_server(redis_url, tmp_path, "QM1", "--token", TOKEN, env={"SQM_OPERATOR_TOKEN": "op-tok"})
+    try:
+        server = ["--server", srv.endpoint, "--token", "op-tok"]
+        assert "--server" in fails("sub", "add", "NEWS", "alice", *where)
+        assert "does not allow durable" in fails("sub", "add", "CHAT", "bob", "--durable", *server)
+        s = json.loads(ok("cfemu", "sub", "add", "NEWS", "alice", "--json", *server))
+        assert s["name"] == "alice" and s["durable"]
+        assert "bob subscribed to NEWS (durable" in ok("cfemu", "sub", "add", "NEWS", "bob", *server)
+        p = json.loads(ok("cfemu", "publish", "NEWS", "one", "two", "--json", *server))
+        assert p["messages"] == 2 and p["committed"]
+        with Client(srv.endpoint, token=TOKEN) as c:
+            got = c.receive_pub("NEWS", "alice")
+            assert got["messages"] == [b"one", b"two"] and got["pub"] == p["pub"]
+            c.pub_commit()
+        listed = json.loads(ok("cfemu", "sub", "list", "NEWS", "--json", *server))["subscriptions"]
+        assert {x["name"]: x["received"] for x in listed} == {"alice": 1, "bob": 0}
+        assert "alice" in ok("cfemu", "sub", "list", "NEWS", *server)
+        topics = {t["topic"]: t for t in json.loads(ok("cfemu", "topic", "list", "--json", *where))["topics"]}
+        assert topics["NEWS"]["subscriptions"] == 2 and topics["NEWS"]["publication_messages"] == 2
+        assert topics["CHAT"]["durable"] is False
+        assert "NEWS" in ok("cfemu", "topic", "list", *where)
+        assert "unsubscribed" in ok("cfemu", "sub", "remove", "NEWS", "bob", *server)
+        assert "no subscription bob" in fails("sub", "remove", "NEWS", "bob", *server)
+        assert "not a topic" in fails("publish", "NEWS.PUB", "x", *server)
+    finally:
+        assert srv.stop() == 0, srv.log_text()
