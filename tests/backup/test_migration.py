@@ -23,11 +23,12 @@ import redis
 from backup import migrate
 from backup.files import MANIFEST_NAME, sign_manifest
 from backup.migrate_report import PartialReportError, TamperedReportError, compare, read_report
-from cfemu import keys
+from cfemu import cluster_cf, keys
 from cfemu.admin import Admin
 from cfemu.connection import connect
 from cfemu.credentials import BackupKeys
 from cfemu.embedded import EmbeddedRedis
+from cfemu.embedded_cluster import EmbeddedCluster
 from cfemu.errors import StructureFailedError
 from sqm.conversation import SYNC, Conversation
 from sqm.manager import QueueManager
@@ -288,6 +289,27 @@ def test_the_command_line(source: tuple[QueueManager, dict[str, Any]], redis_url
     assert "queue Q1 is defined in the target on structure APP1" in cfemu(
         "load", str(tmp_path / "mig2"), "--redis-url", fresh_redis.url, "--structure", "APP3", "--report",
         str(tmp_path / "r3.jsonl"), status=2).stderr
+
+
+def test_a_structure_moves_into_a_redis_cluster_cf(source: tuple[QueueManager, dict[str, Any]], redis_url: str,
+                                                   tmp_path: Path) -> None:
+    cluster = EmbeddedCluster(tmp_path / "rcluster").start()
+    try:
+        src = connect(redis_url)
+        before = order_of(src)
+        done = migrate.unload(src, S, tmp_path / "mig")
+        target = connect(cluster.url("restore"))
+        loaded = migrate.load(target, tmp_path / "mig", structure="APP7")
+        assert loaded.entries == done.entries and loaded.cf  # the master that holds APP7's slot
+        assert compare(read_report(tmp_path / "mig" / migrate.UNLOAD_REPORT),
+                       read_report(tmp_path / "mig" / migrate.LOAD_REPORT)).equal
+        node = cluster_cf.node_client(target, "APP7")
+        ids = [keys.text(x) for x in node.lrange(keys.state_list("APP7", Q, "CP", 2), 0, -1)]
+        assert node.hmget(keys.data("APP7"), ids[:3]) == [m for m in before if int(m[1:]) % 3 == 2][:3]
+        assert Admin(target).state("APP7") == "ACTIVE" and Admin(target).queue_def(Q).structure == "APP7"
+        assert migrate.status(target, "APP7")["meaning"] == "serving"
+    finally:
+        cluster.stop()
 
 
 @pytest.mark.soak
