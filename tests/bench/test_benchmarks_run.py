@@ -30,6 +30,7 @@ QUICKEST: dict[str, list[str]] = {
     "bench_spark.py": ["--quick", "--sizes", "5000", "--masters", "--workers"],  # the local engine only: no JVM
     "bench_peers.py": ["--quick", "--seconds", "0.5", "--clients", "1", "--client-procs", "1", "--no-install"],
     "bench_uow.py": ["--quick", "--seconds", "0.3"],  # --quick is 1 round; the windows shorter still
+    "bench_pubsub.py": ["--quick", "--seconds", "0.2", "--subscribers", "1", "3"],
 }
 TIMEOUT_S = 240
 
