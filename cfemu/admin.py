@@ -9,6 +9,7 @@ the backup directory).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -226,6 +227,17 @@ class Admin:
             raise AdminError(f"queue {name} is already defined")
         if old is not None and msgpack.unpackb(old, raw=False)["structure"] != structure:
             raise AdminError(f"queue {name} is on another structure; it cannot move")
+        if old is not None:
+            # A redefinition that does not name the UOW or topic attributes keeps them: redefining a service to
+            # change its backout queue made it a plain queue, and its units of work were never settled again
+            # (review R, finding 4). A service stays a service and a topic a topic.
+            was = QueueDef.from_dict(msgpack.unpackb(old, raw=False))
+            kept = dataclasses.replace(qdef, uow=qdef.uow or (was.uow if uow is None else {}),
+                                       topic=qdef.topic or (was.topic if topic is None else {}))
+            if bool(was.uow) != bool(kept.uow) or bool(was.topic) != bool(kept.topic):
+                raise AdminError(f"queue {name} is a {'service' if was.uow else 'topic' if was.topic else 'plain queue'}"
+                                 "; a redefinition cannot change what kind of queue it is")
+            qdef = kept
         self.redis.hset(QUEUES, name, _pack(qdef))
         self.redis.sadd(keys.queues(structure), name)
         if qdef.companions:

@@ -209,7 +209,10 @@ def restore_control_entry(entry: Mapping[str, Any], data: bytes) -> tuple[dict[s
     status (a user's LAST pointer, on the same queue) is restored as it is."""
     if str(entry.get("cid", "")) not in _STATUS_CIDS:
         return dict(entry), data
-    c = after_restart(Control.unpack(data))
+    try:
+        c = after_restart(Control.unpack(data))
+    except Exception:  # noqa: BLE001 - not a control (put there by other means): restored as it was
+        return dict(entry), data
     if c is None:
         return None
     return {**entry, "cid": status_letter_hex(c.status)}, c.pack()

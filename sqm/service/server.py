@@ -65,6 +65,8 @@ from cfemu.errors import (
     TruncatedMessageError,
 )
 from cfemu.repository import RepositoryError
+from cfemu.topic_attributes import PUB_SUFFIX, SUB_SUFFIX
+from cfemu.uow_attributes import CONTROL_SUFFIX, DATA_SUFFIX
 from sqm import pubsub
 from sqm.connection import Connection
 from sqm.conversation import MAX_USER, OPTIONS, Conversation
@@ -112,6 +114,7 @@ from sqm.service.protocol import (
 from sqm.uowstatus import USER_STATUS_MAX
 
 log = logging.getLogger("sqm.service.server")
+COMPANION_SUFFIXES = (DATA_SUFFIX, CONTROL_SUFFIX, PUB_SUFFIX, SUB_SUFFIX)
 
 EXIT_OK, EXIT_ERROR, EXIT_CONFIG, EXIT_FENCED, EXIT_LOG_FAILED = 0, 1, 2, 3, 4
 MAX_BROWSE = 10_000
@@ -1007,9 +1010,24 @@ class SQMServer:
     def _op_ping(self, session: Session, args: dict[str, Any]) -> dict[str, Any]:
         return {"qmgr": self.qm.name, "time": time.time()}
 
+    def _plain(self, queue: str, op: str) -> str:
+        """A queue an application may put to or get from: not a companion queue of a service or a topic, whose
+        entries are the product's own state (a status, a subscription's position): a message put there by hand
+        blocked a service's receives, a get took a UOW's status away (review R, finding 3). Browse stays open."""
+        base, dot, suffix = queue.rpartition(".")
+        if dot and f".{suffix}" in COMPANION_SUFFIXES:
+            try:
+                qdef = self.qm.queue_def(base)
+            except MQError:  # no such service or topic: a plain queue that happens to end so
+                return queue
+            if qdef.uow or qdef.topic:
+                raise NotAuthorizedError(f"{op} on {queue}: it holds the state of {base}'s units of work or "
+                                             "publications; use send/receive/syncpoint or the publish/subscribe ops")
+        return queue
+
     def _op_put(self, session: Session, args: dict[str, Any]) -> dict[str, Any]:
         conn = self._connection(session)
-        m = conn.put(arg(args, "put", "queue", str), arg(args, "put", "body", bytes),
+        m = conn.put(self._plain(arg(args, "put", "queue", str), "put"), arg(args, "put", "body", bytes),
                      persistent=arg(args, "put", "persistent", bool, True),
                      syncpoint=arg(args, "put", "syncpoint", bool, True),
                      priority=arg(args, "put", "priority", int, 0),
@@ -1025,7 +1043,7 @@ class SQMServer:
         wait_ms = arg(args, "get", "wait_ms", int, 0)
         if not 0 <= wait_ms <= self.config.max_wait_ms:
             raise BadRequestError(f"get: wait_ms must be 0-{self.config.max_wait_ms}, not {wait_ms}")
-        queue = arg(args, "get", "queue", str)
+        queue = self._plain(arg(args, "get", "queue", str), "get")
         try:  # the CF refuses, untouched, a message the reply could not carry: nothing is taken for nobody
             m = conn.get(queue, syncpoint=arg(args, "get", "syncpoint", bool, True),
                          wait_ms=wait_ms, msgid=arg(args, "get", "msgid", bytes, None),

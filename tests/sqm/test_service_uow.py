@@ -25,7 +25,7 @@ from cfemu.errors import (
     UowStatusError,
 )
 from sqm.service.client import Client
-from sqm.service.protocol import NotLoggedOnError, SessionLostError, encode_frame
+from sqm.service.protocol import NotAuthorizedError, NotLoggedOnError, SessionLostError, encode_frame
 from tests.sqm.test_service import OP_TOKEN, TOKEN, Raw, ServerProc, start_server
 from tests.support.group import define_group
 from tests.support.harness import lose_cf
@@ -301,3 +301,21 @@ def test_a_message_the_connection_cannot_carry_is_refused_and_not_taken(servers:
             assert (plain["recv"], len(plain["body"])) == ("RECV_NONE", 100_000)
     finally:
         assert narrow.stop() == 0, narrow.log_text()
+
+
+def test_an_application_cannot_put_to_or_get_from_a_service_s_companion_queues(servers: Any) -> None:
+    """A message put on <SVC>.UOWCTL by hand blocked the service's receives; a get by the UOW id took its status
+    away (review R, finding 3): over the service, the companion queues are the product's own. Browse stays open."""
+    qm1, _ = servers
+    with logged_on(qm1, "rita") as c:
+        uow = c.send(SVC, b"x", commit=True)["uow"]
+        for queue in (SVC + ".UOWCTL", SVC + ".UOWDATA"):
+            with pytest.raises(NotAuthorizedError, match="holds the state of"):
+                c.put(queue, b"forged", correlid=b"A", syncpoint=False)
+            with pytest.raises(NotAuthorizedError, match="holds the state of"):
+                c.get(queue, syncpoint=False)
+        assert [m.correlid for m in c.browse(SVC + ".UOWDATA")] == [bytes.fromhex(uow)]
+        assert c.syncpoint("QUERY", uow)["status"] == "ACCEPTED"
+        got = c.receive(SVC, option="SYNC")
+        assert got["uow"] == uow
+        c.syncpoint("COMMIT")
