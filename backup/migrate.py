@@ -545,8 +545,9 @@ def status(client: redis.Redis, structure: str) -> dict[str, Any]:
         MIGRATING: "being unloaded (or an unload died: 'cfemu migrate reopen' gives it back); members' work refused",
         MIGRATED: "unloaded: serves nothing so that its target alone does; 'cfemu migrate reopen' to serve again",
     }.get(state, "")
-    if state == "RECOVERING" and mid:
-        meaning = f"a load of migration {mid} is running, or was killed midway (partial: load again with --restart)"
+    if state == "RECOVERING":
+        meaning = (f"a load of migration {mid} is running, or was killed midway (partial: load again with --restart)"
+                   if mid else "being restored (not a migration's)")
     elif state == "ACTIVE":
         meaning = "serving"
     elif not state:

@@ -25,6 +25,7 @@ from backup.files import MANIFEST_NAME, sign_manifest
 from backup.migrate_report import PartialReportError, TamperedReportError, compare, read_report
 from cfemu import cluster_cf, keys
 from cfemu.admin import Admin
+from cfemu.cf import CF
 from cfemu.connection import connect
 from cfemu.credentials import BackupKeys
 from cfemu.embedded import EmbeddedRedis
@@ -190,6 +191,11 @@ def test_an_unload_waits_for_no_unit_of_work_and_leaves_the_source_active_when_r
         migrate.unload(connect(redis_url), S, tmp_path / "mig")
     assert Admin(connect(redis_url)).state(S) == "ACTIVE" and not (tmp_path / "mig" / "unload").exists()
     c.commit()
+    cf = CF(connect(redis_url)).structure(S)
+    cf.backup_begin("B1", 1)
+    with pytest.raises(migrate.MigrationError, match="backup B1 is running; unload once it has ended"):
+        migrate.unload(connect(redis_url), S, tmp_path / "mig")
+    cf.backup_end("B1", 2, False)
     migrate.unload(connect(redis_url), S, tmp_path / "mig")
     with pytest.raises(migrate.HandshakeError, match="is MIGRATED .*reopen it first"):
         migrate.unload(connect(redis_url), S, tmp_path / "mig2")
@@ -289,6 +295,28 @@ def test_the_command_line(source: tuple[QueueManager, dict[str, Any]], redis_url
     assert "queue Q1 is defined in the target on structure APP1" in cfemu(
         "load", str(tmp_path / "mig2"), "--redis-url", fresh_redis.url, "--structure", "APP3", "--report",
         str(tmp_path / "r3.jsonl"), status=2).stderr
+
+
+def test_a_topic_s_companion_queues_are_reported_as_publications_and_subscriptions(
+        redis_url: str, fresh_redis: EmbeddedRedis, tmp_path: Path) -> None:
+    """Entries of <T>.PUB and <T>.SUB (docs/pubsub.md) are typed by their queue's suffix; a topic's own entries and
+    any other queue's are messages."""
+    Admin(connect(redis_url)).ensure_structure(S, ("NEWS", "NEWS.PUB", "NEWS.SUB"))
+    qm = start_qm(redis_url, tmp_path / "logs", "QM1", background=False)
+    try:
+        c = qm.connect()
+        for queue, n in (("NEWS.PUB", 3), ("NEWS.SUB", 2), ("NEWS", 1)):
+            for i in range(n):
+                c.put(queue, b"%s %d" % (queue.encode(), i))
+        c.commit()
+    finally:
+        qm.stop()
+    done = migrate.unload(connect(redis_url), S, tmp_path / "mig")
+    assert done.by_type == {"publication": 3, "subscription": 2, "message": 1}
+    migrate.load(fresh_redis.client(), tmp_path / "mig")
+    result = compare(read_report(tmp_path / "mig" / migrate.UNLOAD_REPORT),
+                     read_report(tmp_path / "mig" / migrate.LOAD_REPORT))
+    assert result.equal and result.by_type["publication"] == [3, 3] and result.by_type["subscription"] == [2, 2]
 
 
 def test_a_structure_moves_into_a_redis_cluster_cf(source: tuple[QueueManager, dict[str, Any]], redis_url: str,
