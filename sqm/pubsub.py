@@ -319,7 +319,13 @@ class PubSubSession:
         if self.scope.gone.is_set():
             raise ClientGoneError("the client left while its receive waited")
         if not any(x.received for x in self.held.values()) and self.draft is None:
-            self.backout()  # it took nothing: let another session (on any member) receive for the subscription
+            # It took nothing: give the entry back, so that another session (on any member) may receive for the
+            # subscription. A subscriber that polls an idle topic is active: its activity is recorded when half its
+            # SUBSCRIPTION-EXPIRATION has passed, so that it does not expire while it polls.
+            if ctl.pseudo_clock(self.qm, t.structure) - h.sub.active_pc > t.attributes.subscription_expiration_s * 500:
+                self.commit()
+            else:
+                self.backout()
         raise NoMessageError(f"no publication for subscription {name} of topic {t.name}")
 
     # --- syncpoint ----------------------------------------------------------------------------------------------

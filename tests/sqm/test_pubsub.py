@@ -155,8 +155,8 @@ def test_lifetime_and_subscription_expiration_on_the_pseudo_clock(qms: tuple[Que
     for _ in range(12):
         time.sleep(0.1)
         sweeper.sweep()
-    assert sweeper.counts["subscriptions-expired"] == 2  # idle past SUBSCRIPTION-EXPIRATION
-    assert ps.subscriptions(a, ps.topic(a, SHORT)) == []
+    assert sweeper.counts["subscriptions-expired"] == 1  # idle past SUBSCRIPTION-EXPIRATION
+    assert [s.name for s in ps.subscriptions(a, ps.topic(a, SHORT))] == ["slow"]  # its receive was activity
 
 
 def test_a_non_durable_subscription_ends_with_its_member(qms: tuple[QueueManager, QueueManager],
@@ -172,3 +172,17 @@ def test_a_non_durable_subscription_ends_with_its_member(qms: tuple[QueueManager
         assert [s.name for s in ps.subscriptions(a, ps.topic(a, NONDUR))] == ["stays"]
     finally:
         b2.stop()
+
+
+def test_a_subscriber_that_polls_an_idle_topic_does_not_expire(qms: tuple[QueueManager, QueueManager]) -> None:
+    a, b = qms
+    a.admin.define_queue("POLL", S, topic={"subscription_expiration_s": 1})
+    ps.subscribe(a, "POLL", "poller")
+    ps.subscribe(a, "POLL", "idle")
+    sweeper, session = PubSubSweeper(a), ps.PubSubSession(b)
+    for _ in range(20):
+        with pytest.raises(NoMessageError):
+            session.receive("POLL", "poller")
+        sweeper.sweep()
+        time.sleep(0.1)
+    assert [s.name for s in ps.subscriptions(a, ps.topic(a, "POLL"))] == ["poller"]
