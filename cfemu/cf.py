@@ -242,6 +242,13 @@ class Structure:
             return TopicNext(int(out[0]), state, 0, "", [])
         return TopicNext(int(out[0]), state, int(out[2]), keys.text(out[3]), _pairs(out[4:]))
 
+    def peek_scan(self, queue: str, match: str, value: str, cursor: str = "0",
+                  count: int = 500) -> tuple[str, list[tuple[Entry, bytes]]]:
+        """A batch of the entries ``peek`` would return, in no order, and the cursor of the next batch ("0": the
+        pass is over): peek_scan.lua, a bounded cost per call however many entries match."""
+        out = self._call("peek_scan", None, [queue, match, value, cursor, count])
+        return keys.text(out[0]), _pairs(out[1:])
+
     def pclock(self, *, max_gap_ms: int, floor: int = 0) -> PClockReply:
         """The structure's pseudo-clock (ms of up-time), advanced by the CF's time since the last tick when that gap
         is at most ``max_gap_ms``, and raised to ``floor``; with the CF's time (pclock.lua)."""

@@ -20,6 +20,8 @@ Every failpoint in the project (add a row with each new ``failpoint()`` call):
     relog-before-checkpoint  sqm.manager.checkpoint         after the relog passes, before the checkpoint record
     restore-load-batch   restore.load.load_plan             after each pipelined batch of the bulk load
                                                             (``=N``: after batch N; the structure stays RECOVERING)
+    migrate-load-batch   backup.migrate._load_entries       after each loaded batch of a store migration's load
+                                                            (the target stays RECOVERING; its report unfinished)
 """
 
 from __future__ import annotations

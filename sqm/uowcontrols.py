@@ -85,6 +85,10 @@ def peek_status(qm: QueueManager, svc: Service, status: str, limit: int = PEEK_L
     """Controls in one status, in commit order (the sweeper's and recovery's scan). An entry that is not a control
     (something put there by other means) is skipped and logged: one must not stop every service's sweeping."""
     found = qm.cf_call(lambda: qm.structure(svc.structure).peek(svc.control, "c", status_letter_hex(status), limit))
+    return _controls(svc, found)
+
+
+def _controls(svc: Service, found: list[tuple[Any, bytes]]) -> list[Control]:
     out = []
     for entry, data in found:
         try:
@@ -92,6 +96,25 @@ def peek_status(qm: QueueManager, svc: Service, status: str, limit: int = PEEK_L
         except Exception as e:  # noqa: BLE001 - any undecodable body
             log.warning("%s: entry %s is not a UOW control (%s): skipped", svc.control, entry.id, e)
     return out
+
+
+def scan_status(qm: QueueManager, svc: Service, status: str, cursor: str = "0",
+                count: int = 500) -> tuple[str, list[Control]]:
+    """A bounded batch of the controls in one status, in no order, and the cursor of the next ("0": pass over)."""
+    nxt, found = qm.cf_call(lambda: qm.structure(svc.structure).peek_scan(svc.control, "c",
+                                                                        status_letter_hex(status), cursor, count))
+    return nxt, _controls(svc, found)
+
+
+def scan_all(qm: QueueManager, svc: Service, status: str) -> list[Control]:
+    """Every control in one status, read in bounded batches (a restart's settling: once, not every second)."""
+    out: list[Control] = []
+    cursor = "0"
+    while True:
+        cursor, batch = scan_status(qm, svc, status, cursor)
+        out += batch
+        if cursor == "0":
+            return list({c.uow: c for c in out}.values())  # a pass may return an entry twice
 
 
 def count_status(qm: QueueManager, svc: Service, status: str) -> int:

@@ -38,32 +38,46 @@ log = logging.getLogger(__name__)
 
 
 class Sweeper:
-    """One member's sweeper. An orphan (a RECEIVED or DELIVERED UOW held by a unit of work this member no longer
-    has) is settled when two sweeps in a row see it, so that a caller settling its own backout goes first."""
+    """One member's sweeper. Each sweep reads a bounded batch of each status of each service (peek_scan.lua: the CF's
+    cost per sweep does not grow with the number of UOWs or kept statuses; a full pass takes as many sweeps as there
+    are batches). An orphan (a RECEIVED or DELIVERED UOW held by a unit of work this member no longer has) is
+    settled when a later sweep sees it again, so that a caller settling its own backout goes first."""
+
+    BATCH = 500
 
     def __init__(self, qm: QueueManager) -> None:
         self.qm = qm
-        self.suspects: set[tuple[str, str]] = set()
+        self.cursors: dict[tuple[str, str], str] = {}  # (service, status) -> where its pass goes on
+        self.suspects: dict[tuple[str, str], int] = {}  # (uow, owner) -> the sweep that first saw it orphaned
+        self.sweeps = 0
         self.counts: Counter[str] = Counter()
 
     def sweep(self) -> Counter[str]:
         qm = self.qm
         done: Counter[str] = Counter()
-        suspects: set[tuple[str, str]] = set()
+        self.sweeps += 1
+        self.suspects = {k: n for k, n in self.suspects.items() if self.sweeps - n < 1000}
         for svc in list(ctl.services(qm)):
             try:
-                done += self._sweep_service(svc, suspects)
+                done += self._sweep_service(svc)
             except (StructureFailedError, UowStatusError):
                 continue  # not ACTIVE (no timeout processing while the store is unavailable), or raced
-        self.suspects = suspects
+            except MQError as e:  # one service's trouble must not stop every other's lifetimes
+                log.warning("%s: sweeping service %s failed: %s", qm.name, svc.name, e)
         self.counts += done
         return done
 
-    def _sweep_service(self, svc: ctl.Service, suspects: set[tuple[str, str]]) -> Counter[str]:
+    def _batch(self, svc: ctl.Service, status: str) -> list[Control]:
+        key = (svc.name, status)
+        cursor, controls = ctl.scan_status(self.qm, svc, status, self.cursors.get(key, "0"), self.BATCH)
+        self.cursors[key] = cursor
+        return controls
+
+    def _sweep_service(self, svc: ctl.Service) -> Counter[str]:
         qm = self.qm
         done: Counter[str] = Counter()
         pc = ctl.pseudo_clock(qm, svc.structure)
-        by_status = {st: ctl.peek_status(qm, svc, st) for st in (*ACTIVE, *FINAL)}
+        by_status = {st: self._batch(svc, st) for st in (*ACTIVE, *FINAL)}
         newest = max((c.changed_pc for cs in by_status.values() for c in cs), default=0)
         if newest > pc:  # a restored structure: its clock resumes from the newest status it holds
             pc = ctl.pseudo_clock(qm, svc.structure, floor=newest)
@@ -80,11 +94,10 @@ class Sweeper:
         for c in (*by_status[RECEIVED], *by_status[DELIVERED]):
             if c.owner_member == qm.name and c.owner not in qm.uows and not c.outlived(epochs)[0]:
                 key = (c.uow, c.owner)
-                if key in self.suspects:
+                if self.suspects.setdefault(key, self.sweeps) < self.sweeps:
                     settle_orphan(qm, svc, c.uow, c.owner)
+                    self.suspects.pop(key, None)
                     done["orphans-settled"] += 1
-                else:
-                    suspects.add(key)
         for st in FINAL:
             for c in by_status[st]:
                 if c.final_pc + c.status_mult * c.lifetime_ms <= pc:
@@ -121,7 +134,7 @@ def settle_member(qm: QueueManager) -> Counter[str]:
     epochs = member_epochs(qm)
     for svc in list(ctl.services(qm)):
         try:
-            controls = [c for st in ACTIVE for c in ctl.peek_status(qm, svc, st)]
+            controls = [c for st in ACTIVE for c in ctl.scan_all(qm, svc, st)]
         except StructureFailedError:
             continue
         done += _settle_outlived(qm, svc, controls, epochs)

@@ -431,6 +431,39 @@ class TestTopicNext:
             s.topic_next(Q, 0)
 
 
+class TestPeekScan:
+    def test_a_pass_returns_every_match_in_bounded_batches(self, s: Structure, qm1: Caller) -> None:
+        for i in range(50):
+            s.put(qm1, entry(f"e{i}", correlid="ab"), b"%d" % i)
+        s.put(qm1, entry("other", correlid="cd"), b"x")
+        s.put(qm1, entry("uncommitted", correlid="ab"), b"x", uow="U1")
+        assert s.get(qm1, Q, uow="U2", match="c", value="ab", now_ms=NOW).entry is not None  # one held: still seen
+        seen: list[str] = []
+        cursor, calls = "0", 0
+        while True:
+            cursor, batch = s.peek_scan(Q, "c", "ab", cursor, count=10)
+            seen += [e.id for e, _ in batch]
+            calls += 1
+            if cursor == "0":
+                break
+        assert sorted(set(seen)) == sorted(f"e{i}" for i in range(50)) and calls > 1
+
+    def test_changes_nothing(self, s: Structure, qm1: Caller) -> None:
+        s.put(qm1, entry("a", correlid="ab"), b"a")
+        before = dump(s)
+        s.peek_scan(Q, "c", "ab")
+        assert dump(s) == before
+
+    def test_refusals(self, admin: Admin, s: Structure) -> None:
+        with pytest.raises(UnknownObjectError):
+            s.peek_scan("NOQ", "c", "ab")
+        with pytest.raises(BadRequestError, match="count"):
+            s.peek_scan(Q, "c", "ab", count=0)
+        admin.set_state(S, "RECOVERING")
+        with pytest.raises(StructureFailedError, match="RECOVERING"):
+            s.peek_scan(Q, "c", "ab")
+
+
 class TestPclock:
     def test_counts_up_time_and_not_a_gap_longer_than_allowed(self, s: Structure) -> None:
         start = s.pclock(max_gap_ms=60_000).value

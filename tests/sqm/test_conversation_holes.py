@@ -269,3 +269,42 @@ def test_receivers_on_two_members_and_both_sweepers_race_every_uow_ends_once(
     assert all(final[u] == "PROCESSED" for u in processed)
     assert set(final.values()) <= {"PROCESSED", "TIMEOUT", "CANCELLED"}, Counter(final.values())
     assert not qm1.connect().browse("OTHER.UOWDATA", 1000)
+
+
+def test_a_sweep_reads_a_bounded_batch_and_a_short_lifetime_behind_long_ones_still_times_out(
+        admin: Admin, qms: tuple[QueueManager, QueueManager], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sweep read the first 1,000 of each status in commit order, sorting every one before that limit (a CF
+    blocked 294 ms per status for 20,000 kept statuses, review R), and a 1 s UOW behind 1,000 long-lived ones never
+    timed out. Now each sweep reads a batch per status (peek_scan.lua) and a pass goes round them all."""
+    from cfemu.cf import Structure
+    from sqm.uowstatus import Control
+    admin.define_queue("BIG", S, uow={"max_uows": 5000, "status_lifetime": 1})
+    qm1, _ = qms
+    svc = ctl.service(qm1, "BIG")
+    conn = qm1.connect()
+    for i in range(1200):
+        ctl.put_control(conn, svc, Control(uow="%032x" % (i + 1), service="BIG", status="ACCEPTED", persistent=False,
+                                           lifetime_ms=10**9))
+        if i % 400 == 399:
+            conn.commit()
+    conn.commit()
+    a = Conversation(qm1, "alice")
+    a.send("BIG", b"x", lifetime_s=1)
+    uow = a.commit()["uow"]
+    read: list[int] = []
+    real = Structure.peek_scan
+
+    def counting(self: Structure, *args: Any, **kw: Any) -> Any:
+        out = real(self, *args, **kw)
+        read.append(len(out[1]))
+        return out
+    monkeypatch.setattr(Structure, "peek_scan", counting)
+    time.sleep(1.2)
+    sweeper = Sweeper(qm1)
+    for _ in range(6):  # a pass over 1,201 ACCEPTED ones in batches of about 500
+        read.clear()
+        sweeper.sweep()
+        assert max(read) <= 2 * Sweeper.BATCH
+        if a.query(uow)["status"] == "TIMEOUT":
+            break
+    assert a.query(uow)["status"] == "TIMEOUT"
