@@ -148,6 +148,11 @@ def messages_on_cf(g: Group, uow: str) -> int:
     return int(g.structure().index_count(data_queue(SVC), "c", uow))
 
 
+def pclock_value(g: Group) -> int:
+    """The structure's pseudo-clock as the CF holds it, read without ticking it."""
+    return int(g.cf.client().hget(keys.pclock(S), "v") or 0)
+
+
 def send(m: UowMember, conv: str, row: Row, *, commit: bool, lifetime_s: int = 0) -> str:
     uow = ""
     for i, body in enumerate(row.bodies()):
@@ -179,7 +184,7 @@ def build_rows(g: Group, home: UowMember, recv: UowMember, halfway: Callable[[],
         if r.before == DELIVERED:
             conv = f"rcv-{r.id}"  # held at the event: a session each
             recv.conv(conv, "bob", f"tok-{r.id}")
-        got = recv.call(conv, "receive", SVC, option="SYNC")
+        got = recv.call(conv, "receive", SVC, option="SYNC", wait_ms=5000)
         assert got["uow"] == uows[r.id], r.id
         if r.before == DELIVERED:
             recv.call(conv, "receive", SVC)  # two of its three messages read when its holder goes
@@ -285,7 +290,11 @@ def run_scenario(scenario: str, tmp: Path) -> Run:
             notes["restore_s"] = time.monotonic() - t0 - notes["built_s"]
             wait_for("the members back on the restored structure",
                      lambda: set(Admin(cf.client()).members()) >= {"QM1", "QM2", "QM3"})
-            notes["pclock_after"] = observer.request("pclock", structure=S)
+            # the members' first sweeps raise the restored structure's fresh clock to the newest stamp it holds
+            # (restore itself leaves the clock at 0: a UOW sent before that sweep counts its lifetime from 0)
+            newest = max(o.control_before.changed_pc for o in out.values() if o.control_before is not None)
+            wait_for("the pseudo-clock resumed", lambda: pclock_value(g) >= newest, timeout=5)
+            notes["pclock_after"] = pclock_value(g)
         notes["event_s"] = time.monotonic() - t0 - notes["built_s"]
         observe_after(g, observer, out)
         notes["observed_s"] = time.monotonic() - t0 - notes["built_s"] - notes["event_s"]
@@ -374,7 +383,7 @@ def test_a_uow_is_not_settled_while_its_dead_holders_work_is_still_on_the_cf(gro
     for i, row in enumerate((kept, gone)):
         uows[row.id] = send(home, "snd", row, commit=True)
         recv.conv(f"r{i}", "bob", f"tok-{i}")
-        assert recv.call(f"r{i}", "receive", SVC, option="SYNC")["uow"] == uows[row.id]
+        assert recv.call(f"r{i}", "receive", SVC, option="SYNC", wait_ms=5000)["uow"] == uows[row.id]
         recv.call(f"r{i}", "receive", SVC)
     epoch = recv.started["epoch"]
     admin = Admin(g.cf.client())
@@ -405,7 +414,7 @@ def test_postponement_after_a_restart_of_the_home_member_keeps_its_delay(group: 
     home = g.start("QM1", lease_ms=LONG_LEASE_MS)[0]
     assert home.query(uow) == ACCEPTED
     recv.conv("rcv", "bob", "tok-b")
-    assert recv.call("rcv", "receive", SVC, option="SYNC")["uow"] == uow
+    assert recv.call("rcv", "receive", SVC, option="SYNC", wait_ms=5000)["uow"] == uow
     assert recv.call("rcv", "cancel")["status"] == POSTPONED
     time.sleep(1.5)  # several sweeps: the postponement delay is an hour
     assert home.query(uow) == POSTPONED
@@ -422,17 +431,12 @@ def test_postponement_after_a_restart_of_the_home_member_keeps_its_delay(group: 
 
 # --- the lifetime's pseudo-clock across downtime -------------------------------------------------------------
 
-def pclock_value(g: Group) -> int:
-    """The structure's pseudo-clock as the CF holds it, read without ticking it."""
-    return int(g.cf.client().hget(keys.pclock(S), "v") or 0)
-
-
 def test_a_lifetime_counts_up_time_only_across_a_stop_of_the_whole_group(group: Group) -> None:
     """Every member stopped for longer than the UOW's lifetime (and longer than the longest gap the pseudo-clock
     counts as up-time): started again, the UOW is still ACCEPTED, and times out (its status kept) only once its
     lifetime has passed in up-time."""
     g = group
-    life_s = 3
+    life_s = 4
     home, _ = g.start("QM1", "QM2", lease_ms=SHORT_LEASE_MS)
     home.conv("snd", "alice", "tok-a")
     row = Row(ACCEPTED, True, True, TIMEOUT)
@@ -448,13 +452,13 @@ def test_a_lifetime_counts_up_time_only_across_a_stop_of_the_whole_group(group: 
     home = g.start("QM1", "QM2", lease_ms=SHORT_LEASE_MS)[0]
     restarted = time.monotonic()
     assert home.query(uow) == ACCEPTED
-    assert pclock_value(g) - at_stop < 2000, "the downtime counted as up-time"
+    assert pclock_value(g) - at_stop < 3000, "the downtime counted as up-time"
     while home.query(uow) == ACCEPTED:
         assert time.monotonic() - restarted < life_s + 10, "never timed out"
         time.sleep(0.1)
     up = time.monotonic() - restarted
     assert home.query(uow) == TIMEOUT  # with its persistent status
-    assert up >= (life_s * 1000 - lived) / 1000 - 0.5, f"timed out after {up:.1f} s of up-time, {lived} ms before"
+    assert up >= (life_s * 1000 - lived) / 1000 - 1.0, f"timed out after {up:.1f} s of up-time, {lived} ms before"
     timed_out = control_of(g, uow)
     assert timed_out is not None and timed_out.final_pc >= created.created_pc + created.lifetime_ms
     assert messages_on_cf(g, uow) == 0

@@ -90,7 +90,7 @@ def serve(argv: list[str] | None = None) -> int:
         out: dict[str, Any] = {}
         while True:
             try:
-                first = conv.receive(service, option=SYNC)
+                first = conv.receive(service, option=SYNC, wait_ms=1000)  # a status change holds one a moment
             except NoMessageError:
                 break
             got = [[first.body, first.recv]]
