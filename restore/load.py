@@ -17,6 +17,7 @@ write) are cfemu.bulk's.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -25,12 +26,13 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from cfemu import bulk
+from cfemu import bulk, keys
 from cfemu.admin import StructureDef
 from restore.engine import LOAD, Progress, no_progress
 from restore.plan import RestorePlan
 from restore.settle import Settled, load_key
 from sqm.failpoints import failpoint
+from sqm.uowstatus import Control, is_control_queue
 
 BATCH = bulk.BATCH
 
@@ -138,6 +140,27 @@ def loaded_tombstones(plan: RestorePlan, base_tombstones: Mapping[str, str] | No
     return {**(base_tombstones or {}), **restore_owned_uows(plan)}
 
 
+class PseudoClockFloor:
+    """The newest pseudo-clock stamp among the UOW statuses the load writes (sqm.uowstatus.Control.changed_pc),
+    written as the structure's pseudo-clock before it is ACTIVE: a structure came back with its clock at 0 until a
+    member's first sweep raised it, and a UOW sent meanwhile was stamped as made at 0 and timed out at that sweep
+    (helper B's finding). The up-time between the last status change and the CF's loss is not counted."""
+
+    def __init__(self) -> None:
+        self.floor = 0
+
+    def watch(self, settled: Iterable[Settled]) -> Iterator[Settled]:
+        for s in settled:
+            if s.entry is not None and is_control_queue(str(s.entry.get("q", ""))):
+                with contextlib.suppress(Exception):  # a foreign entry there: restored as it is, no stamp
+                    self.floor = max(self.floor, Control.unpack(s.data).changed_pc)
+            yield s
+
+    def write(self, owner: bulk.Owner, structure: str) -> None:
+        if self.floor:  # w = 0: the first tick adds no gap, it only starts counting
+            owner.transaction(lambda pipe: pipe.hset(keys.pclock(structure), mapping={"v": self.floor, "w": 0}))
+
+
 def load_plan(owner: bulk.Owner, plan: RestorePlan, sdef: StructureDef, queues: list[str], *,
               batch: int = BATCH, progress: Progress = no_progress, restored_from: str = "",
               base_tombstones: Mapping[str, str] | None = None, before_activate: Callable[[], None] | None = None,
@@ -156,7 +179,8 @@ def load_plan(owner: bulk.Owner, plan: RestorePlan, sdef: StructureDef, queues: 
         result.keys_deleted = bulk.reset(owner, sdef, batch=batch)
         loader = bulk.Loader(owner, gen=plan.restore_lrsn)
         progress(LOAD, 0, total)
-        with Prepared(loader, batches(plan.in_load_order(), batch)) as prepared:
+        clock = PseudoClockFloor()
+        with Prepared(loader, batches(clock.watch(plan.in_load_order()), batch)) as prepared:
             for staged in prepared:
                 loader.send(staged)
                 expected.update({k: len(ids) for k, ids in staged.lists.items()})
@@ -178,6 +202,7 @@ def load_plan(owner: bulk.Owner, plan: RestorePlan, sdef: StructureDef, queues: 
             raise LoadVerifyError(f"structure {S} after the load: {'; '.join(problems)} (left RECOVERING)")
         if before_activate is not None:
             before_activate()
+        clock.write(owner, S)
         bulk.activate(owner, sdef, gen=plan.restore_lrsn, clock=plan.restore_lrsn + 1, floor=plan.restore_lrsn,
                       entries=result.entries, nbytes=result.bytes, restored_from=restored_from,
                       last_backup=last_backup)

@@ -489,9 +489,13 @@ class TestPclock:
         assert s.pclock(max_gap_ms=1, floor=5).value >= 10_000_000
 
     def test_does_not_run_while_the_structure_is_unavailable(self, admin: Admin, s: Structure) -> None:
+        before = s.pclock(max_gap_ms=10_000).value
         admin.set_state(S, "RECOVERING")
         with pytest.raises(StructureFailedError, match="RECOVERING"):
-            s.pclock(max_gap_ms=1000).value
+            s.pclock(max_gap_ms=10_000).value
+        time.sleep(0.3)
+        admin.set_state(S, "ACTIVE")
+        assert s.pclock(max_gap_ms=10_000).value - before < 100  # the RECOVERING time is not counted afterwards
 
 
 class TestCommit:

@@ -287,11 +287,12 @@ def run_scenario(scenario: str, tmp: Path) -> Run:
             cf.kill()  # the CF is lost
             cf.start()
             notes["restore"] = run_restore(cf.client(), S, backup_root=tmp / "backups", log_root=g.logs)
+            notes["pclock_at_restore"] = pclock_value(g)  # before any member ticks it
             notes["restore_s"] = time.monotonic() - t0 - notes["built_s"]
             wait_for("the members back on the restored structure",
                      lambda: set(Admin(cf.client()).members()) >= {"QM1", "QM2", "QM3"})
-            # the members' first sweeps raise the restored structure's fresh clock to the newest stamp it holds
-            # (restore itself leaves the clock at 0: a UOW sent before that sweep counts its lifetime from 0)
+            # restore writes the newest stamp of the statuses it loads as the clock (it left it at 0 until a
+            # member's first sweep raised it, and a UOW sent meanwhile counted its lifetime from 0)
             newest = max(o.control_before.changed_pc for o in out.values() if o.control_before is not None)
             wait_for("the pseudo-clock resumed", lambda: pclock_value(g) >= newest, timeout=5)
             notes["pclock_after"] = pclock_value(g)
@@ -351,6 +352,7 @@ def test_a_restored_structure_resumes_its_pseudo_clock_from_the_newest_status(ru
     (every lifetime would start over), not ahead (a sudden expiry)."""
     notes = runs("cf-restore").notes
     newest, before, after = notes["newest_stamp"], notes["pclock_before"], notes["pclock_after"]
+    assert notes["pclock_at_restore"] >= newest, "restore left the pseudo-clock behind its statuses"
     assert newest > 0
     assert newest <= after <= before + 30_000, (newest, before, after)
 
