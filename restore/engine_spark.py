@@ -60,7 +60,9 @@ from restore.plan import (
     Copy,
     RestorePlan,
     base_of,
+    copy_holder,
     in_flight_outcome,
+    older_outcome,
     owner_of,
     prepare_record,
     restore_lrsn_above,
@@ -138,13 +140,21 @@ def read_backup_file(backup_path: str, manifest: dict[str, Any], index: int
         yield copy[1]["id"], ((index, frame), copy)
 
 
+CURRENT, OLDER = 0, 1  # prepared's tags: a record the plan uses, an older outcome record kept aside
+
+
 def prepared(keyed: tuple[OrderKey, Record], structure: str, max_seen: Any,
-             base: Base) -> list[tuple[OrderKey, Record]]:
-    """prepare_record on one record (the LRSN of every record read counts towards max_lrsn, as in plan_local)."""
+             base: Base) -> list[tuple[int, tuple[OrderKey, Record]]]:
+    """prepare_record on one record (the LRSN of every record read counts towards max_lrsn, as in plan_local),
+    tagged CURRENT; an outcome record the generation rule leaves out is kept aside, tagged OLDER (plan.older_outcome:
+    it decides its UOW if a relog copy shows that UOW holding an entry)."""
     key, rec = keyed
     max_seen.add(key[0])
     out = prepare_record(rec, structure, base)
-    return [] if out is None else [(key, out)]
+    if out is not None:
+        return [(CURRENT, (key, out))]
+    aside = older_outcome(rec, structure, base)
+    return [] if aside is None else [(OLDER, (key, aside))]
 
 
 def by_key(pairs: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, list[Any]]]:
@@ -261,8 +271,9 @@ class SparkEngine:
             phases.start(READ_LOGS)
             max_seen = sc.accumulator(0, _MaxParam())
             raw, archive_max = self._records(spark, segments, archived, structure, replay_from)
-            records = raw.flatMap(lambda kr: prepared(kr, structure, max_seen, base)).persist(
+            tagged = raw.flatMap(lambda kr: prepared(kr, structure, max_seen, base)).persist(
                 StorageLevel.MEMORY_AND_DISK)
+            records = tagged.filter(lambda t: t[0] == CURRENT).values()
             per_member: Counter[str] = Counter()
             ended: set[str] = set()
             for tag, item in stream(records.mapPartitions(log_stats)):
@@ -280,9 +291,13 @@ class SparkEngine:
             restore_lrsn = restore_lrsn_above(max_lrsn, base)
             # UOW outcomes: small next to the entries, and the plan returns them all, so they come to the
             # driver and go out to the workers again as a broadcast (a map-side join, one shuffle less).
+            # The UOWs relog copies show holding entries: their older outcome records count (plan.revived).
+            held = set(stream(records.map(lambda kr: copy_holder(kr[1])).filter(bool).distinct()
+                              .mapPartitions(_sorted)))
+            revived = tagged.filter(lambda t: t[0] == OLDER and t[1][1]["u"] in held).values()
             outcomes: dict[str, Outcome] = dict(stream(
-                records.filter(lambda kr: lookup(kr[1]).role is Role.OUTCOME).map(lambda kr: (kr[1]["u"], kr))
-                .partitionBy(parts).mapPartitions(by_key).flatMap(decide_group)))
+                records.filter(lambda kr: lookup(kr[1]).role is Role.OUTCOME).union(revived)
+                .map(lambda kr: (kr[1]["u"], kr)).partitionBy(parts).mapPartitions(by_key).flatMap(decide_group)))
             shared = sc.broadcast(outcomes)
             results = (records.flatMap(lambda kr: [(eid, (0, kr)) for eid in entry_ids(kr[1])])
                        .union(copies.mapValues(lambda pc: (1, pc)))
@@ -299,7 +314,7 @@ class SparkEngine:
                     decisions[item] = owner_of(item)
             phases.done(SETTLE)
             shared.destroy()
-            for rdd in (copies, records):
+            for rdd in (copies, tagged):
                 rdd.unpersist()
         self.phase_seconds = phases.seconds
         for uow in decisions:

@@ -8,7 +8,9 @@ files (restore.spill), then a streamed result:
   1 scan: each backup copy goes to the entry partition of its id; each log record that matters (prepare_record,
     the generation rule) goes to the entry partition of every entry it names, its outcome records and END to
     the UOW partition of its UOW, and a "need" (UOW, entry partition) to the UOW partition for each UOW an entry
-    partition will ask about (a grace hash join of entries with their UOWs' outcomes);
+    partition will ask about (a grace hash join of entries with their UOWs' outcomes); an outcome record the
+    generation rule leaves out goes to its UOW partition aside (plan.older_outcome), with a "held" mark for each
+    UOW a relog copy shows holding an entry (plan.copy_holder);
   2 per UOW partition: decide each UOW's outcome (settle.decide_outcome) and send it to the entry partitions that
     need it;
   3 per entry partition: fold each entry (settle.best_copy, uows_named, settle: the one fold every engine uses),
@@ -36,10 +38,13 @@ from restore.plan import (
     Copy,
     RestorePlan,
     base_of,
+    copy_holder,
     in_flight_outcome,
+    older_outcome,
     owner_of,
     prepare_record,
     restore_lrsn_above,
+    revived,
     uow_owner,
 )
 from restore.settle import BACKOUT, Outcome, Settled, best_copy, decide_outcome, load_key, settle, uows_named
@@ -51,7 +56,7 @@ Progress = Callable[[str, int, int | None], None]
 
 # Frames of the entry partitions, and of the UOW partitions.
 _COPY, _RECORD = 0, 1
-_OUTCOME_REC, _END, _NEED = 0, 1, 2
+_OUTCOME_REC, _END, _NEED, _OLDER_OUTCOME, _HELD = 0, 1, 2, 3, 4
 
 DEFAULT_MEMORY = 1 << 30  # the working memory a restore may use by default (cfemu.settings: restore_memory)
 MAX_PARTITIONS = 4096
@@ -197,10 +202,16 @@ def plan_partitioned(structure: str, backup: Iterable[Copy], records: Iterable[t
         max_lrsn = max(max_lrsn, int(raw["l"]))
         rec = prepare_record(raw, structure, base)
         if rec is None:
+            kept_aside = older_outcome(raw, structure, base)
+            if kept_aside is not None:
+                uow.add(part(kept_aside["u"]), (_OLDER_OUTCOME, key, kept_aside))
             continue
         per_member[rec.get("m", "?")] += 1
         kind = lookup(rec)
         u = rec.get("u", "")
+        holder = copy_holder(rec)
+        if holder:
+            uow.add(part(holder), (_HELD, holder))
         if kind.role is Role.END:
             uow.add(part(u), (_END, u))
             continue
@@ -211,7 +222,6 @@ def plan_partitioned(structure: str, backup: Iterable[Copy], records: Iterable[t
             ent.add(i, (_RECORD, key, rec))
             if u:
                 uow.add(part(u), (_NEED, u, i))
-            holder = (rec.get("e") or {}).get("u") if kind.copy else None
             if holder:
                 uow.add(part(holder), (_NEED, holder, i))
     ent.close()
@@ -231,14 +241,23 @@ def plan_partitioned(structure: str, backup: Iterable[Copy], records: Iterable[t
         by_uow: dict[str, list[tuple[Key, Record]]] = defaultdict(list)
         ended: set[str] = set()
         needs: dict[str, set[int]] = defaultdict(set)
+        older: dict[str, list[tuple[Key, Record]]] = defaultdict(list)
+        holders: set[str] = set()
         for f in uow.read(j):
             if f[0] == _OUTCOME_REC:
                 by_uow[f[2]["u"]].append((f[1], f[2]))
             elif f[0] == _END:
                 ended.add(f[1])
+            elif f[0] == _OLDER_OUTCOME:
+                older[f[2]["u"]].append((f[1], f[2]))
+            elif f[0] == _HELD:
+                holders.add(f[1])
             else:
                 needs[f[1]].add(f[2])
         uow.remove(j)
+        for u, keyed_aside in revived(older, holders).items():
+            by_uow[u].extend(keyed_aside)
+        del older, holders
         packed: dict[str, list[Any]] = {}
         for u, keyed in by_uow.items():
             keyed.sort(key=lambda kr: kr[0])

@@ -5,7 +5,9 @@ once: the reference every engine is compared with; the local engine runs the sam
 The plan is data-parallel (the Spark engine runs the same steps as DataFrame operations):
   1 group the backup's copies by entry id, keep the best copy of each (settle.best_copy);
   2 group the log records of the structure by entry id, and the outcome records by UOW, leaving out the
-    records of older incarnations of the structure (current_incarnation, the generation rule);
+    records of older incarnations of the structure (current_incarnation, the generation rule), but keeping
+    aside the older outcome records (older_outcome): those of a UOW a copy of this incarnation shows holding an
+    entry (copy_holder: a relog pass's RELOG) decide it after all (revived);
   3 decide each UOW's outcome (settle.decide_outcome); UOWs with no outcome were in flight when the CF was lost:
     restore decides them backed out, at an LRSN above everything it read (written to its own log later);
   4 fold each entry (settle.settle).
@@ -17,7 +19,7 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from restore.settle import (
     BACKOUT,
@@ -32,6 +34,8 @@ from restore.settle import (
     uows_named,
 )
 from sqm.records import Record, Role, entry_ids, lookup
+
+T = TypeVar("T")
 
 Copy = tuple[str, dict[str, Any], bytes]  # (structure, descriptor wire form, data)
 
@@ -121,8 +125,9 @@ def current_incarnation(record: Record, structure: str, base: Base) -> bool:
     reached the disk and whatever their LRSN (issue 10, hole 1: a GET appended before a CF loss and forced after
     the restore must not be folded into a later restore). A UOW that holds entries in the base (an in-doubt UOW
     carried across a restore, or a UOW a fuzzy backup caught in flight) is current whatever its generation: its
-    outcome still applies to the entries it holds. A generation 0 (restore's own RECOVERY records before
-    generations were recorded in them) counts as current."""
+    outcome still applies to the entries it holds; so does a UOW a relog copy of this incarnation shows holding
+    an entry (older_outcome: its outcome records are kept aside and count after all). A generation 0 (restore's
+    own RECOVERY records before generations were recorded in them) counts as current."""
     if base.gen <= 0 or record.get("u") in base.carried:
         return True
     kind = lookup(record)
@@ -190,6 +195,36 @@ def prepare_record(record: Record, structure: str, base: Base = Base()) -> Recor
     return restrict(record, structure)
 
 
+def older_outcome(record: Record, structure: str, base: Base = Base()) -> Record | None:
+    """An outcome record the generation rule leaves out (prepare_record: its UOW began in an older incarnation),
+    as the plan keeps it aside: it still decides its UOW when a copy of this incarnation shows that UOW holding
+    an entry (copy_holder). Such a UOW was carried across the restore that began this incarnation (in doubt),
+    and a relog pass copied what it held; when the base no longer holds those entries (a backup taken after its
+    decision) but its replay reaches back past the pass, the relog copy is the entry's best copy, and leaving
+    out the UOW's outcome made it look in flight: restore backed out a committed get (chaos B12). None for
+    any other record."""
+    if lookup(record).role is not Role.OUTCOME or not relevant(record, structure):
+        return None
+    if current_incarnation(record, structure, base):
+        return None
+    return restrict(record, structure)
+
+
+def copy_holder(record: Record) -> str:
+    """The UOW a copy record (a relog pass's RELOG) shows holding its entry; "" for none, or another record.
+    Applied to the records prepare_record keeps: the UOWs named are those whose older outcome records count
+    (older_outcome)."""
+    if not lookup(record).copy:
+        return ""
+    return str((record.get("e") or {}).get("u") or "")
+
+
+def revived(older: Mapping[str, list[T]], holders: Collection[str]) -> dict[str, list[T]]:
+    """The older outcome records (older_outcome, by UOW) that count: those of the UOWs a copy of this
+    incarnation shows holding an entry (copy_holder)."""
+    return {u: recs for u, recs in older.items() if u in holders}
+
+
 def restore_lrsn_above(max_lrsn: int, base: Base = Base()) -> int:
     """The restore's own LRSN, which is also the new generation: above every LRSN read, above the base's
     generation (generations only grow, even when no record was read) and above every LRSN the base records (its
@@ -232,12 +267,20 @@ def plan_local(structure: str, backup: Iterable[Copy], records: Iterable[Record]
     by_uow: dict[str, list[Record]] = defaultdict(list)
     ended: set[str] = set()
     per_member: Counter[str] = Counter()
+    older: dict[str, list[Record]] = defaultdict(list)
+    holders: set[str] = set()
     for raw in records:
         max_lrsn = max(max_lrsn, int(raw["l"]))
         rec = prepare_record(raw, structure, base)
         if rec is None:
+            kept_aside = older_outcome(raw, structure, base)
+            if kept_aside is not None:
+                older[kept_aside["u"]].append(kept_aside)
             continue
         per_member[rec.get("m", "?")] += 1
+        holder = copy_holder(rec)
+        if holder:
+            holders.add(holder)
         role = lookup(rec).role
         if role is Role.END:
             ended.add(rec["u"])
@@ -247,6 +290,8 @@ def plan_local(structure: str, backup: Iterable[Copy], records: Iterable[Record]
         for eid in entry_ids(rec):
             by_entry[eid].append(rec)
 
+    for uid, recs in revived(older, holders).items():
+        by_uow[uid].extend(recs)
     best = {eid: best_copy(cs) for eid, cs in copies.items()}
     outcomes: dict[str, Outcome] = {}
     for uid, recs in by_uow.items():

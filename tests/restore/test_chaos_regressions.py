@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -22,6 +23,7 @@ from restore.run import run_restore
 from restore.settle import CONSUMED, decide_outcome, settle
 from sqm import records
 from sqm.log import LogReader
+from tests.restore.test_restore import drain, rejoin
 from tests.support.group import define_group, start_qm
 from tests.support.harness import lose_cf
 
@@ -154,3 +156,53 @@ def test_seed3_a_put_outside_syncpoint_is_never_put_again_after_the_restore_repl
 
 def _entry(queue: str) -> Entry:
     return Entry(id=os.urandom(12).hex(), queue=queue, msgid=os.urandom(24).hex())
+
+
+
+def test_seed4_a_uow_carried_across_a_restore_and_decided_later_is_decided_in_the_next_restore_too(
+        redis_url: str, tmp_path: Path) -> None:
+    """Chaos seed 4 (`--faults sqm-kill,cf-kill,sqm-pause,during-backup,cf-kill-twice,peer-clock-skew`, B12):
+    in-doubt UOWs carried across a first restore were committed afterwards; after a second CF loss, restored from
+    a backup taken after those commits, the messages they had got came back (backout count raised) and were
+    consumed again. The relog pass between the two had copied their entries (RELOG, held by the in-doubt UOW, in
+    the new generation); the next backup's replay reached back past the pass (another UOW in doubt since before
+    the first loss holds its floor down), so the restore folded the copy, but the generation rule left out the
+    UOW's COMMIT (logged in the generation it began in): the UOW looked in flight and restore backed it out."""
+    b12_history(redis_url, tmp_path, "local")
+
+
+def b12_history(redis_url: str, tmp_path: Path, engine: str, engine_options: dict[str, Any] | None = None) -> None:
+    """B12's history, the second restore planned by `engine` (the Spark engine's test runs it too)."""
+    logs, backups = tmp_path / "logs", tmp_path / "backups"
+    client: redis.Redis = define_group(redis_url, queues=("Q1",))
+    qm = start_qm(redis_url, logs, "QM1", background=False)
+    try:
+        setup = qm.connect()
+        for body in (b"got-by-D", b"got-by-E", b"stays"):
+            setup.put("Q1", body)
+        setup.commit()
+        d, e = qm.connect(), qm.connect()
+        assert d.get("Q1").body == b"got-by-D"
+        uow_d = d.prepare("xid-D")
+        assert e.get("Q1").body == b"got-by-E"
+        uow_e = e.prepare("xid-E")  # in doubt to the end: every later backup replays from its first LRSN
+        run_backup(client, "APP1", backups, log_root=logs)
+        lose_cf(client)
+        first = run_restore(client, "APP1", backup_root=backups, log_root=logs)
+        assert first.in_doubt_uows == {uow_d: "QM1", uow_e: "QM1"}
+        rejoin(qm)
+        qm.checkpoint("test")  # a relog pass: RELOG copies of the held entries, in the restored generation
+        relogged = [r for _, r in LogReader(logs / "QM1").records() if r["k"] == "RELOG"]
+        assert {r["e"]["u"] for r in relogged} >= {uow_d, uow_e}
+        qm.resolve(uow_d, True)  # got-by-D consumed, in the restored generation
+        second_backup = run_backup(client, "APP1", backups, log_root=logs)
+        assert second_backup["replay_from"] <= min(int(r["l"]) for r in relogged)
+        lose_cf(client)
+        second = run_restore(client, "APP1", backup_root=backups, log_root=logs, engine=engine,
+                             engine_options=engine_options)
+        rejoin(qm)
+        assert second.in_doubt_uows == {uow_e: "QM1"}
+        assert second.counts["uows in flight backed out"] == 0
+        assert drain(qm.connect(), "Q1") == [(b"stays", 0)]
+    finally:
+        qm.stop()

@@ -503,3 +503,12 @@ def test_cfrestore_gives_a_loopback_standalone_master_the_groups_secret_in_proce
     credentials.spark_secret_file(secrets_dir).chmod(0o644)
     with pytest.raises(credentials.SecretsError, match="spark.secret is readable"):
         _engine_options(build_parser().parse_args(["run", "APP1", "--engine", "spark"]), found)
+
+
+def test_b12_a_uow_carried_across_a_restore_and_decided_later_is_decided_by_the_spark_engine_too(
+        spark: Any, redis_url: str, tmp_path: Path) -> None:
+    """Chaos B12 (tests/restore/test_chaos_regressions.py): the older generation's COMMIT of a UOW a relog copy
+    shows holding an entry decides it on Spark as in the local engine."""
+    from tests.restore.test_chaos_regressions import b12_history
+
+    b12_history(redis_url, tmp_path, "spark", {"spark": spark})
