@@ -173,7 +173,7 @@ class Conversation:
         c = Control(uow=uow, service=svc.name, status=RECEIVED, sender=self.user, token=self.token,
                     persistent=a.store if store is None else bool(store), status_mult=mult,
                     lifetime_ms=(lifetime_s or a.lifetime_s) * 1000, created_pc=pc, changed_pc=pc,
-                    user_status=ustatus, home=f"{self.qm.name}.{self.qm.caller.epoch:x}", owner=scope_uow.id,
+                    user_status=ustatus, home=self._incarnation(), owner=scope_uow.id,
                     conversation=conversation or os.urandom(8).hex())
         conn = self.qm.connect()
         try:
@@ -440,8 +440,11 @@ class Conversation:
             def postpone(old: Control) -> Control | None:
                 self._expect(old, c.owner)
                 to = transition(RECEIVER, "POSTPONE", old.status)
+                # Its home member's current incarnation: the next restart of the member it was sent through ends the
+                # postponement (Table 1), and no restart the UOW lived through before does.
                 return replace(old, status=to, owner="", postponements=old.postponements + 1, changed_pc=pc,
-                               until_pc=pc + a.postpone_delay_s * 1000)
+                               until_pc=pc + a.postpone_delay_s * 1000, home=home)
+            home = self._current_incarnation(c.home)
             _, new = ctl.replace(self.qm, op.svc, c.uow, self._refusing(postpone))
             return {"uow": c.uow, "status": POSTPONED, "postponements": new.postponements if new else 0}
 
@@ -550,6 +553,17 @@ class Conversation:
                 for op in held:
                     settle_orphan(self.qm, op.svc, op.control.uow, op.control.owner)
             raise
+
+    def _incarnation(self) -> str:
+        return f"{self.qm.name}.{self.qm.caller.epoch:x}"
+
+    def _current_incarnation(self, home: str) -> str:
+        """The current incarnation of the member ``home`` names (its epoch now), or ``home`` as it is."""
+        member = home.split(".", 1)[0]
+        if not member:
+            return home
+        epoch = int(self.qm.cf_call(lambda: self.qm.admin.epoch(member)))
+        return f"{member}.{epoch:x}" if epoch else home
 
     def _check_scope(self, op: _Open) -> None:
         """The scope's unit of work must still be the one the UOW's control names as its holder. A refused call can

@@ -156,8 +156,9 @@ def _settle_outlived(qm: QueueManager, svc: ctl.Service, controls: list[Control]
     status to own them, from the backout.
 
     A settled UOW's home becomes its home member's current incarnation: each later restart or recovery of that
-    member settles it again (Table 1 once per restart), and none before it does (a postponement made after a
-    restart the UOW lived through keeps its delay)."""
+    member settles it again (Table 1 once per restart). A persistent ACCEPTED UOW is left as it is (its stale home
+    changes nothing), and a postponement makes the postponing member its home (sqm.conversation), so a restart
+    the UOW lived through does not cut a later postponement's delay short."""
     done: Counter[str] = Counter()
     holding: dict[str, dict[str, object]] = {}  # member -> the units of work it still holds on the structure
 
@@ -174,11 +175,11 @@ def _settle_outlived(qm: QueueManager, svc: ctl.Service, controls: list[Control]
         if held and still_held(c):
             continue  # its holder's work is not backed out yet: a later sweep settles it
         new = after_restart(c)
+        if new == c:
+            continue  # a persistent ACCEPTED UOW is restored as it is: rewriting it moved it behind later commits
         if new is not None and home:
             member = c.home.split(".", 1)[0]
             new = replace(new, home=f"{member}.{epochs[member]:x}" if member in epochs else "")
-        if new == c:
-            continue
         what = "restart-" + (new.status.lower() if new is not None else "dropped")
         done[_apply(qm, svc, c, lambda old, new=new: new, what)] += 1
     return done
