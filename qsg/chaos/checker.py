@@ -37,6 +37,7 @@ Findings (each names the message ids and UOWs involved):
   purge-undone a message a purge discarded (the fault names them: its "purged" step), delivered by a get
               that began after the purge (a later restore crossed the purge).
   uow-*        units of work sent to a service (conversations): qsg.chaos.uowcheck has those rules.
+  pub-*        publications and subscribers (durable publish and subscribe): qsg.chaos.pubsubcheck's rules.
 Allowed and counted: non-persistent messages lost (with the CF), unknown outcomes (resolved either way),
 redeliveries after backout, expired messages that never came back, messages a purge discarded (neither lost nor
 evidence about their UOW's outcome: the operator threw them away).
@@ -49,11 +50,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from qsg.chaos.pubsubcheck import PUB_KINDS, PUB_OPS, check_pubsub
 from qsg.chaos.uowcheck import CONV_OPS, UOW_KINDS, check_uows
 
 COMMITTED, ABORTED, UNKNOWN, UNDETERMINED = "committed", "aborted", "unknown", "undetermined"
 MUST_BE_ZERO = ("lost", "undelivered", "duplicated", "phantom", "atomicity", "corrupted", "stuck",
-                "restore-foreign-cf", "restore-wiped", "purge-undone", *UOW_KINDS)
+                "restore-foreign-cf", "restore-wiped", "purge-undone", *UOW_KINDS, *PUB_KINDS)
 FINDING_KINDS = (*MUST_BE_ZERO, "order", "restore-order", "resurrected", "expired")
 EXPIRY_SLACK_S = 1.0  # the server's clock reads expiry at the get, some milliseconds after the client's invoke
 # After a fault has recovered, its after-effects last this long: pending CF work retried by the members, and a
@@ -191,7 +193,7 @@ class Checker:
     def build(self) -> None:
         resolves: dict[str, list[Op]] = defaultdict(list)
         for o in self.ops:
-            if o.op in CONV_OPS:  # units of work sent to a service: qsg.chaos.uowcheck's rules
+            if o.op in CONV_OPS or o.op in PUB_OPS:  # qsg.chaos.uowcheck's and qsg.chaos.pubsubcheck's rules
                 continue
             if o.op == "resolve":
                 resolves[o.args.get("xid", "")].append(o)
@@ -528,6 +530,7 @@ class Checker:
         self.check_stuck()
         self.check_restores()
         check_uows(self.ops, self.find, self.counts)
+        check_pubsub(self.ops, self.find, self.counts)
         self.counts["operations"] = len(self.ops)
         self.counts["units of work"] = len(self.uows)  # MQ units of work; UOWs sent to a service count apart
         self.counts["messages put"] = len(self.puts)

@@ -48,6 +48,10 @@
 |                       | restores what it held; the time to every structure ACTIVE; RECAUTO off again        |
 | member-own-log-root   | one more ``sqm run`` with a log root of its own: it must refuse to join (exit 2);   |
 |                       | if it joins, two committed puts go through it, then cf-kill (restore cannot see them)|
+| pstore-disconnect     | DISCONNECT-PSTORE of a structure (cfemu pstore disconnect) for 2-5 s under load:     |
+|                       | persistent work there is refused (FAIL, with the reason); then CONNECT-PSTORE       |
+| no-new-uows           | the structure takes no new units of work (cfemu pstore no-new-uows --on) for 2-5 s: |
+|                       | every put refused, consuming work goes on; then --off                               |
 | cf-kill-duplex-primary| (a duplexed group; not in 'all') the pair's supervisor on, the pair DUPLEX; kill -9 |
 |                       | of the primary: the secondary is promoted, nothing restored, nothing lost; the old  |
 |                       | primary resyncs as the secondary; the time to the promotion and to DUPLEX again     |
@@ -83,7 +87,7 @@ from backup.catalog import OK, list_backups
 from backup.run import run_backup
 from cfemu import bulk, keys, repository
 from cfemu.admin import Admin
-from cfemu.cf import CF
+from cfemu.cf import CF, PstoreStatus
 from cfemu.errors import BackupRunningError, MQError
 from cfemu.limits import DESCRIPTOR_ALLOWANCE
 from cfemu.settings import CLUSTER_CF
@@ -114,7 +118,7 @@ COST_S = {"sqm-kill": 7.0, "sqm-pause": 8.0, "cf-kill": 6.0, "cf-kill-during-res
           "client-leaves-waiting-get": 9.0, "big-messages": 12.0,
           "cf-kill-during-load-restart": 8.0, "restore-race": 8.0, "cf-kill-twice": 14.0,
           "purge-then-cf-kill": 10.0, "member-own-log-root": 6.0, "cf-kill-recauto": 6.0,
-          "cf-kill-duplex-primary": 5.0, "cluster-node-kill": 6.0}
+          "cf-kill-duplex-primary": 5.0, "cluster-node-kill": 6.0, "pstore-disconnect": 2.0, "no-new-uows": 2.0}
 # Kinds that need a duplexed group (the runner starts one when a run has them): left out of 'all', which runs the
 # group simplex, so that every other kind keeps meeting the CF it was written for.
 DUPLEX_KINDS = ("cf-kill-duplex-primary",)
@@ -207,6 +211,9 @@ def schedule(seed: int, kinds: tuple[str, ...], duration: float, managers: list[
             hold = rnd.choice((1.0, 2.0, 3.0))  # the first restore held, while the second runs and clients work
             params["structure"] = rnd.choice(sorted(STRUCTURES))
             params["where"] = rnd.choice(("plan", "load"))
+        elif kind in ("pstore-disconnect", "no-new-uows"):
+            hold = rnd.choice((2.0, 3.0, 5.0))
+            params["structure"] = rnd.choice(("APP1", "APP1", "APP2"))  # APP1 holds the topic too
         elif kind in ("cf-kill-twice", "purge-then-cf-kill"):
             hold = rnd.choice((0.3, 1.0))
             params["live_s"] = rnd.choice((1.0, 2.5, 4.0))  # live work before the (second) loss
@@ -1086,6 +1093,52 @@ def _commit_through(g: ChaosGroup, name: str, ready: Path, n: int) -> None:
         runner.end(commit=True)
 
 
+# --- the persistent store's availability (docs/pstore.md) ------------------------------------------------------
+def _pstore(g: ChaosGroup, structure: str, action: str) -> PstoreStatus:
+    client = g.cf()
+    try:
+        return CF(client).structure(structure).pstore(action)
+    finally:
+        client.close()
+
+
+def _pstore_off(on: str, off: str, what: str) -> Callable[[ChaosGroup, FaultSpec, Step], dict[str, Any]]:
+    """A structure's persistent store disconnected (or its new units of work refused) for the fault's hold, under
+    load, then back: what the members refused meanwhile are FAIL outcomes, and nothing may be lost or twice."""
+    def fault(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
+        structure = str(f.params["structure"])
+        _pstore(g, structure, on)
+        t = step(f"{structure}: {what}")
+        try:
+            time.sleep(f.hold)
+        finally:
+            after = _pstore(g, structure, off)
+        out = {"structure": structure, "off_s": round(step("heal") - t, 3)}
+        if not after.connected or after.no_new_uows:
+            raise FaultError(f"{structure} still unavailable after {off}: connected={after.connected}, "
+                             f"no new UOWs={after.no_new_uows or 'no'}")
+        return out
+    return fault
+
+
+def reconnect_pstores(g: ChaosGroup) -> list[str]:
+    """The safety net of healing: every structure's persistent store connected and taking new units of work (a
+    fault that failed midway may have left one off). A structure the CF does not hold is skipped."""
+    done = []
+    for s in STRUCTURES:
+        try:
+            st = _pstore(g, s, "status")
+            if not st.connected and st.started != "WARM":
+                _pstore(g, s, "connect")
+                done.append(f"{s} persistent store connected")
+            if st.no_new_uows == "OPERATOR":
+                _pstore(g, s, "nonew-off")
+                done.append(f"{s} takes new units of work")
+        except (MQError, redis.RedisError):
+            continue
+    return done
+
+
 FAULTS: dict[str, Callable[[ChaosGroup, FaultSpec, Step], dict[str, Any]]] = {
     "sqm-kill": sqm_kill, "sqm-pause": sqm_pause, "cf-kill": cf_kill,
     "cf-kill-during-restore": cf_kill_during_restore, "during-backup": during_backup,
@@ -1100,9 +1153,11 @@ FAULTS: dict[str, Callable[[ChaosGroup, FaultSpec, Step], dict[str, Any]]] = {
     "cf-kill-recauto": cf_kill_recauto,
     "cf-kill-duplex-primary": cf_kill_duplex_primary,
     "cluster-node-kill": cluster_node_kill,
+    "pstore-disconnect": _pstore_off("disconnect", "connect", "persistent store disconnected"),
+    "no-new-uows": _pstore_off("nonew-on", "nonew-off", "no new units of work"),
 }
 KINDS = tuple(FAULTS)  # a new kind is one function, one FAULTS row and one line in the table above
 
 __all__ = ["CF_LINK_KINDS", "CLUSTER_SHORT_KINDS", "DUPLEX_KINDS", "FAULTS", "FaultError", "FaultSpec", "KINDS",
            "SHORT_KINDS", "after_heal", "ensure_backups",
-           "order_snapshot", "parse_kinds", "restore_all", "schedule"]
+           "order_snapshot", "parse_kinds", "reconnect_pstores", "restore_all", "schedule"]

@@ -25,6 +25,7 @@ from cfemu.procs import free_port
 from qsg.chaos.conversations import SERVICE, SERVICE_UOW
 from qsg.chaos.history import History
 from qsg.chaos.proxy import FaultProxy
+from qsg.chaos.pubsub_actions import TOPIC, TOPIC_ATTRS, TOPIC_STRUCTURE
 from qsg.cluster import Cluster
 from sqm.service.client import Client
 
@@ -169,6 +170,8 @@ class ChaosGroup:
                     repository.ensure_structure(admin, repo, s, queues, recauto=False)
                 # The service the conversation actions send units of work to, with its companion queues.
                 repository.define_queue(admin, repo, SERVICE, SERVICE_STRUCTURE, uow=SERVICE_UOW)
+                # The topic of the publishers and subscribers, with its companion queues.
+                repository.define_queue(admin, repo, TOPIC, TOPIC_STRUCTURE, topic=TOPIC_ATTRS)
             finally:
                 client.close()
             for name, host, port in self.cluster.endpoints:

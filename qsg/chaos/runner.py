@@ -20,10 +20,20 @@ from cfemu.errors import MQError, NoMessageError, OutcomeUnknownError
 from qsg.chaos import report
 from qsg.chaos.checker import MUST_BE_ZERO, check
 from qsg.chaos.conversations import drain_service, service_queues
-from qsg.chaos.faults import DUPLEX_KINDS, FAULTS, FaultError, FaultSpec, after_heal, restore_all, schedule
+from qsg.chaos.faults import (
+    DUPLEX_KINDS,
+    FAULTS,
+    FaultError,
+    FaultSpec,
+    after_heal,
+    reconnect_pstores,
+    restore_all,
+    schedule,
+)
 from qsg.chaos.group import DRAINED, QUEUES, STRUCTURES, ChaosGroup
 from qsg.chaos.history import FAIL, OK, UNKNOWN, History, load_history
 from qsg.chaos.options import ChaosOptions
+from qsg.chaos.pubsub_actions import drain_subscribers, topic_queues
 from qsg.chaos.workload import Coordinator, Workload, parse_body
 from sqm.service.client import Client
 
@@ -107,6 +117,8 @@ def heal(group: ChaosGroup, history: History) -> list[str]:
         group.c.restart_cf()
         step("CF restarted")
         restore_all(group, step)
+    for what in reconnect_pstores(group):
+        step(what)
     for name in group.names:
         if group.running(name):
             after_heal(group, name, step)
@@ -176,7 +188,8 @@ def leftovers(group: ChaosGroup) -> dict[str, dict[str, int]]:
             for q, states in cf.structure(s).depths().items():
                 # The service's control queue keeps final statuses: only its locked entries count there.
                 held = states["UP"] or states["UG"]
-                if q in DRAINED and any(states.values()) or q in service_queues() and held \
+                # A topic keeps publications until its sweeper removes them: only its locked entries count.
+                if q in DRAINED and any(states.values()) or q in (*service_queues(), *topic_queues()) and held \
                         or q == service_queues()[0] and any(states.values()):
                     out[q] = states
         return out
@@ -246,6 +259,7 @@ def run_chaos(opts: ChaosOptions, console: Console | None = None,
             extra["in doubt"] = resolve_in_doubt(group, coordinator)
             extra["drained"] = drain(group, history)
             extra["service"] = drain_service(history, list(group.direct.values()), group.c.token)
+            extra["topic"] = drain_subscribers(history, list(group.direct.values()), group.c.token)
             extra["left in the structures"] = leftovers(group)
             history.note(what="drained", **{k: v for k, v in extra.items() if k != "in doubt"})
             phases["heal_drain_s"] = round(time.monotonic() - t1, 2)

@@ -9,7 +9,9 @@ same actions, message ids, payloads and decisions (the interleaving with faults 
 * ``put1``: one put outside syncpoint, persistent or not;
 * ``2pc``: puts and a get, prepare (two-phase commit, phase one), then the coordinator resolves it through the
   owner's ``resolve`` operation, at once or later (left in doubt, across faults, resolved after healing);
-* ``conv``: a unit of work sent to, or received from, a service, or a status query (qsg.chaos.conversations).
+* ``conv``: a unit of work sent to, or received from, a service, or a status query (qsg.chaos.conversations);
+* ``pub``: a publication published, publications received for the thread's subscriber, or its subscriber offline
+  for a while (qsg.chaos.pubsub_actions).
 
 Messages: persistent or not, priorities 0/5/9 (mostly 0, so that order can be checked), some with an expiry.
 Every message has a unique id and a CRC32C of its payload, both in its body (see make_body).
@@ -29,6 +31,7 @@ from cfemu.errors import BackedOutError, MQError, NoMessageError, OutcomeUnknown
 from qsg.chaos.bodies import make_body, parse_body
 from qsg.chaos.conversations import Conv, ConvRunner, ConvSession, conv_plan
 from qsg.chaos.history import FAIL, OK, UNKNOWN, History
+from qsg.chaos.pubsub_actions import SUBSCRIBERS, Pub, PubRunner, PubSession, pub_plan
 from sqm.service.client import Client
 from sqm.service.protocol import QueueManagerUnavailableError
 
@@ -36,6 +39,7 @@ log = logging.getLogger("qsg.chaos")
 
 AWAY = "away"
 CONV_SHARE = 0.15  # of the actions: conversations with the service (units of work sent and received, queries)
+PUB_SHARE = 0.12  # of the actions: publications published and received (durable publish and subscribe)
 
 
 # --- the plan --------------------------------------------------------------------------------------------------
@@ -51,18 +55,20 @@ class PutSpec:
 
 @dataclass(frozen=True)
 class Action:
-    kind: str  # uow, consume, put1, 2pc, conv
+    kind: str  # uow, consume, put1, 2pc, conv, pub
     puts: tuple[PutSpec, ...] = ()
     gets: tuple[str, ...] = ()  # queues
     commit: bool = True  # for 2pc: the coordinator's decision
     park_s: float = 0.0  # 2pc: leave in doubt this long before the coordinator resolves it (0: at once)
     conv: Conv | None = None  # conv: the conversation action
+    pub: Pub | None = None  # pub: the publish/subscribe action
 
 
 def client_plan(seed: int, client: int, queues: tuple[str, ...]) -> Iterator[Action]:
     """The endless, reproducible action sequence of one client."""
     rnd = random.Random(f"chaos-{seed}-{client}")
     n = 0
+    n_pub = 0
 
     def next_msg() -> str:
         nonlocal n
@@ -76,8 +82,13 @@ def client_plan(seed: int, client: int, queues: tuple[str, ...]) -> Iterator[Act
                        size=rnd.randint(64, 1024))
 
     while True:
-        if rnd.random() < CONV_SHARE:
+        share = rnd.random()
+        if share < CONV_SHARE:
             yield Action("conv", conv=conv_plan(rnd, next_msg))
+            continue
+        if share < CONV_SHARE + PUB_SHARE:
+            n_pub += 1
+            yield Action("pub", pub=pub_plan(rnd, next_msg, client, n_pub))
             continue
         r = rnd.random()
         if r < 0.45:
@@ -228,6 +239,7 @@ class Workload:
         eps = self.endpoints[k:] + self.endpoints[:k]
         client: Client | None = None
         conv = ConvSession(self.history, eps, name, user=name, user_token=f"chaos-{self.seed}", token=self.token)
+        pubsub = PubSession(self.history, eps, name, token=self.token, sub=SUBSCRIBERS.get(i))
         plan = client_plan(self.seed, i, self.queues)
         n_uow = 0
         while not self._stop.is_set():
@@ -241,7 +253,7 @@ class Workload:
             action = next(plan)
             n_uow += 1
             try:
-                ok = Runner(self.history, client, name, f"{name}.{n_uow}", self.coordinator, conv).run(action)
+                ok = Runner(self.history, client, name, f"{name}.{n_uow}", self.coordinator, conv, pubsub).run(action)
             except Exception:  # a bug in the suite itself: keep the evidence, keep the run going
                 log.exception("%s: action %s failed", name, action.kind)
                 ok = False
@@ -251,19 +263,22 @@ class Workload:
         if client is not None:
             client.close()
         conv.close()
+        pubsub.close()
 
 
 class Runner:
     """Carries out one action on one client, recording each call."""
 
     def __init__(self, history: History, client: Any, name: str, uow: str,
-                 coordinator: Coordinator | None = None, conv: ConvSession | None = None) -> None:
+                 coordinator: Coordinator | None = None, conv: ConvSession | None = None,
+                 pubsub: PubSession | None = None) -> None:
         self.h = history
         self.c = client
         self.name = name
         self.uow = uow
         self.coordinator = coordinator
         self.conv = conv
+        self.pubsub = pubsub
 
     def call(self, op: str, fn: Callable[[], Any], **args: Any) -> tuple[str, Any]:
         """Invoke, run, complete: (outcome, result or exception)."""
@@ -321,6 +336,9 @@ class Runner:
         if a.kind == "conv":
             assert self.conv is not None and a.conv is not None, "a conv action needs the client's conversation"
             return ConvRunner(self.h, self.conv, self.uow).run(a.conv)
+        if a.kind == "pub":
+            assert self.pubsub is not None and a.pub is not None, "a pub action needs the client's pub/sub session"
+            return PubRunner(self.h, self.pubsub, self.uow).run(a.pub)
         if a.kind == "put1":
             outcome, _ = self.put(a.puts[0], syncpoint=False)
             return outcome == OK
