@@ -213,7 +213,9 @@ class PubSubChecker:
             if self.outcome[d.pub_key] == ABORTED:
                 p = self.pubs[d.pub_key]
                 c = p.commit_op
-                why = "never committed" if c is None else f"its COMMIT (op {c.id}) was {c.outcome}"
+                b = next((o for o in p.syncs if o.args.get("option") == "BACKOUT"), None)
+                why = (f"its COMMIT (op {c.id}) was {c.outcome}" if c is not None else
+                       f"backed out (op {b.id})" if b is not None else "never committed")
                 self.find("pub-backedout-delivered", d.msgs, f"{d.sub} received {p.key} ({p.client}, {why}) at op "
                                                              f"{d.op.id} ({d.op.client})", p.key)
         self.counts["publication deliveries"] += len(self.deliveries)
@@ -292,7 +294,8 @@ class PubSubChecker:
                 commit = r.commit
                 assert commit is not None
                 committed_at.setdefault(d.pub_key, _done(commit))
-                seq.append(d)
+                if self.outcome[d.pub_key] == COMMITTED:  # one that never committed is found already
+                    seq.append(d)
             elif state == UNKNOWN:
                 counts[d.pub_key][1] += 1
             else:

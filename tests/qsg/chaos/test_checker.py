@@ -700,3 +700,195 @@ def test_uow_reachability_matches_the_state_table() -> None:
     assert allowed_after("POSTPONED", "TIMEOUT") and allowed_after("ACCEPTED", "DISCARDED")
     assert not allowed_after("PROCESSED", "ACCEPTED") and not allowed_after("ACCEPTED", "RECEIVED")
     assert not allowed_after("CANCELLED", "PROCESSED") and not allowed_after("BACKEDOUT", "ACCEPTED")
+
+
+# --- publishers and subscribers (qsg.chaos.pubsubcheck) -----------------------------------------------------------
+class Pubs(Hist):
+    """A history of publish/subscribe actions as qsg.chaos.pubsub_actions writes one."""
+
+    def subscribe(self, sub: str, durable: bool = True, client: str = "", home: str = "QM1.1",
+                  pc: int = 0) -> None:
+        self.op(client or sub, "psub", "ok", {"position_lrsn": 0, "home": home, "subscribed_pc": pc, "received": 0,
+                                              "durable": durable}, uow=f"{sub}.s", topic="NEWS", sub=sub,
+                durable=durable)
+
+    def publish(self, key: str, pub: str, msgs: list[str], end: str = "COMMIT", outcome: str = "ok",
+                **result: Any) -> None:
+        client = key.split(".")[0]
+        for i, m in enumerate(msgs):
+            self.op(client, "ppub", "ok", {"pub": pub, "messages": i + 1}, uow=key, topic="NEWS", msg=m, idx=i,
+                    of=len(msgs))
+        self.op(client, "psync", outcome, result, uow=key, topic="NEWS", option=end, role="publisher", pub=pub)
+
+    def recv(self, key: str, sub: str, pubs: list[tuple[str, int, list[str]]], end: str | None = "COMMIT",
+             outcome: str = "ok", client: str = "", **result: Any) -> None:
+        """One receipt: each (publication id, commit LRSN, its messages) received, then ``end``."""
+        client = client or sub
+        for pub, lrsn, msgs in pubs:
+            self.op(client, "precv", "ok", {"pub": pub, "lrsn": lrsn, "msgs": [[m, True] for m in msgs],
+                                            "persistent": True}, uow=key, topic="NEWS", sub=sub)
+        if end is not None:
+            self.op(client, "psync", outcome, result, uow=key, topic="NEWS", option=end, role="subscriber", sub=sub)
+
+
+P1, P2, P3 = ("P1", 10, ["a1", "a2"]), ("P2", 20, ["b1"]), ("P3", 30, ["c1", "c2", "c3"])
+
+
+def pubs_base() -> Pubs:
+    """Two durable subscribers and a non-durable one; three publications committed and one backed out; d1 backs
+    one receipt out and gets it again; everything drained."""
+    h = Pubs()
+    h.subscribe("d0")
+    h.subscribe("d1")
+    h.subscribe("n4", durable=False)
+    h.publish("p.1", "P1", ["a1", "a2"])
+    h.publish("p.2", "P2", ["b1"])
+    h.publish("p.3", "PX", ["x1"], end="BACKOUT")
+    h.recv("d0.1", "d0", [P1, P2])
+    h.recv("d1.1", "d1", [P1], end="BACKOUT")
+    h.recv("n4.1", "n4", [P1])
+    h.publish("p.4", "P3", ["c1", "c2", "c3"])
+    h.recv("pdrain.1", "d0", [P3], client="pdrain")
+    h.recv("pdrain.2", "d1", [P1, P2, P3], client="pdrain")
+    return h
+
+
+def pub_only(h: Pubs, kind: str, n: int = 1) -> None:
+    only(check(h.events).summary(), kind, n)
+
+
+def test_pub_a_clean_history_finds_nothing() -> None:
+    r = check(pubs_base().events)
+    assert not any(r.summary().values()), r.findings
+    assert r.counts["publications committed"] == 3 and r.counts["publications aborted"] == 1
+    assert r.counts["publication redeliveries after backout"] == 1
+    assert r.counts["units of work"] == 0, "pub/sub ops are not MQ units of work"
+
+
+def test_pub_lost_a_durable_subscriber_never_committed_a_publication() -> None:
+    h = pubs_base()
+    h.publish("p.5", "P4", ["e1"])
+    h.recv("pdrain.3", "d0", [("P4", 40, ["e1"])], client="pdrain")  # d1 never gets it
+    pub_only(h, "pub-lost")
+    h2 = pubs_base()
+    h2.publish("p.5", "P4", ["e1"])
+    h2.recv("pdrain.3", "d0", [("P4", 40, ["e1"])], end="BACKOUT", client="pdrain")
+    h2.recv("pdrain.4", "d1", [("P4", 40, ["e1"])], client="pdrain")
+    pub_only(h2, "pub-lost")  # received but backed out: not committed
+
+
+def test_pub_a_subscriber_whose_commit_is_unknown_may_have_committed_it() -> None:
+    h = pubs_base()
+    h.publish("p.5", "P4", ["e1"])
+    h.recv("pdrain.3", "d0", [("P4", 40, ["e1"])], client="pdrain")
+    h.recv("pdrain.4", "d1", [("P4", 40, ["e1"])], outcome="unknown", client="pdrain")
+    assert not any(check(h.events).summary().values())
+
+
+def test_pub_committed_before_a_subscriber_subscribed_is_neither_owed_nor_allowed() -> None:
+    h = pubs_base()
+    h.subscribe("d2")  # after P1, P2 and P3 committed: owed none of them
+    assert not any(check(h.events).summary().values())
+    h.recv("d2.1", "d2", [P1])
+    pub_only(h, "pub-before-subscribe")
+
+
+def test_pub_a_publication_committed_while_a_subscribe_ran_may_go_either_way() -> None:
+    h = Pubs()
+    h.subscribe("d0")
+    h.n += 1
+    h.events.append({"type": "invoke", "id": h.n, "t": 0.5, "client": "d1", "op": "psub", "uow": "d1.s",
+                     "topic": "NEWS", "sub": "d1", "durable": True})
+    h.t = 0.5
+    h.publish("p.1", "P1", ["a1"])  # its COMMIT runs while d1's subscribe has not answered
+    h.events.append({"type": "ok", "id": h.n - 1, "t": h.t + 0.01, "home": "QM1.1", "subscribed_pc": 0})
+    h.t += 0.02
+    h.recv("pdrain.1", "d0", [("P1", 10, ["a1"])], client="pdrain")
+    assert not any(check(h.events).summary().values())
+    h.recv("pdrain.2", "d1", [("P1", 10, ["a1"])], client="pdrain")
+    assert not any(check(h.events).summary().values())
+
+
+def test_pub_a_backed_out_or_never_committed_publication_delivered_is_found() -> None:
+    h = pubs_base()
+    h.recv("pdrain.3", "d0", [("PX", 25, ["x1"])], client="pdrain")
+    pub_only(h, "pub-backedout-delivered")
+    h2 = pubs_base()
+    h2.publish("p.5", "P9", ["f1"], outcome="fail", reason="MQRC_RESOURCE_PROBLEM", error="PstoreUnavailableError",
+               backed_out=True)
+    h2.recv("pdrain.3", "d0", [("P9", 50, ["f1"])], client="pdrain")
+    pub_only(h2, "pub-backedout-delivered")
+
+
+def test_pub_unknown_outcome_goes_to_all_durable_subscribers_or_to_none() -> None:
+    h = pubs_base()
+    h.publish("p.5", "P4", ["e1"], outcome="unknown", reason="MQRC_UNKNOWN", error="OutcomeUnknownError")
+    assert not any(check(h.events).summary().values()), "delivered to none: it did not commit"
+    h.recv("pdrain.3", "d0", [("P4", 40, ["e1"])], client="pdrain")
+    pub_only(h, "pub-split")  # d0 has it, d1 does not
+    h.recv("pdrain.4", "d1", [("P4", 40, ["e1"])], client="pdrain")
+    r = check(h.events)
+    assert not any(r.summary().values()), r.findings
+    assert r.counts["publications of unknown outcome: committed"] == 1
+
+
+def test_pub_duplicated_committed_twice_or_received_again_after_its_commit() -> None:
+    h = pubs_base()
+    h.recv("pdrain.3", "d0", [P3], client="pdrain")
+    pub_only(h, "pub-duplicated")
+    h2 = pubs_base()
+    h2.recv("pdrain.3", "d0", [P3], end="BACKOUT", client="pdrain")  # received again, even if not committed
+    pub_only(h2, "pub-duplicated")
+
+
+def test_pub_partial_a_delivery_that_is_not_the_whole_publication() -> None:
+    h = pubs_base()
+    h.recv("n4.2", "n4", [("P3", 30, ["c1", "c3"])])  # a message missing
+    pub_only(h, "pub-partial")
+    h2 = pubs_base()
+    h2.recv("n4.2", "n4", [("P3", 30, ["c1", "c3", "c2"])])  # out of order
+    pub_only(h2, "pub-partial")
+    h3 = pubs_base()
+    h3.recv("n4.2", "n4", [("P3", 30, ["c1", "c2", "c3", "b1"])])  # two publications in one
+    pub_only(h3, "pub-partial")
+
+
+def test_pub_order_a_subscriber_committed_a_later_publication_first() -> None:
+    h = Pubs()
+    h.subscribe("d0")
+    h.publish("p.1", "P1", ["a1", "a2"])
+    h.publish("p.2", "P2", ["b1"])
+    h.recv("pdrain.1", "d0", [P2, P1], client="pdrain")
+    f = check(h.events).summary()
+    assert f["pub-order"] >= 1 and all(v == 0 for k, v in f.items() if k != "pub-order"), f
+    h2 = Pubs()
+    h2.subscribe("d0")
+    h2.publish("p.1", "P1", ["a1", "a2"])
+    h2.publish("p.2", "P2", ["b1"])
+    h2.recv("pdrain.1", "d0", [("P1", 20, ["a1", "a2"]), ("P2", 10, ["b1"])], client="pdrain")  # positions fall
+    pub_only(h2, "pub-order")
+
+
+def test_pub_phantom_and_corrupted_deliveries() -> None:
+    h = pubs_base()
+    h.recv("n4.2", "n4", [("PZ", 90, ["z1"])])
+    pub_only(h, "pub-phantom")
+    h2 = pubs_base()
+    h2.op("n4", "precv", "ok", {"pub": "P3", "lrsn": 30, "msgs": [["c1", True], ["c2", False], ["c3", True]]},
+          uow="n4.2", topic="NEWS", sub="n4")
+    pub_only(h2, "corrupted")
+
+
+def test_pub_a_non_durable_incarnation_is_judged_on_its_own() -> None:
+    h = pubs_base()
+    # n4's member restarted: its subscription went, it subscribed again (a new incarnation) and gets P3 only.
+    h.subscribe("n4", durable=False, home="QM1.2", pc=5)
+    h.publish("p.5", "P4", ["e1"])
+    h.recv("n4.2", "n4", [("P4", 40, ["e1"])])
+    h.recv("pdrain.3", "d0", [("P4", 40, ["e1"])], client="pdrain")
+    h.recv("pdrain.4", "d1", [("P4", 40, ["e1"])], client="pdrain")
+    assert not any(check(h.events).summary().values()), "n4 owes nothing: it is not durable"
+    h2 = pubs_base()
+    h2.subscribe("n4", durable=False, home="QM1.2", pc=5)
+    h2.recv("n4.3", "n4", [P1])  # the new incarnation got one committed before it subscribed
+    pub_only(h2, "pub-before-subscribe")
