@@ -177,22 +177,31 @@ def drain(group: ChaosGroup, history: History) -> int:
     return n
 
 
+TOPIC_SETTLE_S = 15.0  # after the subscribers' drain the members' sweepers remove its backlog: gets in flight
+
+
 def leftovers(group: ChaosGroup) -> dict[str, dict[str, int]]:
-    """What is still in the structures after the drain (entries locked by a UOW nobody resolved, for example)."""
+    """What is still in the structures after the drain (entries locked by a UOW nobody resolved, for example).
+    A topic's publications are removed by the members' sweepers, a short unit of work each, busiest right after the
+    subscribers' drain: its locked entries count only when they stay locked after TOPIC_SETTLE_S of looking."""
 
     client = group.cf()
+    deadline = time.monotonic() + TOPIC_SETTLE_S
     try:
         cf = CF(client)
-        out = {}
-        for s in STRUCTURES:
-            for q, states in cf.structure(s).depths().items():
-                # The service's control queue keeps final statuses: only its locked entries count there.
-                held = states["UP"] or states["UG"]
-                # A topic keeps publications until its sweeper removes them: only its locked entries count.
-                if q in DRAINED and any(states.values()) or q in (*service_queues(), *topic_queues()) and held \
-                        or q == service_queues()[0] and any(states.values()):
-                    out[q] = states
-        return out
+        while True:
+            out = {}
+            for s in STRUCTURES:
+                for q, states in cf.structure(s).depths().items():
+                    # The service's control queue keeps final statuses: only its locked entries count there.
+                    held = states["UP"] or states["UG"]
+                    # A topic keeps publications until its sweeper removes them: only its locked entries count.
+                    if q in DRAINED and any(states.values()) or q in (*service_queues(), *topic_queues()) and held \
+                            or q == service_queues()[0] and any(states.values()):
+                        out[q] = states
+            if not set(out) & set(topic_queues()) or time.monotonic() >= deadline:
+                return out
+            time.sleep(0.25)
     finally:
         client.close()
 

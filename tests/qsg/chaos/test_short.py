@@ -83,6 +83,24 @@ def test_cf_kill_recauto_run_finds_nothing(tmp_path: Path) -> None:
     assert "CSQE131I recovery of APP1 completed" in logs and "CSQE131I recovery of APP2 completed" in logs
 
 
+def test_pstore_disconnect_and_no_new_uows_run_finds_nothing(tmp_path: Path) -> None:
+    """The fault kinds pstore-disconnect and no-new-uows: a structure's persistent store disconnected (then its new
+    units of work refused) for seconds under the workload, publishers and subscribers included; what was refused is
+    a FAIL outcome with its reason, and the checker finds nothing lost, twice, half-delivered or out of order."""
+    out = chaos("run", "--seed", "2", "--duration", "14", "--faults", "pstore-disconnect,no-new-uows", "--json",
+                "--dir", str(tmp_path))
+    assert out.stdout, out.stderr[-3000:]
+    s = json.loads(out.stdout)
+    assert out.returncode == 0, (s["findings"], s["fault_errors"], (tmp_path / "report.md").read_text()[-3000:])
+    assert {f["kind"] for f in s["faults"]} == {"pstore-disconnect", "no-new-uows"} and not s["fault_errors"]
+    assert all(f["service_s"] is not None and f["timings"]["off_s"] >= 2.0 for f in s["faults"])
+    assert all(v == 0 for v in s["findings"].values())
+    assert s["counts"]["publications committed"] > 20 and s["counts"]["publication deliveries"] > 80
+    events = [json.loads(line) for line in (tmp_path / "history.jsonl").read_text().splitlines()]
+    refused = {e.get("error") for e in events if e["type"] == "fail"}  # the pub/sub and conversation calls' classes
+    assert {"PstoreUnavailableError", "NoNewUowsError"} <= refused, sorted(map(str, refused))
+
+
 @pytest.mark.soak
 @pytest.mark.timeout(3600)
 @pytest.mark.parametrize("seed", range(1, 21))
