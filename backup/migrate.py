@@ -16,6 +16,12 @@ a MIGRATING or MIGRATED structure is neither, so no member takes it for a lost C
 MIGRATED (a failed unload puts it back to ACTIVE): it serves nothing until an operator reopens it deliberately
 (``reopen``), so the two stores never serve at once.
 
+The header is in the source CF, and a loss of that CF takes it away: the structure then reads FAILED, and RECAUTO
+or ``cfrestore run`` would restore it from its backups and logs beside its target. So before the header says
+MIGRATED the unload records the migration in the group repository (cfemu.repository, beside the logs: it outlives
+the CF), and restore, RECAUTO and the start modes refuse a structure recorded there. Only ``reopen`` clears it.
+An unload that finds no group repository (none given, none recorded in the CF) is refused before it starts.
+
 The target while it loads: the load claims the structure as a restore does (cfemu.bulk.claim: RECOVERING with a
 restore token, every write one guarded transaction; RECAUTO leaves a RECOVERING structure without its mark alone),
 marks the header with the migration's id (``migration``), empties it, loads the entries batch by batch in their
@@ -57,7 +63,7 @@ from cfemu import bulk, cluster_cf, keys
 from cfemu.admin import QUEUES, STRUCTURES, Admin, QueueDef, StructureDef
 from cfemu.credentials import BackupKeys
 from cfemu.progress import Progress, no_progress
-from cfemu.repository import GroupRepository
+from cfemu.repository import GroupRepository, RepositoryError
 from sqm.failpoints import failpoint
 
 MIGRATION_FORMAT = 1  # the unload's format: a load refuses another
@@ -225,12 +231,48 @@ def _set_state(client: redis.Redis, structure: str, *, to: str, expect: tuple[st
     return str(_guarded(node, (meta,), check, stage))
 
 
-def reopen(client: redis.Redis, structure: str) -> dict[str, Any]:
-    """Give a MIGRATING or MIGRATED source back to its members (ACTIVE): the operator's deliberate choice, after
-    a migration that is abandoned, or before a second unload. Never while the target serves (both would)."""
+def group_repository(client: redis.Redis, log_root: str | Path | None = None) -> GroupRepository:
+    """The group repository a migration records in: the one the CF records as the group's (the members' log
+    root), checked against `log_root` when given; `log_root`'s when the CF records none (a CF that was lost)."""
+    recorded = Admin(client).repository()
+    try:
+        if recorded is None:
+            if log_root is None:
+                raise MigrationError("the CF records no group repository: give the group's log root (--log-root), "
+                                     "whose repository records that the structure is migrated (it outlives the CF)")
+            return GroupRepository(log_root)
+        repo = GroupRepository(log_root if log_root is not None else Path(recorded["path"]).parent.parent)
+        if repo.id != recorded["id"]:
+            raise MigrationError(f"{repo.path} is not the group repository the CF records ({recorded['path']}): "
+                                 "give the group's log root (--log-root)")
+    except RepositoryError as e:
+        raise MigrationError(str(e)) from None
+    return repo
+
+
+def reopen(client: redis.Redis, structure: str, *, log_root: str | Path | None = None) -> dict[str, Any]:
+    """Give a migrated source back to its members: the operator's deliberate choice, after a migration that is
+    abandoned, or before a second unload. Never while the target serves (both would). A MIGRATING or MIGRATED
+    structure becomes ACTIVE; the group repository's record of the migration is cleared, so that a structure
+    whose CF was lost since (FAILED) is restored again (RECAUTO, cfrestore run)."""
+    keys.check_name("structure", structure)
+    repo = group_repository(client, log_root)
     header = _header(cluster_cf.node_client(client, structure), structure)
-    before = _set_state(client, structure, to="ACTIVE", expect=(MIGRATING, MIGRATED))
-    return {"structure": structure, "state_before": before, "state": "ACTIVE", "migration": header.get(FIELD, "")}
+    state = header.get("state", "") or "FAILED"  # missing from the CF: lost with it (Admin.state)
+    record = repo.migrated().get(structure)
+    if state in (MIGRATING, MIGRATED):
+        # the header first: a failure between the two leaves the record, which refuses more, never less
+        before = _set_state(client, structure, to="ACTIVE", expect=(MIGRATING, MIGRATED))
+        now = "ACTIVE"
+    elif record is not None:
+        before = now = state
+    else:
+        raise MigrationError(f"structure {structure} is {state} and the group repository {repo.path} records no "
+                             "migration of it: nothing to reopen")
+    repo.clear_migrated(structure)
+    return {"structure": structure, "state_before": before, "state": now,
+            "migration": header.get(FIELD, "") or (record or {}).get("migration", ""),
+            "repository": str(repo.path), "restore_needed": now != "ACTIVE"}
 
 
 @dataclass
@@ -255,10 +297,11 @@ class Unloaded:
 
 
 def unload(client: redis.Redis, structure: str, to: str | Path, *, backup_keys: BackupKeys | None = None,
-           progress: Progress = no_progress) -> Unloaded:
+           progress: Progress = no_progress, log_root: str | Path | None = None) -> Unloaded:
     """Unload `structure` into the directory `to` (new, or empty): ``unload/`` (the backup file format, its
-    manifest signed) and ``unload-report.jsonl``. The source ends MIGRATED; a failure puts it back to ACTIVE
-    and removes what was written."""
+    manifest signed) and ``unload-report.jsonl``. The source ends MIGRATED, and the group repository (the CF's,
+    or log_root's: group_repository) records it migrated; a failure puts it back to ACTIVE and removes what was
+    written."""
     t0 = time.monotonic()
     keys_ = resolve_keys(backup_keys)
     signing_key(keys_, "sign the unload with")  # no key, no unload: refused before the CF is touched
@@ -268,6 +311,11 @@ def unload(client: redis.Redis, structure: str, to: str | Path, *, backup_keys: 
     keys.check_name("structure", structure)
     admin = Admin(client)
     sdef, queues = _definitions(client, structure)
+    repo = group_repository(client, log_root)
+    if structure in repo.migrated():
+        raise HandshakeError(f"structure {structure} is recorded migrated in the group repository {repo.path} "
+                             f"(migration {repo.migrated()[structure].get('migration')}): reopen it first "
+                             f"('cfemu migrate reopen {structure}') to unload it again")
     group = admin.group_name()
     node = cluster_cf.node_client(client, structure)
     cf = bulk.cf_identity(node)
@@ -310,6 +358,8 @@ def unload(client: redis.Redis, structure: str, to: str | Path, *, backup_keys: 
             "entries": result.entries, "bytes": result.bytes, "report": {"name": UNLOAD_REPORT, "sha256": report_sha},
         })
         writer = None
+        # durably outside the CF before the header says it: a CF loss must not make the source restorable
+        repo.record_migrated(structure, migration, unload=str((directory / UNLOAD_DIR).absolute()), source_cf=cf)
         _set_state(client, structure, to=MIGRATED, expect=(MIGRATING,), migration=migration)
     except BaseException:
         if report is not None:
@@ -320,7 +370,9 @@ def unload(client: redis.Redis, structure: str, to: str | Path, *, backup_keys: 
         try:
             _set_state(client, structure, to="ACTIVE", expect=(MIGRATING,), migration=migration)
         except (MigrationError, redis.exceptions.RedisError):
-            pass  # left MIGRATING: 'cfemu migrate reopen' gives it back
+            pass  # left MIGRATING (and recorded): 'cfemu migrate reopen' gives it back
+        else:
+            repo.clear_migrated(structure, migration)
         raise
     result.seconds = time.monotonic() - t0
     return result
@@ -433,6 +485,11 @@ def load(client: redis.Redis, directory: str | Path, *, structure: str | None = 
     if group is not None:
         keys.check_name("group", group)
     found = handshake(client, manifest, S, group=group, restart=restart)
+    if log_root is not None and S in GroupRepository(log_root).migrated():
+        # that group's S was migrated away: restore and RECAUTO would refuse the loaded one after a CF loss
+        raise HandshakeError(f"the target group's repository {GroupRepository(log_root).path} records structure {S} "
+                             f"migrated away (migration {GroupRepository(log_root).migrated()[S].get('migration')}): "
+                             "load under another name (--structure), or reopen it there first")
     report_path = Path(report) if report is not None else Path(directory) / LOAD_REPORT
     if report_path.exists():
         if not (restart and found["partial"]):
@@ -536,11 +593,16 @@ def _verify(owner: bulk.Owner, unloaded: Backup, result: Loaded) -> None:
 
 
 # --- status and reports of a store --------------------------------------------------------------------------------
-def status(client: redis.Redis, structure: str) -> dict[str, Any]:
-    """Where a structure stands in a migration: its state and migration id, and what that means."""
+def status(client: redis.Redis, structure: str, *, log_root: str | Path | None = None) -> dict[str, Any]:
+    """Where a structure stands in a migration: its state and migration id, and what that means (the group
+    repository's record too, when the repository is found: group_repository)."""
     node = cluster_cf.node_client(client, structure)
     header = _header(node, structure)
     state, mid = header.get("state", ""), header.get(FIELD, "")
+    try:
+        record = group_repository(client, log_root).migrated().get(structure)
+    except MigrationError:
+        record = None
     meaning = {
         MIGRATING: "being unloaded (or an unload died: 'cfemu migrate reopen' gives it back); members' work refused",
         MIGRATED: "unloaded: serves nothing so that its target alone does; 'cfemu migrate reopen' to serve again",
@@ -552,5 +614,9 @@ def status(client: redis.Redis, structure: str) -> dict[str, Any]:
         meaning = "serving"
     elif not state:
         meaning = "not in this CF"
+    if record is not None and state not in (MIGRATING, MIGRATED):
+        mid = str(record.get("migration", ""))
+        meaning = (f"migrated (recorded in the group repository; the CF holds it {state or 'no more'}): restore, "
+                   "RECAUTO and the start modes refuse it; 'cfemu migrate reopen' to serve it here again")
     return {"structure": structure, "state": state or "-", "migration": mid, "entries": int(header.get("entries", 0) or 0)
             if state != "RECOVERING" else int(node.hlen(keys.entries(structure))), "meaning": meaning}

@@ -15,7 +15,12 @@ repository.json is replaced atomically (cfemu.durable.replace_file: temp file, f
      "structures": {"APP1": {"name", "max_entries", "max_bytes", "recauto", "lrsn", "defined_at", "updated_at"}},
      "queues": {"Q1": {"name", "structure", "backout_threshold", "backout_queue", "max_msg_length", "lrsn",
                        "defined_at", "updated_at"}},
-     "members": {"QM1": {"log": "<absolute log directory>", "joined_at", "last_joined_at"}}}
+     "members": {"QM1": {"log": "<absolute log directory>", "joined_at", "last_joined_at"}},
+     "migrated": {"APP1": {"migration", "unload", "source_cf", "migrated_at"}}}
+
+``migrated`` names the structures unloaded by a store migration (backup.migrate): their content now lives in
+another CF, so restore, RECAUTO and the start modes refuse them (a CF loss takes the source's MIGRATED header away;
+this record does not go with it) until ``cfemu migrate reopen`` clears it.
 
 A definition's ``lrsn`` is the LRSN (physical microseconds) it was made at: a new structure's CF clock starts
 there, so every record of its work lies above it, and restore can rebuild a structure that was never backed up
@@ -55,6 +60,7 @@ FILE = "repository.json"
 LOCK = "lock"
 FORMAT = "cfemu-group-repository"
 VERSION = 1
+MIGRATED = "migrated"  # the section of the structures a store migration unloaded
 
 State = dict[str, Any]
 
@@ -193,9 +199,41 @@ class GroupRepository:
                 out.append(QueueDef.from_dict(rec))
         return sorted(out, key=lambda q: q.name)
 
+    # --- store migration: the source that must not serve again (backup.migrate) ----------------------------
+    def record_migrated(self, structure: str, migration: str, *, unload: str, source_cf: str) -> None:
+        """`structure` was unloaded by `migration`: restore, RECAUTO and the start modes refuse it from now on."""
+        def change(state: State) -> None:
+            state.setdefault(MIGRATED, {})[structure] = {"migration": migration, "unload": unload,
+                                                         "source_cf": source_cf, "migrated_at": _iso()}
+        self.update(change)
+
+    def clear_migrated(self, structure: str, migration: str | None = None) -> dict[str, Any] | None:
+        """Forget that `structure` was migrated (only `migration`'s record, when given); returns the record."""
+        found: list[dict[str, Any]] = []
+
+        def change(state: State) -> None:
+            rec = (state.get(MIGRATED) or {}).get(structure)
+            if rec is not None and (migration is None or rec.get("migration") == migration):
+                found.append(state[MIGRATED].pop(structure))
+        if self.exists():
+            self.update(change)
+        return found[0] if found else None
+
+    def migrated(self) -> dict[str, dict[str, Any]]:
+        """Structure -> its migration record, for every structure unloaded and not reopened."""
+        return dict((self.load() or {}).get(MIGRATED) or {})
+
     def members(self) -> dict[str, str]:
         """Member -> its log directory, for every member that ever joined."""
         return {m: str(rec.get("log", "")) for m, rec in ((self.load() or {}).get("members") or {}).items()}
+
+
+def migrated_refusal(structure: str, record: Mapping[str, Any], doing: str) -> str:
+    """The one-line reason restore, RECAUTO and the start modes give for not `doing` a migrated structure."""
+    return (f"structure {structure} was migrated (migration {record.get('migration', '?')}, unloaded to "
+            f"{record.get('unload', '?')}): its messages are served by the migration's target, so {doing} it here "
+            f"would serve them twice; only if the migration is abandoned: 'cfemu migrate reopen {structure} "
+            f"--confirm {structure}', then again")
 
 
 def open_group_repository(admin: Admin, log_root: str | os.PathLike[str], *, who: str) -> GroupRepository:

@@ -58,7 +58,7 @@ from backup.run import rebuild_catalog
 from cfemu import bulk, keys
 from cfemu.admin import Admin, AdminError, QueueDef, StructureDef
 from cfemu.credentials import BackupKeys
-from cfemu.repository import GroupRepository
+from cfemu.repository import GroupRepository, migrated_refusal
 from cfemu.settings import restore_memory
 from restore.engine import PHASES, Progress, get_engine, no_progress
 from restore.load import LoadResult, load_plan, loaded_tombstones, restore_owned_uows
@@ -433,6 +433,22 @@ def default_report_path(backup_root: Path, structure: str, when: datetime) -> Pa
     return backup_root / structure / f"restore-{when:%Y%m%dT%H%M%S%fZ}.json"
 
 
+MIGRATION_STATES = ("MIGRATING", "MIGRATED")  # a store migration's source (backup.migrate): its header's states
+
+
+def refuse_migrated(structure: str, state: str, log_root: Path, doing: str) -> None:
+    """RestoreError when `structure` is a store migration's source: its header says so (MIGRATING, MIGRATED), or,
+    once a CF loss took the header away, the group repository does. Restoring or starting it would make it serve
+    beside its target; only 'cfemu migrate reopen' gives it back (backup.migrate)."""
+    if state in MIGRATION_STATES:
+        raise RestoreError(f"structure {structure} is {state}, a store migration's source: {doing} it would serve "
+                           f"its messages beside its target's; only if the migration is abandoned: 'cfemu migrate "
+                           f"reopen {structure} --confirm {structure}'")
+    record = GroupRepository(log_root).migrated().get(structure)
+    if record is not None:
+        raise RestoreError(migrated_refusal(structure, record, doing))
+
+
 def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_root: Path,
                 backup_id: str | None = None, engine: str = "local", dry_run: bool = False,
                 mark_failed: bool = False, progress: Progress = no_progress, report_path: Path | None = None,
@@ -457,6 +473,7 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
     admin = Admin(client)
     seen = bulk.observe(client, structure)  # what the claim compares against, after the plan
     state = seen.state or "FAILED"  # a structure missing from the CF counts as FAILED (Admin.state)
+    refuse_migrated(structure, state, log_root, "restoring")
     sdef = _admin_definition(admin, structure)
     if state == "ACTIVE" and not (mark_failed or dry_run):
         raise RestoreError(f"structure {structure} is ACTIVE: restore works on a FAILED structure; mark it "

@@ -45,6 +45,7 @@ from restore.run import (
     _refused,
     committed_before_base,
     definitions,
+    refuse_migrated,
     run_purge,
     run_restore,
 )
@@ -63,11 +64,14 @@ def _started(client: redis.Redis, structure: str) -> str:
 def start(client: redis.Redis, structure: str, mode: str, *, backup_root: Path, log_root: Path,
           backup_keys: BackupKeys | None = None, progress: Progress = no_progress) -> dict[str, Any]:
     """Start `structure` in `mode` (HOT, WARM or COLD); returns what was done. A structure that is ACTIVE is
-    started again only when it runs from a WARM start (HOT restores it, COLD empties it); else RestoreError."""
+    started again only when it runs from a WARM start (HOT restores it, COLD empties it); else RestoreError. A store
+    migration's source (MIGRATING, MIGRATED, or recorded migrated in the group repository) is refused in every
+    mode (restore.run.refuse_migrated): only 'cfemu migrate reopen' gives it back."""
     mode = check_mode(mode)
     keys.check_name("structure", structure)
     admin = Admin(client)
     state = admin.state(structure)
+    refuse_migrated(structure, state, Path(log_root), f"starting ({mode})")
     warm = state == "ACTIVE" and _started(client, structure) == WARM
     if state == "ACTIVE" and not warm:
         raise RestoreError(f"structure {structure} is ACTIVE: a start mode applies to a structure that failed or "

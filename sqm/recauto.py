@@ -8,6 +8,11 @@ CF, the admin structure does not) and the CF says
   RECOVERING   with an automatic recovery's mark ({ADMIN}:recauto-attempts) and no live lock: the member that
                ran it died mid-way. A RECOVERING structure without the mark is an operator's restore: left alone.
 
+A structure the group repository records as migrated (a store migration's source, backup.migrate) is never
+recovered, whatever the CF says: its messages are served by the migration's target, and the CF loss that made it
+FAILED took away the MIGRATED header that kept it apart. The member says so once (CSQE138W); only ``cfemu migrate
+reopen`` gives it back.
+
 One member recovers it: the one that takes the lock ``{ADMIN}:recauto:<structure>`` (SET NX PX, value
 ``member@epoch``, renewed every third of its TTL while the restore runs; admin_hold_lock.lua renews and releases
 only the holder's own). The others see the lock, say once that they wait, and carry on: their calls on the
@@ -29,6 +34,7 @@ Progress is logged as MQ's CSQE messages, in the member's log::
     CSQE135E recovery of APP1 by QM2 failed after 0.4 s: <reason>; retrying in 2 s (or: cfrestore run APP1)
     CSQE136I structure APP1 is being recovered by QM1@E; QM2 waits for it to be ACTIVE
     CSQE137W QM2 lost the recovery lock of APP1 (...): the restore goes on, its ownership of the structure holds
+    CSQE138W QM2 does not recover APP1: structure APP1 was migrated (...) ... 'cfemu migrate reopen APP1' ...
 
 and counted in the queue manager's counters (the service's metric ``sqm_structure_recoveries_total{event}``).
 """
@@ -45,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 
 from cfemu.progress import Progress
+from cfemu.repository import migrated_refusal
 
 if TYPE_CHECKING:
     from sqm.manager import QueueManager
@@ -78,6 +85,7 @@ class StructureRecovery:
         self._failures: dict[str, int] = {}
         self._next_try: dict[str, float] = {}
         self._waiting: dict[str, str] = {}  # structure -> the holder we said we wait for
+        self._migrated_said: set[str] = set()  # migrated structures we said we do not recover
         self._next_check = 0.0
         self._lock = threading.Lock()
         for event in EVENTS:
@@ -111,8 +119,16 @@ class StructureRecovery:
         if repo is None:
             return []
         started = []
+        migrated = repo.migrated()
+        self._migrated_said &= set(migrated)  # reopened: say it again if it is migrated again
         for name, sdef in sorted(repo.structures().items()):
             if not sdef.recauto or name in self.busy() or t < self._next_try.get(name, 0.0):
+                continue
+            if name in migrated:
+                if name not in self._migrated_said and self._needs_recovery(name):
+                    self._migrated_said.add(name)
+                    log.warning("CSQE138W %s does not recover %s: %s", self.qm.name, name,
+                                migrated_refusal(name, migrated[name], "recovering"))
                 continue
             if not self._needs_recovery(name):
                 self._waiting.pop(name, None)
