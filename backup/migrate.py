@@ -312,12 +312,13 @@ def unload(client: redis.Redis, structure: str, to: str | Path, *, backup_keys: 
     admin = Admin(client)
     sdef, queues = _definitions(client, structure)
     repo = group_repository(client, log_root)
-    if structure in repo.migrated():
-        raise HandshakeError(f"structure {structure} is recorded migrated in the group repository {repo.path} "
-                             f"(migration {repo.migrated()[structure].get('migration')}): reopen it first "
-                             f"('cfemu migrate reopen {structure}') to unload it again")
     group = admin.group_name()
     node = cluster_cf.node_client(client, structure)
+    recorded = repo.migrated().get(structure)
+    if recorded is not None and _header(node, structure).get("state") not in (MIGRATING, MIGRATED):  # else freeze's
+        raise HandshakeError(f"structure {structure} is recorded migrated in the group repository {repo.path} "
+                             f"(migration {recorded.get('migration')}): reopen it first ('cfemu migrate reopen "
+                             f"{structure}') to unload it again")
     cf = bulk.cf_identity(node)
     migration = new_backup_id(structure, datetime.now(UTC))
     freeze(client, structure, migration)

@@ -1,12 +1,16 @@
 """`cfemu migrate`: move a structure from one CF to another through files (seed 004's PSTORE-UNLOAD / PSTORE-LOAD,
 backup.migrate), with a report of every record on both sides and their comparison (backup.migrate_report).
 
-    cfemu migrate unload STRUCT --to DIR [--redis-url SOURCE]        the source ends MIGRATED
+    cfemu migrate unload STRUCT --to DIR [--redis-url SOURCE] [--log-root DIR]   the source ends MIGRATED
     cfemu migrate load DIR --redis-url TARGET [--structure NAME] [--group NAME] [--restart] [--report FILE]
                            [--source-keys-dir DIR]
     cfemu migrate compare UNLOAD_REPORT LOAD_REPORT [--keys-dir DIR]  equal, or each difference (exit status 1)
-    cfemu migrate status STRUCT [--redis-url URL]
-    cfemu migrate reopen STRUCT --confirm STRUCT [--redis-url SOURCE] the source serves again (deliberately)
+    cfemu migrate status STRUCT [--redis-url URL] [--log-root DIR]
+    cfemu migrate reopen STRUCT --confirm STRUCT [--redis-url SOURCE] [--log-root DIR]
+                                                                     the source serves again (deliberately)
+
+--log-root names the source group's log root, whose group repository records the migration (default: the one
+the CF records; after a loss of the source CF: the settings' log root).
 
 Every verb takes --json; errors are one line on stderr with exit status 2 (docs/migration.md)."""
 
@@ -16,10 +20,13 @@ import argparse
 import sys
 from pathlib import Path
 
+import redis
+
 from backup import migrate
 from backup.files import BackupError
 from backup.migrate_report import ReportError, compare, read_report
 from cfemu import credentials
+from cfemu.admin import Admin
 from cfemu.clitools import (
     CLIError,
     Output,
@@ -30,7 +37,10 @@ from cfemu.clitools import (
     settings,
 )
 from cfemu.connection import connect
+from cfemu.settings import Settings
 
+REPO_HELP = ("the source group's log root, whose group repository records the migration (default: the one the CF "
+             "records, else the settings' log root)")
 EXPECTED_ERRORS = (migrate.MigrationError, BackupError, ReportError)
 
 
@@ -42,11 +52,20 @@ def _counts_rows(by_type: dict[str, int]) -> list[list[object]]:
     return [[t, n] for t, n in sorted(by_type.items())]
 
 
+def _log_root(args: argparse.Namespace, found: Settings, client: redis.Redis) -> Path | None:
+    """--log-root, else the CF's record of the group repository (None: backup.migrate finds it), else the
+    settings' log root (a CF that records none: lost since, or never joined)."""
+    if args.log_root:
+        return Path(args.log_root)
+    return None if Admin(client).repository() is not None else found.log_root
+
+
 def cmd_unload(args: argparse.Namespace, out: Output) -> int:
     found = settings(args)
     client = connect(require_url(found))
     with _bars(out) as bars:
-        done = migrate.unload(client, args.structure, args.to, backup_keys=found.backup_keys(), progress=bars)
+        done = migrate.unload(client, args.structure, args.to, backup_keys=found.backup_keys(), progress=bars,
+                              log_root=_log_root(args, found, client))
     d = done.to_dict()
     if out.as_json:
         out.json(d)
@@ -100,8 +119,9 @@ def cmd_compare(args: argparse.Namespace, out: Output) -> int:
 
 
 def cmd_status(args: argparse.Namespace, out: Output) -> int:
-    client = connect(require_url(settings(args)))
-    st = migrate.status(client, args.structure)
+    found = settings(args)
+    client = connect(require_url(found))
+    st = migrate.status(client, args.structure, log_root=_log_root(args, found, client))
     if out.as_json:
         out.json(st)
     else:
@@ -112,14 +132,21 @@ def cmd_status(args: argparse.Namespace, out: Output) -> int:
 
 def cmd_reopen(args: argparse.Namespace, out: Output) -> int:
     if args.confirm != args.structure:
-        raise CLIError(f"reopening {args.structure} makes it serve again: if its target serves too, applications "
-                       f"get the same messages twice; confirm with --confirm {args.structure}")
-    st = migrate.reopen(connect(require_url(settings(args))), args.structure)
+        raise CLIError(f"reopening {args.structure} makes it serve again (or, its CF lost, be restored): if its "
+                       f"target serves too, applications get the same messages twice; confirm with --confirm "
+                       f"{args.structure}")
+    found = settings(args)
+    client = connect(require_url(found))
+    st = migrate.reopen(client, args.structure, log_root=_log_root(args, found, client))
     if out.as_json:
         out.json(st)
+    elif st["restore_needed"]:
+        out.line(f"structure {st['structure']}: migration {st['migration']} forgotten; the structure is "
+                 f"{st['state']} (its CF was lost): RECAUTO or 'cfrestore run {st['structure']}' now restores it "
+                 "from its backups and logs, and it serves again: its target must not")
     else:
-        out.line(f"structure {st['structure']}: {st['state_before']} -> ACTIVE (migration {st['migration']}); "
-                 "its members' work is accepted again")
+        out.line(f"structure {st['structure']}: {st['state_before']} -> ACTIVE (migration {st['migration']} "
+                 "forgotten); its members' work is accepted again: its target must not serve")
     return 0
 
 
@@ -137,6 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     un = sub.add_parser("unload", parents=[common, cf], help="unload a structure into a directory (it ends MIGRATED)")
     un.add_argument("structure")
     un.add_argument("--to", required=True, metavar="DIR", help="a new or empty directory")
+    un.add_argument("--log-root", metavar="DIR", help=REPO_HELP)
     un.set_defaults(func=cmd_unload, cf_role="operator")
     ld = sub.add_parser("load", parents=[common, cf], help="load an unload into another CF (an empty structure)")
     ld.add_argument("dir", metavar="DIR", help="the unload's directory (cfemu migrate unload --to DIR)")
@@ -157,10 +185,13 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.set_defaults(func=cmd_compare, cf_role="operator")
     stp = sub.add_parser("status", parents=[common, cf], help="a structure's migration state")
     stp.add_argument("structure")
+    stp.add_argument("--log-root", metavar="DIR", help=REPO_HELP)
     stp.set_defaults(func=cmd_status, cf_role="operator")
-    ro = sub.add_parser("reopen", parents=[common, cf], help="give a MIGRATING or MIGRATED source back (ACTIVE)")
+    ro = sub.add_parser("reopen", parents=[common, cf], help="give a migrated source back: it serves again (or, its "
+                        "CF lost, is restored again)")
     ro.add_argument("structure")
     ro.add_argument("--confirm", metavar="STRUCT", default="", help="the structure's name again")
+    ro.add_argument("--log-root", metavar="DIR", help=REPO_HELP)
     ro.set_defaults(func=cmd_reopen, cf_role="operator")
     return p
 

@@ -9,6 +9,7 @@ The 100k-message migration is ``soak`` (opt-in: ``pytest -m soak tests/backup/te
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -23,6 +24,7 @@ import redis
 from backup import migrate
 from backup.files import MANIFEST_NAME, sign_manifest
 from backup.migrate_report import PartialReportError, TamperedReportError, compare, read_report
+from backup.run import run_backup
 from cfemu import cluster_cf, keys
 from cfemu.admin import Admin
 from cfemu.cf import CF
@@ -30,11 +32,15 @@ from cfemu.connection import connect
 from cfemu.credentials import BackupKeys
 from cfemu.embedded import EmbeddedRedis
 from cfemu.embedded_cluster import EmbeddedCluster
-from cfemu.errors import StructureFailedError
+from cfemu.errors import NoMessageError, StructureFailedError
+from cfemu.repository import GroupRepository
+from restore.run import RestoreError, run_restore
+from restore.start_modes import automatic_start, start
 from sqm.conversation import SYNC, Conversation
 from sqm.manager import QueueManager
 from sqm.recauto import StructureRecovery
 from tests.support.group import start_qm
+from tests.support.harness import lose_cf
 
 S, Q, SVC = "APP1", "Q1", "SVC"
 ROOT = Path(__file__).resolve().parents[2]
@@ -149,9 +155,12 @@ def test_a_structure_moves_to_another_cf_and_group_and_the_reports_compare_equal
         rcv.close()
     finally:
         qm2.stop()
-    # (the same check does recover the structure once it is FAILED: the state, not the check, kept it away)
+    # once FAILED (as a CF loss leaves it), the group repository's record of the migration keeps it away...
     Admin(src).set_state(S, "FAILED")
-    assert recauto.check(now=2e9) == [S] and recauto.wait(10) and recovered == [S]
+    assert recauto.check(now=2e9) == [] and recovered == []
+    # ...until it is reopened: then the same check recovers it
+    assert migrate.reopen(src, S)["restore_needed"]
+    assert recauto.check(now=3e9) == [S] and recauto.wait(10) and recovered == [S]
 
 
 def test_the_load_refuses_the_same_store_a_full_target_another_format_and_a_foreign_queue(
@@ -199,6 +208,150 @@ def test_an_unload_waits_for_no_unit_of_work_and_leaves_the_source_active_when_r
     migrate.unload(connect(redis_url), S, tmp_path / "mig")
     with pytest.raises(migrate.HandshakeError, match="is MIGRATED .*reopen it first"):
         migrate.unload(connect(redis_url), S, tmp_path / "mig2")
+
+
+def backed_up_source(url: str, tmp_path: Path) -> QueueManager:
+    """APP1 with six messages put by a real member: five in its backup, the sixth in its log only."""
+    Admin(connect(url)).ensure_structure(S, (Q,))
+    qm = start_qm(url, tmp_path / "logs", "QM1", background=False)
+    c = qm.connect()
+    for i in range(5):
+        c.put(Q, b"m%d" % i)
+    c.commit()
+    run_backup(connect(url), S, tmp_path / "backups", log_root=tmp_path / "logs")
+    c.put(Q, b"m5")
+    c.commit()
+    return qm
+
+
+def drain(qm: QueueManager) -> list[bytes]:
+    c, out = qm.connect(), []
+    while True:
+        try:
+            out.append(c.get(Q).body)
+        except NoMessageError:
+            c.backout()
+            return out
+
+
+def cfemu_migrate(*args: str, status: int = 0) -> subprocess.CompletedProcess[str]:
+    r = subprocess.run([sys.executable, "-m", "qsg.cli", "migrate", *args], capture_output=True, text=True,
+                       timeout=60, cwd=ROOT)
+    assert r.returncode == status, (args, r.returncode, r.stdout, r.stderr)
+    return r
+
+
+def test_a_source_whose_cf_is_lost_after_the_migration_is_not_restored_beside_its_target(
+        fresh_redis: EmbeddedRedis, redis_factory: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Review R2 (a): the MIGRATED header goes with the source CF; the group repository's record does not. RECAUTO
+    (HOT), cfrestore run and every start mode refuse the lost source until 'cfemu migrate reopen' clears it."""
+    url = fresh_redis.url
+    qm = backed_up_source(url, tmp_path)
+    try:
+        done = migrate.unload(connect(url), S, tmp_path / "mig")
+        migrate.load(redis_factory().client(), tmp_path / "mig", group="QSG2")
+        lose_cf(fresh_redis.client())
+        lost = fresh_redis.client()
+        roots: dict[str, Any] = {"backup_root": tmp_path / "backups", "log_root": tmp_path / "logs"}
+        why = f"structure {S} was migrated \\(migration {done.migration}.*'cfemu migrate reopen {S} --confirm {S}'"
+        with pytest.raises(RestoreError, match=why):
+            automatic_start(lost, S, **roots)
+        with pytest.raises(RestoreError, match=why):
+            run_restore(lost, S, **roots)
+        for mode in ("HOT", "WARM", "COLD"):
+            with pytest.raises(RestoreError, match=why):
+                start(lost, S, mode, **roots)
+        # a member's RECAUTO does not even try, and says why once
+        recovered: list[str] = []
+
+        def recover(name: str, progress: Any) -> dict[str, Any]:
+            recovered.append(name)
+            return {}
+
+        recauto = StructureRecovery(qm, recover)
+        with caplog.at_level(logging.WARNING, logger="sqm.recauto"):
+            assert recauto.check(now=1e9) == [] and recauto.check(now=2e9) == []
+        said = [r.getMessage() for r in caplog.records if "CSQE138W" in r.getMessage()]
+        assert recovered == [] and len(said) == 1 and f"cfemu migrate reopen {S}" in said[0], said
+        assert Admin(lost).state(S) == "FAILED"
+        st = migrate.status(lost, S, log_root=tmp_path / "logs")
+        assert st["migration"] == done.migration and st["meaning"].startswith("migrated"), st
+        # reopen (the CF lost its record of the repository too: --log-root names it); it says what it means
+        err = cfemu_migrate("reopen", S, "--redis-url", url, "--log-root", str(tmp_path / "logs"), status=2).stderr
+        assert err.count("\n") == 1 and "applications get the same messages twice" in err
+        out = cfemu_migrate("reopen", S, "--redis-url", url, "--log-root", str(tmp_path / "logs"), "--confirm",
+                            S).stdout
+        assert "restores it from its backups and logs, and it serves again: its target must not" in out, out
+        assert GroupRepository(tmp_path / "logs").migrated() == {}
+        # the operator's choice now: restored, it serves every message again
+        automatic_start(lost, S, **roots)
+        assert drain(qm) == [b"m%d" % i for i in range(6)]
+    finally:
+        qm.stop()
+
+
+def test_no_start_mode_and_no_restore_starts_a_migrating_or_migrated_source(fresh_redis: EmbeddedRedis,
+                                                                           tmp_path: Path) -> None:
+    """Review R2 (b): 'cfemu pstore start APP1 --mode HOT' restored a MIGRATED source to ACTIVE."""
+    url = fresh_redis.url
+    client = connect(url)
+    qm = backed_up_source(url, tmp_path)
+    roots: dict[str, Any] = {"backup_root": tmp_path / "backups", "log_root": tmp_path / "logs"}
+    try:
+        migrate.unload(client, S, tmp_path / "mig")
+        for mode in ("HOT", "WARM", "COLD"):
+            with pytest.raises(RestoreError, match=f"structure {S} is MIGRATED, a store migration's source: "
+                                                   f"starting \\({mode}\\) it .*'cfemu migrate reopen {S}"):
+                start(client, S, mode, **roots)
+        with pytest.raises(RestoreError, match="is MIGRATED, a store migration's source: restoring it"):
+            run_restore(client, S, mark_failed=True, **roots)
+        assert Admin(client).state(S) == migrate.MIGRATED
+        assert migrate.reopen(client, S)["state"] == "ACTIVE" and GroupRepository(tmp_path / "logs").migrated() == {}
+        migrate.freeze(client, S, "M-1")  # an unload under way (or one that died)
+        with pytest.raises(RestoreError, match="is MIGRATING, a store migration's source"):
+            start(client, S, "HOT", **roots)
+        assert Admin(client).state(S) == migrate.MIGRATING
+        assert migrate.reopen(client, S)["state_before"] == migrate.MIGRATING
+        with pytest.raises(migrate.MigrationError, match="is ACTIVE and the group repository .* records no migration"):
+            migrate.reopen(client, S)
+        assert drain(qm) == [b"m%d" % i for i in range(6)]
+    finally:
+        qm.stop()
+
+
+def test_an_unload_needs_the_group_repository_and_a_failed_one_records_nothing(
+        redis_url: str, fresh_redis: EmbeddedRedis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    define(redis_url)  # no member joined: the CF records no group repository
+    client = connect(redis_url)
+    with pytest.raises(migrate.MigrationError, match="the CF records no group repository: give the group's log root"):
+        migrate.unload(client, S, tmp_path / "mig")
+    assert Admin(client).state(S) == "ACTIVE" and not (tmp_path / "mig").exists()
+    qm = start_qm(redis_url, tmp_path / "logs", "QM1", background=False)  # joins: the CF records its repository
+    repo = GroupRepository(tmp_path / "logs")
+    try:
+        with pytest.raises(migrate.MigrationError, match="is not the group repository the CF records"):
+            migrate.unload(client, S, tmp_path / "mig", log_root=tmp_path / "elsewhere")
+        real = migrate._set_state
+
+        def header_refuses(c: redis.Redis, structure: str, *, to: str, expect: tuple[str, ...],
+                           migration: str | None = None) -> str:
+            if to == migrate.MIGRATED:
+                raise migrate.MigrationError("the header changed under the unload")
+            return real(c, structure, to=to, expect=expect, migration=migration)
+
+        monkeypatch.setattr(migrate, "_set_state", header_refuses)
+        with pytest.raises(migrate.MigrationError, match="the header changed"):
+            migrate.unload(client, S, tmp_path / "mig")
+        assert Admin(client).state(S) == "ACTIVE" and repo.migrated() == {}
+        monkeypatch.undo()
+        done = migrate.unload(client, S, tmp_path / "mig2")
+        assert repo.migrated()[S]["migration"] == done.migration
+        # a load into a group whose repository records the name migrated away: restore would refuse what it loads
+        with pytest.raises(migrate.HandshakeError, match=f"records structure {S} migrated away"):
+            migrate.load(fresh_redis.client(), tmp_path / "mig2", log_root=tmp_path / "logs")
+        assert fresh_redis.client().dbsize() == 0
+    finally:
+        qm.stop()
 
 
 def test_a_tampered_report_is_detected(source: tuple[QueueManager, dict[str, Any]], redis_url: str,
