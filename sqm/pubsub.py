@@ -10,9 +10,17 @@ message, with no record kind of its own:
   publication id; properties pub.index, pub.count, pub.created (pseudo-clock ms)). A publication's messages are
   put and committed together at the publisher's COMMIT: the CF stamps each with the LRSN the commit counts at (o1),
   which is the publication's place in commit order.
-- ``<T>.SUB``: one entry per subscription (message id = a hash of topic and name, correlation id "S"); its body is
-  a Subscription: the position (the commit LRSN and id of the last publication the subscriber committed), the
-  pseudo-clock of its last activity, its home member incarnation. Persistent iff durable.
+- ``<T>.SUB``: one entry per subscription (message id = a hash of topic, name and owner, correlation id "S"); its
+  body is a Subscription: the position (the commit LRSN and id of the last publication the subscriber committed),
+  the pseudo-clock of its last activity, its home member incarnation, its owner. Persistent iff durable. Beside it
+  one *roster* entry (correlation id "R"), put by the subscribe and taken by the unsubscribe, never replaced in
+  between: the sweeper's complete list of subscriptions, whatever receives commit while it reads (a receive's
+  COMMIT replaces the subscription entry with a new one, which a paged read of the "S" entries can miss).
+
+A subscription belongs to its owner: the user id and token the connection logged on with (sqm.service's logon),
+part of the entry's message id, so another user cannot name it, receive for it nor remove it. A connection that has
+not logged on uses the anonymous owner ("", ""), whose subscriptions every such connection shares (docs/pubsub.md,
+"Who may use a subscription").
 
 A receive takes the subscription's entry under the session's unit of work (so one session at a time receives for a
 subscription, on any member) and reads the next publication after its position without taking it (the CF op
@@ -35,9 +43,11 @@ import msgpack
 
 from cfemu.admin import QueueDef
 from cfemu.cf import TopicNext
+from cfemu.entry import Entry
 from cfemu.errors import (
     BadRequestError,
     ClientGoneError,
+    MQError,
     NoMessageError,
     ResourceProblemError,
     UnknownObjectError,
@@ -47,10 +57,13 @@ from sqm import uowcontrols as ctl
 from sqm.connection import Connection
 from sqm.manager import QueueManager
 
-SUB_LETTER = b"S"  # every subscription entry's correlation id: subscriptions() peeks them all by it
+SUB_LETTER = b"S"  # every subscription entry's correlation id: subscriptions() scans them all by it
+ROSTER_LETTER = b"R"  # every roster entry's correlation id (one per subscription, never replaced)
 AFTER_ALL = "~"  # a position's publication id after every id at its LRSN (ids are hex): a subscribe's position
 MAX_NAME = 64
-MAX_SUBSCRIPTIONS = 10_000  # what one listing reads
+MAX_LISTED = 10_000  # subscriptions one listing (the service's `subscriptions`) returns
+SCAN_BATCH = 500  # entries one CF call of a scan reads (peek_scan.lua): the CF's cost per call is bounded by it
+MAX_DUPLICATES = 16  # entries of one subscription a receive merges (more than one only after subscribes raced)
 POLL_S = 0.05  # a waiting receive looks again this often
 
 
@@ -101,6 +114,8 @@ class Subscription:
     active_pc: int  # pseudo-clock (ms) of the last subscribe or committed receive: SUBSCRIPTION-EXPIRATION counts
     home: str  # the member incarnation it was made through ("QM1.<epoch hex>"): a non-durable one ends with it
     received: int = 0  # publications received and committed
+    user: str = ""  # its owner: the user id and token of the logon it was made under ("" for the anonymous owner)
+    token: str = ""
 
     @property
     def position(self) -> tuple[int, str]:
@@ -121,7 +136,19 @@ class Subscription:
     def public(self) -> dict[str, Any]:
         return {"topic": self.topic, "name": self.name, "durable": self.durable, "position_lrsn": self.lrsn,
                 "position_pub": self.pub, "subscribed_pc": self.subscribed_pc, "active_pc": self.active_pc,
-                "home": self.home, "received": self.received}
+                "home": self.home, "received": self.received, "user": self.user, "token": bool(self.token)}
+
+    @property
+    def sid(self) -> bytes:
+        return subscription_id(self.topic, self.name, self.user, self.token)
+
+
+def merged(subs: list[Subscription]) -> Subscription:
+    """One subscription from the entries two racing subscribes of one name made: the furthest position (what the
+    subscriber has committed), the latest activity, the earliest subscribe."""
+    best = max(subs, key=lambda s: (s.position, s.received))
+    return replace(best, subscribed_pc=min(s.subscribed_pc for s in subs), active_pc=max(s.active_pc for s in subs),
+                   received=max(s.received for s in subs))
 
 
 @dataclass
@@ -138,8 +165,15 @@ class Publication:
                 "created_pc": self.created_pc, "persistent": self.persistent}
 
 
-def subscription_id(topic_name: str, name: str) -> bytes:
-    return hashlib.sha256(f"{topic_name}\0{name}".encode()).digest()[:24]
+def subscription_id(topic_name: str, name: str, user: str = "", token: str = "") -> bytes:
+    """The message id of a subscription's entry: its owner is part of it, so one owner cannot name another's."""
+    key = f"{topic_name}\0{name}" if not (user or token) else f"{topic_name}\0{name}\0{user}\0{token}"
+    return hashlib.sha256(key.encode()).digest()[:24]
+
+
+def roster_id(sid: bytes) -> bytes:
+    """The message id of a subscription's roster entry."""
+    return hashlib.sha256(b"roster\0" + sid).digest()[:24]
 
 
 def _check_name(name: str) -> str:
@@ -152,16 +186,49 @@ def incarnation(qm: QueueManager) -> str:
     return f"{qm.name}.{qm.caller.epoch:x}"
 
 
-def peek_subscription(qm: QueueManager, t: Topic, name: str) -> Subscription | None:
+def peek_entries(qm: QueueManager, t: Topic, sid: bytes) -> list[tuple[Entry, bytes]]:
+    """A subscription's entries (one, but after two subscribes of it raced), committed or held, without taking them."""
+    return qm.cf_call(lambda: qm.structure(t.structure).peek(t.sub_queue, "m", sid.hex(), MAX_DUPLICATES))
+
+
+def peek_subscription(qm: QueueManager, t: Topic, name: str, *, user: str = "",
+                      token: str = "") -> Subscription | None:
     """A subscription as the CF holds it (also while a receiver holds it), without taking it."""
-    found = qm.cf_call(lambda: qm.structure(t.structure).peek(t.sub_queue, "m", subscription_id(t.name, name).hex(),
-                                                              1))
-    return Subscription.unpack(found[0][1]) if found else None
+    found = peek_entries(qm, t, subscription_id(t.name, name, user, token))
+    return merged([Subscription.unpack(data) for _, data in found]) if found else None
 
 
-def subscriptions(qm: QueueManager, t: Topic) -> list[Subscription]:
-    found = qm.cf_call(lambda: qm.structure(t.structure).peek(t.sub_queue, "c", SUB_LETTER.hex(), MAX_SUBSCRIPTIONS))
-    return sorted((Subscription.unpack(data) for _, data in found), key=lambda s: s.name)
+def scan_entries(qm: QueueManager, t: Topic, letter: bytes, batch: int = SCAN_BATCH) -> Iterator[tuple[Entry, bytes]]:
+    """Every entry of the topic's subscription queue with correlation id ``letter``, a bounded batch per CF call
+    (peek_scan.lua), each once. An entry there for the whole scan is returned; one replaced meanwhile may not be."""
+    seen: set[str] = set()
+    cursor = "0"
+    while True:
+        cursor, found = qm.cf_call(lambda c=cursor: qm.structure(t.structure).peek_scan(  # type: ignore[misc]
+            t.sub_queue, "c", letter.hex(), c, batch))
+        for entry, data in found:
+            if entry.id not in seen:
+                seen.add(entry.id)
+                yield entry, data
+        if cursor == "0":
+            return
+
+
+def subscriptions(qm: QueueManager, t: Topic, *, user: str | None = None, token: str | None = None,
+                  limit: int = MAX_LISTED) -> list[Subscription]:
+    """The topic's subscriptions (those of one owner when ``user`` is given), by owner and name, at most ``limit``."""
+    by_sid: dict[str, list[Subscription]] = {}
+    for entry, data in scan_entries(qm, t, SUB_LETTER):
+        s = Subscription.unpack(data)
+        if user is None or (s.user, s.token) == (user, token or ""):
+            by_sid.setdefault(entry.msgid, []).append(s)
+    return sorted((merged(subs) for subs in by_sid.values()), key=lambda s: (s.user, s.name))[:limit]
+
+
+def roster(qm: QueueManager, t: Topic, batch: int = SCAN_BATCH) -> set[str]:
+    """The message ids (hex) of every subscription with a roster entry: a complete list, whatever receives commit
+    meanwhile (roster entries are never replaced), but for subscriptions made or removed while it is read."""
+    return {msgpack.unpackb(data, raw=False)["sid"] for _, data in scan_entries(qm, t, ROSTER_LETTER, batch)}
 
 
 def structure_clock(qm: QueueManager, t: Topic) -> int:
@@ -178,51 +245,123 @@ def put_subscription(conn: Connection, t: Topic, s: Subscription) -> None:
              correlid=SUB_LETTER)
 
 
-def take_subscription(conn: Connection, t: Topic, name: str) -> Subscription:
-    """Get the subscription's entry under the connection's unit of work: one session at a time holds it."""
+def _held_elsewhere(t: Topic, name: str) -> ResourceProblemError:
+    return ResourceProblemError(f"subscription {name} of topic {t.name} is being received (or changed) by another "
+                                "session: try again when it commits or backs out")
+
+
+def take_all(conn: Connection, t: Topic, name: str, *, user: str = "", token: str = "") -> tuple[Subscription, bool]:
+    """Get every entry of the subscription under the connection's unit of work (one, but after two subscribes of it
+    raced: they are merged), and whether another session holds one of them (then the caller must not receive: two
+    sessions would each deliver from their own entry). One session at a time holds a subscription: of two that each
+    took one entry, the later one's look finds the other's held."""
+    sid = subscription_id(t.name, name, user, token)
     try:
-        msg = conn.get(t.sub_queue, syncpoint=True, msgid=subscription_id(t.name, name))
+        taken = [conn.get(t.sub_queue, syncpoint=True, msgid=sid)]
     except NoMessageError:
-        if peek_subscription(conn.qm, t, name) is not None:
-            raise ResourceProblemError(f"subscription {name} of topic {t.name} is being received (or changed) by "
-                                       "another session: try again when it commits or backs out") from None
-        raise UnknownObjectError(f"topic {t.name} has no subscription {name}") from None
-    return Subscription.unpack(msg.body)
+        if peek_entries(conn.qm, t, sid):
+            raise _held_elsewhere(t, name) from None
+        raise UnknownObjectError(f"topic {t.name} has no subscription {name}"
+                                 + (f" of user {user}" if user else "")) from None
+    elsewhere = False
+    for _ in range(MAX_DUPLICATES):
+        mine = {m.entry_id for m in taken}
+        others = [e for e, _ in peek_entries(conn.qm, t, sid) if e.id not in mine]
+        if not others:
+            break
+        if any(e.state != "CP" for e in others):
+            elsewhere = True
+            break
+        try:  # a duplicate nobody holds: merge it in
+            taken.append(conn.get(t.sub_queue, syncpoint=True, msgid=sid))
+        except NoMessageError:
+            elsewhere = True  # another session took it meanwhile
+            break
+    return merged([Subscription.unpack(m.body) for m in taken]), elsewhere
 
 
-def subscribe(qm: QueueManager, topic_name: str, name: str, *, durable: bool | None = None) -> Subscription:
+def take_subscription(conn: Connection, t: Topic, name: str, *, user: str = "", token: str = "") -> Subscription:
+    """Get the subscription's entries under the connection's unit of work (ResourceProblemError when another session
+    holds one: the caller backs out): one session at a time holds it."""
+    s, elsewhere = take_all(conn, t, name, user=user, token=token)
+    if elsewhere:
+        raise _held_elsewhere(t, name)
+    return s
+
+
+def take_roster(conn: Connection, t: Topic, sid: bytes) -> None:
+    """Get the subscription's roster entries (one, or one per raced subscribe) under the connection's unit of work."""
+    for _ in range(MAX_DUPLICATES):
+        try:
+            conn.get(t.sub_queue, syncpoint=True, msgid=roster_id(sid))
+        except NoMessageError:
+            return
+
+
+def _put_roster(conn: Connection, t: Topic, s: Subscription) -> None:
+    body = msgpack.packb({"sid": s.sid.hex(), "name": s.name, "user": s.user}, use_bin_type=True)
+    conn.put(t.sub_queue, body, persistent=s.durable, syncpoint=True, msgid=roster_id(s.sid), correlid=ROSTER_LETTER)
+
+
+def subscribe(qm: QueueManager, topic_name: str, name: str, *, durable: bool | None = None, user: str = "",
+              token: str = "") -> Subscription:
     """SUBSCRIBE: a new subscription whose position is the structure's clock now (it receives the publications
     committed after it), or the subscription already there (a user subscribes once: seed 004). ``durable``: None
-    for the topic's characteristic (durable when the topic allows it)."""
+    for the topic's characteristic (durable when the topic allows it). ``user``, ``token``: its owner."""
     t = topic(qm, topic_name)
     _check_name(name)
     want = t.attributes.durable if durable is None else bool(durable)
     if want and not t.attributes.durable:
         raise BadRequestError(f"topic {t.name} does not allow durable subscriptions (define it with durable)")
-    old = peek_subscription(qm, t, name)
+    old = peek_subscription(qm, t, name, user=user, token=token)
     if old is not None:
         if old.durable != want:
             raise BadRequestError(f"subscription {name} of topic {t.name} exists and is "
                                   f"{'durable' if old.durable else 'not durable'}: unsubscribe it first")
         return old
     pc = ctl.pseudo_clock(qm, t.structure)
-    s = Subscription(t.name, name, want, structure_clock(qm, t), AFTER_ALL, pc, pc, incarnation(qm))
+    s = Subscription(t.name, name, want, structure_clock(qm, t), AFTER_ALL, pc, pc, incarnation(qm), 0, user, token)
     conn = qm.connect()
     try:
         put_subscription(conn, t, s)
+        _put_roster(conn, t, s)
         conn.commit()
     except BaseException:
         conn.backout()
         raise
-    return s
+    return _merge_raced(qm, t, s)
 
 
-def unsubscribe(qm: QueueManager, topic_name: str, name: str) -> Subscription:
-    """UNSUBSCRIBE: the subscription's entry is removed (its position with it)."""
+def _merge_raced(qm: QueueManager, t: Topic, s: Subscription) -> Subscription:
+    """After a subscribe: when another subscribe of the same name raced it (each saw none, each put one), merge the
+    entries into one. Best effort: a receive merges them too, and never delivers from two at once (take_all)."""
+    for attempt in range(3):
+        found = peek_entries(qm, t, s.sid)
+        if len(found) <= 1:
+            break
+        conn = qm.connect()
+        try:
+            both, elsewhere = take_all(conn, t, s.name, user=s.user, token=s.token)
+            if elsewhere:
+                conn.backout()
+                time.sleep(0.01 * (attempt + 1) * (1 + os.urandom(1)[0] / 255))  # the other racer merges, or we
+                continue
+            put_subscription(conn, t, both)
+            conn.commit()
+            return both
+        except MQError:
+            conn.backout()
+            break
+    return peek_subscription(qm, t, s.name, user=s.user, token=s.token) or s
+
+
+def unsubscribe(qm: QueueManager, topic_name: str, name: str, *, user: str = "", token: str = "") -> Subscription:
+    """UNSUBSCRIBE: the subscription's entries are removed (its position with them), and its roster entry."""
     t = topic(qm, topic_name)
     conn = qm.connect()
     try:
-        s = take_subscription(conn, t, _check_name(name))
+        s = take_subscription(conn, t, _check_name(name), user=user, token=token)
+        take_roster(conn, t, s.sid)
         conn.commit()
     except BaseException:
         conn.backout()
@@ -235,6 +374,7 @@ class _Held:
     sub: Subscription  # as taken
     position: tuple[int, str]  # advanced by this unit of work's receives
     received: int = 0
+    blocked: bool = False  # another session holds another entry of it: this one receives nothing (take_all)
 
 
 @dataclass
@@ -292,18 +432,26 @@ class PubSubSession:
                            properties={"pub.index": i, "pub.count": n, "pub.created": pc})
 
     # --- subscribe ----------------------------------------------------------------------------------------------
-    def receive(self, topic_name: str, name: str, *, wait_ms: int = 0) -> Publication:
-        """The next publication for the subscription, whole (NoMessageError: none within ``wait_ms``). Its
-        entry stays taken by this session until COMMIT (the position advances) or BACKOUT (it is received again)."""
+    def receive(self, topic_name: str, name: str, *, wait_ms: int = 0, user: str = "",
+                token: str = "") -> Publication:
+        """The next publication for the subscription of ``user`` and ``token``, whole (NoMessageError: none within
+        ``wait_ms``). Its entry stays taken by this session until COMMIT (the position advances) or BACKOUT (it is
+        received again)."""
         t = topic(self.qm, topic_name)
-        key = (t.name, _check_name(name))
+        key = (t.name, subscription_id(t.name, _check_name(name), user, token).hex())
         if not 0 <= wait_ms <= 3_600_000:
             raise BadRequestError(f"wait must be 0-3600000 ms, not {wait_ms}")
-        took = key not in self.held
-        if took:
-            s = take_subscription(self.scope, t, name)
-            self.held[key] = _Held(s, s.position)
-        h = self.held[key]
+        if key not in self.held:
+            s, elsewhere = take_all(self.scope, t, name, user=user, token=token)
+            self.held[key] = _Held(s, s.position, blocked=elsewhere)
+            if elsewhere and len(self.held) == 1 and self.draft is None:
+                self.backout()  # it holds nothing else: give back what it took at once
+        h = self.held.get(key)
+        if h is None or h.blocked:
+            raise ResourceProblemError(f"subscription {name} of topic {t.name} has another entry held by another "
+                                       "session (two subscribes of it raced): try again when that session commits "
+                                       "or backs out" + ("; this session holds the entries it took until it commits "
+                                                         "or backs out" if h is not None else ""))
         deadline = time.monotonic() + wait_ms / 1000
         while True:
             nxt = next_publication(self.qm, t, h.position)
@@ -377,4 +525,5 @@ def publish(qm: QueueManager, topic_name: str, bodies: list[bytes]) -> str:
 
 __all__ = ["Topic", "topic", "topics", "Subscription", "Publication", "PubSubSession", "subscribe", "unsubscribe",
            "subscriptions", "peek_subscription", "publish", "subscription_id", "structure_clock", "next_publication",
-           "take_subscription", "put_subscription"]
+           "take_subscription", "take_all", "take_roster", "put_subscription", "roster", "roster_id", "scan_entries",
+           "peek_entries", "merged"]

@@ -7,12 +7,18 @@ finds it taken, and leaves it.
 
 Lifetimes count on the structure's pseudo-clock (cfemu/scripts/pclock.lua): nothing times out while the store is
 down. A publication is removed only at or below the structure's clock read before the subscriptions are read, so a
-subscription made during a sweep (its position is the clock at its subscribe) never loses one it should receive."""
+subscription made during a sweep (its position is the clock at its subscribe) never loses one it should receive.
+
+The subscriptions are read in bounded batches (peek_scan.lua), however many there are, and a publication is removed
+only after a complete read: every subscription's roster entry (never replaced, so a paged read returns each one
+there throughout) and its position entry (replaced at each receive's COMMIT, so a paged read may miss one whose
+receiver commits meanwhile: that one is read again by its message id). A read that fails part way removes nothing."""
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Callable
 
 from cfemu.errors import MQError, NoMessageError, StructureFailedError
 from sqm import pubsub as ps
@@ -25,8 +31,9 @@ MAX_PER_SWEEP = 500  # publications looked at per topic and sweep (the next swee
 
 
 class PubSubSweeper:
-    def __init__(self, qm: QueueManager) -> None:
+    def __init__(self, qm: QueueManager, batch: int = ps.SCAN_BATCH) -> None:
         self.qm = qm
+        self.batch = batch  # entries per CF call of a subscription read
         self.counts: Counter[str] = Counter()
 
     def sweep(self) -> Counter[str]:
@@ -43,20 +50,24 @@ class PubSubSweeper:
         qm = self.qm
         done: Counter[str] = Counter()
         clock = ps.structure_clock(qm, t)  # before the subscriptions: see the module's docstring
-        subs = ps.subscriptions(qm, t)
-        newest = max((s.active_pc for s in subs), default=0)
+        subs = self.read_subscriptions(t)
+        newest = max((s.active_pc for entries in subs.values() for s in entries), default=0)
         pc = ctl.pseudo_clock(qm, t.structure, floor=newest)  # a restored structure resumes from what it holds
         epochs = member_epochs(qm)
-        live = []
-        for s in subs:
-            why = ("non-durable-dropped" if not s.durable and s.home_gone(epochs) else
-                   "subscriptions-expired" if s.active_pc + t.attributes.subscription_expiration_s * 1000 <= pc
-                   else "")
-            if why and _remove_subscription(qm, t, s):
+        expiration_ms = t.attributes.subscription_expiration_s * 1000
+
+        def removable(s: ps.Subscription) -> str:
+            return ("non-durable-dropped" if not s.durable and s.home_gone(epochs) else
+                    "subscriptions-expired" if s.active_pc + expiration_ms <= pc else "")
+
+        positions = []
+        for entries in subs.values():
+            why = removable(ps.merged(entries))
+            if why and _remove_subscription(qm, t, entries[0], removable):
                 done[why] += 1
-            else:
-                live.append(s)
-        floor = min([s.position for s in live] + [(clock, ps.AFTER_ALL)])
+            else:  # every entry counts (two only after raced subscribes): the lowest position is kept for
+                positions += [s.position for s in entries]
+        floor = min(positions + [(clock, ps.AFTER_ALL)])
         lifetime_ms = t.attributes.lifetime_s * 1000
         position: tuple[int, str] = (0, "")
         for _ in range(MAX_PER_SWEEP):
@@ -74,15 +85,31 @@ class PubSubSweeper:
             done[why] += _remove_publication(qm, t, nxt.pub, len(nxt.messages))
         return done
 
+    def read_subscriptions(self, t: ps.Topic) -> dict[str, list[ps.Subscription]]:
+        """Every subscription's entries, by message id (hex): a complete read in bounded batches (the module's
+        docstring). An MQError part way propagates: nothing is removed on a partial read."""
+        qm = self.qm
+        names = ps.roster(qm, t, self.batch)  # first: one made after it is read is above the clock read before
+        subs: dict[str, list[ps.Subscription]] = {}
+        for entry, data in ps.scan_entries(qm, t, ps.SUB_LETTER, self.batch):
+            subs.setdefault(entry.msgid, []).append(ps.Subscription.unpack(data))
+        for sid in names - subs.keys():  # replaced by a receive's COMMIT while they were read: read it now
+            found = ps.peek_entries(qm, t, bytes.fromhex(sid))
+            if found:  # none: unsubscribed or removed meanwhile
+                subs[sid] = [ps.Subscription.unpack(data) for _, data in found]
+        return subs
 
-def _remove_subscription(qm: QueueManager, t: ps.Topic, seen: ps.Subscription) -> bool:
-    """Remove it if it is still as seen and no session holds it."""
+
+def _remove_subscription(qm: QueueManager, t: ps.Topic, seen: ps.Subscription,
+                         removable: Callable[[ps.Subscription], str]) -> bool:
+    """Remove it (its entries and its roster entry) if it is still removable as taken and no session holds it."""
     conn = qm.connect()
     try:
-        s = ps.take_subscription(conn, t, seen.name)
-        if s != seen:
+        s = ps.take_subscription(conn, t, seen.name, user=seen.user, token=seen.token)
+        if not removable(s):
             conn.backout()
             return False
+        ps.take_roster(conn, t, s.sid)
         conn.commit()
         return True
     except MQError:

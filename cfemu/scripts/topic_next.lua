@@ -23,11 +23,15 @@ if not pos then return redis.error_reply('BADARG position must be an LRSN') end
 local clock = tonumber(redis.call('HGET', META, 'clock') or '0')
 local clock_s = string.format('%d', clock)
 
--- The lowest LRSN an open publication can still commit at (above the LRSN of its first put).
+-- The lowest LRSN an open publication can still commit at (above the LRSN of its first put): that of the first of
+-- the queue's uncommitted puts, whose list the CF keeps in put order (put.lua appends each with a rising o2, commit
+-- and backout only remove, restore loads it in o2 order: restore/settle.load_key), so one read, however many puts
+-- are open (a 10,000-message publication being committed: review R2).
 local horizon = nil
-for _, id in ipairs(redis.call('LRANGE', qkey(queue, 'up'), 0, -1)) do
-  local d = load(id)
-  if d and (horizon == nil or d.o2 < horizon) then horizon = d.o2 end
+local first_open = redis.call('LINDEX', qkey(queue, 'up'), 0)
+if first_open then
+  local d = load(first_open)
+  if d then horizon = d.o2 end
 end
 
 local k = qkey(queue, 'cp:0')
