@@ -136,6 +136,11 @@ def _result(reply: Any) -> dict[str, Any]:
     return result
 
 
+def _owner(user: str | None, token: str) -> dict[str, str]:
+    """The owner arguments of a subscription request: none (the logged-on user's), or an operator's choice."""
+    return {} if user is None else {"user": user, "token": token}
+
+
 def handshake(sock: socket.socket, *, token: str | None, role: str = APPLICATION, client_name: str = "",
               max_frame: int = DEFAULT_MAX_FRAME, where: str = "the server") -> dict[str, Any]:
     """Say hello on a connected socket and authenticate (sqm.service.protocol): answer the server's challenge with
@@ -539,18 +544,22 @@ class Client(UnitOfWorkScope):
         return dict(self._call("define", args))
 
     # --- publish and subscribe (sqm.pubsub; docs/pubsub.md) -------------------------------------------------------
-    def subscribe(self, topic: str, name: str, *, durable: bool | None = None) -> dict[str, Any]:
-        """SUBSCRIBE (once: an existing subscription is returned as it is). Returns its public fields."""
-        args: dict[str, Any] = {"topic": topic, "name": name}
+    def subscribe(self, topic: str, name: str, *, durable: bool | None = None, user: str | None = None,
+                  token: str = "") -> dict[str, Any]:
+        """SUBSCRIBE (once: an existing subscription is returned as it is). Returns its public fields. It belongs to
+        the user this connection logged on as (the anonymous owner without a logon); ``user``, ``token``: another
+        owner's, for an operator."""
+        args: dict[str, Any] = {"topic": topic, "name": name, **_owner(user, token)}
         if durable is not None:
             args["durable"] = durable
         return dict(self._call("subscribe", args))
 
-    def unsubscribe(self, topic: str, name: str) -> dict[str, Any]:
-        return dict(self._call("unsubscribe", {"topic": topic, "name": name}))
+    def unsubscribe(self, topic: str, name: str, *, user: str | None = None, token: str = "") -> dict[str, Any]:
+        return dict(self._call("unsubscribe", {"topic": topic, "name": name, **_owner(user, token)}))
 
-    def subscriptions(self, topic: str) -> list[dict[str, Any]]:
-        return list(self._call("subscriptions", {"topic": topic}))
+    def subscriptions(self, topic: str, *, user: str | None = None, token: str = "") -> list[dict[str, Any]]:
+        """The logged-on user's subscriptions (an operator's connection: every owner's, or ``user``'s)."""
+        return list(self._call("subscriptions", {"topic": topic, **_owner(user, token)}))
 
     def publish(self, topic: str, body: bytes, *, commit: bool = False) -> dict[str, Any]:
         """A message of the publication this connection is publishing (begun by the first); ``commit``: commit

@@ -1247,18 +1247,35 @@ class SQMServer:
             log.warning("%s: backing out the publish/subscribe session of connection %d: %s", self.qm.name,
                         session.number, e)
 
+    @staticmethod
+    def _owner(session: Session, args: dict[str, Any], op: str) -> tuple[str, str]:
+        """Whose subscription a request names (docs/pubsub.md, "Who may use a subscription"): the logged-on user's
+        (user id and token); an operator may name any owner with 'user' and 'token'; a connection that has not
+        logged on names the anonymous owner's."""
+        if session.role == OPERATOR and "user" in args:
+            return _bounded_str(args, op, "user", MAX_USER), _bounded_str(args, op, "token", MAX_USER)
+        conv = session.conversation
+        return (conv.user, conv.token) if conv is not None else ("", "")
+
     def _op_subscribe(self, session: Session, args: dict[str, Any]) -> dict[str, Any]:
         durable = arg(args, "subscribe", "durable", bool, None)
+        user, token = self._owner(session, args, "subscribe")
         return pubsub.subscribe(self.qm, _service(args, "subscribe", "topic"),
-                                _bounded_str(args, "subscribe", "name", pubsub.MAX_NAME), durable=durable).public()
+                                _bounded_str(args, "subscribe", "name", pubsub.MAX_NAME), durable=durable,
+                                user=user, token=token).public()
 
     def _op_unsubscribe(self, session: Session, args: dict[str, Any]) -> dict[str, Any]:
+        user, token = self._owner(session, args, "unsubscribe")
         return pubsub.unsubscribe(self.qm, _service(args, "unsubscribe", "topic"),
-                                  _bounded_str(args, "unsubscribe", "name", pubsub.MAX_NAME)).public()
+                                  _bounded_str(args, "unsubscribe", "name", pubsub.MAX_NAME), user=user,
+                                  token=token).public()
 
     def _op_subscriptions(self, session: Session, args: dict[str, Any]) -> list[dict[str, Any]]:
         t = pubsub.topic(self.qm, _service(args, "subscriptions", "topic"))
-        return [s.public() for s in pubsub.subscriptions(self.qm, t)]
+        if session.role == OPERATOR and "user" not in args:  # an operator sees every owner's
+            return [s.public() for s in pubsub.subscriptions(self.qm, t)]
+        user, token = self._owner(session, args, "subscriptions")
+        return [s.public() for s in pubsub.subscriptions(self.qm, t, user=user, token=token)]
 
     def _op_publish(self, session: Session, args: dict[str, Any]) -> dict[str, Any]:
         return self._pubsub(session).publish(_service(args, "publish", "topic"), arg(args, "publish", "body", bytes),
@@ -1269,8 +1286,9 @@ class SQMServer:
         if not 0 <= wait_ms <= self.config.max_wait_ms:
             raise BadRequestError(f"receive_pub: wait_ms must be 0-{self.config.max_wait_ms}, not {wait_ms}")
         topic = _service(args, "receive_pub", "topic")
+        user, token = self._owner(session, {}, "receive_pub")  # only the logged-on user's (never another's)
         got = self._pubsub(session).receive(topic, _bounded_str(args, "receive_pub", "name", pubsub.MAX_NAME),
-                                            wait_ms=wait_ms)
+                                            wait_ms=wait_ms, user=user, token=token)
         room = session.reply_limit - ENVELOPE - MESSAGE_COST * max(1, len(got.messages))
         if sum(len(m) for m in got.messages) > room:
             raise TruncatedMessageError(
