@@ -241,8 +241,7 @@ def next_publication(qm: QueueManager, t: Topic, position: tuple[int, str]) -> T
 
 
 def put_subscription(conn: Connection, t: Topic, s: Subscription) -> None:
-    conn.put(t.sub_queue, s.pack(), persistent=s.durable, syncpoint=True, msgid=subscription_id(t.name, s.name),
-             correlid=SUB_LETTER)
+    conn.put(t.sub_queue, s.pack(), persistent=s.durable, syncpoint=True, msgid=s.sid, correlid=SUB_LETTER)
 
 
 def _held_elsewhere(t: Topic, name: str) -> ResourceProblemError:
