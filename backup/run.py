@@ -25,6 +25,7 @@ from cfemu import bulk
 from cfemu.admin import Admin, AdminError
 from cfemu.cf import CF
 from cfemu.credentials import BackupKeys
+from cfemu.errors import StructureFailedError
 from cfemu.progress import Progress, no_progress
 from sqm.clock import LrsnClock
 from sqm.log import LogReader, find_log_dirs
@@ -113,7 +114,8 @@ def run_backup(client: redis.Redis, structure: str, backup_root: Path, *, log_ro
     progress(phase, done, total): one phase per copy step ("1 <label>" .. "5 <label>"), counting its snapshot.
     backup_keys: the group's backup keys (default: those this process's settings find); the manifest is signed
     with the current one, and without one the backup is refused before it starts (backup.files.NoBackupKeyError).
-    Raises StructureNotReadyError, cfemu.errors.BackupRunningError (a backup of the structure is running), or
+    Raises StructureNotReadyError (also for a structure running from a WARM start: docs/pstore.md),
+    cfemu.errors.BackupRunningError (a backup of the structure is running), or
     whatever the CF or the file system raise; a failed backup is ended as failed and leaves no directory.
     """
     if exclint_s < 0:
@@ -138,7 +140,10 @@ def run_backup(client: redis.Redis, structure: str, backup_root: Path, *, log_ro
     clock = LrsnClock()
     started_at = datetime.now(UTC)
     backup_id = new_backup_id(structure, started_at)
-    start_lrsn, floor_lrsn = s.backup_begin(backup_id, clock.now())
+    try:
+        start_lrsn, floor_lrsn = s.backup_begin(backup_id, clock.now())
+    except StructureFailedError as e:  # no longer ACTIVE, or running from a WARM start (backup_begin.lua)
+        raise StructureNotReadyError(str(e)) from None
     clock.observe(start_lrsn)
     t0 = time.monotonic()
     cutoff_ms = int(started_at.timestamp() * 1000) - exclint_s * 1000

@@ -19,6 +19,11 @@ HOT, WARM, COLD = "HOT", "WARM", "COLD"
 MODES = (HOT, WARM, COLD)
 DEFAULT_MODE = HOT  # today's RECAUTO: restore the content
 SECTION = "start_modes"  # the group repository's section: structure -> mode
+# The group repository's section: structure -> the generations it ran in from a WARM start. Such a generation holds
+# none of the persistent content (it is in the older backups and the logs): a restore never starts from a backup or
+# a relog pass of one (restore.run), which would replay the logs only from a floor above everything committed
+# before the CF loss. backup_begin.lua refuses such a backup; this is the defence behind it.
+WARM_SECTION = "warm_generations"
 
 
 def check_mode(mode: str) -> str:
@@ -45,6 +50,23 @@ def set_start_mode(repo: GroupRepository, structure: str, mode: str) -> str:
 
     repo.update(change)
     return mode
+
+
+def record_warm_generation(repo: GroupRepository, structure: str, gen: int) -> None:
+    """Remember that `structure` runs generation `gen` from a WARM start (restore/start_modes.py)."""
+
+    def change(state: dict[str, Any]) -> None:
+        gens = state.setdefault(WARM_SECTION, {}).setdefault(structure, [])
+        if gen not in gens:
+            gens.append(gen)
+
+    repo.update(change)
+
+
+def warm_generations(repo: GroupRepository, structure: str) -> frozenset[int]:
+    """The generations `structure` ran in from a WARM start."""
+    state = repo.load() or {}
+    return frozenset(int(g) for g in state.get(WARM_SECTION, {}).get(structure, ()))
 
 
 @dataclass
@@ -80,4 +102,5 @@ def status(admin: Admin, repo: GroupRepository) -> list[PstoreRow]:
     return rows
 
 
-__all__ = ["COLD", "HOT", "MODES", "WARM", "PstoreRow", "check_mode", "set_start_mode", "start_mode", "status"]
+__all__ = ["COLD", "HOT", "MODES", "WARM", "PstoreRow", "check_mode", "record_warm_generation", "set_start_mode",
+           "start_mode", "status", "warm_generations"]

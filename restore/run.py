@@ -58,6 +58,7 @@ from backup.run import rebuild_catalog
 from cfemu import bulk, keys
 from cfemu.admin import Admin, AdminError, QueueDef, StructureDef
 from cfemu.credentials import BackupKeys
+from cfemu.pstore import warm_generations
 from cfemu.repository import GroupRepository, migrated_refusal
 from cfemu.settings import restore_memory
 from restore.engine import PHASES, Progress, get_engine, no_progress
@@ -150,8 +151,11 @@ def choose_start(structure: str, backup: Backup | DefinitionBase | None, log_dir
                  repo: GroupRepository, group: str, *, from_logs: bool = False) -> Backup | DefinitionBase | None:
     """Where a restore starts: the newest good backup, or the relog window of the newest complete relog pass when
     that is newer (its generation at least the backup's and its start above the backup's replay start: less log
-    to read, and no backup needed), or when asked (from_logs)."""
+    to read, and no backup needed), or when asked (from_logs). Never a pass made while the structure ran from a
+    WARM start."""
     found = newest_pass(log_dirs, structure)
+    if found is not None and int(found[1].get("gen", 0) or 0) in warm_generations(repo, structure):
+        found = None  # a pass of a WARM generation copied none of the persistent content (cfemu.pstore)
     if found is None:
         if from_logs:
             raise RestoreError(f"no complete relog pass of structure {structure} in the logs under "
@@ -205,9 +209,10 @@ def earlier_generations(backup_root: Path, structure: str, seen: bulk.Seen,
 def open_backup(backup_root: Path, structure: str, backup_id: str | None, group: str | None,
                 repo: GroupRepository | None = None, backup_keys: BackupKeys | None = None) -> Backup | DefinitionBase:
     """The named backup, or the latest good one of the structure (restore and purge points included: a later
-    restore never crosses one); checked to be this structure's (and group's), and signed with the group's backup
-    key. Entry frames and digests are checked as the engine reads them. A structure with no backup at all
-    restores from its definition in the group repository. A backup newer than the latest good one that is
+    restore never crosses one; never a backup taken while it ran from a WARM start, _taken_warm); checked to be
+    this structure's (and group's), and signed with the group's backup key. Entry frames and digests are checked
+    as the engine reads them. A structure with no backup at all restores from its definition in the group
+    repository. A backup newer than the latest good one that is
     untrusted (altered, another key's) or unsigned is refused rather than passed over: someone may have
     tampered with the backups, and an older base may cross a restore point; the operator names the base then."""
     backup_keys = resolve_keys(backup_keys)
@@ -215,7 +220,8 @@ def open_backup(backup_root: Path, structure: str, backup_id: str | None, group:
         return read_backup(find_backup(backup_root, backup_id), structure=structure, group=group,
                            backup_keys=backup_keys)
     backups = list_backups(backup_root, structure, backup_keys=backup_keys)
-    good = next((b for b in backups if b.state == OK), None)
+    warm = warm_generations(repo, structure) if repo is not None else frozenset()
+    good = next((b for b in backups if b.state == OK and not _taken_warm(b, warm)), None)
     _refuse_to_cross_damaged_points(backups, good)
     if good is None:
         defined = _definition_base(repo, structure, group or "QSG1") if repo is not None and not backups else None
@@ -227,6 +233,13 @@ def open_backup(backup_root: Path, structure: str, backup_id: str | None, group:
                            + ("" if backups or repo is None else f", and the group repository {repo.path} has no "
                                                                  f"definition of it"))
     return read_backup(good.path, structure=structure, group=group, backup_keys=backup_keys)
+
+
+def _taken_warm(b: BackupInfo, warm: frozenset[int]) -> bool:
+    """A fuzzy backup taken while the structure ran from a WARM start (cfemu.pstore.WARM_SECTION): it holds none of
+    the persistent content, and its floor lies above what was committed before the CF loss. Never a base."""
+    m = b.manifest or {}
+    return kind_of(m) == FUZZY and int(m.get("gen", 0) or 0) in warm
 
 
 def _refuse_to_cross_damaged_points(backups: list[BackupInfo], good: BackupInfo | None) -> None:

@@ -13,10 +13,12 @@
         would answer "no message" for messages that exist. The units of work whose COMMIT their owner logged but
         had not applied when the CF was lost get a 'P' tombstone (as a purge gives them), so that the owner's retry
         is a no-op here and not a backout: the later HOT restore replays their COMMIT. A WARM structure is never
-        simply connected (pstore.lua refuses): it is started HOT or COLD.
+        simply connected (pstore.lua refuses): it is started HOT or COLD. No backup of it is taken meanwhile
+        (backup_begin.lua refuses), and its generation is recorded in the group repository
+        (cfemu.pstore.record_warm_generation), so that a restore never starts from a base taken in it.
 
-A started structure records nothing else: RECAUTO (qsg.member) runs `automatic_start` with the structure's mode
-from the group repository (cfemu.pstore.start_mode)."""
+Besides a WARM generation, a started structure records nothing: RECAUTO (qsg.member) runs `automatic_start` with
+the structure's mode from the group repository (cfemu.pstore.start_mode)."""
 
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ from cfemu.admin import Admin, StructureDef
 from cfemu.cf import CF
 from cfemu.credentials import BackupKeys
 from cfemu.errors import StructureFailedError
-from cfemu.pstore import COLD, HOT, WARM, check_mode, start_mode
+from cfemu.pstore import COLD, HOT, WARM, check_mode, record_warm_generation, start_mode
 from cfemu.repository import GroupRepository
 from restore.engine import Progress, no_progress
 from restore.run import (
@@ -119,6 +121,8 @@ def warm_start(client: redis.Redis, structure: str, *, backup_root: Path, log_ro
                             committed=lambda gen: committed_before_base(find_log_dirs(log_root), structure, gen))
     except bulk.NotOwnerError as e:
         raise _refused(structure, e) from e
+    # Before anything else reads the new generation as a base: a restore never starts from it (cfemu.pstore).
+    record_warm_generation(repo, structure, purged.gen)
     rebuild_catalog(admin, backup_root, structure, backup_keys=keys_)
     return purged.gen
 

@@ -445,6 +445,8 @@ class QueueManager:
         # A recovery (restart, or a peer) backing out a UOW carries the data of its persistent gets as the CF
         # holds them: their GET records may have died with the member (a UOW known only from the CF), and the
         # backout raises their backout counts, which a later restore must not forget (invariant 1).
+        if commit and uow.persistent and for_member is None and uow.state != INDOUBT:
+            self._refuse_if_disconnected(uow)
         recovering = not commit and (for_member is not None or reason == "restart")
         carry = not commit and (recovering or self._backup_running(uow))
         if recovering and not uow.persistent and for_member is None and self._gets_data(uow, best_effort=True):
@@ -475,6 +477,24 @@ class QueueManager:
             raise
         finally:
             self.counters["commits" if commit else "backouts"] += 1
+
+    def _refuse_if_disconnected(self, uow: UnitOfWork) -> None:
+        """The only place a disconnected persistent store refuses a commit (docs/pstore.md): before its COMMIT is
+        forced, when a structure holding the UOW answers 'D' (standing.lua). The UOW is backed out everywhere
+        (a BACKOUT, never after a COMMIT) and the application gets BackedOutError. Once the COMMIT is logged the
+        commit is decided and completes on every structure, disconnected or not (commit.lua no longer refuses it):
+        refusing it there backed out on one structure what another had committed (review R2). A structure that
+        cannot answer is left to the commit's own path (it waits, or is refused there, as before this check).
+        A prepared UOW is not asked: it voted yes, and its coordinator decides."""
+        for sname, gen in list(uow.structures.items()):
+            try:
+                standing = self.cf_call(partial(self.structure(sname).standing, self.caller, uow.id, gen=gen))
+            except (MQError, *CF_DOWN):
+                continue
+            if standing == "D":
+                self.complete(uow, False, reason="persistent store disconnected")
+                raise BackedOutError(f"unit of work {uow.id} was backed out: structure {sname}: the persistent store "
+                                     "is disconnected (cfemu pstore connect)")
 
     def _fenced_commit(self, uow: UnitOfWork, e: FencedError) -> MQError:
         """What the application learns of a commit during which a peer fenced this member. The peer completes the
@@ -524,13 +544,14 @@ class QueueManager:
     def _refusing_first(self, uow: UnitOfWork, todo: list[str]) -> list[str]:
         """Before a commit touches any of several structures, ask each how the UOW stands there (standing.lua,
         after the COMMIT is forced): one that is not ACTIVE makes the whole commit wait, applied nowhere yet
-        (StructureFailedError: the caller keeps it pending); one that will refuse it (backed out by recovery, its
-        work there lost with the CF, or its persistent store disconnected: 'D', docs/pstore.md) goes first, so that the UOW is backed out everywhere before it is
-        committed anywhere. A restore reads the logs only once its structure has failed, so a structure that
-        answers here, after the COMMIT was forced, can no longer be restored without seeing it."""
+        (StructureFailedError: the caller keeps it pending); one that will refuse it (backed out by recovery, or its
+        work there lost with the CF) goes first, so that the UOW is backed out everywhere before it is committed
+        anywhere. A restore reads the logs only once its structure has failed, so a structure that answers here,
+        after the COMMIT was forced, can no longer be restored without seeing it. A disconnected persistent store
+        ('D') does not refuse a decided commit: it refused before the force (_refuse_if_disconnected)."""
         refusing = [sname for sname in todo
                     if self.cf_call(partial(self.structure(sname).standing, self.caller, uow.id,
-                                            gen=uow.structures[sname])) in ("B", "L", "D")]
+                                            gen=uow.structures[sname])) in ("B", "L")]
         return refusing + [sname for sname in todo if sname not in refusing]
 
     def _apply_one(self, uow: UnitOfWork, sname: str, commit: bool, for_member: str | None) -> None:
@@ -565,16 +586,26 @@ class QueueManager:
                 if commit:
                     return
                 raise
-            except BackedOutError:
+            except BackedOutError as e:
                 if not commit:
                     return
+                if uow.applied:
+                    # Committed on another structure already: a backout now would split the UOW (and a BACKOUT
+                    # after its COMMIT tells a restore to undo what that structure committed, review R2). The
+                    # commit stays decided; it waits, pending, for this structure to take it.
+                    log.error("%s: structure %s refused the commit of uow %s, which %s committed already: kept "
+                              "pending (%s)", self.name, sname, uow.id, ", ".join(sorted(uow.applied)), e)
+                    raise StructureFailedError(f"structure {sname} refused the commit of unit of work {uow.id} "
+                                               f"after {', '.join(sorted(uow.applied))} applied it ({e}): it waits "
+                                               "for the structure") from None
                 self._backed_out_by_recovery(uow, for_member)
                 raise
 
     def _backed_out_by_recovery(self, uow: UnitOfWork, for_member: str | None) -> None:
         """A structure refused a commit: recovery (a peer, or restore after a CF loss) backed the UOW out there, or
         its work there was lost with the CF. The log must say so too, and every structure of the UOW backs it out
-        (_refusing_first made the refusing one go first, so none has committed it)."""
+        (_refusing_first made the refusing one go first, so none has committed it: _apply_one never comes here once
+        one has)."""
         if uow.persistent and for_member is None:
             self.log_decision(uow, False, reason="backed out by recovery")
         uow.applied.clear()

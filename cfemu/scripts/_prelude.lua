@@ -71,16 +71,19 @@ local function pstore_refusal(what)
   return redis.error_reply('PSTORE ' .. what .. ': the persistent store is disconnected (cfemu pstore connect)')
 end
 
--- A 'no new units of work' state that capacity set (put.lua) ends once the structure is back below this share of
--- both of its limits, so that it does not flap at the limit; one an operator set ends only by the operator.
+-- A 'no new units of work' state that capacity sets (put.lua) holds only while the structure is above this share of
+-- one of its limits: it is set only then (a put refused for its own size, in a structure with room, is no reason
+-- to stop everyone's new work) and ends once the structure is back at or below it (where entries leave, and at a
+-- put), so that it does not flap at the limit. One an operator set ends only by the operator.
 local LOW_WATER = 0.8
-local function relieve()
+local function below_low_water()
   local m = redis.call('HMGET', META, 'entries', 'bytes', 'max_entries', 'max_bytes')
   local n, b = tonumber(m[1] or '0'), tonumber(m[2] or '0')
   local maxn, maxb = tonumber(m[3] or '0'), tonumber(m[4] or '0')
-  if (maxn == 0 or n <= maxn * LOW_WATER) and (maxb == 0 or b <= maxb * LOW_WATER) then
-    redis.call('HDEL', META, 'nonew')
-  end
+  return (maxn == 0 or n <= maxn * LOW_WATER) and (maxb == 0 or b <= maxb * LOW_WATER)
+end
+local function relieve()
+  if below_low_water() then redis.call('HDEL', META, 'nonew') end
 end
 
 local function account(entries, bytes)

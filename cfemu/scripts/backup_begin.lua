@@ -3,11 +3,20 @@
 -- holding entries now, whichever is lower. Log-first records below it are refused from now on (floor_check).
 -- The stored floor never goes down: a relog pass may have raised it above (relog_begin.lua; refusing more only
 -- makes more records re-log, which this backup's replay, from its lower floor, reads all the same).
+-- Refused while the structure runs from a WARM start (header 'started' = WARM, docs/pstore.md): it is empty of the
+-- persistent content that its older backups and the logs hold, and a backup of it would become the newest base of
+-- the later HOT start, which would then replay the logs only from this backup's floor: every persistent message
+-- committed before the CF loss would be lost.
 -- ARGV: 1 backup id, 2 caller lrsn
--- Returns {start lrsn, floor lrsn}; error BACKUPRUNNING when a backup of this structure is already running.
+-- Returns {start lrsn, floor lrsn}; error BACKUPRUNNING when a backup of this structure is already running, CFSTATE
+-- when it is not ACTIVE or runs from a WARM start.
 local st = redis.call('HGET', META, 'state')
 if not st then return redis.error_reply('NOSTRUCT structure is not in the CF (never defined, or the CF was lost)') end
 if st ~= 'ACTIVE' then return redis.error_reply('CFSTATE structure is ' .. st) end
+if redis.call('HGET', META, 'started') == 'WARM' then
+  return redis.error_reply('CFSTATE structure runs from a WARM start: its persistent content is in its older backups '
+    .. 'and the logs, not in the CF; start it HOT or COLD (cfemu pstore start) before backing it up')
+end
 local running = redis.call('HGET', META, 'backup')
 if running then return redis.error_reply('BACKUPRUNNING backup ' .. running .. ' of this structure is running') end
 local start = tick(ARGV[2])

@@ -13,10 +13,11 @@
 -- generation) also leaves a 'C' tombstone: a retry from its owner (after a restart, or for another structure)
 -- could not otherwise tell "applied here" from "lost with the CF". A retry from an older generation keeps the
 -- tombstone it learns from, so every later retry learns it too.
--- While the persistent store is disconnected (pstore.lua), a member's logged commit (ARGV[6] > 0, not decided by
--- recovery) of a UOW that holds entries here is refused as backed out, before anything changes: in-progress
--- persistent work is backed out (the member logs the BACKOUT; restore reads a COMMIT followed by a BACKOUT as a
--- commit the CF refused). A commit that recovery decided (ARGV[7] = 1) completes work decided before: it goes on.
+-- A disconnected persistent store (pstore.lua) does not refuse a commit: a member refuses its own UOW's commit
+-- before it forces the COMMIT record (standing.lua's 'D', sqm.manager.QueueManager._refuse_if_disconnected). Once
+-- the COMMIT is logged the commit is decided and completes on every structure of the UOW: refusing it here backed
+-- out on this structure a UOW that another structure had committed (review R2: a message moved between two
+-- structures was lost, and the log held COMMIT then BACKOUT).
 -- Returns {cf clock, entries made available, entries deleted}.
 local err = check_ready(ARGV[1], ARGV[2]) if err then return err end
 local uow = ARGV[4]
@@ -29,9 +30,6 @@ if t == 'C' then
   return {tick(ARGV[3]), 0, 0}
 end
 if t == 'P' then return {tick(ARGV[3]), 0, 0} end  -- a purge discarded its work here: the outcome stands
-if lrsn > 0 and ARGV[7] ~= '1' and disconnected() and redis.call('HEXISTS', UOWS, uow) == 1 then
-  return redis.error_reply('BACKEDOUT unit of work ' .. uow .. ' was backed out: the persistent store is disconnected')
-end
 if lrsn > 0 then err = floor_check(lrsn) if err then return err end end
 err = uow_standing(uow, ARGV[5]) if err then return err end
 local carried = carried_over(ARGV[5]) and redis.call('HEXISTS', UOWS, uow) == 1

@@ -1,13 +1,15 @@
 -- pstore: read or change the availability of the structure's persistent store (docs/pstore.md; seed 004's
 -- DISCONNECT-PSTORE / CONNECT-PSTORE and the "no new units of work" state). Two fields of the header {S}:meta:
 --   pstore  'DISCONNECTED' while persistent work is refused (absent: connected). put.lua refuses a persistent put,
---           get.lua the get of a persistent message, commit.lua a member's logged commit (as backed out),
---           standing.lua says 'D', and pclock.lua stops the pseudo-clock (no timeout processing).
---   nonew   'OPERATOR' (set here) or 'FULL' (set by put.lua when the structure refuses a put for capacity): only
---           consuming work enters (put.lua refuses every put but the replacement of an entry its UOW takes); 'FULL'
---           is cleared by the prelude's account() once the structure is back below its low-water mark.
+--           get.lua the get of a persistent message, standing.lua says 'D' for a UOW held here (its member backs it
+--           out instead of forcing its COMMIT; a commit decided already completes), and pclock.lua stops the
+--           pseudo-clock (no timeout processing).
+--   nonew   'OPERATOR' (set here) or 'FULL' (set by put.lua when the structure, above its low-water mark, refuses a
+--           put for capacity): only consuming work enters (put.lua refuses every put but the replacement of an
+--           entry its UOW takes); 'FULL' is cleared at or below the low-water mark (the prelude's account(), put.lua).
 --   started 'WARM' while the structure runs from a WARM start (restore/start_modes.py): it cannot be connected,
---           only started HOT (restored) or COLD (purged), so that a later restore loses no committed work.
+--           only started HOT (restored) or COLD (purged), so that a later restore loses no committed work; nor
+--           backed up (backup_begin.lua).
 -- A flag, not a state: the structure stays ACTIVE (non-persistent work goes on), and a restore or a purge, which
 -- replace the whole header (cfemu.bulk.activate), start it connected again.
 -- Idempotent: each action sets what it names; 'status' changes nothing. Changes need an ACTIVE structure.

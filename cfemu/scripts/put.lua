@@ -2,10 +2,14 @@
 -- syncpoint, never logged) as a committed put. Persistent puts outside syncpoint are UOWs of their own.
 -- Refused (before anything changes, docs/pstore.md): a persistent put while the persistent store is disconnected
 -- (PSTORE); any put while the structure takes no new units of work (NONEW), but the replacement of an entry the same
--- UOW takes (a put whose message id is that of an uncommitted get of the UOW on the queue: a status change of a UOW,
--- consuming work that adds nothing, and exempt from the capacity check too). A put refused for capacity (FULL) puts
--- the structure in the "no new units of work" state (nonew = FULL), which the prelude's account() clears below the
--- low-water mark.
+-- UOW takes (a put whose message id is that of an uncommitted get of the UOW on the queue: a status change of a UOW
+-- or a subscription's new position, consuming work that adds nothing, and exempt from the capacity check too). A
+-- replacement is bounded, as any application may put with a message id (the service's put): one per entry the UOW
+-- takes (a UOW's puts with that message id on the queue are fewer than its gets of it), and no longer than the
+-- longest of those entries plus REPLACEMENT_SLACK bytes (a status may grow by a user status, a position by a few
+-- digits); any other put is checked as a new one. A put refused for capacity (FULL) puts the structure in the "no
+-- new units of work" state (nonew = FULL) when the structure, without that put, is above its low-water mark; that
+-- state ends at or below the mark (the prelude's account() where entries leave, and here).
 -- ARGV: 1 member, 2 epoch, 3 caller lrsn, 4 uow ('' = outside syncpoint), 5 uow gen (0 = first touch),
 --       6 entry id, 7 queue, 8 descriptor (msgpack map: p, per, mid, cid, exp, pt, bc, pr, len), 9 data
 -- Returns {cf clock, gen, created (1, or 0 when the id already exists: puts are idempotent by id)}.
@@ -21,16 +25,30 @@ local data = ARGV[9]
 local d = cmsgpack.unpack(ARGV[8])
 if d.per == 1 and disconnected() then return pstore_refusal('a persistent message cannot be put') end
 
--- A replacement: the UOW holds an uncommitted get of an entry with this message id on this queue.
+-- A replacement: the UOW holds an uncommitted get of an entry with this message id on this queue that it has not
+-- replaced yet, and this put is not much longer than it (the head comment).
+local REPLACEMENT_SLACK = 256
 local function replacement()
   if uow == '' or not d.mid or d.mid == '' then return false end
+  local taken, replaced, longest = 0, 0, 0
   for _, other in ipairs(redis.call('SMEMBERS', ixkey(queue, 'm', d.mid))) do
     local o = load(other)
-    if o and o.st == 'UG' and o.u == uow then return true end
+    if o and o.u == uow then
+      if o.st == 'UG' then
+        taken = taken + 1
+        if (o.len or 0) > longest then longest = o.len or 0 end
+      elseif o.st == 'UP' then
+        replaced = replaced + 1
+      end
+    end
   end
-  return false
+  return replaced < taken and #data <= longest + REPLACEMENT_SLACK
 end
 local nonew = redis.call('HGET', META, 'nonew')
+if nonew == 'FULL' and below_low_water() then  -- capacity's state ends at the mark (a header from before the rule)
+  redis.call('HDEL', META, 'nonew')
+  nonew = nil
+end
 local replacing = (nonew or redis.call('HGET', META, 'max_entries') ~= '0' or redis.call('HGET', META, 'max_bytes') ~= '0')
   and replacement()
 if nonew and not replacing then
@@ -40,7 +58,8 @@ end
 if not replacing then
   err = capacity_check(1, #data)
   if err then
-    if not nonew then redis.call('HSET', META, 'nonew', 'FULL') end
+    -- Full because the structure is full, not because this one message is too big for the room left.
+    if not nonew and not below_low_water() then redis.call('HSET', META, 'nonew', 'FULL') end
     return err
   end
 end

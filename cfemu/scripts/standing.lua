@@ -1,6 +1,7 @@
--- standing: how a UOW stands on this structure, read only. A member that forced the decision of a UOW spanning
--- several structures asks each of them before it applies the outcome on any (sqm.manager.QueueManager.apply):
--- a structure that refuses must refuse first, so that a UOW never ends committed on one structure and backed out
+-- standing: how a UOW stands on this structure, read only. A member about to force a UOW's COMMIT asks each of its
+-- structures whether a persistent store is disconnected ('D' below). A member that forced the decision of a UOW
+-- spanning several structures asks each of them before it applies the outcome on any
+-- (sqm.manager.QueueManager.apply): a structure that refuses must refuse first, so that a UOW never ends committed on one structure and backed out
 -- on another (UOW atomicity across structures). Also refused, as by commit.lua: a structure that is not ACTIVE
 -- (CFSTATE: the outcome waits for it, applied nowhere yet) and a fenced member (FENCED).
 -- Idempotent (reads only).
@@ -8,8 +9,8 @@
 -- Returns one letter: 'H' the structure holds the UOW (its record is here), 'C' / 'B' an outcome decided by
 -- recovery or carried over by restore (tombstone), 'L' the UOW is unknown here and from an older generation (lost
 -- with the CF: its work here cannot be committed), 'N' unknown here in its own generation (nothing left to do),
--- 'D' the structure holds the UOW and its persistent store is disconnected (commit.lua refuses a member's logged
--- commit: it must refuse first, docs/pstore.md).
+-- 'D' the structure holds the UOW and its persistent store is disconnected: a member asks before it forces a
+-- UOW's COMMIT, and backs the UOW out instead (docs/pstore.md); a commit decided already goes on (commit.lua).
 local err = check_ready(ARGV[1], ARGV[2]) if err then return err end
 local uow = ARGV[3]
 local t = redis.call('HGET', TOMB, uow)

@@ -725,6 +725,15 @@ class TestBackupBegin:
         with pytest.raises(StructureFailedError, match="not in the CF"):
             CF(admin.redis).structure("NOPE").backup_begin("B4", 0)
 
+    def test_refuses_a_structure_running_from_a_warm_start(self, admin: Admin, s: Structure) -> None:
+        """Review R2: a backup of a WARM structure (empty of its persistent content) became the base of the later
+        HOT start, which replayed the logs only from its floor: everything committed before the loss was lost."""
+        admin.redis.hset(keys.meta(S), mapping={"pstore": "DISCONNECTED", "started": "WARM"})
+        with pytest.raises(StructureFailedError, match="runs from a WARM start"):
+            s.backup_begin("B1", 0)
+        info = s.info()
+        assert "backup" not in info and info["floor"] == "0" and info["clock"] == "0"  # nothing changed
+
 
 class TestRelogBegin:
     def test_takes_the_lock_raises_the_floor_and_reads_the_cpl(self, s: Structure, qm1: Caller, admin: Admin) -> None:
@@ -907,22 +916,24 @@ class TestPstore:
         assert s.depths()[Q]["CP"] == 1 and held_uows(s) == {"U1"}  # refusals changed nothing
         s.put(qm1, entry("n1", queue=Q2, persistent=False), b"z", uow="U4")  # non-persistent work goes on
         s.commit(qm1, "U4", gen=1, lrsn=0)
-        assert s.standing(qm1, "U1", gen=1) == "D"
-        with pytest.raises(BackedOutError, match="persistent store is disconnected"):
-            s.commit(qm1, "U1", gen=1, lrsn=qm1.clock.now())  # a logged commit: refused as backed out
-        assert s.uow_entries("U1")  # nothing changed: the member backs it out
+        assert s.standing(qm1, "U1", gen=1) == "D"  # its member backs it out instead of forcing its COMMIT
         s.backout(qm1, "U1", gen=1, lrsn=qm1.clock.now(), has_data=False)
         assert s.pstore("connect") == ("ACTIVE", True, "", "")
         got = s.get(qm1, Q, uow="U5", now_ms=NOW)  # everything resumes
         assert got.entry is not None and got.entry.id == "p1"
 
-    def test_a_commit_decided_by_recovery_goes_on_while_disconnected(self, s: Structure, qm1: Caller) -> None:
+    def test_a_decided_commit_goes_on_while_disconnected(self, s: Structure, qm1: Caller) -> None:
+        """A logged COMMIT is decided: refusing it here backed out on one structure what another had committed
+        (review R2). The refusal is the member's, before the force (standing.lua's 'D')."""
         s.put(qm1, entry("p1"), b"x", uow="U1")
+        s.put(qm1, entry("p2"), b"y", uow="U2")
         s.pstore("disconnect")
         assert s.commit(qm1, "U1", gen=1, lrsn=qm1.clock.now(), decided_by_recovery=True).puts == 1
+        assert s.commit(qm1, "U2", gen=1, lrsn=qm1.clock.now()).puts == 1  # the owner's own logged commit
+        assert s.depths()[Q]["CP"] == 2
 
     def test_the_pseudo_clock_stands_still_while_disconnected(self, s: Structure) -> None:
-        s.pclock(max_gap_ms=10_000).value
+        s.pclock(max_gap_ms=10_000)  # the first tick starts the clock
         s.pstore("disconnect")
         before = s.pclock(max_gap_ms=10_000).value
         time.sleep(0.3)
@@ -941,6 +952,8 @@ class TestPstore:
         s.put(qm1, entry("c2", msgid="0c"), b"ctl2", uow="U1")  # the replacement of the entry U1 takes
         with pytest.raises(NoNewUowsError):
             s.put(qm1, entry("c3", msgid="0d"), b"new", uow="U1")
+        with pytest.raises(NoNewUowsError):  # one replacement per entry taken
+            s.put(qm1, entry("c4", msgid="0c"), b"ctl3", uow="U1")
         s.commit(qm1, "U1", gen=1, lrsn=0)
         assert [d for _, d in s.browse(Q, 10, NOW)] == [b"ctl2"]
         assert s.pstore("nonew-off").no_new_uows == ""
@@ -961,6 +974,51 @@ class TestPstore:
             small.commit(caller, f"G{n}", gen=1, lrsn=0)
             assert small.pstore().no_new_uows == ("FULL" if n == 1 else "")
         small.put(caller, entry("e7", queue="QS"), b"x")
+
+    def test_a_put_too_big_for_the_room_left_does_not_stop_new_work(self, admin: Admin) -> None:
+        """Review R2: one put larger than the room left, in a structure below its low-water mark, set FULL, and
+        nothing cleared it (only deletes did): any client locked every application out with one bad put."""
+        admin.ensure_structure("SMALL3", ("QU",), max_bytes=1_000_000)
+        small, caller = CF(admin.redis).structure("SMALL3"), join(admin, "QM1")
+        with pytest.raises(StructureFullError):
+            small.put(caller, entry("big", queue="QU", persistent=False), b"x" * 1_500_000)
+        assert small.pstore().no_new_uows == ""
+        small.put(caller, entry("small", queue="QU"), b"x")
+        admin.redis.hset(keys.meta("SMALL3"), "nonew", "FULL")  # a state from before the rule, or left behind
+        small.put(caller, entry("small2", queue="QU"), b"x")  # below the mark: a put clears it
+        assert small.pstore().no_new_uows == ""
+        for i in range(4):  # 800 000 bytes of 1 000 000: at the mark, not above it
+            small.put(caller, entry(f"f{i}", queue="QU"), b"x" * 199_999)
+        with pytest.raises(StructureFullError):
+            small.put(caller, entry("big2", queue="QU"), b"x" * 300_000)
+        assert small.pstore().no_new_uows == ""
+        small.put(caller, entry("f4", queue="QU"), b"x" * 10_000)  # above the mark now
+        with pytest.raises(StructureFullError):
+            small.put(caller, entry("big3", queue="QU"), b"x" * 300_000)
+        assert small.pstore().no_new_uows == "FULL"
+
+    def test_replacements_are_bounded(self, admin: Admin) -> None:
+        """Review R2: a put whose message id is that of an entry its UOW takes passed the capacity check and the
+        no-new-UOWs state whatever its number and size; any client can put with a message id. One per entry
+        taken, and not much longer than it (a status may grow by a user status)."""
+        admin.ensure_structure("SMALL4", ("QV",), max_entries=10, max_bytes=10_000)
+        small, caller = CF(admin.redis).structure("SMALL4"), join(admin, "QM1")
+        small.put(caller, entry("k", queue="QV", msgid="4b"), b"x")
+        small.get(caller, "QV", uow="U1", now_ms=NOW)
+        small.pstore("nonew-on")
+        with pytest.raises(NoNewUowsError):  # longer than the entry taken, past the slack
+            small.put(caller, entry("r1", queue="QV", msgid="4b"), b"y" * 1000, uow="U1")
+        small.put(caller, entry("r2", queue="QV", msgid="4b"), b"y" * 200, uow="U1")  # a status grown a little
+        with pytest.raises(NoNewUowsError):  # a second one for the same entry
+            small.put(caller, entry("r3", queue="QV", msgid="4b"), b"y", uow="U1")
+        small.pstore("nonew-off")
+        for i in range(12):  # past the capacity: what is not a replacement is checked, and refused
+            try:
+                small.put(caller, entry(f"r{i + 4}", queue="QV", msgid="4b"), b"y" * 500, uow="U1")
+            except (StructureFullError, NoNewUowsError):
+                pass
+        info = small.info()
+        assert int(info["entries"]) <= 10 and int(info["bytes"]) <= 10_000, info
 
     def test_an_operators_state_is_not_cleared_by_the_low_water_mark(self, admin: Admin) -> None:
         admin.ensure_structure("SMALL2", ("QT",), max_entries=2)

@@ -9,14 +9,19 @@ from pathlib import Path
 
 import pytest
 
-from backup.run import run_backup
+from backup.run import StructureNotReadyError, run_backup
+from cfemu import keys
 from cfemu.admin import Admin
 from cfemu.cf import CF
 from cfemu.embedded import EmbeddedRedis
 from cfemu.errors import NoMessageError, PstoreUnavailableError
+from cfemu.pstore import warm_generations
+from cfemu.repository import GroupRepository
 from qsg.pstore_cli import main as pstore
-from restore.start_modes import automatic_start
+from restore.start_modes import automatic_start, start
+from sqm.log import find_log_dirs
 from sqm.manager import QueueManager
+from sqm.relog import newest_pass
 from tests.support.group import define_group, start_qm
 from tests.support.harness import lose_cf
 
@@ -147,4 +152,49 @@ def test_recauto_starts_a_lost_structure_in_its_mode(fresh_redis: EmbeddedRedis,
     assert CF(qm.redis).structure(S).pstore().started == "WARM"
     rc, out, _ = _cli(capsys, "status", "--json", "--redis-url", url, "--log-root", str(logs))
     assert [(r["structure"], r["start_mode"], r["connected"]) for r in json.loads(out)] == [(S, "WARM", False)]
+    qm.stop()
+
+
+def test_no_backup_while_warm_and_a_restore_never_starts_from_one(fresh_redis: EmbeddedRedis,
+                                                                  dirs: tuple[Path, Path]) -> None:
+    """Review R2: a backup taken while the structure ran WARM (empty of its persistent content) was the newest
+    good backup when the HOT start came, and the restore replayed the logs only from its floor: everything
+    committed before the CF loss was lost. backup_begin.lua refuses it; and a restore never starts from a backup
+    taken in a WARM generation (the group repository records them), the defence behind the refusal."""
+    logs, backups = dirs
+    url = fresh_redis.url
+    qm = _before_the_loss(url, logs, backups, fresh_redis)
+    client = fresh_redis.client()
+    done = start(client, S, "WARM", backup_root=backups, log_root=logs)
+    with pytest.raises(StructureNotReadyError, match="runs from a WARM start"):  # the scheduler's, an operator's
+        run_backup(client, S, backups, log_root=logs)
+    assert warm_generations(GroupRepository(logs), S) == {done["gen"]}
+    # One taken all the same (the flag cleared by hand, or a race the CF script did not see) is passed over.
+    client.hdel(keys.meta(S), "started")
+    taken = run_backup(client, S, backups, log_root=logs)
+    client.hset(keys.meta(S), "started", "WARM")
+    assert taken["gen"] == done["gen"]
+    hot = start(client, S, "HOT", backup_root=backups, log_root=logs)
+    assert hot["backup"] != taken["id"]
+    assert sorted(_drain(qm, "Q1")) == [f"p{i}".encode() for i in range(7)]
+    qm.stop()
+
+
+def test_a_relog_pass_made_while_warm_is_not_a_base(fresh_redis: EmbeddedRedis, dirs: tuple[Path, Path]) -> None:
+    """Found with review R2's WARM backup: a member's relog pass (checkpoints relog by default) on the WARM
+    structure copies nothing (it is empty), and its window, newer than the backup, was where the HOT start's restore
+    began: everything committed before the CF loss was lost. A restore never starts from a pass of a WARM
+    generation."""
+    logs, backups = dirs
+    url = fresh_redis.url
+    qm = _before_the_loss(url, logs, backups, fresh_redis)
+    done = start(fresh_redis.client(), S, "WARM", backup_root=backups, log_root=logs)
+    qm.connect().put("Q2", b"np", persistent=False, syncpoint=False)
+    qm.checkpoint("test")
+    qm.checkpoint("test")
+    found = newest_pass(find_log_dirs(logs), S)
+    assert found is not None and int(found[1]["gen"]) == done["gen"]
+    hot = start(fresh_redis.client(), S, "HOT", backup_root=backups, log_root=logs)
+    assert hot["base_kind"] != "logs"
+    assert sorted(_drain(qm, "Q1")) == [f"p{i}".encode() for i in range(7)]
     qm.stop()

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from cfemu import keys
+from cfemu.admin import Admin
 from cfemu.cf import CF
 from cfemu.errors import (
     BackedOutError,
@@ -22,7 +24,9 @@ from cfemu.errors import (
 )
 from qsg.pstore_cli import main as pstore
 from sqm.connection import Connection
+from sqm.log import LogReader
 from sqm.manager import QueueManager
+from sqm.uow import UnitOfWork
 from tests.support.group import define_group, start_qm
 
 S = "APP1"
@@ -180,3 +184,153 @@ def test_no_new_uows_by_operator_and_by_capacity(redis_url: str, tmp_path: Path,
     assert pstore(["connect", "NOPE", *where]) == 2
     assert "structure NOPE: structure is not in the CF" in capsys.readouterr().err
     qm.stop()
+
+
+def _all(qm: QueueManager, queue: str) -> list[bytes]:
+    c, out = qm.connect(), []
+    while True:
+        try:
+            out.append(c.get(queue).body)
+        except NoMessageError:
+            c.backout()
+            return out
+
+
+def _log_kinds(qm: QueueManager, uow: str) -> list[str]:
+    return [str(r["k"]) for _, r in LogReader(qm.log_dir).records() if r.get("u") == uow]
+
+
+def _moving(redis_url: str, tmp_path: Path) -> tuple[QueueManager, Connection]:
+    """A UOW that takes m from Q1 (structure APP1) and puts it to Q3 (APP2), not committed yet."""
+    define_group(redis_url)
+    define_group(redis_url, structure="APP2", queues=("Q3",))
+    qm = start_qm(redis_url, tmp_path / "logs", "QM1", background=False)
+    c = qm.connect()
+    c.put("Q1", b"m")
+    c.commit()
+    c.get("Q1")
+    c.put("Q3", b"m")
+    return qm, c
+
+
+def test_a_disconnect_after_the_commit_is_forced_does_not_split_it(redis_url: str, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review R2: APP2 disconnected after APP1 applied the commit: commit.lua refused APP2 as backed out and the
+    member backed the UOW out everywhere though APP1 had committed: m was lost, and the log held COMMIT then
+    BACKOUT. A logged COMMIT is decided: it completes on every structure."""
+    qm, c = _moving(redis_url, tmp_path)
+    real = QueueManager._apply_one
+
+    def apply_one(self: QueueManager, uow: UnitOfWork, sname: str, commit: bool, for_member: str | None) -> None:
+        if commit and uow.applied:  # an operator's DISCONNECT-PSTORE lands between the two structures
+            CF(self.redis).structure(sname).pstore("disconnect")
+        real(self, uow, sname, commit, for_member)
+
+    monkeypatch.setattr(QueueManager, "_apply_one", apply_one)
+    uow = c._current_uow().id
+    c.commit()
+    monkeypatch.setattr(QueueManager, "_apply_one", real)
+    assert not CF(qm.redis).structure("APP2").pstore().connected
+    assert "COMMIT" in _log_kinds(qm, uow) and "BACKOUT" not in _log_kinds(qm, uow)
+    CF(qm.redis).structure("APP2").pstore("connect")
+    assert (_all(qm, "Q1"), _all(qm, "Q3")) == ([], [b"m"])
+    qm.stop()
+
+
+def test_a_pending_commit_completes_on_a_store_disconnected_meanwhile(redis_url: str, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review R2, without a window: the commit applied on APP1, APP2 failed (its commit pending), then APP2 back
+    but disconnected: the retry completes the commit there, it is not turned into a backout."""
+    qm, c = _moving(redis_url, tmp_path)
+    admin = Admin(qm.redis)
+    real = QueueManager._apply_one
+
+    def apply_one(self: QueueManager, uow: UnitOfWork, sname: str, commit: bool, for_member: str | None) -> None:
+        if commit and uow.applied:
+            admin.set_state(sname, "FAILED")  # APP2 fails after APP1 applied the commit
+        real(self, uow, sname, commit, for_member)
+
+    monkeypatch.setattr(QueueManager, "_apply_one", apply_one)
+    c.commit()  # decided (logged): it waits for APP2
+    monkeypatch.setattr(QueueManager, "_apply_one", real)
+    assert len(qm.pending) == 1
+    admin.set_state("APP2", "ACTIVE")
+    CF(qm.redis).structure("APP2").pstore("disconnect")
+    assert qm.retry_pending() == 1 and not qm.pending
+    CF(qm.redis).structure("APP2").pstore("connect")
+    assert (_all(qm, "Q1"), _all(qm, "Q3")) == ([], [b"m"])
+    qm.stop()
+
+
+def test_a_refusal_after_one_structure_committed_keeps_the_commit_pending(redis_url: str, tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever a structure refuses once another has committed the UOW, the member never turns it into a backout
+    (a BACKOUT after the COMMIT tells a restore to undo what the other committed): the commit waits."""
+    qm, c = _moving(redis_url, tmp_path)
+    real = QueueManager._apply_one
+
+    def apply_one(self: QueueManager, uow: UnitOfWork, sname: str, commit: bool, for_member: str | None) -> None:
+        if commit and uow.applied:
+            self.redis.hset(keys.tomb(sname), uow.id, "B")  # a refusal that cannot happen after a forced COMMIT
+        real(self, uow, sname, commit, for_member)
+
+    monkeypatch.setattr(QueueManager, "_apply_one", apply_one)
+    uow = c._current_uow().id
+    c.commit()
+    monkeypatch.setattr(QueueManager, "_apply_one", real)
+    assert "BACKOUT" not in _log_kinds(qm, uow) and list(qm.pending) == [uow]
+    assert qm.retry_pending() == 0 and list(qm.pending) == [uow]  # still refused: still waiting
+    qm.redis.hdel(keys.tomb("APP2"), uow)
+    assert qm.retry_pending() == 1
+    assert (_all(qm, "Q1"), _all(qm, "Q3")) == ([], [b"m"])
+    qm.stop()
+
+
+def test_persistent_work_is_refused_before_its_commit_is_forced(redis_url: str, tmp_path: Path) -> None:
+    """In-progress persistent work on a disconnected store is backed out at its commit, and the log says BACKOUT
+    only (no COMMIT before it): the refusal is the member's, before the force (standing.lua's 'D')."""
+    qm, c = _moving(redis_url, tmp_path)
+    uow = c._current_uow().id
+    CF(qm.redis).structure("APP2").pstore("disconnect")
+    with pytest.raises(BackedOutError, match="structure APP2: the persistent store is disconnected"):
+        c.commit()
+    assert "COMMIT" not in _log_kinds(qm, uow) and "BACKOUT" in _log_kinds(qm, uow)
+    CF(qm.redis).structure("APP2").pstore("connect")
+    assert (_all(qm, "Q1"), _all(qm, "Q3")) == ([b"m"], [])
+    qm.stop()
+
+
+def test_one_put_too_big_does_not_lock_out_new_work(redis_url: str, tmp_path: Path) -> None:
+    """Review R2: a put larger than the room left in an empty structure set 'no new units of work' (FULL) for
+    good: one bad put locked every application out."""
+    define_group(redis_url, max_bytes=1_000_000)
+    qm = start_qm(redis_url, tmp_path / "logs", "QM1", background=False)
+    c = qm.connect()
+    with pytest.raises(StructureFullError):
+        c.put("Q1", b"x" * 1_500_000, persistent=False, syncpoint=False)
+    c.backout()
+    assert CF(qm.redis).structure(S).pstore().no_new_uows == ""
+    c.put("Q2", b"small")
+    c.commit()
+    qm.stop()
+
+
+def test_replacements_cannot_fill_the_structure(redis_url: str, tmp_path: Path) -> None:
+    """Review R2: puts with the message id of a message the UOW takes passed the capacity check whatever their
+    number and size (any client may put with a message id)."""
+    define_group(redis_url, max_entries=10, max_bytes=10_000)
+    qm = start_qm(redis_url, tmp_path / "logs", "QM1", background=False)
+    c = qm.connect()
+    c.put("Q1", b"x", msgid=b"K" * 24)
+    c.commit()
+    got = c.get("Q1")
+    refused = 0
+    for _ in range(50):
+        try:
+            c.put("Q1", b"y" * 1000, msgid=got.msgid)
+        except (StructureFullError, NoNewUowsError):
+            refused += 1
+    c.commit()
+    info = CF(qm.redis).structure(S).info()
+    qm.stop()
+    assert int(info["entries"]) <= 10 and int(info["bytes"]) <= 10_000 and refused, (refused, info)
