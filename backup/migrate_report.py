@@ -46,9 +46,10 @@ REPORT_FORMAT = 1
 _MAC_CONTEXT = b"cfemu migration report v1\n"  # what the MAC is of: only a report's trailer, never another message
 UOWDATA, UOWCTL = ".UOWDATA", ".UOWCTL"  # cfemu.uow_attributes' companion suffixes
 PUB, SUB = ".PUB", ".SUB"  # a topic's companion suffixes (cfemu.topic_attributes, docs/pubsub.md)
-MESSAGE, UOW_STATUS, UOW_LAST, PUBLICATION, SUBSCRIPTION, DEFINITION = (
-    "message", "uow-status", "uow-last", "publication", "subscription", "definition")
+MESSAGE, UOW_STATUS, UOW_LAST, PUBLICATION, SUBSCRIPTION, SUBSCRIPTION_ROSTER, DEFINITION = (
+    "message", "uow-status", "uow-last", "publication", "subscription", "subscription-roster", "definition")
 LAST_CORRELID = b"L".hex()  # a user's SYNCPOINT LAST pointer on .UOWCTL (sqm.uowcontrols.LAST_LETTER)
+ROSTER_CORRELID = b"R".hex()  # a subscription's roster entry on .SUB (sqm.pubsub.ROSTER_LETTER), not its position
 UNLOADED, LOADED, CREATED, DELETED = "unloaded", "loaded", "created", "deleted"
 _COMPARED = ("queue", "type", "id", "elements", "length", "digest", "list", "pos")  # what must agree per record
 
@@ -73,7 +74,7 @@ def record_type(queue: str, correlid: str = "") -> str:
     if queue.endswith(PUB):
         return PUBLICATION
     if queue.endswith(SUB):
-        return SUBSCRIPTION
+        return SUBSCRIPTION_ROSTER if correlid == ROSTER_CORRELID else SUBSCRIPTION
     return MESSAGE
 
 

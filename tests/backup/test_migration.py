@@ -521,3 +521,14 @@ def test_a_structure_of_100k_messages_and_uow_statuses_migrates_and_compares_equ
     assert done.by_type["uow-status"] == 200 and done.by_type["message"] == 100_000 + 1 + 100 * 3
     assert loaded.entries == done.entries and sum(1 for s in statuses.values() if s == "PROCESSED") == 100
     assert order_of(target) == order_of(src)
+
+
+def test_record_types_follow_the_companion_queues_and_correlation_ids() -> None:
+    """A topic's .SUB holds two kinds of entry (sqm.pubsub): a subscription's position, replaced at each commit, and
+    its roster entry, kept while it lives: the reports count them apart, or a topic's subscriptions counted twice."""
+    from backup.migrate_report import record_type
+    assert record_type("T.SUB", b"R".hex()) == "subscription-roster"
+    assert record_type("T.SUB", b"S".hex()) == "subscription"
+    assert record_type("T.PUB") == "publication"
+    assert (record_type("S.UOWCTL", b"A".hex()), record_type("S.UOWCTL", b"L".hex())) == ("uow-status", "uow-last")
+    assert record_type("S.UOWDATA") == record_type("Q1") == "message"
