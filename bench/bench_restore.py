@@ -292,9 +292,16 @@ def calibrate(work: Path, records: int, console: Console) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------- the child
 
 
-def child(root: Path, memory: int, truth_file: Path) -> None:
-    import resource
+def vm_hwm() -> int:
+    """This process's own peak RSS in bytes (VmHWM): ru_maxrss keeps the forking parent's peak across exec on
+    Linux, so a child forked by a big generator would report the generator's size."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
+
+def child(root: Path, memory: int, truth_file: Path) -> None:
     from backup.files import read_backup
     from backup.points import RESTORE, write_restore_point
     from cfemu import keys
@@ -309,7 +316,7 @@ def child(root: Path, memory: int, truth_file: Path) -> None:
     backup_keys = bench_keys(root)
     backup = read_backup(root / "backup" / S / "b", backup_keys=backup_keys)
     log_dirs = find_log_dirs(root / "logs")
-    out: dict[str, Any] = {"rss_start_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}
+    out: dict[str, Any] = {"rss_start_mib": round(vm_hwm() / 2**20)}
     spans: dict[str, list[float]] = {}
 
     def progress(phase: str, done: int, total: int | None) -> None:
@@ -342,7 +349,7 @@ def child(root: Path, memory: int, truth_file: Path) -> None:
                             tombstones={}, backup_keys=backup_keys)
         out["point_s"] = round(time.perf_counter() - t2, 2)
         out["restore_s"] = round(time.perf_counter() - t0, 2)
-        out["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+        out["peak_rss_mib"] = round(vm_hwm() / 2**20)
         out["loaded"] = load.entries
         out["redis_used_mib"] = round(int(client.info("memory")["used_memory"]) / 2**20)
         counts = dict(plan.counts)

@@ -377,12 +377,20 @@ def list_of(structure: str, wire: Wire) -> str:
 
 def descriptor(wire: Wire, data: bytes) -> bytes:
     """The descriptor as the CF scripts store it: cmsgpack-readable (str keys; properties only with str names and
-    str/int/float/bool values, the ones Lua keeps intact), with the data's length."""
-    d = dict(wire)
-    d["len"] = len(data)
-    d["pr"] = {k: v for k, v in (d.get("pr") or {}).items()
-               if isinstance(k, str) and isinstance(v, str | int | float | bool)}
-    return Entry.from_wire(d).pack()
+    str/int/float/bool values, the ones Lua keeps intact), with the data's length. The same bytes as
+    Entry.from_wire(...).pack() (cfemu.entry: same fields, order, defaults and types), built without the Entry in
+    between: a restore packs a million of them."""
+    d = wire.get
+    pr = d("pr") or {}
+    props = {k: v for k, v in pr.items() if isinstance(k, str) and isinstance(v, str | int | float | bool)}
+    return _pack_descriptor({
+        "id": wire["id"], "q": wire["q"], "p": int(d("p", 0)), "per": 1 if d("per", 1) else 0, "mid": d("mid", ""),
+        "cid": d("cid", ""), "exp": int(d("exp", 0)), "pt": int(d("pt", 0)), "bc": int(d("bc", 0)), "pr": props,
+        "st": d("st", ""), "l": int(d("l", 0)), "u": d("u", ""), "o1": int(d("o1", 0)), "o2": int(d("o2", 0)),
+        "len": len(data)})
+
+
+_pack_descriptor = msgpack.Packer(use_bin_type=False).pack  # Entry.pack's format
 
 
 def uow_record(owner: str, first_lrsn: int, gen: int) -> bytes:

@@ -49,7 +49,7 @@ from restore.plan import (
 )
 from restore.settle import BACKOUT, Outcome, Settled, best_copy, decide_outcome, load_key, settle, uows_named
 from restore.spill import Partitioned, SpillDir, SpillWriter, read_frames
-from sqm.records import Record, Role, entry_ids, lookup
+from sqm.records import Record, Role, lookup
 
 Key = tuple[Any, ...]  # a record's place in the merged log: (LRSN, member, segment, offset)
 Progress = Callable[[str, int, int | None], None]
@@ -74,6 +74,17 @@ def partitions_for(input_bytes: int, memory: int) -> int:
 def buffers_for(memory: int) -> int:
     """The bytes the scan may buffer in all before it writes to its spill files."""
     return max(64 << 10, min(64 << 20, memory // 8))
+
+
+def _first(kr: tuple[Any, Any]) -> Any:
+    return kr[0]
+
+
+def _by_partition(ids: list[str], part: Callable[[str], int]) -> dict[int, list[str]]:
+    out: dict[int, list[str]] = defaultdict(list)
+    for eid in ids:
+        out[part(eid)].append(eid)
+    return out
 
 
 def _pack_outcome(o: Outcome) -> list[Any]:
@@ -217,9 +228,11 @@ def plan_partitioned(structure: str, backup: Iterable[Copy], records: Iterable[t
             continue
         if kind.role is Role.OUTCOME:
             uow.add(part(u), (_OUTCOME_REC, key, rec))
-        targets = {part(eid) for eid in kind.entry_ids(rec)}
-        for i in targets:
-            ent.add(i, (_RECORD, key, rec))
+        ids = kind.entry_ids(rec)
+        # Each frame carries the ids it is filed under in its partition, so that the fold need not find them again.
+        filed = {part(ids[0]): ids} if len(ids) == 1 else _by_partition(ids, part)
+        for i, mine in filed.items():
+            ent.add(i, (_RECORD, key, rec, mine))
             if u:
                 uow.add(part(u), (_NEED, u, i))
             if holder:
@@ -299,18 +312,21 @@ def plan_partitioned(structure: str, backup: Iterable[Copy], records: Iterable[t
             if f[0] == _COPY:
                 copies[f[2]["id"]].append((f[1], f[2], f[3]))
                 continue
-            key, rec = f[1], f[2]
-            for eid in entry_ids(rec):
-                if part(eid) == i:
-                    by_entry[eid].append((key, rec))
+            one = (f[1], f[2])
+            for eid in f[3]:
+                by_entry[eid].append(one)
         ent.remove(i)
         run: list[tuple[Any, ...]] = []
         gone = SpillWriter(spill, f"gone-{i}")
         for eid in copies.keys() | by_entry.keys():
             named = by_entry.get(eid)
-            if named:
-                named.sort(key=lambda kr: kr[0])
-            recs = [r for _, r in named] if named else []
+            if named is None:
+                recs = []
+            elif len(named) == 1:
+                recs = [named[0][1]]
+            else:
+                named.sort(key=_first)
+                recs = [r for _, r in named]
             cs = copies.get(eid)
             best = (cs[0] if len(cs) == 1 else best_copy(cs)) if cs else None
             for u in (uows_named(best, recs) if recs or (best and best[1].get("u")) else ()):

@@ -154,31 +154,79 @@ def uows_named(backup: tuple[str, dict[str, Any], bytes] | None, records: Iterab
     """The UOWs whose outcome the fold of one entry needs: those that put or got it (an event on it), and those
     whose backout carries its data (their outcome gives it back); and the UOW the best copy shows holding it (a
     backup's, or a relog's: with_logged_copies)."""
-    records = list(records)
-    backup = with_logged_copies(backup, records)
-    out = {r["u"] for r in records if r.get("u") and _holds_entries(lookup(r))}
+    records = records if isinstance(records, list) else list(records)
+    out: set[str] = set()
+    logged = False
+    for r in records:  # one pass, one lookup a record: restore folds a million entries
+        rk = lookup(r)
+        logged = logged or rk.copy
+        u = r.get("u")
+        if u and _holds_entries(rk):
+            out.add(u)
+    if logged:
+        backup = with_logged_copies(backup, records)
     if backup is not None and backup[1].get("u"):
         out.add(backup[1]["u"])
     return out
+
+
+def _committed_put(backup: tuple[str, dict[str, Any], bytes] | None, recs: list[Record],
+                   outcomes: Mapping[str, Outcome]) -> tuple[str, dict[str, Any], bytes] | None:
+    """The commonest history, folded in one step: no copy, one PUT, and its UOW's COMMIT counted after it. The
+    event loop below gives the same (the PUT makes the entry UP at its LRSN, the outcome commits it: CP at the
+    outcome's LRSN, first in FIFO order there, put order kept); None for any other history."""
+    if backup is not None or len(recs) != 1:
+        return None
+    r = recs[0]
+    if r["k"] != "PUT":
+        return None
+    o = outcomes.get(r["u"])
+    if o is None or o.kind != COMMIT or o.lrsn <= r["l"]:
+        return None
+    state = dict(r["e"])
+    state.update(st="CP", u="", l=o.lrsn, o1=o.lrsn, o2=r["l"])
+    return r["s"], state, r["d"]
 
 
 def settle(entry_id: str, backup: tuple[str, dict[str, Any], bytes] | None, records: Iterable[Record],
            outcomes: Mapping[str, Outcome], now_ms: int) -> Settled:
     """Fold one entry's history into its final state. `outcomes` must hold a decision for every UOW the entry's
     history names (restore decides undecided, in-flight UOWs as backed out before folding)."""
-    recs = list(records)
+    recs = records if isinstance(records, list) else list(records)
     events: list[tuple[int, int, str, Any]] = []
+    quick = _committed_put(backup, recs, outcomes)
+    if quick is not None:
+        return _final(entry_id, *quick, now_ms)
     if recs or (backup is not None and backup[1].get("u")):  # else: untouched since its copy, held by no UOW
-        backup = with_logged_copies(backup, recs)
-        for r in recs:
-            rk = lookup(r)
+        kinds = [lookup(r) for r in recs]
+        if any(rk.copy for rk in kinds):
+            backup = with_logged_copies(backup, recs)
+        named: set[str] = set()
+        # Where a UOW's outcome counts for this entry: never at or below the UOW's own operations on it (`top`). A
+        # decision always sorts after them as written today (a peer adopts the failed member's highest LRSN first,
+        # an owner's clock has seen the CF's answer to each operation), but a RECOVERY record written by a peer
+        # whose clock lagged (before issue 10, hole 2) could lie below them: the fold then met the outcome before
+        # the put or get, skipped it, and left the entries locked for good by a UOW that was decided. Defensive,
+        # so such logs restore too.
+        top: dict[str, int] = {}  # UOW -> the highest LRSN of its own operations on the entry
+        for r, rk in zip(recs, kinds, strict=True):
+            u = r.get("u")
             if rk.role is Role.ENTRY and not rk.copy:
                 assert rk.fold_rank is not None, rk.code
                 events.append((r["l"], rk.fold_rank, rk.code, r))
-        for u in uows_named(backup, recs):
+                if u:
+                    top[u] = max(top.get(u, 0), r["l"])
+            if u and _holds_entries(rk):
+                named.add(u)
+        held_by = backup[1].get("u") if backup is not None else None
+        if held_by:
+            named.add(held_by)
+            top[held_by] = max(top.get(held_by, 0), int(backup[1]["l"]))  # type: ignore[index]
+        for u in named:
             o = outcomes.get(u)
             if o is not None and o.kind != INDOUBT:
-                events.append((_counted_after_own(u, o.lrsn, backup, recs), OUTCOME_RANK, _OUTCOME, (u, o)))
+                t = top.get(u, 0)
+                events.append((o.lrsn if o.lrsn > t else t + 1, OUTCOME_RANK, _OUTCOME, (u, o)))
         events.sort(key=lambda e: (e[0], e[1]))
 
     structure = backup[0] if backup else ""
@@ -229,6 +277,12 @@ def settle(entry_id: str, backup: tuple[str, dict[str, Any], bytes] | None, reco
 
     if state is None:
         return Settled(entry_id, fate)
+    return _final(entry_id, structure, state, data, now_ms)
+
+
+def _final(entry_id: str, structure: str, state: dict[str, Any], data: bytes, now_ms: int) -> Settled:
+    """What a folded entry that still exists becomes: held in doubt, expired, a UOW status by the restart tables,
+    or restored."""
     if state["st"] in ("UP", "UG"):
         return Settled(entry_id, HELD_INDOUBT, structure, state, data)
     if 0 < int(state.get("exp", 0)) <= now_ms:
@@ -239,20 +293,6 @@ def settle(entry_id: str, backup: tuple[str, dict[str, Any], bytes] | None, reco
             return Settled(entry_id, STATUS_DROPPED)
         state, data = kept
     return Settled(entry_id, RESTORED, structure, state, data)
-
-
-def _counted_after_own(uow: str, lrsn: int, backup: tuple[str, dict[str, Any], bytes] | None,
-                       recs: Iterable[Record]) -> int:
-    """Where a UOW's outcome counts for one entry: never at or below the UOW's own operations on it. A decision
-    always sorts after them as written today (a peer adopts the failed member's highest LRSN first, an owner's
-    clock has seen the CF's answer to each operation), but a RECOVERY record written by a peer whose clock lagged
-    (before issue 10, hole 2) could lie below them: the fold then met the outcome before the put or get, skipped
-    it, and left the entries locked for good by a UOW that was decided. Defensive, so such logs restore too."""
-    own = [r["l"] for r in recs if r.get("u") == uow and lookup(r).role is Role.ENTRY and not lookup(r).copy]
-    if backup is not None and backup[1].get("u") == uow:
-        own.append(int(backup[1]["l"]))
-    top = max(own, default=0)
-    return lrsn if lrsn > top else top + 1
 
 
 def fifo_key(entry: Mapping[str, Any]) -> tuple[int, int, int]:
