@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from cfemu.errors import MQError, NoMessageError, UnknownUowError
+from cfemu.errors import MQError, NoMessageError, StructureFailedError, UnknownUowError
 from sqm.service.client import Client, parse_endpoint
 
 # --- the game --------------------------------------------------------------------------------------------------
@@ -99,6 +99,8 @@ SERVICE_UOW: dict[str, Any] = {"store": True, "status_lifetime": 2, "lifetime_s"
 COMMITTED = ("ACCEPTED", "DELIVERED", "POSTPONED", "PROCESSED")  # the sender committed it
 NOT_COMMITTED = ("BACKEDOUT", "DISCARDED", "CANCELLED", None)  # it never was: the turn is played again
 
+
+WAITING_FOR_STRUCTURE = "the service's structure is being recovered: waiting for LAST"
 
 class GameError(Exception):
     """The game cannot go on: a move lost, repeated or not the one expected, or the board digests differ."""
@@ -357,6 +359,12 @@ class Player:
             self._check_deadline("resuming")
             try:
                 nxt = self._next_turn(self._session())
+            except StructureFailedError as e:
+                # The structure the services live on failed (the CF was lost) and is being recovered: LAST cannot
+                # tell yet. Waiting is the only safe move: starting over, or guessing, would repeat or skip a move.
+                self.say(f"[{self.color}] {WAITING_FOR_STRUCTURE} ({e.reason_name})")
+                time.sleep(0.5)
+                continue
             except UnknownUowError:
                 if self.transcript.sent or self.resumed_at > self.first_turn:
                     # We know a move of ours was committed: its status is only away for now (the structure is

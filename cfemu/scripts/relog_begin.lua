@@ -7,8 +7,13 @@
 -- Returns {B, gen, cpl (the stored CPL as JSON {"g": gen, "p": [[b, e], ...]}, or '' when none), first (the lowest
 -- first LRSN of the UOWs holding entries, B when none: an in-doubt UOW's PREPARE lies above it), carried (the UOWs
 -- holding entries that started in an older generation: carried across a restore)};
--- error RELOGBUSY when another member holds the lock.
+-- error RELOGBUSY when another member holds the lock, or while the structure runs from a WARM start.
 local err = check_ready(ARGV[1], ARGV[2]) if err then return err end
+if redis.call('HGET', META, 'started') == 'WARM' then
+  -- Its persistent content is in its older backups and the logs: a pass over the empty structure would be a newer
+  -- restore base than them (restore and log retention would then drop what committed before the loss).
+  return redis.error_reply('RELOGBUSY no relog pass while the structure runs from a WARM start (docs/pstore.md)')
+end
 local owner, untl = unpack(redis.call('HMGET', META, 'relog_owner', 'relog_until'))
 local now = tonumber(ARGV[4])
 if owner and owner ~= ARGV[1] and tonumber(untl or '0') > now then

@@ -33,7 +33,7 @@ from restore.run import run_restore
 from sqm.service.client import Client
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "chess_by_mail.py"
-WAITING = "LAST knows no UOW of ours yet: waiting for the service"
+WAITING = "waiting for LAST"  # the structure being recovered (2373); before, "LAST knows no UOW of ours yet"
 PROGRESS = re.compile(r"^\[(white|black)\] ply (\d+) on (\S+): (.*)$")
 
 
@@ -181,8 +181,8 @@ def test_the_game_survives_a_member_kill_a_cf_loss_and_a_player_restart(cluster:
     _wait("two plies after the backup", lambda: ply() >= backed_up_at + 2, 60, players)
     lost_at = ply()
     os.kill(int(c.state["cf"]["pid"]), signal.SIGKILL)
-    # The CF comes back empty: until the operator restores APP1, LAST knows no UOW of the players'. Each knows
-    # it committed moves, so it waits for the service instead of starting the game again.
+    # The CF comes back empty: until the operator restores APP1, LAST answers MQRC_CF_STRUC_FAILED (the group
+    # repository knows the services): each player waits for the structure instead of starting the game again.
     _wait("a player waits for its status to come back",
           lambda: any(WAITING in ln for p in players for ln in p.lines), 60, players)
     assert c.cf_restarts == 1 and ply() <= lost_at + 1

@@ -184,7 +184,8 @@ def test_a_relog_pass_made_while_warm_is_not_a_base(fresh_redis: EmbeddedRedis, 
     """Found with review R2's WARM backup: a member's relog pass (checkpoints relog by default) on the WARM
     structure copies nothing (it is empty), and its window, newer than the backup, was where the HOT start's restore
     began: everything committed before the CF loss was lost. A restore never starts from a pass of a WARM
-    generation."""
+    generation, and no member makes one any more: relog_begin.lua refuses while the structure runs WARM (log
+    retention took such a pass as the newest window too, and released the segments the HOT start needs)."""
     logs, backups = dirs
     url = fresh_redis.url
     qm = _before_the_loss(url, logs, backups, fresh_redis)
@@ -192,6 +193,16 @@ def test_a_relog_pass_made_while_warm_is_not_a_base(fresh_redis: EmbeddedRedis, 
     qm.connect().put("Q2", b"np", persistent=False, syncpoint=False)
     qm.checkpoint("test")
     qm.checkpoint("test")
+    found = newest_pass(find_log_dirs(logs), S)
+    assert found is None or int(found[1]["gen"]) != done["gen"]  # no pass of the WARM generation
+    # A pass of a WARM generation made anyway (by a member from before relog_begin refused it: forced here by
+    # hiding the flag for a moment) is never a restore base.
+    meta = keys.meta(S)
+    admin_client = fresh_redis.client()
+    admin_client.hdel(meta, "started")
+    qm.checkpoint("test")
+    qm.checkpoint("test")
+    admin_client.hset(meta, "started", "WARM")
     found = newest_pass(find_log_dirs(logs), S)
     assert found is not None and int(found[1]["gen"]) == done["gen"]
     hot = start(fresh_redis.client(), S, "HOT", backup_root=backups, log_root=logs)
