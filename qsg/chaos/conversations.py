@@ -26,10 +26,11 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from cfemu.errors import BackedOutError, EndOfUowError, MQError, NoMessageError, OutcomeUnknownError
+from cfemu.errors import BackedOutError, EndOfUowError, MQError, NoMessageError
 from cfemu.uow_attributes import control_queue, data_queue
 from qsg.chaos.bodies import make_body, parse_body
 from qsg.chaos.history import FAIL, OK, UNKNOWN, History, load_history
+from qsg.chaos.recorded import RecordedRunner, reason_of
 from qsg.chaos.uowcheck import DRAIN_CLIENT, FINAL_CLIENT, RECEIVER, SENDER
 from sqm.service.client import Client
 from sqm.uowstatus import ACTIVE
@@ -76,9 +77,6 @@ def conv_plan(rnd: random.Random, next_msg: Callable[[], str]) -> Conv:
     return Conv("query", last=rnd.random() < 0.5)
 
 
-def _reason(e: BaseException) -> str:
-    return getattr(e, "reason_name", type(e).__name__)
-
 
 def _fields(op: str, r: Any) -> dict[str, Any]:
     """What the history keeps of a call's result."""
@@ -122,7 +120,7 @@ class ConvSession:
             try:
                 self._c.logon(self.user, self.user_token)
             except (MQError, OSError) as e:
-                self.h.complete(op, FAIL, reason=_reason(e), error=type(e).__name__, detail=str(e)[:200])
+                self.h.complete(op, FAIL, reason=reason_of(e), error=type(e).__name__, detail=str(e)[:200])
                 self.close()
                 return None
             self.h.complete(op, OK, qmgr=self._c.qmgr)
@@ -139,32 +137,14 @@ class ConvSession:
             self._c = None
 
 
-class ConvRunner:
+class ConvRunner(RecordedRunner):
     """Carries out one conversation action, recording each call (op usend, urecv, usync; ``uow`` = the action's
     key)."""
 
     def __init__(self, history: History, session: ConvSession, key: str) -> None:
-        self.h = history
-        self.s = session
-        self.key = key
-
-    def call(self, op: str, fn: Callable[[], Any], **args: Any) -> tuple[str, Any]:
-        op_id = self.h.invoke(self.s.name, op, uow=self.key, svc=SERVICE, **args)
-        try:
-            result = fn()
-        except OutcomeUnknownError as e:
-            self.h.complete(op_id, UNKNOWN, reason=_reason(e), error=type(e).__name__)
-            return UNKNOWN, e
-        except MQError as e:
-            self.h.complete(op_id, FAIL, reason=_reason(e), error=type(e).__name__,
-                            backed_out=isinstance(e, BackedOutError), detail=str(e)[:200])
-            return FAIL, e
-        except (OSError, ValueError) as e:  # the connection broke in a way the client library did not map
-            self.h.complete(op_id, UNKNOWN, reason=type(e).__name__, error=type(e).__name__, detail=str(e)[:200])
-            self.s.close()
-            return UNKNOWN, e
-        self.h.complete(op_id, OK, **_fields(op, result))
-        return OK, result
+        super().__init__(history, session, key, tags={"svc": SERVICE}, fields=_fields,
+                         backed_out=(BackedOutError,))
+        self.s: ConvSession = session
 
     def sync(self, c: Client, option: str, role: str, suow: str = "") -> tuple[str, Any]:
         return self.call("usync", lambda: c.syncpoint(option, "" if option == "LAST" else suow), option=option,

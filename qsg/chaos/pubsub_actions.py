@@ -42,14 +42,14 @@ from cfemu.errors import (
     MQError,
     NoMessageError,
     NoNewUowsError,
-    OutcomeUnknownError,
     PstoreUnavailableError,
     StructureFullError,
     UnknownObjectError,
 )
 from cfemu.topic_attributes import publication_queue, subscription_queue
 from qsg.chaos.bodies import make_body, parse_body
-from qsg.chaos.history import FAIL, OK, UNKNOWN, History
+from qsg.chaos.history import FAIL, OK, History
+from qsg.chaos.recorded import RecordedRunner
 from sqm.service.client import Client
 
 TOPIC = "NEWS"
@@ -95,9 +95,6 @@ def pub_plan(rnd: random.Random, next_msg: Callable[[], str], client: int, n: in
     msgs = tuple((next_msg(), rnd.randint(32, 400)) for _ in range(rnd.randint(1, 3)))
     return Pub("publish", msgs, commit=rnd.random() < 0.85, n=n)
 
-
-def _reason(e: BaseException) -> str:
-    return getattr(e, "reason_name", type(e).__name__)
 
 
 def _fields(op: str, r: Any) -> dict[str, Any]:
@@ -150,31 +147,13 @@ class PubSession:
             self._c = None
 
 
-class PubRunner:
+class PubRunner(RecordedRunner):
     """Carries out one publish/subscribe action, recording each call (ops psub, ppub, precv, psync)."""
 
     def __init__(self, history: History, session: PubSession, key: str) -> None:
-        self.h = history
-        self.s = session
-        self.key = key
-
-    def call(self, op: str, fn: Callable[[], Any], **args: Any) -> tuple[str, Any]:
-        op_id = self.h.invoke(self.s.name, op, uow=self.key, topic=TOPIC, **args)
-        try:
-            result = fn()
-        except OutcomeUnknownError as e:
-            self.h.complete(op_id, UNKNOWN, reason=_reason(e), error=type(e).__name__)
-            return UNKNOWN, e
-        except MQError as e:
-            self.h.complete(op_id, FAIL, reason=_reason(e), error=type(e).__name__,
-                            backed_out=isinstance(e, BACKED_OUT), detail=str(e)[:200])
-            return FAIL, e
-        except (OSError, ValueError) as e:  # the connection broke in a way the client library did not map
-            self.h.complete(op_id, UNKNOWN, reason=type(e).__name__, error=type(e).__name__, detail=str(e)[:200])
-            self.s.close()
-            return UNKNOWN, e
-        self.h.complete(op_id, OK, **_fields(op, result))
-        return OK, result
+        super().__init__(history, session, key, tags={"topic": TOPIC}, fields=_fields,
+                         backed_out=BACKED_OUT)
+        self.s: PubSession = session
 
     def sync(self, c: Client, commit: bool, role: str, **args: Any) -> str:
         op = c.pub_commit if commit else c.pub_backout
