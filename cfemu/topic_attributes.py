@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from cfemu.attributes import check_ranges, known_fields
+
 MAX_LIFETIME_S = 366 * 86400
 MAX_MESSAGES = 10_000
 PUB_SUFFIX, SUB_SUFFIX = ".PUB", ".SUB"
@@ -28,22 +30,15 @@ class TopicAttributes:
     max_messages: int = 100  # messages in one publication
 
     def __post_init__(self) -> None:
-        for name, low, high in (("lifetime_s", 1, MAX_LIFETIME_S), ("subscription_expiration_s", 1, MAX_LIFETIME_S),
-                                ("max_messages", 1, MAX_MESSAGES)):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-                raise ValueError(f"topic attribute {name} must be an integer {low}-{high}, not {value!r}")
+        check_ranges(self, "topic", (("lifetime_s", 1, MAX_LIFETIME_S),
+                                     ("subscription_expiration_s", 1, MAX_LIFETIME_S), ("max_messages", 1, MAX_MESSAGES)))
         for name in ("persistent", "durable"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"topic attribute {name} must be true or false, not {getattr(self, name)!r}")
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> TopicAttributes:
-        known = {k: d[k] for k in asdict(cls()) if k in d}
-        unknown = sorted(set(d) - set(known))
-        if unknown:
-            raise ValueError(f"unknown topic attribute(s): {', '.join(unknown)}")
-        return cls(**known)
+        return cls(**known_fields(cls, d, "topic"))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from cfemu.attributes import check_ranges, known_fields
+
 # UWSTATP: 0 = the service's default, 1-254 = keep the status that many UOW lifetimes, 255 = no persistent status.
 UWSTATP_DEFAULT, UWSTATP_NONE = 0, 255
 MAX_LIFETIME_S = 366 * 86400
@@ -30,19 +32,13 @@ class UowAttributes:
     postpone_delay_s: int = 0  # POSTPONE-DELAY: how long a postponed UOW waits before it is ACCEPTED again
 
     def __post_init__(self) -> None:
-        for name, low, high in (("max_uows", 0, 10_000_000), ("max_messages", 1, MAX_MESSAGES),
-                                ("lifetime_s", 1, MAX_LIFETIME_S), ("status_lifetime", 0, 254),
-                                ("postpone_attempts", 0, 1000), ("postpone_delay_s", 0, MAX_LIFETIME_S)):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-                raise ValueError(f"UOW attribute {name} must be an integer {low}-{high}, not {value!r}")
+        check_ranges(self, "UOW", (("max_uows", 0, 10_000_000), ("max_messages", 1, MAX_MESSAGES),
+                                   ("lifetime_s", 1, MAX_LIFETIME_S), ("status_lifetime", 0, 254),
+                                   ("postpone_attempts", 0, 1000), ("postpone_delay_s", 0, MAX_LIFETIME_S)))
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> UowAttributes:
-        known = {k: d[k] for k in asdict(cls()) if k in d}
-        unknown = sorted(set(d) - set(known))
-        if unknown:
-            raise ValueError(f"unknown UOW attribute(s): {', '.join(unknown)}")
+        known = known_fields(cls, d, "UOW")
         if "store" in known:
             known["store"] = bool(known["store"])
         return cls(**known)
