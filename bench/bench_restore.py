@@ -366,6 +366,7 @@ def child(root: Path, memory: int, truth_file: Path) -> None:
         if load.entries != truth["restored"]:
             problems.append(f"loaded {load.entries} != {truth['restored']}")
         out["problems"] = problems
+        print(json.dumps(out), flush=True)  # the restore's figures, kept by the parent should the baseline fail
 
         # The baseline: the same final data, prepared beforehand, then written raw.
         raw = SpillWriter(plan.spill, "raw")  # type: ignore[attr-defined]
@@ -384,8 +385,9 @@ def child(root: Path, memory: int, truth_file: Path) -> None:
             flush()
         raw.flush()
         ent_key, data_key = keys.entries(S), keys.data(S)
+        flusher = server.client(socket_timeout=None)  # FLUSHALL of 10M messages outlasts the default timeout
         for name, grouped in (("raw_write_s", False), ("raw_write_grouped_s", True)):
-            client.flushall()
+            flusher.flushall()
             t3 = time.perf_counter()
             for ids, descs, datas, lists in read_frames(raw.path):
                 pipe = client.pipeline(transaction=False)
@@ -477,7 +479,9 @@ def main(argv: list[str] | None = None) -> int:
                                   capture_output=True, text=True, cwd=ROOT)
             if proc.returncode != 0:
                 (base / f"child-{final}.stderr").write_text(proc.stderr)
-                run = {"error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
+                printed = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+                run = {**(json.loads(printed[-1]) if printed else {}),
+                       "error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
             else:
                 run = json.loads(proc.stdout.strip().splitlines()[-1])
             run.update(messages=truth.restored, records=truth.records, body=body, generate_s=round(gen_s, 1),
