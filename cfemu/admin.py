@@ -247,6 +247,14 @@ class Admin:
                 self.redis.sadd(keys.queues(structure), companion)
         return qdef
 
+    def define_from(self, qdef: QueueDef, *, structure: str = "", replace: bool = False) -> QueueDef:
+        """Define a queue again from a definition as stored (the group repository's, a backup's), every attribute
+        with it: a redefinition that listed the fields one by one dropped a service's UOW attributes and a topic's
+        (a Redis Cluster CF that lost its {ADMIN} master turned the chaos topic into a plain queue)."""
+        return self.define_queue(qdef.name, structure or qdef.structure, backout_threshold=qdef.backout_threshold,
+                                 backout_queue=qdef.backout_queue, max_msg_length=qdef.max_msg_length,
+                                 replace=replace, uow=qdef.uow or None, topic=qdef.topic or None)
+
     def ensure_structure(self, name: str, queues: Iterable[str] = (), *, max_entries: int = 0,
                          max_bytes: int = 0) -> None:
         """Define a structure and its queues where they are not defined yet. A definition refused with AdminError

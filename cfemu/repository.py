@@ -274,8 +274,7 @@ def redefine_survivors(admin: Admin, repo: GroupRepository) -> list[str]:
                                recauto=sdef.recauto)
         for q in repo.queues(name):
             with contextlib.suppress(AdminError):
-                admin.define_queue(q.name, name, backout_threshold=q.backout_threshold,
-                                   backout_queue=q.backout_queue, max_msg_length=q.max_msg_length)
+                admin.define_from(q, structure=name)
         out.append(name)
     return out
 

@@ -402,9 +402,7 @@ def _redefine(admin: Admin, group: str, sdef: StructureDef, queues: list[QueueDe
                                recauto=sdef.recauto)
     for q in queues:
         if lost or q.name not in known:
-            admin.define_queue(q.name, sdef.name, backout_threshold=q.backout_threshold,
-                               backout_queue=q.backout_queue, max_msg_length=q.max_msg_length, replace=True,
-                               uow=q.uow or None, topic=q.topic or None)
+            admin.define_from(q, structure=sdef.name, replace=True)
 
 
 def _log_decisions(log: RecordLog, plan: RestorePlan, gen: int) -> int:

@@ -104,3 +104,20 @@ def test_definitions_made_without_the_repository_are_adopted_from_the_beginning_
     assert repo.structure("OLD") == (StructureDef("OLD"), 0)  # LRSN 0: replayed from the start of every log
     state = json.loads(repo.path.read_text())
     assert set(state["queues"]) == {"QOLD"} and state["queues"]["QOLD"]["lrsn"] == 0
+
+
+def test_survivors_are_defined_again_with_their_uow_and_topic_attributes(redis_url: str, tmp_path: Path) -> None:
+    """A Redis Cluster CF that lost its {ADMIN} master: the structures on the other masters are defined again from
+    the repository, each queue with every attribute. The fields were listed one by one, and a service and a topic
+    came back as plain queues (the chaos run on a Redis Cluster CF: every subscriber's receive refused "not a
+    topic", and every publication lost to them)."""
+    admin = Admin(connect(redis_url))
+    repo = open_group_repository(admin, tmp_path / "logs", who="test")
+    repository.define_structure(admin, repo, "APP1")
+    repository.define_queue(admin, repo, "SVC", "APP1", uow={"status_lifetime": 2}, backout_queue="BQ")
+    repository.define_queue(admin, repo, "NEWS", "APP1", topic={"lifetime_s": 60})
+    admin.redis.delete(keys.queue_defs(), keys.structure_defs())  # {ADMIN} lost, APP1's own keys not
+    assert repository.redefine_survivors(admin, repo) == ["APP1"]
+    svc, news = admin.queue_def("SVC"), admin.queue_def("NEWS")
+    assert svc.uow["status_lifetime"] == 2 and svc.backout_queue == "BQ" and news.topic["lifetime_s"] == 60
+    assert {"SVC.UOWCTL", "SVC.UOWDATA", "NEWS.PUB", "NEWS.SUB"} <= {q.name for q in admin.queues()}
