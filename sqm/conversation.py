@@ -33,7 +33,7 @@ from cfemu.errors import (
 from cfemu.uow_attributes import UWSTATP_DEFAULT, UWSTATP_NONE
 from sqm import uowcontrols as ctl
 from sqm.clock import now_ms
-from sqm.connection import Connection
+from sqm.connection import Connection, Message
 from sqm.manager import QueueManager
 from sqm.uowstatus import (
     ACCEPTED,
@@ -324,8 +324,8 @@ class Conversation:
         sent UOW at once). Returns the UOW's status (QUERY's fields; ``status`` None when no trace is kept)."""
         handler: dict[str, Callable[[], dict[str, Any]]] = {
             "COMMIT": lambda: self.commit(uow),
-            "EOC": lambda: self._public(self._commit_sent_by_id(uow, "EOC")),
-            "EOCCANCEL": lambda: self._public(self._commit_sent_by_id(uow, "EOCCANCEL")),
+            "EOC": lambda: self._commit_sent_by_id(uow, "EOC"),
+            "EOCCANCEL": lambda: self._commit_sent_by_id(uow, "EOCCANCEL"),
             "BACKOUT": lambda: self.backout(uow),
             "CANCEL": lambda: self.cancel(uow),
             "QUERY": lambda: self.query(uow),
@@ -351,7 +351,7 @@ class Conversation:
                                                                               "status": PROCESSED}}
         op = self._held(uow)
         if op is self.sending:
-            return self._public(self._commit_sent_by_id(uow, ""))
+            return self._commit_sent_by_id(uow, "")
         if self.sending is not None:
             raise UowStatusError(f"unit of work {self.sending.control.uow} is being sent in the same syncpoint "
                                  "scope: COMMIT BOTH, or settle it first")
@@ -471,14 +471,14 @@ class Conversation:
             raise BadRequestError("QUERY needs a unit of work id")
         for op in (self.sending, self.receiving):
             if op is not None and op.control.uow == uow:
-                return self._public(op.control.public())
+                return op.control.public()
         _, c = self._find(uow)
-        return self._public(c.public())
+        return c.public()
 
     def last(self) -> dict[str, Any]:
         """LAST: the status of the last UOW this user (id and token) sent, found again after any failure."""
         if self.sending is not None:
-            return self._public(self.sending.control.public())
+            return self.sending.control.public()
         found = ctl.find_last(self.qm, self.user, self.token)
         if found is None:
             raise UnknownUowError(f"user {self.user} has sent no unit of work whose status is kept")
@@ -486,7 +486,7 @@ class Conversation:
         c = ctl.peek(self.qm, svc, uow)
         if c is None:
             return {"uow": uow, "service": svc.name, "status": None}
-        return self._public(c.public())
+        return c.public()
 
     def set_user_status(self, uow: str, user_status: bytes | None) -> dict[str, Any]:
         """SETUSTATUS: the UOW's user status, in RECEIVED, ACCEPTED or DELIVERED, by its sender or receiver."""
@@ -507,7 +507,7 @@ class Conversation:
             if op is not None and op.control.uow == uow:
                 op.control = replace(op.control, user_status=value)
         assert new is not None
-        return self._public(new.public())
+        return new.public()
 
     def delete(self, uow: str) -> dict[str, Any]:
         """DELETE: the persistent status of a finished UOW this user sent; no trace remains."""
@@ -627,10 +627,6 @@ class Conversation:
             raise BadRequestError(f"user status must be at most {USER_STATUS_MAX} bytes")
         return bytes(value)
 
-    @staticmethod
-    def _public(d: dict[str, Any]) -> dict[str, Any]:
-        return d
-
 
 def _no_uow() -> Any:
     raise UowStatusError("this session holds no unit of work: name one")
@@ -639,16 +635,10 @@ def _no_uow() -> Any:
 def move_to_backout_queue(conn: Connection, svc: ctl.Service, uow: str) -> bool:
     """A cancelled UOW's remaining messages: to the service's backout queue as plain messages when it has one, else
     removed; in the connection's unit of work."""
-    moved = False
-    while True:
-        try:
-            m = conn.get(svc.data, syncpoint=True, correlid=bytes.fromhex(uow))
-        except NoMessageError:
-            return moved
-        if svc.backout_queue:
-            conn.put(svc.backout_queue, m.body, persistent=m.persistent, syncpoint=True,
-                     correlid=bytes.fromhex(uow), properties=m.properties)
-            moved = True
+    def move(m: Message) -> None:
+        conn.put(svc.backout_queue, m.body, persistent=m.persistent, syncpoint=True, correlid=bytes.fromhex(uow),
+                 properties=m.properties)
+    return ctl.drain_data(conn, svc, uow, move if svc.backout_queue else None) > 0 and bool(svc.backout_queue)
 
 
 def settle_orphan(qm: QueueManager, svc: ctl.Service, uow: str, owner: str, *, gone: bool = False) -> Control | None:

@@ -15,7 +15,7 @@ import msgpack
 from cfemu.admin import QueueDef
 from cfemu.errors import NoMessageError, UowStatusError
 from cfemu.uow_attributes import UowAttributes, control_queue, data_queue
-from sqm.connection import Connection
+from sqm.connection import Connection, Message
 from sqm.manager import QueueManager
 from sqm.uowstatus import LETTER, Control, status_letter_hex
 
@@ -136,14 +136,17 @@ def take_control(conn: Connection, svc: Service, uow: str) -> Control:
     return Control.unpack(msg.body)
 
 
-def drain_data(conn: Connection, svc: Service, uow: str) -> int:
-    """Get (under the connection's unit of work) every message of the UOW still on the service's data queue."""
+def drain_data(conn: Connection, svc: Service, uow: str, each: Callable[[Message], None] | None = None) -> int:
+    """Get (under the connection's unit of work) every message of the UOW still on the service's data queue,
+    handing each to ``each`` when given (a cancel moving them to the backout queue)."""
     n = 0
     while True:
         try:
-            conn.get(svc.data, syncpoint=True, correlid=bytes.fromhex(uow))
+            m = conn.get(svc.data, syncpoint=True, correlid=bytes.fromhex(uow))
         except NoMessageError:
             return n
+        if each is not None:
+            each(m)
         n += 1
 
 
