@@ -160,10 +160,12 @@ class Foreground:
 def backups_in_a_loop(url: str, backup_dir: Path, log_root: Path, stop: threading.Event,
                       out: list[dict[str, Any]], batch: int, nice: int) -> None:
     cfbackup = str(Path(sys.executable).parent / "cfbackup")
+    # the bench's own backup key (bench_keys): backups are signed, and cfbackup finds the key through the settings
+    env = {**os.environ, credentials.ENV_SECRETS_DIR: str(backup_dir.parent / "secrets")}
     while not stop.is_set():
         p = subprocess.run(["nice", "-n", str(nice), cfbackup, "run", STRUCTURE, "--json", "--backup-dir",
                             str(backup_dir), "--redis-url", url, "--log-root", str(log_root), "--batch", str(batch)],
-                           capture_output=True, text=True)
+                           capture_output=True, text=True, env=env)
         if p.returncode != 0:
             out.append({"error": p.stderr.strip()})
             return
