@@ -74,7 +74,10 @@ from cfemu.procs import free_port  # noqa: E402
 
 BODY = os.urandom(1024)
 STRUCTURE, QUEUE = "APP1", "Q1"
-PEERS = ("postgres", "rabbitmq", "redis-aof", "sqm-inproc", "sqm-service")
+# sqm-service-1: the same service, each put and get outside syncpoint (MQPMO/MQGMO_NO_SYNCPOINT): a unit of work of
+# its own, committed (COMMIT forced) before the reply, in one request instead of two; as RabbitMQ's confirmed publish
+# and Redis's LPUSH are one request each.
+PEERS = ("postgres", "rabbitmq", "redis-aof", "sqm-inproc", "sqm-service", "sqm-service-1")
 ALL_CLIENTS = (1, 2, 4, 8, 16, 32, 64)
 LEASE_MS = 60_000  # a member starved of CPU on a loaded machine must not be fenced mid-measurement
 TICK = os.sysconf("SC_CLK_TCK")
@@ -418,8 +421,15 @@ class SQMInProcess(SQMService):
         return None  # counted by the worker processes themselves
 
 
+class SQMServiceOneCall(SQMService):
+    """The service, each put and each get outside syncpoint: one request, durable before its reply."""
+
+    name = "sqm-service-1"
+
+
 CONTENDERS: dict[str, type[Contender]] = {"postgres": Postgres, "rabbitmq": RabbitMQ, "redis-aof": RedisAOF,
-                                          "sqm-inproc": SQMInProcess, "sqm-service": SQMService}
+                                          "sqm-inproc": SQMInProcess, "sqm-service": SQMService,
+                                          "sqm-service-1": SQMServiceOneCall}
 
 
 # --- the clients (in worker processes) -----------------------------------------------------------------------
@@ -481,13 +491,21 @@ def make_loop(kind: str, params: dict[str, Any], index: int, qm: Any) -> tuple[C
                 n += 1
             return n
         return red, client.close
-    if kind in ("sqm-service", "sqm-inproc"):
-        if kind == "sqm-service":
+    if kind in ("sqm-service", "sqm-inproc", "sqm-service-1"):
+        if kind.startswith("sqm-service"):
             from sqm.service.client import Client
             eps = params["endpoints"]
             handle: Any = Client(eps[index % len(eps)], token=params["token"], reconnect_timeout=5)
         else:
             handle = qm.connect()
+
+        def sqm_one_call(stop_at: float) -> int:
+            n = 0
+            while time.time() < stop_at:
+                handle.put(QUEUE, BODY, syncpoint=False)
+                handle.get(QUEUE, syncpoint=False, wait_ms=1000)
+                n += 1
+            return n
 
         def sqm(stop_at: float) -> int:
             n = 0
@@ -498,7 +516,7 @@ def make_loop(kind: str, params: dict[str, Any], index: int, qm: Any) -> tuple[C
                 handle.commit()
                 n += 1
             return n
-        return sqm, handle.close
+        return (sqm_one_call if kind == "sqm-service-1" else sqm), handle.close
     raise ValueError(kind)
 
 
@@ -640,7 +658,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-install", dest="install", action="store_false",
                     help="skip a contender that is not installed instead of installing it")
     ap.add_argument("--json", action="store_true", help="print the JSON record instead of the tables")
-    ap.add_argument("--work-dir", type=Path, default=REPO / "var", help="where the servers' files go (a real disk)")
+    # Not the repository's var/: it is private to its owner (0700), and PostgreSQL and RabbitMQ run as their own
+    # users, who must reach their data directories (initdb and the Erlang cookie failed with EACCES there).
+    ap.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()),
+                    help="where the servers' files go (a real disk, reachable by the postgres and rabbitmq users)")
     args = ap.parse_args(argv)
     if args.quick:
         args.seconds, args.rounds = 1.0, 1
@@ -650,6 +671,10 @@ def main(argv: list[str] | None = None) -> int:
     args.work_dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench-peers-", dir=args.work_dir))
     os.chmod(work, 0o755)  # the servers that run as their own users must reach their directories
+    blocked = [str(p) for p in work.parents if not os.stat(p).st_mode & 0o001]
+    if blocked:
+        say(f"bench_peers: {', '.join(blocked)} cannot be traversed by other users: PostgreSQL and RabbitMQ will "
+            "fail to start there; pick --work-dir elsewhere")
     info = machine(work)
     started = datetime.now(UTC)
     running: dict[str, tuple[Contender, Workers]] = {}

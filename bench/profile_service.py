@@ -9,7 +9,7 @@ of bench_peers.py (1 KiB persistent put + commit, get + commit) from a child pro
                  execution time of the scripts (redis-server's INFO commandstats, evalsha);
   CPU:           user+system time of the server process, the CF and the client process.
 
-    PYTHONPATH=<tree> .venv/bin/python bench/profile_service.py [--seconds 8] [--clients 1]
+    PYTHONPATH=<tree> .venv/bin/python bench/profile_service.py [--seconds 8] [--clients 1] [--one-call]
 
 PYTHONPATH picks the tree whose server and client are profiled (e.g. a `git archive` of an older commit, for a
 before/after); prints one JSON line. The work files go under var/ and are removed.
@@ -47,18 +47,23 @@ CLIENT = '''
 import os, sys, threading, time
 from sqm.service.client import Client
 body = os.urandom(1024)
-n, seconds = int(sys.argv[2]), float(sys.argv[3])
+n, seconds, one_call = int(sys.argv[2]), float(sys.argv[3]), sys.argv[5] == "1"
 handles = [Client(sys.argv[1], token=sys.argv[4]) for _ in range(n)]
+def lifecycle(c):
+    if one_call:  # outside syncpoint: each put and get a unit of work of its own, one request each
+        c.put("Q1", body, syncpoint=False); c.get("Q1", syncpoint=False, wait_ms=1000)
+    else:
+        c.put("Q1", body); c.commit(); c.get("Q1", wait_ms=1000); c.commit()
 for c in handles:
     for _ in range(20):
-        c.put("Q1", body); c.commit(); c.get("Q1", wait_ms=1000); c.commit()
+        lifecycle(c)
 print("ready", flush=True)
 sys.stdin.readline()
 stop, counts = time.time() + seconds, [0] * n
 def run(i):
     c = handles[i]
     while time.time() < stop:
-        c.put("Q1", body); c.commit(); c.get("Q1", wait_ms=1000); c.commit(); counts[i] += 1
+        lifecycle(c); counts[i] += 1
 threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
 [t.start() for t in threads]; [t.join() for t in threads]
 print(sum(counts), flush=True)
@@ -84,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--clients", type=int, default=1)
+    ap.add_argument("--one-call", action="store_true",
+                    help="puts and gets outside syncpoint (one request each) instead of put, commit, get, commit")
     args = ap.parse_args(argv)
     (BENCH_DIR.parent / "var").mkdir(exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="profile-service-", dir=BENCH_DIR.parent / "var"))
@@ -103,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         while not (qm.running and server.port) and time.monotonic() < deadline:
             time.sleep(0.05)
         client = subprocess.Popen([sys.executable, "-c", CLIENT, f"127.0.0.1:{server.port}", str(args.clients),
-                                   str(args.seconds), TOKEN], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                   str(args.seconds), TOKEN, "1" if args.one_call else "0"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert client.stdin is not None and client.stdout is not None
         if client.stdout.readline().strip() != "ready":
             raise SystemExit("the client did not start")
@@ -124,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             return sum(int(v["usec"]) for k, v in stats.items() if only is None or k == only)
         per = 1e6 / n
         print(json.dumps({
-            "pythonpath": os.environ.get("PYTHONPATH", ""), "clients": args.clients,
+            "pythonpath": os.environ.get("PYTHONPATH", ""), "clients": args.clients, "one_call": args.one_call,
             "lifecycles_per_s": round(n / elapsed, 1), "wall_us_per_lifecycle": round(elapsed * per * args.clients),
             "fsync_us": round(fsync.seconds * per), "fsyncs": round(fsync.calls / n, 2),
             "cf_round_trip_us": round(cf.seconds * per), "cf_calls": round(cf.calls / n, 2),

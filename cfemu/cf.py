@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, TypeVar
@@ -10,6 +11,7 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 import hiredis
 import msgpack
 import redis
+from redis._parsers import hiredis as redis_hiredis
 from redis.connection import HiredisRespSerializer
 
 from cfemu import bulk, cluster_cf, duplex, keys, lua
@@ -85,6 +87,9 @@ class CF:
         def send_and_read() -> Any:
             if self._pair is not None:
                 return duplex.exchange(conn, self._pair, packed)
+            lean = _lean_exchange(conn, packed)
+            if lean is not _NOT_LEAN:
+                return lean
             conn.send_packed_command(packed)
             return conn.read_response()
 
@@ -104,6 +109,51 @@ class CF:
                 self.redis.script_load(script.script)
                 return self._evalsha(script, script_keys, args)
             return script(keys=script_keys, args=list(args))
+
+
+_NOT_LEAN = object()
+
+
+def _lean_exchange(conn: Any, packed: list[bytes]) -> Any:
+    """One EVALSHA's send and reply on a connected redis-py connection with the hiredis parser, by the socket and
+    the parser's reader directly: what send_packed_command and read_response do for it without their per-call
+    health-check clock, error-context strings and wrappers (issue 15: a CF call's client side is Python work the
+    member pays four times per message lifecycle). The connection's own failure rules are kept: a timeout or a
+    socket error disconnects it and raises redis-py's TimeoutError or ConnectionError (a lost reply, as
+    sqm.manager.reply_lost reads it); a reply error is raised as the parser's class for it (NOSCRIPT included).
+    A connection this does not know how to drive (no socket yet, a health check due, another parser, TLS with
+    bytes pending) returns _NOT_LEAN and takes redis-py's own path."""
+    sock = conn._sock
+    parser = conn._parser
+    reader = getattr(parser, "_reader", None)
+    buf = getattr(parser, "_buffer", None)
+    if (sock is None or reader is None or buf is None or len(packed) != 1
+            or (conn.health_check_interval and time.monotonic() > conn.next_health_check)):
+        return _NOT_LEAN
+    not_enough = getattr(redis_hiredis, "NOT_ENOUGH_DATA", None)
+    try:
+        sock.sendall(packed[0])
+        reply = reader.gets()
+        while reply is not_enough or reply is False:
+            n = sock.recv_into(buf)
+            if n == 0:
+                raise ConnectionResetError("the CF closed the connection")
+            reader.feed(buf, 0, n)
+            reply = reader.gets()
+    except TimeoutError:  # socket.timeout: the reply did not come within the socket timeout
+        conn.disconnect()
+        raise redis.exceptions.TimeoutError("Timeout reading from the CF") from None
+    except OSError as e:
+        conn.disconnect()
+        raise redis.exceptions.ConnectionError(f"Error while talking to the CF: {e}") from None
+    except BaseException:
+        conn.disconnect()
+        raise
+    if conn.health_check_interval:
+        conn.next_health_check = time.monotonic() + conn.health_check_interval
+    if isinstance(reply, redis.exceptions.ResponseError):
+        raise reply
+    return reply
 
 
 class PutReply(NamedTuple):

@@ -147,7 +147,7 @@ class Connection(UnitOfWorkScope):
             else:
                 qm.forget(own)
             raise
-        qm.complete(own, True)
+        qm.complete(own, True, pstore_checked=True)  # put.lua refused it if the store was disconnected
 
     # --- get ----------------------------------------------------------------------------------------------
     def get(self, queue: str, *, syncpoint: bool = True, wait_ms: int = 0, msgid: bytes | None = None,
@@ -209,7 +209,7 @@ class Connection(UnitOfWorkScope):
             if self.gone.is_set():  # nobody to deliver it to: the message stays on the queue
                 qm.complete(own, False)
                 raise ClientGoneError(f"the client left before a message from {queue} could be delivered")
-            qm.complete(own, True)
+            qm.complete(own, True, pstore_checked=True)  # get.lua refused a persistent message while disconnected
         qm.counters["gets"] += 1
         return Message.from_entry(entry, data)
 

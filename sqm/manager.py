@@ -438,14 +438,19 @@ class QueueManager:
 
     # --- completing a UOW (commit or backout) on the CF ----------------------------------------------------
     def complete(self, uow: UnitOfWork, commit: bool, *, reason: str = "application",
-                 for_member: str | None = None) -> None:
+                 for_member: str | None = None, pstore_checked: bool = False) -> None:
         """Decide and apply a UOW's outcome: log it (forced) when it has persistent work, then apply it on every
-        structure it touched. for_member: peer recovery deciding another member's UOW (a RECOVERY record)."""
+        structure it touched. for_member: peer recovery deciding another member's UOW (a RECOVERY record).
+        pstore_checked: the UOW is one put or get outside syncpoint whose own CF script, just now, checked that
+        the persistent store is connected (put.lua and get.lua refuse persistent work while it is not); asking
+        standing.lua again before the force would answer the same question a few microseconds later at the cost
+        of a CF round trip per message (issue 15). Either way the check comes before the force, which is the
+        rule (docs/pstore.md): a disconnect after it refuses from the next commit on."""
         self.check_usable()
         # A recovery (restart, or a peer) backing out a UOW carries the data of its persistent gets as the CF
         # holds them: their GET records may have died with the member (a UOW known only from the CF), and the
         # backout raises their backout counts, which a later restore must not forget (invariant 1).
-        if commit and uow.persistent and for_member is None and uow.state != INDOUBT:
+        if commit and uow.persistent and for_member is None and uow.state != INDOUBT and not pstore_checked:
             self._refuse_if_disconnected(uow)
         recovering = not commit and (for_member is not None or reason == "restart")
         carry = not commit and (recovering or self._backup_running(uow))

@@ -1,0 +1,90 @@
+"""A CF script call's send and reply (cfemu.cf._lean_exchange, issue 15): the socket and hiredis reader driven
+directly, with redis-py's failure rules kept. Real redis-server processes, stopped and killed with real signals."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import redis
+
+from cfemu.admin import Admin
+from cfemu.cf import CF
+from cfemu.connection import connect
+from cfemu.embedded import EmbeddedRedis
+from cfemu.errors import UnknownObjectError
+
+
+def _cf(srv: EmbeddedRedis, **kw: Any) -> tuple[CF, redis.Redis]:
+    client = connect(srv.url, max_connections=1, **kw)  # one connection: every call reuses it
+    Admin(client).define_structure("APP1")
+    Admin(client).define_queue("Q1", "APP1")
+    return CF(client), client
+
+
+def _browse(cf: CF) -> int:
+    return len(cf.structure("APP1").browse("Q1", 10, int(time.time() * 1000)))
+
+
+def test_calls_take_the_lean_path_not_redis_pys(redis_factory: Callable[..., EmbeddedRedis],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    cf, _ = _cf(redis_factory())
+    _browse(cf)  # connected
+
+    def refuse(*_: Any, **__: Any) -> None:
+        raise AssertionError("redis-py's per-command path was taken")
+    monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", refuse)
+    monkeypatch.setattr(redis.connection.AbstractConnection, "read_response", refuse)
+    assert [_browse(cf) for _ in range(3)] == [0, 0, 0]
+
+
+def test_a_refusal_is_the_mapped_error_and_the_connection_stays_in_step(
+        redis_factory: Callable[..., EmbeddedRedis]) -> None:
+    cf, _ = _cf(redis_factory())
+    with pytest.raises(UnknownObjectError):
+        cf.structure("APP1").browse("NOSUCH", 10, 0)
+    assert _browse(cf) == 0  # the next call reads its own reply, not a leftover
+
+
+def test_scripts_flushed_are_loaded_again(redis_factory: Callable[..., EmbeddedRedis]) -> None:
+    cf, client = _cf(redis_factory())
+    _browse(cf)
+    client.script_flush()
+    assert _browse(cf) == 0
+
+
+def test_a_reply_that_times_out_is_never_read_by_the_next_call(redis_factory: Callable[..., EmbeddedRedis]) -> None:
+    """The CF stopped (SIGSTOP) past the socket timeout: TimeoutError, and the connection is dropped, so that the
+    late reply, sent once the CF runs again, cannot be taken for the next call's."""
+    srv = redis_factory()
+    cf, client = _cf(srv, socket_timeout=0.5)
+    _browse(cf)
+    pool = client.connection_pool
+    assert srv.pid is not None
+    os.kill(srv.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(redis.exceptions.TimeoutError):
+            cf.structure("APP1").browse("NOSUCH", 10, 0)  # would answer NOQUEUE once the CF runs again
+    finally:
+        os.kill(srv.pid, signal.SIGCONT)
+    assert all(c is None or c._sock is None for c in list(pool.pool.queue))  # type: ignore[attr-defined]
+    assert _browse(cf) == 0
+
+
+def test_a_cf_killed_gives_a_connection_error_then_a_restarted_one_answers(
+        redis_factory: Callable[..., EmbeddedRedis]) -> None:
+    srv = redis_factory()
+    cf, _ = _cf(srv)
+    _browse(cf)
+    srv.kill()
+    with pytest.raises(redis.exceptions.ConnectionError):
+        _browse(cf)
+    srv.start()
+    admin_client = connect(srv.url)
+    Admin(admin_client).define_structure("APP1")
+    Admin(admin_client).define_queue("Q1", "APP1")
+    assert _browse(cf) == 0

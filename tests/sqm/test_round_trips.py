@@ -1,0 +1,81 @@
+"""What a message lifecycle costs in CF round trips and forced log writes (issue 15), counted on a private
+redis-server (INFO commandstats) and the log's own fsync counter. A put or get outside syncpoint is one CF script
+to do it and one to commit it: its own script checked the persistent store (put.lua, get.lua refuse persistent work
+while it is disconnected), so no standing.lua call comes between (docs/pstore.md). A UOW under syncpoint asks
+standing.lua before its COMMIT is forced: the time between its last call and its commit is the application's."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import redis
+
+from cfemu.cf import CF
+from cfemu.embedded import EmbeddedRedis
+from cfemu.errors import PstoreUnavailableError
+from sqm.manager import QueueManager
+from tests.support.group import define_group, start_qm
+
+
+def _scripts(client: redis.Redis) -> int:
+    return int(client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
+
+
+def _fsyncs(qm: QueueManager) -> int:
+    assert qm.log is not None
+    return qm.log.stats.fsyncs
+
+
+@pytest.fixture
+def group(redis_factory: Callable[..., EmbeddedRedis], tmp_path: Path) -> tuple[redis.Redis, QueueManager]:
+    srv = redis_factory()
+    client = define_group(srv.url)
+    qm = start_qm(srv.url, tmp_path / "logs", "QM1", lease_ms=60_000)
+    return client, qm
+
+
+def test_outside_syncpoint_a_put_and_a_get_are_two_scripts_and_one_forced_write_each(
+        group: tuple[redis.Redis, QueueManager]) -> None:
+    client, qm = group
+    c = qm.connect()
+    c.put("Q1", b"warm", syncpoint=False)
+    c.get("Q1", syncpoint=False)
+    before, forced = _scripts(client), _fsyncs(qm)
+    for i in range(10):
+        c.put("Q1", b"m%d" % i, syncpoint=False)
+    assert (_scripts(client) - before, _fsyncs(qm) - forced) == (20, 10)  # put.lua + commit.lua each
+    before, forced = _scripts(client), _fsyncs(qm)
+    assert [c.get("Q1", syncpoint=False).body for _ in range(10)] == [b"m%d" % i for i in range(10)]
+    assert (_scripts(client) - before, _fsyncs(qm) - forced) == (20, 10)  # get.lua + commit.lua each
+    qm.stop()
+
+
+def test_under_syncpoint_the_commit_asks_standing_first(group: tuple[redis.Redis, QueueManager]) -> None:
+    client, qm = group
+    c = qm.connect()
+    c.put("Q1", b"warm")
+    c.commit()
+    before = _scripts(client)
+    c.put("Q1", b"m")
+    c.commit()
+    assert _scripts(client) - before == 3  # put.lua, standing.lua, commit.lua
+    qm.stop()
+
+
+def test_outside_syncpoint_a_disconnected_store_still_refuses_before_anything_is_logged(
+        group: tuple[redis.Redis, QueueManager]) -> None:
+    client, qm = group
+    c = qm.connect()
+    c.put("Q1", b"kept", syncpoint=False)
+    CF(client).structure("APP1").pstore("disconnect")
+    forced = _fsyncs(qm)
+    with pytest.raises(PstoreUnavailableError):
+        c.put("Q1", b"refused", syncpoint=False)
+    with pytest.raises(PstoreUnavailableError):
+        c.get("Q1", syncpoint=False)
+    assert _fsyncs(qm) == forced  # no COMMIT forced for either
+    CF(client).structure("APP1").pstore("connect")
+    assert c.get("Q1", syncpoint=False).body == b"kept"
+    qm.stop()
