@@ -131,21 +131,36 @@ def _lean_exchange(conn: Any, packed: list[bytes]) -> Any:
             or (conn.health_check_interval and time.monotonic() > conn.next_health_check)):
         return _NOT_LEAN
     not_enough = getattr(redis_hiredis, "NOT_ENOUGH_DATA", None)
+    # The errors say what redis-py's say, word for word where it matters: sqm.manager.reply_lost reads a failure
+    # while reading (the request went out: the script may have run) apart from one while writing.
     try:
         sock.sendall(packed[0])
+    except TimeoutError:
+        conn.disconnect()
+        raise redis.exceptions.TimeoutError("Timeout writing to socket") from None
+    except OSError as e:
+        conn.disconnect()
+        raise redis.exceptions.ConnectionError(f"Error {e.errno} while writing to socket. {e.strerror}.") from None
+    except BaseException:
+        conn.disconnect()
+        raise
+    try:
         reply = reader.gets()
         while reply is not_enough or reply is False:
             n = sock.recv_into(buf)
             if n == 0:
-                raise ConnectionResetError("the CF closed the connection")
+                raise redis.exceptions.ConnectionError("Connection closed by server.")
             reader.feed(buf, 0, n)
             reply = reader.gets()
     except TimeoutError:  # socket.timeout: the reply did not come within the socket timeout
         conn.disconnect()
-        raise redis.exceptions.TimeoutError("Timeout reading from the CF") from None
+        raise redis.exceptions.TimeoutError("Timeout reading from socket") from None
+    except redis.exceptions.ConnectionError:
+        conn.disconnect()
+        raise
     except OSError as e:
         conn.disconnect()
-        raise redis.exceptions.ConnectionError(f"Error while talking to the CF: {e}") from None
+        raise redis.exceptions.ConnectionError(f"Error while reading from socket: {e.args}") from None
     except BaseException:
         conn.disconnect()
         raise

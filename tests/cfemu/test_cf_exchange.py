@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -17,6 +18,7 @@ from cfemu.cf import CF
 from cfemu.connection import connect
 from cfemu.embedded import EmbeddedRedis
 from cfemu.errors import UnknownObjectError
+from sqm.manager import reply_lost
 
 
 def _cf(srv: EmbeddedRedis, **kw: Any) -> tuple[CF, redis.Redis]:
@@ -73,6 +75,43 @@ def test_a_reply_that_times_out_is_never_read_by_the_next_call(redis_factory: Ca
         os.kill(srv.pid, signal.SIGCONT)
     assert all(c is None or c._sock is None for c in list(pool.pool.queue))  # type: ignore[attr-defined]
     assert _browse(cf) == 0
+
+
+def test_a_reply_lost_after_the_request_went_out_reads_as_maybe_applied(
+        redis_factory: Callable[..., EmbeddedRedis]) -> None:
+    """The member reads a failure while reading (the script may have run: sqm.manager.reply_lost) apart from
+    one before anything was sent; the lean path's errors must keep that distinction (a commit reported backed out
+    that the CF applied is a lost or duplicated message). Timeout: the CF stopped; reset: the CF killed while the
+    request waits in its socket."""
+    srv = redis_factory()
+    cf, _ = _cf(srv, socket_timeout=0.5)
+    _browse(cf)
+    assert srv.pid is not None
+    os.kill(srv.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(redis.exceptions.TimeoutError) as timed_out:
+            _browse(cf)
+    finally:
+        os.kill(srv.pid, signal.SIGCONT)
+    assert reply_lost(timed_out.value)
+    _browse(cf)
+    cf2 = CF(connect(srv.url, max_connections=1, socket_timeout=10))
+    _browse(cf2)
+    os.kill(srv.pid, signal.SIGSTOP)
+    result: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            _browse(cf2)
+        except BaseException as e:  # noqa: BLE001 - examined below
+            result.append(e)
+    t = threading.Thread(target=call)
+    t.start()
+    time.sleep(0.3)  # the request is in the stopped CF's socket
+    srv.kill()
+    t.join(15)
+    assert result and isinstance(result[0], redis.exceptions.ConnectionError), result
+    assert reply_lost(result[0]), result[0]
 
 
 def test_a_cf_killed_gives_a_connection_error_then_a_restarted_one_answers(
