@@ -135,7 +135,7 @@ def _lean_exchange(conn: Any, packed: list[bytes]) -> Any:
     # while reading (the request went out: the script may have run) apart from one while writing.
     try:
         sock.sendall(packed[0])
-    except TimeoutError:
+    except (TimeoutError, BlockingIOError):  # a Python timeout, or the kernel's (EAGAIN: cfemu.sockets)
         conn.disconnect()
         raise redis.exceptions.TimeoutError("Timeout writing to socket") from None
     except OSError as e:
@@ -152,7 +152,7 @@ def _lean_exchange(conn: Any, packed: list[bytes]) -> Any:
                 raise redis.exceptions.ConnectionError("Connection closed by server.")
             reader.feed(buf, 0, n)
             reply = reader.gets()
-    except TimeoutError:  # socket.timeout: the reply did not come within the socket timeout
+    except (TimeoutError, BlockingIOError):  # the reply did not come within the socket timeout (EAGAIN: the kernel's)
         conn.disconnect()
         raise redis.exceptions.TimeoutError("Timeout reading from socket") from None
     except redis.exceptions.ConnectionError:

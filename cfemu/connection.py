@@ -24,6 +24,7 @@ from redis.retry import Retry
 
 from cfemu import cluster_cf, duplex
 from cfemu.credentials import redact
+from cfemu.sockets import set_kernel_timeout
 
 __all__ = ["ConnectionConfigError", "PoolExhaustedError", "connect"]
 
@@ -101,6 +102,37 @@ class _WaitingPool(redis.BlockingConnectionPool):
                                   f"{self.timeout:g}s")
 
 
+class _KernelTimeoutConnection(redis.Connection):
+    """A plain TCP connection to the CF whose socket blocks, with the kernel timing out a send or a receive
+    (cfemu.sockets.set_kernel_timeout), instead of a socket with a Python timeout, which polls before every send and
+    every receive: two syscalls per CF call, each one more release of the GIL that a busy member's threads then
+    contend for (issue 15). A timeout surfaces as EAGAIN: cfemu.cf reads it as a timeout, and redis-py's own
+    paths as a failure while reading or writing, which the member reads the same way (sqm.manager.reply_lost)."""
+
+    def _connect(self) -> Any:
+        sock = super()._connect()
+        set_kernel_timeout(sock, self.socket_timeout)
+        return sock
+
+    # redis-py reads EAGAIN from a blocking socket as a failed connection: said here as the timeout it is, as with
+    # a Python timeout (callers tell a CF that does not answer in time from one that is gone).
+    def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        try:
+            super().send_packed_command(command, check_health)
+        except redis.exceptions.ConnectionError as e:
+            if isinstance(e.__context__, BlockingIOError):
+                raise redis.exceptions.TimeoutError("Timeout writing to socket") from None
+            raise
+
+    def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().read_response(*args, **kwargs)
+        except redis.exceptions.ConnectionError as e:
+            if isinstance(e.__context__, BlockingIOError):
+                raise redis.exceptions.TimeoutError(f"Timeout reading from {self._host_error()}") from None
+            raise
+
+
 def connect(
     url: str | None = None,
     *,
@@ -171,6 +203,8 @@ def connect(
     if paired is not None:
         url = paired[0]
         opts.update(paired[1])
+    elif scheme == "redis" and "connection_class" not in opts:
+        opts["connection_class"] = _KernelTimeoutConnection
     if max_connections is not None:
         if max_connections < 1:
             raise ConnectionConfigError(f"the CF connection pool needs at least 1 connection, not {max_connections}")

@@ -58,6 +58,7 @@ from typing import Any, NoReturn
 
 from cfemu.cf import Browsed
 from cfemu.errors import BackedOutError, MQError, OutcomeUnknownError
+from cfemu.sockets import set_kernel_timeout
 from sqm.connection import Message
 from sqm.messaging import UnitOfWorkScope
 from sqm.service.protocol import (
@@ -86,7 +87,6 @@ from sqm.service.protocol import (
     new_nonce,
     recv_body,
     recv_frame,
-    set_kernel_timeout,
 )
 
 log = logging.getLogger("sqm.service.client")

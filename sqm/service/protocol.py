@@ -260,17 +260,6 @@ def recv_body(sock: socket.socket, buf: bytearray, max_frame: int) -> bytes | No
     return body
 
 
-def set_kernel_timeout(sock: socket.socket, seconds: float | None) -> None:
-    """Blocking mode, with the kernel timing out a receive or a send (SO_RCVTIMEO, SO_SNDTIMEO: the call fails
-    with EAGAIN, an OSError) instead of Python polling before every call, as a socket with a Python timeout does
-    (a syscall each). None or 0: no timeout."""
-    sock.settimeout(None)
-    sec = 0.0 if not seconds or seconds <= 0 else seconds
-    timeval = struct.pack("ll", int(sec), int((sec - int(sec)) * 1e6))
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
-
-
 # --- requests and replies ----------------------------------------------------------------------------------
 def parse_request(obj: Any) -> tuple[int, str, dict[str, Any]]:
     """(id, op, args) of a decoded request; a malformed one raises ProtocolError (with the id when known)."""

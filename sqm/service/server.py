@@ -65,6 +65,7 @@ from cfemu.errors import (
     TruncatedMessageError,
 )
 from cfemu.repository import RepositoryError
+from cfemu.sockets import set_kernel_timeout
 from cfemu.topic_attributes import PUB_SUFFIX, SUB_SUFFIX
 from cfemu.uow_attributes import CONTROL_SUFFIX, DATA_SUFFIX
 from sqm import pubsub
@@ -109,7 +110,6 @@ from sqm.service.protocol import (
     parse_request,
     read_frame,
     recv_body,
-    set_kernel_timeout,
 )
 from sqm.uowstatus import USER_STATUS_MAX
 
