@@ -33,7 +33,7 @@ from typing import Any
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 
-from bench_peers import TICK, cpu_ticks  # noqa: E402
+from bench_peers import TICK, _proc_table  # noqa: E402
 
 import sqm.log.writer as writer  # noqa: E402
 from cfemu import cf as cfmod  # noqa: E402
@@ -68,6 +68,12 @@ threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
 [t.start() for t in threads]; [t.join() for t in threads]
 print(sum(counts), flush=True)
 '''
+
+
+def own_ticks(pid: int) -> int:
+    """CPU ticks of one process, without its children: the CF and the client are children of this process, and
+    counting them in the server's figure (as an earlier version of this script did) counted them twice."""
+    return _proc_table().get(pid, (0, 0))[1]
 
 
 class Stopwatch:
@@ -117,13 +123,13 @@ def main(argv: list[str] | None = None) -> int:
         stats0 = r.info("commandstats")
         fsync.seconds = fsync.calls = cf.seconds = cf.calls = 0  # type: ignore[assignment]
         pids = {"server": os.getpid(), "cf": srv.pid or 0, "client": client.pid}
-        cpu0 = {k: cpu_ticks([p]) for k, p in pids.items()}
+        cpu0 = {k: own_ticks(p) for k, p in pids.items()}
         t0 = time.time()
         client.stdin.write("go\n")
         client.stdin.flush()
         n = int(client.stdout.readline())
         elapsed = time.time() - t0
-        cpu1 = {k: cpu_ticks([p]) for k, p in pids.items()}
+        cpu1 = {k: own_ticks(p) for k, p in pids.items()}
         stats1 = r.info("commandstats")
         client.wait()
 
