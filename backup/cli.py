@@ -96,7 +96,8 @@ def cmd_run(args: argparse.Namespace, out: Output) -> int:
     log_root = found.log_root if found.log_root.is_dir() else None
     with PhaseBars(out.console, disabled=out.as_json or not out.console.is_terminal, width=36) as bars:
         manifest = run_backup(client, args.structure, found.backup_dir, log_root=log_root, exclint_s=args.exclint,
-                              batch=args.batch, progress=bars, backup_keys=_keys(found, args))
+                              batch=args.batch, progress=bars, backup_keys=_keys(found, args),
+                              share=found.backup_share())
     path = found.backup_dir / args.structure / manifest["id"]
     if out.as_json:
         out.json({**manifest, "path": str(path)})
@@ -220,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
     run = sub.add_parser("run", parents=[common, cf], help="back up a structure")
     run.add_argument("structure")
-    add_settings_arguments(run, "log_root")  # to count the exception records
+    add_settings_arguments(run, "log_root", "backup_share")  # log root: to count the exception records
     run.add_argument("--exclint", type=int, default=0, metavar="SECONDS",
                      help="leave out messages put less than SECONDS before the backup (restore replays them)")
     run.add_argument("--batch", type=int, default=DEFAULT_BATCH, metavar="N",
@@ -249,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     how.add_argument("--older-than", metavar="AGE", help="remove backups older than AGE (e.g. 7d, 12h)")
     pr.set_defaults(func=cmd_prune)
     sch = sub.add_parser("schedule", parents=[common, cf], help="back up structures every N seconds (a daemon)")
-    add_settings_arguments(sch, "log_root")  # handed on to every backup it runs
+    add_settings_arguments(sch, "log_root", "backup_share")  # handed on to every backup it runs
     sch.add_argument("--interval", type=float, required=True, metavar="SECONDS")
     sch.add_argument("--structure", action="append", default=[], help="structure to back up (default: all ACTIVE)")
     sch.set_defaults(func=cmd_schedule)

@@ -26,7 +26,9 @@ import secrets
 import shutil
 import stat
 import struct
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -55,7 +57,7 @@ MANIFEST_NAME = "manifest.json"
 ROLL_BYTES = 256 * 2**20
 _ID_RE = re.compile(r"^(?P<structure>[A-Za-z0-9_.\-]{1,48})-(?P<ts>\d{8}T\d{6}Z)-(?P<rand>[0-9a-f]{6})$")
 _READ_BUFFER = 4 * 2**20
-_WRITE_CHUNK = 2**20
+_WRITE_CHUNK = 2**20  # frames handed to the writing thread at a time
 
 
 class BackupError(Exception):
@@ -169,8 +171,26 @@ def _packer() -> msgpack.Packer:
     return msgpack.Packer(use_bin_type=True, unicode_errors="surrogateescape")
 
 
+def _bin_head(n: int) -> bytes:
+    """The msgpack bin header of n bytes of data (what a Packer with use_bin_type writes before them)."""
+    if n < 0x100:
+        return b"\xc4" + n.to_bytes(1, "big")
+    if n < 0x10000:
+        return b"\xc5" + n.to_bytes(2, "big")
+    return b"\xc6" + n.to_bytes(4, "big")
+
+
+_FRAME_HEAD_SIZE = FRAME_HEAD.size
+_STEP_HEAD = [msgpack.packb(n) for n in range(6)]  # positive fixints: the steps 0-5
+_MAX_PENDING_WRITES = 3  # chunks handed to the writing thread and not yet written (bounds the memory: ~1 MiB each)
+
+
 class BackupWriter:
-    """Writes one backup directory: frames into entry files (rolled at roll_bytes), then the manifest."""
+    """Writes one backup directory: frames into entry files (rolled at roll_bytes), then the manifest.
+
+    Frames are gathered in memory and handed, ~1 MiB at a time, to one writing thread that writes them and
+    updates the file's sha256 (both let go of the GIL), so that the copy loop goes on meanwhile; the files are
+    fsynced, in order, before the manifest is written (finish)."""
 
     def __init__(self, directory: Path, *, roll_bytes: int = ROLL_BYTES,
                  backup_keys: BackupKeys | None = None) -> None:
@@ -185,29 +205,52 @@ class BackupWriter:
         self._sha = hashlib.sha256()
         self._size = 0  # bytes of the current file, buffered ones included
         self._frames = 0
-        self._buf = bytearray()  # frames not yet written: one write and one hash update per ~1 MiB
+        self._buf = bytearray()  # frames not yet handed to the writing thread
+        self._pool: ThreadPoolExecutor | None = None  # the writing thread, started with the first chunk
+        self._pending: deque[Future[None]] = deque()
 
     def _open_next(self) -> None:
         self._close_current()
         name = f"entries-{len(self.files) + 1:04d}.bin"
-        self._file = os.fdopen(open_private(self.directory / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb")
+        self._file = os.fdopen(open_private(self.directory / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb",
+                               buffering=0)
         self.files.append({"name": name})
         self._sha = hashlib.sha256()
         self._size = self._frames = 0
         self._buf += FILE_HEADER
         self._size += len(FILE_HEADER)
 
+    @staticmethod
+    def _write_chunk(file: BinaryIO, sha: Any, chunk: bytearray) -> None:
+        view = memoryview(chunk)
+        while view:  # an unbuffered file may write less than asked
+            n = file.write(view)
+            view = view[n or 0:]
+        sha.update(chunk)
+
     def _flush_buffer(self) -> None:
+        """Hand the gathered frames to the writing thread (a write error shows at the next hand-over or at the
+        file's close); at most _MAX_PENDING_WRITES chunks wait."""
         assert self._file is not None
-        self._file.write(self._buf)
-        self._sha.update(self._buf)
+        if not self._buf:
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="backup-write")
+        self._pending.append(self._pool.submit(self._write_chunk, self._file, self._sha, self._buf))
         self._buf = bytearray()
+        while len(self._pending) > _MAX_PENDING_WRITES or (self._pending and self._pending[0].done()):
+            self._pending.popleft().result()
+
+    def _drain(self) -> None:
+        """Wait until every chunk handed over is written (raising the first write error)."""
+        while self._pending:
+            self._pending.popleft().result()
 
     def _close_current(self) -> None:
         if self._file is None:
             return
         self._flush_buffer()
-        self._file.flush()
+        self._drain()
         os.fsync(self._file.fileno())
         self._file.close()
         self._file = None
@@ -215,7 +258,9 @@ class BackupWriter:
 
     def add(self, step: int, descriptor: dict[str, Any], data: bytes) -> None:
         """One copied entry: a frame [step, descriptor (wire form), data]."""
-        body = self._packer.pack([step, descriptor, data])
+        self._add_body(self._packer.pack([step, descriptor, data]))
+
+    def _add_body(self, body: bytes) -> None:
         if self._file is None or (self._size + FRAME_HEAD.size + len(body) > self.roll_bytes and self._frames):
             self._open_next()
         buf = self._buf
@@ -226,18 +271,51 @@ class BackupWriter:
         if len(buf) >= _WRITE_CHUNK:
             self._flush_buffer()
 
+    def add_raw(self, step: int, copies: Iterable[tuple[bytes, bytes]]) -> None:
+        """Copied entries whose descriptors are the CF's msgpack bytes (a wire-form map, docs/backup-format.md):
+        each a frame [step, descriptor, data], the descriptor's bytes written as they are (no decode, no
+        re-pack). Same frames, checks and rolling as add."""
+        head = _STEP_HEAD[step]
+        frame_head = FRAME_HEAD.pack
+        crc = crc32c.crc32c
+        for descriptor, data in copies:
+            n = len(data)
+            prefix = b"\x93" + head + descriptor + _bin_head(n)
+            length = len(prefix) + n
+            if self._file is None or (self._size + _FRAME_HEAD_SIZE + length > self.roll_bytes and self._frames):
+                self._open_next()
+            buf = self._buf
+            buf += frame_head(length, crc(data, crc(prefix)))
+            buf += prefix
+            buf += data
+            self._size += _FRAME_HEAD_SIZE + length
+            self._frames += 1
+            if len(buf) >= _WRITE_CHUNK:
+                self._flush_buffer()
+
     def finish(self, manifest: dict[str, Any]) -> dict[str, Any]:
         """Close the entry files (fsynced), then write the manifest, signed, atomically; returns it."""
         if self._file is None and not self.files:
             self._open_next()  # an empty structure still has one (empty) entry file: the format stays uniform
         self._close_current()
+        self._stop_writing()
         fsync_directory(self.directory)
         out = sign_manifest(dict(manifest, files=self.files), self._key)
         _write_manifest(self.directory, out)
         return out
 
+    def _stop_writing(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
     def abort(self) -> None:
         """A failed backup leaves nothing behind (never a directory that could pass for a backup)."""
+        for f in self._pending:  # the writing thread is done with the file before it is closed
+            with contextlib.suppress(Exception):
+                f.result()
+        self._pending.clear()
+        self._stop_writing()
         if self._file is not None:
             with contextlib.suppress(OSError):
                 self._file.close()
@@ -323,6 +401,8 @@ def _read_entry_file(path: Path, info: dict[str, Any]) -> Iterator[tuple[int, di
                 step, descriptor, data = msgpack.unpackb(body, raw=False, unicode_errors="surrogateescape")
             except (ValueError, TypeError, msgpack.ExtraData) as e:
                 raise CorruptFrameError(f"{path}: undecodable frame at byte {offset}: {e}") from None
+            if isinstance(descriptor, dict) and not isinstance(descriptor.get("pr", {}), dict):
+                descriptor["pr"] = {}  # the CF's own bytes (add_raw): Lua writes an empty property table so
             frames += 1
             offset += FRAME_HEAD.size + length
             yield int(step), descriptor, bytes(data)

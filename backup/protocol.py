@@ -23,6 +23,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
+import msgpack
+
 from cfemu import bulk
 from cfemu.bulk import Wire
 from cfemu.cf import Structure
@@ -84,3 +86,59 @@ def copy_step_wire(structure: Structure, state: str, count: StepCount, batch: in
     count.snapshot += len(ids)
     yield from _select(count, bulk.fetch_wire(structure.cf.redis, structure.name, ids, batch),
                        lambda w: w.get("per", 1) == 1, keep)
+
+
+# The descriptor's "per" key as every writer of the CF's descriptors encodes it (a fixstr: Entry.pack, and the Lua
+# scripts' cmsgpack, which re-encode the whole table), followed by its value.
+_PER_KEY = msgpack.packb("per", use_bin_type=False)
+_PERSISTENT = 1
+
+
+def _persistent_at_sight(raw: bytes) -> bool:
+    """True when the raw descriptor is, without decoding it, surely a persistent one: "per" occurs once, and is
+    followed by 1. That one occurrence is the key itself when the key is there (its value right behind it), and
+    when the key is not there the entry counts as persistent anyway (Entry's default). Anything else (the bytes
+    inside a string or a property name as well, a 0, another encoding) answers False: the caller decodes."""
+    i = raw.find(_PER_KEY)
+    return (i >= 0 and len(raw) > i + 4 and raw[i + 4] == _PERSISTENT
+            and raw.find(_PER_KEY, i + 4) < 0)
+
+
+def select_raw(count: StepCount, descs: list[bytes | None], datas: list[bytes | None],
+               keep: Callable[[Wire], bool] | None = None) -> list[tuple[bytes, bytes]]:
+    """The copies one fetched batch keeps, as _select decides them, with each descriptor as the CF's bytes: a
+    persistent descriptor is seen at sight (_persistent_at_sight) and not decoded; any other is decoded, and
+    every one is when `keep` must look at it (EXCLINT)."""
+    out: list[tuple[bytes, bytes]] = []
+    append = out.append
+    at_sight = _persistent_at_sight if keep is None else None
+    nbytes = 0
+    for raw, data in zip(descs, datas, strict=True):
+        if raw is None or data is None:
+            count.vanished += 1
+            continue
+        if at_sight is None or not at_sight(raw):
+            wire = bulk.unpack_wire(raw)
+            if wire.get("per", 1) != 1:
+                count.skipped_nonpersistent += 1
+                continue
+            if keep is not None and not keep(wire):
+                count.excluded += 1
+                continue
+        append((raw, data))
+        nbytes += len(data)
+    count.copied += len(out)
+    count.bytes += nbytes
+    return out
+
+
+def copy_step_raw(structure: Structure, state: str, count: StepCount, batch: int = 2000,
+                  keep: Callable[[Wire], bool] | None = None, before_read: Callable[[], None] | None = None
+                  ) -> Iterator[list[tuple[bytes, bytes]]]:
+    """copy_step_wire batch by batch, each copy's descriptor as the CF's msgpack bytes (which a backup frame
+    holds as they are: the same map, docs/backup-format.md), for the backup's hot loop. before_read: the
+    pacing hook (cfemu.bulk.fetch_raw)."""
+    ids = structure.snapshot(state)
+    count.snapshot += len(ids)
+    for descs, datas in bulk.fetch_raw(structure.cf.redis, structure.name, ids, batch, before_read=before_read):
+        yield select_raw(count, descs, datas, keep)

@@ -19,14 +19,16 @@ import redis
 
 from backup.catalog import OK, list_backups
 from backup.files import BackupError, BackupWriter, new_backup_id, resolve_keys, signing_key
+from backup.pacing import Pacer, probe_commands
 from backup.points import FUZZY, kind_of
-from backup.protocol import STEPS, StepCount, Wire, copy_step_wire
+from backup.protocol import STEPS, StepCount, Wire, copy_step_raw
 from cfemu import bulk
 from cfemu.admin import Admin, AdminError
 from cfemu.cf import CF
 from cfemu.credentials import BackupKeys
 from cfemu.errors import StructureFailedError
 from cfemu.progress import Progress, no_progress
+from cfemu.settings import DEFAULT_BACKUP_SHARE
 from sqm.clock import LrsnClock
 from sqm.log import LogReader, find_log_dirs
 from sqm.records import lookup
@@ -39,7 +41,6 @@ class StructureNotReadyError(BackupError):
 # Called before each copy step starts: (step number 1-5, state); tests use it to act between steps.
 StepHook = Callable[[int, str], None]
 
-_PROGRESS_EVERY = 1000
 DEFAULT_BATCH = 500
 
 
@@ -105,7 +106,8 @@ def _end_failed(s: Any, backup_id: str, clock: LrsnClock) -> None:
 
 def run_backup(client: redis.Redis, structure: str, backup_root: Path, *, log_root: Path | None = None,
                exclint_s: int = 0, progress: Progress = no_progress, batch: int = DEFAULT_BATCH,
-               on_step: StepHook | None = None, backup_keys: BackupKeys | None = None) -> dict[str, Any]:
+               on_step: StepHook | None = None, backup_keys: BackupKeys | None = None,
+               share: float = DEFAULT_BACKUP_SHARE) -> dict[str, Any]:
     """Back up `structure` into backup_root/<structure>/<id>/; returns the manifest.
 
     exclint_s (MQ's EXCLINT): leave out entries put less than this many seconds before the backup started; the
@@ -114,6 +116,8 @@ def run_backup(client: redis.Redis, structure: str, backup_root: Path, *, log_ro
     progress(phase, done, total): one phase per copy step ("1 <label>" .. "5 <label>"), counting its snapshot.
     backup_keys: the group's backup keys (default: those this process's settings find); the manifest is signed
     with the current one, and without one the backup is refused before it starts (backup.files.NoBackupKeyError).
+    share: the share of the time the backup works while the CF serves the group's work (backup.pacing; 1: it
+    never pauses); on an idle CF it runs at full speed whatever the share.
     Raises StructureNotReadyError (also for a structure running from a WARM start: docs/pstore.md),
     cfemu.errors.BackupRunningError (a backup of the structure is running), or
     whatever the CF or the file system raise; a failed backup is ended as failed and leaves no directory.
@@ -122,6 +126,8 @@ def run_backup(client: redis.Redis, structure: str, backup_root: Path, *, log_ro
         raise ValueError(f"EXCLINT must be >= 0 seconds, not {exclint_s}")
     if batch < 1:
         raise ValueError(f"batch must be at least 1 entry, not {batch}")
+    if not 0 < share <= 1:
+        raise ValueError(f"the backup's share must be above 0 and at most 1, not {share}")
     backup_keys = resolve_keys(backup_keys)
     signing_key(backup_keys)  # no key, no backup: refused before the CF is touched
     admin = Admin(client)
@@ -155,6 +161,7 @@ def run_backup(client: redis.Redis, structure: str, backup_root: Path, *, log_ro
         lowest_excluded[0] = min(lowest_excluded[0], wire["o2"])  # its put LRSN: replay from there
         return False
 
+    pacer = Pacer(probe_commands(client, structure), share)
     writer: BackupWriter | None = None
     ended = False
     counts: list[StepCount] = []
@@ -167,12 +174,14 @@ def run_backup(client: redis.Redis, structure: str, backup_root: Path, *, log_ro
             counts.append(count)
             phase = f"{number} {label}"
             progress(phase, 0, None)  # the snapshot, and so the total, is taken when the step's copy starts
-            copies = copy_step_wire(s, state_name, count, batch, keep=old_enough if exclint_s else None)
-            for done, (wire, data) in enumerate(copies, start=1):
-                writer.add(number, wire, data)
-                if done % _PROGRESS_EVERY == 0:
-                    progress(phase, count.copied + count.skipped_nonpersistent + count.vanished + count.excluded,
-                             count.snapshot)
+            # Each copy's descriptor goes into its frame as the CF's bytes: decoded only when its persistence
+            # is not plain at sight, or for EXCLINT (backup.protocol.select_raw).
+            pacer.new_step()
+            for copies in copy_step_raw(s, state_name, count, batch, keep=old_enough if exclint_s else None,
+                                        before_read=pacer.before_read):
+                writer.add_raw(number, copies)
+                progress(phase, count.copied + count.skipped_nonpersistent + count.vanished + count.excluded,
+                         count.snapshot)
             progress(phase, count.snapshot, count.snapshot)
         # The tombstones (outcomes decided for owners that may still retry) are part of the structure's state
         # as a restore from this backup must rebuild it: the decisions behind them may lie before its replay.
@@ -196,6 +205,7 @@ def run_backup(client: redis.Redis, structure: str, backup_root: Path, *, log_ro
             "exception_records": (count_exception_records(log_root, structure, start_lrsn, end_lrsn)
                                   if log_root is not None else None),
             "tombstones": tombstones, "uows": uows,
+            "pacing": {"share": share, "pauses": pacer.stats.paused, "paused_s": round(pacer.stats.pause_s, 3)},
         })
     except BaseException:
         if not ended:

@@ -1,10 +1,11 @@
 """Benchmark of BACKUP CFSTRUCT (issue 3), on a private redis-server started and stopped here.
 
   (a) raw read: the same entries read with pipelined HMGETs of descriptor and data, in batches
-  (b) run_backup of the structure: ratio raw-read time / backup time (target >= 0.5)
+  (b) run_backup of the structure on an idle CF: ratio raw-read time / backup time (target >= 0.8, issue 15)
   (c) foreground throughput of put+commit / get+commit loops on 2 SQMs (threads): windows without a backup, with
-      backups running back to back in another process (`cfbackup run`), and with those at nice 19: drop % against
-      the mean of the quiet windows (target <= 10%)
+      backups running back to back in another process (`cfbackup run`) paced at --share (backup.pacing), unpaced
+      (share 1), and unpaced at nice 19: drop % against the mean of the quiet windows (target <= 10% paced,
+      without nice)
   (d) log records per message lifecycle under the patent's protocol, against naive logging of every list move as
       a delete plus an insert (counted from the moves the foreground loops made)
 
@@ -50,6 +51,7 @@ from cfemu.cf import CF
 from cfemu.clitools import PhaseBars
 from cfemu.embedded import EmbeddedRedis
 from cfemu.errors import NoMessageError
+from cfemu.settings import DEFAULT_BACKUP_SHARE
 from sqm.manager import QueueManager, QueueManagerConfig
 
 STRUCTURE, FILL_QUEUE, FG_QUEUE = "BENCH", "FILLQ", "FGQ"
@@ -98,8 +100,11 @@ class Foreground:
     """put+commit, get+commit loops on two SQMs (one thread each); one get in ten is backed out first."""
 
     def __init__(self, url: str, log_root: Path) -> None:
+        # No relogging (cpl_entries=0): a relog pass of the filled structure (each member relogs every resident
+        # 1 KiB message at every third LOGLOAD checkpoint: 240 MB at 200k messages) swings a window by 3x with or
+        # without a backup (measured, issue 15), which would drown the backup's own cost.
         self.qms = [QueueManager(QueueManagerConfig(name=f"FG{i}", log_root=log_root, redis_url=url,
-                                                    background=False)) for i in (1, 2)]
+                                                    background=False, cpl_entries=0)) for i in (1, 2)]
         for qm in self.qms:
             qm.start()
 
@@ -158,19 +163,20 @@ class Foreground:
 
 
 def backups_in_a_loop(url: str, backup_dir: Path, log_root: Path, stop: threading.Event,
-                      out: list[dict[str, Any]], batch: int, nice: int) -> None:
+                      out: list[dict[str, Any]], batch: int, nice: int, share: float) -> None:
     cfbackup = str(Path(sys.executable).parent / "cfbackup")
     # the bench's own backup key (bench_keys): backups are signed, and cfbackup finds the key through the settings
     env = {**os.environ, credentials.ENV_SECRETS_DIR: str(backup_dir.parent / "secrets")}
     while not stop.is_set():
         p = subprocess.run(["nice", "-n", str(nice), cfbackup, "run", STRUCTURE, "--json", "--backup-dir",
-                            str(backup_dir), "--redis-url", url, "--log-root", str(log_root), "--batch", str(batch)],
+                            str(backup_dir), "--redis-url", url, "--log-root", str(log_root), "--batch", str(batch),
+                            "--backup-share", str(share)],
                            capture_output=True, text=True, env=env)
         if p.returncode != 0:
             out.append({"error": p.stderr.strip()})
             return
         m = json.loads(p.stdout)
-        out.append({k: m[k] for k in ("entries", "elapsed_s", "exception_records")})
+        out.append({k: m[k] for k in ("entries", "elapsed_s", "exception_records", "pacing")})
         shutil.rmtree(backup_dir / STRUCTURE, ignore_errors=True)
 
 
@@ -267,6 +273,9 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=DEFAULT_BATCH, help="entries per fetch of the measured backup")
     ap.add_argument("--fg-batch", type=int, default=DEFAULT_BATCH,
                     help="entries per fetch of the backups that run beside the foreground loops")
+    ap.add_argument("--share", type=float, default=DEFAULT_BACKUP_SHARE,
+                    help="the paced backups' share (--backup-share) beside the foreground loops; the unpaced and "
+                         "niced windows run with 1")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     ap.add_argument("--quick", action="store_true", help="a short run: 20k messages, 3 s windows, 1 round")
     ap.add_argument("--restore", action="store_true",
@@ -319,8 +328,10 @@ def main() -> int:
         runs: dict[str, list[dict[str, Any]]] = {}
         try:
             fg.run(1.0)  # warm up
-            # quiet, busy, quiet, busy (niced): each busy window sits between quiet ones of the same moment
-            for name, nice in (("quiet1", None), ("busy", 0), ("quiet2", None), ("busy_niced", 19)):
+            # quiet, busy (paced), quiet, busy (unpaced), quiet, busy (unpaced, niced): each busy window sits
+            # between quiet ones of the same moment
+            for name, nice, share in (("quiet1", None, 1.0), ("busy", 0, args.share), ("quiet2", None, 1.0),
+                                      ("busy_unpaced", 0, 1.0), ("quiet3", None, 1.0), ("busy_niced", 19, 1.0)):
                 if nice is None:
                     windows[name] = fg.run(args.seconds)
                     continue
@@ -328,7 +339,7 @@ def main() -> int:
                 runs[name] = []
                 looper = threading.Thread(target=backups_in_a_loop,
                                           args=(srv.url, work / "bk-loop", work / "logs", stop, runs[name],
-                                                args.fg_batch, nice))
+                                                args.fg_batch, nice, share))
                 looper.start()
                 time.sleep(0.5)  # let the first backup begin
                 windows[name] = fg.run(args.seconds)
@@ -339,13 +350,20 @@ def main() -> int:
         failed = [r for rs in runs.values() for r in rs if "error" in r]
         if failed:
             raise RuntimeError(f"background backup failed: {failed}")
-        quiet_per_s = (windows["quiet1"]["per_s"] + windows["quiet2"]["per_s"]) / 2
+        quiet_per_s = sum(windows[q]["per_s"] for q in ("quiet1", "quiet2", "quiet3")) / 3
+        paced = [r for r in runs["busy"] if r.get("entries")]
         lifecycles = sum(w["lifecycles"] for w in windows.values())
         records = sum(w["records"] for w in windows.values())
         moves = sum(w["moves"] for w in windows.values())
         result.update(fg_quiet_per_s=round(quiet_per_s, 1), fg_busy_per_s=round(windows["busy"]["per_s"], 1),
                       fg_busy_niced_per_s=round(windows["busy_niced"]["per_s"], 1),
+                      fg_busy_unpaced_per_s=round(windows["busy_unpaced"]["per_s"], 1),
+                      fg_quiet_windows_per_s=[round(windows[q]["per_s"], 1) for q in ("quiet1", "quiet2", "quiet3")],
+                      share=args.share,
                       fg_drop_pct=round((1 - windows["busy"]["per_s"] / quiet_per_s) * 100, 1),
+                      fg_drop_unpaced_pct=round((1 - windows["busy_unpaced"]["per_s"] / quiet_per_s) * 100, 1),
+                      paced_backup_entries_per_s=round(sum(r["entries"] for r in paced)
+                                                       / max(sum(r["elapsed_s"] for r in paced), 1e-9)),
                       fg_drop_niced_pct=round((1 - windows["busy_niced"]["per_s"] / quiet_per_s) * 100, 1),
                       backup_runs=runs,
                       exception_records=sum(r["exception_records"] or 0 for rs in runs.values() for r in rs),
@@ -374,14 +392,19 @@ def _finish(console: Console, result: dict[str, Any], args: argparse.Namespace) 
     table = Table("measure", "value", "target", title=f"backup benchmark, {args.messages} x {BODY} B")
     table.add_row("raw pipelined read (s, MiB/s)", f"{result['raw_read_s']} s, {result['raw_read_mb_s']}", "")
     table.add_row("run_backup (s, MiB/s)", f"{result['backup_s']} s, {result['backup_mb_s']}", "")
-    table.add_row("backup / raw read speed", str(result["backup_ratio"]), ">= 0.5")
+    table.add_row("backup / raw read speed (idle CF)", str(result["backup_ratio"]), ">= 0.8")
     table.add_row("foreground lifecycles/s, no backup", str(result["fg_quiet_per_s"]), "")
-    table.add_row("foreground lifecycles/s, backups running", f"{result['fg_busy_per_s']} "
+    table.add_row("foreground lifecycles/s, backups paced", f"{result['fg_busy_per_s']} "
                   f"({len(result['backup_runs']['busy'])} backup runs)", "")
-    table.add_row("foreground drop %", str(result["fg_drop_pct"]), "<= 10")
-    table.add_row("foreground lifecycles/s, backups running at nice 19", f"{result['fg_busy_niced_per_s']} "
+    table.add_row(f"foreground drop %, backups paced (share {result['share']})", str(result["fg_drop_pct"]),
+                  "<= 10")
+    table.add_row("paced backups under load: entries/s", str(result["paced_backup_entries_per_s"]), "")
+    table.add_row("foreground lifecycles/s, backups unpaced", f"{result['fg_busy_unpaced_per_s']} "
+                  f"({len(result['backup_runs']['busy_unpaced'])} backup runs)", "")
+    table.add_row("foreground drop %, backups unpaced", str(result["fg_drop_unpaced_pct"]), "")
+    table.add_row("foreground lifecycles/s, backups unpaced at nice 19", f"{result['fg_busy_niced_per_s']} "
                   f"({len(result['backup_runs']['busy_niced'])} backup runs)", "")
-    table.add_row("foreground drop %, backup at nice 19", str(result["fg_drop_niced_pct"]), "<= 10")
+    table.add_row("foreground drop %, backups unpaced at nice 19", str(result["fg_drop_niced_pct"]), "")
     table.add_row("log records per message (patent)", str(result["records_per_msg"]), "")
     table.add_row("naive: move records per message (delete+insert)", str(result["naive_move_records_per_msg"]), "")
     table.add_row("naive: total records per message", str(result["naive_total_records_per_msg"]), "")

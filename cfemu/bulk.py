@@ -46,8 +46,12 @@ Wire = dict[str, Any]  # an entry descriptor in wire form (cfemu.entry.Entry.wir
 
 
 # --- reads: the backup's fetch ---------------------------------------------------------------------------------
+READ_COMMANDS = 2  # the commands one read sends (a backup's pacing counts its own: backup.pacing)
+
+
 def read(client: redis.Redis, structure: str, ids: Sequence[str]) -> tuple[list[bytes | None], list[bytes | None]]:
-    """The raw descriptors and data of `ids`, one round trip (None where the entry is gone)."""
+    """The raw descriptors and data of `ids`, one round trip of READ_COMMANDS commands (None where the entry is
+    gone)."""
     pipe = client.pipeline(transaction=False)
     pipe.hmget(keys.entries(structure), ids)
     pipe.hmget(keys.data(structure), ids)
@@ -74,28 +78,45 @@ def fetch(client: redis.Redis, structure: str, ids: Iterable[str],
         yield from flush()
 
 
-def fetch_wire(client: redis.Redis, structure: str, ids: list[str],
-               batch: int = FETCH_BATCH) -> Iterator[tuple[Wire | None, bytes | None]]:
-    """Like fetch, but each descriptor comes as its wire-form dict straight from the CF's msgpack, without an
-    Entry object in between, and the next batch is fetched while the caller handles this one (the backup's hot
-    loop: a million entries)."""
+def fetch_raw(client: redis.Redis, structure: str, ids: Sequence[str], batch: int = FETCH_BATCH, *,
+              before_read: Callable[[], None] | None = None
+              ) -> Iterator[tuple[list[bytes | None], list[bytes | None]]]:
+    """The raw descriptors and data of `ids`, batch by batch, as the CF holds them (None where an entry is gone);
+    the next batch is read while the caller handles this one. before_read(), when given, is called before each
+    read is sent (READ_COMMANDS commands), in the caller's thread, between two batches: a backup paces itself
+    there (backup.pacing), so that a pause holds up neither a read in flight nor the batch being handled."""
     chunks = [ids[i:i + batch] for i in range(0, len(ids), batch)]
     if not chunks:
         return
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="backup-fetch") as pool:
+        if before_read is not None:
+            before_read()
         pending = pool.submit(read, client, structure, chunks[0])
         for k in range(len(chunks)):
-            descs, datas = pending.result()
+            got = pending.result()
             if k + 1 < len(chunks):
+                if before_read is not None:
+                    before_read()
                 pending = pool.submit(read, client, structure, chunks[k + 1])
-            for raw, d in zip(descs, datas, strict=True):
-                if raw is None:
-                    yield None, d
-                    continue
-                wire = msgpack.unpackb(raw, raw=False, unicode_errors="surrogateescape")
-                if not isinstance(wire.get("pr"), dict):
-                    wire["pr"] = {}  # Lua's msgpack writes an empty property table as an empty array
-                yield wire, d
+            yield got
+
+
+def unpack_wire(raw: bytes) -> Wire:
+    """A descriptor's wire-form dict from the CF's msgpack (Lua writes an empty property table as an empty
+    array: read as an empty map)."""
+    wire: Wire = msgpack.unpackb(raw, raw=False, unicode_errors="surrogateescape")
+    if not isinstance(wire.get("pr"), dict):
+        wire["pr"] = {}
+    return wire
+
+
+def fetch_wire(client: redis.Redis, structure: str, ids: list[str],
+               batch: int = FETCH_BATCH) -> Iterator[tuple[Wire | None, bytes | None]]:
+    """Like fetch, but each descriptor comes as its wire-form dict straight from the CF's msgpack, without an
+    Entry object in between, and the next batch is fetched while the caller handles this one."""
+    for descs, datas in fetch_raw(client, structure, ids, batch):
+        for raw, d in zip(descs, datas, strict=True):
+            yield (None if raw is None else unpack_wire(raw)), d
 
 
 def count_nonpersistent(client: redis.Redis, structure: str) -> int:

@@ -2,9 +2,10 @@
 
 Each setting comes from the first of these that has it:
 
-  1. its flag             --redis-url, --log-root, --backup-dir, --token, --memory-limit (cfrestore)
+  1. its flag             --redis-url, --log-root, --backup-dir, --token, --memory-limit (cfrestore),
+                          --backup-share (cfbackup run)
   2. its environment      $REDIS_URL, $CFEMU_LOG_ROOT, $CFEMU_BACKUP_DIR, $SQM_TOKEN ($SQM_OPERATOR_TOKEN),
-                          $CFEMU_RESTORE_MEMORY, $CFEMU_LOG_ARCHIVE_DIR (--log-archive-dir: linear logging's
+                          $CFEMU_RESTORE_MEMORY, $CFEMU_BACKUP_SHARE, $CFEMU_LOG_ARCHIVE_DIR (--log-archive-dir: linear logging's
                           archive; default: none, each member archives into its log directory's archive/)
   3. the cluster          cluster.json of the nearest ``cfemu cluster`` directory: --cluster-dir, else
                           $CFEMU_CLUSTER_DIR, else the first var/cluster holding one, looking in the working
@@ -14,7 +15,8 @@ Each setting comes from the first of these that has it:
   4. the CF directory     the CF URL of ``cfemu cf start``: --cf-dir, else $CFEMU_CF_DIR, else the nearest var/cf,
                           while that CF runs
   5. the default          var/logs, var/backups (relative to the working directory); no CF URL and no token;
-                          restore's working memory 1GiB
+                          restore's working memory 1GiB; a backup's share 0.1 (of the time it works while
+                          the group does: backup.pacing)
 
 The Spark master of restore's spark engine resolves the same way: cfrestore's --master, else
 $CFEMU_SPARK_MASTER, else the cluster's Spark master (``cfemu cluster up --spark N``) while it runs, else none
@@ -65,6 +67,7 @@ ENV_CLUSTER_DIR = "CFEMU_CLUSTER_DIR"
 ENV_CF_DIR = "CFEMU_CF_DIR"
 ENV_SPARK_MASTER = "CFEMU_SPARK_MASTER"
 ENV_MEMORY_LIMIT = "CFEMU_RESTORE_MEMORY"
+ENV_BACKUP_SHARE = "CFEMU_BACKUP_SHARE"
 
 DEFAULT_CLUSTER_DIR = Path("var/cluster")
 DEFAULT_CF_DIR = Path("var/cf")
@@ -72,6 +75,9 @@ DEFAULT_LOG_ROOT = Path("var/logs")
 DEFAULT_BACKUP_DIR = Path("var/backups")
 DEFAULT_MEMORY_LIMIT = "1GiB"  # restore's working memory (docs/runbook.md, "Sizing a restore's memory")
 MIN_MEMORY_LIMIT = 64 << 10
+# The share of the time a backup works while the CF serves the group's work (backup.pacing; 1: never pauses).
+# Measured on 2 cores (BENCHMARKS.md, issue 15): it keeps the group's throughput within 10% while a backup runs.
+DEFAULT_BACKUP_SHARE = 0.1
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2, "mib": 1 << 20,
           "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30, "t": 1 << 40, "tb": 1000**4, "tib": 1 << 40}
 
@@ -106,12 +112,26 @@ class Settings:
     log_archive_dir: Path | None = None
     spark_master: str | None = None  # the Spark master restore's spark engine uses (None: local[*])
     memory_limit_text: str = DEFAULT_MEMORY_LIMIT  # as given (flag, $CFEMU_RESTORE_MEMORY, or the default)
+    backup_share_text: str = str(DEFAULT_BACKUP_SHARE)  # as given (flag, $CFEMU_BACKUP_SHARE, or the default)
 
     def memory_limit(self) -> int:
         """Restore's working memory in bytes (parse_size of the setting); ValueError, one line, when it is bad.
         Parsed only by the commands that use it, so that a bad value never stops another command."""
         where = {FLAG: "--memory-limit", ENV: f"${ENV_MEMORY_LIMIT}"}.get(self.sources.get("memory_limit", ""), "")
         return parse_size(self.memory_limit_text, what=where or "the restore memory limit")
+
+    def backup_share(self) -> float:
+        """The share of the time a backup works while the group works (above 0, at most 1); ValueError, one
+        line, when it is bad. Parsed only by cfbackup, so that a bad value never stops another command."""
+        where = {FLAG: "--backup-share", ENV: f"${ENV_BACKUP_SHARE}"}.get(self.sources.get("backup_share", ""),
+                                                                          "the backup share")
+        try:
+            share = float(self.backup_share_text)
+        except ValueError:
+            raise ValueError(f"{where}: {self.backup_share_text!r} is not a number (a share: 0.1 is a tenth)") from None
+        if not 0 < share <= 1:
+            raise ValueError(f"{where}: {self.backup_share_text!r} is not a share above 0 and at most 1")
+        return share
 
     def backup_keys(self, *, accept_unsigned: bool = False) -> credentials.BackupKeys:
         """The group's backup keys (backup.key, and backup-previous.key after a rotation) from the secrets
@@ -134,6 +154,8 @@ class Settings:
             out[ENV_LOG_ARCHIVE_DIR] = str(self.log_archive_dir)
         if self.spark_master:
             out[ENV_SPARK_MASTER] = self.spark_master
+        if "backup_share" in self.sources:
+            out[ENV_BACKUP_SHARE] = self.backup_share_text
         return out
 
 
@@ -234,7 +256,7 @@ def resolve(*, redis_url: str | None = None, log_root: str | os.PathLike[str] | 
             backup_dir: str | os.PathLike[str] | None = None, token: str | None = None,
             cluster_dir: str | os.PathLike[str] | None = None, cf_dir: str | os.PathLike[str] | None = None,
             log_archive_dir: str | os.PathLike[str] | None = None, spark_master: str | None = None,
-            memory_limit: str | None = None, role: str = "operator", env: Mapping[str, str] | None = None,
+            memory_limit: str | None = None, backup_share: str | None = None, role: str = "operator", env: Mapping[str, str] | None = None,
             cwd: Path | None = None) -> Settings:
     """Resolve every setting (see the module doc). The keyword arguments are the flags (None: not given); env
     and cwd default to the process's own and exist for tests."""
@@ -284,12 +306,16 @@ def resolve(*, redis_url: str | None = None, log_root: str | os.PathLike[str] | 
     # Restore's own setting: in `sources` only when given (the other commands never use it).
     memory = pick("memory_limit", memory_limit, ENV_MEMORY_LIMIT, None) if (
         memory_limit or environ.get(ENV_MEMORY_LIMIT)) else None
+    # The backup's own setting, likewise.
+    share = pick("backup_share", backup_share, ENV_BACKUP_SHARE, None) if (
+        backup_share or environ.get(ENV_BACKUP_SHARE)) else None
     return Settings(redis_url=str(url) if url else None, log_root=Path(logs), backup_dir=Path(backups),
                     token=str(tok) if tok else None, cluster_dir=cdir.resolve() if state else None,
                     sources=sources, secrets_dir=secrets_dir, token_role=token_role,
                     log_archive_dir=Path(archive) if archive else None,
                     spark_master=str(master[1]) if master[1] else None,
-                    memory_limit_text=str(memory) if memory else DEFAULT_MEMORY_LIMIT)
+                    memory_limit_text=str(memory) if memory else DEFAULT_MEMORY_LIMIT,
+                    backup_share_text=str(share) if share else str(DEFAULT_BACKUP_SHARE))
 
 
 def operator_token(found: Settings, env: Mapping[str, str] | None = None) -> str | None:

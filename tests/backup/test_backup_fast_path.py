@@ -1,0 +1,148 @@
+"""The backup's hot loop (issue 15): descriptors go into the frames as the CF's msgpack bytes, persistence is
+judged at sight when it can be, frames are written by a thread. Each shortcut must give the backup a decoder
+cannot tell from the one decode-and-repack gave: the same frames, the same copies kept, a restorable backup."""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+import redis
+
+from backup.files import BackupWriter, _packer, read_backup
+from backup.protocol import StepCount, _persistent_at_sight, select_raw
+from backup.run import run_backup
+from cfemu import bulk
+from sqm.manager import QueueManager
+from tests.support.group import define_group, start_qm
+
+
+def _wire(i: int, **over: Any) -> dict[str, Any]:
+    return {"id": f"{i:024x}", "q": "Q1", "p": i % 10, "per": 1, "mid": "m", "cid": "", "exp": 0, "pt": 1000 + i,
+            "bc": 0, "pr": {"k": "v"}, "st": "CP", "l": 5000 + i, "u": "", "o1": 5000 + i, "o2": 4000 + i,
+            "len": 3, **over}
+
+
+def test_add_raw_writes_the_bytes_add_writes(tmp_path: Path) -> None:
+    """A descriptor handed over already packed gives the same entry files, byte for byte, as add's packing,
+    across the three msgpack bin headers and across rolled files."""
+    sizes = [0, 1, 255, 256, 65535, 65536, 300_000]
+    copies = [(_wire(i), os.urandom(n)) for i, n in enumerate(sizes * 3)]
+    a = BackupWriter(tmp_path / "S" / "a", roll_bytes=200_000)
+    for w, d in copies:
+        a.add(3, w, d)
+    b = BackupWriter(tmp_path / "S" / "b", roll_bytes=200_000)
+    pack = _packer().pack
+    b.add_raw(3, [(pack(w), d) for w, d in copies[:5]])
+    b.add_raw(3, [(pack(w), d) for w, d in copies[5:]])
+    ma, mb = a.finish({"id": "a"}), b.finish({"id": "b"})
+    assert len(ma["files"]) > 2
+    assert [f["sha256"] for f in ma["files"]] == [f["sha256"] for f in mb["files"]]
+    for f in ma["files"]:
+        assert (tmp_path / "S" / "a" / f["name"]).read_bytes() == (tmp_path / "S" / "b" / f["name"]).read_bytes()
+
+
+def test_the_cf_bytes_read_back_as_the_wire_form(tmp_path: Path) -> None:
+    """The CF's own descriptor bytes (Lua writes an empty property table as an empty array, strings in the raw
+    family) read back as the decoded, repacked descriptor did: pr an empty map."""
+    cf_bytes = msgpack.packb(_wire(1, pr=[], mid="x" * 40), use_bin_type=False)
+    w = BackupWriter(tmp_path / "S" / "b")
+    w.add_raw(2, [(cf_bytes, b"data")])
+    w.finish({"id": "b", "structure": "S", "group": "G"})
+    (step, wire, data), = read_backup(tmp_path / "S" / "b").frames()
+    assert (step, wire, data) == (2, _wire(1, pr={}, mid="x" * 40), b"data")
+
+
+def _cases() -> Iterator[dict[str, Any]]:
+    yield _wire(1)
+    yield _wire(2, per=0)
+    yield {k: v for k, v in _wire(3).items() if k != "per"}  # no key: persistent by default
+    yield {k: v for k, v in _wire(4).items() if k != "per"} | {"mid": "£per\x00"}  # the bytes in a string only
+    yield {k: v for k, v in _wire(5).items() if k != "per"} | {"mid": "£per\x01"}
+    yield _wire(6, per=0, mid="£per\x01")  # a string holding what a persistent key would look like
+    yield _wire(7, per=0, pr={"per": 1})  # a property named per
+    yield _wire(8, pr={"per": 0})
+    yield _wire(9, per=True)
+    yield _wire(10, per=False)
+    yield _wire(11, per=2)
+    yield _wire(12, per=0, cid="\udca3per\x01")  # a raw byte 0xa3, kept by surrogateescape
+
+
+def test_persistence_at_sight_never_says_persistent_when_the_descriptor_is_not() -> None:
+    """_persistent_at_sight answers True only where the decoded descriptor is persistent (it may answer False
+    for a persistent one: the caller decodes it then), for hand-made traps and random strings full of the key's
+    bytes."""
+    rng = random.Random(15)
+    pieces = ["£per\x00", "£per\x01", "per", "\x01", "\x00", "a", "£"]
+    cases = list(_cases())
+    for i in range(3000):
+        w = _wire(100 + i, per=rng.choice([0, 1, 1]),
+                  mid="".join(rng.choice(pieces) for _ in range(rng.randrange(6))),
+                  pr={"".join(rng.choice(pieces) for _ in range(2)): rng.choice([0, 1, "x"])})
+        if rng.random() < 0.2:
+            del w["per"]
+        cases.append(w)
+    seen = 0
+    for w in cases:
+        raw = msgpack.packb(w, use_bin_type=False, unicode_errors="surrogateescape")
+        truth = bulk.unpack_wire(raw).get("per", 1) == 1
+        if _persistent_at_sight(raw):
+            assert truth, w
+            seen += 1
+    assert _persistent_at_sight(msgpack.packb(_wire(1), use_bin_type=False))
+    assert seen > 200, "the shortcut should still take the descriptors without traps"
+
+
+def test_select_raw_keeps_and_counts_what_decoding_keeps() -> None:
+    raws = [msgpack.packb(w, use_bin_type=False, unicode_errors="surrogateescape") for w in _cases()]
+    descs: list[bytes | None] = [*raws, None, raws[0]]
+    datas: list[bytes | None] = [b"d"] * len(raws) + [b"gone", None]
+    count = StepCount()
+    kept = select_raw(count, descs, datas)
+    expected = [r for r in raws if bulk.unpack_wire(r).get("per", 1) == 1]
+    assert [r for r, _ in kept] == expected
+    assert (count.copied, count.vanished, count.skipped_nonpersistent, count.bytes) == (
+        len(expected), 2, len(raws) - len(expected), len(expected))
+    young = StepCount()
+    assert select_raw(young, descs, datas, keep=lambda w: w["pt"] < 1005) == [
+        (r, b"d") for r in expected if bulk.unpack_wire(r)["pt"] < 1005]
+    assert young.excluded == len(expected) - young.copied > 0
+
+
+@pytest.fixture
+def qsg(redis_url: str, tmp_path: Path) -> Iterator[tuple[redis.Redis, QueueManager]]:
+    client = define_group(redis_url)
+    qm = start_qm(redis_url, tmp_path / "logs", "QM1", background=False)
+    yield client, qm
+    qm.stop()
+
+
+def test_a_backup_holds_every_persistent_copy_as_the_cf_has_it(
+        qsg: tuple[redis.Redis, QueueManager], tmp_path: Path) -> None:
+    """Against the CF itself (real redis-server, descriptors as the Lua scripts wrote them): the frames decode
+    to exactly what the decoding fetch reads, for every persistent entry, properties or none, strings that hold
+    the key's bytes; non-persistent ones are counted and left out."""
+    client, qm = qsg
+    conn = qm.connect()
+    sizes = [0, 10, 1024, 70_000]
+    for i in range(40):
+        conn.put("Q1", os.urandom(sizes[i % 4]), persistent=i % 5 != 0, priority=i % 10,
+                 properties={"per": i % 2, "n": i} if i % 3 == 0 else None,
+                 msgid=f"£per\x01{i}".encode() if i % 7 == 0 else None)
+    conn.commit()
+    conn.put("Q2", b"uncommitted")
+    manifest = run_backup(client, "APP1", tmp_path / "bk", batch=7)
+    frames = list(read_backup(tmp_path / "bk" / "APP1" / manifest["id"]).frames())
+    ids = [w["id"] for _, w, _ in frames]
+    current = dict(zip(ids, bulk.fetch_wire(client, "APP1", ids), strict=True))
+    for _, wire, data in frames:
+        assert (wire, data) == current[wire["id"]]
+    assert len(frames) == manifest["entries"] == 33
+    assert manifest["nonpersistent_skipped"] == 8
+    assert {w["q"] for _, w, _ in frames} == {"Q1", "Q2"}
+    assert sum(len(d) for _, _, d in frames) == manifest["bytes"]

@@ -1,0 +1,217 @@
+"""A backup that yields to the group's work (issue 15, backup.pacing): it pauses between batches, for the share
+its setting gives, only while the CF serves others; on an idle CF it never pauses. Real redis-server for the
+command counts and the backups; a clock of the test's own for the arithmetic."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from backup.cli import build_parser
+from backup.files import read_backup
+from backup.pacing import Pacer, probe_commands
+from backup.run import run_backup
+from cfemu import bulk, settings
+from cfemu.clitools import settings as resolve_args
+from cfemu.embedded import EmbeddedRedis
+from sqm.manager import QueueManager
+from tests.support.group import define_group, start_qm
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+        self.slept: list[float] = []
+
+    def __call__(self) -> float:
+        return self.t
+
+    def sleep(self, s: float) -> None:
+        self.slept.append(s)
+        self.t += s
+
+
+def _pacer(counts: list[int], share: float, clock: Clock) -> Pacer:
+    it = iter(counts)
+    return Pacer(lambda: next(it), share, probe_every_s=0.05, clock=clock, sleep=clock.sleep)
+
+
+def test_no_pause_while_only_the_backup_works() -> None:
+    """The command count grows by the backup's own reads and probes only: no pause, whatever the share."""
+    clock = Clock()
+    own = bulk.READ_COMMANDS
+    counts = [1000 + k * (own * 1 + 1) for k in range(100)]  # one read and one probe between probes
+    p = _pacer(counts, 0.1, clock)
+    for _ in range(50):
+        p.before_read()
+        clock.t += 0.06  # a batch: longer than the probe interval, so each read is preceded by a probe
+    assert clock.slept == [] and not p.loaded
+    assert p.stats.probes == 50 and p.stats.loaded_probes == 0
+
+
+def test_pauses_for_the_share_while_others_work() -> None:
+    """Others' commands above the idle rate: after each batch a pause of (1 - share) / share of the batch's time
+    (capped), so the backup works `share` of the time."""
+    clock = Clock()
+    counts = [1000 + k * 10_000 for k in range(100)]  # far above IDLE_OPS_PER_S whatever the interval
+    p = _pacer(counts, 0.2, clock)
+    p.before_read()  # the first probe: a baseline, no verdict yet
+    assert clock.slept == []
+    for _ in range(5):
+        clock.t += 0.06
+        p.before_read()
+    assert p.loaded
+    assert clock.slept == pytest.approx([0.06 * 4] * 5)
+    clock.t += 5.0  # a batch that took very long: the pause is capped
+    p.before_read()
+    assert clock.slept[-1] == p.max_pause_s
+
+
+def test_share_one_never_pauses_nor_probes() -> None:
+    clock = Clock()
+    p = Pacer(lambda: pytest.fail("no probe with share 1"), 1.0, clock=clock, sleep=clock.sleep)  # type: ignore[arg-type, return-value]
+    for _ in range(10):
+        p.before_read()
+        clock.t += 0.1
+    assert clock.slept == []
+
+
+def test_a_new_step_counts_afresh() -> None:
+    """The snapshot between steps is the backup's own work (a script and its calls): not taken for load."""
+    clock = Clock()
+    counts = [1000, 1000 + bulk.READ_COMMANDS + 1, 1000 + 50_000, 1000 + 50_000 + bulk.READ_COMMANDS + 1]
+    p = _pacer(counts, 0.1, clock)
+    p.before_read()
+    clock.t += 0.06
+    p.before_read()
+    p.new_step()  # 50,000 commands of snapshot come next
+    clock.t += 0.01
+    p.before_read()
+    clock.t += 0.06
+    p.before_read()
+    assert not p.loaded and clock.slept == []
+
+
+@pytest.mark.parametrize("share", [0.0, -0.1, 1.5])
+def test_a_share_outside_0_1_is_refused(share: float) -> None:
+    with pytest.raises(ValueError, match="share must be above 0 and at most 1"):
+        Pacer(lambda: 0, share)
+
+
+def test_the_setting_resolves_flag_then_environment_then_default() -> None:
+    assert settings.resolve(env={}).backup_share() == settings.DEFAULT_BACKUP_SHARE
+    assert settings.resolve(env={settings.ENV_BACKUP_SHARE: "0.25"}).backup_share() == 0.25
+    assert settings.resolve(backup_share="0.5", env={settings.ENV_BACKUP_SHARE: "0.25"}).backup_share() == 0.5
+    found = settings.resolve(env={settings.ENV_BACKUP_SHARE: "0.25"})
+    assert found.env()[settings.ENV_BACKUP_SHARE] == "0.25"  # handed on to the scheduler's backups
+    assert settings.ENV_BACKUP_SHARE not in settings.resolve(env={}).env()
+    with pytest.raises(ValueError, match=r"\$CFEMU_BACKUP_SHARE: 'lots' is not a number"):
+        settings.resolve(env={settings.ENV_BACKUP_SHARE: "lots"}).backup_share()
+    with pytest.raises(ValueError, match="--backup-share: '2' is not a share"):
+        settings.resolve(backup_share="2", env={}).backup_share()
+    args = build_parser().parse_args(["run", "APP1", "--backup-share", "0.3"])
+    assert isinstance(args, argparse.Namespace) and resolve_args(args).backup_share() == 0.3
+
+
+@pytest.fixture
+def group(fresh_redis: EmbeddedRedis, tmp_path: Path) -> Iterator[tuple[redis.Redis, list[QueueManager]]]:
+    client = define_group(fresh_redis.url)
+    qms = [start_qm(fresh_redis.url, tmp_path / "logs", f"QM{i}", background=False) for i in (1, 2)]
+    conn = qms[0].connect()
+    for _ in range(3000):
+        conn.put("Q2", os.urandom(100))
+    conn.commit()
+    yield client, qms
+    for qm in qms:
+        qm.stop()
+
+
+def test_probe_reads_the_cfs_command_count(group: tuple[redis.Redis, list[QueueManager]]) -> None:
+    client, _ = group
+    commands = probe_commands(client, "APP1")
+    a = commands()
+    client.ping()
+    assert commands() == a + 2  # the ping and the first probe
+
+
+def _busy(qms: list[QueueManager], stop: threading.Event, done: list[int]) -> list[threading.Thread]:
+    def loop(qm: QueueManager) -> None:
+        conn = qm.connect()
+        while not stop.is_set():
+            conn.put("Q1", b"w" * 100)
+            conn.commit()
+            conn.get("Q1")
+            conn.commit()
+            done[0] += 1
+
+    threads = [threading.Thread(target=loop, args=(qm,)) for qm in qms]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def test_an_idle_cf_gets_an_unpaced_backup_a_busy_one_a_paced_one(
+        group: tuple[redis.Redis, list[QueueManager]], tmp_path: Path) -> None:
+    """Real CF, real group: alone, the backup never pauses; beside two members' put/get loops it pauses (its
+    manifest says how long), and still copies every resident message, restorable as ever."""
+    client, qms = group
+    idle = run_backup(client, "APP1", tmp_path / "bk", batch=100, share=0.1)
+    assert idle["pacing"] == {"share": 0.1, "pauses": 0, "paused_s": 0.0}
+    assert idle["entries"] == 3000
+
+    stop = threading.Event()
+    done = [0]
+    threads = _busy(qms, stop, done)
+    try:
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        busy = run_backup(client, "APP1", tmp_path / "bk", batch=100, share=0.1)
+        elapsed = time.monotonic() - t0
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert done[0] > 0
+    pacing = busy["pacing"]
+    assert pacing["pauses"] >= 10, pacing
+    assert pacing["paused_s"] > 0.5 * elapsed, (pacing, elapsed)  # it worked about a tenth of the time
+    frames = list(read_backup(tmp_path / "bk" / "APP1" / busy["id"]).frames())
+    assert sum(1 for _, w, _ in frames if w["q"] == "Q2") == 3000
+
+
+def test_share_one_runs_unpaced_beside_the_group(
+        group: tuple[redis.Redis, list[QueueManager]], tmp_path: Path) -> None:
+    client, qms = group
+    stop = threading.Event()
+    done = [0]
+    threads = _busy(qms, stop, done)
+    try:
+        time.sleep(0.3)
+        m = run_backup(client, "APP1", tmp_path / "bk", batch=100, share=1.0)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert m["pacing"]["pauses"] == 0 and m["entries"] >= 3000
+
+
+def test_cfbackup_run_takes_the_share_from_the_environment(
+        fresh_redis: EmbeddedRedis, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from backup.cli import main
+
+    define_group(fresh_redis.url)
+    monkeypatch.setenv(settings.ENV_BACKUP_SHARE, "0.4")
+    assert main(["run", "APP1", "--json", "--redis-url", fresh_redis.url, "--backup-dir", str(tmp_path)]) == 0
+    assert json.loads(capsys.readouterr().out)["pacing"]["share"] == 0.4
+    assert main(["run", "APP1", "--json", "--redis-url", fresh_redis.url, "--backup-dir", str(tmp_path),
+                 "--backup-share", "0"]) == 2
+    assert "--backup-share: '0' is not a share" in capsys.readouterr().err
