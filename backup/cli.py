@@ -1,6 +1,8 @@
 """cfbackup: BACKUP CFSTRUCT and the backup catalog.
 
-  cfbackup run STRUCTURE [--exclint SECONDS]     back up a structure while the group keeps working
+  cfbackup run STRUCTURE [--exclint SECONDS]     back up a structure while the group keeps working; while the
+               [--backup-share F]              group works, the backup works F of the time (default 0.05,
+                                               $CFEMU_BACKUP_SHARE; backup/pacing.py), on an idle CF all of it
   cfbackup list [STRUCTURE] [--deep]             backups, newest first, with their state (ok/corrupt/incomplete)
   cfbackup show ID                               one backup's manifest: LRSN range, steps, files
   cfbackup verify ID                             read everything: the signature, every frame's CRC, every

@@ -51,7 +51,12 @@ from cfemu.cf import CF
 from cfemu.clitools import PhaseBars
 from cfemu.embedded import EmbeddedRedis
 from cfemu.errors import NoMessageError
-from cfemu.settings import DEFAULT_BACKUP_SHARE
+
+try:
+    from cfemu.settings import DEFAULT_BACKUP_SHARE
+    PACING: bool = True
+except ImportError:  # a tree from before pacing (issue 15), on PYTHONPATH to compare: its backups never pause
+    DEFAULT_BACKUP_SHARE, PACING = 1.0, False
 from sqm.manager import QueueManager, QueueManagerConfig
 
 STRUCTURE, FILL_QUEUE, FG_QUEUE = "BENCH", "FILLQ", "FGQ"
@@ -170,13 +175,13 @@ def backups_in_a_loop(url: str, backup_dir: Path, log_root: Path, stop: threadin
     while not stop.is_set():
         p = subprocess.run(["nice", "-n", str(nice), cfbackup, "run", STRUCTURE, "--json", "--backup-dir",
                             str(backup_dir), "--redis-url", url, "--log-root", str(log_root), "--batch", str(batch),
-                            "--backup-share", str(share)],
+                            *(["--backup-share", str(share)] if PACING else [])],
                            capture_output=True, text=True, env=env)
         if p.returncode != 0:
             out.append({"error": p.stderr.strip()})
             return
         m = json.loads(p.stdout)
-        out.append({k: m[k] for k in ("entries", "elapsed_s", "exception_records", "pacing")})
+        out.append({k: m.get(k) for k in ("entries", "elapsed_s", "exception_records", "pacing")})
         shutil.rmtree(backup_dir / STRUCTURE, ignore_errors=True)
 
 
@@ -359,7 +364,7 @@ def main() -> int:
                       fg_busy_niced_per_s=round(windows["busy_niced"]["per_s"], 1),
                       fg_busy_unpaced_per_s=round(windows["busy_unpaced"]["per_s"], 1),
                       fg_quiet_windows_per_s=[round(windows[q]["per_s"], 1) for q in ("quiet1", "quiet2", "quiet3")],
-                      share=args.share,
+                      share=args.share if PACING else None,
                       fg_drop_pct=round((1 - windows["busy"]["per_s"] / quiet_per_s) * 100, 1),
                       fg_drop_unpaced_pct=round((1 - windows["busy_unpaced"]["per_s"] / quiet_per_s) * 100, 1),
                       paced_backup_entries_per_s=round(sum(r["entries"] for r in paced)

@@ -15,7 +15,7 @@ Each setting comes from the first of these that has it:
   4. the CF directory     the CF URL of ``cfemu cf start``: --cf-dir, else $CFEMU_CF_DIR, else the nearest var/cf,
                           while that CF runs
   5. the default          var/logs, var/backups (relative to the working directory); no CF URL and no token;
-                          restore's working memory 1GiB; a backup's share 0.1 (of the time it works while
+                          restore's working memory 1GiB; a backup's share 0.05 (of the time it works while
                           the group does: backup.pacing)
 
 The Spark master of restore's spark engine resolves the same way: cfrestore's --master, else
@@ -76,8 +76,9 @@ DEFAULT_BACKUP_DIR = Path("var/backups")
 DEFAULT_MEMORY_LIMIT = "1GiB"  # restore's working memory (docs/runbook.md, "Sizing a restore's memory")
 MIN_MEMORY_LIMIT = 64 << 10
 # The share of the time a backup works while the CF serves the group's work (backup.pacing; 1: never pauses).
-# Measured on 2 cores (BENCHMARKS.md, issue 15): it keeps the group's throughput within 10% while a backup runs.
-DEFAULT_BACKUP_SHARE = 0.1
+# Measured on 2 cores (BENCHMARKS.md, issue 15): 0.05 kept the group's throughput within 10% while a backup of
+# 1M messages ran (5.4%); 0.1 did at 200k (4.5-6.7%), not at 1M (13.9%).
+DEFAULT_BACKUP_SHARE = 0.05
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2, "mib": 1 << 20,
           "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30, "t": 1 << 40, "tb": 1000**4, "tib": 1 << 40}
 
