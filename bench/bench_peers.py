@@ -29,10 +29,12 @@ process is root and apt-get is there (unless --no-install); when they cannot be 
 as skipped, with the reason, and no figure.
 
     .venv/bin/python bench/bench_peers.py [--quick] [--seconds 5] [--rounds 3] [--clients 1 8 32]
-        [--peers postgres rabbitmq redis-aof sqm-inproc sqm-service] [--servers 1] [--no-install] [--json]
+        [--peers postgres rabbitmq redis-aof sqm-inproc sqm-service sqm-service-1] [--servers 1] [--no-install]
+        [--json]
 
-Work files (PostgreSQL's cluster, RabbitMQ's node, the SQM logs, the AOF) live under var/ (a real disk: fsync must
-cost what it costs). Prints tables (or, with --json, the JSON record) and appends the record to
+Work files (PostgreSQL's cluster, RabbitMQ's node, the SQM logs, the AOF) live under the system's temp directory
+(--work-dir; a real disk: fsync must cost what it costs; not the repository's var/, which is private to its owner
+while PostgreSQL and RabbitMQ run as their own users). Prints tables (or, with --json, the JSON record) and appends the record to
 bench/results/peers.jsonl.
 """
 
