@@ -164,6 +164,14 @@ def _lean_exchange(conn: Any, packed: list[bytes]) -> Any:
     except BaseException:
         conn.disconnect()
         raise
+    if isinstance(reply, redis.exceptions.ConnectionError) or (
+            type(reply) is list and reply and isinstance(reply[0], redis.exceptions.ConnectionError)):
+        # An error reply whose code the parser makes a ConnectionError (LOADING: a CF restarted that is still
+        # loading its data; NOAUTH, WRONGPASS): redis-py's parser raises it (or a table led by one) and its
+        # read_response drops the connection, as here: nothing ran. Returned, the caller unpacked the error object
+        # as the script's reply. A ResponseError (below) leaves the connection in step: its reply was read.
+        conn.disconnect()
+        raise reply if isinstance(reply, redis.exceptions.ConnectionError) else reply[0]
     if conn.health_check_interval:
         conn.next_health_check = time.monotonic() + conn.health_check_interval
     if isinstance(reply, redis.exceptions.ResponseError):

@@ -1,0 +1,72 @@
+"""Review of the lean CF exchange (cfemu.cf._lean_exchange) and the kernel-timed CF sockets (issue 15): what
+redis-py's own path raised, the lean path must raise. Real redis-server processes."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import redis
+
+from cfemu.admin import Admin
+from cfemu.cf import CF
+from cfemu.connection import connect
+from cfemu.embedded import EmbeddedRedis
+from sqm.manager import reply_lost
+
+
+def _cf(srv: EmbeddedRedis, **kw: Any) -> tuple[CF, redis.Redis]:
+    client = connect(srv.url, max_connections=1, **kw)  # one connection: every call reuses it
+    Admin(client).define_structure("APP1")
+    Admin(client).define_queue("Q1", "APP1")
+    return CF(client), client
+
+
+def _browse(cf: CF) -> int:
+    return len(cf.structure("APP1").browse("Q1", 10, int(time.time() * 1000)))
+
+
+def _loading(port: int) -> bool:
+    """Does the server on port answer -LOADING (a raw socket: redis-py's own client would retry)?"""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.sendall(b"GET x\r\n")
+            return s.recv(100).startswith(b"-LOADING")
+    except OSError:
+        return False
+
+
+def test_a_cf_still_loading_its_data_is_an_error_not_a_reply(redis_factory: Callable[..., EmbeddedRedis]) -> None:
+    """A CF restarted from its dump answers -LOADING until its data is in memory: redis-py raises it (its class
+    for it, BusyLoadingError, is a ConnectionError: nothing ran) and drops the connection. The lean path returned
+    the error object as the script's reply, for the caller to unpack as a browse, a put, a get..."""
+    srv = redis_factory()
+    cf, client = _cf(srv)
+    _browse(cf)
+    client.config_set("rdbcompression", "no")  # a dump of 30 MB: the server serves clients every 2 MB it loads
+    client.execute_command("DEBUG", "POPULATE", "60000", "k", "500")
+    client.save()
+    srv.kill()
+    # The same server again, each key loaded slowly (key-load-delay, microseconds): about 4 s of loading.
+    cmd = srv._command(srv.port, srv.data_dir) + ["--key-load-delay", "100"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while not _loading(srv.port):
+            assert time.monotonic() < deadline, "the CF never answered LOADING"
+            time.sleep(0.01)
+        with pytest.raises(redis.exceptions.BusyLoadingError) as loading:
+            _browse(cf)
+        assert not reply_lost(loading.value)  # refused before anything ran
+        deadline = time.monotonic() + 30
+        while _loading(srv.port):
+            assert time.monotonic() < deadline, "the CF never finished loading"
+            time.sleep(0.05)
+        assert _browse(cf) == 0  # and the connection is usable once the data is in
+    finally:
+        proc.kill()
+        proc.wait()
