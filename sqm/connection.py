@@ -209,7 +209,11 @@ class Connection(UnitOfWorkScope):
             if self.gone.is_set():  # nobody to deliver it to: the message stays on the queue
                 qm.complete(own, False)
                 raise ClientGoneError(f"the client left before a message from {queue} could be delivered")
-            qm.complete(own, True, pstore_checked=True)  # get.lua refused a persistent message while disconnected
+            # get.lua refused a persistent message while disconnected: that check covers the commit only when the
+            # get is the UOW's one piece of work. A poison message moved on the way (a get and a put) was checked
+            # when it moved, perhaps a wait_ms ago; the message delivered may be non-persistent (taken while
+            # disconnected): then standing.lua asks before the force, as for any UOW.
+            qm.complete(own, True, pstore_checked=own.operations == 1)
         qm.counters["gets"] += 1
         return Message.from_entry(entry, data)
 
