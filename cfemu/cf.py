@@ -112,6 +112,22 @@ class CF:
 
 
 _NOT_LEAN = object()
+# What the hiredis reader answers while a reply is incomplete: redis-py builds its readers with this sentinel; one
+# without it leaves hiredis's own False (a nil reply is None in RESP2, never False).
+_NOT_ENOUGH = getattr(redis_hiredis, "NOT_ENOUGH_DATA", False)
+
+
+def _io_failure(conn: Any, e: BaseException, *, writing: bool) -> BaseException:
+    """The connection dropped, and the error redis-py would raise for ``e``, word for word where it matters:
+    sqm.manager.reply_lost reads a failure while reading (the request went out: the script may have run) apart
+    from one while writing. A timeout is Python's or the kernel's (EAGAIN: cfemu.sockets)."""
+    conn.disconnect()
+    if isinstance(e, TimeoutError | BlockingIOError):
+        return redis.exceptions.TimeoutError(f"Timeout {'writing to' if writing else 'reading from'} socket")
+    if isinstance(e, OSError):
+        return redis.exceptions.ConnectionError(f"Error {e.errno} while writing to socket. {e.strerror}."
+                                                if writing else f"Error while reading from socket: {e.args}")
+    return e  # redis-py's own ConnectionError (closed by the server), or not an I/O failure at all
 
 
 def _lean_exchange(conn: Any, packed: list[bytes]) -> Any:
@@ -119,10 +135,9 @@ def _lean_exchange(conn: Any, packed: list[bytes]) -> Any:
     the parser's reader directly: what send_packed_command and read_response do for it without their per-call
     health-check clock, error-context strings and wrappers (issue 15: a CF call's client side is Python work the
     member pays four times per message lifecycle). The connection's own failure rules are kept: a timeout or a
-    socket error disconnects it and raises redis-py's TimeoutError or ConnectionError (a lost reply, as
-    sqm.manager.reply_lost reads it); a reply error is raised as the parser's class for it (NOSCRIPT included).
-    A connection this does not know how to drive (no socket yet, a health check due, another parser, TLS with
-    bytes pending) returns _NOT_LEAN and takes redis-py's own path."""
+    socket error disconnects it and raises redis-py's TimeoutError or ConnectionError (_io_failure); a reply error
+    is raised as the parser's class for it (NOSCRIPT included). A connection this does not know how to drive (no
+    socket yet, a health check due, another parser) returns _NOT_LEAN and takes redis-py's own path."""
     sock = conn._sock
     parser = conn._parser
     reader = getattr(parser, "_reader", None)
@@ -130,40 +145,26 @@ def _lean_exchange(conn: Any, packed: list[bytes]) -> Any:
     if (sock is None or reader is None or buf is None or len(packed) != 1
             or (conn.health_check_interval and time.monotonic() > conn.next_health_check)):
         return _NOT_LEAN
-    not_enough = getattr(redis_hiredis, "NOT_ENOUGH_DATA", None)
-    # The errors say what redis-py's say, word for word where it matters: sqm.manager.reply_lost reads a failure
-    # while reading (the request went out: the script may have run) apart from one while writing.
     try:
         sock.sendall(packed[0])
-    except (TimeoutError, BlockingIOError):  # a Python timeout, or the kernel's (EAGAIN: cfemu.sockets)
-        conn.disconnect()
-        raise redis.exceptions.TimeoutError("Timeout writing to socket") from None
-    except OSError as e:
-        conn.disconnect()
-        raise redis.exceptions.ConnectionError(f"Error {e.errno} while writing to socket. {e.strerror}.") from None
-    except BaseException:
-        conn.disconnect()
-        raise
+    except BaseException as e:
+        failure = _io_failure(conn, e, writing=True)
+        if failure is e:
+            raise
+        raise failure from None
     try:
         reply = reader.gets()
-        while reply is not_enough or reply is False:
+        while reply is _NOT_ENOUGH:
             n = sock.recv_into(buf)
             if n == 0:
                 raise redis.exceptions.ConnectionError("Connection closed by server.")
             reader.feed(buf, 0, n)
             reply = reader.gets()
-    except (TimeoutError, BlockingIOError):  # the reply did not come within the socket timeout (EAGAIN: the kernel's)
-        conn.disconnect()
-        raise redis.exceptions.TimeoutError("Timeout reading from socket") from None
-    except redis.exceptions.ConnectionError:
-        conn.disconnect()
-        raise
-    except OSError as e:
-        conn.disconnect()
-        raise redis.exceptions.ConnectionError(f"Error while reading from socket: {e.args}") from None
-    except BaseException:
-        conn.disconnect()
-        raise
+    except BaseException as e:
+        failure = _io_failure(conn, e, writing=False)
+        if failure is e:
+            raise
+        raise failure from None
     if isinstance(reply, redis.exceptions.ConnectionError) or (
             type(reply) is list and reply and isinstance(reply[0], redis.exceptions.ConnectionError)):
         # An error reply whose code the parser makes a ConnectionError (LOADING: a CF restarted that is still
