@@ -197,11 +197,16 @@ class Connection(UnitOfWorkScope):
                     raise NoMessageError(f"no message available on {queue}")
                 time.sleep(delay)
                 delay = min(delay * 2, 0.05)
-        except BaseException:
+        except BaseException as e:
             if uow.operations == 0 and not uow.doomed:  # nothing taken: no UOW to keep (an idle connection holds none)
                 qm.forget(uow)
                 if own is None:
                     self.uow = None
+            elif own is not None and not own.doomed and isinstance(e, NoMessageError | ClientGoneError):
+                # Outside syncpoint, poison messages moved to the backout queue on the way are this get's work
+                # alone: they stay moved. Backed out, a poison message alone on its queue went back to its head at
+                # every get, its backout count climbing, and never reached the backout queue (found in review).
+                qm.complete(own, True)
             elif own is not None:
                 qm.complete(own, False)
             raise

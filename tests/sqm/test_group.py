@@ -147,6 +147,28 @@ def test_backout_threshold_moves_poison_message(redis_url: str, tmp_path: Path) 
         qm.stop()
 
 
+def test_outside_syncpoint_a_poison_message_alone_on_its_queue_still_moves(redis_url: str, tmp_path: Path) -> None:
+    """A get outside syncpoint that moves a poison message and then finds nothing behind it commits the move
+    (its own unit of work): backed out, the message went back to the head of IN at every get and never reached
+    the backout queue."""
+    client = define_group(redis_url, queues=("BQ",))
+    Admin(client).define_queue("IN", "APP1", backout_threshold=1, backout_queue="BQ")
+    qm = start_qm(redis_url, tmp_path, "QM1", background=False)
+    try:
+        c = qm.connect()
+        c.put("IN", b"poison", syncpoint=False)
+        c.get("IN")
+        c.backout()  # backout count 1: at the threshold
+        with pytest.raises(NoMessageError):
+            c.get("IN", syncpoint=False)
+        with pytest.raises(NoMessageError):
+            c.get("IN", syncpoint=False)
+        m = c.get("BQ", syncpoint=False)
+        assert m.body == b"poison" and m.backout_count == 1
+    finally:
+        qm.stop()
+
+
 def test_a_put_whose_cf_reply_is_lost_is_outcome_unknown_not_failed(redis_server: Any, redis_url: str,
                                                                      tmp_path: Path) -> None:
     """Found by the chaos soak (seed 9, cf-link-cut): a non-persistent put outside syncpoint whose request reached
