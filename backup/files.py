@@ -264,40 +264,31 @@ class BackupWriter:
 
     def add(self, step: int, descriptor: dict[str, Any], data: bytes) -> None:
         """One copied entry: a frame [step, descriptor (wire form), data]."""
-        self._add_body(self._packer.pack([step, descriptor, data]))
-
-    def _add_body(self, body: bytes) -> None:
-        if self._file is None or (self._size + FRAME_HEAD.size + len(body) > self.roll_bytes and self._frames):
-            self._open_next()
-        buf = self._buf
-        buf += FRAME_HEAD.pack(len(body), crc32c.crc32c(body))
-        buf += body
-        self._size += FRAME_HEAD.size + len(body)
-        self._frames += 1
-        if len(buf) >= _WRITE_CHUNK:
-            self._flush_buffer()
+        self._add_frame(self._packer.pack([step, descriptor, data]), b"")
 
     def add_raw(self, step: int, copies: Iterable[tuple[bytes, bytes]]) -> None:
         """Copied entries whose descriptors are the CF's msgpack bytes (a wire-form map, docs/backup-format.md):
         each a frame [step, descriptor, data], the descriptor's bytes written as they are (no decode, no
-        re-pack). Same frames, checks and rolling as add."""
-        head = _STEP_HEAD[step]
-        frame_head = FRAME_HEAD.pack
-        crc = crc32c.crc32c
+        re-pack). The same frames as add."""
+        head = b"\x93" + _STEP_HEAD[step]
+        add_frame = self._add_frame
         for descriptor, data in copies:
-            n = len(data)
-            prefix = b"\x93" + head + descriptor + _bin_head(n)
-            length = len(prefix) + n
-            if self._file is None or (self._size + _FRAME_HEAD_SIZE + length > self.roll_bytes and self._frames):
-                self._open_next()
-            buf = self._buf
-            buf += frame_head(length, crc(data, crc(prefix)))
-            buf += prefix
-            buf += data
-            self._size += _FRAME_HEAD_SIZE + length
-            self._frames += 1
-            if len(buf) >= _WRITE_CHUNK:
-                self._flush_buffer()
+            add_frame(head + descriptor + _bin_head(len(data)), data)
+
+    def _add_frame(self, prefix: bytes, data: bytes) -> None:
+        """One frame whose body is prefix followed by data: its CRC chained over both, so that a message's data
+        is never copied into a body of its own; the file rolls first when the frame would pass roll_bytes."""
+        length = len(prefix) + len(data)
+        if self._file is None or (self._size + _FRAME_HEAD_SIZE + length > self.roll_bytes and self._frames):
+            self._open_next()
+        buf = self._buf
+        buf += FRAME_HEAD.pack(length, crc32c.crc32c(data, crc32c.crc32c(prefix)))
+        buf += prefix
+        buf += data
+        self._size += _FRAME_HEAD_SIZE + length
+        self._frames += 1
+        if len(buf) >= _WRITE_CHUNK:
+            self._flush_buffer()
 
     def finish(self, manifest: dict[str, Any]) -> dict[str, Any]:
         """Close the entry files (fsynced), then write the manifest, signed, atomically; returns it."""

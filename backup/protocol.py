@@ -19,18 +19,14 @@ backup runs carries its data in the BACKOUT record (enforced by cfemu/scripts/ba
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TypeVar
 
 import msgpack
 
 from cfemu import bulk
 from cfemu.bulk import Wire
 from cfemu.cf import Structure
-from cfemu.entry import Entry
-
-T = TypeVar("T")
 
 STEPS: tuple[tuple[str, str], ...] = (
     ("UG", "uncommitted gets (first pass)"),
@@ -51,43 +47,6 @@ class StepCount:
     bytes: int = 0
 
 
-def _select(count: StepCount, fetched: Iterable[tuple[T | None, bytes | None]], persistent: Callable[[T], bool],
-            keep: Callable[[T], bool] | None) -> Iterator[tuple[T, bytes]]:
-    """The copies a step keeps: present (not gone since the snapshot), persistent, and accepted by `keep`."""
-    for item, data in fetched:
-        if item is None or data is None:
-            count.vanished += 1
-            continue
-        if not persistent(item):
-            count.skipped_nonpersistent += 1
-            continue
-        if keep is not None and not keep(item):
-            count.excluded += 1
-            continue
-        count.copied += 1
-        count.bytes += len(data)
-        yield item, data
-
-
-def copy_step(structure: Structure, state: str, count: StepCount, batch: int = 2000,
-              keep: Callable[[Entry], bool] | None = None) -> Iterator[tuple[Entry, bytes]]:
-    """Snapshot the ids of every entry in `state`, then yield the current copy of each persistent one
-    (of each one `keep` accepts, when given)."""
-    ids = structure.snapshot(state)
-    count.snapshot += len(ids)
-    yield from _select(count, ((e, d) for _, e, d in structure.fetch(ids, batch=batch)),
-                       lambda e: e.persistent, keep)
-
-
-def copy_step_wire(structure: Structure, state: str, count: StepCount, batch: int = 2000,
-                   keep: Callable[[Wire], bool] | None = None) -> Iterator[tuple[Wire, bytes]]:
-    """copy_step with descriptors in wire form (cfemu.entry.Entry.wire()), the form a backup stores."""
-    ids = structure.snapshot(state)
-    count.snapshot += len(ids)
-    yield from _select(count, bulk.fetch_wire(structure.cf.redis, structure.name, ids, batch),
-                       lambda w: w.get("per", 1) == 1, keep)
-
-
 # The descriptor's "per" key as every writer of the CF's descriptors encodes it (a fixstr: Entry.pack, and the Lua
 # scripts' cmsgpack, which re-encode the whole table), followed by its value.
 _PER_KEY = msgpack.packb("per", use_bin_type=False)
@@ -106,9 +65,10 @@ def _persistent_at_sight(raw: bytes) -> bool:
 
 def select_raw(count: StepCount, descs: list[bytes | None], datas: list[bytes | None],
                keep: Callable[[Wire], bool] | None = None) -> list[tuple[bytes, bytes]]:
-    """The copies one fetched batch keeps, as _select decides them, with each descriptor as the CF's bytes: a
-    persistent descriptor is seen at sight (_persistent_at_sight) and not decoded; any other is decoded, and
-    every one is when `keep` must look at it (EXCLINT)."""
+    """The copies one fetched batch keeps: present (not gone since the snapshot), persistent, and accepted by
+    `keep`, counted in `count`, with each descriptor as the CF's bytes: a persistent descriptor is seen at sight
+    (_persistent_at_sight) and not decoded; any other is decoded, and every one is when `keep` must look at it
+    (EXCLINT)."""
     out: list[tuple[bytes, bytes]] = []
     append = out.append
     at_sight = _persistent_at_sight if keep is None else None
@@ -135,9 +95,10 @@ def select_raw(count: StepCount, descs: list[bytes | None], datas: list[bytes | 
 def copy_step_raw(structure: Structure, state: str, count: StepCount, batch: int = 2000,
                   keep: Callable[[Wire], bool] | None = None, before_read: Callable[[], None] | None = None
                   ) -> Iterator[list[tuple[bytes, bytes]]]:
-    """copy_step_wire batch by batch, each copy's descriptor as the CF's msgpack bytes (which a backup frame
-    holds as they are: the same map, docs/backup-format.md), for the backup's hot loop. before_read: the
-    pacing hook (cfemu.bulk.fetch_raw)."""
+    """Snapshot the ids of every entry in `state`, then yield, batch by batch, the current copy of each persistent
+    one (of each one `keep` accepts, when given; select_raw), its descriptor as the CF's msgpack bytes (which a
+    backup frame holds as they are: the same map, docs/backup-format.md). before_read: the pacing hook
+    (cfemu.bulk.fetch_raw)."""
     ids = structure.snapshot(state)
     count.snapshot += len(ids)
     for descs, datas in bulk.fetch_raw(structure.cf.redis, structure.name, ids, batch, before_read=before_read):

@@ -21,14 +21,14 @@ backup run a different list of steps (e.g. without step 1).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Iterable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import redis
 
-from backup.protocol import STEPS, StepCount, copy_step
-from cfemu import keys
+from backup.protocol import STEPS, StepCount, copy_step_raw
+from cfemu import bulk, keys
 from cfemu.admin import Admin
 from cfemu.cf import CF, Caller, Structure
 from cfemu.entry import Entry
@@ -251,17 +251,14 @@ class Member:
 
 
 class _TakenSnapshot:
-    """Hands copy_step a snapshot taken in an earlier step, so that the fetch is a step of its own."""
+    """Hands copy_step_raw a snapshot taken in an earlier step, so that the fetch is a step of its own."""
 
     def __init__(self, structure: Structure, ids: list[str]) -> None:
-        self._structure = structure
+        self.cf, self.name = structure.cf, structure.name  # what the fetch reads through
         self._ids = ids
 
     def snapshot(self, state: str) -> list[str]:
         return self._ids
-
-    def fetch(self, ids: Iterable[str], batch: int = 2000) -> Iterable[tuple[str, Entry | None, bytes | None]]:
-        return self._structure.fetch(ids, batch)
 
 
 def backup_actor(world: World) -> Steps:
@@ -283,7 +280,9 @@ def backup_actor(world: World) -> Steps:
         if ids:
             yield f"backup step {number} {state} fetch"
         taken = cast(Structure, _TakenSnapshot(s, ids))
-        b.copies.extend((STRUCTURE, e.wire(), d) for e, d in copy_step(taken, state, count))
+        # The backup's own path (backup.run): the CF's descriptor bytes, selected by select_raw.
+        b.copies.extend((STRUCTURE, bulk.unpack_wire(raw), d) for copies in copy_step_raw(taken, state, count)
+                        for raw, d in copies)
     yield "backup end"
     s.backup_end(BACKUP_ID, clock.now(), ok=True)
     b.ended = True
