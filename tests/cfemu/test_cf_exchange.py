@@ -19,52 +19,42 @@ from cfemu.connection import connect
 from cfemu.embedded import EmbeddedRedis
 from cfemu.errors import UnknownObjectError
 from sqm.manager import reply_lost
-
-
-def _cf(srv: EmbeddedRedis, **kw: Any) -> tuple[CF, redis.Redis]:
-    client = connect(srv.url, max_connections=1, **kw)  # one connection: every call reuses it
-    Admin(client).define_structure("APP1")
-    Admin(client).define_queue("Q1", "APP1")
-    return CF(client), client
-
-
-def _browse(cf: CF) -> int:
-    return len(cf.structure("APP1").browse("Q1", 10, int(time.time() * 1000)))
+from tests.support.one_connection_cf import browse_q1, one_connection_cf
 
 
 def test_calls_take_the_lean_path_not_redis_pys(redis_factory: Callable[..., EmbeddedRedis],
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    cf, _ = _cf(redis_factory())
-    _browse(cf)  # connected
+    cf, _ = one_connection_cf(redis_factory())
+    browse_q1(cf)  # connected
 
     def refuse(*_: Any, **__: Any) -> None:
         raise AssertionError("redis-py's per-command path was taken")
     monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", refuse)
     monkeypatch.setattr(redis.connection.AbstractConnection, "read_response", refuse)
-    assert [_browse(cf) for _ in range(3)] == [0, 0, 0]
+    assert [browse_q1(cf) for _ in range(3)] == [0, 0, 0]
 
 
 def test_a_refusal_is_the_mapped_error_and_the_connection_stays_in_step(
         redis_factory: Callable[..., EmbeddedRedis]) -> None:
-    cf, _ = _cf(redis_factory())
+    cf, _ = one_connection_cf(redis_factory())
     with pytest.raises(UnknownObjectError):
         cf.structure("APP1").browse("NOSUCH", 10, 0)
-    assert _browse(cf) == 0  # the next call reads its own reply, not a leftover
+    assert browse_q1(cf) == 0  # the next call reads its own reply, not a leftover
 
 
 def test_scripts_flushed_are_loaded_again(redis_factory: Callable[..., EmbeddedRedis]) -> None:
-    cf, client = _cf(redis_factory())
-    _browse(cf)
+    cf, client = one_connection_cf(redis_factory())
+    browse_q1(cf)
     client.script_flush()
-    assert _browse(cf) == 0
+    assert browse_q1(cf) == 0
 
 
 def test_a_reply_that_times_out_is_never_read_by_the_next_call(redis_factory: Callable[..., EmbeddedRedis]) -> None:
     """The CF stopped (SIGSTOP) past the socket timeout: TimeoutError, and the connection is dropped, so that the
     late reply, sent once the CF runs again, cannot be taken for the next call's."""
     srv = redis_factory()
-    cf, client = _cf(srv, socket_timeout=0.5)
-    _browse(cf)
+    cf, client = one_connection_cf(srv, socket_timeout=0.5)
+    browse_q1(cf)
     pool = client.connection_pool
     assert srv.pid is not None
     os.kill(srv.pid, signal.SIGSTOP)
@@ -74,7 +64,7 @@ def test_a_reply_that_times_out_is_never_read_by_the_next_call(redis_factory: Ca
     finally:
         os.kill(srv.pid, signal.SIGCONT)
     assert all(c is None or c._sock is None for c in list(pool.pool.queue))  # type: ignore[attr-defined]
-    assert _browse(cf) == 0
+    assert browse_q1(cf) == 0
 
 
 def test_a_reply_lost_after_the_request_went_out_reads_as_maybe_applied(
@@ -84,25 +74,25 @@ def test_a_reply_lost_after_the_request_went_out_reads_as_maybe_applied(
     that the CF applied is a lost or duplicated message). Timeout: the CF stopped; reset: the CF killed while the
     request waits in its socket."""
     srv = redis_factory()
-    cf, _ = _cf(srv, socket_timeout=0.5)
-    _browse(cf)
+    cf, _ = one_connection_cf(srv, socket_timeout=0.5)
+    browse_q1(cf)
     assert srv.pid is not None
     os.kill(srv.pid, signal.SIGSTOP)
     try:
         with pytest.raises(redis.exceptions.TimeoutError) as timed_out:
-            _browse(cf)
+            browse_q1(cf)
     finally:
         os.kill(srv.pid, signal.SIGCONT)
     assert reply_lost(timed_out.value)
-    _browse(cf)
+    browse_q1(cf)
     cf2 = CF(connect(srv.url, max_connections=1, socket_timeout=10))
-    _browse(cf2)
+    browse_q1(cf2)
     os.kill(srv.pid, signal.SIGSTOP)
     result: list[BaseException] = []
 
     def call() -> None:
         try:
-            _browse(cf2)
+            browse_q1(cf2)
         except BaseException as e:  # noqa: BLE001 - examined below
             result.append(e)
     t = threading.Thread(target=call)
@@ -117,13 +107,13 @@ def test_a_reply_lost_after_the_request_went_out_reads_as_maybe_applied(
 def test_a_cf_killed_gives_a_connection_error_then_a_restarted_one_answers(
         redis_factory: Callable[..., EmbeddedRedis]) -> None:
     srv = redis_factory()
-    cf, _ = _cf(srv)
-    _browse(cf)
+    cf, _ = one_connection_cf(srv)
+    browse_q1(cf)
     srv.kill()
     with pytest.raises(redis.exceptions.ConnectionError):
-        _browse(cf)
+        browse_q1(cf)
     srv.start()
     admin_client = connect(srv.url)
     Admin(admin_client).define_structure("APP1")
     Admin(admin_client).define_queue("Q1", "APP1")
-    assert _browse(cf) == 0
+    assert browse_q1(cf) == 0

@@ -7,27 +7,13 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 import redis
 
-from cfemu.admin import Admin
-from cfemu.cf import CF
-from cfemu.connection import connect
 from cfemu.embedded import EmbeddedRedis
 from sqm.manager import reply_lost
-
-
-def _cf(srv: EmbeddedRedis, **kw: Any) -> tuple[CF, redis.Redis]:
-    client = connect(srv.url, max_connections=1, **kw)  # one connection: every call reuses it
-    Admin(client).define_structure("APP1")
-    Admin(client).define_queue("Q1", "APP1")
-    return CF(client), client
-
-
-def _browse(cf: CF) -> int:
-    return len(cf.structure("APP1").browse("Q1", 10, int(time.time() * 1000)))
+from tests.support.one_connection_cf import browse_q1, one_connection_cf
 
 
 def _loading(port: int) -> bool:
@@ -45,8 +31,8 @@ def test_a_cf_still_loading_its_data_is_an_error_not_a_reply(redis_factory: Call
     for it, BusyLoadingError, is a ConnectionError: nothing ran) and drops the connection. The lean path returned
     the error object as the script's reply, for the caller to unpack as a browse, a put, a get..."""
     srv = redis_factory()
-    cf, client = _cf(srv)
-    _browse(cf)
+    cf, client = one_connection_cf(srv)
+    browse_q1(cf)
     client.config_set("rdbcompression", "no")  # a dump of 30 MB: the server serves clients every 2 MB it loads
     client.execute_command("DEBUG", "POPULATE", "60000", "k", "500")
     client.save()
@@ -60,13 +46,13 @@ def test_a_cf_still_loading_its_data_is_an_error_not_a_reply(redis_factory: Call
             assert time.monotonic() < deadline, "the CF never answered LOADING"
             time.sleep(0.01)
         with pytest.raises(redis.exceptions.BusyLoadingError) as loading:
-            _browse(cf)
+            browse_q1(cf)
         assert not reply_lost(loading.value)  # refused before anything ran
         deadline = time.monotonic() + 30
         while _loading(srv.port):
             assert time.monotonic() < deadline, "the CF never finished loading"
             time.sleep(0.05)
-        assert _browse(cf) == 0  # and the connection is usable once the data is in
+        assert browse_q1(cf) == 0  # and the connection is usable once the data is in
     finally:
         proc.kill()
         proc.wait()
