@@ -47,7 +47,8 @@ bench-full: venv
 # docker-compose.yml run for real (opt-in; needs a Docker daemon, docker-compose and, to build the stand-in base
 # image, root and debootstrap): builds the images FROM a local Debian image where no registry is reachable
 # (docker/build-images.sh; cached after the first time), then the compose test: up, put/get with the group's token,
-# a backup, the CF killed and restored (local and Spark engines), the volumes checked, down.
+# a UOW service and a durable topic, a backup, the CF killed and restored twice (RECAUTO, then the Spark engine),
+# statuses and subscriptions checked, the volumes checked, down (the group's logs kept, no traceback in them).
 DOCKER ?= docker
 
 compose-images: venv
