@@ -472,7 +472,9 @@ class Conversation:
         for op in (self.sending, self.receiving):
             if op is not None and op.control.uow == uow:
                 return op.control.public()
-        _, c = self._find(uow)
+        # A status change in flight (one acknowledged while its commit waits for the CF, say) is waited for: a QUERY
+        # after a COMMIT that answered must not read the status before it.
+        _, c = self._find(uow, wait_s=ctl.HELD_WAIT_S)
         return c.public()
 
     def last(self) -> dict[str, Any]:
@@ -483,7 +485,7 @@ class Conversation:
         if found is None:
             raise UnknownUowError(f"user {self.user} has sent no unit of work whose status is kept")
         svc, uow = found
-        c = ctl.peek(self.qm, svc, uow)
+        c = ctl.peek(self.qm, svc, uow, wait_s=ctl.HELD_WAIT_S)  # as QUERY: a change in flight is waited for
         if c is None:
             return {"uow": uow, "service": svc.name, "status": None}
         return c.public()
@@ -592,8 +594,8 @@ class Conversation:
                                  "received here)")
         raise UowStatusError("this session holds no unit of work")
 
-    def _find(self, uow: str) -> tuple[ctl.Service, Control]:
-        found = ctl.find(self.qm, uow, self._known.get(uow))
+    def _find(self, uow: str, *, wait_s: float = 0.0) -> tuple[ctl.Service, Control]:
+        found = ctl.find(self.qm, uow, self._known.get(uow), wait_s=wait_s)
         if found is None:
             raise UnknownUowError(f"unit of work {uow} is not known (never sent, or its status was not kept)")
         self._known[uow] = found[0]
@@ -641,18 +643,20 @@ def move_to_backout_queue(conn: Connection, svc: ctl.Service, uow: str) -> bool:
     return ctl.drain_data(conn, svc, uow, move if svc.backout_queue else None) > 0 and bool(svc.backout_queue)
 
 
-def settle_orphan(qm: QueueManager, svc: ctl.Service, uow: str, owner: str, *, gone: bool = False) -> Control | None:
+def settle_orphan(qm: QueueManager, svc: ctl.Service, uow: str, owner: str, *, gone: bool = False,
+                  wait_s: float = ctl.HELD_WAIT_S) -> Control | None:
     """A UOW whose owning scope was backed out (``gone``: died with its member): its status as a backout leaves it
     (sqm.uowstatus.after_backout) or, when its process is gone, as the restart tables say (after_restart); its
     remaining messages are removed when it is not restored. Best effort: a control that changed meanwhile, or a CF
-    that cannot be reached, is left to the sweeper."""
+    that cannot be reached, is left to the sweeper (which passes ``wait_s`` 0: see ctl.replace)."""
     def settle(old: Control) -> Control | None:
         if old.owner != owner or old.status not in (RECEIVED, DELIVERED):
             raise UowStatusError(f"unit of work {uow} changed meanwhile")
         return after_restart(old) if gone else after_backout(old, pc)
     try:
         pc = ctl.pseudo_clock(qm, svc.structure) if not gone else 0
-        _, new = ctl.replace(qm, svc, uow, settle, drain=lambda old, new: new is None or new.status in FINAL)
+        _, new = ctl.replace(qm, svc, uow, settle, drain=lambda old, new: new is None or new.status in FINAL,
+                             wait_s=wait_s)
         return new
     except Exception:  # noqa: BLE001 - left to the sweeper
         return None

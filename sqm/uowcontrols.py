@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 import msgpack
 
 from cfemu.admin import QueueDef
+from cfemu.entry import Entry
 from cfemu.errors import NoMessageError, UowStatusError
 from cfemu.uow_attributes import UowAttributes, control_queue, data_queue
 from sqm.connection import Connection, Message
@@ -25,6 +27,15 @@ log = logging.getLogger(__name__)
 PCLOCK_GAP_MS = 10_000
 LAST_LETTER = "L"  # a user's pointer to the last UOW it sent (SYNCPOINT LAST)
 PEEK_LIMIT = 1000
+# How long a status change, QUERY or LAST waits for a UOW's control that another unit of work holds, before it
+# answers as the control stands. A control is held only while a status change is in flight (take, put, commit: a few
+# CF round trips), by a sweeper that takes it to check it is still as its batch read it and gives it back, or by a
+# change whose commit was forced while the CF was away (a duplexed CF's failover), which its member applies within
+# about a second and a half of finding the new primary (chaos runs: 0.3-1.5 s). Refusing at once refused a
+# receiver's COMMIT of a UOW its session held because a sweeper looked at that moment, and a QUERY right after an
+# acknowledged COMMIT read the status before it (CHAOS-RESULTS.md, 2026-11-26 20:10). Below a client's 5 s request
+# timeout, so the answer still reaches it.
+HELD_WAIT_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -75,10 +86,23 @@ def cf_now_ms(qm: QueueManager, structure: str) -> int:
     return int(qm.cf_call(lambda: qm.structure(structure).pclock(max_gap_ms=PCLOCK_GAP_MS)).cf_ms)
 
 
-def peek(qm: QueueManager, svc: Service, uow: str) -> Control | None:
-    """The UOW's control as the CF holds it (also while a transition holds it), without taking it."""
+def _peek_entry(qm: QueueManager, svc: Service, uow: str) -> tuple[Entry, bytes] | None:
     found = qm.cf_call(lambda: qm.structure(svc.structure).peek(svc.control, "m", uow, 1))
-    return Control.unpack(found[0][1]) if found else None
+    return found[0] if found else None
+
+
+def peek(qm: QueueManager, svc: Service, uow: str, *, wait_s: float = 0.0) -> Control | None:
+    """The UOW's control as the CF holds it (also while a transition holds it), without taking it. ``wait_s``: while
+    a unit of work holds it (a status change in flight), wait up to that long for the change to end, so that a
+    change already acknowledged to its caller is seen (QUERY, LAST); then the control as it stands."""
+    deadline = time.monotonic() + wait_s
+    delay = 0.005
+    while True:
+        found = _peek_entry(qm, svc, uow)
+        if found is None or found[0].state != "UG" or time.monotonic() >= deadline:
+            return Control.unpack(found[1]) if found else None
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
 
 
 def peek_status(qm: QueueManager, svc: Service, status: str, limit: int = PEEK_LIMIT) -> list[Control]:
@@ -127,13 +151,26 @@ def put_control(conn: Connection, svc: Service, c: Control) -> None:
              correlid=LETTER[c.status].encode())
 
 
-def take_control(conn: Connection, svc: Service, uow: str) -> Control:
-    """Get the UOW's control under the connection's unit of work (it is replaced or removed at its commit)."""
-    try:
-        msg = conn.get(svc.control, syncpoint=True, msgid=bytes.fromhex(uow))
-    except NoMessageError:
-        raise UowStatusError(f"unit of work {uow} changed status meanwhile (or its status is not kept)") from None
-    return Control.unpack(msg.body)
+def take_control(conn: Connection, svc: Service, uow: str, *, wait_s: float = HELD_WAIT_S) -> Control:
+    """Get the UOW's control under the connection's unit of work (it is replaced or removed at its commit). A control
+    another unit of work holds (a status change in flight, or a sweeper's look) is waited for, up to ``wait_s``: the
+    change it makes, if any, is then judged by the caller's own check. Refused when there is no control (its status
+    is not kept), when this connection's unit of work holds it already, or when it is still held after the wait."""
+    deadline = time.monotonic() + wait_s
+    delay = 0.005
+    while True:
+        try:
+            msg = conn.get(svc.control, syncpoint=True, msgid=bytes.fromhex(uow))
+            return Control.unpack(msg.body)
+        except NoMessageError:
+            pass
+        mine = conn.uow.id if conn.uow is not None else ""
+        found = _peek_entry(conn.qm, svc, uow) if time.monotonic() < deadline else None
+        if found is None or found[0].state == "UG" and found[0].uow == mine:
+            raise UowStatusError(f"unit of work {uow} changed status meanwhile (or its status is not kept)")
+        if found[0].state == "UG":  # given back (a look), or replaced (a change) in a moment: try again then
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
 
 
 def drain_data(conn: Connection, svc: Service, uow: str, each: Callable[[Message], None] | None = None) -> int:
@@ -152,14 +189,15 @@ def drain_data(conn: Connection, svc: Service, uow: str, each: Callable[[Message
 
 def replace(qm: QueueManager, svc: Service, uow: str, change: Callable[[Control], Control | None], *,
             drain: Callable[[Control, Control | None], bool] = lambda old, new: False,
-            conn: Connection | None = None) -> tuple[Control, Control | None]:
-    """One status change, as one unit of work: take the control, compute its successor (``change`` may raise
-    UowStatusError, which changes nothing), take the UOW's messages where ``drain`` says so, put the successor (None:
-    no trace kept), commit. With ``conn`` the change joins that connection's unit of work, uncommitted."""
+            conn: Connection | None = None, wait_s: float = HELD_WAIT_S) -> tuple[Control, Control | None]:
+    """One status change, as one unit of work: take the control (waiting up to ``wait_s`` while another change holds
+    it), compute its successor (``change`` may raise UowStatusError, which changes nothing), take the UOW's messages
+    where ``drain`` says so, put the successor (None: no trace kept), commit. With ``conn`` the change joins that
+    connection's unit of work, uncommitted."""
     own = conn is None
     c = conn or qm.connect()
     try:
-        old = take_control(c, svc, uow)
+        old = take_control(c, svc, uow, wait_s=wait_s)
         new = change(old)
         if drain(old, new):
             drain_data(c, svc, uow)
@@ -208,14 +246,15 @@ def find_last(qm: QueueManager, user: str, token: str) -> tuple[Service, str] | 
     return (best[1], best[2]) if best else None
 
 
-def find(qm: QueueManager, uow: str, hint: Service | None = None) -> tuple[Service, Control] | None:
-    """A UOW's service and control, by its id alone."""
+def find(qm: QueueManager, uow: str, hint: Service | None = None, *,
+         wait_s: float = 0.0) -> tuple[Service, Control] | None:
+    """A UOW's service and control, by its id alone (``wait_s``: as peek's)."""
     for svc in ([hint] if hint else []) + [s for s in services(qm) if s != hint]:
-        c = peek(qm, svc, uow)
+        c = peek(qm, svc, uow, wait_s=wait_s)
         if c is not None:
             return svc, c
     return None
 
 
 __all__ = ["Service", "service", "services", "pseudo_clock", "peek", "peek_status", "put_control", "take_control",
-           "drain_data", "replace", "set_last", "find_last", "find", "PCLOCK_GAP_MS"]
+           "drain_data", "replace", "set_last", "find_last", "find", "PCLOCK_GAP_MS", "HELD_WAIT_S"]

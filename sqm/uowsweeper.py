@@ -95,7 +95,7 @@ class Sweeper:
             if c.owner_member == qm.name and c.owner not in qm.uows and not c.outlived(epochs)[0]:
                 key = (c.uow, c.owner)
                 if self.suspects.setdefault(key, self.sweeps) < self.sweeps:
-                    settle_orphan(qm, svc, c.uow, c.owner)
+                    settle_orphan(qm, svc, c.uow, c.owner, wait_s=0.0)
                     self.suspects.pop(key, None)
                     done["orphans-settled"] += 1
         for st in FINAL:
@@ -106,14 +106,15 @@ class Sweeper:
 
 
 def _apply(qm: QueueManager, svc: ctl.Service, seen: Control, change: object, what: str) -> str:
-    """One sweeper change, if the control is still as seen (another member may have changed it)."""
+    """One sweeper change, if the control is still as seen (another member may have changed it). A control held by
+    someone else is left to a later sweep at once (wait_s 0): the sweep does not wait on a change in flight."""
     def guarded(old: Control) -> Control | None:
         if (old.status, old.owner, old.changed_pc) != (seen.status, seen.owner, seen.changed_pc):
             raise UowStatusError(f"unit of work {old.uow} changed meanwhile")
         return change(old)  # type: ignore[operator]
     try:
         _, new = ctl.replace(qm, svc, seen.uow, guarded,
-                             drain=lambda old, new: new is None or new.status in FINAL)
+                             drain=lambda old, new: new is None or new.status in FINAL, wait_s=0.0)
     except UowStatusError:
         return "raced"
     return what

@@ -1,0 +1,219 @@
+"""A UOW's control entry held for a moment by another unit of work (a status change in flight, a sweeper's look, a
+change whose commit was forced while the CF was away): a settle waits for it instead of being refused, and QUERY and
+LAST wait for it instead of reading the status before a change already acknowledged. Found by the chaos suite
+(CHAOS-RESULTS.md, 2026-11-26 20:10: the service drain's COMMIT refused while a sweeper looked at its UOW; a QUERY
+right after a COMMIT acknowledged during a duplexed CF's failover read RECEIVED). Real redis-server, real logs."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cfemu.admin import Admin
+from cfemu.connection import connect
+from cfemu.errors import EndOfUowError, MQError, NoMessageError, StructureFailedError, UowStatusError
+from sqm import uowcontrols as ctl
+from sqm import uowsweeper
+from sqm.conversation import SYNC, Conversation
+from sqm.manager import QueueManager
+from sqm.uowstatus import Control
+from sqm.uowsweeper import Sweeper
+from tests.support.group import start_qm
+
+S, SVC, SHORT = "APP1", "SVC", "SHORT"
+
+
+@pytest.fixture
+def qms(redis_url: str, tmp_path: Path) -> Iterator[tuple[QueueManager, QueueManager]]:
+    admin = Admin(connect(redis_url))
+    admin.ensure_structure(S, ())
+    admin.define_queue(SVC, S, uow={"status_lifetime": 2})
+    admin.define_queue(SHORT, S, uow={"status_lifetime": 254, "lifetime_s": 1})
+    a = start_qm(redis_url, tmp_path / "logs", "QM1", background=False)
+    b = start_qm(redis_url, tmp_path / "logs", "QM2", background=False)
+    yield a, b
+    a.stop()
+    b.stop()
+
+
+def sent(snd: Conversation, n: int = 2, service: str = SVC) -> str:
+    uow = ""
+    for i in range(n):
+        uow = snd.send(service, b"m%d" % i).uow
+    snd.commit()
+    return uow
+
+
+def received_whole(rcv: Conversation, service: str = SVC) -> str:
+    uow = rcv.receive(service, option=SYNC).uow
+    with pytest.raises(EndOfUowError):
+        while True:
+            rcv.receive(service)
+    return uow
+
+
+def a_sweepers_look(qm: QueueManager, uow: str, hold_s: float) -> threading.Thread:
+    """A sweeper that read the UOW in its batch takes its control to check it is still as it read it
+    (uowsweeper._apply), finds it changed and gives it back: here the look lasts hold_s."""
+    svc = ctl.service(qm, SVC)
+    seen = ctl.peek(qm, svc, uow)
+    assert seen is not None
+    taken = threading.Event()
+
+    def changed_meanwhile(old: Control) -> Control | None:
+        taken.set()
+        time.sleep(hold_s)
+        raise UowStatusError(f"unit of work {old.uow} changed meanwhile")
+    t = threading.Thread(target=uowsweeper._apply, args=(qm, svc, seen, changed_meanwhile, "looked"))
+    t.start()
+    assert taken.wait(5)
+    return t
+
+
+def test_a_receivers_commit_waits_for_a_sweepers_look_instead_of_being_refused(
+        qms: tuple[QueueManager, QueueManager]) -> None:
+    """Before: UowStatusError 'changed status meanwhile', though nothing had changed, and the session still held the
+    UOW: every later receive said 'end of unit of work' (the chaos drain spun so for 45 s)."""
+    qm1, qm2 = qms
+    snd, rcv = Conversation(qm1, "alice"), Conversation(qm2, "bob")
+    uow = sent(snd)
+    assert received_whole(rcv) == uow
+    look = a_sweepers_look(qm1, uow, 0.3)
+    assert rcv.commit()["status"] == "PROCESSED"
+    look.join(5)
+    assert rcv.receiving is None and snd.query(uow)["status"] == "PROCESSED"
+    assert not qm1.connect().browse(f"{SVC}.UOWDATA", 10)
+
+
+def test_a_backout_and_a_senders_cancel_wait_for_it_too(qms: tuple[QueueManager, QueueManager]) -> None:
+    qm1, qm2 = qms
+    snd, rcv = Conversation(qm1, "alice"), Conversation(qm2, "bob")
+    uow = sent(snd)
+    received_whole(rcv)
+    look = a_sweepers_look(qm1, uow, 0.3)
+    assert rcv.backout()["status"] == "ACCEPTED"
+    look.join(5)
+    look = a_sweepers_look(qm2, uow, 0.3)
+    assert snd.cancel(uow)["status"] == "CANCELLED"
+    look.join(5)
+
+
+def test_a_control_held_longer_than_the_wait_is_refused_after_it(qms: tuple[QueueManager, QueueManager]) -> None:
+    """The wait is bounded (HELD_WAIT_S): a settle is refused then, as before, and the session still holds its UOW
+    (docs/uow.md: the application backs it out)."""
+    qm1, qm2 = qms
+    snd, rcv = Conversation(qm1, "alice"), Conversation(qm2, "bob")
+    uow = sent(snd)
+    received_whole(rcv)
+    look = a_sweepers_look(qm1, uow, ctl.HELD_WAIT_S + 1.5)
+    t0 = time.monotonic()
+    with pytest.raises(UowStatusError, match="changed status meanwhile"):
+        rcv.commit()
+    assert ctl.HELD_WAIT_S - 0.1 <= time.monotonic() - t0 < ctl.HELD_WAIT_S + 1.0
+    look.join(5)
+    assert rcv.receiving is not None
+    assert rcv.backout()["status"] == "ACCEPTED"
+    assert received_whole(rcv) == uow and rcv.commit()["status"] == "PROCESSED"
+
+
+def test_receivers_committing_expired_uows_while_sweepers_time_them_out_are_never_refused(
+        qms: tuple[QueueManager, QueueManager]) -> None:
+    """The race behind the chaos finding: UOWs past their lifetime, receivers on two members taking and committing
+    them while four sweepers time them out from batches read a moment before. A receiver's COMMIT of a UOW its session
+    holds must not be refused (before: about one COMMIT in a hundred was, 'changed status meanwhile', with the UOW
+    still DELIVERED to that session)."""
+    qm1, qm2 = qms
+    snd = Conversation(qm1, "alice")
+    uows = [sent(snd, 2, SHORT) for _ in range(150)]
+    time.sleep(1.2)  # every lifetime is over
+    out: Counter[str] = Counter()
+    refused: list[str] = []
+    stop = time.monotonic() + 4
+    lock = threading.Lock()
+
+    def receiver(qm: QueueManager, name: str) -> None:
+        c = Conversation(qm, name)
+        while time.monotonic() < stop:
+            try:
+                g = c.receive(SHORT, option=SYNC)
+            except NoMessageError:
+                time.sleep(0.005)
+                continue
+            try:
+                while True:
+                    c.receive(SHORT)
+            except EndOfUowError:
+                pass
+            try:
+                c.commit()
+                with lock:
+                    out["committed"] += 1
+            except MQError as e:
+                with lock:
+                    refused.append(f"{g.uow}: {e}")
+                c.close()
+                c = Conversation(qm, name)
+        c.close()
+
+    def sweeper(qm: QueueManager) -> None:
+        sw = Sweeper(qm)
+        while time.monotonic() < stop + 1:
+            sw.sweep()
+
+    ts = [threading.Thread(target=receiver, args=(qm, f"r{i}")) for i, qm in enumerate([qm1, qm2, qm1, qm2])]
+    ts += [threading.Thread(target=sweeper, args=(qm,)) for qm in (qm1, qm2, qm1, qm2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
+    final = Counter(snd.query(u)["status"] for u in uows)
+    assert not refused, refused[:5]
+    assert out["committed"] == final["PROCESSED"] > 0 and set(final) <= {"PROCESSED", "TIMEOUT"}, (out, final)
+
+
+def _commit_waits_for_the_cf(qm: QueueManager, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The next commit's application on the CF fails as when the CF is away (a duplexed CF between its primary's
+    loss and the promotion): the commit is forced, acknowledged, and applied later (QueueManager._finish_later)."""
+    real = qm.apply
+    failed: list[bool] = []
+
+    def away_once(uow: Any, commit: bool, **kw: Any) -> None:
+        if not failed:
+            failed.append(True)
+            raise StructureFailedError("the CF is unavailable: no primary of the duplexed CF answers (test)")
+        real(uow, commit, **kw)
+    monkeypatch.setattr(qm, "apply", away_once)
+
+
+def test_a_query_after_a_commit_acknowledged_while_the_cf_was_away_sees_it(
+        qms: tuple[QueueManager, QueueManager], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: the sender's COMMIT answered ACCEPTED, and a QUERY (any member) and LAST right after it answered
+    RECEIVED until the member applied the commit (the chaos checker's uow-status finding)."""
+    qm1, qm2 = qms
+    snd = Conversation(qm1, "alice", "t")
+    uow = snd.send(SVC, b"m0").uow
+    _commit_waits_for_the_cf(qm1, monkeypatch)
+    assert snd.commit()["status"] == "ACCEPTED"
+    assert len(qm1.pending) == 1  # acknowledged, not yet applied
+    threading.Timer(0.5, qm1.retry_pending).start()  # the member's housekeeping, once the CF is back
+    assert Conversation(qm2, "carol").query(uow)["status"] == "ACCEPTED"
+    assert not qm1.pending
+
+
+def test_last_after_a_receivers_commit_acknowledged_while_the_cf_was_away_sees_it(
+        qms: tuple[QueueManager, QueueManager], monkeypatch: pytest.MonkeyPatch) -> None:
+    qm1, qm2 = qms
+    snd, rcv = Conversation(qm1, "alice", "t"), Conversation(qm2, "bob")
+    uow = sent(snd)
+    received_whole(rcv)
+    _commit_waits_for_the_cf(qm2, monkeypatch)
+    assert rcv.commit()["status"] == "PROCESSED"
+    threading.Timer(0.5, qm2.retry_pending).start()
+    last = Conversation(qm1, "alice", "t").last()
+    assert (last["uow"], last["status"]) == (uow, "PROCESSED")
