@@ -165,6 +165,10 @@ class ConvRunner(RecordedRunner):
         self._leave_nothing_held(a.role)
         return ok
 
+    def finish_nothing_held(self) -> None:
+        """The drain's: after a receive that failed, nothing held (a BACKOUT BOTH, else a new session)."""
+        self._leave_nothing_held(RECEIVER)
+
     def _leave_nothing_held(self, role: str) -> None:
         """A settling call that was refused (the UOW changed status meanwhile: a restore or a peer settled it) leaves
         the session holding it: back everything out, so that the next action starts clean (else its sends would
@@ -244,7 +248,16 @@ class ConvRunner(RecordedRunner):
         return outcome == OK
 
     def finish_whole(self, c: Client, suow: str) -> bool:
-        """The drain's receipt after its first message: the rest of the UOW to its end, then COMMIT."""
+        """The drain's receipt after its first message: the rest of the UOW to its end, then COMMIT. One that did not
+        commit leaves nothing held, as every workload action (run): a refused COMMIT left the drain's session holding
+        the UOW, every later receive answered 'end of unit of work', and the drain went round until its limit while
+        the UOW waited for the session to end (CHAOS-RESULTS.md, 2026-11-26 20:10: uow-unsettled)."""
+        ok = self._finish_whole(c, suow)
+        if not ok:
+            self._leave_nothing_held(RECEIVER)
+        return ok
+
+    def _finish_whole(self, c: Client, suow: str) -> bool:
         for _ in range(int(SERVICE_UOW["max_messages"])):
             outcome, r = self.call("urecv", lambda: c.receive(SERVICE, option="SYNC"))
             if outcome == FAIL and isinstance(r, EndOfUowError):
@@ -284,6 +297,7 @@ def drain_service(history: History, endpoints: Sequence[tuple[str, int]], token:
                 runner = ConvRunner(history, drain, f"{DRAIN_CLIENT}.{receipts}")
                 outcome, r = runner.call("urecv", partial(c.receive, SERVICE, option="SYNC"))
                 if outcome != OK:
+                    runner.finish_nothing_held()  # a session left holding a UOW would answer the same next round
                     break
                 if runner.finish_whole(c, str(r["uow"])):
                     processed += 1
