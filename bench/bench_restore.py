@@ -301,7 +301,7 @@ def vm_hwm() -> int:
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
-def child(root: Path, memory: int, truth_file: Path) -> None:
+def child(root: Path, memory: int, truth_file: Path, workers: int) -> None:
     from backup.files import read_backup
     from backup.points import RESTORE, write_restore_point
     from cfemu import keys
@@ -332,10 +332,12 @@ def child(root: Path, memory: int, truth_file: Path) -> None:
         for q in QUEUES:
             admin.define_queue(q, S)
         t0 = time.perf_counter()
-        engine = LocalEngine(memory=memory, work_dir=root / "work")
+        engine = LocalEngine(memory=memory, work_dir=root / "work", workers=workers)
         plan = engine.plan(S, backup, log_dirs, REPLAY_FROM, NOW_MS, progress)
         out["plan_s"] = round(time.perf_counter() - t0, 2)
         out["partitions"] = getattr(plan, "partitions", 0)
+        out["workers"] = min(workers, out["partitions"] or 1)
+        out["workers_peak_mib"] = round(getattr(plan, "worker_peak_bytes", 0) / 2**20)
         out["phases_s"] = {k: round(v[1] - v[0], 2) for k, v in spans.items()}
         t1 = time.perf_counter()
         with claim(client, S, observe(client, S)) as owner:
@@ -349,7 +351,8 @@ def child(root: Path, memory: int, truth_file: Path) -> None:
                             tombstones={}, backup_keys=backup_keys)
         out["point_s"] = round(time.perf_counter() - t2, 2)
         out["restore_s"] = round(time.perf_counter() - t0, 2)
-        out["peak_rss_mib"] = round(vm_hwm() / 2**20)
+        # this process's own peak, and its worker processes' (they ran beside it while the plan was settled)
+        out["peak_rss_mib"] = round((vm_hwm() + getattr(plan, "worker_peak_bytes", 0)) / 2**20)
         out["loaded"] = load.entries
         out["redis_used_mib"] = round(int(client.info("memory")["used_memory"]) / 2**20)
         counts = dict(plan.counts)
@@ -435,14 +438,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--skip-calibration", action="store_true",
                     help="no real-SQM check (only when an earlier run's check stands for this generator)")
-    ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    ap.add_argument("--workers", type=int, default=None,
+                    help="the local engine's worker processes (cfrestore --workers; default: its default)")
+    ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        child(Path(args.child[0]), int(args.child[1]), Path(args.child[2]))
+        child(Path(args.child[0]), int(args.child[1]), Path(args.child[2]), int(args.child[3]))
         return 0
-    from cfemu.settings import parse_size
+    from cfemu.settings import default_workers, parse_size
 
     memory = parse_size(args.memory, what="--memory")
+    workers = args.workers or default_workers()
     sizes = args.sizes or (["20000:40000"] if args.quick else ["1000000:2000000", "10000000:20000000"])
     bodies = args.body or [1024]
     calib_n = args.calibration_records or (20_000 if args.quick else 100_000)
@@ -451,14 +457,14 @@ def main(argv: list[str] | None = None) -> int:
     base.mkdir(parents=True, exist_ok=True, mode=0o700)
     started = datetime.now(UTC)
     record: dict[str, Any] = {"date": started.isoformat(timespec="seconds"), "machine": machine(),
-                              "memory_limit": args.memory, "runs": []}
+                              "memory_limit": args.memory, "workers": workers, "runs": []}
     try:
         record["calibration"] = ({"skipped": True, "ok": True} if args.skip_calibration
                                  else calibrate(base / "calibration", calib_n, console))
         table = Table("messages", "log records", "body", "partitions", "plan s", "load s", "point s",
                       "restore s", "raw write s (grouped)", "raw/restore (grouped)", "raw/(plan+load)",
                       "peak RSS MiB", "correct",
-                      title=f"restore, local engine, --memory-limit {args.memory}")
+                      title=f"restore, local engine, --memory-limit {args.memory}, --workers {workers}")
         for i, size in enumerate(sizes):
             final, records = (int(x) for x in size.split(":"))
             body = bodies[min(i, len(bodies) - 1)]
@@ -475,7 +481,8 @@ def main(argv: list[str] | None = None) -> int:
                           f"({truth.log_bytes / 2**20:.0f} MiB), {truth.backup_copies:,} backup copies "
                           f"({truth.backup_bytes / 2**20:.0f} MiB), {truth.restored:,} to restore; generated in "
                           f"{gen_s:.0f} s")
-            proc = subprocess.run([sys.executable, __file__, "--child", str(root), str(memory), str(truth_file)],
+            proc = subprocess.run([sys.executable, __file__, "--child", str(root), str(memory), str(truth_file),
+                                   str(workers)],
                                   capture_output=True, text=True, cwd=ROOT)
             if proc.returncode != 0:
                 (base / f"child-{final}.stderr").write_text(proc.stderr)

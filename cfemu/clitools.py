@@ -63,6 +63,9 @@ SETTINGS_HELP = {
     "memory_limit": f"restore's working memory, e.g. 512MiB or 4GiB (default ${_settings.ENV_MEMORY_LIMIT} or "
                     f"{_settings.DEFAULT_MEMORY_LIMIT}): the local engine plans in partitions that fit it; the "
                     "process needs about 150 MiB besides (docs/runbook.md)",
+    "workers": f"the local restore engine's worker processes, each settling one partition at a time (default "
+               f"${_settings.ENV_RESTORE_WORKERS} or one a core, at most {_settings.MAX_DEFAULT_RESTORE_WORKERS}; "
+               "1: all in this process)",
     "backup_share": f"the share of the time the backup works while the CF serves the group's work, above 0 and at "
                     f"most 1 (default ${_settings.ENV_BACKUP_SHARE} or {_settings.DEFAULT_BACKUP_SHARE}): it pauses "
                     "between batches the rest of the time; on an idle CF it never pauses; 1: never pauses",

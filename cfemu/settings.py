@@ -2,10 +2,10 @@
 
 Each setting comes from the first of these that has it:
 
-  1. its flag             --redis-url, --log-root, --backup-dir, --token, --memory-limit (cfrestore),
-                          --backup-share (cfbackup run)
+  1. its flag             --redis-url, --log-root, --backup-dir, --token, --memory-limit and --workers
+                          (cfrestore), --backup-share (cfbackup run)
   2. its environment      $REDIS_URL, $CFEMU_LOG_ROOT, $CFEMU_BACKUP_DIR, $SQM_TOKEN ($SQM_OPERATOR_TOKEN),
-                          $CFEMU_RESTORE_MEMORY, $CFEMU_BACKUP_SHARE, $CFEMU_LOG_ARCHIVE_DIR (--log-archive-dir: linear logging's
+                          $CFEMU_RESTORE_MEMORY, $CFEMU_RESTORE_WORKERS, $CFEMU_BACKUP_SHARE, $CFEMU_LOG_ARCHIVE_DIR (--log-archive-dir: linear logging's
                           archive; default: none, each member archives into its log directory's archive/)
   3. the cluster          cluster.json of the nearest ``cfemu cluster`` directory: --cluster-dir, else
                           $CFEMU_CLUSTER_DIR, else the first var/cluster holding one, looking in the working
@@ -15,7 +15,8 @@ Each setting comes from the first of these that has it:
   4. the CF directory     the CF URL of ``cfemu cf start``: --cf-dir, else $CFEMU_CF_DIR, else the nearest var/cf,
                           while that CF runs
   5. the default          var/logs, var/backups (relative to the working directory); no CF URL and no token;
-                          restore's working memory 1GiB; a backup's share 0.05 (of the time it works while
+                          restore's working memory 1GiB and its worker processes (the cores, at most 4); a
+                          backup's share 0.05 (of the time it works while
                           the group does: backup.pacing)
 
 The Spark master of restore's spark engine resolves the same way: cfrestore's --master, else
@@ -68,6 +69,7 @@ ENV_CF_DIR = "CFEMU_CF_DIR"
 ENV_SPARK_MASTER = "CFEMU_SPARK_MASTER"
 ENV_MEMORY_LIMIT = "CFEMU_RESTORE_MEMORY"
 ENV_BACKUP_SHARE = "CFEMU_BACKUP_SHARE"
+ENV_RESTORE_WORKERS = "CFEMU_RESTORE_WORKERS"
 
 DEFAULT_CLUSTER_DIR = Path("var/cluster")
 DEFAULT_CF_DIR = Path("var/cf")
@@ -75,6 +77,10 @@ DEFAULT_LOG_ROOT = Path("var/logs")
 DEFAULT_BACKUP_DIR = Path("var/backups")
 DEFAULT_MEMORY_LIMIT = "1GiB"  # restore's working memory (docs/runbook.md, "Sizing a restore's memory")
 MIN_MEMORY_LIMIT = 64 << 10
+# The local restore engine's worker processes by default: one a core, at most this many (each settles one partition
+# at a time in its own share of the working memory; more than the cores only adds processes that wait).
+MAX_DEFAULT_RESTORE_WORKERS = 4
+MAX_RESTORE_WORKERS = 64
 # The share of the time a backup works while the CF serves the group's work (backup.pacing; 1: never pauses).
 # Measured on 2 cores (BENCHMARKS.md, issue 15): 0.05 kept the group's throughput within 10% while a backup of
 # 1M messages ran (5.4%); 0.1 did at 200k (4.5-6.7%), not at 1M (13.9%).
@@ -114,12 +120,19 @@ class Settings:
     spark_master: str | None = None  # the Spark master restore's spark engine uses (None: local[*])
     memory_limit_text: str = DEFAULT_MEMORY_LIMIT  # as given (flag, $CFEMU_RESTORE_MEMORY, or the default)
     backup_share_text: str = str(DEFAULT_BACKUP_SHARE)  # as given (flag, $CFEMU_BACKUP_SHARE, or the default)
+    restore_workers_text: str = ""  # as given (flag, $CFEMU_RESTORE_WORKERS); "": the default (default_workers)
 
     def memory_limit(self) -> int:
         """Restore's working memory in bytes (parse_size of the setting); ValueError, one line, when it is bad.
         Parsed only by the commands that use it, so that a bad value never stops another command."""
         where = {FLAG: "--memory-limit", ENV: f"${ENV_MEMORY_LIMIT}"}.get(self.sources.get("memory_limit", ""), "")
         return parse_size(self.memory_limit_text, what=where or "the restore memory limit")
+
+    def restore_workers(self) -> int:
+        """The local restore engine's worker processes; ValueError, one line, when the setting is bad."""
+        where = {FLAG: "--workers", ENV: f"${ENV_RESTORE_WORKERS}"}.get(self.sources.get("restore_workers", ""),
+                                                                      "the restore workers")
+        return parse_workers(self.restore_workers_text, what=where)
 
     def backup_share(self) -> float:
         """The share of the time a backup works while the group works (above 0, at most 1); ValueError, one
@@ -176,6 +189,33 @@ def parse_size(text: str, *, what: str = "size") -> int:
     if size < MIN_MEMORY_LIMIT:
         raise ValueError(f"{what}: {text!r} is below the least it can be, {MIN_MEMORY_LIMIT // 1024} KiB")
     return size
+
+
+def default_workers() -> int:
+    """The local restore engine's worker processes when none are asked for: one a core, at most
+    MAX_DEFAULT_RESTORE_WORKERS."""
+    return max(1, min(MAX_DEFAULT_RESTORE_WORKERS, os.cpu_count() or 1))
+
+
+def parse_workers(text: str | None, *, what: str = "the restore workers") -> int:
+    """A number of worker processes from 1 to MAX_RESTORE_WORKERS (empty: default_workers()); ValueError, one
+    line, otherwise."""
+    if not text:
+        return default_workers()
+    try:
+        n = int(str(text).strip())
+    except ValueError:
+        raise ValueError(f"{what}: {text!r} is not a number of processes (say e.g. 2)") from None
+    if not 1 <= n <= MAX_RESTORE_WORKERS:
+        raise ValueError(f"{what}: {text!r} is not between 1 and {MAX_RESTORE_WORKERS}")
+    return n
+
+
+def restore_workers(env: Mapping[str, str] | None = None) -> int:
+    """The restore's worker processes for a caller with no flag (run_restore's default, RECAUTO's):
+    $CFEMU_RESTORE_WORKERS, else default_workers(). ValueError, one line, when the variable is bad."""
+    return parse_workers((os.environ if env is None else env).get(ENV_RESTORE_WORKERS),
+                         what=f"${ENV_RESTORE_WORKERS}")
 
 
 def restore_memory(env: Mapping[str, str] | None = None) -> int:
@@ -257,8 +297,8 @@ def resolve(*, redis_url: str | None = None, log_root: str | os.PathLike[str] | 
             backup_dir: str | os.PathLike[str] | None = None, token: str | None = None,
             cluster_dir: str | os.PathLike[str] | None = None, cf_dir: str | os.PathLike[str] | None = None,
             log_archive_dir: str | os.PathLike[str] | None = None, spark_master: str | None = None,
-            memory_limit: str | None = None, backup_share: str | None = None, role: str = "operator", env: Mapping[str, str] | None = None,
-            cwd: Path | None = None) -> Settings:
+            memory_limit: str | None = None, backup_share: str | None = None, workers: str | None = None,
+            role: str = "operator", env: Mapping[str, str] | None = None, cwd: Path | None = None) -> Settings:
     """Resolve every setting (see the module doc). The keyword arguments are the flags (None: not given); env
     and cwd default to the process's own and exist for tests."""
     environ = os.environ if env is None else env
@@ -307,6 +347,8 @@ def resolve(*, redis_url: str | None = None, log_root: str | os.PathLike[str] | 
     # Restore's own setting: in `sources` only when given (the other commands never use it).
     memory = pick("memory_limit", memory_limit, ENV_MEMORY_LIMIT, None) if (
         memory_limit or environ.get(ENV_MEMORY_LIMIT)) else None
+    restore_workers = pick("restore_workers", workers, ENV_RESTORE_WORKERS, None) if (
+        workers or environ.get(ENV_RESTORE_WORKERS)) else None
     # The backup's own setting, likewise.
     share = pick("backup_share", backup_share, ENV_BACKUP_SHARE, None) if (
         backup_share or environ.get(ENV_BACKUP_SHARE)) else None
@@ -316,7 +358,8 @@ def resolve(*, redis_url: str | None = None, log_root: str | os.PathLike[str] | 
                     log_archive_dir=Path(archive) if archive else None,
                     spark_master=str(master[1]) if master[1] else None,
                     memory_limit_text=str(memory) if memory else DEFAULT_MEMORY_LIMIT,
-                    backup_share_text=str(share) if share else str(DEFAULT_BACKUP_SHARE))
+                    backup_share_text=str(share) if share else str(DEFAULT_BACKUP_SHARE),
+                    restore_workers_text=str(restore_workers) if restore_workers else "")
 
 
 def operator_token(found: Settings, env: Mapping[str, str] | None = None) -> str | None:

@@ -1,7 +1,7 @@
 """cfrestore: RECOVER CFSTRUCT.
 
   cfrestore run STRUCTURE [--backup ID] [--engine local|spark] [--dry-run] [--mark-failed] [--report FILE]
-                          [--memory-limit SIZE]
+                          [--memory-limit SIZE] [--workers N]
                                               rebuild a failed structure from a backup plus every member's log
   cfrestore plan STRUCTURE [--backup ID]      what run would do (= run --dry-run): touches nothing
   cfrestore purge STRUCTURE [--mark-failed]   RECOVER CFSTRUCT TYPE(PURGE): empty it and make it usable again
@@ -79,11 +79,12 @@ def cmd_run(args: argparse.Namespace, out: Output, *, dry_run: bool = False) -> 
 
 
 def _engine_options(args: argparse.Namespace, found: Settings | None = None) -> dict[str, Any]:
-    """The engine's options. Local: its working memory (--memory-limit). Spark: the master (the flag, else the
+    """The engine's options. Local: its working memory (--memory-limit) and worker processes (--workers). Spark: the master (the flag, else the
     settings' Spark master, else local[*]) and its settings (what joining that master needs,
     spark_conf.driver_conf, then the --conf given, which win)."""
     if args.engine == "local":
-        return {"memory": (found or settings(args)).memory_limit()}
+        chosen = found or settings(args)
+        return {"memory": chosen.memory_limit(), "workers": chosen.restore_workers()}
     if args.engine != "spark":
         return {}
     master = args.master or (found.spark_master if found is not None else None) or "local[*]"
@@ -174,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--verbose", "-v", action="store_true", help="show the traceback of an error")
     restore = argparse.ArgumentParser(add_help=False)
     restore.add_argument("structure")
-    add_settings_arguments(restore, "backup_dir", "log_root", "memory_limit")
+    add_settings_arguments(restore, "backup_dir", "log_root", "memory_limit", "workers")
     restore.add_argument("--backup", metavar="ID", help="restore from this backup (default: the latest good one)")
     unsigned = argparse.ArgumentParser(add_help=False)
     unsigned.add_argument("--accept-unsigned", action="store_true",

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from cfemu.progress import Progress, no_progress  # the cfemu floor's port, named from here too
+from cfemu.settings import default_workers
 from restore.partitioned import DEFAULT_MEMORY, partitions_for, plan_partitioned
 from restore.plan import Copy, RestorePlan, base_lrsn
 from restore.spill import SpillDir
@@ -142,24 +143,31 @@ def _allow_open_files(n: int) -> None:
 
 
 class LocalEngine:
-    """The in-process engine: plans in bounded memory (restore.partitioned), partitioned by entry id through
-    spill files in a private temporary directory under `work_dir`, so that one partition's objects, the scan's
-    buffers and the load's batches stay within `memory` bytes of working memory."""
+    """The engine of this machine: plans in bounded memory (restore.partitioned), partitioned by entry id through
+    spill files in a private temporary directory under `work_dir`, so that the partitions being settled (one per
+    worker process), the scan's buffers and the load's batches stay within `memory` bytes of working memory.
+    `workers` processes settle the partitions side by side (1: this process alone; None: the setting's default,
+    one a core)."""
 
     name = "local"
 
     def __init__(self, memory: int = DEFAULT_MEMORY, work_dir: Path | None = None,
-                 partitions: int | None = None) -> None:
+                 partitions: int | None = None, workers: int | None = None) -> None:
         if memory <= 0:
             raise ValueError(f"the restore memory limit must be positive, not {memory}")
         self.memory = memory
         self.work_dir = Path(work_dir) if work_dir is not None else None  # None: the system's temporary directory
         self.partitions = partitions  # None: from the input's size and `memory` (partitions_for)
+        self.workers = default_workers() if workers is None else workers
+        if self.workers < 1:
+            raise ValueError(f"the restore workers must be at least 1, not {self.workers}")
 
     def plan(self, structure: str, backup: BackupSource, log_dirs: list[Path], replay_from: int, now_ms: int,
              progress: Progress = no_progress) -> RestorePlan:
         total = backup.manifest.get("entries")
-        partitions = self.partitions or partitions_for(input_bytes(backup, log_dirs, replay_from), self.memory)
+        # Each worker holds one partition at a time: the partitions are sized to a worker's share of the memory.
+        partitions = self.partitions or partitions_for(input_bytes(backup, log_dirs, replay_from),
+                                                       self.memory // self.workers)
         _allow_open_files(partitions + 128)  # the load merges one open run per partition
         spill = SpillDir(self.work_dir)
         try:
@@ -168,7 +176,7 @@ class LocalEngine:
                 stream_logs(log_dirs, replay_from, progress), spill=spill, partitions=partitions,
                 memory=self.memory, now_ms=now_ms, gen=int(backup.manifest.get("gen", 0) or 0),
                 carried=backup.manifest.get("carried", ()), lrsn=base_lrsn(backup.manifest),
-                registered=list(backup.manifest.get("uows") or ()), progress=progress)
+                registered=list(backup.manifest.get("uows") or ()), progress=progress, workers=self.workers)
         except BaseException:
             spill.close()
             raise

@@ -29,9 +29,14 @@ from __future__ import annotations
 import gc
 import heapq
 import math
+import os
 from collections import Counter, defaultdict
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from functools import partial
+from pathlib import Path
 from typing import Any
+from zlib import crc32
 
 from restore.plan import (
     COMMIT,
@@ -50,6 +55,7 @@ from restore.plan import (
 )
 from restore.settle import BACKOUT, Outcome, Settled, best_copy, decide_outcome, load_key, settle, uows_named
 from restore.spill import Partitioned, SpillDir, SpillWriter, read_frames
+from restore.workers import Workers
 from sqm.records import Record, Role, lookup
 
 Key = tuple[Any, ...]  # a record's place in the merged log: (LRSN, member, segment, offset)
@@ -155,6 +161,7 @@ class SpilledPlan(RestorePlan):
     held: dict[str, str]
     first_lrsn: dict[str, int]
     restore_decided: set[str]
+    worker_peak_bytes: int  # the worker processes' peak resident memory, summed (0: planned in this process)
 
     def in_load_order(self) -> Iterator[Settled]:
         """The survivors in the CF's order: a k-way merge of the partitions' sorted runs."""
@@ -184,7 +191,7 @@ class SpilledPlan(RestorePlan):
 def plan_partitioned(structure: str, backup: Iterable[Copy], records: Iterable[tuple[Key, Record]], *,
                      spill: SpillDir, partitions: int, memory: int = DEFAULT_MEMORY, now_ms: int, gen: int = 0,
                      carried: Iterable[str] = (), lrsn: int = 0, registered: Collection[str] = (),
-                     progress: Progress | None = None) -> SpilledPlan:
+                     progress: Progress | None = None, workers: int = 1) -> SpilledPlan:
     """The plan of plan_local (same arguments; `records` each with its place in the merged log, in any order),
     computed one partition at a time in `spill` (see the module doc). The plan owns `spill`: close() it."""
     # The plan makes millions of small dicts, lists and tuples, none of them in a cycle; the cyclic collector
@@ -195,7 +202,7 @@ def plan_partitioned(structure: str, backup: Iterable[Copy], records: Iterable[t
     try:
         return _plan_partitioned(structure, backup, records, spill=spill, partitions=partitions, memory=memory,
                                  now_ms=now_ms, gen=gen, carried=carried, lrsn=lrsn, registered=registered,
-                                 progress=progress)
+                                 progress=progress, workers=workers)
     finally:
         if was_enabled:
             gc.enable()
@@ -203,11 +210,12 @@ def plan_partitioned(structure: str, backup: Iterable[Copy], records: Iterable[t
 
 def _plan_partitioned(structure: str, backup: Iterable[Copy], records: Iterable[tuple[Key, Record]], *,
                       spill: SpillDir, partitions: int, memory: int, now_ms: int, gen: int, carried: Iterable[str],
-                      lrsn: int, registered: Collection[str], progress: Progress | None) -> SpilledPlan:
+                      lrsn: int, registered: Collection[str], progress: Progress | None,
+                      workers: int) -> SpilledPlan:
     P = max(1, partitions)
 
     def part(key: str) -> int:
-        return hash(key) % P
+        return partition_of(key, P)
 
     buffers = buffers_for(memory)
     ent = Partitioned(spill, "entries", P, buffers // 2)
@@ -261,14 +269,146 @@ def _plan_partitioned(structure: str, backup: Iterable[Copy], records: Iterable[
     if progress is not None:
         progress("settle", 0, P)
 
-    # 2 outcomes, per UOW partition, sent to the entry partitions that need them
-    decided = Partitioned(spill, "decided", P, buffers // 2)
-    needed = Partitioned(spill, "needed", P, buffers // 2)
-    in_commit: set[str] = set()
-    in_doubt: dict[str, str] = {}  # in-doubt UOWs whose records name the structure (plan.held_uows)
-    restore_decided: set[str] = set()
-    n_decided = 0
-    for j in range(P):
+    # 2 outcomes, per UOW partition, sent to the entry partitions that need them; then 3 the fold, per entry
+    # partition. Each partition is settled on its own (one process may take one partition while another takes the
+    # next): what a partition needs of the others comes through spill files, and what the plan keeps of each is
+    # small (counts, and the UOWs still open at the failure).
+    job = _Job(spill.path, P, now_ms, restore_lrsn, max(4096, buffers // (2 * max(1, workers))))
+    with Workers(min(workers, P)) as pool:
+        chunks = _chunks(P, pool.n)
+        in_commit: set[str] = set()
+        in_doubt: dict[str, str] = {}  # in-doubt UOWs whose records name the structure (plan.held_uows)
+        restore_decided: set[str] = set()
+        n_decided = 0
+        peaks: dict[int, int] = {}
+        for d in pool.map(partial(_decide, job, structure), enumerate(chunks)):
+            n_decided += d.decided
+            in_commit |= d.in_commit
+            in_doubt.update(d.in_doubt)
+            restore_decided |= d.restore_decided
+            spill.bytes_written += d.bytes_written
+            peaks[d.pid] = max(peaks.get(d.pid, 0), d.peak)
+        in_flight: dict[str, Outcome] = {}
+        outcomes = SpilledOutcomes(_reader(spill, "decided", P), part, n_decided, in_flight)
+
+        counts: Counter[str] = Counter()
+        held: dict[str, str] = {}
+        first: dict[str, int] = {}
+        decisions: dict[str, str] = {}
+        flight = in_flight_outcome(restore_lrsn)
+        settled_count = loaded_count = 0
+        fold = partial(_fold, replace(job, needed=tuple(f"needed.{c}" for c in range(len(chunks)))))
+        for done, f in enumerate(pool.map(fold, range(P)), 1):
+            counts.update(f.counts)
+            settled_count += f.settled
+            loaded_count += f.loaded
+            held.update(f.held)
+            for u, lrsn_u in f.first.items():
+                first[u] = min(first.get(u, lrsn_u), lrsn_u)
+            for u in f.in_flight:
+                in_flight[u] = flight
+                decisions[u] = owner_of(u)
+                restore_decided.add(u)
+            spill.bytes_written += f.bytes_written
+            peaks[f.pid] = max(peaks.get(f.pid, 0), f.peak)
+            if progress is not None:
+                progress("settle", done, P)
+    peaks.pop(os.getpid(), None)  # this process's own peak is its own to report (getrusage)
+
+    for u, owner in in_doubt.items():
+        held.setdefault(u, owner)
+    held = dict(sorted(held.items()))
+    counts["uows in doubt"] = len(held)
+    counts["uows in flight backed out"] = len(decisions)
+    plan = SpilledPlan(structure, restore_lrsn, [], outcomes, decisions, in_commit, counts, per_member, max_lrsn)
+    plan.spill, plan.partitions = spill, P
+    plan.settled_count, plan.loaded_count = settled_count, loaded_count
+    plan.read_size = max(16 << 10, min(1 << 20, memory // (4 * P)))
+    plan.held, plan.first_lrsn, plan.restore_decided = held, first, restore_decided
+    plan.worker_peak_bytes = sum(peaks.values())
+    plan.settled = SpilledSettled(plan)
+    return plan
+
+
+# ------------------------------------------------------------------------ one partition at a time, anywhere
+
+
+def partition_of(key: str, n: int) -> int:
+    """The partition of an entry or UOW id among `n`: the same in every process (str's hash() is salted per
+    process, and the partitions are settled by worker processes of their own)."""
+    return crc32(key.encode()) % n
+
+
+@dataclass(frozen=True)
+class _Job:
+    """What settling one partition needs (sent to worker processes: small and picklable)."""
+
+    spill: Path
+    P: int
+    now_ms: int
+    restore_lrsn: int
+    buffer_bytes: int  # the write buffers of one worker, in all
+    needed: tuple[str, ...] = ()  # the names of the "needed" sets, one per chunk of UOW partitions
+
+
+@dataclass
+class _Decided:
+    """What step 2 keeps of a chunk of UOW partitions."""
+
+    decided: int = 0
+    in_commit: set[str] = field(default_factory=set)
+    in_doubt: dict[str, str] = field(default_factory=dict)
+    restore_decided: set[str] = field(default_factory=set)
+    bytes_written: int = 0
+    pid: int = 0
+    peak: int = 0
+
+
+@dataclass
+class _Folded:
+    """What step 3 keeps of one entry partition (its survivors and the others are in its spill files)."""
+
+    counts: Counter[str] = field(default_factory=Counter)
+    settled: int = 0
+    loaded: int = 0
+    held: dict[str, str] = field(default_factory=dict)
+    first: dict[str, int] = field(default_factory=dict)
+    in_flight: set[str] = field(default_factory=set)  # UOWs with no outcome: in flight at the failure
+    bytes_written: int = 0
+    pid: int = 0
+    peak: int = 0
+
+
+def _reader(spill: SpillDir, name: str, n: int) -> Partitioned:
+    return Partitioned(spill, name, n, 0)
+
+
+def _chunks(n: int, workers: int) -> list[list[int]]:
+    """range(n) in `workers` interleaved chunks (partitions are alike in size)."""
+    return [list(range(k, n, workers)) for k in range(min(n, workers))] or [[]]
+
+
+def _vm_hwm() -> int:
+    """This process's peak resident memory (VmHWM: a worker forked from a big parent would report the parent's
+    through ru_maxrss)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _decide(job: _Job, structure: str, chunk: tuple[int, list[int]]) -> _Decided:
+    """Step 2 for a chunk of UOW partitions: decide each UOW's outcome (settle.decide_outcome) and send it to the
+    entry partitions that need it (into this chunk's own "needed" set: chunks run side by side)."""
+    gc.disable()  # as plan_partitioned: acyclic objects (a worker process starts with the collector on)
+    c, js = chunk
+    spill = SpillDir.at(job.spill)
+    uow = _reader(spill, "uows", job.P)
+    decided = Partitioned(spill, "decided", job.P, job.buffer_bytes // 2)
+    needed = Partitioned(spill, f"needed.{c}", job.P, job.buffer_bytes // 2)
+    out = _Decided()
+    for j in js:
         by_uow: dict[str, list[tuple[Key, Record]]] = defaultdict(list)
         ended: set[str] = set()
         needs: dict[str, set[int]] = defaultdict(set)
@@ -291,102 +431,91 @@ def _plan_partitioned(structure: str, backup: Iterable[Copy], records: Iterable[
         del older, holders
         packed: dict[str, list[Any]] = {}
         for u, keyed in by_uow.items():
-            keyed.sort(key=lambda kr: kr[0])
+            keyed.sort(key=_first)
             o = decide_outcome(r for _, r in keyed)
             if o is None:
                 continue
-            n_decided += 1
+            out.decided += 1
             packed[u] = _pack_outcome(o)
             decided.add(j, (u, packed[u]))
             if o.kind == COMMIT and u not in ended:
-                in_commit.add(u)
+                out.in_commit.add(u)
             elif o.kind == INDOUBT and structure in o.structures:
-                in_doubt[u] = uow_owner(u, o)
+                out.in_doubt[u] = uow_owner(u, o)
             elif o.kind == BACKOUT and o.decided_by == "restore":
-                restore_decided.add(u)
+                out.restore_decided.add(u)
         for u, targets in needs.items():
             for i in targets:
                 needed.add(i, (u, packed.get(u)))
         del by_uow, needs, packed
     decided.close()
     needed.close()
-    in_flight: dict[str, Outcome] = {}
-    outcomes = SpilledOutcomes(decided, part, n_decided, in_flight)
+    out.bytes_written, out.pid, out.peak = spill.bytes_written, os.getpid(), _vm_hwm()
+    return out
 
-    # 3 fold, per entry partition
-    counts: Counter[str] = Counter()
-    held: dict[str, str] = {}
-    first: dict[str, int] = {}
-    decisions: dict[str, str] = {}
-    flight = in_flight_outcome(restore_lrsn)
-    settled_count = loaded_count = 0
-    for i in range(P):
-        outs: dict[str, Outcome | None] = {u: (None if o is None else _unpack_outcome(o))
-                                           for u, o in needed.read(i)}
+
+def _fold(job: _Job, i: int) -> _Folded:
+    """Step 3 for entry partition i: fold each entry (settle.best_copy, uows_named, settle: the one fold every
+    engine uses), deciding in-flight UOWs backed out as plan_local does; the survivors are written as a run
+    sorted in load order (run-i), the others as (id, disposition) (gone-i)."""
+    gc.disable()
+    spill = SpillDir.at(job.spill)
+    outcomes = SpilledOutcomes(_reader(spill, "decided", job.P), lambda u: partition_of(u, job.P), 0, {})
+    flight = in_flight_outcome(job.restore_lrsn)
+    out = _Folded()
+    outs: dict[str, Outcome | None] = {}
+    for name in job.needed:
+        needed = _reader(spill, name, job.P)
+        outs.update((u, None if o is None else _unpack_outcome(o)) for u, o in needed.read(i))
         needed.remove(i)
-        copies: dict[str, list[Copy]] = defaultdict(list)
-        by_entry: dict[str, list[tuple[Key, Record]]] = defaultdict(list)
-        for f in ent.read(i):
-            if f[0] == _COPY:
-                copies[f[2]["id"]].append((f[1], f[2], f[3]))
-                continue
-            one = (f[1], f[2])
-            for eid in f[3]:
-                by_entry[eid].append(one)
-        ent.remove(i)
-        run: list[tuple[Any, ...]] = []
-        gone = SpillWriter(spill, f"gone-{i}")
-        for eid in copies.keys() | by_entry.keys():
-            named = by_entry.get(eid)
-            if named is None:
-                recs = []
-            elif len(named) == 1:
-                recs = [named[0][1]]
-            else:
-                named.sort(key=_first)
-                recs = [r for _, r in named]
-            cs = copies.get(eid)
-            best = (cs[0] if len(cs) == 1 else best_copy(cs)) if cs else None
-            for u in (uows_named(best, recs) if recs or (best and best[1].get("u")) else ()):
-                if outs.get(u) is None:
-                    o = outcomes.get(u) if u not in outs else None  # a UOW no need named (defensive)
-                    if o is None:
-                        o = flight
-                        in_flight[u] = o
-                        decisions[u] = owner_of(u)
-                        restore_decided.add(u)
-                    outs[u] = o
-            s = settle(eid, best, recs, outs, now_ms)  # type: ignore[arg-type]  # every named UOW is decided
-            settled_count += 1
-            counts[s.disposition] += 1
-            if s.entry is None:
-                gone.add((s.id, s.disposition))
-                continue
-            loaded_count += 1
-            run.append((load_key(s.id, s.entry), s.id, s.disposition, s.structure, s.entry, s.data))
-            u = s.entry.get("u")
-            if u:
-                held[u] = uow_owner(u, outs.get(u))
-                first[u] = min(first.get(u, int(s.entry["l"])), int(s.entry["l"]))
-        gone.flush()
-        run.sort(key=lambda t: t[0])
-        out = SpillWriter(spill, f"run-{i}")
-        for t in run:
-            out.add(t)
-        out.flush()
-        del run, copies, by_entry, outs
-        if progress is not None:
-            progress("settle", i + 1, P)
-
-    for u, owner in in_doubt.items():
-        held.setdefault(u, owner)
-    held = dict(sorted(held.items()))
-    counts["uows in doubt"] = len(held)
-    counts["uows in flight backed out"] = len(decisions)
-    plan = SpilledPlan(structure, restore_lrsn, [], outcomes, decisions, in_commit, counts, per_member, max_lrsn)
-    plan.spill, plan.partitions = spill, P
-    plan.settled_count, plan.loaded_count = settled_count, loaded_count
-    plan.read_size = max(16 << 10, min(1 << 20, memory // (4 * P)))
-    plan.held, plan.first_lrsn, plan.restore_decided = held, first, restore_decided
-    plan.settled = SpilledSettled(plan)
-    return plan
+    copies: dict[str, list[Copy]] = defaultdict(list)
+    by_entry: dict[str, list[tuple[Key, Record]]] = defaultdict(list)
+    ent = _reader(spill, "entries", job.P)
+    for f in ent.read(i):
+        if f[0] == _COPY:
+            copies[f[2]["id"]].append((f[1], f[2], f[3]))
+            continue
+        one = (f[1], f[2])
+        for eid in f[3]:
+            by_entry[eid].append(one)
+    ent.remove(i)
+    run: list[tuple[Any, ...]] = []
+    gone = SpillWriter(spill, f"gone-{i}")
+    for eid in copies.keys() | by_entry.keys():
+        named = by_entry.get(eid)
+        if named is None:
+            recs = []
+        elif len(named) == 1:
+            recs = [named[0][1]]
+        else:
+            named.sort(key=_first)
+            recs = [r for _, r in named]
+        cs = copies.get(eid)
+        best = (cs[0] if len(cs) == 1 else best_copy(cs)) if cs else None
+        for u in (uows_named(best, recs) if recs or (best and best[1].get("u")) else ()):
+            if outs.get(u) is None:
+                o = outcomes.get(u) if u not in outs else None  # a UOW no need named (defensive)
+                if o is None:
+                    o = flight
+                    out.in_flight.add(u)
+                outs[u] = o
+        s = settle(eid, best, recs, outs, job.now_ms)  # type: ignore[arg-type]  # every named UOW is decided
+        out.settled += 1
+        out.counts[s.disposition] += 1
+        if s.entry is None:
+            gone.add((s.id, s.disposition))
+            continue
+        out.loaded += 1
+        run.append((load_key(s.id, s.entry), s.id, s.disposition, s.structure, s.entry, s.data))
+        holder = s.entry.get("u")
+        if holder:
+            out.held[holder] = uow_owner(holder, outs.get(holder))
+            out.first[holder] = min(out.first.get(holder, int(s.entry["l"])), int(s.entry["l"]))
+    gone.flush()
+    run.sort(key=_first)
+    w = SpillWriter(spill, f"run-{i}")
+    for t in run:
+        w.add(t)
+    w.flush()
+    out.bytes_written, out.pid, out.peak = spill.bytes_written, os.getpid(), _vm_hwm()
+    return out

@@ -40,8 +40,8 @@ def summary(result: RestoreResult, console: Console) -> Group:
     head.add_row("backup", f"{result.backup_id} ({result.backup_path})" + BASE_NOTE.get(result.base_kind, ""))
     head.add_row("engine", result.engine)
     if result.peak_rss_bytes:
-        limit = (f" (working memory limit {result.memory_limit / 2**20:.0f} MiB, {result.partitions} partitions)"
-                 if result.memory_limit else "")
+        limit = (f" (working memory limit {result.memory_limit / 2**20:.0f} MiB, {result.partitions} partitions, "
+                 f"{result.workers} worker{'s' if result.workers != 1 else ''})" if result.memory_limit else "")
         head.add_row("peak memory", f"{result.peak_rss_bytes / 2**20:.0f} MiB resident{limit}")
     head.add_row("state before", result.state_before)
     head.add_row("replay", f"LRSN {result.replay_from} .. {result.replay_to}")

@@ -37,9 +37,10 @@ class RestoreResult:
     base_kind: str = "fuzzy"  # the base's kind: fuzzy, restore, purge (restore points) or definition
     restore_point: str = ""  # the restore point this restore wrote (backup.points)
     start: str = ""  # which start it used, in words: a backup (which), or the logs alone (which relog pass)
-    peak_rss_bytes: int = 0  # the process's peak resident memory at the end of the restore (plan and load)
+    peak_rss_bytes: int = 0  # peak resident memory at the end of the restore (plan and load; with its workers')
     memory_limit: int = 0  # the working memory the local engine was given (0: another engine)
     partitions: int = 0  # how many partitions the local engine planned in
+    workers: int = 0  # the local engine's worker processes (1: it planned in the restore's own process)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -60,7 +60,7 @@ from cfemu.admin import Admin, AdminError, QueueDef, StructureDef
 from cfemu.credentials import BackupKeys
 from cfemu.pstore import warm_generations
 from cfemu.repository import GroupRepository, migrated_refusal
-from cfemu.settings import restore_memory
+from cfemu.settings import restore_memory, restore_workers
 from restore.engine import PHASES, Progress, get_engine, no_progress
 from restore.load import LoadResult, load_plan, loaded_tombstones, restore_owned_uows
 from restore.plan import EARLIER_GENERATIONS, Copy, RestorePlan
@@ -493,11 +493,14 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
     if engine == "local":  # its spill files: a private directory beside the backups (docs/runbook.md)
         # A read-only backup volume (the compose tools service mounts it so): the system's temporary directory.
         options.setdefault("work_dir", backup_root / WORK_DIR if os.access(backup_root, os.W_OK) else None)
-        if "memory" not in options:  # RECAUTO and library callers: $CFEMU_RESTORE_MEMORY, else the default
-            try:
+        # RECAUTO and library callers: $CFEMU_RESTORE_MEMORY and $CFEMU_RESTORE_WORKERS, else the defaults
+        try:
+            if "memory" not in options:
                 options["memory"] = restore_memory()
-            except ValueError as e:
-                raise RestoreError(str(e)) from None
+            if "workers" not in options:
+                options["workers"] = restore_workers()
+        except ValueError as e:
+            raise RestoreError(str(e)) from None
     chosen_engine = get_engine(engine, **options)
     repo = GroupRepository(log_root)  # read only until the load
     group = admin.group_name() if sdef is not None else None
@@ -588,9 +591,13 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
                                      "found in the CF": found_in_cf}
         result.in_doubt_uows = plan.in_doubt_uows()  # the same set the count of UOWs in doubt counts
         result.timings = timer.seconds()
-        result.peak_rss_bytes = peak_rss_bytes()
+        # With the worker processes' peaks added: they ran side by side with this process (each plan's workers
+        # end with it, so the plans' own peaks do not add up).
+        workers_peak = max((int(getattr(p, "worker_peak_bytes", 0) or 0) for p in plans), default=0)
+        result.peak_rss_bytes = peak_rss_bytes() + workers_peak
         result.memory_limit = int(getattr(chosen_engine, "memory", 0) or 0)
         result.partitions = int(getattr(plan, "partitions", 0) or 0)
+        result.workers = min(int(getattr(chosen_engine, "workers", 0) or 0), result.partitions)
         if report_path is not None or not dry_run:
             path = report_path or default_report_path(backup_root, structure, started)
             result.report_path = str(path)

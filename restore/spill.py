@@ -34,6 +34,14 @@ class SpillDir:
         self.path = Path(tempfile.mkdtemp(prefix=".restore-spill-", dir=parent))  # mkdtemp: mode 0700
         self.bytes_written = 0
 
+    @classmethod
+    def at(cls, path: Path) -> SpillDir:
+        """The spill directory `path` made by another process's SpillDir (a worker's view of it: only its
+        maker removes it)."""
+        spill = cls.__new__(cls)
+        spill.path, spill.bytes_written = Path(path), 0
+        return spill
+
     def file(self, name: str) -> Path:
         return self.path / name
 

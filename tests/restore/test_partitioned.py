@@ -60,15 +60,24 @@ def described(plan: RestorePlan) -> dict[str, Any]:
 
 
 def three_ways(backup: Backup, log_dirs: list[Path], replay_from: int, tmp: Path) -> tuple[Any, Any, Any, int]:
+    """The in-memory plan, the partitioned plan in one partition, and in many partitions; the last also settled
+    by 3 worker processes side by side (more than the cores: partitions finish out of order), which must give
+    exactly what one process gives."""
     ref = reference(backup, log_dirs, replay_from)
-    one = LocalEngine(partitions=1, work_dir=tmp).plan(S, backup, log_dirs, replay_from, NOW_MS)
-    many = LocalEngine(memory=TINY, work_dir=tmp).plan(S, backup, log_dirs, replay_from, NOW_MS)
+    one = LocalEngine(partitions=1, work_dir=tmp, workers=1).plan(S, backup, log_dirs, replay_from, NOW_MS)
+    many = LocalEngine(memory=TINY, work_dir=tmp, workers=1).plan(S, backup, log_dirs, replay_from, NOW_MS)
+    parallel = LocalEngine(memory=TINY, work_dir=tmp, workers=3,
+                           partitions=getattr(many, "partitions", 1)).plan(S, backup, log_dirs, replay_from, NOW_MS)
     try:
-        assert isinstance(many, SpilledPlan)
+        assert isinstance(many, SpilledPlan) and isinstance(parallel, SpilledPlan)
+        assert described(parallel) == described(many)
+        assert many.worker_peak_bytes == 0  # settled in this process
+        assert parallel.worker_peak_bytes > 0 or many.partitions == 1  # by the workers (one partition: by one)
         return described(ref), described(one), described(many), many.partitions
     finally:
         one.close()
         many.close()
+        parallel.close()
         assert list(tmp.iterdir()) == []  # every spill directory removed
 
 
@@ -125,8 +134,8 @@ def _cf_content(client: Any) -> dict[str, Any]:
 
 
 def test_a_restore_in_tiny_memory_loads_what_the_default_loads(fresh_redis: EmbeddedRedis, tmp_path: Path) -> None:
-    """End to end: a restore with the least memory limit (many partitions, the load streamed from a merge of many
-    runs) leaves the CF as a restore with the default does, from the same backup; the report says its peak
+    """End to end: a restore with the least memory limit (many partitions settled by 3 worker processes, the load
+    streamed from a merge of many runs) leaves the CF as a restore with the default does, from the same backup; the report says its peak
     memory, its limit and partitions; the spill directory is left empty."""
     logs, backups = tmp_path / "logs", tmp_path / "backups"
     qms, manifest = small_workload(fresh_redis.url, logs, backups)
@@ -135,17 +144,18 @@ def test_a_restore_in_tiny_memory_loads_what_the_default_loads(fresh_redis: Embe
     client = connect(fresh_redis.url)
     lose_cf(client)
     tiny = run_restore(client, S, backup_root=backups, log_root=logs, backup_id=manifest["id"],
-                       engine_options={"memory": TINY, "partitions": 7})
+                       engine_options={"memory": TINY, "partitions": 7, "workers": 3})
     after_tiny = _cf_content(client)
     default = run_restore(client, S, backup_root=backups, log_root=logs, backup_id=manifest["id"], mark_failed=True)
     assert _cf_content(client) == after_tiny
     assert tiny.counts == default.counts and tiny.loaded_entries == default.loaded_entries > 0
     assert tiny.in_doubt_uows == default.in_doubt_uows
     assert (tiny.partitions, default.partitions) == (7, 1)
+    assert (tiny.workers, default.workers) == (3, 1)  # 7 partitions settled by 3 worker processes; 1 here
     assert tiny.memory_limit == TINY and default.memory_limit == 1 << 30
     assert 0 < tiny.peak_rss_bytes < 2**31
     report = json.loads(Path(str(tiny.report_path)).read_text())
-    assert report["peak_rss_bytes"] == tiny.peak_rss_bytes and report["partitions"] == 7
+    assert report["peak_rss_bytes"] == tiny.peak_rss_bytes and report["partitions"] == 7 and report["workers"] == 3
     assert list((backups / WORK_DIR).iterdir()) == []
     assert oct((backups / WORK_DIR).stat().st_mode & 0o777) == "0o700"
     for qm in qms:
@@ -196,31 +206,33 @@ _MEASURE = textwrap.dedent("""
     from restore.engine import LocalEngine
     from restore.engine import read_logs
     from restore.plan import plan_local
-    memory, root = int(sys.argv[1]), Path(sys.argv[2])
+    memory, root, workers = int(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
     backup = read_backup(root / "b")
     logs = [root / "logs" / "QM1"]
     before = peak_kib()
     if memory:
-        plan = LocalEngine(memory=memory, work_dir=root / "work").plan("APP1", backup, logs, 10**7, 0)
+        plan = LocalEngine(memory=memory, work_dir=root / "work", workers=workers).plan("APP1", backup, logs, 10**7,
+                                                                                        0)
     else:  # the in-memory plan, for contrast
         plan = plan_local("APP1", list(backup.copies()), read_logs(logs, 10**7), now_ms=0, gen=1)
         plan.partitions = 0
     loaded = sum(1 for _ in plan.in_load_order())
     plan.close()
-    print(loaded, plan.partitions, before, peak_kib())
+    print(loaded, plan.partitions, before, peak_kib(), getattr(plan, "worker_peak_bytes", 0) // 1024)
 """)
 
 
-def _measure(n: int, memory: int, root: Path) -> tuple[int, int, int, int]:
+def _measure(n: int, memory: int, root: Path, workers: int = 1) -> tuple[int, int, int, int, int]:
     """(messages loaded, partitions, peak RSS in KiB before the plan, and after the plan and a pass over its
-    load order), planned in a fresh process (memory 0: by the in-memory plan_local)."""
+    load order, and the worker processes' peaks summed), planned in a fresh process (memory 0: by the in-memory
+    plan_local)."""
     if not root.exists():
         _write_input(n, root)
-    out = subprocess.run([sys.executable, "-c", _MEASURE, str(memory), str(root)], check=True,
+    out = subprocess.run([sys.executable, "-c", _MEASURE, str(memory), str(root), str(workers)], check=True,
                          capture_output=True, text=True, timeout=280,
                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
-    loaded, partitions, before, after = (int(x) for x in out.stdout.split())
-    return loaded, partitions, before, after
+    loaded, partitions, before, after, workers_peak = (int(x) for x in out.stdout.split())
+    return loaded, partitions, before, after, workers_peak
 
 
 @pytest.mark.timeout(900)  # about 35 s on an idle machine; three subprocesses, slow on a loaded one
@@ -237,6 +249,12 @@ def test_peak_memory_stays_bounded_as_the_input_grows(tmp_path: Path) -> None:
     assert big[3] - big[2] < 3 * memory // 1024, big  # KiB: within a few times its limit over the start
     in_memory = _measure(big_n, 0, tmp_path / "big")  # the measure is not blind: the in-memory plan grows it
     assert in_memory[0] == big[0] and in_memory[3] - in_memory[2] > input_growth_kib // 2, (in_memory, big)
+    # Settled by 2 worker processes: the processes together (this one and the workers' peaks) grow by far less
+    # than the input too; each worker costs its interpreter's fixed size, whatever the input.
+    small2 = _measure(small_n, memory, tmp_path / "small", workers=2)
+    big2 = _measure(big_n, memory, tmp_path / "big", workers=2)
+    assert small2[0] == big2[0] - 2 * (big_n - small_n) and small2[4] > 0 and big2[4] > 0
+    assert (big2[3] + big2[4]) - (small2[3] + small2[4]) < input_growth_kib // 4, (small2, big2)
 
 
 # ----------------------------------------------------------------------------------------------- the setting
