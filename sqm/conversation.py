@@ -193,8 +193,9 @@ class Conversation:
         if self.receiving is not None:
             raise UowStatusError(f"unit of work {self.receiving.control.uow} is being received in the same syncpoint "
                                  f"scope: COMMIT BOTH, or settle it first")
-        self._stage_sent(op, eoc)
-        self._commit_scope()
+        deadline = time.monotonic() + ctl.HELD_WAIT_S  # the request's wait for held controls (ctl.HELD_WAIT_S)
+        self._stage_sent(op, eoc, deadline)
+        self._commit_scope(deadline)
         self.sending = None
         return ACCEPTED
 
@@ -203,7 +204,7 @@ class Conversation:
         if op.control.messages == 0:
             raise UowStatusError(f"unit of work {op.control.uow} holds no message: send one before COMMIT")
 
-    def _stage_sent(self, op: _Open, eoc: str) -> None:
+    def _stage_sent(self, op: _Open, eoc: str, deadline: float) -> None:
         event = eoc or "COMMIT"
         if eoc not in ("", "EOC", "EOCCANCEL"):
             raise BadRequestError(f"end of conversation must be EOC or EOCCANCEL, not {eoc!r}")
@@ -216,7 +217,8 @@ class Conversation:
             to = transition(SENDER, event, old.status)
             return replace(op.control, status=to, owner="", changed_pc=pc, committed_ms=now_ms(), eoc=eoc,
                            user_status=old.user_status)
-        ctl.replace(self.qm, op.svc, op.control.uow, self._refusing(accept), conn=self.scope)
+        ctl.replace(self.qm, op.svc, op.control.uow, self._refusing(accept), conn=self.scope,
+                    wait_s=ctl.wait_left(deadline))
 
     # --- receive --------------------------------------------------------------------------------------------
     def receive(self, service: str, *, option: str = ANY, wait_ms: int = 0, max_length: int = 0) -> Received:
@@ -343,9 +345,12 @@ class Conversation:
             snd = self._need(self.sending, "COMMIT BOTH needs a unit of work being sent")
             rcv = self._need(self.receiving, "COMMIT BOTH needs a unit of work being received")
             self._ready_to_commit(snd)  # before anything is staged: a refusal half way left the session stuck
-            self._stage_processed(rcv)
-            self._stage_sent(snd, "")
-            self._commit_scope()
+            # One wait for held controls for the request, not one per control: two waits of 3 s outlasted a client's
+            # 5 s request timeout, and a COMMIT that was carried out answered 'outcome unknown' (review).
+            deadline = time.monotonic() + ctl.HELD_WAIT_S
+            self._stage_processed(rcv, deadline)
+            self._stage_sent(snd, "", deadline)
+            self._commit_scope(deadline)
             self.sending = self.receiving = None
             return {"status": ACCEPTED, "uow": snd.control.uow, "received": {"uow": rcv.control.uow,
                                                                               "status": PROCESSED}}
@@ -355,8 +360,9 @@ class Conversation:
         if self.sending is not None:
             raise UowStatusError(f"unit of work {self.sending.control.uow} is being sent in the same syncpoint "
                                  "scope: COMMIT BOTH, or settle it first")
-        self._stage_processed(op)
-        self._commit_scope()
+        deadline = time.monotonic() + ctl.HELD_WAIT_S
+        self._stage_processed(op, deadline)
+        self._commit_scope(deadline)
         self.receiving = None
         return {"status": PROCESSED, "uow": op.control.uow}
 
@@ -368,7 +374,7 @@ class Conversation:
         status = self._commit_sent(eoc=eoc)
         return {"status": status, "uow": op.control.uow}
 
-    def _stage_processed(self, op: _Open) -> None:
+    def _stage_processed(self, op: _Open, deadline: float) -> None:
         """Receiver COMMIT, staged in the scope: the rest of its messages taken, DELIVERED -> PROCESSED."""
         self._check_scope(op)
         pc = ctl.pseudo_clock(self.qm, op.svc.structure)
@@ -377,7 +383,7 @@ class Conversation:
             self._expect(old, op.control.owner)
             return finish(old, transition(RECEIVER, "COMMIT", old.status), pc)
         ctl.replace(self.qm, op.svc, op.control.uow, self._refusing(process), drain=lambda old, new: True,
-                    conn=self.scope)
+                    conn=self.scope, wait_s=ctl.wait_left(deadline))
 
     def backout(self, uow: str = "") -> dict[str, Any]:
         """BACKOUT: a sent UOW becomes BACKEDOUT (its messages gone); a received one is ACCEPTED again, its delivery
@@ -391,6 +397,7 @@ class Conversation:
         self.scope.backout()
         self.sending = self.receiving = None
         out: dict[str, Any] = {}
+        deadline = time.monotonic() + ctl.HELD_WAIT_S  # one wait for the request (BOTH: two controls), as COMMIT's
         for op in ops:
             who = SENDER if op.control.status == RECEIVED else RECEIVER
             pc = ctl.pseudo_clock(self.qm, op.svc.structure)
@@ -402,7 +409,8 @@ class Conversation:
                     return replace(old, status=ACCEPTED, owner="", deliveries=old.deliveries + 1, changed_pc=pc)
                 return finish(old, to, pc)
             try:
-                _, new = ctl.replace(self.qm, op.svc, op.control.uow, self._refusing(back))
+                _, new = ctl.replace(self.qm, op.svc, op.control.uow, self._refusing(back),
+                                     wait_s=ctl.wait_left(deadline))
             except UowStatusError:  # settled meanwhile (the sweeper found its scope gone): report what it is now
                 new = ctl.peek(self.qm, op.svc, op.control.uow)
             out = {"uow": op.control.uow, "status": new.status if new else None, **out}
@@ -423,7 +431,8 @@ class Conversation:
 
         def withdraw(old: Control) -> Control | None:
             return finish(old, transition(SENDER, "CANCEL", old.status), pc)
-        _, new = ctl.replace(self.qm, svc, uow, self._refusing(withdraw), drain=lambda old, new: True)
+        _, new = ctl.replace(self.qm, svc, uow, self._refusing(withdraw), drain=lambda old, new: True,
+                             also_mine=self._scope_id())
         return {"uow": uow, "status": new.status if new else None}
 
     def _cancel_received(self, op: _Open) -> dict[str, Any]:
@@ -500,11 +509,16 @@ class Conversation:
                                  "token")
 
         def set_it(old: Control) -> Control | None:
+            # Asked again of the control taken: the one read above may be a change in flight's old one, waited for
+            # since (a receiver of record that backed out, while another receiver takes the UOW: review).
+            if (self.user, self.token) not in ((old.sender, old.token), (old.receiver, old.receiver_token)):
+                raise UowStatusError(f"unit of work {uow} is neither sent nor received by user {self.user} with "
+                                     "this token")
             if old.status not in USER_STATUS_ALLOWED:
                 raise TransitionError(f"SETUSTATUS is not allowed in status {old.status} (only in "
                                       f"{', '.join(USER_STATUS_ALLOWED)})")
             return replace(old, user_status=value)
-        _, new = ctl.replace(self.qm, svc, uow, self._refusing(set_it))
+        _, new = ctl.replace(self.qm, svc, uow, self._refusing(set_it), also_mine=self._scope_id())
         for op in (self.sending, self.receiving):
             if op is not None and op.control.uow == uow:
                 op.control = replace(op.control, user_status=value)
@@ -521,7 +535,7 @@ class Conversation:
             if old.status not in FINAL:
                 raise TransitionError(f"DELETE is not allowed in status {old.status} (only in {', '.join(FINAL)})")
             return None
-        ctl.replace(self.qm, svc, uow, self._refusing(gone))
+        ctl.replace(self.qm, svc, uow, self._refusing(gone), also_mine=self._scope_id())
         return {"uow": uow, "status": None, "deleted": True}
 
     def close(self) -> None:
@@ -542,8 +556,9 @@ class Conversation:
         self.close()
 
     # --- helpers --------------------------------------------------------------------------------------------
-    def _commit_scope(self) -> None:
-        """Commit the scope; if it was backed out instead, what it held is settled as a backout would be."""
+    def _commit_scope(self, deadline: float) -> None:
+        """Commit the scope; if it was backed out instead, what it held is settled as a backout would be (waiting for
+        a held control until ``deadline``, the request's: what is still held then is left to the sweeper)."""
         held = [o for o in (self.sending, self.receiving) if o is not None]
         try:
             self.scope.commit()
@@ -553,8 +568,14 @@ class Conversation:
             self.sending = self.receiving = None
             if isinstance(e, BackedOutError):
                 for op in held:
-                    settle_orphan(self.qm, op.svc, op.control.uow, op.control.owner)
+                    settle_orphan(self.qm, op.svc, op.control.uow, op.control.owner, wait_s=ctl.wait_left(deadline))
             raise
+
+    def _scope_id(self) -> str:
+        """The scope's unit of work, if any: a control it holds (a settle staged in it and refused, until the session
+        backs out) is this session's own, and a change on another connection is refused at once, not after waiting
+        for a holder that only this thread can end."""
+        return self.scope.uow.id if self.scope.uow is not None else ""
 
     def _incarnation(self) -> str:
         return f"{self.qm.name}.{self.qm.caller.epoch:x}"

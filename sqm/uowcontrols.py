@@ -34,8 +34,14 @@ PEEK_LIMIT = 1000
 # about a second and a half of finding the new primary (chaos runs: 0.3-1.5 s). Refusing at once refused a
 # receiver's COMMIT of a UOW its session held because a sweeper looked at that moment, and a QUERY right after an
 # acknowledged COMMIT read the status before it (CHAOS-RESULTS.md, 2026-11-26 20:10). Below a client's 5 s request
-# timeout, so the answer still reaches it.
+# timeout, so the answer still reaches it: it is one request's budget, not one per control (a COMMIT BOTH takes
+# two, and waited 3 s for each: review, sqm.conversation.Conversation.commit).
 HELD_WAIT_S = 3.0
+
+
+def wait_left(deadline: float) -> float:
+    """What is left of a request's wait budget (``time.monotonic() + HELD_WAIT_S`` when it began)."""
+    return max(0.0, deadline - time.monotonic())
 
 
 @dataclass(frozen=True)
@@ -151,11 +157,14 @@ def put_control(conn: Connection, svc: Service, c: Control) -> None:
              correlid=LETTER[c.status].encode())
 
 
-def take_control(conn: Connection, svc: Service, uow: str, *, wait_s: float = HELD_WAIT_S) -> Control:
+def take_control(conn: Connection, svc: Service, uow: str, *, wait_s: float = HELD_WAIT_S,
+                 also_mine: str = "") -> Control:
     """Get the UOW's control under the connection's unit of work (it is replaced or removed at its commit). A control
     another unit of work holds (a status change in flight, or a sweeper's look) is waited for, up to ``wait_s``: the
     change it makes, if any, is then judged by the caller's own check. Refused when there is no control (its status
-    is not kept), when this connection's unit of work holds it already, or when it is still held after the wait."""
+    is not kept), when this connection's unit of work holds it already, or ``also_mine`` (the caller's session's
+    scope, which cannot end while its own thread waits here: waiting for it was 3 s lost, review), or when it is
+    still held after the wait."""
     deadline = time.monotonic() + wait_s
     delay = 0.005
     while True:
@@ -164,9 +173,9 @@ def take_control(conn: Connection, svc: Service, uow: str, *, wait_s: float = HE
             return Control.unpack(msg.body)
         except NoMessageError:
             pass
-        mine = conn.uow.id if conn.uow is not None else ""
+        mine = {conn.uow.id if conn.uow is not None else "", also_mine} - {""}
         found = _peek_entry(conn.qm, svc, uow) if time.monotonic() < deadline else None
-        if found is None or found[0].state == "UG" and found[0].uow == mine:
+        if found is None or found[0].state == "UG" and found[0].uow in mine:
             raise UowStatusError(f"unit of work {uow} changed status meanwhile (or its status is not kept)")
         if found[0].state == "UG":  # given back (a look), or replaced (a change) in a moment: try again then
             time.sleep(delay)
@@ -189,15 +198,16 @@ def drain_data(conn: Connection, svc: Service, uow: str, each: Callable[[Message
 
 def replace(qm: QueueManager, svc: Service, uow: str, change: Callable[[Control], Control | None], *,
             drain: Callable[[Control, Control | None], bool] = lambda old, new: False,
-            conn: Connection | None = None, wait_s: float = HELD_WAIT_S) -> tuple[Control, Control | None]:
+            conn: Connection | None = None, wait_s: float = HELD_WAIT_S,
+            also_mine: str = "") -> tuple[Control, Control | None]:
     """One status change, as one unit of work: take the control (waiting up to ``wait_s`` while another change holds
-    it), compute its successor (``change`` may raise UowStatusError, which changes nothing), take the UOW's messages
-    where ``drain`` says so, put the successor (None: no trace kept), commit. With ``conn`` the change joins that
-    connection's unit of work, uncommitted."""
+    it; ``also_mine``: as take_control's), compute its successor (``change`` may raise UowStatusError, which changes
+    nothing), take the UOW's messages where ``drain`` says so, put the successor (None: no trace kept), commit. With
+    ``conn`` the change joins that connection's unit of work, uncommitted."""
     own = conn is None
     c = conn or qm.connect()
     try:
-        old = take_control(c, svc, uow, wait_s=wait_s)
+        old = take_control(c, svc, uow, wait_s=wait_s, also_mine=also_mine)
         new = change(old)
         if drain(old, new):
             drain_data(c, svc, uow)
@@ -257,4 +267,5 @@ def find(qm: QueueManager, uow: str, hint: Service | None = None, *,
 
 
 __all__ = ["Service", "service", "services", "pseudo_clock", "peek", "peek_status", "put_control", "take_control",
-           "drain_data", "replace", "set_last", "find_last", "find", "PCLOCK_GAP_MS", "HELD_WAIT_S"]
+           "drain_data", "replace", "set_last", "find_last", "find", "PCLOCK_GAP_MS", "HELD_WAIT_S",
+           "wait_left"]

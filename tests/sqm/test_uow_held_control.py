@@ -10,6 +10,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import replace as dc_replace
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +21,9 @@ from cfemu.connection import connect
 from cfemu.errors import EndOfUowError, MQError, NoMessageError, StructureFailedError, UowStatusError
 from sqm import uowcontrols as ctl
 from sqm import uowsweeper
-from sqm.conversation import SYNC, Conversation
+from sqm.conversation import BOTH, SYNC, Conversation, settle_orphan
 from sqm.manager import QueueManager
-from sqm.uowstatus import Control
+from sqm.uowstatus import DELIVERED, Control
 from sqm.uowsweeper import Sweeper
 from tests.support.group import start_qm
 
@@ -217,3 +218,82 @@ def test_last_after_a_receivers_commit_acknowledged_while_the_cf_was_away_sees_i
     threading.Timer(0.5, qm2.retry_pending).start()
     last = Conversation(qm1, "alice", "t").last()
     assert (last["uow"], last["status"]) == (uow, "PROCESSED")
+
+
+# --- review of 636b3c8 (CHAOS-RESULTS.md, top entry, "Review") --------------------------------------------------------
+
+def held_for(qm: QueueManager, uow: str, hold_s: float) -> threading.Timer:
+    """Another unit of work takes the UOW's control now and gives it back after hold_s."""
+    svc = ctl.service(qm, SVC)
+    conn = qm.connect()
+    ctl.take_control(conn, svc, uow, wait_s=0.0)
+    t = threading.Timer(hold_s, conn.backout)
+    t.start()
+    return t
+
+
+def test_setustatus_asks_who_may_set_it_of_the_control_it_waited_for(qms: tuple[QueueManager, QueueManager]) -> None:
+    """SETUSTATUS checked its caller against the control it read before the wait: bob, the receiver of record of a
+    UOW he backed out, waited while carol's receive took it (ACCEPTED -> DELIVERED to carol, in flight) and then set
+    the user status of the UOW carol was receiving. Before the wait it was refused at once (held)."""
+    qm1, qm2 = qms
+    snd, bob = Conversation(qm1, "alice"), Conversation(qm2, "bob")
+    uow = sent(snd)
+    received_whole(bob)
+    assert bob.backout()["status"] == "ACCEPTED"  # bob is still its receiver of record, and may set its user status
+    svc = ctl.service(qm1, SVC)
+    carol = qm1.connect()  # carol's receive, as Conversation._start_receiving makes it, caught in flight
+    old = ctl.take_control(carol, svc, uow, wait_s=0.0)
+    assert carol.uow is not None
+    ctl.put_control(carol, svc, dc_replace(old, status=DELIVERED, receiver="carol", owner=carol.uow.id))
+    committed = threading.Timer(0.5, carol.commit)
+    committed.start()
+    with pytest.raises(UowStatusError, match="neither sent nor received by user bob"):
+        bob.set_user_status(uow, b"bob was here")
+    committed.join(5)
+    q = snd.query(uow)
+    assert (q["status"], q["receiver"], q["user_status"]) == ("DELIVERED", "carol", "")
+
+
+def test_commit_both_waits_once_for_held_controls_not_once_for_each(qms: tuple[QueueManager, QueueManager]) -> None:
+    """A COMMIT BOTH takes two controls, and waited up to HELD_WAIT_S for each: here the received UOW's is held for
+    2.5 s and the sent one's for 5 s, and the COMMIT answered after 5 s, past a client's 5 s request timeout (the
+    client says 'outcome unknown' of a commit that was carried out). One budget for the request: refused after 3 s,
+    nothing committed, the session still holds both (docs/uow.md: BACKOUT BOTH)."""
+    qm1, qm2 = qms
+    snd, bob = Conversation(qm1, "alice"), Conversation(qm2, "bob")
+    uow_in = sent(snd)
+    received_whole(bob)
+    uow_out = bob.send(SVC, b"reply").uow
+    holds = [held_for(qm1, uow_in, 2.5), held_for(qm1, uow_out, 5.0)]
+    t0 = time.monotonic()
+    with pytest.raises(UowStatusError, match="changed status meanwhile"):
+        bob.commit(BOTH)
+    assert time.monotonic() - t0 < ctl.HELD_WAIT_S + 1.0
+    assert bob.receiving is not None and bob.sending is not None
+    for t in holds:
+        t.join(10)
+    assert bob.backout(BOTH)["status"] == "ACCEPTED"
+    assert snd.query(uow_in)["status"] == "ACCEPTED" and snd.query(uow_out)["status"] == "BACKEDOUT"
+    assert received_whole(bob) == uow_in and bob.commit()["status"] == "PROCESSED"
+
+
+def test_a_control_the_sessions_own_scope_holds_is_refused_at_once(qms: tuple[QueueManager, QueueManager]) -> None:
+    """A COMMIT refused after its scope took the control (the UOW was settled under the session: a sweeper found its
+    scope gone) leaves the scope holding it until the session backs out. A SETUSTATUS of the same session then
+    waited HELD_WAIT_S for a holder that only its own thread can end, and was refused after it."""
+    qm1, qm2 = qms
+    snd, bob = Conversation(qm1, "alice"), Conversation(qm2, "bob")
+    uow = sent(snd)
+    received_whole(bob)
+    assert bob.receiving is not None
+    settled = settle_orphan(qm1, ctl.service(qm1, SVC), uow, bob.receiving.control.owner)
+    assert settled is not None and settled.status == "ACCEPTED"
+    with pytest.raises(UowStatusError, match="no longer held by this session"):
+        bob.commit()
+    t0 = time.monotonic()
+    with pytest.raises(UowStatusError, match="changed status meanwhile"):
+        bob.set_user_status(uow, b"x")
+    assert time.monotonic() - t0 < 1.0
+    assert bob.backout()["status"] == "ACCEPTED"
+    assert received_whole(bob) == uow and bob.commit()["status"] == "PROCESSED"
