@@ -9,6 +9,13 @@ main module again in every worker (a script without a main guard would start the
 `fork` would copy whatever locks this process's other threads hold (a progress display's, a logging handler's).
 A worker ends when its stdin closes, so one whose parent died (even SIGKILLed) ends at its next read; the pipe
 is private to the two processes, which is why pickle is safe here.
+
+A worker's streams are the task channel only: a task's own writes to descriptor 1 (a C library, a child process)
+go to stderr and its reads of descriptor 0 find /dev/null, so nothing a task does can break a frame (the parent
+would read stray bytes as a frame's length and wait for ever). A worker ignores SIGINT: Ctrl-C reaches the whole
+process group, and the parent (cfrestore, or a member running RECAUTO, which handles SIGINT itself) decides; it
+stops its workers when it leaves. The worker's module path is this process's (absolute), with `-P` so that the
+working directory is not put ahead of it: a msgpack.py or restore/ lying there must not replace a module.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import os
 import pickle
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -58,14 +66,20 @@ class Workers:
     def __init__(self, n: int) -> None:
         self.n = max(1, n)
         self.procs: list[subprocess.Popen[bytes]] = []
+        self._stop = threading.Event()  # set when leaving: no task is handed out after it
+        self._threads: list[threading.Thread] = []
 
     def __enter__(self) -> Workers:
         if self.n > 1:
-            # The same modules as here, however this process found them (a source tree on sys.path, a venv).
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+            # The same modules as here, however this process found them (a source tree on sys.path, a venv), as
+            # absolute paths ('' is this process's working directory), and only those: -P keeps `-m` from putting
+            # the worker's working directory first.
+            path = dict.fromkeys(os.path.abspath(p) if p else os.getcwd() for p in sys.path)
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+            self._stop.clear()
             try:
                 for _ in range(self.n):
-                    self.procs.append(subprocess.Popen([sys.executable, "-m", "restore.workers"],
+                    self.procs.append(subprocess.Popen([sys.executable, "-P", "-m", "restore.workers"],
                                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env))
             except BaseException:
                 self.__exit__()
@@ -82,10 +96,11 @@ class Workers:
         lock = threading.Lock()
         results: queue.Queue[tuple[str, Any]] = queue.Queue()
         failed = threading.Event()
+        stop = self._stop
 
         def next_task() -> tuple[bool, Any]:
             with lock:
-                if failed.is_set():
+                if failed.is_set() or stop.is_set():
                     return False, None
                 for item in tasks:
                     return True, item
@@ -105,60 +120,104 @@ class Workers:
                     results.put((status, value))
                     if status != "ok":
                         break
-            except (EOFError, OSError, pickle.PickleError) as e:
+            except BaseException as e:  # whatever it is (a dead worker, a closed pipe, a reply that does not
+                # unpickle), the map must hear of it: a thread that died silently would leave it waiting for ever
                 failed.set()
                 results.put(("error", WorkerError(f"a restore worker process (pid {proc.pid}) stopped: "
                                                   f"{type(e).__name__} {e}".rstrip())))
-            results.put(("done", None))
+            finally:
+                results.put(("done", None))
 
         threads = [threading.Thread(target=drive, args=(p,), name=f"restore-worker-{p.pid}", daemon=True)
                    for p in self.procs]
+        self._threads = threads
         for t in threads:
             t.start()
         running = len(threads)
         error: BaseException | None = None
-        while running:
-            status, value = results.get()
-            if status == "done":
-                running -= 1
-            elif status == "ok":
-                if error is None:
-                    yield value
-            elif error is None:
-                error = value if isinstance(value, BaseException) else WorkerError(str(value))
+        try:
+            while running:
+                status, value = results.get()
+                if status == "done":
+                    running -= 1
+                elif status == "ok":
+                    if error is None:
+                        yield value
+                elif error is None:
+                    error = value if isinstance(value, BaseException) else WorkerError(str(value))
+        finally:
+            # Also when the caller stops early (it raised, or was interrupted, while this was suspended): no new
+            # task; leaving the `with` stops the workers still at one.
+            failed.set()
         for t in threads:
             t.join()
         if error is not None:
             raise error
 
     def __exit__(self, *exc: object) -> None:
-        for p in self.procs:
-            if p.stdin is not None:
+        self._stop.set()
+        try:
+            # A map still running here was abandoned (its caller raised, or was interrupted, or stopped reading):
+            # its workers' results would go unread, so they are not waited for (a task can take minutes).
+            if any(t.is_alive() for t in self._threads):
+                for p in self.procs:
+                    p.kill()
+            for p in self.procs:
+                if p.stdin is not None:
+                    try:
+                        p.stdin.close()  # the worker's signal to end
+                    except (OSError, ValueError):
+                        pass
+            for p in self.procs:
                 try:
-                    p.stdin.close()  # the worker's signal to end
-                except OSError:
-                    pass
-        for p in self.procs:
-            try:
-                p.wait(_STOP_WAIT_S)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-            if p.stdout is not None:
-                p.stdout.close()
-        self.procs = []
+                    p.wait(_STOP_WAIT_S)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+        finally:
+            for p in self.procs:  # interrupted while waiting: none is left running, none a zombie
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            for t in self._threads:  # each ends at its worker's end of file
+                t.join(_STOP_WAIT_S)
+            for p in self.procs:
+                if p.stdout is not None:
+                    p.stdout.close()
+            self.procs, self._threads = [], []
 
 
 def main() -> int:
     """A worker: run the tasks read from stdin until it closes."""
-    inp, out = sys.stdin.buffer, sys.stdout.buffer
-    sys.stdout = sys.stderr  # a stray print must not break the reply stream
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent's to handle (see the module doc)
+    # The task channel on descriptors of its own (not inherited by a task's children); descriptor 1 becomes
+    # stderr and 0 /dev/null, so that a stray write or read (a print, a C library, a child) misses the channel.
+    # A descriptor 0-2 its parent had closed (a daemon without stderr) is /dev/null first: else the duplicates
+    # below would take its number, and descriptor 1 would become a copy of the task channel.
+    while (fd := os.open(os.devnull, os.O_RDWR)) <= 2:
+        pass
+    os.close(fd)
+    inp, out = os.fdopen(os.dup(0), "rb"), os.fdopen(os.dup(1), "wb")
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    os.dup2(2, 1)
+    if sys.stderr is None:  # Python found no descriptor 2 at its start
+        sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115  # the process's own, for its life
+    sys.stdout = sys.stderr
     while True:
         try:
-            fn, item = _receive(inp)
+            head = inp.read(_HEADER)
+            if len(head) < _HEADER:
+                return 0
+            n = int.from_bytes(head, "big")
+            data = inp.read(n)
+            if len(data) < n:
+                return 0
         except EOFError:
             return 0
         try:
+            fn, item = pickle.loads(data)  # a task naming a module this worker cannot import fails here
             reply: tuple[str, Any] = ("ok", fn(item))
         except BaseException as e:  # sent back and raised there; this worker goes on
             reply = ("error", e)

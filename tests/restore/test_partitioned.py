@@ -349,3 +349,41 @@ def test_a_load_that_stops_early_stops_the_preparing_thread_at_most_two_batches_
         time.sleep(0.2)
         assert loader.prepared <= 1 + Prepared.DEPTH + 1
     assert not p.thread.is_alive()
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def _children() -> set[int]:
+    pids: set[int] = set()
+    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
+        pids.update(int(p) for p in (task / "children").read_text().split())
+    return pids
+
+
+def test_a_plan_interrupted_while_workers_settle_leaves_nothing(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The caller's side raises in the middle of the fold (an interrupt, a progress display that fails): the
+    error comes out as itself, at once, with no worker process, no thread of the pool (none dying with an error
+    of its own) and no spill file left."""
+    import threading
+    thread_errors: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda a: thread_errors.append(a.exc_value))
+    h = simulate(random.Random(3), 1500)
+    backup, log_dirs = write_history(h, tmp_path)
+    work = tmp_path / "work"
+    before = _children()
+
+    def progress(phase: str, done: int, total: int | None) -> None:
+        if phase == "settle" and done == 2:
+            raise _Interrupted
+
+    with pytest.raises(_Interrupted):
+        LocalEngine(memory=TINY, work_dir=work, workers=3, partitions=40).plan(
+            S, backup, log_dirs, h.replay_from, NOW_MS, progress)
+    assert list(work.iterdir()) == []
+    assert _children() - before == set()
+    time.sleep(0.5)  # a thread still handing out tasks would fail now
+    assert [t.name for t in threading.enumerate() if t.name.startswith("restore-worker-")] == []
+    assert thread_errors == []

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -144,3 +145,144 @@ def test_cfrestore_refuses_bad_workers_in_one_line(tmp_path: Path) -> None:
     assert out.stderr.strip().splitlines() == [out.stderr.strip()]
     assert "--workers: '0' is not between 1 and" in out.stderr
     assert not (tmp_path / "b").exists()
+
+
+# ------------------------------------------------------------------ adversarial review of the workers (ee4a462)
+
+
+def scribble_then_square(x: int) -> int:
+    """A task that writes to file descriptor 1 below sys.stdout (as a C library or a child process would) and
+    reads descriptor 0: neither may reach the task stream."""
+    os.write(1, b"stray output from a task\n")
+    os.read(0, 64)
+    return x * x
+
+
+def test_a_task_writing_to_fd_1_or_reading_fd_0_breaks_no_stream() -> None:
+    # In a process of its own: a broken stream hangs the parent (a stray 8 bytes read as a frame's length).
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(ROOT)!r})
+        from tests.restore.test_workers import scribble_then_square
+        from restore.workers import Workers
+        with Workers(2) as pool:
+            print(sorted(pool.map(scribble_then_square, range(6))))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30,
+                         stdin=subprocess.DEVNULL)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[0, 1, 4, 9, 16, 25]"
+    assert "stray output from a task" in out.stderr  # went to stderr, where a worker's diagnostics go
+
+
+def where_is_msgpack(_: int) -> str:
+    import msgpack
+    return str(msgpack.__file__)
+
+
+def test_a_file_in_the_working_directory_shadows_no_module_in_a_worker(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`python -m` puts the working directory first on a worker's path: a msgpack.py (or restore/) lying in the
+    directory a restore runs in must not replace the module this process uses."""
+    import msgpack
+    (tmp_path / "msgpack.py").write_text("raise ImportError('the msgpack.py of the working directory')\n")
+    monkeypatch.chdir(tmp_path)
+    with Workers(2) as pool:
+        assert set(pool.map(where_is_msgpack, range(4))) == {msgpack.__file__}
+
+
+def quick_first_then_slow(x: int) -> int:
+    if x:
+        time.sleep(30)
+    return x
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_a_consumer_that_stops_early_stops_the_workers_at_once_and_leaves_no_thread(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The caller raises on the first result (an interrupt, a failed step): the workers still at a task are not
+    waited for, none is handed another task, and no thread of the map is left or dies with an error."""
+    import threading
+    thread_errors: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda a: thread_errors.append(a.exc_value))
+    start = time.monotonic()
+    with pytest.raises(_Stop):
+        with Workers(2) as pool:
+            procs = list(pool.procs)
+            for _ in pool.map(quick_first_then_slow, range(8)):
+                raise _Stop
+    assert time.monotonic() - start < 8
+    assert all(p.poll() is not None for p in procs)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(t.name.startswith("restore-worker-") for t in threading.enumerate()):
+        time.sleep(0.05)
+    assert [t for t in threading.enumerate() if t.name.startswith("restore-worker-")] == []
+    assert thread_errors == []
+
+
+def sleep_a_second(x: int) -> int:
+    time.sleep(1)
+    return x
+
+
+def test_sigint_to_the_workers_is_left_to_their_parent() -> None:
+    """Ctrl-C reaches the whole process group, and a member (sqm run) that runs RECAUTO handles SIGINT itself: a
+    worker must not turn it into a KeyboardInterrupt raised in the parent's restore (a member's thread)."""
+    caught: list[BaseException] = []
+    results: list[int] = []
+    with Workers(2) as pool:
+        pids = [p.pid for p in pool.procs]
+        try:
+            for i, r in enumerate(pool.map(sleep_a_second, range(4))):
+                results.append(r)
+                if i == 0:
+                    for pid in pids:
+                        os.kill(pid, signal.SIGINT)
+        except BaseException as e:  # a KeyboardInterrupt here must not stop the test session
+            caught.append(e)
+    assert caught == [] and sorted(results) == [0, 1, 2, 3]
+
+
+def passed_through(x: object) -> object:
+    return x
+
+
+def test_a_task_that_cannot_be_unpickled_is_an_error_and_the_worker_goes_on() -> None:
+    """An item naming a module only this process has: the worker answers with the import error (it does not die
+    with a traceback and leave a bare 'stopped')."""
+    only_here = types.ModuleType("restore_review_only_here")
+    only_here._thing = _thing  # type: ignore[attr-defined]
+    _thing.__module__ = only_here.__name__
+    sys.modules[only_here.__name__] = only_here
+    try:
+        with Workers(2) as pool:
+            procs = list(pool.procs)
+            with pytest.raises(ImportError, match="restore_review_only_here"):
+                list(pool.map(passed_through, [_thing]))
+            assert all(p.poll() is None for p in procs)  # still there for the next map
+            assert sorted(v for v, _ in pool.map(square_and_pid, range(4))) == [0, 1, 4, 9]
+    finally:
+        del sys.modules[only_here.__name__]
+
+
+def _thing() -> None:
+    pass
+
+
+def test_workers_of_a_parent_without_stderr_still_work() -> None:
+    """A parent started with descriptor 2 closed (a daemon): its workers start and answer all the same."""
+    script = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(ROOT)!r})
+        from tests.restore.test_workers import scribble_then_square
+        from restore.workers import Workers
+        with Workers(2) as pool:
+            print(sorted(pool.map(scribble_then_square, range(4))))
+    """)
+    out = subprocess.run(["sh", "-c", 'exec "$0" -c "$1" 2>&-', sys.executable, script], capture_output=True,
+                         text=True, timeout=30, stdin=subprocess.DEVNULL)
+    assert out.returncode == 0
+    assert out.stdout.strip() == "[0, 1, 4, 9]"
