@@ -49,13 +49,19 @@ def _send(stream: IO[bytes], obj: Any) -> None:
     stream.flush()
 
 
-def _receive(stream: IO[bytes]) -> Any:
+def _read_frame(stream: IO[bytes]) -> bytes | None:
+    """One frame's bytes (None: the stream ended)."""
     head = stream.read(_HEADER)
     if len(head) < _HEADER:
-        raise EOFError
+        return None
     n = int.from_bytes(head, "big")
     data = stream.read(n)
-    if len(data) < n:
+    return data if len(data) == n else None
+
+
+def _receive(stream: IO[bytes]) -> Any:
+    data = _read_frame(stream)
+    if data is None:
         raise EOFError
     return pickle.loads(data)
 
@@ -72,9 +78,11 @@ class Workers:
     def __enter__(self) -> Workers:
         if self.n > 1:
             # The same modules as here, however this process found them (a source tree on sys.path, a venv), as
-            # absolute paths ('' is this process's working directory), and only those: -P keeps `-m` from putting
-            # the worker's working directory first.
-            path = dict.fromkeys(os.path.abspath(p) if p else os.getcwd() for p in sys.path)
+            # absolute paths ('' is this process's working directory; an entry that is no path, such as an
+            # editable install's path hook, stays as it is), and only those: -P keeps `-m` from putting the
+            # worker's working directory first.
+            path = dict.fromkeys(os.getcwd() if not p else os.path.abspath(p) if os.path.exists(p) else p
+                                 for p in sys.path)
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
             self._stop.clear()
             try:
@@ -206,18 +214,12 @@ def main() -> int:
         sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115  # the process's own, for its life
     sys.stdout = sys.stderr
     while True:
-        try:
-            head = inp.read(_HEADER)
-            if len(head) < _HEADER:
-                return 0
-            n = int.from_bytes(head, "big")
-            data = inp.read(n)
-            if len(data) < n:
-                return 0
-        except EOFError:
+        data = _read_frame(inp)
+        if data is None:
             return 0
         try:
             fn, item = pickle.loads(data)  # a task naming a module this worker cannot import fails here
+            del data
             reply: tuple[str, Any] = ("ok", fn(item))
         except BaseException as e:  # sent back and raised there; this worker goes on
             reply = ("error", e)
