@@ -12,9 +12,10 @@ is private to the two processes, which is why pickle is safe here.
 
 A worker's streams are the task channel only: a task's own writes to descriptor 1 (a C library, a child process)
 go to stderr and its reads of descriptor 0 find /dev/null, so nothing a task does can break a frame (the parent
-would read stray bytes as a frame's length and wait for ever). A worker ignores SIGINT: Ctrl-C reaches the whole
-process group, and the parent (cfrestore, or a member running RECAUTO, which handles SIGINT itself) decides; it
-stops its workers when it leaves. The worker's module path is this process's (absolute), with `-P` so that the
+would read stray bytes as a frame's length and wait for ever). The workers are a process group of their own:
+Ctrl-C reaches the terminal's whole process group, and the parent (cfrestore, or a member running RECAUTO, which
+handles SIGINT itself) decides; it stops its workers when it leaves. (Not SIG_IGN in the worker: measured, it
+raised each worker's peak by about 0.35 MiB.) The worker's module path is this process's (absolute), with `-P` so that the
 working directory is not put ahead of it: a msgpack.py or restore/ lying there must not replace a module.
 """
 
@@ -23,7 +24,6 @@ from __future__ import annotations
 import os
 import pickle
 import queue
-import signal
 import subprocess
 import sys
 import threading
@@ -88,7 +88,8 @@ class Workers:
             try:
                 for _ in range(self.n):
                     self.procs.append(subprocess.Popen([sys.executable, "-P", "-m", "restore.workers"],
-                                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env))
+                                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
+                                                       process_group=0))
             except BaseException:
                 self.__exit__()
                 raise
@@ -197,7 +198,6 @@ class Workers:
 
 def main() -> int:
     """A worker: run the tasks read from stdin until it closes."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent's to handle (see the module doc)
     # The task channel on descriptors of its own (not inherited by a task's children); descriptor 1 becomes
     # stderr and 0 /dev/null, so that a stray write or read (a print, a C library, a child) misses the channel.
     # A descriptor 0-2 its parent had closed (a daemon without stderr) is /dev/null first: else the duplicates
