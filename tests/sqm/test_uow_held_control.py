@@ -20,12 +20,12 @@ from cfemu.admin import Admin
 from cfemu.connection import connect
 from cfemu.errors import EndOfUowError, MQError, NoMessageError, StructureFailedError, UowStatusError
 from sqm import uowcontrols as ctl
-from sqm import uowsweeper
 from sqm.conversation import BOTH, SYNC, Conversation, settle_orphan
 from sqm.manager import QueueManager
-from sqm.uowstatus import DELIVERED, Control
+from sqm.uowstatus import DELIVERED
 from sqm.uowsweeper import Sweeper
 from tests.support.group import start_qm
+from tests.support.uow_looks import a_sweepers_look
 
 S, SVC, SHORT = "APP1", "SVC", "SHORT"
 
@@ -59,24 +59,6 @@ def received_whole(rcv: Conversation, service: str = SVC) -> str:
     return uow
 
 
-def a_sweepers_look(qm: QueueManager, uow: str, hold_s: float) -> threading.Thread:
-    """A sweeper that read the UOW in its batch takes its control to check it is still as it read it
-    (uowsweeper._apply), finds it changed and gives it back: here the look lasts hold_s."""
-    svc = ctl.service(qm, SVC)
-    seen = ctl.peek(qm, svc, uow)
-    assert seen is not None
-    taken = threading.Event()
-
-    def changed_meanwhile(old: Control) -> Control | None:
-        taken.set()
-        time.sleep(hold_s)
-        raise UowStatusError(f"unit of work {old.uow} changed meanwhile")
-    t = threading.Thread(target=uowsweeper._apply, args=(qm, svc, seen, changed_meanwhile, "looked"))
-    t.start()
-    assert taken.wait(5)
-    return t
-
-
 def test_a_receivers_commit_waits_for_a_sweepers_look_instead_of_being_refused(
         qms: tuple[QueueManager, QueueManager]) -> None:
     """Before: UowStatusError 'changed status meanwhile', though nothing had changed, and the session still held the
@@ -85,7 +67,7 @@ def test_a_receivers_commit_waits_for_a_sweepers_look_instead_of_being_refused(
     snd, rcv = Conversation(qm1, "alice"), Conversation(qm2, "bob")
     uow = sent(snd)
     assert received_whole(rcv) == uow
-    look = a_sweepers_look(qm1, uow, 0.3)
+    look = a_sweepers_look(qm1, SVC, uow, 0.3)
     assert rcv.commit()["status"] == "PROCESSED"
     look.join(5)
     assert rcv.receiving is None and snd.query(uow)["status"] == "PROCESSED"
@@ -97,10 +79,10 @@ def test_a_backout_and_a_senders_cancel_wait_for_it_too(qms: tuple[QueueManager,
     snd, rcv = Conversation(qm1, "alice"), Conversation(qm2, "bob")
     uow = sent(snd)
     received_whole(rcv)
-    look = a_sweepers_look(qm1, uow, 0.3)
+    look = a_sweepers_look(qm1, SVC, uow, 0.3)
     assert rcv.backout()["status"] == "ACCEPTED"
     look.join(5)
-    look = a_sweepers_look(qm2, uow, 0.3)
+    look = a_sweepers_look(qm2, SVC, uow, 0.3)
     assert snd.cancel(uow)["status"] == "CANCELLED"
     look.join(5)
 
@@ -112,7 +94,7 @@ def test_a_control_held_longer_than_the_wait_is_refused_after_it(qms: tuple[Queu
     snd, rcv = Conversation(qm1, "alice"), Conversation(qm2, "bob")
     uow = sent(snd)
     received_whole(rcv)
-    look = a_sweepers_look(qm1, uow, ctl.HELD_WAIT_S + 1.5)
+    look = a_sweepers_look(qm1, SVC, uow, ctl.HELD_WAIT_S + 1.5)
     t0 = time.monotonic()
     with pytest.raises(UowStatusError, match="changed status meanwhile"):
         rcv.commit()
@@ -297,3 +279,4 @@ def test_a_control_the_sessions_own_scope_holds_is_refused_at_once(qms: tuple[Qu
     assert time.monotonic() - t0 < 1.0
     assert bob.backout()["status"] == "ACCEPTED"
     assert received_whole(bob) == uow and bob.commit()["status"] == "PROCESSED"
+

@@ -16,17 +16,15 @@ import pytest
 
 from cfemu.admin import Admin
 from cfemu.connection import connect
-from cfemu.errors import UowStatusError
 from qsg.chaos.conversations import SERVICE, SERVICE_UOW, Conv, ConvRunner, ConvSession, drain_service
 from qsg.chaos.history import History, load_history
 from qsg.chaos.uowcheck import DRAIN_CLIENT, FINAL_CLIENT, RECEIVER
 from sqm import uowcontrols as ctl
-from sqm import uowsweeper
 from sqm.manager import QueueManager
-from sqm.uowstatus import Control
 from tests.sqm.test_service import TOKEN, ServerProc, start_server
 from tests.support.group import define_group, start_qm
 from tests.support.harness import lose_cf
+from tests.support.uow_looks import a_sweepers_look
 
 
 @pytest.fixture
@@ -68,7 +66,7 @@ def test_a_drain_receipt_whose_commit_is_refused_is_backed_out_and_received_agai
 
     def sync(self: ConvRunner, c: Any, option: str, role: str, suow: str = "") -> tuple[str, Any]:
         if self.s.name == DRAIN_CLIENT and option == "COMMIT" and role == RECEIVER and not looks:
-            looks.append(a_sweepers_look(qm, suow, ctl.HELD_WAIT_S + 1.0))
+            looks.append(a_sweepers_look(qm, SERVICE, suow, ctl.HELD_WAIT_S + 1.0))
         return real_sync(self, c, option, role, suow)
     monkeypatch.setattr(ConvRunner, "sync", sync)
     t0 = time.monotonic()
@@ -83,21 +81,3 @@ def test_a_drain_receipt_whose_commit_is_refused_is_backed_out_and_received_agai
     assert out["UOWs drained"] == 1 and out["UOWs still active"] == 0, out
     assert final_statuses(history) == {uow: "PROCESSED"}
     assert time.monotonic() - t0 < 15, "the drain did not wait for its limit"
-
-
-def a_sweepers_look(qm: QueueManager, uow: str, hold_s: float) -> threading.Thread:
-    """As tests/sqm/test_uow_held_control.py's: a sweeper takes the control to check it (uowsweeper._apply), holds it
-    hold_s, and gives it back."""
-    svc = ctl.service(qm, SERVICE)
-    seen = ctl.peek(qm, svc, uow)
-    assert seen is not None
-    taken = threading.Event()
-
-    def changed_meanwhile(old: Control) -> Control | None:
-        taken.set()
-        time.sleep(hold_s)
-        raise UowStatusError(f"unit of work {old.uow} changed meanwhile")
-    t = threading.Thread(target=uowsweeper._apply, args=(qm, svc, seen, changed_meanwhile, "looked"))
-    t.start()
-    assert taken.wait(5)
-    return t
