@@ -28,7 +28,7 @@ from cfemu.entry import Entry
 from cfemu.settings import parse_size, resolve
 from restore.engine import LocalEngine, read_logs
 from restore.load import load_order
-from restore.partitioned import SpilledPlan, partitions_for
+from restore.partitioned import SpilledPlan, merge_read_size, partitions_for
 from restore.plan import RestorePlan, base_lrsn, plan_local
 from restore.run import WORK_DIR, RestoreError, run_restore
 from sqm import records
@@ -160,6 +160,16 @@ def test_a_restore_in_tiny_memory_loads_what_the_default_loads(fresh_redis: Embe
     assert oct((backups / WORK_DIR).stat().st_mode & 0o777) == "0o700"
     for qm in qms:
         qm.stop(checkpoint=False)
+
+
+def test_the_merge_read_buffers_share_a_quarter_of_the_memory() -> None:
+    """Each sorted run costs about 3x its read size in the merge (the Unpacker's doubled buffer and a read's
+    transient bytes): 171 runs of an 8 MiB restore at a 16 KiB floor took 9 MiB, more than the whole limit."""
+    for memory, runs in [(8 << 20, 171), (1 << 30, 64), (1 << 30, 4096), (64 << 20, 300)]:
+        size = merge_read_size(memory, runs)
+        assert size >= 4 << 10
+        assert size == 4 << 10 or 3 * size * runs <= memory // 4, (memory, runs, size)
+    assert merge_read_size(1 << 30, 1) == 1 << 20
 
 
 def test_partitions_grow_with_the_input_and_shrink_with_the_memory() -> None:
