@@ -36,7 +36,7 @@ from redis.backoff import NoBackoff
 from redis.client import Pipeline
 from redis.retry import Retry
 
-from cfemu import cluster_cf, keys
+from cfemu import cluster_cf, keys, resp
 from cfemu.admin import EPOCHS, StructureDef, stage_structure
 from cfemu.entry import Entry
 
@@ -195,16 +195,19 @@ def changed_since(seen: Seen, now: Seen) -> NotOwnerError | None:
 
 
 def _transact(client: redis.Redis, watch: Sequence[str], check: Callable[[Pipeline], T],
-              stage: Callable[[Pipeline, T], object]) -> tuple[T, list[Any]]:
+              stage: Callable[[Pipeline, T], object] | resp.Packed) -> tuple[T, list[Any]]:
     """One guarded transaction: WATCH `watch`; check (reads on the watching connection; raises to refuse);
-    stage's writes in MULTI/EXEC. A watched key that changed between the check and EXEC made EXEC apply nothing:
-    check again. A broken connection or a timeout is CFReplacedError: whether EXEC applied is unknown, and an
-    owner's connection does not reconnect, so the owner stops (a re-run starts from the wipe)."""
+    stage's writes in MULTI/EXEC (or commands packed beforehand: _exec_packed). A watched key that changed between
+    the check and EXEC made EXEC apply nothing: check again. A broken connection or a timeout is CFReplacedError:
+    whether EXEC applied is unknown, and an owner's connection does not reconnect, so the owner stops (a re-run
+    starts from the wipe)."""
     for _ in range(WATCH_RETRIES):
         pipe = client.pipeline(transaction=True)
         try:
             pipe.watch(*watch)
             value = check(pipe)
+            if isinstance(stage, resp.Packed):
+                return value, _exec_packed(pipe, stage)
             pipe.multi()
             stage(pipe, value)
             return value, pipe.execute()
@@ -218,6 +221,24 @@ def _transact(client: redis.Redis, watch: Sequence[str], check: Callable[[Pipeli
         finally:
             pipe.reset()
     raise NotOwnerError(f"the structure's header changed under {WATCH_RETRIES} transactions in a row")
+
+
+_MULTI, _EXEC = b"*1\r\n$5\r\nMULTI\r\n", b"*1\r\n$4\r\nEXEC\r\n"
+
+
+def _exec_packed(pipe: Pipeline, commands: resp.Packed) -> list[Any]:
+    """MULTI, `commands`, EXEC, sent as one write on the watching pipeline's connection (cfemu.resp); EXEC's
+    replies. As redis-py's pipeline: WatchError when a watched key changed (nothing applied), the first error
+    reply raised (a command refused when queued aborts the whole EXEC)."""
+    replies = resp.exchange(pipe.connection, _MULTI + commands.data() + _EXEC, commands.count + 2)
+    pipe.watching = False  # EXEC (applied, aborted or refused by the WATCH) ended the WATCH on the server
+    result = replies[-1]
+    for r in (*replies[:-1], result, *(result if isinstance(result, list) else ())):
+        if isinstance(r, redis.exceptions.ResponseError):
+            raise r
+    if result is None:
+        raise redis.exceptions.WatchError(_WATCH_CHANGED)
+    return list(result)
 
 
 def _pinned(client: redis.Redis) -> redis.Redis:
@@ -278,6 +299,10 @@ class Owner:
         returns their replies. Raises NotOwnerError (or CFReplacedError) having applied nothing."""
         return _transact(self.client, (keys.meta(self.structure), *watch), self.check,
                          lambda pipe, _: stage(pipe))[1]
+
+    def send(self, commands: resp.Packed) -> list[Any]:
+        """transaction() of commands packed beforehand (a bulk load's batch, prepared in another thread)."""
+        return _transact(self.client, (keys.meta(self.structure),), self.check, commands)[1]
 
     def close(self) -> None:
         self.client.close()
@@ -421,17 +446,54 @@ def uow_record(owner: str, first_lrsn: int, gen: int) -> bytes:
 
 @dataclass
 class Staged:
-    """One batch of a Loader, prepared (Loader.prepare) and not yet sent (Loader.send)."""
+    """One batch of a Loader, prepared (Loader.prepare: its writes packed) and not yet sent (Loader.send)."""
 
     entries: int
-    descriptors: dict[str, bytes] = field(default_factory=dict)
-    datas: dict[str, bytes] = field(default_factory=dict)
-    lists: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
-    sets: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
-    expiry: dict[str, int] = field(default_factory=dict)
+    commands: resp.Packed = field(default_factory=resp.Packed)
+    lists: dict[str, int] = field(default_factory=dict)  # list -> entries the batch appends to it
     held: dict[str, int] = field(default_factory=dict)
     queues: set[str] = field(default_factory=set)
     bytes: int = 0
+
+
+def prepare(structure: str, batch: Sequence[Survivor]) -> Staged:
+    """A batch of a load into `structure`: its writes computed and packed, not sent (touches no server: the next
+    batch is prepared in another thread, or another process, while this one's is sent by Loader.send)."""
+    S = structure
+    st = Staged(len(batch))
+    lists: dict[str, list[str]] = defaultdict(list)
+    sets: dict[str, list[str]] = defaultdict(list)
+    expiry: list[Any] = []
+    descriptors: list[Any] = []
+    datas: list[Any] = []
+    for s in batch:
+        e = _wire(s)
+        lists[list_of(S, e)].append(s.id)
+        if e.get("u"):
+            sets[keys.uow_set(S, e["u"])].append(s.id)
+            st.held[e["u"]] = min(st.held.get(e["u"], int(e["l"])), int(e["l"]))
+        if int(e.get("exp", 0)) > 0:
+            expiry += (int(e["exp"]), s.id)
+        if e.get("cid"):
+            sets[keys.index_set(S, e["q"], "c", e["cid"])].append(s.id)
+        if e.get("mid"):
+            sets[keys.index_set(S, e["q"], "m", e["mid"])].append(s.id)
+        descriptors += (s.id, descriptor(e, s.data))
+        datas += (s.id, s.data)
+        st.queues.add(e["q"])
+        st.bytes += len(s.data)
+    if batch:  # as redis-py's hset(mapping=...), sadd, rpush and zadd would send them
+        c = st.commands
+        c.add_items((b"HSET", keys.entries(S)), descriptors, len(descriptors))
+        c.add_items((b"HSET", keys.data(S)), datas, len(datas))
+        for k, ids in sets.items():
+            c.add_items((b"SADD", k), ids, len(ids))
+        for k, ids in lists.items():
+            c.add_items((b"RPUSH", k), ids, len(ids))
+        if expiry:
+            c.add_items((b"ZADD", keys.expiry(S)), expiry, len(expiry))
+    st.lists = {k: len(ids) for k, ids in lists.items()}
+    return st
 
 
 class Loader:
@@ -452,44 +514,13 @@ class Loader:
         self.send(self.prepare(batch))
 
     def prepare(self, batch: Sequence[Survivor]) -> Staged:
-        """A batch's writes, computed but not sent (touches no server: a loader may prepare the next batch in
-        another thread while this one's is sent)."""
-        S = self.structure
-        st = Staged(len(batch))
-        for s in batch:
-            e = _wire(s)
-            st.lists[list_of(S, e)].append(s.id)
-            if e.get("u"):
-                st.sets[keys.uow_set(S, e["u"])].append(s.id)
-                st.held[e["u"]] = min(st.held.get(e["u"], int(e["l"])), int(e["l"]))
-            if int(e.get("exp", 0)) > 0:
-                st.expiry[s.id] = int(e["exp"])
-            if e.get("cid"):
-                st.sets[keys.index_set(S, e["q"], "c", e["cid"])].append(s.id)
-            if e.get("mid"):
-                st.sets[keys.index_set(S, e["q"], "m", e["mid"])].append(s.id)
-            st.descriptors[s.id] = descriptor(e, s.data)
-            st.datas[s.id] = s.data
-            st.queues.add(e["q"])
-            st.bytes += len(s.data)
-        return st
+        """A batch's writes, computed and packed but not sent (prepare)."""
+        return prepare(self.structure, batch)
 
     def send(self, st: Staged) -> None:
         """Write a prepared batch, as one transaction of the owner."""
-        S = self.structure
-
-        def stage(pipe: Pipeline) -> None:
-            pipe.hset(keys.entries(S), mapping=st.descriptors)  # type: ignore[arg-type]
-            pipe.hset(keys.data(S), mapping=st.datas)  # type: ignore[arg-type]
-            for k, ids in st.sets.items():
-                pipe.sadd(k, *ids)
-            for k, ids in st.lists.items():
-                pipe.rpush(k, *ids)
-            if st.expiry:
-                pipe.zadd(keys.expiry(S), st.expiry)
-
         if st.entries:
-            self.holder.transaction(stage)
+            self.holder.send(st.commands)
         # counted once the batch is in (a transaction tried again must not count it twice)
         for u, first in st.held.items():
             self.held[u] = min(self.held.get(u, first), first)

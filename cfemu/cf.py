@@ -11,12 +11,12 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 import hiredis
 import msgpack
 import redis
-from redis._parsers import hiredis as redis_hiredis
 from redis.connection import HiredisRespSerializer
 
 from cfemu import bulk, cluster_cf, duplex, keys, lua
 from cfemu.entry import Entry
 from cfemu.errors import from_script_error
+from cfemu.resp import io_failure, read_reply
 
 
 class Clock(Protocol):
@@ -112,22 +112,6 @@ class CF:
 
 
 _NOT_LEAN = object()
-# What the hiredis reader answers while a reply is incomplete: redis-py builds its readers with this sentinel; one
-# without it leaves hiredis's own False (a nil reply is None in RESP2, never False).
-_NOT_ENOUGH = getattr(redis_hiredis, "NOT_ENOUGH_DATA", False)
-
-
-def _io_failure(conn: Any, e: BaseException, *, writing: bool) -> BaseException:
-    """The connection dropped, and the error redis-py would raise for ``e``, word for word where it matters:
-    sqm.manager.reply_lost reads a failure while reading (the request went out: the script may have run) apart
-    from one while writing. A timeout is Python's or the kernel's (EAGAIN: cfemu.sockets)."""
-    conn.disconnect()
-    if isinstance(e, TimeoutError | BlockingIOError):
-        return redis.exceptions.TimeoutError(f"Timeout {'writing to' if writing else 'reading from'} socket")
-    if isinstance(e, OSError):
-        return redis.exceptions.ConnectionError(f"Error {e.errno} while writing to socket. {e.strerror}."
-                                                if writing else f"Error while reading from socket: {e.args}")
-    return e  # redis-py's own ConnectionError (closed by the server), or not an I/O failure at all
 
 
 def _lean_exchange(conn: Any, packed: list[bytes]) -> Any:
@@ -135,7 +119,7 @@ def _lean_exchange(conn: Any, packed: list[bytes]) -> Any:
     the parser's reader directly: what send_packed_command and read_response do for it without their per-call
     health-check clock, error-context strings and wrappers (issue 15: a CF call's client side is Python work the
     member pays four times per message lifecycle). The connection's own failure rules are kept: a timeout or a
-    socket error disconnects it and raises redis-py's TimeoutError or ConnectionError (_io_failure); a reply error
+    socket error disconnects it and raises redis-py's TimeoutError or ConnectionError (cfemu.resp.io_failure); a reply error
     is raised as the parser's class for it (NOSCRIPT included). A connection this does not know how to drive (no
     socket yet, a health check due, another parser) returns _NOT_LEAN and takes redis-py's own path."""
     sock = conn._sock
@@ -148,20 +132,14 @@ def _lean_exchange(conn: Any, packed: list[bytes]) -> Any:
     try:
         sock.sendall(packed[0])
     except BaseException as e:
-        failure = _io_failure(conn, e, writing=True)
+        failure = io_failure(conn, e, writing=True)
         if failure is e:
             raise
         raise failure from None
     try:
-        reply = reader.gets()
-        while reply is _NOT_ENOUGH:
-            n = sock.recv_into(buf)
-            if n == 0:
-                raise redis.exceptions.ConnectionError("Connection closed by server.")
-            reader.feed(buf, 0, n)
-            reply = reader.gets()
+        reply = read_reply(sock, reader, buf)
     except BaseException as e:
-        failure = _io_failure(conn, e, writing=False)
+        failure = io_failure(conn, e, writing=False)
         if failure is e:
             raise
         raise failure from None

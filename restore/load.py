@@ -29,8 +29,10 @@ from typing import Any
 from cfemu import bulk, keys
 from cfemu.admin import StructureDef
 from restore.engine import LOAD, Progress, no_progress
+from restore.partitioned import Runs, SpilledPlan, merged_runs
 from restore.plan import RestorePlan
 from restore.settle import Settled, load_key
+from restore.workers import Workers
 from sqm.failpoints import failpoint
 from sqm.uowstatus import Control, is_control_queue
 
@@ -64,14 +66,15 @@ def batches(items: Iterable[Settled], size: int) -> Iterator[list[Settled]]:
 
 
 class Prepared:
-    """The load's batches, prepared (bulk.Loader.prepare: the merge of the plan's runs, descriptors packed) by a
-    thread of their own while the previous batch is sent and applied, at most DEPTH batches ahead: the CF works
-    on one batch while this process prepares the next. Iterate it in a `with`: leaving stops the thread."""
+    """The load's batches (bulk.Staged, each with the pseudo-clock floor so far: staged), made by a thread of
+    their own while the previous batch is sent and applied, at most DEPTH batches ahead: the CF works on one
+    batch while the next is prepared (here, or in a worker process whose output this thread reads). Iterate it in
+    a `with`: leaving stops the thread."""
 
     DEPTH = 2
 
-    def __init__(self, loader: bulk.Loader, chunks: Iterator[list[Settled]]) -> None:
-        self.loader, self.chunks = loader, chunks
+    def __init__(self, source: Iterator[tuple[bulk.Staged, int]]) -> None:
+        self.source = source
         self.queue: queue.Queue[Any] = queue.Queue(maxsize=self.DEPTH)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._produce, name="restore-load-prepare", daemon=True)
@@ -87,8 +90,8 @@ class Prepared:
 
     def _produce(self) -> None:
         try:
-            for chunk in self.chunks:
-                if not self._put(self.loader.prepare(chunk)):
+            for item in self.source:
+                if not self._put(item):
                     return
         except BaseException as e:  # handed to the loading thread, which raises it
             self._put(_Failed(e))
@@ -99,7 +102,7 @@ class Prepared:
         self.thread.start()
         return self
 
-    def __iter__(self) -> Iterator[bulk.Staged]:
+    def __iter__(self) -> Iterator[tuple[bulk.Staged, int]]:
         while True:
             item = self.queue.get()
             if item is _DONE:
@@ -119,6 +122,20 @@ class _Failed:
 
 
 _DONE = object()
+
+
+def staged(structure: str, settled: Iterable[Settled], batch: int) -> Iterator[tuple[bulk.Staged, int]]:
+    """The load's batches of `settled` (in load order), prepared (bulk.prepare), each with the pseudo-clock floor
+    of the batches so far (PseudoClockFloor)."""
+    clock = PseudoClockFloor()
+    for chunk in batches(clock.watch(settled), batch):
+        yield bulk.prepare(structure, chunk), clock.floor
+
+
+def _staged_runs(job: tuple[str, Runs, int]) -> Iterator[tuple[bulk.Staged, int]]:
+    """staged() of a partitioned plan's runs: a worker's task (Workers.stream)."""
+    structure, runs, batch = job
+    return staged(structure, merged_runs(runs), batch)
 
 
 def load_order(settled: Iterable[Settled]) -> list[Settled]:
@@ -180,14 +197,23 @@ def load_plan(owner: bulk.Owner, plan: RestorePlan, sdef: StructureDef, queues: 
         loader = bulk.Loader(owner, gen=plan.restore_lrsn)
         progress(LOAD, 0, total)
         clock = PseudoClockFloor()
-        with Prepared(loader, batches(clock.watch(plan.in_load_order()), batch)) as prepared:
-            for staged in prepared:
-                loader.send(staged)
-                expected.update({k: len(ids) for k, ids in staged.lists.items()})
-                result.entries += staged.entries
-                result.batches += 1
-                progress(LOAD, result.entries, total)
-                failpoint("restore-load-batch")  # tests: SQM_FAILPOINTS=restore-load-batch=N dies after batch N
+        # A plan settled by worker processes is loaded so too: the merge of its runs and the packing of each batch
+        # in a worker, beside this process sending the batches (a thread here shares the GIL with the sending).
+        spilled = plan if isinstance(plan, SpilledPlan) and plan.workers > 1 else None
+        with Workers(1, processes=1 if spilled is not None else 0) as pool:
+            if spilled is not None:
+                source = pool.stream(_staged_runs, (S, spilled.runs(), batch))
+            else:
+                source = staged(S, plan.in_load_order(), batch)
+            with Prepared(source) as prepared:
+                for staged_batch, floor in prepared:
+                    clock.floor = max(clock.floor, floor)
+                    loader.send(staged_batch)
+                    expected.update(staged_batch.lists)
+                    result.entries += staged_batch.entries
+                    result.batches += 1
+                    progress(LOAD, result.entries, total)
+                    failpoint("restore-load-batch")  # tests: SQM_FAILPOINTS=restore-load-batch=N dies after N
         result.bytes = loader.bytes
         # In-doubt UOWs the structure holds though none of their work on it survived (non-persistent only) are
         # registered too, at their PREPARE's LRSN (a later backup's floor keeps it in the replay): their commit or

@@ -158,6 +158,22 @@ class SpilledSettled(Collection[Settled]):
         return any(s == item for s in self)
 
 
+@dataclass(frozen=True)
+class Runs:
+    """A partitioned plan's sorted runs of survivors: run-<i> in `spill`, for i below `partitions`."""
+
+    spill: str
+    partitions: int
+    read_size: int
+
+
+def merged_runs(runs: Runs) -> Iterator[Settled]:
+    """The survivors in the CF's order: a k-way merge of the partitions' sorted runs."""
+    spill = Path(runs.spill)
+    for f in heapq.merge(*(read_frames(spill / f"run-{i}", runs.read_size) for i in range(runs.partitions))):
+        yield Settled(f[1], f[2], f[3], f[4], f[5])
+
+
 class SpilledPlan(RestorePlan):
     """A RestorePlan whose settled entries and outcomes live in spill files (restore.spill) until close()."""
 
@@ -171,11 +187,14 @@ class SpilledPlan(RestorePlan):
     restore_decided: set[str]
     worker_peak_bytes: int  # the worker processes' peak resident memory, summed (0: planned in this process)
 
+    workers: int  # the processes its engine may use (the load's batches are then prepared in one of them)
+
     def in_load_order(self) -> Iterator[Settled]:
-        """The survivors in the CF's order: a k-way merge of the partitions' sorted runs."""
-        runs = [read_frames(self.spill.file(f"run-{i}"), self.read_size) for i in range(self.partitions)]
-        for f in heapq.merge(*runs):
-            yield Settled(f[1], f[2], f[3], f[4], f[5])
+        return merged_runs(self.runs())
+
+    def runs(self) -> Runs:
+        """Where its sorted runs are: enough for another process to read them in load order (merged_runs)."""
+        return Runs(str(self.spill.path), self.partitions, self.read_size)
 
     def loaded(self) -> Iterator[Settled]:
         return self.in_load_order()
@@ -334,6 +353,7 @@ def _plan_partitioned(structure: str, backup: Iterable[Copy], records: Iterable[
     plan.read_size = merge_read_size(memory, P)
     plan.held, plan.first_lrsn, plan.restore_decided = held, first, restore_decided
     plan.worker_peak_bytes = sum(peaks.values())
+    plan.workers = workers
     plan.settled = SpilledSettled(plan)
     return plan
 

@@ -29,6 +29,7 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable, Iterable, Iterator
+from types import GeneratorType
 from typing import IO, Any, TypeVar
 
 T = TypeVar("T")
@@ -67,16 +68,19 @@ def _receive(stream: IO[bytes]) -> Any:
 
 
 class Workers:
-    """`n` worker processes (n <= 1: none, and map() runs in this process). Use in a `with`: leaving stops them."""
+    """`n` worker processes (n <= 1: none, and map() runs in this process; `processes` says otherwise: one worker
+    for a stream is Workers(1, processes=1)). Use in a `with`: leaving stops them."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, *, processes: int | None = None) -> None:
         self.n = max(1, n)
+        self.processes = (self.n if self.n > 1 else 0) if processes is None else processes
         self.procs: list[subprocess.Popen[bytes]] = []
         self._stop = threading.Event()  # set when leaving: no task is handed out after it
         self._threads: list[threading.Thread] = []
+        self._streaming = False
 
     def __enter__(self) -> Workers:
-        if self.n > 1:
+        if self.processes:
             # The same modules as here, however this process found them (a source tree on sys.path, a venv), as
             # absolute paths ('' is this process's working directory; an entry that is no path, such as an
             # editable install's path hook, stays as it is), and only those: -P keeps `-m` from putting the
@@ -86,7 +90,7 @@ class Workers:
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
             self._stop.clear()
             try:
-                for _ in range(self.n):
+                for _ in range(self.processes):
                     self.procs.append(subprocess.Popen([sys.executable, "-P", "-m", "restore.workers"],
                                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
                                                        process_group=0))
@@ -163,12 +167,37 @@ class Workers:
         if error is not None:
             raise error
 
+    def stream(self, fn: Callable[[T], Iterator[R]], item: T) -> Iterator[R]:
+        """The items of the generator fn(item), produced in the first worker as they are read here (the pipe
+        between them holds the worker back when this side does not keep up: a frame or two ahead, not the whole
+        output). A failure in fn is raised here. Without workers, fn runs in this process."""
+        if not self.procs:
+            yield from fn(item)
+            return
+        proc = self.procs[0]
+        assert proc.stdin is not None and proc.stdout is not None
+        self._streaming = True  # until the worker says it is done: leaving early kills it (its output goes unread)
+        _send(proc.stdin, (fn, item))
+        while True:
+            try:
+                status, value = _receive(proc.stdout)
+            except Exception as e:  # it died, or its pipe broke
+                raise WorkerError(f"a restore worker process (pid {proc.pid}) stopped: "
+                                  f"{type(e).__name__} {e}".rstrip()) from None
+            if status == "item":
+                yield value
+                continue
+            self._streaming = False
+            if status == "ok":
+                return
+            raise value if isinstance(value, BaseException) else WorkerError(str(value))
+
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         try:
             # A map still running here was abandoned (its caller raised, or was interrupted, or stopped reading):
             # its workers' results would go unread, so they are not waited for (a task can take minutes).
-            if any(t.is_alive() for t in self._threads):
+            if self._streaming or any(t.is_alive() for t in self._threads):
                 for p in self.procs:
                     p.kill()
             for p in self.procs:
@@ -193,7 +222,7 @@ class Workers:
             for p in self.procs:
                 if p.stdout is not None:
                     p.stdout.close()
-            self.procs, self._threads = [], []
+            self.procs, self._threads, self._streaming = [], [], False
 
 
 def main() -> int:
@@ -220,7 +249,12 @@ def main() -> int:
         try:
             fn, item = pickle.loads(data)  # a task naming a module this worker cannot import fails here
             del data
-            reply: tuple[str, Any] = ("ok", fn(item))
+            result = fn(item)
+            if isinstance(result, GeneratorType):  # a stream (Workers.stream): each item as it is made
+                for x in result:
+                    _send(out, ("item", x))
+                result = None
+            reply: tuple[str, Any] = ("ok", result)
         except BaseException as e:  # sent back and raised there; this worker goes on
             reply = ("error", e)
         try:

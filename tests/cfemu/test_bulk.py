@@ -11,7 +11,7 @@ import pytest
 import redis
 from redis.client import Pipeline
 
-from cfemu import bulk, keys
+from cfemu import bulk, keys, resp
 from cfemu.admin import Admin
 from cfemu.embedded import EmbeddedRedis
 
@@ -24,6 +24,17 @@ def header(client: redis.Redis) -> dict[str, str]:
 
 def marker(value: str) -> Callable[[Pipeline], object]:
     return lambda pipe: pipe.hset(keys.data(S), "marker", value)
+
+
+def write_marker(owner: bulk.Owner, value: str, packed: bool) -> None:
+    """The marker written by a transaction staged on redis-py's pipeline, or by commands packed beforehand (a bulk
+    load's batch: Owner.send); both are held to the same ownership rules."""
+    if packed:
+        commands = resp.Packed()
+        commands.add("HSET", keys.data(S), "marker", value)
+        owner.send(commands)
+    else:
+        owner.transaction(marker(value))
 
 
 @pytest.fixture
@@ -78,12 +89,13 @@ def test_a_claim_refuses_a_structure_that_changed_since_it_was_observed(client: 
     assert header(client) == before  # nothing written
 
 
-def test_a_later_claim_stops_the_earlier_owner_at_its_next_transaction(client: redis.Redis) -> None:
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_later_claim_stops_the_earlier_owner_at_its_next_transaction(client: redis.Redis, packed: bool) -> None:
     first = bulk.claim(client, S, bulk.observe(client, S))
-    first.transaction(marker("first"))
+    write_marker(first, "first", packed)
     second = bulk.claim(client, S, bulk.observe(client, S))
     with pytest.raises(bulk.NotOwnerError, match="a later restore or a purge took the structure over"):
-        first.transaction(marker("stale"))
+        write_marker(first, "stale", packed)
     assert client.hget(keys.data(S), "marker") == b"first"  # the stale transaction applied nothing
     second.transaction(marker("second"))
     assert client.hget(keys.data(S), "marker") == b"second"
@@ -113,28 +125,68 @@ def test_a_header_changed_under_a_transaction_but_still_the_owners_is_tried_agai
     assert len(attempts) == 2 and client.hget(keys.data(S), "counter") == b"1"  # applied once
 
 
-def test_an_owner_never_writes_into_a_cf_restarted_under_it(fresh_redis: EmbeddedRedis) -> None:
+def test_packed_commands_under_a_header_changed_meanwhile_are_tried_again(client: redis.Redis,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    other = redis.Redis(connection_pool=client.connection_pool)
+    checks: list[int] = []
+    commands = resp.Packed()
+    commands.add("HINCRBY", keys.data(S), "counter", 1)
+    with bulk.claim(client, S, bulk.observe(client, S)) as owner:
+        check = owner.check
+
+        def check_then_change(pipe: Pipeline) -> None:
+            check(pipe)
+            checks.append(1)
+            if len(checks) == 1:  # between the check and EXEC: EXEC applies nothing, and the batch goes again
+                other.hset(keys.meta(S), "max_entries", 10)
+
+        monkeypatch.setattr(owner, "check", check_then_change)
+        assert owner.send(commands) == [1]
+    assert len(checks) == 2 and client.hget(keys.data(S), "counter") == b"1"  # applied once
+
+
+def test_packed_commands_with_an_error_apply_nothing_and_raise_it(client: redis.Redis) -> None:
+    client.set("{APP1}:not-a-set", "x")
+    commands = resp.Packed()
+    commands.add("HSET", keys.data(S), "marker", "half")
+    commands.add("SADD", "{APP1}:not-a-set", "a")  # WRONGTYPE at EXEC: the HSET before it applies (Redis has no
+    with bulk.claim(client, S, bulk.observe(client, S)) as owner:  # rollback); the load stops at once
+        with pytest.raises(redis.exceptions.ResponseError, match="WRONGTYPE"):
+            owner.send(commands)
+        aborted = resp.Packed()
+        aborted.add("HSET", keys.data(S), "marker", "never")
+        aborted.add("NOSUCHCOMMAND", "x")  # refused when queued: EXEC aborts, nothing of it applies
+        with pytest.raises(redis.exceptions.ResponseError, match="unknown command"):
+            owner.send(aborted)
+        assert client.hget(keys.data(S), "marker") == b"half"
+        write_marker(owner, "after", packed=True)  # the connection is still in step
+    assert client.hget(keys.data(S), "marker") == b"after"
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_an_owner_never_writes_into_a_cf_restarted_under_it(fresh_redis: EmbeddedRedis, packed: bool) -> None:
     c = fresh_redis.client()
     Admin(c).define_structure(S)
     owner = bulk.claim(c, S, bulk.observe(c, S))
-    owner.transaction(marker("before"))
+    write_marker(owner, "before", packed)
     fresh_redis.kill()
     fresh_redis.start()  # an empty CF on the same port
     with pytest.raises(bulk.CFReplacedError, match="the connection to the CF broke"):
-        owner.transaction(marker("after"))
+        write_marker(owner, "after", packed)
     with pytest.raises(redis.exceptions.ConnectionError):  # and its connection does not come back
         owner.client.ping()
     assert fresh_redis.client().keys("*") == []
     owner.close()
 
 
-def test_an_owner_checks_the_cf_identity_at_each_transaction(client: redis.Redis) -> None:
+@pytest.mark.parametrize("packed", [False, True])
+def test_an_owner_checks_the_cf_identity_at_each_transaction(client: redis.Redis, packed: bool) -> None:
     """Behind a proxy that keeps the client's connection open, a CF restarted from its own snapshot would still
     carry the token: the run id tells the servers apart."""
     with bulk.claim(client, S, bulk.observe(client, S)) as owner:
         owner.cf = "0" * 40  # as if the claim had been made on another server
         with pytest.raises(bulk.CFReplacedError, match="the CF is another server now"):
-            owner.transaction(marker("x"))
+            write_marker(owner, "x", packed)
     assert client.hget(keys.data(S), "marker") is None
 
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import pytest
 import redis
 
 from backup.run import run_backup
@@ -30,7 +33,23 @@ def cfrestore(url: str, logs: Path, backups: Path, *args: str, env: dict[str, st
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})})
 
 
-def test_restore_killed_mid_load_resumes_to_the_clean_result(redis_url: str, tmp_path: Path) -> None:
+def _load_workers() -> set[int]:
+    """The restore worker processes on this machine (a restore killed must leave none)."""
+    found = set()
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and b"restore.workers" in (proc / "cmdline").read_bytes():
+                found.add(int(proc.name))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.parametrize("engine", [(), ("--memory-limit", "64KiB", "--workers", "2")],
+                         ids=["in-memory", "partitioned-with-workers"])
+def test_restore_killed_mid_load_resumes_to_the_clean_result(redis_url: str, tmp_path: Path,
+                                                             engine: tuple[str, ...]) -> None:
+    """Partitioned with workers, the load's batches are prepared in a worker process: it ends with the restore."""
     logs, backups = tmp_path / "logs", tmp_path / "backups"
     client: redis.Redis = define_group(redis_url)
     qm1, qm2 = (start_qm(redis_url, logs, name, background=False) for name in ("QM1", "QM2"))
@@ -48,16 +67,22 @@ def test_restore_killed_mid_load_resumes_to_the_clean_result(redis_url: str, tmp
     b.commit()
     lose_cf(client)  # the CF is lost
 
-    crashed = cfrestore(redis_url, logs, backups, env={FAILPOINTS: "restore-load-batch=1"})
+    workers_before = _load_workers()
+    crashed = cfrestore(redis_url, logs, backups, *engine, env={FAILPOINTS: "restore-load-batch=1"})
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr
+    deadline = time.monotonic() + 10
+    while _load_workers() - workers_before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _load_workers() - workers_before == set()
     assert Admin(client).state(S) == "RECOVERING"
     assert client.hlen(keys.entries(S)) == 1000  # one batch made it
     decided = [r for _, r in LogReader(logs / RESTORE_MEMBER).records()]
     assert [(r["k"], r["o"], r["by"]) for r in decided] == [("RECOVERY", "B", "restore")]
 
-    resumed = cfrestore(redis_url, logs, backups, "--json")
+    resumed = cfrestore(redis_url, logs, backups, "--json", *engine)
     assert resumed.returncode == 0, resumed.stderr
     assert '"decisions_logged": 0' in resumed.stdout  # the crashed run's decision stands
+    assert json.loads(resumed.stdout)["workers"] == (2 if engine else 1)
     assert Admin(client).state(S) == "ACTIVE"
     after_resume = snapshot(client, volatile=VOLATILE)
     assert client.hlen(keys.entries(S)) == MESSAGES - 10 + 1

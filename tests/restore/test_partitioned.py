@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -322,7 +323,7 @@ def test_cfrestore_refuses_a_bad_memory_limit_in_one_line(tmp_path: Path) -> Non
 # ------------------------------------------------------------------------------------------ the load pipeline
 
 class _Loader:
-    """Stands in for bulk.Loader.prepare: counts what it prepared, fails at batch `fail_at`."""
+    """Stands in for bulk.prepare: counts what it prepared, fails at batch `fail_at`."""
 
     def __init__(self, fail_at: int = -1) -> None:
         self.prepared, self.fail_at = 0, fail_at
@@ -333,14 +334,17 @@ class _Loader:
         self.prepared += 1
         return chunk
 
+    def source(self, chunks: list[list[int]]) -> Iterator[list[int]]:
+        return (self.prepare(c) for c in chunks)
+
 
 def test_the_load_pipeline_keeps_order_and_hands_errors_to_the_loader() -> None:
     from restore.load import Prepared
 
-    with Prepared(_Loader(), iter([[1], [2], [3]])) as p:  # type: ignore[arg-type]
+    with Prepared(_Loader().source([[1], [2], [3]])) as p:  # type: ignore[arg-type]
         assert list(p) == [[1], [2], [3]]
     with pytest.raises(RuntimeError, match="prepare failed"), \
-            Prepared(_Loader(fail_at=1), iter([[1], [2], [3]])) as p:  # type: ignore[arg-type]
+            Prepared(_Loader(fail_at=1).source([[1], [2], [3]])) as p:  # type: ignore[arg-type]
         for _ in p:
             pass
 
@@ -351,7 +355,7 @@ def test_a_load_that_stops_early_stops_the_preparing_thread_at_most_two_batches_
     from restore.load import Prepared
 
     loader = _Loader()
-    with Prepared(loader, iter([[i] for i in range(100)])) as p:  # type: ignore[arg-type]
+    with Prepared(loader.source([[i] for i in range(100)])) as p:  # type: ignore[arg-type]
         next(iter(p))
         deadline = time.monotonic() + 5
         while loader.prepared < 3 and time.monotonic() < deadline:

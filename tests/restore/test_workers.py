@@ -11,6 +11,7 @@ import sys
 import textwrap
 import time
 import types
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,47 @@ def fail_on_three(x: int) -> int:
 def die(x: int) -> int:
     os.kill(os.getpid(), signal.SIGKILL)
     return x
+
+
+def counted(n: int) -> Iterator[tuple[int, int]]:
+    for i in range(n):
+        yield i, os.getpid()
+
+
+def counted_then_fail(n: int) -> Iterator[int]:
+    yield from range(n)
+    raise ValueError(f"failed after {n}")
+
+
+def endless(_: int) -> Iterator[bytes]:
+    while True:
+        yield bytes(1 << 16)
+
+
+def test_a_stream_comes_in_order_from_one_worker_and_its_error_after_its_items() -> None:
+    with Workers(1, processes=1) as pool:
+        assert len(pool.procs) == 1
+        out = list(pool.stream(counted, 500))
+        assert [i for i, _ in out] == list(range(500))
+        assert {pid for _, pid in out} == {pool.procs[0].pid}
+        got: list[int] = []
+        with pytest.raises(ValueError, match="failed after 3"):
+            got.extend(pool.stream(counted_then_fail, 3))
+        assert got == [0, 1, 2]
+        assert [i for i, _ in pool.stream(counted, 2)] == [0, 1]  # the worker goes on after a failed stream
+    with Workers(1) as pool:  # no worker process: the stream runs here
+        assert {pid for _, pid in pool.stream(counted, 3)} == {os.getpid()}
+
+
+def test_a_stream_left_unfinished_does_not_keep_its_worker() -> None:
+    """The load stops after a batch (another restore took the structure over): the worker, blocked writing what
+    nobody reads, is stopped when the pool is left, at once."""
+    start = time.monotonic()
+    with Workers(1, processes=1) as pool:
+        proc = pool.procs[0]
+        stream = pool.stream(endless, 0)
+        next(stream)
+    assert proc.poll() is not None and time.monotonic() - start < 5
 
 
 def test_every_result_comes_back_from_other_processes() -> None:

@@ -1,0 +1,132 @@
+"""Commands encoded in RESP ahead of time, and sent as one write: the bulk load's batches (cfemu.bulk.Loader).
+
+A restore writes a million entries in batches of a thousand; through redis-py's pipeline each batch's ~2,000
+commands were packed and each reply parsed by Python code on the sending thread, which also shares the GIL with
+the thread preparing the next batch (measured at 200k messages: 2.7 s of the load's 5.3 s in redis-py's packing
+and parsing). Here a batch is encoded where it is prepared, and sent and answered with the hiredis reader
+directly (as cfemu.cf._lean_exchange does for one script call).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import redis
+from redis._parsers import hiredis as redis_hiredis
+
+Arg = bytes | str | int
+
+# What the hiredis reader answers while a reply is incomplete: redis-py builds its readers with this sentinel; one
+# without it leaves hiredis's own False (a nil reply is None in RESP2, never False).
+NOT_ENOUGH = getattr(redis_hiredis, "NOT_ENOUGH_DATA", False)
+
+
+def _encode(a: Arg) -> bytes:
+    if isinstance(a, bytes):
+        return a
+    if isinstance(a, str):
+        return a.encode()
+    if isinstance(a, int) and not isinstance(a, bool):
+        return b"%d" % a
+    raise TypeError(f"a command argument is bytes, str or int, not {type(a).__name__}")
+
+
+class Packed:
+    """Commands in RESP, added one by one, kept as parts (a body is never copied until data() joins them)."""
+
+    __slots__ = ("parts", "count")
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+        self.count = 0
+
+    def add(self, *args: Arg) -> None:
+        """One command, as redis-py would send it (str as UTF-8, int in decimal)."""
+        self.add_items(args[:2], args[2:], len(args) - 2)
+
+    def add_items(self, head: Iterable[Arg], items: Iterable[Arg], n: int) -> None:
+        """One command: `head` (its name and key) then `n` arguments from `items` (HSET's fields and values,
+        SADD's or RPUSH's members)."""
+        encoded = [_encode(a) for a in head]
+        parts = self.parts
+        parts.append(b"*%d\r\n" % (len(encoded) + n))
+        for b in encoded:
+            parts.append(b"$%d\r\n%s\r\n" % (len(b), b))
+        seen = 0
+        for a in items:
+            b = _encode(a)
+            parts.append(b"$%d\r\n" % len(b))
+            parts.append(b)
+            parts.append(b"\r\n")
+            seen += 1
+        if seen != n:
+            raise ValueError(f"a command said {n} arguments and had {seen}")
+        self.count += 1
+
+    def data(self) -> bytes:
+        return b"".join(self.parts)
+
+    def __getstate__(self) -> tuple[list[bytes], int]:  # sent to another process as one string, not thousands
+        return [self.data()], self.count
+
+    def __setstate__(self, state: tuple[list[bytes], int]) -> None:
+        self.parts, self.count = state
+
+
+def io_failure(conn: Any, e: BaseException, *, writing: bool) -> BaseException:
+    """The connection dropped, and the error redis-py would raise for ``e``, word for word where it matters:
+    sqm.manager.reply_lost reads a failure while reading (the request went out: the script may have run) apart
+    from one while writing. A timeout is Python's or the kernel's (EAGAIN: cfemu.sockets)."""
+    conn.disconnect()
+    if isinstance(e, TimeoutError | BlockingIOError):
+        return redis.exceptions.TimeoutError(f"Timeout {'writing to' if writing else 'reading from'} socket")
+    if isinstance(e, OSError):
+        return redis.exceptions.ConnectionError(f"Error {e.errno} while writing to socket. {e.strerror}."
+                                                if writing else f"Error while reading from socket: {e.args}")
+    return e  # redis-py's own ConnectionError (closed by the server), or not an I/O failure at all
+
+
+def read_reply(sock: Any, reader: Any, buf: Any) -> Any:
+    """The next whole reply from hiredis's `reader`, fed from `sock` through `buf` as needed."""
+    reply = reader.gets()
+    while reply is NOT_ENOUGH:
+        n = sock.recv_into(buf)
+        if n == 0:
+            raise redis.exceptions.ConnectionError("Connection closed by server.")
+        reader.feed(buf, 0, n)
+        reply = reader.gets()
+    return reply
+
+
+def exchange(conn: Any, data: bytes, replies: int) -> list[Any]:
+    """Send `data` (RESP commands) on a connected redis-py connection and read `replies` replies, unparsed by
+    redis-py's callbacks (error replies come back as ResponseError objects, in place). A connection without the
+    hiredis parser is read by redis-py's read_response. A socket error or timeout disconnects the connection and
+    raises redis-py's ConnectionError or TimeoutError (whether the commands ran is then unknown)."""
+    sock = conn._sock
+    reader = getattr(conn._parser, "_reader", None)
+    buf = getattr(conn._parser, "_buffer", None)
+    if sock is None or reader is None or buf is None:
+        conn.send_packed_command([data])
+        out = []
+        for _ in range(replies):
+            try:
+                out.append(conn.read_response())
+            except redis.exceptions.ResponseError as e:
+                out.append(e)
+        return out
+    try:
+        sock.sendall(data)
+    except BaseException as e:
+        failure = io_failure(conn, e, writing=True)
+        if failure is e:
+            raise
+        raise failure from None
+    try:
+        return [read_reply(sock, reader, buf) for _ in range(replies)]
+    except BaseException as e:
+        failure = io_failure(conn, e, writing=False)
+        if failure is e:
+            raise
+        raise failure from None
