@@ -101,8 +101,9 @@ def read_reply(sock: Any, reader: Any, buf: Any) -> Any:
 
 def exchange(conn: Any, data: bytes, replies: int) -> list[Any]:
     """Send `data` (RESP commands) on a connected redis-py connection and read `replies` replies, unparsed by
-    redis-py's callbacks (error replies come back as ResponseError objects, in place). A connection without the
-    hiredis parser is read by redis-py's read_response. A socket error or timeout disconnects the connection and
+    redis-py's callbacks (error replies come back as ResponseError objects, in place; one that redis-py reads as
+    a ConnectionError is raised, the connection dropped). A connection without the hiredis parser is read by
+    redis-py's read_response. A socket error or timeout disconnects the connection and
     raises redis-py's ConnectionError or TimeoutError (whether the commands ran is then unknown)."""
     sock = conn._sock
     reader = getattr(conn._parser, "_reader", None)
@@ -124,9 +125,19 @@ def exchange(conn: Any, data: bytes, replies: int) -> list[Any]:
             raise
         raise failure from None
     try:
-        return [read_reply(sock, reader, buf) for _ in range(replies)]
+        out = [read_reply(sock, reader, buf) for _ in range(replies)]
     except BaseException as e:
         failure = io_failure(conn, e, writing=False)
         if failure is e:
             raise
         raise failure from None
+    for r in out:
+        # An error reply whose code redis-py's parser makes a ConnectionError (LOADING: a CF reloading its data,
+        # which still takes MULTI and then refuses each command; NOAUTH, WRONGPASS): its read_response raises it
+        # and drops the connection, as here (the pipeline of the old load did so at the first such reply). In
+        # place, it was no error to the caller: a transaction's EXECABORT stood for it, or its object as a reply.
+        if isinstance(r, redis.exceptions.ConnectionError) or (
+                type(r) is list and r and isinstance(r[0], redis.exceptions.ConnectionError)):
+            conn.disconnect()
+            raise r if isinstance(r, redis.exceptions.ConnectionError) else r[0]
+    return out

@@ -1,0 +1,77 @@
+"""Review of the bulk load's packed batches (cfemu.resp, cfemu.bulk.Owner.send, issue 16): what the owner's
+redis-py pipeline (Owner.transaction) raised for a batch, a packed batch must raise too, and a packed batch costs
+no more memory than the pipeline did. Real redis-server processes."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+import redis
+from redis.client import Pipeline
+
+from cfemu import bulk, keys, resp
+from cfemu.admin import Admin
+from cfemu.embedded import EmbeddedRedis
+
+S = "APP1"
+
+
+def _write(owner: bulk.Owner, value: str, packed: bool) -> None:
+    """One batch of the owner: by redis-py's pipeline (the old load), or packed beforehand (Owner.send)."""
+    if packed:
+        commands = resp.Packed()
+        commands.add("HSET", keys.data(S), "marker", value)
+        owner.send(commands)
+    else:
+        owner.transaction(lambda pipe: pipe.hset(keys.data(S), "marker", value))
+
+
+def _loading(port: int) -> bool:
+    """Does the server on port answer -LOADING (a raw socket: no client library in between)?"""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(b"GET x\r\n")
+            return s.recv(100).startswith(b"-LOADING")
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_batch_sent_while_the_cf_reloads_its_data_stops_the_load_as_a_lost_cf(
+        redis_factory: Callable[..., EmbeddedRedis], packed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CF reloads its dataset under the load (DEBUG RELOAD; a replica's resync is the same) and answers every
+    command on the owner's connection -LOADING (MULTI and EXEC it still takes). redis-py's class for it,
+    BusyLoadingError, is a ConnectionError: the pipeline raised it at the first command's reply and dropped the
+    connection: CFReplacedError, which the restore reports as a lost CF to run again (restore.run._owning). The
+    packed batch read the errors in place and raised EXEC's EXECABORT, a plain ResponseError."""
+    srv = redis_factory()
+    c = srv.client(socket_timeout=None)
+    Admin(c).define_structure(S)
+    c.config_set("rdbcompression", "no")
+    c.execute_command("DEBUG", "POPULATE", "80000", "pad", "100")  # 8 MB: events served every 2 MB it loads
+    c.config_set("key-load-delay", 20)  # microseconds a key: seconds of loading
+    owner = bulk.claim(c, S, bulk.observe(c, S))
+    check = owner.check
+    reload = threading.Thread(target=lambda: srv.client(socket_timeout=None).execute_command("DEBUG", "RELOAD"))
+
+    def check_then_reload(pipe: Pipeline) -> None:
+        check(pipe)
+        reload.start()  # between the owner's check and its batch
+        deadline = time.monotonic() + 20
+        while not _loading(srv.port):
+            assert time.monotonic() < deadline, "the CF never answered LOADING"
+
+    monkeypatch.setattr(owner, "check", check_then_reload)
+    try:
+        with pytest.raises(bulk.CFReplacedError):
+            _write(owner, "during", packed)
+        with pytest.raises(redis.exceptions.ConnectionError, match="does not reconnect"):
+            owner.client.ping()  # the connection was dropped: whatever it had in flight is never read as a reply
+    finally:
+        reload.join()
+        owner.close()
+    assert c.hget(keys.data(S), "marker") is None
