@@ -227,10 +227,12 @@ _MULTI, _EXEC = b"*1\r\n$5\r\nMULTI\r\n", b"*1\r\n$4\r\nEXEC\r\n"
 
 
 def _exec_packed(pipe: Pipeline, commands: resp.Packed) -> list[Any]:
-    """MULTI, `commands`, EXEC, sent as one write on the watching pipeline's connection (cfemu.resp); EXEC's
+    """MULTI, `commands`, EXEC, sent together on the watching pipeline's connection (cfemu.resp); EXEC's
     replies. As redis-py's pipeline: WatchError when a watched key changed (nothing applied), the first error
     reply raised (a command refused when queued aborts the whole EXEC)."""
-    replies = resp.exchange(pipe.connection, _MULTI + commands.data() + _EXEC, commands.count + 2)
+    # The batch's strings as they are (cfemu.resp.Packed.chunks), not joined to MULTI and EXEC: that took two
+    # copies of the whole batch (its messages' data) while it was sent.
+    replies = resp.exchange(pipe.connection, [_MULTI, *commands.chunks(), _EXEC], commands.count + 2)
     pipe.watching = False  # EXEC (applied, aborted or refused by the WATCH) ended the WATCH on the server
     result = replies[-1]
     for r in (*replies[:-1], result, *(result if isinstance(result, list) else ())):

@@ -9,13 +9,14 @@ directly (as cfemu.cf._lean_exchange does for one script call).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import redis
 from redis._parsers import hiredis as redis_hiredis
 
 Arg = bytes | str | int
+LONG = 16 << 10  # a part this long is sent (and pickled) by itself: what is joined is 16 MiB a batch at most
 
 # What the hiredis reader answers while a reply is incomplete: redis-py builds its readers with this sentinel; one
 # without it leaves hiredis's own False (a nil reply is None in RESP2, never False).
@@ -67,8 +68,26 @@ class Packed:
     def data(self) -> bytes:
         return b"".join(self.parts)
 
-    def __getstate__(self) -> tuple[list[bytes], int]:  # sent to another process as one string, not thousands
-        return [self.data()], self.count
+    def chunks(self) -> list[bytes]:
+        """The commands as a few strings, to send one after the other: each run of short parts joined, and a long
+        part (a message's data) as it is, never copied (a batch of 1,000 messages of 1 MiB is 1 GiB: one copy
+        more of it is a GiB more)."""
+        out: list[bytes] = []
+        run: list[bytes] = []
+        for p in self.parts:
+            if len(p) < LONG:
+                run.append(p)
+                continue
+            if run:
+                out.append(b"".join(run))
+                run = []
+            out.append(p)
+        if run:
+            out.append(b"".join(run))
+        return out
+
+    def __getstate__(self) -> tuple[list[bytes], int]:  # sent to another process as a few strings, not thousands
+        return self.chunks(), self.count
 
     def __setstate__(self, state: tuple[list[bytes], int]) -> None:
         self.parts, self.count = state
@@ -99,8 +118,9 @@ def read_reply(sock: Any, reader: Any, buf: Any) -> Any:
     return reply
 
 
-def exchange(conn: Any, data: bytes, replies: int) -> list[Any]:
-    """Send `data` (RESP commands) on a connected redis-py connection and read `replies` replies, unparsed by
+def exchange(conn: Any, data: bytes | Sequence[bytes], replies: int) -> list[Any]:
+    """Send `data` (RESP commands: one string, or several sent one after the other, never joined) on a connected
+    redis-py connection and read `replies` replies, unparsed by
     redis-py's callbacks (error replies come back as ResponseError objects, in place; one that redis-py reads as
     a ConnectionError is raised, the connection dropped). A connection without the hiredis parser is read by
     redis-py's read_response. A socket error or timeout disconnects the connection and
@@ -108,8 +128,9 @@ def exchange(conn: Any, data: bytes, replies: int) -> list[Any]:
     sock = conn._sock
     reader = getattr(conn._parser, "_reader", None)
     buf = getattr(conn._parser, "_buffer", None)
+    chunks = [data] if isinstance(data, bytes) else data
     if sock is None or reader is None or buf is None:
-        conn.send_packed_command([data])
+        conn.send_packed_command(list(chunks))
         out = []
         for _ in range(replies):
             try:
@@ -118,7 +139,8 @@ def exchange(conn: Any, data: bytes, replies: int) -> list[Any]:
                 out.append(e)
         return out
     try:
-        sock.sendall(data)
+        for chunk in chunks:
+            sock.sendall(chunk)
     except BaseException as e:
         failure = io_failure(conn, e, writing=True)
         if failure is e:

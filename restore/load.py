@@ -129,7 +129,10 @@ def staged(structure: str, settled: Iterable[Settled], batch: int) -> Iterator[t
     of the batches so far (PseudoClockFloor)."""
     clock = PseudoClockFloor()
     for chunk in batches(clock.watch(settled), batch):
-        yield bulk.prepare(structure, chunk), clock.floor
+        st = bulk.prepare(structure, chunk)
+        del chunk
+        yield st, clock.floor
+        del st  # handed on: not held while the next batch is read and prepared (it holds its messages' data)
 
 
 def _staged_runs(job: tuple[str, Runs, int]) -> Iterator[tuple[bulk.Staged, int]]:

@@ -46,7 +46,8 @@ class WorkerError(RuntimeError):
 
 def _send(stream: IO[bytes], obj: Any) -> None:
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    stream.write(len(data).to_bytes(_HEADER, "big") + data)
+    stream.write(len(data).to_bytes(_HEADER, "big"))
+    stream.write(data)  # not joined to its header: a copy of the frame (a load's batch: all its messages' data)
     stream.flush()
 
 
@@ -253,6 +254,7 @@ def main() -> int:
             if isinstance(result, GeneratorType):  # a stream (Workers.stream): each item as it is made
                 for x in result:
                     _send(out, ("item", x))
+                    del x  # sent: not held while the next item is made (a load's batch: its messages' data)
                 result = None
             reply: tuple[str, Any] = ("ok", result)
         except BaseException as e:  # sent back and raised there; this worker goes on
