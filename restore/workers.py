@@ -61,6 +61,10 @@ def _read_frame(stream: IO[bytes]) -> bytes | None:
     return data if len(data) == n else None
 
 
+def _stopped(proc: subprocess.Popen[bytes], e: BaseException) -> WorkerError:
+    return WorkerError(f"a restore worker process (pid {proc.pid}) stopped: {type(e).__name__} {e}".rstrip())
+
+
 def _receive(stream: IO[bytes]) -> Any:
     data = _read_frame(stream)
     if data is None:
@@ -178,13 +182,15 @@ class Workers:
         proc = self.procs[0]
         assert proc.stdin is not None and proc.stdout is not None
         self._streaming = True  # until the worker says it is done: leaving early kills it (its output goes unread)
-        _send(proc.stdin, (fn, item))
+        try:
+            _send(proc.stdin, (fn, item))
+        except OSError as e:  # it died before the task reached it (at its start, say): a broken pipe
+            raise _stopped(proc, e) from None
         while True:
             try:
                 status, value = _receive(proc.stdout)
             except Exception as e:  # it died, or its pipe broke
-                raise WorkerError(f"a restore worker process (pid {proc.pid}) stopped: "
-                                  f"{type(e).__name__} {e}".rstrip()) from None
+                raise _stopped(proc, e) from None
             if status == "item":
                 yield value
                 continue

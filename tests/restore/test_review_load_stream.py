@@ -5,10 +5,25 @@ or spill file. Real processes, a real redis-server."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import signal
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
-from restore.workers import Workers
+import pytest
+import redis
+
+from backup.files import BackupWriter, read_backup
+from cfemu import bulk, keys
+from cfemu.admin import Admin, StructureDef
+from cfemu.embedded import EmbeddedRedis
+from cfemu.entry import Entry
+from restore.engine import LocalEngine, no_progress, read_logs
+from restore.load import load_plan
+from restore.plan import RestorePlan, plan_local
+from restore.workers import WorkerError, Workers
+from sqm.log import RecordLog
 
 ITEM = 48 << 20  # a load's batch of 1,000 messages of 48 KiB
 
@@ -37,3 +52,131 @@ def test_a_worker_holds_an_item_and_its_frame_only_while_it_is_sent() -> None:
         *items, growth_kib = pool.stream(big_items, ITEM)
     assert [len(i) for i in items] == [ITEM, ITEM]  # type: ignore[arg-type]
     assert growth_kib * 1024 < 2.5 * ITEM, f"the worker grew by {growth_kib >> 10} MiB for items of {ITEM >> 20}"
+
+
+# --- a load that stops part way -------------------------------------------------------------------------------
+S = "APP1"
+N = 5000  # five batches
+
+
+def _children() -> set[int]:
+    pids: set[int] = set()
+    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
+        pids.update(int(p) for p in (task / "children").read_text().split())
+    return pids
+
+
+@pytest.fixture(scope="module")
+def history(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A backup of N committed messages (and an empty log)."""
+    root = tmp_path_factory.mktemp("load-stream")
+    w = BackupWriter(root / "b")
+    for i in range(N):
+        w.add(1, Entry(f"b{i:09d}", "Q1", state="CP", lrsn=1000 + i, order=(1000 + i, 1000 + i)).wire(),
+              b"%d" % i * 100)
+    w.finish({"id": "b", "group": "G", "structure": S, "entries": N, "bytes": 0, "replay_from": 10**7, "gen": 1})
+    with RecordLog(root / "logs" / "QM1", "QM1") as log:
+        log.force()
+    return root
+
+
+def _plan(history: Path, tmp_path: Path, workers: int) -> RestorePlan:
+    return LocalEngine(memory=1 << 20, work_dir=tmp_path / "work", workers=workers).plan(
+        S, read_backup(history / "b"), [history / "logs" / "QM1"], 10**7, 0)
+
+
+def _content(client: redis.Redis) -> dict[bytes, Any]:
+    out: dict[bytes, Any] = {}
+    for k in sorted(client.scan_iter(match="{APP1}:*")):
+        t = client.type(k)
+        out[k] = (client.hgetall(k) if t == b"hash" else client.lrange(k, 0, -1) if t == b"list"
+                  else sorted(client.smembers(k)) if t == b"set" else client.zrange(k, 0, -1, withscores=True)
+                  if t == b"zset" else client.get(k))
+    meta = out.get(keys.meta(S).encode())
+    if isinstance(meta, dict):  # the claim's token, and the plan's restore LRSN (from the clock when planned)
+        for f in (b"restore_token", b"gen", b"clock", b"floor"):
+            meta.pop(f, None)
+    return out
+
+
+def _load(client: redis.Redis, plan: RestorePlan, progress: Callable[[str, int, int | None], None] = no_progress
+          ) -> None:
+    with bulk.claim(client, S, bulk.observe(client, S)) as owner:
+        load_plan(owner, plan, StructureDef(S), ["Q1"], progress=progress)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_stopped_load_leaves_no_worker_and_no_thread(redis_url: str, history: Path, tmp_path: Path,
+                                                       workers: int) -> None:
+    """A purge takes the structure over while the load is at its third batch, and then an interrupt in the
+    middle of one, and then the worker preparing the batches is killed: each load stops with its own error, with
+    no worker process and no preparing thread left behind."""
+    client = redis.Redis.from_url(redis_url)
+    Admin(client).define_structure(S)
+    Admin(client).define_queue("Q1", S)
+    plan = _plan(history, tmp_path, workers)
+    before = _children()
+    try:
+        def purge_at_3000(phase: str, done: int, total: int | None) -> None:
+            if done == 3000:
+                bulk.purge(client, StructureDef(S), ["Q1"])
+
+        with pytest.raises(bulk.NotOwnerError, match="a later restore or a purge took the structure over"):
+            _load(client, plan, purge_at_3000)
+
+        def interrupt_at_2000(phase: str, done: int, total: int | None) -> None:
+            if done == 2000:
+                raise KeyboardInterrupt
+
+        with pytest.raises(KeyboardInterrupt):
+            _load(client, plan, interrupt_at_2000)
+
+        def kill_the_worker_at_1000(phase: str, done: int, total: int | None) -> None:
+            if done == 1000:
+                for pid in _children() - before:
+                    os.kill(pid, signal.SIGKILL)
+
+        if workers > 1:
+            with pytest.raises(WorkerError, match="a restore worker process .* stopped"):
+                _load(client, plan, kill_the_worker_at_1000)
+        assert _children() - before == set()
+        assert [t.name for t in threading.enumerate() if t.name == "restore-load-prepare"] == []
+        _load(client, plan)  # and a load after them all loads it all
+        assert client.hlen("{APP1}:data") == N
+    finally:
+        plan.close()
+    assert list((tmp_path / "work").iterdir()) == []
+
+
+def test_a_load_with_workers_writes_what_a_load_without_writes(fresh_redis: EmbeddedRedis, history: Path,
+                                                                tmp_path: Path) -> None:
+    """The batches prepared in a worker process (the stream), in a thread of this one from the same runs, and
+    from the in-memory plan: the same CF content."""
+    client = fresh_redis.client()
+    contents = []
+    for workers in (2, 1, 0):
+        client.flushall()
+        Admin(client).define_structure(S)
+        Admin(client).define_queue("Q1", S)
+        if workers:
+            plan = _plan(history, tmp_path / str(workers), workers)
+        else:
+            backup = read_backup(history / "b")
+            plan = plan_local(S, list(backup.copies()), read_logs([history / "logs" / "QM1"], 10**7), now_ms=0,
+                              gen=1)
+        try:
+            _load(client, plan)
+        finally:
+            plan.close()
+        contents.append(_content(client))
+    assert contents[0] == contents[1] == contents[2] and len(contents[0][b"{APP1}:data"]) == N
+
+
+def test_a_stream_on_a_worker_that_died_before_it_is_a_worker_error() -> None:
+    """The worker died before the task reached it (at its start, say): the same clear error as when it dies
+    after (it was a bare BrokenPipeError, or the WorkerError, by the timing)."""
+    with Workers(1, processes=1) as pool:
+        os.kill(pool.procs[0].pid, signal.SIGKILL)
+        pool.procs[0].wait()
+        with pytest.raises(WorkerError, match=r"a restore worker process \(pid \d+\) stopped"):
+            list(pool.stream(big_items, 10))
