@@ -22,7 +22,7 @@ good backup: the newest good backup of a structure is where its next restore sta
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
@@ -46,38 +46,75 @@ def point_id(structure: str) -> str:
     return new_backup_id(structure, datetime.now(UTC))
 
 
+class RestorePointWriter:
+    """A restore point written as its restore loads: entries as each batch goes into the CF (add_copies, add), the
+    manifest at the end (finish), once the load is verified and before the structure is ACTIVE; abort() leaves
+    nothing. A restore killed in between leaves the point unfinished (no manifest), which the catalog shows as
+    incomplete and no restore takes as a base."""
+
+    def __init__(self, backup_root: Path, backup_id: str, structure: str,
+                 backup_keys: BackupKeys | None = None) -> None:
+        self.backup_id = backup_id
+        self.t0 = time.monotonic()
+        self.started = datetime.now(UTC)
+        self.directory = Path(backup_root) / structure / backup_id
+        self.writer = BackupWriter(self.directory, backup_keys=backup_keys)
+        self.entries = self.bytes = 0
+
+    def add_copies(self, copies: Sequence[tuple[bytes, bytes]]) -> None:
+        """Entries as the CF holds them: (descriptor, the CF's msgpack bytes; data)."""
+        self.writer.add_raw(POINT_STEP, copies)
+        self.entries += len(copies)
+        self.bytes += sum(len(data) for _, data in copies)
+
+    def add(self, descriptor: dict[str, Any], data: bytes) -> None:
+        """An entry in wire form."""
+        self.writer.add(POINT_STEP, descriptor, data)
+        self.entries += 1
+        self.bytes += len(data)
+
+    def finish(self, *, kind: str, group: str, sdef: StructureDef, queues: Iterable[QueueDef],
+               members: Iterable[str], gen: int, lrsn: int, replay_from: int, tombstones: Mapping[str, str],
+               restored_from: str = "", uows: Mapping[str, int] | None = None) -> tuple[dict[str, Any], Path]:
+        """Write the manifest (signed, atomically, after the entry files are fsynced); returns it and the
+        directory."""
+        if kind not in (RESTORE, PURGE):
+            raise ValueError(f"a restore point is of kind {RESTORE} or {PURGE}, not {kind!r}")
+        manifest = self.writer.finish({
+            "id": self.backup_id, "kind": kind, "group": group, "structure": sdef.name,
+            "structure_def": asdict(sdef), "queues": [asdict(q) for q in sorted(queues, key=lambda q: q.name)],
+            "members": sorted(set(members)), "gen": gen, "start_lrsn": lrsn, "floor_lrsn": lrsn,
+            "replay_from": min(replay_from, lrsn), "end_lrsn": lrsn,
+            "started_at": self.started.isoformat(timespec="microseconds"),
+            "ended_at": datetime.now(UTC).isoformat(timespec="microseconds"),
+            "elapsed_s": round(time.monotonic() - self.t0, 3), "exclint_s": 0, "steps": [], "entries": self.entries,
+            "bytes": self.bytes, "nonpersistent_skipped": 0, "excluded": 0, "exception_records": 0,
+            "tombstones": dict(sorted(tombstones.items())), "restored_from": restored_from,
+            "uows": dict(sorted((uows or {}).items())),
+        })
+        return manifest, self.directory
+
+    def abort(self) -> None:
+        self.writer.abort()
+
+
 def write_restore_point(backup_root: Path, backup_id: str, *, kind: str, group: str, sdef: StructureDef,
                         queues: Iterable[QueueDef], members: Iterable[str], gen: int, lrsn: int, replay_from: int,
                         entries: Iterable[tuple[dict[str, Any], bytes]], tombstones: Mapping[str, str],
                         restored_from: str = "", uows: Mapping[str, int] | None = None,
                         backup_keys: BackupKeys | None = None) -> tuple[dict[str, Any], Path]:
     """Write a restore point (see the module doc) as backup `backup_id` of sdef.name, signed with the group's
-    backup key (backup_keys, default: those this process's settings find); returns its manifest and directory.
-    The manifest is written last, atomically: a restore point without one is an unfinished one."""
+    backup key (backup_keys, default: those this process's settings find), from `entries` in wire form; returns
+    its manifest and directory. The manifest is written last, atomically: a restore point without one is an
+    unfinished one."""
     if kind not in (RESTORE, PURGE):
         raise ValueError(f"a restore point is of kind {RESTORE} or {PURGE}, not {kind!r}")
-    t0 = time.monotonic()
-    started = datetime.now(UTC)
-    directory = Path(backup_root) / sdef.name / backup_id
-    writer = BackupWriter(directory, backup_keys=backup_keys)
-    n = nbytes = 0
+    point = RestorePointWriter(backup_root, backup_id, sdef.name, backup_keys=backup_keys)
     try:
         for descriptor, data in entries:
-            writer.add(POINT_STEP, descriptor, data)
-            n += 1
-            nbytes += len(data)
-        manifest = writer.finish({
-            "id": backup_id, "kind": kind, "group": group, "structure": sdef.name, "structure_def": asdict(sdef),
-            "queues": [asdict(q) for q in sorted(queues, key=lambda q: q.name)], "members": sorted(set(members)),
-            "gen": gen, "start_lrsn": lrsn, "floor_lrsn": lrsn, "replay_from": min(replay_from, lrsn),
-            "end_lrsn": lrsn, "started_at": started.isoformat(timespec="microseconds"),
-            "ended_at": datetime.now(UTC).isoformat(timespec="microseconds"),
-            "elapsed_s": round(time.monotonic() - t0, 3), "exclint_s": 0, "steps": [], "entries": n,
-            "bytes": nbytes, "nonpersistent_skipped": 0, "excluded": 0, "exception_records": 0,
-            "tombstones": dict(sorted(tombstones.items())), "restored_from": restored_from,
-            "uows": dict(sorted((uows or {}).items())),
-        })
+            point.add(descriptor, data)
+        return point.finish(kind=kind, group=group, sdef=sdef, queues=queues, members=members, gen=gen, lrsn=lrsn,
+                            replay_from=replay_from, tombstones=tombstones, restored_from=restored_from, uows=uows)
     except BaseException:
-        writer.abort()
+        point.abort()
         raise
-    return manifest, directory

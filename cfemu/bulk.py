@@ -455,6 +455,7 @@ class Staged:
     lists: dict[str, int] = field(default_factory=dict)  # list -> entries the batch appends to it
     held: dict[str, int] = field(default_factory=dict)
     queues: set[str] = field(default_factory=set)
+    copies: list[tuple[bytes, bytes]] = field(default_factory=list)  # (descriptor as the CF holds it, data)
     bytes: int = 0
 
 
@@ -480,7 +481,9 @@ def prepare(structure: str, batch: Sequence[Survivor]) -> Staged:
             sets[keys.index_set(S, e["q"], "c", e["cid"])].append(s.id)
         if e.get("mid"):
             sets[keys.index_set(S, e["q"], "m", e["mid"])].append(s.id)
-        descriptors += (s.id, descriptor(e, s.data))
+        packed = descriptor(e, s.data)
+        descriptors += (s.id, packed)
+        st.copies.append((packed, s.data))
         datas += (s.id, s.data)
         st.queues.add(e["q"])
         st.bytes += len(s.data)

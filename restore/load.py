@@ -184,12 +184,14 @@ class PseudoClockFloor:
 def load_plan(owner: bulk.Owner, plan: RestorePlan, sdef: StructureDef, queues: list[str], *,
               batch: int = BATCH, progress: Progress = no_progress, restored_from: str = "",
               base_tombstones: Mapping[str, str] | None = None, before_activate: Callable[[], None] | None = None,
-              last_backup: str = "") -> LoadResult:
+              last_backup: str = "", copies_to: Callable[[list[tuple[bytes, bytes]]], None] | None = None
+              ) -> LoadResult:
     """Replace the structure's content with the plan's survivors and make it ACTIVE (see the module doc), as
     `owner`, the restore's claim on the structure (cfemu.bulk.claim: the header says RECOVERING).
     base_tombstones: those the base carried (the plan's own win). before_activate: called once the load is
     verified, before the structure is ACTIVE (restore writes its restore point there, `last_backup`: the header
-    names it)."""
+    names it). copies_to: given each batch's entries as loaded (descriptor as the CF holds it, data), once the
+    batch is in (restore writes its restore point so, as the load goes)."""
     t0 = time.monotonic()
     S = plan.structure
     result = LoadResult()
@@ -212,6 +214,8 @@ def load_plan(owner: bulk.Owner, plan: RestorePlan, sdef: StructureDef, queues: 
                 for staged_batch, floor in prepared:
                     clock.floor = max(clock.floor, floor)
                     loader.send(staged_batch)
+                    if copies_to is not None:
+                        copies_to(staged_batch.copies)
                     expected.update(staged_batch.lists)
                     result.entries += staged_batch.entries
                     result.batches += 1

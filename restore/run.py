@@ -53,7 +53,16 @@ import redis
 
 from backup.catalog import CORRUPT, OK, UNSIGNED, UNTRUSTED, BackupInfo, find_backup, list_backups
 from backup.files import MANIFEST_NAME, Backup, read_backup, resolve_keys, signing_key
-from backup.points import DEFINITION, FUZZY, PURGE, RESTORE, kind_of, point_id, write_restore_point
+from backup.points import (
+    DEFINITION,
+    FUZZY,
+    PURGE,
+    RESTORE,
+    RestorePointWriter,
+    kind_of,
+    point_id,
+    write_restore_point,
+)
 from backup.run import rebuild_catalog
 from cfemu import bulk, keys
 from cfemu.admin import Admin, AdminError, QueueDef, StructureDef
@@ -564,23 +573,27 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
                 owned.claim_repository(str(repo.id), str(repo.path), overwrite=True)
                 result.decisions_logged = _log_decisions(rlog, plan, int(manifest.get("gen", 0) or 0))
                 base_tombstones = dict(manifest.get("tombstones") or {})
-                point = point_id(structure)
+                point = RestorePointWriter(backup_root, point_id(structure), structure, backup_keys=backup_keys)
 
                 def write_point() -> None:  # after the load is verified, before the structure is ACTIVE
-                    write_restore_point(
-                        backup_root, point, kind=RESTORE, group=str(manifest["group"]), sdef=sdef, queues=queues,
+                    point.finish(
+                        kind=RESTORE, group=str(manifest["group"]), sdef=sdef, queues=queues,
                         members=[*members.keys(), *(d.name for d in log_dirs if d.name != RESTORE_MEMBER)],
                         gen=plan.restore_lrsn, lrsn=plan.restore_lrsn, replay_from=point_replay_from(plan),
-                        entries=((s.entry, s.data) for s in plan.in_load_order() if s.entry is not None),
                         tombstones=loaded_tombstones(plan, base_tombstones), restored_from=backup.id,
-                        uows=point_uows(plan), backup_keys=backup_keys)
+                        uows=point_uows(plan))
 
-                loaded: LoadResult = load_plan(owner, plan, sdef, [q.name for q in queues], progress=timer,
-                                               restored_from=backup.id, base_tombstones=base_tombstones,
-                                               before_activate=write_point, last_backup=point)
+                try:  # the point's entries are written as the load goes (they are what it loads)
+                    loaded: LoadResult = load_plan(owner, plan, sdef, [q.name for q in queues], progress=timer,
+                                                   restored_from=backup.id, base_tombstones=base_tombstones,
+                                                   before_activate=write_point, last_backup=point.backup_id,
+                                                   copies_to=point.add_copies)
+                except BaseException:
+                    point.abort()
+                    raise
                 result.keys_deleted, result.loaded_entries = loaded.keys_deleted, loaded.entries
                 result.loaded_bytes = loaded.bytes
-                result.restore_point = point
+                result.restore_point = point.backup_id
                 rebuild_catalog(admin, backup_root, structure, backup_keys=backup_keys)
 
         result.replay_to, result.restore_lrsn = plan.max_lrsn, plan.restore_lrsn

@@ -12,11 +12,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import pytest
 import redis
 
 from backup.catalog import find_backup
-from backup.files import BackupError
+from backup.files import BackupError, read_backup
 from backup.run import run_backup
 from cfemu import bulk, keys
 from cfemu.admin import Admin
@@ -367,6 +368,41 @@ def test_restore_twice_gives_the_same_structure(live_group: Any, dirs: tuple[Pat
     assert second.counts["restored"] == first.counts["restored"] and second.loaded_entries == 17
     assert snapshot(client, volatile=VOLATILE) == after_first
     assert second.restore_lrsn > first.restore_lrsn  # a new generation each time
+
+
+def test_a_load_that_fails_leaves_no_restore_point(live_group: Any, dirs: tuple[Path, Path],
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The point's entries are written as the load goes: a load that fails after its batches (here its verify)
+    removes them; the structure stays RECOVERING and the next restore starts from the same base."""
+    import restore.load
+    client = live_group[0]
+    logs, backups = dirs
+    before = sorted(p.name for p in (backups / S).iterdir())
+    lose_cf(client)
+    monkeypatch.setattr(restore.load.bulk, "verify_counts", lambda *a, **k: ["1 descriptor too many"])
+    with pytest.raises(restore.load.LoadVerifyError, match="1 descriptor too many"):
+        run_restore(client, S, backup_root=backups, log_root=logs)
+    assert Admin(client).state(S) == "RECOVERING"
+    after = sorted(p.name for p in (backups / S).iterdir() if not p.name.startswith("restore-"))  # the report
+    assert after == before
+    monkeypatch.undo()
+    assert run_restore(client, S, backup_root=backups, log_root=logs).loaded_entries == 17
+
+
+def test_the_restore_point_holds_each_entry_as_the_cf_holds_it(live_group: Any, dirs: tuple[Path, Path]) -> None:
+    """Written as the load goes, from the same packed descriptors the load sends: byte for byte the CF's (a point
+    of wire forms was re-packed, and differed from the CF's in its defaults and its data length)."""
+    client = live_group[0]
+    logs, backups = dirs
+    lose_cf(client)
+    result = run_restore(client, S, backup_root=backups, log_root=logs)
+    point = read_backup(find_backup(backups, result.restore_point))
+    copies = {d["id"]: (d, data) for _, d, data in point.copies()}
+    assert len(copies) == result.loaded_entries == client.hlen(keys.entries(S)) == 17
+    assert point.manifest["entries"] == 17 and point.manifest["bytes"] == sum(len(v) for _, v in copies.values())
+    for eid, (desc, data) in copies.items():
+        assert msgpack.unpackb(client.hget(keys.entries(S), eid), raw=False) == desc
+        assert client.hget(keys.data(S), eid) == data
 
 
 def test_mark_failed_restores_a_live_structure_and_counts_its_nonpersistent_messages(
