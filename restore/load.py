@@ -221,6 +221,9 @@ def load_plan(owner: bulk.Owner, plan: RestorePlan, sdef: StructureDef, queues: 
                     result.batches += 1
                     progress(LOAD, result.entries, total)
                     failpoint("restore-load-batch")  # tests: SQM_FAILPOINTS=restore-load-batch=N dies after N
+        if result.entries != total:  # a sorted run lost or cut short under the load: its merge just ends early
+            raise LoadVerifyError(f"structure {S}: the load read {result.entries} entries, {total} entries in the "
+                                  f"plan (left RECOVERING)")
         result.bytes = loader.bytes
         # In-doubt UOWs the structure holds though none of their work on it survived (non-persistent only) are
         # registered too, at their PREPARE's LRSN (a later backup's floor keeps it in the replay): their commit or

@@ -20,7 +20,8 @@ from cfemu.admin import Admin, StructureDef
 from cfemu.embedded import EmbeddedRedis
 from cfemu.entry import Entry
 from restore.engine import LocalEngine, no_progress, read_logs
-from restore.load import load_plan
+from restore.load import LoadVerifyError, load_plan
+from restore.partitioned import SpilledPlan
 from restore.plan import RestorePlan, plan_local
 from restore.workers import WorkerError, Workers
 from sqm.log import RecordLog
@@ -180,3 +181,29 @@ def test_a_stream_on_a_worker_that_died_before_it_is_a_worker_error() -> None:
         pool.procs[0].wait()
         with pytest.raises(WorkerError, match=r"a restore worker process \(pid \d+\) stopped"):
             list(pool.stream(big_items, 10))
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("damage", ["removed", "truncated"])
+def test_a_load_that_wrote_less_than_the_plan_holds_is_refused(fresh_redis: EmbeddedRedis, history: Path,
+                                                                tmp_path: Path, workers: int, damage: str) -> None:
+    """A sorted run of the plan lost under the load (removed, or cut short: a cleaner of old files, a full disk):
+    its merge reads what is there and ends, and the load's check compared the CF with what the load had sent,
+    not with the plan: the structure became ACTIVE without those messages. Now the load's count of entries is
+    checked against the plan's: LoadVerifyError, the structure left RECOVERING for a re-run."""
+    client = fresh_redis.client()
+    Admin(client).define_structure(S)
+    Admin(client).define_queue("Q1", S)
+    plan = _plan(history, tmp_path, workers)
+    try:
+        assert isinstance(plan, SpilledPlan) and plan.partitions > 1
+        run = plan.spill.file("run-0")
+        if damage == "removed":
+            run.unlink()
+        else:
+            os.truncate(run, run.stat().st_size // 2)
+        with pytest.raises(LoadVerifyError, match=f"{N} entries in the plan"):
+            _load(client, plan)
+    finally:
+        plan.close()
+    assert client.hget(keys.meta(S), "state") == b"RECOVERING"
