@@ -37,10 +37,11 @@ from typing import Any, Protocol
 
 from cfemu.progress import Progress, no_progress  # the cfemu floor's port, named from here too
 from cfemu.settings import default_workers
+from restore.log_slices import LogSlice, log_slices
 from restore.partitioned import DEFAULT_MEMORY, partitions_for, plan_partitioned
 from restore.plan import Copy, RestorePlan, base_lrsn
 from restore.spill import SpillDir
-from sqm.log import LogFormatError, LogReader, merged_records
+from sqm.log import LogFormatError, merged_records
 from sqm.log.format import list_segments, read_manifest, trusted_segments
 from sqm.records import Record
 
@@ -105,17 +106,15 @@ def stream_logs(log_dirs: list[Path], replay_from: int,
     seen: dict[str, Path] = {}
     progress(READ_LOGS, 0, len(log_dirs))
     for i, d in enumerate(log_dirs, 1):
-        reader = LogReader(d)
-        member = reader.member
         first = True
-        for pos, rec in reader.records(min_lrsn=replay_from):
+        for key, rec in LogSlice(str(d), None, replay_from).records():
             if first:
+                member = rec["m"]
                 if member in seen:
                     raise LogFormatError(f"member {member!r} appears twice: {seen[member]} and {d}")
                 seen[member] = d
                 first = False
-            rec["m"] = member
-            yield (rec["l"], member, pos.segment, pos.offset), rec
+            yield key, rec
         progress(READ_LOGS, i, len(log_dirs))
 
 
@@ -171,9 +170,11 @@ class LocalEngine:
         _allow_open_files(partitions + 128)  # the load merges one open run per partition
         spill = SpillDir(self.work_dir)
         try:
+            # The logs are read in slices by the worker processes side by side (after the backup: which UOWs it
+            # holds decides which records count), a few slices a worker so that they end together.
             plan = plan_partitioned(
                 structure, _counted(backup.copies(), progress, int(total) if total is not None else None),
-                stream_logs(log_dirs, replay_from, progress), spill=spill, partitions=partitions,
+                (), slices=log_slices(log_dirs, replay_from, 3 * self.workers), spill=spill, partitions=partitions,
                 memory=self.memory, now_ms=now_ms, gen=int(backup.manifest.get("gen", 0) or 0),
                 carried=backup.manifest.get("carried", ()), lrsn=base_lrsn(backup.manifest),
                 registered=list(backup.manifest.get("uows") or ()), progress=progress, workers=self.workers)

@@ -31,16 +31,19 @@ import heapq
 import math
 import os
 from collections import Counter, defaultdict
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
+from itertools import chain
 from pathlib import Path
 from typing import Any
 from zlib import crc32
 
+from restore.log_slices import LogSlice
 from restore.plan import (
     COMMIT,
     INDOUBT,
+    Base,
     Copy,
     RestorePlan,
     base_of,
@@ -56,6 +59,7 @@ from restore.plan import (
 from restore.settle import BACKOUT, Outcome, Settled, best_copy, decide_outcome, load_key, settle, uows_named
 from restore.spill import Partitioned, SpillDir, SpillWriter, read_frames
 from restore.workers import Workers
+from sqm.log import LogFormatError
 from sqm.records import Record, Role, lookup
 
 Key = tuple[Any, ...]  # a record's place in the merged log: (LRSN, member, segment, offset)
@@ -218,9 +222,11 @@ class SpilledPlan(RestorePlan):
 def plan_partitioned(structure: str, backup: Iterable[Copy], records: Iterable[tuple[Key, Record]], *,
                      spill: SpillDir, partitions: int, memory: int = DEFAULT_MEMORY, now_ms: int, gen: int = 0,
                      carried: Iterable[str] = (), lrsn: int = 0, registered: Collection[str] = (),
-                     progress: Progress | None = None, workers: int = 1) -> SpilledPlan:
+                     progress: Progress | None = None, workers: int = 1,
+                     slices: Sequence[LogSlice] = ()) -> SpilledPlan:
     """The plan of plan_local (same arguments; `records` each with its place in the merged log, in any order),
-    computed one partition at a time in `spill` (see the module doc). The plan owns `spill`: close() it."""
+    computed one partition at a time in `spill` (see the module doc). The plan owns `spill`: close() it.
+    `slices`: more records, the logs' slices (restore.log_slices), read by the worker processes side by side."""
     # The plan makes millions of small dicts, lists and tuples, none of them in a cycle; the cyclic collector
     # would scan the growing partition again and again as they are made (a third of the settle phase's time,
     # measured), so it is off while the plan runs (reference counting still frees everything).
@@ -229,7 +235,7 @@ def plan_partitioned(structure: str, backup: Iterable[Copy], records: Iterable[t
     try:
         return _plan_partitioned(structure, backup, records, spill=spill, partitions=partitions, memory=memory,
                                  now_ms=now_ms, gen=gen, carried=carried, lrsn=lrsn, registered=registered,
-                                 progress=progress, workers=workers)
+                                 progress=progress, workers=workers, slices=slices)
     finally:
         if was_enabled:
             gc.enable()
@@ -238,7 +244,7 @@ def plan_partitioned(structure: str, backup: Iterable[Copy], records: Iterable[t
 def _plan_partitioned(structure: str, backup: Iterable[Copy], records: Iterable[tuple[Key, Record]], *,
                       spill: SpillDir, partitions: int, memory: int, now_ms: int, gen: int, carried: Iterable[str],
                       lrsn: int, registered: Collection[str], progress: Progress | None,
-                      workers: int) -> SpilledPlan:
+                      workers: int, slices: Sequence[LogSlice]) -> SpilledPlan:
     P = max(1, partitions)
 
     def part(key: str) -> int:
@@ -261,6 +267,117 @@ def _plan_partitioned(structure: str, backup: Iterable[Copy], records: Iterable[
         if u:
             uow.add(part(u), (_NEED, u, i))
     base = base_of({"gen": gen, "carried": list(carried), "end_lrsn": lrsn, "uows": registered}, held_by)
+    logs_lrsn, per_member = _scan_records(records, structure, base, part, ent, uow)
+    max_lrsn = max(max_lrsn, logs_lrsn)
+    ent.close()
+    uow.close()
+    pool = Workers(min(workers, P))
+    with pool:
+        # The logs' slices, read side by side; each process files what it reads in partition files of its own.
+        scanned: set[str] = set()
+        members: dict[str, set[str]] = defaultdict(set)  # member -> the log directories it has records in
+        peaks: dict[int, int] = {}
+        if slices and progress is not None:
+            progress("read logs", 0, len(slices))
+        scan = partial(_scan_slice, _ScanJob(spill.path, P, structure, base,
+                                             max(4096, buffers // (2 * max(1, workers)))))
+        for done, sc in enumerate(pool.map(scan, slices), 1):
+            max_lrsn = max(max_lrsn, sc.max_lrsn)
+            per_member.update(sc.per_member)
+            scanned.add(sc.name)
+            for d, m in sc.members.items():
+                members[m].add(d)
+            spill.bytes_written += sc.bytes_written
+            peaks[sc.pid] = max(peaks.get(sc.pid, 0), sc.peak)
+            if progress is not None:
+                progress("read logs", done, len(slices))
+        for m, dirs in sorted(members.items()):
+            if len(dirs) > 1:
+                first, second = sorted(dirs)[:2]
+                raise LogFormatError(f"member {m!r} appears twice: {first} and {second}")
+        return _settle_partitions(pool, structure, spill, P, max_lrsn, base, per_member, peaks, buffers, memory,
+                                  now_ms, tuple(sorted(scanned)), progress, workers)
+
+
+def _settle_partitions(pool: Workers, structure: str, spill: SpillDir, P: int, max_lrsn: int, base: Base,
+                       per_member: Counter[str], peaks: dict[int, int], buffers: int, memory: int, now_ms: int,
+                       scanned: tuple[str, ...], progress: Progress | None, workers: int) -> SpilledPlan:
+    """Steps 2 and 3, in `pool`, and the plan they make."""
+
+    def part(key: str) -> int:
+        return partition_of(key, P)
+
+    restore_lrsn = restore_lrsn_above(max_lrsn, base)
+    if progress is not None:
+        progress("settle", 0, P)
+
+    # 2 outcomes, per UOW partition, sent to the entry partitions that need them; then 3 the fold, per entry
+    # partition. Each partition is settled on its own (one process may take one partition while another takes the
+    # next): what a partition needs of the others comes through spill files, and what the plan keeps of each is
+    # small (counts, and the UOWs still open at the failure).
+    job = _Job(spill.path, P, now_ms, restore_lrsn, max(4096, buffers // (2 * max(1, workers))), scanned=scanned)
+    chunks = _chunks(P, pool.n)
+    in_commit: set[str] = set()
+    in_doubt: dict[str, str] = {}  # in-doubt UOWs whose records name the structure (plan.held_uows)
+    restore_decided: set[str] = set()
+    n_decided = 0
+    for d in pool.map(partial(_decide, job, structure), enumerate(chunks)):
+        n_decided += d.decided
+        in_commit |= d.in_commit
+        in_doubt.update(d.in_doubt)
+        restore_decided |= d.restore_decided
+        spill.bytes_written += d.bytes_written
+        peaks[d.pid] = max(peaks.get(d.pid, 0), d.peak)
+    in_flight: dict[str, Outcome] = {}
+    outcomes = SpilledOutcomes(_reader(spill, "decided", P), part, n_decided, in_flight)
+
+    counts: Counter[str] = Counter()
+    held: dict[str, str] = {}
+    first: dict[str, int] = {}
+    decisions: dict[str, str] = {}
+    flight = in_flight_outcome(restore_lrsn)
+    settled_count = loaded_count = 0
+    fold = partial(_fold, replace(job, needed=tuple(f"needed.{c}" for c in range(len(chunks)))))
+    for done, f in enumerate(pool.map(fold, range(P)), 1):
+        counts.update(f.counts)
+        settled_count += f.settled
+        loaded_count += f.loaded
+        held.update(f.held)
+        for u, lrsn_u in f.first.items():
+            first[u] = min(first.get(u, lrsn_u), lrsn_u)
+        for u in f.in_flight:
+            in_flight[u] = flight
+            decisions[u] = owner_of(u)
+            restore_decided.add(u)
+        spill.bytes_written += f.bytes_written
+        peaks[f.pid] = max(peaks.get(f.pid, 0), f.peak)
+        if progress is not None:
+            progress("settle", done, P)
+    peaks.pop(os.getpid(), None)  # this process's own peak is its own to report (getrusage)
+
+    for u, owner in in_doubt.items():
+        held.setdefault(u, owner)
+    held = dict(sorted(held.items()))
+    counts["uows in doubt"] = len(held)
+    counts["uows in flight backed out"] = len(decisions)
+    plan = SpilledPlan(structure, restore_lrsn, [], outcomes, decisions, in_commit, counts, per_member, max_lrsn)
+    plan.spill, plan.partitions = spill, P
+    plan.settled_count, plan.loaded_count = settled_count, loaded_count
+    plan.read_size = merge_read_size(memory, P)
+    plan.held, plan.first_lrsn, plan.restore_decided = held, first, restore_decided
+    plan.worker_peak_bytes = sum(peaks.values())
+    plan.workers = workers
+    plan.settled = SpilledSettled(plan)
+    return plan
+
+
+# ------------------------------------------------------------------------ one partition at a time, anywhere
+
+def _scan_records(records: Iterable[tuple[Key, Record]], structure: str, base: Base, part: Callable[[str], int],
+                  ent: Partitioned, uow: Partitioned) -> tuple[int, Counter[str]]:
+    """Step 1 for log records: file each record that matters in the partitions of the entries and the UOW it
+    names (see the module doc). Returns the highest LRSN seen and the records kept per member."""
+    max_lrsn = 0
     per_member: Counter[str] = Counter()
     for key, raw in records:
         max_lrsn = max(max_lrsn, int(raw["l"]))
@@ -290,75 +407,9 @@ def _plan_partitioned(structure: str, backup: Iterable[Copy], records: Iterable[
                 uow.add(part(u), (_NEED, u, i))
             if holder:
                 uow.add(part(holder), (_NEED, holder, i))
-    ent.close()
-    uow.close()
-    restore_lrsn = restore_lrsn_above(max_lrsn, base)
-    if progress is not None:
-        progress("settle", 0, P)
-
-    # 2 outcomes, per UOW partition, sent to the entry partitions that need them; then 3 the fold, per entry
-    # partition. Each partition is settled on its own (one process may take one partition while another takes the
-    # next): what a partition needs of the others comes through spill files, and what the plan keeps of each is
-    # small (counts, and the UOWs still open at the failure).
-    job = _Job(spill.path, P, now_ms, restore_lrsn, max(4096, buffers // (2 * max(1, workers))))
-    with Workers(min(workers, P)) as pool:
-        chunks = _chunks(P, pool.n)
-        in_commit: set[str] = set()
-        in_doubt: dict[str, str] = {}  # in-doubt UOWs whose records name the structure (plan.held_uows)
-        restore_decided: set[str] = set()
-        n_decided = 0
-        peaks: dict[int, int] = {}
-        for d in pool.map(partial(_decide, job, structure), enumerate(chunks)):
-            n_decided += d.decided
-            in_commit |= d.in_commit
-            in_doubt.update(d.in_doubt)
-            restore_decided |= d.restore_decided
-            spill.bytes_written += d.bytes_written
-            peaks[d.pid] = max(peaks.get(d.pid, 0), d.peak)
-        in_flight: dict[str, Outcome] = {}
-        outcomes = SpilledOutcomes(_reader(spill, "decided", P), part, n_decided, in_flight)
-
-        counts: Counter[str] = Counter()
-        held: dict[str, str] = {}
-        first: dict[str, int] = {}
-        decisions: dict[str, str] = {}
-        flight = in_flight_outcome(restore_lrsn)
-        settled_count = loaded_count = 0
-        fold = partial(_fold, replace(job, needed=tuple(f"needed.{c}" for c in range(len(chunks)))))
-        for done, f in enumerate(pool.map(fold, range(P)), 1):
-            counts.update(f.counts)
-            settled_count += f.settled
-            loaded_count += f.loaded
-            held.update(f.held)
-            for u, lrsn_u in f.first.items():
-                first[u] = min(first.get(u, lrsn_u), lrsn_u)
-            for u in f.in_flight:
-                in_flight[u] = flight
-                decisions[u] = owner_of(u)
-                restore_decided.add(u)
-            spill.bytes_written += f.bytes_written
-            peaks[f.pid] = max(peaks.get(f.pid, 0), f.peak)
-            if progress is not None:
-                progress("settle", done, P)
-    peaks.pop(os.getpid(), None)  # this process's own peak is its own to report (getrusage)
-
-    for u, owner in in_doubt.items():
-        held.setdefault(u, owner)
-    held = dict(sorted(held.items()))
-    counts["uows in doubt"] = len(held)
-    counts["uows in flight backed out"] = len(decisions)
-    plan = SpilledPlan(structure, restore_lrsn, [], outcomes, decisions, in_commit, counts, per_member, max_lrsn)
-    plan.spill, plan.partitions = spill, P
-    plan.settled_count, plan.loaded_count = settled_count, loaded_count
-    plan.read_size = merge_read_size(memory, P)
-    plan.held, plan.first_lrsn, plan.restore_decided = held, first, restore_decided
-    plan.worker_peak_bytes = sum(peaks.values())
-    plan.workers = workers
-    plan.settled = SpilledSettled(plan)
-    return plan
+    return max_lrsn, per_member
 
 
-# ------------------------------------------------------------------------ one partition at a time, anywhere
 
 
 def partition_of(key: str, n: int) -> int:
@@ -377,6 +428,55 @@ class _Job:
     restore_lrsn: int
     buffer_bytes: int  # the write buffers of one worker, in all
     needed: tuple[str, ...] = ()  # the names of the "needed" sets, one per chunk of UOW partitions
+    scanned: tuple[str, ...] = ()  # the suffixes of the partition files the log slices' readers wrote
+
+
+@dataclass(frozen=True)
+class _ScanJob:
+    """What reading a log slice needs (sent to worker processes)."""
+
+    spill: Path
+    P: int
+    structure: str
+    base: Base
+    buffer_bytes: int
+
+
+@dataclass
+class _Scanned:
+    """What step 1 keeps of a log slice (its records are in the partition files `entries.<name>`, `uows.<name>`)."""
+
+    name: str
+    max_lrsn: int
+    per_member: Counter[str]
+    members: dict[str, str]  # the slice's directory -> its member, when the slice had records from replay_from on
+    bytes_written: int
+    pid: int
+    peak: int
+
+
+def _scan_slice(job: _ScanJob, sl: LogSlice) -> _Scanned:
+    """Step 1 for one slice of a log, in any process: its partition files are this process's (named by its pid,
+    appended to by each slice it reads)."""
+    gc.disable()
+    spill = SpillDir.at(job.spill)
+    name = f"p{os.getpid()}"
+    ent = Partitioned(spill, f"entries.{name}", job.P, job.buffer_bytes // 2)
+    uow = Partitioned(spill, f"uows.{name}", job.P, job.buffer_bytes // 2)
+    seen = False
+
+    def counted() -> Iterator[tuple[Key, Record]]:
+        nonlocal seen
+        for kr in sl.records():
+            seen = True
+            yield kr
+
+    max_lrsn, per_member = _scan_records(counted(), job.structure, job.base,
+                                         lambda key: partition_of(key, job.P), ent, uow)
+    ent.close()
+    uow.close()
+    return _Scanned(name, max_lrsn, per_member, {sl.directory: sl.member()} if seen else {}, spill.bytes_written,
+                    os.getpid(), _vm_hwm())
 
 
 @dataclass
@@ -432,7 +532,7 @@ def _decide(job: _Job, structure: str, chunk: tuple[int, list[int]]) -> _Decided
     gc.disable()  # as plan_partitioned: acyclic objects (a worker process starts with the collector on)
     c, js = chunk
     spill = SpillDir.at(job.spill)
-    uow = _reader(spill, "uows", job.P)
+    uows = [_reader(spill, name, job.P) for name in ("uows", *(f"uows.{s}" for s in job.scanned))]
     decided = Partitioned(spill, "decided", job.P, job.buffer_bytes // 2)
     needed = Partitioned(spill, f"needed.{c}", job.P, job.buffer_bytes // 2)
     out = _Decided()
@@ -442,7 +542,7 @@ def _decide(job: _Job, structure: str, chunk: tuple[int, list[int]]) -> _Decided
         needs: dict[str, set[int]] = defaultdict(set)
         older: dict[str, list[tuple[Key, Record]]] = defaultdict(list)
         holders: set[str] = set()
-        for f in uow.read(j):
+        for f in chain.from_iterable(u.read(j) for u in uows):
             if f[0] == _OUTCOME_REC:
                 by_uow[f[2]["u"]].append((f[1], f[2]))
             elif f[0] == _END:
@@ -453,7 +553,8 @@ def _decide(job: _Job, structure: str, chunk: tuple[int, list[int]]) -> _Decided
                 holders.add(f[1])
             else:
                 needs[f[1]].add(f[2])
-        uow.remove(j)
+        for u_set in uows:
+            u_set.remove(j)
         for u, keyed_aside in revived(older, holders).items():
             by_uow[u].extend(keyed_aside)
         del older, holders
@@ -498,15 +599,16 @@ def _fold(job: _Job, i: int) -> _Folded:
         needed.remove(i)
     copies: dict[str, list[Copy]] = defaultdict(list)
     by_entry: dict[str, list[tuple[Key, Record]]] = defaultdict(list)
-    ent = _reader(spill, "entries", job.P)
-    for f in ent.read(i):
+    ents = [_reader(spill, name, job.P) for name in ("entries", *(f"entries.{s}" for s in job.scanned))]
+    for f in chain.from_iterable(e.read(i) for e in ents):
         if f[0] == _COPY:
             copies[f[2]["id"]].append((f[1], f[2], f[3]))
             continue
         one = (f[1], f[2])
         for eid in f[3]:
             by_entry[eid].append(one)
-    ent.remove(i)
+    for e in ents:
+        e.remove(i)
     run: list[tuple[Any, ...]] = []
     gone = SpillWriter(spill, f"gone-{i}")
     for eid in copies.keys() | by_entry.keys():

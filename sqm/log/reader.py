@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -63,13 +63,15 @@ class LogReader:
         return SegmentScan(path, segno, self.member, is_last=is_last, start_offset=start_offset)
 
     def records(
-        self, start: LogPosition | None = None, min_lrsn: int | None = None
+        self, start: LogPosition | None = None, min_lrsn: int | None = None,
+        segments: Collection[int] | None = None,
     ) -> Iterator[tuple[LogPosition, dict[str, Any]]]:
         """Records in append order from ``start`` (a frame position; default: the beginning).
 
         ``min_lrsn``: skip whole sealed segments whose maximum LRSN (per the manifest) is below it, and drop
         records with ``l < min_lrsn``. Records are only approximately LRSN-ordered within one log, so this
-        never stops early on LRSN."""
+        never stops early on LRSN. ``segments``: read only those segment numbers (a restore's log scan shares
+        one log's segments among processes)."""
         manifest = read_manifest(self.directory)
         segs = log_segments(self.directory, manifest)
         if not segs:
@@ -77,7 +79,7 @@ class LogReader:
         trusted = trusted_segments(self.directory, manifest) if min_lrsn is not None else {}
         last = segs[-1][0]
         for segno, path in segs:
-            if start is not None and segno < start.segment:
+            if (start is not None and segno < start.segment) or (segments is not None and segno not in segments):
                 continue
             if min_lrsn is not None and segno != last:
                 info = trusted.get(segno)

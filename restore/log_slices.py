@@ -1,0 +1,76 @@
+"""Slices of the members' logs: the shares of a restore's log scan that worker processes read side by side.
+
+A partitioned plan (restore.partitioned) files each record by the entries and the UOW it names, and every
+partition is sorted by the records' places in the merged log before it is folded, so the records may be read in
+any order and by any number of readers: a slice is a run of one member's segments, read on its own (each
+record tagged with its member and its place, as restore.engine.stream_logs does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sqm.log import LogReader
+from sqm.log.format import log_segments, read_manifest, trusted_segments
+from sqm.records import Record
+
+Key = tuple[Any, ...]  # a record's place in the merged log: (LRSN, member, segment, offset)
+
+
+@dataclass(frozen=True)
+class LogSlice:
+    """The segments `segments` (None: all) of the log in `directory`, from LRSN `replay_from` on."""
+
+    directory: str
+    segments: tuple[int, ...] | None
+    replay_from: int
+
+    def member(self) -> str:
+        return LogReader(self.directory).member
+
+    def records(self) -> Iterator[tuple[Key, Record]]:
+        """Each record, tagged with its member in "m", and with its place in the merged log."""
+        reader = LogReader(self.directory)
+        member = reader.member
+        only = None if self.segments is None else frozenset(self.segments)
+        for pos, rec in reader.records(min_lrsn=self.replay_from, segments=only):
+            rec["m"] = member
+            yield (rec["l"], member, pos.segment, pos.offset), rec
+
+
+def log_slices(log_dirs: list[Path], replay_from: int, count: int) -> list[LogSlice]:
+    """The segments of `log_dirs` that may hold records from `replay_from` on, in about `count` slices of like
+    size (a slice never spans two logs; a log of one segment is one slice), largest first, so that readers
+    taking them in turn end at about the same time."""
+    segs: list[tuple[str, int, int]] = []  # (directory, segment, bytes)
+    for d in log_dirs:
+        LogReader(d)  # a directory that is no log is refused here, as a reading of it would be
+        manifest = read_manifest(d)
+        trusted = trusted_segments(d, manifest)
+        listed = log_segments(d, manifest)
+        for segno, path in listed:
+            info = trusted.get(segno)
+            if (segno != listed[-1][0] and info is not None and info.max_lrsn is not None
+                    and info.max_lrsn < replay_from):  # as LogReader.records: the last one may still grow
+                continue
+            size = 0
+            with contextlib.suppress(OSError):
+                size = path.stat().st_size
+            segs.append((str(d), segno, size))
+    target = max(1, sum(s for _, _, s in segs) // max(1, count))
+    slices: list[tuple[int, LogSlice]] = []
+    run: list[int] = []
+    run_dir, run_bytes = "", 0
+    for directory, segno, size in [*segs, ("", -1, 0)]:  # a sentinel ends the last run
+        if run and (directory != run_dir or run_bytes >= target):
+            slices.append((run_bytes, LogSlice(run_dir, tuple(run), replay_from)))
+            run, run_bytes = [], 0
+        if segno >= 0:
+            run.append(segno)
+            run_dir, run_bytes = directory, run_bytes + size
+    slices.sort(key=lambda s: -s[0])
+    return [s for _, s in slices]
