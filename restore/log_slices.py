@@ -3,7 +3,9 @@
 A partitioned plan (restore.partitioned) files each record by the entries and the UOW it names, and every
 partition is sorted by the records' places in the merged log before it is folded, so the records may be read in
 any order and by any number of readers: a slice is a run of one member's segments, read on its own (each
-record tagged with its member and its place, as restore.engine.stream_logs does).
+record tagged with its member and its place, as restore.engine.stream_logs does). A LogCorruptError found by a
+worker process is sent back as itself (it does not survive pickle on its own: the engine's caller would see a
+worker that stopped).
 """
 
 from __future__ import annotations
@@ -14,11 +16,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sqm.log import LogReader
+from sqm.log import LogCorruptError, LogReader
 from sqm.log.format import log_segments, read_manifest, trusted_segments
 from sqm.records import Record
 
 Key = tuple[Any, ...]  # a record's place in the merged log: (LRSN, member, segment, offset)
+
+
+class SentCorruptError(LogCorruptError):
+    """A LogCorruptError that pickles (a worker process sends it back): it arrives as the LogCorruptError it is."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return LogCorruptError, (self.path, self.offset, self.what)
 
 
 @dataclass(frozen=True)
@@ -37,9 +46,12 @@ class LogSlice:
         reader = LogReader(self.directory)
         member = reader.member
         only = None if self.segments is None else frozenset(self.segments)
-        for pos, rec in reader.records(min_lrsn=self.replay_from, segments=only):
-            rec["m"] = member
-            yield (rec["l"], member, pos.segment, pos.offset), rec
+        try:
+            for pos, rec in reader.records(min_lrsn=self.replay_from, segments=only):
+                rec["m"] = member
+                yield (rec["l"], member, pos.segment, pos.offset), rec
+        except LogCorruptError as e:
+            raise SentCorruptError(e.path, e.offset, e.what) from None
 
 
 def log_slices(log_dirs: list[Path], replay_from: int, count: int) -> list[LogSlice]:
