@@ -3,9 +3,12 @@
 A partitioned plan (restore.partitioned) files each record by the entries and the UOW it names, and every
 partition is sorted by the records' places in the merged log before it is folded, so the records may be read in
 any order and by any number of readers: a slice is a run of one member's segments, read on its own (each
-record tagged with its member and its place, as restore.engine.stream_logs does). A LogCorruptError found by a
-worker process is sent back as itself (it does not survive pickle on its own: the engine's caller would see a
-worker that stopped).
+record tagged with its member and its place, as restore.engine.stream_logs does).
+
+The slices are made before the backup is read, the logs are read after it: a member still logging meanwhile (the
+re-plan after the claim of an ACTIVE structure) may start new segments, which the slice of its log's last segment
+reads too (stream_logs read each log to its end as it got there). A LogCorruptError found by a worker process is
+sent back as itself (it does not survive pickle on its own: the engine's caller would see a worker that stopped).
 """
 
 from __future__ import annotations
@@ -31,12 +34,25 @@ class SentCorruptError(LogCorruptError):
 
 
 @dataclass(frozen=True)
+class _Segments:
+    """The segment numbers a slice reads: its own, and when it ends its log (`to_end`) every later one."""
+
+    own: frozenset[int]
+    to_end: bool
+
+    def __contains__(self, segno: object) -> bool:
+        return segno in self.own or (self.to_end and isinstance(segno, int) and segno > max(self.own, default=-1))
+
+
+@dataclass(frozen=True)
 class LogSlice:
-    """The segments `segments` (None: all) of the log in `directory`, from LRSN `replay_from` on."""
+    """The segments `segments` (None: all) of the log in `directory`, from LRSN `replay_from` on; `to_end`: and
+    every segment after them that the log has when it is read (the slice holds the log's last segment)."""
 
     directory: str
     segments: tuple[int, ...] | None
     replay_from: int
+    to_end: bool = False
 
     def member(self) -> str:
         return LogReader(self.directory).member
@@ -45,7 +61,7 @@ class LogSlice:
         """Each record, tagged with its member in "m", and with its place in the merged log."""
         reader = LogReader(self.directory)
         member = reader.member
-        only = None if self.segments is None else frozenset(self.segments)
+        only = None if self.segments is None else _Segments(frozenset(self.segments), self.to_end)
         try:
             for pos, rec in reader.records(min_lrsn=self.replay_from, segments=only):
                 rec["m"] = member
@@ -59,11 +75,14 @@ def log_slices(log_dirs: list[Path], replay_from: int, count: int) -> list[LogSl
     size (a slice never spans two logs; a log of one segment is one slice), largest first, so that readers
     taking them in turn end at about the same time."""
     segs: list[tuple[str, int, int]] = []  # (directory, segment, bytes)
+    slices: list[tuple[int, LogSlice]] = []
     for d in log_dirs:
         LogReader(d)  # a directory that is no log is refused here, as a reading of it would be
         manifest = read_manifest(d)
         trusted = trusted_segments(d, manifest)
         listed = log_segments(d, manifest)
+        if not listed:  # a log with no segment yet: whatever it has when it is read
+            slices.append((0, LogSlice(str(d), (), replay_from, to_end=True)))
         for segno, path in listed:
             info = trusted.get(segno)
             if (segno != listed[-1][0] and info is not None and info.max_lrsn is not None
@@ -74,12 +93,11 @@ def log_slices(log_dirs: list[Path], replay_from: int, count: int) -> list[LogSl
                 size = path.stat().st_size
             segs.append((str(d), segno, size))
     target = max(1, sum(s for _, _, s in segs) // max(1, count))
-    slices: list[tuple[int, LogSlice]] = []
     run: list[int] = []
     run_dir, run_bytes = "", 0
     for directory, segno, size in [*segs, ("", -1, 0)]:  # a sentinel ends the last run
         if run and (directory != run_dir or run_bytes >= target):
-            slices.append((run_bytes, LogSlice(run_dir, tuple(run), replay_from)))
+            slices.append((run_bytes, LogSlice(run_dir, tuple(run), replay_from, to_end=directory != run_dir)))
             run, run_bytes = [], 0
         if segno >= 0:
             run.append(segno)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Container, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,14 +64,14 @@ class LogReader:
 
     def records(
         self, start: LogPosition | None = None, min_lrsn: int | None = None,
-        segments: Collection[int] | None = None,
+        segments: Container[int] | None = None,
     ) -> Iterator[tuple[LogPosition, dict[str, Any]]]:
         """Records in append order from ``start`` (a frame position; default: the beginning).
 
         ``min_lrsn``: skip whole sealed segments whose maximum LRSN (per the manifest) is below it, and drop
         records with ``l < min_lrsn``. Records are only approximately LRSN-ordered within one log, so this
-        never stops early on LRSN. ``segments``: read only those segment numbers (a restore's log scan shares
-        one log's segments among processes)."""
+        never stops early on LRSN. ``segments``: read only the segment numbers it contains (a restore's log scan
+        shares one log's segments among processes; only ``in`` is asked of it, as each segment is reached)."""
         manifest = read_manifest(self.directory)
         segs = log_segments(self.directory, manifest)
         if not segs:
