@@ -49,8 +49,12 @@ def point_id(structure: str) -> str:
 class RestorePointWriter:
     """A restore point written as its restore loads: entries as each batch goes into the CF (add_copies, add), the
     manifest at the end (finish), once the load is verified and before the structure is ACTIVE; abort() leaves
-    nothing. A restore killed in between leaves the point unfinished (no manifest), which the catalog shows as
-    incomplete and no restore takes as a base."""
+    nothing of an unfinished point. A restore killed in between leaves the point unfinished (no manifest), which
+    the catalog shows as incomplete and no restore takes as a base. A finished point stays whatever happens next:
+    the switch to ACTIVE after it may have gone through though its caller saw it fail (a reply lost with the
+    connection, an interrupt while it was read), and the structure's header then names the point; removed, the
+    next restore would start from the older base and cross this restore (issue 10, hole 1). A point whose
+    structure stayed RECOVERING holds what its load verified, which a restore from it loads again."""
 
     def __init__(self, backup_root: Path, backup_id: str, structure: str,
                  backup_keys: BackupKeys | None = None) -> None:
@@ -60,6 +64,7 @@ class RestorePointWriter:
         self.directory = Path(backup_root) / structure / backup_id
         self.writer = BackupWriter(self.directory, backup_keys=backup_keys)
         self.entries = self.bytes = 0
+        self.finished = False
 
     def add_copies(self, copies: Sequence[tuple[bytes, bytes]]) -> None:
         """Entries as the CF holds them: (descriptor, the CF's msgpack bytes; data)."""
@@ -92,10 +97,13 @@ class RestorePointWriter:
             "tombstones": dict(sorted(tombstones.items())), "restored_from": restored_from,
             "uows": dict(sorted((uows or {}).items())),
         })
+        self.finished = True
         return manifest, self.directory
 
     def abort(self) -> None:
-        self.writer.abort()
+        """Remove the point unless it is finished (see the class doc)."""
+        if not self.finished:
+            self.writer.abort()
 
 
 def write_restore_point(backup_root: Path, backup_id: str, *, kind: str, group: str, sdef: StructureDef,
