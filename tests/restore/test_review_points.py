@@ -23,6 +23,8 @@ from backup.files import read_backup
 from cfemu import bulk, keys
 from cfemu.admin import Admin
 from restore.run import RestoreStoppedError, run_restore
+from sqm.log import find_log_dirs
+from tests.restore.test_engine_spark import both_plans, spark  # noqa: F401  (spark: a fixture)
 from tests.restore.test_restore import VOLATILE, S, small_workload, snapshot
 from tests.support.harness import lose_cf
 
@@ -83,3 +85,15 @@ def test_a_restore_from_a_point_gives_the_content_the_points_restore_gave(
     again = read_backup(find_backup(backups, two.restore_point))
     assert sorted((d["id"], d, data) for _, d, data in again.copies()) == \
         sorted((d["id"], d, data) for _, d, data in point.copies())
+
+
+def test_the_spark_engine_plans_from_a_point_as_the_local_engine_does(
+        group: tuple[redis.Redis, Path, Path], spark: Any) -> None:  # noqa: F811  (spark: a fixture)
+    """The point's descriptors are the CF's bytes (add_raw), not wire forms: both engines read them alike."""
+    client, logs, backups = group
+    lose_cf(client)
+    one = run_restore(client, S, backup_root=backups, log_root=logs, engine_options={"workers": 2})
+    point = read_backup(find_backup(backups, one.restore_point))
+    local, remote = both_plans(spark, point, find_log_dirs(logs), int(point.manifest["replay_from"]))
+    assert local == remote
+    assert len(local["settled"]) == one.loaded_entries == 17
