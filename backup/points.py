@@ -21,6 +21,8 @@ good backup: the newest good backup of a structure is where its next restore sta
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict
@@ -28,13 +30,15 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from backup.files import BackupWriter, new_backup_id
+from backup.files import MANIFEST_NAME, BackupWriter, new_backup_id
 from cfemu.admin import QueueDef, StructureDef
 from cfemu.credentials import BackupKeys
+from cfemu.private_files import open_private
 
 # A backup manifest's kind (a manifest without one is a fuzzy backup: written before kinds existed).
 FUZZY, RESTORE, PURGE, DEFINITION = "fuzzy", "restore", "purge", "definition"
 POINT_STEP = 0  # the step number of a restore point's frames
+UNFINISHED_MARK = ".unfinished-restore-point"  # in a restore point's directory until its manifest is written
 
 
 def kind_of(manifest: Mapping[str, Any]) -> str:
@@ -63,6 +67,9 @@ class RestorePointWriter:
         self.started = datetime.now(UTC)
         self.directory = Path(backup_root) / structure / backup_id
         self.writer = BackupWriter(self.directory, backup_keys=backup_keys)
+        # Marks the directory as a restore point being written, for remove_unfinished_points: a restore killed
+        # during its load leaves one holding every message loaded so far.
+        os.close(open_private(self.directory / UNFINISHED_MARK, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
         self.entries = self.bytes = 0
         self.finished = False
 
@@ -98,12 +105,28 @@ class RestorePointWriter:
             "uows": dict(sorted((uows or {}).items())),
         })
         self.finished = True
-        return manifest, self.directory
+        (self.directory / UNFINISHED_MARK).unlink(missing_ok=True)  # after the manifest: a mark left beside one
+        return manifest, self.directory  # by a crash is ignored (remove_unfinished_points needs both)
 
     def abort(self) -> None:
         """Remove the point unless it is finished (see the class doc)."""
         if not self.finished:
             self.writer.abort()
+
+
+def remove_unfinished_points(backup_root: Path, structure: str) -> list[str]:
+    """Remove the restore points of `structure` that earlier restores began and never finished (killed during
+    their load: a directory with the mark and no manifest); returns their ids. Called by a restore that owns the
+    structure (claimed: no other restore of it still writes), before it writes a point of its own. A fuzzy backup
+    interrupted, or a point's directory without the mark, is left for cfbackup prune: nothing says it is one."""
+    removed = []
+    root = Path(backup_root) / structure
+    for mark in sorted(root.glob(f"*/{UNFINISHED_MARK}")) if root.is_dir() else []:
+        directory = mark.parent
+        if not (directory / MANIFEST_NAME).exists():
+            shutil.rmtree(directory, ignore_errors=True)
+            removed.append(directory.name)
+    return removed
 
 
 def write_restore_point(backup_root: Path, backup_id: str, *, kind: str, group: str, sdef: StructureDef,

@@ -52,6 +52,9 @@ def summary(result: RestoreResult, console: Console) -> Group:
         head.add_row("loaded", f"{result.loaded_entries} messages, {result.loaded_bytes} bytes")
         head.add_row("decisions logged", str(result.decisions_logged))
         head.add_row("restore point", result.restore_point)
+        if result.unfinished_points_removed:
+            head.add_row("removed", "unfinished restore points of earlier runs: "
+                         + ", ".join(result.unfinished_points_removed))
     if result.report_path:
         head.add_row("report", result.report_path)
 

@@ -36,6 +36,7 @@ class RestoreResult:
     started_at: str = ""
     base_kind: str = "fuzzy"  # the base's kind: fuzzy, restore, purge (restore points) or definition
     restore_point: str = ""  # the restore point this restore wrote (backup.points)
+    unfinished_points_removed: list[str] = field(default_factory=list)  # restore points earlier runs left unfinished
     start: str = ""  # which start it used, in words: a backup (which), or the logs alone (which relog pass)
     peak_rss_bytes: int = 0  # peak resident memory at the end of the restore (plan and load; with its workers')
     memory_limit: int = 0  # the working memory the local engine was given (0: another engine)

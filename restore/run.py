@@ -61,6 +61,7 @@ from backup.points import (
     RestorePointWriter,
     kind_of,
     point_id,
+    remove_unfinished_points,
     write_restore_point,
 )
 from backup.run import rebuild_catalog
@@ -573,6 +574,7 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
                 owned.claim_repository(str(repo.id), str(repo.path), overwrite=True)
                 result.decisions_logged = _log_decisions(rlog, plan, int(manifest.get("gen", 0) or 0))
                 base_tombstones = dict(manifest.get("tombstones") or {})
+                result.unfinished_points_removed = remove_unfinished_points(backup_root, structure)
                 point = RestorePointWriter(backup_root, point_id(structure), structure, backup_keys=backup_keys)
 
                 def write_point() -> None:  # after the load is verified, before the structure is ACTIVE

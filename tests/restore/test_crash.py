@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import redis
 
+from backup.catalog import INCOMPLETE, list_backups
+from backup.points import UNFINISHED_MARK
 from backup.run import run_backup
 from cfemu import keys
 from cfemu.admin import Admin
@@ -79,10 +81,17 @@ def test_restore_killed_mid_load_resumes_to_the_clean_result(redis_url: str, tmp
     decided = [r for _, r in LogReader(logs / RESTORE_MEMBER).records()]
     assert [(r["k"], r["o"], r["by"]) for r in decided] == [("RECOVERY", "B", "restore")]
 
+    # The crashed run's restore point, begun with its load, is unfinished: the catalog shows it incomplete, and
+    # the next run removes it (it held every message loaded so far).
+    unfinished = [b for b in list_backups(backups, S) if b.state == INCOMPLETE]
+    assert len(unfinished) == 1 and (unfinished[0].path / UNFINISHED_MARK).exists()
     resumed = cfrestore(redis_url, logs, backups, "--json", *engine)
     assert resumed.returncode == 0, resumed.stderr
     assert '"decisions_logged": 0' in resumed.stdout  # the crashed run's decision stands
     assert json.loads(resumed.stdout)["workers"] == (2 if engine else 1)
+    assert json.loads(resumed.stdout)["unfinished_points_removed"] == [unfinished[0].id]
+    assert not unfinished[0].path.exists()
+    assert [b.state for b in list_backups(backups, S)] == ["ok", "ok"]  # the resumed run's point, the base
     assert Admin(client).state(S) == "ACTIVE"
     after_resume = snapshot(client, volatile=VOLATILE)
     assert client.hlen(keys.entries(S)) == MESSAGES - 10 + 1
