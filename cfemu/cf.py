@@ -16,7 +16,7 @@ from redis.connection import HiredisRespSerializer
 from cfemu import bulk, cluster_cf, duplex, keys, lua
 from cfemu.entry import Entry
 from cfemu.errors import from_script_error
-from cfemu.resp import io_failure, read_reply
+from cfemu.resp import receive, send
 
 
 class Clock(Protocol):
@@ -129,20 +129,8 @@ def _lean_exchange(conn: Any, packed: list[bytes]) -> Any:
     if (sock is None or reader is None or buf is None or len(packed) != 1
             or (conn.health_check_interval and time.monotonic() > conn.next_health_check)):
         return _NOT_LEAN
-    try:
-        sock.sendall(packed[0])
-    except BaseException as e:
-        failure = io_failure(conn, e, writing=True)
-        if failure is e:
-            raise
-        raise failure from None
-    try:
-        reply = read_reply(sock, reader, buf)
-    except BaseException as e:
-        failure = io_failure(conn, e, writing=False)
-        if failure is e:
-            raise
-        raise failure from None
+    send(conn, sock, packed)
+    reply = receive(conn, sock, reader, buf, 1)[0]
     if isinstance(reply, redis.exceptions.ConnectionError) or (
             type(reply) is list and reply and isinstance(reply[0], redis.exceptions.ConnectionError)):
         # An error reply whose code the parser makes a ConnectionError (LOADING: a CF restarted that is still

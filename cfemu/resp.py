@@ -10,7 +10,7 @@ directly (as cfemu.cf._lean_exchange does for one script call).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import redis
 from redis._parsers import hiredis as redis_hiredis
@@ -121,6 +121,31 @@ def read_reply(sock: Any, reader: Any, buf: Any) -> Any:
     return reply
 
 
+def _raise_mapped(conn: Any, e: BaseException, *, writing: bool) -> NoReturn:
+    failure = io_failure(conn, e, writing=writing)
+    if failure is e:
+        raise e
+    raise failure from None
+
+
+def send(conn: Any, sock: Any, chunks: Iterable[bytes]) -> None:
+    """Write `chunks` to the connection's socket; a failure disconnects it and is raised as redis-py would."""
+    try:
+        for chunk in chunks:
+            sock.sendall(chunk)
+    except BaseException as e:
+        _raise_mapped(conn, e, writing=True)
+
+
+def receive(conn: Any, sock: Any, reader: Any, buf: Any, replies: int) -> list[Any]:
+    """The next `replies` replies (read_reply); a failure disconnects the connection and is raised as redis-py
+    would."""
+    try:
+        return [read_reply(sock, reader, buf) for _ in range(replies)]
+    except BaseException as e:
+        _raise_mapped(conn, e, writing=False)
+
+
 def exchange(conn: Any, data: bytes | Sequence[bytes], replies: int) -> list[Any]:
     """Send `data` (RESP commands: one string, or several sent one after the other, never joined) on a connected
     redis-py connection and read `replies` replies, unparsed by
@@ -141,21 +166,8 @@ def exchange(conn: Any, data: bytes | Sequence[bytes], replies: int) -> list[Any
             except redis.exceptions.ResponseError as e:
                 out.append(e)
         return out
-    try:
-        for chunk in chunks:
-            sock.sendall(chunk)
-    except BaseException as e:
-        failure = io_failure(conn, e, writing=True)
-        if failure is e:
-            raise
-        raise failure from None
-    try:
-        out = [read_reply(sock, reader, buf) for _ in range(replies)]
-    except BaseException as e:
-        failure = io_failure(conn, e, writing=False)
-        if failure is e:
-            raise
-        raise failure from None
+    send(conn, sock, chunks)
+    out = receive(conn, sock, reader, buf, replies)
     for r in out:
         # An error reply whose code redis-py's parser makes a ConnectionError (LOADING: a CF reloading its data,
         # which still takes MULTI and then refuses each command; NOAUTH, WRONGPASS): its read_response raises it

@@ -3,7 +3,6 @@ redis-py's own path raised, the lean path must raise. Real redis-server processe
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import time
 from collections.abc import Callable
@@ -13,17 +12,8 @@ import redis
 
 from cfemu.embedded import EmbeddedRedis
 from sqm.manager import reply_lost
+from tests.support.cf_loading import answers_loading
 from tests.support.one_connection_cf import browse_q1, one_connection_cf
-
-
-def _loading(port: int) -> bool:
-    """Does the server on port answer -LOADING (a raw socket: redis-py's own client would retry)?"""
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
-            s.sendall(b"GET x\r\n")
-            return s.recv(100).startswith(b"-LOADING")
-    except OSError:
-        return False
 
 
 def test_a_cf_still_loading_its_data_is_an_error_not_a_reply(redis_factory: Callable[..., EmbeddedRedis]) -> None:
@@ -42,14 +32,14 @@ def test_a_cf_still_loading_its_data_is_an_error_not_a_reply(redis_factory: Call
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 10
-        while not _loading(srv.port):
+        while not answers_loading(srv.port):
             assert time.monotonic() < deadline, "the CF never answered LOADING"
             time.sleep(0.01)
         with pytest.raises(redis.exceptions.BusyLoadingError) as loading:
             browse_q1(cf)
         assert not reply_lost(loading.value)  # refused before anything ran
         deadline = time.monotonic() + 30
-        while _loading(srv.port):
+        while answers_loading(srv.port):
             assert time.monotonic() < deadline, "the CF never finished loading"
             time.sleep(0.05)
         assert browse_q1(cf) == 0  # and the connection is usable once the data is in

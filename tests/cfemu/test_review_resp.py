@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -18,28 +17,10 @@ from redis.client import Pipeline
 from cfemu import bulk, keys, resp
 from cfemu.admin import Admin
 from cfemu.embedded import EmbeddedRedis
+from tests.cfemu.test_bulk import write_marker
+from tests.support.cf_loading import answers_loading
 
 S = "APP1"
-
-
-def _write(owner: bulk.Owner, value: str, packed: bool) -> None:
-    """One batch of the owner: by redis-py's pipeline (the old load), or packed beforehand (Owner.send)."""
-    if packed:
-        commands = resp.Packed()
-        commands.add("HSET", keys.data(S), "marker", value)
-        owner.send(commands)
-    else:
-        owner.transaction(lambda pipe: pipe.hset(keys.data(S), "marker", value))
-
-
-def _loading(port: int) -> bool:
-    """Does the server on port answer -LOADING (a raw socket: no client library in between)?"""
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-            s.sendall(b"GET x\r\n")
-            return s.recv(100).startswith(b"-LOADING")
-    except OSError:
-        return False
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -64,13 +45,13 @@ def test_a_batch_sent_while_the_cf_reloads_its_data_stops_the_load_as_a_lost_cf(
         check(pipe)
         reload.start()  # between the owner's check and its batch
         deadline = time.monotonic() + 20
-        while not _loading(srv.port):
+        while not answers_loading(srv.port):
             assert time.monotonic() < deadline, "the CF never answered LOADING"
 
     monkeypatch.setattr(owner, "check", check_then_reload)
     try:
         with pytest.raises(bulk.CFReplacedError):
-            _write(owner, "during", packed)
+            write_marker(owner, "during", packed)
         with pytest.raises(redis.exceptions.ConnectionError, match="does not reconnect"):
             owner.client.ping()  # the connection was dropped: whatever it had in flight is never read as a reply
     finally:

@@ -41,11 +41,16 @@ def test_every_record_is_in_exactly_one_slice_and_a_slice_is_one_logs_segments(t
         assert sizes == sorted(sizes, reverse=True)  # largest first: the readers end at about the same time
 
 
-def test_a_reader_of_some_segments_reads_only_those(tmp_path: Path) -> None:
-    with RecordLog(tmp_path / "QM1", "QM1", segment_bytes=300) as log:
+def _small_log(directory: Path) -> None:
+    """40 records (LRSN 100-139) in segments of 300 bytes."""
+    with RecordLog(directory, "QM1", segment_bytes=300) as log:
         for i in range(40):
             log.append({"k": "X", "l": 100 + i, "pad": "x" * 40})
         log.force()
+
+
+def test_a_reader_of_some_segments_reads_only_those(tmp_path: Path) -> None:
+    _small_log(tmp_path / "QM1")
     segs = [n for n, _ in list_segments(tmp_path / "QM1")]
     assert len(segs) > 3
     some = set(segs[1:3])
@@ -55,10 +60,7 @@ def test_a_reader_of_some_segments_reads_only_those(tmp_path: Path) -> None:
 
 
 def test_segments_below_the_replay_are_left_out_but_never_the_last(tmp_path: Path) -> None:
-    with RecordLog(tmp_path / "QM1", "QM1", segment_bytes=300) as log:
-        for i in range(40):
-            log.append({"k": "X", "l": 100 + i, "pad": "x" * 40})
-        log.force()
+    _small_log(tmp_path / "QM1")
     segs = [n for n, _ in list_segments(tmp_path / "QM1")]
     late = log_slices([tmp_path / "QM1"], 10_000, 3)  # no record reaches it: only the last segment is read
     assert [s for sl in late for s in sl.segments or ()] in ([segs[-1]], [])
