@@ -55,6 +55,7 @@ from restore.engine import (
     no_progress,
     register_engine,
 )
+from restore.log_slices import LogSlice
 from restore.plan import (
     Base,
     Copy,
@@ -122,8 +123,14 @@ class _MaxParam(AccumulatorParam):
 
 
 def scan_segment(task: SegmentTask, replay_from: int) -> Iterator[tuple[OrderKey, Record]]:
-    """Every record of one segment with LRSN >= replay_from, tagged with its member (the merged log's "m")."""
+    """Every record of one segment with LRSN >= replay_from, tagged with its member (the merged log's "m"). The
+    member's last segment when the plan listed them is read with every segment its log has gained since: the
+    backup is read between the listing and the reading, and a member still logging meanwhile (the re-plan after
+    the claim of an ACTIVE structure) rolls into segments the listing never named (as restore.log_slices)."""
     member, segno, path, is_last = task
+    if is_last:  # an active segment: in its log's own directory
+        yield from LogSlice(str(Path(path).parent), (segno,), replay_from, to_end=True).records()
+        return
     for pos, rec in SegmentScan(Path(path), segno, member, is_last=is_last):
         if rec["l"] >= replay_from:
             rec["m"] = member

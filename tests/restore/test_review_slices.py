@@ -97,3 +97,17 @@ def test_a_plan_reads_what_a_live_member_logs_while_the_backup_is_read(tmp_path:
         assert described(plan) == described(reference(backup, log_dirs, h.replay_from))
     finally:
         plan.close()
+
+
+def test_the_spark_engines_scan_reads_segments_a_member_starts_after_the_listing(tmp_path: Path) -> None:
+    """The Spark engine lists the segments before it reads the backup, and reads them after (a task each): the
+    task of a member's last segment reads every segment the log has gained since, as the slices do."""
+    pytest.importorskip("pyspark")
+    from restore.engine_spark import SparkEngine, scan_segment
+
+    h, _, log_dirs, member, later = _split_history(tmp_path, 40)
+    tasks, archived = SparkEngine()._log_sources(log_dirs, h.replay_from)
+    assert archived == []
+    _log_more(tmp_path / "logs" / member, member, later)
+    read = sorted(kr for t in tasks for kr in scan_segment(t, h.replay_from))
+    assert read == sorted(stream_logs(log_dirs, h.replay_from))
