@@ -216,6 +216,8 @@ def _transact(client: redis.Redis, watch: Sequence[str], check: Callable[[Pipeli
                 raise CFReplacedError("the connection to the CF broke") from e
         except redis.exceptions.MaxConnectionsError:
             raise  # two uses of an owner's one connection at once: a bug here, not a lost CF
+        except redis.exceptions.ReadOnlyError as e:  # a replica now (demoted, or following another): not the CF
+            raise CFReplacedError("the CF refused a write (READONLY): the server is a replica now") from e
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
             raise CFReplacedError("the connection to the CF broke") from e
         finally:

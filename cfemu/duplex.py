@@ -185,7 +185,9 @@ class DuplexConnection(Connection):
         try:
             return super().read_response(*args, **kwargs)
         except redis.exceptions.ResponseError as e:
-            if "READONLY" not in str(e):
+            # redis-py makes a plain command's READONLY reply a ReadOnlyError and drops the word from its text; a
+            # script's error keeps it in its text
+            if not isinstance(e, redis.exceptions.ReadOnlyError) and "READONLY" not in str(e):
                 raise
             where = f"{self.host}:{self.port}"
             self.disconnect()

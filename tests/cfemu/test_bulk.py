@@ -208,3 +208,19 @@ def test_activate_keeps_the_token_and_a_purge_fences_a_loading_restore(client: r
         bulk.Loader(loading, gen=1).finish(["Q9"], owner=lambda u: "QM1", tomb={})
     assert not client.sismember(keys.queues(S), "Q9")
     loading.close()
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_an_owner_stops_when_the_cf_became_a_replica(fresh_redis: EmbeddedRedis, packed: bool) -> None:
+    """A CF demoted under the load (a duplex failover, an operator's REPLICAOF) refuses writes with READONLY: the
+    load stops as for a lost CF, to be run again on the new one (it raised a bare ReadOnlyError)."""
+    c = fresh_redis.client()
+    Admin(c).define_structure(S)
+    with bulk.claim(c, S, bulk.observe(c, S)) as owner:
+        c.execute_command("REPLICAOF", "127.0.0.1", "1")  # nothing listens there: it keeps its data, read only
+        try:
+            with pytest.raises(bulk.CFReplacedError, match="READONLY"):
+                write_marker(owner, "x", packed)
+        finally:
+            c.execute_command("REPLICAOF", "NO", "ONE")
+    assert c.hget(keys.data(S), "marker") is None

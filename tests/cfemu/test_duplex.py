@@ -129,6 +129,19 @@ def test_member_on_the_demoted_primary_cannot_act_and_finds_the_new_one(pair: Pa
     assert duplex.pair_of(cf.redis).gen == 2  # type: ignore[union-attr]
 
 
+def test_a_plain_write_on_the_demoted_primary_is_not_primary_too(pair: Pair) -> None:
+    """Not a script: redis-py gives a plain command's READONLY as ReadOnlyError without the word in its text (a
+    restore's load, a bulk write, went on as a bare ReadOnlyError)."""
+    cf, caller = _member(pair)
+    _put(cf, caller, 1)
+    pair.promote()
+    pair.attach(1 - pair.primary)
+    assert pair.wait_in_sync(10)
+    with pytest.raises(duplex.NotPrimaryError, match="no longer the duplexed pair's primary"):
+        cf.redis.hset("{APP1}:plain", "k", "v")
+    assert not pair.harness(pair.primary).hexists("{APP1}:plain", "k")
+
+
 def test_primary_of_an_older_generation_is_never_used(pair: Pair) -> None:
     cf, caller = _member(pair)
     _put(cf, caller, 1)
