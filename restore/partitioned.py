@@ -223,10 +223,11 @@ def plan_partitioned(structure: str, backup: Iterable[Copy], records: Iterable[t
                      spill: SpillDir, partitions: int, memory: int = DEFAULT_MEMORY, now_ms: int, gen: int = 0,
                      carried: Iterable[str] = (), lrsn: int = 0, registered: Collection[str] = (),
                      progress: Progress | None = None, workers: int = 1,
-                     slices: Sequence[LogSlice] = ()) -> SpilledPlan:
+                     slices: Sequence[LogSlice] | None = None) -> SpilledPlan:
     """The plan of plan_local (same arguments; `records` each with its place in the merged log, in any order),
     computed one partition at a time in `spill` (see the module doc). The plan owns `spill`: close() it.
-    `slices`: more records, the logs' slices (restore.log_slices), read by the worker processes side by side."""
+    `slices`: more records, the logs' slices (restore.log_slices), read by the worker processes side by side, the
+    phase "read logs" reported as they are (also when there are none: a restore of no logs still reads them)."""
     # The plan makes millions of small dicts, lists and tuples, none of them in a cycle; the cyclic collector
     # would scan the growing partition again and again as they are made (a third of the settle phase's time,
     # measured), so it is off while the plan runs (reference counting still frees everything).
@@ -244,7 +245,7 @@ def plan_partitioned(structure: str, backup: Iterable[Copy], records: Iterable[t
 def _plan_partitioned(structure: str, backup: Iterable[Copy], records: Iterable[tuple[Key, Record]], *,
                       spill: SpillDir, partitions: int, memory: int, now_ms: int, gen: int, carried: Iterable[str],
                       lrsn: int, registered: Collection[str], progress: Progress | None,
-                      workers: int, slices: Sequence[LogSlice]) -> SpilledPlan:
+                      workers: int, slices: Sequence[LogSlice] | None) -> SpilledPlan:
     P = max(1, partitions)
 
     def part(key: str) -> int:
@@ -277,11 +278,11 @@ def _plan_partitioned(structure: str, backup: Iterable[Copy], records: Iterable[
         scanned: set[str] = set()
         members: dict[str, set[str]] = defaultdict(set)  # member -> the log directories it has records in
         peaks: dict[int, int] = {}
-        if slices and progress is not None:
+        if slices is not None and progress is not None:
             progress("read logs", 0, len(slices))
         scan = partial(_scan_slice, _ScanJob(spill.path, P, structure, base,
                                              max(4096, buffers // (2 * max(1, workers)))))
-        for done, sc in enumerate(pool.map(scan, slices), 1):
+        for done, sc in enumerate(pool.map(scan, slices or ()), 1):
             max_lrsn = max(max_lrsn, sc.max_lrsn)
             per_member.update(sc.per_member)
             scanned.add(sc.name)
@@ -290,7 +291,7 @@ def _plan_partitioned(structure: str, backup: Iterable[Copy], records: Iterable[
             spill.bytes_written += sc.bytes_written
             peaks[sc.pid] = max(peaks.get(sc.pid, 0), sc.peak)
             if progress is not None:
-                progress("read logs", done, len(slices))
+                progress("read logs", done, len(slices or ()))
         for m, dirs in sorted(members.items()):
             if len(dirs) > 1:
                 first, second = sorted(dirs)[:2]

@@ -84,3 +84,14 @@ def test_one_members_log_in_two_directories_is_refused(tmp_path: Path, workers: 
         LocalEngine(memory=64 << 10, work_dir=tmp_path / "work", workers=workers).plan(
             S, backup, [*log_dirs, twin], replay_from, NOW_MS)  # type: ignore[arg-type]
     assert list((tmp_path / "work").iterdir()) == []
+
+
+def test_a_plan_of_no_logs_still_reports_reading_them(tmp_path: Path) -> None:
+    """The phases a restore reports are the same whatever it reads: "read logs" with no log at all too (the
+    report's timings, an operator's progress display)."""
+    backup, _, _ = _history(tmp_path, 50)
+    phases: list[str] = []
+    LocalEngine(memory=64 << 10, work_dir=tmp_path / "work", workers=2).plan(
+        S, backup, [], 0, NOW_MS, lambda phase, done, total: phases.append(phase))  # type: ignore[arg-type]
+    assert [p for i, p in enumerate(phases) if i == 0 or phases[i - 1] != p] == ["read backup", "read logs",
+                                                                                 "settle"]
