@@ -42,7 +42,7 @@ from restore.partitioned import DEFAULT_MEMORY, partitions_for, plan_partitioned
 from restore.plan import Copy, RestorePlan, base_lrsn
 from restore.spill import SpillDir
 from sqm.log import LogFormatError, merged_records
-from sqm.log.format import list_segments, read_manifest, trusted_segments
+from sqm.log.format import log_segments, read_manifest, trusted_segments
 from sqm.records import Record
 
 READ_BACKUP, READ_LOGS, SETTLE, LOAD = "read backup", "read logs", "settle", "load"
@@ -124,8 +124,9 @@ def input_bytes(backup: BackupSource, log_dirs: list[Path], replay_from: int) ->
     m = backup.manifest
     total = int(m.get("bytes", 0) or 0) + 200 * int(m.get("entries", 0) or 0)
     for d in log_dirs:
-        trusted = trusted_segments(d, read_manifest(d))
-        for segno, path in list_segments(d):
+        manifest = read_manifest(d)
+        trusted = trusted_segments(d, manifest)
+        for segno, path in log_segments(d, manifest):  # archived segments too: they are read where archived
             info = trusted.get(segno)
             if info is not None and info.max_lrsn is not None and info.max_lrsn < replay_from:
                 continue

@@ -95,3 +95,18 @@ def test_a_plan_of_no_logs_still_reports_reading_them(tmp_path: Path) -> None:
         S, backup, [], 0, NOW_MS, lambda phase, done, total: phases.append(phase))  # type: ignore[arg-type]
     assert [p for i, p in enumerate(phases) if i == 0 or phases[i - 1] != p] == ["read backup", "read logs",
                                                                                  "settle"]
+
+
+def test_the_plans_input_counts_archived_segments(tmp_path: Path) -> None:
+    """Archived segments are read where the archive keeps them: the partitions are sized by them too (they were
+    left out of the input's size, so a restore of archived logs planned too few partitions for its memory)."""
+    from restore.engine import input_bytes
+
+    class _NoBackup:
+        manifest: dict[str, int] = {"bytes": 0, "entries": 0}
+
+    _small_log(tmp_path / "QM1")
+    before = input_bytes(_NoBackup(), [tmp_path / "QM1"], 0)  # type: ignore[arg-type]
+    with RecordLog(tmp_path / "QM1", "QM1", segment_bytes=300) as log:
+        assert log.archive(4, tmp_path / "archive")
+    assert input_bytes(_NoBackup(), [tmp_path / "QM1"], 0) == before  # type: ignore[arg-type]
