@@ -295,6 +295,19 @@ def _restore_written(g: ChaosGroup) -> int:
         client.close()
 
 
+# The local engine's options, one drawn from the seed for each restore. With the defaults a chaos structure is
+# one partition planned in the restore's own process: the partitions, the worker processes settling them, the
+# logs read in slices and the load's batches prepared in a worker never met a fault. A tiny memory limit gives
+# many partitions.
+RESTORE_ENGINES: tuple[dict[str, int], ...] = ({}, {"workers": 1}, {"memory": 256 << 10, "workers": 2},
+                                               {"memory": 64 << 10, "workers": 3})
+
+
+def restore_engine(seed: int, restore: int) -> dict[str, int]:
+    """The engine options of a run's restore number `restore` (the same for a seed run again)."""
+    return dict(random.Random(f"restore-{seed}-{restore}").choice(RESTORE_ENGINES))
+
+
 def _restore(g: ChaosGroup, structure: str, step: Step, progress: Progress = no_progress) -> RestoreResult:
     """run_restore, as the operator runs cfrestore, with its span in the history for the checker: 'restore
     began' and 'restore ended' events carrying the restore's number, the structure and its queues, the CF's
@@ -302,12 +315,15 @@ def _restore(g: ChaosGroup, structure: str, step: Step, progress: Progress = no_
     how many keys only a restore writes the new CF held right after it (written_into_new_cf)."""
     rid = next(_restore_ids)
     cf0 = _cf_id(g)
-    step("restore began", restore=rid, structure=structure, queues=list(STRUCTURES[structure]), cf=cf0)
+    g.restores += 1
+    engine = restore_engine(g.seed, g.restores)
+    step("restore began", restore=rid, structure=structure, queues=list(STRUCTURES[structure]), cf=cf0,
+         engine=engine)
     client = g.cf()
     outcome, error = "ok", ""
     try:
         return run_restore(client, structure, backup_root=g.c.backup_dir, log_root=g.c.log_root, progress=progress,
-                           backup_keys=g.c.backup_keys())
+                           backup_keys=g.c.backup_keys(), engine_options=engine)
     except RestoreStoppedError as e:
         outcome, error = "stopped", str(e)
         raise

@@ -140,6 +140,8 @@ class ChaosGroup:
         self.stopped: set[str] = set()  # managers the suite has SIGSTOPped
         self.backups_paused: int | None = None  # the backup scheduler's pid while a fault holds it stopped
         self.history: History | None = None  # where faults that act as clients record their calls
+        self.seed = 0  # the run's seed: what varies from one restore to the next is drawn from it (faults)
+        self.restores = 0  # the restores run so far (each one's engine options: the seed and its number)
 
     # --- start and stop ------------------------------------------------------------------------------------------
     def up(self) -> ChaosGroup:

@@ -27,7 +27,8 @@ Findings (message ids, and the publication or receipt key):
   pub-duplicated           a publication a durable subscriber (or one non-durable incarnation) committed twice, or
                            received again after committing it;
   pub-order                a subscriber committed publications out of commit order: B before A though A's COMMIT
-                           answered before B's was asked, or positions (commit LRSN, id) that do not increase;
+                           answered "ok", outside the faults' windows, before B's was asked; or positions (commit
+                           LRSN, id) that do not increase;
   pub-before-subscribe     a publication whose COMMIT answered before the subscriber subscribed, delivered to it;
   pub-phantom              a delivered message no publisher published.
 Also ``corrupted`` (a checksum mismatch). Counted: publications by outcome, deliveries, redeliveries after backout.
@@ -128,10 +129,12 @@ class Receipt:
 
 
 class PubSubChecker:
-    def __init__(self, ops: Iterable[Op], find: Find, counts: Counter[str]) -> None:
+    def __init__(self, ops: Iterable[Op], find: Find, counts: Counter[str],
+                 disturbed: Iterable[tuple[float, float]] = ()) -> None:
         self.ops = [o for o in ops if o.op in PUB_OPS]
         self.find = find
         self.counts = counts
+        self.disturbed = list(disturbed)  # the faults' windows (checker.disturbed)
         self.pubs: dict[str, Publication] = {}
         self.by_msg: dict[str, tuple[str, int]] = {}  # message id -> (publication key, index)
         self.by_id: dict[str, str] = {}  # publication id -> key
@@ -321,11 +324,20 @@ class PubSubChecker:
             c = self.pubs[d.pub_key].commit_op
             for later in seq[i + 1:]:
                 lc = self.pubs[later.pub_key].commit_op
-                if c is not None and lc is not None and _done(lc) < c.t0 and later.pub_key != d.pub_key:
+                if (c is not None and lc is not None and self._ordered(lc) and _done(lc) < c.t0
+                        and later.pub_key != d.pub_key):
                     self.find("pub-order", [*d.msgs, *later.msgs],
                               f"{who} committed {d.pub_key} before {later.pub_key}, though {later.pub_key}'s COMMIT "
                               f"answered (t={lc.t1}) before {d.pub_key}'s was asked (t={c.t0})", d.receipt)
                     break
+
+    def _ordered(self, commit: Op) -> bool:
+        """Does this COMMIT's answer say when the publication took effect? Only an answer "ok" given outside every
+        fault window, as the queue order rule (checker.check_order): a COMMIT whose outcome the publisher never
+        learnt, or one made while the CF was lost, is completed later (by the member once the CF or its restore
+        is back, or by peer recovery), after publications committed meanwhile: visible late, as allowed."""
+        end = _done(commit)
+        return commit.outcome == "ok" and not any(commit.t0 < w1 and w0 < end for w0, w1 in self.disturbed)
 
     def run(self) -> None:
         if not self.ops:
@@ -337,9 +349,11 @@ class PubSubChecker:
         self.counts["publication messages"] = len(self.by_msg)
 
 
-def check_pubsub(ops: Iterable[Op], find: Find, counts: Counter[str]) -> None:
-    """Apply the publish/subscribe rules to a history's pub/sub operations (the others are left alone)."""
-    PubSubChecker(ops, find, counts).run()
+def check_pubsub(ops: Iterable[Op], find: Find, counts: Counter[str],
+                 disturbed: Iterable[tuple[float, float]] = ()) -> None:
+    """Apply the publish/subscribe rules to a history's pub/sub operations (the others are left alone);
+    `disturbed`: the faults' windows."""
+    PubSubChecker(ops, find, counts, disturbed).run()
 
 
 __all__ = ["PUB_KINDS", "PUB_OPS", "PubSubChecker", "check_pubsub"]

@@ -220,6 +220,7 @@ def run_chaos(opts: ChaosOptions, console: Console | None = None,
                        backup_interval=opts.backup_interval, log_disk="disk-full" in opts.kinds,
                        duplex=any(k in DUPLEX_KINDS for k in opts.kinds), redis_cluster=opts.redis_cluster)
     group.history = history
+    group.seed = opts.seed
     if specs is None:
         specs = schedule(opts.seed, opts.kinds, opts.duration, [f"QM{i}" for i in range(1, opts.managers + 1)],
                          lease_ms=opts.lease_ms)

@@ -869,6 +869,26 @@ def test_pub_order_a_subscriber_committed_a_later_publication_first() -> None:
     pub_only(h2, "pub-order")
 
 
+def test_pub_order_holds_only_for_a_commit_answered_ok_outside_the_faults() -> None:
+    """A COMMIT whose outcome the publisher never learnt (the CF lost under it), or one answered during a fault,
+    is completed when the CF or its restore is back, after publications committed meanwhile: delivered after
+    them, as allowed (found by the chaos run of seed 1 with a restore of a tiny memory limit that took 7 s)."""
+    for outcome, in_fault in (("unknown", False), ("ok", True)):
+        h = Pubs()
+        h.subscribe("d0")
+        if in_fault:
+            h.fault(1, "cf-kill", "inject")
+        h.publish("p.1", "P1", ["a1", "a2"], outcome=outcome, reason="MQRC_CONNECTION_BROKEN",
+                  error="OutcomeUnknownError")
+        if in_fault:
+            h.fault(1, "cf-kill", "recovered")
+            h.t += 5  # past the settling time: P2 is calm
+        h.publish("p.2", "P2", ["b1"])
+        h.recv("pdrain.1", "d0", [("P2", 20, ["b1"]), ("P1", 30, ["a1", "a2"])], client="pdrain")
+        r = check(h.events)
+        assert not any(r.summary().values()), (outcome, in_fault, r.findings)
+
+
 def test_pub_phantom_and_corrupted_deliveries() -> None:
     h = pubs_base()
     h.recv("n4.2", "n4", [("PZ", 90, ["z1"])])

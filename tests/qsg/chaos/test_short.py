@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from qsg.chaos.faults import KINDS, SHORT_KINDS, schedule
+from qsg.chaos.faults import KINDS, RESTORE_ENGINES, SHORT_KINDS, restore_engine, schedule
 from qsg.chaos.workload import client_plan, make_body, parse_body
 
 QUEUES = ("Q1", "Q2", "Q3")
@@ -33,6 +33,11 @@ def test_the_same_seed_gives_the_same_workload_and_fault_schedule() -> None:
     assert schedule(7, KINDS, 60, names, lease_ms=3000) != schedule(8, KINDS, 60, names, lease_ms=3000)
     every = {f.kind for seed in range(1, 21) for f in schedule(seed, KINDS, 25, names, lease_ms=3000)}
     assert every == set(KINDS), "a 20-seed soak covers every fault kind"
+    # Each restore's engine options come from the seed and its number: every one within a few seeds (a tiny
+    # memory limit and worker processes among them), the same for a seed run again.
+    engines = {tuple(sorted(restore_engine(seed, n).items())) for seed in (1, 2) for n in (1, 2, 3)}
+    assert engines == {tuple(sorted(e.items())) for e in RESTORE_ENGINES}
+    assert [restore_engine(7, n) for n in range(1, 9)] == [restore_engine(7, n) for n in range(1, 9)]
 
 
 def test_message_bodies_carry_id_and_checksum() -> None:
@@ -65,6 +70,10 @@ def test_short_run_finds_nothing(tmp_path: Path, seed: int) -> None:
     assert (tmp_path / "throughput.svg").read_text().startswith("<svg")
     assert (tmp_path / "process-logs" / "QM1.log").stat().st_size > 0
     assert not (tmp_path / "cluster").exists(), "the cluster's logs and backups are removed after the run"
+    began = [json.loads(line) for line in (tmp_path / "history.jsonl").read_text().splitlines()
+             if '"restore began"' in line]
+    assert all("engine" in e for e in began)  # which engine options each restore ran with
+    assert bool(began) == any(f["kind"] == "cf-kill" for f in s["faults"])
 
 
 def test_cf_kill_recauto_run_finds_nothing(tmp_path: Path) -> None:
