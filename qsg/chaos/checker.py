@@ -530,7 +530,7 @@ class Checker:
         self.check_stuck()
         self.check_restores()
         check_uows(self.ops, self.find, self.counts)
-        check_pubsub(self.ops, self.find, self.counts, self.disturbed())
+        check_pubsub(self.ops, self.find, self.counts, self.disturbed(), self.purged)
         self.counts["operations"] = len(self.ops)
         self.counts["units of work"] = len(self.uows)  # MQ units of work; UOWs sent to a service count apart
         self.counts["messages put"] = len(self.puts)

@@ -37,7 +37,7 @@ Also ``corrupted`` (a checksum mismatch). Counted: publications by outcome, deli
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -130,11 +130,12 @@ class Receipt:
 
 class PubSubChecker:
     def __init__(self, ops: Iterable[Op], find: Find, counts: Counter[str],
-                 disturbed: Iterable[tuple[float, float]] = ()) -> None:
+                 disturbed: Iterable[tuple[float, float]] = (), purged: Mapping[str, float] | None = None) -> None:
         self.ops = [o for o in ops if o.op in PUB_OPS]
         self.find = find
         self.counts = counts
         self.disturbed = list(disturbed)  # the faults' windows (checker.disturbed)
+        self.purged = dict(purged or {})  # message -> when a purge discarded it (checker.purged)
         self.pubs: dict[str, Publication] = {}
         self.by_msg: dict[str, tuple[str, int]] = {}  # message id -> (publication key, index)
         self.by_id: dict[str, str] = {}  # publication id -> key
@@ -266,6 +267,11 @@ class PubSubChecker:
             ok, maybe = mine.get(p.key, (0, 0))
             if ok or maybe:
                 continue
+            if any(m in self.purged for m in p.msgs()):
+                # A purge discarded it (the subscriber's copy, or another's: the purge names messages, not
+                # queues): allowed, as the queue rules allow a purged message never delivered.
+                self.counts["publications purged (allowed)"] += 1
+                continue
             known = p.outcome == COMMITTED
             self.find("pub-lost" if known else "pub-split", p.msgs(),
                       f"{p.key} ({p.client}, {'committed' if known else 'unknown outcome, received by another'}, "
@@ -350,10 +356,10 @@ class PubSubChecker:
 
 
 def check_pubsub(ops: Iterable[Op], find: Find, counts: Counter[str],
-                 disturbed: Iterable[tuple[float, float]] = ()) -> None:
+                 disturbed: Iterable[tuple[float, float]] = (), purged: Mapping[str, float] | None = None) -> None:
     """Apply the publish/subscribe rules to a history's pub/sub operations (the others are left alone);
-    `disturbed`: the faults' windows."""
-    PubSubChecker(ops, find, counts, disturbed).run()
+    `disturbed`: the faults' windows; `purged`: the messages purges discarded, and when."""
+    PubSubChecker(ops, find, counts, disturbed, purged).run()
 
 
 __all__ = ["PUB_KINDS", "PUB_OPS", "PubSubChecker", "check_pubsub"]

@@ -889,6 +889,21 @@ def test_pub_order_holds_only_for_a_commit_answered_ok_outside_the_faults() -> N
         assert not any(r.summary().values()), (outcome, in_fault, r.findings)
 
 
+def test_pub_a_purged_publication_never_delivered_is_not_lost() -> None:
+    """A purge discards what the structure holds, subscription queues too (the fault names the messages): a
+    publication it discarded is allowed never to reach a durable subscriber, as a purged message on a queue."""
+    h = Pubs()
+    h.subscribe("d0")
+    h.publish("p.1", "P1", ["a1", "a2"])
+    h.publish("p.2", "P2", ["b1"])
+    h.recv("pdrain.1", "d0", [("P2", 20, ["b1"])], client="pdrain")
+    pub_only(h, "pub-lost")
+    h.fault(1, "purge-then-cf-kill", "purged", structure="APP1", msgs=["a1", "a2"])
+    r = check(h.events)
+    assert not any(r.summary().values()), r.findings
+    assert r.counts["publications purged (allowed)"] == 1
+
+
 def test_pub_phantom_and_corrupted_deliveries() -> None:
     h = pubs_base()
     h.recv("n4.2", "n4", [("PZ", 90, ["z1"])])
