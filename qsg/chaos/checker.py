@@ -50,6 +50,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from qsg.chaos.pubsub_actions import TOPIC_STRUCTURE
 from qsg.chaos.pubsubcheck import PUB_KINDS, PUB_OPS, check_pubsub
 from qsg.chaos.uowcheck import CONV_OPS, UOW_KINDS, check_uows
 
@@ -175,10 +176,18 @@ class Checker:
         self.result = CheckResult()
         self.counts: Counter[str] = Counter()
         self.purged: dict[str, float] = {}  # message -> when a purge discarded it
+        # The purges of the topic's structure, from the fault's injection to its purged step: each discards the
+        # topic's subscriptions with everything else (its subscribers subscribe again).
+        self.topic_purges: list[tuple[float, float]] = []
+        injected: dict[Any, float] = {}
         for f in sorted(self.faults, key=lambda f: f["t"]):
+            if f.get("phase") == "inject":
+                injected[f.get("fault")] = float(f["t"])
             if f.get("phase") == PURGED:
                 for m in f.get("msgs", ()):
                     self.purged.setdefault(m, float(f["t"]))
+                if f.get("structure") == TOPIC_STRUCTURE:
+                    self.topic_purges.append((injected.get(f.get("fault"), float(f["t"])), float(f["t"])))
 
     def find(self, kind: str, msgs: Iterable[str], detail: str, uow: str = "") -> None:
         self.result.findings.append(Finding(kind, sorted(set(msgs)), detail, uow))
@@ -530,7 +539,7 @@ class Checker:
         self.check_stuck()
         self.check_restores()
         check_uows(self.ops, self.find, self.counts)
-        check_pubsub(self.ops, self.find, self.counts, self.disturbed(), self.purged)
+        check_pubsub(self.ops, self.find, self.counts, self.disturbed(), self.purged, self.topic_purges)
         self.counts["operations"] = len(self.ops)
         self.counts["units of work"] = len(self.uows)  # MQ units of work; UOWs sent to a service count apart
         self.counts["messages put"] = len(self.puts)

@@ -21,7 +21,9 @@ Findings (message ids, and the publication or receipt key):
   pub-partial              a delivery that is not the publication's messages, all and in order (or that mixes
                            publications, or names another publication id than its publisher was given);
   pub-backedout-delivered  a publication that was backed out (or never committed) delivered to anyone;
-  pub-lost                 a committed publication a durable eligible subscriber never committed (nor maybe);
+  pub-lost                 a committed publication a durable eligible subscriber never committed (nor maybe):
+                           eligible, subscribed before its COMMIT with no purge of the topic's structure since (a
+                           purge discards the subscriptions); a publication a purge discarded is allowed;
   pub-split                a publication of unknown outcome that some subscriber received and an eligible durable
                            subscriber never committed: delivered to some, not all;
   pub-duplicated           a publication a durable subscriber (or one non-durable incarnation) committed twice, or
@@ -130,12 +132,14 @@ class Receipt:
 
 class PubSubChecker:
     def __init__(self, ops: Iterable[Op], find: Find, counts: Counter[str],
-                 disturbed: Iterable[tuple[float, float]] = (), purged: Mapping[str, float] | None = None) -> None:
+                 disturbed: Iterable[tuple[float, float]] = (), purged: Mapping[str, float] | None = None,
+                 topic_purges: Iterable[tuple[float, float]] = ()) -> None:
         self.ops = [o for o in ops if o.op in PUB_OPS]
         self.find = find
         self.counts = counts
         self.disturbed = list(disturbed)  # the faults' windows (checker.disturbed)
         self.purged = dict(purged or {})  # message -> when a purge discarded it (checker.purged)
+        self.topic_purges = list(topic_purges)  # (from, to) of each purge of the topic's structure
         self.pubs: dict[str, Publication] = {}
         self.by_msg: dict[str, tuple[str, int]] = {}  # message id -> (publication key, index)
         self.by_id: dict[str, str] = {}  # publication id -> key
@@ -259,10 +263,11 @@ class PubSubChecker:
         attempts = self.subscribes.get(sub, [])
         asked = min((o.t0 for o in attempts), default=float("inf"))
         answered = min((_done(o) for o in attempts if o.outcome == "ok"), default=float("inf"))
+        subscribed = sorted(_done(o) for o in attempts if o.outcome == "ok")
         mine = self._judge(sub, ds, asked)
         for p in self.pubs.values():
             c = p.commit_op
-            if self.outcome[p.key] != COMMITTED or c is None or c.t0 <= answered:
+            if self.outcome[p.key] != COMMITTED or c is None or not self._subscribed_through(subscribed, c):
                 continue
             ok, maybe = mine.get(p.key, (0, 0))
             if ok or maybe:
@@ -277,6 +282,15 @@ class PubSubChecker:
                       f"{p.key} ({p.client}, {'committed' if known else 'unknown outcome, received by another'}, "
                       f"COMMIT op {c.id} at t={c.t0}) never committed by durable subscriber {sub}, subscribed at "
                       f"t={answered}", p.key)
+
+    def _subscribed_through(self, subscribed: list[float], commit: Op) -> bool:
+        """Was a durable subscription in place through this COMMIT: one answered before the COMMIT was asked, and
+        no purge of the topic's structure since (a purge discards the subscriptions with everything else; the
+        subscriber subscribes again, from then on)?"""
+        since = max((t for t in subscribed if t < commit.t0), default=None)
+        if since is None:
+            return False
+        return not any(since < end and start < _done(commit) for start, end in self.topic_purges)
 
     def _judge(self, who: str, ds: list[Delivery], asked: float) -> dict[str, tuple[int, int]]:
         """The rules for one subscription's deliveries (in the order asked): not before it subscribed, not twice,
@@ -356,10 +370,12 @@ class PubSubChecker:
 
 
 def check_pubsub(ops: Iterable[Op], find: Find, counts: Counter[str],
-                 disturbed: Iterable[tuple[float, float]] = (), purged: Mapping[str, float] | None = None) -> None:
+                 disturbed: Iterable[tuple[float, float]] = (), purged: Mapping[str, float] | None = None,
+                 topic_purges: Iterable[tuple[float, float]] = ()) -> None:
     """Apply the publish/subscribe rules to a history's pub/sub operations (the others are left alone);
-    `disturbed`: the faults' windows; `purged`: the messages purges discarded, and when."""
-    PubSubChecker(ops, find, counts, disturbed, purged).run()
+    `disturbed`: the faults' windows; `purged`: the messages purges discarded, and when; `topic_purges`: the
+    purges of the topic's structure (from, to)."""
+    PubSubChecker(ops, find, counts, disturbed, purged, topic_purges).run()
 
 
 __all__ = ["PUB_KINDS", "PUB_OPS", "PubSubChecker", "check_pubsub"]

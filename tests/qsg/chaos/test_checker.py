@@ -904,6 +904,27 @@ def test_pub_a_purged_publication_never_delivered_is_not_lost() -> None:
     assert r.counts["publications purged (allowed)"] == 1
 
 
+def test_pub_a_purge_of_the_topics_structure_ends_the_subscriptions_until_they_subscribe_again() -> None:
+    """A purge discards the topic's subscriptions with everything else (found by seeds 8 and 10 of the restore
+    kinds: 48-90 'lost' publications, each committed between the purge and its subscriber's new subscribe): a
+    publication committed meanwhile is not for the subscriber; one committed after it subscribed again is."""
+    h = Pubs()
+    h.subscribe("d0")
+    h.fault(1, "purge-then-cf-kill", "inject")
+    h.fault(1, "purge-then-cf-kill", "purged", structure="APP1", msgs=[])
+    h.publish("p.1", "P1", ["a1"])  # no subscription: the purge took it
+    assert not any(check(h.events).summary().values())
+    h.subscribe("d0")
+    h.publish("p.2", "P2", ["b1"])
+    pub_only(h, "pub-lost")  # subscribed again: P2 is d0's
+    h2 = Pubs()
+    h2.subscribe("d0")
+    h2.fault(1, "purge-then-cf-kill", "inject")
+    h2.fault(1, "purge-then-cf-kill", "purged", structure="APP2", msgs=[])  # not the topic's structure
+    h2.publish("p.1", "P1", ["a1"])
+    pub_only(h2, "pub-lost")
+
+
 def test_pub_phantom_and_corrupted_deliveries() -> None:
     h = pubs_base()
     h.recv("n4.2", "n4", [("PZ", 90, ["z1"])])
