@@ -211,8 +211,9 @@ class PubRunner(RecordedRunner):
             if outcome == FAIL and isinstance(r, NoMessageError):
                 break
             if outcome == FAIL and isinstance(r, UnknownObjectError) and not got:
-                # The subscription is gone: a non-durable one whose member restarted, or a lost durable one (the
-                # checker finds what it missed). Subscribe again at the next receive.
+                # The subscription is gone: a non-durable one whose member restarted, a durable one a purge of the
+                # topic's structure discarded (the checker ends it there), or a lost durable one (the checker finds
+                # what it missed). Subscribe again at the next receive.
                 self.s.subscribed = False
                 return False
             if outcome != OK:
