@@ -272,6 +272,7 @@ def _plan_partitioned(structure: str, backup: Iterable[Copy], records: Iterable[
     max_lrsn = max(max_lrsn, logs_lrsn)
     ent.close()
     uow.close()
+    per_worker = max(4096, buffers // (2 * max(1, workers)))  # one worker's write buffers, in all
     pool = Workers(min(workers, P))
     with pool:
         # The logs' slices, read side by side; each process files what it reads in partition files of its own.
@@ -280,8 +281,7 @@ def _plan_partitioned(structure: str, backup: Iterable[Copy], records: Iterable[
         peaks: dict[int, int] = {}
         if slices is not None and progress is not None:
             progress("read logs", 0, len(slices))
-        scan = partial(_scan_slice, _ScanJob(spill.path, P, structure, base,
-                                             max(4096, buffers // (2 * max(1, workers)))))
+        scan = partial(_scan_slice, _ScanJob(spill.path, P, structure, base, per_worker))
         for done, sc in enumerate(pool.map(scan, slices or ()), 1):
             max_lrsn = max(max_lrsn, sc.max_lrsn)
             per_member.update(sc.per_member)
@@ -296,12 +296,12 @@ def _plan_partitioned(structure: str, backup: Iterable[Copy], records: Iterable[
             if len(dirs) > 1:
                 first, second = sorted(dirs)[:2]
                 raise LogFormatError(f"member {m!r} appears twice: {first} and {second}")
-        return _settle_partitions(pool, structure, spill, P, max_lrsn, base, per_member, peaks, buffers, memory,
+        return _settle_partitions(pool, structure, spill, P, max_lrsn, base, per_member, peaks, per_worker, memory,
                                   now_ms, tuple(sorted(scanned)), progress, workers)
 
 
 def _settle_partitions(pool: Workers, structure: str, spill: SpillDir, P: int, max_lrsn: int, base: Base,
-                       per_member: Counter[str], peaks: dict[int, int], buffers: int, memory: int, now_ms: int,
+                       per_member: Counter[str], peaks: dict[int, int], per_worker: int, memory: int, now_ms: int,
                        scanned: tuple[str, ...], progress: Progress | None, workers: int) -> SpilledPlan:
     """Steps 2 and 3, in `pool`, and the plan they make."""
 
@@ -316,7 +316,7 @@ def _settle_partitions(pool: Workers, structure: str, spill: SpillDir, P: int, m
     # partition. Each partition is settled on its own (one process may take one partition while another takes the
     # next): what a partition needs of the others comes through spill files, and what the plan keeps of each is
     # small (counts, and the UOWs still open at the failure).
-    job = _Job(spill.path, P, now_ms, restore_lrsn, max(4096, buffers // (2 * max(1, workers))), scanned=scanned)
+    job = _Job(spill.path, P, now_ms, restore_lrsn, per_worker, scanned=scanned)
     chunks = _chunks(P, pool.n)
     in_commit: set[str] = set()
     in_doubt: dict[str, str] = {}  # in-doubt UOWs whose records name the structure (plan.held_uows)
