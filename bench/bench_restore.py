@@ -14,9 +14,13 @@ the queue depth rather than the workload; the generator writes none, and the tab
 Each size is restored in a child process of its own (so that its peak RSS is the restore's): the local engine
 plans with the memory limit given (restore.partitioned), restore.load.load_plan loads it into a fresh embedded
 redis-server, and the restore point is written (backup.points), as run_restore does; every count is checked
-against the generator's truth. Then, in the same child and the same server (flushed), the raw write: the same
-final descriptors, data and list places, prepared in a file beforehand, written with pipelines of the same
-batch size, no transaction, no index.
+against the generator's truth. Then, in the same child, the raw writes of the final data, prepared in a file
+beforehand, written with pipelines of the same batch size and no transaction:
+  * raw_write_s: descriptors, data and one RPUSH a message, into the same server flushed (the baseline of every
+    earlier run; it leaves out the message-id index sets, and reuses the memory the restore made the server take);
+  * raw_write_grouped_s: the same with one RPUSH a list a batch;
+  * raw_write_same_data_s: the same final data as the restore writes, index sets included, one RPUSH a list a
+    batch, into a fresh server as the restore had: the fair baseline (restore_over_same_data_raw).
 
     .venv/bin/python bench/bench_restore.py [--quick] [--sizes 1000000:2000000 10000000:20000000]
                                             [--body 1024] [--memory 1GiB]
@@ -306,7 +310,7 @@ def child(root: Path, memory: int, truth_file: Path, workers: int) -> None:
     from backup.points import RESTORE, RestorePointWriter
     from cfemu import keys
     from cfemu.admin import Admin, QueueDef
-    from cfemu.bulk import BATCH, claim, descriptor, list_of, observe
+    from cfemu.bulk import BATCH, claim, descriptor, list_of, observe, sets_of
     from cfemu.embedded import EmbeddedRedis
     from restore.engine import LocalEngine
     from restore.load import load_plan
@@ -384,7 +388,8 @@ def child(root: Path, memory: int, truth_file: Path, workers: int) -> None:
 
         def flush() -> None:
             raw.add([[s.id for s in batch], [descriptor(s.entry or {}, s.data) for s in batch],
-                     [s.data for s in batch], [list_of(S, s.entry or {}) for s in batch]])
+                     [s.data for s in batch], [list_of(S, s.entry or {}) for s in batch],
+                     [sets_of(S, s.entry or {}) for s in batch]])
             batch.clear()
 
         for s in plan.in_load_order():
@@ -396,13 +401,31 @@ def child(root: Path, memory: int, truth_file: Path, workers: int) -> None:
         raw.flush()
         ent_key, data_key = keys.entries(S), keys.data(S)
         flusher = server.client(socket_timeout=None)  # FLUSHALL of 10M messages outlasts the default timeout
-        for name, grouped in (("raw_write_s", False), ("raw_write_grouped_s", True)):
+        # Three raw writes. The first two write the descriptors, the data and the lists only, as every earlier
+        # run of this benchmark did, into the restore's server flushed (its memory already the process's); the
+        # third writes the same final data as the restore (also the sets each message is in: its message id's
+        # index, one set a message, since SQM gives every message an id) into a server started for it, as the
+        # restore had one.
+        for name, grouped, with_sets in (("raw_write_s", False, False), ("raw_write_grouped_s", True, False),
+                                         ("raw_write_same_data_s", True, True)):
             flusher.flushall()
+            if with_sets:
+                flusher.close()
+                client.close()
+                server.stop()
+                shutil.rmtree(root / "redis", ignore_errors=True)
+                server = EmbeddedRedis(data_dir=root / "redis")
+                server.start()
+                client = server.client()
             t3 = time.perf_counter()
-            for ids, descs, datas, lists in read_frames(raw.path):
+            for ids, descs, datas, lists, sets in read_frames(raw.path):
                 pipe = client.pipeline(transaction=False)
                 pipe.hset(ent_key, mapping=dict(zip(ids, descs, strict=True)))
                 pipe.hset(data_key, mapping=dict(zip(ids, datas, strict=True)))
+                if with_sets:
+                    for i, in_sets in zip(ids, sets, strict=True):
+                        for k in in_sets:
+                            pipe.sadd(k, i)
                 if not grouped:  # as the earlier restore benchmarks' raw write: one RPUSH a message
                     for i, lst in zip(ids, lists, strict=True):
                         pipe.rpush(lst, i)
@@ -422,6 +445,7 @@ def child(root: Path, memory: int, truth_file: Path, workers: int) -> None:
     out["restore_over_raw"] = round(out["raw_write_s"] / out["restore_s"], 3)
     out["plan_load_over_raw"] = round(out["raw_write_s"] / (out["plan_s"] + out["load_s"]), 3)
     out["restore_over_grouped_raw"] = round(out["raw_write_grouped_s"] / out["restore_s"], 3)
+    out["restore_over_same_data_raw"] = round(out["raw_write_same_data_s"] / out["restore_s"], 3)
     print(json.dumps(out))
 
 
@@ -469,7 +493,8 @@ def main(argv: list[str] | None = None) -> int:
         record["calibration"] = ({"skipped": True, "ok": True} if args.skip_calibration
                                  else calibrate(base / "calibration", calib_n, console))
         table = Table("messages", "log records", "body", "partitions", "plan s", "load s", "point s",
-                      "restore s", "raw write s (grouped)", "raw/restore (grouped)", "raw/(plan+load)",
+                      "restore s", "raw write s (grouped; same data)", "raw/restore (grouped; same data)",
+                      "raw/(plan+load)",
                       "peak RSS MiB", "correct",
                       title=f"restore, local engine, --memory-limit {args.memory}, --workers {workers}")
         for i, size in enumerate(sizes):
@@ -509,8 +534,10 @@ def main(argv: list[str] | None = None) -> int:
             if "error" not in run:
                 table.add_row(f"{truth.restored:,}", f"{truth.records:,}", str(body), str(run["partitions"]),
                               str(run["plan_s"]), str(run["load_s"]), str(run["point_s"]), str(run["restore_s"]),
-                              f"{run['raw_write_s']} ({run['raw_write_grouped_s']})",
-                              f"{run['restore_over_raw']:.2f} ({run['restore_over_grouped_raw']:.2f})",
+                              f"{run['raw_write_s']} ({run['raw_write_grouped_s']}; "
+                              f"{run['raw_write_same_data_s']})",
+                              f"{run['restore_over_raw']:.2f} ({run['restore_over_grouped_raw']:.2f}; "
+                              f"{run['restore_over_same_data_raw']:.2f})",
                               f"{run['plan_load_over_raw']:.2f}", str(run["peak_rss_mib"]),
                               "yes" if not run["problems"] else "; ".join(run["problems"]))
             if not args.keep:

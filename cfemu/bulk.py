@@ -461,6 +461,19 @@ class Staged:
     bytes: int = 0
 
 
+def sets_of(structure: str, e: Wire) -> list[str]:
+    """The sets an entry is a member of: its UOW's (while a UOW holds it) and its queue's indexes by correlation id
+    and by message id (SQM gives every message an id: most entries are in one set of their own)."""
+    out = []
+    if e.get("u"):
+        out.append(keys.uow_set(structure, e["u"]))
+    if e.get("cid"):
+        out.append(keys.index_set(structure, e["q"], "c", e["cid"]))
+    if e.get("mid"):
+        out.append(keys.index_set(structure, e["q"], "m", e["mid"]))
+    return out
+
+
 def prepare(structure: str, batch: Sequence[Survivor]) -> Staged:
     """A batch of a load into `structure`: its writes computed and packed, not sent (touches no server: the next
     batch is prepared in another thread, or another process, while this one's is sent by Loader.send)."""
@@ -475,14 +488,11 @@ def prepare(structure: str, batch: Sequence[Survivor]) -> Staged:
         e = _wire(s)
         lists[list_of(S, e)].append(s.id)
         if e.get("u"):
-            sets[keys.uow_set(S, e["u"])].append(s.id)
             st.held[e["u"]] = min(st.held.get(e["u"], int(e["l"])), int(e["l"]))
         if int(e.get("exp", 0)) > 0:
             expiry += (int(e["exp"]), s.id)
-        if e.get("cid"):
-            sets[keys.index_set(S, e["q"], "c", e["cid"])].append(s.id)
-        if e.get("mid"):
-            sets[keys.index_set(S, e["q"], "m", e["mid"])].append(s.id)
+        for k in sets_of(S, e):
+            sets[k].append(s.id)
         packed = descriptor(e, s.data)
         descriptors += (s.id, packed)
         st.copies.append((packed, s.data))
