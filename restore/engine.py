@@ -41,7 +41,7 @@ from restore.log_slices import LogSlice, log_slices
 from restore.partitioned import DEFAULT_MEMORY, partitions_for, plan_partitioned
 from restore.plan import Copy, RestorePlan, base_lrsn
 from restore.spill import SpillDir
-from sqm.log import LogFormatError, merged_records
+from sqm.log import merged_records, one_log_per_member
 from sqm.log.format import log_segments, read_manifest, trusted_segments
 from sqm.records import Record
 
@@ -72,16 +72,10 @@ def read_logs(log_dirs: list[Path], replay_from: int, progress: Progress = no_pr
     """The merged log of `log_dirs` from `replay_from` on, ordered by (LRSN, member), each record tagged with
     its member in "m". Progress counts log directories read."""
     per_member: list[list[Record]] = []
-    seen: dict[str, Path] = {}
+    one_log_per_member(log_dirs)
     progress(READ_LOGS, 0, len(log_dirs))
     for i, d in enumerate(log_dirs, 1):
-        records = merged_records([d], min_lrsn=replay_from)
-        if records:
-            member = records[0]["m"]
-            if member in seen:
-                raise LogFormatError(f"member {member!r} appears twice: {seen[member]} and {d}")
-            seen[member] = d
-        per_member.append(records)
+        per_member.append(merged_records([d], min_lrsn=replay_from))
         progress(READ_LOGS, i, len(log_dirs))
     # Each list is already in (LRSN, position) order: a k-way merge keeps that order within a member.
     return list(heapq.merge(*per_member, key=lambda r: (r["l"], r["m"])))
@@ -103,18 +97,10 @@ def stream_logs(log_dirs: list[Path], replay_from: int,
     """Every record of `log_dirs` from `replay_from` on, one log after another, each tagged with its member in
     "m" and with its place in the merged log, (LRSN, member, segment, offset): the order read_logs gives, which
     the partitioned plan restores by sorting each partition. Progress counts log directories read."""
-    seen: dict[str, Path] = {}
+    one_log_per_member(log_dirs)
     progress(READ_LOGS, 0, len(log_dirs))
     for i, d in enumerate(log_dirs, 1):
-        first = True
-        for key, rec in LogSlice(str(d), None, replay_from).records():
-            if first:
-                member = rec["m"]
-                if member in seen:
-                    raise LogFormatError(f"member {member!r} appears twice: {seen[member]} and {d}")
-                seen[member] = d
-                first = False
-            yield key, rec
+        yield from LogSlice(str(d), None, replay_from).records()
         progress(READ_LOGS, i, len(log_dirs))
 
 

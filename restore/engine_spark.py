@@ -71,7 +71,7 @@ from restore.plan import (
 )
 from restore.settle import Outcome, Settled, best_copy, decide_outcome, settle, uows_named
 from restore.spark_fetch import stream
-from sqm.log import LogFormatError, LogReader
+from sqm.log import LogFormatError, one_log_per_member
 from sqm.log.format import SegmentScan, log_segments, read_manifest, trusted_segments
 from sqm.records import Record, Role, entry_ids, lookup
 
@@ -358,12 +358,7 @@ class SparkEngine:
 
         tasks: list[SegmentTask] = []
         archived: list[str] = []
-        seen: dict[str, Path] = {}
-        for d in log_dirs:
-            member = LogReader(d).member
-            if member in seen:
-                raise LogFormatError(f"member {member!r} appears twice: {seen[member]} and {d}")
-            seen[member] = Path(d)
+        for member, d in one_log_per_member(log_dirs).items():
             segs = log_segments(Path(d), read_manifest(Path(d)))  # archived segments read where archived
             trusted = trusted_segments(Path(d), read_manifest(Path(d)))
             last = segs[-1][0] if segs else -1

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sqm.log import LogCorruptError, LogReader
+from sqm.log import LogCorruptError, LogReader, one_log_per_member
 from sqm.log.format import log_segments, read_manifest, trusted_segments
 from sqm.records import Record
 
@@ -76,8 +76,8 @@ def log_slices(log_dirs: list[Path], replay_from: int, count: int) -> list[LogSl
     taking them in turn end at about the same time."""
     segs: list[tuple[str, int, int]] = []  # (directory, segment, bytes)
     slices: list[tuple[int, LogSlice]] = []
+    one_log_per_member(log_dirs)  # and a directory that is no log is refused here, as a reading of it would be
     for d in log_dirs:
-        LogReader(d)  # a directory that is no log is refused here, as a reading of it would be
         manifest = read_manifest(d)
         trusted = trusted_segments(d, manifest)
         listed = log_segments(d, manifest)

@@ -59,7 +59,6 @@ from restore.plan import (
 from restore.settle import BACKOUT, Outcome, Settled, best_copy, decide_outcome, load_key, settle, uows_named
 from restore.spill import Partitioned, SpillDir, SpillWriter, read_frames
 from restore.workers import Workers
-from sqm.log import LogFormatError
 from sqm.records import Record, Role, lookup
 
 Key = tuple[Any, ...]  # a record's place in the merged log: (LRSN, member, segment, offset)
@@ -277,7 +276,6 @@ def _plan_partitioned(structure: str, backup: Iterable[Copy], records: Iterable[
     with pool:
         # The logs' slices, read side by side; each process files what it reads in partition files of its own.
         scanned: set[str] = set()
-        members: dict[str, set[str]] = defaultdict(set)  # member -> the log directories it has records in
         peaks: dict[int, int] = {}
         if slices is not None and progress is not None:
             progress("read logs", 0, len(slices))
@@ -286,16 +284,10 @@ def _plan_partitioned(structure: str, backup: Iterable[Copy], records: Iterable[
             max_lrsn = max(max_lrsn, sc.max_lrsn)
             per_member.update(sc.per_member)
             scanned.add(sc.name)
-            for d, m in sc.members.items():
-                members[m].add(d)
             spill.bytes_written += sc.bytes_written
             peaks[sc.pid] = max(peaks.get(sc.pid, 0), sc.peak)
             if progress is not None:
                 progress("read logs", done, len(slices or ()))
-        for m, dirs in sorted(members.items()):
-            if len(dirs) > 1:
-                first, second = sorted(dirs)[:2]
-                raise LogFormatError(f"member {m!r} appears twice: {first} and {second}")
         return _settle_partitions(pool, structure, spill, P, max_lrsn, base, per_member, peaks, per_worker, memory,
                                   now_ms, tuple(sorted(scanned)), progress, workers)
 
@@ -450,7 +442,6 @@ class _Scanned:
     name: str
     max_lrsn: int
     per_member: Counter[str]
-    members: dict[str, str]  # the slice's directory -> its member, when the slice had records from replay_from on
     bytes_written: int
     pid: int
     peak: int
@@ -464,20 +455,11 @@ def _scan_slice(job: _ScanJob, sl: LogSlice) -> _Scanned:
     name = f"p{os.getpid()}"
     ent = Partitioned(spill, f"entries.{name}", job.P, job.buffer_bytes // 2)
     uow = Partitioned(spill, f"uows.{name}", job.P, job.buffer_bytes // 2)
-    seen = False
-
-    def counted() -> Iterator[tuple[Key, Record]]:
-        nonlocal seen
-        for kr in sl.records():
-            seen = True
-            yield kr
-
-    max_lrsn, per_member = _scan_records(counted(), job.structure, job.base,
+    max_lrsn, per_member = _scan_records(sl.records(), job.structure, job.base,
                                          lambda key: partition_of(key, job.P), ent, uow)
     ent.close()
     uow.close()
-    return _Scanned(name, max_lrsn, per_member, {sl.directory: sl.member()} if seen else {}, spill.bytes_written,
-                    os.getpid(), _vm_hwm())
+    return _Scanned(name, max_lrsn, per_member, spill.bytes_written, os.getpid(), _vm_hwm())
 
 
 @dataclass

@@ -12,7 +12,7 @@ from sqm.log.format import (
     LogPosition,
     SegmentInfo,
 )
-from sqm.log.reader import LogReader, find_log_dirs, merged_records
+from sqm.log.reader import LogReader, find_log_dirs, merged_records, one_log_per_member
 from sqm.log.writer import ArchiveOutcome, LogFullError, LogStats, RecordLog
 
 __all__ = [
@@ -29,4 +29,5 @@ __all__ = [
     "SegmentInfo",
     "find_log_dirs",
     "merged_records",
+    "one_log_per_member",
 ]

@@ -136,6 +136,19 @@ class LogReader:
         return f"LogReader({str(self.directory)!r}, member={self.member!r})"
 
 
+def one_log_per_member(directories: Iterable[str | Path]) -> dict[str, Path]:
+    """Each member's log directory, member -> directory; LogFormatError when one member's log is in two
+    directories (its records twice, or two histories of one member: which one is its log is the operator's to
+    say). Every reader of several logs checks so before it reads a record (restore's engines, merged_records)."""
+    dirs: dict[str, Path] = {}
+    for d in directories:
+        member = LogReader(d).member
+        if member in dirs:
+            raise LogFormatError(f"member {member!r} appears twice: {dirs[member]} and {d}")
+        dirs[member] = Path(d)
+    return dirs
+
+
 def merged_records(
     directories: Iterable[str | Path], min_lrsn: int | None = None, max_lrsn: int | None = None
 ) -> list[dict[str, Any]]:
@@ -146,13 +159,11 @@ def merged_records(
     only approximately in LRSN order within one log (concurrent threads append out of order), so a
     streaming k-way merge would be wrong."""
     keyed: list[tuple[int, str, int, int, dict[str, Any]]] = []
-    seen: dict[str, Path] = {}
+    directories = list(directories)
+    one_log_per_member(directories)
     for d in directories:
         reader = LogReader(d)
         m = reader.member
-        if m in seen:
-            raise LogFormatError(f"member {m!r} appears twice: {seen[m]} and {reader.directory}")
-        seen[m] = reader.directory
         for pos, rec in reader.records(min_lrsn=min_lrsn):
             lrsn = rec["l"]
             if max_lrsn is not None and lrsn > max_lrsn:

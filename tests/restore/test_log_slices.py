@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from restore.engine import LocalEngine, stream_logs
+from restore.engine import LocalEngine, read_logs, stream_logs
 from restore.log_slices import LogSlice, log_slices
-from sqm.log import LogFormatError, LogReader, RecordLog
+from sqm.log import LogFormatError, LogReader, RecordLog, merged_records
 from sqm.log.format import list_segments
 from tests.restore.test_engine_spark import NOW_MS, S, simulate, write_history
 
@@ -83,6 +83,32 @@ def test_one_members_log_in_two_directories_is_refused(tmp_path: Path, workers: 
     with pytest.raises(LogFormatError, match=f"member '{LogSlice(str(twin), None, 0).member()}' appears twice"):
         LocalEngine(memory=64 << 10, work_dir=tmp_path / "work", workers=workers).plan(
             S, backup, [*log_dirs, twin], replay_from, NOW_MS)  # type: ignore[arg-type]
+    assert list((tmp_path / "work").iterdir()) == []
+
+
+def test_a_members_second_log_directory_is_refused_by_every_reader_even_without_records(tmp_path: Path) -> None:
+    """The rule is one (sqm.log.one_log_per_member), checked before any record is read: a second directory of one
+    member's log is refused even when it holds no record in the replay range (the partitioned plan refused it
+    only when both had records there, the Spark engine always: two answers to one operator's mistake)."""
+    backup, log_dirs, replay_from = _history(tmp_path, 200)
+    member = LogReader(log_dirs[0]).member
+    twin = tmp_path / "logs" / "twin"
+    with RecordLog(twin, member) as log:  # the same member's log, no record yet
+        log.force()
+    dirs = [*log_dirs, twin]
+    why = f"member '{member}' appears twice: {log_dirs[0]} and {twin}"
+    for workers in (1, 2):
+        with pytest.raises(LogFormatError, match=why):
+            LocalEngine(memory=64 << 10, work_dir=tmp_path / "work", workers=workers).plan(
+                S, backup, dirs, replay_from, NOW_MS)  # type: ignore[arg-type]
+    with pytest.raises(LogFormatError, match=why):
+        log_slices(dirs, replay_from, 4)
+    with pytest.raises(LogFormatError, match=why):
+        next(iter(stream_logs(dirs, replay_from)))
+    with pytest.raises(LogFormatError, match=why):
+        read_logs(dirs, replay_from)
+    with pytest.raises(LogFormatError, match=why):
+        merged_records(dirs)
     assert list((tmp_path / "work").iterdir()) == []
 
 
