@@ -29,7 +29,7 @@ from typing import Any
 from cfemu import bulk, keys
 from cfemu.admin import StructureDef
 from restore.engine import LOAD, Progress, no_progress
-from restore.partitioned import Runs, SpilledPlan, merged_runs
+from restore.partitioned import DEFAULT_MEMORY, Runs, SpilledPlan, merged_runs
 from restore.plan import RestorePlan
 from restore.settle import Settled, load_key
 from restore.workers import Workers
@@ -53,16 +53,28 @@ class LoadResult:
     seconds: float = 0.0
 
 
-def batches(items: Iterable[Settled], size: int) -> Iterator[list[Settled]]:
-    """`items` in lists of `size` (the last one shorter): the load streams its survivors batch by batch."""
+def batches(items: Iterable[Settled], size: int, max_bytes: int = 0) -> Iterator[list[Settled]]:
+    """`items` in lists of `size`, or fewer once their data reach `max_bytes` (0: no bound; a list holds one item
+    at least; the last list may be shorter): the load streams its survivors batch by batch."""
     chunk: list[Settled] = []
+    held = 0
     for s in items:
         chunk.append(s)
-        if len(chunk) >= size:
+        held += len(s.data)
+        if len(chunk) >= size or (max_bytes and held >= max_bytes):
             yield chunk
             chunk = []
+            held = 0
     if chunk:
         yield chunk
+
+
+def batch_bytes_for(memory: int) -> int:
+    """The most message data one batch of a load holds when the restore may use `memory` bytes: about six batches
+    are held at once (DEPTH prepared ahead, one being sent, its copies for the restore point, and in a worker the
+    one being made and its pickle), so a batch gets a sixteenth, 1 MiB at least. Batches of a thousand messages
+    of 4 MiB (a queue's default MAXMSGL) had been 4 GiB each, whatever the limit."""
+    return max(1 << 20, memory // 16)
 
 
 class Prepared:
@@ -124,21 +136,34 @@ class _Failed:
 _DONE = object()
 
 
-def staged(structure: str, settled: Iterable[Settled], batch: int) -> Iterator[tuple[bulk.Staged, int]]:
-    """The load's batches of `settled` (in load order), prepared (bulk.prepare), each with the pseudo-clock floor
-    of the batches so far (PseudoClockFloor)."""
+def staged(structure: str, settled: Iterable[Settled], batch: int,
+           batch_bytes: int = 0) -> Iterator[tuple[bulk.Staged, int]]:
+    """The load's batches of `settled` (in load order, batches: `batch` entries or `batch_bytes` of data),
+    prepared (bulk.prepare), each with the pseudo-clock floor of the batches so far (PseudoClockFloor)."""
     clock = PseudoClockFloor()
-    for chunk in batches(clock.watch(settled), batch):
+    for chunk in batches(clock.watch(settled), batch, batch_bytes):
         st = bulk.prepare(structure, chunk)
         del chunk
         yield st, clock.floor
         del st  # handed on: not held while the next batch is read and prepared (it holds its messages' data)
 
 
-def _staged_runs(job: tuple[str, Runs, int]) -> Iterator[tuple[bulk.Staged, int]]:
+def _staged_runs(job: tuple[str, Runs, int, int]) -> Iterator[tuple[bulk.Staged, int]]:
     """staged() of a partitioned plan's runs: a worker's task (Workers.stream)."""
-    structure, runs, batch = job
-    return staged(structure, merged_runs(runs), batch)
+    structure, runs, batch, batch_bytes = job
+    return staged(structure, merged_runs(runs), batch, batch_bytes)
+
+
+# Messages of this size or more, on average, are loaded from a thread of this process, never through a worker:
+# the worker's batches come through a pipe, each message's data pickled, written, read and unpickled, which costs
+# more than the merge and packing the worker takes off this process (measured: BENCHMARKS.md, restore, fifth pass).
+STREAM_BELOW = 4 << 10
+
+
+def streams(plan: SpilledPlan) -> bool:
+    """Whether the load merges and packs `plan`'s batches in a worker process, beside this one sending them (a
+    thread here would share the GIL with the sending): a plan settled by worker processes, of small messages."""
+    return plan.workers > 1 and plan.loaded_bytes < STREAM_BELOW * max(1, plan.loaded_count)
 
 
 def load_order(settled: Iterable[Settled]) -> list[Settled]:
@@ -182,7 +207,8 @@ class PseudoClockFloor:
 
 
 def load_plan(owner: bulk.Owner, plan: RestorePlan, sdef: StructureDef, queues: list[str], *,
-              batch: int = BATCH, progress: Progress = no_progress, restored_from: str = "",
+              batch: int = BATCH, batch_bytes: int = batch_bytes_for(DEFAULT_MEMORY),
+              progress: Progress = no_progress, restored_from: str = "",
               base_tombstones: Mapping[str, str] | None = None, before_activate: Callable[[], None] | None = None,
               last_backup: str = "", copies_to: Callable[[list[tuple[bytes, bytes]]], None] | None = None
               ) -> LoadResult:
@@ -191,7 +217,8 @@ def load_plan(owner: bulk.Owner, plan: RestorePlan, sdef: StructureDef, queues: 
     base_tombstones: those the base carried (the plan's own win). before_activate: called once the load is
     verified, before the structure is ACTIVE (restore writes its restore point there, `last_backup`: the header
     names it). copies_to: given each batch's entries as loaded (descriptor as the CF holds it, data), once the
-    batch is in (restore writes its restore point so, as the load goes)."""
+    batch is in (restore writes its restore point so, as the load goes). A batch is `batch` entries, or fewer
+    once their data reach `batch_bytes` (batch_bytes_for the restore's memory limit)."""
     t0 = time.monotonic()
     S = plan.structure
     result = LoadResult()
@@ -202,14 +229,12 @@ def load_plan(owner: bulk.Owner, plan: RestorePlan, sdef: StructureDef, queues: 
         loader = bulk.Loader(owner, gen=plan.restore_lrsn)
         progress(LOAD, 0, total)
         clock = PseudoClockFloor()
-        # A plan settled by worker processes is loaded so too: the merge of its runs and the packing of each batch
-        # in a worker, beside this process sending the batches (a thread here shares the GIL with the sending).
-        spilled = plan if isinstance(plan, SpilledPlan) and plan.workers > 1 else None
+        spilled = plan if isinstance(plan, SpilledPlan) and streams(plan) else None
         with Workers(1, processes=1 if spilled is not None else 0) as pool:
             if spilled is not None:
-                source = pool.stream(_staged_runs, (S, spilled.runs(), batch))
+                source = pool.stream(_staged_runs, (S, spilled.runs(), batch, batch_bytes))
             else:
-                source = staged(S, plan.in_load_order(), batch)
+                source = staged(S, plan.in_load_order(), batch, batch_bytes)
             with Prepared(source) as prepared:
                 for staged_batch, floor in prepared:
                     clock.floor = max(clock.floor, floor)

@@ -72,7 +72,8 @@ from cfemu.pstore import warm_generations
 from cfemu.repository import GroupRepository, migrated_refusal
 from cfemu.settings import restore_memory, restore_workers
 from restore.engine import PHASES, Progress, get_engine, no_progress
-from restore.load import LoadResult, load_plan, loaded_tombstones, restore_owned_uows
+from restore.load import LoadResult, batch_bytes_for, load_plan, loaded_tombstones, restore_owned_uows
+from restore.partitioned import DEFAULT_MEMORY
 from restore.plan import EARLIER_GENERATIONS, Copy, RestorePlan
 from restore.result import PurgeResult, RestoreResult, write_report
 from sqm import records
@@ -512,6 +513,8 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
         except ValueError as e:
             raise RestoreError(str(e)) from None
     chosen_engine = get_engine(engine, **options)
+    # The load's batches are bounded by the engine's memory limit (another engine's: the default one).
+    load_memory = int(getattr(chosen_engine, "memory", 0) or 0) or DEFAULT_MEMORY
     repo = GroupRepository(log_root)  # read only until the load
     group = admin.group_name() if sdef is not None else None
     no_backup: RestoreError | None = None
@@ -587,6 +590,7 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
 
                 try:  # the point's entries are written as the load goes (they are what it loads)
                     loaded: LoadResult = load_plan(owner, plan, sdef, [q.name for q in queues], progress=timer,
+                                                   batch_bytes=batch_bytes_for(load_memory),
                                                    restored_from=backup.id, base_tombstones=base_tombstones,
                                                    before_activate=write_point, last_backup=point.backup_id,
                                                    copies_to=point.add_copies)

@@ -20,7 +20,7 @@ from cfemu.admin import Admin, StructureDef
 from cfemu.embedded import EmbeddedRedis
 from cfemu.entry import Entry
 from restore.engine import LocalEngine, no_progress, read_logs
-from restore.load import LoadVerifyError, load_plan
+from restore.load import STREAM_BELOW, LoadVerifyError, batch_bytes_for, load_plan
 from restore.partitioned import SpilledPlan
 from restore.plan import RestorePlan, plan_local
 from restore.workers import WorkerError, Workers
@@ -207,3 +207,117 @@ def test_a_load_that_wrote_less_than_the_plan_holds_is_refused(fresh_redis: Embe
     finally:
         plan.close()
     assert client.hget(keys.meta(S), "state") == b"RECOVERING"
+
+
+@pytest.fixture(scope="module")
+def large_history(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A backup of 2,000 committed messages of 8 KiB (and an empty log)."""
+    root = tmp_path_factory.mktemp("load-large")
+    w = BackupWriter(root / "b")
+    for i in range(2000):
+        w.add(1, Entry(f"b{i:09d}", "Q1", state="CP", lrsn=1000 + i, order=(1000 + i, 1000 + i)).wire(),
+              os.urandom(8 << 10))
+    w.finish({"id": "b", "group": "G", "structure": S, "entries": 2000, "bytes": 0, "replay_from": 10**7, "gen": 1})
+    with RecordLog(root / "logs" / "QM1", "QM1") as log:
+        log.force()
+    return root
+
+
+@pytest.mark.parametrize("large", [False, True])
+def test_a_plan_of_large_messages_is_loaded_from_a_thread_not_through_a_worker(
+        redis_url: str, history: Path, large_history: Path, tmp_path: Path, large: bool) -> None:
+    """A worker's batches come through a pipe, every message's data pickled and read again: with messages of
+    restore.load.STREAM_BELOW or more on average that costs more than the merge the worker takes off the sending
+    process, so such a plan, settled by workers, is loaded from a thread. Either way the CF ends with every message
+    (verified by the load)."""
+    client = redis.Redis.from_url(redis_url)
+    Admin(client).define_structure(S)
+    Admin(client).define_queue("Q1", S)
+    plan = _plan(large_history if large else history, tmp_path, workers=2)
+    assert isinstance(plan, SpilledPlan)
+    assert (plan.loaded_bytes >= STREAM_BELOW * plan.loaded_count) is large
+    before = _children()
+    spawned: list[set[int]] = []
+
+    def look(phase: str, done: int, total: int | None) -> None:
+        if done and not spawned:
+            spawned.append(_children() - before)
+
+    try:
+        _load(client, plan, look)
+    finally:
+        plan.close()
+    assert bool(spawned[0]) is not large  # a worker process beside the load, for small messages only
+    assert client.hlen(keys.data(S)) == (2000 if large else N)
+
+
+def test_a_load_of_large_messages_holds_batches_bounded_by_bytes(redis_url: str, tmp_path: Path) -> None:
+    """A batch was a thousand messages whatever their size: 4 GiB for messages of 4 MiB (a queue's default
+    MAXMSGL), held several times over (batches prepared ahead, the one sent, the restore point's copies). A batch
+    now ends at restore.load.batch_bytes_for(memory) of data: 300 messages of 512 KiB (150 MiB) load in batches
+    of 4 MiB, and the load's peak grows by a few batches, not by the whole load."""
+    root = tmp_path / "h"
+    w = BackupWriter(root / "b")
+    body = 512 << 10
+    for i in range(300):
+        w.add(1, Entry(f"b{i:09d}", "Q1", state="CP", lrsn=1000 + i, order=(1000 + i, 1000 + i)).wire(),
+              os.urandom(body))
+    w.finish({"id": "b", "group": "G", "structure": S, "entries": 300, "bytes": 0, "replay_from": 10**7, "gen": 1})
+    with RecordLog(root / "logs" / "QM1", "QM1") as log:
+        log.force()
+    client = redis.Redis.from_url(redis_url)
+    Admin(client).define_structure(S)
+    Admin(client).define_queue("Q1", S)
+    plan = LocalEngine(memory=64 << 20, work_dir=tmp_path / "work", workers=1).plan(
+        S, read_backup(root / "b"), [root / "logs" / "QM1"], 10**7, 0)
+    assert batch_bytes_for(64 << 20) == 4 << 20
+    Path("/proc/self/clear_refs").write_text("5")  # the peak from here on
+    start = _peak_kib()
+    try:
+        with bulk.claim(client, S, bulk.observe(client, S)) as owner:
+            result = load_plan(owner, plan, StructureDef(S), ["Q1"], batch_bytes=batch_bytes_for(64 << 20))
+    finally:
+        plan.close()
+    grown = (_peak_kib() - start) << 10
+    assert result.entries == 300 and result.batches == 38  # 8 messages of 512 KiB make 4 MiB
+    assert grown < 48 << 20, f"the load's peak grew by {grown >> 20} MiB for batches of 4 MiB"
+    assert client.hlen(keys.data(S)) == 300
+
+
+def test_a_restore_bounds_its_load_batches_by_its_memory_limit(redis_url: str, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """run_restore hands the load batch_bytes_for the engine's memory limit: with a limit of 16 MiB, messages of
+    600 KiB put by a real SQM go two to a batch."""
+    import restore.run
+    from backup.run import run_backup
+    from restore.run import run_restore
+    from tests.restore.test_restore import drain, rejoin
+    from tests.support.group import define_group, start_qm
+    from tests.support.harness import lose_cf
+
+    loads: list[tuple[int, int]] = []
+    real = restore.run.load_plan
+
+    def spied(*args: Any, **kwargs: Any) -> Any:
+        out = real(*args, **kwargs)
+        loads.append((kwargs["batch_bytes"], out.batches))
+        return out
+
+    monkeypatch.setattr(restore.run, "load_plan", spied)
+    logs, backups = tmp_path / "logs", tmp_path / "backups"
+    client: redis.Redis = define_group(redis_url, queues=("Q1",))
+    qm = start_qm(redis_url, logs, "QM1", background=False)
+    bodies = [os.urandom(600 << 10) for _ in range(6)]
+    try:
+        conn = qm.connect()
+        for b in bodies:
+            conn.put("Q1", b)
+        conn.commit()
+        run_backup(client, "APP1", backups, log_root=logs)
+        lose_cf(client)
+        run_restore(client, "APP1", backup_root=backups, log_root=logs, engine_options={"memory": 16 << 20})
+        rejoin(qm)
+        assert [b for b, _ in drain(qm.connect(), "Q1")] == bodies
+    finally:
+        qm.stop()
+    assert loads == [(1 << 20, 3)]
