@@ -184,6 +184,7 @@ class SpilledPlan(RestorePlan):
     partitions: int
     settled_count: int
     loaded_count: int
+    loaded_bytes: int  # the survivors' data, in all
     read_size: int
     held: dict[str, str]
     first_lrsn: dict[str, int]
@@ -329,12 +330,13 @@ def _settle_partitions(pool: Workers, structure: str, spill: SpillDir, P: int, m
     first: dict[str, int] = {}
     decisions: dict[str, str] = {}
     flight = in_flight_outcome(restore_lrsn)
-    settled_count = loaded_count = 0
+    settled_count = loaded_count = loaded_bytes = 0
     fold = partial(_fold, replace(job, needed=tuple(f"needed.{c}" for c in range(len(chunks)))))
     for done, f in enumerate(pool.map(fold, range(P)), 1):
         counts.update(f.counts)
         settled_count += f.settled
         loaded_count += f.loaded
+        loaded_bytes += f.loaded_bytes
         held.update(f.held)
         for u, lrsn_u in f.first.items():
             first[u] = min(first.get(u, lrsn_u), lrsn_u)
@@ -355,7 +357,7 @@ def _settle_partitions(pool: Workers, structure: str, spill: SpillDir, P: int, m
     counts["uows in flight backed out"] = len(decisions)
     plan = SpilledPlan(structure, restore_lrsn, [], outcomes, decisions, in_commit, counts, per_member, max_lrsn)
     plan.spill, plan.partitions = spill, P
-    plan.settled_count, plan.loaded_count = settled_count, loaded_count
+    plan.settled_count, plan.loaded_count, plan.loaded_bytes = settled_count, loaded_count, loaded_bytes
     plan.read_size = merge_read_size(memory, P)
     plan.held, plan.first_lrsn, plan.restore_decided = held, first, restore_decided
     plan.worker_peak_bytes = sum(peaks.values())
@@ -482,6 +484,7 @@ class _Folded:
     counts: Counter[str] = field(default_factory=Counter)
     settled: int = 0
     loaded: int = 0
+    loaded_bytes: int = 0
     held: dict[str, str] = field(default_factory=dict)
     first: dict[str, int] = field(default_factory=dict)
     in_flight: set[str] = field(default_factory=set)  # UOWs with no outcome: in flight at the failure
@@ -619,6 +622,7 @@ def _fold(job: _Job, i: int) -> _Folded:
             gone.add((s.id, s.disposition))
             continue
         out.loaded += 1
+        out.loaded_bytes += len(s.data)
         run.append((load_key(s.id, s.entry), s.id, s.disposition, s.structure, s.entry, s.data))
         holder = s.entry.get("u")
         if holder:
