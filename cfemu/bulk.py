@@ -23,6 +23,7 @@ A pipeline is not atomic, and each use is safe for its own reason:
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import defaultdict
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
@@ -42,6 +43,7 @@ from cfemu.entry import Entry
 
 BATCH = 1000  # writes: entries (or keys to delete) per pipeline
 FETCH_BATCH = 2000  # reads: ids per pipelined fetch
+FETCH_BYTES = 64 << 20  # reads: the most message data one read holds (a batch of large messages is read in parts)
 Wire = dict[str, Any]  # an entry descriptor in wire form (cfemu.entry.Entry.wire())
 
 
@@ -49,14 +51,43 @@ Wire = dict[str, Any]  # an entry descriptor in wire form (cfemu.entry.Entry.wir
 READ_COMMANDS = 2  # the commands one read sends (a backup's pacing counts its own: backup.pacing)
 
 
-def read(client: redis.Redis, structure: str, ids: Sequence[str]) -> tuple[list[bytes | None], list[bytes | None]]:
-    """The raw descriptors and data of `ids`, one round trip of READ_COMMANDS commands (None where the entry is
-    gone)."""
-    pipe = client.pipeline(transaction=False)
-    pipe.hmget(keys.entries(structure), ids)
-    pipe.hmget(keys.data(structure), ids)
-    descs, datas = pipe.execute()
+def read(client: redis.Redis, structure: str, ids: Sequence[str],
+         max_bytes: int | None = None) -> tuple[list[bytes | None], list[bytes | None]]:
+    """The raw descriptors and data of `ids` (None where the entry is gone): the descriptors, then the data in
+    parts of at most `max_bytes` (each entry's size from its descriptor's `len`; a part holds one entry at least),
+    READ_COMMANDS commands in all when the data fit in one part. A batch of two thousand messages of 4 MiB (a
+    queue's default MAXMSGL) had been one reply of 8 GiB. The two reads were never atomic (a pipeline is not): an
+    entry gone between them reads as gone (its data None), as one gone between a pipeline's two HMGETs did."""
+    limit = FETCH_BYTES if max_bytes is None else max_bytes
+    descs: list[Any] = client.hmget(keys.entries(structure), ids)  # bytes or None: the client is binary-safe
+    datas: list[Any] = []
+    start, held = 0, 0
+    for k, raw in enumerate(descs):
+        size = 0 if raw is None else data_length(raw)
+        if k > start and held + size > limit:
+            datas += client.hmget(keys.data(structure), ids[start:k])
+            start, held = k, 0
+        held += size
+    if start < len(ids):
+        datas += client.hmget(keys.data(structure), ids[start:])
     return descs, datas
+
+
+_LEN_KEY = b"\xa3len"  # msgpack's "len" (a fixstr of 3), the key of a descriptor's data length
+
+
+def data_length(raw: bytes) -> int:
+    """The data length a descriptor (the CF's msgpack bytes) records: read at sight where its key appears once
+    (the descriptor is not decoded: a backup reads millions), else from the decoded map."""
+    i = raw.find(_LEN_KEY)
+    if i >= 0 and raw.find(_LEN_KEY, i + 4) < 0:
+        unpacker = msgpack.Unpacker()
+        unpacker.feed(raw[i + 4:i + 13])
+        with contextlib.suppress(ValueError, msgpack.OutOfData):
+            n = unpacker.unpack()
+            if isinstance(n, int) and not isinstance(n, bool) and n >= 0:
+                return n
+    return int(unpack_wire(raw).get("len", 0) or 0)
 
 
 def fetch(client: redis.Redis, structure: str, ids: Iterable[str],

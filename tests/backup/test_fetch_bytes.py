@@ -1,0 +1,77 @@
+"""The backup's fetch of large messages (cfemu.bulk.read): a batch's data is read in parts of at most
+bulk.FETCH_BYTES, each entry's size from its descriptor's `len` read at sight, so that a batch of two thousand
+messages of 4 MiB is no longer one reply of 8 GiB. Real redis-server, descriptors as the Lua scripts write them."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from backup.files import read_backup
+from backup.run import run_backup
+from cfemu import bulk, keys
+from sqm.manager import QueueManager
+from tests.support.group import define_group, start_qm
+
+
+@pytest.fixture
+def qsg(redis_url: str, tmp_path: Path) -> Iterator[tuple[redis.Redis, QueueManager]]:
+    client = define_group(redis_url, queues=("Q1",))
+    qm = start_qm(redis_url, tmp_path / "logs", "QM1", background=False)
+    yield client, qm
+    qm.stop()
+
+
+def _hmget_calls(client: redis.Redis) -> int:
+    return int(client.info("commandstats").get("cmdstat_hmget", {}).get("calls", 0))
+
+
+def test_the_data_length_is_read_at_sight_or_decoded() -> None:
+    plain = bulk.descriptor({"id": "m1", "q": "Q1", "st": "CP"}, b"x" * 70_000)
+    assert bulk.data_length(plain) == 70_000
+    # a property named "len" puts the key's bytes in the descriptor twice: decoded, the descriptor's own field
+    named = bulk.descriptor({"id": "m2", "q": "Q1", "st": "CP", "pr": {"len": 5}}, b"y" * 300)
+    assert named.count(b"\xa3len") == 2 and bulk.data_length(named) == 300
+    assert bulk.data_length(bulk.descriptor({"id": "m3", "q": "Q1"}, b"")) == 0
+
+
+def test_a_batch_of_large_messages_is_read_in_parts(qsg: tuple[redis.Redis, QueueManager]) -> None:
+    client, qm = qsg
+    conn = qm.connect()
+    bodies = [os.urandom(100 << 10) for _ in range(10)] + [b"small", b""]
+    for b in bodies:
+        conn.put("Q1", b)
+    conn.commit()
+    ids = sorted(k.decode() for k in client.hkeys(keys.entries("APP1")))
+    assert len(ids) == 12
+    whole = bulk.read(client, "APP1", ids, max_bytes=1 << 30)
+    before = _hmget_calls(client)
+    parts = bulk.read(client, "APP1", [*ids, "gone"], max_bytes=250 << 10)
+    # the descriptors, then the data two or three messages of 100 KiB a part: six reads in all
+    assert _hmget_calls(client) - before == 1 + 5
+    assert parts == ([*whole[0], None], [*whole[1], None])
+    assert sorted(d for d in parts[1] if d is not None) == sorted(bodies)
+    assert [bulk.data_length(d) for d in parts[0] if d is not None] == [len(d or b"") for d in whole[1]]
+    before = _hmget_calls(client)
+    bulk.read(client, "APP1", ids)  # small enough for one part: READ_COMMANDS commands, as before
+    assert _hmget_calls(client) - before == bulk.READ_COMMANDS
+
+
+def test_a_backup_of_large_messages_reads_in_parts_and_copies_every_one(
+        qsg: tuple[redis.Redis, QueueManager], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    client, qm = qsg
+    monkeypatch.setattr(bulk, "FETCH_BYTES", 1 << 20)
+    conn = qm.connect()
+    bodies = [os.urandom(300 << 10) for _ in range(20)]
+    for b in bodies:
+        conn.put("Q1", b)
+    conn.commit()
+    before = _hmget_calls(client)
+    manifest = run_backup(client, "APP1", tmp_path / "bk")
+    frames = list(read_backup(tmp_path / "bk" / "APP1" / manifest["id"]).frames())
+    assert sorted(d for _, _, d in frames) == sorted(bodies) and manifest["entries"] == 20
+    assert _hmget_calls(client) - before >= 1 + 20 // 3  # the data of 20 messages of 300 KiB, 3 a part
