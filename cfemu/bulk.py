@@ -27,7 +27,7 @@ import contextlib
 import time
 from collections import defaultdict
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, TypeVar
 
@@ -57,20 +57,29 @@ def read(client: redis.Redis, structure: str, ids: Sequence[str],
     parts of at most `max_bytes` (each entry's size from its descriptor's `len`; a part holds one entry at least),
     READ_COMMANDS commands in all when the data fit in one part. A batch of two thousand messages of 4 MiB (a
     queue's default MAXMSGL) had been one reply of 8 GiB. The two reads were never atomic (a pipeline is not): an
-    entry gone between them reads as gone (its data None), as one gone between a pipeline's two HMGETs did."""
-    limit = FETCH_BYTES if max_bytes is None else max_bytes
+    entry gone between them reads as gone (its data None), as one gone between a pipeline's two HMGETs did. The
+    result holds every part: a caller that must not hold a whole batch of large messages reads as fetch_raw."""
     descs: list[Any] = client.hmget(keys.entries(structure), ids)  # bytes or None: the client is binary-safe
     datas: list[Any] = []
+    for a, b in parts(descs, FETCH_BYTES if max_bytes is None else max_bytes):
+        datas += client.hmget(keys.data(structure), ids[a:b])
+    return descs, datas
+
+
+def parts(descs: Sequence[bytes | None], limit: int) -> list[tuple[int, int]]:
+    """The parts, [a, b) index ranges, in which the data of entries with these descriptors is read: at most
+    `limit` bytes each by the descriptors' `len` (data_length), one entry at least (None: gone, 0 bytes)."""
+    out: list[tuple[int, int]] = []
     start, held = 0, 0
     for k, raw in enumerate(descs):
         size = 0 if raw is None else data_length(raw)
         if k > start and held + size > limit:
-            datas += client.hmget(keys.data(structure), ids[start:k])
+            out.append((start, k))
             start, held = k, 0
         held += size
-    if start < len(ids):
-        datas += client.hmget(keys.data(structure), ids[start:])
-    return descs, datas
+    if start < len(descs):
+        out.append((start, len(descs)))
+    return out
 
 
 _LEN_KEY = b"\xa3len"  # msgpack's "len" (a fixstr of 3), the key of a descriptor's data length
@@ -112,24 +121,44 @@ def fetch(client: redis.Redis, structure: str, ids: Iterable[str],
 def fetch_raw(client: redis.Redis, structure: str, ids: Sequence[str], batch: int = FETCH_BATCH, *,
               before_read: Callable[[], None] | None = None
               ) -> Iterator[tuple[list[bytes | None], list[bytes | None]]]:
-    """The raw descriptors and data of `ids`, batch by batch, as the CF holds them (None where an entry is gone);
-    the next batch is read while the caller handles this one. before_read(), when given, is called before each
-    read is sent (READ_COMMANDS commands), in the caller's thread, between two batches: a backup paces itself
-    there (backup.pacing), so that a pause holds up neither a read in flight nor the batch being handled."""
+    """The raw descriptors and data of `ids`, part by part, as the CF holds them (None where an entry is gone): a
+    batch's descriptors, then its data in parts of at most FETCH_BYTES (read's parts), each part handed over on
+    its own (a batch of two thousand messages of 4 MiB held whole was 8 GiB, and the next one prefetched beside
+    it); the next part is read while the caller handles this one. before_read(), when given, is called before
+    each batch's read is sent (READ_COMMANDS commands when its data fit in one part), in the caller's thread,
+    between two reads: a backup paces itself there (backup.pacing), so that a pause holds up neither a read in
+    flight nor the part being handled."""
     chunks = [ids[i:i + batch] for i in range(0, len(ids), batch)]
     if not chunks:
         return
+
+    def first(chunk: Sequence[str]) -> tuple[list[Any], list[tuple[int, int]], list[Any]]:
+        """A batch's descriptors, its parts, and its first part's data (a batch has one part at least)."""
+        descs: list[Any] = client.hmget(keys.entries(structure), chunk)
+        bounds = parts(descs, FETCH_BYTES)
+        a, b = bounds[0]
+        return descs, bounds, client.hmget(keys.data(structure), chunk[a:b])
+
+    def data(chunk: Sequence[str], a: int, b: int) -> list[Any]:
+        return client.hmget(keys.data(structure), chunk[a:b])
+
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="backup-fetch") as pool:
         if before_read is not None:
             before_read()
-        pending = pool.submit(read, client, structure, chunks[0])
-        for k in range(len(chunks)):
-            got = pending.result()
-            if k + 1 < len(chunks):
-                if before_read is not None:
-                    before_read()
-                pending = pool.submit(read, client, structure, chunks[k + 1])
-            yield got
+        pending: Future[Any] = pool.submit(first, chunks[0])
+        for k, chunk in enumerate(chunks):
+            descs, bounds, datas = pending.result()
+            for j, (a, b) in enumerate(bounds):
+                if j:
+                    datas = pending.result()
+                if j + 1 < len(bounds):
+                    pending = pool.submit(data, chunk, *bounds[j + 1])
+                elif k + 1 < len(chunks):
+                    if before_read is not None:
+                        before_read()
+                    pending = pool.submit(first, chunks[k + 1])
+                yield descs[a:b], datas
+                del datas  # handed on: not held while the part after the next one is read
 
 
 def unpack_wire(raw: bytes) -> Wire:

@@ -75,3 +75,30 @@ def test_a_backup_of_large_messages_reads_in_parts_and_copies_every_one(
     frames = list(read_backup(tmp_path / "bk" / "APP1" / manifest["id"]).frames())
     assert sorted(d for _, _, d in frames) == sorted(bodies) and manifest["entries"] == 20
     assert _hmget_calls(client) - before >= 1 + 20 // 3  # the data of 20 messages of 300 KiB, 3 a part
+
+
+def test_the_backups_fetch_hands_over_parts_not_whole_batches(qsg: tuple[redis.Redis, QueueManager],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The part bound holds in the backup's process too, not only in the CF's reply: fetch_raw hands its caller
+    (and prefetches) one part at a time, at most FETCH_BYTES of data (or one message above it), in order. Reading
+    the parts and joining them into the batch again still held a whole batch of 2,000 messages of 4 MiB, 8 GiB,
+    and the next one prefetched beside it."""
+    client, qm = qsg
+    monkeypatch.setattr(bulk, "FETCH_BYTES", 1 << 20)
+    conn = qm.connect()
+    bodies = [os.urandom(300 << 10) for _ in range(20)] + [os.urandom(3 << 20), b"small"]
+    for b in bodies:
+        conn.put("Q1", b)
+    conn.commit()
+    ids = sorted(k.decode() for k in client.hkeys(keys.entries("APP1")))
+    reads: list[int] = []
+    got = list(bulk.fetch_raw(client, "APP1", [*ids, "gone"], batch=8, before_read=lambda: reads.append(1)))
+    assert len(reads) == 3  # before each batch's read, as before: the pacing hook
+    for descs, datas in got:
+        assert len(descs) == len(datas)
+        held = sum(len(d or b"") for d in datas)
+        assert held <= 1 << 20 or len(datas) == 1, f"one hand-over held {held >> 10} KiB"
+    descs = [d for part, _ in got for d in part]
+    datas = [d for _, part in got for d in part]
+    assert (descs, datas) == bulk.read(client, "APP1", [*ids, "gone"])
+    assert sorted(d for d in datas if d is not None) == sorted(bodies)
