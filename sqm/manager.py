@@ -124,6 +124,7 @@ class QueueManager:
         self.uows: dict[str, UnitOfWork] = {}
         self.uow_lock = threading.RLock()
         self.pending: dict[str, Callable[[], None]] = {}  # durable work the CF has not seen yet, retried
+        self._refused_retries: set[str] = set()  # pending UOWs whose retry was refused (warned once: retry_pending)
         self.fenced = False
         self.log_failed = ""  # why the log cannot be written, once it cannot
         self.running = False
@@ -749,6 +750,12 @@ class QueueManager:
                 self.checkpoint("log space")
 
     def retry_pending(self) -> int:
+        """Try again each decided outcome the CF could not take (housekeeping's first job); returns how many went
+        through. A CF or structure not back yet stops the round (the others would wait the same way). A retry
+        refused for a reason of its own is that UOW's alone: it stays pending and is tried again, and neither stops
+        the others' retries nor the rest of housekeeping (peer recovery, RECAUTO, expiry), as it did when its error
+        left this loop (chaos B9's candidate cause: a backout blocked so leaves its gets locked). Said once a UOW,
+        at warning level (housekeeping logs its own errors at debug)."""
         done = 0
         for uid, fn in list(self.pending.items()):
             try:
@@ -759,6 +766,11 @@ class QueueManager:
                 self.pending.pop(uid, None)
             except (StructureFailedError, *CF_DOWN):
                 break
+            except MQError as e:
+                if uid not in self._refused_retries:
+                    self._refused_retries.add(uid)
+                    log.warning("%s: the pending %s was refused, tried again later: %s", self.name, uid, e)
+        self._refused_retries &= set(self.pending)
         return done
 
     def expire_messages(self) -> int:

@@ -19,7 +19,13 @@ import pytest
 from cfemu.cf import CF
 from cfemu.connection import connect
 from cfemu.credentials import user
-from cfemu.errors import BackedOutError, NoMessageError, OutcomeUnknownError, StructureFailedError
+from cfemu.errors import (
+    BackedOutError,
+    CompletedByRecoveryError,
+    NoMessageError,
+    OutcomeUnknownError,
+    StructureFailedError,
+)
 from sqm.manager import QueueManager, QueueManagerConfig
 from tests.support.group import define_group
 
@@ -188,3 +194,31 @@ def test_a_backout_during_a_backup_whose_gets_data_the_cf_cannot_give_is_finishe
     assert held(redis_server) == {"UP": 0, "UG": 0, "EX": 0, "CP": 1}
     m = qm.connect().get("Q1", syncpoint=False)
     assert m.body == b"m1" and m.backout_count == 1
+
+
+def test_a_pending_outcome_refused_for_its_own_reason_holds_up_no_other(qm: QueueManager, redis_server: Any,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """A pending retry refused for a reason of its own (here CompletedByRecoveryError, as a backout decided
+    otherwise by peer recovery meets) used to leave retry_pending with its error: every later pending outcome
+    waited behind it for good, and so did the rest of housekeeping (peer recovery, RECAUTO, expiry), each round
+    (chaos B9's candidate cause: a backout held up so leaves its gets locked). It stays pending, said once; the
+    others go through."""
+    conn = qm.connect()
+    conn.put("Q1", b"np", persistent=False, syncpoint=False)
+    conn.get("Q1")
+    conn.put("Q1", b"np2", persistent=False)
+    with cf_out_of_reach(redis_server):
+        conn.backout()  # decided; pending until the CF can be reached
+    tries: list[int] = []
+
+    def refused() -> None:
+        tries.append(1)
+        raise CompletedByRecoveryError("recovery already committed this unit of work")
+
+    qm.pending = {"QM1.9.9": refused, **qm.pending}  # first in line
+    with caplog.at_level("WARNING", logger="sqm"):
+        assert qm.retry_pending() == 1  # the backout behind it went through
+        assert qm.retry_pending() == 0
+    assert held(redis_server) == {"UP": 0, "UG": 0, "EX": 0, "CP": 1}
+    assert list(qm.pending) == ["QM1.9.9"] and tries == [1, 1]
+    assert sum("QM1.9.9 was refused" in r.getMessage() for r in caplog.records) == 1
