@@ -155,8 +155,9 @@ def _staged_runs(job: tuple[str, Runs, int, int]) -> Iterator[tuple[bulk.Staged,
 
 
 # Messages of this size or more, on average, are loaded from a thread of this process, never through a worker:
-# the worker's batches come through a pipe, each message's data pickled, written, read and unpickled, which costs
-# more than the merge and packing the worker takes off this process (measured: BENCHMARKS.md, restore, fifth pass).
+# the worker's batches come through a pipe, each message's data pickled, written, read and unpickled. Measured
+# (BENCHMARKS.md, restore, fifth pass): on a quiet machine the worker gains 20% at 1 KiB (200k messages) and
+# nothing from 4 KiB to 64 KiB; beside other work (load average 6-10) it loses 1.5-2x from 8 KiB on.
 STREAM_BELOW = 4 << 10
 
 
