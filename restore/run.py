@@ -513,8 +513,7 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
         except ValueError as e:
             raise RestoreError(str(e)) from None
     chosen_engine = get_engine(engine, **options)
-    # The load's batches are bounded by the engine's memory limit (another engine's: the default one).
-    load_memory = int(getattr(chosen_engine, "memory", 0) or 0) or DEFAULT_MEMORY
+    memory_limit = int(getattr(chosen_engine, "memory", 0) or 0)  # 0: an engine without one (Spark)
     repo = GroupRepository(log_root)  # read only until the load
     group = admin.group_name() if sdef is not None else None
     no_backup: RestoreError | None = None
@@ -590,7 +589,7 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
 
                 try:  # the point's entries are written as the load goes (they are what it loads)
                     loaded: LoadResult = load_plan(owner, plan, sdef, [q.name for q in queues], progress=timer,
-                                                   batch_bytes=batch_bytes_for(load_memory),
+                                                   batch_bytes=batch_bytes_for(memory_limit or DEFAULT_MEMORY),
                                                    restored_from=backup.id, base_tombstones=base_tombstones,
                                                    before_activate=write_point, last_backup=point.backup_id,
                                                    copies_to=point.add_copies)
@@ -614,7 +613,7 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
         # end with it, so the plans' own peaks do not add up).
         workers_peak = max((int(getattr(p, "worker_peak_bytes", 0) or 0) for p in plans), default=0)
         result.peak_rss_bytes = peak_rss_bytes() + workers_peak
-        result.memory_limit = int(getattr(chosen_engine, "memory", 0) or 0)
+        result.memory_limit = memory_limit
         result.partitions = int(getattr(plan, "partitions", 0) or 0)
         result.workers = min(int(getattr(chosen_engine, "workers", 0) or 0), result.partitions)
         if report_path is not None or not dry_run:
