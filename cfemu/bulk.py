@@ -59,11 +59,19 @@ def read(client: redis.Redis, structure: str, ids: Sequence[str],
     queue's default MAXMSGL) had been one reply of 8 GiB. The two reads were never atomic (a pipeline is not): an
     entry gone between them reads as gone (its data None), as one gone between a pipeline's two HMGETs did. The
     result holds every part: a caller that must not hold a whole batch of large messages reads as fetch_raw."""
-    descs: list[Any] = client.hmget(keys.entries(structure), ids)  # bytes or None: the client is binary-safe
+    descs = _descriptors(client, structure, ids)
     datas: list[Any] = []
     for a, b in parts(descs, FETCH_BYTES if max_bytes is None else max_bytes):
-        datas += client.hmget(keys.data(structure), ids[a:b])
+        datas += _data(client, structure, ids[a:b])
     return descs, datas
+
+
+def _descriptors(client: redis.Redis, structure: str, ids: Sequence[str]) -> list[Any]:
+    return client.hmget(keys.entries(structure), ids)  # bytes or None: the client is binary-safe
+
+
+def _data(client: redis.Redis, structure: str, ids: Sequence[str]) -> list[Any]:
+    return client.hmget(keys.data(structure), ids)
 
 
 def parts(descs: Sequence[bytes | None], limit: int) -> list[tuple[int, int]]:
@@ -134,13 +142,10 @@ def fetch_raw(client: redis.Redis, structure: str, ids: Sequence[str], batch: in
 
     def first(chunk: Sequence[str]) -> tuple[list[Any], list[tuple[int, int]], list[Any]]:
         """A batch's descriptors, its parts, and its first part's data (a batch has one part at least)."""
-        descs: list[Any] = client.hmget(keys.entries(structure), chunk)
+        descs = _descriptors(client, structure, chunk)
         bounds = parts(descs, FETCH_BYTES)
         a, b = bounds[0]
-        return descs, bounds, client.hmget(keys.data(structure), chunk[a:b])
-
-    def data(chunk: Sequence[str], a: int, b: int) -> list[Any]:
-        return client.hmget(keys.data(structure), chunk[a:b])
+        return descs, bounds, _data(client, structure, chunk[a:b])
 
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="backup-fetch") as pool:
         if before_read is not None:
@@ -152,7 +157,7 @@ def fetch_raw(client: redis.Redis, structure: str, ids: Sequence[str], batch: in
                 if j:
                     datas = pending.result()
                 if j + 1 < len(bounds):
-                    pending = pool.submit(data, chunk, *bounds[j + 1])
+                    pending = pool.submit(_data, client, structure, chunk[slice(*bounds[j + 1])])
                 elif k + 1 < len(chunks):
                     if before_read is not None:
                         before_read()
