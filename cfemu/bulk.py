@@ -547,8 +547,9 @@ def prepare(structure: str, batch: Sequence[Survivor]) -> Staged:
     lists: dict[str, list[str]] = defaultdict(list)
     sets: dict[str, list[str]] = defaultdict(list)
     expiry: list[Any] = []
-    descriptors: list[Any] = []
-    datas: list[Any] = []
+    ids: list[str] = []
+    descriptors: list[bytes] = []
+    datas: list[bytes] = []
     for s in batch:
         e = _wire(s)
         lists[list_of(S, e)].append(s.id)
@@ -559,22 +560,21 @@ def prepare(structure: str, batch: Sequence[Survivor]) -> Staged:
         for k in sets_of(S, e):
             sets[k].append(s.id)
         packed = descriptor(e, s.data)
-        descriptors += (s.id, packed)
+        ids.append(s.id)
+        descriptors.append(packed)
         st.copies.append((packed, s.data))
-        datas += (s.id, s.data)
+        datas.append(s.data)
         st.queues.add(e["q"])
         st.bytes += len(s.data)
     if batch:  # as redis-py's hset(mapping=...), sadd, rpush and zadd would send them
         c = st.commands
-        c.add_items((b"HSET", keys.entries(S)), descriptors, len(descriptors))
-        c.add_items((b"HSET", keys.data(S)), datas, len(datas))
-        for k, ids in sets.items():
-            c.add_items((b"SADD", k), ids, len(ids))
-        for k, ids in lists.items():
-            c.add_items((b"RPUSH", k), ids, len(ids))
+        c.add_pairs((b"HSET", keys.entries(S)), ids, descriptors)
+        c.add_pairs((b"HSET", keys.data(S)), ids, datas)
+        c.add_commands([(b"SADD", k, *members) for k, members in sets.items()])
+        c.add_commands([(b"RPUSH", k, *members) for k, members in lists.items()])
         if expiry:
             c.add_items((b"ZADD", keys.expiry(S)), expiry, len(expiry))
-    st.lists = {k: len(ids) for k, ids in lists.items()}
+    st.lists = {k: len(members) for k, members in lists.items()}
     return st
 
 

@@ -29,6 +29,34 @@ def test_packed_commands_are_the_bytes_redis_py_sends(redis_url: str) -> None:
     assert copy.data() == packed.data() and copy.count == packed.count
 
 
+def test_pairs_and_short_commands_are_the_bytes_redis_py_sends(redis_url: str) -> None:
+    """The load's own encodings (add_pairs: HSET's fields and values, two parts a pair; add_commands: SADD and
+    RPUSH through hiredis, one part) send what redis-py's hset(mapping=...), sadd and rpush would."""
+    ids = ["id1", "idé", "", "x" * 300]
+    values = [b"\x00\xff\r\n", b"", bytearray(b"ba"), b"v" * 20_000]
+    packed = resp.Packed()
+    packed.add_pairs(("HSET", "{S}:data"), ids, values)  # type: ignore[arg-type]
+    packed.add_commands([("SADD", "{S}:m:" + i, i) for i in ids] + [(b"RPUSH", "l", *ids)])
+    conn = redis.Redis.from_url(redis_url).connection_pool.get_connection()
+    expected = [("HSET", "{S}:data", *(x for i, v in zip(ids, values) for x in (i, bytes(v)))),
+                *[("SADD", "{S}:m:" + i, i) for i in ids], ("RPUSH", "l", *ids)]
+    assert packed.data() == b"".join(conn.pack_commands(expected))
+    assert packed.count == len(expected)
+    client = redis.Redis.from_url(redis_url)
+    client.delete("{S}:data", "l", *("{S}:m:" + i for i in ids))
+    replies = resp.exchange(conn, packed.chunks(), packed.count)
+    assert replies[0] == len(ids) and client.hget("{S}:data", "idé") == b""
+    assert client.hget("{S}:data", "x" * 300) == b"v" * 20_000
+    assert client.lrange("l", 0, -1) == [i.encode() for i in ids]
+    empty = resp.Packed()
+    empty.add_pairs((b"HSET", "h"), [], [])
+    assert empty.data() == b"".join(conn.pack_commands([("HSET", "h")]))
+    with pytest.raises(ValueError, match="2 fields and 1 values"):
+        resp.Packed().add_pairs(("HSET", "h"), ["a", "b"], [b"1"])
+    with pytest.raises(TypeError):
+        resp.Packed().add_commands([("SADD", "k", True)])  # type: ignore[list-item]
+
+
 def test_a_batch_and_its_copies_carry_each_message_once_to_another_process() -> None:
     """The load's worker sends each batch with the copies of its entries for the restore point: the same data
     objects, pickled once (a joined batch carried every message's data twice)."""
@@ -37,6 +65,9 @@ def test_a_batch_and_its_copies_carry_each_message_once_to_another_process() -> 
     packed.add_items(("HSET", "{S}:data"), [x for i, d in enumerate(data) for x in (f"id{i}", d)], 200)
     copies = [(b"descriptor", d) for d in data]
     assert len(pickle.dumps((packed, copies))) < 1.2 * sum(map(len, data))
+    pairs = resp.Packed()
+    pairs.add_pairs(("HSET", "{S}:data"), [f"id{i}" for i in range(100)], data)
+    assert len(pickle.dumps((pairs, copies))) < 1.2 * sum(map(len, data))
 
 
 def test_a_command_is_refused_when_its_arguments_are_miscounted_or_of_another_type() -> None:
