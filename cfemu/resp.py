@@ -92,7 +92,8 @@ class Packed:
         """Commands of short str or bytes arguments (SADD's or RPUSH's key and members), encoded by hiredis (in C,
         the same bytes as redis-py's; it refuses a bool or None) and kept as one part: a load batch's thousand SADDs
         of one member each are one part, not four thousand."""
-        self.parts.append(b"".join([pack_command(tuple(c)) for c in commands]))
+        # hiredis's stub types the argument as a tuple of one item
+        self.parts.append(b"".join([pack_command(tuple(c)) for c in commands]))  # type: ignore[arg-type]
         self.count += len(commands)
 
     def data(self) -> bytes:
