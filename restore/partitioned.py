@@ -30,13 +30,15 @@ import gc
 import heapq
 import math
 import os
+import queue
+import threading
 from collections import Counter, defaultdict
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
 from itertools import chain
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 from zlib import crc32
 
 from restore.log_slices import LogSlice
@@ -52,6 +54,7 @@ from restore.plan import (
     older_outcome,
     owner_of,
     prepare_record,
+    relevant,
     restore_lrsn_above,
     revived,
     uow_owner,
@@ -62,6 +65,7 @@ from restore.workers import Workers
 from sqm.records import Record, Role, lookup
 
 Key = tuple[Any, ...]  # a record's place in the merged log: (LRSN, member, segment, offset)
+R = TypeVar("R")
 Progress = Callable[[str, int, int | None], None]
 
 # Frames of the entry partitions, and of the UOW partitions.
@@ -190,6 +194,7 @@ class SpilledPlan(RestorePlan):
     first_lrsn: dict[str, int]
     restore_decided: set[str]
     worker_peak_bytes: int  # the worker processes' peak resident memory, summed (0: planned in this process)
+    deferred_records: int = 0  # log records the slices' readers set aside until the backup was read
 
     workers: int  # the processes its engine may use (the load's batches are then prepared in one of them)
 
@@ -252,45 +257,121 @@ def _plan_partitioned(structure: str, backup: Iterable[Copy], records: Iterable[
         return partition_of(key, P)
 
     buffers = buffers_for(memory)
-    ent = Partitioned(spill, "entries", P, buffers // 2)
-    uow = Partitioned(spill, "uows", P, buffers // 2)
+    per_worker = max(4096, buffers // (2 * max(1, workers)))  # one worker's write buffers, in all
+    manifest = {"gen": gen, "carried": list(carried), "end_lrsn": lrsn, "uows": registered}
+    pool = Workers(min(workers, P))
+    logs: _Background[_Scanned] | None = None
+    try:
+        with pool:
+            # The workers read the logs' slices while this process reads the backup (they share two cores: the
+            # backup was a phase of its own, one core idle). Which UOWs the backup holds is not known until it is
+            # read, so they read with the base the manifest gives, and set aside each record that base leaves
+            # out and the backup's UOWs may bring back (deferred: filed below, once the base is whole).
+            if pool.procs and slices:
+                known = base_of(manifest, ())
+                logs = _Background(pool.map(partial(_scan_slice, _ScanJob(spill.path, P, structure, known,
+                                                                          per_worker, defer=True)), slices))
+            # 1 scan
+            ent = Partitioned(spill, "entries", P, buffers // 2)
+            uow = Partitioned(spill, "uows", P, buffers // 2)
+            max_lrsn = 0
+            held_by: set[str] = set()
+            for c in backup:
+                desc = c[1]
+                i = part(desc["id"])
+                ent.add(i, (_COPY, c[0], desc, c[2]))
+                max_lrsn = max(max_lrsn, int(desc["l"]))
+                u = desc.get("u", "")
+                held_by.add(u)
+                if u:
+                    uow.add(part(u), (_NEED, u, i))
+            base = base_of(manifest, held_by)
+            logs_lrsn, per_member, _ = _scan_records(records, structure, base, part, ent, uow)
+            max_lrsn = max(max_lrsn, logs_lrsn)
+            ent.close()
+            uow.close()
+            # The logs' slices, read side by side; each process files what it reads in partition files of its own.
+            scanned: set[str] = set()
+            peaks: dict[int, int] = {}
+            if slices is not None and progress is not None:
+                progress("read logs", 0, len(slices))
+            if logs is None:
+                scan = partial(_scan_slice, _ScanJob(spill.path, P, structure, base, per_worker))
+                results: Iterable[_Scanned] = pool.map(scan, slices or ())
+            else:
+                results = logs.results()
+            deferred = 0
+            for done, sc in enumerate(results, 1):
+                max_lrsn = max(max_lrsn, sc.max_lrsn)
+                per_member.update(sc.per_member)
+                scanned.add(sc.name)
+                deferred += sc.deferred
+                spill.bytes_written += sc.bytes_written
+                peaks[sc.pid] = max(peaks.get(sc.pid, 0), sc.peak)
+                if progress is not None:
+                    progress("read logs", done, len(slices or ()))
+            if deferred:
+                per_member.update(_file_deferred(spill, sorted(scanned), structure, base, P, buffers))
+                scanned.add(_DEFERRED)
+            plan = _settle_partitions(pool, structure, spill, P, max_lrsn, base, per_member, peaks, per_worker,
+                                      memory, now_ms, tuple(sorted(scanned)), progress, workers)
+            plan.deferred_records = deferred
+            return plan
+    finally:
+        if logs is not None:
+            logs.join()
 
-    # 1 scan
-    max_lrsn = 0
-    held_by: set[str] = set()
-    for c in backup:
-        desc = c[1]
-        i = part(desc["id"])
-        ent.add(i, (_COPY, c[0], desc, c[2]))
-        max_lrsn = max(max_lrsn, int(desc["l"]))
-        u = desc.get("u", "")
-        held_by.add(u)
-        if u:
-            uow.add(part(u), (_NEED, u, i))
-    base = base_of({"gen": gen, "carried": list(carried), "end_lrsn": lrsn, "uows": registered}, held_by)
-    logs_lrsn, per_member = _scan_records(records, structure, base, part, ent, uow)
-    max_lrsn = max(max_lrsn, logs_lrsn)
+
+_DEFERRED = "deferred"  # the suffix of the partition files of the records the workers set aside
+
+
+def _file_deferred(spill: SpillDir, names: Sequence[str], structure: str, base: Base, P: int,
+                   buffers: int) -> Counter[str]:
+    """Step 1 for the records the log slices' readers set aside (their deferred.<name> files), now that the base
+    is whole: filed as _scan_records files any record, in partition files of their own (entries.deferred,
+    uows.deferred). Returns the records kept per member."""
+    ent = Partitioned(spill, f"entries.{_DEFERRED}", P, buffers // 2)
+    uow = Partitioned(spill, f"uows.{_DEFERRED}", P, buffers // 2)
+    files = [spill.file(f"{_DEFERRED}.{name}") for name in names]
+    records = ((tuple(key), raw) for key, raw in chain.from_iterable(read_frames(f) for f in files))
+    _, per_member, _ = _scan_records(records, structure, base, lambda key: partition_of(key, P), ent, uow)
     ent.close()
     uow.close()
-    per_worker = max(4096, buffers // (2 * max(1, workers)))  # one worker's write buffers, in all
-    pool = Workers(min(workers, P))
-    with pool:
-        # The logs' slices, read side by side; each process files what it reads in partition files of its own.
-        scanned: set[str] = set()
-        peaks: dict[int, int] = {}
-        if slices is not None and progress is not None:
-            progress("read logs", 0, len(slices))
-        scan = partial(_scan_slice, _ScanJob(spill.path, P, structure, base, per_worker))
-        for done, sc in enumerate(pool.map(scan, slices or ()), 1):
-            max_lrsn = max(max_lrsn, sc.max_lrsn)
-            per_member.update(sc.per_member)
-            scanned.add(sc.name)
-            spill.bytes_written += sc.bytes_written
-            peaks[sc.pid] = max(peaks.get(sc.pid, 0), sc.peak)
-            if progress is not None:
-                progress("read logs", done, len(slices or ()))
-        return _settle_partitions(pool, structure, spill, P, max_lrsn, base, per_member, peaks, per_worker, memory,
-                                  now_ms, tuple(sorted(scanned)), progress, workers)
+    for f in files:
+        f.unlink(missing_ok=True)
+    return per_member
+
+
+class _Background(Generic[R]):
+    """A Workers.map consumed by a thread of its own while this one does other work; results() hands over what it
+    produced, in the order produced, then raises its failure if it failed."""
+
+    def __init__(self, results: Iterator[R]) -> None:
+        self.queue: queue.SimpleQueue[tuple[bool, Any]] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, args=(results,), name="restore-scan-logs", daemon=True)
+        self.thread.start()
+
+    def _run(self, results: Iterator[R]) -> None:
+        try:
+            for r in results:
+                self.queue.put((True, r))
+        except BaseException as e:  # handed to results(), which raises it
+            self.queue.put((False, e))
+            return
+        self.queue.put((False, None))
+
+    def results(self) -> Iterator[R]:
+        while True:
+            ok, value = self.queue.get()
+            if ok:
+                yield value
+            elif value is None:
+                return
+            else:
+                raise value
+
+    def join(self) -> None:
+        self.thread.join()
 
 
 def _settle_partitions(pool: Workers, structure: str, spill: SpillDir, P: int, max_lrsn: int, base: Base,
@@ -369,15 +450,24 @@ def _settle_partitions(pool: Workers, structure: str, spill: SpillDir, P: int, m
 # ------------------------------------------------------------------------ one partition at a time, anywhere
 
 def _scan_records(records: Iterable[tuple[Key, Record]], structure: str, base: Base, part: Callable[[str], int],
-                  ent: Partitioned, uow: Partitioned) -> tuple[int, Counter[str]]:
+                  ent: Partitioned, uow: Partitioned,
+                  defer: SpillWriter | None = None) -> tuple[int, Counter[str], int]:
     """Step 1 for log records: file each record that matters in the partitions of the entries and the UOW it
-    names (see the module doc). Returns the highest LRSN seen and the records kept per member."""
+    names (see the module doc). Returns the highest LRSN seen, the records kept per member, and how many went to
+    `defer`. defer: where a record goes, as (key, record), when `base` is not yet whole (the backup's UOWs
+    unknown) and leaves it out though it is the structure's and names a UOW: the generation rule may keep it
+    once the backup's UOWs are known (plan.current_incarnation), and it is filed then (_file_deferred)."""
     max_lrsn = 0
+    deferred = 0
     per_member: Counter[str] = Counter()
     for key, raw in records:
         max_lrsn = max(max_lrsn, int(raw["l"]))
         rec = prepare_record(raw, structure, base)
         if rec is None:
+            if defer is not None and raw.get("u") and relevant(raw, structure):
+                defer.add((key, raw))
+                deferred += 1
+                continue
             kept_aside = older_outcome(raw, structure, base)
             if kept_aside is not None:
                 uow.add(part(kept_aside["u"]), (_OLDER_OUTCOME, key, kept_aside))
@@ -402,7 +492,7 @@ def _scan_records(records: Iterable[tuple[Key, Record]], structure: str, base: B
                 uow.add(part(u), (_NEED, u, i))
             if holder:
                 uow.add(part(holder), (_NEED, holder, i))
-    return max_lrsn, per_member
+    return max_lrsn, per_member, deferred
 
 
 
@@ -435,6 +525,7 @@ class _ScanJob:
     structure: str
     base: Base
     buffer_bytes: int
+    defer: bool = False  # `base` is the manifest's alone: set aside what the backup's UOWs may bring back
 
 
 @dataclass
@@ -447,6 +538,7 @@ class _Scanned:
     bytes_written: int
     pid: int
     peak: int
+    deferred: int = 0  # records set aside in deferred.<name> (_ScanJob.defer)
 
 
 def _scan_slice(job: _ScanJob, sl: LogSlice) -> _Scanned:
@@ -457,11 +549,14 @@ def _scan_slice(job: _ScanJob, sl: LogSlice) -> _Scanned:
     name = f"p{os.getpid()}"
     ent = Partitioned(spill, f"entries.{name}", job.P, job.buffer_bytes // 2)
     uow = Partitioned(spill, f"uows.{name}", job.P, job.buffer_bytes // 2)
-    max_lrsn, per_member = _scan_records(sl.records(), job.structure, job.base,
-                                         lambda key: partition_of(key, job.P), ent, uow)
+    defer = SpillWriter(spill, f"{_DEFERRED}.{name}", 64 << 10) if job.defer else None
+    max_lrsn, per_member, deferred = _scan_records(sl.records(), job.structure, job.base,
+                                                   lambda key: partition_of(key, job.P), ent, uow, defer)
     ent.close()
     uow.close()
-    return _Scanned(name, max_lrsn, per_member, spill.bytes_written, os.getpid(), _vm_hwm())
+    if defer is not None:
+        defer.flush()
+    return _Scanned(name, max_lrsn, per_member, spill.bytes_written, os.getpid(), _vm_hwm(), deferred)
 
 
 @dataclass

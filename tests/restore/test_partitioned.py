@@ -401,3 +401,38 @@ def test_a_plan_interrupted_while_workers_settle_leaves_nothing(tmp_path: Path,
     time.sleep(0.5)  # a thread still handing out tasks would fail now
     assert [t.name for t in threading.enumerate() if t.name.startswith("restore-worker-")] == []
     assert thread_errors == []
+
+
+def test_records_of_an_older_generation_read_beside_the_backup_are_filed_once_its_uows_are_known(
+        tmp_path: Path) -> None:
+    """The workers read the logs while this process reads the backup, knowing only the manifest's UOWs: a record
+    of an older generation is set aside, and filed once the backup's UOWs are known. Here the backup (generation
+    2) holds an entry got by a UOW of generation 1 carried across the restore that began generation 2: that
+    UOW's COMMIT counts (the entry is consumed), while another generation-1 UOW's get and commit, on an entry the
+    backup holds committed, are left out (the entry is restored). Filed too late or not at all, the carried UOW
+    would be in flight, and its get backed out."""
+    from backup.files import read_backup
+
+    R = 10**6
+    w = BackupWriter(tmp_path / "b")
+    w.add(1, Entry("b0", "Q1", state="UG", lrsn=R - 10, uow="QM1.1.7", order=(R - 20, R - 20)).wire(), b"x")
+    w.add(1, Entry("b1", "Q1", state="CP", lrsn=R - 9, order=(R - 19, R - 19)).wire(), b"y")
+    w.finish({"id": "b", "group": "G", "structure": S, "entries": 2, "bytes": 2, "replay_from": R, "gen": 2})
+    with RecordLog(tmp_path / "logs" / "QM1", "QM1") as log:
+        log.append(records.get("QM1.1.8", R + 1, structure=S, gen=1, entry_id="b1", queue="Q1"))
+        log.append(records.commit("QM1.1.8", R + 2, {S: 1}))
+        log.append(records.commit("QM1.1.7", R + 3, {S: 1}))
+        log.append(records.end("QM1.1.7", R + 4))
+        log.force()
+    backup, log_dirs = read_backup(tmp_path / "b"), [tmp_path / "logs" / "QM1"]
+    ref = reference(backup, log_dirs, R)
+    assert {i: s[0] for i, s in normalized(ref)["settled"].items()} == {"b0": "consumed", "b1": "restored"}
+    work = tmp_path / "work"
+    work.mkdir()
+    plan = LocalEngine(work_dir=work, workers=2, partitions=4).plan(S, backup, log_dirs, R, NOW_MS)
+    try:
+        assert isinstance(plan, SpilledPlan) and plan.worker_peak_bytes > 0  # the logs read by the workers
+        assert plan.deferred_records == 3  # the two generation-1 UOWs' three records, filed after the backup
+        assert described(plan) == described(ref)
+    finally:
+        plan.close()
