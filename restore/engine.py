@@ -157,8 +157,8 @@ class LocalEngine:
         _allow_open_files(partitions + 128)  # the load merges one open run per partition
         spill = SpillDir(self.work_dir)
         try:
-            # The logs are read in slices by the worker processes side by side (after the backup: which UOWs it
-            # holds decides which records count), a few slices a worker so that they end together.
+            # The logs are read in slices by the worker processes side by side, while this process reads the
+            # backup (plan_partitioned), a few slices a worker so that they end together.
             plan = plan_partitioned(
                 structure, _counted(backup.copies(), progress, int(total) if total is not None else None),
                 (), slices=log_slices(log_dirs, replay_from, 3 * self.workers), spill=spill, partitions=partitions,

@@ -10,7 +10,9 @@ files (restore.spill), then a streamed result:
     the UOW partition of its UOW, and a "need" (UOW, entry partition) to the UOW partition for each UOW an entry
     partition will ask about (a grace hash join of entries with their UOWs' outcomes); an outcome record the
     generation rule leaves out goes to its UOW partition aside (plan.older_outcome), with a "held" mark for each
-    UOW a relog copy shows holding an entry (plan.copy_holder);
+    UOW a relog copy shows holding an entry (plan.copy_holder); the logs are read by the workers while this
+    process reads the backup, setting aside what the backup's UOWs may bring back under the generation rule
+    (filed once they are known: _file_deferred);
   2 per UOW partition: decide each UOW's outcome (settle.decide_outcome) and send it to the entry partitions that
     need it;
   3 per entry partition: fold each entry (settle.best_copy, uows_named, settle: the one fold every engine uses),
