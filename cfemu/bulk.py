@@ -539,9 +539,20 @@ def sets_of(structure: str, e: Wire) -> list[str]:
     return out
 
 
+def unloadable(entry_id: str, e: UnicodeEncodeError) -> ValueError:
+    """The error for an entry whose descriptor holds a string that is not UTF-8: a raw byte a backup or a log kept
+    by surrogateescape (cfemu.entry), which neither the CF's scripts nor redis-py's encoding (strict) can write.
+    Named by its id (in ASCII: the id itself may be the string), where the encoder's own error named no entry."""
+    text = e.object if isinstance(e.object, str) else ""
+    shown = text if len(text) <= 80 else text[:80] + "..."  # a property's value may be long
+    return ValueError(f"entry {entry_id!a} cannot be written to the CF: its descriptor holds a string that is not "
+                      f"UTF-8 ({e.reason}: at {e.start} of {shown!a})")
+
+
 def prepare(structure: str, batch: Sequence[Survivor]) -> Staged:
     """A batch of a load into `structure`: its writes computed and packed, not sent (touches no server: the next
-    batch is prepared in another thread, or another process, while this one's is sent by Loader.send)."""
+    batch is prepared in another thread, or another process, while this one's is sent by Loader.send). An entry
+    that cannot be encoded raises ValueError (unloadable) before anything of its batch is sent."""
     S = structure
     st = Staged(len(batch))
     lists: dict[str, list[str]] = defaultdict(list)
@@ -559,7 +570,10 @@ def prepare(structure: str, batch: Sequence[Survivor]) -> Staged:
             expiry += (int(e["exp"]), s.id)
         for k in sets_of(S, e):
             sets[k].append(s.id)
-        packed = descriptor(e, s.data)
+        try:
+            packed = descriptor(e, s.data)
+        except UnicodeEncodeError as x:  # the first of the entry's strings to be encoded: the rest are the same
+            raise unloadable(s.id, x) from None
         ids.append(s.id)
         descriptors.append(packed)
         st.copies.append((packed, s.data))
