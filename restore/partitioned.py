@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 from zlib import crc32
 
+from cfemu.bulk import unloadable
 from restore.log_slices import LogSlice
 from restore.plan import (
     COMMIT,
@@ -280,13 +281,16 @@ def _plan_partitioned(structure: str, backup: Iterable[Copy], records: Iterable[
             held_by: set[str] = set()
             for c in backup:
                 desc = c[1]
-                i = part(desc["id"])
-                ent.add(i, (_COPY, c[0], desc, c[2]))
+                try:
+                    i = part(desc["id"])
+                    ent.add(i, (_COPY, c[0], desc, c[2]))
+                    u = desc.get("u", "")
+                    if u:
+                        uow.add(part(u), (_NEED, u, i))
+                except UnicodeEncodeError as x:  # a raw byte the backup kept (surrogateescape): say which entry
+                    raise unloadable(str(desc.get("id")), x) from None
                 max_lrsn = max(max_lrsn, int(desc["l"]))
-                u = desc.get("u", "")
                 held_by.add(u)
-                if u:
-                    uow.add(part(u), (_NEED, u, i))
             base = base_of(manifest, held_by)
             logs_lrsn, per_member, _ = _scan_records(records, structure, base, part, ent, uow)
             max_lrsn = max(max_lrsn, logs_lrsn)
