@@ -279,7 +279,9 @@ def _plan_partitioned(structure: str, backup: Iterable[Copy], records: Iterable[
             uow = Partitioned(spill, "uows", P, buffers // 2)
             max_lrsn = 0
             held_by: set[str] = set()
-            for c in backup:
+            for n, c in enumerate(backup, 1):
+                if logs is not None and not n % 1024:
+                    logs.check()  # a worker that failed stops the plan now, not once the whole backup is read
                 desc = c[1]
                 try:
                     i = part(desc["id"])
@@ -354,6 +356,7 @@ class _Background(Generic[R]):
 
     def __init__(self, results: Iterator[R]) -> None:
         self.queue: queue.SimpleQueue[tuple[bool, Any]] = queue.SimpleQueue()
+        self.failure: BaseException | None = None
         self.thread = threading.Thread(target=self._run, args=(results,), name="restore-scan-logs", daemon=True)
         self.thread.start()
 
@@ -361,7 +364,8 @@ class _Background(Generic[R]):
         try:
             for r in results:
                 self.queue.put((True, r))
-        except BaseException as e:  # handed to results(), which raises it
+        except BaseException as e:  # handed to results() and check(), which raise it
+            self.failure = e
             self.queue.put((False, e))
             return
         self.queue.put((False, None))
@@ -375,6 +379,11 @@ class _Background(Generic[R]):
                 return
             else:
                 raise value
+
+    def check(self) -> None:
+        """Raise the map's failure, if it has failed already (a worker died: no need to wait for results())."""
+        if self.failure is not None:
+            raise self.failure
 
     def join(self) -> None:
         self.thread.join()

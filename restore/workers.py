@@ -108,6 +108,10 @@ class Workers:
         """fn(item) for every item, in the workers, results as they finish (not in the items' order). The first
         failure is raised (the other workers finish their task in hand; no new task is handed out)."""
         if not self.procs:
+            if self.processes and self._stop.is_set():
+                # Its processes were stopped (the `with` left) before this map began (a map consumed by another
+                # thread: restore.partitioned._Background): not every task run here, in this process, instead.
+                raise WorkerError("the restore's worker processes were stopped before their tasks began")
             yield from map(fn, items)
             return
         tasks = iter(items)

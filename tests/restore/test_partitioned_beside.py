@@ -152,6 +152,35 @@ def test_a_worker_killed_mid_slice_while_the_backup_is_read(tmp_path: Path,
 
 
 
+def test_a_worker_killed_mid_slice_stops_the_plan_before_the_backup_is_read(
+        tmp_path: Path, thread_errors: list[BaseException | None]) -> None:
+    """The worker's failure comes out while this process still reads the backup, not once the whole backup is read
+    (at 10M messages that is minutes later)."""
+    _, logs = _write(tmp_path, 0, 30_000)
+    w = BackupWriter(tmp_path / "big")
+    n = 200_000
+    for i in range(n):
+        w.add(1, Entry(f"b{i:09d}", "Q1", state="CP", lrsn=1000 + i, order=(1000 + i, 1000 + i)).wire(), b"x")
+    w.finish({"id": "big", "group": "G", "structure": S, "entries": n, "bytes": n, "replay_from": R, "gen": 1})
+    backup = read_backup(tmp_path / "big")
+    work = tmp_path / "work"
+    work.mkdir()
+    before = _children()
+    seen: list[int] = []
+
+    def progress(phase: str, done: int, total: int | None) -> None:
+        if phase != READ_BACKUP:
+            return
+        seen.append(done)
+        if done == 1000:
+            os.kill(sorted(_children() - before)[0], signal.SIGKILL)
+
+    with pytest.raises(WorkerError):
+        LocalEngine(work_dir=work, workers=2, partitions=8).plan(S, backup, logs, R, 0, progress)
+    assert max(seen) < n // 2, max(seen)
+    _left_nothing(work, before, thread_errors)
+
+
 def test_a_backup_copy_that_cannot_be_restored_is_refused_by_name_before_the_cf_is_touched(
         tmp_path: Path, thread_errors: list[BaseException | None]) -> None:
     """A descriptor holding a raw byte the backup kept (surrogateescape: the CF held bytes that are not UTF-8)

@@ -88,6 +88,15 @@ def test_every_result_comes_back_from_other_processes() -> None:
     assert len({pid for _, pid in out}) >= 2  # the tasks were shared out
 
 
+def test_a_map_begun_after_the_workers_stopped_is_refused_not_run_here() -> None:
+    """A map created inside the `with` but first iterated after it (by another thread: the partitioned plan's
+    reader of the logs, restore.partitioned._Background) must not run every task in this process instead."""
+    with Workers(2) as pool:
+        late = pool.map(square_and_pid, range(3))
+    with pytest.raises(WorkerError, match="stopped before their tasks began"):
+        next(late)
+
+
 def test_one_worker_is_this_process() -> None:
     with Workers(1) as pool:
         assert [pid for _, pid in pool.map(square_and_pid, range(3))] == [os.getpid()] * 3
