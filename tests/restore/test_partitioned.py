@@ -36,6 +36,7 @@ from sqm import records
 from sqm.log import RecordLog
 from tests.restore.test_engine_spark import NOW_MS, S, _real_history, normalized, simulate, write_history
 from tests.restore.test_restore import small_workload, snapshot
+from tests.support.children import child_pids
 from tests.support.harness import lose_cf
 
 TINY = 64 << 10  # the least memory limit there is: forces a partition per few dozen records here
@@ -369,13 +370,6 @@ class _Interrupted(Exception):
     pass
 
 
-def _children() -> set[int]:
-    pids: set[int] = set()
-    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
-        pids.update(int(p) for p in (task / "children").read_text().split())
-    return pids
-
-
 def test_a_plan_interrupted_while_workers_settle_leaves_nothing(tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """The caller's side raises in the middle of the fold (an interrupt, a progress display that fails): the
@@ -387,7 +381,7 @@ def test_a_plan_interrupted_while_workers_settle_leaves_nothing(tmp_path: Path,
     h = simulate(random.Random(3), 1500)
     backup, log_dirs = write_history(h, tmp_path)
     work = tmp_path / "work"
-    before = _children()
+    before = child_pids()
 
     def progress(phase: str, done: int, total: int | None) -> None:
         if phase == "settle" and done == 2:
@@ -397,7 +391,7 @@ def test_a_plan_interrupted_while_workers_settle_leaves_nothing(tmp_path: Path,
         LocalEngine(memory=TINY, work_dir=work, workers=3, partitions=40).plan(
             S, backup, log_dirs, h.replay_from, NOW_MS, progress)
     assert list(work.iterdir()) == []
-    assert _children() - before == set()
+    assert child_pids() - before == set()
     time.sleep(0.5)  # a thread still handing out tasks would fail now
     assert [t.name for t in threading.enumerate() if t.name.startswith("restore-worker-")] == []
     assert thread_errors == []

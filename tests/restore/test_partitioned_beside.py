@@ -19,6 +19,7 @@ from restore.engine import READ_BACKUP, LocalEngine
 from restore.workers import WorkerError
 from sqm import records
 from sqm.log import RecordLog
+from tests.support.children import child_pids
 
 S = "APP1"
 R = 10**7
@@ -55,13 +56,6 @@ def _corrupt_frame(backup: Backup, which: float) -> None:
     path.write_bytes(bytes(raw))
 
 
-def _children() -> set[int]:
-    pids: set[int] = set()
-    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
-        pids.update(int(p) for p in (task / "children").read_text().split())
-    return pids
-
-
 def _ours() -> list[str]:
     return [t.name for t in threading.enumerate()
             if t.name.startswith(("restore-worker-", "restore-scan-logs")) and t.is_alive()]
@@ -76,7 +70,7 @@ def thread_errors(monkeypatch: pytest.MonkeyPatch) -> list[BaseException | None]
 
 def _left_nothing(work: Path, before: set[int], thread_errors: list[BaseException | None]) -> None:
     assert list(work.iterdir()) == []  # the spill directory removed
-    assert _children() - before == set()  # no worker process left, none a zombie
+    assert child_pids() - before == set()  # no worker process left, none a zombie
     time.sleep(0.3)
     assert _ours() == []
     assert thread_errors == []
@@ -91,7 +85,7 @@ def test_a_corrupt_backup_frame_while_the_workers_read_the_logs(tmp_path: Path, 
     _corrupt_frame(backup, which)
     work = tmp_path / "work"
     work.mkdir()
-    before = _children()
+    before = child_pids()
     started = time.monotonic()
     with pytest.raises(CorruptFrameError):
         LocalEngine(work_dir=work, workers=2, partitions=8).plan(S, backup, logs, R, 0)
@@ -117,7 +111,7 @@ def test_an_interrupt_while_the_backup_is_read_beside_the_workers(tmp_path: Path
     backup, logs = _write(tmp_path, 4000, 30_000)
     work = tmp_path / "work"
     work.mkdir()
-    before = _children()
+    before = child_pids()
 
     def progress(phase: str, done: int, total: int | None) -> None:
         if phase == READ_BACKUP and done == 2000:
@@ -135,12 +129,12 @@ def test_a_worker_killed_mid_slice_while_the_backup_is_read(tmp_path: Path,
     backup, logs = _write(tmp_path, 4000, 30_000)
     work = tmp_path / "work"
     work.mkdir()
-    before = _children()
+    before = child_pids()
     killed: list[int] = []
 
     def progress(phase: str, done: int, total: int | None) -> None:
         if phase == READ_BACKUP and done == 1000 and not killed:
-            workers = sorted(_children() - before)
+            workers = sorted(child_pids() - before)
             assert len(workers) == 2
             os.kill(workers[0], signal.SIGKILL)
             killed.append(workers[0])
@@ -165,7 +159,7 @@ def test_a_worker_killed_mid_slice_stops_the_plan_before_the_backup_is_read(
     backup = read_backup(tmp_path / "big")
     work = tmp_path / "work"
     work.mkdir()
-    before = _children()
+    before = child_pids()
     seen: list[int] = []
 
     def progress(phase: str, done: int, total: int | None) -> None:
@@ -173,7 +167,7 @@ def test_a_worker_killed_mid_slice_stops_the_plan_before_the_backup_is_read(
             return
         seen.append(done)
         if done == 1000:
-            os.kill(sorted(_children() - before)[0], signal.SIGKILL)
+            os.kill(sorted(child_pids() - before)[0], signal.SIGKILL)
 
     with pytest.raises(WorkerError):
         LocalEngine(work_dir=work, workers=2, partitions=8).plan(S, backup, logs, R, 0, progress)
@@ -197,7 +191,7 @@ def test_a_backup_copy_that_cannot_be_restored_is_refused_by_name_before_the_cf_
     backup = read_backup(tmp_path / "bad")
     work = tmp_path / "work"
     work.mkdir()
-    before = _children()
+    before = child_pids()
     with pytest.raises(ValueError, match=r"^entry 'b002500\\udcff' cannot be written to the CF: .* not UTF-8"):
         LocalEngine(work_dir=work, workers=2, partitions=8).plan(S, backup, logs, R, 0)
     _left_nothing(work, before, thread_errors)

@@ -25,6 +25,7 @@ from restore.partitioned import SpilledPlan
 from restore.plan import RestorePlan, plan_local
 from restore.workers import WorkerError, Workers
 from sqm.log import RecordLog
+from tests.support.children import child_pids
 
 ITEM = 48 << 20  # a load's batch of 1,000 messages of 48 KiB
 
@@ -58,13 +59,6 @@ def test_a_worker_holds_an_item_and_its_frame_only_while_it_is_sent() -> None:
 # --- a load that stops part way -------------------------------------------------------------------------------
 S = "APP1"
 N = 5000  # five batches
-
-
-def _children() -> set[int]:
-    pids: set[int] = set()
-    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
-        pids.update(int(p) for p in (task / "children").read_text().split())
-    return pids
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +110,7 @@ def test_a_stopped_load_leaves_no_worker_and_no_thread(redis_url: str, history: 
     Admin(client).define_structure(S)
     Admin(client).define_queue("Q1", S)
     plan = _plan(history, tmp_path, workers)
-    before = _children()
+    before = child_pids()
     try:
         def purge_at_3000(phase: str, done: int, total: int | None) -> None:
             if done == 3000:
@@ -134,13 +128,13 @@ def test_a_stopped_load_leaves_no_worker_and_no_thread(redis_url: str, history: 
 
         def kill_the_worker_at_1000(phase: str, done: int, total: int | None) -> None:
             if done == 1000:
-                for pid in _children() - before:
+                for pid in child_pids() - before:
                     os.kill(pid, signal.SIGKILL)
 
         if workers > 1:
             with pytest.raises(WorkerError, match="a restore worker process .* stopped"):
                 _load(client, plan, kill_the_worker_at_1000)
-        assert _children() - before == set()
+        assert child_pids() - before == set()
         assert [t.name for t in threading.enumerate() if t.name == "restore-load-prepare"] == []
         _load(client, plan)  # and a load after them all loads it all
         assert client.hlen("{APP1}:data") == N
@@ -236,12 +230,12 @@ def test_a_plan_of_large_messages_is_loaded_from_a_thread_not_through_a_worker(
     plan = _plan(large_history if large else history, tmp_path, workers=2)
     assert isinstance(plan, SpilledPlan)
     assert (plan.loaded_bytes >= STREAM_BELOW * plan.loaded_count) is large
-    before = _children()
+    before = child_pids()
     spawned: list[set[int]] = []
 
     def look(phase: str, done: int, total: int | None) -> None:
         if done and not spawned:
-            spawned.append(_children() - before)
+            spawned.append(child_pids() - before)
 
     try:
         _load(client, plan, look)
