@@ -182,17 +182,18 @@ def test_partitions_grow_with_the_input_and_shrink_with_the_memory() -> None:
 
 # --------------------------------------------------------------------------------------------- memory bounds
 
-def _write_input(n: int, root: Path) -> None:
-    """A backup of n committed messages and a log of n more put and committed (1 KiB each)."""
+def write_input(root: Path, n_backup: int, n_log: int) -> None:
+    """A backup of n_backup committed messages (root/b, replay from 10**7) and a log of n_log more, each put and
+    committed by a UOW of its own (root/logs/QM1); 1 KiB each."""
     body = bytes(1024)
     w = BackupWriter(root / "b")
-    for i in range(n):
+    for i in range(n_backup):
         w.add(1, Entry(f"b{i:09d}", "Q1", state="CP", lrsn=1000 + i, order=(1000 + i, 1000 + i)).wire(), body)
-    w.finish({"id": "b", "group": "G", "structure": S, "entries": n, "bytes": n * 1024, "replay_from": 10**7,
-              "gen": 1})
+    w.finish({"id": "b", "group": "G", "structure": S, "entries": n_backup, "bytes": n_backup * 1024,
+              "replay_from": 10**7, "gen": 1})
     lrsn = 10**7
     with RecordLog(root / "logs" / "QM1", "QM1") as log:
-        for i in range(n):
+        for i in range(n_log):
             u = f"QM1.1.{i}"
             e = Entry(f"p{i:09d}", "Q1", state="UP", lrsn=lrsn, uow=u, order=(0, lrsn)).wire()
             log.append(records.put(u, lrsn, structure=S, gen=1, entry=e, data=body))
@@ -239,7 +240,7 @@ def _measure(n: int, memory: int, root: Path, workers: int = 1) -> tuple[int, in
     load order, and the worker processes' peaks summed), planned in a fresh process (memory 0: by the in-memory
     plan_local)."""
     if not root.exists():
-        _write_input(n, root)
+        write_input(root, n, n)
     out = subprocess.run([sys.executable, "-c", _MEASURE, str(memory), str(root), str(workers)], check=True,
                          capture_output=True, text=True, timeout=280,
                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})

@@ -17,8 +17,7 @@ from backup.files import Backup, BackupWriter, CorruptFrameError, read_backup
 from cfemu.entry import Entry
 from restore.engine import READ_BACKUP, LocalEngine
 from restore.workers import WorkerError
-from sqm import records
-from sqm.log import RecordLog
+from tests.restore.test_partitioned import write_input
 from tests.support.children import child_pids
 
 S = "APP1"
@@ -27,22 +26,7 @@ R = 10**7
 
 def _write(root: Path, n_backup: int, n_log: int) -> tuple[Backup, list[Path]]:
     """A backup of n_backup committed messages, and a log of n_log UOWs each putting and committing one (1 KiB)."""
-    body = bytes(1024)
-    w = BackupWriter(root / "b")
-    for i in range(n_backup):
-        w.add(1, Entry(f"b{i:09d}", "Q1", state="CP", lrsn=1000 + i, order=(1000 + i, 1000 + i)).wire(), body)
-    w.finish({"id": "b", "group": "G", "structure": S, "entries": n_backup, "bytes": n_backup * 1024,
-              "replay_from": R, "gen": 1})
-    lrsn = R
-    with RecordLog(root / "logs" / "QM1", "QM1") as log:
-        for i in range(n_log):
-            u = f"QM1.1.{i}"
-            e = Entry(f"p{i:09d}", "Q1", state="UP", lrsn=lrsn, uow=u, order=(0, lrsn)).wire()
-            log.append(records.put(u, lrsn, structure=S, gen=1, entry=e, data=body))
-            log.append(records.commit(u, lrsn + 1, {S: 1}))
-            log.append(records.end(u, lrsn + 2))
-            lrsn += 3
-        log.force()
+    write_input(root, n_backup, n_log)
     return read_backup(root / "b"), [root / "logs" / "QM1"]
 
 
