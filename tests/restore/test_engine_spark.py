@@ -57,7 +57,12 @@ class History:
     gen: int = 1  # the structure generation the backup was taken in
 
 
-def simulate(rnd: random.Random, steps: int, body_bytes: int = 16) -> History:
+def simulate(rnd: random.Random, steps: int, body_bytes: int = 16, carry: bool = False) -> History:
+    """A random history of three members. carry: the restore that moves the generation on comes in the first
+    half, carrying an in-doubt UOW that holds entries (one is prepared just before it, if none is), and the backup
+    comes after it: the backup shows an older generation's UOW holding entries, whose outcome records later count
+    only because the backup holds them (restore.plan.current_incarnation; the partitioned plan files such records
+    once the backup is read)."""
     h = History()
     lrsn = 1000
     entries: dict[str, dict[str, Any]] = {}  # id -> wire descriptor (the CF's view)
@@ -70,6 +75,9 @@ def simulate(rnd: random.Random, steps: int, body_bytes: int = 16) -> History:
     # The structure's generation moves on once (a restore or a purge): UOWs keep the one they started in, and
     # the generation rule (restore.plan.current_incarnation) leaves out the older one's unless carried.
     gen, flip_at = 1, rnd.randrange(steps) if steps else 0
+    if carry and steps > 2:
+        flip_at = rnd.randrange(steps // 4, steps // 2)
+        backup_at = rnd.randrange(flip_at + 1, steps)
     gen_of: dict[str, int] = {}
 
     def tick() -> int:
@@ -116,6 +124,11 @@ def simulate(rnd: random.Random, steps: int, body_bytes: int = 16) -> History:
 
     for step in range(steps):
         if step == flip_at:  # a restore: the in-flight UOWs are backed out; their owners' later records are stale
+            holding = [(m, u) for m in MEMBERS for u in open_uows[m] if held_by(u)]
+            if carry and holding and not any(u in prepared for _, u in holding):
+                m, u = rnd.choice(holding)
+                prepared.append(u)
+                h.logs[m].append(records.prepare(u, tick(), {S: gen_of[u]}, xid=f"xid-{u}"))
             gen = 2
             for m in MEMBERS:
                 for u in [u for u in open_uows[m] if u not in prepared]:

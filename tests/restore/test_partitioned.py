@@ -398,6 +398,25 @@ def test_a_plan_interrupted_while_workers_settle_leaves_nothing(tmp_path: Path,
     assert thread_errors == []
 
 
+@settings(max_examples=30, derandomize=True, database=None, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1))
+def test_histories_that_carry_a_uow_across_a_restore_partition_the_same(tmp_path_factory: pytest.TempPathFactory,
+                                                                        seed: int) -> None:
+    """The generator's histories with an in-doubt UOW carried across the restore and a backup after it (simulate's
+    carry): the workers' deferred records, filed once the backup is read, give the in-memory plan."""
+    h = simulate(random.Random(seed), 150, carry=True)
+    root = tmp_path_factory.mktemp("carried")
+    backup, log_dirs = write_history(h, root)
+    work = root / "work"
+    work.mkdir()
+    plan = LocalEngine(memory=TINY, work_dir=work, workers=2).plan(S, backup, log_dirs, h.replay_from, NOW_MS)
+    try:
+        assert described(plan) == described(reference(backup, log_dirs, h.replay_from))
+    finally:
+        plan.close()
+
+
 def test_records_of_an_older_generation_read_beside_the_backup_are_filed_once_its_uows_are_known(
         tmp_path: Path) -> None:
     """The workers read the logs while this process reads the backup, knowing only the manifest's UOWs: a record
