@@ -34,6 +34,12 @@ def _encode(a: Arg) -> bytes:
     raise TypeError(f"a command argument is bytes, str or int, not {type(a).__name__}")
 
 
+def _header(head: Iterable[Arg], n: int) -> bytes:
+    """A command's count line and its `head` arguments (its name and key), for `n` arguments more after them."""
+    encoded = [_encode(a) for a in head]
+    return b"*%d\r\n" % (len(encoded) + n) + b"".join(b"$%d\r\n%s\r\n" % (len(b), b) for b in encoded)
+
+
 class Packed:
     """Commands in RESP, added one by one, kept as parts (a body is never copied until data() joins them)."""
 
@@ -50,11 +56,8 @@ class Packed:
     def add_items(self, head: Iterable[Arg], items: Iterable[Arg], n: int) -> None:
         """One command: `head` (its name and key) then `n` arguments from `items` (HSET's fields and values,
         SADD's or RPUSH's members)."""
-        encoded = [_encode(a) for a in head]
         parts = self.parts
-        parts.append(b"*%d\r\n" % (len(encoded) + n))
-        for b in encoded:
-            parts.append(b"$%d\r\n%s\r\n" % (len(b), b))
+        parts.append(_header(head, n))
         seen = 0
         for a in items:
             b = _encode(a)
@@ -73,10 +76,8 @@ class Packed:
         and pickle both HSETs, the SADDs and the RPUSH with add_items, 1.3 ms with add_pairs and add_commands)."""
         if len(fields) != len(values):
             raise ValueError(f"a command had {len(fields)} fields and {len(values)} values")
-        encoded = [_encode(a) for a in head]
         parts = self.parts
-        parts.append(b"*%d\r\n" % (len(encoded) + 2 * len(fields))
-                     + b"".join(b"$%d\r\n%s\r\n" % (len(b), b) for b in encoded))
+        parts.append(_header(head, 2 * len(fields)))
         end = b""  # the end of the previous value, sent with the next field
         for f, v in zip(fields, values, strict=True):
             fb = f.encode() if type(f) is str else _encode(f)
