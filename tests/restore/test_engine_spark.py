@@ -285,6 +285,20 @@ def test_spark_and_local_engines_give_identical_plans(spark: Any, tmp_path_facto
     assert remote == local
 
 
+@settings(max_examples=12, derandomize=True, database=None, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1))
+def test_spark_and_local_engines_agree_on_histories_that_carry_a_uow_across_a_restore(
+        spark: Any, tmp_path_factory: pytest.TempPathFactory, seed: int) -> None:
+    """The generator's histories with an in-doubt UOW that holds entries carried across the restore that moved the
+    generation on, and a backup after it (simulate's carry): the UOW's outcome in the log counts under the
+    generation rule, and both engines settle it alike."""
+    h = simulate(random.Random(seed), 150, carry=True)
+    backup, log_dirs = write_history(h, tmp_path_factory.mktemp("carried"))
+    local, remote = both_plans(spark, backup, log_dirs, h.replay_from)
+    assert remote == local
+
+
 def test_a_rich_history_exercises_every_disposition(spark: Any, tmp_path: Path) -> None:
     """The random histories are not vacuous: one long one reaches every disposition and outcome kind."""
     h = simulate(random.Random(3), 1500)
