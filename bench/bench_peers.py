@@ -21,6 +21,8 @@ so the benchmark process's GIL does not bound them. Client counts 1, 2, 4, 8, 16
 count, rounds of all contenders interleaved; each figure is the median over the rounds, with:
   CPU per lifecycle:  user+system CPU of the contender's server processes (with their children) and of the client
                       processes over the window, per lifecycle (µs);
+  of which redis:     the same for the redis-server among them alone (the SQM's CF; durable Redis's server): the
+                      work Redis itself does for one lifecycle, which the SQM cannot go below on the same cores;
   fsyncs per commit:  where the contender counts them (the SQM's log, PostgreSQL's pg_stat_wal.wal_sync); '-' else;
   load average:       the 1-minute load average when the round ended.
 
@@ -259,6 +261,11 @@ class Contender:
         """(fsyncs, commits) so far as the servers count them; None: not measurable from outside the clients."""
         return None
 
+    def redis_pids(self) -> list[int]:
+        """The redis-server processes among the servers (the SQM's CF; durable Redis's server): their CPU per
+        lifecycle is shown apart, the work Redis itself does for one lifecycle."""
+        return []
+
 
 class Postgres(Contender):
     name = "postgres"
@@ -362,6 +369,9 @@ class RedisAOF(Contender):
     def server_pids(self) -> list[int]:
         return [self.server.pid] if self.server.pid else []
 
+    def redis_pids(self) -> list[int]:
+        return self.server_pids()
+
     def client_params(self) -> dict[str, Any]:
         return {"url": self.server.url}
 
@@ -384,6 +394,9 @@ class SQMService(Contender):
     def server_pids(self) -> list[int]:
         pids = [int(p) for p in self.cluster.running_processes().values()]
         return pids
+
+    def redis_pids(self) -> list[int]:
+        return [int(p) for name, p in self.cluster.running_processes().items() if name == "CF"]
 
     def client_params(self) -> dict[str, Any]:
         return {"endpoints": [f"{h}:{p}" for _, h, p in self.cluster.endpoints], "token": self.cluster.token}
@@ -620,12 +633,13 @@ def measure(contender: Contender, workers: Workers, clients: int, seconds: float
         pipe.recv()
     f0 = contender.fsyncs()
     roots = contender.server_pids() + workers.pids()
-    c0, t0 = cpu_ticks(roots), time.time()
+    redis = contender.redis_pids()
+    c0, r0, t0 = cpu_ticks(roots), cpu_ticks(redis), time.time()
     stop_at = t0 + seconds
     for pipe in used:
         pipe.send(("go", stop_at))
     time.sleep(max(0.0, stop_at - time.time()))
-    c1, t1 = cpu_ticks(roots), time.time()
+    c1, r1, t1 = cpu_ticks(roots), cpu_ticks(redis), time.time()
     total, extras = 0, []
     for pipe in used:
         if not pipe.poll(120):
@@ -644,6 +658,7 @@ def measure(contender: Contender, workers: Workers, clients: int, seconds: float
         fsyncs_per_commit = sum(x["fsyncs"] for x in extras) / (2 * total) if total else None
     return {"per_s": total / (t1 - t0), "lifecycles": total,
             "cpu_us": (c1 - c0) / TICK * 1e6 / total if total else None,
+            "redis_cpu_us": (r1 - r0) / TICK * 1e6 / total if total and redis else None,
             "fsyncs_per_commit": fsyncs_per_commit, "load": round(os.getloadavg()[0], 2)}
 
 
@@ -718,6 +733,7 @@ def main(argv: list[str] | None = None) -> int:
                 results[name][str(n)] = {
                     "per_s": round(statistics.median(m["per_s"] for m in ms), 1),
                     "cpu_us_per_lifecycle": round(statistics.median(m["cpu_us"] for m in ms)),
+                    "redis_cpu_us_per_lifecycle": _median_or_none([m["redis_cpu_us"] for m in ms]),
                     "fsyncs_per_commit": round(statistics.median(fs), 3) if fs else None,
                     "load": [m["load"] for m in ms], "rounds_per_s": [round(m["per_s"], 1) for m in ms]}
     finally:
@@ -745,6 +761,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _median_or_none(values: list[float | None]) -> int | None:
+    known = [v for v in values if v is not None]
+    return round(statistics.median(known)) if known else None
+
+
 def print_tables(record: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -752,6 +773,8 @@ def print_tables(record: dict[str, Any]) -> None:
     peers = list(record["results"])
     for title, key, fmt in (("lifecycles/s (median)", "per_s", "{:.0f}"),
                             ("CPU µs per lifecycle (servers + clients)", "cpu_us_per_lifecycle", "{:.0f}"),
+                            ("of which redis-server (the SQM's CF; durable Redis's server)",
+                             "redis_cpu_us_per_lifecycle", "{:.0f}"),
                             ("fsyncs per commit", "fsyncs_per_commit", "{:.2f}")):
         table = Table("clients", *peers, "load", title=title)
         for n in record["clients"]:

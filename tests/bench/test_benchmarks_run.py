@@ -100,3 +100,22 @@ def test_a_peer_that_cannot_be_had_is_unavailable(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(bench_peers.os, "geteuid", lambda: 1000)
     with pytest.raises(bench_peers.Unavailable, match="does not allow installing"):
         bench_peers.pg_bin(True)
+
+
+def test_the_peers_benchmark_shows_the_redis_servers_own_cpu(runs: dict[str, tuple[int, str, float]]) -> None:
+    """The CPU a lifecycle costs in redis-server alone (the SQM's CF, durable Redis's server) is shown apart: the
+    work Redis itself does for one lifecycle, below which the SQM cannot go on the same cores (BENCHMARKS.md,
+    peers). A figure for each contender with a redis-server, none for the others."""
+    output = runs["bench_peers.py"][1]
+    lines = output.splitlines()
+    title = next(i for i, line in enumerate(lines) if "of which redis-server" in line)
+    header = next(line for line in lines[title:] if line.startswith("┃"))
+    row = next(line for line in lines[title:] if line.startswith("│"))
+    cells = dict(zip([c.strip() for c in header.strip("┃").split("┃")],
+                     [c.strip() for c in row.strip("│").split("│")], strict=True))
+    assert cells["clients"] == "1"
+    for name, value in cells.items():
+        if name in ("redis-aof", "sqm-inproc", "sqm-service", "sqm-service-1"):
+            assert value.isdigit() and int(value) > 0, (name, value)
+        elif name in ("postgres", "rabbitmq"):
+            assert value == "-", (name, value)
