@@ -70,10 +70,11 @@ def batches(items: Iterable[Settled], size: int, max_bytes: int = 0) -> Iterator
 
 
 def batch_bytes_for(memory: int) -> int:
-    """The most message data one batch of a load holds when the restore may use `memory` bytes: about six batches
-    are held at once (DEPTH prepared ahead, one being sent, its copies for the restore point, and in a worker the
-    one being made and its pickle), so a batch gets a sixteenth, 1 MiB at least. Batches of a thousand messages
-    of 4 MiB (a queue's default MAXMSGL) had been 4 GiB each, whatever the limit."""
+    """The most message data one batch of a load holds when the restore may use `memory` bytes: about seven batches
+    are held at once (DEPTH prepared ahead, one being sent, the copies of two for the restore point (Beside: one
+    being written, one waiting), and in a worker the one being made and its pickle), so a batch gets a sixteenth,
+    1 MiB at least. Batches of a thousand messages of 4 MiB (a queue's default MAXMSGL) had been 4 GiB each,
+    whatever the limit."""
     return max(1 << 20, memory // 16)
 
 
@@ -134,6 +135,57 @@ class _Failed:
 
 
 _DONE = object()
+
+
+class Beside:
+    """Hands each loaded batch's copies to `write` (the restore point's writer) in a thread of its own, at most
+    DEPTH batches behind, so that the CF is sent the next batch while the point frames and checksums this one:
+    done in the loading thread, between two batches, that work left the CF idle (BENCHMARKS.md, restore, seventh
+    pass). Use it in a `with`: leaving it normally waits until every batch handed over is written, and raises the
+    writer's failure; leaving it by an exception stops the thread without waiting. A failure of the writer also
+    stops the load at the next batch handed over."""
+
+    DEPTH = 1
+
+    def __init__(self, write: Callable[[list[tuple[bytes, bytes]]], None]) -> None:
+        self.write = write
+        self.queue: queue.Queue[Any] = queue.Queue(maxsize=self.DEPTH)
+        self.failure: BaseException | None = None
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._consume, name="restore-load-point", daemon=True)
+
+    def _consume(self) -> None:
+        while True:
+            item = self.queue.get()
+            if item is _DONE or self.stop.is_set():
+                return
+            if self.failure is None:
+                try:
+                    self.write(item)
+                except BaseException as e:  # raised in the loading thread (put, __exit__)
+                    self.failure = e
+
+    def put(self, copies: list[tuple[bytes, bytes]]) -> None:
+        """Hand over one batch's copies, once the batch is in the CF (waits while DEPTH batches are pending)."""
+        if self.failure is not None:
+            raise self.failure
+        self.queue.put(copies)
+
+    def __enter__(self) -> Beside:
+        self.thread.start()
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is not None:
+            self.stop.set()
+            with contextlib.suppress(queue.Full):
+                self.queue.put_nowait(_DONE)
+            self.thread.join()
+            return
+        self.queue.put(_DONE)
+        self.thread.join()
+        if self.failure is not None:
+            raise self.failure
 
 
 def staged(structure: str, settled: Iterable[Settled], batch: int,
@@ -207,6 +259,10 @@ class PseudoClockFloor:
             owner.transaction(lambda pipe: pipe.hset(keys.pclock(structure), mapping={"v": self.floor, "w": 0}))
 
 
+def _no_copies(copies: list[tuple[bytes, bytes]]) -> None:
+    return None
+
+
 def load_plan(owner: bulk.Owner, plan: RestorePlan, sdef: StructureDef, queues: list[str], *,
               batch: int = BATCH, batch_bytes: int = batch_bytes_for(DEFAULT_MEMORY),
               progress: Progress = no_progress, restored_from: str = "",
@@ -236,12 +292,12 @@ def load_plan(owner: bulk.Owner, plan: RestorePlan, sdef: StructureDef, queues: 
                 source = pool.stream(_staged_runs, (S, spilled.runs(), batch, batch_bytes))
             else:
                 source = staged(S, plan.in_load_order(), batch, batch_bytes)
-            with Prepared(source) as prepared:
+            with Prepared(source) as prepared, Beside(copies_to or _no_copies) as point:
                 for staged_batch, floor in prepared:
                     clock.floor = max(clock.floor, floor)
                     loader.send(staged_batch)
                     if copies_to is not None:
-                        copies_to(staged_batch.copies)
+                        point.put(staged_batch.copies)
                     expected.update(staged_batch.lists)
                     result.entries += staged_batch.entries
                     result.batches += 1
