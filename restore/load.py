@@ -142,8 +142,10 @@ class Beside:
     DEPTH batches behind, so that the CF is sent the next batch while the point frames and checksums this one:
     done in the loading thread, between two batches, that work left the CF idle (BENCHMARKS.md, restore, seventh
     pass). Use it in a `with`: leaving it normally waits until every batch handed over is written, and raises the
-    writer's failure; leaving it by an exception stops the thread without waiting. A failure of the writer also
-    stops the load at the next batch handed over."""
+    writer's failure; leaving it by an exception stops the thread after the write under way, without writing what
+    is still pending. Either way the thread has ended when the `with` is left, however often Ctrl-C interrupts the
+    wait: the caller aborts the point's writer next, which must not happen under a write. A failure of the writer
+    also stops the load at the next batch handed over."""
 
     DEPTH = 1
 
@@ -152,18 +154,24 @@ class Beside:
         self.queue: queue.Queue[Any] = queue.Queue(maxsize=self.DEPTH)
         self.failure: BaseException | None = None
         self.stop = threading.Event()
+        # Set by the thread itself as it ends. Not Thread.join(): on Python 3.11 a join interrupted by Ctrl-C can
+        # leave a thread that still runs reported as ended (the review of 0d4250e).
+        self.ended = threading.Event()
         self.thread = threading.Thread(target=self._consume, name="restore-load-point", daemon=True)
 
     def _consume(self) -> None:
-        while True:
-            item = self.queue.get()
-            if item is _DONE or self.stop.is_set():
-                return
-            if self.failure is None:
-                try:
-                    self.write(item)
-                except BaseException as e:  # raised in the loading thread (put, __exit__)
-                    self.failure = e
+        try:
+            while True:
+                item = self.queue.get()
+                if item is _DONE or self.stop.is_set():
+                    return
+                if self.failure is None:
+                    try:
+                        self.write(item)
+                    except BaseException as e:  # raised in the loading thread (put, __exit__)
+                        self.failure = e
+        finally:
+            self.ended.set()
 
     def put(self, copies: list[tuple[bytes, bytes]]) -> None:
         """Hand over one batch's copies, once the batch is in the CF (waits while DEPTH batches are pending)."""
@@ -177,15 +185,34 @@ class Beside:
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
         if exc_type is not None:
-            self.stop.set()
-            with contextlib.suppress(queue.Full):
-                self.queue.put_nowait(_DONE)
-            self.thread.join()
+            self._stop()
             return
-        self.queue.put(_DONE)
-        self.thread.join()
+        try:
+            self.queue.put(_DONE)
+            self.ended.wait()
+            self.thread.join(1.0)  # it ends right after: what remains is its return
+        except BaseException:  # Ctrl-C while the last batches are written: stop as on any other way out
+            self._stop()
+            raise
         if self.failure is not None:
             raise self.failure
+
+    def _stop(self) -> None:
+        """Stop the thread after the write under way, and wait until it has ended: an interrupt of the wait is
+        raised once it has (the first one)."""
+        self.stop.set()
+        with contextlib.suppress(queue.Full):
+            self.queue.put_nowait(_DONE)
+        interrupted: BaseException | None = None
+        while True:
+            try:
+                self.ended.wait()
+                self.thread.join(1.0)
+                break
+            except BaseException as e:
+                interrupted = interrupted or e
+        if interrupted is not None:
+            raise interrupted
 
 
 def staged(structure: str, settled: Iterable[Settled], batch: int,

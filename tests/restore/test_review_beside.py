@@ -8,12 +8,15 @@ SQM's messages, a real redis-server, a real restore (restore.run.run_restore) wh
   write: the point is aborted, nothing hangs, no thread is left.
 - A normal restore's point holds exactly what the load put in the CF, and a restore from it gives the same
   content.
+- An interrupt while the load waits for the point's last write: the point must not be aborted while its thread
+  still writes (RestorePointWriter / BackupWriter are not made for two threads).
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -216,3 +219,54 @@ def test_a_normal_restores_point_holds_exactly_what_the_load_wrote(
     rejoin(qm)
     assert [b for b, _ in drain(qm.connect(), "Q1")] == bodies
 
+
+def test_an_interrupt_while_the_load_waits_for_the_points_last_write_does_not_abort_it_under_the_writer(
+        lost: tuple[redis.Redis, Path, Path, list[bytes], Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every batch is in the CF; the loading thread waits (Beside.__exit__, the normal way out: thread.join())
+    for the point's thread to write the last one, which is slow (a busy disk). The operator presses Ctrl-C once:
+    the KeyboardInterrupt leaves Beside.__exit__ from its join, without stopping or waiting for the thread, and
+    restore.run aborts the point (BackupWriter.abort: its pending writes, its file, rmtree) while that thread
+    still writes into it: the writer used from two threads at once, a thread left running after run_restore
+    raised (the review of 0d4250e found it so). Beside must wait for the write under way first, however it is
+    left."""
+    client, logs, backups, _, _ = lost
+    release = threading.Event()
+    in_last = threading.Event()
+    real, real_abort = RestorePointWriter.add_copies, RestorePointWriter.abort
+    events: list[str] = []
+    calls = []
+
+    def add_copies(self: RestorePointWriter, copies: Any) -> None:
+        calls.append(1)
+        if len(calls) == 3:
+            in_last.set()
+            release.wait(10)
+        events.append("write")
+        real(self, copies)
+        events.append("written")
+
+    def abort(self: RestorePointWriter) -> None:
+        events.append("abort")
+        real_abort(self)
+
+    monkeypatch.setattr(RestorePointWriter, "add_copies", add_copies)
+    monkeypatch.setattr(RestorePointWriter, "abort", abort)
+
+    def ctrl_c() -> None:
+        in_last.wait(10)
+        time.sleep(0.5)  # the loading thread has sent every batch and waits in Beside.__exit__
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(1.0)
+        release.set()  # the slow write ends (a fixed Beside waits for it before the point is aborted)
+
+    threading.Thread(target=ctrl_c, daemon=True).start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_restore(client, S, backup_root=backups, log_root=logs, engine_options=OPTIONS)
+        alive = [t.name for t in threading.enumerate() if t.name == "restore-load-point"]
+    finally:
+        release.set()
+    time.sleep(0.5)
+    assert alive == [], f"the point's thread still ran when run_restore raised: {events}"
+    assert "abort" in events
+    assert events[events.index("abort"):] == ["abort"], f"the point was written after it was aborted: {events}"
