@@ -19,7 +19,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -141,12 +141,18 @@ def test_a_full_disk_under_the_points_own_writing_thread_fails_the_restore(
     _restore_all(client, logs, backups, bodies, qm)
 
 
-def _slow_point(monkeypatch: pytest.MonkeyPatch, seconds: float) -> list[str]:
-    """The point's writes take `seconds` each; returns the log of the point's calls (write, written, abort)."""
+def _slow_point(monkeypatch: pytest.MonkeyPatch, seconds: float,
+                before_write: Callable[[int], None] | None = None) -> list[str]:
+    """The point's writes take `seconds` each, after before_write(n) for the n-th (from 1); returns the log of the
+    point's calls (write, written, abort)."""
     real, real_abort = RestorePointWriter.add_copies, RestorePointWriter.abort
     events: list[str] = []
+    calls = [0]
 
     def add_copies(self: RestorePointWriter, copies: Any) -> None:
+        calls[0] += 1
+        if before_write is not None:
+            before_write(calls[0])
         events.append("write")
         time.sleep(seconds)
         real(self, copies)
@@ -232,25 +238,13 @@ def test_an_interrupt_while_the_load_waits_for_the_points_last_write_does_not_ab
     client, logs, backups, _, _ = lost
     release = threading.Event()
     in_last = threading.Event()
-    real, real_abort = RestorePointWriter.add_copies, RestorePointWriter.abort
-    events: list[str] = []
-    calls = []
 
-    def add_copies(self: RestorePointWriter, copies: Any) -> None:
-        calls.append(1)
-        if len(calls) == 3:
+    def hold_the_last(n: int) -> None:
+        if n == 3:
             in_last.set()
             release.wait(10)
-        events.append("write")
-        real(self, copies)
-        events.append("written")
 
-    def abort(self: RestorePointWriter) -> None:
-        events.append("abort")
-        real_abort(self)
-
-    monkeypatch.setattr(RestorePointWriter, "add_copies", add_copies)
-    monkeypatch.setattr(RestorePointWriter, "abort", abort)
+    events = _slow_point(monkeypatch, 0.0, hold_the_last)
 
     def ctrl_c() -> None:
         in_last.wait(10)
