@@ -286,10 +286,6 @@ class PseudoClockFloor:
             owner.transaction(lambda pipe: pipe.hset(keys.pclock(structure), mapping={"v": self.floor, "w": 0}))
 
 
-def _no_copies(copies: list[tuple[bytes, bytes]]) -> None:
-    return None
-
-
 def load_plan(owner: bulk.Owner, plan: RestorePlan, sdef: StructureDef, queues: list[str], *,
               batch: int = BATCH, batch_bytes: int = batch_bytes_for(DEFAULT_MEMORY),
               progress: Progress = no_progress, restored_from: str = "",
@@ -319,11 +315,12 @@ def load_plan(owner: bulk.Owner, plan: RestorePlan, sdef: StructureDef, queues: 
                 source = pool.stream(_staged_runs, (S, spilled.runs(), batch, batch_bytes))
             else:
                 source = staged(S, plan.in_load_order(), batch, batch_bytes)
-            with Prepared(source) as prepared, Beside(copies_to or _no_copies) as point:
+            point = Beside(copies_to) if copies_to is not None else None  # no thread when no point is written
+            with Prepared(source) as prepared, point or contextlib.nullcontext():
                 for staged_batch, floor in prepared:
                     clock.floor = max(clock.floor, floor)
                     loader.send(staged_batch)
-                    if copies_to is not None:
+                    if point is not None:
                         point.put(staged_batch.copies)
                     expected.update(staged_batch.lists)
                     result.entries += staged_batch.entries
