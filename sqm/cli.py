@@ -37,6 +37,7 @@ from cfemu.settings import Settings, operator_token
 from sqm.logadmin import add_log_admin_parsers
 from sqm.logprint import LOG_ERRORS, add_log_parser
 from sqm.recauto import RecoverStructure
+from sqm.request_slots import default_slots
 from sqm.service.protocol import DEFAULT_MAX_FRAME, MAX_FRAME, MIN_FRAME
 from sqm.service.server import ServerConfig, is_loopback_host, serve
 
@@ -89,6 +90,9 @@ def add_run_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
     p.add_argument("--lease-ms", type=int, default=5000, help="lease in the admin structure (default 5000)")
     p.add_argument("--cf-connections", type=int, default=64,
                    help="connections to the CF; more concurrent requests wait for one (default 64)")
+    p.add_argument("--request-slots", type=int, default=default_slots(),
+                   help="requests doing their work at once, each up to its first wait (for the log, a message); "
+                        f"the others wait for a slot (default: CPUs + 1, here {default_slots()})")
     p.add_argument("--logload", type=int, default=10000,
                    help="LOGLOAD: take a checkpoint every N log records (default 10000)")
     p.add_argument("--max-frame", type=int, default=DEFAULT_MAX_FRAME,
@@ -108,6 +112,8 @@ def add_run_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
 def cmd_run(args: argparse.Namespace, out: Output) -> int:
     if args.lease_ms < 500 or args.logload < 1 or args.cf_connections < 4:
         raise CLIError("--lease-ms must be >= 500, --logload >= 1 and --cf-connections >= 4")
+    if args.request_slots < 1:
+        raise CLIError(f"--request-slots must be >= 1, not {args.request_slots}")
     if args.log_ring < 3 or args.log_segment_mb <= 0 or args.checkpoint_interval < 0 or args.cpl_entries < 0:
         raise CLIError("--log-ring must be >= 3, --log-segment-mb > 0, --checkpoint-interval >= 0 and "
                        "--cpl-entries >= 0")
@@ -131,7 +137,7 @@ def cmd_run(args: argparse.Namespace, out: Output) -> int:
         max_connections_per_peer=args.max_connections_per_peer, max_unauthenticated=args.max_unauthenticated,
         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
         metrics_port=args.metrics_port, metrics_host=args.metrics_host, lease_ms=args.lease_ms, cf_connections=args.cf_connections,
-        logload=args.logload, max_frame=args.max_frame, log_mode=args.log_mode, log_ring=args.log_ring,
+        request_slots=args.request_slots, logload=args.logload, max_frame=args.max_frame, log_mode=args.log_mode, log_ring=args.log_ring,
         log_archive_dir=found.log_archive_dir, segment_bytes=max(4096, int(args.log_segment_mb * 2**20)),
         checkpoint_interval_s=args.checkpoint_interval, cpl_entries=args.cpl_entries,
         shutdown_grace_s=args.shutdown_grace, cf_wait_s=args.cf_wait, ready_file=args.ready_file,

@@ -30,6 +30,7 @@ from sqm.clock import now_ms
 from sqm.failpoints import failpoint
 from sqm.messaging import UnitOfWorkScope
 from sqm.records import INDOUBT, INFLIGHT
+from sqm.request_slots import nap
 from sqm.uow import UnitOfWork
 
 # MQ's expiry is a 32-bit count of tenths of a second: bounded so that expiry arithmetic cannot overflow.
@@ -195,7 +196,7 @@ class Connection(UnitOfWorkScope):
                     break
                 if time.monotonic() >= deadline:
                     raise NoMessageError(f"no message available on {queue}")
-                time.sleep(delay)
+                nap(delay)
                 delay = min(delay * 2, 0.05)
         except BaseException as e:
             if uow.operations == 0 and not uow.doomed:  # nothing taken: no UOW to keep (an idle connection holds none)

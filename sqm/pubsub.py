@@ -56,6 +56,7 @@ from cfemu.topic_attributes import TopicAttributes, publication_queue, subscript
 from sqm import uowcontrols as ctl
 from sqm.connection import Connection
 from sqm.manager import QueueManager
+from sqm.request_slots import nap
 
 SUB_LETTER = b"S"  # every subscription entry's correlation id: subscriptions() scans them all by it
 ROSTER_LETTER = b"R"  # every roster entry's correlation id (one per subscription, never replaced)
@@ -343,7 +344,7 @@ def _merge_raced(qm: QueueManager, t: Topic, s: Subscription) -> Subscription:
             both, elsewhere = take_all(conn, t, s.name, user=s.user, token=s.token)
             if elsewhere:
                 conn.backout()
-                time.sleep(0.01 * (attempt + 1) * (1 + os.urandom(1)[0] / 255))  # the other racer merges, or we
+                nap(0.01 * (attempt + 1) * (1 + os.urandom(1)[0] / 255))  # the other racer merges, or we
                 continue
             put_subscription(conn, t, both)
             conn.commit()
@@ -462,7 +463,7 @@ class PubSubSession:
                                    int(props.get("pub.created", 0)), nxt.messages[0][0].persistent)
             if time.monotonic() >= deadline or self.scope.gone.is_set():
                 break
-            time.sleep(POLL_S)
+            nap(POLL_S)
         if self.scope.gone.is_set():
             raise ClientGoneError("the client left while its receive waited")
         if not any(x.received for x in self.held.values()) and self.draft is None:

@@ -19,6 +19,7 @@ from cfemu.errors import NoMessageError, UowStatusError
 from cfemu.uow_attributes import UowAttributes, control_queue, data_queue
 from sqm.connection import Connection, Message
 from sqm.manager import QueueManager
+from sqm.request_slots import nap
 from sqm.uowstatus import LETTER, Control, status_letter_hex
 
 log = logging.getLogger(__name__)
@@ -107,7 +108,7 @@ def peek(qm: QueueManager, svc: Service, uow: str, *, wait_s: float = 0.0) -> Co
         found = _peek_entry(qm, svc, uow)
         if found is None or found[0].state != "UG" or time.monotonic() >= deadline:
             return Control.unpack(found[1]) if found else None
-        time.sleep(delay)
+        nap(delay)
         delay = min(delay * 2, 0.05)
 
 
@@ -178,7 +179,7 @@ def take_control(conn: Connection, svc: Service, uow: str, *, wait_s: float = HE
         if found is None or found[0].state == "UG" and found[0].uow in mine:
             raise UowStatusError(f"unit of work {uow} changed status meanwhile (or its status is not kept)")
         if found[0].state == "UG":  # given back (a look), or replaced (a change) in a moment: try again then
-            time.sleep(delay)
+            nap(delay)
             delay = min(delay * 2, 0.05)
 
 

@@ -41,6 +41,7 @@ from sqm.log.format import (
     trusted_segments,
     write_manifest,
 )
+from sqm.request_slots import before_wait
 
 #: Checkpoints remembered in the manifest.
 CHECKPOINTS_KEPT = 16
@@ -540,6 +541,7 @@ class RecordLog:
             if upto is not None and last is not None and upto > last:
                 raise ValueError(f"force({upto}): position beyond the last appended record {last}")
             target = upto if upto is not None else last
+        before_wait()  # a service request's slot goes to another request while this one waits (group commit)
         with self._fcond:
             self.stats.forces += 1
             if target is None:

@@ -96,6 +96,17 @@ class SQMCollector(Collector):
             for (op, result), n in sorted(stats.get("requests", {}).items()):
                 c.add_metric([qm.name, op, result], n)
             yield c
+            # Request slots (sqm.request_slots): a queue of waiters that never empties says the slots, not the CF
+            # or the log, bound the service; --request-slots.
+            for key, help_text in (("request_slots", "Requests that may do their work at once (--request-slots)"),
+                                   ("waiting_for_slot", "Requests waiting for a request slot now")):
+                g = GaugeMetricFamily(f"sqm_{key}", help_text, labels=list(labels))
+                g.add_metric([qm.name], stats.get(key, 0))
+                yield g
+            c = CounterMetricFamily("sqm_slot_waits", "Requests that waited for a request slot",
+                                    labels=list(labels))
+            c.add_metric([qm.name], stats.get("slot_waits", 0))
+            yield c
             # The security metrics: every label value comes from a fixed set (sqm.service.server), never from
             # what a peer sent.
             g = GaugeMetricFamily("sqm_connections_unauthenticated", "Open connections that have not authenticated",

@@ -74,6 +74,7 @@ from sqm.conversation import MAX_USER, OPTIONS, Conversation
 from sqm.log import LogLockedError
 from sqm.manager import CF_DOWN, QueueManager, QueueManagerConfig
 from sqm.recauto import RecoverStructure
+from sqm.request_slots import RequestSlots, before_wait, default_slots
 from sqm.service import metrics
 from sqm.service.protocol import (
     APPLICATION,
@@ -221,6 +222,8 @@ class ServerConfig:
     metrics_host: str = "127.0.0.1"
     lease_ms: int = 5000
     cf_connections: int = 64
+    # requests doing their work at once, up to their first wait (sqm.request_slots); the rest wait for a slot
+    request_slots: int = field(default_factory=default_slots)
     logload: int = 10000  # LOGLOAD: a checkpoint every this many log records
     # Log management (sqm.manager.QueueManagerConfig, docs/log-management.md)
     log_mode: str = "linear"
@@ -253,6 +256,8 @@ class ServerConfig:
             raise ServerConfigError("the authentication timeout must be > 0 s and the idle timeout >= 0 s (0: none)")
         if min(self.max_connections, self.max_connections_per_peer, self.max_unauthenticated) < 1:
             raise ServerConfigError("connection limits must be at least 1")
+        if self.request_slots < 1:
+            raise ServerConfigError(f"request slots must be at least 1, not {self.request_slots}")
 
     def role_tokens(self) -> dict[str, str]:
         return {role: tok for role, tok in ((APPLICATION, self.token), (OPERATOR, self.operator_token)) if tok}
@@ -356,6 +361,7 @@ class SQMServer:
             segment_bytes=config.segment_bytes, checkpoint_interval_s=config.checkpoint_interval_s,
             cpl_entries=config.cpl_entries, recover_structure=config.recover_structure))
         self.stats = _Stats()
+        self.slots = RequestSlots(config.request_slots)
         self.port = config.port
         self.metrics_port = config.metrics_port
         self.exit_code = EXIT_OK
@@ -393,7 +399,9 @@ class SQMServer:
                 "auth_failures": {r: st.auth_failures[r] for r in AUTH_FAILURE_REASONS},
                 "authenticated": {(role, m): st.authenticated[(role, m)] for role in ROLES for m in AUTH_METHODS},
                 "refused": {limit: st.refused[limit] for limit in LIMITS},
-                "closed": {r: st.closed[r] for r in CLOSE_REASONS}}
+                "closed": {r: st.closed[r] for r in CLOSE_REASONS},
+                "request_slots": self.slots.n, "waiting_for_slot": self.slots.waiting,
+                "slot_waits": self.slots.waits}
 
     def request_stop(self, exit_code: int = EXIT_OK) -> None:
         """Begin a graceful shutdown (thread-safe only from the event loop; signals and the watcher use it)."""
@@ -986,7 +994,8 @@ class SQMServer:
     # --- requests (each runs in its connection's worker thread) -------------------------------------------------
     def _dispatch(self, session: Session, rid: int, op: str, args: dict[str, Any]) -> dict[str, Any]:
         try:
-            result = self._handlers[op](session, args)
+            with self.slots.running():
+                result = self._handlers[op](session, args)
             return ok_reply(rid, result, **session.flags())
         except MQError as e:
             error: MQError = e
@@ -1216,6 +1225,7 @@ class SQMServer:
             except NoMessageError:
                 if time.monotonic() >= deadline:
                     raise
+            before_wait()
             threading.Event.wait(session.gone, delay)  # a plain wait: a _PeerWatch looks at its socket above
             delay = min(delay * 2, 0.05)
         if len(got.body) > session.reply_limit - ENVELOPE - MESSAGE_COST:
