@@ -37,7 +37,7 @@ from cfemu.settings import Settings, operator_token
 from sqm.logadmin import add_log_admin_parsers
 from sqm.logprint import LOG_ERRORS, add_log_parser
 from sqm.recauto import RecoverStructure
-from sqm.request_slots import default_slots
+from sqm.request_slots import LEASE_S, MAX_SLOTS, default_slots
 from sqm.service.protocol import DEFAULT_MAX_FRAME, MAX_FRAME, MIN_FRAME
 from sqm.service.server import ServerConfig, is_loopback_host, serve
 
@@ -92,7 +92,10 @@ def add_run_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
                    help="connections to the CF; more concurrent requests wait for one (default 64)")
     p.add_argument("--request-slots", type=int, default=default_slots(),
                    help="requests doing their work at once, each up to its first wait (for the log, a message); "
-                        f"the others wait for a slot (default: CPUs + 1, here {default_slots()})")
+                        f"the others wait for a slot (default: CPUs + 1, here {default_slots()}; at most {MAX_SLOTS})")
+    p.add_argument("--slot-lease-ms", type=int, default=int(LEASE_S * 1000),
+                   help="a request that holds its slot this long counts as waiting (on a slow CF, a lock), and a "
+                        f"queued request takes the slot back (default {int(LEASE_S * 1000)})")
     p.add_argument("--logload", type=int, default=10000,
                    help="LOGLOAD: take a checkpoint every N log records (default 10000)")
     p.add_argument("--max-frame", type=int, default=DEFAULT_MAX_FRAME,
@@ -112,8 +115,9 @@ def add_run_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
 def cmd_run(args: argparse.Namespace, out: Output) -> int:
     if args.lease_ms < 500 or args.logload < 1 or args.cf_connections < 4:
         raise CLIError("--lease-ms must be >= 500, --logload >= 1 and --cf-connections >= 4")
-    if args.request_slots < 1:
-        raise CLIError(f"--request-slots must be >= 1, not {args.request_slots}")
+    if not 1 <= args.request_slots <= MAX_SLOTS or args.slot_lease_ms < 1:
+        raise CLIError(f"--request-slots must be 1-{MAX_SLOTS} (not {args.request_slots}) and --slot-lease-ms >= 1 "
+                       f"(not {args.slot_lease_ms})")
     if args.log_ring < 3 or args.log_segment_mb <= 0 or args.checkpoint_interval < 0 or args.cpl_entries < 0:
         raise CLIError("--log-ring must be >= 3, --log-segment-mb > 0, --checkpoint-interval >= 0 and "
                        "--cpl-entries >= 0")
@@ -137,7 +141,7 @@ def cmd_run(args: argparse.Namespace, out: Output) -> int:
         max_connections_per_peer=args.max_connections_per_peer, max_unauthenticated=args.max_unauthenticated,
         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
         metrics_port=args.metrics_port, metrics_host=args.metrics_host, lease_ms=args.lease_ms, cf_connections=args.cf_connections,
-        request_slots=args.request_slots, logload=args.logload, max_frame=args.max_frame, log_mode=args.log_mode, log_ring=args.log_ring,
+        request_slots=args.request_slots, slot_lease_ms=args.slot_lease_ms, logload=args.logload, max_frame=args.max_frame, log_mode=args.log_mode, log_ring=args.log_ring,
         log_archive_dir=found.log_archive_dir, segment_bytes=max(4096, int(args.log_segment_mb * 2**20)),
         checkpoint_interval_s=args.checkpoint_interval, cpl_entries=args.cpl_entries,
         shutdown_grace_s=args.shutdown_grace, cf_wait_s=args.cf_wait, ready_file=args.ready_file,

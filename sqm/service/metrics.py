@@ -103,10 +103,12 @@ class SQMCollector(Collector):
                 g = GaugeMetricFamily(f"sqm_{key}", help_text, labels=list(labels))
                 g.add_metric([qm.name], stats.get(key, 0))
                 yield g
-            c = CounterMetricFamily("sqm_slot_waits", "Requests that waited for a request slot",
-                                    labels=list(labels))
-            c.add_metric([qm.name], stats.get("slot_waits", 0))
-            yield c
+            for key, help_text in (("slot_waits", "Requests that waited for a request slot"),
+                                   ("slot_leases_expired", "Request slots taken back from requests that held theirs "
+                                    "past --slot-lease-ms (waiting on the CF or a lock)")):
+                c = CounterMetricFamily(f"sqm_{key}", help_text, labels=list(labels))
+                c.add_metric([qm.name], stats.get(key, 0))
+                yield c
             # The security metrics: every label value comes from a fixed set (sqm.service.server), never from
             # what a peer sent.
             g = GaugeMetricFamily("sqm_connections_unauthenticated", "Open connections that have not authenticated",

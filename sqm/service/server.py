@@ -74,7 +74,7 @@ from sqm.conversation import MAX_USER, OPTIONS, Conversation
 from sqm.log import LogLockedError
 from sqm.manager import CF_DOWN, QueueManager, QueueManagerConfig
 from sqm.recauto import RecoverStructure
-from sqm.request_slots import RequestSlots, before_wait, default_slots
+from sqm.request_slots import LEASE_S, MAX_SLOTS, RequestSlots, before_wait, default_slots
 from sqm.service import metrics
 from sqm.service.protocol import (
     APPLICATION,
@@ -224,6 +224,7 @@ class ServerConfig:
     cf_connections: int = 64
     # requests doing their work at once, up to their first wait (sqm.request_slots); the rest wait for a slot
     request_slots: int = field(default_factory=default_slots)
+    slot_lease_ms: int = int(LEASE_S * 1000)  # a request holding its slot this long counts as waiting
     logload: int = 10000  # LOGLOAD: a checkpoint every this many log records
     # Log management (sqm.manager.QueueManagerConfig, docs/log-management.md)
     log_mode: str = "linear"
@@ -256,8 +257,11 @@ class ServerConfig:
             raise ServerConfigError("the authentication timeout must be > 0 s and the idle timeout >= 0 s (0: none)")
         if min(self.max_connections, self.max_connections_per_peer, self.max_unauthenticated) < 1:
             raise ServerConfigError("connection limits must be at least 1")
-        if self.request_slots < 1:
-            raise ServerConfigError(f"request slots must be at least 1, not {self.request_slots}")
+        if not 1 <= self.request_slots <= MAX_SLOTS:
+            raise ServerConfigError(f"request slots must be at least 1 and at most {MAX_SLOTS}, not "
+                                    f"{self.request_slots}")
+        if self.slot_lease_ms < 1:
+            raise ServerConfigError(f"a request slot's lease must be at least 1 ms, not {self.slot_lease_ms}")
 
     def role_tokens(self) -> dict[str, str]:
         return {role: tok for role, tok in ((APPLICATION, self.token), (OPERATOR, self.operator_token)) if tok}
@@ -361,7 +365,7 @@ class SQMServer:
             segment_bytes=config.segment_bytes, checkpoint_interval_s=config.checkpoint_interval_s,
             cpl_entries=config.cpl_entries, recover_structure=config.recover_structure))
         self.stats = _Stats()
-        self.slots = RequestSlots(config.request_slots)
+        self.slots = RequestSlots(config.request_slots, config.slot_lease_ms / 1000)
         self.port = config.port
         self.metrics_port = config.metrics_port
         self.exit_code = EXIT_OK
@@ -401,7 +405,7 @@ class SQMServer:
                 "refused": {limit: st.refused[limit] for limit in LIMITS},
                 "closed": {r: st.closed[r] for r in CLOSE_REASONS},
                 "request_slots": self.slots.n, "waiting_for_slot": self.slots.waiting,
-                "slot_waits": self.slots.waits}
+                "slot_waits": self.slots.waits, "slot_leases_expired": self.slots.expired}
 
     def request_stop(self, exit_code: int = EXIT_OK) -> None:
         """Begin a graceful shutdown (thread-safe only from the event loop; signals and the watcher use it)."""
@@ -499,6 +503,7 @@ class SQMServer:
     async def _shutdown(self, server: asyncio.Server, http: asyncio.Server | None) -> None:
         loop = asyncio.get_running_loop()
         self._stopping = True
+        self.slots.close()  # requests queued for a slot are refused, not run after the grace
         server.close()
         deadline = loop.time() + self.config.shutdown_grace_s
         while self._inflight and loop.time() < deadline:
@@ -994,7 +999,9 @@ class SQMServer:
     # --- requests (each runs in its connection's worker thread) -------------------------------------------------
     def _dispatch(self, session: Session, rid: int, op: str, args: dict[str, Any]) -> dict[str, Any]:
         try:
-            with self.slots.running():
+            with self.slots.running() as waited:
+                if waited:
+                    self._still_wanted(session, op)
                 result = self._handlers[op](session, args)
             return ok_reply(rid, result, **session.flags())
         except MQError as e:
@@ -1009,6 +1016,14 @@ class SQMServer:
             log.exception("%s: %s failed", self.qm.name, op)
             error = MQError(f"internal error in {op}: {type(e).__name__}: {e}")
         return error_reply(rid, error, **session.flags())
+
+    def _still_wanted(self, session: Session, op: str) -> None:
+        """A request that waited for its slot runs only if the server is not stopping and its client is still
+        there: queued, it may have outlived both (its client, told the outcome is unknown, may send it again)."""
+        if self._stopping:
+            raise QuiescingError(f"queue manager {self.qm.name} is shutting down; {op} not carried out")
+        if session.gone.is_set():
+            raise ClientGoneError(f"{op}: the client left while the request waited for a request slot")
 
     def _connection(self, session: Session) -> Connection:
         if session.conn is None:

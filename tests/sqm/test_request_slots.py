@@ -87,7 +87,7 @@ def test_outside_a_request_a_wait_gives_up_nothing() -> None:
 
 
 def test_slots_are_at_least_one() -> None:
-    with pytest.raises(ValueError, match="at least 1"):
+    with pytest.raises(ValueError, match="1-4096"):
         RequestSlots(0)
     assert default_slots() >= 2
 
@@ -185,5 +185,48 @@ def test_request_slots_below_one_are_refused_in_one_line(tmp_path: Path) -> None
                           capture_output=True, text=True, timeout=60, env={**TOKENS_ENV, "PATH": "/usr/bin:/bin"})
     assert done.returncode != 0
     lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and "--request-slots must be >= 1, not 0" in lines[0], done.stderr
+    assert len(lines) == 1 and "--request-slots must be 1-4096 (not 0)" in lines[0], done.stderr
     assert not any(tmp_path.iterdir())  # nothing was created
+
+
+def test_a_slot_held_past_its_lease_goes_to_a_waiting_request_once() -> None:
+    """A request that waits where it cannot say so (a CF that does not answer) keeps its slot for a lease only;
+    when it ends, it gives back nothing more."""
+    slots = RequestSlots(1, lease_s=0.05)
+    holder_may_end, other_ran = threading.Event(), threading.Event()
+
+    def stuck() -> None:
+        with slots.running():
+            holder_may_end.wait(10)
+
+    t = threading.Thread(target=stuck)
+    t.start()
+    time.sleep(0.02)
+    started = time.monotonic()
+    with slots.running() as waited:
+        other_ran.set()
+        assert waited and time.monotonic() - started < 1
+    holder_may_end.set()
+    t.join(5)
+    assert slots.expired == 1
+    assert slots._free.qsize() == 1  # the late holder's end gave back nothing more
+
+
+def test_closed_slots_let_waiting_requests_go_on_at_once() -> None:
+    """At shutdown the server closes its slots: the requests queued for one go on (to be refused: they waited)
+    without waiting for the holder."""
+    slots = RequestSlots(1, lease_s=60)  # no lease runs out here
+    went_on: list[bool] = []
+
+    def waiting() -> None:
+        with slots.running() as waited:
+            went_on.append(waited)
+
+    with slots.running():
+        t = threading.Thread(target=waiting)
+        t.start()
+        time.sleep(0.1)
+        assert slots.waiting == 1
+        slots.close()
+        t.join(5)
+        assert went_on == [True]  # while the holder still holds its slot

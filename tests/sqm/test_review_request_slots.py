@@ -1,15 +1,16 @@
 """Review of the request slots (commit c129a86, sqm.request_slots): what an outsider sees through real `sqm run`
 processes with one slot (`--request-slots 1`) on a real CF.
 
-A slot is given up only where the request paths call before_wait (the log's force, a get's, receive's or status
-wait's poll). Every other way a request can block keeps its slot: a CF that does not answer (a socket read in
-cfemu), the group repository's file lock (cfemu.repository), so that one such request stalls every other request
-of the member, even those that need neither (a ping); requests queued behind it run one after another, after a
-shutdown's grace too, and also when their client has left. Those reproductions (and two about --request-slots'
-value) are marked xfail(strict): they fail now. The rest check what holds: the slots do not leak on errors or on
+The review found that a slot was given up only where the request paths call before_wait (the log's force, a get's,
+receive's or status wait's poll). Every other way a request can block kept its slot: a CF that does not answer (a
+socket read in cfemu), the group repository's file lock (cfemu.repository). One such request stalled every other
+request of the member, even a ping; requests queued behind it ran one after another, after a shutdown's grace
+too, and also when their client had left; --request-slots had no upper bound, and its default ignored the CPU
+affinity. Each finding is a test below that failed before its fix: a slot is now a lease (--slot-lease-ms), a
+request that waited for its slot runs only if the server is not stopping and its client is still there, and the
+slots are bounded and follow the affinity. The rest check what held: the slots do not leak on errors or on
 clients that leave (both paths), the metrics count the queue, checkpoints taken inside requests do not deadlock,
-a get queued for the slot takes nothing for a client that left, and a graceful shutdown with requests queued for
-the slot ends within its grace."""
+and a graceful shutdown with requests queued for the slot ends within its grace."""
 
 from __future__ import annotations
 
@@ -51,7 +52,17 @@ def one_slot_server(cf: Any, tmp_path: Path, *args: str) -> ServerProc:
 
 @pytest.fixture
 def slot1(group: Any, tmp_path: Path) -> Iterator[ServerProc]:
+    """One slot with its default lease: what an operator runs."""
     srv = one_slot_server(group, tmp_path)
+    yield srv
+    assert srv.stop() == 0, srv.log_text()
+
+
+@pytest.fixture
+def slot1_kept(group: Any, tmp_path: Path) -> Iterator[ServerProc]:
+    """One slot whose holder keeps it for a minute (--slot-lease-ms 60000): requests stay queued behind a holder that
+    waits where it cannot give its slot up, as they all did before the lease."""
+    srv = one_slot_server(group, tmp_path, "--slot-lease-ms", "60000")
     yield srv
     assert srv.stop() == 0, srv.log_text()
 
@@ -105,13 +116,10 @@ def slot_held_by_a_define(srv: ServerProc) -> Iterator[threading.Thread]:
     assert out and not isinstance(out[0], BaseException), out
 
 
-# --- findings (xfail strict: they fail now) -------------------------------------------------------------------------
+# --- findings, fixed (each failed before its fix) -------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="finding 1: a request blocked on a CF that does not answer keeps its slot "
-                   "(only before_wait gives one up; a CF socket read is no before_wait): a ping, which needs no CF, "
-                   "waits behind it")
-def test_a_cf_that_does_not_answer_stalls_a_ping_behind_the_only_slot(group: Any, slot1: ServerProc) -> None:
+def test_a_request_on_a_cf_that_does_not_answer_keeps_the_only_slot_for_a_lease_only(group: Any, slot1: ServerProc) -> None:
     with Client(slot1.endpoint, token=TOKEN) as a, Client(slot1.endpoint, token=TOKEN) as b:
         a.put("Q1", b"known", syncpoint=False)  # the queue's definition cached: the browse below is one CF call
         os.kill(group.pid, signal.SIGSTOP)  # the CF stops answering (a hung host, a long fork, a full network)
@@ -127,10 +135,9 @@ def test_a_cf_that_does_not_answer_stalls_a_ping_behind_the_only_slot(group: Any
         t.join(20)
         assert out and not isinstance(out[0], BaseException), out
     assert took < 1.5, f"a ping waited {took:.1f} s for the slot of a request that waited for the CF"
+    assert metric(slot1, "sqm_slot_leases_expired_total") >= 1  # the browse's lease ran out: the ping took it
 
 
-@pytest.mark.xfail(strict=True, reason="finding 1b: with the CF silent past the socket timeout, the requests "
-                   "queued for a slot time out one after another (the k-th after k timeouts), not together")
 def test_requests_on_a_silent_cf_time_out_together_not_one_after_another(group: Any, tmp_path: Path) -> None:
     # The CF's socket timeout at 1 s (redis-py reads it from the URL) instead of 30 s; a lease long enough that
     # the member is not fenced by the pause.
@@ -165,8 +172,6 @@ def test_requests_on_a_silent_cf_time_out_together_not_one_after_another(group: 
     assert took[-1] < 2.5, f"the browses on a silent CF failed after {took} s: one socket timeout after another"
 
 
-@pytest.mark.xfail(strict=True, reason="finding 3: requests queued for the slot when SIGTERM comes still run "
-                   "after --shutdown-grace, each in turn (here each a CF timeout), and the process waits for them all")
 def test_sigterm_with_requests_queued_behind_a_silent_cf_ends_soon_after_the_grace(group: Any,
                                                                                    tmp_path: Path) -> None:
     """12 browses on a CF that does not answer (socket timeout 1 s), one slot, --shutdown-grace 1. With as many slots
@@ -199,9 +204,7 @@ def test_sigterm_with_requests_queued_behind_a_silent_cf_ends_soon_after_the_gra
     assert took is not None and took < 8, "the shutdown outlasted its grace by far: queued requests ran after it"
 
 
-@pytest.mark.xfail(strict=True, reason="finding 2: a define waiting for the group repository's flock (another "
-                   "process of the group rewriting repository.json) keeps its slot: every other request waits")
-def test_a_define_waiting_for_the_group_repository_lock_stalls_every_other_request(slot1: ServerProc) -> None:
+def test_a_define_waiting_for_the_group_repository_lock_does_not_stall_every_other_request(slot1: ServerProc) -> None:
     with Client(slot1.endpoint, token=TOKEN) as b:
         b.ping()
         with slot_held_by_a_define(slot1):
@@ -215,18 +218,18 @@ def test_a_define_waiting_for_the_group_repository_lock_stalls_every_other_reque
 # --- what holds -----------------------------------------------------------------------------------------------------
 
 
-def test_requests_queued_for_the_slot_are_counted_while_they_wait(slot1: ServerProc) -> None:
+def test_requests_queued_for_the_slot_are_counted_while_they_wait(slot1_kept: ServerProc) -> None:
     """sqm_waiting_for_slot above 0 while requests queue (the existing tests see it only at 0), the waits counted
     once each, and both back to normal when the holder ends."""
-    waits_before = metric(slot1, "sqm_slot_waits_total")
-    clients = [Client(slot1.endpoint, token=TOKEN) for _ in range(2)]
+    waits_before = metric(slot1_kept, "sqm_slot_waits_total")
+    clients = [Client(slot1_kept.endpoint, token=TOKEN) for _ in range(2)]
     try:
-        with slot_held_by_a_define(slot1):
+        with slot_held_by_a_define(slot1_kept):
             pings = [in_thread(c.ping) for c in clients]
             deadline = time.monotonic() + 5
-            while metric(slot1, "sqm_waiting_for_slot") < 2 and time.monotonic() < deadline:
+            while metric(slot1_kept, "sqm_waiting_for_slot") < 2 and time.monotonic() < deadline:
                 time.sleep(0.05)
-            assert metric(slot1, "sqm_waiting_for_slot") == 2
+            assert metric(slot1_kept, "sqm_waiting_for_slot") == 2
             assert all(t.is_alive() for t, _ in pings)
         for t, out in pings:
             t.join(10)
@@ -234,39 +237,36 @@ def test_requests_queued_for_the_slot_are_counted_while_they_wait(slot1: ServerP
     finally:
         for c in clients:
             c.close()
-    assert metric(slot1, "sqm_waiting_for_slot") == 0
-    assert metric(slot1, "sqm_slot_waits_total") - waits_before == 2
-    assert metric(slot1, "sqm_request_slots") == 1
+    assert metric(slot1_kept, "sqm_waiting_for_slot") == 0
+    assert metric(slot1_kept, "sqm_slot_waits_total") - waits_before == 2
+    assert metric(slot1_kept, "sqm_request_slots") == 1
 
 
-def test_a_get_queued_for_the_slot_whose_client_left_takes_nothing(slot1: ServerProc) -> None:
+def test_a_get_queued_for_the_slot_whose_client_left_takes_nothing(slot1_kept: ServerProc) -> None:
     """A client that leaves while its get waits for the slot: when the get gets the slot it sees the client gone
     and takes nothing (the message is not consumed for nobody)."""
-    with Client(slot1.endpoint, token=TOKEN) as c:
+    with Client(slot1_kept.endpoint, token=TOKEN) as c:
         c.put("Q1", b"keep me", syncpoint=False)
-    with slot_held_by_a_define(slot1):
-        leaver = Client(slot1.endpoint, token=TOKEN, request_timeout=0.5)
+    with slot_held_by_a_define(slot1_kept):
+        leaver = Client(slot1_kept.endpoint, token=TOKEN, request_timeout=0.5)
         with pytest.raises(MQError):  # the client's patience ends while the get waits for the slot
             leaver.get("Q1", syncpoint=False)
         leaver.close()
         time.sleep(0.3)
     time.sleep(0.5)  # the get has had the slot by now
-    with Client(slot1.endpoint, token=TOKEN) as c:
+    with Client(slot1_kept.endpoint, token=TOKEN) as c:
         assert c.get("Q1", syncpoint=False).body == b"keep me"
 
 
-@pytest.mark.xfail(strict=True, reason="finding 4: a request whose client left while it waited for the slot is "
-                   "still carried out when it gets one (only a get looks at its client first): a put for nobody, "
-                   "which the client, told its outcome is unknown, may well send again")
-def test_a_put_queued_for_the_slot_whose_client_left_is_not_carried_out(slot1: ServerProc) -> None:
-    with slot_held_by_a_define(slot1):
-        leaver = Client(slot1.endpoint, token=TOKEN, request_timeout=0.5, reconnect_timeout=0)
+def test_a_put_queued_for_the_slot_whose_client_left_is_not_carried_out(slot1_kept: ServerProc) -> None:
+    with slot_held_by_a_define(slot1_kept):
+        leaver = Client(slot1_kept.endpoint, token=TOKEN, request_timeout=0.5, reconnect_timeout=0)
         with pytest.raises(MQError):  # the client's patience ends while the put waits for the slot
             leaver.put("Q1", b"for nobody", syncpoint=False)
         leaver.close()
         time.sleep(0.3)
     time.sleep(0.5)  # the put has had the slot by now
-    with Client(slot1.endpoint, token=TOKEN) as c, pytest.raises(NoMessageError):
+    with Client(slot1_kept.endpoint, token=TOKEN) as c, pytest.raises(NoMessageError):
         c.get("Q1", syncpoint=False)
 
 
@@ -419,9 +419,6 @@ def test_server_config_refuses_fewer_than_one_slot(tmp_path: Path) -> None:
         ServerConfig(name="QM1", log_root=tmp_path, token=TOKEN, request_slots=0).check()
 
 
-@pytest.mark.xfail(strict=True, reason="finding 5: --request-slots has no upper bound and RequestSlots queues one "
-                   "item per slot: a mistyped 1000000000 allocates ~8 GB before anything starts (MemoryError here, "
-                   "under a 1.5 GB cap), instead of a one-line refusal")
 def test_a_huge_request_slots_is_refused_in_one_line(tmp_path: Path) -> None:
     def cap() -> None:  # so that the reproduction cannot take the machine's memory
         resource.setrlimit(resource.RLIMIT_AS, (3 * 2**29, 3 * 2**29))
@@ -435,9 +432,6 @@ def test_a_huge_request_slots_is_refused_in_one_line(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to pin the process to one")
-@pytest.mark.xfail(strict=True, reason="finding 6: default_slots counts the machine's CPUs (os.cpu_count), not those "
-                   "the process may run on (a cpuset, taskset, a container's CPU manager): pinned to 1 CPU of a big "
-                   "host, the default lets a host's worth of requests run at once")
 def test_the_default_slots_follow_the_cpus_the_process_may_use() -> None:
     done = subprocess.run([sys.executable, "-c", "import os; os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))"
                            "[0]}); from sqm.request_slots import default_slots; print(default_slots())"],
