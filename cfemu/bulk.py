@@ -23,9 +23,8 @@ A pipeline is not atomic, and each use is safe for its own reason:
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -48,6 +47,7 @@ Wire = dict[str, Any]  # an entry descriptor in wire form (cfemu.entry.Entry.wir
 
 
 # --- reads: the backup's fetch ---------------------------------------------------------------------------------
+FETCH_DEPTH = 2  # reads: fetches in flight at once, each on its own connection (fetch_raw)
 READ_COMMANDS = 2  # the commands one read sends (a backup's pacing counts its own: backup.pacing)
 
 
@@ -91,19 +91,24 @@ def parts(descs: Sequence[bytes | None], limit: int) -> list[tuple[int, int]]:
 
 
 _LEN_KEY = b"\xa3len"  # msgpack's "len" (a fixstr of 3), the key of a descriptor's data length
+# msgpack's unsigned integers after their first byte: uint 8, 16, 32, 64 (a positive fixint is the byte itself)
+_UINT_WIDTH = {0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8}
 
 
 def data_length(raw: bytes) -> int:
     """The data length a descriptor (the CF's msgpack bytes) records: read at sight where its key appears once
-    (the descriptor is not decoded: a backup reads millions), else from the decoded map."""
+    and an unsigned integer follows it (the descriptor is not decoded: a backup reads millions, and an Unpacker
+    made for each one had cost a backup a microsecond an entry), else from the decoded map."""
     i = raw.find(_LEN_KEY)
     if i >= 0 and raw.find(_LEN_KEY, i + 4) < 0:
-        unpacker = msgpack.Unpacker()
-        unpacker.feed(raw[i + 4:i + 13])
-        with contextlib.suppress(ValueError, msgpack.OutOfData):
-            n = unpacker.unpack()
-            if isinstance(n, int) and not isinstance(n, bool) and n >= 0:
-                return n
+        j = i + 4
+        if j < len(raw):
+            first = raw[j]
+            if first < 0x80:  # a positive fixint
+                return first
+            width = _UINT_WIDTH.get(first, 0)
+            if width and j + 1 + width <= len(raw):
+                return int.from_bytes(raw[j + 1:j + 1 + width], "big")
     return int(unpack_wire(raw).get("len", 0) or 0)
 
 
@@ -127,15 +132,17 @@ def fetch(client: redis.Redis, structure: str, ids: Iterable[str],
 
 
 def fetch_raw(client: redis.Redis, structure: str, ids: Sequence[str], batch: int = FETCH_BATCH, *,
-              before_read: Callable[[], None] | None = None
+              before_read: Callable[[], None] | None = None, depth: int = FETCH_DEPTH
               ) -> Iterator[tuple[list[bytes | None], list[bytes | None]]]:
     """The raw descriptors and data of `ids`, part by part, as the CF holds them (None where an entry is gone): a
     batch's descriptors, then its data in parts of at most FETCH_BYTES (read's parts), each part handed over on
     its own (a batch of two thousand messages of 4 MiB held whole was 8 GiB, and the next one prefetched beside
-    it); the next part is read while the caller handles this one. before_read(), when given, is called before
-    each batch's read is sent (READ_COMMANDS commands when its data fit in one part), in the caller's thread,
-    between two reads: a backup paces itself there (backup.pacing), so that a pause holds up neither a read in
-    flight nor the part being handled."""
+    it). Up to `depth` reads are in flight, each on a connection of its own, while the caller handles the part
+    before them: the CF serves one read while this process parses the other's reply (with one read in flight the
+    CF sat idle for the parsing, and a backup ran at 0.4 of a raw read; BENCHMARKS.md). So at most depth + 1
+    parts are held. before_read(), when given, is called before each batch's read is sent (READ_COMMANDS commands
+    when its data fit in one part), in the caller's thread, between two reads: a backup paces itself there
+    (backup.pacing), so that a pause holds up neither a read in flight nor the part being handled."""
     chunks = [ids[i:i + batch] for i in range(0, len(ids), batch)]
     if not chunks:
         return
@@ -147,23 +154,40 @@ def fetch_raw(client: redis.Redis, structure: str, ids: Sequence[str], batch: in
         a, b = bounds[0]
         return descs, bounds, _data(client, structure, chunk[a:b])
 
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="backup-fetch") as pool:
-        if before_read is not None:
-            before_read()
-        pending: Future[Any] = pool.submit(first, chunks[0])
-        for k, chunk in enumerate(chunks):
-            descs, bounds, datas = pending.result()
-            for j, (a, b) in enumerate(bounds):
-                if j:
-                    datas = pending.result()
-                if j + 1 < len(bounds):
-                    pending = pool.submit(_data, client, structure, chunk[slice(*bounds[j + 1])])
-                elif k + 1 < len(chunks):
+    with ThreadPoolExecutor(max_workers=depth, thread_name_prefix="backup-fetch") as pool:
+        firsts: deque[Future[Any]] = deque()  # batches' first reads in flight (descriptors and first part)
+        later: deque[Future[Any]] = deque()  # reads in flight of the batch being handed over: its later parts
+        next_batch = 0
+
+        def send_reads(chunk: Sequence[str], unread: deque[tuple[int, int]], limit: int = depth) -> None:
+            """Fill the reads in flight up to `limit`: the later parts of the batch being handed over first (they
+            are handed over before the next batch), then the next batches."""
+            nonlocal next_batch
+            while len(firsts) + len(later) < limit or (unread and not later):
+                if unread:
+                    a, b = unread.popleft()
+                    later.append(pool.submit(_data, client, structure, chunk[a:b]))
+                elif next_batch < len(chunks):
                     if before_read is not None:
                         before_read()
-                    pending = pool.submit(first, chunks[k + 1])
+                    firsts.append(pool.submit(first, chunks[next_batch]))
+                    next_batch += 1
+                else:
+                    return
+
+        # The first read goes out alone: a backup's pacer judges the CF by the commands it served between the first
+        # two reads, and the set-up of a second connection (its handshake's commands) in that millisecond read as a
+        # busy group (tests/backup/test_pacing.py); by the second read the first connection is set up and busy.
+        send_reads((), deque(), limit=1)
+        for chunk in chunks:
+            descs, bounds, datas = firsts.popleft().result()
+            unread = deque(bounds[1:])
+            for j, (a, b) in enumerate(bounds):
+                if j:
+                    datas = later.popleft().result()
+                send_reads(chunk, unread)
                 yield descs[a:b], datas
-                del datas  # handed on: not held while the part after the next one is read
+                del datas  # handed on: not held while the reads after it are
 
 
 def unpack_wire(raw: bytes) -> Wire:

@@ -5,9 +5,14 @@ messages of 4 MiB is no longer one reply of 8 GiB. Real redis-server, descriptor
 from __future__ import annotations
 
 import os
+import struct
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import msgpack
 import pytest
 import redis
 
@@ -37,6 +42,22 @@ def test_the_data_length_is_read_at_sight_or_decoded() -> None:
     named = bulk.descriptor({"id": "m2", "q": "Q1", "st": "CP", "pr": {"len": 5}}, b"y" * 300)
     assert named.count(b"\xa3len") == 2 and bulk.data_length(named) == 300
     assert bulk.data_length(bulk.descriptor({"id": "m3", "q": "Q1"}, b"")) == 0
+
+
+@pytest.mark.parametrize("n", [0, 1, 127, 128, 255, 256, 65_535, 65_536, 2**32 - 1, 2**32, 2**40])
+def test_the_data_length_read_at_sight_is_msgpacks_own_in_every_width(n: int) -> None:
+    """Each unsigned form msgpack writes a length in (fixint, uint 8, 16, 32, 64), read without decoding."""
+    raw = msgpack.packb({"id": "m1", "len": n, "q": "Q1"})
+    assert bulk.data_length(raw) == n == msgpack.unpackb(raw)["len"]
+
+
+@pytest.mark.parametrize("form", [b"\xd0\x05", b"\xd1\x00\x05", b"\xcb" + struct.pack(">d", 5.0)],
+                         ids=["int 8", "int 16", "float 64"])
+def test_a_length_in_another_form_is_decoded(form: bytes) -> None:
+    """A writer that encodes the length as a signed integer or a float (Lua's cmsgpack may, for a number it
+    holds as a double) is not read at sight: the map is decoded."""
+    raw = b"\x82\xa2id\xa2m1\xa3len" + form
+    assert bulk.data_length(raw) == 5
 
 
 def test_a_batch_of_large_messages_is_read_in_parts(qsg: tuple[redis.Redis, QueueManager]) -> None:
@@ -102,3 +123,40 @@ def test_the_backups_fetch_hands_over_parts_not_whole_batches(qsg: tuple[redis.R
     datas = [d for _, part in got for d in part]
     assert (descs, datas) == bulk.read(client, "APP1", [*ids, "gone"])
     assert sorted(d for d in datas if d is not None) == sorted(bodies)
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_up_to_depth_reads_are_in_flight_and_the_parts_come_in_order(qsg: tuple[redis.Redis, QueueManager],
+                                                                     monkeypatch: pytest.MonkeyPatch,
+                                                                     depth: int) -> None:
+    """The CF serves one read while this process parses another's reply: up to `depth` reads at once, each on its
+    own connection, and what the caller gets is still every batch's parts in order."""
+    client, qm = qsg
+    monkeypatch.setattr(bulk, "FETCH_BYTES", 20 << 10)  # some batches in two parts or more
+    conn = qm.connect()
+    bodies = [os.urandom(n) for n in (12 << 10, 100, 15 << 10, 9 << 10, 1, 30 << 10) * 6]
+    for b in bodies:
+        conn.put("Q1", b)
+    conn.commit()
+    ids = sorted(k.decode() for k in client.hkeys(keys.entries("APP1")))
+    lock, running, most = threading.Lock(), [0], [0]
+
+    def slowed(read: Any) -> Any:
+        def timed(*args: Any) -> Any:
+            with lock:
+                running[0] += 1
+                most[0] = max(most[0], running[0])
+            try:
+                time.sleep(0.02)  # long enough that reads sent together overlap
+                return read(*args)
+            finally:
+                with lock:
+                    running[0] -= 1
+        return timed
+
+    monkeypatch.setattr(bulk, "_descriptors", slowed(bulk._descriptors))
+    monkeypatch.setattr(bulk, "_data", slowed(bulk._data))
+    got = list(bulk.fetch_raw(client, "APP1", ids, batch=5, depth=depth))
+    assert most[0] == depth
+    assert any(len(descs) < 5 for descs, _ in got[:-1])  # parts, not only whole batches
+    assert ([d for part, _ in got for d in part], [d for _, part in got for d in part]) == bulk.read(client, "APP1", ids)
