@@ -93,13 +93,14 @@ def select_raw(count: StepCount, descs: list[bytes | None], datas: list[bytes | 
 
 
 def copy_step_raw(structure: Structure, state: str, count: StepCount, batch: int = 2000,
-                  keep: Callable[[Wire], bool] | None = None, before_read: Callable[[], None] | None = None
-                  ) -> Iterator[list[tuple[bytes, bytes]]]:
+                  keep: Callable[[Wire], bool] | None = None, before_read: Callable[[], None] | None = None,
+                  depth: Callable[[], int] | None = None) -> Iterator[list[tuple[bytes, bytes]]]:
     """Snapshot the ids of every entry in `state`, then yield, batch by batch, the current copy of each persistent
     one (of each one `keep` accepts, when given; select_raw), its descriptor as the CF's msgpack bytes (which a
     backup frame holds as they are: the same map, docs/backup-format.md). before_read: the pacing hook
-    (cfemu.bulk.fetch_raw)."""
+    (cfemu.bulk.fetch_raw); depth: how many reads may be in flight (fetch_raw; the pacer's say)."""
     ids = structure.snapshot(state)
     count.snapshot += len(ids)
-    for descs, datas in bulk.fetch_raw(structure.cf.redis, structure.name, ids, batch, before_read=before_read):
+    for descs, datas in bulk.fetch_raw(structure.cf.redis, structure.name, ids, batch, before_read=before_read,
+                                       depth=depth or bulk.FETCH_DEPTH):
         yield select_raw(count, descs, datas, keep)

@@ -178,7 +178,7 @@ def run_backup(client: redis.Redis, structure: str, backup_root: Path, *, log_ro
             # is not plain at sight, or for EXCLINT (backup.protocol.select_raw).
             pacer.new_step()
             for copies in copy_step_raw(s, state_name, count, batch, keep=old_enough if exclint_s else None,
-                                        before_read=pacer.before_read):
+                                        before_read=pacer.before_read, depth=pacer.reads_in_flight):
                 writer.add_raw(number, copies)
                 progress(phase, count.copied + count.skipped_nonpersistent + count.vanished + count.excluded,
                          count.snapshot)

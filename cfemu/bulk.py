@@ -132,7 +132,7 @@ def fetch(client: redis.Redis, structure: str, ids: Iterable[str],
 
 
 def fetch_raw(client: redis.Redis, structure: str, ids: Sequence[str], batch: int = FETCH_BATCH, *,
-              before_read: Callable[[], None] | None = None, depth: int = FETCH_DEPTH
+              before_read: Callable[[], None] | None = None, depth: int | Callable[[], int] = FETCH_DEPTH
               ) -> Iterator[tuple[list[bytes | None], list[bytes | None]]]:
     """The raw descriptors and data of `ids`, part by part, as the CF holds them (None where an entry is gone): a
     batch's descriptors, then its data in parts of at most FETCH_BYTES (read's parts), each part handed over on
@@ -140,7 +140,8 @@ def fetch_raw(client: redis.Redis, structure: str, ids: Sequence[str], batch: in
     it). Up to `depth` reads are in flight, each on a connection of its own, while the caller handles the part
     before them: the CF serves one read while this process parses the other's reply (with one read in flight the
     CF sat idle for the parsing, and a backup ran at 0.4 of a raw read; BENCHMARKS.md). So at most depth + 1
-    parts are held. before_read(), when given, is called before each batch's read is sent (READ_COMMANDS commands
+    parts are held. `depth` may be a function, asked before each read is sent: a paced backup reads one at a time
+    while the group works (backup.pacing). before_read(), when given, is called before each batch's read is sent (READ_COMMANDS commands
     when its data fit in one part), in the caller's thread, between two reads: a backup paces itself there
     (backup.pacing), so that a pause holds up neither a read in flight nor the part being handled."""
     chunks = [ids[i:i + batch] for i in range(0, len(ids), batch)]
@@ -154,15 +155,18 @@ def fetch_raw(client: redis.Redis, structure: str, ids: Sequence[str], batch: in
         a, b = bounds[0]
         return descs, bounds, _data(client, structure, chunk[a:b])
 
-    with ThreadPoolExecutor(max_workers=depth, thread_name_prefix="backup-fetch") as pool:
+    deepest = depth if isinstance(depth, int) else FETCH_DEPTH
+    with ThreadPoolExecutor(max_workers=deepest, thread_name_prefix="backup-fetch") as pool:
         firsts: deque[Future[Any]] = deque()  # batches' first reads in flight (descriptors and first part)
         later: deque[Future[Any]] = deque()  # reads in flight of the batch being handed over: its later parts
         next_batch = 0
 
-        def send_reads(chunk: Sequence[str], unread: deque[tuple[int, int]], limit: int = depth) -> None:
-            """Fill the reads in flight up to `limit`: the later parts of the batch being handed over first (they
-            are handed over before the next batch), then the next batches."""
+        def send_reads(chunk: Sequence[str], unread: deque[tuple[int, int]], limit: int | None = None) -> None:
+            """Fill the reads in flight up to `limit` (`depth`): the later parts of the batch being handed over
+            first (they are handed over before the next batch), then the next batches."""
             nonlocal next_batch
+            if limit is None:
+                limit = min(deepest, depth if isinstance(depth, int) else depth())
             while len(firsts) + len(later) < limit or (unread and not later):
                 if unread:
                     a, b = unread.popleft()

@@ -160,3 +160,45 @@ def test_up_to_depth_reads_are_in_flight_and_the_parts_come_in_order(qsg: tuple[
     assert most[0] == depth
     assert any(len(descs) < 5 for descs, _ in got[:-1])  # parts, not only whole batches
     assert ([d for part, _ in got for d in part], [d for _, part in got for d in part]) == bulk.read(client, "APP1", ids)
+
+
+def test_a_depth_asked_before_each_read_is_followed(qsg: tuple[redis.Redis, QueueManager],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A paced backup's depth is the pacer's say, asked before reads are sent: two reads in flight, then, once it
+    says one, every read sent after that runs alone."""
+    client, qm = qsg
+    conn = qm.connect()
+    for k in range(40):
+        conn.put("Q1", b"m%d" % k)
+    conn.commit()
+    ids = sorted(k.decode() for k in client.hkeys(keys.entries("APP1")))
+    lock, running, most = threading.Lock(), [0], [0]
+    say, after_say = [2], []  # after_say: reads in flight as each read sent after the switch starts
+
+    def slowed(read: Any) -> Any:
+        def timed(*args: Any) -> Any:
+            with lock:
+                running[0] += 1
+                most[0] = max(most[0], running[0])
+                if say[0] == 1:
+                    after_say.append(running[0])
+            try:
+                time.sleep(0.02)
+                return read(*args)
+            finally:
+                with lock:
+                    running[0] -= 1
+        return timed
+
+    monkeypatch.setattr(bulk, "_descriptors", slowed(bulk._descriptors))
+    got = []
+    for k, part in enumerate(bulk.fetch_raw(client, "APP1", ids, batch=4, depth=lambda: say[0])):
+        got.append(part)
+        if k == 2:
+            assert most[0] == 2
+            with lock:
+                say[0] = 1
+                in_flight_now = running[0]
+    # Up to two reads sent before the switch (the depth then) may start after it; every later one runs alone.
+    assert len(after_say) >= 5 and max(after_say[2:]) == 1, (after_say, in_flight_now)
+    assert ([d for p, _ in got for d in p], [d for _, p in got for d in p]) == bulk.read(client, "APP1", ids)
