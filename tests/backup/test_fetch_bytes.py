@@ -125,6 +125,32 @@ def test_the_backups_fetch_hands_over_parts_not_whole_batches(qsg: tuple[redis.R
     assert sorted(d for d in datas if d is not None) == sorted(bodies)
 
 
+class InFlight:
+    """Wraps the CF reads of fetch_raw: each one slowed enough that reads sent together overlap; counts how many
+    run at once (most), and, once `watching`, how many were running as each read started (started)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.running = self.most = 0
+        self.watching = False
+        self.started: list[int] = []
+
+    def slowed(self, read: Any) -> Any:
+        def timed(*args: Any) -> Any:
+            with self.lock:
+                self.running += 1
+                self.most = max(self.most, self.running)
+                if self.watching:
+                    self.started.append(self.running)
+            try:
+                time.sleep(0.02)
+                return read(*args)
+            finally:
+                with self.lock:
+                    self.running -= 1
+        return timed
+
+
 @pytest.mark.parametrize("depth", [1, 2, 3])
 def test_up_to_depth_reads_are_in_flight_and_the_parts_come_in_order(qsg: tuple[redis.Redis, QueueManager],
                                                                      monkeypatch: pytest.MonkeyPatch,
@@ -139,25 +165,11 @@ def test_up_to_depth_reads_are_in_flight_and_the_parts_come_in_order(qsg: tuple[
         conn.put("Q1", b)
     conn.commit()
     ids = sorted(k.decode() for k in client.hkeys(keys.entries("APP1")))
-    lock, running, most = threading.Lock(), [0], [0]
-
-    def slowed(read: Any) -> Any:
-        def timed(*args: Any) -> Any:
-            with lock:
-                running[0] += 1
-                most[0] = max(most[0], running[0])
-            try:
-                time.sleep(0.02)  # long enough that reads sent together overlap
-                return read(*args)
-            finally:
-                with lock:
-                    running[0] -= 1
-        return timed
-
-    monkeypatch.setattr(bulk, "_descriptors", slowed(bulk._descriptors))
-    monkeypatch.setattr(bulk, "_data", slowed(bulk._data))
+    reads = InFlight()
+    monkeypatch.setattr(bulk, "_descriptors", reads.slowed(bulk._descriptors))
+    monkeypatch.setattr(bulk, "_data", reads.slowed(bulk._data))
     got = list(bulk.fetch_raw(client, "APP1", ids, batch=5, depth=depth))
-    assert most[0] == depth
+    assert reads.most == depth
     assert any(len(descs) < 5 for descs, _ in got[:-1])  # parts, not only whole batches
     assert ([d for part, _ in got for d in part], [d for _, part in got for d in part]) == bulk.read(client, "APP1", ids)
 
@@ -172,33 +184,16 @@ def test_a_depth_asked_before_each_read_is_followed(qsg: tuple[redis.Redis, Queu
         conn.put("Q1", b"m%d" % k)
     conn.commit()
     ids = sorted(k.decode() for k in client.hkeys(keys.entries("APP1")))
-    lock, running, most = threading.Lock(), [0], [0]
-    say, after_say = [2], []  # after_say: reads in flight as each read sent after the switch starts
-
-    def slowed(read: Any) -> Any:
-        def timed(*args: Any) -> Any:
-            with lock:
-                running[0] += 1
-                most[0] = max(most[0], running[0])
-                if say[0] == 1:
-                    after_say.append(running[0])
-            try:
-                time.sleep(0.02)
-                return read(*args)
-            finally:
-                with lock:
-                    running[0] -= 1
-        return timed
-
-    monkeypatch.setattr(bulk, "_descriptors", slowed(bulk._descriptors))
+    reads, say = InFlight(), [2]
+    monkeypatch.setattr(bulk, "_descriptors", reads.slowed(bulk._descriptors))
     got = []
     for k, part in enumerate(bulk.fetch_raw(client, "APP1", ids, batch=4, depth=lambda: say[0])):
         got.append(part)
         if k == 2:
-            assert most[0] == 2
-            with lock:
+            assert reads.most == 2
+            with reads.lock:
                 say[0] = 1
-                in_flight_now = running[0]
+                reads.watching = True
     # Up to two reads sent before the switch (the depth then) may start after it; every later one runs alone.
-    assert len(after_say) >= 5 and max(after_say[2:]) == 1, (after_say, in_flight_now)
+    assert len(reads.started) >= 5 and max(reads.started[2:]) == 1, reads.started
     assert ([d for p, _ in got for d in p], [d for _, p in got for d in p]) == bulk.read(client, "APP1", ids)
