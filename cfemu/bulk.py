@@ -139,9 +139,10 @@ def fetch_raw(client: redis.Redis, structure: str, ids: Sequence[str], batch: in
     its own (a batch of two thousand messages of 4 MiB held whole was 8 GiB, and the next one prefetched beside
     it). Up to `depth` reads are in flight, each on a connection of its own, while the caller handles the part
     before them: the CF serves one read while this process parses the other's reply (with one read in flight the
-    CF sat idle for the parsing, and a backup ran at 0.4 of a raw read; BENCHMARKS.md). So at most depth + 1
-    parts are held. `depth` may be a function, asked before each read is sent: a paced backup reads one at a time
-    while the group works (backup.pacing). before_read(), when given, is called before each batch's read is sent (READ_COMMANDS commands
+    CF sat idle for the parsing, and a backup ran at 0.4 of a raw read; BENCHMARKS.md). So at most depth + 1 parts
+    are held, and one more while a caller still holds the part before when it asks for the next. `depth` may be a
+    function, asked before reads are sent: a paced backup reads one at a time while the group works
+    (backup.pacing). before_read(), when given, is called before each batch's read is sent (READ_COMMANDS commands
     when its data fit in one part), in the caller's thread, between two reads: a backup paces itself there
     (backup.pacing), so that a pause holds up neither a read in flight nor the part being handled."""
     chunks = [ids[i:i + batch] for i in range(0, len(ids), batch)]
@@ -167,6 +168,8 @@ def fetch_raw(client: redis.Redis, structure: str, ids: Sequence[str], batch: in
             nonlocal next_batch
             if limit is None:
                 limit = min(deepest, depth if isinstance(depth, int) else depth())
+            # The batch being handed over always has its next part in flight, even past the limit: when the depth
+            # shrinks (a paced backup's group starts working), the next batches' reads may fill it.
             while len(firsts) + len(later) < limit or (unread and not later):
                 if unread:
                     a, b = unread.popleft()
