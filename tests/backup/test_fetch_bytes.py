@@ -197,3 +197,24 @@ def test_a_depth_asked_before_each_read_is_followed(qsg: tuple[redis.Redis, Queu
     # Up to two reads sent before the switch (the depth then) may start after it; every later one runs alone.
     assert len(reads.started) >= 5 and max(reads.started[2:]) == 1, reads.started
     assert ([d for p, _ in got for d in p], [d for _, p in got for d in p]) == bulk.read(client, "APP1", ids)
+
+
+def test_a_depth_that_shrinks_inside_a_batch_of_parts_still_hands_every_part_over(
+        qsg: tuple[redis.Redis, QueueManager], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The next batches' reads already fill the shrunk depth when a batch of several parts is being handed over:
+    its next part still goes out (else there is no read of it to wait for)."""
+    client, qm = qsg
+    monkeypatch.setattr(bulk, "FETCH_BYTES", 20 << 10)
+    conn = qm.connect()
+    for _ in range(24):
+        conn.put("Q1", os.urandom(15 << 10))  # batches of 4 in 4 parts of one message each
+    conn.commit()
+    ids = sorted(k.decode() for k in client.hkeys(keys.entries("APP1")))
+    say = [2]
+    got = []
+    for k, part in enumerate(bulk.fetch_raw(client, "APP1", ids, batch=4, depth=lambda: say[0])):
+        got.append(part)
+        if k == 4:  # the second batch's first part: its second part and the third batch's first read are in flight
+            say[0] = 1
+    assert len(got) > len(ids) // 4
+    assert ([d for p, _ in got for d in p], [d for _, p in got for d in p]) == bulk.read(client, "APP1", ids)
