@@ -8,7 +8,6 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,15 +19,6 @@ from backup.files import read_backup
 from backup.run import run_backup
 from cfemu import bulk, keys
 from sqm.manager import QueueManager
-from tests.support.group import define_group, start_qm
-
-
-@pytest.fixture
-def qsg(redis_url: str, tmp_path: Path) -> Iterator[tuple[redis.Redis, QueueManager]]:
-    client = define_group(redis_url, queues=("Q1",))
-    qm = start_qm(redis_url, tmp_path / "logs", "QM1", background=False)
-    yield client, qm
-    qm.stop()
 
 
 def _hmget_calls(client: redis.Redis) -> int:

@@ -12,7 +12,7 @@ import random
 import threading
 import time
 import weakref
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -32,14 +32,6 @@ from sqm.manager import QueueManager
 from tests.support.group import define_group, start_qm
 
 LENGTHS = [0, 1, 127, 128, 255, 256, 65_535, 65_536, 2**32 - 1, 2**32, 2**32 + 5, 2**40, 2**53]
-
-
-@pytest.fixture
-def qsg(redis_url: str, tmp_path: Path) -> Iterator[tuple[redis.Redis, QueueManager]]:
-    client = define_group(redis_url, queues=("Q1",))
-    qm = start_qm(redis_url, tmp_path / "logs", "QM1", background=False)
-    yield client, qm
-    qm.stop()
 
 
 def _fetch_threads() -> list[threading.Thread]:
@@ -424,6 +416,27 @@ def test_an_idle_cf_never_pauses_the_backup_with_reads_in_flight(redis_url: str,
     assert [p["pauses"] for p in pacing] == [0] * 5 and sum(p["probes"] for p in pacing) >= 20, pacing
 
 
+def _idle_and_in_order(member_url: str, backup_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                       seed: int, depth: int) -> None:
+    """On a CF of another kind: 2,000 messages put by a member; 4 idle backups never paused; then the parts of a
+    fetch with replies out of order come in order, every one once, and no fetch thread is left."""
+    qm = start_qm(member_url, tmp_path / "logs", "QM1", background=False)
+    try:
+        _put(qm, [os.urandom(n) for n in [10, 3000, 0, 700] * 500])
+    finally:
+        qm.stop()
+    pacing = _idle_backups(lambda: connect(backup_url), tmp_path, 4, 5, monkeypatch)
+    assert [x["pauses"] for x in pacing] == [0] * 4 and sum(x["probes"] for x in pacing) >= 16, pacing
+    client = connect(member_url)
+    ids = _ids(client)
+    monkeypatch.setattr(bulk, "FETCH_BYTES", 5000)
+    want = bulk.read(client, "APP1", ids)
+    _jitter(monkeypatch, seed)
+    got = list(bulk.fetch_raw(client, "APP1", ids, batch=9, depth=depth))
+    assert ([d for x, _ in got for d in x], [d for _, x in got for d in x]) == want
+    assert _fetch_threads() == []
+
+
 def test_a_duplexed_cf_as_the_backups_client(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """cfemu.duplex: each new connection probes the pair (INFO replication, HGET of the generation) on the primary,
     commands the pacer does not call its own; the reads in flight each on a connection of its own. Idle: never
@@ -432,21 +445,7 @@ def test_a_duplexed_cf_as_the_backups_client(tmp_path: Path, monkeypatch: pytest
 
     with Pair(tmp_path / "pair") as p:
         define_group(p.url("operator"), queues=("Q1",))
-        qm = start_qm(p.url("member"), tmp_path / "logs", "QM1", background=False)
-        try:
-            _put(qm, [os.urandom(n) for n in [10, 3000, 0, 700] * 500])
-        finally:
-            qm.stop()
-        pacing = _idle_backups(lambda: connect(p.url("member")), tmp_path, 4, 5, monkeypatch)
-        assert [x["pauses"] for x in pacing] == [0] * 4 and sum(x["probes"] for x in pacing) >= 16, pacing
-        client = connect(p.url("member"))
-        ids = _ids(client)
-        monkeypatch.setattr(bulk, "FETCH_BYTES", 5000)
-        want = bulk.read(client, "APP1", ids)
-        _jitter(monkeypatch, 7)
-        got = list(bulk.fetch_raw(client, "APP1", ids, batch=9))
-        assert ([d for x, _ in got for d in x], [d for _, x in got for d in x]) == want
-        assert _fetch_threads() == []
+        _idle_and_in_order(p.url("member"), p.url("member"), tmp_path, monkeypatch, seed=7, depth=bulk.FETCH_DEPTH)
 
 
 def test_a_redis_cluster_cf_as_the_backups_client(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -457,20 +456,6 @@ def test_a_redis_cluster_cf_as_the_backups_client(tmp_path: Path, monkeypatch: p
     cl = EmbeddedCluster(tmp_path / "rcluster").start()
     try:
         Admin(connect(cl.url("operator"))).ensure_structure("APP1", ("Q1",))
-        qm = start_qm(cl.url("member"), tmp_path / "logs", "QM1", background=False)
-        try:
-            _put(qm, [os.urandom(n) for n in [10, 3000, 0, 700] * 500])
-        finally:
-            qm.stop()
-        pacing = _idle_backups(lambda: connect(cl.url("backup")), tmp_path, 4, 5, monkeypatch)
-        assert [x["pauses"] for x in pacing] == [0] * 4 and sum(x["probes"] for x in pacing) >= 16, pacing
-        client = connect(cl.url("member"))
-        ids = _ids(client)
-        monkeypatch.setattr(bulk, "FETCH_BYTES", 5000)
-        want = bulk.read(client, "APP1", ids)
-        _jitter(monkeypatch, 11)
-        got = list(bulk.fetch_raw(client, "APP1", ids, batch=9, depth=3))
-        assert ([d for x, _ in got for d in x], [d for _, x in got for d in x]) == want
-        assert _fetch_threads() == []
+        _idle_and_in_order(cl.url("member"), cl.url("backup"), tmp_path, monkeypatch, seed=11, depth=3)
     finally:
         cl.stop()
