@@ -172,6 +172,7 @@ def test_requests_on_a_silent_cf_time_out_together_not_one_after_another(group: 
     assert took[-1] < 2.5, f"the browses on a silent CF failed after {took} s: one socket timeout after another"
 
 
+@pytest.mark.soak  # 16 s (the shutdown checkpoint's CF timeouts): `pytest -m soak tests/sqm/test_review_request_slots.py`
 def test_sigterm_with_requests_queued_behind_a_silent_cf_ends_soon_after_the_grace(group: Any,
                                                                                    tmp_path: Path) -> None:
     """12 browses on a CF that does not answer (socket timeout 1 s), one slot, --shutdown-grace 1. With as many slots
