@@ -870,8 +870,7 @@ class SQMServer:
                        session.number, session.peer, session.client_name or "no name", op, session.role)
             return error_reply(rid, denied, uow=session.uow_open())
         if self._stopping:
-            quiesce = QuiescingError(f"queue manager {self.qm.name} is shutting down; {op} not carried out")
-            return error_reply(rid, quiesce, **session.flags())
+            return error_reply(rid, self._quiescing(op), **session.flags())
         if op in CONVERSATION_OPS and op != "logon" and session.conversation is None:
             alone = NotLoggedOnError(f"{op}: this connection has not logged on: send logon with a user id (and a "
                                      "token) first; a session ends with its connection")
@@ -1021,9 +1020,13 @@ class SQMServer:
         """A request that waited for its slot runs only if the server is not stopping and its client is still
         there: queued, it may have outlived both (its client, told the outcome is unknown, may send it again)."""
         if self._stopping:
-            raise QuiescingError(f"queue manager {self.qm.name} is shutting down; {op} not carried out")
+            raise self._quiescing(op)
         if session.gone.is_set():
             raise ClientGoneError(f"{op}: the client left while the request waited for a request slot")
+
+    def _quiescing(self, op: str) -> QuiescingError:
+        """The refusal of a request the server does not carry out because it is stopping."""
+        return QuiescingError(f"queue manager {self.qm.name} is shutting down; {op} not carried out")
 
     def _connection(self, session: Session) -> Connection:
         if session.conn is None:
@@ -1230,7 +1233,7 @@ class SQMServer:
             if session.gone.is_set():
                 raise ClientGoneError(f"receive on {service}: the client has gone")
             if self._stopping:  # not carried out: the client may go on elsewhere (nothing was taken)
-                raise QuiescingError(f"queue manager {self.qm.name} is shutting down; receive not carried out")
+                raise self._quiescing("receive")
             try:
                 got = conv.receive(service, option=option,
                                    max_length=session.reply_limit - ENVELOPE - MESSAGE_COST)
