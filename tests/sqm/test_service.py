@@ -101,8 +101,11 @@ def start_server(redis_url: str, tmp: Path, name: str, *args: str, env: dict[str
 class Raw:
     """A raw protocol connection, for sending what a well-behaved client never would."""
 
-    def __init__(self, port: int) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    def __init__(self, port: int, source: str | None = None) -> None:
+        """source: the local address to connect from (any of 127.0.0.0/8 reaches a server on 127.0.0.1): a
+        peer address of its own, as the server counts some things per address."""
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10,
+                                             source_address=None if source is None else (source, 0))
         self.ids = 100
 
     def send_bytes(self, data: bytes) -> None:

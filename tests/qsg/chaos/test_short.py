@@ -53,7 +53,9 @@ def test_bad_fault_kind_is_refused_by_name(tmp_path: Path) -> None:
     assert not (tmp_path / "history.jsonl").exists()
 
 
-@pytest.mark.parametrize("seed", [1, 2])
+# Seed 2 is a second schedule of the same faults: it runs with -m soak (31 s), to keep the default suite under 20
+# minutes; seed 1 and the fault kinds' own short runs below stay in it.
+@pytest.mark.parametrize("seed", [1, pytest.param(2, marks=pytest.mark.soak)])
 def test_short_run_finds_nothing(tmp_path: Path, seed: int) -> None:
     out = chaos("run", "--seed", str(seed), "--duration", "22", "--faults", ",".join(SHORT_KINDS), "--json",
                 "--dir", str(tmp_path))
