@@ -238,12 +238,19 @@ def _staged_runs(job: tuple[str, Runs, int, int]) -> Iterator[tuple[bulk.Staged,
 # (BENCHMARKS.md, restore, fifth pass): on a quiet machine the worker gains 20% at 1 KiB (200k messages) and
 # nothing from 4 KiB to 64 KiB; beside other work (load average 6-10) it loses 1.5-2x from 8 KiB on.
 STREAM_BELOW = 4 << 10
+# Below this many entries the load's batches are made in a thread too: a worker process first costs its start (an
+# interpreter and the restore's imports, 0.3-0.5 s), which a small load never wins back (measured, fifth pass: 40k
+# messages of 1 KiB loaded in 0.68-0.70 s from a thread, 0.73-0.75 s through a worker; 200k in 3.35 s against
+# 2.61-2.71 s). Every restore of a few queues (RECAUTO after a CF loss, most of all) paid that start.
+STREAM_FROM = 50_000
 
 
 def streams(plan: SpilledPlan) -> bool:
     """Whether the load merges and packs `plan`'s batches in a worker process, beside this one sending them (a
-    thread here would share the GIL with the sending): a plan settled by worker processes, of small messages."""
-    return plan.workers > 1 and plan.loaded_bytes < STREAM_BELOW * max(1, plan.loaded_count)
+    thread here would share the GIL with the sending): a plan settled by worker processes, of STREAM_FROM small
+    messages or more."""
+    return (plan.workers > 1 and plan.loaded_count >= STREAM_FROM
+            and plan.loaded_bytes < STREAM_BELOW * max(1, plan.loaded_count))
 
 
 def load_order(settled: Iterable[Settled]) -> list[Settled]:

@@ -14,13 +14,15 @@ from typing import Any
 import pytest
 import redis
 
+import restore.load
+import restore.workers
 from backup.files import BackupWriter, read_backup
 from cfemu import bulk, keys
 from cfemu.admin import Admin, StructureDef
 from cfemu.embedded import EmbeddedRedis
 from cfemu.entry import Entry
 from restore.engine import LocalEngine, no_progress, read_logs
-from restore.load import STREAM_BELOW, LoadVerifyError, batch_bytes_for, load_plan
+from restore.load import STREAM_BELOW, STREAM_FROM, LoadVerifyError, batch_bytes_for, load_plan
 from restore.partitioned import SpilledPlan
 from restore.plan import RestorePlan, plan_local
 from restore.workers import WorkerError, Workers
@@ -28,6 +30,13 @@ from sqm.log import RecordLog
 from tests.support.children import child_pids
 
 ITEM = 48 << 20  # a load's batch of 1,000 messages of 48 KiB
+
+
+@pytest.fixture(autouse=True)
+def _small_loads_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These loads are of a few thousand messages (quick), but what they check is the worker's stream, which a load
+    takes from restore.load.STREAM_FROM entries on."""
+    monkeypatch.setattr(restore.load, "STREAM_FROM", 0)
 
 
 def _peak_kib() -> int:
@@ -98,6 +107,34 @@ def _load(client: redis.Redis, plan: RestorePlan, progress: Callable[[str, int, 
           ) -> None:
     with bulk.claim(client, S, bulk.observe(client, S)) as owner:
         load_plan(owner, plan, StructureDef(S), ["Q1"], progress=progress)
+
+
+def test_a_small_load_starts_no_worker_process(redis_url: str, history: Path, tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load of fewer than restore.load.STREAM_FROM entries makes its batches in a thread, even for a plan settled
+    by workers: a worker's start (0.3-0.5 s) is more than such a load takes, and every restore of a few queues (a
+    RECAUTO after a CF loss) paid it."""
+    monkeypatch.setattr(restore.load, "STREAM_FROM", STREAM_FROM)  # the real threshold, not this module's 0
+    assert N < STREAM_FROM
+    client = redis.Redis.from_url(redis_url)
+    Admin(client).define_structure(S)
+    Admin(client).define_queue("Q1", S)
+    plan = _plan(history, tmp_path, workers=2)
+    assert isinstance(plan, SpilledPlan) and plan.partitions > 1  # settled by the two workers
+    started: list[Any] = []
+    real = restore.workers.subprocess.Popen
+
+    def popen(args: Any, *rest: Any, **kw: Any) -> Any:
+        started.append(args)
+        return real(args, *rest, **kw)
+
+    monkeypatch.setattr(restore.workers.subprocess, "Popen", popen)
+    try:
+        _load(client, plan)
+    finally:
+        plan.close()
+    assert started == []
+    assert client.hlen(keys.data(S)) == N
 
 
 @pytest.mark.parametrize("workers", [1, 2])
