@@ -175,9 +175,9 @@ def test_committers_through_one_slot_share_the_logs_fsyncs_and_the_waits_are_cou
     fsyncs = metric(one_slot, "sqm_fsyncs_total") - fsyncs_before
     assert commits >= 320
     # A slot kept through the force makes one fsync a commit (320 for 320, measured). Given up, several commits
-    # share a flush; how many depends on the fsync's time against the CPU's: a slow CI run, on a disk whose fsync
-    # takes 84 us, had 296 for 320 (the bound was 0.9 of the commits then).
-    assert fsyncs <= commits - 8, f"{fsyncs:.0f} fsyncs for {commits:.0f} commits: no group commit"
+    # share a flush; how many depends on the fsync's time against the CPU's: two slow CI runs, on a disk whose
+    # fsync takes 84 us, had 296 and 300 for 320 (the bound was 0.9 of the commits then).
+    assert fsyncs <= commits - 5, f"{fsyncs:.0f} fsyncs for {commits:.0f} commits: no group commit"
     assert metric(one_slot, "sqm_slot_waits_total") > 0  # 8 clients, 1 slot: some requests waited for it
     assert metric(one_slot, "sqm_waiting_for_slot") == 0
 
