@@ -486,8 +486,8 @@ class Checker:
                                            f"{states.get('UG', 0)} uncommitted gets still locked after the drain")
 
     def restores(self) -> list[dict[str, Any]]:
-        """The restores the faults ran (qsg.chaos.faults._restore): each 'restore began' event joined with its
-        'restore ended' one, by the restore's number."""
+        """The restores the faults ran (qsg.chaos.faults.restores.restore_structure): each 'restore began' event
+        joined with its 'restore ended' one, by the restore's number."""
         spans: dict[Any, dict[str, Any]] = {}
         for f in self.faults:
             if f.get("restore") is None:

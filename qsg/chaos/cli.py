@@ -21,7 +21,15 @@ from rich.console import Console
 
 from cfemu.clitools import Output, run_command
 from qsg.chaos.checker import FINDING_KINDS, check
-from qsg.chaos.faults import CF_LINK_KINDS, CLUSTER_SHORT_KINDS, DUPLEX_KINDS, KINDS, SHORT_KINDS, parse_kinds
+from qsg.chaos.faults import (
+    CF_LINK_KINDS,
+    CLUSTER_SHORT_KINDS,
+    DUPLEX_KINDS,
+    KINDS,
+    ROWS,
+    SHORT_KINDS,
+    parse_kinds,
+)
 from qsg.chaos.history import load_history
 
 
@@ -81,12 +89,11 @@ def main(argv: list[str] | None = None) -> int:
 def cmd_chaos(args: argparse.Namespace, out: Output) -> int:
     console = Console(stderr=True)
     if args.command == "kinds":
-        from qsg.chaos import faults
-
         if args.json:
             out.json({"kinds": list(KINDS), "short": list(SHORT_KINDS), "duplex": list(DUPLEX_KINDS)})
         else:
-            print(faults.__doc__.split("\n\n")[1] if faults.__doc__ else "\n".join(KINDS))
+            width = max(map(len, KINDS))
+            print("\n".join(f"{k:<{width}}  {row.doc}" for k, row in ROWS.items()))
         return 0
     if args.command == "check":
         result = check(load_history(args.history))

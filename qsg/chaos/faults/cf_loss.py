@@ -1,0 +1,440 @@
+"""Faults that lose the CF, or a structure in it, and the restores that follow: the CF killed (alone, during a
+restore, twice, after a purge, with RECAUTO, a duplexed pair's primary, one node of a Redis Cluster CF), two
+restores racing, a member killed during a backup, and a backup under load."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+from cfemu import bulk, keys, repository
+from cfemu.admin import Admin
+from cfemu.settings import CLUSTER_CF
+from qsg import cluster_cf
+from qsg.chaos.bodies import parse_body
+from qsg.chaos.faults.heal import peer_recovery, restart
+from qsg.chaos.faults.kind import DUPLEX, Draw, FaultError, FaultKind, FaultSpec, Step, register
+from qsg.chaos.faults.restores import (
+    backup_structure,
+    cf_loss,
+    ensure_backups,
+    live_work,
+    order_snapshot,
+    restore_structure,
+    structure_state,
+)
+from qsg.chaos.group import STRUCTURES, ChaosGroup
+from restore.engine import LOAD, READ_BACKUP
+from restore.run import RestoreError, run_purge
+
+
+def _loss_hold(d: Draw) -> tuple[float, dict[str, Any]]:
+    """How long the CF stays down before it restarts empty."""
+    return d.rnd.choice((0.3, 1.0)), {}
+
+
+def _loss_then_live_work(d: Draw) -> tuple[float, dict[str, Any]]:
+    hold = d.rnd.choice((0.3, 1.0))
+    return hold, {"live_s": d.rnd.choice((1.0, 2.5, 4.0))}  # live work before the (second) loss
+
+
+def _set_recauto(g: ChaosGroup, on: bool) -> None:
+    """RECAUTO on or off for every structure (cfemu alter structure), in the CF and the group repository."""
+    client = g.cf()
+    try:
+        admin = Admin(client)
+        repo = repository.open_group_repository(admin, g.c.log_root, who="chaos")
+        for s in STRUCTURES:
+            repository.alter_structure(admin, repo, s, recauto=on)
+    finally:
+        client.close()
+
+
+def _all_active(g: ChaosGroup) -> bool:
+    client = g.cf()
+    try:
+        admin = Admin(client)
+        return all(admin.state(s) == "ACTIVE" for s in STRUCTURES)
+    except redis.RedisError:
+        return False
+    finally:
+        client.close()
+
+
+def cf_kill_duplex_primary(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
+    """The duplexed CF's primary lost: its copy is promoted by the pair's controller (the cluster's CF supervisor,
+    qsg.cfpair), with nothing restored and nothing lost; the old primary comes back as the secondary."""
+    if not g.c.duplexed:
+        raise FaultError("cf-kill-duplex-primary needs a duplexed group: the runner starts one when the run's "
+                         "kinds name it")
+    out: dict[str, Any] = {}
+    pair = g.c.pair
+    g.c.supervise_cf()
+    try:
+        t0 = time.monotonic()
+        while pair.state["mode"] != "DUPLEX":  # after a cf-kill by hand the pair is simplex until it resyncs
+            if time.monotonic() - t0 > 60.0:
+                raise FaultError("the pair was not DUPLEX within 60s of its supervisor's start")
+            time.sleep(0.05)
+        step("pair DUPLEX", generation=pair.state["gen"])
+        promotions, restarts = pair.state["promotions"], pair.state["empty_restarts"]
+        live = order_snapshot(g)
+        pid = g.c.state[CLUSTER_CF]["pid"]
+        os.kill(int(pid), signal.SIGKILL)
+        t0 = time.monotonic()
+        step("primary CF killed", live_order=live)
+        while pair.state["promotions"] == promotions:
+            if time.monotonic() - t0 > 30.0:
+                raise FaultError("the secondary was not promoted within 30s of the primary's loss")
+            time.sleep(0.02)
+        out["promotion_s"] = round(time.monotonic() - t0, 3)
+        step("secondary promoted", generation=pair.state["gen"])
+        step("restored order read", restored_order=order_snapshot(g))
+        while pair.state["mode"] != "DUPLEX":
+            if time.monotonic() - t0 > 60.0:
+                raise FaultError("the pair was not DUPLEX again within 60s (the old primary's resync)")
+            time.sleep(0.05)
+        out["duplex_again_s"] = round(time.monotonic() - t0, 3)
+        out["empty_restarts"] = pair.state["empty_restarts"] - restarts  # a restore would follow one: must be 0
+        if out["empty_restarts"]:
+            raise FaultError("the pair restarted its primary empty instead of promoting the in-sync secondary")
+        step("duplexed again")
+    finally:
+        g.c.supervise_cf(False)
+    step("heal")
+    return out
+
+
+register(FaultKind(
+    "cf-kill-duplex-primary", cf_kill_duplex_primary, number=25, cost_s=5.0, tags=frozenset({DUPLEX}),
+    doc="(runs on a duplexed group, below; not in `all`) the cluster's CF supervisor, the pair's controller, is "
+        "turned on and the pair waits to be DUPLEX; the queues' get order is read; `kill -9` of the primary "
+        "redis-server; nobody acts: the controller promotes the secondary (`promotion_s` in the timings), the old "
+        "primary resyncs as the secondary (`duplex_again_s`); the order read again (the checker holds the two in the "
+        "same relative order); a restart of the primary empty (`empty_restarts`) is a fault error, and so is "
+        "anything lost: nothing is restored. Then the supervisor is off again"))
+
+
+def cluster_node_kill(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
+    """One node of the CF killed with RECAUTO on: on a Redis Cluster CF, the master that holds the chosen
+    structure's slot (the structures of the other masters are served all along); on one redis-server, the CF
+    itself. The supervisor restarts the node, empty; a member restores what it held (sqm.recauto)."""
+    if not cluster_cf.is_cluster_cf(g.c.state[CLUSTER_CF]):
+        return cf_kill_recauto(g, f, step)
+    structure = str(f.params.get("structure", "APP1"))
+
+    def kill() -> dict[str, Any]:
+        nodes = g.c._cluster_nodes()
+        node = nodes.master_of(structure)
+        held = sorted(s for s in STRUCTURES if nodes.master_of(s) == node)
+        g.c.kill_cf_node(node)
+        return {"node": node, "structures": held, "admin": nodes.master_of("ADMIN") == node}
+
+    return cf_kill_recauto(g, f, step, kill=kill)
+
+
+def _node_of(d: Draw) -> tuple[float, dict[str, Any]]:
+    hold = d.rnd.choice((0.3, 1.0))
+    return hold, {"structure": d.rnd.choice(sorted(STRUCTURES))}  # the node that holds it is killed
+
+
+register(FaultKind(
+    "cluster-node-kill", cluster_node_kill, number=26, cost_s=6.0, draw=_node_of, cluster_short=3,
+    doc="RECAUTO on; `kill -9` of the CF node that holds a structure (chosen by the seed): on a Redis Cluster CF "
+        "(`--redis-cluster`) the master of its slot, while the other masters serve on (only its structures' queues "
+        "lose their content: `lost_queues`); on one redis-server, the CF (as `cf-kill-recauto`). The supervisor "
+        "restarts the node empty, a member restores what it held; the time to every structure ACTIVE is `recauto_s`; "
+        "then RECAUTO off again"))
+
+
+def cf_kill_recauto(g: ChaosGroup, f: FaultSpec, step: Step,
+                    kill: Callable[[], dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The CF lost with RECAUTO on: nobody restores by hand. The cluster's supervisor restarts the CF (as
+    ``cfemu cluster up`` runs it), the members re-join it and one restores each structure (sqm.recauto). The
+    other CF kinds keep RECAUTO off: they play the operator, whose restores would race the members'. kill: what
+    is killed (default the whole CF: each node of a Redis Cluster CF), returning what to report of it."""
+    ensure_backups(g)
+    step("backups checked")
+    _set_recauto(g, True)
+    step("RECAUTO on")
+    out: dict[str, Any] = {}
+    try:
+        live = order_snapshot(g)
+        restarts = g.c.cf_restarts
+        g.c.supervise_cf()
+        if kill is not None:
+            out.update(kill())
+        elif cluster_cf.is_cluster_cf(g.c.state[CLUSTER_CF]):
+            g.c.kill_cf()  # every node
+        else:
+            os.kill(int(g.c.state[CLUSTER_CF]["pid"]), signal.SIGKILL)
+        t0 = time.monotonic()
+        # One node of a Redis Cluster CF: only its structures' queues lost their content (the checker's
+        # "resurrected" holds a non-persistent message to the loss only there).
+        lost = {"lost_queues": sorted(q for s in out["structures"] for q in STRUCTURES[s])} if "structures" in out else {}
+        step("CF killed", live_order=live, **lost)
+        deadline = t0 + 120.0
+        while not _all_active(g):
+            if time.monotonic() > deadline:
+                raise FaultError("RECAUTO: not every structure ACTIVE within 120s of the CF loss")
+            time.sleep(0.1)
+        out["recauto_s"] = round(time.monotonic() - t0, 3)
+        out["cf_restarts"] = g.c.cf_restarts - restarts  # by the supervisor: nobody else restarted it
+        step("every structure ACTIVE again, restored by a member")
+        step("restored order read", restored_order=order_snapshot(g))
+    finally:
+        g.c.supervise_cf(False)
+        with contextlib.suppress(Exception):
+            _set_recauto(g, False)
+    step("heal")
+    return out
+
+
+register(FaultKind(
+    "cf-kill-recauto", cf_kill_recauto, number=24, cost_s=6.0, draw=_loss_hold,
+    doc="RECAUTO is turned on for every structure (`alter_structure`, CF and repository); the cluster's CF supervisor "
+        "is turned on; `kill -9` of the CF's redis-server; nobody acts: the supervisor restarts it empty on the same "
+        "port, the members re-join it, one member restores each structure (sqm.recauto, CSQE messages in its log); "
+        "the time from the kill to every structure ACTIVE is `recauto_s` in the timings (`cf_restarts`: by the "
+        "supervisor, 1); then the supervisor and RECAUTO are off again. Every other kind defines the structures with "
+        "RECAUTO off: they play the operator, whose restores (and the checker's restore rules, which read their "
+        "spans) would otherwise race the members'"))
+
+
+def cf_kill(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
+    return cf_loss(g, f, step)
+
+
+register(FaultKind(
+    "cf-kill", cf_kill, number=3, cost_s=6.0, draw=_loss_hold, short=2, cluster_short=2,
+    doc="`kill -9` of the CF's redis-server; it restarts empty; every structure is restored with "
+        "`restore.run.run_restore` from its latest good backup and the merged logs, as the operator would run "
+        "`cfrestore`; the SQMs carry on (they re-join)"))
+
+
+def cf_kill_during_restore(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
+    return cf_loss(g, f, step, kill_during_load=True)
+
+
+register(FaultKind(
+    "cf-kill-during-restore", cf_kill_during_restore, number=4, cost_s=8.0, draw=_loss_hold,
+    doc="as `cf-kill`, and the CF is killed again when the restore reports its load phase; the CF restarts empty and "
+        "the restore runs again from the start (idempotent resume)"))
+
+
+def cf_kill_during_load_restart(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
+    return cf_loss(g, f, step, kill_during_load=True, restart_at_once=True)
+
+
+register(FaultKind(
+    "cf-kill-during-load-restart", cf_kill_during_load_restart, number=19, cost_s=8.0, draw=_loss_hold,
+    doc="as `cf-kill`, and when the restore reports its load phase the CF is killed and an empty one started on the "
+        "same port at once, before the restore goes on: the restore must stop with `RestoreStoppedError` (cf_lost) "
+        "and write nothing into the new CF (the checker's `restore-foreign-cf`); then every structure is restored "
+        "again, as the operator would"))
+
+
+def restore_race(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
+    """Two restores of one structure overlap (the checker's `restore-wiped`). The structure is marked failed (cfrestore
+    mark-failed); the first restore is held in its plan (where=plan: a slow Spark plan) or at the start of its
+    load (where=load); meanwhile a second restore of it runs, and the workload's clients work on the structure
+    once it is ACTIVE again, for `hold` seconds; then the first goes on. Exactly one of them may restore it:
+    the one that planned while the other restored refuses, and one that finds the other loading is refused by
+    its lock. The checker reads both spans from the history (restore-wiped), and the get order before the
+    structure failed and after it was restored (restore-order)."""
+    structure, where = str(f.params.get("structure", "APP1")), str(f.params.get("where", "plan"))
+    ensure_backups(g)
+    live = order_snapshot(g)
+    client = g.cf()
+    try:
+        Admin(client).set_state(structure, "FAILED")
+    finally:
+        client.close()
+    step(f"{structure} marked failed", live_order=live)
+    held, release = threading.Event(), threading.Event()
+    hold_at = READ_BACKUP if where == "plan" else LOAD
+
+    def hold(phase: str, done: int, total: int | None) -> None:
+        if phase == hold_at and not held.is_set():
+            held.set()
+            release.wait(120)
+
+    first: dict[str, Any] = {}
+
+    def run_first() -> None:
+        try:
+            first["result"] = restore_structure(g, structure, step, hold)
+        except Exception as e:  # judged below
+            first["error"] = e
+
+    thread = threading.Thread(target=run_first, name="restore-race-first", daemon=True)
+    thread.start()
+    out: dict[str, Any] = {"structure": structure, "where": where}
+    try:
+        if not held.wait(60):
+            raise FaultError(f"the first restore of {structure} never reached its {where}: {first}")
+        step(f"first restore held in its {where}")
+        try:
+            restore_structure(g, structure, step)
+            out["second"] = "ok"
+        except RestoreError as e:
+            out["second"] = f"refused: {str(e)[:160]}"
+        time.sleep(f.hold)  # clients work on the structure, if the second restore made it ACTIVE
+    finally:
+        release.set()
+        thread.join(120)
+    out["first"] = "ok" if "result" in first else f"{type(first.get('error')).__name__}: " \
+                                                     f"{str(first.get('error'))[:160]}"
+    step("restored order read", restored_order=order_snapshot(g))
+    step("heal")
+    if (out["first"] == "ok") == (out["second"] == "ok"):
+        # both restored it (the checker counts the stale one), or neither did: restore it now, as an operator
+        # would, so that the run goes on
+        state = structure_state(g, structure)
+        if state != "ACTIVE":
+            restore_structure(g, structure, step)
+            out["restored_after"] = True
+        if out["first"] == "ok":
+            raise FaultError(f"both overlapping restores of {structure} completed")
+    return out
+
+
+def _race(d: Draw) -> tuple[float, dict[str, Any]]:
+    hold = d.rnd.choice((1.0, 2.0, 3.0))  # the first restore held, while the second runs and clients work
+    structure = d.rnd.choice(sorted(STRUCTURES))
+    return hold, {"structure": structure, "where": d.rnd.choice(("plan", "load"))}
+
+
+register(FaultKind(
+    "restore-race", restore_race, number=20, cost_s=8.0, draw=_race,
+    doc="a structure (from the seed) is marked failed (`cfrestore mark-failed`); a first restore of it is held in its "
+        "plan (a slow Spark plan) or at the start of its load; meanwhile a second restore of it runs, and the "
+        "workload works on the structure once it is ACTIVE, for 1-3 s; then the first goes on. Exactly one may "
+        "restore it: the one that planned while the other restored refuses, and one that finds the other loading is "
+        "refused by restore's log lock (the checker's `restore-wiped`)"))
+
+
+def during_backup(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
+    target, at_step = f.target, int(f.params.get("step", 3))
+
+    def on_step(n: int, state: str) -> None:
+        if n == at_step and g.running(target):
+            g.c.kill_manager(target, signal.SIGKILL)
+            step(f"{target} killed at backup step {n} ({state})")
+
+    manifest = backup_structure(g, "APP1", on_step)
+    step(f"backup {manifest['id']} done")
+    out: dict[str, Any] = {"backup": manifest["id"], "peer_recovery_s": peer_recovery(g, target, step)}
+    out["restart_s"] = restart(g, target, step)
+    out.update(cf_loss(g, f, step))
+    return out
+
+
+def _backup_step(d: Draw) -> tuple[float, dict[str, Any]]:
+    return 0.0, {"step": d.rnd.randint(1, 5)}
+
+
+register(FaultKind(
+    "during-backup", during_backup, number=5, cost_s=12.0, draw=_backup_step,
+    doc="a backup of APP1 runs; at one of its five copy steps (from the seed) an SQM is killed -9; the backup "
+        "completes; the SQM is recovered and restarted; then the CF is lost and restored from that backup"))
+
+
+def backup(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for s in STRUCTURES:
+        manifest = backup_structure(g, s)
+        out[f"{s}_entries"] = manifest["entries"]
+        step(f"{s} backed up ({manifest['entries']} messages)")
+    return out
+
+
+register(FaultKind("backup", backup, number=16, cost_s=3.0, doc="a fuzzy backup of every structure under load"))
+
+
+def cf_kill_twice(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
+    """A get appended (not forced) before the first loss reaches the disk after the first restore; a second
+    loss before any new backup must not fold it in again (docs/invariants.md, invariant 5). The target SQM is held (SIGSTOP)
+    from just before the first loss until that restore is done, so that what it had appended but not forced
+    reaches its log only afterwards, at its next force (a busy member forces too often for that to happen by
+    chance). It holds no lease meanwhile that a peer could see lapse: the new CF does not know it yet."""
+    ensure_backups(g)
+    g.pause_backups()
+    step("backup scheduler held")
+    try:
+        g.stop(f.target)
+        step(f"{f.target} held (SIGSTOP) across the first loss")
+        try:
+            out: dict[str, Any] = {"first": cf_loss(g, f, step)}
+        finally:
+            g.cont(f.target)
+            step(f"{f.target} resumed: its unforced records reach its log after the restore")
+        # A CF call it had in flight carries its old epoch into the new CF, where it has re-joined meanwhile:
+        # refused as fenced, it exits (code 3), as an operator would see it; live_work restarts it then.
+        out["restarted"] = live_work(g, f, step)
+        out["second"] = cf_loss(g, f, step)
+    finally:
+        g.resume_backups()
+        step("backup scheduler resumed")
+    out["restore_s"] = round(out["first"]["restore_s"] + out["second"]["restore_s"], 3)
+    return out
+
+
+register(FaultKind(
+    "cf-kill-twice", cf_kill_twice, number=21, cost_s=14.0, draw=_loss_then_live_work,
+    doc="the backup scheduler is held (SIGSTOP, and any backup it started runs out); the target SQM is held (SIGSTOP) "
+        "from just before a `cf-kill` until its restore is done, so what it appended but had not forced reaches its "
+        "log only after that restore; full service (an SQM that exited fenced or stopped serving after the loss is "
+        "restarted, as an operator would: `restarted` in the timings) and 1, 2.5 or 4 s of live work; `cf-kill` "
+        "again, before any new backup: the second restore must start at the first one's restore point (a get "
+        "appended before the first loss and forced after it must not come back into play: docs/invariants.md, "
+        "invariant 5)"))
+
+
+def purged_messages(client: Any, structure: str) -> list[str]:
+    """The chaos message ids of every entry the structure holds (the messages a purge now discards)."""
+    ids = [keys.text(i) for i in client.hkeys(keys.entries(structure))]
+    found = (parse_body(data)[0] for _, _, data in bulk.fetch(client, structure, ids) if data is not None)
+    return sorted(m for m in found if m)
+
+
+def purge_then_cf_kill(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
+    """RECOVER CFSTRUCT TYPE(PURGE) of APP1, live work, then a CF loss before any new backup:
+    the restore must start at the purge, not at the backup before it. The purged messages are named in the
+    history (the fault's "purged" step), so that the checker can tell a purged message from a lost one."""
+    ensure_backups(g)
+    g.pause_backups()
+    step("backup scheduler held")
+    try:
+        client = g.cf()
+        try:
+            Admin(client).set_state("APP1", "FAILED")  # from here on nothing changes what the purge discards
+            discarded = purged_messages(client, "APP1")
+            result = run_purge(client, "APP1", backup_root=g.c.backup_dir, log_root=g.c.log_root,
+                               backup_keys=g.c.backup_keys())
+        finally:
+            client.close()
+        step("purged", structure="APP1", msgs=discarded, restore_point=result.restore_point)
+        out: dict[str, Any] = {"purged": len(discarded), "restarted": live_work(g, f, step)}
+        out.update(cf_loss(g, f, step))
+    finally:
+        g.resume_backups()
+        step("backup scheduler resumed")
+    return out
+
+
+register(FaultKind(
+    "purge-then-cf-kill", purge_then_cf_kill, number=22, cost_s=10.0, draw=_loss_then_live_work,
+    doc="scheduler held; APP1 marked failed, the chaos ids of every message it holds written to the history (the "
+        "fault's `purged` step), `cfrestore purge` (run_purge); live work; `cf-kill` before any new backup: no "
+        "purged message may come back (the checker's `purge-undone`)"))
+
+
+__all__: list[str] = []

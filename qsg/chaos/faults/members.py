@@ -1,0 +1,239 @@
+"""Faults of the members themselves: an SQM killed, paused past its lease, its log disk full, its clock skewed
+(or its peers'), and a member started with a log root of its own."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from qsg.chaos.faults.heal import after_heal, peer_recovery, restart
+from qsg.chaos.faults.kind import Draw, FaultError, FaultKind, FaultSpec, Step, last_member, register
+from qsg.chaos.faults.restores import cf_loss
+from qsg.chaos.group import ChaosGroup
+from qsg.chaos.workload import PutSpec, Runner
+from sqm.failpoints import ENV_VAR as FAILPOINTS_ENV
+from sqm.service.client import Client
+from sqm.service.server import EXIT_CONFIG, EXIT_FENCED
+
+IDLE_SETTLE_S = 7.0  # peer-clock-skew: longer than the coordinator's longest park before a resolve (6 s)
+
+
+def sqm_kill(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
+    g.c.kill_manager(f.target, signal.SIGKILL)
+    step("killed")
+    out: dict[str, Any] = {"peer_recovery_s": peer_recovery(g, f.target, step)}
+    time.sleep(f.hold)
+    step("heal")
+    out["restart_s"] = restart(g, f.target, step)
+    return out
+
+
+def _after_recovery(d: Draw) -> tuple[float, dict[str, Any]]:
+    return d.rnd.choice((0.0, 1.0, 2.0)), {}  # after peer recovery, before the restart
+
+
+register(FaultKind("sqm-kill", sqm_kill, number=1, cost_s=7.0, draw=_after_recovery, short=1, cluster_short=1,
+                   doc="`kill -9` of an `sqm run` process; a peer recovers it once its lease lapses; it is restarted"))
+
+
+def sqm_pause(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
+    g.stop(f.target)
+    step("SIGSTOP")
+    out: dict[str, Any] = {"peer_recovery_s": peer_recovery(g, f.target, step)}
+    g.cont(f.target)
+    step("heal")
+    code = g.c.wait_manager_exit(f.target, timeout=30.0)
+    out["exit_code"] = code
+    out["fenced_exit_s"] = step(f"{f.target} exited with code {code}")
+    if code != EXIT_FENCED:
+        raise FaultError(f"{f.target} resumed after being fenced and exited with {code}, not {EXIT_FENCED}")
+    out["restart_s"] = restart(g, f.target, step)
+    return out
+
+
+register(FaultKind("sqm-pause", sqm_pause, number=2, cost_s=8.0,
+                   doc="`SIGSTOP` until a peer has fenced and recovered it (past the lease), then `SIGCONT`: the SQM "
+                       "must exit with its fenced exit code (3) — the suite checks the code — and is restarted"))
+
+
+def disk_full(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
+    if g.disk is None:
+        raise FaultError(f"unavailable on this machine: {g.disk_unavailable or 'no log disk'}")
+    written = g.disk.fill()
+    step(f"{f.target}'s log disk full ({written} bytes of filler)")
+    time.sleep(f.hold)
+    g.disk.free()
+    step("heal")
+    return {"filler_bytes": written, **after_heal(g, f.target, step)}
+
+
+def _disk_full_hold(d: Draw) -> tuple[float, dict[str, Any]]:
+    return d.rnd.choice((1.5, 3.0)), {}
+
+
+register(FaultKind("disk-full", disk_full, number=13, cost_s=8.0, draw=_disk_full_hold, target=last_member,
+                   doc="the last SQM's log directory is a 128 MiB tmpfs mounted by the suite; it is filled to ENOSPC, "
+                       "held 1.5-3 s, and freed"))
+
+
+def _skew(g: ChaosGroup, name: str, skew_ms: int, step: Step) -> float:
+    """Restart an SQM with its LRSN clock source skewed by skew_ms (kept for its later restarts)."""
+    g.c.kill_manager(name, signal.SIGTERM, timeout=30.0)
+    step(f"{name} stopped")
+    return restart(g, name, step, extra_args=["--clock-skew-ms", str(skew_ms)])
+
+
+def clock_skew(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
+    skew = int(f.params["skew_ms"])
+    out: dict[str, Any] = {"skew_ms": skew, "restart_s": _skew(g, f.target, skew, step)}
+    victim = f.params.get("then_kill")
+    if victim and g.running(victim):  # the skewed SQM is one of the peers that may recover it
+        g.c.kill_manager(victim, signal.SIGKILL)
+        step(f"{victim} killed")
+        out["peer_recovery_s"] = peer_recovery(g, victim, step)
+        out["victim_restart_s"] = restart(g, victim, step)
+    step("heal")
+    return out
+
+
+def _skew_and_maybe_kill(d: Draw) -> tuple[float, dict[str, Any]]:
+    params: dict[str, Any] = {"skew_ms": d.rnd.choice((-1, 1)) * d.rnd.choice((2000, 5000, 15000))}
+    if len(d.managers) > 1 and d.rnd.random() < 0.5:  # the skewed SQM may then recover a peer
+        params["then_kill"] = d.rnd.choice([m for m in d.managers if m != d.target])
+    return 0.0, params
+
+
+register(FaultKind(
+    "clock-skew", clock_skew, number=14, cost_s=6.0, draw=_skew_and_maybe_kill,
+    doc="the SQM is stopped (SIGTERM) and restarted with `sqm run --clock-skew-ms` of ±2, 5 or 15 s; it keeps the "
+        "skew for the rest of the run. In half the seeds another SQM is then killed -9, so the skewed one may be the "
+        "peer that recovers it (the recovering side skewed, not only the restarting one), and restarted"))
+
+
+def peer_clock_skew(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
+    """The recovering side's clock lags: every peer of the target runs skewed behind by more than the lease; the
+    target dies right after forcing a COMMIT, so a peer completes that commit; then the CF is lost and restored.
+    With an idle peer (params["idle"]) the recoverer is that peer, serving no clients and left alone long enough
+    that nothing moves its clock on (the other peers are stopped until it has recovered the target, and are
+    restarted if they were fenced meanwhile): its RECOVERY record once sorted below the dead member's operations
+    (entries locked for good: the checker's `stuck`; docs/invariants.md, invariant 3). Without one, a busy peer
+    recovers while the others commit: the CF and restore must place the completed commit at the same LRSN (the
+    checker's `restore-order`; invariant 7)."""
+    skew, idle, victim = int(f.params["skew_ms"]), f.params.get("idle"), f.target
+    peers = [n for n in g.names if n != victim]
+    stopped = [n for n in peers if idle and n != idle]
+    out: dict[str, Any] = {"skew_ms": skew, "idle": idle or "-"}
+    for name in peers:
+        out[f"{name}_restart_s"] = _skew(g, name, skew, step)
+    if idle:
+        g.client_proxies[idle].cut()
+        step(f"{idle} idle (its clients cut off)")
+        time.sleep(IDLE_SETTLE_S)  # the coordinator's resolves of what it prepared end: nothing moves its clock
+    try:
+        g.c.kill_manager(victim, signal.SIGTERM, timeout=30.0)
+        hit = int(f.params.get("commit", 3))
+        g.c.restart_manager(victim, timeout=60.0, env={FAILPOINTS_ENV: f"after-log-force={hit}"})
+        step(f"{victim} restarted, to die after forcing its COMMIT number {hit}")
+        code = g.c.wait_manager_exit(victim, timeout=30.0)
+        if code is None:  # too few commits reached it: kill it anyway
+            g.c.kill_manager(victim, signal.SIGKILL)
+            out["victim"] = "killed -9 (the failpoint was not reached in 30 s)"
+        else:
+            out["victim"] = f"died at the failpoint (exit code {code})"
+        for name in stopped:
+            g.stop(name)
+        step(f"{victim} dead" + (f"; {', '.join(stopped)} stopped: {idle} recovers it" if stopped else ""))
+        try:
+            out["peer_recovery_s"] = peer_recovery(g, victim, step)
+        finally:
+            for name in stopped:
+                g.cont(name)
+    finally:
+        if idle:
+            g.client_proxies[idle].heal()
+    step("heal")
+    for name in stopped:  # stopped past its lease: fenced and recovered too, it exits and is restarted
+        out[f"{name}_after_stop"] = after_heal(g, name, step)
+    out.update(cf_loss(g, f, step))
+    out["restart_s"] = restart(g, victim, step)  # without the failpoint
+    return out
+
+
+def _peers_behind(d: Draw) -> tuple[float, dict[str, Any]]:
+    params: dict[str, Any] = {"skew_ms": -(d.lease_ms + d.rnd.choice((1000, 2000, 4000)))}
+    if len(d.managers) > 2 and d.rnd.random() < 0.5:  # else a busy peer recovers it
+        params["idle"] = d.rnd.choice([m for m in d.managers if m != d.target])
+    params["commit"] = d.rnd.randint(2, 12)  # the victim dies right after forcing this many COMMITs
+    return 0.0, params
+
+
+register(FaultKind(
+    "peer-clock-skew", peer_clock_skew, number=15, cost_s=32.0, draw=_peers_behind,
+    doc="every peer of the target is restarted with its clock skewed behind by more than the lease (lease + 1, 2 or "
+        "4 s); the target is restarted with the failpoint `after-log-force=N` (N from the seed, 2-12) and dies right "
+        "after its N-th COMMIT is forced; a skewed peer completes the commit; then the CF is lost and restored (as "
+        "`cf-kill`) and the target restarts. In half the seeds the recoverer is an idle peer: its client proxy is "
+        "cut 7 s before (longer than the coordinator's longest park, so nothing moves its clock on) and the other "
+        "peer is stopped (SIGSTOP) from the target's death until the idle one has recovered it (it may be fenced "
+        "meanwhile: it is then restarted); in the others a busy peer recovers while the rest of the group commits. "
+        "The recoverer's RECOVERY record must sort above the dead member's operations (else entries stay locked for "
+        "good: `stuck`), and the CF and restore must place the completed commit at the same LRSN (`restore-order`)"))
+
+
+def member_own_log_root(g: ChaosGroup, f: FaultSpec, step: Step, timeout: float = 45.0) -> dict[str, Any]:
+    """An operator starts a member with a log root of its own. It must refuse to join (exit 2):
+    peer recovery, backup and restore read only the group's log root. Should it join, two persistent puts are
+    committed through it, as a client of the history, and the CF is lost: the checker then finds them lost."""
+    name = f"QM{len(g.names) + 1}"
+    elsewhere = g.dir / f"elsewhere-{f.n}"
+    ready = g.dir / "run" / f"{name}.ready"
+    proc = g.start_stray_member(name, elsewhere, ready)
+    step(f"{name} started with its own log root {elsewhere}")
+    deadline = time.monotonic() + timeout
+    try:
+        while proc.poll() is None and not ready.exists():
+            if time.monotonic() > deadline:
+                raise FaultError(f"{name} neither refused nor joined within {timeout:g}s")
+            time.sleep(0.1)
+        if proc.returncode is not None:
+            step(f"{name} refused to join: exit code {proc.returncode}")
+            if proc.returncode != EXIT_CONFIG:
+                raise FaultError(f"{name} exited with {proc.returncode}, not the configuration error "
+                                 f"{EXIT_CONFIG}; see run/{name}.log")
+            return {"refused": True, "exit_code": proc.returncode}
+        step(f"{name} joined the group with its own log root")
+        _commit_through(g, name, ready, f.n)
+        proc.terminate()
+        proc.wait(timeout=30)
+        step(f"{name} stopped")
+        return {"refused": False, **cf_loss(g, f, step)}
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+register(FaultKind(
+    "member-own-log-root", member_own_log_root, number=23, cost_s=6.0,
+    doc="one more `sqm run` (QM4) with a log root of its own, as an operator might start it: it must refuse to join "
+        "with the configuration exit code (2), as peer recovery, backup and restore read only the group's log root. "
+        "Should it join, two persistent puts are committed through it as client `stray-<n>` (in the history) and the "
+        "CF is lost: the checker then finds them lost"))
+
+
+def _commit_through(g: ChaosGroup, name: str, ready: Path, n: int) -> None:
+    """Two persistent puts in one UOW through the stray member, recorded in the history as client "stray-<n>"."""
+    if g.history is None:
+        raise FaultError("the fault needs the run's history")
+    port = int(json.loads(ready.read_text())["port"])
+    with Client([(g.c.host, port)], token=g.c.token, client_name=f"stray-{n}") as c:
+        runner = Runner(g.history, c, f"stray-{n}", f"stray-{n}.1", coordinator=None)
+        for i in range(2):
+            runner.put(PutSpec(f"stray-{n}-{i}", "Q1", 0, True, 0, 64), syncpoint=True)
+        runner.end(commit=True)
+
+
+__all__: list[str] = []
