@@ -50,6 +50,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from qsg.chaos.history import Op, pair_ops
 from qsg.chaos.pubsub_actions import TOPIC_STRUCTURE
 from qsg.chaos.pubsubcheck import PUB_KINDS, PUB_OPS, check_pubsub
 from qsg.chaos.uowcheck import CONV_OPS, UOW_KINDS, check_uows
@@ -70,18 +71,6 @@ CF_LOSS_KINDS = ("cf-kill", "cf-kill-during-restore", "during-backup", "peer-clo
 CF_KILLED = "CF killed"
 PURGED = "purged"  # the phase of a fault's history event that names the messages a purge discarded ("msgs")
 LEFT_SLACK_S = 1.0  # a get whose client left: the server might have gone on this long past the get's own wait
-
-
-@dataclass
-class Op:
-    id: int
-    client: str
-    op: str
-    t0: float
-    t1: float | None
-    outcome: str  # ok, fail, unknown (no completion recorded: unknown)
-    args: dict[str, Any]
-    result: dict[str, Any]
 
 
 @dataclass
@@ -143,25 +132,6 @@ class CheckResult:
 
     def summary(self) -> dict[str, int]:
         return {k: len(self.of(k)) for k in FINDING_KINDS}
-
-
-def pair_ops(events: Iterable[dict[str, Any]]) -> tuple[list[Op], list[dict[str, Any]]]:
-    """Invocations joined with their completions (in invocation order), and the fault events (the run's notes
-    too, with type "note")."""
-    ops: dict[int, Op] = {}
-    faults = []
-    for e in events:
-        kind = e.get("type")
-        if kind == "invoke":
-            args = {k: v for k, v in e.items() if k not in ("type", "id", "t", "client", "op")}
-            ops[e["id"]] = Op(e["id"], e["client"], e["op"], e["t"], None, "unknown", args, {})
-        elif kind in ("ok", "fail", "unknown") and e.get("id") in ops:
-            o = ops[e["id"]]
-            o.t1, o.outcome = e["t"], kind
-            o.result = {k: v for k, v in e.items() if k not in ("type", "id", "t")}
-        elif kind in ("fault", "note"):
-            faults.append(e)
-    return sorted(ops.values(), key=lambda o: o.id), faults
 
 
 class Checker:
@@ -556,4 +526,4 @@ def check(events: Iterable[dict[str, Any]]) -> CheckResult:
 
 
 __all__ = ["ABORTED", "COMMITTED", "CheckResult", "Checker", "FINDING_KINDS", "Finding", "MUST_BE_ZERO",
-           "UNDETERMINED", "UNKNOWN", "check", "pair_ops"]
+           "UNDETERMINED", "UNKNOWN", "check"]

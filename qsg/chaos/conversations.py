@@ -1,4 +1,4 @@
-"""The chaos workload's conversation actions (issue 13): units of work (UOWs) sent to and received from a service
+"""The chaos workload's conversation actions (docs/uow.md): units of work (UOWs) sent to and received from a service
 through sqm.service.client.Client's logon / send / receive / syncpoint, every call in the history for
 qsg.chaos.uowcheck's rules.
 

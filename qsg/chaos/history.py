@@ -9,6 +9,9 @@ while the run goes on. Lines (``t`` is seconds since the run started, monotonic)
     {"type": "fault", "t": 5.0, "phase": "inject" | "heal" | "recovered", "fault": 2, "kind": "sqm-kill", ...}
 
 Operations: put, get, commit, backout, prepare, resolve, drain (a get outside syncpoint after healing).
+
+Read back, an invocation joined with its completion is an ``Op`` (pair_ops): what every checker reads, so that
+the checkers (qsg.chaos.checker, uowcheck, pubsubcheck) are siblings over one history and none imports another.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -87,4 +92,39 @@ def load_history(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return events
 
 
-__all__ = ["FAIL", "History", "OK", "OUTCOMES", "UNKNOWN", "load_history"]
+@dataclass
+class Op:
+    id: int
+    client: str
+    op: str
+    t0: float
+    t1: float | None
+    outcome: str  # ok, fail, unknown (no completion recorded: unknown)
+    args: dict[str, Any]
+    result: dict[str, Any]
+
+
+def pair_ops(events: Iterable[dict[str, Any]]) -> tuple[list[Op], list[dict[str, Any]]]:
+    """Invocations joined with their completions (in invocation order), and the fault events (the run's notes
+    too, with type "note")."""
+    ops: dict[int, Op] = {}
+    faults = []
+    for e in events:
+        kind = e.get("type")
+        if kind == "invoke":
+            args = {k: v for k, v in e.items() if k not in ("type", "id", "t", "client", "op")}
+            ops[e["id"]] = Op(e["id"], e["client"], e["op"], e["t"], None, "unknown", args, {})
+        elif kind in ("ok", "fail", "unknown") and e.get("id") in ops:
+            o = ops[e["id"]]
+            o.t1, o.outcome = e["t"], kind
+            o.result = {k: v for k, v in e.items() if k not in ("type", "id", "t")}
+        elif kind in ("fault", "note"):
+            faults.append(e)
+    return sorted(ops.values(), key=lambda o: o.id), faults
+
+
+# How a checker reports a finding: find(kind, message ids, detail, uow key).
+Find = Callable[[str, Iterable[str], str, str], None]
+
+
+__all__ = ["FAIL", "Find", "History", "OK", "OUTCOMES", "Op", "UNKNOWN", "load_history", "pair_ops"]

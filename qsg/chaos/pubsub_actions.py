@@ -1,4 +1,4 @@
-"""The chaos workload's publishers and subscribers (issue 14, durable publish and subscribe, docs/pubsub.md).
+"""The chaos workload's publishers and subscribers (durable publish and subscribe, docs/pubsub.md).
 
 A topic (TOPIC, defined by qsg.chaos.group on TOPIC_STRUCTURE): persistent publications, durable subscriptions
 allowed, a publication lifetime and a subscription expiration far longer than a run. Subscribers, each owned by one

@@ -1,5 +1,6 @@
-"""The chaos checker's rules for durable publish and subscribe (issue 14): every publication that committed reaches
-every durable subscriber that subscribed before it exactly once, whole, in commit order; nothing else reaches anyone.
+"""The chaos checker's rules for durable publish and subscribe (docs/pubsub.md; docs/invariants.md, invariant 10):
+every publication that committed reaches every durable subscriber that subscribed before it exactly once, whole,
+in commit order; nothing else reaches anyone.
 
 The workload's publish/subscribe actions (qsg.chaos.pubsub_actions) record ``psub``, ``ppub``, ``precv`` and
 ``psync`` operations, each with ``uow`` = the action's key (one publication published, or one receipt: the
@@ -39,20 +40,17 @@ Also ``corrupted`` (a checksum mismatch). Counted: publications by outcome, deli
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from qsg.chaos.checker import Op
+from qsg.chaos.history import Find, Op
 
 PUB_OPS = ("psub", "ppub", "precv", "psync", "psubs")
 PUB_KINDS = ("pub-partial", "pub-backedout-delivered", "pub-lost", "pub-split", "pub-duplicated", "pub-order",
              "pub-before-subscribe", "pub-phantom")
 PUBLISHER, SUBSCRIBER = "publisher", "subscriber"
 COMMITTED, ABORTED, UNKNOWN = "committed", "aborted", "unknown"
-
-Find = Callable[[str, Iterable[str], str, str], None]
 
 
 def _done(o: Op) -> float:

@@ -1,5 +1,5 @@
-"""The chaos checker's rules for units of work sent to a service (issue 13): whole, in order, settled once, and
-every status seen one the state table allows.
+"""The chaos checker's rules for units of work sent to a service (docs/uow.md; docs/invariants.md, invariant 9):
+whole, in order, settled once, and every status seen one the state table allows.
 
 The workload's conversation actions (qsg.chaos.conversations) record these operations, each with ``uow`` = the
 action's key (``c3.17``, one sent or one received UOW per action) and ``svc``:
@@ -35,11 +35,11 @@ Findings (the message ids and the action keys involved):
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import product
-from typing import TYPE_CHECKING
 
+from qsg.chaos.history import Find, Op
 from sqm.uowstatus import (
     ACTIVE,
     BACKEDOUT,
@@ -56,9 +56,6 @@ from sqm.uowstatus import (
     after_restart,
 )
 
-if TYPE_CHECKING:
-    from qsg.chaos.checker import Op
-
 CONV_OPS = ("ulogon", "usend", "urecv", "usync")
 UOW_KINDS = ("uow-interleaved", "uow-order", "uow-partial", "uow-received-backedout", "uow-duplicated", "uow-lost",
              "uow-cancelled-processed", "uow-unsettled", "uow-status")
@@ -66,8 +63,6 @@ DRAIN_CLIENT, FINAL_CLIENT = "udrain", "ufinal"
 END_OF_UOW = "EndOfUowError"
 UNKNOWN_UOW = "UnknownUowError"
 SENDER, RECEIVER = "sender", "receiver"
-
-Find = Callable[[str, Iterable[str], str, str], None]
 
 
 def _reachable() -> dict[str, set[str]]:

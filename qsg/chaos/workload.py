@@ -32,6 +32,7 @@ from qsg.chaos.bodies import make_body, parse_body
 from qsg.chaos.conversations import Conv, ConvRunner, ConvSession, conv_plan
 from qsg.chaos.history import FAIL, OK, UNKNOWN, History
 from qsg.chaos.pubsub_actions import SUBSCRIBERS, Pub, PubRunner, PubSession, pub_plan
+from qsg.chaos.recorded import reason_of
 from sqm.service.client import Client
 from sqm.service.protocol import QueueManagerUnavailableError
 
@@ -111,10 +112,6 @@ def client_plan(seed: int, client: int, queues: tuple[str, ...]) -> Iterator[Act
 Endpoint = tuple[str, int]
 
 
-def _reason(e: BaseException) -> str:
-    return getattr(e, "reason_name", type(e).__name__)
-
-
 @dataclass
 class Parked:
     """A prepared (in-doubt) UOW the coordinator resolves later."""
@@ -158,10 +155,10 @@ class Coordinator:
                         request_timeout=10.0, reconnect_timeout=1.0) as c:
                 c.resolve(uow, commit, xid=xid)  # an application resolves its own: it names the xid
         except OutcomeUnknownError as e:
-            self.history.complete(op, UNKNOWN, reason=_reason(e))
+            self.history.complete(op, UNKNOWN, reason=reason_of(e))
             return UNKNOWN
         except MQError as e:
-            self.history.complete(op, FAIL, reason=_reason(e), detail=str(e)[:200])
+            self.history.complete(op, FAIL, reason=reason_of(e), detail=str(e)[:200])
             return AWAY if isinstance(e, QueueManagerUnavailableError) else FAIL
         self.history.complete(op, OK)
         return OK
@@ -281,18 +278,20 @@ class Runner:
         self.pubsub = pubsub
 
     def call(self, op: str, fn: Callable[[], Any], **args: Any) -> tuple[str, Any]:
-        """Invoke, run, complete: (outcome, result or exception)."""
+        """Invoke, run, complete: (outcome, result or exception). Not RecordedRunner.call, which closes its session
+        when the connection breaks: this client is the thread's for the whole run and fails over by itself; and the
+        queue calls' lines carry no ``error`` (each call names its own ``uow``, none outside syncpoint)."""
         op_id = self.h.invoke(self.name, op, **args)
         try:
             result = fn()
         except OutcomeUnknownError as e:
-            self.h.complete(op_id, UNKNOWN, reason=_reason(e))
+            self.h.complete(op_id, UNKNOWN, reason=reason_of(e))
             return UNKNOWN, e
         except NoMessageError as e:
-            self.h.complete(op_id, FAIL, reason=_reason(e))
+            self.h.complete(op_id, FAIL, reason=reason_of(e))
             return FAIL, e
         except MQError as e:
-            self.h.complete(op_id, FAIL, reason=_reason(e), backed_out=isinstance(e, BackedOutError),
+            self.h.complete(op_id, FAIL, reason=reason_of(e), backed_out=isinstance(e, BackedOutError),
                             detail=str(e)[:200])
             return FAIL, e
         except (OSError, ValueError) as e:  # the connection broke in a way the client library did not map
