@@ -25,7 +25,6 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable
-from typing import Any
 
 from qsg.chaos.faults import cf_loss, clients, links, members, pstore
 from qsg.chaos.faults.heal import after_heal
@@ -33,6 +32,7 @@ from qsg.chaos.faults.kind import (
     CF_LINK,
     DUPLEX,
     Draw,
+    Fault,
     FaultError,
     FaultKind,
     FaultSpec,
@@ -47,13 +47,12 @@ from qsg.chaos.faults.restores import (
     restore_all,
     restore_engine,
 )
-from qsg.chaos.group import ChaosGroup
 
 FAMILIES = (cf_loss, clients, links, members, pstore)  # each registers its kinds' rows when imported
 
 ROWS: dict[str, FaultKind] = dict(sorted(rows().items(), key=lambda kv: kv[1].number))
 KINDS = tuple(ROWS)  # in number order: 'all' rotates them by the seed, so a number never changes
-FAULTS: dict[str, Callable[[ChaosGroup, FaultSpec, Step], dict[str, Any]]] = {k: r.run for k, r in ROWS.items()}
+FAULTS: dict[str, Fault] = {k: r.run for k, r in ROWS.items()}
 COST_S = {k: r.cost_s for k, r in ROWS.items()}  # rough seconds from injection to full service
 
 

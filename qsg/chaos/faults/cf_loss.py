@@ -23,9 +23,9 @@ from qsg.chaos.faults.heal import peer_recovery, restart
 from qsg.chaos.faults.kind import DUPLEX, Draw, FaultError, FaultKind, FaultSpec, Step, register
 from qsg.chaos.faults.restores import (
     backup_structure,
-    cf_loss,
     ensure_backups,
     live_work,
+    lose_cf,
     order_snapshot,
     restore_structure,
     structure_state,
@@ -209,7 +209,7 @@ register(FaultKind(
 
 
 def cf_kill(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
-    return cf_loss(g, f, step)
+    return lose_cf(g, f, step)
 
 
 register(FaultKind(
@@ -220,7 +220,7 @@ register(FaultKind(
 
 
 def cf_kill_during_restore(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
-    return cf_loss(g, f, step, kill_during_load=True)
+    return lose_cf(g, f, step, kill_during_load=True)
 
 
 register(FaultKind(
@@ -230,7 +230,7 @@ register(FaultKind(
 
 
 def cf_kill_during_load_restart(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
-    return cf_loss(g, f, step, kill_during_load=True, restart_at_once=True)
+    return lose_cf(g, f, step, kill_during_load=True, restart_at_once=True)
 
 
 register(FaultKind(
@@ -333,7 +333,7 @@ def during_backup(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
     step(f"backup {manifest['id']} done")
     out: dict[str, Any] = {"backup": manifest["id"], "peer_recovery_s": peer_recovery(g, target, step)}
     out["restart_s"] = restart(g, target, step)
-    out.update(cf_loss(g, f, step))
+    out.update(lose_cf(g, f, step))
     return out
 
 
@@ -372,14 +372,14 @@ def cf_kill_twice(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
         g.stop(f.target)
         step(f"{f.target} held (SIGSTOP) across the first loss")
         try:
-            out: dict[str, Any] = {"first": cf_loss(g, f, step)}
+            out: dict[str, Any] = {"first": lose_cf(g, f, step)}
         finally:
             g.cont(f.target)
             step(f"{f.target} resumed: its unforced records reach its log after the restore")
         # A CF call it had in flight carries its old epoch into the new CF, where it has re-joined meanwhile:
         # refused as fenced, it exits (code 3), as an operator would see it; live_work restarts it then.
         out["restarted"] = live_work(g, f, step)
-        out["second"] = cf_loss(g, f, step)
+        out["second"] = lose_cf(g, f, step)
     finally:
         g.resume_backups()
         step("backup scheduler resumed")
@@ -423,7 +423,7 @@ def purge_then_cf_kill(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any
             client.close()
         step("purged", structure="APP1", msgs=discarded, restore_point=result.restore_point)
         out: dict[str, Any] = {"purged": len(discarded), "restarted": live_work(g, f, step)}
-        out.update(cf_loss(g, f, step))
+        out.update(lose_cf(g, f, step))
     finally:
         g.resume_backups()
         step("backup scheduler resumed")

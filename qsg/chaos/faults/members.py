@@ -11,7 +11,7 @@ from typing import Any
 
 from qsg.chaos.faults.heal import after_heal, peer_recovery, restart
 from qsg.chaos.faults.kind import Draw, FaultError, FaultKind, FaultSpec, Step, last_member, register
-from qsg.chaos.faults.restores import cf_loss
+from qsg.chaos.faults.restores import lose_cf
 from qsg.chaos.group import ChaosGroup
 from qsg.chaos.workload import PutSpec, Runner
 from sqm.failpoints import ENV_VAR as FAILPOINTS_ENV
@@ -157,7 +157,7 @@ def peer_clock_skew(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
     step("heal")
     for name in stopped:  # stopped past its lease: fenced and recovered too, it exits and is restarted
         out[f"{name}_after_stop"] = after_heal(g, name, step)
-    out.update(cf_loss(g, f, step))
+    out.update(lose_cf(g, f, step))
     out["restart_s"] = restart(g, victim, step)  # without the failpoint
     return out
 
@@ -209,7 +209,7 @@ def member_own_log_root(g: ChaosGroup, f: FaultSpec, step: Step, timeout: float 
         proc.terminate()
         proc.wait(timeout=30)
         step(f"{name} stopped")
-        return {"refused": False, **cf_loss(g, f, step)}
+        return {"refused": False, **lose_cf(g, f, step)}
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -200,7 +200,7 @@ def order_snapshot(g: ChaosGroup) -> dict[str, list[str]]:
         client.close()
 
 
-def cf_loss(g: ChaosGroup, f: FaultSpec, step: Step, *, kill_during_load: bool = False,
+def lose_cf(g: ChaosGroup, f: FaultSpec, step: Step, *, kill_during_load: bool = False,
             restart_at_once: bool = False) -> dict[str, Any]:
     """The CF killed -9, held down for the fault's hold, restarted empty, and every structure restored."""
     ensure_backups(g)
@@ -237,5 +237,5 @@ def live_work(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
     return restarted
 
 
-__all__ = ["ORDER_LIMIT", "RESTORE_ENGINES", "backup_structure", "cf_loss", "ensure_backups", "live_work",
+__all__ = ["ORDER_LIMIT", "RESTORE_ENGINES", "backup_structure", "ensure_backups", "live_work", "lose_cf",
            "order_snapshot", "restore_all", "restore_engine", "restore_structure", "structure_state"]
