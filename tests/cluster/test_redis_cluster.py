@@ -81,7 +81,7 @@ def test_structures_spread_over_the_masters_and_members_work_on_each(redis_clust
             assert bool(found) == (other == node), (s, other)
     assert list(cl.admin_client(cl.master_of("ADMIN")).scan_iter(match="{ADMIN}:*"))
     # cfemu status names each structure's slot and master
-    from qsg.cli import gather_status
+    from qsg.status_cli import gather_status
     rows = {r["name"]: r for r in gather_status(Admin(client), tmp_path)["structures"]}
     assert {s: (r["slot"], r["master"]) for s, r in rows.items()} == {
         s: (cluster_cf.slot_of(s), cl.address(n)) for s, n in masters.items()}
