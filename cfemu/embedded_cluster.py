@@ -1,5 +1,5 @@
 """A local Redis Cluster as the CF: N masters (and a replica each, optionally), redis-server in cluster mode on
-127.0.0.1, for the tests and the local launcher (qsg.cluster).
+127.0.0.1, for the tests and the local launcher (qsg.local_group).
 
     with EmbeddedCluster(directory, masters=3, replicas=1) as cl:
         url = cl.url("member")                 # redis+cluster://qsg-member:...@127.0.0.1:P1/?node=...

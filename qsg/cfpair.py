@@ -1,7 +1,7 @@
 """The local cluster's duplexed CF: two redis-servers, the secondary a Redis replica of the primary, and the
 controller that degrades, promotes and resynchronises them (the cluster's CF supervisor runs ``tend()``).
 
-    cluster = Cluster.up(dir, duplex=True)      # cfemu cluster up --duplex
+    cluster = LocalGroup.up(dir, duplex=True)      # cfemu cluster up --duplex
     cluster.pair.kill_secondary()               # the copy lost: the pair degrades to simplex, then resyncs
     cluster.kill_cf()                           # the primary lost: the secondary is promoted, nothing restored
 
@@ -41,7 +41,7 @@ from cfemu.procs import pid_alive
 from cfemu.settings import CLUSTER_CF, CLUSTER_REDIS_URL
 
 if TYPE_CHECKING:
-    from qsg.cluster import Cluster
+    from qsg.local_group import LocalGroup
 
 log = logging.getLogger("qsg.cfpair")
 
@@ -59,7 +59,7 @@ def _runs(pid: Any) -> bool:
 
 
 class CFPair:
-    def __init__(self, cluster: Cluster) -> None:
+    def __init__(self, cluster: LocalGroup) -> None:
         self.c = cluster
         self._secondary: EmbeddedRedis | None = None
 
@@ -91,7 +91,7 @@ class CFPair:
 
     # --- start ----------------------------------------------------------------------------------------------
     def establish(self) -> None:
-        """After the primary started (Cluster.up): its generation, the secondary, the URL; DUPLEX confirmed."""
+        """After the primary started (LocalGroup.up): its generation, the secondary, the URL; DUPLEX confirmed."""
         st = self.state
         st["gen"] = max(1, int(st["gen"]))
         self._set(self.primary_address, SIMPLEX, gen=st["gen"])

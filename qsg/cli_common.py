@@ -19,7 +19,7 @@ from cfemu.embedded import ServerError
 
 OPERATOR_QM = "OPS"  # the short-lived in-process queue manager of one-shot put/get
 
-# Beyond clitools.COMMON_ERRORS: the embedded CF's and the local group's errors (ClusterError is a RuntimeError).
+# Beyond clitools.COMMON_ERRORS: the embedded CF's and the local group's errors (LocalGroupError is a RuntimeError).
 EXPECTED_ERRORS = (ServerError, RuntimeError)
 
 

@@ -5,7 +5,7 @@
            "pid": <a running node's pid, or null when none runs>}
 
 The cluster's URL (``redis+cluster://HOST:PORT/?node=...``, no credentials: each command adds its role's from the
-secrets directory) is the cluster's redis_url. The supervisor (qsg.cluster) restarts a dead node, empty, on its
+secrets directory) is the cluster's redis_url. The supervisor (qsg.local_group) restarts a dead node, empty, on its
 port: the structures it held are FAILED until a member restores them (RECAUTO), the other masters serve theirs
 meanwhile.
 """
@@ -40,7 +40,7 @@ def record(cf_state: dict[str, Any], cl: EmbeddedCluster) -> str:
 
 
 def alive(cf_state: dict[str, Any], runs: Any) -> bool:
-    """Every node runs (runs(pid, marker) -> bool: qsg.cluster's check that a pid is that process)."""
+    """Every node runs (runs(pid, marker) -> bool: qsg.local_group's check that a pid is that process)."""
     nodes = cf_state.get("nodes") or []
     return bool(nodes) and all(runs(n.get("pid"), b"redis") for n in nodes)
 

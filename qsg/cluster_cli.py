@@ -1,4 +1,4 @@
-"""`cfemu cluster up|status|down`: a local group of processes (qsg.cluster): the CF (restarted when it dies),
+"""`cfemu cluster up|status|down`: a local group of processes (qsg.local_group): the CF (restarted when it dies),
 the SQM servers, the backup scheduler, optionally a duplexed CF, a Redis Cluster CF or Spark."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from qsg.cli_common import Parents
 
 
 def cmd_cluster(args: argparse.Namespace, out: Output) -> int:
-    from qsg.cluster import Cluster
+    from qsg.local_group import LocalGroup
 
     d = find_cluster_dir(args.cluster_dir)
     if args.action == "up":
@@ -22,16 +22,16 @@ def cmd_cluster(args: argparse.Namespace, out: Output) -> int:
         with out.console.status("starting the CF, the SQM servers, the backup scheduler"
                                 + (f" and a Spark master with {args.spark} worker(s)" if args.spark else "") + "...",
                                 spinner="dots") if not args.json and out.console.is_terminal else _nothing():
-            cluster = Cluster.up(d, managers=args.managers, backup_interval=args.backup_interval or None,
-                                 lease_ms=args.lease_ms, token=args.token, detach=True,
-                                 structure=args.structure or None, queues=args.queue or ("Q1", "Q2"),
-                                 restart_cf=args.cf_restart, recauto=args.recauto, spark_workers=args.spark,
-                                 spark_cores=args.spark_cores, spark_memory=args.spark_memory,
-                                 duplex=args.duplex, redis_cluster=args.redis_cluster)
+            cluster = LocalGroup.up(d, managers=args.managers, backup_interval=args.backup_interval or None,
+                                    lease_ms=args.lease_ms, token=args.token, detach=True,
+                                    structure=args.structure or None, queues=args.queue or ("Q1", "Q2"),
+                                    restart_cf=args.cf_restart, recauto=args.recauto, spark_workers=args.spark,
+                                    spark_cores=args.spark_cores, spark_memory=args.spark_memory,
+                                    duplex=args.duplex, redis_cluster=args.redis_cluster)
         doc = cluster.status()
         doc["seconds"] = round(time.monotonic() - t0, 2)
     elif args.action == "down":
-        cluster = Cluster.load(d)
+        cluster = LocalGroup.load(d)
         killed = cluster.down(timeout=args.timeout, purge=args.purge)
         left = {} if args.purge else cluster.running_processes()
         doc = {"dir": str(d), "killed_after_timeout": killed, "still_running": left, "purged": args.purge}
@@ -42,7 +42,7 @@ def cmd_cluster(args: argparse.Namespace, out: Output) -> int:
                      + (f"; SIGKILLed after {args.timeout:g}s: {', '.join(killed)}" if killed else ""))
         return 0 if not left else 1
     else:
-        doc = Cluster.load(d).status()
+        doc = LocalGroup.load(d).status()
     if args.json:
         out.json(doc)
     else:
