@@ -22,7 +22,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from cfemu import cluster_cf, duplex
+from cfemu import duplex, rcluster
 from cfemu.credentials import redact
 from cfemu.sockets import set_kernel_timeout
 
@@ -161,7 +161,7 @@ def connect(
             f"no Redis/CF URL given: pass one (e.g. redis://127.0.0.1:6379/0) or set ${ENV_URL}"
         )
     scheme = urlsplit(url).scheme
-    if scheme not in ("redis", "rediss", "unix", *cluster_cf.SCHEMES):
+    if scheme not in ("redis", "rediss", "unix", *rcluster.SCHEMES):
         raise ConnectionConfigError(f"unsupported URL scheme {scheme!r} in {redact(url)!r} (use redis://, "
                                     "rediss:// or redis+cluster://)")
     opts: dict[str, Any] = {
@@ -188,10 +188,10 @@ def connect(
             ssl_check_hostname=tls_verify,
         )
     opts.update(kw)
-    if scheme in cluster_cf.SCHEMES:  # a Redis Cluster: the structures spread over its masters (cfemu.cluster_cf)
+    if scheme in rcluster.SCHEMES:  # a Redis Cluster: the structures spread over its masters (cfemu.rcluster)
         try:
-            return cluster_cf.connect_cluster(url, opts=opts, max_connections=max_connections,
-                                              pool_timeout=pool_timeout)
+            return rcluster.connect_cluster(url, opts=opts, max_connections=max_connections,
+                                            pool_timeout=pool_timeout)
         except ValueError as e:
             raise ConnectionConfigError(f"{e} in {redact(url)!r}") from None
     try:  # a duplexed CF's URL names both servers of the pair (cfemu.duplex)

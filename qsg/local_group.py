@@ -50,7 +50,7 @@ from cfemu import credentials, repository
 from cfemu.admin import Admin
 from cfemu.connection import connect
 from cfemu.embedded import EmbeddedRedis, ServerNotRunningError
-from cfemu.embedded_cluster import EmbeddedCluster
+from cfemu.embedded_rcluster import EmbeddedCluster
 from cfemu.private_files import private_dir, write_private
 from cfemu.procs import free_port, log_tail, pid_alive, popen_tied, wait_gone
 from cfemu.settings import (
@@ -67,7 +67,7 @@ from cfemu.settings import (
     ENV_TOKEN,
     ENV_URL,
 )
-from qsg import cluster_cf
+from qsg import rcluster_cf
 from qsg.cfpair import CFPair
 
 log = logging.getLogger("qsg.local_group")
@@ -102,7 +102,7 @@ class LocalGroup:
         self.state = state
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
         self._cf: EmbeddedRedis | None = None
-        self._nodes: EmbeddedCluster | None = None  # the CF's nodes when it is a Redis Cluster (qsg.cluster_cf)
+        self._nodes: EmbeddedCluster | None = None  # the CF's nodes when it is a Redis Cluster (qsg.rcluster_cf)
         self._cf_lock = threading.RLock()  # the supervisor and the API's CF restarts, one at a time
         self._supervisor: tuple[threading.Thread, threading.Event] | None = None
         self.cf_restarts = 0  # restarts the supervisor made
@@ -195,7 +195,7 @@ class LocalGroup:
         here. spark_workers: also a standalone Spark master and that many workers (qsg.spark_standalone), each
         offering spark_cores and spark_memory, in DIR/spark. duplex: the CF is a pair, the secondary a
         synchronous copy of the primary (qsg.cfpair); its controller is the supervisor, so restart_cf is
-        required. redis_cluster: the CF is a Redis Cluster of that many masters (qsg.cluster_cf; 0: one
+        required. redis_cluster: the CF is a Redis Cluster of that many masters (qsg.rcluster_cf; 0: one
         redis-server). On any failure everything already started is stopped again.
         """
         if duplex and redis_cluster:
@@ -226,7 +226,7 @@ class LocalGroup:
         state: dict[str, Any] = {
             "dir": str(d), "host": host, "detached": detach, "lease_ms": lease_ms,
             CLUSTER_LOG_ROOT: str(d / "logs"), CLUSTER_BACKUP_DIR: str(d / "backups"),
-            CLUSTER_CF: {"dir": str(d / "cf"), **({cluster_cf.KEY: redis_cluster} if redis_cluster else {})},
+            CLUSTER_CF: {"dir": str(d / "cf"), **({rcluster_cf.KEY: redis_cluster} if redis_cluster else {})},
             "managers": [{"name": f"QM{i}", "port": free_port(host), "metrics_port": free_port("127.0.0.1")}
                          for i in range(1, managers + 1)],
             "manager_args": list(manager_args),
@@ -314,7 +314,7 @@ class LocalGroup:
         return proc
 
     def _start_cf(self, port: int | None) -> None:
-        if cluster_cf.is_cluster_cf(self.state[CLUSTER_CF]):
+        if rcluster_cf.is_cluster_cf(self.state[CLUSTER_CF]):
             self._start_cluster_cf()
             return
         cf_dir = Path(self.state[CLUSTER_CF]["dir"])
@@ -331,8 +331,8 @@ class LocalGroup:
 
     def _cluster_nodes(self) -> EmbeddedCluster:
         if self._nodes is None:
-            self._nodes = cluster_cf.embedded(self.state[CLUSTER_CF], self.secrets_dir, self.host,
-                                              bool(self.state["detached"]))
+            self._nodes = rcluster_cf.embedded(self.state[CLUSTER_CF], self.secrets_dir, self.host,
+                                               bool(self.state["detached"]))
         return self._nodes
 
     def _start_cluster_cf(self) -> None:
@@ -344,7 +344,7 @@ class LocalGroup:
             nodes.wait_ok()  # as a single CF's start waits for PING: the restarted nodes serve their slots
         else:
             nodes.start()
-        self.state[CLUSTER_REDIS_URL] = cluster_cf.record(self.state[CLUSTER_CF], nodes)
+        self.state[CLUSTER_REDIS_URL] = rcluster_cf.record(self.state[CLUSTER_CF], nodes)
 
     def _define(self, structure: str, queues: Sequence[str], *, recauto: bool = True) -> None:
         """Define what is missing, in the CF and in the group repository under the cluster's log root."""
@@ -450,20 +450,20 @@ class LocalGroup:
 
     def kill_cf_node(self, node: str) -> int:
         """kill -9 one node of a Redis Cluster CF (its structures are lost; the others' keep working); its pid."""
-        if not cluster_cf.is_cluster_cf(self.state[CLUSTER_CF]):
+        if not rcluster_cf.is_cluster_cf(self.state[CLUSTER_CF]):
             raise LocalGroupError("the CF is one redis-server, not a Redis Cluster (cfemu cluster up --redis-cluster)")
         with self._cf_lock:
             nodes = self._cluster_nodes()
             if node not in nodes.nodes:
                 raise LocalGroupError(f"no CF node {node} (nodes: {', '.join(nodes.nodes)})")
             pid = nodes.kill(node)
-            cluster_cf.record(self.state[CLUSTER_CF], nodes)
+            rcluster_cf.record(self.state[CLUSTER_CF], nodes)
             self._save()
             return pid
 
     def kill_cf(self) -> None:
         """kill -9 the CF (everything in it is lost; the SQMs see a failed structure)."""
-        if cluster_cf.is_cluster_cf(self.state[CLUSTER_CF]):
+        if rcluster_cf.is_cluster_cf(self.state[CLUSTER_CF]):
             for n in self._cluster_nodes().running():
                 self.kill_cf_node(n)
             return
@@ -483,8 +483,8 @@ class LocalGroup:
 
     # --- the CF supervisor: who brings a lost CF back ----------------------------------------------------------
     def cf_alive(self) -> bool:
-        if cluster_cf.is_cluster_cf(self.state.get(CLUSTER_CF, {})):
-            return cluster_cf.alive(self.state[CLUSTER_CF], _pid_runs)
+        if rcluster_cf.is_cluster_cf(self.state.get(CLUSTER_CF, {})):
+            return rcluster_cf.alive(self.state[CLUSTER_CF], _pid_runs)
         return _pid_runs(self.state.get(CLUSTER_CF, {}).get("pid"), b"redis")
 
     def restart_dead_cf(self) -> bool:
@@ -602,8 +602,8 @@ class LocalGroup:
         rows: list[dict[str, Any]] = [{"process": "CF", "pid": cf.get("pid"), "alive": "CF" in alive,
                                        "address": self.state.get(CLUSTER_REDIS_URL, ""), "ready": "CF" in alive}]
         pair = self.pair.status() if self.duplexed else None
-        if cluster_cf.is_cluster_cf(cf):  # one row per node: role and slots
-            rows = cluster_cf.status_rows(cf, self._cluster_nodes())
+        if rcluster_cf.is_cluster_cf(cf):  # one row per node: role and slots
+            rows = rcluster_cf.status_rows(cf, self._cluster_nodes())
         elif pair is not None:
             rows[0].update(process="CF (primary)", address=pair["primary"], role="primary")
             rows.append({"process": "CF (secondary)", "pid": self.pair.state["secondary"].get("pid"),
@@ -670,7 +670,7 @@ class LocalGroup:
             if self.duplexed:  # and promoted the secondary (the roles swapped)
                 self.state["duplex"] = fresh.get("duplex") or self.state["duplex"]
                 self._pair = None
-        if cluster_cf.is_cluster_cf(self.state.get(CLUSTER_CF, {})):
+        if rcluster_cf.is_cluster_cf(self.state.get(CLUSTER_CF, {})):
             self._nodes = None  # the supervisor may have restarted nodes: adopt what runs now
             self._cluster_nodes().stop()
             for node in self.state[CLUSTER_CF].get("nodes") or []:

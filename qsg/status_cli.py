@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from cfemu import cluster_cf, keys
+from cfemu import keys, rcluster
 from cfemu.admin import Admin
 from cfemu.cf import CF
 from cfemu.clitools import Output, settings
@@ -47,9 +47,9 @@ def gather_status(admin: Admin, root: Path) -> dict[str, Any]:
                            "bytes": int(info.get("bytes", 0)), "max_bytes": sdef.max_bytes,
                            "backup_running": info.get("backup"), "last_backup": last,
                            "last_backup_age_s": last_backup_age(admin, sdef.name)})
-        if cluster_cf.is_cluster(admin.redis):  # which master of a Redis Cluster CF holds it (its slot's)
-            structures[-1].update(slot=cluster_cf.slot_of(sdef.name),
-                                  master=cluster_cf.master_of(admin.redis, sdef.name))
+        if rcluster.is_cluster(admin.redis):  # which master of a Redis Cluster CF holds it (its slot's)
+            structures[-1].update(slot=rcluster.slot_of(sdef.name),
+                                  master=rcluster.master_of(admin.redis, sdef.name))
         for qname, by_state in depths.items():
             q = qdefs.get(qname)
             queues.append({"name": qname, "structure": sdef.name, "depth": by_state,

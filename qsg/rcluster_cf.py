@@ -1,5 +1,5 @@
 """The local launcher's CF as a Redis Cluster (``cfemu cluster up --redis-cluster N``): N masters in cluster mode
-(cfemu.embedded_cluster), each structure on the master of its slot, recorded in cluster.json under ``cf``:
+(cfemu.embedded_rcluster), each structure on the master of its slot, recorded in cluster.json under ``cf``:
 
     "cf": {"dir": ".../cf", "redis_cluster": 3, "nodes": [{"name": "node-0", "port": 30001, "pid": 123}, ...],
            "pid": <a running node's pid, or null when none runs>}
@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from cfemu.embedded_cluster import EmbeddedCluster
+from cfemu.embedded_rcluster import EmbeddedCluster
 
 KEY = "redis_cluster"  # in cluster.json's "cf": the number of masters (absent: a single redis-server)
 

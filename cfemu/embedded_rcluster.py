@@ -33,9 +33,9 @@ from urllib.parse import quote
 import redis
 
 from cfemu import credentials
-from cfemu.cluster_cf import slot_of
 from cfemu.embedded import EmbeddedRedis, ServerNotRunningError
 from cfemu.private_files import private_dir, write_private
+from cfemu.rcluster import slot_of
 
 __all__ = ["ADMIN_USER", "REPLICATION_USER", "EmbeddedCluster", "cluster_acl_lines"]
 
