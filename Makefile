@@ -62,9 +62,9 @@ spark-cluster-test:
 	$(BIN)/pytest -m spark_cluster -p no:cacheprovider tests/restore/test_spark_standalone.py $(PYTEST_ARGS)
 
 # The demo and the chaos short runs against a local 3-master Redis Cluster as the CF (opt-in: about 4 minutes on
-# 2 cores); the cluster's own tests (tests/cluster, not marked) run in `make test`.
+# 2 cores); the cluster's own tests (tests/rcluster, not marked) run in `make test`.
 rcluster-test: venv
-	$(BIN)/pytest -m rcluster -p no:cacheprovider tests/cluster $(PYTEST_ARGS)
+	$(BIN)/pytest -m rcluster -p no:cacheprovider tests/rcluster $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis spark-warehouse

@@ -59,7 +59,7 @@ from backup.migrate_report import (
     definition_record,
     entry_record,
 )
-from cfemu import bulk, cluster_cf, keys
+from cfemu import bulk, keys, rcluster
 from cfemu.admin import QUEUES, STRUCTURES, Admin, QueueDef, StructureDef
 from cfemu.credentials import BackupKeys
 from cfemu.progress import Progress, no_progress
@@ -185,7 +185,7 @@ def _guarded(node: redis.Redis, watch: tuple[str, ...], check: Any, stage: Any) 
 # --- the source: unload, reopen ---------------------------------------------------------------------------------
 def freeze(client: redis.Redis, structure: str, migration: str) -> None:
     """ACTIVE -> MIGRATING in one transaction, refused while a unit of work holds entries or a backup runs."""
-    node = cluster_cf.node_client(client, structure)
+    node = rcluster.node_client(client, structure)
     meta, uows = keys.meta(structure), keys.uows(structure)
 
     def check(pipe: Any) -> None:
@@ -212,7 +212,7 @@ def freeze(client: redis.Redis, structure: str, migration: str) -> None:
 def _set_state(client: redis.Redis, structure: str, *, to: str, expect: tuple[str, ...],
                migration: str | None = None) -> str:
     """Move the header's state from one of `expect` (of `migration` when given) to `to`; returns the old state."""
-    node = cluster_cf.node_client(client, structure)
+    node = rcluster.node_client(client, structure)
     meta = keys.meta(structure)
 
     def check(pipe: Any) -> str:
@@ -257,7 +257,7 @@ def reopen(client: redis.Redis, structure: str, *, log_root: str | Path | None =
     whose CF was lost since (FAILED) is restored again (RECAUTO, cfrestore run)."""
     keys.check_name("structure", structure)
     repo = group_repository(client, log_root)
-    header = _header(cluster_cf.node_client(client, structure), structure)
+    header = _header(rcluster.node_client(client, structure), structure)
     state = header.get("state", "") or "FAILED"  # missing from the CF: lost with it (Admin.state)
     record = repo.migrated().get(structure)
     if state in (MIGRATING, MIGRATED):
@@ -313,7 +313,7 @@ def unload(client: redis.Redis, structure: str, to: str | Path, *, backup_keys: 
     sdef, queues = _definitions(client, structure)
     repo = group_repository(client, log_root)
     group = admin.group_name()
-    node = cluster_cf.node_client(client, structure)
+    node = rcluster.node_client(client, structure)
     recorded = repo.migrated().get(structure)
     if recorded is not None and _header(node, structure).get("state") not in (MIGRATING, MIGRATED):  # else freeze's
         raise HandshakeError(f"structure {structure} is recorded migrated in the group repository {repo.path} "
@@ -431,7 +431,7 @@ def handshake(client: redis.Redis, manifest: Mapping[str, Any], structure: str, 
               restart: bool = False) -> dict[str, Any]:
     """The checks a load makes on the target before it writes anything; returns what it found there."""
     info = manifest["migration"]
-    node = cluster_cf.node_client(client, structure)
+    node = rcluster.node_client(client, structure)
     cf = bulk.cf_identity(node)
     header = _header(node, structure)
     if (cf == info["source_cf"] and structure == info["structure"]) or (
@@ -597,7 +597,7 @@ def _verify(owner: bulk.Owner, unloaded: Backup, result: Loaded) -> None:
 def status(client: redis.Redis, structure: str, *, log_root: str | Path | None = None) -> dict[str, Any]:
     """Where a structure stands in a migration: its state and migration id, and what that means (the group
     repository's record too, when the repository is found: group_repository)."""
-    node = cluster_cf.node_client(client, structure)
+    node = rcluster.node_client(client, structure)
     header = _header(node, structure)
     state, mid = header.get("state", ""), header.get(FIELD, "")
     try:

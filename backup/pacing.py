@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import redis
 
-from cfemu import bulk, cluster_cf
+from cfemu import bulk, rcluster
 
 log = logging.getLogger("backup.pacing")
 
@@ -31,7 +31,7 @@ MAX_PAUSE_S = 1.0  # the longest pause after one batch, whatever the batch took
 
 def probe_commands(client: redis.Redis, structure: str) -> Callable[[], int]:
     """How to read the command count of the server that holds the structure (a cluster's: its master)."""
-    node = cluster_cf.node_client(client, structure, fresh=False)
+    node = rcluster.node_client(client, structure, fresh=False)
 
     def commands() -> int:
         return int(node.info("stats")["total_commands_processed"])

@@ -14,7 +14,7 @@ its reply. Each contender runs on 127.0.0.1, started here and stopped here (by p
                 per-client processing list, commit = LREM (the reliable-queue pattern; each reply after fsync).
   sqm-inproc:   QueueManagers in the client processes (one per client process, 2 for 2+ clients), on an
                 embedded CF, logs on the real disk; put, commit, get, commit through sqm.connection.Connection.
-  sqm-service:  `sqm run` servers (--servers, default 1) of a local cluster (qsg.cluster: an embedded CF,
+  sqm-service:  `sqm run` servers (--servers, default 1) of a local cluster (qsg.local_group: an embedded CF,
                 authentication on, as users run it), clients sqm.service.client.Client with the group's token.
 The clients of every contender run in --client-procs worker processes (default: up to 2, one thread per client),
 so the benchmark process's GIL does not bound them. Client counts 1, 2, 4, 8, 16, 32, 64 (--clients); for each
@@ -382,9 +382,9 @@ class SQMService(Contender):
     name = "sqm-service"
 
     def start(self) -> None:
-        from qsg.cluster import Cluster
-        self.cluster = Cluster.up(self.work / "cluster", managers=self.args.servers, backup_interval=None,
-                                  structure=STRUCTURE, queues=(QUEUE,), lease_ms=LEASE_MS)
+        from qsg.local_group import LocalGroup
+        self.cluster = LocalGroup.up(self.work / "cluster", managers=self.args.servers, backup_interval=None,
+                                     structure=STRUCTURE, queues=(QUEUE,), lease_ms=LEASE_MS)
         self.servers_note = (f"{self.args.servers} `sqm run` server(s) (authentication on) and the CF "
                              "(redis-server, no persistence: the SQM logs are the durable copy)")
 
@@ -419,9 +419,9 @@ class SQMInProcess(SQMService):
     name = "sqm-inproc"
 
     def start(self) -> None:
-        from qsg.cluster import Cluster
-        self.cluster = Cluster.up(self.work / "cluster", managers=1, backup_interval=None, structure=STRUCTURE,
-                                  queues=(QUEUE,), lease_ms=LEASE_MS)
+        from qsg.local_group import LocalGroup
+        self.cluster = LocalGroup.up(self.work / "cluster", managers=1, backup_interval=None, structure=STRUCTURE,
+                                     queues=(QUEUE,), lease_ms=LEASE_MS)
         self.cluster.kill_manager("QM1", signal.SIGTERM)  # only its CF and definitions are used
         self.servers_note = "a QueueManager in each client process, and the CF (redis-server, no persistence)"
 

@@ -3,7 +3,7 @@ to the in-process API in the same run.
 
 A lifecycle is one 1 KiB persistent message put and committed, then got and committed (each commit forces the
 log), exactly as in bench_lifecycle.py (its loop is reused). With 1, 8 and 32 clients spread over 3 SQMs:
-  service:    a local cluster (qsg.cluster: an embedded CF, 3 `sqm run` processes), each client a sqm.service.client.Client
+  service:    a local cluster (qsg.local_group: an embedded CF, 3 `sqm run` processes), each client a sqm.service.client.Client
               in its own thread of this process, client i on server i mod 3;
   in-process: 3 QueueManagers in this process on the same CF, each client a sqm.manager.Connection in its own
               thread, client i on manager i mod 3.
@@ -34,7 +34,7 @@ from bench_lifecycle import QUEUE, STRUCTURE, in_threads, machine, sqm_lifecycle
 from rich.console import Console
 from rich.table import Table
 
-from qsg.cluster import Cluster
+from qsg.local_group import LocalGroup
 from sqm.manager import QueueManager, QueueManagerConfig
 from sqm.service.client import Client
 
@@ -45,7 +45,7 @@ MANAGERS = 3
 LEASE_MS = 60_000
 
 
-def measure_service(cluster: Cluster, clients: int, seconds: float) -> float:
+def measure_service(cluster: LocalGroup, clients: int, seconds: float) -> float:
     endpoints = [f"{host}:{port}" for _, host, port in cluster.endpoints]
     handles = [Client(endpoints[i % MANAGERS], token=cluster.token, reconnect_timeout=5) for i in range(clients)]
     try:
@@ -79,8 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="bench-service-", dir=args.work_dir))
     info = machine(work)
     started = datetime.now(UTC)
-    cluster = Cluster.up(work / "cluster", managers=MANAGERS, backup_interval=None, structure=STRUCTURE,
-                         queues=(QUEUE,), lease_ms=LEASE_MS)
+    cluster = LocalGroup.up(work / "cluster", managers=MANAGERS, backup_interval=None, structure=STRUCTURE,
+                            queues=(QUEUE,), lease_ms=LEASE_MS)
     qms = [QueueManager(QueueManagerConfig(name=f"INPROC{i + 1}", log_root=cluster.log_root,
                                            redis_url=cluster.cf_url("member"), lease_ms=LEASE_MS))
            for i in range(MANAGERS)]

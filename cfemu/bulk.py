@@ -36,7 +36,7 @@ from redis.backoff import NoBackoff
 from redis.client import Pipeline
 from redis.retry import Retry
 
-from cfemu import cluster_cf, keys, resp
+from cfemu import keys, rcluster, resp
 from cfemu.admin import EPOCHS, StructureDef, stage_structure
 from cfemu.entry import Entry
 
@@ -254,9 +254,9 @@ class Seen(NamedTuple):
 def cf_identity(client: redis.Redis) -> str:
     """The CF's identity: the run id of its redis-server process (a restarted server has a new one, even when it
     reloads its data from disk). A Redis Cluster's, through its cluster client: its masters' run ids (a restore
-    compares the one master that holds its structure: observe and claim ask that master, cluster_cf.node_client)."""
-    if cluster_cf.is_cluster(client):
-        return "+".join(sorted(cluster_cf.master_run_ids(client)))
+    compares the one master that holds its structure: observe and claim ask that master, rcluster.node_client)."""
+    if rcluster.is_cluster(client):
+        return "+".join(sorted(rcluster.master_run_ids(client)))
     return str(client.info("server")["run_id"])
 
 
@@ -271,8 +271,8 @@ def _header(client: redis.Redis, structure: str) -> Seen:
 def observe(client: redis.Redis, structure: str) -> Seen:
     """What the structure looks like now (read only): a restore observes it before it plans, and claims it after
     planning only if nothing has happened to it in between (claim). On a Redis Cluster: the master that holds the
-    structure's slot now is the CF (its run id), cfemu.cluster_cf.'s node_client."""
-    return _header(cluster_cf.node_client(client, structure), structure)
+    structure's slot now is the CF (its run id), cfemu.rcluster.'s node_client."""
+    return _header(rcluster.node_client(client, structure), structure)
 
 
 def changed_since(seen: Seen, now: Seen) -> NotOwnerError | None:
@@ -375,7 +375,7 @@ class Owner:
         self.token = token
         self.cf = cf
         # Where the owner reads and writes the admin structure: its own connection on a single server; on a Redis
-        # Cluster, {ADMIN} has a slot of its own, perhaps on another master: the cluster client (cfemu.cluster_cf).
+        # Cluster, {ADMIN} has a slot of its own, perhaps on another master: the cluster client (cfemu.rcluster).
         self.separate_admin = admin is not None
         self.admin = admin if admin is not None else client
 
@@ -421,7 +421,7 @@ def claim(client: redis.Redis, structure: str, seen: Seen) -> Owner:
     keep growing across CF losses) and state RECOVERING, under which every member script refuses work; a missing
     header is created so. Returns the Owner, on a connection of its own; raises NotOwnerError (CFReplacedError)
     having written nothing."""
-    pinned = _pinned(cluster_cf.node_client(client, structure, fresh=False))  # observe read the slot map
+    pinned = _pinned(rcluster.node_client(client, structure, fresh=False))  # observe read the slot map
 
     def check(pipe: Pipeline) -> int:
         now = _header(pipe, structure)
@@ -438,7 +438,7 @@ def claim(client: redis.Redis, structure: str, seen: Seen) -> Owner:
     except BaseException:
         pinned.close()
         raise
-    return Owner(pinned, structure, token, seen.cf, client if cluster_cf.is_cluster(client) else None)
+    return Owner(pinned, structure, token, seen.cf, client if rcluster.is_cluster(client) else None)
 
 
 def tombstones(client: redis.Redis, structure: str) -> dict[str, str]:

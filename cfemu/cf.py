@@ -13,7 +13,7 @@ import msgpack
 import redis
 from redis.connection import HiredisRespSerializer
 
-from cfemu import bulk, cluster_cf, duplex, keys, lua
+from cfemu import bulk, duplex, keys, lua, rcluster
 from cfemu.entry import Entry
 from cfemu.errors import from_script_error
 from cfemu.resp import receive, send
@@ -44,7 +44,7 @@ class CF:
         self._scripts = lua.register(client, lua.structure_operations())  # cfemu/scripts/<op>.lua
         self._keys: dict[str, list[str]] = {}  # structure -> its scripts' KEYS (keys.script_keys), built once
         self._pair = duplex.pair_of(client)  # a duplexed CF: every call waits for its copy (cfemu.duplex)
-        self._cluster = cluster_cf.is_cluster(client)  # a Redis Cluster: each script goes to its slot's master
+        self._cluster = rcluster.is_cluster(client)  # a Redis Cluster: each script goes to its slot's master
 
     def structure(self, name: str) -> Structure:
         return Structure(self, keys.check_name("structure", name))

@@ -12,9 +12,7 @@ Clients are binary-safe (``decode_responses=False``).
 
 from __future__ import annotations
 
-import contextlib
 import os
-from queue import Empty, Full, LifoQueue
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -22,8 +20,9 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from cfemu import cluster_cf, duplex
+from cfemu import duplex, rcluster
 from cfemu.credentials import redact
+from cfemu.pools import PoolExhaustedError, WaitingPool
 from cfemu.sockets import set_kernel_timeout
 
 __all__ = ["ConnectionConfigError", "PoolExhaustedError", "connect"]
@@ -34,72 +33,6 @@ ENV_TLS = {"tls_ca": "CFEMU_TLS_CA", "tls_cert": "CFEMU_TLS_CERT", "tls_key": "C
 
 class ConnectionConfigError(ValueError):
     """No or unusable CF address."""
-
-
-class PoolExhaustedError(redis.exceptions.RedisError):
-    """Every connection of the pool stayed busy for the pool timeout: a local limit, not a failed CF (so it is
-    deliberately not a redis ConnectionError, which callers read as "the CF is down")."""
-
-
-class _WaitingPool(redis.BlockingConnectionPool):
-    """A bounded pool whose callers wait for a free connection, and whose wait timing out says so.
-
-    Taking and giving back a connection is what redis-py's BlockingConnectionPool does (a LIFO queue of
-    connections, None for one not made yet; a connection with unread data is reconnected) without its
-    observability records, which cost more CPU than the rest of a CF call's client side (issue 15); in the modes
-    this project never uses (client-side caching, maintenance notifications) redis-py's own methods run."""
-
-    def _lean(self) -> bool:
-        return (getattr(self, "cache", None) is None and not getattr(self, "_in_maintenance", False)
-                and isinstance(getattr(self, "pool", None), LifoQueue))
-
-    def get_connection(self, *args: Any, **kwargs: Any) -> Any:
-        if args or kwargs or not self._lean():
-            try:
-                return super().get_connection(*args, **kwargs)
-            except redis.exceptions.ConnectionError as e:
-                if str(e) != "No connection available.":  # redis-py's only word for "the pool is empty"
-                    raise
-                raise self._exhausted() from None
-        self._checkpid()
-        try:
-            connection = self.pool.get(block=True, timeout=self.timeout)
-        except Empty:
-            raise self._exhausted() from None
-        if connection is None:
-            connection = self.make_connection()
-        try:
-            connection.connect()
-            try:
-                if connection.can_read():
-                    raise redis.exceptions.ConnectionError("Connection has data")
-            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError):
-                connection.disconnect()
-                connection.connect()
-                if connection.can_read():
-                    raise redis.exceptions.ConnectionError("Connection not ready") from None
-        except BaseException:
-            self.release(connection)
-            raise
-        return connection
-
-    def release(self, connection: Any) -> None:
-        if not self._lean():
-            super().release(connection)
-            return
-        self._checkpid()
-        if not self.owns_connection(connection):
-            connection.disconnect()
-            self.pool.put_nowait(None)
-            return
-        if connection.should_reconnect():
-            connection.disconnect()
-        with contextlib.suppress(Full):
-            self.pool.put_nowait(connection)
-
-    def _exhausted(self) -> PoolExhaustedError:
-        return PoolExhaustedError(f"all {self.max_connections} connections to the CF stayed busy for "
-                                  f"{self.timeout:g}s")
 
 
 class _KernelTimeoutConnection(redis.Connection):
@@ -161,7 +94,7 @@ def connect(
             f"no Redis/CF URL given: pass one (e.g. redis://127.0.0.1:6379/0) or set ${ENV_URL}"
         )
     scheme = urlsplit(url).scheme
-    if scheme not in ("redis", "rediss", "unix", *cluster_cf.SCHEMES):
+    if scheme not in ("redis", "rediss", "unix", *rcluster.SCHEMES):
         raise ConnectionConfigError(f"unsupported URL scheme {scheme!r} in {redact(url)!r} (use redis://, "
                                     "rediss:// or redis+cluster://)")
     opts: dict[str, Any] = {
@@ -188,10 +121,10 @@ def connect(
             ssl_check_hostname=tls_verify,
         )
     opts.update(kw)
-    if scheme in cluster_cf.SCHEMES:  # a Redis Cluster: the structures spread over its masters (cfemu.cluster_cf)
+    if scheme in rcluster.SCHEMES:  # a Redis Cluster: the structures spread over its masters (cfemu.rcluster)
         try:
-            return cluster_cf.connect_cluster(url, opts=opts, max_connections=max_connections,
-                                              pool_timeout=pool_timeout)
+            return rcluster.connect_cluster(url, opts=opts, max_connections=max_connections,
+                                            pool_timeout=pool_timeout)
         except ValueError as e:
             raise ConnectionConfigError(f"{e} in {redact(url)!r}") from None
     try:  # a duplexed CF's URL names both servers of the pair (cfemu.duplex)
@@ -208,6 +141,6 @@ def connect(
     if max_connections is not None:
         if max_connections < 1:
             raise ConnectionConfigError(f"the CF connection pool needs at least 1 connection, not {max_connections}")
-        pool = _WaitingPool.from_url(url, max_connections=max_connections, timeout=pool_timeout, **opts)
+        pool = WaitingPool.from_url(url, max_connections=max_connections, timeout=pool_timeout, **opts)
         return redis.Redis(connection_pool=pool)
     return redis.Redis.from_url(url, **opts)

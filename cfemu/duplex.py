@@ -108,7 +108,7 @@ def pool_options(url: str) -> tuple[str, dict[str, Any]] | None:
 
 def pair_of(client: redis.Redis) -> PairState | None:
     """The pair a client's pool talks to, None for a plain CF (and for a Redis Cluster's client, which has a pool per
-    node and no pair: cfemu.cluster_cf)."""
+    node and no pair: cfemu.rcluster)."""
     pool = getattr(client, "connection_pool", None)
     if pool is None:
         return None

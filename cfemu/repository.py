@@ -261,7 +261,7 @@ def open_group_repository(admin: Admin, log_root: str | os.PathLike[str], *, who
 
 def redefine_survivors(admin: Admin, repo: GroupRepository) -> list[str]:
     """Define again, from the repository, the structures that outlived the admin structure: on a Redis Cluster CF
-    (cfemu.cluster_cf) the master holding {ADMIN} can be lost while the structures on the other masters are not.
+    (cfemu.rcluster) the master holding {ADMIN} can be lost while the structures on the other masters are not.
     Without their definitions, a member re-joining the new admin structure would not carry its new epoch into
     their fences (Admin.join_structures walks the definitions) and be refused there as stale. A structure whose
     header is gone too is left to restore (which defines it again itself). Returns the names defined again."""

@@ -40,7 +40,7 @@ application's ($SQM_TOKEN, service.token), with the application's rights. Every 
 ``sqm run``) takes the application's: --token, else $SQM_TOKEN, else service.token. ``Settings.token_role``
 says whose it is. ``sqm run`` also reads the operator's (``operator_token``).
 
-The cluster's file belongs to qsg.cluster, which writes it; it writes it with the names defined here, so that the
+The cluster's file belongs to qsg.local_group, which writes it; it writes it with the names defined here, so that the
 floor that reads it (every command line's) and the floor that writes it cannot disagree. The resolver only reads:
 it never starts, stops or cleans up anything.
 """
@@ -88,7 +88,7 @@ DEFAULT_BACKUP_SHARE = 0.05
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2, "mib": 1 << 20,
           "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30, "t": 1 << 40, "tb": 1000**4, "tib": 1 << 40}
 
-# cluster.json: written by qsg.cluster, read here. Paths in it are absolute.
+# cluster.json: written by qsg.local_group, read here. Paths in it are absolute.
 CLUSTER_FILE = "cluster.json"
 CLUSTER_REDIS_URL = "redis_url"
 CLUSTER_LOG_ROOT = "log_root"

@@ -1,7 +1,7 @@
 """The local cluster's duplexed CF: two redis-servers, the secondary a Redis replica of the primary, and the
 controller that degrades, promotes and resynchronises them (the cluster's CF supervisor runs ``tend()``).
 
-    cluster = Cluster.up(dir, duplex=True)      # cfemu cluster up --duplex
+    cluster = LocalGroup.up(dir, duplex=True)      # cfemu cluster up --duplex
     cluster.pair.kill_secondary()               # the copy lost: the pair degrades to simplex, then resyncs
     cluster.kill_cf()                           # the primary lost: the secondary is promoted, nothing restored
 
@@ -30,7 +30,7 @@ import contextlib
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import redis
 
@@ -39,9 +39,6 @@ from cfemu.duplex import DUPLEX, SIMPLEX, duplex_url
 from cfemu.embedded import EmbeddedRedis, ServerNotRunningError
 from cfemu.procs import pid_alive
 from cfemu.settings import CLUSTER_CF, CLUSTER_REDIS_URL
-
-if TYPE_CHECKING:
-    from qsg.cluster import Cluster
 
 log = logging.getLogger("qsg.cfpair")
 
@@ -58,8 +55,28 @@ def _runs(pid: Any) -> bool:
         return True
 
 
+class PairOwner(Protocol):
+    """What the pair needs of the local group that owns it (qsg.local_group.LocalGroup, which imports this module):
+    its host, its secrets and its live state (cluster.json's dict, saved by the owner), and its CF server, which a
+    promotion replaces (``_cf``) and a pair lost entirely restarts empty (``_start_cf``, ``cf_restarts``)."""
+
+    state: dict[str, Any]
+    cf_restarts: int
+    _cf: EmbeddedRedis | None
+
+    @property
+    def host(self) -> str: ...
+
+    @property
+    def secrets_dir(self) -> Path: ...
+
+    def kill_cf(self) -> None: ...
+
+    def _start_cf(self, port: int | None) -> None: ...
+
+
 class CFPair:
-    def __init__(self, cluster: Cluster) -> None:
+    def __init__(self, cluster: PairOwner) -> None:
         self.c = cluster
         self._secondary: EmbeddedRedis | None = None
 
@@ -91,7 +108,7 @@ class CFPair:
 
     # --- start ----------------------------------------------------------------------------------------------
     def establish(self) -> None:
-        """After the primary started (Cluster.up): its generation, the secondary, the URL; DUPLEX confirmed."""
+        """After the primary started (LocalGroup.up): its generation, the secondary, the URL; DUPLEX confirmed."""
         st = self.state
         st["gen"] = max(1, int(st["gen"]))
         self._set(self.primary_address, SIMPLEX, gen=st["gen"])

@@ -96,7 +96,7 @@ def failed(r: dict[str, Any]) -> bool:
     return bool(r["fault_errors"]) or any(r[k] for k in (*MUST_BE_ZERO, "resurrected", "expired"))
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cfemu demo", description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--managers", type=int, default=3)
     p.add_argument("--clients", type=int, default=6)
@@ -108,8 +108,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="the CF as a Redis Cluster of N masters (3-16), the structures spread over them")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("-v", "--verbose", action="store_true", help="the traceback of an error")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
     # The demo drives real processes: any failure of it is one line (the traceback with --verbose).
-    return run_command("cfemu demo", p.parse_args(argv), cmd_demo, (Exception,))
+    return run_command("cfemu demo", build_parser().parse_args(argv), cmd_demo, (Exception,))
 
 
 def cmd_demo(args: argparse.Namespace, out: Output) -> int:

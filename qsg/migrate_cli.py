@@ -1,4 +1,4 @@
-"""`cfemu migrate`: move a structure from one CF to another through files (seed 004's PSTORE-UNLOAD / PSTORE-LOAD,
+"""`cfemu migrate`: move a structure from one CF to another through files (EntireX's PSTORE-UNLOAD / PSTORE-LOAD,
 backup.migrate), with a report of every record on both sides and their comparison (backup.migrate_report).
 
     cfemu migrate unload STRUCT --to DIR [--redis-url SOURCE] [--log-root DIR]   the source ends MIGRATED

@@ -1,4 +1,4 @@
-"""cfemu pstore: the persistent store of each structure (seed 004's PSTORE; docs/pstore.md).
+"""cfemu pstore: the persistent store of each structure (EntireX's PSTORE; docs/pstore.md).
 
   cfemu pstore status [STRUCTURE ...]                 each structure's state, start mode, connected or not, and
                                                       whether it takes new units of work

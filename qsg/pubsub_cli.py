@@ -20,7 +20,7 @@ from cfemu import repository
 from cfemu.cf import CF
 from cfemu.clitools import CLIError, Output, add_settings_arguments, run_command, settings
 from cfemu.topic_attributes import SUB_SUFFIX, publication_queue, subscription_queue
-from qsg.cli import EXPECTED_ERRORS, admin_client
+from qsg.cli_common import EXPECTED_ERRORS, admin_client
 from sqm.service.client import Client
 
 SUB_FIELDS = ("name", "durable", "position_lrsn", "position_pub", "received", "subscribed_pc", "active_pc", "home")

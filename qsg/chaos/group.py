@@ -1,4 +1,4 @@
-"""The group under test: a local Cluster with a fault proxy on every SQM's path to the CF and on every client's
+"""The group under test: a LocalGroup with a fault proxy on every SQM's path to the CF and on every client's
 path to an SQM, a second structure, a probe queue, and (where the machine allows) one SQM's log on a small tmpfs.
 """
 
@@ -26,7 +26,7 @@ from qsg.chaos.conversations import SERVICE, SERVICE_UOW
 from qsg.chaos.history import History
 from qsg.chaos.proxy import FaultProxy
 from qsg.chaos.pubsub_actions import TOPIC, TOPIC_ATTRS, TOPIC_STRUCTURE
-from qsg.cluster import Cluster
+from qsg.local_group import LocalGroup
 from sqm.service.client import Client
 
 STRUCTURES = {"APP1": ("Q1", "Q2"), "APP2": ("Q3",)}
@@ -132,7 +132,7 @@ class ChaosGroup:
         self.backup_interval = backup_interval
         self.want_log_disk = log_disk
         self.duplex = duplex  # a duplexed CF (qsg.cfpair), for the kinds that need one (faults.DUPLEX_KINDS)
-        self.cluster: Cluster | None = None
+        self.cluster: LocalGroup | None = None
         self.cf_proxies: dict[str, FaultProxy] = {}
         self.client_proxies: dict[str, FaultProxy] = {}
         self.disk: LogDisk | None = None
@@ -152,13 +152,13 @@ class ChaosGroup:
                 self.disk = LogDisk(self.dir / "logs" / names[-1])
                 self.disk.mount()
         try:
-            self.cluster = Cluster.up(self.dir, managers=self.managers, backup_interval=self.backup_interval,
-                                      structure="APP1", queues=(*STRUCTURES["APP1"], PROBE_QUEUE, EDGE_QUEUE),
-                                      lease_ms=self.lease_ms, recauto=False, redis_cluster=self.redis_cluster,
-                                      duplex=self.duplex, restart_cf=self.duplex,
-                                      # a cluster client follows the cluster's redirections to the nodes
-                                      # themselves: no proxy can stand between an SQM and a Redis Cluster CF
-                                      cf_url_for=None if self.redis_cluster else self._cf_route)
+            self.cluster = LocalGroup.up(self.dir, managers=self.managers, backup_interval=self.backup_interval,
+                                         structure="APP1", queues=(*STRUCTURES["APP1"], PROBE_QUEUE, EDGE_QUEUE),
+                                         lease_ms=self.lease_ms, recauto=False, redis_cluster=self.redis_cluster,
+                                         duplex=self.duplex, restart_cf=self.duplex,
+                                         # a cluster client follows the cluster's redirections to the nodes
+                                         # themselves: no proxy can stand between an SQM and a Redis Cluster CF
+                                         cf_url_for=None if self.redis_cluster else self._cf_route)
             if self.duplex:  # the pair's supervisor runs only while a duplex fault runs (the others restart by hand)
                 self.cluster.supervise_cf(False)
             client = self.cf()
@@ -209,7 +209,7 @@ class ChaosGroup:
 
     # --- what faults and checks use ------------------------------------------------------------------------------
     @property
-    def c(self) -> Cluster:
+    def c(self) -> LocalGroup:
         assert self.cluster is not None, "the group is not up"
         return self.cluster
 

@@ -25,13 +25,13 @@ from backup import migrate
 from backup.files import MANIFEST_NAME, sign_manifest
 from backup.migrate_report import PartialReportError, TamperedReportError, compare, read_report
 from backup.run import run_backup
-from cfemu import cluster_cf, keys
+from cfemu import keys, rcluster
 from cfemu.admin import Admin
 from cfemu.cf import CF
 from cfemu.connection import connect
 from cfemu.credentials import BackupKeys
 from cfemu.embedded import EmbeddedRedis
-from cfemu.embedded_cluster import EmbeddedCluster
+from cfemu.embedded_rcluster import EmbeddedCluster
 from cfemu.errors import NoMessageError, StructureFailedError
 from cfemu.repository import GroupRepository
 from restore.run import RestoreError, run_restore
@@ -484,7 +484,7 @@ def test_a_structure_moves_into_a_redis_cluster_cf(source: tuple[QueueManager, d
         assert loaded.entries == done.entries and loaded.cf  # the master that holds APP7's slot
         assert compare(read_report(tmp_path / "mig" / migrate.UNLOAD_REPORT),
                        read_report(tmp_path / "mig" / migrate.LOAD_REPORT)).equal
-        node = cluster_cf.node_client(target, "APP7")
+        node = rcluster.node_client(target, "APP7")
         ids = [keys.text(x) for x in node.lrange(keys.state_list("APP7", Q, "CP", 2), 0, -1)]
         assert node.hmget(keys.data("APP7"), ids[:3]) == [m for m in before if int(m[1:]) % 3 == 2][:3]
         assert Admin(target).state("APP7") == "ACTIVE" and Admin(target).queue_def(Q).structure == "APP7"

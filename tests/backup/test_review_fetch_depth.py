@@ -460,9 +460,9 @@ def test_a_duplexed_cf_as_the_backups_client(tmp_path: Path, monkeypatch: pytest
 
 @pytest.mark.soak  # 8-10 s: out of the default suite (`pytest -m soak tests/backup/test_review_fetch_depth.py`)
 def test_a_redis_cluster_cf_as_the_backups_client(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """cfemu.cluster_cf: RedisCluster's per-node pools from the fetch's threads; the pacer probes the structure's
+    """cfemu.rcluster: RedisCluster's per-node pools from the fetch's threads; the pacer probes the structure's
     master (node_client) while two reads are in flight there. Idle: never paused; parts in order, each once."""
-    from cfemu.embedded_cluster import EmbeddedCluster
+    from cfemu.embedded_rcluster import EmbeddedCluster
 
     cl = EmbeddedCluster(tmp_path / "rcluster").start()
     try:

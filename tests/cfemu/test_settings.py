@@ -1,6 +1,6 @@
 """The one settings resolver (cfemu.settings): flag > environment > nearest cluster > `cfemu cf start` CF > default.
 
-The layers are built by hand in a temporary directory: a cluster.json as qsg.cluster writes it and a CF
+The layers are built by hand in a temporary directory: a cluster.json as qsg.local_group writes it and a CF
 directory as `cfemu cf start` leaves it, each naming this test process's pid as the running CF (any live pid
 will do: the resolver only asks whether it runs).
 """

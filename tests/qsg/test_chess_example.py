@@ -28,7 +28,7 @@ import pytest
 from backup.run import run_backup
 from cfemu import credentials
 from cfemu.connection import connect
-from qsg.cluster import Cluster
+from qsg.local_group import LocalGroup
 from restore.run import run_restore
 from sqm.service.client import Client
 
@@ -57,7 +57,7 @@ STARTED: list[subprocess.Popen[str]] = []  # every player process, killed at the
 class PlayerProcess:
     """`python examples/chess_by_mail.py --player COLOR --json`, its progress lines read as they come."""
 
-    def __init__(self, c: Cluster, color: str, order: list[str], *, game: str, think: float = 0.25,
+    def __init__(self, c: LocalGroup, color: str, order: list[str], *, game: str, think: float = 0.25,
                  setup: bool = False, timeout: float = 150.0) -> None:
         ports = {n: p for n, _, p in c.endpoints}
         cmd = [sys.executable, str(EXAMPLE), "--server", ",".join(f"{c.host}:{ports[n]}" for n in order),
@@ -126,7 +126,7 @@ def _wait(what: str, cond: Callable[[], bool], timeout: float, players: list[Pla
         time.sleep(0.05)
 
 
-def _query_all(c: Cluster, uows: list[str]) -> dict[str, dict[str, Any]]:
+def _query_all(c: LocalGroup, uows: list[str]) -> dict[str, dict[str, Any]]:
     """QUERY of each UOW, by a third party logged on to the group."""
     with Client([(h, p) for _, h, p in c.endpoints], token=c.token, client_name="referee") as cl:
         cl.logon("referee", "chess")
@@ -134,10 +134,10 @@ def _query_all(c: Cluster, uows: list[str]) -> dict[str, dict[str, Any]]:
 
 
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
+def cluster(tmp_path: Path) -> Iterator[LocalGroup]:
     # RECAUTO off: the test restores the lost structure itself, once the players have met the empty CF.
-    c = Cluster.up(tmp_path / "c", managers=2, backup_interval=None, lease_ms=2000, restart_cf=True,
-                   structure="APP1", queues=("Q1",), recauto=False)
+    c = LocalGroup.up(tmp_path / "c", managers=2, backup_interval=None, lease_ms=2000, restart_cf=True,
+                      structure="APP1", queues=("Q1",), recauto=False)
     try:
         yield c
     finally:
@@ -149,7 +149,7 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
         c.down()
 
 
-def test_the_game_survives_a_member_kill_a_cf_loss_and_a_player_restart(cluster: Cluster) -> None:
+def test_the_game_survives_a_member_kill_a_cf_loss_and_a_player_restart(cluster: LocalGroup) -> None:
     c = cluster
     qm1, qm2 = c.names
     white = PlayerProcess(c, "white", [qm1, qm2], game="opera", setup=True)
@@ -249,7 +249,7 @@ def test_the_game_survives_a_member_kill_a_cf_loss_and_a_player_restart(cluster:
         assert r["complete"] and r["sent"] == r["received"] == [] and r["resumed_at"] == 0, r
 
 
-def test_a_repeated_move_is_found_and_never_played(cluster: Cluster) -> None:
+def test_a_repeated_move_is_found_and_never_played(cluster: LocalGroup) -> None:
     """White's first move sent twice (two UOWs): black plays the first, then finds the second is ply 1 again where
     ply 3 was due, and stops with the UOW not processed."""
     c = cluster

@@ -22,21 +22,21 @@ from backup.run import run_backup
 from cfemu import duplex_control
 from cfemu.admin import Admin
 from cfemu.connection import connect
-from qsg.cluster import Cluster, ClusterError
+from qsg.local_group import LocalGroup, LocalGroupError
 from tests.qsg.test_recauto import Load, _drain, _member_logs, _probe, _wait
 
 
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster.up(tmp_path / "c", managers=2, backup_interval=None, lease_ms=2000, restart_cf=True,
-                   structure="APP1", queues=("Q1", "Q2"), duplex=True)
+def cluster(tmp_path: Path) -> Iterator[LocalGroup]:
+    c = LocalGroup.up(tmp_path / "c", managers=2, backup_interval=None, lease_ms=2000, restart_cf=True,
+                      structure="APP1", queues=("Q1", "Q2"), duplex=True)
     try:
         yield c
     finally:
         c.down()
 
 
-def _nothing_lost(c: Cluster, load: Load) -> None:
+def _nothing_lost(c: LocalGroup, load: Load) -> None:
     drained = _drain(c, "Q1")
     seen = load.consumed + drained
     assert len(seen) == len(set(seen)), "a message was delivered twice"
@@ -47,14 +47,14 @@ def _nothing_lost(c: Cluster, load: Load) -> None:
     assert not resurrected, f"acknowledged gets came back: {sorted(resurrected)[:10]}"
 
 
-def _metric(c: Cluster, name: str) -> str:
+def _metric(c: LocalGroup, name: str) -> str:
     port = c.manager(c.names[0])["metrics_port"]
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
         lines = r.read().decode().splitlines()
     return next(ln.split()[-1] for ln in lines if ln.startswith(name + " "))
 
 
-def _structure_state(c: Cluster) -> str:
+def _structure_state(c: LocalGroup) -> str:
     client = connect(c.cf_url(), socket_timeout=2.0)
     try:
         return Admin(client).state("APP1")
@@ -63,7 +63,7 @@ def _structure_state(c: Cluster) -> str:
 
 
 def test_primary_killed_under_load_is_replaced_by_its_copy_nothing_lost_nothing_restored(
-        cluster: Cluster) -> None:
+        cluster: LocalGroup) -> None:
     c = cluster
     assert c.pair.state["mode"] == "DUPLEX"
     old_primary, old_secondary = c.pair.primary_address, c.pair.secondary_address
@@ -91,7 +91,7 @@ def test_primary_killed_under_load_is_replaced_by_its_copy_nothing_lost_nothing_
     _nothing_lost(c, load)
 
 
-def test_secondary_killed_under_load_the_group_carries_on_simplex_then_resyncs(cluster: Cluster) -> None:
+def test_secondary_killed_under_load_the_group_carries_on_simplex_then_resyncs(cluster: LocalGroup) -> None:
     c = cluster
     with Load(c) as load:
         _wait("load running", lambda: len(load.acked_puts) >= 30, 60)
@@ -113,7 +113,7 @@ def test_secondary_killed_under_load_the_group_carries_on_simplex_then_resyncs(c
     _nothing_lost(c, load)
 
 
-def test_primary_lost_while_simplex_is_not_promoted_it_is_restarted_empty(cluster: Cluster) -> None:
+def test_primary_lost_while_simplex_is_not_promoted_it_is_restarted_empty(cluster: LocalGroup) -> None:
     """The copy was out of date (the pair simplex) when the primary died: promoting it would lose acknowledged
     work, so the controller restarts the primary empty at a new generation (RECAUTO's path, the loss of both)."""
     c = cluster
@@ -130,7 +130,7 @@ def test_primary_lost_while_simplex_is_not_promoted_it_is_restarted_empty(cluste
     assert _structure_state(c) == "FAILED"  # the CF came back empty: RECAUTO's turn
 
 
-def test_both_lost_under_load_falls_back_to_the_backup_and_the_logs(cluster: Cluster) -> None:
+def test_both_lost_under_load_falls_back_to_the_backup_and_the_logs(cluster: LocalGroup) -> None:
     """The loss of both servers of the pair: the controller restarts the primary empty at a new generation and a
     member restores APP1 (RECAUTO) from the fuzzy backup and the logs; nothing acknowledged is lost."""
     c = cluster
@@ -156,7 +156,7 @@ def test_both_lost_under_load_falls_back_to_the_backup_and_the_logs(cluster: Clu
     _nothing_lost(c, load)
 
 
-def test_hung_primary_loses_its_lease_and_is_killed_before_the_promotion(cluster: Cluster) -> None:
+def test_hung_primary_loses_its_lease_and_is_killed_before_the_promotion(cluster: LocalGroup) -> None:
     c = cluster
     pid = int(c.state["cf"]["pid"])
     os.kill(pid, signal.SIGSTOP)
@@ -175,8 +175,8 @@ def test_hung_primary_loses_its_lease_and_is_killed_before_the_promotion(cluster
 
 
 def test_duplex_needs_the_supervisor(tmp_path: Path) -> None:
-    with pytest.raises(ClusterError, match="needs the CF supervisor"):
-        Cluster.up(tmp_path / "c", managers=1, backup_interval=None, restart_cf=False, duplex=True)
+    with pytest.raises(LocalGroupError, match="needs the CF supervisor"):
+        LocalGroup.up(tmp_path / "c", managers=1, backup_interval=None, restart_cf=False, duplex=True)
 
 
 def test_cli_up_duplex_status_json_and_private_files(tmp_path: Path) -> None:

@@ -27,14 +27,14 @@ from cfemu import repository
 from cfemu.admin import Admin
 from cfemu.connection import connect
 from cfemu.errors import MQError, NoMessageError
-from qsg.cluster import Cluster
+from qsg.local_group import LocalGroup
 from restore.run import run_restore
 from sqm.service.client import Client
 
 STRUCTURES = {"APP1": ("Q1", "Q2"), "APP2": ("Q3",)}  # APP1: RECAUTO on (the default); APP2: off
 
 
-def _states(c: Cluster) -> dict[str, str]:
+def _states(c: LocalGroup) -> dict[str, str]:
     client = connect(c.cf_url(), socket_timeout=2.0)
     try:
         admin = Admin(client)
@@ -43,7 +43,7 @@ def _states(c: Cluster) -> dict[str, str]:
         client.close()
 
 
-def _probe(c: Cluster, name: str) -> bool:
+def _probe(c: LocalGroup, name: str) -> bool:
     """Full service through one member: a persistent put, commit, get of it, commit."""
     ep = [(h, p) for n, h, p in c.endpoints if n == name]
     try:
@@ -61,7 +61,7 @@ def _probe(c: Cluster, name: str) -> bool:
 class Load:
     """Producers and consumers on Q1 through every member, each message its own UOW; what the clients were told."""
 
-    def __init__(self, c: Cluster) -> None:
+    def __init__(self, c: LocalGroup) -> None:
         self.c = c
         self.stop = threading.Event()
         self.acked_puts: set[str] = set()
@@ -133,7 +133,7 @@ class Load:
             t.join(timeout=60)
 
 
-def _drain(c: Cluster, queue: str) -> list[str]:
+def _drain(c: LocalGroup, queue: str) -> list[str]:
     out = []
     with Client([(h, p) for _, h, p in c.endpoints], token=c.token, client_name="drain") as cl:
         while True:
@@ -143,11 +143,11 @@ def _drain(c: Cluster, queue: str) -> list[str]:
                 return out
 
 
-def _member_logs(c: Cluster) -> str:
+def _member_logs(c: LocalGroup) -> str:
     return "".join((c.dir / "run" / f"{n}.log").read_text(errors="replace") for n in c.names)
 
 
-def _restore_points(c: Cluster, structure: str) -> list[str]:
+def _restore_points(c: LocalGroup, structure: str) -> list[str]:
     out = []
     for manifest in (c.backup_dir / structure).glob("*/manifest.json"):
         with contextlib.suppress(OSError, ValueError):
@@ -169,8 +169,8 @@ def _wait(what: str, cond: Any, timeout: float, interval: float = 0.1) -> float:
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Any:
-    c = Cluster.up(tmp_path / "c", managers=2, backup_interval=None, lease_ms=2000, restart_cf=True,
-                   structure="APP1", queues=STRUCTURES["APP1"])
+    c = LocalGroup.up(tmp_path / "c", managers=2, backup_interval=None, lease_ms=2000, restart_cf=True,
+                      structure="APP1", queues=STRUCTURES["APP1"])
     try:
         client = connect(c.cf_url())
         try:
@@ -185,7 +185,7 @@ def cluster(tmp_path: Path) -> Any:
 
 
 def test_the_cf_killed_under_load_comes_back_with_every_recauto_structure_active_and_nothing_lost(
-        cluster: Cluster) -> None:
+        cluster: LocalGroup) -> None:
     """Must show (issue 17, part 1): kill -9 of the CF under load, RECAUTO on; no command typed: every RECAUTO
     structure ACTIVE again, full service through every member, nothing acknowledged lost, the time measured; the
     two members race to recover and one restore only runs; APP2 (RECAUTO off) waits for the operator."""

@@ -1,7 +1,7 @@
 """Finding 1 of issue 11: the CF had no password. Probed as an attacker would: raw sockets and raw Redis commands,
 from another OS user (nobody) where the tests run as root, and with a member's own credentials.
 
-The CF of `cfemu cf start` (and of `cfemu cluster up`, see tests/qsg/test_cluster.py) starts with the default user
+The CF of `cfemu cf start` (and of `cfemu cluster up`, see tests/qsg/test_local_group.py) starts with the default user
 off and one user per role; its secrets are generated at creation, readable by their owner only, and found by
 every command without flags.
 """

@@ -13,7 +13,7 @@ import pytest
 
 from cfemu.errors import BackedOutError, NoMessageError, OutcomeUnknownError
 from cfemu.procs import free_port
-from qsg.cluster import Cluster
+from qsg.local_group import LocalGroup
 from sqm.service.client import Client, parse_endpoint
 from sqm.service.protocol import QueueManagerUnavailableError
 from tests.sqm.test_service import TOKEN, start_server
@@ -23,15 +23,15 @@ LEASE_MS = 1000
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = Cluster.up(tmp_path_factory.mktemp("cluster"), managers=3, backup_interval=None, lease_ms=LEASE_MS,
-                   queues=("Q1", "Q2", "Q3"))
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalGroup]:
+    c = LocalGroup.up(tmp_path_factory.mktemp("cluster"), managers=3, backup_interval=None, lease_ms=LEASE_MS,
+                      queues=("Q1", "Q2", "Q3"))
     yield c
     c.down()
     assert c.running_processes() == {}
 
 
-def endpoints(cluster: Cluster, *names: str) -> list[str]:
+def endpoints(cluster: LocalGroup, *names: str) -> list[str]:
     by_name = {n: f"{h}:{p}" for n, h, p in cluster.endpoints}
     return [by_name[n] for n in names]
 
@@ -54,7 +54,7 @@ def test_parse_endpoint() -> None:
             parse_endpoint(bad)
 
 
-def test_several_clients_on_several_servers(cluster: Cluster) -> None:
+def test_several_clients_on_several_servers(cluster: LocalGroup) -> None:
     names = cluster.names
     producers = [Client(endpoints(cluster, names[i % 3]), token=cluster.token) for i in range(6)]
     errors: list[BaseException] = []
@@ -88,7 +88,7 @@ def test_several_clients_on_several_servers(cluster: Cluster) -> None:
         p.close()
 
 
-def test_unit_of_work_backs_out_on_an_exception(cluster: Cluster) -> None:
+def test_unit_of_work_backs_out_on_an_exception(cluster: LocalGroup) -> None:
     with Client(endpoints(cluster, "QM1"), token=cluster.token) as a, Client(endpoints(cluster, "QM2"), token=cluster.token) as b:
         with pytest.raises(RuntimeError), a.unit_of_work():
             a.put("Q2", b"never")
@@ -99,7 +99,7 @@ def test_unit_of_work_backs_out_on_an_exception(cluster: Cluster) -> None:
         b.commit()
 
 
-def test_kill_9_of_a_server_fails_clients_over_and_peer_recovery_releases_its_messages(cluster: Cluster) -> None:
+def test_kill_9_of_a_server_fails_clients_over_and_peer_recovery_releases_its_messages(cluster: LocalGroup) -> None:
     with Client(endpoints(cluster, "QM1"), token=cluster.token) as setup:
         setup.put("Q3", b"held by the victim", syncpoint=False)
     victim = Client(endpoints(cluster, "QM2", "QM3"), token=cluster.token)

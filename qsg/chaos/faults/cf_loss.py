@@ -17,7 +17,7 @@ import redis
 from cfemu import bulk, keys, repository
 from cfemu.admin import Admin
 from cfemu.settings import CLUSTER_CF
-from qsg import cluster_cf
+from qsg import rcluster_cf
 from qsg.chaos.bodies import parse_body
 from qsg.chaos.faults.heal import peer_recovery, restart
 from qsg.chaos.faults.kind import DUPLEX, Draw, FaultError, FaultKind, FaultSpec, Step, register
@@ -126,7 +126,7 @@ def cluster_node_kill(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]
     """One node of the CF killed with RECAUTO on: on a Redis Cluster CF, the master that holds the chosen
     structure's slot (the structures of the other masters are served all along); on one redis-server, the CF
     itself. The supervisor restarts the node, empty; a member restores what it held (sqm.recauto)."""
-    if not cluster_cf.is_cluster_cf(g.c.state[CLUSTER_CF]):
+    if not rcluster_cf.is_cluster_cf(g.c.state[CLUSTER_CF]):
         return cf_kill_recauto(g, f, step)
     structure = str(f.params.get("structure", "APP1"))
 
@@ -171,7 +171,7 @@ def cf_kill_recauto(g: ChaosGroup, f: FaultSpec, step: Step,
         g.c.supervise_cf()
         if kill is not None:
             out.update(kill())
-        elif cluster_cf.is_cluster_cf(g.c.state[CLUSTER_CF]):
+        elif rcluster_cf.is_cluster_cf(g.c.state[CLUSTER_CF]):
             g.c.kill_cf()  # every node
         else:
             os.kill(int(g.c.state[CLUSTER_CF]["pid"]), signal.SIGKILL)

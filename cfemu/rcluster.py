@@ -33,6 +33,7 @@ from redis.crc import key_slot
 from redis.retry import Retry
 
 from cfemu import keys
+from cfemu.pools import WaitingPool
 
 __all__ = ["SCHEMES", "CFCluster", "ClusterUnavailableError", "connect_cluster", "is_cluster", "master_of",
            "node_client", "slot_of"]
@@ -94,8 +95,6 @@ def connect_cluster(url: str, *, opts: dict[str, Any], max_connections: int | No
     Typed as redis.Redis, which it is not: it answers every command the house sends through a client (the
     commands, scripts, pipelines and single-slot transactions route by key); what needs one server asks
     node_client(). Callers need not know which CF they have."""
-    from cfemu.connection import _WaitingPool  # connection imports this module lazily; this is its pool class
-
     parts = urlsplit(url)
     kw = {k: v for k, v in opts.items() if k not in ("retry", "health_check_interval")}
     if parts.username:
@@ -106,7 +105,7 @@ def connect_cluster(url: str, *, opts: dict[str, Any], max_connections: int | No
         kw["ssl"] = True
     if max_connections is not None:  # each master's pool: callers wait for a free connection, as on one server
 
-        class _NodePool(_WaitingPool):
+        class _NodePool(WaitingPool):
             def __init__(self, **kwargs: Any) -> None:
                 super().__init__(timeout=pool_timeout, **kwargs)
 

@@ -11,10 +11,10 @@ import pytest
 import redis
 
 from backup.run import run_backup
-from cfemu import cluster_cf, keys, lua
+from cfemu import keys, lua, rcluster
 from cfemu.admin import Admin
 from cfemu.connection import ConnectionConfigError, connect
-from cfemu.embedded_cluster import EmbeddedCluster
+from cfemu.embedded_rcluster import EmbeddedCluster
 from cfemu.errors import MQError, NoMessageError
 from restore.run import run_restore
 from sqm.manager import QueueManager
@@ -73,7 +73,7 @@ def test_structures_spread_over_the_masters_and_members_work_on_each(redis_clust
     client = define(cl)
     masters = {s: cl.master_of(s) for s in STRUCTURES}
     assert len(set(masters.values())) == 3, masters  # one structure per master
-    assert cluster_cf.structure_masters(client, STRUCTURES) == {s: cl.address(n) for s, n in masters.items()}
+    assert rcluster.structure_masters(client, STRUCTURES) == {s: cl.address(n) for s, n in masters.items()}
     # Every key of a structure is on its master, none elsewhere; the admin structure is on its own slot's master.
     for s, node in masters.items():
         for other in cl.nodes:
@@ -81,10 +81,10 @@ def test_structures_spread_over_the_masters_and_members_work_on_each(redis_clust
             assert bool(found) == (other == node), (s, other)
     assert list(cl.admin_client(cl.master_of("ADMIN")).scan_iter(match="{ADMIN}:*"))
     # cfemu status names each structure's slot and master
-    from qsg.cli import gather_status
+    from qsg.status_cli import gather_status
     rows = {r["name"]: r for r in gather_status(Admin(client), tmp_path)["structures"]}
     assert {s: (r["slot"], r["master"]) for s, r in rows.items()} == {
-        s: (cluster_cf.slot_of(s), cl.address(n)) for s, n in masters.items()}
+        s: (rcluster.slot_of(s), cl.address(n)) for s, n in masters.items()}
 
     logs = tmp_path / "logs"
     qm1 = start_qm(cl.url("member"), logs, "QM1", background=False)
@@ -302,7 +302,7 @@ def test_a_master_killed_with_a_replica_has_the_replica_promoted_and_its_structu
         wait_for(lambda: got.extend(drain(qm2, "Q1")) is None and len(got) >= 20, 30, "APP1 served again")
         print(f"kill to service on the promoted replica: {time.monotonic() - t0:.1f}s")
         assert sorted(got) == sorted(b"m-%d" % i for i in range(20))
-        cluster_cf.refresh(client)  # this client has not met the failover yet: its first call would, and fail
+        rcluster.refresh(client)  # this client has not met the failover yet: its first call would, and fail
         assert Admin(client).state("APP1") == "ACTIVE" and Admin(client).structure_def("APP1")
         put_committed(qm1, "Q1", [b"after"])
         assert drain(qm2, "Q1") == [b"after"]

@@ -1,11 +1,11 @@
 """The local launcher's CF as a Redis Cluster (``cfemu cluster up --redis-cluster N``): N masters in cluster mode
-(cfemu.embedded_cluster), each structure on the master of its slot, recorded in cluster.json under ``cf``:
+(cfemu.embedded_rcluster), each structure on the master of its slot, recorded in cluster.json under ``cf``:
 
     "cf": {"dir": ".../cf", "redis_cluster": 3, "nodes": [{"name": "node-0", "port": 30001, "pid": 123}, ...],
            "pid": <a running node's pid, or null when none runs>}
 
 The cluster's URL (``redis+cluster://HOST:PORT/?node=...``, no credentials: each command adds its role's from the
-secrets directory) is the cluster's redis_url. The supervisor (qsg.cluster) restarts a dead node, empty, on its
+secrets directory) is the cluster's redis_url. The supervisor (qsg.local_group) restarts a dead node, empty, on its
 port: the structures it held are FAILED until a member restores them (RECAUTO), the other masters serve theirs
 meanwhile.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from cfemu.embedded_cluster import EmbeddedCluster
+from cfemu.embedded_rcluster import EmbeddedCluster
 
 KEY = "redis_cluster"  # in cluster.json's "cf": the number of masters (absent: a single redis-server)
 
@@ -40,7 +40,7 @@ def record(cf_state: dict[str, Any], cl: EmbeddedCluster) -> str:
 
 
 def alive(cf_state: dict[str, Any], runs: Any) -> bool:
-    """Every node runs (runs(pid, marker) -> bool: qsg.cluster's check that a pid is that process)."""
+    """Every node runs (runs(pid, marker) -> bool: qsg.local_group's check that a pid is that process)."""
     nodes = cf_state.get("nodes") or []
     return bool(nodes) and all(runs(n.get("pid"), b"redis") for n in nodes)
 

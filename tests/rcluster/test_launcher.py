@@ -12,11 +12,11 @@ import pytest
 
 from cfemu.admin import Admin
 from cfemu.connection import connect
-from qsg.cluster import Cluster, ClusterError
+from qsg.local_group import LocalGroup, LocalGroupError
 
 
 def test_a_cluster_with_a_redis_cluster_cf_shows_its_nodes_and_heals_a_killed_master(tmp_path: Path) -> None:
-    c = Cluster.up(tmp_path / "cl", managers=2, backup_interval=1.0, redis_cluster=3, restart_cf=True)
+    c = LocalGroup.up(tmp_path / "cl", managers=2, backup_interval=1.0, redis_cluster=3, restart_cf=True)
     try:
         doc = c.status()
         nodes = [r for r in doc["processes"] if r["process"].startswith("CF ")]
@@ -43,7 +43,7 @@ def test_a_cluster_with_a_redis_cluster_cf_shows_its_nodes_and_heals_a_killed_ma
             time.sleep(0.2)
         assert admin.state("APP1") == "ACTIVE" and c.cf_restarts >= 1
         assert c.running_processes()[holder["process"]] != killed
-        with pytest.raises(ClusterError, match="no CF node"):
+        with pytest.raises(LocalGroupError, match="no CF node"):
             c.kill_cf_node("node-9")
     finally:
         c.down()
@@ -51,8 +51,8 @@ def test_a_cluster_with_a_redis_cluster_cf_shows_its_nodes_and_heals_a_killed_ma
 
 
 def test_a_redis_cluster_needs_three_masters(tmp_path: Path) -> None:
-    with pytest.raises(ClusterError, match="3-16"):
-        Cluster.up(tmp_path / "cl", redis_cluster=2)
+    with pytest.raises(LocalGroupError, match="3-16"):
+        LocalGroup.up(tmp_path / "cl", redis_cluster=2)
     assert not (tmp_path / "cl").exists()
 
 
@@ -105,4 +105,4 @@ def test_cfemu_cluster_up_redis_cluster_on_the_command_line(tmp_path: Path) -> N
         down = cfemu("down")
     assert down.returncode == 0, down.stderr[-2000:]
     assert json.loads(down.stdout)["still_running"] == {}
-    assert not Cluster.load(d).running_processes()
+    assert not LocalGroup.load(d).running_processes()

@@ -22,13 +22,13 @@ from typing import Any
 import pytest
 import yaml
 
-import qsg.cluster as cluster_mod
+import qsg.local_group as local_group_mod
 from backup import cli as backup_cli
 from cfemu.admin import Admin
 from cfemu.connection import connect
 from cfemu.procs import pid_alive
 from qsg import cli as cfemu_cli
-from qsg.cluster import Cluster, ClusterError
+from qsg.local_group import LocalGroup, LocalGroupError
 from sqm import cli as sqm_cli
 from sqm.service.client import Client
 from sqm.service.protocol import NotAuthorizedError
@@ -162,7 +162,7 @@ def test_cli_cluster_up_status_backup_down(tmp_path: Path) -> None:
         assert "token" not in state, "the service token is a secret: cluster.json is not where it lives"
         with pytest.raises(NotAuthorizedError):  # authentication is on by default
             Client([f"127.0.0.1:{m['port']}" for m in state["managers"]], reconnect_timeout=0)
-        loaded = Cluster.load(tmp_path / "cluster")
+        loaded = LocalGroup.load(tmp_path / "cluster")
         token, op_token = loaded.token, loaded.operator_token
         assert token and op_token and token != op_token  # one token per role, both made by `cluster up`
         with Client([f"127.0.0.1:{m['port']}" for m in state["managers"]], token=token) as c:
@@ -210,10 +210,10 @@ def test_cli_cluster_up_status_backup_down(tmp_path: Path) -> None:
 
 
 def test_api_kill_and_restart_cf_and_managers_and_down_cleans_up(tmp_path: Path) -> None:
-    c = Cluster.up(tmp_path / "c", managers=2, backup_interval=None, lease_ms=1000)
+    c = LocalGroup.up(tmp_path / "c", managers=2, backup_interval=None, lease_ms=1000)
     try:
-        with pytest.raises(ClusterError, match="already running"):
-            Cluster.up(tmp_path / "c", managers=1)
+        with pytest.raises(LocalGroupError, match="already running"):
+            LocalGroup.up(tmp_path / "c", managers=1)
         port = int(c.state["cf"]["port"])
         c.kill_cf()
         c.restart_cf()
@@ -223,7 +223,7 @@ def test_api_kill_and_restart_cf_and_managers_and_down_cleans_up(tmp_path: Path)
         client.close()
         c.kill_manager("QM2")
         assert "QM2" not in c.running_processes()
-        with pytest.raises(ClusterError, match="not running"):
+        with pytest.raises(LocalGroupError, match="not running"):
             c.kill_manager("QM2")
         c.restart_manager("QM2")
         assert c.running_processes().keys() == {"CF", "QM1", "QM2"}
@@ -233,14 +233,14 @@ def test_api_kill_and_restart_cf_and_managers_and_down_cleans_up(tmp_path: Path)
     assert killed == {}
     assert c.running_processes() == {}
     assert not any(pid_alive(p) for p in pids)
-    assert Cluster.load(tmp_path / "c").running_processes() == {}
+    assert LocalGroup.load(tmp_path / "c").running_processes() == {}
 
 
 def test_bad_arguments_are_one_line_errors(tmp_path: Path) -> None:
-    with pytest.raises(ClusterError, match="--managers must be 1-32"):
-        Cluster.up(tmp_path, managers=0)
-    with pytest.raises(ClusterError, match="no cluster in"):
-        Cluster.load(tmp_path / "nothing")
+    with pytest.raises(LocalGroupError, match="--managers must be 1-32"):
+        LocalGroup.up(tmp_path, managers=0)
+    with pytest.raises(LocalGroupError, match="no cluster in"):
+        LocalGroup.load(tmp_path / "nothing")
     r = cfemu("cluster", "status", "--dir", str(tmp_path / "nothing"), check=False)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "no cluster in" in r.stderr
     assert not os.listdir(tmp_path)
@@ -323,10 +323,10 @@ def test_a_manager_whose_planned_port_was_taken_meanwhile_starts_on_another(tmp_
     taken.bind(("127.0.0.1", 0))
     taken.listen()
     planned = iter([taken.getsockname()[1]])
-    real_free_port = cluster_mod.free_port
-    monkeypatch.setattr(cluster_mod, "free_port", lambda host: next(planned, None) or real_free_port(host))
+    real_free_port = local_group_mod.free_port
+    monkeypatch.setattr(local_group_mod, "free_port", lambda host: next(planned, None) or real_free_port(host))
     try:
-        c = Cluster.up(tmp_path / "c", managers=1, backup_interval=None, lease_ms=1000)
+        c = LocalGroup.up(tmp_path / "c", managers=1, backup_interval=None, lease_ms=1000)
         try:
             port = int(c.manager("QM1")["port"])
             assert port != taken.getsockname()[1]

@@ -2,7 +2,7 @@
 
 The same topology as docker-compose.yml, for machines without Docker::
 
-    cluster = Cluster.up("var/cluster", managers=3, backup_interval=10)
+    cluster = LocalGroup.up("var/cluster", managers=3, backup_interval=10)
     cluster.endpoints            # [("QM1", "127.0.0.1", 40001), ...]
     cluster.kill_manager("QM2")  # kill -9; its peers recover its work once its lease lapses
     cluster.restart_manager("QM2")
@@ -13,14 +13,14 @@ The same topology as docker-compose.yml, for machines without Docker::
 Who brings a lost CF back: with ``restart_cf=True`` (``cfemu cluster up`` does it) a supervisor restarts the CF's
 redis-server, empty, on the same port, whenever it dies; the members re-join it and, for structures defined with
 RECAUTO, restore them by themselves (sqm.recauto; docs/runbook.md "When the CF is lost"). In a cluster run by
-this process the supervisor is a thread of the Cluster object (``supervise_cf()``, stopped by ``down()`` or
+this process the supervisor is a thread of the LocalGroup object (``supervise_cf()``, stopped by ``down()`` or
 ``supervise_cf(False)``); a detached cluster (``cfemu cluster up``) gets a process of its own,
-``python -m qsg.cluster supervise --dir DIR``, listed by status as ``cf-supervisor``.
+``python -m qsg.local_group supervise --dir DIR``, listed by status as ``cf-supervisor``.
 
 The directory holds ``cluster.json`` (pids, ports, URLs, paths; the names every command reads it by are in
 cfemu.settings), ``cf/`` (the redis-server's directory),
 ``logs/`` (every member's log: the log root), ``backups/`` and ``run/`` (each process's stderr). A cluster started
-with ``detach=True`` (what ``cfemu cluster up`` does) outlives the process that started it; ``Cluster.load(dir)``
+with ``detach=True`` (what ``cfemu cluster up`` does) outlives the process that started it; ``LocalGroup.load(dir)``
 finds it again. Otherwise its processes die with the thread that started them.
 
 The backup scheduler is its own process (``cfbackup schedule``) that runs
@@ -50,7 +50,7 @@ from cfemu import credentials, repository
 from cfemu.admin import Admin
 from cfemu.connection import connect
 from cfemu.embedded import EmbeddedRedis, ServerNotRunningError
-from cfemu.embedded_cluster import EmbeddedCluster
+from cfemu.embedded_rcluster import EmbeddedCluster
 from cfemu.private_files import private_dir, write_private
 from cfemu.procs import free_port, log_tail, pid_alive, popen_tied, wait_gone
 from cfemu.settings import (
@@ -67,20 +67,20 @@ from cfemu.settings import (
     ENV_TOKEN,
     ENV_URL,
 )
-from qsg import cluster_cf
+from qsg import rcluster_cf
 from qsg.cfpair import CFPair
 
-log = logging.getLogger("qsg.cluster")
+log = logging.getLogger("qsg.local_group")
 
 # Runs the backup CLI in a fresh interpreter (no dependence on console scripts being on PATH).
 SCHEDULER_COMMAND = [sys.executable, "-m", "backup.cli", "schedule"]  # cfbackup schedule
 # A member: the ``sqm`` command, restore wired in for RECAUTO (qsg.member).
 MEMBER_COMMAND = [sys.executable, "-m", "qsg.member", "run"]
-SUPERVISOR_COMMAND = [sys.executable, "-m", "qsg.cluster", "supervise"]
+SUPERVISOR_COMMAND = [sys.executable, "-m", "qsg.local_group", "supervise"]
 SUPERVISE_INTERVAL_S = 0.2
 
 
-class ClusterError(RuntimeError):
+class LocalGroupError(RuntimeError):
     """The cluster cannot be started, found or stopped as asked."""
 
 
@@ -94,7 +94,7 @@ def _pid_runs(pid: int | None, marker: bytes) -> bool:
         return True
 
 
-class Cluster:
+class LocalGroup:
     """A running (or stopped) local cluster, described by DIR/cluster.json."""
 
     def __init__(self, directory: Path, state: dict[str, Any]) -> None:
@@ -102,7 +102,7 @@ class Cluster:
         self.state = state
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
         self._cf: EmbeddedRedis | None = None
-        self._nodes: EmbeddedCluster | None = None  # the CF's nodes when it is a Redis Cluster (qsg.cluster_cf)
+        self._nodes: EmbeddedCluster | None = None  # the CF's nodes when it is a Redis Cluster (qsg.rcluster_cf)
         self._cf_lock = threading.RLock()  # the supervisor and the API's CF restarts, one at a time
         self._supervisor: tuple[threading.Thread, threading.Event] | None = None
         self.cf_restarts = 0  # restarts the supervisor made
@@ -116,7 +116,7 @@ class Cluster:
     def pair(self) -> CFPair:
         """The duplexed CF's controller (qsg.cfpair); only for a cluster started with duplex=True."""
         if not self.duplexed:
-            raise ClusterError("this cluster's CF is not duplexed (start it with 'cfemu cluster up --duplex')")
+            raise LocalGroupError("this cluster's CF is not duplexed (start it with 'cfemu cluster up --duplex')")
         if self._pair is None:
             self._pair = CFPair(self)
         return self._pair
@@ -172,7 +172,7 @@ class Cluster:
         for m in self.state["managers"]:
             if m["name"] == name:
                 return dict(m)
-        raise ClusterError(f"no queue manager {name} in this cluster ({', '.join(self.names)})")
+        raise LocalGroupError(f"no queue manager {name} in this cluster ({', '.join(self.names)})")
 
     @property
     def names(self) -> list[str]:
@@ -185,7 +185,7 @@ class Cluster:
            token: str | None = None, host: str = "127.0.0.1", detach: bool = False, start_timeout: float = 30.0,
            manager_args: Sequence[str] = (), cf_url_for: Callable[[str, str], str] | None = None,
            restart_cf: bool = False, recauto: bool = True, spark_workers: int = 0, spark_cores: int = 1,
-           spark_memory: str = "2g", duplex: bool = False, redis_cluster: int = 0) -> Cluster:
+           spark_memory: str = "2g", duplex: bool = False, redis_cluster: int = 0) -> LocalGroup:
         """Start an embedded CF, managers QM1..QMn and (with a backup_interval) the backup scheduler.
 
         structure/queues are defined when missing (structure=None defines nothing). manager_args go to every
@@ -195,25 +195,25 @@ class Cluster:
         here. spark_workers: also a standalone Spark master and that many workers (qsg.spark_standalone), each
         offering spark_cores and spark_memory, in DIR/spark. duplex: the CF is a pair, the secondary a
         synchronous copy of the primary (qsg.cfpair); its controller is the supervisor, so restart_cf is
-        required. redis_cluster: the CF is a Redis Cluster of that many masters (qsg.cluster_cf; 0: one
+        required. redis_cluster: the CF is a Redis Cluster of that many masters (qsg.rcluster_cf; 0: one
         redis-server). On any failure everything already started is stopped again.
         """
         if duplex and redis_cluster:
-            raise ClusterError("--duplex and --redis-cluster do not go together: a Redis Cluster CF keeps its copies "
-                               "with its own replicas (docs/architecture.md)")
+            raise LocalGroupError("--duplex and --redis-cluster do not go together: a Redis Cluster CF keeps its copies "
+                                  "with its own replicas (docs/architecture.md)")
         if duplex and not restart_cf:
-            raise ClusterError("a duplexed CF needs the CF supervisor, which degrades and promotes the pair: drop "
-                               "--no-cf-restart")
+            raise LocalGroupError("a duplexed CF needs the CF supervisor, which degrades and promotes the pair: drop "
+                                  "--no-cf-restart")
         if not 1 <= managers <= 32:
-            raise ClusterError(f"--managers must be 1-32, not {managers}")
+            raise LocalGroupError(f"--managers must be 1-32, not {managers}")
         if redis_cluster and not 3 <= redis_cluster <= 16:
-            raise ClusterError(f"--redis-cluster must be 3-16 masters, not {redis_cluster}")
+            raise LocalGroupError(f"--redis-cluster must be 3-16 masters, not {redis_cluster}")
         if backup_interval is not None and backup_interval <= 0:
-            raise ClusterError(f"the backup interval must be > 0 seconds, not {backup_interval}")
+            raise LocalGroupError(f"the backup interval must be > 0 seconds, not {backup_interval}")
         d = Path(directory).resolve()
         existing = cls._read_state(d)
         if existing is not None and cls(d, existing).running_processes():
-            raise ClusterError(f"a cluster is already running in {d}: run 'cfemu cluster down --dir {d}' first")
+            raise LocalGroupError(f"a cluster is already running in {d}: run 'cfemu cluster down --dir {d}' first")
         private_dir(d)
         for sub in ("cf", "logs", "backups", "run", *(("cf2",) if duplex else ())):
             private_dir(d / sub)
@@ -226,7 +226,7 @@ class Cluster:
         state: dict[str, Any] = {
             "dir": str(d), "host": host, "detached": detach, "lease_ms": lease_ms,
             CLUSTER_LOG_ROOT: str(d / "logs"), CLUSTER_BACKUP_DIR: str(d / "backups"),
-            CLUSTER_CF: {"dir": str(d / "cf"), **({cluster_cf.KEY: redis_cluster} if redis_cluster else {})},
+            CLUSTER_CF: {"dir": str(d / "cf"), **({rcluster_cf.KEY: redis_cluster} if redis_cluster else {})},
             "managers": [{"name": f"QM{i}", "port": free_port(host), "metrics_port": free_port("127.0.0.1")}
                          for i in range(1, managers + 1)],
             "manager_args": list(manager_args),
@@ -266,11 +266,11 @@ class Cluster:
         return cluster
 
     @classmethod
-    def load(cls, directory: str | os.PathLike[str]) -> Cluster:
+    def load(cls, directory: str | os.PathLike[str]) -> LocalGroup:
         d = Path(directory).resolve()
         state = cls._read_state(d)
         if state is None:
-            raise ClusterError(f"no cluster in {d} (no {CLUSTER_FILE}); start one with 'cfemu cluster up'")
+            raise LocalGroupError(f"no cluster in {d} (no {CLUSTER_FILE}); start one with 'cfemu cluster up'")
         return cls(d, state)
 
     @staticmethod
@@ -280,7 +280,7 @@ class Cluster:
         except FileNotFoundError:
             return None
         except (OSError, ValueError) as e:
-            raise ClusterError(f"unreadable {d / CLUSTER_FILE}: {e}") from None
+            raise LocalGroupError(f"unreadable {d / CLUSTER_FILE}: {e}") from None
 
     def _save(self) -> None:
         write_private(self.dir / CLUSTER_FILE, (json.dumps(self.state, indent=2) + "\n").encode())
@@ -314,7 +314,7 @@ class Cluster:
         return proc
 
     def _start_cf(self, port: int | None) -> None:
-        if cluster_cf.is_cluster_cf(self.state[CLUSTER_CF]):
+        if rcluster_cf.is_cluster_cf(self.state[CLUSTER_CF]):
             self._start_cluster_cf()
             return
         cf_dir = Path(self.state[CLUSTER_CF]["dir"])
@@ -331,8 +331,8 @@ class Cluster:
 
     def _cluster_nodes(self) -> EmbeddedCluster:
         if self._nodes is None:
-            self._nodes = cluster_cf.embedded(self.state[CLUSTER_CF], self.secrets_dir, self.host,
-                                              bool(self.state["detached"]))
+            self._nodes = rcluster_cf.embedded(self.state[CLUSTER_CF], self.secrets_dir, self.host,
+                                               bool(self.state["detached"]))
         return self._nodes
 
     def _start_cluster_cf(self) -> None:
@@ -344,7 +344,7 @@ class Cluster:
             nodes.wait_ok()  # as a single CF's start waits for PING: the restarted nodes serve their slots
         else:
             nodes.start()
-        self.state[CLUSTER_REDIS_URL] = cluster_cf.record(self.state[CLUSTER_CF], nodes)
+        self.state[CLUSTER_REDIS_URL] = rcluster_cf.record(self.state[CLUSTER_CF], nodes)
 
     def _define(self, structure: str, queues: Sequence[str], *, recauto: bool = True) -> None:
         """Define what is missing, in the CF and in the group repository under the cluster's log root."""
@@ -381,10 +381,10 @@ class Cluster:
         proc = self._procs.get(name)
         while not ready.exists():
             if proc is not None and proc.poll() is not None:
-                raise ClusterError(f"{name} exited with status {proc.returncode} while starting; tail of "
-                                   f"{self.dir / 'run' / (name + '.log')}:\n{log_tail(self.dir / 'run' / (name + '.log'))}")
+                raise LocalGroupError(f"{name} exited with status {proc.returncode} while starting; tail of "
+                                      f"{self.dir / 'run' / (name + '.log')}:\n{log_tail(self.dir / 'run' / (name + '.log'))}")
             if time.monotonic() >= deadline:
-                raise ClusterError(f"{name} was not serving within {timeout:g}s; see {self.dir / 'run'}")
+                raise LocalGroupError(f"{name} was not serving within {timeout:g}s; see {self.dir / 'run'}")
             time.sleep(0.05)
 
     def _wait_first_start(self, name: str, timeout: float, attempts: int = 3) -> None:
@@ -396,7 +396,7 @@ class Cluster:
             try:
                 self._wait_manager(name, timeout)
                 return
-            except ClusterError as e:
+            except LocalGroupError as e:
                 if "address already in use" not in str(e) or attempt == attempts - 1:
                     raise
             self._set_manager(name, port=free_port(self.host), metrics_port=free_port(self.host))
@@ -417,11 +417,11 @@ class Cluster:
         """Send sig to a manager and wait (bounded) until it is gone."""
         pid = self.manager(name).get("pid")
         if not _pid_runs(pid, name.encode()):
-            raise ClusterError(f"{name} is not running")
+            raise LocalGroupError(f"{name} is not running")
         assert pid is not None
         os.kill(pid, sig)
         if not self._wait_gone(name, pid, timeout):
-            raise ClusterError(f"{name} (pid {pid}) still runs {timeout:g}s after signal {sig}")
+            raise LocalGroupError(f"{name} (pid {pid}) still runs {timeout:g}s after signal {sig}")
 
     def restart_manager(self, name: str, timeout: float = 30.0, *,
                         extra_args: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> None:
@@ -430,7 +430,7 @@ class Cluster:
         (this start only) is added to its environment, e.g. SQM_FAILPOINTS for the chaos suite."""
         pid = self.manager(name).get("pid")
         if _pid_runs(pid, name.encode()):
-            raise ClusterError(f"{name} is still running (pid {pid})")
+            raise LocalGroupError(f"{name} is still running (pid {pid})")
         if extra_args is not None:
             self._set_manager(name, extra_args=list(extra_args))
         self._spawn_manager(name, env)
@@ -438,7 +438,7 @@ class Cluster:
         self._save()
 
     def wait_manager_exit(self, name: str, timeout: float) -> int | None:
-        """Wait until a manager started by this Cluster object exits; its exit code (None: still running after
+        """Wait until a manager started by this LocalGroup object exits; its exit code (None: still running after
         timeout, or not started by this object, so its status cannot be known)."""
         proc = self._procs.get(name)
         if proc is None:
@@ -450,20 +450,20 @@ class Cluster:
 
     def kill_cf_node(self, node: str) -> int:
         """kill -9 one node of a Redis Cluster CF (its structures are lost; the others' keep working); its pid."""
-        if not cluster_cf.is_cluster_cf(self.state[CLUSTER_CF]):
-            raise ClusterError("the CF is one redis-server, not a Redis Cluster (cfemu cluster up --redis-cluster)")
+        if not rcluster_cf.is_cluster_cf(self.state[CLUSTER_CF]):
+            raise LocalGroupError("the CF is one redis-server, not a Redis Cluster (cfemu cluster up --redis-cluster)")
         with self._cf_lock:
             nodes = self._cluster_nodes()
             if node not in nodes.nodes:
-                raise ClusterError(f"no CF node {node} (nodes: {', '.join(nodes.nodes)})")
+                raise LocalGroupError(f"no CF node {node} (nodes: {', '.join(nodes.nodes)})")
             pid = nodes.kill(node)
-            cluster_cf.record(self.state[CLUSTER_CF], nodes)
+            rcluster_cf.record(self.state[CLUSTER_CF], nodes)
             self._save()
             return pid
 
     def kill_cf(self) -> None:
         """kill -9 the CF (everything in it is lost; the SQMs see a failed structure)."""
-        if cluster_cf.is_cluster_cf(self.state[CLUSTER_CF]):
+        if rcluster_cf.is_cluster_cf(self.state[CLUSTER_CF]):
             for n in self._cluster_nodes().running():
                 self.kill_cf_node(n)
             return
@@ -475,7 +475,7 @@ class Cluster:
         """Start the CF again on the same port, empty."""
         with self._cf_lock:
             if self.cf_alive():
-                raise ClusterError("the CF is still running; kill_cf() first")
+                raise LocalGroupError("the CF is still running; kill_cf() first")
             self._start_cf(port=int(self.state[CLUSTER_CF].get("port") or 0) or None)
             if self.duplexed:  # a new generation, simplex; the secondary's copy is replaced by the empty one's
                 self.pair.restarted_empty()
@@ -483,8 +483,8 @@ class Cluster:
 
     # --- the CF supervisor: who brings a lost CF back ----------------------------------------------------------
     def cf_alive(self) -> bool:
-        if cluster_cf.is_cluster_cf(self.state.get(CLUSTER_CF, {})):
-            return cluster_cf.alive(self.state[CLUSTER_CF], _pid_runs)
+        if rcluster_cf.is_cluster_cf(self.state.get(CLUSTER_CF, {})):
+            return rcluster_cf.alive(self.state[CLUSTER_CF], _pid_runs)
         return _pid_runs(self.state.get(CLUSTER_CF, {}).get("pid"), b"redis")
 
     def restart_dead_cf(self) -> bool:
@@ -537,7 +537,7 @@ class Cluster:
         proc = self._popen("cf_supervisor", [*SUPERVISOR_COMMAND, "--dir", str(self.dir)], "cf-supervisor.log")
         self.state["cf_supervisor"] = {"pid": proc.pid}
         deadline = time.monotonic() + 15
-        while not _pid_runs(proc.pid, b"qsg.cluster") and proc.poll() is None and time.monotonic() < deadline:
+        while not _pid_runs(proc.pid, b"qsg.local_group") and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
 
     def _cf_server(self) -> EmbeddedRedis:
@@ -546,7 +546,7 @@ class Cluster:
         try:
             self._cf = EmbeddedRedis.attach(self.state[CLUSTER_CF]["dir"])
         except ServerNotRunningError as e:
-            raise ClusterError(f"the CF is not running: {e}") from None
+            raise LocalGroupError(f"the CF is not running: {e}") from None
         return self._cf
 
     def _wait_gone(self, key: str, pid: int, timeout: float) -> bool:
@@ -588,7 +588,7 @@ class Cluster:
         if self.duplexed and self.pair.secondary_runs():
             out["CF2"] = self.pair.state["secondary"]["pid"]
         sup = self.state.get("cf_supervisor") or {}
-        if _pid_runs(sup.get("pid"), b"qsg.cluster"):
+        if _pid_runs(sup.get("pid"), b"qsg.local_group"):
             out["cf_supervisor"] = sup["pid"]
         spark = self.spark()
         if spark is not None:
@@ -602,8 +602,8 @@ class Cluster:
         rows: list[dict[str, Any]] = [{"process": "CF", "pid": cf.get("pid"), "alive": "CF" in alive,
                                        "address": self.state.get(CLUSTER_REDIS_URL, ""), "ready": "CF" in alive}]
         pair = self.pair.status() if self.duplexed else None
-        if cluster_cf.is_cluster_cf(cf):  # one row per node: role and slots
-            rows = cluster_cf.status_rows(cf, self._cluster_nodes())
+        if rcluster_cf.is_cluster_cf(cf):  # one row per node: role and slots
+            rows = rcluster_cf.status_rows(cf, self._cluster_nodes())
         elif pair is not None:
             rows[0].update(process="CF (primary)", address=pair["primary"], role="primary")
             rows.append({"process": "CF (secondary)", "pid": self.pair.state["secondary"].get("pid"),
@@ -670,13 +670,13 @@ class Cluster:
             if self.duplexed:  # and promoted the secondary (the roles swapped)
                 self.state["duplex"] = fresh.get("duplex") or self.state["duplex"]
                 self._pair = None
-        if cluster_cf.is_cluster_cf(self.state.get(CLUSTER_CF, {})):
+        if rcluster_cf.is_cluster_cf(self.state.get(CLUSTER_CF, {})):
             self._nodes = None  # the supervisor may have restarted nodes: adopt what runs now
             self._cluster_nodes().stop()
             for node in self.state[CLUSTER_CF].get("nodes") or []:
                 node["pid"] = None
         elif "pid" in self.state.get(CLUSTER_CF, {}) and self.state[CLUSTER_CF].get("pid"):
-            with contextlib.suppress(ClusterError):
+            with contextlib.suppress(LocalGroupError):
                 self._cf_server().stop(timeout=timeout)
         self.state[CLUSTER_CF]["pid"] = None
         if self.duplexed:
@@ -696,11 +696,11 @@ class Cluster:
 
 
 def supervise_main(argv: list[str] | None = None) -> int:
-    """``python -m qsg.cluster supervise --dir DIR``: the CF supervisor of a detached cluster (``cfemu cluster
+    """``python -m qsg.local_group supervise --dir DIR``: the CF supervisor of a detached cluster (``cfemu cluster
     up``). Restarts the CF whenever it dies, until SIGTERM (``cfemu cluster down`` sends it first)."""
     import argparse
 
-    p = argparse.ArgumentParser(prog="qsg.cluster")
+    p = argparse.ArgumentParser(prog="qsg.local_group")
     p.add_argument("verb", choices=["supervise"])
     p.add_argument("--dir", required=True)
     p.add_argument("--interval", type=float, default=SUPERVISE_INTERVAL_S)
@@ -709,16 +709,16 @@ def supervise_main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    cluster = Cluster.load(args.dir)
+    cluster = LocalGroup.load(args.dir)
     while not stop.wait(args.interval):
         try:
             if cluster.duplexed:  # the pair is tended at every interval, its primary alive or not
-                cluster = Cluster.load(args.dir)
+                cluster = LocalGroup.load(args.dir)
                 if not stop.is_set():
                     cluster.restart_dead_cf()
                 continue
             if not cluster.cf_alive():
-                cluster = Cluster.load(args.dir)  # what other processes changed since (managers' pids)
+                cluster = LocalGroup.load(args.dir)  # what other processes changed since (managers' pids)
                 if not stop.is_set():
                     cluster.restart_dead_cf()
         except Exception as e:  # noqa: BLE001 - try again at the next interval

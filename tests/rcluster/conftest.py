@@ -1,4 +1,4 @@
-"""A local 3-master Redis Cluster as the CF (cfemu.embedded_cluster), started per test: the tests kill its nodes."""
+"""A local 3-master Redis Cluster as the CF (cfemu.embedded_rcluster), started per test: the tests kill its nodes."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from cfemu.embedded_cluster import EmbeddedCluster
+from cfemu.embedded_rcluster import EmbeddedCluster
 
 
 @pytest.fixture

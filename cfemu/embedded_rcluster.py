@@ -1,5 +1,5 @@
 """A local Redis Cluster as the CF: N masters (and a replica each, optionally), redis-server in cluster mode on
-127.0.0.1, for the tests and the local launcher (qsg.cluster).
+127.0.0.1, for the tests and the local launcher (qsg.local_group).
 
     with EmbeddedCluster(directory, masters=3, replicas=1) as cl:
         url = cl.url("member")                 # redis+cluster://qsg-member:...@127.0.0.1:P1/?node=...
@@ -33,9 +33,9 @@ from urllib.parse import quote
 import redis
 
 from cfemu import credentials
-from cfemu.cluster_cf import slot_of
 from cfemu.embedded import EmbeddedRedis, ServerNotRunningError
 from cfemu.private_files import private_dir, write_private
+from cfemu.rcluster import slot_of
 
 __all__ = ["ADMIN_USER", "REPLICATION_USER", "EmbeddedCluster", "cluster_acl_lines"]
 

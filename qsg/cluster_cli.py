@@ -1,0 +1,94 @@
+"""`cfemu cluster up|status|down`: a local group of processes (qsg.local_group): the CF (restarted when it dies),
+the SQM servers, the backup scheduler, optionally a duplexed CF, a Redis Cluster CF or Spark."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from cfemu.clitools import Output
+from cfemu.settings import find_cluster_dir
+from qsg.cli_common import Parents
+
+
+def cmd_cluster(args: argparse.Namespace, out: Output) -> int:
+    from qsg.local_group import LocalGroup
+
+    d = find_cluster_dir(args.cluster_dir)
+    if args.action == "up":
+        t0 = time.monotonic()
+        with out.console.status("starting the CF, the SQM servers, the backup scheduler"
+                                + (f" and a Spark master with {args.spark} worker(s)" if args.spark else "") + "...",
+                                spinner="dots") if not args.json and out.console.is_terminal else _nothing():
+            cluster = LocalGroup.up(d, managers=args.managers, backup_interval=args.backup_interval or None,
+                                    lease_ms=args.lease_ms, token=args.token, detach=True,
+                                    structure=args.structure or None, queues=args.queue or ("Q1", "Q2"),
+                                    restart_cf=args.cf_restart, recauto=args.recauto, spark_workers=args.spark,
+                                    spark_cores=args.spark_cores, spark_memory=args.spark_memory,
+                                    duplex=args.duplex, redis_cluster=args.redis_cluster)
+        doc = cluster.status()
+        doc["seconds"] = round(time.monotonic() - t0, 2)
+    elif args.action == "down":
+        cluster = LocalGroup.load(d)
+        killed = cluster.down(timeout=args.timeout, purge=args.purge)
+        left = {} if args.purge else cluster.running_processes()
+        doc = {"dir": str(d), "killed_after_timeout": killed, "still_running": left, "purged": args.purge}
+        if args.json:
+            out.json(doc)
+        else:
+            out.line(f"cluster in {d} is down" + (" and purged" if args.purge else "")
+                     + (f"; SIGKILLed after {args.timeout:g}s: {', '.join(killed)}" if killed else ""))
+        return 0 if not left else 1
+    else:
+        doc = LocalGroup.load(d).status()
+    if args.json:
+        out.json(doc)
+    else:
+        out.table(f"cluster {doc['dir']}", ["process", "pid", "alive", "ready", "address", "metrics"],
+                  [(p["process"], p["pid"], "yes" if p["alive"] else "NO", "yes" if p["ready"] else "no",
+                    p["address"], p.get("metrics")) for p in doc["processes"]])
+        out.line(f"CF {doc['redis_url']}   logs {doc['log_root']}   backups {doc['backup_dir']}"
+                 + (f"   Spark {doc['spark_master']}" if doc.get("spark_master") else ""))
+        if doc.get("duplex"):
+            pair = doc["duplex"]
+            out.line(f"duplexed CF: {pair['mode']} (generation {pair['generation']}), primary {pair['primary']}, "
+                     f"secondary {pair['secondary'] or '-'} {pair['secondary_state']}; promotions "
+                     f"{pair['promotions']}, degrades {pair['degrades']}, resyncs {pair['resyncs']}")
+    return 0 if all(p["alive"] for p in doc["processes"]) else 1
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+
+def cluster_arguments(p: argparse.ArgumentParser, parents: Parents) -> None:
+    p.add_argument("action", choices=["up", "status", "down"])
+    p.add_argument("--cluster-dir", "--dir", dest="cluster_dir",
+                   help="its directory (default $CFEMU_CLUSTER_DIR, else the nearest var/cluster, else var/cluster)")
+    p.add_argument("--managers", type=int, default=3)
+    p.add_argument("--backup-interval", type=float, default=10.0, help="seconds between backups (0: none)")
+    p.add_argument("--lease-ms", type=int, default=5000)
+    p.add_argument("--token", help="the application token clients must prove they hold (default: the group's "
+                                   "service.token, made at the first 'up')")
+    p.add_argument("--structure", default="APP1", help="structure to define if missing ('' for none)")
+    p.add_argument("--queue", action="append", help="queue to define on it (default Q1, Q2)")
+    p.add_argument("--no-cf-restart", dest="cf_restart", action="store_false",
+                   help="up: no supervisor restarting a dead CF (default: restarted, empty, on the same port)")
+    p.add_argument("--no-recauto", dest="recauto", action="store_false",
+                   help="up: define the structure with RECAUTO off (a lost structure waits for 'cfrestore run')")
+    p.add_argument("--spark", type=int, default=0, metavar="N",
+                   help="up: also a standalone Spark master and N workers on 127.0.0.1, from the installed pyspark "
+                        "(cfrestore run --engine spark then uses it; docs/spark.md)")
+    p.add_argument("--spark-cores", type=int, default=1, help="up: cores each Spark worker offers")
+    p.add_argument("--spark-memory", default="2g", help="up: memory each Spark worker offers (Spark's units)")
+    p.add_argument("--duplex", action="store_true",
+                   help="up: a duplexed CF, a second redis-server holding a synchronous copy (promoted when the "
+                        "primary is lost; docs/runbook.md)")
+    p.add_argument("--redis-cluster", type=int, default=0, metavar="N",
+                   help="up: the CF as a Redis Cluster of N masters (3-16): the structures spread over them")
+    p.add_argument("--timeout", type=float, default=10.0, help="down: seconds before SIGKILL")
+    p.add_argument("--purge", action="store_true", help="down: also delete the directory (logs, backups)")

@@ -1,0 +1,180 @@
+"""`cfemu put|get|browse`: messages on a queue, in process (a short-lived SQM whose log goes to the log root, so
+restore sees what it did) or through --server HOST:PORT endpoints.
+
+  cfemu put Q1 MESSAGE... | get Q1 | browse Q1  [--server HOST:PORT ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Protocol
+
+import msgpack
+
+from cfemu.clitools import Output, require_url, settings
+from cfemu.errors import NoMessageError
+from cfemu.uow_attributes import CONTROL_SUFFIX, DATA_SUFFIX
+from qsg.cli_common import Parents
+from sqm.manager import QueueManager, QueueManagerConfig
+from sqm.service.client import Client
+from sqm.uowcontrols import LAST_LETTER
+from sqm.uowstatus import Control
+
+
+def _body_text(body: bytes, limit: int = 60) -> str:
+    try:
+        text = body.decode()
+    except UnicodeDecodeError:
+        text = body.hex()
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+
+class MessagingHandle(Protocol):
+    """What put/get/browse need: sqm.connection.Connection and sqm.service.client.Client both have it."""
+
+    def put(self, queue: str, body: bytes, *, persistent: bool = ..., priority: int = ...,
+            correlid: bytes = ...) -> Any: ...
+
+    def get(self, queue: str, *, wait_ms: int = ...) -> Any: ...
+
+    def browse(self, queue: str, limit: int = ...) -> list[Any]: ...
+
+    def commit(self) -> None: ...
+
+    def backout(self) -> None: ...
+
+
+@contextmanager
+def messaging(args: argparse.Namespace) -> Iterator[MessagingHandle]:
+    """A client of --server endpoints, or a short-lived in-process SQM (OPS) whose log goes to the log root, so
+    restore sees what it did. Whatever is left uncommitted when the block fails is backed out."""
+    found = settings(args)
+    if args.server:
+        client = Client(args.server, token=found.token, role=found.token_role, client_name="cfemu")
+        try:
+            yield client
+        finally:
+            client.close()
+        return
+
+    qm = QueueManager(QueueManagerConfig(name=args.qm_name, log_root=found.log_root, redis_url=require_url(found),
+                                         background=False))
+    qm.start()
+    try:
+        conn = qm.connect()
+        try:
+            yield conn
+        finally:
+            conn.close()
+    finally:
+        qm.stop()
+
+
+
+def _message_row(m: Any) -> dict[str, Any]:
+    return {"queue": m.queue, "msgid": m.msgid.hex(), "correlid": m.correlid.hex(), "priority": m.priority,
+            "persistent": m.persistent, "backout_count": m.backout_count, "put_time": m.put_time,
+            "body": _body_text(m.body, 10_000), "length": len(m.body), **_uow_of(m)}
+
+
+def _uow_of(m: Any) -> dict[str, Any]:
+    """What a message is to a service (docs/uow.md): a message of a UOW on <SVC>.UOWDATA (the UOW id is its
+    correlid; its position, from 1, its ``uow.seq`` property + 1), or a UOW's control entry on <SVC>.UOWCTL (the
+    UOW id is its msgid; its status in the body) or a user's LAST pointer there (status LAST, the UOW it points
+    to). A plain message: an empty UOW."""
+    queue = str(m.queue or "")
+    seq = (m.properties or {}).get("uow.seq")
+    if queue.endswith(DATA_SUFFIX) and isinstance(seq, int):
+        return {"uow": m.correlid.hex(), "uow_position": seq + 1, "uow_status": ""}
+    if queue.endswith(CONTROL_SUFFIX):
+        try:
+            if m.correlid == LAST_LETTER.encode():  # a user's pointer to the last UOW it sent (SYNCPOINT LAST)
+                return {"uow": str(msgpack.unpackb(m.body)["uow"]), "uow_position": None, "uow_status": "LAST"}
+            return {"uow": m.msgid.hex(), "uow_position": None, "uow_status": Control.unpack(m.body).status}
+        except Exception:  # noqa: BLE001 - not a control entry (put there by hand): shown as such, not fatal
+            return {"uow": m.msgid.hex(), "uow_position": None, "uow_status": "?"}
+    return {"uow": "", "uow_position": None, "uow_status": ""}
+
+
+def _uow_cell(r: dict[str, Any]) -> str:
+    if not r["uow"]:
+        return ""
+    return f"{r['uow'][:16]} " + (f"#{r['uow_position']}" if r["uow_position"] else r["uow_status"])
+
+
+def _print_messages(out: Output, title: str, messages: list[Any], as_json: bool) -> None:
+    rows = [_message_row(m) for m in messages]
+    if as_json:
+        out.json({"messages": rows, "count": len(rows)})
+        return
+    out.table(title, ["#", "priority", "persistent", "backouts", "length", "msgid", "UOW", "body"],
+              [(i + 1, r["priority"], "yes" if r["persistent"] else "no", r["backout_count"], r["length"],
+                r["msgid"][:16], _uow_cell(r), _body_text(r["body"].encode())) for i, r in enumerate(rows)])
+
+
+def cmd_put(args: argparse.Namespace, out: Output) -> int:
+    bodies = [b.encode() for b in args.messages] * args.count
+    with messaging(args) as h:
+        try:
+            put = [h.put(args.queue, b, persistent=not args.non_persistent, priority=args.priority,
+                         correlid=args.correlid.encode()) for b in bodies]
+            h.commit()
+        except BaseException:
+            h.backout()
+            raise
+    if args.json:
+        out.json({"queue": args.queue, "put": len(put), "msgids": [m.msgid.hex() for m in put]})
+    else:
+        out.line(f"put {len(put)} message(s) on {args.queue} (committed)")
+    return 0
+
+
+def cmd_get(args: argparse.Namespace, out: Output) -> int:
+    got: list[Any] = []
+    with messaging(args) as h:
+        try:
+            while args.all or len(got) < args.count:
+                try:
+                    got.append(h.get(args.queue, wait_ms=args.wait_ms))
+                except NoMessageError:
+                    break
+            h.commit()
+        except BaseException:
+            h.backout()
+            raise
+    _print_messages(out, f"got {len(got)} message(s) from {args.queue} (committed)", got, args.json)
+    return 0 if got or args.all else 1
+
+
+def cmd_browse(args: argparse.Namespace, out: Output) -> int:
+    with messaging(args) as h:
+        msgs = h.browse(args.queue, args.limit)
+    more = ", more on the queue" if getattr(msgs, "more", False) else ""
+    _print_messages(out, f"{args.queue}: {len(msgs)} message(s) (browsed{more})", msgs, args.json)
+    return 0
+
+
+
+def put_arguments(p: argparse.ArgumentParser, parents: Parents) -> None:
+    p.add_argument("queue")
+    p.add_argument("messages", nargs="+", metavar="MESSAGE")
+    p.add_argument("--count", type=int, default=1, help="put the messages this many times")
+    p.add_argument("--priority", type=int, default=0)
+    p.add_argument("--non-persistent", action="store_true")
+    p.add_argument("--correlid", default="")
+
+
+def get_arguments(p: argparse.ArgumentParser, parents: Parents) -> None:
+    p.add_argument("queue")
+    how_many = p.add_mutually_exclusive_group()
+    how_many.add_argument("--count", type=int, default=1)
+    how_many.add_argument("--all", action="store_true", help="until the queue is empty")
+    p.add_argument("--wait-ms", type=int, default=0)
+
+
+def browse_arguments(p: argparse.ArgumentParser, parents: Parents) -> None:
+    p.add_argument("queue")
+    p.add_argument("--limit", type=int, default=100)

@@ -1,0 +1,110 @@
+"""`cfemu indoubt` and `cfemu uow`: units of work through the members' services.
+
+  cfemu indoubt list | resolve UOW --commit|--backout --server HOST:PORT
+  cfemu uow query UOWID | last | set-status UOWID STATUS | delete UOWID --server HOST:PORT [--user U]
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from cfemu.clitools import CLIError, Output, settings
+from qsg.cli_common import Parents
+from sqm.service.client import Client
+
+
+def cmd_indoubt(args: argparse.Namespace, out: Output) -> int:
+    found = settings(args)
+    token, role = found.token, found.token_role
+    if args.action == "resolve":
+        with Client(args.server, token=token, role=role, client_name="cfemu") as c:
+            c.resolve(args.uow, args.commit)
+            where = c.qmgr
+        outcome = "committed" if args.commit else "backed out"
+        if args.json:
+            out.json({"uow": args.uow, "outcome": outcome, "qmgr": where})
+        else:
+            out.line(f"unit of work {args.uow} {outcome} on {where}")
+        return 0
+    rows: list[dict[str, Any]] = []
+    for endpoint in args.server:  # every SQM holds its own in-doubt UOWs
+        with Client([endpoint], token=token, role=role, client_name="cfemu") as c:
+            rows += [{**u, "qmgr": c.qmgr, "server": endpoint} for u in c.indoubt()]
+    if args.json:
+        out.json({"indoubt": rows})
+    else:
+        out.table("in-doubt units of work", ["SQM", "UOW", "XID", "structures"],
+                  [(r["qmgr"], r["uow"], r["xid"], ", ".join(r["structures"])) for r in rows])
+    return 0
+
+
+# What cfemu uow prints of a UOW's status (sqm.uowstatus.Control.public), in this order; the rest after.
+UOW_FIELDS = ("uow", "service", "status", "user_status", "sender", "receiver", "messages", "bytes", "persistent",
+              "persistent_status", "status_lifetime", "deliveries", "postponements", "conversation", "eoc",
+              "lifetime_ms", "age_ms", "committed_ms", "deleted")
+
+
+def cmd_uow(args: argparse.Namespace, out: Output) -> int:
+    """SYNCPOINT QUERY, LAST, SETUSTATUS and DELETE through a member's service, logged on as --user (with
+    --user-token): LAST finds that user's last UOW, SETUSTATUS needs its sender or receiver, DELETE its sender."""
+    if not args.server:
+        raise CLIError(f"uow {args.action}: give --server HOST:PORT (a member's service: UOW statuses are read and "
+                       "changed through a session on it)")
+    found = settings(args)
+    with Client(args.server, token=found.token, role=found.token_role, client_name="cfemu") as c:
+        c.logon(args.user, args.user_token)
+        if args.action == "query":
+            doc = c.syncpoint("QUERY", args.uow_id)
+        elif args.action == "last":
+            doc = c.syncpoint("LAST")
+        elif args.action == "set-status":
+            doc = c.syncpoint("SETUSTATUS", args.uow_id, user_status=args.status.encode())
+        else:
+            doc = c.syncpoint("DELETE", args.uow_id)
+        doc = {**doc, "qmgr": c.qmgr}
+    if args.json:
+        out.json(doc)
+        return 0
+    if args.action == "delete":
+        out.line(f"unit of work {doc['uow']}: its status is deleted (no trace remains)")
+        return 0
+    order = [k for k in UOW_FIELDS if k in doc] + sorted(k for k in doc if k not in UOW_FIELDS)
+    out.table(f"unit of work {doc.get('uow', '')} ({args.action}, through {doc['qmgr']})", ["field", "value"],
+              [(k, "-" if doc[k] is None else doc[k]) for k in order])
+    return 0
+
+
+
+def indoubt_arguments(p: argparse.ArgumentParser, parents: Parents) -> None:
+    isub = p.add_subparsers(dest="action", required=True)
+    il = isub.add_parser("list", parents=[parents.common, parents.server], help="in-doubt UOWs of each --server")
+    il.set_defaults(uow=None)
+    ir = isub.add_parser("resolve", parents=[parents.common, parents.server],
+                         help="commit or back out an in-doubt UOW")
+    ir.add_argument("uow")
+    outcome = ir.add_mutually_exclusive_group(required=True)
+    outcome.add_argument("--commit", dest="commit", action="store_true")
+    outcome.add_argument("--backout", dest="commit", action="store_false")
+
+
+def uow_arguments(p: argparse.ArgumentParser, parents: Parents) -> None:
+    usub = p.add_subparsers(dest="action", required=True)
+    anyone, who = argparse.ArgumentParser(add_help=False), argparse.ArgumentParser(add_help=False)
+    anyone.add_argument("--user", default="cfemu", help="the user id to log on with (default cfemu)")
+    who.add_argument("--user", required=True, help="the user id to log on with (1-32 characters)")
+    for group in (anyone, who):
+        group.add_argument("--user-token", default="", metavar="TOKEN",
+                           help="the user's token (with the user id, what LAST finds a user's work by)")
+    uq = usub.add_parser("query", parents=[parents.common, parents.server, anyone],
+                         help="SYNCPOINT QUERY: a UOW's status by its id")
+    uq.add_argument("uow_id", metavar="UOWID")
+    usub.add_parser("last", parents=[parents.common, parents.server, who],
+                    help="SYNCPOINT LAST: the last UOW --user with --user-token sent")
+    us = usub.add_parser("set-status", parents=[parents.common, parents.server, who],
+                         help="SYNCPOINT SETUSTATUS: a UOW's user status (by its sender or receiver)")
+    us.add_argument("uow_id", metavar="UOWID")
+    us.add_argument("status", metavar="STATUS", help="the user status (text, at most 64 bytes)")
+    ud = usub.add_parser("delete", parents=[parents.common, parents.server, who],
+                         help="SYNCPOINT DELETE: the kept status of a finished UOW (by its sender)")
+    ud.add_argument("uow_id", metavar="UOWID")
