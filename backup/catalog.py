@@ -31,8 +31,8 @@ from backup.files import (
     verify,
 )
 from backup.points import kind_of
-from cfemu import keys
 from cfemu.admin import Admin
+from cfemu.cf import CF
 from cfemu.credentials import BackupKeys
 
 OK, CORRUPT, INCOMPLETE, UNSIGNED, UNTRUSTED = "ok", "corrupt", "incomplete", "unsigned", "untrusted"
@@ -148,8 +148,9 @@ class PruneResult:
 
 
 def _running_backup(client: redis.Redis, structure: str) -> str | None:
-    running = client.hget(keys.meta(structure), "backup")
-    return keys.text(running) if running else None
+    """The backup the CF says is running: a mark whose lease has ended is not one (its backup cannot end well)."""
+    mark = CF(client).structure(structure).backup_mark()
+    return mark.backup if mark is not None and not mark.stale else None
 
 
 def prune(backup_root: Path, structure: str, *, keep: int | None = None, older_than: timedelta | None = None,

@@ -134,7 +134,11 @@ def parse_backup_id(backup_id: str) -> tuple[str, datetime]:
     m = _ID_RE.match(backup_id)
     if not m:
         raise ValueError(f"{backup_id!r} is not a backup id (<STRUCTURE>-<YYYYmmddTHHMMSSZ>-<6 hex>)")
-    return m["structure"], datetime.strptime(m["ts"], "%Y%m%dT%H%M%SZ").replace(tzinfo=UTC)
+    try:
+        return m["structure"], datetime.strptime(m["ts"], "%Y%m%dT%H%M%SZ").replace(tzinfo=UTC)
+    except ValueError as e:  # the digits are there, the date or time is not one (month 13, 25 h, 30 February)
+        raise ValueError(f"{backup_id!r} is not a backup id: {m['ts']} is not a date and time "
+                         f"(YYYYmmddTHHMMSSZ, UTC): {e}") from None
 
 
 def canonical_json(obj: Any) -> bytes:

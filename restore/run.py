@@ -68,6 +68,7 @@ from backup.run import rebuild_catalog
 from cfemu import bulk, keys
 from cfemu.admin import Admin, AdminError, QueueDef, StructureDef
 from cfemu.credentials import BackupKeys
+from cfemu.private_files import refuse_others_writing
 from cfemu.pstore import warm_generations
 from cfemu.repository import GroupRepository, migrated_refusal
 from cfemu.settings import restore_memory, restore_workers
@@ -492,6 +493,8 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
     backup_keys = resolve_keys(backup_keys)
     if not dry_run:
         signing_key(backup_keys, "sign the restore point with")  # refused now, not after the load
+        for directory in (backup_root, backup_root / structure):  # where its restore point goes: nor then
+            refuse_others_writing(directory)
     admin = Admin(client)
     seen = bulk.observe(client, structure)  # what the claim compares against, after the plan
     state = seen.state or "FAILED"  # a structure missing from the CF counts as FAILED (Admin.state)
@@ -738,6 +741,8 @@ def run_purge(client: redis.Redis, structure: str, *, backup_root: Path, log_roo
     backup_root = Path(backup_root)
     backup_keys = resolve_keys(backup_keys)
     signing_key(backup_keys, "sign the purge's restore point with")  # before anything changes
+    for directory in (backup_root, backup_root / structure):  # where its restore point goes
+        refuse_others_writing(directory)
     admin = Admin(client)
     repo = GroupRepository(log_root)
     admin_def = _admin_definition(admin, structure)
