@@ -23,6 +23,7 @@ from backup.files import (
     BackupError,
     BackupNotFoundError,
     IncompleteBackupError,
+    RenamedBackupError,
     UnsignedBackupError,
     UntrustedBackupError,
     parse_backup_id,
@@ -50,6 +51,7 @@ class BackupInfo:
     state: str  # ok, corrupt, incomplete, unsigned or untrusted
     problem: str = ""  # why it is not ok
     manifest: dict[str, Any] | None = field(default=None, repr=False)
+    copy_of: str = ""  # untrusted as a copy under another name: the id its signed manifest names
 
     def summary(self) -> dict[str, Any]:
         """A JSON-friendly row for listings."""
@@ -72,6 +74,8 @@ def inspect(path: Path, *, deep: bool = False, backup_keys: BackupKeys | None = 
         return BackupInfo(path.name, structure, path, started, INCOMPLETE, str(e))
     except UnsignedBackupError as e:
         return BackupInfo(path.name, structure, path, started, UNSIGNED, str(e))
+    except RenamedBackupError as e:
+        return BackupInfo(path.name, structure, path, started, UNTRUSTED, str(e), copy_of=e.copy_of)
     except UntrustedBackupError as e:
         return BackupInfo(path.name, structure, path, started, UNTRUSTED, str(e))
     except BackupError as e:
