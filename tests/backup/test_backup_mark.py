@@ -81,8 +81,8 @@ def mark(url: str) -> BackupMark | None:
 # --- every way out of run_backup -----------------------------------------------------------------------------------
 def test_a_backup_that_fails_on_a_response_error_leaves_no_mark(
         qsg: tuple[redis.Redis, object], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A backup failing on BUSY (a long script holding the CF) once kept its mark: its end, refused BUSY as well,
-    was not asked again, and every later backup was refused (BACKUPRUNNING)."""
+    """A backup failing on BUSY (a long script holding the CF) leaves no mark: its end, refused BUSY as well, is
+    asked again until the CF takes it, so that no later backup is refused (BACKUPRUNNING)."""
     client, _ = qsg
     real_end = Structure.backup_end
     busy: list[int] = []

@@ -112,8 +112,8 @@ def test_corrupt_backup_and_bad_input_are_one_line_errors(env: dict[str, str], t
 
 
 def test_a_malformed_backup_name_is_one_clear_line(env: dict[str, str]) -> None:
-    """Digits where the id's date and time go that are no date (month 13, 30 February) got Python's strptime
-    message ("time data ... does not match format ..."), which named neither the id nor what is wrong."""
+    """Digits where the id's date and time go that are no date (month 13, 30 February): one line naming the id
+    and what is wrong with it, not the parser's own message."""
     for verb in ("show", "verify", "sign"):
         for bad, ts in (("APP1-20241399T999999Z-abcdef", "20241399T999999Z"),
                         ("APP1-20240230T000000Z-abcdef", "20240230T000000Z")):
@@ -125,8 +125,8 @@ def test_a_malformed_backup_name_is_one_clear_line(env: dict[str, str]) -> None:
 
 def test_a_backup_dir_others_can_write_is_refused_before_the_cf_is_touched(
         env: dict[str, str], redis_url: str, tmp_path: Path) -> None:
-    """The structure's own directory was checked, after the CF had marked the backup and raised its floor; the
-    backup root that holds it was never checked, so anyone could replace the structure's directory."""
+    """The backup root and the structure's directory are both checked, before the CF marks the backup and raises
+    its floor: whoever can write the root can replace the structure's directory."""
     from cfemu.cf import CF
 
     before = CF(connect(redis_url)).structure("APP1").info()

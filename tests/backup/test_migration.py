@@ -212,8 +212,8 @@ def test_an_unload_waits_for_no_unit_of_work_and_leaves_the_source_active_when_r
 
 def test_an_unload_after_a_backup_that_died_is_not_refused_by_its_stale_mark(
         source: tuple[QueueManager, dict[str, Any]], redis_url: str, tmp_path: Path) -> None:
-    """A backup that died (SIGKILL: nothing cleared its mark) once refused every unload until a restore made a new
-    generation. Its mark's lease ended: the unload goes on, clears the mark, and the dead backup cannot end well."""
+    """A backup that died (SIGKILL: nothing cleared its mark) does not refuse an unload once its mark's lease has
+    ended: the unload goes on, clears the mark, and the dead backup cannot end well."""
     cf = CF(connect(redis_url)).structure(S)
     cf.backup_begin("B1", 1, lease_ms=1)
     time.sleep(0.01)
