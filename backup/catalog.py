@@ -23,6 +23,7 @@ from backup.files import (
     BackupError,
     BackupNotFoundError,
     IncompleteBackupError,
+    RenamedBackupError,
     UnsignedBackupError,
     UntrustedBackupError,
     parse_backup_id,
@@ -31,8 +32,8 @@ from backup.files import (
     verify,
 )
 from backup.points import kind_of
-from cfemu import keys
 from cfemu.admin import Admin
+from cfemu.cf import CF
 from cfemu.credentials import BackupKeys
 
 OK, CORRUPT, INCOMPLETE, UNSIGNED, UNTRUSTED = "ok", "corrupt", "incomplete", "unsigned", "untrusted"
@@ -50,6 +51,7 @@ class BackupInfo:
     state: str  # ok, corrupt, incomplete, unsigned or untrusted
     problem: str = ""  # why it is not ok
     manifest: dict[str, Any] | None = field(default=None, repr=False)
+    copy_of: str = ""  # untrusted as a copy under another name: the id its signed manifest names
 
     def summary(self) -> dict[str, Any]:
         """A JSON-friendly row for listings."""
@@ -72,6 +74,8 @@ def inspect(path: Path, *, deep: bool = False, backup_keys: BackupKeys | None = 
         return BackupInfo(path.name, structure, path, started, INCOMPLETE, str(e))
     except UnsignedBackupError as e:
         return BackupInfo(path.name, structure, path, started, UNSIGNED, str(e))
+    except RenamedBackupError as e:
+        return BackupInfo(path.name, structure, path, started, UNTRUSTED, str(e), copy_of=e.copy_of)
     except UntrustedBackupError as e:
         return BackupInfo(path.name, structure, path, started, UNTRUSTED, str(e))
     except BackupError as e:
@@ -148,8 +152,9 @@ class PruneResult:
 
 
 def _running_backup(client: redis.Redis, structure: str) -> str | None:
-    running = client.hget(keys.meta(structure), "backup")
-    return keys.text(running) if running else None
+    """The backup the CF says is running: a mark whose lease has ended is not one (its backup cannot end well)."""
+    mark = CF(client).structure(structure).backup_mark()
+    return mark.backup if mark is not None and not mark.stale else None
 
 
 def prune(backup_root: Path, structure: str, *, keep: int | None = None, older_than: timedelta | None = None,

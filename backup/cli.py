@@ -2,7 +2,11 @@
 
   cfbackup run STRUCTURE [--exclint SECONDS]     back up a structure while the group keeps working; while the
                [--backup-share F]              group works, the backup works F of the time (default 0.05,
-                                               $CFEMU_BACKUP_SHARE; backup/pacing.py), on an idle CF all of it
+               [--lease SECONDS]               $CFEMU_BACKUP_SHARE; backup/pacing.py), on an idle CF all of it;
+                                               its mark in the CF lasts SECONDS past its last renewal (default
+                                               30): a backup killed without a word blocks the next that long
+  cfbackup cancel [--structure S]                end the backup mark of S (of every structure without --structure),
+                                                 running or stale: its backup fails at its next renewal
   cfbackup list [STRUCTURE] [--deep]             backups, newest first, with their state (ok/corrupt/incomplete)
   cfbackup show ID                               one backup's manifest: LRSN range, steps, files
   cfbackup verify ID                             read everything: the signature, every frame's CRC, every
@@ -25,7 +29,11 @@ as JSON).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +42,9 @@ from rich.table import Table
 
 from backup.catalog import OK, find_backup, inspect, list_backups, parse_age, prune
 from backup.files import BackupError, sign_backup, verify
-from backup.run import DEFAULT_BATCH, run_backup
+from backup.run import DEFAULT_BATCH, DEFAULT_LEASE_S, BackupTerminated, run_backup
+from cfemu.admin import Admin
+from cfemu.cf import CF, BackupCancelled
 from cfemu.clitools import (
     Output,
     PhaseBars,
@@ -47,6 +57,7 @@ from cfemu.clitools import (
 from cfemu.clitools import styled_table as _table
 from cfemu.connection import connect
 from cfemu.credentials import BackupKeys
+from cfemu.errors import StructureFailedError
 from cfemu.settings import Settings
 
 EXPECTED_ERRORS = (BackupError,)  # beyond clitools.COMMON_ERRORS
@@ -91,21 +102,82 @@ def _keys(found: Settings, args: argparse.Namespace) -> BackupKeys:
     return found.backup_keys(accept_unsigned=getattr(args, "accept_unsigned", False))
 
 
+@contextlib.contextmanager
+def _sigterm_ends_the_backup() -> Iterator[None]:
+    """SIGTERM (a scheduler stopping, an operator's kill) raises BackupTerminated in the main thread, so that the
+    backup ends as failed and clears its mark before the process exits; a second SIGTERM while it does so is
+    ignored (the clearing is bounded: backup.run.END_FAILED_RETRY_S)."""
+    def on_term(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise BackupTerminated("terminated (SIGTERM)")
+
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        yield
+        return
+    before = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def cmd_run(args: argparse.Namespace, out: Output) -> int:
     found = settings(args)
     client = connect(require_url(found))
     # The members' logs are only read to count exception records: a log root that is not there is no error.
     log_root = found.log_root if found.log_root.is_dir() else None
-    with PhaseBars(out.console, disabled=out.as_json or not out.console.is_terminal, width=36) as bars:
-        manifest = run_backup(client, args.structure, found.backup_dir, log_root=log_root, exclint_s=args.exclint,
-                              batch=args.batch, progress=bars, backup_keys=_keys(found, args),
-                              share=found.backup_share())
+    try:
+        with _sigterm_ends_the_backup(), \
+                PhaseBars(out.console, disabled=out.as_json or not out.console.is_terminal, width=36) as bars:
+            manifest = run_backup(client, args.structure, found.backup_dir, log_root=log_root,
+                                  exclint_s=args.exclint, batch=args.batch, progress=bars,
+                                  backup_keys=_keys(found, args), share=found.backup_share(), lease_s=args.lease)
+    except BackupTerminated:
+        print(f"cfbackup: terminated (SIGTERM): the backup of {args.structure} ended as failed, its mark cleared "
+              "and nothing kept", file=sys.stderr)
+        return 128 + signal.SIGTERM
     path = found.backup_dir / args.structure / manifest["id"]
     if out.as_json:
         out.json({**manifest, "path": str(path)})
         return 0
     out.print(_steps_table(out.console, manifest))
     out.print(_summary_table(out.console, manifest, path))
+    return 0
+
+
+def cmd_cancel(args: argparse.Namespace, out: Output) -> int:
+    found = settings(args)
+    client = connect(require_url(found))
+    admin = Admin(client)
+    names = [args.structure] if args.structure else sorted(sdef.name for sdef in admin.structures())
+    if args.structure:
+        admin.structure_def(args.structure)  # an unknown structure is an error, not "nothing to cancel"
+    cf = CF(client)
+    rows = []
+    for name in names:
+        try:
+            cancelled = cf.structure(name).backup_cancel()
+        except StructureFailedError:  # not in the CF (lost, never restored): it has no mark
+            if args.structure:
+                raise
+            cancelled = BackupCancelled("", None)
+        stale = cancelled.left_ms is not None and cancelled.left_ms <= 0
+        rows.append({"structure": name, "backup": cancelled.backup or None,
+                     "state": "none" if not cancelled.backup else ("stale" if stale else "running")})
+    if out.as_json:
+        out.json({"cancelled": [r for r in rows if r["backup"]], "structures": rows})
+        return 0
+    for r in rows:
+        if r["backup"] is None:
+            out.line(f"no backup of {r['structure']} to cancel")
+        elif r["state"] == "stale":
+            out.line(f"cancelled backup {r['backup']} of {r['structure']}: its mark was stale (its lease had "
+                     "ended: the backup died or stalled)")
+        else:
+            out.line(f"cancelled backup {r['backup']} of {r['structure']}: it was running; it fails at its next "
+                     "renewal of its lease and keeps nothing")
+    if not names:
+        out.line("no structures defined: nothing to cancel")
     return 0
 
 
@@ -229,7 +301,17 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--batch", type=int, default=DEFAULT_BATCH, metavar="N",
                      help=f"entries per pipelined fetch (default {DEFAULT_BATCH}); smaller batches hold up the CF's "
                           "other work for less time, larger ones back up faster")
+    run.add_argument("--lease", type=float, default=DEFAULT_LEASE_S, metavar="SECONDS",
+                     help=f"the backup's mark in the CF lasts SECONDS past its last renewal (default "
+                          f"{DEFAULT_LEASE_S:g}; renewed every fifth of it): a backup killed without a word blocks "
+                          "the next backup and 'cfemu migrate unload' that long")
     run.set_defaults(func=cmd_run)
+    cancel = sub.add_parser("cancel", parents=[common, cf],
+                            help="end a running or stale backup's mark (a backup stuck or killed): the backup, "
+                                 "if it still runs, fails at its next renewal and keeps nothing")
+    cancel.add_argument("--structure", metavar="S", help="the structure whose backup to cancel (default: every "
+                                                         "structure's)")
+    cancel.set_defaults(func=cmd_cancel)
     ls = sub.add_parser("list", parents=[common, unsigned], help="list backups, newest first")
     ls.add_argument("structure", nargs="?")
     ls.add_argument("--deep", action="store_true", help="read every frame to decide the state (slow)")

@@ -99,6 +99,15 @@ class UntrustedBackupError(BackupError):
     an entry file outside the backup (a path, a symbolic link)."""
 
 
+class RenamedBackupError(UntrustedBackupError):
+    """A signed, intact backup under another name than its manifest's id (copied or moved): refused, but what it
+    is a copy of is known (copy_of: the id its signed manifest names)."""
+
+    def __init__(self, message: str, copy_of: str) -> None:
+        super().__init__(message)
+        self.copy_of = copy_of
+
+
 class NoBackupKeyError(BackupError):
     """This process found no backup key to sign or check a backup with."""
 
@@ -134,7 +143,11 @@ def parse_backup_id(backup_id: str) -> tuple[str, datetime]:
     m = _ID_RE.match(backup_id)
     if not m:
         raise ValueError(f"{backup_id!r} is not a backup id (<STRUCTURE>-<YYYYmmddTHHMMSSZ>-<6 hex>)")
-    return m["structure"], datetime.strptime(m["ts"], "%Y%m%dT%H%M%SZ").replace(tzinfo=UTC)
+    try:
+        return m["structure"], datetime.strptime(m["ts"], "%Y%m%dT%H%M%SZ").replace(tzinfo=UTC)
+    except ValueError as e:  # the digits are there, the date or time is not one (month 13, 25 h, 30 February)
+        raise ValueError(f"{backup_id!r} is not a backup id: {m['ts']} is not a date and time "
+                         f"(YYYYmmddTHHMMSSZ, UTC): {e}") from None
 
 
 def canonical_json(obj: Any) -> bytes:
@@ -516,8 +529,9 @@ def read_backup(path: str | Path, *, structure: str | None = None, group: str | 
     path = Path(path)
     manifest = read_manifest(path, backup_keys=backup_keys)
     if manifest.get("id") != path.name:  # an old backup copied under a newer id would pass for the latest
-        raise UntrustedBackupError(f"{path / MANIFEST_NAME}: the manifest is of backup {manifest.get('id')}, not "
-                                   f"{path.name}: a backup copied or moved under another name: refused")
+        raise RenamedBackupError(f"{path / MANIFEST_NAME}: the manifest is of backup {manifest.get('id')}, not "
+                                 f"{path.name}: a backup copied or moved under another name: refused",
+                                 str(manifest.get("id")))
     if structure is not None and manifest["structure"] != structure:
         raise ForeignBackupError(f"backup {manifest['id']} is of structure {manifest['structure']}, "
                                  f"not {structure}")

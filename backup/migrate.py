@@ -61,6 +61,7 @@ from backup.migrate_report import (
 )
 from cfemu import bulk, keys, rcluster
 from cfemu.admin import QUEUES, STRUCTURES, Admin, QueueDef, StructureDef
+from cfemu.cf import BackupMark
 from cfemu.credentials import BackupKeys
 from cfemu.progress import Progress, no_progress
 from cfemu.repository import GroupRepository, RepositoryError
@@ -184,13 +185,17 @@ def _guarded(node: redis.Redis, watch: tuple[str, ...], check: Any, stage: Any) 
 
 # --- the source: unload, reopen ---------------------------------------------------------------------------------
 def freeze(client: redis.Redis, structure: str, migration: str) -> None:
-    """ACTIVE -> MIGRATING in one transaction, refused while a unit of work holds entries or a backup runs."""
+    """ACTIVE -> MIGRATING in one transaction, refused while a unit of work holds entries or a backup runs. A
+    backup mark whose lease has ended is no backup running (cfemu.cf.BackupMark): the freeze clears it, so that
+    its backup, if it still runs, cannot end well."""
     node = rcluster.node_client(client, structure)
     meta, uows = keys.meta(structure), keys.uows(structure)
 
-    def check(pipe: Any) -> None:
-        state, backup, other = (keys.text(v) if v is not None else None
-                                for v in pipe.hmget(meta, "state", "backup", FIELD))
+    def check(pipe: Any) -> bool:
+        state, mark_id, until, other = pipe.hmget(meta, "state", "backup", "backup_until", FIELD)
+        state, other = (keys.text(v) if v is not None else None for v in (state, other))
+        mark = BackupMark.read(mark_id, until, pipe.time())
+        backup = mark.backup if mark is not None and not mark.stale else None
         if state is None:
             raise MigrationError(f"structure {structure} is not in this CF")
         if state in (MIGRATING, MIGRATED):
@@ -204,9 +209,14 @@ def freeze(client: redis.Redis, structure: str, migration: str) -> None:
         if held:
             raise MigrationError(f"structure {structure}: {len(held)} units of work hold entries on it (e.g. "
                                  f"{', '.join(sorted(held)[:3])}): let them end (or stop the members) and unload again")
+        return mark is not None and mark.stale
 
-    _guarded(node, (meta, uows), check,
-             lambda pipe, _: pipe.hset(meta, mapping={"state": MIGRATING, FIELD: migration}))
+    def stage(pipe: Any, stale: bool) -> None:
+        pipe.hset(meta, mapping={"state": MIGRATING, FIELD: migration})
+        if stale:
+            pipe.hdel(meta, "backup", "backup_until")
+
+    _guarded(node, (meta, uows), check, stage)
 
 
 def _set_state(client: redis.Redis, structure: str, *, to: str, expect: tuple[str, ...],

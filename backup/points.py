@@ -33,7 +33,7 @@ from typing import Any
 from backup.files import MANIFEST_NAME, BackupWriter, new_backup_id
 from cfemu.admin import QueueDef, StructureDef
 from cfemu.credentials import BackupKeys
-from cfemu.private_files import open_private
+from cfemu.private_files import open_private, refuse_others_writing
 
 # A backup manifest's kind (a manifest without one is a fuzzy backup: written before kinds existed).
 FUZZY, RESTORE, PURGE, DEFINITION = "fuzzy", "restore", "purge", "definition"
@@ -66,6 +66,7 @@ class RestorePointWriter:
         self.t0 = time.monotonic()
         self.started = datetime.now(UTC)
         self.directory = Path(backup_root) / structure / backup_id
+        refuse_others_writing(Path(backup_root))  # the structure's own directory: BackupWriter
         self.writer = BackupWriter(self.directory, backup_keys=backup_keys)
         # Marks the directory as a restore point being written, for remove_unfinished_points: a restore killed
         # during its load leaves one holding every message loaded so far.

@@ -4,10 +4,20 @@ run_backup() checks the structure, marks the backup running in the CF (which set
 persistent entries in the patent's order (backup.protocol.STEPS), streaming each copy into the entry files as it
 is fetched, ends the backup in the CF, counts the exception records the group wrote meanwhile, writes the manifest
 (last, atomically) and records the backup in the admin catalog.
+
+The mark never outlives its backup. It carries a lease in the CF's time (backup_begin.lua) that a thread of the
+backup renews every LEASE_RENEW_SHARE of it (_Lease); a backup that died without a word (SIGKILL, a lost machine)
+leaves a stale mark that the next backup takes over and every reader ignores. Every other way out of run_backup
+(an error of any kind, the CF busy or refusing included, KeyboardInterrupt, SIGTERM as cfbackup turns it into
+BackupTerminated) ends the backup as failed in the CF before it returns. A backup whose mark was cancelled
+(cfbackup cancel) or taken over learns it at its next renewal and fails with BackupCancelledError, leaving no
+directory.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -24,18 +34,35 @@ from backup.points import FUZZY, kind_of
 from backup.protocol import STEPS, StepCount, Wire, copy_step_raw
 from cfemu import bulk
 from cfemu.admin import Admin, AdminError
-from cfemu.cf import CF
+from cfemu.cf import CF, Structure
 from cfemu.credentials import BackupKeys
-from cfemu.errors import StructureFailedError
+from cfemu.errors import BackupEndedError, MQError, StructureFailedError
+from cfemu.private_files import refuse_others_writing
 from cfemu.progress import Progress, no_progress
 from cfemu.settings import DEFAULT_BACKUP_SHARE
 from sqm.clock import LrsnClock
 from sqm.log import LogReader, find_log_dirs
 from sqm.records import lookup
 
+log = logging.getLogger("backup.run")
+
 
 class StructureNotReadyError(BackupError):
     """The structure is not defined, or not ACTIVE (a failed structure has nothing to back up)."""
+
+
+class BackupCancelledError(BackupError):
+    """The backup's mark is no longer its own (cfbackup cancel, or a later backup took over its stale mark), or its
+    lease ended before it finished: it failed, and left nothing."""
+
+
+class BackupTerminated(BaseException):  # noqa: N818 - a way out, as KeyboardInterrupt is, not an error
+    """Raised in the main thread by cfbackup's SIGTERM handler: the backup ends as failed and leaves nothing."""
+
+
+DEFAULT_LEASE_S = 30.0  # the backup mark's lease: a backup that died without a word blocks the next for this long
+LEASE_RENEW_SHARE = 0.2  # renewed every fifth of the lease: four renewals in a row may fail before it ends
+LEASE_RETRY_S = 1.0  # a renewal that failed (the CF busy or not answering) is tried again this soon
 
 
 # Called before each copy step starts: (step number 1-5, state); tests use it to act between steps.
@@ -83,31 +110,71 @@ def _iso(t: datetime) -> str:
     return t.isoformat(timespec="microseconds")
 
 
-END_FAILED_RETRY_S = 10.0  # how long a failed backup keeps trying to clear its mark while the CF does not answer
+END_FAILED_RETRY_S = 10.0  # how long a failed backup keeps trying to clear its mark while the CF cannot do it
 
 
-def _end_failed(s: Any, backup_id: str, clock: LrsnClock) -> None:
-    """Clear a failed backup's mark. A CF that did not answer (a duplexed CF promoting its copy takes a fraction of
-    a second; a link cut) is asked again for a while: a mark left behind on a CF that kept its data refused every
-    later backup of the structure (BACKUPRUNNING). A CF that answers with a refusal (the structure gone with a
-    lost CF: no mark either) is not asked again."""
+def _end_failed(s: Structure, backup_id: str, clock: LrsnClock) -> None:
+    """Clear a failed backup's mark. A CF that could not do it (not answering: a duplexed CF promoting its copy, a
+    cut link; answering BUSY while a long script runs, LOADING, READONLY) is asked again for a while; after that
+    the mark's lease ends it. A CF that refused (the mark is not this backup's: cancelled, taken over, or gone with
+    a lost CF) is not asked again."""
     deadline = time.monotonic() + END_FAILED_RETRY_S
     while True:
         try:
             s.backup_end(backup_id, clock.now(), ok=False)
             return
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+        except MQError:  # the script answered: nothing of this backup's to clear
+            return
+        except Exception as e:  # noqa: BLE001 - the backup's own failure is what the caller reports
             if time.monotonic() >= deadline:
+                log.warning("backup %s: could not clear its mark (%s); its lease ends it", backup_id, e)
                 return
             time.sleep(0.2)
-        except Exception:  # noqa: BLE001 - the backup's own failure is what the caller reports
-            return
+
+
+class _Lease:
+    """Renews a running backup's lease from a thread, and records why when its mark is no longer its own."""
+
+    def __init__(self, s: Structure, backup_id: str, lease_s: float) -> None:
+        self.s, self.backup_id = s, backup_id
+        self.lease_ms = max(1, int(lease_s * 1000))
+        self.every_s = lease_s * LEASE_RENEW_SHARE
+        self.lost = ""  # why the mark is no longer this backup's ("" while it is)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"backup-lease-{backup_id}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        wait = self.every_s
+        while not self._stop.wait(wait):
+            try:
+                self.s.backup_renew(self.backup_id, lease_ms=self.lease_ms)
+                wait = self.every_s
+            except BackupEndedError as e:
+                self.lost = str(e)
+                return
+            except Exception as e:  # noqa: BLE001 - the CF busy or not answering: the lease leaves time to retry
+                log.warning("backup %s: renewing its lease failed (%s); trying again", self.backup_id, e)
+                wait = min(LEASE_RETRY_S, self.every_s)
+
+    def check(self) -> None:
+        """Raise BackupCancelledError once a renewal was refused."""
+        if self.lost:
+            raise BackupCancelledError(f"backup {self.backup_id} ended before it finished: {self.lost} "
+                                       "(cancelled with cfbackup cancel, or its lease ended); nothing was kept")
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)  # a renewal waiting on a CF that does not answer is left to its timeout
 
 
 def run_backup(client: redis.Redis, structure: str, backup_root: Path, *, log_root: Path | None = None,
                exclint_s: int = 0, progress: Progress = no_progress, batch: int = DEFAULT_BATCH,
                on_step: StepHook | None = None, backup_keys: BackupKeys | None = None,
-               share: float = DEFAULT_BACKUP_SHARE) -> dict[str, Any]:
+               share: float = DEFAULT_BACKUP_SHARE, lease_s: float = DEFAULT_LEASE_S) -> dict[str, Any]:
     """Back up `structure` into backup_root/<structure>/<id>/; returns the manifest.
 
     exclint_s (MQ's EXCLINT): leave out entries put less than this many seconds before the backup started; the
@@ -118,9 +185,13 @@ def run_backup(client: redis.Redis, structure: str, backup_root: Path, *, log_ro
     with the current one, and without one the backup is refused before it starts (backup.files.NoBackupKeyError).
     share: the share of the time the backup works while the CF serves the group's work (backup.pacing; 1: it
     never pauses); on an idle CF it runs at full speed whatever the share.
+    lease_s: the mark's lease (see the module doc); a backup that takes over a stale mark logs it and names it in
+    its manifest (took_over).
     Raises StructureNotReadyError (also for a structure running from a WARM start: docs/pstore.md),
-    cfemu.errors.BackupRunningError (a backup of the structure is running), or
-    whatever the CF or the file system raise; a failed backup is ended as failed and leaves no directory.
+    cfemu.errors.BackupRunningError (a backup of the structure is running), BackupCancelledError (its mark was
+    cancelled or taken over meanwhile), cfemu.private_files.UnsafeDirectoryError (a backup directory others can
+    write), or whatever the CF or the file system raise; a failed backup is ended as failed and leaves no
+    directory.
     """
     if exclint_s < 0:
         raise ValueError(f"EXCLINT must be >= 0 seconds, not {exclint_s}")
@@ -128,8 +199,12 @@ def run_backup(client: redis.Redis, structure: str, backup_root: Path, *, log_ro
         raise ValueError(f"batch must be at least 1 entry, not {batch}")
     if not 0 < share <= 1:
         raise ValueError(f"the backup's share must be above 0 and at most 1, not {share}")
+    if not lease_s > 0:
+        raise ValueError(f"the backup's lease must be above 0 seconds, not {lease_s}")
     backup_keys = resolve_keys(backup_keys)
     signing_key(backup_keys)  # no key, no backup: refused before the CF is touched
+    for directory in (Path(backup_root), Path(backup_root) / structure):  # nor where others can write
+        refuse_others_writing(directory)
     admin = Admin(client)
     try:
         sdef = admin.structure_def(structure)
@@ -146,30 +221,40 @@ def run_backup(client: redis.Redis, structure: str, backup_root: Path, *, log_ro
     clock = LrsnClock()
     started_at = datetime.now(UTC)
     backup_id = new_backup_id(structure, started_at)
-    try:
-        start_lrsn, floor_lrsn = s.backup_begin(backup_id, clock.now())
-    except StructureFailedError as e:  # no longer ACTIVE, or running from a WARM start (backup_begin.lua)
-        raise StructureNotReadyError(str(e)) from None
-    clock.observe(start_lrsn)
-    t0 = time.monotonic()
     cutoff_ms = int(started_at.timestamp() * 1000) - exclint_s * 1000
-    lowest_excluded = [floor_lrsn]
-
-    def old_enough(wire: Wire) -> bool:
-        if wire["pt"] <= cutoff_ms:
-            return True
-        lowest_excluded[0] = min(lowest_excluded[0], wire["o2"])  # its put LRSN: replay from there
-        return False
-
-    pacer = Pacer(probe_commands(client, structure), share)
     writer: BackupWriter | None = None
+    lease: _Lease | None = None
     ended = False
     counts: list[StepCount] = []
+    # From here on every way out ends the backup as failed in the CF: a reply lost after the mark was set
+    # included (ending a backup whose mark is not there is refused and changes nothing).
     try:
+        try:
+            begun = s.backup_begin(backup_id, clock.now(), lease_ms=max(1, int(lease_s * 1000)))
+        except StructureFailedError as e:  # no longer ACTIVE, or running from a WARM start (backup_begin.lua)
+            raise StructureNotReadyError(str(e)) from None
+        start_lrsn, floor_lrsn = begun.start, begun.floor
+        lease = _Lease(s, backup_id, lease_s)
+        lease.start()
+        if begun.took_over:
+            log.warning("backup %s of %s took over the stale mark of backup %s (its lease had ended: that backup "
+                        "died or stalled)", backup_id, structure, begun.took_over)
+        clock.observe(start_lrsn)
+        t0 = time.monotonic()
+        lowest_excluded = [floor_lrsn]
+
+        def old_enough(wire: Wire) -> bool:
+            if wire["pt"] <= cutoff_ms:
+                return True
+            lowest_excluded[0] = min(lowest_excluded[0], wire["o2"])  # its put LRSN: replay from there
+            return False
+
+        pacer = Pacer(probe_commands(client, structure), share)
         writer = BackupWriter(Path(backup_root) / structure / backup_id, backup_keys=backup_keys)
         for number, (state_name, label) in enumerate(STEPS, start=1):
             if on_step is not None:
                 on_step(number, state_name)
+            lease.check()
             count = StepCount()
             counts.append(count)
             phase = f"{number} {label}"
@@ -180,6 +265,7 @@ def run_backup(client: redis.Redis, structure: str, backup_root: Path, *, log_ro
             for copies in copy_step_raw(s, state_name, count, batch, keep=old_enough if exclint_s else None,
                                         before_read=pacer.before_read, depth=pacer.reads_in_flight):
                 writer.add_raw(number, copies)
+                lease.check()
                 progress(phase, count.copied + count.skipped_nonpersistent + count.vanished + count.excluded,
                          count.snapshot)
             progress(phase, count.snapshot, count.snapshot)
@@ -189,8 +275,13 @@ def run_backup(client: redis.Redis, structure: str, backup_root: Path, *, log_ro
         # So are the UOWs it holds a record of: an in-doubt UOW registered without entries (its work here was
         # non-persistent) is known to a restore from this backup only by its records, of an older generation.
         uows = bulk.registered(client, structure)
-        end_lrsn = s.backup_end(backup_id, clock.now(), ok=True)
+        lease.check()
+        try:  # refused unless the mark is still this backup's and its lease runs (backup_end.lua)
+            end_lrsn = s.backup_end(backup_id, clock.now(), ok=True)
+        except BackupEndedError as e:
+            raise BackupCancelledError(f"backup {backup_id} could not end well: {e}; nothing was kept") from None
         ended = True
+        lease.stop()
         steps = [{"step": n, "state": st, "label": label, **asdict(c)}
                  for n, ((st, label), c) in enumerate(zip(STEPS, counts), start=1)]
         manifest = writer.finish({
@@ -206,12 +297,17 @@ def run_backup(client: redis.Redis, structure: str, backup_root: Path, *, log_ro
                                   if log_root is not None else None),
             "tombstones": tombstones, "uows": uows,
             "pacing": {"share": share, "pauses": pacer.stats.paused, "paused_s": round(pacer.stats.pause_s, 3)},
+            **({"took_over": begun.took_over} if begun.took_over else {}),
         })
     except BaseException:
-        if not ended:
-            _end_failed(s, backup_id, clock)
-        if writer is not None:
-            writer.abort()
+        try:
+            if lease is not None:
+                lease.stop()
+            if not ended:
+                _end_failed(s, backup_id, clock)
+        finally:
+            if writer is not None:
+                writer.abort()
         raise
     admin.record_backup(structure, catalog_entry(manifest, writer.directory))
     return manifest

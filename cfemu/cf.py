@@ -184,9 +184,43 @@ class PstoreStatus(NamedTuple):
     started: str  # "WARM" while the structure runs from a WARM start, else ""
 
 
+BACKUP_LEASE_MS = 30_000  # a backup mark's lease when the caller names none (backup.run renews it well before)
+
+
 class BackupBegun(NamedTuple):
     start: int  # the backup's start LRSN
     floor: int  # the recovery floor: restore replays the logs from here
+    took_over: str = ""  # the backup whose stale mark (its lease ended) this one replaced ("" when none)
+
+
+class BackupMark(NamedTuple):
+    """The structure's backup mark as a reader sees it (backup_begin.lua, the prelude's backup_mark)."""
+
+    backup: str  # the id of the backup that set it
+    left_ms: int | None  # the lease's remaining ms at the CF's time (0 or less: stale); None: a mark with no lease
+
+    @property
+    def stale(self) -> bool:
+        """Its lease has ended: the backup died or stalled, no backup of it can end well, and every reader treats
+        the structure as having no backup running."""
+        return self.left_ms is not None and self.left_ms <= 0
+
+    @classmethod
+    def read(cls, backup: bytes | str | None, until: bytes | str | None,
+             cf_time: tuple[int, int] | None) -> BackupMark | None:
+        """From the header's 'backup' and 'backup_until' fields and the CF's TIME reply (seconds, microseconds):
+        None when there is no mark."""
+        if backup is None:
+            return None
+        if until is None or cf_time is None:
+            return cls(keys.text(backup), None)
+        now_ms = int(cf_time[0]) * 1000 + int(cf_time[1]) // 1000
+        return cls(keys.text(backup), int(keys.text(until)) - now_ms)
+
+
+class BackupCancelled(NamedTuple):
+    backup: str  # the backup whose mark was cleared ("" when there was none)
+    left_ms: int | None  # its lease's remaining ms when cleared (0 or less: it was stale); None: no lease
 
 
 class RelogBegun(NamedTuple):
@@ -333,12 +367,32 @@ class Structure:
         out = self._call("expire", None, [now_ms, limit])
         return Expired([x.decode() for x in out[:-2]], int(out[-1]))
 
-    def backup_begin(self, backup_id: str, caller_lrsn: int) -> BackupBegun:
-        start, floor = self._call("backup_begin", None, [backup_id, caller_lrsn])
-        return BackupBegun(int(start), int(floor))
+    def backup_begin(self, backup_id: str, caller_lrsn: int, *, lease_ms: int = BACKUP_LEASE_MS) -> BackupBegun:
+        """Mark the backup running with a lease of lease_ms (CF time); a stale mark is replaced (took_over)."""
+        start, floor, stale = self._call("backup_begin", None, [backup_id, caller_lrsn, lease_ms])
+        return BackupBegun(int(start), int(floor), keys.text(stale))
+
+    def backup_renew(self, backup_id: str, *, lease_ms: int = BACKUP_LEASE_MS) -> int:
+        """Move the backup's lease on to now + lease_ms; BackupEndedError when the mark is no longer its own."""
+        return int(self._call("backup_renew", None, [backup_id, lease_ms]))
 
     def backup_end(self, backup_id: str, caller_lrsn: int, ok: bool) -> int:
         return int(self._call("backup_end", None, [backup_id, caller_lrsn, "ok" if ok else "failed"]))
+
+    def backup_cancel(self, backup_id: str = "") -> BackupCancelled:
+        """Clear the backup mark, running or stale (only backup_id's when given): an operator's cfbackup cancel."""
+        cancelled, left = self._call("backup_cancel", None, [backup_id])
+        left_text = keys.text(left)
+        return BackupCancelled(keys.text(cancelled), int(left_text) if left_text else None)
+
+    def backup_mark(self) -> BackupMark | None:
+        """The backup mark and its lease at the CF's time (None when no backup has one)."""
+        node = rcluster.node_client(self.cf.redis, self.name, fresh=False)  # TIME of the server holding it
+        pipe = node.pipeline(transaction=False)
+        pipe.hmget(keys.meta(self.name), "backup", "backup_until")
+        pipe.time()
+        (backup, until), now = pipe.execute()
+        return BackupMark.read(backup, until, now)
 
     # --- relogging (docs/log-management.md) -----------------------------------------------------------------
     def relog_begin(self, caller: Caller, *, now_ms: int, lease_ms: int) -> RelogBegun:

@@ -93,6 +93,11 @@ class BackupRunningError(MQError):
     reason, reason_name = 2362, "MQRC_CF_STRUC_IN_USE"  # nearest code: BACKUP CFSTRUCT already running
 
 
+class BackupEndedError(BadRequestError):
+    """The backup's mark is no longer its own (cancelled, replaced by a later backup after its lease ended, lost
+    with the CF), or its lease has ended: the backup cannot end well."""
+
+
 class FloorError(MQError):
     """Internal: a log-first record lies below the structure's recovery floor; log a fresh record and retry."""
 
@@ -147,7 +152,7 @@ def from_script_error(message: str, structure: str) -> MQError:
         "BACKUPRUNNING": BackupRunningError,
         "BADUOW": BadRequestError,
         "BADARG": BadRequestError,
-        "NOBACKUP": BadRequestError,
+        "NOBACKUP": BackupEndedError,
         "TOOLONG": TruncatedMessageError,
         "RELOGBUSY": RelogBusyError,
         "PSTORE": PstoreUnavailableError,

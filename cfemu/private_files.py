@@ -26,13 +26,24 @@ def private_dir(directory: Path) -> Path:
     """Create DIRECTORY (and missing parents) 0700, or check an existing one: refused when group or others can
     write it; narrowed to 0700 when they can only read it."""
     directory.mkdir(parents=True, exist_ok=True, mode=DIR_MODE)
-    mode = stat.S_IMODE(directory.stat().st_mode)
-    if mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise UnsafeDirectoryError(f"{directory} is writable by other users (mode {mode:o}): refusing to keep "
-                                   "messages or secrets there; chmod 700 it")
+    mode = refuse_others_writing(directory)
     if mode & 0o077:
         directory.chmod(DIR_MODE)
     return directory
+
+
+def refuse_others_writing(directory: Path) -> int:
+    """Refuse an existing DIRECTORY that group or others can write (UnsafeDirectoryError, naming it and its
+    mode): whoever can write it can replace or remove what is kept below it. Returns its mode (0 when it does not
+    exist yet: its maker creates it private)."""
+    try:
+        mode = stat.S_IMODE(directory.stat().st_mode)
+    except FileNotFoundError:
+        return 0
+    if mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise UnsafeDirectoryError(f"{directory} is writable by other users (mode {mode:o}): refusing to keep "
+                                   "messages or secrets there; chmod 700 it")
+    return mode
 
 
 def open_private(path: Path, flags: int) -> int:

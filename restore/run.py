@@ -38,6 +38,7 @@ empty restore point (kind "purge") before the structure is usable again (hole 8)
 from __future__ import annotations
 
 import json
+import logging
 import os
 import resource
 import time
@@ -52,7 +53,7 @@ from typing import Any
 import redis
 
 from backup.catalog import CORRUPT, OK, UNSIGNED, UNTRUSTED, BackupInfo, find_backup, list_backups
-from backup.files import MANIFEST_NAME, Backup, read_backup, resolve_keys, signing_key
+from backup.files import MANIFEST_NAME, Backup, parse_backup_id, read_backup, resolve_keys, signing_key
 from backup.points import (
     DEFINITION,
     FUZZY,
@@ -68,6 +69,7 @@ from backup.run import rebuild_catalog
 from cfemu import bulk, keys
 from cfemu.admin import Admin, AdminError, QueueDef, StructureDef
 from cfemu.credentials import BackupKeys
+from cfemu.private_files import refuse_others_writing
 from cfemu.pstore import warm_generations
 from cfemu.repository import GroupRepository, migrated_refusal
 from cfemu.settings import restore_memory, restore_workers
@@ -82,6 +84,8 @@ from sqm.log.format import log_segments, read_manifest
 from sqm.records import INCOMMIT
 from sqm.relog import newest_pass
 from sqm.uow import rebuild_table
+
+log = logging.getLogger("restore.run")
 
 RESTORE_MEMBER = "_restore"  # restore's own log, beside the members' logs
 WORK_DIR = ".restore-work"  # under the backup root: the local engine's spill files, removed after each restore
@@ -265,6 +269,11 @@ def _refuse_to_cross_damaged_points(backups: list[BackupInfo], good: BackupInfo 
         # second, so one begun in the same second as the good one counts as newer.
         if good is not None and (b is good or b.started < good.started):
             continue
+        if b.state == UNTRUSTED and _copy_of_an_older_backup(b, backups, good):
+            log.warning("restore of %s passes over backup %s: a copy of backup %s under a newer name (its signed "
+                        "manifest says so), and no newer than the base %s; %s", b.structure, b.id, b.copy_of,
+                        good.id if good is not None else "-", b.problem)
+            continue
         if b.state in (UNTRUSTED, UNSIGNED):
             raise RestoreError(
                 f"backup {b.id} of {b.structure} is {b.state} and newer than any good backup: {b.problem}"
@@ -280,6 +289,23 @@ def _refuse_to_cross_damaged_points(backups: list[BackupInfo], good: BackupInfo 
                            f"older base would cross the restore or purge point (messages it consumed or purged "
                            f"would come back). Repair or restore it from a copy; or, having checked, name the base "
                            f"with --backup")
+
+
+def _copy_of_an_older_backup(b: BackupInfo, backups: list[BackupInfo], good: BackupInfo | None) -> bool:
+    """A backup refused only for its name (a signed, intact copy of another backup of this structure) is passed
+    over when what it copies is no newer than the base: the original good in the catalog (where it counts at its
+    own time), or begun before the base. It brings nothing the base's restore would cross."""
+    if not b.copy_of:
+        return False
+    try:
+        structure, started = parse_backup_id(b.copy_of)
+    except ValueError:
+        return False
+    if structure != b.structure:
+        return False
+    if any(o.id == b.copy_of and o.state == OK for o in backups):
+        return True
+    return good is not None and started < good.started
 
 
 def _readable_kind(path: Path) -> str:
@@ -492,6 +518,8 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
     backup_keys = resolve_keys(backup_keys)
     if not dry_run:
         signing_key(backup_keys, "sign the restore point with")  # refused now, not after the load
+        for directory in (backup_root, backup_root / structure):  # where its restore point goes: nor then
+            refuse_others_writing(directory)
     admin = Admin(client)
     seen = bulk.observe(client, structure)  # what the claim compares against, after the plan
     state = seen.state or "FAILED"  # a structure missing from the CF counts as FAILED (Admin.state)
@@ -738,6 +766,8 @@ def run_purge(client: redis.Redis, structure: str, *, backup_root: Path, log_roo
     backup_root = Path(backup_root)
     backup_keys = resolve_keys(backup_keys)
     signing_key(backup_keys, "sign the purge's restore point with")  # before anything changes
+    for directory in (backup_root, backup_root / structure):  # where its restore point goes
+        refuse_others_writing(directory)
     admin = Admin(client)
     repo = GroupRepository(log_root)
     admin_def = _admin_definition(admin, structure)

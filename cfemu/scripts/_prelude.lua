@@ -1,6 +1,7 @@
 -- _prelude: shared helpers, prepended to every CF script when it is loaded (Redis Lua has no include).
 -- Every script gets the same KEYS, all inside one structure's hash tag {S} (one cluster slot):
---   KEYS[1] {S}:meta    hash  state, gen, clock, floor, backup, entries, bytes, max_entries, max_bytes, pstore, nonew
+--   KEYS[1] {S}:meta    hash  state, gen, clock, floor, backup, backup_until, entries, bytes, max_entries,
+--                             max_bytes, pstore, nonew
 --   KEYS[2] {S}:fence   hash  member -> epoch (fencing of stale queue managers)
 --   KEYS[3] {S}:ent     hash  entry id -> msgpack descriptor
 --   KEYS[4] {S}:data    hash  entry id -> message data
@@ -90,6 +91,28 @@ local function account(entries, bytes)
   redis.call('HINCRBY', META, 'entries', entries)
   redis.call('HINCRBY', META, 'bytes', bytes)
   if entries < 0 and redis.call('HGET', META, 'nonew') == 'FULL' then relieve() end
+end
+
+-- The CF's own time (ms since the epoch, Redis TIME), for what must not follow a caller's clock: the backup
+-- mark's lease. Read before a script writes, as pclock.lua does (scripts are replicated by their effects).
+local function cf_time_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+-- The backup mark ('backup', with its lease 'backup_until' in CF time): returns the id of the backup running,
+-- or nil and the id of a stale mark. A mark whose lease has ended is stale: its backup died or stalled, it can
+-- no longer end well (backup_renew and backup_end refuse it), and every script treats it as absent. A stale
+-- mark seen here stays stale (its lease is set to 0), so that a CF clock stepping back cannot revive a backup
+-- that a script already treated as gone. A mark without a lease lasts until backup_end or backup_cancel clears it.
+local function backup_mark()
+  local m = redis.call('HMGET', META, 'backup', 'backup_until')
+  if not m[1] then return nil, nil end
+  if m[2] and tonumber(m[2]) <= cf_time_ms() then
+    if m[2] ~= '0' then redis.call('HSET', META, 'backup_until', '0') end
+    return nil, m[1]
+  end
+  return m[1], nil
 end
 
 local function load(id)

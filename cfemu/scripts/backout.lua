@@ -23,7 +23,7 @@ if t == 'C' then return redis.error_reply('COMPLETED unit of work ' .. uow .. ' 
 if lrsn > 0 then err = floor_check(lrsn) if err then return err end end
 
 local puts, gets = held_entries(uow)
-if ARGV[7] ~= '1' and redis.call('HEXISTS', META, 'backup') == 1 then
+if ARGV[7] ~= '1' and backup_mark() then
   for _, d in ipairs(gets) do
     if d.per == 1 then return redis.error_reply('BACKUPACTIVE a backup is running; log the data of the gets') end
   end

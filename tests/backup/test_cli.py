@@ -109,3 +109,34 @@ def test_corrupt_backup_and_bad_input_are_one_line_errors(env: dict[str, str], t
 
     no_cf = cfbackup("run", "APP1", env={**env, "REDIS_URL": "redis://127.0.0.1:1/0"})
     assert no_cf.returncode == 2 and no_cf.stderr.count("\n") == 1 and "Connection refused" in no_cf.stderr
+
+
+def test_a_malformed_backup_name_is_one_clear_line(env: dict[str, str]) -> None:
+    """Digits where the id's date and time go that are no date (month 13, 30 February): one line naming the id
+    and what is wrong with it, not the parser's own message."""
+    for verb in ("show", "verify", "sign"):
+        for bad, ts in (("APP1-20241399T999999Z-abcdef", "20241399T999999Z"),
+                        ("APP1-20240230T000000Z-abcdef", "20240230T000000Z")):
+            out = cfbackup(verb, bad, env=env)
+            assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+            assert out.stderr.startswith(f"cfbackup: error: '{bad}' is not a backup id: {ts} is not a date and time "
+                                         "(YYYYmmddTHHMMSSZ, UTC)"), out.stderr
+
+
+def test_a_backup_dir_others_can_write_is_refused_before_the_cf_is_touched(
+        env: dict[str, str], redis_url: str, tmp_path: Path) -> None:
+    """The backup root and the structure's directory are both checked, before the CF marks the backup and raises
+    its floor: whoever can write the root can replace the structure's directory."""
+    from cfemu.cf import CF
+
+    before = CF(connect(redis_url)).structure("APP1").info()
+    for where in (tmp_path / "bk", tmp_path / "bk" / "APP1"):
+        where.mkdir(exist_ok=True)
+        where.chmod(0o777)
+        out = cfbackup("run", "APP1", env=env)
+        assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+        assert f"{where} is writable by other users (mode 777)" in out.stderr, out.stderr
+        assert CF(connect(redis_url)).structure("APP1").info() == before, "the CF was not touched"
+        assert not any((tmp_path / "bk").rglob("APP1-*")), "nothing was written"
+        where.chmod(0o700)
+    assert cfbackup("run", "APP1", env=env).returncode == 0

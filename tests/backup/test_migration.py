@@ -32,7 +32,7 @@ from cfemu.connection import connect
 from cfemu.credentials import BackupKeys
 from cfemu.embedded import EmbeddedRedis
 from cfemu.embedded_rcluster import EmbeddedCluster
-from cfemu.errors import NoMessageError, StructureFailedError
+from cfemu.errors import BackupEndedError, NoMessageError, StructureFailedError
 from cfemu.repository import GroupRepository
 from restore.run import RestoreError, run_restore
 from restore.start_modes import automatic_start, start
@@ -208,6 +208,19 @@ def test_an_unload_waits_for_no_unit_of_work_and_leaves_the_source_active_when_r
     migrate.unload(connect(redis_url), S, tmp_path / "mig")
     with pytest.raises(migrate.HandshakeError, match="is MIGRATED .*reopen it first"):
         migrate.unload(connect(redis_url), S, tmp_path / "mig2")
+
+
+def test_an_unload_after_a_backup_that_died_is_not_refused_by_its_stale_mark(
+        source: tuple[QueueManager, dict[str, Any]], redis_url: str, tmp_path: Path) -> None:
+    """A backup that died (SIGKILL: nothing cleared its mark) does not refuse an unload once its mark's lease has
+    ended: the unload goes on, clears the mark, and the dead backup cannot end well."""
+    cf = CF(connect(redis_url)).structure(S)
+    cf.backup_begin("B1", 1, lease_ms=1)
+    time.sleep(0.01)
+    migrate.unload(connect(redis_url), S, tmp_path / "mig")
+    assert Admin(connect(redis_url)).state(S) == "MIGRATED" and "backup" not in cf.info()
+    with pytest.raises(BackupEndedError):
+        cf.backup_end("B1", 2, True)
 
 
 def backed_up_source(url: str, tmp_path: Path) -> QueueManager:

@@ -22,6 +22,7 @@ from cfemu.entry import Entry
 from cfemu.errors import (
     BackedOutError,
     BackupActiveError,
+    BackupEndedError,
     BackupRunningError,
     BadRequestError,
     CompletedByRecoveryError,
@@ -628,6 +629,17 @@ class TestBackout:
         assert s.backout(qm1, "U1", gen=1, lrsn=start + 2, has_data=True).gets == 1
         assert s.backout(qm1, "U2", gen=1, lrsn=0, has_data=False).gets == 1  # a non-persistent get: no data
 
+    def test_a_stale_backup_mark_is_no_backup_running(self, s: Structure, qm1: Caller) -> None:
+        """A mark whose lease has ended asks for no data, and stays stale: its backup can no longer end well."""
+        s.put(qm1, entry("a"), b"a")
+        s.get(qm1, Q, uow="U1", now_ms=NOW)
+        s.backup_begin("B1", 0, lease_ms=1)
+        time.sleep(0.01)
+        assert s.backout(qm1, "U1", gen=1, lrsn=0, has_data=False).gets == 1
+        assert s.info()["backup"] == "B1" and s.info()["backup_until"] == "0"
+        with pytest.raises(BackupEndedError, match="lease ended"):
+            s.backup_end("B1", 0, ok=True)
+
     def test_an_outcome_decided_by_recovery_is_kept_for_the_owner(self, admin: Admin, s: Structure,
                                                                    qm1: Caller) -> None:
         s.put(qm1, entry("p1"), b"x", uow="U1")
@@ -725,6 +737,52 @@ class TestBackupBegin:
         with pytest.raises(StructureFailedError, match="not in the CF"):
             CF(admin.redis).structure("NOPE").backup_begin("B4", 0)
 
+    def test_the_mark_carries_a_lease_in_the_cf_time(self, s: Structure) -> None:
+        before = s.cf.redis.time()
+        s.backup_begin("B1", 0, lease_ms=60_000)
+        until = int(s.info()["backup_until"])
+        assert before[0] * 1000 + 60_000 <= until <= (before[0] + 5) * 1000 + 60_000
+        mark = s.backup_mark()
+        assert mark is not None and mark.backup == "B1" and not mark.stale and 55_000 < (mark.left_ms or 0) <= 60_000
+
+    def test_refuses_while_the_lease_runs_and_names_the_way_out(self, s: Structure) -> None:
+        s.backup_begin("B1", 0, lease_ms=60_000)
+        with pytest.raises(BackupRunningError, match=r"B1 of this structure is running \(its lease ends in .* s "
+                                                     r"unless it renews it\); cfbackup cancel ends it"):
+            s.backup_begin("B2", 0)
+        assert s.info()["backup"] == "B1"
+
+    def test_takes_over_a_stale_mark_and_names_it(self, s: Structure) -> None:
+        s.backup_begin("B1", 0, lease_ms=1)
+        time.sleep(0.01)
+        mark = s.backup_mark()
+        assert mark is not None and mark.backup == "B1" and mark.stale
+        begun = s.backup_begin("B2", 0, lease_ms=60_000)
+        assert begun.took_over == "B1" and s.info()["backup"] == "B2"
+        with pytest.raises(BackupEndedError):
+            s.backup_end("B1", 0, ok=False)  # the stale backup, come back, ends nothing of B2's
+        assert s.info()["backup"] == "B2"
+
+    def test_a_take_over_never_lowers_the_floor(self, s: Structure, qm1: Caller) -> None:
+        s.put(qm1, entry("a"), b"x", uow="U1")  # a UOW with a low first LRSN: B2's own floor is below B1's stored
+        s.backup_begin("B1", 0, lease_ms=1)
+        s.cf.redis.hset(keys.meta(S), "floor", 5_000)  # as a relog pass raises it
+        time.sleep(0.01)
+        begun = s.backup_begin("B2", 10, lease_ms=60_000)
+        assert begun.took_over == "B1" and begun.floor < 5_000 and s.info()["floor"] == "5000"
+
+    def test_a_mark_without_a_lease_lasts_until_it_is_cleared(self, s: Structure) -> None:
+        s.cf.redis.hset(keys.meta(S), "backup", "B0")
+        with pytest.raises(BackupRunningError, match="B0"):
+            s.backup_begin("B1", 0)
+        mark = s.backup_mark()
+        assert mark is not None and mark.left_ms is None and not mark.stale
+
+    def test_refuses_a_lease_that_is_not_positive(self, s: Structure) -> None:
+        with pytest.raises(BadRequestError, match="lease must be a positive number"):
+            s.backup_begin("B1", 0, lease_ms=0)
+        assert "backup" not in s.info() and s.info()["clock"] == "0"
+
     def test_refuses_a_structure_running_from_a_warm_start(self, admin: Admin, s: Structure) -> None:
         """Review R2: a backup of a WARM structure (empty of its persistent content) became the base of the later
         HOT start, which replayed the logs only from its floor: everything committed before the loss was lost."""
@@ -819,6 +877,83 @@ class TestBackupEnd:
         with pytest.raises(BadRequestError):
             s.backup_end("B2", 0, ok=True)
         assert s.info()["backup"] == "B1"
+
+    def test_ends_ok_only_while_its_lease_runs_and_failed_whenever_the_mark_is_its_own(self, s: Structure) -> None:
+        s.backup_begin("B1", 0, lease_ms=1)
+        time.sleep(0.01)
+        clock = s.info()["clock"]
+        with pytest.raises(BackupEndedError, match="lease ended .* it cannot end ok"):
+            s.backup_end("B1", 0, ok=True)
+        assert s.info()["backup"] == "B1" and s.info()["clock"] == clock  # the refusal changed nothing
+        s.backup_end("B1", 0, ok=False)
+        info = s.info()
+        assert "backup" not in info and "backup_until" not in info and "last_backup" not in info
+
+
+class TestBackupRenew:
+    def test_moves_the_lease_on(self, s: Structure) -> None:
+        s.backup_begin("B1", 0, lease_ms=1_000)
+        first = int(s.info()["backup_until"])
+        assert s.backup_renew("B1", lease_ms=60_000) == 60_000
+        assert int(s.info()["backup_until"]) >= first + 59_000
+
+    def test_refuses_a_mark_that_is_not_its_own_and_changes_nothing(self, s: Structure) -> None:
+        with pytest.raises(BackupEndedError, match="B1 is not the one running"):
+            s.backup_renew("B1")
+        s.backup_begin("B2", 0, lease_ms=60_000)
+        until = s.info()["backup_until"]
+        with pytest.raises(BackupEndedError, match="cancelled, or a later backup took its place"):
+            s.backup_renew("B1")
+        assert s.info()["backup"] == "B2" and s.info()["backup_until"] == until
+
+    def test_refuses_once_the_lease_has_ended(self, s: Structure) -> None:
+        s.backup_begin("B1", 0, lease_ms=1)
+        time.sleep(0.01)
+        with pytest.raises(BackupEndedError, match="its lease ended .* s ago"):
+            s.backup_renew("B1", lease_ms=60_000)
+        mark = s.backup_mark()
+        assert mark is not None and mark.stale  # nothing changed: still stale
+
+    def test_refuses_a_lease_that_is_not_positive(self, s: Structure) -> None:
+        s.backup_begin("B1", 0)
+        with pytest.raises(BadRequestError, match="lease must be a positive number"):
+            s.backup_renew("B1", lease_ms=-5)
+
+
+class TestBackupCancel:
+    def test_ends_a_running_backup_whose_renewal_and_end_are_then_refused(self, s: Structure) -> None:
+        s.backup_begin("B0", 0)
+        s.backup_end("B0", 0, ok=True)
+        floor = s.backup_begin("B1", 0, lease_ms=60_000).floor
+        cancelled = s.backup_cancel()
+        assert cancelled.backup == "B1" and cancelled.left_ms is not None and cancelled.left_ms > 50_000
+        info = s.info()
+        assert "backup" not in info and "backup_until" not in info
+        assert info["floor"] == str(floor) and info["last_backup"] == "B0"  # the floor never goes down
+        with pytest.raises(BackupEndedError):
+            s.backup_renew("B1")
+        with pytest.raises(BackupEndedError):
+            s.backup_end("B1", 0, ok=True)
+        assert s.backup_begin("B2", 0).took_over == ""
+
+    def test_ends_a_stale_mark(self, s: Structure) -> None:
+        s.backup_begin("B1", 0, lease_ms=1)
+        time.sleep(0.01)
+        cancelled = s.backup_cancel()
+        assert cancelled.backup == "B1" and cancelled.left_ms is not None and cancelled.left_ms <= 0
+
+    def test_nothing_to_cancel_and_only_the_named_backup(self, s: Structure) -> None:
+        assert s.backup_cancel() == ("", None)
+        s.cf.redis.hset(keys.meta(S), "backup", "B0")  # a mark without a lease
+        assert s.backup_cancel("B0") == ("B0", None)
+        s.backup_begin("B1", 0)
+        with pytest.raises(BackupEndedError, match="B2 is not the one running"):
+            s.backup_cancel("B2")
+        assert s.info()["backup"] == "B1"
+
+    def test_refuses_a_structure_not_in_the_cf(self, admin: Admin) -> None:
+        with pytest.raises(StructureFailedError, match="not in the CF"):
+            CF(admin.redis).structure("NOPE").backup_cancel()
 
 
 class TestSnapshot:

@@ -97,6 +97,22 @@ def test_errors_are_one_line_with_exit_2(group: list[QueueManager], tmp_path: Pa
     assert rc == 2 and "no log for members QM1, QM2, QM3 under" in err
 
 
+def test_a_malformed_backup_name_and_a_backup_dir_others_can_write_are_one_line_errors(
+        group: list[QueueManager], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    lose_cf(group[0].redis)
+    for bad, problem in (("APP1-20241399T999999Z-abcdef", "20241399T999999Z is not a date and time"),
+                         ("APP1-20240230T000000Z-abcdef", "20240230T000000Z is not a date and time"),
+                         ("garbage", "'garbage' is not a backup id")):
+        rc, _, err = run(capsys, "run", S, "--backup", bad)
+        assert rc == 2 and err.count("\n") == 1 and err.startswith("cfrestore: error: "), err
+        assert problem in err, err
+    (tmp_path / "backups").chmod(0o777)
+    rc, _, err = run(capsys, "run", S)
+    assert rc == 2 and err.count("\n") == 1, err
+    assert f"{tmp_path / 'backups'} is writable by other users (mode 777)" in err
+    assert all_keys(group[0].redis) == {}, "refused before anything was written"
+
+
 def test_mark_failed_then_purge(group: list[QueueManager], capsys: pytest.CaptureFixture[str]) -> None:
     rc, _, err = run(capsys, "purge", S)
     assert rc == 2 and "is ACTIVE" in err

@@ -268,13 +268,29 @@ def test_a_backup_signed_with_another_groups_key_is_refused(group: Group) -> Non
 
 def test_an_old_backup_copied_under_a_newer_id_is_refused(group: Group) -> None:
     """The signature holds, but the backup is not the one its directory says: restore would take it for the
-    latest and start from an older view."""
+    latest and start from an older view. Without the original beside it, nothing says the copy is not newer than
+    every good backup: the restore is refused."""
     newer = group.id[:-6] + "ffffff"
     newer = newer.replace(newer.split("-")[1], "29991231T235959Z")
     shutil.copytree(group.path, group.backups / S / newer)
-    for result in (group.cfbackup("verify", newer), group.cfrestore(), group.cfrestore("--backup", newer)):
+    for result in (group.cfbackup("verify", newer), group.cfrestore("--backup", newer)):
         group.refused(result, group.backups / S / newer / "manifest.json", f"the manifest is of backup {group.id}")
+    shutil.rmtree(group.path)
+    group.refused(group.cfrestore(), group.backups / S / newer / "manifest.json",
+                  f"the manifest is of backup {group.id}")
     group.nothing_restored()
+
+
+def test_a_copy_under_a_newer_id_does_not_block_a_restore_from_its_original(group: Group) -> None:
+    """A backup refused for its name alone, whose signed manifest names a backup in the catalog, is that backup:
+    a restore is not blocked by it, starts from the original, and names the copy it passed over."""
+    newer = group.id[:-6] + "ffffff"
+    newer = newer.replace(newer.split("-")[1], "29991231T235959Z")
+    shutil.copytree(group.path, group.backups / S / newer)
+    restored = group.cfrestore("--json")
+    assert restored.returncode == 0, restored.stderr
+    assert json.loads(restored.stdout)["backup_id"] == group.id and group.bodies() == SURVIVORS
+    assert f"passes over backup {newer}: a copy of backup {group.id} under a newer name" in restored.stderr
 
 
 def test_no_backup_key_no_backup_and_no_restore(group: Group, tmp_path: Path) -> None:

@@ -269,7 +269,7 @@ def backup_actor(world: World) -> Steps:
     s = world.structure
     b = world.backup
     yield "backup begin"
-    b.start, b.floor = s.backup_begin(BACKUP_ID, clock.now())
+    b.start, b.floor, _ = s.backup_begin(BACKUP_ID, clock.now())
     clock.observe(b.start)
     b.started = True
     for number, (state, _) in enumerate(world.mutation.steps, start=1):

@@ -1,0 +1,191 @@
+"""The backup mark never outlives its backup: a lease the backup renews, cleared on every way out of run_backup, taken
+over once stale, and ended by an operator with `cfbackup cancel`. Real redis-server, real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from backup.catalog import list_backups
+from backup.run import run_backup
+from cfemu.admin import Admin
+from cfemu.cf import CF, BackupMark, Structure
+from cfemu.connection import connect
+from tests.support.group import define_group, start_qm
+
+S = "APP1"
+CFBACKUP = str(Path(sys.executable).parent / "cfbackup")
+
+# cfbackup run as a user runs it (backup.cli.main), with a backup that stops before its copy step 2 for SLOW_S
+# seconds (or until killed): a window in which the process is a running backup, its mark set and renewed.
+SLOW_BACKUP = """
+import os, sys, time
+import backup.cli as cli
+import backup.run as run
+
+real = run.run_backup
+
+def slow(*args, **kwargs):
+    def on_step(number, state):
+        if number == 2:
+            print("IN STEP 2", flush=True)
+            time.sleep(float(os.environ["SLOW_S"]))
+    return real(*args, on_step=on_step, **kwargs)
+
+cli.run_backup = slow
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.fixture
+def env(redis_url: str, tmp_path: Path) -> dict[str, str]:
+    client = define_group(redis_url, queues=("Q1",))
+    qm = start_qm(redis_url, tmp_path / "logs", "QM1", background=False)
+    conn = qm.connect()
+    for i in range(5):
+        conn.put("Q1", b"m%d" % i)
+    conn.commit()
+    qm.stop()
+    client.close()
+    e = {k: v for k, v in os.environ.items() if k not in ("CFEMU_BACKUP_DIR", "CFEMU_LOG_ROOT")}
+    e.update(REDIS_URL=redis_url, CFEMU_BACKUP_DIR=str(tmp_path / "bk"), CFEMU_LOG_ROOT=str(tmp_path / "logs"))
+    return e
+
+
+def cfbackup(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([CFBACKUP, *args], env=env, capture_output=True, text=True, timeout=120)
+
+
+def slow_backup(env: dict[str, str], slow_s: float, *args: str) -> subprocess.Popen[str]:
+    """A `cfbackup run APP1` process stopped before its step 2 (see SLOW_BACKUP), once it says so."""
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_BACKUP, "run", S, *args], env={**env, "SLOW_S": str(slow_s)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.strip() == "IN STEP 2", (line, proc.stderr.read() if proc.poll() is not None else "")
+    return proc
+
+
+def mark(url: str) -> BackupMark | None:
+    return CF(connect(url)).structure(S).backup_mark()
+
+
+# --- every way out of run_backup -----------------------------------------------------------------------------------
+def test_a_backup_that_fails_on_a_response_error_leaves_no_mark(
+        qsg: tuple[redis.Redis, object], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backup failing on BUSY (a long script holding the CF) leaves no mark: its end, refused BUSY as well, is
+    asked again until the CF takes it, so that no later backup is refused (BACKUPRUNNING)."""
+    client, _ = qsg
+    real_end = Structure.backup_end
+    busy: list[int] = []
+
+    def end_while_busy(self: Structure, backup_id: str, caller_lrsn: int, ok: bool) -> int:
+        if not ok and len(busy) < 2:
+            busy.append(1)
+            raise redis.exceptions.ResponseError("BUSY Redis is busy running a script. You can only call "
+                                                 "SCRIPT KILL or SHUTDOWN NOSAVE.")
+        return real_end(self, backup_id, caller_lrsn, ok)
+
+    def busy_fetch(number: int, state: str) -> None:
+        if number == 3:
+            raise redis.exceptions.ResponseError("BUSY Redis is busy running a script.")
+
+    monkeypatch.setattr(Structure, "backup_end", end_while_busy)
+    with pytest.raises(redis.exceptions.ResponseError, match="BUSY"):
+        run_backup(client, S, tmp_path / "bk", on_step=busy_fetch)
+    assert len(busy) == 2
+    assert "backup" not in CF(client).structure(S).info()
+    assert list((tmp_path / "bk" / S).iterdir()) == []
+    assert run_backup(client, S, tmp_path / "bk")["entries"] == 0
+
+
+def test_a_backup_killed_with_sigkill_leaves_a_mark_the_next_backup_takes_over_after_its_lease(
+        env: dict[str, str], redis_url: str, tmp_path: Path) -> None:
+    proc = slow_backup(env, 600, "--lease", "1.5")
+    left = mark(redis_url)
+    assert left is not None and not left.stale
+    proc.kill()
+    proc.wait(30)
+    refused = cfbackup("run", S, env=env)  # its lease still runs
+    assert refused.returncode == 2 and f"backup {left.backup} of this structure is running" in refused.stderr
+    assert "cfbackup cancel ends it" in refused.stderr
+    time.sleep(1.6)
+    stale = mark(redis_url)
+    assert stale is not None and stale.backup == left.backup and stale.stale
+    taken = cfbackup("run", S, "--json", env=env)
+    assert taken.returncode == 0, taken.stderr
+    manifest = json.loads(taken.stdout)
+    assert manifest["took_over"] == left.backup and manifest["entries"] == 5
+    assert f"took over the stale mark of backup {left.backup}" in taken.stderr
+    assert mark(redis_url) is None
+
+
+def test_sigterm_ends_the_backup_as_failed_at_once(env: dict[str, str], redis_url: str, tmp_path: Path) -> None:
+    proc = slow_backup(env, 600)  # the default lease (30 s): the mark is gone at once, not by its lease
+    running = mark(redis_url)
+    assert running is not None and not running.stale
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert err.count("\n") == 1 and "terminated (SIGTERM)" in err and "mark cleared" in err, err
+    assert mark(redis_url) is None
+    assert list((tmp_path / "bk" / S).iterdir()) == [], "a terminated backup leaves no directory"
+    assert cfbackup("run", S, env=env).returncode == 0
+
+
+# --- cfbackup cancel -----------------------------------------------------------------------------------------------
+def test_cancel_as_an_operator_runs_it(env: dict[str, str], redis_url: str, tmp_path: Path) -> None:
+    none = cfbackup("cancel", "--structure", S, env=env)
+    assert none.returncode == 0 and none.stdout.strip() == f"no backup of {S} to cancel", none.stderr
+    floor_before = CF(connect(redis_url)).structure(S).info().get("floor")
+
+    proc = slow_backup(env, 3, "--lease", "1.5")  # renews every 0.3 s; works again after 3 s
+    running = mark(redis_url)
+    assert running is not None
+    cancelled = cfbackup("cancel", "--structure", S, "--json", env=env)
+    assert cancelled.returncode == 0, cancelled.stderr
+    out = json.loads(cancelled.stdout)
+    assert out["cancelled"] == [{"structure": S, "backup": running.backup, "state": "running"}]
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2, err
+    assert err.count("\n") == 1 and f"backup {running.backup} ended before it finished" in err, err
+    assert "cancel" in err and "nothing was kept" in err
+    assert list((tmp_path / "bk" / S).iterdir()) == [], "its files are not published"
+    assert list_backups(tmp_path / "bk", S) == []
+    assert Admin(connect(redis_url)).backups(S) == [] and mark(redis_url) is None
+    info = CF(connect(redis_url)).structure(S).info()
+    assert "last_backup" not in info and int(info["floor"]) >= int(floor_before or 0)  # never goes down
+
+    # A stale mark (its backup killed), cancelled by name of every structure: the next backup need not wait.
+    proc = slow_backup(env, 600, "--lease", "60")
+    killed = mark(redis_url)
+    assert killed is not None
+    proc.kill()
+    proc.wait(30)
+    text = cfbackup("cancel", env=env)
+    assert text.returncode == 0 and text.stdout.strip() == (
+        f"cancelled backup {killed.backup} of {S}: it was running; it fails at its next renewal of its lease and "
+        "keeps nothing"), text.stdout
+    assert cfbackup("run", S, env=env).returncode == 0
+
+    unknown = cfbackup("cancel", "--structure", "NOPE", env=env)
+    assert unknown.returncode == 2 and unknown.stderr.count("\n") == 1
+    assert "structure NOPE is not defined" in unknown.stderr
+
+
+def test_cancel_names_a_stale_mark(env: dict[str, str], redis_url: str) -> None:
+    CF(connect(redis_url)).structure(S).backup_begin("APP1-20200101T000000Z-abcdef", 0, lease_ms=1)
+    time.sleep(0.01)
+    out = cfbackup("cancel", "--structure", S, env=env)
+    assert out.returncode == 0 and out.stdout.strip() == (
+        f"cancelled backup APP1-20200101T000000Z-abcdef of {S}: its mark was stale (its lease had ended: the "
+        "backup died or stalled)"), out.stdout
+    assert "cancel" in cfbackup("--help", env=env).stdout
