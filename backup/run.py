@@ -29,9 +29,9 @@ from cfemu.credentials import BackupKeys
 from cfemu.errors import StructureFailedError
 from cfemu.progress import Progress, no_progress
 from cfemu.settings import DEFAULT_BACKUP_SHARE
-from sqm.clock import LrsnClock
+from sqm.core.clock import LrsnClock
+from sqm.core.records import lookup
 from sqm.log import LogReader, find_log_dirs
-from sqm.records import lookup
 
 
 class StructureNotReadyError(BackupError):
@@ -61,7 +61,7 @@ def catalog_entry(manifest: dict[str, Any], path: Path) -> dict[str, Any]:
     """The summary the admin structure keeps for each good backup (the directory holds the full record)."""
     fields = ("id", "structure", "group", "start_lrsn", "floor_lrsn", "replay_from", "end_lrsn", "started_at",
               "ended_at", "entries", "bytes", "exception_records")
-    # gen: log retention (sqm.retention) compares it with a relog pass's, as restore's choice of start does.
+    # gen: log retention (sqm.core.retention) compares it with a relog pass's, as restore's choice of start does.
     return {**{k: manifest[k] for k in fields}, "gen": int(manifest.get("gen", 0) or 0), "kind": kind_of(manifest),
             "path": str(path)}
 

@@ -57,7 +57,7 @@ try:
     PACING: bool = True
 except ImportError:  # a tree from before pacing (issue 15), on PYTHONPATH to compare: its backups never pause
     DEFAULT_BACKUP_SHARE, PACING = 1.0, False
-from sqm.manager import QueueManager, QueueManagerConfig
+from sqm.core.manager import QueueManager, QueueManagerConfig
 
 STRUCTURE, FILL_QUEUE, FG_QUEUE = "BENCH", "FILLQ", "FGQ"
 BODY = 1024

@@ -53,8 +53,8 @@ from cfemu.connection import connect
 from cfemu.duplex import DUPLEX, SIMPLEX, duplex_url
 from cfemu.embedded import EmbeddedRedis
 from cfemu.entry import Entry
-from sqm.connection import Connection
-from sqm.manager import QueueManager, QueueManagerConfig
+from sqm.core.connection import Connection
+from sqm.core.manager import QueueManager, QueueManagerConfig
 
 BODY = os.urandom(1024)
 STRUCTURE, QUEUE = "APP1", "Q1"

@@ -43,9 +43,9 @@ from cfemu import credentials
 from cfemu.admin import Admin
 from cfemu.embedded import EmbeddedRedis
 from restore.run import run_restore
-from sqm.connection import Connection
+from sqm.core.connection import Connection
+from sqm.core.manager import QueueManager, QueueManagerConfig
 from sqm.log.format import list_segments
-from sqm.manager import QueueManager, QueueManagerConfig
 
 REPO = Path(__file__).resolve().parents[1]
 S = "APP1"

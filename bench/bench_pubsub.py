@@ -39,8 +39,8 @@ from cfemu.admin import Admin
 from cfemu.connection import connect
 from cfemu.embedded import EmbeddedRedis
 from cfemu.errors import NoMessageError
-from sqm import pubsub as ps
-from sqm.manager import QueueManager, QueueManagerConfig
+from sqm.core.manager import QueueManager, QueueManagerConfig
+from sqm.pubsub import pubsub as ps
 
 BODY = os.urandom(1024)
 STRUCTURE = "APP1"

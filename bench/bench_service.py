@@ -5,7 +5,7 @@ A lifecycle is one 1 KiB persistent message put and committed, then got and comm
 log), exactly as in bench_lifecycle.py (its loop is reused). With 1, 8 and 32 clients spread over 3 SQMs:
   service:    a local cluster (qsg.cluster: an embedded CF, 3 `sqm run` processes), each client a sqm.service.client.Client
               in its own thread of this process, client i on server i mod 3;
-  in-process: 3 QueueManagers in this process on the same CF, each client a sqm.manager.Connection in its own
+  in-process: 3 QueueManagers in this process on the same CF, each client a sqm.core.manager.Connection in its own
               thread, client i on manager i mod 3.
 Rounds of the two are interleaved; each figure is the median over the rounds.
 
@@ -35,7 +35,7 @@ from rich.console import Console
 from rich.table import Table
 
 from qsg.cluster import Cluster
-from sqm.manager import QueueManager, QueueManagerConfig
+from sqm.core.manager import QueueManager, QueueManagerConfig
 from sqm.service.client import Client
 
 REPO = Path(__file__).resolve().parents[1]

@@ -39,7 +39,7 @@ import sqm.log.writer as writer  # noqa: E402
 from cfemu import cf as cfmod  # noqa: E402
 from cfemu.admin import Admin  # noqa: E402
 from cfemu.embedded import EmbeddedRedis  # noqa: E402
-from sqm.manager import QueueManager, QueueManagerConfig  # noqa: E402
+from sqm.core.manager import QueueManager, QueueManagerConfig  # noqa: E402
 from sqm.service.server import ServerConfig, SQMServer  # noqa: E402
 
 TOKEN = "profile-token-" + "x" * 24

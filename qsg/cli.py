@@ -46,12 +46,12 @@ from cfemu.limits import DEFAULT_MSG_LENGTH, MAX_MSG_LENGTH
 from cfemu.private_files import write_private
 from cfemu.settings import find_cf_dir, find_cluster_dir
 from cfemu.uow_attributes import CONTROL_SUFFIX, DATA_SUFFIX
+from sqm.conversations.uowcontrols import LAST_LETTER
+from sqm.conversations.uowstatus import Control
+from sqm.core.manager import QueueManager, QueueManagerConfig
 from sqm.log import LogFormatError, LogReader
-from sqm.manager import QueueManager, QueueManagerConfig
 from sqm.service.client import Client
 from sqm.service.metrics import last_backup_age
-from sqm.uowcontrols import LAST_LETTER
-from sqm.uowstatus import Control
 
 OPERATOR_QM = "OPS"  # the short-lived in-process queue manager of one-shot put/get
 
@@ -93,7 +93,7 @@ def admin_client(args: argparse.Namespace) -> Iterator[Admin]:
 
 
 class MessagingHandle(Protocol):
-    """What put/get/browse need: sqm.connection.Connection and sqm.service.client.Client both have it."""
+    """What put/get/browse need: sqm.core.connection.Connection and sqm.service.client.Client both have it."""
 
     def put(self, queue: str, body: bytes, *, persistent: bool = ..., priority: int = ...,
             correlid: bytes = ...) -> Any: ...
@@ -429,7 +429,7 @@ def cmd_indoubt(args: argparse.Namespace, out: Output) -> int:
     return 0
 
 
-# What cfemu uow prints of a UOW's status (sqm.uowstatus.Control.public), in this order; the rest after.
+# What cfemu uow prints of a UOW's status (sqm.conversations.uowstatus.Control.public), in this order; the rest after.
 UOW_FIELDS = ("uow", "service", "status", "user_status", "sender", "receiver", "messages", "bytes", "persistent",
               "persistent_status", "status_lifetime", "deliveries", "postponements", "conversation", "eoc",
               "lifetime_ms", "age_ms", "committed_ms", "deleted")

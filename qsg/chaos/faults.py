@@ -40,7 +40,7 @@
 | purge-then-cf-kill    | APP1 is failed and purged (the purged messages go in the history), live work, then |
 |                       | cf-kill before any new backup: no purged message may come back                      |
 | cf-kill-recauto       | RECAUTO turned on for every structure; kill -9 of the CF; nobody acts: the cluster's|
-|                       | supervisor restarts it, a member restores each structure (sqm.recauto); the time to|
+|                       | supervisor restarts it, a member restores each structure (sqm.core.recauto); the time to|
 |                       | every structure ACTIVE; RECAUTO off again                                           |
 | cluster-node-kill     | RECAUTO on; kill -9 of the CF node that holds a structure (chosen by the seed): on a |
 |                       | Redis Cluster CF (--redis-cluster) the master of its slot, the other masters serve  |
@@ -100,9 +100,9 @@ from qsg.chaos.workload import PutSpec, Runner, make_body, parse_body
 from restore.engine import LOAD, READ_BACKUP, Progress, no_progress
 from restore.result import RestoreResult
 from restore.run import RestoreError, RestoreStoppedError, run_purge, run_restore
-from sqm.clock import now_ms
-from sqm.failpoints import ENV_VAR as FAILPOINTS_ENV
-from sqm.manager import QueueManager, QueueManagerConfig
+from sqm.core.clock import now_ms
+from sqm.core.failpoints import ENV_VAR as FAILPOINTS_ENV
+from sqm.core.manager import QueueManager, QueueManagerConfig
 from sqm.service.client import Client, handshake
 from sqm.service.protocol import ENVELOPE, PRE_HELLO_MAX_FRAME, encode_frame
 from sqm.service.server import EXIT_CONFIG, EXIT_FENCED
@@ -494,7 +494,7 @@ def cf_kill_duplex_primary(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str,
 def cluster_node_kill(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
     """One node of the CF killed with RECAUTO on: on a Redis Cluster CF, the master that holds the chosen
     structure's slot (the structures of the other masters are served all along); on one redis-server, the CF
-    itself. The supervisor restarts the node, empty; a member restores what it held (sqm.recauto)."""
+    itself. The supervisor restarts the node, empty; a member restores what it held (sqm.core.recauto)."""
     if not cluster_cf.is_cluster_cf(g.c.state[CLUSTER_CF]):
         return cf_kill_recauto(g, f, step)
     structure = str(f.params.get("structure", "APP1"))
@@ -512,7 +512,7 @@ def cluster_node_kill(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]
 def cf_kill_recauto(g: ChaosGroup, f: FaultSpec, step: Step,
                     kill: Callable[[], dict[str, Any]] | None = None) -> dict[str, Any]:
     """The CF lost with RECAUTO on: nobody restores by hand. The cluster's supervisor restarts the CF (as
-    ``cfemu cluster up`` runs it), the members re-join it and one restores each structure (sqm.recauto). The
+    ``cfemu cluster up`` runs it), the members re-join it and one restores each structure (sqm.core.recauto). The
     other CF kinds keep RECAUTO off: they play the operator, whose restores would race the members'. kill: what
     is killed (default the whole CF: each node of a Redis Cluster CF), returning what to report of it."""
     ensure_backups(g)

@@ -59,8 +59,8 @@ from typing import Any, NoReturn
 from cfemu.cf import Browsed
 from cfemu.errors import BackedOutError, MQError, OutcomeUnknownError
 from cfemu.sockets import set_kernel_timeout
-from sqm.connection import Message
-from sqm.messaging import UnitOfWorkScope
+from sqm.core.connection import Message
+from sqm.core.messaging import UnitOfWorkScope
 from sqm.service.protocol import (
     APPLICATION,
     AUTH_METHOD,

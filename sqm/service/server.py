@@ -68,13 +68,14 @@ from cfemu.repository import RepositoryError
 from cfemu.sockets import set_kernel_timeout
 from cfemu.topic_attributes import PUB_SUFFIX, SUB_SUFFIX
 from cfemu.uow_attributes import CONTROL_SUFFIX, DATA_SUFFIX
-from sqm import pubsub
-from sqm.connection import Connection
-from sqm.conversation import MAX_USER, OPTIONS, Conversation
+from sqm.conversations.conversation import MAX_USER, OPTIONS, Conversation
+from sqm.conversations.uowstatus import USER_STATUS_MAX
+from sqm.core.connection import Connection
+from sqm.core.manager import CF_DOWN, QueueManager, QueueManagerConfig
+from sqm.core.recauto import RecoverStructure
+from sqm.core.request_slots import LEASE_S, MAX_SLOTS, RequestSlots, before_wait, default_slots
 from sqm.log import LogLockedError
-from sqm.manager import CF_DOWN, QueueManager, QueueManagerConfig
-from sqm.recauto import RecoverStructure
-from sqm.request_slots import LEASE_S, MAX_SLOTS, RequestSlots, before_wait, default_slots
+from sqm.pubsub import pubsub
 from sqm.service import metrics
 from sqm.service.protocol import (
     APPLICATION,
@@ -112,7 +113,6 @@ from sqm.service.protocol import (
     read_frame,
     recv_body,
 )
-from sqm.uowstatus import USER_STATUS_MAX
 
 log = logging.getLogger("sqm.service.server")
 COMPANION_SUFFIXES = (DATA_SUFFIX, CONTROL_SUFFIX, PUB_SUFFIX, SUB_SUFFIX)

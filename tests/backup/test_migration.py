@@ -36,9 +36,9 @@ from cfemu.errors import NoMessageError, StructureFailedError
 from cfemu.repository import GroupRepository
 from restore.run import RestoreError, run_restore
 from restore.start_modes import automatic_start, start
-from sqm.conversation import SYNC, Conversation
-from sqm.manager import QueueManager
-from sqm.recauto import StructureRecovery
+from sqm.conversations.conversation import SYNC, Conversation
+from sqm.core.manager import QueueManager
+from sqm.core.recauto import StructureRecovery
 from tests.support.group import start_qm
 from tests.support.harness import lose_cf
 
@@ -524,7 +524,7 @@ def test_a_structure_of_100k_messages_and_uow_statuses_migrates_and_compares_equ
 
 
 def test_record_types_follow_the_companion_queues_and_correlation_ids() -> None:
-    """A topic's .SUB holds two kinds of entry (sqm.pubsub): a subscription's position, replaced at each commit, and
+    """A topic's .SUB holds two kinds of entry (sqm.pubsub.pubsub): a subscription's position, replaced at each commit, and
     its roster entry, kept while it lives: the reports count them apart, or a topic's subscriptions counted twice."""
     from backup.migrate_report import record_type
     assert record_type("T.SUB", b"R".hex()) == "subscription-roster"

@@ -259,7 +259,7 @@ def test_two_members_race_one_restores_and_a_lost_lock_lets_no_second_restore_wr
     from cfemu.progress import Progress
     from qsg.member import summary
     from restore.engine import LOAD
-    from sqm.manager import QueueManager, QueueManagerConfig
+    from sqm.core.manager import QueueManager, QueueManagerConfig
     from tests.support.harness import lose_cf
 
     log_root, backup_root = tmp_path / "logs", tmp_path / "backups"
@@ -333,7 +333,7 @@ def test_recauto_off_and_an_operators_restore_are_left_alone(redis_url: str, tmp
     """RECAUTO off: a member never recovers the structure. A RECOVERING structure without an automatic
     recovery's mark is an operator's restore: left alone too; with the mark and no lock (the recovering member
     died), it is recovered again."""
-    from sqm.manager import QueueManager, QueueManagerConfig
+    from sqm.core.manager import QueueManager, QueueManagerConfig
     from tests.support.harness import lose_cf
 
     log_root = tmp_path / "logs"
@@ -373,7 +373,7 @@ def test_a_queue_of_a_structure_the_cf_lost_is_failed_not_unknown(redis_url: str
     structure (MQRC_CF_STRUC_FAILED, 2373, what MQ answers while a structure is lost, which applications retry),
     never 'unknown' (2085, a configuration error to an application); a queue nobody defined stays unknown."""
     from cfemu.errors import StructureFailedError, UnknownObjectError
-    from sqm.manager import QueueManager, QueueManagerConfig
+    from sqm.core.manager import QueueManager, QueueManagerConfig
     from tests.support.harness import lose_cf
 
     log_root = tmp_path / "logs"

@@ -26,7 +26,7 @@ from cfemu.errors import (
     OutcomeUnknownError,
     StructureFailedError,
 )
-from sqm.manager import QueueManager, QueueManagerConfig
+from sqm.core.manager import QueueManager, QueueManagerConfig
 from tests.support.group import define_group
 
 

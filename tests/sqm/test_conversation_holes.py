@@ -17,12 +17,12 @@ import pytest
 from cfemu.admin import Admin, AdminError
 from cfemu.connection import connect
 from cfemu.errors import EndOfUowError, MQError, NoMessageError, StructureFailedError, UowStatusError
-from sqm import conversation as convmod
-from sqm import uowcontrols as ctl
-from sqm.conversation import BOTH, SYNC, Conversation
-from sqm.manager import QueueManager, QueueManagerConfig
-from sqm.uowstatus import restore_control_entry, status_letter_hex
-from sqm.uowsweeper import Sweeper
+from sqm.conversations import conversation as convmod
+from sqm.conversations import uowcontrols as ctl
+from sqm.conversations.conversation import BOTH, SYNC, Conversation
+from sqm.conversations.uowstatus import restore_control_entry, status_letter_hex
+from sqm.conversations.uowsweeper import Sweeper
+from sqm.core.manager import QueueManager, QueueManagerConfig
 from tests.support.group import start_qm
 
 S, SVC = "APP1", "SVC"
@@ -99,7 +99,7 @@ def test_a_real_lost_reply_on_delivery_does_not_leave_an_idle_session_holding_th
         Conversation(qm, "alice").send("NP", b"a", commit=True)
         bob = Conversation(qm, "bob")
         harness = redis_server.client()
-        from sqm.connection import Connection
+        from sqm.core.connection import Connection
         real = Connection.commit
         fired: list[int] = []
 
@@ -277,7 +277,7 @@ def test_a_sweep_reads_a_bounded_batch_and_a_short_lifetime_behind_long_ones_sti
     blocked 294 ms per status for 20,000 kept statuses, review R), and a 1 s UOW behind 1,000 long-lived ones never
     timed out. Now each sweep reads a batch per status (peek_scan.lua) and a pass goes round them all."""
     from cfemu.cf import Structure
-    from sqm.uowstatus import Control
+    from sqm.conversations.uowstatus import Control
     admin.define_queue("BIG", S, uow={"max_uows": 5000, "status_lifetime": 1})
     qm1, _ = qms
     svc = ctl.service(qm1, "BIG")

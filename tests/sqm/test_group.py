@@ -14,7 +14,7 @@ from cfemu import keys
 from cfemu.admin import Admin
 from cfemu.connection import connect
 from cfemu.errors import NoMessageError, OutcomeUnknownError, StructureFullError, UnknownObjectError
-from sqm.manager import QueueManager, QueueManagerConfig
+from sqm.core.manager import QueueManager, QueueManagerConfig
 from tests.support.group import define_group, start_qm
 
 

@@ -8,7 +8,7 @@ import redis
 
 from cfemu.admin import Admin
 from cfemu.connection import connect
-from sqm.manager import QueueManager, QueueManagerConfig
+from sqm.core.manager import QueueManager, QueueManagerConfig
 
 
 def define_group(url: str, *, structure: str = "APP1", queues: tuple[str, ...] = ("Q1", "Q2"),

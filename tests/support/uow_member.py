@@ -1,4 +1,4 @@
-"""A queue manager in its own process that a test drives through UOW conversations (sqm.conversation), for the
+"""A queue manager in its own process that a test drives through UOW conversations (sqm.conversations.conversation), for the
 restart tests that kill members with real signals (tests/sqm/test_uow_restart.py).
 
     python -m tests.support.uow_member --redis-url URL --log-root DIR --name QM1 [--lease-ms 1000]
@@ -64,9 +64,9 @@ def decode(value: Any) -> Any:
 
 def serve(argv: list[str] | None = None) -> int:
     from cfemu.errors import EndOfUowError, NoMessageError
-    from sqm import uowcontrols as ctl
-    from sqm.conversation import SYNC, Conversation
-    from sqm.manager import QueueManager, QueueManagerConfig
+    from sqm.conversations import uowcontrols as ctl
+    from sqm.conversations.conversation import SYNC, Conversation
+    from sqm.core.manager import QueueManager, QueueManagerConfig
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--redis-url", required=True)

@@ -34,7 +34,7 @@ BY_LETTER = {v: k for k, v in LETTER.items()}
 RECV_NONE, RECV_FIRST, RECV_MIDDLE, RECV_LAST, RECV_ONLY = (
     "RECV_NONE", "RECV_FIRST", "RECV_MIDDLE", "RECV_LAST", "RECV_ONLY")
 
-# Who acts, and on what event. SENDER / RECEIVER: the application through sqm.conversation; SYSTEM: the sweeper
+# Who acts, and on what event. SENDER / RECEIVER: the application through sqm.conversations.conversation; SYSTEM: the sweeper
 # (lifetimes, postponement) and recovery.
 SENDER, RECEIVER, SYSTEM = "sender", "receiver", "system"
 

@@ -25,17 +25,17 @@ from typing import TYPE_CHECKING, Any
 import redis
 
 from cfemu.errors import MQError, RelogBusyError
-from sqm import records
-from sqm.clock import now_ms
-from sqm.failpoints import failpoint
+from sqm.core import records
+from sqm.core.clock import now_ms
+from sqm.core.failpoints import failpoint
 from sqm.log import LogFullError, LogReader
 
 if TYPE_CHECKING:
-    from sqm.manager import QueueManager
+    from sqm.core.manager import QueueManager
 
 log = logging.getLogger("sqm.relog")
 
-CF_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)  # as sqm.manager's
+CF_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)  # as sqm.core.manager's
 EVERYTHING = -1  # relog_scan's threshold at a termination checkpoint
 
 
@@ -61,7 +61,7 @@ class Pass:
         self.cpl = [[self.begin, end]] * entries if termination else aged(self.old_cpl, [self.begin, end], entries)
 
     def as_record(self) -> dict[str, Any]:
-        """The pass as a checkpoint record carries it (sqm.records.RelogPasses)."""
+        """The pass as a checkpoint record carries it (sqm.core.records.RelogPasses)."""
         return {"cpl": self.cpl, "gen": self.gen, "w": self.window, "b": self.begin, "e": self.end,
                 "held": list(self.carried), "copies": self.copies}
 
@@ -170,7 +170,7 @@ def newest_pass(log_dirs: Iterable[Path], structure: str) -> tuple[str, dict[str
     """The newest complete relog pass of `structure` (docs/log-management.md), as (member, pass): each member
     carries the last pass it completed for each structure in every checkpoint record, so its last checkpoint
     says it. A pass is complete only once that record is on disk: a pass cut short by a crash is in no record.
-    Restore starts from its window; log retention (sqm.retention) keeps the logs from there."""
+    Restore starts from its window; log retention (sqm.core.retention) keeps the logs from there."""
     best: tuple[str, dict[str, Any]] | None = None
     for d in log_dirs:
         reader = LogReader(d)

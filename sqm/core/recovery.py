@@ -27,12 +27,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cfemu.errors import BackedOutError, MQError, StructureFailedError
+from sqm.core.records import INBACKOUT, INCOMMIT, INDOUBT, INFLIGHT, Record
+from sqm.core.uow import UnitOfWork, rebuild_table
 from sqm.log import LogReader, RecordLog
-from sqm.records import INBACKOUT, INCOMMIT, INDOUBT, INFLIGHT, Record
-from sqm.uow import UnitOfWork, rebuild_table
 
 if TYPE_CHECKING:
-    from sqm.manager import QueueManager
+    from sqm.core.manager import QueueManager
 
 log = logging.getLogger("sqm.recovery")
 
@@ -51,7 +51,7 @@ class RestartReport:
     seconds: float = 0.0
     phases: list[tuple[str, dict[str, int]]] = field(default_factory=list)
     # The log range restart read: from the checkpoint it used (its LRSN and position), the segments opened, and the
-    # LRSN range of the records read. Messages (logger sqm.recovery) name them as MQ's CSQR messages do.
+    # LRSN range of the records read. Messages (logger sqm.core.recovery) name them as MQ's CSQR messages do.
     checkpoint_lrsn: int = 0
     checkpoint_position: str = ""
     segments_read: list[int] = field(default_factory=list)
@@ -196,7 +196,7 @@ def restart(qm: QueueManager, progress: Progress | None = None) -> RestartReport
         except BackedOutError:
             pass
     phase("backward recovery", {"backed out": rep.in_flight})
-    from sqm.uowsweeper import settle_member_best_effort
+    from sqm.conversations.uowsweeper import settle_member_best_effort
 
     settled = settle_member_best_effort(qm)  # units of work sent to services: seed 003's restart tables
     if settled:
@@ -278,7 +278,7 @@ def recover_peer(qm: QueueManager, failed: str) -> PeerRecoveryReport | None:
             rep.backed_out += 1
     # Counted before the member is forgotten: whoever sees it gone from the group sees its recovery counted (a
     # test polling the members read the counter a moment too early under load).
-    from sqm.uowsweeper import settle_member_best_effort
+    from sqm.conversations.uowsweeper import settle_member_best_effort
 
     settle_member_best_effort(qm)  # the failed member's units of work sent to services (its epoch is fenced)
     qm.counters["peer_recoveries"] += 1

@@ -1,6 +1,6 @@
 """Units of work as conversations (seeds 003 and 004): an application logs on with a user id and a token, sends
 units of work (UOWs) of several messages to a service, receives a UOW whole and in order, and settles it with
-SYNCPOINT; each UOW has a status every member shares (sqm.uowstatus), kept on the CF and logged like any message.
+SYNCPOINT; each UOW has a status every member shares (sqm.conversations.uowstatus), kept on the CF and logged like any message.
 
 One Conversation is one participant's session on a queue manager. It holds one *scope*: a queue-manager unit of
 work that carries the messages of the UOW it is sending (uncommitted puts) and of the UOW it is receiving
@@ -31,11 +31,8 @@ from cfemu.errors import (
     UowStatusError,
 )
 from cfemu.uow_attributes import UWSTATP_DEFAULT, UWSTATP_NONE
-from sqm import uowcontrols as ctl
-from sqm.clock import now_ms
-from sqm.connection import Connection, Message
-from sqm.manager import QueueManager
-from sqm.uowstatus import (
+from sqm.conversations import uowcontrols as ctl
+from sqm.conversations.uowstatus import (
     ACCEPTED,
     ACTIVE,
     DELIVERED,
@@ -59,6 +56,9 @@ from sqm.uowstatus import (
     finish,
     transition,
 )
+from sqm.core.clock import now_ms
+from sqm.core.connection import Connection, Message
+from sqm.core.manager import QueueManager
 
 SYNC, MSG, ANY = "SYNC", "MSG", "ANY"  # what a receive may be satisfied with (seed 003, "Options used for UOWs")
 BOTH = "BOTH"  # COMMIT / BACKOUT of the received and the sent UOW at once
@@ -667,7 +667,7 @@ def move_to_backout_queue(conn: Connection, svc: ctl.Service, uow: str) -> bool:
 def settle_orphan(qm: QueueManager, svc: ctl.Service, uow: str, owner: str, *, gone: bool = False,
                   wait_s: float = ctl.HELD_WAIT_S) -> Control | None:
     """A UOW whose owning scope was backed out (``gone``: died with its member): its status as a backout leaves it
-    (sqm.uowstatus.after_backout) or, when its process is gone, as the restart tables say (after_restart); its
+    (sqm.conversations.uowstatus.after_backout) or, when its process is gone, as the restart tables say (after_restart); its
     remaining messages are removed when it is not restored. Best effort: a control that changed meanwhile, or a CF
     that cannot be reached, is left to the sweeper (which passes ``wait_s`` 0: see ctl.replace)."""
     def settle(old: Control) -> Control | None:

@@ -3,7 +3,7 @@
 Puts and gets inside a UOW run on the CF first and are then logged (not forced) with the LRSN the CF script
 returned. Commit and backout are logged and forced first (the log decides the outcome), then applied on the CF.
 A persistent put outside syncpoint is a UOW of its own (PUT, then a forced COMMIT). Non-persistent work is never
-logged. The application's handle (MQCONN) is sqm.connection.Connection.
+logged. The application's handle (MQCONN) is sqm.core.connection.Connection.
 """
 
 from __future__ import annotations
@@ -43,17 +43,17 @@ from cfemu.errors import (
 )
 from cfemu.keys import check_member_name
 from cfemu.repository import GroupRepository, RepositoryError, open_group_repository
-from sqm import records, relog
-from sqm.clock import LrsnClock, now_ms
-from sqm.failpoints import failpoint
+from sqm.core import records, relog
+from sqm.core.clock import LrsnClock, now_ms
+from sqm.core.failpoints import failpoint
+from sqm.core.recauto import RecoverStructure, StructureRecovery
+from sqm.core.records import INBACKOUT, INCOMMIT, INDOUBT, Record
+from sqm.core.retention import Retention, member_retention
+from sqm.core.uow import UnitOfWork
 from sqm.log import LogFormatError, RecordLog
-from sqm.recauto import RecoverStructure, StructureRecovery
-from sqm.records import INBACKOUT, INCOMMIT, INDOUBT, Record
-from sqm.retention import Retention, member_retention
-from sqm.uow import UnitOfWork
 
 if TYPE_CHECKING:
-    from sqm.connection import Connection
+    from sqm.core.connection import Connection
 
 log = logging.getLogger("sqm")
 
@@ -70,7 +70,7 @@ class QueueManagerConfig:
     lease_ms: int = 5000
     logload: int = 10000  # take a checkpoint every this many log records (MQ's LOGLOAD)
     expiry_interval_ms: int = 1000
-    uow_sweep_interval_ms: int = 1000  # units of work sent to services: lifetimes, postponement (sqm.uowsweeper)
+    uow_sweep_interval_ms: int = 1000  # units of work sent to services: lifetimes, postponement (sqm.conversations.uowsweeper)
     clock_skew_us: int = 0
     segment_bytes: int = 64 * 2**20
     background: bool = True  # heartbeat, peer recovery, expiry and pending-work threads
@@ -93,7 +93,7 @@ class QueueManagerConfig:
     log_archive_dir: Path | None = None
     checkpoint_interval_s: float = 300.0
     log_low_space_bytes: int = 256 * 2**20
-    # RECAUTO (sqm.recauto): how this member restores a failed structure; injected by the top floor (qsg.member
+    # RECAUTO (sqm.core.recauto): how this member restores a failed structure; injected by the top floor (qsg.member
     # wires restore in); None: this member never recovers a structure by itself.
     recover_structure: RecoverStructure | None = None
 
@@ -108,7 +108,7 @@ def reply_lost(e: BaseException) -> bool:
 
 
 class QueueManager:
-    """One SQM. Start it, connect() handles to it, stop() it. See sqm.recovery for restart and peer recovery."""
+    """One SQM. Start it, connect() handles to it, stop() it. See sqm.core.recovery for restart and peer recovery."""
 
     def __init__(self, config: QueueManagerConfig, client: redis.Redis | None = None) -> None:
         self.config = config
@@ -137,9 +137,9 @@ class QueueManager:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.last_restart: Any = None
-        self.sweeper: Any = None  # sqm.uowsweeper.Sweeper, made by the housekeeping thread
+        self.sweeper: Any = None  # sqm.conversations.uowsweeper.Sweeper, made by the housekeeping thread
         self._checkpointing = threading.Lock()
-        # The last complete relog pass of each structure this member relogged (sqm.relog), carried forward in
+        # The last complete relog pass of each structure this member relogged (sqm.core.relog), carried forward in
         # every checkpoint record: restore finds the newest window in the members' last checkpoints.
         self.relog_passes: dict[str, dict[str, Any]] = {}
         self.retention: Retention | None = None  # what recovery needed of the log at the last checkpoint
@@ -155,7 +155,7 @@ class QueueManager:
 
     def start(self, progress: Callable[[str, dict[str, int]], None] | None = None) -> Any:
         """Open the log, join the group (a new epoch fences any older incarnation), run restart recovery."""
-        from sqm.recovery import restart
+        from sqm.core.recovery import restart
 
         # The group's log root first (before anything is created here): a member logging where peer recovery,
         # backup and restore do not read would have its committed work dropped by them (issue 10, hole 6).
@@ -208,7 +208,7 @@ class QueueManager:
         self.stop()
 
     def connect(self) -> Connection:
-        from sqm.connection import Connection
+        from sqm.core.connection import Connection
 
         self.check_usable()
         return Connection(self)
@@ -264,7 +264,7 @@ class QueueManager:
             return uow
 
     def append(self, record: Record, *, uow: UnitOfWork | None = None, state: str | None = None) -> None:
-        """Append a record, and wait for it to be on disk when its kind is forced (sqm.records.KINDS). With uow
+        """Append a record, and wait for it to be on disk when its kind is forced (sqm.core.records.KINDS). With uow
         and state, the UOW takes that state together with the append, as any checkpoint sees it: a checkpoint can
         never show a UOW in flight after its COMMIT or PREPARE record (restart reads only from the checkpoint on,
         and would back it out)."""
@@ -298,7 +298,7 @@ class QueueManager:
 
     def checkpoint(self, why: str) -> None:
         """A checkpoint record carries the active UOW table, so restart reads the log from here on, and completes
-        the relog passes taken before it (sqm.relog: their windows and CPLs). One checkpoint at a time: a LOGLOAD
+        the relog passes taken before it (sqm.core.relog: their windows and CPLs). One checkpoint at a time: a LOGLOAD
         checkpoint that finds another running leaves it to that one."""
         if self.log is None:
             return
@@ -330,7 +330,7 @@ class QueueManager:
         return Path(root) / self.name if root is not None else self.log_dir / "archive"
 
     def manage_log(self) -> Retention | None:
-        """After a checkpoint: what recovery still needs of this member's log (sqm.retention); the segments wholly
+        """After a checkpoint: what recovery still needs of this member's log (sqm.core.retention); the segments wholly
         before it are inactive: linear logging archives them, circular logging releases them for reuse."""
         if self.log is None:
             return None
@@ -565,7 +565,7 @@ class QueueManager:
         gen = uow.structures[sname]
         logged = uow.persistent or for_member is not None
         # The record's own LRSN is checked against the floor; the entries are stamped with the LRSN at which the
-        # decision counts (sqm.records.counts_at), which a re-log below keeps.
+        # decision counts (sqm.core.records.counts_at), which a re-log below keeps.
         lrsn = (uow.record_lrsn or uow.decided_lrsn) if logged else 0
         at = uow.decided_lrsn if logged else 0
         has_data = uow.data_logged  # else the CF refuses a get backout while a backup runs (BACKUPACTIVE)
@@ -705,9 +705,9 @@ class QueueManager:
                 failing = ""
 
     def _housekeeping_loop(self) -> None:
-        from sqm import pubsub_sweeper
-        from sqm.recovery import recover_peers
-        from sqm.uowsweeper import Sweeper
+        from sqm.conversations.uowsweeper import Sweeper
+        from sqm.core.recovery import recover_peers
+        from sqm.pubsub import pubsub_sweeper
 
         next_expiry = next_sweep = 0.0
         self.sweeper = Sweeper(self)

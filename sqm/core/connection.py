@@ -1,5 +1,5 @@
 """The application's connection to a queue manager (like MQCONN): put, get, browse and syncpoint, holding at
-most one current unit of work. The queue manager itself (log, CF calls, completion) is sqm.manager."""
+most one current unit of work. The queue manager itself (log, CF calls, completion) is sqm.core.manager."""
 
 from __future__ import annotations
 
@@ -25,19 +25,19 @@ from cfemu.errors import (
     StructureFailedError,
 )
 from cfemu.limits import check_id
-from sqm import records
-from sqm.clock import now_ms
-from sqm.failpoints import failpoint
-from sqm.messaging import UnitOfWorkScope
-from sqm.records import INDOUBT, INFLIGHT
-from sqm.request_slots import nap
-from sqm.uow import UnitOfWork
+from sqm.core import records
+from sqm.core.clock import now_ms
+from sqm.core.failpoints import failpoint
+from sqm.core.messaging import UnitOfWorkScope
+from sqm.core.records import INDOUBT, INFLIGHT
+from sqm.core.request_slots import nap
+from sqm.core.uow import UnitOfWork
 
 # MQ's expiry is a 32-bit count of tenths of a second: bounded so that expiry arithmetic cannot overflow.
 MAX_EXPIRY_MS = (2**31 - 1) * 100
 
 if TYPE_CHECKING:
-    from sqm.manager import QueueManager
+    from sqm.core.manager import QueueManager
 
 
 @dataclass

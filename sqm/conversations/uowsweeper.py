@@ -1,7 +1,7 @@
 """What happens to UOWs with no caller: lifetimes and postponement on the pseudo-clock, status lifetimes, and the
 settling of UOWs whose holder is gone (seed 003's restart tables). Run by every member's housekeeping (about once
 a second) and, for one member, by its restart and by the peer that recovers it. Every change is one replacement of
-the UOW's control entry (sqm.uowcontrols.replace), so two members sweeping at once change a UOW once: the second
+the UOW's control entry (sqm.conversations.uowcontrols.replace), so two members sweeping at once change a UOW once: the second
 finds the control taken or changed, and leaves it.
 
 Lifetimes count on the structure's pseudo-clock (cfemu/scripts/pclock.lua), which runs only while the structure is
@@ -17,10 +17,9 @@ from dataclasses import replace
 
 from cfemu import keys
 from cfemu.errors import MQError, StructureFailedError, UowStatusError
-from sqm import uowcontrols as ctl
-from sqm.conversation import settle_orphan
-from sqm.manager import QueueManager
-from sqm.uowstatus import (
+from sqm.conversations import uowcontrols as ctl
+from sqm.conversations.conversation import settle_orphan
+from sqm.conversations.uowstatus import (
     ACCEPTED,
     ACTIVE,
     DELIVERED,
@@ -33,6 +32,7 @@ from sqm.uowstatus import (
     finish,
     transition,
 )
+from sqm.core.manager import QueueManager
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ def member_epochs(qm: QueueManager) -> dict[str, int]:
 
 def settle_member(qm: QueueManager) -> Counter[str]:
     """After a member restarted (qm is it) or was recovered by a peer (qm is the peer, after the fence): every UOW
-    that a gone member incarnation held is settled by seed 003's restart tables (sqm.uowstatus.after_restart).
+    that a gone member incarnation held is settled by seed 003's restart tables (sqm.conversations.uowstatus.after_restart).
     Idempotent, and safe while the members work on: only gone incarnations are named (Control.outlived)."""
     done: Counter[str] = Counter()
     epochs = member_epochs(qm)
@@ -158,7 +158,7 @@ def _settle_outlived(qm: QueueManager, svc: ctl.Service, controls: list[Control]
 
     A settled UOW's home becomes its home member's current incarnation: each later restart or recovery of that
     member settles it again (Table 1 once per restart). A persistent ACCEPTED UOW is left as it is (its stale home
-    changes nothing), and a postponement makes the postponing member its home (sqm.conversation), so a restart
+    changes nothing), and a postponement makes the postponing member its home (sqm.conversations.conversation), so a restart
     the UOW lived through does not cut a later postponement's delay short."""
     done: Counter[str] = Counter()
     holding: dict[str, dict[str, object]] = {}  # member -> the units of work it still holds on the structure

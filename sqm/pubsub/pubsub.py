@@ -25,7 +25,7 @@ not logged on uses the anonymous owner ("", ""), whose subscriptions every such 
 A receive takes the subscription's entry under the session's unit of work (so one session at a time receives for a
 subscription, on any member) and reads the next publication after its position without taking it (the CF op
 topic_next); COMMIT puts the entry back with the position advanced, BACKOUT gives it back unchanged, so the
-publication is received again. The sweeper (sqm.pubsub_sweeper) removes the publications every subscription has
+publication is received again. The sweeper (sqm.pubsub.pubsub_sweeper) removes the publications every subscription has
 passed, and those past their lifetime. docs/pubsub.md has the model.
 """
 
@@ -53,10 +53,10 @@ from cfemu.errors import (
     UnknownObjectError,
 )
 from cfemu.topic_attributes import TopicAttributes, publication_queue, subscription_queue
-from sqm import uowcontrols as ctl
-from sqm.connection import Connection
-from sqm.manager import QueueManager
-from sqm.request_slots import nap
+from sqm.conversations import uowcontrols as ctl
+from sqm.core.connection import Connection
+from sqm.core.manager import QueueManager
+from sqm.core.request_slots import nap
 
 SUB_LETTER = b"S"  # every subscription entry's correlation id: subscriptions() scans them all by it
 ROSTER_LETTER = b"R"  # every roster entry's correlation id (one per subscription, never replaced)

@@ -22,12 +22,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cfemu.admin import Admin
+from sqm.core.relog import newest_pass
+from sqm.core.uow import UnitOfWork, rebuild_table
 from sqm.log import LogPosition, LogReader, SegmentInfo, find_log_dirs
-from sqm.relog import newest_pass
-from sqm.uow import UnitOfWork, rebuild_table
 
 if TYPE_CHECKING:
-    from sqm.manager import QueueManager
+    from sqm.core.manager import QueueManager
 
 RESTART, UOW, STRUCTURE = "restart", "uow", "structure"
 

@@ -1,6 +1,6 @@
 """Control entries: where a UOW's status is kept on the CF, and the one way it changes (a replacement inside a
-queue-manager unit of work). Shared by the application's conversation (sqm.conversation), the sweeper that runs
-lifetimes and postponement (sqm.uowsweeper) and recovery's settling of UOWs whose process is gone."""
+queue-manager unit of work). Shared by the application's conversation (sqm.conversations.conversation), the sweeper that runs
+lifetimes and postponement (sqm.conversations.uowsweeper) and recovery's settling of UOWs whose process is gone."""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ from cfemu.admin import QueueDef
 from cfemu.entry import Entry
 from cfemu.errors import NoMessageError, UowStatusError
 from cfemu.uow_attributes import UowAttributes, control_queue, data_queue
-from sqm.connection import Connection, Message
-from sqm.manager import QueueManager
-from sqm.request_slots import nap
-from sqm.uowstatus import LETTER, Control, status_letter_hex
+from sqm.conversations.uowstatus import LETTER, Control, status_letter_hex
+from sqm.core.connection import Connection, Message
+from sqm.core.manager import QueueManager
+from sqm.core.request_slots import nap
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ PEEK_LIMIT = 1000
 # receiver's COMMIT of a UOW its session held because a sweeper looked at that moment, and a QUERY right after an
 # acknowledged COMMIT read the status before it (CHAOS-RESULTS.md, 2026-11-26 20:10). Below a client's 5 s request
 # timeout, so the answer still reaches it: it is one request's budget, not one per control (a COMMIT BOTH takes
-# two, and waited 3 s for each: review, sqm.conversation.Conversation.commit).
+# two, and waited 3 s for each: review, sqm.conversations.conversation.Conversation.commit).
 HELD_WAIT_S = 3.0
 
 

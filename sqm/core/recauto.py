@@ -54,7 +54,7 @@ from cfemu.progress import Progress
 from cfemu.repository import migrated_refusal
 
 if TYPE_CHECKING:
-    from sqm.manager import QueueManager
+    from sqm.core.manager import QueueManager
 
 log = logging.getLogger("sqm.recauto")
 

@@ -1,5 +1,5 @@
 """What happens to publications and subscriptions with no caller, run by every member's housekeeping (with the UOW
-sweeper, sqm.uowsweeper): a publication every subscription has passed is removed, and so is one past its lifetime;
+sweeper, sqm.conversations.uowsweeper): a publication every subscription has passed is removed, and so is one past its lifetime;
 an idle subscription past its topic's SUBSCRIPTION-EXPIRATION is removed, and so is a non-durable one whose home
 member incarnation is gone (it lives as long as the member it was made through, like a non-persistent UOW). Every
 change is gets inside a queue-manager unit of work, so two members sweeping at once remove a thing once: the second
@@ -21,10 +21,10 @@ from collections import Counter
 from collections.abc import Callable
 
 from cfemu.errors import MQError, NoMessageError, StructureFailedError
-from sqm import pubsub as ps
-from sqm import uowcontrols as ctl
-from sqm.manager import QueueManager
-from sqm.uowsweeper import member_epochs
+from sqm.conversations import uowcontrols as ctl
+from sqm.conversations.uowsweeper import member_epochs
+from sqm.core.manager import QueueManager
+from sqm.pubsub import pubsub as ps
 
 log = logging.getLogger(__name__)
 MAX_PER_SWEEP = 500  # publications looked at per topic and sweep (the next sweep goes on)
