@@ -574,8 +574,9 @@ def client_worker(kind: str, params: dict[str, Any], worker: int, pipe: Pipe) ->
     if kind == "sqm-inproc":
         os.environ.update(params["env"])
         from sqm.core.manager import QueueManager, QueueManagerConfig
+        from sqm.wings import WINGS
         qm = QueueManager(QueueManagerConfig(name=f"INPROC{worker + 1}", log_root=Path(params["log_root"]),
-                                             redis_url=params["redis_url"], lease_ms=LEASE_MS))
+                                             redis_url=params["redis_url"], lease_ms=LEASE_MS), wings=WINGS)
         qm.start()
     pipe.send(("started", os.getpid()))
     try:

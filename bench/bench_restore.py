@@ -213,6 +213,7 @@ def real_sqm_kinds(work: Path, records: int, seed: int = 1) -> dict[str, int]:
     from cfemu.embedded import EmbeddedRedis
     from cfemu.errors import NoMessageError
     from sqm.core.manager import QueueManager, QueueManagerConfig
+    from sqm.wings import WINGS
 
     rnd = random.Random(seed)
     server = EmbeddedRedis(data_dir=work / "redis")
@@ -223,7 +224,7 @@ def real_sqm_kinds(work: Path, records: int, seed: int = 1) -> dict[str, int]:
         admin.define_structure(S)
         for q in QUEUES:
             admin.define_queue(q, S)
-        qms = [QueueManager(QueueManagerConfig(name=m, log_root=work / "logs", redis_url=server.url))
+        qms = [QueueManager(QueueManagerConfig(name=m, log_root=work / "logs", redis_url=server.url), wings=WINGS)
                for m in MEMBERS]
         for qm in qms:
             qm.start()

@@ -37,6 +37,7 @@ from rich.table import Table
 from qsg.cluster import Cluster
 from sqm.core.manager import QueueManager, QueueManagerConfig
 from sqm.service.client import Client
+from sqm.wings import WINGS
 
 REPO = Path(__file__).resolve().parents[1]
 MANAGERS = 3
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     cluster = Cluster.up(work / "cluster", managers=MANAGERS, backup_interval=None, structure=STRUCTURE,
                          queues=(QUEUE,), lease_ms=LEASE_MS)
     qms = [QueueManager(QueueManagerConfig(name=f"INPROC{i + 1}", log_root=cluster.log_root,
-                                           redis_url=cluster.cf_url("member"), lease_ms=LEASE_MS))
+                                           redis_url=cluster.cf_url("member"), lease_ms=LEASE_MS), wings=WINGS)
            for i in range(MANAGERS)]
     for qm in qms:
         qm.start()

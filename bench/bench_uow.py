@@ -48,6 +48,7 @@ from cfemu.embedded import EmbeddedRedis
 from sqm.conversations.conversation import SYNC, Conversation
 from sqm.core.connection import Connection
 from sqm.core.manager import QueueManager, QueueManagerConfig
+from sqm.wings import WINGS
 
 BODY = os.urandom(1024)
 STRUCTURE, SERVICE, PLAIN = "APP1", "SVC", "PLAIN"
@@ -82,7 +83,7 @@ def start_group(work: Path, name: str, status_lifetime: int) -> Group:
     admin.define_structure(STRUCTURE)
     admin.define_queue(SERVICE, STRUCTURE, uow={"status_lifetime": status_lifetime, "max_uows": 100_000})
     admin.define_queue(PLAIN, STRUCTURE)
-    qms = [QueueManager(QueueManagerConfig(name=f"QM{i}", log_root=work / name / "logs", redis_url=cf.url))
+    qms = [QueueManager(QueueManagerConfig(name=f"QM{i}", log_root=work / name / "logs", redis_url=cf.url), wings=WINGS)
            for i in (1, 2)]
     for qm in qms:
         qm.start()

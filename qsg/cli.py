@@ -52,6 +52,7 @@ from sqm.core.manager import QueueManager, QueueManagerConfig
 from sqm.log import LogFormatError, LogReader
 from sqm.service.client import Client
 from sqm.service.metrics import last_backup_age
+from sqm.wings import WINGS
 
 OPERATOR_QM = "OPS"  # the short-lived in-process queue manager of one-shot put/get
 
@@ -121,7 +122,7 @@ def messaging(args: argparse.Namespace) -> Iterator[MessagingHandle]:
         return
 
     qm = QueueManager(QueueManagerConfig(name=args.qm_name, log_root=found.log_root, redis_url=require_url(found),
-                                         background=False))
+                                         background=False), wings=WINGS)
     qm.start()
     try:
         conn = qm.connect()

@@ -35,9 +35,9 @@ from cfemu.clitools import (
 )
 from cfemu.settings import Settings, operator_token
 from sqm.core.recauto import RecoverStructure
-from sqm.core.request_slots import LEASE_S, MAX_SLOTS, default_slots
 from sqm.logadmin import add_log_admin_parsers
 from sqm.logprint import LOG_ERRORS, add_log_parser
+from sqm.request_slots import LEASE_S, MAX_SLOTS, default_slots
 from sqm.service.protocol import DEFAULT_MAX_FRAME, MAX_FRAME, MIN_FRAME
 from sqm.service.server import ServerConfig, is_loopback_host, serve
 

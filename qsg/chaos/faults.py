@@ -106,6 +106,7 @@ from sqm.core.manager import QueueManager, QueueManagerConfig
 from sqm.service.client import Client, handshake
 from sqm.service.protocol import ENVELOPE, PRE_HELLO_MAX_FRAME, encode_frame
 from sqm.service.server import EXIT_CONFIG, EXIT_FENCED
+from sqm.wings import WINGS
 
 SHORT_KINDS = ("sqm-kill", "cf-kill", "cf-link-cut", "client-link-halfopen", "cf-link-reply-loss")
 # Against a Redis Cluster CF (--redis-cluster): no kind that needs a proxy between an SQM and the CF (a cluster client
@@ -881,7 +882,7 @@ def big_messages(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
     try:
         out["restart_s"] = _restart(g, target, step, extra_args=[*base, "--max-frame", str(EDGE_FRAME)])
         qm = QueueManager(QueueManagerConfig(name=BIG_MEMBER, log_root=g.c.log_root, redis_url=g.c.cf_url("member"),
-                                             lease_ms=g.lease_ms))
+                                             lease_ms=g.lease_ms), wings=WINGS)
         qm.start()
         try:
             conn = qm.connect()

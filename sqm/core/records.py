@@ -28,7 +28,7 @@ from typing import Any, Final, Literal, NoReturn, TypedDict, cast
 Record = dict[str, Any]
 Carried = list[Any]  # [structure, descriptor (wire form), data]: a backed-out get's entry, carried in "dd"
 
-# UOW states (seed 000 / seed 002): in-flight, in-doubt, in-commit, in-backout, complete.
+# UOW states (MQ's, DESIGN-NOTES section 6): in-flight, in-doubt, in-commit, in-backout, complete.
 INFLIGHT, INDOUBT, INCOMMIT, INBACKOUT, DONE = "INFLIGHT", "INDOUBT", "INCOMMIT", "INBACKOUT", "DONE"
 
 # The outcome an OUTCOME record decides for its UOW. A RECOVERY record's "o" holds C or B; D (in doubt, a
@@ -134,7 +134,7 @@ class ExpireRecord(Logged):
 
 
 class RelogRecord(Logged):
-    """A copy of one entry as the CF held it, written by a relog pass (seed 000; docs/log-management.md)."""
+    """A copy of one entry as the CF held it, written by a relog pass (selective relogging: docs/log-management.md)."""
 
     k: Literal["RELOG"]
     s: str

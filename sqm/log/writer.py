@@ -18,7 +18,6 @@ import msgpack
 
 from cfemu.durable import fsync_directory
 from cfemu.private_files import open_private, private_dir
-from sqm.core.request_slots import before_wait
 from sqm.log.format import (
     FORMAT_VERSION,
     FRAME,
@@ -42,6 +41,7 @@ from sqm.log.format import (
     trusted_segments,
     write_manifest,
 )
+from sqm.request_slots import before_wait
 
 #: Checkpoints remembered in the manifest.
 CHECKPOINTS_KEPT = 16

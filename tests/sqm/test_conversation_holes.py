@@ -23,6 +23,7 @@ from sqm.conversations.conversation import BOTH, SYNC, Conversation
 from sqm.conversations.uowstatus import restore_control_entry, status_letter_hex
 from sqm.conversations.uowsweeper import Sweeper
 from sqm.core.manager import QueueManager, QueueManagerConfig
+from sqm.wings import WINGS
 from tests.support.group import start_qm
 
 S, SVC = "APP1", "SVC"
@@ -93,7 +94,7 @@ def test_a_real_lost_reply_on_delivery_does_not_leave_an_idle_session_holding_th
     """A reply lost for real (the CF busy past the member's socket timeout) on the commit of ACCEPTED -> DELIVERED:
     the settle escaped with a raw redis error, and the idle scope held the UOW DELIVERED for as long as it lived."""
     qm = QueueManager(QueueManagerConfig(name="QM3", log_root=tmp_path / "l3", redis_url=redis_url,
-                                         background=False), client=connect(redis_url, socket_timeout=0.3))
+                                         background=False), client=connect(redis_url, socket_timeout=0.3), wings=WINGS)
     qm.start()
     try:
         Conversation(qm, "alice").send("NP", b"a", commit=True)

@@ -1,4 +1,4 @@
-"""Request slots (sqm.core.request_slots, issue 15): at most N requests of a `sqm run` service do their work at once,
+"""Request slots (sqm.request_slots, issue 15): at most N requests of a `sqm run` service do their work at once,
 each up to its first wait, where its slot goes to another request for good.
 
 The slots themselves are tested with plain threads; what they do to the service, through real `sqm run` processes
@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from cfemu.admin import Admin
-from sqm.core.request_slots import RequestSlots, before_wait, default_slots, nap
+from sqm.request_slots import RequestSlots, before_wait, default_slots, nap
 from sqm.service.client import Client
 from tests.sqm.test_service import TOKEN, TOKENS_ENV, ServerProc, http_get, start_server
 from tests.support.group import define_group

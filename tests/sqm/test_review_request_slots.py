@@ -1,4 +1,4 @@
-"""Review of the request slots (commit c129a86, sqm.core.request_slots): what an outsider sees through real `sqm run`
+"""Review of the request slots (commit c129a86, sqm.request_slots): what an outsider sees through real `sqm run`
 processes with one slot (`--request-slots 1`) on a real CF.
 
 The review found that a slot was given up only where the request paths call before_wait (the log's force, a get's,
@@ -31,8 +31,8 @@ from typing import Any
 import pytest
 
 from cfemu.errors import MQError, NoMessageError
-from sqm.core.request_slots import RequestSlots, before_wait
 from sqm.log import LogReader
+from sqm.request_slots import RequestSlots, before_wait
 from sqm.service.client import Client
 from sqm.service.server import ServerConfig, ServerConfigError
 from tests.sqm.test_request_slots import metric
@@ -435,7 +435,7 @@ def test_a_huge_request_slots_is_refused_in_one_line(tmp_path: Path) -> None:
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to pin the process to one")
 def test_the_default_slots_follow_the_cpus_the_process_may_use() -> None:
     done = subprocess.run([sys.executable, "-c", "import os; os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))"
-                           "[0]}); from sqm.core.request_slots import default_slots; print(default_slots())"],
+                           "[0]}); from sqm.request_slots import default_slots; print(default_slots())"],
                           capture_output=True, text=True, timeout=60, check=True)
     assert int(done.stdout) == 2  # one CPU, plus one
 

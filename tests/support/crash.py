@@ -31,7 +31,8 @@ def failpoint_armed(name: str) -> Iterator[None]:
         if point == name:
             raise Crash(point)
 
-    with mock.patch("sqm.core.manager.failpoint", fire), mock.patch("sqm.core.connection.failpoint", fire):
+    with mock.patch("sqm.core.outcomes.failpoint", fire), mock.patch("sqm.core.logspace.failpoint", fire), \
+            mock.patch("sqm.core.connection.failpoint", fire):
         yield
 
 

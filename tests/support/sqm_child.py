@@ -30,6 +30,7 @@ from cfemu.errors import MQError
 from sqm.core.clock import now_ms
 from sqm.core.connection import Connection
 from sqm.core.manager import QueueManager, QueueManagerConfig
+from sqm.wings import WINGS
 
 
 def say(line: str) -> None:
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
 
     qm = QueueManager(QueueManagerConfig(name=args.name, log_root=args.log_root, redis_url=args.redis_url,
                                          lease_ms=args.lease_ms, logload=args.logload,
-                                         background=True))
+                                         background=True), wings=WINGS)
     qm.start()
     say(f"started {qm.name} epoch={qm.caller.epoch} pid={os.getpid()}")
     conn = qm.connect()
