@@ -11,7 +11,7 @@ The source while it runs and after: the unload sets the structure's state to MIG
 also checks that no unit of work holds entries there (WATCH on the header and the UOW records: a member that joins
 a UOW meanwhile makes it look again) and that no backup runs. Every member script refuses work on a structure that
 is not ACTIVE (check_ready, cfemu/scripts/_prelude.lua: CFSTATE, MQRC_CF_STRUC_FAILED to the application), and
-RECAUTO (sqm.recauto) only restores a structure that is FAILED, or RECOVERING with an automatic recovery's mark:
+RECAUTO (sqm.core.recauto) only restores a structure that is FAILED, or RECOVERING with an automatic recovery's mark:
 a MIGRATING or MIGRATED structure is neither, so no member takes it for a lost CF. At the end the source is left
 MIGRATED (a failed unload puts it back to ACTIVE): it serves nothing until an operator reopens it deliberately
 (``reopen``), so the two stores never serve at once.
@@ -65,7 +65,7 @@ from cfemu.cf import BackupMark
 from cfemu.credentials import BackupKeys
 from cfemu.progress import Progress, no_progress
 from cfemu.repository import GroupRepository, RepositoryError
-from sqm.failpoints import failpoint
+from sqm.core.failpoints import failpoint
 
 MIGRATION_FORMAT = 1  # the unload's format: a load refuses another
 KIND = "cfemu-migration-unload"

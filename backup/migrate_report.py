@@ -48,8 +48,8 @@ UOWDATA, UOWCTL = ".UOWDATA", ".UOWCTL"  # cfemu.uow_attributes' companion suffi
 PUB, SUB = ".PUB", ".SUB"  # a topic's companion suffixes (cfemu.topic_attributes, docs/pubsub.md)
 MESSAGE, UOW_STATUS, UOW_LAST, PUBLICATION, SUBSCRIPTION, SUBSCRIPTION_ROSTER, DEFINITION = (
     "message", "uow-status", "uow-last", "publication", "subscription", "subscription-roster", "definition")
-LAST_CORRELID = b"L".hex()  # a user's SYNCPOINT LAST pointer on .UOWCTL (sqm.uowcontrols.LAST_LETTER)
-ROSTER_CORRELID = b"R".hex()  # a subscription's roster entry on .SUB (sqm.pubsub.ROSTER_LETTER), not its position
+LAST_CORRELID = b"L".hex()  # a user's SYNCPOINT LAST pointer on .UOWCTL (sqm.conversations.uowcontrols.LAST_LETTER)
+ROSTER_CORRELID = b"R".hex()  # a subscription's roster entry on .SUB (sqm.pubsub.pubsub.ROSTER_LETTER), not its position
 UNLOADED, LOADED, CREATED, DELETED = "unloaded", "loaded", "created", "deleted"
 _COMPARED = ("queue", "type", "id", "elements", "length", "digest", "list", "pos")  # what must agree per record
 
@@ -94,7 +94,7 @@ def entry_record(wire: Mapping[str, Any], data: bytes, *, list_name: str, pos: i
     queue = str(wire["q"])
     kind = record_type(queue, str(wire.get("cid") or ""))
     ident, elements = str(wire["id"]), 1
-    if kind in (UOW_STATUS, UOW_LAST):  # the body: sqm.uowstatus.Control packed (uow, messages, ...), or {uow, at}
+    if kind in (UOW_STATUS, UOW_LAST):  # the body: sqm.conversations.uowstatus.Control packed (uow, messages, ...), or {uow, at}
         try:
             control = msgpack.unpackb(data, raw=False)
             ident, elements = str(control.get("uow") or ident), int(control.get("messages") or 0)

@@ -40,9 +40,9 @@ from cfemu.errors import BackupEndedError, MQError, StructureFailedError
 from cfemu.private_files import refuse_others_writing
 from cfemu.progress import Progress, no_progress
 from cfemu.settings import DEFAULT_BACKUP_SHARE
-from sqm.clock import LrsnClock
+from sqm.core.clock import LrsnClock
+from sqm.core.records import lookup
 from sqm.log import LogReader, find_log_dirs
-from sqm.records import lookup
 
 log = logging.getLogger("backup.run")
 
@@ -88,7 +88,7 @@ def catalog_entry(manifest: dict[str, Any], path: Path) -> dict[str, Any]:
     """The summary the admin structure keeps for each good backup (the directory holds the full record)."""
     fields = ("id", "structure", "group", "start_lrsn", "floor_lrsn", "replay_from", "end_lrsn", "started_at",
               "ended_at", "entries", "bytes", "exception_records")
-    # gen: log retention (sqm.retention) compares it with a relog pass's, as restore's choice of start does.
+    # gen: log retention (sqm.core.retention) compares it with a relog pass's, as restore's choice of start does.
     return {**{k: manifest[k] for k in fields}, "gen": int(manifest.get("gen", 0) or 0), "kind": kind_of(manifest),
             "path": str(path)}
 

@@ -57,7 +57,8 @@ try:
     PACING: bool = True
 except ImportError:  # a tree from before pacing (issue 15), on PYTHONPATH to compare: its backups never pause
     DEFAULT_BACKUP_SHARE, PACING = 1.0, False
-from sqm.manager import QueueManager, QueueManagerConfig
+from sqm.core.manager import QueueManager, QueueManagerConfig
+from sqm.wings import WINGS
 
 STRUCTURE, FILL_QUEUE, FG_QUEUE = "BENCH", "FILLQ", "FGQ"
 BODY = 1024
@@ -109,7 +110,7 @@ class Foreground:
         # 1 KiB message at every third LOGLOAD checkpoint: 240 MB at 200k messages) swings a window by 3x with or
         # without a backup (measured, issue 15), which would drown the backup's own cost.
         self.qms = [QueueManager(QueueManagerConfig(name=f"FG{i}", log_root=log_root, redis_url=url,
-                                                    background=False, cpl_entries=0)) for i in (1, 2)]
+                                                    background=False, cpl_entries=0), wings=WINGS) for i in (1, 2)]
         for qm in self.qms:
             qm.start()
 

@@ -53,8 +53,9 @@ from cfemu.connection import connect
 from cfemu.duplex import DUPLEX, SIMPLEX, duplex_url
 from cfemu.embedded import EmbeddedRedis
 from cfemu.entry import Entry
-from sqm.connection import Connection
-from sqm.manager import QueueManager, QueueManagerConfig
+from sqm.core.connection import Connection
+from sqm.core.manager import QueueManager, QueueManagerConfig
+from sqm.wings import WINGS
 
 BODY = os.urandom(1024)
 STRUCTURE, QUEUE = "APP1", "Q1"
@@ -234,7 +235,7 @@ def measure(url: str, work: Path, seconds: float, rounds: int, console: Console)
     admin = Admin(connect(url))
     admin.define_structure(STRUCTURE)
     admin.define_queue(QUEUE, STRUCTURE)
-    qms = [QueueManager(QueueManagerConfig(name=f"QM{i}", log_root=work / "logs", redis_url=url))
+    qms = [QueueManager(QueueManagerConfig(name=f"QM{i}", log_root=work / "logs", redis_url=url), wings=WINGS)
            for i in (1, 2)]
     for qm in qms:
         qm.start()
@@ -321,7 +322,7 @@ def measure_duplex(work: Path, seconds: float, rounds: int, console: Console) ->
             admin.define_structure(STRUCTURE)
             admin.define_queue(QUEUE, STRUCTURE)
             pair = [QueueManager(QueueManagerConfig(name=f"{kind[0].upper()}{i}", log_root=work / kind / "logs",
-                                                    redis_url=url)) for i in (1, 2)]
+                                                    redis_url=url), wings=WINGS) for i in (1, 2)]
             for qm in pair:
                 qm.start()
             qms += pair

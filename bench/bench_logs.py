@@ -43,9 +43,10 @@ from cfemu import credentials
 from cfemu.admin import Admin
 from cfemu.embedded import EmbeddedRedis
 from restore.run import run_restore
-from sqm.connection import Connection
+from sqm.core.connection import Connection
+from sqm.core.manager import QueueManager, QueueManagerConfig
 from sqm.log.format import list_segments
-from sqm.manager import QueueManager, QueueManagerConfig
+from sqm.wings import WINGS
 
 REPO = Path(__file__).resolve().parents[1]
 S = "APP1"
@@ -96,7 +97,7 @@ def fresh_cf(client: redis.Redis) -> None:
 
 def member(url: str, logs: Path, **cfg: Any) -> QueueManager:
     qm = QueueManager(QueueManagerConfig(name="QM1", log_root=logs, redis_url=url, background=False,
-                                         logload=10**9, **cfg))
+                                         logload=10**9, **cfg), wings=WINGS)
     qm.start()
     return qm
 

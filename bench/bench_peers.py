@@ -13,7 +13,7 @@ its reply. Each contender runs on 127.0.0.1, started here and stopped here (by p
   redis-aof:    redis-server with appendonly yes, appendfsync always; put = LPUSH, get = LMOVE to a
                 per-client processing list, commit = LREM (the reliable-queue pattern; each reply after fsync).
   sqm-inproc:   QueueManagers in the client processes (one per client process, 2 for 2+ clients), on an
-                embedded CF, logs on the real disk; put, commit, get, commit through sqm.connection.Connection.
+                embedded CF, logs on the real disk; put, commit, get, commit through sqm.core.connection.Connection.
   sqm-service:  `sqm run` servers (--servers, default 1) of a local cluster (qsg.local_group: an embedded CF,
                 authentication on, as users run it), clients sqm.service.client.Client with the group's token.
 The clients of every contender run in --client-procs worker processes (default: up to 2, one thread per client),
@@ -573,7 +573,7 @@ def client_worker(kind: str, params: dict[str, Any], worker: int, pipe: Pipe) ->
     qm = None
     if kind == "sqm-inproc":
         os.environ.update(params["env"])
-        from sqm.manager import QueueManager, QueueManagerConfig
+        from sqm.core.manager import QueueManager, QueueManagerConfig
         qm = QueueManager(QueueManagerConfig(name=f"INPROC{worker + 1}", log_root=Path(params["log_root"]),
                                              redis_url=params["redis_url"], lease_ms=LEASE_MS))
         qm.start()

@@ -39,8 +39,9 @@ from cfemu.admin import Admin
 from cfemu.connection import connect
 from cfemu.embedded import EmbeddedRedis
 from cfemu.errors import NoMessageError
-from sqm import pubsub as ps
-from sqm.manager import QueueManager, QueueManagerConfig
+from sqm.core.manager import QueueManager, QueueManagerConfig
+from sqm.pubsub import pubsub as ps
+from sqm.wings import WINGS
 
 BODY = os.urandom(1024)
 STRUCTURE = "APP1"
@@ -59,7 +60,7 @@ class Group:
         for q in self.queues:
             admin.define_queue(q, STRUCTURE)
         self.qms = [QueueManager(QueueManagerConfig(name=f"QM{i}", log_root=work / f"k{k}" / "logs",
-                                                    redis_url=self.cf.url)) for i in (1, 2)]
+                                                    redis_url=self.cf.url), wings=WINGS) for i in (1, 2)]
         for qm in self.qms:
             qm.start()
         self.subs = [f"s{i}" for i in range(k)]

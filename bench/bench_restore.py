@@ -4,7 +4,7 @@ restore point) against a raw pipelined write of the same final data, in the same
 The history: a generator writes three members' record logs (real RecordLog segments) and a signed backup, the
 way the spark benchmark's does (UOWs of 1-4 puts or 1-4 gets, committed, 3% of put UOWs and 5% of get UOWs
 backed out, each member ending with a put UOW and a get UOW in flight). Writing logs directly is only allowed
-once checked against real queue managers: so every run first drives three real SQMs (sqm.manager.QueueManager on
+once checked against real queue managers: so every run first drives three real SQMs (sqm.core.manager.QueueManager on
 an embedded redis-server) with the same workload to 100k log records, and compares the kinds of record in their
 logs and their proportions with the generator's at the same size (the calibration table; the run fails when a
 workload kind's share differs by more than 2 points). The real SQMs also write log management's records (RELOG
@@ -53,7 +53,7 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import sqm.records  # noqa: E402
+import sqm.core.records  # noqa: E402
 from backup.files import BackupWriter  # noqa: E402
 from cfemu import credentials  # noqa: E402
 from cfemu.entry import Entry  # noqa: E402
@@ -139,7 +139,7 @@ def generate(root: Path, records: int, final: int, body_size: int, seed: int = 1
             n = next_n
             next_n += 1
             e = Entry(id=eid(n), queue=QUEUES[n % 4], put_time=lrsn // 1000, msgid=f"{n:016x}").wire()
-            log(member, sqm.records.put(u, lrsn, structure=S, gen=1, entry=e, data=body))
+            log(member, sqm.core.records.put(u, lrsn, structure=S, gen=1, entry=e, data=body))
             mine.append(n)
         if not finish:
             truth.decided += 1
@@ -147,9 +147,9 @@ def generate(root: Path, records: int, final: int, body_size: int, seed: int = 1
             return
         lrsn += 1
         commit = rnd.random() >= PUT_BACKOUT
-        log(member, (sqm.records.commit if commit else sqm.records.backout)(u, lrsn, {S: 1}))
+        log(member, (sqm.core.records.commit if commit else sqm.core.records.backout)(u, lrsn, {S: 1}))
         lrsn += 1
-        log(member, sqm.records.end(u, lrsn))
+        log(member, sqm.core.records.end(u, lrsn))
         if commit:
             available.extend(mine)
             truth.restored += len(mine)
@@ -164,7 +164,7 @@ def generate(root: Path, records: int, final: int, body_size: int, seed: int = 1
         for _ in range(min(rnd.randint(1, 4), len(available))):
             lrsn += 1
             n = available.popleft()
-            log(member, sqm.records.get(u, lrsn, structure=S, gen=1, entry_id=eid(n), queue=QUEUES[n % 4]))
+            log(member, sqm.core.records.get(u, lrsn, structure=S, gen=1, entry_id=eid(n), queue=QUEUES[n % 4]))
             taken.append(n)
         if not finish:
             truth.decided += 1
@@ -173,9 +173,9 @@ def generate(root: Path, records: int, final: int, body_size: int, seed: int = 1
             return
         lrsn += 1
         commit = rnd.random() >= GET_BACKOUT
-        log(member, (sqm.records.commit if commit else sqm.records.backout)(u, lrsn, {S: 1}))
+        log(member, (sqm.core.records.commit if commit else sqm.core.records.backout)(u, lrsn, {S: 1}))
         lrsn += 1
-        log(member, sqm.records.end(u, lrsn))
+        log(member, sqm.core.records.end(u, lrsn))
         if commit:
             truth.restored -= len(taken)
             truth.consumed += len(taken)
@@ -212,7 +212,8 @@ def real_sqm_kinds(work: Path, records: int, seed: int = 1) -> dict[str, int]:
     from cfemu.connection import connect
     from cfemu.embedded import EmbeddedRedis
     from cfemu.errors import NoMessageError
-    from sqm.manager import QueueManager, QueueManagerConfig
+    from sqm.core.manager import QueueManager, QueueManagerConfig
+    from sqm.wings import WINGS
 
     rnd = random.Random(seed)
     server = EmbeddedRedis(data_dir=work / "redis")
@@ -223,7 +224,7 @@ def real_sqm_kinds(work: Path, records: int, seed: int = 1) -> dict[str, int]:
         admin.define_structure(S)
         for q in QUEUES:
             admin.define_queue(q, S)
-        qms = [QueueManager(QueueManagerConfig(name=m, log_root=work / "logs", redis_url=server.url))
+        qms = [QueueManager(QueueManagerConfig(name=m, log_root=work / "logs", redis_url=server.url), wings=WINGS)
                for m in MEMBERS]
         for qm in qms:
             qm.start()

@@ -5,7 +5,7 @@ A lifecycle is one 1 KiB persistent message put and committed, then got and comm
 log), exactly as in bench_lifecycle.py (its loop is reused). With 1, 8 and 32 clients spread over 3 SQMs:
   service:    a local cluster (qsg.local_group: an embedded CF, 3 `sqm run` processes), each client a sqm.service.client.Client
               in its own thread of this process, client i on server i mod 3;
-  in-process: 3 QueueManagers in this process on the same CF, each client a sqm.manager.Connection in its own
+  in-process: 3 QueueManagers in this process on the same CF, each client a sqm.core.manager.Connection in its own
               thread, client i on manager i mod 3.
 Rounds of the two are interleaved; each figure is the median over the rounds.
 
@@ -35,8 +35,9 @@ from rich.console import Console
 from rich.table import Table
 
 from qsg.local_group import LocalGroup
-from sqm.manager import QueueManager, QueueManagerConfig
+from sqm.core.manager import QueueManager, QueueManagerConfig
 from sqm.service.client import Client
+from sqm.wings import WINGS
 
 REPO = Path(__file__).resolve().parents[1]
 MANAGERS = 3
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     cluster = LocalGroup.up(work / "cluster", managers=MANAGERS, backup_interval=None, structure=STRUCTURE,
                             queues=(QUEUE,), lease_ms=LEASE_MS)
     qms = [QueueManager(QueueManagerConfig(name=f"INPROC{i + 1}", log_root=cluster.log_root,
-                                           redis_url=cluster.cf_url("member"), lease_ms=LEASE_MS))
+                                           redis_url=cluster.cf_url("member"), lease_ms=LEASE_MS), wings=WINGS)
            for i in range(MANAGERS)]
     for qm in qms:
         qm.start()

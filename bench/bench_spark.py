@@ -47,7 +47,7 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-import sqm.records  # noqa: E402  (by its full name: generate() has a parameter called records)
+import sqm.core.records  # noqa: E402  (by its full name: generate() has a parameter called records)
 from backup.files import BackupWriter, read_backup  # noqa: E402
 from cfemu import credentials  # noqa: E402
 from cfemu.entry import Entry  # noqa: E402
@@ -110,7 +110,7 @@ def generate(root: Path, records: int, seed: int = 1, backup_messages: int | Non
             eid = f"{seq:08x}{len(mine):02x}{rnd.getrandbits(16):04x}"
             e = Entry(id=eid, queue=f"Q{rnd.randrange(4)}", put_time=lrsn // 1000, msgid=eid).wire()
             body = rnd.randbytes(64)
-            log.append(sqm.records.put(u, lrsn, structure=S, gen=0, entry=e, data=body))
+            log.append(sqm.core.records.put(u, lrsn, structure=S, gen=0, entry=e, data=body))
             mine.append((eid, e, body))
         written += len(mine)
         if not finish:
@@ -119,9 +119,9 @@ def generate(root: Path, records: int, seed: int = 1, backup_messages: int | Non
             return
         lrsn += 1
         commit = rnd.random() >= 0.03
-        log.append((sqm.records.commit if commit else sqm.records.backout)(u, lrsn, {S: 0}))
+        log.append((sqm.core.records.commit if commit else sqm.core.records.backout)(u, lrsn, {S: 0}))
         lrsn += 1
-        log.append(sqm.records.end(u, lrsn))
+        log.append(sqm.core.records.end(u, lrsn))
         written += 2
         if commit:
             for eid, e, body in mine:
@@ -139,7 +139,7 @@ def generate(root: Path, records: int, seed: int = 1, backup_messages: int | Non
         for _ in range(min(rnd.randint(1, 4), len(available))):
             lrsn += 1
             eid, e, body = available.popleft()
-            log.append(sqm.records.get(u, lrsn, structure=S, gen=0, entry_id=eid, queue=e["q"]))
+            log.append(sqm.core.records.get(u, lrsn, structure=S, gen=0, entry_id=eid, queue=e["q"]))
             taken.append((eid, e, body))
         written += len(taken)
         if not finish:
@@ -149,9 +149,9 @@ def generate(root: Path, records: int, seed: int = 1, backup_messages: int | Non
             return
         lrsn += 1
         commit = rnd.random() >= 0.05
-        log.append((sqm.records.commit if commit else sqm.records.backout)(u, lrsn, {S: 0}))
+        log.append((sqm.core.records.commit if commit else sqm.core.records.backout)(u, lrsn, {S: 0}))
         lrsn += 1
-        log.append(sqm.records.end(u, lrsn))
+        log.append(sqm.core.records.end(u, lrsn))
         written += 2
         for item in taken:
             if commit:

@@ -12,7 +12,7 @@ called: each one round trip) and Redis commands (INFO commandstats, which counts
 both including the members' background work over the window (heartbeats, housekeeping, the sweeper).
 
 The two status settings run on two groups of their own (a CF and two members each, alike), so that one group's
-sweeper, which scans the statuses a service keeps (sqm.uowsweeper), does not slow the other's rounds; the MQ
+sweeper, which scans the statuses a service keeps (sqm.conversations.uowsweeper), does not slow the other's rounds; the MQ
 baseline runs on the status-off group. Every member runs its housekeeping and sweeper as in production.
 
     .venv/bin/python bench/bench_uow.py [--quick] [--seconds 3] [--rounds 3] [--sizes 1 4]
@@ -45,9 +45,10 @@ from rich.table import Table
 from cfemu.admin import Admin
 from cfemu.connection import connect
 from cfemu.embedded import EmbeddedRedis
-from sqm.connection import Connection
-from sqm.conversation import SYNC, Conversation
-from sqm.manager import QueueManager, QueueManagerConfig
+from sqm.conversations.conversation import SYNC, Conversation
+from sqm.core.connection import Connection
+from sqm.core.manager import QueueManager, QueueManagerConfig
+from sqm.wings import WINGS
 
 BODY = os.urandom(1024)
 STRUCTURE, SERVICE, PLAIN = "APP1", "SVC", "PLAIN"
@@ -82,7 +83,7 @@ def start_group(work: Path, name: str, status_lifetime: int) -> Group:
     admin.define_structure(STRUCTURE)
     admin.define_queue(SERVICE, STRUCTURE, uow={"status_lifetime": status_lifetime, "max_uows": 100_000})
     admin.define_queue(PLAIN, STRUCTURE)
-    qms = [QueueManager(QueueManagerConfig(name=f"QM{i}", log_root=work / name / "logs", redis_url=cf.url))
+    qms = [QueueManager(QueueManagerConfig(name=f"QM{i}", log_root=work / name / "logs", redis_url=cf.url), wings=WINGS)
            for i in (1, 2)]
     for qm in qms:
         qm.start()

@@ -39,8 +39,9 @@ import sqm.log.writer as writer  # noqa: E402
 from cfemu import cf as cfmod  # noqa: E402
 from cfemu.admin import Admin  # noqa: E402
 from cfemu.embedded import EmbeddedRedis  # noqa: E402
-from sqm.manager import QueueManager, QueueManagerConfig  # noqa: E402
+from sqm.core.manager import QueueManager, QueueManagerConfig  # noqa: E402
 from sqm.service.server import ServerConfig, SQMServer  # noqa: E402
+from sqm.wings import WINGS  # noqa: E402
 
 TOKEN = "profile-token-" + "x" * 24
 CLIENT = '''
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         fsync, cf = Stopwatch(), Stopwatch()
         writer._fdatasync = fsync.wrap(writer._fdatasync)  # type: ignore[attr-defined]
         cfmod.CF.run = cf.wrap(cfmod.CF.run)  # type: ignore[method-assign]
-        qm = QueueManager(QueueManagerConfig(name="QM1", log_root=work / "logs", redis_url=srv.url, lease_ms=60_000))
+        qm = QueueManager(QueueManagerConfig(name="QM1", log_root=work / "logs", redis_url=srv.url, lease_ms=60_000), wings=WINGS)
         server = SQMServer(ServerConfig(name="QM1", log_root=work / "logs", redis_url=srv.url, token=TOKEN), qm=qm)
         threading.Thread(target=lambda: asyncio.run(server.run(install_signals=False)), daemon=True).start()
         deadline = time.monotonic() + 60

@@ -42,7 +42,7 @@ class StructureDef:
     max_entries: int = 0  # 0 = unlimited
     max_bytes: int = 0
     # RECAUTO (MQ's CFSTRUCT RECAUTO): a member that finds the structure failed restores it without an operator
-    # (sqm.recauto). On by default, as in MQ; a definition written before the attribute existed reads as on.
+    # (sqm.core.recauto). On by default, as in MQ; a definition written before the attribute existed reads as on.
     recauto: bool = True
 
     @classmethod
@@ -347,7 +347,7 @@ class Admin:
     def release_recovery_lock(self, failed: str) -> None:
         self.redis.delete(keys.recovery_lock(failed))
 
-    # --- automatic structure recovery (RECAUTO; sqm.recauto) ----------------------------------------------
+    # --- automatic structure recovery (RECAUTO; sqm.core.recauto) ----------------------------------------------
     def try_structure_recovery_lock(self, structure: str, holder: str, ttl_ms: int) -> bool:
         """Take the lock that makes one member the recoverer of a failed structure (SET NX PX). holder: the
         member and its epoch ("QM2@1795..."), so that a re-joined incarnation is not taken for its old one."""

@@ -20,7 +20,7 @@ from cfemu.resp import receive, send
 
 
 class Clock(Protocol):
-    """The caller's LRSN clock (sqm.clock.LrsnClock): now() ticks, observe() adopts the CF's clock."""
+    """The caller's LRSN clock (sqm.core.clock.LrsnClock): now() ticks, observe() adopts the CF's clock."""
 
     def now(self) -> int: ...
 
@@ -338,7 +338,7 @@ class Structure:
     def commit(self, caller: Caller, uow: str, *, gen: int, lrsn: int, at: int = 0,
                decided_by_recovery: bool = False) -> OutcomeReply:
         """lrsn: the deciding record's LRSN (0: nothing logged), checked against the floor; at: the LRSN the
-        commit counts at, when it is not lrsn (sqm.records.counts_at)."""
+        commit counts at, when it is not lrsn (sqm.core.records.counts_at)."""
         cf, puts, gets = self._call("commit", caller, [uow, gen, lrsn, 1 if decided_by_recovery else 0, at])
         caller.clock.observe(int(cf))
         return OutcomeReply(int(cf), int(puts), int(gets))

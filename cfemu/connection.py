@@ -40,7 +40,7 @@ class _KernelTimeoutConnection(redis.Connection):
     (cfemu.sockets.set_kernel_timeout), instead of a socket with a Python timeout, which polls before every send and
     every receive: two syscalls per CF call, each one more release of the GIL that a busy member's threads then
     contend for (issue 15). A timeout surfaces as EAGAIN: cfemu.cf reads it as a timeout, and redis-py's own
-    paths as a failure while reading or writing, which the member reads the same way (sqm.manager.reply_lost)."""
+    paths as a failure while reading or writing, which the member reads the same way (sqm.core.manager.reply_lost)."""
 
     def _connect(self) -> Any:
         sock = super()._connect()
@@ -99,7 +99,7 @@ def connect(
                                     "rediss:// or redis+cluster://)")
     opts: dict[str, Any] = {
         # Never send a command again by itself: a CF script whose reply was lost may have run, and a get run twice
-        # takes two messages for one delivery. The caller decides what a lost reply means (sqm.manager.reply_lost).
+        # takes two messages for one delivery. The caller decides what a lost reply means (sqm.core.manager.reply_lost).
         "retry": Retry(NoBackoff(), 0),
         "decode_responses": False,
         "socket_timeout": socket_timeout,

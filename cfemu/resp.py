@@ -130,7 +130,7 @@ class Packed:
 
 def io_failure(conn: Any, e: BaseException, *, writing: bool) -> BaseException:
     """The connection dropped, and the error redis-py would raise for ``e``, word for word where it matters:
-    sqm.manager.reply_lost reads a failure while reading (the request went out: the script may have run) apart
+    sqm.core.manager.reply_lost reads a failure while reading (the request went out: the script may have run) apart
     from one while writing. A timeout is Python's or the kernel's (EAGAIN: cfemu.sockets)."""
     conn.disconnect()
     if isinstance(e, TimeoutError | BlockingIOError):

@@ -4,7 +4,7 @@ definition (QueueDef.topic) so that they are shared by every member and survive 
 
 A queue with topic attributes is a *topic*: publishers publish publications (one or more messages committed as one
 unit of work) to it, subscribers receive each publication committed after they subscribed, in commit order
-(sqm.pubsub). Its state lives on two companion queues of the same structure, defined with it:
+(sqm.pubsub.pubsub). Its state lives on two companion queues of the same structure, defined with it:
 ``<TOPIC>.PUB`` (each publication's messages, one copy whatever the number of subscribers) and ``<TOPIC>.SUB``
 (one entry per subscription: its name, durability and position) (docs/pubsub.md)."""
 

@@ -3,7 +3,7 @@ POSTPONE-ATTEMPTS, POSTPONE-DELAY: seed 003, "Attributes used for Units of Work"
 definition (QueueDef.uow) so that they are shared by every member and survive a CF loss with the group repository.
 
 A queue with attributes is a *service*: senders send units of work (UOWs) of several messages to it, receivers
-receive each UOW whole and settle it (sqm.conversation). Its UOW messages and UOW statuses live on two companion
+receive each UOW whole and settle it (sqm.conversations.conversation). Its UOW messages and UOW statuses live on two companion
 queues of the same structure, defined with it: ``<SERVICE>.UOWDATA`` and ``<SERVICE>.UOWCTL`` (docs/uow.md)."""
 
 from __future__ import annotations

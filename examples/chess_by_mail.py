@@ -95,7 +95,7 @@ COLORS = (WHITE, BLACK)
 # to a UOW (the move and the digest: a third is refused).
 SERVICE_UOW: dict[str, Any] = {"store": True, "status_lifetime": 2, "lifetime_s": 86400, "max_messages": 2}
 
-# Statuses (sqm.uowstatus), as the service returns them.
+# Statuses (sqm.conversations.uowstatus), as the service returns them.
 COMMITTED = ("ACCEPTED", "DELIVERED", "POSTPONED", "PROCESSED")  # the sender committed it
 NOT_COMMITTED = ("BACKEDOUT", "DISCARDED", "CANCELLED", None)  # it never was: the turn is played again
 

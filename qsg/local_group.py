@@ -12,7 +12,7 @@ The same topology as docker-compose.yml, for machines without Docker::
 
 Who brings a lost CF back: with ``restart_cf=True`` (``cfemu cluster up`` does it) a supervisor restarts the CF's
 redis-server, empty, on the same port, whenever it dies; the members re-join it and, for structures defined with
-RECAUTO, restore them by themselves (sqm.recauto; docs/runbook.md "When the CF is lost"). In a cluster run by
+RECAUTO, restore them by themselves (sqm.core.recauto; docs/runbook.md "When the CF is lost"). In a cluster run by
 this process the supervisor is a thread of the LocalGroup object (``supervise_cf()``, stopped by ``down()`` or
 ``supervise_cf(False)``); a detached cluster (``cfemu cluster up``) gets a process of its own,
 ``python -m qsg.local_group supervise --dir DIR``, listed by status as ``cf-supervisor``.

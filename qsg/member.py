@@ -1,5 +1,5 @@
 """The ``sqm`` command as installed: sqm.cli with restore wired in, so that a member recovers a failed RECAUTO
-structure by itself (sqm.recauto). The composition root lives here, on the top floor, because the member's floor
+structure by itself (sqm.core.recauto). The composition root lives here, on the top floor, because the member's floor
 (sqm) may not import restore; ``sqm run``'s command line and behaviour are sqm.cli's, plus the hook.
 
     sqm run --name QM1 ...          (pyproject [project.scripts]: sqm = "qsg.member:main")
@@ -29,7 +29,7 @@ from cfemu.settings import Settings
 from restore.run import run_restore
 from restore.start_modes import automatic_start
 from sqm import cli as sqm_cli
-from sqm.recauto import RecoverStructure
+from sqm.core.recauto import RecoverStructure
 
 log = logging.getLogger("qsg.member")
 

@@ -17,10 +17,11 @@ from cfemu.clitools import Output, require_url, settings
 from cfemu.errors import NoMessageError
 from cfemu.uow_attributes import CONTROL_SUFFIX, DATA_SUFFIX
 from qsg.cli_common import Parents
-from sqm.manager import QueueManager, QueueManagerConfig
+from sqm.conversations.uowcontrols import LAST_LETTER
+from sqm.conversations.uowstatus import Control
+from sqm.core.manager import QueueManager, QueueManagerConfig
 from sqm.service.client import Client
-from sqm.uowcontrols import LAST_LETTER
-from sqm.uowstatus import Control
+from sqm.wings import WINGS
 
 
 def _body_text(body: bytes, limit: int = 60) -> str:
@@ -33,7 +34,7 @@ def _body_text(body: bytes, limit: int = 60) -> str:
 
 
 class MessagingHandle(Protocol):
-    """What put/get/browse need: sqm.connection.Connection and sqm.service.client.Client both have it."""
+    """What put/get/browse need: sqm.core.connection.Connection and sqm.service.client.Client both have it."""
 
     def put(self, queue: str, body: bytes, *, persistent: bool = ..., priority: int = ...,
             correlid: bytes = ...) -> Any: ...
@@ -61,7 +62,7 @@ def messaging(args: argparse.Namespace) -> Iterator[MessagingHandle]:
         return
 
     qm = QueueManager(QueueManagerConfig(name=args.qm_name, log_root=found.log_root, redis_url=require_url(found),
-                                         background=False))
+                                         background=False), wings=WINGS)
     qm.start()
     try:
         conn = qm.connect()

@@ -39,7 +39,7 @@ def cmd_indoubt(args: argparse.Namespace, out: Output) -> int:
     return 0
 
 
-# What cfemu uow prints of a UOW's status (sqm.uowstatus.Control.public), in this order; the rest after.
+# What cfemu uow prints of a UOW's status (sqm.conversations.uowstatus.Control.public), in this order; the rest after.
 UOW_FIELDS = ("uow", "service", "status", "user_status", "sender", "receiver", "messages", "bytes", "persistent",
               "persistent_status", "status_lifetime", "deliveries", "postponements", "conversation", "eoc",
               "lifetime_ms", "age_ms", "committed_ms", "deleted")

@@ -5,7 +5,7 @@
 Columns, one row per log record, in the segment's append order:
 
     lrsn int64 · member string · segment int32 · offset int64 (where the frame starts in its segment) ·
-    kind string · uow string (null when the record names none) · entry_ids list<string> (sqm.records.entry_ids) ·
+    kind string · uow string (null when the record names none) · entry_ids list<string> (sqm.core.records.entry_ids) ·
     structure string (PUT/GET/EXPIRE: the structure; null otherwise) · queue string (PUT/GET; null otherwise) ·
     record binary (the record, msgpack, as in the log frame)
 
@@ -31,9 +31,9 @@ import pyarrow.parquet as pq
 
 from cfemu.durable import fsync_directory
 from cfemu.progress import Progress, no_progress
+from sqm.core.records import Record, Role, codes, lookup
 from sqm.log import LogReader, find_log_dirs
 from sqm.log.format import SegmentScan, log_segments, read_manifest, segment_name
-from sqm.records import Record, Role, codes, lookup
 
 SCHEMA = pa.schema([
     ("lrsn", pa.int64()),

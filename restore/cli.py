@@ -121,7 +121,7 @@ def cmd_archive(args: argparse.Namespace, out: Output) -> int:
 def cmd_audit(args: argparse.Namespace, out: Output) -> int:
     """The records of one message, a table in LRSN order; exit status 1 when no archived record names it."""
     from restore.archive import archive_files, audit_message
-    from sqm.records import describe
+    from sqm.core.records import describe
 
     archive_dir = Path(args.archive_dir)
     if not archive_files(archive_dir):

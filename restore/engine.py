@@ -41,9 +41,9 @@ from restore.log_slices import LogSlice, log_slices
 from restore.partitioned import DEFAULT_MEMORY, partitions_for, plan_partitioned
 from restore.plan import Copy, RestorePlan, base_lrsn
 from restore.spill import SpillDir
+from sqm.core.records import Record
 from sqm.log import merged_records, one_log_per_member
 from sqm.log.format import log_segments, read_manifest, trusted_segments
-from sqm.records import Record
 
 READ_BACKUP, READ_LOGS, SETTLE, LOAD = "read backup", "read logs", "settle", "load"
 PHASES = (READ_BACKUP, READ_LOGS, SETTLE, LOAD)

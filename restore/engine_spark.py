@@ -71,9 +71,9 @@ from restore.plan import (
 )
 from restore.settle import Outcome, Settled, best_copy, decide_outcome, settle, uows_named
 from restore.spark_fetch import stream
+from sqm.core.records import Record, Role, entry_ids, lookup
 from sqm.log import LogFormatError, one_log_per_member
 from sqm.log.format import SegmentScan, log_segments, read_manifest, trusted_segments
-from sqm.records import Record, Role, entry_ids, lookup
 
 DEFAULT_LOG_FILE = Path("var") / "spark" / "spark.log"
 # Records per shuffle partition: small enough that one Python worker groups a partition in memory.

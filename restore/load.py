@@ -33,8 +33,8 @@ from restore.partitioned import DEFAULT_MEMORY, Runs, SpilledPlan, merged_runs
 from restore.plan import RestorePlan
 from restore.settle import Settled, load_key
 from restore.workers import Workers
-from sqm.failpoints import failpoint
-from sqm.uowstatus import Control, is_control_queue
+from sqm.conversations.uowstatus import Control, is_control_queue
+from sqm.core.failpoints import failpoint
 
 BATCH = bulk.BATCH
 
@@ -273,7 +273,7 @@ def loaded_tombstones(plan: RestorePlan, base_tombstones: Mapping[str, str] | No
 
 
 class PseudoClockFloor:
-    """The newest pseudo-clock stamp among the UOW statuses the load writes (sqm.uowstatus.Control.changed_pc),
+    """The newest pseudo-clock stamp among the UOW statuses the load writes (sqm.conversations.uowstatus.Control.changed_pc),
     written as the structure's pseudo-clock before it is ACTIVE: a structure came back with its clock at 0 until a
     member's first sweep raised it, and a UOW sent meanwhile was stamped as made at 0 and timed out at that sweep
     (helper B's finding). The up-time between the last status change and the CF's loss is not counted."""

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sqm.core.records import Record
 from sqm.log import LogCorruptError, LogReader, one_log_per_member
 from sqm.log.format import log_segments, read_manifest, trusted_segments
-from sqm.records import Record
 
 Key = tuple[Any, ...]  # a record's place in the merged log: (LRSN, member, segment, offset)
 

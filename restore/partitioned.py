@@ -65,7 +65,7 @@ from restore.plan import (
 from restore.settle import BACKOUT, Outcome, Settled, best_copy, decide_outcome, load_key, settle, uows_named
 from restore.spill import Partitioned, SpillDir, SpillWriter, read_frames
 from restore.workers import Workers
-from sqm.records import Record, Role, lookup
+from sqm.core.records import Record, Role, lookup
 
 Key = tuple[Any, ...]  # a record's place in the merged log: (LRSN, member, segment, offset)
 R = TypeVar("R")

@@ -33,7 +33,7 @@ from restore.settle import (
     settle,
     uows_named,
 )
-from sqm.records import Record, Role, entry_ids, lookup
+from sqm.core.records import Record, Role, entry_ids, lookup
 
 T = TypeVar("T")
 

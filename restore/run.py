@@ -78,12 +78,12 @@ from restore.load import LoadResult, batch_bytes_for, load_plan, loaded_tombston
 from restore.partitioned import DEFAULT_MEMORY
 from restore.plan import EARLIER_GENERATIONS, Copy, RestorePlan
 from restore.result import PurgeResult, RestoreResult, write_report
-from sqm import records
+from sqm.core import records
+from sqm.core.records import INCOMMIT
+from sqm.core.relog import newest_pass
+from sqm.core.uow import rebuild_table
 from sqm.log import LogLockedError, LogReader, RecordLog, find_log_dirs
 from sqm.log.format import log_segments, read_manifest
-from sqm.records import INCOMMIT
-from sqm.relog import newest_pass
-from sqm.uow import rebuild_table
 
 log = logging.getLogger("restore.run")
 
@@ -124,7 +124,7 @@ class PhaseTimer:
 class DefinitionBase:
     """The base of a structure that was never backed up: empty, at the LRSN of its definition in the group
     repository (the structure's CF clock started there, so every record of its work lies above it). Restore
-    replays every log from there: log management (sqm.retention) keeps every log from the definition on while the
+    replays every log from there: log management (sqm.core.retention) keeps every log from the definition on while the
     structure has neither a backup nor a complete relog pass, so the logs reach back to it."""
 
     def __init__(self, manifest: dict[str, Any], path: Path) -> None:

@@ -13,7 +13,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqm.records import (
+from sqm.conversations.uowstatus import is_control_queue, restore_control_entry
+from sqm.core.records import (
     OUTCOME_BACKOUT,
     OUTCOME_COMMIT,
     OUTCOME_INDOUBT,
@@ -24,9 +25,8 @@ from sqm.records import (
     counts_at,
     lookup,
 )
-from sqm.uowstatus import is_control_queue, restore_control_entry
 
-# An Outcome's kind: the outcome letters of sqm.records.
+# An Outcome's kind: the outcome letters of sqm.core.records.
 COMMIT, BACKOUT, INDOUBT = OUTCOME_COMMIT, OUTCOME_BACKOUT, OUTCOME_INDOUBT
 
 # Final dispositions, one per message, as the restore report counts them.
@@ -36,7 +36,7 @@ CONSUMED = "consumed"  # deleted by a committed get
 PUT_BACKED_OUT = "put-backed-out"  # its put was backed out (or in flight at the failure)
 EXPIRED = "expired"
 GONE = "gone"  # named by the log, but gone before the replay range (nothing to restore)
-STATUS_DROPPED = "status-dropped"  # a UOW's status that the restart tables do not keep (sqm.uowstatus.after_restart)
+STATUS_DROPPED = "status-dropped"  # a UOW's status that the restart tables do not keep (sqm.conversations.uowstatus.after_restart)
 
 _OUTCOME = "OUTCOME"  # the fold's event kind for a UOW's outcome (the other events are records, by their kind)
 
@@ -44,7 +44,7 @@ _OUTCOME = "OUTCOME"  # the fold's event kind for a UOW's outcome (the other eve
 @dataclass(frozen=True)
 class Outcome:
     kind: str  # COMMIT, BACKOUT or INDOUBT
-    lrsn: int  # where it counts (sqm.records.counts_at of the record that decided it)
+    lrsn: int  # where it counts (sqm.core.records.counts_at of the record that decided it)
     decided_by: str = ""  # the member whose record decided it (for INDOUBT: the owner that prepared), or restore
     data: Mapping[str, tuple[str, dict[str, Any], bytes]] = field(default_factory=dict)  # entry id -> copy
     structures: tuple[str, ...] = ()  # every structure its records name (ss)
@@ -67,7 +67,7 @@ def decide_outcome(records: Iterable[Record]) -> Outcome | None:
     (a COMMIT followed by a BACKOUT is a commit the CF refused); a last PREPARE leaves the UOW in doubt.
 
     Where it counts is one rule, shared with the CF (docs/log-format.md, "When an outcome counts"): at
-    sqm.records.counts_at of the first record of the decision. Records of one decision in a row are re-logs of it
+    sqm.core.records.counts_at of the first record of the decision. Records of one decision in a row are re-logs of it
     (the CF refused the first: below a backup's floor, or a backup running), and say in `at` where the first one
     counts; a RECOVERY record that completes the owner's own COMMIT or BACKOUT counts at the owner's record (the
     owner may have applied it on the CF before it failed, and other UOWs may have got, and consumed, the entries
@@ -245,7 +245,7 @@ def settle(entry_id: str, backup: tuple[str, dict[str, Any], bytes] | None, reco
             if copy is not None and (state is None or int(copy[1]["l"]) > int(state["l"])):
                 # A backout carrying the entry as its get held it, newer than what the fold holds: the patent's
                 # exception (a get backed out while a backup ran), or a recovery's backout of a get whose GET
-                # record died with its member (sqm.manager.complete). The get is taken from the copy, so the
+                # record died with its member (sqm.core.manager.complete). The get is taken from the copy, so the
                 # backout below raises the count the CF raised.
                 structure, state, data = copy[0], dict(copy[1]), copy[2]
             if state is None:
@@ -261,7 +261,7 @@ def settle(entry_id: str, backup: tuple[str, dict[str, Any], bytes] | None, reco
                 state, fate = None, PUT_BACKED_OUT
             else:
                 state.update(st="CP", u="", l=lrsn, bc=int(state.get("bc", 0)) + 1)
-        # The redo step of each ENTRY kind (sqm.records.Role): a new one needs its step here.
+        # The redo step of each ENTRY kind (sqm.core.records.Role): a new one needs its step here.
         elif kind == "PUT":
             if state is None:
                 structure, state, data = payload["s"], dict(payload["e"]), payload["d"]
@@ -287,7 +287,7 @@ def _final(entry_id: str, structure: str, state: dict[str, Any], data: bytes, no
         return Settled(entry_id, HELD_INDOUBT, structure, state, data)
     if 0 < int(state.get("exp", 0)) <= now_ms:
         return Settled(entry_id, EXPIRED)
-    if is_control_queue(str(state.get("q", ""))):  # a UOW's status: seed 003's restart tables (sqm.uowstatus)
+    if is_control_queue(str(state.get("q", ""))):  # a UOW's status: seed 003's restart tables (sqm.conversations.uowstatus)
         kept = restore_control_entry(state, data)
         if kept is None:
             return Settled(entry_id, STATUS_DROPPED)

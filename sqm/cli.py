@@ -8,7 +8,7 @@ $CFEMU_LOG_ROOT, $SQM_TOKEN, else the nearest 'cfemu cluster' directory, else th
 var/logs. Errors are one line on stderr (exit 2); --verbose adds the traceback. ``sqm run`` exits with the
 server's status (sqm.service.server: 3 fenced, 4 log failed); its --json writes its log lines as JSON.
 
-``sqm run`` recovers a failed structure defined with RECAUTO (sqm.recauto) when run as the ``sqm`` command
+``sqm run`` recovers a failed structure defined with RECAUTO (sqm.core.recauto) when run as the ``sqm`` command
 (qsg.member: restore wired in), from the backups under --backup-dir ($CFEMU_BACKUP_DIR, the cluster's, else
 var/backups); ``python -m sqm.cli run`` has no restore and leaves such structures to the operator.
 
@@ -34,9 +34,9 @@ from cfemu.clitools import (
     settings,
 )
 from cfemu.settings import Settings, operator_token
+from sqm.core.recauto import RecoverStructure
 from sqm.logadmin import add_log_admin_parsers
 from sqm.logprint import LOG_ERRORS, add_log_parser
-from sqm.recauto import RecoverStructure
 from sqm.request_slots import LEASE_S, MAX_SLOTS, default_slots
 from sqm.service.protocol import DEFAULT_MAX_FRAME, MAX_FRAME, MIN_FRAME
 from sqm.service.server import ServerConfig, is_loopback_host, serve
@@ -149,7 +149,7 @@ def cmd_run(args: argparse.Namespace, out: Output) -> int:
         clock_skew_ms=args.clock_skew_ms, recover_structure=recovery))
 
 
-# How the composition root gives ``sqm run`` its automatic structure recovery (RECAUTO, sqm.recauto): from the
+# How the composition root gives ``sqm run`` its automatic structure recovery (RECAUTO, sqm.core.recauto): from the
 # parsed command line and the resolved settings, the restore the member runs (None: none). sqm cannot import
 # restore (a higher floor); the ``sqm`` console script is qsg.member.main, which passes one.
 RecoveryFactory = Callable[[argparse.Namespace, Settings], RecoverStructure | None]

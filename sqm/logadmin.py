@@ -5,7 +5,7 @@
     sqm log archive [--member QM1 | --all] [--archive-dir DIR]
     sqm log prune [--member QM1 | --all] [--below N]
 
-What is needed is computed by sqm.retention from the log and the CF (its backup catalog, the structures): a
+What is needed is computed by sqm.core.retention from the log and the CF (its backup catalog, the structures): a
 segment is kept while a restart, a peer's recovery, an active or in-doubt unit of work, or a structure's CF
 recovery needs it. archive and prune act only on a log whose member is not running (a running member archives by
 itself at each checkpoint, or reuses its ring); prune refuses to remove a needed segment and says what needs it.
@@ -21,9 +21,9 @@ from typing import Any
 from cfemu.admin import Admin
 from cfemu.clitools import CLIError, Output, add_settings_arguments, require_url, settings
 from cfemu.connection import connect
+from sqm.core.retention import Retention, log_retention
 from sqm.log import LogLockedError, LogReader, RecordLog, find_log_dirs
 from sqm.log.format import archived_segments, read_manifest
-from sqm.retention import Retention, log_retention
 
 ACTIVE, INACTIVE, ARCHIVED = "active", "inactive", "archived"
 

@@ -26,8 +26,8 @@ from typing import Any
 
 from cfemu.clitools import Output, add_settings_arguments, settings, styled_table
 from cfemu.settings import ENV_LOG_ROOT
+from sqm.core.records import KINDS, Record, Role, UnknownRecordError, describe, entry_ids, lookup, queues_of
 from sqm.log import LogCorruptError, LogFormatError, LogReader, find_log_dirs, merged_records
-from sqm.records import KINDS, Record, Role, UnknownRecordError, describe, entry_ids, lookup, queues_of
 
 
 class LogPrintError(Exception):

@@ -2,8 +2,8 @@
 
 Each connection of the service is a thread of its own (sqm.service.server). With many connections, every one of
 them runnable, the threads spent their time handing the GIL to each other: the service's CPU per lifecycle rose
-from 1,264 µs at 1 client to 1,896 at 64, and its throughput fell by a quarter from 4 clients to 64 (issue 15,
-BENCHMARKS.md). A request now takes a slot before it runs and gives it back when it ends, so that only a few
+from 1,264 µs at 1 client to 1,896 at 64, and its throughput fell by a quarter from 4 clients to 64
+(BENCHMARKS.md). A request now takes a slot before it runs and gives it back when it ends, so that only a few
 threads compete at once and the rest sleep in the kernel.
 
 A slot is given up, early and for good, the moment its request is about to wait: for the log's fsync (so that the
@@ -18,7 +18,7 @@ A request can also wait where it cannot say so: on a CF that does not answer (a 
 below), on the group repository's file lock. So a slot is a **lease**: a request that has held one for
 ``lease_s`` (a normal one holds it for a millisecond or two) counts as waiting, and the next request that waits
 for a slot takes it back on its behalf. One stuck request then costs the others a lease, not its whole wait: a
-silent CF made four requests through one slot fail one socket timeout after another (the review of c129a86).
+silent CF would make every request through one slot fail one socket timeout after another.
 """
 
 from __future__ import annotations

@@ -200,7 +200,7 @@ local function cur_gen() return tonumber(redis.call('HGET', META, 'gen') or '0')
 
 -- Get order within a priority: commit lrsn (o1), then put lrsn (o2): the order restore rebuilds
 -- (restore.settle.fifo_key), so the order survives a restore. o1 is the LRSN at which the commit counts
--- (commit.lua's counts-at, sqm.records.counts_at), the same one restore places the commit at.
+-- (commit.lua's counts-at, sqm.core.records.counts_at), the same one restore places the commit at.
 local function before(a, b) return a.o1 < b.o1 or (a.o1 == b.o1 and a.o2 < b.o2) end
 
 -- Add a committed entry to its priority list at its place in get order. A commit almost always belongs at the

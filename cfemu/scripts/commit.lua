@@ -5,7 +5,7 @@
 -- ARGV: 1 member, 2 epoch, 3 caller lrsn, 4 uow, 5 uow gen, 6 commit lrsn (>0: the forced COMMIT record, log-first;
 --       0: a UOW with no persistent work, nothing was logged), 7 record outcome (1: peer recovery or restore decided
 --       this outcome for another member's UOW; keep a 'C' tombstone so that the owner learns it when it retries),
---       8 counts-at lrsn (0: ARGV[6]): the LRSN at which the commit counts (sqm.records.counts_at: a re-log, or a
+--       8 counts-at lrsn (0: ARGV[6]): the LRSN at which the commit counts (sqm.core.records.counts_at: a re-log, or a
 --       peer's RECOVERY record, counts at the first record of the decision). The floor is checked against ARGV[6],
 --       the record's own LRSN (the one a restore reads it at); the puts are stamped with this one (o1 and l), the
 --       LRSN restore places the commit at (docs/log-format.md, "When an outcome counts").
@@ -14,7 +14,7 @@
 -- could not otherwise tell "applied here" from "lost with the CF". A retry from an older generation keeps the
 -- tombstone it learns from, so every later retry learns it too.
 -- A disconnected persistent store (pstore.lua) does not refuse a commit: a member refuses its own UOW's commit
--- before it forces the COMMIT record (standing.lua's 'D', sqm.manager.QueueManager._refuse_if_disconnected). Once
+-- before it forces the COMMIT record (standing.lua's 'D', sqm.core.manager.QueueManager._refuse_if_disconnected). Once
 -- the COMMIT is logged the commit is decided and completes on every structure of the UOW: refusing it here backed
 -- out on this structure a UOW that another structure had committed (review R2: a message moved between two
 -- structures was lost, and the log held COMMIT then BACKOUT).

@@ -1,6 +1,6 @@
 -- peek: read the entries of a queue that match a message id or a correlation id, without taking them: committed
 -- ones (CP), and ones an uncommitted get holds (UG) as the CF holds them (their last committed content: a get takes a
--- message, it does not change it). A unit of work's status lookup (sqm.conversation) must see a status that a
+-- message, it does not change it). A unit of work's status lookup (sqm.conversations.conversation) must see a status that a
 -- transition holds for a moment, where browse sees only what is available.
 -- Read only; idempotent.
 -- ARGV: 1 queue, 2 match ('m' message id | 'c' correlation id), 3 value (hex), 4 max count

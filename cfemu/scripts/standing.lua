@@ -1,7 +1,7 @@
 -- standing: how a UOW stands on this structure, read only. A member about to force a UOW's COMMIT asks each of its
 -- structures whether a persistent store is disconnected ('D' below). A member that forced the decision of a UOW
 -- spanning several structures asks each of them before it applies the outcome on any
--- (sqm.manager.QueueManager.apply): a structure that refuses must refuse first, so that a UOW never ends committed on one structure and backed out
+-- (sqm.core.manager.QueueManager.apply): a structure that refuses must refuse first, so that a UOW never ends committed on one structure and backed out
 -- on another (UOW atomicity across structures). Also refused, as by commit.lua: a structure that is not ACTIVE
 -- (CFSTATE: the outcome waits for it, applied nowhere yet) and a fenced member (FENCED).
 -- Idempotent (reads only).

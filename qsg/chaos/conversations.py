@@ -32,8 +32,8 @@ from qsg.chaos.bodies import make_body, parse_body
 from qsg.chaos.history import FAIL, OK, UNKNOWN, History, load_history
 from qsg.chaos.recorded import RecordedRunner, reason_of
 from qsg.chaos.uowcheck import DRAIN_CLIENT, FINAL_CLIENT, RECEIVER, SENDER
+from sqm.conversations.uowstatus import ACTIVE
 from sqm.service.client import Client
-from sqm.uowstatus import ACTIVE
 
 log = logging.getLogger("qsg.chaos")
 

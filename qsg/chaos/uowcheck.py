@@ -28,7 +28,7 @@ Findings (the message ids and the action keys involved):
   uow-cancelled-processed  a UOW processed by a receiver, and cancelled or timed out as well;
   uow-unsettled    a UOW still RECEIVED, ACCEPTED, DELIVERED or POSTPONED after the drain;
   uow-status       a status seen after another (the first's call completed before the second's began) that the
-                   state table (sqm.uowstatus.TABLE) and the restart rule (after_restart) cannot reach from it, a
+                   state table (sqm.conversations.uowstatus.TABLE) and the restart rule (after_restart) cannot reach from it, a
                    status not in the model, or PROCESSED with no receiver commit that may have done it.
 """
 
@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from itertools import product
 
 from qsg.chaos.history import Find, Op
-from sqm.uowstatus import (
+from sqm.conversations.uowstatus import (
     ACTIVE,
     BACKEDOUT,
     CANCELLED,

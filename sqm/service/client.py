@@ -1,4 +1,4 @@
-"""The client library: a connection to an SQM server with the same API shape as sqm.connection.Connection.
+"""The client library: a connection to an SQM server with the same API shape as sqm.core.connection.Connection.
 
     with Client(["127.0.0.1:7001", "127.0.0.1:7002"], token=settings.token) as c:
         with c.unit_of_work():
@@ -17,7 +17,7 @@ application is told then depends on what was at stake, and the library never gue
   the same for prepare, resolve, define and put/get outside syncpoint, which take effect on their own;
 * read-only requests (ping, browse, status, indoubt) are simply re-sent on the next endpoint.
 
-Conversations (sqm.conversation; docs/uow.md): ``logon(user, token)`` makes this connection's session on the
+Conversations (sqm.conversations.conversation; docs/uow.md): ``logon(user, token)`` makes this connection's session on the
 server; ``send``, ``receive`` and ``syncpoint`` use it. The session lives as long as the connection: when the
 connection is lost the server ends it, backing out what it held, and the application logs on again (with the same
 user id and token, LAST and QUERY find its work). So a lost connection during a conversation request is never
@@ -59,8 +59,8 @@ from typing import Any, NoReturn
 from cfemu.cf import Browsed
 from cfemu.errors import BackedOutError, MQError, OutcomeUnknownError
 from cfemu.sockets import set_kernel_timeout
-from sqm.connection import Message
-from sqm.messaging import UnitOfWorkScope
+from sqm.core.connection import Message
+from sqm.core.messaging import UnitOfWorkScope
 from sqm.service.protocol import (
     APPLICATION,
     AUTH_METHOD,
@@ -580,7 +580,7 @@ class Client(UnitOfWorkScope):
     def pub_backout(self) -> dict[str, Any]:
         return dict(self._call("pub_backout", {}))
 
-    # --- conversations (sqm.conversation; EntireX's LOGON, SEND, RECEIVE, SYNCPOINT) ----------------------------
+    # --- conversations (sqm.conversations.conversation; EntireX's LOGON, SEND, RECEIVE, SYNCPOINT) ----------------------------
     def logon(self, user: str, token: str = "") -> None:
         """LOGON: this connection's session, as ``user`` (1-32 characters) with ``token`` (by which LAST finds the
         user's work again after a failure). A second logon ends the first session (what it held is backed out)."""
@@ -590,7 +590,7 @@ class Client(UnitOfWorkScope):
     def send(self, service: str, body: bytes, *, option: str = "SYNC", commit: bool = False,
              store: bool | None = None, status_lifetime: int = 0, lifetime_s: int = 0,
              user_status: bytes | None = None, conversation: str = "", eoc: str = "") -> dict[str, Any]:
-        """SEND (sqm.conversation.Conversation.send): ``option`` SYNC adds the message to the unit of work this
+        """SEND (sqm.conversations.conversation.Conversation.send): ``option`` SYNC adds the message to the unit of work this
         session is sending (made by the first send), MSG sends it outside any; ``commit`` commits the UOW after
         it. Returns uow, status, messages, persistent, conversation."""
         args: dict[str, Any] = {"service": service, "body": body, "option": option, "commit": commit,

@@ -18,9 +18,9 @@ from prometheus_client.registry import Collector
 
 from cfemu import duplex, keys
 from cfemu.admin import Admin
-from sqm import recauto
-from sqm.manager import CF_DOWN, QueueManager
-from sqm.records import INBACKOUT, INCOMMIT, INDOUBT, INFLIGHT
+from sqm.core import recauto
+from sqm.core.manager import CF_DOWN, QueueManager
+from sqm.core.records import INBACKOUT, INCOMMIT, INDOUBT, INFLIGHT
 
 log = logging.getLogger("sqm.service.metrics")
 

@@ -56,7 +56,7 @@ import msgpack
 from cfemu import errors
 from cfemu.errors import BadRequestError, MessageTooBigError, MQError
 from cfemu.limits import DESCRIPTOR_ALLOWANCE, MAX_MSG_LENGTH
-from sqm.connection import Message
+from sqm.core.connection import Message
 
 HEADER = struct.Struct(">I")
 PROTOCOL_VERSION = 3

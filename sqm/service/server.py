@@ -68,12 +68,13 @@ from cfemu.repository import RepositoryError
 from cfemu.sockets import set_kernel_timeout
 from cfemu.topic_attributes import PUB_SUFFIX, SUB_SUFFIX
 from cfemu.uow_attributes import CONTROL_SUFFIX, DATA_SUFFIX
-from sqm import pubsub
-from sqm.connection import Connection
-from sqm.conversation import MAX_USER, OPTIONS, Conversation
+from sqm.conversations.conversation import MAX_USER, OPTIONS, Conversation
+from sqm.conversations.uowstatus import USER_STATUS_MAX
+from sqm.core.connection import Connection
+from sqm.core.manager import CF_DOWN, QueueManager, QueueManagerConfig
+from sqm.core.recauto import RecoverStructure
 from sqm.log import LogLockedError
-from sqm.manager import CF_DOWN, QueueManager, QueueManagerConfig
-from sqm.recauto import RecoverStructure
+from sqm.pubsub import pubsub
 from sqm.request_slots import LEASE_S, MAX_SLOTS, RequestSlots, before_wait, default_slots
 from sqm.service import metrics
 from sqm.service.protocol import (
@@ -112,7 +113,7 @@ from sqm.service.protocol import (
     read_frame,
     recv_body,
 )
-from sqm.uowstatus import USER_STATUS_MAX
+from sqm.wings import WINGS
 
 log = logging.getLogger("sqm.service.server")
 COMPANION_SUFFIXES = (DATA_SUFFIX, CONTROL_SUFFIX, PUB_SUFFIX, SUB_SUFFIX)
@@ -363,7 +364,7 @@ class SQMServer:
             logload=config.logload, clock_skew_us=config.clock_skew_ms * 1000,
             log_mode=config.log_mode, log_ring=config.log_ring, log_archive_dir=config.log_archive_dir,
             segment_bytes=config.segment_bytes, checkpoint_interval_s=config.checkpoint_interval_s,
-            cpl_entries=config.cpl_entries, recover_structure=config.recover_structure))
+            cpl_entries=config.cpl_entries, recover_structure=config.recover_structure), wings=WINGS)
         self.stats = _Stats()
         self.slots = RequestSlots(config.request_slots, config.slot_lease_ms / 1000)
         self.port = config.port

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from sqm.manager import QueueManager
+from sqm.core.manager import QueueManager
 from tests.support.group import define_group, start_qm
 
 

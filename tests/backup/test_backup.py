@@ -40,8 +40,8 @@ from cfemu.cf import CF
 from cfemu.credentials import BackupKeys, key_id
 from cfemu.errors import BackupRunningError, NoMessageError
 from cfemu.private_files import private_dir
+from sqm.core.manager import QueueManager
 from sqm.log import LogReader
-from sqm.manager import QueueManager
 from tests.support.group import define_group, start_qm
 
 

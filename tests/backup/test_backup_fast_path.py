@@ -18,7 +18,7 @@ from backup.files import BackupWriter, _packer, read_backup
 from backup.protocol import StepCount, _persistent_at_sight, select_raw
 from backup.run import run_backup
 from cfemu import bulk
-from sqm.manager import QueueManager
+from sqm.core.manager import QueueManager
 from tests.support.group import define_group, start_qm
 
 

@@ -18,7 +18,7 @@ import redis
 from backup.files import read_backup
 from backup.run import run_backup
 from cfemu import bulk, keys
-from sqm.manager import QueueManager
+from sqm.core.manager import QueueManager
 
 
 def _hmget_calls(client: redis.Redis) -> int:

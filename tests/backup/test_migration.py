@@ -36,9 +36,9 @@ from cfemu.errors import BackupEndedError, NoMessageError, StructureFailedError
 from cfemu.repository import GroupRepository
 from restore.run import RestoreError, run_restore
 from restore.start_modes import automatic_start, start
-from sqm.conversation import SYNC, Conversation
-from sqm.manager import QueueManager
-from sqm.recauto import StructureRecovery
+from sqm.conversations.conversation import SYNC, Conversation
+from sqm.core.manager import QueueManager
+from sqm.core.recauto import StructureRecovery
 from tests.support.group import start_qm
 from tests.support.harness import lose_cf
 
@@ -282,7 +282,7 @@ def test_a_source_whose_cf_is_lost_after_the_migration_is_not_restored_beside_it
             return {}
 
         recauto = StructureRecovery(qm, recover)
-        with caplog.at_level(logging.WARNING, logger="sqm.recauto"):
+        with caplog.at_level(logging.WARNING, logger="sqm.core.recauto"):
             assert recauto.check(now=1e9) == [] and recauto.check(now=2e9) == []
         said = [r.getMessage() for r in caplog.records if "CSQE138W" in r.getMessage()]
         assert recovered == [] and len(said) == 1 and f"cfemu migrate reopen {S}" in said[0], said
@@ -537,7 +537,7 @@ def test_a_structure_of_100k_messages_and_uow_statuses_migrates_and_compares_equ
 
 
 def test_record_types_follow_the_companion_queues_and_correlation_ids() -> None:
-    """A topic's .SUB holds two kinds of entry (sqm.pubsub): a subscription's position, replaced at each commit, and
+    """A topic's .SUB holds two kinds of entry (sqm.pubsub.pubsub): a subscription's position, replaced at each commit, and
     its roster entry, kept while it lives: the reports count them apart, or a topic's subscriptions counted twice."""
     from backup.migrate_report import record_type
     assert record_type("T.SUB", b"R".hex()) == "subscription-roster"

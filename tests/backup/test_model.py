@@ -12,7 +12,7 @@ clock merge keeps its LRSNs in order).
     step whose snapshot is empty fetches nothing and has no fetch step): 7 to 12 atomic steps;
   * the message actors of each scenario below, whose COMMIT / BACKOUT / PUT-outside-syncpoint records are
     written log-first as steps of their own (a member can stall between its record and its CF update), with
-    the refusal rules of sqm/manager.py (FloorError: relog above the floor and retry; BackupActiveError on a
+    the refusal rules of sqm/core/manager.py (FloorError: relog above the floor and retry; BackupActiveError on a
     backout: relog with the gets' data and retry with has_data): see tests/backup/model/actors.py.
   Scenarios:
   * lifecycle: QM1 puts m1 in UOW 1, commits (log, apply), gets it in UOW 2, backs out (log, apply) - the get

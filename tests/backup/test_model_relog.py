@@ -4,7 +4,7 @@ actors and checks: tests/backup/model; the relog actor and the pruning checks: t
 Each scenario of test_model (its message actors) runs after a backup and a first relog pass (so the stored CPL makes
 the interleaved pass selective: it copies only what the first one left older than its threshold), interleaved in
 every order with one more relog pass of QM1. After every step (the CF lost right there) and at the end of every
-schedule: the logs pruned below where sqm.retention says CF recovery starts (the backup's replay start or the relog
+schedule: the logs pruned below where sqm.core.retention says CF recovery starts (the backup's replay start or the relog
 window, as restore chooses) still restore exactly what must survive, and so do the logs alone from the window.
 A mutation proves the checks can fail: a window that starts at the pass's end loses a message.
 """

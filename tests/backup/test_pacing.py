@@ -22,7 +22,7 @@ from backup.run import run_backup
 from cfemu import bulk, settings
 from cfemu.clitools import settings as resolve_args
 from cfemu.embedded import EmbeddedRedis
-from sqm.manager import QueueManager
+from sqm.core.manager import QueueManager
 from tests.support.group import define_group, start_qm
 
 

@@ -28,7 +28,7 @@ from cfemu.admin import Admin
 from cfemu.connection import connect
 from cfemu.embedded import EmbeddedRedis
 from cfemu.entry import Entry
-from sqm.manager import QueueManager
+from sqm.core.manager import QueueManager
 from tests.support.group import define_group, start_qm
 
 LENGTHS = [0, 1, 127, 128, 255, 256, 65_535, 65_536, 2**32 - 1, 2**32, 2**32 + 5, 2**40, 2**53]

@@ -18,7 +18,7 @@ from cfemu.cf import CF
 from cfemu.connection import connect
 from cfemu.embedded import EmbeddedRedis
 from cfemu.errors import UnknownObjectError
-from sqm.manager import reply_lost
+from sqm.core.manager import reply_lost
 from tests.support.one_connection_cf import browse_q1, one_connection_cf
 
 
@@ -69,7 +69,7 @@ def test_a_reply_that_times_out_is_never_read_by_the_next_call(redis_factory: Ca
 
 def test_a_reply_lost_after_the_request_went_out_reads_as_maybe_applied(
         redis_factory: Callable[..., EmbeddedRedis]) -> None:
-    """The member reads a failure while reading (the script may have run: sqm.manager.reply_lost) apart from
+    """The member reads a failure while reading (the script may have run: sqm.core.manager.reply_lost) apart from
     one before anything was sent; the lean path's errors must keep that distinction (a commit reported backed out
     that the CF applied is a lost or duplicated message). Timeout: the CF stopped; reset: the CF killed while the
     request waits in its socket."""

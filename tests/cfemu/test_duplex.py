@@ -17,7 +17,7 @@ from cfemu.admin import Admin
 from cfemu.cf import CF, Caller
 from cfemu.connection import ConnectionConfigError, connect
 from cfemu.entry import Entry
-from sqm.clock import LrsnClock
+from sqm.core.clock import LrsnClock
 from tests.support.pair import Pair
 
 

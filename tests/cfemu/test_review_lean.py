@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from cfemu.embedded import EmbeddedRedis
-from sqm.manager import reply_lost
+from sqm.core.manager import reply_lost
 from tests.support.cf_loading import answers_loading
 from tests.support.one_connection_cf import browse_q1, one_connection_cf
 

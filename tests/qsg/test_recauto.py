@@ -259,7 +259,8 @@ def test_two_members_race_one_restores_and_a_lost_lock_lets_no_second_restore_wr
     from cfemu.progress import Progress
     from qsg.member import summary
     from restore.engine import LOAD
-    from sqm.manager import QueueManager, QueueManagerConfig
+    from sqm.core.manager import QueueManager, QueueManagerConfig
+    from sqm.wings import WINGS
     from tests.support.harness import lose_cf
 
     log_root, backup_root = tmp_path / "logs", tmp_path / "backups"
@@ -286,7 +287,7 @@ def test_two_members_race_one_restores_and_a_lost_lock_lets_no_second_restore_wr
         return recover
 
     qms = [QueueManager(QueueManagerConfig(name=n, log_root=log_root, redis_url=redis_url, background=False,
-                                           recover_structure=hook(hold=(n == "QM1"))))
+                                           recover_structure=hook(hold=(n == "QM1"))), wings=WINGS)
            for n in ("QM1", "QM2")]
     for qm in qms:
         qm.start()
@@ -333,7 +334,8 @@ def test_recauto_off_and_an_operators_restore_are_left_alone(redis_url: str, tmp
     """RECAUTO off: a member never recovers the structure. A RECOVERING structure without an automatic
     recovery's mark is an operator's restore: left alone too; with the mark and no lock (the recovering member
     died), it is recovered again."""
-    from sqm.manager import QueueManager, QueueManagerConfig
+    from sqm.core.manager import QueueManager, QueueManagerConfig
+    from sqm.wings import WINGS
     from tests.support.harness import lose_cf
 
     log_root = tmp_path / "logs"
@@ -344,7 +346,7 @@ def test_recauto_off_and_an_operators_restore_are_left_alone(redis_url: str, tmp
     repository.ensure_structure(admin, repo, "APP2", ["Q2"])
     calls: list[str] = []
     qm = QueueManager(QueueManagerConfig(name="QM1", log_root=log_root, redis_url=redis_url, background=False,
-                                         recover_structure=lambda s, progress: calls.append(s) or {}))
+                                         recover_structure=lambda s, progress: calls.append(s) or {}), wings=WINGS)
     qm.start()
     try:
         assert qm.recauto is not None
@@ -373,7 +375,8 @@ def test_a_queue_of_a_structure_the_cf_lost_is_failed_not_unknown(redis_url: str
     structure (MQRC_CF_STRUC_FAILED, 2373, what MQ answers while a structure is lost, which applications retry),
     never 'unknown' (2085, a configuration error to an application); a queue nobody defined stays unknown."""
     from cfemu.errors import StructureFailedError, UnknownObjectError
-    from sqm.manager import QueueManager, QueueManagerConfig
+    from sqm.core.manager import QueueManager, QueueManagerConfig
+    from sqm.wings import WINGS
     from tests.support.harness import lose_cf
 
     log_root = tmp_path / "logs"
@@ -381,7 +384,7 @@ def test_a_queue_of_a_structure_the_cf_lost_is_failed_not_unknown(redis_url: str
     admin = Admin(client)
     repo = repository.open_group_repository(admin, log_root, who="test")
     repository.ensure_structure(admin, repo, "APP1", ["Q1"], recauto=False)
-    qm = QueueManager(QueueManagerConfig(name="QM1", log_root=log_root, redis_url=redis_url, background=False))
+    qm = QueueManager(QueueManagerConfig(name="QM1", log_root=log_root, redis_url=redis_url, background=False), wings=WINGS)
     qm.start()
     try:
         lose_cf(client)

@@ -17,7 +17,7 @@ from cfemu.connection import ConnectionConfigError, connect
 from cfemu.embedded_rcluster import EmbeddedCluster
 from cfemu.errors import MQError, NoMessageError
 from restore.run import run_restore
-from sqm.manager import QueueManager
+from sqm.core.manager import QueueManager
 from tests.support.group import start_qm
 
 # Each of these lands on another master of a 3-master cluster with the slots split evenly (checked below).

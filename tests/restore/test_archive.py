@@ -13,9 +13,9 @@ import pytest
 from cfemu.entry import Entry
 from restore.archive import SCHEMA, archive_logs, audit_message
 from restore.cli import main as cfrestore
-from sqm import records
+from sqm.core import records
+from sqm.core.records import entry_ids
 from sqm.log import LogCorruptError, LogReader, RecordLog
-from sqm.records import entry_ids
 
 SEGMENT = 700  # bytes: a few records per segment
 

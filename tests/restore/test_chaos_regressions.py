@@ -21,7 +21,7 @@ from cfemu.entry import Entry
 from cfemu.errors import NoMessageError, StructureFailedError
 from restore.run import run_restore
 from restore.settle import CONSUMED, decide_outcome, settle
-from sqm import records
+from sqm.core import records
 from sqm.log import LogReader
 from tests.restore.test_restore import drain, rejoin
 from tests.support.group import define_group, start_qm

@@ -27,7 +27,7 @@ from restore.engine import (
     get_engine,
 )
 from restore.run import RESTORE_MEMBER, run_restore
-from sqm.manager import QueueManager
+from sqm.core.manager import QueueManager
 from tests.restore.test_restore import S, all_keys, small_workload
 from tests.support.harness import lose_cf
 

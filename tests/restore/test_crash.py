@@ -19,7 +19,7 @@ from backup.run import run_backup
 from cfemu import keys
 from cfemu.admin import Admin
 from restore.run import RESTORE_MEMBER, run_restore
-from sqm.failpoints import ENV_VAR as FAILPOINTS
+from sqm.core.failpoints import ENV_VAR as FAILPOINTS
 from sqm.log import LogReader
 from tests.restore.test_restore import VOLATILE, S, snapshot
 from tests.support.group import define_group, start_qm

@@ -1,6 +1,6 @@
 """The Spark restore engine against the local one: the same plan on every input (docs/spark.md).
 
-Random histories are built as data (the records sqm.manager writes, and backup copies), written to real log
+Random histories are built as data (the records sqm.core.manager writes, and backup copies), written to real log
 segment files (small segments, so each log has several, some sealed below replay_from) and a real backup
 directory (several entry files), then planned by both engines. Two real histories come from running queue
 managers, with a fuzzy backup taken while they work.
@@ -25,9 +25,9 @@ from restore.archive import archive_logs
 from restore.engine import READ_BACKUP, READ_LOGS, SETTLE, LocalEngine, get_engine
 from restore.engine_spark import SparkEngine, start_session
 from restore.plan import RestorePlan
-from sqm import records
+from sqm.core import records
+from sqm.core.records import Record
 from sqm.log import RecordLog, find_log_dirs
-from sqm.records import Record
 
 pyspark = pytest.importorskip("pyspark")
 

@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CHILD = textwrap.dedent("""
     import json, sys
     from pathlib import Path
-    from sqm.manager import QueueManager, QueueManagerConfig
+    from sqm.core.manager import QueueManager, QueueManagerConfig
     url, logs = sys.argv[1], Path(sys.argv[2])
     qm = QueueManager(QueueManagerConfig(name="QM1", log_root=logs, redis_url=url, logload=40, cpl_entries=2,
                                          segment_bytes=16 * 1024))

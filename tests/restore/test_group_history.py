@@ -23,8 +23,8 @@ from cfemu.connection import connect
 from cfemu.errors import BackedOutError
 from cfemu.procs import free_port
 from restore.run import RestoreError, run_restore
+from sqm.core.manager import QueueManager
 from sqm.log import LogReader
-from sqm.manager import QueueManager
 from tests.restore.test_restore import drain, rejoin
 from tests.support.group import define_group, start_qm
 from tests.support.harness import lose_cf as flush_cf

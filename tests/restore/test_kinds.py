@@ -1,4 +1,4 @@
-"""Restore knows every record kind the registry (sqm.records.KINDS) gives it: the plan takes each as its role says,
+"""Restore knows every record kind the registry (sqm.core.records.KINDS) gives it: the plan takes each as its role says,
 the fold has a redo step for each ENTRY kind, and each OUTCOME kind decides a UOW. A new kind fails here until
 restore has what it needs for it."""
 
@@ -8,7 +8,7 @@ import pytest
 
 from restore.plan import relevant
 from restore.settle import decide_outcome, settle
-from sqm.records import KINDS, Role, codes, counts_at, entry_ids
+from sqm.core.records import KINDS, Role, codes, counts_at, entry_ids
 from tests.support.samples import SAMPLES
 
 

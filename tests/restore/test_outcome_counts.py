@@ -17,10 +17,10 @@ from cfemu.errors import BackedOutError
 from restore.plan import plan_local
 from restore.run import run_restore
 from restore.settle import CONSUMED, HELD_INDOUBT, RESTORED
-from sqm import records
+from sqm.core import records
+from sqm.core.manager import QueueManager
+from sqm.core.recovery import PeerRecoveryReport, recover_peers
 from sqm.log import LogReader
-from sqm.manager import QueueManager
-from sqm.recovery import PeerRecoveryReport, recover_peers
 from tests.sqm.test_crash import DEAD, Child
 from tests.support.group import define_group, start_qm
 from tests.support.harness import lose_cf

@@ -32,7 +32,7 @@ from restore.load import load_order
 from restore.partitioned import SpilledPlan, merge_read_size, partitions_for
 from restore.plan import RestorePlan, base_lrsn, plan_local
 from restore.run import WORK_DIR, RestoreError, run_restore
-from sqm import records
+from sqm.core import records
 from sqm.log import RecordLog
 from tests.restore.test_engine_spark import NOW_MS, S, _real_history, normalized, simulate, write_history
 from tests.restore.test_restore import small_workload, snapshot

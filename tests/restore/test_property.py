@@ -2,7 +2,7 @@
 in-process queue managers over one real CF (the session redis-server) with real logs, two structures (APP1 with
 Q1 and Q2, APP2 with Q3; a unit of work may span both), fuzzy backups (backup.run.run_backup), CF losses restored
 (restore.run.run_restore), one structure failing and restored while the other lives, purges, members that die
-abruptly and are recovered by a peer (sqm.recovery.recover_peer) or by their own restart, and every member's LRSN
+abruptly and are recovered by a peer (sqm.core.recovery.recover_peer) or by their own restart, and every member's LRSN
 clock skewed.
 
 What the histories hold (issue 10, "Make the suite find the next one"):
@@ -15,7 +15,7 @@ What the histories hold (issue 10, "Make the suite find the next one"):
 - Backups while the group works: a burst of work between two of a backup's copy steps (a get backed out then
   carries its data in the BACKOUT record: the patent's exception).
 - Deaths: a member stops abruptly (tests/support/crash.py: its unwritten log records are lost, no checkpoint, its
-  lease left to lapse) idle, mid-UOW, or inside a commit or backout at an sqm.failpoints point (before or after
+  lease left to lapse) idle, mid-UOW, or inside a commit or backout at an sqm.core.failpoints point (before or after
   its COMMIT is forced, after it applied on one structure, after a BACKOUT is forced, after the CF took a put the
   log has not seen). A live peer, whichever its skew (often one that lags), recovers it; or it restarts; or the CF
   is lost first.
@@ -82,11 +82,11 @@ from cfemu.connection import connect
 from cfemu.errors import BackedOutError, NoMessageError
 from restore.result import RestoreResult
 from restore.run import run_purge, run_restore
-from sqm.connection import Connection
+from sqm.core.connection import Connection
+from sqm.core.manager import QueueManager
+from sqm.core.recovery import recover_peer
+from sqm.core.uow import UnitOfWork
 from sqm.log import LogReader, find_log_dirs
-from sqm.manager import QueueManager
-from sqm.recovery import recover_peer
-from sqm.uow import UnitOfWork
 from tests.restore.test_restore import rejoin
 from tests.support.crash import Crash, crash, failpoint_armed
 from tests.support.group import define_group, start_qm
@@ -102,7 +102,7 @@ LEASE_MS = 1000
 # A member's clock skew (microseconds): none, or ahead or behind by more than the lease.
 SKEWS = st.one_of(st.just(0), st.integers(-4_000_000, -1_100_000), st.integers(1_100_000, 4_000_000))
 # How a member dies: at once (idle or mid-UOW), or inside the completion of its open UOW at a failpoint
-# (sqm.failpoints), or while the CF takes a put that the log has not seen.
+# (sqm.core.failpoints), or while the CF takes a put that the log has not seen.
 DEATHS = ("now", "before-log-force", "after-log-force", "during-apply", "backout-after-log", "put-after-cf")
 # A burst of application work in one step (so that a history holds enough work between its CF losses), mostly
 # by one member (so that its units of work grow and span both structures).

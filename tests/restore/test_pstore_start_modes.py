@@ -19,9 +19,9 @@ from cfemu.pstore import warm_generations
 from cfemu.repository import GroupRepository
 from qsg.pstore_cli import main as pstore
 from restore.start_modes import automatic_start, start
+from sqm.core.manager import QueueManager
+from sqm.core.relog import newest_pass
 from sqm.log import find_log_dirs
-from sqm.manager import QueueManager
-from sqm.relog import newest_pass
 from tests.support.group import define_group, start_qm
 from tests.support.harness import lose_cf
 

@@ -25,10 +25,10 @@ from cfemu.embedded import EmbeddedRedis
 from cfemu.errors import BackedOutError, NoMessageError, StructureFailedError
 from restore.engine import LOAD, READ_BACKUP, READ_LOGS, SETTLE
 from restore.run import RESTORE_MEMBER, RestoreError, run_purge, run_restore
-from sqm import records
-from sqm.connection import Connection
+from sqm.core import records
+from sqm.core.connection import Connection
+from sqm.core.manager import QueueManager
 from sqm.log import LogCorruptError, LogReader, RecordLog
-from sqm.manager import QueueManager
 from tests.support.group import define_group, start_qm
 from tests.support.harness import lose_cf
 

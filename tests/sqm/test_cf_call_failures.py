@@ -26,7 +26,8 @@ from cfemu.errors import (
     OutcomeUnknownError,
     StructureFailedError,
 )
-from sqm.manager import QueueManager, QueueManagerConfig
+from sqm.core.manager import QueueManager, QueueManagerConfig
+from sqm.wings import WINGS
 from tests.support.group import define_group
 
 
@@ -34,7 +35,7 @@ from tests.support.group import define_group
 def qm(redis_url: str, tmp_path: Path) -> Iterator[QueueManager]:
     define_group(redis_url)
     qm = QueueManager(QueueManagerConfig(name="QM1", log_root=tmp_path / "logs", redis_url=redis_url,
-                                         background=False), client=connect(redis_url, socket_timeout=0.3))
+                                         background=False), client=connect(redis_url, socket_timeout=0.3), wings=WINGS)
     qm.start()
     conn = qm.connect()
     conn.put("Q1", b"warm-up", persistent=False, syncpoint=False)  # scripts loaded, connection open

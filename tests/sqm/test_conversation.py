@@ -1,4 +1,4 @@
-"""Units of work sent to a service (sqm.conversation), against a real redis-server and real logs: every transition
+"""Units of work sent to a service (sqm.conversations.conversation), against a real redis-server and real logs: every transition
 of the state table as an application makes it, every SYNCPOINT option, and the refusals (each names the operation
 and the status). Restarts and CF loss: tests/sqm/test_uow_restart.py; the network: tests/sqm/test_service_uow.py."""
 
@@ -22,9 +22,9 @@ from cfemu.errors import (
     UowLimitError,
     UowStatusError,
 )
-from sqm.conversation import ANY, BOTH, MSG, SYNC, Conversation
-from sqm.manager import QueueManager
-from sqm.uowsweeper import Sweeper
+from sqm.conversations.conversation import ANY, BOTH, MSG, SYNC, Conversation
+from sqm.conversations.uowsweeper import Sweeper
+from sqm.core.manager import QueueManager
 from tests.support.group import start_qm
 
 S, SVC, PLAIN_SVC, LIMITED = "APP1", "SVC", "NOSTAT", "LIM"

@@ -17,12 +17,13 @@ import pytest
 from cfemu.admin import Admin, AdminError
 from cfemu.connection import connect
 from cfemu.errors import EndOfUowError, MQError, NoMessageError, StructureFailedError, UowStatusError
-from sqm import conversation as convmod
-from sqm import uowcontrols as ctl
-from sqm.conversation import BOTH, SYNC, Conversation
-from sqm.manager import QueueManager, QueueManagerConfig
-from sqm.uowstatus import restore_control_entry, status_letter_hex
-from sqm.uowsweeper import Sweeper
+from sqm.conversations import conversation as convmod
+from sqm.conversations import uowcontrols as ctl
+from sqm.conversations.conversation import BOTH, SYNC, Conversation
+from sqm.conversations.uowstatus import restore_control_entry, status_letter_hex
+from sqm.conversations.uowsweeper import Sweeper
+from sqm.core.manager import QueueManager, QueueManagerConfig
+from sqm.wings import WINGS
 from tests.support.group import start_qm
 
 S, SVC = "APP1", "SVC"
@@ -93,13 +94,13 @@ def test_a_real_lost_reply_on_delivery_does_not_leave_an_idle_session_holding_th
     """A reply lost for real (the CF busy past the member's socket timeout) on the commit of ACCEPTED -> DELIVERED:
     the settle escaped with a raw redis error, and the idle scope held the UOW DELIVERED for as long as it lived."""
     qm = QueueManager(QueueManagerConfig(name="QM3", log_root=tmp_path / "l3", redis_url=redis_url,
-                                         background=False), client=connect(redis_url, socket_timeout=0.3))
+                                         background=False), client=connect(redis_url, socket_timeout=0.3), wings=WINGS)
     qm.start()
     try:
         Conversation(qm, "alice").send("NP", b"a", commit=True)
         bob = Conversation(qm, "bob")
         harness = redis_server.client()
-        from sqm.connection import Connection
+        from sqm.core.connection import Connection
         real = Connection.commit
         fired: list[int] = []
 
@@ -277,7 +278,7 @@ def test_a_sweep_reads_a_bounded_batch_and_a_short_lifetime_behind_long_ones_sti
     blocked 294 ms per status for 20,000 kept statuses, review R), and a 1 s UOW behind 1,000 long-lived ones never
     timed out. Now each sweep reads a batch per status (peek_scan.lua) and a pass goes round them all."""
     from cfemu.cf import Structure
-    from sqm.uowstatus import Control
+    from sqm.conversations.uowstatus import Control
     admin.define_queue("BIG", S, uow={"max_uows": 5000, "status_lifetime": 1})
     qm1, _ = qms
     svc = ctl.service(qm1, "BIG")

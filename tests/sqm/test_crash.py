@@ -1,6 +1,6 @@
 """kill -9 of a queue manager process mid-UOW, peer recovery, restart recovery, and fencing of a paused member.
 
-Each case runs tests/support/sqm_child.py as a real process with one failpoint armed (sqm.failpoints: a real SIGKILL at
+Each case runs tests/support/sqm_child.py as a real process with one failpoint armed (sqm.core.failpoints: a real SIGKILL at
 that line), then checks, against the real redis-server, that a live peer recovers the dead member within a
 bounded time, that the UOW took effect all or nothing (the log decides: once its COMMIT is forced it is
 committed), that nothing committed was lost and nothing consumed twice, and that the dead member's own restart
@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 
 from cfemu.errors import NoMessageError
-from sqm.failpoints import parse_failpoints
-from sqm.manager import QueueManager
+from sqm.core.failpoints import parse_failpoints
+from sqm.core.manager import QueueManager
 from tests.support.group import define_group, start_qm
 
 REPO = Path(__file__).resolve().parents[2]

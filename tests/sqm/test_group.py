@@ -14,7 +14,8 @@ from cfemu import keys
 from cfemu.admin import Admin
 from cfemu.connection import connect
 from cfemu.errors import NoMessageError, OutcomeUnknownError, StructureFullError, UnknownObjectError
-from sqm.manager import QueueManager, QueueManagerConfig
+from sqm.core.manager import QueueManager, QueueManagerConfig
+from sqm.wings import WINGS
 from tests.support.group import define_group, start_qm
 
 
@@ -177,7 +178,7 @@ def test_a_put_whose_cf_reply_is_lost_is_outcome_unknown_not_failed(redis_server
     harness) past the member's read timeout, and runs the put after the member stopped waiting."""
     define_group(redis_url)
     qm = QueueManager(QueueManagerConfig(name="QM1", log_root=tmp_path / "logs", redis_url=redis_url,
-                                         background=False), client=connect(redis_url, socket_timeout=0.3))
+                                         background=False), client=connect(redis_url, socket_timeout=0.3), wings=WINGS)
     qm.start()
     try:
         conn = qm.connect()

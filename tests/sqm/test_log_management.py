@@ -22,11 +22,11 @@ import redis
 from cfemu.errors import ResourceProblemError
 from restore.run import LOGS, run_restore
 from sqm.cli import main as sqm_main
-from sqm.connection import Connection
+from sqm.core.connection import Connection
+from sqm.core.relog import newest_pass
 from sqm.log import LogReader, find_log_dirs
 from sqm.log.format import archived_segments, list_segments, read_manifest
 from sqm.logprint import read_records
-from sqm.relog import newest_pass
 from tests.support.group import define_group, start_qm
 from tests.support.harness import lose_cf
 
@@ -97,7 +97,7 @@ def test_linear_logging_archives_what_no_recovery_needs_and_readers_still_read_i
 CHILD = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from sqm.manager import QueueManager, QueueManagerConfig
+    from sqm.core.manager import QueueManager, QueueManagerConfig
     url, logs, intervals = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
     qm = QueueManager(QueueManagerConfig(name="QM1", log_root=logs, redis_url=url, background=False,
                                          cpl_entries=3, segment_bytes=8192, logload=10**9))
@@ -439,7 +439,7 @@ def test_a_circular_roll_interrupted_while_reusing_a_segment_leaves_a_readable_l
 def test_restart_reports_progress_on_a_long_range(redis_url: str, tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """CSQR031I every PROGRESS_EVERY records read (50,000; 5 here), as MQ reports a long log range."""
-    import sqm.recovery
+    import sqm.core.recovery
 
     logs = tmp_path / "logs"
     define_group(redis_url, queues=("Q1",))
@@ -449,7 +449,7 @@ def test_restart_reports_progress_on_a_long_range(redis_url: str, tmp_path: Path
         c.put("Q1", b"m-%d" % i)
         c.commit()
     qm.stop(checkpoint=False)
-    monkeypatch.setattr(sqm.recovery, "PROGRESS_EVERY", 5)
+    monkeypatch.setattr(sqm.core.recovery, "PROGRESS_EVERY", 5)
     qm = start_qm(redis_url, logs, "QM1", background=False)
     progress = [m for m in qm.last_restart.messages if m.startswith("CSQR031I")]
     assert len(progress) == qm.last_restart.records_read // 5 >= 4

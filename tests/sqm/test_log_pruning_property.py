@@ -2,7 +2,7 @@
 bounded examples) against a real redis-server and real log files. A history mixes puts of messages that stay and
 of messages consumed at once, gets backed out, checkpoints (each relogs; linear logging archives what is inactive),
 backups, in-doubt units of work (resolved later), member kills (no checkpoint) and clean stops, and CF losses. At
-every stop the logs are pruned of everything sqm.retention says no recovery needs (sqm.logadmin.prune_log, what
+every stop the logs are pruned of everything sqm.core.retention says no recovery needs (sqm.logadmin.prune_log, what
 ``sqm log prune`` runs); then the restart, and after a CF loss the restore, must give back the reference state:
 each message with its backout count, in get order."""
 
@@ -19,10 +19,10 @@ from backup.run import run_backup
 from cfemu.admin import Admin
 from cfemu.connection import connect
 from restore.run import run_restore
-from sqm.connection import Connection
+from sqm.core.connection import Connection
+from sqm.core.manager import QueueManager
 from sqm.log import LogReader, find_log_dirs
 from sqm.logadmin import prune_log
-from sqm.manager import QueueManager
 from tests.support.group import define_group, start_qm
 from tests.support.harness import lose_cf
 

@@ -18,7 +18,7 @@ from cfemu.cf import Caller
 from cfemu.embedded import EmbeddedRedis
 from cfemu.entry import Entry
 from cfemu.errors import FencedError
-from sqm.recovery import recover_peers
+from sqm.core.recovery import recover_peers
 from tests.support.group import define_group, start_qm
 from tests.support.harness import lose_cf
 

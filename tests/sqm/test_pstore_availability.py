@@ -23,10 +23,10 @@ from cfemu.errors import (
     StructureFullError,
 )
 from qsg.pstore_cli import main as pstore
-from sqm.connection import Connection
+from sqm.core.connection import Connection
+from sqm.core.manager import QueueManager
+from sqm.core.uow import UnitOfWork
 from sqm.log import LogReader
-from sqm.manager import QueueManager
-from sqm.uow import UnitOfWork
 from tests.support.group import define_group, start_qm
 
 S = "APP1"

@@ -1,4 +1,4 @@
-"""Publish and subscribe (sqm.pubsub, sqm.pubsub_sweeper) against a real redis-server and real logs, two members:
+"""Publish and subscribe (sqm.pubsub.pubsub, sqm.pubsub.pubsub_sweeper) against a real redis-server and real logs, two members:
 publications received whole, in commit order, once per subscription; invisible until commit; backout redelivers;
 one receiver per subscription; removal when every subscriber has passed and when the lifetime passes; expiry of
 idle subscriptions; storage counted once. Member kills, CF loss: tests/sqm/test_pubsub_failures.py."""
@@ -14,9 +14,9 @@ import pytest
 from cfemu.admin import Admin, AdminError
 from cfemu.connection import connect
 from cfemu.errors import BadRequestError, NoMessageError, ResourceProblemError, UnknownObjectError
-from sqm import pubsub as ps
-from sqm.manager import QueueManager
-from sqm.pubsub_sweeper import PubSubSweeper
+from sqm.core.manager import QueueManager
+from sqm.pubsub import pubsub as ps
+from sqm.pubsub.pubsub_sweeper import PubSubSweeper
 from tests.support.group import start_qm
 
 S, T, SHORT, NONDUR = "APP1", "NEWS", "FLASH", "CHAT"

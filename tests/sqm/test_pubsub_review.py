@@ -15,10 +15,10 @@ from cfemu.admin import Admin
 from cfemu.cf import TopicNext
 from cfemu.connection import connect
 from cfemu.errors import NoMessageError, ResourceProblemError, UnknownObjectError
-from sqm import pubsub as ps
-from sqm import uowcontrols as ctl
-from sqm.manager import QueueManager
-from sqm.pubsub_sweeper import PubSubSweeper
+from sqm.conversations import uowcontrols as ctl
+from sqm.core.manager import QueueManager
+from sqm.pubsub import pubsub as ps
+from sqm.pubsub.pubsub_sweeper import PubSubSweeper
 from sqm.service.client import Client
 from tests.sqm.test_service import TOKEN, start_server
 from tests.support.group import start_qm

@@ -1,4 +1,4 @@
-"""The record-kind registry (sqm.records.KINDS) is complete: every kind has its fields, constructor, role, describe
+"""The record-kind registry (sqm.core.records.KINDS) is complete: every kind has its fields, constructor, role, describe
 and a row in docs/log-format.md's "Record kinds" table that agrees with the registry, so that adding a kind is its
 row, its TypedDict and its constructor (and a sample in tests/support/samples.py), and forgetting one fails here."""
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from sqm import records
+from sqm.core import records
+from sqm.core.records import KINDS, Role, lookup
 from sqm.log import LogReader, RecordLog
-from sqm.records import KINDS, Role, lookup
 from tests.support.samples import SAMPLES
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "log-format.md"

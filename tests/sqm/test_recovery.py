@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 
 from cfemu.errors import NoMessageError, OutcomeUnknownError
-from sqm import records
-from sqm.connection import Connection
+from sqm.core import records
+from sqm.core.connection import Connection
+from sqm.core.manager import QueueManager
+from sqm.core.recovery import recover_peers
 from sqm.log import LogCorruptError, LogReader, find_log_dirs, merged_records
-from sqm.manager import QueueManager
-from sqm.recovery import recover_peers
 from tests.support.group import define_group, start_qm
 
 

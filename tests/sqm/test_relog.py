@@ -19,9 +19,9 @@ import redis
 
 from cfemu import keys
 from restore.run import LOGS, newest_pass, run_restore
-from sqm.connection import Connection
+from sqm.core.connection import Connection
+from sqm.core.manager import QueueManager
 from sqm.log import LogReader, find_log_dirs
-from sqm.manager import QueueManager
 from tests.support.group import define_group, start_qm
 from tests.support.harness import lose_cf
 
@@ -191,7 +191,7 @@ def test_shutdown_relogs_everything_and_the_window_starts_there(redis_url: str, 
 CHILD = textwrap.dedent("""
     import sys
     from pathlib import Path
-    from sqm.manager import QueueManager, QueueManagerConfig
+    from sqm.core.manager import QueueManager, QueueManagerConfig
     url, logs = sys.argv[1], Path(sys.argv[2])
     qm = QueueManager(QueueManagerConfig(name="QM1", log_root=logs, redis_url=url, background=False,
                                          cpl_entries=2))

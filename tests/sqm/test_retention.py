@@ -1,4 +1,4 @@
-"""What recovery still needs of a member's log (sqm.retention; seed 002's active and inactive log; issue 12 step 3).
+"""What recovery still needs of a member's log (sqm.core.retention; seed 002's active and inactive log; issue 12 step 3).
 The decision is pure logic (recovery_needs, structure_start, Retention.inactive_below), tested here on its own; the
 integration tests with real members and logs are in test_log_management.py."""
 
@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from sqm.core.records import INDOUBT, INFLIGHT
+from sqm.core.retention import RESTART, STRUCTURE, UOW, Need, recovery_needs, structure_start
+from sqm.core.uow import UnitOfWork
 from sqm.log import LogPosition, SegmentInfo
-from sqm.records import INDOUBT, INFLIGHT
-from sqm.retention import RESTART, STRUCTURE, UOW, Need, recovery_needs, structure_start
-from sqm.uow import UnitOfWork
 
 
 def seg(n: int, lo: int | None, hi: int | None, *, sealed: bool = True) -> SegmentInfo:

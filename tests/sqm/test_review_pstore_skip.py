@@ -1,4 +1,4 @@
-"""Review of the commit outside syncpoint that skips standing.lua (issue 15, sqm.manager.complete pstore_checked):
+"""Review of the commit outside syncpoint that skips standing.lua (issue 15, sqm.core.manager.complete pstore_checked):
 the skip holds only when the put's or get's own script checked the persistent store for all of the UOW's
 persistent work just before the force. Real redis-server, real logs."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 from cfemu.admin import Admin
 from cfemu.cf import CF
 from cfemu.errors import BackedOutError
-from sqm.connection import Message
+from sqm.core.connection import Message
 from tests.support.group import define_group, start_qm
 
 

@@ -15,7 +15,7 @@ import redis
 from cfemu.cf import CF
 from cfemu.embedded import EmbeddedRedis
 from cfemu.errors import PstoreUnavailableError
-from sqm.manager import QueueManager
+from sqm.core.manager import QueueManager
 from tests.support.group import define_group, start_qm
 
 

@@ -27,10 +27,10 @@ from cfemu.cf import CF
 from cfemu.connection import connect
 from cfemu.errors import BadRequestError, MessageTooBigError, MQError, NoMessageError, UnknownObjectError
 from cfemu.limits import DESCRIPTOR_ALLOWANCE, MAX_MSG_LENGTH, MAX_PROPERTIES_LENGTH
-from sqm.connection import Connection, Message
+from sqm.core.connection import Connection, Message
+from sqm.core.manager import QueueManager
 from sqm.log import LogReader
 from sqm.log.format import MAX_RECORD_BYTES
-from sqm.manager import QueueManager
 from sqm.service import protocol
 from sqm.service.client import Client, client_tls_context
 from sqm.service.protocol import (

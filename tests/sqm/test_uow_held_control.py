@@ -19,11 +19,11 @@ import pytest
 from cfemu.admin import Admin
 from cfemu.connection import connect
 from cfemu.errors import EndOfUowError, MQError, NoMessageError, StructureFailedError, UowStatusError
-from sqm import uowcontrols as ctl
-from sqm.conversation import BOTH, SYNC, Conversation, settle_orphan
-from sqm.manager import QueueManager
-from sqm.uowstatus import DELIVERED
-from sqm.uowsweeper import Sweeper
+from sqm.conversations import uowcontrols as ctl
+from sqm.conversations.conversation import BOTH, SYNC, Conversation, settle_orphan
+from sqm.conversations.uowstatus import DELIVERED
+from sqm.conversations.uowsweeper import Sweeper
+from sqm.core.manager import QueueManager
 from tests.support.group import start_qm
 from tests.support.uow_looks import a_sweepers_look
 

@@ -30,8 +30,8 @@ from cfemu.cf import CF
 from cfemu.connection import connect
 from cfemu.embedded import EmbeddedRedis
 from cfemu.uow_attributes import UWSTATP_NONE, control_queue, data_queue
-from sqm import uowcontrols as ctl
-from sqm.uowstatus import (
+from sqm.conversations import uowcontrols as ctl
+from sqm.conversations.uowstatus import (
     ACCEPTED,
     BACKEDOUT,
     CANCELLED,

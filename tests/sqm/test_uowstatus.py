@@ -1,11 +1,11 @@
 """The UOW status model as pure logic: the state table, its refusals, and seed 003's restart Tables 1 and 2 as one
-rule (sqm.uowstatus.after_restart), row by row. The same rule on real processes: tests/sqm/test_uow_restart.py."""
+rule (sqm.conversations.uowstatus.after_restart), row by row. The same rule on real processes: tests/sqm/test_uow_restart.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from sqm.uowstatus import (
+from sqm.conversations.uowstatus import (
     ACCEPTED,
     BACKEDOUT,
     CANCELLED,

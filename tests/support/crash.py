@@ -1,7 +1,7 @@
 """An in-process queue manager that dies as kill -9 leaves one, for tests that need many deaths and cannot pay for
 a process each (tests/support/sqm_child.py is the real process).
 
-``failpoint_armed(name)`` makes the named sqm.failpoints point raise Crash in this process instead of killing it;
+``failpoint_armed(name)`` makes the named sqm.core.failpoints point raise Crash in this process instead of killing it;
 ``crash(qm)`` then stops the queue manager the way a SIGKILL does: what its log held in memory (appended, not yet
 written) is lost, nothing is forced, no checkpoint, no manifest update, no leaving the group (its lease is left to
 lapse), and the log's writer lock is released as the kernel releases a dead process's locks. What is on disk, and
@@ -15,7 +15,7 @@ import os
 from collections.abc import Iterator
 from unittest import mock
 
-from sqm.manager import QueueManager
+from sqm.core.manager import QueueManager
 
 
 class Crash(BaseException):  # noqa: N818 - not an error the product may catch: the process is gone
@@ -24,14 +24,15 @@ class Crash(BaseException):  # noqa: N818 - not an error the product may catch: 
 
 @contextlib.contextmanager
 def failpoint_armed(name: str) -> Iterator[None]:
-    """While inside, the first hit of sqm.failpoints point `name` in this process raises Crash (sqm.failpoints
+    """While inside, the first hit of sqm.core.failpoints point `name` in this process raises Crash (sqm.core.failpoints
     lists the points: before-log-force, after-log-force, backout-after-log, during-apply, put-after-cf)."""
 
     def fire(point: str) -> None:
         if point == name:
             raise Crash(point)
 
-    with mock.patch("sqm.manager.failpoint", fire), mock.patch("sqm.connection.failpoint", fire):
+    with mock.patch("sqm.core.outcomes.failpoint", fire), mock.patch("sqm.core.logspace.failpoint", fire), \
+            mock.patch("sqm.core.connection.failpoint", fire):
         yield
 
 

@@ -8,7 +8,8 @@ import redis
 
 from cfemu.admin import Admin
 from cfemu.connection import connect
-from sqm.manager import QueueManager, QueueManagerConfig
+from sqm.core.manager import QueueManager, QueueManagerConfig
+from sqm.wings import WINGS
 
 
 def define_group(url: str, *, structure: str = "APP1", queues: tuple[str, ...] = ("Q1", "Q2"),
@@ -19,6 +20,7 @@ def define_group(url: str, *, structure: str = "APP1", queues: tuple[str, ...] =
 
 
 def start_qm(url: str, log_root: Path, name: str, **cfg: object) -> QueueManager:
-    qm = QueueManager(QueueManagerConfig(name=name, log_root=log_root, redis_url=url, **cfg))  # type: ignore[arg-type]
+    qm = QueueManager(QueueManagerConfig(name=name, log_root=log_root, redis_url=url, **cfg),  # type: ignore[arg-type]
+                      wings=WINGS)
     qm.start()
     return qm

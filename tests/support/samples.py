@@ -1,12 +1,12 @@
-"""One record of each kind in sqm.records.KINDS, built with its constructor, beside the map it must be on disk (the
+"""One record of each kind in sqm.core.records.KINDS, built with its constructor, beside the map it must be on disk (the
 short keys and values old logs hold). Adding a kind means adding its sample here: tests/sqm/test_records.py fails
 until there is one."""
 
 from __future__ import annotations
 
 from cfemu.entry import Entry
-from sqm import records
-from sqm.records import Record
+from sqm.core import records
+from sqm.core.records import Record
 
 SS = {"APP1": 3, "APP2": 1}
 ENTRY = Entry(id="e1", queue="Q1", priority=4).wire()

@@ -4,7 +4,7 @@
 
 Starts a QueueManager (background threads on, a short lease), runs one scenario and prints one progress line per
 step on stdout (flushed, so a test reading the pipe sees how far it got before a crash). Failpoints armed by
-SQM_FAILPOINTS (sqm.failpoints) kill it with SIGKILL at the chosen point. The group must be defined already:
+SQM_FAILPOINTS (sqm.core.failpoints) kill it with SIGKILL at the chosen point. The group must be defined already:
 queue Q1 on structure APP1 and Q2 on APP2 (tests.test_sqm_crash.define_two_structures).
 
 Scenarios (one UOW each):
@@ -27,9 +27,10 @@ from pathlib import Path
 
 from cfemu.entry import Entry
 from cfemu.errors import MQError
-from sqm.clock import now_ms
-from sqm.connection import Connection
-from sqm.manager import QueueManager, QueueManagerConfig
+from sqm.core.clock import now_ms
+from sqm.core.connection import Connection
+from sqm.core.manager import QueueManager, QueueManagerConfig
+from sqm.wings import WINGS
 
 
 def say(line: str) -> None:
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
 
     qm = QueueManager(QueueManagerConfig(name=args.name, log_root=args.log_root, redis_url=args.redis_url,
                                          lease_ms=args.lease_ms, logload=args.logload,
-                                         background=True))
+                                         background=True), wings=WINGS)
     qm.start()
     say(f"started {qm.name} epoch={qm.caller.epoch} pid={os.getpid()}")
     conn = qm.connect()

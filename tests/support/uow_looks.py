@@ -7,10 +7,10 @@ import threading
 import time
 
 from cfemu.errors import UowStatusError
-from sqm import uowcontrols as ctl
-from sqm import uowsweeper
-from sqm.manager import QueueManager
-from sqm.uowstatus import Control
+from sqm.conversations import uowcontrols as ctl
+from sqm.conversations import uowsweeper
+from sqm.conversations.uowstatus import Control
+from sqm.core.manager import QueueManager
 
 
 def a_sweepers_look(qm: QueueManager, service: str, uow: str, hold_s: float) -> threading.Thread:

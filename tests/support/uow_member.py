@@ -1,4 +1,4 @@
-"""A queue manager in its own process that a test drives through UOW conversations (sqm.conversation), for the
+"""A queue manager in its own process that a test drives through UOW conversations (sqm.conversations.conversation), for the
 restart tests that kill members with real signals (tests/sqm/test_uow_restart.py).
 
     python -m tests.support.uow_member --redis-url URL --log-root DIR --name QM1 [--lease-ms 1000]
@@ -64,9 +64,11 @@ def decode(value: Any) -> Any:
 
 def serve(argv: list[str] | None = None) -> int:
     from cfemu.errors import EndOfUowError, NoMessageError
-    from sqm import uowcontrols as ctl
-    from sqm.conversation import SYNC, Conversation
-    from sqm.manager import QueueManager, QueueManagerConfig
+    from sqm.conversations import uowcontrols as ctl
+    from sqm.conversations import wing as conversations_wing
+    from sqm.conversations.conversation import SYNC, Conversation
+    from sqm.core.manager import QueueManager, QueueManagerConfig
+    from sqm.wings import WINGS
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--redis-url", required=True)
@@ -76,7 +78,8 @@ def serve(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     qm = QueueManager(QueueManagerConfig(name=args.name, log_root=args.log_root, redis_url=args.redis_url,
-                                         lease_ms=args.lease_ms, uow_sweep_interval_ms=250, background=True))
+                                         lease_ms=args.lease_ms, uow_sweep_interval_ms=250, background=True),
+                      wings=WINGS)
     qm.start()
     convs: dict[str, Conversation] = {}
 
@@ -124,7 +127,8 @@ def serve(argv: list[str] | None = None) -> int:
         if op == "pclock":
             return ctl.pseudo_clock(qm, req["structure"])
         if op == "counts":
-            return dict(qm.sweeper.counts) if qm.sweeper is not None else {}
+            found = conversations_wing.sweeper(qm)
+            return dict(found.counts) if found is not None else {}
         raise ValueError(f"unknown op {op!r}")
 
     say({"started": qm.name, "epoch": qm.caller.epoch, "pid": os.getpid()})

@@ -125,7 +125,7 @@ register(FaultKind(
 def cluster_node_kill(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
     """One node of the CF killed with RECAUTO on: on a Redis Cluster CF, the master that holds the chosen
     structure's slot (the structures of the other masters are served all along); on one redis-server, the CF
-    itself. The supervisor restarts the node, empty; a member restores what it held (sqm.recauto)."""
+    itself. The supervisor restarts the node, empty; a member restores what it held (sqm.core.recauto)."""
     if not rcluster_cf.is_cluster_cf(g.c.state[CLUSTER_CF]):
         return cf_kill_recauto(g, f, step)
     structure = str(f.params.get("structure", "APP1"))
@@ -157,7 +157,7 @@ register(FaultKind(
 def cf_kill_recauto(g: ChaosGroup, f: FaultSpec, step: Step,
                     kill: Callable[[], dict[str, Any]] | None = None) -> dict[str, Any]:
     """The CF lost with RECAUTO on: nobody restores by hand. The cluster's supervisor restarts the CF (as
-    ``cfemu cluster up`` runs it), the members re-join it and one restores each structure (sqm.recauto). The
+    ``cfemu cluster up`` runs it), the members re-join it and one restores each structure (sqm.core.recauto). The
     other CF kinds keep RECAUTO off: they play the operator, whose restores would race the members'. kill: what
     is killed (default the whole CF: each node of a Redis Cluster CF), returning what to report of it."""
     ensure_backups(g)
@@ -201,7 +201,7 @@ register(FaultKind(
     "cf-kill-recauto", cf_kill_recauto, number=24, cost_s=6.0, draw=_loss_hold,
     doc="RECAUTO is turned on for every structure (`alter_structure`, CF and repository); the cluster's CF supervisor "
         "is turned on; `kill -9` of the CF's redis-server; nobody acts: the supervisor restarts it empty on the same "
-        "port, the members re-join it, one member restores each structure (sqm.recauto, CSQE messages in its log); "
+        "port, the members re-join it, one member restores each structure (sqm.core.recauto, CSQE messages in its log); "
         "the time from the kill to every structure ACTIVE is `recauto_s` in the timings (`cf_restarts`: by the "
         "supervisor, 1); then the supervisor and RECAUTO are off again. Every other kind defines the structures with "
         "RECAUTO off: they play the operator, whose restores (and the checker's restore rules, which read their "

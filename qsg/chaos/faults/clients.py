@@ -20,9 +20,10 @@ from qsg.chaos.group import EDGE_QUEUE, ChaosGroup
 from qsg.chaos.history import OK as CALL_OK
 from qsg.chaos.history import UNKNOWN as CALL_UNKNOWN
 from qsg.chaos.workload import PutSpec, Runner, make_body
-from sqm.manager import QueueManager, QueueManagerConfig
+from sqm.core.manager import QueueManager, QueueManagerConfig
 from sqm.service.client import Client, handshake
 from sqm.service.protocol import ENVELOPE, PRE_HELLO_MAX_FRAME, encode_frame
+from sqm.wings import WINGS
 
 LEAVE_WAIT_MS = 20_000  # the waiting get's wait: far longer than the client stays
 EDGE_FRAME = 2**20  # the frame big-messages gives its target SQM: less than EDGE holds (4 MiB by default)
@@ -137,7 +138,7 @@ def big_messages(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
     try:
         out["restart_s"] = restart(g, target, step, extra_args=[*base, "--max-frame", str(EDGE_FRAME)])
         qm = QueueManager(QueueManagerConfig(name=BIG_MEMBER, log_root=g.c.log_root, redis_url=g.c.cf_url("member"),
-                                             lease_ms=g.lease_ms))
+                                             lease_ms=g.lease_ms), wings=WINGS)
         qm.start()
         try:
             conn = qm.connect()

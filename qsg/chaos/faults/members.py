@@ -14,7 +14,7 @@ from qsg.chaos.faults.kind import Draw, FaultError, FaultKind, FaultSpec, Step, 
 from qsg.chaos.faults.restores import lose_cf
 from qsg.chaos.group import ChaosGroup
 from qsg.chaos.workload import PutSpec, Runner
-from sqm.failpoints import ENV_VAR as FAILPOINTS_ENV
+from sqm.core.failpoints import ENV_VAR as FAILPOINTS_ENV
 from sqm.service.client import Client
 from sqm.service.server import EXIT_CONFIG, EXIT_FENCED
 

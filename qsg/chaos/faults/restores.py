@@ -27,7 +27,7 @@ from qsg.chaos.group import STRUCTURES, ChaosGroup
 from restore.engine import LOAD
 from restore.result import RestoreResult
 from restore.run import RestoreError, RestoreStoppedError, run_restore
-from sqm.clock import now_ms
+from sqm.core.clock import now_ms
 
 ORDER_LIMIT = 100_000  # messages per queue an order snapshot reads
 

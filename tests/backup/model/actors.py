@@ -1,7 +1,7 @@
 """The world of the model check: a real CF (the real Lua scripts on a real redis-server), group members whose logs
 are in-memory record lists, the backup actor, and the checks that lose the CF and restore it.
 
-Members write the records sqm/manager.py writes (built with sqm.records' constructors), in its order:
+Members write the records sqm/core/manager.py writes (built with sqm.core.records' constructors), in its order:
   * a put or get inside a UOW runs on the CF, then is logged with the LRSN the script returned (one step: nothing
     but a CF loss can observe the log, and the CF is lost only at step boundaries); a persistent put outside
     syncpoint is a UOW of its own (put, then commit);
@@ -12,7 +12,7 @@ Members write the records sqm/manager.py writes (built with sqm.records' constru
     data of the gets ("dd", from Structure.uow_entries), retry with has_data. Each record and each CF attempt is a
     step of its own.
   * like QueueManager.complete, a BACKOUT record carries the data when a backup is running as it is written, and
-    the first CF attempt still passes has_data=False (sqm/manager.py _apply_one starts that way).
+    the first CF attempt still passes has_data=False (sqm/core/manager.py _apply_one starts that way).
 
 Mutations (for proving that the checker can fail): `Mutation.no_backout_data` disables the patent's exception
 (no data in BACKOUT records; the CF backout is told has_data=True, so it never refuses); `Mutation.steps` lets the
@@ -35,9 +35,9 @@ from cfemu.entry import Entry
 from cfemu.errors import BackupActiveError, FloorError
 from restore.plan import Copy, RestorePlan, plan_local
 from restore.settle import HELD_INDOUBT, RESTORED, fifo_key
-from sqm import records
-from sqm.clock import LrsnClock
-from sqm.records import Record
+from sqm.core import records
+from sqm.core.clock import LrsnClock
+from sqm.core.records import Record
 
 STRUCTURE = "APP1"
 QUEUE = "Q1"  # the queue every scenario's persistent messages use
@@ -183,7 +183,7 @@ class Member:
         self.s.put(self.caller, entry, body)
 
     def put_outside_syncpoint(self, entry: Entry, body: bytes) -> Steps:
-        """A persistent put outside syncpoint is a UOW of its own (sqm/manager.py): the put, then its commit."""
+        """A persistent put outside syncpoint is a UOW of its own (sqm/core/manager.py): the put, then its commit."""
         uow = self.new_uow()
         yield from self.put(uow, entry, body)
         yield from self.commit(uow)
@@ -224,7 +224,7 @@ class Member:
             return
 
     def _log_outcome(self, uow: Uow, commit: bool, with_data: bool = False) -> int:
-        lrsn = self.clock.now()  # before the CF is asked for the gets' data, as sqm/manager.py does
+        lrsn = self.clock.now()  # before the CF is asked for the gets' data, as sqm/core/manager.py does
         if commit:
             rec = records.commit(uow.id, lrsn, uow.structures)
         else:

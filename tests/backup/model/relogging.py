@@ -1,13 +1,13 @@
 """Selective relogging and log pruning in the model (issue 12; docs/log-management.md): the relog actor and the
-checks that restore after the logs are pruned to what sqm.retention says CF recovery needs.
+checks that restore after the logs are pruned to what sqm.core.retention says CF recovery needs.
 
-The relog actor is sqm.relog's pass, one CF call or one log append per step: begin (relog_begin.lua: the lock, B,
+The relog actor is sqm.core.relog's pass, one CF call or one log append per step: begin (relog_begin.lua: the lock, B,
 the floor raised to B), scan (relog_scan.lua, one atomic batch), the RELOG copies logged (a log-only step), the
 copies marked (relog_end.lua), the CHECKPOINT record that completes the pass (its window w), the aged CPL stored.
 Between any two of them any message step can run: a commit logged before B and applied after the scan (refused by
 the floor and re-logged above it), a get applied between the scan and the mark, a backout of a copied get, ...
 
-The pruning check: the real sqm.retention.structure_start picks where CF recovery starts (the backup's replay start
+The pruning check: the real sqm.core.retention.structure_start picks where CF recovery starts (the backup's replay start
 or the relog window, as restore.run.choose_start does); every record below it is dropped (record by record: more
 than the product, which prunes whole segments, ever drops); the restore from that start must still rebuild exactly
 what must survive. The logs-alone restore from the window (the empty base of the pass's generation) must too,
@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from restore.plan import plan_local
-from sqm import records
-from sqm.relog import aged, fitted
-from sqm.retention import structure_start
+from sqm.core import records
+from sqm.core.relog import aged, fitted
+from sqm.core.retention import structure_start
 from tests.backup.model.actors import (
     BACKUP_ID,
     STRUCTURE,

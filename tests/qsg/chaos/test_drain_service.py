@@ -19,8 +19,8 @@ from cfemu.connection import connect
 from qsg.chaos.conversations import SERVICE, SERVICE_UOW, Conv, ConvRunner, ConvSession, drain_service
 from qsg.chaos.history import History, load_history
 from qsg.chaos.uowcheck import DRAIN_CLIENT, FINAL_CLIENT, RECEIVER
-from sqm import uowcontrols as ctl
-from sqm.manager import QueueManager
+from sqm.conversations import uowcontrols as ctl
+from sqm.core.manager import QueueManager
 from tests.sqm.test_service import TOKEN, ServerProc, start_server
 from tests.support.group import define_group, start_qm
 from tests.support.harness import lose_cf

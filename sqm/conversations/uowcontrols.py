@@ -1,6 +1,6 @@
 """Control entries: where a UOW's status is kept on the CF, and the one way it changes (a replacement inside a
-queue-manager unit of work). Shared by the application's conversation (sqm.conversation), the sweeper that runs
-lifetimes and postponement (sqm.uowsweeper) and recovery's settling of UOWs whose process is gone."""
+queue-manager unit of work). Shared by the application's conversation (sqm.conversations.conversation), the sweeper that runs
+lifetimes and postponement (sqm.conversations.uowsweeper) and recovery's settling of UOWs whose process is gone."""
 
 from __future__ import annotations
 
@@ -17,15 +17,15 @@ from cfemu.admin import QueueDef
 from cfemu.entry import Entry
 from cfemu.errors import NoMessageError, UowStatusError
 from cfemu.uow_attributes import UowAttributes, control_queue, data_queue
-from sqm.connection import Connection, Message
-from sqm.manager import QueueManager
+from sqm.conversations.uowstatus import LETTER, Control, status_letter_hex
+from sqm.core.cfcall import CFCaller
+from sqm.core.connection import Connection, Message
+from sqm.core.member import Member
+from sqm.core.pclock import PCLOCK_GAP_MS, cf_now_ms, pseudo_clock  # the conversations' clocks, shared
 from sqm.request_slots import nap
-from sqm.uowstatus import LETTER, Control, status_letter_hex
 
 log = logging.getLogger(__name__)
 
-# Pseudo-clock ticks farther apart than this are downtime (pclock.lua). Members tick every sweep (about a second).
-PCLOCK_GAP_MS = 10_000
 LAST_LETTER = "L"  # a user's pointer to the last UOW it sent (SYNCPOINT LAST)
 PEEK_LIMIT = 1000
 # How long a status change, QUERY or LAST waits for a UOW's control that another unit of work holds, before it
@@ -36,7 +36,7 @@ PEEK_LIMIT = 1000
 # receiver's COMMIT of a UOW its session held because a sweeper looked at that moment, and a QUERY right after an
 # acknowledged COMMIT read the status before it (CHAOS-RESULTS.md, 2026-11-26 20:10). Below a client's 5 s request
 # timeout, so the answer still reaches it: it is one request's budget, not one per control (a COMMIT BOTH takes
-# two, and waited 3 s for each: review, sqm.conversation.Conversation.commit).
+# two: sqm.conversations.conversation.Conversation.commit).
 HELD_WAIT_S = 3.0
 
 
@@ -69,11 +69,11 @@ def service_of(qdef: QueueDef) -> Service:
     return Service(qdef.name, qdef.structure, attrs, qdef.backout_queue)
 
 
-def service(qm: QueueManager, name: str) -> Service:
+def service(qm: Member, name: str) -> Service:
     return service_of(qm.queue_def(name))
 
 
-def services(qm: QueueManager) -> Iterator[Service]:
+def services(qm: Member) -> Iterator[Service]:
     """Every service of the group (queues with UOW attributes), for lookups by UOW id alone and the sweeper: the CF's
     definitions, and the group repository's where the CF lost them (its structure then answers FAILED, 2373, until
     it is restored, where "no such UOW" would tell an application it has no work in progress)."""
@@ -84,21 +84,12 @@ def services(qm: QueueManager) -> Iterator[Service]:
             yield service_of(qdef)
 
 
-def pseudo_clock(qm: QueueManager, structure: str, floor: int = 0) -> int:
-    return int(qm.cf_call(lambda: qm.structure(structure).pclock(max_gap_ms=PCLOCK_GAP_MS, floor=floor)).value)
-
-
-def cf_now_ms(qm: QueueManager, structure: str) -> int:
-    """The CF's own time (one clock for the group: a member's wall clock may be skewed), ticking the pseudo-clock."""
-    return int(qm.cf_call(lambda: qm.structure(structure).pclock(max_gap_ms=PCLOCK_GAP_MS)).cf_ms)
-
-
-def _peek_entry(qm: QueueManager, svc: Service, uow: str) -> tuple[Entry, bytes] | None:
+def _peek_entry(qm: CFCaller, svc: Service, uow: str) -> tuple[Entry, bytes] | None:
     found = qm.cf_call(lambda: qm.structure(svc.structure).peek(svc.control, "m", uow, 1))
     return found[0] if found else None
 
 
-def peek(qm: QueueManager, svc: Service, uow: str, *, wait_s: float = 0.0) -> Control | None:
+def peek(qm: Member, svc: Service, uow: str, *, wait_s: float = 0.0) -> Control | None:
     """The UOW's control as the CF holds it (also while a transition holds it), without taking it. ``wait_s``: while
     a unit of work holds it (a status change in flight), wait up to that long for the change to end, so that a
     change already acknowledged to its caller is seen (QUERY, LAST); then the control as it stands."""
@@ -112,7 +103,7 @@ def peek(qm: QueueManager, svc: Service, uow: str, *, wait_s: float = 0.0) -> Co
         delay = min(delay * 2, 0.05)
 
 
-def peek_status(qm: QueueManager, svc: Service, status: str, limit: int = PEEK_LIMIT) -> list[Control]:
+def peek_status(qm: Member, svc: Service, status: str, limit: int = PEEK_LIMIT) -> list[Control]:
     """Controls in one status, in commit order (the sweeper's and recovery's scan). An entry that is not a control
     (something put there by other means) is skipped and logged: one must not stop every service's sweeping."""
     found = qm.cf_call(lambda: qm.structure(svc.structure).peek(svc.control, "c", status_letter_hex(status), limit))
@@ -129,7 +120,7 @@ def _controls(svc: Service, found: list[tuple[Any, bytes]]) -> list[Control]:
     return out
 
 
-def scan_status(qm: QueueManager, svc: Service, status: str, cursor: str = "0",
+def scan_status(qm: Member, svc: Service, status: str, cursor: str = "0",
                 count: int = 500) -> tuple[str, list[Control]]:
     """A bounded batch of the controls in one status, in no order, and the cursor of the next ("0": pass over)."""
     nxt, found = qm.cf_call(lambda: qm.structure(svc.structure).peek_scan(svc.control, "c",
@@ -137,7 +128,7 @@ def scan_status(qm: QueueManager, svc: Service, status: str, cursor: str = "0",
     return nxt, _controls(svc, found)
 
 
-def scan_all(qm: QueueManager, svc: Service, status: str) -> list[Control]:
+def scan_all(qm: Member, svc: Service, status: str) -> list[Control]:
     """Every control in one status, read in bounded batches (a restart's settling: once, not every second)."""
     out: list[Control] = []
     cursor = "0"
@@ -148,7 +139,7 @@ def scan_all(qm: QueueManager, svc: Service, status: str) -> list[Control]:
             return list({c.uow: c for c in out}.values())  # a pass may return an entry twice
 
 
-def count_status(qm: QueueManager, svc: Service, status: str) -> int:
+def count_status(qm: Member, svc: Service, status: str) -> int:
     return int(qm.cf_call(lambda: qm.structure(svc.structure).index_count(svc.control, "c",
                                                                            status_letter_hex(status))))
 
@@ -164,7 +155,7 @@ def take_control(conn: Connection, svc: Service, uow: str, *, wait_s: float = HE
     another unit of work holds (a status change in flight, or a sweeper's look) is waited for, up to ``wait_s``: the
     change it makes, if any, is then judged by the caller's own check. Refused when there is no control (its status
     is not kept), when this connection's unit of work holds it already, or ``also_mine`` (the caller's session's
-    scope, which cannot end while its own thread waits here: waiting for it was 3 s lost, review), or when it is
+    scope, which cannot end while its own thread waits here: waiting for it would lose the whole wait), or when it is
     still held after the wait."""
     deadline = time.monotonic() + wait_s
     delay = 0.005
@@ -197,7 +188,7 @@ def drain_data(conn: Connection, svc: Service, uow: str, each: Callable[[Message
         n += 1
 
 
-def replace(qm: QueueManager, svc: Service, uow: str, change: Callable[[Control], Control | None], *,
+def replace(qm: Member, svc: Service, uow: str, change: Callable[[Control], Control | None], *,
             drain: Callable[[Control, Control | None], bool] = lambda old, new: False,
             conn: Connection | None = None, wait_s: float = HELD_WAIT_S,
             also_mine: str = "") -> tuple[Control, Control | None]:
@@ -240,11 +231,11 @@ def set_last(conn: Connection, svc: Service, user: str, token: str, uow: str, cr
              msgid=pid, correlid=LAST_LETTER.encode())
 
 
-def _peek_id(qm: QueueManager, svc: Service, value: str, limit: int = 1) -> list[tuple[Any, bytes]]:
+def _peek_id(qm: Member, svc: Service, value: str, limit: int = 1) -> list[tuple[Any, bytes]]:
     return list(qm.cf_call(lambda: qm.structure(svc.structure).peek(svc.control, "m", value, limit)))
 
 
-def find_last(qm: QueueManager, user: str, token: str) -> tuple[Service, str] | None:
+def find_last(qm: Member, user: str, token: str) -> tuple[Service, str] | None:
     """The service and id of the user's last UOW, over every service."""
     pid = last_pointer_id(user, token).hex()
     best: tuple[int, Service, str] | None = None
@@ -257,7 +248,7 @@ def find_last(qm: QueueManager, user: str, token: str) -> tuple[Service, str] | 
     return (best[1], best[2]) if best else None
 
 
-def find(qm: QueueManager, uow: str, hint: Service | None = None, *,
+def find(qm: Member, uow: str, hint: Service | None = None, *,
          wait_s: float = 0.0) -> tuple[Service, Control] | None:
     """A UOW's service and control, by its id alone (``wait_s``: as peek's)."""
     for svc in ([hint] if hint else []) + [s for s in services(qm) if s != hint]:
@@ -268,5 +259,5 @@ def find(qm: QueueManager, uow: str, hint: Service | None = None, *,
 
 
 __all__ = ["Service", "service", "services", "pseudo_clock", "peek", "peek_status", "put_control", "take_control",
-           "drain_data", "replace", "set_last", "find_last", "find", "PCLOCK_GAP_MS", "HELD_WAIT_S",
+           "drain_data", "replace", "set_last", "find_last", "find", "PCLOCK_GAP_MS", "cf_now_ms", "HELD_WAIT_S",
            "wait_left"]

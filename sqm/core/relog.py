@@ -1,4 +1,4 @@
-"""Selective relogging with a Checkpoint Positioning List (seed 000), applied to shared queues.
+"""Selective relogging with a Checkpoint Positioning List (docs/log-management.md), applied to shared queues.
 
 At each checkpoint a member relogs, for every ACTIVE structure whose relog lock it can take, the entries whose
 newest logged copy is at or below the oldest pair's end of the structure's CPL (every entry at a termination
@@ -22,20 +22,18 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import redis
-
 from cfemu.errors import MQError, RelogBusyError
-from sqm import records
-from sqm.clock import now_ms
-from sqm.failpoints import failpoint
+from sqm.core import records
+from sqm.core.cfcall import CF_DOWN
+from sqm.core.clock import now_ms
+from sqm.core.failpoints import failpoint
 from sqm.log import LogFullError, LogReader
 
 if TYPE_CHECKING:
-    from sqm.manager import QueueManager
+    from sqm.core.member import LogUser
 
 log = logging.getLogger("sqm.relog")
 
-CF_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)  # as sqm.manager's
 EVERYTHING = -1  # relog_scan's threshold at a termination checkpoint
 
 
@@ -61,25 +59,25 @@ class Pass:
         self.cpl = [[self.begin, end]] * entries if termination else aged(self.old_cpl, [self.begin, end], entries)
 
     def as_record(self) -> dict[str, Any]:
-        """The pass as a checkpoint record carries it (sqm.records.RelogPasses)."""
+        """The pass as a checkpoint record carries it (sqm.core.records.RelogPasses)."""
         return {"cpl": self.cpl, "gen": self.gen, "w": self.window, "b": self.begin, "e": self.end,
                 "held": list(self.carried), "copies": self.copies}
 
 
 def aged(cpl: list[list[int]], newest: list[int], entries: int) -> list[list[int]]:
-    """The CPL after a checkpoint: the oldest pair dropped, the newest added (seed 000 Table 1), n pairs."""
+    """The CPL after a checkpoint: the oldest pair dropped, the newest added (docs/log-management.md), n pairs."""
     return [list(p) for p in (*cpl, newest)][-entries:]
 
 
 def fitted(cpl: list[list[int]], entries: int) -> list[list[int]]:
     """A CPL of another length than n (n changed) made n long: excess oldest pairs dropped, missing ones copied
-    from the most recent (seed 000 Table 5)."""
+    from the most recent (docs/log-management.md)."""
     if len(cpl) >= entries:
         return [list(p) for p in cpl[-entries:]]
     return [list(cpl[-1])] * (entries - len(cpl)) + [list(p) for p in cpl]
 
 
-def begin_passes(qm: QueueManager, why: str) -> list[Pass]:
+def begin_passes(qm: LogUser, why: str) -> list[Pass]:
     """The copy half of the relog passes of one checkpoint: for each ACTIVE structure this member can take the
     relog lock of, relog the old copies, force them, mark them. The checkpoint then completes them."""
     if qm.config.cpl_entries <= 0 or qm.log is None:
@@ -106,7 +104,7 @@ def begin_passes(qm: QueueManager, why: str) -> list[Pass]:
     return passes
 
 
-def _relog_structure(qm: QueueManager, name: str, *, termination: bool) -> Pass:
+def _relog_structure(qm: LogUser, name: str, *, termination: bool) -> Pass:
     assert qm.log is not None
     s = qm.structure(name)
     entries = qm.config.cpl_entries
@@ -143,7 +141,7 @@ def _relog_structure(qm: QueueManager, name: str, *, termination: bool) -> Pass:
             except LogFullError:
                 raise  # a full circular log: the pass stops, incomplete (the previous one stays in force)
             except OSError as e:
-                qm._log_failure(e)
+                qm.log_failure(e)
             failpoint("relog-after-force")
             ids = [e.id for e, _, _ in batch.copies]
             qm.cf_call(partial(s.relog_end, qm.caller, relog_lrsn=lrsn, ids=ids))
@@ -155,7 +153,7 @@ def _relog_structure(qm: QueueManager, name: str, *, termination: bool) -> Pass:
     return p
 
 
-def finish(qm: QueueManager, passes: list[Pass]) -> None:
+def finish(qm: LogUser, passes: list[Pass]) -> None:
     """After the checkpoint record that carries them is on disk: store each aged CPL and release the lock."""
     for p in passes:
         cpl = {"g": p.gen, "p": p.cpl}
@@ -170,7 +168,7 @@ def newest_pass(log_dirs: Iterable[Path], structure: str) -> tuple[str, dict[str
     """The newest complete relog pass of `structure` (docs/log-management.md), as (member, pass): each member
     carries the last pass it completed for each structure in every checkpoint record, so its last checkpoint
     says it. A pass is complete only once that record is on disk: a pass cut short by a crash is in no record.
-    Restore starts from its window; log retention (sqm.retention) keeps the logs from there."""
+    Restore starts from its window; log retention (sqm.core.retention) keeps the logs from there."""
     best: tuple[str, dict[str, Any]] | None = None
     for d in log_dirs:
         reader = LogReader(d)

@@ -1,5 +1,5 @@
 """The application's connection to a queue manager (like MQCONN): put, get, browse and syncpoint, holding at
-most one current unit of work. The queue manager itself (log, CF calls, completion) is sqm.manager."""
+most one current unit of work. The queue manager itself (log, CF calls, completion) is sqm.core.manager."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from cfemu.admin import QueueDef
-from cfemu.cf import Browsed
+from cfemu.cf import Browsed, Caller, Structure
 from cfemu.entry import Entry, check_properties
 from cfemu.errors import (
     BackedOutError,
@@ -25,19 +25,39 @@ from cfemu.errors import (
     StructureFailedError,
 )
 from cfemu.limits import check_id
-from sqm import records
-from sqm.clock import now_ms
-from sqm.failpoints import failpoint
-from sqm.messaging import UnitOfWorkScope
-from sqm.records import INDOUBT, INFLIGHT
+from sqm.core import records
+from sqm.core.clock import LrsnClock, now_ms
+from sqm.core.failpoints import failpoint
+from sqm.core.messaging import UnitOfWorkScope
+from sqm.core.records import INDOUBT, INFLIGHT, Record
+from sqm.core.uow import UnitOfWork
 from sqm.request_slots import nap
-from sqm.uow import UnitOfWork
 
 # MQ's expiry is a 32-bit count of tenths of a second: bounded so that expiry arithmetic cannot overflow.
 MAX_EXPIRY_MS = (2**31 - 1) * 100
 
-if TYPE_CHECKING:
-    from sqm.manager import QueueManager
+
+
+class QueueManagerPort(Protocol):
+    """What a connection uses of its queue manager (sqm.core.manager.QueueManager is one)."""
+
+    @property
+    def caller(self) -> Caller: ...
+    @property
+    def clock(self) -> LrsnClock: ...
+    @property
+    def counters(self) -> dict[str, int]: ...
+
+    def check_usable(self) -> None: ...
+    def queue_def(self, queue: str) -> QueueDef: ...
+    def structure(self, name: str) -> Structure: ...
+    def cf_call(self, fn: Callable[[], Any]) -> Any: ...
+    def ensure_log_space(self) -> None: ...
+    def new_uow(self) -> UnitOfWork: ...
+    def forget(self, uow: UnitOfWork) -> None: ...
+    def append(self, record: Record, *, uow: UnitOfWork | None = None, state: str | None = None) -> None: ...
+    def complete(self, uow: UnitOfWork, commit: bool, *, reason: str = "application",
+                 for_member: str | None = None, pstore_checked: bool = False) -> None: ...
 
 
 @dataclass
@@ -66,12 +86,12 @@ class Message:
 class Connection(UnitOfWorkScope):
     """A connection handle (like MQCONN): holds at most one current UOW."""
 
-    def __init__(self, qm: QueueManager, gone: threading.Event | None = None) -> None:
+    def __init__(self, qm: QueueManagerPort, gone: threading.Event | None = None) -> None:
         self.qm = qm
         self.uow: UnitOfWork | None = None
         # Set when the application behind this handle has left (the service's client disconnected): a waiting
         # get stops waiting, and a get outside syncpoint that found a message backs it out instead of consuming
-        # it for nobody (issue 10, hole 9).
+        # it for nobody (invariant 1, docs/invariants.md).
         self.gone = gone or threading.Event()
 
     def _current_uow(self) -> UnitOfWork:
@@ -131,7 +151,7 @@ class Connection(UnitOfWorkScope):
             try:
                 qm.cf_call(lambda: s.put(qm.caller, entry, body))
             except StructureFailedError as e:
-                if e.maybe_applied:  # found by the chaos soak (seed 9, cf-link-cut): "failed", yet delivered later
+                if e.maybe_applied:  # a lost reply is an unknown outcome, never "failed": the put may be there
                     raise OutcomeUnknownError(f"the CF's reply to the put of message {entry.id} on {entry.queue} "
                                               f"was lost ({e}): it may or may not be on the queue") from None
                 raise
@@ -206,7 +226,7 @@ class Connection(UnitOfWorkScope):
             elif own is not None and not own.doomed and isinstance(e, NoMessageError | ClientGoneError):
                 # Outside syncpoint, poison messages moved to the backout queue on the way are this get's work
                 # alone: they stay moved. Backed out, a poison message alone on its queue went back to its head at
-                # every get, its backout count climbing, and never reached the backout queue (found in review).
+                # every get, its backout count climbing, and never reached the backout queue.
                 qm.complete(own, True)
             elif own is not None:
                 qm.complete(own, False)

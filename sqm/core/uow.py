@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqm.records import DONE, INBACKOUT, INCOMMIT, INDOUBT, INFLIGHT, Record, counts_at, kind_of
+from sqm.core.records import DONE, INBACKOUT, INCOMMIT, INDOUBT, INFLIGHT, Record, counts_at, kind_of
 
 
 @dataclass
@@ -17,14 +17,14 @@ class UnitOfWork:
     structures: dict[str, int] = field(default_factory=dict)  # structure -> generation it started in (0: unknown)
     persistent: bool = False  # has logged work: its outcome is decided by a forced record
     xid: str = ""  # external (XA) transaction id once prepared
-    # The LRSN at which the decided outcome counts (sqm.records.counts_at of the first record of the decision):
+    # The LRSN at which the decided outcome counts (sqm.core.records.counts_at of the first record of the decision):
     # the CF stamps the entries with it, restore places the outcome there.
     decided_lrsn: int = 0
     record_lrsn: int = 0  # LRSN of the latest record of that decision: the CF checks it against its floor
     data_logged: bool = False  # that record carries the data of the UOW's persistent gets (backup running)
     operations: int = 0
     # The LRSN of its first logged record (0: not known, a UOW from a checkpoint written before this was kept):
-    # the log must keep it while the UOW is active or in doubt (sqm.retention).
+    # the log must keep it while the UOW is active or in doubt (sqm.core.retention).
     first_lrsn: int = 0
     # Why this UOW can only be backed out (empty: it may commit): a CF call of it failed, so its state on that
     # structure is unknown to the member (the call may have run, its reply lost). MQ backs such a UOW out.

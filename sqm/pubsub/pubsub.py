@@ -1,4 +1,4 @@
-"""Durable publish and subscribe (seed 004): publishers publish *publications* (one or more messages, an atomic
+"""Durable publish and subscribe (EntireX's, docs/pubsub.md): publishers publish *publications* (one or more messages, an atomic
 unit) to a *topic*; subscribers subscribe by name, durably or not, and receive every publication committed after
 they subscribed, whole and in commit order, under syncpoint.
 
@@ -25,7 +25,7 @@ not logged on uses the anonymous owner ("", ""), whose subscriptions every such 
 A receive takes the subscription's entry under the session's unit of work (so one session at a time receives for a
 subscription, on any member) and reads the next publication after its position without taking it (the CF op
 topic_next); COMMIT puts the entry back with the position advanced, BACKOUT gives it back unchanged, so the
-publication is received again. The sweeper (sqm.pubsub_sweeper) removes the publications every subscription has
+publication is received again. The sweeper (sqm.pubsub.pubsub_sweeper) removes the publications every subscription has
 passed, and those past their lifetime. docs/pubsub.md has the model.
 """
 
@@ -53,9 +53,10 @@ from cfemu.errors import (
     UnknownObjectError,
 )
 from cfemu.topic_attributes import TopicAttributes, publication_queue, subscription_queue
-from sqm import uowcontrols as ctl
-from sqm.connection import Connection
-from sqm.manager import QueueManager
+from sqm.core.cfcall import CFCaller
+from sqm.core.connection import Connection
+from sqm.core.member import Member
+from sqm.core.pclock import pseudo_clock
 from sqm.request_slots import nap
 
 SUB_LETTER = b"S"  # every subscription entry's correlation id: subscriptions() scans them all by it
@@ -92,11 +93,11 @@ def topic_of(qdef: QueueDef) -> Topic:
     return Topic(qdef.name, qdef.structure, attrs, qdef.max_msg_length)
 
 
-def topic(qm: QueueManager, name: str) -> Topic:
+def topic(qm: Member, name: str) -> Topic:
     return topic_of(qm.queue_def(name))
 
 
-def topics(qm: QueueManager) -> Iterator[Topic]:
+def topics(qm: Member) -> Iterator[Topic]:
     for qdef in qm.admin.queues():
         if qdef.topic:
             yield topic_of(qdef)
@@ -183,23 +184,23 @@ def _check_name(name: str) -> str:
     return name
 
 
-def incarnation(qm: QueueManager) -> str:
+def incarnation(qm: Member) -> str:
     return f"{qm.name}.{qm.caller.epoch:x}"
 
 
-def peek_entries(qm: QueueManager, t: Topic, sid: bytes) -> list[tuple[Entry, bytes]]:
+def peek_entries(qm: CFCaller, t: Topic, sid: bytes) -> list[tuple[Entry, bytes]]:
     """A subscription's entries (one, but after two subscribes of it raced), committed or held, without taking them."""
     return qm.cf_call(lambda: qm.structure(t.structure).peek(t.sub_queue, "m", sid.hex(), MAX_DUPLICATES))
 
 
-def peek_subscription(qm: QueueManager, t: Topic, name: str, *, user: str = "",
+def peek_subscription(qm: Member, t: Topic, name: str, *, user: str = "",
                       token: str = "") -> Subscription | None:
     """A subscription as the CF holds it (also while a receiver holds it), without taking it."""
     found = peek_entries(qm, t, subscription_id(t.name, name, user, token))
     return merged([Subscription.unpack(data) for _, data in found]) if found else None
 
 
-def scan_entries(qm: QueueManager, t: Topic, letter: bytes, batch: int = SCAN_BATCH) -> Iterator[tuple[Entry, bytes]]:
+def scan_entries(qm: Member, t: Topic, letter: bytes, batch: int = SCAN_BATCH) -> Iterator[tuple[Entry, bytes]]:
     """Every entry of the topic's subscription queue with correlation id ``letter``, a bounded batch per CF call
     (peek_scan.lua), each once. An entry there for the whole scan is returned; one replaced meanwhile may not be."""
     seen: set[str] = set()
@@ -215,7 +216,7 @@ def scan_entries(qm: QueueManager, t: Topic, letter: bytes, batch: int = SCAN_BA
             return
 
 
-def subscriptions(qm: QueueManager, t: Topic, *, user: str | None = None, token: str | None = None,
+def subscriptions(qm: Member, t: Topic, *, user: str | None = None, token: str | None = None,
                   limit: int = MAX_LISTED) -> list[Subscription]:
     """The topic's subscriptions (those of one owner when ``user`` is given), by owner and name, at most ``limit``."""
     by_sid: dict[str, list[Subscription]] = {}
@@ -226,18 +227,18 @@ def subscriptions(qm: QueueManager, t: Topic, *, user: str | None = None, token:
     return sorted((merged(subs) for subs in by_sid.values()), key=lambda s: (s.user, s.name))[:limit]
 
 
-def roster(qm: QueueManager, t: Topic, batch: int = SCAN_BATCH) -> set[str]:
+def roster(qm: Member, t: Topic, batch: int = SCAN_BATCH) -> set[str]:
     """The message ids (hex) of every subscription with a roster entry: a complete list, whatever receives commit
     meanwhile (roster entries are never replaced), but for subscriptions made or removed while it is read."""
     return {msgpack.unpackb(data, raw=False)["sid"] for _, data in scan_entries(qm, t, ROSTER_LETTER, batch)}
 
 
-def structure_clock(qm: QueueManager, t: Topic) -> int:
+def structure_clock(qm: Member, t: Topic) -> int:
     """The structure's LRSN clock: every publication committed so far counts at or below it."""
     return int(qm.cf_call(lambda: qm.structure(t.structure).topic_next(t.pub_queue, 2**53)).clock)
 
 
-def next_publication(qm: QueueManager, t: Topic, position: tuple[int, str]) -> TopicNext:
+def next_publication(qm: Member, t: Topic, position: tuple[int, str]) -> TopicNext:
     return qm.cf_call(lambda: qm.structure(t.structure).topic_next(t.pub_queue, position[0], position[1]))
 
 
@@ -303,10 +304,10 @@ def _put_roster(conn: Connection, t: Topic, s: Subscription) -> None:
     conn.put(t.sub_queue, body, persistent=s.durable, syncpoint=True, msgid=roster_id(s.sid), correlid=ROSTER_LETTER)
 
 
-def subscribe(qm: QueueManager, topic_name: str, name: str, *, durable: bool | None = None, user: str = "",
+def subscribe(qm: Member, topic_name: str, name: str, *, durable: bool | None = None, user: str = "",
               token: str = "") -> Subscription:
     """SUBSCRIBE: a new subscription whose position is the structure's clock now (it receives the publications
-    committed after it), or the subscription already there (a user subscribes once: seed 004). ``durable``: None
+    committed after it), or the subscription already there (a user subscribes once: docs/pubsub.md). ``durable``: None
     for the topic's characteristic (durable when the topic allows it). ``user``, ``token``: its owner."""
     t = topic(qm, topic_name)
     _check_name(name)
@@ -319,7 +320,7 @@ def subscribe(qm: QueueManager, topic_name: str, name: str, *, durable: bool | N
             raise BadRequestError(f"subscription {name} of topic {t.name} exists and is "
                                   f"{'durable' if old.durable else 'not durable'}: unsubscribe it first")
         return old
-    pc = ctl.pseudo_clock(qm, t.structure)
+    pc = pseudo_clock(qm, t.structure)
     s = Subscription(t.name, name, want, structure_clock(qm, t), AFTER_ALL, pc, pc, incarnation(qm), 0, user, token)
     conn = qm.connect()
     try:
@@ -332,7 +333,7 @@ def subscribe(qm: QueueManager, topic_name: str, name: str, *, durable: bool | N
     return _merge_raced(qm, t, s)
 
 
-def _merge_raced(qm: QueueManager, t: Topic, s: Subscription) -> Subscription:
+def _merge_raced(qm: Member, t: Topic, s: Subscription) -> Subscription:
     """After a subscribe: when another subscribe of the same name raced it (each saw none, each put one), merge the
     entries into one. Best effort: a receive merges them too, and never delivers from two at once (take_all)."""
     for attempt in range(3):
@@ -355,7 +356,7 @@ def _merge_raced(qm: QueueManager, t: Topic, s: Subscription) -> Subscription:
     return peek_subscription(qm, t, s.name, user=s.user, token=s.token) or s
 
 
-def unsubscribe(qm: QueueManager, topic_name: str, name: str, *, user: str = "", token: str = "") -> Subscription:
+def unsubscribe(qm: Member, topic_name: str, name: str, *, user: str = "", token: str = "") -> Subscription:
     """UNSUBSCRIBE: the subscription's entries are removed (its position with them), and its roster entry."""
     t = topic(qm, topic_name)
     conn = qm.connect()
@@ -388,7 +389,7 @@ class PubSubSession:
     """One participant's publish and subscribe session: one queue-manager unit of work carries the publication it
     is publishing and the subscriptions it is receiving for, so COMMIT settles them all atomically."""
 
-    def __init__(self, qm: QueueManager, gone: threading.Event | None = None) -> None:
+    def __init__(self, qm: Member, gone: threading.Event | None = None) -> None:
         self.qm = qm
         self.scope: Connection = qm.connect() if gone is None else Connection(qm, gone)
         self.draft: _Draft | None = None
@@ -424,7 +425,7 @@ class PubSubSession:
         d = self.draft
         if d is None:
             return
-        pc = ctl.pseudo_clock(self.qm, d.topic.structure)
+        pc = pseudo_clock(self.qm, d.topic.structure)
         n = len(d.bodies)
         for i, body in enumerate(d.bodies):
             self.scope.put(d.topic.pub_queue, body, persistent=d.topic.attributes.persistent, syncpoint=True,
@@ -470,7 +471,7 @@ class PubSubSession:
             # It took nothing: give the entry back, so that another session (on any member) may receive for the
             # subscription. A subscriber that polls an idle topic is active: its activity is recorded when half its
             # SUBSCRIPTION-EXPIRATION has passed, so that it does not expire while it polls.
-            if ctl.pseudo_clock(self.qm, t.structure) - h.sub.active_pc > t.attributes.subscription_expiration_s * 500:
+            if pseudo_clock(self.qm, t.structure) - h.sub.active_pc > t.attributes.subscription_expiration_s * 500:
                 self.commit()
             else:
                 self.backout()
@@ -486,7 +487,7 @@ class PubSubSession:
             self._stage_publication()
             for h in self.held.values():
                 t = topic(self.qm, h.sub.topic)
-                pc = ctl.pseudo_clock(self.qm, t.structure)
+                pc = pseudo_clock(self.qm, t.structure)
                 put_subscription(self.scope, t, replace(h.sub, lrsn=h.position[0], pub=h.position[1],
                                                         active_pc=max(pc, h.sub.active_pc),
                                                         received=h.sub.received + h.received))
@@ -512,7 +513,7 @@ class PubSubSession:
         self.backout()
 
 
-def publish(qm: QueueManager, topic_name: str, bodies: list[bytes]) -> str:
+def publish(qm: Member, topic_name: str, bodies: list[bytes]) -> str:
     """A publication of ``bodies``, committed at once: its id."""
     session = PubSubSession(qm)
     if not bodies:

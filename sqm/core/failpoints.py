@@ -10,14 +10,14 @@ The check for an unarmed name is one frozenset lookup, so the calls stay in prod
 Every failpoint in the project (add a row with each new ``failpoint()`` call):
 
     name                 where                              the process dies
-    before-log-force     sqm.manager.QueueManager.complete  before the UOW's decision record is forced
-    after-log-force      sqm.manager.QueueManager.complete  after a commit is forced, before it is applied
-    backout-after-log    sqm.manager.QueueManager.complete  after a backout is forced, before it is applied
-    during-apply         sqm.manager.QueueManager.apply     after each structure of the UOW is applied
-    put-after-cf         sqm.connection (put in a UOW)      after the CF holds the put, before it is logged
-    relog-before-force   sqm.relog (a relog pass)           after a batch's RELOG records are appended, before the force
-    relog-after-force    sqm.relog (a relog pass)           after they are forced, before the entries are marked
-    relog-before-checkpoint  sqm.manager.checkpoint         after the relog passes, before the checkpoint record
+    before-log-force     sqm.core.manager.QueueManager.complete  before the UOW's decision record is forced
+    after-log-force      sqm.core.manager.QueueManager.complete  after a commit is forced, before it is applied
+    backout-after-log    sqm.core.manager.QueueManager.complete  after a backout is forced, before it is applied
+    during-apply         sqm.core.manager.QueueManager.apply     after each structure of the UOW is applied
+    put-after-cf         sqm.core.connection (put in a UOW)      after the CF holds the put, before it is logged
+    relog-before-force   sqm.core.relog (a relog pass)           after a batch's RELOG records are appended, before the force
+    relog-after-force    sqm.core.relog (a relog pass)           after they are forced, before the entries are marked
+    relog-before-checkpoint  sqm.core.manager.checkpoint         after the relog passes, before the checkpoint record
     restore-load-batch   restore.load.load_plan             after each pipelined batch of the bulk load
                                                             (``=N``: after batch N; the structure stays RECOVERING)
     migrate-load-batch   backup.migrate._load_entries       after each loaded batch of a store migration's load

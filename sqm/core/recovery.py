@@ -1,6 +1,6 @@
 """Restart recovery of a queue manager and peer recovery of a failed one.
 
-Restart (seed 000's four phases, seed 002's messages):
+Restart (the four phases of the selective-relogging design and MQ's restart messages; docs/log-management.md):
   1 current status rebuild: the last checkpoint's UOW table, then every later record; plus the UOWs the CF shows
     for this member (puts and gets that reached the CF but not the log);
   2 forward recovery: in-commit (and in-backout) UOWs are completed on the CF;
@@ -27,12 +27,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cfemu.errors import BackedOutError, MQError, StructureFailedError
+from sqm.core.records import INBACKOUT, INCOMMIT, INDOUBT, INFLIGHT, Record
+from sqm.core.uow import UnitOfWork, rebuild_table
 from sqm.log import LogReader, RecordLog
-from sqm.records import INBACKOUT, INCOMMIT, INDOUBT, INFLIGHT, Record
-from sqm.uow import UnitOfWork, rebuild_table
 
 if TYPE_CHECKING:
-    from sqm.manager import QueueManager
+    from sqm.core.member import RecoveringMember
 
 log = logging.getLogger("sqm.recovery")
 
@@ -51,7 +51,7 @@ class RestartReport:
     seconds: float = 0.0
     phases: list[tuple[str, dict[str, int]]] = field(default_factory=list)
     # The log range restart read: from the checkpoint it used (its LRSN and position), the segments opened, and the
-    # LRSN range of the records read. Messages (logger sqm.recovery) name them as MQ's CSQR messages do.
+    # LRSN range of the records read. Messages (logger sqm.core.recovery) name them as MQ's CSQR messages do.
     checkpoint_lrsn: int = 0
     checkpoint_position: str = ""
     segments_read: list[int] = field(default_factory=list)
@@ -120,7 +120,7 @@ def _range(uows: list[UnitOfWork]) -> tuple[int, int]:
     return (min(lrsns), max(lrsns)) if lrsns else (0, 0)
 
 
-def _add_cf_only_uows(qm: QueueManager, owner: str, table: dict[str, UnitOfWork]) -> None:
+def _add_cf_only_uows(qm: RecoveringMember, owner: str, table: dict[str, UnitOfWork]) -> None:
     """UOWs that hold entries on a structure but never reached the owner's log are in flight."""
     for sdef in qm.admin.structures():
         try:
@@ -134,7 +134,7 @@ def _add_cf_only_uows(qm: QueueManager, owner: str, table: dict[str, UnitOfWork]
             uow.structures.setdefault(sdef.name, int(info.get("g", 0)))
 
 
-def restart(qm: QueueManager, progress: Progress | None = None) -> RestartReport:
+def restart(qm: RecoveringMember, progress: Progress | None = None) -> RestartReport:
     t0 = time.monotonic()
     rep = RestartReport(qm.name)
 
@@ -196,11 +196,8 @@ def restart(qm: QueueManager, progress: Progress | None = None) -> RestartReport
         except BackedOutError:
             pass
     phase("backward recovery", {"backed out": rep.in_flight})
-    from sqm.uowsweeper import settle_member_best_effort
-
-    settled = settle_member_best_effort(qm)  # units of work sent to services: seed 003's restart tables
-    if settled:
-        say(f"units of work settled by the restart tables: {dict(settled)}")
+    for line in qm.hooks.member_recovered(qm.name):  # the wings' work of the restarted member (sqm.core.hooks)
+        say(line)
 
     qm.checkpoint("start")
     phase("restart cleanup", {"in-doubt kept": rep.in_doubt})
@@ -211,7 +208,7 @@ def restart(qm: QueueManager, progress: Progress | None = None) -> RestartReport
 _UNREADABLE_SAID: dict[tuple[str, str], float] = {}  # (recoverer, failed) -> when it last said so
 
 
-def _cannot_read_log(qm: QueueManager, failed: str, log_dir: Path) -> None:
+def _cannot_read_log(qm: RecoveringMember, failed: str, log_dir: Path) -> None:
     """Say (once a minute per failed member, not every housekeeping pass) why the failed member is not recovered."""
     key = (qm.name, failed)
     if time.monotonic() - _UNREADABLE_SAID.get(key, -math.inf) < 60.0:
@@ -221,7 +218,7 @@ def _cannot_read_log(qm: QueueManager, failed: str, log_dir: Path) -> None:
               "fenced with its entries locked until its log is back there or it restarts", qm.name, failed, log_dir)
 
 
-def recover_peers(qm: QueueManager) -> list[PeerRecoveryReport]:
+def recover_peers(qm: RecoveringMember) -> list[PeerRecoveryReport]:
     """Called periodically by every live member: recover any member whose lease has lapsed."""
     reports = []
     for failed in qm.admin.lapsed_members():
@@ -238,7 +235,7 @@ def recover_peers(qm: QueueManager) -> list[PeerRecoveryReport]:
     return reports
 
 
-def recover_peer(qm: QueueManager, failed: str) -> PeerRecoveryReport | None:
+def recover_peer(qm: RecoveringMember, failed: str) -> PeerRecoveryReport | None:
     """Fence the failed member and complete its work from its log. None when its log cannot be read: then nothing
     is decided (it stays fenced, its entries locked, until its log is back or it restarts and recovers itself)."""
     t0 = time.monotonic()
@@ -255,8 +252,8 @@ def recover_peer(qm: QueueManager, failed: str) -> PeerRecoveryReport | None:
     table, _, high = _table_from_log(LogReader(log_dir), failed)
     # As restart does: every RECOVERY record this member writes for the failed one sorts after everything the
     # failed member logged, whatever our own clock says. A peer whose clock lags (skewed, or idle since before
-    # the failed member's last operations) once decided a UOW below its own operations, and restore left its
-    # entries locked for good (issue 10, hole 2).
+    # the failed member's last operations) would decide a UOW below its own operations, and restore would leave
+    # its entries locked for good (the redo rule: DESIGN-NOTES section 4; invariant 1, docs/invariants.md).
     qm.clock.observe(high)
     _add_cf_only_uows(qm, failed, table)
     for uow in table.values():
@@ -278,9 +275,7 @@ def recover_peer(qm: QueueManager, failed: str) -> PeerRecoveryReport | None:
             rep.backed_out += 1
     # Counted before the member is forgotten: whoever sees it gone from the group sees its recovery counted (a
     # test polling the members read the counter a moment too early under load).
-    from sqm.uowsweeper import settle_member_best_effort
-
-    settle_member_best_effort(qm)  # the failed member's units of work sent to services (its epoch is fenced)
+    qm.hooks.member_recovered(failed)  # the wings' work of the failed member, whose epoch is fenced (sqm.core.hooks)
     qm.counters["peer_recoveries"] += 1
     qm.admin.forget_member(failed)
     rep.seconds = time.monotonic() - t0

@@ -1,6 +1,6 @@
 """Units of work as conversations (seeds 003 and 004): an application logs on with a user id and a token, sends
 units of work (UOWs) of several messages to a service, receives a UOW whole and in order, and settles it with
-SYNCPOINT; each UOW has a status every member shares (sqm.uowstatus), kept on the CF and logged like any message.
+SYNCPOINT; each UOW has a status every member shares (sqm.conversations.uowstatus), kept on the CF and logged like any message.
 
 One Conversation is one participant's session on a queue manager. It holds one *scope*: a queue-manager unit of
 work that carries the messages of the UOW it is sending (uncommitted puts) and of the UOW it is receiving
@@ -31,11 +31,8 @@ from cfemu.errors import (
     UowStatusError,
 )
 from cfemu.uow_attributes import UWSTATP_DEFAULT, UWSTATP_NONE
-from sqm import uowcontrols as ctl
-from sqm.clock import now_ms
-from sqm.connection import Connection, Message
-from sqm.manager import QueueManager
-from sqm.uowstatus import (
+from sqm.conversations import uowcontrols as ctl
+from sqm.conversations.uowstatus import (
     ACCEPTED,
     ACTIVE,
     DELIVERED,
@@ -59,8 +56,11 @@ from sqm.uowstatus import (
     finish,
     transition,
 )
+from sqm.core.clock import now_ms
+from sqm.core.connection import Connection, Message
+from sqm.core.member import Member
 
-SYNC, MSG, ANY = "SYNC", "MSG", "ANY"  # what a receive may be satisfied with (seed 003, "Options used for UOWs")
+SYNC, MSG, ANY = "SYNC", "MSG", "ANY"  # what a receive may be satisfied with (EntireX's "Options used for UOWs", docs/uow.md)
 BOTH = "BOTH"  # COMMIT / BACKOUT of the received and the sent UOW at once
 OPTIONS = ("COMMIT", "BACKOUT", "CANCEL", "QUERY", "LAST", "SETUSTATUS", "DELETE", "EOC", "EOCCANCEL")
 MAX_USER = 32  # EntireX's USER-ID and TOKEN are 32 characters
@@ -104,7 +104,7 @@ def _check_identity(kind: str, value: str) -> str:
 class Conversation:
     """A participant's session (EntireX's LOGON with USER-ID and TOKEN): send, receive, syncpoint."""
 
-    def __init__(self, qm: QueueManager, user: str, token: str = "") -> None:
+    def __init__(self, qm: Member, user: str, token: str = "") -> None:
         self.qm = qm
         self.user = _check_identity("user id", user)
         self.token = _check_identity("token", token) if token else ""
@@ -127,7 +127,7 @@ class Conversation:
             raise BadRequestError(f"message body must be bytes, not {type(body).__name__}")
         if option == MSG:
             persistent = svc.attributes.store if store is None else bool(store)
-            self.scope.qm.connect().put(svc.name, bytes(body), persistent=persistent, syncpoint=False)
+            self.qm.connect().put(svc.name, bytes(body), persistent=persistent, syncpoint=False)
             return Sent("", "", 1, persistent, "")
         if option != SYNC:
             raise BadRequestError(f"send option must be SYNC or MSG, not {option!r}")
@@ -346,7 +346,7 @@ class Conversation:
             rcv = self._need(self.receiving, "COMMIT BOTH needs a unit of work being received")
             self._ready_to_commit(snd)  # before anything is staged: a refusal half way left the session stuck
             # One wait for held controls for the request, not one per control: two waits of 3 s outlasted a client's
-            # 5 s request timeout, and a COMMIT that was carried out answered 'outcome unknown' (review).
+            # 5 s request timeout, and a COMMIT that was carried out answered 'outcome unknown'.
             deadline = time.monotonic() + ctl.HELD_WAIT_S
             self._stage_processed(rcv, deadline)
             self._stage_sent(snd, "", deadline)
@@ -510,7 +510,7 @@ class Conversation:
 
         def set_it(old: Control) -> Control | None:
             # Asked again of the control taken: the one read above may be a change in flight's old one, waited for
-            # since (a receiver of record that backed out, while another receiver takes the UOW: review).
+            # since (a receiver of record that backed out, while another receiver takes the UOW).
             if (self.user, self.token) not in ((old.sender, old.token), (old.receiver, old.receiver_token)):
                 raise UowStatusError(f"unit of work {uow} is neither sent nor received by user {self.user} with "
                                      "this token")
@@ -592,7 +592,7 @@ class Conversation:
         """The scope's unit of work must still be the one the UOW's control names as its holder. A refused call can
         end an idle unit of work under the session (Connection forgets one that did nothing): going on under a new
         one let the sweeper give the UOW back while this session still read it, and a second receiver got the rest
-        of it (review R, finding 1). Then the UOW is given back now, and the caller told."""
+        of it (invariant 9, docs/invariants.md). Then the UOW is given back now, and the caller told."""
         cur = self.scope.uow
         if cur is not None and cur.id == op.control.owner:
             return
@@ -664,10 +664,10 @@ def move_to_backout_queue(conn: Connection, svc: ctl.Service, uow: str) -> bool:
     return ctl.drain_data(conn, svc, uow, move if svc.backout_queue else None) > 0 and bool(svc.backout_queue)
 
 
-def settle_orphan(qm: QueueManager, svc: ctl.Service, uow: str, owner: str, *, gone: bool = False,
+def settle_orphan(qm: Member, svc: ctl.Service, uow: str, owner: str, *, gone: bool = False,
                   wait_s: float = ctl.HELD_WAIT_S) -> Control | None:
     """A UOW whose owning scope was backed out (``gone``: died with its member): its status as a backout leaves it
-    (sqm.uowstatus.after_backout) or, when its process is gone, as the restart tables say (after_restart); its
+    (sqm.conversations.uowstatus.after_backout) or, when its process is gone, as the restart tables say (after_restart); its
     remaining messages are removed when it is not restored. Best effort: a control that changed meanwhile, or a CF
     that cannot be reached, is left to the sweeper (which passes ``wait_s`` 0: see ctl.replace)."""
     def settle(old: Control) -> Control | None:

@@ -1,6 +1,6 @@
-"""The status of a unit of work sent to a service (seed 003, "Understanding UOW Status"): the statuses, the state
+"""The status of a unit of work sent to a service (EntireX's "Understanding UOW Status", docs/uow.md): the statuses, the state
 table of every transition, the control record that carries a UOW's status, and the one rule that settles a status
-after a restart (seed 003's restart Tables 1 and 2), used alike by member restart, peer recovery, the sweeper and
+after a restart (the restart Tables 1 and 2, docs/uow.md), used alike by member restart, peer recovery, the sweeper and
 every restore engine's fold.
 
 A UOW's status lives in one *control entry* on the service's ``<SERVICE>.UOWCTL`` queue: message id = the UOW id,
@@ -30,11 +30,11 @@ LETTER = {RECEIVED: "R", ACCEPTED: "A", DELIVERED: "D", POSTPONED: "P", BACKEDOU
           CANCELLED: "C", TIMEOUT: "T", DISCARDED: "S"}
 BY_LETTER = {v: k for k, v in LETTER.items()}
 
-# What a receive says of the message it returns (seed 003, "UOW Status on RECEIVE").
+# What a receive says of the message it returns (EntireX's "UOW Status on RECEIVE", docs/uow.md).
 RECV_NONE, RECV_FIRST, RECV_MIDDLE, RECV_LAST, RECV_ONLY = (
     "RECV_NONE", "RECV_FIRST", "RECV_MIDDLE", "RECV_LAST", "RECV_ONLY")
 
-# Who acts, and on what event. SENDER / RECEIVER: the application through sqm.conversation; SYSTEM: the sweeper
+# Who acts, and on what event. SENDER / RECEIVER: the application through sqm.conversations.conversation; SYSTEM: the sweeper
 # (lifetimes, postponement) and recovery.
 SENDER, RECEIVER, SYSTEM = "sender", "receiver", "system"
 
@@ -43,7 +43,7 @@ class TransitionError(ValueError):
     """A transition the state table does not allow from the UOW's status."""
 
 
-# The state table (seed 003, "ACI Function SYNCPOINT used for Units of Work", and the normal-status diagram):
+# The state table (EntireX's "ACI Function SYNCPOINT used for Units of Work", and the normal-status diagram; docs/uow.md):
 # (who, event, from status) -> to status. Every transition the product makes goes through transition(); a pair
 # not here is refused with an error naming the event and the status.
 TABLE: dict[tuple[str, str, str], str] = {
@@ -61,7 +61,7 @@ TABLE: dict[tuple[str, str, str], str] = {
     (SYSTEM, "TIMEOUT", ACCEPTED): TIMEOUT,
     (SYSTEM, "RESUME", POSTPONED): ACCEPTED,  # POSTPONE-DELAY has passed
 }
-# SETUSTATUS keeps the status, and is allowed in these (seed 003: "The UOW must be in RECEIVED, ACCEPTED, or
+# SETUSTATUS keeps the status, and is allowed in these (EntireX: "The UOW must be in RECEIVED, ACCEPTED, or
 # DELIVERED status").
 USER_STATUS_ALLOWED = (RECEIVED, ACCEPTED, DELIVERED)
 USER_STATUS_MAX = 64  # bytes (EntireX: 32 or more)
@@ -79,7 +79,7 @@ def transition(who: str, event: str, status: str) -> str:
 
 @dataclass
 class Control:
-    """A UOW's control record: what seed 003 lists under "Which Information is saved with the UOW?"."""
+    """A UOW's control record: what EntireX lists under "Which Information is saved with the UOW?" (docs/uow.md)."""
     uow: str  # hex
     service: str
     status: str

@@ -1,4 +1,4 @@
-"""What recovery still needs of a member's log: the active and the inactive log (seed 002; docs/log-management.md).
+"""What recovery still needs of a member's log: the active and the inactive log (docs/log-management.md).
 
 A member's log must keep every record at or after the oldest of:
 
@@ -22,12 +22,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cfemu.admin import Admin
+from sqm.core.relog import newest_pass
+from sqm.core.uow import UnitOfWork, rebuild_table
 from sqm.log import LogPosition, LogReader, SegmentInfo, find_log_dirs
-from sqm.relog import newest_pass
-from sqm.uow import UnitOfWork, rebuild_table
 
 if TYPE_CHECKING:
-    from sqm.manager import QueueManager
+    from sqm.core.member import LogUser
 
 RESTART, UOW, STRUCTURE = "restart", "uow", "structure"
 
@@ -153,7 +153,7 @@ def structure_starts(admin: Admin, log_dirs: list[Path]) -> dict[str, Need] | No
         return None
 
 
-def member_retention(qm: QueueManager) -> Retention:
+def member_retention(qm: LogUser) -> Retention:
     """What recovery needs of a running member's log, from its memory (its UOW table) and the CF."""
     assert qm.log is not None
     cps = qm.log.checkpoints()

@@ -45,28 +45,20 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import redis
-
-from cfemu.progress import Progress
 from cfemu.repository import migrated_refusal
+from sqm.core.cfcall import CF_DOWN
+from sqm.core.config import RecoverStructure  # the port the top floor injects (QueueManagerConfig)
 
 if TYPE_CHECKING:
-    from sqm.manager import QueueManager
+    from sqm.core.member import Member
 
 log = logging.getLogger("sqm.recauto")
-
-# The restore a member runs for a structure: it reports its phases through the progress port and returns what it
-# did: {"backup": base id, "base_kind": kind, "replay_from": LRSN, "summary": one line}. It raises when it could
-# not restore (nothing is retried inside it; the member retries with a growing delay).
-RecoverStructure = Callable[[str, Progress], Mapping[str, Any]]
 
 EVENTS = ("started", "completed", "failed")  # the counter's label values (a fixed set)
 CHECK_INTERVAL_S = 0.5
 RETRY_MAX_S = 60.0
-CF_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 
 
 def counter(event: str) -> str:
@@ -77,7 +69,7 @@ def counter(event: str) -> str:
 class StructureRecovery:
     """RECAUTO for one queue manager: detection (check), the lock, the restore's thread, its messages."""
 
-    def __init__(self, qm: QueueManager, recover: RecoverStructure, *, lock_ttl_ms: int | None = None) -> None:
+    def __init__(self, qm: Member, recover: RecoverStructure, *, lock_ttl_ms: int | None = None) -> None:
         self.qm = qm
         self.recover = recover
         self.ttl_ms = lock_ttl_ms or max(10_000, 3 * qm.config.lease_ms)

@@ -1,5 +1,5 @@
 """What happens to publications and subscriptions with no caller, run by every member's housekeeping (with the UOW
-sweeper, sqm.uowsweeper): a publication every subscription has passed is removed, and so is one past its lifetime;
+sweeper, sqm.conversations.uowsweeper): a publication every subscription has passed is removed, and so is one past its lifetime;
 an idle subscription past its topic's SUBSCRIPTION-EXPIRATION is removed, and so is a non-durable one whose home
 member incarnation is gone (it lives as long as the member it was made through, like a non-persistent UOW). Every
 change is gets inside a queue-manager unit of work, so two members sweeping at once remove a thing once: the second
@@ -21,17 +21,16 @@ from collections import Counter
 from collections.abc import Callable
 
 from cfemu.errors import MQError, NoMessageError, StructureFailedError
-from sqm import pubsub as ps
-from sqm import uowcontrols as ctl
-from sqm.manager import QueueManager
-from sqm.uowsweeper import member_epochs
+from sqm.core.member import Member
+from sqm.core.pclock import member_epochs, pseudo_clock
+from sqm.pubsub import pubsub as ps
 
 log = logging.getLogger(__name__)
 MAX_PER_SWEEP = 500  # publications looked at per topic and sweep (the next sweep goes on)
 
 
 class PubSubSweeper:
-    def __init__(self, qm: QueueManager, batch: int = ps.SCAN_BATCH) -> None:
+    def __init__(self, qm: Member, batch: int = ps.SCAN_BATCH) -> None:
         self.qm = qm
         self.batch = batch  # entries per CF call of a subscription read
         self.counts: Counter[str] = Counter()
@@ -52,7 +51,7 @@ class PubSubSweeper:
         clock = ps.structure_clock(qm, t)  # before the subscriptions: see the module's docstring
         subs = self.read_subscriptions(t)
         newest = max((s.active_pc for entries in subs.values() for s in entries), default=0)
-        pc = ctl.pseudo_clock(qm, t.structure, floor=newest)  # a restored structure resumes from what it holds
+        pc = pseudo_clock(qm, t.structure, floor=newest)  # a restored structure resumes from what it holds
         epochs = member_epochs(qm)
         expiration_ms = t.attributes.subscription_expiration_s * 1000
 
@@ -100,7 +99,7 @@ class PubSubSweeper:
         return subs
 
 
-def _remove_subscription(qm: QueueManager, t: ps.Topic, seen: ps.Subscription,
+def _remove_subscription(qm: Member, t: ps.Topic, seen: ps.Subscription,
                          removable: Callable[[ps.Subscription], str]) -> bool:
     """Remove it (its entries and its roster entry) if it is still removable as taken and no session holds it."""
     conn = qm.connect()
@@ -117,7 +116,7 @@ def _remove_subscription(qm: QueueManager, t: ps.Topic, seen: ps.Subscription,
         return False
 
 
-def _remove_publication(qm: QueueManager, t: ps.Topic, pub: str, count: int) -> int:
+def _remove_publication(qm: Member, t: ps.Topic, pub: str, count: int) -> int:
     conn = qm.connect()
     try:
         taken = 0
@@ -134,12 +133,4 @@ def _remove_publication(qm: QueueManager, t: ps.Topic, pub: str, count: int) -> 
         raise
 
 
-def sweep(qm: QueueManager) -> Counter[str]:
-    """One sweep of every topic, by the member's housekeeping (its counts kept on the queue manager)."""
-    sweeper = getattr(qm, "pubsub_sweeper", None)
-    if sweeper is None:
-        sweeper = qm.pubsub_sweeper = PubSubSweeper(qm)  # type: ignore[attr-defined]
-    return sweeper.sweep()
-
-
-__all__ = ["PubSubSweeper", "sweep", "MAX_PER_SWEEP"]
+__all__ = ["PubSubSweeper", "MAX_PER_SWEEP"]

@@ -1,7 +1,7 @@
 """What happens to UOWs with no caller: lifetimes and postponement on the pseudo-clock, status lifetimes, and the
-settling of UOWs whose holder is gone (seed 003's restart tables). Run by every member's housekeeping (about once
+settling of UOWs whose holder is gone (the restart tables, docs/uow.md). Run by every member's housekeeping (about once
 a second) and, for one member, by its restart and by the peer that recovers it. Every change is one replacement of
-the UOW's control entry (sqm.uowcontrols.replace), so two members sweeping at once change a UOW once: the second
+the UOW's control entry (sqm.conversations.uowcontrols.replace), so two members sweeping at once change a UOW once: the second
 finds the control taken or changed, and leaves it.
 
 Lifetimes count on the structure's pseudo-clock (cfemu/scripts/pclock.lua), which runs only while the structure is
@@ -15,12 +15,10 @@ import logging
 from collections import Counter
 from dataclasses import replace
 
-from cfemu import keys
 from cfemu.errors import MQError, StructureFailedError, UowStatusError
-from sqm import uowcontrols as ctl
-from sqm.conversation import settle_orphan
-from sqm.manager import QueueManager
-from sqm.uowstatus import (
+from sqm.conversations import uowcontrols as ctl
+from sqm.conversations.conversation import settle_orphan
+from sqm.conversations.uowstatus import (
     ACCEPTED,
     ACTIVE,
     DELIVERED,
@@ -33,6 +31,8 @@ from sqm.uowstatus import (
     finish,
     transition,
 )
+from sqm.core.member import Member
+from sqm.core.pclock import member_epochs
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class Sweeper:
 
     BATCH = 500
 
-    def __init__(self, qm: QueueManager) -> None:
+    def __init__(self, qm: Member) -> None:
         self.qm = qm
         self.cursors: dict[tuple[str, str], str] = {}  # (service, status) -> where its pass goes on
         self.suspects: dict[tuple[str, str], int] = {}  # (uow, owner) -> the sweep that first saw it orphaned
@@ -105,7 +105,7 @@ class Sweeper:
         return done
 
 
-def _apply(qm: QueueManager, svc: ctl.Service, seen: Control, change: object, what: str) -> str:
+def _apply(qm: Member, svc: ctl.Service, seen: Control, change: object, what: str) -> str:
     """One sweeper change, if the control is still as seen (another member may have changed it). A control held by
     someone else is left to a later sweep at once (wait_s 0): the sweep does not wait on a change in flight."""
     def guarded(old: Control) -> Control | None:
@@ -120,16 +120,9 @@ def _apply(qm: QueueManager, svc: ctl.Service, seen: Control, change: object, wh
     return what
 
 
-def member_epochs(qm: QueueManager) -> dict[str, int]:
-    """Every member's current epoch (the admin structure's), this member's own as it knows it."""
-    epochs = {keys.text(m): int(e) for m, e in qm.admin.redis.hgetall(keys.epochs()).items()}
-    epochs[qm.name] = qm.caller.epoch
-    return epochs
-
-
-def settle_member(qm: QueueManager) -> Counter[str]:
+def settle_member(qm: Member) -> Counter[str]:
     """After a member restarted (qm is it) or was recovered by a peer (qm is the peer, after the fence): every UOW
-    that a gone member incarnation held is settled by seed 003's restart tables (sqm.uowstatus.after_restart).
+    that a gone member incarnation held is settled by the restart tables (docs/uow.md; sqm.conversations.uowstatus.after_restart).
     Idempotent, and safe while the members work on: only gone incarnations are named (Control.outlived)."""
     done: Counter[str] = Counter()
     epochs = member_epochs(qm)
@@ -144,7 +137,7 @@ def settle_member(qm: QueueManager) -> Counter[str]:
     return done
 
 
-def _settle_outlived(qm: QueueManager, svc: ctl.Service, controls: list[Control],
+def _settle_outlived(qm: Member, svc: ctl.Service, controls: list[Control],
                      epochs: dict[str, int]) -> Counter[str]:
     """The ones a unit of work of a gone incarnation held (RECEIVED, DELIVERED), and the ones it was home to that
     nobody holds (a non-persistent UOW lives as long as the member incarnation it was sent through; a postponed one
@@ -158,7 +151,7 @@ def _settle_outlived(qm: QueueManager, svc: ctl.Service, controls: list[Control]
 
     A settled UOW's home becomes its home member's current incarnation: each later restart or recovery of that
     member settles it again (Table 1 once per restart). A persistent ACCEPTED UOW is left as it is (its stale home
-    changes nothing), and a postponement makes the postponing member its home (sqm.conversation), so a restart
+    changes nothing), and a postponement makes the postponing member its home (sqm.conversations.conversation), so a restart
     the UOW lived through does not cut a later postponement's delay short."""
     done: Counter[str] = Counter()
     holding: dict[str, dict[str, object]] = {}  # member -> the units of work it still holds on the structure
@@ -186,7 +179,7 @@ def _settle_outlived(qm: QueueManager, svc: ctl.Service, controls: list[Control]
     return done
 
 
-def settle_member_best_effort(qm: QueueManager) -> Counter[str]:
+def settle_member_best_effort(qm: Member) -> Counter[str]:
     try:
         return settle_member(qm)
     except MQError as e:

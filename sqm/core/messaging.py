@@ -1,6 +1,6 @@
 """The messaging API every application handle shares (MQI's put, get, browse and syncpoint).
 
-Two classes have it: sqm.connection.Connection (in process, on a QueueManager) and sqm.service.client.Client
+Two classes have it: sqm.core.connection.Connection (in process, on a QueueManager) and sqm.service.client.Client
 (through ``sqm run``). ``Messaging`` is the declared type code can take to work with either; ``UnitOfWorkScope``
 gives both the one ``unit_of_work()`` context manager.
 """

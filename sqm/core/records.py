@@ -13,7 +13,7 @@ Records are msgpack maps with short keys (the on-disk format; old logs must keep
   i entry id   q queue   x XA transaction id   dd [[structure, descriptor, data], ...]   r reason
   o outcome 'C' | 'B'   of member whose UOW a recovery record decides   by who decided
   (m is not a record field: the merged log adds it, naming the log a record came from)   ids entry ids
-  uows {uow: {st, ss, x, dl, rl, p}} (checkpoint: sqm.uow.UnitOfWork.snapshot)   n activity count   why reason
+  uows {uow: {st, ss, x, dl, rl, p}} (checkpoint: sqm.core.uow.UnitOfWork.snapshot)   n activity count   why reason
   at the LRSN at which a decision counts (COMMIT / BACKOUT re-logs, RECOVERY): see counts_at()
   rl {structure: relog pass} (checkpoint: the last complete relog pass of each structure, docs/log-management.md)
 """
@@ -28,7 +28,7 @@ from typing import Any, Final, Literal, NoReturn, TypedDict, cast
 Record = dict[str, Any]
 Carried = list[Any]  # [structure, descriptor (wire form), data]: a backed-out get's entry, carried in "dd"
 
-# UOW states (seed 000 / seed 002): in-flight, in-doubt, in-commit, in-backout, complete.
+# UOW states (MQ's, DESIGN-NOTES section 6): in-flight, in-doubt, in-commit, in-backout, complete.
 INFLIGHT, INDOUBT, INCOMMIT, INBACKOUT, DONE = "INFLIGHT", "INDOUBT", "INCOMMIT", "INBACKOUT", "DONE"
 
 # The outcome an OUTCOME record decides for its UOW. A RECOVERY record's "o" holds C or B; D (in doubt, a
@@ -134,7 +134,7 @@ class ExpireRecord(Logged):
 
 
 class RelogRecord(Logged):
-    """A copy of one entry as the CF held it, written by a relog pass (seed 000; docs/log-management.md)."""
+    """A copy of one entry as the CF held it, written by a relog pass (selective relogging: docs/log-management.md)."""
 
     k: Literal["RELOG"]
     s: str
@@ -145,7 +145,7 @@ class RelogRecord(Logged):
 
 class RelogPasses(TypedDict, total=False):
     """The last complete relog pass of each structure the member relogged: {structure: {cpl, gen, w, b, e,
-    held}} (sqm.relog.Pass.as_record): restore starts from the logs alone at the newest one's window `w`."""
+    held}} (sqm.core.relog.Pass.as_record): restore starts from the logs alone at the newest one's window `w`."""
 
     rl: dict[str, dict[str, Any]]
 

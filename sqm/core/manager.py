@@ -1,0 +1,377 @@
+"""A shared queue manager (SQM): one member of the queue-sharing group, with its own durable record log.
+
+Puts and gets inside a UOW run on the CF first and are then logged (not forced) with the LRSN the CF script
+returned. Commit and backout are logged and forced first (the log decides the outcome), then applied on the CF.
+A persistent put outside syncpoint is a UOW of its own (PUT, then a forced COMMIT). Non-persistent work is never
+logged. The application's handle (MQCONN) is sqm.core.connection.Connection.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, NoReturn
+
+import redis
+
+from cfemu.admin import Admin, AdminError, QueueDef
+from cfemu.cf import CF, Caller, Structure
+from cfemu.connection import PoolExhaustedError, connect
+from cfemu.errors import (
+    BadRequestError,
+    FencedError,
+    LogFailedError,
+    MQError,
+    NotJoinedError,
+    ResourceProblemError,
+    StructureFailedError,
+    UnknownObjectError,
+)
+from cfemu.keys import check_member_name
+from cfemu.repository import GroupRepository, RepositoryError, open_group_repository
+from sqm.core import records, relog
+from sqm.core.cfcall import CF_DOWN, reply_lost
+from sqm.core.clock import LrsnClock, now_ms
+from sqm.core.config import CIRCULAR, LOG_MODES, QueueManagerConfig
+from sqm.core.connection import Connection
+from sqm.core.hooks import Hooks
+from sqm.core.logspace import LogSpace
+from sqm.core.outcomes import Outcomes
+from sqm.core.recauto import StructureRecovery
+from sqm.core.records import INBACKOUT, INCOMMIT, INDOUBT, Record
+from sqm.core.recovery import recover_peers, restart
+from sqm.core.retention import Retention
+from sqm.core.uow import UnitOfWork
+from sqm.log import RecordLog
+
+log = logging.getLogger("sqm")
+
+# A feature installed on a queue manager when it is made (sqm.wings: the conversations and publish/subscribe): it
+# registers its housekeeping tasks and listeners with the queue manager's hooks (sqm.core.hooks).
+Wing = Callable[["QueueManager"], None]
+
+
+class QueueManager(Outcomes, LogSpace):
+    """One SQM. Start it, connect() handles to it, stop() it. See sqm.core.recovery for restart and peer recovery."""
+
+    def __init__(self, config: QueueManagerConfig, client: redis.Redis | None = None, *,
+                 wings: Iterable[Wing] = ()) -> None:
+        self.config = config
+        self.name = check_member_name(config.name)
+        self.redis = client if client is not None else connect(
+            config.redis_url, max_connections=config.cf_connections, pool_timeout=config.cf_pool_timeout_s)
+        self.cf = CF(self.redis)
+        self.admin = Admin(self.redis)
+        self.clock = LrsnClock(config.clock_skew_us)
+        self.caller = Caller(self.name, 0, self.clock)
+        self.log: RecordLog | None = None
+        self.repository: GroupRepository | None = None  # the group's (cfemu.repository), once started
+        self.uows: dict[str, UnitOfWork] = {}
+        self.uow_lock = threading.RLock()
+        self.pending: dict[str, Callable[[], None]] = {}  # durable work the CF has not seen yet, retried
+        self._refused_retries: set[str] = set()  # pending UOWs whose retry was refused (warned once: retry_pending)
+        self.fenced = False
+        self.log_failed = ""  # why the log cannot be written, once it cannot
+        self.running = False
+        self.activity = 0
+        self.counters = {"commits": 0, "backouts": 0, "puts": 0, "gets": 0, "peer_recoveries": 0,
+                         "backout_records_with_data": 0, "floor_retries": 0}
+        self._queue_cache: dict[str, QueueDef] = {}
+        self._membership_lock = threading.Lock()
+        self._seq = 0
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.last_restart: Any = None
+        self._checkpointing = threading.Lock()
+        self.relog_passes: dict[str, dict[str, Any]] = {}  # sqm.core.logspace.LogSpace
+        self.retention: Retention | None = None
+        self.last_checkpoint_at = time.monotonic()
+        if config.log_mode not in LOG_MODES:
+            raise ValueError(f"log mode must be one of {', '.join(LOG_MODES)}, not {config.log_mode!r}")
+        self.recauto = StructureRecovery(self, config.recover_structure) if config.recover_structure else None
+        self.hooks = Hooks()  # what the wings registered: housekeeping tasks, member-recovered listeners
+        for install in wings:
+            install(self)
+
+    # --- life cycle -------------------------------------------------------------------------------------
+    @property
+    def log_dir(self) -> Path:
+        return Path(self.config.log_root) / self.name
+
+    def start(self, progress: Callable[[str, dict[str, int]], None] | None = None) -> Any:
+        """Open the log, join the group (a new epoch fences any older incarnation), run restart recovery."""
+        # The group's log root first (before anything is created here): a member logging where peer recovery,
+        # backup and restore do not read would have its committed work dropped by them (invariant 1,
+        # docs/invariants.md; the group repository: cfemu.repository).
+        self.repository = open_group_repository(self.admin, self.config.log_root, who=self.name)
+        self.log = RecordLog(self.log_dir, self.name, segment_bytes=self.config.segment_bytes,
+                             ring=self.config.log_ring if self.config.log_mode == CIRCULAR else 0)
+        last = self.log.last_checkpoint()
+        self.relog_passes = relog.last_passes(last[1] if last else None)
+        try:
+            self.repository.record_member(self.name, self.log_dir)  # restore then knows to read this log
+            self.caller.epoch = self.admin.join(self.name, {"pid": os.getpid(), "log": str(self.log_dir)},
+                                                self.config.lease_ms)
+            self.running = True
+            self.last_restart = restart(self, progress)
+        except BaseException:  # leave nothing open or locked: the caller may try again
+            self.running = False
+            self.log.close()
+            self.log = None
+            raise
+        if self.config.background:
+            for target in (self._heartbeat_loop, self._housekeeping_loop):
+                t = threading.Thread(target=target, name=f"{self.name}-{target.__name__}", daemon=True)
+                t.start()
+                self._threads.append(t)
+        return self.last_restart
+
+    def stop(self, *, checkpoint: bool = True) -> None:
+        """Graceful shutdown: stop background work, take a checkpoint, leave the group, close the log."""
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=5)
+        self._threads.clear()
+        if self.log is not None:
+            if checkpoint and not self.fenced and not self.log_failed:
+                self.checkpoint("shutdown")
+                with contextlib.suppress(*CF_DOWN):
+                    self.admin.leave(self.name)
+            try:
+                self.log.close()
+            except OSError as e:  # the log failed: what is on disk is what restart and peers will read
+                log.error("%s: closing the log failed: %s", self.name, e)
+            self.log = None
+        self.running = False
+
+    def __enter__(self) -> QueueManager:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def connect(self) -> Connection:
+        self.check_usable()
+        return Connection(self)
+
+    # --- helpers shared by connections and recovery -------------------------------------------------------
+    def check_usable(self) -> None:
+        if self.fenced:
+            raise FencedError(f"queue manager {self.name} was fenced by peer recovery; restart it")
+        if self.log_failed:
+            raise LogFailedError(f"queue manager {self.name} cannot write its log ({self.log_failed}); "
+                                 "a peer recovers its work; restart it when the log disk is fixed")
+        if not self.running or self.log is None:
+            raise BadRequestError(f"queue manager {self.name} is not running")
+
+    def queue_def(self, queue: str) -> QueueDef:
+        q = self._queue_cache.get(queue)
+        if q is None:
+            try:
+                q = self.admin.queue_def(queue)
+            except AdminError:
+                raise self._not_in_cf(queue) from None
+            except CF_DOWN as e:
+                raise StructureFailedError(f"the CF is unavailable: {e}") from None
+            except PoolExhaustedError as e:
+                raise ResourceProblemError(f"queue manager {self.name}: {e}; raise --cf-connections") from None
+            self._queue_cache[queue] = q
+        return q
+
+    def _not_in_cf(self, queue: str) -> MQError:
+        """A queue the CF does not know: unknown (MQRC_UNKNOWN_OBJECT_NAME), unless the group repository defines it
+        (the CF lost its definitions with everything else, and came back empty): then its structure has failed
+        (MQRC_CF_STRUC_FAILED) until it is restored, as MQ answers while a CF structure is lost; an application
+        that took 'unknown' for a configuration error stopped retrying, and an operator looked in the wrong place."""
+        known = {q.name: q.structure for q in self.repository.queues()} if self.repository is not None else {}
+        if queue in known:
+            return StructureFailedError(f"queue {queue} is defined on structure {known[queue]}, which the CF does not "
+                                        "hold (it came back empty): it is recovered automatically (RECAUTO) or by "
+                                        f"'cfrestore run {known[queue]}'")
+        return UnknownObjectError(f"queue {queue} is not defined")
+
+    def forget_queue_def(self, queue: str) -> None:
+        """Drop a cached queue definition (it was redefined)."""
+        self._queue_cache.pop(queue, None)
+
+    def structure(self, name: str) -> Structure:
+        return self.cf.structure(name)
+
+    def new_uow(self) -> UnitOfWork:
+        with self.uow_lock:
+            self._seq += 1
+            uow = UnitOfWork(f"{self.name}.{self.caller.epoch:x}.{self._seq}", self.name)
+            self.uows[uow.id] = uow
+            return uow
+
+    def append(self, record: Record, *, uow: UnitOfWork | None = None, state: str | None = None) -> None:
+        """Append a record, and wait for it to be on disk when its kind is forced (sqm.core.records.KINDS). With uow
+        and state, the UOW takes that state together with the append, as any checkpoint sees it: a checkpoint can
+        never show a UOW in flight after its COMMIT or PREPARE record (restart reads only from the checkpoint on,
+        and would back it out)."""
+        assert self.log is not None
+        force = records.kind_of(record).forced
+        if self.activity >= self.config.logload:
+            self.checkpoint("logload")
+        try:
+            with self.uow_lock:
+                pos = self.log.append(record)
+                owner = uow or (self.uows.get(record["u"]) if record.get("u") else None)
+                if owner is not None and not owner.first_lrsn:
+                    owner.first_lrsn = int(record["l"])
+                if uow is not None and state is not None:
+                    uow.decide(state, record)
+            self.activity += 1
+            if force:
+                self.log.force(pos)  # outside the lock: concurrent committers share the fsync (group commit)
+        except OSError as e:
+            self.log_failure(e)
+
+    def log_failure(self, e: OSError) -> NoReturn:
+        """The log cannot be written: stop renewing the lease (a peer then fences this member and recovers its
+        work from the log as it is on disk) and refuse all work; the operator restarts it once the disk is fixed.
+        Carrying on would hold the lease while every persistent request failed, and nobody would recover."""
+        if not self.log_failed:
+            self.log_failed = str(e)
+            log.error("%s: the record log failed (%s): stopping; a peer will recover this member's work",
+                      self.name, e)
+        raise LogFailedError(f"queue manager {self.name} cannot write its log: {e}") from None
+
+
+    def forget(self, uow: UnitOfWork) -> None:
+        with self.uow_lock:
+            self.uows.pop(uow.id, None)
+
+    def cf_call(self, fn: Callable[[], Any]) -> Any:
+        """Run a CF call; a fencing refusal marks this queue manager fenced; a dead CF is a failed structure; a
+        structure rebuilt after a CF loss that does not know this member yet is joined, and the call retried."""
+        epoch = self.caller.epoch
+        try:
+            try:
+                return fn()
+            except NotJoinedError:
+                self.renew_membership()
+                return fn()
+        except FencedError:
+            if self.caller.epoch != epoch and not self.fenced:
+                # The member re-joined a CF that came back empty (a higher epoch) while this call, built with the
+                # old one, was on its way: the stale epoch is its own, not a peer's fencing. FENCED is answered
+                # before a script changes anything, so the call is made again with the new epoch.
+                return self.cf_call(fn)
+            self.fenced = True
+            raise
+        except CF_DOWN as e:
+            failed = StructureFailedError(f"the CF is unavailable: {e}")
+            failed.maybe_applied = reply_lost(e)
+            failed.no_answer = True
+            raise failed from None
+        except PoolExhaustedError as e:
+            raise ResourceProblemError(f"queue manager {self.name}: {e}; raise --cf-connections") from None
+
+    def renew_membership(self) -> None:
+        """Renew the lease; re-join the group when the CF lost it (a new, higher epoch); mark fenced when a peer
+        took over. Called by the heartbeat, and at once when a structure does not know this member."""
+        with self._membership_lock:
+            rc = self.admin.heartbeat(self.name, self.caller.epoch, self.config.lease_ms)
+            if rc == 0:
+                if not self.fenced:
+                    log.error("%s: fenced (epoch %d is stale): peer recovery took over; restart required",
+                              self.name, self.caller.epoch)
+                self.fenced = True
+                raise FencedError(f"queue manager {self.name} was fenced by peer recovery; restart it")
+            if rc < 0:  # the CF was lost and rebuilt: join the group again, with a higher epoch
+                self._reclaim_repository()
+                self.caller.epoch = self.admin.join(self.name, {"pid": os.getpid(), "log": str(self.log_dir),
+                                                                "min_epoch": self.caller.epoch + 1},
+                                                    self.config.lease_ms)
+                self._queue_cache.clear()
+                log.warning("%s: re-joined the group after the CF was lost (epoch %d)", self.name,
+                            self.caller.epoch)
+            else:  # joined, but a structure rebuilt since does not carry our epoch yet
+                self.admin.join_structures(self.name, self.caller.epoch)
+
+    def _reclaim_repository(self) -> None:
+        """Tell a new CF where the group's repository is (this member's log root was checked at start), so that a
+        member started meanwhile with another log root is refused. A running member never stops over it."""
+        try:
+            open_group_repository(self.admin, self.config.log_root, who=self.name)
+        except RepositoryError as e:
+            log.error("%s", e)
+
+    # --- background work --------------------------------------------------------------------------------
+    def _heartbeat_loop(self) -> None:
+        period = self.config.lease_ms / 3000
+        failing = ""
+        while not self._stop.wait(period):
+            if self.log_failed:
+                return  # let the lease lapse: a peer recovers this member's work
+            try:
+                self.renew_membership()
+            except FencedError:
+                return
+            except Exception as e:  # noqa: BLE001 - the heartbeat must outlive any one failed renewal
+                # A dead CF, a transient OOM refusal, a script error on a malformed admin entry: the lease is
+                # ours until it lapses, so try again next period. A heartbeat thread that died here let a healthy
+                # member's lease lapse for good, and its peers fenced it: the rule is that only a fenced member
+                # or a failed log stops renewing (docs/invariants.md, invariant 1).
+                what = f"{type(e).__name__}: {e}"
+                if what != failing:
+                    log.warning("%s: lease renewal failed (will retry every %.1fs): %s", self.name, period, what)
+                failing = what
+                continue
+            if failing:
+                log.warning("%s: lease renewed again", self.name)
+                failing = ""
+
+    def _housekeeping_loop(self) -> None:
+        next_expiry = 0.0
+        while not self._stop.wait(0.2):
+            if self.fenced or self.log_failed:
+                return
+            try:
+                self.retry_pending()
+                recover_peers(self)
+                if self.recauto is not None:
+                    self.recauto.check()
+                self._checkpoint_when_due()
+                if time.monotonic() >= next_expiry:
+                    next_expiry = time.monotonic() + self.config.expiry_interval_ms / 1000
+                    self.expire_messages()
+                self.hooks.run_due(time.monotonic())  # the wings' tasks (their sweepers)
+            except (MQError, *CF_DOWN) as e:
+                log.debug("%s housekeeping: %s", self.name, e)
+            except Exception:  # keep the queue manager alive; the failure is in its log
+                log.exception("%s housekeeping failed", self.name)
+
+    def expire_messages(self) -> int:
+        """The expiry task: expired messages leave the structures (logged when persistent)."""
+        n = 0
+        for sdef in self.admin.structures():
+            s = self.structure(sdef.name)
+            if self.admin.state(sdef.name) != "ACTIVE":
+                continue
+            ids, purged = s.expire(now_ms())
+            if ids:
+                self.append(records.expire(self.clock.now(), structure=sdef.name, ids=ids))
+            n += len(ids) + purged
+        return n
+
+    def status(self) -> dict[str, Any]:
+        with self.uow_lock:
+            states: dict[str, int] = {}
+            for u in self.uows.values():
+                states[u.state] = states.get(u.state, 0) + 1
+        stats = self.log.stats if self.log else None
+        return {"name": self.name, "epoch": self.caller.epoch, "fenced": self.fenced, "running": self.running,
+                "uows": states, "pending": len(self.pending), "lrsn": self.clock.last, **self.counters,
+                "log_records": getattr(stats, "records", 0), "log_bytes": getattr(stats, "bytes", 0),
+                "fsyncs": getattr(stats, "fsyncs", 0)}
+
+
+__all__ = ["QueueManager", "QueueManagerConfig", "INCOMMIT", "INBACKOUT", "INDOUBT"]

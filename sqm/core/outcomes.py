@@ -1,0 +1,328 @@
+"""The outcome of a unit of work on the CF: a commit or backout decided (logged and forced when the UOW has
+persistent work), then applied on every structure it touched; outcomes the CF could not take wait, pending, and
+housekeeping retries them (retry_pending). Part of sqm.core.manager.QueueManager (a mixin: the methods run on the
+queue manager's own state)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from functools import partial
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import redis
+
+from cfemu import keys
+from cfemu.cf import Caller, Structure
+from cfemu.errors import (
+    BackedOutError,
+    BackupActiveError,
+    BadRequestError,
+    CompletedByRecoveryError,
+    FencedError,
+    FloorError,
+    MQError,
+    OutcomeUnknownError,
+    StructureFailedError,
+)
+from sqm.core import records
+from sqm.core.cfcall import CF_DOWN, reply_lost
+from sqm.core.clock import LrsnClock
+from sqm.core.failpoints import failpoint
+from sqm.core.records import INBACKOUT, INCOMMIT, INDOUBT, Record
+from sqm.core.uow import UnitOfWork
+from sqm.log import RecordLog
+
+log = logging.getLogger("sqm")
+
+
+class Outcomes:
+    """Completing units of work: complete, apply, log_decision, resolve, retry_pending."""
+
+    name: str
+    redis: redis.Redis
+    caller: Caller
+    clock: LrsnClock
+    log: RecordLog | None
+    uows: dict[str, UnitOfWork]
+    uow_lock: threading.RLock
+    pending: dict[str, Callable[[], None]]
+    counters: dict[str, int]
+    _refused_retries: set[str]
+
+    if TYPE_CHECKING:  # the queue manager's own (sqm.core.manager)
+        def check_usable(self) -> None: ...
+        def cf_call(self, fn: Callable[[], Any]) -> Any: ...
+        def structure(self, name: str) -> Structure: ...
+        def forget(self, uow: UnitOfWork) -> None: ...
+        def append(self, record: Record, *, uow: UnitOfWork | None = None, state: str | None = None) -> None: ...
+
+    def complete(self, uow: UnitOfWork, commit: bool, *, reason: str = "application",
+                 for_member: str | None = None, pstore_checked: bool = False) -> None:
+        """Decide and apply a UOW's outcome: log it (forced) when it has persistent work, then apply it on every
+        structure it touched. for_member: peer recovery deciding another member's UOW (a RECOVERY record).
+        pstore_checked: the UOW is one put or get outside syncpoint whose own CF script, just now, checked that
+        the persistent store is connected (put.lua and get.lua refuse persistent work while it is not); asking
+        standing.lua again before the force would answer the same question a few microseconds later at the cost
+        of a CF round trip per message (BENCHMARKS.md). Either way the check comes before the force, which is the
+        rule (docs/pstore.md): a disconnect after it refuses from the next commit on."""
+        self.check_usable()
+        # A recovery (restart, or a peer) backing out a UOW carries the data of its persistent gets as the CF
+        # holds them: their GET records may have died with the member (a UOW known only from the CF), and the
+        # backout raises their backout counts, which a later restore must not forget (invariant 1).
+        if commit and uow.persistent and for_member is None and uow.state != INDOUBT and not pstore_checked:
+            self._refuse_if_disconnected(uow)
+        recovering = not commit and (for_member is not None or reason == "restart")
+        carry = not commit and (recovering or self._backup_running(uow))
+        if recovering and not uow.persistent and for_member is None and self._gets_data(uow, best_effort=True):
+            uow.persistent = True  # its gets are persistent: the backout is logged, forced, like any other
+        if uow.persistent or for_member is not None:
+            failpoint("before-log-force")
+            # A backout carries what data the CF can give: one the CF cannot answer now is logged without it and
+            # finished later (the CF refuses it while a backup runs, and then it is logged again with the data);
+            # raising here would leave the UOW's entries locked for good (say the CF's node is lost between the
+            # check for a running backup and the read of the gets' data; invariant 1, docs/invariants.md).
+            self.log_decision(uow, commit, for_member=for_member, with_data=carry, reason=reason,
+                              best_effort=not commit)
+            failpoint("after-log-force" if commit else "backout-after-log")
+        uow.state = INCOMMIT if commit else INBACKOUT
+        try:
+            self.apply(uow, commit, for_member=for_member)
+        except (StructureFailedError, *CF_DOWN) as e:
+            if uow.persistent or for_member or not commit:
+                # The log decided the outcome (or it is a backout, which is always the outcome of a UOW whose
+                # decision reached no log); the CF is not there: finish when it (or its restore) is back. A UOW
+                # left unapplied here held its entries locked until the member restarted (B7, CHAOS-RESULTS.md).
+                self._finish_later(uow, commit, for_member, e)
+                return
+            self._commit_failed(uow, e)
+        except FencedError as e:
+            if commit and for_member is None:
+                raise self._fenced_commit(uow, e) from None
+            raise
+        finally:
+            self.counters["commits" if commit else "backouts"] += 1
+
+    def _refuse_if_disconnected(self, uow: UnitOfWork) -> None:
+        """The only place a disconnected persistent store refuses a commit (docs/pstore.md): before its COMMIT is
+        forced, when a structure holding the UOW answers 'D' (standing.lua). The UOW is backed out everywhere
+        (a BACKOUT, never after a COMMIT) and the application gets BackedOutError. Once the COMMIT is logged the
+        commit is decided and completes on every structure, disconnected or not (commit.lua no longer refuses it):
+        refusing it there would back out on one structure what another had committed (invariant 2). A structure that
+        cannot answer is left to the commit's own path (it waits, or is refused there, as before this check).
+        A prepared UOW is not asked: it voted yes, and its coordinator decides."""
+        for sname, gen in list(uow.structures.items()):
+            try:
+                standing = self.cf_call(partial(self.structure(sname).standing, self.caller, uow.id, gen=gen))
+            except (MQError, *CF_DOWN):
+                continue
+            if standing == "D":
+                self.complete(uow, False, reason="persistent store disconnected")
+                raise BackedOutError(f"unit of work {uow.id} was backed out: structure {sname}: the persistent store "
+                                     "is disconnected (cfemu pstore connect)")
+
+    def _fenced_commit(self, uow: UnitOfWork, e: FencedError) -> MQError:
+        """What the application learns of a commit during which a peer fenced this member. The peer completes the
+        member's work from its log: a forced COMMIT it carries through (unless a structure refuses it), work no
+        log decided it backs out. 'Failed' is wrong for a logged commit: a put outside syncpoint reported failed
+        would then be delivered (a 'phantom'; invariant 1, docs/invariants.md)."""
+        if uow.persistent or uow.applied:
+            return OutcomeUnknownError(f"the commit of unit of work {uow.id} was {'logged' if uow.persistent else 'begun'} "
+                                       f"when peer recovery fenced {self.name} ({e}): the peer completes it; its "
+                                       "outcome is not known here")
+        return BackedOutError(f"unit of work {uow.id} is backed out: peer recovery fenced {self.name} before its "
+                              f"commit was applied or logged ({e})")
+
+    def _finish_later(self, uow: UnitOfWork, commit: bool, for_member: str | None, why: BaseException) -> None:
+        log.warning("%s: %s of uow %s waits for the CF: %s", self.name, "commit" if commit else "backout", uow.id,
+                    why)
+        self.pending[uow.id] = lambda: self.apply(uow, commit, for_member=for_member)
+
+    def _commit_failed(self, uow: UnitOfWork, e: BaseException) -> NoReturn:
+        """A commit of a UOW with no persistent work (nothing logged decides it) that the CF did not take. When no
+        structure can have applied it, it is backed out (MQRC_BACKED_OUT); when one may have (applied already, or
+        its reply lost), the commit is carried through and its outcome is unknown to the application. Either way
+        the outcome is finished when the CF is back: never left holding its entries."""
+        maybe = bool(uow.applied) or getattr(e, "maybe_applied", False) or reply_lost(e)
+        if maybe:
+            self._finish_later(uow, True, None, e)
+            raise OutcomeUnknownError(f"the commit of unit of work {uow.id} may or may not have been applied: "
+                                      f"the CF's reply was lost ({e}); it is finished when the CF is back")
+        uow.state = INBACKOUT
+        self._finish_later(uow, False, None, e)
+        raise BackedOutError(f"unit of work {uow.id} was backed out: the CF did not take its commit ({e})")
+
+    def apply(self, uow: UnitOfWork, commit: bool, *, for_member: str | None = None) -> None:
+        """Apply a decided outcome on every structure of the UOW (idempotent), then log END."""
+        todo = [s for s in uow.structures if s not in uow.applied]
+        if commit and len(todo) > 1:
+            todo = self._refusing_first(uow, todo)
+        for sname in todo:
+            self._apply_one(uow, sname, commit, for_member)
+            uow.applied.add(sname)
+            failpoint("during-apply")
+        if (uow.persistent or for_member is not None) and self.log is not None:
+            self.append(records.end(uow.id, self.clock.now()))
+        self.pending.pop(uow.id, None)
+        self.forget(uow)
+
+    def _refusing_first(self, uow: UnitOfWork, todo: list[str]) -> list[str]:
+        """Before a commit touches any of several structures, ask each how the UOW stands there (standing.lua,
+        after the COMMIT is forced): one that is not ACTIVE makes the whole commit wait, applied nowhere yet
+        (StructureFailedError: the caller keeps it pending); one that will refuse it (backed out by recovery, or its
+        work there lost with the CF) goes first, so that the UOW is backed out everywhere before it is committed
+        anywhere. A restore reads the logs only once its structure has failed, so a structure that answers here,
+        after the COMMIT was forced, can no longer be restored without seeing it. A disconnected persistent store
+        ('D') does not refuse a decided commit: it refused before the force (_refuse_if_disconnected)."""
+        refusing = [sname for sname in todo
+                    if self.cf_call(partial(self.structure(sname).standing, self.caller, uow.id,
+                                            gen=uow.structures[sname])) in ("B", "L")]
+        return refusing + [sname for sname in todo if sname not in refusing]
+
+    def _apply_one(self, uow: UnitOfWork, sname: str, commit: bool, for_member: str | None) -> None:
+        s = self.structure(sname)
+        gen = uow.structures[sname]
+        logged = uow.persistent or for_member is not None
+        # The record's own LRSN is checked against the floor; the entries are stamped with the LRSN at which the
+        # decision counts (sqm.core.records.counts_at), which a re-log below keeps.
+        lrsn = (uow.record_lrsn or uow.decided_lrsn) if logged else 0
+        at = uow.decided_lrsn if logged else 0
+        has_data = uow.data_logged  # else the CF refuses a get backout while a backup runs (BACKUPACTIVE)
+        by_recovery = for_member is not None
+        while True:
+            try:
+                if commit:
+                    self.cf_call(partial(s.commit, self.caller, uow.id, gen=gen, lrsn=lrsn, at=at,
+                                          decided_by_recovery=by_recovery))
+                else:
+                    self.cf_call(partial(s.backout, self.caller, uow.id, gen=gen, lrsn=lrsn, at=at,
+                                          has_data=has_data, decided_by_recovery=by_recovery))
+                return
+            except FloorError as e:
+                # Our record sits below the recovery floor of a backup that started meanwhile: log afresh (the
+                # re-log still counts where the first record did).
+                self.counters["floor_retries"] += 1
+                self.clock.observe(e.floor)
+                lrsn = self.log_decision(uow, commit, for_member=for_member, with_data=has_data)
+            except BackupActiveError:
+                lrsn = self.log_decision(uow, commit, for_member=for_member, with_data=True)
+                has_data = True
+            except CompletedByRecoveryError:
+                if commit:
+                    return
+                raise
+            except BackedOutError as e:
+                if not commit:
+                    return
+                if uow.applied:
+                    # Committed on another structure already: a backout now would split the UOW (and a BACKOUT
+                    # after its COMMIT tells a restore to undo what that structure committed: invariant 2). The
+                    # commit stays decided; it waits, pending, for this structure to take it.
+                    log.error("%s: structure %s refused the commit of uow %s, which %s committed already: kept "
+                              "pending (%s)", self.name, sname, uow.id, ", ".join(sorted(uow.applied)), e)
+                    raise StructureFailedError(f"structure {sname} refused the commit of unit of work {uow.id} "
+                                               f"after {', '.join(sorted(uow.applied))} applied it ({e}): it waits "
+                                               "for the structure") from None
+                self._backed_out_by_recovery(uow, for_member)
+                raise
+
+    def _backed_out_by_recovery(self, uow: UnitOfWork, for_member: str | None) -> None:
+        """A structure refused a commit: recovery (a peer, or restore after a CF loss) backed the UOW out there, or
+        its work there was lost with the CF. The log must say so too, and every structure of the UOW backs it out
+        (_refusing_first made the refusing one go first, so none has committed it: _apply_one never comes here once
+        one has)."""
+        if uow.persistent and for_member is None:
+            self.log_decision(uow, False, reason="backed out by recovery")
+        uow.applied.clear()
+        try:
+            self.apply(uow, False, for_member=for_member)
+        except (StructureFailedError, *CF_DOWN):
+            self.pending[uow.id] = lambda: self.apply(uow, False, for_member=for_member)
+
+    def log_decision(self, uow: UnitOfWork, commit: bool, *, for_member: str | None = None,
+                     with_data: bool = False, reason: str = "application", best_effort: bool = False) -> int:
+        """Write the forced record that decides a UOW: COMMIT or BACKOUT for our own, RECOVERY when peer recovery
+        decides another member's. A backout while a backup runs carries the data of the UOW's persistent gets
+        (the patent's exception). Returns the record's LRSN, the one the CF checks against its recovery floor; the
+        entries are stamped with the LRSN the decision counts at (uow.decided_lrsn). best_effort: a recovery's
+        backout carries what data the CF can give, and is logged without it when the CF cannot answer."""
+        lrsn = self.clock.now()  # taken before the CF is asked for the gets' data
+        dd = self._gets_data(uow, best_effort=best_effort) if with_data and not commit else []
+        if dd:
+            self.counters["backout_records_with_data"] += 1
+        ss = uow.structures
+        state = INCOMMIT if commit else INBACKOUT
+        # The decision taken already (a re-log after the CF refused the record, or peer recovery completing the
+        # owner's own COMMIT or BACKOUT) counts where it was first taken: the record says so (counts_at).
+        at = uow.decided_lrsn if uow.state == state and uow.decided_lrsn else 0
+        if for_member is not None:
+            rec = records.recovery(uow.id, lrsn, ss, commit=commit, of=for_member, by=self.name, data=dd, at=at)
+        elif commit:
+            rec = records.commit(uow.id, lrsn, ss, at=at)
+        else:
+            rec = records.backout(uow.id, lrsn, ss, reason=reason, data=dd, at=at)
+        self.append(rec, uow=uow, state=state)
+        uow.data_logged = bool(dd)
+        return lrsn
+
+    def _backup_running(self, uow: UnitOfWork) -> bool:
+        try:
+            return any(self.redis.hexists(keys.meta(s), "backup") for s in uow.structures)
+        except CF_DOWN:
+            return False
+
+    def _gets_data(self, uow: UnitOfWork, *, best_effort: bool = False) -> list[list[Any]]:
+        """[structure, descriptor, data] of each persistent get the UOW holds (the patent's exception). Best
+        effort: a structure that cannot answer (failed, or the CF down) gives nothing."""
+        out: list[list[Any]] = []
+        for sname in uow.structures:
+            try:
+                held = self.cf_call(partial(self.structure(sname).uow_entries, uow.id))
+            except (StructureFailedError, *CF_DOWN):
+                if not best_effort:
+                    raise
+                continue
+            for entry, data in held:
+                if entry.state == "UG" and entry.persistent and entry.uow == uow.id:
+                    out.append([sname, entry.wire(), data])
+        return out
+
+    def indoubt(self) -> list[UnitOfWork]:
+        with self.uow_lock:
+            return [u for u in self.uows.values() if u.state == INDOUBT]
+
+    def resolve(self, uow_id: str, commit: bool) -> None:
+        """Resolve an in-doubt UOW (the external coordinator's decision), also after a restart."""
+        with self.uow_lock:
+            uow = self.uows.get(uow_id)
+        if uow is None or uow.state != INDOUBT:
+            raise BadRequestError(f"unit of work {uow_id} is not in doubt on {self.name}")
+        self.complete(uow, commit, reason="resolved by coordinator")
+
+    def retry_pending(self) -> int:
+        """Try again each decided outcome the CF could not take (housekeeping's first job); returns how many went
+        through. A CF or structure not back yet stops the round (the others would wait the same way). A retry
+        refused for a reason of its own is that UOW's alone: it stays pending and is tried again, and neither stops
+        the others' retries nor the rest of housekeeping (peer recovery, RECAUTO, expiry): a backout blocked so
+        would leave its gets locked (invariant 1, docs/invariants.md). Said once a UOW,
+        at warning level (housekeeping logs its own errors at debug)."""
+        done = 0
+        for uid, fn in list(self.pending.items()):
+            try:
+                fn()
+                self.pending.pop(uid, None)
+                done += 1
+            except BackedOutError:
+                self.pending.pop(uid, None)
+            except (StructureFailedError, *CF_DOWN):
+                break
+            except MQError as e:
+                if uid not in self._refused_retries:
+                    self._refused_retries.add(uid)
+                    log.warning("%s: the pending %s was refused, tried again later: %s", self.name, uid, e)
+        self._refused_retries &= set(self.pending)
+        return done
+
+
+__all__ = ["Outcomes"]
