@@ -61,15 +61,14 @@ from cfemu.errors import BackedOutError, MQError, OutcomeUnknownError
 from cfemu.sockets import set_kernel_timeout
 from sqm.connection import Message
 from sqm.messaging import UnitOfWorkScope
+from sqm.service.ops import OPERATIONS
 from sqm.service.protocol import (
     APPLICATION,
     AUTH_METHOD,
-    CONVERSATION_OPS,
     DEFAULT_MAX_FRAME,
     MIN_FRAME,
     PROOF_BYTES,
     PROTOCOL_VERSION,
-    PUBSUB_OPS,
     ROLES,
     FrameTooLargeError,
     MessageTooBigForChannelError,
@@ -94,9 +93,12 @@ log = logging.getLogger("sqm.service.client")
 Endpoint = tuple[str, int]
 EndpointSpec = str | Endpoint
 
-# How a request may be treated when the connection dies under it.
-READ_ONLY = {"ping", "browse", "status", "indoubt"}
-TAKES_EFFECT_ALONE = {"prepare", "resolve", "define"}
+# How a request may be treated when the connection dies under it: as its row says (sqm.operations.Operation); a
+# conversation's and a publish/subscribe request's by what its session held.
+READ_ONLY = frozenset(op.name for op in OPERATIONS if op.read_only)
+TAKES_EFFECT_ALONE = frozenset(op.name for op in OPERATIONS if op.alone)
+CONVERSATION_OPS = frozenset(OPERATIONS.names("conversation"))
+PUBSUB_OPS = frozenset(OPERATIONS.names("pubsub"))
 # SYNCPOINT options that commit (the outcome of one lost in flight is unknown) or change a status on their own.
 SYNCPOINT_COMMITS = frozenset({"COMMIT", "EOC", "EOCCANCEL"})
 SYNCPOINT_ALONE = frozenset({"CANCEL", "SETUSTATUS", "DELETE"})
