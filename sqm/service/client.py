@@ -61,15 +61,16 @@ from cfemu.errors import BackedOutError, MQError, OutcomeUnknownError
 from cfemu.sockets import set_kernel_timeout
 from sqm.core.connection import Message
 from sqm.core.messaging import UnitOfWorkScope
+from sqm.service.client_conversations import ConversationCalls
+from sqm.service.client_pubsub import PubSubCalls
+from sqm.service.ops import OPERATIONS
 from sqm.service.protocol import (
     APPLICATION,
     AUTH_METHOD,
-    CONVERSATION_OPS,
     DEFAULT_MAX_FRAME,
     MIN_FRAME,
     PROOF_BYTES,
     PROTOCOL_VERSION,
-    PUBSUB_OPS,
     ROLES,
     FrameTooLargeError,
     MessageTooBigForChannelError,
@@ -77,7 +78,6 @@ from sqm.service.protocol import (
     ProtocolError,
     QueueManagerUnavailableError,
     QuiescingError,
-    SessionLostError,
     auth_proof,
     auth_transcript,
     decode_body,
@@ -94,12 +94,12 @@ log = logging.getLogger("sqm.service.client")
 Endpoint = tuple[str, int]
 EndpointSpec = str | Endpoint
 
-# How a request may be treated when the connection dies under it.
-READ_ONLY = {"ping", "browse", "status", "indoubt"}
-TAKES_EFFECT_ALONE = {"prepare", "resolve", "define"}
-# SYNCPOINT options that commit (the outcome of one lost in flight is unknown) or change a status on their own.
-SYNCPOINT_COMMITS = frozenset({"COMMIT", "EOC", "EOCCANCEL"})
-SYNCPOINT_ALONE = frozenset({"CANCEL", "SETUSTATUS", "DELETE"})
+# How a request may be treated when the connection dies under it: as its row says (sqm.operations.Operation); a
+# conversation's and a publish/subscribe request's by what its session held.
+READ_ONLY = frozenset(op.name for op in OPERATIONS if op.read_only)
+TAKES_EFFECT_ALONE = frozenset(op.name for op in OPERATIONS if op.alone)
+CONVERSATION_OPS = frozenset(OPERATIONS.names("conversation"))
+PUBSUB_OPS = frozenset(OPERATIONS.names("pubsub"))
 
 
 def parse_endpoint(spec: EndpointSpec) -> Endpoint:
@@ -134,11 +134,6 @@ def _result(reply: Any) -> dict[str, Any]:
     if not isinstance(result, dict):
         raise ProtocolError(f"malformed handshake reply: {reply!r:.200}")
     return result
-
-
-def _owner(user: str | None, token: str) -> dict[str, str]:
-    """The owner arguments of a subscription request: none (the logged-on user's), or an operator's choice."""
-    return {} if user is None else {"user": user, "token": token}
 
 
 def handshake(sock: socket.socket, *, token: str | None, role: str = APPLICATION, client_name: str = "",
@@ -177,7 +172,7 @@ def handshake(sock: socket.socket, *, token: str | None, role: str = APPLICATION
     return {**hello, **done}
 
 
-class Client(UnitOfWorkScope):
+class Client(ConversationCalls, PubSubCalls, UnitOfWorkScope):
     """A connection handle to the queue-sharing group through one of its SQM servers."""
 
     def __init__(self, endpoints: EndpointSpec | Sequence[EndpointSpec], port: int | None = None, *,
@@ -311,17 +306,6 @@ class Client(UnitOfWorkScope):
     def uow_open(self) -> bool:
         return self._uow_open
 
-    @property
-    def user(self) -> str | None:
-        """The user id this connection's session logged on with; None when it has none (never logged on, or the
-        session ended with a lost connection)."""
-        return self._user
-
-    @property
-    def held(self) -> bool:
-        """Does the session hold a unit of work (being sent or received, not settled)?"""
-        return self._held
-
     # --- requests ------------------------------------------------------------------------------------------
     def _call(self, op: str, args: dict[str, Any], *, syncpoint: bool = True, wait_s: float = 0.0,
               settles: str = "") -> Any:
@@ -428,41 +412,6 @@ class Client(UnitOfWorkScope):
             raise BackedOutError(f"connection to {where} lost ({why}): the unit of work was backed out")
         # A syncpoint put/get that would have started a new UOW: any first attempt is backed out; re-send it.
 
-    @staticmethod
-    def _pubsub_lost(op: str, was_held: bool, *, in_flight: bool, where: str, why: str) -> None:
-        """The publish/subscribe session ended with the connection: what it held (a publication being published,
-        publications received) was backed out by the server; a commit lost in flight may or may not have happened."""
-        if op == "pub_backout" or op in ("subscribe", "subscriptions"):
-            return  # backed out, as asked; subscribe finds the subscription it made, if it made one
-        if op == "pub_commit" and in_flight and was_held:
-            raise OutcomeUnknownError(f"connection to {where} lost during pub_commit ({why}): the publication and "
-                                      "the subscriptions' positions may or may not have committed")
-        if op == "unsubscribe" and in_flight:
-            raise OutcomeUnknownError(f"connection to {where} lost during unsubscribe ({why}): it may or may not "
-                                      "have taken effect")
-        if was_held or (in_flight and op == "receive_pub"):
-            raise BackedOutError(f"connection to {where} lost during {op} ({why}): the publish/subscribe session "
-                                 "was backed out (a publication being published dropped, received ones returned)")
-
-    @staticmethod
-    def _session_lost(op: str, user: str | None, was_held: bool, *, in_flight: bool, where: str, why: str,
-                      settles: str) -> None:
-        """A conversation request whose connection was lost: only a logon (or a request of a client that never
-        logged on, which the server refuses anyway) is re-sent; otherwise the application must log on again."""
-        if op == "logon" or user is None:
-            return
-        again = f"the session of user {user} ended with it: log on again"
-        if in_flight and settles == "commit":
-            raise OutcomeUnknownError(f"connection to {where} lost during {op} ({why}): the unit of work may or may "
-                                      f"not have committed; {again} and ask QUERY or LAST")
-        if in_flight and settles:
-            raise OutcomeUnknownError(f"connection to {where} lost during {op} ({why}): it may or may not have "
-                                      f"taken effect; {again}")
-        if was_held or (in_flight and op in ("send", "receive")):
-            raise BackedOutError(f"connection to {where} lost during {op} ({why}): what the session held was "
-                                 f"backed out (a sent unit of work BACKEDOUT, a received one ACCEPTED again); {again}")
-        raise SessionLostError(f"connection to {where} lost during {op} ({why}): nothing was held; {again}")
-
     # --- the Connection API ----------------------------------------------------------------------------------
     def put(self, queue: str, body: bytes, *, persistent: bool = True, syncpoint: bool = True, priority: int = 0,
             msgid: bytes | None = None, correlid: bytes = b"", expiry_ms: int = 0,
@@ -542,87 +491,6 @@ class Client(UnitOfWorkScope):
         if topic is not None:
             args["topic"] = dict(topic)
         return dict(self._call("define", args))
-
-    # --- publish and subscribe (sqm.pubsub; docs/pubsub.md) -------------------------------------------------------
-    def subscribe(self, topic: str, name: str, *, durable: bool | None = None, user: str | None = None,
-                  token: str = "") -> dict[str, Any]:
-        """SUBSCRIBE (once: an existing subscription is returned as it is). Returns its public fields. It belongs to
-        the user this connection logged on as (the anonymous owner without a logon); ``user``, ``token``: another
-        owner's, for an operator."""
-        args: dict[str, Any] = {"topic": topic, "name": name, **_owner(user, token)}
-        if durable is not None:
-            args["durable"] = durable
-        return dict(self._call("subscribe", args))
-
-    def unsubscribe(self, topic: str, name: str, *, user: str | None = None, token: str = "") -> dict[str, Any]:
-        return dict(self._call("unsubscribe", {"topic": topic, "name": name, **_owner(user, token)}))
-
-    def subscriptions(self, topic: str, *, user: str | None = None, token: str = "") -> list[dict[str, Any]]:
-        """The logged-on user's subscriptions (an operator's connection: every owner's, or ``user``'s)."""
-        return list(self._call("subscriptions", {"topic": topic, **_owner(user, token)}))
-
-    def publish(self, topic: str, body: bytes, *, commit: bool = False) -> dict[str, Any]:
-        """A message of the publication this connection is publishing (begun by the first); ``commit``: commit
-        after it (pub_commit). Returns pub, topic, messages, committed."""
-        return dict(self._call("publish", {"topic": topic, "body": body, "commit": commit}))
-
-    def receive_pub(self, topic: str, name: str, *, wait_ms: int = 0) -> dict[str, Any]:
-        """The next publication for subscription ``name``, whole: topic, pub, lrsn, messages (list of bytes),
-        created_pc, persistent. NoMessageError when none comes within ``wait_ms``. Settle it with pub_commit."""
-        return dict(self._call("receive_pub", {"topic": topic, "name": name, "wait_ms": wait_ms},
-                               wait_s=wait_ms / 1000))
-
-    def pub_commit(self) -> dict[str, Any]:
-        """COMMIT of the publish/subscribe session: the publication being published, and the positions of the
-        subscriptions received for. Lost in flight: OutcomeUnknownError."""
-        return dict(self._call("pub_commit", {}))
-
-    def pub_backout(self) -> dict[str, Any]:
-        return dict(self._call("pub_backout", {}))
-
-    # --- conversations (sqm.conversations.conversation; EntireX's LOGON, SEND, RECEIVE, SYNCPOINT) ----------------------------
-    def logon(self, user: str, token: str = "") -> None:
-        """LOGON: this connection's session, as ``user`` (1-32 characters) with ``token`` (by which LAST finds the
-        user's work again after a failure). A second logon ends the first session (what it held is backed out)."""
-        self._call("logon", {"user": user, "token": token})
-        self._user, self._held = user, False
-
-    def send(self, service: str, body: bytes, *, option: str = "SYNC", commit: bool = False,
-             store: bool | None = None, status_lifetime: int = 0, lifetime_s: int = 0,
-             user_status: bytes | None = None, conversation: str = "", eoc: str = "") -> dict[str, Any]:
-        """SEND (sqm.conversations.conversation.Conversation.send): ``option`` SYNC adds the message to the unit of work this
-        session is sending (made by the first send), MSG sends it outside any; ``commit`` commits the UOW after
-        it. Returns uow, status, messages, persistent, conversation."""
-        args: dict[str, Any] = {"service": service, "body": body, "option": option, "commit": commit,
-                                "status_lifetime": status_lifetime, "lifetime_s": lifetime_s,
-                                "conversation": conversation, "eoc": eoc}
-        if store is not None:
-            args["store"] = store
-        if user_status is not None:
-            args["user_status"] = user_status
-        settles = "commit" if commit or eoc else "alone" if option == "MSG" else ""
-        return dict(self._call("send", args, settles=settles))
-
-    def receive(self, service: str, *, option: str = "ANY", wait_ms: int = 0) -> dict[str, Any]:
-        """RECEIVE: the next message of the unit of work being received (EndOfUowError past its last), else SYNC
-        the first of the next ACCEPTED UOW, MSG a message outside any UOW, ANY either; waiting up to ``wait_ms``.
-        Returns body, uow, recv (RECV_FIRST / MIDDLE / LAST / ONLY / NONE), status, persistent, user_status, eoc,
-        deliveries, conversation."""
-        # A message outside any UOW is taken outside syncpoint: one lost in flight may have been taken.
-        settles = "alone" if option in ("MSG", "ANY") and not self._held else ""
-        return dict(self._call("receive", {"service": service, "option": option, "wait_ms": wait_ms},
-                               wait_s=wait_ms / 1000, settles=settles))
-
-    def syncpoint(self, option: str, uow: str = "", *, user_status: bytes | None = None) -> dict[str, Any]:
-        """SYNCPOINT with OPTION COMMIT, BACKOUT, CANCEL, QUERY, LAST, SETUSTATUS, DELETE, EOC or EOCCANCEL, for
-        ``uow`` ("" the one the session holds; "BOTH" for COMMIT or BACKOUT of the received and the sent UOW at
-        once). Returns the UOW's status (QUERY and LAST: its public fields). A COMMIT whose connection is lost in
-        flight raises OutcomeUnknownError."""
-        args: dict[str, Any] = {"option": option, "uow": uow}
-        if user_status is not None:
-            args["user_status"] = user_status
-        settles = "commit" if option in SYNCPOINT_COMMITS else "alone" if option in SYNCPOINT_ALONE else ""
-        return dict(self._call("syncpoint", args, settles=settles))
 
 
 __all__ = ["Client", "Endpoint", "Message", "client_tls_context", "handshake", "parse_endpoint"]

@@ -32,9 +32,10 @@ client's name and both frame limits: a proof is good for that connection only (t
 each), and the server's proof shows the client that it talks to a holder of the same token. A wrong proof or an
 unknown role is answered MQRC_NOT_AUTHORIZED (the same message for both) and the connection closed. The token of
 version 2 (``hello {token}``, a bearer credential) is still accepted on a loopback connection or over TLS, and
-refused elsewhere: it was sent in clear, off the host. Each role may run its own operations (``ROLE_OPS``).
+refused elsewhere: it was sent in clear, off the host. Each role may run its own operations (the roles of each
+operation's row: sqm.service.ops).
 
-Conversations (docs/uow.md): ``logon {user, token}`` makes the connection's session (sqm.conversation), ``send``,
+Conversations (docs/uow.md): ``logon {user, token}`` makes the connection's session (sqm.conversations.conversation), ``send``,
 ``receive`` and ``syncpoint`` use it (before a logon they are refused with NotLoggedOnError), and it ends, what it
 holds backed out, with the connection: a client that reconnects logs on again. Replies on a logged-on connection
 carry ``held``: the session holds a unit of work (being sent or received).
@@ -54,9 +55,10 @@ from typing import Any
 import msgpack
 
 from cfemu import errors
-from cfemu.errors import BadRequestError, MessageTooBigError, MQError
+from cfemu.errors import MessageTooBigError, MQError
 from cfemu.limits import DESCRIPTOR_ALLOWANCE, MAX_MSG_LENGTH
 from sqm.core.connection import Message
+from sqm.operations import APPLICATION, OPERATOR, ROLES, NotLoggedOnError, arg
 
 HEADER = struct.Struct(">I")
 PROTOCOL_VERSION = 3
@@ -71,28 +73,7 @@ DEFAULT_MAX_FRAME = MAX_FRAME
 MIN_FRAME = 4096  # the least a server or a client may set: room for the envelope and a small message
 PRE_HELLO_MAX_FRAME = 64 * 2**10  # frames a peer may send before it has authenticated
 
-# Every operation the server understands (the client library uses the same names).
-OPS = ("hello", "auth", "ping", "put", "get", "browse", "commit", "backout", "prepare", "resolve", "indoubt",
-       "status", "define", "logon", "send", "receive", "syncpoint", "subscribe", "unsubscribe", "subscriptions",
-       "publish", "receive_pub", "pub_commit", "pub_backout")
-# A connection's conversation (sqm.conversation: EntireX's LOGON, SEND, RECEIVE, SYNCPOINT): logon makes it, the
-# others need it; it ends, backed out, with the connection.
-CONVERSATION_OPS = frozenset({"logon", "send", "receive", "syncpoint"})
-# Publish and subscribe (sqm.pubsub, docs/pubsub.md): the connection's publish/subscribe session is made by its first
-# publish or receive_pub; pub_commit / pub_backout settle it, and it ends, backed out, with the connection.
-PUBSUB_OPS = frozenset({"subscribe", "unsubscribe", "subscriptions", "publish", "receive_pub", "pub_commit",
-                        "pub_backout"})
-
 # --- roles and authentication ----------------------------------------------------------------------------------
-APPLICATION, OPERATOR = "application", "operator"
-ROLES = (APPLICATION, OPERATOR)
-# What each role may run. An application resolves and lists only the in-doubt UOWs it names by their xid (the
-# server checks it); an operator may do anything, and resolve any in-doubt UOW.
-ROLE_OPS: dict[str, frozenset[str]] = {
-    APPLICATION: frozenset({"ping", "put", "get", "browse", "commit", "backout", "prepare", "resolve",
-                            "indoubt"}) | CONVERSATION_OPS | PUBSUB_OPS,
-    OPERATOR: frozenset(OPS) - {"hello", "auth"},
-}
 AUTH_METHOD = "hmac-sha256"
 NONCE_BYTES = 32
 PROOF_BYTES = 32
@@ -147,13 +128,6 @@ class ProtocolError(MQError):
     """A frame that is not a well-formed request (not msgpack, not a map, a missing or mistyped field)."""
 
     reason, reason_name = 2046, "MQRC_OPTIONS_ERROR"
-
-
-class NotLoggedOnError(MQError):
-    """A send, receive or syncpoint on a connection that has not logged on (or whose session ended with its
-    previous connection): log on first."""
-
-    reason, reason_name = 2018, "MQRC_HCONN_ERROR"
 
 
 class SessionLostError(MQError):
@@ -303,30 +277,10 @@ def error_from_wire(err: Any) -> MQError:
     return exc
 
 
-# --- arguments -----------------------------------------------------------------------------------------------
-_MISSING = object()
-
-
-def arg(args: dict[str, Any], op: str, name: str, kind: type | tuple[type, ...], default: Any = _MISSING) -> Any:
-    """One request argument, type-checked: a wrong type is a BadRequestError naming the op and argument."""
-    value = args.get(name, default)
-    if value is _MISSING:
-        raise BadRequestError(f"{op}: missing argument '{name}'")
-    if value is None and default is None:
-        return None
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    if isinstance(value, bool) and bool not in kinds:
-        ok = False
-    else:
-        ok = isinstance(value, kinds)
-    if not ok:
-        wanted = " or ".join(k.__name__ for k in kinds)
-        raise BadRequestError(f"{op}: argument '{name}' must be {wanted}, not {type(value).__name__}")
-    return value
-
-
+# --- messages ------------------------------------------------------------------------------------------------
 # A message's fields, read once: dataclasses.asdict (a recursive deep copy) and fields() per message cost about as
-# much CPU as the rest of a request's handling (issue 15). The wire form is a shallow map: it is packed at once.
+# much CPU as the rest of a request's handling (bench/profile_service.py; BENCHMARKS.md, "peers"). The wire form is
+# a shallow map: it is packed at once.
 _MESSAGE_FIELDS = tuple(f.name for f in dataclasses.fields(Message))
 _MESSAGE_NAMES = frozenset(_MESSAGE_FIELDS)
 
@@ -340,9 +294,9 @@ def message_from_wire(obj: dict[str, Any]) -> Message:
 
 
 __all__ = ["APPLICATION", "AUTH_METHOD", "DEFAULT_MAX_FRAME", "ENVELOPE", "ERROR_CLASSES", "NONCE_BYTES", "OPERATOR",
-           "ROLES", "ROLE_OPS", "ConnectionLimitError", "FrameTooLargeError", "HEADER", "MAX_FRAME",
+           "ROLES", "ConnectionLimitError", "FrameTooLargeError", "HEADER", "MAX_FRAME",
            "MESSAGE_COST", "MIN_FRAME", "MessageTooBigForChannelError", "NotAuthorizedError", "NotLoggedOnError",
-           "OPS", "CONVERSATION_OPS", "PUBSUB_OPS", "SessionLostError",
+           "SessionLostError",
            "PRE_HELLO_MAX_FRAME", "PROOF_BYTES", "PROTOCOL_VERSION", "auth_proof", "auth_transcript", "new_nonce", "proof_matches", "ProtocolError", "QueueManagerUnavailableError",
            "QuiescingError", "arg", "check_length", "decode_body", "encode_frame", "error_from_wire", "error_reply",
            "message_from_wire", "message_to_wire", "ok_reply", "parse_request", "read_frame", "recv_frame"]

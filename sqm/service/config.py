@@ -1,0 +1,140 @@
+"""The configuration of an SQM server (``sqm run``'s options) and the exit codes of ``sqm run``.
+
+Exit codes: 0 after a graceful shutdown (SIGTERM/SIGINT, with a checkpoint), 1 on a failure, 2 for a bad
+configuration, 3 when peer recovery fenced this queue manager (restart it), 4 when its record log cannot be written
+(disk full, I/O error: fix the disk, then restart it; meanwhile a peer recovers its work).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+import ssl
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sqm.core.recauto import RecoverStructure
+from sqm.operations import APPLICATION, OPERATOR
+from sqm.request_slots import LEASE_S, MAX_SLOTS, default_slots
+from sqm.service.protocol import DEFAULT_MAX_FRAME, MAX_FRAME, MIN_FRAME
+
+EXIT_OK, EXIT_ERROR, EXIT_CONFIG, EXIT_FENCED, EXIT_LOG_FAILED = 0, 1, 2, 3, 4
+
+
+def is_loopback_ip(address: str) -> bool:
+    """Is this peer address on the loopback network (127.0.0.0/8, ::1, or an IPv4-mapped 127.x)?"""
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback
+
+
+def is_loopback_host(host: str) -> bool:
+    """Does listening on HOST accept loopback connections only? (0.0.0.0, '' and :: listen everywhere.)"""
+    if not host:
+        return False
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    return bool(infos) and all(is_loopback_ip(str(info[4][0])) for info in infos)
+
+
+
+
+class ServerConfigError(ValueError):
+    """A server option that cannot work (a missing TLS file, no token, --no-auth on a non-loopback host...)."""
+
+
+@dataclass
+class ServerConfig:
+    name: str
+    log_root: Path
+    redis_url: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: any free port (see ready_file)
+    token: str | None = None  # the application role's token (sqm.service.protocol.ROLES)
+    operator_token: str | None = None  # the operator role's token; None: nobody may run operator requests
+    auth: bool = True  # False (--no-auth, loopback only): every connection is an operator, unauthenticated
+    auth_timeout_s: float = 5.0  # a connection not authenticated by then is closed
+    idle_timeout_s: float = 3600.0  # an authenticated connection with no request for this long is closed; 0: never
+    max_connections: int = 512  # connections at once, all peers
+    max_connections_per_peer: int = 128  # connections at once from one address
+    max_unauthenticated: int = 64  # connections at once that have not authenticated yet
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None  # with cert and key: mutual TLS, clients must present a certificate from this CA
+    metrics_port: int | None = None  # /healthz, /readyz and /metrics; None: no HTTP endpoint
+    # They have no authentication (what they show: queue names, depths, counters), so they listen on loopback
+    # unless the operator says otherwise, whatever ``host`` the service itself listens on.
+    metrics_host: str = "127.0.0.1"
+    lease_ms: int = 5000
+    cf_connections: int = 64
+    # requests doing their work at once, up to their first wait (sqm.request_slots); the rest wait for a slot
+    request_slots: int = field(default_factory=default_slots)
+    slot_lease_ms: int = int(LEASE_S * 1000)  # a request holding its slot this long counts as waiting
+    logload: int = 10000  # LOGLOAD: a checkpoint every this many log records
+    # Log management (sqm.core.manager.QueueManagerConfig, docs/log-management.md)
+    log_mode: str = "linear"
+    log_ring: int = 8
+    log_archive_dir: Path | None = None
+    segment_bytes: int = 64 * 2**20
+    checkpoint_interval_s: float = 300.0
+    cpl_entries: int = 3
+    max_frame: int = DEFAULT_MAX_FRAME  # MIN_FRAME-MAX_FRAME; less than MAX_FRAME cannot carry every message
+    max_wait_ms: int = 60_000  # longest get wait a request may ask for
+    shutdown_grace_s: float = 10.0  # in-flight requests get this long to finish at shutdown
+    cf_wait_s: float = 30.0  # how long to wait for the CF to answer at start
+    ready_file: Path | None = None  # JSON {pid, host, port, metrics_port} written once serving
+    clock_skew_ms: int = 0  # added to the physical time the LRSN clock reads (tests of a skewed member)
+    recover_structure: RecoverStructure | None = None  # RECAUTO's restore (sqm.core.recauto), injected by qsg.member
+
+    def check(self) -> None:
+        if not MIN_FRAME <= self.max_frame <= MAX_FRAME:
+            raise ServerConfigError(f"max frame must be {MIN_FRAME}-{MAX_FRAME} bytes, not {self.max_frame}")
+        if self.auth and not (self.token or self.operator_token):
+            raise ServerConfigError("authentication is on and no token was given (the application's or the "
+                                    "operator's)")
+        if self.auth and self.token and self.token == self.operator_token:
+            raise ServerConfigError("the application and operator tokens are the same: an application would be "
+                                    "an operator; give each role its own")
+        if not self.auth and not is_loopback_host(self.host):
+            raise ServerConfigError(f"--no-auth is refused on {self.host!r}, which is not a loopback address: anyone "
+                                    "who reaches it could do anything; listen on 127.0.0.1, or run with a token")
+        if self.auth_timeout_s <= 0 or self.idle_timeout_s < 0:
+            raise ServerConfigError("the authentication timeout must be > 0 s and the idle timeout >= 0 s (0: none)")
+        if min(self.max_connections, self.max_connections_per_peer, self.max_unauthenticated) < 1:
+            raise ServerConfigError("connection limits must be at least 1")
+        if not 1 <= self.request_slots <= MAX_SLOTS:
+            raise ServerConfigError(f"request slots must be at least 1 and at most {MAX_SLOTS}, not "
+                                    f"{self.request_slots}")
+        if self.slot_lease_ms < 1:
+            raise ServerConfigError(f"a request slot's lease must be at least 1 ms, not {self.slot_lease_ms}")
+
+    def role_tokens(self) -> dict[str, str]:
+        return {role: tok for role, tok in ((APPLICATION, self.token), (OPERATOR, self.operator_token)) if tok}
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        if not (self.tls_cert or self.tls_key or self.tls_ca):
+            return None
+        if not (self.tls_cert and self.tls_key):
+            raise ServerConfigError("TLS needs both --tls-cert and --tls-key")
+        for what, path in (("certificate", self.tls_cert), ("key", self.tls_key), ("CA", self.tls_ca)):
+            if path is not None and not os.path.isfile(path):
+                raise ServerConfigError(f"TLS {what} file not found: {path}")
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        ctx.load_cert_chain(self.tls_cert, self.tls_key)
+        if self.tls_ca:
+            ctx.load_verify_locations(self.tls_ca)
+            ctx.verify_mode = ssl.CERT_REQUIRED
+        return ctx
+
+
+
+__all__ = ["EXIT_CONFIG", "EXIT_ERROR", "EXIT_FENCED", "EXIT_LOG_FAILED", "EXIT_OK", "ServerConfig",
+           "ServerConfigError", "is_loopback_host", "is_loopback_ip"]

@@ -1,0 +1,222 @@
+"""The queue operations of the service (ping, put, get, browse, commit, backout, prepare, resolve, indoubt, status,
+define): their rows and handlers. Each runs on the connection's MQ connection handle (sqm.core.connection.Connection),
+made by its first request, which keeps the connection's unit of work on one handle, like an MQ connection
+handle."""
+
+from __future__ import annotations
+
+import hmac
+import time
+from typing import Any, Protocol
+
+from cfemu import repository
+from cfemu.errors import BadRequestError, MQError, TruncatedMessageError
+from cfemu.topic_attributes import PUB_SUFFIX, SUB_SUFFIX
+from cfemu.uow_attributes import CONTROL_SUFFIX, DATA_SUFFIX
+from sqm import operations
+from sqm.core.connection import Connection
+from sqm.core.manager import QueueManager
+from sqm.operations import ANY_ROLE, OPERATOR, OPERATOR_ONLY, Operation, arg, short
+from sqm.service.protocol import ENVELOPE, MESSAGE_COST, NotAuthorizedError, message_to_wire
+
+COMPANION_SUFFIXES = (DATA_SUFFIX, CONTROL_SUFFIX, PUB_SUFFIX, SUB_SUFFIX)
+MAX_BROWSE = 10_000
+MAX_UOW_ATTRIBUTES = 16  # entries of a define's UOW attribute map (UowAttributes has 7)
+
+
+class Service(operations.Service, Protocol):
+    @property
+    def qm(self) -> QueueManager: ...
+
+    def service_status(self) -> dict[str, Any]:
+        """The server's part of a status reply: its address, connections, authentication and limits."""
+        ...
+
+
+class Session(operations.Session, Protocol):
+    conn: Connection | None  # the connection's MQ connection handle, made by its first queue request
+
+
+def _connection(svc: Service, session: Session) -> Connection:
+    if session.conn is None:
+        session.conn = svc.qm.connect()
+        session.conn.gone = session.gone
+    return session.conn
+
+
+def ping(svc: Service, session: Session, args: dict[str, Any]) -> dict[str, Any]:
+    return {"qmgr": svc.qm.name, "time": time.time()}
+
+
+def _plain(svc: Service, queue: str, op: str) -> str:
+    """A queue an application may put to or get from: not a companion queue of a service or a topic, whose
+    entries are the product's own state (a status, a subscription's position): a message put there by hand would
+    block a service's receives, a get would take a UOW's status away (docs/uow.md, docs/pubsub.md). Browse stays
+    open."""
+    base, dot, suffix = queue.rpartition(".")
+    if dot and f".{suffix}" in COMPANION_SUFFIXES:
+        try:
+            qdef = svc.qm.queue_def(base)
+        except MQError:  # no such service or topic: a plain queue that happens to end so
+            return queue
+        if qdef.uow or qdef.topic:
+            raise NotAuthorizedError(f"{op} on {queue}: it holds the state of {base}'s units of work or "
+                                         "publications; use send/receive/syncpoint or the publish/subscribe ops")
+    return queue
+
+
+def put(svc: Service, session: Session, args: dict[str, Any]) -> dict[str, Any]:
+    conn = _connection(svc, session)
+    m = conn.put(_plain(svc, arg(args, "put", "queue", str), "put"), arg(args, "put", "body", bytes),
+                 persistent=arg(args, "put", "persistent", bool, True),
+                 syncpoint=arg(args, "put", "syncpoint", bool, True),
+                 priority=arg(args, "put", "priority", int, 0),
+                 msgid=arg(args, "put", "msgid", bytes, None),
+                 correlid=arg(args, "put", "correlid", bytes, b""),
+                 expiry_ms=arg(args, "put", "expiry_ms", int, 0),
+                 properties=arg(args, "put", "properties", dict, None))
+    m.body = b""  # the client has the body; do not send it back
+    return message_to_wire(m)
+
+
+def get(svc: Service, session: Session, args: dict[str, Any]) -> dict[str, Any]:
+    conn = _connection(svc, session)
+    wait_ms = arg(args, "get", "wait_ms", int, 0)
+    if not 0 <= wait_ms <= svc.max_wait_ms:
+        raise BadRequestError(f"get: wait_ms must be 0-{svc.max_wait_ms}, not {wait_ms}")
+    queue = _plain(svc, arg(args, "get", "queue", str), "get")
+    try:  # the CF refuses, untouched, a message the reply could not carry: nothing is taken for nobody
+        m = conn.get(queue, syncpoint=arg(args, "get", "syncpoint", bool, True),
+                     wait_ms=wait_ms, msgid=arg(args, "get", "msgid", bytes, None),
+                     correlid=arg(args, "get", "correlid", bytes, None),
+                     max_length=session.reply_limit - ENVELOPE - MESSAGE_COST)
+    except TruncatedMessageError as e:
+        raise _too_long(svc, session, "get", queue, e) from None
+    return message_to_wire(m)
+
+
+def browse(svc: Service, session: Session, args: dict[str, Any]) -> dict[str, Any]:
+    limit = arg(args, "browse", "limit", int, 100)
+    if not 1 <= limit <= MAX_BROWSE:
+        raise BadRequestError(f"browse: limit must be 1-{MAX_BROWSE}, not {limit}")
+    queue = arg(args, "browse", "queue", str)
+    conn = _connection(svc, session)
+    try:  # as many as one reply carries; "more" tells the client it did not get them all
+        found = conn.browse(queue, limit, max_bytes=session.reply_limit - ENVELOPE, each=MESSAGE_COST)
+    except TruncatedMessageError as e:
+        raise _too_long(svc, session, "browse", queue, e) from None
+    return {"messages": [message_to_wire(m) for m in found], "more": found.more}
+
+
+def _too_long(svc: Service, session: Session, op: str, queue: str,
+              e: TruncatedMessageError) -> TruncatedMessageError:
+    detail = e.args[0] if e.args else ""
+    return TruncatedMessageError(f"{op} on {queue}: {detail}: replies on this connection to {svc.qm.name} are "
+                                 f"limited to {session.reply_limit} bytes; the message stays on the queue")
+
+
+def commit(svc: Service, session: Session, args: dict[str, Any]) -> None:
+    if session.conn is not None:
+        session.conn.commit()
+
+
+def backout(svc: Service, session: Session, args: dict[str, Any]) -> None:
+    if session.conn is not None:
+        session.conn.backout()
+
+
+def prepare(svc: Service, session: Session, args: dict[str, Any]) -> str:
+    return _connection(svc, session).prepare(arg(args, "prepare", "xid", str))
+
+
+def resolve(svc: Service, session: Session, args: dict[str, Any]) -> None:
+    uow_id = arg(args, "resolve", "uow", str)
+    commit = arg(args, "resolve", "commit", bool)
+    if session.role != OPERATOR:
+        # An application resolves its own in-doubt UOWs: those it names by the xid it prepared them with.
+        xid = arg(args, "resolve", "xid", str, None)
+        if xid is None:
+            raise NotAuthorizedError("resolve: an application resolves only its own in-doubt units of work: give "
+                                     "the xid it prepared the unit of work with (an operator may resolve any)")
+        mine = [u for u in svc.qm.indoubt() if u.id == uow_id]
+        if mine and not hmac.compare_digest(mine[0].xid.encode(), xid.encode()):
+            raise NotAuthorizedError(f"resolve: unit of work {short(uow_id)} was not prepared with that xid: an "
+                                     "application resolves only its own (an operator may resolve any)")
+    svc.qm.resolve(uow_id, commit)
+
+
+def indoubt(svc: Service, session: Session, args: dict[str, Any]) -> list[dict[str, Any]]:
+    found = svc.qm.indoubt()
+    if session.role != OPERATOR:
+        # An application lists its own: the in-doubt UOWs of the xids it names.
+        xids = arg(args, "indoubt", "xids", list, None)
+        if xids is None:
+            raise NotAuthorizedError("indoubt: an application lists only its own in-doubt units of work: give "
+                                     "their xids (an operator may list all)")
+        wanted = {x for x in xids if isinstance(x, str)}
+        found = [u for u in found if u.xid in wanted]
+    return [{"uow": u.id, "xid": u.xid, "owner": u.owner, "structures": sorted(u.structures)} for u in found]
+
+
+def status(svc: Service, session: Session, args: dict[str, Any]) -> dict[str, Any]:
+    return {**svc.qm.status(), **svc.service_status()}
+
+
+def define(svc: Service, session: Session, args: dict[str, Any]) -> dict[str, Any]:
+    kind = arg(args, "define", "kind", str)
+    name = arg(args, "define", "name", str)
+    replace = arg(args, "define", "replace", bool, False)
+    qm = svc.qm
+    admin, repo = qm.admin, qm.repository
+    if repo is None:
+        raise BadRequestError(f"queue manager {qm.name} is not running")
+    if kind == "structure":  # in the CF and, durably, in the group repository (cfemu.repository)
+        sdef = repository.define_structure(admin, repo, name,
+                                           max_entries=arg(args, "define", "max_entries", int, 0),
+                                           max_bytes=arg(args, "define", "max_bytes", int, 0), replace=replace,
+                                           recauto=arg(args, "define", "recauto", bool, True))
+        return vars(sdef)
+    if kind == "queue":
+        qdef = repository.define_queue(admin, repo, name, arg(args, "define", "structure", str),
+                                       backout_threshold=arg(args, "define", "backout_threshold", int, 0),
+                                       backout_queue=arg(args, "define", "backout_queue", str, ""),
+                                       max_msg_length=arg(args, "define", "max_msg_length", int, 4 * 2**20),
+                                       replace=replace, uow=_uow_attributes(args),
+                                       topic=_uow_attributes(args, "topic"))
+        for queue in (name, *qdef.companions):
+            qm.forget_queue_def(queue)
+        return vars(qdef)
+    raise BadRequestError(f"define: kind must be 'structure' or 'queue', not {kind!r}")
+
+
+def _uow_attributes(args: dict[str, Any], field: str = "uow") -> dict[str, Any] | None:
+    """A define's UOW attributes (a service: cfemu.uow_attributes) or, with field "topic", a topic's
+    (cfemu.topic_attributes), bounded; their values are checked there."""
+    uow = arg(args, "define", field, dict, None)
+    if uow is None:
+        return None
+    if len(uow) > MAX_UOW_ATTRIBUTES or not all(isinstance(k, str) and len(k) <= 64 for k in uow):
+        raise BadRequestError(f"define: '{field}' must map at most {MAX_UOW_ATTRIBUTES} attribute names to values")
+    bad = [k for k, v in uow.items() if not isinstance(v, bool | int)]
+    if bad:
+        raise BadRequestError(f"define: {field} attribute {short(bad[0])} must be an integer or a boolean")
+    return dict(uow)
+
+
+# An application resolves and lists only the in-doubt UOWs it names by their xid (resolve and indoubt check it);
+# an operator may do anything, and resolve any in-doubt UOW.
+OPERATIONS = (
+    Operation("ping", "queue", ANY_ROLE, ping, read_only=True),
+    Operation("put", "queue", ANY_ROLE, put),
+    Operation("get", "queue", ANY_ROLE, get),
+    Operation("browse", "queue", ANY_ROLE, browse, read_only=True),
+    Operation("commit", "queue", ANY_ROLE, commit),
+    Operation("backout", "queue", ANY_ROLE, backout),
+    Operation("prepare", "queue", ANY_ROLE, prepare, alone=True),
+    Operation("resolve", "queue", ANY_ROLE, resolve, alone=True),
+    Operation("indoubt", "queue", ANY_ROLE, indoubt, read_only=True),
+    Operation("status", "queue", OPERATOR_ONLY, status, read_only=True),
+    Operation("define", "queue", OPERATOR_ONLY, define, alone=True),
+)
+
+__all__ = ["COMPANION_SUFFIXES", "MAX_BROWSE", "MAX_UOW_ATTRIBUTES", "OPERATIONS", "Service", "Session"]

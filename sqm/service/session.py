@@ -1,0 +1,121 @@
+"""A connection's session and the server's counts of its connections, requests and refusals.
+
+The counts are what the metrics show (sqm.service.metrics), with bounded label values: an op label is never taken
+from what a peer sent (``op_label``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqm.conversations.conversation import Conversation
+from sqm.core.connection import Connection
+from sqm.pubsub.pubsub import PubSubSession
+from sqm.service.ops import OPS
+from sqm.service.protocol import ENVELOPE, MESSAGE_COST
+
+log = logging.getLogger("sqm.service.server")
+
+# The bounded label values of the security metrics (sqm.service.metrics).
+AUTH_FAILURE_REASONS = ("bad_proof", "bearer_in_clear", "not_authenticated", "malformed", "frame_too_large",
+                        "timeout")
+LIMITS = ("server", "peer", "unauthenticated")
+CLOSE_REASONS = ("auth_timeout", "idle_timeout")
+AUTH_METHODS = ("challenge", "bearer", "none")
+OP_LABEL_UNKNOWN = "?"  # any op name not in OPS: a label is never taken from what a peer sent
+_KNOWN = frozenset(OPS)
+
+
+def op_label(op: str) -> str:
+    return op if op in _KNOWN else OP_LABEL_UNKNOWN
+
+
+@dataclass
+class Session:
+    """One client connection: its worker thread and its MQ connection handle."""
+
+    number: int
+    peer: str
+    executor: ThreadPoolExecutor
+    authenticated: bool
+    request_limit: int  # the longest frame accepted from the client: small until it has authenticated
+    reply_limit: int  # the longest frame sent to it: the server's limit, or the client's when smaller
+    peer_ip: str = "?"
+    tls: bool = False
+    opened: float = 0.0  # loop time of the accept
+    role: str | None = None  # once authenticated: APPLICATION or OPERATOR
+    said_hello: bool = False
+    client_name: str = ""
+    client_max: int = 0  # the client's frame limit from its hello (0: it gave none)
+    nonce: bytes = b""  # the challenge of this connection (the server's, fresh at each hello)
+    client_nonce: bytes = b""
+    conn: Connection | None = None
+    conversation: Conversation | None = None  # made by logon (sqm.conversations.conversation); closed with the connection
+    pubsub: PubSubSession | None = None  # made by the first publish or receive_pub; backed out with it
+    gone: threading.Event = field(default_factory=threading.Event)  # the client disconnected
+    reading: asyncio.Task[bytes | None] | None = None  # the read of the next frame, when one is pending
+
+    def uow_open(self) -> bool:
+        """Has the connection's UOW done anything (an empty UOW is not worth reporting as open)?"""
+        return self.conn is not None and self.conn.uow is not None and self.conn.uow.operations > 0
+
+    def flags(self) -> dict[str, bool]:
+        """What every reply tells the client of the connection's state: its UOW open, its session holding one."""
+        flags = {"uow": self.uow_open()}
+        if self.conversation is not None:
+            c = self.conversation
+            flags["held"] = c.sending is not None or c.receiving is not None
+        if self.pubsub is not None:
+            flags["ps_held"] = self.pubsub.draft is not None or bool(self.pubsub.held)
+        return flags
+
+
+    def reply_room(self, messages: int = 1) -> int:
+        """The bytes of message data a reply carrying ``messages`` messages has room for."""
+        return self.reply_limit - ENVELOPE - MESSAGE_COST * messages
+
+
+@dataclass
+class Stats:
+    """Counts shared by the event loop and the connections' threads (those a thread changes: under ``lock``)."""
+
+    connections: int = 0
+    accepted: int = 0
+    unauthenticated: int = 0  # connections open that have not authenticated
+    requests: Counter[tuple[str, str]] = field(default_factory=Counter)  # (op label, result)
+    auth_failures: Counter[str] = field(default_factory=Counter)  # reason (AUTH_FAILURE_REASONS)
+    authenticated: Counter[tuple[str, str]] = field(default_factory=Counter)  # (role, method)
+    refused: Counter[str] = field(default_factory=Counter)  # limit (LIMITS)
+    closed: Counter[str] = field(default_factory=Counter)  # reason (CLOSE_REASONS)
+    peers: Counter[str] = field(default_factory=Counter)  # open connections per address (no zero entries)
+    inflight: int = 0  # requests running (the shutdown waits for them, up to its grace)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def count(self, key: tuple[str, str]) -> None:
+        """One more request of (op label, result)."""
+        with self.lock:
+            self.requests[key] += 1
+
+
+class Warnings:
+    """Warnings about what peers do, at most once a second per key (a flood must not flood the log)."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, float] = {}
+
+    def __call__(self, key: str, msg: str, *args: Any) -> None:
+        now = time.monotonic()
+        if now - self._last.get(key, 0.0) >= 1.0:
+            self._last[key] = now
+            log.warning(msg, *args)
+
+
+__all__ = ["AUTH_FAILURE_REASONS", "AUTH_METHODS", "CLOSE_REASONS", "LIMITS", "OP_LABEL_UNKNOWN", "Session",
+           "Stats", "Warnings", "op_label"]
