@@ -17,6 +17,7 @@ from cfemu.admin import QueueDef
 from cfemu.entry import Entry
 from cfemu.errors import NoMessageError, UowStatusError
 from cfemu.uow_attributes import UowAttributes, control_queue, data_queue
+from sqm import logon_token
 from sqm.connection import Connection, Message
 from sqm.manager import QueueManager
 from sqm.request_slots import nap
@@ -154,6 +155,7 @@ def count_status(qm: QueueManager, svc: Service, status: str) -> int:
 
 
 def put_control(conn: Connection, svc: Service, c: Control) -> None:
+    c = logon_token.seal_control(conn.qm, c)  # the owners' tokens only ever in their stored form
     conn.put(svc.control, c.pack(), persistent=c.entry_persistent, syncpoint=True, msgid=bytes.fromhex(c.uow),
              correlid=LETTER[c.status].encode())
 
@@ -224,7 +226,8 @@ def replace(qm: QueueManager, svc: Service, uow: str, change: Callable[[Control]
 
 
 def last_pointer_id(user: str, token: str) -> bytes:
-    """The message id of a user's pointer to its last UOW (SYNCPOINT LAST finds it by user id and token)."""
+    """The message id of a user's pointer to its last UOW (SYNCPOINT LAST finds it by user id and token; ``token``
+    in its stored form, sqm.logon_token)."""
     return hashlib.sha256(f"{user}\0{token}".encode()).digest()[:24]
 
 

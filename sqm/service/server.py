@@ -1038,9 +1038,10 @@ class SQMServer:
         return {"qmgr": self.qm.name, "time": time.time()}
 
     def _plain(self, queue: str, op: str) -> str:
-        """A queue an application may put to or get from: not a companion queue of a service or a topic, whose
-        entries are the product's own state (a status, a subscription's position): a message put there by hand
-        blocked a service's receives, a get took a UOW's status away (review R, finding 3). Browse stays open."""
+        """A queue an application may put to, get from or browse: not a companion queue of a service or a topic,
+        whose entries are the product's own state and every user's (a status and its owner, a UOW's messages, a
+        subscription's position, a publication): a put there by hand would block a service's receives, a get take a
+        UOW's status away, a browse show other users' units of work. An operator may browse them."""
         base, dot, suffix = queue.rpartition(".")
         if dot and f".{suffix}" in COMPANION_SUFFIXES:
             try:
@@ -1085,6 +1086,8 @@ class SQMServer:
         if not 1 <= limit <= MAX_BROWSE:
             raise BadRequestError(f"browse: limit must be 1-{MAX_BROWSE}, not {limit}")
         queue = arg(args, "browse", "queue", str)
+        if session.role != OPERATOR:
+            self._plain(queue, "browse")
         conn = self._connection(session)
         try:  # as many as one reply carries; "more" tells the client it did not get them all
             found = conn.browse(queue, limit, max_bytes=session.reply_limit - ENVELOPE, each=MESSAGE_COST)
