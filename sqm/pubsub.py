@@ -18,7 +18,8 @@ message, with no record kind of its own:
   COMMIT replaces the subscription entry with a new one, which a paged read of the "S" entries can miss).
 
 A subscription belongs to its owner: the user id and token the connection logged on with (sqm.service's logon),
-part of the entry's message id, so another user cannot name it, receive for it nor remove it. A connection that has
+the token kept only in its stored form (sqm.logon_token), part of the entry's message id, so another user cannot
+name it, receive for it nor remove it. A connection that has
 not logged on uses the anonymous owner ("", ""), whose subscriptions every such connection shares (docs/pubsub.md,
 "Who may use a subscription").
 
