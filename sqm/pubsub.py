@@ -391,7 +391,11 @@ def adopt_unsealed(qm: QueueManager, t: Topic, name: str, user: str, token: str,
         return False
     conn = qm.connect()
     try:
-        old = take_subscription(conn, t, name, user=user, token=token)
+        try:
+            old = take_subscription(conn, t, name, user=user, token=token)
+        except UnknownObjectError:  # another session moved it first
+            conn.backout()
+            return bool(peek_entries(qm, t, subscription_id(t.name, name, user, sealed)))
         take_roster(conn, t, old.sid)
         new = replace(old, token=sealed)
         put_subscription(conn, t, new)
