@@ -56,6 +56,7 @@ from sqm.conversations.uowstatus import (
     finish,
     transition,
 )
+from sqm.core import logon_token
 from sqm.core.clock import now_ms
 from sqm.core.connection import Connection, Message
 from sqm.core.member import Member
@@ -108,6 +109,7 @@ class Conversation:
         self.qm = qm
         self.user = _check_identity("user id", user)
         self.token = _check_identity("token", token) if token else ""
+        self.sealed = logon_token.seal(qm, self.user, self.token)  # what the CF keeps of the token (sqm.core.logon_token)
         self.scope: Connection = qm.connect()
         self.sending: _Open | None = None
         self.receiving: _Open | None = None
@@ -170,7 +172,7 @@ class Conversation:
         scope_uow = self.scope._current_uow()  # the owner must exist before the control names it
         pc = ctl.pseudo_clock(self.qm, svc.structure)
         uow = os.urandom(16).hex()
-        c = Control(uow=uow, service=svc.name, status=RECEIVED, sender=self.user, token=self.token,
+        c = Control(uow=uow, service=svc.name, status=RECEIVED, sender=self.user, token=self.sealed,
                     persistent=a.store if store is None else bool(store), status_mult=mult,
                     lifetime_ms=(lifetime_s or a.lifetime_s) * 1000, created_pc=pc, changed_pc=pc,
                     user_status=ustatus, home=self._incarnation(), owner=scope_uow.id,
@@ -178,7 +180,7 @@ class Conversation:
         conn = self.qm.connect()
         try:
             ctl.put_control(conn, svc, c)
-            ctl.set_last(conn, svc, self.user, self.token, uow, ctl.cf_now_ms(self.qm, svc.structure),
+            ctl.set_last(conn, svc, self.user, self.sealed, uow, ctl.cf_now_ms(self.qm, svc.structure),
                          c.entry_persistent)
             conn.commit()
         except BaseException:
@@ -270,7 +272,7 @@ class Conversation:
             old = Control.unpack(m.body)
             to = transition(RECEIVER, "RECEIVE", old.status)
             new = delivered = replace(old, status=to, owner=scope_uow.id, receiver=self.user,
-                                      receiver_token=self.token, changed_pc=pc)
+                                      receiver_token=self.sealed, changed_pc=pc)
             ctl.put_control(conn, svc, new)
             conn.commit()
         except OutcomeUnknownError:
@@ -425,7 +427,7 @@ class Conversation:
         if not uow:
             raise UowStatusError("CANCEL needs the id of a unit of work you sent, or one being received")
         svc, c = self._find(uow)
-        if c.sender != self.user or c.token != self.token:
+        if not self._is_sender(c):
             raise UowStatusError(f"unit of work {uow} was sent by another user: only its sender may CANCEL it")
         pc = ctl.pseudo_clock(self.qm, svc.structure)
 
@@ -490,7 +492,9 @@ class Conversation:
         """LAST: the status of the last UOW this user (id and token) sent, found again after any failure."""
         if self.sending is not None:
             return self.sending.control.public()
-        found = ctl.find_last(self.qm, self.user, self.token)
+        found = ctl.find_last(self.qm, self.user, self.sealed)
+        if found is None and self.token:  # a pointer made before tokens were sealed
+            found = ctl.find_last(self.qm, self.user, self.token)
         if found is None:
             raise UnknownUowError(f"user {self.user} has sent no unit of work whose status is kept")
         svc, uow = found
@@ -504,14 +508,14 @@ class Conversation:
         value = self._check_user_status(user_status)
         uow = uow or (self.sending or self.receiving or _no_uow()).control.uow
         svc, c = self._find(uow)
-        if (self.user, self.token) not in ((c.sender, c.token), (c.receiver, c.receiver_token)):
+        if not (self._is_sender(c) or self._is_receiver(c)):
             raise UowStatusError(f"unit of work {uow} is neither sent nor received by user {self.user} with this "
                                  "token")
 
         def set_it(old: Control) -> Control | None:
             # Asked again of the control taken: the one read above may be a change in flight's old one, waited for
             # since (a receiver of record that backed out, while another receiver takes the UOW).
-            if (self.user, self.token) not in ((old.sender, old.token), (old.receiver, old.receiver_token)):
+            if not (self._is_sender(old) or self._is_receiver(old)):
                 raise UowStatusError(f"unit of work {uow} is neither sent nor received by user {self.user} with "
                                      "this token")
             if old.status not in USER_STATUS_ALLOWED:
@@ -528,7 +532,7 @@ class Conversation:
     def delete(self, uow: str) -> dict[str, Any]:
         """DELETE: the persistent status of a finished UOW this user sent; no trace remains."""
         svc, c = self._find(uow)
-        if c.sender != self.user or c.token != self.token:
+        if not self._is_sender(c):
             raise UowStatusError(f"unit of work {uow} was sent by another user: only its sender may DELETE it")
 
         def gone(old: Control) -> Control | None:
@@ -556,6 +560,14 @@ class Conversation:
         self.close()
 
     # --- helpers --------------------------------------------------------------------------------------------
+    def _is_sender(self, c: Control) -> bool:
+        """Whether this logon (user id and token) sent the UOW (tokens compared as sqm.core.logon_token keeps them)."""
+        return c.sender == self.user and logon_token.matches(c.token, self.token, self.sealed)
+
+    def _is_receiver(self, c: Control) -> bool:
+        return bool(c.receiver) and c.receiver == self.user and logon_token.matches(c.receiver_token, self.token,
+                                                                                    self.sealed)
+
     def _commit_scope(self, deadline: float) -> None:
         """Commit the scope; if it was backed out instead, what it held is settled as a backout would be (waiting for
         a held control until ``deadline``, the request's: what is still held then is left to the sweeper)."""

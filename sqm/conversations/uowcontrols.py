@@ -18,6 +18,7 @@ from cfemu.entry import Entry
 from cfemu.errors import NoMessageError, UowStatusError
 from cfemu.uow_attributes import UowAttributes, control_queue, data_queue
 from sqm.conversations.uowstatus import LETTER, Control, status_letter_hex
+from sqm.core import logon_token
 from sqm.core.cfcall import CFCaller
 from sqm.core.connection import Connection, Message
 from sqm.core.member import Member
@@ -145,6 +146,7 @@ def count_status(qm: Member, svc: Service, status: str) -> int:
 
 
 def put_control(conn: Connection, svc: Service, c: Control) -> None:
+    c = logon_token.seal_control(conn.qm, c)  # the owners' tokens only ever in their stored form
     conn.put(svc.control, c.pack(), persistent=c.entry_persistent, syncpoint=True, msgid=bytes.fromhex(c.uow),
              correlid=LETTER[c.status].encode())
 
@@ -215,7 +217,8 @@ def replace(qm: Member, svc: Service, uow: str, change: Callable[[Control], Cont
 
 
 def last_pointer_id(user: str, token: str) -> bytes:
-    """The message id of a user's pointer to its last UOW (SYNCPOINT LAST finds it by user id and token)."""
+    """The message id of a user's pointer to its last UOW (SYNCPOINT LAST finds it by user id and token; ``token``
+    in its stored form, sqm.core.logon_token)."""
     return hashlib.sha256(f"{user}\0{token}".encode()).digest()[:24]
 
 

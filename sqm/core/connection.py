@@ -27,6 +27,7 @@ from cfemu.errors import (
 from cfemu.limits import check_id
 from sqm.core import records
 from sqm.core.clock import LrsnClock, now_ms
+from sqm.core.config import QueueManagerConfig
 from sqm.core.failpoints import failpoint
 from sqm.core.messaging import UnitOfWorkScope
 from sqm.core.records import INDOUBT, INFLIGHT, Record
@@ -47,6 +48,8 @@ class QueueManagerPort(Protocol):
     def clock(self) -> LrsnClock: ...
     @property
     def counters(self) -> dict[str, int]: ...
+    @property
+    def config(self) -> QueueManagerConfig: ...
 
     def check_usable(self) -> None: ...
     def queue_def(self, queue: str) -> QueueDef: ...

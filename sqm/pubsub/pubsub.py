@@ -18,7 +18,8 @@ message, with no record kind of its own:
   COMMIT replaces the subscription entry with a new one, which a paged read of the "S" entries can miss).
 
 A subscription belongs to its owner: the user id and token the connection logged on with (sqm.service's logon),
-part of the entry's message id, so another user cannot name it, receive for it nor remove it. A connection that has
+the token kept only in its stored form (sqm.core.logon_token), part of the entry's message id, so another user cannot
+name it, receive for it nor remove it. A connection that has
 not logged on uses the anonymous owner ("", ""), whose subscriptions every such connection shares (docs/pubsub.md,
 "Who may use a subscription").
 
@@ -53,6 +54,7 @@ from cfemu.errors import (
     UnknownObjectError,
 )
 from cfemu.topic_attributes import TopicAttributes, publication_queue, subscription_queue
+from sqm.core import logon_token
 from sqm.core.cfcall import CFCaller
 from sqm.core.connection import Connection
 from sqm.core.member import Member
@@ -117,7 +119,7 @@ class Subscription:
     home: str  # the member incarnation it was made through ("QM1.<epoch hex>"): a non-durable one ends with it
     received: int = 0  # publications received and committed
     user: str = ""  # its owner: the user id and token of the logon it was made under ("" for the anonymous owner)
-    token: str = ""
+    token: str = ""  # the token's stored form (sqm.core.logon_token), never the token
 
     @property
     def position(self) -> tuple[int, str]:
@@ -168,7 +170,9 @@ class Publication:
 
 
 def subscription_id(topic_name: str, name: str, user: str = "", token: str = "") -> bytes:
-    """The message id of a subscription's entry: its owner is part of it, so one owner cannot name another's."""
+    """The message id of a subscription's entry: its owner is part of it, so one owner cannot name another's.
+    ``token``: the owner's token in its stored form (sqm.core.logon_token), as every function here but the API's
+    (subscribe, unsubscribe, subscriptions, PubSubSession.receive) takes it."""
     key = f"{topic_name}\0{name}" if not (user or token) else f"{topic_name}\0{name}\0{user}\0{token}"
     return hashlib.sha256(key.encode()).digest()[:24]
 
@@ -220,9 +224,10 @@ def subscriptions(qm: Member, t: Topic, *, user: str | None = None, token: str |
                   limit: int = MAX_LISTED) -> list[Subscription]:
     """The topic's subscriptions (those of one owner when ``user`` is given), by owner and name, at most ``limit``."""
     by_sid: dict[str, list[Subscription]] = {}
+    sealed = logon_token.seal(qm, user or "", token or "")
     for entry, data in scan_entries(qm, t, SUB_LETTER):
         s = Subscription.unpack(data)
-        if user is None or (s.user, s.token) == (user, token or ""):
+        if user is None or s.user == user and logon_token.matches(s.token, token or "", sealed):
             by_sid.setdefault(entry.msgid, []).append(s)
     return sorted((merged(subs) for subs in by_sid.values()), key=lambda s: (s.user, s.name))[:limit]
 
@@ -314,7 +319,10 @@ def subscribe(qm: Member, topic_name: str, name: str, *, durable: bool | None = 
     want = t.attributes.durable if durable is None else bool(durable)
     if want and not t.attributes.durable:
         raise BadRequestError(f"topic {t.name} does not allow durable subscriptions (define it with durable)")
+    token, clear = logon_token.seal(qm, user, token), token
     old = peek_subscription(qm, t, name, user=user, token=token)
+    if old is None and adopt_unsealed(qm, t, name, user, clear, token):
+        old = peek_subscription(qm, t, name, user=user, token=token)
     if old is not None:
         if old.durable != want:
             raise BadRequestError(f"subscription {name} of topic {t.name} exists and is "
@@ -359,15 +367,45 @@ def _merge_raced(qm: Member, t: Topic, s: Subscription) -> Subscription:
 def unsubscribe(qm: Member, topic_name: str, name: str, *, user: str = "", token: str = "") -> Subscription:
     """UNSUBSCRIBE: the subscription's entries are removed (its position with them), and its roster entry."""
     t = topic(qm, topic_name)
+    sealed = logon_token.seal(qm, user, token)
     conn = qm.connect()
     try:
-        s = take_subscription(conn, t, _check_name(name), user=user, token=token)
+        try:
+            s = take_subscription(conn, t, _check_name(name), user=user, token=sealed)
+        except UnknownObjectError:
+            if not adopt_unsealed(qm, t, name, user, token, sealed):
+                raise
+            s = take_subscription(conn, t, name, user=user, token=sealed)
         take_roster(conn, t, s.sid)
         conn.commit()
     except BaseException:
         conn.backout()
         raise
     return s
+
+
+def adopt_unsealed(qm: Member, t: Topic, name: str, user: str, token: str, sealed: str) -> bool:
+    """A subscription made before tokens were sealed (its entry and its id hold the token itself) moved to its
+    sealed id, position and all, in one unit of work; whether there was one. ResourceProblemError when a session
+    receives for it now (try again)."""
+    if not token or sealed == token or not peek_entries(qm, t, subscription_id(t.name, name, user, token)):
+        return False
+    conn = qm.connect()
+    try:
+        try:
+            old = take_subscription(conn, t, name, user=user, token=token)
+        except UnknownObjectError:  # another session moved it first
+            conn.backout()
+            return bool(peek_entries(qm, t, subscription_id(t.name, name, user, sealed)))
+        take_roster(conn, t, old.sid)
+        new = replace(old, token=sealed)
+        put_subscription(conn, t, new)
+        _put_roster(conn, t, new)
+        conn.commit()
+    except BaseException:
+        conn.backout()
+        raise
+    return True
 
 
 @dataclass
@@ -439,11 +477,17 @@ class PubSubSession:
         ``wait_ms``). Its entry stays taken by this session until COMMIT (the position advances) or BACKOUT (it is
         received again)."""
         t = topic(self.qm, topic_name)
+        token, clear = logon_token.seal(self.qm, user, token), token
         key = (t.name, subscription_id(t.name, _check_name(name), user, token).hex())
         if not 0 <= wait_ms <= 3_600_000:
             raise BadRequestError(f"wait must be 0-3600000 ms, not {wait_ms}")
         if key not in self.held:
-            s, elsewhere = take_all(self.scope, t, name, user=user, token=token)
+            try:
+                s, elsewhere = take_all(self.scope, t, name, user=user, token=token)
+            except UnknownObjectError:
+                if not adopt_unsealed(self.qm, t, name, user, clear, token):
+                    raise
+                s, elsewhere = take_all(self.scope, t, name, user=user, token=token)
             self.held[key] = _Held(s, s.position, blocked=elsewhere)
             if elsewhere and len(self.held) == 1 and self.draft is None:
                 self.backout()  # it holds nothing else: give back what it took at once
@@ -527,4 +571,4 @@ def publish(qm: Member, topic_name: str, bodies: list[bytes]) -> str:
 __all__ = ["Topic", "topic", "topics", "Subscription", "Publication", "PubSubSession", "subscribe", "unsubscribe",
            "subscriptions", "peek_subscription", "publish", "subscription_id", "structure_clock", "next_publication",
            "take_subscription", "take_all", "take_roster", "put_subscription", "roster", "roster_id", "scan_entries",
-           "peek_entries", "merged"]
+           "peek_entries", "merged", "adopt_unsealed"]

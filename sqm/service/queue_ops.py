@@ -49,10 +49,10 @@ def ping(svc: Service, session: Session, args: dict[str, Any]) -> dict[str, Any]
 
 
 def _plain(svc: Service, queue: str, op: str) -> str:
-    """A queue an application may put to or get from: not a companion queue of a service or a topic, whose
-    entries are the product's own state (a status, a subscription's position): a message put there by hand would
-    block a service's receives, a get would take a UOW's status away (docs/uow.md, docs/pubsub.md). Browse stays
-    open."""
+    """A queue an application may put to, get from or browse: not a companion queue of a service or a topic,
+    whose entries are the product's own state and every user's (a status and its owner, a UOW's messages, a
+    subscription's position, a publication): a put there by hand would block a service's receives, a get take a
+    UOW's status away, a browse show other users' units of work (docs/security.md). An operator may browse them."""
     base, dot, suffix = queue.rpartition(".")
     if dot and f".{suffix}" in COMPANION_SUFFIXES:
         try:
@@ -100,6 +100,8 @@ def browse(svc: Service, session: Session, args: dict[str, Any]) -> dict[str, An
     if not 1 <= limit <= MAX_BROWSE:
         raise BadRequestError(f"browse: limit must be 1-{MAX_BROWSE}, not {limit}")
     queue = arg(args, "browse", "queue", str)
+    if session.role != OPERATOR:
+        _plain(svc, queue, "browse")
     conn = _connection(svc, session)
     try:  # as many as one reply carries; "more" tells the client it did not get them all
         found = conn.browse(queue, limit, max_bytes=session.reply_limit - ENVELOPE, each=MESSAGE_COST)

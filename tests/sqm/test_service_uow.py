@@ -303,9 +303,10 @@ def test_a_message_the_connection_cannot_carry_is_refused_and_not_taken(servers:
         assert narrow.stop() == 0, narrow.log_text()
 
 
-def test_an_application_cannot_put_to_or_get_from_a_service_s_companion_queues(servers: Any) -> None:
+def test_an_application_cannot_put_to_get_from_or_browse_a_service_s_companion_queues(servers: Any) -> None:
     """A message put on <SVC>.UOWCTL by hand blocked the service's receives; a get by the UOW id took its status
-    away (review R, finding 3): over the service, the companion queues are the product's own. Browse stays open."""
+    away; a browse showed every user's statuses, owners and messages: over the service, the companion queues are
+    the product's own. An operator browses them."""
     qm1, _ = servers
     with logged_on(qm1, "rita") as c:
         uow = c.send(SVC, b"x", commit=True)["uow"]
@@ -314,7 +315,10 @@ def test_an_application_cannot_put_to_or_get_from_a_service_s_companion_queues(s
                 c.put(queue, b"forged", correlid=b"A", syncpoint=False)
             with pytest.raises(NotAuthorizedError, match="holds the state of"):
                 c.get(queue, syncpoint=False)
-        assert [m.correlid for m in c.browse(SVC + ".UOWDATA")] == [bytes.fromhex(uow)]
+            with pytest.raises(NotAuthorizedError, match="holds the state of"):
+                c.browse(queue)
+        with Client(qm1.endpoint, token=OP_TOKEN, role="operator") as op:
+            assert [m.correlid for m in op.browse(SVC + ".UOWDATA")] == [bytes.fromhex(uow)]
         assert c.syncpoint("QUERY", uow)["status"] == "ACCEPTED"
         got = c.receive(SVC, option="SYNC")
         assert got["uow"] == uow
