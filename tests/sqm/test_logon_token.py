@@ -21,12 +21,12 @@ from cfemu.admin import Admin
 from cfemu.connection import connect
 from cfemu.errors import NoMessageError, UnknownObjectError, UnknownUowError, UowStatusError
 from restore.run import run_restore
-from sqm import pubsub as ps
-from sqm import uowcontrols as ctl
+from sqm.conversations import uowcontrols as ctl
 from sqm.conversations.conversation import Conversation
 from sqm.conversations.uowstatus import ACCEPTED, Control
 from sqm.core import logon_token
 from sqm.core.manager import QueueManager
+from sqm.pubsub import pubsub as ps
 from tests.support.group import start_qm
 from tests.support.harness import lose_cf
 
@@ -46,7 +46,7 @@ def qm(redis_url: str, tmp_path: Path) -> Iterator[QueueManager]:
 
 def test_the_key_is_made_once_0600_on_the_log_root_and_every_process_finds_the_same(tmp_path: Path) -> None:
     root = tmp_path / "logs"
-    code = "import sys; from sqm import logon_token; print(logon_token.group_key(sys.argv[1]).hex())"
+    code = "import sys; from sqm.core import logon_token; print(logon_token.group_key(sys.argv[1]).hex())"
     procs = [subprocess.Popen([sys.executable, "-c", code, str(root)], stdout=subprocess.PIPE) for _ in range(6)]
     keys = {p.communicate(timeout=60)[0].strip() for p in procs}
     assert len(keys) == 1 and all(p.returncode == 0 for p in procs)
