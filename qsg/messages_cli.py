@@ -7,6 +7,8 @@ restore sees what it did) or through --server HOST:PORT endpoints.
 from __future__ import annotations
 
 import argparse
+import logging
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
@@ -14,13 +16,15 @@ from typing import Any, Protocol
 import msgpack
 
 from cfemu.clitools import Output, require_url, settings
-from cfemu.errors import NoMessageError
+from cfemu.errors import FencedError, NoMessageError
 from cfemu.uow_attributes import CONTROL_SUFFIX, DATA_SUFFIX
-from qsg.cli_common import Parents
+from qsg.cli_common import Parents, whole
 from sqm.manager import QueueManager, QueueManagerConfig
 from sqm.service.client import Client
 from sqm.uowcontrols import LAST_LETTER
 from sqm.uowstatus import Control
+
+log = logging.getLogger("qsg.messages_cli")
 
 
 def _body_text(body: bytes, limit: int = 60) -> str:
@@ -61,16 +65,46 @@ def messaging(args: argparse.Namespace) -> Iterator[MessagingHandle]:
         return
 
     qm = QueueManager(QueueManagerConfig(name=args.qm_name, log_root=found.log_root, redis_url=require_url(found),
-                                         background=False))
+                                         lease_ms=args.lease_ms, background=False))
     qm.start()
     try:
-        conn = qm.connect()
-        try:
-            yield conn
-        finally:
-            conn.close()
+        with keep_lease(qm):
+            conn = qm.connect()
+            try:
+                yield conn
+            finally:
+                conn.close()
     finally:
         qm.stop()
+
+
+@contextmanager
+def keep_lease(qm: QueueManager) -> Iterator[None]:
+    """Renew the in-process member's lease every third of it while the block runs, as a member's heartbeat does,
+    so that its peers never fence it however long the command works. Only the heartbeat: the member runs without
+    its background threads (background=False), because the rest of a member's housekeeping (peer recovery, RECAUTO
+    restores, expiry and UOW sweeps, checkpoints by time) is the long-running members' work, not a command's that
+    may end at any moment. A renewal that fails is tried again at the next period (the lease is ours until it
+    lapses); once fenced the thread stops, and the command's next call fails with MQRC_CONNECTION_BROKEN."""
+    stop = threading.Event()
+    period = qm.config.lease_ms / 3000
+
+    def beat() -> None:
+        while not stop.wait(period):
+            try:
+                qm.renew_membership()
+            except FencedError:
+                return
+            except Exception as e:  # noqa: BLE001 - a dead CF, a busy one: the next period tries again
+                log.warning("%s: lease renewal failed (will retry every %.1fs): %s", qm.name, period, e)
+
+    thread = threading.Thread(target=beat, name=f"{qm.name}-lease", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=max(5.0, 2 * period))
 
 
 
@@ -161,8 +195,8 @@ def cmd_browse(args: argparse.Namespace, out: Output) -> int:
 def put_arguments(p: argparse.ArgumentParser, parents: Parents) -> None:
     p.add_argument("queue")
     p.add_argument("messages", nargs="+", metavar="MESSAGE")
-    p.add_argument("--count", type=int, default=1, help="put the messages this many times")
-    p.add_argument("--priority", type=int, default=0)
+    p.add_argument("--count", type=whole(1), default=1, help="put the messages this many times (>= 1)")
+    p.add_argument("--priority", type=whole(0, 9), default=0, help="0-9")
     p.add_argument("--non-persistent", action="store_true")
     p.add_argument("--correlid", default="")
 
@@ -170,11 +204,11 @@ def put_arguments(p: argparse.ArgumentParser, parents: Parents) -> None:
 def get_arguments(p: argparse.ArgumentParser, parents: Parents) -> None:
     p.add_argument("queue")
     how_many = p.add_mutually_exclusive_group()
-    how_many.add_argument("--count", type=int, default=1)
+    how_many.add_argument("--count", type=whole(1), default=1)
     how_many.add_argument("--all", action="store_true", help="until the queue is empty")
-    p.add_argument("--wait-ms", type=int, default=0)
+    p.add_argument("--wait-ms", type=whole(0), default=0)
 
 
 def browse_arguments(p: argparse.ArgumentParser, parents: Parents) -> None:
     p.add_argument("queue")
-    p.add_argument("--limit", type=int, default=100)
+    p.add_argument("--limit", type=whole(1), default=100)
