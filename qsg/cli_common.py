@@ -46,10 +46,16 @@ RETRY_LATER_REASONS = frozenset({2373, 2102, 2362, 2059, 2161, 2025})
 RETRY_LATER_REPLIES = ("BUSY", "LOADING", "TRYAGAIN", "MASTERDOWN", "CLUSTERDOWN")
 
 
+class RetryLaterError(CLIError):
+    """A one-line error for a condition that passes (the CF does not answer): exit EXIT_RETRY_LATER."""
+
+
 def exit_code(e: BaseException) -> int:
     """The exit status of a verb that failed with e: EXIT_RETRY_LATER when trying again later may succeed, else
     EXIT_USAGE. A call whose outcome is unknown (the reply was lost: it may have been applied) is not 'retry later':
     the operator must look first."""
+    if isinstance(e, RetryLaterError):
+        return EXIT_RETRY_LATER
     if isinstance(e, StructureFailedError) and e.maybe_applied:
         return EXIT_USAGE
     if isinstance(e, MQError):
@@ -140,7 +146,7 @@ def admin_client(args: argparse.Namespace) -> Iterator[Admin]:
     try:
         client.ping()
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
-        raise CLIError(f"the CF at {credentials.redact(url)} does not answer: {e}") from None
+        raise RetryLaterError(f"the CF at {credentials.redact(url)} does not answer: {e}") from None
     try:
         yield Admin(client)
     finally:

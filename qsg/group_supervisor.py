@@ -30,6 +30,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -91,8 +92,10 @@ class Supervisor:
     tend the CF (None: as the group was started, its ``cf_restart``); members as it was started (``member_restart``).
     """
 
-    def __init__(self, group: LocalGroup, *, reload: bool, cf: bool | None = None) -> None:
+    def __init__(self, group: LocalGroup, *, reload: bool, cf: bool | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.c = group
+        self.clock = clock
         self.reload = reload
         self.cf = cf
         self.members: dict[str, _Member] = {}
@@ -170,7 +173,7 @@ class Supervisor:
 
     # --- the members -----------------------------------------------------------------------------------------
     def tend_members(self) -> None:
-        now = time.monotonic()
+        now = self.clock()
         for m in self.c.state["managers"]:
             name = m["name"]
             t = self.members.setdefault(name, _Member())
@@ -211,7 +214,7 @@ class Supervisor:
             self.c._spawn_manager(name)
         except Exception as e:  # noqa: BLE001 - try again after the next delay
             log.error("restarting %s failed (will retry in %gs): %s", name, t.delay, e)
-            t.due = time.monotonic() + t.delay
+            t.due = self.clock() + t.delay
             t.delay = min(t.delay * 2, RESTART_MAX_DELAY_S)
             return
         self.c._set_manager(name, restarts=count, last_restart={"at": when, "reason": t.reason})

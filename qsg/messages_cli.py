@@ -64,47 +64,72 @@ def messaging(args: argparse.Namespace) -> Iterator[MessagingHandle]:
             client.close()
         return
 
+    # A command's member relogs nothing (cpl_entries=0, as 'sqm run --cpl-entries 0'): its start and shutdown
+    # checkpoints would otherwise each copy every entry of the structure into its log (a termination pass copies
+    # all), seconds for one message with tens of thousands on the queues. Relogging the structures is the
+    # long-running members' work, like the rest of their housekeeping (LeaseKeeper).
     qm = QueueManager(QueueManagerConfig(name=args.qm_name, log_root=found.log_root, redis_url=require_url(found),
-                                         lease_ms=args.lease_ms, background=False))
-    qm.start()
+                                         lease_ms=args.lease_ms, cpl_entries=0, background=False))
+    lease = LeaseKeeper(qm)  # from the join on: restart recovery and its checkpoint may outlast the lease
     try:
-        with keep_lease(qm):
+        qm.start()
+        try:
             conn = qm.connect()
             try:
                 yield conn
             finally:
                 conn.close()
+        finally:
+            qm.stop()  # its shutdown checkpoint (a relog pass over the structure) runs under the heartbeat too
     finally:
-        qm.stop()
+        lease.stop()
 
 
-@contextmanager
-def keep_lease(qm: QueueManager) -> Iterator[None]:
-    """Renew the in-process member's lease every third of it while the block runs, as a member's heartbeat does,
-    so that its peers never fence it however long the command works. Only the heartbeat: the member runs without
-    its background threads (background=False), because the rest of a member's housekeeping (peer recovery, RECAUTO
-    restores, expiry and UOW sweeps, checkpoints by time) is the long-running members' work, not a command's that
-    may end at any moment. A renewal that fails is tried again at the next period (the lease is ours until it
-    lapses); once fenced the thread stops, and the command's next call fails with MQRC_CONNECTION_BROKEN."""
-    stop = threading.Event()
-    period = qm.config.lease_ms / 3000
+class LeaseKeeper:
+    """Renews an in-process member's lease every third of it from its join to its leave, as a member's heartbeat
+    does, so that its peers never fence it however long the command works (restart recovery and its checkpoint, a
+    long put, its commit, the shutdown checkpoint). Made before ``qm.start()``: it renews once the member has
+    joined (``qm.running``). Only the heartbeat: the member runs without its background threads (background=False), because
+    the rest of a member's housekeeping (peer recovery, RECAUTO restores, expiry and UOW sweeps, checkpoints by
+    time) is the long-running members' work, not that of a command that may end at any moment.
 
-    def beat() -> None:
-        while not stop.wait(period):
+    No renewal follows the member's leave (a renewal of a member that left would join the group again): the
+    member's ``admin.leave`` first stops this thread. A renewal that fails is tried again at the next period (the
+    lease is ours until it lapses); once fenced the thread ends, and the command's next call fails with
+    MQRC_CONNECTION_BROKEN."""
+
+    def __init__(self, qm: QueueManager) -> None:
+        self.qm = qm
+        self.period = qm.config.lease_ms / 3000
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name=f"{qm.name}-lease", daemon=True)
+        admin = qm.admin
+        leave = admin.leave
+
+        def leave_after_the_last_renewal(member: str) -> None:
+            self.stop()
+            leave(member)
+
+        admin.leave = leave_after_the_last_renewal  # type: ignore[method-assign]
+        self._thread.start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.period):
+            if not self.qm.running or self.qm.fenced:  # not joined yet (no epoch of ours to renew), or fenced
+                if self.qm.fenced:
+                    return
+                continue
             try:
-                qm.renew_membership()
+                self.qm.renew_membership()
             except FencedError:
                 return
-            except Exception as e:  # noqa: BLE001 - a dead CF, a busy one: the next period tries again
-                log.warning("%s: lease renewal failed (will retry every %.1fs): %s", qm.name, period, e)
+            except Exception as e:  # noqa: BLE001 - a dead or busy CF: the next period tries again
+                log.warning("%s: lease renewal failed (will retry every %.1fs): %s", self.qm.name, self.period, e)
 
-    thread = threading.Thread(target=beat, name=f"{qm.name}-lease", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join(timeout=max(5.0, 2 * period))
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=max(5.0, 2 * self.period))
 
 
 
