@@ -4,8 +4,10 @@ Every interval (0.2 s) it tends:
 
 * **the CF.** A dead redis-server is restarted empty on the same port (members re-join it; RECAUTO structures are
   restored by a member). A live one that does not answer ``PING`` within ``CF_PING_TIMEOUT_S`` in
-  ``CF_HUNG_AFTER`` probes in a row (a stopped process, a wedged host) is SIGKILLed and restarted the same way. A
-  ``BUSY`` answer (a long script) is an answer: that CF is working, not hung. A duplexed CF's pair is tended by
+  ``CF_HUNG_AFTER`` probes in a row, over at least ``CF_HUNG_MIN_S`` (a stopped process, a wedged host), is
+  SIGKILLed and restarted the same way. A ``BUSY`` answer is an answer: that CF runs a long script, it is not hung.
+  Redis answers nothing while a script runs until the script has run its busy-reply-threshold (5 s by default),
+  then ``BUSY``: a CF silent for longer than ``CF_HUNG_MIN_S`` is not running a script. A duplexed CF's pair is tended by
   its controller (qsg.cfpair: degrade, promote, resync), a Redis Cluster CF's dead nodes are restarted.
 * **the members** (when the group was started with member restarts, as ``cfemu cluster up`` does). A member
   whose process is gone (killed, crashed, or exited: 3 when peer recovery fenced it, 4 when its log could not be
@@ -36,6 +38,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from cfemu.procs import wait_gone
 from cfemu.settings import CLUSTER_CF
@@ -50,7 +54,8 @@ RESTART_FIRST_DELAY_S = 1.0
 RESTART_MAX_DELAY_S = 30.0
 RESTART_RESET_AFTER_S = 60.0  # a member that served this long in a row is restarted after the first delay again
 CF_PING_TIMEOUT_S = 1.0
-CF_HUNG_AFTER = 3  # probes in a row without an answer
+CF_HUNG_AFTER = 3  # probes in a row
+CF_HUNG_MIN_S = 6.0  # silent at least this long: longer than Redis's default busy-reply-threshold (5 s)
 
 # The exit codes of ``sqm run`` (sqm.service.server's EXIT_*; `sqm run --help`), as a restart's reason says them.
 MEMBER_EXITS = {0: "stopped (exit 0) outside 'cfemu cluster'", 1: "failed (exit 1)",
@@ -102,6 +107,7 @@ class Supervisor:
         self._ping: redis.Redis | None = None
         self._ping_pid: int | None = None
         self.cf_misses = 0
+        self.cf_silent_since: float | None = None  # monotonic: the first probe of the misses in a row
 
     # --- one interval ------------------------------------------------------------------------------------------
     @property
@@ -110,7 +116,10 @@ class Supervisor:
 
     def tick(self) -> None:
         hung = self._cf_hung() if self.tends_cf else None  # outside the state lock: a hung CF's probe takes long
-        with self.c.state_lock():
+        # The state lock when others write cluster.json (a detached group) or when members are tended (the calls
+        # that hold one take it); a thread tending only the CF keeps out of their way.
+        shared = self.reload or bool(self.c.state.get("member_restart"))
+        with self.c.state_lock() if shared else contextlib.nullcontext():
             if self.reload:
                 self.c.refresh()
             if self.tends_cf:
@@ -132,21 +141,27 @@ class Supervisor:
             if self._ping is None or self._ping_pid != pid:
                 self._close_ping()
                 self._ping = redis.Redis.from_url(self.c.cf_url("operator"), socket_timeout=CF_PING_TIMEOUT_S,
-                                                  socket_connect_timeout=CF_PING_TIMEOUT_S)
+                                                  socket_connect_timeout=CF_PING_TIMEOUT_S,
+                                                  retry=Retry(NoBackoff(), 0))  # one probe, one timeout
                 self._ping_pid = pid
+            sent = self.clock()
             self._ping.ping()
         except redis.exceptions.ResponseError as e:  # BUSY running a script, LOADING: it answers, it is not hung
             log.debug("the CF answered PING with %s", e)
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
             self.cf_misses += 1
+            if self.cf_silent_since is None:
+                self.cf_silent_since = sent
+            silent = self.clock() - self.cf_silent_since
             self._close_ping()  # a fresh connection for the next probe: this one may hold a late reply
-            log.warning("the CF (pid %s) did not answer PING within %gs (%d of %d): %s", pid, CF_PING_TIMEOUT_S,
-                        self.cf_misses, CF_HUNG_AFTER, e)
-            if self.cf_misses >= CF_HUNG_AFTER:
-                return (f"hung: no answer to PING in {self.cf_misses} probes of {CF_PING_TIMEOUT_S:g}s in a row; "
-                        "SIGKILLed")
+            log.warning("the CF (pid %s) did not answer PING within %gs (%d in a row, silent %.1fs): %s", pid,
+                        CF_PING_TIMEOUT_S, self.cf_misses, silent, e)
+            if self.cf_misses >= CF_HUNG_AFTER and silent >= CF_HUNG_MIN_S:
+                return (f"hung: no answer to PING in {self.cf_misses} probes of {CF_PING_TIMEOUT_S:g}s in a row "
+                        f"({silent:.0f}s); SIGKILLed")
             return None
         self.cf_misses = 0
+        self.cf_silent_since = None
         return None
 
     def _close_ping(self) -> None:
@@ -165,6 +180,7 @@ class Supervisor:
                     os.kill(int(pid), signal.SIGKILL)
                 wait_gone(int(pid), 10.0)  # a child of ours is gone once it is a zombie: restart_dead_cf reaps it
             self.cf_misses = 0
+            self.cf_silent_since = None
             self._close_ping()
         try:
             self.c.restart_dead_cf(reason=hung or "died")
