@@ -145,9 +145,11 @@ class Output:
 
 # --- errors -----------------------------------------------------------------------------------------------------
 def run_command(prog: str, args: argparse.Namespace, func: Callable[[argparse.Namespace, Output], int],
-                expected: tuple[type[BaseException], ...] = ()) -> int:
+                expected: tuple[type[BaseException], ...] = (),
+                exit_code: Callable[[BaseException], int] | None = None) -> int:
     """Run a verb with an Output (JSON when args.json): an expected error (COMMON_ERRORS or ``expected``) is one
-    line on stderr and exit status 2; --verbose adds the traceback above it."""
+    line on stderr and exit status 2 (or what ``exit_code`` makes of the error); --verbose adds the traceback above
+    it."""
     # Whatever a command creates (reports, archives, chaos histories, a cluster's files) holds message bodies or
     # secrets: its owner's only, whatever the caller's umask. The data files set their modes themselves as well.
     os.umask(0o077)
@@ -157,7 +159,7 @@ def run_command(prog: str, args: argparse.Namespace, func: Callable[[argparse.Na
         if getattr(args, "verbose", False):
             traceback.print_exc()
         print(f"{prog}: error: {' '.join(str(e).split()) or type(e).__name__}", file=sys.stderr)
-        return 2
+        return exit_code(e) if exit_code is not None else 2
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130

@@ -17,7 +17,7 @@ from cfemu.clitools import CLIError, Output
 from cfemu.embedded import EmbeddedRedis, ServerError
 from cfemu.private_files import write_private
 from cfemu.settings import find_cf_dir
-from qsg.cli_common import Parents
+from qsg.cli_common import Parents, whole
 
 
 def cmd_cf(args: argparse.Namespace, out: Output) -> int:
@@ -77,7 +77,7 @@ def cf_arguments(p: argparse.ArgumentParser, parents: Parents) -> None:
     p.add_argument("action", choices=["start", "stop", "status"])
     p.add_argument("--cf-dir", "--dir", dest="cf_dir",
                    help="data directory (default $CFEMU_CF_DIR, else the nearest var/cf, else var/cf)")
-    p.add_argument("--port", type=int, default=None, help="TCP port (default: a free one)")
+    p.add_argument("--port", type=whole(1, 65535), default=None, help="TCP port (default: a free one)")
     p.add_argument("--appendonly", action="store_true", help="keep an AOF (the CF survives a restart)")
 
 
@@ -85,4 +85,4 @@ def secrets_arguments(p: argparse.ArgumentParser, parents: Parents) -> None:
     p.add_argument("action", choices=["init"])
     p.add_argument("--dir", required=True, help="the secrets directory (made 0700; files 0600)")
     p.add_argument("--acl-file", help="also write the CF's ACL file for these secrets here (0600)")
-    p.add_argument("--acl-owner", type=int, default=None, help="uid to own the ACL file (the redis-server's)")
+    p.add_argument("--acl-owner", type=whole(0), default=None, help="uid to own the ACL file (the redis-server's)")

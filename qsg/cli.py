@@ -14,7 +14,7 @@
   cfemu pstore status|connect|disconnect|no-new-uows|mode|start   each structure's persistent store (docs/pstore.md)
   cfemu backup ... | restore ...                cfbackup / cfrestore
   cfemu migrate unload|load|compare|status|reopen   a structure to another CF through files (docs/migration.md)
-  cfemu cluster up|status|down                  a local group: CF (restarted when it dies), SQM servers, backups
+  cfemu cluster up|status|down|restart|stop     a local group: CF and SQM servers (restarted when they die), backups
   cfemu demo                                    the end-to-end demonstration
   cfemu chaos run|soak|check|kinds              the chaos test suite (docs/chaos.md)
 
@@ -27,7 +27,8 @@ The CF, the log root and the servers' token are found as by every command (cfemu
 environment ($REDIS_URL, $CFEMU_LOG_ROOT, $SQM_TOKEN), else the nearest cluster (--cluster-dir, $CFEMU_CLUSTER_DIR
 or var/cluster here or above), else the CF of 'cfemu cf start' (--cf-dir, $CFEMU_CF_DIR or var/cf), else the
 default. Tables are rich on a terminal and plain otherwise; --json prints one JSON document. Errors are one line
-on stderr (exit 2); --verbose adds the traceback (cfemu.clitools.run_command).
+on stderr; --verbose adds the traceback (cfemu.clitools.run_command). Exit codes (qsg.cli_common): 2 a usage error or
+a refusal, 75 retry later (the CF or a member unavailable or busy, a backup running), 1 a negative answer.
 """
 
 from __future__ import annotations
@@ -38,8 +39,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from cfemu.clitools import run_command
-from qsg.cli_common import EXPECTED_ERRORS, parents
+from qsg.cli_common import Parser, parents, run_verb
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ def load(target: str) -> Any:
 
 def build_parser() -> argparse.ArgumentParser:
     shared = parents()
-    parser = argparse.ArgumentParser(prog="cfemu", description="Operate a coupling-facility queue-sharing group.")
+    parser = Parser(prog="cfemu", description="Operate a coupling-facility queue-sharing group.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="VERB")
     for name, verb in VERBS.items():
         if isinstance(verb, Delegate):  # listed with its help; its arguments are its own command line's
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     command = VERBS[args.command]
     assert isinstance(command, Command)
-    return run_command("cfemu", args, load(command.run), EXPECTED_ERRORS)
+    return run_verb("cfemu", args, load(command.run))
 
 
 __all__ = ["VERBS", "Command", "Delegate", "Verb", "build_parser", "load", "main"]

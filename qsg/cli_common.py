@@ -1,26 +1,117 @@
 """What the `cfemu` verbs share (qsg.cli and its verb modules, qsg/*_cli.py): the errors they expect beyond
-cfemu.clitools.COMMON_ERRORS, the argument groups their parsers take as parents, and the admin client of the CF
-the settings find. Nothing here imports a verb module, so every verb module can import it."""
+cfemu.clitools.COMMON_ERRORS, their exit codes, their parsers' class and the argument types of their numbers, the
+argument groups their parsers take as parents, and the admin client of the CF the settings find. Nothing here
+imports a verb module, so every verb module can import it.
+
+Exit codes of every `cfemu` verb (docs/runbook.md, "Exit codes"):
+
+  0   done
+  1   done, and the answer is no (a status with a process down, a get that found no message, ...)
+  2   usage or a refusal: a bad argument (one line: ``cfemu put: error: argument --count: ...``), or an error that
+      the same command will meet again (no such queue, not authorized, a bad backup, ...): fix the command
+  75  retry later (EX_TEMPFAIL): the CF or the members do not answer or are busy, a structure is failed or being
+      recovered, a backup is running, a limit is reached for now; the same command may succeed later
+  130 interrupted (Ctrl-C)
+"""
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 import redis
 
 from cfemu import credentials
 from cfemu.admin import Admin
-from cfemu.clitools import CLIError, add_settings_arguments, require_url, settings
+from cfemu.clitools import CLIError, Output, add_settings_arguments, require_url, run_command, settings
 from cfemu.connection import connect
 from cfemu.embedded import ServerError
+from cfemu.errors import MQError, StructureFailedError
 
 OPERATOR_QM = "OPS"  # the short-lived in-process queue manager of one-shot put/get
 
 # Beyond clitools.COMMON_ERRORS: the embedded CF's and the local group's errors (LocalGroupError is a RuntimeError).
 EXPECTED_ERRORS = (ServerError, RuntimeError)
+
+EXIT_USAGE = 2  # argparse's own: a bad command line, or a refusal the same command meets again
+EXIT_RETRY_LATER = 75  # EX_TEMPFAIL (sysexits.h): the same command may succeed later
+
+# The MQ reasons of a condition that passes: the CF structure failed or recovering (2373), a local limit or a
+# structure taking no new work for now (2102: MQRC_RESOURCE_PROBLEM), a backup running (2362), no queue manager
+# available (2059), one shutting down (2161), its connection limit reached (2025).
+RETRY_LATER_REASONS = frozenset({2373, 2102, 2362, 2059, 2161, 2025})
+# The CF's replies of a server that works but cannot serve now (a script running, loading, a cluster failing over).
+RETRY_LATER_REPLIES = ("BUSY", "LOADING", "TRYAGAIN", "MASTERDOWN", "CLUSTERDOWN")
+
+
+class RetryLaterError(CLIError):
+    """A one-line error for a condition that passes (the CF does not answer): exit EXIT_RETRY_LATER."""
+
+
+def exit_code(e: BaseException) -> int:
+    """The exit status of a verb that failed with e: EXIT_RETRY_LATER when trying again later may succeed, else
+    EXIT_USAGE. A call whose outcome is unknown (the reply was lost: it may have been applied) is not 'retry later':
+    the operator must look first."""
+    if isinstance(e, RetryLaterError):
+        return EXIT_RETRY_LATER
+    if isinstance(e, StructureFailedError) and e.maybe_applied:
+        return EXIT_USAGE
+    if isinstance(e, MQError):
+        return EXIT_RETRY_LATER if e.reason in RETRY_LATER_REASONS else EXIT_USAGE
+    if isinstance(e, redis.exceptions.ResponseError):
+        return EXIT_RETRY_LATER if str(e).startswith(RETRY_LATER_REPLIES) else EXIT_USAGE
+    if isinstance(e, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, ConnectionError,
+                      TimeoutError)):
+        return EXIT_RETRY_LATER
+    return EXIT_USAGE
+
+
+def run_verb(prog: str, args: argparse.Namespace, func: Callable[[argparse.Namespace, Output], int],
+             expected: tuple[type[BaseException], ...] = EXPECTED_ERRORS) -> int:
+    """cfemu.clitools.run_command with the exit codes above."""
+    return run_command(prog, args, func, expected, exit_code)
+
+
+class Parser(argparse.ArgumentParser):
+    """An argparse parser whose usage errors are one line on stderr, exit status 2:
+    ``cfemu put: error: argument --count: must be a whole number >= 1, not -5 (see 'cfemu put --help')``.
+    Sub-parsers are of the same class."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {' '.join(message.split())} (see '{self.prog} --help')\n")
+
+
+def whole(low: int | None = None, high: int | None = None) -> Callable[[str], int]:
+    """An argument type: a whole number in [low, high] (either bound may be open)."""
+    return _number(int, "a whole number", low, high)
+
+
+def seconds(low: float | None = 0.0, high: float | None = None, *, above: bool = False) -> Callable[[str], float]:
+    """An argument type: a number of seconds >= low (> low with above), <= high."""
+    return _number(float, "a number", low, high, above=above)
+
+
+def _number(kind: Callable[[str], Any], what: str, low: Any, high: Any, *, above: bool = False) -> Any:
+    if low is not None and high is not None:
+        wanted = f"{what} from {low:g} to {high:g}"
+    elif low is not None:
+        wanted = f"{what} {'>' if above else '>='} {low:g}"
+    else:
+        wanted = f"{what} <= {high:g}" if high is not None else what
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {wanted}, not {text!r}") from None
+        if value != value or value in (float("inf"), float("-inf")) or \
+                (low is not None and (value <= low if above else value < low)) or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be {wanted}, not {text}")
+        return value
+
+    return parse
 
 
 class Parents(NamedTuple):
@@ -32,16 +123,18 @@ class Parents(NamedTuple):
 
 
 def parents() -> Parents:
-    common = argparse.ArgumentParser(add_help=False)
+    common = Parser(add_help=False)
     common.add_argument("--json", action="store_true", help="print one JSON document")
     common.add_argument("-v", "--verbose", action="store_true", help="show the traceback of an error")
-    where = argparse.ArgumentParser(add_help=False)
+    where = Parser(add_help=False)
     add_settings_arguments(where, "redis_url", "log_root", "cluster_dir", "cf_dir")
-    server = argparse.ArgumentParser(add_help=False)
+    server = Parser(add_help=False)
     server.add_argument("--server", action="append", default=[], metavar="HOST:PORT",
                         help="go through an SQM server (repeat for failover); default: an in-process SQM")
     add_settings_arguments(server, "token")
     server.add_argument("--qm-name", default=OPERATOR_QM, help=f"in-process SQM name (default {OPERATOR_QM})")
+    server.add_argument("--lease-ms", type=whole(500), default=5000,
+                        help="in-process SQM: its lease in ms (default 5000; >= 500, as 'sqm run')")
     return Parents(common, where, server)
 
 
@@ -53,7 +146,7 @@ def admin_client(args: argparse.Namespace) -> Iterator[Admin]:
     try:
         client.ping()
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
-        raise CLIError(f"the CF at {credentials.redact(url)} does not answer: {e}") from None
+        raise RetryLaterError(f"the CF at {credentials.redact(url)} does not answer: {e}") from None
     try:
         yield Admin(client)
     finally:

@@ -1,5 +1,12 @@
-"""`cfemu cluster up|status|down`: a local group of processes (qsg.local_group): the CF (restarted when it dies),
-the SQM servers, the backup scheduler, optionally a duplexed CF, a Redis Cluster CF or Spark."""
+"""`cfemu cluster up|status|down|restart|stop`: a local group of processes (qsg.local_group): the CF and the SQM
+servers (restarted by the group's supervisor when they die, hang or are fenced: qsg.group_supervisor), the backup
+scheduler, optionally a duplexed CF, a Redis Cluster CF or Spark.
+
+  cfemu cluster restart QM2   an operator's restart: SIGTERM (a shutdown checkpoint), SIGKILL after --timeout,
+                              started again on its ports; returns once it serves, with how long it took
+  cfemu cluster stop QM2      stopped the same way and held: the supervisor does not restart it until
+                              'cfemu cluster restart QM2'
+"""
 
 from __future__ import annotations
 
@@ -7,10 +14,11 @@ import argparse
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
-from cfemu.clitools import Output
+from cfemu.clitools import CLIError, Output
 from cfemu.settings import find_cluster_dir
-from qsg.cli_common import Parents
+from qsg.cli_common import Parents, seconds, whole
 
 
 def cmd_cluster(args: argparse.Namespace, out: Output) -> int:
@@ -27,7 +35,8 @@ def cmd_cluster(args: argparse.Namespace, out: Output) -> int:
                                     structure=args.structure or None, queues=args.queue or ("Q1", "Q2"),
                                     restart_cf=args.cf_restart, recauto=args.recauto, spark_workers=args.spark,
                                     spark_cores=args.spark_cores, spark_memory=args.spark_memory,
-                                    duplex=args.duplex, redis_cluster=args.redis_cluster)
+                                    duplex=args.duplex, redis_cluster=args.redis_cluster,
+                                    restart_members=args.member_restart)
         doc = cluster.status()
         doc["seconds"] = round(time.monotonic() - t0, 2)
     elif args.action == "down":
@@ -41,14 +50,18 @@ def cmd_cluster(args: argparse.Namespace, out: Output) -> int:
             out.line(f"cluster in {d} is down" + (" and purged" if args.purge else "")
                      + (f"; SIGKILLed after {args.timeout:g}s: {', '.join(killed)}" if killed else ""))
         return 0 if not left else 1
+    elif args.action in ("restart", "stop"):
+        return _member_action(LocalGroup.load(d), args, out)
     else:
         doc = LocalGroup.load(d).status()
     if args.json:
         out.json(doc)
     else:
-        out.table(f"cluster {doc['dir']}", ["process", "pid", "alive", "ready", "address", "metrics"],
+        out.table(f"cluster {doc['dir']}", ["process", "pid", "alive", "ready", "address", "metrics", "restarts",
+                                            "last restart"],
                   [(p["process"], p["pid"], "yes" if p["alive"] else "NO", "yes" if p["ready"] else "no",
-                    p["address"], p.get("metrics")) for p in doc["processes"]])
+                    p["address"], p.get("metrics"), p.get("restarts", ""), _last_restart(p))
+                   for p in doc["processes"]])
         out.line(f"CF {doc['redis_url']}   logs {doc['log_root']}   backups {doc['backup_dir']}"
                  + (f"   Spark {doc['spark_master']}" if doc.get("spark_master") else ""))
         if doc.get("duplex"):
@@ -59,6 +72,34 @@ def cmd_cluster(args: argparse.Namespace, out: Output) -> int:
     return 0 if all(p["alive"] for p in doc["processes"]) else 1
 
 
+def _member_action(cluster: Any, args: argparse.Namespace, out: Output) -> int:
+    if not args.member:
+        raise CLIError(f"cfemu cluster {args.action}: name the member (one of {', '.join(cluster.names)})")
+    if args.action == "stop":
+        doc = cluster.stop_member(args.member, timeout=args.timeout)
+        text = (f"{doc['member']} stopped ({doc['stopped_by']}, {doc['stop_seconds']:g}s); the supervisor leaves it "
+                f"stopped until 'cfemu cluster restart {doc['member']}'")
+    else:
+        doc = cluster.restart_member(args.member, timeout=args.timeout, start_timeout=args.start_timeout)
+        text = (f"{doc['member']} restarted in {doc['seconds']:g}s: stopped ({doc['stopped_by']}) in "
+                f"{doc['stop_seconds']:g}s, serving {doc['start_seconds']:g}s after its start; pid {doc['old_pid']} "
+                f"-> {doc['pid']}")
+    if args.json:
+        out.json(doc)
+    else:
+        out.line(text)
+    return 0
+
+
+def _last_restart(row: dict[str, Any]) -> str:
+    """When and why the supervisor last restarted a process, and why an operator holds a member."""
+    last = row.get("last_restart")
+    text = (time.strftime("%H:%M:%S", time.localtime(last["at"])) + f" {last['reason']}") if last else ""
+    if row.get("held"):
+        text = f"{row['held']}" + (f"; {text}" if text else "")
+    return text
+
+
 @contextmanager
 def _nothing() -> Iterator[None]:
     yield
@@ -66,29 +107,35 @@ def _nothing() -> Iterator[None]:
 
 
 def cluster_arguments(p: argparse.ArgumentParser, parents: Parents) -> None:
-    p.add_argument("action", choices=["up", "status", "down"])
+    p.add_argument("action", choices=["up", "status", "down", "restart", "stop"])
+    p.add_argument("member", nargs="?", help="restart, stop: the member (QM1, ...)")
     p.add_argument("--cluster-dir", "--dir", dest="cluster_dir",
                    help="its directory (default $CFEMU_CLUSTER_DIR, else the nearest var/cluster, else var/cluster)")
-    p.add_argument("--managers", type=int, default=3)
-    p.add_argument("--backup-interval", type=float, default=10.0, help="seconds between backups (0: none)")
-    p.add_argument("--lease-ms", type=int, default=5000)
+    p.add_argument("--managers", type=whole(1, 32), default=3)
+    p.add_argument("--backup-interval", type=seconds(), default=10.0, help="seconds between backups (0: none)")
+    p.add_argument("--lease-ms", type=whole(500), default=5000)
     p.add_argument("--token", help="the application token clients must prove they hold (default: the group's "
                                    "service.token, made at the first 'up')")
     p.add_argument("--structure", default="APP1", help="structure to define if missing ('' for none)")
     p.add_argument("--queue", action="append", help="queue to define on it (default Q1, Q2)")
     p.add_argument("--no-cf-restart", dest="cf_restart", action="store_false",
                    help="up: no supervisor restarting a dead CF (default: restarted, empty, on the same port)")
+    p.add_argument("--no-member-restart", dest="member_restart", action="store_false",
+                   help="up: the supervisor does not restart a member that died or was fenced (default: restarted, "
+                        "after 1 s doubling to 30 s)")
     p.add_argument("--no-recauto", dest="recauto", action="store_false",
                    help="up: define the structure with RECAUTO off (a lost structure waits for 'cfrestore run')")
-    p.add_argument("--spark", type=int, default=0, metavar="N",
+    p.add_argument("--spark", type=whole(0), default=0, metavar="N",
                    help="up: also a standalone Spark master and N workers on 127.0.0.1, from the installed pyspark "
                         "(cfrestore run --engine spark then uses it; docs/spark.md)")
-    p.add_argument("--spark-cores", type=int, default=1, help="up: cores each Spark worker offers")
+    p.add_argument("--spark-cores", type=whole(1), default=1, help="up: cores each Spark worker offers")
     p.add_argument("--spark-memory", default="2g", help="up: memory each Spark worker offers (Spark's units)")
     p.add_argument("--duplex", action="store_true",
                    help="up: a duplexed CF, a second redis-server holding a synchronous copy (promoted when the "
                         "primary is lost; docs/runbook.md)")
-    p.add_argument("--redis-cluster", type=int, default=0, metavar="N",
+    p.add_argument("--redis-cluster", type=whole(0, 16), default=0, metavar="N",
                    help="up: the CF as a Redis Cluster of N masters (3-16): the structures spread over them")
-    p.add_argument("--timeout", type=float, default=10.0, help="down: seconds before SIGKILL")
+    p.add_argument("--timeout", type=seconds(), default=10.0, help="down, restart, stop: seconds before SIGKILL")
+    p.add_argument("--start-timeout", type=seconds(above=True), default=60.0,
+                   help="restart: seconds the member may take to serve again")
     p.add_argument("--purge", action="store_true", help="down: also delete the directory (logs, backups)")

@@ -16,7 +16,7 @@ from cfemu import repository
 from cfemu.clitools import CLIError, Output, settings
 from cfemu.limits import DEFAULT_MSG_LENGTH, MAX_MSG_LENGTH
 from cfemu.uow_attributes import CONTROL_SUFFIX, DATA_SUFFIX
-from qsg.cli_common import Parents, admin_client
+from qsg.cli_common import Parents, admin_client, whole
 
 
 def cmd_define(args: argparse.Namespace, out: Output) -> int:
@@ -82,8 +82,8 @@ def define_arguments(p: argparse.ArgumentParser, parents: Parents) -> None:
     dsub = p.add_subparsers(dest="kind", required=True)
     ds = dsub.add_parser("structure", parents=[parents.common, parents.where], help="define a CF application structure")
     ds.add_argument("name")
-    ds.add_argument("--max-entries", type=int, default=0, help="capacity in entries (0 = unlimited)")
-    ds.add_argument("--max-bytes", type=int, default=0, help="capacity in bytes of data (0 = unlimited)")
+    ds.add_argument("--max-entries", type=whole(0), default=0, help="capacity in entries (0 = unlimited)")
+    ds.add_argument("--max-bytes", type=whole(0), default=0, help="capacity in bytes of data (0 = unlimited)")
     ds.add_argument("--replace", action="store_true", help="change an existing definition")
     ds.add_argument("--recauto", action=argparse.BooleanOptionalAction, default=True,
                     help="RECAUTO: a member restores the structure by itself when it fails or the CF is lost "
@@ -91,9 +91,9 @@ def define_arguments(p: argparse.ArgumentParser, parents: Parents) -> None:
     dq = dsub.add_parser("queue", parents=[parents.common, parents.where], help="define a shared queue")
     dq.add_argument("name")
     dq.add_argument("--structure", required=True)
-    dq.add_argument("--backout-threshold", type=int, default=0)
+    dq.add_argument("--backout-threshold", type=whole(0), default=0)
     dq.add_argument("--backout-queue", default="")
-    dq.add_argument("--max-msg-length", type=int, default=DEFAULT_MSG_LENGTH,
+    dq.add_argument("--max-msg-length", type=whole(1, MAX_MSG_LENGTH), default=DEFAULT_MSG_LENGTH,
                     help=f"longest message body, bytes (1-{MAX_MSG_LENGTH}; default {DEFAULT_MSG_LENGTH})")
     dq.add_argument("--replace", action="store_true", help="change an existing definition")
     dq.add_argument("--uow", action="store_true",
@@ -101,16 +101,16 @@ def define_arguments(p: argparse.ArgumentParser, parents: Parents) -> None:
                          "messages and statuses live on NAME.UOWDATA and NAME.UOWCTL, defined with it")
     dq.add_argument("--uow-store", action=argparse.BooleanOptionalAction, default=None,
                     help="STORE: a UOW's messages persistent unless the sender says otherwise (default on)")
-    dq.add_argument("--max-uows", type=int, default=None, help="MAX-UOWS: active UOWs at once (0: none; "
+    dq.add_argument("--max-uows", type=whole(0), default=None, help="MAX-UOWS: active UOWs at once (0: none; "
                                                                  "default 1000)")
-    dq.add_argument("--max-messages", type=int, default=None, help="MAX-MESSAGES-IN-UOW (default 16)")
-    dq.add_argument("--uow-lifetime", type=int, default=None, metavar="SECONDS",
+    dq.add_argument("--max-messages", type=whole(1), default=None, help="MAX-MESSAGES-IN-UOW (default 16)")
+    dq.add_argument("--uow-lifetime", type=whole(1), default=None, metavar="SECONDS",
                     help="UOW-DATA-LIFETIME, counted in the group's up-time (default 86400)")
-    dq.add_argument("--status-lifetime", type=int, default=None, metavar="N",
+    dq.add_argument("--status-lifetime", type=whole(0, 254), default=None, metavar="N",
                     help="UWSTATP: keep a UOW's status N lifetimes after it ends, 1-254 (default 0: not kept)")
-    dq.add_argument("--postpone-attempts", type=int, default=None, metavar="N",
+    dq.add_argument("--postpone-attempts", type=whole(0), default=None, metavar="N",
                     help="POSTPONE-ATTEMPTS: a receiver's CANCEL postpones the UOW this many times (default 0)")
-    dq.add_argument("--postpone-delay", type=int, default=None, metavar="SECONDS",
+    dq.add_argument("--postpone-delay", type=whole(0), default=None, metavar="SECONDS",
                     help="POSTPONE-DELAY before a postponed UOW is ACCEPTED again (default 0)")
 
 
@@ -119,7 +119,7 @@ def alter_arguments(p: argparse.ArgumentParser, parents: Parents) -> None:
     asub = p.add_subparsers(dest="kind", required=True)
     al = asub.add_parser("structure", parents=[parents.common, parents.where], help="alter a CF application structure")
     al.add_argument("name")
-    al.add_argument("--max-entries", type=int, default=None, help="capacity in entries (0 = unlimited)")
-    al.add_argument("--max-bytes", type=int, default=None, help="capacity in bytes of data (0 = unlimited)")
+    al.add_argument("--max-entries", type=whole(0), default=None, help="capacity in entries (0 = unlimited)")
+    al.add_argument("--max-bytes", type=whole(0), default=None, help="capacity in bytes of data (0 = unlimited)")
     al.add_argument("--recauto", action=argparse.BooleanOptionalAction, default=None,
                     help="RECAUTO on or off (default: unchanged)")

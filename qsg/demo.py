@@ -25,13 +25,14 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from cfemu.clitools import Output, run_command
+from cfemu.clitools import Output
 from qsg.chaos.checker import FINDING_KINDS, MUST_BE_ZERO
 from qsg.chaos.faults import COST_S, FaultSpec
 from qsg.chaos.history import load_history
 from qsg.chaos.options import ChaosOptions
 from qsg.chaos.report import commit_times
 from qsg.chaos.runner import run_chaos
+from qsg.cli_common import Parser, run_verb, seconds, whole
 
 WARMUP_S = 1.0
 
@@ -97,14 +98,14 @@ def failed(r: dict[str, Any]) -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="cfemu demo", description=__doc__.split("\n\n")[0] if __doc__ else None)
-    p.add_argument("--managers", type=int, default=3)
-    p.add_argument("--clients", type=int, default=6)
+    p = Parser(prog="cfemu demo", description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--managers", type=whole(1, 32), default=3)
+    p.add_argument("--clients", type=whole(1), default=6)
     p.add_argument("--seed", type=int, default=1, help="the workload's seed (default 1)")
-    p.add_argument("--seconds", type=float, default=8.0, help="length of the first work phase")
+    p.add_argument("--seconds", type=seconds(above=True), default=8.0, help="length of the first work phase")
     p.add_argument("--quick", action="store_true", help="a short run (for tests)")
     p.add_argument("--dir", type=Path, help="where the cluster and the report live (default: a temporary directory)")
-    p.add_argument("--redis-cluster", type=int, default=0, metavar="N",
+    p.add_argument("--redis-cluster", type=whole(0, 16), default=0, metavar="N",
                    help="the CF as a Redis Cluster of N masters (3-16), the structures spread over them")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("-v", "--verbose", action="store_true", help="the traceback of an error")
@@ -113,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     # The demo drives real processes: any failure of it is one line (the traceback with --verbose).
-    return run_command("cfemu demo", build_parser().parse_args(argv), cmd_demo, (Exception,))
+    return run_verb("cfemu demo", build_parser().parse_args(argv), cmd_demo, (Exception,))
 
 
 def cmd_demo(args: argparse.Namespace, out: Output) -> int:

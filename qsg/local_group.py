@@ -7,15 +7,22 @@ The same topology as docker-compose.yml, for machines without Docker::
     cluster.kill_manager("QM2")  # kill -9; its peers recover its work once its lease lapses
     cluster.restart_manager("QM2")
     cluster.kill_cf(); cluster.restart_cf()   # lose the CF; it comes back empty on the same port
-    cluster.supervise_cf()       # from now on a dead CF is restarted (empty, same port) within a second
+    cluster.supervise_cf()       # from now on a dead or hung CF is restarted (empty, same port) within seconds
+    cluster.restart_member("QM1")  # an operator's restart: SIGTERM, bounded wait, SIGKILL, start, wait until it serves
     cluster.down()
 
-Who brings a lost CF back: with ``restart_cf=True`` (``cfemu cluster up`` does it) a supervisor restarts the CF's
-redis-server, empty, on the same port, whenever it dies; the members re-join it and, for structures defined with
-RECAUTO, restore them by themselves (sqm.core.recauto; docs/runbook.md "When the CF is lost"). In a cluster run by
-this process the supervisor is a thread of the LocalGroup object (``supervise_cf()``, stopped by ``down()`` or
-``supervise_cf(False)``); a detached cluster (``cfemu cluster up``) gets a process of its own,
-``python -m qsg.local_group supervise --dir DIR``, listed by status as ``cf-supervisor``.
+Who brings a lost process back: the group's supervisor (qsg.group_supervisor). With ``restart_cf=True`` (``cfemu
+cluster up`` does it) it restarts the CF's redis-server, empty, on the same port, whenever it dies or hangs; the
+members re-join it and, for structures defined with RECAUTO, restore them by themselves (sqm.core.recauto; docs/runbook.md
+"When the CF is lost"). With ``restart_members=True`` (``cfemu cluster up`` does it) it restarts a member that died
+or was fenced, with backoff. In a cluster run by this process the supervisor is a thread of the LocalGroup object
+(``supervise_cf()``, stopped by ``down()`` or ``supervise_cf(False)``); a detached cluster (``cfemu cluster up``)
+gets a process of its own, ``python -m qsg.local_group supervise --dir DIR``, listed by status as
+``cf-supervisor``. A member that ``kill_manager`` stopped is held: its caller restarts it (``restart_manager``), the
+supervisor does not; a group run by this process (the chaos suite's) restarts no member unless asked to.
+
+cluster.json is written by several processes of a detached group (the supervisor, ``cfemu cluster restart``,
+``down``): each read-modify-write holds ``state_lock()`` (an flock on DIR/cluster.lock) and reads the file afresh.
 
 The directory holds ``cluster.json`` (pids, ports, URLs, paths; the names every command reads it by are in
 cfemu.settings), ``cf/`` (the redis-server's directory),
@@ -31,6 +38,7 @@ never takes the scheduler down and the scheduler never imports more than it need
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -69,6 +77,7 @@ from cfemu.settings import (
 )
 from qsg import rcluster_cf
 from qsg.cfpair import CFPair
+from qsg.group_supervisor import EXIT_FILE_ENV, SUPERVISE_INTERVAL_S, describe_exit
 
 log = logging.getLogger("qsg.local_group")
 
@@ -77,7 +86,7 @@ SCHEDULER_COMMAND = [sys.executable, "-m", "backup.cli", "schedule"]  # cfbackup
 # A member: the ``sqm`` command, restore wired in for RECAUTO (qsg.member).
 MEMBER_COMMAND = [sys.executable, "-m", "qsg.member", "run"]
 SUPERVISOR_COMMAND = [sys.executable, "-m", "qsg.local_group", "supervise"]
-SUPERVISE_INTERVAL_S = 0.2
+LOCK_FILE = "cluster.lock"
 
 
 class LocalGroupError(RuntimeError):
@@ -107,6 +116,9 @@ class LocalGroup:
         self._supervisor: tuple[threading.Thread, threading.Event] | None = None
         self.cf_restarts = 0  # restarts the supervisor made
         self._pair: CFPair | None = None
+        self._state_mutex = threading.RLock()
+        self._lock_fd: int | None = None
+        self._lock_depth = 0
 
     @property
     def duplexed(self) -> bool:
@@ -185,7 +197,8 @@ class LocalGroup:
            token: str | None = None, host: str = "127.0.0.1", detach: bool = False, start_timeout: float = 30.0,
            manager_args: Sequence[str] = (), cf_url_for: Callable[[str, str], str] | None = None,
            restart_cf: bool = False, recauto: bool = True, spark_workers: int = 0, spark_cores: int = 1,
-           spark_memory: str = "2g", duplex: bool = False, redis_cluster: int = 0) -> LocalGroup:
+           spark_memory: str = "2g", duplex: bool = False, redis_cluster: int = 0,
+           restart_members: bool = False) -> LocalGroup:
         """Start an embedded CF, managers QM1..QMn and (with a backup_interval) the backup scheduler.
 
         structure/queues are defined when missing (structure=None defines nothing). manager_args go to every
@@ -196,7 +209,9 @@ class LocalGroup:
         offering spark_cores and spark_memory, in DIR/spark. duplex: the CF is a pair, the secondary a
         synchronous copy of the primary (qsg.cfpair); its controller is the supervisor, so restart_cf is
         required. redis_cluster: the CF is a Redis Cluster of that many masters (qsg.rcluster_cf; 0: one
-        redis-server). On any failure everything already started is stopped again.
+        redis-server). restart_members: the supervisor restarts a member that died or was fenced, with backoff
+        (qsg.group_supervisor; a thread here, or with detach the supervisor process). On any failure everything
+        already started is stopped again.
         """
         if duplex and redis_cluster:
             raise LocalGroupError("--duplex and --redis-cluster do not go together: a Redis Cluster CF keeps its copies "
@@ -231,7 +246,8 @@ class LocalGroup:
                          for i in range(1, managers + 1)],
             "manager_args": list(manager_args),
             "scheduler": {"interval": backup_interval} if backup_interval else None,
-            "cf_supervisor": {} if restart_cf else None,
+            "cf_supervisor": {} if restart_cf or restart_members else None,
+            "cf_restart": restart_cf, "member_restart": restart_members,
             CLUSTER_SPARK: None,
             "duplex": CFPair.new_state(d / "cf2") if duplex else None,
             "started_at": time.time(),
@@ -254,11 +270,11 @@ class LocalGroup:
                 cluster._spawn_scheduler()
             if spark_workers:
                 cluster._start_spark(spark_workers, spark_cores, spark_memory)
-            if restart_cf and detach:
+            if (restart_cf or restart_members) and detach:
                 cluster._save()  # the supervisor process reads it
                 cluster._spawn_supervisor()
-            elif restart_cf:
-                cluster.supervise_cf()
+            elif restart_cf or restart_members:
+                cluster.supervise_cf(cf=restart_cf)
         except BaseException:
             cluster.down(timeout=5.0)
             raise
@@ -284,6 +300,46 @@ class LocalGroup:
 
     def _save(self) -> None:
         write_private(self.dir / CLUSTER_FILE, (json.dumps(self.state, indent=2) + "\n").encode())
+
+    @contextlib.contextmanager
+    def state_lock(self) -> Any:
+        """Hold the group's state lock (re-entrant in this object): every process that reads, changes and saves
+        cluster.json of a detached group holds it, and reads the file afresh inside it (``refresh``)."""
+        with self._state_mutex:
+            if self._lock_depth == 0:
+                fd = os.open(self.dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX)
+                except BaseException:
+                    os.close(fd)
+                    raise
+                self._lock_fd = fd
+            self._lock_depth += 1
+            try:
+                yield
+            finally:
+                self._lock_depth -= 1
+                if self._lock_depth == 0 and self._lock_fd is not None:
+                    os.close(self._lock_fd)  # closing releases the flock
+                    self._lock_fd = None
+
+    def refresh(self) -> None:
+        """Read cluster.json again (what other processes changed since), keeping what only this object holds: the
+        processes it started (their exit status) and its CF server while it is the same process."""
+        fresh = self._read_state(self.dir)
+        if fresh is None:
+            return
+        self.state = fresh
+        if self._cf is not None and self._cf.pid != (fresh.get(CLUSTER_CF) or {}).get("pid"):
+            self._cf = None
+        self._pair = None
+        self._nodes = None
+
+    def _refresh_if_shared(self) -> None:
+        """A detached group's file is shared with its supervisor and commands: read it afresh (call it under
+        state_lock). A group run by this process is this object's alone."""
+        if self.state.get("detached"):
+            self.refresh()
 
     def child_env(self) -> dict[str, str]:
         """The environment the cluster gives its processes (its settings, its token), for one started beside
@@ -359,10 +415,15 @@ class LocalGroup:
     def _ready_file(self, name: str) -> Path:
         return self.dir / "run" / f"{name}.ready"
 
+    def _exit_file(self, name: str) -> Path:
+        return self.dir / "run" / f"{name}.exit"
+
     def _spawn_manager(self, name: str, env: Mapping[str, str] | None = None) -> None:
         m = self.manager(name)
-        with contextlib.suppress(FileNotFoundError):
-            self._ready_file(name).unlink()
+        for stale in (self._ready_file(name), self._exit_file(name)):
+            with contextlib.suppress(FileNotFoundError):
+                stale.unlink()
+        env = {EXIT_FILE_ENV: str(self._exit_file(name)), **(env or {})}
         cmd = [*MEMBER_COMMAND, "--name", name, "--host", self.host, "--port", str(m["port"]),
                "--metrics-port", str(m["metrics_port"]), "--redis-url", m.get("cf_url") or self.redis_url,
                "--log-root", str(self.log_root), "--backup-dir", str(self.backup_dir), "--lease-ms", str(self.state["lease_ms"]), "--ready-file",
@@ -374,6 +435,45 @@ class LocalGroup:
         for m in self.state["managers"]:
             if m["name"] == name:
                 m.update(values)
+
+    def _hold(self, name: str, why: str | None) -> None:
+        """Mark a member held (why: who stopped it; the supervisor leaves it alone) or free again (None)."""
+        with self.state_lock():
+            self._refresh_if_shared()
+            self.manager(name)  # an unknown member is an error
+            self._set_manager(name, held=why)
+            self._save()
+
+    def manager_runs(self, name: str) -> bool:
+        return _pid_runs(self.manager(name).get("pid"), name.encode())
+
+    def ready_pid(self, name: str) -> int | None:
+        """The pid a member's ready file names (written once it serves; None: not serving, or not yet)."""
+        try:
+            return int(json.loads(self._ready_file(name).read_text())["pid"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def exit_reason(self, name: str, pid: int) -> str:
+        """Why a member's process pid is gone, as a restart's reason: its exit status from the kernel when this
+        object started it, else from the exit file it wrote (qsg.member), else a signal it could not record."""
+        proc = self._procs.get(name)
+        if proc is not None and proc.pid == pid:
+            code = proc.poll()
+            if code is not None:
+                return describe_exit(code)
+        try:
+            doc = json.loads(self._exit_file(name).read_text())
+            if int(doc["pid"]) == pid:
+                return describe_exit(int(doc["code"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        return "died with no exit status recorded (killed by a signal such as SIGKILL, or it crashed)"
+
+    def note_in_member_log(self, name: str, text: str) -> None:
+        """A line of the group's own in a member's run/<name>.log, between its incarnations' lines."""
+        with contextlib.suppress(OSError), open(self.dir / "run" / f"{name}.log", "a") as f:
+            f.write(f"--- cfemu cluster {time.strftime('%Y-%m-%dT%H:%M:%S%z')}: {name} {text}\n")
 
     def _wait_manager(self, name: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -414,11 +514,13 @@ class LocalGroup:
 
     # --- faults and restarts -------------------------------------------------------------------------------
     def kill_manager(self, name: str, sig: int = signal.SIGKILL, timeout: float = 15.0) -> None:
-        """Send sig to a manager and wait (bounded) until it is gone."""
+        """Send sig to a manager and wait (bounded) until it is gone. The manager is held: a supervisor restarting
+        members leaves it to this caller (``restart_manager``)."""
         pid = self.manager(name).get("pid")
         if not _pid_runs(pid, name.encode()):
             raise LocalGroupError(f"{name} is not running")
         assert pid is not None
+        self._hold(name, "stopped by LocalGroup.kill_manager")
         os.kill(pid, sig)
         if not self._wait_gone(name, pid, timeout):
             raise LocalGroupError(f"{name} (pid {pid}) still runs {timeout:g}s after signal {sig}")
@@ -431,11 +533,57 @@ class LocalGroup:
         pid = self.manager(name).get("pid")
         if _pid_runs(pid, name.encode()):
             raise LocalGroupError(f"{name} is still running (pid {pid})")
-        if extra_args is not None:
-            self._set_manager(name, extra_args=list(extra_args))
-        self._spawn_manager(name, env)
+        with self.state_lock():
+            self._refresh_if_shared()
+            if extra_args is not None:
+                self._set_manager(name, extra_args=list(extra_args))
+            self._spawn_manager(name, env)
+            self._set_manager(name, held=None)
+            self._save()
         self._wait_manager(name, timeout)
-        self._save()
+
+    def stop_member(self, name: str, timeout: float = 10.0) -> dict[str, Any]:
+        """An operator's stop (``cfemu cluster stop``): the member is held (the supervisor does not restart it
+        until ``restart_member``), then SIGTERM (a shutdown checkpoint), SIGKILL after timeout."""
+        self._hold(name, "stopped by the operator")
+        return self._stop_member(name, timeout)
+
+    def _stop_member(self, name: str, timeout: float) -> dict[str, Any]:
+        t0 = time.monotonic()
+        pid = self.manager(name).get("pid")
+        how = "was not running"
+        if _pid_runs(pid, name.encode()):
+            assert pid is not None
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+            how = "SIGTERM"
+            if not self._wait_gone(name, pid, timeout):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                how = f"SIGKILL after {timeout:g}s"
+                if not self._wait_gone(name, pid, 10.0):
+                    raise LocalGroupError(f"{name} (pid {pid}) survived SIGKILL")
+        return {"member": name, "old_pid": pid, "stopped_by": how, "stop_seconds": round(time.monotonic() - t0, 2)}
+
+    def restart_member(self, name: str, timeout: float = 10.0, start_timeout: float = 60.0) -> dict[str, Any]:
+        """An operator's restart (``cfemu cluster restart``): stop the member gracefully (SIGTERM, SIGKILL after
+        timeout; a stopped one is only started), start it on its ports and wait until it serves (its ready file).
+        The supervisor leaves it alone meanwhile; afterwards it tends it again, even when the start failed."""
+        t0 = time.monotonic()
+        self._hold(name, "restarted by the operator")
+        try:
+            doc = self._stop_member(name, timeout)
+            t1 = time.monotonic()
+            with self.state_lock():
+                self._refresh_if_shared()
+                self._spawn_manager(name)
+                self._save()
+            self._wait_manager(name, start_timeout)
+            doc.update(pid=self.manager(name)["pid"], start_seconds=round(time.monotonic() - t1, 2))
+        finally:
+            self._hold(name, None)
+        doc["seconds"] = round(time.monotonic() - t0, 2)
+        return doc
 
     def wait_manager_exit(self, name: str, timeout: float) -> int | None:
         """Wait until a manager started by this LocalGroup object exits; its exit code (None: still running after
@@ -487,9 +635,10 @@ class LocalGroup:
             return rcluster_cf.alive(self.state[CLUSTER_CF], _pid_runs)
         return _pid_runs(self.state.get(CLUSTER_CF, {}).get("pid"), b"redis")
 
-    def restart_dead_cf(self) -> bool:
-        """Restart the CF (empty, same port) if it is dead; True when it did. What the supervisor does. A
-        duplexed CF's supervisor tends the pair instead (qsg.cfpair: degrade, promote, resync, or restart empty)."""
+    def restart_dead_cf(self, reason: str = "died") -> bool:
+        """Restart the CF (empty, same port) if it is dead; True when it did. What the supervisor does (reason:
+        why it is dead, for the CF's last_restart). A duplexed CF's supervisor tends the pair instead (qsg.cfpair:
+        degrade, promote, resync, or restart empty)."""
         with self._cf_lock:
             if self.duplexed:
                 event = self.pair.tend()
@@ -502,15 +651,19 @@ class LocalGroup:
                 with contextlib.suppress(Exception):
                     self._cf.kill()
             self._start_cf(port=int(self.state[CLUSTER_CF].get("port") or 0) or None)
+            cf = self.state[CLUSTER_CF]
+            cf["restarts"] = int(cf.get("restarts") or 0) + 1
+            cf["last_restart"] = {"at": time.time(), "reason": reason}
             self._save()
             self.cf_restarts += 1
-            log.warning("the CF died; restarted it empty on port %s (pid %s): members re-join it, RECAUTO "
-                        "structures are restored by a member", self.state[CLUSTER_CF].get("port") or "(its nodes' ports)",
-                        self.state[CLUSTER_CF]["pid"])
+            log.warning("the CF %s; restarted it empty on port %s (pid %s): members re-join it, RECAUTO "
+                        "structures are restored by a member", reason, cf.get("port") or "(its nodes' ports)",
+                        cf["pid"])
             return True
 
-    def supervise_cf(self, on: bool = True, interval: float = SUPERVISE_INTERVAL_S) -> None:
-        """Start (or stop) the supervisor thread: a dead CF is restarted within `interval` seconds."""
+    def supervise_cf(self, on: bool = True, interval: float = SUPERVISE_INTERVAL_S, *, cf: bool = True) -> None:
+        """Start (or stop) the supervisor thread (qsg.group_supervisor): with cf, a dead CF is restarted within
+        `interval` seconds, a hung one within a few; members only in a group started with restart_members."""
         if not on:
             if self._supervisor is not None:
                 thread, stop = self._supervisor
@@ -520,16 +673,11 @@ class LocalGroup:
             return
         if self._supervisor is not None:
             return
+        from qsg import group_supervisor
+
         stop = threading.Event()
-
-        def loop() -> None:
-            while not stop.wait(interval):
-                try:
-                    self.restart_dead_cf()
-                except Exception as e:  # noqa: BLE001 - e.g. the port is briefly taken: try again
-                    log.error("restarting the CF failed (will retry): %s", e)
-
-        thread = threading.Thread(target=loop, name="cf-supervisor", daemon=True)
+        thread = threading.Thread(target=group_supervisor.run, args=(self, stop), kwargs={"reload": False, "cf": cf,
+                                  "interval": interval}, name="cf-supervisor", daemon=True)
         self._supervisor = (thread, stop)
         thread.start()
 
@@ -600,7 +748,8 @@ class LocalGroup:
         alive = self.running_processes()
         cf = self.state[CLUSTER_CF]
         rows: list[dict[str, Any]] = [{"process": "CF", "pid": cf.get("pid"), "alive": "CF" in alive,
-                                       "address": self.state.get(CLUSTER_REDIS_URL, ""), "ready": "CF" in alive}]
+                                       "address": self.state.get(CLUSTER_REDIS_URL, ""), "ready": "CF" in alive,
+                                       **_restarts(cf)}]
         pair = self.pair.status() if self.duplexed else None
         if rcluster_cf.is_cluster_cf(cf):  # one row per node: role and slots
             rows = rcluster_cf.status_rows(cf, self._cluster_nodes())
@@ -613,15 +762,17 @@ class LocalGroup:
             ready = m["name"] in alive and self._readyz(int(m["metrics_port"]))
             rows.append({"process": m["name"], "pid": m.get("pid"), "alive": m["name"] in alive,
                          "address": f"{self.host}:{m['port']}", "metrics": f"127.0.0.1:{m['metrics_port']}",
-                         "ready": ready})
+                         "ready": ready, **_restarts(m), "held": m.get("held")})
         if self.state.get("scheduler"):
             s = self.state["scheduler"]
             rows.append({"process": "backup-scheduler", "pid": s.get("pid"), "alive": "scheduler" in alive,
                          "address": f"every {s['interval']}s", "ready": "scheduler" in alive})
         if self.state.get("cf_supervisor") and self.state["detached"]:
             pid = self.state["cf_supervisor"].get("pid")
+            what = [w for w, on in (("a dead or hung CF", self.state.get("cf_restart", True)),
+                                    ("dead or fenced members", self.state.get("member_restart"))) if on]
             rows.append({"process": "cf-supervisor", "pid": pid, "alive": "cf_supervisor" in alive,
-                         "address": "restarts a dead CF", "ready": "cf_supervisor" in alive})
+                         "address": "restarts " + " and ".join(what), "ready": "cf_supervisor" in alive})
         spark = self.spark()
         spark_master = None
         if spark is not None:
@@ -647,7 +798,21 @@ class LocalGroup:
         """SIGTERM the scheduler and the managers (they take a shutdown checkpoint), SIGKILL whatever is left after
         timeout, then stop the CF. Returns name -> pid of what had to be killed. purge also deletes the directory."""
         killed: dict[str, int] = {}
-        self.supervise_cf(False)  # nothing may restart the CF while it is taken down
+        self.supervise_cf(False)  # nothing may restart the CF or a member while the group is taken down
+        sup_pid = (self.state.get("cf_supervisor") or {}).get("pid")
+        if _pid_runs(sup_pid, b"qsg.local_group"):  # first and alone: it would restart what is stopped below
+            assert sup_pid is not None
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(sup_pid, signal.SIGTERM)
+            if not self._wait_gone("cf_supervisor", sup_pid, timeout):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(sup_pid, signal.SIGKILL)
+                self._wait_gone("cf_supervisor", sup_pid, 10.0)
+                killed["cf_supervisor"] = sup_pid
+            # what it changed since this object read cluster.json: the CF it restarted (a promoted secondary of
+            # a duplexed CF: the roles swapped), the members it restarted
+            with self.state_lock():
+                self.refresh()
         spark = self.spark()
         if spark is not None:  # first: its executors may be reading the members' logs for a restore
             killed.update(spark.stop(timeout=timeout))
@@ -663,13 +828,6 @@ class LocalGroup:
                     os.kill(pid, signal.SIGKILL)
                 self._wait_gone(key, pid, 10.0)
                 killed[key] = pid
-        if "cf_supervisor" in targets:  # it may have restarted the CF since this object read cluster.json
-            fresh = self._read_state(self.dir) or {}
-            self.state[CLUSTER_CF] = fresh.get(CLUSTER_CF, self.state[CLUSTER_CF])
-            self._cf = None
-            if self.duplexed:  # and promoted the secondary (the roles swapped)
-                self.state["duplex"] = fresh.get("duplex") or self.state["duplex"]
-                self._pair = None
         if rcluster_cf.is_cluster_cf(self.state.get(CLUSTER_CF, {})):
             self._nodes = None  # the supervisor may have restarted nodes: adopt what runs now
             self._cluster_nodes().stop()
@@ -696,34 +854,15 @@ class LocalGroup:
 
 
 def supervise_main(argv: list[str] | None = None) -> int:
-    """``python -m qsg.local_group supervise --dir DIR``: the CF supervisor of a detached cluster (``cfemu cluster
-    up``). Restarts the CF whenever it dies, until SIGTERM (``cfemu cluster down`` sends it first)."""
-    import argparse
+    """``python -m qsg.local_group supervise --dir DIR``: the supervisor of a detached cluster (qsg.group_supervisor)."""
+    from qsg.group_supervisor import supervise_main as main
 
-    p = argparse.ArgumentParser(prog="qsg.local_group")
-    p.add_argument("verb", choices=["supervise"])
-    p.add_argument("--dir", required=True)
-    p.add_argument("--interval", type=float, default=SUPERVISE_INTERVAL_S)
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    cluster = LocalGroup.load(args.dir)
-    while not stop.wait(args.interval):
-        try:
-            if cluster.duplexed:  # the pair is tended at every interval, its primary alive or not
-                cluster = LocalGroup.load(args.dir)
-                if not stop.is_set():
-                    cluster.restart_dead_cf()
-                continue
-            if not cluster.cf_alive():
-                cluster = LocalGroup.load(args.dir)  # what other processes changed since (managers' pids)
-                if not stop.is_set():
-                    cluster.restart_dead_cf()
-        except Exception as e:  # noqa: BLE001 - try again at the next interval
-            log.error("restarting the CF failed (will retry): %s", e)
-    return 0
+    return main(argv)
+
+
+def _restarts(proc: Mapping[str, Any]) -> dict[str, Any]:
+    """A CF's or member's restarts by the supervisor, for its status row."""
+    return {"restarts": int(proc.get("restarts") or 0), "last_restart": proc.get("last_restart")}
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -26,6 +27,7 @@ from cfemu.progress import Progress
 from cfemu.pstore import HOT, start_mode
 from cfemu.repository import GroupRepository
 from cfemu.settings import Settings
+from qsg.group_supervisor import EXIT_FILE_ENV, record_exit
 from restore.run import run_restore
 from restore.start_modes import automatic_start
 from sqm import cli as sqm_cli
@@ -76,7 +78,20 @@ def restore_hook(args: argparse.Namespace, found: Settings) -> RecoverStructure:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return sqm_cli.main(argv, recovery=restore_hook)
+    """``sqm`` with restore wired in. Under a local group (qsg.local_group sets $CFEMU_MEMBER_EXIT_FILE) its exit
+    status is written to that file as it exits, for the group's supervisor to give as the reason it restarts it
+    (a process killed by a signal writes nothing)."""
+    exit_file = os.environ.get(EXIT_FILE_ENV)
+    code = 1  # an exception escaping main: the interpreter exits 1
+    try:
+        code = sqm_cli.main(argv, recovery=restore_hook)
+        return code
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        raise
+    finally:
+        if exit_file:
+            record_exit(exit_file, code)
 
 
 if __name__ == "__main__":

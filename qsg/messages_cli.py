@@ -7,6 +7,8 @@ restore sees what it did) or through --server HOST:PORT endpoints.
 from __future__ import annotations
 
 import argparse
+import logging
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
@@ -14,14 +16,16 @@ from typing import Any, Protocol
 import msgpack
 
 from cfemu.clitools import Output, require_url, settings
-from cfemu.errors import NoMessageError
+from cfemu.errors import FencedError, NoMessageError
 from cfemu.uow_attributes import CONTROL_SUFFIX, DATA_SUFFIX
-from qsg.cli_common import Parents
+from qsg.cli_common import Parents, whole
 from sqm.conversations.uowcontrols import LAST_LETTER
 from sqm.conversations.uowstatus import Control
 from sqm.core.manager import QueueManager, QueueManagerConfig
 from sqm.service.client import Client
 from sqm.wings import WINGS
+
+log = logging.getLogger("qsg.messages_cli")
 
 
 def _body_text(body: bytes, limit: int = 60) -> str:
@@ -61,17 +65,72 @@ def messaging(args: argparse.Namespace) -> Iterator[MessagingHandle]:
             client.close()
         return
 
+    # A command's member relogs nothing (cpl_entries=0, as 'sqm run --cpl-entries 0'): its start and shutdown
+    # checkpoints would otherwise each copy every entry of the structure into its log (a termination pass copies
+    # all), seconds for one message with tens of thousands on the queues. Relogging the structures is the
+    # long-running members' work, like the rest of their housekeeping (LeaseKeeper).
     qm = QueueManager(QueueManagerConfig(name=args.qm_name, log_root=found.log_root, redis_url=require_url(found),
-                                         background=False), wings=WINGS)
-    qm.start()
+                                         lease_ms=args.lease_ms, cpl_entries=0, background=False), wings=WINGS)
+    lease = LeaseKeeper(qm)  # from the join on: restart recovery and its checkpoint may outlast the lease
     try:
-        conn = qm.connect()
+        qm.start()
         try:
-            yield conn
+            conn = qm.connect()
+            try:
+                yield conn
+            finally:
+                conn.close()
         finally:
-            conn.close()
+            qm.stop()  # its shutdown checkpoint (a relog pass over the structure) runs under the heartbeat too
     finally:
-        qm.stop()
+        lease.stop()
+
+
+class LeaseKeeper:
+    """Renews an in-process member's lease every third of it from its join to its leave, as a member's heartbeat
+    does, so that its peers never fence it however long the command works (restart recovery and its checkpoint, a
+    long put, its commit, the shutdown checkpoint). Made before ``qm.start()``: it renews once the member has
+    joined (``qm.running``). Only the heartbeat: the member runs without its background threads (background=False), because
+    the rest of a member's housekeeping (peer recovery, RECAUTO restores, expiry and UOW sweeps, checkpoints by
+    time) is the long-running members' work, not that of a command that may end at any moment.
+
+    No renewal follows the member's leave (a renewal of a member that left would join the group again): the
+    member's ``admin.leave`` first stops this thread. A renewal that fails is tried again at the next period (the
+    lease is ours until it lapses); once fenced the thread ends, and the command's next call fails with
+    MQRC_CONNECTION_BROKEN."""
+
+    def __init__(self, qm: QueueManager) -> None:
+        self.qm = qm
+        self.period = qm.config.lease_ms / 3000
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name=f"{qm.name}-lease", daemon=True)
+        admin = qm.admin
+        leave = admin.leave
+
+        def leave_after_the_last_renewal(member: str) -> None:
+            self.stop()
+            leave(member)
+
+        admin.leave = leave_after_the_last_renewal  # type: ignore[method-assign]
+        self._thread.start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.period):
+            if not self.qm.running or self.qm.fenced:  # not joined yet (no epoch of ours to renew), or fenced
+                if self.qm.fenced:
+                    return
+                continue
+            try:
+                self.qm.renew_membership()
+            except FencedError:
+                return
+            except Exception as e:  # noqa: BLE001 - a dead or busy CF: the next period tries again
+                log.warning("%s: lease renewal failed (will retry every %.1fs): %s", self.qm.name, self.period, e)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=max(5.0, 2 * self.period))
 
 
 
@@ -162,8 +221,8 @@ def cmd_browse(args: argparse.Namespace, out: Output) -> int:
 def put_arguments(p: argparse.ArgumentParser, parents: Parents) -> None:
     p.add_argument("queue")
     p.add_argument("messages", nargs="+", metavar="MESSAGE")
-    p.add_argument("--count", type=int, default=1, help="put the messages this many times")
-    p.add_argument("--priority", type=int, default=0)
+    p.add_argument("--count", type=whole(1), default=1, help="put the messages this many times (>= 1)")
+    p.add_argument("--priority", type=whole(0, 9), default=0, help="0-9")
     p.add_argument("--non-persistent", action="store_true")
     p.add_argument("--correlid", default="")
 
@@ -171,11 +230,11 @@ def put_arguments(p: argparse.ArgumentParser, parents: Parents) -> None:
 def get_arguments(p: argparse.ArgumentParser, parents: Parents) -> None:
     p.add_argument("queue")
     how_many = p.add_mutually_exclusive_group()
-    how_many.add_argument("--count", type=int, default=1)
+    how_many.add_argument("--count", type=whole(1), default=1)
     how_many.add_argument("--all", action="store_true", help="until the queue is empty")
-    p.add_argument("--wait-ms", type=int, default=0)
+    p.add_argument("--wait-ms", type=whole(0), default=0)
 
 
 def browse_arguments(p: argparse.ArgumentParser, parents: Parents) -> None:
     p.add_argument("queue")
-    p.add_argument("--limit", type=int, default=100)
+    p.add_argument("--limit", type=whole(1), default=100)

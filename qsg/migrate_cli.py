@@ -33,11 +33,11 @@ from cfemu.clitools import (
     PhaseBars,
     add_settings_arguments,
     require_url,
-    run_command,
     settings,
 )
 from cfemu.connection import connect
 from cfemu.settings import Settings
+from qsg.cli_common import Parser, run_verb, whole
 
 REPO_HELP = ("the source group's log root, whose group repository records the migration (default: the one the CF "
              "records, else the settings' log root)")
@@ -151,14 +151,14 @@ def cmd_reopen(args: argparse.Namespace, out: Output) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
+    common = Parser(add_help=False)
     add_settings_arguments(common, "cluster_dir")
     common.add_argument("--json", action="store_true", help="machine-readable output")
     common.add_argument("--verbose", "-v", action="store_true", help="show the traceback of an error")
-    cf = argparse.ArgumentParser(add_help=False)
+    cf = Parser(add_help=False)
     add_settings_arguments(cf, "redis_url", "cf_dir")
 
-    p = argparse.ArgumentParser(prog="cfemu migrate", description="Migrate a structure to another CF through files "
+    p = Parser(prog="cfemu migrate", description="Migrate a structure to another CF through files "
                                 "(unload, load, compare the reports; docs/migration.md).")
     sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
     un = sub.add_parser("unload", parents=[common, cf], help="unload a structure into a directory (it ends MIGRATED)")
@@ -176,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the source group's secrets directory, to check an unload another group signed")
     ld.add_argument("--log-root", metavar="DIR", help="the target group's log root: its group repository then "
                     "defines the structure and its queues too (RECAUTO and restore need them after a CF loss)")
-    ld.add_argument("--batch", type=int, default=1000, metavar="N", help="entries per guarded transaction")
+    ld.add_argument("--batch", type=whole(1), default=1000, metavar="N", help="entries per guarded transaction")
     ld.set_defaults(func=cmd_load, cf_role="restore")
     cmp = sub.add_parser("compare", parents=[common], help="compare an unload report with a load report")
     cmp.add_argument("unload_report")
@@ -201,4 +201,4 @@ def main(argv: list[str]) -> int:
     if getattr(args, "batch", 1) < 1:
         print(f"cfemu migrate: error: --batch must be at least 1, not {args.batch}", file=sys.stderr)
         return 2
-    return run_command("cfemu migrate", args, args.func, EXPECTED_ERRORS)
+    return run_verb("cfemu migrate", args, args.func, EXPECTED_ERRORS)

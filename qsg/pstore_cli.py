@@ -30,9 +30,10 @@ from backup.files import BackupError
 from cfemu import repository
 from cfemu.admin import Admin
 from cfemu.cf import CF
-from cfemu.clitools import CLIError, Output, add_settings_arguments, require_url, run_command, settings
+from cfemu.clitools import CLIError, Output, add_settings_arguments, require_url, settings
 from cfemu.connection import connect
 from cfemu.pstore import COLD, MODES, set_start_mode, status
+from qsg.cli_common import Parser, run_verb
 from restore.run import RestoreError
 from restore.start_modes import start
 
@@ -128,11 +129,11 @@ def cmd_start(args: argparse.Namespace, out: Output) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
+    common = Parser(add_help=False)
     add_settings_arguments(common, "redis_url", "cluster_dir", "cf_dir", "log_root")
     common.add_argument("--json", action="store_true", help="machine-readable output")
     common.add_argument("--verbose", "-v", action="store_true", help="show the traceback of an error")
-    p = argparse.ArgumentParser(prog="cfemu pstore", description="The persistent store of each structure.")
+    p = Parser(prog="cfemu pstore", description="The persistent store of each structure.")
     sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
     st = sub.add_parser("status", parents=[common], help="each structure's start mode and availability")
     st.add_argument("structures", nargs="*", metavar="STRUCTURE")
@@ -165,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    return run_command("cfemu pstore", args, args.func, EXPECTED_ERRORS)
+    return run_verb("cfemu pstore", args, args.func, EXPECTED_ERRORS)
 
 
 if __name__ == "__main__":

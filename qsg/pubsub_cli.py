@@ -18,9 +18,9 @@ from typing import Any
 
 from cfemu import repository
 from cfemu.cf import CF
-from cfemu.clitools import CLIError, Output, add_settings_arguments, run_command, settings
+from cfemu.clitools import CLIError, Output, add_settings_arguments, settings
 from cfemu.topic_attributes import SUB_SUFFIX, publication_queue, subscription_queue
-from qsg.cli_common import EXPECTED_ERRORS, admin_client
+from qsg.cli_common import Parser, admin_client, run_verb
 from sqm.service.client import Client
 
 SUB_FIELDS = ("name", "durable", "position_lrsn", "position_pub", "received", "subscribed_pc", "active_pc", "home")
@@ -109,13 +109,13 @@ def cmd_publish(args: argparse.Namespace, out: Output) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
+    common = Parser(add_help=False)
     common.add_argument("--json", action="store_true", help="print one JSON document")
     common.add_argument("-v", "--verbose", action="store_true", help="show the traceback of an error")
     add_settings_arguments(common, "redis_url", "log_root", "token")
     common.add_argument("--server", action="append", default=[], metavar="HOST:PORT",
                         help="a member's service (repeat for failover)")
-    parser = argparse.ArgumentParser(prog="cfemu", description="Publish and subscribe (docs/pubsub.md).")
+    parser = Parser(prog="cfemu", description="Publish and subscribe (docs/pubsub.md).")
     sub = parser.add_subparsers(dest="command", required=True)
 
     topic = sub.add_parser("topic", parents=[common], help="define or list topics")
@@ -151,7 +151,7 @@ COMMANDS = {"topic": cmd_topic, "sub": cmd_sub, "publish": cmd_publish}
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    return run_command("cfemu", args, COMMANDS[args.command], EXPECTED_ERRORS)
+    return run_verb("cfemu", args, COMMANDS[args.command])
 
 
 __all__ = ["main", "build_parser"]

@@ -10,7 +10,7 @@ import argparse
 from typing import Any
 
 from cfemu.clitools import CLIError, Output, settings
-from qsg.cli_common import Parents
+from qsg.cli_common import Parents, Parser
 from sqm.service.client import Client
 
 
@@ -90,7 +90,7 @@ def indoubt_arguments(p: argparse.ArgumentParser, parents: Parents) -> None:
 
 def uow_arguments(p: argparse.ArgumentParser, parents: Parents) -> None:
     usub = p.add_subparsers(dest="action", required=True)
-    anyone, who = argparse.ArgumentParser(add_help=False), argparse.ArgumentParser(add_help=False)
+    anyone, who = Parser(add_help=False), Parser(add_help=False)
     anyone.add_argument("--user", default="cfemu", help="the user id to log on with (default cfemu)")
     who.add_argument("--user", required=True, help="the user id to log on with (1-32 characters)")
     for group in (anyone, who):

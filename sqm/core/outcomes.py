@@ -129,7 +129,7 @@ class Outcomes:
         would then be delivered (a 'phantom'; invariant 1, docs/invariants.md)."""
         if uow.persistent or uow.applied:
             return OutcomeUnknownError(f"the commit of unit of work {uow.id} was {'logged' if uow.persistent else 'begun'} "
-                                       f"when peer recovery fenced {self.name} ({e}): the peer completes it; its "
+                                       f"when peer recovery fenced {self.name} ({e}): the peer commits it or backs it out; its "
                                        "outcome is not known here")
         return BackedOutError(f"unit of work {uow.id} is backed out: peer recovery fenced {self.name} before its "
                               f"commit was applied or logged ({e})")

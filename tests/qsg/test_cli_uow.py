@@ -30,8 +30,8 @@ def fails(*args: str) -> str:
 def test_define_a_service(where: list[str], redis_url: str) -> None:
     ok("cfemu", "define", "structure", "APP1", *where)
     assert "need --uow" in fails("define", "queue", "SVC", "--structure", "APP1", "--max-uows", "5", *where)
-    assert "max_messages" in fails("define", "queue", "SVC", "--structure", "APP1", "--uow", "--max-messages", "0",
-                                   *where)
+    assert "--max-messages: must be a whole number >= 1, not 0" in fails("define", "queue", "SVC", "--structure",
+                                                                          "APP1", "--uow", "--max-messages", "0", *where)
     admin = Admin(connect(redis_url))
     assert admin.queues() == []  # a refused define defines nothing
     d = json.loads(ok("cfemu", "define", "queue", "SVC", "--structure", "APP1", "--uow", "--max-messages", "4",

@@ -1,0 +1,272 @@
+"""The local group's supervisor: what keeps a ``cfemu cluster`` serving when one of its processes dies or hangs.
+
+Every interval (0.2 s) it tends:
+
+* **the CF.** A dead redis-server is restarted empty on the same port (members re-join it; RECAUTO structures are
+  restored by a member). A live one that does not answer ``PING`` within ``CF_PING_TIMEOUT_S`` in
+  ``CF_HUNG_AFTER`` probes in a row, over at least ``CF_HUNG_MIN_S`` (a stopped process, a wedged host), is
+  SIGKILLed and restarted the same way. A ``BUSY`` answer is an answer: that CF runs a long script, it is not hung.
+  Redis answers nothing while a script runs until the script has run its busy-reply-threshold (5 s by default),
+  then ``BUSY``: a CF silent for longer than ``CF_HUNG_MIN_S`` is not running a script. A duplexed CF's pair is tended by
+  its controller (qsg.cfpair: degrade, promote, resync), a Redis Cluster CF's dead nodes are restarted.
+* **the members** (when the group was started with member restarts, as ``cfemu cluster up`` does). A member
+  whose process is gone (killed, crashed, or exited: 3 when peer recovery fenced it, 4 when its log could not be
+  written) is started again on its ports after a delay: ``RESTART_FIRST_DELAY_S``, doubled at each death up to
+  ``RESTART_MAX_DELAY_S``, and back to the first once a member has served ``RESTART_RESET_AFTER_S`` in a row. A
+  member an operator or a caller holds (``cfemu cluster stop``/``restart``, ``LocalGroup.kill_manager``, which
+  its caller restarts itself) is left alone, and ``cfemu cluster down`` stops the supervisor before anything else.
+
+Each restart is a warning line in the supervisor's log (``run/cf-supervisor.log`` of a detached cluster), a line
+in the member's own ``run/<member>.log``, and in ``cluster.json``: the member's (or the CF's) ``restarts`` count and
+``last_restart`` (when, why), which ``cfemu cluster status`` shows. The reason of a member's death is its exit
+status when known: the supervisor's own children's from the kernel, others' from the exit file ``python -m
+qsg.member`` writes as it exits (a process killed by a signal writes none).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from cfemu.procs import wait_gone
+from cfemu.settings import CLUSTER_CF
+
+if TYPE_CHECKING:
+    from qsg.local_group import LocalGroup
+
+log = logging.getLogger("qsg.group_supervisor")
+
+SUPERVISE_INTERVAL_S = 0.2
+RESTART_FIRST_DELAY_S = 1.0
+RESTART_MAX_DELAY_S = 30.0
+RESTART_RESET_AFTER_S = 60.0  # a member that served this long in a row is restarted after the first delay again
+CF_PING_TIMEOUT_S = 1.0
+CF_HUNG_AFTER = 3  # probes in a row
+CF_HUNG_MIN_S = 6.0  # silent at least this long: longer than Redis's default busy-reply-threshold (5 s)
+
+# The exit codes of ``sqm run`` (sqm.service.server's EXIT_*; `sqm run --help`), as a restart's reason says them.
+MEMBER_EXITS = {0: "stopped (exit 0) outside 'cfemu cluster'", 1: "failed (exit 1)",
+                2: "refused its configuration (exit 2)", 3: "was fenced by peer recovery (exit 3)",
+                4: "could not write its record log (exit 4)"}
+EXIT_FILE_ENV = "CFEMU_MEMBER_EXIT_FILE"  # where ``python -m qsg.member`` records its exit status
+
+
+def describe_exit(code: int) -> str:
+    """A member's exit status as a restart's reason: a negative status is the signal that killed it."""
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return MEMBER_EXITS.get(code, f"exited {code}")
+
+
+def record_exit(path: str | os.PathLike[str], code: int) -> None:
+    """Write a member's exit file (``python -m qsg.member`` as it exits): its pid and exit status."""
+    with contextlib.suppress(OSError):
+        Path(path).write_text(json.dumps({"pid": os.getpid(), "code": code, "at": time.time()}))
+
+
+@dataclass
+class _Member:
+    """What the supervisor knows of one member between intervals."""
+
+    pid: int | None = None
+    serving_since: float | None = None  # monotonic, once its ready file named this pid
+    delay: float = RESTART_FIRST_DELAY_S  # before the next restart
+    due: float | None = None  # monotonic: when the pending restart runs
+    reason: str = ""
+
+
+class Supervisor:
+    """Tends one LocalGroup. ``reload``: read cluster.json at every interval (a detached group's supervisor
+    process: commands beside it change the file); otherwise the group object is the only truth (a thread). ``cf``:
+    tend the CF (None: as the group was started, its ``cf_restart``); members as it was started (``member_restart``).
+    """
+
+    def __init__(self, group: LocalGroup, *, reload: bool, cf: bool | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.c = group
+        self.clock = clock
+        self.reload = reload
+        self.cf = cf
+        self.members: dict[str, _Member] = {}
+        self._ping: redis.Redis | None = None
+        self._ping_pid: int | None = None
+        self.cf_misses = 0
+        self.cf_silent_since: float | None = None  # monotonic: the first probe of the misses in a row
+
+    # --- one interval ------------------------------------------------------------------------------------------
+    @property
+    def tends_cf(self) -> bool:
+        return self.cf if self.cf is not None else bool(self.c.state.get("cf_restart", True))
+
+    def tick(self) -> None:
+        hung = self._cf_hung() if self.tends_cf else None  # outside the state lock: a hung CF's probe takes long
+        # The state lock when others write cluster.json (a detached group) or when members are tended (the calls
+        # that hold one take it); a thread tending only the CF keeps out of their way.
+        shared = self.reload or bool(self.c.state.get("member_restart"))
+        with self.c.state_lock() if shared else contextlib.nullcontext():
+            if self.reload:
+                self.c.refresh()
+            if self.tends_cf:
+                self.tend_cf(hung)
+            if self.c.state.get("member_restart"):
+                self.tend_members()
+
+    # --- the CF ----------------------------------------------------------------------------------------------
+    def _cf_hung(self) -> str | None:
+        """Why the CF counts as hung now (None: it answers, or it is dead, duplexed or a Redis Cluster)."""
+        from qsg import rcluster_cf
+
+        cf = self.c.state.get(CLUSTER_CF) or {}
+        if self.c.duplexed or rcluster_cf.is_cluster_cf(cf) or not self.c.cf_alive():
+            self._close_ping()
+            return None
+        pid = int(cf["pid"])
+        try:
+            if self._ping is None or self._ping_pid != pid:
+                self._close_ping()
+                self._ping = redis.Redis.from_url(self.c.cf_url("operator"), socket_timeout=CF_PING_TIMEOUT_S,
+                                                  socket_connect_timeout=CF_PING_TIMEOUT_S,
+                                                  retry=Retry(NoBackoff(), 0))  # one probe, one timeout
+                self._ping_pid = pid
+            sent = self.clock()
+            self._ping.ping()
+        except redis.exceptions.ResponseError as e:  # BUSY running a script, LOADING: it answers, it is not hung
+            log.debug("the CF answered PING with %s", e)
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
+            self.cf_misses += 1
+            if self.cf_silent_since is None:
+                self.cf_silent_since = sent
+            silent = self.clock() - self.cf_silent_since
+            self._close_ping()  # a fresh connection for the next probe: this one may hold a late reply
+            log.warning("the CF (pid %s) did not answer PING within %gs (%d in a row, silent %.1fs): %s", pid,
+                        CF_PING_TIMEOUT_S, self.cf_misses, silent, e)
+            if self.cf_misses >= CF_HUNG_AFTER and silent >= CF_HUNG_MIN_S:
+                return (f"hung: no answer to PING in {self.cf_misses} probes of {CF_PING_TIMEOUT_S:g}s in a row "
+                        f"({silent:.0f}s); SIGKILLed")
+            return None
+        self.cf_misses = 0
+        self.cf_silent_since = None
+        return None
+
+    def _close_ping(self) -> None:
+        if self._ping is not None:
+            with contextlib.suppress(Exception):
+                self._ping.close()
+        self._ping = None
+        self._ping_pid = None
+
+    def tend_cf(self, hung: str | None = None) -> None:
+        if hung is not None:
+            pid = (self.c.state.get(CLUSTER_CF) or {}).get("pid")
+            if pid and self.c.cf_alive():
+                log.error("the CF (pid %s) is %s; it is restarted empty like a CF that died", pid, hung)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
+                wait_gone(int(pid), 10.0)  # a child of ours is gone once it is a zombie: restart_dead_cf reaps it
+            self.cf_misses = 0
+            self.cf_silent_since = None
+            self._close_ping()
+        try:
+            self.c.restart_dead_cf(reason=hung or "died")
+        except Exception as e:  # noqa: BLE001 - e.g. the port is briefly taken: try again at the next interval
+            log.error("restarting the CF failed (will retry): %s", e)
+
+    # --- the members -----------------------------------------------------------------------------------------
+    def tend_members(self) -> None:
+        now = self.clock()
+        for m in self.c.state["managers"]:
+            name = m["name"]
+            t = self.members.setdefault(name, _Member())
+            if m.get("held"):  # an operator's stop or restart, a caller's kill: not ours to restart
+                t.due = None
+                t.pid = None
+                continue
+            pid = m.get("pid")
+            if not pid:
+                continue
+            if self.c.manager_runs(name):
+                self._watch_serving(name, t, int(pid), now)
+                continue
+            if t.due is None:  # just found dead
+                t.reason = self.c.exit_reason(name, int(pid))
+                t.due = now + t.delay
+                log.warning("%s (pid %s) %s; restarting it in %gs", name, pid, t.reason, t.delay)
+                t.delay = min(t.delay * 2, RESTART_MAX_DELAY_S)
+            if now >= t.due:
+                self._restart(m, t)
+
+    def _watch_serving(self, name: str, t: _Member, pid: int, now: float) -> None:
+        t.due = None
+        if t.pid != pid:
+            t.pid, t.serving_since = pid, None
+        if t.serving_since is None:
+            if self.c.ready_pid(name) == pid:
+                t.serving_since = now
+        elif now - t.serving_since >= RESTART_RESET_AFTER_S:
+            t.delay = RESTART_FIRST_DELAY_S
+
+    def _restart(self, m: dict[str, Any], t: _Member) -> None:
+        name = m["name"]
+        count = int(m.get("restarts") or 0) + 1
+        when = time.time()
+        self.c.note_in_member_log(name, f"restarted by the supervisor (restart {count}): it {t.reason}")
+        try:
+            self.c._spawn_manager(name)
+        except Exception as e:  # noqa: BLE001 - try again after the next delay
+            log.error("restarting %s failed (will retry in %gs): %s", name, t.delay, e)
+            t.due = self.clock() + t.delay
+            t.delay = min(t.delay * 2, RESTART_MAX_DELAY_S)
+            return
+        self.c._set_manager(name, restarts=count, last_restart={"at": when, "reason": t.reason})
+        self.c._save()
+        new_pid = self.c.manager(name)["pid"]
+        log.warning("restarted %s (pid %s, restart %d): it %s", name, new_pid, count, t.reason)
+        t.due, t.pid, t.serving_since = None, new_pid, None
+
+
+def run(group: LocalGroup, stop: threading.Event, *, reload: bool, cf: bool | None = None,
+        interval: float = SUPERVISE_INTERVAL_S) -> None:
+    """Tend the group every interval until stop is set (Supervisor's reload and cf)."""
+    sup = Supervisor(group, reload=reload, cf=cf)
+    while not stop.wait(interval):
+        try:
+            sup.tick()
+        except Exception as e:  # noqa: BLE001 - try again at the next interval
+            log.error("supervising the group failed (will retry): %s", e)
+    sup._close_ping()
+
+
+def supervise_main(argv: list[str] | None = None) -> int:
+    """``python -m qsg.local_group supervise --dir DIR``: the supervisor of a detached cluster (``cfemu cluster
+    up``), until SIGTERM (``cfemu cluster down`` sends it first)."""
+    import argparse
+
+    from qsg.local_group import LocalGroup
+
+    p = argparse.ArgumentParser(prog="qsg.local_group")
+    p.add_argument("verb", choices=["supervise"])
+    p.add_argument("--dir", required=True)
+    p.add_argument("--interval", type=float, default=SUPERVISE_INTERVAL_S)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    run(LocalGroup.load(args.dir), stop, reload=True, interval=args.interval)
+    return 0
