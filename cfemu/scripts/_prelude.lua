@@ -301,7 +301,9 @@ local function commit_puts(uow, ids, at, budget, used, seg_max)
           used = used + math.floor(math.log(n + 1) / math.log(2))
           if n - i <= seg_max then
             local seg = {}
-            for _, sid in ipairs(redis.call('LRANGE', k, i, -1)) do seg[#seg + 1] = load(sid) or {id = sid, o1 = 0, o2 = 0} end
+            for _, sid in ipairs(redis.call('LRANGE', k, i, -1)) do
+              seg[#seg + 1] = load(sid) or {id = sid, o1 = 0, o2 = 0}
+            end
             if i == 0 then redis.call('DEL', k) else redis.call('LTRIM', k, 0, i - 1) end
             used = used + #seg
             aside[k] = {seg = seg, ours = {d}}
