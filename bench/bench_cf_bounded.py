@@ -6,7 +6,7 @@ command on the server (an EVALSHA, or a restore's MULTI/EXEC); the server's slow
 gives the longest one, and a probe thread sends PING all along on its own connection, so its worst and 99th
 percentile latency is what any other client (a member's lease renewal) waited.
 
-    .venv/bin/python bench/bench_cf_bounded.py [--sizes 10000 60000 200000] [--ops commit backout ...] [--json]
+    .venv/bin/python bench/bench_cf_bounded.py [--quick] [--sizes 10000 60000 200000] [--ops commit-puts ...]
 
 Appends one JSON line per run to bench/results/cf_bounded.jsonl.
 """
@@ -237,7 +237,10 @@ def main() -> None:
     ap.add_argument("--sizes", type=int, nargs="+", default=[10_000, 60_000, 200_000])
     ap.add_argument("--ops", nargs="+", default=OPS)
     ap.add_argument("--label", default="")
+    ap.add_argument("--quick", action="store_true", help="one small size (a smoke run)")
     args = ap.parse_args()
+    if args.quick:
+        args.sizes = [2_000]
     srv = EmbeddedRedis().start()
     runs = []
     try:
