@@ -775,8 +775,10 @@ def purge(client: redis.Redis, sdef: StructureDef, queues: Sequence[str], *,
         reset(owner, sdef)
         if queues:
             owner.transaction(lambda pipe: pipe.sadd(keys.queues(S), *queues))
-        if tomb:
-            owner.transaction(lambda pipe: pipe.hset(keys.tomb(S), mapping=tomb))  # type: ignore[arg-type]
+        marks = list(tomb.items())
+        for i in range(0, len(marks), BATCH):  # a transaction of a bounded size each (cfemu.limits.CF_STEP)
+            chunk = dict(marks[i:i + BATCH])
+            owner.transaction(lambda pipe, chunk=chunk: pipe.hset(keys.tomb(S), mapping=chunk))  # type: ignore[misc]
         activate(owner, sdef, gen=gen, clock=gen + 1, floor=gen, entries=0, nbytes=0, last_backup=last, flags=flags)
     return Purged(discarded, int(info.get("bytes", 0)), gen)
 

@@ -15,7 +15,8 @@ from redis.connection import HiredisRespSerializer
 
 from cfemu import bulk, duplex, keys, lua, rcluster
 from cfemu.entry import Entry
-from cfemu.errors import from_script_error
+from cfemu.errors import MQError, StructureFailedError, from_script_error
+from cfemu.limits import CF_STEP
 from cfemu.resp import receive, send
 
 
@@ -165,6 +166,15 @@ class OutcomeReply(NamedTuple):
     clock: int  # the CF clock after the call
     puts: int  # uncommitted puts made available (commit) or deleted (backout)
     gets: int  # uncommitted gets deleted (commit) or made available again (backout)
+
+
+class OutcomeStep(NamedTuple):
+    """One call of a commit or a backout done in steps (commit.lua, backout.lua)."""
+
+    clock: int
+    puts: int  # in this call, as OutcomeReply
+    gets: int
+    more: bool  # the outcome is not done: call again (with later=True)
 
 
 class TopicNext(NamedTuple):
@@ -336,19 +346,62 @@ class Structure:
         return PstoreStatus(keys.text(state), keys.text(pstore) == "CONNECTED", keys.text(nonew), keys.text(started))
 
     def commit(self, caller: Caller, uow: str, *, gen: int, lrsn: int, at: int = 0,
-               decided_by_recovery: bool = False) -> OutcomeReply:
+               decided_by_recovery: bool = False, step: int = CF_STEP) -> OutcomeReply:
         """lrsn: the deciding record's LRSN (0: nothing logged), checked against the floor; at: the LRSN the
-        commit counts at, when it is not lrsn (sqm.core.records.counts_at)."""
-        cf, puts, gets = self._call("commit", caller, [uow, gen, lrsn, 1 if decided_by_recovery else 0, at])
-        caller.clock.observe(int(cf))
-        return OutcomeReply(int(cf), int(puts), int(gets))
+        commit counts at, when it is not lrsn (sqm.core.records.counts_at). Done in calls of at most `step` units of
+        work (commit.lua), called again until the commit is done: see _outcome for a failure between them."""
+        return self._outcome("commit", caller, uow, [gen, lrsn, 1 if decided_by_recovery else 0, at], step)
 
     def backout(self, caller: Caller, uow: str, *, gen: int, lrsn: int, has_data: bool, at: int = 0,
-                decided_by_recovery: bool = False) -> OutcomeReply:
-        cf, puts, gets = self._call("backout", caller, [uow, gen, lrsn, 1 if has_data else 0,
-                                                        1 if decided_by_recovery else 0, at])
+                decided_by_recovery: bool = False, step: int = CF_STEP) -> OutcomeReply:
+        """As commit (backout.lua); a UOW whose commit has begun on the structure is committed instead."""
+        return self._outcome("backout", caller, uow, [gen, lrsn, 1 if has_data else 0,
+                                                      1 if decided_by_recovery else 0, at], step)
+
+    def commit_step(self, caller: Caller, uow: str, *, gen: int, lrsn: int, at: int = 0,
+                    decided_by_recovery: bool = False, later: bool = False, step: int = CF_STEP) -> OutcomeStep:
+        """One call of commit.lua: at most `step` units of work. later: this caller's previous call of this commit
+        answered more. For a caller that steps on its own (the model check); commit() loops over it."""
+        return self._step("commit", caller, uow, [gen, lrsn, 1 if decided_by_recovery else 0, at], later, step)
+
+    def backout_step(self, caller: Caller, uow: str, *, gen: int, lrsn: int, has_data: bool, at: int = 0,
+                     decided_by_recovery: bool = False, later: bool = False, step: int = CF_STEP) -> OutcomeStep:
+        """One call of backout.lua, as commit_step."""
+        return self._step("backout", caller, uow, [gen, lrsn, 1 if has_data else 0,
+                                                   1 if decided_by_recovery else 0, at], later, step)
+
+    def _step(self, op: str, caller: Caller, uow: str, args: list[Any], later: bool, step: int) -> OutcomeStep:
+        cf, p, g, more = self._call(op, caller, [uow, *args, 1 if later else 0, step])
         caller.clock.observe(int(cf))
-        return OutcomeReply(int(cf), int(puts), int(gets))
+        return OutcomeStep(int(cf), int(p), int(g), bool(int(more)))
+
+    def _outcome(self, op: str, caller: Caller, uow: str, args: list[Any], step: int) -> OutcomeReply:
+        """Call commit.lua or backout.lua until it answers that nothing more is to be done. Once a call went
+        through, the outcome has begun here and is finished by whoever calls next (the scripts' headers): a later
+        call that fails raises a StructureFailedError that says the outcome may have been applied (maybe_applied),
+        so that a caller never takes a commit begun here for one that did not happen."""
+        puts = gets = 0
+        later = False
+        while True:
+            try:
+                reply = self._step(op, caller, uow, args, later, step)
+            except MQError as e:
+                if later and isinstance(e, StructureFailedError):
+                    e.maybe_applied = True
+                raise
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
+                if not later:
+                    raise
+                failed = StructureFailedError(f"the CF is unavailable during the {op} of unit of work {uow}, begun "
+                                              f"on structure {self.name}: {e}")
+                failed.maybe_applied = True
+                failed.no_answer = True
+                raise failed from e
+            puts += reply.puts
+            gets += reply.gets
+            if not reply.more:
+                return OutcomeReply(reply.clock, puts, gets)
+            later = True
 
     def standing(self, caller: Caller, uow: str, *, gen: int) -> str:
         """How the UOW stands here (standing.lua): 'H' held, 'C' / 'B' decided by recovery, 'L' lost with the
@@ -362,10 +415,20 @@ class Structure:
         flat = self._call("member_uows", None, [member])
         return {flat[i].decode(): msgpack.unpackb(flat[i + 1], raw=False) for i in range(0, len(flat), 2)}
 
-    def expire(self, now_ms: int, limit: int = 1000) -> Expired:
-        """Moves expired messages to the expired list and purges those already there."""
-        out = self._call("expire", None, [now_ms, limit])
-        return Expired([x.decode() for x in out[:-2]], int(out[-1]))
+    def expire(self, now_ms: int, limit: int = 1000, *, step: int = CF_STEP) -> Expired:
+        """Moves up to `limit` expired messages to the expired list and purges those already there, in calls of at
+        most `step` units of work (expire.lua), called again until that is done."""
+        ids: list[str] = []
+        purged = 0
+        left = limit
+        while True:
+            out = self._call("expire", None, [now_ms, min(left, step), step])
+            bar = out.index(b"|")
+            ids += [x.decode() for x in out[:bar]]
+            purged += int(out[bar + 1])
+            left -= int(out[bar + 2])
+            if not int(out[bar + 3]) or left <= 0:
+                return Expired(ids, purged)
 
     def backup_begin(self, backup_id: str, caller_lrsn: int, *, lease_ms: int = BACKUP_LEASE_MS) -> BackupBegun:
         """Mark the backup running with a lease of lease_ms (CF time); a stale mark is replaced (took_over)."""
@@ -402,8 +465,9 @@ class Structure:
                           [keys.text(u) for u in carried])
 
     def relog_scan(self, caller: Caller, *, threshold: int, cursor: str = "0", count: int = 500) -> RelogBatch:
-        """One batch of the entries whose newest copy is at or below `threshold` (-1: every entry)."""
-        out = self._call("relog_scan", caller, [threshold, cursor, count])
+        """One batch of the entries whose newest copy is at or below `threshold` (-1: every entry): `count` entries
+        looked at, at most CF_STEP (one call's bound, cfemu.limits)."""
+        out = self._call("relog_scan", caller, [threshold, cursor, min(count, CF_STEP)])
         caller.clock.observe(int(out[0]))
         copies = [(Entry.unpack(out[i]), out[i + 1] or b"",
                    msgpack.unpackb(out[i], raw=False, unicode_errors="surrogateescape"))

@@ -111,6 +111,12 @@ def uow_set(structure: str, uow: str) -> str:
     return f"{tag(structure)}:uow:{uow}"
 
 
+def uow_work(structure: str, uow: str, kind: str) -> str:
+    """Sorted set: what is left of a UOW's outcome done in steps (commit.lua, backout.lua): its puts (kind 'p')
+    scored by put LRSN, its gets ('g') by get LRSN."""
+    return f"{tag(structure)}:uow{kind}:{uow}"
+
+
 def index_set(structure: str, queue: str, kind: str, value: str) -> str:
     """Set: ids of a queue's entries by correlation id (kind 'c') or message id (kind 'm'), value in hex."""
     return f"{tag(structure)}:ix:{queue}:{kind}:{value}"

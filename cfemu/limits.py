@@ -26,6 +26,18 @@ MAX_PROPERTIES_LENGTH = 64 * 2**10
 # entry id and UOW id, the fixed fields and their names. Far more than they can take; a round number.
 DESCRIPTOR_ALLOWANCE = 128 * 2**10
 
+# The most units of work one CF call does, for the operations whose input has no bound of its own (a commit or a
+# backout of a UOW of any size, an expiry sweep, a relog batch): a unit is one entry, or 1024 list elements a list
+# command may scan for one (docs/cf-layout.md, "Outcomes in bounded steps"). The CF is one Redis server that runs
+# one script at a time, so every other client (a member's lease renewal included) waits for the call that runs:
+# 256 entries take 1-2 ms of an idle server, 3-6 ms of a 2-core machine loaded four times over (BENCHMARKS.md,
+# "Bounded CF calls"), while the round trips of a large UOW's calls (two per 256 entries: one to list them, one to
+# apply them) add little to its time. The Structure methods call again until the operation is done.
+CF_STEP = 256
+# The most message data one write batch of a restore's load carries (bytes): a batch of large messages is cut
+# below CF_STEP entries, so that copying its data into the CF is bounded too.
+CF_STEP_BYTES = 8 * 2**20
+
 
 def check_max_msg_length(n: int) -> int:
     """A queue's max message length, or ValueError naming the group's bound."""
@@ -49,5 +61,6 @@ def check_properties_length(props: dict[str, Any]) -> None:
         raise ValueError(f"message properties take {n} bytes; at most {MAX_PROPERTIES_LENGTH} are allowed")
 
 
-__all__ = ["DEFAULT_MSG_LENGTH", "DESCRIPTOR_ALLOWANCE", "MAX_ID_LENGTH", "MAX_MSG_LENGTH", "MAX_PROPERTIES_LENGTH",
+__all__ = ["CF_STEP", "CF_STEP_BYTES", "DEFAULT_MSG_LENGTH", "DESCRIPTOR_ALLOWANCE", "MAX_ID_LENGTH", "MAX_MSG_LENGTH",
+           "MAX_PROPERTIES_LENGTH",
            "check_id", "check_max_msg_length", "check_properties_length"]

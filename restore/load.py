@@ -28,6 +28,7 @@ from typing import Any
 
 from cfemu import bulk, keys
 from cfemu.admin import StructureDef
+from cfemu.limits import CF_STEP_BYTES
 from restore.engine import LOAD, Progress, no_progress
 from restore.partitioned import DEFAULT_MEMORY, Runs, SpilledPlan, merged_runs
 from restore.plan import RestorePlan
@@ -73,9 +74,10 @@ def batch_bytes_for(memory: int) -> int:
     """The most message data one batch of a load holds when the restore may use `memory` bytes: about seven batches
     are held at once (DEPTH prepared ahead, one being sent, the copies of two for the restore point (Beside: one
     being written, one waiting), and in a worker the one being made and its pickle), so a batch gets a sixteenth,
-    1 MiB at least. Batches of a thousand messages of 4 MiB (a queue's default MAXMSGL) had been 4 GiB each,
-    whatever the limit."""
-    return max(1 << 20, memory // 16)
+    1 MiB at least, and at most cfemu.limits.CF_STEP_BYTES: a batch is one transaction on the CF, which no other
+    client's call can pass while it copies the data in. Batches of a thousand messages of 4 MiB (a queue's default
+    MAXMSGL) had been 4 GiB each, whatever the limit."""
+    return min(max(1 << 20, memory // 16), CF_STEP_BYTES)
 
 
 class Prepared:

@@ -136,6 +136,10 @@ end
 -- A UOW's standing on this structure: nil when it may go on, else an error reply.
 -- gen: 0 on the UOW's first touch of the structure, else the structure generation the UOW started in.
 local function uow_standing(uow, gen)
+  local raw = redis.call('HGET', UOWS, uow)
+  local mark = raw and cmsgpack.unpack(raw).s
+  if mark == 'C' then return redis.error_reply('COMPLETED unit of work ' .. uow .. ' is being committed') end
+  if mark == 'B' then return redis.error_reply('BACKEDOUT unit of work ' .. uow .. ' is being backed out') end
   local t = redis.call('HGET', TOMB, uow)
   if t == 'B' then return redis.error_reply('BACKEDOUT unit of work ' .. uow .. ' was backed out by recovery') end
   if t == 'C' then return redis.error_reply('COMPLETED unit of work ' .. uow .. ' was committed by recovery') end
@@ -220,4 +224,310 @@ local function make_available(d)
     end
   end
   redis.call('RPUSH', k, d.id)
+end
+
+-- ---------------------------------------------------------------------------------------------------------------
+-- Outcomes in bounded steps (commit.lua, backout.lua; docs/cf-layout.md, "Outcomes in bounded steps").
+-- No call holds the CF long, whatever the UOW's size: a call handles at most `budget` units of work, a unit being
+-- one entry, or 1024 list elements that a list command may scan for it; then it answers 'more' and the caller
+-- calls again. A UOW holding no more entries than the budget is done in one call, as it always was. A larger one is
+-- marked in its record in {S}:uows by its first call: s = 'C' (committing) or 'B' (backing out), a = the LRSN its
+-- entries are stamped with, k = 1 when a restore carried it into this generation, c = the cursor over its set while
+-- its work sets are filled, w = 1 once they are. The mark is the decision on this structure: every later call of
+-- either outcome for the UOW, by any member, finishes the outcome begun (a backout of a committing UOW finishes its
+-- commit: puts made available cannot be taken back; a commit of a UOW being backed out is refused as backed out:
+-- puts deleted cannot be made available), and no put or get may join the UOW any more (uow_standing). Each call is
+-- atomic and leaves the structure consistent (every entry wholly in its old state or its new one), so a caller that
+-- dies between calls leaves a half-applied outcome that the next call for the UOW (recovery, a restart, a retry)
+-- finishes. The work sets hold what is left, in the order it is done: puts by put LRSN (commit: they become
+-- available in put order), gets by get LRSN (their list order).
+local function uow_record(uow)
+  local raw = redis.call('HGET', UOWS, uow)
+  return raw and cmsgpack.unpack(raw)
+end
+local function workkey(uow, kind) return PREFIX .. 'uow' .. kind .. ':' .. uow end  -- kind 'p' puts, 'g' gets
+
+-- The structure's state only, not the caller's epoch: the steps of an outcome begun are finished by any caller.
+local function check_state()
+  local st = redis.call('HGET', META, 'state')
+  if not st then return redis.error_reply('NOSTRUCT structure is not in the CF (never defined, or the CF was lost)') end
+  if st ~= 'ACTIVE' then return redis.error_reply('CFSTATE structure is ' .. st) end
+  return nil
+end
+
+local SCAN_UNIT = 1024  -- list elements a command may scan, counted as one unit of work
+
+-- Lua cannot unpack an unbounded table into one call: push ids in chunks.
+local function push_ids(cmd, k, ids)
+  for i = 1, #ids, 4000 do
+    redis.call(cmd, k, unpack(ids, i, math.min(#ids, i + 3999)))
+  end
+end
+
+-- The first index of list k whose entry comes after d in get order (the list is in get order): a binary search.
+local function place_index(k, d, n)
+  local lo, hi = 0, n
+  while lo < hi do
+    local mid = math.floor((lo + hi) / 2)
+    local e = load(redis.call('LINDEX', k, mid))
+    if e and before(d, e) then hi = mid else lo = mid + 1 end
+  end
+  return lo
+end
+
+-- Make d available at its place in get order; its cost in units. The ends are checked first (a commit belongs at
+-- the tail, a backed-out get at the head); else the place is found by binary search and LINSERT scans to it.
+local function place(d)
+  d.st = 'CP'; d.u = ''
+  local k = qkey(d.q, 'cp:' .. d.p)
+  local n = redis.call('LLEN', k)
+  if n == 0 then redis.call('RPUSH', k, d.id) return 1 end
+  local t = load(redis.call('LINDEX', k, -1))
+  if not t or not before(d, t) then redis.call('RPUSH', k, d.id) return 1 end
+  local h = load(redis.call('LINDEX', k, 0))
+  if h and before(d, h) then redis.call('LPUSH', k, d.id) return 1 end
+  local i = place_index(k, d, n)
+  redis.call('LINSERT', k, 'BEFORE', redis.call('LINDEX', k, i), d.id)
+  return 1 + math.floor(i / SCAN_UNIT)
+end
+
+-- Puts of one commit (all stamped with the same LRSN), in put order, made available. Where entries that come
+-- after them are at the tail of a list already (a commit that counts later applied first, or between two steps),
+-- that tail is set aside once (at most `budget` entries), the puts go behind what is left, and the tail is put back
+-- after them (merged in get order): a few list operations per step instead of one scan of the list per put.
+-- Returns the units used, and how many of `ids` (in order) were handled (the rest is for the next call).
+local function commit_puts(uow, ids, at, budget, used, seg_max)
+  local aside = {}  -- list -> {seg = entries set aside, ours = puts to go before them}
+  local lists = {}
+  local handled, made = 0, 0
+  for _, id in ipairs(ids) do
+    if used >= budget and handled > 0 then break end
+    handled = handled + 1
+    used = used + 1
+    local d = load(id)
+    if d and d.u == uow and d.st == 'UP' then
+      redis.call('LREM', qkey(d.q, 'up'), 1, d.id)
+      d.l = at; d.o1 = at; d.st = 'CP'; d.u = ''
+      store(d)
+      made = made + 1
+      local k = qkey(d.q, 'cp:' .. d.p)
+      local a = aside[k]
+      if a then
+        a.ours[#a.ours + 1] = d
+      else
+        local n = redis.call('LLEN', k)
+        local t = n > 0 and load(redis.call('LINDEX', k, -1))
+        if not t or not before(d, t) then
+          redis.call('RPUSH', k, d.id)
+        else
+          local i = place_index(k, d, n)
+          used = used + math.floor(math.log(n + 1) / math.log(2))
+          if n - i <= seg_max then
+            local seg = {}
+            for _, sid in ipairs(redis.call('LRANGE', k, i, -1)) do
+              seg[#seg + 1] = load(sid) or {id = sid, o1 = 0, o2 = 0}
+            end
+            if i == 0 then redis.call('DEL', k) else redis.call('LTRIM', k, 0, i - 1) end
+            used = used + #seg
+            aside[k] = {seg = seg, ours = {d}}
+            lists[#lists + 1] = k
+          else
+            redis.call('LINSERT', k, 'BEFORE', redis.call('LINDEX', k, i), d.id)
+            used = used + math.floor(i / SCAN_UNIT)
+          end
+        end
+      end
+    end
+  end
+  for _, k in ipairs(lists) do
+    local a = aside[k]
+    local merged, i, j = {}, 1, 1
+    while i <= #a.ours or j <= #a.seg do
+      if j > #a.seg or (i <= #a.ours and not before(a.seg[j], a.ours[i])) then
+        merged[#merged + 1] = a.ours[i].id; i = i + 1
+      else
+        merged[#merged + 1] = a.seg[j].id; j = j + 1
+      end
+    end
+    push_ids('RPUSH', k, merged)
+  end
+  return used, handled, made
+end
+
+-- Gets of a commit, in get order (their list's order: each LREM finds its entry near the head), deleted.
+local function commit_gets(uow, ids, budget, used)
+  local handled, deleted = 0, 0
+  for _, id in ipairs(ids) do
+    if used >= budget and handled > 0 then break end
+    handled = handled + 1
+    used = used + 1
+    local d = load(id)
+    if d and d.u == uow and d.st == 'UG' then
+      redis.call('LREM', qkey(d.q, 'ug'), 1, d.id)
+      delete_entry(d)
+      deleted = deleted + 1
+    end
+  end
+  return used, handled, deleted
+end
+
+-- Puts of a backout, in put order, deleted.
+local function backout_puts(uow, ids, budget, used)
+  local handled, deleted = 0, 0
+  for _, id in ipairs(ids) do
+    if used >= budget and handled > 0 then break end
+    handled = handled + 1
+    used = used + 1
+    local d = load(id)
+    if d and d.u == uow and d.st == 'UP' then
+      redis.call('LREM', qkey(d.q, 'up'), 1, d.id)
+      delete_entry(d)
+      deleted = deleted + 1
+    end
+  end
+  return used, handled, deleted
+end
+
+-- Gets of a backout, newest first (each goes back to the head of its list, at its place in get order, its backout
+-- count raised), LREM from the tail of the gets' list.
+local function backout_gets(uow, ids, at, budget, used)
+  local handled, back = 0, 0
+  for _, id in ipairs(ids) do
+    if used >= budget and handled > 0 then break end
+    handled = handled + 1
+    local d = load(id)
+    if d and d.u == uow and d.st == 'UG' then
+      redis.call('LREM', qkey(d.q, 'ug'), -1, d.id)
+      d.bc = (d.bc or 0) + 1
+      d.l = at
+      used = used + place(d)
+      store(d)
+      back = back + 1
+    else
+      used = used + 1
+    end
+  end
+  return used, handled, back
+end
+
+-- While a backup runs, a persistent get may only be backed out by a record that carries its data (backout.lua).
+local function gets_need_data(ids, has_data)
+  if has_data or not backup_mark() then return false end
+  for _, id in ipairs(ids) do
+    local d = load(id)
+    if d and d.st == 'UG' and d.per == 1 then return true end
+  end
+  return false
+end
+
+-- The UOW's entries, split and ordered for its outcome: puts by put LRSN, gets by get LRSN (newest first for a
+-- backout).
+local function ordered_entries(uow, kind)
+  local puts, gets = held_entries(uow)
+  table.sort(puts, function(a, b) return a.o2 < b.o2 end)
+  if kind == 'C' then table.sort(gets, function(a, b) return a.l < b.l end)
+  else table.sort(gets, function(a, b) return a.l > b.l end) end
+  local p, g = {}, {}
+  for _, d in ipairs(puts) do p[#p + 1] = d.id end
+  for _, d in ipairs(gets) do g[#g + 1] = d.id end
+  return p, g
+end
+
+-- The end of an outcome on this structure: the UOW no longer holds anything here.
+local function outcome_done(uow, kind, tomb)
+  redis.call('DEL', uowkey(uow), workkey(uow, 'p'), workkey(uow, 'g'))
+  redis.call('HDEL', UOWS, uow)
+  if tomb then redis.call('HSET', TOMB, uow, kind) end
+end
+
+-- An outcome small enough for one call: the whole of it, now. Returns {puts, gets}; nil and an error reply when a
+-- backout needs the data of its gets logged.
+local function outcome_whole(uow, kind, at, has_data, budget)
+  local p, g = ordered_entries(uow, kind)
+  local inf = math.huge
+  if kind == 'C' then
+    local _, _, made = commit_puts(uow, p, at, inf, 0, budget)
+    local _, _, deleted = commit_gets(uow, g, inf, 0)
+    return {made, deleted}
+  end
+  if gets_need_data(g, has_data) then return nil end
+  local _, _, deleted = backout_puts(uow, p, inf, 0)
+  local _, _, back = backout_gets(uow, g, at, inf, 0)
+  return {deleted, back}
+end
+
+-- One step of a marked outcome (rec: the UOW's record with its mark). Returns {puts, gets, more}, or nil when a
+-- backout needs the data of its gets logged (nothing done in this call).
+local function outcome_step(uow, rec, budget, has_data, record)
+  local used, a, b = 0, 0, 0
+  local pk, gk = workkey(uow, 'p'), workkey(uow, 'g')
+  local done = {}
+  local function took(ids, n) for i = 1, n do done[#done + 1] = ids[i] end end
+  while rec.w ~= 1 and used < budget do  -- fill the work sets from the UOW's set
+    local r = redis.call('SSCAN', uowkey(uow), rec.c, 'COUNT', math.max(16, budget - used))
+    for _, id in ipairs(r[2]) do
+      used = used + 1
+      local d = load(id)
+      if d and d.u == uow then
+        if d.st == 'UP' then redis.call('ZADD', pk, d.o2, id)
+        elseif d.st == 'UG' then redis.call('ZADD', gk, d.l, id) end
+      end
+    end
+    rec.c = r[1]
+    if r[1] == '0' then rec.w = 1 end
+  end
+  if rec.w == 1 and used < budget then
+    local room = budget - used
+    if rec.s == 'C' then
+      local ids = redis.call('ZRANGE', pk, 0, room - 1)
+      local handled
+      used, handled, a = commit_puts(uow, ids, rec.a, budget, used, budget)
+      if handled > 0 then redis.call('ZREMRANGEBYRANK', pk, 0, handled - 1) took(ids, handled) end
+      if used < budget then
+        ids = redis.call('ZRANGE', gk, 0, budget - used - 1)
+        used, handled, b = commit_gets(uow, ids, budget, used)
+        if handled > 0 then redis.call('ZREMRANGEBYRANK', gk, 0, handled - 1) took(ids, handled) end
+      end
+    else
+      local gets = redis.call('ZREVRANGE', gk, 0, room - 1)
+      if gets_need_data(gets, has_data) then return nil end
+      local ids = redis.call('ZRANGE', pk, 0, room - 1)
+      local handled
+      used, handled, a = backout_puts(uow, ids, budget, used)
+      if handled > 0 then redis.call('ZREMRANGEBYRANK', pk, 0, handled - 1) took(ids, handled) end
+      if used < budget then
+        gets = redis.call('ZREVRANGE', gk, 0, budget - used - 1)
+        used, handled, b = backout_gets(uow, gets, rec.a, budget, used)
+        if handled > 0 then redis.call('ZREMRANGEBYRANK', gk, -handled, -1) took(gets, handled) end
+      end
+    end
+  end
+  if #done > 0 then push_ids('SREM', uowkey(uow), done) end  -- the set shrinks as the work is done
+  if rec.w == 1 and redis.call('EXISTS', pk) == 0 and redis.call('EXISTS', gk) == 0 then
+    outcome_done(uow, rec.s, record or rec.k == 1)
+    return {a, b, 0}
+  end
+  redis.call('HSET', UOWS, uow, cmsgpack.pack(rec))
+  return {a, b, 1}
+end
+
+-- Begin an outcome on this structure: the whole of it when the UOW holds at most `budget` entries, else the mark
+-- and the first step. Returns as outcome_step.
+local function outcome_begin(uow, kind, at, carried, budget, has_data, record)
+  if redis.call('SCARD', uowkey(uow)) <= budget then
+    local r = outcome_whole(uow, kind, at, has_data, budget)
+    if not r then return nil end
+    outcome_done(uow, kind, record or carried)
+    return {r[1], r[2], 0}
+  end
+  local rec = uow_record(uow) or {o = '', f = 0, g = cur_gen()}
+  rec.s = kind; rec.a = at; rec.k = carried and 1 or 0; rec.c = '0'; rec.w = 0
+  return outcome_step(uow, rec, budget, has_data, record)
+end
+
+-- A step's budget from the caller (ARGV): a positive number of units, else no bound.
+local function budget_of(arg)
+  local b = tonumber(arg or '0') or 0
+  if b <= 0 then return math.huge end
+  return b
 end

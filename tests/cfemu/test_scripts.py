@@ -8,6 +8,7 @@ Adding a CF operation: its <op>.lua, its Structure.<op> (or Admin method), and a
 from __future__ import annotations
 
 import re
+import threading
 import time
 from collections.abc import Iterator
 from importlib import resources
@@ -589,6 +590,177 @@ class TestCommit:
         assert tombstone(s, "U1") == "C"
 
 
+    # --- in bounded steps (the prelude's "Outcomes in bounded steps") ---------------------------------------------
+    def test_a_large_uow_commits_in_steps_puts_in_put_order(self, s: Structure, qm1: Caller) -> None:
+        for i in range(3):
+            s.put(qm1, entry(f"g{i}"), b"x")
+        for _ in range(3):
+            s.get(qm1, Q, uow="U1", now_ms=NOW)
+        for i in range(7):
+            s.put(qm1, entry(f"p{i}", priority=i % 2), b"x", uow="U1")
+        steps = []
+        later = False
+        while True:
+            r = s.commit_step(qm1, "U1", gen=1, lrsn=500, later=later, step=2)
+            steps.append(r)
+            if not r.more:
+                break
+            later = True
+            made = [e.id for e, _ in s.browse(Q, 20, NOW)]
+            # every call leaves a prefix of the puts (per priority, in put order) available, and nothing else
+            for p in (0, 1):
+                mine = [x for x in made if int(x[1:]) % 2 == p]
+                assert mine == [f"p{i}" for i in range(p, 7, 2)][:len(mine)]
+            assert held_uows(s) == {"U1"}
+        assert len(steps) > 4 and all(r.puts + r.gets <= 2 for r in steps)
+        assert sum(r.puts for r in steps) == 7 and sum(r.gets for r in steps) == 3
+        assert [e.id for e, _ in s.browse(Q, 20, NOW)] == ["p1", "p3", "p5", "p0", "p2", "p4", "p6"]
+        assert {e.order[0] for e, _ in s.browse(Q, 20, NOW)} == {500}
+        assert held_uows(s) == set() and s.info()["entries"] == "7"
+        assert [k for k in s.cf.redis.scan_iter(match="{APP1}:uow*")] == []  # the work sets are gone
+
+    @pytest.mark.slow
+    def test_a_200000_entry_uow_commits_while_other_clients_keep_working(self, admin: Admin, s: Structure,
+                                                                          qm1: Caller) -> None:
+        """The case that fenced two members: one UOW of 200,000 puts. Its commit runs in bounded steps, and another
+        member's CF calls (a get on another queue, a lease renewal) are answered within 100 ms at the 99th
+        percentile all along (they had waited about 16 s)."""
+        n = 200_000
+        put = s.cf.script("put")
+        sk = keys.script_keys(S)
+        desc = Entry(id="x", queue=Q).pack()
+        for i in range(0, n, 5000):
+            pipe = s.cf.redis.pipeline(transaction=False)
+            for j in range(i, min(n, i + 5000)):
+                put(keys=sk, args=[qm1.member, qm1.epoch, 0, "BIG", 0, f"b{j:07d}", Q, desc, b"x" * 64], client=pipe)
+            pipe.execute()
+        other = join(admin, "QM2")
+        waits: list[float] = []
+        stop = threading.Event()
+
+        def another_client() -> None:
+            st = CF(admin.redis).structure(S)  # the pool gives this thread a connection of its own
+            while not stop.is_set():
+                t0 = time.perf_counter()
+                st.get(other, Q2, uow="", now_ms=NOW)
+                admin.heartbeat("QM2", other.epoch, 60_000)
+                waits.append(time.perf_counter() - t0)
+                time.sleep(0.002)
+
+        probe = threading.Thread(target=another_client)
+        probe.start()
+        try:
+            t0 = time.perf_counter()
+            reply = s.commit(qm1, "BIG", gen=1, lrsn=10**9)
+            took = time.perf_counter() - t0
+        finally:
+            stop.set()
+            probe.join()
+        assert reply.puts == n and s.depths()[Q]["CP"] == n
+        waits.sort()
+        p99 = waits[int(len(waits) * 0.99)]
+        assert len(waits) > 100, (len(waits), took)
+        assert p99 < 0.1, f"another client's p99 wait {p99 * 1000:.1f} ms during a commit of {took:.1f} s"
+
+    def test_the_stepped_result_is_the_whole_result(self, admin: Admin, s: Structure, qm1: Caller) -> None:
+        """The same UOW committed in one call and in steps of one entry leaves the same structure."""
+        def run(name: str, step: int) -> dict[bytes, object]:
+            qa, qb = f"{name}A", f"{name}B"
+            admin.ensure_structure(name, (qa, qb))
+            caller = join(admin, "QM1")
+            caller.clock.t = 100
+            st = CF(admin.redis).structure(name)
+            for i in range(4):
+                st.put(caller, entry(f"c{i}", queue=qa, priority=3), b"c")
+            st.get(caller, qa, uow="U1", now_ms=NOW)
+            st.get(caller, qa, uow="U1", now_ms=NOW)
+            for i in range(5):
+                st.put(caller, entry(f"p{i}", queue=(qa, qb)[i % 2], priority=3), b"p", uow="U1")
+            reply = st.commit(caller, "U1", gen=1, lrsn=900, step=step)
+            assert (reply.puts, reply.gets) == (5, 2)
+            r = admin.redis
+            out: dict[bytes, object] = {}
+            for k in r.scan_iter(match=keys.all_structure_keys_pattern(name)):
+                kind = keys.text(r.type(k))
+                if k.endswith((b":meta", b":fence")):
+                    continue
+                value = (r.lrange(k, 0, -1) if kind == "list" else sorted(r.smembers(k)) if kind == "set"
+                         else r.hgetall(k) if kind == "hash" else kind)
+                out[k.replace(name.encode(), b"S")] = repr(value).replace(name, "S")
+            return out
+        assert run("APPW", 0) == run("APPS", 1)
+
+    def test_a_half_applied_commit_is_finished_by_the_next_commit(self, admin: Admin, s: Structure,
+                                                                 qm1: Caller) -> None:
+        """The owner dies after two steps; a peer's commit (recovery) finishes it, keeps the first call's LRSN
+        for the puts, and leaves a 'C' tombstone for the owner's retry."""
+        for i in range(5):
+            s.put(qm1, entry(f"p{i}"), b"x", uow="U1")
+        assert s.commit_step(qm1, "U1", gen=1, lrsn=500, step=3).more
+        assert s.commit_step(qm1, "U1", gen=1, lrsn=500, later=True, step=3).more
+        done_early = [e.id for e, _ in s.browse(Q, 10, NOW)]
+        assert 0 < len(done_early) < 5
+        with pytest.raises(CompletedByRecoveryError, match="being committed"):  # no more work joins it
+            s.put(qm1, entry("late"), b"x", uow="U1")
+        peer = join(admin, "QM2")
+        reply = s.commit(peer, "U1", gen=1, lrsn=700, decided_by_recovery=True, step=3)
+        assert reply.puts == 5 - len(done_early)
+        assert [(e.id, e.order[0]) for e, _ in s.browse(Q, 10, NOW)] == [(f"p{i}", 500) for i in range(5)]
+        assert tombstone(s, "U1") == "C" and held_uows(s) == set()
+        assert s.commit(qm1, "U1", gen=1, lrsn=500).puts == 0 and tombstone(s, "U1") is None
+
+    def test_a_fenced_owner_finishes_the_commit_it_began(self, admin: Admin, s: Structure, qm1: Caller) -> None:
+        """The commit is decided on the structure by its first call: a peer fencing the owner does not stop it
+        (the peer's recovery would finish it the same way); once another caller finished it, the owner's next
+        step answers done."""
+        for i in range(4):
+            s.put(qm1, entry(f"p{i}"), b"x", uow="U1")
+        assert s.commit_step(qm1, "U1", gen=1, lrsn=500, step=2).more
+        s.cf.redis.hset(keys.fence(S), "QM1", qm1.epoch + 1)  # as a peer's fence leaves it
+        stale = Caller("QM1", qm1.epoch, qm1.clock)
+        assert s.commit_step(stale, "U1", gen=1, lrsn=500, later=True, step=2).more
+        s.commit(join(admin, "QM2"), "U1", gen=1, lrsn=500, decided_by_recovery=True)
+        last = s.commit_step(stale, "U1", gen=1, lrsn=500, later=True, step=2)
+        assert not last.more and (last.puts, last.gets) == (0, 0)
+        assert len(s.browse(Q, 10, NOW)) == 4
+        with pytest.raises(FencedError):  # a new commit of the fenced member is refused as ever
+            s.commit(stale, "U2", gen=1, lrsn=600)
+
+    def test_a_commit_of_a_uow_being_backed_out_is_refused(self, s: Structure, qm1: Caller) -> None:
+        s.put(qm1, entry("c"), b"x")
+        s.get(qm1, Q, uow="U1", now_ms=NOW)
+        for i in range(3):
+            s.put(qm1, entry(f"p{i}"), b"x", uow="U1")
+        assert s.backout_step(qm1, "U1", gen=1, lrsn=500, has_data=False, step=2).more
+        with pytest.raises(BackedOutError, match="being backed out"):
+            s.commit(qm1, "U1", gen=1, lrsn=600)
+        assert s.backout(qm1, "U1", gen=1, lrsn=500, has_data=False, step=2).puts >= 0
+        assert [(e.id, e.backout_count) for e, _ in s.browse(Q, 10, NOW)] == [("c", 1)]
+        assert held_uows(s) == set()
+
+    def test_a_failure_after_the_first_step_says_the_commit_may_be_applied(self, admin: Admin, s: Structure,
+                                                                          qm1: Caller) -> None:
+        for i in range(4):
+            s.put(qm1, entry(f"p{i}"), b"x", uow="U1")
+        calls = []
+        real = s._step
+
+        def failing(op: str, *args: object, **kw: object) -> object:
+            calls.append(op)
+            if len(calls) == 2:
+                admin.set_state(S, "FAILED")
+            return real(op, *args, **kw)  # type: ignore[arg-type]
+
+        s._step = failing  # type: ignore[method-assign]
+        with pytest.raises(StructureFailedError) as failed:
+            s.commit(qm1, "U1", gen=1, lrsn=500, step=2)
+        assert failed.value.maybe_applied
+        admin.set_state(S, "ACTIVE")
+        s._step = real  # type: ignore[method-assign]
+        s.commit(qm1, "U1", gen=1, lrsn=500, step=2)
+        assert len(s.browse(Q, 10, NOW)) == 4
+
+
 class TestStanding:
     def test_tells_how_a_uow_stands(self, s: Structure, qm1: Caller) -> None:
         clock = s.put(qm1, entry("p1"), b"x", uow="UH").clock
@@ -666,6 +838,59 @@ class TestBackout:
             s.backout(qm1, "U1", gen=1, lrsn=floor - 1, has_data=True)
 
 
+    # --- in bounded steps (the prelude's "Outcomes in bounded steps") ---------------------------------------------
+    def test_a_large_uow_backs_out_in_steps_gets_back_at_their_place(self, s: Structure, qm1: Caller) -> None:
+        for i in range(6):
+            s.put(qm1, entry(f"c{i}"), b"x")
+        for _ in range(4):
+            s.get(qm1, Q, uow="U1", now_ms=NOW)
+        for i in range(3):
+            s.put(qm1, entry(f"p{i}"), b"x", uow="U1")
+        later, steps = False, 0
+        while True:
+            r = s.backout_step(qm1, "U1", gen=1, lrsn=500, has_data=False, later=later, step=2)
+            steps += 1
+            back = [e.id for e, _ in s.browse(Q, 20, NOW)]
+            assert back == sorted(back)  # in get order at every step: gets still held are just not there yet
+            if not r.more:
+                break
+            later = True
+        assert steps > 3
+        assert [(e.id, e.backout_count) for e, _ in s.browse(Q, 20, NOW)] == [
+            (f"c{i}", 1 if i < 4 else 0) for i in range(6)]
+        assert held_uows(s) == set() and s.info()["entries"] == "6"
+
+    def test_a_backout_of_a_uow_whose_commit_began_finishes_the_commit(self, admin: Admin, s: Structure,
+                                                                      qm1: Caller) -> None:
+        """A peer backing out a UOW it finds in the CF only (nothing logged) after the owner's commit began there:
+        puts made available cannot be taken back, so the commit is finished, and the owner learns it."""
+        s.put(qm1, entry("c"), b"x")
+        s.get(qm1, Q, uow="U1", now_ms=NOW)
+        for i in range(4):
+            s.put(qm1, entry(f"p{i}", persistent=False), b"x", uow="U1")
+        assert s.commit_step(qm1, "U1", gen=1, lrsn=0, step=2).more
+        peer = join(admin, "QM2")
+        reply = s.backout(peer, "U1", gen=1, lrsn=0, has_data=True, decided_by_recovery=True, step=2)
+        assert (reply.puts, reply.gets) == (0, 0)
+        assert [e.id for e, _ in s.browse(Q, 10, NOW)] == [f"p{i}" for i in range(4)]
+        assert tombstone(s, "U1") == "C" and held_uows(s) == set()
+        with pytest.raises(CompletedByRecoveryError):
+            s.backout(qm1, "U1", gen=1, lrsn=0, has_data=False)
+
+    def test_refuses_at_a_later_step_when_a_backup_began_and_the_gets_need_their_data(
+            self, s: Structure, qm1: Caller) -> None:
+        for i in range(3):
+            s.put(qm1, entry(f"c{i}"), b"x")
+        for _ in range(3):
+            s.get(qm1, Q, uow="U1", now_ms=NOW)
+        assert s.backout_step(qm1, "U1", gen=1, lrsn=500, has_data=False, step=2).more
+        s.backup_begin("B1", 0)
+        with pytest.raises(BackupActiveError):
+            s.backout(qm1, "U1", gen=1, lrsn=600, has_data=False, step=2)
+        assert s.backout(qm1, "U1", gen=1, lrsn=700, has_data=True, step=2).gets == 3
+        assert held_uows(s) == set()
+
+
 class TestExpire:
     def test_moves_expired_messages_then_purges_them(self, s: Structure, qm1: Caller) -> None:
         s.put(qm1, entry("p", expiry=1_000), b"x")
@@ -683,6 +908,18 @@ class TestExpire:
         assert s.expire(NOW).ids == []
         assert s.depths()[Q]["UP"] == 1
         assert s.cf.redis.zscore(keys.expiry(S), "held") == NOW + 1_000  # looked at again later
+
+    def test_sweeps_in_bounded_steps(self, s: Structure, qm1: Caller) -> None:
+        for i in range(7):
+            s.put(qm1, entry(f"e{i}", expiry=1_000), b"x")
+        s.put(qm1, entry("live", expiry=LONG), b"x")
+        raw = s.cf.script("expire")
+        first = raw(keys=keys.script_keys(S), args=[NOW, 1000, 3])
+        assert first[-1] == 1 and first[-2] == 3  # three looked at, more to do
+        swept = s.expire(NOW, step=3)  # called again until every message due is moved
+        assert sorted(swept.ids) == [f"e{i}" for i in range(3, 7)]
+        assert swept.purged + s.expire(NOW, step=2).purged == 7
+        assert s.info()["entries"] == "1"
 
     def test_refuses_a_structure_that_is_not_active(self, admin: Admin, s: Structure) -> None:
         admin.set_state(S, "FAILED")
