@@ -314,10 +314,16 @@ class Admin:
         self.redis.delete(keys.lease(member))
         self.redis.hdel(MEMBERS, member)
 
-    def fence(self, member: str) -> int:
+    def fence(self, member: str, *, repair_ms: int = 5000) -> int:
         """Bump a lapsed member's epoch so that every CF call it makes with the old one is refused. Returns 0, and
-        changes nothing, when the member holds a lease again (it restarted since it was seen lapsed)."""
-        epoch = self._run("fence", [keys.lease(member), EPOCHS], [member, int(time.time() * 1000)])
+        changes nothing, when the member holds a lease again (it restarted since it was seen lapsed). A lease key
+        that holds anything but a lease (another type, no time to live) fences nobody: it is replaced by a lease
+        of ``repair_ms`` and 0 returned (admin_fence.lua)."""
+        epoch = self._run("fence", [keys.lease(member), EPOCHS], [member, int(time.time() * 1000), repair_ms])
+        if epoch < 0:
+            log.warning("the lease key of member %s held no lease (another type, or no time to live): replaced by a "
+                        "lease of %d ms; the member is not fenced", member, repair_ms)
+            return 0
         if epoch:
             self.join_structures(member, epoch)
         return epoch
@@ -378,9 +384,10 @@ class Admin:
         raw = self.redis.hget(keys.recovery_attempts(), structure)
         return keys.text(raw) if raw is not None else None
 
-    def forget_member(self, member: str) -> None:
-        """After peer recovery: the member stays fenced (its epoch stays) but is no longer a live member."""
-        self.redis.hdel(MEMBERS, member)
+    def forget_member(self, member: str, epoch: int) -> bool:
+        """After peer recovery: the member stays fenced (its epoch stays) but is no longer a live member. Not when
+        it joined again meanwhile (its epoch is not ``epoch``, the one its fencing gave it): False."""
+        return self._run("forget", [MEMBERS, EPOCHS], [member, epoch]) == 1
 
     # --- the group repository's identity (cfemu.repository) ----------------------------------------------
     def repository(self) -> dict[str, str] | None:

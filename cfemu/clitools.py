@@ -69,6 +69,9 @@ SETTINGS_HELP = {
     "backup_share": f"the share of the time the backup works while the CF serves the group's work, above 0 and at "
                     f"most 1 (default ${_settings.ENV_BACKUP_SHARE} or {_settings.DEFAULT_BACKUP_SHARE}): it pauses "
                     "between batches the rest of the time; on an idle CF it never pauses; 1: never pauses",
+    "max_umsgs": f"MAXUMSGS: the messages an application may put and get in one unit of work, 1-"
+                 f"{_settings.MAX_MAX_UMSGS} (default ${_settings.ENV_MAX_UMSGS} or {_settings.DEFAULT_MAX_UMSGS}); the "
+                 "put or get past it is refused with MQRC_SYNCPOINT_LIMIT_REACHED (2024), the unit of work left open",
 }
 
 

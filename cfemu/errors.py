@@ -64,6 +64,14 @@ class BackedOutError(MQError):
     reason, reason_name = 2003, "MQRC_BACKED_OUT"
 
 
+class SyncpointLimitError(MQError):
+    """A put or get under syncpoint that would take its unit of work past the queue manager's MAXUMSGS (the messages
+    put and got in one unit of work): refused, nothing changed; the unit of work stays open, to be committed or
+    backed out."""
+
+    reason, reason_name = 2024, "MQRC_SYNCPOINT_LIMIT_REACHED"
+
+
 class OutcomeUnknownError(MQError):
     """The commit's outcome is not known (the connection died during commit)."""
 

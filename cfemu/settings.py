@@ -3,9 +3,10 @@
 Each setting comes from the first of these that has it:
 
   1. its flag             --redis-url, --log-root, --backup-dir, --token, --memory-limit and --workers
-                          (cfrestore), --backup-share (cfbackup run)
+                          (cfrestore), --backup-share (cfbackup run), --max-umsgs (sqm run)
   2. its environment      $REDIS_URL, $CFEMU_LOG_ROOT, $CFEMU_BACKUP_DIR, $SQM_TOKEN ($SQM_OPERATOR_TOKEN),
-                          $CFEMU_RESTORE_MEMORY, $CFEMU_RESTORE_WORKERS, $CFEMU_BACKUP_SHARE, $CFEMU_LOG_ARCHIVE_DIR (--log-archive-dir: linear logging's
+                          $CFEMU_RESTORE_MEMORY, $CFEMU_RESTORE_WORKERS, $CFEMU_BACKUP_SHARE, $SQM_MAX_UMSGS,
+                          $CFEMU_LOG_ARCHIVE_DIR (--log-archive-dir: linear logging's
                           archive; default: none, each member archives into its log directory's archive/)
   3. the cluster          cluster.json of the nearest ``cfemu cluster`` directory: --cluster-dir, else
                           $CFEMU_CLUSTER_DIR, else the first var/cluster holding one, looking in the working
@@ -17,7 +18,8 @@ Each setting comes from the first of these that has it:
   5. the default          var/logs, var/backups (relative to the working directory); no CF URL and no token;
                           restore's working memory 1GiB and its worker processes (the cores, at most 4); a
                           backup's share 0.05 (of the time it works while
-                          the group does: backup.pacing)
+                          the group does: backup.pacing); a member's MAXUMSGS 10,000 (the messages one unit of
+                          work may put and get: sqm.core.config)
 
 The Spark master of restore's spark engine resolves the same way: cfrestore's --master, else
 $CFEMU_SPARK_MASTER, else the cluster's Spark master (``cfemu cluster up --spark N``) while it runs, else none
@@ -70,6 +72,7 @@ ENV_SPARK_MASTER = "CFEMU_SPARK_MASTER"
 ENV_MEMORY_LIMIT = "CFEMU_RESTORE_MEMORY"
 ENV_BACKUP_SHARE = "CFEMU_BACKUP_SHARE"
 ENV_RESTORE_WORKERS = "CFEMU_RESTORE_WORKERS"
+ENV_MAX_UMSGS = "SQM_MAX_UMSGS"
 
 DEFAULT_CLUSTER_DIR = Path("var/cluster")
 DEFAULT_CF_DIR = Path("var/cf")
@@ -85,6 +88,9 @@ MAX_RESTORE_WORKERS = 64
 # Measured on 2 cores (BENCHMARKS.md, issue 15): 0.05 kept the group's throughput within 10% while a backup of
 # 1M messages ran (5.4%); 0.1 did at 200k (4.5-6.7%), not at 1M (13.9%).
 DEFAULT_BACKUP_SHARE = 0.05
+# MAXUMSGS: the messages one unit of work may put and get (IBM MQ's default and upper bound; sqm.core.config).
+DEFAULT_MAX_UMSGS = 10_000
+MAX_MAX_UMSGS = 999_999_999
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2, "mib": 1 << 20,
           "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30, "t": 1 << 40, "tb": 1000**4, "tib": 1 << 40}
 
@@ -121,6 +127,20 @@ class Settings:
     memory_limit_text: str = DEFAULT_MEMORY_LIMIT  # as given (flag, $CFEMU_RESTORE_MEMORY, or the default)
     backup_share_text: str = str(DEFAULT_BACKUP_SHARE)  # as given (flag, $CFEMU_BACKUP_SHARE, or the default)
     restore_workers_text: str = ""  # as given (flag, $CFEMU_RESTORE_WORKERS); "": the default (default_workers)
+    max_umsgs_text: str = str(DEFAULT_MAX_UMSGS)  # as given (flag, $SQM_MAX_UMSGS, or the default)
+
+    def max_umsgs(self) -> int:
+        """A member's MAXUMSGS (1 to MAX_MAX_UMSGS); ValueError, one line, when the setting is bad. Parsed only
+        by sqm run, so that a bad value never stops another command."""
+        where = {FLAG: "--max-umsgs", ENV: f"${ENV_MAX_UMSGS}"}.get(self.sources.get("max_umsgs", ""), "MAXUMSGS")
+        try:
+            n = int(self.max_umsgs_text.strip().replace("_", ""))
+        except ValueError:
+            raise ValueError(f"{where}: {self.max_umsgs_text!r} is not a number of messages (say e.g. "
+                             f"{DEFAULT_MAX_UMSGS})") from None
+        if not 1 <= n <= MAX_MAX_UMSGS:
+            raise ValueError(f"{where}: {self.max_umsgs_text!r} is not between 1 and {MAX_MAX_UMSGS}")
+        return n
 
     def memory_limit(self) -> int:
         """Restore's working memory in bytes (parse_size of the setting); ValueError, one line, when it is bad.
@@ -170,6 +190,8 @@ class Settings:
             out[ENV_SPARK_MASTER] = self.spark_master
         if "backup_share" in self.sources:
             out[ENV_BACKUP_SHARE] = self.backup_share_text
+        if "max_umsgs" in self.sources:
+            out[ENV_MAX_UMSGS] = self.max_umsgs_text
         return out
 
 
@@ -298,7 +320,7 @@ def resolve(*, redis_url: str | None = None, log_root: str | os.PathLike[str] | 
             cluster_dir: str | os.PathLike[str] | None = None, cf_dir: str | os.PathLike[str] | None = None,
             log_archive_dir: str | os.PathLike[str] | None = None, spark_master: str | None = None,
             memory_limit: str | None = None, backup_share: str | None = None, workers: str | None = None,
-            role: str = "operator", env: Mapping[str, str] | None = None, cwd: Path | None = None) -> Settings:
+            max_umsgs: str | None = None, role: str = "operator", env: Mapping[str, str] | None = None, cwd: Path | None = None) -> Settings:
     """Resolve every setting (see the module doc). The keyword arguments are the flags (None: not given); env
     and cwd default to the process's own and exist for tests."""
     environ = os.environ if env is None else env
@@ -352,6 +374,9 @@ def resolve(*, redis_url: str | None = None, log_root: str | os.PathLike[str] | 
     # The backup's own setting, likewise.
     share = pick("backup_share", backup_share, ENV_BACKUP_SHARE, None) if (
         backup_share or environ.get(ENV_BACKUP_SHARE)) else None
+    # A member's own setting, likewise.
+    umsgs = pick("max_umsgs", max_umsgs, ENV_MAX_UMSGS, None) if (
+        max_umsgs or environ.get(ENV_MAX_UMSGS)) else None
     return Settings(redis_url=str(url) if url else None, log_root=Path(logs), backup_dir=Path(backups),
                     token=str(tok) if tok else None, cluster_dir=cdir.resolve() if state else None,
                     sources=sources, secrets_dir=secrets_dir, token_role=token_role,
@@ -359,7 +384,8 @@ def resolve(*, redis_url: str | None = None, log_root: str | os.PathLike[str] | 
                     spark_master=str(master[1]) if master[1] else None,
                     memory_limit_text=str(memory) if memory else DEFAULT_MEMORY_LIMIT,
                     backup_share_text=str(share) if share else str(DEFAULT_BACKUP_SHARE),
-                    restore_workers_text=str(restore_workers) if restore_workers else "")
+                    restore_workers_text=str(restore_workers) if restore_workers else "",
+                    max_umsgs_text=str(umsgs) if umsgs else str(DEFAULT_MAX_UMSGS))
 
 
 def operator_token(found: Settings, env: Mapping[str, str] | None = None) -> str | None:

@@ -56,7 +56,7 @@ def add_run_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=0, help="TCP port (0: any free port, see --ready-file)")
     add_settings_arguments(p, "redis_url", "log_root", "token", "cluster_dir", "cf_dir", "backup_dir",
-                           "log_archive_dir")
+                           "log_archive_dir", "max_umsgs")
     p.add_argument("--log-mode", choices=("linear", "circular"), default="linear",
                    help="linear (default): inactive log segments are archived, then removed from the active log; "
                         "circular: a fixed ring of --log-ring segments reused once inactive")
@@ -128,6 +128,7 @@ def cmd_run(args: argparse.Namespace, out: Output) -> int:
         raise CLIError(f"--no-auth is refused on --host {args.host}, which is not a loopback address: anyone who "
                        "reaches it could do anything; run with the group's tokens instead")
     found = settings(args)
+    max_umsgs = found.max_umsgs()
     url = require_url(found)
     op_token = operator_token(found)
     if not args.no_auth and not (found.token or op_token):
@@ -142,7 +143,7 @@ def cmd_run(args: argparse.Namespace, out: Output) -> int:
         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
         metrics_port=args.metrics_port, metrics_host=args.metrics_host, lease_ms=args.lease_ms,
         cf_connections=args.cf_connections, request_slots=args.request_slots, slot_lease_ms=args.slot_lease_ms,
-        logload=args.logload, max_frame=args.max_frame, log_mode=args.log_mode, log_ring=args.log_ring,
+        logload=args.logload, max_umsgs=max_umsgs, max_frame=args.max_frame, log_mode=args.log_mode, log_ring=args.log_ring,
         log_archive_dir=found.log_archive_dir, segment_bytes=max(4096, int(args.log_segment_mb * 2**20)),
         checkpoint_interval_s=args.checkpoint_interval, cpl_entries=args.cpl_entries,
         shutdown_grace_s=args.shutdown_grace, cf_wait_s=args.cf_wait, ready_file=args.ready_file,

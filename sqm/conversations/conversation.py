@@ -265,7 +265,7 @@ class Conversation:
         delivered: Control | None = None
         try:
             try:
-                m = conn.get(svc.control, syncpoint=True, correlid=b"A")
+                m = conn.get(svc.control, syncpoint=True, correlid=b"A", counted=False)
             except NoMessageError:
                 conn.backout()
                 return None
@@ -672,7 +672,7 @@ def move_to_backout_queue(conn: Connection, svc: ctl.Service, uow: str) -> bool:
     removed; in the connection's unit of work."""
     def move(m: Message) -> None:
         conn.put(svc.backout_queue, m.body, persistent=m.persistent, syncpoint=True, correlid=bytes.fromhex(uow),
-                 properties=m.properties)
+                 properties=m.properties, counted=False)
     return ctl.drain_data(conn, svc, uow, move if svc.backout_queue else None) > 0 and bool(svc.backout_queue)
 
 

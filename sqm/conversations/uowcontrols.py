@@ -148,7 +148,7 @@ def count_status(qm: Member, svc: Service, status: str) -> int:
 def put_control(conn: Connection, svc: Service, c: Control) -> None:
     c = logon_token.seal_control(conn.qm, c)  # the owners' tokens only ever in their stored form
     conn.put(svc.control, c.pack(), persistent=c.entry_persistent, syncpoint=True, msgid=bytes.fromhex(c.uow),
-             correlid=LETTER[c.status].encode())
+             correlid=LETTER[c.status].encode(), counted=False)
 
 
 def take_control(conn: Connection, svc: Service, uow: str, *, wait_s: float = HELD_WAIT_S,
@@ -163,7 +163,7 @@ def take_control(conn: Connection, svc: Service, uow: str, *, wait_s: float = HE
     delay = 0.005
     while True:
         try:
-            msg = conn.get(svc.control, syncpoint=True, msgid=bytes.fromhex(uow))
+            msg = conn.get(svc.control, syncpoint=True, msgid=bytes.fromhex(uow), counted=False)
             return Control.unpack(msg.body)
         except NoMessageError:
             pass
@@ -182,7 +182,7 @@ def drain_data(conn: Connection, svc: Service, uow: str, each: Callable[[Message
     n = 0
     while True:
         try:
-            m = conn.get(svc.data, syncpoint=True, correlid=bytes.fromhex(uow))
+            m = conn.get(svc.data, syncpoint=True, correlid=bytes.fromhex(uow), counted=False)
         except NoMessageError:
             return n
         if each is not None:
@@ -227,11 +227,11 @@ def set_last(conn: Connection, svc: Service, user: str, token: str, uow: str, cr
     """Replace the user's pointer on this service's control queue, in the connection's unit of work."""
     pid = last_pointer_id(user, token)
     try:
-        conn.get(svc.control, syncpoint=True, msgid=pid)
+        conn.get(svc.control, syncpoint=True, msgid=pid, counted=False)
     except NoMessageError:
         pass
     conn.put(svc.control, msgpack.packb({"uow": uow, "at": created_ms}), persistent=persistent, syncpoint=True,
-             msgid=pid, correlid=LAST_LETTER.encode())
+             msgid=pid, correlid=LAST_LETTER.encode(), counted=False)
 
 
 def _peek_id(qm: Member, svc: Service, value: str, limit: int = 1) -> list[tuple[Any, bytes]]:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from cfemu.progress import Progress
+from cfemu.settings import DEFAULT_MAX_UMSGS
 
 LINEAR, CIRCULAR = "linear", "circular"
 LOG_MODES = (LINEAR, CIRCULAR)
@@ -26,6 +27,10 @@ class QueueManagerConfig:
     redis_url: str | None = None
     lease_ms: int = 5000
     logload: int = 10000  # take a checkpoint every this many log records (MQ's LOGLOAD)
+    # MAXUMSGS: the messages an application may put and get in one unit of work (IBM MQ's default). The put or get
+    # past it is refused with MQRC_SYNCPOINT_LIMIT_REACHED; the unit of work stays open, to be committed or backed
+    # out. It bounds what one application's commit or backout asks of the CF and of the log.
+    max_umsgs: int = DEFAULT_MAX_UMSGS
     expiry_interval_ms: int = 1000
     # How often the wings' sweepers run from housekeeping (units of work sent to services: sqm.conversations.uowsweeper;
     # publications and subscriptions: sqm.pubsub.pubsub_sweeper); 0: never.

@@ -23,8 +23,10 @@ from cfemu.errors import (
     NoMessageError,
     OutcomeUnknownError,
     StructureFailedError,
+    SyncpointLimitError,
 )
 from cfemu.limits import check_id
+from cfemu.settings import ENV_MAX_UMSGS
 from sqm.core import records
 from sqm.core.clock import LrsnClock, now_ms
 from sqm.core.config import QueueManagerConfig
@@ -105,7 +107,9 @@ class Connection(UnitOfWorkScope):
     # --- put ----------------------------------------------------------------------------------------------
     def put(self, queue: str, body: bytes, *, persistent: bool = True, syncpoint: bool = True, priority: int = 0,
             msgid: bytes | None = None, correlid: bytes = b"", expiry_ms: int = 0,
-            properties: dict[str, Any] | None = None) -> Message:
+            properties: dict[str, Any] | None = None, counted: bool = True) -> Message:
+        """Put a message. ``counted`` False: a wing's bookkeeping entry, not an application's message; it does not
+        count towards the unit of work's MAXUMSGS (QueueManagerConfig.max_umsgs)."""
         qm = self.qm
         qm.check_usable()
         qdef = qm.queue_def(queue)
@@ -127,13 +131,29 @@ class Connection(UnitOfWorkScope):
             raise BadRequestError(str(e)) from None
         if persistent:
             qm.ensure_log_space()  # a full circular log refuses new persistent work, with the reason
+        uow = self._current_uow() if syncpoint else None
+        if uow is not None and counted:
+            self._check_umsgs(uow, "put", queue)
         t = now_ms()
         entry = Entry(id=os.urandom(12).hex(), queue=queue, priority=priority, persistent=persistent,
                       msgid=(msgid if msgid is not None else os.urandom(24)).hex(), correlid=correlid.hex(),
                       expiry=t + expiry_ms if expiry_ms else 0, put_time=t, properties=props)
-        self._put_entry(qdef.structure, entry, bytes(body), self._current_uow() if syncpoint else None)
+        self._put_entry(qdef.structure, entry, bytes(body), uow)
+        if uow is not None and counted:
+            uow.umsgs += 1
         qm.counters["puts"] += 1
         return Message.from_entry(entry, bytes(body))
+
+    def _check_umsgs(self, uow: UnitOfWork, what: str, queue: str) -> None:
+        """MAXUMSGS: refuse the put or get that would take the unit of work past the queue manager's limit. Nothing
+        is changed and the unit of work stays open: it can be committed (the messages within the limit) or backed
+        out, as IBM MQ leaves it."""
+        limit = self.qm.config.max_umsgs
+        if uow.umsgs >= limit:
+            raise SyncpointLimitError(
+                f"{what} on {queue} refused: unit of work {uow.id} holds {uow.umsgs} messages, the limit of queue "
+                f"manager {uow.owner} (MAXUMSGS {limit}); commit or back it out, or raise the limit (sqm run "
+                f"--max-umsgs, ${ENV_MAX_UMSGS})")
 
     def _put_entry(self, sname: str, entry: Entry, body: bytes, uow: UnitOfWork | None) -> None:
         qm = self.qm
@@ -175,9 +195,10 @@ class Connection(UnitOfWorkScope):
 
     # --- get ----------------------------------------------------------------------------------------------
     def get(self, queue: str, *, syncpoint: bool = True, wait_ms: int = 0, msgid: bytes | None = None,
-            correlid: bytes | None = None, max_length: int = 0) -> Message:
+            correlid: bytes | None = None, max_length: int = 0, counted: bool = True) -> Message:
         """Take the next message. ``max_length`` (0: any): the longest message, data plus stored descriptor, the
-        caller can carry (the service's frame); a longer one raises TruncatedMessageError and stays untouched."""
+        caller can carry (the service's frame); a longer one raises TruncatedMessageError and stays untouched.
+        ``counted`` False: a wing's bookkeeping entry, not counted towards MAXUMSGS (put)."""
         qm = self.qm
         qm.check_usable()
         qdef = qm.queue_def(queue)
@@ -201,6 +222,8 @@ class Connection(UnitOfWorkScope):
             while True:
                 if self.gone.is_set():
                     raise ClientGoneError(f"the client left while waiting for a message on {queue}")
+                if own is None and counted:
+                    self._check_umsgs(uow, "get", queue)
                 got = self._uow_cf_call(uow, qdef.structure, lambda: s.get(
                     qm.caller, queue, uow=uow.id, gen=uow.structures.get(qdef.structure, 0), match=match,
                     value=value, now_ms=now_ms(), max_length=max_length))
@@ -216,6 +239,8 @@ class Connection(UnitOfWorkScope):
                     if self._is_poison(qdef, entry):
                         self._move_to_backout_queue(qdef, entry, data, uow)
                         continue
+                    if own is None and counted:
+                        uow.umsgs += 1
                     break
                 if time.monotonic() >= deadline:
                     raise NoMessageError(f"no message available on {queue}")

@@ -67,6 +67,11 @@ class QueueManager(Outcomes, LogSpace):
             config.redis_url, max_connections=config.cf_connections, pool_timeout=config.cf_pool_timeout_s)
         self.cf = CF(self.redis)
         self.admin = Admin(self.redis)
+        # The lease is renewed over connections of its own: requests that take every connection of the pool, or a
+        # long step holding one, never make a renewal wait for a free one (a member given a client shares it).
+        self.lease_admin = self.admin if client is not None else Admin(connect(
+            config.redis_url, max_connections=2, pool_timeout=config.lease_ms / 3000,
+            socket_timeout=max(1.0, config.lease_ms / 1000)))
         self.clock = LrsnClock(config.clock_skew_us)
         self.caller = Caller(self.name, 0, self.clock)
         self.log: RecordLog | None = None
@@ -118,25 +123,38 @@ class QueueManager(Outcomes, LogSpace):
             self.caller.epoch = self.admin.join(self.name, {"pid": os.getpid(), "log": str(self.log_dir)},
                                                 self.config.lease_ms)
             self.running = True
+            # The lease is renewed from the join on: restart recovery, its checkpoint and relog pass may take
+            # longer than the lease, and a member that stopped renewing meanwhile was fenced by a peer as soon as
+            # it served. Housekeeping (peer recovery, expiry, the wings' sweepers) waits for restart to finish.
+            if self.config.background:
+                self._start_thread(self._heartbeat_loop)
             self.last_restart = restart(self, progress)
         except BaseException:  # leave nothing open or locked: the caller may try again
             self.running = False
+            self._stop_threads()
             self.log.close()
             self.log = None
             raise
         if self.config.background:
-            for target in (self._heartbeat_loop, self._housekeeping_loop):
-                t = threading.Thread(target=target, name=f"{self.name}-{target.__name__}", daemon=True)
-                t.start()
-                self._threads.append(t)
+            self._start_thread(self._housekeeping_loop)
         return self.last_restart
 
-    def stop(self, *, checkpoint: bool = True) -> None:
-        """Graceful shutdown: stop background work, take a checkpoint, leave the group, close the log."""
+    def _start_thread(self, target: Callable[[], None]) -> None:
+        t = threading.Thread(target=target, name=f"{self.name}-{target.__name__}", daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def _stop_threads(self) -> None:
+        """Stop the background threads and wait for them; a later start begins with none running."""
         self._stop.set()
         for t in self._threads:
             t.join(timeout=5)
         self._threads.clear()
+        self._stop = threading.Event()
+
+    def stop(self, *, checkpoint: bool = True) -> None:
+        """Graceful shutdown: stop background work, take a checkpoint, leave the group, close the log."""
+        self._stop_threads()
         if self.log is not None:
             if checkpoint and not self.fenced and not self.log_failed:
                 self.checkpoint("shutdown")
@@ -277,8 +295,9 @@ class QueueManager(Outcomes, LogSpace):
     def renew_membership(self) -> None:
         """Renew the lease; re-join the group when the CF lost it (a new, higher epoch); mark fenced when a peer
         took over. Called by the heartbeat, and at once when a structure does not know this member."""
+        admin = self.lease_admin
         with self._membership_lock:
-            rc = self.admin.heartbeat(self.name, self.caller.epoch, self.config.lease_ms)
+            rc = admin.heartbeat(self.name, self.caller.epoch, self.config.lease_ms)
             if rc == 0:
                 if not self.fenced:
                     log.error("%s: fenced (epoch %d is stale): peer recovery took over; restart required",
@@ -287,28 +306,31 @@ class QueueManager(Outcomes, LogSpace):
                 raise FencedError(f"queue manager {self.name} was fenced by peer recovery; restart it")
             if rc < 0:  # the CF was lost and rebuilt: join the group again, with a higher epoch
                 self._reclaim_repository()
-                self.caller.epoch = self.admin.join(self.name, {"pid": os.getpid(), "log": str(self.log_dir),
-                                                                "min_epoch": self.caller.epoch + 1},
-                                                    self.config.lease_ms)
+                self.caller.epoch = admin.join(self.name, {"pid": os.getpid(), "log": str(self.log_dir),
+                                                           "min_epoch": self.caller.epoch + 1},
+                                               self.config.lease_ms)
                 self._queue_cache.clear()
                 log.warning("%s: re-joined the group after the CF was lost (epoch %d)", self.name,
                             self.caller.epoch)
             else:  # joined, but a structure rebuilt since does not carry our epoch yet
-                self.admin.join_structures(self.name, self.caller.epoch)
+                admin.join_structures(self.name, self.caller.epoch)
 
     def _reclaim_repository(self) -> None:
         """Tell a new CF where the group's repository is (this member's log root was checked at start), so that a
         member started meanwhile with another log root is refused. A running member never stops over it."""
         try:
-            open_group_repository(self.admin, self.config.log_root, who=self.name)
+            open_group_repository(self.lease_admin, self.config.log_root, who=self.name)
         except RepositoryError as e:
             log.error("%s", e)
 
     # --- background work --------------------------------------------------------------------------------
     def _heartbeat_loop(self) -> None:
+        """Renew the lease every third of it, from the join on (restart recovery may still be running: nothing here
+        may assume it finished). Only a fenced member or a failed log stops renewing."""
         period = self.config.lease_ms / 3000
         failing = ""
-        while not self._stop.wait(period):
+        stop = self._stop
+        while not stop.wait(period):
             if self.log_failed:
                 return  # let the lease lapse: a peer recovers this member's work
             try:
@@ -331,7 +353,8 @@ class QueueManager(Outcomes, LogSpace):
 
     def _housekeeping_loop(self) -> None:
         next_expiry = 0.0
-        while not self._stop.wait(0.2):
+        stop = self._stop
+        while not stop.wait(0.2):
             if self.fenced or self.log_failed:
                 return
             try:

@@ -123,14 +123,24 @@ class Outcomes:
                                      "is disconnected (cfemu pstore connect)")
 
     def _fenced_commit(self, uow: UnitOfWork, e: FencedError) -> MQError:
-        """What the application learns of a commit during which a peer fenced this member. The peer completes the
-        member's work from its log: a forced COMMIT it carries through (unless a structure refuses it), work no
-        log decided it backs out. 'Failed' is wrong for a logged commit: a put outside syncpoint reported failed
-        would then be delivered (a 'phantom'; invariant 1, docs/invariants.md)."""
-        if uow.persistent or uow.applied:
-            return OutcomeUnknownError(f"the commit of unit of work {uow.id} was {'logged' if uow.persistent else 'begun'} "
-                                       f"when peer recovery fenced {self.name} ({e}): the peer commits it or backs it out; its "
-                                       "outcome is not known here")
+        """What the application learns of a commit during which a peer fenced this member. The peer decides the
+        member's work from its log as the peer read it: a COMMIT on disk by then it carries through (unless a
+        structure refuses it), anything else it backs out, a COMMIT forced after the peer read the log included.
+        This member cannot tell which, so the message says how it is decided, never that it was completed.
+        'Failed' is wrong for a logged commit: a put outside syncpoint reported failed would then be delivered (a
+        'phantom'; invariant 1, docs/invariants.md)."""
+        if uow.persistent:
+            return OutcomeUnknownError(
+                f"the commit of unit of work {uow.id} was logged when peer recovery fenced {self.name} ({e}): the "
+                "peer decides it from this member's log, committed if its COMMIT was on disk when the peer read "
+                "the log (and no structure refused it), else backed out; its outcome is not known here")
+        if uow.applied:
+            done = ", ".join(sorted(uow.applied))
+            rest = ", ".join(sorted(set(uow.structures) - uow.applied)) or "none"
+            return OutcomeUnknownError(
+                f"the commit of unit of work {uow.id} (no persistent work, so no log decides it) was applied on "
+                f"{done} when peer recovery fenced {self.name} ({e}): the peer backs out what it held on the other "
+                f"structures ({rest}); its outcome there is not known here")
         return BackedOutError(f"unit of work {uow.id} is backed out: peer recovery fenced {self.name} before its "
                               f"commit was applied or logged ({e})")
 

@@ -240,7 +240,8 @@ def recover_peer(qm: RecoveringMember, failed: str) -> PeerRecoveryReport | None
     is decided (it stays fenced, its entries locked, until its log is back or it restarts and recovers itself)."""
     t0 = time.monotonic()
     rep = PeerRecoveryReport(failed, qm.name)
-    if not qm.admin.fence(failed):
+    epoch = qm.admin.fence(failed, repair_ms=qm.config.lease_ms)
+    if not epoch:
         log.info("%s: %s holds a lease again (it restarted): nothing to recover", qm.name, failed)
         return rep
     log_dir = qm.config.log_root / failed
@@ -277,7 +278,8 @@ def recover_peer(qm: RecoveringMember, failed: str) -> PeerRecoveryReport | None
     # test polling the members read the counter a moment too early under load).
     qm.hooks.member_recovered(failed)  # the wings' work of the failed member, whose epoch is fenced (sqm.core.hooks)
     qm.counters["peer_recoveries"] += 1
-    qm.admin.forget_member(failed)
+    if not qm.admin.forget_member(failed, epoch):  # it joined again while its previous incarnation was recovered
+        log.info("%s: %s joined again during its recovery: it stays a member", qm.name, failed)
     rep.seconds = time.monotonic() - t0
     log.warning("%s recovered %s in %.3fs: %d committed, %d backed out, %d in doubt kept", qm.name, failed,
                 rep.seconds, rep.committed, rep.backed_out, rep.in_doubt)

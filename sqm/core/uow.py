@@ -23,6 +23,10 @@ class UnitOfWork:
     record_lrsn: int = 0  # LRSN of the latest record of that decision: the CF checks it against its floor
     data_logged: bool = False  # that record carries the data of the UOW's persistent gets (backup running)
     operations: int = 0
+    # The messages the application put and got in it (MAXUMSGS counts these: QueueManagerConfig.max_umsgs). A
+    # wing's own bookkeeping entries and a poison message's move to the backout queue are not counted, so that a
+    # unit of work refused at its limit can always be settled.
+    umsgs: int = 0
     # The LRSN of its first logged record (0: not known, a UOW from a checkpoint written before this was kept):
     # the log must keep it while the UOW is active or in doubt (sqm.core.retention).
     first_lrsn: int = 0

@@ -24,6 +24,7 @@ from sqm.log.format import (
     FRAME_HEADER_BYTES,
     LOCK_NAME,
     MAX_RECORD_BYTES,
+    LogCorruptError,
     LogFormatError,
     LogLockedError,
     LogPosition,
@@ -113,9 +114,18 @@ def _copy_verified(src: Path, dst: Path, segment: int, member: str, info: Segmen
     with open(tmp, "rb") as f:
         while chunk := f.read(1 << 20):
             check.update(chunk)
-    scan = SegmentScan(tmp, segment, member, is_last=False).run().info()
-    if check.digest() != digest.digest() or (scan.records, scan.min_lrsn, scan.max_lrsn) != (
-            info.records, info.min_lrsn, info.max_lrsn):
+    if check.digest() != digest.digest():
+        tmp.unlink()
+        raise LogFormatError(f"{dst}: the archived copy of segment {segment} does not read back as the bytes of "
+                             f"{src}: not archived")
+    try:
+        scan = SegmentScan(tmp, segment, member, is_last=False).run().info()
+    except LogCorruptError as e:
+        # The copy holds the segment's own bytes (checked above): the damage is in the segment, and the error
+        # names it, not the temporary copy that is removed here.
+        tmp.unlink()
+        raise LogCorruptError(src, e.offset, e.what) from None
+    if (scan.records, scan.min_lrsn, scan.max_lrsn) != (info.records, info.min_lrsn, info.max_lrsn):
         tmp.unlink()
         raise LogFormatError(f"{dst}: the archived copy of segment {segment} does not read back as the segment "
                              f"({scan.records} records, LRSN {scan.min_lrsn}..{scan.max_lrsn}; the log has "

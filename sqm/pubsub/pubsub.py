@@ -248,7 +248,8 @@ def next_publication(qm: Member, t: Topic, position: tuple[int, str]) -> TopicNe
 
 
 def put_subscription(conn: Connection, t: Topic, s: Subscription) -> None:
-    conn.put(t.sub_queue, s.pack(), persistent=s.durable, syncpoint=True, msgid=s.sid, correlid=SUB_LETTER)
+    conn.put(t.sub_queue, s.pack(), persistent=s.durable, syncpoint=True, msgid=s.sid, correlid=SUB_LETTER,
+             counted=False)
 
 
 def _held_elsewhere(t: Topic, name: str) -> ResourceProblemError:
@@ -263,7 +264,7 @@ def take_all(conn: Connection, t: Topic, name: str, *, user: str = "", token: st
     took one entry, the later one's look finds the other's held."""
     sid = subscription_id(t.name, name, user, token)
     try:
-        taken = [conn.get(t.sub_queue, syncpoint=True, msgid=sid)]
+        taken = [conn.get(t.sub_queue, syncpoint=True, msgid=sid, counted=False)]
     except NoMessageError:
         if peek_entries(conn.qm, t, sid):
             raise _held_elsewhere(t, name) from None
@@ -279,7 +280,7 @@ def take_all(conn: Connection, t: Topic, name: str, *, user: str = "", token: st
             elsewhere = True
             break
         try:  # a duplicate nobody holds: merge it in
-            taken.append(conn.get(t.sub_queue, syncpoint=True, msgid=sid))
+            taken.append(conn.get(t.sub_queue, syncpoint=True, msgid=sid, counted=False))
         except NoMessageError:
             elsewhere = True  # another session took it meanwhile
             break
@@ -299,14 +300,15 @@ def take_roster(conn: Connection, t: Topic, sid: bytes) -> None:
     """Get the subscription's roster entries (one, or one per raced subscribe) under the connection's unit of work."""
     for _ in range(MAX_DUPLICATES):
         try:
-            conn.get(t.sub_queue, syncpoint=True, msgid=roster_id(sid))
+            conn.get(t.sub_queue, syncpoint=True, msgid=roster_id(sid), counted=False)
         except NoMessageError:
             return
 
 
 def _put_roster(conn: Connection, t: Topic, s: Subscription) -> None:
     body = msgpack.packb({"sid": s.sid.hex(), "name": s.name, "user": s.user}, use_bin_type=True)
-    conn.put(t.sub_queue, body, persistent=s.durable, syncpoint=True, msgid=roster_id(s.sid), correlid=ROSTER_LETTER)
+    conn.put(t.sub_queue, body, persistent=s.durable, syncpoint=True, msgid=roster_id(s.sid), correlid=ROSTER_LETTER,
+             counted=False)
 
 
 def subscribe(qm: Member, topic_name: str, name: str, *, durable: bool | None = None, user: str = "",

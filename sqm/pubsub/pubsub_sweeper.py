@@ -122,7 +122,7 @@ def _remove_publication(qm: Member, t: ps.Topic, pub: str, count: int) -> int:
         taken = 0
         for _ in range(count):
             try:
-                conn.get(t.pub_queue, syncpoint=True, correlid=bytes.fromhex(pub))
+                conn.get(t.pub_queue, syncpoint=True, correlid=bytes.fromhex(pub), counted=False)
             except NoMessageError:
                 break  # another member's sweep took it
             taken += 1

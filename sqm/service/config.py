@@ -14,6 +14,7 @@ import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cfemu.settings import DEFAULT_MAX_UMSGS, MAX_MAX_UMSGS
 from sqm.core.recauto import RecoverStructure
 from sqm.operations import APPLICATION, OPERATOR
 from sqm.request_slots import LEASE_S, MAX_SLOTS, default_slots
@@ -78,6 +79,7 @@ class ServerConfig:
     request_slots: int = field(default_factory=default_slots)
     slot_lease_ms: int = int(LEASE_S * 1000)  # a request holding its slot this long counts as waiting
     logload: int = 10000  # LOGLOAD: a checkpoint every this many log records
+    max_umsgs: int = DEFAULT_MAX_UMSGS  # MAXUMSGS: messages put and got in one unit of work (QueueManagerConfig)
     # Log management (sqm.core.manager.QueueManagerConfig, docs/log-management.md)
     log_mode: str = "linear"
     log_ring: int = 8
@@ -114,6 +116,8 @@ class ServerConfig:
                                     f"{self.request_slots}")
         if self.slot_lease_ms < 1:
             raise ServerConfigError(f"a request slot's lease must be at least 1 ms, not {self.slot_lease_ms}")
+        if not 1 <= self.max_umsgs <= MAX_MAX_UMSGS:
+            raise ServerConfigError(f"MAXUMSGS must be 1-{MAX_MAX_UMSGS}, not {self.max_umsgs}")
 
     def role_tokens(self) -> dict[str, str]:
         return {role: tok for role, tok in ((APPLICATION, self.token), (OPERATOR, self.operator_token)) if tok}

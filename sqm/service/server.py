@@ -83,7 +83,8 @@ class SQMServer:
             logload=config.logload, clock_skew_us=config.clock_skew_ms * 1000,
             log_mode=config.log_mode, log_ring=config.log_ring, log_archive_dir=config.log_archive_dir,
             segment_bytes=config.segment_bytes, checkpoint_interval_s=config.checkpoint_interval_s,
-            cpl_entries=config.cpl_entries, recover_structure=config.recover_structure), wings=WINGS)
+            cpl_entries=config.cpl_entries, max_umsgs=config.max_umsgs,
+            recover_structure=config.recover_structure), wings=WINGS)
         self.stats = Stats()
         self.slots = RequestSlots(config.request_slots, config.slot_lease_ms / 1000)
         self.port = config.port
@@ -124,7 +125,8 @@ class SQMServer:
                 "tls": self.ssl is not None, "auth": c.auth, "roles": sorted(self.authenticator.tokens),
                 "limits": {"max_connections": c.max_connections, "max_connections_per_peer":
                            c.max_connections_per_peer, "max_unauthenticated": c.max_unauthenticated,
-                           "auth_timeout_s": c.auth_timeout_s, "idle_timeout_s": c.idle_timeout_s}}
+                           "auth_timeout_s": c.auth_timeout_s, "idle_timeout_s": c.idle_timeout_s,
+                           "max_umsgs": self.qm.config.max_umsgs}}
 
     # --- life cycle --------------------------------------------------------------------------------------
     def server_stats(self) -> dict[str, Any]:
@@ -166,8 +168,9 @@ class SQMServer:
                 loop.add_signal_handler(sig, self._on_signal, sig)
         watcher = asyncio.create_task(self._watch_fencing())
         self._write_ready_file()
-        log.info("%s serving on %s:%d%s (metrics %s:%s), epoch %d, %s", self.qm.name, self.config.host, self.port,
-                 " with TLS" if self.ssl else "", self.config.metrics_host, self.metrics_port, self.qm.caller.epoch,
+        log.info("%s serving on %s:%d%s (metrics %s:%s), epoch %d, MAXUMSGS %d, %s", self.qm.name, self.config.host,
+                 self.port, " with TLS" if self.ssl else "", self.config.metrics_host, self.metrics_port,
+                 self.qm.caller.epoch, self.qm.config.max_umsgs,
                  f"authentication on (roles: {', '.join(self.authenticator.tokens)})" if self.config.auth else
                  "authentication OFF (--no-auth: every local connection is an operator)")
         if self.config.auth and OPERATOR not in self.authenticator.tokens:

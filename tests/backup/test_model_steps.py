@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import redis
 
-from sqm import records
+from sqm.core import records
 from tests.backup.model.actors import (
     QUEUE,
     STRUCTURE,

@@ -138,7 +138,8 @@ def test_script_keys_follow_the_prelude_header() -> None:
 
 def test_scripts_are_found_by_kind() -> None:
     assert {"put", "get", "commit", "backout"} <= set(lua.structure_operations())
-    assert set(lua.admin_operations()) == {"admin_heartbeat", "admin_fence", "admin_raise_fence", "admin_hold_lock"}
+    assert set(lua.admin_operations()) == {"admin_heartbeat", "admin_fence", "admin_raise_fence", "admin_hold_lock",
+                                           "admin_forget"}
     assert lua.source("put").startswith("-- _prelude")  # a structure operation comes after the prelude
     assert lua.source("admin_fence").startswith("-- admin_fence")  # an admin one stands alone
     with pytest.raises(KeyError):
@@ -1244,6 +1245,43 @@ class TestAdminFence:
         epoch = admin.join("QM1", {}, lease_ms=60_000)
         assert admin.fence("QM1") == 0
         assert admin.epoch("QM1") == epoch and admin.redis.hget(keys.fence(S), "QM1") == str(epoch).encode()
+
+
+    @pytest.mark.parametrize("value", ["hash", "list", "set", "string without a time to live"])
+    def test_a_lease_key_holding_no_lease_fences_nobody_and_is_repaired(self, admin: Admin, value: str) -> None:
+        """Whoever can write the key (a holder of a CF password) cannot fence a live member by putting another
+        type, or a value with no time to live, at its lease key; a dead member's repaired lease lapses and it
+        is fenced then."""
+        epoch = admin.join("QM1", {}, lease_ms=60_000)
+        lease = keys.lease("QM1")
+        admin.redis.delete(lease)
+        {"hash": lambda: admin.redis.hset(lease, "x", "y"), "list": lambda: admin.redis.rpush(lease, "x"),
+         "set": lambda: admin.redis.sadd(lease, "x"),
+         "string without a time to live": lambda: admin.redis.set(lease, str(epoch))}[value]()
+        assert admin.fence("QM1", repair_ms=300) == 0
+        assert admin.epoch("QM1") == epoch and admin.redis.type(lease) == b"string"
+        assert 0 < admin.redis.pttl(lease) <= 300
+        assert admin.heartbeat("QM1", epoch, 60_000) == 1  # the live member renews it
+        assert admin.redis.pttl(lease) > 1_000 and admin.fence("QM1") == 0
+        admin.redis.delete(lease)
+        admin.redis.hset(lease, "x", "y")
+        assert admin.fence("QM1", repair_ms=100) == 0
+        time.sleep(0.2)  # a dead member renews nothing: the repaired lease lapses
+        assert admin.fence("QM1") > epoch
+
+
+class TestAdminForget:
+    def test_a_recovered_member_is_forgotten_unless_it_joined_again(self, admin: Admin) -> None:
+        old = admin.join("QM1", {}, lease_ms=60_000)
+        admin.redis.delete(keys.lease("QM1"))
+        fenced = admin.fence("QM1")
+        assert fenced > old
+        newer = admin.join("QM1", {}, lease_ms=60_000)  # it restarted while a peer recovered it
+        assert not admin.forget_member("QM1", fenced)
+        assert "QM1" in admin.members() and admin.epoch("QM1") == newer
+        assert admin.forget_member("QM1", newer)
+        assert "QM1" not in admin.members()
+        assert admin.forget_member("QM1", newer)  # idempotent
 
 
 class TestAdminRaiseFence:

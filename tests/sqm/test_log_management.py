@@ -236,6 +236,31 @@ def test_a_reader_follows_a_segment_archived_while_it_reads(tmp_path: Path) -> N
     assert [r["l"] for _, r in first + rest] == list(range(1000, 1060))
 
 
+def test_a_damaged_segment_is_named_when_archiving_finds_it_not_its_temporary_copy(tmp_path: Path) -> None:
+    """Archiving reads back its copy of each segment: a damaged frame found there is the segment's own (the copy
+    holds the same bytes), so the error names the segment in the active log, the copy is removed, and the segment
+    stays where it was (invariant 6, docs/invariants.md)."""
+    from sqm.log import RecordLog
+    from sqm.log.format import FRAME_HEADER_BYTES, LogCorruptError
+
+    d = tmp_path / "QM1"
+    with RecordLog(d, "QM1", segment_bytes=1024) as rlog:
+        for i in range(60):
+            rlog.append({"k": "END", "l": 1000 + i, "u": f"u{i}", "pad": "." * 100})
+        rlog.force()
+        damaged = rlog.segments()[1]
+        assert damaged.first is not None
+        raw = bytearray(damaged.path.read_bytes())
+        raw[damaged.first.offset + FRAME_HEADER_BYTES + 5] ^= 0xFF  # one bit flipped in its first record's body
+        damaged.path.write_bytes(bytes(raw))
+        with pytest.raises(LogCorruptError) as e:
+            rlog.archive(4, tmp_path / "archive")
+    assert e.value.path == str(damaged.path) and e.value.offset == damaged.first.offset
+    assert str(damaged.path) in str(e.value) and ".tmp" not in str(e.value) and "CRC mismatch" in str(e.value)
+    assert damaged.path.exists()
+    assert not list((tmp_path / "archive").glob("*.tmp"))
+
+
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     rc = sqm_main(list(argv))
     out, err = capsys.readouterr()

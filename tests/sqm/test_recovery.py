@@ -346,15 +346,40 @@ def test_a_commit_fenced_after_its_log_force_is_outcome_unknown_not_failed(redis
                 assert qm1.admin.fence("QM1")
 
         monkeypatch.setattr(qm1, "append", append_then_fenced)
-        with pytest.raises(OutcomeUnknownError, match="peer completes it"):
+        with pytest.raises(OutcomeUnknownError, match="peer decides it from this member's log, committed if its "
+                                                      "COMMIT was on disk when the peer read the log") as e:
             if syncpoint:
                 conn.commit()
             else:
                 conn.put("Q1", b"logged", syncpoint=False)
+        assert "completes it" not in str(e.value)
         assert qm1.fenced
         reports = recover_peers(qm2)
         assert [(r.failed, r.committed) for r in reports] == [("QM1", 1)]
         assert bodies(qm2.connect()) == [(b"logged", 0)]
+    finally:
+        qm1.stop(checkpoint=False)
+        qm2.stop()
+
+
+def test_a_commit_forced_after_the_peer_read_the_log_is_not_said_to_be_completed(redis_url: str,
+                                                                                 log_root: Path) -> None:
+    """The peer read the fenced member's log before its COMMIT was forced, and backed the unit of work out; the
+    member, unaware, forced its COMMIT and was refused as fenced. The application must not be told the peer
+    completes it (it was backed out): it hears how the peer decides, and the outcome unknown."""
+    qm1 = start_qm(redis_url, log_root, "QM1", background=False, lease_ms=300)
+    qm2 = start_qm(redis_url, log_root, "QM2", background=False, lease_ms=60_000)
+    try:
+        conn = qm1.connect()
+        conn.put("Q1", b"backed out by the peer")
+        time.sleep(0.4)  # QM1's lease lapses (its heartbeat is off)
+        reports = recover_peers(qm2)  # no COMMIT in QM1's log yet: in flight, backed out
+        assert [(r.failed, r.committed, r.backed_out) for r in reports] == [("QM1", 0, 1)]
+        with pytest.raises(OutcomeUnknownError) as e:
+            conn.commit()  # the COMMIT is forced now, after the peer read the log
+        text = str(e.value)
+        assert "completes it" not in text and "else backed out" in text and "not known here" in text, text
+        assert bodies(qm2.connect()) == []
     finally:
         qm1.stop(checkpoint=False)
         qm2.stop()
