@@ -39,6 +39,7 @@ from redis.retry import Retry
 from cfemu import cluster_cf, keys, resp
 from cfemu.admin import EPOCHS, StructureDef, stage_structure
 from cfemu.entry import Entry
+from cfemu.redis_internals import socket_of
 
 BATCH = 1000  # writes: entries (or keys to delete) per pipeline
 FETCH_BATCH = 2000  # reads: ids per pipelined fetch
@@ -352,7 +353,7 @@ def _pinned(client: redis.Redis) -> redis.Redis:
         connected_once = False
 
         def connect_check_health(self, *args: Any, **kwargs: Any) -> None:
-            if self.connected_once and self._sock is None:
+            if self.connected_once and socket_of(self) is None:
                 raise redis.exceptions.ConnectionError("the connection to the CF broke (an owner's connection "
                                                        "does not reconnect)")
             super().connect_check_health(*args, **kwargs)

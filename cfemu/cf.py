@@ -8,14 +8,13 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, TypeVar
 
-import hiredis
 import msgpack
 import redis
-from redis.connection import HiredisRespSerializer
 
 from cfemu import bulk, cluster_cf, duplex, keys, lua
 from cfemu.entry import Entry
 from cfemu.errors import from_script_error
+from cfemu.redis_internals import hiredis_io, pack
 from cfemu.resp import receive, send
 
 
@@ -76,13 +75,7 @@ class CF:
         cmd = ("EVALSHA", script.sha, len(script_keys), *script_keys, *args)
         pool = self.redis.connection_pool
         conn = pool.get_connection()
-        packer = conn._command_packer
-        try:  # what redis-py's hiredis packer makes of these arguments, without its per-argument checks
-            if not isinstance(packer, HiredisRespSerializer):
-                raise TypeError
-            packed = [hiredis.pack_command(cmd)]
-        except TypeError:  # a bytearray or a memoryview (the packer converts them), or an argument it refuses
-            packed = packer.pack(*cmd)
+        packed = pack(conn, cmd)  # what redis-py's hiredis packer makes of them, without its per-argument checks
 
         def send_and_read() -> Any:
             if self._pair is not None:
@@ -122,13 +115,11 @@ def _lean_exchange(conn: Any, packed: list[bytes]) -> Any:
     socket error disconnects it and raises redis-py's TimeoutError or ConnectionError (cfemu.resp.io_failure); a reply error
     is raised as the parser's class for it (NOSCRIPT included). A connection this does not know how to drive (no
     socket yet, a health check due, another parser) returns _NOT_LEAN and takes redis-py's own path."""
-    sock = conn._sock
-    parser = conn._parser
-    reader = getattr(parser, "_reader", None)
-    buf = getattr(parser, "_buffer", None)
-    if (sock is None or reader is None or buf is None or len(packed) != 1
+    io = hiredis_io(conn)
+    if (io is None or len(packed) != 1
             or (conn.health_check_interval and time.monotonic() > conn.next_health_check)):
         return _NOT_LEAN
+    sock, reader, buf = io
     send(conn, sock, packed)
     reply = receive(conn, sock, reader, buf, 1)[0]
     if isinstance(reply, redis.exceptions.ConnectionError) or (

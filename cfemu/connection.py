@@ -24,6 +24,7 @@ from redis.retry import Retry
 
 from cfemu import cluster_cf, duplex
 from cfemu.credentials import redact
+from cfemu.redis_internals import SocketHookConnection, check_pid, host_error, in_maintenance
 from cfemu.sockets import set_kernel_timeout
 
 __all__ = ["ConnectionConfigError", "PoolExhaustedError", "connect"]
@@ -50,7 +51,7 @@ class _WaitingPool(redis.BlockingConnectionPool):
     this project never uses (client-side caching, maintenance notifications) redis-py's own methods run."""
 
     def _lean(self) -> bool:
-        return (getattr(self, "cache", None) is None and not getattr(self, "_in_maintenance", False)
+        return (getattr(self, "cache", None) is None and not in_maintenance(self)
                 and isinstance(getattr(self, "pool", None), LifoQueue))
 
     def get_connection(self, *args: Any, **kwargs: Any) -> Any:
@@ -61,7 +62,7 @@ class _WaitingPool(redis.BlockingConnectionPool):
                 if str(e) != "No connection available.":  # redis-py's only word for "the pool is empty"
                     raise
                 raise self._exhausted() from None
-        self._checkpid()
+        check_pid(self)
         try:
             connection = self.pool.get(block=True, timeout=self.timeout)
         except Empty:
@@ -87,7 +88,7 @@ class _WaitingPool(redis.BlockingConnectionPool):
         if not self._lean():
             super().release(connection)
             return
-        self._checkpid()
+        check_pid(self)
         if not self.owns_connection(connection):
             connection.disconnect()
             self.pool.put_nowait(None)
@@ -102,17 +103,15 @@ class _WaitingPool(redis.BlockingConnectionPool):
                                   f"{self.timeout:g}s")
 
 
-class _KernelTimeoutConnection(redis.Connection):
+class _KernelTimeoutConnection(SocketHookConnection):
     """A plain TCP connection to the CF whose socket blocks, with the kernel timing out a send or a receive
     (cfemu.sockets.set_kernel_timeout), instead of a socket with a Python timeout, which polls before every send and
     every receive: two syscalls per CF call, each one more release of the GIL that a busy member's threads then
     contend for (issue 15). A timeout surfaces as EAGAIN: cfemu.cf reads it as a timeout, and redis-py's own
     paths as a failure while reading or writing, which the member reads the same way (sqm.manager.reply_lost)."""
 
-    def _connect(self) -> Any:
-        sock = super()._connect()
+    def socket_made(self, sock: Any) -> None:
         set_kernel_timeout(sock, self.socket_timeout)
-        return sock
 
     # redis-py reads EAGAIN from a blocking socket as a failed connection: said here as the timeout it is, as with
     # a Python timeout (callers tell a CF that does not answer in time from one that is gone).
@@ -129,7 +128,7 @@ class _KernelTimeoutConnection(redis.Connection):
             return super().read_response(*args, **kwargs)
         except redis.exceptions.ConnectionError as e:
             if isinstance(e.__context__, BlockingIOError):
-                raise redis.exceptions.TimeoutError(f"Timeout reading from {self._host_error()}") from None
+                raise redis.exceptions.TimeoutError(f"Timeout reading from {host_error(self)}") from None
             raise
 
 

@@ -14,14 +14,11 @@ from typing import Any, NoReturn
 
 import redis
 from hiredis import pack_command
-from redis._parsers import hiredis as redis_hiredis
+
+from cfemu.redis_internals import NOT_ENOUGH, hiredis_io
 
 Arg = bytes | str | int
 LONG = 16 << 10  # a part this long is sent (and pickled) by itself: what is joined is 16 MiB a batch at most
-
-# What the hiredis reader answers while a reply is incomplete: redis-py builds its readers with this sentinel; one
-# without it leaves hiredis's own False (a nil reply is None in RESP2, never False).
-NOT_ENOUGH = getattr(redis_hiredis, "NOT_ENOUGH_DATA", False)
 
 
 def _encode(a: Arg) -> bytes:
@@ -185,11 +182,9 @@ def exchange(conn: Any, data: bytes | Sequence[bytes], replies: int) -> list[Any
     a ConnectionError is raised, the connection dropped). A connection without the hiredis parser is read by
     redis-py's read_response. A socket error or timeout disconnects the connection and
     raises redis-py's ConnectionError or TimeoutError (whether the commands ran is then unknown)."""
-    sock = conn._sock
-    reader = getattr(conn._parser, "_reader", None)
-    buf = getattr(conn._parser, "_buffer", None)
+    io = hiredis_io(conn)
     chunks = [data] if isinstance(data, bytes) else data
-    if sock is None or reader is None or buf is None:
+    if io is None:
         conn.send_packed_command(list(chunks))
         out = []
         for _ in range(replies):
@@ -198,6 +193,7 @@ def exchange(conn: Any, data: bytes | Sequence[bytes], replies: int) -> list[Any
             except redis.exceptions.ResponseError as e:
                 out.append(e)
         return out
+    sock, reader, buf = io
     send(conn, sock, chunks)
     out = receive(conn, sock, reader, buf, replies)
     for r in out:
