@@ -345,8 +345,8 @@ def _exec_packed(pipe: Pipeline, commands: resp.Packed) -> list[Any]:
 def _pinned(client: redis.Redis) -> redis.Redis:
     """A client with a single connection of its own to the server `client` names, which never reconnects: once
     that connection breaks, every command raises ConnectionError. (redis-py reconnects by itself and retries a
-    whole pipeline on the new connection: that is how a restore once carried the rest of its load into an empty
-    CF started on the same port, issue 10 hole 4.)"""
+    whole pipeline on the new connection, which would carry the rest of a restore's load into an empty CF
+    started on the same port: docs/architecture.md, "The group's durable history", ownership.)"""
     pool = client.connection_pool
 
     class Pinned(pool.connection_class):  # type: ignore[name-defined]

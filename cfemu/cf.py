@@ -69,7 +69,7 @@ class CF:
         """EVALSHA of a registered script, as redis-py's Script call does it (the pool's connection, its retry
         policy with a disconnect before each retry, NOSCRIPT loads the script and runs it again) without the rest
         of redis-py's per-command path (observability records, argument filtering, wrappers): that path cost more
-        CPU than the script itself, four times per message lifecycle (issue 15)."""
+        CPU than the script itself, four times per message lifecycle (BENCHMARKS.md, "peers")."""
         if self._cluster:  # redis-py's cluster client routes EVALSHA by its keys (one hash tag: one slot)
             return script(keys=script_keys, args=list(args))
         cmd = ("EVALSHA", script.sha, len(script_keys), *script_keys, *args)
@@ -110,8 +110,9 @@ _NOT_LEAN = object()
 def _lean_exchange(conn: Any, packed: list[bytes]) -> Any:
     """One EVALSHA's send and reply on a connected redis-py connection with the hiredis parser, by the socket and
     the parser's reader directly: what send_packed_command and read_response do for it without their per-call
-    health-check clock, error-context strings and wrappers (issue 15: a CF call's client side is Python work the
-    member pays four times per message lifecycle). The connection's own failure rules are kept: a timeout or a
+    health-check clock, error-context strings and wrappers (a CF call's client side is Python work the member
+    pays four times per message lifecycle: BENCHMARKS.md, "peers"). The socket, reader and buffer come from
+    cfemu.redis_internals. The connection's own failure rules are kept: a timeout or a
     socket error disconnects it and raises redis-py's TimeoutError or ConnectionError (cfemu.resp.io_failure); a reply error
     is raised as the parser's class for it (NOSCRIPT included). A connection this does not know how to drive (no
     socket yet, a health check due, another parser) returns _NOT_LEAN and takes redis-py's own path."""

@@ -44,10 +44,9 @@ class PoolExhaustedError(redis.exceptions.RedisError):
 
 class _WaitingPool(redis.BlockingConnectionPool):
     """A bounded pool whose callers wait for a free connection, and whose wait timing out says so.
-
-    Taking and giving back a connection is what redis-py's BlockingConnectionPool does (a LIFO queue of
-    connections, None for one not made yet; a connection with unread data is reconnected) without its
-    observability records, which cost more CPU than the rest of a CF call's client side (issue 15); in the modes
+    Taking and giving back a connection is what redis-py's BlockingConnectionPool does (a LIFO queue of connections,
+    None for one not made yet; a connection with unread data is reconnected) without its observability records, which
+    cost more CPU than the rest of a CF call's client side (BENCHMARKS.md, "peers"); in the modes
     this project never uses (client-side caching, maintenance notifications) redis-py's own methods run."""
 
     def _lean(self) -> bool:
@@ -107,8 +106,9 @@ class _KernelTimeoutConnection(SocketHookConnection):
     """A plain TCP connection to the CF whose socket blocks, with the kernel timing out a send or a receive
     (cfemu.sockets.set_kernel_timeout), instead of a socket with a Python timeout, which polls before every send and
     every receive: two syscalls per CF call, each one more release of the GIL that a busy member's threads then
-    contend for (issue 15). A timeout surfaces as EAGAIN: cfemu.cf reads it as a timeout, and redis-py's own
-    paths as a failure while reading or writing, which the member reads the same way (sqm.manager.reply_lost)."""
+    contend for (BENCHMARKS.md, "peers"). A timeout surfaces as EAGAIN: cfemu.cf reads it as a timeout, and
+    redis-py's own paths as a failure while reading or writing, which the member reads the same way
+    (sqm.manager.reply_lost)."""
 
     def socket_made(self, sock: Any) -> None:
         set_kernel_timeout(sock, self.socket_timeout)

@@ -18,8 +18,8 @@ order before the fold sees them: that is the order the local engine reads them i
 The plan comes back to the driver as the same RestorePlan plan_local returns. Nothing the driver needs is
 collect()ed whole: every result whose size grows with the backup or the logs (the UOWs the base names, the
 UOWs that ended, the outcomes, the settled entries) comes back through restore.spark_fetch.stream, in jobs of
-bounded bytes under spark.driver.maxResultSize, however many records it holds (issue 16: a 1.07 GB plan of
-exactly 1M records broke the 1 GiB default when streaming was decided by record count).
+bounded bytes under spark.driver.maxResultSize, however many records it holds (a plan of 1M records of 1 KiB
+is 1.07 GB, over the 1 GiB default: a count of records cannot say when to stream).
 
 Spark runs quietly: its log4j output, and the JVM's stderr, go to a log file; its stages report through the
 engine's progress callback as the restore phases (a thread polls the status tracker). A backup error a worker
@@ -394,7 +394,8 @@ def _sorted(items: Iterable[str]) -> Iterator[str]:
 
 def _slices(sc: Any, sizes: list[int]) -> int:
     """How many tasks read these files: one per file when files are big (a 64 MiB log segment is a good
-    task), fewer for many small ones (a task costs ~10 ms even when it reads nothing), at least one per core."""
+    task), fewer for many small ones (a task costs even when it reads nothing: BENCHMARKS.md, "spark"), at least
+    one per core."""
     wanted = max(sc.defaultParallelism, sum(sizes) // TASK_BYTES)
     return max(1, min(len(sizes), wanted))
 

@@ -77,8 +77,9 @@ _OUTCOME_REC, _END, _NEED, _OLDER_OUTCOME, _HELD = 0, 1, 2, 3, 4
 
 DEFAULT_MEMORY = 1 << 30  # the working memory a restore may use by default (cfemu.settings: restore_memory)
 MAX_PARTITIONS = 4096
-# Python objects take this many times the bytes of their msgpack frames in a spill file (measured: small log
-# records about 5x, 1 KiB messages about 1.5x; the higher figure, so that a partition of small records fits).
+# Python objects take this many times the bytes of their msgpack frames in a spill file, for the kind of record
+# that expands most (small log records), so that a partition of them fits (BENCHMARKS.md, "restore in bounded
+# memory", "Figures behind the restore's constants").
 EXPANSION = 6
 
 
@@ -91,8 +92,9 @@ def partitions_for(input_bytes: int, memory: int) -> int:
 def merge_read_size(memory: int, runs: int) -> int:
     """The read size of each sorted run in the final merge, so that the runs' read buffers together take about a
     quarter of `memory`. Each run costs about 3x its read size: msgpack's Unpacker doubles its buffer when a frame
-    straddles two reads, and each read is a transient bytes object besides (measured: 56 KiB a run at 16 KiB reads;
-    a floor of 16 KiB made 171 runs of an 8 MiB restore take 9 MiB)."""
+    straddles two reads, and each read is a transient bytes object besides; a floor of 4 KiB, so that many runs
+    of a small restore stay within its memory (BENCHMARKS.md, "restore in bounded memory", "Figures behind the
+    restore's constants")."""
     return max(4 << 10, min(1 << 20, memory // (12 * max(1, runs))))
 
 
@@ -237,8 +239,8 @@ def plan_partitioned(structure: str, backup: Iterable[Copy], records: Iterable[t
     `slices`: more records, the logs' slices (restore.log_slices), read by the worker processes side by side, the
     phase "read logs" reported as they are (also when there are none: a restore of no logs still reads them)."""
     # The plan makes millions of small dicts, lists and tuples, none of them in a cycle; the cyclic collector
-    # would scan the growing partition again and again as they are made (a third of the settle phase's time,
-    # measured), so it is off while the plan runs (reference counting still frees everything).
+    # would scan the growing partition again and again as they are made (BENCHMARKS.md, "restore in bounded
+    # memory", "Speed, second pass"), so it is off while the plan runs (reference counting still frees everything).
     was_enabled = gc.isenabled()
     gc.disable()
     try:

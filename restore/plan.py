@@ -118,16 +118,16 @@ def base_of(manifest: Mapping[str, Any], held_by: Iterable[str]) -> Base:
 
 
 def current_incarnation(record: Record, structure: str, base: Base) -> bool:
-    """The generation rule. A structure's generation changes with every restore and purge (a new incarnation);
-    a UOW runs in the generation it first touched the structure in (PUT / GET "g", outcome "ss"). The work of a
-    UOW from a generation below the base's either took effect before the base (it is in the base) or never did
-    (the CF refuses an older generation's UOW it does not know): its records are left out, however late they
-    reached the disk and whatever their LRSN (issue 10, hole 1: a GET appended before a CF loss and forced after
-    the restore must not be folded into a later restore). A UOW that holds entries in the base (an in-doubt UOW
-    carried across a restore, or a UOW a fuzzy backup caught in flight) is current whatever its generation: its
-    outcome still applies to the entries it holds; so does a UOW a relog copy of this incarnation shows holding
-    an entry (older_outcome: its outcome records are kept aside and count after all). A generation 0 (restore's
-    own RECOVERY records before generations were recorded in them) counts as current."""
+    """The generation rule. A structure's generation changes with every restore and purge (a new incarnation); a UOW
+    runs in the generation it first touched the structure in (PUT / GET "g", outcome "ss"). The work of a UOW from a
+    generation below the base's either took effect before the base (it is in the base) or never did (the CF refuses
+    an older generation's UOW it does not know): its records are left out, however late they reached the disk and
+    whatever their LRSN (a GET appended before a CF loss and forced after the restore must not be folded into a later
+    restore: docs/architecture.md, "The group's durable history"). A UOW that holds entries in the base (an in-doubt
+    UOW carried across a restore, or a UOW a fuzzy backup caught in flight) is current whatever its generation: its
+    outcome still applies to the entries it holds; so does a UOW a relog copy of this incarnation shows holding an
+    entry (older_outcome: its outcome records are kept aside and count after all). A generation 0 (restore's own
+    RECOVERY records before generations were recorded in them) counts as current."""
     if base.gen <= 0 or record.get("u") in base.carried:
         return True
     kind = lookup(record)
@@ -201,8 +201,8 @@ def older_outcome(record: Record, structure: str, base: Base = Base()) -> Record
     an entry (copy_holder). Such a UOW was carried across the restore that began this incarnation (in doubt),
     and a relog pass copied what it held; when the base no longer holds those entries (a backup taken after its
     decision) but its replay reaches back past the pass, the relog copy is the entry's best copy, and leaving
-    out the UOW's outcome made it look in flight: restore backed out a committed get (chaos B12). None for
-    any other record."""
+    out the UOW's outcome would make it look in flight, and restore back out a committed get. None for any other
+    record."""
     if lookup(record).role is not Role.OUTCOME or not relevant(record, structure):
         return None
     if current_incarnation(record, structure, base):

@@ -1,4 +1,4 @@
-"""Starting a structure after a CF loss in one of seed 004's start modes (docs/pstore.md):
+"""Starting a structure after a CF loss in one of EntireX's persistent-store start modes (docs/pstore.md):
 
   HOT   restore its content from the latest good backup and every member's log (restore.run.run_restore: today's
         restore, what RECAUTO did before start modes existed);

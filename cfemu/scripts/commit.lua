@@ -15,9 +15,9 @@
 -- tombstone it learns from, so every later retry learns it too.
 -- A disconnected persistent store (pstore.lua) does not refuse a commit: a member refuses its own UOW's commit
 -- before it forces the COMMIT record (standing.lua's 'D', sqm.manager.QueueManager._refuse_if_disconnected). Once
--- the COMMIT is logged the commit is decided and completes on every structure of the UOW: refusing it here backed
--- out on this structure a UOW that another structure had committed (review R2: a message moved between two
--- structures was lost, and the log held COMMIT then BACKOUT).
+-- the COMMIT is logged the commit is decided and completes on every structure of the UOW: refusing it here would
+-- back out on this structure a UOW that another structure had committed (a message moved between two structures
+-- would be lost, the log holding COMMIT then BACKOUT).
 -- Returns {cf clock, entries made available, entries deleted}.
 local err = check_ready(ARGV[1], ARGV[2]) if err then return err end
 local uow = ARGV[4]
