@@ -274,8 +274,8 @@ class TestGet:
     @pytest.mark.parametrize("match", ["", "m"])
     def test_refuses_a_message_longer_than_the_caller_can_take_and_changes_nothing(
             self, s: Structure, qm1: Caller, match: str) -> None:
-        """Issue 10, hole 10: a get that cannot deliver must not consume. The message stays where it was (MQ's
-        MQRC_TRUNCATED_MSG_FAILED): no UOW joined, no backout count, not even the clock moves."""
+        """A get that cannot deliver must not consume (docs/architecture.md, "Size limits"). The message stays where
+        it was (MQ's MQRC_TRUNCATED_MSG_FAILED): no UOW joined, no backout count, not even the clock moves."""
         s.put(qm1, entry("big", msgid="0b"), b"x" * 1000)
         length = carried_length(s, "big")
         before = dump(s)

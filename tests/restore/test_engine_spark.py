@@ -142,8 +142,9 @@ def simulate(rnd: random.Random, steps: int, body_bytes: int = 16, carry: bool =
                     open_uows[m].remove(u)
                     stale.append((m, u))
         if stale and rnd.random() < 0.1:
-            # A stale UOW's record reaches the disk after the restore (hole 1): a GET the CF never saw in this
-            # generation, or its owner's refused COMMIT and the BACKOUT after it. The CF's state does not change.
+            # A stale UOW's record reaches the disk after the restore (the generation rule): a GET the CF never saw
+            # in this generation, or its owner's refused COMMIT and the BACKOUT after it. The CF's state does not
+            # change.
             m, u = rnd.choice(stale)
             available = [i for i, e in entries.items() if e["st"] == "CP"]
             if available and rnd.random() < 0.5:
@@ -319,8 +320,8 @@ def test_a_rich_history_exercises_every_disposition(spark: Any, tmp_path: Path) 
 
 def test_a_history_across_a_restore_exercises_the_generation_rule(spark: Any, tmp_path: Path) -> None:
     """A history whose backup was taken after the structure's generation moved on, with stale records of the old
-    generation written after it (issue 10, hole 1): both engines leave them out alike, and leaving them out
-    changes what is restored (the rule is not vacuous here)."""
+    generation written after it (the generation rule, docs/architecture.md, "The group's durable history"): both
+    engines leave them out alike, and leaving them out changes what is restored (the rule is not vacuous here)."""
     h = simulate(random.Random(12), 300)
     assert h.gen == 2
     backup, log_dirs = write_history(h, tmp_path)
@@ -471,8 +472,8 @@ def tiny_max_result_size(spark: Any) -> Iterator[int]:
 
 def test_a_plan_bigger_than_max_result_size_comes_back_in_bounded_fetches(
         spark: Any, tmp_path: Path, tiny_max_result_size: int) -> None:
-    """Issue 16: the plan of 1M messages (1.07 GB) went through collect() and broke the 1 GiB default
-    maxResultSize, because streaming was decided by a count of records. Here the limit is 80 KiB and the plan
+    """A plan of 1M messages (1.07 GB) is over the 1 GiB default maxResultSize: whether to stream cannot be
+    decided by a count of records. Here the limit is 80 KiB and the plan
     twice that, with a few hundred records only: the plan still comes back whole, equal to the local
     engine's, and a plain collect() of it does fail under the same limit (the test is not vacuous)."""
     import pickle

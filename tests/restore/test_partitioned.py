@@ -1,8 +1,8 @@
-"""Restore in bounded memory (issue 16): the partitioned plan (restore.partitioned, the local engine's) against
-the in-memory reference plan (restore.plan.plan_local), on random histories written to real log segments and
-backups (the Spark differential test's generator), on real queue managers' histories, and end to end through
-run_restore with a tiny memory limit; the peak RSS of a plan does not grow with its input; bad memory limits are
-one clear line."""
+"""Restore in bounded memory (docs/architecture.md, "Restore in bounded memory"): the partitioned plan
+(restore.partitioned, the local engine's) against the in-memory reference plan (restore.plan.plan_local), on random
+histories written to real log segments and backups (the Spark differential test's generator), on real queue managers'
+histories, and end to end through run_restore with a tiny memory limit; the peak RSS of a plan does not grow with its
+input; bad memory limits are one clear line."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ TINY = 64 << 10  # the least memory limit there is: forces a partition per few d
 
 
 def reference(backup: Backup, log_dirs: list[Path], replay_from: int) -> RestorePlan:
-    """The in-memory plan of the same input: every copy and record at once (the local engine before issue 16)."""
+    """The in-memory plan of the same input: every copy and record at once (restore.plan.plan_local)."""
     m = backup.manifest
     return plan_local(S, list(backup.copies()), read_logs(log_dirs, replay_from), now_ms=NOW_MS,
                       gen=int(m.get("gen", 0) or 0), carried=m.get("carried", ()), lrsn=base_lrsn(m),

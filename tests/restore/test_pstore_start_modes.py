@@ -1,4 +1,4 @@
-"""Start modes after a CF loss (issue 14, part 2; docs/pstore.md), on a real redis-server lost with FLUSHALL, real
+"""Start modes after a CF loss (docs/pstore.md), on a real redis-server lost with FLUSHALL, real
 queue managers and their logs, a real backup, and `cfemu pstore` itself: what survives HOT, WARM then HOT, and
 COLD; RECAUTO's start in the structure's mode."""
 

@@ -1,4 +1,4 @@
-"""Selective relogging and log pruning in the model (issue 12; docs/log-management.md): the relog actor and the
+"""Selective relogging and log pruning in the model (docs/log-management.md): the relog actor and the
 checks that restore after the logs are pruned to what sqm.retention says CF recovery needs.
 
 The relog actor is sqm.relog's pass, one CF call or one log append per step: begin (relog_begin.lua: the lock, B,

@@ -1,6 +1,6 @@
-"""Review of the restore load's stream (restore.load, restore.workers.Workers.stream, issue 16): a worker making
-a load's batches holds no more of them than it must, and a load that fails or is stopped leaves no worker, thread
-or spill file. Real processes, a real redis-server."""
+"""The restore load's stream (restore.load, restore.workers.Workers.stream): a worker making a load's batches
+holds no more of them than it must, and a load that fails or is stopped leaves no worker, thread or spill file.
+Real processes, a real redis-server."""
 
 from __future__ import annotations
 

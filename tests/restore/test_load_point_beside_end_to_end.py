@@ -1,5 +1,5 @@
-"""Review of the restore point written beside the load (restore.load.Beside, commit 0d4250e), end to end: a real
-SQM's messages, a real redis-server, a real restore (restore.run.run_restore) whose load takes three batches.
+"""The restore point written beside the load (restore.load.Beside), end to end: a real SQM's messages, a real
+redis-server, a real restore (restore.run.run_restore) whose load takes three batches.
 
 - The point's writer fails (disk full) at the first, a middle or the last batch, or in its own writing thread
   (backup.files.BackupWriter): the restore fails with that error, the structure stays RECOVERING, no restore point
