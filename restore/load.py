@@ -28,10 +28,11 @@ from typing import Any
 
 from cfemu import bulk, keys
 from cfemu.admin import StructureDef
-from restore.engine import LOAD, Progress, no_progress
+from cfemu.progress import Progress, no_progress
+from restore.engine import LOAD
 from restore.partitioned import DEFAULT_MEMORY, Runs, SpilledPlan, merged_runs
 from restore.plan import RestorePlan
-from restore.settle import Settled, load_key
+from restore.settle import Settled
 from restore.workers import Workers
 from sqm.failpoints import failpoint
 from sqm.uowstatus import Control, is_control_queue
@@ -251,11 +252,6 @@ def streams(plan: SpilledPlan) -> bool:
     messages or more."""
     return (plan.workers > 1 and plan.loaded_count >= STREAM_FROM
             and plan.loaded_bytes < STREAM_BELOW * max(1, plan.loaded_count))
-
-
-def load_order(settled: Iterable[Settled]) -> list[Settled]:
-    """Loaded entries grouped by the list they go on, each list in the CF's order (settle.load_key)."""
-    return sorted((s for s in settled if s.entry is not None), key=lambda s: load_key(s.id, s.entry or {}))
 
 
 def restore_owned_uows(plan: RestorePlan) -> dict[str, str]:

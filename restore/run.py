@@ -70,10 +70,11 @@ from backup.run import rebuild_catalog
 from cfemu import bulk, keys
 from cfemu.admin import Admin, AdminError, QueueDef, StructureDef
 from cfemu.credentials import BackupKeys
+from cfemu.progress import Progress, no_progress
 from cfemu.pstore import warm_generations
 from cfemu.repository import GroupRepository, migrated_refusal
 from cfemu.settings import restore_memory, restore_workers
-from restore.engine import PHASES, Progress, get_engine, no_progress
+from restore.engine import PHASES, get_engine
 from restore.load import LoadResult, batch_bytes_for, load_plan, loaded_tombstones, restore_owned_uows
 from restore.partitioned import DEFAULT_MEMORY
 from restore.plan import EARLIER_GENERATIONS, Copy, RestorePlan

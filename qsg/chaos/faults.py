@@ -90,6 +90,7 @@ from cfemu.admin import Admin
 from cfemu.cf import CF, PstoreStatus
 from cfemu.errors import BackupRunningError, MQError
 from cfemu.limits import DESCRIPTOR_ALLOWANCE
+from cfemu.progress import Progress, no_progress
 from cfemu.settings import CLUSTER_CF
 from qsg import cluster_cf
 from qsg.chaos.group import EDGE_QUEUE, STRUCTURES, ChaosGroup
@@ -97,7 +98,7 @@ from qsg.chaos.history import OK as CALL_OK
 from qsg.chaos.history import UNKNOWN as CALL_UNKNOWN
 from qsg.chaos.history import History
 from qsg.chaos.workload import PutSpec, Runner, make_body, parse_body
-from restore.engine import LOAD, READ_BACKUP, Progress, no_progress
+from restore.engine import LOAD, READ_BACKUP
 from restore.result import RestoreResult
 from restore.run import RestoreError, RestoreStoppedError, run_purge, run_restore
 from sqm.clock import now_ms

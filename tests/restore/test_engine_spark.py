@@ -429,8 +429,23 @@ def test_real_queue_manager_histories_plan_the_same(spark: Any, redis_url: str, 
     assert local["counts"]["restored"] > 0 and local["counts"]["consumed"] > 0
 
 
+def audit_dataframe(spark: Any, archive_dir: str | Path, entry_id: str) -> Any:
+    """The Spark form of restore.archive.audit_message, for archives too big for one machine (the query
+    docs/spark.md shows): a DataFrame of the records that name `entry_id` and the outcome records of their UOWs,
+    ordered by (lrsn, member, segment, offset)."""
+    from pyspark.sql import functions as F
+
+    from restore.archive import SCHEMA_DDL, UOW_KINDS
+
+    log = spark.read.schema(SCHEMA_DDL).parquet(str(Path(archive_dir) / "*" / "seg-*.parquet"))
+    naming = log.where(F.array_contains("entry_ids", entry_id))
+    uows = naming.where(F.col("uow").isNotNull()).select("uow").distinct()
+    outcomes = log.where(F.col("kind").isin(*UOW_KINDS)).join(uows, "uow", "left_semi")
+    return naming.unionByName(outcomes).distinct().orderBy("lrsn", "member", "segment", "offset")
+
+
 def test_the_pyspark_audit_query_finds_a_message_history(spark: Any, tmp_path: Path) -> None:
-    from restore.archive import audit_dataframe, audit_message
+    from restore.archive import audit_message
 
     h = simulate(random.Random(13), 400)
     write_history(h, tmp_path, segment_bytes=4096)

@@ -21,10 +21,12 @@ from cfemu import bulk, keys
 from cfemu.admin import Admin, StructureDef
 from cfemu.embedded import EmbeddedRedis
 from cfemu.entry import Entry
-from restore.engine import LocalEngine, no_progress, read_logs
+from cfemu.progress import no_progress
+from restore.engine import LocalEngine
 from restore.load import STREAM_BELOW, STREAM_FROM, LoadVerifyError, batch_bytes_for, load_plan
 from restore.partitioned import SpilledPlan
-from restore.plan import RestorePlan, plan_local
+from restore.plan import RestorePlan
+from restore.reference import plan_local, read_logs
 from restore.workers import WorkerError, Workers
 from sqm.log import RecordLog
 from tests.support.children import child_pids

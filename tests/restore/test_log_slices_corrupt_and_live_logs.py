@@ -16,8 +16,9 @@ from typing import Any
 
 import pytest
 
-from restore.engine import READ_BACKUP, LocalEngine, stream_logs
+from restore.engine import READ_BACKUP, LocalEngine
 from restore.log_slices import log_slices
+from restore.reference import stream_logs
 from sqm.log import LogCorruptError, RecordLog
 from sqm.log.format import list_segments
 from tests.restore.test_engine_spark import NOW_MS, S, simulate, write_history

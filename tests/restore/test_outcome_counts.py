@@ -14,7 +14,7 @@ import redis
 from backup.run import run_backup
 from cfemu.admin import Admin
 from cfemu.errors import BackedOutError
-from restore.plan import plan_local
+from restore.reference import plan_local
 from restore.run import run_restore
 from restore.settle import CONSUMED, HELD_INDOUBT, RESTORED
 from sqm import records

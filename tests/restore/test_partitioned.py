@@ -27,10 +27,10 @@ from cfemu.connection import connect
 from cfemu.embedded import EmbeddedRedis
 from cfemu.entry import Entry
 from cfemu.settings import parse_size, resolve
-from restore.engine import LocalEngine, read_logs
-from restore.load import load_order
+from restore.engine import LocalEngine
 from restore.partitioned import SpilledPlan, merge_read_size, partitions_for
-from restore.plan import RestorePlan, base_lrsn, plan_local
+from restore.plan import RestorePlan, base_lrsn
+from restore.reference import load_order, plan_local, read_logs
 from restore.run import WORK_DIR, RestoreError, run_restore
 from sqm import records
 from sqm.log import RecordLog
@@ -217,8 +217,7 @@ _MEASURE = textwrap.dedent("""
 
     from backup.files import read_backup
     from restore.engine import LocalEngine
-    from restore.engine import read_logs
-    from restore.plan import plan_local
+    from restore.reference import plan_local, read_logs
     memory, root, workers = int(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
     backup = read_backup(root / "b")
     logs = [root / "logs" / "QM1"]

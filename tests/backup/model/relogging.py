@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from restore.plan import plan_local
+from restore.reference import plan_local
 from sqm import records
 from sqm.relog import aged, fitted
 from sqm.retention import structure_start
