@@ -932,8 +932,8 @@ class TestPstore:
         assert got.entry is not None and got.entry.id == "p1"
 
     def test_a_decided_commit_goes_on_while_disconnected(self, s: Structure, qm1: Caller) -> None:
-        """A logged COMMIT is decided: refusing it here backed out on one structure what another had committed
-        (review R2). The refusal is the member's, before the force (standing.lua's 'D')."""
+        """A logged COMMIT is decided: refusing it here would back out on one structure what another had
+        committed. The refusal is the member's, before the force (standing.lua's 'D')."""
         s.put(qm1, entry("p1"), b"x", uow="U1")
         s.put(qm1, entry("p2"), b"y", uow="U2")
         s.pstore("disconnect")
