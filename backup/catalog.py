@@ -116,13 +116,6 @@ def list_backups(backup_root: Path, structure: str | None = None, *, deep: bool 
     return sorted(found, key=_sort_key, reverse=True)
 
 
-def latest_good(backup_root: Path, structure: str, *, deep: bool = False,
-                backup_keys: BackupKeys | None = None) -> BackupInfo | None:
-    """The newest backup of `structure` whose state is ok (None when there is none)."""
-    return next((b for b in list_backups(backup_root, structure, deep=deep, backup_keys=backup_keys)
-                 if b.state == OK), None)
-
-
 def find_backup(backup_root: Path, backup_id: str) -> Path:
     """The directory of a backup named by its id; BackupNotFoundError when there is none."""
     try:

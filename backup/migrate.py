@@ -1,4 +1,4 @@
-"""Store migration (seed 004's PSTORE-UNLOAD / PSTORE-LOAD): unload a structure from one CF into files, load them
+"""Store migration (EntireX's PSTORE-UNLOAD / PSTORE-LOAD): unload a structure from one CF into files, load them
 into another CF (another redis-server, another group, a Redis Cluster), with a handshake, reports on both sides
 (backup.migrate_report) and a guard against both stores serving at once.
 

@@ -1,4 +1,4 @@
-"""The reports of a store migration (seed 004's PSTORE-REPORT): one JSON line per record unloaded or loaded, signed
+"""The reports of a store migration (EntireX's PSTORE-REPORT): one JSON line per record unloaded or loaded, signed
 with the group's backup key, and their comparison.
 
 A report is a JSON lines file:
@@ -14,7 +14,7 @@ trailer's MAC (HMAC-SHA256 with the group's backup key over the lines' digest an
 signed: backup/files.py, cfemu/credentials.py) makes an altered report fail: a line changed, added or removed, or a
 trailer rewritten by someone without the key.
 
-Record types (seed 004's Record Type): ``message`` (an entry of a plain queue, or of a service's ``.UOWDATA``),
+Record types (EntireX's Record Type): ``message`` (an entry of a plain queue, or of a service's ``.UOWDATA``),
 ``uow-status`` (an entry of a service's ``.UOWCTL``: identifier = the UOW id, elements = its messages), ``uow-last``
 (a user's SYNCPOINT LAST pointer on ``.UOWCTL``, correlation id ``L``: identifier = the UOW it points to),
 ``publication`` (``<T>.PUB``), ``subscription`` (``<T>.SUB``) and ``definition`` (the structure and each queue).

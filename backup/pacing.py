@@ -1,6 +1,6 @@
-"""A fuzzy backup that yields to the group's work (issue 15): without it a backup running beside the group took
-57-80% of the group's throughput on a 2-core machine (its fetches hold the single-threaded CF, and its process
-takes a CPU the members need), and nice only helped with the second.
+"""A fuzzy backup that yields to the group's work: without it a backup running beside the group takes much of the
+group's throughput (its fetches hold the single-threaded CF, and its process takes a CPU the members need), and
+nice only helps with the second (BENCHMARKS.md, "backup", its section on backup speed and foreground drop).
 
 The Pacer sits before each of the backup's reads (cfemu.bulk.fetch_raw's before_read). Every PROBE_EVERY_S it
 asks the CF how many commands it has served (INFO stats, total_commands_processed) and takes away the backup's

@@ -1,11 +1,12 @@
 """Restore points: what a restore or a purge left in a structure, written as a backup that later restores start from.
 
-A restore and a purge are points in a structure's history that no later restore may cross with an older view:
-a restore loads what the logs it could read said, a purge discards everything, and the group goes on working
-from there in a new generation. A later CF loss restored from a backup taken before that point would replay the
-old incarnation's logs again: records that reached the disk only after the first restore (a GET appended but
-not forced when the CF was lost) would be folded in as if they had happened, and purged messages would come
-back (issue 10, holes 1 and 8). So each writes its result into the catalog as a backup of its own kind:
+A restore and a purge are points in a structure's history that no later restore may cross with an older view: a
+restore loads what the logs it could read said, a purge discards everything, and the group goes on working from there
+in a new generation. A later CF loss restored from a backup taken before that point would replay the old
+incarnation's logs again: records that reached the disk only after the first restore (a GET appended but not forced
+when the CF was lost) would be folded in as if they had happened, and purged messages would come back
+(docs/architecture.md, "The group's durable history"). So each writes its result into the catalog as a backup of its
+own kind:
 
   kind "restore"  every entry the restore loaded, with its final descriptor (entries held by in-doubt UOWs
                   included, with their UOW), and the tombstones it loaded;
@@ -57,7 +58,7 @@ class RestorePointWriter:
     the catalog shows as incomplete and no restore takes as a base. A finished point stays whatever happens next:
     the switch to ACTIVE after it may have gone through though its caller saw it fail (a reply lost with the
     connection, an interrupt while it was read), and the structure's header then names the point; removed, the
-    next restore would start from the older base and cross this restore (issue 10, hole 1). A point whose
+    next restore would start from the older base and cross this restore. A point whose
     structure stayed RECOVERING holds what its load verified, which a restore from it loads again."""
 
     def __init__(self, backup_root: Path, backup_id: str, structure: str,

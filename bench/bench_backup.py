@@ -1,7 +1,7 @@
-"""Benchmark of BACKUP CFSTRUCT (issue 3), on a private redis-server started and stopped here.
+"""Benchmark of BACKUP CFSTRUCT (BENCHMARKS.md, "backup"), on a private redis-server started and stopped here.
 
   (a) raw read: the same entries read with pipelined HMGETs of descriptor and data, in batches
-  (b) run_backup of the structure on an idle CF: ratio raw-read time / backup time (target >= 0.8, issue 15)
+  (b) run_backup of the structure on an idle CF: ratio raw-read time / backup time (target >= 0.8)
   (c) foreground throughput of put+commit / get+commit loops on 2 SQMs (threads): windows without a backup, with
       backups running back to back in another process (`cfbackup run`) paced at --share (backup.pacing), unpaced
       (share 1), and unpaced at nice 19: drop % against the mean of the quiet windows (target <= 10% paced,
@@ -11,10 +11,10 @@
 
     .venv/bin/python bench/bench_backup.py [--messages 1000000] [--seconds 10]
 
-With --restore it measures RECOVER CFSTRUCT's load instead (issue 10, holes 4 and 5: every batch of the load
-is a guarded transaction of the restore's claim): one backup of the filled structure, then --rounds restores of
-it into an emptied CF (FLUSHALL, as after a CF loss), each interleaved with a raw pipelined write of the same
-entries (descriptor and data hashes, queue list, index sets; batches of restore's size) as the baseline. The
+With --restore it measures RECOVER CFSTRUCT's load instead (BENCHMARKS.md, "restore load under ownership": every
+batch of the load is a guarded transaction of the restore's claim): one backup of the filled structure, then --rounds
+restores of it into an emptied CF (FLUSHALL, as after a CF loss), each interleaved with a raw pipelined write of the
+same entries (descriptor and data hashes, queue list, index sets; batches of restore's size) as the baseline. The
 load is timed from the restore's first load report to its end (its batches, UOW records, verify and switch to
 ACTIVE). To compare with an older restore, run the same script with that tree first on PYTHONPATH.
 
@@ -55,7 +55,7 @@ from cfemu.errors import NoMessageError
 try:
     from cfemu.settings import DEFAULT_BACKUP_SHARE
     PACING: bool = True
-except ImportError:  # a tree from before pacing (issue 15), on PYTHONPATH to compare: its backups never pause
+except ImportError:  # a tree from before pacing (backup.pacing), on PYTHONPATH to compare: its backups never pause
     DEFAULT_BACKUP_SHARE, PACING = 1.0, False
 from sqm.core.manager import QueueManager, QueueManagerConfig
 from sqm.wings import WINGS
@@ -108,7 +108,7 @@ class Foreground:
     def __init__(self, url: str, log_root: Path) -> None:
         # No relogging (cpl_entries=0): a relog pass of the filled structure (each member relogs every resident
         # 1 KiB message at every third LOGLOAD checkpoint: 240 MB at 200k messages) swings a window by 3x with or
-        # without a backup (measured, issue 15), which would drown the backup's own cost.
+        # without a backup (BENCHMARKS.md, "backup"), which would drown the backup's own cost.
         self.qms = [QueueManager(QueueManagerConfig(name=f"FG{i}", log_root=log_root, redis_url=url,
                                                     background=False, cpl_entries=0), wings=WINGS) for i in (1, 2)]
         for qm in self.qms:

@@ -1,4 +1,5 @@
-"""Benchmark of the transactional message lifecycle (issue 2), on a private redis-server started and stopped here.
+"""Benchmark of the transactional message lifecycle (BENCHMARKS.md, "lifecycle"), on a private redis-server started
+and stopped here.
 
 A lifecycle is one 1 KiB persistent message put and committed, then got and committed (each commit forces the
 log). It is measured against a plain Redis reliable-queue loop (LPUSH, LMOVE to a processing list, LREM) on the
@@ -9,9 +10,9 @@ same redis-server in the same run, rounds of the two interleaved:
   (d) log bytes and records per lifecycle (1 connection).
   (e) where a single-connection lifecycle spends its time: fsync, CF round trips, the rest (Python), measured in
       a separate instrumented run; plus the raw fdatasync latency of the log's disk.
-  (f) with --duplex: the cost of a duplexed CF (issue 17): the same lifecycles, 1 and 8 connections, on a simplex
-      CF and on a duplexed pair (a second redis-server, a replica every CF call waits for: WAIT), rounds of the
-      two interleaved in the same run; the ratio duplexed / simplex.
+  (f) with --duplex: the cost of a duplexed CF (BENCHMARKS.md, "Duplexed CF"): the same lifecycles, 1 and 8
+      connections, on a simplex CF and on a duplexed pair (a second redis-server, a replica every CF call waits
+      for: WAIT), rounds of the two interleaved in the same run; the ratio duplexed / simplex.
 
     .venv/bin/python bench/bench_lifecycle.py [--quick] [--seconds 5] [--rounds 3] [--duplex]
 

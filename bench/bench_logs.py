@@ -1,13 +1,15 @@
-"""Benchmark of log management and selective relogging (issue 12), on a private redis-server started and stopped here.
+"""Benchmark of log management and selective relogging (BENCHMARKS.md, "logs"), on a private redis-server started and
+stopped here.
 
-The steady workload: each checkpoint interval puts --per-interval persistent messages (--body bytes, UOWs of 5
-puts); 10% are long-lived (queue LONG, each consumed --stay intervals after its put), the rest are short-lived
-(queue SHORT: consumed in the next interval, so each is on the queue at one checkpoint). One interval ends with one checkpoint (LOGLOAD's, compressed in time: each stands
-for a checkpoint interval, 300 s by default, so 120 intervals are 10 hours of such activity).
+The steady workload: each checkpoint interval puts --per-interval persistent messages (--body bytes, UOWs of 5 puts);
+10% are long-lived (queue LONG, each consumed --stay intervals after its put), the rest are short-lived (queue SHORT:
+consumed in the next interval, so each is on the queue at one checkpoint). One interval ends with one checkpoint
+(LOGLOAD's, compressed in time: each stands for a checkpoint interval, 300 s by default, so 120 intervals are 10
+hours of such activity).
 
   (a) relog records and bytes per checkpoint, selective relogging with a CPL of n = 3 against relogging every
-      message at every checkpoint (IMS/SNAP, seed 000's prior art: measured for real, each checkpoint a
-      termination-style pass), in the same run on the same machine;
+      message at every checkpoint (IMS/SNAP, the recovery-enhancement patent's prior art: measured for real, each
+      checkpoint a termination-style pass), in the same run on the same machine;
   (b) restart time and CF restore time against the log span (intervals of activity before the member dies), with
       relogging (restore reads the relog window: n intervals) and without (no backup: restore reads every log
       from the structure's definition); the member is stopped without a checkpoint, restarted, then the CF lost;

@@ -1,5 +1,5 @@
-"""The transactional lifecycle against the durable queues people use instead (issue 15): PostgreSQL, RabbitMQ,
-Redis with appendfsync always, and the SQM in process and through its network service.
+"""The transactional lifecycle against the durable queues people use instead (BENCHMARKS.md, "peers"): PostgreSQL,
+RabbitMQ, Redis with appendfsync always, and the SQM in process and through its network service.
 
 A lifecycle: put a 1 KiB persistent message and commit, then get it and commit; every commit is durable before
 its reply. Each contender runs on 127.0.0.1, started here and stopped here (by pid):

@@ -1,4 +1,5 @@
-"""Benchmark of durable publish and subscribe (issue 14): one copy per publication against one copy per queue.
+"""Benchmark of durable publish and subscribe (BENCHMARKS.md, "pubsub"): one copy per publication against one copy
+per queue.
 
 A publication of one 1 KiB message is published on QM1 (PubSubSession: publish + COMMIT) to a topic with K durable
 subscriptions; each subscriber (a session of its own on QM2) receives it and COMMITs (its position moves). Against

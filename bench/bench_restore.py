@@ -1,5 +1,6 @@
-"""Benchmark of restore in bounded memory (issue 16): peak RSS and time of the local engine's restore (plan, load,
-restore point) against a raw pipelined write of the same final data, in the same run.
+"""Benchmark of restore in bounded memory (BENCHMARKS.md, "restore in bounded memory"): peak RSS and time of the
+local engine's restore (plan, load, restore point) against a raw pipelined write of the same final data, in the same
+run.
 
 The history: a generator writes three members' record logs (real RecordLog segments) and a signed backup, the
 way the spark benchmark's does (UOWs of 1-4 puts or 1-4 gets, committed, 3% of put UOWs and 5% of get UOWs

@@ -1,7 +1,7 @@
-"""Benchmark of a small restore (issue 16): plan and load of a structure of a few hundred to a few tens of
-thousands of messages, the load's batches made in a thread of the restoring process (the rule below
-restore.load.STREAM_FROM entries: "now") against made in a worker process started for the load (the rule before,
-for every plan settled with two workers or more, however small: "before").
+"""Benchmark of a small restore (BENCHMARKS.md, "Small restores"): plan and load of a structure of a few hundred to a
+few tens of thousands of messages, the load's batches made in a thread of the restoring process (the rule below
+restore.load.STREAM_FROM entries: "now") against made in a worker process started for the load (the rule before, for
+every plan settled with two workers or more, however small: "before").
 
 A small restore is the common one: RECAUTO restores each structure of a lost CF, most of them holding a few queues'
 worth of messages, and the group waits for it. The history is a signed backup of N committed messages of 1 KiB and

@@ -1,5 +1,5 @@
-"""Benchmark of the network service (issue 5): client lifecycle throughput through `sqm run` servers, as a ratio
-to the in-process API in the same run.
+"""Benchmark of the network service (BENCHMARKS.md, "service"): client lifecycle throughput through `sqm run`
+servers, as a ratio to the in-process API in the same run.
 
 A lifecycle is one 1 KiB persistent message put and committed, then got and committed (each commit forces the
 log), exactly as in bench_lifecycle.py (its loop is reused). With 1, 8 and 32 clients spread over 3 SQMs:

@@ -1,4 +1,4 @@
-"""Benchmark of restore planning on Spark (issue 4): the local engine against the spark engine.
+"""Benchmark of restore planning on Spark (BENCHMARKS.md, "spark"): the local engine against the spark engine.
 
 A synthetic but realistic history is written to real files: three members' record logs (64 MiB segments) and a
 backup of the structure taken just before the replay range starts. In the replay range the members put
@@ -12,7 +12,7 @@ For each log size the plan is computed by
   * spark local[2] restore.engine_spark.SparkEngine on both cores, and local[1] for the scaling with cores
   * spark standalone N   the spark engine on a Spark standalone cluster of N workers (qsg.spark_standalone: a
                  master and N workers from the installed pyspark on 127.0.0.1, 1 core each, authenticated, as
-                 `cfemu cluster up --spark N` starts it), for each N of --workers (issue 16)
+                 `cfemu cluster up --spark N` starts it), for each N of --workers (BENCHMARKS.md, "spark standalone")
 (each Spark master in its own driver process, started before the clock starts: the table shows start-up apart),
 and every plan is checked against the known truth of the history (which messages are restored, with which
 backout count; how many were consumed, backed out; which UOWs restore decided).

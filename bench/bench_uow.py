@@ -1,10 +1,10 @@
-"""Benchmark of units of work sent to a service (issue 13): the cost of status tracking.
+"""Benchmark of units of work sent to a service (BENCHMARKS.md, "uow"): the cost of status tracking.
 
 A UOW lifecycle: a sender (a Conversation on QM1) sends N messages of 1 KiB to a service and COMMITs; a receiver
 (a Conversation on QM2) receives all N (RECV_FIRST ... RECV_LAST) and COMMITs. It is measured
   - with persistent status (the service's UWSTATP 1: the PROCESSED status is kept one UOW lifetime) against
     without (UWSTATP 0: no trace remains once the receiver commits),
-  - for persistent and non-persistent UOWs (STORE on / off: the four persistence variations of seed 004),
+  - for persistent and non-persistent UOWs (STORE on / off: EntireX's four persistence variations),
   - against the same messages as plain MQ: put N + commit on QM1, get N + commit on QM2 (the baseline),
 for N = 1 and N = 4, rounds of every variant interleaved in the same run; medians are reported. Per UOW it also
 reports log records, log bytes and fsyncs (both members' log stats, qm.status()), CF operations (Lua scripts

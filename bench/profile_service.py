@@ -1,4 +1,5 @@
-"""Where one message lifecycle's time goes through the network service (issue 15): a profile, not a benchmark.
+"""Where one message lifecycle's time goes through the network service (BENCHMARKS.md, "peers"): a profile, not a
+benchmark.
 
 An SQM server (sqm.service.server.SQMServer with its QueueManager, authentication on) runs in this process on a
 private CF (redis-server, no persistence); N clients (sqm.service.client.Client, one thread each) run the lifecycle

@@ -20,7 +20,7 @@ from rich.table import Table
 
 BENCH_DIR = Path(__file__).resolve().parent
 # Options a script always gets from run_all (its comparisons that are part of the record).
-EXTRA_ARGS = {"bench_lifecycle.py": ["--duplex"]}  # simplex against a duplexed CF (issue 17)
+EXTRA_ARGS = {"bench_lifecycle.py": ["--duplex"]}  # simplex against a duplexed CF
 
 
 def bench_scripts(only: list[str] | None) -> list[Path]:

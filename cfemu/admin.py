@@ -229,8 +229,8 @@ class Admin:
             raise AdminError(f"queue {name} is on another structure; it cannot move")
         if old is not None:
             # A redefinition that does not name the UOW or topic attributes keeps them: redefining a service to
-            # change its backout queue made it a plain queue, and its units of work were never settled again
-            # (review R, finding 4). A service stays a service and a topic a topic.
+            # change its backout queue must not make it a plain queue, whose units of work would never be settled
+            # again. A service stays a service and a topic a topic.
             was = QueueDef.from_dict(msgpack.unpackb(old, raw=False))
             kept = dataclasses.replace(qdef, uow=qdef.uow or (was.uow if uow is None else {}),
                                        topic=qdef.topic or (was.topic if topic is None else {}))

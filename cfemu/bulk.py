@@ -39,6 +39,7 @@ from redis.retry import Retry
 from cfemu import keys, rcluster, resp
 from cfemu.admin import EPOCHS, StructureDef, stage_structure
 from cfemu.entry import Entry
+from cfemu.redis_internals import socket_of
 
 BATCH = 1000  # writes: entries (or keys to delete) per pipeline
 FETCH_BATCH = 2000  # reads: ids per pipelined fetch
@@ -344,15 +345,15 @@ def _exec_packed(pipe: Pipeline, commands: resp.Packed) -> list[Any]:
 def _pinned(client: redis.Redis) -> redis.Redis:
     """A client with a single connection of its own to the server `client` names, which never reconnects: once
     that connection breaks, every command raises ConnectionError. (redis-py reconnects by itself and retries a
-    whole pipeline on the new connection: that is how a restore once carried the rest of its load into an empty
-    CF started on the same port, issue 10 hole 4.)"""
+    whole pipeline on the new connection, which would carry the rest of a restore's load into an empty CF
+    started on the same port: docs/architecture.md, "The group's durable history", ownership.)"""
     pool = client.connection_pool
 
     class Pinned(pool.connection_class):  # type: ignore[name-defined]
         connected_once = False
 
         def connect_check_health(self, *args: Any, **kwargs: Any) -> None:
-            if self.connected_once and self._sock is None:
+            if self.connected_once and socket_of(self) is None:
                 raise redis.exceptions.ConnectionError("the connection to the CF broke (an owner's connection "
                                                        "does not reconnect)")
             super().connect_check_health(*args, **kwargs)

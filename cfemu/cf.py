@@ -8,15 +8,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, TypeVar
 
-import hiredis
 import msgpack
 import redis
-from redis.connection import HiredisRespSerializer
 
 from cfemu import bulk, duplex, keys, lua, rcluster
 from cfemu.entry import Entry
 from cfemu.errors import MQError, StructureFailedError, from_script_error
 from cfemu.limits import CF_STEP
+from cfemu.redis_internals import hiredis_io, pack
 from cfemu.resp import receive, send
 
 
@@ -71,19 +70,13 @@ class CF:
         """EVALSHA of a registered script, as redis-py's Script call does it (the pool's connection, its retry
         policy with a disconnect before each retry, NOSCRIPT loads the script and runs it again) without the rest
         of redis-py's per-command path (observability records, argument filtering, wrappers): that path cost more
-        CPU than the script itself, four times per message lifecycle (issue 15)."""
+        CPU than the script itself, four times per message lifecycle (BENCHMARKS.md, "peers")."""
         if self._cluster:  # redis-py's cluster client routes EVALSHA by its keys (one hash tag: one slot)
             return script(keys=script_keys, args=list(args))
         cmd = ("EVALSHA", script.sha, len(script_keys), *script_keys, *args)
         pool = self.redis.connection_pool
         conn = pool.get_connection()
-        packer = conn._command_packer
-        try:  # what redis-py's hiredis packer makes of these arguments, without its per-argument checks
-            if not isinstance(packer, HiredisRespSerializer):
-                raise TypeError
-            packed = [hiredis.pack_command(cmd)]
-        except TypeError:  # a bytearray or a memoryview (the packer converts them), or an argument it refuses
-            packed = packer.pack(*cmd)
+        packed = pack(conn, cmd)  # what redis-py's hiredis packer makes of them, without its per-argument checks
 
         def send_and_read() -> Any:
             if self._pair is not None:
@@ -118,18 +111,17 @@ _NOT_LEAN = object()
 def _lean_exchange(conn: Any, packed: list[bytes]) -> Any:
     """One EVALSHA's send and reply on a connected redis-py connection with the hiredis parser, by the socket and
     the parser's reader directly: what send_packed_command and read_response do for it without their per-call
-    health-check clock, error-context strings and wrappers (issue 15: a CF call's client side is Python work the
-    member pays four times per message lifecycle). The connection's own failure rules are kept: a timeout or a
+    health-check clock, error-context strings and wrappers (a CF call's client side is Python work the member
+    pays four times per message lifecycle: BENCHMARKS.md, "peers"). The socket, reader and buffer come from
+    cfemu.redis_internals. The connection's own failure rules are kept: a timeout or a
     socket error disconnects it and raises redis-py's TimeoutError or ConnectionError (cfemu.resp.io_failure); a reply error
     is raised as the parser's class for it (NOSCRIPT included). A connection this does not know how to drive (no
     socket yet, a health check due, another parser) returns _NOT_LEAN and takes redis-py's own path."""
-    sock = conn._sock
-    parser = conn._parser
-    reader = getattr(parser, "_reader", None)
-    buf = getattr(parser, "_buffer", None)
-    if (sock is None or reader is None or buf is None or len(packed) != 1
+    io = hiredis_io(conn)
+    if (io is None or len(packed) != 1
             or (conn.health_check_interval and time.monotonic() > conn.next_health_check)):
         return _NOT_LEAN
+    sock, reader, buf = io
     send(conn, sock, packed)
     reply = receive(conn, sock, reader, buf, 1)[0]
     if isinstance(reply, redis.exceptions.ConnectionError) or (

@@ -23,6 +23,7 @@ from redis.retry import Retry
 from cfemu import duplex, rcluster
 from cfemu.credentials import redact
 from cfemu.pools import PoolExhaustedError, WaitingPool
+from cfemu.redis_internals import SocketHookConnection, host_error
 from cfemu.sockets import set_kernel_timeout
 
 __all__ = ["ConnectionConfigError", "PoolExhaustedError", "connect"]
@@ -35,17 +36,16 @@ class ConnectionConfigError(ValueError):
     """No or unusable CF address."""
 
 
-class _KernelTimeoutConnection(redis.Connection):
+class _KernelTimeoutConnection(SocketHookConnection):
     """A plain TCP connection to the CF whose socket blocks, with the kernel timing out a send or a receive
     (cfemu.sockets.set_kernel_timeout), instead of a socket with a Python timeout, which polls before every send and
     every receive: two syscalls per CF call, each one more release of the GIL that a busy member's threads then
-    contend for (issue 15). A timeout surfaces as EAGAIN: cfemu.cf reads it as a timeout, and redis-py's own
-    paths as a failure while reading or writing, which the member reads the same way (sqm.core.manager.reply_lost)."""
+    contend for (BENCHMARKS.md, "peers"). A timeout surfaces as EAGAIN: cfemu.cf reads it as a timeout, and
+    redis-py's own paths as a failure while reading or writing, which the member reads the same way
+    (sqm.core.cfcall.reply_lost)."""
 
-    def _connect(self) -> Any:
-        sock = super()._connect()
+    def socket_made(self, sock: Any) -> None:
         set_kernel_timeout(sock, self.socket_timeout)
-        return sock
 
     # redis-py reads EAGAIN from a blocking socket as a failed connection: said here as the timeout it is, as with
     # a Python timeout (callers tell a CF that does not answer in time from one that is gone).
@@ -62,7 +62,7 @@ class _KernelTimeoutConnection(redis.Connection):
             return super().read_response(*args, **kwargs)
         except redis.exceptions.ConnectionError as e:
             if isinstance(e.__context__, BlockingIOError):
-                raise redis.exceptions.TimeoutError(f"Timeout reading from {self._host_error()}") from None
+                raise redis.exceptions.TimeoutError(f"Timeout reading from {host_error(self)}") from None
             raise
 
 

@@ -35,6 +35,7 @@ import redis
 from redis.connection import Connection
 
 from cfemu import keys
+from cfemu.redis_internals import socket_of
 
 QUERY_PARAM = "duplex"
 MODE_FIELD, GEN_FIELD = b"mode", b"gen"
@@ -128,7 +129,7 @@ class DuplexConnection(Connection):
         self.duplex = duplex
 
     def connect_check_health(self, check_health: bool = True, retry_socket_connect: bool = True) -> None:
-        if self._sock:
+        if socket_of(self):
             return
         state = self.duplex
         found: list[tuple[int, tuple[str, int]]] = []
@@ -171,8 +172,9 @@ class DuplexConnection(Connection):
             return self._probe()
         finally:
             self.socket_timeout, self.socket_connect_timeout = saved
-            if self._sock is not None:
-                self._sock.settimeout(self.socket_timeout)
+            sock = socket_of(self)
+            if sock is not None:
+                sock.settimeout(self.socket_timeout)
 
     def _probe(self) -> tuple[str, int]:
         self.send_command("INFO", "replication")

@@ -172,7 +172,7 @@ def from_script_error(message: str, structure: str) -> MQError:
     return cls(where if cls is not MQError else f"structure {structure}: {message}")
 
 
-# --- units of work sent to a service (sqm.conversations.conversation; seed 003) --------------------------------------------------
+# --- units of work sent to a service (sqm.conversations.conversation; EntireX's units of work: docs/uow.md) ---------------------
 class UowStatusError(MQError):
     """A UOW operation not allowed in the UOW's status (the state table of sqm.conversations.uowstatus), or by this caller: the
     message names the operation and the status."""

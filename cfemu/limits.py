@@ -1,6 +1,6 @@
 """The group's size limits, named once: every layer that carries a message (the queue definition, the CF, the
 record log, the backup files, the SQM service's frames) is held to them, so that a message a queue accepts can
-travel every path a message takes (issue 10, hole 10; docs/architecture.md, "Size limits").
+travel every path a message takes (docs/architecture.md, "Size limits").
 
 A message is its body plus a descriptor (ids, properties and fixed fields). The body is bounded per queue
 (``QueueDef.max_msg_length``, at most ``MAX_MSG_LENGTH``); the descriptor by ``MAX_ID_LENGTH`` and

@@ -10,6 +10,8 @@ from typing import Any
 
 import redis
 
+from cfemu.redis_internals import check_pid, in_maintenance
+
 __all__ = ["PoolExhaustedError", "WaitingPool"]
 
 
@@ -28,7 +30,7 @@ class WaitingPool(redis.BlockingConnectionPool):
     maintenance notifications) redis-py's own methods run."""
 
     def _lean(self) -> bool:
-        return (getattr(self, "cache", None) is None and not getattr(self, "_in_maintenance", False)
+        return (getattr(self, "cache", None) is None and not in_maintenance(self)
                 and isinstance(getattr(self, "pool", None), LifoQueue))
 
     def get_connection(self, *args: Any, **kwargs: Any) -> Any:
@@ -39,7 +41,7 @@ class WaitingPool(redis.BlockingConnectionPool):
                 if str(e) != "No connection available.":  # redis-py's only word for "the pool is empty"
                     raise
                 raise self._exhausted() from None
-        self._checkpid()
+        check_pid(self)
         try:
             connection = self.pool.get(block=True, timeout=self.timeout)
         except Empty:
@@ -65,7 +67,7 @@ class WaitingPool(redis.BlockingConnectionPool):
         if not self._lean():
             super().release(connection)
             return
-        self._checkpid()
+        check_pid(self)
         if not self.owns_connection(connection):
             connection.disconnect()
             self.pool.put_nowait(None)

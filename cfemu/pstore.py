@@ -1,4 +1,4 @@
-"""The persistent store of a structure as an operator runs it (seed 004's PSTORE; docs/pstore.md): its start mode
+"""The persistent store of a structure as an operator runs it (EntireX's PSTORE; docs/pstore.md): its start mode
 after a CF loss, and its availability (connected or not, taking new units of work or not).
 
 The availability lives in the structure's header on the CF (pstore.lua), so that every member sees a change at

@@ -22,7 +22,6 @@ is never sent twice by the client (cfemu.connection).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any, cast
 from urllib.parse import parse_qs, unquote, urlsplit
 
@@ -153,9 +152,4 @@ def master_run_ids(client: redis.Redis) -> list[str]:
     rc = cast(RedisCluster, client)
     rc.nodes_manager.initialize()
     return [str(rc.get_redis_connection(n).info("server")["run_id"]) for n in rc.get_primaries()]
-
-
-def structure_masters(client: redis.Redis, structures: Iterable[str]) -> dict[str, str]:
-    """structure -> "host:port" of its master (status, tests)."""
-    return {s: master_of(client, s) for s in structures}
 

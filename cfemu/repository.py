@@ -34,7 +34,8 @@ must read: a member the repository knows but whose log is missing stops a restor
 
 One log root, one group. A member whose log root holds another repository (or none, while the CF knows the
 group's) refuses to join (``RepositoryError``): peer recovery, backup and restore read every member's log under
-the group's log root, so a member logging elsewhere would be dropped by them (issue 10, hole 6).
+the group's log root, so a member logging elsewhere would be dropped by them (docs/architecture.md, "The group's
+durable history", membership and the one log root).
 """
 
 from __future__ import annotations

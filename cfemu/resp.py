@@ -1,10 +1,11 @@
 """Commands encoded in RESP ahead of time, and sent as one write: the bulk load's batches (cfemu.bulk.Loader).
 
-A restore writes a million entries in batches of a thousand; through redis-py's pipeline each batch's ~2,000
-commands were packed and each reply parsed by Python code on the sending thread, which also shares the GIL with
-the thread preparing the next batch (measured at 200k messages: 2.7 s of the load's 5.3 s in redis-py's packing
-and parsing). Here a batch is encoded where it is prepared, and sent and answered with the hiredis reader
-directly (as cfemu.cf._lean_exchange does for one script call).
+A restore writes a million entries in batches of a thousand. Through redis-py's pipeline each batch's ~2,000
+commands are packed and each reply parsed by Python code on the sending thread, which also shares the GIL with
+the thread preparing the next batch: that was the larger part of the load's time (BENCHMARKS.md, "restore in
+bounded memory", "Speed, fourth pass"). Here a batch is encoded where it is prepared, and sent and answered with
+the hiredis reader directly (as cfemu.cf._lean_exchange does for one script call; the connection's socket and
+reader come from cfemu.redis_internals).
 """
 
 from __future__ import annotations
@@ -14,14 +15,11 @@ from typing import Any, NoReturn
 
 import redis
 from hiredis import pack_command
-from redis._parsers import hiredis as redis_hiredis
+
+from cfemu.redis_internals import NOT_ENOUGH, hiredis_io
 
 Arg = bytes | str | int
 LONG = 16 << 10  # a part this long is sent (and pickled) by itself: what is joined is 16 MiB a batch at most
-
-# What the hiredis reader answers while a reply is incomplete: redis-py builds its readers with this sentinel; one
-# without it leaves hiredis's own False (a nil reply is None in RESP2, never False).
-NOT_ENOUGH = getattr(redis_hiredis, "NOT_ENOUGH_DATA", False)
 
 
 def _encode(a: Arg) -> bytes:
@@ -72,8 +70,8 @@ class Packed:
     def add_pairs(self, head: Sequence[Arg], fields: Sequence[Arg], values: Sequence[bytes]) -> None:
         """One command: `head` (HSET and its key) then each field followed by its value. Two parts a pair, the
         value by itself: never copied, and pickled once with the batch's copies of the same bytes (bulk.Staged),
-        where add_items makes three parts an argument (measured, a batch of 1,000 entries of 1 KiB: 4.8 ms to make
-        and pickle both HSETs, the SADDs and the RPUSH with add_items, 1.3 ms with add_pairs and add_commands)."""
+        where add_items makes three parts an argument: a load batch is made and pickled in about a quarter of the
+        time with add_pairs and add_commands (BENCHMARKS.md, "restore in bounded memory", "Sixth pass")."""
         if len(fields) != len(values):
             raise ValueError(f"a command had {len(fields)} fields and {len(values)} values")
         parts = self.parts
@@ -121,7 +119,8 @@ class Packed:
     def __getstate__(self) -> tuple[list[bytes], int]:
         # Sent to another process as its parts: a message's data is a part, and the batch's copies of its entries
         # (bulk.Staged.copies) hold the same bytes objects, which pickle then writes once (joined, each message's
-        # data crossed the pipe twice: measured, 100k messages of 1 KiB loaded in 1.35-1.51 s instead of 1.54-1.65).
+        # data crossed the pipe twice: BENCHMARKS.md, "restore in bounded memory", "Figures behind the restore's
+        # constants").
         return self.parts, self.count
 
     def __setstate__(self, state: tuple[list[bytes], int]) -> None:
@@ -185,11 +184,9 @@ def exchange(conn: Any, data: bytes | Sequence[bytes], replies: int) -> list[Any
     a ConnectionError is raised, the connection dropped). A connection without the hiredis parser is read by
     redis-py's read_response. A socket error or timeout disconnects the connection and
     raises redis-py's ConnectionError or TimeoutError (whether the commands ran is then unknown)."""
-    sock = conn._sock
-    reader = getattr(conn._parser, "_reader", None)
-    buf = getattr(conn._parser, "_buffer", None)
+    io = hiredis_io(conn)
     chunks = [data] if isinstance(data, bytes) else data
-    if sock is None or reader is None or buf is None:
+    if io is None:
         conn.send_packed_command(list(chunks))
         out = []
         for _ in range(replies):
@@ -198,6 +195,7 @@ def exchange(conn: Any, data: bytes | Sequence[bytes], replies: int) -> list[Any
             except redis.exceptions.ResponseError as e:
                 out.append(e)
         return out
+    sock, reader, buf = io
     send(conn, sock, chunks)
     out = receive(conn, sock, reader, buf, replies)
     for r in out:

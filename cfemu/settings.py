@@ -85,8 +85,8 @@ MIN_MEMORY_LIMIT = 64 << 10
 MAX_DEFAULT_RESTORE_WORKERS = 4
 MAX_RESTORE_WORKERS = 64
 # The share of the time a backup works while the CF serves the group's work (backup.pacing; 1: never pauses).
-# Measured on 2 cores (BENCHMARKS.md, issue 15): 0.05 kept the group's throughput within 10% while a backup of
-# 1M messages ran (5.4%); 0.1 did at 200k (4.5-6.7%), not at 1M (13.9%).
+# The default is the largest share tried that kept the group's throughput within 10% of its own while a backup of 1M
+# messages ran beside it (BENCHMARKS.md, "backup", its section on backup speed and foreground drop).
 DEFAULT_BACKUP_SHARE = 0.05
 # MAXUMSGS: the messages one unit of work may put and get (IBM MQ's default and upper bound; sqm.core.config).
 DEFAULT_MAX_UMSGS = 10_000

@@ -1,6 +1,7 @@
-"""A topic's attributes (seed 004's publish and subscribe: whether publications are persistent, how long a
-publication lives, whether subscriptions may be durable, SUBSCRIPTION-EXPIRATION), held on the topic queue's
-definition (QueueDef.topic) so that they are shared by every member and survive a CF loss with the group repository.
+"""A topic's attributes (EntireX's durable publish and subscribe: whether publications are persistent, how long a
+publication lives, whether subscriptions may be durable, SUBSCRIPTION-EXPIRATION; docs/architecture.md, "Glossary:
+the seed documents"), held on the topic queue's definition (QueueDef.topic) so that they are shared by every member
+and survive a CF loss with the group repository.
 
 A queue with topic attributes is a *topic*: publishers publish publications (one or more messages committed as one
 unit of work) to it, subscribers receive each publication committed after they subscribed, in commit order
@@ -25,7 +26,7 @@ PUB_SUFFIX, SUB_SUFFIX = ".PUB", ".SUB"
 class TopicAttributes:
     persistent: bool = True  # publications are persistent (logged, backed up, restored after a CF loss)
     lifetime_s: int = 86400  # a publication's lifetime, on the structure's pseudo-clock (up-time only)
-    durable: bool = True  # subscriptions may be durable (seed 004: the topic's DURABLE characteristic)
+    durable: bool = True  # subscriptions may be durable (EntireX: the topic's DURABLE characteristic)
     subscription_expiration_s: int = 7 * 86400  # SUBSCRIPTION-EXPIRATION: an idle subscription goes after this
     max_messages: int = 100  # messages in one publication
 

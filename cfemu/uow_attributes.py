@@ -1,6 +1,7 @@
 """A service's unit-of-work attributes (EntireX's STORE, MAX-UOWS, MAX-MESSAGES-IN-UOW, UOW-DATA-LIFETIME, UWSTATP,
-POSTPONE-ATTEMPTS, POSTPONE-DELAY: seed 003, "Attributes used for Units of Work"), held on the service queue's
-definition (QueueDef.uow) so that they are shared by every member and survive a CF loss with the group repository.
+POSTPONE-ATTEMPTS, POSTPONE-DELAY: EntireX's "Attributes used for Units of Work"; docs/architecture.md, "Glossary:
+the seed documents"), held on the service queue's definition (QueueDef.uow) so that they are shared by every member
+and survive a CF loss with the group repository.
 
 A queue with attributes is a *service*: senders send units of work (UOWs) of several messages to it, receivers
 receive each UOW whole and settle it (sqm.conversations.conversation). Its UOW messages and UOW statuses live on two companion

@@ -148,7 +148,7 @@ def archived_records(spark: Any, files: list[str], structure: str, replay_from: 
     """(RDD of (merged-log order key, record), highest LRSN >= replay_from in the files) for the Spark engine.
 
     The LRSN range and the relevance test (restore.plan.relevant) are pushed into the Parquet scan; the highest
-    LRSN is taken over every record in range, relevant or not, as plan_local does."""
+    LRSN is taken over every record in range, relevant or not, as the reference plan does (restore/reference.py)."""
     from pyspark.sql import functions as F
 
     df = spark.read.schema(SCHEMA_DDL).parquet(*files).where(F.col("lrsn") >= replay_from)
@@ -195,15 +195,3 @@ def _scan(files: Iterable[Path], predicate: Callable[[pa.Table], Any]
             continue
         for row in table.filter(predicate(table)).to_pylist():
             yield (row["lrsn"], row["member"], row["segment"], row["offset"]), decode(row["record"], row["member"])
-
-
-def audit_dataframe(spark: Any, archive_dir: str | Path, entry_id: str) -> Any:
-    """The Spark form of audit_message, for archives too big for one machine: a DataFrame of the records that
-    name `entry_id` and the outcome records of their UOWs, ordered by (lrsn, member, segment, offset)."""
-    from pyspark.sql import functions as F
-
-    log = spark.read.schema(SCHEMA_DDL).parquet(str(Path(archive_dir) / "*" / "seg-*.parquet"))
-    naming = log.where(F.array_contains("entry_ids", entry_id))
-    uows = naming.where(F.col("uow").isNotNull()).select("uow").distinct()
-    outcomes = log.where(F.col("kind").isin(*UOW_KINDS)).join(uows, "uow", "left_semi")
-    return naming.unionByName(outcomes).distinct().orderBy("lrsn", "member", "segment", "offset")

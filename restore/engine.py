@@ -28,21 +28,18 @@ imported only when asked for).
 from __future__ import annotations
 
 import contextlib
-import heapq
 import importlib
 import resource
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
-from cfemu.progress import Progress, no_progress  # the cfemu floor's port, named from here too
+from cfemu.progress import Progress, no_progress
 from cfemu.settings import default_workers
-from restore.log_slices import LogSlice, log_slices
+from restore.log_slices import log_slices
 from restore.partitioned import DEFAULT_MEMORY, partitions_for, plan_partitioned
 from restore.plan import Copy, RestorePlan, base_lrsn
 from restore.spill import SpillDir
-from sqm.core.records import Record
-from sqm.log import merged_records, one_log_per_member
 from sqm.log.format import log_segments, read_manifest, trusted_segments
 
 READ_BACKUP, READ_LOGS, SETTLE, LOAD = "read backup", "read logs", "settle", "load"
@@ -68,19 +65,6 @@ class UnknownEngineError(ValueError):
     pass
 
 
-def read_logs(log_dirs: list[Path], replay_from: int, progress: Progress = no_progress) -> list[Record]:
-    """The merged log of `log_dirs` from `replay_from` on, ordered by (LRSN, member), each record tagged with
-    its member in "m". Progress counts log directories read."""
-    per_member: list[list[Record]] = []
-    one_log_per_member(log_dirs)
-    progress(READ_LOGS, 0, len(log_dirs))
-    for i, d in enumerate(log_dirs, 1):
-        per_member.append(merged_records([d], min_lrsn=replay_from))
-        progress(READ_LOGS, i, len(log_dirs))
-    # Each list is already in (LRSN, position) order: a k-way merge keeps that order within a member.
-    return list(heapq.merge(*per_member, key=lambda r: (r["l"], r["m"])))
-
-
 def _counted(copies: Iterable[Copy], progress: Progress, total: int | None) -> Iterator[Copy]:
     n = 0
     progress(READ_BACKUP, n, total)
@@ -90,18 +74,6 @@ def _counted(copies: Iterable[Copy], progress: Progress, total: int | None) -> I
         if n % 1000 == 0:
             progress(READ_BACKUP, n, total)
     progress(READ_BACKUP, n, total)
-
-
-def stream_logs(log_dirs: list[Path], replay_from: int,
-                progress: Progress = no_progress) -> Iterator[tuple[tuple[int, str, int, int], Record]]:
-    """Every record of `log_dirs` from `replay_from` on, one log after another, each tagged with its member in
-    "m" and with its place in the merged log, (LRSN, member, segment, offset): the order read_logs gives, which
-    the partitioned plan restores by sorting each partition. Progress counts log directories read."""
-    one_log_per_member(log_dirs)
-    progress(READ_LOGS, 0, len(log_dirs))
-    for i, d in enumerate(log_dirs, 1):
-        yield from LogSlice(str(d), None, replay_from).records()
-        progress(READ_LOGS, i, len(log_dirs))
 
 
 def input_bytes(backup: BackupSource, log_dirs: list[Path], replay_from: int) -> int:

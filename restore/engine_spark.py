@@ -11,16 +11,15 @@ uows_named / settle):
   settle       outcome records grouped by UOW -> decide_outcome, collected (the plan returns them all) and
                broadcast back; entry records and backup copies grouped by entry id -> best copy + settle, with
                the broadcast outcomes (a UOW with none was in flight: backed out at restore_lrsn, as in
-               plan_local).
+               restore/reference.py's plan_local).
 
-Within a group, records are put in merged-log order (LRSN, member, segment, offset) and copies in backup-file
-order before the fold sees them: that is the order the local engine reads them in, so ties fold the same way.
-The plan comes back to the driver as the same RestorePlan plan_local returns. Nothing the driver needs is
-collect()ed whole: every result whose size grows with the backup or the logs (the UOWs the base names, the
-UOWs that ended, the outcomes, the settled entries) comes back through restore.spark_fetch.stream, in jobs of
-bounded bytes under spark.driver.maxResultSize, however many records it holds (issue 16: a 1.07 GB plan of
-exactly 1M records broke the 1 GiB default when streaming was decided by record count).
-
+Within a group, records are put in merged-log order (LRSN, member, segment, offset) and copies in backup-file order
+before the fold sees them: that is the order the local engine reads them in, so ties fold the same way. The plan
+comes back to the driver as the same RestorePlan restore.reference.plan_local returns. Nothing the driver needs is
+collect()ed whole: every result whose size grows with the backup or the logs (the UOWs the base names, the UOWs that
+ended, the outcomes, the settled entries) comes back through restore.spark_fetch.stream, in jobs of bounded bytes
+under spark.driver.maxResultSize, however many records it holds (a plan of 1M records of 1 KiB is 1.07 GB, over the
+1 GiB default: a count of records cannot say when to stream).
 Spark runs quietly: its log4j output, and the JVM's stderr, go to a log file; its stages report through the
 engine's progress callback as the restore phases (a thread polls the status tracker). A backup error a worker
 raises (a changed entry file, a corrupt frame) comes back to the driver as the same error, one
@@ -46,13 +45,12 @@ from typing import Any
 from pyspark import AccumulatorParam, SparkConf, StorageLevel
 from pyspark.sql import SparkSession
 
+from cfemu.progress import Progress, no_progress
 from restore.engine import (
     READ_BACKUP,
     READ_LOGS,
     SETTLE,
     BackupSource,
-    Progress,
-    no_progress,
     register_engine,
 )
 from restore.log_slices import LogSlice
@@ -152,9 +150,9 @@ CURRENT, OLDER = 0, 1  # prepared's tags: a record the plan uses, an older outco
 
 def prepared(keyed: tuple[OrderKey, Record], structure: str, max_seen: Any,
              base: Base) -> list[tuple[int, tuple[OrderKey, Record]]]:
-    """prepare_record on one record (the LRSN of every record read counts towards max_lrsn, as in plan_local),
-    tagged CURRENT; an outcome record the generation rule leaves out is kept aside, tagged OLDER (plan.older_outcome:
-    it decides its UOW if a relog copy shows that UOW holding an entry)."""
+    """prepare_record on one record (the LRSN of every record read counts towards max_lrsn, as in
+    restore/reference.py), tagged CURRENT; an outcome record the generation rule leaves out is kept aside, tagged
+    OLDER (plan.older_outcome: it decides its UOW if a relog copy shows that UOW holding an entry)."""
     key, rec = keyed
     max_seen.add(key[0])
     out = prepare_record(rec, structure, base)
@@ -195,7 +193,7 @@ def entry_group(values: Iterable[tuple[int, Any]]) -> tuple[Copy | None, list[Re
 def settle_group(group: tuple[str, Iterable[tuple[int, Any]]], outcomes: Mapping[str, Outcome],
                  restore_lrsn: int, now_ms: int) -> list[tuple[str, Any]]:
     """settle() one entry: ("s", Settled), then ("d", uow) for each UOW it names that has no outcome: restore
-    decides those backed out at restore_lrsn, as plan_local does."""
+    decides those backed out at restore_lrsn, as restore/reference.py's plan_local does."""
     eid, values = group
     best, records = entry_group(values)
     named: dict[str, Outcome] = {}
@@ -394,7 +392,8 @@ def _sorted(items: Iterable[str]) -> Iterator[str]:
 
 def _slices(sc: Any, sizes: list[int]) -> int:
     """How many tasks read these files: one per file when files are big (a 64 MiB log segment is a good
-    task), fewer for many small ones (a task costs ~10 ms even when it reads nothing), at least one per core."""
+    task), fewer for many small ones (a task costs even when it reads nothing: BENCHMARKS.md, "spark"), at least
+    one per core."""
     wanted = max(sc.defaultParallelism, sum(sizes) // TASK_BYTES)
     return max(1, min(len(sizes), wanted))
 

@@ -29,10 +29,11 @@ from typing import Any
 from cfemu import bulk, keys
 from cfemu.admin import StructureDef
 from cfemu.limits import CF_STEP_BYTES
-from restore.engine import LOAD, Progress, no_progress
+from cfemu.progress import Progress, no_progress
+from restore.engine import LOAD
 from restore.partitioned import DEFAULT_MEMORY, Runs, SpilledPlan, merged_runs
 from restore.plan import RestorePlan
-from restore.settle import Settled, load_key
+from restore.settle import Settled
 from restore.workers import Workers
 from sqm.conversations.uowstatus import Control, is_control_queue
 from sqm.core.failpoints import failpoint
@@ -157,7 +158,7 @@ class Beside:
         self.failure: BaseException | None = None
         self.stop = threading.Event()
         # Set by the thread itself as it ends. Not Thread.join(): on Python 3.11 a join interrupted by Ctrl-C can
-        # leave a thread that still runs reported as ended (the review of 0d4250e).
+        # leave a thread that still runs reported as ended.
         self.ended = threading.Event()
         self.thread = threading.Thread(target=self._consume, name="restore-load-point", daemon=True)
 
@@ -236,14 +237,14 @@ def _staged_runs(job: tuple[str, Runs, int, int]) -> Iterator[tuple[bulk.Staged,
 
 
 # Messages of this size or more, on average, are loaded from a thread of this process, never through a worker:
-# the worker's batches come through a pipe, each message's data pickled, written, read and unpickled. Measured
-# (BENCHMARKS.md, restore, fifth pass): on a quiet machine the worker gains 20% at 1 KiB (200k messages) and
-# nothing from 4 KiB to 64 KiB; beside other work (load average 6-10) it loses 1.5-2x from 8 KiB on.
+# the worker's batches come through a pipe, each message's data pickled, written, read and unpickled: from 4 KiB
+# on, the worker gains nothing on a quiet machine and loses beside other work (BENCHMARKS.md, "restore in bounded
+# memory", "Fifth pass").
 STREAM_BELOW = 4 << 10
 # Below this many entries the load's batches are made in a thread too: a worker process first costs its start (an
-# interpreter and the restore's imports, 0.3-0.5 s), which a small load never wins back (measured, fifth pass: 40k
-# messages of 1 KiB loaded in 0.68-0.70 s from a thread, 0.73-0.75 s through a worker; 200k in 3.35 s against
-# 2.61-2.71 s). Every restore of a few queues (RECAUTO after a CF loss, most of all) paid that start.
+# interpreter and the restore's imports), which a small load never wins back (BENCHMARKS.md, "restore in bounded
+# memory", "Fifth pass" and "Small restores"). Every restore of a few queues (RECAUTO after a CF loss, most of
+# all) would pay that start.
 STREAM_FROM = 50_000
 
 
@@ -253,11 +254,6 @@ def streams(plan: SpilledPlan) -> bool:
     messages or more."""
     return (plan.workers > 1 and plan.loaded_count >= STREAM_FROM
             and plan.loaded_bytes < STREAM_BELOW * max(1, plan.loaded_count))
-
-
-def load_order(settled: Iterable[Settled]) -> list[Settled]:
-    """Loaded entries grouped by the list they go on, each list in the CF's order (settle.load_key)."""
-    return sorted((s for s in settled if s.entry is not None), key=lambda s: load_key(s.id, s.entry or {}))
 
 
 def restore_owned_uows(plan: RestorePlan) -> dict[str, str]:
@@ -342,7 +338,8 @@ def load_plan(owner: bulk.Owner, plan: RestorePlan, sdef: StructureDef, queues: 
         result.bytes = loader.bytes
         # In-doubt UOWs the structure holds though none of their work on it survived (non-persistent only) are
         # registered too, at their PREPARE's LRSN (a later backup's floor keeps it in the replay): their commit or
-        # backout then completes here as a no-op instead of being refused as lost with the CF (issue 10, hole 13).
+        # backout then completes here as a no-op instead of being refused as lost with the CF (a UOW across
+        # structures stays atomic: docs/architecture.md, "Decisions that differ from the design notes").
         held = plan.in_doubt_uows()
         for u in held.keys() - loader.held.keys():
             loader.held[u] = plan.outcomes[u].lrsn

@@ -3,11 +3,11 @@
 A partitioned plan (restore.partitioned) files each record by the entries and the UOW it names, and every
 partition is sorted by the records' places in the merged log before it is folded, so the records may be read in
 any order and by any number of readers: a slice is a run of one member's segments, read on its own (each
-record tagged with its member and its place, as restore.engine.stream_logs does).
+record tagged with its member and its place, as restore/reference.py's stream_logs does).
 
 The slices are made before the backup is read, the logs are read after it: a member still logging meanwhile (the
 re-plan after the claim of an ACTIVE structure) may start new segments, which the slice of its log's last segment
-reads too (stream_logs read each log to its end as it got there). A LogCorruptError found by a worker process is
+reads too, as stream_logs reads each log to its end when it gets to it. A LogCorruptError found by a worker process is
 sent back as itself (it does not survive pickle on its own: the engine's caller would see a worker that stopped).
 """
 

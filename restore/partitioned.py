@@ -1,9 +1,9 @@
 """Restore planning in bounded memory: the plan of restore.plan, partitioned by entry id through spill files.
 
-plan_local holds every copy, record and settled entry in memory at once; this planner holds one partition at a
-time, so its memory is set by the number of partitions, not by the size of the backup and the logs
-(docs/architecture.md, "Restore in bounded memory"). Three passes, each a sequential read and write of spill
-files (restore.spill), then a streamed result:
+restore/reference.py's plan_local holds every copy, record and settled entry in memory at once; this planner holds
+one partition at a time, so its memory is set by the number of partitions, not by the size of the backup and the logs
+(docs/architecture.md, "Restore in bounded memory"). Three passes, each a sequential read and write of spill files
+(restore.spill), then a streamed result:
 
   1 scan: each backup copy goes to the entry partition of its id; each log record that matters (prepare_record,
     the generation rule) goes to the entry partition of every entry it names, its outcome records and END to
@@ -16,14 +16,14 @@ files (restore.spill), then a streamed result:
   2 per UOW partition: decide each UOW's outcome (settle.decide_outcome) and send it to the entry partitions that
     need it;
   3 per entry partition: fold each entry (settle.best_copy, uows_named, settle: the one fold every engine uses),
-    deciding in-flight UOWs backed out as plan_local does; the survivors are written as a run sorted in load
-    order (settle.load_key), the others as (id, disposition).
+    deciding in-flight UOWs backed out as restore/reference.py's plan_local does; the survivors are written as a run
+    sorted in load order (settle.load_key), the others as (id, disposition).
 
 The plan's survivors are then one k-way merge of the sorted runs, in the CF's order, read as the load (and the
-restore point) goes. What stays in memory besides one partition is what the report and the load need about UOWs
-still open at the failure: those in doubt, in commit, decided by restore (bounded by the work in flight, not by
-the history's size). The result equals plan_local's for the same input (tests/restore/test_partitioned.py, and
-the engines' differential tests).
+restore point) goes. What stays in memory besides one partition is what the report and the load need about UOWs still
+open at the failure: those in doubt, in commit, decided by restore (bounded by the work in flight, not by the
+history's size). The result equals restore.reference.plan_local's for the same input
+(tests/restore/test_partitioned.py, and the engines' differential tests).
 """
 
 from __future__ import annotations
@@ -77,8 +77,9 @@ _OUTCOME_REC, _END, _NEED, _OLDER_OUTCOME, _HELD = 0, 1, 2, 3, 4
 
 DEFAULT_MEMORY = 1 << 30  # the working memory a restore may use by default (cfemu.settings: restore_memory)
 MAX_PARTITIONS = 4096
-# Python objects take this many times the bytes of their msgpack frames in a spill file (measured: small log
-# records about 5x, 1 KiB messages about 1.5x; the higher figure, so that a partition of small records fits).
+# Python objects take this many times the bytes of their msgpack frames in a spill file, for the kind of record
+# that expands most (small log records), so that a partition of them fits (BENCHMARKS.md, "restore in bounded
+# memory", "Figures behind the restore's constants").
 EXPANSION = 6
 
 
@@ -91,8 +92,9 @@ def partitions_for(input_bytes: int, memory: int) -> int:
 def merge_read_size(memory: int, runs: int) -> int:
     """The read size of each sorted run in the final merge, so that the runs' read buffers together take about a
     quarter of `memory`. Each run costs about 3x its read size: msgpack's Unpacker doubles its buffer when a frame
-    straddles two reads, and each read is a transient bytes object besides (measured: 56 KiB a run at 16 KiB reads;
-    a floor of 16 KiB made 171 runs of an 8 MiB restore take 9 MiB)."""
+    straddles two reads, and each read is a transient bytes object besides; a floor of 4 KiB, so that many runs
+    of a small restore stay within its memory (BENCHMARKS.md, "restore in bounded memory", "Figures behind the
+    restore's constants")."""
     return max(4 << 10, min(1 << 20, memory // (12 * max(1, runs))))
 
 
@@ -232,13 +234,13 @@ def plan_partitioned(structure: str, backup: Iterable[Copy], records: Iterable[t
                      carried: Iterable[str] = (), lrsn: int = 0, registered: Collection[str] = (),
                      progress: Progress | None = None, workers: int = 1,
                      slices: Sequence[LogSlice] | None = None) -> SpilledPlan:
-    """The plan of plan_local (same arguments; `records` each with its place in the merged log, in any order),
-    computed one partition at a time in `spill` (see the module doc). The plan owns `spill`: close() it.
+    """The plan of restore.reference.plan_local (same arguments; `records` each with its place in the merged log, in
+    any order), computed one partition at a time in `spill` (see the module doc). The plan owns `spill`: close() it.
     `slices`: more records, the logs' slices (restore.log_slices), read by the worker processes side by side, the
     phase "read logs" reported as they are (also when there are none: a restore of no logs still reads them)."""
     # The plan makes millions of small dicts, lists and tuples, none of them in a cycle; the cyclic collector
-    # would scan the growing partition again and again as they are made (a third of the settle phase's time,
-    # measured), so it is off while the plan runs (reference counting still frees everything).
+    # would scan the growing partition again and again as they are made (BENCHMARKS.md, "restore in bounded
+    # memory", "Speed, second pass"), so it is off while the plan runs (reference counting still frees everything).
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -681,8 +683,8 @@ def _decide(job: _Job, structure: str, chunk: tuple[int, list[int]]) -> _Decided
 
 def _fold(job: _Job, i: int) -> _Folded:
     """Step 3 for entry partition i: fold each entry (settle.best_copy, uows_named, settle: the one fold every
-    engine uses), deciding in-flight UOWs backed out as plan_local does; the survivors are written as a run
-    sorted in load order (run-i), the others as (id, disposition) (gone-i)."""
+    engine uses), deciding in-flight UOWs backed out as restore/reference.py's plan_local does; the survivors are
+    written as a run sorted in load order (run-i), the others as (id, disposition) (gone-i)."""
     gc.disable()
     spill = SpillDir.at(job.spill)
     outcomes = SpilledOutcomes(_reader(spill, "decided", job.P), lambda u: partition_of(u, job.P), 0, {})

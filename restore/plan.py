@@ -1,6 +1,6 @@
-"""Restore planning: compute the final state of every message off the CF. plan_local does it in memory, all at
-once: the reference every engine is compared with; the local engine runs the same steps one partition at a time
-(restore.partitioned), the Spark engine as DataFrame operations.
+"""Restore planning: compute the final state of every message off the CF. restore.reference.plan_local does it in
+memory, all at once: the specification every engine is tested against; the local engine runs the same steps one
+partition at a time (restore.partitioned), the Spark engine as DataFrame operations.
 
 The plan is data-parallel (the Spark engine runs the same steps as DataFrame operations):
   1 group the backup's copies by entry id, keep the best copy of each (settle.best_copy);
@@ -16,7 +16,7 @@ The plan is data-parallel (the Spark engine runs the same steps as DataFrame ope
 from __future__ import annotations
 
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -27,13 +27,9 @@ from restore.settle import (
     INDOUBT,
     Outcome,
     Settled,
-    best_copy,
-    decide_outcome,
     load_key,
-    settle,
-    uows_named,
 )
-from sqm.core.records import Record, Role, entry_ids, lookup
+from sqm.core.records import Record, Role, lookup
 
 T = TypeVar("T")
 
@@ -118,16 +114,16 @@ def base_of(manifest: Mapping[str, Any], held_by: Iterable[str]) -> Base:
 
 
 def current_incarnation(record: Record, structure: str, base: Base) -> bool:
-    """The generation rule. A structure's generation changes with every restore and purge (a new incarnation);
-    a UOW runs in the generation it first touched the structure in (PUT / GET "g", outcome "ss"). The work of a
-    UOW from a generation below the base's either took effect before the base (it is in the base) or never did
-    (the CF refuses an older generation's UOW it does not know): its records are left out, however late they
-    reached the disk and whatever their LRSN (issue 10, hole 1: a GET appended before a CF loss and forced after
-    the restore must not be folded into a later restore). A UOW that holds entries in the base (an in-doubt UOW
-    carried across a restore, or a UOW a fuzzy backup caught in flight) is current whatever its generation: its
-    outcome still applies to the entries it holds; so does a UOW a relog copy of this incarnation shows holding
-    an entry (older_outcome: its outcome records are kept aside and count after all). A generation 0 (restore's
-    own RECOVERY records before generations were recorded in them) counts as current."""
+    """The generation rule. A structure's generation changes with every restore and purge (a new incarnation); a UOW
+    runs in the generation it first touched the structure in (PUT / GET "g", outcome "ss"). The work of a UOW from a
+    generation below the base's either took effect before the base (it is in the base) or never did (the CF refuses
+    an older generation's UOW it does not know): its records are left out, however late they reached the disk and
+    whatever their LRSN (a GET appended before a CF loss and forced after the restore must not be folded into a later
+    restore: docs/architecture.md, "The group's durable history"). A UOW that holds entries in the base (an in-doubt
+    UOW carried across a restore, or a UOW a fuzzy backup caught in flight) is current whatever its generation: its
+    outcome still applies to the entries it holds; so does a UOW a relog copy of this incarnation shows holding an
+    entry (older_outcome: its outcome records are kept aside and count after all). A generation 0 (restore's own
+    RECOVERY records before generations were recorded in them) counts as current."""
     if base.gen <= 0 or record.get("u") in base.carried:
         return True
     kind = lookup(record)
@@ -201,8 +197,8 @@ def older_outcome(record: Record, structure: str, base: Base = Base()) -> Record
     an entry (copy_holder). Such a UOW was carried across the restore that began this incarnation (in doubt),
     and a relog pass copied what it held; when the base no longer holds those entries (a backup taken after its
     decision) but its replay reaches back past the pass, the relog copy is the entry's best copy, and leaving
-    out the UOW's outcome made it look in flight: restore backed out a committed get (chaos B12). None for
-    any other record."""
+    out the UOW's outcome would make it look in flight, and restore back out a committed get. None for any other
+    record."""
     if lookup(record).role is not Role.OUTCOME or not relevant(record, structure):
         return None
     if current_incarnation(record, structure, base):
@@ -247,67 +243,3 @@ def summarize(structure: str, settled: list[Settled], outcomes: Mapping[str, Out
     counts["uows in doubt"] = len(held_uows(structure, settled, outcomes))
     counts["uows in flight backed out"] = len(decisions)
     return counts, in_commit
-
-
-def plan_local(structure: str, backup: Iterable[Copy], records: Iterable[Record], *,
-               now_ms: int | None = None, gen: int = 0, carried: Iterable[str] = (), lrsn: int = 0,
-               registered: Collection[str] = ()) -> RestorePlan:
-    """gen: the structure generation the backup was taken in (its manifest's "gen"; 0: unknown); carried: UOWs
-    the base names besides its copies' (base_of); lrsn: the highest LRSN its manifest records (base_lrsn; 0:
-    unknown); registered: the UOWs its manifest lists ("uows")."""
-    now_ms = now_ms if now_ms is not None else int(time.time() * 1000)
-    copies: dict[str, list[Copy]] = defaultdict(list)
-    max_lrsn = 0
-    for c in backup:
-        copies[c[1]["id"]].append(c)
-        max_lrsn = max(max_lrsn, int(c[1]["l"]))
-    base = base_of({"gen": gen, "carried": list(carried), "end_lrsn": lrsn, "uows": registered},
-                   (c[1].get("u", "") for cs in copies.values() for c in cs))
-    by_entry: dict[str, list[Record]] = defaultdict(list)
-    by_uow: dict[str, list[Record]] = defaultdict(list)
-    ended: set[str] = set()
-    per_member: Counter[str] = Counter()
-    older: dict[str, list[Record]] = defaultdict(list)
-    holders: set[str] = set()
-    for raw in records:
-        max_lrsn = max(max_lrsn, int(raw["l"]))
-        rec = prepare_record(raw, structure, base)
-        if rec is None:
-            kept_aside = older_outcome(raw, structure, base)
-            if kept_aside is not None:
-                older[kept_aside["u"]].append(kept_aside)
-            continue
-        per_member[rec.get("m", "?")] += 1
-        holder = copy_holder(rec)
-        if holder:
-            holders.add(holder)
-        role = lookup(rec).role
-        if role is Role.END:
-            ended.add(rec["u"])
-            continue
-        if role is Role.OUTCOME:
-            by_uow[rec["u"]].append(rec)
-        for eid in entry_ids(rec):
-            by_entry[eid].append(rec)
-
-    for uid, recs in revived(older, holders).items():
-        by_uow[uid].extend(recs)
-    best = {eid: best_copy(cs) for eid, cs in copies.items()}
-    outcomes: dict[str, Outcome] = {}
-    for uid, recs in by_uow.items():
-        o = decide_outcome(recs)
-        if o is not None:
-            outcomes[uid] = o
-    restore_lrsn = restore_lrsn_above(max_lrsn, base)
-    decisions: dict[str, str] = {}
-    for eid in best.keys() | by_entry.keys():
-        for uid in uows_named(best.get(eid), by_entry.get(eid, ())):
-            if uid not in outcomes:
-                outcomes[uid] = in_flight_outcome(restore_lrsn)
-                decisions[uid] = owner_of(uid)
-
-    settled = [settle(eid, best.get(eid), by_entry.get(eid, ()), outcomes, now_ms)
-               for eid in best.keys() | by_entry.keys()]
-    counts, in_commit = summarize(structure, settled, outcomes, decisions, ended)
-    return RestorePlan(structure, restore_lrsn, settled, outcomes, decisions, in_commit, counts, per_member,
-                       max_lrsn)

@@ -25,14 +25,16 @@ as a clean run (the RECOVERY records make the decisions stable, the load starts 
 
 Every restore ends by writing its result as a restore point (backup.points): a backup of kind "restore" at the
 restore's LRSN and generation, written after the load is verified and before the structure is ACTIVE, so that a
-later restore starts there instead of crossing it with an older view (issue 10, hole 1). Which records a plan
+later restore starts there instead of crossing it with an older view. Which records a plan
 folds is decided by the generation rule (restore.plan.current_incarnation). The definitions come from the CF,
 else the group repository (cfemu.repository: queues defined after the last backup too), else the backup; a
-structure never backed up restores from its definition in the repository (hole 7). Restore refuses while any
-member the group knows (repository, backup, admin structure) has no log under the log root (hole 6).
+structure never backed up restores from its definition in the repository. Restore refuses while any member
+the group knows (repository, backup, admin structure) has no log under the log root.
 
 run_purge() is RECOVER CFSTRUCT TYPE(PURGE): an empty structure, definitions kept, usable again; it writes an
-empty restore point (kind "purge") before the structure is usable again (hole 8).
+empty restore point (kind "purge") before the structure is usable again.
+
+The rules, and why each is needed: docs/architecture.md, "The group's durable history".
 """
 
 from __future__ import annotations
@@ -70,10 +72,11 @@ from cfemu import bulk, keys
 from cfemu.admin import Admin, AdminError, QueueDef, StructureDef
 from cfemu.credentials import BackupKeys
 from cfemu.private_files import refuse_others_writing
+from cfemu.progress import Progress, no_progress
 from cfemu.pstore import warm_generations
 from cfemu.repository import GroupRepository, migrated_refusal
 from cfemu.settings import restore_memory, restore_workers
-from restore.engine import PHASES, Progress, get_engine, no_progress
+from restore.engine import PHASES, get_engine
 from restore.load import LoadResult, batch_bytes_for, load_plan, loaded_tombstones, restore_owned_uows
 from restore.partitioned import DEFAULT_MEMORY
 from restore.plan import EARLIER_GENERATIONS, Copy, RestorePlan
@@ -331,7 +334,7 @@ def _logs_reach_back(log_dirs: list[Path], structure: str) -> None:
 def known_members(repo: GroupRepository, manifest: dict[str, Any], admin: Admin) -> dict[str, str]:
     """Every member the group knows durably, with where it logs ("" when not recorded): those the group
     repository recorded at their join, those the base backup names, and the live ones the admin structure lists
-    when the CF still has it. Restore must read every one's log (issue 10, hole 6)."""
+    when the CF still has it. Restore must read every one's log."""
     known = {str(m): "" for m in manifest.get("members", [])}
     known.update(repo.members())
     for member, info in admin.members().items():
@@ -416,8 +419,7 @@ def _admin_definition(admin: Admin, structure: str) -> StructureDef | None:
 def definitions(admin_def: StructureDef | None, admin_queues: list[QueueDef], repo: GroupRepository,
                 manifest: dict[str, Any]) -> tuple[StructureDef, list[QueueDef]]:
     """The structure's definition and every queue on it: the CF's where the admin structure still has them,
-    else the group repository's (queues defined after the last backup included: issue 10, hole 7), else the
-    base backup's."""
+    else the group repository's (queues defined after the last backup included), else the base backup's."""
     structure = str(manifest["structure"])
     sd = manifest["structure_def"]
     known = repo.structure(structure)
@@ -756,7 +758,7 @@ def run_purge(client: redis.Redis, structure: str, *, backup_root: Path, log_roo
     """RECOVER CFSTRUCT TYPE(PURGE): discard every message, keep the definition and queues, a new generation
     (so every unit of work from before is backed out when it next touches the structure), state ACTIVE.
     The purge is a restore point (kind purge, empty) in the backup catalog, written before the structure is
-    usable again: a later restore starts there and never brings the purged messages back (issue 10, hole 8).
+    usable again: a later restore starts there and never brings the purged messages back.
     The definitions come from the CF, or from the group repository under log_root when the CF lost them.
     backup_keys sign the restore point (default: those this process's settings find; none: refused at once)."""
     try:

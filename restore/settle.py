@@ -205,9 +205,9 @@ def settle(entry_id: str, backup: tuple[str, dict[str, Any], bytes] | None, reco
         # Where a UOW's outcome counts for this entry: never at or below the UOW's own operations on it (`top`). A
         # decision always sorts after them as written today (a peer adopts the failed member's highest LRSN first,
         # an owner's clock has seen the CF's answer to each operation), but a RECOVERY record written by a peer
-        # whose clock lagged (before issue 10, hole 2) could lie below them: the fold then met the outcome before
-        # the put or get, skipped it, and left the entries locked for good by a UOW that was decided. Defensive,
-        # so such logs restore too.
+        # whose clock lagged could lie below them in logs written before that rule (docs/log-format.md, "When an
+        # outcome counts"): the fold then met the outcome before the put or get, skipped it, and left the entries
+        # locked for good by a UOW that was decided. Defensive, so such logs restore too.
         top: dict[str, int] = {}  # UOW -> the highest LRSN of its own operations on the entry
         for r, rk in zip(recs, kinds, strict=True):
             u = r.get("u")
@@ -287,7 +287,7 @@ def _final(entry_id: str, structure: str, state: dict[str, Any], data: bytes, no
         return Settled(entry_id, HELD_INDOUBT, structure, state, data)
     if 0 < int(state.get("exp", 0)) <= now_ms:
         return Settled(entry_id, EXPIRED)
-    if is_control_queue(str(state.get("q", ""))):  # a UOW's status: seed 003's restart tables (sqm.conversations.uowstatus)
+    if is_control_queue(str(state.get("q", ""))):  # a UOW's status: EntireX's UOW restart tables (sqm.conversations.uowstatus)
         kept = restore_control_entry(state, data)
         if kept is None:
             return Settled(entry_id, STATUS_DROPPED)

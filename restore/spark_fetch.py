@@ -1,7 +1,7 @@
 """Bringing an RDD's elements to the Spark driver in pieces of bounded size (bytes, not records).
 
 `collect()` (and `toLocalIterator()`, one partition per job) fails once one job's results pass
-`spark.driver.maxResultSize` (1 GiB by default): a restore plan of 1M messages of 1 KiB is 1.07 GB (issue 16).
+`spark.driver.maxResultSize` (1 GiB by default): a restore plan of 1M messages of 1 KiB is 1.07 GB.
 Counting records cannot know that; sizes can. So:
 
   1. on the executors, each partition's elements are pickled into chunks of at most `chunk_bytes` (an element

@@ -1,4 +1,4 @@
-"""Starting a structure after a CF loss in one of seed 004's start modes (docs/pstore.md):
+"""Starting a structure after a CF loss in one of EntireX's persistent-store start modes (docs/pstore.md):
 
   HOT   restore its content from the latest good backup and every member's log (restore.run.run_restore: today's
         restore, what RECAUTO did before start modes existed);
@@ -36,9 +36,9 @@ from cfemu.admin import Admin, StructureDef
 from cfemu.cf import CF
 from cfemu.credentials import BackupKeys
 from cfemu.errors import StructureFailedError
+from cfemu.progress import Progress, no_progress
 from cfemu.pstore import COLD, HOT, WARM, check_mode, record_warm_generation, start_mode
 from cfemu.repository import GroupRepository
-from restore.engine import Progress, no_progress
 from restore.run import (
     RestoreError,
     _admin_definition,

@@ -11,13 +11,13 @@ A worker ends when its stdin closes, so one whose parent died (even SIGKILLed) e
 is private to the two processes, which is why pickle is safe here.
 
 A worker's streams are the task channel only: a task's own writes to descriptor 1 (a C library, a child process)
-go to stderr and its reads of descriptor 0 find /dev/null, so nothing a task does can break a frame (the parent
-would read stray bytes as a frame's length and wait for ever). The workers are a process group of their own:
-Ctrl-C reaches the terminal's whole process group, and the parent (cfrestore, or a member running RECAUTO, which
-handles SIGINT itself) decides; it stops its workers when it leaves. (Not SIG_IGN in the worker: measured, it
-raised each worker's peak by about 0.35 MiB.) The worker's module path is this process's (absolute), with `-P` so that the
-working directory is not put ahead of it: a msgpack.py or restore/ lying there must not replace a module.
-"""
+go to stderr and its reads of descriptor 0 find /dev/null, so nothing a task does can break a frame (the parent would
+read stray bytes as a frame's length and wait for ever). The workers are a process group of their own: Ctrl-C reaches
+the terminal's whole process group, and the parent (cfrestore, or a member running RECAUTO, which handles SIGINT
+itself) decides; it stops its workers when it leaves. (Not SIG_IGN in the worker: it raised each worker's peak
+memory: BENCHMARKS.md, "restore in bounded memory", "Figures behind the restore's constants".) The worker's module
+path is this process's (absolute), with `-P` so that the working directory is not put ahead of it: a msgpack.py or
+restore/ lying there must not replace a module. """
 
 from __future__ import annotations
 

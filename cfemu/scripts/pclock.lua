@@ -1,12 +1,12 @@
--- pclock: read and advance the structure's pseudo-clock, the clock UOW lifetimes count on (seed 004: a lifetime
+-- pclock: read and advance the structure's pseudo-clock, the clock UOW lifetimes count on (EntireX: a UOW lifetime
 -- runs only while the system is up). It advances by the CF's own time (Redis TIME: no member's skew counts) since
 -- the last tick, but only when that gap is at most ARGV[1]: members tick it every second or so while the group is
 -- up, so a longer gap is downtime (the group, or this structure, was down) and adds nothing. A restored structure
--- comes back without its clock: ARGV[2] raises it to at least the newest stamp its restored statuses carry.
--- Ticks only while the structure is ACTIVE (no timeout processing while the store is unavailable); a tick refused
--- for another state writes only that the next tick must not count the time since the last. While its
--- persistent store is disconnected (pstore.lua) the clock stands still: it is read, and the tick only moves the CF
--- time it counts from, so that neither the disconnected time nor a lifetime passes (seed 004).
+-- comes back without its clock: ARGV[2] raises it to at least the newest stamp its restored statuses carry. Ticks
+-- only while the structure is ACTIVE (no timeout processing while the store is unavailable); a tick refused for
+-- another state writes only that the next tick must not count the time since the last. While its persistent store is
+-- disconnected (pstore.lua) the clock stands still: it is read, and the tick only moves the CF time it counts from,
+-- so that neither the disconnected time nor a lifetime passes.
 -- Idempotent in the sense that matters: two members ticking at once add the elapsed time once.
 -- ARGV: 1 the longest gap counted as up-time (ms), 2 floor (ms; 0 = none)
 -- Returns {the clock (ms of up-time), the CF's time (ms since the epoch): one clock for the whole group where an

@@ -1,9 +1,9 @@
 -- peek_scan: read, a batch at a time, the entries of a queue that match a message id or a correlation id, committed
 -- (CP) or held by an uncommitted get (UG), without taking them and in no particular order: a sweep over every UOW in
 -- one status (sqm.conversations.uowsweeper) costs the CF a bounded batch per call, however many there are (peek sorts them all
--- before its limit: 294 ms of a blocked CF for 20,000 kept statuses, review R). A full pass is a run of calls from
--- cursor '0' until the returned cursor is '0' again (Redis SSCAN: an entry there for the whole pass is returned at
--- least once; one that comes or goes meanwhile may or may not be).
+-- before its limit, which blocks the CF longer the more statuses are kept: BENCHMARKS.md, "uow"). A full pass is a
+-- run of calls from cursor '0' until the returned cursor is '0' again (Redis SSCAN: an entry there for the whole
+-- pass is returned at least once; one that comes or goes meanwhile may or may not be).
 -- Read only; idempotent.
 -- ARGV: 1 queue, 2 match ('m' message id | 'c' correlation id), 3 value (hex), 4 cursor ('0' to start), 5 count hint
 -- Returns {next cursor ('0': the pass is over), descriptor, data, descriptor, data, ...}.

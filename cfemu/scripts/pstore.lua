@@ -1,4 +1,4 @@
--- pstore: read or change the availability of the structure's persistent store (docs/pstore.md; seed 004's
+-- pstore: read or change the availability of the structure's persistent store (docs/pstore.md; EntireX's
 -- DISCONNECT-PSTORE / CONNECT-PSTORE and the "no new units of work" state). Two fields of the header {S}:meta:
 --   pstore  'DISCONNECTED' while persistent work is refused (absent: connected). put.lua refuses a persistent put,
 --           get.lua the get of a persistent message, standing.lua says 'D' for a UOW held here (its member backs it

@@ -1,4 +1,5 @@
--- relog_begin: begin a relog pass on the structure (seed 000, selective relogging; docs/log-management.md).
+-- relog_begin: begin a relog pass on the structure (selective relogging, from IBM's recovery-enhancement patent:
+-- docs/log-management.md).
 -- Takes the structure's relog lock for the caller (refused while another member holds it and its lease runs),
 -- ticks the clock to the pass's begin B and raises the recovery floor to B (floor = max(floor, B)): from here on an
 -- outcome record below B is refused (FLOOR) and re-logged above it, so every outcome applied after a copy of this

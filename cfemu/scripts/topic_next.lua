@@ -26,7 +26,7 @@ local clock_s = string.format('%d', clock)
 -- The lowest LRSN an open publication can still commit at (above the LRSN of its first put): that of the first of
 -- the queue's uncommitted puts, whose list the CF keeps in put order (put.lua appends each with a rising o2, commit
 -- and backout only remove, restore loads it in o2 order: restore/settle.load_key), so one read, however many puts
--- are open (a 10,000-message publication being committed: review R2).
+-- are open (a 10,000-message publication being committed).
 local horizon = nil
 local first_open = redis.call('LINDEX', qkey(queue, 'up'), 0)
 if first_open then

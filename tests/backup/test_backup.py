@@ -15,7 +15,7 @@ import crc32c
 import pytest
 import redis
 
-from backup.catalog import CORRUPT, INCOMPLETE, OK, find_backup, latest_good, list_backups, parse_age, prune
+from backup.catalog import CORRUPT, INCOMPLETE, OK, BackupInfo, find_backup, list_backups, parse_age, prune
 from backup.files import (
     FRAME_HEAD,
     MANIFEST_NAME,
@@ -59,6 +59,11 @@ def _write_backup(root: Path, structure: str = "APP1", n: int = 50, roll_bytes: 
         w.add(3, _descriptor(i), f"d{i:02d}".encode())
     w.finish({"id": bid, "group": "QSG1", "structure": structure, "entries": n, "start_lrsn": 1})
     return root / structure / bid
+
+
+def latest_good(backup_root: Path, structure: str, *, deep: bool = False) -> BackupInfo | None:
+    """The newest backup of `structure` whose state is ok (None when there is none)."""
+    return next((b for b in list_backups(backup_root, structure, deep=deep) if b.state == OK), None)
 
 
 # --- the format -------------------------------------------------------------------------------------------
@@ -167,7 +172,7 @@ def test_every_product_reader_and_writer_of_backups_passes_the_groups_keys() -> 
     resolved (its flags, its cluster), never leaving a library call to find its own from the working directory."""
     import ast
 
-    calls = {"run_backup", "run_restore", "run_purge", "list_backups", "latest_good", "inspect", "prune",
+    calls = {"run_backup", "run_restore", "run_purge", "list_backups", "inspect", "prune",
              "rebuild_catalog", "write_restore_point", "open_backup", "read_backup", "verify", "read_manifest",
              "sign_backup", "BackupWriter"}
     root = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""The backup's hot loop (issue 15): descriptors go into the frames as the CF's msgpack bytes, persistence is
+"""The backup's hot loop: descriptors go into the frames as the CF's msgpack bytes, persistence is
 judged at sight when it can be, frames are written by a thread. Each shortcut must give the backup a decoder
 cannot tell from the one decode-and-repack gave: the same frames, the same copies kept, a restorable backup."""
 

@@ -1,4 +1,4 @@
-"""Store migration (issue 14 part 3, backup.migrate): a structure filled by real members (plain messages in large
+"""Store migration (backup.migrate; docs/migration.md): a structure filled by real members (plain messages in large
 units of work, UOWs sent to a service and their statuses) is unloaded from one real redis-server and loaded into
 another under another group; the reports compare equal and the target serves the same messages in the same order and
 the same UOW statuses; the handshake's refusals; a tampered report and a partial load (SIGKILL at a failpoint) are

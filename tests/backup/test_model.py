@@ -56,7 +56,7 @@ import pytest
 import redis
 
 from backup.protocol import STEPS
-from restore.plan import plan_local
+from restore.reference import plan_local
 from tests.backup.model.actors import (
     NP_QUEUE,
     QUEUE,

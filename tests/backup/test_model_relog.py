@@ -1,5 +1,6 @@
-"""The exhaustive model check with selective relogging and log pruning in the model (issue 12; the model's world,
-actors and checks: tests/backup/model; the relog actor and the pruning checks: tests/backup/model/relogging.py).
+"""The exhaustive model check with selective relogging and log pruning in the model (docs/log-management.md; the
+model's world, actors and checks: tests/backup/model; the relog actor and the pruning checks:
+tests/backup/model/relogging.py).
 
 Each scenario of test_model (its message actors) runs after a backup and a first relog pass (so the stored CPL makes
 the interleaved pass selective: it copies only what the first one left older than its threshold), interleaved in

@@ -1,4 +1,4 @@
-"""A backup that yields to the group's work (issue 15, backup.pacing): it pauses between batches, for the share
+"""A backup that yields to the group's work (backup.pacing): it pauses between batches, for the share
 its setting gives, only while the CF serves others; on an idle CF it never pauses. Real redis-server for the
 command counts and the backups; a clock of the test's own for the arithmetic."""
 

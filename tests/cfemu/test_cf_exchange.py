@@ -1,4 +1,4 @@
-"""A CF script call's send and reply (cfemu.cf._lean_exchange, issue 15): the socket and hiredis reader driven
+"""A CF script call's send and reply (cfemu.cf._lean_exchange): the socket and hiredis reader driven
 directly, with redis-py's failure rules kept. Real redis-server processes, stopped and killed with real signals."""
 
 from __future__ import annotations

@@ -277,8 +277,8 @@ class TestGet:
     @pytest.mark.parametrize("match", ["", "m"])
     def test_refuses_a_message_longer_than_the_caller_can_take_and_changes_nothing(
             self, s: Structure, qm1: Caller, match: str) -> None:
-        """Issue 10, hole 10: a get that cannot deliver must not consume. The message stays where it was (MQ's
-        MQRC_TRUNCATED_MSG_FAILED): no UOW joined, no backout count, not even the clock moves."""
+        """A get that cannot deliver must not consume (docs/architecture.md, "Size limits"). The message stays where
+        it was (MQ's MQRC_TRUNCATED_MSG_FAILED): no UOW joined, no backout count, not even the clock moves."""
         s.put(qm1, entry("big", msgid="0b"), b"x" * 1000)
         length = carried_length(s, "big")
         before = dump(s)
@@ -1342,8 +1342,8 @@ class TestPstore:
         assert got.entry is not None and got.entry.id == "p1"
 
     def test_a_decided_commit_goes_on_while_disconnected(self, s: Structure, qm1: Caller) -> None:
-        """A logged COMMIT is decided: refusing it here backed out on one structure what another had committed
-        (review R2). The refusal is the member's, before the force (standing.lua's 'D')."""
+        """A logged COMMIT is decided: refusing it here would back out on one structure what another had
+        committed. The refusal is the member's, before the force (standing.lua's 'D')."""
         s.put(qm1, entry("p1"), b"x", uow="U1")
         s.put(qm1, entry("p2"), b"y", uow="U2")
         s.pstore("disconnect")

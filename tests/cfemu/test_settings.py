@@ -174,7 +174,7 @@ def test_each_command_finds_the_service_token_of_its_role(home: Path) -> None:
 
 
 def test_the_spark_master_is_the_flag_else_the_environment_else_the_clusters_running_master(tmp_path: Path) -> None:
-    """cfrestore --engine spark finds the Spark master of `cfemu cluster up --spark N` while it runs (issue 16)."""
+    """cfrestore --engine spark finds the Spark master of `cfemu cluster up --spark N` while it runs."""
     from cfemu.settings import CLUSTER_SPARK, ENV_SPARK_MASTER
 
     home = tmp_path / "home"

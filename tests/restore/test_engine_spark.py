@@ -142,8 +142,9 @@ def simulate(rnd: random.Random, steps: int, body_bytes: int = 16, carry: bool =
                     open_uows[m].remove(u)
                     stale.append((m, u))
         if stale and rnd.random() < 0.1:
-            # A stale UOW's record reaches the disk after the restore (hole 1): a GET the CF never saw in this
-            # generation, or its owner's refused COMMIT and the BACKOUT after it. The CF's state does not change.
+            # A stale UOW's record reaches the disk after the restore (the generation rule): a GET the CF never saw
+            # in this generation, or its owner's refused COMMIT and the BACKOUT after it. The CF's state does not
+            # change.
             m, u = rnd.choice(stale)
             available = [i for i, e in entries.items() if e["st"] == "CP"]
             if available and rnd.random() < 0.5:
@@ -319,8 +320,8 @@ def test_a_rich_history_exercises_every_disposition(spark: Any, tmp_path: Path) 
 
 def test_a_history_across_a_restore_exercises_the_generation_rule(spark: Any, tmp_path: Path) -> None:
     """A history whose backup was taken after the structure's generation moved on, with stale records of the old
-    generation written after it (issue 10, hole 1): both engines leave them out alike, and leaving them out
-    changes what is restored (the rule is not vacuous here)."""
+    generation written after it (the generation rule, docs/architecture.md, "The group's durable history"): both
+    engines leave them out alike, and leaving them out changes what is restored (the rule is not vacuous here)."""
     h = simulate(random.Random(12), 300)
     assert h.gen == 2
     backup, log_dirs = write_history(h, tmp_path)
@@ -428,8 +429,23 @@ def test_real_queue_manager_histories_plan_the_same(spark: Any, redis_url: str, 
     assert local["counts"]["restored"] > 0 and local["counts"]["consumed"] > 0
 
 
+def audit_dataframe(spark: Any, archive_dir: str | Path, entry_id: str) -> Any:
+    """The Spark form of restore.archive.audit_message, for archives too big for one machine (the query
+    docs/spark.md shows): a DataFrame of the records that name `entry_id` and the outcome records of their UOWs,
+    ordered by (lrsn, member, segment, offset)."""
+    from pyspark.sql import functions as F
+
+    from restore.archive import SCHEMA_DDL, UOW_KINDS
+
+    log = spark.read.schema(SCHEMA_DDL).parquet(str(Path(archive_dir) / "*" / "seg-*.parquet"))
+    naming = log.where(F.array_contains("entry_ids", entry_id))
+    uows = naming.where(F.col("uow").isNotNull()).select("uow").distinct()
+    outcomes = log.where(F.col("kind").isin(*UOW_KINDS)).join(uows, "uow", "left_semi")
+    return naming.unionByName(outcomes).distinct().orderBy("lrsn", "member", "segment", "offset")
+
+
 def test_the_pyspark_audit_query_finds_a_message_history(spark: Any, tmp_path: Path) -> None:
-    from restore.archive import audit_dataframe, audit_message
+    from restore.archive import audit_message
 
     h = simulate(random.Random(13), 400)
     write_history(h, tmp_path, segment_bytes=4096)
@@ -471,8 +487,8 @@ def tiny_max_result_size(spark: Any) -> Iterator[int]:
 
 def test_a_plan_bigger_than_max_result_size_comes_back_in_bounded_fetches(
         spark: Any, tmp_path: Path, tiny_max_result_size: int) -> None:
-    """Issue 16: the plan of 1M messages (1.07 GB) went through collect() and broke the 1 GiB default
-    maxResultSize, because streaming was decided by a count of records. Here the limit is 80 KiB and the plan
+    """A plan of 1M messages (1.07 GB) is over the 1 GiB default maxResultSize: whether to stream cannot be
+    decided by a count of records. Here the limit is 80 KiB and the plan
     twice that, with a few hundred records only: the plan still comes back whole, equal to the local
     engine's, and a plain collect() of it does fail under the same limit (the test is not vacuous)."""
     import pickle

@@ -1,4 +1,4 @@
-"""CF recovery from the logs alone (issue 12; docs/log-management.md): a structure whose last backup is older than
+"""CF recovery from the logs alone (docs/log-management.md): a structure whose last backup is older than
 the relog window is restored from the newest complete relog pass's window, without the backup, to what the clients
 know; the local and the Spark engine plan it alike. The member runs in its own process, checkpointing by LOGLOAD
 and relogging as it works, and is killed with SIGKILL before the CF is lost.

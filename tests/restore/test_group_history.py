@@ -1,7 +1,7 @@
-"""The group's durable history (issue 10, holes 1, 6, 7 and 8): what must outlive the CF, and what a restore must
-never cross. Each test reproduces its hole as the issue describes it, against a real redis-server, real logs and,
-where the hole is in a command, the real command line (subprocesses that resolve their settings as operators'
-do)."""
+"""The group's durable history (docs/architecture.md, "The group's durable history"): what must outlive the CF, and
+what a restore must never cross: restore points, purges, definitions and members the CF lost, the one log root.
+Each test breaks a rule the way a group would, against a real redis-server, real logs and, where the rule is kept
+by a command, the real command line (subprocesses that resolve their settings as operators' do)."""
 
 from __future__ import annotations
 
@@ -62,8 +62,8 @@ def back(qms: list[QueueManager]) -> None:
         qm._queue_cache.clear()
 
 
-# --- hole 1 ----------------------------------------------------------------------------------------------------
-def test_hole1_a_get_that_reaches_the_disk_after_a_restore_is_not_replayed_by_the_next_one(
+# --- restore points: a later restore starts at the last one --------------------------------------------------------
+def test_a_get_that_reaches_the_disk_after_a_restore_is_not_replayed_by_the_next_one(
         redis_url: str, tmp_path: Path) -> None:
     """QM1 puts E and F; a backup; QM2's UOW U gets E (its GET appended, not forced); the CF is lost and
     restored: E comes back available, QM1 gets E and commits. Then QM2's log is forced (U's commit is refused as
@@ -103,7 +103,7 @@ def test_hole1_a_get_that_reaches_the_disk_after_a_restore_is_not_replayed_by_th
             qm.stop()
 
 
-def test_hole1_an_in_doubt_uow_stays_in_doubt_across_two_cf_losses_and_its_commit_counts_after_a_third(
+def test_an_in_doubt_uow_stays_in_doubt_across_two_cf_losses_and_its_commit_counts_after_a_third(
         redis_url: str, tmp_path: Path) -> None:
     """The generation rule against a UOW carried across restores: its PREPARE and its later COMMIT come from the
     first generation, yet they decide the entries it holds in the restore point."""
@@ -134,7 +134,7 @@ def test_hole1_an_in_doubt_uow_stays_in_doubt_across_two_cf_losses_and_its_commi
         qm.stop()
 
 
-def test_hole1_a_commit_completed_by_restore_is_still_known_after_the_next_cf_loss(
+def test_a_commit_completed_by_restore_is_still_known_after_the_next_cf_loss(
         redis_url: str, tmp_path: Path) -> None:
     """An in-commit UOW completed by the first restore (its owner had not applied it): the restore point keeps
     the tombstone, so the owner's retry after the second restore is a no-op, not a backout of a committed UOW."""
@@ -161,8 +161,8 @@ def test_hole1_a_commit_completed_by_restore_is_still_known_after_the_next_cf_lo
         qm.stop()
 
 
-# --- hole 8 ----------------------------------------------------------------------------------------------------
-def test_hole8_purged_messages_do_not_come_back_after_a_later_cf_loss(redis_url: str, tmp_path: Path) -> None:
+# --- purges: a purge is a restore point too ------------------------------------------------------------------------
+def test_purged_messages_do_not_come_back_after_a_later_cf_loss(redis_url: str, tmp_path: Path) -> None:
     """`cfrestore purge APP1` (its settings from the environment), more work, then a CF loss: the restore starts
     at the purge, not at the backup taken before it."""
     logs, backups = tmp_path / "logs", tmp_path / "backups"
@@ -188,7 +188,7 @@ def test_hole8_purged_messages_do_not_come_back_after_a_later_cf_loss(redis_url:
         qm.stop()
 
 
-def test_hole8_a_purge_discards_messages_not_the_outcome_of_uows_on_other_structures(
+def test_a_purge_discards_messages_not_the_outcome_of_uows_on_other_structures(
         redis_url: str, tmp_path: Path) -> None:
     """Found by the purge-then-cf-kill fault (seed 1): a UOW on APP1 and APP2 whose commit was logged while APP1
     had failed (the application was told it committed), and an in-doubt one; APP1 is purged. The owner's retry
@@ -224,7 +224,7 @@ def test_hole8_a_purge_discards_messages_not_the_outcome_of_uows_on_other_struct
         qm.stop()
 
 
-# --- hole 7 ----------------------------------------------------------------------------------------------------
+# --- definitions the CF lost: the group repository -----------------------------------------------------------------
 @pytest.fixture
 def cli_group(redis_url: str, tmp_path: Path) -> tuple[dict[str, str], Path, Path]:
     """APP1 with queue Q1, defined by `cfemu define` (settings from the environment)."""
@@ -235,7 +235,7 @@ def cli_group(redis_url: str, tmp_path: Path) -> tuple[dict[str, str], Path, Pat
     return env, logs, backups
 
 
-def test_hole7_a_queue_defined_after_the_last_backup_is_defined_again_by_restore(
+def test_a_queue_defined_after_the_last_backup_is_defined_again_by_restore(
         redis_url: str, cli_group: tuple[dict[str, str], Path, Path]) -> None:
     env, logs, backups = cli_group
     client = connect(redis_url)
@@ -249,7 +249,7 @@ def test_hole7_a_queue_defined_after_the_last_backup_is_defined_again_by_restore
     assert [m["body"] for m in got["messages"]] == ["on Q3"]
 
 
-def test_hole7_a_structure_never_backed_up_is_restored_from_its_definition_and_the_logs(
+def test_a_structure_never_backed_up_is_restored_from_its_definition_and_the_logs(
         redis_url: str, cli_group: tuple[dict[str, str], Path, Path]) -> None:
     env, logs, backups = cli_group
     client = connect(redis_url)
@@ -268,7 +268,7 @@ def test_hole7_a_structure_never_backed_up_is_restored_from_its_definition_and_t
     assert [b.manifest["kind"] for b in list_backups(backups, "APP2") if b.manifest] == ["restore"]
 
 
-def test_hole7_status_shows_the_last_backup_after_a_restore(
+def test_status_shows_the_last_backup_after_a_restore(
         redis_url: str, cli_group: tuple[dict[str, str], Path, Path]) -> None:
     env, logs, backups = cli_group
     client = connect(redis_url)
@@ -291,8 +291,8 @@ def test_defining_again_a_structure_the_cf_lost_is_refused(
     assert Admin(connect(redis_url)).structures() == []
 
 
-# --- hole 6 ----------------------------------------------------------------------------------------------------
-def test_hole6_sqm_run_with_a_log_root_that_is_not_the_groups_is_refused(redis_url: str, tmp_path: Path) -> None:
+# --- membership and the one log root -------------------------------------------------------------------------------
+def test_sqm_run_with_a_log_root_that_is_not_the_groups_is_refused(redis_url: str, tmp_path: Path) -> None:
     """`sqm run --name QM3 --log-root /elsewhere` must not join: its work would be invisible to peer recovery,
     backup and restore, which read the group's log root."""
     logs, backups, elsewhere = tmp_path / "logs", tmp_path / "backups", tmp_path / "elsewhere"
@@ -323,7 +323,7 @@ def test_hole6_sqm_run_with_a_log_root_that_is_not_the_groups_is_refused(redis_u
         qm1.stop()
 
 
-def test_hole6_restore_refuses_while_a_member_the_group_knows_has_no_log_under_the_log_root(
+def test_restore_refuses_while_a_member_the_group_knows_has_no_log_under_the_log_root(
         redis_url: str, tmp_path: Path) -> None:
     """QM3 joins after the last backup and commits 2 messages; its log is not under the log root when the
     structure is restored: plan and run must refuse, naming QM3 and where its log is, whether the CF still

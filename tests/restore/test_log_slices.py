@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from restore.engine import LocalEngine, read_logs, stream_logs
+from restore.engine import LocalEngine
 from restore.log_slices import LogSlice, log_slices
+from restore.reference import read_logs, stream_logs
 from sqm.log import LogFormatError, LogReader, RecordLog, merged_records
 from sqm.log.format import list_segments
 from tests.restore.test_engine_spark import NOW_MS, S, simulate, write_history

@@ -1,7 +1,7 @@
-"""When an outcome counts (issue 10, holes 2, 3 and 13): one rule for the LRSN at which a UOW's outcome takes
-effect, shared by the CF scripts and restore; peer recovery by a member whose clock lags; UOW atomicity across
-structures. Each test reproduces its hole as the issue describes it, against a real redis-server, real logs and,
-where the hole needs one, a real queue manager process killed by a failpoint (tests/support/sqm_child.py)."""
+"""When an outcome counts (docs/log-format.md, "When an outcome counts"): one rule for the LRSN at which a UOW's
+outcome takes effect, shared by the CF scripts and restore; peer recovery by a member whose clock lags; UOW
+atomicity across structures (invariant 2, docs/invariants.md). Against a real redis-server, real logs and, where a
+test needs one, a real queue manager process killed by a failpoint (tests/support/sqm_child.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import redis
 from backup.run import run_backup
 from cfemu.admin import Admin
 from cfemu.errors import BackedOutError
-from restore.plan import plan_local
+from restore.reference import plan_local
 from restore.run import run_restore
 from restore.settle import CONSUMED, HELD_INDOUBT, RESTORED
 from sqm.core import records
@@ -58,7 +58,7 @@ def bodies(qm: QueueManager, queue: str) -> list[str]:
     return [m.body.decode() for m in qm.connect().browse(queue, limit=100)]
 
 
-def test_hole2_peer_recovery_by_a_member_whose_clock_lags_leaves_nothing_locked_after_a_restore(
+def test_peer_recovery_by_a_member_whose_clock_lags_leaves_nothing_locked_after_a_restore(
         redis_url: str, tmp_path: Path) -> None:
     """QM1's clock runs 3 s behind (lease 1 s). QM2, a real process, gets P0 and P1 and puts their replies in one
     UOW and is killed right after its COMMIT is forced; QM1's peer recovery commits the UOW. Its RECOVERY record
@@ -89,7 +89,7 @@ def test_hole2_peer_recovery_by_a_member_whose_clock_lags_leaves_nothing_locked_
         qm1.stop()
 
 
-def test_hole3_get_order_after_peer_recovery_is_the_same_on_the_live_cf_and_after_a_restore(
+def test_get_order_after_peer_recovery_is_the_same_on_the_live_cf_and_after_a_restore(
         redis_url: str, tmp_path: Path) -> None:
     """QM2 puts C0 (priority 0) and dies after its COMMIT is forced; QM1 puts X0 (priority 0) and commits; QM1's
     peer recovery commits QM2's UOW. The live CF stamped the recovered commit at the RECOVERY record's LRSN (X0
@@ -113,7 +113,7 @@ def test_hole3_get_order_after_peer_recovery_is_the_same_on_the_live_cf_and_afte
         qm1.stop()
 
 
-def test_hole2_the_fold_never_lets_an_outcome_count_below_the_uows_own_operations() -> None:
+def test_the_fold_never_lets_an_outcome_count_below_the_uows_own_operations() -> None:
     """A RECOVERY record written by a lagging peer before the fix (no `at`, below the UOW's operations): the
     restore still commits the UOW, and the report's count of UOWs in doubt agrees with what it holds."""
     entry = {"id": "c0", "q": "Q2", "p": 0, "per": 1, "st": "", "l": 0, "u": ""}
@@ -132,7 +132,7 @@ def test_hole2_the_fold_never_lets_an_outcome_count_below_the_uows_own_operation
     assert plan.counts["uows in doubt"] == len(plan.in_doubt_uows()) == 0
 
 
-def test_hole2_a_uow_in_doubt_is_counted_listed_and_owned_by_the_member_that_prepared_it() -> None:
+def test_a_uow_in_doubt_is_counted_listed_and_owned_by_the_member_that_prepared_it() -> None:
     entry = {"id": "c0", "q": "Q1", "p": 0, "per": 1, "st": "", "l": 0, "u": ""}
     logged = [records.put("QM2.1.1", 10, structure="APP1", gen=1, entry=dict(entry), data=b"C0"),
               records.prepare("QM2.1.1", 11, {"APP1": 1}, xid="x1"),
@@ -153,7 +153,7 @@ def two_structures(url: str) -> redis.Redis:
     return client
 
 
-def test_hole13_a_uow_across_two_structures_one_restored_before_its_commit_applies_is_not_half_applied(
+def test_a_uow_across_two_structures_one_restored_before_its_commit_applies_is_not_half_applied(
         redis_url: str, tmp_path: Path) -> None:
     """A UOW puts on APP1 and APP2; APP2 fails and is restored while the UOW is in flight (restore backs it out
     there); then the application commits. The COMMIT is forced, APP1 committed it, APP2 refused it: committed on
@@ -181,7 +181,7 @@ def test_hole13_a_uow_across_two_structures_one_restored_before_its_commit_appli
         qm.stop()
 
 
-def test_hole13_an_in_doubt_uow_with_only_non_persistent_work_can_be_committed_after_a_cf_loss(
+def test_an_in_doubt_uow_with_only_non_persistent_work_can_be_committed_after_a_cf_loss(
         redis_url: str, tmp_path: Path) -> None:
     logs, backups = tmp_path / "logs", tmp_path / "backups"
     client = define_group(redis_url, queues=("Q1",))
@@ -204,7 +204,7 @@ def test_hole13_an_in_doubt_uow_with_only_non_persistent_work_can_be_committed_a
         qm.stop()
 
 
-def test_hole13_the_structures_a_uow_applied_are_known_after_a_restart(redis_url: str, tmp_path: Path) -> None:
+def test_the_structures_a_uow_applied_are_known_after_a_restart(redis_url: str, tmp_path: Path) -> None:
     """An in-doubt UOW on APP1 and APP2 survives a CF loss (both restored, still in doubt); the coordinator
     commits; the member dies after APP1 applied it. Its restart re-applied APP1, which no longer knew the UOW in
     its new generation and called it 'lost with the CF': the member logged BACKOUT, left APP2 locked, and the next

@@ -1,10 +1,11 @@
-"""A restore owns its structure from its start to the end of its load (issue 10, holes 4 and 5).
+"""A restore owns its structure from its start to the end of its load (docs/architecture.md, "The group's durable
+history", ownership).
 
 Against a real redis-server that the tests kill and start again, real logs and backups, and (for the operator's
 view) a real `cfrestore` process:
-  * hole 4: the CF is killed while restore loads 50,000 messages and an empty one is started on the same port at
+  * the CF is killed while restore loads 50,000 messages and an empty one is started on the same port at
     once: restore stops, says in words that the CF was lost, writes nothing into the new CF; a re-run restores it;
-  * hole 5: a restore that planned while another one restored the structure (and clients committed work on it)
+  * a restore that planned while another one restored the structure (and clients committed work on it)
     refuses and wipes nothing;
   * a purge while a restore loads takes the structure over: the restore stops at its next batch.
 """
@@ -69,7 +70,7 @@ def structure_keys(client: redis.Redis) -> list[bytes]:
     return list(client.scan_iter(match=keys.all_structure_keys_pattern(S), count=1000))
 
 
-# --- hole 4: the CF lost and restarted empty while restore loads -----------------------------------------------
+# --- the CF lost and restarted empty while restore loads -----------------------------------------------------------
 
 def test_a_cf_restarted_empty_mid_load_stops_the_restore_which_writes_nothing_into_it(
         lost_with_a_backup: tuple[EmbeddedRedis, Path, Path]) -> None:
@@ -128,7 +129,7 @@ def test_cfrestore_says_in_one_line_that_the_cf_was_lost_mid_load(
     assert structure_keys(cf.client()) == []
 
 
-# --- hole 5: overlapping restores ----------------------------------------------------------------------------
+# --- overlapping restores ------------------------------------------------------------------------------------------
 
 class SlowPlan:
     """A progress callback that holds a restore in its plan until released (a slow Spark plan)."""

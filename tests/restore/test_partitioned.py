@@ -1,8 +1,8 @@
-"""Restore in bounded memory (issue 16): the partitioned plan (restore.partitioned, the local engine's) against
-the in-memory reference plan (restore.plan.plan_local), on random histories written to real log segments and
-backups (the Spark differential test's generator), on real queue managers' histories, and end to end through
-run_restore with a tiny memory limit; the peak RSS of a plan does not grow with its input; bad memory limits are
-one clear line."""
+"""Restore in bounded memory (docs/architecture.md, "Restore in bounded memory"): the partitioned plan
+(restore.partitioned, the local engine's) against the in-memory reference plan (restore.plan.plan_local), on random
+histories written to real log segments and backups (the Spark differential test's generator), on real queue managers'
+histories, and end to end through run_restore with a tiny memory limit; the peak RSS of a plan does not grow with its
+input; bad memory limits are one clear line."""
 
 from __future__ import annotations
 
@@ -27,10 +27,10 @@ from cfemu.connection import connect
 from cfemu.embedded import EmbeddedRedis
 from cfemu.entry import Entry
 from cfemu.settings import parse_size, resolve
-from restore.engine import LocalEngine, read_logs
-from restore.load import load_order
+from restore.engine import LocalEngine
 from restore.partitioned import SpilledPlan, merge_read_size, partitions_for
-from restore.plan import RestorePlan, base_lrsn, plan_local
+from restore.plan import RestorePlan, base_lrsn
+from restore.reference import load_order, plan_local, read_logs
 from restore.run import WORK_DIR, RestoreError, run_restore
 from sqm.core import records
 from sqm.log import RecordLog
@@ -43,7 +43,7 @@ TINY = 64 << 10  # the least memory limit there is: forces a partition per few d
 
 
 def reference(backup: Backup, log_dirs: list[Path], replay_from: int) -> RestorePlan:
-    """The in-memory plan of the same input: every copy and record at once (the local engine before issue 16)."""
+    """The in-memory plan of the same input: every copy and record at once (restore.plan.plan_local)."""
     m = backup.manifest
     return plan_local(S, list(backup.copies()), read_logs(log_dirs, replay_from), now_ms=NOW_MS,
                       gen=int(m.get("gen", 0) or 0), carried=m.get("carried", ()), lrsn=base_lrsn(m),
@@ -217,8 +217,7 @@ _MEASURE = textwrap.dedent("""
 
     from backup.files import read_backup
     from restore.engine import LocalEngine
-    from restore.engine import read_logs
-    from restore.plan import plan_local
+    from restore.reference import plan_local, read_logs
     memory, root, workers = int(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
     backup = read_backup(root / "b")
     logs = [root / "logs" / "QM1"]

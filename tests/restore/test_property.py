@@ -5,7 +5,7 @@ Q1 and Q2, APP2 with Q3; a unit of work may span both), fuzzy backups (backup.ru
 abruptly and are recovered by a peer (sqm.core.recovery.recover_peer) or by their own restart, and every member's LRSN
 clock skewed.
 
-What the histories hold (issue 10, "Make the suite find the next one"):
+What the histories hold:
 - CF losses one after another: a loss and restore, live work on the restored structures (puts, gets, commits,
   backouts, in-doubt work, units of work the loss backed out behind the application's back), then another loss,
   with or without a backup between; a purge followed by a loss. Before a loss each member's log is forced or not

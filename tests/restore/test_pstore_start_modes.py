@@ -1,4 +1,4 @@
-"""Start modes after a CF loss (issue 14, part 2; docs/pstore.md), on a real redis-server lost with FLUSHALL, real
+"""Start modes after a CF loss (docs/pstore.md), on a real redis-server lost with FLUSHALL, real
 queue managers and their logs, a real backup, and `cfemu pstore` itself: what survives HOT, WARM then HOT, and
 COLD; RECAUTO's start in the structure's mode."""
 
@@ -181,11 +181,11 @@ def test_no_backup_while_warm_and_a_restore_never_starts_from_one(fresh_redis: E
 
 
 def test_a_relog_pass_made_while_warm_is_not_a_base(fresh_redis: EmbeddedRedis, dirs: tuple[Path, Path]) -> None:
-    """Found with review R2's WARM backup: a member's relog pass (checkpoints relog by default) on the WARM
-    structure copies nothing (it is empty), and its window, newer than the backup, was where the HOT start's restore
-    began: everything committed before the CF loss was lost. A restore never starts from a pass of a WARM
-    generation, and no member makes one any more: relog_begin.lua refuses while the structure runs WARM (log
-    retention took such a pass as the newest window too, and released the segments the HOT start needs)."""
+    """A member's relog pass (checkpoints relog by default) on the WARM structure would copy nothing (it is empty),
+    and its window, newer than the backup, would be where the HOT start's restore begins: everything committed
+    before the CF loss would be lost. A restore never starts from a pass of a WARM generation, and no member makes
+    one: relog_begin.lua refuses while the structure runs WARM (log retention would take such a pass as the newest
+    window too, and release the segments the HOT start needs)."""
     logs, backups = dirs
     url = fresh_redis.url
     qm = _before_the_loss(url, logs, backups, fresh_redis)

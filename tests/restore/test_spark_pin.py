@@ -1,6 +1,5 @@
 """One Spark version everywhere: the project's dependency pin, the image's, compose's, the image builder's, and
-the pyspark installed here (issue 16: the image ran 4.0.0 while the project installed 4.3.0; PySpark refuses a
-driver and workers of different versions)."""
+the pyspark installed here (PySpark refuses a driver and workers of different versions)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Restore on a real Spark standalone cluster (issue 16, part 3): `cfemu cluster up --spark 2` starts a master
+"""Restore on a real Spark standalone cluster (docs/spark.md): `cfemu cluster up --spark 2` starts a master
 and two workers from the installed pyspark on 127.0.0.1; queue managers of the same cluster make a real history
 around a real fuzzy backup; `cfrestore` plans it with the local engine and with the Spark engine on the cluster
 (found from the cluster with no flag, and named with --master spark://127.0.0.1:PORT), the plans agree, the Spark

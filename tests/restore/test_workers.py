@@ -198,7 +198,7 @@ def test_cfrestore_refuses_bad_workers_in_one_line(tmp_path: Path) -> None:
     assert not (tmp_path / "b").exists()
 
 
-# ------------------------------------------------------------------ adversarial review of the workers (ee4a462)
+# ------------------------------------------------------------------ the workers under adverse conditions
 
 
 def scribble_then_square(x: int) -> int:

@@ -1,5 +1,5 @@
 """A CF client on one pooled connection, so that every script call reuses it (tests of the CF call's send and
-reply: tests/cfemu/test_cf_exchange.py, test_review_lean.py)."""
+reply: tests/cfemu/test_cf_exchange.py, test_cf_exchange_errors.py)."""
 
 from __future__ import annotations
 

@@ -33,7 +33,8 @@ from cfemu.admin import Admin
 from cfemu.cf import CF, Caller, Structure
 from cfemu.entry import Entry
 from cfemu.errors import BackupActiveError, FloorError
-from restore.plan import Copy, RestorePlan, plan_local
+from restore.plan import Copy, RestorePlan
+from restore.reference import plan_local
 from restore.settle import HELD_INDOUBT, RESTORED, fifo_key
 from sqm.core import records
 from sqm.core.clock import LrsnClock

@@ -1,4 +1,4 @@
-"""Selective relogging and log pruning in the model (issue 12; docs/log-management.md): the relog actor and the
+"""Selective relogging and log pruning in the model (docs/log-management.md): the relog actor and the
 checks that restore after the logs are pruned to what sqm.core.retention says CF recovery needs.
 
 The relog actor is sqm.core.relog's pass, one CF call or one log append per step: begin (relog_begin.lua: the lock, B,
@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from restore.plan import plan_local
+from restore.reference import plan_local
 from sqm.core import records
 from sqm.core.relog import aged, fitted
 from sqm.core.retention import structure_start

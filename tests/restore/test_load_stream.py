@@ -1,6 +1,6 @@
-"""Review of the restore load's stream (restore.load, restore.workers.Workers.stream, issue 16): a worker making
-a load's batches holds no more of them than it must, and a load that fails or is stopped leaves no worker, thread
-or spill file. Real processes, a real redis-server."""
+"""The restore load's stream (restore.load, restore.workers.Workers.stream): a worker making a load's batches
+holds no more of them than it must, and a load that fails or is stopped leaves no worker, thread or spill file.
+Real processes, a real redis-server."""
 
 from __future__ import annotations
 
@@ -21,10 +21,12 @@ from cfemu import bulk, keys
 from cfemu.admin import Admin, StructureDef
 from cfemu.embedded import EmbeddedRedis
 from cfemu.entry import Entry
-from restore.engine import LocalEngine, no_progress, read_logs
+from cfemu.progress import no_progress
+from restore.engine import LocalEngine
 from restore.load import STREAM_BELOW, STREAM_FROM, LoadVerifyError, batch_bytes_for, load_plan
 from restore.partitioned import SpilledPlan
-from restore.plan import RestorePlan, plan_local
+from restore.plan import RestorePlan
+from restore.reference import plan_local, read_logs
 from restore.workers import WorkerError, Workers
 from sqm.log import RecordLog
 from tests.support.children import child_pids

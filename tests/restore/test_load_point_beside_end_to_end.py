@@ -1,5 +1,5 @@
-"""Review of the restore point written beside the load (restore.load.Beside, commit 0d4250e), end to end: a real
-SQM's messages, a real redis-server, a real restore (restore.run.run_restore) whose load takes three batches.
+"""The restore point written beside the load (restore.load.Beside), end to end: a real SQM's messages, a real
+redis-server, a real restore (restore.run.run_restore) whose load takes three batches.
 
 - The point's writer fails (disk full) at the first, a middle or the last batch, or in its own writing thread
   (backup.files.BackupWriter): the restore fails with that error, the structure stays RECOVERING, no restore point
@@ -233,7 +233,7 @@ def test_an_interrupt_while_the_load_waits_for_the_points_last_write_does_not_ab
     the KeyboardInterrupt leaves Beside.__exit__ from its join, without stopping or waiting for the thread, and
     restore.run aborts the point (BackupWriter.abort: its pending writes, its file, rmtree) while that thread
     still writes into it: the writer used from two threads at once, a thread left running after run_restore
-    raised (the review of 0d4250e found it so). Beside must wait for the write under way first, however it is
+    raised. Beside must wait for the write under way first, however it is
     left."""
     client, logs, backups, _, _ = lost
     release = threading.Event()

@@ -1,4 +1,5 @@
-"""Review of the sliced log scan (restore.log_slices, restore.partitioned._scan_slice): what an operator would hit.
+"""The sliced log scan (restore.log_slices, restore.partitioned._scan_slice) over a corrupt log and a log still
+being written: what an operator would hit.
 
 - A corrupt log read by a worker process is the LogCorruptError it always was (one line naming the file), not a
   worker that "stopped" with a TypeError: LogCorruptError does not survive pickle on its own.
@@ -15,8 +16,9 @@ from typing import Any
 
 import pytest
 
-from restore.engine import READ_BACKUP, LocalEngine, stream_logs
+from restore.engine import READ_BACKUP, LocalEngine
 from restore.log_slices import log_slices
+from restore.reference import stream_logs
 from sqm.log import LogCorruptError, RecordLog
 from sqm.log.format import list_segments
 from tests.restore.test_engine_spark import NOW_MS, S, simulate, write_history

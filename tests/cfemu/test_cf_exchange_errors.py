@@ -1,5 +1,5 @@
-"""Review of the lean CF exchange (cfemu.cf._lean_exchange) and the kernel-timed CF sockets (issue 15): what
-redis-py's own path raised, the lean path must raise. Real redis-server processes."""
+"""The errors of the lean CF exchange (cfemu.cf._lean_exchange) and the kernel-timed CF sockets: what redis-py's
+own path raises, the lean path raises too. Real redis-server processes."""
 
 from __future__ import annotations
 

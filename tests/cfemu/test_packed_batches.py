@@ -1,6 +1,6 @@
-"""Review of the bulk load's packed batches (cfemu.resp, cfemu.bulk.Owner.send, issue 16): what the owner's
-redis-py pipeline (Owner.transaction) raised for a batch, a packed batch must raise too, and a packed batch costs
-no more memory than the pipeline did. Real redis-server processes."""
+"""The bulk load's packed batches (cfemu.resp, cfemu.bulk.Owner.send): what the owner's redis-py pipeline
+(Owner.transaction) raises for a batch, a packed batch raises too, and a packed batch costs no more memory than the
+pipeline. Real redis-server processes."""
 
 from __future__ import annotations
 

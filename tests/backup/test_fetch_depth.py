@@ -1,8 +1,8 @@
-"""Review of 470c9de (cfemu.bulk: data_length read at sight, fetch_raw with FETCH_DEPTH reads in flight).
+"""The backup's fetch with reads in flight (cfemu.bulk: data_length read at sight, fetch_raw with FETCH_DEPTH
+reads in flight): order, bounds, failures, early stops, and pacing.
 
 Real redis-server processes throughout (descriptors as the Lua scripts and Entry.pack write them; reads slowed or
-failed only by wrapping bulk's own read functions, in the fetch's worker threads). Findings are strict xfails: each
-says what it shows and the fix proposed."""
+failed only by wrapping bulk's own read functions, in the fetch's worker threads)."""
 
 from __future__ import annotations
 
@@ -410,7 +410,7 @@ def _idle_backups(client_for: Callable[[], redis.Redis], tmp_path: Path, runs: i
     return out
 
 
-@pytest.mark.soak  # 8-10 s: out of the default suite (`pytest -m soak tests/backup/test_review_fetch_depth.py`)
+@pytest.mark.soak  # 8-10 s: out of the default suite (`pytest -m soak tests/backup/test_fetch_depth.py`)
 def test_an_idle_cf_never_pauses_the_backup_with_reads_in_flight(redis_url: str, tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """The group's CF (ACL users: every new connection sends AUTH and CLIENT SETINFO): a second connection for the
@@ -446,7 +446,7 @@ def _idle_and_in_order(member_url: str, backup_url: str, tmp_path: Path, monkeyp
     assert _fetch_threads() == []
 
 
-@pytest.mark.soak  # 8-10 s: out of the default suite (`pytest -m soak tests/backup/test_review_fetch_depth.py`)
+@pytest.mark.soak  # 8-10 s: out of the default suite (`pytest -m soak tests/backup/test_fetch_depth.py`)
 def test_a_duplexed_cf_as_the_backups_client(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """cfemu.duplex: each new connection probes the pair (INFO replication, HGET of the generation) on the primary,
     commands the pacer does not call its own; the reads in flight each on a connection of its own. Idle: never
@@ -458,7 +458,7 @@ def test_a_duplexed_cf_as_the_backups_client(tmp_path: Path, monkeypatch: pytest
         _idle_and_in_order(p.url("member"), p.url("member"), tmp_path, monkeypatch, seed=7, depth=bulk.FETCH_DEPTH)
 
 
-@pytest.mark.soak  # 8-10 s: out of the default suite (`pytest -m soak tests/backup/test_review_fetch_depth.py`)
+@pytest.mark.soak  # 8-10 s: out of the default suite (`pytest -m soak tests/backup/test_fetch_depth.py`)
 def test_a_redis_cluster_cf_as_the_backups_client(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """cfemu.rcluster: RedisCluster's per-node pools from the fetch's threads; the pacer probes the structure's
     master (node_client) while two reads are in flight there. Idle: never paused; parts in order, each once."""

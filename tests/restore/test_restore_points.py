@@ -1,10 +1,10 @@
-"""Review of the restore point written as the load goes (backup.points.RestorePointWriter, restore.run): what an
-operator would hit, against a real redis-server and real queue managers.
+"""The restore point written as the load goes (backup.points.RestorePointWriter, restore.run): what an operator
+would hit, against a real redis-server and real queue managers.
 
 - A restore whose switch to ACTIVE went through but whose reply was lost (the connection broke after EXEC, an
   interrupt while the reply was read) leaves the structure ACTIVE, its header naming the restore point: the point
-  must stay. Removed, the next restore would start from the older base and cross this restore (issue 10, hole 1),
-  replaying the old incarnation's logs.
+  must stay. Removed, the next restore would start from the older base and cross this restore, replaying the old
+  incarnation's logs (docs/architecture.md, "The group's durable history").
 - A restore from a point gives the CF content the point's restore gave, with 1 and 2 workers, in memory and
   partitioned.
 """

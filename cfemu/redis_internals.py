@@ -1,0 +1,117 @@
+"""Every use of redis-py's private internals, in one place: the fast paths of cfemu read and write a redis-py
+connection's socket and hiredis reader directly, and hook its socket's creation.
+
+redis-py is pinned to the major version these are written for (pyproject.toml). Each fast path has a fallback to
+redis-py's own public path when an accessor here finds nothing (a connection not connected yet, another parser):
+a release that moves an internal would then slow the CF calls and the bulk load silently, not break them.
+tests/cfemu/test_redis_internals.py is the contract that stops that: it fails when, with the installed redis-py,
+this module reports a fast path unavailable or a call through it does not take it.
+
+What redis-py keeps private and cfemu uses:
+
+- ``Connection._sock``: the connected socket (None while not connected), written and read directly;
+- ``Connection._parser._reader`` and ``._buffer``: the hiredis reader and its receive buffer
+  (``redis._parsers.hiredis._HiredisParser``), fed from the socket directly; ``NOT_ENOUGH_DATA``, the sentinel
+  the reader answers while a reply is incomplete;
+- ``Connection._command_packer``: whether redis-py packs with hiredis (``HiredisRespSerializer``);
+- ``Connection._connect()`` (the hook that makes the socket) and ``Connection._host_error()`` (the address in its
+  error texts);
+- ``ConnectionPool._checkpid()`` and ``BlockingConnectionPool._in_maintenance``.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import hiredis
+import redis
+from redis._parsers import hiredis as _redis_hiredis
+from redis.connection import HiredisRespSerializer
+
+# What the hiredis reader answers while a reply is incomplete: redis-py builds its readers with this sentinel; one
+# without it leaves hiredis's own False (a nil reply is None in RESP2, never False).
+NOT_ENOUGH: Any = getattr(_redis_hiredis, "NOT_ENOUGH_DATA", False)
+
+
+def socket_of(conn: Any) -> Any:
+    """The connection's socket, None while it is not connected."""
+    return conn._sock
+
+
+def hiredis_io(conn: Any) -> tuple[Any, Any, Any] | None:
+    """(socket, hiredis reader, receive buffer) of a connected connection whose parser is redis-py's hiredis one:
+    what cfemu.resp.read_reply drives. None when there is none of them to drive (not connected, another parser):
+    the caller then takes redis-py's own send_packed_command and read_response."""
+    sock = conn._sock
+    parser = conn._parser
+    reader = getattr(parser, "_reader", None)
+    buf = getattr(parser, "_buffer", None)
+    if sock is None or reader is None or buf is None:
+        return None
+    return sock, reader, buf
+
+
+def packs_with_hiredis(conn: Any) -> bool:
+    """Whether redis-py packs this connection's commands with hiredis: pack() may then make the same bytes."""
+    return isinstance(conn._command_packer, HiredisRespSerializer)
+
+
+def pack(conn: Any, cmd: tuple[Any, ...]) -> list[bytes]:
+    """`cmd` packed as the connection's own packer packs it: by hiredis directly, without the packer's
+    per-argument checks, when that is the packer and it takes the arguments; else by the packer itself (a
+    bytearray or a memoryview, which it converts, or an argument hiredis refuses)."""
+    packer = conn._command_packer
+    try:
+        if not isinstance(packer, HiredisRespSerializer):
+            raise TypeError
+        return [hiredis.pack_command(cmd)]
+    except TypeError:
+        return packer.pack(*cmd)
+
+
+def host_error(conn: Any) -> str:
+    """The connection's address as redis-py's error texts name it ("localhost:6379")."""
+    return str(conn._host_error())
+
+
+def check_pid(pool: Any) -> None:
+    """redis-py's fork check of a pool: in a child process, the parent's connections are dropped first."""
+    pool._checkpid()
+
+
+def in_maintenance(pool: Any) -> bool:
+    """Whether the pool is in redis-py's maintenance mode (a server's maintenance notifications)."""
+    return bool(getattr(pool, "_in_maintenance", False))
+
+
+class SocketHookConnection(redis.Connection):
+    """A plain TCP redis-py connection whose every new socket is passed to socket_made() before use."""
+
+    def _connect(self) -> Any:
+        sock = super()._connect()
+        self.socket_made(sock)
+        return sock
+
+    def socket_made(self, sock: socket.socket) -> None:
+        """Called with each socket the connection makes, before it sends anything on it."""
+
+
+def fast_path() -> dict[str, bool]:
+    """What the fast paths need from the installed redis-py, each True when there: redis-py's default parser is
+    its hiredis one, the sentinel of an incomplete reply is redis-py's own, its connections carry the attributes
+    read here and the hooks called here. tests/cfemu/test_redis_internals.py asserts every one."""
+    conn_class = redis.connection.AbstractConnection
+    pool_class = redis.BlockingConnectionPool
+    return {
+        "hiredis parser": redis.connection.DefaultParser is getattr(_redis_hiredis, "_HiredisParser", None),
+        "incomplete-reply sentinel": NOT_ENOUGH is not False,
+        "hiredis packer": isinstance(redis.Connection()._command_packer, HiredisRespSerializer),
+        "socket hook": callable(getattr(conn_class, "_connect", None)),
+        "host in errors": callable(getattr(conn_class, "_host_error", None)),
+        "pool fork check": callable(getattr(pool_class, "_checkpid", None)),
+    }
+
+
+__all__ = ["NOT_ENOUGH", "SocketHookConnection", "check_pid", "fast_path", "hiredis_io", "host_error",
+           "in_maintenance", "pack", "packs_with_hiredis", "socket_of"]
