@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import redis
 from redis.backoff import NoBackoff
@@ -44,8 +44,28 @@ from redis.retry import Retry
 from cfemu.procs import wait_gone
 from cfemu.settings import CLUSTER_CF
 
-if TYPE_CHECKING:
-    from qsg.local_group import LocalGroup
+
+class SupervisedGroup(Protocol):
+    """What the supervisor uses of the group it tends (qsg.local_group.LocalGroup is one)."""
+
+    state: dict[str, Any]
+
+    @property
+    def duplexed(self) -> bool: ...
+
+    def state_lock(self) -> Any: ...
+    def refresh(self) -> None: ...
+    def save_state(self) -> None: ...
+    def cf_alive(self) -> bool: ...
+    def cf_url(self, role: str = ...) -> str: ...
+    def restart_dead_cf(self, reason: str = ...) -> bool: ...
+    def manager(self, name: str) -> dict[str, Any]: ...
+    def manager_runs(self, name: str) -> bool: ...
+    def set_manager(self, name: str, **values: Any) -> None: ...
+    def spawn_manager(self, name: str) -> None: ...
+    def exit_reason(self, name: str, pid: int) -> str: ...
+    def note_in_member_log(self, name: str, text: str) -> None: ...
+    def ready_pid(self, name: str) -> int | None: ...
 
 log = logging.getLogger("qsg.group_supervisor")
 
@@ -97,7 +117,7 @@ class Supervisor:
     tend the CF (None: as the group was started, its ``cf_restart``); members as it was started (``member_restart``).
     """
 
-    def __init__(self, group: LocalGroup, *, reload: bool, cf: bool | None = None,
+    def __init__(self, group: SupervisedGroup, *, reload: bool, cf: bool | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.c = group
         self.clock = clock
@@ -227,20 +247,20 @@ class Supervisor:
         when = time.time()
         self.c.note_in_member_log(name, f"restarted by the supervisor (restart {count}): it {t.reason}")
         try:
-            self.c._spawn_manager(name)
+            self.c.spawn_manager(name)
         except Exception as e:  # noqa: BLE001 - try again after the next delay
             log.error("restarting %s failed (will retry in %gs): %s", name, t.delay, e)
             t.due = self.clock() + t.delay
             t.delay = min(t.delay * 2, RESTART_MAX_DELAY_S)
             return
-        self.c._set_manager(name, restarts=count, last_restart={"at": when, "reason": t.reason})
-        self.c._save()
+        self.c.set_manager(name, restarts=count, last_restart={"at": when, "reason": t.reason})
+        self.c.save_state()
         new_pid = self.c.manager(name)["pid"]
         log.warning("restarted %s (pid %s, restart %d): it %s", name, new_pid, count, t.reason)
         t.due, t.pid, t.serving_since = None, new_pid, None
 
 
-def run(group: LocalGroup, stop: threading.Event, *, reload: bool, cf: bool | None = None,
+def run(group: SupervisedGroup, stop: threading.Event, *, reload: bool, cf: bool | None = None,
         interval: float = SUPERVISE_INTERVAL_S) -> None:
     """Tend the group every interval until stop is set (Supervisor's reload and cf)."""
     sup = Supervisor(group, reload=reload, cf=cf)
@@ -250,23 +270,3 @@ def run(group: LocalGroup, stop: threading.Event, *, reload: bool, cf: bool | No
         except Exception as e:  # noqa: BLE001 - try again at the next interval
             log.error("supervising the group failed (will retry): %s", e)
     sup._close_ping()
-
-
-def supervise_main(argv: list[str] | None = None) -> int:
-    """``python -m qsg.local_group supervise --dir DIR``: the supervisor of a detached cluster (``cfemu cluster
-    up``), until SIGTERM (``cfemu cluster down`` sends it first)."""
-    import argparse
-
-    from qsg.local_group import LocalGroup
-
-    p = argparse.ArgumentParser(prog="qsg.local_group")
-    p.add_argument("verb", choices=["supervise"])
-    p.add_argument("--dir", required=True)
-    p.add_argument("--interval", type=float, default=SUPERVISE_INTERVAL_S)
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    run(LocalGroup.load(args.dir), stop, reload=True, interval=args.interval)
-    return 0

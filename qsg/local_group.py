@@ -263,7 +263,7 @@ class LocalGroup:
                 for m in state["managers"]:
                     m["cf_url"] = cf_url_for(m["name"], cluster.redis_url)
             for m in state["managers"]:
-                cluster._spawn_manager(m["name"])
+                cluster.spawn_manager(m["name"])
             for m in state["managers"]:
                 cluster._wait_first_start(m["name"], start_timeout)
             if backup_interval:
@@ -271,14 +271,14 @@ class LocalGroup:
             if spark_workers:
                 cluster._start_spark(spark_workers, spark_cores, spark_memory)
             if (restart_cf or restart_members) and detach:
-                cluster._save()  # the supervisor process reads it
+                cluster.save_state()  # the supervisor process reads it
                 cluster._spawn_supervisor()
             elif restart_cf or restart_members:
                 cluster.supervise_cf(cf=restart_cf)
         except BaseException:
             cluster.down(timeout=5.0)
             raise
-        cluster._save()
+        cluster.save_state()
         return cluster
 
     @classmethod
@@ -298,7 +298,7 @@ class LocalGroup:
         except (OSError, ValueError) as e:
             raise LocalGroupError(f"unreadable {d / CLUSTER_FILE}: {e}") from None
 
-    def _save(self) -> None:
+    def save_state(self) -> None:
         write_private(self.dir / CLUSTER_FILE, (json.dumps(self.state, indent=2) + "\n").encode())
 
     @contextlib.contextmanager
@@ -418,7 +418,7 @@ class LocalGroup:
     def _exit_file(self, name: str) -> Path:
         return self.dir / "run" / f"{name}.exit"
 
-    def _spawn_manager(self, name: str, env: Mapping[str, str] | None = None) -> None:
+    def spawn_manager(self, name: str, env: Mapping[str, str] | None = None) -> None:
         m = self.manager(name)
         for stale in (self._ready_file(name), self._exit_file(name)):
             with contextlib.suppress(FileNotFoundError):
@@ -429,9 +429,9 @@ class LocalGroup:
                "--log-root", str(self.log_root), "--backup-dir", str(self.backup_dir), "--lease-ms", str(self.state["lease_ms"]), "--ready-file",
                str(self._ready_file(name)), *self.state.get("manager_args", []), *m.get("extra_args", [])]
         proc = self._popen(name, cmd, f"{name}.log", env)
-        self._set_manager(name, pid=proc.pid)
+        self.set_manager(name, pid=proc.pid)
 
-    def _set_manager(self, name: str, **values: Any) -> None:
+    def set_manager(self, name: str, **values: Any) -> None:
         for m in self.state["managers"]:
             if m["name"] == name:
                 m.update(values)
@@ -441,8 +441,8 @@ class LocalGroup:
         with self.state_lock():
             self._refresh_if_shared()
             self.manager(name)  # an unknown member is an error
-            self._set_manager(name, held=why)
-            self._save()
+            self.set_manager(name, held=why)
+            self.save_state()
 
     def manager_runs(self, name: str) -> bool:
         return _pid_runs(self.manager(name).get("pid"), name.encode())
@@ -499,8 +499,8 @@ class LocalGroup:
             except LocalGroupError as e:
                 if "address already in use" not in str(e) or attempt == attempts - 1:
                     raise
-            self._set_manager(name, port=free_port(self.host), metrics_port=free_port(self.host))
-            self._spawn_manager(name)
+            self.set_manager(name, port=free_port(self.host), metrics_port=free_port(self.host))
+            self.spawn_manager(name)
 
     def _spawn_scheduler(self) -> None:
         sched = self.state["scheduler"]
@@ -536,10 +536,10 @@ class LocalGroup:
         with self.state_lock():
             self._refresh_if_shared()
             if extra_args is not None:
-                self._set_manager(name, extra_args=list(extra_args))
-            self._spawn_manager(name, env)
-            self._set_manager(name, held=None)
-            self._save()
+                self.set_manager(name, extra_args=list(extra_args))
+            self.spawn_manager(name, env)
+            self.set_manager(name, held=None)
+            self.save_state()
         self._wait_manager(name, timeout)
 
     def stop_member(self, name: str, timeout: float = 10.0) -> dict[str, Any]:
@@ -576,8 +576,8 @@ class LocalGroup:
             t1 = time.monotonic()
             with self.state_lock():
                 self._refresh_if_shared()
-                self._spawn_manager(name)
-                self._save()
+                self.spawn_manager(name)
+                self.save_state()
             self._wait_manager(name, start_timeout)
             doc.update(pid=self.manager(name)["pid"], start_seconds=round(time.monotonic() - t1, 2))
         finally:
@@ -606,7 +606,7 @@ class LocalGroup:
                 raise LocalGroupError(f"no CF node {node} (nodes: {', '.join(nodes.nodes)})")
             pid = nodes.kill(node)
             rcluster_cf.record(self.state[CLUSTER_CF], nodes)
-            self._save()
+            self.save_state()
             return pid
 
     def kill_cf(self) -> None:
@@ -617,7 +617,7 @@ class LocalGroup:
             return
         self._cf_server().kill()
         self.state[CLUSTER_CF]["pid"] = None
-        self._save()
+        self.save_state()
 
     def restart_cf(self) -> None:
         """Start the CF again on the same port, empty."""
@@ -627,7 +627,7 @@ class LocalGroup:
             self._start_cf(port=int(self.state[CLUSTER_CF].get("port") or 0) or None)
             if self.duplexed:  # a new generation, simplex; the secondary's copy is replaced by the empty one's
                 self.pair.restarted_empty()
-            self._save()
+            self.save_state()
 
     # --- the CF supervisor: who brings a lost CF back ----------------------------------------------------------
     def cf_alive(self) -> bool:
@@ -643,7 +643,7 @@ class LocalGroup:
             if self.duplexed:
                 event = self.pair.tend()
                 if event:
-                    self._save()
+                    self.save_state()
                 return event is not None
             if self.cf_alive():
                 return False
@@ -654,7 +654,7 @@ class LocalGroup:
             cf = self.state[CLUSTER_CF]
             cf["restarts"] = int(cf.get("restarts") or 0) + 1
             cf["last_restart"] = {"at": time.time(), "reason": reason}
-            self._save()
+            self.save_state()
             self.cf_restarts += 1
             log.warning("the CF %s; restarted it empty on port %s (pid %s): members re-join it, RECAUTO "
                         "structures are restored by a member", reason, cf.get("port") or "(its nodes' ports)",
@@ -849,15 +849,28 @@ class LocalGroup:
         if purge:
             shutil.rmtree(self.dir, ignore_errors=True)
         elif self.dir.exists():
-            self._save()
+            self.save_state()
         return killed
 
 
 def supervise_main(argv: list[str] | None = None) -> int:
-    """``python -m qsg.local_group supervise --dir DIR``: the supervisor of a detached cluster (qsg.group_supervisor)."""
-    from qsg.group_supervisor import supervise_main as main
+    """``python -m qsg.local_group supervise --dir DIR``: the supervisor of a detached cluster (``cfemu cluster
+    up``; qsg.group_supervisor), until SIGTERM (``cfemu cluster down`` sends it first)."""
+    import argparse
 
-    return main(argv)
+    from qsg import group_supervisor
+
+    p = argparse.ArgumentParser(prog="qsg.local_group")
+    p.add_argument("verb", choices=["supervise"])
+    p.add_argument("--dir", required=True)
+    p.add_argument("--interval", type=float, default=SUPERVISE_INTERVAL_S)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    group_supervisor.run(LocalGroup.load(args.dir), stop, reload=True, interval=args.interval)
+    return 0
 
 
 def _restarts(proc: Mapping[str, Any]) -> dict[str, Any]:

@@ -261,15 +261,15 @@ class StubGroup:
     def note_in_member_log(self, name: str, text: str) -> None:
         pass
 
-    def _spawn_manager(self, name: str) -> None:
+    def spawn_manager(self, name: str) -> None:
         self.spawned += 1
         self.state["managers"][0]["pid"] = 100 + self.spawned
         self.alive = True
 
-    def _set_manager(self, name: str, **values: Any) -> None:
+    def set_manager(self, name: str, **values: Any) -> None:
         self.state["managers"][0].update(values)
 
-    def _save(self) -> None:
+    def save_state(self) -> None:
         pass
 
 

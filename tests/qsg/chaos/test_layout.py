@@ -3,69 +3,18 @@
 
 from __future__ import annotations
 
-import ast
 import re
 from pathlib import Path
+
+from tests.support import import_graph
+from tests.support.import_graph import circles
 
 PACKAGE = Path(__file__).resolve().parents[3] / "qsg" / "chaos"
 PREFIX = "qsg.chaos"
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent.parent).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
 def graph() -> dict[str, set[str]]:
-    """Module -> the qsg.chaos modules it names in any import statement (a name imported from a package that is
-    a module of it counts as that module)."""
-    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
-    edges: dict[str, set[str]] = {m: set() for m in modules}
-    for m, path in modules.items():
-        for node in ast.walk(ast.parse(path.read_text())):
-            targets: list[str] = []
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                base = node.module if not node.level else ".".join(m.split(".")[:-node.level] + [node.module])
-                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
-            edges[m] |= {t for t in targets if t in modules and t != m}
-    return edges
-
-
-def circles(edges: dict[str, set[str]]) -> list[list[str]]:
-    """Every strongly connected component of more than one module (Tarjan)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on: set[str] = set()
-    out: list[list[str]] = []
-
-    def visit(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on.add(v)
-        for w in edges[v]:
-            if w not in index:
-                visit(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            scc = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                scc.append(w)
-                if w == v:
-                    break
-            if len(scc) > 1:
-                out.append(sorted(scc))
-
-    for v in sorted(edges):
-        if v not in index:
-            visit(v)
-    return out
+    return import_graph.graph(PACKAGE)
 
 
 def test_no_import_circle_among_the_chaos_modules() -> None:
