@@ -38,7 +38,7 @@ from sqm.service.server import ServerConfig, ServerConfigError
 from tests.sqm.test_request_slots import metric
 from tests.sqm.test_service import OP_TOKEN, TOKEN, TOKENS_ENV, ServerProc, start_server
 from tests.support.group import define_group
-from tests.support.waits import sigstop
+from tests.support.waits import sigstop, wait_until
 
 
 @pytest.fixture
@@ -387,8 +387,7 @@ def test_sigterm_with_requests_queued_for_the_only_slot_ends_within_the_grace(gr
     threads = [threading.Thread(target=committer, daemon=True) for _ in range(16)]
     for t in threads:
         t.start()
-    time.sleep(1.0)
-    assert metric(srv, "sqm_slot_waits_total") > 0
+    assert wait_until(lambda: metric(srv, "sqm_slot_waits_total") > 0, 20, "a commit waited for a slot")
     sent = time.monotonic()
     srv.proc.send_signal(signal.SIGTERM)
     code = srv.proc.wait(20)
