@@ -29,6 +29,8 @@ from sqm import records
 from sqm.log import RecordLog, find_log_dirs
 from sqm.records import Record
 
+pytestmark = pytest.mark.slow  # tests/support/tiers.py: run after the fast tier
+
 pyspark = pytest.importorskip("pyspark")
 
 S, OTHER = "APP1", "APP2"

@@ -31,6 +31,8 @@ from cfemu.private_files import private_dir
 from tests.support.group import define_group, start_qm
 from tests.support.harness import lose_cf
 
+pytestmark = pytest.mark.slow  # tests/support/tiers.py: run after the fast tier
+
 S = "APP1"
 ROOT = Path(__file__).resolve().parents[2]
 SURVIVORS = {f"msg-{i:02d}".encode() for i in range(3, 12)} | {f"late-{i:02d}".encode() for i in range(3)}
