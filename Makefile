@@ -27,11 +27,19 @@ lint: venv
 typecheck: venv
 	$(BIN)/mypy cfemu sqm backup restore qsg
 
+# The default suite in two tiers (tests/support/tiers.py): the fast one first, so that a broken change fails in
+# minutes, then the tests marked slow; each writes every test's duration to var/test-durations-TIER.txt.
+# The bytecode goes to .venv/pycache: where $$PYTHONDONTWRITEBYTECODE is set, pytest would otherwise rewrite the
+# asserts of every test module on each run (about 4 s of CPU) and each command the tests start would compile
+# the sources again.
+test: export PYTHONPYCACHEPREFIX := $(abspath $(VENV))/pycache
+test: export PYTHONDONTWRITEBYTECODE :=
 test: venv
 	$(BIN)/ruff check .
 	$(BIN)/mypy cfemu sqm backup restore qsg
 	$(BIN)/lint-imports
-	$(BIN)/pytest -q $(PYTEST_ARGS)
+	$(BIN)/pytest -q --tier fast --durations-file var/test-durations-fast.txt $(PYTEST_ARGS)
+	$(BIN)/pytest -q --tier slow --durations-file var/test-durations-slow.txt $(PYTEST_ARGS)
 
 demo: venv
 	$(BIN)/cfemu demo

@@ -288,7 +288,10 @@ def _find_dir(flag: str | os.PathLike[str] | None, env_name: str, marker: Path, 
     if environ.get(env_name):
         return Path(environ[env_name])
     found = nearest(marker, cwd)
-    return found.parent if found is not None else default
+    if found is not None:
+        return found.parent
+    # Where `cfemu cluster up` / `cfemu cf start` would create one: relative to the working directory asked about.
+    return default if cwd is None else cwd / default
 
 
 def _cf_dir_url(cf_dir: Path) -> str | None:

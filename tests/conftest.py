@@ -11,11 +11,19 @@
   through $CFEMU_SECRETS_DIR. That directory holds the backup key only, so that nothing else the settings
   resolver finds changes (no CF password is put into a URL, no service token found). A test that runs a group
   of its own (a cluster) takes the variable out of its commands' environment: the cluster's secrets hold its key.
+* ``settings_env_cleared`` (session, autouse) and ``own_working_directory`` (autouse): the suite is hermetic
+  against the checkout and the shell it runs in. The settings variables of cfemu.settings are taken out of the
+  environment, and the tests (their in-process resolvers and every command they start) run in an empty working
+  directory of their own, so that a cluster the README's `cfemu cluster up` left in the checkout's var/ (running
+  or stopped, with its logs and backups) is never found and never written to. The checkout's root is put on
+  $PYTHONPATH for the commands that run ``python -m tests.support...``.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -23,11 +31,22 @@ from typing import Any
 import pytest
 import redis
 
-from cfemu import credentials
+from cfemu import credentials, settings
 from cfemu.connection import connect
 from cfemu.embedded import EmbeddedRedis
 from cfemu.private_files import private_dir
 from tests.support.harness import HARNESS
+
+pytest_plugins = ["tests.support.tiers"]
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# What cfemu.settings reads from the environment, but for $REDIS_URL (this suite's own switch to an external
+# server, above) and $CFEMU_SECRETS_DIR (set below, for the group's backup key).
+SETTINGS_ENV = (settings.ENV_LOG_ROOT, settings.ENV_BACKUP_DIR, settings.ENV_LOG_ARCHIVE_DIR, settings.ENV_TOKEN,
+                settings.ENV_OPERATOR_TOKEN, settings.ENV_CLUSTER_DIR, settings.ENV_CF_DIR,
+                settings.ENV_SPARK_MASTER, settings.ENV_MEMORY_LIMIT, settings.ENV_BACKUP_SHARE,
+                settings.ENV_RESTORE_WORKERS)
 
 
 class ExternalRedis:
@@ -66,6 +85,25 @@ class GroupCF(EmbeddedRedis):
 
     def client(self, **kwargs: Any) -> redis.Redis:
         return super().client(**{"username": "qsg-harness", "password": self.harness_password, **kwargs})
+
+
+@pytest.fixture(scope="session", autouse=True)
+def settings_env_cleared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Yields the directory under which each test gets its working directory."""
+    with pytest.MonkeyPatch.context() as mp:
+        for name in SETTINGS_ENV:
+            mp.delenv(name, raising=False)
+        mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))))
+        if str(ROOT) not in sys.path:
+            mp.syspath_prepend(str(ROOT))
+        cwd = tmp_path_factory.mktemp("cwd")
+        mp.chdir(cwd)  # where the module and session fixtures run
+        yield cwd
+
+
+@pytest.fixture(autouse=True)
+def own_working_directory(settings_env_cleared: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tempfile.mkdtemp(prefix="test-", dir=settings_env_cleared))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -37,6 +37,7 @@ def env(redis_url: str, tmp_path: Path) -> dict[str, str]:
     return e
 
 
+@pytest.mark.slow
 def test_run_list_show_verify_prune(env: dict[str, str], redis_url: str, tmp_path: Path) -> None:
     first = cfbackup("run", "APP1", "--json", env=env)
     assert first.returncode == 0, first.stderr
@@ -71,6 +72,7 @@ def test_run_list_show_verify_prune(env: dict[str, str], redis_url: str, tmp_pat
         [rows[0]["id"]]
 
 
+@pytest.mark.slow
 def test_corrupt_backup_and_bad_input_are_one_line_errors(env: dict[str, str], tmp_path: Path) -> None:
     run = cfbackup("run", "APP1", "--json", env=env)
     bid = json.loads(run.stdout)["id"]

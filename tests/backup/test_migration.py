@@ -415,6 +415,7 @@ def test_a_load_killed_midway_is_detected_and_started_over(
     assert compare(read_report(tmp_path / "mig" / migrate.UNLOAD_REPORT), read_report(report)).equal
 
 
+@pytest.mark.slow
 def test_the_command_line(source: tuple[QueueManager, dict[str, Any]], redis_url: str,
                           fresh_redis: EmbeddedRedis, redis_factory: Any, tmp_path: Path) -> None:
     def cfemu(*args: str, status: int = 0) -> subprocess.CompletedProcess[str]:
@@ -485,6 +486,7 @@ def test_a_topic_s_companion_queues_are_reported_as_publications_and_subscriptio
     assert result.equal and result.by_type["publication"] == [3, 3] and result.by_type["subscription"] == [2, 2]
 
 
+@pytest.mark.slow
 def test_a_structure_moves_into_a_redis_cluster_cf(source: tuple[QueueManager, dict[str, Any]], redis_url: str,
                                                    tmp_path: Path) -> None:
     cluster = EmbeddedCluster(tmp_path / "rcluster").start()

@@ -230,6 +230,7 @@ def client(redis_url: str, redis_server: Any) -> redis.Redis:
 EXPECTED = {"lifecycle": 3376, "redelivery": 3283, "get_before_backup": 130, "put_outside_syncpoint": 1009, "expiry": 2710}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario", [lifecycle, redelivery, get_before_backup, put_outside_syncpoint, expiry],
                          ids=lambda s: s.__name__)
 def test_backup_loses_nothing_under_any_interleaving(client: redis.Redis, scenario: Scenario) -> None:
@@ -239,6 +240,7 @@ def test_backup_loses_nothing_under_any_interleaving(client: redis.Redis, scenar
     assert result.exploration.nodes > result.exploration.interleavings
 
 
+@pytest.mark.slow
 def test_checker_catches_backout_without_data(client: redis.Redis) -> None:
     """Without the patent's exception a get backed out between steps 3 and 4 is in neither the backup nor the
     log: the checker must find the lost message."""

@@ -81,6 +81,7 @@ def client(redis_url: str, redis_server: Any) -> redis.Redis:
 
 
 # redelivery and put_outside_syncpoint take 60-80 s each on 2 cores (about 2000 schedules, 5000 states): soak.
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario", [lifecycle, pytest.param(redelivery, marks=pytest.mark.soak), get_before_backup,
                                       pytest.param(put_outside_syncpoint, marks=pytest.mark.soak), expiry],
                          ids=lambda s: s.__name__)

@@ -24,6 +24,7 @@ from cfemu.clitools import settings as resolve_args
 from cfemu.embedded import EmbeddedRedis
 from sqm.core.manager import QueueManager
 from tests.support.group import define_group, start_qm
+from tests.support.waits import wait_until
 
 
 class Clock:
@@ -201,7 +202,7 @@ def test_an_idle_cf_gets_an_unpaced_backup_a_busy_one_a_paced_one(
     done = [0]
     threads = _busy(qms, stop, done)
     try:
-        time.sleep(0.3)
+        wait_until(lambda: done[0] >= 10, 60, "the group at work")  # its threads may start late on a busy machine
         t0 = time.monotonic()
         # small batches: the backup lasts several probe intervals even if the first verdict missed the group
         # (the members are threads of this process: they may not run in the first batch's few milliseconds)
@@ -226,7 +227,7 @@ def test_share_one_runs_unpaced_beside_the_group(
     done = [0]
     threads = _busy(qms, stop, done)
     try:
-        time.sleep(0.3)
+        wait_until(lambda: done[0] >= 10, 60, "the group at work")  # its threads may start late on a busy machine
         m = run_backup(client, "APP1", tmp_path / "bk", batch=100, share=1.0)
     finally:
         stop.set()

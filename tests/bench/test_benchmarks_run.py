@@ -69,12 +69,14 @@ def test_every_benchmark_has_a_quickest_mode() -> None:
     assert set(QUICKEST) <= set(scripts()), f"QUICKEST names a script that is gone: {set(QUICKEST) - set(scripts())}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", scripts())
 def test_benchmark_runs(name: str, runs: dict[str, tuple[int, str, float]]) -> None:
     rc, output, seconds = runs[name]
     assert rc == 0, f"{name} {' '.join(QUICKEST.get(name, ['--quick']))} exited {rc} after {seconds:.0f} s:\n{output[-4000:]}"
 
 
+@pytest.mark.slow
 def test_installed_peers_can_reach_their_files(runs: dict[str, tuple[int, str, float]]) -> None:
     """PostgreSQL and RabbitMQ run as their own users: a work directory under a private (0700) parent, as the
     repository's var/ is, made both fail to start ('Permission denied', the Erlang cookie's 'eacces'), and the
@@ -102,6 +104,7 @@ def test_a_peer_that_cannot_be_had_is_unavailable(monkeypatch: pytest.MonkeyPatc
         bench_peers.pg_bin(True)
 
 
+@pytest.mark.slow
 def test_the_peers_benchmark_shows_the_redis_servers_own_cpu(runs: dict[str, tuple[int, str, float]]) -> None:
     """The CPU a lifecycle costs in redis-server alone (the SQM's CF, durable Redis's server) is shown apart: the
     work Redis itself does for one lifecycle, below which the SQM cannot go on the same cores (BENCHMARKS.md,

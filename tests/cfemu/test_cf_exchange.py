@@ -20,6 +20,7 @@ from cfemu.embedded import EmbeddedRedis
 from cfemu.errors import UnknownObjectError
 from sqm.core.manager import reply_lost
 from tests.support.one_connection_cf import browse_q1, one_connection_cf
+from tests.support.waits import sigstop
 
 
 def test_calls_take_the_lean_path_not_redis_pys(redis_factory: Callable[..., EmbeddedRedis],
@@ -57,7 +58,7 @@ def test_a_reply_that_times_out_is_never_read_by_the_next_call(redis_factory: Ca
     browse_q1(cf)
     pool = client.connection_pool
     assert srv.pid is not None
-    os.kill(srv.pid, signal.SIGSTOP)
+    sigstop(srv.pid)
     try:
         with pytest.raises(redis.exceptions.TimeoutError):
             cf.structure("APP1").browse("NOSUCH", 10, 0)  # would answer NOQUEUE once the CF runs again
@@ -77,7 +78,7 @@ def test_a_reply_lost_after_the_request_went_out_reads_as_maybe_applied(
     cf, _ = one_connection_cf(srv, socket_timeout=0.5)
     browse_q1(cf)
     assert srv.pid is not None
-    os.kill(srv.pid, signal.SIGSTOP)
+    sigstop(srv.pid)
     try:
         with pytest.raises(redis.exceptions.TimeoutError) as timed_out:
             browse_q1(cf)
@@ -87,7 +88,7 @@ def test_a_reply_lost_after_the_request_went_out_reads_as_maybe_applied(
     browse_q1(cf)
     cf2 = CF(connect(srv.url, max_connections=1, socket_timeout=10))
     browse_q1(cf2)
-    os.kill(srv.pid, signal.SIGSTOP)
+    sigstop(srv.pid)
     result: list[BaseException] = []
 
     def call() -> None:

@@ -16,6 +16,7 @@ from tests.support.cf_loading import answers_loading
 from tests.support.one_connection_cf import browse_q1, one_connection_cf
 
 
+@pytest.mark.slow
 def test_a_cf_still_loading_its_data_is_an_error_not_a_reply(redis_factory: Callable[..., EmbeddedRedis]) -> None:
     """A CF restarted from its dump answers -LOADING until its data is in memory: redis-py raises it (its class
     for it, BusyLoadingError, is a ConnectionError: nothing ran) and drops the connection. The lean path returned

@@ -35,6 +35,7 @@ from cfemu.embedded import (
     find_redis_server,
 )
 from tests.support.harness import HARNESS
+from tests.support.waits import sigstop
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -152,7 +153,7 @@ def test_stop_keeps_given_data_dir(tmp_path: Path) -> None:
 def test_stop_escalates_to_sigkill(fresh_redis: EmbeddedRedis) -> None:
     pid = fresh_redis.pid
     assert pid is not None
-    os.kill(pid, signal.SIGSTOP)  # a stopped process does not act on SIGTERM
+    sigstop(pid)  # a stopped process does not act on SIGTERM
     t0 = time.monotonic()
     fresh_redis.stop(timeout=0.5)
     assert time.monotonic() - t0 < 5

@@ -23,6 +23,7 @@ from tests.support.cf_loading import answers_loading
 S = "APP1"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("packed", [False, True])
 def test_a_batch_sent_while_the_cf_reloads_its_data_stops_the_load_as_a_lost_cf(
         redis_factory: Callable[..., EmbeddedRedis], packed: bool, monkeypatch: pytest.MonkeyPatch) -> None:

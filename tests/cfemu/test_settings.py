@@ -102,6 +102,20 @@ def test_cluster_beats_cf_dir_beats_default(home: Path, tmp_path: Path) -> None:
     assert s.redis_url is None and s.sources["redis_url"] == DEFAULT
 
 
+def test_the_directory_asked_about_is_the_only_one_searched(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """resolve(cwd=D) finds nothing that is not in D or above it: not the cluster and CF of the process's own
+    working directory (a checkout where the README's `cfemu cluster up` was run)."""
+    here = tmp_path / "checkout"
+    write_cluster(here / "var" / "cluster")
+    write_cf(here / "var" / "cf")
+    monkeypatch.chdir(here)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    s = resolve(env={}, cwd=empty)
+    assert (s.redis_url, s.cluster_dir, s.secrets_dir, s.token) == (None, None, None, None)
+    assert resolve(env={}).redis_url == "redis://cluster:1/0"  # from where it runs: the nearest cluster, as before
+
+
 def test_a_stopped_cluster_gives_its_logs_and_backups_but_not_its_cf(tmp_path: Path) -> None:
     write_cluster(tmp_path / "var" / "cluster", cf_pid=None)
     s = resolve(env={}, cwd=tmp_path)

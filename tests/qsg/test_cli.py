@@ -36,6 +36,7 @@ def where(redis_url: str, tmp_path: Path) -> list[str]:
     return ["--redis-url", redis_url, "--log-root", str(tmp_path / "logs")]
 
 
+@pytest.mark.slow
 def test_define_status_put_browse_get(where: list[str], redis_url: str, tmp_path: Path) -> None:
     ok("cfemu", "define", "structure", "APP1", "--max-entries", "50", *where)
     ok("cfemu", "define", "queue", "Q1", "--structure", "APP1", "--backout-threshold", "3", "--backout-queue", "BQ",
@@ -68,6 +69,7 @@ def test_define_status_put_browse_get(where: list[str], redis_url: str, tmp_path
     assert "PUT" in printed and "GET" in printed
 
 
+@pytest.mark.slow
 def test_recauto_is_defined_shown_and_altered(where: list[str], redis_url: str, tmp_path: Path) -> None:
     """RECAUTO: on by default, off with --no-recauto, shown by status, altered alone (the capacity stays), in the
     CF and the group repository; and altered in the repository alone once the CF has lost the structure."""
@@ -90,6 +92,7 @@ def test_recauto_is_defined_shown_and_altered(where: list[str], redis_url: str, 
     assert repo.structures()["APP1"].recauto is False and admin.structures() == []
 
 
+@pytest.mark.slow
 def test_errors_are_one_line_and_change_nothing(where: list[str], redis_url: str, tmp_path: Path) -> None:
     ok("cfemu", "define", "structure", "APP1", *where)
     for args, needle in ((["define", "structure", "APP1"], "already defined"),
@@ -106,6 +109,7 @@ def test_errors_are_one_line_and_change_nothing(where: list[str], redis_url: str
     assert r.returncode == 2 and "unsupported URL scheme" in r.stderr
 
 
+@pytest.mark.slow
 def test_through_a_server_and_in_doubt_resolution(where: list[str], redis_url: str, tmp_path: Path) -> None:
     ok("cfemu", "define", "structure", "APP1", *where)
     ok("cfemu", "define", "queue", "Q1", "--structure", "APP1", *where)
@@ -140,6 +144,7 @@ def test_through_a_server_and_in_doubt_resolution(where: list[str], redis_url: s
         assert srv.stop() == 0
 
 
+@pytest.mark.slow
 def test_backup_and_restore_verbs_delegate(where: list[str], redis_url: str, tmp_path: Path) -> None:
     ok("cfemu", "define", "structure", "APP1", *where)
     backups = str(tmp_path / "backups")

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from cfemu.admin import Admin
 from cfemu.connection import connect
 from sqm.service.client import Client
@@ -19,6 +21,7 @@ def fails(*args: str) -> str:
     return r.stderr
 
 
+@pytest.mark.slow
 def test_topics_subscriptions_and_a_publication(redis_url: str, tmp_path: Path) -> None:
     where = ["--redis-url", redis_url, "--log-root", str(tmp_path / "logs")]
     ok("cfemu", "define", "structure", "APP1", *where)

@@ -27,6 +27,7 @@ def fails(*args: str) -> str:
     return r.stderr
 
 
+@pytest.mark.slow
 def test_define_a_service(where: list[str], redis_url: str) -> None:
     ok("cfemu", "define", "structure", "APP1", *where)
     assert "need --uow" in fails("define", "queue", "SVC", "--structure", "APP1", "--max-uows", "5", *where)
@@ -49,6 +50,7 @@ def test_define_a_service(where: list[str], redis_url: str) -> None:
         admin.queue_def("Q1.UOWDATA")
 
 
+@pytest.mark.slow
 def test_uow_status_verbs_and_the_browse_column(where: list[str], redis_url: str, tmp_path: Path) -> None:
     ok("cfemu", "define", "structure", "APP1", *where)
     ok("cfemu", "define", "queue", "SVC", "--structure", "APP1", "--uow", "--status-lifetime", "2", *where)

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from qsg.chaos.checker import FINDING_KINDS
 from qsg.demo import demo_faults
 
@@ -17,6 +19,7 @@ def test_the_demo_is_a_scripted_chaos_run_backup_then_cf_loss() -> None:
     assert faults[0].at < faults[1].at
 
 
+@pytest.mark.slow
 def test_demo_quick_loses_nothing(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "qsg.demo", "--quick", "--json", "--dir", str(tmp_path)],
                          capture_output=True, text=True, timeout=300)

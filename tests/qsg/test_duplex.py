@@ -62,6 +62,7 @@ def _structure_state(c: LocalGroup) -> str:
         client.close()
 
 
+@pytest.mark.slow
 def test_primary_killed_under_load_is_replaced_by_its_copy_nothing_lost_nothing_restored(
         cluster: LocalGroup) -> None:
     c = cluster
@@ -91,6 +92,7 @@ def test_primary_killed_under_load_is_replaced_by_its_copy_nothing_lost_nothing_
     _nothing_lost(c, load)
 
 
+@pytest.mark.slow
 def test_secondary_killed_under_load_the_group_carries_on_simplex_then_resyncs(cluster: LocalGroup) -> None:
     c = cluster
     with Load(c) as load:
@@ -113,6 +115,7 @@ def test_secondary_killed_under_load_the_group_carries_on_simplex_then_resyncs(c
     _nothing_lost(c, load)
 
 
+@pytest.mark.slow
 def test_primary_lost_while_simplex_is_not_promoted_it_is_restarted_empty(cluster: LocalGroup) -> None:
     """The copy was out of date (the pair simplex) when the primary died: promoting it would lose acknowledged
     work, so the controller restarts the primary empty at a new generation (RECAUTO's path, the loss of both)."""
@@ -130,6 +133,7 @@ def test_primary_lost_while_simplex_is_not_promoted_it_is_restarted_empty(cluste
     assert _structure_state(c) == "FAILED"  # the CF came back empty: RECAUTO's turn
 
 
+@pytest.mark.slow
 def test_both_lost_under_load_falls_back_to_the_backup_and_the_logs(cluster: LocalGroup) -> None:
     """The loss of both servers of the pair: the controller restarts the primary empty at a new generation and a
     member restores APP1 (RECAUTO) from the fuzzy backup and the logs; nothing acknowledged is lost."""
@@ -156,6 +160,7 @@ def test_both_lost_under_load_falls_back_to_the_backup_and_the_logs(cluster: Loc
     _nothing_lost(c, load)
 
 
+@pytest.mark.slow
 def test_hung_primary_loses_its_lease_and_is_killed_before_the_promotion(cluster: LocalGroup) -> None:
     c = cluster
     pid = int(c.state["cf"]["pid"])
@@ -179,6 +184,7 @@ def test_duplex_needs_the_supervisor(tmp_path: Path) -> None:
         LocalGroup.up(tmp_path / "c", managers=1, backup_interval=None, restart_cf=False, duplex=True)
 
 
+@pytest.mark.slow
 def test_cli_up_duplex_status_json_and_private_files(tmp_path: Path) -> None:
     d = tmp_path / "c"
     env = {k: v for k, v in os.environ.items() if k != "CFEMU_SECRETS_DIR"}

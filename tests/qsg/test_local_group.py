@@ -146,6 +146,7 @@ def cfemu(*args: str, check: bool = True, timeout: float = 90) -> subprocess.Com
     return r
 
 
+@pytest.mark.slow
 def test_cli_cluster_up_status_backup_down(tmp_path: Path) -> None:
     d = str(tmp_path / "cluster")
     pids: list[int] = []
@@ -250,6 +251,7 @@ SETTINGS_ENV = ("REDIS_URL", "CFEMU_LOG_ROOT", "CFEMU_BACKUP_DIR", "CFEMU_CLUSTE
                 "CFEMU_SECRETS_DIR")
 
 
+@pytest.mark.slow
 def test_every_cli_finds_the_cluster_from_its_directory_with_no_flags_and_no_environment(tmp_path: Path) -> None:
     """README "Using it": after `cfemu cluster up`, cfemu, cfbackup, cfrestore and sqm run in the same directory
     find the cluster's CF, logs and backups by themselves (cfemu.settings: the nearest var/cluster)."""

@@ -47,6 +47,7 @@ def _load_workers() -> set[int]:
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", [(), ("--memory-limit", "64KiB", "--workers", "2")],
                          ids=["in-memory", "partitioned-with-workers"])
 def test_restore_killed_mid_load_resumes_to_the_clean_result(redis_url: str, tmp_path: Path,

@@ -29,6 +29,8 @@ from sqm.core import records
 from sqm.core.records import Record
 from sqm.log import RecordLog, find_log_dirs
 
+pytestmark = pytest.mark.slow  # tests/support/tiers.py: run after the fast tier
+
 pyspark = pytest.importorskip("pyspark")
 
 S, OTHER = "APP1", "APP2"

@@ -71,6 +71,7 @@ def available(qm_conn: Any) -> list[tuple[str, int]]:
     return [(m.body[:7].decode(), m.backout_count) for m in qm_conn.browse("Q1", limit=1000)]
 
 
+@pytest.mark.slow
 def test_a_structure_whose_backup_is_older_than_the_relog_window_restores_from_the_logs_alone(
         redis_url: str, tmp_path: Path) -> None:
     logs, backups = tmp_path / "logs", tmp_path / "backups"

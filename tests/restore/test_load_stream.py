@@ -111,6 +111,7 @@ def _load(client: redis.Redis, plan: RestorePlan, progress: Callable[[str, int, 
         load_plan(owner, plan, StructureDef(S), ["Q1"], progress=progress)
 
 
+@pytest.mark.slow
 def test_a_small_load_starts_no_worker_process(redis_url: str, history: Path, tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """A load of fewer than restore.load.STREAM_FROM entries makes its batches in a thread, even for a plan settled
@@ -139,6 +140,7 @@ def test_a_small_load_starts_no_worker_process(redis_url: str, history: Path, tm
     assert client.hlen(keys.data(S)) == N
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [1, 2])
 def test_a_stopped_load_leaves_no_worker_and_no_thread(redis_url: str, history: Path, tmp_path: Path,
                                                        workers: int) -> None:
@@ -182,6 +184,7 @@ def test_a_stopped_load_leaves_no_worker_and_no_thread(redis_url: str, history: 
     assert list((tmp_path / "work").iterdir()) == []
 
 
+@pytest.mark.slow
 def test_a_load_with_workers_writes_what_a_load_without_writes(fresh_redis: EmbeddedRedis, history: Path,
                                                                 tmp_path: Path) -> None:
     """The batches prepared in a worker process (the stream), in a thread of this one from the same runs, and
@@ -216,6 +219,7 @@ def test_a_stream_on_a_worker_that_died_before_it_is_a_worker_error() -> None:
             list(pool.stream(big_items, 10))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [1, 2])
 @pytest.mark.parametrize("damage", ["removed", "truncated"])
 def test_a_load_that_wrote_less_than_the_plan_holds_is_refused(fresh_redis: EmbeddedRedis, history: Path,

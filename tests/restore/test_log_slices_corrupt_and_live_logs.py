@@ -81,6 +81,7 @@ def test_segments_a_member_starts_after_the_slicing_are_read(tmp_path: Path) -> 
     assert read == sorted(stream_logs(log_dirs, h.replay_from))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [1, 2])
 def test_a_plan_reads_what_a_live_member_logs_while_the_backup_is_read(tmp_path: Path, workers: int) -> None:
     h, backup, log_dirs, member, later = _split_history(tmp_path, 40)

@@ -72,6 +72,7 @@ def structure_keys(client: redis.Redis) -> list[bytes]:
 
 # --- the CF lost and restarted empty while restore loads -----------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_cf_restarted_empty_mid_load_stops_the_restore_which_writes_nothing_into_it(
         lost_with_a_backup: tuple[EmbeddedRedis, Path, Path]) -> None:
     cf, logs, backups = lost_with_a_backup
@@ -99,6 +100,7 @@ def test_a_cf_restarted_empty_mid_load_stops_the_restore_which_writes_nothing_in
     assert fresh.hlen(keys.entries(S)) == MESSAGES
 
 
+@pytest.mark.slow
 def test_cfrestore_says_in_one_line_that_the_cf_was_lost_mid_load(
         lost_with_a_backup: tuple[EmbeddedRedis, Path, Path]) -> None:
     """The operator's view, with a real cfrestore process: the CF is killed from outside once the load is
@@ -193,6 +195,7 @@ def test_a_restore_that_planned_while_another_restored_refuses_and_wipes_nothing
     qm.stop()
 
 
+@pytest.mark.slow
 def test_a_purge_while_a_restore_loads_stops_the_restore_at_its_next_batch(
         lost_with_a_backup: tuple[EmbeddedRedis, Path, Path]) -> None:
     """The operator gives up on a slow restore and purges the structure: the purge takes the structure over,

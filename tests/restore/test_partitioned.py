@@ -83,6 +83,7 @@ def three_ways(backup: Backup, log_dirs: list[Path], replay_from: int, tmp: Path
         assert list(tmp.iterdir()) == []  # every spill directory removed
 
 
+@pytest.mark.slow
 @settings(max_examples=25, derandomize=True, database=None, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**32 - 1), steps=st.integers(0, 120))
@@ -96,6 +97,7 @@ def test_partitioned_plans_equal_the_in_memory_plan(tmp_path_factory: pytest.Tem
     assert many == ref
 
 
+@pytest.mark.slow
 def test_a_rich_history_in_many_partitions(tmp_path: Path) -> None:
     """Every disposition and outcome kind, spread over many partitions, gives the in-memory plan."""
     h = simulate(random.Random(3), 1500)
@@ -247,6 +249,7 @@ def _measure(n: int, memory: int, root: Path, workers: int = 1) -> tuple[int, in
     return loaded, partitions, before, after, workers_peak
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)  # about 35 s on an idle machine; three subprocesses, slow on a loaded one
 def test_peak_memory_stays_bounded_as_the_input_grows(tmp_path: Path) -> None:
     """A plan of 4x the messages (4x the bytes: 1 KiB each) under the same 8 MiB limit: its peak RSS grows by
@@ -370,6 +373,7 @@ class _Interrupted(Exception):
     pass
 
 
+@pytest.mark.slow
 def test_a_plan_interrupted_while_workers_settle_leaves_nothing(tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """The caller's side raises in the middle of the fold (an interrupt, a progress display that fails): the
@@ -397,6 +401,7 @@ def test_a_plan_interrupted_while_workers_settle_leaves_nothing(tmp_path: Path,
     assert thread_errors == []
 
 
+@pytest.mark.slow
 @settings(max_examples=30, derandomize=True, database=None, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**32 - 1))

@@ -60,6 +60,7 @@ def _left_nothing(work: Path, before: set[int], thread_errors: list[BaseExceptio
     assert thread_errors == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", [0.0, 0.5])
 def test_a_corrupt_backup_frame_while_the_workers_read_the_logs(tmp_path: Path, which: float,
                                                                 thread_errors: list[BaseException | None]) -> None:

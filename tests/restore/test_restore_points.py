@@ -87,6 +87,7 @@ def test_a_restore_from_a_point_gives_the_content_the_points_restore_gave(
         sorted((d["id"], d, data) for _, d, data in point.copies())
 
 
+@pytest.mark.slow
 def test_the_spark_engine_plans_from_a_point_as_the_local_engine_does(
         group: tuple[redis.Redis, Path, Path], spark: Any) -> None:  # noqa: F811  (spark: a fixture)
     """The point's descriptors are the CF's bytes (add_raw), not wire forms: both engines read them alike."""

@@ -328,6 +328,7 @@ def _thing() -> None:
     pass
 
 
+@pytest.mark.slow
 def test_workers_of_a_parent_without_stderr_still_work() -> None:
     """A parent started with descriptor 2 closed (a daemon): its workers start and answer all the same."""
     script = textwrap.dedent(f"""

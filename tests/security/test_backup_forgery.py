@@ -31,6 +31,8 @@ from cfemu.private_files import private_dir
 from tests.support.group import define_group, start_qm
 from tests.support.harness import lose_cf
 
+pytestmark = pytest.mark.slow  # tests/support/tiers.py: run after the fast tier
+
 S = "APP1"
 ROOT = Path(__file__).resolve().parents[2]
 SURVIVORS = {f"msg-{i:02d}".encode() for i in range(3, 12)} | {f"late-{i:02d}".encode() for i in range(3)}
@@ -38,7 +40,7 @@ SURVIVORS = {f"msg-{i:02d}".encode() for i in range(3, 12)} | {f"late-{i:02d}".e
 
 def tool(module: str, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=300,
-                          env=env, cwd=ROOT)
+                          env=env)  # in the test's own directory: the Spark engine's log goes to its var/spark
 
 
 def settings_env(url: str, logs: Path, backups: Path, **extra: str) -> dict[str, str]:

@@ -120,6 +120,7 @@ def test_no_role_may_run_a_dangerous_command(cf: tuple[Path, dict[str, object]],
     assert client.get("probe") == b"1"
 
 
+@pytest.mark.slow
 def test_every_command_finds_the_credentials_without_flags(cf: tuple[Path, dict[str, object]]) -> None:
     home, _ = cf
     for cmd in (("cfemu", "define", "structure", "APP1"), ("cfemu", "define", "queue", "Q1", "--structure", "APP1"),

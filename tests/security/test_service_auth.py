@@ -118,6 +118,7 @@ def test_no_auth_is_refused_on_a_non_loopback_address(redis_url: str, tmp_path: 
 
 
 # --- nothing gets in without proving a token -----------------------------------------------------------------
+@pytest.mark.slow
 def test_nothing_gets_in_without_proving_a_token(group: tuple[ServerProc, dict[str, str]]) -> None:
     srv, tokens = group
     before = metric(srv, "sqm_auth_failures_total", reason="not_authenticated")
@@ -184,6 +185,7 @@ def frames(data: bytes) -> list[bytes]:
     return out
 
 
+@pytest.mark.slow
 def test_a_captured_handshake_is_useless(group: tuple[ServerProc, dict[str, str]]) -> None:
     """An eavesdropper records a real client's handshake and first request: the token is not in it, and replaying
     it on a new connection is refused (the server's challenge is new each time)."""
@@ -242,6 +244,7 @@ def test_a_server_that_does_not_hold_the_token_is_refused_by_the_client(tmp_path
     listener.close()
 
 
+@pytest.mark.slow
 def test_guessing_tokens_is_slowed_down_and_counted(group: tuple[ServerProc, dict[str, str]]) -> None:
     srv, tokens = group
     before = metric(srv, "sqm_auth_failures_total", reason="bad_proof")
@@ -268,6 +271,7 @@ def test_guessing_tokens_is_slowed_down_and_counted(group: tuple[ServerProc, dic
         assert time.monotonic() - t0 < 2.0  # not slowed down by the other address's failures
 
 
+@pytest.mark.slow
 def test_an_application_token_cannot_run_an_operators_requests(group: tuple[ServerProc, dict[str, str]],
                                                                 redis_server: Any) -> None:
     srv, tokens = group
@@ -308,6 +312,7 @@ def test_an_application_token_cannot_run_an_operators_requests(group: tuple[Serv
         Client(srv.endpoint, token=tokens["application"], role="operator", reconnect_timeout=0.5)
 
 
+@pytest.mark.slow
 def test_the_tokens_are_the_groups_own_files(group: tuple[ServerProc, dict[str, str]]) -> None:
     srv, tokens = group
     assert tokens["application"] != tokens["operator"]

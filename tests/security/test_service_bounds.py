@@ -103,6 +103,7 @@ def test_unauthenticated_requests_with_huge_op_names_leave_metrics_small(server:
         assert c.ping()["qmgr"] == "QMB"
 
 
+@pytest.mark.slow
 def test_idle_unauthenticated_connections_are_closed_and_memory_is_bounded(server: ServerProc) -> None:
     """150 connections that never authenticate, each holding a near-64 KiB partial frame in the server: at most
     64 (the default) are let in, the others are refused with an error naming the limit; those let in are closed
@@ -175,6 +176,7 @@ def test_connection_limits_refuse_with_an_error_naming_the_limit(redis_url: str,
         assert srv.stop() == 0, srv.log_text()
 
 
+@pytest.mark.slow
 def test_an_idle_session_is_closed_but_not_a_waiting_get(redis_url: str, tmp_path: Path) -> None:
     define_group(redis_url)
     srv = start_server(redis_url, tmp_path, "QMI", "--idle-timeout", "1.5")
@@ -199,6 +201,7 @@ def test_an_idle_session_is_closed_but_not_a_waiting_get(redis_url: str, tmp_pat
         assert srv.stop() == 0, srv.log_text()
 
 
+@pytest.mark.slow
 def test_a_slow_handshake_cannot_hold_a_connection(server: ServerProc) -> None:
     """A peer that says hello and then never answers the challenge is closed too (the timeout runs from the
     connection's start, whatever the peer sends meanwhile)."""

@@ -13,6 +13,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import pytest
 import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -28,6 +29,7 @@ OPS = st.lists(st.sampled_from(["put", "put", "get", "get", "get-sync", "commit"
                min_size=4, max_size=24)
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(ops=OPS)
 def test_every_message_is_in_one_place_and_poison_reaches_the_backout_queue(redis_url: str, tmp_path_factory: Any,

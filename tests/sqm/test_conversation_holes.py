@@ -205,6 +205,7 @@ def test_last_while_the_cf_lost_the_service_says_the_structure_failed(
         Conversation(qm1, "alice", "t").last()
 
 
+@pytest.mark.slow
 def test_receivers_on_two_members_and_both_sweepers_race_every_uow_ends_once(
         qms: tuple[QueueManager, QueueManager]) -> None:
     """Held: 40 UOWs (lifetime 1 s), 4 receivers on 2 members committing, backing out or cancelling at random, both

@@ -27,6 +27,7 @@ from cfemu.errors import NoMessageError
 from sqm.core.failpoints import parse_failpoints
 from sqm.core.manager import QueueManager
 from tests.support.group import define_group, start_qm
+from tests.support.waits import sigstop
 
 REPO = Path(__file__).resolve().parents[2]
 COUNT = 6  # messages per UOW
@@ -267,7 +268,7 @@ def test_paused_member_is_fenced_when_it_wakes(redis_url: str,
     child = Child(redis_url, log_root, "pause", stdin=True)
     try:
         child.expect("ready")
-        os.kill(child.proc.pid, signal.SIGSTOP)
+        sigstop(child.proc.pid)
         paused = time.monotonic()
         assert wait_recovered(peer, paused) < RECOVERY_BOUND_S
         assert locked(peer) == 0  # its uncommitted put was backed out

@@ -122,6 +122,7 @@ CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_member_killed_after_many_checkpoints_restarts_reading_one_interval(redis_url: str,
                                                                              tmp_path: Path) -> None:
     """Hours of activity, compressed: 30 checkpoint intervals with messages that stay the whole time. Killed by a
@@ -385,6 +386,7 @@ def test_a_structure_whose_last_backup_is_older_than_the_retained_logs_restores_
     qm.stop()
 
 
+@pytest.mark.slow
 def test_checkpoints_by_time_and_when_log_space_runs_low(redis_url: str, tmp_path: Path) -> None:
     """Besides LOGLOAD: the housekeeping thread checkpoints every checkpoint_interval_s, and when the log's file
     system has less free space than log_low_space_bytes (here: more than any disk has, so always low)."""

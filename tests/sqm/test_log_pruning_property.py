@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -102,6 +103,7 @@ class History:
             assert [u.id for u in self.qm.indoubt()] == [uow]
 
 
+@pytest.mark.slow
 @settings(max_examples=15, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(ops=OPS)
 def test_after_any_prune_restart_and_restore_give_the_reference_state(redis_url: str, tmp_path_factory: Any,

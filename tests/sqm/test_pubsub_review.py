@@ -70,6 +70,7 @@ def publish_n(qm: QueueManager, n: int) -> list[TopicNext]:
     return pubs
 
 
+@pytest.mark.slow
 def test_a_subscriber_beyond_the_10000th_loses_nothing_to_the_sweeper(
         qms: tuple[QueueManager, QueueManager]) -> None:
     """R2 LOST: the sweeper read at most 10,000 subscriptions, oldest first, and took its removal floor from them:

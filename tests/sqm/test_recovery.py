@@ -21,6 +21,7 @@ from sqm.core.manager import QueueManager
 from sqm.core.recovery import recover_peers
 from sqm.log import LogCorruptError, LogReader, find_log_dirs, merged_records
 from tests.support.group import define_group, start_qm
+from tests.support.waits import wait_until
 
 
 @pytest.fixture
@@ -311,7 +312,7 @@ def test_a_peer_that_cannot_read_the_failed_members_log_does_not_guess(redis_url
         crash(qm2)
         away = log_root.parent / "QM2-away"
         (log_root / "QM2").rename(away)
-        time.sleep(0.4)  # QM2's lease lapses
+        wait_until(lambda: "QM2" in qm1.admin.lapsed_members(), 10, "QM2's lease lapsed")
         assert recover_peers(qm1) == []
         assert "cannot read the log of QM2" in caplog.text
         assert locked(qm1) == 1, "nothing decided without the log"

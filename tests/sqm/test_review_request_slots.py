@@ -38,6 +38,7 @@ from sqm.service.server import ServerConfig, ServerConfigError
 from tests.sqm.test_request_slots import metric
 from tests.sqm.test_service import OP_TOKEN, TOKEN, TOKENS_ENV, ServerProc, start_server
 from tests.support.group import define_group
+from tests.support.waits import sigstop, wait_until
 
 
 @pytest.fixture
@@ -122,7 +123,7 @@ def slot_held_by_a_define(srv: ServerProc) -> Iterator[threading.Thread]:
 def test_a_request_on_a_cf_that_does_not_answer_keeps_the_only_slot_for_a_lease_only(group: Any, slot1: ServerProc) -> None:
     with Client(slot1.endpoint, token=TOKEN) as a, Client(slot1.endpoint, token=TOKEN) as b:
         a.put("Q1", b"known", syncpoint=False)  # the queue's definition cached: the browse below is one CF call
-        os.kill(group.pid, signal.SIGSTOP)  # the CF stops answering (a hung host, a long fork, a full network)
+        sigstop(group.pid)  # the CF stops answering (a hung host, a long fork, a full network)
         resumed = threading.Timer(3.0, os.kill, (group.pid, signal.SIGCONT))  # well inside the 5 s lease
         resumed.start()
         try:
@@ -155,7 +156,7 @@ def test_requests_on_a_silent_cf_time_out_together_not_one_after_another(group: 
     try:
         for c in clients:
             c.put("Q1", b"known", syncpoint=False)  # the definition cached: a browse is one CF call
-        os.kill(group.pid, signal.SIGSTOP)
+        sigstop(group.pid)
         try:
             started = time.monotonic()
             threads = [in_thread(lambda c=c: browse(c, started))[0] for c in clients]  # type: ignore[misc]
@@ -185,7 +186,7 @@ def test_sigterm_with_requests_queued_behind_a_silent_cf_ends_soon_after_the_gra
     try:
         for c in clients:
             c.put("Q1", b"known", syncpoint=False)
-        os.kill(group.pid, signal.SIGSTOP)
+        sigstop(group.pid)
         try:
             for c in clients:
                 in_thread(lambda c=c: c.browse("Q1"))  # type: ignore[misc]
@@ -386,8 +387,7 @@ def test_sigterm_with_requests_queued_for_the_only_slot_ends_within_the_grace(gr
     threads = [threading.Thread(target=committer, daemon=True) for _ in range(16)]
     for t in threads:
         t.start()
-    time.sleep(1.0)
-    assert metric(srv, "sqm_slot_waits_total") > 0
+    assert wait_until(lambda: metric(srv, "sqm_slot_waits_total") > 0, 20, "a commit waited for a slot")
     sent = time.monotonic()
     srv.proc.send_signal(signal.SIGTERM)
     code = srv.proc.wait(20)

@@ -499,6 +499,7 @@ def test_a_queue_cannot_hold_more_than_the_group_carries(server: ServerProc, red
     assert admin.define_queue("HUGE", "APP1", max_msg_length=MAX_MSG_LENGTH).max_msg_length == MAX_MSG_LENGTH
 
 
+@pytest.mark.slow
 def test_a_message_as_long_as_a_queue_may_hold_goes_through_the_service(wide: ServerProc, redis_server: Any,
                                                                        tmp_path: Path) -> None:
     """The scenario at full size: an in-process member puts two messages of the longest length a queue may hold;
@@ -581,6 +582,7 @@ def test_a_put_the_connection_cannot_carry_fails_at_the_client_as_too_big(server
     assert drain(member.connect(), BIGQ) == []
 
 
+@pytest.mark.slow
 def test_before_hello_a_peer_may_send_only_a_small_frame(wide: ServerProc) -> None:
     """Bounded resources for a peer that has not authenticated: a frame header over 64 KiB is refused at once,
     without the server reading (or waiting for) its body, and the connection is closed."""
@@ -593,6 +595,7 @@ def test_before_hello_a_peer_may_send_only_a_small_frame(wide: ServerProc) -> No
     assert r.request("hello", {"token": TOKEN, "max_frame": 10})["error"]["type"] == "BadRequestError"
 
 
+@pytest.mark.slow
 def test_the_server_learns_the_clients_frame_limit_at_hello(wide: ServerProc, member: QueueManager) -> None:
     """A client that accepts only 64 KiB frames says so at hello: the server never sends it more, so a get of a
     longer message fails with MQRC_TRUNCATED_MSG_FAILED instead of consuming it for nobody."""

@@ -29,6 +29,7 @@ from sqm.service.protocol import NotAuthorizedError, NotLoggedOnError, SessionLo
 from tests.sqm.test_service import OP_TOKEN, TOKEN, Raw, ServerProc, start_server
 from tests.support.group import define_group
 from tests.support.harness import lose_cf
+from tests.support.waits import sigstop
 
 SVC = "SVC"  # persistent status kept 2 lifetimes, so QUERY and LAST see finished UOWs
 
@@ -59,7 +60,7 @@ def logged_on(srv: ServerProc, user: str, token: str = "", **kw: Any) -> Client:
 def stopped(srv: ServerProc, c: Client) -> Iterator[None]:
     """The server stopped (SIGSTOP) and the client's patience short: its request is lost in flight."""
     c.request_timeout = 1.0
-    srv.proc.send_signal(signal.SIGSTOP)
+    sigstop(srv.proc.pid)  # stopped: kill() returns before every thread is
     try:
         yield
     finally:

@@ -105,6 +105,7 @@ def test_a_control_held_longer_than_the_wait_is_refused_after_it(qms: tuple[Queu
     assert received_whole(rcv) == uow and rcv.commit()["status"] == "PROCESSED"
 
 
+@pytest.mark.slow
 def test_receivers_committing_expired_uows_while_sweepers_time_them_out_are_never_refused(
         qms: tuple[QueueManager, QueueManager]) -> None:
     """The race behind the chaos finding: UOWs past their lifetime, receivers on two members taking and committing
@@ -237,6 +238,7 @@ def test_setustatus_asks_who_may_set_it_of_the_control_it_waited_for(qms: tuple[
     assert (q["status"], q["receiver"], q["user_status"]) == ("DELIVERED", "carol", "")
 
 
+@pytest.mark.slow
 def test_commit_both_waits_once_for_held_controls_not_once_for_each(qms: tuple[QueueManager, QueueManager]) -> None:
     """A COMMIT BOTH takes two controls, and waited up to HELD_WAIT_S for each: here the received UOW's is held for
     2.5 s and the sent one's for 5 s, and the COMMIT answered after 5 s, past a client's 5 s request timeout (the

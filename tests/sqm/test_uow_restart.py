@@ -326,6 +326,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Run]:
     return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("row", ROWS, ids=lambda r: r.id)
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_restart_tables_on_real_processes(runs: Callable[[str], Run], scenario: str, row: Row) -> None:
@@ -347,6 +348,7 @@ def test_restart_tables_on_real_processes(runs: Callable[[str], Run], scenario: 
     assert o.left_after_drain == 0
 
 
+@pytest.mark.slow
 def test_a_restored_structure_resumes_its_pseudo_clock_from_the_newest_status(runs: Callable[[str], Run]) -> None:
     """After a CF loss the pseudo-clock comes back at the newest stamp the restored statuses carry: not from zero
     (every lifetime would start over), not ahead (a sudden expiry)."""
@@ -371,6 +373,7 @@ def group(tmp_path: Path) -> Iterator[Group]:
         cf.stop()
 
 
+@pytest.mark.slow
 def test_a_uow_is_not_settled_while_its_dead_holders_work_is_still_on_the_cf(group: Group) -> None:
     """A member fenced by its peers whose log cannot be read: its units of work stay in flight, their gets holding
     the UOW's messages. Its DELIVERED UOWs must wait for that work to be backed out: made ACCEPTED before, a receiver
@@ -403,6 +406,7 @@ def test_a_uow_is_not_settled_while_its_dead_holders_work_is_still_on_the_cf(gro
     assert [b for b, _ in drained[uows[kept.id]]] == kept.bodies()
 
 
+@pytest.mark.slow
 def test_postponement_after_a_restart_of_the_home_member_keeps_its_delay(group: Group) -> None:
     """The restart tables apply to a UOW once per restart of the member it was sent through: a persistent UOW
     that lived through one is postponed later like any other, and only the next restart makes it ACCEPTED again
@@ -433,6 +437,7 @@ def test_postponement_after_a_restart_of_the_home_member_keeps_its_delay(group: 
 
 # --- the lifetime's pseudo-clock across downtime -------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_lifetime_counts_up_time_only_across_a_stop_of_the_whole_group(group: Group) -> None:
     """Every member stopped for longer than the UOW's lifetime (and longer than the longest gap the pseudo-clock
     counts as up-time): started again, the UOW is still ACCEPTED, and times out (its status kept) only once its
@@ -466,6 +471,7 @@ def test_a_lifetime_counts_up_time_only_across_a_stop_of_the_whole_group(group: 
     assert messages_on_cf(g, uow) == 0
 
 
+@pytest.mark.slow
 def test_a_structure_that_is_not_active_times_nothing_out(group: Group) -> None:
     """While the structure is RECOVERING (an operator's restore), its pseudo-clock stands still and no sweeper
     times anything out; ACTIVE again, the sweep resumes."""

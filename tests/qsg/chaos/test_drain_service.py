@@ -49,6 +49,7 @@ def final_statuses(history: History) -> dict[str, str]:
             if e.get("type") == "ok" and invoked[e["id"]]["client"] == FINAL_CLIENT and e.get("suow")}
 
 
+@pytest.mark.slow
 def test_a_drain_receipt_whose_commit_is_refused_is_backed_out_and_received_again(
         group: tuple[ServerProc, QueueManager], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     srv, qm = group

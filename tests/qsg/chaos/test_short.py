@@ -55,6 +55,7 @@ def test_bad_fault_kind_is_refused_by_name(tmp_path: Path) -> None:
 
 # Seed 2 is a second schedule of the same faults: it runs with -m soak (31 s), to keep the default suite under 20
 # minutes; seed 1 and the fault kinds' own short runs below stay in it.
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [1, pytest.param(2, marks=pytest.mark.soak)])
 def test_short_run_finds_nothing(tmp_path: Path, seed: int) -> None:
     out = chaos("run", "--seed", str(seed), "--duration", "22", "--faults", ",".join(SHORT_KINDS), "--json",
@@ -78,6 +79,7 @@ def test_short_run_finds_nothing(tmp_path: Path, seed: int) -> None:
     assert bool(began) == any(f["kind"] == "cf-kill" for f in s["faults"])
 
 
+@pytest.mark.slow
 def test_cf_kill_recauto_run_finds_nothing(tmp_path: Path) -> None:
     """The fault kind cf-kill-recauto: the CF killed under the chaos workload with RECAUTO on; nobody restores by
     hand; the checker finds nothing lost, duplicated or out of order."""
@@ -94,6 +96,7 @@ def test_cf_kill_recauto_run_finds_nothing(tmp_path: Path) -> None:
     assert "CSQE131I recovery of APP1 completed" in logs and "CSQE131I recovery of APP2 completed" in logs
 
 
+@pytest.mark.slow
 def test_pstore_disconnect_and_no_new_uows_run_finds_nothing(tmp_path: Path) -> None:
     """The fault kinds pstore-disconnect and no-new-uows: a structure's persistent store disconnected (then its new
     units of work refused) for seconds under the workload, publishers and subscribers included; what was refused is
@@ -123,6 +126,7 @@ def test_soak_every_fault_kind(tmp_path: Path, seed: int) -> None:
     assert out.returncode == 0, s["fault_errors"]
 
 
+@pytest.mark.slow
 def test_cf_kill_duplex_primary_run_finds_nothing(tmp_path: Path) -> None:
     """The fault kind cf-kill-duplex-primary: a duplexed group; the primary killed under the chaos workload; its
     copy is promoted, nothing restored; the checker finds nothing lost, duplicated or out of order."""

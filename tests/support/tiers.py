@@ -1,0 +1,66 @@
+"""A pytest plugin for the default suite's two tiers and their durations (tests/conftest.py loads it).
+
+* ``--tier fast`` runs the tests not marked ``slow``, ``--tier slow`` the others. It narrows whatever ``-m``
+  selects (by default addopts' ``-m``, which leaves out the opt-in markers), so that the two tiers of `make test`
+  are exactly the default suite, split, and the list of opt-in markers stays in one place (pyproject.toml).
+* ``--durations-file PATH`` writes every test's duration (setup, call and teardown together) to PATH, slowest
+  first, under a header with the count and the sum. `make test` writes var/test-durations-fast.txt and
+  var/test-durations-slow.txt; ``--durations=30`` in addopts prints the slowest of every run.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+TIERS = ("fast", "slow")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--tier", choices=TIERS, default=None,
+                     help="only the tests not marked slow (fast), or only those marked slow (slow)")
+    parser.addoption("--durations-file", metavar="PATH", default=None,
+                     help="write each test's duration (setup + call + teardown), slowest first, to PATH")
+
+
+class _Recorder:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.outcome: dict[str, str] = {}
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self.seconds[report.nodeid] += report.duration
+        if report.when == "call" or report.outcome != "passed":
+            self.outcome.setdefault(report.nodeid, report.outcome)
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        rows = sorted(self.seconds.items(), key=lambda kv: (-kv[1], kv[0]))
+        total = sum(self.seconds.values())
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("w") as out:
+            out.write(f"# {len(rows)} tests, {total:.1f} s in all (setup + call + teardown), slowest first\n")
+            for nodeid, seconds in rows:
+                out.write(f"{seconds:9.3f}  {self.outcome.get(nodeid, 'passed'):7}  {nodeid}\n")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    path = config.getoption("durations_file")
+    if path:
+        # Relative to where pytest was started (the tests may change their working directory).
+        config.pluginmanager.register(_Recorder(config.invocation_params.dir / path), "durations-file")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tier = config.getoption("tier")
+    if tier is None:
+        return
+    keep: list[pytest.Item] = []
+    drop: list[pytest.Item] = []
+    for item in items:
+        (keep if (item.get_closest_marker("slow") is not None) == (tier == "slow") else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
