@@ -167,7 +167,7 @@ def encode_frame(obj: Any) -> bytes:
     return HEADER.pack(len(body)) + body
 
 
-def decode_body(body: bytes) -> Any:
+def decode_body(body: bytes | bytearray) -> Any:
     """Unpack a frame body; anything msgpack cannot read is a ProtocolError."""
     try:
         return msgpack.unpackb(body, raw=False, strict_map_key=True)
