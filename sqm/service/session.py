@@ -26,7 +26,7 @@ log = logging.getLogger("sqm.service.server")
 # The bounded label values of the security metrics (sqm.service.metrics).
 AUTH_FAILURE_REASONS = ("bad_proof", "bearer_in_clear", "not_authenticated", "malformed", "frame_too_large",
                         "timeout")
-LIMITS = ("server", "peer", "unauthenticated")
+LIMITS = ("server", "peer")  # a full pool of unauthenticated connections makes room instead (evicted)
 CLOSE_REASONS = ("auth_timeout", "idle_timeout", "evicted")
 AUTH_METHODS = ("challenge", "bearer", "none")
 OP_LABEL_UNKNOWN = "?"  # any op name not in OPS: a label is never taken from what a peer sent

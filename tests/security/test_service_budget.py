@@ -20,7 +20,14 @@ from typing import Any
 import pytest
 
 from sqm.service.client import Client, client_tls_context
-from sqm.service.protocol import HEADER, MAX_FRAME, QueueManagerUnavailableError, encode_frame, recv_frame
+from sqm.service.protocol import (
+    HEADER,
+    MAX_FRAME,
+    FrameTooLargeError,
+    QueueManagerUnavailableError,
+    encode_frame,
+    recv_frame,
+)
 from tests.security.test_service_auth import metric
 from tests.security.test_service_bounds import closed_within, rss_kib
 from tests.sqm.test_service import TOKEN, Raw, ServerProc, start_server
@@ -279,12 +286,19 @@ def test_a_frame_the_budget_cannot_take_is_refused_and_the_connection_goes_on(
     assert err["reason_name"] == "MQRC_DATA_LENGTH_ERROR" and "--max-request-bytes-per-member" in err["message"]
     assert 0.9 <= waited < 5, waited
     assert other.request("ping")["ok"]  # the stream is in step: the connection goes on
+    with Client(srv.endpoint, token=TOKEN, tls=tls) as c:  # the client library: that put fails, nothing else
+        c.put("Q1", b"kept")
+        with pytest.raises(FrameTooLargeError, match="--max-request-bytes-per-member"):
+            c.put("Q1", bytes(600 * 1024))
+        assert c.uow_open
+        c.commit()
+        assert [m.body for m in c.browse("Q1")] == [b"kept"]
     holder.send_bytes(big[300 * 1024:])
     served = holder.reply()
     assert served["id"] == 41 and served["error"]["type"] == "UnknownObjectError", served
     other.send_bytes(put_frame(43, 600 * 1024))  # the budget is free again
     assert other.reply()["error"]["type"] == "UnknownObjectError"
-    assert metric(srv, "sqm_request_budget_refusals_total") == 1
+    assert metric(srv, "sqm_request_budget_refusals_total") == 2
     assert metric(srv, "sqm_request_budget_waits_total") >= 1
     assert metric(srv, "sqm_request_bytes_in_flight") == 0
     holder.close()
@@ -312,3 +326,41 @@ def test_the_address_holding_most_unauthenticated_connections_makes_room(redis_u
             r.close()
     finally:
         assert srv.stop() == 0, srv.log_text()
+
+
+def test_the_budget_reserves_waits_refuses_and_gives_back() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sqm.service.session import ByteBudget, Session
+
+    def session(n: int) -> Session:
+        return Session(n, "p", ThreadPoolExecutor(1), authenticated=True, request_limit=MiB, reply_limit=MiB)
+
+    budget = ByteBudget(100, 10)
+    a, b = session(1), session(2)
+    assert budget.reserve(a, 70, 0) and budget.used == 70
+    t0 = time.monotonic()
+    assert not budget.reserve(b, 40, 0.2)  # waited its bound in vain
+    assert 0.15 <= time.monotonic() - t0 < 2 and budget.refused == 1 and budget.waits == 1
+    threading.Timer(0.1, budget.release, args=(a, 70)).start()
+    assert budget.reserve(b, 40, 5)  # given back meanwhile
+    budget.hold(a, 80)  # a reply: counted whatever the limit
+    assert budget.used == 120 and budget.peak == 120 and not budget.try_reserve(a, 1)
+    budget.release(a)
+    budget.release(a)  # nothing more to give back
+    budget.release(b, 1000)  # never more than it holds
+    assert budget.used == 0 and a.reserved == 0 and b.reserved == 0
+
+
+def test_a_refused_frame_is_answered_with_its_id_when_its_first_bytes_name_it() -> None:
+    from sqm.service.transport import peek_request
+
+    body = encode_frame({"id": 12, "op": "put", "args": {"queue": "Q1", "body": bytes(10_000)}})[HEADER.size:]
+    assert peek_request(body[:256]) == (12, "put")
+    assert peek_request(body[:5]) == (12, "?")  # cut after the id
+    assert peek_request(body[:4]) == (None, "?")  # cut before it
+    assert peek_request(encode_frame({"op": "no-such-op", "id": 3})[HEADER.size:]) == (3, "?")
+    assert peek_request(encode_frame({"args": {}, "id": 3})[HEADER.size:]) == (None, "?")
+    assert peek_request(encode_frame({"id": True})[HEADER.size:]) == (None, "?")
+    assert peek_request(b"\xc1garbage") == (None, "?")
+    assert peek_request(b"") == (None, "?")
