@@ -82,6 +82,14 @@ def add_run_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
                    help="connections at once from one address (default 128)")
     p.add_argument("--max-unauthenticated", type=int, default=64,
                    help="connections at once that have not authenticated yet (default 64)")
+    p.add_argument("--max-request-bytes-per-member", type=int, default=None,
+                   help="bytes of requests in flight at once on this member: a frame over 64 KiB reserves its "
+                        "length before its body is read, waits up to --request-budget-wait for it, else is refused with "
+                        "MQRC_DATA_LENGTH_ERROR (default: the larger of 256 MiB and 4 frames of --max-frame; at least "
+                        "--max-frame)")
+    p.add_argument("--request-budget-wait", type=float, default=5.0,
+                   help="seconds a large request waits for --max-request-bytes-per-member before it is refused "
+                        "(default 5)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="HTTP port for /healthz, /readyz and /metrics (0: any free port; default: none)")
     p.add_argument("--metrics-host", default="127.0.0.1",
@@ -124,6 +132,11 @@ def cmd_run(args: argparse.Namespace, out: Output) -> int:
     if not MIN_FRAME <= args.max_frame <= MAX_FRAME:
         raise CLIError(f"--max-frame must be {MIN_FRAME}-{MAX_FRAME} bytes (the most carries any message a queue can "
                        f"hold), not {args.max_frame}")
+    budget = args.max_request_bytes_per_member
+    if budget is not None and budget < args.max_frame:
+        raise CLIError(f"--max-request-bytes-per-member must be at least --max-frame ({args.max_frame}), not {budget}")
+    if args.request_budget_wait < 0:
+        raise CLIError(f"--request-budget-wait must be >= 0, not {args.request_budget_wait}")
     if args.no_auth and not is_loopback_host(args.host):
         raise CLIError(f"--no-auth is refused on --host {args.host}, which is not a loopback address: anyone who "
                        "reaches it could do anything; run with the group's tokens instead")
@@ -140,6 +153,7 @@ def cmd_run(args: argparse.Namespace, out: Output) -> int:
         token=found.token, operator_token=op_token, auth=not args.no_auth, auth_timeout_s=args.auth_timeout,
         idle_timeout_s=args.idle_timeout, max_connections=args.max_connections,
         max_connections_per_peer=args.max_connections_per_peer, max_unauthenticated=args.max_unauthenticated,
+        max_request_bytes=args.max_request_bytes_per_member, request_budget_wait_s=args.request_budget_wait,
         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
         metrics_port=args.metrics_port, metrics_host=args.metrics_host, lease_ms=args.lease_ms,
         cf_connections=args.cf_connections, request_slots=args.request_slots, slot_lease_ms=args.slot_lease_ms,

@@ -22,6 +22,8 @@ from sqm.service.protocol import DEFAULT_MAX_FRAME, MAX_FRAME, MIN_FRAME
 
 EXIT_OK, EXIT_ERROR, EXIT_CONFIG, EXIT_FENCED, EXIT_LOG_FAILED = 0, 1, 2, 3, 4
 
+DEFAULT_REQUEST_BUDGET = 256 * 2**20  # the least default budget of request bytes in flight on a member
+
 
 def is_loopback_ip(address: str) -> bool:
     """Is this peer address on the loopback network (127.0.0.0/8, ::1, or an IPv4-mapped 127.x)?"""
@@ -65,7 +67,11 @@ class ServerConfig:
     idle_timeout_s: float = 3600.0  # an authenticated connection with no request for this long is closed; 0: never
     max_connections: int = 512  # connections at once, all peers
     max_connections_per_peer: int = 128  # connections at once from one address
-    max_unauthenticated: int = 64  # connections at once that have not authenticated yet
+    max_unauthenticated: int = 64  # connections at once that have not authenticated yet (full: the oldest is closed)
+    # Bytes of requests in flight on this member (a frame over FREE_FRAME reserves its length before its body is
+    # read); None: the larger of DEFAULT_REQUEST_BUDGET and 4 frames of max_frame (request_budget()).
+    max_request_bytes: int | None = None
+    request_budget_wait_s: float = 5.0  # a large frame waits this long for the budget before it is refused
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_ca: str | None = None  # with cert and key: mutual TLS, clients must present a certificate from this CA
@@ -111,6 +117,11 @@ class ServerConfig:
             raise ServerConfigError("the authentication timeout must be > 0 s and the idle timeout >= 0 s (0: none)")
         if min(self.max_connections, self.max_connections_per_peer, self.max_unauthenticated) < 1:
             raise ServerConfigError("connection limits must be at least 1")
+        if self.max_request_bytes is not None and self.max_request_bytes < self.max_frame:
+            raise ServerConfigError(f"the request budget ({self.max_request_bytes} bytes) must hold at least one "
+                                    f"frame of the max frame ({self.max_frame} bytes)")
+        if self.request_budget_wait_s < 0:
+            raise ServerConfigError("the wait for the request budget must be >= 0 s")
         if not 1 <= self.request_slots <= MAX_SLOTS:
             raise ServerConfigError(f"request slots must be at least 1 and at most {MAX_SLOTS}, not "
                                     f"{self.request_slots}")
@@ -118,6 +129,12 @@ class ServerConfig:
             raise ServerConfigError(f"a request slot's lease must be at least 1 ms, not {self.slot_lease_ms}")
         if not 1 <= self.max_umsgs <= MAX_MAX_UMSGS:
             raise ServerConfigError(f"MAXUMSGS must be 1-{MAX_MAX_UMSGS}, not {self.max_umsgs}")
+
+    def request_budget(self) -> int:
+        """Bytes of requests in flight this member accepts at once (--max-request-bytes-per-member)."""
+        if self.max_request_bytes is not None:
+            return self.max_request_bytes
+        return max(DEFAULT_REQUEST_BUDGET, 4 * self.max_frame)
 
     def role_tokens(self) -> dict[str, str]:
         return {role: tok for role, tok in ((APPLICATION, self.token), (OPERATOR, self.operator_token)) if tok}
@@ -140,5 +157,5 @@ class ServerConfig:
 
 
 
-__all__ = ["EXIT_CONFIG", "EXIT_ERROR", "EXIT_FENCED", "EXIT_LOG_FAILED", "EXIT_OK", "ServerConfig",
+__all__ = ["DEFAULT_REQUEST_BUDGET", "EXIT_CONFIG", "EXIT_ERROR", "EXIT_FENCED", "EXIT_LOG_FAILED", "EXIT_OK", "ServerConfig",
            "ServerConfigError", "is_loopback_host", "is_loopback_ip"]

@@ -109,6 +109,22 @@ class SQMCollector(Collector):
                 c = CounterMetricFamily(f"sqm_{key}", help_text, labels=list(labels))
                 c.add_metric([qm.name], stats.get(key, 0))
                 yield c
+            # The budget of request bytes in flight (sqm.service.transport): in use near the limit, and refusals,
+            # say large requests (puts of large messages) come faster than the member takes them in.
+            for key, help_text in (("request_bytes_in_flight", "Bytes of requests (and large replies) in flight "
+                                    "now, counted against --max-request-bytes-per-member"),
+                                   ("request_bytes_limit", "Bytes of requests in flight this member takes in at "
+                                    "once (--max-request-bytes-per-member)")):
+                g = GaugeMetricFamily(f"sqm_{key}", help_text, labels=list(labels))
+                g.add_metric([qm.name], stats.get(key, 0))
+                yield g
+            for key, help_text in (("request_budget_waits", "Large requests that waited for the budget of request "
+                                    "bytes in flight"),
+                                   ("request_budget_refusals", "Large requests refused (MQRC_DATA_LENGTH_ERROR) "
+                                    "after waiting for the budget of request bytes in flight in vain")):
+                c = CounterMetricFamily(f"sqm_{key}", help_text, labels=list(labels))
+                c.add_metric([qm.name], stats.get(key, 0))
+                yield c
             # The security metrics: every label value comes from a fixed set (sqm.service.server), never from
             # what a peer sent.
             g = GaugeMetricFamily("sqm_connections_unauthenticated", "Open connections that have not authenticated",

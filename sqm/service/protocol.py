@@ -7,7 +7,10 @@ A frame is a big-endian u32 body length followed by a msgpack body. A request is
 ``reason`` is the MQ reason code (MQRC_*), which alone does not always tell two classes apart.
 
 A reply to a request the server could not parse has ``id`` nil. A frame longer than the limit is answered with
-an error and the connection is closed: the stream cannot be trusted to re-synchronise after it.
+an error and the connection is closed: the stream cannot be trusted to re-synchronise after it. A frame within
+the limit that the member's budget of request bytes in flight cannot take (sqm.service.transport) is answered with
+the same error (FrameTooLargeError), with the request's id when the body's first bytes carry it; its body is read
+and dropped, so the stream stays in step and the connection goes on.
 
 Frame limits (docs/architecture.md, "Size limits"). Until it has authenticated a peer may send frames of at most
 PRE_HELLO_MAX_FRAME bytes, so an unauthenticated peer cannot make the server buffer much. The hello carries the
@@ -167,7 +170,7 @@ def encode_frame(obj: Any) -> bytes:
     return HEADER.pack(len(body)) + body
 
 
-def decode_body(body: bytes) -> Any:
+def decode_body(body: bytes | bytearray) -> Any:
     """Unpack a frame body; anything msgpack cannot read is a ProtocolError."""
     try:
         return msgpack.unpackb(body, raw=False, strict_map_key=True)

@@ -126,18 +126,23 @@ class SQMServer:
                 "limits": {"max_connections": c.max_connections, "max_connections_per_peer":
                            c.max_connections_per_peer, "max_unauthenticated": c.max_unauthenticated,
                            "auth_timeout_s": c.auth_timeout_s, "idle_timeout_s": c.idle_timeout_s,
-                           "max_umsgs": self.qm.config.max_umsgs}}
+                           "max_umsgs": self.qm.config.max_umsgs,
+                           "max_request_bytes": self.transport.budget.limit},
+                "request_bytes_in_flight": self.transport.budget.used}
 
     # --- life cycle --------------------------------------------------------------------------------------
     def server_stats(self) -> dict[str, Any]:
         st = self.stats
+        budget = self.transport.budget
         return {"connections": st.connections, "requests": dict(st.requests), "unauthenticated": st.unauthenticated,
                 "auth_failures": {r: st.auth_failures[r] for r in AUTH_FAILURE_REASONS},
                 "authenticated": {(role, m): st.authenticated[(role, m)] for role in ROLES for m in AUTH_METHODS},
                 "refused": {limit: st.refused[limit] for limit in LIMITS},
                 "closed": {r: st.closed[r] for r in CLOSE_REASONS},
                 "request_slots": self.slots.n, "waiting_for_slot": self.slots.waiting,
-                "slot_waits": self.slots.waits, "slot_leases_expired": self.slots.expired}
+                "slot_waits": self.slots.waits, "slot_leases_expired": self.slots.expired,
+                "request_bytes_in_flight": budget.used, "request_bytes_limit": budget.limit,
+                "request_budget_waits": budget.waits, "request_budget_refusals": budget.refused}
 
     def request_stop(self, exit_code: int = EXIT_OK) -> None:
         """Begin a graceful shutdown (thread-safe only from the event loop; signals and the watcher use it)."""

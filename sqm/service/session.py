@@ -26,8 +26,8 @@ log = logging.getLogger("sqm.service.server")
 # The bounded label values of the security metrics (sqm.service.metrics).
 AUTH_FAILURE_REASONS = ("bad_proof", "bearer_in_clear", "not_authenticated", "malformed", "frame_too_large",
                         "timeout")
-LIMITS = ("server", "peer", "unauthenticated")
-CLOSE_REASONS = ("auth_timeout", "idle_timeout")
+LIMITS = ("server", "peer")  # a full pool of unauthenticated connections makes room instead (evicted)
+CLOSE_REASONS = ("auth_timeout", "idle_timeout", "evicted")
 AUTH_METHODS = ("challenge", "bearer", "none")
 OP_LABEL_UNKNOWN = "?"  # any op name not in OPS: a label is never taken from what a peer sent
 _KNOWN = frozenset(OPS)
@@ -60,7 +60,8 @@ class Session:
     conversation: Conversation | None = None  # made by logon (sqm.conversations.conversation); closed with the connection
     pubsub: PubSubSession | None = None  # made by the first publish or receive_pub; backed out with it
     gone: threading.Event = field(default_factory=threading.Event)  # the client disconnected
-    reading: asyncio.Task[bytes | None] | None = None  # the read of the next frame, when one is pending
+    reading: asyncio.Task[Any] | None = None  # the read of the next frame, when one is pending
+    reserved: int = 0  # bytes of the member's budget this connection holds (ByteBudget; under its lock)
 
     def uow_open(self) -> bool:
         """Has the connection's UOW done anything (an empty UOW is not worth reporting as open)?"""
@@ -104,6 +105,74 @@ class Stats:
             self.requests[key] += 1
 
 
+class ByteBudget:
+    """The bytes of requests (and replies) in flight on a member, held to ``limit``.
+
+    A frame longer than ``free`` bytes reserves its declared length before its body is read and gives it back
+    once its reply is sent or its connection ends; a frame of at most ``free`` bytes reserves nothing (each
+    connection reads one frame at a time, so those cost at most ``free`` per connection). A reply longer than
+    ``free`` is counted too (``hold``), never refused (its work is done): while replies hold the budget, new large
+    requests wait. Shared by the event loop and the connections' threads."""
+
+    def __init__(self, limit: int, free: int) -> None:
+        self.limit = limit
+        self.free = free
+        self.used = 0
+        self.peak = 0
+        self.waits = 0  # reservations that had to wait for bytes to come back
+        self.refused = 0  # reservations that waited their bound in vain
+        self._cond = threading.Condition()
+
+    def reserve(self, session: Session, n: int, wait_s: float) -> bool:
+        """Reserve n bytes for session, waiting up to wait_s for them; False when they did not come back."""
+        with self._cond:
+            if self.used + n > self.limit:
+                self.waits += 1
+                deadline = time.monotonic() + wait_s
+                while self.used + n > self.limit:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        self.refused += 1
+                        return False
+                    self._cond.wait(left)
+            self._take(session, n)
+            return True
+
+    def try_reserve(self, session: Session, n: int) -> bool:
+        """Reserve n bytes for session if they are free now (the event loop's form: it must not block)."""
+        with self._cond:
+            if self.used + n > self.limit:
+                return False
+            self._take(session, n)
+            return True
+
+    def note(self, *, waited: bool = False, refused: bool = False) -> None:
+        """Count a wait or a refusal of the event loop's (try_reserve) form."""
+        with self._cond:
+            self.waits += waited
+            self.refused += refused
+
+    def hold(self, session: Session, n: int) -> None:
+        """Count n bytes for session whatever the limit (a reply, whose work is done)."""
+        with self._cond:
+            self._take(session, n)
+
+    def _take(self, session: Session, n: int) -> None:
+        self.used += n
+        session.reserved += n
+        self.peak = max(self.peak, self.used)
+
+    def release(self, session: Session, n: int | None = None) -> None:
+        """Give back n of session's bytes (None: all it holds, at the end of its connection)."""
+        with self._cond:
+            n = session.reserved if n is None else min(n, session.reserved)
+            if n <= 0:
+                return
+            session.reserved -= n
+            self.used -= n
+            self._cond.notify_all()
+
+
 class Warnings:
     """Warnings about what peers do, at most once a second per key (a flood must not flood the log)."""
 
@@ -117,5 +186,5 @@ class Warnings:
             log.warning(msg, *args)
 
 
-__all__ = ["AUTH_FAILURE_REASONS", "AUTH_METHODS", "CLOSE_REASONS", "LIMITS", "OP_LABEL_UNKNOWN", "Session",
+__all__ = ["AUTH_FAILURE_REASONS", "ByteBudget", "AUTH_METHODS", "CLOSE_REASONS", "LIMITS", "OP_LABEL_UNKNOWN", "Session",
            "Stats", "Warnings", "op_label"]

@@ -9,10 +9,23 @@ loop to the thread and back per request, which cost more CPU than the request's 
 and the loop only ends it at shutdown. A TLS connection stays on the event loop, which hands each request to its
 thread.
 
-Until it has authenticated a peer may send only small frames, must do so within ``auth_timeout_s``, and counts
-against ``max_unauthenticated``; every connection counts against ``max_connections`` and
-``max_connections_per_peer`` (a refused one gets an error naming the limit, then is closed); an authenticated one
-idle for ``idle_timeout_s`` is closed. A request runs only once the dispatcher (``Host.refusal``) lets it.
+Until it has authenticated a peer may send only small frames and must do so within ``auth_timeout_s``; at most
+``max_unauthenticated`` such connections are open at once, and when one more comes the pool makes room for it
+(``_evict``): the connection closed is one from the address holding most of the pool, of those one that has not
+said hello, of those the oldest. So holding the pool keeps nobody out: a client that authenticates at once after
+connecting gets in whatever others hold, and a peer that wants to keep its connections must outpace every new one.
+Every connection counts against ``max_connections`` and ``max_connections_per_peer`` (a refused one gets an error
+naming the limit, then is closed); an authenticated one idle for ``idle_timeout_s`` is closed. A request runs only
+once the dispatcher (``Host.refusal``) lets it.
+
+The bytes of requests in flight are bounded per connection by its frame limit and per member by its budget
+(``ServerConfig.request_budget``, sqm.service.session.ByteBudget): a frame longer than FREE_FRAME reserves its
+declared length before its body is read (waiting up to ``request_budget_wait_s`` for it, its body meanwhile left
+in the socket, so the client is held back by TCP), and gives it back once its reply is sent or its connection
+ends. A frame the budget cannot take in that time is refused with FrameTooLargeError (MQRC_DATA_LENGTH_ERROR, with
+the request's id when its first bytes name one): its body is read and dropped, never kept, so the stream stays in
+step and the connection goes on. A reply longer than FREE_FRAME is counted while it is sent (it holds back new
+large requests, never itself: its work is done).
 """
 
 from __future__ import annotations
@@ -28,6 +41,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
+import msgpack
+
 from cfemu.errors import BadRequestError, FencedError, MQError
 from cfemu.sockets import set_kernel_timeout
 from sqm.operations import OPERATOR, short
@@ -40,16 +55,48 @@ from sqm.service.protocol import (
     FrameTooLargeError,
     NotAuthorizedError,
     ProtocolError,
+    check_length,
     decode_body,
     encode_frame,
     error_reply,
     parse_request,
-    read_frame,
-    recv_body,
 )
-from sqm.service.session import OP_LABEL_UNKNOWN, Session, Stats, Warnings, op_label
+from sqm.service.session import OP_LABEL_UNKNOWN, ByteBudget, Session, Stats, Warnings, op_label
 
 log = logging.getLogger("sqm.service.server")  # the service's log lines keep one logger name
+
+# A frame of at most this many bytes reserves nothing from the member's budget: a connection reads one frame at a
+# time, so those cost at most this much per connection (max_connections of them).
+FREE_FRAME = PRE_HELLO_MAX_FRAME
+PEEK_BYTES = 256  # the first bytes of a refused frame's body, kept to find the request's id and op
+CHUNK = 65536  # what one receive asks for while reading small frames or dropping a refused one
+BIG_CHUNK = 2**20  # ... while reading a large frame's body
+
+
+def peek_request(head: bytes) -> tuple[int | None, str]:
+    """The id and op label of a request from the first bytes of its body (the client library sends them first),
+    or (None, '?') where they are not there: for the reply to a frame refused without being read."""
+    rid: int | None = None
+    op = OP_LABEL_UNKNOWN
+    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=PEEK_BYTES * 2)
+    try:
+        unpacker.feed(head)
+        for _ in range(min(unpacker.read_map_header(), 2)):
+            key = unpacker.unpack()
+            if key not in ("id", "op"):
+                break
+            value = unpacker.unpack()
+            if key == "id" and isinstance(value, int) and not isinstance(value, bool):
+                rid = value
+            elif key == "op" and isinstance(value, str):
+                op = op_label(value)
+    except Exception:  # what msgpack raises on a cut or malformed prefix: unknown, and no more is needed
+        pass
+    return rid, op
+
+
+Read = tuple[bytes | bytearray, int] | dict[str, Any] | None  # (body, bytes reserved), a refusal's reply, the end
+_END: Any = object()  # what _serve_frame returns when the connection is to end
 
 
 class Host(Protocol):
@@ -102,7 +149,10 @@ class Transport:
         self.warn = warn
         self._direct: dict[int, socket.socket] = {}  # session number -> socket served by its own thread
         self._tasks: set[asyncio.Task[Any]] = set()
+        # connections that have not authenticated: session number -> (session, its task, its writer)
+        self._preauth: dict[int, tuple[Session, asyncio.Task[Any], asyncio.StreamWriter]] = {}
         self._sessions = 0
+        self.budget = ByteBudget(config.request_budget(), FREE_FRAME)
 
     def _over_limit(self, ip: str) -> tuple[str, str] | None:
         """(limit, message) when a new connection from ip would exceed a connection limit."""
@@ -111,10 +161,31 @@ class Transport:
             return "server", f"{c.max_connections} connections at once (--max-connections)"
         if self.stats.peers[ip] >= c.max_connections_per_peer:
             return "peer", f"{c.max_connections_per_peer} connections at once from {ip} (--max-connections-per-peer)"
-        if self.stats.unauthenticated >= c.max_unauthenticated:
-            return "unauthenticated", (f"{c.max_unauthenticated} connections at once that have not authenticated "
-                                       "(--max-unauthenticated)")
         return None
+
+    def _evict(self) -> None:
+        """Close one connection that has not authenticated, to make room for a new one: one from the address
+        holding most of them, of those one that has not said hello, of those the oldest."""
+        waiting = [entry for entry in self._preauth.values() if not entry[0].authenticated]
+        if not waiting:
+            return
+        by_ip: dict[str, int] = {}
+        for s, _, _ in waiting:
+            by_ip[s.peer_ip] = by_ip.get(s.peer_ip, 0) + 1
+        session, task, writer = min(waiting, key=lambda e: (-by_ip[e[0].peer_ip], e[0].said_hello, e[0].opened))
+        del self._preauth[session.number]
+        self.stats.closed["evicted"] += 1
+        c = self.config
+        self.warn("evicted", "%s: %d connections at once have not authenticated (--max-unauthenticated): connection "
+                  "%d (%s) closed to make room for a new one (closed so far: %d)", self.host.name,
+                  c.max_unauthenticated, session.number, session.peer, self.stats.closed["evicted"])
+        exc = ConnectionLimitError(f"connection closed by {self.host.name}: the limit of {c.max_unauthenticated} "
+                                   "connections at once that have not authenticated (--max-unauthenticated) is "
+                                   "reached, and this one was the first to make room for a new one; authenticate "
+                                   "at once after connecting")
+        with contextlib.suppress(Exception):
+            writer.write(encode_frame(error_reply(None, exc)))
+        task.cancel()
 
     async def _refuse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, ip: str, limit: str,
                       what: str) -> None:
@@ -145,6 +216,8 @@ class Transport:
             await self._refuse(reader, writer, ip, *refusal)
             return
         self._tasks.add(task)
+        if len(self._preauth) >= self.config.max_unauthenticated:
+            self._evict()
         self._sessions += 1
         session = Session(self._sessions, f"{ip}:{peer[1]}" if peer else "?",
                           ThreadPoolExecutor(1, thread_name_prefix=f"{self.host.name}-c{self._sessions}"),
@@ -157,8 +230,10 @@ class Transport:
         self.stats.peers[ip] += 1
         self.stats.accepted += 1
         log.debug("%s: connection %d from %s", self.host.name, session.number, session.peer)
+        self._preauth[session.number] = (session, task, writer)
         if not self.config.auth:  # --no-auth (loopback only): every connection is an operator
             self.auth.authenticated(session, OPERATOR, "none")
+            del self._preauth[session.number]
         try:
             await self._session_loop(session, reader, writer)
         except asyncio.CancelledError:
@@ -166,6 +241,8 @@ class Transport:
         except (ConnectionError, asyncio.IncompleteReadError, ssl.SSLError, OSError) as e:
             log.debug("%s: connection %d ended: %s", self.host.name, session.number, e)
         finally:
+            self._preauth.pop(session.number, None)
+            self.budget.release(session)  # whatever its frames and replies still held
             self.stats.connections -= 1
             if not session.authenticated:
                 self.stats.unauthenticated -= 1
@@ -184,11 +261,114 @@ class Transport:
         writer.write(encode_frame(reply))
         await writer.drain()
 
-    def _read_next(self, session: Session, reader: asyncio.StreamReader) -> asyncio.Task[bytes | None]:
+    def _read_next(self, session: Session, reader: asyncio.StreamReader) -> asyncio.Task[Read]:
         why = ("" if session.authenticated else " before authentication (send hello and auth first)"
                if session.said_hello else " before hello (send hello first)")
-        session.reading = asyncio.ensure_future(read_frame(reader, session.request_limit, why))
-        return session.reading
+        task = asyncio.ensure_future(self._read_request(session, reader, why))
+        session.reading = task
+        return task
+
+    # --- reading a request under the budget ----------------------------------------------------------------
+    def _budget_refusal(self, session: Session, head: bytes, length: int) -> dict[str, Any]:
+        """The reply to a frame the member's budget could not take (its body read and dropped), counted."""
+        rid, op = peek_request(head)
+        limit, wait_s = self.budget.limit, self.config.request_budget_wait_s
+        exc = FrameTooLargeError(f"a request of {length} bytes is refused: the {limit} bytes this queue manager "
+                                 f"takes in at once (--max-request-bytes-per-member) stayed in use for {wait_s:g}s; "
+                                 "try again later")
+        self.warn("budget", "%s: connection %d (%s): a request of %d bytes refused: %d of the %d bytes of requests in "
+                  "flight in use for %gs (refusals so far: %d)", self.host.name, session.number, session.peer, length,
+                  self.budget.used, limit, wait_s, self.budget.refused)
+        self.stats.count((op, exc.reason_name))
+        return error_reply(rid, exc, uow=session.uow_open())
+
+    async def _read_request(self, session: Session, reader: asyncio.StreamReader, why: str) -> Read:
+        """The next frame on the event loop: (body, bytes reserved), the reply to one refused for the budget
+        (its body dropped), or None at a clean end of stream (between frames). A frame over the connection's
+        limit raises FrameTooLargeError from its header, before its body is read."""
+        try:
+            head = await reader.readexactly(HEADER.size)
+        except asyncio.IncompleteReadError as e:
+            if not e.partial:
+                return None
+            raise
+        (length,) = HEADER.unpack(head)
+        check_length(length, session.request_limit, why)
+        if length <= self.budget.free:
+            return await reader.readexactly(length), 0
+        if not self.budget.try_reserve(session, length):  # wait for it without blocking the loop
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + self.config.request_budget_wait_s
+            self.budget.note(waited=True)
+            while not self.budget.try_reserve(session, length):
+                if loop.time() >= deadline:
+                    self.budget.note(refused=True)
+                    return self._budget_refusal(session, await self._drop_async(reader, length), length)
+                await asyncio.sleep(0.02)
+        try:
+            return await reader.readexactly(length), length
+        except BaseException:
+            self.budget.release(session, length)
+            raise
+
+    @staticmethod
+    async def _drop_async(reader: asyncio.StreamReader, length: int) -> bytes:
+        """Read and drop a frame's body of length bytes; its first PEEK_BYTES."""
+        head = b""
+        left = length
+        while left > 0:
+            chunk = await reader.read(min(left, CHUNK))
+            if not chunk:
+                raise ConnectionError("the peer closed the connection in the middle of a frame")
+            if len(head) < PEEK_BYTES:
+                head += chunk[:PEEK_BYTES - len(head)]
+            left -= len(chunk)
+        return head
+
+    def _recv_request(self, session: Session, sock: socket.socket, buf: bytearray) -> Read:
+        """The next frame from the connection's blocking socket, reading ahead into buf (kept for the next call;
+        a large frame's body is read into a buffer of its own, nothing past it), as ``_read_request``."""
+        while len(buf) < HEADER.size:
+            chunk = sock.recv(CHUNK)
+            if not chunk:
+                if buf:
+                    raise ConnectionError("the peer closed the connection in the middle of a frame")
+                return None
+            buf += chunk
+        (length,) = HEADER.unpack_from(buf)
+        check_length(length, session.request_limit)
+        end = HEADER.size + length
+        if length <= self.budget.free:
+            while len(buf) < end:
+                chunk = sock.recv(CHUNK)
+                if not chunk:
+                    raise ConnectionError("the peer closed the connection in the middle of a frame")
+                buf += chunk
+            body = bytes(buf[HEADER.size:end])
+            del buf[:end]
+            return body, 0
+        have = min(len(buf), end)
+        if not self.budget.reserve(session, length, self.config.request_budget_wait_s):
+            head = bytes(buf[HEADER.size:min(have, HEADER.size + PEEK_BYTES)])
+            left = end - have
+            del buf[:have]
+            scratch = bytearray(CHUNK)
+            while left > 0:  # read and drop the body, so that the stream stays in step
+                n = sock.recv_into(scratch, min(left, CHUNK))
+                if not n:
+                    raise ConnectionError("the peer closed the connection in the middle of a frame")
+                if len(head) < PEEK_BYTES:
+                    head += bytes(scratch[:min(n, PEEK_BYTES - len(head))])
+                left -= n
+            return self._budget_refusal(session, head, length)
+        large = bytearray(buf[HEADER.size:have])  # grows as the body arrives: memory only for what came
+        del buf[:have]
+        while len(large) < length:
+            chunk = sock.recv(min(length - len(large), BIG_CHUNK))
+            if not chunk:
+                raise ConnectionError("the peer closed the connection in the middle of a frame")
+            large += chunk
+        return large, length
 
     def _bounded(self, session: Session, rid: int, op: str,
                  reply: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
@@ -218,10 +398,9 @@ class Transport:
 
     async def _session_loop(self, session: Session, reader: asyncio.StreamReader,
                             writer: asyncio.StreamWriter) -> None:
-        loop = asyncio.get_running_loop()
         # The next frame is read while a request runs, so that a client that leaves mid-request is noticed at
         # once (a waiting get must end with its connection, not consume a message for nobody).
-        next_frame: asyncio.Task[bytes | None] | None = None
+        next_frame: asyncio.Task[Read] | None = None
         while True:
             if next_frame is None:
                 next_frame = self._read_next(session, reader)
@@ -245,7 +424,7 @@ class Transport:
                              self.config.idle_timeout_s)
                 return
             try:
-                body = next_frame.result()
+                got = next_frame.result()
             except FrameTooLargeError as e:
                 self.warn("frame", "%s: connection %d (%s): %s; closing it", self.host.name, session.number,
                           session.peer, e)
@@ -256,64 +435,91 @@ class Transport:
                 return
             finally:
                 next_frame = None
-            if body is None:
+            if got is None:
                 return
-            parsed = self._parse(session, body)
-            if isinstance(parsed, dict):
-                await self._send(writer, parsed)
-                if not session.authenticated:
-                    self.auth.refused(session, "malformed")
-                    return
+            if isinstance(got, dict):  # refused for the budget, its body dropped: the connection goes on
+                await self._send(writer, got)
                 continue
-            rid, op, args = parsed
-            if op in ("hello", "auth"):
-                if session.authenticated and (self.config.auth or op == "auth"):
-                    again = BadRequestError(f"{op}: this connection has already authenticated (as {session.role})")
-                    self.stats.count((op, again.reason_name))
-                    await self._send(writer, error_reply(rid, again, uow=session.uow_open()))
-                    continue
-                handshake = self.auth.hello if op == "hello" else self.auth.auth
-                reply = await handshake(session, rid, args)
-                await self._send(writer, reply)
-                if not reply["ok"]:
-                    return
-                if session.authenticated and not session.tls:
-                    await self._serve_direct(session, reader, writer)
-                    return
-                continue
-            if not session.authenticated:
-                exc = NotAuthorizedError(f"authenticate first: send hello and auth before {short(op)}")
-                self.stats.count((op_label(op), exc.reason_name))
-                self.auth.refused(session, "not_authenticated")
-                await self._send(writer, error_reply(rid, exc))
-                return
-            refused = self.host.refusal(session, rid, op)
-            if refused is not None:
-                await self._send(writer, refused)
-                continue
-            with self.stats.lock:
-                self.stats.inflight += 1
+            body, reserved = got
+            del got
             try:
-                work = loop.run_in_executor(session.executor, self.host.dispatch, session, rid, op, args)
-                next_frame = self._read_next(session, reader)
-                both: list[asyncio.Future[Any]] = [work, next_frame]
-                await asyncio.wait(both, return_when=asyncio.FIRST_COMPLETED)
-                if next_frame.done() and (next_frame.exception() is not None or next_frame.result() is None):
-                    session.gone.set()  # the client left (or broke the stream) while its request ran
-                reply = await work
+                next_frame = await self._serve_frame(session, body, reader, writer)
             finally:
-                with self.stats.lock:
-                    self.stats.inflight -= 1
-            if session.gone.is_set():
-                log.info("%s: connection %d (%s) left during %s; its reply is dropped", self.host.name,
-                         session.number, session.peer, op)
+                self.budget.release(session, reserved)
+            if next_frame is _END:
                 return
-            reply, frame = self._bounded(session, rid, op, reply)
-            self.stats.count((op, "ok" if reply["ok"] else reply["error"]["reason_name"]))
+
+    async def _serve_frame(self, session: Session, body: bytes | bytearray, reader: asyncio.StreamReader,
+                           writer: asyncio.StreamWriter) -> asyncio.Task[Read] | None:
+        """One frame of the event loop's session loop: the read of the next frame when it began while the
+        request ran (else None), or _END when the connection is to end."""
+        loop = asyncio.get_running_loop()
+        parsed = self._parse(session, body)
+        del body
+        if isinstance(parsed, dict):
+            await self._send(writer, parsed)
+            if not session.authenticated:
+                self.auth.refused(session, "malformed")
+                return _END
+            return None
+        rid, op, args = parsed
+        if op in ("hello", "auth"):
+            if session.authenticated and (self.config.auth or op == "auth"):
+                again = BadRequestError(f"{op}: this connection has already authenticated (as {session.role})")
+                self.stats.count((op, again.reason_name))
+                await self._send(writer, error_reply(rid, again, uow=session.uow_open()))
+                return None
+            handshake = self.auth.hello if op == "hello" else self.auth.auth
+            reply = await handshake(session, rid, args)
+            if session.authenticated:
+                self._preauth.pop(session.number, None)
+            await self._send(writer, reply)
+            if not reply["ok"]:
+                return _END
+            if session.authenticated and not session.tls:
+                await self._serve_direct(session, reader, writer)
+                return _END
+            return None
+        if not session.authenticated:
+            exc = NotAuthorizedError(f"authenticate first: send hello and auth before {short(op)}")
+            self.stats.count((op_label(op), exc.reason_name))
+            self.auth.refused(session, "not_authenticated")
+            await self._send(writer, error_reply(rid, exc))
+            return _END
+        refused = self.host.refusal(session, rid, op)
+        if refused is not None:
+            await self._send(writer, refused)
+            return None
+        with self.stats.lock:
+            self.stats.inflight += 1
+        try:
+            work = loop.run_in_executor(session.executor, self.host.dispatch, session, rid, op, args)
+            next_frame = self._read_next(session, reader)
+            both: list[asyncio.Future[Any]] = [work, next_frame]
+            await asyncio.wait(both, return_when=asyncio.FIRST_COMPLETED)
+            if next_frame.done() and (next_frame.exception() is not None or next_frame.result() is None):
+                session.gone.set()  # the client left (or broke the stream) while its request ran
+            reply = await work
+        finally:
+            with self.stats.lock:
+                self.stats.inflight -= 1
+        if session.gone.is_set():
+            log.info("%s: connection %d (%s) left during %s; its reply is dropped", self.host.name,
+                     session.number, session.peer, op)
+            return _END
+        reply, frame = self._bounded(session, rid, op, reply)
+        self.stats.count((op, "ok" if reply["ok"] else reply["error"]["reason_name"]))
+        held = len(frame) if len(frame) > self.budget.free else 0
+        self.budget.hold(session, held)
+        try:
             writer.write(frame)
+            del frame
             await writer.drain()
-            if not reply["ok"] and reply["error"]["type"] == FencedError.__name__:
-                self.host.request_stop(EXIT_FENCED)
+        finally:
+            self.budget.release(session, held)
+        if not reply["ok"] and reply["error"]["type"] == FencedError.__name__:
+            self.host.request_stop(EXIT_FENCED)
+        return next_frame
 
     # --- an authenticated connection served by its own thread -------------------------------------------------
     async def _serve_direct(self, session: Session, reader: asyncio.StreamReader,
@@ -355,7 +561,7 @@ class Transport:
             set_kernel_timeout(sock, self.config.idle_timeout_s)
             while True:
                 try:
-                    body = recv_body(sock, buf, session.request_limit)
+                    got = self._recv_request(session, sock, buf)
                 except (BlockingIOError, TimeoutError):  # SO_RCVTIMEO: no request for the idle timeout
                     with self.stats.lock:
                         self.stats.closed["idle_timeout"] += 1
@@ -369,24 +575,36 @@ class Transport:
                     self.stats.count((OP_LABEL_UNKNOWN, e.reason_name))
                     sock.sendall(encode_frame(error_reply(None, e)))
                     return
-                if body is None:
+                if got is None:
                     return
-                reply = self._direct_request(session, body)
+                if isinstance(got, dict):  # refused for the budget, its body dropped: the connection goes on
+                    sock.sendall(encode_frame(got))
+                    continue
+                parsed = self._parse(session, got[0])
+                del got  # the frame's bytes: its request holds what it needs (its reservation covers both)
+                reply = self._direct_request(session, parsed)
                 if reply is None:
                     log.info("%s: connection %d (%s) left during a request; its reply is dropped", self.host.name,
                              session.number, session.peer)
                     return
-                sock.sendall(reply[0])
-                if reply[1]:
+                frame, fenced = reply
+                del reply
+                if len(frame) > self.budget.free:
+                    self.budget.hold(session, len(frame))
+                sock.sendall(frame)
+                del frame
+                self.budget.release(session)  # one request at a time here: the connection holds nothing now
+                if fenced:
                     loop.call_soon_threadsafe(self.host.request_stop, EXIT_FENCED)
         except OSError as e:  # the client went away (reset, broken pipe) or the shutdown closed its socket
             log.debug("%s: connection %d ended: %s", self.host.name, session.number, e)
         finally:
+            self.budget.release(session)
             sock.close()
 
-    def _direct_request(self, session: Session, body: bytes) -> tuple[bytes, bool] | None:
+    def _direct_request(self, session: Session,
+                        parsed: tuple[int, str, dict[str, Any]] | dict[str, Any]) -> tuple[bytes, bool] | None:
         """One request of an authenticated connection: (reply frame, fenced), or None when the client left."""
-        parsed = self._parse(session, body)
         if isinstance(parsed, dict):
             return encode_frame(parsed), False
         rid, op, args = parsed
@@ -411,7 +629,7 @@ class Transport:
         return frame, not reply["ok"] and reply["error"]["type"] == FencedError.__name__
 
     # --- what both paths do with a request before it runs ---------------------------------------------------
-    def _parse(self, session: Session, body: bytes) -> tuple[int, str, dict[str, Any]] | dict[str, Any]:
+    def _parse(self, session: Session, body: bytes | bytearray) -> tuple[int, str, dict[str, Any]] | dict[str, Any]:
         """The request a frame holds (id, op, args), or the error reply to a malformed one (logged, counted)."""
         obj: Any = None
         try:
