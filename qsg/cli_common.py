@@ -93,13 +93,18 @@ def seconds(low: float | None = 0.0, high: float | None = None, *, above: bool =
     return _number(float, "a number", low, high, above=above)
 
 
+def _shown(bound: float) -> str:
+    """A bound as people write it: whole numbers in full (104857600, not 1.04858e+08)."""
+    return str(int(bound)) if float(bound).is_integer() else f"{bound:g}"
+
+
 def _number(kind: Callable[[str], Any], what: str, low: Any, high: Any, *, above: bool = False) -> Any:
     if low is not None and high is not None:
-        wanted = f"{what} from {low:g} to {high:g}"
+        wanted = f"{what} from {_shown(low)} to {_shown(high)}"
     elif low is not None:
-        wanted = f"{what} {'>' if above else '>='} {low:g}"
+        wanted = f"{what} {'>' if above else '>='} {_shown(low)}"
     else:
-        wanted = f"{what} <= {high:g}" if high is not None else what
+        wanted = f"{what} <= {_shown(high)}" if high is not None else what
 
     def parse(text: str) -> Any:
         try:
