@@ -31,6 +31,11 @@ class StructureFailedError(MQError):
     no_answer = False  # the CF did not answer (unreachable, reset, timed out), unlike a structure that said FAILED
 
 
+class StructureNotInCFError(StructureFailedError):
+    """The CF holds no such structure: it was never defined, or the CF was lost with it (an operator looks:
+    defines it, or restores it), unlike a structure that is there but FAILED or busy."""
+
+
 class FencedError(MQError):
     """This queue manager's epoch is stale (peer recovery took over its work): it must restart."""
 
@@ -148,7 +153,7 @@ def from_script_error(message: str, structure: str) -> MQError:
     if code == "FLOOR":
         return FloorError(int(detail))
     mapping: dict[str, type[MQError]] = {
-        "NOSTRUCT": StructureFailedError,
+        "NOSTRUCT": StructureNotInCFError,
         "CFSTATE": StructureFailedError,
         "FENCED": FencedError,
         "NOTJOINED": NotJoinedError,

@@ -128,6 +128,7 @@ def test_after_any_prune_restart_and_restore_give_the_reference_state(redis_url:
 PRUNED: list[int] = []
 
 
+@pytest.mark.slow  # in the tier of the property it checks, and after it
 def test_the_histories_pruned_segments() -> None:
     """Runs after the property (file order): some of its histories must really have pruned segments, or the
     property proved nothing about pruning."""
