@@ -16,6 +16,9 @@ its reply. Each contender runs on 127.0.0.1, started here and stopped here (by p
                 embedded CF, logs on the real disk; put, commit, get, commit through sqm.core.connection.Connection.
   sqm-service:  `sqm run` servers (--servers, default 1) of a local cluster (qsg.local_group: an embedded CF,
                 authentication on, as users run it), clients sqm.service.client.Client with the group's token.
+--batch B [B ...]: the batched lifecycle as well, per message: B messages put and committed together, then got and
+committed together (PostgreSQL: a multi-row INSERT, a DELETE of B rows; durable Redis: pipelines of B LPUSH, LMOVE,
+LREM; the SQM: put_batch and get_batch with their commit in the same request; B=0 is the one-message lifecycle).
 The clients of every contender run in --client-procs worker processes (default: up to 2, one thread per client),
 so the benchmark process's GIL does not bound them. Client counts 1, 2, 4, 8, 16, 32, 64 (--clients); for each
 count, rounds of all contenders interleaved; each figure is the median over the rounds, with:
@@ -83,6 +86,9 @@ STRUCTURE, QUEUE = "APP1", "Q1"
 # and Redis's LPUSH are one request each.
 PEERS = ("postgres", "rabbitmq", "redis-aof", "sqm-inproc", "sqm-service", "sqm-service-1")
 ALL_CLIENTS = (1, 2, 4, 8, 16, 32, 64)
+# The contenders with a batched lifecycle (--batch; make_batch_loop). RabbitMQ's would be B publishes and one wait
+# for their confirms, not written: this machine has no RabbitMQ to measure it.
+BATCHED = ("postgres", "redis-aof", "sqm-service")
 LEASE_MS = 60_000  # a member starved of CPU on a loaded machine must not be fenced mid-measurement
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -449,7 +455,11 @@ CONTENDERS: dict[str, type[Contender]] = {"postgres": Postgres, "rabbitmq": Rabb
 
 # --- the clients (in worker processes) -----------------------------------------------------------------------
 def make_loop(kind: str, params: dict[str, Any], index: int, qm: Any) -> tuple[Callable[[float], int], Callable[[], None]]:
-    """A client of contender ``kind``: (run until a time.time() deadline -> lifecycles, close)."""
+    """A client of contender ``kind``: (run until a time.time() deadline -> lifecycles, close). With
+    params["batch"] B >= 1, each lifecycle is a batch of B messages: put B and commit, then get B and commit (the
+    count is of messages)."""
+    if params.get("batch"):
+        return make_batch_loop(kind, params, index, qm, int(params["batch"]))
     if kind == "postgres":
         import psycopg
         conn = psycopg.connect(params["dsn"])
@@ -535,7 +545,79 @@ def make_loop(kind: str, params: dict[str, Any], index: int, qm: Any) -> tuple[C
     raise ValueError(kind)
 
 
-def one_round(kind: str, params: dict[str, Any], worker: int, qm: Any, threads_n: int, pipe: Pipe) -> None:
+def make_batch_loop(kind: str, params: dict[str, Any], index: int, qm: Any,
+                    batch: int) -> tuple[Callable[[float], int], Callable[[], None]]:
+    """The batched lifecycle (--batch): B messages put and committed together, then B got and committed together,
+    as each contender batches: PostgreSQL a multi-row INSERT and a DELETE of B rows, each with its COMMIT; durable
+    Redis a pipeline of B LPUSH (one AOF fsync for the event loop's turn), then B LMOVE and B LREM pipelined;
+    the SQM put_batch and get_batch, each with its commit in the same request."""
+    if kind == "postgres":
+        import psycopg
+        conn = psycopg.connect(params["dsn"])
+        cur = conn.cursor()
+        insert = "INSERT INTO queue (body) VALUES " + ", ".join(["(%s)"] * batch)
+
+        def pg(stop_at: float) -> int:
+            n = 0
+            while time.time() < stop_at:
+                cur.execute(insert, [BODY] * batch)
+                conn.commit()
+                got = 0
+                while got < batch:
+                    cur.execute("DELETE FROM queue WHERE id IN (SELECT id FROM queue ORDER BY id "
+                                "FOR UPDATE SKIP LOCKED LIMIT %s) RETURNING body", (batch - got,))
+                    got += len(cur.fetchall())
+                    conn.commit()
+                n += batch
+            return n
+        return pg, conn.close
+    if kind == "redis-aof":
+        import redis
+        client = redis.Redis.from_url(params["url"])
+        processing = f"bench:processing:{os.getpid()}:{index}"
+
+        def red(stop_at: float) -> int:
+            n = 0
+            while time.time() < stop_at:
+                pipe = client.pipeline(transaction=False)
+                for _ in range(batch):
+                    pipe.lpush("bench:q", BODY)
+                pipe.execute()
+                got: list[bytes] = []
+                while len(got) < batch:
+                    pipe = client.pipeline(transaction=False)
+                    for _ in range(batch - len(got)):
+                        pipe.lmove("bench:q", processing, "RIGHT", "LEFT")
+                    got += [x for x in pipe.execute() if x is not None]
+                pipe = client.pipeline(transaction=False)
+                for item in got:
+                    pipe.lrem(processing, 1, item)
+                pipe.execute()
+                n += batch
+            return n
+        return red, client.close
+    if kind == "sqm-service":
+        from sqm.service.client import Client
+        eps = params["endpoints"]
+        handle = Client(eps[index % len(eps)], token=params["token"], reconnect_timeout=5)
+        bodies = [BODY] * batch
+
+        def sqm(stop_at: float) -> int:
+            n = 0
+            while time.time() < stop_at:
+                handle.put_batch(bodies, queue=QUEUE, commit=True)
+                got = 0
+                while got < batch:
+                    got += len(handle.get_batch(QUEUE, batch - got, wait_ms=1000, commit=True))
+                n += batch
+            return n
+        return sqm, handle.close
+    raise Unavailable(f"{kind}: no batched lifecycle")
+
+
+def one_round(kind: str, params: dict[str, Any], worker: int, qm: Any, threads_n: int, pipe: Pipe,
+              batch: int = 0) -> None:
+    params = {**params, "batch": batch}
     loops = [make_loop(kind, params, worker * 1000 + i, qm) for i in range(threads_n)]
     go = threading.Event()
     box: dict[str, float] = {}
@@ -583,7 +665,7 @@ def client_worker(kind: str, params: dict[str, Any], worker: int, pipe: Pipe) ->
             msg = pipe.recv()
             if msg[0] == "quit":
                 return
-            one_round(kind, params, worker, qm, msg[1], pipe)
+            one_round(kind, params, worker, qm, msg[1], pipe, msg[2] if len(msg) > 2 else 0)
     finally:
         if qm is not None:
             qm.stop()
@@ -621,12 +703,13 @@ class Workers:
                 p.kill()
 
 
-def measure(contender: Contender, workers: Workers, clients: int, seconds: float) -> dict[str, Any]:
-    """One round: ``clients`` clients spread over the worker processes, for ``seconds``."""
+def measure(contender: Contender, workers: Workers, clients: int, seconds: float, batch: int = 0) -> dict[str, Any]:
+    """One round: ``clients`` clients spread over the worker processes, for ``seconds``; ``batch``: the batched
+    lifecycle of that many messages (0: one message a lifecycle, the contender's own way)."""
     used = workers.pipes[:min(clients, len(workers.pipes))]
     share = [clients // len(used) + (1 if i < clients % len(used) else 0) for i in range(len(used))]
     for pipe, n in zip(used, share):
-        pipe.send(("prepare", n))
+        pipe.send(("prepare", n, batch))
     for pipe in used:
         if not pipe.poll(120):
             raise RuntimeError(f"{contender.name}: clients not ready")
@@ -674,6 +757,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--client-procs", type=int, default=2, help="client worker processes per contender")
     ap.add_argument("--no-install", dest="install", action="store_false",
                     help="skip a contender that is not installed instead of installing it")
+    ap.add_argument("--batch", type=int, nargs="+", default=None,
+                    help="batched lifecycles of B messages (0: the one-message lifecycle), for each client count: "
+                         "figures per message; contenders without a batched lifecycle are measured at 0 only")
     ap.add_argument("--json", action="store_true", help="print the JSON record instead of the tables")
     # Not the repository's var/: it is private to its owner (0700), and PostgreSQL and RabbitMQ run as their own
     # users, who must reach their data directories (initdb and the Erlang cookie failed with EACCES there).
@@ -697,6 +783,7 @@ def main(argv: list[str] | None = None) -> int:
     running: dict[str, tuple[Contender, Workers]] = {}
     skipped: dict[str, str] = {}
     results: dict[str, dict[str, Any]] = {p: {} for p in args.peers}
+    keys: list[str] = []  # the rows: client counts, or (with --batch) client counts and batch sizes
     def start(name: str) -> tuple[Contender, Workers] | None:
         c = CONTENDERS[name](work, args)
         t0 = time.monotonic()
@@ -718,19 +805,23 @@ def main(argv: list[str] | None = None) -> int:
             for name, got in zip(args.peers, list(pool.map(start, args.peers))):
                 if got is not None:
                     running[name] = got
-        for n in args.clients:
-            rounds: dict[str, list[dict[str, Any]]] = {p: [] for p in running}
+        batches = args.batch if args.batch is not None else [0]
+        for n, b in [(n, b) for n in args.clients for b in batches]:
+            key = str(n) if args.batch is None else f"{n} B={b}"
+            keys.append(key)
+            here = [p for p in running if b == 0 or p in BATCHED]
+            rounds: dict[str, list[dict[str, Any]]] = {p: [] for p in here}
             for r in range(args.rounds):
-                order = list(running) if r % 2 == 0 else list(reversed(running))
+                order = here if r % 2 == 0 else list(reversed(here))
                 for name in order:
                     c, w = running[name]
-                    m = measure(c, w, n, args.seconds)
+                    m = measure(c, w, n, args.seconds, b)
                     rounds[name].append(m)
-                    say(f"  {n:>2} clients, round {r + 1}/{args.rounds}, {name:<12} {m['per_s']:8.1f}/s  "
+                    say(f"  {key:>8} clients, round {r + 1}/{args.rounds}, {name:<12} {m['per_s']:8.1f}/s  "
                         f"cpu {m['cpu_us'] or 0:7.0f} µs/lifecycle  load {m['load']}")
             for name, ms in rounds.items():
                 fs = [m["fsyncs_per_commit"] for m in ms if m["fsyncs_per_commit"] is not None]
-                results[name][str(n)] = {
+                results[name][key] = {
                     "per_s": round(statistics.median(m["per_s"] for m in ms), 1),
                     "cpu_us_per_lifecycle": round(statistics.median(m["cpu_us"] for m in ms)),
                     "redis_cpu_us_per_lifecycle": _median_or_none([m["redis_cpu_us"] for m in ms]),
@@ -745,7 +836,8 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
     info["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     record = {"benchmark": "peers", "date": started.isoformat(timespec="seconds"), "quick": args.quick,
-              "seconds": args.seconds, "rounds": args.rounds, "clients": args.clients, "servers": args.servers,
+              "seconds": args.seconds, "rounds": args.rounds, "clients": keys, "batch": args.batch,
+              "servers": args.servers,
               "client_procs": args.client_procs, "machine": info, "skipped": skipped,
               "setups": {name: c.servers_note for name, (c, _) in running.items()},
               "results": {k: v for k, v in results.items() if k in running},

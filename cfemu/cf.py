@@ -16,7 +16,7 @@ from cfemu.entry import Entry
 from cfemu.errors import MQError, StructureFailedError, from_script_error
 from cfemu.limits import CF_STEP
 from cfemu.redis_internals import hiredis_io, pack
-from cfemu.resp import receive, send
+from cfemu.resp import exchange, receive, send
 
 
 class Clock(Protocol):
@@ -65,6 +65,47 @@ class CF:
             if msg.startswith(("NOSCRIPT", "ERR", "WRONGTYPE", "BUSY", "LOADING", "READONLY", "OOM")):
                 raise
             raise from_script_error(msg, structure) from None
+
+    def run_many(self, calls: Sequence[tuple[str, str, Sequence[Any]]]) -> list[Any]:
+        """Several structure scripts (op, structure, args) in one round trip: a pipeline on one connection, never a
+        transaction. Each script runs atomically, in the order given, and each one's refusal is its own: it comes
+        back in its place as the exception object run would raise (the later calls still run). A connection that
+        fails raises redis-py's ConnectionError or TimeoutError, and which calls ran is then unknown: nothing is
+        retried. A duplexed CF or a Redis Cluster runs them one by one through run (each confirmed or routed as
+        run does); so does a connection this cannot drive directly. A NOSCRIPT reply (the CF lost its scripts:
+        that call did not run) loads the script and runs that call again through run."""
+        if not calls:
+            return []
+        if self._pair is not None or self._cluster:
+            return [self._run_or_error(op, sname, args) for op, sname, args in calls]
+        pool = self.redis.connection_pool
+        conn = pool.get_connection()
+        try:
+            chunks: list[bytes] = []
+            for op, sname, args in calls:
+                script_keys = self._keys.get(sname)
+                if script_keys is None:
+                    script_keys = self._keys[sname] = keys.script_keys(sname)
+                chunks += pack(conn, ("EVALSHA", self._scripts[op].sha, len(script_keys), *script_keys, *args))
+            replies = exchange(conn, chunks, len(calls))
+        finally:
+            try:
+                if conn.should_reconnect():
+                    conn.disconnect()
+            finally:
+                pool.release(conn)
+        out = [_script_reply(r, sname) for r, (_op, sname, _args) in zip(replies, calls, strict=True)]
+        for i, r in enumerate(out):
+            if isinstance(r, redis.exceptions.NoScriptError):
+                op, sname, args = calls[i]
+                out[i] = self._run_or_error(op, sname, args)
+        return out
+
+    def _run_or_error(self, op: str, structure: str, args: Sequence[Any]) -> Any:
+        try:
+            return self.run(op, structure, args)
+        except (MQError, redis.exceptions.ResponseError) as e:
+            return e
 
     def _evalsha(self, script: Any, script_keys: list[str], args: Sequence[Any]) -> Any:
         """EVALSHA of a registered script, as redis-py's Script call does it (the pool's connection, its retry
@@ -136,6 +177,18 @@ def _lean_exchange(conn: Any, packed: list[bytes]) -> Any:
         conn.next_health_check = time.monotonic() + conn.health_check_interval
     if isinstance(reply, redis.exceptions.ResponseError):
         raise reply
+    return reply
+
+
+def _script_reply(reply: Any, structure: str) -> Any:
+    """A reply of a pipelined script call: the value, or the error run would raise for it (as an object)."""
+    if isinstance(reply, redis.exceptions.NoScriptError):
+        return reply
+    if isinstance(reply, redis.exceptions.ResponseError):
+        msg = str(reply)
+        if msg.startswith(("NOSCRIPT", "ERR", "WRONGTYPE", "BUSY", "LOADING", "READONLY", "OOM")):
+            return reply
+        return from_script_error(msg, structure)
     return reply
 
 
@@ -278,10 +331,21 @@ class Structure:
         return self.cf.run(op, self.name, head + list(args))
 
     def put(self, caller: Caller, entry: Entry, data: bytes, *, uow: str = "", gen: int = 0) -> PutReply:
+        op, name, args = self.put_call(caller, entry, data, uow=uow, gen=gen)
+        return self.put_reply(caller, self.cf.run(op, name, args))
+
+    def put_call(self, caller: Caller, entry: Entry, data: bytes, *, uow: str = "",
+                 gen: int = 0) -> tuple[str, str, list[Any]]:
+        """The put as a call for CF.run_many (op, structure, args); its reply read by put_reply."""
         desc = msgpack.packb({"p": entry.priority, "per": 1 if entry.persistent else 0, "mid": entry.msgid,
                               "cid": entry.correlid, "exp": entry.expiry, "pt": entry.put_time,
                               "bc": entry.backout_count, "pr": entry.properties}, use_bin_type=False)
-        cf, g, created = self._call("put", caller, [uow, gen, entry.id, entry.queue, desc, data])
+        return "put", self.name, [caller.member, caller.epoch, caller.clock.now(), uow, gen, entry.id, entry.queue,
+                                  desc, data]
+
+    @staticmethod
+    def put_reply(caller: Caller, out: Any) -> PutReply:
+        cf, g, created = out
         caller.clock.observe(int(cf))
         return PutReply(int(cf), int(g), bool(created))
 
@@ -289,7 +353,18 @@ class Structure:
             now_ms: int, max_length: int = 0) -> GetReply:
         """Take the next message under ``uow``. ``max_length``: the longest message (data plus stored descriptor)
         the caller can carry, 0 for any; a longer one is refused (TruncatedMessageError) and left untouched."""
-        out = self._call("get", caller, [uow, gen, queue, match, value, now_ms, max_length])
+        op, name, args = self.get_call(caller, queue, uow=uow, gen=gen, match=match, value=value, now_ms=now_ms,
+                                       max_length=max_length)
+        return self.get_reply(caller, self.cf.run(op, name, args))
+
+    def get_call(self, caller: Caller, queue: str, *, uow: str, gen: int = 0, match: str = "", value: str = "",
+                 now_ms: int, max_length: int = 0) -> tuple[str, str, list[Any]]:
+        """The get as a call for CF.run_many (op, structure, args); its reply read by get_reply."""
+        return "get", self.name, [caller.member, caller.epoch, caller.clock.now(), uow, gen, queue, match, value,
+                                  now_ms, max_length]
+
+    @staticmethod
+    def get_reply(caller: Caller, out: Any) -> GetReply:
         caller.clock.observe(int(out[0]))
         if len(out) == 2:
             return GetReply(int(out[0]), int(out[1]), None, None)

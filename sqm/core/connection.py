@@ -12,18 +12,22 @@ from functools import partial
 from typing import Any, Protocol
 
 from cfemu.admin import QueueDef
-from cfemu.cf import Browsed, Caller, Structure
+from cfemu.cf import CF, Browsed, Caller, Structure
 from cfemu.entry import Entry, check_properties
 from cfemu.errors import (
     BackedOutError,
     BadRequestError,
     ClientGoneError,
+    FencedError,
     InDoubtError,
     MessageTooBigError,
+    MQError,
     NoMessageError,
+    NotJoinedError,
     OutcomeUnknownError,
     StructureFailedError,
     SyncpointLimitError,
+    TruncatedMessageError,
 )
 from cfemu.limits import check_id
 from cfemu.settings import ENV_MAX_UMSGS
@@ -56,11 +60,15 @@ class QueueManagerPort(Protocol):
     def check_usable(self) -> None: ...
     def queue_def(self, queue: str) -> QueueDef: ...
     def structure(self, name: str) -> Structure: ...
+    @property
+    def cf(self) -> CF: ...
+
     def cf_call(self, fn: Callable[[], Any]) -> Any: ...
     def ensure_log_space(self) -> None: ...
     def new_uow(self) -> UnitOfWork: ...
     def forget(self, uow: UnitOfWork) -> None: ...
     def append(self, record: Record, *, uow: UnitOfWork | None = None, state: str | None = None) -> None: ...
+    def append_many(self, recs: list[Record]) -> None: ...
     def complete(self, uow: UnitOfWork, commit: bool, *, reason: str = "application",
                  for_member: str | None = None, pstore_checked: bool = False) -> None: ...
 
@@ -88,6 +96,32 @@ class Message:
 
 
 
+@dataclass
+class PutSpec:
+    """One message of a batch of puts (Connection.put_batch): put's arguments."""
+
+    queue: str
+    body: bytes
+    persistent: bool = True
+    priority: int = 0
+    msgid: bytes | None = None
+    correlid: bytes = b""
+    expiry_ms: int = 0
+    properties: dict[str, Any] | None = None
+
+
+@dataclass
+class BatchResult:
+    """What a batch of puts or gets did. ``messages``: those that took effect, in the order of the batch (each is
+    in the unit of work, or committed when ``committed``). ``error``: the first refusal of a message of the
+    batch (the others were done); then nothing was committed, unless the batch ran outside syncpoint, whose
+    messages that took effect are committed as single puts outside syncpoint would be."""
+
+    messages: list[Message]
+    error: MQError | None = None
+    committed: bool = False
+
+
 class Connection(UnitOfWorkScope):
     """A connection handle (like MQCONN): holds at most one current UOW."""
 
@@ -112,7 +146,24 @@ class Connection(UnitOfWorkScope):
         count towards the unit of work's MAXUMSGS (QueueManagerConfig.max_umsgs)."""
         qm = self.qm
         qm.check_usable()
-        qdef = qm.queue_def(queue)
+        qdef, entry = self._new_entry(PutSpec(queue, body, persistent, priority, msgid, correlid, expiry_ms,
+                                              properties))
+        if persistent:
+            qm.ensure_log_space()  # a full circular log refuses new persistent work, with the reason
+        uow = self._current_uow() if syncpoint else None
+        if uow is not None and counted:
+            self._check_umsgs(uow, "put", queue)
+        self._put_entry(qdef.structure, entry, bytes(body), uow)
+        if uow is not None and counted:
+            uow.umsgs += 1
+        qm.counters["puts"] += 1
+        return Message.from_entry(entry, bytes(body))
+
+    def _new_entry(self, spec: PutSpec) -> tuple[QueueDef, Entry]:
+        """A put's checks (nothing is changed when one fails) and the entry it makes."""
+        qdef = self.qm.queue_def(spec.queue)
+        queue, body, priority, expiry_ms = spec.queue, spec.body, spec.priority, spec.expiry_ms
+        msgid, correlid = spec.msgid, spec.correlid
         if not isinstance(body, bytes | bytearray):
             raise BadRequestError(f"message body must be bytes, not {type(body).__name__}")
         if len(body) > qdef.max_msg_length:
@@ -123,26 +174,17 @@ class Connection(UnitOfWorkScope):
         if not 0 <= expiry_ms <= MAX_EXPIRY_MS:
             raise BadRequestError(f"expiry must be 0-{MAX_EXPIRY_MS} ms (MQ's limit), not {expiry_ms}")
         try:
-            props = check_properties(properties or {})
+            props = check_properties(spec.properties or {})
             if msgid is not None:
                 check_id("msgid", msgid)
             check_id("correlid", correlid)
         except ValueError as e:
             raise BadRequestError(str(e)) from None
-        if persistent:
-            qm.ensure_log_space()  # a full circular log refuses new persistent work, with the reason
-        uow = self._current_uow() if syncpoint else None
-        if uow is not None and counted:
-            self._check_umsgs(uow, "put", queue)
         t = now_ms()
-        entry = Entry(id=os.urandom(12).hex(), queue=queue, priority=priority, persistent=persistent,
+        entry = Entry(id=os.urandom(12).hex(), queue=queue, priority=priority, persistent=spec.persistent,
                       msgid=(msgid if msgid is not None else os.urandom(24)).hex(), correlid=correlid.hex(),
                       expiry=t + expiry_ms if expiry_ms else 0, put_time=t, properties=props)
-        self._put_entry(qdef.structure, entry, bytes(body), uow)
-        if uow is not None and counted:
-            uow.umsgs += 1
-        qm.counters["puts"] += 1
-        return Message.from_entry(entry, bytes(body))
+        return qdef, entry
 
     def _check_umsgs(self, uow: UnitOfWork, what: str, queue: str) -> None:
         """MAXUMSGS: refuse the put or get that would take the unit of work past the queue manager's limit. Nothing
@@ -298,6 +340,238 @@ class Connection(UnitOfWorkScope):
                       backout_count=entry.backout_count, properties=entry.properties)
         self._put_entry(bq.structure, moved, data, uow)
 
+    # --- batches --------------------------------------------------------------------------------------------
+    # A batch is N puts or N gets with the semantics of N single calls in one unit of work, made in one CF round
+    # trip (CF.run_many: each script atomic, applied in order) and, with its commit, one forced log write. Every
+    # message the CF took is in the unit of work (a persistent one with its record appended); a refusal of one is
+    # reported beside the others, and the unit of work is then left open with what was done (never committed by
+    # the batch), as after a refused single call. Records are forced only by the commit, before the reply.
+    def put_batch(self, specs: list[PutSpec], *, syncpoint: bool = True, commit: bool = False) -> BatchResult:
+        """Put every message of ``specs``, in order. Under syncpoint they join the current unit of work, which
+        ``commit`` then commits. Outside syncpoint the batch is a unit of work of its own, committed (forced)
+        before this returns; a refused message leaves the others committed, as single puts would. A batch that
+        would take the unit of work past MAXUMSGS is refused whole, before anything is done."""
+        qm = self.qm
+        qm.check_usable()
+        if not specs:
+            raise BadRequestError("a batch of puts needs at least one message")
+        if commit and not syncpoint:
+            raise BadRequestError("a batch outside syncpoint commits on its own: 'commit' is for one under syncpoint")
+        made = [self._new_entry(spec) for spec in specs]
+        if any(spec.persistent for spec in specs):
+            qm.ensure_log_space()
+        own = None if syncpoint else qm.new_uow()
+        uow = own or self._current_uow()
+        if uow.state != INFLIGHT:
+            raise BadRequestError(f"unit of work {uow.id} is {uow.state}; commit or back it out first")
+        if own is None:
+            limit = qm.config.max_umsgs
+            if uow.umsgs + len(specs) > limit:
+                raise SyncpointLimitError(
+                    f"a batch of {len(specs)} puts refused: unit of work {uow.id} holds {uow.umsgs} messages, and "
+                    f"the limit of queue manager {uow.owner} is {limit} (MAXUMSGS); nothing was put")
+        fresh = uow.operations == 0
+        bodies = [bytes(spec.body) for spec in specs]
+        try:
+            def call(i: int) -> tuple[str, str, list[Any]]:
+                qdef, entry = made[i]
+                s = qm.structure(qdef.structure)
+                return s.put_call(qm.caller, entry, bodies[i], uow=uow.id,
+                                  gen=uow.structures.get(qdef.structure, 0))
+
+            replies = self._batch_cf_call(uow, [q.structure for q, _ in made], call, len(made))
+            done: list[Message] = []
+            error: MQError | None = None
+            logged: list[Record] = []
+            checked: set[str] = set()  # structures whose pstore a persistent put of this batch checked
+            gens: dict[str, int] = {}
+            for i, raw in enumerate(replies):
+                if isinstance(raw, BaseException):
+                    error = error or _batch_error(raw, i)
+                    continue
+                qdef, entry = made[i]
+                reply = Structure.put_reply(qm.caller, raw)
+                self._same_generation(uow, gens, qdef.structure, reply.gen)
+                uow.operations += 1
+                if entry.persistent:
+                    uow.persistent = True
+                    checked.add(qdef.structure)
+                    logged.append(records.put(uow.id, reply.clock, structure=qdef.structure, gen=reply.gen,
+                                              entry=entry.wire(), data=bodies[i]))
+                done.append(Message.from_entry(entry, bodies[i]))
+            qm.append_many(logged)
+            failpoint("batch-before-force")
+        except BaseException:
+            if own is not None:
+                if own.operations or own.doomed:
+                    qm.complete(own, False)
+                else:
+                    qm.forget(own)
+            raise
+        qm.counters["puts"] += len(done)
+        pstore_checked = fresh and set(uow.structures) <= checked
+        if own is not None:
+            if not own.operations and not own.doomed:
+                qm.forget(own)
+                return BatchResult(done, error)
+            qm.complete(own, True, pstore_checked=pstore_checked)
+            return BatchResult(done, error, committed=True)
+        uow.umsgs += len(done)
+        if error is None and commit:
+            self._commit(pstore_checked)
+            return BatchResult(done, None, committed=True)
+        return BatchResult(done, error)
+
+    def get_batch(self, queue: str, limit: int, *, wait_ms: int = 0, max_bytes: int = 0, each: int = 0,
+                  commit: bool = False) -> BatchResult:
+        """Take up to ``limit`` messages from ``queue`` under syncpoint, in get order, and with ``commit`` commit the
+        unit of work. ``max_bytes`` (0: any) bounds the messages' lengths (data plus stored descriptor, plus
+        ``each`` per message) that the caller can carry: each message may have its share of it, and a message
+        longer than its share ends the batch unless it is the first (it is then taken alone, if it fits the
+        whole). No more than MAXUMSGS allows are taken (none left: SyncpointLimitError, as a single get).
+        ``wait_ms``: when no message is there, wait that long for one (then it is taken alone)."""
+        qm = self.qm
+        qm.check_usable()
+        qdef = qm.queue_def(queue)
+        if limit < 1:
+            raise BadRequestError(f"a batch of gets takes at least one message, not {limit}")
+        uow = self._current_uow()
+        if uow.state != INFLIGHT:
+            raise BadRequestError(f"unit of work {uow.id} is {uow.state}; commit or back it out first")
+        room = qm.config.max_umsgs - uow.umsgs
+        if room <= 0:
+            self._drop_if_empty(uow)
+            self._check_umsgs(uow, "get", queue)
+        n = min(limit, room)
+        share = max_bytes // n - each if max_bytes else 0
+        if max_bytes and share <= 0:
+            raise BadRequestError(f"a batch of {n} gets cannot carry a message in {max_bytes} bytes")
+        fresh = uow.operations == 0
+        sname = qdef.structure
+        s = qm.structure(sname)
+        taken: list[Message] = []
+        error: MQError | None = None
+        checked: set[str] = set()
+        try:
+            if self.gone.is_set():
+                raise ClientGoneError(f"the client left before its batch of gets on {queue}")
+
+            def call(i: int) -> tuple[str, str, list[Any]]:
+                return s.get_call(qm.caller, queue, uow=uow.id, gen=uow.structures.get(sname, 0), now_ms=now_ms(),
+                                  max_length=share)
+
+            replies = self._batch_cf_call(uow, [sname] * n, call, n)
+            gens: dict[str, int] = {}
+            # Every reply is read, whatever came before it: a call after a refusal may still have taken a message
+            # (another member took the one refused meanwhile), and a message taken is the unit of work's.
+            longer = False  # a message longer than its share stays on the queue (the next batch's first)
+            for i, raw in enumerate(replies):
+                if isinstance(raw, TruncatedMessageError) and max_bytes:
+                    longer = True
+                    continue
+                if isinstance(raw, BaseException):
+                    error = error or _batch_error(raw, i)
+                    continue
+                got = Structure.get_reply(qm.caller, raw)
+                self._same_generation(uow, gens, sname, got.gen)
+                if got.entry is None:
+                    continue
+                m = self._took(qdef, got.entry, got.data or b"", got.gen, uow, checked)
+                if m is not None:
+                    taken.append(m)
+            failpoint("batch-before-force")
+        except BaseException:
+            self._drop_if_empty(uow)
+            raise
+        if not taken and error is None and (wait_ms or (longer and n > 1)):
+            # Nothing taken: wait for one (a single get, which ends its wait as soon as one comes), or take the
+            # first message alone, its share of the room too small for it (TruncatedMessageError when even the
+            # whole room is).
+            try:
+                taken.append(self.get(queue, wait_ms=wait_ms, max_length=max(0, max_bytes - each)))
+            except NoMessageError:
+                pass
+            uow = self.uow or uow
+            if taken and taken[0].persistent:
+                checked.add(sname)
+        elif not taken and error is None and longer:
+            self._drop_if_empty(uow)
+            raise TruncatedMessageError(f"the next message on {queue} is longer than the {max(0, max_bytes - each)} "
+                                        "bytes the caller can carry")
+        qm.counters["gets"] += len(taken)
+        if error is None and commit:
+            self._commit(fresh and set(uow.structures) <= checked)
+            return BatchResult(taken, None, committed=True)
+        self._drop_if_empty(uow)
+        return BatchResult(taken, error)
+
+    def _took(self, qdef: QueueDef, entry: Entry, data: bytes, gen: int, uow: UnitOfWork,
+              checked: set[str]) -> Message | None:
+        """A message a get of a batch took: logged (appended) when persistent; a poison one moved to the backout
+        queue in the same unit of work (None: not delivered)."""
+        qm = self.qm
+        uow.structures[qdef.structure] = gen
+        uow.operations += 1
+        if entry.persistent:
+            uow.persistent = True
+            checked.add(qdef.structure)
+            qm.append(records.get(uow.id, entry.lrsn, structure=qdef.structure, gen=gen, entry_id=entry.id,
+                                  queue=qdef.name))
+        if self._is_poison(qdef, entry):
+            self._move_to_backout_queue(qdef, entry, data, uow)
+            if entry.persistent:
+                checked.add(qm.queue_def(qdef.backout_queue).structure)
+            return None
+        uow.umsgs += 1
+        return Message.from_entry(entry, data)
+
+    def _drop_if_empty(self, uow: UnitOfWork) -> None:
+        """A unit of work that did nothing is not kept (an idle connection holds none)."""
+        if uow is self.uow and uow.operations == 0 and not uow.doomed:
+            self.qm.forget(uow)
+            self.uow = None
+
+    def _batch_cf_call(self, uow: UnitOfWork, snames: list[str], call: Callable[[int], tuple[str, str, list[Any]]],
+                       n: int) -> list[Any]:
+        """The n calls of a batch (call(i) makes the i-th) in one round trip (CF.run_many): each reply, or the
+        error of its call, in its place. Without an answer (the CF or the link failed), what ran is unknown: every
+        structure joins the unit of work, which can then only be backed out (as _uow_cf_call). A call refused
+        because the structure did not know this member is made again, after the member joined it, and so is one
+        refused for an epoch the member has since left for a newer one (a re-join); a fencing refusal marks the
+        member fenced (QueueManager.cf_call). Each is made again in its turn: a structure refuses all of a batch's
+        calls alike, so the order of the calls it takes is kept."""
+        qm = self.qm
+        try:
+            replies = qm.cf_call(lambda: qm.cf.run_many([call(i) for i in range(n)]))
+        except StructureFailedError as e:
+            if e.no_answer:
+                for sname in snames:
+                    uow.structures.setdefault(sname, 0)
+                uow.doomed = uow.doomed or f"a batch of CF calls of it failed ({e})"
+            raise
+        # A FENCED or NOTJOINED refusal comes before a script changes anything: made again through cf_call, which
+        # joins the structure, or takes the newer epoch of a re-join, or marks this member fenced.
+        again = [i for i, r in enumerate(replies) if isinstance(r, NotJoinedError | FencedError)]
+        def rerun(i: int) -> Any:
+            return qm.cf.run(*call(i))
+
+        for i in again:
+            try:
+                replies[i] = self._uow_cf_call(uow, snames[i], partial(rerun, i))
+            except MQError as e:
+                replies[i] = e
+        return list(replies)
+
+    @staticmethod
+    def _same_generation(uow: UnitOfWork, gens: dict[str, int], sname: str, gen: int) -> None:
+        """The calls of one batch on a structure must all have run in one generation of it: a restore between two
+        of them (a new generation) may have lost what the earlier ones did, and the unit of work can then only be
+        backed out."""
+        seen = gens.setdefault(sname, gen)
+        if seen != gen:
+            uow.doomed = uow.doomed or f"structure {sname} was restored during a batch of it"
+        uow.structures[sname] = gen
+
     def browse(self, queue: str, limit: int = 100, *, max_bytes: int = 0, each: int = 0) -> Browsed[Message]:
         """Up to ``limit`` available messages, not taken; ``max_bytes``/``each`` bound the reply (Structure.browse):
         ``more`` on the result says one was left out."""
@@ -322,6 +596,17 @@ class Connection(UnitOfWorkScope):
             self.qm.forget(uow)
             return
         self.qm.complete(uow, True)
+
+    def _commit(self, pstore_checked: bool) -> None:
+        """commit(); pstore_checked: every structure of the unit of work checked its persistent store in this
+        request's CF calls (QueueManager.complete)."""
+        uow = self.uow
+        if (pstore_checked and uow is not None and uow.state == INFLIGHT and not uow.doomed
+                and uow.operations):
+            self.uow = None
+            self.qm.complete(uow, True, pstore_checked=True)
+            return
+        self.commit()
 
     def backout(self) -> None:
         uow, self.uow = self.uow, None
@@ -355,4 +640,11 @@ class Connection(UnitOfWorkScope):
             self.backout()
 
 
-__all__ = ["Connection", "Message"]
+def _batch_error(e: BaseException, index: int) -> MQError:
+    """The refusal of message ``index`` of a batch, as the MQError a single call would have raised."""
+    if isinstance(e, MQError):
+        return e
+    return StructureFailedError(f"message {index} of the batch: the CF refused it: {e}")
+
+
+__all__ = ["BatchResult", "Connection", "Message", "PutSpec"]

@@ -15,6 +15,8 @@ Every failpoint in the project (add a row with each new ``failpoint()`` call):
     backout-after-log    sqm.core.manager.QueueManager.complete  after a backout is forced, before it is applied
     during-apply         sqm.core.manager.QueueManager.apply     after each structure of the UOW is applied
     put-after-cf         sqm.core.connection (put in a UOW)      after the CF holds the put, before it is logged
+    batch-before-force   sqm.core.connection (put_batch, get_batch)  after a batch's CF calls and its records'
+                                                            appends, before its commit's force
     relog-before-force   sqm.core.relog (a relog pass)           after a batch's RELOG records are appended, before the force
     relog-after-force    sqm.core.relog (a relog pass)           after they are forced, before the entries are marked
     relog-before-checkpoint  sqm.core.manager.checkpoint         after the relog passes, before the checkpoint record

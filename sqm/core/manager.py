@@ -251,6 +251,26 @@ class QueueManager(Outcomes, LogSpace):
         except OSError as e:
             self.log_failure(e)
 
+    def append_many(self, recs: list[Record]) -> None:
+        """Append records of kinds that are not forced (a batch's PUT and GET records) together, under one hold of
+        the lock: the commit's forced record takes them to disk with it, in one write and one fsync."""
+        if not recs:
+            return
+        assert self.log is not None
+        if self.activity >= self.config.logload:
+            self.checkpoint("logload")
+        try:
+            with self.uow_lock:
+                for record in recs:
+                    assert not records.kind_of(record).forced, record["k"]
+                    self.log.append(record)
+                    owner = self.uows.get(record["u"]) if record.get("u") else None
+                    if owner is not None and not owner.first_lrsn:
+                        owner.first_lrsn = int(record["l"])
+            self.activity += len(recs)
+        except OSError as e:
+            self.log_failure(e)
+
     def log_failure(self, e: OSError) -> NoReturn:
         """The log cannot be written: stop renewing the lease (a peer then fences this member and recovers its
         work from the log as it is on disk) and refuse all work; the operator restarts it once the disk is fixed.

@@ -172,6 +172,19 @@ def handshake(sock: socket.socket, *, token: str | None, role: str = APPLICATION
     return {**hello, **done}
 
 
+class BatchError(MQError):
+    """A batch (Client.put_batch, Client.get_batch) one of whose messages was refused. ``cause``: that refusal, the
+    exception a single put or get would have raised (its reason code is this one's); ``done``: the messages that
+    took effect, in order: in the unit of work, which stays open (commit or back it out), or committed when
+    ``committed`` (a batch outside syncpoint, whose done messages are committed as single puts would be)."""
+
+    def __init__(self, cause: MQError, done: list[Message], committed: bool) -> None:
+        super().__init__(f"{len(done)} message(s) of the batch done{' and committed' if committed else ''}, "
+                         f"one refused: {cause}")
+        self.cause, self.done, self.committed = cause, done, committed
+        self.reason, self.reason_name = cause.reason, cause.reason_name
+
+
 class Client(ConversationCalls, PubSubCalls, UnitOfWorkScope):
     """A connection handle to the queue-sharing group through one of its SQM servers."""
 
@@ -435,6 +448,45 @@ class Client(ConversationCalls, PubSubCalls, UnitOfWorkScope):
             args["correlid"] = correlid
         return message_from_wire(self._call("get", args, syncpoint=syncpoint, wait_s=wait_ms / 1000))
 
+    def put_batch(self, messages: Sequence[bytes | dict[str, Any]], *, queue: str | None = None,
+                  syncpoint: bool = True, commit: bool = False) -> list[Message]:
+        """Put several messages in one request, in order (docs/client.md). Each is a body (put on ``queue``) or a
+        map of put's arguments ("queue", "body", "persistent", "priority", "msgid", "correlid", "expiry_ms",
+        "properties"). Under syncpoint they join the unit of work, and ``commit`` commits it in the same request;
+        outside syncpoint the batch commits on its own before the reply. A refused message raises BatchError
+        (``done``: the others); a request lost with its connection is treated as a put's, or as a commit's when
+        it commits."""
+        wire: list[dict[str, Any]] = []
+        for m in messages:
+            item: dict[str, Any] = {"body": m} if isinstance(m, bytes | bytearray) else dict(m)
+            if "queue" not in item:
+                if queue is None:
+                    raise ValueError("put_batch: a message without a queue, and no queue given")
+                item["queue"] = queue
+            item["body"] = bytes(item["body"])
+            wire.append(item)
+        result = self._call("put_batch", {"messages": wire, "syncpoint": syncpoint, "commit": commit},
+                            syncpoint=syncpoint and not commit)
+        done = [Message(body=item["body"], queue=item["queue"], correlid=item.get("correlid", b""),
+                        priority=item.get("priority", 0), persistent=item.get("persistent", True),
+                        properties=item.get("properties") or {}, **got)
+                for item, got in zip(wire, result["messages"], strict=False)]
+        return self._batch_done(result, done)
+
+    def get_batch(self, queue: str, max_messages: int, *, wait_ms: int = 0, commit: bool = False) -> list[Message]:
+        """Take up to ``max_messages`` messages of ``queue`` under syncpoint in one request, as many as one reply
+        carries (docs/client.md); ``wait_ms``: wait that long for the first when there is none; ``commit``: commit
+        the unit of work in the same request. An empty list: no message. A refusal raises BatchError."""
+        result = self._call("get_batch", {"queue": queue, "max_messages": max_messages, "wait_ms": wait_ms,
+                                          "commit": commit}, syncpoint=not commit, wait_s=wait_ms / 1000)
+        return self._batch_done(result, [message_from_wire(m) for m in result["messages"]])
+
+    @staticmethod
+    def _batch_done(result: dict[str, Any], done: list[Message]) -> list[Message]:
+        if result.get("error") is not None:
+            raise BatchError(error_from_wire(result["error"]), done, bool(result.get("committed")))
+        return done
+
     def browse(self, queue: str, limit: int = 100) -> Browsed[Message]:
         """Up to ``limit`` available messages, not taken, as many as one reply carries: ``more`` on the result
         says the server left some out (browse again with a smaller limit, or after taking some)."""
@@ -493,4 +545,4 @@ class Client(ConversationCalls, PubSubCalls, UnitOfWorkScope):
         return dict(self._call("define", args))
 
 
-__all__ = ["Client", "Endpoint", "Message", "client_tls_context", "handshake", "parse_endpoint"]
+__all__ = ["BatchError", "Client", "Endpoint", "Message", "client_tls_context", "handshake", "parse_endpoint"]

@@ -1,5 +1,5 @@
-"""The queue operations of the service (ping, put, get, browse, commit, backout, prepare, resolve, indoubt, status,
-define): their rows and handlers. Each runs on the connection's MQ connection handle (sqm.core.connection.Connection),
+"""The queue operations of the service (ping, put, get, browse, put_batch, get_batch, commit, backout, prepare,
+resolve, indoubt, status, define): their rows and handlers. Each runs on the connection's MQ connection handle (sqm.core.connection.Connection),
 made by its first request, which keeps the connection's unit of work on one handle, like an MQ connection
 handle."""
 
@@ -14,13 +14,17 @@ from cfemu.errors import BadRequestError, MQError, TruncatedMessageError
 from cfemu.topic_attributes import PUB_SUFFIX, SUB_SUFFIX
 from cfemu.uow_attributes import CONTROL_SUFFIX, DATA_SUFFIX
 from sqm import operations
-from sqm.core.connection import Connection
+from sqm.core.connection import BatchResult, Connection, PutSpec
 from sqm.core.manager import QueueManager
 from sqm.operations import ANY_ROLE, OPERATOR, OPERATOR_ONLY, Operation, arg, short
-from sqm.service.protocol import ENVELOPE, MESSAGE_COST, NotAuthorizedError, message_to_wire
+from sqm.service.protocol import ENVELOPE, MESSAGE_COST, NotAuthorizedError, error_reply, message_to_wire
 
 COMPANION_SUFFIXES = (DATA_SUFFIX, CONTROL_SUFFIX, PUB_SUFFIX, SUB_SUFFIX)
 MAX_BROWSE = 10_000
+# The most messages one put_batch or get_batch request carries; their bytes are bounded by the frame (and the
+# member's budget of request bytes in flight), and MAXUMSGS counts each message.
+MAX_BATCH = 1_000
+PUT_REPLY_COST = 160  # what one message costs a put_batch reply: its ids, times and the field names
 MAX_UOW_ATTRIBUTES = 16  # entries of a define's UOW attribute map (UowAttributes has 7)
 
 
@@ -93,6 +97,61 @@ def get(svc: Service, session: Session, args: dict[str, Any]) -> dict[str, Any]:
     except TruncatedMessageError as e:
         raise _too_long(svc, session, "get", queue, e) from None
     return message_to_wire(m)
+
+
+def put_batch(svc: Service, session: Session, args: dict[str, Any]) -> dict[str, Any]:
+    """Several puts in one request (Connection.put_batch): the messages' own fields as put takes them. The reply
+    carries what each message was given (its ids and times, not its body or properties), the outcome of the commit,
+    and the refusal that stopped a message, if one did (the others were done)."""
+    items = arg(args, "put_batch", "messages", list)
+    if not 1 <= len(items) <= MAX_BATCH:
+        raise BadRequestError(f"put_batch: 1-{MAX_BATCH} messages, not {len(items)}")
+    if len(items) * PUT_REPLY_COST > session.reply_limit - ENVELOPE:
+        raise BadRequestError(f"put_batch: the reply to {len(items)} puts would not fit this connection's replies "
+                              f"of {session.reply_limit} bytes: send fewer")
+    specs = []
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise BadRequestError(f"put_batch: message {i} must be a map of put's arguments")
+        op = f"put_batch message {i}"
+        specs.append(PutSpec(_plain(svc, arg(item, op, "queue", str), "put"), arg(item, op, "body", bytes),
+                             persistent=arg(item, op, "persistent", bool, True),
+                             priority=arg(item, op, "priority", int, 0), msgid=arg(item, op, "msgid", bytes, None),
+                             correlid=arg(item, op, "correlid", bytes, b""),
+                             expiry_ms=arg(item, op, "expiry_ms", int, 0),
+                             properties=arg(item, op, "properties", dict, None)))
+    done = _connection(svc, session).put_batch(specs, syncpoint=arg(args, "put_batch", "syncpoint", bool, True),
+                                               commit=arg(args, "put_batch", "commit", bool, False))
+    return _batch_reply(done, [{"msgid": m.msgid, "entry_id": m.entry_id, "put_time": m.put_time,
+                                "expiry": m.expiry} for m in done.messages])
+
+
+def get_batch(svc: Service, session: Session, args: dict[str, Any]) -> dict[str, Any]:
+    """Up to ``max_messages`` messages of a queue in one request, under syncpoint (Connection.get_batch), as many as
+    one reply carries; with ``commit``, the unit of work committed before the reply."""
+    limit = arg(args, "get_batch", "max_messages", int)
+    if not 1 <= limit <= MAX_BATCH:
+        raise BadRequestError(f"get_batch: max_messages must be 1-{MAX_BATCH}, not {limit}")
+    wait_ms = arg(args, "get_batch", "wait_ms", int, 0)
+    if not 0 <= wait_ms <= svc.max_wait_ms:
+        raise BadRequestError(f"get_batch: wait_ms must be 0-{svc.max_wait_ms}, not {wait_ms}")
+    queue = _plain(svc, arg(args, "get_batch", "queue", str), "get")
+    room = session.reply_limit - ENVELOPE
+    if limit * (MESSAGE_COST + 1) > room:
+        raise BadRequestError(f"get_batch: {limit} messages cannot fit this connection's replies of "
+                              f"{session.reply_limit} bytes: ask for fewer")
+    conn = _connection(svc, session)
+    try:
+        done = conn.get_batch(queue, limit, wait_ms=wait_ms, max_bytes=room, each=MESSAGE_COST,
+                              commit=arg(args, "get_batch", "commit", bool, False))
+    except TruncatedMessageError as e:
+        raise _too_long(svc, session, "get_batch", queue, e) from None
+    return _batch_reply(done, [message_to_wire(m) for m in done.messages])
+
+
+def _batch_reply(done: BatchResult, messages: list[dict[str, Any]]) -> dict[str, Any]:
+    error = None if done.error is None else error_reply(None, done.error)["error"]
+    return {"messages": messages, "committed": done.committed, "error": error}
 
 
 def browse(svc: Service, session: Session, args: dict[str, Any]) -> dict[str, Any]:
@@ -212,6 +271,8 @@ OPERATIONS = (
     Operation("put", "queue", ANY_ROLE, put),
     Operation("get", "queue", ANY_ROLE, get),
     Operation("browse", "queue", ANY_ROLE, browse, read_only=True),
+    Operation("put_batch", "queue", ANY_ROLE, put_batch),
+    Operation("get_batch", "queue", ANY_ROLE, get_batch),
     Operation("commit", "queue", ANY_ROLE, commit),
     Operation("backout", "queue", ANY_ROLE, backout),
     Operation("prepare", "queue", ANY_ROLE, prepare, alone=True),
@@ -221,4 +282,4 @@ OPERATIONS = (
     Operation("define", "queue", OPERATOR_ONLY, define, alone=True),
 )
 
-__all__ = ["COMPANION_SUFFIXES", "MAX_BROWSE", "MAX_UOW_ATTRIBUTES", "OPERATIONS", "Service", "Session"]
+__all__ = ["COMPANION_SUFFIXES", "MAX_BATCH", "MAX_BROWSE", "MAX_UOW_ATTRIBUTES", "OPERATIONS", "Service", "Session"]

@@ -15,6 +15,7 @@ import redis
 from cfemu.cf import CF
 from cfemu.embedded import EmbeddedRedis
 from cfemu.errors import PstoreUnavailableError
+from sqm.core.connection import PutSpec
 from sqm.core.manager import QueueManager
 from tests.support.group import define_group, start_qm
 
@@ -78,4 +79,44 @@ def test_outside_syncpoint_a_disconnected_store_still_refuses_before_anything_is
     assert _fsyncs(qm) == forced  # no COMMIT forced for either
     CF(client).structure("APP1").pstore("connect")
     assert c.get("Q1", syncpoint=False).body == b"kept"
+    qm.stop()
+
+
+def test_a_batch_is_one_round_trip_for_its_scripts_one_for_its_commit_and_one_forced_write(
+        redis_factory: Callable[..., EmbeddedRedis], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """put_batch and get_batch of 100 with their commit: the 100 scripts in one pipeline (CF.run_many), the commit
+    in one more, one fsync; no standing.lua (each persistent put or get checked the persistent store just now).
+    No housekeeping runs meanwhile (its expiry calls would be counted)."""
+    srv = redis_factory()
+    client = define_group(srv.url)
+    qm = start_qm(srv.url, tmp_path / "logs", "QM1", lease_ms=60_000, background=False)
+    trips = {"run": 0, "run_many": 0}
+    run, run_many = qm.cf.run, qm.cf.run_many
+
+    def counted_run(*a: object) -> object:
+        trips["run"] += 1
+        return run(*a)  # type: ignore[arg-type]
+
+    def counted_run_many(calls: list[tuple[str, str, list[object]]]) -> list[object]:
+        trips["run_many"] += 1
+        return run_many(calls)
+
+    monkeypatch.setattr(qm.cf, "run", counted_run)
+    monkeypatch.setattr(qm.cf, "run_many", counted_run_many)
+    c = qm.connect()
+    c.put_batch([PutSpec("Q1", b"warm")], commit=True)
+    c.get_batch("Q1", 1, commit=True)
+    for batch in (1, 10, 100):
+        trips.update(run=0, run_many=0)
+        before, forced = _scripts(client), _fsyncs(qm)
+        done = c.put_batch([PutSpec("Q1", b"m%d" % i, priority=i % 2) for i in range(batch)], commit=True)
+        assert done.committed and done.error is None and len(done.messages) == batch
+        assert (trips["run_many"], trips["run"], _scripts(client) - before, _fsyncs(qm) - forced) == (
+            1, 1, batch + 1, 1)
+        trips.update(run=0, run_many=0)
+        before, forced = _scripts(client), _fsyncs(qm)
+        got = c.get_batch("Q1", batch, commit=True)
+        assert got.committed and len(got.messages) == batch
+        assert (trips["run_many"], trips["run"], _scripts(client) - before, _fsyncs(qm) - forced) == (
+            1, 1, batch + 1, 1)
     qm.stop()

@@ -72,16 +72,16 @@ def test_the_wire_op_list_and_the_role_table_are_the_registry() -> None:
     assert tuple(op.name for op in OPERATIONS) == OPS
     assert len(set(OPS)) == len(OPS)
     # The table as the protocol had it before it was one table: the same names, in the same order, the same rights.
-    assert OPS == ("hello", "auth", "ping", "put", "get", "browse", "commit", "backout", "prepare", "resolve",
-                   "indoubt", "status", "define", "logon", "send", "receive", "syncpoint", "subscribe",
-                   "unsubscribe", "subscriptions", "publish", "receive_pub", "pub_commit", "pub_backout")
+    assert OPS == ("hello", "auth", "ping", "put", "get", "browse", "put_batch", "get_batch", "commit", "backout",
+                   "prepare", "resolve", "indoubt", "status", "define", "logon", "send", "receive", "syncpoint",
+                   "subscribe", "unsubscribe", "subscriptions", "publish", "receive_pub", "pub_commit", "pub_backout")
     conversations = {"logon", "send", "receive", "syncpoint"}
     pubsub = {"subscribe", "unsubscribe", "subscriptions", "publish", "receive_pub", "pub_commit", "pub_backout"}
     assert set(OPERATIONS.names("conversation")) == conversations
     assert set(OPERATIONS.names("pubsub")) == pubsub
     assert {
-        APPLICATION: frozenset({"ping", "put", "get", "browse", "commit", "backout", "prepare", "resolve",
-                                "indoubt"}) | conversations | pubsub,
+        APPLICATION: frozenset({"ping", "put", "get", "browse", "put_batch", "get_batch", "commit", "backout",
+                                "prepare", "resolve", "indoubt"}) | conversations | pubsub,
         OPERATOR: frozenset(OPS) - HANDSHAKE,
     } == ROLE_OPS
 
