@@ -1,4 +1,4 @@
-"""What a message lifecycle costs in CF round trips and forced log writes (issue 15), counted on a private
+"""What a message lifecycle costs in CF round trips and forced log writes, counted on a private
 redis-server (INFO commandstats) and the log's own fsync counter. A put or get outside syncpoint is one CF script
 to do it and one to commit it: its own script checked the persistent store (put.lua, get.lua refuse persistent work
 while it is disconnected), so no standing.lua call comes between (docs/pstore.md). A UOW under syncpoint asks
@@ -33,7 +33,8 @@ def _fsyncs(qm: QueueManager) -> int:
 def group(redis_factory: Callable[..., EmbeddedRedis], tmp_path: Path) -> tuple[redis.Redis, QueueManager]:
     srv = redis_factory()
     client = define_group(srv.url)
-    qm = start_qm(srv.url, tmp_path / "logs", "QM1", lease_ms=60_000)
+    # No background threads: their housekeeping scripts (expiry, sweeps) would be counted with the lifecycle's.
+    qm = start_qm(srv.url, tmp_path / "logs", "QM1", lease_ms=60_000, background=False)
     return client, qm
 
 
