@@ -172,7 +172,8 @@ class LocalEngine:
 
 
 _ENGINES: dict[str, Callable[..., Engine]] = {"local": lambda **options: LocalEngine(**options)}
-_LAZY = {"spark": "restore.engine_spark"}  # imported on first use: pyspark is an optional dependency
+# Imported on first use: pyspark is an optional dependency; the columnar engine brings DuckDB in.
+_LAZY = {"spark": "restore.engine_spark", "columnar": "restore.engine_columnar"}
 
 
 def engine_names() -> list[str]:
