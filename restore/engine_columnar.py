@@ -479,7 +479,7 @@ def _bind(sql: str, params: Mapping[str, Any]) -> str:
 
 def _batches(cur: duckdb.DuckDBPyConnection, sql: str) -> Iterator[pa.RecordBatch]:
     """The result of `sql` as Arrow record batches of FETCH_ROWS rows, read as they are asked for."""
-    reader = cur.execute(sql).to_arrow_reader(FETCH_ROWS)
+    reader = cur.sql(sql).to_arrow_reader(FETCH_ROWS)
     if reader is not None:
         yield from reader
 
