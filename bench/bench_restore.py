@@ -349,6 +349,9 @@ def child(root: Path, memory: int, truth_file: Path, workers: int, engine_name: 
         out["plan_s"] = round(time.perf_counter() - t0, 2)
         out["plan_cpu_s"] = round(cpu_s() - c0, 2)  # this process's threads and its ended worker processes
         out["engine"] = engine_name
+        if hasattr(plan, "timings"):  # the columnar engine: each statement, and its log readers' CPU
+            out["statements_s"] = plan.timings
+            out["read_logs_cpu_s"] = round(plan.read_cpu_s, 2)
         out["partitions"] = getattr(plan, "partitions", 0)
         out["workers"] = min(workers, out["partitions"] or 1)
         out["workers_peak_mib"] = round(getattr(plan, "worker_peak_bytes", 0) / 2**20)

@@ -21,8 +21,9 @@ An engine must raise `sqm.log.LogCorruptError` / `LogFormatError` for a bad log 
 change anything: restore writes to the CF only after the whole plan is computed.
 
 `get_engine(name, **options)` returns an engine by name: "local" (in-process, in bounded memory:
-restore.partitioned; options memory, work_dir, partitions; the default) or "spark" (`restore.engine_spark`,
-imported only when asked for).
+restore.partitioned; options memory, work_dir, partitions; the default), "columnar" (the same plan as SQL on
+DuckDB, in bounded memory: `restore.engine_columnar`; the local engine's options) or "spark"
+(`restore.engine_spark`); those two are imported only when asked for.
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -166,12 +167,14 @@ class _Read:
     unknown_entry_kinds: list[str]
     pid: int
     peak: int
+    cpu_s: float
 
 
 def _read_slice(job: _ReadJob, item: tuple[int, LogSlice]) -> _Read:
     """One slice of a log as rows (see the module doc), in any process: the rows of the records that matter for
     the structure (plan.relevant), with another structure's data in an outcome record left out (plan.restrict)."""
     n, sl = item
+    cpu0 = time.process_time()
     structure = job.structure
     t = _Tables(job.spill, f"s{n}")
     r, e, d = t.cols["recs"], t.cols["ev"], t.cols["descs"]
@@ -241,7 +244,8 @@ def _read_slice(job: _ReadJob, item: tuple[int, LogSlice]) -> _Read:
         count += 1
         if count % ROWS_PER_GROUP == 0:
             t.flush()
-    return _Read(t.close(), max_lrsn, count, sorted(unknown), os.getpid(), _vm_hwm())
+    files = t.close()
+    return _Read(files, max_lrsn, count, sorted(unknown), os.getpid(), _vm_hwm(), time.process_time() - cpu0)
 
 
 def _read_backup(spill: Path, copies: Iterable[tuple[str, dict[str, Any], bytes]]) -> tuple[list[str], int, set[str]]:
@@ -311,7 +315,7 @@ SELECT o.u, o.kind, o.lrsn, o.decided_by, s.structures FROM (
   SELECT u, kind, lrsn, decided_by FROM oa UNION ALL SELECT u, kind, lrsn, decided_by FROM ob) o
 JOIN structs s USING (u);
 -- the entries a decision's records carry: the owner's own of that decision first (by LRSN), then the decision's
--- relogs (by LRSN, by); of the owner's run, its last
+-- relogs (by LRSN, by), and of the owner's run its last
 CREATE TABLE odata AS
 SELECT u, eid, rid FROM (
   SELECT *, row_number() OVER (PARTITION BY u, eid ORDER BY grp, l, dby, ord) AS rn FROM (
@@ -373,7 +377,7 @@ FROM (
 JOIN ents n USING (eid)
 WHERE n.eid NOT IN (SELECT eid FROM best WHERE st = 'EX');
 
--- the fold (settle.settle): one event of every entry at a time; a copy that is expired is not folded
+-- the fold (settle.settle): one event of every entry at a time, a copy that is expired not folded
 CREATE TABLE folded AS
 WITH RECURSIVE f(eix, ord, st, u, l, o1, o2, bc, src, rid, mask, fate) USING KEY (eix) AS (
   SELECT n.eix, 0::BIGINT, b.st, b.u, b.l, b.o1, b.o2, b.bc, b.src, b.rid, 0::BIGINT,
@@ -545,6 +549,8 @@ class ColumnarPlan(RestorePlan):
     worker_peak_bytes: int
     workers: int
     partitions: int = 1
+    timings: dict[str, float]  # seconds of each statement of the plan (where the time goes)
+    read_cpu_s: float = 0.0  # CPU seconds the log's readers took, in all
 
     def cursor(self) -> duckdb.DuckDBPyConnection:
         return self.con.cursor()  # a connection of its own: the load reads the survivors from another thread
@@ -654,6 +660,7 @@ class ColumnarEngine:
             raise
         plan.worker_peak_bytes = sum({res.pid: res.peak for res in reads if res.pid != os.getpid()}.values())
         plan.workers = self.workers
+        plan.read_cpu_s = sum(res.cpu_s for res in reads)
         progress(SETTLE, 1, 1)
         return plan
 
@@ -680,13 +687,20 @@ def _run(con: duckdb.DuckDBPyConnection, spill: SpillDir, structure: str, base: 
     con.from_arrow(pa.table({"u": pa.array(sorted(base.carried), pa.string())})).create("base_uows")
     for f in (f for fs in files.values() for f in fs):
         spill.file(f).unlink(missing_ok=True)
-    con.execute(_bind(PLAN_SQL, {"G": base.gen, "R": restore_lrsn, "NOW": now_ms, "OUTCOME_RANK": OUTCOME_RANK,
+    timings: dict[str, float] = {}
+    for statement in _bind(PLAN_SQL, {"G": base.gen, "R": restore_lrsn, "NOW": now_ms, "OUTCOME_RANK": OUTCOME_RANK,
                                  "CONTROL_SUFFIX": CONTROL_SUFFIX, "ST": ST, "U": U, "L": L, "O1": O1, "O2": O2,
-                                 "BC": BC}))
+                                 "BC": BC}).split(";"):
+        if statement.strip():
+            t0 = time.perf_counter()
+            con.execute(statement)
+            name = statement.split("CREATE TABLE ", 1)[-1].split()[0] if "CREATE TABLE" in statement else "insert"
+            timings[name] = round(time.perf_counter() - t0, 3)
     _rule_on_control_entries(con)
 
     plan = ColumnarPlan(structure, restore_lrsn, [], {}, {}, set(), Counter(), Counter(), max_lrsn)
     plan.spill, plan.con = spill, con
+    plan.timings = timings
     one = con.execute
     plan.records_by_member = Counter(dict(one("SELECT m, count(*) FROM r WHERE kept GROUP BY m").fetchall()))
     plan.counts = Counter(dict(one("SELECT disp, count(*) FROM fin GROUP BY disp").fetchall()))
