@@ -693,8 +693,12 @@ def _run(con: duckdb.DuckDBPyConnection, spill: SpillDir, structure: str, base: 
                                  "BC": BC}).split(";"):
         if statement.strip():
             t0 = time.perf_counter()
-            con.execute(statement)
             name = statement.split("CREATE TABLE ", 1)[-1].split()[0] if "CREATE TABLE" in statement else "insert"
+            try:
+                con.execute(statement)
+            except duckdb.Error as e:
+                e.add_note(f"in the columnar plan's statement making {name}")
+                raise
             timings[name] = round(time.perf_counter() - t0, 3)
     _rule_on_control_entries(con)
 
