@@ -37,6 +37,7 @@ import json
 import os
 import platform
 import random
+import resource
 import shutil
 import subprocess
 import sys
@@ -307,14 +308,20 @@ def vm_hwm() -> int:
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
-def child(root: Path, memory: int, truth_file: Path, workers: int) -> None:
+def cpu_s() -> float:
+    """CPU seconds of this process (every thread) and of its children that have ended."""
+    own, ended = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + ended.ru_utime + ended.ru_stime
+
+
+def child(root: Path, memory: int, truth_file: Path, workers: int, engine_name: str = "local") -> None:
     from backup.files import read_backup
     from backup.points import RESTORE, RestorePointWriter
     from cfemu import keys
     from cfemu.admin import Admin, QueueDef
     from cfemu.bulk import BATCH, claim, descriptor, list_of, observe, sets_of
     from cfemu.embedded import EmbeddedRedis
-    from restore.engine import LocalEngine
+    from restore.engine import get_engine
     from restore.load import load_plan
     from restore.spill import SpillWriter, read_frames
 
@@ -329,7 +336,7 @@ def child(root: Path, memory: int, truth_file: Path, workers: int) -> None:
         now = time.perf_counter()
         spans.setdefault(phase, [now, now])[1] = now
 
-    server = EmbeddedRedis(data_dir=root / "redis")
+    server = EmbeddedRedis(data_dir=root / f"redis-{engine_name}")
     server.start()
     try:
         client = server.client()
@@ -337,17 +344,22 @@ def child(root: Path, memory: int, truth_file: Path, workers: int) -> None:
         admin.define_structure(S)
         for q in QUEUES:
             admin.define_queue(q, S)
-        t0 = time.perf_counter()
-        engine = LocalEngine(memory=memory, work_dir=root / "work", workers=workers)
+        t0, c0 = time.perf_counter(), cpu_s()
+        engine = get_engine(engine_name, memory=memory, work_dir=root / "work", workers=workers)
         plan = engine.plan(S, backup, log_dirs, REPLAY_FROM, NOW_MS, progress)
         out["plan_s"] = round(time.perf_counter() - t0, 2)
+        out["plan_cpu_s"] = round(cpu_s() - c0, 2)  # this process's threads and its ended worker processes
+        out["engine"] = engine_name
+        if hasattr(plan, "timings"):  # the columnar engine: each statement, and its log readers' CPU
+            out["statements_s"] = plan.timings
+            out["read_logs_cpu_s"] = round(plan.read_cpu_s, 2)
         out["partitions"] = getattr(plan, "partitions", 0)
         out["workers"] = min(workers, out["partitions"] or 1)
         out["workers_peak_mib"] = round(getattr(plan, "worker_peak_bytes", 0) / 2**20)
         out["phases_s"] = {k: round(v[1] - v[0], 2) for k, v in spans.items()}
         t1 = time.perf_counter()
         # As run_restore: the restore point's entries written as the load goes, its manifest before ACTIVE.
-        point = RestorePointWriter(root / "points", "p", S, backup_keys=backup_keys)
+        point = RestorePointWriter(root / f"points-{engine_name}", "p", S, backup_keys=backup_keys)
         point_s = 0.0
 
         def finish_point() -> None:
@@ -415,8 +427,8 @@ def child(root: Path, memory: int, truth_file: Path, workers: int) -> None:
                 flusher.close()
                 client.close()
                 server.stop()
-                shutil.rmtree(root / "redis", ignore_errors=True)
-                server = EmbeddedRedis(data_dir=root / "redis")
+                shutil.rmtree(root / f"redis-{engine_name}", ignore_errors=True)
+                server = EmbeddedRedis(data_dir=root / f"redis-{engine_name}")
                 server.start()
                 client = server.client()
             t3 = time.perf_counter()
@@ -473,10 +485,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="no real-SQM check (only when an earlier run's check stands for this generator)")
     ap.add_argument("--workers", type=int, default=None,
                     help="the local engine's worker processes (cfrestore --workers; default: its default)")
-    ap.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
+    ap.add_argument("--engines", nargs="+", default=["local"],
+                    help="the restore engines to measure, each size with each in the same run (default: local)")
+    ap.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        child(Path(args.child[0]), int(args.child[1]), Path(args.child[2]), int(args.child[3]))
+        child(Path(args.child[0]), int(args.child[1]), Path(args.child[2]), int(args.child[3]), args.child[4])
         return 0
     from cfemu.settings import default_workers, parse_size
 
@@ -494,11 +508,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         record["calibration"] = ({"skipped": True, "ok": True} if args.skip_calibration
                                  else calibrate(base / "calibration", calib_n, console))
-        table = Table("messages", "log records", "body", "partitions", "plan s", "load s", "point s",
+        table = Table("engine", "messages", "log records", "body", "partitions", "plan s (CPU s)", "load s", "point s",
                       "restore s", "raw write s (grouped; same data)", "raw/restore (grouped; same data)",
                       "raw/(plan+load)",
                       "peak RSS MiB", "correct",
-                      title=f"restore, local engine, --memory-limit {args.memory}, --workers {workers}")
+                      title=f"restore, engines {', '.join(args.engines)}, --memory-limit {args.memory}, --workers {workers}")
         for i, size in enumerate(sizes):
             final, records = (int(x) for x in size.split(":"))
             body = bodies[min(i, len(bodies) - 1)]
@@ -515,33 +529,34 @@ def main(argv: list[str] | None = None) -> int:
                           f"({truth.log_bytes / 2**20:.0f} MiB), {truth.backup_copies:,} backup copies "
                           f"({truth.backup_bytes / 2**20:.0f} MiB), {truth.restored:,} to restore; generated in "
                           f"{gen_s:.0f} s")
-            proc = subprocess.run([sys.executable, __file__, "--child", str(root), str(memory), str(truth_file),
-                                   str(workers)],
-                                  capture_output=True, text=True, cwd=ROOT)
-            if proc.returncode != 0:
-                (base / f"child-{final}.stderr").write_text(proc.stderr)
-                printed = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-                run = {**(json.loads(printed[-1]) if printed else {}),
-                       "error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
-            else:
-                run = json.loads(proc.stdout.strip().splitlines()[-1])
-            run.update(messages=truth.restored, records=truth.records, body=body, generate_s=round(gen_s, 1),
-                       log_mib=round(truth.log_bytes / 2**20), backup_mib=round(truth.backup_bytes / 2**20),
-                       loadavg_after=os.getloadavg())
-            record["runs"].append(run)
-            console.print(run)
-            RESULTS.parent.mkdir(parents=True, exist_ok=True)
-            with RESULTS.open("a") as f:  # one line per size as it ends: a run cut short keeps what it measured
-                f.write(json.dumps({**record, "runs": [run]}) + "\n")
-            if "error" not in run:
-                table.add_row(f"{truth.restored:,}", f"{truth.records:,}", str(body), str(run["partitions"]),
-                              str(run["plan_s"]), str(run["load_s"]), str(run["point_s"]), str(run["restore_s"]),
-                              f"{run['raw_write_s']} ({run['raw_write_grouped_s']}; "
-                              f"{run['raw_write_same_data_s']})",
-                              f"{run['restore_over_raw']:.2f} ({run['restore_over_grouped_raw']:.2f}; "
-                              f"{run['restore_over_same_data_raw']:.2f})",
-                              f"{run['plan_load_over_raw']:.2f}", str(run["peak_rss_mib"]),
-                              "yes" if not run["problems"] else "; ".join(run["problems"]))
+            for engine_name in args.engines:
+                proc = subprocess.run([sys.executable, __file__, "--child", str(root), str(memory), str(truth_file),
+                                       str(workers), engine_name],
+                                      capture_output=True, text=True, cwd=ROOT)
+                if proc.returncode != 0:
+                    (base / f"child-{final}-{engine_name}.stderr").write_text(proc.stderr)
+                    printed = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+                    run = {**(json.loads(printed[-1]) if printed else {}),
+                           "error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
+                else:
+                    run = json.loads(proc.stdout.strip().splitlines()[-1])
+                run.update(messages=truth.restored, records=truth.records, body=body, generate_s=round(gen_s, 1),
+                           log_mib=round(truth.log_bytes / 2**20), backup_mib=round(truth.backup_bytes / 2**20),
+                           loadavg_after=os.getloadavg())
+                record["runs"].append(run)
+                console.print(run)
+                RESULTS.parent.mkdir(parents=True, exist_ok=True)
+                with RESULTS.open("a") as f:  # one line per size as it ends: a run cut short keeps what it measured
+                    f.write(json.dumps({**record, "runs": [run]}) + "\n")
+                if "error" not in run:
+                    table.add_row(engine_name, f"{truth.restored:,}", f"{truth.records:,}", str(body), str(run["partitions"]),
+                                  f"{run['plan_s']} ({run['plan_cpu_s']})", str(run["load_s"]), str(run["point_s"]), str(run["restore_s"]),
+                                  f"{run['raw_write_s']} ({run['raw_write_grouped_s']}; "
+                                  f"{run['raw_write_same_data_s']})",
+                                  f"{run['restore_over_raw']:.2f} ({run['restore_over_grouped_raw']:.2f}; "
+                                  f"{run['restore_over_same_data_raw']:.2f})",
+                                  f"{run['plan_load_over_raw']:.2f}", str(run["peak_rss_mib"]),
+                                  "yes" if not run["problems"] else "; ".join(run["problems"]))
             if not args.keep:
                 shutil.rmtree(root, ignore_errors=True)
         console.print(table)

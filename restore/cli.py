@@ -82,7 +82,7 @@ def _engine_options(args: argparse.Namespace, found: Settings | None = None) -> 
     """The engine's options. Local: its working memory (--memory-limit) and worker processes (--workers). Spark: the master (the flag, else the
     settings' Spark master, else local[*]) and its settings (what joining that master needs,
     spark_conf.driver_conf, then the --conf given, which win)."""
-    if args.engine == "local":
+    if args.engine in ("local", "columnar"):
         chosen = found or settings(args)
         return {"memory": chosen.memory_limit(), "workers": chosen.restore_workers()}
     if args.engine != "spark":

@@ -21,8 +21,9 @@ An engine must raise `sqm.log.LogCorruptError` / `LogFormatError` for a bad log 
 change anything: restore writes to the CF only after the whole plan is computed.
 
 `get_engine(name, **options)` returns an engine by name: "local" (in-process, in bounded memory:
-restore.partitioned; options memory, work_dir, partitions; the default) or "spark" (`restore.engine_spark`,
-imported only when asked for).
+restore.partitioned; options memory, work_dir, partitions; the default), "columnar" (the same plan as SQL on
+DuckDB, in bounded memory: `restore.engine_columnar`; the local engine's options) or "spark"
+(`restore.engine_spark`); those two are imported only when asked for.
 """
 
 from __future__ import annotations
@@ -144,7 +145,8 @@ class LocalEngine:
 
 
 _ENGINES: dict[str, Callable[..., Engine]] = {"local": lambda **options: LocalEngine(**options)}
-_LAZY = {"spark": "restore.engine_spark"}  # imported on first use: pyspark is an optional dependency
+# Imported on first use: pyspark is an optional dependency; the columnar engine brings DuckDB in.
+_LAZY = {"spark": "restore.engine_spark", "columnar": "restore.engine_columnar"}
 
 
 def engine_names() -> list[str]:

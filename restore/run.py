@@ -531,7 +531,7 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
         raise RestoreError(f"structure {structure} is ACTIVE: restore works on a FAILED structure; mark it "
                            f"failed first (--mark-failed) if you mean to replace its content")
     options = dict(engine_options or {})
-    if engine == "local":  # its spill files: a private directory beside the backups (docs/runbook.md)
+    if engine in ("local", "columnar"):  # its spill files: a private directory beside the backups (docs/runbook.md)
         # A read-only backup volume (the compose tools service mounts it so): the system's temporary directory.
         options.setdefault("work_dir", backup_root / WORK_DIR if os.access(backup_root, os.W_OK) else None)
         # RECAUTO and library callers: $CFEMU_RESTORE_MEMORY and $CFEMU_RESTORE_WORKERS, else the defaults

@@ -1,0 +1,776 @@
+"""The columnar restore engine: the plan of restore.plan as one relational plan over Arrow data, run by DuckDB.
+
+Final disposition is a join of the backup's copies and the log's entry records with the outcomes of their UOWs,
+ordered per entry and folded. Here every step of the reference (restore.plan.plan_local, restore.settle) is a
+SQL statement over columns, so that no Python runs per record past the readers:
+
+  read     the log's slices are read by worker processes side by side (restore.log_slices), the backup by this
+           process meanwhile; each record that matters (plan.relevant) becomes a row of `recs`, each entry it
+           names a row of `ev`, each descriptor it or the backup carries a row of `descs` (its fields as columns,
+           the descriptor and the data as blobs), written as Parquet files in the restore's spill directory;
+  base     the generation rule (plan.current_incarnation) as a predicate over `recs`; older outcome records kept
+           aside count for the UOWs a relog copy shows holding an entry (plan.older_outcome, copy_holder);
+  outcome  each UOW's outcome (settle.decide_outcome): a RECOVERY record's decision first, where the relogs of
+           that decision count; else the owner's last run of records of one kind; the entries the decision's
+           records carry, by the same precedence;
+  fold     per entry, the best copy (settle.with_logged_copies), the UOWs it names (settle.uows_named: those
+           without an outcome were in flight and are backed out by restore), the events in (LRSN, rank) order,
+           an outcome never at or below its UOW's own operations; then the redo rule and the transitions of
+           settle.settle, one event per entry at a time, as a recursive query keyed by entry;
+  final    settle._final's rules; a UOW's control entry goes through sqm.conversations.uowstatus in Python
+           (those entries only); the survivors in the CF's order (settle.load_key).
+
+DuckDB keeps its tables in a database file in the spill directory and spills its operators there within the
+memory it is given (a share of `--memory-limit`); the plan streams its survivors in load order from there.
+The result equals plan_local's for the same input (tests/restore/test_engine_columnar.py).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import msgpack
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from cfemu.bulk import unloadable
+from cfemu.progress import Progress, no_progress
+from cfemu.settings import default_workers
+from cfemu.uow_attributes import CONTROL_SUFFIX
+from restore.engine import READ_LOGS, SETTLE, BackupSource, _counted, register_engine
+from restore.log_slices import LogSlice, log_slices
+from restore.partitioned import DEFAULT_MEMORY, _vm_hwm
+from restore.plan import BACKOUT, INDOUBT, Base, RestorePlan, base_lrsn, base_of, restore_lrsn_above
+from restore.settle import (
+    CONSUMED,
+    EXPIRED,
+    GONE,
+    HELD_INDOUBT,
+    PUT_BACKED_OUT,
+    RESTORED,
+    STATUS_DROPPED,
+    Outcome,
+    Settled,
+)
+from restore.spill import SpillDir
+from restore.workers import Workers
+from sqm.conversations.uowstatus import is_control_queue, restore_control_entry
+from sqm.core.records import KINDS, OUTCOME_RANK, Role
+from sqm.log import one_log_per_member
+
+ROWS_PER_GROUP = 32_768  # records a reader buffers before it writes them as one Parquet row group
+FETCH_ROWS = 4_096  # survivors fetched at a time as the load reads them
+CONTROL = "control"  # the fold's disposition of a surviving control entry, until uowstatus has ruled on it
+# The fields the fold sets, as bits of a state's mask: the final descriptor is the base descriptor with these set.
+ST, U, L, O1, O2, BC = 1, 2, 4, 8, 16, 32
+FIELDS = (("st", ST), ("u", U), ("l", L), ("o1", O1), ("o2", O2), ("bc", BC))
+# The redo steps of the fold's ENTRY kinds (settle.settle): a kind not here stops the plan.
+REDO_KINDS = ("PUT", "GET", "EXPIRE")
+
+_PACK = msgpack.Packer(use_bin_type=True, unicode_errors="surrogateescape").pack
+
+RECS = pa.schema([("rid", pa.int64()), ("l", pa.int64()), ("m", pa.string()), ("seg", pa.int64()),
+                  ("off", pa.int64()), ("k", pa.string()), ("role", pa.string()), ("u", pa.string()),
+                  ("gen", pa.int64()), ("at", pa.int64()), ("dec", pa.string()), ("outranks", pa.bool_()),
+                  ("rank", pa.int8()), ("copy", pa.bool_()), ("carries", pa.bool_()), ("dby", pa.string()),
+                  ("ss", pa.list_(pa.string())), ("holder", pa.string())])
+EV = pa.schema([("rid", pa.int64()), ("eid", pa.string())])
+DESCS = pa.schema([("src", pa.string()), ("rid", pa.int64()), ("eid", pa.string()), ("s", pa.string()),
+                   ("q", pa.string()), ("p", pa.int64()), ("exp", pa.int64()), ("st", pa.string()),
+                   ("u", pa.string()), ("l", pa.int64()), ("o1", pa.int64()), ("o2", pa.int64()),
+                   ("bc", pa.int64()), ("blob", pa.binary()), ("data", pa.binary())])
+_COLUMNS = {"recs": RECS, "ev": EV, "descs": DESCS}
+
+
+class _Tables:
+    """The rows one reader makes, as columns, written to Parquet files `<table>.<name>.parquet` in `spill` a row
+    group at a time."""
+
+    def __init__(self, spill: Path, name: str) -> None:
+        self.spill, self.name = spill, name
+        self.cols: dict[str, dict[str, list[Any]]] = {t: {f.name: [] for f in s} for t, s in _COLUMNS.items()}
+        self.writers: dict[str, pq.ParquetWriter] = {}
+        self.files: list[str] = []
+
+    def flush(self) -> None:
+        for table, cols in self.cols.items():
+            first = next(iter(cols.values()))
+            if not first:
+                continue
+            try:
+                batch = pa.table(cols, schema=_COLUMNS[table])
+            except UnicodeEncodeError as e:  # a raw byte a backup or a log kept (surrogateescape)
+                raise unloadable(_first_bad(cols.get("eid", [])), e) from None
+            w = self.writers.get(table)
+            if w is None:
+                path = self.spill / f"{table}.{self.name}.parquet"
+                w = self.writers[table] = pq.ParquetWriter(path, _COLUMNS[table], compression="none")
+                self.files.append(path.name)
+            w.write_table(batch)
+            for c in cols.values():
+                c.clear()
+
+    def close(self) -> list[str]:
+        self.flush()
+        for w in self.writers.values():
+            w.close()
+        return self.files
+
+
+def _first_bad(ids: list[Any]) -> str:
+    for i in ids:
+        try:
+            str(i).encode()
+        except UnicodeEncodeError:
+            return str(i)
+    return "?"
+
+
+def _add_desc(d: dict[str, list[Any]], src: str, rid: int, s: str, desc: dict[str, Any], data: bytes) -> None:
+    d["src"].append(src)
+    d["rid"].append(rid)
+    d["eid"].append(desc["id"])
+    d["s"].append(s)
+    d["q"].append(desc.get("q", ""))
+    d["p"].append(int(desc.get("p", 0)))
+    d["exp"].append(int(desc.get("exp", 0)))
+    d["st"].append(desc.get("st"))
+    d["u"].append(desc.get("u") or "")
+    d["l"].append(int(desc["l"]))
+    d["o1"].append(int(desc.get("o1", 0)))
+    d["o2"].append(int(desc.get("o2", 0)))
+    d["bc"].append(int(desc.get("bc", 0)))
+    d["blob"].append(_PACK(desc))
+    d["data"].append(bytes(data))
+
+
+@dataclass(frozen=True)
+class _ReadJob:
+    spill: Path
+    structure: str
+
+
+@dataclass
+class _Read:
+    files: list[str]
+    max_lrsn: int
+    records: int
+    unknown_entry_kinds: list[str]
+    pid: int
+    peak: int
+    cpu_s: float
+
+
+def _read_slice(job: _ReadJob, item: tuple[int, LogSlice]) -> _Read:
+    """One slice of a log as rows (see the module doc), in any process: the rows of the records that matter for
+    the structure (plan.relevant), with another structure's data in an outcome record left out (plan.restrict)."""
+    n, sl = item
+    cpu0 = time.process_time()
+    structure = job.structure
+    t = _Tables(job.spill, f"s{n}")
+    r, e, d = t.cols["recs"], t.cols["ev"], t.cols["descs"]
+    r_rid, r_l, r_m, r_seg, r_off, r_k, r_role, r_u = (r[c].append for c in ("rid", "l", "m", "seg", "off", "k",
+                                                                             "role", "u"))
+    r_gen, r_at, r_dec, r_out, r_rank, r_copy, r_car, r_by, r_ss, r_holder = (
+        r[c].append for c in ("gen", "at", "dec", "outranks", "rank", "copy", "carries", "dby", "ss", "holder"))
+    e_rid, e_eid = e["rid"].append, e["eid"].append
+    base_rid = (n + 1) << 36
+    max_lrsn, count = 0, 0
+    unknown: set[str] = set()
+    entry, outcome, end = Role.ENTRY, Role.OUTCOME, Role.END
+    for i, (key, rec) in enumerate(sl.records()):
+        lrsn = rec["l"]
+        if lrsn > max_lrsn:
+            max_lrsn = lrsn
+        kind = KINDS.get(rec["k"])
+        if kind is None:
+            continue  # a kind this version does not know: nothing for restore (records.FOREIGN)
+        role = kind.role
+        dd: list[Any] = []
+        if role is entry:
+            if kind.structure(rec) != structure:
+                continue
+            gen = rec.get("g")
+        elif role is outcome:
+            gen = (rec.get("ss") or {}).get(structure)
+            dd = [c for c in rec.get("dd", ()) if c[0] == structure]
+        elif role is end:
+            gen = None
+        else:
+            continue
+        rid = base_rid + i
+        u = rec.get("u")
+        r_rid(rid)
+        r_l(lrsn)
+        r_m(key[1])
+        r_seg(key[2])
+        r_off(key[3])
+        r_k(kind.code)
+        r_role(role.value)
+        r_u(u)
+        r_gen(gen)
+        r_at(rec.get("at"))
+        r_dec(kind.decides(rec) if kind.decides is not None else None)
+        r_out(kind.outranks_owner)
+        r_rank(kind.fold_rank)
+        r_copy(kind.copy)
+        r_car(kind.carries_data)
+        r_by(rec.get("by"))
+        r_ss(list(rec.get("ss") or ()))
+        r_holder(str((rec.get("e") or {}).get("u") or "") if kind.copy else "")
+        if role is entry:
+            if not kind.copy and kind.code not in REDO_KINDS:
+                unknown.add(kind.code)
+            for eid in dict.fromkeys(kind.entry_ids(rec)):
+                e_rid(rid)
+                e_eid(eid)
+            for desc in kind.descriptors(rec):
+                _add_desc(d, "R" if kind.copy else "P", rid, rec["s"], desc, rec.get("d", b""))
+        elif dd:
+            carried = {c[1]["id"]: c for c in dd}  # one copy an entry: the last (settle._carried)
+            for eid, c in carried.items():
+                e_rid(rid)
+                e_eid(eid)
+                _add_desc(d, "D", rid, c[0], c[1], c[2])
+        count += 1
+        if count % ROWS_PER_GROUP == 0:
+            t.flush()
+    files = t.close()
+    return _Read(files, max_lrsn, count, sorted(unknown), os.getpid(), _vm_hwm(), time.process_time() - cpu0)
+
+
+def _read_backup(spill: Path, copies: Iterable[tuple[str, dict[str, Any], bytes]]) -> tuple[list[str], int, set[str]]:
+    """The backup's copies as rows of `descs` (src "B", rid their place in the backup): the files, the highest
+    LRSN and the UOWs the copies name (plan.base_of's held_by)."""
+    t = _Tables(spill, "backup")
+    d = t.cols["descs"]
+    max_lrsn = 0
+    held: set[str] = set()
+    for n, (s, desc, data) in enumerate(copies):
+        _add_desc(d, "B", n, s, desc, data)
+        lrsn = int(desc["l"])
+        if lrsn > max_lrsn:
+            max_lrsn = lrsn
+        held.add(desc.get("u", ""))
+        if (n + 1) % ROWS_PER_GROUP == 0:
+            t.flush()
+    return t.close(), max_lrsn, held
+
+
+# ------------------------------------------------------------------------------------------------ the plan
+# Each statement is one step of the reference; $-names are bound by _run. Tables: recs (a record a row, `seq` its
+# place in the merged log), ev (entry id a record names), descs (a descriptor a row: "B" a backup copy, "P" a put's,
+# "R" a relog copy, "D" a copy an outcome record carries), base_uows (plan.Base.carried).
+
+PLAN_SQL = """
+-- the generation rule (plan.current_incarnation), and where each record lies in the merged log
+CREATE TABLE r AS
+SELECT *, row_number() OVER (ORDER BY l, m, seg, off) AS seq,
+       ($G <= 0 OR coalesce(u IN (SELECT u FROM base_uows), false) OR role = 'end' OR gen IS NULL
+        OR (gen = 0 AND role = 'outcome') OR (gen <> 0 AND gen >= $G)) AS kept
+FROM recs;
+
+-- the UOWs a relog copy of this incarnation shows holding an entry: their older outcome records count
+CREATE TABLE holders AS SELECT DISTINCT holder AS u FROM r WHERE kept AND holder <> '';
+CREATE TABLE orecs AS
+SELECT * FROM r WHERE role = 'outcome' AND (kept OR u IN (SELECT u FROM holders));
+CREATE TABLE ended AS SELECT DISTINCT u FROM r WHERE kept AND role = 'end';
+
+-- settle.decide_outcome: a decision that outranks the owner's (RECOVERY): its first by (LRSN, by) decides
+CREATE TABLE firsts AS
+SELECT u, dec AS kind, dby AS decided_by, l AS fl FROM (
+  SELECT u, dec, dby, l, row_number() OVER (PARTITION BY u ORDER BY l, dby, seq) AS rn FROM orecs WHERE outranks)
+WHERE rn = 1;
+CREATE TABLE oa AS
+SELECT f.u, f.kind, f.decided_by, f.fl,
+       CASE WHEN bool_or(o.at IS NOT NULL) FILTER (WHERE o.outranks AND o.dec = f.kind)
+            THEN min(coalesce(nullif(o.at, 0), o.l)) FILTER (WHERE o.outranks AND o.dec = f.kind)
+            ELSE coalesce(min(o.l) FILTER (WHERE NOT o.outranks AND o.dec = f.kind AND o.l < f.fl), f.fl)
+       END AS lrsn
+FROM firsts f JOIN orecs o USING (u) GROUP BY f.u, f.kind, f.decided_by, f.fl;
+-- else the owner's last record decides, and counts where the first of its run of one kind counts
+CREATE TABLE own AS
+SELECT * FROM orecs WHERE NOT outranks AND dec IS NOT NULL AND u NOT IN (SELECT u FROM firsts);
+CREATE TABLE lastrec AS
+SELECT u, arg_max(dec, seq) AS kind, arg_max(k, seq) AS lk, arg_max(m, seq) AS decided_by FROM own GROUP BY u;
+CREATE TABLE ob AS
+WITH brk AS (SELECT o.u, max(o.seq) AS b FROM own o JOIN lastrec x USING (u) WHERE o.k <> x.lk GROUP BY o.u)
+SELECT x.u, x.kind, x.decided_by, coalesce(brk.b, -1) AS b, min(coalesce(nullif(o.at, 0), o.l)) AS lrsn
+FROM lastrec x JOIN own o USING (u) LEFT JOIN brk USING (u)
+WHERE o.seq > coalesce(brk.b, -1)
+GROUP BY x.u, x.kind, x.decided_by, brk.b;
+CREATE TABLE structs AS
+SELECT u, list_sort(list_distinct(flatten(list(ss)))) AS structures FROM orecs GROUP BY u;
+CREATE TABLE outc AS
+SELECT o.u, o.kind, o.lrsn, o.decided_by, s.structures FROM (
+  SELECT u, kind, lrsn, decided_by FROM oa UNION ALL SELECT u, kind, lrsn, decided_by FROM ob) o
+JOIN structs s USING (u);
+-- the entries a decision's records carry: the owner's own of that decision first (by LRSN), then the decision's
+-- relogs (by LRSN, by), and of the owner's run its last
+CREATE TABLE odata AS
+SELECT u, eid, rid FROM (
+  SELECT *, row_number() OVER (PARTITION BY u, eid ORDER BY grp, l, dby, ord) AS rn FROM (
+    SELECT o.u, e.eid, o.rid, CASE WHEN o.outranks THEN 1 ELSE 0 END AS grp, o.l, coalesce(o.dby, '') AS dby,
+           o.seq AS ord
+    FROM orecs o JOIN oa USING (u) JOIN ev e ON e.rid = o.rid
+    WHERE o.dec = oa.kind AND (o.outranks OR o.l < oa.fl)
+    UNION ALL
+    SELECT o.u, e.eid, o.rid, 0, 0, '', -o.seq
+    FROM own o JOIN ob USING (u) JOIN ev e ON e.rid = o.rid WHERE o.seq > ob.b))
+WHERE rn = 1;
+
+-- the records on each entry (plan_local's by_entry), and every entry (copied or named)
+CREATE TABLE eev AS
+SELECT e.eid, r.rid, r.seq, r.l, r.k, r.role, r.u, r.rank, r.copy, r.carries
+FROM ev e JOIN r USING (rid) WHERE r.kept;
+CREATE TABLE ents AS
+SELECT eid, row_number() OVER () AS eix FROM (
+  SELECT eid FROM descs WHERE src = 'B' UNION SELECT eid FROM eev);
+-- the best copy: the backup's of the latest transition, else a relog pass's (settle.with_logged_copies)
+CREATE TABLE best AS
+SELECT eid, src, rid, st, u, l, o1, o2, bc FROM (
+  SELECT *, row_number() OVER (PARTITION BY eid ORDER BY l DESC, grp, ord) AS rn FROM (
+    SELECT eid, src, rid, st, u, l, o1, o2, bc, 0 AS grp, rid AS ord FROM descs WHERE src = 'B'
+    UNION ALL
+    SELECT d.eid, d.src, d.rid, d.st, d.u, d.l, d.o1, d.o2, d.bc, 1, e.seq
+    FROM eev e JOIN descs d ON d.src = 'R' AND d.rid = e.rid AND d.eid = e.eid WHERE e.copy))
+WHERE rn = 1;
+-- the UOWs each entry's fold needs (settle.uows_named), and the highest LRSN of each one's operations on it
+CREATE TABLE named AS
+SELECT eid, u, max(top) AS top FROM (
+  SELECT eid, u, CASE WHEN role = 'entry' AND NOT copy THEN l END AS top FROM eev
+  WHERE u IS NOT NULL AND u <> '' AND (role = 'entry' OR carries)
+  UNION ALL
+  SELECT eid, u, l FROM best WHERE u IS NOT NULL AND u <> '')
+GROUP BY eid, u;
+-- UOWs with no outcome were in flight: restore backs them out, at its own LRSN (plan.in_flight_outcome)
+CREATE TABLE inflight AS
+SELECT DISTINCT u FROM named WHERE u NOT IN (SELECT u FROM outc);
+INSERT INTO outc SELECT u, 'B', $R, 'restore', []::VARCHAR[] FROM inflight;
+
+-- the events of each entry, in the fold's order: its records' (PUT, GET, EXPIRE at their LRSN, by rank), and
+-- its UOWs' outcomes, never at or below the UOW's own operations on it
+CREATE TABLE evs AS
+SELECT n.eix, row_number() OVER (PARTITION BY n.eix ORDER BY x.pos, x.rank, x.tie, x.eu) AS ord, x.* EXCLUDE (eid)
+FROM (
+  SELECT e.eid, e.l AS pos, e.rank, e.seq AS tie, e.k AS kind, e.u AS eu, NULL::VARCHAR AS ok,
+         d.src AS d_src, d.rid AS d_rid, d.st AS d_st, d.u AS d_u, d.l AS d_l, d.o1 AS d_o1, d.o2 AS d_o2,
+         d.bc AS d_bc
+  FROM eev e LEFT JOIN descs d ON e.k = 'PUT' AND d.src = 'P' AND d.rid = e.rid AND d.eid = e.eid
+  WHERE e.role = 'entry' AND NOT e.copy
+  UNION ALL
+  SELECT n.eid, CASE WHEN o.lrsn > coalesce(n.top, 0) THEN o.lrsn ELSE coalesce(n.top, 0) + 1 END,
+         $OUTCOME_RANK, NULL, 'O', n.u, o.kind, d.src, d.rid, d.st, d.u, d.l, d.o1, d.o2, d.bc
+  FROM named n JOIN outc o USING (u)
+  LEFT JOIN odata od ON o.kind = 'B' AND od.u = n.u AND od.eid = n.eid
+  LEFT JOIN descs d ON d.src = 'D' AND d.rid = od.rid AND d.eid = n.eid
+  WHERE o.kind <> 'D') x
+JOIN ents n USING (eid)
+WHERE n.eid NOT IN (SELECT eid FROM best WHERE st = 'EX');
+
+-- the fold (settle.settle): one event of every entry at a time, a copy that is expired not folded
+CREATE TABLE folded AS
+WITH RECURSIVE f(eix, ord, st, u, l, o1, o2, bc, src, rid, mask, fate) USING KEY (eix) AS (
+  SELECT n.eix, 0::BIGINT, b.st, b.u, b.l, b.o1, b.o2, b.bc, b.src, b.rid, 0::BIGINT,
+         CASE WHEN b.st = 'EX' THEN 'expired' ELSE 'gone' END
+  FROM ents n LEFT JOIN best b USING (eid)
+  UNION
+  SELECT eix, ord,
+    CASE WHEN c_cp THEN 'CP' WHEN c_none THEN NULL WHEN c_put THEN 'UP' WHEN c_get THEN 'UG' ELSE st1 END,
+    CASE WHEN c_cp THEN '' WHEN c_put OR c_get THEN eu ELSE u1 END,
+    CASE WHEN c_cp OR c_put OR c_get THEN pos ELSE l1 END,
+    CASE WHEN c_commit THEN pos WHEN c_put THEN 0 ELSE o1_1 END,
+    CASE WHEN c_put THEN pos ELSE o2_1 END,
+    CASE WHEN c_put THEN d_bc WHEN c_back THEN bc1 + 1 ELSE bc1 END,
+    CASE WHEN c_put THEN d_src ELSE src1 END,
+    CASE WHEN c_put THEN d_rid ELSE rid1 END,
+    CASE WHEN c_put THEN $ST | $U | $L | $O1 | $O2
+         WHEN c_commit THEN mask1 | $ST | $U | $L | $O1
+         WHEN c_back THEN mask1 | $ST | $U | $L | $BC
+         WHEN c_get THEN mask1 | $ST | $U | $L ELSE mask1 END,
+    CASE WHEN c_consumed THEN 'consumed' WHEN c_backed_out THEN 'put-backed-out' WHEN c_exp THEN 'expired'
+         ELSE fate END
+  FROM (
+    SELECT *,
+      c_commit OR c_back AS c_cp, c_consumed OR c_backed_out OR c_exp AS c_none
+    FROM (
+      SELECT *,
+        held AND ok = 'C' AND st1 = 'UP' AS c_commit,
+        held AND ok = 'C' AND st1 = 'UG' AS c_consumed,
+        held AND ok = 'B' AND st1 = 'UP' AS c_backed_out,
+        held AND ok = 'B' AND st1 = 'UG' AS c_back,
+        NOT skip AND kind = 'PUT' AND st1 IS NULL AS c_put,
+        NOT skip AND kind = 'GET' AND st1 = 'CP' AS c_get,
+        NOT skip AND kind = 'EXPIRE' AND st1 = 'CP' AS c_exp
+      FROM (
+        SELECT *,
+          CASE WHEN rep THEN d_st ELSE st0 END AS st1,
+          CASE WHEN rep THEN d_u ELSE u0 END AS u1,
+          CASE WHEN rep THEN d_l ELSE l0 END AS l1,
+          CASE WHEN rep THEN d_o1 ELSE o1_0 END AS o1_1,
+          CASE WHEN rep THEN d_o2 ELSE o2_0 END AS o2_1,
+          CASE WHEN rep THEN d_bc ELSE bc0 END AS bc1,
+          CASE WHEN rep THEN d_src ELSE src0 END AS src1,
+          CASE WHEN rep THEN d_rid ELSE rid0 END AS rid1,
+          CASE WHEN rep THEN 0 ELSE mask0 END AS mask1,
+          NOT skip AND kind = 'O' AND (CASE WHEN rep THEN d_st ELSE st0 END) IN ('UP', 'UG')
+            AND coalesce(CASE WHEN rep THEN d_u ELSE u0 END, '') = eu AS held
+        FROM (
+          SELECT *,
+            -- a backout carrying the entry newer than what the fold holds: the entry is taken from it
+            NOT skip AND kind = 'O' AND ok = 'B' AND d_src IS NOT NULL AND (st0 IS NULL OR d_l > l0) AS rep
+          FROM (
+            SELECT e.*, f.st AS st0, f.u AS u0, f.l AS l0, f.o1 AS o1_0, f.o2 AS o2_0, f.bc AS bc0,
+                   f.src AS src0, f.rid AS rid0, f.mask AS mask0, f.fate,
+                   -- the redo rule: a state already reflects a transition at or below its LRSN
+                   f.st IS NOT NULL AND e.pos <= f.l AS skip
+            FROM f JOIN evs e ON e.eix = f.eix AND e.ord = f.ord + 1))))))
+SELECT * FROM f;
+
+-- settle._final: what a folded entry that still exists becomes
+CREATE TABLE fin AS
+SELECT f.eix, n.eid, f.st, f.u, f.l, f.o1, f.o2, f.bc, f.src, f.rid, f.mask, d.s, d.q, d.p,
+  CASE WHEN f.st IS NULL THEN f.fate
+       WHEN f.ord = 0 AND f.st = 'EX' THEN 'expired'
+       WHEN f.st IN ('UP', 'UG') THEN 'in-doubt'
+       WHEN d.exp > 0 AND d.exp <= $NOW THEN 'expired'
+       WHEN suffix(d.q, $CONTROL_SUFFIX) THEN 'control'
+       ELSE 'restored' END AS disp
+FROM folded f JOIN ents n USING (eix)
+LEFT JOIN descs d ON d.src = f.src AND d.rid = f.rid AND d.eid = n.eid;
+"""
+
+# The survivors in the CF's order (settle.load_key), each with its base descriptor and data.
+SURVIVORS_SQL = """
+SELECT f.eid, f.disp, f.s, f.st, f.u, f.l, f.o1, f.o2, f.bc, f.mask, coalesce(c.blob, d.blob) AS blob,
+       coalesce(c.data, d.data) AS data, c.eix IS NOT NULL AS final
+FROM fin f JOIN descs d ON d.src = f.src AND d.rid = f.rid AND d.eid = f.eid
+LEFT JOIN ctl c ON c.eix = f.eix
+WHERE f.disp IN ('restored', 'in-doubt')
+ORDER BY f.q, CASE f.st WHEN 'CP' THEN 0 WHEN 'UP' THEN 1 ELSE 2 END,
+         CASE f.st WHEN 'CP' THEN -f.p WHEN 'UP' THEN f.o2 ELSE f.l END,
+         CASE f.st WHEN 'CP' THEN f.o1 ELSE 0 END, CASE f.st WHEN 'CP' THEN f.o2 ELSE 0 END, f.eid
+"""
+
+
+def _entry(desc: bytes, mask: int, row: tuple[Any, ...]) -> dict[str, Any]:
+    """The final descriptor: the base one with the fields the fold set (row: st, u, l, o1, o2, bc)."""
+    entry: dict[str, Any] = msgpack.unpackb(desc, raw=False, unicode_errors="surrogateescape", strict_map_key=False)
+    if mask:
+        for (name, bit), value in zip(FIELDS, row, strict=True):
+            if mask & bit:
+                entry[name] = value
+    return entry
+
+
+def _bind(sql: str, params: Mapping[str, Any]) -> str:
+    """The statements with their $-names replaced by literals (numbers, and strings quoted)."""
+    for name in sorted(params, key=len, reverse=True):
+        value = params[name]
+        text = "'" + value.replace("'", "''") + "'" if isinstance(value, str) else str(int(value))
+        sql = sql.replace(f"${name}", text)
+    return sql
+
+
+def _batches(cur: duckdb.DuckDBPyConnection, sql: str) -> Iterator[pa.RecordBatch]:
+    """The result of `sql` as Arrow record batches of FETCH_ROWS rows, read as they are asked for."""
+    reader = cur.sql(sql).to_arrow_reader(FETCH_ROWS)
+    if reader is not None:
+        yield from reader
+
+
+class SqlOutcomes(Mapping[str, Outcome]):
+    """Every UOW's outcome (RestorePlan.outcomes), read from the plan's tables as asked."""
+
+    def __init__(self, cursor: Callable[[], duckdb.DuckDBPyConnection], count: int) -> None:
+        self.cursor, self.count = cursor, count
+
+    def __getitem__(self, uow: str) -> Outcome:
+        cur = self.cursor()
+        row = cur.execute("SELECT kind, lrsn, decided_by, structures FROM outc WHERE u = ?", [uow]).fetchone()
+        if row is None:
+            raise KeyError(uow)
+        data = {eid: (s, msgpack.unpackb(desc, raw=False, unicode_errors="surrogateescape", strict_map_key=False),
+                      bytes(blob))
+                for eid, s, desc, blob in cur.execute(
+                    "SELECT od.eid, d.s, d.blob, d.data FROM odata od JOIN descs d ON d.src = 'D' AND "
+                    "d.rid = od.rid AND d.eid = od.eid WHERE od.u = ? AND ? = 'B' ORDER BY od.eid",
+                    [uow, row[0]]).fetchall()}
+        return Outcome(row[0], int(row[1]), row[2], data, tuple(row[3] or ()))
+
+    def __iter__(self) -> Iterator[str]:
+        for batch in _batches(self.cursor(), "SELECT u FROM outc"):
+            yield from batch.column(0).to_pylist()
+
+    def __len__(self) -> int:
+        return self.count
+
+
+class ColumnarSettled(Collection[Settled]):
+    """Every settled entry (RestorePlan.settled): the survivors in load order, then the others."""
+
+    def __init__(self, plan: ColumnarPlan) -> None:
+        self.plan = plan
+
+    def __iter__(self) -> Iterator[Settled]:
+        yield from self.plan.in_load_order()
+        for batch in _batches(self.plan.cursor(),
+                              "SELECT eid, disp FROM fin WHERE disp NOT IN ('restored', 'in-doubt') ORDER BY eid"):
+            for eid, disp in zip(*(c.to_pylist() for c in batch.columns), strict=True):
+                yield Settled(eid, disp)
+
+    def __len__(self) -> int:
+        return self.plan.settled_count
+
+    def __contains__(self, item: object) -> bool:
+        return any(s == item for s in self)
+
+
+class ColumnarPlan(RestorePlan):
+    """A RestorePlan whose tables live in a DuckDB database in its spill directory until close()."""
+
+    spill: SpillDir
+    con: duckdb.DuckDBPyConnection
+    settled_count: int
+    loaded_count: int
+    loaded_bytes: int
+    held: dict[str, str]
+    first_lrsn: dict[str, int]
+    restore_decided: set[str]
+    worker_peak_bytes: int
+    workers: int
+    partitions: int = 1
+    timings: dict[str, float]  # seconds of each statement of the plan (where the time goes)
+    read_cpu_s: float = 0.0  # CPU seconds the log's readers took, in all
+
+    def cursor(self) -> duckdb.DuckDBPyConnection:
+        return self.con.cursor()  # a connection of its own: the load reads the survivors from another thread
+
+    def in_load_order(self) -> Iterator[Settled]:
+        for batch in _batches(self.cursor(), SURVIVORS_SQL):
+            cols = [c.to_pylist() for c in batch.columns]
+            for eid, disp, s, st, u, lrsn, o1, o2, bc, mask, desc, data, final in zip(*cols, strict=True):
+                entry = _entry(desc, 0 if final else mask, (st, u, lrsn, o1, o2, bc))
+                yield Settled(eid, disp, s, entry, data)
+
+    def loaded(self) -> Iterator[Settled]:
+        return self.in_load_order()
+
+    def loaded_total(self) -> int:
+        return self.loaded_count
+
+    def in_doubt_uows(self) -> dict[str, str]:
+        return dict(self.held)
+
+    def loaded_first_lrsn(self) -> dict[str, int]:
+        return dict(self.first_lrsn)
+
+    def backed_out_by_restore(self) -> set[str]:
+        return set(self.restore_decided)
+
+    def close(self) -> None:
+        try:
+            self.con.close()
+        finally:
+            self.spill.close()
+
+
+class ColumnarEngine:
+    """The plan as one columnar plan on DuckDB, in bounded memory: its tables and spilled operators in a private
+    temporary directory under `work_dir`, within `memory` bytes (DuckDB is given half, the readers and the load
+    the rest); `workers` processes read the logs' slices side by side, and DuckDB runs that many threads."""
+
+    name = "columnar"
+
+    def __init__(self, memory: int = DEFAULT_MEMORY, work_dir: Path | None = None,
+                 partitions: int | None = None, workers: int | None = None) -> None:
+        if memory <= 0:
+            raise ValueError(f"the restore memory limit must be positive, not {memory}")
+        self.memory = memory
+        self.work_dir = Path(work_dir) if work_dir is not None else None
+        self.workers = default_workers() if workers is None else workers
+        if self.workers < 1:
+            raise ValueError(f"the restore workers must be at least 1, not {self.workers}")
+
+    def plan(self, structure: str, backup: BackupSource, log_dirs: list[Path], replay_from: int, now_ms: int,
+             progress: Progress = no_progress) -> RestorePlan:
+        spill = SpillDir(self.work_dir)
+        try:
+            return self._plan(spill, structure, backup, log_dirs, replay_from, now_ms, progress)
+        except BaseException:
+            spill.close()
+            raise
+
+    def _plan(self, spill: SpillDir, structure: str, backup: BackupSource, log_dirs: list[Path], replay_from: int,
+              now_ms: int, progress: Progress) -> ColumnarPlan:
+        manifest = backup.manifest
+        total = manifest.get("entries")
+        one_log_per_member(log_dirs)
+        slices = log_slices(log_dirs, replay_from, 3 * self.workers)
+        job = _ReadJob(spill.path, structure)
+        reads: list[_Read] = []
+        failure: list[BaseException] = []
+        with Workers(min(self.workers, max(1, len(slices)))) as pool:
+            # The workers read the logs while this process reads the backup (the same cores: the backup's read
+            # is mostly this process's).
+            def read_logs() -> None:
+                try:
+                    for done, res in enumerate(pool.map(partial(_read_slice, job), enumerate(slices)), 1):
+                        reads.append(res)
+                        progress(READ_LOGS, done, len(slices))
+                except BaseException as e:
+                    failure.append(e)
+
+            progress(READ_LOGS, 0, len(slices))
+            reader = threading.Thread(target=read_logs, name="restore-read-logs", daemon=True)
+            if pool.procs:
+                reader.start()
+            backup_files, backup_max, held_by = _read_backup(
+                spill.path, _counted(backup.copies(), progress, int(total) if total is not None else None))
+            if pool.procs:
+                reader.join()
+            else:
+                read_logs()
+        if failure:
+            raise failure[0]
+        unknown = sorted({k for res in reads for k in res.unknown_entry_kinds})
+        if unknown:
+            raise ValueError(f"restore's fold has no redo step for {unknown[0]} records")
+        base = base_of({"gen": int(manifest.get("gen", 0) or 0), "carried": manifest.get("carried", ()),
+                        "end_lrsn": base_lrsn(manifest), "uows": list(manifest.get("uows") or ())}, held_by)
+        max_lrsn = max([backup_max, *(res.max_lrsn for res in reads)])
+        restore_lrsn = restore_lrsn_above(max_lrsn, base)
+        progress(SETTLE, 0, 1)
+        files = {t: [f for f in (*backup_files, *(f for res in reads for f in res.files)) if f.startswith(t + ".")]
+                 for t in _COLUMNS}
+        con = self._connect(spill)
+        try:
+            plan = _run(con, spill, structure, base, files, now_ms, restore_lrsn, max_lrsn)
+        except BaseException:
+            con.close()
+            raise
+        plan.worker_peak_bytes = sum({res.pid: res.peak for res in reads if res.pid != os.getpid()}.values())
+        plan.workers = self.workers
+        plan.read_cpu_s = sum(res.cpu_s for res in reads)
+        progress(SETTLE, 1, 1)
+        return plan
+
+    def _connect(self, spill: SpillDir) -> duckdb.DuckDBPyConnection:
+        con = duckdb.connect(str(spill.file("plan.duckdb")))
+        tmp = spill.file("duckdb-tmp")
+        tmp.mkdir(mode=0o700)
+        con.execute(f"SET memory_limit = '{max(64, self.memory // 2 >> 20)}MiB'")
+        con.execute(f"SET temp_directory = '{tmp}'")
+        con.execute(f"SET threads = {self.workers}")
+        con.execute("SET preserve_insertion_order = false")
+        return con
+
+
+def _run(con: duckdb.DuckDBPyConnection, spill: SpillDir, structure: str, base: Base, files: dict[str, list[str]],
+         now_ms: int, restore_lrsn: int, max_lrsn: int) -> ColumnarPlan:
+    """The plan's statements on the rows read, and the plan they make."""
+    for table, schema in _COLUMNS.items():
+        paths = [str(spill.file(f)) for f in files[table]]
+        if paths:
+            con.execute(f"CREATE TABLE {table} AS SELECT * FROM read_parquet(?)", [paths])
+        else:
+            con.from_arrow(schema.empty_table()).create(table)
+    con.from_arrow(pa.table({"u": pa.array(sorted(base.carried), pa.string())})).create("base_uows")
+    for f in (f for fs in files.values() for f in fs):
+        spill.file(f).unlink(missing_ok=True)
+    timings: dict[str, float] = {}
+    for statement in _bind(PLAN_SQL, {"G": base.gen, "R": restore_lrsn, "NOW": now_ms, "OUTCOME_RANK": OUTCOME_RANK,
+                                 "CONTROL_SUFFIX": CONTROL_SUFFIX, "ST": ST, "U": U, "L": L, "O1": O1, "O2": O2,
+                                 "BC": BC}).split(";"):
+        if statement.strip():
+            t0 = time.perf_counter()
+            name = statement.split("CREATE TABLE ", 1)[-1].split()[0] if "CREATE TABLE" in statement else "insert"
+            try:
+                con.execute(statement)
+            except duckdb.Error as e:
+                e.add_note(f"in the columnar plan's statement making {name}")
+                raise
+            timings[name] = round(time.perf_counter() - t0, 3)
+    _rule_on_control_entries(con)
+
+    plan = ColumnarPlan(structure, restore_lrsn, [], {}, {}, set(), Counter(), Counter(), max_lrsn)
+    plan.spill, plan.con = spill, con
+    plan.timings = timings
+    one = con.execute
+    plan.records_by_member = Counter(dict(one("SELECT m, count(*) FROM r WHERE kept GROUP BY m").fetchall()))
+    plan.counts = Counter(dict(one("SELECT disp, count(*) FROM fin GROUP BY disp").fetchall()))
+    plan.settled_count = sum(plan.counts.values())
+    plan.loaded_count, plan.loaded_bytes = (int(v or 0) for v in one(
+        "SELECT count(*), sum(octet_length(coalesce(c.data, d.data))) FROM fin f JOIN descs d ON d.src = f.src "
+        "AND d.rid = f.rid AND d.eid = f.eid LEFT JOIN ctl c ON c.eix = f.eix "
+        "WHERE f.disp IN ('restored', 'in-doubt')").fetchone() or (0, 0))
+    plan.decisions = {u: u.split(".", 1)[0] for (u,) in one("SELECT u FROM inflight").fetchall()}
+    plan.restore_decided = {u for (u,) in one(
+        "SELECT u FROM outc WHERE kind = ? AND decided_by = 'restore'", [BACKOUT]).fetchall()}
+    plan.in_commit = {u for (u,) in one(
+        "SELECT u FROM outc WHERE kind = 'C' AND u NOT IN (SELECT u FROM ended)").fetchall()}
+    # The UOWs the restored structure holds (plan.held_uows): those holding loaded entries, and the in-doubt ones
+    # whose records name the structure; each with its owner (plan.uow_owner), and its lowest loaded LRSN.
+    holding = one("SELECT f.u, min(f.l), any_value(o.kind), any_value(o.decided_by) FROM fin f LEFT JOIN outc o "
+                  "USING (u) WHERE f.disp IN ('restored', 'in-doubt') AND f.u IS NOT NULL AND f.u <> '' "
+                  "GROUP BY f.u").fetchall()
+    held = {u: _owner(u, kind, by) for u, _, kind, by in holding}
+    plan.first_lrsn = {u: int(lrsn) for u, lrsn, _, _ in holding}
+    for u, by in one("SELECT u, decided_by FROM outc WHERE kind = ? AND list_contains(structures, ?)",
+                     [INDOUBT, structure]).fetchall():
+        held.setdefault(u, _owner(u, INDOUBT, by))
+    plan.held = dict(sorted(held.items()))
+    plan.counts["uows in doubt"] = len(plan.held)
+    plan.counts["uows in flight backed out"] = len(plan.decisions)
+    count = one("SELECT count(*) FROM outc").fetchone()
+    plan.outcomes = SqlOutcomes(plan.cursor, int(count[0]) if count else 0)
+    plan.settled = ColumnarSettled(plan)
+    return plan
+
+
+def _owner(uow: str, kind: str | None, decided_by: str | None) -> str:
+    """plan.uow_owner: the member that prepared an in-doubt UOW, else the one its id names."""
+    return decided_by if kind == INDOUBT and decided_by else uow.split(".", 1)[0]
+
+
+def _rule_on_control_entries(con: duckdb.DuckDBPyConnection) -> None:
+    """A surviving UOW's control entry keeps what the restart tables keep (settle._final): restored with its
+    status as restart leaves it (table ctl: its final descriptor and data), or dropped."""
+    con.execute("CREATE TABLE ctl (eix BIGINT, blob BLOB, data BLOB)")
+    rows = con.execute(
+        "SELECT f.eix, f.st, f.u, f.l, f.o1, f.o2, f.bc, f.mask, d.blob, d.data FROM fin f JOIN descs d "
+        "ON d.src = f.src AND d.rid = f.rid AND d.eid = f.eid WHERE f.disp = 'control'").fetchall()
+    dropped: list[int] = []
+    kept: list[tuple[int, bytes, bytes]] = []
+    for eix, st, u, lrsn, o1, o2, bc, mask, desc, data in rows:
+        entry = _entry(desc, mask, (st, u, lrsn, o1, o2, bc))
+        assert is_control_queue(str(entry.get("q", "")))
+        ruled = restore_control_entry(entry, bytes(data))
+        if ruled is None:
+            dropped.append(eix)
+        else:
+            kept.append((eix, _PACK(ruled[0]), ruled[1]))
+    if kept:
+        con.executemany("INSERT INTO ctl VALUES (?, ?, ?)", kept)
+    con.execute(f"UPDATE fin SET disp = '{STATUS_DROPPED}' WHERE eix IN (SELECT unnest(?::BIGINT[]))", [dropped])
+    con.execute(f"UPDATE fin SET disp = '{RESTORED}' WHERE disp = '{CONTROL}'")
+
+
+def make_engine(**options: Any) -> ColumnarEngine:
+    return ColumnarEngine(**options)
+
+
+register_engine("columnar", make_engine)
+
+# The dispositions the plan's SQL spells (settle's names): kept equal to them here.
+assert (CONSUMED, PUT_BACKED_OUT, EXPIRED, GONE, HELD_INDOUBT, RESTORED) == (
+    "consumed", "put-backed-out", "expired", "gone", "in-doubt", "restored")

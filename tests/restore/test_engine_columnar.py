@@ -1,0 +1,166 @@
+"""The columnar engine (restore.engine_columnar) against the in-memory reference plan (restore.plan.plan_local):
+the same plan on the generators' histories (carried UOWs, in-doubt, peer recoveries, relogged windows, purges),
+on real queue managers' histories, and end to end through run_restore."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from backup.files import Backup, BackupWriter, read_backup
+from cfemu.connection import connect
+from cfemu.embedded import EmbeddedRedis
+from cfemu.entry import Entry
+from restore.engine import engine_names, get_engine
+from restore.engine_columnar import ColumnarEngine, ColumnarPlan
+from restore.run import WORK_DIR, run_restore
+from sqm.core import records
+from sqm.log import RecordLog
+from tests.restore.test_engine_spark import NOW_MS, S, _real_history, simulate, write_history
+from tests.restore.test_partitioned import TINY, _cf_content, described, reference
+from tests.restore.test_restore import small_workload
+from tests.support.harness import lose_cf
+
+
+def columnar(backup: Backup, log_dirs: list[Path], replay_from: int, work: Path, **options: Any) -> dict[str, Any]:
+    work.mkdir(exist_ok=True)
+    plan = ColumnarEngine(work_dir=work, **options).plan(S, backup, log_dirs, replay_from, NOW_MS)
+    try:
+        assert isinstance(plan, ColumnarPlan)
+        return described(plan)
+    finally:
+        plan.close()
+        assert list(work.iterdir()) == []  # the spill directory removed
+
+
+def test_the_columnar_engine_is_registered() -> None:
+    assert "columnar" in engine_names()
+    assert isinstance(get_engine("columnar", workers=1), ColumnarEngine)
+
+
+@settings(max_examples=25, derandomize=True, database=None, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1), steps=st.integers(0, 120))
+def test_columnar_plans_equal_the_in_memory_plan(tmp_path_factory: pytest.TempPathFactory, seed: int,
+                                                 steps: int) -> None:
+    h = simulate(random.Random(seed), steps)
+    root = tmp_path_factory.mktemp("history")
+    backup, log_dirs = write_history(h, root)
+    assert columnar(backup, log_dirs, h.replay_from, root / "work", workers=1) == described(
+        reference(backup, log_dirs, h.replay_from))
+
+
+@settings(max_examples=20, derandomize=True, database=None, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1))
+def test_columnar_plans_of_histories_that_carry_a_uow_across_a_restore(tmp_path_factory: pytest.TempPathFactory,
+                                                                       seed: int) -> None:
+    h = simulate(random.Random(seed), 150, carry=True)
+    assume(h.carried)
+    root = tmp_path_factory.mktemp("carried")
+    backup, log_dirs = write_history(h, root)
+    assert columnar(backup, log_dirs, h.replay_from, root / "work", workers=2, memory=TINY) == described(
+        reference(backup, log_dirs, h.replay_from))
+
+
+def test_a_rich_history_with_the_logs_read_by_worker_processes(tmp_path: Path) -> None:
+    """Every disposition and outcome kind; the slices read by two worker processes."""
+    h = simulate(random.Random(3), 1500)
+    backup, log_dirs = write_history(h, tmp_path)
+    ref = described(reference(backup, log_dirs, h.replay_from))
+    assert columnar(backup, log_dirs, h.replay_from, tmp_path / "work", workers=2) == ref
+    assert {d for d, *_ in ref["settled"].values()} == {"restored", "in-doubt", "consumed", "put-backed-out",
+                                                         "expired", "gone"}
+    assert ref["decisions"] and ref["in_commit"] and ref["in_doubt"]
+
+
+def test_a_history_across_a_restore(tmp_path: Path) -> None:
+    h = simulate(random.Random(12), 300)
+    assert h.gen == 2
+    backup, log_dirs = write_history(h, tmp_path)
+    assert columnar(backup, log_dirs, h.replay_from, tmp_path / "work", workers=1) == described(
+        reference(backup, log_dirs, h.replay_from))
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_real_queue_manager_histories_plan_the_same(redis_url: str, tmp_path: Path, seed: int) -> None:
+    backup, log_dirs, replay_from = _real_history(redis_url, tmp_path, seed)
+    ref = described(reference(backup, log_dirs, replay_from))
+    assert columnar(backup, log_dirs, replay_from, tmp_path / "work", workers=2) == ref
+    assert ref["counts"]["restored"] > 0 and ref["counts"]["consumed"] > 0
+
+
+def test_an_older_generations_uow_a_relog_copy_shows_holding_an_entry_is_decided_by_its_outcome(
+        tmp_path: Path) -> None:
+    """The base (generation 2) holds nothing of entry r0; a relog pass of generation 2 copied it held by a UOW of
+    generation 1 carried across the restore; that UOW's COMMIT (of generation 1) counts: r0 is consumed. Another
+    generation-1 UOW's get of b1 is left out: b1 is restored."""
+    R = 10**6
+    w = BackupWriter(tmp_path / "b")
+    w.add(1, Entry("b1", "Q1", state="CP", lrsn=R - 9, order=(R - 19, R - 19)).wire(), b"y")
+    w.finish({"id": "b", "group": "G", "structure": S, "entries": 1, "bytes": 1, "replay_from": R, "gen": 2})
+    held = Entry("r0", "Q1", state="UG", lrsn=R - 5, uow="QM1.1.7", order=(R - 30, R - 30)).wire()
+    with RecordLog(tmp_path / "logs" / "QM1", "QM1") as log:
+        log.append(records.relog(R + 1, structure=S, gen=2, entry=held, data=b"z"))
+        log.append(records.get("QM1.1.8", R + 2, structure=S, gen=1, entry_id="b1", queue="Q1"))
+        log.append(records.commit("QM1.1.8", R + 3, {S: 1}))
+        log.append(records.commit("QM1.1.7", R + 4, {S: 1}))
+        log.force()
+    backup, log_dirs = read_backup(tmp_path / "b"), [tmp_path / "logs" / "QM1"]
+    ref = described(reference(backup, log_dirs, R))
+    assert {i: s[0] for i, s in ref["settled"].items()} == {"b1": "restored", "r0": "consumed"}
+    assert columnar(backup, log_dirs, R, tmp_path / "work", workers=1) == ref
+
+
+def test_peer_recovery_and_relogged_decisions_decide_as_the_reference(tmp_path: Path) -> None:
+    """A RECOVERY record outranks the owner's COMMIT and counts at its `at`; a re-logged BACKOUT counts at the
+    first one's LRSN and gives back the entry its get held (the carried copy newer than the backup's); an
+    in-flight UOW is backed out by restore."""
+    R = 10**6
+    w = BackupWriter(tmp_path / "b")
+    for i in range(3):
+        w.add(1, Entry(f"c{i}", "Q1", state="CP", lrsn=R - 9 + i, order=(R - 19 + i, R - 19 + i)).wire(), b"x")
+    w.finish({"id": "b", "group": "G", "structure": S, "entries": 3, "bytes": 3, "replay_from": R, "gen": 1})
+    got = Entry("c1", "Q1", state="UG", lrsn=R + 2, uow="QM2.1.2", order=(R - 18, R - 18)).wire()
+    with RecordLog(tmp_path / "logs" / "QM1", "QM1") as log:
+        log.append(records.get("QM1.1.1", R + 1, structure=S, gen=1, entry_id="c0", queue="Q1"))
+        log.append(records.commit("QM1.1.1", R + 5, {S: 1}))
+        log.append(records.put("QM1.1.3", R + 6, structure=S, gen=1,
+                               entry=Entry("n0", "Q2", lrsn=R + 6).wire(), data=b"new"))
+        log.force()
+    with RecordLog(tmp_path / "logs" / "QM2", "QM2") as log:
+        log.append(records.recovery("QM1.1.1", R + 7, {S: 1}, commit=False, of="QM1", by="QM2", at=R + 4))
+        log.append(records.backout("QM2.1.2", R + 8, {S: 1}, data=[[S, got, b"x"]], at=R + 3))
+        log.append(records.backout("QM2.1.2", R + 9, {S: 1}, data=[[S, got, b"x"]], at=R + 3))
+        log.force()
+    backup, log_dirs = read_backup(tmp_path / "b"), [tmp_path / "logs" / "QM1", tmp_path / "logs" / "QM2"]
+    ref = described(reference(backup, log_dirs, R))
+    assert ref["settled"]["c1"][2]["bc"] == 1 and ref["decisions"] == {"QM1.1.3": "QM1"}
+    assert columnar(backup, log_dirs, R, tmp_path / "work", workers=1) == ref
+
+
+def test_a_columnar_restore_loads_what_the_local_engine_loads(fresh_redis: EmbeddedRedis, tmp_path: Path) -> None:
+    """End to end (run_restore): the columnar engine in the least memory leaves the CF as the local engine does,
+    from the same backup, and leaves its work directory empty."""
+    logs, backups = tmp_path / "logs", tmp_path / "backups"
+    qms, manifest = small_workload(fresh_redis.url, logs, backups)
+    for qm in qms:
+        qm.log.force()
+    client = connect(fresh_redis.url)
+    lose_cf(client)
+    col = run_restore(client, S, backup_root=backups, log_root=logs, backup_id=manifest["id"], engine="columnar",
+                      engine_options={"memory": TINY, "workers": 2})
+    after = _cf_content(client)
+    local = run_restore(client, S, backup_root=backups, log_root=logs, backup_id=manifest["id"], mark_failed=True)
+    assert _cf_content(client) == after
+    assert col.engine == "columnar" and col.memory_limit == TINY
+    assert col.counts == local.counts and col.loaded_entries == local.loaded_entries > 0
+    assert col.in_doubt_uows == local.in_doubt_uows
+    assert list((backups / WORK_DIR).iterdir()) == []
+    for qm in qms:
+        qm.stop(checkpoint=False)
