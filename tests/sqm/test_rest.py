@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -358,3 +359,29 @@ def test_kill_minus_9_right_after_201_keeps_the_message(fresh_redis: Any, tmp_pa
         assert take(again, "DQ").status == 204
     finally:
         again.server.stop()
+
+
+# --- the README's lines, as written, against `cfemu cluster up --rest` ---------------------------------------------
+def readme_rest_lines() -> str:
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = text.split("### The IBM MQ REST messaging API", 1)[1]
+    return section.split("```sh\n", 1)[1].split("```", 1)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+def test_readme_curl_round_trip_through_cluster_up(tmp_path: Path) -> None:
+    lines = readme_rest_lines()
+    assert "curl -s" in lines and "-X DELETE" in lines
+    bin_dir = Path(sys.executable).parent
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("CFEMU_", "SQM_", "REDIS_URL"))}  # what the cluster's directory gives, nothing else
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
+    try:
+        done = subprocess.run(["bash", "-e", "-c", lines], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=240)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip().endswith("hello"), (done.stdout, done.stderr)
+    finally:
+        subprocess.run([str(bin_dir / "cfemu"), "cluster", "down", "--dir", str(tmp_path / "var" / "cluster")],
+                       cwd=tmp_path, env=env, capture_output=True, timeout=120)
