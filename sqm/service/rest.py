@@ -10,7 +10,7 @@ operations' handlers (sqm.service.queue_ops) under a request slot, as the servic
   otherwise it backs out and the message stays on its queue;
 - GET browses: nothing is taken.
 
-Authentication: HTTP basic (the password is a role's token; the user name is not a credential) or a bearer
+Authentication: HTTP basic (the password is a role's token; the user name is neither checked nor stored) or a bearer
 token; a role's token is accepted in clear only from a loopback peer or over TLS, as the service's bearer token.
 Every request other than GET (and HEAD, OPTIONS) must carry ``ibm-mq-rest-csrf-token``, with any value.
 """
@@ -81,7 +81,6 @@ class RestSession:
     number: int
     role: str
     peer: str
-    user: str = ""
     reply_limit: int = MAX_FRAME
     conn: Connection | None = None
     gone: threading.Event = field(default_factory=threading.Event)
@@ -257,17 +256,17 @@ class RestEndpoint:
                              "The body is longer than this member accepts over REST (sqm run --rest-max-body).",
                              "Send a shorter message.", reason=2030).response()
 
-    def _authenticate(self, request: web.Request) -> tuple[str, str]:
-        """(role, user) of the request, or RestError 401."""
+    def _authenticate(self, request: web.Request) -> str:
+        """The role of the request, or RestError 401."""
         if not self.config.auth:
-            return OPERATOR, ""
+            return OPERATOR
         challenge = {"WWW-Authenticate": f'Basic realm="{self.server.name}", Bearer realm="{self.server.name}"'}
         header = request.headers.get("Authorization", "")
         scheme, _, cred = header.partition(" ")
-        user, token = "", None
+        token = None
         if scheme.lower() == "basic":
             try:
-                user, _, token = base64.b64decode(cred.strip(), validate=True).decode("utf-8").partition(":")
+                _, _, token = base64.b64decode(cred.strip(), validate=True).decode("utf-8").partition(":")
             except (binascii.Error, UnicodeDecodeError):
                 token = None
         elif scheme.lower() == "bearer":
@@ -292,7 +291,7 @@ class RestEndpoint:
             known = self.tokens.get(role)
             if known is not None and hmac.compare_digest(known.encode(), token.encode()):
                 self.server.stats.authenticated[(role, "bearer")] += 1
-                return role, user
+                return role
         self.server.stats.auth_failures["bad_proof"] += 1
         raise RestError(401, "MQWB0104E", "The REST API request is not authenticated.",
                         "The credentials given are not a token of this group.",
@@ -302,7 +301,7 @@ class RestEndpoint:
         """Authentication (401), the CSRF header (403), the queue manager of the URL (404), the server's state
         (503): a session for the request that passed them."""
         try:
-            role, user = self._authenticate(request)
+            role = self._authenticate(request)
         except RestError:
             _, delay = self.failures.record(request.remote or "?", time.monotonic())
             await asyncio.sleep(delay)  # the service's delay per address after a failed authentication
@@ -319,7 +318,7 @@ class RestEndpoint:
                             f"({self.group}).", reason=2058)
         if self.server.stopping:
             raise mq_failure(self.server.quiescing(request.method), "the request was not carried out")
-        return RestSession(number=next(self._numbers), role=role, peer=request.remote or "?", user=user)
+        return RestSession(number=next(self._numbers), role=role, peer=request.remote or "?")
 
     async def _run(self, session: RestSession, op: str, work: Callable[[], Any]) -> Any:
         """Run ``work`` in a worker thread under a request slot, counted as the service counts ``op``; an MQ

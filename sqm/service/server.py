@@ -8,6 +8,7 @@ request may run, and the end of a connection's session); the rest is in its own 
 - sqm.service.ops: the one table of operations, each owner's rows and handlers (queue_ops; the wings' sqm/conversations/ops.py
   and sqm/pubsub/ops.py), which the dispatcher here reads for the handler and the roles of each request;
 - sqm.service.http: /healthz, /readyz and /metrics on a second port (loopback unless ``--metrics-host``);
+- sqm.service.rest: the IBM MQ messaging REST API on a third port (``--rest-port``; docs/rest.md);
 - sqm.service.config: ServerConfig and the exit codes of ``sqm run``.
 
 Each client connection gets one worker thread: its requests run there one after another, on one

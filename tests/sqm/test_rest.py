@@ -26,6 +26,7 @@ from cfemu.admin import Admin
 from cfemu.connection import connect
 from sqm.service.client import Client
 from tests.sqm.test_service import OP_TOKEN, TOKEN, ServerProc, start_server
+from tests.support.certs import issue, make_ca
 
 QUEUES = tuple(f"RQ{i}" for i in range(1, 21))
 CSRF = {"ibm-mq-rest-csrf-token": "x"}
@@ -333,6 +334,30 @@ def test_metrics_count_rest_requests(member: Member) -> None:
         text = r.read().decode()
     assert 'sqm_requests_total{op="put",qmgr="QM1",result="ok"}' in text
     assert 'sqm_requests_total{op="get",qmgr="QM1",result="ok"}' in text
+
+
+# --- TLS: the service's certificate serves the REST port too -------------------------------------------------------
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+def test_rest_over_the_services_tls(fresh_redis: Any, tmp_path: Path) -> None:
+    r = connect(fresh_redis.url)
+    Admin(r).ensure_structure("APP1", ("TQ",))
+    r.close()
+    ca = make_ca(tmp_path, "rest-ca")
+    cert, key = issue(ca, tmp_path, "server")
+    m = start_member(fresh_redis.url, tmp_path, "QMT", "--tls-cert", str(cert), "--tls-key", str(key))
+    try:
+        url = f"https://127.0.0.1:{m.rest_port}/ibmmq/rest/v3/messaging/qmgr/QMT/queue/TQ/message"
+        status, headers, _ = curl("--cacert", str(ca.cert), "-u", f"app:{TOKEN}", "-H", "ibm-mq-rest-csrf-token: x",
+                                  "-H", "Content-Type: text/plain", "-X", "POST", url, "-d", "secret")
+        assert status == 201 and headers["ibm-mq-md-messageid"].startswith("ID:")
+        status, _, body = curl("--cacert", str(ca.cert), "-u", f"app:{TOKEN}", "-H", "ibm-mq-rest-csrf-token: x",
+                               "-X", "DELETE", url)
+        assert (status, body) == (200, b"secret")
+        plain = subprocess.run(["curl", "-sS", "--max-time", "10", "-u", f"app:{TOKEN}", url.replace("https", "http")],
+                               capture_output=True, timeout=30)
+        assert b"secret" not in plain.stdout  # plain HTTP on the TLS port gets nothing
+    finally:
+        m.server.stop()
 
 
 # --- durability: a 201 is a committed message ---------------------------------------------------------------------
