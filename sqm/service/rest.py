@@ -25,6 +25,7 @@ import json
 import logging
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -73,7 +74,7 @@ class RestServer(queue_ops.Service, Protocol):
     def stats(self) -> Stats: ...
 
 
-@dataclass
+@dataclass(eq=False)
 class RestSession:
     """One REST request's session for the queue operations' handlers (queue_ops.Session): its own connection
     handle, made by the first operation and closed (its unit of work backed out if still open) at the end."""
@@ -205,6 +206,7 @@ class RestEndpoint:
         self.failures = Failures()
         self.executor = ThreadPoolExecutor(max_workers=config.rest_workers, thread_name_prefix="rest")
         self._numbers = iter(range(1, 2**62))
+        self._active: weakref.WeakSet[RestSession] = weakref.WeakSet()  # the requests under way (stop wakes them)
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
         self.app = web.Application(middlewares=[self._errors], client_max_size=config.rest_max_body)
@@ -220,7 +222,8 @@ class RestEndpoint:
     async def start(self, host: str, port: int) -> int:
         loop = asyncio.get_running_loop()
         self.group = await loop.run_in_executor(self.executor, self.server.qm.admin.group_name)
-        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False,
+                                     shutdown_timeout=self.config.shutdown_grace_s)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port, ssl_context=self.config.ssl_context(), backlog=128)
         await site.start()
@@ -228,6 +231,9 @@ class RestEndpoint:
         return self.port
 
     async def stop(self) -> None:
+        """Stop serving: a get still waiting ends (not taken, 503), requests under way get the shutdown grace."""
+        for session in list(self._active):
+            session.gone.set()
         if self._runner is not None:
             await self._runner.cleanup()
         self.executor.shutdown(wait=False, cancel_futures=True)
@@ -318,7 +324,9 @@ class RestEndpoint:
                             f"({self.group}).", reason=2058)
         if self.server.stopping:
             raise mq_failure(self.server.quiescing(request.method), "the request was not carried out")
-        return RestSession(number=next(self._numbers), role=role, peer=request.remote or "?")
+        session = RestSession(number=next(self._numbers), role=role, peer=request.remote or "?")
+        self._active.add(session)
+        return session
 
     async def _run(self, session: RestSession, op: str, work: Callable[[], Any]) -> Any:
         """Run ``work`` in a worker thread under a request slot, counted as the service counts ``op``; an MQ
@@ -356,6 +364,7 @@ class RestEndpoint:
         try:
             yield
         finally:
+            self._active.discard(session)
             if session.conn is not None and session.conn.uow is not None:
                 await asyncio.shield(asyncio.get_running_loop().run_in_executor(self.executor, self._close, session))
 

@@ -193,6 +193,8 @@ def test_refusals(member: Member) -> None:
     assert r.status == 404 and r.error()["msgId"] == "MQWB0009E"
     r = http("POST", member.base("NOSUCHQ") + "/message", b"x", {**CSRF, **TEXT})
     assert r.status == 404 and r.error()["reasonCode"] == 2085
+    r = http("GET", f"http://127.0.0.1:{member.rest_port}/ibmmq/rest/v3/admin/qmgr")
+    assert r.status == 404 and r.error()["msgId"] == "MQWB0006E"
     r = http("PUT", url, b"x", {**CSRF, **TEXT})
     assert r.status == 405 and "POST" in r.headers["allow"]
     r = http("DELETE", url, headers={**CSRF, "Accept": "application/json"})
@@ -256,6 +258,18 @@ def test_wait_for_a_message(member: Member) -> None:
         assert r.status == 200 and r.body == b"late" and time.monotonic() - t0 < 9
     finally:
         later.join()
+
+
+def test_a_waiting_get_whose_caller_left_takes_nothing(member: Member) -> None:
+    """The caller hangs up while its DELETE waits; the message that comes next is backed out, not lost."""
+    gone = subprocess.run(["curl", "-sS", "--max-time", "0.5", "-u", f"app:{TOKEN}", "-H",
+                           "ibm-mq-rest-csrf-token: x", "-X", "DELETE", member.base("RQ14") + "/message?wait=3000"],
+                          capture_output=True, timeout=30)
+    assert gone.returncode != 0  # curl gave up (timed out)
+    put(member, "RQ14", "for someone else")
+    time.sleep(0.5)  # the abandoned get takes it, sees its caller gone, backs it out
+    r = take(member, "RQ14", "?wait=5000")
+    assert r.status == 200 and r.body == b"for someone else"
 
 
 def test_priority_order(member: Member) -> None:
@@ -358,6 +372,21 @@ def test_rest_over_the_services_tls(fresh_redis: Any, tmp_path: Path) -> None:
         assert b"secret" not in plain.stdout  # plain HTTP on the TLS port gets nothing
     finally:
         m.server.stop()
+
+
+def test_shutdown_ends_a_waiting_get(fresh_redis: Any, tmp_path: Path) -> None:
+    r = connect(fresh_redis.url)
+    Admin(r).ensure_structure("APP1", ("WQ",))
+    r.close()
+    m = start_member(fresh_redis.url, tmp_path, "QMW")
+    replies: list[Reply] = []
+    waiter = threading.Thread(target=lambda: replies.append(take(m, "WQ", "?wait=30000")))
+    waiter.start()
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    assert m.server.stop() == 0, m.server.log_text()
+    waiter.join(timeout=30)
+    assert time.monotonic() - t0 < 15 and replies and replies[0].status == 503, replies
 
 
 # --- durability: a 201 is a committed message ---------------------------------------------------------------------
