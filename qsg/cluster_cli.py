@@ -36,7 +36,7 @@ def cmd_cluster(args: argparse.Namespace, out: Output) -> int:
                                     restart_cf=args.cf_restart, recauto=args.recauto, spark_workers=args.spark,
                                     spark_cores=args.spark_cores, spark_memory=args.spark_memory,
                                     duplex=args.duplex, redis_cluster=args.redis_cluster,
-                                    restart_members=args.member_restart)
+                                    restart_members=args.member_restart, rest=args.rest)
         doc = cluster.status()
         doc["seconds"] = round(time.monotonic() - t0, 2)
     elif args.action == "down":
@@ -57,10 +57,12 @@ def cmd_cluster(args: argparse.Namespace, out: Output) -> int:
     if args.json:
         out.json(doc)
     else:
-        out.table(f"cluster {doc['dir']}", ["process", "pid", "alive", "ready", "address", "metrics", "restarts",
-                                            "last restart"],
+        rest = any(p.get("rest") for p in doc["processes"])
+        out.table(f"cluster {doc['dir']}", ["process", "pid", "alive", "ready", "address", "metrics",
+                                            *(["REST"] if rest else []), "restarts", "last restart"],
                   [(p["process"], p["pid"], "yes" if p["alive"] else "NO", "yes" if p["ready"] else "no",
-                    p["address"], p.get("metrics"), p.get("restarts", ""), _last_restart(p))
+                    p["address"], p.get("metrics"), *([p.get("rest", "")] if rest else []), p.get("restarts", ""),
+                    _last_restart(p))
                    for p in doc["processes"]])
         out.line(f"CF {doc['redis_url']}   logs {doc['log_root']}   backups {doc['backup_dir']}"
                  + (f"   Spark {doc['spark_master']}" if doc.get("spark_master") else ""))
@@ -130,6 +132,9 @@ def cluster_arguments(p: argparse.ArgumentParser, parents: Parents) -> None:
                         "(cfrestore run --engine spark then uses it; docs/spark.md)")
     p.add_argument("--spark-cores", type=whole(1), default=1, help="up: cores each Spark worker offers")
     p.add_argument("--spark-memory", default="2g", help="up: memory each Spark worker offers (Spark's units)")
+    p.add_argument("--rest", action="store_true",
+                   help="up: give each member the IBM MQ messaging REST API on a loopback port (docs/rest.md), "
+                        "shown by 'cfemu cluster status'")
     p.add_argument("--duplex", action="store_true",
                    help="up: a duplexed CF, a second redis-server holding a synchronous copy (promoted when the "
                         "primary is lost; docs/runbook.md)")

@@ -198,7 +198,7 @@ class LocalGroup:
            manager_args: Sequence[str] = (), cf_url_for: Callable[[str, str], str] | None = None,
            restart_cf: bool = False, recauto: bool = True, spark_workers: int = 0, spark_cores: int = 1,
            spark_memory: str = "2g", duplex: bool = False, redis_cluster: int = 0,
-           restart_members: bool = False) -> LocalGroup:
+           restart_members: bool = False, rest: bool = False) -> LocalGroup:
         """Start an embedded CF, managers QM1..QMn and (with a backup_interval) the backup scheduler.
 
         structure/queues are defined when missing (structure=None defines nothing). manager_args go to every
@@ -242,7 +242,8 @@ class LocalGroup:
             "dir": str(d), "host": host, "detached": detach, "lease_ms": lease_ms,
             CLUSTER_LOG_ROOT: str(d / "logs"), CLUSTER_BACKUP_DIR: str(d / "backups"),
             CLUSTER_CF: {"dir": str(d / "cf"), **({rcluster_cf.KEY: redis_cluster} if redis_cluster else {})},
-            "managers": [{"name": f"QM{i}", "port": free_port(host), "metrics_port": free_port("127.0.0.1")}
+            "managers": [{"name": f"QM{i}", "port": free_port(host), "metrics_port": free_port("127.0.0.1"),
+                          **({"rest_port": free_port("127.0.0.1")} if rest else {})}
                          for i in range(1, managers + 1)],
             "manager_args": list(manager_args),
             "scheduler": {"interval": backup_interval} if backup_interval else None,
@@ -426,6 +427,7 @@ class LocalGroup:
         env = {EXIT_FILE_ENV: str(self._exit_file(name)), **(env or {})}
         cmd = [*MEMBER_COMMAND, "--name", name, "--host", self.host, "--port", str(m["port"]),
                "--metrics-port", str(m["metrics_port"]), "--redis-url", m.get("cf_url") or self.redis_url,
+               *(("--rest-port", str(m["rest_port"])) if m.get("rest_port") else ()),
                "--log-root", str(self.log_root), "--backup-dir", str(self.backup_dir), "--lease-ms", str(self.state["lease_ms"]), "--ready-file",
                str(self._ready_file(name)), *self.state.get("manager_args", []), *m.get("extra_args", [])]
         proc = self._popen(name, cmd, f"{name}.log", env)
@@ -499,7 +501,8 @@ class LocalGroup:
             except LocalGroupError as e:
                 if "address already in use" not in str(e) or attempt == attempts - 1:
                     raise
-            self.set_manager(name, port=free_port(self.host), metrics_port=free_port(self.host))
+            self.set_manager(name, port=free_port(self.host), metrics_port=free_port(self.host),
+                             **({"rest_port": free_port("127.0.0.1")} if self.manager(name).get("rest_port") else {}))
             self.spawn_manager(name)
 
     def _spawn_scheduler(self) -> None:
@@ -762,6 +765,7 @@ class LocalGroup:
             ready = m["name"] in alive and self._readyz(int(m["metrics_port"]))
             rows.append({"process": m["name"], "pid": m.get("pid"), "alive": m["name"] in alive,
                          "address": f"{self.host}:{m['port']}", "metrics": f"127.0.0.1:{m['metrics_port']}",
+                         **({"rest": f"127.0.0.1:{m['rest_port']}"} if m.get("rest_port") else {}),
                          "ready": ready, **_restarts(m), "held": m.get("held")})
         if self.state.get("scheduler"):
             s = self.state["scheduler"]

@@ -95,6 +95,14 @@ def add_run_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
     p.add_argument("--metrics-host", default="127.0.0.1",
                    help="address of the HTTP port (default 127.0.0.1: it has no authentication; another address "
                         "lets whoever reaches it read queue names, depths and counters, and is logged)")
+    p.add_argument("--rest-port", type=int, default=None,
+                   help="HTTP(S) port of the IBM MQ messaging REST API (docs/rest.md; 0: any free port; default: "
+                        "off); authenticated with the service's tokens, TLS with --tls-cert/--tls-key")
+    p.add_argument("--rest-host", default="127.0.0.1",
+                   help="address of the REST port (default 127.0.0.1; another address is reachable from the "
+                        "network: give it TLS)")
+    p.add_argument("--rest-max-body", type=int, default=4 * 2**20,
+                   help="longest message body a REST put takes, bytes (default 4 MiB)")
     p.add_argument("--lease-ms", type=int, default=5000, help="lease in the admin structure (default 5000)")
     p.add_argument("--cf-connections", type=int, default=64,
                    help="connections to the CF; more concurrent requests wait for one (default 64)")
@@ -112,7 +120,7 @@ def add_run_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
     p.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds in-flight requests get at shutdown (default 10)")
     p.add_argument("--cf-wait", type=float, default=30.0, help="seconds to wait for the CF at start")
-    p.add_argument("--ready-file", type=Path, help="write {pid, port, metrics_port} here once serving")
+    p.add_argument("--ready-file", type=Path, help="write {pid, port, metrics_port, rest_port} here once serving")
     p.add_argument("--clock-skew-ms", type=int, default=0,
                    help="skew this member's LRSN clock source by N ms (tests; the OS clock is not touched)")
     p.add_argument("--json", action="store_true", help="log lines as JSON objects")
@@ -155,7 +163,8 @@ def cmd_run(args: argparse.Namespace, out: Output) -> int:
         max_connections_per_peer=args.max_connections_per_peer, max_unauthenticated=args.max_unauthenticated,
         max_request_bytes=args.max_request_bytes_per_member, request_budget_wait_s=args.request_budget_wait,
         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
-        metrics_port=args.metrics_port, metrics_host=args.metrics_host, lease_ms=args.lease_ms,
+        metrics_port=args.metrics_port, metrics_host=args.metrics_host, rest_port=args.rest_port,
+        rest_host=args.rest_host, rest_max_body=args.rest_max_body, lease_ms=args.lease_ms,
         cf_connections=args.cf_connections, request_slots=args.request_slots, slot_lease_ms=args.slot_lease_ms,
         logload=args.logload, max_umsgs=max_umsgs, max_frame=args.max_frame, log_mode=args.log_mode, log_ring=args.log_ring,
         log_archive_dir=found.log_archive_dir, segment_bytes=max(4096, int(args.log_segment_mb * 2**20)),

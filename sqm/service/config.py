@@ -79,6 +79,12 @@ class ServerConfig:
     # They have no authentication (what they show: queue names, depths, counters), so they listen on loopback
     # unless the operator says otherwise, whatever ``host`` the service itself listens on.
     metrics_host: str = "127.0.0.1"
+    # The IBM MQ messaging REST API (sqm.service.rest, docs/rest.md); None: off. Loopback unless the operator says
+    # otherwise, like the metrics port; it authenticates with the service's tokens and uses its TLS settings.
+    rest_port: int | None = None
+    rest_host: str = "127.0.0.1"
+    rest_workers: int = 32  # REST requests carried out at once (a waiting get holds one); the rest queue
+    rest_max_body: int = 4 * 2**20  # the longest body a REST put takes (a queue's default MAXMSGL)
     lease_ms: int = 5000
     cf_connections: int = 64
     # requests doing their work at once, up to their first wait (sqm.request_slots); the rest wait for a slot
@@ -117,6 +123,11 @@ class ServerConfig:
             raise ServerConfigError("the authentication timeout must be > 0 s and the idle timeout >= 0 s (0: none)")
         if min(self.max_connections, self.max_connections_per_peer, self.max_unauthenticated) < 1:
             raise ServerConfigError("connection limits must be at least 1")
+        if self.rest_workers < 1 or self.rest_max_body < 1:
+            raise ServerConfigError("the REST workers and the REST body limit must be at least 1")
+        if self.rest_port is not None and not self.auth and not is_loopback_host(self.rest_host):
+            raise ServerConfigError(f"--no-auth is refused with --rest-host {self.rest_host!r}, which is not a "
+                                    "loopback address: anyone who reaches it could take every message")
         if self.max_request_bytes is not None and self.max_request_bytes < self.max_frame:
             raise ServerConfigError(f"the request budget ({self.max_request_bytes} bytes) must hold at least one "
                                     f"frame of the max frame ({self.max_frame} bytes)")

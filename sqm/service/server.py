@@ -8,6 +8,7 @@ request may run, and the end of a connection's session); the rest is in its own 
 - sqm.service.ops: the one table of operations, each owner's rows and handlers (queue_ops; the wings' sqm/conversations/ops.py
   and sqm/pubsub/ops.py), which the dispatcher here reads for the handler and the roles of each request;
 - sqm.service.http: /healthz, /readyz and /metrics on a second port (loopback unless ``--metrics-host``);
+- sqm.service.rest: the IBM MQ messaging REST API on a third port (``--rest-port``; docs/rest.md);
 - sqm.service.config: ServerConfig and the exit codes of ``sqm run``.
 
 Each client connection gets one worker thread: its requests run there one after another, on one
@@ -56,6 +57,7 @@ from sqm.service.config import (
 from sqm.service.http import HealthEndpoint
 from sqm.service.ops import OPERATIONS, OPS
 from sqm.service.protocol import MAX_FRAME, NotAuthorizedError, QuiescingError, error_reply, ok_reply
+from sqm.service.rest import RestEndpoint
 from sqm.service.session import (
     AUTH_FAILURE_REASONS,
     AUTH_METHODS,
@@ -99,6 +101,8 @@ class SQMServer:
         self._handlers: dict[str, Handler] = {op.name: op.handler for op in OPERATIONS if op.handler is not None}
         self.registry = metrics.make_registry(self.qm, self.server_stats)
         self.http = HealthEndpoint(self.qm, self.registry, lambda: self._stopping)
+        self.rest = RestEndpoint(self, config, self.authenticator.tokens) if config.rest_port is not None else None
+        self.rest_port = config.rest_port
 
     # --- what the operations' handlers may use (sqm.operations.Service and each owner's extension) ---------------
     @property
@@ -120,7 +124,7 @@ class SQMServer:
     def service_status(self) -> dict[str, Any]:
         """The server's part of a status reply."""
         c = self.config
-        return {"host": c.host, "port": self.port, "metrics_port": self.metrics_port,
+        return {"host": c.host, "port": self.port, "metrics_port": self.metrics_port, "rest_port": self.rest_port,
                 "connections": self.stats.connections, "unauthenticated": self.stats.unauthenticated,
                 "tls": self.ssl is not None, "auth": c.auth, "roles": sorted(self.authenticator.tokens),
                 "limits": {"max_connections": c.max_connections, "max_connections_per_peer":
@@ -168,13 +172,19 @@ class SQMServer:
                 log.warning("%s: /metrics, /healthz and /readyz on %s:%d have no authentication: whoever reaches "
                             "them reads queue names, depths and counters (--metrics-host)", self.qm.name,
                             self.config.metrics_host, self.metrics_port)
+        if self.rest is not None and self.config.rest_port is not None:
+            self.rest_port = await self.rest.start(self.config.rest_host, self.config.rest_port)
+            if not is_loopback_host(self.config.rest_host) and self.ssl is None:
+                log.warning("%s: the REST API on %s:%d has no TLS: a token sent to it from another host is refused "
+                            "(use --tls-cert/--tls-key)", self.qm.name, self.config.rest_host, self.rest_port)
         if install_signals:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self._on_signal, sig)
         watcher = asyncio.create_task(self._watch_fencing())
         self._write_ready_file()
-        log.info("%s serving on %s:%d%s (metrics %s:%s), epoch %d, MAXUMSGS %d, %s", self.qm.name, self.config.host,
-                 self.port, " with TLS" if self.ssl else "", self.config.metrics_host, self.metrics_port,
+        log.info("%s serving on %s:%d%s (metrics %s:%s, REST %s), epoch %d, MAXUMSGS %d, %s", self.qm.name,
+                 self.config.host, self.port, " with TLS" if self.ssl else "", self.config.metrics_host,
+                 self.metrics_port, f"{self.config.rest_host}:{self.rest_port}" if self.rest else "off",
                  self.qm.caller.epoch, self.qm.config.max_umsgs,
                  f"authentication on (roles: {', '.join(self.authenticator.tokens)})" if self.config.auth else
                  "authentication OFF (--no-auth: every local connection is an operator)")
@@ -220,7 +230,8 @@ class SQMServer:
         tmp = path.with_suffix(path.suffix + ".tmp")
         tmp.write_text(json.dumps({"pid": os.getpid(), "name": self.qm.name, "host": self.config.host,
                                    "port": self.port, "metrics_host": self.config.metrics_host,
-                                   "metrics_port": self.metrics_port}))
+                                   "metrics_port": self.metrics_port, "rest_host": self.config.rest_host,
+                                   "rest_port": self.rest_port}))
         os.replace(tmp, path)
 
     async def _watch_fencing(self) -> None:
@@ -244,6 +255,8 @@ class SQMServer:
         self.slots.close()  # requests queued for a slot are refused, not run after the grace
         server.close()
         await self.transport.stop(self.config.shutdown_grace_s)
+        if self.rest is not None:
+            await self.rest.stop()
         if http is not None:
             http.close()
         checkpoint = self.exit_code not in (EXIT_FENCED, EXIT_LOG_FAILED)

@@ -1,0 +1,532 @@
+"""The IBM MQ messaging REST API on a member (docs/rest.md): put, destructive get and browse of text messages
+over HTTP, at the URLs, headers, status codes and error bodies IBM's mqweb server uses.
+
+Served by aiohttp on the member's own event loop (``sqm run --rest-port``), with the service's TLS settings. Each
+request runs on an MQ connection handle of its own, made and closed in a worker thread, through the queue
+operations' handlers (sqm.service.queue_ops) under a request slot, as the service's requests run:
+
+- POST puts under syncpoint and commits; the 201 is sent only after the commit returned (the log forced);
+- DELETE gets under syncpoint, then commits only if the caller is still connected, and replies after the commit;
+  otherwise it backs out and the message stays on its queue;
+- GET browses: nothing is taken.
+
+Authentication: HTTP basic (the password is a role's token; the user name is neither checked nor stored) or a bearer
+token; a role's token is accepted in clear only from a loopback peer or over TLS, as the service's bearer token.
+Every request other than GET (and HEAD, OPTIONS) must carry ``ibm-mq-rest-csrf-token``, with any value.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import hmac
+import json
+import logging
+import threading
+import time
+import weakref
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+from aiohttp import web
+
+from cfemu.errors import MQError, NoMessageError
+from cfemu.limits import MAX_ID_LENGTH
+from sqm.core.connection import Connection, Message
+from sqm.core.manager import CF_DOWN
+from sqm.operations import APPLICATION, OPERATOR
+from sqm.request_slots import RequestSlots
+from sqm.service import queue_ops
+from sqm.service.auth import Failures
+from sqm.service.config import ServerConfig, is_loopback_ip
+from sqm.service.protocol import MAX_FRAME, message_from_wire
+from sqm.service.session import Stats
+
+log = logging.getLogger("sqm.service.rest")
+
+PREFIX = "/ibmmq/rest/{version}/messaging/qmgr/{qmgr}/queue/{queue}"
+CSRF_HEADER = "ibm-mq-rest-csrf-token"
+MD = "ibm-mq-md-"
+USR = "ibm-mq-usr-"
+# The bodies IBM's POST takes: text of these media types, in UTF-8 (a missing charset is UTF-8).
+TEXT_TYPES = frozenset({"text/plain", "text/html", "text/xml", "application/json", "application/xml"})
+TEXT_PLAIN = "text/plain; charset=utf-8"
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+MAX_LIST = 1000  # messages a messagelist browses at most (its ``limit``)
+ID_PREFIX = "ID:"
+
+
+class RestServer(queue_ops.Service, Protocol):
+    """What the REST endpoint uses of the server: the queue operations' service, its request slots and counts."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def slots(self) -> RequestSlots: ...
+
+    @property
+    def stats(self) -> Stats: ...
+
+
+@dataclass(eq=False)
+class RestSession:
+    """One REST request's session for the queue operations' handlers (queue_ops.Session): its own connection
+    handle, made by the first operation and closed (its unit of work backed out if still open) at the end."""
+
+    number: int
+    role: str
+    peer: str
+    reply_limit: int = MAX_FRAME
+    conn: Connection | None = None
+    gone: threading.Event = field(default_factory=threading.Event)
+
+    def reply_room(self, messages: int = 1) -> int:
+        return self.reply_limit
+
+
+class RestError(Exception):
+    """An error reply: HTTP status and one element of IBM's error array."""
+
+    def __init__(self, status: int, msg_id: str, message: str, explanation: str, action: str, *,
+                 reason: int | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.msg_id, self.message = status, msg_id, message
+        self.explanation, self.action, self.reason, self.headers = explanation, action, reason, headers or {}
+
+    def response(self) -> web.Response:
+        item: dict[str, Any] = {"msgId": self.msg_id, "type": "rest", "message": f"{self.msg_id}: {self.message}",
+                                "explanation": self.explanation, "action": self.action}
+        if self.reason is not None:
+            item.update(completionCode=2, reasonCode=self.reason)
+        return web.json_response({"error": [item]}, status=self.status, headers=self.headers,
+                                 content_type="application/json")
+
+
+# The HTTP status of an MQ reason code the queue manager gave (the rest are 500).
+STATUS_OF_REASON = {
+    2085: 404,  # MQRC_UNKNOWN_OBJECT_NAME: no such queue
+    2035: 403,  # MQRC_NOT_AUTHORIZED: a companion queue, an operator's queue
+    2046: 400, 2030: 400, 2080: 400,  # a bad value; a message too big for the queue; too long to carry
+    2161: 503, 2009: 503, 2373: 503, 2102: 503, 2192: 503, 2024: 503,  # stopping, CF or log trouble, full: retry
+}
+
+
+def mq_failure(e: MQError, what: str) -> RestError:
+    status = STATUS_OF_REASON.get(e.reason, 500)
+    if status == 404:
+        return RestError(404, "MQWB0303E", f"{what}: {e}", "The queue does not exist on this queue manager.",
+                         "Resubmit the request with the name of a defined queue.", reason=e.reason)
+    if status == 403:
+        return RestError(403, "MQWB0103E", f"Not authorized: {what}: {e}",
+                         "The authenticated principal is not authorized to perform the requested operation.",
+                         "Use the queue through the operations meant for it.", reason=e.reason)
+    return RestError(status, "MQWB0303E", f"{what}: {e}",
+                     "An error occurred while sending, receiving or browsing the message.",
+                     "Resubmit the request later" if status == 503 else "Resubmit the request, correcting any issues.",
+                     reason=e.reason)
+
+
+def bad_header(name: str, value: str, why: str) -> RestError:
+    return RestError(400, "MQWB0302E", f"The {name} request header cannot be set as {value[:64]!r} is not a valid "
+                     "request header value.", why, "Resubmit the request using a valid header value.", reason=2046)
+
+
+def bad_query(name: str, value: str, why: str) -> RestError:
+    return RestError(400, "MQWB0118E", f"The {name} query parameter value {value[:64]!r} is not valid.", why,
+                     "Resubmit the request with a valid query parameter value.", reason=2046)
+
+
+def encode_id(raw: bytes, *, text_ok: bool) -> str:
+    """An id as v3 shows it: ``ID:`` and the hex of its bytes; a correlation id given as text (printable ASCII,
+    not starting with ``ID:``) comes back as that text."""
+    if text_ok and raw and all(0x20 <= b < 0x7F for b in raw) and not raw.startswith(ID_PREFIX.encode()):
+        return raw.decode("ascii")
+    return ID_PREFIX + raw.hex()
+
+
+def decode_id(value: str, *, text_ok: bool, what: str, bad: Callable[[str, str, str], RestError]) -> bytes:
+    """``ID:`` + hex (v3), a bare hex string (v1/v2 and v3 query parameters), or with ``text_ok`` an
+    application-specific text id (v3's correlation id); at most MAX_ID_LENGTH bytes."""
+    value = value.strip()
+    try:
+        if value.startswith(ID_PREFIX):
+            raw = bytes.fromhex(value[len(ID_PREFIX):])
+        elif text_ok:
+            raw = value.encode("utf-8")
+        else:
+            raw = bytes.fromhex(value)
+    except ValueError:
+        raise bad(what, value, "An id is ID: followed by hexadecimal digits, two per byte.") from None
+    if len(raw) > MAX_ID_LENGTH:
+        raise bad(what, value, f"An id is at most {MAX_ID_LENGTH} bytes.")
+    return raw
+
+
+def md_headers(m: Message, now_ms: int) -> dict[str, str]:
+    """The ``ibm-mq-md-*`` and ``ibm-mq-usr-*`` headers of a message got or browsed."""
+    h = {MD + "messageId": encode_id(m.msgid, text_ok=False),
+         MD + "persistence": "persistent" if m.persistent else "nonPersistent",
+         MD + "priority": str(m.priority),
+         MD + "expiry": "unlimited" if not m.expiry else str(max(0, m.expiry - now_ms))}
+    if m.correlid.strip(b"\0"):
+        h[MD + "correlationId"] = encode_id(m.correlid, text_ok=True)
+    for name, value in (m.properties or {}).items():
+        h[USR + str(name)] = value if isinstance(value, str) else json.dumps(value)
+    return h
+
+
+def summary(m: Message, now_ms: int) -> dict[str, Any]:
+    """One message of a messagelist: its descriptor, not its body."""
+    out: dict[str, Any] = {
+        "messageId": encode_id(m.msgid, text_ok=False), "format": "MQSTR",
+        "persistence": "persistent" if m.persistent else "nonPersistent", "priority": m.priority,
+        "putDateTime": datetime.fromtimestamp(m.put_time / 1000, UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z",
+        "expiry": "unlimited" if not m.expiry else max(0, m.expiry - now_ms)}
+    if m.correlid.strip(b"\0"):
+        out["correlationId"] = encode_id(m.correlid, text_ok=True)
+    if m.properties:
+        out["userProperties"] = dict(m.properties)
+    return out
+
+
+class RestEndpoint:
+    """The messaging REST API of one member: ``app`` is the aiohttp application, ``start``/``stop`` its site."""
+
+    def __init__(self, server: RestServer, config: ServerConfig, tokens: dict[str, str]) -> None:
+        self.server = server
+        self.config = config
+        self.tokens = tokens  # role -> token; empty when authentication is off (every request an operator)
+        self.group = ""  # the queue-sharing group's name, read at start: a qmgr in the URL may name it too
+        self.failures = Failures()
+        self.executor = ThreadPoolExecutor(max_workers=config.rest_workers, thread_name_prefix="rest")
+        self._numbers = iter(range(1, 2**62))
+        self._active: weakref.WeakSet[RestSession] = weakref.WeakSet()  # the requests under way (stop wakes them)
+        self._runner: web.AppRunner | None = None
+        self.port: int | None = None
+        self.app = web.Application(middlewares=[self._errors], client_max_size=config.rest_max_body)
+        r = self.app.router
+        for version in ("v1", "v2", "v3"):
+            base = PREFIX.replace("{version}", version)
+            r.add_route("POST", base + "/message", self.post)
+            r.add_route("DELETE", base + "/message", self.delete)
+            r.add_route("GET", base + "/message", self.browse_one)
+            r.add_route("GET", base + "/messagelist", self.message_list)
+
+    # --- life cycle ----------------------------------------------------------------------------------------------
+    async def start(self, host: str, port: int) -> int:
+        loop = asyncio.get_running_loop()
+        self.group = await loop.run_in_executor(self.executor, self.server.qm.admin.group_name)
+        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False,
+                                     shutdown_timeout=self.config.shutdown_grace_s)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port, ssl_context=self.config.ssl_context(), backlog=128)
+        await site.start()
+        self.port = int(self._runner.addresses[0][1])
+        return self.port
+
+    async def stop(self) -> None:
+        """Stop serving: a get still waiting ends (not taken, 503), requests under way get the shutdown grace."""
+        for session in list(self._active):
+            session.gone.set()
+        if self._runner is not None:
+            await self._runner.cleanup()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+    # --- what every request goes through -------------------------------------------------------------------------
+    @web.middleware
+    async def _errors(self, request: web.Request,
+                      handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        """Every refusal as IBM's error body: this endpoint's own, and aiohttp's 404 and 405."""
+        try:
+            return await handler(request)
+        except RestError as e:
+            return e.response()
+        except web.HTTPMethodNotAllowed as e:
+            return RestError(405, "MQWB0007E", f"The {request.method} HTTP method is not allowed for this resource.",
+                             "A recognized resource was requested with a method it does not support.",
+                             f"Use one of: {', '.join(sorted(e.allowed_methods))}.",
+                             headers={"Allow": ", ".join(sorted(e.allowed_methods))}).response()
+        except web.HTTPNotFound:
+            return RestError(404, "MQWB0006E", f"The resource {request.path[:200]} was not found.",
+                             "The URL names no resource of the messaging REST API.",
+                             "Use /ibmmq/rest/v3/messaging/qmgr/{qmgr}/queue/{queue}/message or .../messagelist."
+                             ).response()
+        except web.HTTPRequestEntityTooLarge:
+            return RestError(400, "MQWB0303E", f"The request body exceeds {self.config.rest_max_body} bytes.",
+                             "The body is longer than this member accepts over REST (sqm run --rest-max-body).",
+                             "Send a shorter message.", reason=2030).response()
+
+    def _authenticate(self, request: web.Request) -> str:
+        """The role of the request, or RestError 401."""
+        if not self.config.auth:
+            return OPERATOR
+        challenge = {"WWW-Authenticate": f'Basic realm="{self.server.name}", Bearer realm="{self.server.name}"'}
+        header = request.headers.get("Authorization", "")
+        scheme, _, cred = header.partition(" ")
+        token = None
+        if scheme.lower() == "basic":
+            try:
+                _, _, token = base64.b64decode(cred.strip(), validate=True).decode("utf-8").partition(":")
+            except (binascii.Error, UnicodeDecodeError):
+                token = None
+        elif scheme.lower() == "bearer":
+            token = cred.strip()
+        if token is None:
+            self.server.stats.auth_failures["not_authenticated"] += 1
+            raise RestError(401, "MQWB0104E", "The REST API request is not authenticated.",
+                            "The request carried no credentials this member accepts.",
+                            "Send HTTP basic authentication whose password is the group's application token "
+                            "(service.token), or Authorization: Bearer with that token.", reason=2035,
+                            headers=challenge)
+        peer = request.remote or "?"
+        if request.transport is not None and request.transport.get_extra_info("sslcontext") is None \
+                and not is_loopback_ip(peer):
+            self.server.stats.auth_failures["bearer_in_clear"] += 1
+            log.warning("%s: REST request from %s sent a token in clear off loopback; refused (rotate it if it was "
+                        "valid: docs/security.md)", self.server.name, peer)
+            raise RestError(401, "MQWB0104E", "Credentials sent in clear are refused on a non-loopback connection.",
+                            "A token must not cross the network unencrypted.",
+                            "Use HTTPS (sqm run --tls-cert/--tls-key).", reason=2035, headers=challenge)
+        for role in (APPLICATION, OPERATOR):
+            known = self.tokens.get(role)
+            if known is not None and hmac.compare_digest(known.encode(), token.encode()):
+                self.server.stats.authenticated[(role, "bearer")] += 1
+                return role
+        self.server.stats.auth_failures["bad_proof"] += 1
+        raise RestError(401, "MQWB0104E", "The REST API request is not authenticated.",
+                        "The credentials given are not a token of this group.",
+                        "Resubmit the request with the group's application token.", reason=2035, headers=challenge)
+
+    async def _admit(self, request: web.Request) -> RestSession:
+        """Authentication (401), the CSRF header (403), the queue manager of the URL (404), the server's state
+        (503): a session for the request that passed them."""
+        try:
+            role = self._authenticate(request)
+        except RestError:
+            _, delay = self.failures.record(request.remote or "?", time.monotonic())
+            await asyncio.sleep(delay)  # the service's delay per address after a failed authentication
+            raise
+        if request.method not in SAFE_METHODS and CSRF_HEADER not in request.headers:
+            raise RestError(403, "MQWB0100E", f"The CSRF header {CSRF_HEADER} was omitted from the request.",
+                            "A request that changes state must carry the CSRF header.",
+                            f"Resubmit the request with the {CSRF_HEADER} header (any value).", reason=2035)
+        qmgr = request.match_info["qmgr"]
+        if qmgr not in (self.server.name, self.group):
+            raise RestError(404, "MQWB0009E", f"Could not find the queue manager '{qmgr[:64]}'.",
+                            "The MQ REST API was invoked specifying a queue manager name which cannot be located.",
+                            f"Resubmit the request with this member's name ({self.server.name}) or the group's "
+                            f"({self.group}).", reason=2058)
+        if self.server.stopping:
+            raise mq_failure(self.server.quiescing(request.method), "the request was not carried out")
+        session = RestSession(number=next(self._numbers), role=role, peer=request.remote or "?")
+        self._active.add(session)
+        return session
+
+    async def _run(self, session: RestSession, op: str, work: Callable[[], Any]) -> Any:
+        """Run ``work`` in a worker thread under a request slot, counted as the service counts ``op``; an MQ
+        refusal becomes its RestError."""
+        def call() -> Any:
+            with self.server.slots.running():
+                return work()
+        try:
+            result = await asyncio.get_running_loop().run_in_executor(self.executor, call)
+        except NoMessageError:
+            self.server.stats.count((op, NoMessageError.reason_name))
+            raise
+        except MQError as e:
+            self.server.stats.count((op, e.reason_name))
+            raise mq_failure(e, f"{op} on {session.number}") from None
+        except CF_DOWN as e:
+            self.server.stats.count((op, "MQRC_CF_STRUC_FAILED"))
+            raise RestError(503, "MQWB0303E", f"the CF is unavailable: {e}", "The coupling facility did not answer.",
+                            "Resubmit the request later.", reason=2373) from None
+        self.server.stats.count((op, "ok"))
+        return result
+
+    def _close(self, session: RestSession) -> None:
+        """The end of a request's connection handle: an open unit of work is backed out."""
+        if session.conn is not None:
+            try:
+                session.conn.close()
+            except MQError as e:
+                log.warning("%s: backing out REST request %d: %s", self.server.name, session.number, e)
+
+    @asynccontextmanager
+    async def _handle(self, session: RestSession) -> AsyncIterator[None]:
+        """A request's connection handle: whatever its unit of work still holds is backed out before the reply, so
+        that a message a refused get took is back on its queue when the caller hears of it."""
+        try:
+            yield
+        finally:
+            self._active.discard(session)
+            if session.conn is not None and session.conn.uow is not None:
+                await asyncio.shield(asyncio.get_running_loop().run_in_executor(self.executor, self._close, session))
+
+    # --- the endpoints -------------------------------------------------------------------------------------------
+    async def post(self, request: web.Request) -> web.Response:
+        """Put the body as a text message; 201 with its message id, after the commit returned."""
+        session = await self._admit(request)
+        v3 = "/v3/" in request.path
+        args = self._put_args(request, v3=v3)
+        raw = await request.read()
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise RestError(400, "MQWB0305E", "The request body is not valid UTF-8.",
+                            "The messaging REST API puts text messages in UTF-8.",
+                            "Send the body in UTF-8.", reason=2046) from None
+        args.update(queue=request.match_info["queue"], body=raw, syncpoint=True)
+
+        def put() -> dict[str, Any]:
+            done = queue_ops.put(self.server, session, args)
+            queue_ops.commit(self.server, session, {})  # the unit of work forced to the log before the reply
+            return done
+
+        async with self._handle(session):
+            done = await self._run(session, "put", put)
+        msgid = encode_id(done["msgid"], text_ok=False)
+        return web.Response(status=201, headers={MD + "messageId": msgid})
+
+    def _put_args(self, request: web.Request, *, v3: bool) -> dict[str, Any]:
+        ctype = request.headers.get("Content-Type")
+        if ctype is None:
+            raise RestError(415, "MQWB0306E", "The media type is unsupported for this type of request.",
+                            "A put needs a Content-Type header: text/plain;charset=utf-8 or another text type.",
+                            "Resubmit the request with Content-Type: text/plain;charset=utf-8.", reason=2046)
+        if request.content_type not in TEXT_TYPES:
+            raise RestError(415, "MQWB0306E", "The media type is unsupported for this type of request.",
+                            f"The media type {request.content_type[:64]!r} is not one of "
+                            f"{', '.join(sorted(TEXT_TYPES))}.",
+                            "Resubmit the request with Content-Type: text/plain;charset=utf-8.", reason=2046)
+        charset = (request.charset or "utf-8").lower()
+        if charset not in ("utf-8", "utf8"):
+            raise RestError(415, "MQWB0305E", f"The character set {charset[:32]} is not acceptable for the request.",
+                            "The messaging REST API accepts UTF-8 bodies only.",
+                            "Resubmit the request with charset=utf-8.", reason=2046)
+        h = request.headers
+        args: dict[str, Any] = {}
+        if (p := h.get(MD + "persistence")) is not None:
+            if p not in ("persistent", "nonPersistent"):
+                raise bad_header(MD + "persistence", p, "Persistence is persistent or nonPersistent.")
+            args["persistent"] = p == "persistent"
+        if (e := h.get(MD + "expiry")) is not None and e != "unlimited":
+            if not e.isdigit() or int(e) == 0:
+                raise bad_header(MD + "expiry", e, "Expiry is unlimited or a number of milliseconds > 0.")
+            args["expiry_ms"] = int(e)
+        if (c := h.get(MD + "correlationId")) is not None:
+            args["correlid"] = decode_id(c, text_ok=v3, what=MD + "correlationId", bad=bad_header)
+        if (pr := h.get(MD + "priority")) is not None:
+            if not v3:
+                raise bad_header(MD + "priority", pr, "ibm-mq-md-priority is a REST API v3 header.")
+            if not pr.isdigit() or not 0 <= int(pr) <= 9:
+                raise bad_header(MD + "priority", pr, "Priority is 0-9.")
+            args["priority"] = int(pr)
+        if (rt := h.get(MD + "replyTo")) is not None:
+            raise bad_header(MD + "replyTo", rt, "Reply-to queues are not built on this queue manager.")
+        props = {k[len(USR):]: v for k, v in h.items() if k.lower().startswith(USR) and len(k) > len(USR)}
+        if props:
+            if not v3:
+                raise bad_header(USR + "*", next(iter(props)), "User properties are a REST API v3 feature.")
+            args["properties"] = props
+        return args
+
+    def _selection(self, request: web.Request, v3: bool) -> dict[str, Any]:
+        q = request.query
+        sel: dict[str, Any] = {}
+        if (c := q.get("correlationId")) is not None:
+            sel["correlid"] = decode_id(c, text_ok=v3, what="correlationId", bad=bad_query)
+        if (mid := q.get("messageId")) is not None:
+            sel["msgid"] = decode_id(mid, text_ok=False, what="messageId", bad=bad_query)
+        if "correlid" in sel and "msgid" in sel:
+            raise bad_query("messageId", q["messageId"], "Select by messageId or by correlationId, not both.")
+        return sel
+
+    def _accepts_text(self, request: web.Request) -> None:
+        accept = request.headers.get("Accept")
+        if accept is None:
+            return
+        kinds = {part.split(";")[0].strip().lower() for part in accept.split(",")}
+        if not kinds & {"*/*", "text/*", "text/plain"}:
+            raise RestError(406, "MQWB0307E", "The requested media type is not acceptable.",
+                            "A message comes back as text/plain;charset=utf-8.",
+                            "Resubmit the request with Accept: text/plain (or none).")
+
+    async def delete(self, request: web.Request) -> web.Response:
+        """Take the next message (by correlationId or messageId, waiting up to ``wait`` ms) under syncpoint; commit
+        while the caller is still there, then reply 200 with it; 204 when there is none."""
+        session = await self._admit(request)
+        self._accepts_text(request)
+        v3 = "/v3/" in request.path
+        args = self._selection(request, v3)
+        wait = request.query.get("wait", "0")
+        if not wait.isdigit() or int(wait) > self.server.max_wait_ms:
+            raise bad_query("wait", wait, f"wait is a number of milliseconds, 0-{self.server.max_wait_ms}.")
+        args.update(queue=request.match_info["queue"], syncpoint=True, wait_ms=int(wait))
+        async with self._handle(session):
+            try:
+                got = await self._run(session, "get", lambda: queue_ops.get(self.server, session, args))
+            except NoMessageError:
+                return web.Response(status=204)
+            m = message_from_wire(got)
+            try:
+                text = m.body.decode("utf-8")
+            except UnicodeDecodeError:
+                raise RestError(400, "MQWB0303E", "The message is not text in UTF-8: it was left on the queue.",
+                                "The messaging REST API returns text messages only.",
+                                "Get it with the native client.", reason=2110) from None
+            if request.transport is None or request.transport.is_closing():
+                return web.Response(status=204)  # the caller left: backed out (the handle's end), not taken
+            await self._run(session, "commit", lambda: queue_ops.commit(self.server, session, {}))
+        return web.Response(status=200, text=text, content_type="text/plain", charset="utf-8",
+                            headers=md_headers(m, int(time.time() * 1000)))
+
+    async def _browse(self, request: web.Request, session: RestSession, limit: int) -> list[Message]:
+        sel = self._selection(request, "/v3/" in request.path)
+        queue = request.match_info["queue"]
+        scan = queue_ops.MAX_BROWSE if sel else limit
+        found = await self._run(session, "browse", lambda: queue_ops.browse(
+            self.server, session, {"queue": queue, "limit": scan}))
+        messages = [message_from_wire(w) for w in found["messages"]]
+        if "msgid" in sel:
+            messages = [m for m in messages if m.msgid == sel["msgid"]]
+        if "correlid" in sel:
+            messages = [m for m in messages if m.correlid.rstrip(b"\0") == sel["correlid"].rstrip(b"\0")]
+        return messages[:limit]
+
+    async def browse_one(self, request: web.Request) -> web.Response:
+        """The first message (or the first with the messageId or correlationId asked for), left on its queue."""
+        session = await self._admit(request)
+        self._accepts_text(request)
+        async with self._handle(session):
+            found = await self._browse(request, session, 1)
+        if not found:
+            return web.Response(status=204)
+        m = found[0]
+        try:
+            text = m.body.decode("utf-8")
+        except UnicodeDecodeError:
+            raise RestError(400, "MQWB0303E", "The message is not text in UTF-8.",
+                            "The messaging REST API returns text messages only.",
+                            "Browse it with the native client.", reason=2110) from None
+        return web.Response(status=200, text=text, content_type="text/plain", charset="utf-8",
+                            headers=md_headers(m, int(time.time() * 1000)))
+
+    async def message_list(self, request: web.Request) -> web.Response:
+        """A summary of up to ``limit`` messages (no bodies), in the order a get would take them."""
+        session = await self._admit(request)
+        raw = request.query.get("limit", str(MAX_LIST))
+        if not raw.isdigit() or not 1 <= int(raw) <= MAX_LIST:
+            raise bad_query("limit", raw, f"limit is 1-{MAX_LIST}.")
+        async with self._handle(session):
+            found = await self._browse(request, session, int(raw))
+        now = int(time.time() * 1000)
+        return web.json_response({"messages": [summary(m, now) for m in found]})
+
+
+__all__ = ["CSRF_HEADER", "RestEndpoint", "RestError", "RestServer", "RestSession", "decode_id", "encode_id"]

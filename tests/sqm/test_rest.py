@@ -1,0 +1,441 @@
+"""The IBM MQ messaging REST API (docs/rest.md) of a real `sqm run` member, driven with curl and with urllib: each
+status code and header IBM documents, selection, wait, priority, persistence, expiry, user properties, the
+native client on the other side, and a kill -9 right after a 201."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cfemu.admin import Admin
+from cfemu.connection import connect
+from sqm.service.client import Client
+from tests.sqm.test_service import OP_TOKEN, TOKEN, ServerProc, start_server
+from tests.support.certs import issue, make_ca
+
+QUEUES = tuple(f"RQ{i}" for i in range(1, 21))
+CSRF = {"ibm-mq-rest-csrf-token": "x"}
+TEXT = {"Content-Type": "text/plain;charset=utf-8"}
+
+
+@dataclass
+class Member:
+    server: ServerProc
+    rest_port: int
+    tmp: Path
+    url: str
+
+    def base(self, queue: str, qmgr: str | None = None, version: str = "v3") -> str:
+        return (f"http://127.0.0.1:{self.rest_port}/ibmmq/rest/{version}/messaging/qmgr/"
+                f"{qmgr or self.server.name}/queue/{queue}")
+
+
+@dataclass
+class Reply:
+    status: int
+    headers: dict[str, str]  # lower-case names
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+    def error(self) -> dict[str, Any]:
+        err = self.json()["error"]
+        assert isinstance(err, list) and len(err) == 1, err
+        item = err[0]
+        assert item["type"] == "rest" and item["msgId"].startswith("MQWB") and item["message"], item
+        assert {"explanation", "action"} <= item.keys(), item
+        return dict(item)
+
+
+def basic(token: str = TOKEN, user: str = "app1") -> dict[str, str]:
+    return {"Authorization": "Basic " + base64.b64encode(f"{user}:{token}".encode()).decode()}
+
+
+def http(method: str, url: str, body: bytes | None = None, headers: dict[str, str] | None = None,
+         *, auth: bool = True, timeout: float = 30.0) -> Reply:
+    """A request with urllib (a plain HTTP client)."""
+    h = {**(basic() if auth else {}), **(headers or {})}
+    req = urllib.request.Request(url, data=body, method=method, headers=h)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return Reply(r.status, {k.lower(): v for k, v in r.headers.items()}, r.read())
+    except urllib.error.HTTPError as e:
+        return Reply(e.code, {k.lower(): v for k, v in e.headers.items()}, e.read())
+
+
+def put(m: Member, queue: str, text: str, **headers: str) -> str:
+    r = http("POST", m.base(queue) + "/message", text.encode(), {**CSRF, **TEXT, **headers})
+    assert r.status == 201, (r.status, r.body)
+    return r.headers["ibm-mq-md-messageid"]
+
+
+def take(m: Member, queue: str, query: str = "") -> Reply:
+    return http("DELETE", m.base(queue) + "/message" + query, headers=CSRF)
+
+
+def curl(*args: str) -> tuple[int, dict[str, str], bytes]:
+    """curl -i: (status, headers, body)."""
+    out = subprocess.run(["curl", "-sS", "-i", "--max-time", "30", *args], capture_output=True, check=True,
+                         timeout=60).stdout
+    head, _, body = out.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    headers = {}
+    for line in lines[1:]:
+        k, _, v = line.partition(":")
+        headers[k.strip().lower()] = v.strip()
+    return status, headers, body
+
+
+def start_member(url: str, tmp: Path, name: str = "QM1", *args: str) -> Member:
+    server = start_server(url, tmp, name, "--rest-port", "0", *args)
+    info = json.loads((tmp / f"{name}.ready").read_text())
+    return Member(server, int(info["rest_port"]), tmp, url)
+
+
+@pytest.fixture(scope="module")
+def member(redis_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Member]:
+    client = redis_server.client()
+    client.flushall()
+    client.close()
+    r = connect(redis_server.url)
+    Admin(r).ensure_structure("APP1", QUEUES)
+    r.close()
+    m = start_member(redis_server.url, tmp_path_factory.mktemp("rest"))
+    try:
+        yield m
+    finally:
+        m.server.stop()
+
+
+# --- curl: what the README shows, and the documented status codes ------------------------------------------------
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+def test_curl_round_trip_and_refusals(member: Member) -> None:
+    url = member.base("RQ1") + "/message"
+    user = f"app:{TOKEN}"
+    status, headers, _ = curl("-u", user, "-H", "ibm-mq-rest-csrf-token: x", "-H",
+                              "Content-Type: text/plain;charset=utf-8", "-X", "POST", url, "-d", "hello")
+    assert status == 201 and headers["ibm-mq-md-messageid"].startswith("ID:")
+    assert len(headers["ibm-mq-md-messageid"]) == 3 + 48
+    status, headers, body = curl("-u", user, "-H", "ibm-mq-rest-csrf-token: x", "-X", "DELETE", url)
+    assert (status, body) == (200, b"hello")
+    assert headers["content-type"].startswith("text/plain") and "utf-8" in headers["content-type"]
+    assert headers["ibm-mq-md-persistence"] == "persistent" and headers["ibm-mq-md-expiry"] == "unlimited"
+    status, _, body = curl("-u", user, "-H", "ibm-mq-rest-csrf-token: x", "-X", "DELETE", url)
+    assert (status, body) == (204, b"")
+    # a bearer token instead of basic auth
+    status, _, _ = curl("-H", f"Authorization: Bearer {TOKEN}", "-H", "ibm-mq-rest-csrf-token: x", "-H",
+                        "Content-Type: text/plain", "-X", "POST", url, "-d", "b")
+    assert status == 201
+    assert take(member, "RQ1").body == b"b"
+    # 401: no credentials, with a challenge
+    status, headers, body = curl("-H", "ibm-mq-rest-csrf-token: x", "-X", "DELETE", url)
+    assert status == 401 and "Basic" in headers["www-authenticate"]
+    assert json.loads(body)["error"][0]["msgId"] == "MQWB0104E"
+    # 403: no CSRF header
+    status, _, body = curl("-u", user, "-H", "Content-Type: text/plain", "-X", "POST", url, "-d", "x")
+    assert status == 403 and json.loads(body)["error"][0]["msgId"] == "MQWB0100E"
+    # 415: not a text body
+    status, _, body = curl("-u", user, "-H", "ibm-mq-rest-csrf-token: x", "-H", "Content-Type: image/png", "-X",
+                           "POST", url, "-d", "x")
+    assert status == 415 and json.loads(body)["error"][0]["msgId"] == "MQWB0306E"
+    # 404: another queue manager
+    status, _, body = curl("-u", user, "-X", "GET", member.base("RQ1", qmgr="QMX") + "/message")
+    err = json.loads(body)["error"][0]
+    assert status == 404 and err["msgId"] == "MQWB0009E" and err["reasonCode"] == 2058
+    assert err["completionCode"] == 2
+    assert take(member, "RQ1").status == 204  # nothing was put by the refused requests
+
+
+# --- urllib: every status and header ------------------------------------------------------------------------------
+def test_put_get_headers_and_empty(member: Member) -> None:
+    mid = put(member, "RQ2", "héllo wörld", **{"ibm-mq-md-correlationId": "order-17"})
+    assert mid.startswith("ID:")
+    r = take(member, "RQ2")
+    assert r.status == 200 and r.body.decode("utf-8") == "héllo wörld"
+    assert r.headers["ibm-mq-md-messageid"] == mid
+    assert r.headers["ibm-mq-md-correlationid"] == "order-17"
+    assert r.headers["ibm-mq-md-priority"] == "0"
+    assert take(member, "RQ2").status == 204
+
+
+def test_refusals(member: Member) -> None:
+    url = member.base("RQ3") + "/message"
+    r = http("POST", url, b"x", {**CSRF, **TEXT}, auth=False)
+    assert r.status == 401 and "www-authenticate" in r.headers and r.error()["msgId"] == "MQWB0104E"
+    r = http("POST", url, b"x", {**CSRF, **TEXT, **basic("not-a-token")}, auth=False)
+    assert r.status == 401 and r.error()["reasonCode"] == 2035
+    r = http("POST", url, b"x", TEXT)
+    assert r.status == 403 and r.error()["msgId"] == "MQWB0100E"
+    r = http("DELETE", url)
+    assert r.status == 403, "DELETE changes state: it needs the CSRF header too"
+    r = http("POST", url, b"x", {**CSRF, "Content-Type": "application/octet-stream"})
+    assert r.status == 415
+    r = http("POST", url, b"x", {**CSRF, "Content-Type": "text/plain;charset=iso-8859-1"})
+    assert r.status == 415 and r.error()["msgId"] == "MQWB0305E"
+    r = http("POST", member.base("RQ3", qmgr="NOPE") + "/message", b"x", {**CSRF, **TEXT})
+    assert r.status == 404 and r.error()["msgId"] == "MQWB0009E"
+    r = http("POST", member.base("NOSUCHQ") + "/message", b"x", {**CSRF, **TEXT})
+    assert r.status == 404 and r.error()["reasonCode"] == 2085
+    r = http("GET", f"http://127.0.0.1:{member.rest_port}/ibmmq/rest/v3/admin/qmgr")
+    assert r.status == 404 and r.error()["msgId"] == "MQWB0006E"
+    r = http("PUT", url, b"x", {**CSRF, **TEXT})
+    assert r.status == 405 and "POST" in r.headers["allow"]
+    r = http("DELETE", url, headers={**CSRF, "Accept": "application/json"})
+    assert r.status == 406
+    for header, value in (("ibm-mq-md-persistence", "sometimes"), ("ibm-mq-md-priority", "12"),
+                          ("ibm-mq-md-expiry", "soon"), ("ibm-mq-md-correlationId", "ID:zz")):
+        r = http("POST", url, b"x", {**CSRF, **TEXT, header: value})
+        assert r.status == 400 and r.error()["msgId"] == "MQWB0302E", (header, r.body)
+    r = http("DELETE", url + "?wait=forever", headers=CSRF)
+    assert r.status == 400
+    assert take(member, "RQ3").status == 204  # nothing was put by a refused request
+
+
+def test_group_name_is_a_qmgr_too(member: Member) -> None:
+    group = Admin(connect(member.url)).group_name()
+    r = http("POST", member.base("RQ4", qmgr=group) + "/message", b"g", {**CSRF, **TEXT})
+    assert r.status == 201
+    assert http("DELETE", member.base("RQ4", qmgr=group) + "/message", headers=CSRF).body == b"g"
+
+
+def test_browse_leaves_the_message(member: Member) -> None:
+    first = put(member, "RQ5", "one", **{"ibm-mq-md-correlationId": "c1"})
+    second = put(member, "RQ5", "two")
+    r = http("GET", member.base("RQ5") + "/message")  # no CSRF header needed to browse
+    assert r.status == 200 and r.body == b"one" and r.headers["ibm-mq-md-messageid"] == first
+    r = http("GET", member.base("RQ5") + f"/message?messageId={second}")
+    assert r.status == 200 and r.body == b"two"
+    r = http("GET", member.base("RQ5") + "/message?correlationId=c1")
+    assert r.body == b"one"
+    r = http("GET", member.base("RQ5") + "/messagelist")
+    assert r.status == 200 and r.headers["content-type"].startswith("application/json")
+    listed = r.json()["messages"]
+    assert [x["messageId"] for x in listed] == [first, second]
+    assert listed[0]["correlationId"] == "c1" and listed[0]["persistence"] == "persistent"
+    assert listed[0]["putDateTime"].endswith("Z")
+    assert take(member, "RQ5").body == b"one" and take(member, "RQ5").body == b"two"
+    assert http("GET", member.base("RQ5") + "/message").status == 204
+    assert http("GET", member.base("RQ5") + "/messagelist").json() == {"messages": []}
+
+
+def test_selection_by_correlation_and_message_id(member: Member) -> None:
+    put(member, "RQ6", "a", **{"ibm-mq-md-correlationId": "alpha"})
+    mid_b = put(member, "RQ6", "b", **{"ibm-mq-md-correlationId": "ID:" + b"beta".hex()})
+    put(member, "RQ6", "c")
+    r = take(member, "RQ6", f"?messageId={mid_b}")
+    assert r.body == b"b" and r.headers["ibm-mq-md-correlationid"] == "beta"
+    assert take(member, "RQ6", "?correlationId=alpha").body == b"a"
+    assert take(member, "RQ6", "?correlationId=alpha").status == 204
+    assert take(member, "RQ6").body == b"c"
+
+
+def test_wait_for_a_message(member: Member) -> None:
+    t0 = time.monotonic()
+    assert take(member, "RQ7", "?wait=300").status == 204
+    assert time.monotonic() - t0 >= 0.25
+    later = threading.Timer(0.5, lambda: put(member, "RQ7", "late"))
+    later.start()
+    try:
+        t0 = time.monotonic()
+        r = take(member, "RQ7", "?wait=10000")
+        assert r.status == 200 and r.body == b"late" and time.monotonic() - t0 < 9
+    finally:
+        later.join()
+
+
+def test_a_waiting_get_whose_caller_left_takes_nothing(member: Member) -> None:
+    """The caller hangs up while its DELETE waits; the message that comes next is backed out, not lost."""
+    gone = subprocess.run(["curl", "-sS", "--max-time", "0.5", "-u", f"app:{TOKEN}", "-H",
+                           "ibm-mq-rest-csrf-token: x", "-X", "DELETE", member.base("RQ14") + "/message?wait=3000"],
+                          capture_output=True, timeout=30)
+    assert gone.returncode != 0  # curl gave up (timed out)
+    put(member, "RQ14", "for someone else")
+    time.sleep(0.5)  # the abandoned get takes it, sees its caller gone, backs it out
+    r = take(member, "RQ14", "?wait=5000")
+    assert r.status == 200 and r.body == b"for someone else"
+
+
+def test_priority_order(member: Member) -> None:
+    for text, prio in (("low", "1"), ("high", "9"), ("mid", "5"), ("default", None)):
+        put(member, "RQ8", text, **({"ibm-mq-md-priority": prio} if prio else {}))
+    got = [take(member, "RQ8") for _ in range(4)]
+    assert [g.body for g in got] == [b"high", b"mid", b"low", b"default"]
+    assert [g.headers["ibm-mq-md-priority"] for g in got] == ["9", "5", "1", "0"]
+
+
+def test_persistence_and_expiry(member: Member) -> None:
+    put(member, "RQ9", "np", **{"ibm-mq-md-persistence": "nonPersistent", "ibm-mq-md-expiry": "60000"})
+    r = take(member, "RQ9")
+    assert r.headers["ibm-mq-md-persistence"] == "nonPersistent"
+    assert 0 < int(r.headers["ibm-mq-md-expiry"]) <= 60000
+    put(member, "RQ9", "short", **{"ibm-mq-md-expiry": "200"})
+    time.sleep(0.5)
+    assert take(member, "RQ9").status == 204, "an expired message is not delivered"
+    with Client(member.server.endpoint, token=TOKEN) as c:
+        c.put("RQ9", b"native", persistent=False)
+        c.commit()
+    assert take(member, "RQ9").headers["ibm-mq-md-persistence"] == "nonPersistent"
+
+
+def test_user_properties_round_trip(member: Member) -> None:
+    put(member, "RQ10", "p", **{"ibm-mq-usr-colour": "blue", "ibm-mq-usr-Size": "XL"})
+    r = http("GET", member.base("RQ10") + "/message")
+    assert r.headers["ibm-mq-usr-colour"] == "blue" and r.headers["ibm-mq-usr-size"] == "XL"
+    with Client(member.server.endpoint, token=TOKEN) as c:
+        m = c.get("RQ10")
+        c.commit()
+    # header names are case-insensitive in HTTP (a client may change their case): compare names so
+    assert {k.lower(): v for k, v in m.properties.items()} == {"colour": "blue", "size": "XL"}
+    with Client(member.server.endpoint, token=TOKEN) as c:
+        c.put("RQ10", b"n", properties={"n": 3, "s": "t"})
+        c.commit()
+    r = take(member, "RQ10")
+    assert r.headers["ibm-mq-usr-n"] == "3" and r.headers["ibm-mq-usr-s"] == "t"
+
+
+def test_native_client_on_the_other_side(member: Member) -> None:
+    mid = put(member, "RQ11", "from rest", **{"ibm-mq-md-correlationId": "xyz"})
+    with Client(member.server.endpoint, token=TOKEN) as c:
+        m = c.get("RQ11", wait_ms=2000)
+        c.commit()
+        assert m.body == b"from rest" and "ID:" + m.msgid.hex() == mid and m.correlid.rstrip(b"\0") == b"xyz"
+        sent = c.put("RQ11", "from native ✓".encode(), priority=4, correlid=b"k1")
+        c.commit()
+    r = take(member, "RQ11")
+    assert r.body.decode() == "from native ✓" and r.headers["ibm-mq-md-messageid"] == "ID:" + sent.msgid.hex()
+    assert r.headers["ibm-mq-md-priority"] == "4" and r.headers["ibm-mq-md-correlationid"] == "k1"
+    with Client(member.server.endpoint, token=TOKEN) as c:  # not text: refused, and left on the queue
+        c.put("RQ11", b"\xff\xfe binary")
+        c.commit()
+    assert take(member, "RQ11").status == 400
+    with Client(member.server.endpoint, token=TOKEN) as c:
+        assert c.get("RQ11").body == b"\xff\xfe binary"
+        c.commit()
+
+
+def test_operator_token_and_v2_alias(member: Member) -> None:
+    r = http("POST", member.base("RQ12", version="v2") + "/message", b"v2", {**CSRF, **TEXT, **basic(OP_TOKEN)},
+             auth=False)
+    assert r.status == 201
+    r = http("POST", member.base("RQ12", version="v2") + "/message", b"x",
+             {**CSRF, **TEXT, "ibm-mq-md-priority": "3"})
+    assert r.status == 400, "priority is a v3 header"
+    assert take(member, "RQ12").body == b"v2"
+
+
+def test_metrics_count_rest_requests(member: Member) -> None:
+    put(member, "RQ13", "m")
+    take(member, "RQ13")
+    info = json.loads((member.tmp / "QM1.ready").read_text())
+    with urllib.request.urlopen(f"http://127.0.0.1:{info['metrics_port']}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    assert 'sqm_requests_total{op="put",qmgr="QM1",result="ok"}' in text
+    assert 'sqm_requests_total{op="get",qmgr="QM1",result="ok"}' in text
+
+
+# --- TLS: the service's certificate serves the REST port too -------------------------------------------------------
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+def test_rest_over_the_services_tls(fresh_redis: Any, tmp_path: Path) -> None:
+    r = connect(fresh_redis.url)
+    Admin(r).ensure_structure("APP1", ("TQ",))
+    r.close()
+    ca = make_ca(tmp_path, "rest-ca")
+    cert, key = issue(ca, tmp_path, "server")
+    m = start_member(fresh_redis.url, tmp_path, "QMT", "--tls-cert", str(cert), "--tls-key", str(key))
+    try:
+        url = f"https://127.0.0.1:{m.rest_port}/ibmmq/rest/v3/messaging/qmgr/QMT/queue/TQ/message"
+        status, headers, _ = curl("--cacert", str(ca.cert), "-u", f"app:{TOKEN}", "-H", "ibm-mq-rest-csrf-token: x",
+                                  "-H", "Content-Type: text/plain", "-X", "POST", url, "-d", "secret")
+        assert status == 201 and headers["ibm-mq-md-messageid"].startswith("ID:")
+        status, _, body = curl("--cacert", str(ca.cert), "-u", f"app:{TOKEN}", "-H", "ibm-mq-rest-csrf-token: x",
+                               "-X", "DELETE", url)
+        assert (status, body) == (200, b"secret")
+        plain = subprocess.run(["curl", "-sS", "--max-time", "10", "-u", f"app:{TOKEN}", url.replace("https", "http")],
+                               capture_output=True, timeout=30)
+        assert b"secret" not in plain.stdout  # plain HTTP on the TLS port gets nothing
+    finally:
+        m.server.stop()
+
+
+def test_shutdown_ends_a_waiting_get(fresh_redis: Any, tmp_path: Path) -> None:
+    r = connect(fresh_redis.url)
+    Admin(r).ensure_structure("APP1", ("WQ",))
+    r.close()
+    m = start_member(fresh_redis.url, tmp_path, "QMW")
+    replies: list[Reply] = []
+    waiter = threading.Thread(target=lambda: replies.append(take(m, "WQ", "?wait=30000")))
+    waiter.start()
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    assert m.server.stop() == 0, m.server.log_text()
+    waiter.join(timeout=30)
+    assert time.monotonic() - t0 < 15 and replies and replies[0].status == 503, replies
+
+
+# --- durability: a 201 is a committed message ---------------------------------------------------------------------
+def test_kill_minus_9_right_after_201_keeps_the_message(fresh_redis: Any, tmp_path: Path) -> None:
+    redis_url = fresh_redis.url  # a CF of its own: the module's member keeps the shared one
+    r = connect(redis_url)
+    Admin(r).ensure_structure("APP1", ("DQ",))
+    r.close()
+    m = start_member(redis_url, tmp_path, "QMD")
+    ids = []
+    try:
+        for i in range(5):
+            ids.append(put(m, "DQ", f"durable {i}"))
+        os.kill(m.server.proc.pid, signal.SIGKILL)
+        m.server.proc.wait(timeout=10)
+    finally:
+        if m.server.proc.poll() is None:
+            m.server.proc.kill()
+    again = start_member(redis_url, tmp_path, "QMD")  # restart: its log and the CF hold what was committed
+    try:
+        got = [take(again, "DQ") for _ in range(5)]
+        assert [g.body for g in got] == [f"durable {i}".encode() for i in range(5)]
+        assert [g.headers["ibm-mq-md-messageid"] for g in got] == ids
+        assert take(again, "DQ").status == 204
+    finally:
+        again.server.stop()
+
+
+# --- the README's lines, as written, against `cfemu cluster up --rest` ---------------------------------------------
+def readme_rest_lines() -> str:
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = text.split("### The IBM MQ REST messaging API", 1)[1]
+    return section.split("```sh\n", 1)[1].split("```", 1)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+def test_readme_curl_round_trip_through_cluster_up(tmp_path: Path) -> None:
+    lines = readme_rest_lines()
+    assert "curl -s" in lines and "-X DELETE" in lines
+    bin_dir = Path(sys.executable).parent
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("CFEMU_", "SQM_", "REDIS_URL"))}  # what the cluster's directory gives, nothing else
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
+    try:
+        done = subprocess.run(["bash", "-e", "-c", lines], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=240)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip().endswith("hello"), (done.stdout, done.stderr)
+    finally:
+        subprocess.run([str(bin_dir / "cfemu"), "cluster", "down", "--dir", str(tmp_path / "var" / "cluster")],
+                       cwd=tmp_path, env=env, capture_output=True, timeout=120)
