@@ -45,11 +45,14 @@ TMPFS_BYTES = 128 * 2**20
 
 def _live_children(pid: int) -> list[int]:
     """The children of a process that have not exited yet (a stopped parent cannot reap them: zombies count
-    as ended)."""
-    try:
-        children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except (OSError, ValueError):
-        return []
+    as ended). Every thread's: a child is listed under the thread that forked it (cfemu.procs.popen_tied forks from
+    a spawner thread of its own)."""
+    children: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children += [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, ValueError):
+            continue
     live = []
     for c in children:
         try:

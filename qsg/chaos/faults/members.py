@@ -327,7 +327,7 @@ def _how_many(d: Draw) -> tuple[float, dict[str, Any]]:
 
 
 register(FaultKind(
-    "slow-restart", slow_restart, number=31, cost_s=30.0, draw=_how_many, serve_s=30.0,
+    "slow-restart", slow_restart, number=31, cost_s=45.0, draw=_how_many, serve_s=30.0,
     doc="3,000 or 5,000 persistent messages put on BULK (a queue of APP1 outside the history) through the SQM in units "
         "of work of 500, and 500 more left in flight; `kill -9`; a peer recovers it; 2 CPU burners run while it "
         "restarts (restart recovery backs the 500 out, its checkpoint relogs the rest); it must stay up, its epoch "

@@ -137,3 +137,36 @@ def test_cf_kill_duplex_primary_run_finds_nothing(tmp_path: Path) -> None:
     assert all(v == 0 for v in s["findings"].values())
     logs = "".join(p.read_text(errors="replace") for p in (tmp_path / "process-logs").glob("QM*.log"))
     assert "CSQE132I" not in logs  # no member restored anything
+
+
+def kind_run(tmp_path: Path, kind: str, seed: int, duration: float) -> dict[str, object]:
+    """One run of a fault kind alone: nothing found, no fault error, every member serving again within its bound
+    after every fault (the checker's liveness)."""
+    out = chaos("run", "--seed", str(seed), "--duration", str(duration), "--faults", kind, "--json", "--dir",
+                str(tmp_path), timeout=900)
+    assert out.stdout, out.stderr[-3000:]
+    s = json.loads(out.stdout)
+    assert out.returncode == 0, (s["findings"], s["fault_errors"], (tmp_path / "report.md").read_text()[-3000:])
+    assert s["faults"] and all(f["kind"] == kind and f["service_s"] is not None for f in s["faults"])
+    assert all(v == 0 for v in s["findings"].values()), s["findings"]
+    for f in s["faults"]:
+        assert f["serving"] and all(v is not None and v <= f["serve_bound_s"] for v in f["serving"].values()), f
+    return s
+
+
+def test_snoop_run_finds_nothing(tmp_path: Path) -> None:
+    """The fault kind snoop: another application of the same token reads and touches no other user's work; every
+    attempt is in the history, refused (the checker's isolation)."""
+    s = kind_run(tmp_path, "snoop", 1, 8)
+    assert s["counts"]["snoop attempts"] > 40 and s["counts"]["snoop attempts refused"] > 30, s["counts"]
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize(("kind", "seed", "duration"), [
+    ("huge-uow", 1, 25), ("huge-uow", 3, 25), ("stuck-backup", 3, 25), ("stuck-backup", 6, 25),
+    ("slow-restart", 1, 25), ("cf-hang", 2, 20), ("cf-hang", 3, 20)])
+def test_a_new_fault_kind_alone_finds_nothing(tmp_path: Path, kind: str, seed: int, duration: float) -> None:
+    """Each kind the liveness work added, alone (huge-uow: both ends; stuck-backup: kill, cancel and takeover; cf-hang:
+    RECAUTO and the operator's restore): nothing found, every member serving again within its bound."""
+    kind_run(tmp_path, kind, seed, duration)
