@@ -348,7 +348,7 @@ def _companions() -> tuple[str, ...]:
 
 
 def _found_tokens(messages: Any) -> list[str]:
-    """Logon tokens an entry of a companion queue would carry in clear (as outside testing found them)."""
+    """Logon tokens the entries of a companion queue would carry in clear (its "token" and "receiver_token" fields)."""
     found: list[str] = []
     for m in messages:
         try:
