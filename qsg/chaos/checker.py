@@ -36,6 +36,11 @@ Findings (each names the message ids and UOWs involved):
               plan older than the other's result, wiping it and the work acknowledged in between (named).
   purge-undone a message a purge discarded (the fault names them: its "purged" step), delivered by a get
               that began after the purge (a later restore crossed the purge).
+  liveness    a member that did not serve again within its bound after a fault's heal (the runner's "serving
+              again" events: when each member first passed a probe after the heal, and the bound), or whose process
+              ended between one fault's recovery and the next fault (or the workload's end): it served, then stopped;
+  isolation   one application acting as, or reading the work of, another user: an attempt of the snoop fault
+              (history op "snoop") that was not refused;
   uow-*        units of work sent to a service (conversations): qsg.chaos.uowcheck has those rules.
   pub-*        publications and subscribers (durable publish and subscribe): qsg.chaos.pubsubcheck's rules.
 Allowed and counted: non-persistent messages lost (with the CF), unknown outcomes (resolved either way),
@@ -57,7 +62,8 @@ from qsg.chaos.uowcheck import CONV_OPS, UOW_KINDS, check_uows
 
 COMMITTED, ABORTED, UNKNOWN, UNDETERMINED = "committed", "aborted", "unknown", "undetermined"
 MUST_BE_ZERO = ("lost", "undelivered", "duplicated", "phantom", "atomicity", "corrupted", "stuck",
-                "restore-foreign-cf", "restore-wiped", "purge-undone", *UOW_KINDS, *PUB_KINDS)
+                "restore-foreign-cf", "restore-wiped", "purge-undone", "liveness", "isolation", *UOW_KINDS,
+                *PUB_KINDS)
 FINDING_KINDS = (*MUST_BE_ZERO, "order", "restore-order", "resurrected", "expired")
 EXPIRY_SLACK_S = 1.0  # the server's clock reads expiry at the get, some milliseconds after the client's invoke
 # After a fault has recovered, its after-effects last this long: pending CF work retried by the members, and a
@@ -67,10 +73,12 @@ SETTLE_S = 6.0
 # (member-own-log-root, when the stray member was let in) says so with a "CF killed" step.
 CF_LOSS_KINDS = ("cf-kill", "cf-kill-during-restore", "during-backup", "peer-clock-skew",
                  "cf-kill-during-load-restart", "cf-kill-twice", "purge-then-cf-kill", "cf-kill-recauto",
-                 "cluster-node-kill")
+                 "cluster-node-kill", "cf-hang")
 CF_KILLED = "CF killed"
 PURGED = "purged"  # the phase of a fault's history event that names the messages a purge discarded ("msgs")
 LEFT_SLACK_S = 1.0  # a get whose client left: the server might have gone on this long past the get's own wait
+SERVING_AGAIN = "serving again"  # the runner's event: when a member first passed a probe after a fault's heal
+SNOOP_OP = "snoop"  # an attempt of one application on another user's work (the snoop fault): refused, or a finding
 
 
 @dataclass
@@ -173,6 +181,8 @@ class Checker:
         resolves: dict[str, list[Op]] = defaultdict(list)
         for o in self.ops:
             if o.op in CONV_OPS or o.op in PUB_OPS:  # qsg.chaos.uowcheck's and qsg.chaos.pubsubcheck's rules
+                continue
+            if o.op == SNOOP_OP:  # check_isolation's
                 continue
             if o.op == "resolve":
                 resolves[o.args.get("xid", "")].append(o)
@@ -500,6 +510,56 @@ class Checker:
                                                  f"result and the {len(acked)} units of work acknowledged in "
                                                  f"between ({', '.join(sorted(u.key for u in acked)[:10])})")
 
+    def check_liveness(self) -> None:
+        """Every member serves again within its bound after every fault's heal, and keeps serving until the next
+        fault: the runner records, per fault, when each member first passed a probe after the heal (its "serving
+        again" events, with the bound) and each member's process at every injection, recovery and the workload's
+        end. A history without them (older runs) is not judged."""
+        for f in self.faults:
+            if f.get("phase") != SERVING_AGAIN:
+                continue
+            after, bound = f.get("after_heal_s"), f.get("bound_s")
+            if bound is None:
+                continue
+            if after is None:
+                self.find("liveness", [], f"{f.get('member')} did not serve again after fault {f.get('fault')} "
+                                          f"({f.get('kind')}) healed (bound {bound} s)")
+            elif float(after) > float(bound):
+                self.find("liveness", [], f"{f.get('member')} served again {after} s after fault {f.get('fault')} "
+                                          f"({f.get('kind')}) healed: more than its bound of {bound} s")
+        recovered: tuple[Any, dict[str, Any]] | None = None  # (fault, pids) at the last recovery
+        marks = sorted((e for e in [*self.faults, *self.notes] if "pids" in e), key=lambda e: e["t"])
+        for e in marks:
+            if e.get("phase") == "recovered":
+                recovered = (e.get("fault"), e["pids"])
+                continue
+            if recovered is None:
+                continue
+            fault, before = recovered
+            when = f"fault {e.get('fault')} ({e.get('kind')})" if e.get("phase") == "inject" else \
+                f"the {e.get('what') or 'next mark'}"
+            for name, pid in sorted(before.items()):
+                now = e["pids"].get(name)
+                if pid is not None and now != pid:
+                    self.find("liveness", [], f"{name} served again after fault {fault}, then stopped: its process "
+                                              f"{pid} {'had ended' if now is None else f'was replaced by {now}'} by "
+                                              f"{when}, with no fault between")
+            recovered = None
+
+    def check_isolation(self) -> None:
+        """An application of the group's service token that acted as another user, or read another user's work:
+        every attempt the snoop fault makes must be refused (its op completes ``fail``, or ``ok`` with no breach)."""
+        for o in self.ops:
+            if o.op != SNOOP_OP:
+                continue
+            self.counts["snoop attempts"] += 1
+            if o.outcome == "ok" and o.result.get("breach"):
+                self.find("isolation", [], f"op {o.id} ({o.client}): {o.args.get('what')} as "
+                                           f"{o.args.get('as_user') or 'no user'} (token {o.args.get('token')}) on "
+                                           f"{o.args.get('target')}: not refused: {o.result.get('detail', '')}")
+            elif o.outcome == "fail":
+                self.counts["snoop attempts refused"] += 1
+
     def run(self) -> CheckResult:
         self.build()
         self.infer()
@@ -508,6 +568,8 @@ class Checker:
         self.check_restore_order()
         self.check_stuck()
         self.check_restores()
+        self.check_liveness()
+        self.check_isolation()
         check_uows(self.ops, self.find, self.counts)
         check_pubsub(self.ops, self.find, self.counts, self.disturbed(), self.purged, self.topic_purges)
         self.counts["operations"] = len(self.ops)

@@ -35,6 +35,9 @@ PROBE_QUEUE = "PROBE"  # on APP1; the history never sees it
 # On APP1, for the faults whose own clients need a queue the workload does not compete for (clients that leave a
 # waiting get, messages near and over the size limits); in the history like any queue, and drained.
 EDGE_QUEUE = "EDGE"
+# On APP1, for the faults that need many messages on a member's queues that are no workload's (a slow restart):
+# outside the history, never drained, emptied by the fault that filled it.
+BULK_QUEUE = "BULK"
 DRAINED = (*QUEUES, EDGE_QUEUE)
 SERVICE_STRUCTURE = "APP2"  # where the service of the conversation actions lives (qsg.chaos.conversations.SERVICE)
 TMPFS_BYTES = 128 * 2**20
@@ -42,11 +45,14 @@ TMPFS_BYTES = 128 * 2**20
 
 def _live_children(pid: int) -> list[int]:
     """The children of a process that have not exited yet (a stopped parent cannot reap them: zombies count
-    as ended)."""
-    try:
-        children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except (OSError, ValueError):
-        return []
+    as ended). Every thread's: a child is listed under the thread that forked it (cfemu.procs.popen_tied forks from
+    a spawner thread of its own)."""
+    children: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children += [int(c) for c in (task / "children").read_text().split()]
+        except (OSError, ValueError):
+            continue
     live = []
     for c in children:
         try:
@@ -142,6 +148,9 @@ class ChaosGroup:
         self.history: History | None = None  # where faults that act as clients record their calls
         self.seed = 0  # the run's seed: what varies from one restore to the next is drawn from it (faults)
         self.restores = 0  # the restores run so far (each one's engine options: the seed and its number)
+        # member -> (pid, monotonic time) of the first probe it passed with that pid since forget_serving(): when
+        # each member was seen serving again after a fault's heal (the checker's liveness rule)
+        self.serving: dict[str, tuple[int | None, float]] = {}
 
     # --- start and stop ------------------------------------------------------------------------------------------
     def up(self) -> ChaosGroup:
@@ -153,7 +162,7 @@ class ChaosGroup:
                 self.disk.mount()
         try:
             self.cluster = LocalGroup.up(self.dir, managers=self.managers, backup_interval=self.backup_interval,
-                                         structure="APP1", queues=(*STRUCTURES["APP1"], PROBE_QUEUE, EDGE_QUEUE),
+                                         structure="APP1", queues=(*STRUCTURES["APP1"], PROBE_QUEUE, EDGE_QUEUE, BULK_QUEUE),
                                          lease_ms=self.lease_ms, recauto=False, redis_cluster=self.redis_cluster,
                                          duplex=self.duplex, restart_cf=self.duplex,
                                          # a cluster client follows the cluster's redirections to the nodes
@@ -249,9 +258,19 @@ class ChaosGroup:
                 os.kill(pid, 18)  # SIGCONT
         self.stopped.discard(name)
 
-    def probe(self, name: str, timeout: float = 3.0) -> bool:
-        """A persistent put, commit, get and commit through the manager's client proxy: full service."""
+    def pids(self) -> dict[str, int | None]:
+        """Each member's process id while it runs (None: not running)."""
+        running = self.c.running_processes()
+        return {n: running.get(n) for n in self.names}
 
+    def forget_serving(self) -> None:
+        """From now on a member counts as serving again only once it passes a probe (ChaosGroup.serving)."""
+        self.serving = {}
+
+    def probe(self, name: str, timeout: float = 3.0) -> bool:
+        """A persistent put, commit, get and commit through the manager's client proxy: full service. A pass is
+        noted in ``serving`` (the first one of each process of the member since forget_serving)."""
+        pid = self.pid(name)
         try:
             with Client([("127.0.0.1", self.client_proxies[name].port)], token=self.c.token, client_name="probe",
                         connect_timeout=timeout, request_timeout=timeout, reconnect_timeout=0.5) as c:
@@ -259,9 +278,12 @@ class ChaosGroup:
                 c.commit()
                 c.get(PROBE_QUEUE, msgid=m.msgid, wait_ms=500)
                 c.commit()
-            return True
         except (MQError, OSError):
             return False
+        seen = self.serving.get(name)
+        if seen is None or seen[0] != pid:
+            self.serving[name] = (pid, time.monotonic())
+        return True
 
     def wait_service(self, timeout: float, names: list[str] | None = None) -> float | None:
         """Seconds until every manager passes the probe (None: not within timeout)."""

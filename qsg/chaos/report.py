@@ -24,7 +24,7 @@ from qsg.chaos.checker import FINDING_KINDS, MUST_BE_ZERO, CheckResult
 from qsg.chaos.options import ChaosOptions
 
 BUCKET_S = 1.0
-TIMING_KEYS = ("peer_recovery_s", "fenced_exit_s", "restart_s", "restore_s", "service_s")
+TIMING_KEYS = ("peer_recovery_s", "fenced_exit_s", "restart_s", "restore_s", "serve_again_s", "service_s")
 
 
 def commit_times(events: list[dict[str, Any]]) -> list[float]:
@@ -165,12 +165,13 @@ def markdown(summary: dict[str, Any], timeline: list[dict[str, Any]]) -> str:
            "![throughput](throughput.svg)", "", "## Summary", "", "| what | value |", "|---|---|"]
     for k, v in summary_rows(s):
         out.append(f"| {k} | {v} |")
-    out += ["", "## Faults", "", "| # | kind | target | at (s) | to full service (s) | timings | error |",
-            "|---|---|---|---|---|---|---|"]
+    out += ["", "## Faults", "", "| # | kind | target | at (s) | to full service (s) | serving again after the heal "
+            "(s; bound) | timings | error |", "|---|---|---|---|---|---|---|---|"]
     for f in s["faults"]:
         timings = ", ".join(f"{k}={v}" for k, v in f["timings"].items())
+        serving = ", ".join(f"{m} {v}" for m, v in (f.get("serving") or {}).items())
         out.append(f"| {f['fault']} | {f['kind']} | {f['target']} | {f['started']} | {f['service_s']} | "
-                   f"{timings} | {f['error'] or f['unavailable']} |")
+                   f"{serving}; {f.get('serve_bound_s')} | {timings} | {f['error'] or f['unavailable']} |")
     out += ["", "## Timeline", "", "| t (s) | event |", "|---|---|"]
     for e in timeline:
         detail = {k: v for k, v in e.items() if k not in ("type", "t")}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import shutil
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,6 +24,7 @@ from qsg.chaos.conversations import drain_service, service_queues
 from qsg.chaos.faults import (
     DUPLEX_KINDS,
     FAULTS,
+    ROWS,
     FaultError,
     FaultSpec,
     after_heal,
@@ -39,6 +41,53 @@ from sqm.service.client import Client
 
 log = logging.getLogger("qsg.chaos")
 
+# A member serves again within this many seconds of a fault's heal, beyond twice the lease (a peer's recovery of
+# it, then its restart: a process start, restart recovery and its checkpoint on a loaded two-core machine), plus
+# the kind's own allowance (FaultKind.serve_s); ChaosOptions.serve_within_s replaces the sum for every kind.
+SERVE_MARGIN_S = 20.0
+WATCH_EVERY_S = 0.25  # how often the serving watch probes the members not yet seen serving again
+
+
+def serve_bound(opts: ChaosOptions, kind: str) -> float:
+    """Seconds within which every member must serve again after a fault of this kind has healed."""
+    if opts.serve_within_s:
+        return opts.serve_within_s
+    row = ROWS.get(kind)
+    return round(2 * opts.lease_ms / 1000 + SERVE_MARGIN_S + (row.serve_s if row else 0.0), 1)
+
+
+class ServingWatch:
+    """From a fault's heal on, probe every member not yet seen serving (with its current process) until each has
+    passed once: when each served again (ChaosGroup.serving), however long the fault's own steps after its heal
+    take. A member restarted later is probed again."""
+
+    def __init__(self, group: ChaosGroup) -> None:
+        self.g = group
+        self.healed_at = time.monotonic()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def heal(self) -> None:
+        """The fault healed (again): every member must be seen serving from now on."""
+        self.healed_at = time.monotonic()
+        self.g.forget_serving()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="chaos-serving-watch", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(WATCH_EVERY_S):
+            pids = self.g.pids()
+            for name, pid in pids.items():
+                seen = self.g.serving.get(name)
+                if pid is not None and (seen is None or seen[0] != pid) and not self._stop.is_set():
+                    self.g.probe(name, timeout=2.0)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10.0)
+
 
 @dataclass
 class FaultRecord:
@@ -49,25 +98,40 @@ class FaultRecord:
     timings: dict[str, Any] = field(default_factory=dict)
     error: str = ""
     unavailable: str = ""
+    serving: dict[str, float | None] = field(default_factory=dict)  # member -> seconds from heal to serving again
+    serve_bound_s: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {**self.spec.to_json(), "started": self.started, "recovered": self.recovered,
                 "service_s": self.service_s, "timings": self.timings, "error": self.error,
-                "unavailable": self.unavailable}
+                "unavailable": self.unavailable, "serving": self.serving, "serve_bound_s": self.serve_bound_s}
 
 
-def _execute(group: ChaosGroup, history: History, spec: FaultSpec) -> FaultRecord:
-    rec = FaultRecord(spec, started=history.now())
+def _execute(group: ChaosGroup, history: History, spec: FaultSpec, bound_s: float) -> FaultRecord:
+    rec = FaultRecord(spec, started=history.now(), serve_bound_s=bound_s)
     t0 = time.monotonic()
-    history.fault("inject", **spec.to_json())
+    # The members' processes as the fault begins (the checker's liveness rule: a member whose process changed
+    # since the previous fault's recovery stopped serving between the faults).
+    history.fault("inject", **spec.to_json(), pids=group.pids(), serve_bound_s=bound_s)
+    watch = ServingWatch(group)
+    healed = False
 
     def step(phase: str, **fields: Any) -> float:
+        nonlocal healed
         el = round(time.monotonic() - t0, 3)
         history.fault(phase, fault=spec.n, kind=spec.kind, target=spec.target, elapsed_s=el, **fields)
+        if phase == "heal":
+            healed = True
+            watch.heal()
         return el
 
     try:
-        rec.timings = FAULTS[spec.kind](group, spec, step)
+        try:
+            rec.timings = FAULTS[spec.kind](group, spec, step)
+        finally:
+            if not healed:  # a fault with no heal step of its own has healed when it returns
+                history.fault("healed", fault=spec.n, kind=spec.kind, elapsed_s=round(time.monotonic() - t0, 3))
+                watch.heal()
     except FaultError as e:
         if str(e).startswith("unavailable"):
             rec.unavailable = str(e)
@@ -85,10 +149,22 @@ def _execute(group: ChaosGroup, history: History, spec: FaultSpec) -> FaultRecor
     while service is None and time.monotonic() < deadline:
         heal(group, history)
         service = group.wait_service(timeout=min(20.0, max(1.0, deadline - time.monotonic())))
+    watch.stop()
+    pids = group.pids()
+    for name, pid in pids.items():
+        seen = group.serving.get(name)
+        after = round(seen[1] - watch.healed_at, 3) if seen is not None and seen[0] == pid else None
+        rec.serving[name] = after
+        # When the member was seen serving again after the heal (None: not, with the process it runs now).
+        history.fault("serving again", fault=spec.n, kind=spec.kind, member=name, pid=pid, after_heal_s=after,
+                      bound_s=bound_s)
+    served = [v for v in rec.serving.values() if v is not None]
+    if served:
+        rec.timings.setdefault("serve_again_s", max(served))
     if service is not None:
         rec.service_s = round(time.monotonic() - t0, 3)
         rec.recovered = history.now()
-        history.fault("recovered", fault=spec.n, kind=spec.kind, service_s=rec.service_s)
+        history.fault("recovered", fault=spec.n, kind=spec.kind, service_s=rec.service_s, pids=pids)
     else:
         rec.error = rec.error or "no full service within 90s of healing"
         history.fault("error", fault=spec.n, kind=spec.kind, error=rec.error)
@@ -254,10 +330,10 @@ def run_chaos(opts: ChaosOptions, console: Console | None = None,
                 if pending and time.monotonic() - t0 >= pending[0].at:
                     spec = pending.pop(0)
                     tick(f"fault {spec.n}: {spec.kind} on {spec.target}")
-                    records.append(_execute(group, history, spec))
+                    records.append(_execute(group, history, spec, serve_bound(opts, spec.kind)))
                     continue
                 time.sleep(0.1)
-            history.note(what="workload stop")
+            history.note(what="workload stop", pids=group.pids())
             stuck = work.stop()
             if stuck:
                 extra["client threads still running at stop"] = stuck

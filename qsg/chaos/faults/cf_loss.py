@@ -1,12 +1,16 @@
 """Faults that lose the CF, or a structure in it, and the restores that follow: the CF killed (alone, during a
-restore, twice, after a purge, with RECAUTO, a duplexed pair's primary, one node of a Redis Cluster CF), two
-restores racing, a member killed during a backup, and a backup under load."""
+restore, twice, after a purge, with RECAUTO, a duplexed pair's primary, one node of a Redis Cluster CF) or hung,
+two restores racing, a member killed during a backup, a backup under load, and a backup that dies or stalls."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import select
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -14,8 +18,12 @@ from typing import Any
 
 import redis
 
+from backup.catalog import list_backups
+from backup.run import run_backup
 from cfemu import bulk, keys, repository
 from cfemu.admin import Admin
+from cfemu.cf import CF
+from cfemu.errors import BackupRunningError
 from cfemu.settings import CLUSTER_CF
 from qsg import rcluster_cf
 from qsg.chaos.bodies import parse_body
@@ -27,6 +35,7 @@ from qsg.chaos.faults.restores import (
     live_work,
     lose_cf,
     order_snapshot,
+    restore_all,
     restore_structure,
     structure_state,
 )
@@ -435,6 +444,238 @@ register(FaultKind(
     doc="scheduler held; APP1 marked failed, the chaos ids of every message it holds written to the history (the "
         "fault's `purged` step), `cfrestore purge` (run_purge); live work; `cf-kill` before any new backup: no "
         "purged message may come back (the checker's `purge-undone`)"))
+
+
+def cf_hang(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
+    """The CF hangs: its redis-server is stopped (SIGSTOP), alive but silent. Nobody acts but the group's supervisor
+    (turned on for the fault): it must find the CF hung (no PING answered in 3 probes over at least 6 s), SIGKILL
+    it and restart it empty. Then RECAUTO restores every structure (recauto) or the fault does, as the operator
+    would after a CF loss; the get order is read before the hang and after the restore."""
+    recauto = bool(f.params.get("recauto"))
+    ensure_backups(g)
+    step("backups checked")
+    if recauto:
+        _set_recauto(g, True)
+        step("RECAUTO on")
+    out: dict[str, Any] = {"recauto": recauto}
+    pid = int(g.c.state[CLUSTER_CF]["pid"])
+    try:
+        live = order_snapshot(g)
+        restarts = g.c.cf_restarts
+        g.c.supervise_cf()
+        os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        step("CF stopped (SIGSTOP): hung", live_order=live)
+        while g.c.cf_restarts == restarts:
+            if time.monotonic() - t0 > HANG_DETECT_LIMIT_S:
+                raise FaultError(f"the supervisor did not restart the hung CF within {HANG_DETECT_LIMIT_S:g}s")
+            time.sleep(0.1)
+        out["hang_restart_s"] = round(time.monotonic() - t0, 3)
+        step("the supervisor killed the hung CF and restarted it empty")
+        g.c.supervise_cf(False)
+        if recauto:
+            deadline = t0 + 120.0
+            while not _all_active(g):
+                if time.monotonic() > deadline:
+                    raise FaultError("RECAUTO: not every structure ACTIVE within 120s of the CF's hang")
+                time.sleep(0.1)
+            out["recauto_s"] = round(time.monotonic() - t0, 3)
+            step("every structure ACTIVE again, restored by a member")
+        else:
+            out.update(restore_all(g, step))
+        out["cf_restarts"] = g.c.cf_restarts - restarts
+        step("restored order read", restored_order=order_snapshot(g))
+    finally:
+        g.c.supervise_cf(False)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)  # a stopped CF the supervisor did not kill goes on (healing restores it)
+        if recauto:
+            with contextlib.suppress(Exception):
+                _set_recauto(g, False)
+    step("heal")
+    return out
+
+
+HANG_DETECT_LIMIT_S = 30.0  # the supervisor finds a hung CF after 3 probes over >= 6 s: far less
+
+
+def _hang_how(d: Draw) -> tuple[float, dict[str, Any]]:
+    return 0.0, {"recauto": d.rnd.random() < 0.5}
+
+
+register(FaultKind(
+    "cf-hang", cf_hang, number=32, cost_s=14.0, draw=_hang_how,
+    doc="the CF's redis-server is stopped (`SIGSTOP`): alive, silent; the group's supervisor (turned on for the fault) "
+        "must find it hung (no `PING` answered in 3 probes of 1 s over at least 6 s), `SIGKILL` it and restart it empty "
+        "(`hang_restart_s` in the timings); then, in half the seeds, RECAUTO (turned on before the hang) has a member "
+        "restore every structure (`recauto_s`), in the others the fault restores them as `cf-kill` does; the get order "
+        "read before the hang and after the restore (`restore-order`); the supervisor and RECAUTO off again"))
+
+
+# `cfbackup run` as an operator runs it (backup.cli.main), with a backup that stops before its copy step 2 for
+# $SLOW_S seconds: a window in which the process is a running backup, its mark set and its lease renewed.
+SLOW_BACKUP = """
+import os, sys, time
+import backup.cli as cli
+import backup.run as run
+
+real = run.run_backup
+
+def slow(*args, **kwargs):
+    def on_step(number, state):
+        if number == 2:
+            print("IN STEP 2", flush=True)
+            time.sleep(float(os.environ["SLOW_S"]))
+    return real(*args, on_step=on_step, **kwargs)
+
+cli.run_backup = slow
+sys.exit(cli.main(sys.argv[1:]))
+"""
+BACKUP_START_S = 60.0  # for the stuck backup to reach its step 2
+LEASE_SLACK_S = 2.0  # past the stuck backup's lease (its last renewal, the CF's clock) a new backup must not be refused
+
+
+def _backup_mark(g: ChaosGroup, structure: str) -> str:
+    """The id of the backup whose mark the structure holds ('' none), whether its lease runs or not."""
+    client = g.cf()
+    try:
+        found = CF(client).structure(structure).backup_mark()
+        return found.backup if found is not None else ""
+    finally:
+        client.close()
+
+
+def _stuck_backup(g: ChaosGroup, structure: str, lease_s: float, slow_s: float) -> subprocess.Popen[str]:
+    """`cfbackup run STRUCTURE --lease LEASE_S` stopped before its step 2 (SLOW_BACKUP), once it says so; with the
+    scheduler held meanwhile, so that its backup does not hold the mark first."""
+    g.pause_backups()
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", SLOW_BACKUP, "run", structure, "--lease", str(lease_s)],
+                                env={**g.c.child_env(), "SLOW_S": str(slow_s)}, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], BACKUP_START_S)
+        line = proc.stdout.readline() if ready else ""
+        if line.strip() != "IN STEP 2":
+            proc.kill()
+            _, err = proc.communicate(timeout=30)
+            raise FaultError(f"the backup to get stuck did not reach its step 2: {line!r} {err[-300:]!r}")
+        return proc
+    finally:
+        g.resume_backups()
+
+
+def _backup_after(g: ChaosGroup, structure: str, stuck: str, since: float, lease_s: float,
+                  step: Step) -> dict[str, Any]:
+    """A backup of the structure, as the operator's next one: refused while a live backup holds the mark (the
+    scheduler's: tried again), a fault error when the stuck backup's mark still refuses it past its lease."""
+    deadline = since + lease_s + LEASE_SLACK_S
+    tries = 0
+    while True:
+        tries += 1
+        client = g.cf()
+        try:
+            manifest = run_backup(client, structure, g.c.backup_dir, log_root=g.c.log_root,
+                                  backup_keys=g.c.backup_keys())
+            step(f"backup {manifest['id']} of {structure} done" + (
+                f", taking over the stale mark of {manifest['took_over']}" if manifest.get("took_over") else ""))
+            return {"backup_after_s": round(time.monotonic() - since, 3), "took_over": manifest.get("took_over") or "",
+                    "tries": tries}
+        except BackupRunningError as e:
+            holder = _backup_mark(g, structure)
+            if holder == stuck and time.monotonic() > deadline:
+                raise FaultError(f"a backup of {structure} was refused {time.monotonic() - since:.1f}s after backup "
+                                 f"{stuck} got stuck, past its lease of {lease_s:g}s: {e}") from None
+            if time.monotonic() > since + 120.0:
+                raise FaultError(f"no backup of {structure} within 120s of the stuck one: {e}") from None
+        finally:
+            client.close()
+        time.sleep(0.2)
+
+
+def stuck_backup(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
+    """A backup that dies or stalls mid-run must not block the next one beyond its lease. `cfbackup run --lease`
+    is held at its step 2, then: SIGKILLed (kill: the next backup is refused while its lease runs and takes over
+    its stale mark after it), SIGSTOPped past its lease and cancelled by the operator (stop-cancel: `cfbackup
+    cancel`, then a backup at once), or SIGSTOPped past its lease and taken over (stop-takeover); a stopped one,
+    resumed, must fail and keep nothing."""
+    structure, how, lease_s = str(f.params["structure"]), str(f.params["how"]), float(f.params["lease_s"])
+    proc = _stuck_backup(g, structure, lease_s, slow_s=600.0 if how == "kill" else lease_s + 1.0)
+    out: dict[str, Any] = {"structure": structure, "how": how, "lease_s": lease_s}
+    try:
+        stuck = _backup_mark(g, structure)
+        if not stuck:
+            raise FaultError(f"the backup to get stuck holds no mark on {structure}")
+        step(f"backup {stuck} of {structure} at its step 2")
+        if how == "kill":
+            proc.kill()
+            proc.wait(30)
+            since = time.monotonic()
+            step(f"backup {stuck} killed (SIGKILL)")
+            client = g.cf()
+            try:
+                run_backup(client, structure, g.c.backup_dir, log_root=g.c.log_root, backup_keys=g.c.backup_keys())
+                raise FaultError(f"a backup of {structure} ran while the killed backup {stuck}'s lease still ran")
+            except BackupRunningError:
+                out["refused_in_lease"] = True
+            finally:
+                client.close()
+            step("heal")
+            out.update(_backup_after(g, structure, stuck, since, lease_s, step))
+            return out
+        proc.send_signal(signal.SIGSTOP)
+        since = time.monotonic()
+        step(f"backup {stuck} stopped (SIGSTOP)")
+        time.sleep(lease_s + 0.5)
+        step("heal")
+        if how == "stop-cancel":
+            cancel = subprocess.run([sys.executable, "-m", "backup.cli", "cancel", "--structure", structure, "--json"],
+                                    env=g.c.child_env(), capture_output=True, text=True, timeout=60)
+            if cancel.returncode != 0:
+                raise FaultError(f"cfbackup cancel failed ({cancel.returncode}): {cancel.stderr[-300:]}")
+            cancelled = json.loads(cancel.stdout)["cancelled"]
+            step(f"cfbackup cancel: {cancelled}")
+            if stuck not in {c["backup"] for c in cancelled} and _backup_mark(g, structure) == stuck:
+                raise FaultError(f"cfbackup cancel left the stopped backup {stuck}'s mark: {cancelled}")
+            out["cancelled"] = [c["backup"] for c in cancelled]
+            since = time.monotonic()  # cancelled: the next backup must not wait for any lease
+            out.update(_backup_after(g, structure, stuck, since, 0.0, step))
+        else:
+            out.update(_backup_after(g, structure, stuck, since, lease_s, step))
+        proc.send_signal(signal.SIGCONT)
+        try:
+            _, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            raise FaultError(f"the resumed backup {stuck} did not end within 60s") from None
+        out["resumed_exit"] = proc.returncode
+        step(f"the resumed backup {stuck} exited with {proc.returncode}")
+        kept = [b.id for b in list_backups(g.c.backup_dir, structure, backup_keys=g.c.backup_keys()) if b.id == stuck]
+        if proc.returncode == 0 or kept:
+            raise FaultError(f"the backup {stuck}, resumed after its mark was {how.split('-')[1]}ed, "
+                             f"{'ended well' if proc.returncode == 0 else 'kept ' + str(kept)}: {err[-300:]}")
+        return out
+    finally:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGCONT)
+            proc.kill()
+            proc.wait(30)
+
+
+def _stuck_how(d: Draw) -> tuple[float, dict[str, Any]]:
+    return 0.0, {"structure": d.rnd.choice(sorted(STRUCTURES)), "how": d.rnd.choice(("kill", "stop-cancel",
+                                                                                      "stop-takeover")),
+                 "lease_s": d.rnd.choice((2.0, 3.0))}
+
+
+register(FaultKind(
+    "stuck-backup", stuck_backup, number=30, cost_s=10.0, draw=_stuck_how,
+    doc="`cfbackup run --lease 2` (or 3) of a structure is held at its step 2, its mark set, then (from the seed): "
+        "`SIGKILL` (a backup at once must be refused, and one must succeed, taking over the stale mark, within the "
+        "lease + 2 s), or `SIGSTOP` past its lease and then `cfbackup cancel` (a backup must succeed at once) or no "
+        "cancel (one must succeed within the lease + 2 s, taking over); the stopped one, resumed (`SIGCONT`), must fail "
+        "and keep nothing. The scheduler is held only until the stuck backup has its mark, and competes for the mark "
+        "after; a backup refused by the stuck one's mark past its lease is a fault error"))
 
 
 __all__: list[str] = []

@@ -1,30 +1,42 @@
-"""The edges of the service: clients that leave while their get waits, and messages near and over the size limits
-(docs/architecture.md, the limits table). These faults act as clients themselves, every call in the history."""
+"""The edges of the service: clients that leave while their get waits, messages near and over the size limits
+(docs/architecture.md, the limits table), a unit of work far past MAXUMSGS, and an application that tries to read and
+act on other users' work. These faults act as clients themselves, every call in the history."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import random
+import secrets
 import signal
 import socket
 import struct
+import threading
 import time
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+import msgpack
+
 from cfemu.admin import Admin
-from cfemu.errors import MQError
+from cfemu.errors import BadRequestError, MQError, OutcomeUnknownError
 from cfemu.limits import DESCRIPTOR_ALLOWANCE
+from qsg.chaos.conversations import service_queues
 from qsg.chaos.faults.heal import client_ep, history_of, restart
-from qsg.chaos.faults.kind import FaultError, FaultKind, FaultSpec, Step, register
+from qsg.chaos.faults.kind import Draw, FaultError, FaultKind, FaultSpec, Step, register
 from qsg.chaos.group import EDGE_QUEUE, ChaosGroup
+from qsg.chaos.history import FAIL as CALL_FAIL
 from qsg.chaos.history import OK as CALL_OK
 from qsg.chaos.history import UNKNOWN as CALL_UNKNOWN
+from qsg.chaos.pubsub_actions import TOPIC, topic_queues
 from qsg.chaos.workload import PutSpec, Runner, make_body
 from sqm.core.manager import QueueManager, QueueManagerConfig
 from sqm.service.client import Client, handshake
 from sqm.service.protocol import ENVELOPE, PRE_HELLO_MAX_FRAME, encode_frame
 from sqm.wings import WINGS
 
+SNOOP = "snoop"  # the history op of each attempt of the snoop fault (the checker's isolation rule reads it)
 LEAVE_WAIT_MS = 20_000  # the waiting get's wait: far longer than the client stays
 EDGE_FRAME = 2**20  # the frame big-messages gives its target SQM: less than EDGE holds (4 MiB by default)
 BIG_MEMBER = "QMBIG"  # the in-process member big-messages puts through (its log is in the group's log root)
@@ -212,4 +224,265 @@ register(FaultKind(
         "the longest message is got whole through the SQM. A broken expectation is a fault error (the run fails)"))
 
 
-__all__ = ["BIG_MEMBER", "EDGE_FRAME", "LEAVE_WAIT_MS"]
+HUGE_OVER = 3  # puts tried past MAXUMSGS, each refused
+LATENCY_EVERY_S = 0.3  # how often the latency watch probes each member while the huge unit of work runs
+
+
+class _LatencyWatch:
+    """Probes every member (a persistent put, commit, get, commit through its client proxy) from a thread, and keeps
+    each member's slowest probe and its failures: the other clients' latency while one client's huge unit of work
+    runs."""
+
+    def __init__(self, g: ChaosGroup) -> None:
+        self.g = g
+        self.slowest: dict[str, float] = {n: 0.0 for n in g.names}
+        self.failed: dict[str, int] = {n: 0 for n in g.names}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="huge-uow-latency", daemon=True)
+
+    def __enter__(self) -> _LatencyWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        while not self._stop.wait(LATENCY_EVERY_S):
+            for name in self.g.names:
+                t0 = time.monotonic()
+                ok = self.g.probe(name, timeout=10.0)
+                took = time.monotonic() - t0
+                self.slowest[name] = max(self.slowest[name], round(took, 3))
+                if not ok:
+                    self.failed[name] += 1
+
+
+def _members_state(g: ChaosGroup) -> dict[str, tuple[int | None, int]]:
+    """Each member's process and epoch (a fenced member's epoch moves on when it joins again)."""
+    client = g.cf()
+    try:
+        admin = Admin(client)
+        return {n: (pid, admin.epoch(n)) for n, pid in g.pids().items()}
+    finally:
+        client.close()
+
+
+def huge_uow(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
+    """One client's unit of work far past MAXUMSGS while the workload goes on. Through the target SQM, one unit of
+    work puts MAXUMSGS persistent messages on EDGE (each put in the history), then HUGE_OVER more: each must be
+    refused with MQRC_SYNCPOINT_LIMIT_REACHED (2024); then it is backed out (BACKOUT, or the client leaves and the
+    member backs it out: from the seed), in the CF's bounded steps. Meanwhile every member is probed: none may take
+    longer than the lease to answer, and none may be fenced or die. Nothing of it may ever be delivered (the drain
+    takes EDGE: the checker's phantom)."""
+    h = history_of(g)
+    name, end = f"huge{f.n}", str(f.params["end"])
+    before = _members_state(g)
+    bound = g.lease_ms / 1000
+    problems: list[str] = []
+    out: dict[str, Any] = {"end": end}
+    with _LatencyWatch(g) as watch:
+        t0 = time.monotonic()
+        with Client([g.direct[f.target]], token=g.c.operator_token, role="operator", client_name=name) as op:
+            limit = int(op.status().get("limits", {}).get("max_umsgs") or 0)
+        c = Client([client_ep(g, f.target)], token=g.c.token, client_name=name, request_timeout=30.0)
+        try:
+            if not limit:
+                raise FaultError(f"{f.target}'s status names no MAXUMSGS limit")
+            out["max_umsgs"] = limit
+            runner = Runner(h, c, name, f"{name}.uow")
+            for i in range(limit + HUGE_OVER):
+                outcome, res = runner.put(PutSpec(f"{name}-{i}", EDGE_QUEUE, 0, True, 0, 16), syncpoint=True)
+                refused = outcome != CALL_OK and getattr(res, "reason", None) == 2024
+                if i < limit and outcome != CALL_OK:
+                    raise FaultError(f"put {i + 1} of the unit of work failed below MAXUMSGS {limit}: {res!r:.200}")
+                if i >= limit and not refused:
+                    problems.append(f"put {i + 1} (past MAXUMSGS {limit}): expected 2024, got {outcome} {res!r:.160}")
+            out["put_s"] = round(time.monotonic() - t0, 3)
+            step(f"{limit} puts in one unit of work, {HUGE_OVER} more refused")
+            t1 = time.monotonic()
+            if end == "backout":
+                runner.end(commit=False)
+        finally:
+            c.close()
+        step("heal")
+        if end == "leave":  # the member backs out what the session held: a probe's put then finds the CF free
+            g.probe(f.target, timeout=30.0)
+        out["end_s"] = round(time.monotonic() - t1, 3)
+        time.sleep(1.0)
+    out["slowest_probe_s"] = watch.slowest
+    out["failed_probes"] = {n: v for n, v in watch.failed.items() if v}
+    after = _members_state(g)
+    for n, (pid, epoch) in before.items():
+        if after.get(n) != (pid, epoch):
+            problems.append(f"{n} was fenced or died during the huge unit of work (process, epoch {pid}, {epoch} -> "
+                            f"{after.get(n)})")
+    slow = {n: v for n, v in watch.slowest.items() if v > bound}
+    if slow or out["failed_probes"]:
+        problems.append(f"other clients waited longer than the lease ({bound:g}s) while the huge unit of work ran: "
+                        f"slowest probes {slow}, failed probes {out['failed_probes']}")
+    if problems:
+        raise FaultError("; ".join(problems))
+    return out
+
+
+def _huge_end(d: Draw) -> tuple[float, dict[str, Any]]:
+    return 0.0, {"end": d.rnd.choice(("backout", "leave"))}
+
+
+register(FaultKind(
+    "huge-uow", huge_uow, number=29, cost_s=25.0, draw=_huge_end,
+    doc="one client, through the SQM, puts MAXUMSGS (its status's `max_umsgs`, 10,000 by default) persistent messages "
+        "on EDGE in one unit of work, every put in the history, then 3 more: each must be refused with 2024 "
+        "(MQRC_SYNCPOINT_LIMIT_REACHED); then BACKOUT, or the client leaves and the SQM backs it out (from the seed), "
+        "in bounded CF steps. Meanwhile every SQM is probed every 0.3 s: a probe slower than the lease, a failed one, "
+        "or a member fenced or dead is a fault error; nothing of the unit of work may be delivered (`phantom`)"))
+
+
+SNOOP_TOKENS = ("guess", "")  # the tokens a snooper tries besides those it finds: a guess, and none
+
+
+def _companions() -> tuple[str, ...]:
+    return (*service_queues(), *topic_queues())
+
+
+def _found_tokens(messages: Any) -> list[str]:
+    """Logon tokens the entries of a companion queue would carry in clear (its "token" and "receiver_token" fields)."""
+    found: list[str] = []
+    for m in messages:
+        try:
+            body = msgpack.unpackb(m.body, raw=False)
+        except Exception:  # noqa: BLE001 - a UOW's or a publication's own message
+            continue
+        if isinstance(body, dict):
+            found += [v for k, v in body.items() if k in ("token", "receiver_token") and isinstance(v, str) and v]
+    return found
+
+
+def _victims(g: ChaosGroup, n: int) -> list[tuple[str, str]]:
+    """(user, UOW id) of the last units of work the workload's users sent and had accepted (from the history)."""
+    h = history_of(g)
+    sent: dict[int, str] = {}
+    found: dict[str, str] = {}
+    events = []
+    with open(h.path, encoding="utf-8") as lines:  # only the sends' lines: a run's history grows large
+        for line in lines:
+            if '"usend"' in line or '"suow"' in line:
+                with contextlib.suppress(json.JSONDecodeError):  # the line being written
+                    events.append(json.loads(line))
+    for e in events:
+        if e.get("type") == "invoke" and e.get("op") == "usend":
+            sent[e["id"]] = e["client"]
+        elif e.get("type") == CALL_OK and e.get("id") in sent and e.get("suow"):
+            found[sent[e["id"]]] = str(e["suow"])
+    return sorted(found.items())[-n:]
+
+
+def snoop(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
+    """A second application with the group's application token tries to read and act on other users' work: it
+    browses (and gets from) the companion queues of the service and the topic, collects any logon token it finds
+    there, logs on as real users of the workload with each (and a guess, and none) and as itself, and tries LAST,
+    CANCEL, SETUSTATUS and DELETE on their units of work, and receive, unsubscribe and list on a durable subscription
+    of a user of its own (logged on with a token the snooper never sees). Every attempt is an op ``snoop`` in the
+    history: refused (fail), or not (ok, with ``breach``: the checker's isolation finding)."""
+    h = history_of(g)
+    name = f"snoop{f.n}"
+    ep = client_ep(g, f.target)
+    counts = {"attempts": 0, "refused": 0, "breaches": 0}
+
+    def attempt(what: str, as_user: str, token: str, target: str, fn: Callable[[], Any],
+                breach: Callable[[Any], bool] = lambda r: True) -> Any:
+        counts["attempts"] += 1
+        op = h.invoke(name, SNOOP, what=what, as_user=as_user, token=token, target=target)
+        try:
+            r = fn()
+        except OutcomeUnknownError as e:
+            h.complete(op, CALL_UNKNOWN, reason=e.reason_name)
+            return None
+        except MQError as e:
+            counts["refused"] += 1
+            h.complete(op, CALL_FAIL, reason=e.reason_name, error=type(e).__name__)
+            return None
+        broke = bool(breach(r))
+        counts["breaches"] += broke
+        h.complete(op, CALL_OK, breach=broke, detail=repr(r)[:200])
+        return r
+
+    def client(user: str | None = None, token: str = "") -> Client | None:
+        c = Client([ep], token=g.c.token, client_name=name, request_timeout=10.0)
+        if user is None:
+            return c
+        try:
+            c.logon(user, token)
+            return c
+        except BadRequestError:  # not a token a logon takes
+            c.close()
+            return None
+
+    own_user, own_token = f"{name}-alice", secrets.token_hex(12)  # never given to the snooper
+    sub = f"{name}-sub"
+    with Client([ep], token=g.c.token, client_name=f"{name}-alice", request_timeout=10.0) as alice:
+        alice.logon(own_user, own_token)
+        alice.subscribe(TOPIC, sub, durable=True)
+        step(f"{own_user} subscribed to {TOPIC} as {sub}")
+        tokens: list[str] = []
+        for as_user, c in (("", client()), ("mallory", client("mallory", secrets.token_hex(6)))):
+            assert c is not None
+            with c:
+                for queue in _companions():
+                    seen = attempt("browse", as_user, "own", queue, partial(c.browse, queue, 1000))
+                    if seen is not None:
+                        tokens += _found_tokens(seen)
+                    attempt("get", as_user, "own", queue,
+                            partial(c.get, queue, syncpoint=False, msgid=secrets.token_bytes(24)))
+        step(f"companion queues tried: {len(tokens)} tokens found")
+        tried = [("found", t) for t in dict.fromkeys(tokens)] + [("guess" if t else "none", t) for t in SNOOP_TOKENS]
+        victims = _victims(g, 3)
+        for user, uow in victims:
+            for kind, token in tried:
+                c = client(user, token)
+                if c is None:
+                    continue
+                with c:
+                    attempt("LAST", user, kind, user, partial(c.syncpoint, "LAST"))
+                    for option, extra in (("CANCEL", {}), ("SETUSTATUS", {"user_status": b"snooped"}),
+                                          ("DELETE", {})):
+                        attempt(option, user, kind, uow, partial(c.syncpoint, option, uow, **extra))
+        mallory = client("mallory", secrets.token_hex(6))
+        assert mallory is not None
+        with mallory:
+            for _, uow in victims:
+                for option, extra in (("CANCEL", {}), ("SETUSTATUS", {"user_status": b"snooped"}), ("DELETE", {})):
+                    attempt(option, "mallory", "own", uow, partial(mallory.syncpoint, option, uow, **extra))
+        step(f"units of work of {', '.join(u for u, _ in victims) or 'nobody yet'} tried")
+        for as_user, kind, token in [*((own_user, k, t) for k, t in tried), ("mallory", "own", secrets.token_hex(6))]:
+            c = client(as_user, token)
+            if c is None:
+                continue
+            with c:
+                attempt("receive_pub", as_user, kind, sub, partial(c.receive_pub, TOPIC, sub))
+                attempt("subscriptions", as_user, kind, TOPIC, partial(c.subscriptions, TOPIC),
+                        breach=lambda r: any(s.get("name") == sub for s in r))
+                attempt("unsubscribe", as_user, kind, sub, partial(c.unsubscribe, TOPIC, sub))
+        step(f"{own_user}'s subscription tried")
+        still = [s.get("name") for s in alice.subscriptions(TOPIC)]
+        if sub not in still:
+            step(f"{own_user}'s subscription {sub} is gone", subscriptions=still)
+        else:
+            alice.unsubscribe(TOPIC, sub)
+    step("heal")
+    return counts
+
+
+register(FaultKind(
+    "snoop", snoop, number=33, cost_s=4.0,
+    doc="a second application with the group's application token, through the SQM: browses and gets (by an unknown "
+        "message id) the service's and the topic's companion queues, as no user and as its own, collecting any logon "
+        "token it finds; logs on as the workload's users of the last three units of work sent with each, a guess and "
+        "none, and tries LAST, CANCEL, SETUSTATUS and DELETE on them (and as itself); logs on likewise as the fault's "
+        "own user, whose durable subscription it tries to receive, list and remove. Each attempt is an op `snoop` in "
+        "the history; one not refused is the checker's `isolation` finding"))
+
+
+__all__ = ["BIG_MEMBER", "EDGE_FRAME", "HUGE_OVER", "LEAVE_WAIT_MS"]

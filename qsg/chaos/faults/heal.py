@@ -13,9 +13,9 @@ from qsg.chaos.group import ChaosGroup
 from qsg.chaos.history import History
 
 
-def restart(g: ChaosGroup, name: str, step: Step, **kw: Any) -> float:
+def restart(g: ChaosGroup, name: str, step: Step, timeout: float = 60.0, **kw: Any) -> float:
     t0 = time.monotonic()
-    g.c.restart_manager(name, timeout=60.0, **kw)
+    g.c.restart_manager(name, timeout=timeout, **kw)
     step(f"{name} restarted")
     return round(time.monotonic() - t0, 3)
 

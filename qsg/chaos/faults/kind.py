@@ -83,7 +83,8 @@ class FaultKind:
     its number for good, as a seed's schedule depends on it; a new kind takes the next. ``short`` and
     ``cluster_short``: its place in the short run (``--faults short``) against one redis-server, and against a
     Redis Cluster CF (``--redis-cluster``), from 1; None: not in it. ``cost_s``: rough seconds from injection to
-    full service, which space the schedule."""
+    full service, which space the schedule. ``serve_s``: seconds its members may take to serve again after its heal
+    beyond the group's bound (the checker's ``liveness``: the runner writes each fault's bound into the history)."""
 
     name: str
     run: Fault
@@ -95,6 +96,7 @@ class FaultKind:
     tags: frozenset[str] = frozenset()
     short: int | None = None
     cluster_short: int | None = None
+    serve_s: float = 0.0
 
     def __post_init__(self) -> None:
         unknown = self.tags - set(TAGS)

@@ -1,18 +1,22 @@
 """Faults of the members themselves: an SQM killed, paused past its lease, its log disk full, its clock skewed
-(or its peers'), and a member started with a log root of its own."""
+(or its peers'), a member started with a log root of its own, and a slow restart on a busy machine."""
 
 from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from cfemu.admin import Admin
+from cfemu.errors import NoMessageError
 from qsg.chaos.faults.heal import after_heal, peer_recovery, restart
 from qsg.chaos.faults.kind import Draw, FaultError, FaultKind, FaultSpec, Step, last_member, register
 from qsg.chaos.faults.restores import lose_cf
-from qsg.chaos.group import ChaosGroup
+from qsg.chaos.group import BULK_QUEUE, ChaosGroup
 from qsg.chaos.workload import PutSpec, Runner
 from sqm.core.failpoints import ENV_VAR as FAILPOINTS_ENV
 from sqm.service.client import Client
@@ -234,6 +238,101 @@ def _commit_through(g: ChaosGroup, name: str, ready: Path, n: int) -> None:
         for i in range(2):
             runner.put(PutSpec(f"stray-{n}-{i}", "Q1", 0, True, 0, 64), syncpoint=True)
         runner.end(commit=True)
+
+
+SLOW_RESTART_UOW = 500  # messages a unit of work of the slow restart's fill
+BURNERS = 2  # CPU-burning processes while the member restarts: one a core of the two-core machine it was sized on
+
+
+def _fill(g: ChaosGroup, name: str, n: int, in_flight: int) -> tuple[float, Client]:
+    """n persistent messages on BULK through the member (units of work of SLOW_RESTART_UOW), and a unit of work of
+    in_flight more left open: what its restart recovery reads, backs out and relogs. Seconds taken, and the client
+    that holds the open unit of work."""
+    t0 = time.monotonic()
+    body = b"." * 200
+    with Client([g.direct[name]], token=g.c.token, client_name="slow-restart-fill", request_timeout=30.0) as c:
+        for i in range(n):
+            c.put(BULK_QUEUE, body)
+            if (i + 1) % SLOW_RESTART_UOW == 0:
+                c.commit()
+        c.commit()
+    held = Client([g.direct[name]], token=g.c.token, client_name="slow-restart-open", request_timeout=30.0)
+    for _ in range(in_flight):
+        held.put(BULK_QUEUE, body)
+    return round(time.monotonic() - t0, 3), held
+
+
+def _empty_bulk(g: ChaosGroup, name: str) -> int:
+    """Take every message off BULK through the member again, in units of work of SLOW_RESTART_UOW."""
+    taken = 0
+    with Client([g.direct[name]], token=g.c.token, client_name="slow-restart-empty", request_timeout=30.0) as c:
+        while True:
+            try:
+                c.get(BULK_QUEUE)
+            except NoMessageError:
+                break
+            taken += 1
+            if taken % SLOW_RESTART_UOW == 0:
+                c.commit()
+        c.commit()
+    return taken
+
+
+def slow_restart(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
+    """A member whose restart takes longer than its lease must keep its lease through it: killed -9 while it holds
+    many messages (and a unit of work of more in flight), recovered by a peer, and restarted while CPU burners keep
+    the machine busy; it must stay up, with its epoch, for twice the lease after it serves."""
+    name, n = f.target, int(f.params["messages"])
+    out: dict[str, Any] = {"messages": n}
+    out["fill_s"], held = _fill(g, name, n, in_flight=SLOW_RESTART_UOW)
+    step(f"{name} holds {n} messages on {BULK_QUEUE} and {SLOW_RESTART_UOW} in flight")
+    try:
+        g.c.kill_manager(name, signal.SIGKILL)
+    finally:
+        held.close()
+    step("killed")
+    out["peer_recovery_s"] = peer_recovery(g, name, step)
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(BURNERS)]
+    try:
+        step("heal", burners=BURNERS)
+        out["restart_s"] = restart(g, name, step, timeout=120.0)
+        pid = g.pid(name)
+        client = g.cf()
+        try:
+            epoch = Admin(client).epoch(name)
+            stay = 2 * g.lease_ms / 1000
+            deadline = time.monotonic() + stay
+            while time.monotonic() < deadline and g.running(name):
+                time.sleep(0.2)
+            fenced = Admin(client).epoch(name) != epoch
+        finally:
+            client.close()
+        out["stayed_s"] = stay
+        if not g.running(name) or g.pid(name) != pid or fenced:
+            code = g.c.wait_manager_exit(name, timeout=1.0)
+            raise FaultError(f"{name} was fenced or died within {stay:g}s of serving after a slow restart "
+                             f"({out['restart_s']}s): running {g.running(name)}, exit code {code}, epoch changed "
+                             f"{fenced}")
+        step(f"{name} stayed up {stay:g}s after serving, its epoch unchanged")
+    finally:
+        for p in burners:
+            p.kill()
+            p.wait()
+    out["emptied"] = _empty_bulk(g, name)
+    return out
+
+
+def _how_many(d: Draw) -> tuple[float, dict[str, Any]]:
+    return 0.0, {"messages": d.rnd.choice((3000, 5000))}
+
+
+register(FaultKind(
+    "slow-restart", slow_restart, number=31, cost_s=45.0, draw=_how_many, serve_s=30.0,
+    doc="3,000 or 5,000 persistent messages put on BULK (a queue of APP1 outside the history) through the SQM in units "
+        "of work of 500, and 500 more left in flight; `kill -9`; a peer recovers it; 2 CPU burners run while it "
+        "restarts (restart recovery backs the 500 out, its checkpoint relogs the rest); it must stay up, its epoch "
+        "unchanged (not fenced), for twice the lease after it serves (else a fault error); burners off; BULK emptied "
+        "through it"))
 
 
 __all__: list[str] = []

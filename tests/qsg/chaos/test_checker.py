@@ -948,3 +948,76 @@ def test_pub_a_non_durable_incarnation_is_judged_on_its_own() -> None:
     h2.subscribe("n4", durable=False, home="QM1.2", pc=5)
     h2.recv("n4.3", "n4", [P1])  # the new incarnation got one committed before it subscribed
     pub_only(h2, "pub-before-subscribe")
+
+
+# --- liveness: every member serves again within its bound after a fault, and keeps serving ------------------------
+def faulted(after: dict[str, float | None], *, bound: float = 26.0, next_pids: dict[str, int | None] | None = None,
+            kind: str = "sqm-kill") -> Hist:
+    """A clean history with one fault: the members' processes at its injection, when each served again after its
+    heal (the runner's 'serving again' events), its recovery, and the processes at the workload's end."""
+    h = clean_base()
+    pids = {"QM1": 11, "QM2": 12, "QM3": 13}
+    h.fault(1, kind, "inject", target="QM1", pids=pids, serve_bound_s=bound)
+    h.fault(1, kind, "heal", target="QM1")
+    recovered = {**pids, "QM1": 21}
+    for member, s in after.items():
+        h.fault(1, kind, "serving again", member=member, pid=recovered[member], after_heal_s=s, bound_s=bound)
+    h.fault(1, kind, "recovered", service_s=5.0, pids=recovered)
+    h.note(what="workload stop", pids=recovered if next_pids is None else next_pids)
+    return h
+
+
+def test_liveness_every_member_serving_again_within_its_bound_is_clean() -> None:
+    r = check(faulted({"QM1": 4.2, "QM2": 0.1, "QM3": 0.2}).events)
+    assert r.ok, r.findings
+
+
+def test_liveness_a_member_serving_again_past_its_bound_or_never() -> None:
+    h = faulted({"QM1": 31.5, "QM2": 0.1, "QM3": None})
+    only(h.findings(), "liveness", 2)
+    details = [f.detail for f in check(h.events).of("liveness")]
+    assert any("QM1 served again 31.5 s" in d and "bound of 26.0 s" in d for d in details), details
+    assert any("QM3 did not serve again" in d for d in details), details
+
+
+def test_liveness_a_member_that_served_then_stopped_before_the_next_fault() -> None:
+    """Fenced right after it served (a restart longer than its lease): its process is gone by the next mark."""
+    h = faulted({"QM1": 4.0, "QM2": 0.1, "QM3": 0.2}, next_pids={"QM1": None, "QM2": 12, "QM3": 13})
+    only(h.findings(), "liveness")
+    assert "QM1 served again after fault 1, then stopped" in check(h.events).of("liveness")[0].detail
+    restarted = faulted({"QM1": 4.0, "QM2": 0.1, "QM3": 0.2}, next_pids={"QM1": 21, "QM2": 12, "QM3": 31})
+    only(restarted.findings(), "liveness")
+    assert "replaced by 31" in check(restarted.events).of("liveness")[0].detail
+
+
+def test_liveness_a_history_without_the_runners_records_is_not_judged() -> None:
+    h = clean_base()
+    h.fault(1, "sqm-kill", "inject", target="QM1")
+    h.fault(1, "sqm-kill", "recovered", service_s=5.0)
+    assert check(h.events).ok
+
+
+# --- isolation: no application reads or acts on another user's work -------------------------------------------------
+def snooped(outcome: str, result: dict[str, Any]) -> Hist:
+    h = clean_base()
+    h.fault(1, "snoop", "inject", target="QM2")
+    h.op("snoop1", "snoop", "fail", {"reason": "MQRC_NOT_AUTHORIZED", "error": "NotAuthorizedError"},
+         what="browse", as_user="", token="own", target="SVC1.UOWCTL")
+    h.op("snoop1", "snoop", outcome, result, what="CANCEL", as_user="c3", token="guess", target="ab12")
+    h.op("snoop1", "snoop", "ok", {"breach": False, "detail": "[]"}, what="subscriptions", as_user="mallory",
+         token="own", target="NEWS")
+    return h
+
+
+def test_isolation_every_attempt_refused_is_clean() -> None:
+    r = check(snooped("fail", {"reason": "MQRC_UOW_STATUS", "error": "UowStatusError"}).events)
+    assert r.ok, r.findings
+    assert r.counts["snoop attempts"] == 3 and r.counts["snoop attempts refused"] == 2
+    assert "unknown outcomes" not in r.counts, "a snoop attempt is no unit of work"
+
+
+def test_isolation_an_attempt_not_refused() -> None:
+    h = snooped("ok", {"breach": True, "detail": "{'uow': 'ab12', 'status': 'CANCELLED'}"})
+    only(h.findings(), "isolation")
+    detail = check(h.events).of("isolation")[0].detail
+    assert "CANCEL as c3 (token guess) on ab12" in detail and "CANCELLED" in detail
