@@ -158,6 +158,7 @@ def kind_run(tmp_path: Path, kind: str, seed: int, duration: float) -> dict[str,
     return s
 
 
+@pytest.mark.slow
 def test_snoop_run_finds_nothing(tmp_path: Path) -> None:
     """The fault kind snoop: another application of the same token reads and touches no other user's work; every
     attempt is in the history, refused (the checker's isolation)."""
