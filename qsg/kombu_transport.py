@@ -80,7 +80,7 @@ DEFAULT_STRUCTURE = "APP1"
 # The MQ user property that carries kombu's envelope (content type and encoding, headers, properties).
 ENVELOPE_PROPERTY = "kombu"
 # Unacknowledged deliveries a channel holds when its consumer sets no prefetch count (each holds a connection).
-DEFAULT_MAX_UNACKED = 64
+DEFAULT_MAX_UNACKED = 16
 # Idle connections a kombu connection keeps for its next deliveries.
 IDLE_CLIENTS = 8
 MAX_PRIORITY = 9
@@ -190,6 +190,19 @@ class Channel(virtual.Channel):
         if requeue:
             return self.qos.restore_unacked()
         raise NotImplementedError("cfemu: recover(requeue=False) is not supported (a delivery is backed out)")
+
+    def drain_events(self, timeout: float | None = None, callback: Any = None) -> None:
+        """Deliver what is there, as many as the prefetch count allows (at least one, or Empty), as AMQP
+        brokers push up to the prefetch count."""
+        super().drain_events(timeout=timeout, callback=callback)
+        callback = callback or self.connection._deliver
+        for _ in range(self.transport.max_unacked):
+            if self.closed or not self._consumers or not self.qos.can_consume():
+                return
+            try:
+                self._poll(self.cycle, callback, timeout=0)
+            except Empty:
+                return
 
     def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
         return self._take(queue, no_ack=queue in self._no_ack_queues)
