@@ -30,7 +30,7 @@ from tests.support import kombu_sdist  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-common = kombu_sdist.integration_common()
+common: Any = kombu_sdist.integration_common()
 MIXIN_QUEUES = kombu_sdist.queue_names(common)
 ROOT = Path(__file__).resolve().parents[2]
 
