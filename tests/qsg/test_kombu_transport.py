@@ -210,3 +210,18 @@ def test_a_member_killed_under_a_consumer_loses_nothing(tmp_path: Path) -> None:
         assert backed_out >= 1
     finally:
         g.down()
+
+
+def test_the_readme_kombu_example_runs_as_written(tmp_path: Path) -> None:
+    """README's kombu section, run from the directory of a group started as ``cfemu cluster up`` starts one."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## kombu and Celery"):]
+    code = section[section.index("```python\n") + len("```python\n"):section.index("```\n", 10)]
+    g = LocalGroup.up(tmp_path / "var" / "cluster", managers=2, backup_interval=None)
+    try:
+        r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert r.stdout.strip() == "{'order': 1}"
+    finally:
+        g.down()
