@@ -82,9 +82,12 @@ def test_a_celery_worker_completes_every_task_once_through_a_member_kill_and_a_c
 
         _wait("a quarter of the tasks done", lambda: _count(db_path, "done") >= N // 4, 120)
         g.kill_manager("QM1")  # SIGKILL of the member the worker's URL names first
+        done_at_member_kill = _count(db_path, "done")
         _wait("half of the tasks done", lambda: _count(db_path, "done") >= N // 2, 120)
         cf_restarts = g.cf_restarts
         os.kill(int(g.state["cf"]["pid"]), signal.SIGKILL)  # the CF lost; the supervisor restarts it, RECAUTO
+        done_at_cf_loss = _count(db_path, "done")
+        assert done_at_member_kill < done_at_cf_loss < N  # both mid-run
         _wait("the CF restarted", lambda: g.cf_restarts > cf_restarts, 60)
         _wait("every task done", lambda: _count(db_path, "done") >= N, 240)
         time.sleep(2)  # the last acknowledgements
@@ -98,6 +101,9 @@ def test_a_celery_worker_completes_every_task_once_through_a_member_kill_and_a_c
               f"the task idempotent): {runs}")
         with Client([members[1]], token=g.token) as c:
             assert list(c.browse(celery_app.QUEUE)) == []  # nothing left over, nothing in flight
+        log = worker_log.read_text(errors="replace")
+        assert "connection to QM1" in log  # the worker met the member's death
+        print(f"polls that met the CF's loss: {log.count('MQRC_CF_STRUC_FAILED')}")
     finally:
         if worker is not None:
             if worker.poll() is None:
