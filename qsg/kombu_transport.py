@@ -216,14 +216,16 @@ class Channel(virtual.Channel):
             m = client.get(queue, wait_ms=0)
         except NoMessageError:
             t.checkin(client)
+            t.polls_answered()
             raise Empty() from None
         except TRANSIENT_GET_ERRORS as e:
             client.close()
-            log.warning("cfemu: get from %s failed, polling again: %s", queue, e)
+            t.poll_failed(queue, e)
             raise Empty() from None
         except BaseException:
             client.close()
             raise
+        t.polls_answered()
         tag = uuid.uuid4().hex
         try:
             payload = self._payload(m, queue, tag)
@@ -330,6 +332,7 @@ class Transport(virtual.Transport):
         self._held: dict[str, Client] = {}
         self._producer: Client | None = None
         self._known: set[str] = set()
+        self._poll_failing = False
 
     @staticmethod
     def _client_arguments(conninfo: Any, opts: dict[str, Any]) -> dict[str, Any]:
@@ -407,6 +410,17 @@ class Transport(virtual.Transport):
                 self._idle.append(client)
                 return
         client.close()
+
+    def poll_failed(self, queue: str, e: BaseException) -> None:
+        """A poll that found no member or no CF: said once, then again once polls are answered."""
+        if not self._poll_failing:
+            log.warning("cfemu: get from %s failed, polling on until the group answers: %s", queue, e)
+        self._poll_failing = True
+
+    def polls_answered(self) -> None:
+        if self._poll_failing:
+            log.warning("cfemu: polls are answered again")
+        self._poll_failing = False
 
     def hold(self, tag: str, client: Client) -> None:
         with self._lock:
