@@ -17,7 +17,7 @@ $(BIN)/python:
 # Re-install only when pyproject.toml changed since the last successful install.
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q --disable-pip-version-check --upgrade pip setuptools wheel
-	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[dev,spark]'
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[dev,spark,kombu]'
 	touch $(STAMP)
 
 lint: venv

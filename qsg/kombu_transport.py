@@ -1,0 +1,495 @@
+"""A kombu transport for the queue-sharing group: ``cfemu://`` URLs, so kombu and Celery applications run on it.
+
+    import qsg.kombu_transport        # registers the "cfemu" scheme with kombu (kombu has no transport entry points)
+    with kombu.Connection("cfemu://:TOKEN@127.0.0.1:40001;cfemu://:TOKEN@127.0.0.1:40002/APP1") as conn:
+        q = conn.SimpleQueue("orders")
+        q.put({"n": 1})
+        m = q.get(timeout=5); m.ack()
+
+The URL: the password is the application's service token (else ``$SQM_TOKEN``); host:port a member (``sqm run``);
+more members as kombu's failover list (``;``-separated URLs) or ``transport_options["endpoints"]``; the virtual
+host names the structure where a declared queue that does not exist is defined (default APP1). Celery: the same
+URL as ``broker_url`` (docs/kombu.md).
+
+The rules (docs/kombu.md says why):
+
+* A publish (``_put``) is one request that puts the message and commits it, forced to the member's log before the
+  reply: the producer is never told "sent" before the message is durable. A publish whose connection is lost in
+  flight raises OutcomeUnknownError (a connection error to kombu: a retried publish may put the message twice).
+* A delivery is a get under syncpoint on a connection of its own, held until the consumer settles it: ``ack``
+  commits that unit of work (forced before it returns); ``reject(requeue=True)`` and ``requeue`` back it out (the
+  message comes back, its backout count raised, ``delivery_info["redelivered"]`` set); ``reject(requeue=False)``
+  commits it (the message is dropped, as AMQP drops it). A channel closed with unacknowledged deliveries backs
+  them out; a consumer that dies drops its connections and the member (or, when the member died too, a peer's
+  recovery) backs them out: a message is never lost, and is delivered again until one consumer acknowledges it
+  (at-least-once: a consumer that dies after its work and before its ack has it done twice).
+* One connection per unacknowledged delivery (idle ones are pooled): kombu's prefetch is how many a channel holds
+  at once (``prefetch_count``, or ``max_unacked`` when the consumer sets none).
+* Failover: every request fails over across all the members the URL names (the client's own failover: a unit of
+  work open on a member that died is reported backed out, never guessed). Connecting checks the member of kombu's
+  current URL, so kombu moves along its failover list when that one does not answer.
+* Declaring a queue that does not exist defines it, which needs the operator token
+  (``transport_options["operator_token"]``); without it an undefined queue is a channel error naming the fix.
+* Priorities: kombu's 0-9 (9 first) are MQ's 0-9 (9 first), clamped. ``expiration`` is the message's expiry;
+  ``delivery_mode=1`` (transient) makes a non-persistent message, anything else a persistent one.
+* Exchanges and bindings live in the kombu connection (kombu's virtual broker state), as in every virtual transport
+  without a server-side routing table: direct and topic routing of the declaring process; no fanout across
+  processes (so Celery runs without remote control: ``--without-gossip --without-mingle --without-heartbeat``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import uuid
+from collections.abc import Iterable
+from queue import Empty
+from typing import Any
+
+from kombu.exceptions import ChannelError
+from kombu.transport import TRANSPORT_ALIASES, virtual
+from kombu.utils.json import dumps, loads
+from kombu.utils.url import parse_url
+
+from cfemu.errors import (
+    BackedOutError,
+    MQError,
+    NoMessageError,
+    OutcomeUnknownError,
+    ResourceProblemError,
+    StructureFailedError,
+    UnknownObjectError,
+)
+from cfemu.keys import check_name
+from cfemu.settings import ENV_TOKEN
+from sqm.core.connection import Message as MQMessage
+from sqm.service.client import Client, client_tls_context, parse_endpoint
+from sqm.service.protocol import (
+    OPERATOR,
+    ConnectionLimitError,
+    ProtocolError,
+    QueueManagerUnavailableError,
+    QuiescingError,
+)
+
+log = logging.getLogger("qsg.kombu_transport")
+
+ALIAS = "cfemu"
+DEFAULT_STRUCTURE = "APP1"
+# The MQ user property that carries kombu's envelope (content type and encoding, headers, properties).
+ENVELOPE_PROPERTY = "kombu"
+# Unacknowledged deliveries a channel holds when its consumer sets no prefetch count (each holds a connection).
+DEFAULT_MAX_UNACKED = 16
+# Idle connections a kombu connection keeps for its next deliveries.
+IDLE_CLIENTS = 8
+MAX_PRIORITY = 9
+
+# A member or the CF not answering: the request is retried (a publish) or the poll finds nothing this time (a get).
+CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
+    OSError, QueueManagerUnavailableError, ConnectionLimitError, QuiescingError, ProtocolError, BackedOutError,
+    OutcomeUnknownError, StructureFailedError, ResourceProblemError)
+# A poll that meets one of these finds no message this time; the next poll tries again.
+TRANSIENT_GET_ERRORS: tuple[type[BaseException], ...] = CONNECTION_ERRORS
+
+
+def register() -> None:
+    """Make ``cfemu://`` URLs resolve to this transport (done when this module is imported)."""
+    TRANSPORT_ALIASES.setdefault(ALIAS, f"{__name__}:Transport")
+
+
+def _endpoint_of_url(url: str) -> tuple[str, int]:
+    if "://" in url:
+        p = parse_url(url)
+        if not p.get("hostname") or not p.get("port"):
+            raise ValueError(f"bad cfemu URL {url!r}: use cfemu://:TOKEN@HOST:PORT/STRUCTURE")
+        return str(p["hostname"]), int(p["port"])
+    return parse_endpoint(url.rstrip("/"))
+
+
+def _clamp_priority(value: Any) -> int:
+    try:
+        return max(0, min(MAX_PRIORITY, int(value)))
+    except (TypeError, ValueError):
+        return 0
+
+
+class QoS(virtual.QoS):
+    """Settles each delivery's unit of work: ack commits it, reject backs it out (requeue) or commits it (drop),
+    and what is unacknowledged when the channel closes is backed out (never re-put: the message is still in its
+    unit of work, and backing out returns it)."""
+
+    def can_consume(self) -> bool:
+        limit = self.prefetch_count or self.channel.transport.max_unacked
+        return len(self._delivered) - len(self._dirty) < limit
+
+    def can_consume_max_estimate(self) -> int:
+        limit = self.prefetch_count or self.channel.transport.max_unacked
+        return max(limit - (len(self._delivered) - len(self._dirty)), 0)
+
+    def ack(self, delivery_tag: str) -> None:
+        try:
+            self.channel.transport.settle(delivery_tag, commit=True)
+        finally:
+            self._quick_ack(delivery_tag)
+
+    def reject(self, delivery_tag: str, requeue: bool = False) -> None:
+        try:
+            self.channel.transport.settle(delivery_tag, commit=not requeue)
+        finally:
+            self._quick_ack(delivery_tag)
+
+    def restore_unacked(self) -> list[Any]:
+        self._flush()
+        for tag in list(self._delivered):
+            self.channel.transport.settle(tag, commit=False)
+        self._delivered.clear()
+        return []
+
+
+class Channel(virtual.Channel):
+    QoS = QoS
+    # The body goes to the MQ message as it is (bytes, or text as UTF-8): no base64 around it.
+    body_encoding: str | None = None  # type: ignore[assignment]
+    min_priority, max_priority, default_priority = 0, MAX_PRIORITY, 0
+
+    def __init__(self, connection: Any, **kwargs: Any) -> None:
+        super().__init__(connection, **kwargs)
+        self._no_ack_queues: set[str] = set()
+
+    @property
+    def transport(self) -> Transport:
+        transport: Transport = self.connection
+        return transport
+
+    # --- consuming ---------------------------------------------------------------------------------------------
+    def basic_consume(self, queue: str, no_ack: bool, callback: Any, consumer_tag: str, **kwargs: Any) -> Any:
+        if no_ack:
+            self._no_ack_queues.add(queue)
+        else:
+            self._no_ack_queues.discard(queue)
+        return super().basic_consume(queue, no_ack, callback, consumer_tag, **kwargs)
+
+    def basic_cancel(self, consumer_tag: str) -> Any:
+        queue = self._tag_to_queue.get(consumer_tag)
+        if queue is not None:
+            self._no_ack_queues.discard(queue)
+        return super().basic_cancel(consumer_tag)
+
+    def basic_get(self, queue: str, no_ack: bool = False, **kwargs: Any) -> Any:
+        try:
+            payload = self._take(queue, no_ack=no_ack)
+        except Empty:
+            return None
+        message = self.Message(payload, channel=self)
+        if not no_ack:
+            self.qos.append(message, message.delivery_tag)
+        return message
+
+    def basic_recover(self, requeue: bool = False) -> Any:
+        if requeue:
+            return self.qos.restore_unacked()
+        raise NotImplementedError("cfemu: recover(requeue=False) is not supported (a delivery is backed out)")
+
+    def drain_events(self, timeout: float | None = None, callback: Any = None) -> None:
+        """Deliver what is there, as many as the prefetch count allows (at least one, or Empty), as AMQP
+        brokers push up to the prefetch count."""
+        super().drain_events(timeout=timeout, callback=callback)
+        callback = callback or self.connection._deliver
+        for _ in range(self.transport.max_unacked):
+            if self.closed or not self._consumers or not self.qos.can_consume():
+                return
+            try:
+                self._poll(self.cycle, callback, timeout=0)
+            except Empty:
+                return
+
+    def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
+        return self._take(queue, no_ack=queue in self._no_ack_queues)
+
+    def _take(self, queue: str, *, no_ack: bool) -> dict[str, Any]:
+        """The next message of ``queue``, taken under syncpoint on a connection of its own that holds it until the
+        delivery is settled (``no_ack``: committed at once, as AMQP's no-ack consumers have it)."""
+        t = self.transport
+        client = t.checkout()
+        try:
+            m = client.get(queue, wait_ms=0)
+        except NoMessageError:
+            t.checkin(client)
+            t.polls_answered()
+            raise Empty() from None
+        except TRANSIENT_GET_ERRORS as e:
+            client.close()
+            t.poll_failed(queue, e)
+            raise Empty() from None
+        except BaseException:
+            client.close()
+            raise
+        t.polls_answered()
+        tag = uuid.uuid4().hex
+        try:
+            payload = self._payload(m, queue, tag)
+        except BaseException:
+            # Not a kombu message (an MQ application put it): back it out, and say so; it stays on the queue.
+            client.close()
+            raise
+        if no_ack:
+            try:
+                client.commit()
+            except BaseException:
+                client.close()
+                raise
+            t.checkin(client)
+        else:
+            t.hold(tag, client)
+        return payload
+
+    @staticmethod
+    def _payload(m: MQMessage, queue: str, tag: str) -> dict[str, Any]:
+        raw = m.properties.get(ENVELOPE_PROPERTY)
+        env: dict[str, Any] = loads(raw) if isinstance(raw, str) else {}
+        body: bytes | str = m.body.decode() if env.get("text") else m.body
+        props = dict(env.get("properties") or {})
+        props["delivery_tag"] = tag
+        props["priority"] = m.priority
+        info = dict(props.get("delivery_info") or {})
+        info.setdefault("routing_key", queue)
+        info.setdefault("exchange", "")
+        info["redelivered"] = m.backout_count > 0
+        props["delivery_info"] = info
+        return {"body": body, "content-type": env.get("content-type"),
+                "content-encoding": env.get("content-encoding"), "headers": env.get("headers") or {},
+                "properties": props}
+
+    # --- publishing ----------------------------------------------------------------------------------------------
+    def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
+        """Put and commit in one request; the reply comes after the commit is forced to the member's log."""
+        body = message.get("body")
+        text = isinstance(body, str)
+        data = body.encode() if isinstance(body, str) else bytes(body or b"")
+        props = dict(message.get("properties") or {})
+        props.pop("delivery_tag", None)
+        envelope = {"content-type": message.get("content-type"),
+                    "content-encoding": message.get("content-encoding"),
+                    "headers": message.get("headers") or {}, "properties": props, "text": text}
+        expiration = props.get("expiration")
+        item = {"body": data, "priority": _clamp_priority(props.get("priority")),
+                "persistent": props.get("delivery_mode") not in (1, "1"),
+                "expiry_ms": max(int(float(expiration)), 1) if expiration not in (None, "") else 0,
+                "properties": {ENVELOPE_PROPERTY: dumps(envelope)}}
+        self.transport.producer().put_batch([item], queue=queue, commit=True)
+
+    # --- queues --------------------------------------------------------------------------------------------------
+    def _new_queue(self, queue: str, **kwargs: Any) -> None:
+        self.transport.declare(queue)
+
+    def _has_queue(self, queue: str, **kwargs: Any) -> bool:
+        return self.transport.exists(queue)
+
+    def _size(self, queue: str) -> int:
+        """The messages available on ``queue``, counted by a browse of at most ``size_limit`` of them (a queue
+        that holds more reports that many)."""
+        t = self.transport
+        return len(t.producer().browse(queue, limit=t.size_limit))
+
+    def _purge(self, queue: str) -> int:
+        """Take every available message off ``queue``, committed batch by batch; returns how many."""
+        n, client = 0, self.transport.producer()
+        while True:
+            got = client.get_batch(queue, 1000, commit=True)
+            if not got:
+                return n
+            n += len(got)
+
+    def _delete(self, queue: str, *args: Any, **kwargs: Any) -> None:
+        """Purge ``queue``: its definition stays (the service deletes no queue; an operator does, in the group)."""
+        self._purge(queue)
+
+
+class Transport(virtual.Transport):
+    """One kombu connection: its members, its token, its pooled client connections and the deliveries they hold."""
+
+    Channel = Channel
+    driver_type = driver_name = "cfemu"
+    default_port = None
+    polling_interval = 0.1
+    connection_errors = (*virtual.Transport.connection_errors, *CONNECTION_ERRORS)
+    channel_errors = (*virtual.Transport.channel_errors, MQError, ValueError)  # type: ignore[assignment]
+    implements = virtual.Transport.implements.extend(
+        asynchronous=False, exchange_type=frozenset(["direct", "topic"]), heartbeats=False)
+
+    def __init__(self, client: Any, **kwargs: Any) -> None:
+        super().__init__(client, **kwargs)
+        opts = client.transport_options or {}
+        self.max_unacked = int(opts.get("max_unacked", DEFAULT_MAX_UNACKED))
+        self.size_limit = int(opts.get("size_limit", 1000))
+        self._client_args = self._client_arguments(client, opts)
+        self._operator_token: str | None = opts.get("operator_token")
+        vhost = (client.virtual_host or "").strip("/")
+        self.structure = check_name("structure", vhost or opts.get("structure", DEFAULT_STRUCTURE))
+        self._lock = threading.Lock()
+        self._idle: list[Client] = []
+        self._held: dict[str, Client] = {}
+        self._producer: Client | None = None
+        self._known: set[str] = set()
+        self._poll_failing = False
+
+    @staticmethod
+    def _client_arguments(conninfo: Any, opts: dict[str, Any]) -> dict[str, Any]:
+        """The members (kombu's current URL first, then its failover list and ``endpoints``), the token, TLS."""
+        endpoints: list[tuple[str, int]] = []
+        if conninfo.hostname and conninfo.port:
+            endpoints.append((str(conninfo.hostname), int(conninfo.port)))
+        for alt in [*(conninfo.alt or ()), *opts.get("endpoints", ())]:
+            ep = _endpoint_of_url(alt) if isinstance(alt, str) else parse_endpoint(alt)
+            if ep not in endpoints:
+                endpoints.append(ep)
+        if not endpoints:
+            raise ValueError("cfemu: no member given: use cfemu://:TOKEN@HOST:PORT/")
+        token = conninfo.password or opts.get("token") or os.environ.get(ENV_TOKEN)
+        args: dict[str, Any] = {"endpoints": endpoints, "token": token, "client_name": opts.get("client_name", "kombu"),
+                                "connect_timeout": float(opts.get("connect_timeout", conninfo.connect_timeout or 5)),
+                                "request_timeout": float(opts.get("request_timeout", 30.0)),
+                                "reconnect_timeout": float(opts.get("reconnect_timeout", 15.0))}
+        ssl = conninfo.ssl
+        if ssl:
+            if isinstance(ssl, dict):
+                args["tls"] = client_tls_context(ssl.get("ca"), ssl.get("cert"), ssl.get("key"),
+                                                 check_hostname=bool(ssl.get("check_hostname", True)))
+            elif ssl is not True:
+                args["tls"] = ssl  # an ssl.SSLContext
+            else:
+                args["tls"] = client_tls_context()
+        return args
+
+    def new_client(self, **overrides: Any) -> Client:
+        args = {**self._client_args, **overrides}
+        return Client(args.pop("endpoints"), connect=False, **args)
+
+    # --- the connection --------------------------------------------------------------------------------------
+    def establish_connection(self) -> Any:
+        """Check that the member of kombu's current URL answers (so kombu moves along its failover list when it
+        does not), then open channels; requests later fail over across all the members named."""
+        with self.new_client(endpoints=self._client_args["endpoints"][:1], reconnect_timeout=0) as probe:
+            probe.ping()
+        return super().establish_connection()
+
+    def close_connection(self, connection: Any) -> None:
+        try:
+            super().close_connection(connection)
+        finally:
+            with self._lock:
+                clients = [*self._idle, *self._held.values(), *([self._producer] if self._producer else [])]
+                self._idle, self._held, self._producer = [], {}, None
+            for c in clients:
+                c.close()  # a unit of work still open is backed out by the member
+
+    def verify_connection(self, connection: Any) -> bool:
+        return True
+
+    # --- client connections: one per delivery, pooled -----------------------------------------------------
+    def producer(self) -> Client:
+        """The connection that publishes, browses and purges (never holds a unit of work between requests)."""
+        with self._lock:
+            if self._producer is None:
+                self._producer = self.new_client()
+            return self._producer
+
+    def checkout(self) -> Client:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        return self.new_client()
+
+    def checkin(self, client: Client) -> None:
+        if client.uow_open:
+            client.close()
+            return
+        with self._lock:
+            if len(self._idle) < IDLE_CLIENTS:
+                self._idle.append(client)
+                return
+        client.close()
+
+    def poll_failed(self, queue: str, e: BaseException) -> None:
+        """A poll that found no member or no CF: said once, then again once polls are answered."""
+        if not self._poll_failing:
+            log.warning("cfemu: get from %s failed, polling on until the group answers: %s", queue, e)
+        self._poll_failing = True
+
+    def polls_answered(self) -> None:
+        if self._poll_failing:
+            log.warning("cfemu: polls are answered again")
+        self._poll_failing = False
+
+    def hold(self, tag: str, client: Client) -> None:
+        with self._lock:
+            self._held[tag] = client
+
+    def settle(self, tag: str, *, commit: bool) -> None:
+        """End the unit of work of a delivery: commit it (ack, or reject without requeue) or back it out. A commit
+        that fails raises (BackedOutError: the message comes back; OutcomeUnknownError: it may have); a backout
+        that fails needs nothing more: the member backs the unit of work out when its connection drops."""
+        with self._lock:
+            client = self._held.pop(tag, None)
+        if client is None:
+            return  # settled already, or its connection was closed (backed out)
+        try:
+            if commit:
+                client.commit()
+            else:
+                client.backout()
+        except CONNECTION_ERRORS as e:
+            client.close()
+            if commit:
+                raise
+            log.info("cfemu: backout of a delivery: %s (its connection is closed: backed out)", e)
+            return
+        except BaseException:
+            client.close()
+            raise
+        self.checkin(client)
+
+    # --- queues ------------------------------------------------------------------------------------------------
+    def exists(self, queue: str) -> bool:
+        try:
+            self.producer().browse(check_name("queue", queue), limit=1)
+        except UnknownObjectError:
+            return False
+        return True
+
+    def declare(self, queue: str) -> None:
+        """Make sure ``queue`` is defined in the group: define it in the structure when it is not (operator)."""
+        try:
+            check_name("queue", queue)
+        except ValueError as e:
+            raise ChannelError(f"cfemu: {e} (an MQ queue name)") from None
+        if queue in self._known or self.exists(queue):
+            self._known.add(queue)
+            return
+        if not self._operator_token:
+            raise ChannelError(
+                f"cfemu: queue {queue!r} is not defined in the group: define it (cfemu define queue {queue} "
+                f"--structure {self.structure}) or give the operator token (transport_options['operator_token']) "
+                "so that declaring defines it")
+        with self.new_client(token=self._operator_token, role=OPERATOR) as admin:
+            try:
+                admin.define_queue(queue, self.structure)
+            except MQError:
+                if not self.exists(queue):  # another declarer may have defined it first
+                    raise
+        self._known.add(queue)
+
+    @property
+    def default_connection_params(self) -> dict[str, Any]:
+        return {"hostname": "127.0.0.1", "port": None}
+
+
+def members_url(endpoints: Iterable[tuple[str, int]], token: str, structure: str = DEFAULT_STRUCTURE) -> str:
+    """A failover URL naming every member: ``cfemu://:TOKEN@h1:p1/S;cfemu://:TOKEN@h2:p2/S``."""
+    return ";".join(f"{ALIAS}://:{token}@{h}:{p}/{structure}" for h, p in endpoints)
+
+
+register()
+
+__all__ = ["ALIAS", "Channel", "QoS", "Transport", "members_url", "register"]
