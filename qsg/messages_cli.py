@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import msgpack
 
-from cfemu.clitools import Output, require_url, settings
+from cfemu.clitools import CLIError, Output, require_url, settings
 from cfemu.errors import FencedError, NoMessageError
 from cfemu.uow_attributes import CONTROL_SUFFIX, DATA_SUFFIX
 from qsg.cli_common import Parents, whole
@@ -176,15 +176,23 @@ def _print_messages(out: Output, title: str, messages: list[Any], as_json: bool)
 
 
 def cmd_put(args: argparse.Namespace, out: Output) -> int:
+    """The messages in units of work of at most --per-commit messages each (a unit of work may hold at most the
+    member's MAXUMSGS): each committed before the next begins; a failure backs out only the one it was in."""
     bodies = [b.encode() for b in args.messages] * args.count
+    put: list[Any] = []
     with messaging(args) as h:
-        try:
-            put = [h.put(args.queue, b, persistent=not args.non_persistent, priority=args.priority,
-                         correlid=args.correlid.encode()) for b in bodies]
-            h.commit()
-        except BaseException:
-            h.backout()
-            raise
+        for first in range(0, len(bodies), args.per_commit):
+            try:
+                done = [h.put(args.queue, b, persistent=not args.non_persistent, priority=args.priority,
+                              correlid=args.correlid.encode()) for b in bodies[first:first + args.per_commit]]
+                h.commit()
+            except BaseException as e:
+                h.backout()
+                if put and isinstance(e, Exception):
+                    raise CLIError(f"{len(put)} of {len(bodies)} message(s) were put on {args.queue} and committed; "
+                                   f"the next unit of work was backed out: {e}") from e
+                raise
+            put.extend(done)
     if args.json:
         out.json({"queue": args.queue, "put": len(put), "msgids": [m.msgid.hex() for m in put]})
     else:
@@ -222,6 +230,8 @@ def put_arguments(p: argparse.ArgumentParser, parents: Parents) -> None:
     p.add_argument("queue")
     p.add_argument("messages", nargs="+", metavar="MESSAGE")
     p.add_argument("--count", type=whole(1), default=1, help="put the messages this many times (>= 1)")
+    p.add_argument("--per-commit", type=whole(1), default=1000, metavar="N",
+                   help="messages per unit of work (default 1000; at most the member's MAXUMSGS)")
     p.add_argument("--priority", type=whole(0, 9), default=0, help="0-9")
     p.add_argument("--non-persistent", action="store_true")
     p.add_argument("--correlid", default="")

@@ -156,3 +156,16 @@ def test_backup_and_restore_verbs_delegate(where: list[str], redis_url: str, tmp
     assert "usage: sqm run" in ok("sqm", "run", "--help")
     r = run("sqm", "run", "--name", "QM1", "--redis-url", redis_url, "--lease-ms", "10")
     assert r.returncode == 2 and "--lease-ms must be >= 500" in r.stderr
+
+
+def test_put_commits_in_units_of_work_of_per_commit_messages(where: list[str]) -> None:
+    """cfemu put --count N puts in units of work of at most --per-commit messages (a unit of work holds at most
+    MAXUMSGS); a failure backs out only the unit of work it was in and says how many were committed before."""
+    ok("cfemu", "define", "structure", "APP1", "--max-entries", "30", *where)
+    ok("cfemu", "define", "queue", "Q1", "--structure", "APP1", *where)
+    assert json.loads(ok("cfemu", "put", "Q1", "x", "--count", "25", "--per-commit", "10", "--json", *where))["put"] == 25
+    r = run("cfemu", "put", "Q1", "y", "--count", "10", "--per-commit", "4", *where)
+    assert r.returncode != 0 and r.stderr.count("\n") == 1, r.stderr
+    assert "4 of 10 message(s) were put on Q1 and committed; the next unit of work was backed out" in r.stderr
+    got = json.loads(ok("cfemu", "browse", "Q1", "--json", "--limit", "100", *where))
+    assert [m["body"] for m in got["messages"]].count("y") == 4 and len(got["messages"]) == 29
