@@ -29,18 +29,18 @@ local function ixkey(queue, kind, value) return PREFIX .. 'ix:' .. queue .. ':' 
 -- with the call's own writes, so every write of them goes through the helpers here (meta_set / meta_del, join_uow,
 -- uow_write, outcome_done, tomb_del, store, delete_entry), and a table they return is the value as this call sees
 -- it: change it only to write it. A script may read or write other header fields itself.
-local META_GROUPS = {
-  {'state', 'gen', 'clock', 'floor', 'pstore', 'nonew'},  -- what most calls of a member's script read
-  {'entries', 'bytes', 'max_entries', 'max_bytes'},  -- where entries come or go
-  {'backup', 'backup_until'},
-}
-local GROUP_OF = {state = 1, gen = 1, clock = 1, floor = 1, pstore = 1, nonew = 1, entries = 2, bytes = 2,
-  max_entries = 2, max_bytes = 2, backup = 3, backup_until = 3}
 local H = {}  -- field -> value (false: absent), once read
 local function meta(field)
   local v = H[field]
   if v == nil then
-    local g = META_GROUPS[GROUP_OF[field]]
+    local g  -- the field's group (tables built here, not at every call: a call runs the whole prelude it is given)
+    if field == 'entries' or field == 'bytes' or field == 'max_entries' or field == 'max_bytes' then
+      g = {'entries', 'bytes', 'max_entries', 'max_bytes'}  -- where entries come or go
+    elseif field == 'backup' or field == 'backup_until' then
+      g = {'backup', 'backup_until'}
+    else
+      g = {'state', 'gen', 'clock', 'floor', 'pstore', 'nonew'}  -- what most calls of a member's script read
+    end
     local r = redis.call('HMGET', META, unpack(g))
     for i, f in ipairs(g) do if H[f] == nil then H[f] = r[i] end end
     v = H[field]
