@@ -1,4 +1,6 @@
--- _prelude: shared helpers, prepended to every CF script when it is loaded (Redis Lua has no include).
+-- _prelude: shared helpers, prepended to every CF script when it is loaded (Redis Lua has no include): this opening
+-- comment and the top-level definitions the script uses (cfemu.lua.source; a call runs every definition it is
+-- given, so each top-level statement here is a `local` definition).
 -- Every script gets the same KEYS, all inside one structure's hash tag {S} (one cluster slot):
 --   KEYS[1] {S}:meta    hash  state, gen, clock, floor, backup, backup_until, entries, bytes, max_entries,
 --                             max_bytes, pstore, nonew
@@ -22,19 +24,52 @@ local function qkey(queue, suffix) return PREFIX .. 'q:' .. queue .. ':' .. suff
 local function uowkey(uow) return PREFIX .. 'uow:' .. uow end
 local function ixkey(queue, kind, value) return PREFIX .. 'ix:' .. queue .. ':' .. kind .. ':' .. value end
 
+-- What a call reads of the structure, it reads once: header fields a group at a time (one HMGET, at the first use
+-- of one of the group), a UOW's record and tombstone, an entry's descriptor at their first use. Each is kept in step
+-- with the call's own writes, so every write of them goes through the helpers here (meta_set / meta_del, join_uow,
+-- uow_write, outcome_done, tomb_del, store, delete_entry), and a table they return is the value as this call sees
+-- it: change it only to write it. A script may read or write other header fields itself.
+local H = {}  -- field -> value (false: absent), once read
+local function meta(field)
+  local v = H[field]
+  if v == nil then
+    local g  -- the field's group (tables built here, not at every call: a call runs the whole prelude it is given)
+    if field == 'entries' or field == 'bytes' or field == 'max_entries' or field == 'max_bytes' then
+      g = {'entries', 'bytes', 'max_entries', 'max_bytes'}  -- where entries come or go
+    elseif field == 'backup' or field == 'backup_until' then
+      g = {'backup', 'backup_until'}
+    else
+      g = {'state', 'gen', 'clock', 'floor', 'pstore', 'nonew'}  -- what most calls of a member's script read
+    end
+    local r = redis.call('HMGET', META, unpack(g))
+    for i, f in ipairs(g) do if H[f] == nil then H[f] = r[i] end end
+    v = H[field]
+  end
+  return v
+end
+local function meta_set(...)  -- field, value, ...
+  redis.call('HSET', META, ...)
+  local a = {...}
+  for i = 1, #a, 2 do H[a[i]] = a[i + 1] end
+end
+local function meta_del(field)
+  redis.call('HDEL', META, field)
+  H[field] = false
+end
+
 -- The structure's Lamport clock: cf = max(cf, caller) + 1; the caller adopts the result.
 local function tick(caller)
-  local cf = tonumber(redis.call('HGET', META, 'clock') or '0')
+  local cf = tonumber(meta('clock') or '0')
   local c = tonumber(caller) or 0
   if c > cf then cf = c end
   cf = cf + 1
-  redis.call('HSET', META, 'clock', cf)
+  meta_set('clock', cf)
   return cf
 end
 
 -- Refuse work unless the structure is ACTIVE and the caller's epoch is current.
 local function check_ready(member, epoch)
-  local st = redis.call('HGET', META, 'state')
+  local st = meta('state')
   if not st then return redis.error_reply('NOSTRUCT structure is not in the CF (never defined, or the CF was lost)') end
   if st ~= 'ACTIVE' then return redis.error_reply('CFSTATE structure is ' .. st) end
   local cur = redis.call('HGET', FENCE, member)
@@ -47,15 +82,14 @@ end
 
 -- Log-first records must not sit below the structure's recovery floor (docs/architecture.md, "Recovery floor").
 local function floor_check(lrsn)
-  local floor = tonumber(redis.call('HGET', META, 'floor') or '0')
+  local floor = tonumber(meta('floor') or '0')
   if lrsn < floor then return redis.error_reply('FLOOR ' .. string.format('%d', floor)) end
   return nil
 end
 
 local function capacity_check(entries, bytes)
-  local m = redis.call('HMGET', META, 'entries', 'bytes', 'max_entries', 'max_bytes')
-  local n, b = tonumber(m[1] or '0'), tonumber(m[2] or '0')
-  local maxn, maxb = tonumber(m[3] or '0'), tonumber(m[4] or '0')
+  local n, b = tonumber(meta('entries') or '0'), tonumber(meta('bytes') or '0')
+  local maxn, maxb = tonumber(meta('max_entries') or '0'), tonumber(meta('max_bytes') or '0')
   if maxn > 0 and n + entries > maxn then
     return redis.error_reply('FULL structure holds ' .. n .. ' of ' .. maxn .. ' entries')
   end
@@ -67,7 +101,7 @@ end
 
 -- The persistent store's availability (pstore.lua, docs/pstore.md): 'pstore' is DISCONNECTED while persistent work
 -- is refused; 'nonew' (OPERATOR or FULL) while only consuming work may enter.
-local function disconnected() return redis.call('HGET', META, 'pstore') == 'DISCONNECTED' end
+local function disconnected() return meta('pstore') == 'DISCONNECTED' end
 local function pstore_refusal(what)
   return redis.error_reply('PSTORE ' .. what .. ': the persistent store is disconnected (cfemu pstore connect)')
 end
@@ -78,19 +112,18 @@ end
 -- put), so that it does not flap at the limit. One an operator set ends only by the operator.
 local LOW_WATER = 0.8
 local function below_low_water()
-  local m = redis.call('HMGET', META, 'entries', 'bytes', 'max_entries', 'max_bytes')
-  local n, b = tonumber(m[1] or '0'), tonumber(m[2] or '0')
-  local maxn, maxb = tonumber(m[3] or '0'), tonumber(m[4] or '0')
+  local n, b = tonumber(meta('entries') or '0'), tonumber(meta('bytes') or '0')
+  local maxn, maxb = tonumber(meta('max_entries') or '0'), tonumber(meta('max_bytes') or '0')
   return (maxn == 0 or n <= maxn * LOW_WATER) and (maxb == 0 or b <= maxb * LOW_WATER)
 end
 local function relieve()
-  if below_low_water() then redis.call('HDEL', META, 'nonew') end
+  if below_low_water() then meta_del('nonew') end
 end
 
 local function account(entries, bytes)
-  redis.call('HINCRBY', META, 'entries', entries)
-  redis.call('HINCRBY', META, 'bytes', bytes)
-  if entries < 0 and redis.call('HGET', META, 'nonew') == 'FULL' then relieve() end
+  meta_set('entries', string.format('%d', tonumber(meta('entries') or '0') + entries),
+    'bytes', string.format('%d', tonumber(meta('bytes') or '0') + bytes))
+  if entries < 0 and meta('nonew') == 'FULL' then relieve() end
 end
 
 -- The CF's own time (ms since the epoch, Redis TIME), for what must not follow a caller's clock: the backup
@@ -106,48 +139,83 @@ end
 -- mark seen here stays stale (its lease is set to 0), so that a CF clock stepping back cannot revive a backup
 -- that a script already treated as gone. A mark without a lease lasts until backup_end or backup_cancel clears it.
 local function backup_mark()
-  local m = redis.call('HMGET', META, 'backup', 'backup_until')
-  if not m[1] then return nil, nil end
-  if m[2] and tonumber(m[2]) <= cf_time_ms() then
-    if m[2] ~= '0' then redis.call('HSET', META, 'backup_until', '0') end
-    return nil, m[1]
+  local id, lease = meta('backup'), meta('backup_until')
+  if not id then return nil, nil end
+  if lease and tonumber(lease) <= cf_time_ms() then
+    if lease ~= '0' then meta_set('backup_until', '0') end
+    return nil, id
   end
-  return m[1], nil
+  return id, nil
 end
 
+-- Descriptors this call loaded or stored (id -> table, false: no entry), and their stored lengths.
+local DESC, DESC_LEN = {}, {}
 local function load(id)
-  local raw = redis.call('HGET', ENT, id)
-  if not raw then return nil end
-  return cmsgpack.unpack(raw)
+  local d = DESC[id]
+  if d == nil then
+    local raw = redis.call('HGET', ENT, id)
+    d = raw and cmsgpack.unpack(raw)
+    DESC[id] = d
+    if raw then DESC_LEN[id] = #raw end
+  end
+  return d or nil
 end
 
-local function store(d) redis.call('HSET', ENT, d.id, cmsgpack.pack(d)) end
+-- Returns the descriptor as stored (msgpack).
+local function store(d)
+  local raw = cmsgpack.pack(d)
+  redis.call('HSET', ENT, d.id, raw)
+  DESC[d.id] = d
+  DESC_LEN[d.id] = #raw
+  return raw
+end
 
--- Remove an entry completely (committed get, backed-out put, purge of an expired message).
+-- Remove an entry completely (committed get, backed-out put, purge of an expired message). {S}:expiry holds an
+-- entry only when its expiry time is above 0.
 local function delete_entry(d)
   redis.call('HDEL', ENT, d.id)
   redis.call('HDEL', DATA, d.id)
-  redis.call('ZREM', EXPIRY, d.id)
+  DESC[d.id] = false
+  DESC_LEN[d.id] = nil
+  if d.exp and d.exp > 0 then redis.call('ZREM', EXPIRY, d.id) end
   if d.cid and d.cid ~= '' then redis.call('SREM', ixkey(d.q, 'c', d.cid), d.id) end
   if d.mid and d.mid ~= '' then redis.call('SREM', ixkey(d.q, 'm', d.mid), d.id) end
   account(-1, -(d.len or 0))
 end
 
+local function cur_gen() return tonumber(meta('gen') or '0') end
+
+-- A UOW's record in {S}:uows as stored (false: none), and its tombstone (false: none).
+local UREC, UTOMB = {}, {}
+local function uow_raw(uow)
+  local raw = UREC[uow]
+  if raw == nil then raw = redis.call('HGET', UOWS, uow) UREC[uow] = raw end
+  return raw
+end
+local function tomb(uow)
+  local t = UTOMB[uow]
+  if t == nil then t = redis.call('HGET', TOMB, uow) UTOMB[uow] = t end
+  return t
+end
+local function tomb_del(uow)
+  redis.call('HDEL', TOMB, uow)
+  UTOMB[uow] = false
+end
+
 -- A UOW's standing on this structure: nil when it may go on, else an error reply.
 -- gen: 0 on the UOW's first touch of the structure, else the structure generation the UOW started in.
 local function uow_standing(uow, gen)
-  local raw = redis.call('HGET', UOWS, uow)
+  local raw = uow_raw(uow)
   local mark = raw and cmsgpack.unpack(raw).s
   if mark == 'C' then return redis.error_reply('COMPLETED unit of work ' .. uow .. ' is being committed') end
   if mark == 'B' then return redis.error_reply('BACKEDOUT unit of work ' .. uow .. ' is being backed out') end
-  local t = redis.call('HGET', TOMB, uow)
+  local t = tomb(uow)
   if t == 'B' then return redis.error_reply('BACKEDOUT unit of work ' .. uow .. ' was backed out by recovery') end
   if t == 'C' then return redis.error_reply('COMPLETED unit of work ' .. uow .. ' was committed by recovery') end
   if t == 'P' then
     return redis.error_reply('BACKEDOUT unit of work ' .. uow .. ': its work on this structure was purged')
   end
-  if redis.call('HEXISTS', UOWS, uow) == 0 and tonumber(gen) ~= 0
-      and tonumber(gen) ~= tonumber(redis.call('HGET', META, 'gen') or '0') then
+  if not raw and tonumber(gen) ~= 0 and tonumber(gen) ~= cur_gen() then
     return redis.error_reply('BACKEDOUT unit of work ' .. uow .. ' was lost with the CF and backed out by restore')
   end
   return nil
@@ -157,13 +225,13 @@ end
 -- carried the UOW over (in doubt, or in commit), or it was lost with the CF.
 local function carried_over(gen)
   local g = tonumber(gen) or 0
-  return g ~= 0 and g ~= tonumber(redis.call('HGET', META, 'gen') or '0')
+  return g ~= 0 and g ~= cur_gen()
 end
 
 -- May `member` work under `uow` here? nil, or BADUOW when another member's UOW holds entries on the structure.
 -- Scripts call it before they change anything (Redis does not roll a script back after an error reply).
 local function uow_owner_check(uow, member)
-  local raw = redis.call('HGET', UOWS, uow)
+  local raw = uow_raw(uow)
   if raw then
     local u = cmsgpack.unpack(raw)
     if u.o ~= member then return redis.error_reply('BADUOW unit of work ' .. uow .. ' belongs to ' .. u.o) end
@@ -173,14 +241,16 @@ end
 
 local function join_uow(uow, member, lrsn)
   local err = uow_owner_check(uow, member) if err then return err end
-  if redis.call('HEXISTS', UOWS, uow) == 1 then return nil end
-  redis.call('HSET', UOWS, uow, cmsgpack.pack({o = member, f = lrsn, g = tonumber(redis.call('HGET', META, 'gen') or '0')}))
+  if uow_raw(uow) then return nil end
+  local raw = cmsgpack.pack({o = member, f = lrsn, g = cur_gen()})
+  redis.call('HSET', UOWS, uow, raw)
+  UREC[uow] = raw
   return nil
 end
 
 -- The length of an entry as a caller must carry it: its data plus its descriptor as stored (bytes).
 local function carried_length(id)
-  return redis.call('HSTRLEN', DATA, id) + redis.call('HSTRLEN', ENT, id)
+  return redis.call('HSTRLEN', DATA, id) + (DESC_LEN[id] or redis.call('HSTRLEN', ENT, id))
 end
 
 local function too_long_reply(id, length, max)
@@ -199,8 +269,6 @@ local function held_entries(uow)
   end
   return puts, gets
 end
-
-local function cur_gen() return tonumber(redis.call('HGET', META, 'gen') or '0') end
 
 -- Get order within a priority: commit lrsn (o1), then put lrsn (o2): the order restore rebuilds
 -- (restore.settle.fifo_key), so the order survives a restore. o1 is the LRSN at which the commit counts
@@ -241,15 +309,20 @@ end
 -- dies between calls leaves a half-applied outcome that the next call for the UOW (recovery, a restart, a retry)
 -- finishes. The work sets hold what is left, in the order it is done: puts by put LRSN (commit: they become
 -- available in put order), gets by get LRSN (their list order).
-local function uow_record(uow)
-  local raw = redis.call('HGET', UOWS, uow)
+local function uow_record(uow)  -- decoded afresh: the caller may change it to write it
+  local raw = uow_raw(uow)
   return raw and cmsgpack.unpack(raw)
+end
+local function uow_write(uow, rec)
+  local raw = cmsgpack.pack(rec)
+  redis.call('HSET', UOWS, uow, raw)
+  UREC[uow] = raw
 end
 local function workkey(uow, kind) return PREFIX .. 'uow' .. kind .. ':' .. uow end  -- kind 'p' puts, 'g' gets
 
 -- The structure's state only, not the caller's epoch: the steps of an outcome begun are finished by any caller.
 local function check_state()
-  local st = redis.call('HGET', META, 'state')
+  local st = meta('state')
   if not st then return redis.error_reply('NOSTRUCT structure is not in the CF (never defined, or the CF was lost)') end
   if st ~= 'ACTIVE' then return redis.error_reply('CFSTATE structure is ' .. st) end
   return nil
@@ -280,13 +353,12 @@ end
 local function place(d)
   d.st = 'CP'; d.u = ''
   local k = qkey(d.q, 'cp:' .. d.p)
-  local n = redis.call('LLEN', k)
-  if n == 0 then redis.call('RPUSH', k, d.id) return 1 end
-  local t = load(redis.call('LINDEX', k, -1))
+  local last = redis.call('LINDEX', k, -1)  -- none: the list is empty
+  local t = last and load(last)
   if not t or not before(d, t) then redis.call('RPUSH', k, d.id) return 1 end
   local h = load(redis.call('LINDEX', k, 0))
   if h and before(d, h) then redis.call('LPUSH', k, d.id) return 1 end
-  local i = place_index(k, d, n)
+  local i = place_index(k, d, redis.call('LLEN', k))
   redis.call('LINSERT', k, 'BEFORE', redis.call('LINDEX', k, i), d.id)
   return 1 + math.floor(i / SCAN_UNIT)
 end
@@ -315,11 +387,12 @@ local function commit_puts(uow, ids, at, budget, used, seg_max)
       if a then
         a.ours[#a.ours + 1] = d
       else
-        local n = redis.call('LLEN', k)
-        local t = n > 0 and load(redis.call('LINDEX', k, -1))
+        local last = redis.call('LINDEX', k, -1)  -- none: the list is empty
+        local t = last and load(last)
         if not t or not before(d, t) then
           redis.call('RPUSH', k, d.id)
         else
+          local n = redis.call('LLEN', k)
           local i = place_index(k, d, n)
           used = used + math.floor(math.log(n + 1) / math.log(2))
           if n - i <= seg_max then
@@ -434,10 +507,14 @@ local function ordered_entries(uow, kind)
 end
 
 -- The end of an outcome on this structure: the UOW no longer holds anything here.
-local function outcome_done(uow, kind, tomb)
+local function outcome_done(uow, kind, record)
   redis.call('DEL', uowkey(uow), workkey(uow, 'p'), workkey(uow, 'g'))
   redis.call('HDEL', UOWS, uow)
-  if tomb then redis.call('HSET', TOMB, uow, kind) end
+  UREC[uow] = false
+  if record then
+    redis.call('HSET', TOMB, uow, kind)
+    UTOMB[uow] = kind
+  end
 end
 
 -- An outcome small enough for one call: the whole of it, now. Returns {puts, gets}; nil and an error reply when a
@@ -507,7 +584,7 @@ local function outcome_step(uow, rec, budget, has_data, record)
     outcome_done(uow, rec.s, record or rec.k == 1)
     return {a, b, 0}
   end
-  redis.call('HSET', UOWS, uow, cmsgpack.pack(rec))
+  uow_write(uow, rec)
   return {a, b, 1}
 end
 

@@ -38,13 +38,13 @@ if rec and rec.s then  -- an outcome begun in steps: finish it, whoever calls
 end
 if ARGV[10] == '1' then  -- the backout this caller began is finished here
   err = check_state() if err then return err end
-  if redis.call('HGET', TOMB, uow) == 'B' and not carried_over(ARGV[5]) then redis.call('HDEL', TOMB, uow) end
+  if tomb(uow) == 'B' and not carried_over(ARGV[5]) then tomb_del(uow) end
   return {tick(ARGV[3]), 0, 0, 0}
 end
 err = check_ready(ARGV[1], ARGV[2]) if err then return err end
-local t = redis.call('HGET', TOMB, uow)
+local t = tomb(uow)
 if t == 'B' then
-  if not carried_over(ARGV[5]) then redis.call('HDEL', TOMB, uow) end
+  if not carried_over(ARGV[5]) then tomb_del(uow) end
   return {tick(ARGV[3]), 0, 0, 0}
 end
 if t == 'P' then return {tick(ARGV[3]), 0, 0, 0} end  -- a purge discarded its work here: nothing to undo
@@ -56,7 +56,7 @@ if not has_data and backup_mark() and redis.call('SCARD', uowkey(uow)) <= budget
     if d.per == 1 then return redis.error_reply('BACKUPACTIVE a backup is running; log the data of the gets') end
   end
 end
-local carried = carried_over(ARGV[5]) and redis.call('HEXISTS', UOWS, uow) == 1
+local carried = carried_over(ARGV[5]) and uow_raw(uow) ~= false
 local cf = tick(math.max(tonumber(ARGV[3]), lrsn))
 if lrsn == 0 then lrsn = cf end
 if at == 0 then at = lrsn end

@@ -44,20 +44,20 @@ if rec and rec.s then  -- an outcome begun in steps: finish it, whoever calls
 end
 if ARGV[9] == '1' then  -- the commit this caller began is finished here
   err = check_state() if err then return err end
-  if redis.call('HGET', TOMB, uow) == 'C' and not carried_over(ARGV[5]) then redis.call('HDEL', TOMB, uow) end
+  if tomb(uow) == 'C' and not carried_over(ARGV[5]) then tomb_del(uow) end
   return {tick(ARGV[3]), 0, 0, 0}
 end
 err = check_ready(ARGV[1], ARGV[2]) if err then return err end
-local t = redis.call('HGET', TOMB, uow)
+local t = tomb(uow)
 if t == 'B' then return redis.error_reply('BACKEDOUT unit of work ' .. uow .. ' was backed out by recovery') end
 if t == 'C' then
-  if not carried_over(ARGV[5]) then redis.call('HDEL', TOMB, uow) end
+  if not carried_over(ARGV[5]) then tomb_del(uow) end
   return {tick(ARGV[3]), 0, 0, 0}
 end
 if t == 'P' then return {tick(ARGV[3]), 0, 0, 0} end  -- a purge discarded its work here: the outcome stands
 if lrsn > 0 then err = floor_check(lrsn) if err then return err end end
 err = uow_standing(uow, ARGV[5]) if err then return err end
-local carried = carried_over(ARGV[5]) and redis.call('HEXISTS', UOWS, uow) == 1
+local carried = carried_over(ARGV[5]) and uow_raw(uow) ~= false
 local cf = tick(math.max(tonumber(ARGV[3]), lrsn))
 if lrsn == 0 then lrsn = cf end
 if at == 0 then at = lrsn end

@@ -26,11 +26,31 @@ local function expire(d)
 end
 local function live(d) return not (d.exp and d.exp > 0 and d.exp <= now) end
 
+-- The highest priority at or below `top` whose list holds an entry (Redis deletes an empty list), and its list; nil
+-- when there is none. EXISTS counts the lists that exist among those it is given: one over all of them, one over
+-- all but the lowest (priority 0, the usual one), then a binary search over the rest.
+local function highest(top)
+  local ks = {}
+  for p = top, 0, -1 do ks[#ks + 1] = qkey(queue, 'cp:' .. p) end
+  if redis.call('EXISTS', unpack(ks)) == 0 then return nil end
+  local lo, hi = 1, #ks
+  if hi > 1 then
+    if redis.call('EXISTS', unpack(ks, 1, hi - 1)) == 0 then lo = hi else hi = hi - 1 end
+  end
+  while lo < hi do
+    local mid = math.floor((lo + hi) / 2)
+    if redis.call('EXISTS', unpack(ks, lo, mid)) > 0 then hi = mid else lo = mid + 1 end
+  end
+  return top - lo + 1, ks[lo]
+end
+
 -- Find the message without taking it: the head of the highest non-empty priority list, or the best match.
 local found, head_of
 if match == '' then
-  for p = 9, 0, -1 do
-    local k = qkey(queue, 'cp:' .. p)
+  local top = 9
+  while not found and top >= 0 do
+    local p, k = highest(top)
+    if not p then break end
     while true do
       local id = redis.call('LINDEX', k, 0)
       if not id then break end
@@ -39,7 +59,7 @@ if match == '' then
       redis.call('LPOP', k)
       if d then expire(d) end
     end
-    if found then break end
+    top = p - 1
   end
 else
   for _, id in ipairs(redis.call('SMEMBERS', ixkey(queue, match, value))) do
@@ -72,7 +92,7 @@ else
   redis.call('LREM', qkey(queue, 'cp:' .. found.p), 1, found.id)
 end
 found.st = 'UG'; found.u = uow; found.l = cf
-store(found)
+local desc = store(found)
 redis.call('RPUSH', qkey(queue, 'ug'), found.id)
 redis.call('SADD', uowkey(uow), found.id)
-return {cf, cur_gen(), cmsgpack.pack(found), redis.call('HGET', DATA, found.id)}
+return {cf, cur_gen(), desc, redis.call('HGET', DATA, found.id)}

@@ -44,13 +44,12 @@ local function replacement()
   end
   return replaced < taken and #data <= longest + REPLACEMENT_SLACK
 end
-local nonew = redis.call('HGET', META, 'nonew')
+local nonew = meta('nonew')
 if nonew == 'FULL' and below_low_water() then  -- capacity's state ends at the mark (a header from before the rule)
-  redis.call('HDEL', META, 'nonew')
+  meta_del('nonew')
   nonew = nil
 end
-local replacing = (nonew or redis.call('HGET', META, 'max_entries') ~= '0' or redis.call('HGET', META, 'max_bytes') ~= '0')
-  and replacement()
+local replacing = (nonew or meta('max_entries') ~= '0' or meta('max_bytes') ~= '0') and replacement()
 if nonew and not replacing then
   return redis.error_reply('NONEW the structure takes no new units of work (' .. (nonew == 'FULL' and
     'it reached its capacity' or 'set by an operator') .. '): only consuming work is allowed')
@@ -59,7 +58,7 @@ if not replacing then
   err = capacity_check(1, #data)
   if err then
     -- Full because the structure is full, not because this one message is too big for the room left.
-    if not nonew and not below_low_water() then redis.call('HSET', META, 'nonew', 'FULL') end
+    if not nonew and not below_low_water() then meta_set('nonew', 'FULL') end
     return err
   end
 end

@@ -13,8 +13,8 @@
 -- UOW's COMMIT, and backs the UOW out instead (docs/pstore.md); a commit decided already goes on (commit.lua).
 local err = check_ready(ARGV[1], ARGV[2]) if err then return err end
 local uow = ARGV[3]
-local t = redis.call('HGET', TOMB, uow)
+local t = tomb(uow)
 if t then return t end
-if redis.call('HEXISTS', UOWS, uow) == 1 then return disconnected() and 'D' or 'H' end
+if uow_raw(uow) then return disconnected() and 'D' or 'H' end
 if carried_over(ARGV[4]) then return 'L' end
 return 'N'

@@ -146,6 +146,18 @@ def test_scripts_are_found_by_kind() -> None:
         lua.source("_prelude")
 
 
+def test_a_script_gets_the_prelude_definitions_it_uses() -> None:
+    """A call runs every definition it is given, so a structure operation gets the prelude's opening comment and
+    the definitions it uses, with those they use in turn (every script's tests run them: one left out would be an
+    error at its first call)."""
+    standing = lua.source("standing")
+    assert "local function check_ready(" in standing  # used by standing.lua
+    assert "local function meta(" in standing  # used by check_ready
+    assert "local function commit_puts(" not in standing and "local function tick(" not in standing
+    assert "local function commit_puts(" in lua.source("commit")
+    assert all(lua.source(op).count("\nlocal META, FENCE,") == 1 for op in lua.structure_operations())
+
+
 # --- the structure operations ------------------------------------------------------------------------------------
 class TestPut:
     def test_an_uncommitted_put_is_held_by_its_uow(self, s: Structure, qm1: Caller) -> None:
