@@ -66,7 +66,7 @@ compose-test: compose-images
 	DOCKER=$(DOCKER) $(BIN)/pytest -m compose -p no:cacheprovider -s tests/compose $(PYTEST_ARGS)
 
 # A Spark standalone master and two workers from the installed pyspark (needs java): cfrestore on them (~3 min).
-spark-cluster-test:
+spark-cluster-test: venv
 	$(BIN)/pytest -m spark_cluster -p no:cacheprovider tests/restore/test_spark_standalone.py $(PYTEST_ARGS)
 
 # The demo and the chaos short runs against a local 3-master Redis Cluster as the CF (opt-in: about 4 minutes on

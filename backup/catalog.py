@@ -31,10 +31,12 @@ from backup.files import (
     resolve_keys,
     verify,
 )
-from backup.points import kind_of
+from backup.points import FUZZY, kind_of
 from cfemu.admin import Admin
 from cfemu.cf import CF
 from cfemu.credentials import BackupKeys
+from cfemu.pstore import warm_generations
+from cfemu.repository import GroupRepository
 
 OK, CORRUPT, INCOMPLETE, UNSIGNED, UNTRUSTED = "ok", "corrupt", "incomplete", "unsigned", "untrusted"
 
@@ -148,6 +150,68 @@ def _running_backup(client: redis.Redis, structure: str) -> str | None:
     """The backup the CF says is running: a mark whose lease has ended is not one (its backup cannot end well)."""
     mark = CF(client).structure(structure).backup_mark()
     return mark.backup if mark is not None and not mark.stale else None
+
+
+def restore_base(backups: list[BackupInfo], repo: GroupRepository | None) -> str | None:
+    """The backup a restore of the structure would start from (restore.run.open_backup): the newest good one that
+    was not taken while the structure ran from a WARM start (such a backup holds none of the persistent content and
+    is never a base). None when there is none."""
+    warm = warm_generations(repo, backups[0].structure) if repo is not None and backups else frozenset()
+    for b in backups:
+        m = b.manifest or {}
+        if b.state == OK and not (kind_of(m) == FUZZY and int(m.get("gen", 0) or 0) in warm):
+            return b.id
+    return None
+
+
+def retain(backup_root: Path, structure: str, keep: int, *, client: redis.Redis | None = None,
+           repo: GroupRepository | None = None, backup_keys: BackupKeys | None = None) -> PruneResult:
+    """The scheduler's retention: keep the newest `keep` good backups of `structure`, and remove only what no
+    restore can need. What goes is good backups, and incomplete ones (a backup or restore killed mid-way), older
+    than the keep-th newest good backup; never the restore base (restore_base: it may be older when the newest are
+    taken from a WARM start), never the backup the CF says is running, and never a corrupt, untrusted or unsigned
+    one (a restore refuses to pass over some of them, and they are for an operator to look at). A restore or purge
+    point goes only with every backup older than it, so that no restore can start below a point it would cross.
+    When `client` reaches the CF, what goes also leaves the admin catalog."""
+    if keep < 1:
+        raise ValueError(f"--keep must be at least 1, not {keep}")
+    backups = list_backups(backup_root, structure, backup_keys=backup_keys)
+    good = [b for b in backups if b.state == OK]
+    if len(good) <= keep:
+        return PruneResult([], backups, client is not None)
+    cutoff = backups.index(good[keep - 1])
+    protected = {restore_base(backups, repo)}
+    if client is not None:
+        try:
+            protected.add(_running_backup(client, structure))
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+            client = None
+    doomed = [b for b in backups[cutoff + 1:] if b.state in (OK, INCOMPLETE) and b.id not in protected]
+    kept_older = {b.id for b in backups[cutoff + 1:]} - {b.id for b in doomed}
+    # A point stays while anything older than it stays.
+    for i, b in enumerate(backups):
+        if b in doomed and kind_of(b.manifest or {}) != FUZZY and any(o.id in kept_older for o in backups[i + 1:]):
+            doomed.remove(b)
+            kept_older.add(b.id)
+    return _remove(structure, backups, doomed, client)
+
+
+def _remove(structure: str, backups: list[BackupInfo], removed: list[BackupInfo],
+            client: redis.Redis | None) -> PruneResult:
+    """Remove `removed` (of `backups`) from the disk, and from the admin catalog when `client` reaches the CF."""
+    for b in removed:
+        shutil.rmtree(b.path)
+    reachable = client is not None
+    if client is not None:
+        try:
+            admin = Admin(client)
+            for b in removed:
+                admin.forget_backup(structure, b.id)
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+            reachable = False
+    note = "the CF was not reachable: its catalog copy still lists the removed backups" if not reachable and removed \
+        else ""
+    return PruneResult(removed, [b for b in backups if b not in removed], reachable, note)
 
 
 def prune(backup_root: Path, structure: str, *, keep: int | None = None, older_than: timedelta | None = None,

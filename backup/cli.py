@@ -3,8 +3,10 @@
   cfbackup run STRUCTURE [--exclint SECONDS]     back up a structure while the group keeps working; while the
                [--backup-share F]              group works, the backup works F of the time (default 0.05,
                [--lease SECONDS]               $CFEMU_BACKUP_SHARE; backup/pacing.py), on an idle CF all of it;
-                                               its mark in the CF lasts SECONDS past its last renewal (default
-                                               30): a backup killed without a word blocks the next that long
+               [--wait SECONDS]                its mark in the CF lasts SECONDS past its last renewal (default
+                                               30): a backup killed without a word blocks the next that long;
+                                               another backup running (the scheduler's) is waited for, at most
+                                               --wait seconds (default 120; 0: refused at once)
   cfbackup cancel [--structure S]                end the backup mark of S (of every structure without --structure),
                                                  running or stale: its backup fails at its next renewal
   cfbackup list [STRUCTURE] [--deep]             backups, newest first, with their state (ok/corrupt/incomplete)
@@ -14,7 +16,8 @@
   cfbackup sign ID                               sign a backup again with the current key, once all of it checks
                                                  (after a key rotation; with --accept-unsigned, adopt an old one)
   cfbackup prune STRUCTURE --keep N | --older-than AGE
-  cfbackup schedule --interval SECONDS [--structure S]...   back up every N seconds (a daemon, until SIGTERM)
+  cfbackup schedule --interval SECONDS [--structure S]... [--keep N]   back up every N seconds (a daemon, until
+                                                 SIGTERM), keeping the newest N good backups (default 5)
 
 The CF, the members' logs and the backup root are found as by every command (cfemu.settings): the flag, else the
 environment ($REDIS_URL, $CFEMU_LOG_ROOT, $CFEMU_BACKUP_DIR), else the nearest 'cfemu cluster' directory, else the
@@ -42,7 +45,8 @@ from rich.table import Table
 
 from backup.catalog import OK, find_backup, inspect, list_backups, parse_age, prune
 from backup.files import BackupError, sign_backup, verify
-from backup.run import DEFAULT_BATCH, DEFAULT_LEASE_S, BackupTerminated, run_backup
+from backup.run import DEFAULT_BATCH, DEFAULT_LEASE_S, DEFAULT_WAIT_S, BackupTerminated, run_backup
+from backup.schedule import DEFAULT_KEEP
 from cfemu.admin import Admin
 from cfemu.cf import CF, BackupCancelled
 from cfemu.clitools import (
@@ -131,7 +135,8 @@ def cmd_run(args: argparse.Namespace, out: Output) -> int:
                 PhaseBars(out.console, disabled=out.as_json or not out.console.is_terminal, width=36) as bars:
             manifest = run_backup(client, args.structure, found.backup_dir, log_root=log_root,
                                   exclint_s=args.exclint, batch=args.batch, progress=bars,
-                                  backup_keys=_keys(found, args), share=found.backup_share(), lease_s=args.lease)
+                                  backup_keys=_keys(found, args), share=found.backup_share(), lease_s=args.lease,
+                                  wait_s=args.wait)
     except BackupTerminated:
         print(f"cfbackup: terminated (SIGTERM): the backup of {args.structure} ended as failed, its mark cleared "
               "and nothing kept", file=sys.stderr)
@@ -273,8 +278,10 @@ def cmd_schedule(args: argparse.Namespace, out: Output) -> int:
 
     if args.interval <= 0:
         raise ValueError(f"--interval must be > 0, not {args.interval}")
+    if args.keep < 0:
+        raise ValueError(f"--keep must be >= 0, not {args.keep}")
     configure_logging(args.verbose, as_json=out.as_json)
-    run_backup_scheduler(args.interval, settings(args), args.structure)
+    run_backup_scheduler(args.interval, settings(args), args.structure, keep=args.keep)
     return 0
 
 
@@ -305,6 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"the backup's mark in the CF lasts SECONDS past its last renewal (default "
                           f"{DEFAULT_LEASE_S:g}; renewed every fifth of it): a backup killed without a word blocks "
                           "the next backup and 'cfemu migrate unload' that long")
+    run.add_argument("--wait", type=float, default=DEFAULT_WAIT_S, metavar="SECONDS",
+                     help=f"while another backup of the structure runs (the scheduler's), wait for it to end, at "
+                          f"most SECONDS (default {DEFAULT_WAIT_S:g}; 0: refuse at once)")
     run.set_defaults(func=cmd_run)
     cancel = sub.add_parser("cancel", parents=[common, cf],
                             help="end a running or stale backup's mark (a backup stuck or killed): the backup, "
@@ -337,6 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_settings_arguments(sch, "log_root", "backup_share")  # handed on to every backup it runs
     sch.add_argument("--interval", type=float, required=True, metavar="SECONDS")
     sch.add_argument("--structure", action="append", default=[], help="structure to back up (default: all ACTIVE)")
+    sch.add_argument("--keep", type=int, default=DEFAULT_KEEP, metavar="N",
+                     help=f"after each good backup keep the newest N good backups of the structure (default "
+                          f"{DEFAULT_KEEP}; 0: keep all) and remove older ones no restore can need")
     sch.set_defaults(func=cmd_schedule)
     p.set_defaults(cf_role="backup")  # the CF user this command connects as (cfemu.credentials)
     return p

@@ -59,9 +59,10 @@ from backup.migrate_report import (
     definition_record,
     entry_record,
 )
+from backup.run import wait_for_running_backup
 from cfemu import bulk, keys, rcluster
 from cfemu.admin import QUEUES, STRUCTURES, Admin, QueueDef, StructureDef
-from cfemu.cf import BackupMark
+from cfemu.cf import CF, BackupMark
 from cfemu.credentials import BackupKeys
 from cfemu.progress import Progress, no_progress
 from cfemu.repository import GroupRepository, RepositoryError
@@ -82,6 +83,10 @@ class MigrationError(RuntimeError):
 
 class HandshakeError(MigrationError):
     """The unload and the target do not fit: another format, the same store, a foreign group, a busy source."""
+
+
+class BackupRunningMigrationError(MigrationError):
+    """A backup of the structure runs: the unload waits for it (unload's wait_s) or is refused."""
 
 
 class SameStoreError(HandshakeError):
@@ -204,7 +209,8 @@ def freeze(client: redis.Redis, structure: str, migration: str) -> None:
         if state != "ACTIVE":
             raise MigrationError(f"structure {structure} is {state}; only an ACTIVE structure can be unloaded")
         if backup:
-            raise MigrationError(f"structure {structure}: backup {backup} is running; unload once it has ended")
+            raise BackupRunningMigrationError(f"structure {structure}: backup {backup} is running; unload once it "
+                                              "has ended")
         held = [keys.text(u) for u in pipe.hkeys(uows)]
         if held:
             raise MigrationError(f"structure {structure}: {len(held)} units of work hold entries on it (e.g. "
@@ -217,6 +223,25 @@ def freeze(client: redis.Redis, structure: str, migration: str) -> None:
             pipe.hdel(meta, "backup", "backup_until")
 
     _guarded(node, (meta, uows), check, stage)
+
+
+def _freeze_when_no_backup_runs(client: redis.Redis, structure: str, migration: str, wait_s: float,
+                                progress: Progress) -> None:
+    """freeze, once no backup of the structure runs: waited for at most wait_s seconds (0: refused at once)."""
+    deadline = time.monotonic() + max(0.0, wait_s)
+    s = CF(client).structure(structure)
+    while True:
+        if wait_s > 0:
+            running = wait_for_running_backup(s, max(0.0, deadline - time.monotonic()), progress)
+            if running is not None:
+                raise BackupRunningMigrationError(f"structure {structure}: backup {running} is still running after "
+                                                  f"waiting {wait_s:g}s for it; unload once it has ended")
+        try:
+            freeze(client, structure, migration)
+            return
+        except BackupRunningMigrationError:
+            if time.monotonic() >= deadline:  # another backup began between the wait and the freeze
+                raise
 
 
 def _set_state(client: redis.Redis, structure: str, *, to: str, expect: tuple[str, ...],
@@ -307,11 +332,12 @@ class Unloaded:
 
 
 def unload(client: redis.Redis, structure: str, to: str | Path, *, backup_keys: BackupKeys | None = None,
-           progress: Progress = no_progress, log_root: str | Path | None = None) -> Unloaded:
+           progress: Progress = no_progress, log_root: str | Path | None = None, wait_s: float = 0.0) -> Unloaded:
     """Unload `structure` into the directory `to` (new, or empty): ``unload/`` (the backup file format, its
     manifest signed) and ``unload-report.jsonl``. The source ends MIGRATED, and the group repository (the CF's,
     or log_root's: group_repository) records it migrated; a failure puts it back to ACTIVE and removes what was
-    written."""
+    written. wait_s: a backup of the structure running (a scheduler's) is waited for, at most this long
+    (backup.run.wait_for_running_backup, with progress); 0 refuses at once."""
     t0 = time.monotonic()
     keys_ = resolve_keys(backup_keys)
     signing_key(keys_, "sign the unload with")  # no key, no unload: refused before the CF is touched
@@ -331,7 +357,7 @@ def unload(client: redis.Redis, structure: str, to: str | Path, *, backup_keys: 
                              f"{structure}') to unload it again")
     cf = bulk.cf_identity(node)
     migration = new_backup_id(structure, datetime.now(UTC))
-    freeze(client, structure, migration)
+    _freeze_when_no_backup_runs(client, structure, migration, wait_s, progress)
     writer: BackupWriter | None = None
     report: ReportWriter | None = None
     try:

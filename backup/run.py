@@ -36,7 +36,7 @@ from cfemu import bulk
 from cfemu.admin import Admin, AdminError
 from cfemu.cf import CF, Structure
 from cfemu.credentials import BackupKeys
-from cfemu.errors import BackupEndedError, MQError, StructureFailedError
+from cfemu.errors import BackupEndedError, BackupRunningError, MQError, StructureFailedError
 from cfemu.private_files import refuse_others_writing
 from cfemu.progress import Progress, no_progress
 from cfemu.settings import DEFAULT_BACKUP_SHARE
@@ -171,11 +171,65 @@ class _Lease:
             self._thread.join(timeout=5.0)  # a renewal waiting on a CF that does not answer is left to its timeout
 
 
+DEFAULT_WAIT_S = 120.0  # how long an operator's backup waits for one running (cfbackup run --wait)
+WAIT_PHASE = "waiting for backup"  # the progress phase of a wait for another backup (its id follows)
+WAIT_POLL_S = 0.25
+
+
+def wait_for_running_backup(s: Structure, wait_s: float, progress: Progress = no_progress) -> str | None:
+    """Wait, at most wait_s seconds, until no backup of the structure runs (no mark, or a stale one: its backup
+    cannot end well). Returns None once none runs, else the id of the backup still running after wait_s. Progress:
+    phase "waiting for backup <id>", counting whole seconds of the wait out of wait_s."""
+    t0 = time.monotonic()
+    said = ""
+    while True:
+        mark = s.backup_mark()
+        running = mark.backup if mark is not None and not mark.stale else None
+        waited = time.monotonic() - t0
+        if running is None:
+            if said:
+                progress(said, int(wait_s), int(wait_s))
+            return None
+        if waited >= wait_s:
+            return running
+        if said != f"{WAIT_PHASE} {running}":
+            said = f"{WAIT_PHASE} {running}"
+            log.info("backup %s of %s is running: waiting for it to end (at most %gs)", running, s.name, wait_s)
+        progress(said, int(waited), int(wait_s))
+        time.sleep(min(WAIT_POLL_S, max(0.0, wait_s - waited)))
+
+
 def run_backup(client: redis.Redis, structure: str, backup_root: Path, *, log_root: Path | None = None,
                exclint_s: int = 0, progress: Progress = no_progress, batch: int = DEFAULT_BATCH,
                on_step: StepHook | None = None, backup_keys: BackupKeys | None = None,
-               share: float = DEFAULT_BACKUP_SHARE, lease_s: float = DEFAULT_LEASE_S) -> dict[str, Any]:
+               share: float = DEFAULT_BACKUP_SHARE, lease_s: float = DEFAULT_LEASE_S,
+               wait_s: float = 0.0) -> dict[str, Any]:
     """Back up `structure` into backup_root/<structure>/<id>/; returns the manifest.
+
+    wait_s: while another backup of the structure runs (a scheduler's), wait for it to end, at most this long
+    (progress: wait_for_running_backup), then begin; 0 refuses at once with BackupRunningError, as does a wait that
+    ran out. The rest of the arguments are _run_backup's."""
+    deadline = time.monotonic() + max(0.0, wait_s)
+    s = CF(client).structure(structure)
+    while True:
+        if wait_s > 0:
+            running = wait_for_running_backup(s, max(0.0, deadline - time.monotonic()), progress)
+            if running is not None:
+                raise BackupRunningError(f"backup {running} of {structure} is still running after waiting "
+                                         f"{wait_s:g}s for it: try again once it has ended")
+        try:
+            return _run_backup(client, structure, backup_root, log_root=log_root, exclint_s=exclint_s,
+                               progress=progress, batch=batch, on_step=on_step, backup_keys=backup_keys,
+                               share=share, lease_s=lease_s)
+        except BackupRunningError:
+            if time.monotonic() >= deadline:  # another backup began between the wait and this one's begin
+                raise
+
+
+def _run_backup(client: redis.Redis, structure: str, backup_root: Path, *, log_root: Path | None,
+                exclint_s: int, progress: Progress, batch: int, on_step: StepHook | None,
+                backup_keys: BackupKeys | None, share: float, lease_s: float) -> dict[str, Any]:
+    """One attempt at the backup.
 
     exclint_s (MQ's EXCLINT): leave out entries put less than this many seconds before the backup started; the
     manifest's replay_from is lowered to the lowest put LRSN among them, so restore replays their history.

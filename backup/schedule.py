@@ -1,8 +1,13 @@
 """cfbackup schedule: back up structures every N seconds, as its own long-running process (a daemon is a verb).
 
-Each backup runs as a child ``cfbackup run S`` so that one failed backup never takes the scheduler with it. The
+Each backup runs as a child ``cfbackup run S --wait 0`` so that one failed backup never takes the scheduler with
+it; a backup that finds another running (an operator's) is skipped until the next tick rather than waited for. The
 CF, log root and backup directory come from the same settings resolver as every command (flag, environment,
 the nearest cluster directory, default), passed on to each child through its environment.
+
+Retention: after each good backup of a structure the scheduler keeps its newest `keep` good backups and removes
+older ones that no restore can need (backup.catalog.retain: never the restore base, a running backup, a damaged one,
+nor a restore or purge point while anything older stays); keep 0 keeps everything.
 """
 
 from __future__ import annotations
@@ -17,19 +22,23 @@ import threading
 import time
 from collections.abc import Sequence
 
+from backup.catalog import retain
 from cfemu.admin import Admin
 from cfemu.connection import connect
 from cfemu.procs import popen_tied
+from cfemu.repository import GroupRepository
 from cfemu.settings import Settings
 
 log = logging.getLogger("backup.schedule")
 
 BACKUP_COMMAND = [sys.executable, "-m", "backup.cli"]
+DEFAULT_KEEP = 5  # good backups kept per structure by the scheduler's retention
 
 
 def run_backup_scheduler(interval: float, settings: Settings, structures: Sequence[str] = (),
-                         stop: threading.Event | None = None) -> None:
-    """Every interval seconds run ``cfbackup run S`` for each structure (default: every ACTIVE one), until stop.
+                         stop: threading.Event | None = None, keep: int = DEFAULT_KEEP) -> None:
+    """Every interval seconds run ``cfbackup run S`` for each structure (default: every ACTIVE one), until stop;
+    after each good one, the retention (module doc) with `keep`.
 
     settings (the scheduler's own, resolved once) go to every child through its environment, so that each backup
     uses the scheduler's CF, log root and backup directory whatever the child would find on its own.
@@ -53,7 +62,7 @@ def run_backup_scheduler(interval: float, settings: Settings, structures: Sequen
             if stop.is_set():
                 break
             t0 = time.monotonic()
-            proc = popen_tied([*BACKUP_COMMAND, "run", s], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            proc = popen_tied([*BACKUP_COMMAND, "run", s, "--wait", "0"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, env=child_env)
             current.append(proc)
             out, _ = proc.communicate()
@@ -61,6 +70,8 @@ def run_backup_scheduler(interval: float, settings: Settings, structures: Sequen
             tail = out.decode(errors="replace").strip().splitlines()[-1:] or [""]
             if proc.returncode == 0:
                 log.info("backup of %s done in %.1fs", s, time.monotonic() - t0)
+                if keep:
+                    _retain(settings, s, keep)
             else:
                 log.error("backup of %s failed (exit %s): %s", s, proc.returncode, tail[0])
 
@@ -76,3 +87,22 @@ def _active_structures(url: str | None) -> list[str]:
     except Exception as e:  # the CF may be down for a while: try again at the next tick
         log.warning("backup scheduler: cannot list structures: %s", e)
         return []
+
+
+def _retain(settings: Settings, structure: str, keep: int) -> None:
+    """The retention after a good backup of `structure`; a failure is logged and tried again after the next."""
+    try:
+        client = connect(settings.redis_url)
+        try:
+            result = retain(settings.backup_dir, structure, keep, client=client,
+                            repo=GroupRepository(settings.log_root), backup_keys=settings.backup_keys())
+        finally:
+            client.close()
+    except Exception as e:  # noqa: BLE001 - retention never stops the backups
+        log.warning("retention of %s's backups failed: %s", structure, e)
+        return
+    if result.removed:
+        log.info("retention of %s: removed %d backup(s) (%s), kept %d", structure, len(result.removed),
+                 ", ".join(b.id for b in result.removed), len(result.kept))
+    if result.note:
+        log.warning("retention of %s: %s", structure, result.note)

@@ -36,7 +36,8 @@ def cmd_cluster(args: argparse.Namespace, out: Output) -> int:
                                     restart_cf=args.cf_restart, recauto=args.recauto, spark_workers=args.spark,
                                     spark_cores=args.spark_cores, spark_memory=args.spark_memory,
                                     duplex=args.duplex, redis_cluster=args.redis_cluster,
-                                    restart_members=args.member_restart, rest=args.rest)
+                                    restart_members=args.member_restart, rest=args.rest,
+                                    backup_keep=args.backup_keep)
         doc = cluster.status()
         doc["seconds"] = round(time.monotonic() - t0, 2)
     elif args.action == "down":
@@ -115,6 +116,9 @@ def cluster_arguments(p: argparse.ArgumentParser, parents: Parents) -> None:
                    help="its directory (default $CFEMU_CLUSTER_DIR, else the nearest var/cluster, else var/cluster)")
     p.add_argument("--managers", type=whole(1, 32), default=3)
     p.add_argument("--backup-interval", type=seconds(), default=10.0, help="seconds between backups (0: none)")
+    p.add_argument("--backup-keep", type=whole(0), default=5, metavar="N",
+                   help="the scheduler keeps the newest N good backups of each structure (0: all) and removes "
+                        "older ones no restore can need")
     p.add_argument("--lease-ms", type=whole(500), default=5000)
     p.add_argument("--token", help="the application token clients must prove they hold (default: the group's "
                                    "service.token, made at the first 'up')")

@@ -198,7 +198,7 @@ class LocalGroup:
            manager_args: Sequence[str] = (), cf_url_for: Callable[[str, str], str] | None = None,
            restart_cf: bool = False, recauto: bool = True, spark_workers: int = 0, spark_cores: int = 1,
            spark_memory: str = "2g", duplex: bool = False, redis_cluster: int = 0,
-           restart_members: bool = False, rest: bool = False) -> LocalGroup:
+           restart_members: bool = False, rest: bool = False, backup_keep: int = 5) -> LocalGroup:
         """Start an embedded CF, managers QM1..QMn and (with a backup_interval) the backup scheduler.
 
         structure/queues are defined when missing (structure=None defines nothing). manager_args go to every
@@ -210,8 +210,9 @@ class LocalGroup:
         synchronous copy of the primary (qsg.cfpair); its controller is the supervisor, so restart_cf is
         required. redis_cluster: the CF is a Redis Cluster of that many masters (qsg.rcluster_cf; 0: one
         redis-server). restart_members: the supervisor restarts a member that died or was fenced, with backoff
-        (qsg.group_supervisor; a thread here, or with detach the supervisor process). On any failure everything
-        already started is stopped again.
+        (qsg.group_supervisor; a thread here, or with detach the supervisor process). backup_keep: the
+        scheduler's retention, good backups kept per structure (cfbackup schedule --keep; 0: all). On any failure
+        everything already started is stopped again.
         """
         if duplex and redis_cluster:
             raise LocalGroupError("--duplex and --redis-cluster do not go together: a Redis Cluster CF keeps its copies "
@@ -246,7 +247,7 @@ class LocalGroup:
                           **({"rest_port": free_port("127.0.0.1")} if rest else {})}
                          for i in range(1, managers + 1)],
             "manager_args": list(manager_args),
-            "scheduler": {"interval": backup_interval} if backup_interval else None,
+            "scheduler": {"interval": backup_interval, "keep": backup_keep} if backup_interval else None,
             "cf_supervisor": {} if restart_cf or restart_members else None,
             "cf_restart": restart_cf, "member_restart": restart_members,
             CLUSTER_SPARK: None,
@@ -507,7 +508,8 @@ class LocalGroup:
 
     def _spawn_scheduler(self) -> None:
         sched = self.state["scheduler"]
-        cmd = [*SCHEDULER_COMMAND, "--interval", str(sched["interval"])]
+        cmd = [*SCHEDULER_COMMAND, "--interval", str(sched["interval"]),
+               *(("--keep", str(sched["keep"])) if "keep" in sched else ())]
         proc = self._popen("scheduler", cmd, "backup-scheduler.log")
         sched["pid"] = proc.pid
         # Until the child has exec'd, its command line is ours: wait, so that status never reports it dead.

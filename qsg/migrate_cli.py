@@ -1,7 +1,8 @@
 """`cfemu migrate`: move a structure from one CF to another through files (EntireX's PSTORE-UNLOAD / PSTORE-LOAD,
 backup.migrate), with a report of every record on both sides and their comparison (backup.migrate_report).
 
-    cfemu migrate unload STRUCT --to DIR [--redis-url SOURCE] [--log-root DIR]   the source ends MIGRATED
+    cfemu migrate unload STRUCT --to DIR [--redis-url SOURCE] [--log-root DIR] [--wait SECONDS]   the source ends
+                                   MIGRATED; a running backup is waited for (default 120 s)
     cfemu migrate load DIR --redis-url TARGET [--structure NAME] [--group NAME] [--restart] [--report FILE]
                            [--source-keys-dir DIR]
     cfemu migrate compare UNLOAD_REPORT LOAD_REPORT [--keys-dir DIR]  equal, or each difference (exit status 1)
@@ -25,6 +26,7 @@ import redis
 from backup import migrate
 from backup.files import BackupError
 from backup.migrate_report import ReportError, compare, read_report
+from backup.run import DEFAULT_WAIT_S
 from cfemu import credentials
 from cfemu.admin import Admin
 from cfemu.clitools import (
@@ -37,7 +39,7 @@ from cfemu.clitools import (
 )
 from cfemu.connection import connect
 from cfemu.settings import Settings
-from qsg.cli_common import Parser, run_verb, whole
+from qsg.cli_common import Parser, run_verb, seconds, whole
 
 REPO_HELP = ("the source group's log root, whose group repository records the migration (default: the one the CF "
              "records, else the settings' log root)")
@@ -65,7 +67,7 @@ def cmd_unload(args: argparse.Namespace, out: Output) -> int:
     client = connect(require_url(found))
     with _bars(out) as bars:
         done = migrate.unload(client, args.structure, args.to, backup_keys=found.backup_keys(), progress=bars,
-                              log_root=_log_root(args, found, client))
+                              log_root=_log_root(args, found, client), wait_s=args.wait)
     d = done.to_dict()
     if out.as_json:
         out.json(d)
@@ -165,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     un.add_argument("structure")
     un.add_argument("--to", required=True, metavar="DIR", help="a new or empty directory")
     un.add_argument("--log-root", metavar="DIR", help=REPO_HELP)
+    un.add_argument("--wait", type=seconds(), default=DEFAULT_WAIT_S, metavar="SECONDS",
+                    help=f"while a backup of the structure runs (the scheduler's), wait for it to end, at most SECONDS "
+                         f"(default {DEFAULT_WAIT_S:g}; 0: refuse at once)")
     un.set_defaults(func=cmd_unload, cf_role="operator")
     ld = sub.add_parser("load", parents=[common, cf], help="load an unload into another CF (an empty structure)")
     ld.add_argument("dir", metavar="DIR", help="the unload's directory (cfemu migrate unload --to DIR)")

@@ -9,8 +9,9 @@ from typing import Any
 
 from cfemu import keys, rcluster
 from cfemu.admin import Admin
-from cfemu.cf import CF
+from cfemu.cf import CF, Structure
 from cfemu.clitools import Output, settings
+from cfemu.repository import GroupRepository, RepositoryError
 from qsg.cli_common import admin_client
 from sqm.log import LogFormatError, LogReader
 from sqm.service.metrics import last_backup_age
@@ -27,35 +28,56 @@ def _age(seconds: float | None) -> str:
 
 
 
+def _backup_mark(s: Structure) -> tuple[str | None, str | None]:
+    """(the backup running, a stale mark's backup): a mark whose lease has ended is no backup running (its backup
+    died or stalled and cannot end well; the next backup takes it over, 'cfbackup cancel' ends it)."""
+    mark = s.backup_mark()
+    if mark is None:
+        return None, None
+    return (mark.backup, None) if not mark.stale else (None, mark.backup)
+
+
 def gather_status(admin: Admin, root: Path) -> dict[str, Any]:
     """Structures (state, depth by state, capacity, last backup), queues, and members (lease, epoch, log range,
-    UOWs) as one document."""
+    UOWs) as one document. Every structure the CF or the group repository (under root) defines has a row: one the
+    CF does not hold (lost with it, never restored) is FAILED with in_cf false, or MIGRATED when the repository
+    records it migrated; its depth is unknown (null)."""
 
     cf = CF(admin.redis)
     structures, queues, members = [], [], []
     uows_by_member: dict[str, int] = {}
-    qdefs = {q.name: q for q in admin.queues()}
-    for sdef in sorted(admin.structures(), key=lambda s: s.name):
-        s = cf.structure(sdef.name)
+    repo = GroupRepository(root)
+    try:
+        repo_structures, repo_queues, migrated = repo.structures(), repo.queues(), repo.migrated()
+    except RepositoryError:  # an unreadable repository: the CF's definitions are still worth showing
+        repo_structures, repo_queues, migrated = {}, [], {}
+    qdefs = {q.name: q for q in repo_queues}
+    qdefs.update({q.name: q for q in admin.queues()})
+    sdefs = {**repo_structures, **{sdef.name: sdef for sdef in admin.structures()}}
+    for name, sdef in sorted(sdefs.items()):
+        s = cf.structure(name)
         info = s.info()
-        depths = s.depths() if s.exists() else {}
-        total = {st: sum(d.get(st, 0) for d in depths.values()) for st in keys.STATES}
+        in_cf = bool(info)
+        depths = s.depths() if in_cf else {}
+        state = admin.state(name) if in_cf else ("MIGRATED" if name in migrated else "FAILED")
+        running, stale = _backup_mark(s) if in_cf else (None, None)
         last = info.get("last_backup")
-        structures.append({"name": sdef.name, "state": admin.state(sdef.name), "recauto": sdef.recauto,
-                           "recovering_by": admin.structure_recovery_holder(sdef.name), "depth": total,
+        structures.append({"name": name, "state": state, "in_cf": in_cf, "recauto": sdef.recauto,
+                           "recovering_by": admin.structure_recovery_holder(name),
+                           "depth": {st: sum(d.get(st, 0) for d in depths.values()) for st in keys.STATES}
+                           if in_cf else None,
                            "entries": int(info.get("entries", 0)), "max_entries": sdef.max_entries,
                            "bytes": int(info.get("bytes", 0)), "max_bytes": sdef.max_bytes,
-                           "backup_running": info.get("backup"), "last_backup": last,
-                           "last_backup_age_s": last_backup_age(admin, sdef.name)})
+                           "backup_running": running, "stale_backup_mark": stale, "last_backup": last,
+                           "last_backup_age_s": last_backup_age(admin, name)})
         if rcluster.is_cluster(admin.redis):  # which master of a Redis Cluster CF holds it (its slot's)
-            structures[-1].update(slot=rcluster.slot_of(sdef.name),
-                                  master=rcluster.master_of(admin.redis, sdef.name))
+            structures[-1].update(slot=rcluster.slot_of(name), master=rcluster.master_of(admin.redis, name))
         for qname, by_state in depths.items():
             q = qdefs.get(qname)
-            queues.append({"name": qname, "structure": sdef.name, "depth": by_state,
+            queues.append({"name": qname, "structure": name, "depth": by_state,
                            "backout_threshold": q.backout_threshold if q else None,
                            "backout_queue": q.backout_queue if q else None})
-        if s.exists():
+        if in_cf:
             for member in admin.members():
                 uows_by_member[member] = uows_by_member.get(member, 0) + len(s.member_uows(member))
     for name, m in sorted(admin.members().items()):
@@ -78,6 +100,16 @@ def gather_status(admin: Admin, root: Path) -> dict[str, Any]:
             "members": members}
 
 
+def _state(s: dict[str, Any]) -> str:
+    """A structure's state as the table shows it, with what is going on beside it."""
+    text = s["state"] + ("" if s["in_cf"] else " (not in CF)")
+    if s["backup_running"]:
+        text += " (backup running)"
+    elif s["stale_backup_mark"]:
+        text += " (stale backup mark)"
+    return text + (f" (recovery by {s['recovering_by']})" if s["recovering_by"] else "")
+
+
 def cmd_status(args: argparse.Namespace, out: Output) -> int:
     with admin_client(args) as admin:
         doc = gather_status(admin, settings(args).log_root)
@@ -86,10 +118,8 @@ def cmd_status(args: argparse.Namespace, out: Output) -> int:
         return 0
     out.table(f"structures of group {doc['group']}",
               ["structure", "state", "RECAUTO", "UP", "CP", "UG", "EX", "entries", "bytes", "last backup"],
-              [(s["name"], s["state"] + (" (backup running)" if s["backup_running"] else "")
-                + (f" (recovery by {s['recovering_by']})" if s["recovering_by"] else ""),
-                "yes" if s["recauto"] else "no",
-                *(s["depth"][st] for st in ("UP", "CP", "UG", "EX")),
+              [(s["name"], _state(s), "yes" if s["recauto"] else "no",
+                *((s["depth"] or {}).get(st, "-") for st in ("UP", "CP", "UG", "EX")),
                 f"{s['entries']}/{s['max_entries'] or 'unlimited'}", f"{s['bytes']}/{s['max_bytes'] or 'unlimited'}",
                 f"{s['last_backup']} ({_age(s['last_backup_age_s'])})" if s["last_backup"] else "never")
                for s in doc["structures"]])

@@ -1,8 +1,9 @@
 """What a restore did (or, in a dry run, would do), drawn for the operator: the summary tables.
 
 The report file (written by restore.result.write_report) (JSON, one object: restore.run.RestoreResult.to_json()) has: structure, backup_id, backup_path,
-engine, dry_run, state_before, replay_from / replay_to (LRSN range replayed), restore_lrsn (the restored
-structure's generation and recovery floor), log_ranges (member -> dir, from, to), records_by_member, counts
+engine, dry_run, state_before, replay_from / replay_to (where the replay starts, and the highest LRSN read),
+replay_range ({"empty": false, "from": F, "to": T}, or {"empty": true, "from": null, "to": null} when nothing is to
+replay), restore_lrsn (the restored structure's generation and recovery floor), log_ranges (member -> dir, from, to), records_by_member, counts
 (messages by disposition: restored, in-doubt, consumed, put-backed-out, expired, gone; UOWs: uows in doubt,
 uows in flight backed out), nonpersistent_lost (skipped by the backup; found in the CF before the load),
 in_doubt_uows (UOW -> owner), decisions_logged, keys_deleted, loaded_entries, loaded_bytes, peak_rss_bytes (the
@@ -44,7 +45,8 @@ def summary(result: RestoreResult, console: Console) -> Group:
                  f"{result.workers} worker{'s' if result.workers != 1 else ''})" if result.memory_limit else "")
         head.add_row("peak memory", f"{result.peak_rss_bytes / 2**20:.0f} MiB resident{limit}")
     head.add_row("state before", result.state_before)
-    head.add_row("replay", f"LRSN {result.replay_from} .. {result.replay_to}")
+    head.add_row("replay", f"nothing to replay (the logs hold no record from LRSN {result.replay_from} on)"
+                 if result.nothing_to_replay else f"LRSN {result.replay_from} .. {result.replay_to}")
     if result.start:
         head.add_row("start", result.start)
     if not result.dry_run:

@@ -43,8 +43,19 @@ class RestoreResult:
     partitions: int = 0  # how many partitions the local engine planned in
     workers: int = 0  # the local engine's worker processes (1: it planned in the restore's own process)
 
+    @property
+    def nothing_to_replay(self) -> bool:
+        """No record lies in the replay range: the highest LRSN read is below where the replay starts."""
+        return self.replay_to < self.replay_from
+
+    def replay_range(self) -> dict[str, Any]:
+        """The LRSN range replayed, explicitly empty when there is nothing to replay (from and to then null)."""
+        if self.nothing_to_replay:
+            return {"empty": True, "from": None, "to": None}
+        return {"empty": False, "from": self.replay_from, "to": self.replay_to}
+
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "replay_range": self.replay_range()}
 
 
 @dataclass

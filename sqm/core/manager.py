@@ -210,9 +210,20 @@ class QueueManager(Outcomes, LogSpace):
         known = {q.name: q.structure for q in self.repository.queues()} if self.repository is not None else {}
         if queue in known:
             return StructureFailedError(f"queue {queue} is defined on structure {known[queue]}, which the CF does not "
-                                        "hold (it came back empty): it is recovered automatically (RECAUTO) or by "
-                                        f"'cfrestore run {known[queue]}'")
+                                        f"hold (it came back empty): {self._who_restores(known[queue])}")
         return UnknownObjectError(f"queue {queue} is not defined")
+
+    def _who_restores(self, structure: str) -> str:
+        """What brings a structure the CF lost back, as the group repository defines it: RECAUTO when it is on
+        (a member restores it by itself), the operator's restore when it is off or the structure was migrated."""
+        repo = self.repository
+        sdef = repo.structures().get(structure) if repo is not None else None
+        if repo is not None and structure in repo.migrated():
+            return (f"it was migrated, so neither RECAUTO nor a restore brings it back here (its messages are "
+                    f"served by the migration's target; 'cfemu migrate status {structure}')")
+        if sdef is not None and sdef.recauto:
+            return f"RECAUTO will restore it (or 'cfrestore run {structure}' now)"
+        return f"RECAUTO is off for it: restore it with 'cfrestore run {structure}'"
 
     def forget_queue_def(self, queue: str) -> None:
         """Drop a cached queue definition (it was redefined)."""

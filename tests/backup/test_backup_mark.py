@@ -114,7 +114,7 @@ def test_a_backup_killed_with_sigkill_leaves_a_mark_the_next_backup_takes_over_a
     assert left is not None and not left.stale
     proc.kill()
     proc.wait(30)
-    refused = cfbackup("run", S, env=env)  # its lease still runs
+    refused = cfbackup("run", S, "--wait", "0", env=env)  # its lease still runs (--wait 0: refused at once)
     assert refused.returncode == 2 and f"backup {left.backup} of this structure is running" in refused.stderr
     assert "cfbackup cancel ends it" in refused.stderr
     time.sleep(1.6)

@@ -93,6 +93,45 @@ def test_recauto_is_defined_shown_and_altered(where: list[str], redis_url: str, 
 
 
 @pytest.mark.slow
+def test_status_shows_every_structure_the_group_knows_and_reads_the_backup_mark_with_its_lease(
+        where: list[str], redis_url: str) -> None:
+    """A structure lost with the CF keeps its row (FAILED, not in the CF), as the group repository defines it; a
+    backup mark whose lease has ended is no backup running."""
+    import time
+
+    from cfemu.cf import CF
+    from tests.support.harness import lose_cf
+
+    ok("cfemu", "define", "structure", "APP1", *where)
+    ok("cfemu", "define", "queue", "Q1", "--structure", "APP1", *where)
+    ok("cfemu", "define", "structure", "APP2", "--no-recauto", *where)
+    client = connect(redis_url)
+    s = CF(client).structure("APP1")
+    s.backup_begin("APP1-B1", 0, lease_ms=1)  # a backup that died: its lease ends at once
+    time.sleep(0.05)
+    rows = {r["name"]: r for r in json.loads(ok("cfemu", "status", "--json", *where))["structures"]}
+    assert (rows["APP1"]["backup_running"], rows["APP1"]["stale_backup_mark"]) == (None, "APP1-B1")
+    plain = ok("cfemu", "status", *where)
+    assert "stale backup mark" in plain and "backup running" not in plain
+    s.backup_begin("APP1-B2", 0, lease_ms=60_000)  # a live one (it takes the stale mark over)
+    rows = {r["name"]: r for r in json.loads(ok("cfemu", "status", "--json", *where))["structures"]}
+    assert (rows["APP1"]["backup_running"], rows["APP1"]["stale_backup_mark"]) == ("APP1-B2", None)
+    assert "backup running" in ok("cfemu", "status", *where)
+
+    lose_cf(client)
+    doc = json.loads(ok("cfemu", "status", "--json", *where))
+    rows = {r["name"]: r for r in doc["structures"]}
+    assert set(rows) == {"APP1", "APP2"}
+    for name in ("APP1", "APP2"):
+        assert (rows[name]["state"], rows[name]["in_cf"], rows[name]["depth"]) == ("FAILED", False, None)
+    assert (rows["APP1"]["recauto"], rows["APP2"]["recauto"]) == (True, False)
+    assert {q["name"]: q["structure"] for q in doc["queues"]} == {"Q1": "APP1"}
+    plain = ok("cfemu", "status", *where)
+    assert plain.count("FAILED (not in CF)") == 2, plain
+    client.close()
+
+
+@pytest.mark.slow
 def test_errors_are_one_line_and_change_nothing(where: list[str], redis_url: str, tmp_path: Path) -> None:
     ok("cfemu", "define", "structure", "APP1", *where)
     for args, needle in ((["define", "structure", "APP1"], "already defined"),

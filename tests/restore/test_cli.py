@@ -158,3 +158,32 @@ def test_engines_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(engine_module._LAZY, "lazy", __name__)
     monkeypatch.delitem(engine_module._ENGINES, "lazy", raising=False)
     assert get_engine("lazy", label="made lazily").name == "made lazily"
+
+
+def test_plan_says_nothing_to_replay_when_no_record_follows_the_backup(
+        redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A backup taken once the group stopped, then the CF lost: no record lies above the backup's replay start, and
+    the plan says so (never a range whose end is below its start)."""
+    from backup.run import run_backup
+    from tests.support.group import define_group, start_qm
+
+    logs, backups = tmp_path / "logs", tmp_path / "backups"
+    for name, value in (("REDIS_URL", redis_url), ("CFEMU_BACKUP_DIR", str(backups)), ("CFEMU_LOG_ROOT", str(logs))):
+        monkeypatch.setenv(name, value)
+    client = define_group(redis_url)
+    qm = start_qm(redis_url, logs, "QM1", background=False)
+    try:
+        conn = qm.connect()
+        conn.put("Q1", b"kept")
+        conn.commit()
+    finally:
+        qm.stop()
+    run_backup(client, S, backups, log_root=logs)
+    lose_cf(client)
+    rc, out, err = run(capsys, "plan", S)
+    assert rc == 0, err
+    assert "nothing to replay" in out and ".." not in out.split("replay", 1)[1].splitlines()[0], out
+    rc, out, _ = run(capsys, "plan", S, "--json")
+    plan = json.loads(out)
+    assert rc == 0 and plan["replay_range"] == {"empty": True, "from": None, "to": None}, plan
+    assert plan["counts"]["restored"] == 1

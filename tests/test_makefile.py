@@ -1,0 +1,34 @@
+"""The Makefile on a fresh clone: every target that runs something from the virtualenv makes the virtualenv first."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def phony_targets() -> list[str]:
+    text = (ROOT / "Makefile").read_text()
+    match = re.search(r"^\.PHONY:(.*)$", text, re.MULTILINE)
+    assert match, "the Makefile declares its targets .PHONY"
+    return [t for t in match[1].split() if t not in ("venv", "clean")]
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+@pytest.mark.parametrize("target", phony_targets())
+def test_a_target_on_a_fresh_clone_makes_the_venv_before_using_it(target: str, tmp_path: Path) -> None:
+    for name in ("Makefile", "pyproject.toml"):  # a fresh clone: no .venv
+        shutil.copy(ROOT / name, tmp_path / name)
+    done = subprocess.run(["make", "-n", target], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    uses = [i for i, line in enumerate(lines) if ".venv/bin/" in line]
+    if not uses:
+        return
+    made = [i for i, line in enumerate(lines) if "-m venv .venv" in line]
+    assert made and made[0] < uses[0], f"make {target} uses .venv before making it:\n{done.stdout}"
