@@ -18,7 +18,9 @@ BIN = Path(sys.executable).parent
 
 
 def python_snippets() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", README.read_text(), re.DOTALL)
+    """The snippets that run on their own; the kombu one runs beside a group (tests/qsg/test_kombu_transport.py)."""
+    return [s for s in re.findall(r"```python\n(.*?)```", README.read_text(), re.DOTALL)
+            if "qsg.kombu_transport" not in s]
 
 
 def migration_commands() -> str:
