@@ -59,7 +59,7 @@ from backup.migrate_report import (
     definition_record,
     entry_record,
 )
-from backup.run import wait_for_running_backup
+from backup.run import when_no_backup_runs
 from cfemu import bulk, keys, rcluster
 from cfemu.admin import QUEUES, STRUCTURES, Admin, QueueDef, StructureDef
 from cfemu.cf import CF, BackupMark
@@ -228,20 +228,11 @@ def freeze(client: redis.Redis, structure: str, migration: str) -> None:
 def _freeze_when_no_backup_runs(client: redis.Redis, structure: str, migration: str, wait_s: float,
                                 progress: Progress) -> None:
     """freeze, once no backup of the structure runs: waited for at most wait_s seconds (0: refused at once)."""
-    deadline = time.monotonic() + max(0.0, wait_s)
-    s = CF(client).structure(structure)
-    while True:
-        if wait_s > 0:
-            running = wait_for_running_backup(s, max(0.0, deadline - time.monotonic()), progress)
-            if running is not None:
-                raise BackupRunningMigrationError(f"structure {structure}: backup {running} is still running after "
-                                                  f"waiting {wait_s:g}s for it; unload once it has ended")
-        try:
-            freeze(client, structure, migration)
-            return
-        except BackupRunningMigrationError:
-            if time.monotonic() >= deadline:  # another backup began between the wait and the freeze
-                raise
+    when_no_backup_runs(
+        CF(client).structure(structure), wait_s, progress, lambda: freeze(client, structure, migration),
+        BackupRunningMigrationError,
+        lambda running: BackupRunningMigrationError(f"structure {structure}: backup {running} is still running "
+                                                    f"after waiting {wait_s:g}s for it; unload once it has ended"))
 
 
 def _set_state(client: redis.Redis, structure: str, *, to: str, expect: tuple[str, ...],

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 
@@ -199,6 +199,28 @@ def wait_for_running_backup(s: Structure, wait_s: float, progress: Progress = no
         time.sleep(min(WAIT_POLL_S, max(0.0, wait_s - waited)))
 
 
+T = TypeVar("T")
+
+
+def when_no_backup_runs(s: Structure, wait_s: float, progress: Progress, attempt: Callable[[], T],
+                        refused: type[Exception], still_running: Callable[[str], Exception]) -> T:
+    """attempt(), once no backup of the structure runs: each wait at most what is left of wait_s (0: attempt at
+    once, its refusal raised as it is). An attempt refused because another backup began between the wait and it
+    (refused) is made again after another wait, until wait_s has passed; still_running(id) is the error when a
+    backup is still running at the end of the wait."""
+    deadline = time.monotonic() + max(0.0, wait_s)
+    while True:
+        if wait_s > 0:
+            running = wait_for_running_backup(s, max(0.0, deadline - time.monotonic()), progress)
+            if running is not None:
+                raise still_running(running)
+        try:
+            return attempt()
+        except refused:
+            if time.monotonic() >= deadline:
+                raise
+
+
 def run_backup(client: redis.Redis, structure: str, backup_root: Path, *, log_root: Path | None = None,
                exclint_s: int = 0, progress: Progress = no_progress, batch: int = DEFAULT_BATCH,
                on_step: StepHook | None = None, backup_keys: BackupKeys | None = None,
@@ -209,21 +231,14 @@ def run_backup(client: redis.Redis, structure: str, backup_root: Path, *, log_ro
     wait_s: while another backup of the structure runs (a scheduler's), wait for it to end, at most this long
     (progress: wait_for_running_backup), then begin; 0 refuses at once with BackupRunningError, as does a wait that
     ran out. The rest of the arguments are _run_backup's."""
-    deadline = time.monotonic() + max(0.0, wait_s)
-    s = CF(client).structure(structure)
-    while True:
-        if wait_s > 0:
-            running = wait_for_running_backup(s, max(0.0, deadline - time.monotonic()), progress)
-            if running is not None:
-                raise BackupRunningError(f"backup {running} of {structure} is still running after waiting "
-                                         f"{wait_s:g}s for it: try again once it has ended")
-        try:
-            return _run_backup(client, structure, backup_root, log_root=log_root, exclint_s=exclint_s,
-                               progress=progress, batch=batch, on_step=on_step, backup_keys=backup_keys,
-                               share=share, lease_s=lease_s)
-        except BackupRunningError:
-            if time.monotonic() >= deadline:  # another backup began between the wait and this one's begin
-                raise
+    return when_no_backup_runs(
+        CF(client).structure(structure), wait_s, progress,
+        lambda: _run_backup(client, structure, backup_root, log_root=log_root, exclint_s=exclint_s,
+                            progress=progress, batch=batch, on_step=on_step, backup_keys=backup_keys, share=share,
+                            lease_s=lease_s),
+        BackupRunningError,
+        lambda running: BackupRunningError(f"backup {running} of {structure} is still running after waiting "
+                                           f"{wait_s:g}s for it: try again once it has ended"))
 
 
 def _run_backup(client: redis.Redis, structure: str, backup_root: Path, *, log_root: Path | None,
