@@ -427,33 +427,17 @@ local function commit_puts(uow, ids, at, budget, used, seg_max)
   return used, handled, made
 end
 
--- Gets of a commit, in get order (their list's order: each LREM finds its entry near the head), deleted.
-local function commit_gets(uow, ids, budget, used)
+-- Entries a UOW holds in state st ('UG': the gets of a commit, in get order; 'UP': the puts of a backout, in put
+-- order), deleted: each LREM of its uncommitted list (list: 'ug' or 'up') finds its entry near the head.
+local function delete_held(uow, ids, budget, used, st, list)
   local handled, deleted = 0, 0
   for _, id in ipairs(ids) do
     if used >= budget and handled > 0 then break end
     handled = handled + 1
     used = used + 1
     local d = load(id)
-    if d and d.u == uow and d.st == 'UG' then
-      redis.call('LREM', qkey(d.q, 'ug'), 1, d.id)
-      delete_entry(d)
-      deleted = deleted + 1
-    end
-  end
-  return used, handled, deleted
-end
-
--- Puts of a backout, in put order, deleted.
-local function backout_puts(uow, ids, budget, used)
-  local handled, deleted = 0, 0
-  for _, id in ipairs(ids) do
-    if used >= budget and handled > 0 then break end
-    handled = handled + 1
-    used = used + 1
-    local d = load(id)
-    if d and d.u == uow and d.st == 'UP' then
-      redis.call('LREM', qkey(d.q, 'up'), 1, d.id)
+    if d and d.u == uow and d.st == st then
+      redis.call('LREM', qkey(d.q, list), 1, d.id)
       delete_entry(d)
       deleted = deleted + 1
     end
@@ -524,11 +508,11 @@ local function outcome_whole(uow, kind, at, has_data, budget)
   local inf = math.huge
   if kind == 'C' then
     local _, _, made = commit_puts(uow, p, at, inf, 0, budget)
-    local _, _, deleted = commit_gets(uow, g, inf, 0)
+    local _, _, deleted = delete_held(uow, g, inf, 0, 'UG', 'ug')
     return {made, deleted}
   end
   if gets_need_data(g, has_data) then return nil end
-  local _, _, deleted = backout_puts(uow, p, inf, 0)
+  local _, _, deleted = delete_held(uow, p, inf, 0, 'UP', 'up')
   local _, _, back = backout_gets(uow, g, at, inf, 0)
   return {deleted, back}
 end
@@ -562,7 +546,7 @@ local function outcome_step(uow, rec, budget, has_data, record)
       if handled > 0 then redis.call('ZREMRANGEBYRANK', pk, 0, handled - 1) took(ids, handled) end
       if used < budget then
         ids = redis.call('ZRANGE', gk, 0, budget - used - 1)
-        used, handled, b = commit_gets(uow, ids, budget, used)
+        used, handled, b = delete_held(uow, ids, budget, used, 'UG', 'ug')
         if handled > 0 then redis.call('ZREMRANGEBYRANK', gk, 0, handled - 1) took(ids, handled) end
       end
     else
@@ -570,7 +554,7 @@ local function outcome_step(uow, rec, budget, has_data, record)
       if gets_need_data(gets, has_data) then return nil end
       local ids = redis.call('ZRANGE', pk, 0, room - 1)
       local handled
-      used, handled, a = backout_puts(uow, ids, budget, used)
+      used, handled, a = delete_held(uow, ids, budget, used, 'UP', 'up')
       if handled > 0 then redis.call('ZREMRANGEBYRANK', pk, 0, handled - 1) took(ids, handled) end
       if used < budget then
         gets = redis.call('ZREVRANGE', gk, 0, budget - used - 1)
