@@ -1,10 +1,10 @@
 """How long one CF call holds the CF (the Redis server) for a large input, and what another client sees meanwhile.
 
 For a unit of work of N entries (puts, or gets of committed messages) this times its commit and its backout, and
-for a structure of N entries an expiry sweep, a relog pass, a purge and a restore's load. Every CF call is one
-command on the server (an EVALSHA, or a restore's MULTI/EXEC); the server's slow log (every command of 1 ms or more)
-gives the longest one, and a probe thread sends PING all along on its own connection, so its worst and 99th
-percentile latency is what any other client (a member's lease renewal) waited.
+for a structure of N entries an expiry sweep, one get behind N expired messages, a relog pass, a purge and a
+restore's load. Every CF call is one command on the server (an EVALSHA, or a restore's MULTI/EXEC); the server's
+slow log (every command of 1 ms or more) gives the longest one, and a probe thread sends PING all along on its own
+connection, so its worst and 99th percentile latency is what any other client (a member's lease renewal) waited.
 
     .venv/bin/python bench/bench_cf_bounded.py [--quick] [--sizes 10000 60000 200000] [--ops commit-puts ...]
 
@@ -190,6 +190,16 @@ def bench(url: str, r: redis.Redis, op: str, n: int) -> Run:
             s.expire(NOW)
 
         return measure(r, url, op, n, sweep)
+    if op == "get-expired-head":
+        # n expired messages at the head of the queue, one live message behind them: one get takes it
+        fill(cf, caller, n, "", "e", exp=1_000)
+        fill(cf, caller, 1, "", "l", exp=10**13)
+
+        def get() -> None:
+            got = s.get(caller, Q, uow="U1", now_ms=NOW)
+            assert got.entry is not None and got.entry.id == "l000000000", got
+
+        return measure(r, url, op, n, get)
     if op == "relog":
         fill(cf, caller, n, "", "c")
 
@@ -229,7 +239,8 @@ class Survivor(NamedTuple):
     data: bytes
 
 
-OPS = ["commit-puts", "backout-puts", "commit-gets", "backout-gets", "expire", "relog", "purge", "load"]
+OPS = ["commit-puts", "backout-puts", "commit-gets", "backout-gets", "expire", "get-expired-head", "relog", "purge",
+       "load"]
 
 
 def main() -> None:

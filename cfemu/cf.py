@@ -201,8 +201,9 @@ class PutReply(NamedTuple):
 class GetReply(NamedTuple):
     clock: int  # the CF clock after the get: the LRSN of the get
     gen: int  # the structure's generation
-    entry: Entry | None  # None when no message is available
+    entry: Entry | None  # None when no message is available (or again)
     data: bytes | None
+    again: bool = False  # the call's step ran out among expired messages: it took nothing, call again
 
 
 class OutcomeReply(NamedTuple):
@@ -350,24 +351,32 @@ class Structure:
         return PutReply(int(cf), int(g), bool(created))
 
     def get(self, caller: Caller, queue: str, *, uow: str, gen: int = 0, match: str = "", value: str = "",
-            now_ms: int, max_length: int = 0) -> GetReply:
+            now_ms: int, max_length: int = 0, step: int = CF_STEP) -> GetReply:
         """Take the next message under ``uow``. ``max_length``: the longest message (data plus stored descriptor)
-        the caller can carry, 0 for any; a longer one is refused (TruncatedMessageError) and left untouched."""
-        op, name, args = self.get_call(caller, queue, uow=uow, gen=gen, match=match, value=value, now_ms=now_ms,
-                                       max_length=max_length)
-        return self.get_reply(caller, self.cf.run(op, name, args))
+        the caller can carry, 0 for any; a longer one is refused (TruncatedMessageError) and left untouched. Each
+        call moves at most ``step`` expired messages from the head of the queue (get.lua); called again until it
+        takes a message or finds none, so the reply is never ``again``."""
+        while True:
+            op, name, args = self.get_call(caller, queue, uow=uow, gen=gen, match=match, value=value, now_ms=now_ms,
+                                           max_length=max_length, step=step)
+            reply = self.get_reply(caller, self.cf.run(op, name, args))
+            if not reply.again:
+                return reply
 
     def get_call(self, caller: Caller, queue: str, *, uow: str, gen: int = 0, match: str = "", value: str = "",
-                 now_ms: int, max_length: int = 0) -> tuple[str, str, list[Any]]:
-        """The get as a call for CF.run_many (op, structure, args); its reply read by get_reply."""
+                 now_ms: int, max_length: int = 0, step: int = CF_STEP) -> tuple[str, str, list[Any]]:
+        """The get as a call for CF.run_many (op, structure, args); its reply read by get_reply, which may be
+        ``again`` (nothing taken: make the call again)."""
         return "get", self.name, [caller.member, caller.epoch, caller.clock.now(), uow, gen, queue, match, value,
-                                  now_ms, max_length]
+                                  now_ms, max_length, step]
 
     @staticmethod
     def get_reply(caller: Caller, out: Any) -> GetReply:
         caller.clock.observe(int(out[0]))
         if len(out) == 2:
             return GetReply(int(out[0]), int(out[1]), None, None)
+        if len(out) == 3:
+            return GetReply(int(out[0]), int(out[1]), None, None, again=True)
         return GetReply(int(out[0]), int(out[1]), Entry.unpack(out[2]), out[3] or b"")
 
     def browse(self, queue: str, limit: int, now_ms: int, *, max_bytes: int = 0,

@@ -27,9 +27,10 @@ MAX_PROPERTIES_LENGTH = 64 * 2**10
 DESCRIPTOR_ALLOWANCE = 128 * 2**10
 
 # The most units of work one CF call does, for the operations whose input has no bound of its own (a commit or a
-# backout of a UOW of any size, an expiry sweep, a relog batch): a unit is one entry, or 1024 list elements a list
-# command may scan for one (docs/cf-layout.md, "Outcomes in bounded steps"). The CF is one Redis server that runs
-# one script at a time, so every other client (a member's lease renewal included) waits for the call that runs:
+# backout of a UOW of any size, an expiry sweep, a get's walk over the expired messages at the head of a queue, a
+# relog batch): a unit is one entry, or 1024 list elements a list command may scan for one (docs/cf-layout.md,
+# "Outcomes in bounded steps"). The CF is one Redis server that runs one script at a time, so every other client
+# (a member's lease renewal included) waits for the call that runs:
 # 256 entries take 1-2 ms of an idle server, 3-6 ms of a 2-core machine loaded four times over (BENCHMARKS.md,
 # "Bounded CF calls"), while the round trips of a large UOW's calls (two per 256 entries: one to list them, one to
 # apply them) add little to its time. The Structure methods call again until the operation is done.

@@ -7,14 +7,21 @@
 -- UOW joined, nothing for the caller to log (MQ's MQRC_TRUNCATED_MSG_FAILED for a buffer that is too small).
 -- PSTORE: the message it would take is persistent and the persistent store is disconnected (docs/pstore.md): it
 -- stays where it was, as for TOOLONG.
+-- A call does at most ARGV[11] units of work on the expired messages at the head of the lists (the prelude's
+-- "Outcomes in bounded steps": one unit an expired message moved): when that budget runs out before it finds a live
+-- message, it answers 'call again' having taken nothing and changed nothing but that expiry (no UOW joined, the
+-- clock not moved), and the next call goes on from the head the expiry left (Structure.get calls again).
 -- ARGV: 1 member, 2 epoch, 3 caller lrsn, 4 uow, 5 uow gen (0 = first touch), 6 queue,
 --       7 match ('' | 'm' message id | 'c' correlation id), 8 match value (hex), 9 now (ms),
---       10 the longest message the caller can take, data plus descriptor as stored (bytes; 0 or absent = any)
--- Returns {cf clock, gen, descriptor (msgpack), data} or {cf clock, gen} when no message is available.
+--       10 the longest message the caller can take, data plus descriptor as stored (bytes; 0 or absent = any),
+--       11 step (the most expired messages to move; 0 or absent: no bound)
+-- Returns {cf clock, gen, descriptor (msgpack), data}; {cf clock, gen} when no message is available; or
+-- {cf clock, gen, 1} (call again) when the step ran out among expired messages before a live one.
 local err = check_ready(ARGV[1], ARGV[2]) if err then return err end
 local queue, uow, match, value = ARGV[6], ARGV[4], ARGV[7], ARGV[8]
 local now = tonumber(ARGV[9])
 local max_length = tonumber(ARGV[10] or '0') or 0
+local budget = budget_of(ARGV[11])
 if redis.call('SISMEMBER', QUEUES, queue) == 0 then return redis.error_reply('NOQUEUE ' .. queue) end
 err = uow_standing(uow, ARGV[5]) if err then return err end
 err = uow_owner_check(uow, ARGV[1]) if err then return err end
@@ -45,10 +52,12 @@ local function highest(top)
 end
 
 -- Find the message without taking it: the head of the highest non-empty priority list, or the best match.
+-- The match's index holds only the messages with that id: its walk is bounded by them, not by the queue.
 local found, head_of
+local used, again = 0, false  -- expired messages moved from the heads; the step ran out before a live one
 if match == '' then
   local top = 9
-  while not found and top >= 0 do
+  while not found and not again and top >= 0 do
     local p, k = highest(top)
     if not p then break end
     while true do
@@ -56,6 +65,8 @@ if match == '' then
       if not id then break end
       local d = load(id)
       if d and live(d) then found, head_of = d, k break end
+      if used >= budget then again = true break end
+      used = used + 1
       redis.call('LPOP', k)
       if d then expire(d) end
     end
@@ -75,6 +86,7 @@ else
   end
 end
 
+if again then return {tonumber(meta('clock') or '0'), cur_gen(), 1} end
 if found and found.per == 1 and disconnected() then
   return pstore_refusal('message ' .. found.id .. ' on ' .. queue .. ' is persistent and cannot be taken')
 end

@@ -342,7 +342,8 @@ class Connection(UnitOfWorkScope):
 
     # --- batches --------------------------------------------------------------------------------------------
     # A batch is N puts or N gets with the semantics of N single calls in one unit of work, made in one CF round
-    # trip (CF.run_many: each script atomic, applied in order) and, with its commit, one forced log write. Every
+    # trip (CF.run_many: each script atomic, applied in order; gets that met more expired messages than one call
+    # moves are made again in a round of their own: get_batch) and, with its commit, one forced log write. Every
     # message the CF took is in the unit of work (a persistent one with its record appended); a refusal of one is
     # reported beside the others, and the unit of work is then left open with what was done (never committed by
     # the batch), as after a refused single call. Records are forced only by the commit, before the reply.
@@ -460,25 +461,40 @@ class Connection(UnitOfWorkScope):
                 return s.get_call(qm.caller, queue, uow=uow.id, gen=uow.structures.get(sname, 0), now_ms=now_ms(),
                                   max_length=share)
 
-            replies = self._batch_cf_call(uow, [sname] * n, call, n)
             gens: dict[str, int] = {}
-            # Every reply is read, whatever came before it: a call after a refusal may still have taken a message
-            # (another member took the one refused meanwhile), and a message taken is the unit of work's.
             longer = False  # a message longer than its share stays on the queue (the next batch's first)
-            for i, raw in enumerate(replies):
-                if isinstance(raw, TruncatedMessageError) and max_bytes:
-                    longer = True
-                    continue
-                if isinstance(raw, BaseException):
-                    error = error or _batch_error(raw, i)
-                    continue
-                got = Structure.get_reply(qm.caller, raw)
-                self._same_generation(uow, gens, sname, got.gen)
-                if got.entry is None:
-                    continue
-                m = self._took(qdef, got.entry, got.data or b"", got.gen, uow, checked)
-                if m is not None:
-                    taken.append(m)
+            calls, made = n, 0  # gets in this round; gets of the batch made in earlier rounds
+            while calls:
+                replies = self._batch_cf_call(uow, [sname] * calls, call, calls)
+                # Every reply is read, whatever came before it: a call after a refusal may still have taken a
+                # message (another member took the one refused meanwhile), and a message taken is the unit of work's.
+                again, exhausted = 0, False
+                for i, raw in enumerate(replies, start=made):
+                    if isinstance(raw, TruncatedMessageError) and max_bytes:
+                        longer = True
+                        continue
+                    if isinstance(raw, BaseException):
+                        error = error or _batch_error(raw, i)
+                        continue
+                    got = Structure.get_reply(qm.caller, raw)
+                    self._same_generation(uow, gens, sname, got.gen)
+                    if got.again:
+                        again, exhausted = again + 1, False
+                        continue
+                    if got.entry is None:
+                        exhausted = True
+                        continue
+                    m = self._took(qdef, got.entry, got.data or b"", got.gen, uow, checked)
+                    if m is not None:
+                        taken.append(m)
+                # A get answered 'again' took nothing: its step ran out among expired messages at the head of the
+                # queue (get.lua), and the gets after it in the round went on from where it stopped. As many gets
+                # are made again, in a round of their own after this one, so every message taken in a round comes
+                # before the next round's in get order, and the batch never takes more than n. No new round after a
+                # refusal or a message too long for its share (each ends the batch, as in one round), nor when a get
+                # after the last 'again' found no message (the queue held none then).
+                made += calls
+                calls = again if error is None and not longer and not exhausted else 0
             failpoint("batch-before-force")
         except BaseException:
             self._drop_if_empty(uow)

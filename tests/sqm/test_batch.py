@@ -24,6 +24,7 @@ from cfemu.errors import (
     StructureFullError,
     SyncpointLimitError,
 )
+from cfemu.limits import CF_STEP
 from sqm.service.client import BatchError, Client
 from sqm.service.protocol import MIN_FRAME
 from tests.sqm.test_service import OP_TOKEN, TOKEN, ServerProc, start_server
@@ -35,7 +36,7 @@ def server(redis_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Itera
     client = redis_server.client()
     client.flushall()
     client.close()
-    define_group(redis_server.url, queues=("B1", "B2", "B3", "B4", "B5"))
+    define_group(redis_server.url, queues=("B1", "B2", "B3", "B4", "B5", "B6"))
     admin = Admin(connect(redis_server.url))
     admin.ensure_structure("TINY", ("FULLQ",), max_entries=3)
     srv = start_server(redis_server.url, tmp_path_factory.mktemp("batch"), "QM1", "--max-umsgs", "20")
@@ -143,6 +144,21 @@ def test_maxumsgs_counts_each_message(server: ServerProc) -> None:
             other.get_batch("B4", 1)
         other.commit()
         assert len(drain(other, "B4")) == 20
+
+
+def test_a_get_batch_behind_a_long_run_of_expired_messages_takes_the_live_ones_in_order(server: ServerProc) -> None:
+    """More expired messages at the head of the queue than the batch's gets move in one CF round (each get moves
+    at most CF_STEP and takes nothing then): the batch still takes the live messages behind them, in get order."""
+    with client(server) as c, client(server) as other:
+        expired = 4 * CF_STEP + 76
+        for i in range(0, expired, 1000):
+            c.put_batch([{"body": b"x", "persistent": False, "expiry_ms": 1}] * min(1000, expired - i),
+                        queue="B6", syncpoint=False)
+        c.put_batch([b"L%d" % i for i in range(6)], queue="B6", commit=True)
+        time.sleep(0.01)  # every expiry passed
+        assert [m.body for m in other.get_batch("B6", 4, commit=True)] == [b"L0", b"L1", b"L2", b"L3"]
+        assert not other.uow_open
+        assert drain(other, "B6") == [b"L4", b"L5"]
 
 
 def test_bounds(server: ServerProc) -> None:

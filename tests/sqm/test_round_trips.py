@@ -6,6 +6,7 @@ standing.lua before its COMMIT is forced: the time between its last call and its
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import redis
 from cfemu.cf import CF
 from cfemu.embedded import EmbeddedRedis
 from cfemu.errors import PstoreUnavailableError
+from cfemu.limits import CF_STEP
 from sqm.core.connection import PutSpec
 from sqm.core.manager import QueueManager
 from tests.support.group import define_group, start_qm
@@ -120,4 +122,62 @@ def test_a_batch_is_one_round_trip_for_its_scripts_one_for_its_commit_and_one_fo
         assert got.committed and len(got.messages) == batch
         assert (trips["run_many"], trips["run"], _scripts(client) - before, _fsyncs(qm) - forced) == (
             1, 1, batch + 1, 1)
+    qm.stop()
+
+
+def test_a_batch_behind_a_long_run_of_expired_messages_makes_its_gets_again_in_order(
+        redis_factory: Callable[..., EmbeddedRedis], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """More expired messages at the head of the queue than the batch's gets may move in one round (each get moves at
+    most CF_STEP and answers 'again', taking nothing): as many gets are made again in a round of their own, and
+    the batch takes the live messages behind them, in get order, no more than it asked for."""
+    srv = redis_factory()
+    client = define_group(srv.url)
+    qm = start_qm(srv.url, tmp_path / "logs", "QM1", lease_ms=60_000, background=False)
+    c = qm.connect()
+    expired = 4 * CF_STEP + 76
+    for i in range(0, expired, 1000):
+        c.put_batch([PutSpec("Q1", b"x", persistent=False, expiry_ms=1) for _ in range(min(1000, expired - i))],
+                    syncpoint=False)
+    c.put_batch([PutSpec("Q1", b"L%d" % i) for i in range(6)], commit=True)
+    time.sleep(0.01)  # every expiry passed
+    rounds: list[int] = []
+    run_many = qm.cf.run_many
+
+    def counted_run_many(calls: list[tuple[str, str, list[object]]]) -> list[object]:
+        rounds.append(len(calls))
+        return run_many(calls)
+
+    monkeypatch.setattr(qm.cf, "run_many", counted_run_many)
+    got = c.get_batch("Q1", 4, commit=True)
+    assert got.committed and got.error is None
+    assert [m.body for m in got.messages] == [b"L0", b"L1", b"L2", b"L3"]
+    # The four gets: each 'again' (CF_STEP moved); made again: 76 moved and L0, then L1-L3.
+    assert rounds == [4, 4]
+    assert CF(client).structure("APP1").depths()["Q1"] == {"UP": 0, "CP": 2, "UG": 0, "EX": expired}
+    rounds.clear()
+    assert [m.body for m in c.get_batch("Q1", 10, commit=True).messages] == [b"L4", b"L5"]
+    assert rounds == [10]
+    qm.stop()
+
+
+def test_a_batch_that_finds_only_expired_messages_ends_when_a_get_finds_none(
+        redis_factory: Callable[..., EmbeddedRedis], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A get after the last 'again' of a round that found no message: the queue held none then, no new round."""
+    srv = redis_factory()
+    define_group(srv.url)
+    qm = start_qm(srv.url, tmp_path / "logs", "QM1", lease_ms=60_000, background=False)
+    c = qm.connect()
+    c.put_batch([PutSpec("Q1", b"x", persistent=False, expiry_ms=1) for _ in range(CF_STEP + 10)], syncpoint=False)
+    time.sleep(0.01)
+    rounds: list[int] = []
+    run_many = qm.cf.run_many
+
+    def counted_run_many(calls: list[tuple[str, str, list[object]]]) -> list[object]:
+        rounds.append(len(calls))
+        return run_many(calls)
+
+    monkeypatch.setattr(qm.cf, "run_many", counted_run_many)
+    got = c.get_batch("Q1", 3)
+    assert got.messages == [] and got.error is None and c.uow is None
+    assert rounds == [3]  # again, then 10 moved and none, none
     qm.stop()
