@@ -66,6 +66,18 @@ def test_the_packages_ship_py_typed() -> None:
         assert importlib.resources.files(importlib.import_module(package)).joinpath("py.typed").is_file(), package
 
 
+def test_an_application_s_mypy_strict_accepts_the_guide_s_code(tmp_path: Path) -> None:
+    """The guide's code, as an application's, under mypy --strict: the client's calls are typed. The packages are
+    read from the source tree (MYPYPATH; an editable install's import hook is not followed by mypy), their own
+    modules' errors silenced as an installed package's are."""
+    app = tmp_path / "app.py"
+    app.write_text("\n".join(snippets()))
+    done = subprocess.run([sys.executable, "-m", "mypy", "--strict", "--follow-imports=silent", "--cache-dir",
+                           str(tmp_path / "cache"), str(app)], cwd=tmp_path, env={**os.environ, "MYPYPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
 # --- the guide, run as written -------------------------------------------------------------------------------------
 def snippets() -> list[str]:
     return re.findall(r"```python\n(.*?)```", GUIDE.read_text(), re.DOTALL)
