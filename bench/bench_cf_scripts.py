@@ -213,7 +213,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--batch", type=int, default=300, help="calls of a step per round and variant")
     ap.add_argument("--depth", type=int, default=100, help="queue depth of the deep shape")
+    ap.add_argument("--quick", action="store_true", help="a smoke run: 2 rounds of 20 calls, depth 10")
     args = ap.parse_args()
+    if args.quick:
+        args.rounds, args.batch, args.depth = 2, 20, 10
     variants: list[Variant] = []
     try:
         if args.baseline:
