@@ -38,8 +38,8 @@ test: venv
 	$(BIN)/ruff check .
 	$(BIN)/mypy cfemu sqm backup restore qsg
 	$(BIN)/lint-imports
-	$(BIN)/pytest -q --tier fast --durations-file var/test-durations-fast.txt $(PYTEST_ARGS)
-	$(BIN)/pytest -q --tier slow --durations-file var/test-durations-slow.txt $(PYTEST_ARGS)
+	$(BIN)/pytest -q --tier fast --durations-file=var/test-durations-fast.txt $(PYTEST_ARGS)
+	$(BIN)/pytest -q --tier slow --durations-file=var/test-durations-slow.txt $(PYTEST_ARGS)
 
 demo: venv
 	$(BIN)/cfemu demo

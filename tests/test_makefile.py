@@ -32,3 +32,10 @@ def test_a_target_on_a_fresh_clone_makes_the_venv_before_using_it(target: str, t
         return
     made = [i for i, line in enumerate(lines) if "-m venv .venv" in line]
     assert made and made[0] < uses[0], f"make {target} uses .venv before making it:\n{done.stdout}"
+
+
+def test_make_test_names_the_durations_file_in_one_word() -> None:
+    """`--durations-file PATH` as two words: on the second run PATH exists, pytest takes it for the tests to run
+    before the plugin that knows the option is loaded, and the run stops with 'unrecognized arguments'."""
+    text = (ROOT / "Makefile").read_text()
+    assert "--durations-file=" in text and "--durations-file " not in text

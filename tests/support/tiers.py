@@ -3,7 +3,8 @@
 * ``--tier fast`` runs the tests not marked ``slow``, ``--tier slow`` the others. It narrows whatever ``-m``
   selects (by default addopts' ``-m``, which leaves out the opt-in markers), so that the two tiers of `make test`
   are exactly the default suite, split, and the list of opt-in markers stays in one place (pyproject.toml).
-* ``--durations-file PATH`` writes every test's duration (setup, call and teardown together) to PATH, slowest
+* ``--durations-file=PATH`` (one word: given as two, an existing PATH is taken by pytest, before this plugin is
+  loaded, for the tests to run) writes every test's duration (setup, call and teardown together) to PATH, slowest
   first, under a header with the count and the sum. `make test` writes var/test-durations-fast.txt and
   var/test-durations-slow.txt; ``--durations=30`` in addopts prints the slowest of every run.
 """
