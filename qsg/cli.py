@@ -15,6 +15,7 @@
   cfemu backup ... | restore ...                cfbackup / cfrestore
   cfemu migrate unload|load|compare|status|reopen   a structure to another CF through files (docs/migration.md)
   cfemu cluster up|status|down|restart|stop     a local group: CF and SQM servers (restarted when they die), backups
+  cfemu console [--port N] [--tls-cert F --tls-key F]   the group's web console (docs/console.md)
   cfemu demo                                    the end-to-end demonstration
   cfemu chaos run|soak|check|kinds              the chaos test suite (docs/chaos.md)
 
@@ -98,6 +99,8 @@ VERBS: dict[str, Verb] = {
     "migrate": Delegate("move a structure to another CF through files (docs/migration.md)", "qsg.migrate_cli:main"),
     "cluster": Command("a local group of processes", "qsg.cluster_cli:cmd_cluster", ("common",),
                        "qsg.cluster_cli:cluster_arguments"),
+    "console": Command("the group's web console: status, charts and operator actions (docs/console.md)",
+                       "qsg.console_cli:cmd_console", ("common", "where"), "qsg.console_cli:console_arguments"),
     "demo": Delegate("the end-to-end demonstration", "qsg.demo:main"),
     "chaos": Delegate("the chaos test suite (run, soak, check, kinds)", "qsg.chaos.cli:main"),
 }

@@ -1,0 +1,119 @@
+"""`cfemu console`: the group's web console (qsg.console; docs/console.md), served until SIGTERM or Ctrl-C.
+
+  cfemu console [--port 8470] [--host 127.0.0.1] [--tls-cert F --tls-key F] [--server HOST:PORT ...]
+                [--server-ca F] [--interval 2] [--ready-file F]
+
+The group is found as by every cfemu command (the nearest cluster, --cluster-dir, --redis-url ...). The operator
+logs in with the group's operator token. Serving on another address than loopback needs TLS: a token typed into
+the login form must not cross a network in clear. A cluster's members that serve TLS (their --tls-cert) are
+checked against --server-ca; the console serves TLS with the members' certificate when it is given none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import ssl
+from pathlib import Path
+from typing import Any
+
+from cfemu.clitools import CLIError, Output, add_settings_arguments, configure_logging
+from cfemu.settings import find_cluster_dir, read_cluster_file
+from qsg.cli_common import Parents, seconds, whole
+from sqm.service.client import client_tls_context
+from sqm.service.config import is_loopback_host
+
+DEFAULT_PORT = 8470
+WHERE = ("redis_url", "log_root", "backup_dir", "cluster_dir", "cf_dir")
+
+
+def _flag(argv: list[str], name: str) -> str | None:
+    """The value of ``name VALUE`` in a member's arguments (the cluster's manager_args), if there."""
+    return argv[argv.index(name) + 1] if name in argv[:-1] else None
+
+
+def _tls(args: argparse.Namespace) -> tuple[ssl.SSLContext | None, ssl.SSLContext | None]:
+    """(the console's server context, the context that checks the members' certificates)."""
+    state = read_cluster_file(find_cluster_dir(args.cluster_dir)) or {}
+    member_args = [str(a) for a in state.get("manager_args") or []]
+    cert = args.tls_cert or _flag(member_args, "--tls-cert")
+    key = args.tls_key or _flag(member_args, "--tls-key")
+    if bool(cert) != bool(key):
+        raise CLIError("TLS needs both --tls-cert and --tls-key")
+    served = None
+    if cert and key:
+        for what, path in (("certificate", cert), ("key", key)):
+            if not os.path.isfile(path):
+                raise CLIError(f"TLS {what} file not found: {path}")
+        served = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        served.minimum_version = ssl.TLSVersion.TLSv1_2
+        served.load_cert_chain(cert, key)
+    members = None
+    if _flag(member_args, "--tls-cert") or args.server_ca:
+        if not args.server_ca:
+            raise CLIError("the members serve TLS: give --server-ca, the CA that signed their certificates")
+        members = client_tls_context(args.server_ca)
+    return served, members
+
+
+def cmd_console(args: argparse.Namespace, out: Output) -> int:
+    from qsg.console.app import Console  # aiohttp and jinja2: only for this verb
+    from qsg.console.source import GroupSource
+
+    configure_logging(args.verbose)
+    served, member_tls = _tls(args)
+    if served is None and not is_loopback_host(args.host):
+        raise CLIError(f"--host {args.host} is not loopback: the console serves it only with TLS (--tls-cert and "
+                       "--tls-key), since the operator's token is typed into its login form")
+    source = GroupSource({k: getattr(args, k) for k in WHERE if getattr(args, k, None)}, tuple(args.server),
+                         member_tls)
+    if not source.settings().redis_url:
+        raise CLIError("no CF found: pass --redis-url or --cluster-dir, set $REDIS_URL, or start one ('cfemu "
+                       "cluster up' or 'cfemu cf start')")
+    if not source.operator_token():
+        raise CLIError("the group has no operator token, so nobody could log in: 'cfemu secrets init' makes one "
+                       "(operator.token in the secrets directory), or set $SQM_OPERATOR_TOKEN")
+    console = Console(source, interval_s=args.interval, tls=served is not None)
+    return asyncio.run(_serve(console, args, served, out))
+
+
+async def _serve(console: Any, args: argparse.Namespace, served: ssl.SSLContext | None, out: Output) -> int:
+    runner = await console.serve(args.host, args.port, served)
+    port = int(runner.addresses[0][1])
+    url = f"{'https' if served else 'http'}://{args.host}:{port}/"
+    doc = {"pid": os.getpid(), "url": url, "port": port, "host": args.host, "tls": served is not None}
+    if args.ready_file:
+        tmp = Path(args.ready_file + ".tmp")
+        tmp.write_text(json.dumps(doc))
+        os.replace(tmp, args.ready_file)
+    if args.json:
+        out.json(doc)
+    else:
+        out.line(f"console serving on {url} (log in with the group's operator token; Ctrl-C stops it)")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+    return 0
+
+
+def console_arguments(p: argparse.ArgumentParser, parents: Parents) -> None:
+    add_settings_arguments(p, "backup_dir")
+    p.add_argument("--host", default="127.0.0.1", help="the address to serve on (default 127.0.0.1; another needs TLS)")
+    p.add_argument("--port", type=whole(0, 65535), default=DEFAULT_PORT,
+                   help=f"the port (default {DEFAULT_PORT}; 0: any free one, see --ready-file)")
+    p.add_argument("--tls-cert", help="serve HTTPS with this certificate (default: the cluster members' own)")
+    p.add_argument("--tls-key", help="the certificate's private key")
+    p.add_argument("--server", action="append", default=[], metavar="HOST:PORT",
+                   help="a member's service endpoint (repeat; a local cluster's are found in its cluster.json)")
+    p.add_argument("--server-ca", help="the CA that signed the members' certificates, when their service has TLS")
+    p.add_argument("--interval", type=seconds(0.2, 3600), default=2.0,
+                   help="seconds between two readings of the group (default 2)")
+    p.add_argument("--ready-file", help="write {pid, url, port} here once serving")
