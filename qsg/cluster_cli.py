@@ -37,7 +37,7 @@ def cmd_cluster(args: argparse.Namespace, out: Output) -> int:
                                     spark_cores=args.spark_cores, spark_memory=args.spark_memory,
                                     duplex=args.duplex, redis_cluster=args.redis_cluster,
                                     restart_members=args.member_restart, rest=args.rest,
-                                    backup_keep=args.backup_keep)
+                                    backup_keep=args.backup_keep, console=args.console)
         doc = cluster.status()
         doc["seconds"] = round(time.monotonic() - t0, 2)
     elif args.action == "down":
@@ -67,6 +67,9 @@ def cmd_cluster(args: argparse.Namespace, out: Output) -> int:
                    for p in doc["processes"]])
         out.line(f"CF {doc['redis_url']}   logs {doc['log_root']}   backups {doc['backup_dir']}"
                  + (f"   Spark {doc['spark_master']}" if doc.get("spark_master") else ""))
+        console = next((p for p in doc["processes"] if p["process"] == "console"), None)
+        if console is not None:
+            out.line(f"console {console['address']} (log in with the token in {doc['dir']}/secrets/operator.token)")
         if doc.get("duplex"):
             pair = doc["duplex"]
             out.line(f"duplexed CF: {pair['mode']} (generation {pair['generation']}), primary {pair['primary']}, "
@@ -139,6 +142,9 @@ def cluster_arguments(p: argparse.ArgumentParser, parents: Parents) -> None:
     p.add_argument("--rest", action="store_true",
                    help="up: give each member the IBM MQ messaging REST API on a loopback port (docs/rest.md), "
                         "shown by 'cfemu cluster status'")
+    p.add_argument("--console", action="store_true",
+                   help="up: also the group's web console on a loopback port (docs/console.md), shown by "
+                        "'cfemu cluster status'; log in with the operator token (secrets/operator.token)")
     p.add_argument("--duplex", action="store_true",
                    help="up: a duplexed CF, a second redis-server holding a synchronous copy (promoted when the "
                         "primary is lost; docs/runbook.md)")

@@ -6,7 +6,8 @@
 The group is found as by every cfemu command (the nearest cluster, --cluster-dir, --redis-url ...). The operator
 logs in with the group's operator token. Serving on another address than loopback needs TLS: a token typed into
 the login form must not cross a network in clear. A cluster's members that serve TLS (their --tls-cert) are
-checked against --server-ca; the console serves TLS with the members' certificate when it is given none.
+checked against --server-ca, else against their own certificate (read from the cluster's settings: pinned); the
+console serves TLS with the members' certificate when it is given none.
 """
 
 from __future__ import annotations
@@ -52,10 +53,13 @@ def _tls(args: argparse.Namespace) -> tuple[ssl.SSLContext | None, ssl.SSLContex
         served.minimum_version = ssl.TLSVersion.TLSv1_2
         served.load_cert_chain(cert, key)
     members = None
-    if _flag(member_args, "--tls-cert") or args.server_ca:
-        if not args.server_ca:
-            raise CLIError("the members serve TLS: give --server-ca, the CA that signed their certificates")
+    if args.server_ca:
         members = client_tls_context(args.server_ca)
+    elif _flag(member_args, "--tls-cert"):
+        # The cluster's members serve TLS with a certificate on this host: trust exactly that one (pinned: it
+        # is the trust anchor itself, whoever signed it).
+        members = client_tls_context(_flag(member_args, "--tls-cert"))
+        members.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
     return served, members
 
 

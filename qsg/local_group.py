@@ -86,6 +86,7 @@ SCHEDULER_COMMAND = [sys.executable, "-m", "backup.cli", "schedule"]  # cfbackup
 # A member: the ``sqm`` command, restore wired in for RECAUTO (qsg.member).
 MEMBER_COMMAND = [sys.executable, "-m", "qsg.member", "run"]
 SUPERVISOR_COMMAND = [sys.executable, "-m", "qsg.local_group", "supervise"]
+CONSOLE_COMMAND = [sys.executable, "-m", "qsg.cli", "console"]  # cfemu console (qsg.console)
 LOCK_FILE = "cluster.lock"
 
 
@@ -198,7 +199,8 @@ class LocalGroup:
            manager_args: Sequence[str] = (), cf_url_for: Callable[[str, str], str] | None = None,
            restart_cf: bool = False, recauto: bool = True, spark_workers: int = 0, spark_cores: int = 1,
            spark_memory: str = "2g", duplex: bool = False, redis_cluster: int = 0,
-           restart_members: bool = False, rest: bool = False, backup_keep: int = 5) -> LocalGroup:
+           restart_members: bool = False, rest: bool = False, backup_keep: int = 5,
+           console: bool = False) -> LocalGroup:
         """Start an embedded CF, managers QM1..QMn and (with a backup_interval) the backup scheduler.
 
         structure/queues are defined when missing (structure=None defines nothing). manager_args go to every
@@ -211,7 +213,8 @@ class LocalGroup:
         required. redis_cluster: the CF is a Redis Cluster of that many masters (qsg.rcluster_cf; 0: one
         redis-server). restart_members: the supervisor restarts a member that died or was fenced, with backoff
         (qsg.group_supervisor; a thread here, or with detach the supervisor process). backup_keep: the
-        scheduler's retention, good backups kept per structure (cfbackup schedule --keep; 0: all). On any failure
+        scheduler's retention, good backups kept per structure (cfbackup schedule --keep; 0: all). console: also
+        the group's web console (cfemu console) on a free loopback port, shown by status. On any failure
         everything already started is stopped again.
         """
         if duplex and redis_cluster:
@@ -252,6 +255,7 @@ class LocalGroup:
             "cf_restart": restart_cf, "member_restart": restart_members,
             CLUSTER_SPARK: None,
             "duplex": CFPair.new_state(d / "cf2") if duplex else None,
+            "console": {"port": free_port("127.0.0.1")} if console else None,
             "started_at": time.time(),
         }
         cluster = cls(d, state)
@@ -270,6 +274,8 @@ class LocalGroup:
                 cluster._wait_first_start(m["name"], start_timeout)
             if backup_interval:
                 cluster._spawn_scheduler()
+            if console:
+                cluster._spawn_console(start_timeout)
             if spark_workers:
                 cluster._start_spark(spark_workers, spark_cores, spark_memory)
             if (restart_cf or restart_members) and detach:
@@ -517,6 +523,29 @@ class LocalGroup:
         while not _pid_runs(proc.pid, b"backup.cli") and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
 
+    def _spawn_console(self, timeout: float) -> None:
+        """The group's web console on its loopback port; returns once it serves (its ready file)."""
+        con = self.state["console"]
+        self.save_state()  # the console reads the group (its CF, members, TLS) from cluster.json
+        ready = self.dir / "run" / "console.ready"
+        with contextlib.suppress(FileNotFoundError):
+            ready.unlink()
+        proc = self._popen("console", [*CONSOLE_COMMAND, "--cluster-dir", str(self.dir), "--port", str(con["port"]),
+                                       "--ready-file", str(ready)], "console.log")
+        con["pid"] = proc.pid
+        deadline = time.monotonic() + timeout
+        while not ready.exists():
+            if proc.poll() is not None or time.monotonic() >= deadline:
+                raise LocalGroupError(f"the console did not serve within {timeout:g}s; tail of "
+                                      f"{self.dir / 'run' / 'console.log'}:\n{log_tail(self.dir / 'run' / 'console.log')}")
+            time.sleep(0.05)
+        con["url"] = json.loads(ready.read_text())["url"]
+
+    @property
+    def console_url(self) -> str | None:
+        """The web console's URL (cfemu cluster up --console), None when the cluster has none."""
+        return (self.state.get("console") or {}).get("url")
+
     # --- faults and restarts -------------------------------------------------------------------------------
     def kill_manager(self, name: str, sig: int = signal.SIGKILL, timeout: float = 15.0) -> None:
         """Send sig to a manager and wait (bounded) until it is gone. The manager is held: a supervisor restarting
@@ -743,6 +772,9 @@ class LocalGroup:
         sup = self.state.get("cf_supervisor") or {}
         if _pid_runs(sup.get("pid"), b"qsg.local_group"):
             out["cf_supervisor"] = sup["pid"]
+        con = self.state.get("console") or {}
+        if _pid_runs(con.get("pid"), b"console"):
+            out["console"] = con["pid"]
         spark = self.spark()
         if spark is not None:
             out.update(spark.running())
@@ -779,6 +811,10 @@ class LocalGroup:
                                     ("dead or fenced members", self.state.get("member_restart"))) if on]
             rows.append({"process": "cf-supervisor", "pid": pid, "alive": "cf_supervisor" in alive,
                          "address": "restarts " + " and ".join(what), "ready": "cf_supervisor" in alive})
+        if self.state.get("console"):
+            con = self.state["console"]
+            rows.append({"process": "console", "pid": con.get("pid"), "alive": "console" in alive,
+                         "address": con.get("url", ""), "ready": "console" in alive})
         spark = self.spark()
         spark_master = None
         if spark is not None:
@@ -851,6 +887,8 @@ class LocalGroup:
             self.state["scheduler"]["pid"] = None
         if self.state.get("cf_supervisor"):
             self.state["cf_supervisor"]["pid"] = None
+        if self.state.get("console"):
+            self.state["console"]["pid"] = None
         self._procs.clear()
         if purge:
             shutil.rmtree(self.dir, ignore_errors=True)

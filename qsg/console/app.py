@@ -35,7 +35,7 @@ from markupsafe import Markup
 from qsg.console import charts, snapshot
 from qsg.console.actions import ACTIONS, ActionError
 from qsg.console.history import History
-from qsg.console.jobs import JobRefusedError, Jobs
+from qsg.console.jobs import RUNNING, Job, JobRefusedError, Jobs
 from qsg.console.security import CSRF_FIELD, SESSION_COOKIE, Session, Sessions, token_matches
 from qsg.console.source import GroupSource
 from sqm.service.auth import Failures
@@ -94,14 +94,15 @@ class Console:
         self.interval_s = interval_s
         self.tls = tls
         self.sessions = Sessions()
-        self.jobs = Jobs()
         self.history = History()
+        self.jobs = Jobs(on_change=self._job_changed)
         self.failures = Failures()
         self.snapshot: dict[str, Any] | None = None
         self.polls = 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="console-poll")
         self._poller: asyncio.Task[None] | None = None
         self._refresh = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.templates = jinja2.Environment(loader=jinja2.PackageLoader("qsg.console", "templates"),
                                             autoescape=True)
         self.templates.filters.update(age=_age, size=_size, clock=_clock)
@@ -118,6 +119,12 @@ class Console:
         r.add_static("/static", STATIC, name="static", append_version=True)
         self.app.on_startup.append(self._start_poller)
         self.app.on_cleanup.append(self._stop_poller)
+
+    def _job_changed(self, job: Job) -> None:
+        """An operator action's start and end are events; its end also asks for a fresh picture at once."""
+        self.history.note("action", f"{job.title}: {job.state}" + (f": {job.result}" if job.result else ""))
+        if job.state != RUNNING and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._refresh.set)
 
     # --- the poller ----------------------------------------------------------------------------------------------
     async def poll_once(self) -> dict[str, Any]:
@@ -139,6 +146,7 @@ class Console:
                 await asyncio.wait_for(self._refresh.wait(), self.interval_s)
 
     async def _start_poller(self, app: web.Application) -> None:
+        self._loop = asyncio.get_running_loop()
         self._poller = asyncio.create_task(self._poll_forever())
 
     async def _stop_poller(self, app: web.Application) -> None:

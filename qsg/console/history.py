@@ -32,7 +32,7 @@ class Sample:
 @dataclass
 class Event:
     at: float
-    kind: str  # structure, recovery, recauto, backup, duplex, member, cf
+    kind: str  # structure, recovery, recauto, backup, duplex, member, cf, action
     text: str
 
 
@@ -54,6 +54,10 @@ class History:
         self.events.extend(new)
         self._last = snap
         return new
+
+    def note(self, kind: str, text: str) -> None:
+        """An event the console knows of itself (an operator action starting or ending), not from a snapshot."""
+        self.events.append(Event(time.time(), kind, text))
 
     def depth_series(self) -> dict[str, list[tuple[float, float]]]:
         out: dict[str, list[tuple[float, float]]] = {}

@@ -52,8 +52,11 @@ class Job:
 
 
 class Jobs:
-    def __init__(self, *, max_running: int = MAX_RUNNING, kept: int = KEPT) -> None:
+    def __init__(self, *, max_running: int = MAX_RUNNING, kept: int = KEPT,
+                 on_change: Callable[[Job], None] | None = None) -> None:
+        """on_change(job) is called (from the job's thread at its end) when a job starts and when it ends."""
         self.max_running = max_running
+        self.on_change = on_change
         self._jobs: deque[Job] = deque(maxlen=kept)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -69,11 +72,18 @@ class Jobs:
                 raise JobRefusedError(f"{clash.title} is still running: wait for it to end")
             job = Job(next(self._ids), action, target, title)
             self._jobs.appendleft(job)
+        self._changed(job)
         threading.Thread(target=self._run, args=(job, work), name=f"console-job-{job.id}", daemon=True).start()
         return job
 
-    @staticmethod
-    def _run(job: Job, work: Callable[[Progress], str]) -> None:
+    def _changed(self, job: Job) -> None:
+        if self.on_change is not None:
+            try:
+                self.on_change(job)
+            except Exception:  # noqa: BLE001 - a listener's failure is not the job's
+                log.exception("console: a job listener failed")
+
+    def _run(self, job: Job, work: Callable[[Progress], str]) -> None:
         try:
             job.result = work(job.progress)
             job.state = DONE
@@ -84,6 +94,7 @@ class Jobs:
         finally:
             job.ended = time.time()
         log.info("console: %s: %s (%s)", job.title, job.state, job.result)
+        self._changed(job)
 
     def list(self) -> list[Job]:
         """Newest first."""
