@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.stamp
 PYTEST_ARGS ?=
 
-.PHONY: venv test lint typecheck demo bench bench-full compose-images compose-test spark-cluster-test rcluster-test clean
+.PHONY: venv test lint typecheck demo bench bench-full compose-images compose-test spark-cluster-test rcluster-test console-test clean
 
 venv: $(STAMP)
 
@@ -73,6 +73,16 @@ spark-cluster-test: venv
 # 2 cores); the cluster's own tests (tests/rcluster, not marked) run in `make test`.
 rcluster-test: venv
 	$(BIN)/pytest -m rcluster -p no:cacheprovider tests/rcluster $(PYTEST_ARGS)
+
+# The web console in Debian's chromium, driven by Playwright, against a live local cluster with TLS (opt-in: about
+# 30 s): login, a queue's depth, a backup, an in-doubt UOW committed, a restore, a member restarted, each confirmed.
+# Installs chromium with apt-get (as root) when it is missing. Screenshots: var/console-shots/.
+CHROMIUM ?= /usr/bin/chromium
+
+console-test: venv
+	@test -x $(CHROMIUM) || { echo "console-test: installing Debian's chromium"; apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; }
+	CFEMU_CHROMIUM=$(CHROMIUM) $(BIN)/pytest -m browser -p no:cacheprovider tests/qsg/test_console_browser.py $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis spark-warehouse
