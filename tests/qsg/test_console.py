@@ -7,22 +7,30 @@ from __future__ import annotations
 
 import asyncio
 import re
+import ssl
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
+import aiohttp
 import pytest
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient, TestServer, make_mocked_request
 
 from cfemu.admin import Admin
 from cfemu.connection import connect
+from cfemu.procs import free_port
 from qsg import cli
-from qsg.console import charts
+from qsg.console import charts, snapshot
 from qsg.console.app import Console
 from qsg.console.history import History, changes
+from qsg.console.jobs import JobRefusedError, Jobs
 from qsg.console.security import SESSION_COOKIE, Sessions
 from qsg.console.source import GroupSource
+from tests.support.certs import issue, make_ca
+from tests.support.waits import wait_until
 
 TOKEN = "operator-token-for-the-console-test"
 
@@ -205,3 +213,68 @@ def test_line_chart_draws_each_series_and_escapes_names() -> None:
     assert "no data yet" in charts.line_chart("depth", {})
     svg = charts.line_chart("depth", {"Q1": [(0, 0), (1, 5)], "<b>": [(0, 1), (1, 2)]})
     assert svg.count("<polyline") == 2 and "&lt;b&gt;" in svg and "<b>" not in svg and "Q1: 5" in svg
+
+
+def test_a_login_from_another_host_without_tls_is_refused(where: dict[str, str]) -> None:
+    console = Console(GroupSource(where), interval_s=3600)
+    transport = mock.Mock()
+    transport.get_extra_info.side_effect = lambda name, default=None: (
+        ("192.0.2.7", 40000) if name == "peername" else default)
+    request = make_mocked_request("POST", "/login", transport=transport, app=console.app)
+
+    async def login() -> Any:
+        return await console.login(request)
+
+    response = asyncio.run(login())
+    assert response.status == 403 and "serves no TLS" in response.text
+    assert len(console.sessions) == 0
+
+
+def test_the_console_over_tls_sets_a_secure_cookie(where: dict[str, str], tmp_path: Path) -> None:
+    ca = make_ca(tmp_path, "ca")
+    cert, key = issue(ca, tmp_path, "console", ip="127.0.0.1")
+    served = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    served.load_cert_chain(cert, key)
+    trust = ssl.create_default_context(cafile=str(ca.cert))
+    console = Console(GroupSource(where), interval_s=3600, tls=True)
+
+    async def scenario() -> None:
+        runner = await console.serve("127.0.0.1", 0, served)
+        port = runner.addresses[0][1]
+        try:
+            async with aiohttp.ClientSession() as http:
+                r = await http.post(f"https://127.0.0.1:{port}/login", data={"token": TOKEN}, ssl=trust,
+                                    allow_redirects=False)
+                assert r.status == 303
+                cookie = r.headers["Set-Cookie"]
+                assert "Secure" in cookie and "HttpOnly" in cookie and "SameSite=Strict" in cookie
+                with pytest.raises(aiohttp.ClientConnectorCertificateError):  # a client that does not trust it
+                    await http.get(f"https://127.0.0.1:{port}/login", ssl=ssl.create_default_context())
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(scenario())
+
+
+def test_a_part_that_cannot_be_read_leaves_the_others(where: dict[str, str], tmp_path: Path) -> None:
+    _cfemu(where, "define", "structure", "APP1")
+    dead = f"127.0.0.1:{free_port('127.0.0.1')}"
+    snap = snapshot.take(GroupSource(where, servers=[dead]))
+    assert snap["cf"]["ok"] and [s["name"] for s in snap["structures"]] == ["APP1"]
+    [member] = [m for m in snap["members"] if m["name"] == dead]
+    assert member["health"] == "unreachable" and member["service_error"]
+    lost = snapshot.take(GroupSource({**where, "redis_url": f"redis://{dead}"}))
+    assert not lost["cf"]["ok"] and lost["errors"] and lost["errors"][0].startswith("cf: ")
+    assert lost["structures"] == []
+
+
+def test_one_action_per_target_at_a_time() -> None:
+    jobs = Jobs()
+    release = threading.Event()
+    first = jobs.start("backup", "structure APP1", "backup of APP1", lambda progress: release.wait(30) and "ok")
+    with pytest.raises(JobRefusedError, match="backup of APP1 is still running"):
+        jobs.start("restore", "structure APP1", "restore of APP1", lambda progress: "no")
+    failing = jobs.start("backup", "structure APP2", "backup of APP2", lambda progress: 1 / 0)
+    release.set()
+    wait_until(lambda: first.state == "done" and failing.state == "failed", 30, "both jobs ended")
+    assert first.result == "ok" and "division by zero" in failing.result

@@ -50,7 +50,9 @@ def test_the_console_in_a_browser(group: tuple[LocalGroup, Path]) -> None:
     g, ca_cert = group
     assert shutil.which(CHROMIUM) or Path(CHROMIUM).exists(), f"no chromium at {CHROMIUM}: run 'make console-test'"
     url = g.console_url
-    assert url and url.startswith("https://127.0.0.1:"), url
+    assert url and url.startswith("https://127.0.0.1:"), url  # TLS, as the members' service
+    [row] = [p for p in g.status()["processes"] if p["process"] == "console"]
+    assert row["alive"] and row["address"] == url
     tls = client_tls_context(str(ca_cert))
     (_, host, port1), (_, _, port2) = g.endpoints
     with Client((host, port1), token=g.token, tls=tls) as c:
