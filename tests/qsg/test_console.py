@@ -6,8 +6,12 @@ a real browser against a live cluster: tests/qsg/test_console_browser.py (make c
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import re
 import ssl
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -21,7 +25,7 @@ from aiohttp.test_utils import TestClient, TestServer, make_mocked_request
 
 from cfemu.admin import Admin
 from cfemu.connection import connect
-from cfemu.procs import free_port
+from cfemu.procs import free_port, pid_alive
 from qsg import cli
 from qsg.console import charts, snapshot
 from qsg.console.app import Console
@@ -278,3 +282,39 @@ def test_one_action_per_target_at_a_time() -> None:
     release.set()
     wait_until(lambda: first.state == "done" and failing.state == "failed", 30, "both jobs ended")
     assert first.result == "ok" and "division by zero" in failing.result
+
+
+@pytest.mark.slow
+def test_cluster_up_console_serves_and_cluster_down_stops_it(tmp_path: Path) -> None:
+    d = str(tmp_path / "cluster")
+    env = {k: v for k, v in os.environ.items() if k != "CFEMU_SECRETS_DIR"}  # the cluster's own secrets
+
+    def cfemu(*args: str) -> str:
+        r = subprocess.run([sys.executable, "-m", "qsg.cli", *args], capture_output=True, text=True, timeout=120,
+                           env=env)
+        assert r.returncode == 0, f"cfemu {' '.join(args)}: {r.returncode}\n{r.stdout}\n{r.stderr}"
+        return r.stdout
+
+    try:
+        up = json.loads(cfemu("cluster", "up", "--dir", d, "--managers", "1", "--backup-interval", "0", "--console",
+                              "--json"))
+        [row] = [p for p in up["processes"] if p["process"] == "console"]
+        assert row["alive"] and row["address"].startswith("http://127.0.0.1:")
+        url, pid = row["address"], row["pid"]
+        assert f"console {url}" in cfemu("cluster", "status", "--dir", d)
+        token = (tmp_path / "cluster" / "secrets" / "operator.token").read_text().strip()
+
+        async def visit() -> str:
+            async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as http:
+                page = await (await http.post(url + "login", data={"token": token})).text()
+                deadline = time.monotonic() + 60
+                while 'id="queue-Q1"' not in page and time.monotonic() < deadline:  # its first reading
+                    await asyncio.sleep(0.2)
+                    page = await (await http.get(url)).text()
+                return page
+
+        page = asyncio.run(visit())
+        assert 'id="queue-Q1"' in page and 'id="member-QM1"' in page
+    finally:
+        cfemu("cluster", "down", "--dir", d)
+    assert wait_until(lambda: not pid_alive(pid), 30, "the console stopped by cluster down")
