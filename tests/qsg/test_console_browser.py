@@ -41,6 +41,7 @@ def group(tmp_path: Path) -> Iterator[tuple[LocalGroup, Path]]:
     try:
         yield g, ca.cert
     finally:
+        g.refresh()  # the member the console restarted: its new pid, from cluster.json
         g.down(timeout=10)
 
 
