@@ -134,7 +134,8 @@ def _run_resolve(source: GroupSource, p: Params, progress: Progress) -> str:
 # --- restart -------------------------------------------------------------------------------------------------------
 def _check_restart(form: Mapping[str, str], snap: dict[str, Any]) -> Params:
     member = _field(form, "member")
-    if not any(p["process"] == member for p in snap["processes"]):
+    members = {m["name"] for m in snap["members"]}
+    if member not in members or not any(p["process"] == member for p in snap["processes"]):
         raise ActionError(f"{member} is not a member of a local cluster this console runs beside: restart it "
                           "where it runs")
     return {"member": member}

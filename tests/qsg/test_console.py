@@ -168,6 +168,14 @@ def test_a_backup_through_the_console_needs_csrf_and_confirmation(where: dict[st
         r = await client.post("/action/resolve", data={"member": "QM1", "uow": "u-1", "outcome": "commit",
                                                        "csrf_token": csrf, "confirmed": "yes"})
         assert "is not in doubt on QM1" in await r.text() and len(console.jobs.list()) == 1
+        r = await client.post("/action/restore", data={"structure": "APP1", "backup": "APP1-20000101T000000Z-000000",
+                                                       "csrf_token": csrf})
+        assert "no backup APP1-20000101T000000Z-000000 of APP1 is listed" in await r.text()
+        r = await client.post("/action/restart", data={"member": "CF", "csrf_token": csrf, "confirmed": "yes"})
+        assert "CF is not a member of a local cluster" in await r.text() and len(console.jobs.list()) == 1
+        r = await client.post("/action/restore", data={"structure": "APP1", "csrf_token": csrf})
+        assert "is ACTIVE: it is marked FAILED first" in await r.text()  # the confirmation says so
+        assert (await client.post("/action/nothing", data={"csrf_token": csrf})).status == 404
 
     _run(where, scenario)
 
