@@ -41,6 +41,7 @@ class History:
     samples: deque[Sample] = field(default_factory=lambda: deque(maxlen=SAMPLES))
     events: deque[Event] = field(default_factory=lambda: deque(maxlen=EVENTS))
     _last: dict[str, Any] | None = None
+    _last_cf: dict[str, Any] | None = None  # the last snapshot in which the CF answered
 
     def add(self, snap: dict[str, Any]) -> list[Event]:
         """Remember a snapshot: its sample, and the events since the previous one (returned)."""
@@ -50,9 +51,11 @@ class History:
                                                     if q.get("depth") is not None},
                                        sum(int(s.get("puts") or 0) for s in services),
                                        sum(int(s.get("gets") or 0) for s in services)))
-        new = list(changes(self._last, snap)) if self._last is not None else []
+        new = changes(self._last, snap, self._last_cf) if self._last is not None else []
         self.events.extend(new)
         self._last = snap
+        if snap["cf"].get("ok"):
+            self._last_cf = snap
         return new
 
     def note(self, kind: str, text: str) -> None:
@@ -81,8 +84,9 @@ class History:
         return {"puts/s": puts, "gets/s": gets}
 
 
-def changes(old: dict[str, Any], new: dict[str, Any]) -> list[Event]:
-    """The events between two snapshots."""
+def changes(old: dict[str, Any], new: dict[str, Any], old_cf: dict[str, Any] | None = None) -> list[Event]:
+    """The events between two snapshots. Structures are compared with old_cf, the last snapshot in which the CF
+    answered (when given): a structure that was ACTIVE before the CF was lost is FAILED once it answers again."""
     at = new.get("at", time.time())
     out: list[Event] = []
 
@@ -91,8 +95,8 @@ def changes(old: dict[str, Any], new: dict[str, Any]) -> list[Event]:
 
     if old["cf"].get("ok") != new["cf"].get("ok"):
         ev("cf", "the CF answers again" if new["cf"].get("ok") else "the CF does not answer")
-    before = {s["name"]: s for s in old["structures"]}
-    for s in new["structures"]:
+    before = {s["name"]: s for s in (old_cf or old)["structures"]}
+    for s in new["structures"] if new["cf"].get("ok") else ():
         was = before.get(s["name"])
         if was is None:
             continue

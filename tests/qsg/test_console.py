@@ -212,6 +212,13 @@ def test_events_between_snapshots() -> None:
     assert texts == ["structure APP1: ACTIVE -> FAILED", "structure APP1: recovery by QM1@1 started",
                      "RECAUTO completed on QM1 (1)", "promoted the secondary"]
     assert changes(_snap("ACTIVE"), _snap("ACTIVE")) == []
+    # A structure lost with the CF: ACTIVE before the CF stopped answering, FAILED once it answers again.
+    lost = History()
+    down = {**_snap("ACTIVE"), "cf": {"ok": False}, "structures": [], "queues": []}
+    for snap in (_snap("ACTIVE"), down, _snap("FAILED")):
+        lost.add(snap)
+    assert [e.text for e in lost.events] == ["the CF does not answer", "the CF answers again",
+                                             "structure APP1: ACTIVE -> FAILED"]
     h = History()
     h.add(_snap("ACTIVE"))
     later = _snap("ACTIVE", recauto=4)

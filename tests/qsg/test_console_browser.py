@@ -1,7 +1,7 @@
 """The web console in a real headless browser (Debian's chromium, driven by Playwright) against a live local
 cluster whose service and console serve TLS: log in, read a queue's depth and a structure's state, take a backup
-and see it listed, resolve an in-doubt unit of work, restore a structure, restart a member, log out; each step
-with confirmation, as an operator would. Screenshots are kept in var/console-shots/ (not committed).
+and see it listed, resolve an in-doubt unit of work, restore a structure, see the CF lost and restore the structure
+it lost, restart a member, log out; each action with confirmation, as an operator would. Screenshots are kept in var/console-shots/ (not committed).
 
 Opt-in (marker ``browser``): ``make console-test`` installs chromium when it is missing and runs it.
 """
@@ -141,6 +141,27 @@ def test_the_console_in_a_browser(group: tuple[LocalGroup, Path]) -> None:
         assert restore_job["phase"], restore_job  # the restore reported its phases to the page as it went
         expect(page.locator("#events")).to_contain_text("restore of APP1: done: restored APP1")
         shot("05-restored")
+
+        # The CF lost (SIGKILL) and started again empty: the structure is FAILED, not in the CF; a restore from
+        # the console brings it back with its messages (RECAUTO is off: nothing else restores it).
+        g.kill_cf()
+        expect(page.locator("#cf-down")).to_be_visible()
+        shot("07-cf-lost")
+        g.restart_cf()
+        expect(page.locator("#structure-APP1 td.state")).to_contain_text("FAILED")
+        expect(page.locator("#structure-APP1 td.state")).to_contain_text("not in CF")
+        expect(page.locator("#structure-APP1 button.backup-now")).to_be_disabled()
+        shot("08-structure-failed")
+        page.click("#structure-APP1 button.restore")
+        confirm("Restore structure APP1 (FAILED) from its newest good backup", "09a-confirm-restore-lost")
+        expect(page.locator('#jobs tr[data-state="done"]')).to_have_count(4)  # this restore too (newest first)
+        expect(job_done("restore of APP1")).to_contain_text("restored APP1")
+        expect(page.locator("#structure-APP1 td.state")).to_contain_text("ACTIVE")
+        expect(page.locator("#queue-Q1 td.depth")).to_have_text("3")
+        expect(page.locator('#queue-Q2 td[data-depth="CP"]')).to_have_text("1")
+        expect(page.locator("#events")).to_contain_text("the CF does not answer")
+        expect(page.locator("#events")).to_contain_text("structure APP1: ACTIVE -> FAILED")
+        shot("09-restored-after-cf-loss")
 
         # A member restarted by the operator.
         page.click("#member-QM2 button.restart")
