@@ -75,7 +75,8 @@ rcluster-test: venv
 	$(BIN)/pytest -m rcluster -p no:cacheprovider tests/rcluster $(PYTEST_ARGS)
 
 # The web console in Debian's chromium, driven by Playwright, against a live local cluster with TLS (opt-in: about
-# 30 s): login, a queue's depth, a backup, an in-doubt UOW committed, a restore, a member restarted, each confirmed.
+# 45 s): login, a queue's depth, a backup, an in-doubt UOW committed, restores (one after a CF loss), a member
+# restarted, each confirmed.
 # Installs chromium with apt-get (as root) when it is missing. Screenshots: var/console-shots/.
 CHROMIUM ?= /usr/bin/chromium
 
