@@ -121,9 +121,14 @@ class Console:
         self.app.on_cleanup.append(self._stop_poller)
 
     def _job_changed(self, job: Job) -> None:
-        """An operator action's start and end are events; its end also asks for a fresh picture at once."""
-        self.history.note("action", f"{job.title}: {job.state}" + (f": {job.result}" if job.result else ""))
-        if job.state != RUNNING and self._loop is not None:
+        """An operator action's start and end are events; its end also asks for a fresh picture at once. Called
+        from the job's thread: the history and the poller are the event loop's, so the loop does both."""
+        text = f"{job.title}: {job.state}" + (f": {job.result}" if job.result else "")
+        if self._loop is None:
+            self.history.note("action", text)
+            return
+        self._loop.call_soon_threadsafe(self.history.note, "action", text)
+        if job.state != RUNNING:
             self._loop.call_soon_threadsafe(self._refresh.set)
 
     # --- the poller ----------------------------------------------------------------------------------------------

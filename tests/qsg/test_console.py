@@ -162,6 +162,8 @@ def test_a_backup_through_the_console_needs_csrf_and_confirmation(where: dict[st
         assert backup["structure"] == "APP1" and backup["state"] == "ok" and backup["entries"] == 1
         assert backup["signed_by"] and backup["disk_bytes"] > 0
         assert backup["id"] in job.result
+        texts = [e["text"] for e in doc["events"]]
+        assert "backup of APP1: running" in texts and f"backup of APP1: done: {job.result}" in texts
         page = await (await client.get("/fragment")).text()
         assert f'data-backup="{backup["id"]}"' in page and f"key {backup['signed_by']}" in page
         # Resolving a UOW that is not in doubt is refused before anything is sent.
