@@ -80,7 +80,7 @@ def cmd_console(args: argparse.Namespace, out: Output) -> int:
     if not source.operator_token():
         raise CLIError("the group has no operator token, so nobody could log in: 'cfemu secrets init' makes one "
                        "(operator.token in the secrets directory), or set $SQM_OPERATOR_TOKEN")
-    console = Console(source, interval_s=args.interval, tls=served is not None)
+    console = Console(source, interval_s=args.interval)
     return asyncio.run(_serve(console, args, served, out))
 
 

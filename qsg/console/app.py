@@ -89,16 +89,14 @@ def _session(request: web.Request) -> Session:
 class Console:
     """One console: its sessions, jobs and history, the latest snapshot, and the aiohttp application."""
 
-    def __init__(self, source: GroupSource, *, interval_s: float = 2.0, tls: bool = False) -> None:
+    def __init__(self, source: GroupSource, *, interval_s: float = 2.0) -> None:
         self.source = source
         self.interval_s = interval_s
-        self.tls = tls
         self.sessions = Sessions()
         self.history = History()
         self.jobs = Jobs(on_change=self._job_changed)
         self.failures = Failures()
         self.snapshot: dict[str, Any] | None = None
-        self.polls = 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="console-poll")
         self._poller: asyncio.Task[None] | None = None
         self._refresh = asyncio.Event()
@@ -137,7 +135,6 @@ class Console:
         snap = await asyncio.get_running_loop().run_in_executor(self._executor, snapshot.take, self.source)
         self.history.add(snap)
         self.snapshot = snap
-        self.polls += 1
         return snap
 
     async def _poll_forever(self) -> None:

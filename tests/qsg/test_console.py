@@ -257,7 +257,7 @@ def test_the_console_over_tls_sets_a_secure_cookie(where: dict[str, str], tmp_pa
     served = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     served.load_cert_chain(cert, key)
     trust = ssl.create_default_context(cafile=str(ca.cert))
-    console = Console(GroupSource(where), interval_s=3600, tls=True)
+    console = Console(GroupSource(where), interval_s=3600)
 
     async def scenario() -> None:
         runner = await console.serve("127.0.0.1", 0, served)
