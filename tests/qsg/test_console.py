@@ -335,3 +335,33 @@ def test_cluster_up_console_serves_and_cluster_down_stops_it(tmp_path: Path) -> 
     finally:
         cfemu("cluster", "down", "--dir", d)
     assert wait_until(lambda: not pid_alive(pid), 30, "the console stopped by cluster down")
+
+
+def test_an_action_under_way_shows_its_phase_and_progress(where: dict[str, str]) -> None:
+    async def scenario(client: TestClient[Any, Any], console: Console) -> None:
+        await _login(client)
+        await console.poll_once()  # the overview's sections are drawn once the group has been read
+        halfway, release = threading.Event(), threading.Event()
+
+        def work(progress: Any) -> str:
+            progress("read backup", 5, 5)
+            progress("load", 3, 10)
+            halfway.set()
+            release.wait(30)
+            return "loaded 10"
+
+        job = console.jobs.start("restore", "structure APP1", "restore of APP1", work)
+        assert halfway.wait(30)
+        page = await (await client.get("/fragment")).text()
+        row = re.search(rf'<tr data-job="{job.id}".*?</tr>', page, re.S).group(0)  # type: ignore[union-attr]
+        assert 'data-state="running"' in row and "load" in row and '<progress max="10" value="3">' in row
+        assert "3/10" in row
+        release.set()
+        deadline = time.monotonic() + 30
+        while job.state == "running" and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        page = await (await client.get("/fragment")).text()
+        row = re.search(rf'<tr data-job="{job.id}".*?</tr>', page, re.S).group(0)  # type: ignore[union-attr]
+        assert 'data-state="done"' in row and "loaded 10" in row and "<progress" not in row
+
+    _run(where, scenario)
