@@ -21,7 +21,7 @@ from cfemu.errors import (
     TruncatedMessageError,
 )
 from sqm import operations
-from sqm.conversations.conversation import MAX_USER, OPTIONS, Conversation
+from sqm.conversations.conversation import MAX_USER, OPTIONS, Conversation, check_convid
 from sqm.conversations.uowstatus import USER_STATUS_MAX
 from sqm.core.manager import QueueManager
 from sqm.operations import ANY_ROLE, NotLoggedOnError, Operation, arg, bounded_str, service_name, short
@@ -90,6 +90,7 @@ def receive(svc: Service, session: Session, args: dict[str, Any]) -> dict[str, A
     conv = _logged_on(session)
     service = service_name(args, "receive")
     option = _choice(args, "receive", "option", ("ANY", "SYNC", "MSG"), "ANY")
+    convid = check_convid(bounded_str(args, "receive", "convid", MAX_CONVERSATION_ID, "ANY"))
     wait_ms = arg(args, "receive", "wait_ms", int, 0)
     if not 0 <= wait_ms <= svc.max_wait_ms:
         raise BadRequestError(f"receive: wait_ms must be 0-{svc.max_wait_ms}, not {wait_ms}")
@@ -101,7 +102,7 @@ def receive(svc: Service, session: Session, args: dict[str, Any]) -> dict[str, A
         if svc.stopping:  # not carried out: the client may go on elsewhere (nothing was taken)
             raise svc.quiescing("receive")
         try:
-            got = conv.receive(service, option=option, max_length=session.reply_room())
+            got = conv.receive(service, option=option, max_length=session.reply_room(), convid=convid)
             break
         except EndOfUowError:
             raise

@@ -17,6 +17,7 @@ from cfemu.admin import QueueDef
 from cfemu.entry import Entry
 from cfemu.errors import NoMessageError, UowStatusError
 from cfemu.uow_attributes import UowAttributes, control_queue, data_queue
+from sqm.conversations.convrecord import RETURNED
 from sqm.conversations.uowstatus import LETTER, Control, status_letter_hex
 from sqm.core import logon_token
 from sqm.core.cfcall import CFCaller
@@ -190,19 +191,29 @@ def drain_data(conn: Connection, svc: Service, uow: str, each: Callable[[Message
         n += 1
 
 
+# What else follows a status change, in its unit of work: (connection, service, old, new, how) -> None. A feature
+# of the conversations registers here (sqm.conversations.bindings: a conversation's record follows its UOWs);
+# ``how`` is replace's: RETURNED unless the caller says SETTLED (sqm.conversations.convrecord).
+Follower = Callable[[Connection, Service, Control, "Control | None", str], None]
+FOLLOWERS: list[Follower] = []
+
+
 def replace(qm: Member, svc: Service, uow: str, change: Callable[[Control], Control | None], *,
             drain: Callable[[Control, Control | None], bool] = lambda old, new: False,
             conn: Connection | None = None, wait_s: float = HELD_WAIT_S,
-            also_mine: str = "") -> tuple[Control, Control | None]:
+            also_mine: str = "", how: str = RETURNED) -> tuple[Control, Control | None]:
     """One status change, as one unit of work: take the control (waiting up to ``wait_s`` while another change holds
     it; ``also_mine``: as take_control's), compute its successor (``change`` may raise UowStatusError, which changes
-    nothing), take the UOW's messages where ``drain`` says so, put the successor (None: no trace kept), commit. With
-    ``conn`` the change joins that connection's unit of work, uncommitted."""
+    nothing), take the UOW's messages where ``drain`` says so, put the successor (None: no trace kept), let the
+    FOLLOWERS follow (``how``: what the change is, for them), commit. With ``conn`` the change joins that
+    connection's unit of work, uncommitted."""
     own = conn is None
     c = conn or qm.connect()
     try:
         old = take_control(c, svc, uow, wait_s=wait_s, also_mine=also_mine)
         new = change(old)
+        for follow in FOLLOWERS:
+            follow(c, svc, old, new, how)
         if drain(old, new):
             drain_data(c, svc, uow)
         if new is not None:

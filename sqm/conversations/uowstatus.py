@@ -20,6 +20,8 @@ from typing import Any
 import msgpack
 
 from cfemu.uow_attributes import CONTROL_SUFFIX
+from sqm.conversations.convrecord import RECORD_CID_HEX, ConvRecord
+from sqm.conversations.convrecord import after_restart as conversation_after_restart
 
 RECEIVED, ACCEPTED, DELIVERED, POSTPONED = "RECEIVED", "ACCEPTED", "DELIVERED", "POSTPONED"
 BACKEDOUT, PROCESSED, CANCELLED, TIMEOUT, DISCARDED = "BACKEDOUT", "PROCESSED", "CANCELLED", "TIMEOUT", "DISCARDED"
@@ -205,8 +207,14 @@ def is_control_queue(queue: str) -> bool:
 
 def restore_control_entry(entry: Mapping[str, Any], data: bytes) -> tuple[dict[str, Any], bytes] | None:
     """The restore fold's step for a control entry that survived the CF's loss (restore.settle): after_restart on
-    its record, the entry's correlation id following the status. None: the status is not kept. An entry that is no
-    status (a user's LAST pointer, on the same queue) is restored as it is."""
+    its record, the entry's correlation id following the status. None: the status is not kept. A conversation's
+    record follows the restart rule of conversations (sqm.conversations.convrecord.after_restart); an entry that is
+    neither (a user's LAST pointer, on the same queue) is restored as it is."""
+    if str(entry.get("cid", "")) == RECORD_CID_HEX:  # a conversation's record: its binding as a restart leaves it
+        try:
+            return dict(entry), conversation_after_restart(ConvRecord.unpack(data)).pack()
+        except Exception:  # noqa: BLE001 - not a record (put there by other means): restored as it was
+            return dict(entry), data
     if str(entry.get("cid", "")) not in _STATUS_CIDS:
         return dict(entry), data
     try:

@@ -83,14 +83,19 @@ class ConversationCalls:
         settles = "commit" if commit or eoc else "alone" if option == "MSG" else ""
         return dict(self._call("send", args, settles=settles))
 
-    def receive(self, service: str, *, option: str = "ANY", wait_ms: int = 0) -> dict[str, Any]:
+    def receive(self, service: str, *, option: str = "ANY", wait_ms: int = 0, convid: str = "ANY") -> dict[str, Any]:
         """RECEIVE: the next message of the unit of work being received (EndOfUowError past its last), else SYNC
-        the first of the next ACCEPTED UOW, MSG a message outside any UOW, ANY either; waiting up to ``wait_ms``.
+        the first of the next ACCEPTED UOW this session may take by ``convid`` (CONVID NEW, OLD, ANY or a
+        conversation's id: docs/uow.md, "Conversations"), MSG a message outside any UOW, ANY either; waiting up to
+        ``wait_ms``.
         Returns body, uow, recv (RECV_FIRST / MIDDLE / LAST / ONLY / NONE), status, persistent, user_status, eoc,
         deliveries, conversation."""
         # A message outside any UOW is taken outside syncpoint: one lost in flight may have been taken.
         settles = "alone" if option in ("MSG", "ANY") and not self._held else ""
-        return dict(self._call("receive", {"service": service, "option": option, "wait_ms": wait_ms},
+        args: dict[str, Any] = {"service": service, "option": option, "wait_ms": wait_ms}
+        if convid != "ANY":
+            args["convid"] = convid
+        return dict(self._call("receive", args,
                                wait_s=wait_ms / 1000, settles=settles))
 
     def syncpoint(self, option: str, uow: str = "", *, user_status: bytes | None = None) -> dict[str, Any]:

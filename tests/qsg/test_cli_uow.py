@@ -59,7 +59,8 @@ def test_uow_status_verbs_and_the_browse_column(where: list[str], redis_url: str
         server = ["--server", srv.endpoint, "--token", "op-tok"]
         with Client(srv.endpoint, token="tok") as a:
             a.logon("alice", "a-tok")
-            uow = a.send("SVC", b"first")["uow"]
+            sent = a.send("SVC", b"first")
+            uow, conversation = sent["uow"], sent["conversation"]
             a.send("SVC", b"second", commit=True)
             a.send("SVC", b"outside any UOW", option="MSG")
 
@@ -67,7 +68,8 @@ def test_uow_status_verbs_and_the_browse_column(where: list[str], redis_url: str
         data = json.loads(ok("cfemu", "browse", "SVC.UOWDATA", "--json", *server))["messages"]
         assert [(m["body"], m["uow"], m["uow_position"]) for m in data] == [("first", uow, 1), ("second", uow, 2)]
         ctl = json.loads(ok("cfemu", "browse", "SVC.UOWCTL", "--json", *where))["messages"]  # in process too
-        assert sorted((m["uow"], m["uow_status"]) for m in ctl) == [(uow, "ACCEPTED"), (uow, "LAST")]
+        assert sorted((m["uow"], m["uow_status"]) for m in ctl) == sorted(
+            [(uow, "ACCEPTED"), (uow, "LAST"), (conversation, "CONVERSATION")])  # and the conversation's record
         plain = json.loads(ok("cfemu", "browse", "SVC", "--json", *server))["messages"]
         assert [(m["body"], m["uow"], m["uow_status"]) for m in plain] == [("outside any UOW", "", "")]
         table = ok("cfemu", "browse", "SVC.UOWDATA", *server)

@@ -1,0 +1,206 @@
+"""Conversations on the CF: their records (sqm.conversations.convrecord) taken and replaced inside the queue-manager
+unit of work of the UOW status change they follow, and the receive that picks the next UOW a receiver may take by
+RECEIVE's CONVID (NEW, OLD, ANY or a conversation id; docs/uow.md, "Conversations").
+
+Every change of a record is a take (get by message id under syncpoint) and a put, like a control's: two receivers
+that race for one conversation serialize on its record, so a conversation is delivered to one receiver, one UOW at a
+time, in commit order."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+
+from cfemu.errors import NoMessageError, UowStatusError
+from sqm.conversations import uowcontrols as ctl
+from sqm.conversations.convrecord import (
+    ANY,
+    NEW,
+    OLD,
+    RECORD_CID_HEX,
+    RECORD_LETTER,
+    RETURNED,
+    SETTLED,
+    ConvRecord,
+    after_delivered,
+    bind,
+    record_id,
+)
+from sqm.conversations.uowstatus import ACCEPTED, DELIVERED, Control
+from sqm.core import logon_token
+from sqm.core.cfcall import CFCaller
+from sqm.core.connection import Connection
+from sqm.core.member import Member
+from sqm.request_slots import nap
+
+RECORD_WAIT_S = 1.0  # how long a change waits for a record another short unit of work holds (a few CF round trips)
+
+
+def peek(qm: CFCaller, svc: ctl.Service, conversation: str) -> tuple[ConvRecord | None, bool]:
+    """The conversation's record as the CF holds it, and whether a unit of work holds it now."""
+    found = qm.cf_call(lambda: qm.structure(svc.structure).peek(svc.control, "m", record_id(conversation).hex(), 1))
+    if not found:
+        return None, False
+    entry, data = found[0]
+    return ConvRecord.unpack(data), entry.state == "UG"
+
+
+def take(conn: Connection, svc: ctl.Service, conversation: str, *, wait_s: float = RECORD_WAIT_S) -> ConvRecord | None:
+    """The record, taken under the connection's unit of work (None: there is none). One another unit of work holds
+    is waited for, up to ``wait_s``; still held then: UowStatusError (the caller's change is refused, nothing done)."""
+    deadline = time.monotonic() + wait_s
+    delay = 0.005
+    while True:
+        try:
+            m = conn.get(svc.control, syncpoint=True, msgid=record_id(conversation), counted=False)
+            return ConvRecord.unpack(m.body)
+        except NoMessageError:
+            pass
+        rec, held = peek(conn.qm, svc, conversation)
+        if rec is None:
+            return None
+        if not held or time.monotonic() >= deadline:
+            if held:
+                raise UowStatusError(f"conversation {conversation} of service {svc.name} is changing: try again")
+            continue  # given back between the get and the peek
+        nap(delay)
+        delay = min(delay * 2, 0.05)
+
+
+def put(conn: Connection, svc: ctl.Service, rec: ConvRecord) -> None:
+    conn.put(svc.control, rec.pack(), persistent=rec.persistent, syncpoint=True,
+             msgid=record_id(rec.conversation), correlid=RECORD_LETTER.encode(), counted=False)
+
+
+def open_for_send(conn: Connection, svc: ctl.Service, c: Control) -> None:
+    """A new UOW of conversation ``c.conversation`` (in its creation's unit of work): the conversation begins, or
+    goes on; one ended by EOC or EOCCANCEL is refused."""
+    rec = take(conn, svc, c.conversation)
+    if rec is not None and rec.eoc:
+        raise UowStatusError(f"conversation {c.conversation} of service {svc.name} was ended by {rec.eoc}: "
+                             "send without a conversation id to begin a new one")
+    if rec is None:
+        rec = ConvRecord(c.conversation, svc.name, changed_pc=c.created_pc, lifetime_ms=c.lifetime_ms,
+                         persistent=c.entry_persistent)
+    put(conn, svc, replace(rec, changed_pc=max(rec.changed_pc, c.created_pc),
+                           lifetime_ms=max(rec.lifetime_ms, c.lifetime_ms),
+                           persistent=rec.persistent or c.entry_persistent))
+
+
+def end(conn: Connection, svc: ctl.Service, conversation: str, eoc: str, pc: int, *, wait_s: float) -> None:
+    """The sender's EOC or EOCCANCEL (in its commit's unit of work): no further send on the conversation."""
+    rec = take(conn, svc, conversation, wait_s=wait_s)
+    if rec is not None:
+        put(conn, svc, replace(rec, eoc=eoc, changed_pc=max(pc, rec.changed_pc)))
+
+
+def follow_delivered(conn: Connection, svc: ctl.Service, old: Control, new: Control | None, how: str) -> None:
+    """A UOW left DELIVERED (in the unit of work of that change): its conversation's record follows
+    (convrecord.after_delivered). Registered with uowcontrols.replace."""
+    if old.status != DELIVERED or (new is not None and new.status == DELIVERED) or not old.conversation:
+        return
+    rec = take(conn, svc, old.conversation)
+    if rec is not None:
+        put(conn, svc, after_delivered(rec, old.uow, how, new.changed_pc if new is not None else old.changed_pc))
+
+
+def _may_take(rec: ConvRecord | None, mode: str, user: str, token: str, sealed: str) -> bool:
+    """Whether a receiver (user id, token) may take a UOW of this conversation with RECEIVE CONVID ``mode``."""
+    if rec is None:  # a UOW without a record (its conversation ended idle while it waited): a new conversation's
+        return mode != OLD
+    if rec.delivering:
+        return False
+    mine = rec.bound and rec.receiver == user and logon_token.matches(rec.receiver_token, token, sealed)
+    if mode == NEW:
+        return not rec.bound
+    if mode == OLD:
+        return mine
+    return mine or not rec.bound  # a conversation id of its own
+
+
+def _passes(mode: str) -> Iterator[str]:
+    """CONVID=ANY: the receiver's old conversations first, then new ones (seed 003); an id: that one only."""
+    if mode == ANY:
+        yield OLD
+        yield NEW
+    else:
+        yield mode
+
+
+def take_next(qm: Member, conn: Connection, svc: ctl.Service, mode: str, user: str, token: str, sealed: str,
+              pc: int) -> Control | None:
+    """The next ACCEPTED UOW this receiver may take with CONVID ``mode``, taken under ``conn``'s unit of work with its
+    conversation's record bound to the receiver (the caller makes the UOW DELIVERED and commits); None when there is
+    none. Candidates are read in get order (priority, then commit order); the first UOW of a conversation that
+    another receiver holds or races for makes the whole conversation wait, so that its UOWs stay in order."""
+    candidates = ctl.peek_status(qm, svc, ACCEPTED)
+    for want in _passes(mode):
+        passed: set[str] = set()  # conversations not for this receiver, or busy
+        for seen in candidates:
+            conv = seen.conversation
+            if conv in passed or (want not in (NEW, OLD) and conv != want):
+                continue
+            rec, held = peek(qm, svc, conv) if conv else (None, False)
+            if held or not _may_take(rec, want if want in (NEW, OLD) else "", user, token, sealed):
+                passed.add(conv)
+                continue
+            try:
+                m = conn.get(svc.control, syncpoint=True, msgid=bytes.fromhex(seen.uow), counted=False)
+            except NoMessageError:  # held or taken by another receiver: its conversation waits for it
+                passed.add(conv)
+                continue
+            c = Control.unpack(m.body)
+            try:
+                rec = take(conn, svc, conv, wait_s=0.0) if conv else None
+            except UowStatusError:
+                rec = c = None  # type: ignore[assignment]
+            if c is None or c.status != ACCEPTED or not _may_take(rec, want if want in (NEW, OLD) else "",
+                                                                  user, token, sealed):
+                conn.backout()
+                passed.add(conv)
+                continue
+            if rec is not None:
+                put(conn, svc, bind(rec, c.uow, user, sealed, pc))
+            return c
+    return None
+
+
+def expire_idle(qm: Member, svc: ctl.Service, pc: int, cursor: str = "0", count: int = 500) -> tuple[str, int]:
+    """One bounded batch of the service's conversation records (the sweeper's): a record idle for its lifetime, with
+    no UOW of it being received, is removed (the conversation is over; its id may begin a new one). Returns the
+    cursor of the next batch ("0": pass over) and how many ended."""
+    nxt, found = qm.cf_call(lambda: qm.structure(svc.structure).peek_scan(svc.control, "c", RECORD_CID_HEX, cursor,
+                                                                          count))
+    ended = 0
+    for _, data in found:
+        try:
+            seen = ConvRecord.unpack(data)
+        except Exception:  # noqa: BLE001 - not a record: left alone
+            continue
+        if not _idle(seen, pc):
+            continue
+        conn = qm.connect()
+        try:
+            rec = take(conn, svc, seen.conversation, wait_s=0.0)
+            if rec is None or not _idle(rec, pc):
+                conn.backout()
+                continue
+            conn.commit()
+            ended += 1
+        except UowStatusError:
+            conn.backout()
+        except BaseException:
+            conn.backout()
+            raise
+    return nxt, ended
+
+
+def _idle(rec: ConvRecord, pc: int) -> bool:
+    return not rec.delivering and rec.changed_pc + rec.lifetime_ms <= pc
+
+
+ctl.FOLLOWERS.append(follow_delivered)
+
+__all__ = ["ANY", "NEW", "OLD", "RETURNED", "SETTLED", "end", "expire_idle", "follow_delivered", "open_for_send", "peek", "take",
+           "take_next"]
