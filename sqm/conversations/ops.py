@@ -21,10 +21,20 @@ from cfemu.errors import (
     TruncatedMessageError,
 )
 from sqm import operations
+from sqm.conversations import operator_status
 from sqm.conversations.conversation import MAX_USER, OPTIONS, Conversation, check_convid
 from sqm.conversations.uowstatus import USER_STATUS_MAX
 from sqm.core.manager import QueueManager
-from sqm.operations import ANY_ROLE, NotLoggedOnError, Operation, arg, bounded_str, service_name, short
+from sqm.operations import (
+    ANY_ROLE,
+    OPERATOR_ONLY,
+    NotLoggedOnError,
+    Operation,
+    arg,
+    bounded_str,
+    service_name,
+    short,
+)
 from sqm.request_slots import before_wait
 
 log = logging.getLogger("sqm.service.server")  # the service's log lines keep one logger name
@@ -127,6 +137,13 @@ def syncpoint(svc: Service, session: Session, args: dict[str, Any]) -> dict[str,
     return conv.syncpoint(option, uow, user_status=_user_status(args, "syncpoint"))
 
 
+def set_uow_status(svc: Service, session: Session, args: dict[str, Any]) -> dict[str, Any]:
+    """ETBCMD SET-UOW-STATUS: an operator's, with no logon (sqm.conversations.operator_status)."""
+    return operator_status.set_uow_status(svc.qm, bounded_str(args, "set_uow_status", "uow", MAX_USER),
+                                          _choice(args, "set_uow_status", "status", operator_status.TARGETS),
+                                          by=f"the operator on connection {session.number}")
+
+
 # --- arguments, bounded before anything runs -------------------------------------------------------------------
 def _identity(args: dict[str, Any], name: str, *, required: bool) -> str:
     """A logon's user id or token: 1-32 printable characters (EntireX's USER-ID and TOKEN); a token may be empty."""
@@ -155,6 +172,7 @@ OPERATIONS = (
     Operation("send", "conversation", ANY_ROLE, send, needs_logon=True),
     Operation("receive", "conversation", ANY_ROLE, receive, needs_logon=True),
     Operation("syncpoint", "conversation", ANY_ROLE, syncpoint, needs_logon=True),
+    Operation("set_uow_status", "conversation", OPERATOR_ONLY, set_uow_status, alone=True),
 )
 
 __all__ = ["MAX_CONVERSATION_ID", "OPERATIONS", "Service", "Session", "logoff"]

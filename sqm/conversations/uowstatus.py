@@ -39,6 +39,7 @@ RECV_NONE, RECV_FIRST, RECV_MIDDLE, RECV_LAST, RECV_ONLY = (
 # Who acts, and on what event. SENDER / RECEIVER: the application through sqm.conversations.conversation; SYSTEM: the sweeper
 # (lifetimes, postponement) and recovery.
 SENDER, RECEIVER, SYSTEM = "sender", "receiver", "system"
+OPERATOR = "operator"  # ETBCMD SET-UOW-STATUS (sqm.conversations.operator_status)
 
 
 class TransitionError(ValueError):
@@ -62,6 +63,10 @@ TABLE: dict[tuple[str, str, str], str] = {
     (RECEIVER, "POSTPONE", DELIVERED): POSTPONED,  # a receiver's CANCEL while postponement attempts remain
     (SYSTEM, "TIMEOUT", ACCEPTED): TIMEOUT,
     (SYSTEM, "RESUME", POSTPONED): ACCEPTED,  # POSTPONE-DELAY has passed
+    # The operator's SET-UOW-STATUS: only UOWs no session holds, and not final ones (no UOW is left to change).
+    (OPERATOR, "SET-UOW-STATUS ACCEPTED", POSTPONED): ACCEPTED,  # its postponement ends early
+    (OPERATOR, "SET-UOW-STATUS CANCELLED", ACCEPTED): CANCELLED,
+    (OPERATOR, "SET-UOW-STATUS CANCELLED", POSTPONED): CANCELLED,
 }
 # SETUSTATUS keeps the status, and is allowed in these (EntireX: "The UOW must be in RECEIVED, ACCEPTED, or
 # DELIVERED status").
@@ -227,4 +232,4 @@ def restore_control_entry(entry: Mapping[str, Any], data: bytes) -> tuple[dict[s
 
 
 __all__ = ["Control", "TransitionError", "transition", "after_restart", "after_backout", "finish", "restore_control_entry",
-           "is_control_queue", "status_letter_hex", "STATUSES", "ACTIVE", "FINAL", "TABLE"]
+           "is_control_queue", "status_letter_hex", "STATUSES", "ACTIVE", "FINAL", "TABLE", "OPERATOR"]

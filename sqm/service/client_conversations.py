@@ -46,8 +46,10 @@ class ConversationCalls:
     def _session_lost(op: str, user: str | None, was_held: bool, *, in_flight: bool, where: str, why: str,
                       settles: str) -> None:
         """A conversation request whose connection was lost: only a logon (or a request of a client that never
-        logged on, which the server refuses anyway) is re-sent; otherwise the application must log on again."""
-        if op == "logon" or user is None:
+        logged on: the server refuses an application's, and an operator's SET-UOW-STATUS needs none) is re-sent,
+        but one that changes a status on its own lost in flight is not (its outcome is unknown); otherwise the
+        application must log on again."""
+        if op == "logon" or (user is None and not (in_flight and settles)):
             return
         again = f"the session of user {user} ended with it: log on again"
         if in_flight and settles == "commit":
@@ -108,6 +110,12 @@ class ConversationCalls:
             args["user_status"] = user_status
         settles = "commit" if option in SYNCPOINT_COMMITS else "alone" if option in SYNCPOINT_ALONE else ""
         return dict(self._call("syncpoint", args, settles=settles))
+
+    def set_uow_status(self, uow: str, status: str) -> dict[str, Any]:
+        """ETBCMD SET-UOW-STATUS (an operator's; no logon needed): a POSTPONED UOW ACCEPTED now, or an ACCEPTED or
+        POSTPONED one CANCELLED (docs/uow.md). Returns its status after it, ``was`` the one before. Lost in flight:
+        OutcomeUnknownError (ask QUERY)."""
+        return dict(self._call("set_uow_status", {"uow": uow, "status": status}, settles="alone"))
 
 
 __all__ = ["SYNCPOINT_ALONE", "SYNCPOINT_COMMITS", "ConversationCalls"]
