@@ -25,9 +25,11 @@ from sqm.conversations.convrecord import (
     ConvRecord,
     after_delivered,
     bind,
+    counted,
+    idle,
     record_id,
 )
-from sqm.conversations.uowstatus import ACCEPTED, DELIVERED, Control
+from sqm.conversations.uowstatus import ACCEPTED, ACTIVE, DELIVERED, Control
 from sqm.core import logon_token
 from sqm.core.cfcall import CFCaller
 from sqm.core.connection import Connection
@@ -82,9 +84,10 @@ def open_for_send(conn: Connection, svc: ctl.Service, c: Control) -> None:
                              "send without a conversation id to begin a new one")
     if rec is None:
         rec = ConvRecord(c.conversation, svc.name, changed_pc=c.created_pc, lifetime_ms=c.lifetime_ms,
-                         persistent=c.entry_persistent)
-    put(conn, svc, replace(rec, changed_pc=max(rec.changed_pc, c.created_pc),
+                         nonact_ms=svc.attributes.conv_nonact_s * 1000, persistent=c.entry_persistent)
+    put(conn, svc, replace(rec, active=rec.active + 1, changed_pc=max(rec.changed_pc, c.created_pc),
                            lifetime_ms=max(rec.lifetime_ms, c.lifetime_ms),
+                           nonact_ms=svc.attributes.conv_nonact_s * 1000,
                            persistent=rec.persistent or c.entry_persistent))
 
 
@@ -95,14 +98,21 @@ def end(conn: Connection, svc: ctl.Service, conversation: str, eoc: str, pc: int
         put(conn, svc, replace(rec, eoc=eoc, changed_pc=max(pc, rec.changed_pc)))
 
 
-def follow_delivered(conn: Connection, svc: ctl.Service, old: Control, new: Control | None, how: str) -> None:
-    """A UOW left DELIVERED (in the unit of work of that change): its conversation's record follows
-    (convrecord.after_delivered). Registered with uowcontrols.replace."""
-    if old.status != DELIVERED or (new is not None and new.status == DELIVERED) or not old.conversation:
+def follow(conn: Connection, svc: ctl.Service, old: Control, new: Control | None, how: str) -> None:
+    """A UOW's status changed (in the unit of work of that change): its conversation's record follows when the UOW
+    left DELIVERED (convrecord.after_delivered) or the active statuses (convrecord.counted). Registered with
+    uowcontrols.replace."""
+    left_delivered = old.status == DELIVERED and (new is None or new.status != DELIVERED)
+    was_active, is_active = old.status in ACTIVE, new is not None and new.status in ACTIVE
+    if not old.conversation or not (left_delivered or was_active != is_active):
         return
     rec = take(conn, svc, old.conversation)
-    if rec is not None:
-        put(conn, svc, after_delivered(rec, old.uow, how, new.changed_pc if new is not None else old.changed_pc))
+    if rec is None:
+        return
+    pc = new.changed_pc if new is not None else old.changed_pc
+    if left_delivered:
+        rec = after_delivered(rec, old.uow, how, pc)
+    put(conn, svc, replace(counted(rec, was_active, is_active), changed_pc=max(pc, rec.changed_pc)))
 
 
 def _may_take(rec: ConvRecord | None, mode: str, user: str, token: str, sealed: str) -> bool:
@@ -167,9 +177,9 @@ def take_next(qm: Member, conn: Connection, svc: ctl.Service, mode: str, user: s
 
 
 def expire_idle(qm: Member, svc: ctl.Service, pc: int, cursor: str = "0", count: int = 500) -> tuple[str, int]:
-    """One bounded batch of the service's conversation records (the sweeper's): a record idle for its lifetime, with
-    no UOW of it being received, is removed (the conversation is over; its id may begin a new one). Returns the
-    cursor of the next batch ("0": pass over) and how many ended."""
+    """One bounded batch of the service's conversation records (the sweeper's): a conversation that is over
+    (convrecord.idle: no active UOW for CONV-NONACT) has its record removed; its id may begin a new one. Returns
+    the cursor of the next batch ("0": pass over) and how many ended."""
     nxt, found = qm.cf_call(lambda: qm.structure(svc.structure).peek_scan(svc.control, "c", RECORD_CID_HEX, cursor,
                                                                           count))
     ended = 0
@@ -178,12 +188,12 @@ def expire_idle(qm: Member, svc: ctl.Service, pc: int, cursor: str = "0", count:
             seen = ConvRecord.unpack(data)
         except Exception:  # noqa: BLE001 - not a record: left alone
             continue
-        if not _idle(seen, pc):
+        if not idle(seen, pc):
             continue
         conn = qm.connect()
         try:
             rec = take(conn, svc, seen.conversation, wait_s=0.0)
-            if rec is None or not _idle(rec, pc):
+            if rec is None or not idle(rec, pc):
                 conn.backout()
                 continue
             conn.commit()
@@ -196,11 +206,7 @@ def expire_idle(qm: Member, svc: ctl.Service, pc: int, cursor: str = "0", count:
     return nxt, ended
 
 
-def _idle(rec: ConvRecord, pc: int) -> bool:
-    return not rec.delivering and rec.changed_pc + rec.lifetime_ms <= pc
+ctl.FOLLOWERS.append(follow)
 
-
-ctl.FOLLOWERS.append(follow_delivered)
-
-__all__ = ["ANY", "NEW", "OLD", "RETURNED", "SETTLED", "end", "expire_idle", "follow_delivered", "open_for_send", "peek", "take",
+__all__ = ["ANY", "NEW", "OLD", "RETURNED", "SETTLED", "end", "expire_idle", "follow", "open_for_send", "peek", "take",
            "take_next"]

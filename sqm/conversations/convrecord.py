@@ -16,8 +16,8 @@ The rules, as the seed gives them:
   conversation is new again; once the bound receiver settled its first UOW (COMMIT or CANCEL) the binding is kept
   through every restart;
 * EOC and EOCCANCEL end the conversation: a later send on it is refused while the record lasts;
-* a record idle for its lifetime (the longest lifetime of its UOWs, on the pseudo-clock) is removed: the
-  conversation is over (EntireX's CONV-NONACT), and its id may begin a new one.
+* a record with no active UOW for the service's CONV-NONACT (on the pseudo-clock) is removed: the conversation is
+  over, and its id may begin a new one.
 
 This module is pure: the records and their rules; sqm.conversations.bindings moves them on the CF.
 """
@@ -44,8 +44,10 @@ class ConvRecord:
     firm: bool = False  # the bound receiver settled that first UOW: the binding outlives restarts
     delivering: str = ""  # the UOW of it being received now ("" none): one at a time, in commit order
     eoc: str = ""  # "", "EOC" or "EOCCANCEL": the sender ended the conversation; no further send on it
-    changed_pc: int = 0  # pseudo-clock at its last change: it ends when idle for lifetime_ms
-    lifetime_ms: int = 0
+    active: int = 0  # its UOWs in an active status (RECEIVED, ACCEPTED, DELIVERED, POSTPONED)
+    changed_pc: int = 0  # pseudo-clock at its last change
+    nonact_ms: int = 0  # CONV-NONACT: with no active UOW, it ends when idle this long
+    lifetime_ms: int = 0  # the longest lifetime of its UOWs: it ends when idle this long whatever ``active`` says
     persistent: bool = True
 
     @property
@@ -59,6 +61,21 @@ class ConvRecord:
     def unpack(cls, raw: bytes) -> ConvRecord:
         d = msgpack.unpackb(raw, raw=False)
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+
+def idle(rec: ConvRecord, pc: int) -> bool:
+    """Whether the conversation is over at pseudo-clock ``pc``: nothing of it being delivered, and no active UOW for
+    CONV-NONACT, or no change for the longest lifetime of its UOWs (its count can be high after a CF loss: the
+    restore fold drops UOWs one entry at a time, and does not count them off the record)."""
+    if rec.delivering:
+        return False
+    quiet = pc - rec.changed_pc
+    return (rec.active <= 0 and quiet >= rec.nonact_ms) or quiet >= rec.lifetime_ms
+
+
+def counted(rec: ConvRecord, was_active: bool, is_active: bool) -> ConvRecord:
+    """The record after one of its UOWs changed status: counted off when it left the active statuses."""
+    return replace(rec, active=max(0, rec.active + int(is_active) - int(was_active)))
 
 
 def record_id(conversation: str) -> bytes:
@@ -97,4 +114,4 @@ def after_restart(rec: ConvRecord) -> ConvRecord:
 
 
 __all__ = ["ANY", "NEW", "OLD", "RECORD_CID_HEX", "RECORD_LETTER", "RETURNED", "SETTLED", "ConvRecord",
-           "after_delivered", "after_restart", "bind", "record_id"]
+           "after_delivered", "after_restart", "bind", "counted", "idle", "record_id"]

@@ -16,8 +16,9 @@ import msgpack
 from cfemu.admin import QueueDef
 from cfemu.entry import Entry
 from cfemu.errors import NoMessageError, UowStatusError
-from cfemu.uow_attributes import UowAttributes, control_queue, data_queue
+from cfemu.uow_attributes import UowAttributes, UowDefaults, control_queue, data_queue, service_attributes
 from sqm.conversations.convrecord import RETURNED
+from sqm.conversations.group_defaults import group_defaults
 from sqm.conversations.uowstatus import LETTER, Control, status_letter_hex
 from sqm.core import logon_token
 from sqm.core.cfcall import CFCaller
@@ -63,16 +64,17 @@ class Service:
         return control_queue(self.name)
 
 
-def service_of(qdef: QueueDef) -> Service:
-    attrs = qdef.uow_attributes
-    if attrs is None:
+def service_of(qdef: QueueDef, group: UowDefaults) -> Service:
+    """The service a queue definition makes, its attributes as they apply: the definition's, then the group's
+    defaults (cfemu.uow_attributes.service_attributes)."""
+    if not qdef.uow:
         raise UowStatusError(f"queue {qdef.name} is not a service: define it with UOW attributes "
                              "(cfemu define queue NAME --uow ...)")
-    return Service(qdef.name, qdef.structure, attrs, qdef.backout_queue)
+    return Service(qdef.name, qdef.structure, service_attributes(qdef.uow, group), qdef.backout_queue)
 
 
 def service(qm: Member, name: str) -> Service:
-    return service_of(qm.queue_def(name))
+    return service_of(qm.queue_def(name), group_defaults(qm))
 
 
 def services(qm: Member) -> Iterator[Service]:
@@ -81,9 +83,10 @@ def services(qm: Member) -> Iterator[Service]:
     it is restored, where "no such UOW" would tell an application it has no work in progress)."""
     defs = {q.name: q for q in (qm.repository.queues() if qm.repository is not None else [])}
     defs.update({q.name: q for q in qm.cf_call(qm.admin.queues)})
+    group = group_defaults(qm)
     for qdef in sorted(defs.values(), key=lambda q: q.name):
         if qdef.uow:
-            yield service_of(qdef)
+            yield service_of(qdef, group)
 
 
 def _peek_entry(qm: CFCaller, svc: Service, uow: str) -> tuple[Entry, bytes] | None:

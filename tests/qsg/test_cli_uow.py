@@ -39,11 +39,12 @@ def test_define_a_service(where: list[str], redis_url: str) -> None:
                       "--no-uow-store", "--status-lifetime", "2", "--uow-lifetime", "600", "--postpone-attempts", "3",
                       "--postpone-delay", "5", "--max-uows", "9", "--json", *where))
     assert d["uow"] == {"store": False, "max_uows": 9, "max_messages": 4, "lifetime_s": 600, "status_lifetime": 2,
-                        "postpone_attempts": 3, "postpone_delay_s": 5}
+                        "postpone_attempts": 3, "postpone_delay_s": 5, "conv_nonact_s": 300}
     assert admin.queue_def("SVC").uow == d["uow"]
     assert {q.name for q in admin.queues()} == {"SVC", "SVC.UOWDATA", "SVC.UOWCTL"}
     table = ok("cfemu", "define", "queue", "SVC2", "--structure", "APP1", "--uow", *where)
-    assert "service SVC2 defined" in table and "uow.max_uows" in table and "1000" in table
+    assert "service SVC2 defined" in table and "uow.max_messages" in table and "16" in table
+    assert "uow.max_uows" not in table  # not given: the group's (cfemu define uow-defaults; docs/uow.md)
     plain = json.loads(ok("cfemu", "define", "queue", "Q1", "--structure", "APP1", "--json", *where))
     assert plain["uow"] == {}
     with pytest.raises(AdminError):

@@ -188,22 +188,33 @@ def test_racing_receivers_keep_each_conversation_on_one_instance_in_order(
         assert [b for b in got[owners[0]] if b.startswith(b"%d-" % i)] == [b"%d-%d" % (i, n) for n in range(4)]
 
 
-def test_a_conversation_idle_for_its_lifetime_ends(qms: tuple[QueueManager, QueueManager]) -> None:
+def test_a_conversation_with_no_active_uow_ends_after_conv_nonact(qms: tuple[QueueManager, QueueManager]) -> None:
+    admin = Admin(connect(qms[0].config.redis_url))
+    admin.define_queue("IDLE", S, uow={"conv_nonact_s": 1})
+    idle_svc = ctl.service(qms[0], "IDLE")
     snd = Conversation(qms[0], "alice", "tok-a")
     x, y = Conversation(qms[1], "server", "i1"), Conversation(qms[0], "server", "i2")
-    sent = snd.send(SVC, b"short", conversation="job-7", eoc="EOC", lifetime_s=1)
-    assert take(x, "NEW") == b"short"
+    snd.send("IDLE", b"done", conversation="job-7", eoc="EOC")
+    snd.send("IDLE", b"waiting", conversation="job-8", commit=True)  # never received: active
+    assert x.receive("IDLE", option=SYNC, convid="job-7").body == b"done"
+    x.commit()
     with pytest.raises(UowStatusError, match="ended by EOC"):
-        snd.send(SVC, b"too soon", conversation="job-7")
+        snd.send("IDLE", b"too soon", conversation="job-7")
     sweeper = Sweeper(qms[1])
     deadline = time.monotonic() + 30
     while sweeper.counts["conversations-ended"] == 0:
         assert time.monotonic() < deadline, "the idle conversation never ended"
         sweeper.sweep()
         time.sleep(0.2)
-    assert bindings.peek(qms[0], ctl.service(qms[0], SVC), sent.conversation) == (None, False)
-    send_uow(snd, b"again", "job-7")  # its id begins a new conversation, new to every instance
-    assert take(y, "NEW") == b"again"
+    assert bindings.peek(qms[0], idle_svc, "job-7") == (None, False)
+    kept, _ = bindings.peek(qms[0], idle_svc, "job-8")
+    assert kept is not None and kept.active == 1  # a UOW of it waits: it goes on
+    snd.send("IDLE", b"again", conversation="job-7", commit=True)  # its id begins a new conversation
+    got = y.receive("IDLE", option=SYNC, convid="NEW")  # new to every instance: job-8's first, then job-7's
+    y.commit()
+    again = y.receive("IDLE", option=SYNC, convid="NEW")
+    y.commit()
+    assert {got.body, again.body} == {b"waiting", b"again"}
 
 
 def test_a_receive_by_a_conversation_id_takes_only_that_one(qms: tuple[QueueManager, QueueManager]) -> None:
