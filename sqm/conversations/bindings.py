@@ -37,6 +37,9 @@ from sqm.core.member import Member
 from sqm.request_slots import nap
 
 RECORD_WAIT_S = 1.0  # how long a change waits for a record another short unit of work holds (a few CF round trips)
+# A receive reads this many ACCEPTED controls first (most receives take one of the first few), and as many as
+# uowcontrols.PEEK_LIMIT only when none of those is this receiver's to take.
+FIRST_LOOK = 32
 
 
 def peek(qm: CFCaller, svc: ctl.Service, conversation: str) -> tuple[ConvRecord | None, bool]:
@@ -142,9 +145,19 @@ def take_next(qm: Member, conn: Connection, svc: ctl.Service, mode: str, user: s
               pc: int) -> Control | None:
     """The next ACCEPTED UOW this receiver may take with CONVID ``mode``, taken under ``conn``'s unit of work with its
     conversation's record bound to the receiver (the caller makes the UOW DELIVERED and commits); None when there is
-    none. Candidates are read in get order (priority, then commit order); the first UOW of a conversation that
-    another receiver holds or races for makes the whole conversation wait, so that its UOWs stay in order."""
-    candidates = ctl.peek_status(qm, svc, ACCEPTED)
+    none. Candidates are read in get order (priority, then commit order), FIRST_LOOK of them, then PEEK_LIMIT; the
+    first UOW of a conversation that another receiver holds or races for makes the whole conversation wait, so that
+    its UOWs stay in order."""
+    for limit in (FIRST_LOOK, ctl.PEEK_LIMIT):
+        candidates = ctl.peek_status(qm, svc, ACCEPTED, limit)
+        got = _first_takeable(qm, conn, svc, candidates, mode, user, token, sealed, pc)
+        if got is not None or len(candidates) < limit:
+            return got
+    return None
+
+
+def _first_takeable(qm: Member, conn: Connection, svc: ctl.Service, candidates: list[Control], mode: str,
+                    user: str, token: str, sealed: str, pc: int) -> Control | None:
     for want in _passes(mode):
         passed: set[str] = set()  # conversations not for this receiver, or busy
         for seen in candidates:

@@ -241,3 +241,16 @@ def test_the_restart_rule_of_a_record_and_the_restore_fold() -> None:
                                              firm=True)
     entry = {"cid": b"V".hex(), "mid": "00"}
     assert restore_control_entry(entry, tentative.pack()) == (entry, ConvRecord("c", SVC).pack())
+
+
+def test_a_receive_looks_past_the_first_controls_when_none_of_them_is_its_own(
+        qms: tuple[QueueManager, QueueManager], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bindings, "FIRST_LOOK", 2)
+    snd = Conversation(qms[0], "alice", "tok-a")
+    x, y = Conversation(qms[1], "server", "i1"), Conversation(qms[0], "server", "i2")
+    _, c1 = send_uow(snd, b"x-0")
+    assert take(x, "NEW") == b"x-0"
+    for i in range(1, 4):
+        send_uow(snd, b"x-%d" % i, c1)  # three of x's ahead of the new one
+    send_uow(snd, b"new")
+    assert take(y, "ANY") == b"new"
