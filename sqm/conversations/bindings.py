@@ -158,35 +158,44 @@ def take_next(qm: Member, conn: Connection, svc: ctl.Service, mode: str, user: s
 
 def _first_takeable(qm: Member, conn: Connection, svc: ctl.Service, candidates: list[Control], mode: str,
                     user: str, token: str, sealed: str, pc: int) -> Control | None:
+    looked: dict[str, tuple[ConvRecord | None, bool]] = {}  # each conversation's record, read once per receive
     for want in _passes(mode):
+        rule = want if want in (NEW, OLD) else ""
         passed: set[str] = set()  # conversations not for this receiver, or busy
         for seen in candidates:
             conv = seen.conversation
-            if conv in passed or (want not in (NEW, OLD) and conv != want):
+            if conv in passed or (rule == "" and conv != want):
                 continue
-            rec, held = peek(qm, svc, conv) if conv else (None, False)
-            if held or not _may_take(rec, want if want in (NEW, OLD) else "", user, token, sealed):
+            if conv not in looked:
+                looked[conv] = peek(qm, svc, conv) if conv else (None, False)
+            rec, held = looked[conv]
+            if held or not _may_take(rec, rule, user, token, sealed):
                 passed.add(conv)
                 continue
-            try:
-                m = conn.get(svc.control, syncpoint=True, msgid=bytes.fromhex(seen.uow), counted=False)
-            except NoMessageError:  # held or taken by another receiver: its conversation waits for it
-                passed.add(conv)
-                continue
-            c = Control.unpack(m.body)
-            try:
-                rec = take(conn, svc, conv, wait_s=0.0) if conv else None
-            except UowStatusError:
-                rec = c = None  # type: ignore[assignment]
-            if c is None or c.status != ACCEPTED or not _may_take(rec, want if want in (NEW, OLD) else "",
-                                                                  user, token, sealed):
-                conn.backout()
-                passed.add(conv)
-                continue
-            if rec is not None:
-                put(conn, svc, bind(rec, c.uow, user, sealed, pc))
-            return c
+            c = _take_candidate(conn, svc, seen.uow, conv, rule, user, token, sealed, pc)
+            if c is not None:
+                return c
+            looked.pop(conv, None)
+            passed.add(conv)  # held, raced or changed: its conversation waits for it
     return None
+
+
+def _take_candidate(conn: Connection, svc: ctl.Service, uow: str, conv: str, rule: str, user: str, token: str,
+                    sealed: str, pc: int) -> Control | None:
+    """The UOW's control and its conversation's record taken under ``conn``'s unit of work, the record bound to the
+    receiver; None (nothing kept) when either is held by another unit of work or no longer lets this receiver."""
+    try:
+        c = Control.unpack(conn.get(svc.control, syncpoint=True, msgid=bytes.fromhex(uow), counted=False).body)
+        rec = take(conn, svc, conv, wait_s=0.0) if conv else None
+    except (NoMessageError, UowStatusError):
+        conn.backout()
+        return None
+    if c.status != ACCEPTED or not _may_take(rec, rule, user, token, sealed):
+        conn.backout()
+        return None
+    if rec is not None:
+        put(conn, svc, bind(rec, c.uow, user, sealed, pc))
+    return c
 
 
 def expire_idle(qm: Member, svc: ctl.Service, pc: int, cursor: str = "0", count: int = 500) -> tuple[str, int]:
