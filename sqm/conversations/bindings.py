@@ -78,10 +78,11 @@ def put(conn: Connection, svc: ctl.Service, rec: ConvRecord) -> None:
              msgid=record_id(rec.conversation), correlid=RECORD_LETTER.encode(), counted=False)
 
 
-def open_for_send(conn: Connection, svc: ctl.Service, c: Control) -> None:
+def open_for_send(conn: Connection, svc: ctl.Service, c: Control, *, new: bool = False) -> None:
     """A new UOW of conversation ``c.conversation`` (in its creation's unit of work): the conversation begins, or
-    goes on; one ended by EOC or EOCCANCEL is refused."""
-    rec = take(conn, svc, c.conversation)
+    goes on; one ended by EOC or EOCCANCEL is refused. ``new``: its id was made just now (CID=NEW), so it has no
+    record to look for."""
+    rec = None if new else take(conn, svc, c.conversation)
     if rec is not None and rec.eoc:
         raise UowStatusError(f"conversation {c.conversation} of service {svc.name} was ended by {rec.eoc}: "
                              "send without a conversation id to begin a new one")

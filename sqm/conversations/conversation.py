@@ -182,7 +182,7 @@ class Conversation:
         conn = self.qm.connect()
         try:
             ctl.put_control(conn, svc, c)
-            bindings.open_for_send(conn, svc, c)
+            bindings.open_for_send(conn, svc, c, new=not conversation)
             ctl.set_last(conn, svc, self.user, self.sealed, uow, ctl.cf_now_ms(self.qm, svc.structure),
                          c.entry_persistent)
             conn.commit()
