@@ -1,6 +1,7 @@
 """Seed 003's "Behavior of Conversation at Broker Restart" and "UOWs and Replicated Servers" on real processes: the
 member whose server instance holds deliveries is killed with SIGKILL, and either started again (its restart settles
-what it held) or recovered by a live peer.
+what it held) or recovered by a live peer; or the CF is lost (redis-server killed, started empty) and the structure
+restored from a backup taken before the work plus the members' logs (the restore fold settles it).
 
 Two conversations, received by instance X (user ``server``, token ``instance-1``) on the doomed member:
 
@@ -19,9 +20,11 @@ from pathlib import Path
 
 import pytest
 
+from backup.run import run_backup
 from cfemu.admin import Admin
 from cfemu.connection import connect
 from cfemu.embedded import EmbeddedRedis
+from restore.run import run_restore
 from tests.support.uow_member import MemberError, UowMember, start_members
 
 S, SVC = "APP1", "SVC"
@@ -45,7 +48,7 @@ def receive(m: UowMember, conv: str, convid: str, wait_ms: int = 0) -> dict[str,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("event", ["restart", "peer-recovery"])
+@pytest.mark.parametrize("event", ["restart", "peer-recovery", "cf-restore"])
 def test_a_killed_member_unbinds_a_first_uows_conversation_and_keeps_a_settled_one(tmp_path: Path,
                                                                                      event: str) -> None:
     cf = EmbeddedRedis(data_dir=tmp_path / "cf").start()
@@ -54,10 +57,14 @@ def test_a_killed_member_unbinds_a_first_uows_conversation_and_keeps_a_settled_o
         admin = Admin(connect(cf.url))
         admin.ensure_structure(S, ())
         admin.define_queue(SVC, S, uow={"status_lifetime": 5})
-        lease = 60_000 if event == "restart" else 1000  # restart: no peer steps in
+        # restart: no peer steps in; cf-restore: a lease renewed every second, which is when a member finds the CF
+        # lost and joins the restored one
+        lease = {"restart": 60_000, "peer-recovery": 1000, "cf-restore": 3000}[event]
         for m in start_members(cf.url, tmp_path / "logs", ["QM1", "QM2"], lease_ms=lease):
             members[m.name] = m
         doomed, live = members["QM1"], members["QM2"]
+        if event == "cf-restore":  # a backup before the work: the bindings are in the members' logs only
+            run_backup(cf.client(), S, tmp_path / "backups", log_root=tmp_path / "logs")
         live.conv("snd", "alice", "tok-a")
         doomed.conv("x", "server", "instance-1")
         doomed.conv("x2", "server", "instance-1")
@@ -74,11 +81,18 @@ def test_a_killed_member_unbinds_a_first_uows_conversation_and_keeps_a_settled_o
         assert receive(live, "y", "ANY") is None  # both conversations are X's while it holds them
         assert b1["conversation"] == "conv-b"
 
-        doomed.kill()
-        del members["QM1"]
+        if event == "cf-restore":  # the CF lost with every binding in it; the members live on
+            cf.kill()
+            cf.start()
+            run_restore(cf.client(), S, backup_root=tmp_path / "backups", log_root=tmp_path / "logs")
+            wait_for("the members back on the restored structure",
+                     lambda: set(Admin(cf.client()).members()) >= {"QM1", "QM2"})
+        else:
+            doomed.kill()
+            del members["QM1"]
         if event == "restart":
             members["QM1"] = UowMember(cf.url, tmp_path / "logs", "QM1", lease_ms=lease).wait_started()
-        else:
+        elif event == "peer-recovery":
             wait_for("QM2 recovered QM1", lambda: "QM1" not in Admin(cf.client()).members())
 
         # conv-a: its first UOW was never settled by X: the assignment is dropped, Y receives it as NEW
