@@ -17,6 +17,8 @@ trailer rewritten by someone without the key.
 Record types (EntireX's Record Type): ``message`` (an entry of a plain queue, or of a service's ``.UOWDATA``),
 ``uow-status`` (an entry of a service's ``.UOWCTL``: identifier = the UOW id, elements = its messages), ``uow-last``
 (a user's SYNCPOINT LAST pointer on ``.UOWCTL``, correlation id ``L``: identifier = the UOW it points to),
+``conversation`` (a conversation's record on ``.UOWCTL``, correlation id ``V``: identifier = the conversation id,
+elements = its active UOWs),
 ``publication`` (``<T>.PUB``), ``subscription`` (``<T>.SUB``) and ``definition`` (the structure and each queue).
 ``digest`` is the SHA-256 of the record's content (the descriptor in its normal form, then the data; a definition's
 canonical JSON with its structure name left out, so that a load under another name compares equal): two reports
@@ -48,7 +50,9 @@ UOWDATA, UOWCTL = ".UOWDATA", ".UOWCTL"  # cfemu.uow_attributes' companion suffi
 PUB, SUB = ".PUB", ".SUB"  # a topic's companion suffixes (cfemu.topic_attributes, docs/pubsub.md)
 MESSAGE, UOW_STATUS, UOW_LAST, PUBLICATION, SUBSCRIPTION, SUBSCRIPTION_ROSTER, DEFINITION = (
     "message", "uow-status", "uow-last", "publication", "subscription", "subscription-roster", "definition")
+CONVERSATION = "conversation"
 LAST_CORRELID = b"L".hex()  # a user's SYNCPOINT LAST pointer on .UOWCTL (sqm.conversations.uowcontrols.LAST_LETTER)
+CONVERSATION_CORRELID = b"V".hex()  # a conversation's record on .UOWCTL (sqm.conversations.convrecord)
 ROSTER_CORRELID = b"R".hex()  # a subscription's roster entry on .SUB (sqm.pubsub.pubsub.ROSTER_LETTER), not its position
 UNLOADED, LOADED, CREATED, DELETED = "unloaded", "loaded", "created", "deleted"
 _COMPARED = ("queue", "type", "id", "elements", "length", "digest", "list", "pos")  # what must agree per record
@@ -70,7 +74,7 @@ def record_type(queue: str, correlid: str = "") -> str:
     """A CF entry's record type, by the companion-queue suffix of its queue (and on .UOWCTL its correlation id:
     a status letter, or L for a user's LAST pointer)."""
     if queue.endswith(UOWCTL):
-        return UOW_LAST if correlid == LAST_CORRELID else UOW_STATUS
+        return {LAST_CORRELID: UOW_LAST, CONVERSATION_CORRELID: CONVERSATION}.get(correlid, UOW_STATUS)
     if queue.endswith(PUB):
         return PUBLICATION
     if queue.endswith(SUB):
@@ -94,10 +98,12 @@ def entry_record(wire: Mapping[str, Any], data: bytes, *, list_name: str, pos: i
     queue = str(wire["q"])
     kind = record_type(queue, str(wire.get("cid") or ""))
     ident, elements = str(wire["id"]), 1
-    if kind in (UOW_STATUS, UOW_LAST):  # the body: sqm.conversations.uowstatus.Control packed (uow, messages, ...), or {uow, at}
+    if kind in (UOW_STATUS, UOW_LAST, CONVERSATION):  # the body: a Control (uow, messages, ...), {uow, at}, or a
+        # conversation's record (conversation, active, ...): sqm.conversations.uowstatus, .convrecord
         try:
             control = msgpack.unpackb(data, raw=False)
-            ident, elements = str(control.get("uow") or ident), int(control.get("messages") or 0)
+            ident = str(control.get("uow") or control.get("conversation") or ident)
+            elements = int(control.get("messages") or control.get("active") or 0)
         except (ValueError, TypeError, AttributeError, msgpack.UnpackException):
             pass  # reported under the entry id; the digest still covers its bytes
     return {"entry": str(wire["id"]), "id": ident, "queue": queue, "type": kind, "elements": elements,

@@ -23,7 +23,7 @@ import redis
 from cfemu import duplex, keys, lua
 from cfemu.limits import DEFAULT_MSG_LENGTH, check_max_msg_length
 from cfemu.topic_attributes import TopicAttributes, companion_queues
-from cfemu.uow_attributes import UowAttributes, control_queue, data_queue
+from cfemu.uow_attributes import UowAttributes, UowDefaults, control_queue, data_queue, stored_attributes
 
 log = logging.getLogger("cfemu.admin")
 
@@ -131,6 +131,21 @@ class Admin:
     def set_group_name(self, name: str) -> None:
         self.redis.set(keys.group(), keys.check_name("group", name))
 
+    def uow_defaults(self) -> UowDefaults | None:
+        """The group's defaults for its services' STORE, MAX-UOWS and UWSTATP (None: none set in this CF)."""
+        raw = self.redis.get(keys.uow_defaults())
+        if raw is None:
+            return None
+        try:
+            return UowDefaults.from_dict(msgpack.unpackb(raw, raw=False))
+        except (ValueError, TypeError) as e:
+            self.bad_entries[(keys.uow_defaults(), "")] = str(e)
+            return None
+
+    def set_uow_defaults(self, defaults: UowDefaults) -> UowDefaults:
+        self.redis.set(keys.uow_defaults(), _pack(defaults))
+        return defaults
+
     # --- structures -----------------------------------------------------------------------------------
     def define_structure(self, name: str, *, max_entries: int = 0, max_bytes: int = 0,
                          replace: bool = False, clock: int = 0, recauto: bool = True) -> StructureDef:
@@ -206,7 +221,7 @@ class Admin:
         attrs: dict[str, Any] = {}
         if uow is not None:
             try:
-                attrs = UowAttributes.from_dict(uow).to_dict()
+                attrs = stored_attributes(uow)
                 for companion in (data_queue(name), control_queue(name)):
                     keys.check_name("queue", companion)
             except ValueError as e:

@@ -138,6 +138,11 @@ def group() -> str:
     return f"{ADMIN}:group"
 
 
+def uow_defaults() -> str:
+    """String (msgpack): the group's defaults for its services (cfemu.uow_attributes.UowDefaults)."""
+    return f"{ADMIN}:uow-defaults"
+
+
 def structure_defs() -> str:
     """Hash: structure name -> msgpack StructureDef."""
     return f"{ADMIN}:structures"

@@ -16,7 +16,8 @@ repository.json is replaced atomically (cfemu.durable.replace_file: temp file, f
      "queues": {"Q1": {"name", "structure", "backout_threshold", "backout_queue", "max_msg_length", "lrsn",
                        "defined_at", "updated_at"}},
      "members": {"QM1": {"log": "<absolute log directory>", "joined_at", "last_joined_at"}},
-     "migrated": {"APP1": {"migration", "unload", "source_cf", "migrated_at"}}}
+     "migrated": {"APP1": {"migration", "unload", "source_cf", "migrated_at"}},
+     "uow_defaults": {"store", "max_uows", "status_lifetime", "updated_at"}}   the group's defaults for services
 
 ``migrated`` names the structures unloaded by a store migration (backup.migrate): their content now lives in
 another CF, so restore, RECAUTO and the start modes refuse them (a CF loss takes the source's MIGRATED header away;
@@ -55,6 +56,7 @@ from typing import Any
 from cfemu import keys
 from cfemu.admin import Admin, AdminError, QueueDef, StructureDef
 from cfemu.durable import replace_file
+from cfemu.uow_attributes import UowDefaults
 
 DIRECTORY = "_group"  # under the log root, beside the members' logs (not a log: no manifest.json, no segments)
 FILE = "repository.json"
@@ -62,6 +64,7 @@ LOCK = "lock"
 FORMAT = "cfemu-group-repository"
 VERSION = 1
 MIGRATED = "migrated"  # the section of the structures a store migration unloaded
+UOW_DEFAULTS = "uow_defaults"  # the section of the group's defaults for its services
 
 State = dict[str, Any]
 
@@ -200,6 +203,16 @@ class GroupRepository:
                 out.append(QueueDef.from_dict(rec))
         return sorted(out, key=lambda q: q.name)
 
+    # --- the group's defaults for its services (cfemu.uow_attributes.UowDefaults) -----------------------------
+    def record_uow_defaults(self, defaults: UowDefaults) -> None:
+        def change(state: State) -> None:
+            state[UOW_DEFAULTS] = {**defaults.to_dict(), "updated_at": _iso()}
+        self.update(change)
+
+    def uow_defaults(self) -> UowDefaults | None:
+        rec = (self.load() or {}).get(UOW_DEFAULTS)
+        return None if rec is None else UowDefaults.from_dict({k: v for k, v in rec.items() if k != "updated_at"})
+
     # --- store migration: the source that must not serve again (backup.migrate) ----------------------------
     def record_migrated(self, structure: str, migration: str, *, unload: str, source_cf: str) -> None:
         """`structure` was unloaded by `migration`: restore, RECAUTO and the start modes refuse it from now on."""
@@ -250,6 +263,7 @@ def open_group_repository(admin: Admin, log_root: str | os.PathLike[str], *, who
     if mine == recorded["id"]:
         redefine_survivors(admin, repo)
         repo.adopt(admin.structures(), admin.queues())  # definitions made without the repository
+        _sync_uow_defaults(admin, repo)
     else:
         raise RepositoryError(
             f"{who}: the log root {repo.log_root} is not the group's: the CF records the group's repository at "
@@ -258,6 +272,16 @@ def open_group_repository(admin: Admin, log_root: str | os.PathLike[str], *, who
             + "; peer recovery, backup and restore read every member's log under the group's log root, so use "
               "that one (--log-root or $CFEMU_LOG_ROOT)")
     return repo
+
+
+def _sync_uow_defaults(admin: Admin, repo: GroupRepository) -> None:
+    """The group's defaults for its services where one side lacks them: the CF's again after it was lost, the
+    repository's when they were set in the CF alone."""
+    in_cf, in_repo = admin.uow_defaults(), repo.uow_defaults()
+    if in_cf is None and in_repo is not None:
+        admin.set_uow_defaults(in_repo)
+    elif in_cf is not None and in_repo != in_cf:
+        repo.record_uow_defaults(in_cf)
 
 
 def redefine_survivors(admin: Admin, repo: GroupRepository) -> list[str]:
@@ -319,6 +343,18 @@ def alter_structure(admin: Admin, repo: GroupRepository, name: str, *, max_entri
                                      recauto=new.recauto)
     repo.record_structure(new, known[1] if known else now_lrsn())
     return new
+
+
+def define_uow_defaults(admin: Admin, repo: GroupRepository, given: Mapping[str, Any]) -> UowDefaults:
+    """Set the group's defaults for its services (STORE, MAX-UOWS, UWSTATP): the ones ``given``, the rest as they
+    were; in the CF and, durably, in the group repository. A bad value changes nothing (AdminError)."""
+    current = admin.uow_defaults() or repo.uow_defaults() or UowDefaults()
+    try:
+        new = UowDefaults.from_dict({**current.to_dict(), **given})
+    except (ValueError, TypeError) as e:
+        raise AdminError(f"UOW defaults: {e}") from None
+    repo.record_uow_defaults(new)
+    return admin.set_uow_defaults(new)
 
 
 def define_queue(admin: Admin, repo: GroupRepository, name: str, structure: str, *, backout_threshold: int = 0,

@@ -19,6 +19,7 @@ from cfemu.clitools import CLIError, Output, require_url, settings
 from cfemu.errors import FencedError, NoMessageError
 from cfemu.uow_attributes import CONTROL_SUFFIX, DATA_SUFFIX
 from qsg.cli_common import Parents, whole
+from sqm.conversations.convrecord import RECORD_LETTER, ConvRecord
 from sqm.conversations.uowcontrols import LAST_LETTER
 from sqm.conversations.uowstatus import Control
 from sqm.core.manager import QueueManager, QueueManagerConfig
@@ -143,8 +144,9 @@ def _message_row(m: Any) -> dict[str, Any]:
 def _uow_of(m: Any) -> dict[str, Any]:
     """What a message is to a service (docs/uow.md): a message of a UOW on <SVC>.UOWDATA (the UOW id is its
     correlid; its position, from 1, its ``uow.seq`` property + 1), or a UOW's control entry on <SVC>.UOWCTL (the
-    UOW id is its msgid; its status in the body) or a user's LAST pointer there (status LAST, the UOW it points
-    to). A plain message: an empty UOW."""
+    UOW id is its msgid; its status in the body), a user's LAST pointer there (status LAST, the UOW it points to) or
+    a conversation's record (status CONVERSATION: its id, the receiver it is bound to, how it ended). A plain
+    message: an empty UOW."""
     queue = str(m.queue or "")
     seq = (m.properties or {}).get("uow.seq")
     if queue.endswith(DATA_SUFFIX) and isinstance(seq, int):
@@ -153,6 +155,10 @@ def _uow_of(m: Any) -> dict[str, Any]:
         try:
             if m.correlid == LAST_LETTER.encode():  # a user's pointer to the last UOW it sent (SYNCPOINT LAST)
                 return {"uow": str(msgpack.unpackb(m.body)["uow"]), "uow_position": None, "uow_status": "LAST"}
+            if m.correlid == RECORD_LETTER.encode():  # a conversation's record: its id, and whose it is
+                rec = ConvRecord.unpack(m.body)
+                return {"uow": rec.conversation, "uow_position": None, "uow_status": "CONVERSATION",
+                        "bound_to": rec.receiver, "ended": rec.eoc}
             return {"uow": m.msgid.hex(), "uow_position": None, "uow_status": Control.unpack(m.body).status}
         except Exception:  # noqa: BLE001 - not a control entry (put there by hand): shown as such, not fatal
             return {"uow": m.msgid.hex(), "uow_position": None, "uow_status": "?"}

@@ -2,6 +2,7 @@
 
   cfemu indoubt list | resolve UOW --commit|--backout --server HOST:PORT
   cfemu uow query UOWID | last | set-status UOWID STATUS | delete UOWID --server HOST:PORT [--user U]
+  cfemu uow set-uow-status UOWID ACCEPTED|CANCELLED --server HOST:PORT          (the operator's SET-UOW-STATUS)
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Any
 
 from cfemu.clitools import CLIError, Output, settings
 from qsg.cli_common import Parents, Parser
+from sqm.conversations.operator_status import TARGETS
 from sqm.service.client import Client
 
 
@@ -47,12 +49,22 @@ UOW_FIELDS = ("uow", "service", "status", "user_status", "sender", "receiver", "
 
 def cmd_uow(args: argparse.Namespace, out: Output) -> int:
     """SYNCPOINT QUERY, LAST, SETUSTATUS and DELETE through a member's service, logged on as --user (with
-    --user-token): LAST finds that user's last UOW, SETUSTATUS needs its sender or receiver, DELETE its sender."""
+    --user-token): LAST finds that user's last UOW, SETUSTATUS needs its sender or receiver, DELETE its sender.
+    SET-UOW-STATUS is the operator's (an operator token), with no logon."""
     if not args.server:
         raise CLIError(f"uow {args.action}: give --server HOST:PORT (a member's service: UOW statuses are read and "
                        "changed through a session on it)")
     found = settings(args)
     with Client(args.server, token=found.token, role=found.token_role, client_name="cfemu") as c:
+        if args.action == "set-uow-status":  # the operator's: no logon
+            doc = {**c.set_uow_status(args.uow_id, args.status), "qmgr": c.qmgr}
+            if args.json:
+                out.json(doc)
+            else:
+                out.line(f"unit of work {args.uow_id}: {doc['was']} -> {doc['status'] or 'no trace kept'} "
+                         f"(SET-UOW-STATUS through {doc['qmgr']})"
+                         + (f"; its messages moved to {doc['moved_to']}" if doc["moved_to"] else ""))
+            return 0
         c.logon(args.user, args.user_token)
         if args.action == "query":
             doc = c.syncpoint("QUERY", args.uow_id)
@@ -105,6 +117,11 @@ def uow_arguments(p: argparse.ArgumentParser, parents: Parents) -> None:
                          help="SYNCPOINT SETUSTATUS: a UOW's user status (by its sender or receiver)")
     us.add_argument("uow_id", metavar="UOWID")
     us.add_argument("status", metavar="STATUS", help="the user status (text, at most 64 bytes)")
+    uo = usub.add_parser("set-uow-status", parents=[parents.common, parents.server],
+                         help="ETBCMD SET-UOW-STATUS (an operator's token): a POSTPONED UOW ACCEPTED now, or an "
+                              "ACCEPTED or POSTPONED one CANCELLED")
+    uo.add_argument("uow_id", metavar="UOWID")
+    uo.add_argument("status", choices=TARGETS, help="the status to set")
     ud = usub.add_parser("delete", parents=[parents.common, parents.server, who],
                          help="SYNCPOINT DELETE: the kept status of a finished UOW (by its sender)")
     ud.add_argument("uow_id", metavar="UOWID")

@@ -31,7 +31,9 @@ from cfemu.errors import (
     UowStatusError,
 )
 from cfemu.uow_attributes import UWSTATP_DEFAULT, UWSTATP_NONE
+from sqm.conversations import bindings
 from sqm.conversations import uowcontrols as ctl
+from sqm.conversations.convrecord import NEW, OLD, SETTLED
 from sqm.conversations.uowstatus import (
     ACCEPTED,
     ACTIVE,
@@ -180,6 +182,7 @@ class Conversation:
         conn = self.qm.connect()
         try:
             ctl.put_control(conn, svc, c)
+            bindings.open_for_send(conn, svc, c, new=not conversation)
             ctl.set_last(conn, svc, self.user, self.sealed, uow, ctl.cf_now_ms(self.qm, svc.structure),
                          c.entry_persistent)
             conn.commit()
@@ -221,16 +224,22 @@ class Conversation:
                            user_status=old.user_status)
         ctl.replace(self.qm, op.svc, op.control.uow, self._refusing(accept), conn=self.scope,
                     wait_s=ctl.wait_left(deadline))
+        if eoc:
+            bindings.end(self.scope, op.svc, op.control.conversation, eoc, pc, wait_s=ctl.wait_left(deadline))
 
     # --- receive --------------------------------------------------------------------------------------------
-    def receive(self, service: str, *, option: str = ANY, wait_ms: int = 0, max_length: int = 0) -> Received:
+    def receive(self, service: str, *, option: str = ANY, wait_ms: int = 0, max_length: int = 0,
+                convid: str = ANY) -> Received:
         """RECEIVE. Within a UOW being received: its next message (RECV_MIDDLE / LAST), or EndOfUowError after the
-        last. Otherwise SYNC: the first message of the next ACCEPTED UOW (commit order), MSG: a message outside any
+        last. Otherwise SYNC: the first message of the next ACCEPTED UOW (commit order) this receiver may take by
+        ``convid`` (CONVID: NEW a conversation nobody received yet, OLD one bound to this user id and token, ANY its
+        own first then new ones, or one conversation's id; docs/uow.md, "Conversations"), MSG: a message outside any
         UOW, ANY: either. ``max_length`` (0: any): the longest message the caller can carry (Connection.get); a
         longer one raises TruncatedMessageError and is not taken (a UOW's first message: the UOW is ACCEPTED again)."""
         self._max_length = max_length
         if option not in (SYNC, MSG, ANY):
             raise BadRequestError(f"receive option must be SYNC, MSG or ANY, not {option!r}")
+        check_convid(convid)
         svc = ctl.service(self.qm, service)
         if self.receiving is not None and option != MSG:
             if self.receiving.svc.name != svc.name:
@@ -241,7 +250,7 @@ class Conversation:
         delay = 0.005
         while True:
             if option in (SYNC, ANY):
-                got = self._start_receiving(svc)
+                got = self._start_receiving(svc, convid)
                 if got is not None:
                     return got
             if option in (MSG, ANY):
@@ -256,20 +265,19 @@ class Conversation:
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
 
-    def _start_receiving(self, svc: ctl.Service) -> Received | None:
-        """Take the next ACCEPTED UOW: ACCEPTED -> DELIVERED (committed at once, owned by this session's scope),
-        then its first message into the scope."""
+    def _start_receiving(self, svc: ctl.Service, convid: str = ANY) -> Received | None:
+        """Take the next ACCEPTED UOW this receiver may take by ``convid``: ACCEPTED -> DELIVERED and its conversation
+        bound to this receiver (committed at once, owned by this session's scope), then its first message into the
+        scope."""
         scope_uow = self.scope._current_uow()
         pc = ctl.pseudo_clock(self.qm, svc.structure)
         conn = self.qm.connect()
         delivered: Control | None = None
         try:
-            try:
-                m = conn.get(svc.control, syncpoint=True, correlid=b"A", counted=False)
-            except NoMessageError:
+            old = bindings.take_next(self.qm, conn, svc, convid, self.user, self.token, self.sealed, pc)
+            if old is None:
                 conn.backout()
                 return None
-            old = Control.unpack(m.body)
             to = transition(RECEIVER, "RECEIVE", old.status)
             new = delivered = replace(old, status=to, owner=scope_uow.id, receiver=self.user,
                                       receiver_token=self.sealed, changed_pc=pc)
@@ -385,7 +393,7 @@ class Conversation:
             self._expect(old, op.control.owner)
             return finish(old, transition(RECEIVER, "COMMIT", old.status), pc)
         ctl.replace(self.qm, op.svc, op.control.uow, self._refusing(process), drain=lambda old, new: True,
-                    conn=self.scope, wait_s=ctl.wait_left(deadline))
+                    conn=self.scope, wait_s=ctl.wait_left(deadline), how=SETTLED)
 
     def backout(self, uow: str = "") -> dict[str, Any]:
         """BACKOUT: a sent UOW becomes BACKEDOUT (its messages gone); a received one is ACCEPTED again, its delivery
@@ -467,7 +475,7 @@ class Conversation:
         self.receiving = None
         conn = self.qm.connect()
         try:
-            ctl.replace(self.qm, op.svc, c.uow, self._refusing(cancelled), conn=conn)
+            ctl.replace(self.qm, op.svc, c.uow, self._refusing(cancelled), conn=conn, how=SETTLED)
             moved = move_to_backout_queue(conn, op.svc, c.uow)
             conn.commit()
         except BaseException:
@@ -663,6 +671,17 @@ class Conversation:
         return bytes(value)
 
 
+MAX_CONVID = 64  # a conversation id a sender chooses (sqm.conversations.ops)
+
+
+def check_convid(convid: str) -> str:
+    """RECEIVE's CONVID: NEW, OLD, ANY, or a conversation's id (1-64 printable characters)."""
+    if not isinstance(convid, str) or not convid or len(convid) > MAX_CONVID or not convid.isprintable():
+        raise BadRequestError(f"receive: CONVID must be {NEW}, {OLD}, {ANY} or a conversation id of 1-{MAX_CONVID} "
+                              f"printable characters, not {convid!r}")
+    return convid
+
+
 def _no_uow() -> Any:
     raise UowStatusError("this session holds no unit of work: name one")
 
@@ -695,5 +714,6 @@ def settle_orphan(qm: Member, svc: ctl.Service, uow: str, owner: str, *, gone: b
         return None
 
 
-__all__ = ["Conversation", "Sent", "Received", "SYNC", "MSG", "ANY", "BOTH", "OPTIONS", "settle_orphan",
+__all__ = ["Conversation", "Sent", "Received", "SYNC", "MSG", "ANY", "NEW", "OLD", "BOTH", "OPTIONS", "check_convid",
+           "settle_orphan",
            "move_to_backout_queue"]

@@ -21,10 +21,20 @@ from cfemu.errors import (
     TruncatedMessageError,
 )
 from sqm import operations
-from sqm.conversations.conversation import MAX_USER, OPTIONS, Conversation
+from sqm.conversations import operator_status
+from sqm.conversations.conversation import MAX_USER, OPTIONS, Conversation, check_convid
 from sqm.conversations.uowstatus import USER_STATUS_MAX
 from sqm.core.manager import QueueManager
-from sqm.operations import ANY_ROLE, NotLoggedOnError, Operation, arg, bounded_str, service_name, short
+from sqm.operations import (
+    ANY_ROLE,
+    OPERATOR_ONLY,
+    NotLoggedOnError,
+    Operation,
+    arg,
+    bounded_str,
+    service_name,
+    short,
+)
 from sqm.request_slots import before_wait
 
 log = logging.getLogger("sqm.service.server")  # the service's log lines keep one logger name
@@ -90,6 +100,7 @@ def receive(svc: Service, session: Session, args: dict[str, Any]) -> dict[str, A
     conv = _logged_on(session)
     service = service_name(args, "receive")
     option = _choice(args, "receive", "option", ("ANY", "SYNC", "MSG"), "ANY")
+    convid = check_convid(bounded_str(args, "receive", "convid", MAX_CONVERSATION_ID, "ANY"))
     wait_ms = arg(args, "receive", "wait_ms", int, 0)
     if not 0 <= wait_ms <= svc.max_wait_ms:
         raise BadRequestError(f"receive: wait_ms must be 0-{svc.max_wait_ms}, not {wait_ms}")
@@ -101,7 +112,7 @@ def receive(svc: Service, session: Session, args: dict[str, Any]) -> dict[str, A
         if svc.stopping:  # not carried out: the client may go on elsewhere (nothing was taken)
             raise svc.quiescing("receive")
         try:
-            got = conv.receive(service, option=option, max_length=session.reply_room())
+            got = conv.receive(service, option=option, max_length=session.reply_room(), convid=convid)
             break
         except EndOfUowError:
             raise
@@ -124,6 +135,13 @@ def syncpoint(svc: Service, session: Session, args: dict[str, Any]) -> dict[str,
     option = _choice(args, "syncpoint", "option", OPTIONS)
     uow = bounded_str(args, "syncpoint", "uow", MAX_USER)
     return conv.syncpoint(option, uow, user_status=_user_status(args, "syncpoint"))
+
+
+def set_uow_status(svc: Service, session: Session, args: dict[str, Any]) -> dict[str, Any]:
+    """ETBCMD SET-UOW-STATUS: an operator's, with no logon (sqm.conversations.operator_status)."""
+    return operator_status.set_uow_status(svc.qm, bounded_str(args, "set_uow_status", "uow", MAX_USER),
+                                          _choice(args, "set_uow_status", "status", operator_status.TARGETS),
+                                          by=f"the operator on connection {session.number}")
 
 
 # --- arguments, bounded before anything runs -------------------------------------------------------------------
@@ -154,6 +172,7 @@ OPERATIONS = (
     Operation("send", "conversation", ANY_ROLE, send, needs_logon=True),
     Operation("receive", "conversation", ANY_ROLE, receive, needs_logon=True),
     Operation("syncpoint", "conversation", ANY_ROLE, syncpoint, needs_logon=True),
+    Operation("set_uow_status", "conversation", OPERATOR_ONLY, set_uow_status, alone=True),
 )
 
 __all__ = ["MAX_CONVERSATION_ID", "OPERATIONS", "Service", "Session", "logoff"]

@@ -16,7 +16,9 @@ import msgpack
 from cfemu.admin import QueueDef
 from cfemu.entry import Entry
 from cfemu.errors import NoMessageError, UowStatusError
-from cfemu.uow_attributes import UowAttributes, control_queue, data_queue
+from cfemu.uow_attributes import UowAttributes, UowDefaults, control_queue, data_queue, service_attributes
+from sqm.conversations.convrecord import RETURNED
+from sqm.conversations.group_defaults import group_defaults
 from sqm.conversations.uowstatus import LETTER, Control, status_letter_hex
 from sqm.core import logon_token
 from sqm.core.cfcall import CFCaller
@@ -62,16 +64,17 @@ class Service:
         return control_queue(self.name)
 
 
-def service_of(qdef: QueueDef) -> Service:
-    attrs = qdef.uow_attributes
-    if attrs is None:
+def service_of(qdef: QueueDef, group: UowDefaults) -> Service:
+    """The service a queue definition makes, its attributes as they apply: the definition's, then the group's
+    defaults (cfemu.uow_attributes.service_attributes)."""
+    if not qdef.uow:
         raise UowStatusError(f"queue {qdef.name} is not a service: define it with UOW attributes "
                              "(cfemu define queue NAME --uow ...)")
-    return Service(qdef.name, qdef.structure, attrs, qdef.backout_queue)
+    return Service(qdef.name, qdef.structure, service_attributes(qdef.uow, group), qdef.backout_queue)
 
 
 def service(qm: Member, name: str) -> Service:
-    return service_of(qm.queue_def(name))
+    return service_of(qm.queue_def(name), group_defaults(qm))
 
 
 def services(qm: Member) -> Iterator[Service]:
@@ -80,9 +83,10 @@ def services(qm: Member) -> Iterator[Service]:
     it is restored, where "no such UOW" would tell an application it has no work in progress)."""
     defs = {q.name: q for q in (qm.repository.queues() if qm.repository is not None else [])}
     defs.update({q.name: q for q in qm.cf_call(qm.admin.queues)})
+    group = group_defaults(qm)
     for qdef in sorted(defs.values(), key=lambda q: q.name):
         if qdef.uow:
-            yield service_of(qdef)
+            yield service_of(qdef, group)
 
 
 def _peek_entry(qm: CFCaller, svc: Service, uow: str) -> tuple[Entry, bytes] | None:
@@ -190,19 +194,29 @@ def drain_data(conn: Connection, svc: Service, uow: str, each: Callable[[Message
         n += 1
 
 
+# What else follows a status change, in its unit of work: (connection, service, old, new, how) -> None. A feature
+# of the conversations registers here (sqm.conversations.bindings: a conversation's record follows its UOWs);
+# ``how`` is replace's: RETURNED unless the caller says SETTLED (sqm.conversations.convrecord).
+Follower = Callable[[Connection, Service, Control, "Control | None", str], None]
+FOLLOWERS: list[Follower] = []
+
+
 def replace(qm: Member, svc: Service, uow: str, change: Callable[[Control], Control | None], *,
             drain: Callable[[Control, Control | None], bool] = lambda old, new: False,
             conn: Connection | None = None, wait_s: float = HELD_WAIT_S,
-            also_mine: str = "") -> tuple[Control, Control | None]:
+            also_mine: str = "", how: str = RETURNED) -> tuple[Control, Control | None]:
     """One status change, as one unit of work: take the control (waiting up to ``wait_s`` while another change holds
     it; ``also_mine``: as take_control's), compute its successor (``change`` may raise UowStatusError, which changes
-    nothing), take the UOW's messages where ``drain`` says so, put the successor (None: no trace kept), commit. With
-    ``conn`` the change joins that connection's unit of work, uncommitted."""
+    nothing), take the UOW's messages where ``drain`` says so, put the successor (None: no trace kept), let the
+    FOLLOWERS follow (``how``: what the change is, for them), commit. With ``conn`` the change joins that
+    connection's unit of work, uncommitted."""
     own = conn is None
     c = conn or qm.connect()
     try:
         old = take_control(c, svc, uow, wait_s=wait_s, also_mine=also_mine)
         new = change(old)
+        for follow in FOLLOWERS:
+            follow(c, svc, old, new, how)
         if drain(old, new):
             drain_data(c, svc, uow)
         if new is not None:

@@ -20,6 +20,8 @@ from typing import Any
 import msgpack
 
 from cfemu.uow_attributes import CONTROL_SUFFIX
+from sqm.conversations.convrecord import RECORD_CID_HEX, ConvRecord
+from sqm.conversations.convrecord import after_restart as conversation_after_restart
 
 RECEIVED, ACCEPTED, DELIVERED, POSTPONED = "RECEIVED", "ACCEPTED", "DELIVERED", "POSTPONED"
 BACKEDOUT, PROCESSED, CANCELLED, TIMEOUT, DISCARDED = "BACKEDOUT", "PROCESSED", "CANCELLED", "TIMEOUT", "DISCARDED"
@@ -37,6 +39,7 @@ RECV_NONE, RECV_FIRST, RECV_MIDDLE, RECV_LAST, RECV_ONLY = (
 # Who acts, and on what event. SENDER / RECEIVER: the application through sqm.conversations.conversation; SYSTEM: the sweeper
 # (lifetimes, postponement) and recovery.
 SENDER, RECEIVER, SYSTEM = "sender", "receiver", "system"
+OPERATOR = "operator"  # ETBCMD SET-UOW-STATUS (sqm.conversations.operator_status)
 
 
 class TransitionError(ValueError):
@@ -60,6 +63,10 @@ TABLE: dict[tuple[str, str, str], str] = {
     (RECEIVER, "POSTPONE", DELIVERED): POSTPONED,  # a receiver's CANCEL while postponement attempts remain
     (SYSTEM, "TIMEOUT", ACCEPTED): TIMEOUT,
     (SYSTEM, "RESUME", POSTPONED): ACCEPTED,  # POSTPONE-DELAY has passed
+    # The operator's SET-UOW-STATUS: only UOWs no session holds, and not final ones (no UOW is left to change).
+    (OPERATOR, "SET-UOW-STATUS ACCEPTED", POSTPONED): ACCEPTED,  # its postponement ends early
+    (OPERATOR, "SET-UOW-STATUS CANCELLED", ACCEPTED): CANCELLED,
+    (OPERATOR, "SET-UOW-STATUS CANCELLED", POSTPONED): CANCELLED,
 }
 # SETUSTATUS keeps the status, and is allowed in these (EntireX: "The UOW must be in RECEIVED, ACCEPTED, or
 # DELIVERED status").
@@ -205,8 +212,14 @@ def is_control_queue(queue: str) -> bool:
 
 def restore_control_entry(entry: Mapping[str, Any], data: bytes) -> tuple[dict[str, Any], bytes] | None:
     """The restore fold's step for a control entry that survived the CF's loss (restore.settle): after_restart on
-    its record, the entry's correlation id following the status. None: the status is not kept. An entry that is no
-    status (a user's LAST pointer, on the same queue) is restored as it is."""
+    its record, the entry's correlation id following the status. None: the status is not kept. A conversation's
+    record follows the restart rule of conversations (sqm.conversations.convrecord.after_restart); an entry that is
+    neither (a user's LAST pointer, on the same queue) is restored as it is."""
+    if str(entry.get("cid", "")) == RECORD_CID_HEX:  # a conversation's record: its binding as a restart leaves it
+        try:
+            return dict(entry), conversation_after_restart(ConvRecord.unpack(data)).pack()
+        except Exception:  # noqa: BLE001 - not a record (put there by other means): restored as it was
+            return dict(entry), data
     if str(entry.get("cid", "")) not in _STATUS_CIDS:
         return dict(entry), data
     try:
@@ -219,4 +232,4 @@ def restore_control_entry(entry: Mapping[str, Any], data: bytes) -> tuple[dict[s
 
 
 __all__ = ["Control", "TransitionError", "transition", "after_restart", "after_backout", "finish", "restore_control_entry",
-           "is_control_queue", "status_letter_hex", "STATUSES", "ACTIVE", "FINAL", "TABLE"]
+           "is_control_queue", "status_letter_hex", "STATUSES", "ACTIVE", "FINAL", "TABLE", "OPERATOR"]

@@ -16,6 +16,7 @@ from collections import Counter
 from dataclasses import replace
 
 from cfemu.errors import MQError, StructureFailedError, UowStatusError
+from sqm.conversations import bindings
 from sqm.conversations import uowcontrols as ctl
 from sqm.conversations.conversation import settle_orphan
 from sqm.conversations.uowstatus import (
@@ -102,6 +103,10 @@ class Sweeper:
             for c in by_status[st]:
                 if c.final_pc + c.status_mult * c.lifetime_ms <= pc:
                     done[_apply(qm, svc, c, lambda old: None, "statuses-expired")] += 1
+        key = (svc.name, "conversations")
+        self.cursors[key], ended = bindings.expire_idle(qm, svc, pc, self.cursors.get(key, "0"), self.BATCH)
+        if ended:
+            done["conversations-ended"] += ended
         return done
 
 

@@ -46,8 +46,10 @@ class ConversationCalls:
     def _session_lost(op: str, user: str | None, was_held: bool, *, in_flight: bool, where: str, why: str,
                       settles: str) -> None:
         """A conversation request whose connection was lost: only a logon (or a request of a client that never
-        logged on, which the server refuses anyway) is re-sent; otherwise the application must log on again."""
-        if op == "logon" or user is None:
+        logged on: the server refuses an application's, and an operator's SET-UOW-STATUS needs none) is re-sent,
+        but one that changes a status on its own lost in flight is not (its outcome is unknown); otherwise the
+        application must log on again."""
+        if op == "logon" or (user is None and not (in_flight and settles)):
             return
         again = f"the session of user {user} ended with it: log on again"
         if in_flight and settles == "commit":
@@ -83,14 +85,19 @@ class ConversationCalls:
         settles = "commit" if commit or eoc else "alone" if option == "MSG" else ""
         return dict(self._call("send", args, settles=settles))
 
-    def receive(self, service: str, *, option: str = "ANY", wait_ms: int = 0) -> dict[str, Any]:
+    def receive(self, service: str, *, option: str = "ANY", wait_ms: int = 0, convid: str = "ANY") -> dict[str, Any]:
         """RECEIVE: the next message of the unit of work being received (EndOfUowError past its last), else SYNC
-        the first of the next ACCEPTED UOW, MSG a message outside any UOW, ANY either; waiting up to ``wait_ms``.
+        the first of the next ACCEPTED UOW this session may take by ``convid`` (CONVID NEW, OLD, ANY or a
+        conversation's id: docs/uow.md, "Conversations"), MSG a message outside any UOW, ANY either; waiting up to
+        ``wait_ms``.
         Returns body, uow, recv (RECV_FIRST / MIDDLE / LAST / ONLY / NONE), status, persistent, user_status, eoc,
         deliveries, conversation."""
         # A message outside any UOW is taken outside syncpoint: one lost in flight may have been taken.
         settles = "alone" if option in ("MSG", "ANY") and not self._held else ""
-        return dict(self._call("receive", {"service": service, "option": option, "wait_ms": wait_ms},
+        args: dict[str, Any] = {"service": service, "option": option, "wait_ms": wait_ms}
+        if convid != "ANY":
+            args["convid"] = convid
+        return dict(self._call("receive", args,
                                wait_s=wait_ms / 1000, settles=settles))
 
     def syncpoint(self, option: str, uow: str = "", *, user_status: bytes | None = None) -> dict[str, Any]:
@@ -103,6 +110,12 @@ class ConversationCalls:
             args["user_status"] = user_status
         settles = "commit" if option in SYNCPOINT_COMMITS else "alone" if option in SYNCPOINT_ALONE else ""
         return dict(self._call("syncpoint", args, settles=settles))
+
+    def set_uow_status(self, uow: str, status: str) -> dict[str, Any]:
+        """ETBCMD SET-UOW-STATUS (an operator's; no logon needed): a POSTPONED UOW ACCEPTED now, or an ACCEPTED or
+        POSTPONED one CANCELLED (docs/uow.md). Returns its status after it, ``was`` the one before. Lost in flight:
+        OutcomeUnknownError (ask QUERY)."""
+        return dict(self._call("set_uow_status", {"uow": uow, "status": status}, settles="alone"))
 
 
 __all__ = ["SYNCPOINT_ALONE", "SYNCPOINT_COMMITS", "ConversationCalls"]

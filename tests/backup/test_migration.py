@@ -112,8 +112,8 @@ def test_a_structure_moves_to_another_cf_and_group_and_the_reports_compare_equal
     before = order_of(src)
     assert len(before) == 2500
     done = migrate.unload(src, S, tmp_path / "mig")
-    # Q1, Q2, the unreceived UOWs' messages; a status per UOW and alice's LAST pointer
-    assert done.by_type == {"message": 2500 + 1 + 9, "uow-status": 6, "uow-last": 1}
+    # Q1, Q2, the unreceived UOWs' messages; a status per UOW, alice's LAST pointer, a conversation per UOW
+    assert done.by_type == {"message": 2500 + 1 + 9, "uow-status": 6, "uow-last": 1, "conversation": 6}
     assert Admin(src).state(S) == migrate.MIGRATED
     # the source serves nothing now: a member's put is refused as on a failed structure...
     with pytest.raises(StructureFailedError, match="MIGRATED"):
@@ -546,4 +546,5 @@ def test_record_types_follow_the_companion_queues_and_correlation_ids() -> None:
     assert record_type("T.SUB", b"S".hex()) == "subscription"
     assert record_type("T.PUB") == "publication"
     assert (record_type("S.UOWCTL", b"A".hex()), record_type("S.UOWCTL", b"L".hex())) == ("uow-status", "uow-last")
+    assert record_type("S.UOWCTL", b"V".hex()) == "conversation"  # a conversation's record (docs/uow.md)
     assert record_type("S.UOWDATA") == record_type("Q1") == "message"

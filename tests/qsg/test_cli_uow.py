@@ -39,11 +39,12 @@ def test_define_a_service(where: list[str], redis_url: str) -> None:
                       "--no-uow-store", "--status-lifetime", "2", "--uow-lifetime", "600", "--postpone-attempts", "3",
                       "--postpone-delay", "5", "--max-uows", "9", "--json", *where))
     assert d["uow"] == {"store": False, "max_uows": 9, "max_messages": 4, "lifetime_s": 600, "status_lifetime": 2,
-                        "postpone_attempts": 3, "postpone_delay_s": 5}
+                        "postpone_attempts": 3, "postpone_delay_s": 5, "conv_nonact_s": 300}
     assert admin.queue_def("SVC").uow == d["uow"]
     assert {q.name for q in admin.queues()} == {"SVC", "SVC.UOWDATA", "SVC.UOWCTL"}
     table = ok("cfemu", "define", "queue", "SVC2", "--structure", "APP1", "--uow", *where)
-    assert "service SVC2 defined" in table and "uow.max_uows" in table and "1000" in table
+    assert "service SVC2 defined" in table and "uow.max_messages" in table and "16" in table
+    assert "uow.max_uows" not in table  # not given: the group's (cfemu define uow-defaults; docs/uow.md)
     plain = json.loads(ok("cfemu", "define", "queue", "Q1", "--structure", "APP1", "--json", *where))
     assert plain["uow"] == {}
     with pytest.raises(AdminError):
@@ -59,7 +60,8 @@ def test_uow_status_verbs_and_the_browse_column(where: list[str], redis_url: str
         server = ["--server", srv.endpoint, "--token", "op-tok"]
         with Client(srv.endpoint, token="tok") as a:
             a.logon("alice", "a-tok")
-            uow = a.send("SVC", b"first")["uow"]
+            sent = a.send("SVC", b"first")
+            uow, conversation = sent["uow"], sent["conversation"]
             a.send("SVC", b"second", commit=True)
             a.send("SVC", b"outside any UOW", option="MSG")
 
@@ -67,7 +69,8 @@ def test_uow_status_verbs_and_the_browse_column(where: list[str], redis_url: str
         data = json.loads(ok("cfemu", "browse", "SVC.UOWDATA", "--json", *server))["messages"]
         assert [(m["body"], m["uow"], m["uow_position"]) for m in data] == [("first", uow, 1), ("second", uow, 2)]
         ctl = json.loads(ok("cfemu", "browse", "SVC.UOWCTL", "--json", *where))["messages"]  # in process too
-        assert sorted((m["uow"], m["uow_status"]) for m in ctl) == [(uow, "ACCEPTED"), (uow, "LAST")]
+        assert sorted((m["uow"], m["uow_status"]) for m in ctl) == sorted(
+            [(uow, "ACCEPTED"), (uow, "LAST"), (conversation, "CONVERSATION")])  # and the conversation's record
         plain = json.loads(ok("cfemu", "browse", "SVC", "--json", *server))["messages"]
         assert [(m["body"], m["uow"], m["uow_status"]) for m in plain] == [("outside any UOW", "", "")]
         table = ok("cfemu", "browse", "SVC.UOWDATA", *server)

@@ -324,3 +324,27 @@ def test_an_application_cannot_put_to_get_from_or_browse_a_service_s_companion_q
         got = c.receive(SVC, option="SYNC")
         assert got["uow"] == uow
         c.syncpoint("COMMIT")
+
+
+def test_a_conversation_is_bound_to_the_instance_that_received_it_over_the_network(servers: Any) -> None:
+    """RECEIVE's CONVID over the service (docs/uow.md, "Conversations"): the bound instance's by OLD, never another
+    instance's; EOC ends it for the sender; a malformed CONVID is refused before anything runs."""
+    qm1, qm2 = servers
+    with logged_on(qm1, "alice", "a-tok") as a, logged_on(qm1, "server", "i1") as x, \
+            logged_on(qm2, "server", "i2") as y:
+        first = a.send(SVC, b"first", commit=True)
+        conv = first["conversation"]
+        assert x.receive(SVC, option="SYNC", convid="NEW")["uow"] == first["uow"]
+        x.syncpoint("COMMIT")
+        last = a.send(SVC, b"last", conversation=conv, eoc="EOC")
+        with pytest.raises(UowStatusError, match=f"conversation {conv} of service {SVC} was ended by EOC"):
+            a.send(SVC, b"after", conversation=conv)
+        with pytest.raises(NoMessageError):
+            y.receive(SVC, option="SYNC", convid="ANY", wait_ms=200)
+        got = x.receive(SVC, option="SYNC", convid="OLD")
+        assert (got["uow"], got["eoc"], got["conversation"]) == (last["uow"], "EOC", conv)
+        x.syncpoint("COMMIT")
+        with pytest.raises(BadRequestError, match="'convid' must be at most 64 characters"):
+            y.receive(SVC, option="SYNC", convid="c" * 65)
+        with pytest.raises(BadRequestError, match="CONVID must be NEW, OLD, ANY or a conversation id"):
+            y.receive(SVC, option="SYNC", convid="")

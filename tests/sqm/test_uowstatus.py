@@ -12,6 +12,7 @@ from sqm.conversations.uowstatus import (
     DELIVERED,
     DISCARDED,
     FINAL,
+    OPERATOR,
     POSTPONED,
     PROCESSED,
     RECEIVED,
@@ -45,6 +46,10 @@ EXPECTED = {
     (RECEIVER, "POSTPONE", DELIVERED): POSTPONED,
     (SYSTEM, "TIMEOUT", ACCEPTED): TIMEOUT,
     (SYSTEM, "RESUME", POSTPONED): ACCEPTED,
+    # ETBCMD SET-UOW-STATUS (seed 003 names it; docs/uow.md): only what no session holds, and no final status
+    (OPERATOR, "SET-UOW-STATUS ACCEPTED", POSTPONED): ACCEPTED,
+    (OPERATOR, "SET-UOW-STATUS CANCELLED", ACCEPTED): CANCELLED,
+    (OPERATOR, "SET-UOW-STATUS CANCELLED", POSTPONED): CANCELLED,
 }
 
 

@@ -1,0 +1,235 @@
+"""Conversations on the CF: their records (sqm.conversations.convrecord) taken and replaced inside the queue-manager
+unit of work of the UOW status change they follow, and the receive that picks the next UOW a receiver may take by
+RECEIVE's CONVID (NEW, OLD, ANY or a conversation id; docs/uow.md, "Conversations").
+
+Every change of a record is a take (get by message id under syncpoint) and a put, like a control's: two receivers
+that race for one conversation serialize on its record, so a conversation is delivered to one receiver, one UOW at a
+time, in commit order."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+
+from cfemu.errors import NoMessageError, UowStatusError
+from sqm.conversations import uowcontrols as ctl
+from sqm.conversations.convrecord import (
+    ANY,
+    NEW,
+    OLD,
+    RECORD_CID_HEX,
+    RECORD_LETTER,
+    RETURNED,
+    SETTLED,
+    ConvRecord,
+    after_delivered,
+    bind,
+    counted,
+    idle,
+    record_id,
+)
+from sqm.conversations.uowstatus import ACCEPTED, ACTIVE, DELIVERED, Control
+from sqm.core import logon_token
+from sqm.core.cfcall import CFCaller
+from sqm.core.connection import Connection
+from sqm.core.member import Member
+from sqm.request_slots import nap
+
+RECORD_WAIT_S = 1.0  # how long a change waits for a record another short unit of work holds (a few CF round trips)
+# A receive reads this many ACCEPTED controls first (most receives take one of the first few), and as many as
+# uowcontrols.PEEK_LIMIT only when none of those is this receiver's to take.
+FIRST_LOOK = 32
+
+
+def peek(qm: CFCaller, svc: ctl.Service, conversation: str) -> tuple[ConvRecord | None, bool]:
+    """The conversation's record as the CF holds it, and whether a unit of work holds it now."""
+    found = qm.cf_call(lambda: qm.structure(svc.structure).peek(svc.control, "m", record_id(conversation).hex(), 1))
+    if not found:
+        return None, False
+    entry, data = found[0]
+    return ConvRecord.unpack(data), entry.state == "UG"
+
+
+def take(conn: Connection, svc: ctl.Service, conversation: str, *, wait_s: float = RECORD_WAIT_S) -> ConvRecord | None:
+    """The record, taken under the connection's unit of work (None: there is none). One another unit of work holds
+    is waited for, up to ``wait_s``; still held then: UowStatusError (the caller's change is refused, nothing done)."""
+    deadline = time.monotonic() + wait_s
+    delay = 0.005
+    while True:
+        try:
+            m = conn.get(svc.control, syncpoint=True, msgid=record_id(conversation), counted=False)
+            return ConvRecord.unpack(m.body)
+        except NoMessageError:
+            pass
+        rec, held = peek(conn.qm, svc, conversation)
+        if rec is None:
+            return None
+        if not held or time.monotonic() >= deadline:
+            if held:
+                raise UowStatusError(f"conversation {conversation} of service {svc.name} is changing: try again")
+            continue  # given back between the get and the peek
+        nap(delay)
+        delay = min(delay * 2, 0.05)
+
+
+def put(conn: Connection, svc: ctl.Service, rec: ConvRecord) -> None:
+    conn.put(svc.control, rec.pack(), persistent=rec.persistent, syncpoint=True,
+             msgid=record_id(rec.conversation), correlid=RECORD_LETTER.encode(), counted=False)
+
+
+def open_for_send(conn: Connection, svc: ctl.Service, c: Control, *, new: bool = False) -> None:
+    """A new UOW of conversation ``c.conversation`` (in its creation's unit of work): the conversation begins, or
+    goes on; one ended by EOC or EOCCANCEL is refused. ``new``: its id was made just now (CID=NEW), so it has no
+    record to look for."""
+    rec = None if new else take(conn, svc, c.conversation)
+    if rec is not None and rec.eoc:
+        raise UowStatusError(f"conversation {c.conversation} of service {svc.name} was ended by {rec.eoc}: "
+                             "send without a conversation id to begin a new one")
+    if rec is None:
+        rec = ConvRecord(c.conversation, svc.name, changed_pc=c.created_pc, lifetime_ms=c.lifetime_ms,
+                         nonact_ms=svc.attributes.conv_nonact_s * 1000, persistent=c.entry_persistent)
+    put(conn, svc, replace(rec, active=rec.active + 1, changed_pc=max(rec.changed_pc, c.created_pc),
+                           lifetime_ms=max(rec.lifetime_ms, c.lifetime_ms),
+                           nonact_ms=svc.attributes.conv_nonact_s * 1000,
+                           persistent=rec.persistent or c.entry_persistent))
+
+
+def end(conn: Connection, svc: ctl.Service, conversation: str, eoc: str, pc: int, *, wait_s: float) -> None:
+    """The sender's EOC or EOCCANCEL (in its commit's unit of work): no further send on the conversation."""
+    rec = take(conn, svc, conversation, wait_s=wait_s)
+    if rec is not None:
+        put(conn, svc, replace(rec, eoc=eoc, changed_pc=max(pc, rec.changed_pc)))
+
+
+def follow(conn: Connection, svc: ctl.Service, old: Control, new: Control | None, how: str) -> None:
+    """A UOW's status changed (in the unit of work of that change): its conversation's record follows when the UOW
+    left DELIVERED (convrecord.after_delivered) or the active statuses (convrecord.counted). Registered with
+    uowcontrols.replace."""
+    left_delivered = old.status == DELIVERED and (new is None or new.status != DELIVERED)
+    was_active, is_active = old.status in ACTIVE, new is not None and new.status in ACTIVE
+    if not old.conversation or not (left_delivered or was_active != is_active):
+        return
+    rec = take(conn, svc, old.conversation)
+    if rec is None:
+        return
+    pc = new.changed_pc if new is not None else old.changed_pc
+    if left_delivered:
+        rec = after_delivered(rec, old.uow, how, pc)
+    put(conn, svc, replace(counted(rec, was_active, is_active), changed_pc=max(pc, rec.changed_pc)))
+
+
+def _may_take(rec: ConvRecord | None, mode: str, user: str, token: str, sealed: str) -> bool:
+    """Whether a receiver (user id, token) may take a UOW of this conversation with RECEIVE CONVID ``mode``."""
+    if rec is None:  # a UOW without a record (its conversation ended idle while it waited): a new conversation's
+        return mode != OLD
+    if rec.delivering:
+        return False
+    mine = rec.bound and rec.receiver == user and logon_token.matches(rec.receiver_token, token, sealed)
+    if mode == NEW:
+        return not rec.bound
+    if mode == OLD:
+        return mine
+    return mine or not rec.bound  # a conversation id of its own
+
+
+def _passes(mode: str) -> Iterator[str]:
+    """CONVID=ANY: the receiver's old conversations first, then new ones (seed 003); an id: that one only."""
+    if mode == ANY:
+        yield OLD
+        yield NEW
+    else:
+        yield mode
+
+
+def take_next(qm: Member, conn: Connection, svc: ctl.Service, mode: str, user: str, token: str, sealed: str,
+              pc: int) -> Control | None:
+    """The next ACCEPTED UOW this receiver may take with CONVID ``mode``, taken under ``conn``'s unit of work with its
+    conversation's record bound to the receiver (the caller makes the UOW DELIVERED and commits); None when there is
+    none. Candidates are read in get order (priority, then commit order), FIRST_LOOK of them, then PEEK_LIMIT; the
+    first UOW of a conversation that another receiver holds or races for makes the whole conversation wait, so that
+    its UOWs stay in order."""
+    for limit in (FIRST_LOOK, ctl.PEEK_LIMIT):
+        candidates = ctl.peek_status(qm, svc, ACCEPTED, limit)
+        got = _first_takeable(qm, conn, svc, candidates, mode, user, token, sealed, pc)
+        if got is not None or len(candidates) < limit:
+            return got
+    return None
+
+
+def _first_takeable(qm: Member, conn: Connection, svc: ctl.Service, candidates: list[Control], mode: str,
+                    user: str, token: str, sealed: str, pc: int) -> Control | None:
+    looked: dict[str, tuple[ConvRecord | None, bool]] = {}  # each conversation's record, read once per receive
+    for want in _passes(mode):
+        rule = want if want in (NEW, OLD) else ""
+        passed: set[str] = set()  # conversations not for this receiver, or busy
+        for seen in candidates:
+            conv = seen.conversation
+            if conv in passed or (rule == "" and conv != want):
+                continue
+            if conv not in looked:
+                looked[conv] = peek(qm, svc, conv) if conv else (None, False)
+            rec, held = looked[conv]
+            if held or not _may_take(rec, rule, user, token, sealed):
+                passed.add(conv)
+                continue
+            c = _take_candidate(conn, svc, seen.uow, conv, rule, user, token, sealed, pc)
+            if c is not None:
+                return c
+            looked.pop(conv, None)
+            passed.add(conv)  # held, raced or changed: its conversation waits for it
+    return None
+
+
+def _take_candidate(conn: Connection, svc: ctl.Service, uow: str, conv: str, rule: str, user: str, token: str,
+                    sealed: str, pc: int) -> Control | None:
+    """The UOW's control and its conversation's record taken under ``conn``'s unit of work, the record bound to the
+    receiver; None (nothing kept) when either is held by another unit of work or no longer lets this receiver."""
+    try:
+        c = Control.unpack(conn.get(svc.control, syncpoint=True, msgid=bytes.fromhex(uow), counted=False).body)
+        rec = take(conn, svc, conv, wait_s=0.0) if conv else None
+    except (NoMessageError, UowStatusError):
+        conn.backout()
+        return None
+    if c.status != ACCEPTED or not _may_take(rec, rule, user, token, sealed):
+        conn.backout()
+        return None
+    if rec is not None:
+        put(conn, svc, bind(rec, c.uow, user, sealed, pc))
+    return c
+
+
+def expire_idle(qm: Member, svc: ctl.Service, pc: int, cursor: str = "0", count: int = 500) -> tuple[str, int]:
+    """One bounded batch of the service's conversation records (the sweeper's): a conversation that is over
+    (convrecord.idle: no active UOW for CONV-NONACT) has its record removed; its id may begin a new one. Returns
+    the cursor of the next batch ("0": pass over) and how many ended."""
+    nxt, found = qm.cf_call(lambda: qm.structure(svc.structure).peek_scan(svc.control, "c", RECORD_CID_HEX, cursor,
+                                                                          count))
+    ended = 0
+    for _, data in found:
+        try:
+            seen = ConvRecord.unpack(data)
+        except Exception:  # noqa: BLE001 - not a record: left alone
+            continue
+        if not idle(seen, pc):
+            continue
+        conn = qm.connect()
+        try:
+            rec = take(conn, svc, seen.conversation, wait_s=0.0)
+            if rec is None or not idle(rec, pc):
+                conn.backout()
+                continue
+            conn.commit()
+            ended += 1
+        except UowStatusError:
+            conn.backout()
+        except BaseException:
+            conn.backout()
+            raise
+    return nxt, ended
+
+
+ctl.FOLLOWERS.append(follow)
+
+__all__ = ["ANY", "NEW", "OLD", "RETURNED", "SETTLED", "end", "expire_idle", "follow", "open_for_send", "peek", "take",
+           "take_next"]
