@@ -17,7 +17,8 @@
                                                  (after a key rotation; with --accept-unsigned, adopt an old one)
   cfbackup prune STRUCTURE --keep N | --older-than AGE
   cfbackup schedule --interval SECONDS [--structure S]... [--keep N]   back up every N seconds (a daemon, until
-                                                 SIGTERM), keeping the newest N good backups (default 5)
+                    [--metrics-port PORT]        SIGTERM), keeping the newest N good backups (default 5);
+                                                 Prometheus metrics on 127.0.0.1:PORT
 
 The CF, the members' logs and the backup root are found as by every command (cfemu.settings): the flag, else the
 environment ($REDIS_URL, $CFEMU_LOG_ROOT, $CFEMU_BACKUP_DIR), else the nearest 'cfemu cluster' directory, else the
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import signal
 import sys
 import threading
@@ -275,13 +277,20 @@ def cmd_prune(args: argparse.Namespace, out: Output) -> int:
 
 def cmd_schedule(args: argparse.Namespace, out: Output) -> int:
     from backup.schedule import run_backup_scheduler
+    from backup.schedule_metrics import SchedulerMetrics
+    from cfemu import exposition
 
     if args.interval <= 0:
         raise ValueError(f"--interval must be > 0, not {args.interval}")
     if args.keep < 0:
         raise ValueError(f"--keep must be >= 0, not {args.keep}")
     configure_logging(args.verbose, as_json=out.as_json)
-    run_backup_scheduler(args.interval, settings(args), args.structure, keep=args.keep)
+    metrics = SchedulerMetrics(args.interval, args.keep)
+    if args.metrics_port is not None:
+        port = exposition.serve([metrics], args.metrics_host, args.metrics_port)
+        logging.getLogger("backup.schedule").info("backup scheduler: metrics on http://%s:%d/metrics",
+                                                  args.metrics_host, port)
+    run_backup_scheduler(args.interval, settings(args), args.structure, keep=args.keep, metrics=metrics)
     return 0
 
 
@@ -350,6 +359,11 @@ def build_parser() -> argparse.ArgumentParser:
     sch.add_argument("--keep", type=int, default=DEFAULT_KEEP, metavar="N",
                      help=f"after each good backup keep the newest N good backups of the structure (default "
                           f"{DEFAULT_KEEP}; 0: keep all) and remove older ones no restore can need")
+    sch.add_argument("--metrics-port", type=int, metavar="PORT",
+                     help="serve Prometheus metrics on PORT (0: any free port; default: none): what it ran, each "
+                          "backup's and step's duration, each structure's last good backup (docs/metrics.md)")
+    sch.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
+                     help="the address of --metrics-port (default 127.0.0.1: the metrics have no authentication)")
     sch.set_defaults(func=cmd_schedule)
     p.set_defaults(cf_role="backup")  # the CF user this command connects as (cfemu.credentials)
     return p

@@ -18,7 +18,6 @@ import platform
 import time
 from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime
-from importlib import metadata
 from typing import Any
 
 from prometheus_client import PLATFORM_COLLECTOR, PROCESS_COLLECTOR
@@ -26,14 +25,14 @@ from prometheus_client.core import (
     CollectorRegistry,
     CounterMetricFamily,
     GaugeMetricFamily,
-    HistogramMetricFamily,
     Metric,
 )
 from prometheus_client.registry import Collector
 
 from cfemu import duplex, keys
 from cfemu.admin import Admin
-from cfemu.latency import Latencies, Latency
+from cfemu.exposition import histogram, package_version
+from cfemu.latency import Latencies
 from sqm.core import recauto
 from sqm.core.manager import CF_DOWN, QueueManager
 from sqm.core.records import INBACKOUT, INCOMMIT, INDOUBT, INFLIGHT
@@ -120,28 +119,6 @@ def last_backup_age(admin: Admin, structure: str, now: float | None = None) -> f
     """Seconds since the structure's last good backup ended (``last_backup_time``), or None."""
     ended = last_backup_time(admin, structure)
     return None if ended is None else max(0.0, (now or time.time()) - ended)
-
-
-def package_version() -> str:
-    try:
-        return metadata.version("cfemu")
-    except metadata.PackageNotFoundError:
-        return "unknown"
-
-
-def histogram(name: str, help_text: str, labels: list[str],
-              series: Iterable[tuple[list[str], Latency]]) -> HistogramMetricFamily:
-    """A histogram family of the snapshots of ``series`` (label values, its Latency); the family is there
-    (HELP and TYPE) even before anything was observed, so dashboards and alerts find its name."""
-    family = HistogramMetricFamily(name, help_text, labels=labels)
-    for values, latency in series:
-        snap = latency.snapshot()
-        family.add_metric(values, [(_le(bound), n) for bound, n in snap.buckets], snap.sum)
-    return family
-
-
-def _le(bound: float) -> str:
-    return "+Inf" if bound == float("inf") else repr(bound)
 
 
 def timed_handlers(operations: Iterable[Operation], seconds: Latencies) -> dict[str, Handler]:
@@ -280,5 +257,5 @@ def make_registry(qm: QueueManager, server_stats: Callable[[], dict[str, Any]] |
     return registry
 
 
-__all__ = ["LRSN_EXACT_BELOW", "SQMCollector", "backup_finished_at", "histogram", "last_backup_age",
-           "last_backup_time", "make_registry", "package_version", "timed_handlers"]
+__all__ = ["LRSN_EXACT_BELOW", "SQMCollector", "backup_finished_at", "last_backup_age", "last_backup_time",
+           "make_registry", "timed_handlers"]
