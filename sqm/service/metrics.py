@@ -234,16 +234,16 @@ class SQMCollector(Collector):
             if t is not None:
                 ended.add_metric([sdef.name], t)
         yield from (depth, ended, up)
+        duplexed = GaugeMetricFamily("sqm_cf_duplexed", "1 when the duplexed CF's copy is in sync (DUPLEX), 0 "
+                                     "when it runs simplex (the secondary lost or resynchronising: CSQE250W); "
+                                     "no sample: the CF is not duplexed", labels=[])
+        generation = GaugeMetricFamily("sqm_cf_generation", "The duplexed CF's generation (one more at every "
+                                       "promotion)", labels=[])
         if duplex.pair_of(qm.redis) is not None:  # a duplexed CF (cfemu.duplex): the pair's mode as the CF records it
             mode, gen = qm.redis.hmget(keys.duplex(), [duplex.MODE_FIELD, duplex.GEN_FIELD])
-            g = GaugeMetricFamily("sqm_cf_duplexed", "1 when the duplexed CF's copy is in sync (DUPLEX), 0 when "
-                                  "it runs simplex (the secondary lost or resynchronising: CSQE250W)", labels=[])
-            g.add_metric([], 1.0 if mode == duplex.DUPLEX.encode() else 0.0)
-            yield g
-            g = GaugeMetricFamily("sqm_cf_generation", "The duplexed CF's generation (one more at every promotion)",
-                                  labels=[])
-            g.add_metric([], float(int(gen or 0)))
-            yield g
+            duplexed.add_metric([], 1.0 if mode == duplex.DUPLEX.encode() else 0.0)
+            generation.add_metric([], float(int(gen or 0)))
+        yield from (duplexed, generation)
 
 
 def make_registry(qm: QueueManager, server_stats: Callable[[], dict[str, Any]] | None = None,
