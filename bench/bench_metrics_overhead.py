@@ -40,6 +40,7 @@ from sqm.service.ops import OPERATIONS
 from sqm.wings import WINGS
 
 QUEUE, BODY = "Q1", b"x" * 1024
+WORKLOADS = {"persistent put+commit+get+commit": True, "non-persistent put+get": False}
 
 
 class NoLatency(Latency):
@@ -57,19 +58,23 @@ class NoLatencies(Latencies):
 NO_LATENCY = NoLatency()
 
 
-def lifecycles(qm: QueueManager, op_seconds: Latencies, stop_at: float) -> int:
+def lifecycles(qm: QueueManager, op_seconds: Latencies, stop_at: float, persistent: bool) -> int:
+    """Persistent: put, commit, get, commit (each commit waits for an fsync). Not: a non-persistent put and get
+    outside syncpoint (no log, two CF calls: where a timing's cost shows most)."""
     conn = qm.connect()
     put, get, commit = op_seconds["put"], op_seconds["get"], op_seconds["commit"]
     n = 0
     while time.perf_counter() < stop_at:
         with put.time():
-            conn.put(QUEUE, BODY)
-        with commit.time():
-            conn.commit()
+            conn.put(QUEUE, BODY, persistent=persistent, syncpoint=persistent)
+        if persistent:
+            with commit.time():
+                conn.commit()
         with get.time():
-            conn.get(QUEUE, wait_ms=1000)
-        with commit.time():
-            conn.commit()
+            conn.get(QUEUE, wait_ms=1000, syncpoint=persistent)
+        if persistent:
+            with commit.time():
+                conn.commit()
         n += 1
     conn.close()
     return n
@@ -84,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     seconds = args.seconds or (0.5 if args.quick else 2.0)
     rounds = args.rounds or (1 if args.quick else 5)
     work = Path(tempfile.mkdtemp(prefix="bench-metrics-", dir=Path.cwd()))
+    host = machine(work)
     cf = EmbeddedRedis(data_dir=work / "cf").start()
     qm: QueueManager | None = None
     try:
@@ -93,14 +99,15 @@ def main(argv: list[str] | None = None) -> int:
         assert qm.log is not None
         timed = (Latency(), Latency(), Latencies())
         untimed = (NO_LATENCY, NO_LATENCY, NoLatencies())
-        rates: dict[str, list[float]] = {"timed": [], "untimed": []}
-        lifecycles(qm, timed[2], time.perf_counter() + 0.3)  # warm: scripts loaded, connection open
+        rates: dict[str, list[float]] = {f"{w} {t}": [] for w in WORKLOADS for t in ("untimed", "timed")}
+        lifecycles(qm, timed[2], time.perf_counter() + 0.3, True)  # warm: scripts loaded, connection open
         for _ in range(rounds):
-            for name, (cf_calls, fsyncs, ops) in (("untimed", untimed), ("timed", timed)):
-                qm.cf_call_seconds, qm.log.stats.fsync_seconds = cf_calls, fsyncs
-                t0 = time.perf_counter()
-                n = lifecycles(qm, ops, t0 + seconds)
-                rates[name].append(n / (time.perf_counter() - t0))
+            for workload, persistent in WORKLOADS.items():
+                for name, (cf_calls, fsyncs, ops) in (("untimed", untimed), ("timed", timed)):
+                    qm.cf_call_seconds, qm.log.stats.fsync_seconds = cf_calls, fsyncs
+                    t0 = time.perf_counter()
+                    n = lifecycles(qm, ops, t0 + seconds, persistent)
+                    rates[f"{workload} {name}"].append(n / (time.perf_counter() - t0))
         qm.cf_call_seconds, qm.log.stats.fsync_seconds = timed[0], timed[1]
         for op in OPERATIONS:  # every histogram filled, as on a member that ran every operation
             timed[2][op.name].observe(0.001)
@@ -111,10 +118,11 @@ def main(argv: list[str] | None = None) -> int:
             size = len(generate_latest(registry))
             scrapes.append(time.perf_counter() - t0)
         result: dict[str, Any] = {
-            "date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": machine(work),
+            "date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": host,
             "seconds": seconds, "rounds": rounds,
             "lifecycles_per_s": {k: round(statistics.median(v), 1) for k, v in rates.items()},
-            "ratio_timed_over_untimed": round(statistics.median(rates["timed"]) / statistics.median(rates["untimed"]), 3),
+            "ratio_timed_over_untimed": {w: round(statistics.median(rates[f"{w} timed"])
+                                                  / statistics.median(rates[f"{w} untimed"]), 3) for w in WORKLOADS},
             "scrape_ms_median": round(statistics.median(scrapes) * 1000, 2), "scrape_bytes": size,
             "load_average_at_end": [round(x, 2) for x in os.getloadavg()]}
     finally:
@@ -122,12 +130,14 @@ def main(argv: list[str] | None = None) -> int:
             qm.stop()
         cf.stop()
         shutil.rmtree(work, ignore_errors=True)
-    table = Table(title="latency histograms: put+commit+get+commit lifecycles per second (median of rounds)")
-    for col in ("untimed", "timed", "timed / untimed", "scrape (ms)", "scrape (bytes)"):
+    table = Table(title="latency histograms: lifecycles per second (median of rounds), and one scrape")
+    for col in ("workload", "untimed", "timed", "timed / untimed"):
         table.add_column(col, justify="right")
-    table.add_row(str(result["lifecycles_per_s"]["untimed"]), str(result["lifecycles_per_s"]["timed"]),
-                  str(result["ratio_timed_over_untimed"]), str(result["scrape_ms_median"]), str(size))
+    for w in WORKLOADS:
+        table.add_row(w, str(result["lifecycles_per_s"][f"{w} untimed"]), str(result["lifecycles_per_s"][f"{w} timed"]),
+                      str(result["ratio_timed_over_untimed"][w]))
     Console().print(table)
+    Console().print(f"one scrape of the member's registry: {result['scrape_ms_median']} ms, {size} bytes")
     out = Path(__file__).parent / "results"
     out.mkdir(exist_ok=True)
     with open(out / "metrics_overhead.jsonl", "a") as f:
