@@ -96,6 +96,8 @@ VERBS: dict[str, Verb] = {
     "backup": Delegate("cfbackup (same arguments)", "backup.cli:main"),
     "restore": Delegate("cfrestore (same arguments)", "restore.cli:main"),
     "migrate": Delegate("move a structure to another CF through files (docs/migration.md)", "qsg.migrate_cli:main"),
+    "exporter": Command("serve the CF's INFO as Prometheus metrics, until stopped (docs/metrics.md)",
+                        "qsg.exporter_cli:cmd_exporter", ("common", "where"), "qsg.exporter_cli:exporter_arguments"),
     "cluster": Command("a local group of processes", "qsg.cluster_cli:cmd_cluster", ("common",),
                        "qsg.cluster_cli:cluster_arguments"),
     "demo": Delegate("the end-to-end demonstration", "qsg.demo:main"),

@@ -3,8 +3,13 @@ its threshold, persistence, and a CF that does not answer (up 0, the scrape stil
 
 from __future__ import annotations
 
+import json
+import signal
+import subprocess
+import sys
 import threading
 import time
+import urllib.request
 
 import redis
 from prometheus_client import generate_latest
@@ -103,3 +108,23 @@ def test_a_refused_info_is_an_answer_without_figures() -> None:
     text = scrape(CFInfoCollector(lambda: Refusing()))  # type: ignore[arg-type,return-value]
     assert value(text, "cfemu_cf_up") == 1 and value(text, "cfemu_cf_busy") == 0
     assert value(text, "cfemu_cf_keys", db="0") is None
+
+
+def test_cfemu_exporter_serves_the_cf_metrics_until_sigterm(fresh_redis: EmbeddedRedis) -> None:
+    fresh_redis.client().set("k", "v")
+    proc = subprocess.Popen([sys.executable, "-m", "qsg.cli", "exporter", "--port", "0", "--json",
+                             "--redis-url", fresh_redis.url], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        printed = proc.stdout.readline()
+        while not printed.rstrip().endswith(b"}"):  # one JSON document, maybe over several lines
+            printed += proc.stdout.readline()
+        where = json.loads(printed)
+        with urllib.request.urlopen(where["metrics"], timeout=15) as r:
+            text = r.read().decode()
+        assert value(text, "cfemu_cf_up") == 1 and value(text, "cfemu_cf_keys", db="0") == 1
+        assert value(text, "process_start_time_seconds") is not None
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err.decode()
