@@ -774,17 +774,16 @@ class LocalGroup:
                          "ready": ready, **_restarts(m), "held": m.get("held")})
         if self.state.get("scheduler"):
             s = self.state["scheduler"]
-            rows.append({"process": "backup-scheduler", "pid": s.get("pid"), "alive": "scheduler" in alive,
-                         "address": f"every {s['interval']}s", "ready": "scheduler" in alive,
-                         **({"metrics": f"127.0.0.1:{s['metrics_port']}"} if s.get("metrics_port") else {})})
+            rows.append({"process": "backup-scheduler", "pid": s.get("pid"), **_metrics_address(s),
+                         "alive": "scheduler" in alive,
+                         "address": f"every {s['interval']}s", "ready": "scheduler" in alive})
         if self.state.get("cf_supervisor") and self.state["detached"]:
             pid = self.state["cf_supervisor"].get("pid")
             what = [w for w, on in (("a dead or hung CF", self.state.get("cf_restart", True)),
                                     ("dead or fenced members", self.state.get("member_restart"))) if on]
-            port = self.state["cf_supervisor"].get("metrics_port")
-            rows.append({"process": "cf-supervisor", "pid": pid, "alive": "cf_supervisor" in alive,
-                         "address": "restarts " + " and ".join(what), "ready": "cf_supervisor" in alive,
-                         **({"metrics": f"127.0.0.1:{port}"} if port else {})})
+            rows.append({"process": "cf-supervisor", "pid": pid, **_metrics_address(self.state["cf_supervisor"]),
+                         "alive": "cf_supervisor" in alive,
+                         "address": "restarts " + " and ".join(what), "ready": "cf_supervisor" in alive})
         spark = self.spark()
         spark_master = None
         if spark is not None:
@@ -907,6 +906,11 @@ def serve_metrics(group: LocalGroup, sup: Supervisor, port: int) -> int:
     bound = exposition.serve([SupervisorCollector(sup), CFInfoCollector(cf)], "127.0.0.1", port)
     log.info("supervisor: metrics (its own and the CF's) on http://127.0.0.1:%d/metrics", bound)
     return bound
+
+
+def _metrics_address(proc: Mapping[str, Any]) -> dict[str, str]:
+    """The metrics column of a process's status row (the scheduler's, the supervisor's), when it serves any."""
+    return {"metrics": f"127.0.0.1:{proc['metrics_port']}"} if proc.get("metrics_port") else {}
 
 
 def _restarts(proc: Mapping[str, Any]) -> dict[str, Any]:
