@@ -125,10 +125,8 @@ def timed_handlers(operations: Iterable[Operation], seconds: Latencies) -> dict[
     """The handler of each operation, each wrapped to observe how long it ran into ``seconds[name]`` (whether
     it returned or raised): the one place the service's operations are timed."""
     def timed(name: str, handler: Handler) -> Handler:
-        latency = seconds[name]
-
         def run(service: Any, session: Any, args: dict[str, Any]) -> Any:
-            with latency.time():
+            with seconds[name].time():  # made at the first run: the exposition holds only the operations run
                 return handler(service, session, args)
         return run
     return {op.name: timed(op.name, op.handler) for op in operations if op.handler is not None}

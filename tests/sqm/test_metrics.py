@@ -90,6 +90,9 @@ def test_each_operation_is_timed_and_fsyncs_and_cf_calls_too(member: ServerProc)
     # One observation per fsync: the histogram counts what the counter counts.
     assert sample(text, "sqm_log_fsync_duration_seconds_count") == sample(text, "sqm_fsyncs_total") > 0
     assert sample(text, "sqm_cf_call_duration_seconds_count") >= 8
+    timed_ops = {s.labels["op"] for f in prom.families(text).values() for s in f.samples  # type: ignore[attr-defined]
+                 if s.name == "sqm_operation_duration_seconds_count"}
+    assert {"put", "commit"} <= timed_ops and "subscribe" not in timed_ops  # only the operations that ran
 
 
 def test_the_last_backup_is_a_timestamp_from_the_catalog(qm: QueueManager) -> None:
