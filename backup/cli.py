@@ -6,7 +6,8 @@
                [--wait SECONDS]                its mark in the CF lasts SECONDS past its last renewal (default
                                                30): a backup killed without a word blocks the next that long;
                                                another backup running (the scheduler's) is waited for, at most
-                                               --wait seconds (default 120; 0: refused at once)
+                                               --wait seconds (default 120; 0: refused at once);
+                                               --metrics-file PATH: the run as Prometheus gauges
   cfbackup cancel [--structure S]                end the backup mark of S (of every structure without --structure),
                                                  running or stale: its backup fails at its next renewal
   cfbackup list [STRUCTURE] [--deep]             backups, newest first, with their state (ok/corrupt/incomplete)
@@ -38,6 +39,7 @@ import logging
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -49,6 +51,7 @@ from backup.catalog import OK, find_backup, inspect, list_backups, parse_age, pr
 from backup.files import BackupError, sign_backup, verify
 from backup.run import DEFAULT_BATCH, DEFAULT_LEASE_S, DEFAULT_WAIT_S, BackupTerminated, run_backup
 from backup.schedule import DEFAULT_KEEP
+from cfemu import exposition
 from cfemu.admin import Admin
 from cfemu.cf import CF, BackupCancelled
 from cfemu.clitools import (
@@ -132,6 +135,8 @@ def cmd_run(args: argparse.Namespace, out: Output) -> int:
     client = connect(require_url(found))
     # The members' logs are only read to count exception records: a log root that is not there is no error.
     log_root = found.log_root if found.log_root.is_dir() else None
+    t0 = time.monotonic()
+    manifest: dict[str, Any] | None = None
     try:
         with _sigterm_ends_the_backup(), \
                 PhaseBars(out.console, disabled=out.as_json or not out.console.is_terminal, width=36) as bars:
@@ -143,6 +148,15 @@ def cmd_run(args: argparse.Namespace, out: Output) -> int:
         print(f"cfbackup: terminated (SIGTERM): the backup of {args.structure} ended as failed, its mark cleared "
               "and nothing kept", file=sys.stderr)
         return 128 + signal.SIGTERM
+    finally:
+        if args.metrics_file:  # the run, good or not, for node_exporter's textfile collector (docs/metrics.md)
+            exposition.write_last_run(
+                args.metrics_file, "cfbackup_", args.structure, ok=manifest is not None,
+                seconds=time.monotonic() - t0,
+                phases={f"{s['step']} {s['label']}": s["seconds"] for s in (manifest or {}).get("steps", [])},
+                values={"last_run_entries": ("Entries the last good backup copied", manifest["entries"]),
+                        "last_run_bytes": ("Message bytes in the last good backup", manifest["bytes"])}
+                if manifest is not None else None)
     path = found.backup_dir / args.structure / manifest["id"]
     if out.as_json:
         out.json({**manifest, "path": str(path)})
@@ -278,7 +292,6 @@ def cmd_prune(args: argparse.Namespace, out: Output) -> int:
 def cmd_schedule(args: argparse.Namespace, out: Output) -> int:
     from backup.schedule import run_backup_scheduler
     from backup.schedule_metrics import SchedulerMetrics
-    from cfemu import exposition
 
     if args.interval <= 0:
         raise ValueError(f"--interval must be > 0, not {args.interval}")
@@ -324,6 +337,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--wait", type=float, default=DEFAULT_WAIT_S, metavar="SECONDS",
                      help=f"while another backup of the structure runs (the scheduler's), wait for it to end, at "
                           f"most SECONDS (default {DEFAULT_WAIT_S:g}; 0: refuse at once)")
+    run.add_argument("--metrics-file", metavar="PATH",
+                     help="write the run's metrics (success, duration, each step's) to PATH for node_exporter's "
+                          "textfile collector, replaced atomically (docs/metrics.md)")
     run.set_defaults(func=cmd_run)
     cancel = sub.add_parser("cancel", parents=[common, cf],
                             help="end a running or stale backup's mark (a backup stuck or killed): the backup, "
