@@ -14,6 +14,7 @@
   cfemu pstore status|connect|disconnect|no-new-uows|mode|start   each structure's persistent store (docs/pstore.md)
   cfemu backup ... | restore ...                cfbackup / cfrestore
   cfemu migrate unload|load|compare|status|reopen   a structure to another CF through files (docs/migration.md)
+  cfemu exporter [--port N]                     the CF's INFO as Prometheus metrics, until stopped (docs/metrics.md)
   cfemu cluster up|status|down|restart|stop     a local group: CF and SQM servers (restarted when they die), backups
   cfemu demo                                    the end-to-end demonstration
   cfemu chaos run|soak|check|kinds              the chaos test suite (docs/chaos.md)
