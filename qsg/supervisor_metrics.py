@@ -15,6 +15,8 @@ from cfemu.exposition import histogram, package_version
 from qsg.group_supervisor import Supervisor
 
 PREFIX = "cfemu_supervisor_"
+PAIR_EVENTS = (("degrade", "degrades"), ("resync", "resyncs"), ("promotion", "promotions"),
+               ("empty_restart", "empty_restarts"))  # (label, the pair state's count)
 
 
 class SupervisorCollector(Collector):
@@ -57,10 +59,20 @@ class SupervisorCollector(Collector):
                         "BUSY is an answer)", [], [([], counts.ping_seconds)])
         yield histogram(f"{PREFIX}tick_duration_seconds", "How long each of the supervisor's intervals took", [],
                         [([], counts.tick_seconds)])
+        pair = self.sup.c.state.get("duplex") or {}  # a duplexed CF: its controller's record (qsg.cfpair)
+        c = CounterMetricFamily(f"{PREFIX}cf_pair_events", "The duplexed CF pair's events: the secondary lost "
+                                "(degrade), copied again (resync), promoted, or both lost (empty_restart)",
+                                labels=["event"])
+        g = GaugeMetricFamily(f"{PREFIX}cf_pair_generation", "The duplexed CF pair's generation", labels=[])
+        if pair:
+            for event, key in PAIR_EVENTS:
+                c.add_metric([event], int(pair.get(key) or 0))
+            g.add_metric([], int(pair.get("gen") or 0))
+        yield from (c, g)
         c = CounterMetricFamily(f"{PREFIX}tick_failures", "Intervals that failed (tried again at the next)",
                                 labels=[])
         c.add_metric([], counts.tick_failures)
         yield c
 
 
-__all__ = ["PREFIX", "SupervisorCollector"]
+__all__ = ["PAIR_EVENTS", "PREFIX", "SupervisorCollector"]
