@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import redis
 
 from backup.protocol import STEPS
@@ -29,6 +30,7 @@ def value(text: str, name: str, **labels: str) -> float | None:
     return float(found[0]) if found else None
 
 
+@pytest.mark.slow
 def test_a_backup_and_a_restore_by_hand_leave_their_metrics_in_a_file(
         qsg: tuple[redis.Redis, QueueManager], redis_url: str, tmp_path: Path) -> None:
     _client, qm = qsg

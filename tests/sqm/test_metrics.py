@@ -7,13 +7,13 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from prometheus_client import generate_latest
 
 from cfemu import keys
 from cfemu.admin import Admin
+from cfemu.embedded import EmbeddedRedis
 from cfemu.exposition import package_version
 from cfemu.latency import FAST_BUCKETS, Latencies, Latency, PhaseTimes
 from sqm.core.manager import QueueManager
@@ -24,12 +24,17 @@ from tests.support import prom
 from tests.support.group import define_group, start_qm
 
 
-@pytest.fixture
-def member(fresh_redis: Any, tmp_path: Path) -> Iterator[ServerProc]:
-    define_group(fresh_redis.url, queues=("Q1",))
-    srv = start_server(fresh_redis.url, tmp_path, "QM1", "--token", TOKEN)
-    yield srv
-    assert srv.stop() == 0, srv.log_text()
+@pytest.fixture(scope="module")
+def member(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
+    """One server on a CF of its own for the module (its tests count deltas, never absolute figures)."""
+    cf = EmbeddedRedis(data_dir=tmp_path_factory.mktemp("cf")).start()
+    try:
+        define_group(cf.url, queues=("Q1",))
+        srv = start_server(cf.url, tmp_path_factory.mktemp("member"), "QM1", "--token", TOKEN)
+        yield srv
+        assert srv.stop() == 0, srv.log_text()
+    finally:
+        cf.stop()
 
 
 @pytest.fixture
