@@ -51,7 +51,6 @@ from backup.catalog import OK, find_backup, inspect, list_backups, parse_age, pr
 from backup.files import BackupError, sign_backup, verify
 from backup.run import DEFAULT_BATCH, DEFAULT_LEASE_S, DEFAULT_WAIT_S, BackupTerminated, run_backup
 from backup.schedule import DEFAULT_KEEP
-from cfemu import exposition
 from cfemu.admin import Admin
 from cfemu.cf import CF, BackupCancelled
 from cfemu.clitools import (
@@ -150,6 +149,8 @@ def cmd_run(args: argparse.Namespace, out: Output) -> int:
         return 128 + signal.SIGTERM
     finally:
         if args.metrics_file:  # the run, good or not, for node_exporter's textfile collector (docs/metrics.md)
+            from cfemu import exposition  # prometheus_client: only for a run that asks
+
             exposition.write_last_run(
                 args.metrics_file, "cfbackup_", args.structure, ok=manifest is not None,
                 seconds=time.monotonic() - t0,
@@ -292,6 +293,7 @@ def cmd_prune(args: argparse.Namespace, out: Output) -> int:
 def cmd_schedule(args: argparse.Namespace, out: Output) -> int:
     from backup.schedule import run_backup_scheduler
     from backup.schedule_metrics import SchedulerMetrics
+    from cfemu import exposition
 
     if args.interval <= 0:
         raise ValueError(f"--interval must be > 0, not {args.interval}")

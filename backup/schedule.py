@@ -22,15 +22,17 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from backup.catalog import retain
-from backup.schedule_metrics import SchedulerMetrics
 from cfemu.admin import Admin
 from cfemu.connection import connect
 from cfemu.procs import popen_tied
 from cfemu.repository import GroupRepository
 from cfemu.settings import Settings
+
+if TYPE_CHECKING:  # prometheus_client is imported by the scheduler only, not by every cfbackup command
+    from backup.schedule_metrics import SchedulerMetrics
 
 log = logging.getLogger("backup.schedule")
 
@@ -50,7 +52,10 @@ def run_backup_scheduler(interval: float, settings: Settings, structures: Sequen
     uses the scheduler's CF, log root and backup directory whatever the child would find on its own.
     """
     stop = stop or threading.Event()
-    metrics = metrics or SchedulerMetrics(interval, keep)
+    if metrics is None:
+        from backup.schedule_metrics import SchedulerMetrics
+
+        metrics = SchedulerMetrics(interval, keep)
     child_env = {**os.environ, **settings.env()}
     current: list[subprocess.Popen[bytes]] = []
 

@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 from backup.files import BackupError
-from cfemu import exposition
 from cfemu.admin import Admin
 from cfemu.bulk import NotOwnerError
 from cfemu.clitools import (
@@ -79,6 +78,8 @@ def cmd_run(args: argparse.Namespace, out: Output, *, dry_run: bool = False) -> 
                                  backup_keys=found.backup_keys(accept_unsigned=args.accept_unsigned))
     finally:
         if getattr(args, "metrics_file", None):  # the run, good or not, for node_exporter (docs/metrics.md)
+            from cfemu import exposition  # prometheus_client: only for a run that asks
+
             exposition.write_last_run(
                 args.metrics_file, "cfrestore_", args.structure, ok=result is not None,
                 seconds=time.monotonic() - t0, phases=result.timings if result is not None else {},
