@@ -6,7 +6,8 @@
                [--wait SECONDS]                its mark in the CF lasts SECONDS past its last renewal (default
                                                30): a backup killed without a word blocks the next that long;
                                                another backup running (the scheduler's) is waited for, at most
-                                               --wait seconds (default 120; 0: refused at once)
+                                               --wait seconds (default 120; 0: refused at once);
+                                               --metrics-file PATH: the run as Prometheus gauges
   cfbackup cancel [--structure S]                end the backup mark of S (of every structure without --structure),
                                                  running or stale: its backup fails at its next renewal
   cfbackup list [STRUCTURE] [--deep]             backups, newest first, with their state (ok/corrupt/incomplete)
@@ -17,7 +18,8 @@
                                                  (after a key rotation; with --accept-unsigned, adopt an old one)
   cfbackup prune STRUCTURE --keep N | --older-than AGE
   cfbackup schedule --interval SECONDS [--structure S]... [--keep N]   back up every N seconds (a daemon, until
-                                                 SIGTERM), keeping the newest N good backups (default 5)
+                    [--metrics-port PORT]        SIGTERM), keeping the newest N good backups (default 5);
+                                                 Prometheus metrics on 127.0.0.1:PORT
 
 The CF, the members' logs and the backup root are found as by every command (cfemu.settings): the flag, else the
 environment ($REDIS_URL, $CFEMU_LOG_ROOT, $CFEMU_BACKUP_DIR), else the nearest 'cfemu cluster' directory, else the
@@ -33,9 +35,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -130,6 +134,8 @@ def cmd_run(args: argparse.Namespace, out: Output) -> int:
     client = connect(require_url(found))
     # The members' logs are only read to count exception records: a log root that is not there is no error.
     log_root = found.log_root if found.log_root.is_dir() else None
+    t0 = time.monotonic()
+    manifest: dict[str, Any] | None = None
     try:
         with _sigterm_ends_the_backup(), \
                 PhaseBars(out.console, disabled=out.as_json or not out.console.is_terminal, width=36) as bars:
@@ -141,6 +147,17 @@ def cmd_run(args: argparse.Namespace, out: Output) -> int:
         print(f"cfbackup: terminated (SIGTERM): the backup of {args.structure} ended as failed, its mark cleared "
               "and nothing kept", file=sys.stderr)
         return 128 + signal.SIGTERM
+    finally:
+        if args.metrics_file:  # the run, good or not, for node_exporter's textfile collector (docs/metrics.md)
+            from cfemu import exposition  # prometheus_client: only for a run that asks
+
+            exposition.write_last_run(
+                args.metrics_file, "cfbackup_", args.structure, ok=manifest is not None,
+                seconds=time.monotonic() - t0,
+                phases={f"{s['step']} {s['label']}": s["seconds"] for s in (manifest or {}).get("steps", [])},
+                values={"last_run_entries": ("Entries the last good backup copied", manifest["entries"]),
+                        "last_run_bytes": ("Message bytes in the last good backup", manifest["bytes"])}
+                if manifest is not None else None)
     path = found.backup_dir / args.structure / manifest["id"]
     if out.as_json:
         out.json({**manifest, "path": str(path)})
@@ -275,13 +292,20 @@ def cmd_prune(args: argparse.Namespace, out: Output) -> int:
 
 def cmd_schedule(args: argparse.Namespace, out: Output) -> int:
     from backup.schedule import run_backup_scheduler
+    from backup.schedule_metrics import SchedulerMetrics
+    from cfemu import exposition
 
     if args.interval <= 0:
         raise ValueError(f"--interval must be > 0, not {args.interval}")
     if args.keep < 0:
         raise ValueError(f"--keep must be >= 0, not {args.keep}")
     configure_logging(args.verbose, as_json=out.as_json)
-    run_backup_scheduler(args.interval, settings(args), args.structure, keep=args.keep)
+    metrics = SchedulerMetrics(args.interval, args.keep)
+    if args.metrics_port is not None:
+        port = exposition.serve([metrics], args.metrics_host, args.metrics_port)
+        logging.getLogger("backup.schedule").info("backup scheduler: metrics on http://%s:%d/metrics",
+                                                  args.metrics_host, port)
+    run_backup_scheduler(args.interval, settings(args), args.structure, keep=args.keep, metrics=metrics)
     return 0
 
 
@@ -315,6 +339,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--wait", type=float, default=DEFAULT_WAIT_S, metavar="SECONDS",
                      help=f"while another backup of the structure runs (the scheduler's), wait for it to end, at "
                           f"most SECONDS (default {DEFAULT_WAIT_S:g}; 0: refuse at once)")
+    run.add_argument("--metrics-file", metavar="PATH",
+                     help="write the run's metrics (success, duration, each step's) to PATH for node_exporter's "
+                          "textfile collector, replaced atomically (docs/metrics.md)")
     run.set_defaults(func=cmd_run)
     cancel = sub.add_parser("cancel", parents=[common, cf],
                             help="end a running or stale backup's mark (a backup stuck or killed): the backup, "
@@ -350,6 +377,11 @@ def build_parser() -> argparse.ArgumentParser:
     sch.add_argument("--keep", type=int, default=DEFAULT_KEEP, metavar="N",
                      help=f"after each good backup keep the newest N good backups of the structure (default "
                           f"{DEFAULT_KEEP}; 0: keep all) and remove older ones no restore can need")
+    sch.add_argument("--metrics-port", type=int, metavar="PORT",
+                     help="serve Prometheus metrics on PORT (0: any free port; default: none): what it ran, each "
+                          "backup's and step's duration, each structure's last good backup (docs/metrics.md)")
+    sch.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
+                     help="the address of --metrics-port (default 127.0.0.1: the metrics have no authentication)")
     sch.set_defaults(func=cmd_schedule)
     p.set_defaults(cf_role="backup")  # the CF user this command connects as (cfemu.credentials)
     return p

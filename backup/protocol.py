@@ -45,6 +45,7 @@ class StepCount:
     vanished: int = 0  # gone between snapshot and fetch (its later history is in the log)
     excluded: int = 0  # persistent entries left out by the caller's `keep` test (EXCLINT: the log has them)
     bytes: int = 0
+    seconds: float = 0.0  # how long the step took, its snapshot and copies (the scheduler's phase histograms)
 
 
 # The descriptor's "per" key as every writer of the CF's descriptors encodes it (a fixstr: Entry.pack, and the Lua

@@ -328,6 +328,7 @@ def _run_backup(client: redis.Redis, structure: str, backup_root: Path, *, log_r
             counts.append(count)
             phase = f"{number} {label}"
             progress(phase, 0, None)  # the snapshot, and so the total, is taken when the step's copy starts
+            step_t0 = time.monotonic()
             # Each copy's descriptor goes into its frame as the CF's bytes: decoded only when its persistence
             # is not plain at sight, or for EXCLINT (backup.protocol.select_raw).
             pacer.new_step()
@@ -338,6 +339,7 @@ def _run_backup(client: redis.Redis, structure: str, backup_root: Path, *, log_r
                 progress(phase, count.copied + count.skipped_nonpersistent + count.vanished + count.excluded,
                          count.snapshot)
             progress(phase, count.snapshot, count.snapshot)
+            count.seconds = round(time.monotonic() - step_t0, 6)
         # The tombstones (outcomes decided for owners that may still retry) are part of the structure's state
         # as a restore from this backup must rebuild it: the decisions behind them may lie before its replay.
         tombstones = bulk.tombstones(client, structure)

@@ -13,6 +13,7 @@ nor a restore or purge point while anything older stays); keep 0 keeps everythin
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -21,6 +22,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from backup.catalog import retain
 from cfemu.admin import Admin
@@ -29,21 +31,31 @@ from cfemu.procs import popen_tied
 from cfemu.repository import GroupRepository
 from cfemu.settings import Settings
 
+if TYPE_CHECKING:  # prometheus_client is imported by the scheduler only, not by every cfbackup command
+    from backup.schedule_metrics import SchedulerMetrics
+
 log = logging.getLogger("backup.schedule")
 
 BACKUP_COMMAND = [sys.executable, "-m", "backup.cli"]
 DEFAULT_KEEP = 5  # good backups kept per structure by the scheduler's retention
+BUSY_REASON = "MQRC_CF_STRUC_IN_USE"  # a child's error line when another backup of its structure runs
 
 
 def run_backup_scheduler(interval: float, settings: Settings, structures: Sequence[str] = (),
-                         stop: threading.Event | None = None, keep: int = DEFAULT_KEEP) -> None:
+                         stop: threading.Event | None = None, keep: int = DEFAULT_KEEP,
+                         metrics: SchedulerMetrics | None = None) -> None:
     """Every interval seconds run ``cfbackup run S`` for each structure (default: every ACTIVE one), until stop;
-    after each good one, the retention (module doc) with `keep`.
+    after each good one, the retention (module doc) with `keep`. What it ran, and how long each backup and each
+    of its steps took, goes to ``metrics`` (backup.schedule_metrics).
 
     settings (the scheduler's own, resolved once) go to every child through its environment, so that each backup
     uses the scheduler's CF, log root and backup directory whatever the child would find on its own.
     """
     stop = stop or threading.Event()
+    if metrics is None:
+        from backup.schedule_metrics import SchedulerMetrics
+
+        metrics = SchedulerMetrics(interval, keep)
     child_env = {**os.environ, **settings.env()}
     current: list[subprocess.Popen[bytes]] = []
 
@@ -58,25 +70,38 @@ def run_backup_scheduler(interval: float, settings: Settings, structures: Sequen
         signal.signal(signal.SIGINT, on_term)
     log.info("backup scheduler: every %gs, structures: %s", interval, ", ".join(structures) or "all ACTIVE")
     while not stop.wait(interval):
-        for s in structures or _active_structures(settings.redis_url):
+        for s in structures or _active_structures(settings.redis_url, metrics):
             if stop.is_set():
                 break
             t0 = time.monotonic()
-            proc = popen_tied([*BACKUP_COMMAND, "run", s, "--wait", "0"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, env=child_env)
+            metrics.begin(s)
+            proc = popen_tied([*BACKUP_COMMAND, "run", s, "--wait", "0", "--json"], stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=child_env)
             current.append(proc)
-            out, _ = proc.communicate()
+            out, err = proc.communicate()
             current.remove(proc)
-            tail = out.decode(errors="replace").strip().splitlines()[-1:] or [""]
+            seconds = time.monotonic() - t0
             if proc.returncode == 0:
-                log.info("backup of %s done in %.1fs", s, time.monotonic() - t0)
+                metrics.backup_done(s, "ok", seconds, _manifest(out))
+                log.info("backup of %s done in %.1fs", s, seconds)
                 if keep:
-                    _retain(settings, s, keep)
+                    _retain(settings, s, keep, metrics)
             else:
+                tail = (err or out).decode(errors="replace").strip().splitlines()[-1:] or [""]
+                metrics.backup_done(s, "busy" if BUSY_REASON in tail[0] else "failed", seconds, None)
                 log.error("backup of %s failed (exit %s): %s", s, proc.returncode, tail[0])
 
 
-def _active_structures(url: str | None) -> list[str]:
+def _manifest(out: bytes) -> dict[str, Any] | None:
+    """The manifest a good ``cfbackup run --json`` printed (None if it printed something else)."""
+    try:
+        found = json.loads(out)
+    except ValueError:
+        return None
+    return found if isinstance(found, dict) else None
+
+
+def _active_structures(url: str | None, metrics: SchedulerMetrics) -> list[str]:
     try:
         client = connect(url)
         try:
@@ -86,10 +111,11 @@ def _active_structures(url: str | None) -> list[str]:
             client.close()
     except Exception as e:  # the CF may be down for a while: try again at the next tick
         log.warning("backup scheduler: cannot list structures: %s", e)
+        metrics.list_failed()
         return []
 
 
-def _retain(settings: Settings, structure: str, keep: int) -> None:
+def _retain(settings: Settings, structure: str, keep: int, metrics: SchedulerMetrics) -> None:
     """The retention after a good backup of `structure`; a failure is logged and tried again after the next."""
     try:
         client = connect(settings.redis_url)
@@ -100,7 +126,9 @@ def _retain(settings: Settings, structure: str, keep: int) -> None:
             client.close()
     except Exception as e:  # noqa: BLE001 - retention never stops the backups
         log.warning("retention of %s's backups failed: %s", structure, e)
+        metrics.retention_failed(structure)
         return
+    metrics.retained(structure, len(result.removed))
     if result.removed:
         log.info("retention of %s: removed %d backup(s) (%s), kept %d", structure, len(result.removed),
                  ", ".join(b.id for b in result.removed), len(result.kept))

@@ -14,6 +14,7 @@
   cfemu pstore status|connect|disconnect|no-new-uows|mode|start   each structure's persistent store (docs/pstore.md)
   cfemu backup ... | restore ...                cfbackup / cfrestore
   cfemu migrate unload|load|compare|status|reopen   a structure to another CF through files (docs/migration.md)
+  cfemu exporter [--port N]                     the CF's INFO as Prometheus metrics, until stopped (docs/metrics.md)
   cfemu cluster up|status|down|restart|stop     a local group: CF and SQM servers (restarted when they die), backups
   cfemu console [--port N] [--tls-cert F --tls-key F]   the group's web console (docs/console.md)
   cfemu demo                                    the end-to-end demonstration
@@ -97,6 +98,8 @@ VERBS: dict[str, Verb] = {
     "backup": Delegate("cfbackup (same arguments)", "backup.cli:main"),
     "restore": Delegate("cfrestore (same arguments)", "restore.cli:main"),
     "migrate": Delegate("move a structure to another CF through files (docs/migration.md)", "qsg.migrate_cli:main"),
+    "exporter": Command("serve the CF's INFO as Prometheus metrics, until stopped (docs/metrics.md)",
+                        "qsg.exporter_cli:cmd_exporter", ("common", "where"), "qsg.exporter_cli:exporter_arguments"),
     "cluster": Command("a local group of processes", "qsg.cluster_cli:cmd_cluster", ("common",),
                        "qsg.cluster_cli:cluster_arguments"),
     "console": Command("the group's web console: status, charts and operator actions (docs/console.md)",

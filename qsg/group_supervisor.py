@@ -32,6 +32,7 @@ import os
 import signal
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from cfemu.latency import Latency
 from cfemu.procs import wait_gone
 from cfemu.settings import CLUSTER_CF
 
@@ -100,6 +102,32 @@ def record_exit(path: str | os.PathLike[str], code: int) -> None:
         Path(path).write_text(json.dumps({"pid": os.getpid(), "code": code, "at": time.time()}))
 
 
+def cause_of(reason: str) -> str:
+    """A member's restart reason (describe_exit, exit_reason) as a metric's bounded cause label."""
+    for word, cause in (("fenced", "fenced"), ("record log", "log_failed"), ("killed", "killed")):
+        if word in reason:
+            return cause
+    return "exited"
+
+
+class SupervisorCounts:
+    """What the supervisor did, for its metrics (qsg.supervisor_metrics): restarts by process and cause, failed
+    restarts, the CF's PING times, each tended member's liveness, its own intervals."""
+
+    def __init__(self) -> None:
+        self.restarts: Counter[tuple[str, str]] = Counter()  # (process: "CF" or a member, cause)
+        self.last_restart: dict[str, float] = {}  # process -> when (epoch seconds)
+        self.restart_failures: Counter[str] = Counter()
+        self.member_up: dict[str, bool] = {}  # the members it tends (a group started with member restarts)
+        self.ping_seconds = Latency()  # the CF's answers to the hang probe (BUSY included)
+        self.tick_seconds = Latency()
+        self.tick_failures = 0
+
+    def restarted(self, process: str, cause: str) -> None:
+        self.restarts[(process, cause)] += 1
+        self.last_restart[process] = time.time()
+
+
 @dataclass
 class _Member:
     """What the supervisor knows of one member between intervals."""
@@ -128,6 +156,7 @@ class Supervisor:
         self._ping_pid: int | None = None
         self.cf_misses = 0
         self.cf_silent_since: float | None = None  # monotonic: the first probe of the misses in a row
+        self.counts = SupervisorCounts()
 
     # --- one interval ------------------------------------------------------------------------------------------
     @property
@@ -165,7 +194,8 @@ class Supervisor:
                                                   retry=Retry(NoBackoff(), 0))  # one probe, one timeout
                 self._ping_pid = pid
             sent = self.clock()
-            self._ping.ping()
+            with self.counts.ping_seconds.time():
+                self._ping.ping()
         except redis.exceptions.ResponseError as e:  # BUSY running a script, LOADING: it answers, it is not hung
             log.debug("the CF answered PING with %s", e)
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
@@ -203,8 +233,10 @@ class Supervisor:
             self.cf_silent_since = None
             self._close_ping()
         try:
-            self.c.restart_dead_cf(reason=hung or "died")
+            if self.c.restart_dead_cf(reason=hung or "died"):
+                self.counts.restarted("CF", "hung" if hung else "died")
         except Exception as e:  # noqa: BLE001 - e.g. the port is briefly taken: try again at the next interval
+            self.counts.restart_failures["CF"] += 1
             log.error("restarting the CF failed (will retry): %s", e)
 
     # --- the members -----------------------------------------------------------------------------------------
@@ -221,8 +253,10 @@ class Supervisor:
             if not pid:
                 continue
             if self.c.manager_runs(name):
+                self.counts.member_up[name] = True
                 self._watch_serving(name, t, int(pid), now)
                 continue
+            self.counts.member_up[name] = False
             if t.due is None:  # just found dead
                 t.reason = self.c.exit_reason(name, int(pid))
                 t.due = now + t.delay
@@ -249,11 +283,13 @@ class Supervisor:
         try:
             self.c.spawn_manager(name)
         except Exception as e:  # noqa: BLE001 - try again after the next delay
+            self.counts.restart_failures[name] += 1
             log.error("restarting %s failed (will retry in %gs): %s", name, t.delay, e)
             t.due = self.clock() + t.delay
             t.delay = min(t.delay * 2, RESTART_MAX_DELAY_S)
             return
         self.c.set_manager(name, restarts=count, last_restart={"at": when, "reason": t.reason})
+        self.counts.restarted(name, cause_of(t.reason))
         self.c.save_state()
         new_pid = self.c.manager(name)["pid"]
         log.warning("restarted %s (pid %s, restart %d): it %s", name, new_pid, count, t.reason)
@@ -261,12 +297,15 @@ class Supervisor:
 
 
 def run(group: SupervisedGroup, stop: threading.Event, *, reload: bool, cf: bool | None = None,
-        interval: float = SUPERVISE_INTERVAL_S) -> None:
-    """Tend the group every interval until stop is set (Supervisor's reload and cf)."""
-    sup = Supervisor(group, reload=reload, cf=cf)
+        interval: float = SUPERVISE_INTERVAL_S, supervisor: Supervisor | None = None) -> None:
+    """Tend the group every interval until stop is set (Supervisor's reload and cf; ``supervisor``: one made
+    beforehand, e.g. to export its counts)."""
+    sup = supervisor or Supervisor(group, reload=reload, cf=cf)
     while not stop.wait(interval):
         try:
-            sup.tick()
+            with sup.counts.tick_seconds.time():
+                sup.tick()
         except Exception as e:  # noqa: BLE001 - try again at the next interval
+            sup.counts.tick_failures += 1
             log.error("supervising the group failed (will retry): %s", e)
     sup._close_ping()

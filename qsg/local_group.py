@@ -77,7 +77,7 @@ from cfemu.settings import (
 )
 from qsg import rcluster_cf
 from qsg.cfpair import CFPair
-from qsg.group_supervisor import EXIT_FILE_ENV, SUPERVISE_INTERVAL_S, describe_exit
+from qsg.group_supervisor import EXIT_FILE_ENV, SUPERVISE_INTERVAL_S, Supervisor, describe_exit
 
 log = logging.getLogger("qsg.local_group")
 
@@ -514,7 +514,8 @@ class LocalGroup:
 
     def _spawn_scheduler(self) -> None:
         sched = self.state["scheduler"]
-        cmd = [*SCHEDULER_COMMAND, "--interval", str(sched["interval"]),
+        sched["metrics_port"] = free_port("127.0.0.1")
+        cmd = [*SCHEDULER_COMMAND, "--interval", str(sched["interval"]), "--metrics-port", str(sched["metrics_port"]),
                *(("--keep", str(sched["keep"])) if "keep" in sched else ())]
         proc = self._popen("scheduler", cmd, "backup-scheduler.log")
         sched["pid"] = proc.pid
@@ -716,8 +717,10 @@ class LocalGroup:
         thread.start()
 
     def _spawn_supervisor(self) -> None:
-        proc = self._popen("cf_supervisor", [*SUPERVISOR_COMMAND, "--dir", str(self.dir)], "cf-supervisor.log")
-        self.state["cf_supervisor"] = {"pid": proc.pid}
+        port = free_port("127.0.0.1")
+        proc = self._popen("cf_supervisor", [*SUPERVISOR_COMMAND, "--dir", str(self.dir), "--metrics-port",
+                                             str(port)], "cf-supervisor.log")
+        self.state["cf_supervisor"] = {"pid": proc.pid, "metrics_port": port}
         deadline = time.monotonic() + 15
         while not _pid_runs(proc.pid, b"qsg.local_group") and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -803,13 +806,15 @@ class LocalGroup:
                          "ready": ready, **_restarts(m), "held": m.get("held")})
         if self.state.get("scheduler"):
             s = self.state["scheduler"]
-            rows.append({"process": "backup-scheduler", "pid": s.get("pid"), "alive": "scheduler" in alive,
+            rows.append({"process": "backup-scheduler", "pid": s.get("pid"), **_metrics_address(s),
+                         "alive": "scheduler" in alive,
                          "address": f"every {s['interval']}s", "ready": "scheduler" in alive})
         if self.state.get("cf_supervisor") and self.state["detached"]:
             pid = self.state["cf_supervisor"].get("pid")
             what = [w for w, on in (("a dead or hung CF", self.state.get("cf_restart", True)),
                                     ("dead or fenced members", self.state.get("member_restart"))) if on]
-            rows.append({"process": "cf-supervisor", "pid": pid, "alive": "cf_supervisor" in alive,
+            rows.append({"process": "cf-supervisor", "pid": pid, **_metrics_address(self.state["cf_supervisor"]),
+                         "alive": "cf_supervisor" in alive,
                          "address": "restarts " + " and ".join(what), "ready": "cf_supervisor" in alive})
         if self.state.get("console"):
             con = self.state["console"]
@@ -908,13 +913,42 @@ def supervise_main(argv: list[str] | None = None) -> int:
     p.add_argument("verb", choices=["supervise"])
     p.add_argument("--dir", required=True)
     p.add_argument("--interval", type=float, default=SUPERVISE_INTERVAL_S)
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve the supervisor's and the CF's metrics (its INFO) on 127.0.0.1:PORT")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    group_supervisor.run(LocalGroup.load(args.dir), stop, reload=True, interval=args.interval)
+    group = LocalGroup.load(args.dir)
+    sup = Supervisor(group, reload=True)
+    if args.metrics_port is not None:
+        serve_metrics(group, sup, args.metrics_port)
+    group_supervisor.run(group, stop, reload=True, interval=args.interval, supervisor=sup)
     return 0
+
+
+def serve_metrics(group: LocalGroup, sup: Supervisor, port: int) -> int:
+    """The supervisor's metrics and the CF's (an exporter of its INFO, as the operator's CF user) on
+    127.0.0.1:port (loopback: they have no authentication)."""
+    import redis
+
+    from cfemu import exposition
+    from cfemu.cf_exporter import INFO_TIMEOUT_S, CFInfoCollector
+    from qsg.supervisor_metrics import SupervisorCollector
+
+    def cf() -> redis.Redis:
+        return redis.Redis.from_url(group.cf_url("operator"), socket_timeout=INFO_TIMEOUT_S,
+                                    socket_connect_timeout=INFO_TIMEOUT_S)
+
+    bound = exposition.serve([SupervisorCollector(sup), CFInfoCollector(cf)], "127.0.0.1", port)
+    log.info("supervisor: metrics (its own and the CF's) on http://127.0.0.1:%d/metrics", bound)
+    return bound
+
+
+def _metrics_address(proc: Mapping[str, Any]) -> dict[str, str]:
+    """The metrics column of a process's status row (the scheduler's, the supervisor's), when it serves any."""
+    return {"metrics": f"127.0.0.1:{proc['metrics_port']}"} if proc.get("metrics_port") else {}
 
 
 def _restarts(proc: Mapping[str, Any]) -> dict[str, Any]:

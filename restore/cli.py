@@ -1,8 +1,9 @@
 """cfrestore: RECOVER CFSTRUCT.
 
   cfrestore run STRUCTURE [--backup ID] [--engine local|spark] [--dry-run] [--mark-failed] [--report FILE]
-                          [--memory-limit SIZE] [--workers N]
+                          [--memory-limit SIZE] [--workers N] [--metrics-file PATH]
                                               rebuild a failed structure from a backup plus every member's log
+                                              (--metrics-file: the run as Prometheus gauges, docs/metrics.md)
   cfrestore plan STRUCTURE [--backup ID]      what run would do (= run --dry-run): touches nothing
   cfrestore purge STRUCTURE [--mark-failed]   RECOVER CFSTRUCT TYPE(PURGE): empty it and make it usable again
   cfrestore mark-failed STRUCTURE             fail an ACTIVE structure (work on it then fails: MQRC_CF_STRUC_FAILED)
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -63,14 +65,27 @@ def cmd_run(args: argparse.Namespace, out: Output, *, dry_run: bool = False) -> 
     found = settings(args)
     options = _engine_options(args, found)  # a bad --memory-limit is refused before anything is read
     client = connect(require_url(found))
-    with _bars(out) as bars:
-        result = run_restore(client, args.structure, backup_root=found.backup_dir, log_root=found.log_root,
-                             backup_id=args.backup, engine=args.engine, dry_run=dry_run or args.dry_run,
-                             mark_failed=args.mark_failed, progress=bars,
-                             report_path=Path(args.report) if args.report else None,
-                             engine_options=options,
-                             from_logs=bool(getattr(args, "from_logs", False)),
-                             backup_keys=found.backup_keys(accept_unsigned=args.accept_unsigned))
+    t0 = time.monotonic()
+    result = None
+    try:
+        with _bars(out) as bars:
+            result = run_restore(client, args.structure, backup_root=found.backup_dir, log_root=found.log_root,
+                                 backup_id=args.backup, engine=args.engine, dry_run=dry_run or args.dry_run,
+                                 mark_failed=args.mark_failed, progress=bars,
+                                 report_path=Path(args.report) if args.report else None,
+                                 engine_options=options,
+                                 from_logs=bool(getattr(args, "from_logs", False)),
+                                 backup_keys=found.backup_keys(accept_unsigned=args.accept_unsigned))
+    finally:
+        if getattr(args, "metrics_file", None):  # the run, good or not, for node_exporter (docs/metrics.md)
+            from cfemu import exposition  # prometheus_client: only for a run that asks
+
+            exposition.write_last_run(
+                args.metrics_file, "cfrestore_", args.structure, ok=result is not None,
+                seconds=time.monotonic() - t0, phases=result.timings if result is not None else {},
+                values={"last_run_loaded_entries": ("Entries the last good restore loaded", result.loaded_entries),
+                        "last_run_peak_rss_bytes": ("Peak resident memory of the last good restore",
+                                                    result.peak_rss_bytes)} if result is not None else None)
     if out.as_json:
         out.json(result.to_json())
     else:
@@ -201,6 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
     run = sub.add_parser("run", parents=[common, restore, unsigned], help="restore a structure from a backup and the logs")
     run.add_argument("--dry-run", action="store_true", help="print the plan; change nothing")
+    run.add_argument("--metrics-file", metavar="PATH",
+                     help="write the run's metrics (success, duration, each phase's) to PATH for node_exporter's "
+                          "textfile collector, replaced atomically (docs/metrics.md)")
     run.set_defaults(func=cmd_run)
     plan = sub.add_parser("plan", parents=[common, restore, unsigned], help="print what run would do; change nothing")
     plan.set_defaults(func=cmd_plan, dry_run=True)

@@ -33,6 +33,7 @@ from cfemu.errors import (
     UnknownObjectError,
 )
 from cfemu.keys import check_member_name
+from cfemu.latency import Latency
 from cfemu.repository import GroupRepository, RepositoryError, open_group_repository
 from sqm.core import records, relog
 from sqm.core.cfcall import CF_DOWN, reply_lost
@@ -86,6 +87,7 @@ class QueueManager(Outcomes, LogSpace):
         self.activity = 0
         self.counters = {"commits": 0, "backouts": 0, "puts": 0, "gets": 0, "peer_recoveries": 0,
                          "backout_records_with_data": 0, "floor_retries": 0}
+        self.cf_call_seconds = Latency()  # every CF call made through cf_call (sqm.service.metrics exports it)
         self._queue_cache: dict[str, QueueDef] = {}
         self._membership_lock = threading.Lock()
         self._seq = 0
@@ -299,7 +301,12 @@ class QueueManager(Outcomes, LogSpace):
 
     def cf_call(self, fn: Callable[[], Any]) -> Any:
         """Run a CF call; a fencing refusal marks this queue manager fenced; a dead CF is a failed structure; a
-        structure rebuilt after a CF loss that does not know this member yet is joined, and the call retried."""
+        structure rebuilt after a CF loss that does not know this member yet is joined, and the call retried.
+        Its duration, retries included, goes to ``cf_call_seconds``."""
+        with self.cf_call_seconds.time():
+            return self._cf_call(fn)
+
+    def _cf_call(self, fn: Callable[[], Any]) -> Any:
         epoch = self.caller.epoch
         try:
             try:
@@ -312,7 +319,7 @@ class QueueManager(Outcomes, LogSpace):
                 # The member re-joined a CF that came back empty (a higher epoch) while this call, built with the
                 # old one, was on its way: the stale epoch is its own, not a peer's fencing. FENCED is answered
                 # before a script changes anything, so the call is made again with the new epoch.
-                return self.cf_call(fn)
+                return self._cf_call(fn)
             self.fenced = True
             raise
         except CF_DOWN as e:

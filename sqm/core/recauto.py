@@ -47,6 +47,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from cfemu.latency import SLOW_BUCKETS, Latencies, Latency, PhaseTimes
 from cfemu.repository import migrated_refusal
 from sqm.core.cfcall import CF_DOWN
 from sqm.core.config import RecoverStructure  # the port the top floor injects (QueueManagerConfig)
@@ -82,6 +83,9 @@ class StructureRecovery:
         self._lock = threading.Lock()
         for event in EVENTS:
             qm.counters.setdefault(counter(event), 0)
+        # How long the recoveries this member completed took, in all and per restore phase (sqm.service.metrics).
+        self.seconds = Latency(SLOW_BUCKETS)
+        self.phase_seconds = Latencies(SLOW_BUCKETS)
 
     @property
     def holder(self) -> str:
@@ -170,13 +174,18 @@ class StructureRecovery:
                      qm.caller.epoch)
             phases: set[str] = set()
 
-            def progress(phase: str, n: int, total: int | None) -> None:
+            def said(phase: str, n: int, total: int | None) -> None:
                 if phase not in phases:
                     phases.add(phase)
                     log.info("CSQE133I recovery of %s: %s", name, phase)
 
-            outcome = self.recover(name, progress)
+            timer = PhaseTimes(self.phase_seconds, said)
+            try:
+                outcome = self.recover(name, timer)
+            finally:
+                timer.finish()
             seconds = time.monotonic() - t0
+            self.seconds.observe(seconds)
             log.info("CSQE130I recovery of %s used backup %s (%s), logs from LRSN %s", name,
                      outcome.get("backup", "?"), outcome.get("base_kind", "?"), outcome.get("replay_from", "?"))
             log.info("CSQE131I recovery of %s completed in %.2f s: %s", name, seconds, outcome.get("summary", ""))

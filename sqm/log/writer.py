@@ -9,7 +9,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -17,6 +17,7 @@ from typing import Any
 import msgpack
 
 from cfemu.durable import fsync_directory
+from cfemu.latency import Latency
 from cfemu.private_files import open_private, private_dir
 from sqm.log.format import (
     FORMAT_VERSION,
@@ -71,6 +72,7 @@ class LogStats:
     forces: int = 0  # calls to force() (append_forced and checkpoint included)
     segments: int = 0  # segment files in the log (current count)
     torn_bytes_truncated: int = 0  # bytes of torn tail removed when the log was opened
+    fsync_seconds: Latency = field(default_factory=Latency)  # how long each fsync of a segment took
 
 
 def _write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
@@ -501,7 +503,8 @@ class RecordLog:
             reuse = oldest
         self._write_locked()
         try:
-            _fdatasync(self._fd)
+            with self.stats.fsync_seconds.time():
+                _fdatasync(self._fd)
         except OSError as e:
             self._failed = e
             raise
@@ -589,7 +592,8 @@ class RecordLog:
                 fd = self._fd
                 end = LogPosition(self._seg, self._off)
             try:
-                _fdatasync(fd)
+                with self.stats.fsync_seconds.time():
+                    _fdatasync(fd)
             except OSError as e:
                 self._failed = e
                 end = None

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from cfemu.admin import AdminError
 from cfemu.errors import BadRequestError, ClientGoneError, FencedError, MQError, StructureFailedError
+from cfemu.latency import Latencies
 from cfemu.repository import RepositoryError
 from sqm.conversations import ops as conversation_ops
 from sqm.core.manager import CF_DOWN, QueueManager, QueueManagerConfig
@@ -97,9 +98,11 @@ class SQMServer:
         self.warn = Warnings()
         self.authenticator = Authenticator(config, self.qm, self.stats, self.warn)
         self.transport = Transport(self, config, self.stats, self.authenticator, self.warn)
-        # The operations a request may name, and their handlers: the handshake's run before (the transport's).
-        self._handlers: dict[str, Handler] = {op.name: op.handler for op in OPERATIONS if op.handler is not None}
-        self.registry = metrics.make_registry(self.qm, self.server_stats)
+        # The operations a request may name, and their handlers (each timed into op_seconds, which the metrics
+        # show): the handshake's run before (the transport's).
+        self.op_seconds = Latencies()
+        self._handlers: dict[str, Handler] = metrics.timed_handlers(OPERATIONS, self.op_seconds)
+        self.registry = metrics.make_registry(self.qm, self.server_stats, self.op_seconds)
         self.http = HealthEndpoint(self.qm, self.registry, lambda: self._stopping)
         self.rest = RestEndpoint(self, config, self.authenticator.tokens) if config.rest_port is not None else None
         self.rest_port = config.rest_port

@@ -39,6 +39,7 @@ import socket
 import subprocess
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -56,7 +57,7 @@ DOCKER = os.environ.get("DOCKER", "docker")
 PROJECT = os.environ.get("COMPOSE_PROJECT_NAME", "cfemucompose")
 FILES = os.environ.get("COMPOSE_FILE", "docker-compose.yml:docker/compose.local.yml")
 IMAGES = ["cfemu:latest", "cfemu-spark:latest"] + (["cfemu-debian:bookworm"] if "compose.local" in FILES else [])
-PORTS = [6379, 7001, 7002, 7003, 9101, 9102, 9103]
+PORTS = [6379, 7001, 7002, 7003, 9101, 9102, 9103, 9110, 9121]
 MEMBERS = {"QM1": 7001, "QM2": 7002, "QM3": 7003}
 QUEUES = ("Q1", "Q2")
 OWNER = 10001  # the image's cfemu user: owns every volume, runs every process of the group
@@ -412,6 +413,11 @@ def test_the_compose_cluster_runs_secured_loses_its_cf_and_restores(cluster: dic
         Client(("127.0.0.1", 7002), token="x" * 43).put("Q1", b"wrong token", syncpoint=False)
     with pytest.raises(NotAuthorizedError):
         Client(("127.0.0.1", 7003), token=token).define_structure("EVIL")
+
+    # The CF's INFO (the cf-exporter service) and the backup scheduler's metrics, published on loopback.
+    for port, wanted in ((9121, "cfemu_cf_up 1.0"), (9110, "cfbackup_scheduler_info{")):
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            assert wanted in r.read().decode(), port
 
     tools("cfemu", "topic", "define", "NEWS", "--structure", "APP1")
     tools("cfemu", "define", "queue", "ORDERS", "--structure", "APP1", "--uow", "--status-lifetime", "3")

@@ -226,3 +226,25 @@ def test_cli_up_duplex_status_json_and_private_files(tmp_path: Path) -> None:
         down = subprocess.run([*cmd, "down", "--dir", str(d), "--json"], capture_output=True, text=True,
                               timeout=120, env=env)
         assert down.returncode == 0, down.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_the_supervisor_metrics_count_the_pairs_events(cluster: LocalGroup) -> None:
+    from prometheus_client import generate_latest
+    from prometheus_client.core import CollectorRegistry
+
+    from qsg.group_supervisor import Supervisor
+    from qsg.supervisor_metrics import SupervisorCollector
+
+    c = cluster
+    c.supervise_cf(False)  # this test plays the supervisor
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SupervisorCollector(Supervisor(c, reload=False)))
+    before = generate_latest(registry).decode()
+    assert 'cfemu_supervisor_cf_pair_events_total{event="degrade"} 0.0' in before
+    c.pair.kill_secondary()
+    assert c.restart_dead_cf() and c.pair.state["mode"] == "SIMPLEX"  # degraded
+    after = generate_latest(registry).decode()
+    assert 'cfemu_supervisor_cf_pair_events_total{event="degrade"} 1.0' in after
+    assert f'cfemu_supervisor_cf_pair_generation {float(c.pair.state["gen"])}' in after
+

@@ -100,8 +100,14 @@ def test_compose_topology(compose: dict[str, Any]) -> None:
     sched = services["backup-scheduler"]
     assert {"logs", "backups"} <= set(volumes_of(sched))
     assert sched["command"][:2] == ["cfbackup", "schedule"]
-    backup_cli.build_parser().parse_args([a.replace("${BACKUP_INTERVAL:-60}", "60") for a in sched["command"][1:]])
+    sched_args = backup_cli.build_parser().parse_args([a.replace("${BACKUP_INTERVAL:-60}", "60")
+                                                       for a in sched["command"][1:]])
     assert set(MANAGERS) <= set(sched["depends_on"])
+    assert f"127.0.0.1:{sched_args.metrics_port}:{sched_args.metrics_port}" in sched["ports"]
+    exporter = services["cf-exporter"]  # the CF's INFO as metrics, as the operator's CF user (the secrets volume)
+    exporter_args = cfemu_cli.build_parser().parse_args(exporter["command"][1:])
+    assert exporter_args.command == "exporter" and volumes_of(exporter)["secrets"] == "/run/cfemu"
+    assert f"127.0.0.1:{exporter_args.port}:{exporter_args.port}" in exporter["ports"]
 
     master, worker, tools = services["spark-master"], services["spark-worker"], services["tools"]
     assert master["image"].split(":")[0] in ("apache/spark", "bitnami/spark")

@@ -247,6 +247,11 @@ def test_the_cf_killed_under_load_comes_back_with_every_recauto_structure_active
         metrics = r.read().decode()
     wanted = f'sqm_structure_recoveries_total{{event="completed",qmgr="{started[0]}"}} 1.0'
     assert wanted in metrics, [ln for ln in metrics.splitlines() if "recoveries" in ln]
+    # ... and time it, whole and by phase (the restore's progress phases).
+    assert f'sqm_restore_duration_seconds_count{{qmgr="{started[0]}"}} 1.0' in metrics
+    for phase in ("read backup", "read logs", "settle", "load"):
+        assert f'sqm_restore_phase_duration_seconds_count{{phase="{phase}",qmgr="{started[0]}"}} 1.0' in metrics, \
+            [ln for ln in metrics.splitlines() if "restore_phase" in ln and "_count" in ln]
 
 
 # --- the race, in process: two members, one lock, and restore's own ownership behind it ----------------------------

@@ -333,20 +333,6 @@ def test_health_readiness_and_metrics(server: ServerProc) -> None:
         a.commit()
 
 
-def test_backup_age_metric_follows_the_catalog(redis_url: str, tmp_path: Path) -> None:
-    from sqm.service.metrics import last_backup_age
-
-    client_ = connect(redis_url)
-    define_group(redis_url)
-    admin = Admin(client_)
-    assert last_backup_age(admin, "APP1") is None
-    admin.record_backup("APP1", {"id": "B1", "start_lrsn": 1, "ended_at": "2020-01-01T00:00:00+00:00"})
-    admin.record_backup("APP1", {"id": "B2", "start_lrsn": 2, "ended_at": "2020-01-01T00:01:40+00:00"})
-    client_.hset(keys.meta("APP1"), "last_backup", "B2")
-    t = 1577836900.0 + 50  # 2020-01-01T00:01:40Z + 50 s
-    assert last_backup_age(admin, "APP1", now=t) == pytest.approx(50)
-
-
 def test_sigterm_shuts_down_gracefully_with_a_checkpoint(redis_url: str, tmp_path: Path) -> None:
     define_group(redis_url)
     srv = start_server(redis_url, tmp_path, "QM7")

@@ -1,0 +1,87 @@
+"""What every Prometheus exporter of the project shares: a histogram family from cfemu.latency's snapshots, the
+software's version for the ``_info`` metrics, and the client library's HTTP server for a process's /metrics.
+
+The exporters: a member's (sqm.service.metrics, on its own health port), the backup scheduler's
+(backup.schedule_metrics), the group supervisor's with the CF's INFO (qsg.supervisor_metrics,
+cfemu.cf_exporter). Their names and the alerts on them: docs/metrics.md.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from importlib import metadata
+
+from prometheus_client import PROCESS_COLLECTOR, start_http_server, write_to_textfile
+from prometheus_client.core import CollectorRegistry, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from cfemu.latency import Latency
+
+
+def package_version() -> str:
+    """The installed version of the project (its distribution's), 'unknown' when it runs from an uninstalled
+    tree."""
+    try:
+        return metadata.version("cfemu")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def histogram(name: str, help_text: str, labels: list[str],
+              series: Iterable[tuple[list[str], Latency]]) -> HistogramMetricFamily:
+    """A histogram family of the snapshots of ``series`` (label values, its Latency); the family is there
+    (HELP and TYPE) even before anything was observed, so dashboards and alerts find its name."""
+    family = HistogramMetricFamily(name, help_text, labels=labels)
+    for values, latency in series:
+        snap = latency.snapshot()
+        family.add_metric(values, [("+Inf" if b == float("inf") else repr(b), n) for b, n in snap.buckets],
+                          snap.sum)
+    return family
+
+
+def serve(collectors: Iterable[Collector], host: str, port: int) -> int:
+    """Serve /metrics of ``collectors`` and the process's own (CPU, memory, open files, start time) on host:port,
+    in a thread of the client library's HTTP server; the port it listens on (0: one the system chose)."""
+    registry = CollectorRegistry(auto_describe=False)
+    for c in (*collectors, PROCESS_COLLECTOR):
+        registry.register(c)
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    return int(server.server_port)
+
+
+class _Families(Collector):
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self.families)
+
+
+def write_last_run(path: str | os.PathLike[str], prefix: str, structure: str, *, ok: bool, seconds: float,
+                   phases: Mapping[str, float], values: Mapping[str, tuple[str, float]] | None = None) -> None:
+    """A one-shot command's run (a backup, a restore by hand) as gauges in ``path``, for node_exporter's textfile
+    collector: when it ended, whether it succeeded, how long it and each phase took, and ``values`` (name ->
+    (help, value)). Written atomically (a temporary file renamed), so a scrape never reads half of it."""
+    def gauge(name: str, help_text: str, value: float, **labels: str) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(f"{prefix}{name}", help_text, labels=["structure", *labels])
+        g.add_metric([structure, *labels.values()], value)
+        return g
+
+    families: list[Metric] = [
+        gauge("last_run_timestamp_seconds", "When the last run ended, in seconds since the epoch", time.time()),
+        gauge("last_run_success", "1 when the last run succeeded", 1.0 if ok else 0.0),
+        gauge("last_run_duration_seconds", "How long the last run took", seconds)]
+    phase = GaugeMetricFamily(f"{prefix}last_run_phase_duration_seconds", "How long each phase of the last run "
+                              "took", labels=["structure", "phase"])
+    for name, secs in phases.items():
+        phase.add_metric([structure, name], secs)
+    families.append(phase)
+    families += [gauge(name, help_text, value) for name, (help_text, value) in (values or {}).items()]
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(families))
+    write_to_textfile(os.fspath(path), registry)
+
+
+__all__ = ["histogram", "package_version", "serve", "write_last_run"]
