@@ -513,10 +513,19 @@ static int take_record(Rd *r, Tables *t, const uint8_t *base, int64_t rid, int64
     const uint8_t *data = NULL;
     size_t dlen = 0;
     Py_ssize_t edesc = -1;
+    static const char *const known[] = {"k", "l", "u", "s", "g", "at", "o", "by", "d", "e", "i", "ids", "dd", "ss"};
+    uint32_t seen = 0;
     for (uint32_t x = 0; x < n; x++) {
         const char *key;
         size_t kl;
         if (rd_str(r, &key, &kl) != 1 || !utf8_ok((const uint8_t *)key, kl)) return -1;
+        for (unsigned b = 0; b < sizeof(known) / sizeof(known[0]); b++) {
+            if (key_is(key, kl, known[b])) {
+                if (seen & (1u << b)) return -1;  /* a repeated key (msgpack keeps the last): the house's reader */
+                seen |= 1u << b;
+                break;
+            }
+        }
         int g_;
         if (key_is(key, kl, "k")) {
             if (rd_str(r, &k, &klen) != 1 || !utf8_ok((const uint8_t *)k, klen)) return -1;
@@ -552,7 +561,6 @@ static int take_record(Rd *r, Tables *t, const uint8_t *base, int64_t rid, int64
             if (rd_bin(r, &data, &dlen) != 1) return -1;
         } else if (key_is(key, kl, "e")) {
             /* the descriptor of a put or a relog copy; its holder ("u") is the record's `eu` */
-            if (edesc >= 0) return -1;  /* a repeated key */
             edesc = t->d[D_RID].n;
             int rc = take_desc(r, t, base, rid, SRC_E, 0, NULL, 0);
             if (rc) return rc;

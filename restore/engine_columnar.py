@@ -190,9 +190,11 @@ DROP TABLE raw_descs;
 DROP TABLE raw_ss;
 DROP TABLE raw_recs;
 
--- the generation rule (plan.current_incarnation), and where each record lies in the merged log
+-- the generation rule (plan.current_incarnation), and where each record lies in the merged log: by (LRSN,
+-- member, segment, offset), which is (LRSN, rid), since the readers number the records of each member's log in
+-- order, the members' logs in the order of their names (ColumnarEngine._jobs): no sort needed
 CREATE TABLE r AS
-SELECT *, row_number() OVER (ORDER BY l, m, seg, off) AS seq,
+SELECT *, l::HUGEINT * 18446744073709551616 + rid AS seq,
        ($G <= 0 OR coalesce(u IN (SELECT u FROM base_uows), false) OR role = 'end' OR gen IS NULL
         OR (gen = 0 AND role = 'outcome') OR (gen <> 0 AND gen >= $G)) AS kept
 FROM recs;
@@ -296,12 +298,25 @@ FROM (
 JOIN ents n USING (eid)
 WHERE n.eid NOT IN (SELECT eid FROM best WHERE st = 'EX');
 
--- the fold (settle.settle): one event of every entry at a time, a copy that is expired not folded
+-- the fold (settle.settle): an entry no event names stays as its best copy is (a copy that is expired is not
+-- folded), and the others are folded by FOLD_SQL, a range of them at a time
+CREATE TABLE touched AS SELECT eix FROM evs WHERE ord = 1;
 CREATE TABLE folded AS
+SELECT n.eix, 0::BIGINT AS ord, b.st, b.u, b.l, b.o1, b.o2, b.bc, b.src, b.rid, 0::BIGINT AS mask,
+       CASE WHEN b.st = 'EX' THEN 'expired' ELSE 'gone' END AS fate
+FROM ents n LEFT JOIN best b USING (eid) ANTI JOIN touched t USING (eix);
+"""
+
+# The fold of the entries some event names, eix from $LO to below $HI: one event of every entry at a time, as a
+# recursive query keyed by entry (it holds the state of every entry of the range in memory, hence the ranges).
+FOLD_SQL = """
+CREATE OR REPLACE TEMP TABLE evs_range AS SELECT * FROM evs WHERE eix >= $LO AND eix < $HI;
+INSERT INTO folded
 WITH RECURSIVE f(eix, ord, st, u, l, o1, o2, bc, src, rid, mask, fate) USING KEY (eix) AS (
   SELECT n.eix, 0::BIGINT, b.st, b.u, b.l, b.o1, b.o2, b.bc, b.src, b.rid, 0::BIGINT,
          CASE WHEN b.st = 'EX' THEN 'expired' ELSE 'gone' END
-  FROM ents n LEFT JOIN best b USING (eid)
+  FROM ents n SEMI JOIN (SELECT eix FROM touched WHERE eix >= $LO AND eix < $HI) t USING (eix)
+  LEFT JOIN best b USING (eid)
   UNION
   SELECT eix, ord,
     CASE WHEN c_cp THEN 'CP' WHEN c_none THEN NULL WHEN c_put THEN 'UP' WHEN c_get THEN 'UG' ELSE st1 END,
@@ -352,9 +367,11 @@ WITH RECURSIVE f(eix, ord, st, u, l, o1, o2, bc, src, rid, mask, fate) USING KEY
                    f.src AS src0, f.rid AS rid0, f.mask AS mask0, f.fate,
                    -- the redo rule: a state already reflects a transition at or below its LRSN
                    f.st IS NOT NULL AND e.pos <= f.l AS skip
-            FROM f JOIN evs e ON e.eix = f.eix AND e.ord = f.ord + 1))))))
+            FROM f JOIN evs_range e ON e.eix = f.eix AND e.ord = f.ord + 1))))))
 SELECT * FROM f;
+"""
 
+FINAL_SQL = """
 -- settle._final: what a folded entry that still exists becomes
 CREATE TABLE fin AS
 SELECT f.eix, n.eid, f.st, f.u, f.l, f.o1, f.o2, f.bc, f.src, f.rid, f.mask, d.s, d.q, d.p,
@@ -551,8 +568,8 @@ class ColumnarEngine:
         if _on_disk(backup) is not None:
             for info in backup.manifest["files"]:
                 jobs.append(_Job(len(jobs), backup_file=info))
-        for d in log_dirs:
-            member = LogReader(d).member
+        # The members' logs in the order of their names: the plan's merged-log order rests on it (PLAN_SQL, r).
+        for member, d in sorted((LogReader(d).member, d) for d in log_dirs):
             for segno, path, is_last in log_segments_read(d, replay_from):
                 jobs.append(_Job(len(jobs), log_dir=d, segment=segno, path=path, member=member, is_last=is_last))
         return jobs
@@ -621,7 +638,8 @@ class ColumnarEngine:
             restore_lrsn = restore_lrsn_above(max_lrsn, base)
             progress(SETTLE, 0, 1)
             source_list = [sources.get(i, Source("")) for i in range(max(sources, default=-1) + 1)]
-            plan = _run(con, spill, structure, base, now_ms, restore_lrsn, max_lrsn, source_list)
+            plan = _run(con, spill, structure, base, now_ms, restore_lrsn, max_lrsn, source_list,
+                        fold_rows_for(self.memory))
         except BaseException:
             con.close()
             raise
@@ -643,6 +661,12 @@ class ColumnarEngine:
         return con
 
 
+def fold_rows_for(memory: int) -> int:
+    """How many entries the recursive fold takes at a time: about 2 KiB of DuckDB's memory (half of `memory`) an
+    entry, the recursion's state and its hash tables (BENCHMARKS.md, "The columnar engine")."""
+    return max(1_000, memory // 2 // 2048)
+
+
 def _on_disk(backup: BackupSource) -> Backup | None:
     """The backup's files, when it is one on disk (itself, or the base restore.run plans from)."""
     for b in (backup, getattr(backup, "base", None)):
@@ -662,25 +686,35 @@ def _insert(con: duckdb.DuckDBPyConnection, scanned: Scanned) -> None:
                 con.unregister("scanned")
 
 
+def _execute(con: duckdb.DuckDBPyConnection, sql: str, timings: dict[str, float], name: str = "") -> None:
+    """Each statement of `sql`, its seconds added to timings[its table's name]."""
+    for statement in sql.split(";"):
+        if statement.strip():
+            t0 = time.perf_counter()
+            what = name or (statement.split("CREATE TABLE ", 1)[-1].split()[0] if "CREATE TABLE" in statement else (
+                "drop" if "DROP TABLE" in statement else "insert"))
+            try:
+                con.execute(statement)
+            except duckdb.Error as e:
+                e.add_note(f"in the columnar plan's statement making {what}")
+                raise
+            timings[what] = round(timings.get(what, 0.0) + time.perf_counter() - t0, 3)
+
+
 def _run(con: duckdb.DuckDBPyConnection, spill: SpillDir, structure: str, base: Base, now_ms: int,
-         restore_lrsn: int, max_lrsn: int, sources: list[Source]) -> ColumnarPlan:
-    """The plan's statements on the rows read, and the plan they make."""
+         restore_lrsn: int, max_lrsn: int, sources: list[Source], fold_rows: int) -> ColumnarPlan:
+    """The plan's statements on the rows read, and the plan they make; the fold `fold_rows` entries at a time."""
     con.from_arrow(pa.table({"u": pa.array(sorted(base.carried), pa.string())})).create("base_uows")
     timings: dict[str, float] = {}
     params = {"G": base.gen, "R": restore_lrsn, "NOW": now_ms, "OUTCOME_RANK": OUTCOME_RANK,
               "CONTROL_SUFFIX": CONTROL_SUFFIX, "ST": ST, "U": U, "L": L, "O1": O1, "O2": O2, "BC": BC,
               "S": structure, "SRC_E": SRC_E, "SRC_DD": SRC_DD, "SRC_BACKUP": SRC_BACKUP}
-    for statement in _bind(PLAN_SQL, params).split(";"):
-        if statement.strip():
-            t0 = time.perf_counter()
-            name = statement.split("CREATE TABLE ", 1)[-1].split()[0] if "CREATE TABLE" in statement else (
-                "drop" if "DROP TABLE" in statement else "insert")
-            try:
-                con.execute(statement)
-            except duckdb.Error as e:
-                e.add_note(f"in the columnar plan's statement making {name}")
-                raise
-            timings[name] = round(timings.get(name, 0.0) + time.perf_counter() - t0, 3)
+    _execute(con, _bind(PLAN_SQL, params), timings)
+    touched = con.execute("SELECT count(*), coalesce(max(eix), 0) FROM touched").fetchone() or (0, 0)
+    step = max(1, int(touched[1]) * fold_rows // max(1, int(touched[0]))) if touched[0] else 1
+    for lo in range(0, int(touched[1]) + 1, step):
+        _execute(con, _bind(FOLD_SQL, {**params, "LO": lo, "HI": lo + step}), timings, "fold")
+    _execute(con, _bind(FINAL_SQL, params), timings)
     _rule_on_control_entries(con, sources)
 
     plan = ColumnarPlan(structure, restore_lrsn, [], {}, {}, set(), Counter(), Counter(), max_lrsn)
