@@ -1,8 +1,8 @@
 /* Frames of msgpack records decoded straight into columns (restore.columns): the readers of the columnar restore
  * engine, so that no Python object is made per record.
  *
- * scan(buffer, start, end, capacity, first_frame, min_lrsn, mode, first_rid, check_crc) reads the frames of
- * `buffer` from `start` (each: u32 body length, u32 CRC32C of the body, the body; little endian) and appends a row
+ * scan(buffer, start, end, capacity, first_frame, min_lrsn, mode, first_rid, check_crc, shift) reads the frames
+ * of `buffer` (the bytes of a file from offset `shift` on: every offset taken and given is the file's) from `start` (each: u32 body length, u32 CRC32C of the body, the body; little endian) and appends a row
  * per record to the tables of restore.columns (recs, ss, ev, descs), as column buffers. It stops at the first
  * frame it cannot take, and says why: the caller then reads from there with the house's own reader, which raises
  * the error that frame deserves (or, at a torn end of a live log, ends where it ends). Nothing is appended for the
@@ -186,6 +186,7 @@ enum { SRC_E = 0, SRC_I = 1, SRC_IDS = 2, SRC_DD = 3, SRC_BACKUP = 4 };
 
 typedef struct {
     Col r[R_N], s[S_N], e[E_N], d[D_N];
+    int64_t shift;  /* the buffer's offset in its file: added to every offset a column holds */
 } Tables;
 
 static void tables_init(Tables *t) {
@@ -484,7 +485,7 @@ static int take_desc(Rd *r, Tables *t, const uint8_t *base, int64_t rid, int64_t
     e |= col_int(&d[D_O1], ints[D_O1], 1);
     e |= col_int(&d[D_O2], ints[D_O2], 1);
     e |= col_int(&d[D_BC], ints[D_BC], 1);
-    e |= col_int(&d[D_BOFF], (int64_t)(start - base), 1);
+    e |= col_int(&d[D_BOFF], (int64_t)(start - base) + t->shift, 1);
     e |= col_int(&d[D_BLEN], (int64_t)(r->p - start), 1);
     e |= col_int(&d[D_DOFF], 0, 1);
     e |= col_int(&d[D_DLEN], 0, 1);
@@ -604,7 +605,7 @@ static int take_record(Rd *r, Tables *t, const uint8_t *base, int64_t rid, int64
                 int rc = take_desc(r, t, base, rid, SRC_DD, y, ds, dsl);
                 if (rc) return rc;
                 if (rd_bin(r, &dd, &ddl) != 1) return -1;
-                set_data(t, row, (int64_t)(dd - base), (int64_t)ddl);
+                set_data(t, row, (int64_t)(dd - base) + t->shift, (int64_t)ddl);
                 size_t idl;
                 const char *id = str_at(&t->d[D_EID], row, &idl);
                 if (col_int(&t->e[E_RID], rid, 1) || col_int(&t->e[E_SRC], SRC_DD, 1) || col_str(&t->e[E_EID], id, idl, 1) ||
@@ -630,7 +631,7 @@ static int take_record(Rd *r, Tables *t, const uint8_t *base, int64_t rid, int64
     }
     if (!has_k || !has_l) return -1;
     if (edesc >= 0) {
-        if (data) set_data(t, edesc, (int64_t)(data - base), (int64_t)dlen);
+        if (data) set_data(t, edesc, (int64_t)(data - base) + t->shift, (int64_t)dlen);
         eu = str_at(&t->d[D_U], edesc, &eulen);  /* the copy's holder, "" for none */
     }
     *lrsn = l;
@@ -660,7 +661,7 @@ static int take_copy(Rd *r, Tables *t, const uint8_t *base, int64_t rid) {
     int rc = take_desc(r, t, base, rid, SRC_BACKUP, 0, NULL, 0);
     if (rc) return rc;
     if (rd_bin(r, &data, &dlen) != 1) return -1;
-    set_data(t, row, (int64_t)(data - base), (int64_t)dlen);
+    set_data(t, row, (int64_t)(data - base) + t->shift, (int64_t)dlen);
     return 0;
 }
 
@@ -669,8 +670,9 @@ static PyObject *scan(PyObject *self, PyObject *args) {
     Py_ssize_t start, end, cap, first_frame;
     long long min_lrsn, first_rid;
     int mode, check_crc;
-    if (!PyArg_ParseTuple(args, "y*nnnnLiLp", &view, &start, &end, &cap, &first_frame, &min_lrsn, &mode, &first_rid,
-                          &check_crc))
+    long long shift;
+    if (!PyArg_ParseTuple(args, "y*nnnnLiLpL", &view, &start, &end, &cap, &first_frame, &min_lrsn, &mode, &first_rid,
+                          &check_crc, &shift))
         return NULL;
     if (start < 0 || end > view.len || start > end) {
         PyBuffer_Release(&view);
@@ -684,6 +686,7 @@ static PyObject *scan(PyObject *self, PyObject *args) {
         return PyErr_NoMemory();
     }
     tables_init(t);
+    t->shift = shift;
     Py_ssize_t off = start;
     int64_t rid = first_rid, max_lrsn = INT64_MIN, records = 0;
     int stop = STOP_END, nomem = 0;
@@ -694,7 +697,8 @@ static PyObject *scan(PyObject *self, PyObject *args) {
                           (uint32_t)base[off + 3] << 24;
         uint32_t crc = (uint32_t)base[off + 4] | (uint32_t)base[off + 5] << 8 | (uint32_t)base[off + 6] << 16 |
                        (uint32_t)base[off + 7] << 24;
-        if (length == 0 || length > MAX_RECORD_BYTES || (off != first_frame && off + 8 + (Py_ssize_t)length > cap) ||
+        int64_t at = (int64_t)off + shift;  /* the frame's offset in its file */
+        if (length == 0 || length > MAX_RECORD_BYTES || (at != first_frame && at + 8 + (int64_t)length > cap) ||
             off + 8 + (Py_ssize_t)length > end) {
             stop = STOP_FRAME;
             break;
@@ -704,7 +708,7 @@ static PyObject *scan(PyObject *self, PyObject *args) {
         Rd r = {body, body + length, mode == 0};
         Marks m = tables_mark(t);
         int64_t lrsn = 0;
-        int rc = mode == 0 ? take_record(&r, t, base, rid, off, &lrsn) : take_copy(&r, t, base, rid);
+        int rc = mode == 0 ? take_record(&r, t, base, rid, at, &lrsn) : take_copy(&r, t, base, rid);
         if (rc == 0 && r.p != r.end) rc = -1;  /* trailing bytes: msgpack's unpackb refuses them */
         if (rc) {
             tables_truncate(t, m);
@@ -740,7 +744,7 @@ static PyObject *scan(PyObject *self, PyObject *args) {
         Py_XDECREF(dt);
         return NULL;
     }
-    return Py_BuildValue("(niLL((nN)(nN)(nN)(nN)))", off, stop, (long long)records,
+    return Py_BuildValue("(LiLL((nN)(nN)(nN)(nN)))", (long long)off + shift, stop, (long long)records,
                          (long long)(max_lrsn == INT64_MIN ? -1 : max_lrsn), nr, rt, ns, st, ne, et, nd, dt);
 }
 

@@ -1,8 +1,8 @@
 """The readers of the columnar restore engine: log slices and backup files as Arrow tables, decoded in C.
 
 restore._columns (restore/_columns.c, built by the package's build) walks a file's frames, checks each CRC32C and
-decodes each msgpack body straight into column buffers: no Python object is made per record. A file is mapped
-into memory, not read; a descriptor's own bytes and an entry's data are not copied either: their places in the
+decodes each msgpack body straight into column buffers: no Python object is made per record. A file is read a
+chunk at a time (CHUNK); a descriptor's own bytes and an entry's data are not copied either: their places in the
 file are columns, read back for the entries that survive (Sources). Four tables come out, the same for logs and
 backups:
 
@@ -23,7 +23,6 @@ where a live log ends; a record it decodes that the C reader did not take is pac
 from __future__ import annotations
 
 import hashlib
-import mmap
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -91,12 +90,13 @@ def _arrays(cols: Sequence[tuple[bytes, bytes | None, bytes | None, int]], schem
 
 
 def scan_buffer(buf: Any, start: int, end: int, *, capacity: int, first_frame: int, min_lrsn: int, backup: bool,
-                first_rid: int, check_crc: bool = True,
-                const: dict[str, Any] | None = None) -> tuple[Scanned, int, int]:
-    """The frames of buf[start:end] as tables (see the module doc); with where the reader stopped and why
-    (STOP_END: at `end`). const: columns every row of recs and descs has (seg, m, f)."""
+                first_rid: int, check_crc: bool = True, const: dict[str, Any] | None = None,
+                shift: int = 0) -> tuple[Scanned, int, int]:
+    """The frames of buf[start:end] as tables (see the module doc); with where the reader stopped (an offset in
+    the file) and why (STOP_END: at `end`). const: columns every row of recs and descs has (seg, m, f); shift: the
+    buffer's offset in its file."""
     off, stop, records, max_lrsn, parts = _columns.scan(buf, start, end, capacity, first_frame, min_lrsn,
-                                                        1 if backup else 0, first_rid, check_crc)
+                                                        1 if backup else 0, first_rid, check_crc, shift)
     tables: dict[str, pa.Table] = {}
     for (name, schema), (n, cols) in zip(TABLES.items(), parts, strict=True):
         arrays = _arrays(cols, schema, n)
@@ -141,13 +141,45 @@ class Source:
         return os.open(moved, os.O_RDONLY | os.O_NOFOLLOW)
 
 
-def _mapped(path: Path) -> tuple[Any, int]:
-    """The file mapped read-only (b"" when empty), and its size."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size == 0:
-            return b"", 0
-        return mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ), size
+def _scan_file(fd: int, start: int, size: int, *, capacity: int, first_frame: int, min_lrsn: int, backup: bool,
+               first_rid: int, const: dict[str, Any], hashed: Any = None) -> tuple[list[Scanned], int, int]:
+    """The frames of the open file `fd` from `start` to `size`, read CHUNK bytes at a time (a frame that runs past
+    a chunk is read again whole with the next one), so that what a reader holds stays bounded whatever the
+    file's size. Returns the chunks' tables, where the reader stopped and why. hashed: a hash every byte read from
+    `start` on goes through once."""
+    out: list[Scanned] = []
+    off, rid, upto = start, first_rid, start
+    while off < size:
+        buf = os.pread(fd, min(size - off, max(CHUNK, _frame_bytes(fd, off, size))), off)
+        if not buf:
+            break
+        if hashed is not None and off + len(buf) > upto:
+            hashed.update(memoryview(buf)[upto - off:])
+            upto = off + len(buf)
+        sc, stop_at, stop = scan_buffer(buf, 0, len(buf), capacity=capacity, first_frame=first_frame,
+                                        min_lrsn=min_lrsn, backup=backup, first_rid=rid, const=const, shift=off)
+        out.append(sc)
+        rid += sc.records
+        if stop == STOP_END:
+            off = stop_at
+            continue
+        if stop == STOP_FRAME and off + len(buf) < size and stop_at > off:
+            off = stop_at  # a frame that runs past this chunk: read again from its start
+            continue
+        return out, stop_at, stop
+    return out, off, STOP_END
+
+
+CHUNK = 8 << 20  # bytes of a file a reader holds at a time
+
+
+def _frame_bytes(fd: int, off: int, size: int) -> int:
+    """The bytes of the frame at `off` (header and body) as its length says, 0 when that is past the file."""
+    head = os.pread(fd, 4, off)
+    if len(head) < 4:
+        return 0
+    n = 8 + int.from_bytes(head, "little")
+    return n if off + n <= size else 0
 
 
 def log_segments_read(directory: Path, min_lrsn: int, only: Any = None) -> Iterator[tuple[int, Path, bool]]:
@@ -181,16 +213,16 @@ def scan_segment(directory: Path, segno: int, path: Path, member: str, *, is_las
         if header is None:
             return [], []
         check_header(header, path, segno, member)
-    buf, size = _mapped(path)
     const = {"seg": segno, "m": member, "f": source}
+    fd = os.open(path, os.O_RDONLY)
     try:
-        scanned, off, stop = scan_buffer(buf, header.length, size, capacity=header.capacity,
-                                         first_frame=header.length, min_lrsn=min_lrsn, backup=False,
-                                         first_rid=first_rid, const=const)
+        out, off, stop = _scan_file(fd, header.length, os.fstat(fd).st_size, capacity=header.capacity,
+                                    first_frame=header.length, min_lrsn=min_lrsn, backup=False, first_rid=first_rid,
+                                    const=const)
     finally:
-        if isinstance(buf, mmap.mmap):
-            buf.close()
-    out, sources = [scanned], [Source(str(path), str(directory), segno)]
+        os.close(fd)
+    sources = [Source(str(path), str(directory), segno)]
+    taken = sum(sc.records for sc in out)
     if stop == STOP_END:
         return out, sources
     # The house's reader from there: it raises for a damaged frame, ends at a torn end, decodes what it can.
@@ -202,7 +234,7 @@ def scan_segment(directory: Path, segno: int, path: Path, member: str, *, is_las
     bodies = [msgpack.packb(rec, use_bin_type=True) for _, rec in rest]
     data = _frames(bodies)
     more, end, stop = scan_buffer(data, 0, len(data), capacity=len(data), first_frame=0, min_lrsn=min_lrsn,
-                                  backup=False, first_rid=first_rid + scanned.records, check_crc=False,
+                                  backup=False, first_rid=first_rid + taken, check_crc=False,
                                   const={"seg": segno, "m": member, "f": source + 1})
     if stop != STOP_END:
         bad = rest[len(more.tables["recs"])][0] if len(more.tables["recs"]) < len(rest) else end
@@ -223,45 +255,45 @@ def scan_backup_file(backup_dir: Path, info: dict[str, Any], *, first_rid: int, 
     checked as backup.files reads it (its header, every frame's CRC, its sha256 and frame count). A frame the C
     reader does not take raises CorruptFrameError (backup.files would decode it: see Backup.copies)."""
     path = entry_path(backup_dir, info["name"])
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        raise TruncatedBackupError(f"{path}: entry file is missing") from None
     try:
         size = os.fstat(fd).st_size
-        buf: Any = mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else b""
-    finally:
-        os.close(fd)
-    try:
-        if bytes(buf[:len(FILE_HEADER)]) != FILE_HEADER:
+        header = os.pread(fd, len(FILE_HEADER), 0)
+        if header != FILE_HEADER:
             raise ChecksumMismatchError(f"{path}: not a backup entry file of this version (bad header)")
-        scanned, off, stop = scan_buffer(buf, len(FILE_HEADER), size, capacity=size, first_frame=len(FILE_HEADER),
-                                         min_lrsn=0, backup=True, first_rid=first_rid,
-                                         const={"f": source})
+        sha = hashlib.sha256(header)
+        out, off, stop = _scan_file(fd, len(FILE_HEADER), size, capacity=size, first_frame=len(FILE_HEADER),
+                                    min_lrsn=0, backup=True, first_rid=first_rid, const={"f": source}, hashed=sha)
         if stop == STOP_FRAME:
             if size - off < 8:
                 raise TruncatedBackupError(f"{path}: truncated frame header at byte {off}")
             raise CorruptFrameError(f"{path}: bad frame at byte {off} (its length runs past the end of the file, "
                                     f"or a bad CRC)")
         if stop == STOP_BODY:
-            raise _unreadable_copy(path, buf, off)
-        if hashlib.sha256(buf).hexdigest() != info["sha256"]:
-            raise ChecksumMismatchError(f"{path}: sha256 does not match the manifest")
+            raise _unreadable_copy(path, os.pread(fd, _frame_bytes(fd, off, size) or 8, off), off)
     finally:
-        if isinstance(buf, mmap.mmap):
-            buf.close()
-    if scanned.records != info["frames"]:
-        raise ChecksumMismatchError(f"{path}: {scanned.records} frames, the manifest says {info['frames']}")
-    descs = scanned.tables["descs"]
-    scanned.tables["descs"] = descs.set_column(descs.schema.get_field_index("s"), "s",
-                                               _repeat(structure, _STR, len(descs)))
-    return scanned
+        os.close(fd)
+    if sha.hexdigest() != info["sha256"]:
+        raise ChecksumMismatchError(f"{path}: sha256 does not match the manifest")
+    records = sum(sc.records for sc in out)
+    if records != info["frames"]:
+        raise ChecksumMismatchError(f"{path}: {records} frames, the manifest says {info['frames']}")
+    tables = {name: pa.concat_tables([sc.tables[name] for sc in out]) if out else schema.empty_table()
+              for name, schema in TABLES.items()}
+    descs = tables["descs"]
+    tables["descs"] = descs.set_column(descs.schema.get_field_index("s"), "s", _repeat(structure, _STR, len(descs)))
+    return Scanned(tables, records, max((sc.max_lrsn for sc in out), default=-1))
 
 
-def _unreadable_copy(path: Path, buf: Any, off: int) -> Exception:
+def _unreadable_copy(path: Path, frame: bytes, off: int) -> Exception:
     """The error for a backup frame the C reader stopped at: backup.files' own when it is one it refuses; else the
     entry's id, which is not text the plan can hold (cfemu.bulk.unloadable)."""
     from cfemu.bulk import unloadable
 
-    length = int.from_bytes(buf[off:off + 4], "little")
-    body = bytes(buf[off + 8:off + 8 + length])
+    body = bytes(frame[8:8 + int.from_bytes(frame[:4], "little")])
     try:
         _, desc, _ = msgpack.unpackb(body, raw=False, unicode_errors="surrogateescape")
         eid = str(desc["id"])
@@ -290,7 +322,7 @@ def copies_as_frames(copies: Any, first_rid: int, source: int,
     scanned, off, stop = scan_buffer(bytes(data), 0, len(data), capacity=len(data), first_frame=0, min_lrsn=0,
                                      backup=True, first_rid=first_rid, check_crc=False, const={"f": source})
     if stop != STOP_END:
-        raise _unreadable_copy(path, data, off)
+        raise _unreadable_copy(path, bytes(data[off:]), off)
     descs = scanned.tables["descs"]
     scanned.tables["descs"] = descs.set_column(descs.schema.get_field_index("s"), "s", pa.array(structures, _STR))
     return scanned, Source(str(path))

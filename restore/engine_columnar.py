@@ -163,11 +163,10 @@ CREATE TABLE recs AS
 SELECT x.rid, x.l, x.m, x.seg, x.off, x.k, kd.role, x.u,
        CASE WHEN kd.role = 'entry' THEN x.g WHEN kd.role = 'outcome' THEN sg.g END AS gen,
        x.at, CASE WHEN x.o = 'C' THEN kd.dec_c ELSE kd.dec_b END AS dec, kd.outranks, kd.rank, kd.copy,
-       kd.carries, x.by AS dby, coalesce(sl.ss, []::VARCHAR[]) AS ss,
-       CASE WHEN kd.copy THEN coalesce(x.eu, '') ELSE '' END AS holder, kd.idsrc, kd.descsrc
+       kd.carries, x.by AS dby, CASE WHEN kd.copy THEN coalesce(x.eu, '') ELSE '' END AS holder, kd.idsrc,
+       kd.descsrc
 FROM raw_recs x JOIN kinds kd USING (k)
-LEFT JOIN (SELECT rid, any_value(g) AS g FROM raw_ss WHERE s = $S GROUP BY rid) sg USING (rid)
-LEFT JOIN (SELECT rid, list(s) AS ss FROM raw_ss GROUP BY rid) sl USING (rid)
+LEFT JOIN (SELECT rid, g FROM raw_ss WHERE s = $S) sg USING (rid)
 WHERE (kd.role = 'entry' AND x.s = $S) OR kd.role IN ('outcome', 'end');
 CREATE TABLE ev AS
 SELECT DISTINCT e.rid, e.eid FROM raw_ev e JOIN recs r USING (rid)
@@ -187,7 +186,6 @@ SELECT 'D', rid, eid, s, q, p, exp, st, u, l, o1, o2, bc, f, boff, blen, doff, d
 WHERE rn = 1;
 DROP TABLE raw_ev;
 DROP TABLE raw_descs;
-DROP TABLE raw_ss;
 DROP TABLE raw_recs;
 
 -- the generation rule (plan.current_incarnation), and where each record lies in the merged log: by (LRSN,
@@ -230,7 +228,10 @@ FROM lastrec x JOIN own o USING (u) LEFT JOIN brk USING (u)
 WHERE o.seq > coalesce(brk.b, -1)
 GROUP BY x.u, x.kind, x.decided_by, brk.b;
 CREATE TABLE structs AS
-SELECT u, list_sort(list_distinct(flatten(list(ss)))) AS structures FROM orecs GROUP BY u;
+SELECT o.u, coalesce(list_sort(list_distinct(list(x.s) FILTER (WHERE x.s IS NOT NULL))),
+                     []::VARCHAR[]) AS structures
+FROM orecs o LEFT JOIN raw_ss x USING (rid) GROUP BY o.u;
+DROP TABLE raw_ss;
 CREATE TABLE outc AS
 SELECT o.u, o.kind, o.lrsn, o.decided_by, s.structures FROM (
   SELECT u, kind, lrsn, decided_by FROM oa UNION ALL SELECT u, kind, lrsn, decided_by FROM ob) o

@@ -222,3 +222,17 @@ def test_a_damaged_backup_file_is_refused(tmp_path: Path, damage: str) -> None:
     else:
         with pytest.raises(ChecksumMismatchError, match="sha256"):
             scan_backup_file(b.path, {**info, "sha256": "0" * 64}, first_rid=0, source=0, structure=S)
+
+
+def test_frames_that_run_past_a_chunk_are_read_again_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reader holds CHUNK bytes of a file at a time: with chunks smaller than most frames, every frame runs
+    past one, and the same records and copies come out."""
+    d = _log(tmp_path, 80, segment_bytes=1 << 20)
+    b = read_backup(_backup(tmp_path))
+    whole_log = _scan_log(d, 0, tmp_path)[0]
+    whole_backup = scan_backup_file(b.path, b.manifest["files"][0], first_rid=0, source=0, structure=S)
+    monkeypatch.setattr("restore.columns.CHUNK", 37)
+    assert _scan_log(d, 0, tmp_path)[0] == whole_log
+    chunked = scan_backup_file(b.path, b.manifest["files"][0], first_rid=0, source=0, structure=S)
+    assert chunked.tables["descs"].to_pylist() == whole_backup.tables["descs"].to_pylist()
+    assert whole_backup.records > 3
