@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -141,13 +141,15 @@ class Source:
         return os.open(moved, os.O_RDONLY | os.O_NOFOLLOW)
 
 
+Emit = Callable[[Scanned], None]
+
+
 def _scan_file(fd: int, start: int, size: int, *, capacity: int, first_frame: int, min_lrsn: int, backup: bool,
-               first_rid: int, const: dict[str, Any], hashed: Any = None) -> tuple[list[Scanned], int, int]:
+               first_rid: int, const: dict[str, Any], emit: Emit, hashed: Any = None) -> tuple[int, int, int]:
     """The frames of the open file `fd` from `start` to `size`, read CHUNK bytes at a time (a frame that runs past
-    a chunk is read again whole with the next one), so that what a reader holds stays bounded whatever the
-    file's size. Returns the chunks' tables, where the reader stopped and why. hashed: a hash every byte read from
-    `start` on goes through once."""
-    out: list[Scanned] = []
+    a chunk is read again whole with the next one), each chunk's tables handed to `emit`, so that what a reader
+    holds stays bounded whatever the file's size. Returns the records taken, where the reader stopped and why.
+    hashed: a hash every byte read from `start` on goes through once."""
     off, rid, upto = start, first_rid, start
     while off < size:
         buf = os.pread(fd, min(size - off, max(CHUNK, _frame_bytes(fd, off, size))), off)
@@ -158,7 +160,7 @@ def _scan_file(fd: int, start: int, size: int, *, capacity: int, first_frame: in
             upto = off + len(buf)
         sc, stop_at, stop = scan_buffer(buf, 0, len(buf), capacity=capacity, first_frame=first_frame,
                                         min_lrsn=min_lrsn, backup=backup, first_rid=rid, const=const, shift=off)
-        out.append(sc)
+        emit(sc)
         rid += sc.records
         if stop == STOP_END:
             off = stop_at
@@ -166,8 +168,8 @@ def _scan_file(fd: int, start: int, size: int, *, capacity: int, first_frame: in
         if stop == STOP_FRAME and off + len(buf) < size and stop_at > off:
             off = stop_at  # a frame that runs past this chunk: read again from its start
             continue
-        return out, stop_at, stop
-    return out, off, STOP_END
+        return rid - first_rid, stop_at, stop
+    return rid - first_rid, off, STOP_END
 
 
 CHUNK = 8 << 20  # bytes of a file a reader holds at a time
@@ -205,31 +207,30 @@ def log_segments_read(directory: Path, min_lrsn: int, only: Any = None) -> Itera
 
 
 def scan_segment(directory: Path, segno: int, path: Path, member: str, *, is_last: bool, min_lrsn: int,
-                 first_rid: int, source: int, spill: Path) -> tuple[list[Scanned], list[Source]]:
-    """One log segment's records from `min_lrsn` on, as tables; the sources their bytes are in (the segment, and
-    a spill file of records the C reader did not take, if any)."""
+                 first_rid: int, source: int, spill: Path, emit: Emit) -> list[Source]:
+    """One log segment's records from `min_lrsn` on, as tables handed to `emit` a chunk at a time; returns the
+    sources their bytes are in (the segment, and a spill file of records the C reader did not take, if any)."""
     with open(path, "rb") as f:
         header = read_header(f, path, allow_partial=is_last)
         if header is None:
-            return [], []
+            return []
         check_header(header, path, segno, member)
     const = {"seg": segno, "m": member, "f": source}
     fd = os.open(path, os.O_RDONLY)
     try:
-        out, off, stop = _scan_file(fd, header.length, os.fstat(fd).st_size, capacity=header.capacity,
-                                    first_frame=header.length, min_lrsn=min_lrsn, backup=False, first_rid=first_rid,
-                                    const=const)
+        taken, off, stop = _scan_file(fd, header.length, os.fstat(fd).st_size, capacity=header.capacity,
+                                      first_frame=header.length, min_lrsn=min_lrsn, backup=False,
+                                      first_rid=first_rid, const=const, emit=emit)
     finally:
         os.close(fd)
     sources = [Source(str(path), str(directory), segno)]
-    taken = sum(sc.records for sc in out)
     if stop == STOP_END:
-        return out, sources
+        return sources
     # The house's reader from there: it raises for a damaged frame, ends at a torn end, decodes what it can.
     rest = [(pos.offset, rec) for pos, rec in SegmentScan(path, segno, member, is_last=is_last, start_offset=off)
             if rec["l"] >= min_lrsn]
     if not rest:
-        return out, sources
+        return sources
     spilled = spill / f"repacked-{source + 1}"
     bodies = [msgpack.packb(rec, use_bin_type=True) for _, rec in rest]
     data = _frames(bodies)
@@ -246,14 +247,23 @@ def scan_segment(directory: Path, segno: int, path: Path, member: str, *, is_las
     more.tables["recs"] = recs.set_column(recs.schema.get_field_index("off"), "off", offsets)
     with open(spilled, "wb") as f:
         f.write(data)
-    return [*out, more], [*sources, Source(str(spilled))]
+    emit(more)
+    return [*sources, Source(str(spilled))]
 
 
-def scan_backup_file(backup_dir: Path, info: dict[str, Any], *, first_rid: int, source: int,
-                     structure: str) -> Scanned:
-    """One backup entry file's copies as a descs table (src SRC_BACKUP, rid their place in the backup), the file
-    checked as backup.files reads it (its header, every frame's CRC, its sha256 and frame count). A frame the C
-    reader does not take raises CorruptFrameError (backup.files would decode it: see Backup.copies)."""
+def scan_backup_file(backup_dir: Path, info: dict[str, Any], *, first_rid: int, source: int, structure: str,
+                     emit: Emit) -> int:
+    """One backup entry file's copies as a descs table (src SRC_BACKUP, rid their place in the backup), handed to
+    `emit` a chunk at a time; the file checked as backup.files reads it (its header, every frame's CRC, its sha256
+    and frame count: a file that fails raises once all of it is read). A frame the C reader does not take raises
+    CorruptFrameError, or for an entry id that is not text, cfemu.bulk.unloadable's error. Returns the copies."""
+
+    def with_structure(sc: Scanned) -> None:
+        descs = sc.tables["descs"]
+        sc.tables["descs"] = descs.set_column(descs.schema.get_field_index("s"), "s",
+                                              _repeat(structure, _STR, len(descs)))
+        emit(sc)
+
     path = entry_path(backup_dir, info["name"])
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
@@ -265,8 +275,9 @@ def scan_backup_file(backup_dir: Path, info: dict[str, Any], *, first_rid: int, 
         if header != FILE_HEADER:
             raise ChecksumMismatchError(f"{path}: not a backup entry file of this version (bad header)")
         sha = hashlib.sha256(header)
-        out, off, stop = _scan_file(fd, len(FILE_HEADER), size, capacity=size, first_frame=len(FILE_HEADER),
-                                    min_lrsn=0, backup=True, first_rid=first_rid, const={"f": source}, hashed=sha)
+        records, off, stop = _scan_file(fd, len(FILE_HEADER), size, capacity=size, first_frame=len(FILE_HEADER),
+                                        min_lrsn=0, backup=True, first_rid=first_rid, const={"f": source},
+                                        emit=with_structure, hashed=sha)
         if stop == STOP_FRAME:
             if size - off < 8:
                 raise TruncatedBackupError(f"{path}: truncated frame header at byte {off}")
@@ -278,14 +289,9 @@ def scan_backup_file(backup_dir: Path, info: dict[str, Any], *, first_rid: int, 
         os.close(fd)
     if sha.hexdigest() != info["sha256"]:
         raise ChecksumMismatchError(f"{path}: sha256 does not match the manifest")
-    records = sum(sc.records for sc in out)
     if records != info["frames"]:
         raise ChecksumMismatchError(f"{path}: {records} frames, the manifest says {info['frames']}")
-    tables = {name: pa.concat_tables([sc.tables[name] for sc in out]) if out else schema.empty_table()
-              for name, schema in TABLES.items()}
-    descs = tables["descs"]
-    tables["descs"] = descs.set_column(descs.schema.get_field_index("s"), "s", _repeat(structure, _STR, len(descs)))
-    return Scanned(tables, records, max((sc.max_lrsn for sc in out), default=-1))
+    return records
 
 
 def _unreadable_copy(path: Path, frame: bytes, off: int) -> Exception:

@@ -27,11 +27,14 @@ The result equals plan_local's for the same input (tests/restore/test_engine_col
 
 from __future__ import annotations
 
+import contextlib
+import queue
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -135,18 +138,79 @@ class _Job:
     backup_file: dict[str, Any] | None = None
 
 
-def _scan(job: _Job, backup_dir: Path | None, structure: str, replay_from: int,
-          spill: Path) -> tuple[list[Scanned], list[tuple[int, Source]]]:
-    """A job's tables (in any thread: the C reader lets go of the GIL) and the sources their bytes are in."""
+def _scan(job: _Job, emit: Callable[[Scanned], None], *, backup_dir: Path | None, structure: str, replay_from: int,
+          spill: Path) -> list[tuple[int, Source]]:
+    """A job's tables, handed to `emit` a chunk at a time (in any thread: the C reader lets go of the GIL); returns
+    the sources their bytes are in."""
     if job.backup_file is not None:
         assert backup_dir is not None
-        sc = scan_backup_file(backup_dir, job.backup_file, first_rid=job.n << RID_BITS, source=2 * job.n,
-                              structure=structure)
-        return [sc], [(2 * job.n, Source(str(entry_path(backup_dir, job.backup_file["name"]))))]
+        scan_backup_file(backup_dir, job.backup_file, first_rid=job.n << RID_BITS, source=2 * job.n,
+                         structure=structure, emit=emit)
+        return [(2 * job.n, Source(str(entry_path(backup_dir, job.backup_file["name"]))))]
     assert job.log_dir is not None and job.path is not None
-    out, sources = scan_segment(job.log_dir, job.segment, job.path, job.member, is_last=job.is_last,
-                                min_lrsn=replay_from, first_rid=job.n << RID_BITS, source=2 * job.n, spill=spill)
-    return out, [(2 * job.n + k, src) for k, src in enumerate(sources)]
+    sources = scan_segment(job.log_dir, job.segment, job.path, job.member, is_last=job.is_last, min_lrsn=replay_from,
+                           first_rid=job.n << RID_BITS, source=2 * job.n, spill=spill, emit=emit)
+    return [(2 * job.n + k, src) for k, src in enumerate(sources)]
+
+
+class _Stopped(Exception):
+    """The plan stopped while a reader waited to hand over its rows."""
+
+
+class _Readers:
+    """`workers` threads that read the jobs side by side, each chunk's tables handed over through a queue of a few
+    (so that what waits to be inserted stays bounded); results() gives ("rows", Scanned) and ("done", job,
+    sources) as they come, and raises a reader's failure."""
+
+    def __init__(self, jobs: list[_Job], workers: int,
+                 scan: Callable[[_Job, Callable[[Scanned], None]], list[tuple[int, Source]]]) -> None:
+        self.queue: queue.Queue[tuple[Any, ...]] = queue.Queue(maxsize=2 * workers)
+        self.stopping = threading.Event()
+        self.jobs, self.scan = iter(jobs), scan
+        self.lock = threading.Lock()
+        self.count = len(jobs)
+        self.threads = [threading.Thread(target=self._run, name=f"restore-read-{k}", daemon=True)
+                        for k in range(min(workers, len(jobs)))]
+        for t in self.threads:
+            t.start()
+
+    def _put(self, item: tuple[Any, ...]) -> None:
+        while not self.stopping.is_set():
+            try:
+                self.queue.put(item, timeout=0.2)
+                return
+            except queue.Full:
+                continue
+        raise _Stopped
+
+    def _run(self) -> None:
+        try:
+            while not self.stopping.is_set():
+                with self.lock:
+                    job = next(self.jobs, None)
+                if job is None:
+                    return
+                sources = self.scan(job, lambda sc: self._put(("rows", sc)))
+                self._put(("done", job, sources))
+        except _Stopped:
+            return
+        except BaseException as e:  # handed to results(), which raises it
+            with contextlib.suppress(_Stopped):
+                self._put(("failed", e))
+
+    def results(self) -> Iterator[tuple[Any, ...]]:
+        done = 0
+        while done < self.count:
+            item = self.queue.get()
+            if item[0] == "failed":
+                raise item[1]
+            done += item[0] == "done"
+            yield item
+
+    def stop(self) -> None:
+        self.stopping.set()
+        for t in self.threads:
+            t.join()
 
 
 # ------------------------------------------------------------------------------------------------ the plan
@@ -603,26 +667,25 @@ class ColumnarEngine:
             total_copies = int(manifest.get("entries") or 0) or None
             if on_disk is not None:
                 progress(READ_BACKUP, 0, total_copies)
-            with ThreadPoolExecutor(self.workers, thread_name_prefix="restore-read") as pool:
-                futures = [pool.submit(_scan, job, backup_dir, str(manifest.get("structure", structure)),
-                                       replay_from, spill.path)
-                           for job in jobs]
-                try:
-                    for job, fut in zip(jobs, futures, strict=True):
-                        tables, srcs = fut.result()
-                        for sc in tables:
-                            _insert(con, sc)
-                            max_lrsn = max(max_lrsn, sc.max_lrsn)
-                        sources.update(srcs)
-                        if job.backup_file is None:
-                            logs_done += 1
-                            progress(READ_LOGS, logs_done, n_logs)
-                        else:
-                            copies_done += int(job.backup_file.get("frames", 0))
-                            progress(READ_BACKUP, copies_done, total_copies)
-                finally:
-                    for fut in futures:
-                        fut.cancel()
+            readers = _Readers(jobs, self.workers, partial(
+                _scan, backup_dir=backup_dir, structure=str(manifest.get("structure", structure)),
+                replay_from=replay_from, spill=spill.path))
+            try:
+                for item in readers.results():
+                    if item[0] == "rows":
+                        _insert(con, item[1])
+                        max_lrsn = max(max_lrsn, item[1].max_lrsn)
+                        continue
+                    job, srcs = item[1], item[2]
+                    sources.update(srcs)
+                    if job.backup_file is None:
+                        logs_done += 1
+                        progress(READ_LOGS, logs_done, n_logs)
+                    else:
+                        copies_done += int(job.backup_file.get("frames", 0))
+                        progress(READ_BACKUP, copies_done, total_copies)
+            finally:
+                readers.stop()
             read_cpu = time.process_time() - cpu0
             held_by = [u for (u,) in con.execute(
                 f"SELECT DISTINCT u FROM raw_descs WHERE src = {SRC_BACKUP}").fetchall()]

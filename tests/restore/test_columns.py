@@ -21,6 +21,7 @@ from restore.columns import (
     SRC_E,
     SRC_I,
     SRC_IDS,
+    Scanned,
     Source,
     log_segments_read,
     read_back,
@@ -70,9 +71,9 @@ def _scan_log(d: Path, min_lrsn: int, spill: Path) -> tuple[list[dict[str, Any]]
     tables: dict[str, list[dict[str, Any]]] = {"ev": [], "descs": [], "ss": []}
     sources: list[Source] = []
     for job, (segno, path, last) in enumerate(log_segments_read(d, min_lrsn)):
-        out, srcs = scan_segment(d, segno, path, "QM1", is_last=last, min_lrsn=min_lrsn, first_rid=job << 20,
-                                 source=len(sources), spill=spill)
-        sources += srcs
+        out: list[Scanned] = []
+        sources += scan_segment(d, segno, path, "QM1", is_last=last, min_lrsn=min_lrsn, first_rid=job << 20,
+                                source=len(sources), spill=spill, emit=out.append)
         for sc in out:
             rows += sc.tables["recs"].to_pylist()
             for name in tables:
@@ -199,12 +200,21 @@ def _backup(tmp_path: Path, n: int = 50) -> Path:
     return tmp_path / "b"
 
 
+def _copies(backup_dir: Path, info: dict[str, Any], first_rid: int = 0) -> list[dict[str, Any]]:
+    """The descs rows of one backup file as the C reader reads it."""
+    out: list[Scanned] = []
+    n = scan_backup_file(backup_dir, info, first_rid=first_rid, source=0, structure=S, emit=out.append)
+    rows = [row for sc in out for row in sc.tables["descs"].to_pylist()]
+    assert n == len(rows) == info["frames"]
+    return rows
+
+
 def test_a_backups_files_read_into_columns_hold_every_copy(tmp_path: Path) -> None:
     b = read_backup(_backup(tmp_path))
     want = list(b.copies())
     descs: list[dict[str, Any]] = []
     for j, info in enumerate(b.manifest["files"]):
-        descs += scan_backup_file(b.path, info, first_rid=j << 20, source=0, structure=S).tables["descs"].to_pylist()
+        descs += _copies(b.path, info, j << 20)
     assert len(b.manifest["files"]) > 2
     assert [(x["src"], x["s"], x["eid"], x["l"], x["o1"], x["dlen"]) for x in descs] == [
         (SRC_BACKUP, s, d["id"], d["l"], d["o1"], len(data)) for s, d, data in want]
@@ -218,10 +228,10 @@ def test_a_damaged_backup_file_is_refused(tmp_path: Path, damage: str) -> None:
     if damage == "crc":
         _corrupt(path, path.stat().st_size - 3)
         with pytest.raises(CorruptFrameError, match="bad frame"):
-            scan_backup_file(b.path, info, first_rid=0, source=0, structure=S)
+            _copies(b.path, info)
     else:
         with pytest.raises(ChecksumMismatchError, match="sha256"):
-            scan_backup_file(b.path, {**info, "sha256": "0" * 64}, first_rid=0, source=0, structure=S)
+            _copies(b.path, {**info, "sha256": "0" * 64})
 
 
 def test_frames_that_run_past_a_chunk_are_read_again_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -230,9 +240,8 @@ def test_frames_that_run_past_a_chunk_are_read_again_whole(tmp_path: Path, monke
     d = _log(tmp_path, 80, segment_bytes=1 << 20)
     b = read_backup(_backup(tmp_path))
     whole_log = _scan_log(d, 0, tmp_path)[0]
-    whole_backup = scan_backup_file(b.path, b.manifest["files"][0], first_rid=0, source=0, structure=S)
+    whole_backup = _copies(b.path, b.manifest["files"][0])
     monkeypatch.setattr("restore.columns.CHUNK", 37)
     assert _scan_log(d, 0, tmp_path)[0] == whole_log
-    chunked = scan_backup_file(b.path, b.manifest["files"][0], first_rid=0, source=0, structure=S)
-    assert chunked.tables["descs"].to_pylist() == whole_backup.tables["descs"].to_pylist()
-    assert whole_backup.records > 3
+    assert _copies(b.path, b.manifest["files"][0]) == whole_backup
+    assert len(whole_backup) > 3
