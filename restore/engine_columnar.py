@@ -4,10 +4,11 @@ Final disposition is a join of the backup's copies and the log's entry records w
 ordered per entry and folded. Here every step of the reference (restore.plan.plan_local, restore.settle) is a
 SQL statement over columns, so that no Python runs per record past the readers:
 
-  read     the log's slices are read by worker processes side by side (restore.log_slices), the backup by this
-           process meanwhile; each record that matters (plan.relevant) becomes a row of `recs`, each entry it
-           names a row of `ev`, each descriptor it or the backup carries a row of `descs` (its fields as columns,
-           the descriptor and the data as blobs), written as Parquet files in the restore's spill directory;
+  read     the log segments and the backup's files are read by threads side by side, decoded in C into Arrow
+           columns (restore.columns): a record a row of `recs`, its structures rows of `ss`, each entry it names a
+           row of `ev`, each descriptor it or the backup carries a row of `descs` (its fields as columns, and
+           where its bytes and its data are in the file: they are read back for the survivors only); then the
+           records that matter (plan.relevant), with what the registry says of their kinds (kinds_table);
   base     the generation rule (plan.current_incarnation) as a predicate over `recs`; older outcome records kept
            aside count for the UOWs a relog copy shows holding an entry (plan.older_outcome, copy_holder);
   outcome  each UOW's outcome (settle.decide_outcome): a RECOVERY record's decision first, where the relogs of
@@ -16,12 +17,13 @@ SQL statement over columns, so that no Python runs per record past the readers:
   fold     per entry, the best copy (settle.with_logged_copies), the UOWs it names (settle.uows_named: those
            without an outcome were in flight and are backed out by restore), the events in (LRSN, rank) order,
            an outcome never at or below its UOW's own operations; then the redo rule and the transitions of
-           settle.settle, one event per entry at a time, as a recursive query keyed by entry;
+           settle.settle, one event per entry at a time, as a recursive query keyed by entry, a range of entries
+           at a time (its memory bound: fold_rows_for);
   final    settle._final's rules; a UOW's control entry goes through sqm.conversations.uowstatus in Python
            (those entries only); the survivors in the CF's order (settle.load_key).
 
-DuckDB keeps its tables in a database file in the spill directory and spills its operators there within the
-memory it is given (a share of `--memory-limit`); the plan streams its survivors in load order from there.
+DuckDB keeps its tables in memory and spills them and its operators to the spill directory within the memory it
+is given (a share of `--memory-limit`); the plan streams its survivors in load order from there.
 The result equals plan_local's for the same input (tests/restore/test_engine_columnar.py).
 """
 
@@ -714,7 +716,10 @@ class ColumnarEngine:
         return plan
 
     def _connect(self, spill: SpillDir) -> duckdb.DuckDBPyConnection:
-        con = duckdb.connect(str(spill.file("plan.duckdb")))
+        # An in-memory database: its tables are neither compressed nor checkpointed to a file (a third less CPU
+        # than a database file at 100k), and DuckDB still spills them to temp_directory past memory_limit
+        # (BENCHMARKS.md, "The columnar engine, second pass").
+        con = duckdb.connect(":memory:")
         tmp = spill.file("duckdb-tmp")
         tmp.mkdir(mode=0o700)
         con.execute(f"SET memory_limit = '{max(64, self.memory // 2 >> 20)}MiB'")
