@@ -39,7 +39,6 @@ from backup.files import (
     TruncatedBackupError,
     entry_path,
 )
-from restore import _columns  # type: ignore[attr-defined]
 from sqm.log import LogCorruptError, LogFormatError
 from sqm.log.format import (
     SegmentScan,
@@ -50,6 +49,12 @@ from sqm.log.format import (
     read_manifest,
     trusted_segments,
 )
+
+_columns: Any
+try:
+    from restore import _columns  # type: ignore[attr-defined,no-redef]
+except ImportError:  # installed where no C compiler was (the extension is optional): require_readers() says so
+    _columns = None
 
 SRC_E, SRC_I, SRC_IDS, SRC_DD, SRC_BACKUP = 0, 1, 2, 3, 4
 STOP_END, STOP_FRAME, STOP_BODY = 0, 1, 2
@@ -64,6 +69,14 @@ DESCS = pa.schema([("rid", _I64), ("src", _I64), ("pos", _I64), ("eid", _STR), (
                    ("bc", _I64), ("boff", _I64), ("blen", _I64), ("doff", _I64), ("dlen", _I64), ("f", _I64)])
 TABLES = {"recs": RECS, "ss": SS, "ev": EV, "descs": DESCS}
 _C_COLUMNS = {"recs": 11, "ss": 3, "ev": 4, "descs": 18}  # the columns the C reader makes, in schema order
+
+
+def require_readers() -> None:
+    """Raise, in one line, when the C readers were not built with the package."""
+    if _columns is None:
+        raise RuntimeError("the columnar restore engine needs its C readers (restore._columns), which were not "
+                           "built: install the package where a C compiler is (pip install builds them), or use "
+                           "--engine local")
 
 
 @dataclass

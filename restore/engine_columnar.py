@@ -60,6 +60,7 @@ from restore.columns import (
     copies_as_frames,
     log_segments_read,
     read_back,
+    require_readers,
     scan_backup_file,
     scan_segment,
 )
@@ -619,6 +620,7 @@ class ColumnarEngine:
         self.workers = default_workers() if workers is None else workers
         if self.workers < 1:
             raise ValueError(f"the restore workers must be at least 1, not {self.workers}")
+        require_readers()
 
     def plan(self, structure: str, backup: BackupSource, log_dirs: list[Path], replay_from: int, now_ms: int,
              progress: Progress = no_progress) -> RestorePlan:

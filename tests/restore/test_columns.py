@@ -245,3 +245,13 @@ def test_frames_that_run_past_a_chunk_are_read_again_whole(tmp_path: Path, monke
     assert _scan_log(d, 0, tmp_path)[0] == whole_log
     assert _copies(b.path, b.manifest["files"][0]) == whole_backup
     assert len(whole_backup) > 3
+
+
+def test_without_its_c_readers_the_columnar_engine_says_so_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The extension is optional (an image without a C compiler installs the package without it): asking for the
+    columnar engine there fails at once, naming what is missing and the way out."""
+    from restore.engine import get_engine
+
+    monkeypatch.setattr("restore.columns._columns", None)
+    with pytest.raises(RuntimeError, match=r"C readers \(restore._columns\).*--engine local"):
+        get_engine("columnar", workers=1)
