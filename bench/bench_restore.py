@@ -380,6 +380,9 @@ def child(root: Path, memory: int, truth_file: Path, workers: int, engine_name: 
         now = time.perf_counter()
         spans.setdefault(phase, [now, now])[1] = now
 
+    # A directory kept from an earlier run (--keep --dir): its restore point and server go first.
+    shutil.rmtree(root / f"points-{engine_name}", ignore_errors=True)
+    shutil.rmtree(root / f"redis-{engine_name}", ignore_errors=True)
     server = EmbeddedRedis(data_dir=root / f"redis-{engine_name}")
     server.start()
     try:
