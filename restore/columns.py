@@ -142,8 +142,11 @@ class Source:
     segment: int = -1
 
     def open(self) -> int:
+        # A backup's file never through a symbolic link (backup.files refuses them); a segment as the log's reader
+        # opens it.
+        flags = os.O_RDONLY if self.log_dir else os.O_RDONLY | os.O_NOFOLLOW
         try:
-            return os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
+            return os.open(self.path, flags)
         except FileNotFoundError:
             if not self.log_dir:
                 raise
@@ -151,7 +154,7 @@ class Source:
         if moved is None:
             raise LogFormatError(f"{self.path}: a log segment restore read is gone (neither in its log nor in its "
                                  f"archive): the plan cannot read its entries back")
-        return os.open(moved, os.O_RDONLY | os.O_NOFOLLOW)
+        return os.open(moved, flags)
 
 
 Emit = Callable[[Scanned], None]

@@ -255,3 +255,18 @@ def test_without_its_c_readers_the_columnar_engine_says_so_in_one_line(monkeypat
     monkeypatch.setattr("restore.columns._columns", None)
     with pytest.raises(RuntimeError, match=r"C readers \(restore._columns\).*--engine local"):
         get_engine("columnar", workers=1)
+
+
+def test_entries_are_read_back_from_a_segment_archived_after_it_was_read(tmp_path: Path) -> None:
+    """Linear logging may archive a sealed segment while a restore runs: its descriptors and data are read back
+    from the archive the log's manifest names."""
+    d = tmp_path / "logs" / "QM1"
+    log = RecordLog(d, "QM1", segment_bytes=4096)
+    _history(log, 40, random.Random(2))
+    rows, (tables, sources) = _scan_log(d, 0, tmp_path)
+    pieces = [(x["f"], x["boff"], x["blen"], x["doff"], x["dlen"]) for x in tables["descs"]]
+    before = read_back(sources, pieces)
+    assert log.archive(3, tmp_path / "archive")  # segments 1 and 2 moved, after they were read
+    assert not (d / "seg-00000001.log").exists()
+    assert read_back(sources, pieces) == before
+    log.close()
