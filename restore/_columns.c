@@ -402,22 +402,6 @@ static int rd_skip(Rd *r, int depth) {
 
 static int key_is(const char *k, size_t n, const char *want) { return strlen(want) == n && memcmp(k, want, n) == 0; }
 
-/* A str field as a column: strict or not, a str taken as a column must be UTF-8 (Arrow's strings are). */
-static int take_str(Rd *r, Col *c) {
-    const char *s;
-    size_t n;
-    int got = rd_str(r, &s, &n);
-    if (got < 0 || (got == 1 && !utf8_ok((const uint8_t *)s, n))) return -1;
-    return col_str(c, s, n, got == 1) ? -2 : 0;
-}
-
-static int take_int(Rd *r, Col *c) {
-    int64_t v = 0;
-    int got = rd_int(r, &v);
-    if (got < 0) return -1;
-    return col_int(c, v, got == 1) ? -2 : 0;
-}
-
 /* The descs column a descriptor's key fills, or -1 for a field the plan does not read. */
 static int desc_col(const char *key, size_t klen) {
     if (klen > 3) return -1;
@@ -666,6 +650,7 @@ static int take_copy(Rd *r, Tables *t, const uint8_t *base, int64_t rid) {
 }
 
 static PyObject *scan(PyObject *self, PyObject *args) {
+    (void)self;
     Py_buffer view;
     Py_ssize_t start, end, cap, first_frame;
     long long min_lrsn, first_rid;
@@ -749,6 +734,7 @@ static PyObject *scan(PyObject *self, PyObject *args) {
 }
 
 static PyObject *py_crc32c(PyObject *self, PyObject *args) {
+    (void)self;
     Py_buffer view;
     if (!PyArg_ParseTuple(args, "y*", &view)) return NULL;
     uint32_t c = crc32c(view.buf, (size_t)view.len);
@@ -762,7 +748,7 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_columns", NULL, -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_columns", NULL, -1, methods, NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__columns(void) {
     crc_init();
