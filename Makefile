@@ -14,8 +14,9 @@ venv: $(STAMP)
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-# Re-install only when pyproject.toml changed since the last successful install.
-$(STAMP): pyproject.toml | $(BIN)/python
+# Re-install only when pyproject.toml (or the C source its build compiles) changed since the last successful
+# install.
+$(STAMP): pyproject.toml restore/_columns.c | $(BIN)/python
 	$(BIN)/python -m pip install -q --disable-pip-version-check --upgrade pip setuptools wheel
 	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[dev,spark,kombu]'
 	touch $(STAMP)

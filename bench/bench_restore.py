@@ -24,7 +24,11 @@ beforehand, written with pipelines of the same batch size and no transaction:
     batch, into a fresh server as the restore had: the fair baseline (restore_over_same_data_raw).
 
     .venv/bin/python bench/bench_restore.py [--quick] [--sizes 1000000:2000000 10000000:20000000]
-                                            [--body 1024] [--memory 1GiB]
+                                            [--body 1024] [--memory 1GiB] [--engines local columnar]
+                                            [--plan-only]
+
+--plan-only measures the plan alone (time, CPU, peak memory, and its output read once in load order), each
+engine's counts checked against the generator's truth: no load, no raw write.
 
 A size is FINAL_MESSAGES:LOG_RECORDS. Prints tables and appends one JSON line per size to
 bench/results/restore.jsonl as each size ends.
@@ -314,6 +318,46 @@ def cpu_s() -> float:
     return own.ru_utime + own.ru_stime + ended.ru_utime + ended.ru_stime
 
 
+def plan_only(root: Path, memory: int, truth_file: Path, workers: int, engine_name: str) -> None:
+    """The plan alone (--plan-only): planned by the engine, then its survivors read in load order as the load reads
+    them (the plan's output), every count checked against the generator's truth; no load, no raw writes."""
+    from backup.files import read_backup
+    from restore.engine import get_engine
+
+    truth = json.loads(truth_file.read_text())
+    backup = read_backup(root / "backup" / S / "b", backup_keys=bench_keys(root))
+    log_dirs = find_log_dirs(root / "logs")
+    out: dict[str, Any] = {"rss_start_mib": round(vm_hwm() / 2**20), "engine": engine_name, "plan_only": True}
+    t0, c0 = time.perf_counter(), cpu_s()
+    plan = get_engine(engine_name, memory=memory, work_dir=root / "work", workers=workers).plan(
+        S, backup, log_dirs, REPLAY_FROM, NOW_MS)
+    out["plan_s"], out["plan_cpu_s"] = round(time.perf_counter() - t0, 2), round(cpu_s() - c0, 2)
+    t1, c1 = time.perf_counter(), cpu_s()
+    loaded = bumped = 0
+    for s in plan.in_load_order():
+        loaded += 1
+        bumped += bool(s.entry and int(s.entry.get("bc", 0)) > 0)
+    out["read_out_s"], out["read_out_cpu_s"] = round(time.perf_counter() - t1, 2), round(cpu_s() - c1, 2)
+    if hasattr(plan, "timings"):
+        out["statements_s"] = plan.timings
+        out["read_cpu_s"] = round(plan.read_cpu_s, 2)
+    out["partitions"] = getattr(plan, "partitions", 0)
+    out["peak_rss_mib"] = round((vm_hwm() + getattr(plan, "worker_peak_bytes", 0)) / 2**20)
+    counts = dict(plan.counts)
+    problems = [f"{name} {counts.get(name, 0)} != {want}" for name, want in (
+        ("restored", truth["restored"]), ("consumed", truth["consumed"]), ("put-backed-out", truth["put_backed_out"]))
+        if counts.get(name, 0) != want]
+    if len(plan.decisions) != truth["decided"]:
+        problems.append(f"decisions {len(plan.decisions)} != {truth['decided']}")
+    if bumped != truth["backed_out_gets"]:
+        problems.append(f"messages with a backout count {bumped} != {truth['backed_out_gets']}")
+    if loaded != truth["restored"]:
+        problems.append(f"read out {loaded} != {truth['restored']}")
+    out["problems"] = problems
+    plan.close()
+    print(json.dumps(out))
+
+
 def child(root: Path, memory: int, truth_file: Path, workers: int, engine_name: str = "local") -> None:
     from backup.files import read_backup
     from backup.points import RESTORE, RestorePointWriter
@@ -336,6 +380,9 @@ def child(root: Path, memory: int, truth_file: Path, workers: int, engine_name: 
         now = time.perf_counter()
         spans.setdefault(phase, [now, now])[1] = now
 
+    # A directory kept from an earlier run (--keep --dir): its restore point and server go first.
+    shutil.rmtree(root / f"points-{engine_name}", ignore_errors=True)
+    shutil.rmtree(root / f"redis-{engine_name}", ignore_errors=True)
     server = EmbeddedRedis(data_dir=root / f"redis-{engine_name}")
     server.start()
     try:
@@ -487,10 +534,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="the local engine's worker processes (cfrestore --workers; default: its default)")
     ap.add_argument("--engines", nargs="+", default=["local"],
                     help="the restore engines to measure, each size with each in the same run (default: local)")
+    ap.add_argument("--plan-only", action="store_true",
+                    help="the plan alone: plan time, CPU and peak memory, its output read once; no load, no raw write")
     ap.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        child(Path(args.child[0]), int(args.child[1]), Path(args.child[2]), int(args.child[3]), args.child[4])
+        (plan_only if args.plan_only else child)(Path(args.child[0]), int(args.child[1]), Path(args.child[2]), int(args.child[3]), args.child[4])
         return 0
     from cfemu.settings import default_workers, parse_size
 
@@ -513,6 +562,9 @@ def main(argv: list[str] | None = None) -> int:
                       "raw/(plan+load)",
                       "peak RSS MiB", "correct",
                       title=f"restore, engines {', '.join(args.engines)}, --memory-limit {args.memory}, --workers {workers}")
+        plan_table = Table("engine", "messages", "log records", "plan s (CPU s)", "output read s (CPU s)",
+                           "peak RSS MiB", "correct",
+                           title=f"restore plan alone, --memory-limit {args.memory}, --workers {workers}")
         for i, size in enumerate(sizes):
             final, records = (int(x) for x in size.split(":"))
             body = bodies[min(i, len(bodies) - 1)]
@@ -531,7 +583,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"{gen_s:.0f} s")
             for engine_name in args.engines:
                 proc = subprocess.run([sys.executable, __file__, "--child", str(root), str(memory), str(truth_file),
-                                       str(workers), engine_name],
+                                       str(workers), engine_name, *(["--plan-only"] if args.plan_only else [])],
                                       capture_output=True, text=True, cwd=ROOT)
                 if proc.returncode != 0:
                     (base / f"child-{final}-{engine_name}.stderr").write_text(proc.stderr)
@@ -548,7 +600,12 @@ def main(argv: list[str] | None = None) -> int:
                 RESULTS.parent.mkdir(parents=True, exist_ok=True)
                 with RESULTS.open("a") as f:  # one line per size as it ends: a run cut short keeps what it measured
                     f.write(json.dumps({**record, "runs": [run]}) + "\n")
-                if "error" not in run:
+                if "error" not in run and args.plan_only:
+                    plan_table.add_row(engine_name, f"{truth.restored:,}", f"{truth.records:,}",
+                                       f"{run['plan_s']} ({run['plan_cpu_s']})",
+                                       f"{run['read_out_s']} ({run['read_out_cpu_s']})", str(run["peak_rss_mib"]),
+                                       "yes" if not run["problems"] else "; ".join(run["problems"]))
+                elif "error" not in run:
                     table.add_row(engine_name, f"{truth.restored:,}", f"{truth.records:,}", str(body), str(run["partitions"]),
                                   f"{run['plan_s']} ({run['plan_cpu_s']})", str(run["load_s"]), str(run["point_s"]), str(run["restore_s"]),
                                   f"{run['raw_write_s']} ({run['raw_write_grouped_s']}; "
@@ -559,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
                                   "yes" if not run["problems"] else "; ".join(run["problems"]))
             if not args.keep:
                 shutil.rmtree(root, ignore_errors=True)
-        console.print(table)
+        console.print(plan_table if args.plan_only else table)
     finally:
         if not args.keep and not args.dir:
             shutil.rmtree(base, ignore_errors=True)

@@ -23,7 +23,7 @@ DOCKER="$DOCKER" docker/base-image.sh "$BASE"
 
 mkdir -p "$WHEELS"
 # async-timeout: what redis needs on the image's Python (bookworm's 3.11.2) and not on a newer host Python.
-"$PYTHON" -m pip wheel -q --disable-pip-version-check -w "$WHEELS" . "setuptools>=68" wheel "async-timeout>=4.0.3"
+"$PYTHON" -m pip wheel -q --disable-pip-version-check -w "$WHEELS" . "setuptools>=74.1" wheel "async-timeout>=4.0.3"
 if [ "${CFEMU_COMPOSE_SPARK:-1}" != 0 ]; then
     "$PYTHON" -m pip wheel -q --disable-pip-version-check -w "$WHEELS" "pyspark==$SPARK_VERSION" pyarrow
 fi

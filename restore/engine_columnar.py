@@ -4,10 +4,11 @@ Final disposition is a join of the backup's copies and the log's entry records w
 ordered per entry and folded. Here every step of the reference (restore.plan.plan_local, restore.settle) is a
 SQL statement over columns, so that no Python runs per record past the readers:
 
-  read     the log's slices are read by worker processes side by side (restore.log_slices), the backup by this
-           process meanwhile; each record that matters (plan.relevant) becomes a row of `recs`, each entry it
-           names a row of `ev`, each descriptor it or the backup carries a row of `descs` (its fields as columns,
-           the descriptor and the data as blobs), written as Parquet files in the restore's spill directory;
+  read     the log segments and the backup's files are read by threads side by side, decoded in C into Arrow
+           columns (restore.columns): a record a row of `recs`, its structures rows of `ss`, each entry it names a
+           row of `ev`, each descriptor it or the backup carries a row of `descs` (its fields as columns, and
+           where its bytes and its data are in the file: they are read back for the survivors only); then the
+           records that matter (plan.relevant), with what the registry says of their kinds (kinds_table);
   base     the generation rule (plan.current_incarnation) as a predicate over `recs`; older outcome records kept
            aside count for the UOWs a relog copy shows holding an entry (plan.older_outcome, copy_holder);
   outcome  each UOW's outcome (settle.decide_outcome): a RECOVERY record's decision first, where the relogs of
@@ -16,22 +17,24 @@ SQL statement over columns, so that no Python runs per record past the readers:
   fold     per entry, the best copy (settle.with_logged_copies), the UOWs it names (settle.uows_named: those
            without an outcome were in flight and are backed out by restore), the events in (LRSN, rank) order,
            an outcome never at or below its UOW's own operations; then the redo rule and the transitions of
-           settle.settle, one event per entry at a time, as a recursive query keyed by entry;
+           settle.settle, one event per entry at a time, as a recursive query keyed by entry, a range of entries
+           at a time (its memory bound: fold_rows_for);
   final    settle._final's rules; a UOW's control entry goes through sqm.conversations.uowstatus in Python
            (those entries only); the survivors in the CF's order (settle.load_key).
 
-DuckDB keeps its tables in a database file in the spill directory and spills its operators there within the
-memory it is given (a share of `--memory-limit`); the plan streams its survivors in load order from there.
+DuckDB keeps its tables in memory and spills them and its operators to the spill directory within the memory it
+is given (a share of `--memory-limit`); the plan streams its survivors in load order from there.
 The result equals plan_local's for the same input (tests/restore/test_engine_columnar.py).
 """
 
 from __future__ import annotations
 
-import os
+import contextlib
+import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -40,15 +43,29 @@ from typing import Any
 import duckdb
 import msgpack
 import pyarrow as pa
-import pyarrow.parquet as pq
 
-from cfemu.bulk import unloadable
+from backup.files import Backup, entry_path
 from cfemu.progress import Progress, no_progress
 from cfemu.settings import default_workers
 from cfemu.uow_attributes import CONTROL_SUFFIX
-from restore.engine import READ_LOGS, SETTLE, BackupSource, _counted, register_engine
-from restore.log_slices import LogSlice, log_slices
-from restore.partitioned import DEFAULT_MEMORY, _vm_hwm
+from restore.columns import (
+    SRC_BACKUP,
+    SRC_DD,
+    SRC_E,
+    SRC_I,
+    SRC_IDS,
+    TABLES,
+    Scanned,
+    Source,
+    copies_as_frames,
+    log_segments_read,
+    read_back,
+    require_readers,
+    scan_backup_file,
+    scan_segment,
+)
+from restore.engine import READ_BACKUP, READ_LOGS, SETTLE, BackupSource, _counted, register_engine
+from restore.partitioned import DEFAULT_MEMORY
 from restore.plan import BACKOUT, INDOUBT, Base, RestorePlan, base_lrsn, base_of, restore_lrsn_above
 from restore.settle import (
     CONSUMED,
@@ -62,12 +79,10 @@ from restore.settle import (
     Settled,
 )
 from restore.spill import SpillDir
-from restore.workers import Workers
 from sqm.conversations.uowstatus import is_control_queue, restore_control_entry
 from sqm.core.records import KINDS, OUTCOME_RANK, Role
-from sqm.log import one_log_per_member
+from sqm.log import LogReader, one_log_per_member
 
-ROWS_PER_GROUP = 32_768  # records a reader buffers before it writes them as one Parquet row group
 FETCH_ROWS = 4_096  # survivors fetched at a time as the load reads them
 CONTROL = "control"  # the fold's disposition of a surviving control entry, until uowstatus has ruled on it
 # The fields the fold sets, as bits of a state's mask: the final descriptor is the base descriptor with these set.
@@ -75,195 +90,130 @@ ST, U, L, O1, O2, BC = 1, 2, 4, 8, 16, 32
 FIELDS = (("st", ST), ("u", U), ("l", L), ("o1", O1), ("o2", O2), ("bc", BC))
 # The redo steps of the fold's ENTRY kinds (settle.settle): a kind not here stops the plan.
 REDO_KINDS = ("PUT", "GET", "EXPIRE")
+RID_BITS = 36  # a scan's records get ids (job << RID_BITS) + i: distinct across scans, in order within one
 
 _PACK = msgpack.Packer(use_bin_type=True, unicode_errors="surrogateescape").pack
 
-RECS = pa.schema([("rid", pa.int64()), ("l", pa.int64()), ("m", pa.string()), ("seg", pa.int64()),
-                  ("off", pa.int64()), ("k", pa.string()), ("role", pa.string()), ("u", pa.string()),
-                  ("gen", pa.int64()), ("at", pa.int64()), ("dec", pa.string()), ("outranks", pa.bool_()),
-                  ("rank", pa.int8()), ("copy", pa.bool_()), ("carries", pa.bool_()), ("dby", pa.string()),
-                  ("ss", pa.list_(pa.string())), ("holder", pa.string())])
-EV = pa.schema([("rid", pa.int64()), ("eid", pa.string())])
-DESCS = pa.schema([("src", pa.string()), ("rid", pa.int64()), ("eid", pa.string()), ("s", pa.string()),
-                   ("q", pa.string()), ("p", pa.int64()), ("exp", pa.int64()), ("st", pa.string()),
-                   ("u", pa.string()), ("l", pa.int64()), ("o1", pa.int64()), ("o2", pa.int64()),
-                   ("bc", pa.int64()), ("blob", pa.binary()), ("data", pa.binary())])
-_COLUMNS = {"recs": RECS, "ev": EV, "descs": DESCS}
 
-
-class _Tables:
-    """The rows one reader makes, as columns, written to Parquet files `<table>.<name>.parquet` in `spill` a row
-    group at a time."""
-
-    def __init__(self, spill: Path, name: str) -> None:
-        self.spill, self.name = spill, name
-        self.cols: dict[str, dict[str, list[Any]]] = {t: {f.name: [] for f in s} for t, s in _COLUMNS.items()}
-        self.writers: dict[str, pq.ParquetWriter] = {}
-        self.files: list[str] = []
-
-    def flush(self) -> None:
-        for table, cols in self.cols.items():
-            first = next(iter(cols.values()))
-            if not first:
-                continue
-            try:
-                batch = pa.table(cols, schema=_COLUMNS[table])
-            except UnicodeEncodeError as e:  # a raw byte a backup or a log kept (surrogateescape)
-                raise unloadable(_first_bad(cols.get("eid", [])), e) from None
-            w = self.writers.get(table)
-            if w is None:
-                path = self.spill / f"{table}.{self.name}.parquet"
-                w = self.writers[table] = pq.ParquetWriter(path, _COLUMNS[table], compression="none")
-                self.files.append(path.name)
-            w.write_table(batch)
-            for c in cols.values():
-                c.clear()
-
-    def close(self) -> list[str]:
-        self.flush()
-        for w in self.writers.values():
-            w.close()
-        return self.files
-
-
-def _first_bad(ids: list[Any]) -> str:
-    for i in ids:
-        try:
-            str(i).encode()
-        except UnicodeEncodeError:
-            return str(i)
-    return "?"
-
-
-def _add_desc(d: dict[str, list[Any]], src: str, rid: int, s: str, desc: dict[str, Any], data: bytes) -> None:
-    d["src"].append(src)
-    d["rid"].append(rid)
-    d["eid"].append(desc["id"])
-    d["s"].append(s)
-    d["q"].append(desc.get("q", ""))
-    d["p"].append(int(desc.get("p", 0)))
-    d["exp"].append(int(desc.get("exp", 0)))
-    d["st"].append(desc.get("st"))
-    d["u"].append(desc.get("u") or "")
-    d["l"].append(int(desc["l"]))
-    d["o1"].append(int(desc.get("o1", 0)))
-    d["o2"].append(int(desc.get("o2", 0)))
-    d["bc"].append(int(desc.get("bc", 0)))
-    d["blob"].append(_PACK(desc))
-    d["data"].append(bytes(data))
+def kinds_table() -> pa.Table:
+    """What the plan needs of each kind of record, from the registry (sqm.core.records.KINDS): its role, fold rank,
+    whether it is a copy, carries data, outranks the owner; the outcome it decides (dec_c when its "o" is a commit,
+    dec_b otherwise: one value for most kinds); where its entry ids and its descriptors are (the readers' src
+    codes: restore.columns). Each kind's own functions are asked about a record that has every field."""
+    probe: dict[str, Any] = {"l": 1, "u": "U", "s": "S", "g": 1, "e": {"id": "E", "q": "Q", "u": "EU"},
+                             "d": b"", "i": "I", "q": "Q", "ids": ["X"], "dd": [["S", {"id": "D", "q": "Q"}, b""]],
+                             "ss": {"S": 1}, "by": "B", "of": "O", "x": "x", "r": "r"}
+    id_src = {"E": SRC_E, "I": SRC_I, "X": SRC_IDS, "D": SRC_DD}
+    rows: dict[str, list[Any]] = {c: [] for c in ("k", "role", "rank", "copy", "carries", "outranks", "dec_c", "dec_b",
+                                                  "idsrc", "descsrc")}
+    for code, kind in KINDS.items():
+        rec = {**probe, "k": code}
+        ids = kind.entry_ids(rec)
+        descs = kind.descriptors(rec)
+        rows["k"].append(code)
+        rows["role"].append(kind.role.value)
+        rows["rank"].append(kind.fold_rank)
+        rows["copy"].append(kind.copy)
+        rows["carries"].append(kind.carries_data)
+        rows["outranks"].append(kind.outranks_owner)
+        rows["dec_c"].append(kind.decides({**rec, "o": "C"}) if kind.decides is not None else None)
+        rows["dec_b"].append(kind.decides({**rec, "o": "B"}) if kind.decides is not None else None)
+        rows["idsrc"].append(id_src[ids[0]] if ids else None)
+        rows["descsrc"].append((SRC_E if descs[0]["id"] == "E" else SRC_DD) if descs else None)
+        if kind.role is Role.ENTRY and kind.structure(rec) != "S":
+            raise AssertionError(f"the columnar plan reads an entry record's structure from 's', not so for {code}")
+    return pa.table(rows, schema=pa.schema([("k", pa.string()), ("role", pa.string()), ("rank", pa.int8()),
+                                            ("copy", pa.bool_()), ("carries", pa.bool_()), ("outranks", pa.bool_()),
+                                            ("dec_c", pa.string()), ("dec_b", pa.string()), ("idsrc", pa.int64()),
+                                            ("descsrc", pa.int64())]))
 
 
 @dataclass(frozen=True)
-class _ReadJob:
-    spill: Path
-    structure: str
+class _Job:
+    """One scan: a log segment, a backup entry file, or the copies of a backup that is not on disk."""
+
+    n: int  # its rids start at n << RID_BITS; its sources are 2n (the file) and 2n + 1 (records packed again)
+    log_dir: Path | None = None
+    segment: int = 0
+    path: Path | None = None
+    member: str = ""
+    is_last: bool = False
+    backup_file: dict[str, Any] | None = None
 
 
-@dataclass
-class _Read:
-    files: list[str]
-    max_lrsn: int
-    records: int
-    unknown_entry_kinds: list[str]
-    pid: int
-    peak: int
-    cpu_s: float
+def _scan(job: _Job, emit: Callable[[Scanned], None], *, backup_dir: Path | None, structure: str, replay_from: int,
+          spill: Path) -> list[tuple[int, Source]]:
+    """A job's tables, handed to `emit` a chunk at a time (in any thread: the C reader lets go of the GIL); returns
+    the sources their bytes are in."""
+    if job.backup_file is not None:
+        assert backup_dir is not None
+        scan_backup_file(backup_dir, job.backup_file, first_rid=job.n << RID_BITS, source=2 * job.n,
+                         structure=structure, emit=emit)
+        return [(2 * job.n, Source(str(entry_path(backup_dir, job.backup_file["name"]))))]
+    assert job.log_dir is not None and job.path is not None
+    sources = scan_segment(job.log_dir, job.segment, job.path, job.member, is_last=job.is_last, min_lrsn=replay_from,
+                           first_rid=job.n << RID_BITS, source=2 * job.n, spill=spill, emit=emit)
+    return [(2 * job.n + k, src) for k, src in enumerate(sources)]
 
 
-def _read_slice(job: _ReadJob, item: tuple[int, LogSlice]) -> _Read:
-    """One slice of a log as rows (see the module doc), in any process: the rows of the records that matter for
-    the structure (plan.relevant), with another structure's data in an outcome record left out (plan.restrict)."""
-    n, sl = item
-    cpu0 = time.process_time()
-    structure = job.structure
-    t = _Tables(job.spill, f"s{n}")
-    r, e, d = t.cols["recs"], t.cols["ev"], t.cols["descs"]
-    r_rid, r_l, r_m, r_seg, r_off, r_k, r_role, r_u = (r[c].append for c in ("rid", "l", "m", "seg", "off", "k",
-                                                                             "role", "u"))
-    r_gen, r_at, r_dec, r_out, r_rank, r_copy, r_car, r_by, r_ss, r_holder = (
-        r[c].append for c in ("gen", "at", "dec", "outranks", "rank", "copy", "carries", "dby", "ss", "holder"))
-    e_rid, e_eid = e["rid"].append, e["eid"].append
-    base_rid = (n + 1) << 36
-    max_lrsn, count = 0, 0
-    unknown: set[str] = set()
-    entry, outcome, end = Role.ENTRY, Role.OUTCOME, Role.END
-    for i, (key, rec) in enumerate(sl.records()):
-        lrsn = rec["l"]
-        if lrsn > max_lrsn:
-            max_lrsn = lrsn
-        kind = KINDS.get(rec["k"])
-        if kind is None:
-            continue  # a kind this version does not know: nothing for restore (records.FOREIGN)
-        role = kind.role
-        dd: list[Any] = []
-        if role is entry:
-            if kind.structure(rec) != structure:
+class _Stopped(Exception):
+    """The plan stopped while a reader waited to hand over its rows."""
+
+
+class _Readers:
+    """`workers` threads that read the jobs side by side, each chunk's tables handed over through a queue of a few
+    (so that what waits to be inserted stays bounded); results() gives ("rows", Scanned) and ("done", job,
+    sources) as they come, and raises a reader's failure."""
+
+    def __init__(self, jobs: list[_Job], workers: int,
+                 scan: Callable[[_Job, Callable[[Scanned], None]], list[tuple[int, Source]]]) -> None:
+        self.queue: queue.Queue[tuple[Any, ...]] = queue.Queue(maxsize=2 * workers)
+        self.stopping = threading.Event()
+        self.jobs, self.scan = iter(jobs), scan
+        self.lock = threading.Lock()
+        self.count = len(jobs)
+        self.threads = [threading.Thread(target=self._run, name=f"restore-read-{k}", daemon=True)
+                        for k in range(min(workers, len(jobs)))]
+        for t in self.threads:
+            t.start()
+
+    def _put(self, item: tuple[Any, ...]) -> None:
+        while not self.stopping.is_set():
+            try:
+                self.queue.put(item, timeout=0.2)
+                return
+            except queue.Full:
                 continue
-            gen = rec.get("g")
-        elif role is outcome:
-            gen = (rec.get("ss") or {}).get(structure)
-            dd = [c for c in rec.get("dd", ()) if c[0] == structure]
-        elif role is end:
-            gen = None
-        else:
-            continue
-        rid = base_rid + i
-        u = rec.get("u")
-        r_rid(rid)
-        r_l(lrsn)
-        r_m(key[1])
-        r_seg(key[2])
-        r_off(key[3])
-        r_k(kind.code)
-        r_role(role.value)
-        r_u(u)
-        r_gen(gen)
-        r_at(rec.get("at"))
-        r_dec(kind.decides(rec) if kind.decides is not None else None)
-        r_out(kind.outranks_owner)
-        r_rank(kind.fold_rank)
-        r_copy(kind.copy)
-        r_car(kind.carries_data)
-        r_by(rec.get("by"))
-        r_ss(list(rec.get("ss") or ()))
-        r_holder(str((rec.get("e") or {}).get("u") or "") if kind.copy else "")
-        if role is entry:
-            if not kind.copy and kind.code not in REDO_KINDS:
-                unknown.add(kind.code)
-            for eid in dict.fromkeys(kind.entry_ids(rec)):
-                e_rid(rid)
-                e_eid(eid)
-            for desc in kind.descriptors(rec):
-                _add_desc(d, "R" if kind.copy else "P", rid, rec["s"], desc, rec.get("d", b""))
-        elif dd:
-            carried = {c[1]["id"]: c for c in dd}  # one copy an entry: the last (settle._carried)
-            for eid, c in carried.items():
-                e_rid(rid)
-                e_eid(eid)
-                _add_desc(d, "D", rid, c[0], c[1], c[2])
-        count += 1
-        if count % ROWS_PER_GROUP == 0:
-            t.flush()
-    files = t.close()
-    return _Read(files, max_lrsn, count, sorted(unknown), os.getpid(), _vm_hwm(), time.process_time() - cpu0)
+        raise _Stopped
 
+    def _run(self) -> None:
+        try:
+            while not self.stopping.is_set():
+                with self.lock:
+                    job = next(self.jobs, None)
+                if job is None:
+                    return
+                sources = self.scan(job, lambda sc: self._put(("rows", sc)))
+                self._put(("done", job, sources))
+        except _Stopped:
+            return
+        except BaseException as e:  # handed to results(), which raises it
+            with contextlib.suppress(_Stopped):
+                self._put(("failed", e))
 
-def _read_backup(spill: Path, copies: Iterable[tuple[str, dict[str, Any], bytes]]) -> tuple[list[str], int, set[str]]:
-    """The backup's copies as rows of `descs` (src "B", rid their place in the backup): the files, the highest
-    LRSN and the UOWs the copies name (plan.base_of's held_by)."""
-    t = _Tables(spill, "backup")
-    d = t.cols["descs"]
-    max_lrsn = 0
-    held: set[str] = set()
-    for n, (s, desc, data) in enumerate(copies):
-        _add_desc(d, "B", n, s, desc, data)
-        lrsn = int(desc["l"])
-        if lrsn > max_lrsn:
-            max_lrsn = lrsn
-        held.add(desc.get("u", ""))
-        if (n + 1) % ROWS_PER_GROUP == 0:
-            t.flush()
-    return t.close(), max_lrsn, held
+    def results(self) -> Iterator[tuple[Any, ...]]:
+        done = 0
+        while done < self.count:
+            item = self.queue.get()
+            if item[0] == "failed":
+                raise item[1]
+            done += item[0] == "done"
+            yield item
+
+    def stop(self) -> None:
+        self.stopping.set()
+        for t in self.threads:
+            t.join()
 
 
 # ------------------------------------------------------------------------------------------------ the plan
@@ -272,12 +222,48 @@ def _read_backup(spill: Path, copies: Iterable[tuple[str, dict[str, Any], bytes]
 # "R" a relog copy, "D" a copy an outcome record carries), base_uows (plan.Base.carried).
 
 PLAN_SQL = """
--- the generation rule (plan.current_incarnation), and where each record lies in the merged log
+-- the readers' rows as the plan takes them: the records that matter for the structure (plan.relevant), each
+-- with what its kind's row says of it, then the entries each names (kind.entry_ids, once each, and of an outcome
+-- record the entries it carries of this structure, plan.restrict), then the descriptors (a backup's copy "B", a
+-- put's "P", a relog copy "R", a copy an outcome record carries "D": the last it carries of each entry)
+CREATE TABLE recs AS
+SELECT x.rid, x.l, x.m, x.seg, x.off, x.k, kd.role, x.u,
+       CASE WHEN kd.role = 'entry' THEN x.g WHEN kd.role = 'outcome' THEN sg.g END AS gen,
+       x.at, CASE WHEN x.o = 'C' THEN kd.dec_c ELSE kd.dec_b END AS dec, kd.outranks, kd.rank, kd.copy,
+       kd.carries, x.by AS dby, CASE WHEN kd.copy THEN coalesce(x.eu, '') ELSE '' END AS holder, kd.idsrc,
+       kd.descsrc
+FROM raw_recs x JOIN kinds kd USING (k)
+LEFT JOIN (SELECT rid, g FROM raw_ss WHERE s = $S) sg USING (rid)
+WHERE (kd.role = 'entry' AND x.s = $S) OR kd.role IN ('outcome', 'end');
+CREATE TABLE ev AS
+SELECT DISTINCT e.rid, e.eid FROM raw_ev e JOIN recs r USING (rid)
+WHERE (r.role = 'entry' AND e.src = r.idsrc) OR (r.role = 'outcome' AND e.src = $SRC_DD AND e.dds = $S);
+CREATE TABLE descs AS
+SELECT 'B' AS src, rid, eid, s, q, p, exp, st, u, l, o1, o2, bc, f, boff, blen, doff, dlen
+FROM raw_descs WHERE src = $SRC_BACKUP
+UNION ALL
+SELECT CASE WHEN r.copy THEN 'R' ELSE 'P' END, d.rid, d.eid, r0.s, d.q, d.p, d.exp, d.st, d.u, d.l, d.o1, d.o2,
+       d.bc, d.f, d.boff, d.blen, d.doff, d.dlen
+FROM raw_descs d JOIN recs r USING (rid) JOIN raw_recs r0 USING (rid)
+WHERE d.src = $SRC_E AND r.role = 'entry' AND r.descsrc = $SRC_E
+UNION ALL
+SELECT 'D', rid, eid, s, q, p, exp, st, u, l, o1, o2, bc, f, boff, blen, doff, dlen FROM (
+  SELECT d.*, row_number() OVER (PARTITION BY d.rid, d.eid ORDER BY d.pos DESC) AS rn
+  FROM raw_descs d JOIN recs r USING (rid) WHERE d.src = $SRC_DD AND d.s = $S AND r.role = 'outcome')
+WHERE rn = 1;
+DROP TABLE raw_ev;
+DROP TABLE raw_descs;
+DROP TABLE raw_recs;
+
+-- the generation rule (plan.current_incarnation), and where each record lies in the merged log: by (LRSN,
+-- member, segment, offset), which is (LRSN, rid), since the readers number the records of each member's log in
+-- order, the members' logs in the order of their names (ColumnarEngine._jobs): no sort needed
 CREATE TABLE r AS
-SELECT *, row_number() OVER (ORDER BY l, m, seg, off) AS seq,
+SELECT *, l::HUGEINT * 18446744073709551616 + rid AS seq,
        ($G <= 0 OR coalesce(u IN (SELECT u FROM base_uows), false) OR role = 'end' OR gen IS NULL
         OR (gen = 0 AND role = 'outcome') OR (gen <> 0 AND gen >= $G)) AS kept
 FROM recs;
+DROP TABLE recs;
 
 -- the UOWs a relog copy of this incarnation shows holding an entry: their older outcome records count
 CREATE TABLE holders AS SELECT DISTINCT holder AS u FROM r WHERE kept AND holder <> '';
@@ -309,7 +295,10 @@ FROM lastrec x JOIN own o USING (u) LEFT JOIN brk USING (u)
 WHERE o.seq > coalesce(brk.b, -1)
 GROUP BY x.u, x.kind, x.decided_by, brk.b;
 CREATE TABLE structs AS
-SELECT u, list_sort(list_distinct(flatten(list(ss)))) AS structures FROM orecs GROUP BY u;
+SELECT o.u, coalesce(list_sort(list_distinct(list(x.s) FILTER (WHERE x.s IS NOT NULL))),
+                     []::VARCHAR[]) AS structures
+FROM orecs o LEFT JOIN raw_ss x USING (rid) GROUP BY o.u;
+DROP TABLE raw_ss;
 CREATE TABLE outc AS
 SELECT o.u, o.kind, o.lrsn, o.decided_by, s.structures FROM (
   SELECT u, kind, lrsn, decided_by FROM oa UNION ALL SELECT u, kind, lrsn, decided_by FROM ob) o
@@ -377,12 +366,25 @@ FROM (
 JOIN ents n USING (eid)
 WHERE n.eid NOT IN (SELECT eid FROM best WHERE st = 'EX');
 
--- the fold (settle.settle): one event of every entry at a time, a copy that is expired not folded
+-- the fold (settle.settle): an entry no event names stays as its best copy is (a copy that is expired is not
+-- folded), and the others are folded by FOLD_SQL, a range of them at a time
+CREATE TABLE touched AS SELECT eix FROM evs WHERE ord = 1;
 CREATE TABLE folded AS
+SELECT n.eix, 0::BIGINT AS ord, b.st, b.u, b.l, b.o1, b.o2, b.bc, b.src, b.rid, 0::BIGINT AS mask,
+       CASE WHEN b.st = 'EX' THEN 'expired' ELSE 'gone' END AS fate
+FROM ents n LEFT JOIN best b USING (eid) ANTI JOIN touched t USING (eix);
+"""
+
+# The fold of the entries some event names, eix from $LO to below $HI: one event of every entry at a time, as a
+# recursive query keyed by entry (it holds the state of every entry of the range in memory, hence the ranges).
+FOLD_SQL = """
+CREATE OR REPLACE TEMP TABLE evs_range AS SELECT * FROM evs WHERE eix >= $LO AND eix < $HI;
+INSERT INTO folded
 WITH RECURSIVE f(eix, ord, st, u, l, o1, o2, bc, src, rid, mask, fate) USING KEY (eix) AS (
   SELECT n.eix, 0::BIGINT, b.st, b.u, b.l, b.o1, b.o2, b.bc, b.src, b.rid, 0::BIGINT,
          CASE WHEN b.st = 'EX' THEN 'expired' ELSE 'gone' END
-  FROM ents n LEFT JOIN best b USING (eid)
+  FROM ents n SEMI JOIN (SELECT eix FROM touched WHERE eix >= $LO AND eix < $HI) t USING (eix)
+  LEFT JOIN best b USING (eid)
   UNION
   SELECT eix, ord,
     CASE WHEN c_cp THEN 'CP' WHEN c_none THEN NULL WHEN c_put THEN 'UP' WHEN c_get THEN 'UG' ELSE st1 END,
@@ -433,9 +435,11 @@ WITH RECURSIVE f(eix, ord, st, u, l, o1, o2, bc, src, rid, mask, fate) USING KEY
                    f.src AS src0, f.rid AS rid0, f.mask AS mask0, f.fate,
                    -- the redo rule: a state already reflects a transition at or below its LRSN
                    f.st IS NOT NULL AND e.pos <= f.l AS skip
-            FROM f JOIN evs e ON e.eix = f.eix AND e.ord = f.ord + 1))))))
+            FROM f JOIN evs_range e ON e.eix = f.eix AND e.ord = f.ord + 1))))))
 SELECT * FROM f;
+"""
 
+FINAL_SQL = """
 -- settle._final: what a folded entry that still exists becomes
 CREATE TABLE fin AS
 SELECT f.eix, n.eid, f.st, f.u, f.l, f.o1, f.o2, f.bc, f.src, f.rid, f.mask, d.s, d.q, d.p,
@@ -451,8 +455,8 @@ LEFT JOIN descs d ON d.src = f.src AND d.rid = f.rid AND d.eid = n.eid;
 
 # The survivors in the CF's order (settle.load_key), each with its base descriptor and data.
 SURVIVORS_SQL = """
-SELECT f.eid, f.disp, f.s, f.st, f.u, f.l, f.o1, f.o2, f.bc, f.mask, coalesce(c.blob, d.blob) AS blob,
-       coalesce(c.data, d.data) AS data, c.eix IS NOT NULL AS final
+SELECT f.eid, f.disp, f.s, f.st, f.u, f.l, f.o1, f.o2, f.bc, f.mask, f.src, d.f, d.boff, d.blen, d.doff, d.dlen,
+       c.blob, c.data
 FROM fin f JOIN descs d ON d.src = f.src AND d.rid = f.rid AND d.eid = f.eid
 LEFT JOIN ctl c ON c.eix = f.eix
 WHERE f.disp IN ('restored', 'in-doubt')
@@ -462,9 +466,18 @@ ORDER BY f.q, CASE f.st WHEN 'CP' THEN 0 WHEN 'UP' THEN 1 ELSE 2 END,
 """
 
 
-def _entry(desc: bytes, mask: int, row: tuple[Any, ...]) -> dict[str, Any]:
-    """The final descriptor: the base one with the fields the fold set (row: st, u, l, o1, o2, bc)."""
+def _descriptor(desc: bytes, src: str) -> dict[str, Any]:
+    """A descriptor as its bytes say; a backup's copy as backup.files reads it (a property table that is not a map
+    is the CF's empty one)."""
     entry: dict[str, Any] = msgpack.unpackb(desc, raw=False, unicode_errors="surrogateescape", strict_map_key=False)
+    if src == "B" and not isinstance(entry.get("pr", {}), dict):
+        entry["pr"] = {}
+    return entry
+
+
+def _entry(desc: bytes, src: str, mask: int, row: tuple[Any, ...]) -> dict[str, Any]:
+    """The final descriptor: the base one with the fields the fold set (row: st, u, l, o1, o2, bc)."""
+    entry = _descriptor(desc, src)
     if mask:
         for (name, bit), value in zip(FIELDS, row, strict=True):
             if mask & bit:
@@ -491,20 +504,19 @@ def _batches(cur: duckdb.DuckDBPyConnection, sql: str) -> Iterator[pa.RecordBatc
 class SqlOutcomes(Mapping[str, Outcome]):
     """Every UOW's outcome (RestorePlan.outcomes), read from the plan's tables as asked."""
 
-    def __init__(self, cursor: Callable[[], duckdb.DuckDBPyConnection], count: int) -> None:
-        self.cursor, self.count = cursor, count
+    def __init__(self, cursor: Callable[[], duckdb.DuckDBPyConnection], count: int, sources: list[Source]) -> None:
+        self.cursor, self.count, self.sources = cursor, count, sources
 
     def __getitem__(self, uow: str) -> Outcome:
         cur = self.cursor()
         row = cur.execute("SELECT kind, lrsn, decided_by, structures FROM outc WHERE u = ?", [uow]).fetchone()
         if row is None:
             raise KeyError(uow)
-        data = {eid: (s, msgpack.unpackb(desc, raw=False, unicode_errors="surrogateescape", strict_map_key=False),
-                      bytes(blob))
-                for eid, s, desc, blob in cur.execute(
-                    "SELECT od.eid, d.s, d.blob, d.data FROM odata od JOIN descs d ON d.src = 'D' AND "
-                    "d.rid = od.rid AND d.eid = od.eid WHERE od.u = ? AND ? = 'B' ORDER BY od.eid",
-                    [uow, row[0]]).fetchall()}
+        rows = cur.execute(
+            "SELECT od.eid, d.s, d.f, d.boff, d.blen, d.doff, d.dlen FROM odata od JOIN descs d ON d.src = 'D' AND "
+            "d.rid = od.rid AND d.eid = od.eid WHERE od.u = ? AND ? = 'B' ORDER BY od.eid", [uow, row[0]]).fetchall()
+        read = read_back(self.sources, [r[2:] for r in rows])
+        data = {r[0]: (r[1], _descriptor(desc, "D"), blob) for r, (desc, blob) in zip(rows, read, strict=True)}
         return Outcome(row[0], int(row[1]), row[2], data, tuple(row[3] or ()))
 
     def __iter__(self) -> Iterator[str]:
@@ -549,8 +561,9 @@ class ColumnarPlan(RestorePlan):
     worker_peak_bytes: int
     workers: int
     partitions: int = 1
+    sources: list[Source]  # where the descriptors' bytes and the data are (restore.columns.read_back)
     timings: dict[str, float]  # seconds of each statement of the plan (where the time goes)
-    read_cpu_s: float = 0.0  # CPU seconds the log's readers took, in all
+    read_cpu_s: float = 0.0  # CPU seconds of this process while the logs and the backup were read
 
     def cursor(self) -> duckdb.DuckDBPyConnection:
         return self.con.cursor()  # a connection of its own: the load reads the survivors from another thread
@@ -558,9 +571,14 @@ class ColumnarPlan(RestorePlan):
     def in_load_order(self) -> Iterator[Settled]:
         for batch in _batches(self.cursor(), SURVIVORS_SQL):
             cols = [c.to_pylist() for c in batch.columns]
-            for eid, disp, s, st, u, lrsn, o1, o2, bc, mask, desc, data, final in zip(*cols, strict=True):
-                entry = _entry(desc, 0 if final else mask, (st, u, lrsn, o1, o2, bc))
-                yield Settled(eid, disp, s, entry, data)
+            rows = list(zip(*cols, strict=True))
+            read = iter(read_back(self.sources, [r[11:16] for r in rows if r[16] is None]))
+            for eid, disp, s, st, u, lrsn, o1, o2, bc, mask, src, _, _, _, _, _, ruled, ruled_data in rows:
+                if ruled is not None:  # a control entry as the restart tables keep it: final already
+                    yield Settled(eid, disp, s, _descriptor(ruled, ""), ruled_data)
+                    continue
+                desc, data = next(read)
+                yield Settled(eid, disp, s, _entry(desc, src, mask, (st, u, lrsn, o1, o2, bc)), data)
 
     def loaded(self) -> Iterator[Settled]:
         return self.in_load_order()
@@ -587,7 +605,9 @@ class ColumnarPlan(RestorePlan):
 class ColumnarEngine:
     """The plan as one columnar plan on DuckDB, in bounded memory: its tables and spilled operators in a private
     temporary directory under `work_dir`, within `memory` bytes (DuckDB is given half, the readers and the load
-    the rest); `workers` processes read the logs' slices side by side, and DuckDB runs that many threads."""
+    the rest). The log segments and the backup's files are read by `workers` threads side by side (the C reader
+    lets go of the GIL: restore.columns), each file's rows handed to DuckDB as it is read; DuckDB runs that many
+    threads."""
 
     name = "columnar"
 
@@ -600,6 +620,7 @@ class ColumnarEngine:
         self.workers = default_workers() if workers is None else workers
         if self.workers < 1:
             raise ValueError(f"the restore workers must be at least 1, not {self.workers}")
+        require_readers()
 
     def plan(self, structure: str, backup: BackupSource, log_dirs: list[Path], replay_from: int, now_ms: int,
              progress: Progress = no_progress) -> RestorePlan:
@@ -610,107 +631,172 @@ class ColumnarEngine:
             spill.close()
             raise
 
+    def _jobs(self, backup: BackupSource, log_dirs: list[Path], replay_from: int) -> list[_Job]:
+        """The backup's files (when it is one on disk), then every log segment a restore reads, largest first."""
+        jobs: list[_Job] = []
+        if _on_disk(backup) is not None:
+            for info in backup.manifest["files"]:
+                jobs.append(_Job(len(jobs), backup_file=info))
+        # The members' logs in the order of their names: the plan's merged-log order rests on it (PLAN_SQL, r).
+        for member, d in sorted((LogReader(d).member, d) for d in log_dirs):
+            for segno, path, is_last in log_segments_read(d, replay_from):
+                jobs.append(_Job(len(jobs), log_dir=d, segment=segno, path=path, member=member, is_last=is_last))
+        return jobs
+
     def _plan(self, spill: SpillDir, structure: str, backup: BackupSource, log_dirs: list[Path], replay_from: int,
               now_ms: int, progress: Progress) -> ColumnarPlan:
         manifest = backup.manifest
-        total = manifest.get("entries")
         one_log_per_member(log_dirs)
-        slices = log_slices(log_dirs, replay_from, 3 * self.workers)
-        job = _ReadJob(spill.path, structure)
-        reads: list[_Read] = []
-        failure: list[BaseException] = []
-        with Workers(min(self.workers, max(1, len(slices)))) as pool:
-            # The workers read the logs while this process reads the backup (the same cores: the backup's read
-            # is mostly this process's).
-            def read_logs() -> None:
-                try:
-                    for done, res in enumerate(pool.map(partial(_read_slice, job), enumerate(slices)), 1):
-                        reads.append(res)
-                        progress(READ_LOGS, done, len(slices))
-                except BaseException as e:
-                    failure.append(e)
-
-            progress(READ_LOGS, 0, len(slices))
-            reader = threading.Thread(target=read_logs, name="restore-read-logs", daemon=True)
-            if pool.procs:
-                reader.start()
-            backup_files, backup_max, held_by = _read_backup(
-                spill.path, _counted(backup.copies(), progress, int(total) if total is not None else None))
-            if pool.procs:
-                reader.join()
-            else:
-                read_logs()
-        if failure:
-            raise failure[0]
-        unknown = sorted({k for res in reads for k in res.unknown_entry_kinds})
-        if unknown:
-            raise ValueError(f"restore's fold has no redo step for {unknown[0]} records")
-        base = base_of({"gen": int(manifest.get("gen", 0) or 0), "carried": manifest.get("carried", ()),
-                        "end_lrsn": base_lrsn(manifest), "uows": list(manifest.get("uows") or ())}, held_by)
-        max_lrsn = max([backup_max, *(res.max_lrsn for res in reads)])
-        restore_lrsn = restore_lrsn_above(max_lrsn, base)
-        progress(SETTLE, 0, 1)
-        files = {t: [f for f in (*backup_files, *(f for res in reads for f in res.files)) if f.startswith(t + ".")]
-                 for t in _COLUMNS}
+        cpu0 = time.process_time()
         con = self._connect(spill)
         try:
-            plan = _run(con, spill, structure, base, files, now_ms, restore_lrsn, max_lrsn)
+            for name, schema in TABLES.items():
+                con.from_arrow(schema.empty_table()).create(f"raw_{name}")
+            sources: dict[int, Source] = {}
+            max_lrsn = 0
+            jobs = self._jobs(backup, log_dirs, replay_from)
+            on_disk = _on_disk(backup)
+            backup_dir = on_disk.path if on_disk is not None else None
+            n_logs = sum(1 for j in jobs if j.backup_file is None)
+            progress(READ_LOGS, 0, n_logs)
+            if on_disk is None:  # copies from elsewhere (a test's, or a base with no files)
+                total = manifest.get("entries")
+                n = len(jobs)
+                scanned, src = copies_as_frames(
+                    _counted(backup.copies(), progress, int(total) if total is not None else None),
+                    n << RID_BITS, 2 * n, spill.path)
+                sources[2 * n] = src
+                _insert(con, scanned)
+            logs_done = copies_done = 0
+            total_copies = int(manifest.get("entries") or 0) or None
+            if on_disk is not None:
+                progress(READ_BACKUP, 0, total_copies)
+            readers = _Readers(jobs, self.workers, partial(
+                _scan, backup_dir=backup_dir, structure=str(manifest.get("structure", structure)),
+                replay_from=replay_from, spill=spill.path))
+            try:
+                for item in readers.results():
+                    if item[0] == "rows":
+                        _insert(con, item[1])
+                        max_lrsn = max(max_lrsn, item[1].max_lrsn)
+                        continue
+                    job, srcs = item[1], item[2]
+                    sources.update(srcs)
+                    if job.backup_file is None:
+                        logs_done += 1
+                        progress(READ_LOGS, logs_done, n_logs)
+                    else:
+                        copies_done += int(job.backup_file.get("frames", 0))
+                        progress(READ_BACKUP, copies_done, total_copies)
+            finally:
+                readers.stop()
+            read_cpu = time.process_time() - cpu0
+            held_by = [u for (u,) in con.execute(
+                f"SELECT DISTINCT u FROM raw_descs WHERE src = {SRC_BACKUP}").fetchall()]
+            backup_max = con.execute(f"SELECT max(l) FROM raw_descs WHERE src = {SRC_BACKUP}").fetchone()
+            max_lrsn = max(max_lrsn, int(backup_max[0] or 0) if backup_max else 0)
+            base = base_of({"gen": int(manifest.get("gen", 0) or 0), "carried": manifest.get("carried", ()),
+                            "end_lrsn": base_lrsn(manifest), "uows": list(manifest.get("uows") or ())}, held_by)
+            unknown = con.execute(
+                "SELECT DISTINCT x.k FROM raw_recs x JOIN kinds kd USING (k) WHERE kd.role = 'entry' AND NOT kd.copy "
+                "AND x.s = ? AND x.k NOT IN (SELECT unnest(?::VARCHAR[])) ORDER BY 1",
+                [structure, list(REDO_KINDS)]).fetchall()
+            if unknown:
+                raise ValueError(f"restore's fold has no redo step for {unknown[0][0]} records")
+            restore_lrsn = restore_lrsn_above(max_lrsn, base)
+            progress(SETTLE, 0, 1)
+            source_list = [sources.get(i, Source("")) for i in range(max(sources, default=-1) + 1)]
+            plan = _run(con, spill, structure, base, now_ms, restore_lrsn, max_lrsn, source_list,
+                        fold_rows_for(self.memory))
         except BaseException:
             con.close()
             raise
-        plan.worker_peak_bytes = sum({res.pid: res.peak for res in reads if res.pid != os.getpid()}.values())
+        plan.worker_peak_bytes = 0  # the readers are threads of this process
         plan.workers = self.workers
-        plan.read_cpu_s = sum(res.cpu_s for res in reads)
+        plan.read_cpu_s = read_cpu
         progress(SETTLE, 1, 1)
         return plan
 
     def _connect(self, spill: SpillDir) -> duckdb.DuckDBPyConnection:
-        con = duckdb.connect(str(spill.file("plan.duckdb")))
+        # An in-memory database: its tables are neither compressed nor checkpointed to a file (a third less CPU
+        # than a database file at 100k), and DuckDB still spills them to temp_directory past memory_limit
+        # (BENCHMARKS.md, "The columnar engine, second pass").
+        con = duckdb.connect(":memory:")
         tmp = spill.file("duckdb-tmp")
         tmp.mkdir(mode=0o700)
         con.execute(f"SET memory_limit = '{max(64, self.memory // 2 >> 20)}MiB'")
         con.execute(f"SET temp_directory = '{tmp}'")
         con.execute(f"SET threads = {self.workers}")
         con.execute("SET preserve_insertion_order = false")
+        con.from_arrow(kinds_table()).create("kinds")
         return con
 
 
-def _run(con: duckdb.DuckDBPyConnection, spill: SpillDir, structure: str, base: Base, files: dict[str, list[str]],
-         now_ms: int, restore_lrsn: int, max_lrsn: int) -> ColumnarPlan:
-    """The plan's statements on the rows read, and the plan they make."""
-    for table, schema in _COLUMNS.items():
-        paths = [str(spill.file(f)) for f in files[table]]
-        if paths:
-            con.execute(f"CREATE TABLE {table} AS SELECT * FROM read_parquet(?)", [paths])
-        else:
-            con.from_arrow(schema.empty_table()).create(table)
-    con.from_arrow(pa.table({"u": pa.array(sorted(base.carried), pa.string())})).create("base_uows")
-    for f in (f for fs in files.values() for f in fs):
-        spill.file(f).unlink(missing_ok=True)
-    timings: dict[str, float] = {}
-    for statement in _bind(PLAN_SQL, {"G": base.gen, "R": restore_lrsn, "NOW": now_ms, "OUTCOME_RANK": OUTCOME_RANK,
-                                 "CONTROL_SUFFIX": CONTROL_SUFFIX, "ST": ST, "U": U, "L": L, "O1": O1, "O2": O2,
-                                 "BC": BC}).split(";"):
+def fold_rows_for(memory: int) -> int:
+    """How many entries the recursive fold takes at a time: about 2 KiB of DuckDB's memory (half of `memory`) an
+    entry, the recursion's state and its hash tables (BENCHMARKS.md, "The columnar engine")."""
+    return max(1_000, memory // 2 // 2048)
+
+
+def _on_disk(backup: BackupSource) -> Backup | None:
+    """The backup's files, when it is one on disk (itself, or the base restore.run plans from)."""
+    for b in (backup, getattr(backup, "base", None)):
+        if isinstance(b, Backup):
+            return b
+    return None
+
+
+def _insert(con: duckdb.DuckDBPyConnection, scanned: Scanned) -> None:
+    """A scan's rows into the plan's raw tables."""
+    for name, table in scanned.tables.items():
+        if len(table):
+            con.register("scanned", table)
+            try:
+                con.execute(f"INSERT INTO raw_{name} SELECT * FROM scanned")
+            finally:
+                con.unregister("scanned")
+
+
+def _execute(con: duckdb.DuckDBPyConnection, sql: str, timings: dict[str, float], name: str = "") -> None:
+    """Each statement of `sql`, its seconds added to timings[its table's name]."""
+    for statement in sql.split(";"):
         if statement.strip():
             t0 = time.perf_counter()
-            name = statement.split("CREATE TABLE ", 1)[-1].split()[0] if "CREATE TABLE" in statement else "insert"
+            what = name or (statement.split("CREATE TABLE ", 1)[-1].split()[0] if "CREATE TABLE" in statement else (
+                "drop" if "DROP TABLE" in statement else "insert"))
             try:
                 con.execute(statement)
             except duckdb.Error as e:
-                e.add_note(f"in the columnar plan's statement making {name}")
+                e.add_note(f"in the columnar plan's statement making {what}")
                 raise
-            timings[name] = round(time.perf_counter() - t0, 3)
-    _rule_on_control_entries(con)
+            timings[what] = round(timings.get(what, 0.0) + time.perf_counter() - t0, 3)
+
+
+def _run(con: duckdb.DuckDBPyConnection, spill: SpillDir, structure: str, base: Base, now_ms: int,
+         restore_lrsn: int, max_lrsn: int, sources: list[Source], fold_rows: int) -> ColumnarPlan:
+    """The plan's statements on the rows read, and the plan they make; the fold `fold_rows` entries at a time."""
+    con.from_arrow(pa.table({"u": pa.array(sorted(base.carried), pa.string())})).create("base_uows")
+    timings: dict[str, float] = {}
+    params = {"G": base.gen, "R": restore_lrsn, "NOW": now_ms, "OUTCOME_RANK": OUTCOME_RANK,
+              "CONTROL_SUFFIX": CONTROL_SUFFIX, "ST": ST, "U": U, "L": L, "O1": O1, "O2": O2, "BC": BC,
+              "S": structure, "SRC_E": SRC_E, "SRC_DD": SRC_DD, "SRC_BACKUP": SRC_BACKUP}
+    _execute(con, _bind(PLAN_SQL, params), timings)
+    touched = con.execute("SELECT count(*), coalesce(max(eix), 0) FROM touched").fetchone() or (0, 0)
+    step = max(1, int(touched[1]) * fold_rows // max(1, int(touched[0]))) if touched[0] else 1
+    for lo in range(0, int(touched[1]) + 1, step):
+        _execute(con, _bind(FOLD_SQL, {**params, "LO": lo, "HI": lo + step}), timings, "fold")
+    _execute(con, _bind(FINAL_SQL, params), timings)
+    _rule_on_control_entries(con, sources)
 
     plan = ColumnarPlan(structure, restore_lrsn, [], {}, {}, set(), Counter(), Counter(), max_lrsn)
-    plan.spill, plan.con = spill, con
+    plan.spill, plan.con, plan.sources = spill, con, sources
     plan.timings = timings
     one = con.execute
     plan.records_by_member = Counter(dict(one("SELECT m, count(*) FROM r WHERE kept GROUP BY m").fetchall()))
     plan.counts = Counter(dict(one("SELECT disp, count(*) FROM fin GROUP BY disp").fetchall()))
     plan.settled_count = sum(plan.counts.values())
     plan.loaded_count, plan.loaded_bytes = (int(v or 0) for v in one(
-        "SELECT count(*), sum(octet_length(coalesce(c.data, d.data))) FROM fin f JOIN descs d ON d.src = f.src "
+        "SELECT count(*), sum(coalesce(octet_length(c.data), d.dlen)) FROM fin f JOIN descs d ON d.src = f.src "
         "AND d.rid = f.rid AND d.eid = f.eid LEFT JOIN ctl c ON c.eix = f.eix "
         "WHERE f.disp IN ('restored', 'in-doubt')").fetchone() or (0, 0))
     plan.decisions = {u: u.split(".", 1)[0] for (u,) in one("SELECT u FROM inflight").fetchall()}
@@ -732,7 +818,7 @@ def _run(con: duckdb.DuckDBPyConnection, spill: SpillDir, structure: str, base: 
     plan.counts["uows in doubt"] = len(plan.held)
     plan.counts["uows in flight backed out"] = len(plan.decisions)
     count = one("SELECT count(*) FROM outc").fetchone()
-    plan.outcomes = SqlOutcomes(plan.cursor, int(count[0]) if count else 0)
+    plan.outcomes = SqlOutcomes(plan.cursor, int(count[0]) if count else 0, sources)
     plan.settled = ColumnarSettled(plan)
     return plan
 
@@ -742,17 +828,19 @@ def _owner(uow: str, kind: str | None, decided_by: str | None) -> str:
     return decided_by if kind == INDOUBT and decided_by else uow.split(".", 1)[0]
 
 
-def _rule_on_control_entries(con: duckdb.DuckDBPyConnection) -> None:
+def _rule_on_control_entries(con: duckdb.DuckDBPyConnection, sources: list[Source]) -> None:
     """A surviving UOW's control entry keeps what the restart tables keep (settle._final): restored with its
     status as restart leaves it (table ctl: its final descriptor and data), or dropped."""
     con.execute("CREATE TABLE ctl (eix BIGINT, blob BLOB, data BLOB)")
     rows = con.execute(
-        "SELECT f.eix, f.st, f.u, f.l, f.o1, f.o2, f.bc, f.mask, d.blob, d.data FROM fin f JOIN descs d "
+        "SELECT f.eix, f.st, f.u, f.l, f.o1, f.o2, f.bc, f.mask, f.src, d.f, d.boff, d.blen, d.doff, d.dlen "
+        "FROM fin f JOIN descs d "
         "ON d.src = f.src AND d.rid = f.rid AND d.eid = f.eid WHERE f.disp = 'control'").fetchall()
     dropped: list[int] = []
     kept: list[tuple[int, bytes, bytes]] = []
-    for eix, st, u, lrsn, o1, o2, bc, mask, desc, data in rows:
-        entry = _entry(desc, mask, (st, u, lrsn, o1, o2, bc))
+    read = read_back(sources, [r[9:14] for r in rows])
+    for (eix, st, u, lrsn, o1, o2, bc, mask, src, *_), (desc, data) in zip(rows, read, strict=True):
+        entry = _entry(desc, src, mask, (st, u, lrsn, o1, o2, bc))
         assert is_control_queue(str(entry.get("q", "")))
         ruled = restore_control_entry(entry, bytes(data))
         if ruled is None:

@@ -79,6 +79,16 @@ def test_a_rich_history_with_the_logs_read_by_worker_processes(tmp_path: Path) -
     assert ref["decisions"] and ref["in_commit"] and ref["in_doubt"]
 
 
+def test_the_fold_a_few_entries_at_a_time_plans_the_same(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The recursive fold takes a range of entries at a time (its memory bound): ranges of 7 entries."""
+    h = simulate(random.Random(5), 400)
+    backup, log_dirs = write_history(h, tmp_path)
+    ref = described(reference(backup, log_dirs, h.replay_from))
+    monkeypatch.setattr("restore.engine_columnar.fold_rows_for", lambda memory: 7)
+    assert columnar(backup, log_dirs, h.replay_from, tmp_path / "work", workers=2) == ref
+    assert len(ref["settled"]) > 3 * 7  # several ranges
+
+
 def test_a_history_across_a_restore(tmp_path: Path) -> None:
     h = simulate(random.Random(12), 300)
     assert h.gen == 2

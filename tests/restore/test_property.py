@@ -228,6 +228,7 @@ class RestoreHistory(RuleBasedStateMachine):
     open_bugs: ClassVar[frozenset[str]]
     examples: ClassVar[Iterator[int]]
     stats: ClassVar[Counter[str]]
+    engine: ClassVar[str] = "local"  # the restore engine every restore of the history plans with
 
     def __init__(self) -> None:
         super().__init__()
@@ -713,7 +714,8 @@ class RestoreHistory(RuleBasedStateMachine):
         if self.purged_since_backup:
             stats["restores after a purge"] += 1
         lose_cf(self.client)
-        results = [run_restore(self.client, s, backup_root=self.backups, log_root=self.logs) for s in order]
+        results = [run_restore(self.client, s, backup_root=self.backups, log_root=self.logs, engine=self.engine)
+                   for s in order]
         self.losses_since_backup += 1
         self.work_since_loss = False
         for m in self.members:
@@ -740,7 +742,7 @@ class RestoreHistory(RuleBasedStateMachine):
         if structure in self.purged_since_backup:
             type(self).stats["restores after a purge"] += 1
         result = run_restore(self.client, structure, backup_root=self.backups, log_root=self.logs,
-                             mark_failed=True)
+                             mark_failed=True, engine=self.engine)
         self.restored({structure}, [result], *before)
 
     @precondition(lambda self: bool(self.backed_up - self.purged_since_backup))
@@ -882,13 +884,13 @@ class RestoreHistory(RuleBasedStateMachine):
         assert have == want, f"uncommitted entries on the CF {have}, the model's live units of work {want}"
 
 
-def make_machine(redis_url: str, root: Path) -> type[RestoreHistory]:
+def make_machine(redis_url: str, root: Path, engine: str = "local") -> type[RestoreHistory]:
     ungated = {n.strip() for n in os.environ.get("CFEMU_PROPERTY_UNGATED", "").split(",") if n.strip()}
     assert ungated <= OPEN_BUGS | {"all"}, f"CFEMU_PROPERTY_UNGATED: no such open bug {ungated - OPEN_BUGS}"
     open_bugs = frozenset() if "all" in ungated else frozenset(OPEN_BUGS - ungated)
     return type("BoundRestoreHistory", (RestoreHistory,), {
         "redis_url": redis_url, "root": root, "open_bugs": open_bugs, "examples": itertools.count(),
-        "stats": Counter()})
+        "stats": Counter(), "engine": engine})
 
 
 def run(machine: type[RestoreHistory], examples: int, steps: int, derandomize: bool) -> None:
@@ -914,6 +916,17 @@ def test_random_histories_with_cf_losses_deaths_and_skewed_clocks(redis_url: str
     assert s["peer recoveries"] >= 15 and s["... by a peer whose clock lags"] >= 7, s
     assert s["... completing a forced COMMIT"] >= 2, s
     assert s["purges"] >= 10 and s["restores after a purge"] >= 3, s
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_random_histories_restored_by_the_columnar_engine(redis_url: str, tmp_path: Path) -> None:
+    """The same histories, every restore planned by the columnar engine (restore.engine_columnar): the CF it
+    leaves is the model's, as the local engine's is. Fewer of them: the local engine's test runs the long list."""
+    machine = make_machine(redis_url, tmp_path, engine="columnar")
+    run(machine, int(os.environ.get("CFEMU_PROPERTY_EXAMPLES", "40")), 50, derandomize=True)
+    s = machine.stats
+    assert s["CF losses"] >= 10 and s["structure failures"] >= 4 and s["peer recoveries"] >= 3, s
 
 
 @pytest.mark.soak
