@@ -45,6 +45,7 @@ class LogSpace:
     # every checkpoint record: restore finds the newest window in the members' last checkpoints.
     relog_passes: dict[str, dict[str, Any]]
     retention: Retention | None  # what recovery needed of the log at the last checkpoint
+    log_space_low: str  # why log space is low while it is (said once per episode: say_log_space), else ""
     _checkpointing: threading.Lock
 
     if TYPE_CHECKING:  # the queue manager's own (sqm.core.manager)
@@ -120,8 +121,15 @@ class LogSpace:
         When it has not, take checkpoints (each relogs and moves the windows on, so that segments become inactive)
         until it has; when it still has not, refuse the work with the reason: a needed record is never
         overwritten."""
-        if self.log is None or self.config.log_mode != CIRCULAR or self.log.room() > 2 * self.log_reserve:
+        if self.log is None or self.config.log_mode != CIRCULAR:
             return
+        room = self.log.room()
+        if room > 2 * self.log_reserve:
+            if self.log_space_low and room > 3 * self.log_reserve:  # apart from the warning's: no flapping
+                self.say_log_space("")
+            return
+        self.say_log_space(f"the circular log has {self.log.room()} bytes of room left in its ring of "
+                           f"{self.config.log_ring} segments")
         for _ in range(max(1, self.config.cpl_entries) + 1):
             self.checkpoint("log full")
             if self.log is None or self.log.room() > 2 * self.log_reserve:
@@ -135,6 +143,20 @@ class LogSpace:
             f"can be freed: segment {oldest.segment} is still needed by {why}; new persistent work is refused until "
             "that is resolved (commit or resolve the unit of work, back up the structure) or the ring is made larger")
 
+    def say_log_space(self, low: str) -> None:
+        """The operator's warning that log space is low (the role of MQ's AMQ7466W), said once when it becomes low
+        and once when it is not any more: a member refusing every put of a busy hour would otherwise bury its log
+        under the same line. low: why it is low, or "" when it is not. Counted in the status (log_space_warnings)."""
+        if bool(low) == bool(self.log_space_low):
+            return
+        self.log_space_low = low
+        if low:
+            self.counters["log_space_warnings"] = self.counters.get("log_space_warnings", 0) + 1
+            log.warning("AMQ7466W %s: log space is low: %s; checkpoints are taken to free space, and new persistent "
+                        "work will be refused if none can be freed", self.name, low)
+        else:
+            log.warning("%s: log space is no longer low", self.name)
+
     def _checkpoint_when_due(self) -> None:
         """Checkpoints by time and when log space runs low (besides LOGLOAD's count of records)."""
         if self.log is None:
@@ -142,14 +164,22 @@ class LogSpace:
         cfg = self.config
         if cfg.checkpoint_interval_s and time.monotonic() - self.last_checkpoint_at >= cfg.checkpoint_interval_s:
             self.checkpoint("time")
-        elif cfg.log_mode == CIRCULAR and 0 <= self.log.room() <= 3 * self.log_reserve:
-            self.checkpoint("log space")
+        elif cfg.log_mode == CIRCULAR:
+            room = self.log.room()
+            low = 0 <= room <= 3 * self.log_reserve
+            self.say_log_space(f"the circular log has {room} bytes of room left in its ring of {cfg.log_ring} "
+                               "segments" if low else "")
+            if low:
+                self.checkpoint("log space")
         elif cfg.log_mode == LINEAR and cfg.log_low_space_bytes:
             try:
                 free = shutil.disk_usage(self.log_dir).free
             except OSError:
                 return
-            if free < cfg.log_low_space_bytes and time.monotonic() - self.last_checkpoint_at > 5.0:
+            low = free < cfg.log_low_space_bytes
+            self.say_log_space(f"the log's file system has {free} bytes free (below {cfg.log_low_space_bytes})"
+                               if low else "")
+            if low and time.monotonic() - self.last_checkpoint_at > 5.0:
                 self.checkpoint("log space")
 
 

@@ -95,6 +95,7 @@ class QueueManager(Outcomes, LogSpace):
         self._checkpointing = threading.Lock()
         self.relog_passes: dict[str, dict[str, Any]] = {}  # sqm.core.logspace.LogSpace
         self.retention: Retention | None = None
+        self.log_space_low = ""
         self.last_checkpoint_at = time.monotonic()
         if config.log_mode not in LOG_MODES:
             raise ValueError(f"log mode must be one of {', '.join(LOG_MODES)}, not {config.log_mode!r}")
@@ -425,7 +426,7 @@ class QueueManager(Outcomes, LogSpace):
         return {"name": self.name, "epoch": self.caller.epoch, "fenced": self.fenced, "running": self.running,
                 "uows": states, "pending": len(self.pending), "lrsn": self.clock.last, **self.counters,
                 "log_records": getattr(stats, "records", 0), "log_bytes": getattr(stats, "bytes", 0),
-                "fsyncs": getattr(stats, "fsyncs", 0)}
+                "fsyncs": getattr(stats, "fsyncs", 0), "log_space_low": self.log_space_low}
 
 
 __all__ = ["QueueManager", "QueueManagerConfig", "INCOMMIT", "INBACKOUT", "INDOUBT"]

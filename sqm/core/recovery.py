@@ -149,6 +149,7 @@ def restart(qm: RecoveringMember, progress: Progress | None = None) -> RestartRe
         log.info("%s", text)
 
     assert qm.log is not None
+    say(f"CSQR001I {qm.name} restart initiated")
     table, rep.records_read, high = _table_from_log(qm.log, qm.name, rep, say)
     qm.clock.observe(high)  # LRSNs this member wrote before the restart stay below the ones it writes now
     _add_cf_only_uows(qm, qm.name, table)
@@ -202,6 +203,8 @@ def restart(qm: RecoveringMember, progress: Progress | None = None) -> RestartRe
     qm.checkpoint("start")
     phase("restart cleanup", {"in-doubt kept": rep.in_doubt})
     rep.seconds = time.monotonic() - t0
+    say(f"CSQR002I {qm.name} restart completed in {rep.seconds:.3f}s: {rep.in_commit + rep.in_backout} units of "
+        f"work completed, {rep.in_flight} backed out, {rep.in_doubt} in doubt")
     return rep
 
 
