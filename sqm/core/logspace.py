@@ -45,6 +45,7 @@ class LogSpace:
     # every checkpoint record: restore finds the newest window in the members' last checkpoints.
     relog_passes: dict[str, dict[str, Any]]
     retention: Retention | None  # what recovery needed of the log at the last checkpoint
+    backups_noted: dict[str, dict[str, Any]]  # the last BACKUP record of each structure (sqm.core.backupnote)
     log_space_low: str  # why log space is low while it is (said once per episode: say_log_space), else ""
     _checkpointing: threading.Lock
 
@@ -74,7 +75,8 @@ class LogSpace:
                     p.complete(lrsn, self.config.cpl_entries, termination=why == "shutdown")
                     self.relog_passes[p.structure] = p.as_record()
                 try:
-                    self.log.checkpoint(records.checkpoint(lrsn, uows=uows, n=n, why=why, passes=self.relog_passes))
+                    self.log.checkpoint(records.checkpoint(lrsn, uows=uows, n=n, why=why, passes=self.relog_passes,
+                                                       backups=self.backups_noted))
                 except OSError as e:
                     self.log_failure(e)
             relog.finish(self, passes)

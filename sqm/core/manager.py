@@ -35,6 +35,7 @@ from cfemu.errors import (
 from cfemu.keys import check_member_name
 from cfemu.repository import GroupRepository, RepositoryError, open_group_repository
 from sqm.core import records, relog
+from sqm.core.backupnote import note_new_backups
 from sqm.core.cfcall import CF_DOWN, reply_lost
 from sqm.core.clock import LrsnClock, now_ms
 from sqm.core.config import CIRCULAR, LOG_MODES, QueueManagerConfig
@@ -96,6 +97,8 @@ class QueueManager(Outcomes, LogSpace):
         self.relog_passes: dict[str, dict[str, Any]] = {}  # sqm.core.logspace.LogSpace
         self.retention: Retention | None = None
         self.log_space_low = ""
+        self.backups_noted: dict[str, dict[str, Any]] = {}  # sqm.core.backupnote
+        self.backups_checked_at = 0.0
         self.last_checkpoint_at = time.monotonic()
         if config.log_mode not in LOG_MODES:
             raise ValueError(f"log mode must be one of {', '.join(LOG_MODES)}, not {config.log_mode!r}")
@@ -395,6 +398,7 @@ class QueueManager(Outcomes, LogSpace):
                 if self.recauto is not None:
                     self.recauto.check()
                 self._checkpoint_when_due()
+                note_new_backups(self)
                 if time.monotonic() >= next_expiry:
                     next_expiry = time.monotonic() + self.config.expiry_interval_ms / 1000
                     self.expire_messages()
