@@ -22,7 +22,7 @@ from sqm.core.config import CIRCULAR, LINEAR, QueueManagerConfig
 from sqm.core.failpoints import failpoint
 from sqm.core.retention import Retention, member_retention
 from sqm.core.uow import UnitOfWork
-from sqm.log import LogFormatError, RecordLog
+from sqm.log import LogCorruptError, LogFormatError, RecordLog
 
 log = logging.getLogger("sqm")
 
@@ -110,6 +110,11 @@ class LogSpace:
             log.info("%s: archived log segments %s to %s (recovery needs the log from LRSN %d on)", self.name,
                      ", ".join(str(m.segment) for m in moved), self.archive_dir, ret.lrsn)
             self.counters["segments_archived"] = self.counters.get("segments_archived", 0) + len(moved)
+        try:  # the sealed active segments' copies, for media recovery (sqm.log.mediacopy)
+            self.log.copy_sealed(self.archive_dir)
+        except (OSError, LogFormatError, LogCorruptError) as e:  # corrupt: the segment is damaged already
+            log.warning("%s: copying the sealed log segments to the archive failed (%s): a damaged one cannot be "
+                        "restored from a copy until this succeeds", self.name, e)
         return ret
 
     @property

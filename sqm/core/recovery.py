@@ -62,6 +62,8 @@ class RestartReport:
     forward_range: tuple[int, int] = (0, 0)  # LRSN range of the in-commit/in-backout UOWs completed
     backward_range: tuple[int, int] = (0, 0)  # LRSN range of the in-flight UOWs backed out
     messages: list[str] = field(default_factory=list)
+    # Damaged active log segments restored from their archived copies when the log was opened (sqm.log.mediacopy).
+    media_recovered: list[int] = field(default_factory=list)
     # The CPLs restart found of another length than the member's n now: {structure: (pairs found, n)}.
     cpl_reconciled: dict[str, tuple[int, int]] = field(default_factory=dict)
     # The last BACKUP record of each structure in the log ({structure: {b, l, rf}}: sqm.core.backupnote).
@@ -160,6 +162,10 @@ def restart(qm: RecoveringMember, progress: Progress | None = None) -> RestartRe
 
     assert qm.log is not None
     say(f"CSQR001I {qm.name} restart initiated")
+    for m in qm.log.media_recovered:
+        rep.media_recovered.append(m.segment)
+        say(f"{qm.name} restart: media recovery of log segment {m.segment}: it was damaged ({m.why}); restored from "
+            f"its archived copy {m.copy}")
     table, rep.records_read, high = _table_from_log(qm.log, qm.name, rep, say)
     qm.clock.observe(high)  # LRSNs this member wrote before the restart stay below the ones it writes now
     qm.backups_noted = rep.backups

@@ -21,6 +21,7 @@ import redis
 from backup.run import run_backup
 from cfemu.errors import ResourceProblemError
 from sqm.core.clock import now_ms
+from sqm.log.format import read_manifest, segment_name
 from sqm.service.client import Client
 from tests.sqm.test_service import TOKEN, TOKENS_ENV
 from tests.support.group import define_group, start_qm
@@ -204,3 +205,49 @@ def reconcile(redis_url: str, logs: Path, cpl: list[list[int]], carried: Callabl
     assert carried() == [cpl[-1]] * 2 + cpl[-2:]  # the missing pairs take the most recent pair's values
     stderr = restart_with_cpl_entries(redis_url, logs, 4)
     assert "the CPL of APP1 had" not in stderr  # nothing changed, nothing said
+
+
+@pytest.mark.slow
+def test_a_damaged_active_segment_is_restored_from_its_archived_copy(redis_url: str, tmp_path: Path) -> None:
+    """Media recovery (linear logging): a member (a real process) copies each sealed segment to the archive at the
+    next checkpoint while the segment is still active. Killed by SIGKILL, one of its sealed active segments is
+    damaged on disk (bytes overwritten in the middle); its restart restores the segment from the copy and says so,
+    every committed message is still there, and the whole log reads again (`sqm log print`)."""
+    logs, ready = tmp_path / "logs", tmp_path / "QM2.ready"
+    define_group(redis_url, queues=("Q1",))
+    proc = sqm_run(redis_url, logs, ready, "--log-segment-mb", "0.004", "--logload", "20")
+    try:
+        client = Client(("127.0.0.1", wait_ready(proc, ready)), token=TOKEN, reconnect_timeout=1.0)
+        for i in range(120):
+            client.put("Q1", b"m-%03d" % i + b"." * 300, syncpoint=False)
+
+        def copied_active() -> list[int]:
+            manifest = read_manifest(logs / "QM2") or {}
+            sealed = {s["segment"] for s in manifest.get("segments", []) if s.get("sealed")}
+            return sorted(sealed & {c["segment"] for c in manifest.get("copies", [])})
+        copied = wait_until(copied_active, 30, "a sealed active segment with an archived copy")
+        client.close()
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        damaged = logs / "QM2" / segment_name(copied[-1])
+        good = damaged.read_bytes()
+        with open(damaged, "r+b") as f:  # a bad stretch in the middle of the segment's frames
+            f.seek(len(good) // 2)
+            f.write(b"\xff" * 64)
+        assert damaged.read_bytes() != good
+        proc = sqm_run(redis_url, logs, ready)
+        client = Client(("127.0.0.1", wait_ready(proc, ready)), token=TOKEN, reconnect_timeout=1.0)
+        bodies = [m.body[:5] for m in client.browse("Q1", limit=1000)]
+        client.close()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        stderr = proc.stderr.read().decode() if proc.stderr else ""
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
+    assert f"media recovery of log segment {copied[-1]}" in stderr, stderr[-3000:]
+    archived = {a["segment"]: Path(a["path"]) for a in (read_manifest(logs / "QM2") or {}).get("archived", [])}
+    assert (damaged if damaged.exists() else archived[copied[-1]]).read_bytes() == good  # archived since, maybe
+    assert bodies == [b"m-%03d" % i for i in range(120)]
+    assert len(log_print(logs, "--kind", "PUT")) >= 1  # the whole log reads: no damaged frame left
