@@ -53,6 +53,7 @@ class LogSpace:
         @property
         def log_dir(self) -> Path: ...
         def log_failure(self, e: OSError) -> NoReturn: ...
+        def refuse_if_log_failed(self) -> None: ...
         def cf_call(self, fn: Callable[[], Any]) -> Any: ...
         def structure(self, name: str) -> Structure: ...
 
@@ -127,7 +128,8 @@ class LogSpace:
         """Circular logging: before new persistent work, make sure the ring has room beyond twice the reserve.
         When it has not, take checkpoints (each relogs and moves the windows on, so that segments become inactive)
         until it has; when it still has not, refuse the work with the reason: a needed record is never
-        overwritten."""
+        overwritten. A log that cannot be written refuses it first (QueueManager.log_failure)."""
+        self.refuse_if_log_failed()
         if self.log is None or self.config.log_mode != CIRCULAR:
             return
         room = self.log.room()

@@ -220,7 +220,7 @@ def restart(qm: RecoveringMember, progress: Progress | None = None) -> RestartRe
 
     _reconcile_cpls(qm, rep, say)
     qm.checkpoint("start")
-    phase("restart cleanup", {"in-doubt kept": rep.in_doubt, "CPLs reconciled": len(rep.cpl_reconciled)})
+    phase("restart cleanup", {"in-doubt kept": rep.in_doubt})
     rep.seconds = time.monotonic() - t0
     say(f"CSQR002I {qm.name} restart completed in {rep.seconds:.3f}s: {rep.in_commit + rep.in_backout} units of "
         f"work completed, {rep.in_flight} backed out, {rep.in_doubt} in doubt")

@@ -241,12 +241,6 @@ class SQMServer:
                           self.qm.name, self.qm.caller.epoch, EXIT_FENCED)
                 self.request_stop(EXIT_FENCED)
                 return
-            if self.qm.log_failed:
-                log.error("%s cannot write its record log (%s); exiting with code %d: fix the log disk, then "
-                          "restart it (a peer recovers its work meanwhile)", self.qm.name, self.qm.log_failed,
-                          EXIT_LOG_FAILED)
-                self.request_stop(EXIT_LOG_FAILED)
-                return
             await asyncio.sleep(0.25)
 
     async def _shutdown(self, server: asyncio.Server, http: asyncio.Server | None) -> None:
@@ -261,7 +255,9 @@ class SQMServer:
             http.close()
         checkpoint = self.exit_code not in (EXIT_FENCED, EXIT_LOG_FAILED)
         await loop.run_in_executor(None, lambda: self.qm.stop(checkpoint=checkpoint))
-        if checkpoint and not self.qm.fenced:
+        if self.qm.log_failed and self.exit_code == EXIT_OK:
+            self.exit_code = EXIT_LOG_FAILED  # stopped by the operator with its log failed: say so to a supervisor
+        if checkpoint and not self.qm.fenced and not self.qm.log_failed:
             log.info("%s stopped: shutdown checkpoint taken", self.qm.name)
         else:
             log.info("%s stopped without a checkpoint (%s)", self.qm.name, "fenced" if self.qm.fenced else "log failed")
