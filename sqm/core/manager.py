@@ -47,6 +47,7 @@ from sqm.core.recauto import StructureRecovery
 from sqm.core.records import INBACKOUT, INCOMMIT, INDOUBT, INFLIGHT, Record
 from sqm.core.recovery import recover_peers, restart
 from sqm.core.retention import Retention
+from sqm.core.storereport import StoreReport
 from sqm.core.uow import UnitOfWork
 from sqm.log import RecordLog
 
@@ -97,6 +98,7 @@ class QueueManager(Outcomes, LogSpace):
         self.relog_passes: dict[str, dict[str, Any]] = {}  # sqm.core.logspace.LogSpace
         self.retention: Retention | None = None
         self.log_space_low = ""
+        self.store_report: StoreReport | None = None  # PSTORE-REPORT=YES (sqm.core.storereport), once started
         self.backups_noted: dict[str, dict[str, Any]] = {}  # sqm.core.backupnote
         self.backups_checked_at = 0.0
         self.last_checkpoint_at = time.monotonic()
@@ -122,6 +124,8 @@ class QueueManager(Outcomes, LogSpace):
                              ring=self.config.log_ring if self.config.log_mode == CIRCULAR else 0)
         last = self.log.last_checkpoint()
         self.relog_passes = relog.last_passes(last[1] if last else None)
+        if self.config.pstore_report is not None and self.store_report is None:
+            self.store_report = StoreReport(Path(self.config.pstore_report), self.name)
         try:
             self.repository.record_member(self.name, self.log_dir)  # restore then knows to read this log
             self.caller.epoch = self.admin.join(self.name, {"pid": os.getpid(), "log": str(self.log_dir)},
@@ -169,6 +173,9 @@ class QueueManager(Outcomes, LogSpace):
             except OSError as e:  # the log failed: what is on disk is what restart and peers will read
                 log.error("%s: closing the log failed: %s", self.name, e)
             self.log = None
+        if self.store_report is not None:
+            self.store_report.close()
+            self.store_report = None
         self.running = False
 
     def __enter__(self) -> QueueManager:
@@ -310,6 +317,11 @@ class QueueManager(Outcomes, LogSpace):
         raise LogFailedError(f"queue manager {self.name} cannot write its log ({self.log_failed}): persistent "
                              "work is refused until it is restarted with its log disk fixed") from None
 
+    def note_store(self, uow: UnitOfWork, record: Record) -> None:
+        """A persistent PUT or GET record of the unit of work, for the running store report (if any)."""
+        if self.store_report is not None:
+            self.store_report.note(uow, record)
+
     def refuse_if_log_failed(self) -> None:
         """Persistent work is refused while the log cannot be written (log_failure)."""
         if self.log_failed:
@@ -439,6 +451,8 @@ class QueueManager(Outcomes, LogSpace):
             ids, purged = s.expire(now_ms())
             if ids:
                 self.append(records.expire(self.clock.now(), structure=sdef.name, ids=ids))
+                if self.store_report is not None:
+                    self.store_report.expired(ids)
             n += len(ids) + purged
         return n
 

@@ -31,6 +31,7 @@ from sqm.core.cfcall import CF_DOWN, reply_lost
 from sqm.core.clock import LrsnClock
 from sqm.core.failpoints import failpoint
 from sqm.core.records import INBACKOUT, INCOMMIT, INDOUBT, INFLIGHT, Record
+from sqm.core.storereport import StoreReport
 from sqm.core.uow import UnitOfWork
 from sqm.log import RecordLog
 
@@ -49,6 +50,7 @@ class Outcomes:
     uow_lock: threading.RLock
     pending: dict[str, Callable[[], None]]
     counters: dict[str, int]
+    store_report: StoreReport | None  # PSTORE-REPORT=YES (sqm.core.storereport)
     log_failed: str  # why the log cannot be written, once it cannot (QueueManager.log_failure)
     _refused_retries: set[str]
 
@@ -181,6 +183,8 @@ class Outcomes:
             self._apply_one(uow, sname, commit, for_member)
             uow.applied.add(sname)
             failpoint("during-apply")
+        if self.store_report is not None and for_member is None:
+            self.store_report.outcome(uow, commit)
         if (uow.persistent or for_member is not None) and self.log is not None and not self.log_failed:
             self.append(records.end(uow.id, self.clock.now()))
         self.pending.pop(uow.id, None)

@@ -85,7 +85,7 @@ class SQMServer:
             logload=config.logload, clock_skew_us=config.clock_skew_ms * 1000,
             log_mode=config.log_mode, log_ring=config.log_ring, log_archive_dir=config.log_archive_dir,
             segment_bytes=config.segment_bytes, checkpoint_interval_s=config.checkpoint_interval_s,
-            cpl_entries=config.cpl_entries, max_umsgs=config.max_umsgs,
+            cpl_entries=config.cpl_entries, max_umsgs=config.max_umsgs, pstore_report=config.pstore_report,
             recover_structure=config.recover_structure), wings=WINGS)
         self.stats = Stats()
         self.slots = RequestSlots(config.request_slots, config.slot_lease_ms / 1000)
