@@ -19,6 +19,7 @@ from cfemu.admin import Admin
 from sqm.core import records
 from sqm.core.clock import LrsnClock
 from sqm.core.records import Record
+from sqm.log import RecordLog
 
 #: How often housekeeping looks at the catalog for a backup completed since (seconds).
 CHECK_EVERY_S = 1.0
@@ -34,6 +35,11 @@ class NotingMember(Protocol):
 
     backups_noted: dict[str, dict[str, Any]]  # {structure: {b, l, rf}}: what the log notes (BackupsNoted)
     backups_checked_at: float
+
+    @property
+    def log(self) -> RecordLog | None: ...
+    @property
+    def log_reserve(self) -> int: ...
 
     def append(self, record: Record) -> None: ...
 
@@ -59,6 +65,9 @@ def note_new_backups(qm: NotingMember, *, force: bool = False) -> list[Record]:
     now = time.monotonic()
     if not force and now - qm.backups_checked_at < CHECK_EVERY_S:
         return []
+    room = qm.log.room() if qm.log is not None else 0
+    if qm.log is None or 0 <= room <= qm.log_reserve:
+        return []  # a circular log's reserve is for checkpoints and work begun: the note waits for room
     qm.backups_checked_at = now
     written = []
     for sdef in qm.admin.structures():
