@@ -43,17 +43,16 @@ from backup.files import SIGNATURE_ALG, canonical_json, resolve_keys, signing_ke
 from cfemu.credentials import BackupKeys, key_id
 from cfemu.entry import Entry
 from cfemu.private_files import open_private
+from cfemu.record_types import (  # shared with a member's running report
+    CONVERSATION,
+    DEFINITION,
+    UOW_LAST,
+    UOW_STATUS,
+    record_type,
+)
 
 REPORT_FORMAT = 1
 _MAC_CONTEXT = b"cfemu migration report v1\n"  # what the MAC is of: only a report's trailer, never another message
-UOWDATA, UOWCTL = ".UOWDATA", ".UOWCTL"  # cfemu.uow_attributes' companion suffixes
-PUB, SUB = ".PUB", ".SUB"  # a topic's companion suffixes (cfemu.topic_attributes, docs/pubsub.md)
-MESSAGE, UOW_STATUS, UOW_LAST, PUBLICATION, SUBSCRIPTION, SUBSCRIPTION_ROSTER, DEFINITION = (
-    "message", "uow-status", "uow-last", "publication", "subscription", "subscription-roster", "definition")
-CONVERSATION = "conversation"
-LAST_CORRELID = b"L".hex()  # a user's SYNCPOINT LAST pointer on .UOWCTL (sqm.conversations.uowcontrols.LAST_LETTER)
-CONVERSATION_CORRELID = b"V".hex()  # a conversation's record on .UOWCTL (sqm.conversations.convrecord)
-ROSTER_CORRELID = b"R".hex()  # a subscription's roster entry on .SUB (sqm.pubsub.pubsub.ROSTER_LETTER), not its position
 UNLOADED, LOADED, CREATED, DELETED = "unloaded", "loaded", "created", "deleted"
 _COMPARED = ("queue", "type", "id", "elements", "length", "digest", "list", "pos")  # what must agree per record
 
@@ -68,18 +67,6 @@ class PartialReportError(ReportError):
 
 class TamperedReportError(ReportError):
     """The lines do not match the trailer's digest or count, or the trailer's signature does not match."""
-
-
-def record_type(queue: str, correlid: str = "") -> str:
-    """A CF entry's record type, by the companion-queue suffix of its queue (and on .UOWCTL its correlation id:
-    a status letter, or L for a user's LAST pointer)."""
-    if queue.endswith(UOWCTL):
-        return {LAST_CORRELID: UOW_LAST, CONVERSATION_CORRELID: CONVERSATION}.get(correlid, UOW_STATUS)
-    if queue.endswith(PUB):
-        return PUBLICATION
-    if queue.endswith(SUB):
-        return SUBSCRIPTION_ROSTER if correlid == ROSTER_CORRELID else SUBSCRIPTION
-    return MESSAGE
 
 
 def normal_wire(wire: Mapping[str, Any], data: bytes) -> dict[str, Any]:

@@ -47,8 +47,8 @@ class NotJoinedError(StructureFailedError):
 
 
 class LogFailedError(MQError):
-    """This queue manager's record log cannot be written (disk full, I/O error): it stops serving and lets its
-    lease lapse, so that a peer recovers its units of work."""
+    """This queue manager's record log cannot be written (disk full, I/O error): persistent work is refused, and
+    non-persistent work goes on until the member is restarted (docs/pstore.md)."""
 
     reason, reason_name = 2102, "MQRC_RESOURCE_PROBLEM"
 

@@ -35,6 +35,7 @@ from cfemu.clitools import (
 )
 from cfemu.settings import Settings, operator_token
 from sqm.core.recauto import RecoverStructure
+from sqm.core.storereport import DEFAULT_NAME, REPORT_ENV, report_path
 from sqm.logadmin import add_log_admin_parsers
 from sqm.logprint import LOG_ERRORS, add_log_parser
 from sqm.request_slots import LEASE_S, MAX_SLOTS, default_slots
@@ -67,6 +68,11 @@ def add_run_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
     p.add_argument("--cpl-entries", type=int, default=3,
                    help="n, the checkpoints the Checkpoint Positioning List keeps: a live message's newest copy is "
                         "never older than n checkpoint intervals (default 3; 0: no relogging)")
+    p.add_argument("--pstore-report", choices=("YES", "NO"), default="NO",
+                   help="YES: report every persistent record created or deleted, one JSON line each (seed 004's "
+                        f"PSTORE-REPORT), to --pstore-report-file, else ${REPORT_ENV}, else {DEFAULT_NAME} in the "
+                        "current directory (docs/pstore.md)")
+    p.add_argument("--pstore-report-file", metavar="FILE", help="the running store report's file")
     p.add_argument("--tls-cert", help="server certificate (PEM) for TLS")
     p.add_argument("--tls-key", help="server private key (PEM)")
     p.add_argument("--tls-ca", help="CA (PEM) for client certificates: turns on mutual TLS")
@@ -170,7 +176,8 @@ def cmd_run(args: argparse.Namespace, out: Output) -> int:
         log_archive_dir=found.log_archive_dir, segment_bytes=max(4096, int(args.log_segment_mb * 2**20)),
         checkpoint_interval_s=args.checkpoint_interval, cpl_entries=args.cpl_entries,
         shutdown_grace_s=args.shutdown_grace, cf_wait_s=args.cf_wait, ready_file=args.ready_file,
-        clock_skew_ms=args.clock_skew_ms, recover_structure=recovery))
+        clock_skew_ms=args.clock_skew_ms, recover_structure=recovery,
+        pstore_report=report_path(args.pstore_report_file).absolute() if args.pstore_report == "YES" else None))
 
 
 # How the composition root gives ``sqm run`` its automatic structure recovery (RECAUTO, sqm.core.recauto): from the

@@ -57,6 +57,8 @@ class QueueManagerConfig:
     log_archive_dir: Path | None = None
     checkpoint_interval_s: float = 300.0
     log_low_space_bytes: int = 256 * 2**20
+    # The running persistent store report (seed 004's PSTORE-REPORT=YES: sqm.core.storereport): its file; None: none.
+    pstore_report: Path | None = None
     # RECAUTO (sqm.core.recauto): how this member restores a failed structure; injected by the top floor (qsg.member
     # wires restore in); None: this member never recovers a structure by itself.
     recover_structure: RecoverStructure | None = None

@@ -69,6 +69,7 @@ class QueueManagerPort(Protocol):
     def forget(self, uow: UnitOfWork) -> None: ...
     def append(self, record: Record, *, uow: UnitOfWork | None = None, state: str | None = None) -> None: ...
     def append_many(self, recs: list[Record]) -> None: ...
+    def note_store(self, uow: UnitOfWork, record: Record) -> None: ...
     def complete(self, uow: UnitOfWork, commit: bool, *, reason: str = "application",
                  for_member: str | None = None, pstore_checked: bool = False) -> None: ...
 
@@ -210,7 +211,9 @@ class Connection(UnitOfWorkScope):
             failpoint("put-after-cf")
             if entry.persistent:
                 uow.persistent = True
-                qm.append(records.put(uow.id, cf, structure=sname, gen=gen, entry=entry.wire(), data=body))
+                rec = records.put(uow.id, cf, structure=sname, gen=gen, entry=entry.wire(), data=body)
+                qm.append(rec)
+                qm.note_store(uow, rec)
             return
         if not entry.persistent:
             try:
@@ -276,8 +279,10 @@ class Connection(UnitOfWorkScope):
                     uow.operations += 1
                     if entry.persistent:
                         uow.persistent = True
-                        qm.append(records.get(uow.id, entry.lrsn, structure=qdef.structure, gen=gen,
-                                              entry_id=entry.id, queue=queue))
+                        rec = records.get(uow.id, entry.lrsn, structure=qdef.structure, gen=gen,
+                                          entry_id=entry.id, queue=queue)
+                        qm.append(rec)
+                        qm.note_store(uow, rec)
                     if self._is_poison(qdef, entry):
                         self._move_to_backout_queue(qdef, entry, data, uow)
                         continue
@@ -401,6 +406,8 @@ class Connection(UnitOfWorkScope):
                                               entry=entry.wire(), data=bodies[i]))
                 done.append(Message.from_entry(entry, bodies[i]))
             qm.append_many(logged)
+            for rec in logged:
+                qm.note_store(uow, rec)
             failpoint("batch-before-force")
         except BaseException:
             if own is not None:
@@ -531,8 +538,10 @@ class Connection(UnitOfWorkScope):
         if entry.persistent:
             uow.persistent = True
             checked.add(qdef.structure)
-            qm.append(records.get(uow.id, entry.lrsn, structure=qdef.structure, gen=gen, entry_id=entry.id,
-                                  queue=qdef.name))
+            rec = records.get(uow.id, entry.lrsn, structure=qdef.structure, gen=gen, entry_id=entry.id,
+                              queue=qdef.name)
+            qm.append(rec)
+            qm.note_store(uow, rec)
         if self._is_poison(qdef, entry):
             self._move_to_backout_queue(qdef, entry, data, uow)
             if entry.persistent:

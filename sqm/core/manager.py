@@ -36,6 +36,7 @@ from cfemu.keys import check_member_name
 from cfemu.latency import Latency
 from cfemu.repository import GroupRepository, RepositoryError, open_group_repository
 from sqm.core import records, relog
+from sqm.core.backupnote import note_new_backups
 from sqm.core.cfcall import CF_DOWN, reply_lost
 from sqm.core.clock import LrsnClock, now_ms
 from sqm.core.config import CIRCULAR, LOG_MODES, QueueManagerConfig
@@ -44,9 +45,10 @@ from sqm.core.hooks import Hooks
 from sqm.core.logspace import LogSpace
 from sqm.core.outcomes import Outcomes
 from sqm.core.recauto import StructureRecovery
-from sqm.core.records import INBACKOUT, INCOMMIT, INDOUBT, Record
+from sqm.core.records import INBACKOUT, INCOMMIT, INDOUBT, INFLIGHT, Record
 from sqm.core.recovery import recover_peers, restart
 from sqm.core.retention import Retention
+from sqm.core.storereport import StoreReport
 from sqm.core.uow import UnitOfWork
 from sqm.log import RecordLog
 
@@ -97,6 +99,10 @@ class QueueManager(Outcomes, LogSpace):
         self._checkpointing = threading.Lock()
         self.relog_passes: dict[str, dict[str, Any]] = {}  # sqm.core.logspace.LogSpace
         self.retention: Retention | None = None
+        self.log_space_low = ""
+        self.store_report: StoreReport | None = None  # PSTORE-REPORT=YES (sqm.core.storereport), once started
+        self.backups_noted: dict[str, dict[str, Any]] = {}  # sqm.core.backupnote
+        self.backups_checked_at = 0.0
         self.last_checkpoint_at = time.monotonic()
         if config.log_mode not in LOG_MODES:
             raise ValueError(f"log mode must be one of {', '.join(LOG_MODES)}, not {config.log_mode!r}")
@@ -120,6 +126,8 @@ class QueueManager(Outcomes, LogSpace):
                              ring=self.config.log_ring if self.config.log_mode == CIRCULAR else 0)
         last = self.log.last_checkpoint()
         self.relog_passes = relog.last_passes(last[1] if last else None)
+        if self.config.pstore_report is not None and self.store_report is None:
+            self.store_report = StoreReport(Path(self.config.pstore_report), self.name)
         try:
             self.repository.record_member(self.name, self.log_dir)  # restore then knows to read this log
             self.caller.epoch = self.admin.join(self.name, {"pid": os.getpid(), "log": str(self.log_dir)},
@@ -167,6 +175,9 @@ class QueueManager(Outcomes, LogSpace):
             except OSError as e:  # the log failed: what is on disk is what restart and peers will read
                 log.error("%s: closing the log failed: %s", self.name, e)
             self.log = None
+        if self.store_report is not None:
+            self.store_report.close()
+            self.store_report = None
         self.running = False
 
     def __enter__(self) -> QueueManager:
@@ -184,9 +195,6 @@ class QueueManager(Outcomes, LogSpace):
     def check_usable(self) -> None:
         if self.fenced:
             raise FencedError(f"queue manager {self.name} was fenced by peer recovery; restart it")
-        if self.log_failed:
-            raise LogFailedError(f"queue manager {self.name} cannot write its log ({self.log_failed}); "
-                                 "a peer recovers its work; restart it when the log disk is fixed")
         if not self.running or self.log is None:
             raise BadRequestError(f"queue manager {self.name} is not running")
 
@@ -285,15 +293,43 @@ class QueueManager(Outcomes, LogSpace):
             self.log_failure(e)
 
     def log_failure(self, e: OSError) -> NoReturn:
-        """The log cannot be written: stop renewing the lease (a peer then fences this member and recovers its
-        work from the log as it is on disk) and refuse all work; the operator restarts it once the disk is fixed.
-        Carrying on would hold the lease while every persistent request failed, and nobody would recover."""
-        if not self.log_failed:
+        """The log cannot be written (disk full, an I/O error on a write or an fsync): from now on this member acts
+        on persistent state only as its log on disk already decides (docs/pstore.md, "When a member's log cannot be
+        written"). Persistent work is refused (LogFailedError, MQRC_RESOURCE_PROBLEM) and non-persistent work goes
+        on. Each unit of work with persistent work still in flight (no outcome record begun) is doomed: backed out
+        at its application's next step, without a record (its log has no outcome for it, so every recovery backs it
+        out too). A unit of work whose COMMIT or PREPARE may have reached the disk keeps its entries until the
+        member restarts and reads its log. The writer refuses every later append (an fsync that failed once is
+        never trusted again), so nothing is logged after this; the operator restarts the member once the disk is
+        fixed."""
+        first = not self.log_failed
+        if first:
             self.log_failed = str(e)
-            log.error("%s: the record log failed (%s): stopping; a peer will recover this member's work",
-                      self.name, e)
-        raise LogFailedError(f"queue manager {self.name} cannot write its log: {e}") from None
+            self.counters["log_failures"] = self.counters.get("log_failures", 0) + 1
+            log.error("%s: the record log cannot be written (%s): persistent work is refused and in-flight "
+                      "persistent units of work are backed out; non-persistent work goes on. Fix the log's disk, "
+                      "then restart the member", self.name, e)
+        with self.uow_lock:
+            doomed = [u for u in self.uows.values() if u.persistent and u.state == INFLIGHT and not u.doomed]
+            for u in doomed:
+                u.doomed = f"queue manager {self.name} cannot write its log ({self.log_failed})"
+        for u in doomed:
+            log.warning("%s: unit of work %s (persistent, in flight) is backed out: the log cannot be written",
+                        self.name, u.id)
+        raise LogFailedError(f"queue manager {self.name} cannot write its log ({self.log_failed}): persistent "
+                             "work is refused until it is restarted with its log disk fixed") from None
 
+    def note_store(self, uow: UnitOfWork, record: Record) -> None:
+        """A persistent PUT or GET record of the unit of work, for the running store report (if any)."""
+        if self.store_report is not None:
+            self.store_report.note(uow, record)
+
+    def refuse_if_log_failed(self) -> None:
+        """Persistent work is refused while the log cannot be written (log_failure)."""
+        if self.log_failed:
+            raise LogFailedError(f"queue manager {self.name} cannot write its log ({self.log_failed}): persistent "
+                                 "work is refused until it is restarted with its log disk fixed; non-persistent "
+                                 "work goes on")
 
     def forget(self, uow: UnitOfWork) -> None:
         with self.uow_lock:
@@ -364,13 +400,12 @@ class QueueManager(Outcomes, LogSpace):
     # --- background work --------------------------------------------------------------------------------
     def _heartbeat_loop(self) -> None:
         """Renew the lease every third of it, from the join on (restart recovery may still be running: nothing here
-        may assume it finished). Only a fenced member or a failed log stops renewing."""
+        may assume it finished). Only a fenced member stops renewing: one whose log failed serves non-persistent
+        work and keeps its units of work (log_failure) until it is stopped; then its lease lapses."""
         period = self.config.lease_ms / 3000
         failing = ""
         stop = self._stop
         while not stop.wait(period):
-            if self.log_failed:
-                return  # let the lease lapse: a peer recovers this member's work
             try:
                 self.renew_membership()
             except FencedError:
@@ -393,14 +428,17 @@ class QueueManager(Outcomes, LogSpace):
         next_expiry = 0.0
         stop = self._stop
         while not stop.wait(0.2):
-            if self.fenced or self.log_failed:
+            if self.fenced:
                 return
             try:
                 self.retry_pending()
+                if self.log_failed:
+                    continue  # the rest logs (recoveries, checkpoints, expiry, the wings' sweepers): not now
                 recover_peers(self)
                 if self.recauto is not None:
                     self.recauto.check()
                 self._checkpoint_when_due()
+                note_new_backups(self)
                 if time.monotonic() >= next_expiry:
                     next_expiry = time.monotonic() + self.config.expiry_interval_ms / 1000
                     self.expire_messages()
@@ -420,6 +458,8 @@ class QueueManager(Outcomes, LogSpace):
             ids, purged = s.expire(now_ms())
             if ids:
                 self.append(records.expire(self.clock.now(), structure=sdef.name, ids=ids))
+                if self.store_report is not None:
+                    self.store_report.expired(ids)
             n += len(ids) + purged
         return n
 
@@ -432,7 +472,7 @@ class QueueManager(Outcomes, LogSpace):
         return {"name": self.name, "epoch": self.caller.epoch, "fenced": self.fenced, "running": self.running,
                 "uows": states, "pending": len(self.pending), "lrsn": self.clock.last, **self.counters,
                 "log_records": getattr(stats, "records", 0), "log_bytes": getattr(stats, "bytes", 0),
-                "fsyncs": getattr(stats, "fsyncs", 0)}
+                "fsyncs": getattr(stats, "fsyncs", 0), "log_space_low": self.log_space_low}
 
 
 __all__ = ["QueueManager", "QueueManagerConfig", "INCOMMIT", "INBACKOUT", "INDOUBT"]

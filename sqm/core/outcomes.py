@@ -30,7 +30,8 @@ from sqm.core import records
 from sqm.core.cfcall import CF_DOWN, reply_lost
 from sqm.core.clock import LrsnClock
 from sqm.core.failpoints import failpoint
-from sqm.core.records import INBACKOUT, INCOMMIT, INDOUBT, Record
+from sqm.core.records import INBACKOUT, INCOMMIT, INDOUBT, INFLIGHT, Record
+from sqm.core.storereport import StoreReport
 from sqm.core.uow import UnitOfWork
 from sqm.log import RecordLog
 
@@ -49,6 +50,8 @@ class Outcomes:
     uow_lock: threading.RLock
     pending: dict[str, Callable[[], None]]
     counters: dict[str, int]
+    store_report: StoreReport | None  # PSTORE-REPORT=YES (sqm.core.storereport)
+    log_failed: str  # why the log cannot be written, once it cannot (QueueManager.log_failure)
     _refused_retries: set[str]
 
     if TYPE_CHECKING:  # the queue manager's own (sqm.core.manager)
@@ -77,7 +80,15 @@ class Outcomes:
         carry = not commit and (recovering or self._backup_running(uow))
         if recovering and not uow.persistent and for_member is None and self._gets_data(uow, best_effort=True):
             uow.persistent = True  # its gets are persistent: the backout is logged, forced, like any other
-        if uow.persistent or for_member is not None:
+        # The log cannot be written: a UOW still in flight (no outcome record begun) is backed out without a record.
+        # Its log holds no outcome for it, so every recovery (restart, a peer, restore) backs it out as well: the
+        # member acts only as its log on disk already decides (docs/pstore.md).
+        unlogged = bool(self.log_failed) and not commit and for_member is None and uow.state == INFLIGHT
+        if unlogged and uow.persistent:
+            log.warning("%s: unit of work %s backed out with no BACKOUT record (the log cannot be written: %s); "
+                        "its log has no outcome for it, which every recovery takes as backed out", self.name,
+                        uow.id, self.log_failed)
+        elif uow.persistent or for_member is not None:
             failpoint("before-log-force")
             # A backout carries what data the CF can give: one the CF cannot answer now is logged without it and
             # finished later (the CF refuses it while a backup runs, and then it is logged again with the data);
@@ -172,7 +183,9 @@ class Outcomes:
             self._apply_one(uow, sname, commit, for_member)
             uow.applied.add(sname)
             failpoint("during-apply")
-        if (uow.persistent or for_member is not None) and self.log is not None:
+        if self.store_report is not None and for_member is None:
+            self.store_report.outcome(uow, commit)
+        if (uow.persistent or for_member is not None) and self.log is not None and not self.log_failed:
             self.append(records.end(uow.id, self.clock.now()))
         self.pending.pop(uow.id, None)
         self.forget(uow)
@@ -216,6 +229,9 @@ class Outcomes:
                 self.clock.observe(e.floor)
                 lrsn = self.log_decision(uow, commit, for_member=for_member, with_data=has_data)
             except BackupActiveError:
+                if self.log_failed:  # the gets' data cannot be logged: the backout waits for the backup to end
+                    raise StructureFailedError(f"a backup of {sname} is running and the log cannot carry the data "
+                                               f"of the gets of unit of work {uow.id}: its backout waits") from None
                 lrsn = self.log_decision(uow, commit, for_member=for_member, with_data=True)
                 has_data = True
             except CompletedByRecoveryError:

@@ -16,6 +16,8 @@ Records are msgpack maps with short keys (the on-disk format; old logs must keep
   uows {uow: {st, ss, x, dl, rl, p}} (checkpoint: sqm.core.uow.UnitOfWork.snapshot)   n activity count   why reason
   at the LRSN at which a decision counts (COMMIT / BACKOUT re-logs, RECOVERY): see counts_at()
   rl {structure: relog pass} (checkpoint: the last complete relog pass of each structure, docs/log-management.md)
+  b backup id   rf replay from (LRSN)   fl recovery floor (LRSN)   el end LRSN (a backup's, BACKUP)
+  bk {structure: {b, l, rf}} (checkpoint: the last BACKUP record of each structure, carried forward)
 """
 
 from __future__ import annotations
@@ -150,11 +152,33 @@ class RelogPasses(TypedDict, total=False):
     rl: dict[str, dict[str, Any]]
 
 
-class CheckpointRecord(Logged, RelogPasses):
+class BackupsNoted(TypedDict, total=False):
+    """The last BACKUP record of each structure in the member's log, {structure: {b, l, rf}}, carried forward in
+    every checkpoint: restart reads from the last checkpoint on, and still knows the newest backup (and does not
+    note it again)."""
+
+    bk: dict[str, dict[str, Any]]
+
+
+class CheckpointRecord(Logged, RelogPasses, BackupsNoted):
     k: Literal["CHECKPOINT"]
     uows: dict[str, dict[str, Any]]
     n: int
     why: str
+
+
+class BackupRecord(Logged):
+    """A backup of a structure completed (BACKUP CFSTRUCT): its id, the structure's generation, and its log
+    positions: CF recovery from it replays the members' logs from `rf` on (the recovery floor `fl` and the end
+    `el` of the backup's LRSN range). The member notes it in its own log when it learns of it (sqm.core.backupnote)."""
+
+    k: Literal["BACKUP"]
+    s: str
+    b: str
+    g: int
+    rf: int
+    fl: int
+    el: int
 
 
 # --- constructors: the only place records are written as maps --------------------------------------------------
@@ -236,12 +260,24 @@ def expire(lrsn: int, *, structure: str, ids: list[str]) -> Record:
 
 
 def checkpoint(lrsn: int, *, uows: dict[str, dict[str, Any]], n: int, why: str,
-               passes: Mapping[str, dict[str, Any]] | None = None) -> Record:
+               passes: Mapping[str, dict[str, Any]] | None = None,
+               backups: Mapping[str, dict[str, Any]] | None = None) -> Record:
     """The active UOW table (snapshots), so that restart reads the log from here on; n: records since the last.
-    passes: the last complete relog pass of each structure this member relogged (RelogPasses)."""
+    passes: the last complete relog pass of each structure this member relogged (RelogPasses); backups: the last
+    BACKUP record of each structure in this log (BackupsNoted)."""
     rec: CheckpointRecord = {"k": "CHECKPOINT", "l": lrsn, "uows": uows, "n": n, "why": why}
     if passes:
         rec["rl"] = dict(passes)
+    if backups:
+        rec["bk"] = dict(backups)
+    return _record(rec)
+
+
+def backup(lrsn: int, *, structure: str, backup_id: str, gen: int, replay_from: int, floor: int,
+           end: int) -> Record:
+    """A completed backup of a structure and its log positions (BackupRecord)."""
+    rec: BackupRecord = {"k": "BACKUP", "l": lrsn, "s": structure, "b": backup_id, "g": gen, "rf": replay_from,
+                         "fl": floor, "el": end}
     return _record(rec)
 
 
@@ -355,7 +391,12 @@ KINDS: dict[str, RecordKind] = {k.code: k for k in [
     RecordKind("CHECKPOINT", CheckpointRecord, checkpoint, True, Role.NONE, None,
                lambda r: f"checkpoint: {len(r.get('uows', {}))} active UOWs, activity {r.get('n', 0)}"
                          + (f" ({r['why']})" if r.get("why") else "")
-                         + "".join(f", relog window of {s} from {p['w']}" for s, p in sorted(r.get("rl", {}).items()))),
+                         + "".join(f", relog window of {s} from {p['w']}" for s, p in sorted(r.get("rl", {}).items()))
+                         + "".join(f", last backup of {s} {b['b']} replays from {b['rf']}"
+                                   for s, b in sorted(r.get("bk", {}).items()))),
+    RecordKind("BACKUP", BackupRecord, backup, True, Role.NONE, None,
+               lambda r: (f"backup {r['b']} of {r['s']} (generation {r['g']}) completed: CF recovery from it replays "
+                          f"the logs from LRSN {r['rf']} (floor {r['fl']}, backup ends at LRSN {r['el']})")),
     RecordKind("RELOG", RelogRecord, relog, False, Role.ENTRY, None,
                lambda r: (f"relog {r['e']['id']} on {r['s']}/{r['e']['q']} ({r['e'].get('st', '')}"
                           + (f" uow {r['e']['u']}" if r['e'].get('u') else "") + f") {len(r.get('d', b''))}B"),

@@ -27,7 +27,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cfemu.errors import BackedOutError, MQError, StructureFailedError
+from sqm.core.backupnote import note_from_log, note_new_backups
+from sqm.core.cfcall import CF_DOWN
 from sqm.core.records import INBACKOUT, INCOMMIT, INDOUBT, INFLIGHT, Record
+from sqm.core.relog import fitted
 from sqm.core.uow import UnitOfWork, rebuild_table
 from sqm.log import LogReader, RecordLog
 
@@ -59,6 +62,12 @@ class RestartReport:
     forward_range: tuple[int, int] = (0, 0)  # LRSN range of the in-commit/in-backout UOWs completed
     backward_range: tuple[int, int] = (0, 0)  # LRSN range of the in-flight UOWs backed out
     messages: list[str] = field(default_factory=list)
+    # Damaged active log segments restored from their archived copies when the log was opened (sqm.log.mediacopy).
+    media_recovered: list[int] = field(default_factory=list)
+    # The CPLs restart found of another length than the member's n now: {structure: (pairs found, n)}.
+    cpl_reconciled: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # The last BACKUP record of each structure in the log ({structure: {b, l, rf}}: sqm.core.backupnote).
+    backups: dict[str, dict[str, int | str]] = field(default_factory=dict)
 
 
 #: Restart reports its progress every this many records read (CSQR031I).
@@ -87,6 +96,7 @@ def _table_from_log(reader_or_log: RecordLog | LogReader, owner: str,
     high = max((s.max_lrsn or 0 for s in segs), default=0)
     low = -1
     read: set[int] = set()
+    see_backup = note_from_log(rep.backups, ckpt_rec) if rep is not None else None
     if rep is not None and say is not None:
         first = start.segment if start else (segs[0].segment if segs else 0)
         rep.checkpoint_lrsn = int(ckpt_rec["l"]) if ckpt_rec else 0
@@ -103,6 +113,8 @@ def _table_from_log(reader_or_log: RecordLog | LogReader, owner: str,
             high = max(high, lrsn)
             low = lrsn if low < 0 else min(low, lrsn)
             read.add(pos.segment)
+            if see_backup is not None:
+                see_backup(rec)
             if say is not None and count % PROGRESS_EVERY == 0:
                 say(f"CSQR031I {owner} restart: reading the log forward, {count} records, at LRSN {lrsn} (segment "
                     f"{pos.segment}) of {high}")
@@ -149,8 +161,14 @@ def restart(qm: RecoveringMember, progress: Progress | None = None) -> RestartRe
         log.info("%s", text)
 
     assert qm.log is not None
+    say(f"CSQR001I {qm.name} restart initiated")
+    for m in qm.log.media_recovered:
+        rep.media_recovered.append(m.segment)
+        say(f"{qm.name} restart: media recovery of log segment {m.segment}: it was damaged ({m.why}); restored from "
+            f"its archived copy {m.copy}")
     table, rep.records_read, high = _table_from_log(qm.log, qm.name, rep, say)
     qm.clock.observe(high)  # LRSNs this member wrote before the restart stay below the ones it writes now
+    qm.backups_noted = rep.backups
     _add_cf_only_uows(qm, qm.name, table)
     with qm.uow_lock:
         qm.uows.update(table)
@@ -196,13 +214,48 @@ def restart(qm: RecoveringMember, progress: Progress | None = None) -> RestartRe
         except BackedOutError:
             pass
     phase("backward recovery", {"backed out": rep.in_flight})
+    _say_backups(qm, say)
     for line in qm.hooks.member_recovered(qm.name):  # the wings' work of the restarted member (sqm.core.hooks)
         say(line)
 
+    _reconcile_cpls(qm, rep, say)
     qm.checkpoint("start")
     phase("restart cleanup", {"in-doubt kept": rep.in_doubt})
     rep.seconds = time.monotonic() - t0
+    say(f"CSQR002I {qm.name} restart completed in {rep.seconds:.3f}s: {rep.in_commit + rep.in_backout} units of "
+        f"work completed, {rep.in_flight} backed out, {rep.in_doubt} in doubt")
     return rep
+
+
+def _reconcile_cpls(qm: RecoveringMember, rep: RestartReport, say: Callable[[str], None]) -> None:
+    """Restart cleanup (seed 000, Table 5): the CPL of each structure the member carries from its last checkpoint is
+    made n pairs long, n the number defined now (--cpl-entries, which may have changed since): fewer pairs than n,
+    the missing (oldest) ones take the values of the most recent pair; more, the oldest excess pairs are dropped.
+    The CF's stored CPL is fitted the same way by the next pass that reads it (sqm.core.relog.fitted)."""
+    n = qm.config.cpl_entries
+    if n <= 0:
+        return  # relogging off: no CPL is kept
+    for structure, carried in sorted(qm.relog_passes.items()):
+        cpl = carried.get("cpl") or []
+        if not cpl or len(cpl) == n:
+            continue
+        rep.cpl_reconciled[structure] = (len(cpl), n)
+        qm.relog_passes[structure] = {**carried, "cpl": fitted(cpl, n)}
+        how = (f"the {n - len(cpl)} missing pairs take the most recent pair's values" if len(cpl) < n
+               else f"the {len(cpl) - n} oldest pairs are dropped")
+        say(f"{qm.name} restart: the CPL of {structure} had {len(cpl)} entry pairs and {n} are defined now: {how}")
+
+
+def _say_backups(qm: RecoveringMember, say: Callable[[str], None]) -> None:
+    """Note the backups completed while the member was down (the CF may be down too: then at the next
+    housekeeping), and say the newest backup of each structure the log records (its log position)."""
+    try:
+        note_new_backups(qm, force=True)
+    except (MQError, *CF_DOWN) as e:
+        log.info("%s restart: the backup catalog cannot be read now (%s): backups are noted later", qm.name, e)
+    for structure, b in sorted(qm.backups_noted.items()):
+        say(f"{qm.name} restart: the last backup of {structure} recorded in the log is {b['b']} (at LRSN {b['l']}): "
+            f"CF recovery from it replays the logs from LRSN {b['rf']}")
 
 
 _UNREADABLE_SAID: dict[tuple[str, str], float] = {}  # (recoverer, failed) -> when it last said so

@@ -37,6 +37,8 @@ class UnitOfWork:
     # needed for correctness: a structure that applied the outcome answers a retry as done, durably (a tombstone
     # when a restore carried the UOW into a new generation; see commit.lua), also after a restart.
     applied: set[str] = field(default_factory=set)
+    # What it created and deleted in the persistent store, reported if it commits (sqm.core.storereport).
+    store_notes: list[dict[str, Any]] = field(default_factory=list)
 
     def snapshot(self) -> dict[str, Any]:
         return {"st": self.state, "ss": dict(self.structures), "x": self.xid, "dl": self.decided_lrsn,

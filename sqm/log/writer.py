@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
-import hashlib
 import os
 import threading
 import time
@@ -25,7 +23,6 @@ from sqm.log.format import (
     FRAME_HEADER_BYTES,
     LOCK_NAME,
     MAX_RECORD_BYTES,
-    LogCorruptError,
     LogFormatError,
     LogLockedError,
     LogPosition,
@@ -43,6 +40,7 @@ from sqm.log.format import (
     trusted_segments,
     write_manifest,
 )
+from sqm.log.mediacopy import MediaRecovery, copy_verified, repair_damaged
 from sqm.request_slots import before_wait
 
 #: Checkpoints remembered in the manifest.
@@ -94,49 +92,6 @@ class ArchiveOutcome:
     bytes: int
 
 
-def _copy_verified(src: Path, dst: Path, segment: int, member: str, info: SegmentInfo) -> int:
-    """Copy one sealed segment to dst (0600, fsynced, renamed into place, directory fsynced) and check the copy:
-    the same bytes, and every frame readable with the record count and LRSN range the manifest has. Returns bytes."""
-    tmp = dst.with_name(dst.name + ".tmp")
-    with contextlib.suppress(FileNotFoundError):
-        tmp.unlink()
-    fd = open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-    digest = hashlib.sha256()
-    size = 0
-    try:
-        with open(src, "rb") as f:
-            while chunk := f.read(1 << 20):
-                _write_all(fd, chunk)
-                digest.update(chunk)
-                size += len(chunk)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    check = hashlib.sha256()
-    with open(tmp, "rb") as f:
-        while chunk := f.read(1 << 20):
-            check.update(chunk)
-    if check.digest() != digest.digest():
-        tmp.unlink()
-        raise LogFormatError(f"{dst}: the archived copy of segment {segment} does not read back as the bytes of "
-                             f"{src}: not archived")
-    try:
-        scan = SegmentScan(tmp, segment, member, is_last=False).run().info()
-    except LogCorruptError as e:
-        # The copy holds the segment's own bytes (checked above): the damage is in the segment, and the error
-        # names it, not the temporary copy that is removed here.
-        tmp.unlink()
-        raise LogCorruptError(src, e.offset, e.what) from None
-    if (scan.records, scan.min_lrsn, scan.max_lrsn) != (info.records, info.min_lrsn, info.max_lrsn):
-        tmp.unlink()
-        raise LogFormatError(f"{dst}: the archived copy of segment {segment} does not read back as the segment "
-                             f"({scan.records} records, LRSN {scan.min_lrsn}..{scan.max_lrsn}; the log has "
-                             f"{info.records}, {info.min_lrsn}..{info.max_lrsn}): not archived")
-    os.replace(tmp, dst)
-    fsync_directory(dst.parent)
-    return size
-
-
 class RecordLog:
     """One SQM's log, opened for writing.
 
@@ -170,6 +125,9 @@ class RecordLog:
         self.ring = ring
         self._reusable_below = 0
         self._archived: list[dict[str, Any]] = []  # manifest entries of segments archived out of the active log
+        # Manifest entries of the archived copies of sealed segments still in the active log (sqm.log.mediacopy).
+        self._copies: list[dict[str, Any]] = []
+        self.media_recovered: list[MediaRecovery] = []  # damaged segments restored from their copies at open
         self._pruned = 0  # segments below this were removed on purpose (no recovery needed them)
         self.stats = LogStats()
         self._lock = threading.Lock()  # buffer, current segment, counters of appends
@@ -232,6 +190,7 @@ class RecordLog:
             )
         self._checkpoints = manifest_checkpoints(manifest)
         self._archived = list((manifest or {}).get("archived", []))
+        self._copies = list((manifest or {}).get("copies", []))
         self._pruned = int((manifest or {}).get("pruned", 0))
         archived = {i.segment for i in archived_segments(manifest)}
         trusted = trusted_segments(d, manifest)
@@ -250,6 +209,7 @@ class RecordLog:
                     path.unlink()
             fsync_directory(d)
             segs = [(n, p) for n, p in segs if n >= self._pruned]
+        self.media_recovered = repair_damaged(d, self.member, segs[:-1], self._copies)
         if not segs:
             start = max(trusted, default=0) + 1
             os.close(self._create_segment(start))
@@ -376,16 +336,49 @@ class RecordLog:
         private_dir(archive_dir)  # segments hold message bodies: 0700 (each file 0600)
         done = []
         for info in todo:
-            dst = archive_dir / segment_name(info.segment)
-            size = _copy_verified(info.path, dst, info.segment, self.member, info)
+            copied = self._copy_of(info.segment)
+            if copied is not None:  # copied while it was active (copy_sealed): moved, not copied again
+                dst, size = Path(copied["path"]), int(copied["bytes"])
+            else:
+                dst = archive_dir / segment_name(info.segment)
+                size, _ = copy_verified(info.path, dst, info.segment, self.member, info)
             with self._lock:
                 self._sealed.remove(info)
+                self._copies = [c for c in self._copies if int(c["segment"]) != info.segment]
                 self._archived.append({**info.to_json(), "path": str(dst.absolute()), "bytes": size})
                 self._write_manifest_locked()
                 self.stats.segments -= 1
             info.path.unlink()
             fsync_directory(self.directory)
             done.append(ArchiveOutcome(info.segment, dst, info.records, size))
+        return done
+
+    def _copy_of(self, segment: int) -> dict[str, Any] | None:
+        with self._lock:
+            return next((c for c in self._copies if int(c["segment"]) == segment), None)
+
+    def copy_sealed(self, archive_dir: Path) -> list[int]:
+        """Linear logging: copy each sealed active segment that has no archived copy yet to archive_dir (verified:
+        sqm.log.mediacopy), and list it in the manifest's "copies": media recovery restores a damaged active
+        segment from it, and archiving the segment later only moves it. Returns the segments copied."""
+        archive_dir = Path(archive_dir)
+        with self._lock:
+            have = {int(c["segment"]) for c in self._copies}
+            todo = [i for i in self._sealed if i.segment not in have]
+        if not todo:
+            return []
+        private_dir(archive_dir)
+        done = []
+        for info in todo:
+            dst = archive_dir / segment_name(info.segment)
+            size, digest = copy_verified(info.path, dst, info.segment, self.member, info)
+            with self._lock:
+                if info not in self._sealed:  # archived or pruned meanwhile
+                    continue
+                self._copies.append({"segment": info.segment, "path": str(dst.absolute()), "bytes": size,
+                                     "sha256": digest})
+                self._write_manifest_locked()
+            done.append(info.segment)
         return done
 
     def prune(self, below: int) -> list[int]:
@@ -399,12 +392,14 @@ class RecordLog:
                 return []
             self._sealed = [i for i in self._sealed if i.segment >= below]
             self._archived = [a for a in self._archived if int(a["segment"]) >= below]
+            gone_copies = [c for c in self._copies if int(c["segment"]) < below]
+            self._copies = [c for c in self._copies if int(c["segment"]) >= below]
             self._pruned = max(self._pruned, below)
             self._write_manifest_locked()
             self.stats.segments -= len(gone_active)
         for info in gone_active:
             info.path.unlink(missing_ok=True)
-        for a in gone_archived:
+        for a in gone_archived + gone_copies:
             Path(a["path"]).unlink(missing_ok=True)
         fsync_directory(self.directory)
         return sorted([i.segment for i in gone_active] + [int(a["segment"]) for a in gone_archived])
@@ -429,6 +424,7 @@ class RecordLog:
             "segment_bytes": self.segment_bytes,
             "segments": [i.to_json() for i in self._sealed] + [self._current_info().to_json()],
             "archived": self._archived,
+            "copies": self._copies,
             "pruned": self._pruned,
             "ring": self.ring,
             "checkpoints": [{"position": p.to_json(), "lrsn": lrsn} for p, lrsn in self._checkpoints],

@@ -99,6 +99,7 @@ class ServerConfig:
     segment_bytes: int = 64 * 2**20
     checkpoint_interval_s: float = 300.0
     cpl_entries: int = 3
+    pstore_report: Path | None = None  # the running store report's file (PSTORE-REPORT=YES); None: none
     max_frame: int = DEFAULT_MAX_FRAME  # MIN_FRAME-MAX_FRAME; less than MAX_FRAME cannot carry every message
     max_wait_ms: int = 60_000  # longest get wait a request may ask for
     shutdown_grace_s: float = 10.0  # in-flight requests get this long to finish at shutdown

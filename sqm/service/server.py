@@ -86,7 +86,7 @@ class SQMServer:
             logload=config.logload, clock_skew_us=config.clock_skew_ms * 1000,
             log_mode=config.log_mode, log_ring=config.log_ring, log_archive_dir=config.log_archive_dir,
             segment_bytes=config.segment_bytes, checkpoint_interval_s=config.checkpoint_interval_s,
-            cpl_entries=config.cpl_entries, max_umsgs=config.max_umsgs,
+            cpl_entries=config.cpl_entries, max_umsgs=config.max_umsgs, pstore_report=config.pstore_report,
             recover_structure=config.recover_structure), wings=WINGS)
         self.stats = Stats()
         self.slots = RequestSlots(config.request_slots, config.slot_lease_ms / 1000)
@@ -244,12 +244,6 @@ class SQMServer:
                           self.qm.name, self.qm.caller.epoch, EXIT_FENCED)
                 self.request_stop(EXIT_FENCED)
                 return
-            if self.qm.log_failed:
-                log.error("%s cannot write its record log (%s); exiting with code %d: fix the log disk, then "
-                          "restart it (a peer recovers its work meanwhile)", self.qm.name, self.qm.log_failed,
-                          EXIT_LOG_FAILED)
-                self.request_stop(EXIT_LOG_FAILED)
-                return
             await asyncio.sleep(0.25)
 
     async def _shutdown(self, server: asyncio.Server, http: asyncio.Server | None) -> None:
@@ -264,7 +258,9 @@ class SQMServer:
             http.close()
         checkpoint = self.exit_code not in (EXIT_FENCED, EXIT_LOG_FAILED)
         await loop.run_in_executor(None, lambda: self.qm.stop(checkpoint=checkpoint))
-        if checkpoint and not self.qm.fenced:
+        if self.qm.log_failed and self.exit_code == EXIT_OK:
+            self.exit_code = EXIT_LOG_FAILED  # stopped by the operator with its log failed: say so to a supervisor
+        if checkpoint and not self.qm.fenced and not self.qm.log_failed:
             log.info("%s stopped: shutdown checkpoint taken", self.qm.name)
         else:
             log.info("%s stopped without a checkpoint (%s)", self.qm.name, "fenced" if self.qm.fenced else "log failed")

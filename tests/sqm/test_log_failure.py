@@ -1,5 +1,7 @@
-"""A queue manager whose record log cannot be written (its file size limit reached, as on a full disk) stops
-serving and lets its lease lapse, so that a peer recovers its units of work: nothing is lost or held forever."""
+"""A queue manager whose record log cannot be written (its file size limit reached, as on a full disk: a write fails
+with EFBIG as it would with ENOSPC) refuses persistent work with its reason code and serves non-persistent work, as
+a disconnected persistent store does (docs/pstore.md); its in-flight persistent units of work are backed out (said in
+its log); stopped, it exits 4 and a peer recovers what its log decided; restarted with room, it serves again."""
 
 from __future__ import annotations
 
@@ -14,11 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from cfemu.errors import LogFailedError, NoMessageError
+from cfemu.errors import BackedOutError, LogFailedError, NoMessageError
 from sqm.service.client import Client
 from sqm.service.server import EXIT_LOG_FAILED
 from tests.sqm.test_service import TOKEN, TOKENS_ENV
 from tests.support.group import define_group, start_qm
+from tests.support.waits import wait_until
 
 LOG_LIMIT = 256 * 1024  # bytes any file of the child may grow to: its log segment hits it first
 
@@ -28,50 +31,85 @@ def limit_file_size() -> None:  # runs in the child before exec
     resource.setrlimit(resource.RLIMIT_FSIZE, (LOG_LIMIT, LOG_LIMIT))
 
 
-def test_full_log_stops_the_member_and_a_peer_recovers_its_work(redis_url: str, tmp_path: Path) -> None:
-    logs = tmp_path / "logs"
-    define_group(redis_url, queues=("Q1",))
-    ready = tmp_path / "QM2.ready"
+def start_member(redis_url: str, logs: Path, ready: Path, *, limited: bool) -> subprocess.Popen[bytes]:
+    ready.unlink(missing_ok=True)
     proc = subprocess.Popen(
         [sys.executable, "-m", "sqm.cli", "run", "--name", "QM2", "--port", "0", "--redis-url", redis_url,
          "--log-root", str(logs), "--lease-ms", "1000", "--ready-file", str(ready)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=limit_file_size,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=limit_file_size if limited else None,
         env={**os.environ, **TOKENS_ENV})
+    wait_until(lambda: ready.exists() or proc.poll() is not None, 60, "QM2 to start")
+    assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+    return proc
+
+
+@pytest.mark.slow
+def test_a_full_log_refuses_persistent_work_and_the_rest_goes_on(redis_url: str, tmp_path: Path) -> None:
+    logs, ready = tmp_path / "logs", tmp_path / "QM2.ready"
+    define_group(redis_url, queues=("Q1", "Q2"))
+    proc = start_member(redis_url, logs, ready, limited=True)
     peer = None
     try:
-        deadline = time.monotonic() + 30
-        while not ready.exists():
-            assert proc.poll() is None and time.monotonic() < deadline, "QM2 did not start"
-            time.sleep(0.05)
         port = json.loads(ready.read_text())["port"]
         peer = start_qm(redis_url, logs, "QM1", lease_ms=1000)
 
-        client = Client(("127.0.0.1", port), token=TOKEN, reconnect_timeout=1.0)
-        client.put("Q1", b"held", syncpoint=False)
-        client.get("Q1")  # held by an open UOW on QM2 when its log fills
-        committed = 0  # puts acknowledged before the log filled
+        def client() -> Client:
+            return Client(("127.0.0.1", port), token=TOKEN, reconnect_timeout=1.0)
+        holder, filler, other = client(), client(), client()
+        holder.put("Q1", b"held", syncpoint=False)
+        holder.get("Q1")  # a persistent get in a unit of work still in flight when the log fills
+        other.put("Q2", b"np-in-flight", persistent=False)  # non-persistent work in flight too
+        committed = 0  # persistent puts acknowledged before the log filled
         with pytest.raises(LogFailedError):
             while committed < 10_000:
-                client.put("Q1", b"x" * 4096, syncpoint=False)
+                filler.put("Q1", b"x" * 4096, syncpoint=False)
                 committed += 1
-        assert proc.wait(timeout=30) == EXIT_LOG_FAILED
-        stderr = proc.stderr.read().decode() if proc.stderr else ""
-        assert "cannot write its record log" in stderr
+        assert committed > 10
 
-        # The peer fences QM2 and backs out its open UOW: the held message is available again.
+        # Persistent work is refused with its reason code, and changes nothing; the member stays up.
+        with pytest.raises(LogFailedError) as refused:
+            other.put("Q1", b"refused", syncpoint=False)
+        assert refused.value.reason == 2102 and "cannot write its log" in str(refused.value)
+        # Non-persistent work goes on: the unit of work in flight commits, new puts and gets work.
+        other.commit()
+        other.put("Q2", b"np-after", persistent=False, syncpoint=False)
+        assert [other.get("Q2", syncpoint=False).body for _ in range(2)] == [b"np-in-flight", b"np-after"]
+        # The persistent unit of work in flight was backed out: its get's message is available again.
+        with pytest.raises(BackedOutError, match="cannot write its log"):
+            holder.commit()
         conn = peer.connect()
-        deadline = time.monotonic() + 20
+        assert conn.get("Q1").body == b"held"
+        conn.backout()
+        # The member keeps its lease (no peer recovery fences it): still serving after three lease periods.
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            other.put("Q2", b"np", persistent=False, syncpoint=False)
+            assert other.get("Q2", syncpoint=False).body == b"np"
+        assert proc.poll() is None
+        for c in (holder, filler, other):
+            c.close()
+
+        # Stopped by the operator: exit 4; a peer recovers what the log on disk decided.
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == EXIT_LOG_FAILED
+        stderr = proc.stderr.read().decode() if proc.stderr else ""
+        assert "the record log cannot be written" in stderr and "is backed out: the log cannot be written" in stderr
+        wait_until(lambda: peer.counters["peer_recoveries"] >= 1, 60, "the peer to recover QM2's work")
+        bodies = []
         while True:
             try:
-                bodies = [conn.get("Q1", wait_ms=100).body for _ in range(committed + 1)]
-                break
+                bodies.append(conn.get("Q1").body)
             except NoMessageError:
-                conn.backout()
-                assert time.monotonic() < deadline, "peer recovery did not release QM2's held message"
+                break
         conn.commit()
-        assert bodies.count(b"held") == 1 and len(bodies) == committed + 1
-        with pytest.raises(NoMessageError):
-            conn.get("Q1")
+        assert bodies.count(b"held") == 1 and bodies.count(b"x" * 4096) in (committed, committed + 1)
+
+        # Restarted with room: persistent work again.
+        proc = start_member(redis_url, logs, ready, limited=False)
+        c = Client(("127.0.0.1", json.loads(ready.read_text())["port"]), token=TOKEN, reconnect_timeout=1.0)
+        c.put("Q1", b"after", syncpoint=False)
+        assert c.get("Q1", syncpoint=False).body == b"after"
+        c.close()
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -37,6 +37,8 @@ SAMPLES: dict[str, tuple[Record, Record]] = {
                {"k": "EXPIRE", "l": 70, "s": "APP1", "ids": ["e3", "e4"]}),
     "CHECKPOINT": (records.checkpoint(80, uows=UOWS, n=12, why="logload", passes=PASSES),
                    {"k": "CHECKPOINT", "l": 80, "uows": UOWS, "n": 12, "why": "logload", "rl": PASSES}),
+    "BACKUP": (records.backup(95, structure="APP1", backup_id="b-1", gen=3, replay_from=40, floor=41, end=94),
+               {"k": "BACKUP", "l": 95, "s": "APP1", "b": "b-1", "g": 3, "rf": 40, "fl": 41, "el": 94}),
     "RELOG": (records.relog(90, structure="APP1", gen=3, entry=RELOGGED, data=b"body"),
               {"k": "RELOG", "l": 90, "s": "APP1", "g": 3, "e": RELOGGED, "d": b"body"}),
 }

@@ -1,0 +1,136 @@
+"""Archived copies of a log's sealed segments, and media recovery of a damaged active segment from its copy
+(linear logging; docs/log-management.md, "Media recovery").
+
+A sealed segment is copied to the archive directory at the checkpoint after it was sealed, while it is still in
+the active log (as MQ offloads a full active log to an archive log): the copy is written privately, fsynced,
+read back (the same bytes, every frame valid, the record count and LRSN range of the segment) and renamed into
+place, and the manifest lists it under "copies" with its sha256. When the segment later becomes inactive, archiving
+it only moves that entry to "archived" and removes the active file: each segment is copied once.
+
+When the log is opened (the member's restart), every sealed active segment that has a copy is checked against the
+copy's digest; one that differs (a bad sector, a stray write, a truncation) is replaced by its copy, whose own
+digest is checked first. Nothing is decided from a damaged segment: it is either repaired from a good copy or the
+open fails naming both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cfemu.durable import fsync_directory
+from cfemu.private_files import open_private
+from sqm.log.format import LogCorruptError, LogFormatError, SegmentInfo, SegmentScan
+
+log = logging.getLogger("sqm.log")
+
+
+@dataclass(frozen=True)
+class MediaRecovery:
+    """One damaged active segment replaced by its archived copy."""
+
+    segment: int
+    path: Path
+    copy: Path
+    why: str
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def copy_verified(src: Path, dst: Path, segment: int, member: str, info: SegmentInfo) -> tuple[int, str]:
+    """Copy one sealed segment to dst (0600, fsynced, renamed into place, directory fsynced) and check the copy:
+    the same bytes, and every frame readable with the record count and LRSN range the manifest has. Returns the
+    bytes and the sha256 (hex) of the copy."""
+    tmp = dst.with_name(dst.name + ".tmp")
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()
+    digest = hashlib.sha256()
+    size = 0
+    with os.fdopen(open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb") as out, open(src, "rb") as f:
+        while chunk := f.read(1 << 20):
+            out.write(chunk)
+            digest.update(chunk)
+            size += len(chunk)
+        out.flush()
+        os.fsync(out.fileno())
+    if file_digest(tmp) != digest.hexdigest():
+        tmp.unlink()
+        raise LogFormatError(f"{dst}: the archived copy of segment {segment} does not read back as the bytes of "
+                             f"{src}: not archived")
+    try:
+        scan = SegmentScan(tmp, segment, member, is_last=False).run().info()
+    except LogCorruptError as e:
+        # The copy holds the segment's own bytes (checked above): the damage is in the segment, and the error
+        # names it, not the temporary copy that is removed here.
+        tmp.unlink()
+        raise LogCorruptError(src, e.offset, e.what) from None
+    if (scan.records, scan.min_lrsn, scan.max_lrsn) != (info.records, info.min_lrsn, info.max_lrsn):
+        tmp.unlink()
+        raise LogFormatError(f"{dst}: the archived copy of segment {segment} does not read back as the segment "
+                             f"({scan.records} records, LRSN {scan.min_lrsn}..{scan.max_lrsn}; the log has "
+                             f"{info.records}, {info.min_lrsn}..{info.max_lrsn}): not archived")
+    os.replace(tmp, dst)
+    fsync_directory(dst.parent)
+    return size, digest.hexdigest()
+
+
+def _damage(path: Path, digest: str) -> str:
+    """Why the active segment at path is not the copy's bytes ("" when it is)."""
+    try:
+        return "" if file_digest(path) == digest else "its bytes differ from the archived copy's"
+    except OSError as e:
+        return f"it cannot be read ({e.strerror or e})"
+
+
+def repair_damaged(directory: Path, member: str, sealed: list[tuple[int, Path]],
+                   copies: list[dict[str, Any]]) -> list[MediaRecovery]:
+    """Media recovery at open: each sealed active segment with an archived copy whose bytes differ from the copy's
+    digest is replaced by the copy (checked first). A damaged segment whose copy is missing or damaged too fails
+    the open (LogCorruptError), naming both: restart must not read a log with a hole."""
+    by_segment = {int(c["segment"]): c for c in copies}
+    done = []
+    for segno, path in sealed:
+        entry = by_segment.get(segno)
+        if entry is None:
+            continue
+        why = _damage(path, str(entry["sha256"]))
+        if not why:
+            continue
+        copy = Path(entry["path"])
+        bad_copy = _damage(copy, str(entry["sha256"])) if copy.is_file() else "it is missing"
+        if bad_copy:
+            raise LogCorruptError(path, 0, f"segment {segno} of {member} is damaged ({why}) and its archived copy "
+                                           f"{copy} cannot replace it ({bad_copy})")
+        tmp = path.with_name(path.name + ".media")
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        with os.fdopen(open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb") as out, \
+                open(copy, "rb") as f:
+            while chunk := f.read(1 << 20):
+                out.write(chunk)
+            out.flush()
+            os.fsync(out.fileno())
+        if file_digest(tmp) != entry["sha256"]:
+            tmp.unlink()
+            raise LogCorruptError(path, 0, f"segment {segno} of {member} is damaged ({why}) and restoring it from "
+                                           f"{copy} did not read back")
+        os.replace(tmp, path)
+        fsync_directory(directory)
+        log.warning("%s: media recovery: log segment %d (%s) was damaged (%s); restored from its archived copy %s",
+                    member, segno, path, why, copy)
+        done.append(MediaRecovery(segno, path, copy, why))
+    return done
+
+
+__all__ = ["MediaRecovery", "copy_verified", "file_digest", "repair_damaged"]
