@@ -79,6 +79,10 @@ class QueueManager(Outcomes, LogSpace):
         self.uows: dict[str, UnitOfWork] = {}
         self.uow_lock = threading.RLock()
         self.pending: dict[str, Callable[[], None]] = {}  # durable work the CF has not seen yet, retried
+        self._ended_fused: dict[str, list[str]] = {}  # Outcomes: tombstones the CF may drop
+        # The generation of each structure, as this member's last persistent put outside syncpoint there learnt it:
+        # a put committed in one CF operation names it in its records (Connection._put_committed).
+        self.known_gens: dict[str, int] = {}
         self._refused_retries: set[str] = set()  # pending UOWs whose retry was refused (warned once: retry_pending)
         self.fenced = False
         self.log_failed = ""  # why the log cannot be written, once it cannot
