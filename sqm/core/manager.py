@@ -2,8 +2,9 @@
 
 Puts and gets inside a UOW run on the CF first and are then logged (not forced) with the LRSN the CF script
 returned. Commit and backout are logged and forced first (the log decides the outcome), then applied on the CF.
-A persistent put outside syncpoint is a UOW of its own (PUT, then a forced COMMIT). Non-persistent work is never
-logged. The application's handle (MQCONN) is sqm.core.connection.Connection.
+A persistent put outside syncpoint is a UOW of its own (its PUT and a forced COMMIT logged first, then one CF call:
+put_committed). Non-persistent work is never logged. The application's handle (MQCONN) is
+sqm.core.connection.Connection.
 """
 
 from __future__ import annotations
