@@ -15,6 +15,12 @@ With `--baseline DIR` (a copy of an older cfemu/scripts/), the same batches run 
 redis-server of their own, in rounds interleaved with the current scripts' (the machine's load falls on both
 alike); the ratio current / baseline is shown per step. Figures are the median over the rounds.
 
+The fused lifecycle (scripts that have put_committed.lua and get_committed.lua): a persistent put outside
+syncpoint and its commit in one call (put_committed), and a get that carries the commit of the get before it
+(get_committed): two scripts per message. It is set against the lifecycle outside syncpoint as the member made it
+before (put.lua, commit.lua, get.lua, commit.lua: the lifecycle above without its standing.lua calls, which a put
+or get outside syncpoint does not make) of the baseline's scripts, or of the current ones without a baseline.
+
     .venv/bin/python bench/bench_cf_scripts.py [--baseline /tmp/old/scripts] [--rounds 9] [--batch 300]
 
 Appends one JSON line to bench/results/cf_scripts.jsonl.
@@ -39,13 +45,15 @@ sys.path.insert(0, str(ROOT))
 
 from cfemu import lua  # noqa: E402
 from cfemu.admin import Admin  # noqa: E402
-from cfemu.cf import CF, Caller, Structure  # noqa: E402
+from cfemu.cf import CF, Caller, CarriedCommit, Structure  # noqa: E402
 from cfemu.embedded import EmbeddedRedis  # noqa: E402
 from cfemu.entry import Entry  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "cf_scripts.jsonl"
 BODY = b"x" * 1024
 STEPS = ["put", "standing(put)", "commit(put)", "get", "standing(get)", "commit(get)"]
+FUSED_STEPS = ["put_committed", "get_committed"]
+OUTSIDE_SYNCPOINT = ["put", "commit(put)", "get", "commit(get)"]  # STEPS a member makes outside syncpoint
 # The longest message the caller can take (sqm passes one with every get).
 MAX_LENGTH = 4 * 1024 * 1024
 
@@ -88,6 +96,8 @@ class Variant:
         self.s: Structure = cf.structure("APP1")
         self.caller = Caller("QM1", admin.join("QM1", {}, lease_ms=3_600_000), Clock())
         self.n = 0
+        self.fused = "put_committed" in cf._scripts and "get_committed" in cf._scripts
+        self.carried: list[CarriedCommit] = []  # the commit of the last fused get, for the next one to carry
 
     def close(self) -> None:
         self.client.close()
@@ -133,6 +143,27 @@ class Variant:
         self.put_commit(mark)
         self.get_commit(mark)
 
+    def put_committed(self) -> None:
+        uow = self._uow()
+        e = Entry(id=os.urandom(12).hex(), queue=self.queue, msgid=os.urandom(24).hex(),
+                  put_time=int(time.time() * 1000))
+        put_lrsn = self.caller.clock.now()
+        self.s.put_committed(self.caller, e, BODY, uow=uow, gen=1, put_lrsn=put_lrsn, lrsn=self.caller.clock.now())
+
+    def get_committed(self) -> None:
+        uow = self._uow()
+        r = self.s.get_committed(self.caller, self.queue, uow=uow, gen=0, now_ms=int(time.time() * 1000),
+                                 max_length=MAX_LENGTH, commits=self.carried)
+        assert r.got is not None and r.got.entry is not None, "the queue is empty"
+        assert all(c is None for c in r.commits), r.commits
+        self.carried = [CarriedCommit(uow, r.got.gen, self.caller.clock.now())]  # its COMMIT, forced
+
+    def fused_lifecycle(self, mark: Any = None) -> None:
+        self.put_committed()
+        mark and mark("put_committed")
+        self.get_committed()
+        mark and mark("get_committed")
+
 
 def cpu_ns(pid: int) -> int:
     """The process's time on a CPU so far (ns)."""
@@ -154,6 +185,8 @@ def command_counts(client: Any, v: Variant) -> dict[str, int]:
         counts[step] = now - last[0]
         last[0] = total()
     v.lifecycle(mark)
+    if v.fused:
+        v.fused_lifecycle(mark)
     return counts
 
 
@@ -179,6 +212,9 @@ def step_batches(v: Variant, batch: int) -> dict[str, float]:
     timed("get", get)
     timed("standing(get)", lambda i: v.s.standing(v.caller, gets[i][0], gen=gets[i][1]))
     timed("commit(get)", lambda i: v.s.commit(v.caller, gets[i][0], gen=gets[i][1], lrsn=v.caller.clock.now()))
+    if v.fused:
+        timed("put_committed", lambda i: v.put_committed())
+        timed("get_committed", lambda i: v.get_committed())
     return out
 
 
@@ -196,12 +232,22 @@ def run_shape(variants: list[Variant], depth: int, rounds: int, batch: int) -> d
         per_step = {step: statistics.median(us) for step, us in cpu[v.name].items()}
         out[v.name] = {
             "cpu_us": per_step,
-            "cpu_us_per_lifecycle": sum(per_step.values()),
+            "cpu_us_per_lifecycle": sum(per_step[s] for s in STEPS),
             "cpu_us_lifecycle_rounds": [sum(cpu[v.name][s][r] for s in STEPS) for r in range(rounds)],
             "commands": counts[v.name],
-            "commands_per_lifecycle": sum(counts[v.name].values()),
+            "commands_per_lifecycle": sum(counts[v.name][s] for s in STEPS),
+            "outside_syncpoint": {
+                "cpu_us_rounds": [sum(cpu[v.name][s][r] for s in OUTSIDE_SYNCPOINT) for r in range(rounds)],
+                "commands": sum(counts[v.name][s] for s in OUTSIDE_SYNCPOINT), "scripts": len(OUTSIDE_SYNCPOINT)},
         }
-    for v in variants:  # empty the queues for the next shape
+        if v.fused:
+            out[v.name]["fused"] = {
+                "cpu_us_rounds": [sum(cpu[v.name][s][r] for s in FUSED_STEPS) for r in range(rounds)],
+                "commands": sum(counts[v.name][s] for s in FUSED_STEPS), "scripts": len(FUSED_STEPS)}
+    for v in variants:  # empty the queues for the next shape (and apply the last fused get's commit)
+        for c in v.carried:
+            v.s.commit(v.caller, c.uow, gen=c.gen, lrsn=c.lrsn)
+        v.carried = []
         for _ in range(depth):
             v.get_commit()
     return out
@@ -246,6 +292,20 @@ def main() -> None:
             rr = [c / b for b, c in zip(res[names[0]]["cpu_us_lifecycle_rounds"],
                                         res[names[1]]["cpu_us_lifecycle_rounds"], strict=True)]
             print(f"lifecycle ratio per round: min {min(rr):.2f} median {statistics.median(rr):.2f} max {max(rr):.2f}")
+        fused = [n for n in names if "fused" in res[n]]
+        for step in FUSED_STEPS if fused else ():
+            cells = [f"{res[n]['cpu_us'][step]:>10.1f} ({res[n]['commands'][step]:>3})" if n in fused else "-"
+                     for n in names]
+            print(f"{step:16}" + "".join(f"{c:>18}" for c in cells))
+        if fused:
+            f = fused[-1]
+            old = res[names[0]]["outside_syncpoint"]
+            rr = [a / b for a, b in zip(res[f]["fused"]["cpu_us_rounds"], old["cpu_us_rounds"], strict=True)]
+            print(f"outside syncpoint, {names[0]} put+commit+get+commit ({old['scripts']} scripts) "
+                  f"{statistics.median(old['cpu_us_rounds']):.1f} µs ({old['commands']}) -> {f} put_committed+"
+                  f"get_committed ({res[f]['fused']['scripts']}) {statistics.median(res[f]['fused']['cpu_us_rounds']):.1f}"
+                  f" µs ({res[f]['fused']['commands']}); ratio per round: min {min(rr):.2f} median "
+                  f"{statistics.median(rr):.2f} max {max(rr):.2f}")
     print(f"\nload {load:.1f} -> {result['load_after']:.1f}")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     with RESULTS.open("a") as f:

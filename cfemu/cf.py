@@ -206,6 +206,24 @@ class GetReply(NamedTuple):
     again: bool = False  # the call's step ran out among expired messages: it took nothing, call again
 
 
+class CarriedCommit(NamedTuple):
+    """The commit of an earlier get, carried by get_committed (its COMMIT record forced): commit.lua's arguments."""
+
+    uow: str
+    gen: int  # the generation the UOW started in on the structure
+    lrsn: int  # the COMMIT record's LRSN
+    at: int = 0  # the LRSN the commit counts at (0: lrsn)
+
+
+class GetCommittedReply(NamedTuple):
+    """What get_committed did: the get, and per commit carried (in order) None when it was applied, else the error
+    commit.lua gave (FloorError: log it again) or a StructureFailedError saying it was begun and needs commit()."""
+
+    got: GetReply | None  # None when the get was refused: error says why
+    error: MQError | None
+    commits: list[MQError | None]
+
+
 class OutcomeReply(NamedTuple):
     """What a commit or a backout did to the entries the UOW held on the structure."""
 
@@ -320,6 +338,22 @@ def _pairs(flat: list[Any]) -> list[tuple[Entry, bytes]]:
     return [(Entry.unpack(flat[i]), flat[i + 1] or b"") for i in range(0, len(flat), 2)]
 
 
+def _descriptor(entry: Entry) -> bytes:
+    """The descriptor a put hands the CF (msgpack; the script adds the fields the CF keeps)."""
+    return msgpack.packb({"p": entry.priority, "per": 1 if entry.persistent else 0, "mid": entry.msgid,
+                          "cid": entry.correlid, "exp": entry.expiry, "pt": entry.put_time,
+                          "bc": entry.backout_count, "pr": entry.properties}, use_bin_type=False)
+
+
+def _carried_error(reply: str, structure: str, uow: str) -> MQError:
+    """A carried commit not applied in full by get_committed: its refusal, or (MORE) a commit begun and too large
+    for one call, to be finished by commit()."""
+    if reply == "MORE":
+        return StructureFailedError(f"structure {structure}: the commit of unit of work {uow} was begun and needs "
+                                    "more calls")
+    return from_script_error(reply, structure)
+
+
 class Structure:
     """One CF list structure (e.g. APP1): its queues, entries and state."""
 
@@ -338,11 +372,8 @@ class Structure:
     def put_call(self, caller: Caller, entry: Entry, data: bytes, *, uow: str = "",
                  gen: int = 0) -> tuple[str, str, list[Any]]:
         """The put as a call for CF.run_many (op, structure, args); its reply read by put_reply."""
-        desc = msgpack.packb({"p": entry.priority, "per": 1 if entry.persistent else 0, "mid": entry.msgid,
-                              "cid": entry.correlid, "exp": entry.expiry, "pt": entry.put_time,
-                              "bc": entry.backout_count, "pr": entry.properties}, use_bin_type=False)
         return "put", self.name, [caller.member, caller.epoch, caller.clock.now(), uow, gen, entry.id, entry.queue,
-                                  desc, data]
+                                  _descriptor(entry), data]
 
     @staticmethod
     def put_reply(caller: Caller, out: Any) -> PutReply:
@@ -378,6 +409,38 @@ class Structure:
         if len(out) == 3:
             return GetReply(int(out[0]), int(out[1]), None, None, again=True)
         return GetReply(int(out[0]), int(out[1]), Entry.unpack(out[2]), out[3] or b"")
+
+    def put_committed(self, caller: Caller, entry: Entry, data: bytes, *, uow: str, gen: int, put_lrsn: int,
+                      lrsn: int, at: int = 0, redo: bool = False, forget: Iterable[str] = ()) -> PutReply:
+        """A persistent put and its commit in one call (put_committed.lua), after its PUT record (``put_lrsn``) and
+        forced COMMIT (``lrsn``, counting at ``at``) of its own UOW ``uow``, which name generation ``gen`` of the
+        structure. ``redo``: peer recovery or a restart completing it from the log (no refusal for capacity or the
+        persistent store). ``forget``: UOWs of this caller's earlier calls whose END records are on disk.
+        ``created`` is False when the put was applied already (by an earlier call, or a redo)."""
+        out = self._call("put_committed", caller, [uow, gen, entry.id, entry.queue, _descriptor(entry), data,
+                                                   put_lrsn, lrsn, at, 1 if redo else 0, " ".join(forget)])
+        return self.put_reply(caller, out)
+
+    def get_committed(self, caller: Caller, queue: str, *, uow: str, gen: int = 0, match: str = "",
+                      value: str = "", now_ms: int, max_length: int = 0, step: int = CF_STEP,
+                      commits: Sequence[CarriedCommit] = ()) -> GetCommittedReply:
+        """Apply the commits of earlier gets (their COMMIT records forced), then take the next message under
+        ``uow`` as get does (get_committed.lua): a lifecycle of gets in one call per message. A get answered
+        ``again`` (its step ran out among expired messages) is made again, with no commits left to carry."""
+        carried = [x for c in commits for x in (c.uow, c.gen, c.lrsn, c.at)]
+        done: list[MQError | None] = []
+        while True:
+            out = self._call("get_committed", caller, [uow, gen, queue, match, value, now_ms, max_length, step,
+                                                       *carried])
+            if not done:
+                done = [None if keys.text(r) == "OK" else _carried_error(keys.text(r), self.name, c.uow)
+                        for r, c in zip(out[0], commits, strict=True)]
+            carried = []
+            if not isinstance(out[1], list):
+                return GetCommittedReply(None, from_script_error(keys.text(out[1]), self.name), done)
+            got = self.get_reply(caller, out[1])
+            if not got.again:
+                return GetCommittedReply(got, None, done)
 
     def browse(self, queue: str, limit: int, now_ms: int, *, max_bytes: int = 0,
                each: int = 0) -> Browsed[tuple[Entry, bytes]]:

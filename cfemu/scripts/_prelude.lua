@@ -8,8 +8,9 @@
 --   KEYS[3] {S}:ent     hash  entry id -> msgpack descriptor
 --   KEYS[4] {S}:data    hash  entry id -> message data
 --   KEYS[5] {S}:uows    hash  uow id -> msgpack {o = owner member, f = first lrsn, g = gen}
---   KEYS[6] {S}:tomb    hash  uow id -> 'C' | 'B' (an outcome decided by peer recovery or restore), or 'P' (the
---                             UOW's work on this structure was discarded by a purge: its outcome is not decided)
+--   KEYS[6] {S}:tomb    hash  uow id -> 'C' | 'B' (an outcome decided by peer recovery or restore), 'P' (the
+--                             UOW's work on this structure was discarded by a purge: its outcome is not decided),
+--                             or 'A' (a put committed in one operation was applied: put_committed.lua)
 --   KEYS[7] {S}:queues  set   queue names defined on the structure
 --   KEYS[8] {S}:expiry  zset  entry id scored by expiry time (ms)
 -- Per-queue lists are derived from the tag (same slot): {S}:q:<queue>:up|ug|ex|cp:<0-9>,
@@ -24,26 +25,26 @@ local function qkey(queue, suffix) return PREFIX .. 'q:' .. queue .. ':' .. suff
 local function uowkey(uow) return PREFIX .. 'uow:' .. uow end
 local function ixkey(queue, kind, value) return PREFIX .. 'ix:' .. queue .. ':' .. kind .. ':' .. value end
 
--- What a call reads of the structure, it reads once: header fields a group at a time (one HMGET, at the first use
--- of one of the group), a UOW's record and tombstone, an entry's descriptor at their first use. Each is kept in step
--- with the call's own writes, so every write of them goes through the helpers here (meta_set / meta_del, join_uow,
--- uow_write, outcome_done, tomb_del, store, delete_entry), and a table they return is the value as this call sees
--- it: change it only to write it. A script may read or write other header fields itself.
+-- What a call reads of the structure, it reads once: the whole header in one HMGET at the first use of any of its
+-- fields (HEADER: every field a script reads through meta()), a UOW's record and tombstone, an entry's descriptor
+-- at their first use. Each is kept in step with the call's own writes, so every write of them goes through the
+-- helpers here (meta_set / meta_del, join_uow, uow_write, outcome_done, tomb_del, store, delete_entry), and a table
+-- they return is the value as this call sees it: change it only to write it. A script may read or write other
+-- header fields itself.
 local H = {}  -- field -> value (false: absent), once read
 local function meta(field)
   local v = H[field]
   if v == nil then
-    local g  -- the field's group (tables built here, not at every call: a call runs the whole prelude it is given)
-    if field == 'entries' or field == 'bytes' or field == 'max_entries' or field == 'max_bytes' then
-      g = {'entries', 'bytes', 'max_entries', 'max_bytes'}  -- where entries come or go
-    elseif field == 'backup' or field == 'backup_until' then
-      g = {'backup', 'backup_until'}
-    else
-      g = {'state', 'gen', 'clock', 'floor', 'pstore', 'nonew'}  -- what most calls of a member's script read
-    end
-    local r = redis.call('HMGET', META, unpack(g))
-    for i, f in ipairs(g) do if H[f] == nil then H[f] = r[i] end end
+    -- The table is built here, not at every call: a call runs the whole prelude it is given.
+    local fields = {'state', 'gen', 'clock', 'floor', 'pstore', 'nonew', 'entries', 'bytes', 'max_entries',
+      'max_bytes', 'backup', 'backup_until'}
+    local r = redis.call('HMGET', META, unpack(fields))
+    for i, f in ipairs(fields) do if H[f] == nil then H[f] = r[i] end end
     v = H[field]
+    if v == nil then  -- a field outside the header's usual set
+      v = redis.call('HGET', META, field)
+      H[field] = v
+    end
   end
   return v
 end
@@ -118,6 +119,28 @@ local function below_low_water()
 end
 local function relieve()
   if below_low_water() then meta_del('nonew') end
+end
+
+-- Whether a new message of `bytes` may enter (put.lua, put_committed.lua): nil, or the refusal. NONEW while the
+-- structure takes no new units of work, FULL past a limit (which sets the "no new units of work" state when the
+-- structure, without this message, is above its low-water mark). exempt (optional): a function telling whether
+-- this put is a replacement (put.lua), which neither refuses; asked only where a limit or that state could refuse.
+local function admit(bytes, exempt)
+  local nonew = meta('nonew')
+  if nonew == 'FULL' and below_low_water() then  -- capacity's state ends at the mark (a header from before the rule)
+    meta_del('nonew')
+    nonew = nil
+  end
+  if exempt and (nonew or meta('max_entries') ~= '0' or meta('max_bytes') ~= '0') and exempt() then return nil end
+  if nonew then
+    return redis.error_reply('NONEW the structure takes no new units of work (' .. (nonew == 'FULL' and
+      'it reached its capacity' or 'set by an operator') .. '): only consuming work is allowed')
+  end
+  local err = capacity_check(1, bytes)
+  if err and not below_low_water() then  -- full because the structure is, not because this one message is too big
+    meta_set('nonew', 'FULL')
+  end
+  return err
 end
 
 local function account(entries, bytes)
@@ -212,6 +235,7 @@ local function uow_standing(uow, gen)
   local t = tomb(uow)
   if t == 'B' then return redis.error_reply('BACKEDOUT unit of work ' .. uow .. ' was backed out by recovery') end
   if t == 'C' then return redis.error_reply('COMPLETED unit of work ' .. uow .. ' was committed by recovery') end
+  if t == 'A' then return redis.error_reply('COMPLETED unit of work ' .. uow .. ' was put and committed') end
   if t == 'P' then
     return redis.error_reply('BACKEDOUT unit of work ' .. uow .. ': its work on this structure was purged')
   end
@@ -591,4 +615,140 @@ local function budget_of(arg)
   local b = tonumber(arg or '0') or 0
   if b <= 0 then return math.huge end
   return b
+end
+
+-- A commit's call (commit.lua; get_committed.lua applies the commits it carries): `a` as commit.lua's ARGV.
+local function commit_call(a)
+  local uow = a[4]
+  local lrsn = tonumber(a[6])
+  local at = tonumber(a[8] or '0')
+  local budget = budget_of(a[10])
+  local err
+  local rec = uow_record(uow)
+  if rec and rec.s then  -- an outcome begun in steps: finish it, whoever calls
+    err = check_state() if err then return err end
+    if rec.s == 'B' then return redis.error_reply('BACKEDOUT unit of work ' .. uow .. ' is being backed out') end
+    if lrsn > 0 then err = floor_check(lrsn) if err then return err end end
+    local cf = tick(math.max(tonumber(a[3]), lrsn))
+    local r = outcome_step(uow, rec, budget, true, a[7] == '1')
+    return {cf, r[1], r[2], r[3]}
+  end
+  if a[9] == '1' then  -- the commit this caller began is finished here
+    err = check_state() if err then return err end
+    if tomb(uow) == 'C' and not carried_over(a[5]) then tomb_del(uow) end
+    return {tick(a[3]), 0, 0, 0}
+  end
+  err = check_ready(a[1], a[2]) if err then return err end
+  local t = tomb(uow)
+  if t == 'B' then return redis.error_reply('BACKEDOUT unit of work ' .. uow .. ' was backed out by recovery') end
+  if t == 'C' then
+    if not carried_over(a[5]) then tomb_del(uow) end
+    return {tick(a[3]), 0, 0, 0}
+  end
+  -- A purge discarded its work here, or the UOW is a put committed in one operation (put_committed.lua), applied:
+  -- the outcome stands.
+  if t == 'P' or t == 'A' then return {tick(a[3]), 0, 0, 0} end
+  if lrsn > 0 then err = floor_check(lrsn) if err then return err end end
+  err = uow_standing(uow, a[5]) if err then return err end
+  local carried = carried_over(a[5]) and uow_raw(uow) ~= false
+  local cf = tick(math.max(tonumber(a[3]), lrsn))
+  if lrsn == 0 then lrsn = cf end
+  if at == 0 then at = lrsn end
+  local r = outcome_begin(uow, 'C', at, carried, budget, true, a[7] == '1')
+  return {cf, r[1], r[2], r[3]}
+end
+
+-- A get's call (get.lua, get_committed.lua): `a` as get.lua's ARGV; returns as get.lua.
+local function take(a)
+  local err = check_ready(a[1], a[2]) if err then return err end
+  local queue, uow, match, value = a[6], a[4], a[7], a[8]
+  local now = tonumber(a[9])
+  local max_length = tonumber(a[10] or '0') or 0
+  local budget = budget_of(a[11])
+  if redis.call('SISMEMBER', QUEUES, queue) == 0 then return redis.error_reply('NOQUEUE ' .. queue) end
+  err = uow_standing(uow, a[5]) if err then return err end
+  err = uow_owner_check(uow, a[1]) if err then return err end
+
+  local function expire(d)
+    d.st = 'EX'
+    store(d)
+    redis.call('RPUSH', qkey(queue, 'ex'), d.id)
+  end
+  local function live(d) return not (d.exp and d.exp > 0 and d.exp <= now) end
+
+  -- The highest priority at or below `top` whose list holds an entry (Redis deletes an empty list), and its list; nil
+  -- when there is none. EXISTS counts the lists that exist among those it is given: one over all of them, one over
+  -- all but the lowest (priority 0, the usual one), then a binary search over the rest.
+  local function highest(top)
+    local ks = {}
+    for p = top, 0, -1 do ks[#ks + 1] = qkey(queue, 'cp:' .. p) end
+    if redis.call('EXISTS', unpack(ks)) == 0 then return nil end
+    local lo, hi = 1, #ks
+    if hi > 1 then
+      if redis.call('EXISTS', unpack(ks, 1, hi - 1)) == 0 then lo = hi else hi = hi - 1 end
+    end
+    while lo < hi do
+      local mid = math.floor((lo + hi) / 2)
+      if redis.call('EXISTS', unpack(ks, lo, mid)) > 0 then hi = mid else lo = mid + 1 end
+    end
+    return top - lo + 1, ks[lo]
+  end
+
+  -- Find the message without taking it: the head of the highest non-empty priority list, or the best match.
+  -- The match's index holds only the messages with that id: its walk is bounded by them, not by the queue.
+  local found, head_of
+  local used, again = 0, false  -- expired messages moved from the heads; the step ran out before a live one
+  if match == '' then
+    local top = 9
+    while not found and not again and top >= 0 do
+      local p, k = highest(top)
+      if not p then break end
+      while true do
+        local id = redis.call('LINDEX', k, 0)
+        if not id then break end
+        local d = load(id)
+        if d and live(d) then found, head_of = d, k break end
+        if used >= budget then again = true break end
+        used = used + 1
+        redis.call('LPOP', k)
+        if d then expire(d) end
+      end
+      top = p - 1
+    end
+  else
+    for _, id in ipairs(redis.call('SMEMBERS', ixkey(queue, match, value))) do
+      local d = load(id)
+      if d and d.st == 'CP' then
+        if not live(d) then
+          redis.call('LREM', qkey(queue, 'cp:' .. d.p), 1, id)
+          expire(d)
+        elseif not found or d.p > found.p or (d.p == found.p and before(d, found)) then
+          found = d
+        end
+      end
+    end
+  end
+
+  if again then return {tonumber(meta('clock') or '0'), cur_gen(), 1} end
+  if found and found.per == 1 and disconnected() then
+    return pstore_refusal('message ' .. found.id .. ' on ' .. queue .. ' is persistent and cannot be taken')
+  end
+  if found and max_length > 0 then
+    local length = carried_length(found.id)
+    if length > max_length then return too_long_reply(found.id, length, max_length) end
+  end
+
+  local cf = tick(a[3])
+  if not found then return {cf, cur_gen()} end
+  join_uow(uow, a[1], cf)  -- cannot refuse: the owner was checked above
+  if head_of then
+    redis.call('LPOP', head_of)  -- found is that list's head
+  else
+    redis.call('LREM', qkey(queue, 'cp:' .. found.p), 1, found.id)
+  end
+  found.st = 'UG'; found.u = uow; found.l = cf
+  local desc = store(found)
+  redis.call('RPUSH', qkey(queue, 'ug'), found.id)
+  redis.call('SADD', uowkey(uow), found.id)
+  return {cf, cur_gen(), desc, redis.call('HGET', DATA, found.id)}
 end

@@ -49,6 +49,7 @@ if t == 'B' then
 end
 if t == 'P' then return {tick(ARGV[3]), 0, 0, 0} end  -- a purge discarded its work here: nothing to undo
 if t == 'C' then return redis.error_reply('COMPLETED unit of work ' .. uow .. ' was committed by recovery') end
+if t == 'A' then return redis.error_reply('COMPLETED unit of work ' .. uow .. ' was put and committed') end
 if lrsn > 0 then err = floor_check(lrsn) if err then return err end end
 if not has_data and backup_mark() and redis.call('SCARD', uowkey(uow)) <= budget then
   local _, gets = held_entries(uow)

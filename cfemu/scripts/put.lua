@@ -44,24 +44,7 @@ local function replacement()
   end
   return replaced < taken and #data <= longest + REPLACEMENT_SLACK
 end
-local nonew = meta('nonew')
-if nonew == 'FULL' and below_low_water() then  -- capacity's state ends at the mark (a header from before the rule)
-  meta_del('nonew')
-  nonew = nil
-end
-local replacing = (nonew or meta('max_entries') ~= '0' or meta('max_bytes') ~= '0') and replacement()
-if nonew and not replacing then
-  return redis.error_reply('NONEW the structure takes no new units of work (' .. (nonew == 'FULL' and
-    'it reached its capacity' or 'set by an operator') .. '): only consuming work is allowed')
-end
-if not replacing then
-  err = capacity_check(1, #data)
-  if err then
-    -- Full because the structure is full, not because this one message is too big for the room left.
-    if not nonew and not below_low_water() then meta_set('nonew', 'FULL') end
-    return err
-  end
-end
+err = admit(#data, replacement) if err then return err end
 
 d.id = id; d.q = queue; d.len = #data
 local cf = tick(ARGV[3])

@@ -36,6 +36,7 @@ from sqm.core.clock import LrsnClock, now_ms
 from sqm.core.config import QueueManagerConfig
 from sqm.core.failpoints import failpoint
 from sqm.core.messaging import UnitOfWorkScope
+from sqm.core.outcomes import PutRefusedError
 from sqm.core.records import INDOUBT, INFLIGHT, Record
 from sqm.core.uow import UnitOfWork
 from sqm.request_slots import nap
@@ -54,6 +55,10 @@ class QueueManagerPort(Protocol):
     def clock(self) -> LrsnClock: ...
     @property
     def counters(self) -> dict[str, int]: ...
+    @property
+    def known_gens(self) -> dict[str, int]: ...
+    @property
+    def uows(self) -> dict[str, UnitOfWork]: ...
     @property
     def config(self) -> QueueManagerConfig: ...
 
@@ -224,9 +229,14 @@ class Connection(UnitOfWorkScope):
                                               f"was lost ({e}): it may or may not be on the queue") from None
                 raise
             return
-        # A persistent put outside syncpoint is a unit of work of its own (PUT, then a forced COMMIT), so that
-        # every retry, peer recovery and restore treats it like any UOW. A log-first put with a retry by entry id
-        # would bring the message back if it were consumed between its application and the retry.
+        # A persistent put outside syncpoint is a unit of work of its own, so that every retry, peer recovery and
+        # restore treats it like any UOW: its PUT and forced COMMIT logged first, then one CF call that puts and
+        # commits (put_committed.lua, which keeps a tombstone so that a redo from the log cannot bring back the
+        # message once consumed). Where the member does not know the structure's generation yet (its records must
+        # name it), or the structure was restored since, the put goes to the CF first and is committed after.
+        gen = qm.known_gens.get(sname, 0)
+        if gen and self._put_committed(sname, gen, entry, body):
+            return
         own = qm.new_uow()
         try:
             self._put_entry(sname, entry, body, own)
@@ -237,6 +247,32 @@ class Connection(UnitOfWorkScope):
                 qm.forget(own)
             raise
         qm.complete(own, True, pstore_checked=True)  # put.lua refused it if the store was disconnected
+        qm.known_gens[sname] = own.structures.get(sname, 0)
+
+    def _put_committed(self, sname: str, gen: int, entry: Entry, body: bytes) -> bool:
+        """A persistent put outside syncpoint in one CF call after its records (Outcomes._redo_puts makes it). A
+        refusal of it is logged as a BACKOUT (a COMMIT followed by a BACKOUT is a commit the CF refused) and
+        raised; False when the structure was restored since (its generation is not ``gen``): logged backed out,
+        the put is to be made again the other way."""
+        qm = self.qm
+        own = qm.new_uow()
+        own.structures[sname] = gen
+        own.persistent = True
+        own.operations = 1
+        own.may_refuse = True
+        put_lrsn = qm.clock.now()
+        wire = entry.wire()
+        own.redo.append([sname, wire, body, put_lrsn])
+        qm.append(records.put(own.id, put_lrsn, structure=sname, gen=gen, entry=wire, data=body, redo=True))
+        try:
+            qm.complete(own, True, pstore_checked=True)  # put_committed.lua checks the persistent store
+        except BackedOutError:
+            qm.known_gens.pop(sname, None)
+            return False
+        except PutRefusedError as refused:  # the CF never had it
+            qm.complete(own, False, reason=f"the CF refused the put: {refused.error}")
+            raise refused.error from None
+        return True
 
     # --- get ----------------------------------------------------------------------------------------------
     def get(self, queue: str, *, syncpoint: bool = True, wait_ms: int = 0, msgid: bytes | None = None,

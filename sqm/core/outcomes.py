@@ -15,6 +15,7 @@ import redis
 
 from cfemu import keys
 from cfemu.cf import Caller, Structure
+from cfemu.entry import Entry
 from cfemu.errors import (
     BackedOutError,
     BackupActiveError,
@@ -23,8 +24,12 @@ from cfemu.errors import (
     FencedError,
     FloorError,
     MQError,
+    NoNewUowsError,
     OutcomeUnknownError,
+    PstoreUnavailableError,
     StructureFailedError,
+    StructureFullError,
+    UnknownObjectError,
 )
 from sqm.core import records
 from sqm.core.cfcall import CF_DOWN, reply_lost
@@ -36,6 +41,20 @@ from sqm.core.uow import UnitOfWork
 from sqm.log import RecordLog
 
 log = logging.getLogger("sqm")
+
+# What put_committed.lua refuses on the owner's first call only (a redo completes the logged decision).
+REFUSALS = (PstoreUnavailableError, NoNewUowsError, StructureFullError, UnknownObjectError)
+
+
+class PutRefusedError(Exception):
+    """The CF refused the owner's first call of a put committed in one CF operation (capacity, the persistent store,
+    an unknown queue): ``error`` says why. Its COMMIT is on disk: the owner logs the UOW backed out and the
+    application gets ``error`` (Connection._put_committed). Not an MQError: complete() lets it through, where a
+    structure failure would keep the outcome pending, to be completed."""
+
+    def __init__(self, error: MQError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 class Outcomes:
@@ -53,6 +72,10 @@ class Outcomes:
     store_report: StoreReport | None  # PSTORE-REPORT=YES (sqm.core.storereport)
     log_failed: str  # why the log cannot be written, once it cannot (QueueManager.log_failure)
     _refused_retries: set[str]
+    # Per structure, the UOWs of puts committed in one CF operation whose END this member has appended: once a
+    # later forced record has taken those ENDs to disk, no redo can come for them, and the next such put tells the
+    # CF to drop their tombstones (put_committed.lua).
+    _ended_fused: dict[str, list[str]]
 
     if TYPE_CHECKING:  # the queue manager's own (sqm.core.manager)
         def check_usable(self) -> None: ...
@@ -80,6 +103,10 @@ class Outcomes:
         carry = not commit and (recovering or self._backup_running(uow))
         if recovering and not uow.persistent and for_member is None and self._gets_data(uow, best_effort=True):
             uow.persistent = True  # its gets are persistent: the backout is logged, forced, like any other
+        if commit and uow.redo and for_member is None:
+            with self.uow_lock:  # the COMMIT forced below takes these ENDs to disk with it
+                for sname in {r[0] for r in uow.redo}:
+                    uow.forget.setdefault(sname, []).extend(self._ended_fused.pop(sname, ()))
         # The log cannot be written: a UOW still in flight (no outcome record begun) is backed out without a record.
         # Its log holds no outcome for it, so every recovery (restart, a peer, restore) backs it out as well: the
         # member acts only as its log on disk already decides (docs/pstore.md).
@@ -187,6 +214,10 @@ class Outcomes:
             self.store_report.outcome(uow, commit)
         if (uow.persistent or for_member is not None) and self.log is not None and not self.log_failed:
             self.append(records.end(uow.id, self.clock.now()))
+            if commit and uow.redo and for_member is None:  # a peer's redo keeps the tombstone for the owner
+                with self.uow_lock:
+                    for sname in {r[0] for r in uow.redo}:
+                        self._ended_fused.setdefault(sname, []).append(uow.id)
         self.pending.pop(uow.id, None)
         self.forget(uow)
 
@@ -215,7 +246,10 @@ class Outcomes:
         by_recovery = for_member is not None
         while True:
             try:
-                if commit:
+                if commit and any(r[0] == sname for r in uow.redo):
+                    # A put committed in one CF operation is the UOW's only work here: no commit.lua to call.
+                    self._redo_puts(uow, sname, lrsn, at)
+                elif commit:
                     self.cf_call(partial(s.commit, self.caller, uow.id, gen=gen, lrsn=lrsn, at=at,
                                           decided_by_recovery=by_recovery))
                 else:
@@ -224,9 +258,11 @@ class Outcomes:
                 return
             except FloorError as e:
                 # Our record sits below the recovery floor of a backup that started meanwhile: log afresh (the
-                # re-log still counts where the first record did).
+                # re-log still counts where the first record did; a put to redo is logged afresh before it).
                 self.counters["floor_retries"] += 1
                 self.clock.observe(e.floor)
+                if commit:
+                    self._relog_puts(uow, sname)
                 lrsn = self.log_decision(uow, commit, for_member=for_member, with_data=has_data)
             except BackupActiveError:
                 if self.log_failed:  # the gets' data cannot be logged: the backout waits for the backup to end
@@ -252,6 +288,48 @@ class Outcomes:
                                                "for the structure") from None
                 self._backed_out_by_recovery(uow, for_member)
                 raise
+
+    def _redo_puts(self, uow: UnitOfWork, sname: str, lrsn: int, at: int) -> None:
+        """The UOW's puts committed in one CF operation on this structure (put_committed.lua), from their records:
+        applied once, whoever calls (the CF keeps a tombstone for it). The owner's first call may be refused
+        (uow.may_refuse); any later one completes the logged decision. Each put counts after its own record."""
+        puts = [r for r in uow.redo if r[0] == sname]
+        if not puts:
+            return
+        s = self.structure(sname)
+        forget = uow.forget.pop(sname, [])
+        try:
+            for _, wire, data, put_lrsn in puts:
+                self.cf_call(partial(s.put_committed, self.caller, Entry.from_wire(wire), data, uow=uow.id,
+                                     gen=uow.structures[sname], put_lrsn=put_lrsn, lrsn=lrsn,
+                                     at=at if at > put_lrsn else put_lrsn + 1, redo=not uow.may_refuse,
+                                     forget=forget))
+                forget = []
+        except REFUSALS as e:
+            if forget:
+                with self.uow_lock:
+                    self._ended_fused.setdefault(sname, []).extend(forget)
+            refusable, uow.may_refuse = uow.may_refuse, False
+            if refusable:
+                raise PutRefusedError(e) from e
+            raise
+        except BaseException as e:
+            if forget:  # not told to the CF: the next such put tells it
+                with self.uow_lock:
+                    self._ended_fused.setdefault(sname, []).extend(forget)
+            if not isinstance(e, FloorError):  # logged afresh above the floor, the owner's call is made again
+                uow.may_refuse = False
+            raise
+        uow.may_refuse = False
+
+    def _relog_puts(self, uow: UnitOfWork, sname: str) -> None:
+        """A put to redo whose record lies below a backup's floor is logged afresh above it, so that a restore from
+        that backup finds it (the re-logged decision after it is forced with it)."""
+        for r in uow.redo:
+            if r[0] == sname:
+                r[3] = self.clock.now()
+                self.append(records.put(uow.id, r[3], structure=sname, gen=uow.structures[sname], entry=r[1],
+                                        data=r[2], redo=True))
 
     def _backed_out_by_recovery(self, uow: UnitOfWork, for_member: str | None) -> None:
         """A structure refused a commit: recovery (a peer, or restore after a CF loss) backed the UOW out there, or

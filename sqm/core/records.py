@@ -18,6 +18,8 @@ Records are msgpack maps with short keys (the on-disk format; old logs must keep
   rl {structure: relog pass} (checkpoint: the last complete relog pass of each structure, docs/log-management.md)
   b backup id   rf replay from (LRSN)   fl recovery floor (LRSN)   el end LRSN (a backup's, BACKUP)
   bk {structure: {b, l, rf}} (checkpoint: the last BACKUP record of each structure, carried forward)
+  c 1: a PUT of a put committed in one CF operation (logged before the CF call, with its COMMIT: restart and
+    peer recovery redo the put from the record when the UOW has no END)
 """
 
 from __future__ import annotations
@@ -77,7 +79,14 @@ class CountsAt(TypedDict, total=False):
     at: int
 
 
-class PutRecord(Logged):
+class RedoneFromLog(TypedDict, total=False):
+    """1 on the PUT of a put committed in one CF operation (put_committed.lua): logged first, with its COMMIT, so
+    the CF may never have seen it; a UOW found without its END has the put redone from this record."""
+
+    c: int
+
+
+class PutRecord(Logged, RedoneFromLog):
     k: Literal["PUT"]
     u: str
     s: str
@@ -188,9 +197,13 @@ def _record(fields: Mapping[str, Any]) -> Record:
     return cast(Record, fields)
 
 
-def put(uow: str, lrsn: int, *, structure: str, gen: int, entry: dict[str, Any], data: bytes) -> Record:
-    """A persistent put in a UOW, logged after the CF took it, at the LRSN the CF returned."""
+def put(uow: str, lrsn: int, *, structure: str, gen: int, entry: dict[str, Any], data: bytes,
+        redo: bool = False) -> Record:
+    """A persistent put in a UOW, logged after the CF took it, at the LRSN the CF returned; or (redo) a put committed
+    in one CF operation, logged before it with the member's LRSN (RedoneFromLog)."""
     rec: PutRecord = {"k": "PUT", "l": lrsn, "u": uow, "s": structure, "g": gen, "e": entry, "d": data}
+    if redo:
+        rec["c"] = 1
     return _record(rec)
 
 
@@ -312,7 +325,7 @@ def _on_structure(r: Record) -> str | None:
 def _put_desc(r: Record) -> str:
     e = r["e"]
     return (f"put {e['id']} on {r['s']}/{e['q']} prio {e['p']} {len(r.get('d', b''))}B"
-            + (f" uow {r['u']}" if r.get("u") else ""))
+            + (f" uow {r['u']}" if r.get("u") else "") + (" (committed in one CF operation)" if r.get("c") else ""))
 
 
 def _data_note(r: Record) -> str:

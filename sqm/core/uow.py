@@ -39,16 +39,29 @@ class UnitOfWork:
     applied: set[str] = field(default_factory=set)
     # What it created and deleted in the persistent store, reported if it commits (sqm.core.storereport).
     store_notes: list[dict[str, Any]] = field(default_factory=list)
+    # Puts committed in one CF operation (put_committed.lua), as their PUT records hold them: [structure, entry
+    # (wire form), data, put LRSN]. Logged before the CF call, so the commit of the UOW redoes them on the CF.
+    redo: list[list[Any]] = field(default_factory=list)
+    # The owner's first call of such a put, whose application waits for the answer: the CF may still refuse it
+    # (capacity, persistent store), and the owner then logs it backed out. Every later call completes it.
+    may_refuse: bool = False
+    # UOWs (by structure) whose put_committed tombstones the CF may drop: their END was on disk when this UOW's
+    # COMMIT was forced (Outcomes.complete).
+    forget: dict[str, list[str]] = field(default_factory=dict)
 
     def snapshot(self) -> dict[str, Any]:
-        return {"st": self.state, "ss": dict(self.structures), "x": self.xid, "dl": self.decided_lrsn,
+        snap = {"st": self.state, "ss": dict(self.structures), "x": self.xid, "dl": self.decided_lrsn,
                 "rl": self.record_lrsn, "p": self.persistent, "f": self.first_lrsn}
+        if self.redo:
+            snap["rd"] = [list(r) for r in self.redo]
+        return snap
 
     @classmethod
     def from_snapshot(cls, uow_id: str, owner: str, snap: dict[str, Any]) -> UnitOfWork:
         dl = int(snap.get("dl", 0))
         return cls(uow_id, owner, snap["st"], dict(snap.get("ss", {})), bool(snap.get("p", True)),
-                   snap.get("x", ""), dl, int(snap.get("rl", dl)), first_lrsn=int(snap.get("f", 0)))
+                   snap.get("x", ""), dl, int(snap.get("rl", dl)), first_lrsn=int(snap.get("f", 0)),
+                   redo=[list(r) for r in snap.get("rd", ())])
 
     def decide(self, state: str, record: Record) -> None:
         """Take the state a decision record leaves. A record of the decision already taken is a re-log of it (the
@@ -85,6 +98,8 @@ def rebuild_table(owner: str, checkpoint: Record | None, records: Iterable[Recor
         if kind.uow_state == DONE:
             del table[uid]
             continue
+        if rec.get("c"):  # a put committed in one CF operation: redone from the record
+            uow.redo.append([rec["s"], rec["e"], rec["d"], int(rec["l"])])
         if kind.uow_state == INFLIGHT and uow.state != INFLIGHT:
             continue  # a late-appended PUT/GET record never moves a UOW back to in-flight
         if kind.uow_state == INDOUBT:

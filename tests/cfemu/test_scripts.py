@@ -18,7 +18,7 @@ import pytest
 
 from cfemu import keys, lua
 from cfemu.admin import Admin
-from cfemu.cf import CF, Caller, OutcomeReply, Structure
+from cfemu.cf import CF, Caller, CarriedCommit, OutcomeReply, Structure
 from cfemu.connection import connect
 from cfemu.entry import Entry
 from cfemu.errors import (
@@ -240,6 +240,90 @@ class TestPut:
             s.put(qm1, entry("e1"), b"x", uow="UP", gen=7)
 
 
+class TestPutCommitted:
+    """A persistent put outside syncpoint and its commit in one call, after its PUT and COMMIT records."""
+
+    def test_the_message_is_available_at_once_in_the_order_of_its_records(self, s: Structure, qm1: Caller) -> None:
+        s.put(qm1, entry("before"), b"x", uow="U0")
+        s.commit(qm1, "U0", gen=1, lrsn=400)  # counts at 400
+        reply = s.put_committed(qm1, entry("e1", msgid="0b", correlid="0a", expiry=LONG), b"data", uow="U1", gen=1,
+                                put_lrsn=300, lrsn=350)
+        assert reply.created and reply.gen == 1 and reply.clock > 350 and qm1.clock.now() > reply.clock
+        # Its commit counts at 350, before U0's at 400: it comes first, as restore's fold places it.
+        assert [(e.id, e.state, e.uow, e.lrsn, e.order) for e, _ in s.browse(Q, 10, NOW)] == [
+            ("e1", "CP", "", 350, (350, 300)), ("before", "CP", "", 400, (400, 2))]
+        r = s.cf.redis
+        assert r.sismember(keys.index_set(S, Q, "c", "0a"), "e1") and r.sismember(keys.index_set(S, Q, "m", "0b"), "e1")
+        assert r.zscore(keys.expiry(S), "e1") == LONG
+        assert held_uows(s) == set() and s.info()["entries"] == "2" and tombstone(s, "U1") == "A"
+
+    def test_a_redo_cannot_bring_back_a_consumed_message(self, admin: Admin, s: Structure, qm1: Caller) -> None:
+        s.put_committed(qm1, entry("e1"), b"x", uow="U1", gen=1, put_lrsn=10, lrsn=11)
+        again = s.put_committed(qm1, entry("e1"), b"x", uow="U1", gen=1, put_lrsn=10, lrsn=11)  # still there
+        assert not again.created and s.info()["entries"] == "1"
+        assert available(s, qm1, "G1") == ["e1"]
+        s.commit(qm1, "G1", gen=1, lrsn=500)  # consumed
+        peer = join(admin, "QM2")  # peer recovery finds U1's COMMIT without an END and redoes it
+        redo = s.put_committed(peer, entry("e1"), b"x", uow="U1", gen=1, put_lrsn=10, lrsn=11, redo=True)
+        assert not redo.created and s.browse(Q, 10, NOW) == [] and s.info()["entries"] == "0"
+
+    def test_the_owner_forgets_the_tombstones_of_uows_whose_end_is_on_disk(self, s: Structure, qm1: Caller) -> None:
+        s.put_committed(qm1, entry("e1"), b"x", uow="U1", gen=1, put_lrsn=10, lrsn=11)
+        s.cf.redis.hset(keys.tomb(S), "UC", "C")
+        s.put_committed(qm1, entry("e2"), b"x", uow="U2", gen=1, put_lrsn=20, lrsn=21, forget=["U1", "UC"])
+        assert tombstone(s, "U1") is None and tombstone(s, "U2") == "A"
+        assert tombstone(s, "UC") == "C"  # only its own kind goes: another outcome's tombstone stays for its owner
+
+    def test_other_outcomes_of_an_applied_put_are_no_ops_or_refused(self, s: Structure, qm1: Caller) -> None:
+        s.put_committed(qm1, entry("e1"), b"x", uow="U1", gen=1, put_lrsn=10, lrsn=11)
+        done = s.commit(qm1, "U1", gen=1, lrsn=11)
+        assert (done.puts, done.gets) == (0, 0) and s.info()["entries"] == "1"
+        assert tombstone(s, "U1") == "A"  # a commit of it is a no-op that keeps the tombstone
+        with pytest.raises(CompletedByRecoveryError, match="put and committed"):
+            s.backout(qm1, "U1", gen=1, lrsn=12, has_data=False)
+        with pytest.raises(CompletedByRecoveryError):
+            s.put(qm1, entry("e9"), b"x", uow="U1", gen=1)
+
+    def test_refusals_change_nothing(self, admin: Admin, s: Structure, qm1: Caller) -> None:
+        s.cf.redis.hset(keys.meta(S), "floor", 100)
+        before = dump(s)
+        with pytest.raises(FloorError):
+            s.put_committed(qm1, entry("e1"), b"x", uow="U1", gen=1, put_lrsn=99, lrsn=101)
+        with pytest.raises(BackedOutError, match="generation 7"):
+            s.put_committed(qm1, entry("e1"), b"x", uow="U1", gen=7, put_lrsn=200, lrsn=201)
+        with pytest.raises(UnknownObjectError):
+            s.put_committed(qm1, entry("e1", queue="NOQ"), b"x", uow="U1", gen=1, put_lrsn=200, lrsn=201)
+        with pytest.raises(FencedError):
+            s.put_committed(Caller("QM1", qm1.epoch - 1, Clock()), entry("e1"), b"x", uow="U1", gen=1,
+                            put_lrsn=200, lrsn=201)
+        s.cf.redis.hset(keys.tomb(S), "UB", "B")
+        before = dump(s)
+        with pytest.raises(BackedOutError, match="by recovery"):
+            s.put_committed(qm1, entry("e1"), b"x", uow="UB", gen=1, put_lrsn=200, lrsn=201)
+        assert {k: v for k, v in dump(s).items() if not k.endswith(b":meta")} == {
+            k: v for k, v in before.items() if not k.endswith(b":meta")}
+        assert s.browse(Q, 10, NOW) == []
+
+    def test_a_redo_completes_what_the_owner_would_have_been_refused(self, admin: Admin, qm1: Caller) -> None:
+        admin.ensure_structure("SMALL", ("QS",), max_entries=1)
+        small = CF(admin.redis).structure("SMALL")
+        small.put(qm1, entry("e1", queue="QS"), b"x")
+        with pytest.raises(StructureFullError):
+            small.put_committed(qm1, entry("e2", queue="QS"), b"x", uow="U2", gen=1, put_lrsn=500, lrsn=501)
+        small.pstore("disconnect")
+        with pytest.raises(PstoreUnavailableError):
+            small.put_committed(qm1, entry("e2", queue="QS"), b"x", uow="U2", gen=1, put_lrsn=500, lrsn=501)
+        assert small.put_committed(qm1, entry("e2", queue="QS"), b"x", uow="U2", gen=1, put_lrsn=500, lrsn=501,
+                                   redo=True).created  # a decided commit completes
+        assert small.info()["entries"] == "2"
+
+    def test_a_disconnected_persistent_store_refuses_the_first_call(self, s: Structure, qm1: Caller) -> None:
+        s.pstore("disconnect")
+        with pytest.raises(PstoreUnavailableError):
+            s.put_committed(qm1, entry("e1"), b"x", uow="U1", gen=1, put_lrsn=10, lrsn=11)
+        assert s.browse(Q, 10, NOW) == [] and tombstone(s, "U1") is None
+
+
 class TestGet:
     def test_takes_the_highest_priority_first_then_fifo(self, s: Structure, qm1: Caller) -> None:
         for eid, p in (("a", 0), ("b", 5), ("c", 5), ("d", 0), ("e", 9)):
@@ -407,6 +491,58 @@ class TestGet:
         p99 = waits[int(len(waits) * 0.99)]
         assert len(waits) > 100, (len(waits), took)
         assert p99 < 0.25, f"another client's p99 wait {p99 * 1000:.1f} ms during a get of {took:.1f} s"
+
+
+class TestGetCommitted:
+    """A get, and the commits of the caller's earlier gets it carries, in one call."""
+
+    def test_applies_the_carried_commits_then_takes_the_next_message(self, s: Structure, qm1: Caller) -> None:
+        for eid in ("a", "b", "c"):
+            s.put(qm1, entry(eid), b"x")
+        first = s.get_committed(qm1, Q, uow="G1", now_ms=NOW)
+        assert first.got is not None and first.got.entry is not None and first.got.entry.id == "a"
+        assert first.error is None and first.commits == []
+        assert s.depths()[Q]["UG"] == 1  # taken, its commit not applied yet
+        second = s.get_committed(qm1, Q, uow="G2", now_ms=NOW, commits=[CarriedCommit("G1", 1, 500)])
+        assert second.commits == [None] and second.got is not None and second.got.entry is not None
+        assert second.got.entry.id == "b" and second.got.clock > 500
+        assert s.uow_entries("G1") == [] and s.info()["entries"] == "2"  # a consumed, b held by G2
+        assert {e.id for e, _ in s.uow_entries("G2")} == {"b"}
+
+    def test_carried_commits_are_applied_when_the_get_finds_nothing(self, s: Structure, qm1: Caller) -> None:
+        s.put(qm1, entry("a"), b"x")
+        s.get_committed(qm1, Q, uow="G1", now_ms=NOW)
+        reply = s.get_committed(qm1, Q, uow="G2", now_ms=NOW, commits=[CarriedCommit("G1", 1, 500)])
+        assert reply.commits == [None] and reply.got is not None and reply.got.entry is None
+        assert s.info()["entries"] == "0" and held_uows(s) == set()
+
+    def test_a_refused_get_keeps_the_commits_it_applied(self, s: Structure, qm1: Caller) -> None:
+        s.put(qm1, entry("a"), b"x")
+        s.get_committed(qm1, Q, uow="G1", now_ms=NOW)
+        reply = s.get_committed(qm1, "NOQ", uow="G2", now_ms=NOW, commits=[CarriedCommit("G1", 1, 500)])
+        assert reply.got is None and isinstance(reply.error, UnknownObjectError) and reply.commits == [None]
+        assert s.info()["entries"] == "0"
+
+    def test_a_carried_commit_below_the_floor_is_refused_alone(self, s: Structure, qm1: Caller) -> None:
+        for eid in ("a", "b"):
+            s.put(qm1, entry(eid), b"x")
+        s.get_committed(qm1, Q, uow="G1", now_ms=NOW)
+        s.cf.redis.hset(keys.meta(S), "floor", 1000)
+        reply = s.get_committed(qm1, Q, uow="G2", now_ms=NOW, commits=[CarriedCommit("G1", 1, 500)])
+        [refusal] = reply.commits
+        assert isinstance(refusal, FloorError) and refusal.floor == 1000  # the caller logs it again
+        assert reply.got is not None and reply.got.entry is not None and reply.got.entry.id == "b"
+        assert {e.id for e, _ in s.uow_entries("G1")} == {"a"}  # still held: commit() finishes it
+        assert s.commit(qm1, "G1", gen=1, lrsn=1001).gets == 1
+
+    def test_a_fenced_caller_changes_nothing(self, s: Structure, qm1: Caller) -> None:
+        s.put(qm1, entry("a"), b"x")
+        s.get_committed(qm1, Q, uow="G1", now_ms=NOW)
+        before = dump(s)
+        with pytest.raises(FencedError):
+            s.get_committed(Caller("QM1", qm1.epoch - 1, Clock()), Q, uow="G2", now_ms=NOW,
+                            commits=[CarriedCommit("G1", 1, 500)])
+        assert dump(s) == before
 
 
 class TestBrowse:

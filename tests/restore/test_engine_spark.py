@@ -384,7 +384,8 @@ def test_spark_logging_goes_to_the_log_file_not_the_console(spark: Any, tmp_path
 
 
 def _real_history(redis_url: str, root: Path, seed: int) -> tuple[Backup, list[Path], int]:
-    """Three queue managers put, get, commit and back out while a fuzzy backup runs; some UOWs stay open."""
+    """Three queue managers put (some outside syncpoint), get, commit and back out while a fuzzy backup runs; some
+    UOWs stay open."""
     import threading
 
     from backup.run import run_backup
@@ -398,6 +399,8 @@ def _real_history(redis_url: str, root: Path, seed: int) -> tuple[Backup, list[P
     def work(qm: Any, rnd: random.Random) -> None:
         conn = qm.connect()
         while not stop.is_set():
+            if rnd.random() < 0.3:  # outside syncpoint: after the first, a put committed in one CF call
+                conn.put(rnd.choice(("Q1", "Q2")), os.urandom(20), syncpoint=False)
             for _ in range(rnd.randint(1, 4)):
                 conn.put(rnd.choice(("Q1", "Q2")), os.urandom(20), priority=rnd.randint(0, 3))
             for _ in range(rnd.randint(0, 3)):

@@ -15,7 +15,7 @@ import redis
 
 from cfemu.cf import CF
 from cfemu.embedded import EmbeddedRedis
-from cfemu.errors import PstoreUnavailableError
+from cfemu.errors import NoMessageError, PstoreUnavailableError
 from cfemu.limits import CF_STEP
 from sqm.core.connection import PutSpec
 from sqm.core.manager import QueueManager
@@ -44,12 +44,13 @@ def test_outside_syncpoint_a_put_and_a_get_are_two_scripts_and_one_forced_write_
         group: tuple[redis.Redis, QueueManager]) -> None:
     client, qm = group
     c = qm.connect()
-    c.put("Q1", b"warm", syncpoint=False)
-    c.get("Q1", syncpoint=False)
+    for _ in range(2):  # the first learns the structure's generation (put.lua, commit.lua), the second loads
+        c.put("Q1", b"warm", syncpoint=False)  # put_committed.lua
+        c.get("Q1", syncpoint=False)
     before, forced = _scripts(client), _fsyncs(qm)
     for i in range(10):
         c.put("Q1", b"m%d" % i, syncpoint=False)
-    assert (_scripts(client) - before, _fsyncs(qm) - forced) == (20, 10)  # put.lua + commit.lua each
+    assert (_scripts(client) - before, _fsyncs(qm) - forced) == (10, 10)  # put_committed.lua each
     before, forced = _scripts(client), _fsyncs(qm)
     assert [c.get("Q1", syncpoint=False).body for _ in range(10)] == [b"m%d" % i for i in range(10)]
     assert (_scripts(client) - before, _fsyncs(qm) - forced) == (20, 10)  # get.lua + commit.lua each
@@ -68,10 +69,18 @@ def test_under_syncpoint_the_commit_asks_standing_first(group: tuple[redis.Redis
     qm.stop()
 
 
-def test_outside_syncpoint_a_disconnected_store_still_refuses_before_anything_is_logged(
-        group: tuple[redis.Redis, QueueManager]) -> None:
+def test_outside_syncpoint_a_disconnected_store_still_refuses(group: tuple[redis.Redis, QueueManager]) -> None:
+    """A get is refused before anything is logged. A put committed in one CF operation is logged first: refused, its
+    UOW is logged backed out (a COMMIT followed by a BACKOUT is a commit the CF refused), and no retry, restart or
+    restore brings it in; the first put (which learns the structure's generation) is refused before any record."""
     client, qm = group
     c = qm.connect()
+    CF(client).structure("APP1").pstore("disconnect")
+    forced = _fsyncs(qm)
+    with pytest.raises(PstoreUnavailableError):
+        c.put("Q1", b"refused first", syncpoint=False)
+    assert _fsyncs(qm) == forced
+    CF(client).structure("APP1").pstore("connect")
     c.put("Q1", b"kept", syncpoint=False)
     CF(client).structure("APP1").pstore("disconnect")
     forced = _fsyncs(qm)
@@ -79,9 +88,18 @@ def test_outside_syncpoint_a_disconnected_store_still_refuses_before_anything_is
         c.put("Q1", b"refused", syncpoint=False)
     with pytest.raises(PstoreUnavailableError):
         c.get("Q1", syncpoint=False)
-    assert _fsyncs(qm) == forced  # no COMMIT forced for either
+    assert _fsyncs(qm) == forced + 2  # the put's COMMIT, then its BACKOUT; nothing for the get
+    assert qm.uows == {} and qm.pending == {}  # nothing left to complete
+    assert qm.log is not None
+    decisions = {}
+    for _, r in qm.log.records():
+        if r["k"] in ("COMMIT", "BACKOUT"):
+            decisions[r["u"]] = r["k"]
+    assert list(decisions.values()).count("BACKOUT") == 1
     CF(client).structure("APP1").pstore("connect")
     assert c.get("Q1", syncpoint=False).body == b"kept"
+    with pytest.raises(NoMessageError):
+        c.get("Q1", syncpoint=False)
     qm.stop()
 
 

@@ -13,6 +13,11 @@ Members write the records sqm/core/manager.py writes (built with sqm.core.record
     step of its own.
   * like QueueManager.complete, a BACKOUT record carries the data when a backup is running as it is written, and
     the first CF attempt still passes has_data=False (sqm/core/manager.py _apply_one starts that way).
+  * the fused operations: a persistent put outside syncpoint in one CF call (put_committed: its PUT and COMMIT
+    records first, one forced write and a step of its own, then the CF call; refused below the floor, it is
+    logged backed out and made again as a new UOW whose records lie above it); a get whose commit the next
+    get_committed carries (the get and its GET record one step, its COMMIT record a step of its own, the commit
+    applied by a later get_committed or, refused there or with no get after it, by the CF commit as for any UOW).
 
 Mutations (for proving that the checker can fail): `Mutation.no_backout_data` disables the patent's exception
 (no data in BACKOUT records; the CF backout is told has_data=True, so it never refuses); `Mutation.steps` lets the
@@ -22,7 +27,7 @@ backup run a different list of steps (e.g. without step 1).
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 import redis
@@ -30,7 +35,7 @@ import redis
 from backup.protocol import STEPS, StepCount, copy_step_raw
 from cfemu import bulk, keys
 from cfemu.admin import Admin
-from cfemu.cf import CF, Caller, Structure
+from cfemu.cf import CF, Caller, CarriedCommit, Structure
 from cfemu.entry import Entry
 from cfemu.errors import BackupActiveError, FloorError
 from restore.plan import Copy, RestorePlan
@@ -183,6 +188,54 @@ class Member:
         yield f"put {entry.id} (non-persistent)"
         self.s.put(self.caller, entry, body)
 
+    def put_committed(self, entry: Entry, body: bytes) -> Steps:
+        """A persistent put outside syncpoint in one CF operation (put_committed.lua): its PUT record and forced
+        COMMIT first, then the CF call. Refused below the floor of a backup begun meanwhile, the UOW is logged backed
+        out (a COMMIT followed by a BACKOUT is a commit the CF refused) and the put made again as a new UOW and entry,
+        its records above the floor. Returns the id of the entry put."""
+        gen = int(self.s.info()["gen"])  # a member knows the generation from its earlier CF replies
+        while True:
+            uow = self.new_uow()
+            yield f"log PUT+COMMIT {entry.id} in {uow.id}"
+            put_lrsn = self.clock.now()
+            self.log.append(records.put(uow.id, put_lrsn, structure=STRUCTURE, gen=gen, entry=entry.wire(),
+                                        data=body))
+            lrsn = self.clock.now()
+            self.log.append(records.commit(uow.id, lrsn, {STRUCTURE: gen}))
+            yield f"CF put_committed {entry.id} in {uow.id}"
+            try:
+                self.s.put_committed(self.caller, entry, body, uow=uow.id, gen=gen, put_lrsn=put_lrsn, lrsn=lrsn)
+            except FloorError as e:
+                self.clock.observe(e.floor)
+                yield f"relog BACKOUT {uow.id} (put_committed below the floor)"
+                self.log.append(records.backout(uow.id, self.clock.now(), {STRUCTURE: gen}))
+                entry = replace(entry, id=entry.id + "+")
+                continue
+            self.log.append(records.end(uow.id, self.clock.now()))
+            return entry.id
+
+    def get_committed(self, uow: Uow, carried: Sequence[Uow] = ()) -> Steps:
+        """A get that carries the commits of earlier gets (get_committed.lua), CF first, then its GET record; the
+        END of each commit applied. Returns the UOWs whose commit it did not apply (the CF commit finishes them)."""
+        yield f"get_committed in {uow.id} carrying {[u.id for u in carried]}"
+        reply = self.s.get_committed(
+            self.caller, QUEUE, uow=uow.id, gen=uow.structures.get(STRUCTURE, 0), now_ms=self.world.now_ms,
+            commits=[CarriedCommit(u.id, u.structures[STRUCTURE], u.decided_lrsn) for u in carried])
+        left = []
+        for u, refusal in zip(carried, reply.commits, strict=True):
+            if refusal is None:
+                self.log.append(records.end(u.id, self.clock.now()))
+            else:
+                left.append(u)
+        assert reply.got is not None, reply.error
+        gen, got = reply.got.gen, reply.got.entry
+        uow.structures[STRUCTURE] = gen
+        if got is not None and got.persistent:
+            uow.persistent = True
+            self.log.append(records.get(uow.id, got.lrsn, structure=STRUCTURE, gen=gen, entry_id=got.id,
+                                        queue=QUEUE))
+        return left
+
     def put_outside_syncpoint(self, entry: Entry, body: bytes) -> Steps:
         """A persistent put outside syncpoint is a UOW of its own (sqm/core/manager.py): the put, then its commit."""
         uow = self.new_uow()
@@ -197,10 +250,18 @@ class Member:
         return self._complete(uow, False)
 
     def _complete(self, uow: Uow, commit: bool) -> Steps:
-        what = "COMMIT" if commit else "BACKOUT"
-        yield f"log {what} {uow.id}"
+        yield from self.decide(uow, commit)
+        yield from self.apply(uow, commit)
+
+    def decide(self, uow: Uow, commit: bool) -> Steps:
+        """The forced COMMIT or BACKOUT record, a step of its own."""
+        yield f"log {'COMMIT' if commit else 'BACKOUT'} {uow.id}"
         if uow.persistent:
             self._log_outcome(uow, commit, with_data=not commit and self._backup_running())
+
+    def apply(self, uow: Uow, commit: bool) -> Steps:
+        """The decided outcome on the CF, each attempt a step of its own, then END."""
+        what = "COMMIT" if commit else "BACKOUT"
         lrsn = uow.decided_lrsn if uow.persistent else 0
         has_data = self.world.mutation.no_backout_data
         while True:
@@ -325,7 +386,12 @@ def expected_after_loss(world: World) -> dict[str, Row]:
     the logs: committed messages stay; an uncommitted put stays iff its UOW's COMMIT is logged (in-commit work
     is completed); an uncommitted get is consumed iff its UOW's COMMIT is logged, else it is backed out (its
     backout count rises)."""
-    committed = {r["u"] for m in world.members.values() for r in m.log if r["k"] == "COMMIT"}
+    decided: dict[str, str] = {}  # UOW -> its owner's last decision (a COMMIT then a BACKOUT: a refused commit)
+    for m in world.members.values():
+        for r in m.log:
+            if r["k"] in ("COMMIT", "BACKOUT"):
+                decided[r["u"]] = r["k"]
+    committed = {u for u, k in decided.items() if k == "COMMIT"}
     pipe = world.client.pipeline(transaction=False)
     pipe.hgetall(keys.entries(STRUCTURE))
     pipe.hgetall(keys.data(STRUCTURE))
@@ -341,6 +407,19 @@ def expected_after_loss(world: World) -> dict[str, Row]:
             out[eid] = row
         elif e.state == "UG" and e.uow not in committed:
             out[eid] = (eid, e.queue, datas[eid], e.backout_count + 1)
+    # A put committed in one operation whose CF call has not run yet: its logged PUT is redone from the log (it
+    # cannot have been got: it never was in the CF) when its records lie at or above the backup's floor. Below it,
+    # the CF refuses the call (FLOOR, or after a restore the older generation its records name) and the member
+    # logs it backed out: no reply told the application it was put.
+    got = {r["i"] for m in world.members.values() for r in m.log if r["k"] == "GET"}
+    for m in world.members.values():
+        for r in m.log:
+            if r["k"] != "PUT":
+                continue
+            put_id = str(r["e"]["id"])
+            if (put_id not in descs and put_id not in got and r["u"] in committed and r["l"] >= world.backup.floor
+                    and not 0 < int(r["e"].get("exp", 0)) <= world.now_ms):
+                out[put_id] = (put_id, r["e"]["q"], r["d"], int(r["e"].get("bc", 0)))
     return out
 
 
