@@ -20,7 +20,7 @@ from typing import Any, NoReturn
 import redis
 
 from cfemu.admin import Admin, AdminError, QueueDef
-from cfemu.cf import CF, Caller, Structure
+from cfemu.cf import Caller, Structure
 from cfemu.connection import PoolExhaustedError, connect
 from cfemu.errors import (
     BadRequestError,
@@ -36,6 +36,7 @@ from cfemu.keys import check_member_name
 from cfemu.repository import GroupRepository, RepositoryError, open_group_repository
 from sqm.core import records, relog
 from sqm.core.cfcall import CF_DOWN, reply_lost
+from sqm.core.cfgroup import GroupedCF
 from sqm.core.clock import LrsnClock, now_ms
 from sqm.core.config import CIRCULAR, LOG_MODES, QueueManagerConfig
 from sqm.core.connection import Connection
@@ -65,7 +66,7 @@ class QueueManager(Outcomes, LogSpace):
         self.name = check_member_name(config.name)
         self.redis = client if client is not None else connect(
             config.redis_url, max_connections=config.cf_connections, pool_timeout=config.cf_pool_timeout_s)
-        self.cf = CF(self.redis)
+        self.cf = GroupedCF(self.redis)  # concurrent requests' CF calls share round trips (sqm.core.cfgroup)
         self.admin = Admin(self.redis)
         # The lease is renewed over connections of its own: requests that take every connection of the pool, or a
         # long step holding one, never make a renewal wait for a free one (a member given a client shares it).
@@ -425,7 +426,8 @@ class QueueManager(Outcomes, LogSpace):
         return {"name": self.name, "epoch": self.caller.epoch, "fenced": self.fenced, "running": self.running,
                 "uows": states, "pending": len(self.pending), "lrsn": self.clock.last, **self.counters,
                 "log_records": getattr(stats, "records", 0), "log_bytes": getattr(stats, "bytes", 0),
-                "fsyncs": getattr(stats, "fsyncs", 0)}
+                "fsyncs": getattr(stats, "fsyncs", 0), "cf_calls": getattr(self.cf, "calls", 0),
+                "cf_round_trips": getattr(self.cf, "round_trips", 0)}
 
 
 __all__ = ["QueueManager", "QueueManagerConfig", "INCOMMIT", "INBACKOUT", "INDOUBT"]
