@@ -67,12 +67,15 @@ class GroupedCF(CF):
         self._lock = threading.Lock()
         self._queue: list[_Call] = []
         self._leading = False
+        self._leader = 0  # the thread inside a round trip's CF.run_many, while it is
         self.round_trips = 0
         self.calls = 0
         self.largest = 0  # the most calls one round trip carried
 
     def run(self, op: str, structure: str, args: Sequence[Any]) -> Any:
-        if not self.groups:
+        if not self.groups or self._leader == threading.get_ident():
+            # The leader's own calls inside its round trip (CF.run_many makes a call again through run when the CF
+            # had lost its script) go at once: queued, they would wait for the round trip they are part of.
             return super().run(op, structure, args)
         call = _Call(op, structure, args)
         with self._lock:
@@ -109,6 +112,7 @@ class GroupedCF(CF):
             self.round_trips += 1
             self.calls += len(batch)
             self.largest = max(self.largest, len(batch))
+            self._leader = threading.get_ident()
             try:
                 replies = super().run_many([(c.op, c.structure, c.args) for c in batch])
             except BaseException as e:  # the connection failed: which calls ran is unknown, to each of them
@@ -121,6 +125,7 @@ class GroupedCF(CF):
                     else:
                         c.reply = r
         finally:  # every caller of the round trip is answered, whatever happened
+            self._leader = 0
             for c in batch:
                 c.done = True
                 if not c.lead:  # the leader's own call: its thread is here, awake

@@ -14,6 +14,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable
+from functools import partial
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -40,6 +41,7 @@ from sqm.core.cfgroup import GroupedCF
 from sqm.core.clock import LrsnClock, now_ms
 from sqm.core.config import CIRCULAR, LOG_MODES, QueueManagerConfig
 from sqm.core.connection import Connection
+from sqm.core.failpoints import failpoint
 from sqm.core.hooks import Hooks
 from sqm.core.logspace import LogSpace
 from sqm.core.outcomes import Outcomes
@@ -117,6 +119,7 @@ class QueueManager(Outcomes, LogSpace):
         self.repository = open_group_repository(self.admin, self.config.log_root, who=self.name)
         self.log = RecordLog(self.log_dir, self.name, segment_bytes=self.config.segment_bytes,
                              ring=self.config.log_ring if self.config.log_mode == CIRCULAR else 0)
+        self.log.before_shared_flush = partial(failpoint, "group-force")
         last = self.log.last_checkpoint()
         self.relog_passes = relog.last_passes(last[1] if last else None)
         try:

@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +88,7 @@ def test_calls_queued_behind_a_round_trip_go_together_each_with_its_own_reply(
     cf, side = grouped
     caller = _caller(cf)
     s = cf.structure("APP1")
-    futures = _held_round_trip(cf, side, [lambda i=i: s.put(caller, _entry(i), b"m%d" % i) for i in range(THREADS)])
+    futures = _held_round_trip(cf, side, [partial(s.put, caller, _entry(i), b"m%d" % i) for i in range(THREADS)])
     assert all(f.result().clock > 0 for f in futures)
     assert (cf.round_trips, cf.calls, cf.largest) == (2, THREADS, THREADS - 1)  # the first alone, the rest together
     bodies = sorted(d for _, d in s.browse("Q1", 100, int(time.time() * 1000)))
@@ -99,11 +100,27 @@ def test_a_refusal_in_a_shared_round_trip_is_its_callers_alone(grouped: tuple[Gr
     caller = _caller(cf)
     app, tiny = cf.structure("APP1"), cf.structure("TINY")
     tiny.put(caller, _entry(99, "FULLQ"), b"fills it")  # TINY holds one entry: every later put there is refused
-    calls = [lambda i=i: (tiny if i == 3 else app).put(caller, _entry(i, "FULLQ" if i == 3 else "Q1"), b"x")
-             for i in range(THREADS)]
+    calls: list[Callable[[], Any]] = [partial(tiny.put, caller, _entry(i, "FULLQ"), b"x") if i == 3 else
+                                      partial(app.put, caller, _entry(i), b"x") for i in range(THREADS)]
     futures = _held_round_trip(cf, side, calls)
     assert isinstance(futures[3].exception(), StructureFullError)
     assert all(f.exception() is None for i, f in enumerate(futures) if i != 3)
+    assert cf.largest == THREADS - 1
+
+
+def test_a_script_the_cf_does_not_hold_is_loaded_inside_a_shared_round_trip(
+        grouped: tuple[GroupedCF, redis.Redis]) -> None:
+    """Scripts are loaded on first use: the shared round trip's NOSCRIPT replies are made again by its leader
+    (CF.run_many), which must not queue them behind the round trip they belong to."""
+    cf, side = grouped
+    caller = _caller(cf)
+    s = cf.structure("APP1")
+    side.script_flush()
+    calls: list[Callable[[], Any]] = [partial(s.standing, caller, "no-such-uow", gen=0)]
+    calls += [partial(s.put, caller, _entry(i), b"m%d" % i) for i in range(1, THREADS)]
+    futures = _held_round_trip(cf, side, calls)
+    assert futures[0].result() == "N"
+    assert all(f.result().clock > 0 for f in futures[1:])
     assert cf.largest == THREADS - 1
 
 
