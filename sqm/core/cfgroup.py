@@ -28,6 +28,7 @@ from typing import Any
 import redis
 
 from cfemu.cf import CF
+from sqm.request_slots import before_wait
 
 
 class _Call:
@@ -77,19 +78,20 @@ class GroupedCF(CF):
             # The leader's own calls inside its round trip (CF.run_many makes a call again through run when the CF
             # had lost its script) go at once: queued, they would wait for the round trip they are part of.
             return super().run(op, structure, args)
-        call = _Call(op, structure, args)
         with self._lock:
-            if not self._leading:  # (a queued call means a round trip is in flight)
-                self._leading = True
-                alone = True
+            if self._leading:  # a round trip is in flight: wait for the next one
+                queued = _Call(op, structure, args)
+                self._queue.append(queued)
+                call: _Call | None = queued
             else:
-                self._queue.append(call)
-                alone = False
-        if alone:  # nothing in flight: the plain path, at once, then whatever queued meanwhile
+                self._leading = True
+                call = None
+        if call is None:  # nothing in flight: the plain path, at once, then whatever queued meanwhile
             try:
                 return self._one(op, structure, args)
             finally:
                 self._hand_on()
+        before_wait()  # a service request's slot goes to another request, whose calls may join this round trip
         call.wake.acquire()  # released by the leader of its round trip, or to hand it the lead
         if not call.done:
             assert call.lead
