@@ -19,7 +19,7 @@ import pytest
 import redis
 
 from cfemu.admin import Admin
-from cfemu.cf import Caller
+from cfemu.cf import Caller, PutReply
 from cfemu.connection import connect
 from cfemu.embedded import EmbeddedRedis
 from cfemu.entry import Entry
@@ -28,6 +28,7 @@ from sqm.core.cfcall import reply_lost
 from sqm.core.cfgroup import GroupedCF
 from sqm.core.clock import LrsnClock
 from sqm.core.manager import QueueManager
+from sqm.request_slots import RequestSlots
 from tests.support.group import define_group, start_qm
 
 THREADS = 8
@@ -122,6 +123,25 @@ def test_a_script_the_cf_does_not_hold_is_loaded_inside_a_shared_round_trip(
     assert futures[0].result() == "N"
     assert all(f.result().clock > 0 for f in futures[1:])
     assert cf.largest == THREADS - 1
+
+
+def test_a_request_queued_for_a_round_trip_gives_its_slot_to_another_that_joins_it(
+        grouped: tuple[GroupedCF, redis.Redis]) -> None:
+    """Two request slots (sqm.request_slots), three requests: the first leads a round trip, the second queues for
+    the next one and gives its slot up, so the third runs and joins that round trip instead of waiting for a slot
+    (the lease is long: no slot comes back on its own)."""
+    cf, side = grouped
+    caller = _caller(cf)
+    s = cf.structure("APP1")
+    slots = RequestSlots(2, lease_s=60)
+
+    def request(i: int) -> PutReply:
+        with slots.running():
+            return s.put(caller, _entry(i), b"m%d" % i)
+
+    futures = _held_round_trip(cf, side, [partial(request, i) for i in range(3)])
+    assert all(f.result().clock > 0 for f in futures)
+    assert (cf.largest, slots.waits) == (2, 0)
 
 
 def test_a_lost_connection_fails_each_caller_of_its_round_trip(grouped: tuple[GroupedCF, redis.Redis]) -> None:
