@@ -2,12 +2,13 @@
 round trip (cfemu.cf.CF.run_many), as the log's group commit makes their records one write and one fsync.
 
 Every CF call of a queue manager goes through ``CF.run`` (cfemu.cf.Structure builds each script's arguments and
-reads its reply). ``GroupedCF.run`` queues the call; when no round trip is in flight its thread leads one: it takes
-every call queued, sends them in one pipeline, hands each caller its own reply (or the error ``run`` would have
-raised for it) and wakes it. Calls that arrive while that round trip is in flight wait for it to end, and the first
-of them leads the next one with all the others. A lone caller makes its call on its own at once, by the plain path
-(``CF.run``): one client pays nothing for the grouping, and N concurrent ones share round trips, socket reads and
-writes, and the CF's event-loop turns.
+reads its reply). In ``GroupedCF.run`` a call made while none of the member's calls is on its way goes at once, by
+the plain path (``CF.run``): one client pays nothing for the grouping. A call made while one is on its way queues,
+and its request gives its request slot up (sqm.request_slots.before_wait), so that other requests run and queue
+beside it. When the round trip in flight ends, the first queued call's thread leads the next one: it takes every
+call queued, sends them in one pipeline, hands each caller its own reply (or the error ``run`` would have raised for
+it) and wakes it; the first call queued meanwhile leads the one after. N concurrent requests so share round trips,
+socket reads and writes, and the CF's event-loop turns.
 
 What a call means does not change:
 - each script still runs atomically on the CF (a pipeline is not a transaction: each script is its own);
