@@ -72,7 +72,10 @@ class SQMCollector(Collector):
                                ("peer_recoveries", "Peer recoveries this SQM carried out"),
                                ("fsyncs", "Log fsyncs"), ("log_bytes", "Bytes written to the log"),
                                ("log_records", "Records written to the log"),
-                               ("backout_records_with_data", "Backout records carrying message data")):
+                               ("backout_records_with_data", "Backout records carrying message data"),
+                               ("cf_calls", "CF script calls"),
+                               ("cf_round_trips", "CF round trips (concurrent requests' calls share one: "
+                                "sqm.core.cfgroup)")):
             c = CounterMetricFamily(f"sqm_{key}", help_text, labels=list(labels))
             c.add_metric([qm.name], status.get(key, 0))
             yield c
