@@ -6,8 +6,10 @@ private CF (redis-server, no persistence); N clients (sqm.service.client.Client,
 of bench_peers.py (1 KiB persistent put + commit, get + commit) from a child process for --seconds. Per lifecycle:
   wall:          the time one client waits for one lifecycle;
   fsync:         wall time in the log's fdatasync (sqm.log.writer._fdatasync wrapped; summed over the clients);
-  CF round trip: wall time in CF.run (every CF script call, as the server waits for it), and of that the CF's own
-                 execution time of the scripts (redis-server's INFO commandstats, evalsha);
+  CF round trip: wall time in CF.run and CF.run_many (every CF script call or grouped round trip, as the server
+                 waits for it), and of that the CF's own execution time of the scripts (redis-server's INFO
+                 commandstats, evalsha); cf_round_trips: round trips per lifecycle when the member groups its
+                 concurrent requests' CF calls (sqm.core.cfgroup), against cf_calls (script calls);
   CPU:           user+system time of the server process, the CF and the client process.
 
     PYTHONPATH=<tree> .venv/bin/python bench/profile_service.py [--seconds 8] [--clients 1] [--one-call]
@@ -111,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         fsync, cf = Stopwatch(), Stopwatch()
         writer._fdatasync = fsync.wrap(writer._fdatasync)  # type: ignore[attr-defined]
         cfmod.CF.run = cf.wrap(cfmod.CF.run)  # type: ignore[method-assign]
+        cfmod.CF.run_many = cf.wrap(cfmod.CF.run_many)  # type: ignore[method-assign]  # a grouped round trip
         qm = QueueManager(QueueManagerConfig(name="QM1", log_root=work / "logs", redis_url=srv.url, lease_ms=60_000), wings=WINGS)
         server = SQMServer(ServerConfig(name="QM1", log_root=work / "logs", redis_url=srv.url, token=TOKEN), qm=qm)
         threading.Thread(target=lambda: asyncio.run(server.run(install_signals=False)), daemon=True).start()
@@ -123,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         if client.stdout.readline().strip() != "ready":
             raise SystemExit("the client did not start")
         stats0 = r.info("commandstats")
+        trips0 = getattr(qm.cf, "round_trips", 0)
         fsync.seconds = fsync.calls = cf.seconds = cf.calls = 0  # type: ignore[assignment]
         pids = {"server": os.getpid(), "cf": srv.pid or 0, "client": client.pid}
         cpu0 = {k: own_ticks(p) for k, p in pids.items()}
@@ -133,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         elapsed = time.time() - t0
         cpu1 = {k: own_ticks(p) for k, p in pids.items()}
         stats1 = r.info("commandstats")
+        trips = getattr(qm.cf, "round_trips", 0) - trips0  # grouped CF calls (sqm.core.cfgroup); 0: not grouped
         client.wait()
 
         def usec(stats: dict[str, Any], only: str | None = None) -> int:
@@ -143,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             "lifecycles_per_s": round(n / elapsed, 1), "wall_us_per_lifecycle": round(elapsed * per * args.clients),
             "fsync_us": round(fsync.seconds * per), "fsyncs": round(fsync.calls / n, 2),
             "cf_round_trip_us": round(cf.seconds * per), "cf_calls": round(cf.calls / n, 2),
+            "cf_round_trips": round(trips / n, 2) if trips else None,
             "cf_script_server_us": round((usec(stats1, "cmdstat_evalsha") - usec(stats0, "cmdstat_evalsha")) / n),
             "cf_all_commands_server_us": round((usec(stats1) - usec(stats0)) / n),
             **{f"cpu_{k}_us": round((cpu1[k] - cpu0[k]) / TICK * per) for k in pids},

@@ -7,7 +7,8 @@ from 1,264 µs at 1 client to 1,896 at 64, and its throughput fell by a quarter 
 threads compete at once and the rest sleep in the kernel.
 
 A slot is given up, early and for good, the moment its request is about to wait: for the log's fsync (so that the
-committers a slot lets through still share one fsync: group commit), for a message, for a peer's status change.
+committers a slot lets through still share one fsync: group commit), for a CF round trip another request
+leads (so that more requests join it: sqm.core.cfgroup), for a message, for a peer's status change.
 It is never taken back. A thread waiting to take a slot back could hold a lock (a checkpoint forces the log under
 its own) that the slots' holders need, and none of them would ever give theirs up. So a slot is taken only at the
 start of a request, where its thread holds nothing, and a thread that waits holds none. Work that runs outside a

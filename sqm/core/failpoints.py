@@ -17,6 +17,8 @@ Every failpoint in the project (add a row with each new ``failpoint()`` call):
     put-after-cf         sqm.core.connection (put in a UOW)      after the CF holds the put, before it is logged
     batch-before-force   sqm.core.connection (put_batch, get_batch)  after a batch's CF calls and its records'
                                                             appends, before its commit's force
+    group-force          sqm.log.writer (RecordLog._lead_flush)  when other committers wait on a flush, before its
+                                                            leader writes their records (none of them is on disk)
     relog-before-force   sqm.core.relog (a relog pass)           after a batch's RELOG records are appended, before the force
     relog-after-force    sqm.core.relog (a relog pass)           after they are forced, before the entries are marked
     relog-before-checkpoint  sqm.core.manager.checkpoint         after the relog passes, before the checkpoint record

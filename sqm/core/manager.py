@@ -15,13 +15,14 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable
+from functools import partial
 from pathlib import Path
 from typing import Any, NoReturn
 
 import redis
 
 from cfemu.admin import Admin, AdminError, QueueDef
-from cfemu.cf import CF, Caller, Structure
+from cfemu.cf import Caller, Structure
 from cfemu.connection import PoolExhaustedError, connect
 from cfemu.errors import (
     BadRequestError,
@@ -39,9 +40,11 @@ from cfemu.repository import GroupRepository, RepositoryError, open_group_reposi
 from sqm.core import records, relog
 from sqm.core.backupnote import note_new_backups
 from sqm.core.cfcall import CF_DOWN, reply_lost
+from sqm.core.cfgroup import GroupedCF
 from sqm.core.clock import LrsnClock, now_ms
 from sqm.core.config import CIRCULAR, LOG_MODES, QueueManagerConfig
 from sqm.core.connection import Connection
+from sqm.core.failpoints import failpoint
 from sqm.core.hooks import Hooks
 from sqm.core.logspace import LogSpace
 from sqm.core.outcomes import Outcomes
@@ -69,7 +72,7 @@ class QueueManager(Outcomes, LogSpace):
         self.name = check_member_name(config.name)
         self.redis = client if client is not None else connect(
             config.redis_url, max_connections=config.cf_connections, pool_timeout=config.cf_pool_timeout_s)
-        self.cf = CF(self.redis)
+        self.cf = GroupedCF(self.redis)  # concurrent requests' CF calls share round trips (sqm.core.cfgroup)
         self.admin = Admin(self.redis)
         # The lease is renewed over connections of its own: requests that take every connection of the pool, or a
         # long step holding one, never make a renewal wait for a free one (a member given a client shares it).
@@ -129,6 +132,7 @@ class QueueManager(Outcomes, LogSpace):
         self.repository = open_group_repository(self.admin, self.config.log_root, who=self.name)
         self.log = RecordLog(self.log_dir, self.name, segment_bytes=self.config.segment_bytes,
                              ring=self.config.log_ring if self.config.log_mode == CIRCULAR else 0)
+        self.log.before_shared_flush = partial(failpoint, "group-force")
         last = self.log.last_checkpoint()
         self.relog_passes = relog.last_passes(last[1] if last else None)
         if self.config.pstore_report is not None and self.store_report is None:
@@ -477,7 +481,8 @@ class QueueManager(Outcomes, LogSpace):
         return {"name": self.name, "epoch": self.caller.epoch, "fenced": self.fenced, "running": self.running,
                 "uows": states, "pending": len(self.pending), "lrsn": self.clock.last, **self.counters,
                 "log_records": getattr(stats, "records", 0), "log_bytes": getattr(stats, "bytes", 0),
-                "fsyncs": getattr(stats, "fsyncs", 0), "log_space_low": self.log_space_low}
+                "fsyncs": getattr(stats, "fsyncs", 0), "log_space_low": self.log_space_low,
+                "cf_calls": getattr(self.cf, "calls", 0), "cf_round_trips": getattr(self.cf, "round_trips", 0)}
 
 
 __all__ = ["QueueManager", "QueueManagerConfig", "INCOMMIT", "INBACKOUT", "INDOUBT"]

@@ -6,7 +6,7 @@ import fcntl
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -135,6 +135,9 @@ class RecordLog:
         self._flushing = False
         self._in_force = 0
         self._failed: BaseException | None = None
+        # Called by the leader of a flush that other committers wait on, before it writes their records (the
+        # owner's crash point for a kill inside a shared fsync: sqm.core.failpoints "group-force").
+        self.before_shared_flush: Callable[[], None] | None = None
         self._closed = True
         self._buf = bytearray()
         self._retired: list[int] = []
@@ -580,6 +583,8 @@ class RecordLog:
         """Write and fsync everything buffered (caller holds the flushing token, which this releases)."""
         end: LogPosition | None = None
         try:
+            if self._in_force and self.before_shared_flush is not None:
+                self.before_shared_flush()
             with self._lock:
                 for fd in self._retired:  # no other flush can be using them: we hold the token
                     os.close(fd)

@@ -9,6 +9,7 @@ peer has recovered its work."""
 from __future__ import annotations
 
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -247,6 +248,60 @@ def test_kill_9_inside_a_put_batch_keeps_the_acknowledged_and_applies_none_of_it
         _peer_recovered(peer)
         with client(peer) as check:
             assert [m.body for m in check.get_batch("K2", 1000, commit=True)] == acked
+    finally:
+        for srv in (victim, peer):
+            if srv.proc.poll() is None:
+                srv.stop()
+
+
+@pytest.mark.slow
+def test_kill_9_inside_a_force_shared_by_concurrent_batches_loses_no_acknowledged_one(redis_url: str,
+                                                                                      tmp_path: Path) -> None:
+    """Eight clients commit batches of puts at once on one member, whose committers share fsyncs (group commit).
+    The member dies (SIGKILL) inside the third force that other committers wait on, before its leader writes
+    their records. After peer recovery: every acknowledged batch is on the queue, whole; every batch on the queue
+    was acknowledged or had its outcome unknown to its client, and is whole (none half-applied); and the batches
+    of the killed force are not there."""
+    define_group(redis_url, queues=("K3",))
+    victim = start_server(redis_url, tmp_path, "QM1", "--lease-ms", "1000",
+                          env={"SQM_FAILPOINTS": "group-force=3"})
+    peer = start_server(redis_url, tmp_path, "QM2", "--lease-ms", "1000")
+    clients, per, most = 8, 10, 200
+    acked: list[list[bytes]] = []
+    unknown: list[list[bytes]] = []
+    lock = threading.Lock()
+
+    def commit_batches(k: int) -> None:
+        with client(victim, reconnect_timeout=1) as c:
+            for b in range(most):
+                batch = [b"c%d-b%d-m%d" % (k, b, i) for i in range(per)]
+                try:
+                    c.put_batch(batch, queue="K3", commit=True)
+                except (OutcomeUnknownError, ConnectionError, OSError):
+                    with lock:
+                        unknown.append(batch)
+                    return
+                with lock:
+                    acked.append(batch)
+
+    try:
+        threads = [threading.Thread(target=commit_batches, args=(k,)) for k in range(clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert victim.proc.wait(timeout=30) == -signal.SIGKILL, "the member was not killed inside a shared force"
+        _peer_recovered(peer)
+        with client(peer) as check:
+            left = {m.body for m in check.get_batch("K3", 1000, commit=True)}
+        assert all(set(batch) <= left for batch in acked)  # nothing acknowledged is lost
+        known = {body for batch in acked + unknown for body in batch}
+        assert left <= known  # nothing that was never sent
+        for batch in unknown:  # a batch whose outcome its client could not know is applied whole or not at all
+            assert set(batch) <= left or not set(batch) & left, batch
+        # The killed force's leader and the committer(s) waiting on it had their COMMIT records only in the
+        # member's memory: their batches are not applied.
+        assert any(not set(batch) & left for batch in unknown)
     finally:
         for srv in (victim, peer):
             if srv.proc.poll() is None:

@@ -324,7 +324,7 @@ def test_health_readiness_and_metrics(server: ServerProc) -> None:
     assert 'sqm_queue_depth{queue="Q2",state="CP",structure="APP1"} 1.0' in text
     assert 'sqm_uows{qmgr="QM1",state="INFLIGHT"} 1.0' in text
     for name in ("sqm_commits_total", "sqm_fsyncs_total", "sqm_log_bytes_total", "sqm_peer_recoveries_total",
-                 "sqm_requests_total", "sqm_connections"):
+                 "sqm_requests_total", "sqm_connections", "sqm_cf_calls_total", "sqm_cf_round_trips_total"):
         assert name in text
     assert http_get(server.metrics_port, "/nope")[0] == 404
     with client(server) as a:  # the module's server and queues are shared: leave Q2 as it was found
