@@ -282,11 +282,28 @@ class BackupWriter:
     def add_raw(self, step: int, copies: Iterable[tuple[bytes, bytes]]) -> None:
         """Copied entries whose descriptors are the CF's msgpack bytes (a wire-form map, docs/backup-format.md):
         each a frame [step, descriptor, data], the descriptor's bytes written as they are (no decode, no
-        re-pack). The same frames as add."""
+        re-pack). The same frames as add, made in one loop (a backup frames a million; a call of _add_frame
+        each had cost a third of the backup's own CPU)."""
         head = b"\x93" + _STEP_HEAD[step]
-        add_frame = self._add_frame
+        frame_head = FRAME_HEAD.pack
+        crc = crc32c.crc32c
+        room = self.roll_bytes - _FRAME_HEAD_SIZE
+        buf = self._buf
         for descriptor, data in copies:
-            add_frame(head + descriptor + _bin_head(len(data)), data)
+            n = len(data)
+            prefix = head + descriptor + _bin_head(n)
+            length = len(prefix) + n
+            if self._file is None or (self._size + length > room and self._frames):
+                self._open_next()
+                buf = self._buf
+            buf += frame_head(length, crc(data, crc(prefix)))
+            buf += prefix
+            buf += data
+            self._size += _FRAME_HEAD_SIZE + length
+            self._frames += 1
+            if len(buf) >= _WRITE_CHUNK:
+                self._flush_buffer()
+                buf = self._buf
 
     def _add_frame(self, prefix: bytes, data: bytes) -> None:
         """One frame whose body is prefix followed by data: its CRC chained over both, so that a message's data
