@@ -271,3 +271,32 @@ def test_an_owner_stops_when_the_cf_became_a_replica(fresh_redis: EmbeddedRedis,
         finally:
             c.execute_command("REPLICAOF", "NO", "ONE")
     assert c.hget(keys.data(S), "marker") is None
+
+
+def test_the_backups_hmget_reads_what_redis_py_reads_and_a_failed_read_again(
+        redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bulk.hmget (the backup's reads, on the pool's connection directly) answers as client.hmget: binary values,
+    empty ones, missing fields as None, an error reply raised; a read whose connection broke under it is made
+    again by client.hmget itself, with redis-py's retries and reconnection (a read may be made twice)."""
+    c = redis.Redis.from_url(redis_url)
+    key = keys.data(S)
+    c.hset(key, mapping={"a": b"\x00\r\n$3\r\n", "b": b""})
+    fields = ["a", "missing", "b"]
+    assert bulk.hmget(c, key, fields) == c.hmget(key, fields) == [b"\x00\r\n$3\r\n", None, b""]
+    c.set("{APP1}:string", "x")
+    with pytest.raises(redis.exceptions.ResponseError, match="WRONGTYPE"):
+        bulk.hmget(c, "{APP1}:string", fields)
+
+    exchange = resp.exchange
+    broken: list[object] = []
+
+    def breaks_once(conn: object, data: object, replies: int) -> list[object]:
+        if not broken:
+            broken.append(conn)
+            conn.disconnect()  # type: ignore[attr-defined]
+            raise redis.exceptions.ConnectionError("Connection closed by server.")
+        return exchange(conn, data, replies)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(resp, "exchange", breaks_once)
+    assert bulk.hmget(c, key, fields) == [b"\x00\r\n$3\r\n", None, b""]
+    assert broken, "the failed read was not the one made"
