@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import shutil
 import subprocess
 import sys
@@ -86,6 +87,18 @@ def fill(client: redis.Redis, n: int, console: Console) -> list[str]:
     admin.leave("FILLER")
     console.print(f"filled {n} messages in {time.perf_counter() - t0:.1f} s")
     return ids
+
+
+def process_cpu_s() -> float:
+    """CPU seconds of this process (all its threads) and of its children that ended."""
+    me, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
+
+
+def server_cpu_s(client: redis.Redis) -> float:
+    """CPU seconds the redis-server has used (INFO cpu)."""
+    cpu = client.info("cpu")
+    return float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
 
 
 def raw_read(client: redis.Redis, ids: list[str]) -> tuple[float, int]:
@@ -238,9 +251,13 @@ def restore_rounds(client: redis.Redis, work: Path, ids: list[str], rounds: int,
     totals: list[float] = []
     raws: list[float] = []
     guarded: list[float] = []
+    cpu_us: dict[str, list[float]] = {"raw_write": [], "raw_write_cf": [], "restore": [], "restore_cf": []}
     for _ in range(rounds):
         client.flushall()  # the CF is lost
+        c0, s0 = process_cpu_s(), server_cpu_s(client)
         raws.append(raw_write(client, ids, os.urandom(BODY)))
+        cpu_us["raw_write"].append(round((process_cpu_s() - c0) / len(ids) * 1e6, 2))
+        cpu_us["raw_write_cf"].append(round((server_cpu_s(client) - s0) / len(ids) * 1e6, 2))
         client.flushall()
         if guard:
             guarded.append(raw_write(client, ids, os.urandom(BODY), guarded=True))
@@ -252,9 +269,12 @@ def restore_rounds(client: redis.Redis, work: Path, ids: list[str], rounds: int,
                 marks.setdefault("load", time.perf_counter())
 
         t0 = time.perf_counter()
+        c0, s0 = process_cpu_s(), server_cpu_s(client)
         result = run_restore(client, STRUCTURE, backup_root=work / "bk", log_root=work / "logs", progress=progress,
                              backup_keys=bench_keys(work))
         t1 = time.perf_counter()
+        cpu_us["restore"].append(round((process_cpu_s() - c0) / len(ids) * 1e6, 2))
+        cpu_us["restore_cf"].append(round((server_cpu_s(client) - s0) / len(ids) * 1e6, 2))
         assert result.loaded_entries == len(ids), result.loaded_entries
         loads.append(t1 - marks["load"])
         totals.append(t1 - t0)
@@ -264,7 +284,8 @@ def restore_rounds(client: redis.Redis, work: Path, ids: list[str], rounds: int,
            "raw_write_rounds_s": [round(x, 3) for x in raws], "load_rounds_s": [round(x, 3) for x in loads],
            "restore_rounds_s": [round(x, 3) for x in totals], "raw_write_s": round(min(raws), 3),
            "load_s": round(min(loads), 3), "restore_s": round(min(totals), 3),
-           "load_over_raw": round(min(loads) / min(raws), 3)}
+           "load_over_raw": round(min(loads) / min(raws), 3), "cpu_us_per_entry": cpu_us,
+           "loadavg_end": os.getloadavg()}
     if guard:
         out.update(guarded_write_rounds_s=[round(x, 3) for x in guarded], guarded_write_s=round(min(guarded), 3),
                    guarded_over_raw=round(min(guarded) / min(raws), 3))
@@ -312,19 +333,28 @@ def main() -> int:
         # Interleaved rounds, the best of each: the machine may be shared, and a single pair can straddle a burst.
         raws: list[float] = []
         backups: list[float] = []
+        # CPU an entry (this process's threads; the redis-server's, by its INFO): on a machine shared with other
+        # work the wall times swing with it, the CPU much less.
+        cpu_us: dict[str, list[float]] = {"raw_read": [], "raw_read_cf": [], "backup": [], "backup_cf": []}
         for _ in range(args.rounds):
+            c0, s0 = process_cpu_s(), server_cpu_s(client)
             raw_s, raw_bytes = raw_read(client, ids)
             raws.append(raw_s)
+            c1, s1 = process_cpu_s(), server_cpu_s(client)
             t0 = time.perf_counter()
             with PhaseBars(console, disabled=not console.is_terminal, width=36) as bars:
                 manifest = run_backup(client, STRUCTURE, work / "bk", progress=bars, batch=args.batch,
                                       backup_keys=bench_keys(work))
             backups.append(time.perf_counter() - t0)
+            c2, s2 = process_cpu_s(), server_cpu_s(client)
+            for k, v in (("raw_read", c1 - c0), ("raw_read_cf", s1 - s0), ("backup", c2 - c1), ("backup_cf", s2 - s1)):
+                cpu_us[k].append(round(v / args.messages * 1e6, 2))
             assert manifest["entries"] == args.messages, manifest["entries"]
             shutil.rmtree(work / "bk")
         raw_s, backup_s = min(raws), min(backups)
         result.update(raw_read_rounds_s=[round(x, 3) for x in raws], backup_rounds_s=[round(x, 3) for x in backups],
-                      batch=args.batch, fg_batch=args.fg_batch)
+                      batch=args.batch, fg_batch=args.fg_batch, cpu_us_per_entry=cpu_us,
+                      loadavg_start=os.getloadavg())
         result.update(raw_read_s=round(raw_s, 3), raw_read_mb_s=round(raw_bytes / raw_s / 2**20, 1),
                       backup_s=round(backup_s, 3), backup_mb_s=round(manifest["bytes"] / backup_s / 2**20, 1),
                       backup_ratio=round(raw_s / backup_s, 3))
@@ -399,6 +429,9 @@ def _finish(console: Console, result: dict[str, Any], args: argparse.Namespace) 
     table.add_row("raw pipelined read (s, MiB/s)", f"{result['raw_read_s']} s, {result['raw_read_mb_s']}", "")
     table.add_row("run_backup (s, MiB/s)", f"{result['backup_s']} s, {result['backup_mb_s']}", "")
     table.add_row("backup / raw read speed (idle CF)", str(result["backup_ratio"]), ">= 0.8")
+    cpu = result["cpu_us_per_entry"]
+    table.add_row("CPU µs an entry, raw read: process / CF", f"{min(cpu['raw_read'])} / {min(cpu['raw_read_cf'])}", "")
+    table.add_row("CPU µs an entry, backup: process / CF", f"{min(cpu['backup'])} / {min(cpu['backup_cf'])}", "")
     table.add_row("foreground lifecycles/s, no backup", str(result["fg_quiet_per_s"]), "")
     table.add_row("foreground lifecycles/s, backups paced", f"{result['fg_busy_per_s']} "
                   f"({len(result['backup_runs']['busy'])} backup runs)", "")

@@ -39,7 +39,7 @@ from redis.retry import Retry
 from cfemu import keys, rcluster, resp
 from cfemu.admin import EPOCHS, StructureDef, stage_structure
 from cfemu.entry import Entry
-from cfemu.redis_internals import socket_of
+from cfemu.redis_internals import hiredis_io, pack, socket_of
 
 BATCH = 1000  # writes: entries (or keys to delete) per pipeline
 FETCH_BATCH = 2000  # reads: ids per pipelined fetch
@@ -68,11 +68,37 @@ def read(client: redis.Redis, structure: str, ids: Sequence[str],
 
 
 def _descriptors(client: redis.Redis, structure: str, ids: Sequence[str]) -> list[Any]:
-    return client.hmget(keys.entries(structure), ids)  # bytes or None: the client is binary-safe
+    return hmget(client, keys.entries(structure), ids)  # bytes or None: the client is binary-safe
 
 
 def _data(client: redis.Redis, structure: str, ids: Sequence[str]) -> list[Any]:
-    return client.hmget(keys.data(structure), ids)
+    return hmget(client, keys.data(structure), ids)
+
+
+def hmget(client: redis.Redis, key: str, fields: Sequence[str]) -> list[Any]:
+    """client.hmget(key, fields), on a connection of the client's pool driven directly (cfemu.resp): redis-py's
+    per-command path (its packer's check of every argument, its wrappers) had cost a backup more CPU than the
+    parsing of the reply, about half a microsecond an entry. A connection this cannot drive (none of hiredis's
+    parser, a health check due, a cluster client), or one that fails, leaves the read to client.hmget itself,
+    with its own retry policy (a read may be made again)."""
+    if rcluster.is_cluster(client):
+        return client.hmget(key, fields)
+    pool = client.connection_pool
+    conn = pool.get_connection()
+    reply: Any = None
+    try:
+        if hiredis_io(conn) is not None and not (conn.health_check_interval
+                                                 and time.monotonic() > conn.next_health_check):
+            reply = resp.exchange(conn, pack(conn, ("HMGET", key, *fields)), 1)[0]
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+        reply = None  # the connection was dropped (resp.io_failure): redis-py's path connects again
+    finally:
+        pool.release(conn)
+    if reply is None:
+        return client.hmget(key, fields)
+    if isinstance(reply, redis.exceptions.ResponseError):
+        raise reply
+    return list(reply)
 
 
 def parts(descs: Sequence[bytes | None], limit: int) -> list[tuple[int, int]]:
@@ -261,12 +287,29 @@ def cf_identity(client: redis.Redis) -> str:
     return str(client.info("server")["run_id"])
 
 
+_HEADER_FIELDS = (TOKEN, "state", "gen", "restored_from")  # what a restore's claim and its checks read of the header
+
+
 def _header(client: redis.Redis, structure: str) -> Seen:
     """The CF's identity first, then the header: a CF replaced between the two reads shows as replaced."""
     cf = cf_identity(client)
-    token, state, gen, restored = client.hmget(keys.meta(structure), TOKEN, "state", "gen", "restored_from")
+    return _seen(cf, client.hmget(keys.meta(structure), _HEADER_FIELDS))
+
+
+def _seen(cf: str, header: Sequence[Any]) -> Seen:
+    """A Seen of the CF's identity and the header's _HEADER_FIELDS as HMGET answers them."""
+    token, state, gen, restored = header
     return Seen(cf, int(token or 0), keys.text(state) if state else "", int(gen or 0),
                 keys.text(restored) if restored else "")
+
+
+def _run_id(info: bytes) -> str:
+    """The run id in an INFO server reply's text (cf_identity of a single server)."""
+    start = info.find(b"\r\nrun_id:")
+    if start < 0:
+        raise redis.exceptions.ResponseError("INFO server answered without a run_id")
+    start += len(b"\r\nrun_id:")
+    return info[start:info.find(b"\r\n", start)].decode()
 
 
 def observe(client: redis.Redis, structure: str) -> Seen:
@@ -323,16 +366,32 @@ def _transact(client: redis.Redis, watch: Sequence[str], check: Callable[[Pipeli
 
 
 _MULTI, _EXEC = b"*1\r\n$5\r\nMULTI\r\n", b"*1\r\n$4\r\nEXEC\r\n"
+_UNWATCH = b"*1\r\n$7\r\nUNWATCH\r\n"
 
 
 def _exec_packed(pipe: Pipeline, commands: resp.Packed) -> list[Any]:
-    """MULTI, `commands`, EXEC, sent together on the watching pipeline's connection (cfemu.resp); EXEC's
-    replies. As redis-py's pipeline: WatchError when a watched key changed (nothing applied), the first error
-    reply raised (a command refused when queued aborts the whole EXEC)."""
+    """MULTI, `commands`, EXEC, sent together on the watching pipeline's connection (_exec_on)."""
+    try:
+        return _exec_on(pipe.connection, commands)
+    finally:
+        pipe.watching = False  # EXEC (applied, aborted or refused by the WATCH) ended the WATCH on the server
+
+
+def _unwatch(conn: Any) -> None:
+    """Give a connection back unwatched (or disconnected, when it cannot say UNWATCH any more)."""
+    try:
+        resp.exchange(conn, _UNWATCH, 1)
+    except Exception:  # noqa: BLE001 - the caller's own failure is what it raises
+        conn.disconnect()
+
+
+def _exec_on(conn: Any, commands: resp.Packed) -> list[Any]:
+    """MULTI, `commands`, EXEC, sent together on a watching connection (cfemu.resp); EXEC's replies. As redis-py's
+    pipeline: WatchError when a watched key changed (nothing applied), the first error reply raised (a command
+    refused when queued aborts the whole EXEC)."""
     # The batch's strings as they are (cfemu.resp.Packed.chunks), not joined to MULTI and EXEC: that took two
     # copies of the whole batch (its messages' data) while it was sent.
-    replies = resp.exchange(pipe.connection, [_MULTI, *commands.chunks(), _EXEC], commands.count + 2)
-    pipe.watching = False  # EXEC (applied, aborted or refused by the WATCH) ended the WATCH on the server
+    replies = resp.exchange(conn, [_MULTI, *commands.chunks(), _EXEC], commands.count + 2)
     result = replies[-1]
     for r in (*replies[:-1], result, *(result if isinstance(result, list) else ())):
         if isinstance(r, redis.exceptions.ResponseError):
@@ -379,11 +438,16 @@ class Owner:
         # Cluster, {ADMIN} has a slot of its own, perhaps on another master: the cluster client (cfemu.rcluster).
         self.separate_admin = admin is not None
         self.admin = admin if admin is not None else client
+        self._guard: list[bytes] | None = None  # send's first round trip, packed (_watch_and_read)
 
     def check(self, client: redis.Redis) -> None:
         """Raise NotOwnerError (CFReplacedError) unless the header, read through `client` (a watching pipeline),
         still says this owner's, in the same CF."""
-        now = _header(client, self.structure)
+        self.judge(_header(client, self.structure))
+
+    def judge(self, now: Seen) -> None:
+        """Raise NotOwnerError (CFReplacedError) unless `now`, the CF's identity and the header as read while
+        watched, says this owner's, in the same CF."""
         if now.cf != self.cf:
             raise CFReplacedError(f"the CF is another server now (run id {self.cf[:12]} at the claim, "
                                   f"{now.cf[:12]} now)")
@@ -402,8 +466,60 @@ class Owner:
                          lambda pipe, _: stage(pipe))[1]
 
     def send(self, commands: resp.Packed) -> list[Any]:
-        """transaction() of commands packed beforehand (a bulk load's batch, prepared in another thread)."""
+        """transaction() of commands packed beforehand (a bulk load's batch, prepared in another thread), in two
+        round trips: WATCH, the CF's identity and the header sent together and judged, then MULTI, the commands
+        and EXEC. (redis-py's watching pipeline makes each of the first three a round trip of its own: a batch
+        waited four times for the CF, each wait a scheduling delay on a busy machine.) A connection this cannot
+        drive (another parser than hiredis's) takes _transact."""
+        pool = self.client.connection_pool
+        for _ in range(WATCH_RETRIES):
+            try:
+                conn = pool.get_connection()
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
+                raise CFReplacedError("the connection to the CF broke") from e
+            try:
+                if hiredis_io(conn) is None:
+                    break
+                replies = self._exec_guarded(conn, commands)
+                if replies is not None:
+                    return replies
+            finally:
+                pool.release(conn)
+        else:
+            raise NotOwnerError(f"the structure's header changed under {WATCH_RETRIES} transactions in a row")
         return _transact(self.client, (keys.meta(self.structure),), self.check, commands)[1]
+
+    def _watch_and_read(self) -> list[bytes]:
+        """WATCH of the header, INFO server and HMGET of the header's _HEADER_FIELDS, packed once."""
+        if self._guard is None:
+            meta = keys.meta(self.structure)
+            guard = resp.Packed()
+            guard.add("WATCH", meta)
+            guard.add("INFO", "server")
+            guard.add("HMGET", meta, *_HEADER_FIELDS)
+            self._guard = [guard.data()]
+        return self._guard
+
+    def _exec_guarded(self, conn: Any, commands: resp.Packed) -> list[Any] | None:
+        """One try of send on `conn`: EXEC's replies, or None when the header changed between the read and EXEC
+        (nothing applied: try again). Raises as _transact does."""
+        try:
+            watched, info, header = resp.exchange(conn, self._watch_and_read(), 3)
+            try:
+                for reply in (watched, info, header):
+                    if isinstance(reply, redis.exceptions.ResponseError):
+                        raise reply
+                self.judge(_seen(_run_id(info), header))
+            except BaseException:
+                _unwatch(conn)
+                raise
+            return _exec_on(conn, commands)
+        except redis.exceptions.WatchError:
+            return None
+        except redis.exceptions.ReadOnlyError as e:  # a replica now (demoted, or following another): not the CF
+            raise CFReplacedError("the CF refused a write (READONLY): the server is a replica now") from e
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
+            raise CFReplacedError("the connection to the CF broke") from e
 
     def close(self) -> None:
         self.client.close()
@@ -526,10 +642,11 @@ def descriptor(wire: Wire, data: bytes) -> bytes:
     """The descriptor as the CF scripts store it: cmsgpack-readable (str keys; properties only with str names and
     str/int/float/bool values, the ones Lua keeps intact), with the data's length. The same bytes as
     Entry.from_wire(...).pack() (cfemu.entry: same fields, order, defaults and types), built without the Entry in
-    between: a restore packs a million of them."""
+    between: a restore packs a million of them (most with no properties: no filtered copy is made for those)."""
     d = wire.get
-    pr = d("pr") or {}
-    props = {k: v for k, v in pr.items() if isinstance(k, str) and isinstance(v, str | int | float | bool)}
+    pr = d("pr")
+    props = ({k: v for k, v in pr.items() if isinstance(k, str) and isinstance(v, str | int | float | bool)}
+             if pr else {})
     return _pack_descriptor({
         "id": wire["id"], "q": wire["q"], "p": int(d("p", 0)), "per": 1 if d("per", 1) else 0, "mid": d("mid", ""),
         "cid": d("cid", ""), "exp": int(d("exp", 0)), "pt": int(d("pt", 0)), "bc": int(d("bc", 0)), "pr": props,
@@ -587,31 +704,53 @@ def prepare(structure: str, batch: Sequence[Survivor]) -> Staged:
     that cannot be encoded raises ValueError (unloadable) before anything of its batch is sent."""
     S = structure
     st = Staged(len(batch))
-    lists: dict[str, list[str]] = defaultdict(list)
-    sets: dict[str, list[str]] = defaultdict(list)
+    lists: dict[str, list[str]] = {}
+    sets: dict[str, list[str]] = {}
     expiry: list[Any] = []
     ids: list[str] = []
     descriptors: list[bytes] = []
     datas: list[bytes] = []
+    # The loop runs a million times in a restore: the list of each (queue, state, priority) is looked up once a
+    # batch, and the sets an entry is in (sets_of) are named here inline, in sets_of's order.
+    list_ids: dict[tuple[str, str, int], list[str]] = {}
+    index_prefixes: dict[str, tuple[str, str]] = {}  # queue -> (its correlation id's, its message id's)
+    held = st.held
     for s in batch:
         e = _wire(s)
-        lists[list_of(S, e)].append(s.id)
-        if e.get("u"):
-            st.held[e["u"]] = min(st.held.get(e["u"], int(e["l"])), int(e["l"]))
-        if int(e.get("exp", 0)) > 0:
-            expiry += (int(e["exp"]), s.id)
-        for k in sets_of(S, e):
-            sets[k].append(s.id)
+        i = s.id
+        d = e.get
+        q = e["q"]
+        place = (q, e["st"], int(d("p", 0)))
+        members = list_ids.get(place)
+        if members is None:
+            members = list_ids[place] = lists.setdefault(list_of(S, e), [])
+        members.append(i)
+        u = d("u")
+        if u:
+            first = int(e["l"])
+            held[u] = min(held.get(u, first), first)
+            sets.setdefault(keys.uow_set(S, u), []).append(i)
+        exp = d("exp")
+        if exp and int(exp) > 0:
+            expiry += (int(exp), i)
+        cid, mid = d("cid"), d("mid")
+        if cid or mid:
+            prefixes = index_prefixes.get(q)
+            if prefixes is None:
+                prefixes = index_prefixes[q] = (keys.index_set_prefix(S, q, "c"), keys.index_set_prefix(S, q, "m"))
+            if cid:
+                sets.setdefault(prefixes[0] + cid, []).append(i)
+            if mid:
+                sets.setdefault(prefixes[1] + mid, []).append(i)
         try:
-            packed = descriptor(e, s.data)
+            descriptors.append(descriptor(e, s.data))
         except UnicodeEncodeError as x:  # the first of the entry's strings to be encoded: the rest are the same
-            raise unloadable(s.id, x) from None
-        ids.append(s.id)
-        descriptors.append(packed)
-        st.copies.append((packed, s.data))
+            raise unloadable(i, x) from None
+        ids.append(i)
         datas.append(s.data)
-        st.queues.add(e["q"])
-        st.bytes += len(s.data)
+    st.copies = list(zip(descriptors, datas))
+    st.queues = {q for q, _, _ in list_ids}
+    st.bytes = sum(map(len, datas))
     if batch:  # as redis-py's hset(mapping=...), sadd, rpush and zadd would send them
         c = st.commands
         c.add_pairs((b"HSET", keys.entries(S)), ids, descriptors)

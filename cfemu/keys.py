@@ -119,7 +119,13 @@ def uow_work(structure: str, uow: str, kind: str) -> str:
 
 def index_set(structure: str, queue: str, kind: str, value: str) -> str:
     """Set: ids of a queue's entries by correlation id (kind 'c') or message id (kind 'm'), value in hex."""
-    return f"{tag(structure)}:ix:{queue}:{kind}:{value}"
+    return index_set_prefix(structure, queue, kind) + value
+
+
+def index_set_prefix(structure: str, queue: str, kind: str) -> str:
+    """What every index_set(structure, queue, kind, value) begins with, the value after it (a bulk load names a
+    million index sets: it builds each prefix once)."""
+    return f"{tag(structure)}:ix:{queue}:{kind}:"
 
 
 def pclock(structure: str) -> str:

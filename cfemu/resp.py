@@ -102,18 +102,18 @@ class Packed:
         """The commands as a few strings, to send one after the other: each run of short parts joined, and a long
         part (a message's data) as it is, never copied (a batch of 1,000 messages of 1 MiB is 1 GiB: one copy
         more of it is a GiB more)."""
+        parts = self.parts
         out: list[bytes] = []
-        run: list[bytes] = []
-        for p in self.parts:
-            if len(p) < LONG:
-                run.append(p)
-                continue
-            if run:
-                out.append(b"".join(run))
-                run = []
-            out.append(p)
-        if run:
-            out.append(b"".join(run))
+        start = 0
+        # The long parts found by one comprehension, the runs between them joined by slices: a batch has four parts
+        # an entry, and a loop that handled each part cost the load about a microsecond an entry.
+        for i in [i for i, p in enumerate(parts) if len(p) >= LONG]:
+            if i > start:
+                out.append(b"".join(parts[start:i]))
+            out.append(parts[i])
+            start = i + 1
+        if start < len(parts):
+            out.append(b"".join(parts[start:]))
         return out
 
     def __getstate__(self) -> tuple[list[bytes], int]:

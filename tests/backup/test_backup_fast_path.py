@@ -47,6 +47,25 @@ def test_add_raw_writes_the_bytes_add_writes(tmp_path: Path) -> None:
         assert (tmp_path / "S" / "a" / f["name"]).read_bytes() == (tmp_path / "S" / "b" / f["name"]).read_bytes()
 
 
+def test_add_raw_of_whole_batches_writes_the_bytes_add_writes(tmp_path: Path) -> None:
+    """Batches that fit in the current file are framed as a whole: the same files, byte for byte, as add's
+    frames one by one, with batches of one size and of mixed sizes, and the files rolled between batches (a
+    batch that would cross the roll is framed one by one)."""
+    rng = random.Random(3)
+    batches = [[(_wire(100 * b + i), os.urandom(rng.choice([0, 7, 255, 256, 1024, 70_000])))
+                for i in range(rng.randrange(1, 40))] for b in range(60)]
+    a = BackupWriter(tmp_path / "S" / "a", roll_bytes=1_000_000)
+    b = BackupWriter(tmp_path / "S" / "b", roll_bytes=1_000_000)
+    pack = _packer().pack
+    for batch in batches:
+        for w, d in batch:
+            a.add(4, w, d)
+        b.add_raw(4, [(pack(w), d) for w, d in batch])
+    ma, mb = a.finish({"id": "a"}), b.finish({"id": "b"})
+    assert len(ma["files"]) > 3
+    assert [(f["sha256"], f["frames"]) for f in ma["files"]] == [(f["sha256"], f["frames"]) for f in mb["files"]]
+
+
 def test_the_cf_bytes_read_back_as_the_wire_form(tmp_path: Path) -> None:
     """The CF's own descriptor bytes (Lua writes an empty property table as an empty array, strings in the raw
     family) read back as the decoded, repacked descriptor did: pr an empty map."""

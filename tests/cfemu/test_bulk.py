@@ -132,17 +132,64 @@ def test_packed_commands_under_a_header_changed_meanwhile_are_tried_again(client
     commands = resp.Packed()
     commands.add("HINCRBY", keys.data(S), "counter", 1)
     with bulk.claim(client, S, bulk.observe(client, S)) as owner:
-        check = owner.check
+        judge = owner.judge  # a packed batch judges the header it read with its WATCH
 
-        def check_then_change(pipe: Pipeline) -> None:
-            check(pipe)
+        def judge_then_change(now: bulk.Seen) -> None:
+            judge(now)
             checks.append(1)
             if len(checks) == 1:  # between the check and EXEC: EXEC applies nothing, and the batch goes again
                 other.hset(keys.meta(S), "max_entries", 10)
 
-        monkeypatch.setattr(owner, "check", check_then_change)
+        monkeypatch.setattr(owner, "judge", judge_then_change)
         assert owner.send(commands) == [1]
     assert len(checks) == 2 and client.hget(keys.data(S), "counter") == b"1"  # applied once
+
+
+def test_a_packed_batch_waits_for_the_cf_twice(client: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """WATCH, the CF's identity and the header go in one round trip, MULTI, the batch and EXEC in a second: a
+    watching redis-py pipeline made a round trip of each of the first three (four waits a batch, each a
+    scheduling delay for a restore on a busy machine)."""
+    commands = resp.Packed()
+    commands.add("HSET", keys.data(S), "marker", "x")
+    exchanges: list[int] = []
+    exchange = resp.exchange
+
+    def counted(conn: object, data: object, replies: int) -> list[object]:
+        exchanges.append(replies)
+        return exchange(conn, data, replies)  # type: ignore[arg-type]
+
+    def calls() -> dict[str, int]:
+        return {k.removeprefix("cmdstat_"): v["calls"] for k, v in client.info("commandstats").items()}
+
+    with bulk.claim(client, S, bulk.observe(client, S)) as owner:
+        before = calls()
+        monkeypatch.setattr(resp, "exchange", counted)
+        owner.send(commands)
+        monkeypatch.undo()
+        after = calls()
+    assert exchanges == [3, 3]  # WATCH, INFO, HMGET; then MULTI, HSET, EXEC
+    sent = ("watch", "hmget", "multi", "hset", "exec")  # and INFO, which the count's own reads use too
+    assert {k: after.get(k, 0) - before.get(k, 0) for k in sent} == dict.fromkeys(sent, 1)
+    assert client.hget(keys.data(S), "marker") == b"x"
+
+
+def test_a_packed_batch_refused_leaves_the_owners_connection_unwatched(client: redis.Redis) -> None:
+    """A packed batch whose owner lost the structure writes nothing, and its connection (the owner's only one)
+    is not left watching the header: the owner's next transaction is not aborted by the WATCH of the refused
+    one."""
+    commands = resp.Packed()
+    commands.add("HSET", keys.data(S), "marker", "x")
+    with bulk.claim(client, S, bulk.observe(client, S)) as owner:
+        token = owner.token
+        owner.token = token - 1  # as if a later restore had claimed the structure
+        with pytest.raises(bulk.NotOwnerError, match="took the structure over"):
+            owner.send(commands)
+        owner.token = token
+        client.hset(keys.meta(S), "max_entries", 10)  # would abort an EXEC still watching
+        owner.client.execute_command("MULTI")  # on the owner's one connection, without a WATCH of its own
+        owner.client.execute_command("HSET", keys.data(S), "queued", "y")
+        assert owner.client.execute_command("EXEC") == [1]  # None had the refused batch's WATCH survived
+    assert client.hget(keys.data(S), "marker") is None
 
 
 def test_packed_commands_with_an_error_apply_nothing_and_raise_it(client: redis.Redis) -> None:
@@ -224,3 +271,32 @@ def test_an_owner_stops_when_the_cf_became_a_replica(fresh_redis: EmbeddedRedis,
         finally:
             c.execute_command("REPLICAOF", "NO", "ONE")
     assert c.hget(keys.data(S), "marker") is None
+
+
+def test_the_backups_hmget_reads_what_redis_py_reads_and_a_failed_read_again(
+        redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bulk.hmget (the backup's reads, on the pool's connection directly) answers as client.hmget: binary values,
+    empty ones, missing fields as None, an error reply raised; a read whose connection broke under it is made
+    again by client.hmget itself, with redis-py's retries and reconnection (a read may be made twice)."""
+    c = redis.Redis.from_url(redis_url)
+    key = keys.data(S)
+    c.hset(key, mapping={"a": b"\x00\r\n$3\r\n", "b": b""})
+    fields = ["a", "missing", "b"]
+    assert bulk.hmget(c, key, fields) == c.hmget(key, fields) == [b"\x00\r\n$3\r\n", None, b""]
+    c.set("{APP1}:string", "x")
+    with pytest.raises(redis.exceptions.ResponseError, match="WRONGTYPE"):
+        bulk.hmget(c, "{APP1}:string", fields)
+
+    exchange = resp.exchange
+    broken: list[object] = []
+
+    def breaks_once(conn: object, data: object, replies: int) -> list[object]:
+        if not broken:
+            broken.append(conn)
+            conn.disconnect()  # type: ignore[attr-defined]
+            raise redis.exceptions.ConnectionError("Connection closed by server.")
+        return exchange(conn, data, replies)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(resp, "exchange", breaks_once)
+    assert bulk.hmget(c, key, fields) == [b"\x00\r\n$3\r\n", None, b""]
+    assert broken, "the failed read was not the one made"

@@ -39,17 +39,20 @@ def test_a_batch_sent_while_the_cf_reloads_its_data_stops_the_load_as_a_lost_cf(
     c.execute_command("DEBUG", "POPULATE", "80000", "pad", "100")  # 8 MB: events served every 2 MB it loads
     c.config_set("key-load-delay", 20)  # microseconds a key: seconds of loading
     owner = bulk.claim(c, S, bulk.observe(c, S))
-    check = owner.check
+    # The owner's check of its header: through its watching pipeline, or (a packed batch) of the header read
+    # with the batch's WATCH.
+    hook = "judge" if packed else "check"
+    check = getattr(owner, hook)
     reload = threading.Thread(target=lambda: srv.client(socket_timeout=None).execute_command("DEBUG", "RELOAD"))
 
-    def check_then_reload(pipe: Pipeline) -> None:
-        check(pipe)
+    def check_then_reload(read: Pipeline | bulk.Seen) -> None:
+        check(read)
         reload.start()  # between the owner's check and its batch
         deadline = time.monotonic() + 20
         while not answers_loading(srv.port):
             assert time.monotonic() < deadline, "the CF never answered LOADING"
 
-    monkeypatch.setattr(owner, "check", check_then_reload)
+    monkeypatch.setattr(owner, hook, check_then_reload)
     try:
         with pytest.raises(bulk.CFReplacedError):
             write_marker(owner, "during", packed)
