@@ -37,7 +37,7 @@ import redis
 from cfemu import credentials, duplex_control
 from cfemu.duplex import DUPLEX, SIMPLEX, duplex_url
 from cfemu.embedded import EmbeddedRedis, ServerNotRunningError
-from cfemu.procs import pid_alive
+from cfemu.procs import pid_alive, pid_is_redis
 from cfemu.settings import CLUSTER_CF, CLUSTER_REDIS_URL
 
 log = logging.getLogger("qsg.cfpair")
@@ -49,10 +49,7 @@ SYNC_TIMEOUT_S = 30.0
 def _runs(pid: Any) -> bool:
     if not pid or not pid_alive(int(pid)):
         return False
-    try:
-        return b"redis" in Path(f"/proc/{int(pid)}/cmdline").read_bytes()
-    except OSError:
-        return True
+    return pid_is_redis(int(pid))
 
 
 class PairOwner(Protocol):
