@@ -57,7 +57,7 @@ from typing import Any
 from cfemu import credentials, repository
 from cfemu.admin import Admin
 from cfemu.connection import connect
-from cfemu.embedded import EmbeddedRedis, ServerNotRunningError
+from cfemu.embedded import EmbeddedRedis, ServerNotRunningError, discard_data
 from cfemu.embedded_rcluster import EmbeddedCluster
 from cfemu.private_files import private_dir, write_private
 from cfemu.procs import (
@@ -385,9 +385,7 @@ class LocalGroup:
             self._start_cluster_cf()
             return
         cf_dir = Path(self.state[CLUSTER_CF]["dir"])
-        for leftover in ("dump.rdb", "appendonly.aof"):  # the CF always starts empty, like a lost CF
-            with contextlib.suppress(FileNotFoundError):
-                (cf_dir / leftover).unlink()
+        discard_data(cf_dir)  # the CF always starts empty, like a lost CF
         passwords = credentials.create(self.secrets_dir)
         acl = credentials.acl_lines(passwords) + (self.pair.acl() if self.duplexed else [])
         self._cf = EmbeddedRedis(port=port, data_dir=cf_dir, host=self.host, detach=self.state["detached"],
