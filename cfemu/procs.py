@@ -39,15 +39,24 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
-def pid_is_redis(pid: int) -> bool:
-    """Guard against pid reuse: does ``pid`` look like a redis-server? (True if unknowable.)"""
+# What a CF server's command line holds: redis-server's, or valkey-server's (cfemu.embedded runs either).
+CF_SERVER_MARKERS = (b"redis", b"valkey")
+
+
+def cmdline_holds(pid: int, markers: bytes | tuple[bytes, ...]) -> bool:
+    """Does process ``pid``'s command line hold the marker (one of the markers)? True if unknowable."""
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
     except FileNotFoundError:
         return not Path("/proc/self").exists()
     except OSError:
         return True
-    return b"redis" in cmdline
+    return any(m in cmdline for m in ((markers,) if isinstance(markers, bytes) else markers))
+
+
+def pid_is_redis(pid: int) -> bool:
+    """Guard against pid reuse: does ``pid`` look like a CF server (redis-server or valkey-server)?"""
+    return cmdline_holds(pid, CF_SERVER_MARKERS)
 
 
 def wait_gone(pid: int, timeout: float, proc: subprocess.Popen[Any] | None = None, poll_s: float = 0.02) -> bool:

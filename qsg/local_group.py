@@ -57,10 +57,18 @@ from typing import Any
 from cfemu import credentials, repository
 from cfemu.admin import Admin
 from cfemu.connection import connect
-from cfemu.embedded import EmbeddedRedis, ServerNotRunningError
+from cfemu.embedded import EmbeddedRedis, ServerNotRunningError, discard_data
 from cfemu.embedded_rcluster import EmbeddedCluster
 from cfemu.private_files import private_dir, write_private
-from cfemu.procs import free_port, log_tail, pid_alive, popen_tied, wait_gone
+from cfemu.procs import (
+    CF_SERVER_MARKERS,
+    cmdline_holds,
+    free_port,
+    log_tail,
+    pid_alive,
+    popen_tied,
+    wait_gone,
+)
 from cfemu.settings import (
     CLUSTER_BACKUP_DIR,
     CLUSTER_CF,
@@ -94,14 +102,9 @@ class LocalGroupError(RuntimeError):
     """The cluster cannot be started, found or stopped as asked."""
 
 
-def _pid_runs(pid: int | None, marker: bytes) -> bool:
+def _pid_runs(pid: int | None, marker: bytes | tuple[bytes, ...]) -> bool:
     """Is pid alive and still the process we started (its command line holds marker)? Guards against pid reuse."""
-    if not pid or not pid_alive(pid):
-        return False
-    try:
-        return marker in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return True
+    return pid is not None and pid > 0 and pid_alive(pid) and cmdline_holds(pid, marker)
 
 
 class LocalGroup:
@@ -382,14 +385,12 @@ class LocalGroup:
             self._start_cluster_cf()
             return
         cf_dir = Path(self.state[CLUSTER_CF]["dir"])
-        for leftover in ("dump.rdb", "appendonly.aof"):  # the CF always starts empty, like a lost CF
-            with contextlib.suppress(FileNotFoundError):
-                (cf_dir / leftover).unlink()
+        discard_data(cf_dir)  # the CF always starts empty, like a lost CF
         passwords = credentials.create(self.secrets_dir)
         acl = credentials.acl_lines(passwords) + (self.pair.acl() if self.duplexed else [])
         self._cf = EmbeddedRedis(port=port, data_dir=cf_dir, host=self.host, detach=self.state["detached"],
                                  acl_users=acl).start()
-        self.state[CLUSTER_CF].update(port=self._cf.port, pid=self._cf.pid)
+        self.state[CLUSTER_CF].update(port=self._cf.port, pid=self._cf.pid, server=self._cf.server.as_dict())
         self.state[CLUSTER_REDIS_URL] = self.pair.url() if self.duplexed and self.pair.state["addresses"] \
             else self._cf.url
 
@@ -668,7 +669,7 @@ class LocalGroup:
     def cf_alive(self) -> bool:
         if rcluster_cf.is_cluster_cf(self.state.get(CLUSTER_CF, {})):
             return rcluster_cf.alive(self.state[CLUSTER_CF], _pid_runs)
-        return _pid_runs(self.state.get(CLUSTER_CF, {}).get("pid"), b"redis")
+        return _pid_runs(self.state.get(CLUSTER_CF, {}).get("pid"), CF_SERVER_MARKERS)
 
     def restart_dead_cf(self, reason: str = "died") -> bool:
         """Restart the CF (empty, same port) if it is dead; True when it did. What the supervisor does (reason:
@@ -759,10 +760,10 @@ class LocalGroup:
         """Name -> pid of every cluster process still alive (the CF as 'CF', the scheduler as 'scheduler')."""
         out: dict[str, int] = {}
         cf_pid = self.state.get(CLUSTER_CF, {}).get("pid")
-        if _pid_runs(cf_pid, b"redis"):
+        if _pid_runs(cf_pid, CF_SERVER_MARKERS):
             out["CF"] = cf_pid
         for node in self.state.get(CLUSTER_CF, {}).get("nodes") or []:  # a Redis Cluster CF's nodes
-            if _pid_runs(node.get("pid"), b"redis"):
+            if _pid_runs(node.get("pid"), CF_SERVER_MARKERS):
                 out[f"CF {node['name']}"] = node["pid"]
         for m in self.state.get("managers", []):
             if _pid_runs(m.get("pid"), m["name"].encode()):
@@ -829,6 +830,8 @@ class LocalGroup:
         doc = {"dir": str(self.dir), "redis_url": self.state.get(CLUSTER_REDIS_URL), "spark_master": spark_master,
                "log_root": str(self.log_root),
                "backup_dir": str(self.backup_dir), "processes": rows}
+        if cf.get("server"):  # which binary and version the CF runs (cfemu.embedded.find_server chose it)
+            doc["cf_server"] = cf["server"]
         if pair is not None:
             doc["duplex"] = pair
         return doc

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from cfemu.embedded_rcluster import EmbeddedCluster
+from cfemu.procs import CF_SERVER_MARKERS
 
 KEY = "redis_cluster"  # in cluster.json's "cf": the number of masters (absent: a single redis-server)
 
@@ -42,7 +43,7 @@ def record(cf_state: dict[str, Any], cl: EmbeddedCluster) -> str:
 def alive(cf_state: dict[str, Any], runs: Any) -> bool:
     """Every node runs (runs(pid, marker) -> bool: qsg.local_group's check that a pid is that process)."""
     nodes = cf_state.get("nodes") or []
-    return bool(nodes) and all(runs(n.get("pid"), b"redis") for n in nodes)
+    return bool(nodes) and all(runs(n.get("pid"), CF_SERVER_MARKERS) for n in nodes)
 
 
 def status_rows(cf_state: dict[str, Any], cl: EmbeddedCluster | None) -> list[dict[str, Any]]:

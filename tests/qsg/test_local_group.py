@@ -26,6 +26,7 @@ import qsg.local_group as local_group_mod
 from backup import cli as backup_cli
 from cfemu.admin import Admin
 from cfemu.connection import connect
+from cfemu.embedded import find_server
 from cfemu.procs import pid_alive
 from qsg import cli as cfemu_cli
 from qsg.local_group import LocalGroup, LocalGroupError
@@ -190,6 +191,10 @@ def test_cli_cluster_up_status_backup_down(tmp_path: Path) -> None:
         assert all(m["lease_ms"] > 0 and m["epoch"] > 0 for m in status["members"])
         st = json.loads(cfemu("cluster", "status", "--dir", d, "--json").stdout)
         assert all(p["alive"] for p in st["processes"])
+        running = find_server()  # the CF runs the newest server found here, and status says which
+        assert st["cf_server"] == running.as_dict(), st["cf_server"]
+        assert f"CF server {running.product} {running.version_text} ({running.path})" in \
+            cfemu("cluster", "status", "--dir", d).stdout
         # The CF dies (kill -9, no command): the supervisor restarts it, a member restores APP1 (RECAUTO is on by
         # default, `cluster up` gave the members the backup directory).
         assert status["structures"][0]["recauto"] is True

