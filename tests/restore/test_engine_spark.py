@@ -23,27 +23,21 @@ from backup.files import Backup, BackupWriter, read_backup
 from cfemu.entry import Entry
 from restore.archive import archive_logs
 from restore.engine import READ_BACKUP, READ_LOGS, SETTLE, LocalEngine, get_engine
-from restore.engine_spark import SparkEngine, start_session
+from restore.engine_spark import SparkEngine
 from restore.plan import RestorePlan
 from sqm.core import records
 from sqm.core.records import Record
 from sqm.log import RecordLog, find_log_dirs
 
-pytestmark = pytest.mark.slow  # tests/support/tiers.py: run after the fast tier
+# slow: run after the fast tier (tests/support/tiers.py); spark: on the worker that holds the Spark session
+# (tests/restore/conftest.py).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("spark")]
 
 pyspark = pytest.importorskip("pyspark")
 
 S, OTHER = "APP1", "APP2"
 MEMBERS = ("QM1", "QM2", "QM3")
 NOW_MS = 1_700_000_000_000
-
-
-@pytest.fixture(scope="session")
-def spark(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    log_file = tmp_path_factory.mktemp("spark") / "spark.log"
-    session = start_session("local[2]", {"spark.default.parallelism": "2"}, log_file)
-    yield session
-    session.stop()
 
 
 # ------------------------------------------------------------------------------------------- random histories
