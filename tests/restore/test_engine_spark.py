@@ -275,6 +275,10 @@ def both_plans(spark: Any, backup: Backup, log_dirs: list[Path], replay_from: in
 
 # 16 histories (2.6 s each with Spark's jobs: 25 took 66 s of the default suite); the partitioned engine's
 # differential tests against the local one (tests/restore/test_partitioned.py) run 25 and 30 of the same generator's.
+# The timeouts: all the histories of one test count against one pytest-timeout, and on a machine loaded by other
+# work (the suite's own workers among it) a plan takes up to 20 s; a timeout raised inside a py4j call leaves the
+# worker's Spark session unusable for every test after it.
+@pytest.mark.timeout(900)
 @settings(max_examples=16, derandomize=True, database=None, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**32 - 1), steps=st.integers(0, 120))
@@ -286,6 +290,7 @@ def test_spark_and_local_engines_give_identical_plans(spark: Any, tmp_path_facto
     assert remote == local
 
 
+@pytest.mark.timeout(900)
 @settings(max_examples=12, derandomize=True, database=None, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**32 - 1))
