@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import re
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -21,9 +20,6 @@ from pathlib import Path
 import pytest
 
 TIERS = ("fast", "slow")
-
-# The suffix xdist's --dist loadgroup puts on the node id of a test in an xdist_group (tests/support/workers.py).
-GROUP_SUFFIX = re.compile(r"@[^\[\]/:]*$")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -42,7 +38,7 @@ class _Recorder:
         self.worker: dict[str, str] = {}
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        nodeid = GROUP_SUFFIX.sub("", report.nodeid)
+        nodeid = report.nodeid
         self.seconds[nodeid] += report.duration
         if report.when == "call" or report.outcome != "passed":
             self.outcome.setdefault(nodeid, report.outcome)
