@@ -30,17 +30,23 @@ typecheck: venv
 
 # The default suite in two tiers (tests/support/tiers.py): the fast one first, so that a broken change fails in
 # minutes, then the tests marked slow; each writes every test's duration to var/test-durations-TIER.txt.
+# Each tier is spread over pytest-xdist workers (TEST_WORKERS_FAST and TEST_WORKERS_SLOW; 0 runs it in one process):
+# more workers than cores pay because most tests wait on subprocesses, fsyncs, leases and timeouts rather than
+# compute. tests/support/workers.py keeps a module's tests together where they share a module fixture; every
+# worker has its own CF, temporary directories and ports.
 # The bytecode goes to .venv/pycache: where $$PYTHONDONTWRITEBYTECODE is set, pytest would otherwise rewrite the
 # asserts of every test module on each run (about 4 s of CPU) and each command the tests start would compile
 # the sources again.
+TEST_WORKERS_FAST ?= 3
+TEST_WORKERS_SLOW ?= 4
 test: export PYTHONPYCACHEPREFIX := $(abspath $(VENV))/pycache
 test: export PYTHONDONTWRITEBYTECODE :=
 test: venv
 	$(BIN)/ruff check .
 	$(BIN)/mypy cfemu sqm backup restore qsg
 	$(BIN)/lint-imports
-	$(BIN)/pytest -q --tier fast --durations-file=var/test-durations-fast.txt $(PYTEST_ARGS)
-	$(BIN)/pytest -q --tier slow --durations-file=var/test-durations-slow.txt $(PYTEST_ARGS)
+	$(BIN)/pytest -q -n $(TEST_WORKERS_FAST) --tier fast --durations-file=var/test-durations-fast.txt $(PYTEST_ARGS)
+	$(BIN)/pytest -q -n $(TEST_WORKERS_SLOW) --tier slow --durations-file=var/test-durations-slow.txt $(PYTEST_ARGS)
 
 demo: venv
 	$(BIN)/cfemu demo

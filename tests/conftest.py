@@ -37,7 +37,7 @@ from cfemu.embedded import EmbeddedRedis
 from cfemu.private_files import private_dir
 from tests.support.harness import HARNESS
 
-pytest_plugins = ["tests.support.tiers"]
+pytest_plugins = ["tests.support.tiers", "tests.support.workers"]
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -35,12 +35,18 @@ def cfrestore(url: str, logs: Path, backups: Path, *args: str, env: dict[str, st
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})})
 
 
-def _load_workers() -> set[int]:
-    """The restore worker processes on this machine (a restore killed must leave none)."""
+# Put in the environment of the restore a test kills: its workers inherit it.
+RUN_MARK = "RESTORE_CRASH_TEST_RUN"
+
+
+def _load_workers(run: str) -> set[int]:
+    """The restore worker processes of the restore started with RUN_MARK=run (a restore killed must leave none);
+    not those of other restores that run on the machine meanwhile (other tests, other workers of the suite)."""
     found = set()
     for proc in Path("/proc").iterdir():
         try:
-            if proc.name.isdigit() and b"restore.workers" in (proc / "cmdline").read_bytes():
+            if (proc.name.isdigit() and b"restore.workers" in (proc / "cmdline").read_bytes()
+                    and f"{RUN_MARK}={run}".encode() in (proc / "environ").read_bytes().split(b"\0")):
                 found.add(int(proc.name))
         except OSError:
             continue
@@ -70,13 +76,13 @@ def test_restore_killed_mid_load_resumes_to_the_clean_result(redis_url: str, tmp
     b.commit()
     lose_cf(client)  # the CF is lost
 
-    workers_before = _load_workers()
-    crashed = cfrestore(redis_url, logs, backups, *engine, env={FAILPOINTS: "restore-load-batch=1"})
+    run = str(tmp_path)
+    crashed = cfrestore(redis_url, logs, backups, *engine, env={FAILPOINTS: "restore-load-batch=1", RUN_MARK: run})
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr
     deadline = time.monotonic() + 10
-    while _load_workers() - workers_before and time.monotonic() < deadline:
+    while _load_workers(run) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _load_workers() - workers_before == set()
+    assert _load_workers(run) == set()
     assert Admin(client).state(S) == "RECOVERING"
     assert client.hlen(keys.entries(S)) == 1000  # one batch made it
     decided = [r for _, r in LogReader(logs / RESTORE_MEMBER).records()]

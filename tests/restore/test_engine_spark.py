@@ -23,27 +23,21 @@ from backup.files import Backup, BackupWriter, read_backup
 from cfemu.entry import Entry
 from restore.archive import archive_logs
 from restore.engine import READ_BACKUP, READ_LOGS, SETTLE, LocalEngine, get_engine
-from restore.engine_spark import SparkEngine, start_session
+from restore.engine_spark import SparkEngine
 from restore.plan import RestorePlan
 from sqm.core import records
 from sqm.core.records import Record
 from sqm.log import RecordLog, find_log_dirs
 
-pytestmark = pytest.mark.slow  # tests/support/tiers.py: run after the fast tier
+# slow: run after the fast tier (tests/support/tiers.py); spark: on the worker that holds the Spark session
+# (tests/restore/conftest.py).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("spark")]
 
 pyspark = pytest.importorskip("pyspark")
 
 S, OTHER = "APP1", "APP2"
 MEMBERS = ("QM1", "QM2", "QM3")
 NOW_MS = 1_700_000_000_000
-
-
-@pytest.fixture(scope="session")
-def spark(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    log_file = tmp_path_factory.mktemp("spark") / "spark.log"
-    session = start_session("local[2]", {"spark.default.parallelism": "2"}, log_file)
-    yield session
-    session.stop()
 
 
 # ------------------------------------------------------------------------------------------- random histories
@@ -281,6 +275,10 @@ def both_plans(spark: Any, backup: Backup, log_dirs: list[Path], replay_from: in
 
 # 16 histories (2.6 s each with Spark's jobs: 25 took 66 s of the default suite); the partitioned engine's
 # differential tests against the local one (tests/restore/test_partitioned.py) run 25 and 30 of the same generator's.
+# The timeouts: all the histories of one test count against one pytest-timeout, and on a machine loaded by other
+# work (the suite's own workers among it) a plan takes up to 20 s; a timeout raised inside a py4j call leaves the
+# worker's Spark session unusable for every test after it.
+@pytest.mark.timeout(900)
 @settings(max_examples=16, derandomize=True, database=None, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**32 - 1), steps=st.integers(0, 120))
@@ -292,6 +290,7 @@ def test_spark_and_local_engines_give_identical_plans(spark: Any, tmp_path_facto
     assert remote == local
 
 
+@pytest.mark.timeout(900)
 @settings(max_examples=12, derandomize=True, database=None, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**32 - 1))

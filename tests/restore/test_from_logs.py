@@ -72,6 +72,7 @@ def available(qm_conn: Any) -> list[tuple[str, int]]:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("spark")  # joins the worker's Spark session, if it has one (tests/restore/conftest.py)
 def test_a_structure_whose_backup_is_older_than_the_relog_window_restores_from_the_logs_alone(
         redis_url: str, tmp_path: Path) -> None:
     logs, backups = tmp_path / "logs", tmp_path / "backups"

@@ -24,7 +24,7 @@ from cfemu import bulk, keys
 from cfemu.admin import Admin
 from restore.run import RestoreStoppedError, run_restore
 from sqm.log import find_log_dirs
-from tests.restore.test_engine_spark import both_plans, spark  # noqa: F401  (spark: a fixture)
+from tests.restore.test_engine_spark import both_plans
 from tests.restore.test_restore import VOLATILE, S, small_workload, snapshot
 from tests.support.harness import lose_cf
 
@@ -88,8 +88,9 @@ def test_a_restore_from_a_point_gives_the_content_the_points_restore_gave(
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("spark")  # on the worker that holds the Spark session (tests/restore/conftest.py)
 def test_the_spark_engine_plans_from_a_point_as_the_local_engine_does(
-        group: tuple[redis.Redis, Path, Path], spark: Any) -> None:  # noqa: F811  (spark: a fixture)
+        group: tuple[redis.Redis, Path, Path], spark: Any) -> None:
     """The point's descriptors are the CF's bytes (add_raw), not wire forms: both engines read them alike."""
     client, logs, backups = group
     lose_cf(client)

@@ -237,6 +237,9 @@ def test_a_file_in_the_working_directory_shadows_no_module_in_a_worker(tmp_path:
     directory a restore runs in must not replace the module this process uses."""
     import msgpack
     (tmp_path / "msgpack.py").write_text("raise ImportError('the msgpack.py of the working directory')\n")
+    # What `-m` adds, not what this process has: a pytest-xdist worker runs with '' (its working directory) on its
+    # own path, which the workers rightly inherit; a program started as a script or with -m has no such entry.
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p])
     monkeypatch.chdir(tmp_path)
     with Workers(2) as pool:
         assert set(pool.map(where_is_msgpack, range(4))) == {msgpack.__file__}

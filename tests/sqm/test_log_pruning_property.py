@@ -103,7 +103,12 @@ class History:
             assert [u.id for u in self.qm.indoubt()] == [uow]
 
 
+# The property and the check of its histories after it share PRUNED: one worker runs both, in file order.
+ONE_WORKER = pytest.mark.xdist_group("log-pruning-property")
+
+
 @pytest.mark.slow
+@ONE_WORKER
 @settings(max_examples=15, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(ops=OPS)
 def test_after_any_prune_restart_and_restore_give_the_reference_state(redis_url: str, tmp_path_factory: Any,
@@ -129,6 +134,7 @@ PRUNED: list[int] = []
 
 
 @pytest.mark.slow  # in the tier of the property it checks, and after it
+@ONE_WORKER
 def test_the_histories_pruned_segments() -> None:
     """Runs after the property (file order): some of its histories must really have pruned segments, or the
     property proved nothing about pruning."""

@@ -181,6 +181,16 @@ def test_a_200000_message_uow_is_refused_at_10000_while_other_clients_keep_worki
     admin = Admin(connect(redis_url))
     big = start_server(redis_url, tmp_path, "QM1", "--lease-ms", "1500")
     peer = start_server(redis_url, tmp_path, "QM2", "--lease-ms", "1500")
+    try:
+        _a_large_uow_beside_other_clients(redis_url, admin, big, peer)
+    finally:  # a failed check leaves no server behind to write into the next test's CF
+        for srv in (big, peer):
+            if srv.proc.poll() is None:
+                srv.proc.kill()
+                srv.proc.wait()
+
+
+def _a_large_uow_beside_other_clients(redis_url: str, admin: Admin, big: ServerProc, peer: ServerProc) -> None:
     epochs = {m: admin.epoch(m) for m in ("QM1", "QM2")}
     stop = threading.Event()
     latencies: list[float] = []
