@@ -28,8 +28,9 @@ lint: venv
 typecheck: venv
 	$(BIN)/mypy cfemu sqm backup restore qsg
 
-# The default suite in two tiers (tests/support/tiers.py): the fast one first, so that a broken change fails in
-# minutes, then the tests marked slow; each writes every test's duration to var/test-durations-TIER.txt.
+# The default suite in three tiers (tests/support/tiers.py): the fast one first, so that a broken change fails in
+# minutes, then the tests marked slow, then the few marked timed (they assert a response time or a throughput) one
+# at a time in one process; each writes every test's duration to var/test-durations-TIER.txt.
 # Each tier is spread over pytest-xdist workers (TEST_WORKERS_FAST and TEST_WORKERS_SLOW; 0 runs it in one process):
 # more workers than cores pay because most tests wait on subprocesses, fsyncs, leases and timeouts rather than
 # compute. tests/support/workers.py keeps a module's tests together where they share a module fixture; every
@@ -47,6 +48,7 @@ test: venv
 	$(BIN)/lint-imports
 	$(BIN)/pytest -q -n $(TEST_WORKERS_FAST) --tier fast --durations-file=var/test-durations-fast.txt $(PYTEST_ARGS)
 	$(BIN)/pytest -q -n $(TEST_WORKERS_SLOW) --tier slow --durations-file=var/test-durations-slow.txt $(PYTEST_ARGS)
+	$(BIN)/pytest -q --tier timed --durations-file=var/test-durations-timed.txt $(PYTEST_ARGS)
 
 demo: venv
 	$(BIN)/cfemu demo

@@ -148,6 +148,7 @@ def _hold_mark(client: redis.Redis, seconds: float) -> threading.Thread:
     return t
 
 
+@pytest.mark.timed
 @pytest.mark.slow
 def test_an_operators_backup_waits_for_a_running_one_with_progress(qsg: tuple[redis.Redis, QueueManager],
                                                                    redis_url: str, tmp_path: Path) -> None:

@@ -447,6 +447,7 @@ class TestGet:
         assert s.depths()[Q] == {"UP": 0, "CP": 0, "UG": 1, "EX": n}
         assert s.get(qm1, Q, uow="U1", now_ms=NOW).entry is None
 
+    @pytest.mark.timed
     @pytest.mark.slow
     def test_200000_expired_messages_at_the_head_while_other_clients_keep_working(self, admin: Admin,
                                                                                    s: Structure,
@@ -865,6 +866,7 @@ class TestCommit:
         assert held_uows(s) == set() and s.info()["entries"] == "7"
         assert [k for k in s.cf.redis.scan_iter(match="{APP1}:uow*")] == []  # the work sets are gone
 
+    @pytest.mark.timed
     @pytest.mark.slow
     def test_a_200000_entry_uow_commits_while_other_clients_keep_working(self, admin: Admin, s: Structure,
                                                                           qm1: Caller) -> None:

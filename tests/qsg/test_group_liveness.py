@@ -326,6 +326,7 @@ def test_a_member_under_a_group_records_its_exit_status(tmp_path: Path) -> None:
 
 
 # --- the CLI's in-process member ----------------------------------------------------------------------------------
+@pytest.mark.timed
 @pytest.mark.slow
 def test_a_put_longer_than_the_lease_keeps_its_lease_and_a_later_get_is_fast(tmp_path: Path) -> None:
     c = LocalGroup.up(tmp_path / "c", managers=1, backup_interval=None, lease_ms=1500)  # the peer that would fence

@@ -257,6 +257,7 @@ def small_budget(request: pytest.FixtureRequest, redis_url: str, tmp_path: Path)
     assert srv.stop() == 0, srv.log_text()
 
 
+@pytest.mark.timed
 def test_a_frame_the_budget_cannot_take_is_refused_and_the_connection_goes_on(
         small_budget: tuple[ServerProc, ssl.SSLContext | None]) -> None:
     """One connection holds the budget with a frame it has not finished; another's large frame waits for it,

@@ -174,6 +174,7 @@ def _percentile(values: list[float], p: float) -> float:
     return ordered[min(len(ordered) - 1, int(len(ordered) * p))]
 
 
+@pytest.mark.timed
 @pytest.mark.slow
 def test_a_200000_message_uow_is_refused_at_10000_while_other_clients_keep_working(redis_url: str,
                                                                                   tmp_path: Path) -> None:

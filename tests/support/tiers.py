@@ -1,6 +1,9 @@
 """A pytest plugin for the default suite's two tiers and their durations (tests/conftest.py loads it).
 
-* ``--tier fast`` runs the tests not marked ``slow``, ``--tier slow`` the others. It narrows whatever ``-m``
+* ``--tier fast`` runs the tests not marked ``slow``, ``--tier slow`` the others, ``--tier timed`` the tests marked
+  ``timed`` (they assert a response time or a throughput, so `make test` runs them last, one at a time, in one
+  process: on workers they would measure the other workers' load); the fast and slow tiers leave the timed tests
+  out. It narrows whatever ``-m``
   selects (by default addopts' ``-m``, which leaves out the opt-in markers), so that the two tiers of `make test`
   are exactly the default suite, split, and the list of opt-in markers stays in one place (pyproject.toml).
 * ``--durations-file=PATH`` (one word: given as two, an existing PATH is taken by pytest, before this plugin is
@@ -19,12 +22,13 @@ from pathlib import Path
 
 import pytest
 
-TIERS = ("fast", "slow")
+TIERS = ("fast", "slow", "timed")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--tier", choices=TIERS, default=None,
-                     help="only the tests not marked slow (fast), or only those marked slow (slow)")
+                     help="only the tests not marked slow (fast), only those marked slow (slow), or only those "
+                          "marked timed (timed); fast and slow leave the timed ones out")
     parser.addoption("--durations-file", metavar="PATH", default=None,
                      help="write each test's duration (setup + call + teardown), slowest first, to PATH")
 
@@ -73,7 +77,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     keep: list[pytest.Item] = []
     drop: list[pytest.Item] = []
     for item in items:
-        (keep if (item.get_closest_marker("slow") is not None) == (tier == "slow") else drop).append(item)
+        if item.get_closest_marker("timed") is not None:
+            wanted = tier == "timed"
+        else:
+            wanted = tier != "timed" and (item.get_closest_marker("slow") is not None) == (tier == "slow")
+        (keep if wanted else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep

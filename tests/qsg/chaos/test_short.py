@@ -96,6 +96,7 @@ def test_cf_kill_recauto_run_finds_nothing(tmp_path: Path) -> None:
     assert "CSQE131I recovery of APP1 completed" in logs and "CSQE131I recovery of APP2 completed" in logs
 
 
+@pytest.mark.timed
 @pytest.mark.slow
 def test_pstore_disconnect_and_no_new_uows_run_finds_nothing(tmp_path: Path) -> None:
     """The fault kinds pstore-disconnect and no-new-uows: a structure's persistent store disconnected (then its new
