@@ -1,0 +1,64 @@
+"""The console under a group an operator really has: many queues, a record in the CF it cannot parse. What it shows
+must stay small enough to draw and fetch every few seconds, and must not say the CF is down when the CF answered."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from cfemu.admin import STRUCTURES
+from cfemu.connection import connect
+from qsg import cli
+from qsg.console import charts, snapshot
+from qsg.console.history import SAMPLES, History, Sample
+from qsg.console.source import GroupSource
+
+MANY_QUEUES = 500
+CHART_LIMIT = 256 * 1024  # bytes: the overview (and this chart in it) is fetched by every open tab every 2 s
+
+
+@pytest.fixture
+def where(redis_url: str, tmp_path: Path) -> dict[str, str]:
+    return {"redis_url": redis_url, "log_root": str(tmp_path / "logs"), "backup_dir": str(tmp_path / "backups")}
+
+
+def test_the_depth_chart_stays_small_with_many_queues() -> None:
+    """The chart is drawn on the console's event loop for every /fragment each open tab fetches: with hundreds of
+    queues it must draw some of them (the deepest), not every queue's 300 points."""
+    history = History()
+    for i in range(SAMPLES):
+        history.samples.append(Sample(1000.0 + 2 * i, {f"Q{j:04d}": i + j for j in range(MANY_QUEUES)}, 0, 0))
+    svg = charts.line_chart("queue depth", history.depth_series(), unit="msgs")
+    assert len(svg) < CHART_LIMIT, f"the depth chart of {MANY_QUEUES} queues is {len(svg)} bytes"
+
+
+def test_a_record_it_cannot_parse_is_not_reported_as_the_cf_down(where: dict[str, str]) -> None:
+    """One structure record with a bad name (written by any holder of a CF user's password) must not turn the page
+    into 'the CF does not answer' with no structure at all: the CF answered, and APP1 is fine."""
+    flags = [f"--redis-url={where['redis_url']}", f"--log-root={where['log_root']}"]
+    assert cli.main(["define", "structure", "APP1", *flags]) == 0
+    client = connect(where["redis_url"])
+    try:
+        record = msgpack.unpackb(client.hget(STRUCTURES, "APP1"))
+        client.hset(STRUCTURES, "bad name", msgpack.packb({**record, "name": "bad name"}))
+    finally:
+        client.close()
+    snap = snapshot.take(GroupSource(where))
+    assert snap["cf"]["ok"], snap["errors"]
+    assert "APP1" in [s["name"] for s in snap["structures"]], snap["errors"]
+
+
+def test_every_legend_of_the_depth_chart_is_inside_the_chart() -> None:
+    """A dozen queues: each line's legend (its name and last value) must be drawn where the page shows it, inside
+    the SVG's width, or the operator cannot tell which line is which queue."""
+    width = 520
+    series = {f"QUEUE.{i:02d}": [(0.0, float(i)), (1.0, float(i + 1))] for i in range(12)}
+    svg = charts.line_chart("queue depth", series, unit="msgs", width=width)
+    legends = {m.group(2): float(m.group(1)) for m in
+               re.finditer(r'<text x="([\d.]+)" y="[\d.]+" class="legend" data-series="([^"]+)"', svg)}
+    assert legends.keys() == series.keys()
+    outside = sorted(name for name, x in legends.items() if x >= width)
+    assert not outside, f"legends drawn beyond the chart's {width} px: {outside}"
