@@ -4,6 +4,8 @@ must stay small enough to draw and fetch every few seconds, and must not say the
 from __future__ import annotations
 
 import re
+import threading
+from functools import partial
 from pathlib import Path
 
 import msgpack
@@ -11,10 +13,13 @@ import pytest
 
 from cfemu.admin import STRUCTURES
 from cfemu.connection import connect
+from cfemu.progress import Progress
 from qsg import cli
 from qsg.console import charts, snapshot
 from qsg.console.history import SAMPLES, History, Sample
+from qsg.console.jobs import DONE, KEPT, RUNNING, Job, JobRefusedError, Jobs
 from qsg.console.source import GroupSource
+from tests.support.waits import wait_until
 
 MANY_QUEUES = 500
 CHART_LIMIT = 256 * 1024  # bytes: the overview (and this chart in it) is fetched by every open tab every 2 s
@@ -62,3 +67,30 @@ def test_every_legend_of_the_depth_chart_is_inside_the_chart() -> None:
     assert legends.keys() == series.keys()
     outside = sorted(name for name, x in legends.items() if x >= width)
     assert not outside, f"legends drawn beyond the chart's {width} px: {outside}"
+
+
+def _ended(job: Job) -> bool:
+    return job.state == DONE
+
+
+def test_a_running_action_is_not_forgotten_behind_newer_ones() -> None:
+    """A long restore, and meanwhile KEPT quick actions (in-doubt UOWs resolved one by one): the restore must stay
+    listed, and so still refuse a second restore of the same structure, which would run beside the first."""
+    release = threading.Event()
+
+    def long_restore(progress: Progress) -> str:
+        release.wait(60)
+        return "restored"
+
+    jobs = Jobs()
+    restore = jobs.start("restore", "structure APP1", "restore of APP1", long_restore)
+    try:
+        for i in range(KEPT):
+            quick = jobs.start("resolve", f"uow U{i}", f"commit of U{i}", lambda progress: "committed")
+            wait_until(partial(_ended, quick), 30, f"commit of U{i} ended")
+        assert restore.state == RUNNING
+        assert restore in jobs.list(), "the running restore is no longer listed"
+        with pytest.raises(JobRefusedError, match="restore of APP1 is still running"):
+            jobs.start("restore", "structure APP1", "restore of APP1 again", lambda progress: "a second restore")
+    finally:
+        release.set()
