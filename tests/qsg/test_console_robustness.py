@@ -3,6 +3,7 @@ must stay small enough to draw and fetch every few seconds, and must not say the
 
 from __future__ import annotations
 
+import asyncio
 import re
 import threading
 from functools import partial
@@ -10,12 +11,14 @@ from pathlib import Path
 
 import msgpack
 import pytest
+from aiohttp.test_utils import TestClient, TestServer
 
 from cfemu.admin import STRUCTURES
 from cfemu.connection import connect
 from cfemu.progress import Progress
 from qsg import cli
 from qsg.console import charts, snapshot
+from qsg.console.app import Console
 from qsg.console.history import SAMPLES, History, Sample
 from qsg.console.jobs import DONE, KEPT, RUNNING, Job, JobRefusedError, Jobs
 from qsg.console.source import GroupSource
@@ -94,3 +97,21 @@ def test_a_running_action_is_not_forgotten_behind_newer_ones() -> None:
             jobs.start("restore", "structure APP1", "restore of APP1 again", lambda progress: "a second restore")
     finally:
         release.set()
+
+
+def test_a_session_ends_when_the_operator_token_changes(where: dict[str, str]) -> None:
+    """The operator token leaked and was replaced: whoever logged in with the old one must be logged out, not keep
+    the console (its actions included) for the rest of the session's 12 hours."""
+    source = GroupSource({**where, "token": "the-operator-token-before-it-leaked"})
+    console = Console(source, interval_s=3600)
+
+    async def scenario() -> None:
+        async with TestClient(TestServer(console.app)) as client:
+            r = await client.post("/login", data={"token": "the-operator-token-before-it-leaked"},
+                                  allow_redirects=False)
+            assert r.status == 303
+            assert (await client.get("/fragment")).status == 200
+            source.where["token"] = "the-operator-token-after-the-leak"
+            assert (await client.get("/fragment")).status == 401
+
+    asyncio.run(scenario())
