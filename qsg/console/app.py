@@ -97,6 +97,7 @@ class Console:
         self.jobs = Jobs(on_change=self._job_changed)
         self.failures = Failures()
         self.snapshot: dict[str, Any] | None = None
+        self.charts = self._draw_charts()  # drawn once per snapshot, in the poller's thread; pages reuse them
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="console-poll")
         self._poller: asyncio.Task[None] | None = None
         self._refresh = asyncio.Event()
@@ -132,10 +133,18 @@ class Console:
     # --- the poller ----------------------------------------------------------------------------------------------
     async def poll_once(self) -> dict[str, Any]:
         """Take a snapshot now (in the poller's thread) and remember it."""
-        snap = await asyncio.get_running_loop().run_in_executor(self._executor, snapshot.take, self.source)
+        loop = asyncio.get_running_loop()
+        snap = await loop.run_in_executor(self._executor, snapshot.take, self.source)
         self.history.add(snap)
+        self.charts = await loop.run_in_executor(self._executor, self._draw_charts)
         self.snapshot = snap
         return snap
+
+    def _draw_charts(self) -> dict[str, Markup]:
+        """The overview's charts from the history's samples (which only the event loop's poll_once adds to, and
+        not while this runs): drawn once per snapshot, never per page, since every open tab fetches the page."""
+        return {"depth_chart": Markup(charts.line_chart("queue depth", self.history.depth_series(), unit="msgs")),
+                "rate_chart": Markup(charts.line_chart("throughput", self.history.rate_series(), unit="/s"))}
 
     async def _poll_forever(self) -> None:
         while True:
@@ -241,9 +250,7 @@ class Console:
         flashes, session.flashes = session.flashes, []
         return {"snap": self.snapshot, "jobs": self.jobs.list(), "csrf": session.csrf, "flashes": flashes,
                 "events": list(reversed(self.history.events))[:EVENTS_SHOWN], "actions": ACTIONS,
-                "interval_ms": int(self.interval_s * 1000),
-                "depth_chart": Markup(charts.line_chart("queue depth", self.history.depth_series(), unit="msgs")),
-                "rate_chart": Markup(charts.line_chart("throughput", self.history.rate_series(), unit="/s"))}
+                "interval_ms": int(self.interval_s * 1000), **self.charts}
 
     async def index(self, request: web.Request) -> web.StreamResponse:
         return self._render("index.html", **self._overview(_session(request)))

@@ -8,6 +8,7 @@ import re
 import threading
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import pytest
@@ -19,7 +20,8 @@ from cfemu.progress import Progress
 from qsg import cli
 from qsg.console import charts, snapshot
 from qsg.console.app import Console
-from qsg.console.history import SAMPLES, History, Sample
+from qsg.console.charts import MAX_SERIES
+from qsg.console.history import QUEUES_SAMPLED, SAMPLES, History, Sample
 from qsg.console.jobs import DONE, KEPT, RUNNING, Job, JobRefusedError, Jobs
 from qsg.console.source import GroupSource
 from tests.support.waits import wait_until
@@ -113,5 +115,52 @@ def test_a_session_ends_when_the_operator_token_changes(where: dict[str, str]) -
             assert (await client.get("/fragment")).status == 200
             source.where["token"] = "the-operator-token-after-the-leak"
             assert (await client.get("/fragment")).status == 401
+
+    asyncio.run(scenario())
+
+
+def test_a_sample_remembers_the_deepest_queues_only() -> None:
+    """Thousands of queues must not make each of the history's samples thousands of entries."""
+    history = History()
+    snap = {"at": 1.0, "cf": {"ok": True}, "members": [], "structures": [],
+            "queues": [{"name": f"Q{j:05d}", "depth": {"CP": j}} for j in range(QUEUES_SAMPLED * 10)]}
+    history.add(snap)
+    [sample] = history.samples
+    assert len(sample.depths) == QUEUES_SAMPLED
+    assert min(sample.depths.values()) == QUEUES_SAMPLED * 9  # the deepest ones
+
+
+def test_the_chart_says_it_draws_the_deepest_queues_only() -> None:
+    series = {f"Q{j:03d}": [(0.0, float(j)), (1.0, float(j))] for j in range(MAX_SERIES + 5)}
+    svg = charts.line_chart("queue depth", series, unit="msgs")
+    assert svg.count("<polyline") == MAX_SERIES
+    assert f"the {MAX_SERIES} highest of {MAX_SERIES + 5}" in svg
+    assert 'data-series="Q000"' not in svg and f'data-series="Q{MAX_SERIES + 4:03d}"' in svg
+
+
+def test_the_charts_are_drawn_once_per_snapshot_not_per_page(where: dict[str, str],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every open tab fetches /fragment every few seconds: the charts are drawn by the poller, not the page."""
+    token = "the-operator-token-of-the-chart-test"
+    console = Console(GroupSource({**where, "token": token}), interval_s=3600)
+    drawn: list[str] = []
+    draw = charts.line_chart
+
+    def counting(title: str, *args: Any, **kwargs: Any) -> str:
+        drawn.append(title)
+        return draw(title, *args, **kwargs)
+
+    monkeypatch.setattr(charts, "line_chart", counting)
+
+    async def scenario() -> None:
+        async with TestClient(TestServer(console.app)) as client:
+            await console.poll_once()
+            assert (await client.post("/login", data={"token": token}, allow_redirects=False)).status == 303
+            before = len(drawn)
+            for _ in range(5):
+                assert "queue depth" in await (await client.get("/fragment")).text()
+            assert len(drawn) == before, "a page request drew the charts"
+            await console.poll_once()
+            assert len(drawn) == before + 2
 
     asyncio.run(scenario())
