@@ -36,7 +36,16 @@ from qsg.console import charts, snapshot
 from qsg.console.actions import ACTIONS, ActionError
 from qsg.console.history import History
 from qsg.console.jobs import RUNNING, Job, JobRefusedError, Jobs
-from qsg.console.security import CSRF_FIELD, SESSION_COOKIE, Session, Sessions, token_matches
+from qsg.console.security import (
+    CSRF_FIELD,
+    REFRESH_HEADER,
+    SESSION_COOKIE,
+    Session,
+    Sessions,
+    TokenWatch,
+    token_fingerprint,
+    token_matches,
+)
 from qsg.console.source import GroupSource
 from sqm.service.auth import Failures
 from sqm.service.config import is_loopback_ip
@@ -93,6 +102,7 @@ class Console:
         self.source = source
         self.interval_s = interval_s
         self.sessions = Sessions()
+        self.token = TokenWatch(source.operator_token, source.operator_token_stamp)
         self.history = History()
         self.jobs = Jobs(on_change=self._job_changed)
         self.failures = Failures()
@@ -175,7 +185,12 @@ class Console:
         public = request.path == "/login" or request.path.startswith("/static/")
         try:
             if not public:
-                session = self.sessions.find(request.cookies.get(SESSION_COOKIE))
+                session = self.sessions.find(request.cookies.get(SESSION_COOKIE),
+                                             touch=REFRESH_HEADER not in request.headers)
+                if session is not None and session.token != self.token.current():
+                    log.warning("console: the operator token changed: the session from %s ends", session.peer)
+                    self.sessions.end(session.id)
+                    session = None
                 if session is None:
                     if request.method == "GET" and request.path == "/":
                         raise web.HTTPSeeOther("/login")
@@ -222,7 +237,7 @@ class Console:
                                       "--tls-cert and --tls-key")
         form = await request.post()
         sent = form.get("token")
-        expected = await asyncio.get_running_loop().run_in_executor(None, self.source.operator_token)
+        expected = await asyncio.get_running_loop().run_in_executor(None, self.token.refresh)
         if not expected:
             return self._render("login.html", 503, insecure=False,
                                 error="the group has no operator token (operator.token in its secrets directory; "
@@ -232,7 +247,7 @@ class Console:
             log.warning("console: failed login from %s (%d in a row)", request.remote, n)
             await asyncio.sleep(delay)
             return self._render("login.html", 401, insecure=False, error="wrong token")
-        session = self.sessions.begin(request.remote or "")
+        session = self.sessions.begin(request.remote or "", token_fingerprint(expected))
         log.info("console: operator logged in from %s", request.remote)
         response = web.HTTPSeeOther("/")
         response.set_cookie(SESSION_COOKIE, session.id, httponly=True, samesite="Strict", secure=request.secure,

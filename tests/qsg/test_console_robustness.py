@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import re
 import threading
+import time
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,8 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from cfemu.admin import STRUCTURES
 from cfemu.connection import connect
+from cfemu.credentials import ENV_SECRETS_DIR
+from cfemu.private_files import write_private
 from cfemu.progress import Progress
 from qsg import cli
 from qsg.console import charts, snapshot
@@ -23,6 +26,7 @@ from qsg.console.app import Console
 from qsg.console.charts import MAX_SERIES
 from qsg.console.history import QUEUES_SAMPLED, SAMPLES, History, Sample
 from qsg.console.jobs import DONE, KEPT, RUNNING, Job, JobRefusedError, Jobs
+from qsg.console.security import REFRESH_HEADER, SESSION_IDLE_S
 from qsg.console.source import GroupSource
 from tests.support.waits import wait_until
 
@@ -162,5 +166,54 @@ def test_the_charts_are_drawn_once_per_snapshot_not_per_page(where: dict[str, st
             assert len(drawn) == before, "a page request drew the charts"
             await console.poll_once()
             assert len(drawn) == before + 2
+
+    asyncio.run(scenario())
+
+
+def test_a_session_ends_when_the_operator_token_file_is_replaced(where: dict[str, str], tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The token in the secrets directory ('cfemu secrets' rotates it by replacing the file): the next request of
+    a session begun with the old one is refused, without the console re-reading its settings per request."""
+    secrets_dir = tmp_path / "secrets"
+    secrets_dir.mkdir(mode=0o700)
+    token_file = secrets_dir / "operator.token"
+    write_private(token_file, b"the-operator-token-in-its-file")
+    monkeypatch.setenv(ENV_SECRETS_DIR, str(secrets_dir))
+    monkeypatch.delenv("SQM_OPERATOR_TOKEN", raising=False)
+    console = Console(GroupSource(where), interval_s=3600)
+
+    async def scenario() -> None:
+        async with TestClient(TestServer(console.app)) as client:
+            r = await client.post("/login", data={"token": "the-operator-token-in-its-file"}, allow_redirects=False)
+            assert r.status == 303
+            assert (await client.get("/fragment")).status == 200
+            write_private(token_file, b"the-operator-token-rotated")
+            r = await client.get("/fragment")
+            assert r.status == 401
+            assert len(console.sessions) == 0
+
+    asyncio.run(scenario())
+
+
+def test_the_pages_automatic_refresh_keeps_no_session_alive(where: dict[str, str]) -> None:
+    """A page left open refreshes itself every 2 s: that must not keep an unattended session from its idle end."""
+    token = "the-operator-token-of-the-idle-test"
+    console = Console(GroupSource({**where, "token": token}), interval_s=3600)
+
+    async def scenario() -> None:
+        async with TestClient(TestServer(console.app)) as client:
+            assert (await client.post("/login", data={"token": token}, allow_redirects=False)).status == 303
+            [session] = list(console.sessions._by_id.values())
+            session.used -= 100.0
+            idle_since = session.used
+            assert (await client.get("/fragment", headers={REFRESH_HEADER: "auto"})).status == 200
+            assert session.used == idle_since, "the automatic refresh reset the idle clock"
+            session.used -= SESSION_IDLE_S  # unattended for longer than the idle limit: refreshed all along
+            assert (await client.get("/fragment", headers={REFRESH_HEADER: "auto"})).status == 401
+            assert (await client.post("/login", data={"token": token}, allow_redirects=False)).status == 303
+            [session] = list(console.sessions._by_id.values())
+            session.used -= 100.0
+            assert (await client.get("/fragment")).status == 200
+            assert session.used > time.monotonic() - 60, "the operator's own request did not reset the idle clock"
 
     asyncio.run(scenario())
