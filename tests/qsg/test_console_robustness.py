@@ -22,6 +22,7 @@ from cfemu.private_files import write_private
 from cfemu.progress import Progress
 from qsg import cli
 from qsg.console import charts, snapshot
+from qsg.console.actions import ACTIONS, ActionError
 from qsg.console.app import Console
 from qsg.console.charts import MAX_SERIES
 from qsg.console.history import QUEUES_SAMPLED, SAMPLES, History, Sample
@@ -217,3 +218,35 @@ def test_the_pages_automatic_refresh_keeps_no_session_alive(where: dict[str, str
             assert session.used > time.monotonic() - 60, "the operator's own request did not reset the idle clock"
 
     asyncio.run(scenario())
+
+
+def _group(**health: str) -> dict[str, Any]:
+    """A snapshot of a local cluster whose members have these healths."""
+    return {"members": [{"name": n, "health": h} for n, h in health.items()],
+            "processes": [{"process": n} for n in health]}
+
+
+def test_the_last_serving_member_is_not_restarted() -> None:
+    restart = ACTIONS["restart"]
+    with pytest.raises(ActionError, match="QM1 is the last serving member"):
+        restart.check({"member": "QM1"}, _group(QM1="serving", QM2="down", QM3="unreachable"))
+    assert restart.check({"member": "QM1"}, _group(QM1="serving", QM2="serving")) == {"member": "QM1"}
+    assert restart.check({"member": "QM2"}, _group(QM1="serving", QM2="down")) == {"member": "QM2"}
+
+
+def test_one_member_restarts_at_a_time() -> None:
+    """Two restarts of two members at once could leave no member serving: the second is refused, one line."""
+    restart = ACTIONS["restart"]
+    snap = _group(QM1="serving", QM2="serving", QM3="serving")
+    first, second = restart.check({"member": "QM1"}, snap), restart.check({"member": "QM2"}, snap)
+    release = threading.Event()
+    jobs = Jobs()
+    running = jobs.start("restart", restart.target(first), restart.title(first),
+                         lambda progress: release.wait(60) and "restarted")
+    try:
+        with pytest.raises(JobRefusedError, match="^restart of QM1 is still running: wait for it to end$"):
+            jobs.start("restart", restart.target(second), restart.title(second), lambda progress: "a second")
+    finally:
+        release.set()
+    wait_until(partial(_ended, running), 30, "the restart ended")
+    jobs.start("restart", restart.target(second), restart.title(second), lambda progress: "restarted")
