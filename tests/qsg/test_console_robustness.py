@@ -242,7 +242,7 @@ def test_one_member_restarts_at_a_time() -> None:
     release = threading.Event()
     jobs = Jobs()
     running = jobs.start("restart", restart.target(first), restart.title(first),
-                         lambda progress: release.wait(60) and "restarted")
+                         lambda progress: f"restarted: {release.wait(60)}")
     try:
         with pytest.raises(JobRefusedError, match="^restart of QM1 is still running: wait for it to end$"):
             jobs.start("restart", restart.target(second), restart.title(second), lambda progress: "a second")
