@@ -40,6 +40,8 @@ from qsg.console.security import (
     CSRF_FIELD,
     REFRESH_HEADER,
     SESSION_COOKIE,
+    LoginBusyError,
+    LoginGate,
     Session,
     Sessions,
     TokenWatch,
@@ -106,6 +108,7 @@ class Console:
         self.history = History()
         self.jobs = Jobs(on_change=self._job_changed)
         self.failures = Failures()
+        self.login_gate = LoginGate()
         self.snapshot: dict[str, Any] | None = None
         self.charts = self._draw_charts()  # drawn once per snapshot, in the poller's thread; pages reuse them
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="console-poll")
@@ -237,6 +240,15 @@ class Console:
                                       "--tls-cert and --tls-key")
         form = await request.post()
         sent = form.get("token")
+        try:
+            async with self.login_gate.turn(request.remote or "?"):
+                return await self._check_login(request, sent)
+        except LoginBusyError as e:
+            return self._render("login.html", 429, insecure=False, error=str(e))
+
+    async def _check_login(self, request: web.Request, sent: Any) -> web.StreamResponse:
+        """The login's check, in its address's turn: a failure is answered after its delay, which the address's
+        next attempt waits for."""
         expected = await asyncio.get_running_loop().run_in_executor(None, self.token.refresh)
         if not expected:
             return self._render("login.html", 503, insecure=False,

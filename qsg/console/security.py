@@ -17,18 +17,23 @@ CSRF token of every action.
 - CSRF: each session has its own random token, put into every form the console renders (a hidden field) and
   checked in constant time on every POST; a POST whose Origin (when the browser sends one) is not the console's
   own is refused too.
+- Login attempts from one client address are taken one at a time (LoginGate): each waits for the one before it,
+  that one's failure delay included, so parallel guesses are throttled as much as consecutive ones; at most
+  LOGIN_WAITING wait at once per address, more are refused at once (429).
 - A token typed in clear may only travel over loopback or TLS: a login from another host without TLS is refused.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import secrets
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import AsyncIterator, Callable, Hashable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 SESSION_COOKIE = "cfemu_console"
@@ -37,6 +42,7 @@ SESSION_MAX_S = 12 * 3600.0
 MAX_SESSIONS = 256
 CSRF_FIELD = "csrf_token"
 TOKEN_RECHECK_S = 5.0
+LOGIN_WAITING = 8  # login attempts of one address waiting for their turn (the one being checked included)
 REFRESH_HEADER = "X-Console-Refresh"  # sent by the page's script on its automatic refresh: not the operator
 
 
@@ -103,6 +109,34 @@ def token_matches(expected: str | None, sent: str) -> bool:
     return hmac.compare_digest(expected.encode(), sent.strip().encode())
 
 
+class LoginBusyError(RuntimeError):
+    """Too many login attempts from one address at once."""
+
+
+class LoginGate:
+    """One login attempt at a time per client address (see the module doc). Used from the event loop only."""
+
+    def __init__(self, *, waiting: int = LOGIN_WAITING) -> None:
+        self.waiting = waiting
+        self._by_peer: dict[str, tuple[asyncio.Lock, int]] = {}  # only addresses with an attempt under way
+
+    @asynccontextmanager
+    async def turn(self, peer: str) -> AsyncIterator[None]:
+        lock, n = self._by_peer.get(peer) or (asyncio.Lock(), 0)
+        if n >= self.waiting:
+            raise LoginBusyError(f"{n} login attempts from {peer} are waiting already: try again later")
+        self._by_peer[peer] = (lock, n + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, n = self._by_peer[peer]
+            if n <= 1:
+                del self._by_peer[peer]
+            else:
+                self._by_peer[peer] = (lock, n - 1)
+
+
 def token_fingerprint(token: str | None) -> str | None:
     """What a session remembers of the token it logged in with: a hash (never the token itself)."""
     return hashlib.sha256(token.encode()).hexdigest() if token else None
@@ -137,5 +171,5 @@ class TokenWatch:
         return seen[1]
 
 
-__all__ = ["CSRF_FIELD", "MAX_SESSIONS", "SESSION_COOKIE", "SESSION_IDLE_S", "SESSION_MAX_S", "Session", "Sessions",
+__all__ = ["CSRF_FIELD", "LOGIN_WAITING", "LoginBusyError", "LoginGate", "MAX_SESSIONS", "SESSION_COOKIE", "SESSION_IDLE_S", "SESSION_MAX_S", "Session", "Sessions",
            "REFRESH_HEADER", "TOKEN_RECHECK_S", "TokenWatch", "token_fingerprint", "token_matches"]

@@ -27,8 +27,9 @@ from qsg.console.app import Console
 from qsg.console.charts import MAX_SERIES
 from qsg.console.history import QUEUES_SAMPLED, SAMPLES, History, Sample
 from qsg.console.jobs import DONE, KEPT, RUNNING, Job, JobRefusedError, Jobs
-from qsg.console.security import REFRESH_HEADER, SESSION_IDLE_S
+from qsg.console.security import REFRESH_HEADER, SESSION_IDLE_S, LoginGate
 from qsg.console.source import GroupSource
+from sqm.service.auth import Failures
 from tests.support.waits import wait_until
 
 MANY_QUEUES = 500
@@ -250,3 +251,27 @@ def test_one_member_restarts_at_a_time() -> None:
         release.set()
     wait_until(partial(_ended, running), 30, "the restart ended")
     jobs.start("restart", restart.target(second), restart.title(second), lambda progress: "restarted")
+
+
+def test_parallel_failed_logins_from_one_address_are_throttled_as_consecutive_ones(where: dict[str, str]) -> None:
+    """Guesses sent in parallel each waited their own delay at once: now each waits for the one before it, so the
+    n-th failure in a row is answered no sooner than the sum of the delays before it."""
+    console = Console(GroupSource({**where, "token": "the-operator-token-of-the-guess-test"}), interval_s=3600)
+    guesses = 4
+    floor = sum(Failures().record("x", 0.0)[1] for _ in range(guesses))  # the delays of 4 failures in a row
+
+    async def scenario() -> None:
+        async with TestClient(TestServer(console.app)) as client:
+            t0 = time.monotonic()
+            replies = await asyncio.gather(*(client.post("/login", data={"token": f"guess {i}"})
+                                             for i in range(guesses)))
+            elapsed = time.monotonic() - t0
+            assert [r.status for r in replies] == [401] * guesses
+            assert elapsed >= floor, f"{guesses} parallel guesses answered in {elapsed:.2f} s (< {floor:.2f} s)"
+            console.login_gate, console.failures = LoginGate(waiting=2), Failures()
+            replies = await asyncio.gather(*(client.post("/login", data={"token": f"guess {i}"}) for i in range(3)))
+            assert sorted(r.status for r in replies) == [401, 401, 429]
+            busy = next(r for r in replies if r.status == 429)
+            assert "login attempts from 127.0.0.1 are waiting already" in await busy.text()
+
+    asyncio.run(scenario())
