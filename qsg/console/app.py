@@ -9,7 +9,9 @@
   POST /action/NAME            an operator action (qsg.console.actions): first a confirmation page, then, with
                                confirmed=yes, the action starts as a job and the browser goes back to /
 
-Every page but the login needs a session; every POST its CSRF token. The group is read by a poller every
+Every request must name the console in its Host header (host_allowed): an IP address, localhost, the host it
+serves on, this machine's name, or a name given with allowed_hosts; another name is a page of a site whose DNS name
+was re-pointed at the console (DNS rebinding), refused. Every page but the login needs a session; every POST its CSRF token. The group is read by a poller every
 ``interval_s`` seconds in one worker thread (qsg.console.snapshot), never by a page request, so that a slow CF
 or member slows the picture's refresh, not the pages.
 """
@@ -18,11 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import json
 import logging
+import socket
 import ssl
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
@@ -93,6 +97,13 @@ def _clock(t: float | None) -> str:
     return datetime.fromtimestamp(t).strftime("%H:%M:%S") if t else "-"
 
 
+def _wildcard(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
+
+
 def _session(request: web.Request) -> Session:
     return request[SESSION_KEY]
 
@@ -100,8 +111,9 @@ def _session(request: web.Request) -> Session:
 class Console:
     """One console: its sessions, jobs and history, the latest snapshot, and the aiohttp application."""
 
-    def __init__(self, source: GroupSource, *, interval_s: float = 2.0) -> None:
+    def __init__(self, source: GroupSource, *, interval_s: float = 2.0, allowed_hosts: Iterable[str] = ()) -> None:
         self.source = source
+        self.allowed_hosts = {"localhost", *(h.lower() for h in allowed_hosts)}
         self.interval_s = interval_s
         self.sessions = Sessions()
         self.token = TokenWatch(source.operator_token, source.operator_token_stamp)
@@ -187,6 +199,9 @@ class Console:
         CSRF token and a same-origin Origin on every POST but the login's (which has no session yet)."""
         public = request.path == "/login" or request.path.startswith("/static/")
         try:
+            if not self.host_allowed(request.host):
+                raise web.HTTPMisdirectedRequest(text=f"Host {request.host[:100]!r} is not this console's address: "
+                                                      "refused (give it with --allow-host if it is)")
             if not public:
                 session = self.sessions.find(request.cookies.get(SESSION_COOKIE),
                                              touch=REFRESH_HEADER not in request.headers)
@@ -214,6 +229,21 @@ class Console:
             raise
         response.headers.update(SECURITY_HEADERS)
         return response
+
+    def host_allowed(self, host: str) -> bool:
+        """Does a Host header name this console (see the module doc)? Its port is not compared."""
+        name = host.strip().lower()
+        if name.startswith("["):  # [IPv6]:port
+            name = name[1:name.find("]")] if "]" in name else name
+        elif name.count(":") == 1:
+            name = name.rsplit(":", 1)[0]
+        name = name.rstrip(".")
+        try:
+            ipaddress.ip_address(name)
+            return True  # an address: no name for a rebinding to re-point
+        except ValueError:
+            pass
+        return name in self.allowed_hosts
 
     def _static_url(self, filename: str) -> str:
         """A static file's URL with its content's hash (a changed file is fetched anew)."""
@@ -325,6 +355,10 @@ class Console:
     # --- serving -------------------------------------------------------------------------------------------------
     async def serve(self, host: str, port: int, ssl_context: ssl.SSLContext | None) -> web.AppRunner:
         """Start serving; the runner (its address: runner.addresses) to clean up when done."""
+        if host and not _wildcard(host):
+            self.allowed_hosts.add(host.lower())
+        else:  # every address of this machine: its names too
+            self.allowed_hosts |= {socket.gethostname().lower(), socket.getfqdn().lower()}
         runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
         await runner.setup()
         await web.TCPSite(runner, host, port, ssl_context=ssl_context, backlog=64).start()

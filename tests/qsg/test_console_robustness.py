@@ -11,6 +11,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import msgpack
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
@@ -273,5 +274,33 @@ def test_parallel_failed_logins_from_one_address_are_throttled_as_consecutive_on
             assert sorted(r.status for r in replies) == [401, 401, 429]
             busy = next(r for r in replies if r.status == 429)
             assert "login attempts from 127.0.0.1 are waiting already" in await busy.text()
+
+    asyncio.run(scenario())
+
+
+def test_a_request_naming_another_host_is_refused(where: dict[str, str]) -> None:
+    """DNS rebinding: a page of rebound.example whose name now resolves to 127.0.0.1 sends Host: rebound.example.
+    The console answers its own names and addresses only."""
+    console = Console(GroupSource({**where, "token": "the-operator-token-of-the-host-test"}), interval_s=3600,
+                      allowed_hosts=["console.example"])
+
+    async def scenario() -> None:
+        runner = await console.serve("127.0.0.1", 0, None)
+        port = runner.addresses[0][1]
+        try:
+            async with aiohttp.ClientSession() as http:
+                url = f"http://127.0.0.1:{port}/login"
+                for host in ("rebound.example", f"rebound.example:{port}", "127.0.0.1.rebound.example"):
+                    r = await http.get(url, headers={"Host": host})
+                    assert r.status == 421, host
+                    assert "is not this console's address" in await r.text()
+                    assert r.headers["X-Frame-Options"] == "DENY"
+                r = await http.post(url, data={"token": "the-operator-token-of-the-host-test"},
+                                    headers={"Host": "rebound.example"}, allow_redirects=False)
+                assert r.status == 421 and len(console.sessions) == 0
+                for host in (f"127.0.0.1:{port}", f"localhost:{port}", "LOCALHOST", "[::1]:80", "console.example"):
+                    assert (await http.get(url, headers={"Host": host})).status == 200, host
+        finally:
+            await runner.cleanup()
 
     asyncio.run(scenario())
