@@ -9,6 +9,7 @@ cfemu.cf_exporter). Their names and the alerts on them: docs/metrics.md.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from importlib import metadata
@@ -18,6 +19,7 @@ from prometheus_client.core import CollectorRegistry, GaugeMetricFamily, Histogr
 from prometheus_client.registry import Collector
 
 from cfemu.latency import Latency
+from cfemu.sockets import is_loopback_host
 
 
 def package_version() -> str:
@@ -43,12 +45,25 @@ def histogram(name: str, help_text: str, labels: list[str],
 
 def serve(collectors: Iterable[Collector], host: str, port: int) -> int:
     """Serve /metrics of ``collectors`` and the process's own (CPU, memory, open files, start time) on host:port,
-    in a thread of the client library's HTTP server; the port it listens on (0: one the system chose)."""
+    in a thread of the client library's HTTP server; the port it listens on (0: one the system chose). /metrics has
+    no authentication: on an address beyond loopback, a one-line warning on stderr says so (exposure_warning)."""
     registry = CollectorRegistry(auto_describe=False)
     for c in (*collectors, PROCESS_COLLECTOR):
         registry.register(c)
     server, _thread = start_http_server(port, addr=host, registry=registry)
-    return int(server.server_port)
+    bound = int(server.server_port)
+    warning = exposure_warning(host, bound)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+    return bound
+
+
+def exposure_warning(host: str, port: int) -> str | None:
+    """The line to print when /metrics listens beyond loopback (None when it does not)."""
+    if is_loopback_host(host):
+        return None
+    return (f"warning: the metrics on {host}:{port} have no authentication: whoever reaches that address reads "
+            "them (structure and queue names, depths, counters); bind 127.0.0.1 unless a firewall guards the port")
 
 
 class _Families(Collector):
@@ -84,4 +99,4 @@ def write_last_run(path: str | os.PathLike[str], prefix: str, structure: str, *,
     write_to_textfile(os.fspath(path), registry)
 
 
-__all__ = ["histogram", "package_version", "serve", "write_last_run"]
+__all__ = ["exposure_warning", "histogram", "package_version", "serve", "write_last_run"]

@@ -1,8 +1,9 @@
 """Socket settings shared by every floor: the CF's connections (cfemu.connection) and the network service's
-(sqm.service)."""
+(sqm.service); and whether an address is loopback (a listener bound to one is reachable from this host only)."""
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 import struct
 
@@ -16,3 +17,25 @@ def set_kernel_timeout(sock: socket.socket, seconds: float | None) -> None:
     timeval = struct.pack("ll", int(sec), int((sec - int(sec)) * 1e6))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+
+
+def is_loopback_ip(address: str) -> bool:
+    """Is this peer address on the loopback network (127.0.0.0/8, ::1, or an IPv4-mapped 127.x)?"""
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback
+
+
+def is_loopback_host(host: str) -> bool:
+    """Does listening on HOST accept loopback connections only? (0.0.0.0, '' and :: listen everywhere.)"""
+    if not host:
+        return False
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    return bool(infos) and all(is_loopback_ip(str(info[4][0])) for info in infos)

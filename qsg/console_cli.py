@@ -80,7 +80,7 @@ def cmd_console(args: argparse.Namespace, out: Output) -> int:
     if not source.operator_token():
         raise CLIError("the group has no operator token, so nobody could log in: 'cfemu secrets init' makes one "
                        "(operator.token in the secrets directory), or set $SQM_OPERATOR_TOKEN")
-    console = Console(source, interval_s=args.interval)
+    console = Console(source, interval_s=args.interval, allowed_hosts=args.allow_host)
     return asyncio.run(_serve(console, args, served, out))
 
 
@@ -120,4 +120,7 @@ def console_arguments(p: argparse.ArgumentParser, parents: Parents) -> None:
     p.add_argument("--server-ca", help="the CA that signed the members' certificates, when their service has TLS")
     p.add_argument("--interval", type=seconds(0.2, 3600), default=2.0,
                    help="seconds between two readings of the group (default 2)")
+    p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                   help="a DNS name the browser may use for the console besides its --host, localhost and this "
+                        "machine's name (repeat); requests naming another are refused (DNS rebinding)")
     p.add_argument("--ready-file", help="write {pid, url, port} here once serving")

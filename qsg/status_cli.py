@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from cfemu import keys, rcluster
-from cfemu.admin import Admin
+from cfemu.admin import Admin, StructureDef
 from cfemu.cf import CF, Structure
 from cfemu.clitools import Output, settings
 from cfemu.repository import GroupRepository, RepositoryError
@@ -37,14 +37,49 @@ def _backup_mark(s: Structure) -> tuple[str | None, str | None]:
     return (mark.backup, None) if not mark.stale else (None, mark.backup)
 
 
+def _structure_rows(admin: Admin, cf: CF, name: str, sdef: StructureDef, migrated: Any, qdefs: dict[str, Any],
+                    structures: list[dict[str, Any]], queues: list[dict[str, Any]],
+                    uows_by_member: dict[str, int]) -> None:
+    """One structure's row, its queues' rows, and its UOWs counted by member."""
+    s = cf.structure(name)
+    info = s.info()
+    in_cf = bool(info)
+    depths = s.depths() if in_cf else {}
+    state = admin.state(name) if in_cf else ("MIGRATED" if name in migrated else "FAILED")
+    running, stale = _backup_mark(s) if in_cf else (None, None)
+    last = info.get("last_backup")
+    structures.append({"name": name, "state": state, "in_cf": in_cf, "recauto": sdef.recauto,
+                       "recovering_by": admin.structure_recovery_holder(name),
+                       "depth": {st: sum(d.get(st, 0) for d in depths.values()) for st in keys.STATES}
+                       if in_cf else None,
+                       "entries": int(info.get("entries", 0)), "max_entries": sdef.max_entries,
+                       "bytes": int(info.get("bytes", 0)), "max_bytes": sdef.max_bytes,
+                       "backup_running": running, "stale_backup_mark": stale, "last_backup": last,
+                       "last_backup_age_s": last_backup_age(admin, name)})
+    if rcluster.is_cluster(admin.redis):  # which master of a Redis Cluster CF holds it (its slot's)
+        structures[-1].update(slot=rcluster.slot_of(name), master=rcluster.master_of(admin.redis, name))
+    for qname, by_state in depths.items():
+        q = qdefs.get(qname)
+        queues.append({"name": qname, "structure": name, "depth": by_state,
+                       "backout_threshold": q.backout_threshold if q else None,
+                       "backout_queue": q.backout_queue if q else None})
+    if in_cf:
+        for member in admin.members():
+            uows_by_member[member] = uows_by_member.get(member, 0) + len(s.member_uows(member))
+
+
 def gather_status(admin: Admin, root: Path) -> dict[str, Any]:
     """Structures (state, depth by state, capacity, last backup), queues, and members (lease, epoch, log range,
     UOWs) as one document. Every structure the CF or the group repository (under root) defines has a row: one the
     CF does not hold (lost with it, never restored) is FAILED with in_cf false, or MIGRATED when the repository
-    records it migrated; its depth is unknown (null)."""
+    records it migrated; its depth is unknown (null). ``bad_records``: a line for each definition that cannot be
+    read (a bad name, a malformed value), skipped so that one bad record hides nothing else."""
 
     cf = CF(admin.redis)
-    structures, queues, members = [], [], []
+    structures: list[dict[str, Any]] = []
+    queues: list[dict[str, Any]] = []
+    members: list[dict[str, Any]] = []
+    bad_records: list[str] = []
     uows_by_member: dict[str, int] = {}
     repo = GroupRepository(root)
     try:
@@ -55,31 +90,12 @@ def gather_status(admin: Admin, root: Path) -> dict[str, Any]:
     qdefs.update({q.name: q for q in admin.queues()})
     sdefs = {**repo_structures, **{sdef.name: sdef for sdef in admin.structures()}}
     for name, sdef in sorted(sdefs.items()):
-        s = cf.structure(name)
-        info = s.info()
-        in_cf = bool(info)
-        depths = s.depths() if in_cf else {}
-        state = admin.state(name) if in_cf else ("MIGRATED" if name in migrated else "FAILED")
-        running, stale = _backup_mark(s) if in_cf else (None, None)
-        last = info.get("last_backup")
-        structures.append({"name": name, "state": state, "in_cf": in_cf, "recauto": sdef.recauto,
-                           "recovering_by": admin.structure_recovery_holder(name),
-                           "depth": {st: sum(d.get(st, 0) for d in depths.values()) for st in keys.STATES}
-                           if in_cf else None,
-                           "entries": int(info.get("entries", 0)), "max_entries": sdef.max_entries,
-                           "bytes": int(info.get("bytes", 0)), "max_bytes": sdef.max_bytes,
-                           "backup_running": running, "stale_backup_mark": stale, "last_backup": last,
-                           "last_backup_age_s": last_backup_age(admin, name)})
-        if rcluster.is_cluster(admin.redis):  # which master of a Redis Cluster CF holds it (its slot's)
-            structures[-1].update(slot=rcluster.slot_of(name), master=rcluster.master_of(admin.redis, name))
-        for qname, by_state in depths.items():
-            q = qdefs.get(qname)
-            queues.append({"name": qname, "structure": name, "depth": by_state,
-                           "backout_threshold": q.backout_threshold if q else None,
-                           "backout_queue": q.backout_queue if q else None})
-        if in_cf:
-            for member in admin.members():
-                uows_by_member[member] = uows_by_member.get(member, 0) + len(s.member_uows(member))
+        kept = len(structures), len(queues)
+        try:
+            _structure_rows(admin, cf, name, sdef, migrated, qdefs, structures, queues, uows_by_member)
+        except (ValueError, TypeError, KeyError) as e:  # a malformed record; the CF answered: the others stand
+            del structures[kept[0]:], queues[kept[1]:]
+            bad_records.append(f"structure {name!r} skipped: {' '.join(str(e).split())}")
     for name, m in sorted(admin.members().items()):
         log_range: dict[str, Any] = {}
         log_dir = Path(m.get("log") or root / name)
@@ -92,12 +108,13 @@ def gather_status(admin: Admin, root: Path) -> dict[str, Any]:
             log_range = {"error": str(e)}
         members.append({"name": name, "epoch": m.get("epoch"), "lease_ms": m.get("lease_ms"), "pid": m.get("pid"),
                         "log": str(log_dir), "log_range": log_range, "uows": uows_by_member.get(name, 0)})
+    bad_records += [f"{where}[{field!r}] skipped: {why}" for (where, field), why in sorted(admin.bad_entries.items())]
     for qname, q in qdefs.items():
         if not any(x["name"] == qname for x in queues):
             queues.append({"name": qname, "structure": q.structure, "depth": None,
                            "backout_threshold": q.backout_threshold, "backout_queue": q.backout_queue})
     return {"group": admin.group_name(), "structures": structures, "queues": sorted(queues, key=lambda q: q["name"]),
-            "members": members}
+            "members": members, "bad_records": bad_records}
 
 
 def _state(s: dict[str, Any]) -> str:
@@ -116,6 +133,8 @@ def cmd_status(args: argparse.Namespace, out: Output) -> int:
     if args.json:
         out.json(doc)
         return 0
+    for line in doc["bad_records"]:
+        out.line(f"warning: {line}")
     out.table(f"structures of group {doc['group']}",
               ["structure", "state", "RECAUTO", "UP", "CP", "UG", "EX", "entries", "bytes", "last backup"],
               [(s["name"], _state(s), "yes" if s["recauto"] else "no",

@@ -5,7 +5,9 @@ and what it does (in a job's thread: qsg.console.jobs).
   backup   take a backup of an ACTIVE structure now (cfbackup run; waits for a scheduler's backup to end)
   restore  rebuild a structure from a backup and the logs (cfrestore run; an ACTIVE one is marked FAILED first)
   resolve  commit or back out an in-doubt unit of work on the member that holds it (cfemu indoubt resolve)
-  restart  restart a member of the local cluster (cfemu cluster restart)
+  restart  restart a member of the local cluster (cfemu cluster restart): one member at a time (every restart has
+           the same target), and never the last member serving (checked against the snapshot, then again
+           against the cluster's processes just before the restart), so the group always has one to serve
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from restore.run import run_restore
 
 BACKUP_WAIT_S = 120.0  # a scheduler's backup running: wait this long for it, as 'cfbackup run --wait' does
 MAX_FIELD = 128
+RESTART_TARGET = "member restart"  # the target of every restart: one member restarts at a time
 
 
 class ActionError(ValueError):
@@ -138,6 +141,9 @@ def _check_restart(form: Mapping[str, str], snap: dict[str, Any]) -> Params:
     if member not in members or not any(p["process"] == member for p in snap["processes"]):
         raise ActionError(f"{member} is not a member of a local cluster this console runs beside: restart it "
                           "where it runs")
+    if not any(m["name"] != member and m.get("health") == "serving" for m in snap["members"]):
+        raise ActionError(f"{member} is the last serving member: restarting it would stop the group's service "
+                          "(bring another member back first)")
     return {"member": member}
 
 
@@ -145,6 +151,11 @@ def _run_restart(source: GroupSource, p: Params, progress: Progress) -> str:
     cluster = source.cluster()
     if cluster is None:
         raise ActionError("the local cluster is gone")
+    managers = {m["name"] for m in cluster.state["managers"]}
+    ready = [r["process"] for r in cluster.status()["processes"]
+             if r["process"] in managers and r["process"] != p["member"] and r["alive"] and r["ready"]]
+    if not ready:
+        raise ActionError(f"{p['member']} is the last member ready: restarting it would stop the group's service")
     doc = cluster.restart_member(p["member"])
     return (f"{doc['member']} restarted in {doc['seconds']:g}s (stopped by {doc['stopped_by']}); pid "
             f"{doc['old_pid']} -> {doc['pid']}")
@@ -164,7 +175,7 @@ ACTIONS: dict[str, Action] = {a.name: a for a in (
     Action("restart", "Restart", ("member",), _check_restart,
            lambda p: (f"Restart member {p['member']}? It stops (a shutdown checkpoint; SIGKILL after 10 s) and "
                       "starts again on its ports; its applications reconnect to another member meanwhile."),
-           lambda p: f"restart of {p['member']}", lambda p: f"member {p['member']}", _run_restart),
+           lambda p: f"restart of {p['member']}", lambda p: RESTART_TARGET, _run_restart),
 )}
 
 

@@ -9,7 +9,9 @@
   POST /action/NAME            an operator action (qsg.console.actions): first a confirmation page, then, with
                                confirmed=yes, the action starts as a job and the browser goes back to /
 
-Every page but the login needs a session; every POST its CSRF token. The group is read by a poller every
+Every request must name the console in its Host header (host_allowed): an IP address, localhost, the host it
+serves on, this machine's name, or a name given with allowed_hosts; another name is a page of a site whose DNS name
+was re-pointed at the console (DNS rebinding), refused. Every page but the login needs a session; every POST its CSRF token. The group is read by a poller every
 ``interval_s`` seconds in one worker thread (qsg.console.snapshot), never by a page request, so that a slow CF
 or member slows the picture's refresh, not the pages.
 """
@@ -18,11 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import json
 import logging
+import socket
 import ssl
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
@@ -36,7 +40,18 @@ from qsg.console import charts, snapshot
 from qsg.console.actions import ACTIONS, ActionError
 from qsg.console.history import History
 from qsg.console.jobs import RUNNING, Job, JobRefusedError, Jobs
-from qsg.console.security import CSRF_FIELD, SESSION_COOKIE, Session, Sessions, token_matches
+from qsg.console.security import (
+    CSRF_FIELD,
+    REFRESH_HEADER,
+    SESSION_COOKIE,
+    LoginBusyError,
+    LoginGate,
+    Session,
+    Sessions,
+    TokenWatch,
+    token_fingerprint,
+    token_matches,
+)
 from qsg.console.source import GroupSource
 from sqm.service.auth import Failures
 from sqm.service.config import is_loopback_ip
@@ -82,6 +97,13 @@ def _clock(t: float | None) -> str:
     return datetime.fromtimestamp(t).strftime("%H:%M:%S") if t else "-"
 
 
+def _wildcard(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
+
+
 def _session(request: web.Request) -> Session:
     return request[SESSION_KEY]
 
@@ -89,14 +111,18 @@ def _session(request: web.Request) -> Session:
 class Console:
     """One console: its sessions, jobs and history, the latest snapshot, and the aiohttp application."""
 
-    def __init__(self, source: GroupSource, *, interval_s: float = 2.0) -> None:
+    def __init__(self, source: GroupSource, *, interval_s: float = 2.0, allowed_hosts: Iterable[str] = ()) -> None:
         self.source = source
+        self.allowed_hosts = {"localhost", *(h.lower() for h in allowed_hosts)}
         self.interval_s = interval_s
         self.sessions = Sessions()
+        self.token = TokenWatch(source.operator_token, source.operator_token_stamp)
         self.history = History()
         self.jobs = Jobs(on_change=self._job_changed)
         self.failures = Failures()
+        self.login_gate = LoginGate()
         self.snapshot: dict[str, Any] | None = None
+        self.charts = self._draw_charts()  # drawn once per snapshot, in the poller's thread; pages reuse them
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="console-poll")
         self._poller: asyncio.Task[None] | None = None
         self._refresh = asyncio.Event()
@@ -132,10 +158,18 @@ class Console:
     # --- the poller ----------------------------------------------------------------------------------------------
     async def poll_once(self) -> dict[str, Any]:
         """Take a snapshot now (in the poller's thread) and remember it."""
-        snap = await asyncio.get_running_loop().run_in_executor(self._executor, snapshot.take, self.source)
+        loop = asyncio.get_running_loop()
+        snap = await loop.run_in_executor(self._executor, snapshot.take, self.source)
         self.history.add(snap)
+        self.charts = await loop.run_in_executor(self._executor, self._draw_charts)
         self.snapshot = snap
         return snap
+
+    def _draw_charts(self) -> dict[str, Markup]:
+        """The overview's charts from the history's samples (which only the event loop's poll_once adds to, and
+        not while this runs): drawn once per snapshot, never per page, since every open tab fetches the page."""
+        return {"depth_chart": Markup(charts.line_chart("queue depth", self.history.depth_series(), unit="msgs")),
+                "rate_chart": Markup(charts.line_chart("throughput", self.history.rate_series(), unit="/s"))}
 
     async def _poll_forever(self) -> None:
         while True:
@@ -165,8 +199,16 @@ class Console:
         CSRF token and a same-origin Origin on every POST but the login's (which has no session yet)."""
         public = request.path == "/login" or request.path.startswith("/static/")
         try:
+            if not self.host_allowed(request.host):
+                raise web.HTTPMisdirectedRequest(text=f"Host {request.host[:100]!r} is not this console's address: "
+                                                      "refused (give it with --allow-host if it is)")
             if not public:
-                session = self.sessions.find(request.cookies.get(SESSION_COOKIE))
+                session = self.sessions.find(request.cookies.get(SESSION_COOKIE),
+                                             touch=REFRESH_HEADER not in request.headers)
+                if session is not None and session.token != self.token.current():
+                    log.warning("console: the operator token changed: the session from %s ends", session.peer)
+                    self.sessions.end(session.id)
+                    session = None
                 if session is None:
                     if request.method == "GET" and request.path == "/":
                         raise web.HTTPSeeOther("/login")
@@ -187,6 +229,21 @@ class Console:
             raise
         response.headers.update(SECURITY_HEADERS)
         return response
+
+    def host_allowed(self, host: str) -> bool:
+        """Does a Host header name this console (see the module doc)? Its port is not compared."""
+        name = host.strip().lower()
+        if name.startswith("["):  # [IPv6]:port
+            name = name[1:name.find("]")] if "]" in name else name
+        elif name.count(":") == 1:
+            name = name.rsplit(":", 1)[0]
+        name = name.rstrip(".")
+        try:
+            ipaddress.ip_address(name)
+            return True  # an address: no name for a rebinding to re-point
+        except ValueError:
+            pass
+        return name in self.allowed_hosts
 
     def _static_url(self, filename: str) -> str:
         """A static file's URL with its content's hash (a changed file is fetched anew)."""
@@ -213,7 +270,16 @@ class Console:
                                       "--tls-cert and --tls-key")
         form = await request.post()
         sent = form.get("token")
-        expected = await asyncio.get_running_loop().run_in_executor(None, self.source.operator_token)
+        try:
+            async with self.login_gate.turn(request.remote or "?"):
+                return await self._check_login(request, sent)
+        except LoginBusyError as e:
+            return self._render("login.html", 429, insecure=False, error=str(e))
+
+    async def _check_login(self, request: web.Request, sent: Any) -> web.StreamResponse:
+        """The login's check, in its address's turn: a failure is answered after its delay, which the address's
+        next attempt waits for."""
+        expected = await asyncio.get_running_loop().run_in_executor(None, self.token.refresh)
         if not expected:
             return self._render("login.html", 503, insecure=False,
                                 error="the group has no operator token (operator.token in its secrets directory; "
@@ -223,7 +289,7 @@ class Console:
             log.warning("console: failed login from %s (%d in a row)", request.remote, n)
             await asyncio.sleep(delay)
             return self._render("login.html", 401, insecure=False, error="wrong token")
-        session = self.sessions.begin(request.remote or "")
+        session = self.sessions.begin(request.remote or "", token_fingerprint(expected))
         log.info("console: operator logged in from %s", request.remote)
         response = web.HTTPSeeOther("/")
         response.set_cookie(SESSION_COOKIE, session.id, httponly=True, samesite="Strict", secure=request.secure,
@@ -241,9 +307,7 @@ class Console:
         flashes, session.flashes = session.flashes, []
         return {"snap": self.snapshot, "jobs": self.jobs.list(), "csrf": session.csrf, "flashes": flashes,
                 "events": list(reversed(self.history.events))[:EVENTS_SHOWN], "actions": ACTIONS,
-                "interval_ms": int(self.interval_s * 1000),
-                "depth_chart": Markup(charts.line_chart("queue depth", self.history.depth_series(), unit="msgs")),
-                "rate_chart": Markup(charts.line_chart("throughput", self.history.rate_series(), unit="/s"))}
+                "interval_ms": int(self.interval_s * 1000), **self.charts}
 
     async def index(self, request: web.Request) -> web.StreamResponse:
         return self._render("index.html", **self._overview(_session(request)))
@@ -291,6 +355,10 @@ class Console:
     # --- serving -------------------------------------------------------------------------------------------------
     async def serve(self, host: str, port: int, ssl_context: ssl.SSLContext | None) -> web.AppRunner:
         """Start serving; the runner (its address: runner.addresses) to clean up when done."""
+        if host and not _wildcard(host):
+            self.allowed_hosts.add(host.lower())
+        else:  # every address of this machine: its names too
+            self.allowed_hosts |= {socket.gethostname().lower(), socket.getfqdn().lower()}
         runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
         await runner.setup()
         await web.TCPSite(runner, host, port, ssl_context=ssl_context, backlog=64).start()

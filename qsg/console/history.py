@@ -2,7 +2,8 @@
 puts and gets per second) and the events it saw happen (a structure failing, a recovery starting or ending,
 RECAUTO's counts moving, a backup beginning or ending, the duplexed CF's events, a member restarted or down).
 
-Both are bounded (SAMPLES, EVENTS) and live in this process only: the console shows what happened while it ran.
+Both are bounded (SAMPLES, EVENTS; each sample holds the depths of the QUEUES_SAMPLED deepest queues only, so that
+a group of thousands of queues costs no more than one of a hundred) and live in this process only: the console shows what happened while it ran.
 Events are found by comparing each snapshot with the one before it.
 """
 
@@ -15,6 +16,7 @@ from typing import Any
 
 SAMPLES = 300  # at the default 2 s interval: the last 10 minutes
 EVENTS = 200
+QUEUES_SAMPLED = 100  # the deepest queues each sample remembers (the chart draws fewer: charts.MAX_SERIES)
 
 RECAUTO_COUNTERS = {"structure_recoveries_started": "RECAUTO started",
                     "structure_recoveries_completed": "RECAUTO completed",
@@ -47,8 +49,8 @@ class History:
         """Remember a snapshot: its sample, and the events since the previous one (returned)."""
         services = [m["service"] for m in snap["members"] if m.get("service")]
         if snap["cf"].get("ok"):
-            self.samples.append(Sample(snap["at"], {q["name"]: sum(q["depth"].values()) for q in snap["queues"]
-                                                    if q.get("depth") is not None},
+            depths = {q["name"]: sum(q["depth"].values()) for q in snap["queues"] if q.get("depth") is not None}
+            self.samples.append(Sample(snap["at"], _deepest(depths, QUEUES_SAMPLED),
                                        sum(int(s.get("puts") or 0) for s in services),
                                        sum(int(s.get("gets") or 0) for s in services)))
         new = changes(self._last, snap, self._last_cf) if self._last is not None else []
@@ -82,6 +84,12 @@ class History:
                 gets.append((s.at, max(0, s.gets - prev.gets) / dt))
             prev = s
         return {"puts/s": puts, "gets/s": gets}
+
+
+def _deepest(depths: dict[str, int], n: int) -> dict[str, int]:
+    if len(depths) <= n:
+        return depths
+    return dict(sorted(depths.items(), key=lambda item: (-item[1], item[0]))[:n])
 
 
 def changes(old: dict[str, Any], new: dict[str, Any], old_cf: dict[str, Any] | None = None) -> list[Event]:
@@ -139,4 +147,4 @@ def changes(old: dict[str, Any], new: dict[str, Any], old_cf: dict[str, Any] | N
     return out
 
 
-__all__ = ["EVENTS", "SAMPLES", "Event", "History", "Sample", "changes"]
+__all__ = ["EVENTS", "QUEUES_SAMPLED", "SAMPLES", "Event", "History", "Sample", "changes"]

@@ -1,6 +1,8 @@
 """The operator actions under way and done: each runs in a thread of its own, reports its progress
 (cfemu.progress: phase, done, total) to its Job, which the page shows live, and ends with a one-line result or
-a one-line error. Bounded: at most MAX_RUNNING at once, one per target, and the last KEPT remembered."""
+a one-line error. Bounded: at most MAX_RUNNING at once, one per target, and the last KEPT ended ones remembered.
+A running job is never forgotten: it stays listed (and counted by both checks) until it ends, however many jobs
+end meanwhile."""
 
 from __future__ import annotations
 
@@ -57,21 +59,22 @@ class Jobs:
         """on_change(job) is called (from the job's thread at its end) when a job starts and when it ends."""
         self.max_running = max_running
         self.on_change = on_change
-        self._jobs: deque[Job] = deque(maxlen=kept)
+        self._running: dict[int, Job] = {}
+        self._ended: deque[Job] = deque(maxlen=kept)  # newest first
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
 
     def start(self, action: str, target: str, title: str, work: Callable[[Progress], str]) -> Job:
         """Run work(progress) in a thread; its returned line is the job's result, its exception its error."""
         with self._lock:
-            running = [j for j in self._jobs if j.state == RUNNING]
+            running = list(self._running.values())
             if len(running) >= self.max_running:
                 raise JobRefusedError(f"{len(running)} actions are running already: wait for one to end")
             clash = next((j for j in running if j.target == target), None)
             if clash is not None:
                 raise JobRefusedError(f"{clash.title} is still running: wait for it to end")
             job = Job(next(self._ids), action, target, title)
-            self._jobs.appendleft(job)
+            self._running[job.id] = job
         self._changed(job)
         threading.Thread(target=self._run, args=(job, work), name=f"console-job-{job.id}", daemon=True).start()
         return job
@@ -85,21 +88,21 @@ class Jobs:
 
     def _run(self, job: Job, work: Callable[[Progress], str]) -> None:
         try:
-            job.result = work(job.progress)
-            job.state = DONE
+            result, state = work(job.progress), DONE
         except Exception as e:  # noqa: BLE001 - the operator reads why on the page
-            job.result = " ".join(str(e).split()) or type(e).__name__
-            job.state = FAILED
-            log.warning("console: %s failed: %s", job.title, job.result)
-        finally:
-            job.ended = time.time()
+            result, state = " ".join(str(e).split()) or type(e).__name__, FAILED
+            log.warning("console: %s failed: %s", job.title, result)
+        with self._lock:  # ended and moved at once: a job seen as ended is no longer counted as running
+            job.result, job.state, job.ended = result, state, time.time()
+            self._running.pop(job.id, None)
+            self._ended.appendleft(job)
         log.info("console: %s: %s (%s)", job.title, job.state, job.result)
         self._changed(job)
 
     def list(self) -> list[Job]:
         """Newest first."""
         with self._lock:
-            return list(self._jobs)
+            return sorted([*self._running.values(), *self._ended], key=lambda j: j.id, reverse=True)
 
     def get(self, job_id: int) -> Job | None:
         return next((j for j in self.list() if j.id == job_id), None)

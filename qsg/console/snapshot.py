@@ -50,6 +50,7 @@ def _cf_part(source: GroupSource, snap: dict[str, Any]) -> None:
     with source.admin() as admin:
         doc = gather_status(admin, source.settings().log_root)
         snap["cf"]["ok"] = True
+        snap["errors"] += [f"cf: {line}" for line in doc["bad_records"]]  # named and skipped: the rest is shown
         snap.update(group=doc["group"], structures=doc["structures"], queues=doc["queues"], members=doc["members"])
         now_ms = int(time.time() * 1000)
         cf = CF(admin.redis)

@@ -4,6 +4,7 @@ endpoints, restarts), the members' service endpoints, and the TLS the service us
 
 from __future__ import annotations
 
+import os
 import ssl
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -13,6 +14,7 @@ from typing import Any
 
 import redis
 
+from cfemu import credentials
 from cfemu import settings as cfsettings
 from cfemu.admin import Admin
 from cfemu.connection import connect
@@ -34,6 +36,7 @@ class GroupSource:
     where: dict[str, Any] = field(default_factory=dict)
     servers: Sequence[str] = ()
     member_tls: ssl.SSLContext | None = None
+    _token_file: Path | None = field(default=None, init=False, repr=False, compare=False)
 
     def settings(self, role: str = "operator") -> cfsettings.Settings:
         """The settings as a command of that CF role finds them (its user and password in the CF's URL)."""
@@ -43,7 +46,19 @@ class GroupSource:
         """The group's operator token (the service's operator role): what the login compares with, and what the
         console's own service connections prove they hold."""
         found = self.settings()
+        self._token_file = credentials.service_token_file(found.secrets_dir, OPERATOR) if found.secrets_dir else None
         return found.token if found.token_role == OPERATOR else None
+
+    def operator_token_stamp(self) -> tuple[Any, ...]:
+        """A cheap mark that changes whenever operator_token() may answer otherwise: the token flag,
+        $SQM_OPERATOR_TOKEN, and the token file (the one the last operator_token() found): its inode, size and
+        modification time, one stat."""
+        try:
+            st = os.stat(self._token_file) if self._token_file is not None else None
+        except OSError:
+            st = None
+        return (self.where.get("token"), os.environ.get(cfsettings.ENV_OPERATOR_TOKEN), self._token_file,
+                (st.st_ino, st.st_size, st.st_mtime_ns) if st is not None else None)
 
     def cluster(self) -> LocalGroup | None:
         """The local cluster the settings found (cluster.json read afresh), None when the group is not one."""

@@ -7,14 +7,13 @@ configuration, 3 when peer recovery fenced this queue manager (restart it), 4 wh
 
 from __future__ import annotations
 
-import ipaddress
 import os
-import socket
 import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from cfemu.settings import DEFAULT_MAX_UMSGS, MAX_MAX_UMSGS
+from cfemu.sockets import is_loopback_host, is_loopback_ip
 from sqm.core.recauto import RecoverStructure
 from sqm.operations import APPLICATION, OPERATOR
 from sqm.request_slots import LEASE_S, MAX_SLOTS, default_slots
@@ -23,30 +22,6 @@ from sqm.service.protocol import DEFAULT_MAX_FRAME, MAX_FRAME, MIN_FRAME
 EXIT_OK, EXIT_ERROR, EXIT_CONFIG, EXIT_FENCED, EXIT_LOG_FAILED = 0, 1, 2, 3, 4
 
 DEFAULT_REQUEST_BUDGET = 256 * 2**20  # the least default budget of request bytes in flight on a member
-
-
-def is_loopback_ip(address: str) -> bool:
-    """Is this peer address on the loopback network (127.0.0.0/8, ::1, or an IPv4-mapped 127.x)?"""
-    try:
-        ip = ipaddress.ip_address(address.split("%", 1)[0])
-    except ValueError:
-        return False
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return ip.is_loopback
-
-
-def is_loopback_host(host: str) -> bool:
-    """Does listening on HOST accept loopback connections only? (0.0.0.0, '' and :: listen everywhere.)"""
-    if not host:
-        return False
-    try:
-        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    except OSError:
-        return False
-    return bool(infos) and all(is_loopback_ip(str(info[4][0])) for info in infos)
-
-
 
 
 class ServerConfigError(ValueError):

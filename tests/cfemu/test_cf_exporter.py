@@ -17,6 +17,7 @@ from prometheus_client.core import CollectorRegistry
 
 from cfemu.cf_exporter import CFInfoCollector
 from cfemu.embedded import EmbeddedRedis
+from cfemu.exposition import exposure_warning
 from tests.support import prom
 
 
@@ -128,3 +129,19 @@ def test_cfemu_exporter_serves_the_cf_metrics_until_sigterm(fresh_redis: Embedde
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err.decode()
+    assert b"no authentication" not in err  # loopback: nothing to warn of
+
+
+def test_cfemu_exporter_on_a_network_address_warns_that_its_metrics_have_no_authentication(
+        fresh_redis: EmbeddedRedis) -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "qsg.cli", "exporter", "--host", "0.0.0.0", "--port", "0",
+                             "--redis-url", fresh_redis.url], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert proc.stderr is not None
+        warning = proc.stderr.readline().decode()  # printed once bound, before it serves
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    assert warning.startswith("warning: the metrics on 0.0.0.0:") and "have no authentication" in warning, (
+        warning + err.decode())
+    assert exposure_warning("127.0.0.1", 9121) is None and exposure_warning("localhost", 9121) is None

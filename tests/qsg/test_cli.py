@@ -131,6 +131,28 @@ def test_status_shows_every_structure_the_group_knows_and_reads_the_backup_mark_
     client.close()
 
 
+def test_status_names_and_skips_a_record_it_cannot_parse(where: list[str], redis_url: str) -> None:
+    """One structure record with a bad name must not make `cfemu status` fail (as if the CF were down): the record
+    is named on one line and skipped, every other structure is shown."""
+    import msgpack
+
+    from cfemu.admin import STRUCTURES
+
+    ok("cfemu", "define", "structure", "APP1", *where)
+    client = connect(redis_url)
+    try:
+        record = msgpack.unpackb(client.hget(STRUCTURES, "APP1"))
+        client.hset(STRUCTURES, "bad name", msgpack.packb({**record, "name": "bad name"}))
+    finally:
+        client.close()
+    doc = json.loads(ok("cfemu", "status", "--json", *where))
+    assert [s["name"] for s in doc["structures"]] == ["APP1"]
+    [bad] = doc["bad_records"]
+    assert "'bad name'" in bad and "\n" not in bad
+    plain = ok("cfemu", "status", *where)
+    assert "APP1" in plain and "warning: structure 'bad name' skipped: bad structure name" in plain
+
+
 @pytest.mark.slow
 def test_errors_are_one_line_and_change_nothing(where: list[str], redis_url: str, tmp_path: Path) -> None:
     ok("cfemu", "define", "structure", "APP1", *where)
