@@ -1,0 +1,87 @@
+"""DISPLAY CONN and DISPLAY QSTATUS as an operator runs them: `cfemu conn` and `cfemu status QUEUE` subprocesses
+against real `sqm run` members on a real CF, with real clients connected to them."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sqm.service.client import Client
+from sqm.service.protocol import NotAuthorizedError
+from tests.qsg.test_cli import ok, run
+from tests.sqm.test_service import OP_TOKEN, TOKEN, start_server
+
+
+def _conn(*args: str) -> dict[str, Any]:
+    return dict(json.loads(ok("cfemu", "conn", "--json", *args)))
+
+
+@pytest.mark.slow
+def test_conn_shows_each_connection_with_its_application_peer_and_open_uow(redis_url: str, tmp_path: Path) -> None:
+    where = ["--redis-url", redis_url, "--log-root", str(tmp_path / "logs")]
+    ok("cfemu", "define", "structure", "APP1", *where)
+    ok("cfemu", "define", "queue", "Q1", "--structure", "APP1", *where)
+    qm1 = start_server(redis_url, tmp_path, "QM1")
+    qm2 = start_server(redis_url, tmp_path, "QM2")
+    try:
+        operator = ["--server", qm1.endpoint, "--server", qm2.endpoint, "--token", OP_TOKEN]
+        with Client(qm1.endpoint, token=TOKEN, client_name="payroll") as app, \
+                Client(qm2.endpoint, token=TOKEN, client_name="billing") as idle:
+            app.put("Q1", b"in flight")  # under syncpoint: the connection's UOW stays open
+            idle.ping()
+            local = app._sock.getsockname() if app._sock is not None else None
+            assert local is not None
+            doc = _conn(*operator)
+            assert doc["unreachable"] == []
+            rows = {r["application"]: r for r in doc["connections"]}
+            payroll, billing = rows["payroll"], rows["billing"]
+            assert (payroll["qmgr"], payroll["role"], payroll["tls"]) == ("QM1", "application", False)
+            assert payroll["peer"] == f"{local[0]}:{local[1]}"
+            assert payroll["requests"] >= 1 and payroll["queues"] == ["Q1"]
+            assert payroll["last_request"] >= payroll["connected"] > time.time() - 600
+            assert payroll["uow"]["state"] == "INFLIGHT" and payroll["uow"]["id"].startswith("QM1.")
+            assert payroll["uow"]["messages"] == 1 and payroll["uow"]["age_s"] >= 0
+            assert (billing["qmgr"], billing["uow"]) == ("QM2", None)
+            # cfemu's own operator connections are listed too, named as cfemu names itself
+            assert {r["role"] for r in doc["connections"] if r["application"] == "cfemu"} == {"operator"}
+            # nothing secret: no token in any form
+            text = json.dumps(doc)
+            assert TOKEN not in text and OP_TOKEN not in text
+            # the --member filter, and the table
+            only = _conn(*operator, "--member", "QM2")
+            assert {r["qmgr"] for r in only["connections"]} == {"QM2"}
+            table = ok("cfemu", "conn", *operator)
+            assert "payroll" in table and "INFLIGHT" in table and f"{local[0]}:{local[1]}" in table
+
+            app.commit()  # the UOW ends: no open UOW any more
+            after = {r["application"]: r for r in _conn(*operator)["connections"]}
+            assert after["payroll"]["uow"] is None and after["payroll"]["requests"] > payroll["requests"]
+        gone = {r["application"] for r in _conn(*operator)["connections"]}
+        assert "payroll" not in gone and "billing" not in gone  # closed connections leave the list
+    finally:
+        assert qm1.stop() == 0
+        assert qm2.stop() == 0
+
+
+@pytest.mark.slow
+def test_an_application_token_is_refused_the_connections(redis_url: str, tmp_path: Path) -> None:
+    srv = start_server(redis_url, tmp_path, "QM1")
+    try:
+        with Client(srv.endpoint, token=TOKEN) as app, pytest.raises(NotAuthorizedError):
+            app.connections()
+        with Client(srv.endpoint, token=OP_TOKEN, role="operator") as op:
+            assert op.connections()["qmgr"] == "QM1"
+        # cfemu with only the application's token: refused in one line, naming the operator token
+        app_env = {k: v for k, v in os.environ.items() if k not in ("SQM_OPERATOR_TOKEN", "CFEMU_SECRETS_DIR")}
+        r = run("cfemu", "conn", "--server", srv.endpoint, env={**app_env, "SQM_TOKEN": TOKEN}, cwd=tmp_path)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and "operator token" in r.stderr, r.stderr
+        # a member that does not answer: its own line, and retry later
+        r = run("cfemu", "conn", "--server", srv.endpoint, "--server", "127.0.0.1:1", "--token", OP_TOKEN)
+        assert r.returncode == 75 and "127.0.0.1:1" in r.stdout + r.stderr and "QM1" in r.stdout, r
+    finally:
+        assert srv.stop() == 0
