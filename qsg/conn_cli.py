@@ -43,8 +43,8 @@ def member_arguments(parser: argparse.ArgumentParser) -> None:
     add_settings_arguments(parser, "token")
 
 
-def endpoints(args: argparse.Namespace) -> list[str]:
-    """The members' service endpoints: --server, else the local cluster's."""
+def endpoints(args: argparse.Namespace, *, required: bool = True) -> list[str]:
+    """The members' service endpoints: --server, else the local cluster's (none found: an error when required)."""
     if args.server:
         return list(args.server)
     found = settings(args)
@@ -53,20 +53,22 @@ def endpoints(args: argparse.Namespace) -> list[str]:
             return [f"{host}:{port}" for _, host, port in LocalGroup.load(found.cluster_dir).endpoints]
         except LocalGroupError as e:
             raise CLIError(f"cannot read the local cluster in {found.cluster_dir}: {e}") from None
+    if not required:
+        return []
     raise CLIError("no members to ask: give --server HOST:PORT (each member's service), or run beside a local "
                    "cluster ('cfemu cluster up', --cluster-dir)")
 
 
-def ask_members(args: argparse.Namespace) -> list[dict[str, Any]]:
+def ask_members(args: argparse.Namespace, servers: list[str] | None = None) -> list[dict[str, Any]]:
     """Each member's ``connections`` reply, with its endpoint; a member that did not answer as
-    {"server": ..., "error": ...}. Refused for want of an operator token: a CLIError naming the token to give."""
+    {"server": ..., "error": ...}. ``servers``: those to ask (default: ``endpoints``). Refused for want of an operator token: a CLIError naming the token to give."""
     found = settings(args)
     if found.token_role != OPERATOR:
         raise CLIError("the members' connections are an operator's to see: give the operator token (--token, "
                        "$SQM_OPERATOR_TOKEN or the group's secrets), not the application's")
     tls = client_tls_context(args.server_ca) if args.server_ca else None
     docs: list[dict[str, Any]] = []
-    for endpoint in endpoints(args):
+    for endpoint in endpoints(args) if servers is None else servers:
         try:
             with Client([endpoint], token=found.token, role=OPERATOR, tls=tls, client_name=CLIENT_NAME,
                         connect_timeout=MEMBER_TIMEOUT_S, request_timeout=MEMBER_TIMEOUT_S,

@@ -85,3 +85,63 @@ def test_an_application_token_is_refused_the_connections(redis_url: str, tmp_pat
         assert r.returncode == 75 and "127.0.0.1:1" in r.stdout + r.stderr and "QM1" in r.stdout, r
     finally:
         assert srv.stop() == 0
+
+
+def _qstatus(*args: str) -> dict[str, Any]:
+    return dict(json.loads(ok("cfemu", "status", "Q1", "--json", *args)))
+
+
+@pytest.mark.slow
+def test_queue_status_fields_follow_puts_and_gets(redis_url: str, tmp_path: Path) -> None:
+    """DISPLAY QSTATUS: uncommitted puts and gets, depth, oldest message age, handles and the last put and get
+    (merged over the members) change as messages are put and got through two members."""
+    where = ["--redis-url", redis_url, "--log-root", str(tmp_path / "logs")]
+    ok("cfemu", "define", "structure", "APP1", *where)
+    ok("cfemu", "define", "queue", "Q1", "--structure", "APP1", *where)
+    qm1 = start_server(redis_url, tmp_path, "QM1")
+    qm2 = start_server(redis_url, tmp_path, "QM2")
+    try:
+        members = [*where, "--server", qm1.endpoint, "--server", qm2.endpoint, "--token", OP_TOKEN]
+        empty = _qstatus(*members)
+        assert (empty["depth"], empty["uncommitted"], empty["oldest_message_age_s"]) == (
+            0, {"puts": 0, "gets": 0}, None)
+        assert (empty["handles"], empty["last_put"], empty["last_get"]) == (0, None, None)
+        # Without members to ask, the CF's fields are there and the members' say they were not asked.
+        cf_only = _qstatus(*where)
+        assert cf_only["handles"] is None and cf_only["members_asked"] == [] and cf_only["depth"] == 0
+
+        with Client(qm1.endpoint, token=TOKEN, client_name="putter") as putter, \
+                Client(qm2.endpoint, token=TOKEN, client_name="getter") as getter:
+            before_put = time.time()
+            putter.put("Q1", b"one")
+            putter.put("Q1", b"two")
+            s = _qstatus(*members)
+            assert (s["depth"], s["uncommitted"]) == (0, {"puts": 2, "gets": 0})
+            assert s["handles"] == 1 and s["handles_by_member"] == {"QM1": 1, "QM2": 0}
+            assert s["last_put"] >= before_put and s["last_get"] is None
+            putter.commit()
+            time.sleep(0.2)  # the oldest message's age must grow past it (put times are in ms)
+            s = _qstatus(*members)
+            assert (s["depth"], s["uncommitted"]) == (2, {"puts": 0, "gets": 0})
+            assert s["oldest_message_age_s"] >= 0.2
+
+            before_get = time.time()
+            assert getter.get("Q1") is not None  # under syncpoint: held by an uncommitted get
+            s = _qstatus(*members)
+            assert (s["depth"], s["uncommitted"]) == (1, {"puts": 0, "gets": 1})
+            assert s["handles"] == 2 and s["handles_by_member"] == {"QM1": 1, "QM2": 1}
+            assert s["last_get"] >= before_get and s["last_put"] < before_get
+            getter.commit()
+            assert getter.get("Q1") is not None
+            getter.commit()
+            s = _qstatus(*members)
+            assert (s["depth"], s["uncommitted"], s["oldest_message_age_s"]) == (0, {"puts": 0, "gets": 0}, None)
+            table = ok("cfemu", "status", "Q1", *members)
+            assert "DISPLAY QSTATUS" in table and "uncommitted gets" in table and "QM1 1, QM2 1" in table
+        s = _qstatus(*members)  # the connections closed: no handles; the last put and get stay
+        assert s["handles"] == 0 and s["last_put"] and s["last_get"]
+        r = run("cfemu", "status", "NOPE", *where)
+        assert r.returncode == 2 and "no queue 'NOPE'" in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    finally:
+        assert qm1.stop() == 0
+        assert qm2.stop() == 0
