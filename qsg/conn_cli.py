@@ -96,6 +96,11 @@ def _uow(u: dict[str, Any] | None) -> str:
 def cmd_conn(args: argparse.Namespace, out: Output) -> int:
     docs = ask_members(args)
     if args.member:
+        known = {d.get("qmgr") for d in docs} | {d["server"] for d in docs}
+        unknown = [m for m in args.member if m not in known]
+        if unknown:
+            names = ", ".join(sorted(str(d.get("qmgr")) for d in docs if "qmgr" in d)) or "none answered"
+            raise CLIError(f"no member {unknown[0]} among those asked (members: {names})")
         docs = [d for d in docs if d.get("qmgr") in args.member or d["server"] in args.member]
     rows = [{"qmgr": d["qmgr"], "server": d["server"], **c} for d in docs if "error" not in d
             for c in d["connections"]]

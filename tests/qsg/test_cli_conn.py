@@ -55,6 +55,8 @@ def test_conn_shows_each_connection_with_its_application_peer_and_open_uow(redis
             # the --member filter, and the table
             only = _conn(*operator, "--member", "QM2")
             assert {r["qmgr"] for r in only["connections"]} == {"QM2"}
+            r = run("cfemu", "conn", *operator, "--member", "QM9")
+            assert r.returncode == 2 and "no member QM9" in r.stderr and "QM1, QM2" in r.stderr, r.stderr
             table = ok("cfemu", "conn", *operator)
             assert "payroll" in table and "INFLIGHT" in table and f"{local[0]}:{local[1]}" in table
 
