@@ -147,3 +147,24 @@ def test_queue_status_fields_follow_puts_and_gets(redis_url: str, tmp_path: Path
     finally:
         assert qm1.stop() == 0
         assert qm2.stop() == 0
+
+
+@pytest.mark.slow
+def test_conn_through_tls_shows_the_connections_tls(redis_url: str, tmp_path: Path) -> None:
+    """A member serving TLS: cfemu conn reaches it with --server-ca, and its TLS connections say so."""
+    from sqm.service.client import client_tls_context
+    from tests.support.certs import issue, make_ca
+
+    ca = make_ca(tmp_path, "ca")
+    cert, key = issue(ca, tmp_path, "member")
+    srv = start_server(redis_url, tmp_path, "QM1", "--tls-cert", str(cert), "--tls-key", str(key))
+    try:
+        with Client(srv.endpoint, token=TOKEN, tls=client_tls_context(str(ca.cert)), client_name="secure-app") as c:
+            c.ping()
+            doc = _conn("--server", srv.endpoint, "--server-ca", str(ca.cert), "--token", OP_TOKEN)
+        rows = {r["application"]: r for r in doc["connections"]}
+        assert rows["secure-app"]["tls"] is True and rows["cfemu"]["tls"] is True
+        r = run("cfemu", "conn", "--server", srv.endpoint, "--token", OP_TOKEN)  # without the CA: no answer
+        assert r.returncode == 75 and "QM1" not in r.stdout, r
+    finally:
+        assert srv.stop() == 0
