@@ -51,7 +51,7 @@ class UnitOfWork:
     forget: dict[str, list[str]] = field(default_factory=dict)
     # When this process began it (wall-clock seconds; at restart, a UOW rebuilt from the log begins anew): its age
     # as DISPLAY CONN shows it.
-    began: float = field(default_factory=time.time)
+    began: float = field(default_factory=time.time, compare=False)
 
     def snapshot(self) -> dict[str, Any]:
         snap = {"st": self.state, "ss": dict(self.structures), "x": self.xid, "dl": self.decided_lrsn,
