@@ -645,6 +645,22 @@ class Structure:
         a read of the index set, for a limit that counts (a service's MAX-UOWS)."""
         return int(self.cf.redis.scard(keys.index_set(self.name, queue, kind, value)))
 
+    def oldest_put_time(self, queue: str) -> int | None:
+        """The put time (ms since the epoch) of the oldest message on ``queue``, committed or held by an uncommitted
+        get; None when it holds none. Each priority's list of committed messages is in put order, so its head is
+        its oldest: one pipelined read of the heads, then their descriptors (DISPLAY QSTATUS's MSGAGE)."""
+        r = self.cf.redis
+        pipe = r.pipeline(transaction=False)
+        for p in keys.PRIORITIES:
+            pipe.lindex(keys.state_list(self.name, queue, "CP", p), 0)
+        pipe.lindex(keys.state_list(self.name, queue, "UG"), 0)
+        heads = [h for h in pipe.execute() if h is not None]
+        if not heads:
+            return None
+        descs = r.hmget(keys.entries(self.name), heads)
+        times = [Entry.unpack(d).put_time for d in descs if isinstance(d, bytes)]
+        return min(times) if times else None
+
     def depths(self) -> dict[str, dict[str, int]]:
         """Per queue: number of entries in each state (CP summed over priorities)."""
         r = self.cf.redis

@@ -6,7 +6,9 @@
   cfemu alter structure APP1 [--max-entries N] [--max-bytes N] [--recauto|--no-recauto]
   cfemu define queue Q1 --structure APP1 [--backout-threshold N --backout-queue BQ]
   cfemu define queue SVC --structure APP1 --uow [--max-uows N --max-messages N ...]   a service (docs/uow.md)
-  cfemu status                                  structures, queues, members (lease, epoch, log range, UOWs)
+  cfemu status [QUEUE]                          structures, queues, members (lease, epoch, log range, UOWs);
+                                                with QUEUE, its DISPLAY QSTATUS (handles, uncommitted, age, last put/get)
+  cfemu conn [--member QM] [--server HOST:PORT]   every member's connections (DISPLAY CONN)
   cfemu put Q1 MESSAGE... | get Q1 | browse Q1  in process (a short-lived SQM), or --server HOST:PORT
   cfemu indoubt list | resolve UOW --commit|--backout --server HOST:PORT
   cfemu uow query UOWID | last | set-status UOWID STATUS | delete UOWID --server HOST:PORT [--user U]
@@ -78,7 +80,10 @@ VERBS: dict[str, Verb] = {
                       "qsg.define_cli:define_arguments"),
     "alter": Command("change attributes of a defined structure (ALTER CFSTRUCT)", "qsg.define_cli:cmd_alter", (),
                      "qsg.define_cli:alter_arguments"),
-    "status": Command("structures, queues and members", "qsg.status_cli:cmd_status", ("common", "where")),
+    "status": Command("structures, queues and members; with QUEUE, its DISPLAY QSTATUS", "qsg.status_cli:cmd_status",
+                      ("common", "where"), "qsg.status_cli:status_arguments"),
+    "conn": Command("every member's connections: application, peer, TLS, requests, open UOW (DISPLAY CONN)",
+                    "qsg.conn_cli:cmd_conn", ("common", "where"), "qsg.conn_cli:conn_arguments"),
     "put": Command("put messages (one UOW, committed)", "qsg.messages_cli:cmd_put", ("common", "where", "server"),
                    "qsg.messages_cli:put_arguments"),
     "get": Command("get messages (one UOW, committed)", "qsg.messages_cli:cmd_get", ("common", "where", "server"),

@@ -1,18 +1,26 @@
 """`cfemu status`: the group's structures (state, depth by state, capacity, last backup, RECAUTO), queues and
-members (lease, epoch, log range, UOWs), as tables or one JSON document."""
+members (lease, epoch, log range, UOWs), as tables or one JSON document.
+
+`cfemu status QUEUE` is DISPLAY QSTATUS of one queue: from the CF its depth, its uncommitted puts and gets, its
+expired messages and the age of its oldest message; from the members' services (--server, else the local
+cluster's; the operator's ``connections`` operation) its handle count, the connections open now on any member that
+put to, got from or browsed it, and the last put and the last get through any member (each member keeps its own in
+memory, no CF call per put: the newest of them is shown; a member's restart forgets its own)."""
 
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 from typing import Any
 
 from cfemu import keys, rcluster
-from cfemu.admin import Admin, StructureDef
+from cfemu.admin import Admin, AdminError, StructureDef
 from cfemu.cf import CF, Structure
-from cfemu.clitools import Output, settings
+from cfemu.clitools import CLIError, Output, settings
 from cfemu.repository import GroupRepository, RepositoryError
-from qsg.cli_common import admin_client
+from qsg.cli_common import Parents, Parser, admin_client
+from qsg.conn_cli import ask_members, endpoints, member_arguments
 from sqm.log import LogFormatError, LogReader
 from sqm.service.metrics import last_backup_age
 
@@ -127,7 +135,75 @@ def _state(s: dict[str, Any]) -> str:
     return text + (f" (recovery by {s['recovering_by']})" if s["recovering_by"] else "")
 
 
+def status_arguments(parser: Parser, parents: Parents) -> None:
+    parser.add_argument("queue", nargs="?", metavar="QUEUE",
+                        help="DISPLAY QSTATUS of this queue: depth, uncommitted puts and gets, oldest message age, "
+                             "handles and last put/get (the members' own, through their services)")
+    member_arguments(parser)
+
+
+def queue_status(admin: Admin, queue: str, members: list[dict[str, Any]]) -> dict[str, Any]:
+    """DISPLAY QSTATUS of one queue: the CF's counts and oldest message, and the members' handles and last put and
+    get (``members``: their ``connections`` replies, sqm.service.conn_ops)."""
+    try:
+        qdef = admin.queue_def(queue)
+    except AdminError:
+        known = ", ".join(q.name for q in admin.queues()) or "none"
+        raise CLIError(f"no queue {queue!r} is defined (queues: {known})") from None
+    s = CF(admin.redis).structure(qdef.structure)
+    depth = s.depths().get(queue) if s.exists() else None
+    oldest = s.oldest_put_time(queue) if depth is not None else None
+    answered = [m for m in members if "error" not in m]
+    per_member = {m["qmgr"]: m["queues"].get(queue, {}) for m in answered}
+    puts = [a["last_put"] for a in per_member.values() if a.get("last_put")]
+    gets = [a["last_get"] for a in per_member.values() if a.get("last_get")]
+    return {"queue": queue, "structure": qdef.structure, "in_cf": depth is not None,
+            "depth": None if depth is None else depth["CP"],
+            "uncommitted": None if depth is None else {"puts": depth["UP"], "gets": depth["UG"]},
+            "expired": None if depth is None else depth["EX"],
+            "oldest_message_age_s": None if oldest is None else round(max(0.0, time.time() - oldest / 1000), 3),
+            "handles": sum(a.get("handles", 0) for a in per_member.values()) if answered else None,
+            "handles_by_member": {name: a.get("handles", 0) for name, a in per_member.items()},
+            "last_put": max(puts, default=None), "last_get": max(gets, default=None),
+            "members_asked": [m["server"] for m in members],
+            "unreachable": [{"server": m["server"], "error": m["error"]} for m in members if "error" in m]}
+
+
+def _when(t: float | None) -> str:
+    if not t:
+        return "never (on the members asked)"
+    return f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(t))} ({_age(time.time() - t)})"
+
+
+def cmd_queue_status(args: argparse.Namespace, out: Output) -> int:
+    servers = endpoints(args, required=False)
+    members = ask_members(args, servers) if servers else []
+    with admin_client(args) as admin:
+        doc = queue_status(admin, args.queue, members)
+    if args.json:
+        out.json(doc)
+        return 0
+    age = doc["oldest_message_age_s"]
+    handles = doc["handles"]
+    by_member = ", ".join(f"{k} {v}" for k, v in sorted(doc["handles_by_member"].items()))
+    unc = doc["uncommitted"] or {}
+    out.table(f"queue {doc['queue']} (DISPLAY QSTATUS)", ["field", "value"], [
+        ("structure", doc["structure"] + ("" if doc["in_cf"] else " (not in CF)")),
+        ("current depth (committed)", doc["depth"] if doc["depth"] is not None else "-"),
+        ("uncommitted puts (UP)", unc.get("puts", "-")), ("uncommitted gets (UG)", unc.get("gets", "-")),
+        ("expired, not yet removed", doc["expired"] if doc["expired"] is not None else "-"),
+        ("oldest message age", "no messages" if age is None else f"{age:.1f}s"),
+        ("handles (open connections that used it)",
+         "members not asked (give --server)" if handles is None else f"{handles} ({by_member})"),
+        ("last put", _when(doc["last_put"])), ("last get", _when(doc["last_get"]))])
+    for u in doc["unreachable"]:
+        out.line(f"{u['server']}: no answer: {u['error']}")
+    return 0
+
+
 def cmd_status(args: argparse.Namespace, out: Output) -> int:
+    if getattr(args, "queue", None):
+        return cmd_queue_status(args, out)
     with admin_client(args) as admin:
         doc = gather_status(admin, settings(args).log_root)
     if args.json:

@@ -3,7 +3,8 @@ a page request), in a worker thread, one part at a time. A part that cannot be r
 gives an error line in ``errors`` and leaves the other parts as they are.
 
 The parts: the CF's view (``cfemu status``'s document: structures, queues, members' lease and epoch), each queue's
-oldest message, each member's service (health, connections, units of work, counters, in-doubt UOWs), the local
+oldest message, each member's service (health, connections and each one's DISPLAY CONN row, units of work,
+counters, in-doubt UOWs), the local
 cluster's processes, the backups (age, size, signature) and the restore reports.
 """
 
@@ -24,7 +25,6 @@ from qsg.status_cli import gather_status
 
 log = logging.getLogger("qsg.console")
 
-OLDEST_SCAN = 20  # messages browsed per queue, in get order, to find its oldest
 BACKUPS_SHOWN = 10  # per structure, newest first
 RESTORES_SHOWN = 10
 
@@ -32,7 +32,7 @@ RESTORES_SHOWN = 10
 def take(source: GroupSource) -> dict[str, Any]:
     """The group's picture now (see the module doc)."""
     snap: dict[str, Any] = {"at": time.time(), "errors": [], "group": "", "structures": [], "queues": [],
-                            "members": [], "indoubt": [], "processes": [], "duplex": None, "backups": [],
+                            "members": [], "connections": [], "indoubt": [], "processes": [], "duplex": None, "backups": [],
                             "restores": [], "cf": {}}
     found = source.settings()
     snap["cf"] = {"url": redact(found.redis_url or ""), "ok": False}
@@ -56,14 +56,13 @@ def _cf_part(source: GroupSource, snap: dict[str, Any]) -> None:
         cf = CF(admin.redis)
         for q in snap["queues"]:
             q["oldest_age_s"] = None
-            if not q["depth"] or not q["depth"].get("CP"):
+            if not q["depth"] or not (q["depth"].get("CP") or q["depth"].get("UG")):
                 continue
             try:
-                browsed = cf.structure(q["structure"]).browse(q["name"], OLDEST_SCAN, now_ms)
+                oldest = cf.structure(q["structure"]).oldest_put_time(q["name"])
             except Exception:  # noqa: BLE001 - a structure failed since its depth was read
                 continue
-            times = [entry.put_time for entry, _ in browsed if entry.put_time]
-            q["oldest_age_s"] = max(0.0, (now_ms - min(times)) / 1000) if times else None
+            q["oldest_age_s"] = max(0.0, (now_ms - oldest) / 1000) if oldest else None
     for s in snap["structures"]:
         s["recovering"] = bool(s["recovering_by"])
 
@@ -78,7 +77,8 @@ def _cluster_part(source: GroupSource, snap: dict[str, Any]) -> None:
 
 
 def _members_part(source: GroupSource, snap: dict[str, Any]) -> None:
-    """Each member's service: health, connections, UOWs by state, counters, in-doubt UOWs (operator role)."""
+    """Each member's service: health, connections (each one's DISPLAY CONN row), UOWs by state, counters, in-doubt
+    UOWs (operator role)."""
     by_name = {m["name"]: m for m in snap["members"]}
     processes = {p["process"]: p for p in snap["processes"]}
     for name, endpoint in source.endpoints(source.cluster()).items():
@@ -95,6 +95,7 @@ def _members_part(source: GroupSource, snap: dict[str, Any]) -> None:
             with source.member_client(endpoint, timeout_s=3.0) as c:
                 status = c.status()
                 indoubt = c.indoubt()
+                connections = c.connections()["connections"]
                 qmgr = c.qmgr
         except Exception as e:  # noqa: BLE001 - a member down is a row that says so
             row["service"] = None
@@ -105,6 +106,7 @@ def _members_part(source: GroupSource, snap: dict[str, Any]) -> None:
                 "structure_recoveries_started", "structure_recoveries_completed", "structure_recoveries_failed",
                 "peer_recoveries", "fenced", "running", "tls", "lrsn", "log_records", "fsyncs")}
             snap["indoubt"] += [{**u, "qmgr": qmgr, "member": name, "endpoint": endpoint} for u in indoubt]
+            snap["connections"] += [{**conn, "member": name} for conn in connections]
         row["health"] = _health(row)
     snap["members"].sort(key=lambda m: m["name"])
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +49,9 @@ class UnitOfWork:
     # UOWs (by structure) whose put_committed tombstones the CF may drop: their END was on disk when this UOW's
     # COMMIT was forced (Outcomes.complete).
     forget: dict[str, list[str]] = field(default_factory=dict)
+    # When this process began it (wall-clock seconds; at restart, a UOW rebuilt from the log begins anew): its age
+    # as DISPLAY CONN shows it.
+    began: float = field(default_factory=time.time, compare=False)
 
     def snapshot(self) -> dict[str, Any]:
         snap = {"st": self.state, "ss": dict(self.structures), "x": self.xid, "dl": self.decided_lrsn,

@@ -510,6 +510,12 @@ class Client(ConversationCalls, PubSubCalls, UnitOfWorkScope):
     def status(self) -> dict[str, Any]:
         return dict(self._call("status", {}))
 
+    def connections(self) -> dict[str, Any]:
+        """DISPLAY CONN of the member this client is connected to (an operator's): its open connections (application
+        name, role, user, peer, TLS, times, requests, open unit of work) and, per queue, its handle count and the
+        last put and get through it (sqm.service.conn_ops)."""
+        return dict(self._call("connections", {}))
+
     def indoubt(self, xids: Sequence[str] | None = None) -> list[dict[str, Any]]:
         """In-doubt UOWs of the queue manager this client is connected to: an operator may list all; an
         application lists its own, those of the ``xids`` it names."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 from sqm.conversations import ops as conversation_ops
 from sqm.operations import NO_ROLE, ROLES, Operation, Operations
 from sqm.pubsub import ops as pubsub_ops
-from sqm.service import queue_ops
+from sqm.service import conn_ops, queue_ops
 
 # hello and auth: the handshake's (sqm.service.auth), run by the transport before the connection has a role.
 HANDSHAKE = (
@@ -18,7 +18,7 @@ HANDSHAKE = (
     Operation("auth", "handshake", NO_ROLE, None),
 )
 
-OPERATIONS = Operations((*HANDSHAKE, *queue_ops.OPERATIONS, *conversation_ops.OPERATIONS, *pubsub_ops.OPERATIONS))
+OPERATIONS = Operations((*HANDSHAKE, *queue_ops.OPERATIONS, *conn_ops.OPERATIONS, *conversation_ops.OPERATIONS, *pubsub_ops.OPERATIONS))
 
 # Every operation the server understands (the client library uses the same names), in the table's order.
 OPS = OPERATIONS.names()

@@ -18,6 +18,7 @@ from sqm.core.connection import BatchResult, Connection, PutSpec
 from sqm.core.manager import QueueManager
 from sqm.operations import ANY_ROLE, OPERATOR, OPERATOR_ONLY, Operation, arg, short
 from sqm.service.protocol import ENVELOPE, MESSAGE_COST, NotAuthorizedError, error_reply, message_to_wire
+from sqm.service.queue_activity import QueueActivity
 
 COMPANION_SUFFIXES = (DATA_SUFFIX, CONTROL_SUFFIX, PUB_SUFFIX, SUB_SUFFIX)
 MAX_BROWSE = 10_000
@@ -32,6 +33,11 @@ class Service(operations.Service, Protocol):
     @property
     def qm(self) -> QueueManager: ...
 
+    @property
+    def activity(self) -> QueueActivity:
+        """The last put and get of each queue through this member (DISPLAY QSTATUS)."""
+        ...
+
     def service_status(self) -> dict[str, Any]:
         """The server's part of a status reply: its address, connections, authentication and limits."""
         ...
@@ -39,6 +45,7 @@ class Service(operations.Service, Protocol):
 
 class Session(operations.Session, Protocol):
     conn: Connection | None  # the connection's MQ connection handle, made by its first queue request
+    queues: set[str]  # the queues it used (DISPLAY CONN counts them as its handles)
 
 
 def _connection(svc: Service, session: Session) -> Connection:
@@ -71,7 +78,8 @@ def _plain(svc: Service, queue: str, op: str) -> str:
 
 def put(svc: Service, session: Session, args: dict[str, Any]) -> dict[str, Any]:
     conn = _connection(svc, session)
-    m = conn.put(_plain(svc, arg(args, "put", "queue", str), "put"), arg(args, "put", "body", bytes),
+    queue = _plain(svc, arg(args, "put", "queue", str), "put")
+    m = conn.put(queue, arg(args, "put", "body", bytes),
                  persistent=arg(args, "put", "persistent", bool, True),
                  syncpoint=arg(args, "put", "syncpoint", bool, True),
                  priority=arg(args, "put", "priority", int, 0),
@@ -79,6 +87,7 @@ def put(svc: Service, session: Session, args: dict[str, Any]) -> dict[str, Any]:
                  correlid=arg(args, "put", "correlid", bytes, b""),
                  expiry_ms=arg(args, "put", "expiry_ms", int, 0),
                  properties=arg(args, "put", "properties", dict, None))
+    svc.activity.put(session.queues, queue)
     m.body = b""  # the client has the body; do not send it back
     return message_to_wire(m)
 
@@ -96,6 +105,7 @@ def get(svc: Service, session: Session, args: dict[str, Any]) -> dict[str, Any]:
                      max_length=session.reply_limit - ENVELOPE - MESSAGE_COST)
     except TruncatedMessageError as e:
         raise _too_long(svc, session, "get", queue, e) from None
+    svc.activity.got(session.queues, queue)
     return message_to_wire(m)
 
 
@@ -122,6 +132,8 @@ def put_batch(svc: Service, session: Session, args: dict[str, Any]) -> dict[str,
                              properties=arg(item, op, "properties", dict, None)))
     done = _connection(svc, session).put_batch(specs, syncpoint=arg(args, "put_batch", "syncpoint", bool, True),
                                                commit=arg(args, "put_batch", "commit", bool, False))
+    for queue in {m.queue for m in done.messages}:
+        svc.activity.put(session.queues, queue)
     return _batch_reply(done, [{"msgid": m.msgid, "entry_id": m.entry_id, "put_time": m.put_time,
                                 "expiry": m.expiry} for m in done.messages])
 
@@ -146,6 +158,8 @@ def get_batch(svc: Service, session: Session, args: dict[str, Any]) -> dict[str,
                               commit=arg(args, "get_batch", "commit", bool, False))
     except TruncatedMessageError as e:
         raise _too_long(svc, session, "get_batch", queue, e) from None
+    if done.messages:
+        svc.activity.got(session.queues, queue)
     return _batch_reply(done, [message_to_wire(m) for m in done.messages])
 
 
@@ -166,6 +180,7 @@ def browse(svc: Service, session: Session, args: dict[str, Any]) -> dict[str, An
         found = conn.browse(queue, limit, max_bytes=session.reply_limit - ENVELOPE, each=MESSAGE_COST)
     except TruncatedMessageError as e:
         raise _too_long(svc, session, "browse", queue, e) from None
+    session.queues.add(queue)
     return {"messages": [message_to_wire(m) for m in found], "more": found.more}
 
 

@@ -85,6 +85,7 @@ class RestSession:
     reply_limit: int = MAX_FRAME
     conn: Connection | None = None
     gone: threading.Event = field(default_factory=threading.Event)
+    queues: set[str] = field(default_factory=set)  # the queues it used (its puts and gets count in QueueActivity)
 
     def reply_room(self, messages: int = 1) -> int:
         return self.reply_limit

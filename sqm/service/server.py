@@ -42,7 +42,7 @@ from sqm.log import LogLockedError
 from sqm.operations import OPERATOR, ROLES, Handler, NotLoggedOnError, short
 from sqm.pubsub import ops as pubsub_ops
 from sqm.request_slots import RequestSlots
-from sqm.service import metrics, queue_ops
+from sqm.service import conn_ops, metrics, queue_ops
 from sqm.service.auth import Authenticator
 from sqm.service.config import (
     EXIT_CONFIG,
@@ -58,6 +58,7 @@ from sqm.service.config import (
 from sqm.service.http import HealthEndpoint
 from sqm.service.ops import OPERATIONS, OPS
 from sqm.service.protocol import MAX_FRAME, NotAuthorizedError, QuiescingError, error_reply, ok_reply
+from sqm.service.queue_activity import QueueActivity
 from sqm.service.rest import RestEndpoint
 from sqm.service.session import (
     AUTH_FAILURE_REASONS,
@@ -89,6 +90,7 @@ class SQMServer:
             cpl_entries=config.cpl_entries, max_umsgs=config.max_umsgs, pstore_report=config.pstore_report,
             recover_structure=config.recover_structure), wings=WINGS)
         self.stats = Stats()
+        self.activity = QueueActivity()  # last put and get per queue through this member (DISPLAY QSTATUS)
         self.slots = RequestSlots(config.request_slots, config.slot_lease_ms / 1000)
         self.port = config.port
         self.metrics_port = config.metrics_port
@@ -123,6 +125,10 @@ class SQMServer:
     def quiescing(self, op: str) -> QuiescingError:
         """The refusal of a request the server does not carry out because it is stopping."""
         return QuiescingError(f"queue manager {self.qm.name} is shutting down; {op} not carried out")
+
+    def sessions(self) -> list[Session]:
+        """The connections open on this member (DISPLAY CONN: sqm.service.conn_ops)."""
+        return self.transport.sessions()
 
     def service_status(self) -> dict[str, Any]:
         """The server's part of a status reply."""
@@ -301,6 +307,8 @@ class SQMServer:
             with self.slots.running() as waited:
                 if waited:
                     self._still_wanted(session, op)
+                session.served += 1
+                session.last_request = time.time()
                 result = self._handlers[op](self, session, args)
             return ok_reply(rid, result, **session.flags())
         except MQError as e:
@@ -347,6 +355,7 @@ class SQMServer:
 if TYPE_CHECKING:  # the server and its sessions are what each owner's handlers take (checked by mypy)
     def _fits(server: SQMServer, session: Session) -> None:
         _queue: tuple[queue_ops.Service, queue_ops.Session] = (server, session)
+        _connections: conn_ops.Service = server
         _conversation: tuple[conversation_ops.Service, conversation_ops.Session] = (server, session)
         _pubsub: tuple[pubsub_ops.Service, pubsub_ops.Session] = (server, session)
 

@@ -62,6 +62,11 @@ class Session:
     gone: threading.Event = field(default_factory=threading.Event)  # the client disconnected
     reading: asyncio.Task[Any] | None = None  # the read of the next frame, when one is pending
     reserved: int = 0  # bytes of the member's budget this connection holds (ByteBudget; under its lock)
+    # What DISPLAY CONN shows of it (sqm.service.conn_ops): wall-clock times, its requests, the queues it used.
+    connected: float = field(default_factory=time.time)
+    last_request: float = 0.0
+    served: int = 0  # requests dispatched to a handler (refused ones are not counted)
+    queues: set[str] = field(default_factory=set)  # queues it put to, got from or browsed
 
     def uow_open(self) -> bool:
         """Has the connection's UOW done anything (an empty UOW is not worth reporting as open)?"""

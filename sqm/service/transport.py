@@ -152,7 +152,12 @@ class Transport:
         # connections that have not authenticated: session number -> (session, its task, its writer)
         self._preauth: dict[int, tuple[Session, asyncio.Task[Any], asyncio.StreamWriter]] = {}
         self._sessions = 0
+        self._live: dict[int, Session] = {}  # every open connection, by session number (DISPLAY CONN)
         self.budget = ByteBudget(config.request_budget(), FREE_FRAME)
+
+    def sessions(self) -> list[Session]:
+        """The connections open now, in the order they were accepted (a copy: the event loop changes the table)."""
+        return list(self._live.values())
 
     def _over_limit(self, ip: str) -> tuple[str, str] | None:
         """(limit, message) when a new connection from ip would exceed a connection limit."""
@@ -225,6 +230,7 @@ class Transport:
                           reply_limit=self.config.max_frame, peer_ip=ip,
                           tls=writer.get_extra_info("ssl_object") is not None,
                           opened=asyncio.get_running_loop().time())
+        self._live[session.number] = session
         self.stats.connections += 1
         self.stats.unauthenticated += 1
         self.stats.peers[ip] += 1
@@ -241,6 +247,7 @@ class Transport:
         except (ConnectionError, asyncio.IncompleteReadError, ssl.SSLError, OSError) as e:
             log.debug("%s: connection %d ended: %s", self.host.name, session.number, e)
         finally:
+            self._live.pop(session.number, None)
             self._preauth.pop(session.number, None)
             self.budget.release(session)  # whatever its frames and replies still held
             self.stats.connections -= 1

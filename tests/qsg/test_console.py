@@ -365,3 +365,35 @@ def test_an_action_under_way_shows_its_phase_and_progress(where: dict[str, str])
         assert 'data-state="done"' in row and "loaded 10" in row and "<progress" not in row
 
     _run(where, scenario)
+
+
+@pytest.mark.slow
+def test_the_overview_lists_each_members_connections(where: dict[str, str], tmp_path: Path) -> None:
+    """The console reads DISPLAY CONN (the members' connections operation): a client's application name, its peer
+    and its open unit of work are on the page."""
+    from sqm.service.client import Client
+    from tests.sqm.test_service import TOKEN as APP_TOKEN
+    from tests.sqm.test_service import start_server
+
+    _cfemu(where, "define", "structure", "APP1")
+    _cfemu(where, "define", "queue", "Q1", "--structure", "APP1")
+    srv = start_server(where["redis_url"], tmp_path, "QM1", env={"SQM_OPERATOR_TOKEN": TOKEN})
+    console = Console(GroupSource(where, servers=[srv.endpoint]), interval_s=3600)
+
+    async def main() -> None:
+        async with TestClient(TestServer(console.app)) as client:
+            await _login(client)
+            with Client(srv.endpoint, token=APP_TOKEN, client_name="ledger") as app:
+                app.put("Q1", b"open")
+                await console.poll_once()
+                page = await (await client.get("/fragment")).text()
+            row = re.search(r'<tr data-conn="[^"]*">(?:(?!</tr>).)*ledger.*?</tr>', page, re.S)
+            assert row is not None, page
+            assert "INFLIGHT" in row.group(0) and "QM1." in row.group(0) and "127.0.0.1:" in row.group(0)
+            doc = await (await client.get("/api/snapshot")).json()
+            assert any(c["application"] == "cfemu-console" for c in doc["snapshot"]["connections"])
+
+    try:
+        asyncio.run(main())
+    finally:
+        assert srv.stop() == 0

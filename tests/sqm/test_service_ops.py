@@ -73,7 +73,7 @@ def test_the_wire_op_list_and_the_role_table_are_the_registry() -> None:
     assert len(set(OPS)) == len(OPS)
     # The table as the protocol had it before it was one table: the same names, in the same order, the same rights.
     assert OPS == ("hello", "auth", "ping", "put", "get", "browse", "put_batch", "get_batch", "commit", "backout",
-                   "prepare", "resolve", "indoubt", "status", "define", "logon", "send", "receive", "syncpoint",
+                   "prepare", "resolve", "indoubt", "status", "define", "connections", "logon", "send", "receive", "syncpoint",
                    "set_uow_status", "subscribe", "unsubscribe", "subscriptions", "publish", "receive_pub",
                    "pub_commit", "pub_backout")
     conversations = {"logon", "send", "receive", "syncpoint"}
@@ -97,7 +97,7 @@ def test_each_owner_keeps_its_rows() -> None:
 
 
 def test_the_client_treats_a_lost_request_as_its_row_says() -> None:
-    assert {"ping", "browse", "status", "indoubt"} == client.READ_ONLY
+    assert {"ping", "browse", "status", "connections", "indoubt"} == client.READ_ONLY
     assert {"prepare", "resolve", "define", "set_uow_status"} == client.TAKES_EFFECT_ALONE
     assert set(OPERATIONS.names("conversation")) == client.CONVERSATION_OPS
     assert set(OPERATIONS.names("pubsub")) == client.PUBSUB_OPS

@@ -1,0 +1,124 @@
+"""`cfemu conn`: DISPLAY CONN, every member's connections, through each member's service (the operator's
+``connections`` operation, sqm.service.conn_ops).
+
+  cfemu conn [--member QM1] [--server HOST:PORT ...] [--server-ca CA.pem] [--json]
+
+The members are those given with --server, else the local cluster's (cluster.json). Each connection's row: the
+member, its connection number, the application name its client gave (``Client(client_name=...)``), its role and
+logged-on user, its peer address, TLS or not, when it connected, its last request, the requests it made, and its
+open unit of work (id, state, age). An operator token is needed (an application's is refused the operation); a
+member that does not answer has a row of its own saying why, and the exit code is then 75 (retry later).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from cfemu.clitools import CLIError, Output, add_settings_arguments, settings
+from cfemu.errors import MQError
+from qsg.cli_common import Parents, Parser, RetryLaterError
+from qsg.local_group import LocalGroup, LocalGroupError
+from sqm.operations import OPERATOR
+from sqm.service.client import Client, client_tls_context
+from sqm.service.protocol import NotAuthorizedError
+
+CLIENT_NAME = "cfemu"
+MEMBER_TIMEOUT_S = 5.0  # a member that hangs must not hang the command for longer
+
+
+def conn_arguments(parser: Parser, parents: Parents) -> None:
+    parser.add_argument("--member", action="append", default=[], metavar="QM",
+                        help="only this member's connections (repeat for several)")
+    member_arguments(parser)
+
+
+def member_arguments(parser: argparse.ArgumentParser) -> None:
+    """--server and --server-ca: the members' services to ask (default: the local cluster's)."""
+    parser.add_argument("--server", action="append", default=[], metavar="HOST:PORT",
+                        help="a member's service (repeat for each); default: every member of the local cluster")
+    parser.add_argument("--server-ca", metavar="PEM",
+                        help="the CA (or certificate) that signed the members' TLS certificates, when they serve TLS")
+    add_settings_arguments(parser, "token")
+
+
+def endpoints(args: argparse.Namespace, *, required: bool = True) -> list[str]:
+    """The members' service endpoints: --server, else the local cluster's (none found: an error when required)."""
+    if args.server:
+        return list(args.server)
+    found = settings(args)
+    if found.cluster_dir is not None:
+        try:
+            return [f"{host}:{port}" for _, host, port in LocalGroup.load(found.cluster_dir).endpoints]
+        except LocalGroupError as e:
+            raise CLIError(f"cannot read the local cluster in {found.cluster_dir}: {e}") from None
+    if not required:
+        return []
+    raise CLIError("no members to ask: give --server HOST:PORT (each member's service), or run beside a local "
+                   "cluster ('cfemu cluster up', --cluster-dir)")
+
+
+def ask_members(args: argparse.Namespace, servers: list[str] | None = None) -> list[dict[str, Any]]:
+    """Each member's ``connections`` reply, with its endpoint; a member that did not answer as
+    {"server": ..., "error": ...}. ``servers``: those to ask (default: ``endpoints``). Refused for want of an operator token: a CLIError naming the token to give."""
+    found = settings(args)
+    if found.token_role != OPERATOR:
+        raise CLIError("the members' connections are an operator's to see: give the operator token (--token, "
+                       "$SQM_OPERATOR_TOKEN or the group's secrets), not the application's")
+    tls = client_tls_context(args.server_ca) if args.server_ca else None
+    docs: list[dict[str, Any]] = []
+    for endpoint in endpoints(args) if servers is None else servers:
+        try:
+            with Client([endpoint], token=found.token, role=OPERATOR, tls=tls, client_name=CLIENT_NAME,
+                        connect_timeout=MEMBER_TIMEOUT_S, request_timeout=MEMBER_TIMEOUT_S,
+                        reconnect_timeout=0.0) as c:
+                docs.append({**c.connections(), "server": endpoint})
+        except NotAuthorizedError as e:
+            raise CLIError(f"{endpoint}: {e}") from None
+        except (MQError, OSError) as e:
+            docs.append({"server": endpoint, "error": f"{type(e).__name__}: {e}"})
+    return docs
+
+
+def _since(t: float | None, now: float) -> str:
+    if not t:
+        return "-"
+    age = max(0.0, now - t)
+    stamp = time.strftime("%H:%M:%S", time.localtime(t))
+    return f"{stamp} ({age:.0f}s ago)" if age < 3600 else f"{stamp} ({age / 3600:.1f}h ago)"
+
+
+def _uow(u: dict[str, Any] | None) -> str:
+    return "-" if u is None else f"{u['id']} {u['state']} {u['age_s']:.0f}s"
+
+
+def cmd_conn(args: argparse.Namespace, out: Output) -> int:
+    docs = ask_members(args)
+    if args.member:
+        known = {d.get("qmgr") for d in docs} | {d["server"] for d in docs}
+        unknown = [m for m in args.member if m not in known]
+        if unknown:
+            names = ", ".join(sorted(str(d.get("qmgr")) for d in docs if "qmgr" in d)) or "none answered"
+            raise CLIError(f"no member {unknown[0]} among those asked (members: {names})")
+        docs = [d for d in docs if d.get("qmgr") in args.member or d["server"] in args.member]
+    rows = [{"qmgr": d["qmgr"], "server": d["server"], **c} for d in docs if "error" not in d
+            for c in d["connections"]]
+    failed = [{"server": d["server"], "error": d["error"]} for d in docs if "error" in d]
+    if args.json:
+        out.json({"connections": rows, "unreachable": failed})
+    else:
+        now = time.time()
+        out.table("connections", ["SQM", "conn", "application", "role", "user", "peer", "TLS", "connected",
+                                  "last request", "requests", "open UOW"],
+                  [(r["qmgr"], r["connection"], r["application"] or "-", r["role"] or "(handshake)",
+                    r["user"] or "-", r["peer"], "yes" if r["tls"] else "no", _since(r["connected"], now),
+                    _since(r["last_request"], now), r["requests"], _uow(r["uow"])) for r in rows])
+        for f in failed:
+            out.line(f"{f['server']}: no answer: {f['error']}")
+    if failed:
+        raise RetryLaterError(f"{len(failed)} member(s) did not answer: {failed[0]['server']}: {failed[0]['error']}")
+    return 0
+
+
+__all__ = ["ask_members", "cmd_conn", "conn_arguments", "endpoints", "member_arguments"]
