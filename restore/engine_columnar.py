@@ -348,11 +348,12 @@ SELECT DISTINCT u FROM named WHERE u NOT IN (SELECT u FROM outc);
 INSERT INTO outc SELECT u, 'B', $R, 'restore', []::VARCHAR[] FROM inflight;
 
 -- the events of each entry (its records': PUT, GET, EXPIRE at their LRSN, by rank, and its UOWs' outcomes,
--- never at or below the UOW's own operations on it), each with its place in the fold's order
+-- never at or below the UOW's own operations on it), each with its place in the fold's order (records of one
+-- LRSN and rank by rid: their merged-log order)
 CREATE TABLE evs AS
 SELECT n.eix, row_number() OVER w AS ord, x.* EXCLUDE (eid)
 FROM (
-  SELECT e.eid, e.l AS pos, e.rank, e.seq AS tie, e.k AS kind, e.u AS eu, NULL::VARCHAR AS ok,
+  SELECT e.eid, e.l AS pos, e.rank, e.rid AS tie, e.k AS kind, e.u AS eu, NULL::VARCHAR AS ok,
          d.src AS d_src, d.rid AS d_rid, d.st AS d_st, d.u AS d_u, d.l AS d_l, d.o1 AS d_o1, d.o2 AS d_o2,
          d.bc AS d_bc
   FROM eev e LEFT JOIN descs d ON e.k = 'PUT' AND d.src = 'P' AND d.rid = e.rid AND d.eid = e.eid
