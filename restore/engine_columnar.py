@@ -17,8 +17,9 @@ SQL statement over columns, so that no Python runs per record past the readers:
   fold     per entry, the best copy (settle.with_logged_copies), the UOWs it names (settle.uows_named: those
            without an outcome were in flight and are backed out by restore), the events in (LRSN, rank) order,
            an outcome never at or below its UOW's own operations; then the redo rule and the transitions of
-           settle.settle, one event per entry at a time, as a recursive query keyed by entry, a range of entries
-           at a time (its memory bound: fold_rows_for);
+           settle.settle, one event per entry at a time, a range of entries at a time (its memory bound:
+           fold_rows_for): for the short histories (most entries) as one plain join of the states with their k-th
+           events a step, for the longer ones as a recursive query keyed by entry;
   final    settle._final's rules; a UOW's control entry goes through sqm.conversations.uowstatus in Python
            (those entries only); the survivors in the CF's order (settle.load_key).
 
@@ -346,12 +347,13 @@ CREATE TABLE inflight AS
 SELECT DISTINCT u FROM named WHERE u NOT IN (SELECT u FROM outc);
 INSERT INTO outc SELECT u, 'B', $R, 'restore', []::VARCHAR[] FROM inflight;
 
--- the events of each entry, in the fold's order: its records' (PUT, GET, EXPIRE at their LRSN, by rank), and
--- its UOWs' outcomes, never at or below the UOW's own operations on it
+-- the events of each entry (its records': PUT, GET, EXPIRE at their LRSN, by rank, and its UOWs' outcomes,
+-- never at or below the UOW's own operations on it), each with its place in the fold's order (records of one
+-- LRSN and rank by rid: their merged-log order)
 CREATE TABLE evs AS
-SELECT n.eix, row_number() OVER (PARTITION BY n.eix ORDER BY x.pos, x.rank, x.tie, x.eu) AS ord, x.* EXCLUDE (eid)
+SELECT n.eix, row_number() OVER w AS ord, x.* EXCLUDE (eid)
 FROM (
-  SELECT e.eid, e.l AS pos, e.rank, e.seq AS tie, e.k AS kind, e.u AS eu, NULL::VARCHAR AS ok,
+  SELECT e.eid, e.l AS pos, e.rank, e.rid AS tie, e.k AS kind, e.u AS eu, NULL::VARCHAR AS ok,
          d.src AS d_src, d.rid AS d_rid, d.st AS d_st, d.u AS d_u, d.l AS d_l, d.o1 AS d_o1, d.o2 AS d_o2,
          d.bc AS d_bc
   FROM eev e LEFT JOIN descs d ON e.k = 'PUT' AND d.src = 'P' AND d.rid = e.rid AND d.eid = e.eid
@@ -364,80 +366,128 @@ FROM (
   LEFT JOIN descs d ON d.src = 'D' AND d.rid = od.rid AND d.eid = n.eid
   WHERE o.kind <> 'D') x
 JOIN ents n USING (eid)
-WHERE n.eid NOT IN (SELECT eid FROM best WHERE st = 'EX');
+WHERE n.eid NOT IN (SELECT eid FROM best WHERE st = 'EX')
+WINDOW w AS (PARTITION BY n.eix ORDER BY x.pos, x.rank, x.tie, x.eu);
 
 -- the fold (settle.settle): an entry no event names stays as its best copy is (a copy that is expired is not
 -- folded), and the others are folded by FOLD_SQL, a range of them at a time
-CREATE TABLE touched AS SELECT eix FROM evs WHERE ord = 1;
+CREATE TABLE touched AS SELECT eix, max(ord) AS cnt FROM evs GROUP BY eix;
 CREATE TABLE folded AS
 SELECT n.eix, 0::BIGINT AS ord, b.st, b.u, b.l, b.o1, b.o2, b.bc, b.src, b.rid, 0::BIGINT AS mask,
        CASE WHEN b.st = 'EX' THEN 'expired' ELSE 'gone' END AS fate
 FROM ents n LEFT JOIN best b USING (eid) ANTI JOIN touched t USING (eix);
 """
 
-# The fold of the entries some event names, eix from $LO to below $HI: one event of every entry at a time, as a
-# recursive query keyed by entry (it holds the state of every entry of the range in memory, hence the ranges).
-FOLD_SQL = """
-CREATE OR REPLACE TEMP TABLE evs_range AS SELECT * FROM evs WHERE eix >= $LO AND eix < $HI;
-INSERT INTO folded
-WITH RECURSIVE f(eix, ord, st, u, l, o1, o2, bc, src, rid, mask, fate) USING KEY (eix) AS (
-  SELECT n.eix, 0::BIGINT, b.st, b.u, b.l, b.o1, b.o2, b.bc, b.src, b.rid, 0::BIGINT,
-         CASE WHEN b.st = 'EX' THEN 'expired' ELSE 'gone' END
-  FROM ents n SEMI JOIN (SELECT eix FROM touched WHERE eix >= $LO AND eix < $HI) t USING (eix)
-  LEFT JOIN best b USING (eid)
-  UNION
-  SELECT eix, ord,
-    CASE WHEN c_cp THEN 'CP' WHEN c_none THEN NULL WHEN c_put THEN 'UP' WHEN c_get THEN 'UG' ELSE st1 END,
-    CASE WHEN c_cp THEN '' WHEN c_put OR c_get THEN eu ELSE u1 END,
-    CASE WHEN c_cp OR c_put OR c_get THEN pos ELSE l1 END,
-    CASE WHEN c_commit THEN pos WHEN c_put THEN 0 ELSE o1_1 END,
-    CASE WHEN c_put THEN pos ELSE o2_1 END,
-    CASE WHEN c_put THEN d_bc WHEN c_back THEN bc1 + 1 ELSE bc1 END,
-    CASE WHEN c_put THEN d_src ELSE src1 END,
-    CASE WHEN c_put THEN d_rid ELSE rid1 END,
-    CASE WHEN c_put THEN $ST | $U | $L | $O1 | $O2
-         WHEN c_commit THEN mask1 | $ST | $U | $L | $O1
-         WHEN c_back THEN mask1 | $ST | $U | $L | $BC
-         WHEN c_get THEN mask1 | $ST | $U | $L ELSE mask1 END,
-    CASE WHEN c_consumed THEN 'consumed' WHEN c_backed_out THEN 'put-backed-out' WHEN c_exp THEN 'expired'
-         ELSE fate END
+# The fold of the entries some event names, eix from $LO to below $HI (a range holds its entries' states and
+# events in memory, hence the ranges). settle.settle's transition (STEP_SQL) is applied to each entry's state once
+# for each of its events: for the short histories (most entries: a put and its commit, a get and its commit) as
+# statements, the k-th joining the states with the k-th events; for the longer ones as a recursive query keyed by
+# entry, one event of every entry at a time.
+UNROLLED = 6  # histories of up to this many events are folded without recursion
+EVENT = ("kind", "pos", "eu", "ok", "d_src", "d_rid", "d_st", "d_u", "d_l", "d_o1", "d_o2", "d_bc")
+STATE = ("st", "u", "l", "o1", "o2", "bc", "src", "rid", "mask", "fate")
+STATE_IN = ("st0", "u0", "l0", "o1_0", "o2_0", "bc0", "src0", "rid0", "mask0", "fate")
+
+# One event on one state (settle.settle): $SOURCE has eix, ord, the event's columns (EVENT) and the state before
+# it (STATE_IN); the result, eix, ord and the state after it (STATE).
+STEP_SQL = """
+SELECT eix, ord,
+  CASE WHEN c_cp THEN 'CP' WHEN c_none THEN NULL WHEN c_put THEN 'UP' WHEN c_get THEN 'UG' ELSE st1 END AS st,
+  CASE WHEN c_cp THEN '' WHEN c_put OR c_get THEN eu ELSE u1 END AS u,
+  CASE WHEN c_cp OR c_put OR c_get THEN pos ELSE l1 END AS l,
+  CASE WHEN c_commit THEN pos WHEN c_put THEN 0 ELSE o1_1 END AS o1,
+  CASE WHEN c_put THEN pos ELSE o2_1 END AS o2,
+  CASE WHEN c_put THEN d_bc WHEN c_back THEN bc1 + 1 ELSE bc1 END AS bc,
+  CASE WHEN c_put THEN d_src ELSE src1 END AS src,
+  CASE WHEN c_put THEN d_rid ELSE rid1 END AS rid,
+  CASE WHEN c_put THEN $ST | $U | $L | $O1 | $O2
+       WHEN c_commit THEN mask1 | $ST | $U | $L | $O1
+       WHEN c_back THEN mask1 | $ST | $U | $L | $BC
+       WHEN c_get THEN mask1 | $ST | $U | $L ELSE mask1 END AS mask,
+  CASE WHEN c_consumed THEN 'consumed' WHEN c_backed_out THEN 'put-backed-out' WHEN c_exp THEN 'expired'
+       ELSE fate END AS fate
+FROM (
+  SELECT *, c_commit OR c_back AS c_cp, c_consumed OR c_backed_out OR c_exp AS c_none
   FROM (
     SELECT *,
-      c_commit OR c_back AS c_cp, c_consumed OR c_backed_out OR c_exp AS c_none
+      held AND ok = 'C' AND st1 = 'UP' AS c_commit,
+      held AND ok = 'C' AND st1 = 'UG' AS c_consumed,
+      held AND ok = 'B' AND st1 = 'UP' AS c_backed_out,
+      held AND ok = 'B' AND st1 = 'UG' AS c_back,
+      NOT skip AND kind = 'PUT' AND st1 IS NULL AS c_put,
+      NOT skip AND kind = 'GET' AND st1 = 'CP' AS c_get,
+      NOT skip AND kind = 'EXPIRE' AND st1 = 'CP' AS c_exp
     FROM (
       SELECT *,
-        held AND ok = 'C' AND st1 = 'UP' AS c_commit,
-        held AND ok = 'C' AND st1 = 'UG' AS c_consumed,
-        held AND ok = 'B' AND st1 = 'UP' AS c_backed_out,
-        held AND ok = 'B' AND st1 = 'UG' AS c_back,
-        NOT skip AND kind = 'PUT' AND st1 IS NULL AS c_put,
-        NOT skip AND kind = 'GET' AND st1 = 'CP' AS c_get,
-        NOT skip AND kind = 'EXPIRE' AND st1 = 'CP' AS c_exp
+        CASE WHEN rep THEN d_st ELSE st0 END AS st1,
+        CASE WHEN rep THEN d_u ELSE u0 END AS u1,
+        CASE WHEN rep THEN d_l ELSE l0 END AS l1,
+        CASE WHEN rep THEN d_o1 ELSE o1_0 END AS o1_1,
+        CASE WHEN rep THEN d_o2 ELSE o2_0 END AS o2_1,
+        CASE WHEN rep THEN d_bc ELSE bc0 END AS bc1,
+        CASE WHEN rep THEN d_src ELSE src0 END AS src1,
+        CASE WHEN rep THEN d_rid ELSE rid0 END AS rid1,
+        CASE WHEN rep THEN 0 ELSE mask0 END AS mask1,
+        NOT skip AND kind = 'O' AND (CASE WHEN rep THEN d_st ELSE st0 END) IN ('UP', 'UG')
+          AND coalesce(CASE WHEN rep THEN d_u ELSE u0 END, '') = eu AS held
       FROM (
         SELECT *,
-          CASE WHEN rep THEN d_st ELSE st0 END AS st1,
-          CASE WHEN rep THEN d_u ELSE u0 END AS u1,
-          CASE WHEN rep THEN d_l ELSE l0 END AS l1,
-          CASE WHEN rep THEN d_o1 ELSE o1_0 END AS o1_1,
-          CASE WHEN rep THEN d_o2 ELSE o2_0 END AS o2_1,
-          CASE WHEN rep THEN d_bc ELSE bc0 END AS bc1,
-          CASE WHEN rep THEN d_src ELSE src0 END AS src1,
-          CASE WHEN rep THEN d_rid ELSE rid0 END AS rid1,
-          CASE WHEN rep THEN 0 ELSE mask0 END AS mask1,
-          NOT skip AND kind = 'O' AND (CASE WHEN rep THEN d_st ELSE st0 END) IN ('UP', 'UG')
-            AND coalesce(CASE WHEN rep THEN d_u ELSE u0 END, '') = eu AS held
+          -- a backout carrying the entry newer than what the fold holds: the entry is taken from it
+          NOT skip AND kind = 'O' AND ok = 'B' AND d_src IS NOT NULL AND (st0 IS NULL OR d_l > l0) AS rep
         FROM (
-          SELECT *,
-            -- a backout carrying the entry newer than what the fold holds: the entry is taken from it
-            NOT skip AND kind = 'O' AND ok = 'B' AND d_src IS NOT NULL AND (st0 IS NULL OR d_l > l0) AS rep
-          FROM (
-            SELECT e.*, f.st AS st0, f.u AS u0, f.l AS l0, f.o1 AS o1_0, f.o2 AS o2_0, f.bc AS bc0,
-                   f.src AS src0, f.rid AS rid0, f.mask AS mask0, f.fate,
-                   -- the redo rule: a state already reflects a transition at or below its LRSN
-                   f.st IS NOT NULL AND e.pos <= f.l AS skip
-            FROM f JOIN evs_range e ON e.eix = f.eix AND e.ord = f.ord + 1))))))
+          -- the redo rule: a state already reflects a transition at or below its LRSN
+          SELECT *, st0 IS NOT NULL AND pos <= l0 AS skip FROM ($SOURCE))))))
+"""
+
+# Each entry of the range with $WHICH events (a predicate on cnt), its state before its first event: its best
+# copy (or none).
+START_SQL = """
+SELECT n.eix, 0::BIGINT AS ord, b.st, b.u, b.l, b.o1, b.o2, b.bc, b.src, b.rid, 0::BIGINT AS mask,
+       CASE WHEN b.st = 'EX' THEN 'expired' ELSE 'gone' END AS fate
+FROM ents n SEMI JOIN (SELECT eix FROM evs_range WHERE ord = 1 AND $WHICH) t USING (eix) LEFT JOIN best b USING (eid)
+"""
+
+FOLD_RANGE_SQL = """
+CREATE OR REPLACE TEMP TABLE evs_range AS
+SELECT e.*, t.cnt FROM evs e JOIN touched t USING (eix) WHERE e.eix >= $LO AND e.eix < $HI;
+"""
+
+FOLD_LONG_SQL = """
+INSERT INTO folded
+WITH RECURSIVE f(eix, ord, st, u, l, o1, o2, bc, src, rid, mask, fate) USING KEY (eix) AS (
+  $START
+  UNION
+  $STEP)
 SELECT * FROM f;
 """
+
+
+def _step_source(state: str, event_ord: str) -> str:
+    """STEP_SQL's source: the states of `state` (a relation named s) each with its event of rank `event_ord`."""
+    return (f"SELECT e.eix, e.ord, {', '.join('e.' + c for c in EVENT)}, "
+            f"{', '.join(f's.{a} AS {b}' for a, b in zip(STATE, STATE_IN, strict=True))} "
+            f"FROM {state} JOIN evs_range e ON e.eix = s.eix AND e.ord = {event_ord}")
+
+
+def fold_sql(unrolled: int = UNROLLED) -> str:
+    """The fold of one range of entries ($LO, $HI): the histories of up to `unrolled` events one statement an
+    event (fs: their states), those done after k events set aside before the k+1-th; the longer ones recursive."""
+    parts = [FOLD_RANGE_SQL]
+    if unrolled:
+        parts.append(f"CREATE OR REPLACE TEMP TABLE fs AS {START_SQL.replace('$WHICH', f'cnt <= {unrolled}')};")
+    for k in range(1, unrolled + 1):
+        if k > 1:
+            parts.append(f"INSERT INTO folded SELECT * FROM fs s SEMI JOIN evs_range e ON e.eix = s.eix "
+                         f"AND e.ord = 1 AND e.cnt = {k - 1};")
+        parts.append(f"CREATE OR REPLACE TEMP TABLE fs AS {STEP_SQL.replace('$SOURCE', _step_source('fs s', str(k)))};")
+    if unrolled:
+        parts.append("INSERT INTO folded SELECT * FROM fs;")
+    parts.append(FOLD_LONG_SQL.replace("$START", START_SQL.replace("$WHICH", f"cnt > {unrolled}"))
+                 .replace("$STEP", STEP_SQL.replace("$SOURCE", _step_source("f s", "s.ord + 1"))))
+    return "\n".join(parts)
+
+
+FOLD_SQL = fold_sql()
 
 FINAL_SQL = """
 -- settle._final: what a folded entry that still exists becomes

@@ -16,6 +16,7 @@ from backup.files import Backup, BackupWriter, read_backup
 from cfemu.connection import connect
 from cfemu.embedded import EmbeddedRedis
 from cfemu.entry import Entry
+from restore import engine_columnar
 from restore.engine import engine_names, get_engine
 from restore.engine_columnar import ColumnarEngine, ColumnarPlan
 from restore.run import WORK_DIR, run_restore
@@ -65,6 +66,18 @@ def test_columnar_plans_of_histories_that_carry_a_uow_across_a_restore(tmp_path_
     root = tmp_path_factory.mktemp("carried")
     backup, log_dirs = write_history(h, root)
     assert columnar(backup, log_dirs, h.replay_from, root / "work", workers=2, memory=TINY) == described(
+        reference(backup, log_dirs, h.replay_from))
+
+
+@pytest.mark.parametrize("unrolled", [0, 1, 3])
+def test_the_written_out_fold_and_the_recursive_fold_agree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           unrolled: int) -> None:
+    """Histories up to `unrolled` events long folded without recursion, the longer ones by the recursive query
+    (0: every entry recursive): the same plan as the reference either way, on a history with every disposition."""
+    monkeypatch.setattr(engine_columnar, "FOLD_SQL", engine_columnar.fold_sql(unrolled))
+    h = simulate(random.Random(5), 800)
+    backup, log_dirs = write_history(h, tmp_path)
+    assert columnar(backup, log_dirs, h.replay_from, tmp_path / "work", workers=1) == described(
         reference(backup, log_dirs, h.replay_from))
 
 
