@@ -165,9 +165,11 @@ def restore_base(backups: list[BackupInfo], repo: GroupRepository | None) -> str
 
 
 def retain(backup_root: Path, structure: str, keep: int, *, client: redis.Redis | None = None,
-           repo: GroupRepository | None = None, backup_keys: BackupKeys | None = None) -> PruneResult:
-    """The scheduler's retention: keep the newest `keep` good backups of `structure`, and remove only what no
-    restore can need. What goes is good backups, and incomplete ones (a backup or restore killed mid-way), older
+           repo: GroupRepository | None = None, backup_keys: BackupKeys | None = None,
+           keep_age: timedelta | None = None, now: datetime | None = None) -> PruneResult:
+    """The scheduler's retention: keep the newest `keep` good backups of `structure`, and with `keep_age` also
+    every good backup started within that age (whichever keeps more: a burst of backups never pushes out what an
+    age promises, a quiet week never leaves fewer than `keep`), and remove only what no restore can need. What goes is good backups, and incomplete ones (a backup or restore killed mid-way), older
     than the keep-th newest good backup; never the restore base (restore_base: it may be older when the newest are
     taken from a WARM start), never the backup the CF says is running, and never a corrupt, untrusted or unsigned
     one (a restore refuses to pass over some of them, and they are for an operator to look at). A restore or purge
@@ -180,6 +182,10 @@ def retain(backup_root: Path, structure: str, keep: int, *, client: redis.Redis 
     if len(good) <= keep:
         return PruneResult([], backups, client is not None)
     cutoff = backups.index(good[keep - 1])
+    if keep_age is not None:  # backups are newest first: the oldest young good backup moves the cutoff down
+        young = [b for b in good if b.started >= (now or datetime.now(UTC)) - keep_age]
+        if young:
+            cutoff = max(cutoff, backups.index(young[-1]))
     protected = {restore_base(backups, repo)}
     if client is not None:
         try:

@@ -18,7 +18,8 @@
                                                  (after a key rotation; with --accept-unsigned, adopt an old one)
   cfbackup prune STRUCTURE --keep N | --older-than AGE
   cfbackup schedule --interval SECONDS [--structure S]... [--keep N]   back up every N seconds (a daemon, until
-                    [--metrics-port PORT]        SIGTERM), keeping the newest N good backups (default 5);
+                    [--keep-age AGE] [--metrics-port PORT]  SIGTERM), keeping the newest N good backups (default 5)
+                                                 and those started within AGE;
                                                  Prometheus metrics on 127.0.0.1:PORT
 
 The CF, the members' logs and the backup root are found as by every command (cfemu.settings): the flag, else the
@@ -299,13 +300,17 @@ def cmd_schedule(args: argparse.Namespace, out: Output) -> int:
         raise ValueError(f"--interval must be > 0, not {args.interval}")
     if args.keep < 0:
         raise ValueError(f"--keep must be >= 0, not {args.keep}")
+    keep_age = parse_age(args.keep_age) if args.keep_age else None
+    if keep_age is not None and not args.keep:
+        raise ValueError("--keep-age needs a retention: --keep 0 keeps every backup")
     configure_logging(args.verbose, as_json=out.as_json)
     metrics = SchedulerMetrics(args.interval, args.keep)
     if args.metrics_port is not None:
         port = exposition.serve([metrics], args.metrics_host, args.metrics_port)
         logging.getLogger("backup.schedule").info("backup scheduler: metrics on http://%s:%d/metrics",
                                                   args.metrics_host, port)
-    run_backup_scheduler(args.interval, settings(args), args.structure, keep=args.keep, metrics=metrics)
+    run_backup_scheduler(args.interval, settings(args), args.structure, keep=args.keep, metrics=metrics,
+                         keep_age=keep_age)
     return 0
 
 
@@ -377,6 +382,9 @@ def build_parser() -> argparse.ArgumentParser:
     sch.add_argument("--keep", type=int, default=DEFAULT_KEEP, metavar="N",
                      help=f"after each good backup keep the newest N good backups of the structure (default "
                           f"{DEFAULT_KEEP}; 0: keep all) and remove older ones no restore can need")
+    sch.add_argument("--keep-age", metavar="AGE",
+                     help="also keep every good backup started within AGE (e.g. 7d, 12h): retention keeps whichever "
+                          "of --keep and --keep-age keeps more")
     sch.add_argument("--metrics-port", type=int, metavar="PORT",
                      help="serve Prometheus metrics on PORT (0: any free port; default: none): what it ran, each "
                           "backup's and step's duration, each structure's last good backup (docs/metrics.md)")

@@ -7,7 +7,8 @@ the nearest cluster directory, default), passed on to each child through its env
 
 Retention: after each good backup of a structure the scheduler keeps its newest `keep` good backups and removes
 older ones that no restore can need (backup.catalog.retain: never the restore base, a running backup, a damaged one,
-nor a restore or purge point while anything older stays); keep 0 keeps everything.
+nor a restore or purge point while anything older stays); with `keep_age` it also keeps every good backup younger
+than that age; keep 0 keeps everything.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from backup.catalog import retain
@@ -43,7 +45,7 @@ BUSY_REASON = "MQRC_CF_STRUC_IN_USE"  # a child's error line when another backup
 
 def run_backup_scheduler(interval: float, settings: Settings, structures: Sequence[str] = (),
                          stop: threading.Event | None = None, keep: int = DEFAULT_KEEP,
-                         metrics: SchedulerMetrics | None = None) -> None:
+                         metrics: SchedulerMetrics | None = None, keep_age: timedelta | None = None) -> None:
     """Every interval seconds run ``cfbackup run S`` for each structure (default: every ACTIVE one), until stop;
     after each good one, the retention (module doc) with `keep`. What it ran, and how long each backup and each
     of its steps took, goes to ``metrics`` (backup.schedule_metrics).
@@ -85,7 +87,7 @@ def run_backup_scheduler(interval: float, settings: Settings, structures: Sequen
                 metrics.backup_done(s, "ok", seconds, _manifest(out))
                 log.info("backup of %s done in %.1fs", s, seconds)
                 if keep:
-                    _retain(settings, s, keep, metrics)
+                    _retain(settings, s, keep, metrics, keep_age)
             else:
                 tail = (err or out).decode(errors="replace").strip().splitlines()[-1:] or [""]
                 metrics.backup_done(s, "busy" if BUSY_REASON in tail[0] else "failed", seconds, None)
@@ -115,13 +117,15 @@ def _active_structures(url: str | None, metrics: SchedulerMetrics) -> list[str]:
         return []
 
 
-def _retain(settings: Settings, structure: str, keep: int, metrics: SchedulerMetrics) -> None:
+def _retain(settings: Settings, structure: str, keep: int, metrics: SchedulerMetrics,
+            keep_age: timedelta | None = None) -> None:
     """The retention after a good backup of `structure`; a failure is logged and tried again after the next."""
     try:
         client = connect(settings.redis_url)
         try:
             result = retain(settings.backup_dir, structure, keep, client=client,
-                            repo=GroupRepository(settings.log_root), backup_keys=settings.backup_keys())
+                            repo=GroupRepository(settings.log_root), backup_keys=settings.backup_keys(),
+                            keep_age=keep_age)
         finally:
             client.close()
     except Exception as e:  # noqa: BLE001 - retention never stops the backups

@@ -16,9 +16,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from backup.catalog import parse_age
 from cfemu.clitools import CLIError, Output
 from cfemu.settings import find_cluster_dir
 from qsg.cli_common import Parents, seconds, whole
+
+
+def age(text: str) -> str:
+    """An age as cfbackup takes it (7d, 12h, 30m), checked here so that a bad one fails before anything starts."""
+    parse_age(text)
+    return text
 
 
 def cmd_cluster(args: argparse.Namespace, out: Output) -> int:
@@ -37,7 +44,8 @@ def cmd_cluster(args: argparse.Namespace, out: Output) -> int:
                                     spark_cores=args.spark_cores, spark_memory=args.spark_memory,
                                     duplex=args.duplex, redis_cluster=args.redis_cluster,
                                     restart_members=args.member_restart, rest=args.rest,
-                                    backup_keep=args.backup_keep, console=args.console)
+                                    backup_keep=args.backup_keep, backup_keep_age=args.backup_keep_age,
+                                    console=args.console)
         doc = cluster.status()
         doc["seconds"] = round(time.monotonic() - t0, 2)
     elif args.action == "down":
@@ -125,6 +133,8 @@ def cluster_arguments(p: argparse.ArgumentParser, parents: Parents) -> None:
     p.add_argument("--backup-keep", type=whole(0), default=5, metavar="N",
                    help="the scheduler keeps the newest N good backups of each structure (0: all) and removes "
                         "older ones no restore can need")
+    p.add_argument("--backup-keep-age", type=age, metavar="AGE",
+                   help="the scheduler also keeps every good backup started within AGE (e.g. 7d, 12h)")
     p.add_argument("--lease-ms", type=whole(500), default=5000)
     p.add_argument("--token", help="the application token clients must prove they hold (default: the group's "
                                    "service.token, made at the first 'up')")

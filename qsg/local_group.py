@@ -203,7 +203,7 @@ class LocalGroup:
            restart_cf: bool = False, recauto: bool = True, spark_workers: int = 0, spark_cores: int = 1,
            spark_memory: str = "2g", duplex: bool = False, redis_cluster: int = 0,
            restart_members: bool = False, rest: bool = False, backup_keep: int = 5,
-           console: bool = False) -> LocalGroup:
+           backup_keep_age: str | None = None, console: bool = False) -> LocalGroup:
         """Start an embedded CF, managers QM1..QMn and (with a backup_interval) the backup scheduler.
 
         structure/queues are defined when missing (structure=None defines nothing). manager_args go to every
@@ -216,7 +216,8 @@ class LocalGroup:
         required. redis_cluster: the CF is a Redis Cluster of that many masters (qsg.rcluster_cf; 0: one
         redis-server). restart_members: the supervisor restarts a member that died or was fenced, with backoff
         (qsg.group_supervisor; a thread here, or with detach the supervisor process). backup_keep: the
-        scheduler's retention, good backups kept per structure (cfbackup schedule --keep; 0: all). console: also
+        scheduler's retention, good backups kept per structure (cfbackup schedule --keep; 0: all);
+        backup_keep_age: also those started within that age (--keep-age, e.g. 7d). console: also
         the group's web console (cfemu console) on a free loopback port, shown by status. On any failure
         everything already started is stopped again.
         """
@@ -253,7 +254,8 @@ class LocalGroup:
                           **({"rest_port": free_port("127.0.0.1")} if rest else {})}
                          for i in range(1, managers + 1)],
             "manager_args": list(manager_args),
-            "scheduler": {"interval": backup_interval, "keep": backup_keep} if backup_interval else None,
+            "scheduler": {"interval": backup_interval, "keep": backup_keep,
+                          **({"keep_age": backup_keep_age} if backup_keep_age else {})} if backup_interval else None,
             "cf_supervisor": {} if restart_cf or restart_members else None,
             "cf_restart": restart_cf, "member_restart": restart_members,
             CLUSTER_SPARK: None,
@@ -517,7 +519,8 @@ class LocalGroup:
         sched = self.state["scheduler"]
         sched["metrics_port"] = free_port("127.0.0.1")
         cmd = [*SCHEDULER_COMMAND, "--interval", str(sched["interval"]), "--metrics-port", str(sched["metrics_port"]),
-               *(("--keep", str(sched["keep"])) if "keep" in sched else ())]
+               *(("--keep", str(sched["keep"])) if "keep" in sched else ()),
+               *(("--keep-age", sched["keep_age"]) if sched.get("keep_age") else ())]
         proc = self._popen("scheduler", cmd, "backup-scheduler.log")
         sched["pid"] = proc.pid
         # Until the child has exec'd, its command line is ours: wait, so that status never reports it dead.

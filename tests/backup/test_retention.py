@@ -191,3 +191,35 @@ def test_an_unload_waits_for_a_running_backup(qsg: tuple[redis.Redis, QueueManag
                           progress=lambda p, d, n: phases.append(p))
     t.join()
     assert done.state == "MIGRATED" and any(p.startswith("waiting for backup") for p in phases), phases
+
+
+def test_retention_by_age_keeps_every_backup_younger_than_the_age(qsg: tuple[redis.Redis, QueueManager],
+                                                                   tmp_path: Path) -> None:
+    """--keep-age: every good backup started within the age stays besides the newest `keep`; once they are older
+    than the age (seen from a later `now`), only the newest `keep` stay."""
+    from datetime import UTC, datetime, timedelta
+
+    client, qm = qsg
+    qm.stop()
+    root, logs = tmp_path / "bk", tmp_path / "logs"
+    ids = _backups(client, root, logs, 4)
+    repo = GroupRepository(logs)
+    assert retain(root, S, 1, client=client, repo=repo, keep_age=timedelta(hours=1)).removed == []
+    assert {b.id for b in list_backups(root, S)} == set(ids)
+    later = datetime.now(UTC) + timedelta(hours=2)
+    result = retain(root, S, 1, client=client, repo=repo, keep_age=timedelta(hours=1), now=later)
+    assert {b.id for b in result.removed} == set(ids[:3])
+    assert [b.id for b in list_backups(root, S)] == [ids[3]]
+
+
+@pytest.mark.parametrize(("flags", "says"), [
+    (["--keep-age", "soon"], "soon"),
+    (["--keep", "0", "--keep-age", "7d"], "--keep-age needs a retention"),
+])
+def test_the_scheduler_refuses_a_bad_keep_age_in_one_line(flags: list[str], says: str, redis_url: str,
+                                                           tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "backup.cli", "schedule", "--interval", "1", *flags],
+                          env=_env(redis_url, tmp_path), capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0], done.stderr

@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -64,7 +65,7 @@ def dashboard_exprs() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalGroup]:
     c = LocalGroup.up(tmp_path_factory.mktemp("obs") / "c", managers=2, backup_interval=1.0, backup_keep=2,
-                      lease_ms=2000, detach=True, restart_cf=True, restart_members=True)
+                      backup_keep_age="1h", lease_ms=2000, detach=True, restart_cf=True, restart_members=True)
     try:
         with Client([(h, p) for _, h, p in c.endpoints], token=c.token, client_name="obs") as cl:
             for i in range(10):
@@ -158,6 +159,20 @@ def test_the_supervisor_counts_the_restart_of_a_killed_member(group: LocalGroup)
     with group.state_lock():  # cluster.json as the supervisor process rewrote it
         group.refresh()
     assert int(group.manager("QM2")["pid"]) != pid and group.manager("QM2")["restarts"] == 1
+
+
+def test_the_scheduler_runs_with_the_groups_retention(group: LocalGroup) -> None:
+    """cfemu cluster up --backup-keep N --backup-keep-age AGE reach the scheduler the group starts."""
+    pid = group.state["scheduler"]["pid"]
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    assert argv[argv.index(b"--keep") + 1] == b"2" and argv[argv.index(b"--keep-age") + 1] == b"1h", argv
+
+
+def test_cluster_up_refuses_a_bad_backup_keep_age_in_one_line(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "qsg.cli", "cluster", "up", "--dir", str(tmp_path / "c"),
+                           "--backup-keep-age", "soon"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--backup-keep-age" in done.stderr, done.stderr
+    assert not (tmp_path / "c").exists()  # nothing started
 
 
 def test_the_promql_reader_finds_metric_names_and_nothing_else() -> None:
