@@ -84,6 +84,12 @@ class LogFullError(OSError):
     """A circular log's ring has no segment it may reuse: every one holds a record recovery still needs."""
 
 
+class RecordRefusedError(OSError):
+    """The log refused a record before any byte of it was buffered or written (the log failed earlier, or sealing
+    the full segment failed): the record cannot be on disk. Any other OSError of an append or a force leaves the
+    record possibly on disk (a write or an fsync that fails part way)."""
+
+
 @dataclass(frozen=True)
 class ArchiveOutcome:
     segment: int
@@ -450,10 +456,15 @@ class RecordLog:
         head = FRAME.pack(n, crc32c(body))
         size = FRAME_HEADER_BYTES + n
         with self._lock:
-            if self._closed or self._failed is not None:
-                self._raise_unusable()
-            if self._off + size > self._capacity and self._off > self._first_frame:
-                self._roll_locked()
+            try:
+                if self._closed or self._failed is not None:
+                    self._raise_unusable()
+                if self._off + size > self._capacity and self._off > self._first_frame:
+                    self._roll_locked()
+            except LogFullError:
+                raise
+            except OSError as e:
+                raise RecordRefusedError(*e.args) from e
             pos = LogPosition(self._seg, self._off)
             buf = self._buf
             buf += head
