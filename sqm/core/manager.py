@@ -266,6 +266,8 @@ class QueueManager(Outcomes, LogSpace):
         and would back it out)."""
         assert self.log is not None
         force = records.kind_of(record).forced
+        # A COMMIT or PREPARE of it may be on disk already: whatever this record's fate, its outcome is the disk's.
+        decided = uow is not None and uow.state in (INCOMMIT, INDOUBT)
         if self.activity >= self.config.logload:
             self.checkpoint("logload")
         try:
@@ -280,11 +282,12 @@ class QueueManager(Outcomes, LogSpace):
             if force:
                 self.log.force(pos)  # outside the lock: concurrent committers share the fsync (group commit)
         except OSError as e:
-            if uow is not None and state is not None and force and not isinstance(e, RecordRefusedError) \
-                    and uow.state != state:
+            written = force and not isinstance(e, RecordRefusedError)
+            if uow is not None and state is not None and written and uow.state != state:
                 with self.uow_lock:  # buffered, its write failed part way: it may be on disk, as it decides
                     uow.decide(state, record)
-            self.log_failure(e, uow)
+            unknown = decided or (written and uow is not None and uow.state in (INCOMMIT, INDOUBT))
+            self.log_failure(e, uow if unknown else None)
 
     def append_many(self, recs: list[Record]) -> None:
         """Append records of kinds that are not forced (a batch's PUT and GET records) together, under one hold of
@@ -317,9 +320,9 @@ class QueueManager(Outcomes, LogSpace):
         write or an fsync that fails part way may leave it there, or in the page cache a restart reads) keeps its
         entries until the member restarts and reads its log, and the application's commit hears that its outcome
         is unknown (OutcomeUnknownError), never that it was refused: a put told "refused" must never be delivered
-        (the rule of Outcomes._fenced_commit). uow: the unit of work whose record was being logged. The writer
-        refuses every later append (an fsync that failed once is never trusted again), so nothing is logged after
-        this; the operator restarts the member once the disk is fixed."""
+        (the rule of Outcomes._fenced_commit). uow: the unit of work whose COMMIT or PREPARE may be on disk (its
+        outcome is unknown here). The writer refuses every later append (an fsync that failed once is never trusted
+        again), so nothing is logged after this; the operator restarts the member once the disk is fixed."""
         first = not self.log_failed
         if first:
             self.log_failed = str(e)
@@ -334,11 +337,11 @@ class QueueManager(Outcomes, LogSpace):
         for u in doomed:
             log.warning("%s: unit of work %s (persistent, in flight) is backed out: the log cannot be written",
                         self.name, u.id)
-        if uow is not None and uow.state in (INCOMMIT, INDOUBT):
+        if uow is not None:
             raise OutcomeUnknownError(
-                f"queue manager {self.name} cannot write its log ({self.log_failed}) and the "
-                f"{'COMMIT' if uow.state == INCOMMIT else 'PREPARE'} record of unit of work {uow.id} may have "
-                "reached the disk: its outcome is not known here; it is decided "
+                f"queue manager {self.name} cannot write its log ({self.log_failed}) and the COMMIT or PREPARE "
+                f"record of unit of work {uow.id} may have reached the disk: its outcome is not known here; it is "
+                "decided "
                 "from the log on disk when the member restarts or a peer recovers it (committed if that record "
                 "is there, else backed out)") from None
         raise LogFailedError(f"queue manager {self.name} cannot write its log ({self.log_failed}): persistent "

@@ -52,13 +52,14 @@ def test_a_put_whose_commit_fsync_failed_is_told_its_outcome_is_unknown_and_the_
         qm.stop()
 
 
-def fail_writes_of_end_records(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The disk fills exactly when an END record is written out: every append is written at once, and the write
-    that carries an END fails with ENOSPC (as a full disk fails it)."""
+def fail_writes_of(monkeypatch: pytest.MonkeyPatch, kind: bytes) -> None:
+    """The disk fills exactly when a record of this kind is written out: every append is written at once, and the
+    write that carries one fails with ENOSPC (as a full disk fails it)."""
     write_all = log_writer._write_all
+    packed = bytes([0xA0 + len(kind)]) + kind  # the kind as msgpack packs it (a short string)
 
     def write_all_or_enospc(fd: int, data: Any) -> None:
-        if b"\xa3END" in bytes(data):
+        if packed in bytes(data):
             raise OSError(errno.ENOSPC, "No space left on device (injected)")
         write_all(fd, data)
     monkeypatch.setattr(log_writer, "WRITE_THRESHOLD", 0)
@@ -73,7 +74,7 @@ def test_a_put_applied_on_the_cf_is_acknowledged_when_its_end_cannot_be_written(
         if fused:
             warm(qm)
         qm.checkpoint("every earlier record on disk")  # the next write that carries an END is the put's
-        fail_writes_of_end_records(monkeypatch)
+        fail_writes_of(monkeypatch, b"END")
         qm.connect().put("Q1", b"applied", syncpoint=False)  # acknowledged: no error
         assert b"applied" in all_bodies(qm)
         assert qm.log_failed and not qm.uows  # the log failed; the applied UOW is not kept
@@ -85,3 +86,23 @@ def test_a_put_applied_on_the_cf_is_acknowledged_when_its_end_cannot_be_written(
         assert all_bodies(qm).count(b"applied") == 1  # the restart completes it again from its COMMIT, once
     finally:
         qm.stop()
+
+
+def test_a_fused_put_the_cf_refused_is_of_unknown_outcome_when_its_backout_cannot_be_written(
+        redis_url: str, log_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its COMMIT is on disk (the CF refused the put after it: the queue is full), and the BACKOUT that says so
+    cannot be written: the restart reads a COMMIT with no BACKOUT and redoes the put. Told 'queue full' or 'refused',
+    the application would have a refused put delivered: its outcome is unknown."""
+    from cfemu import keys
+    qm = start_qm(redis_url, log_root, "QM1", background=False)
+    try:
+        warm(qm)
+        qm.redis.hset(keys.meta("APP1"), mapping={"max_entries": 1})
+        conn = qm.connect()
+        conn.put("Q1", b"fits", syncpoint=False)
+        fail_writes_of(monkeypatch, b"BACKOUT")
+        with pytest.raises(OutcomeUnknownError, match="may have reached the disk"):
+            conn.put("Q1", b"full", syncpoint=False)
+        assert all_bodies(qm) == [b"fits"]
+    finally:
+        crash(qm)
