@@ -30,6 +30,7 @@ from cfemu.errors import (
     LogFailedError,
     MQError,
     NotJoinedError,
+    OutcomeUnknownError,
     ResourceProblemError,
     StructureFailedError,
     UnknownObjectError,
@@ -54,7 +55,7 @@ from sqm.core.recovery import recover_peers, restart
 from sqm.core.retention import Retention
 from sqm.core.storereport import StoreReport
 from sqm.core.uow import UnitOfWork
-from sqm.log import RecordLog
+from sqm.log import RecordLog, RecordRefusedError
 
 log = logging.getLogger("sqm")
 
@@ -265,6 +266,8 @@ class QueueManager(Outcomes, LogSpace):
         and would back it out)."""
         assert self.log is not None
         force = records.kind_of(record).forced
+        # A COMMIT or PREPARE of it may be on disk already: whatever this record's fate, its outcome is the disk's.
+        decided = uow is not None and uow.state in (INCOMMIT, INDOUBT)
         if self.activity >= self.config.logload:
             self.checkpoint("logload")
         try:
@@ -279,7 +282,12 @@ class QueueManager(Outcomes, LogSpace):
             if force:
                 self.log.force(pos)  # outside the lock: concurrent committers share the fsync (group commit)
         except OSError as e:
-            self.log_failure(e)
+            written = force and not isinstance(e, RecordRefusedError)
+            if uow is not None and state is not None and written and uow.state != state:
+                with self.uow_lock:  # buffered, its write failed part way: it may be on disk, as it decides
+                    uow.decide(state, record)
+            unknown = decided or (written and uow is not None and uow.state in (INCOMMIT, INDOUBT))
+            self.log_failure(e, uow if unknown else None)
 
     def append_many(self, recs: list[Record]) -> None:
         """Append records of kinds that are not forced (a batch's PUT and GET records) together, under one hold of
@@ -301,16 +309,20 @@ class QueueManager(Outcomes, LogSpace):
         except OSError as e:
             self.log_failure(e)
 
-    def log_failure(self, e: OSError) -> NoReturn:
+    def log_failure(self, e: OSError, uow: UnitOfWork | None = None) -> NoReturn:
         """The log cannot be written (disk full, an I/O error on a write or an fsync): from now on this member acts
         on persistent state only as its log on disk already decides (docs/pstore.md, "When a member's log cannot be
         written"). Persistent work is refused (LogFailedError, MQRC_RESOURCE_PROBLEM) and non-persistent work goes
-        on. Each unit of work with persistent work still in flight (no outcome record begun) is doomed: backed out
-        at its application's next step, without a record (its log has no outcome for it, so every recovery backs it
-        out too). A unit of work whose COMMIT or PREPARE may have reached the disk keeps its entries until the
-        member restarts and reads its log. The writer refuses every later append (an fsync that failed once is
-        never trusted again), so nothing is logged after this; the operator restarts the member once the disk is
-        fixed."""
+        on. Each unit of work with persistent work still in flight (no outcome record begun) is doomed: at its
+        application's next step it is backed out without a record when it holds only puts (its log has no outcome
+        for it, so every recovery backs it out too), and kept locked until a peer or the restart backs it out with
+        a record when it holds persistent gets (Outcomes.complete). A unit of work whose COMMIT or PREPARE may have reached the disk (its write was attempted: a
+        write or an fsync that fails part way may leave it there, or in the page cache a restart reads) keeps its
+        entries until the member restarts and reads its log, and the application's commit hears that its outcome
+        is unknown (OutcomeUnknownError), never that it was refused: a put told "refused" must never be delivered
+        (the rule of Outcomes._fenced_commit). uow: the unit of work whose COMMIT or PREPARE may be on disk (its
+        outcome is unknown here). The writer refuses every later append (an fsync that failed once is never trusted
+        again), so nothing is logged after this; the operator restarts the member once the disk is fixed."""
         first = not self.log_failed
         if first:
             self.log_failed = str(e)
@@ -325,6 +337,13 @@ class QueueManager(Outcomes, LogSpace):
         for u in doomed:
             log.warning("%s: unit of work %s (persistent, in flight) is backed out: the log cannot be written",
                         self.name, u.id)
+        if uow is not None:
+            raise OutcomeUnknownError(
+                f"queue manager {self.name} cannot write its log ({self.log_failed}) and the COMMIT or PREPARE "
+                f"record of unit of work {uow.id} may have reached the disk: its outcome is not known here; it is "
+                "decided "
+                "from the log on disk when the member restarts or a peer recovers it (committed if that record "
+                "is there, else backed out)") from None
         raise LogFailedError(f"queue manager {self.name} cannot write its log ({self.log_failed}): persistent "
                              "work is refused until it is restarted with its log disk fixed") from None
 

@@ -23,6 +23,7 @@ from cfemu.errors import (
     CompletedByRecoveryError,
     FencedError,
     FloorError,
+    LogFailedError,
     MQError,
     NoNewUowsError,
     OutcomeUnknownError,
@@ -110,11 +111,22 @@ class Outcomes:
         # The log cannot be written: a UOW still in flight (no outcome record begun) is backed out without a record.
         # Its log holds no outcome for it, so every recovery (restart, a peer, restore) backs it out as well: the
         # member acts only as its log on disk already decides (docs/pstore.md).
+        # A unit of work holding persistent gets is not backed out here: a backout raises their backout counts, and
+        # one with no record is not where a restore places it (the restore would put it at its restore point, after
+        # later events on those messages). Its entries stay locked until the member stops and a peer, or its
+        # restart, backs it out from the log with a record; only a UOW known to hold no persistent get (its puts
+        # vanish, as every recovery of an outcome-less UOW makes them vanish) is backed out without a record.
         unlogged = bool(self.log_failed) and not commit and for_member is None and uow.state == INFLIGHT
+        if unlogged and uow.persistent and self._holds_persistent_gets(uow):
+            uow.doomed = uow.doomed or f"queue manager {self.name} cannot write its log ({self.log_failed})"
+            log.warning("%s: unit of work %s holds persistent gets and the log cannot be written (%s): its messages "
+                        "stay locked until the member stops and a peer (or its restart) backs it out from its log",
+                        self.name, uow.id, self.log_failed)
+            return
         if unlogged and uow.persistent:
             log.warning("%s: unit of work %s backed out with no BACKOUT record (the log cannot be written: %s); "
-                        "its log has no outcome for it, which every recovery takes as backed out", self.name,
-                        uow.id, self.log_failed)
+                        "it holds no persistent get, and its log has no outcome for it, which every recovery takes "
+                        "as backed out", self.name, uow.id, self.log_failed)
         elif uow.persistent or for_member is not None:
             failpoint("before-log-force")
             # A backout carries what data the CF can give: one the CF cannot answer now is logged without it and
@@ -141,6 +153,13 @@ class Outcomes:
             raise
         finally:
             self.counters["commits" if commit else "backouts"] += 1
+
+    def _holds_persistent_gets(self, uow: UnitOfWork) -> bool:
+        """The UOW holds a persistent get on the CF, or a structure cannot say (then it is taken to hold one)."""
+        try:
+            return bool(self._gets_data(uow))
+        except (MQError, *CF_DOWN):
+            return True
 
     def _refuse_if_disconnected(self, uow: UnitOfWork) -> None:
         """The only place a disconnected persistent store refuses a commit (docs/pstore.md): before its COMMIT is
@@ -213,7 +232,14 @@ class Outcomes:
         if self.store_report is not None and for_member is None:
             self.store_report.outcome(uow, commit)
         if (uow.persistent or for_member is not None) and self.log is not None and not self.log_failed:
-            self.append(records.end(uow.id, self.clock.now()))
+            try:
+                self.append(records.end(uow.id, self.clock.now()))
+            except LogFailedError:
+                # Applied already: the outcome stands and the application hears it. With no END on disk, the
+                # member's restart (or a peer) completes it again from its log, which the CF answers as done.
+                self.pending.pop(uow.id, None)
+                self.forget(uow)
+                return
             if commit and uow.redo and for_member is None:  # a peer's redo keeps the tombstone for the owner
                 with self.uow_lock:
                     for sname in {r[0] for r in uow.redo}:

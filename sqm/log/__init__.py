@@ -13,12 +13,13 @@ from sqm.log.format import (
     SegmentInfo,
 )
 from sqm.log.reader import LogReader, find_log_dirs, merged_records, one_log_per_member
-from sqm.log.writer import ArchiveOutcome, LogFullError, LogStats, RecordLog
+from sqm.log.writer import ArchiveOutcome, LogFullError, LogStats, RecordLog, RecordRefusedError
 
 __all__ = [
     "ArchiveOutcome",
     "FORMAT_VERSION",
     "LogFullError",
+    "RecordRefusedError",
     "LogCorruptError",
     "LogFormatError",
     "LogLockedError",

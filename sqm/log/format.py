@@ -409,7 +409,7 @@ def log_segments(directory: Path, manifest: dict[str, Any] | None) -> list[tuple
     active ones (checked_segments). A segment both archived and still in the active log (an archive interrupted
     before it removed the active file) is read from the active log. Segments below the manifest's "pruned" mark
     were removed on purpose (sqm log prune: no recovery needed them); any other gap is a format error."""
-    active = checked_segments(directory, manifest)
+    active = checked_segments(directory, manifest, use_copies=True)
     have = {segno for segno, _ in active}
     out: list[tuple[int, Path]] = []
     for info in archived_segments(manifest):
@@ -444,18 +444,41 @@ def trusted_segments(directory: Path, manifest: dict[str, Any] | None) -> dict[i
     return out
 
 
-def checked_segments(directory: Path, manifest: dict[str, Any] | None) -> list[tuple[int, Path]]:
+def checked_segments(directory: Path, manifest: dict[str, Any] | None, *,
+                     use_copies: bool = False) -> list[tuple[int, Path]]:
     """The segment files (list_segments), checked against the manifest: a segment the manifest lists that is
     not on disk is corruption, reported by file name. Without this check a deleted last segment (or a deleted
-    first one) would leave a log with no gap in its numbering, and its records would be lost without a word."""
+    first one) would leave a log with no gap in its numbering, and its records would be lost without a word.
+    use_copies (a reader): a sealed segment with an archived copy (the manifest's "copies", sqm.log.mediacopy)
+    whose active file is missing, or not of the copy's size (truncated), is read from the copy; its writer
+    restores the active file from the copy when it next opens the log."""
     found = list_segments(directory)
+    copies = {int(c["segment"]): c for c in (manifest or {}).get("copies", [])
+              if Path(c["path"]).is_file()} if use_copies else {}
     have = {segno for segno, _ in found}
     for entry in (manifest or {}).get("segments", []):
         segno = entry.get("segment") if isinstance(entry, dict) else None
-        if isinstance(segno, int) and segno not in have:
+        if isinstance(segno, int) and segno not in have and segno not in copies:
             raise LogFormatError(f"{directory / segment_name(segno)}: segment {segno} is listed in "
                                  f"{MANIFEST_NAME} but missing from the log directory: its records are lost")
-    return found
+    if not copies:
+        return found
+    out = dict(found)
+    listed = {e.get("segment") for e in (manifest or {}).get("segments", []) if isinstance(e, dict)}
+    for segno, c in copies.items():
+        if segno not in listed:
+            continue
+        path = out.get(segno)
+        if path is None or _size(path) != int(c["bytes"]):
+            out[segno] = Path(c["path"])
+    return sorted(out.items())
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return -1
 
 
 def manifest_checkpoints(manifest: dict[str, Any] | None) -> list[tuple[LogPosition, int]]:

@@ -5,12 +5,16 @@ A sealed segment is copied to the archive directory at the checkpoint after it w
 the active log (as MQ offloads a full active log to an archive log): the copy is written privately, fsynced,
 read back (the same bytes, every frame valid, the record count and LRSN range of the segment) and renamed into
 place, and the manifest lists it under "copies" with its sha256. When the segment later becomes inactive, archiving
-it only moves that entry to "archived" and removes the active file: each segment is copied once.
+it checks the copy against its sha256 before it removes the active file (then the only other copy): a good copy is
+moved to "archived", a damaged or missing one is made again from the active file (archive_copy).
 
-When the log is opened (the member's restart), every sealed active segment that has a copy is checked against the
-copy's digest; one that differs (a bad sector, a stray write, a truncation) is replaced by its copy, whose own
-digest is checked first. Nothing is decided from a damaged segment: it is either repaired from a good copy or the
-open fails naming both.
+When the log is opened (the member's restart), a sealed segment the manifest lists whose file is gone is restored
+from its copy, and every sealed active segment that has a copy is checked against the copy's digest; one that
+differs (a bad sector, a stray write, a truncation) is replaced by its copy, whose own digest is checked first.
+Nothing is decided from a damaged segment: it is either repaired from a good copy or the open fails naming both.
+A reader (LogReader: restore, peer recovery, the printer) never changes the log: it reads a missing or truncated
+sealed segment from its copy (format.checked_segments), and reads on from the verified copy where it finds a
+damaged frame (good_copy).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from typing import Any
 
 from cfemu.durable import fsync_directory
 from cfemu.private_files import open_private
-from sqm.log.format import LogCorruptError, LogFormatError, SegmentInfo, SegmentScan
+from sqm.log.format import LogCorruptError, LogFormatError, SegmentInfo, SegmentScan, segment_name
 
 log = logging.getLogger("sqm.log")
 
@@ -105,32 +109,79 @@ def repair_damaged(directory: Path, member: str, sealed: list[tuple[int, Path]],
         if entry is None:
             continue
         why = _damage(path, str(entry["sha256"]))
-        if not why:
-            continue
-        copy = Path(entry["path"])
-        bad_copy = _damage(copy, str(entry["sha256"])) if copy.is_file() else "it is missing"
-        if bad_copy:
-            raise LogCorruptError(path, 0, f"segment {segno} of {member} is damaged ({why}) and its archived copy "
-                                           f"{copy} cannot replace it ({bad_copy})")
-        tmp = path.with_name(path.name + ".media")
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-        with os.fdopen(open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb") as out, \
-                open(copy, "rb") as f:
-            while chunk := f.read(1 << 20):
-                out.write(chunk)
-            out.flush()
-            os.fsync(out.fileno())
-        if file_digest(tmp) != entry["sha256"]:
-            tmp.unlink()
-            raise LogCorruptError(path, 0, f"segment {segno} of {member} is damaged ({why}) and restoring it from "
-                                           f"{copy} did not read back")
-        os.replace(tmp, path)
-        fsync_directory(directory)
-        log.warning("%s: media recovery: log segment %d (%s) was damaged (%s); restored from its archived copy %s",
-                    member, segno, path, why, copy)
-        done.append(MediaRecovery(segno, path, copy, why))
+        if why:
+            done.append(_restore_from_copy(directory, member, segno, path, entry, why))
     return done
 
 
-__all__ = ["MediaRecovery", "copy_verified", "file_digest", "repair_damaged"]
+def restore_missing(directory: Path, member: str, manifest: dict[str, Any] | None) -> list[MediaRecovery]:
+    """Media recovery at open, before the segments are listed: a sealed segment the manifest lists whose file is
+    gone (deleted by mistake, lost with its sector) is restored from its archived copy, checked first. One with no
+    copy is left to the listing, which fails the open naming it."""
+    listed = {e.get("segment") for e in (manifest or {}).get("segments", []) if isinstance(e, dict)}
+    done = []
+    for entry in (manifest or {}).get("copies", []):
+        segno = int(entry["segment"])
+        path = directory / segment_name(segno)
+        if segno in listed and not path.exists():
+            done.append(_restore_from_copy(directory, member, segno, path, entry, "it is missing"))
+    return done
+
+
+def _restore_from_copy(directory: Path, member: str, segno: int, path: Path, entry: dict[str, Any],
+                       why: str) -> MediaRecovery:
+    copy = Path(entry["path"])
+    bad_copy = _damage(copy, str(entry["sha256"])) if copy.is_file() else "it is missing"
+    if bad_copy:
+        raise LogCorruptError(path, 0, f"segment {segno} of {member} is damaged ({why}) and its archived copy "
+                                       f"{copy} cannot replace it ({bad_copy})")
+    tmp = path.with_name(path.name + ".media")
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()
+    with os.fdopen(open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb") as out, open(copy, "rb") as f:
+        while chunk := f.read(1 << 20):
+            out.write(chunk)
+        out.flush()
+        os.fsync(out.fileno())
+    if file_digest(tmp) != entry["sha256"]:
+        tmp.unlink()
+        raise LogCorruptError(path, 0, f"segment {segno} of {member} is damaged ({why}) and restoring it from "
+                                       f"{copy} did not read back")
+    os.replace(tmp, path)
+    fsync_directory(directory)
+    log.warning("%s: media recovery: log segment %d (%s) was damaged (%s); restored from its archived copy %s",
+                member, segno, path, why, copy)
+    return MediaRecovery(segno, path, copy, why)
+
+
+def good_copy(manifest: dict[str, Any] | None, segment: int) -> Path | None:
+    """The archived copy of a sealed active segment, when its bytes are the ones the manifest's digest names (a
+    reader falls back on it where the active file is damaged; it never changes the log)."""
+    for entry in (manifest or {}).get("copies", []):
+        if int(entry["segment"]) == segment:
+            copy = Path(entry["path"])
+            return copy if copy.is_file() and not _damage(copy, str(entry["sha256"])) else None
+    return None
+
+
+def archive_copy(src: Path, dst: Path, info: SegmentInfo, member: str, copied: dict[str, Any] | None) -> int:
+    """The archived copy of a sealed segment about to leave the active log, checked before the active file (then
+    the only other copy) is removed: a copy made while the segment was active (copied) is kept when its bytes
+    still match its digest, and made again from the active file when not (damaged, or gone); the active file must
+    then read as the digest said (else it changed since it was copied: LogCorruptError, nothing is removed).
+    Returns the copy's size in bytes."""
+    if copied is not None:
+        why = _damage(dst, str(copied["sha256"])) if dst.is_file() else "it is missing"
+        if not why:
+            return int(copied["bytes"])
+        log.warning("%s: the archived copy %s of log segment %d is damaged (%s): copied again from %s", member,
+                    dst, info.segment, why, src)
+    size, digest = copy_verified(src, dst, info.segment, member, info)
+    if copied is not None and digest != copied["sha256"]:
+        raise LogCorruptError(src, 0, f"segment {info.segment} of {member} no longer reads as when it was copied "
+                                      f"(its sha256 differs) and its archived copy {dst} is damaged: not archived")
+    return size
+
+
+__all__ = ["MediaRecovery", "archive_copy", "copy_verified", "file_digest", "good_copy", "repair_damaged",
+           "restore_missing"]

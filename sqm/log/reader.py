@@ -9,6 +9,7 @@ from typing import Any
 from sqm.log.format import (
     MANIFEST_NAME,
     SEGMENT_RE,
+    LogCorruptError,
     LogFormatError,
     LogPosition,
     SegmentInfo,
@@ -23,6 +24,7 @@ from sqm.log.format import (
     segment_name,
     trusted_segments,
 )
+from sqm.log.mediacopy import good_copy
 
 
 class LogReader:
@@ -86,13 +88,28 @@ class LogReader:
                 if info is not None and (info.max_lrsn is None or info.max_lrsn < min_lrsn):
                     continue
             off = start.offset if start is not None and segno == start.segment else 0
-            scan = self._scan(segno, path, is_last=segno == last, start_offset=off)
+            frames = self._frames(manifest, segno, path, is_last=segno == last, start_offset=off)
             if min_lrsn is None:
-                yield from scan
+                yield from frames
             else:
-                for pos, rec in scan:
+                for pos, rec in frames:
                     if rec["l"] >= min_lrsn:
                         yield pos, rec
+
+    def _frames(self, manifest: dict[str, Any] | None, segno: int, path: Path, *, is_last: bool,
+                start_offset: int) -> Iterator[tuple[LogPosition, dict[str, Any]]]:
+        """The segment's records; a sealed segment found damaged on the way is read on from its verified archived
+        copy (the same bytes: media recovery, sqm.log.mediacopy), from the first frame not read yet. Restore and
+        peer recovery read a member's log here, before the member's own restart would repair the segment."""
+        scan = self._scan(segno, path, is_last=is_last, start_offset=start_offset)
+        try:
+            yield from scan
+        except (LogCorruptError, LogFormatError):
+            copy = None if is_last else good_copy(manifest, segno)
+            if copy is None or copy == path:
+                raise
+            yield from SegmentScan(copy, segno, self.member, is_last=False,
+                                   start_offset=scan.end_offset or start_offset)
 
     def segments(self) -> list[SegmentInfo]:
         """Per-segment information: from the manifest for sealed segments, by scanning for the others

@@ -40,7 +40,7 @@ from sqm.log.format import (
     trusted_segments,
     write_manifest,
 )
-from sqm.log.mediacopy import MediaRecovery, copy_verified, repair_damaged
+from sqm.log.mediacopy import MediaRecovery, archive_copy, copy_verified, repair_damaged, restore_missing
 from sqm.request_slots import before_wait
 
 #: Checkpoints remembered in the manifest.
@@ -82,6 +82,12 @@ def _write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
 
 class LogFullError(OSError):
     """A circular log's ring has no segment it may reuse: every one holds a record recovery still needs."""
+
+
+class RecordRefusedError(OSError):
+    """The log refused a record before any byte of it was buffered or written (the log failed earlier, or sealing
+    the full segment failed): the record cannot be on disk. Any other OSError of an append or a force leaves the
+    record possibly on disk (a write or an fsync that fails part way)."""
 
 
 @dataclass(frozen=True)
@@ -197,6 +203,7 @@ class RecordLog:
         self._pruned = int((manifest or {}).get("pruned", 0))
         archived = {i.segment for i in archived_segments(manifest)}
         trusted = trusted_segments(d, manifest)
+        restored = restore_missing(d, self.member, manifest)
         segs = checked_segments(d, manifest)
         if segs and archived & {n for n, _ in segs[:-1]}:
             # An archive interrupted after the manifest listed the copy and before the active file was removed.
@@ -212,7 +219,7 @@ class RecordLog:
                     path.unlink()
             fsync_directory(d)
             segs = [(n, p) for n, p in segs if n >= self._pruned]
-        self.media_recovered = repair_damaged(d, self.member, segs[:-1], self._copies)
+        self.media_recovered = restored + repair_damaged(d, self.member, segs[:-1], self._copies)
         if not segs:
             start = max(trusted, default=0) + 1
             os.close(self._create_segment(start))
@@ -339,12 +346,9 @@ class RecordLog:
         private_dir(archive_dir)  # segments hold message bodies: 0700 (each file 0600)
         done = []
         for info in todo:
-            copied = self._copy_of(info.segment)
-            if copied is not None:  # copied while it was active (copy_sealed): moved, not copied again
-                dst, size = Path(copied["path"]), int(copied["bytes"])
-            else:
-                dst = archive_dir / segment_name(info.segment)
-                size, _ = copy_verified(info.path, dst, info.segment, self.member, info)
+            copied = self._copy_of(info.segment)  # copied while it was active (copy_sealed): kept if still good
+            dst = Path(copied["path"]) if copied is not None else archive_dir / segment_name(info.segment)
+            size = archive_copy(info.path, dst, info, self.member, copied)
             with self._lock:
                 self._sealed.remove(info)
                 self._copies = [c for c in self._copies if int(c["segment"]) != info.segment]
@@ -450,10 +454,15 @@ class RecordLog:
         head = FRAME.pack(n, crc32c(body))
         size = FRAME_HEADER_BYTES + n
         with self._lock:
-            if self._closed or self._failed is not None:
-                self._raise_unusable()
-            if self._off + size > self._capacity and self._off > self._first_frame:
-                self._roll_locked()
+            try:
+                if self._closed or self._failed is not None:
+                    self._raise_unusable()
+                if self._off + size > self._capacity and self._off > self._first_frame:
+                    self._roll_locked()
+            except LogFullError:
+                raise
+            except OSError as e:
+                raise RecordRefusedError(*e.args) from e
             pos = LogPosition(self._seg, self._off)
             buf = self._buf
             buf += head

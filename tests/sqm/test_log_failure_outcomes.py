@@ -1,0 +1,108 @@
+"""What the application hears when its member's log fails during a commit (docs/pstore.md, "When a member's log
+cannot be written"): a put whose COMMIT's write was attempted has an unknown outcome (OutcomeUnknownError), never
+"refused" (LogFailedError), since the COMMIT may be on disk; a put the CF applied is never reported refused. In
+process, against a real redis-server, with real log files (the failures injected at the writer's write or fsync)."""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cfemu.errors import LogFailedError, OutcomeUnknownError
+from sqm.log import writer as log_writer
+from tests.sqm.test_put_committed_recovery import all_bodies, crash, warm
+from tests.support.group import define_group, start_qm
+
+
+@pytest.fixture
+def log_root(redis_url: str, tmp_path: Path) -> Path:
+    define_group(redis_url, queues=("Q1",))
+    return tmp_path / "logs"
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_put_whose_commit_fsync_failed_is_told_its_outcome_is_unknown_and_the_log_decides_it(
+        redis_url: str, log_root: Path, monkeypatch: pytest.MonkeyPatch, fused: bool) -> None:
+    qm = start_qm(redis_url, log_root, "QM1", background=False)
+    try:
+        if fused:
+            warm(qm)  # the member knows the structure's generation: the put is committed in one CF call
+        real = log_writer._fdatasync
+
+        def eio(fd: int) -> None:
+            raise OSError(errno.EIO, "Input/output error (injected)")
+        monkeypatch.setattr(log_writer, "_fdatasync", eio)
+        with pytest.raises(OutcomeUnknownError, match="may have reached the disk"):
+            qm.connect().put("Q1", b"unknown", syncpoint=False)
+        monkeypatch.setattr(log_writer, "_fdatasync", real)
+        assert all_bodies(qm) == []  # not applied: the log decides it at the restart
+        with pytest.raises(LogFailedError):  # nothing attempted: refused
+            qm.connect().put("Q1", b"refused", syncpoint=False)
+    finally:
+        crash(qm)
+    qm = start_qm(redis_url, log_root, "QM1", background=False)
+    try:
+        # The COMMIT was written (the page cache holds it): the restart commits the put, once; the refused one is
+        # in no log.
+        assert all_bodies(qm) == [b"unknown"]
+    finally:
+        qm.stop()
+
+
+def fail_writes_of(monkeypatch: pytest.MonkeyPatch, kind: bytes) -> None:
+    """The disk fills exactly when a record of this kind is written out: every append is written at once, and the
+    write that carries one fails with ENOSPC (as a full disk fails it)."""
+    write_all = log_writer._write_all
+    packed = bytes([0xA0 + len(kind)]) + kind  # the kind as msgpack packs it (a short string)
+
+    def write_all_or_enospc(fd: int, data: Any) -> None:
+        if packed in bytes(data):
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+        write_all(fd, data)
+    monkeypatch.setattr(log_writer, "WRITE_THRESHOLD", 0)
+    monkeypatch.setattr(log_writer, "_write_all", write_all_or_enospc)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_put_applied_on_the_cf_is_acknowledged_when_its_end_cannot_be_written(
+        redis_url: str, log_root: Path, monkeypatch: pytest.MonkeyPatch, fused: bool) -> None:
+    qm = start_qm(redis_url, log_root, "QM1", background=False)
+    try:
+        if fused:
+            warm(qm)
+        qm.checkpoint("every earlier record on disk")  # the next write that carries an END is the put's
+        fail_writes_of(monkeypatch, b"END")
+        qm.connect().put("Q1", b"applied", syncpoint=False)  # acknowledged: no error
+        assert b"applied" in all_bodies(qm)
+        assert qm.log_failed and not qm.uows  # the log failed; the applied UOW is not kept
+    finally:
+        crash(qm)
+    monkeypatch.undo()
+    qm = start_qm(redis_url, log_root, "QM1", background=False)
+    try:
+        assert all_bodies(qm).count(b"applied") == 1  # the restart completes it again from its COMMIT, once
+    finally:
+        qm.stop()
+
+
+def test_a_fused_put_the_cf_refused_is_of_unknown_outcome_when_its_backout_cannot_be_written(
+        redis_url: str, log_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its COMMIT is on disk (the CF refused the put after it: the queue is full), and the BACKOUT that says so
+    cannot be written: the restart reads a COMMIT with no BACKOUT and redoes the put. Told 'queue full' or 'refused',
+    the application would have a refused put delivered: its outcome is unknown."""
+    from cfemu import keys
+    qm = start_qm(redis_url, log_root, "QM1", background=False)
+    try:
+        warm(qm)
+        qm.redis.hset(keys.meta("APP1"), mapping={"max_entries": 1})
+        conn = qm.connect()
+        conn.put("Q1", b"fits", syncpoint=False)
+        fail_writes_of(monkeypatch, b"BACKOUT")
+        with pytest.raises(OutcomeUnknownError, match="may have reached the disk"):
+            conn.put("Q1", b"full", syncpoint=False)
+        assert all_bodies(qm) == [b"fits"]
+    finally:
+        crash(qm)
