@@ -42,6 +42,7 @@ from sqm.conversations.uowstatus import (
     RECEIVED,
     TIMEOUT,
     Control,
+    after_restart,
     status_letter_hex,
 )
 from tests.support.uow_member import UowMember, start_members
@@ -151,6 +152,14 @@ def messages_on_cf(g: Group, uow: str) -> int:
 def pclock_value(g: Group) -> int:
     """The structure's pseudo-clock as the CF holds it, read without ticking it."""
     return int(g.cf.client().hget(keys.pclock(S), "v") or 0)
+
+
+def newest_restored_stamp(out: dict[str, Observed]) -> int:
+    """The newest stamp among the statuses a CF loss keeps (logged, and kept by the restart tables: after_restart),
+    as observed before the loss: what restore floors the pseudo-clock at. A status the restore does not bring back
+    (a non-persistent UOW with a non-persistent status is never logged) leaves no stamp, though it may be newer."""
+    return max((c.changed_pc for o in out.values()
+                if (c := o.control_before) is not None and after_restart(c) is not None), default=0)
 
 
 def send(m: UowMember, conv: str, row: Row, *, commit: bool, lifetime_s: int = 0) -> str:
@@ -293,15 +302,14 @@ def run_scenario(scenario: str, tmp: Path) -> Run:
                      lambda: set(Admin(cf.client()).members()) >= {"QM1", "QM2", "QM3"})
             # restore writes the newest stamp of the statuses it loads as the clock (it left it at 0 until a
             # member's first sweep raised it, and a UOW sent meanwhile counted its lifetime from 0)
-            newest = max(o.control_before.changed_pc for o in out.values() if o.control_before is not None)
+            newest = newest_restored_stamp(out)
             wait_for("the pseudo-clock resumed", lambda: pclock_value(g) >= newest, timeout=5)
             notes["pclock_after"] = pclock_value(g)
         notes["event_s"] = time.monotonic() - t0 - notes["built_s"]
         observe_after(g, observer, out)
         notes["observed_s"] = time.monotonic() - t0 - notes["built_s"] - notes["event_s"]
         notes["sweeps"] = {n: m.request("counts") for n, m in g.members.items()}  # which sweeper settled what
-        notes["newest_stamp"] = max((o.control_before.changed_pc for o in out.values()
-                                     if o.control_before is not None), default=0)
+        notes["newest_stamp"] = newest_restored_stamp(out)
         return Run(out, notes)
     finally:
         g.stop_all()
