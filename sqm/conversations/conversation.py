@@ -135,6 +135,7 @@ class Conversation:
             return Sent("", "", 1, persistent, "")
         if option != SYNC:
             raise BadRequestError(f"send option must be SYNC or MSG, not {option!r}")
+        check_conversation_id(conversation)
         if self.sending is None:
             self.sending = self._create(svc, store=store, status_lifetime=status_lifetime, lifetime_s=lifetime_s,
                                         user_status=user_status, conversation=conversation)
@@ -674,6 +675,18 @@ class Conversation:
 MAX_CONVID = 64  # a conversation id a sender chooses (sqm.conversations.ops)
 
 
+def check_conversation_id(conversation: str) -> str:
+    """A sender's conversation id ("" for a new one): one RECEIVE can name by CONVID, so 1-64 printable characters
+    and none of CONVID's keywords (NEW, OLD, ANY)."""
+    if conversation == "":
+        return conversation
+    if (not isinstance(conversation, str) or len(conversation) > MAX_CONVID or not conversation.isprintable()
+            or conversation in (NEW, OLD, ANY)):
+        raise BadRequestError(f"send: a conversation id must be 1-{MAX_CONVID} printable characters other than "
+                              f"{NEW}, {OLD} and {ANY}, not {conversation!r}")
+    return conversation
+
+
 def check_convid(convid: str) -> str:
     """RECEIVE's CONVID: NEW, OLD, ANY, or a conversation's id (1-64 printable characters)."""
     if not isinstance(convid, str) or not convid or len(convid) > MAX_CONVID or not convid.isprintable():
@@ -715,5 +728,5 @@ def settle_orphan(qm: Member, svc: ctl.Service, uow: str, owner: str, *, gone: b
 
 
 __all__ = ["Conversation", "Sent", "Received", "SYNC", "MSG", "ANY", "NEW", "OLD", "BOTH", "OPTIONS", "check_convid",
-           "settle_orphan",
+           "check_conversation_id", "settle_orphan",
            "move_to_backout_queue"]

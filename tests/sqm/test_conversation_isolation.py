@@ -11,7 +11,7 @@ import pytest
 
 from cfemu.admin import Admin
 from cfemu.connection import connect
-from cfemu.errors import NoMessageError, UowStatusError
+from cfemu.errors import BadRequestError, NoMessageError, UowStatusError
 from sqm.conversations.conversation import SYNC, Conversation
 from sqm.core.manager import QueueManager
 from tests.support.group import start_qm
@@ -61,3 +61,14 @@ def test_the_same_user_with_another_token_is_another_sender(qms: tuple[QueueMana
         Conversation(qms[1], "alice", "guessed").send(SVC, b"x", commit=True, conversation=conv)
     again = Conversation(qms[1], "alice", "tok-a")  # the same user id and token, another session and member
     assert again.send(SVC, b"T2", commit=True, conversation=conv).conversation == conv
+
+
+@pytest.mark.parametrize("conversation", ["NEW", "OLD", "ANY", "tab\there", "x" * 65])
+def test_a_conversation_id_a_receive_could_not_name_is_refused(qms: tuple[QueueManager, QueueManager],
+                                                               conversation: str) -> None:
+    """A sender's conversation id must be one RECEIVE can name by CONVID: not one of its keywords, 1-64 printable
+    characters; refused before anything is made."""
+    alice = Conversation(qms[0], "alice", "tok-a")
+    with pytest.raises(BadRequestError, match="send: a conversation id must be 1-64 printable characters"):
+        alice.send(SVC, b"T1", commit=True, conversation=conversation)
+    assert alice.sending is None
