@@ -115,7 +115,7 @@ class Conversation:
         self.scope: Connection = qm.connect()
         self.sending: _Open | None = None
         self.receiving: _Open | None = None
-        self._known: dict[str, ctl.Service] = {}  # uow -> its service, for lookups by id
+        self._known: dict[str, ctl.Service] = {}  # uow -> its service, a hint for lookups by id (_remember)
         self._max_length = 0  # the current receive's bound (receive's max_length)
 
     # --- send -----------------------------------------------------------------------------------------------
@@ -190,7 +190,7 @@ class Conversation:
         except BaseException:
             conn.backout()
             raise
-        self._known[uow] = svc
+        self._remember(uow, svc)
         return _Open(svc, c)
 
     def _commit_sent(self, *, eoc: str = "") -> str:
@@ -295,7 +295,7 @@ class Conversation:
         except BaseException:
             conn.backout()
             raise
-        self._known[new.uow] = svc
+        self._remember(new.uow, svc)
         self.receiving = _Open(svc, new)
         try:
             return self._next_of(self.receiving)
@@ -640,8 +640,16 @@ class Conversation:
         found = ctl.find(self.qm, uow, self._known.get(uow), wait_s=wait_s)
         if found is None:
             raise UnknownUowError(f"unit of work {uow} is not known (never sent, or its status was not kept)")
-        self._known[uow] = found[0]
+        self._remember(uow, found[0])
         return found
+
+    def _remember(self, uow: str, svc: ctl.Service) -> None:
+        """The service of a UOW this session sent, received or named, newest KNOWN_MAX of them: only a hint
+        (ctl.find looks over every service without it), so a session that lives for millions of UOWs stays small."""
+        self._known.pop(uow, None)
+        self._known[uow] = svc
+        while len(self._known) > KNOWN_MAX:
+            del self._known[next(iter(self._known))]
 
     @staticmethod
     def _need(op: _Open | None, why: str) -> _Open:
@@ -672,6 +680,7 @@ class Conversation:
         return bytes(value)
 
 
+KNOWN_MAX = 1024  # the UOW -> service hints a session keeps (Conversation._remember)
 MAX_CONVID = 64  # a conversation id a sender chooses (sqm.conversations.ops)
 
 
