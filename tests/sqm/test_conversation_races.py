@@ -165,3 +165,22 @@ def test_no_uow_of_a_conversation_is_delivered_after_its_eoc(qms: tuple[QueueMan
         x.commit()
         seen.append(got.eoc)
     assert seen[-1] == "EOC", seen  # the UOW that ended it is the last one delivered
+
+
+@pytest.mark.xfail(strict=True, reason="a receive looks at the first uowcontrols.PEEK_LIMIT (1000) ACCEPTED UOWs only "
+                   "(sqm/conversations/bindings.py take_next): when that many belong to conversations bound to an "
+                   "instance that is not there (seed 003: bound to the fifth instance, three restarted), no other "
+                   "instance receives a new conversation behind them until they time out")
+def test_uows_of_conversations_bound_elsewhere_do_not_hide_a_new_conversation(
+        qms: tuple[QueueManager, QueueManager], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bindings, "FIRST_LOOK", 2)  # the window, made small: 1000 UOWs in the product
+    monkeypatch.setattr(ctl, "PEEK_LIMIT", 4)
+    alice = Conversation(qms[0], "alice", "tok-a")
+    x, y = Conversation(qms[1], "server", "instance-5"), Conversation(qms[0], "server", "instance-1")
+    conv = alice.send(SVC, b"first", commit=True).conversation
+    x.receive(SVC, option=SYNC, convid="NEW")
+    x.commit()  # the conversation is instance 5's, which then goes away
+    for i in range(5):
+        alice.send(SVC, b"for instance 5 #%d" % i, commit=True, conversation=conv)
+    alice.send(SVC, b"a new conversation", commit=True)
+    assert y.receive(SVC, option=SYNC, convid="NEW").body == b"a new conversation"
