@@ -27,6 +27,7 @@ from sqm.conversations.convrecord import (
     bind,
     counted,
     idle,
+    owned_by,
     record_id,
 )
 from sqm.conversations.uowstatus import ACCEPTED, ACTIVE, DELIVERED, Control
@@ -80,14 +81,17 @@ def put(conn: Connection, svc: ctl.Service, rec: ConvRecord) -> None:
 
 def open_for_send(conn: Connection, svc: ctl.Service, c: Control, *, new: bool = False) -> None:
     """A new UOW of conversation ``c.conversation`` (in its creation's unit of work): the conversation begins, or
-    goes on; one ended by EOC or EOCCANCEL is refused. ``new``: its id was made just now (CID=NEW), so it has no
+    goes on; one ended by EOC or EOCCANCEL, or another sender's, is refused. ``new``: its id was made just now (CID=NEW), so it has no
     record to look for."""
     rec = None if new else take(conn, svc, c.conversation)
+    if rec is not None and not owned_by(rec, c.sender, c.token):
+        raise UowStatusError(f"conversation {c.conversation} of service {svc.name} is another sender's: "
+                             "send without a conversation id to begin one of your own")
     if rec is not None and rec.eoc:
         raise UowStatusError(f"conversation {c.conversation} of service {svc.name} was ended by {rec.eoc}: "
                              "send without a conversation id to begin a new one")
     if rec is None:
-        rec = ConvRecord(c.conversation, svc.name, changed_pc=c.created_pc, lifetime_ms=c.lifetime_ms,
+        rec = ConvRecord(c.conversation, svc.name, sender=c.sender, sender_token=c.token, changed_pc=c.created_pc, lifetime_ms=c.lifetime_ms,
                          nonact_ms=svc.attributes.conv_nonact_s * 1000, persistent=c.entry_persistent)
     put(conn, svc, replace(rec, active=rec.active + 1, changed_pc=max(rec.changed_pc, c.created_pc),
                            lifetime_ms=max(rec.lifetime_ms, c.lifetime_ms),

@@ -115,7 +115,7 @@ class Conversation:
         self.scope: Connection = qm.connect()
         self.sending: _Open | None = None
         self.receiving: _Open | None = None
-        self._known: dict[str, ctl.Service] = {}  # uow -> its service, for lookups by id
+        self._known: dict[str, ctl.Service] = {}  # uow -> its service, a hint for lookups by id (_remember)
         self._max_length = 0  # the current receive's bound (receive's max_length)
 
     # --- send -----------------------------------------------------------------------------------------------
@@ -135,6 +135,7 @@ class Conversation:
             return Sent("", "", 1, persistent, "")
         if option != SYNC:
             raise BadRequestError(f"send option must be SYNC or MSG, not {option!r}")
+        check_conversation_id(conversation)
         if self.sending is None:
             self.sending = self._create(svc, store=store, status_lifetime=status_lifetime, lifetime_s=lifetime_s,
                                         user_status=user_status, conversation=conversation)
@@ -189,7 +190,7 @@ class Conversation:
         except BaseException:
             conn.backout()
             raise
-        self._known[uow] = svc
+        self._remember(uow, svc)
         return _Open(svc, c)
 
     def _commit_sent(self, *, eoc: str = "") -> str:
@@ -294,7 +295,7 @@ class Conversation:
         except BaseException:
             conn.backout()
             raise
-        self._known[new.uow] = svc
+        self._remember(new.uow, svc)
         self.receiving = _Open(svc, new)
         try:
             return self._next_of(self.receiving)
@@ -639,8 +640,16 @@ class Conversation:
         found = ctl.find(self.qm, uow, self._known.get(uow), wait_s=wait_s)
         if found is None:
             raise UnknownUowError(f"unit of work {uow} is not known (never sent, or its status was not kept)")
-        self._known[uow] = found[0]
+        self._remember(uow, found[0])
         return found
+
+    def _remember(self, uow: str, svc: ctl.Service) -> None:
+        """The service of a UOW this session sent, received or named, newest KNOWN_MAX of them: only a hint
+        (ctl.find looks over every service without it), so a session that lives for millions of UOWs stays small."""
+        self._known.pop(uow, None)
+        self._known[uow] = svc
+        while len(self._known) > KNOWN_MAX:
+            del self._known[next(iter(self._known))]
 
     @staticmethod
     def _need(op: _Open | None, why: str) -> _Open:
@@ -671,7 +680,20 @@ class Conversation:
         return bytes(value)
 
 
+KNOWN_MAX = 1024  # the UOW -> service hints a session keeps (Conversation._remember)
 MAX_CONVID = 64  # a conversation id a sender chooses (sqm.conversations.ops)
+
+
+def check_conversation_id(conversation: str) -> str:
+    """A sender's conversation id ("" for a new one): one RECEIVE can name by CONVID, so 1-64 printable characters
+    and none of CONVID's keywords (NEW, OLD, ANY)."""
+    if conversation == "":
+        return conversation
+    if (not isinstance(conversation, str) or len(conversation) > MAX_CONVID or not conversation.isprintable()
+            or conversation in (NEW, OLD, ANY)):
+        raise BadRequestError(f"send: a conversation id must be 1-{MAX_CONVID} printable characters other than "
+                              f"{NEW}, {OLD} and {ANY}, not {conversation!r}")
+    return conversation
 
 
 def check_convid(convid: str) -> str:
@@ -715,5 +737,5 @@ def settle_orphan(qm: Member, svc: ctl.Service, uow: str, owner: str, *, gone: b
 
 
 __all__ = ["Conversation", "Sent", "Received", "SYNC", "MSG", "ANY", "NEW", "OLD", "BOTH", "OPTIONS", "check_convid",
-           "settle_orphan",
+           "check_conversation_id", "settle_orphan",
            "move_to_backout_queue"]

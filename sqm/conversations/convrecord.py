@@ -15,6 +15,8 @@ The rules, as the seed gives them:
   recovery of it, a CF loss; and, alike, the receiver's own BACKOUT or postponement) the binding is dropped: the
   conversation is new again; once the bound receiver settled its first UOW (COMMIT or CANCEL) the binding is kept
   through every restart;
+* a conversation is its sender's (user id and token): another sender naming its id is refused, so it can neither
+  slip a UOW to the bound server instance nor end the conversation;
 * EOC and EOCCANCEL end the conversation: a later send on it is refused while the record lasts;
 * a record with no active UOW for the service's CONV-NONACT (on the pseudo-clock) is removed: the conversation is
   over, and its id may begin a new one.
@@ -25,6 +27,7 @@ This module is pure: the records and their rules; sqm.conversations.bindings mov
 from __future__ import annotations
 
 import hashlib
+import hmac
 from dataclasses import asdict, dataclass, replace
 
 import msgpack
@@ -38,6 +41,8 @@ NEW, OLD, ANY = "NEW", "OLD", "ANY"  # RECEIVE's CONVID: unbound conversations, 
 class ConvRecord:
     conversation: str
     service: str
+    sender: str = ""  # the user id that began it ("" a record made before senders were kept: anyone's)
+    sender_token: str = ""  # its token, sealed: only that sender may add a UOW to it or end it
     receiver: str = ""  # the bound server instance's user id ("" unbound: a new conversation)
     receiver_token: str = ""  # its token, sealed (sqm.core.logon_token)
     first: str = ""  # the UOW whose receive bound it
@@ -71,6 +76,13 @@ def idle(rec: ConvRecord, pc: int) -> bool:
         return False
     quiet = pc - rec.changed_pc
     return (rec.active <= 0 and quiet >= rec.nonact_ms) or quiet >= rec.lifetime_ms
+
+
+def owned_by(rec: ConvRecord, sender: str, sender_token: str) -> bool:
+    """Whether the sender (user id, sealed token) may add to the conversation: the one that began it."""
+    if not rec.sender:
+        return True
+    return rec.sender == sender and hmac.compare_digest(rec.sender_token, sender_token)
 
 
 def counted(rec: ConvRecord, was_active: bool, is_active: bool) -> ConvRecord:
@@ -114,4 +126,4 @@ def after_restart(rec: ConvRecord) -> ConvRecord:
 
 
 __all__ = ["ANY", "NEW", "OLD", "RECORD_CID_HEX", "RECORD_LETTER", "RETURNED", "SETTLED", "ConvRecord",
-           "after_delivered", "after_restart", "bind", "counted", "idle", "record_id"]
+           "after_delivered", "after_restart", "bind", "counted", "idle", "owned_by", "record_id"]
