@@ -36,7 +36,6 @@ from sqm.core.clock import LrsnClock, now_ms
 from sqm.core.config import QueueManagerConfig
 from sqm.core.failpoints import failpoint
 from sqm.core.messaging import UnitOfWorkScope
-from sqm.core.outcomes import PutRefusedError
 from sqm.core.records import INDOUBT, INFLIGHT, Record
 from sqm.core.uow import UnitOfWork
 from sqm.request_slots import nap
@@ -55,8 +54,6 @@ class QueueManagerPort(Protocol):
     def clock(self) -> LrsnClock: ...
     @property
     def counters(self) -> dict[str, int]: ...
-    @property
-    def known_gens(self) -> dict[str, int]: ...
     @property
     def uows(self) -> dict[str, UnitOfWork]: ...
     @property
@@ -230,13 +227,10 @@ class Connection(UnitOfWorkScope):
                 raise
             return
         # A persistent put outside syncpoint is a unit of work of its own, so that every retry, peer recovery and
-        # restore treats it like any UOW: its PUT and forced COMMIT logged first, then one CF call that puts and
-        # commits (put_committed.lua, which keeps a tombstone so that a redo from the log cannot bring back the
-        # message once consumed). Where the member does not know the structure's generation yet (its records must
-        # name it), or the structure was restored since, the put goes to the CF first and is committed after.
-        gen = qm.known_gens.get(sname, 0)
-        if gen and self._put_committed(sname, gen, entry, body):
-            return
+        # restore treats it like any UOW: the put goes to the CF first (put.lua: refused there, with nothing logged,
+        # when the structure is not ACTIVE, full or its persistent store disconnected), then its PUT and forced
+        # COMMIT are logged and the commit applied. The member does not make the put committed in one CF operation
+        # (put_committed.lua): see docs/cf-layout.md, "put_committed.lua is not used by members".
         own = qm.new_uow()
         try:
             self._put_entry(sname, entry, body, own)
@@ -247,32 +241,6 @@ class Connection(UnitOfWorkScope):
                 qm.forget(own)
             raise
         qm.complete(own, True, pstore_checked=True)  # put.lua refused it if the store was disconnected
-        qm.known_gens[sname] = own.structures.get(sname, 0)
-
-    def _put_committed(self, sname: str, gen: int, entry: Entry, body: bytes) -> bool:
-        """A persistent put outside syncpoint in one CF call after its records (Outcomes._redo_puts makes it). A
-        refusal of it is logged as a BACKOUT (a COMMIT followed by a BACKOUT is a commit the CF refused) and
-        raised; False when the structure was restored since (its generation is not ``gen``): logged backed out,
-        the put is to be made again the other way."""
-        qm = self.qm
-        own = qm.new_uow()
-        own.structures[sname] = gen
-        own.persistent = True
-        own.operations = 1
-        own.may_refuse = True
-        put_lrsn = qm.clock.now()
-        wire = entry.wire()
-        own.redo.append([sname, wire, body, put_lrsn])
-        qm.append(records.put(own.id, put_lrsn, structure=sname, gen=gen, entry=wire, data=body, redo=True))
-        try:
-            qm.complete(own, True, pstore_checked=True)  # put_committed.lua checks the persistent store
-        except BackedOutError:
-            qm.known_gens.pop(sname, None)
-            return False
-        except PutRefusedError as refused:  # the CF never had it
-            qm.complete(own, False, reason=f"the CF refused the put: {refused.error}")
-            raise refused.error from None
-        return True
 
     # --- get ----------------------------------------------------------------------------------------------
     def get(self, queue: str, *, syncpoint: bool = True, wait_ms: int = 0, msgid: bytes | None = None,

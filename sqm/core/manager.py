@@ -2,8 +2,8 @@
 
 Puts and gets inside a UOW run on the CF first and are then logged (not forced) with the LRSN the CF script
 returned. Commit and backout are logged and forced first (the log decides the outcome), then applied on the CF.
-A persistent put outside syncpoint is a UOW of its own (its PUT and a forced COMMIT logged first, then one CF call:
-put_committed). Non-persistent work is never logged. The application's handle (MQCONN) is
+A persistent put outside syncpoint is a UOW of its own (put on the CF, then its PUT and a forced COMMIT logged, then
+committed). Non-persistent work is never logged. The application's handle (MQCONN) is
 sqm.core.connection.Connection.
 """
 
@@ -88,9 +88,6 @@ class QueueManager(Outcomes, LogSpace):
         self.uow_lock = threading.RLock()
         self.pending: dict[str, Callable[[], None]] = {}  # durable work the CF has not seen yet, retried
         self._ended_fused: dict[str, list[str]] = {}  # Outcomes: tombstones the CF may drop
-        # The generation of each structure, as this member's last persistent put outside syncpoint there learnt it:
-        # a put committed in one CF operation names it in its records (Connection._put_committed).
-        self.known_gens: dict[str, int] = {}
         self._refused_retries: set[str] = set()  # pending UOWs whose retry was refused (warned once: retry_pending)
         self.fenced = False
         self.log_failed = ""  # why the log cannot be written, once it cannot

@@ -19,7 +19,8 @@ Records are msgpack maps with short keys (the on-disk format; old logs must keep
   b backup id   rf replay from (LRSN)   fl recovery floor (LRSN)   el end LRSN (a backup's, BACKUP)
   bk {structure: {b, l, rf}} (checkpoint: the last BACKUP record of each structure, carried forward)
   c 1: a PUT of a put committed in one CF operation (logged before the CF call, with its COMMIT: restart and
-    peer recovery redo the put from the record when the UOW has no END)
+    peer recovery redo the put from the record when the UOW has no END); members do not write it
+    (docs/cf-layout.md, "put_committed.lua is not used by members"), logs that hold it are recovered
 """
 
 from __future__ import annotations

@@ -398,7 +398,7 @@ def _real_history(redis_url: str, root: Path, seed: int) -> tuple[Backup, list[P
     def work(qm: Any, rnd: random.Random) -> None:
         conn = qm.connect()
         while not stop.is_set():
-            if rnd.random() < 0.3:  # outside syncpoint: after the first, a put committed in one CF call
+            if rnd.random() < 0.3:  # outside syncpoint: a UOW of its own
                 conn.put(rnd.choice(("Q1", "Q2")), os.urandom(20), syncpoint=False)
             for _ in range(rnd.randint(1, 4)):
                 conn.put(rnd.choice(("Q1", "Q2")), os.urandom(20), priority=rnd.randint(0, 3))

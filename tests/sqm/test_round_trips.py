@@ -42,15 +42,18 @@ def group(redis_factory: Callable[..., EmbeddedRedis], tmp_path: Path) -> tuple[
 
 def test_outside_syncpoint_a_put_and_a_get_are_two_scripts_and_one_forced_write_each(
         group: tuple[redis.Redis, QueueManager]) -> None:
+    """A persistent put outside syncpoint goes to the CF first, then its commit (put.lua, commit.lua: members do
+    not use put_committed.lua, docs/cf-layout.md); a get likewise (get.lua, commit.lua). No standing.lua: each
+    script checked the persistent store just now."""
     client, qm = group
     c = qm.connect()
-    for _ in range(2):  # the first learns the structure's generation (put.lua, commit.lua), the second loads
-        c.put("Q1", b"warm", syncpoint=False)  # put_committed.lua
+    for _ in range(2):  # the scripts load
+        c.put("Q1", b"warm", syncpoint=False)
         c.get("Q1", syncpoint=False)
     before, forced = _scripts(client), _fsyncs(qm)
     for i in range(10):
         c.put("Q1", b"m%d" % i, syncpoint=False)
-    assert (_scripts(client) - before, _fsyncs(qm) - forced) == (10, 10)  # put_committed.lua each
+    assert (_scripts(client) - before, _fsyncs(qm) - forced) == (20, 10)  # put.lua + commit.lua each
     before, forced = _scripts(client), _fsyncs(qm)
     assert [c.get("Q1", syncpoint=False).body for _ in range(10)] == [b"m%d" % i for i in range(10)]
     assert (_scripts(client) - before, _fsyncs(qm) - forced) == (20, 10)  # get.lua + commit.lua each
@@ -70,9 +73,8 @@ def test_under_syncpoint_the_commit_asks_standing_first(group: tuple[redis.Redis
 
 
 def test_outside_syncpoint_a_disconnected_store_still_refuses(group: tuple[redis.Redis, QueueManager]) -> None:
-    """A get is refused before anything is logged. A put committed in one CF operation is logged first: refused, its
-    UOW is logged backed out (a COMMIT followed by a BACKOUT is a commit the CF refused), and no retry, restart or
-    restore brings it in; the first put (which learns the structure's generation) is refused before any record."""
+    """A put and a get outside syncpoint are refused by their own script before anything is logged: no record, so
+    no retry, restart or restore brings the put in; a later put and get, once the store is back, work."""
     client, qm = group
     c = qm.connect()
     CF(client).structure("APP1").pstore("disconnect")
@@ -88,14 +90,11 @@ def test_outside_syncpoint_a_disconnected_store_still_refuses(group: tuple[redis
         c.put("Q1", b"refused", syncpoint=False)
     with pytest.raises(PstoreUnavailableError):
         c.get("Q1", syncpoint=False)
-    assert _fsyncs(qm) == forced + 2  # the put's COMMIT, then its BACKOUT; nothing for the get
+    assert _fsyncs(qm) == forced  # nothing logged for either
     assert qm.uows == {} and qm.pending == {}  # nothing left to complete
     assert qm.log is not None
-    decisions = {}
-    for _, r in qm.log.records():
-        if r["k"] in ("COMMIT", "BACKOUT"):
-            decisions[r["u"]] = r["k"]
-    assert list(decisions.values()).count("BACKOUT") == 1
+    assert [r["d"] for _, r in qm.log.records() if r["k"] == "PUT"] == [b"kept"]
+    assert not [r for _, r in qm.log.records() if r["k"] == "BACKOUT"]
     CF(client).structure("APP1").pstore("connect")
     assert c.get("Q1", syncpoint=False).body == b"kept"
     with pytest.raises(NoMessageError):
