@@ -12,14 +12,49 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from sqm import operations
 from sqm.operations import OPERATOR_ONLY, Operation
 from sqm.service.queue_activity import QueueActivity
 
-if TYPE_CHECKING:  # the session module reads the table of operations, which holds this module's row
-    from sqm.service.session import Session
+
+class Session(Protocol):
+    """What DISPLAY CONN reads of a connection (sqm.service.session.Session, which itself reads the table of
+    operations holding this module's row: a Protocol keeps the two modules out of an import circle)."""
+
+    @property
+    def conn(self) -> Any: ...  # sqm.core.connection.Connection, or None before its first queue request
+
+    @property
+    def conversation(self) -> Any: ...  # sqm.conversations.conversation.Conversation, or None before a logon
+
+    @property
+    def number(self) -> int: ...
+
+    @property
+    def client_name(self) -> str: ...
+
+    @property
+    def role(self) -> str | None: ...
+
+    @property
+    def peer(self) -> str: ...
+
+    @property
+    def tls(self) -> bool: ...
+
+    @property
+    def connected(self) -> float: ...
+
+    @property
+    def last_request(self) -> float: ...
+
+    @property
+    def served(self) -> int: ...
+
+    @property
+    def queues(self) -> set[str]: ...
 
 
 class Service(operations.Service, Protocol):

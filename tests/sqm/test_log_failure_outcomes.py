@@ -86,23 +86,3 @@ def test_a_put_applied_on_the_cf_is_acknowledged_when_its_end_cannot_be_written(
         assert all_bodies(qm).count(b"applied") == 1  # the restart completes it again from its COMMIT, once
     finally:
         qm.stop()
-
-
-def test_a_fused_put_the_cf_refused_is_of_unknown_outcome_when_its_backout_cannot_be_written(
-        redis_url: str, log_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Its COMMIT is on disk (the CF refused the put after it: the queue is full), and the BACKOUT that says so
-    cannot be written: the restart reads a COMMIT with no BACKOUT and redoes the put. Told 'queue full' or 'refused',
-    the application would have a refused put delivered: its outcome is unknown."""
-    from cfemu import keys
-    qm = start_qm(redis_url, log_root, "QM1", background=False)
-    try:
-        warm(qm)
-        qm.redis.hset(keys.meta("APP1"), mapping={"max_entries": 1})
-        conn = qm.connect()
-        conn.put("Q1", b"fits", syncpoint=False)
-        fail_writes_of(monkeypatch, b"BACKOUT")
-        with pytest.raises(OutcomeUnknownError, match="may have reached the disk"):
-            conn.put("Q1", b"full", syncpoint=False)
-        assert all_bodies(qm) == [b"fits"]
-    finally:
-        crash(qm)
