@@ -45,6 +45,12 @@ from cfemu.private_files import open_private, private_dir
 
 log = logging.getLogger("backup.files")
 
+_frames: Any
+try:
+    from backup import _frames  # type: ignore[attr-defined,no-redef]
+except ImportError:  # installed where no C compiler was (the extension is optional): add_raw frames in Python
+    _frames = None
+
 FORMAT_VERSION = 2  # the manifest's: signed with the group's backup key
 UNSIGNED_FORMAT = 1  # a manifest from before signing: an unkeyed checksum only (read with accept_unsigned)
 ENTRY_FILE_VERSION = 1
@@ -300,12 +306,19 @@ class BackupWriter:
         """Copied entries whose descriptors are the CF's msgpack bytes (a wire-form map, docs/backup-format.md):
         each a frame [step, descriptor, data], the descriptor's bytes written as they are (no decode, no
         re-pack). The same frames as add. A batch that fits in the current file and in a few write chunks is
-        framed as a whole, each step one map over the batch in C (a loop of Python a frame had cost a backup, and
-        a restore's point, about a third more); any other, frame by frame."""
+        framed as a whole: by backup._frames (C, no Python object an entry) where it was built, else each step
+        one map over the batch in C (a loop of Python a frame had cost a backup, and a restore's point, about a
+        third more); any other, frame by frame."""
         batch = copies if isinstance(copies, list) else list(copies)
         if not batch:
             return
         head = b"\x93" + _STEP_HEAD[step]
+        if _frames is not None and self._file is not None:
+            # The same frames, framed in C (backup/_frames.c); -1: the batch does not fit, framed one by one below.
+            added = _frames.append(self._buf, head, batch, min(self.roll_bytes - self._size, _WHOLE_BATCH_BYTES))
+            if added >= 0:
+                self._added_whole(added, len(batch))
+                return
         descs, datas = zip(*batch)
         sizes = list(map(len, datas))
         prefixes: list[bytes] = cast(list[bytes], list(
@@ -322,8 +335,12 @@ class BackupWriter:
         frames[1::3] = prefixes
         frames[2::3] = datas
         self._buf += b"".join(frames)
-        self._size += total
-        self._frames += len(lengths)
+        self._added_whole(total, len(lengths))
+
+    def _added_whole(self, size: int, frames: int) -> None:
+        """A whole batch's frames are in the buffer: count them, and hand the buffer over when it is a chunk."""
+        self._size += size
+        self._frames += frames
         if len(self._buf) >= _WRITE_CHUNK:
             self._flush_buffer()
 

@@ -22,54 +22,7 @@
 
 enum { STOP_END = 0, STOP_FRAME = 1, STOP_BODY = 2 };
 
-/* ------------------------------------------------------------------------------------------------ CRC32C */
-static uint32_t crc_table[8][256];
-
-static void crc_init(void) {
-    for (uint32_t n = 0; n < 256; n++) {
-        uint32_t c = n;
-        for (int k = 0; k < 8; k++) c = c & 1 ? (c >> 1) ^ 0x82F63B78u : c >> 1;
-        crc_table[0][n] = c;
-    }
-    for (uint32_t n = 0; n < 256; n++)
-        for (int t = 1; t < 8; t++) crc_table[t][n] = (crc_table[t - 1][n] >> 8) ^ crc_table[0][crc_table[t - 1][n] & 0xff];
-}
-
-static uint32_t crc_soft(const uint8_t *p, size_t n) {
-    uint32_t c = 0xFFFFFFFFu;
-    while (n >= 8) {
-        uint64_t w;
-        memcpy(&w, p, 8);
-        w ^= c;
-        c = crc_table[7][w & 0xff] ^ crc_table[6][(w >> 8) & 0xff] ^ crc_table[5][(w >> 16) & 0xff] ^
-            crc_table[4][(w >> 24) & 0xff] ^ crc_table[3][(w >> 32) & 0xff] ^ crc_table[2][(w >> 40) & 0xff] ^
-            crc_table[1][(w >> 48) & 0xff] ^ crc_table[0][w >> 56];
-        p += 8;
-        n -= 8;
-    }
-    while (n--) c = (c >> 8) ^ crc_table[0][(c ^ *p++) & 0xff];
-    return c ^ 0xFFFFFFFFu;
-}
-
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-__attribute__((target("sse4.2"))) static uint32_t crc_hw(const uint8_t *p, size_t n) {
-    uint64_t c = 0xFFFFFFFFu;
-    while (n >= 8) {
-        uint64_t w;
-        memcpy(&w, p, 8);
-        c = __builtin_ia32_crc32di(c, w);
-        p += 8;
-        n -= 8;
-    }
-    uint32_t c32 = (uint32_t)c;
-    while (n--) c32 = __builtin_ia32_crc32qi(c32, *p++);
-    return c32 ^ 0xFFFFFFFFu;
-}
-static int have_hw;
-static uint32_t crc32c(const uint8_t *p, size_t n) { return have_hw ? crc_hw(p, n) : crc_soft(p, n); }
-#else
-static uint32_t crc32c(const uint8_t *p, size_t n) { return crc_soft(p, n); }
-#endif
+#include "crc32c.h" /* native/: shared with backup._frames */
 
 /* ------------------------------------------------------------------------------------------------ columns */
 typedef struct {
@@ -751,10 +704,6 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_columns", NULL, -1, methods, NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__columns(void) {
-    crc_init();
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-    __builtin_cpu_init();
-    have_hw = __builtin_cpu_supports("sse4.2");
-#endif
+    crc32c_init();
     return PyModule_Create(&module);
 }
