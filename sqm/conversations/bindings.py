@@ -27,10 +27,11 @@ from sqm.conversations.convrecord import (
     bind,
     counted,
     idle,
+    idle_unless_held_open,
     owned_by,
     record_id,
 )
-from sqm.conversations.uowstatus import ACCEPTED, ACTIVE, DELIVERED, Control
+from sqm.conversations.uowstatus import ACCEPTED, ACTIVE, DELIVERED, RECEIVED, Control
 from sqm.core import logon_token
 from sqm.core.cfcall import CFCaller
 from sqm.core.connection import Connection
@@ -38,9 +39,13 @@ from sqm.core.member import Member
 from sqm.request_slots import nap
 
 RECORD_WAIT_S = 1.0  # how long a change waits for a record another short unit of work holds (a few CF round trips)
-# A receive reads this many ACCEPTED controls first (most receives take one of the first few), and as many as
-# uowcontrols.PEEK_LIMIT only when none of those is this receiver's to take.
+# A receive reads this many ACCEPTED controls first (most receives take one of the first few), then uowcontrols.
+# PEEK_LIMIT, then twice as many each time none of those is this receiver's to take, up to WIDEST_LOOK times
+# PEEK_LIMIT: UOWs of conversations bound to an instance that is not there (seed 003: bound to the fifth instance,
+# three restarted) wait for it until they time out, and must not hide the rest of the service from every other
+# instance. Each read is one snapshot in get order, so a conversation's UOWs are still taken in order.
 FIRST_LOOK = 32
+WIDEST_LOOK = 16
 
 
 def peek(qm: CFCaller, svc: ctl.Service, conversation: str) -> tuple[ConvRecord | None, bool]:
@@ -99,11 +104,26 @@ def open_for_send(conn: Connection, svc: ctl.Service, c: Control, *, new: bool =
                            persistent=rec.persistent or c.entry_persistent))
 
 
-def end(conn: Connection, svc: ctl.Service, conversation: str, eoc: str, pc: int, *, wait_s: float) -> None:
-    """The sender's EOC or EOCCANCEL (in its commit's unit of work): no further send on the conversation."""
+def commit_send(conn: Connection, svc: ctl.Service, conversation: str, eoc: str, pc: int, *, wait_s: float) -> None:
+    """The sender's COMMIT, EOC or EOCCANCEL of a UOW of the conversation (in its commit's unit of work, which holds
+    the record, so that it and an EOC serialize): refused when the conversation was ended, so that no UOW of it is
+    delivered after the one that ended it; EOC and EOCCANCEL end it (no further send on it)."""
+    if not conversation:
+        return
+    found, _ = peek(conn.qm, svc, conversation)
+    if found is not None and found.eoc:  # refused before the record is held: it stays free for everyone else
+        raise _ended(svc, conversation, found.eoc)
     rec = take(conn, svc, conversation, wait_s=wait_s)
-    if rec is not None:
-        put(conn, svc, replace(rec, eoc=eoc, changed_pc=max(pc, rec.changed_pc)))
+    if rec is None:
+        return
+    if rec.eoc:
+        raise _ended(svc, conversation, rec.eoc)
+    put(conn, svc, replace(rec, eoc=eoc, changed_pc=max(pc, rec.changed_pc)) if eoc else rec)
+
+
+def _ended(svc: ctl.Service, conversation: str, eoc: str) -> UowStatusError:
+    return UowStatusError(f"conversation {conversation} of service {svc.name} was ended by {eoc}: "
+                          "back out this unit of work")
 
 
 def follow(conn: Connection, svc: ctl.Service, old: Control, new: Control | None, how: str) -> None:
@@ -150,20 +170,29 @@ def take_next(qm: Member, conn: Connection, svc: ctl.Service, mode: str, user: s
               pc: int) -> Control | None:
     """The next ACCEPTED UOW this receiver may take with CONVID ``mode``, taken under ``conn``'s unit of work with its
     conversation's record bound to the receiver (the caller makes the UOW DELIVERED and commits); None when there is
-    none. Candidates are read in get order (priority, then commit order), FIRST_LOOK of them, then PEEK_LIMIT; the
+    none. Candidates are read in get order (priority, then commit order), in widening windows (FIRST_LOOK); the
     first UOW of a conversation that another receiver holds or races for makes the whole conversation wait, so that
     its UOWs stay in order."""
-    for limit in (FIRST_LOOK, ctl.PEEK_LIMIT):
+    looked: dict[str, tuple[ConvRecord | None, bool]] = {}  # each conversation's record, read once per receive
+    for limit in _windows():
         candidates = ctl.peek_status(qm, svc, ACCEPTED, limit)
-        got = _first_takeable(qm, conn, svc, candidates, mode, user, token, sealed, pc)
+        got = _first_takeable(qm, conn, svc, candidates, mode, user, token, sealed, pc, looked)
         if got is not None or len(candidates) < limit:
             return got
     return None
 
 
+def _windows() -> Iterator[int]:
+    yield FIRST_LOOK
+    limit = ctl.PEEK_LIMIT
+    while limit <= WIDEST_LOOK * ctl.PEEK_LIMIT:
+        yield limit
+        limit *= 2
+
+
 def _first_takeable(qm: Member, conn: Connection, svc: ctl.Service, candidates: list[Control], mode: str,
-                    user: str, token: str, sealed: str, pc: int) -> Control | None:
-    looked: dict[str, tuple[ConvRecord | None, bool]] = {}  # each conversation's record, read once per receive
+                    user: str, token: str, sealed: str, pc: int,
+                    looked: dict[str, tuple[ConvRecord | None, bool]]) -> Control | None:
     for want in _passes(mode):
         rule = want if want in (NEW, OLD) else ""
         passed: set[str] = set()  # conversations not for this receiver, or busy
@@ -210,6 +239,7 @@ def expire_idle(qm: Member, svc: ctl.Service, pc: int, cursor: str = "0", count:
     nxt, found = qm.cf_call(lambda: qm.structure(svc.structure).peek_scan(svc.control, "c", RECORD_CID_HEX, cursor,
                                                                           count))
     ended = 0
+    held_open: set[str] | None = None  # conversations with a UOW its sender holds open: read once, when needed
     for _, data in found:
         try:
             seen = ConvRecord.unpack(data)
@@ -217,10 +247,15 @@ def expire_idle(qm: Member, svc: ctl.Service, pc: int, cursor: str = "0", count:
             continue
         if not idle(seen, pc):
             continue
+        if idle_unless_held_open(seen, pc):
+            if held_open is None:
+                held_open = {c.conversation for c in ctl.scan_all(qm, svc, RECEIVED) if c.conversation}
+            if seen.conversation in held_open:
+                continue
         conn = qm.connect()
         try:
             rec = take(conn, svc, seen.conversation, wait_s=0.0)
-            if rec is None or not idle(rec, pc):
+            if rec is None or not idle(rec, pc, held_open=seen.conversation in (held_open or ())):
                 conn.backout()
                 continue
             conn.commit()
@@ -235,5 +270,5 @@ def expire_idle(qm: Member, svc: ctl.Service, pc: int, cursor: str = "0", count:
 
 ctl.FOLLOWERS.append(follow)
 
-__all__ = ["ANY", "NEW", "OLD", "RETURNED", "SETTLED", "end", "expire_idle", "follow", "open_for_send", "peek", "take",
+__all__ = ["ANY", "NEW", "OLD", "RETURNED", "SETTLED", "commit_send", "expire_idle", "follow", "open_for_send", "peek", "take",
            "take_next"]

@@ -223,10 +223,9 @@ class Conversation:
             to = transition(SENDER, event, old.status)
             return replace(op.control, status=to, owner="", changed_pc=pc, committed_ms=now_ms(), eoc=eoc,
                            user_status=old.user_status)
+        bindings.commit_send(self.scope, op.svc, op.control.conversation, eoc, pc, wait_s=ctl.wait_left(deadline))
         ctl.replace(self.qm, op.svc, op.control.uow, self._refusing(accept), conn=self.scope,
                     wait_s=ctl.wait_left(deadline))
-        if eoc:
-            bindings.end(self.scope, op.svc, op.control.conversation, eoc, pc, wait_s=ctl.wait_left(deadline))
 
     # --- receive --------------------------------------------------------------------------------------------
     def receive(self, service: str, *, option: str = ANY, wait_ms: int = 0, max_length: int = 0,
