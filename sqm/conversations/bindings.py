@@ -8,11 +8,12 @@ time, in commit order."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from dataclasses import replace
 
-from cfemu.errors import NoMessageError, UowStatusError
+from cfemu.errors import MQError, NoMessageError, UowStatusError
 from sqm.conversations import uowcontrols as ctl
 from sqm.conversations.convrecord import (
     ANY,
@@ -38,6 +39,11 @@ from sqm.core.connection import Connection
 from sqm.core.member import Member
 from sqm.request_slots import nap
 
+log = logging.getLogger(__name__)
+
+# How long a first send's lock on its conversation's record lasts (renewed by nobody): far above the few CF round
+# trips of the unit of work that makes the record, so that only a send whose member died lets it lapse.
+FIRST_LOCK_MS = 30_000
 RECORD_WAIT_S = 1.0  # how long a change waits for a record another short unit of work holds (a few CF round trips)
 # A receive reads this many ACCEPTED controls first (most receives take one of the first few), then uowcontrols.
 # PEEK_LIMIT, then twice as many each time none of those is this receiver's to take, up to WIDEST_LOOK times
@@ -84,11 +90,28 @@ def put(conn: Connection, svc: ctl.Service, rec: ConvRecord) -> None:
              msgid=record_id(rec.conversation), correlid=RECORD_LETTER.encode(), counted=False)
 
 
-def open_for_send(conn: Connection, svc: ctl.Service, c: Control, *, new: bool = False) -> None:
+def open_for_send(qm: Member, conn: Connection, svc: ctl.Service, c: Control, *, new: bool = False) -> str:
     """A new UOW of conversation ``c.conversation`` (in its creation's unit of work): the conversation begins, or
-    goes on; one ended by EOC or EOCCANCEL, or another sender's, is refused. ``new``: its id was made just now (CID=NEW), so it has no
-    record to look for."""
+    goes on; one ended by EOC or EOCCANCEL, or another sender's, is refused. ``new``: its id was made just now
+    (CID=NEW), so it has no record to look for. Returns the holder of the conversation's first-record lock ("" none),
+    for the caller to release (release_first) once that unit of work is committed or backed out."""
     rec = None if new else take(conn, svc, c.conversation)
+    held = ""
+    try:
+        if rec is None and not new:
+            # An uncommitted put is invisible to another unit of work's get and peek: two first sends serialize on
+            # a CF lock, and the second finds the first's record once it is committed.
+            held = _lock_first(qm, svc, c)
+            if peek(qm, svc, c.conversation)[0] is not None:
+                rec = take(conn, svc, c.conversation)
+        _open(conn, svc, c, rec)
+    except BaseException:
+        release_first(qm, svc, c.conversation, held)
+        raise
+    return held
+
+
+def _open(conn: Connection, svc: ctl.Service, c: Control, rec: ConvRecord | None) -> None:
     if rec is not None and not owned_by(rec, c.sender, c.token):
         raise UowStatusError(f"conversation {c.conversation} of service {svc.name} is another sender's: "
                              "send without a conversation id to begin one of your own")
@@ -96,12 +119,41 @@ def open_for_send(conn: Connection, svc: ctl.Service, c: Control, *, new: bool =
         raise UowStatusError(f"conversation {c.conversation} of service {svc.name} was ended by {rec.eoc}: "
                              "send without a conversation id to begin a new one")
     if rec is None:
-        rec = ConvRecord(c.conversation, svc.name, sender=c.sender, sender_token=c.token, changed_pc=c.created_pc, lifetime_ms=c.lifetime_ms,
-                         nonact_ms=svc.attributes.conv_nonact_s * 1000, persistent=c.entry_persistent)
+        rec = ConvRecord(c.conversation, svc.name, sender=c.sender, sender_token=c.token, changed_pc=c.created_pc,
+                         lifetime_ms=c.lifetime_ms, nonact_ms=svc.attributes.conv_nonact_s * 1000,
+                         persistent=c.entry_persistent)
     put(conn, svc, replace(rec, active=rec.active + 1, changed_pc=max(rec.changed_pc, c.created_pc),
                            lifetime_ms=max(rec.lifetime_ms, c.lifetime_ms),
                            nonact_ms=svc.attributes.conv_nonact_s * 1000,
                            persistent=rec.persistent or c.entry_persistent))
+
+
+def _lock_first(qm: Member, svc: ctl.Service, c: Control) -> str:
+    """Take the conversation's first-record lock for this UOW, waiting (up to uowcontrols.HELD_WAIT_S) while another
+    first send holds it; still held then: UowStatusError, nothing done."""
+    record = record_id(c.conversation).hex()
+    deadline = time.monotonic() + ctl.HELD_WAIT_S
+    delay = 0.005
+    while not qm.cf_call(lambda: qm.admin.try_conversation_lock(svc.structure, svc.name, record, c.uow,
+                                                                FIRST_LOCK_MS)):
+        if time.monotonic() >= deadline:
+            raise UowStatusError(f"conversation {c.conversation} of service {svc.name} is being begun by another "
+                                 "send: try again")
+        nap(delay)
+        delay = min(delay * 2, 0.05)
+    return c.uow
+
+
+def release_first(qm: Member, svc: ctl.Service, conversation: str, holder: str) -> None:
+    """Release the first-record lock open_for_send returned (nothing for ""). One the CF could not release lapses
+    after FIRST_LOCK_MS."""
+    if not holder:
+        return
+    record = record_id(conversation).hex()
+    try:
+        qm.cf_call(lambda: qm.admin.release_conversation_lock(svc.structure, svc.name, record, holder))
+    except MQError as e:
+        log.warning("conversation %s of service %s: first-record lock left to lapse (%s)", conversation, svc.name, e)
 
 
 def commit_send(conn: Connection, svc: ctl.Service, conversation: str, eoc: str, pc: int, *, wait_s: float) -> None:
@@ -270,5 +322,5 @@ def expire_idle(qm: Member, svc: ctl.Service, pc: int, cursor: str = "0", count:
 
 ctl.FOLLOWERS.append(follow)
 
-__all__ = ["ANY", "NEW", "OLD", "RETURNED", "SETTLED", "commit_send", "expire_idle", "follow", "open_for_send", "peek", "take",
+__all__ = ["ANY", "NEW", "OLD", "RETURNED", "SETTLED", "commit_send", "expire_idle", "follow", "open_for_send", "release_first", "peek", "take",
            "take_next"]

@@ -181,15 +181,18 @@ class Conversation:
                     user_status=ustatus, home=self._incarnation(), owner=scope_uow.id,
                     conversation=conversation or os.urandom(8).hex())
         conn = self.qm.connect()
+        held = ""
         try:
             ctl.put_control(conn, svc, c)
-            bindings.open_for_send(conn, svc, c, new=not conversation)
+            held = bindings.open_for_send(self.qm, conn, svc, c, new=not conversation)
             ctl.set_last(conn, svc, self.user, self.sealed, uow, ctl.cf_now_ms(self.qm, svc.structure),
                          c.entry_persistent)
             conn.commit()
         except BaseException:
             conn.backout()
             raise
+        finally:
+            bindings.release_first(self.qm, svc, c.conversation, held)
         self._remember(uow, svc)
         return _Open(svc, c)
 

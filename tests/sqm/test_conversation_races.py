@@ -42,10 +42,6 @@ def records(qm: QueueManager, conversation: str) -> list[ConvRecord]:
     return [ConvRecord.unpack(data) for _, data in found]
 
 
-@pytest.mark.xfail(strict=True, reason="two first sends on one conversation id that race both find no record (an "
-                   "uncommitted put is invisible to the take's get and peek) and each puts one: two records of one "
-                   "conversation, each bound on its own, so its UOWs go to two server instances "
-                   "(sqm/conversations/bindings.py open_for_send; the CF has no put-if-absent by message id)")
 def test_two_first_sends_racing_on_one_conversation_id_make_one_record(
         qms: tuple[QueueManager, QueueManager], monkeypatch: pytest.MonkeyPatch) -> None:
     both_looked = threading.Barrier(2, timeout=30)
@@ -207,3 +203,18 @@ def test_a_record_idle_past_the_lifetime_of_its_uows_ends_unless_its_sender_hold
     unheld = ConvRecord("c", SVC, active=0, changed_pc=0, nonact_ms=500, lifetime_ms=1_000)
     assert idle(unheld, 600, held_open=True)  # no active UOW: CONV-NONACT ends it
     assert not idle_unless_held_open(unheld, 600)
+
+
+def test_a_first_send_that_finds_the_conversation_being_begun_past_its_wait_is_refused_and_changes_nothing(
+        qms: tuple[QueueManager, QueueManager], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ctl, "HELD_WAIT_S", 0.3)
+    svc = ctl.service(qms[0], SVC)
+    assert qms[0].admin.try_conversation_lock(svc.structure, SVC, record_id("shared").hex(), "another-send", 60_000)
+    alice = Conversation(qms[0], "alice", "tok-a")
+    with pytest.raises(UowStatusError, match="conversation shared of service SVC is being begun by another send"):
+        alice.send(SVC, b"T1", commit=True, conversation="shared")
+    assert records(qms[0], "shared") == []
+    assert ctl.peek_status(qms[0], svc, "RECEIVED") == []
+    assert qms[0].admin.release_conversation_lock(svc.structure, SVC, record_id("shared").hex(), "another-send")
+    alice.send(SVC, b"T1", commit=True, conversation="shared")  # the other send is over: this one begins it
+    assert len(records(qms[0], "shared")) == 1
