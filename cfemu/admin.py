@@ -368,6 +368,15 @@ class Admin:
     def release_recovery_lock(self, failed: str) -> None:
         self.redis.delete(keys.recovery_lock(failed))
 
+    # --- a conversation's first record (sqm.conversations.bindings) ---------------------------------------------
+    def try_conversation_lock(self, structure: str, service: str, record: str, holder: str, ttl_ms: int) -> bool:
+        """Take the lock of one conversation's first record (SET NX PX): False while another send holds it."""
+        return bool(self.redis.set(keys.conversation_lock(structure, service, record), holder, nx=True, px=ttl_ms))
+
+    def release_conversation_lock(self, structure: str, service: str, record: str, holder: str) -> bool:
+        """Release it, only if holder still holds it (never another send's, taken after this one's lapsed)."""
+        return self._run("hold_lock", [keys.conversation_lock(structure, service, record)], [holder, 0]) == 1
+
     # --- automatic structure recovery (RECAUTO; sqm.core.recauto) ----------------------------------------------
     def try_structure_recovery_lock(self, structure: str, holder: str, ttl_ms: int) -> bool:
         """Take the lock that makes one member the recoverer of a failed structure (SET NX PX). holder: the

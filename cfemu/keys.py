@@ -179,6 +179,12 @@ def recovery_lock(member: str) -> str:
     return f"{ADMIN}:recovering:{member}"
 
 
+def conversation_lock(structure: str, service: str, record: str) -> str:
+    """String with a TTL: the unit of work that makes the first record of one conversation of a service (``record``:
+    the record's message id, hex), so that two first sends on one conversation id make one record."""
+    return f"{ADMIN}:convlock:{structure}:{service}:{record}"
+
+
 def structure_recovery_lock(structure: str) -> str:
     """String with a TTL: the member recovering this failed structure automatically (RECAUTO), "member@epoch"."""
     return f"{ADMIN}:recauto:{structure}"

@@ -8,11 +8,12 @@ time, in commit order."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from dataclasses import replace
 
-from cfemu.errors import NoMessageError, UowStatusError
+from cfemu.errors import MQError, NoMessageError, UowStatusError
 from sqm.conversations import uowcontrols as ctl
 from sqm.conversations.convrecord import (
     ANY,
@@ -27,20 +28,30 @@ from sqm.conversations.convrecord import (
     bind,
     counted,
     idle,
+    idle_unless_held_open,
     owned_by,
     record_id,
 )
-from sqm.conversations.uowstatus import ACCEPTED, ACTIVE, DELIVERED, Control
+from sqm.conversations.uowstatus import ACCEPTED, ACTIVE, DELIVERED, RECEIVED, Control
 from sqm.core import logon_token
 from sqm.core.cfcall import CFCaller
 from sqm.core.connection import Connection
 from sqm.core.member import Member
 from sqm.request_slots import nap
 
+log = logging.getLogger(__name__)
+
+# How long a first send's lock on its conversation's record lasts (renewed by nobody): far above the few CF round
+# trips of the unit of work that makes the record, so that only a send whose member died lets it lapse.
+FIRST_LOCK_MS = 30_000
 RECORD_WAIT_S = 1.0  # how long a change waits for a record another short unit of work holds (a few CF round trips)
-# A receive reads this many ACCEPTED controls first (most receives take one of the first few), and as many as
-# uowcontrols.PEEK_LIMIT only when none of those is this receiver's to take.
+# A receive reads this many ACCEPTED controls first (most receives take one of the first few), then uowcontrols.
+# PEEK_LIMIT, then twice as many each time none of those is this receiver's to take, up to WIDEST_LOOK times
+# PEEK_LIMIT: UOWs of conversations bound to an instance that is not there (seed 003: bound to the fifth instance,
+# three restarted) wait for it until they time out, and must not hide the rest of the service from every other
+# instance. Each read is one snapshot in get order, so a conversation's UOWs are still taken in order.
 FIRST_LOOK = 32
+WIDEST_LOOK = 16
 
 
 def peek(qm: CFCaller, svc: ctl.Service, conversation: str) -> tuple[ConvRecord | None, bool]:
@@ -79,11 +90,28 @@ def put(conn: Connection, svc: ctl.Service, rec: ConvRecord) -> None:
              msgid=record_id(rec.conversation), correlid=RECORD_LETTER.encode(), counted=False)
 
 
-def open_for_send(conn: Connection, svc: ctl.Service, c: Control, *, new: bool = False) -> None:
+def open_for_send(qm: Member, conn: Connection, svc: ctl.Service, c: Control, *, new: bool = False) -> str:
     """A new UOW of conversation ``c.conversation`` (in its creation's unit of work): the conversation begins, or
-    goes on; one ended by EOC or EOCCANCEL, or another sender's, is refused. ``new``: its id was made just now (CID=NEW), so it has no
-    record to look for."""
+    goes on; one ended by EOC or EOCCANCEL, or another sender's, is refused. ``new``: its id was made just now
+    (CID=NEW), so it has no record to look for. Returns the holder of the conversation's first-record lock ("" none),
+    for the caller to release (release_first) once that unit of work is committed or backed out."""
     rec = None if new else take(conn, svc, c.conversation)
+    held = ""
+    try:
+        if rec is None and not new:
+            # An uncommitted put is invisible to another unit of work's get and peek: two first sends serialize on
+            # a CF lock, and the second finds the first's record once it is committed.
+            held = _lock_first(qm, svc, c)
+            if peek(qm, svc, c.conversation)[0] is not None:
+                rec = take(conn, svc, c.conversation)
+        _open(conn, svc, c, rec)
+    except BaseException:
+        release_first(qm, svc, c.conversation, held)
+        raise
+    return held
+
+
+def _open(conn: Connection, svc: ctl.Service, c: Control, rec: ConvRecord | None) -> None:
     if rec is not None and not owned_by(rec, c.sender, c.token):
         raise UowStatusError(f"conversation {c.conversation} of service {svc.name} is another sender's: "
                              "send without a conversation id to begin one of your own")
@@ -91,19 +119,63 @@ def open_for_send(conn: Connection, svc: ctl.Service, c: Control, *, new: bool =
         raise UowStatusError(f"conversation {c.conversation} of service {svc.name} was ended by {rec.eoc}: "
                              "send without a conversation id to begin a new one")
     if rec is None:
-        rec = ConvRecord(c.conversation, svc.name, sender=c.sender, sender_token=c.token, changed_pc=c.created_pc, lifetime_ms=c.lifetime_ms,
-                         nonact_ms=svc.attributes.conv_nonact_s * 1000, persistent=c.entry_persistent)
+        rec = ConvRecord(c.conversation, svc.name, sender=c.sender, sender_token=c.token, changed_pc=c.created_pc,
+                         lifetime_ms=c.lifetime_ms, nonact_ms=svc.attributes.conv_nonact_s * 1000,
+                         persistent=c.entry_persistent)
     put(conn, svc, replace(rec, active=rec.active + 1, changed_pc=max(rec.changed_pc, c.created_pc),
                            lifetime_ms=max(rec.lifetime_ms, c.lifetime_ms),
                            nonact_ms=svc.attributes.conv_nonact_s * 1000,
                            persistent=rec.persistent or c.entry_persistent))
 
 
-def end(conn: Connection, svc: ctl.Service, conversation: str, eoc: str, pc: int, *, wait_s: float) -> None:
-    """The sender's EOC or EOCCANCEL (in its commit's unit of work): no further send on the conversation."""
+def _lock_first(qm: Member, svc: ctl.Service, c: Control) -> str:
+    """Take the conversation's first-record lock for this UOW, waiting (up to uowcontrols.HELD_WAIT_S) while another
+    first send holds it; still held then: UowStatusError, nothing done."""
+    record = record_id(c.conversation).hex()
+    deadline = time.monotonic() + ctl.HELD_WAIT_S
+    delay = 0.005
+    while not qm.cf_call(lambda: qm.admin.try_conversation_lock(svc.structure, svc.name, record, c.uow,
+                                                                FIRST_LOCK_MS)):
+        if time.monotonic() >= deadline:
+            raise UowStatusError(f"conversation {c.conversation} of service {svc.name} is being begun by another "
+                                 "send: try again")
+        nap(delay)
+        delay = min(delay * 2, 0.05)
+    return c.uow
+
+
+def release_first(qm: Member, svc: ctl.Service, conversation: str, holder: str) -> None:
+    """Release the first-record lock open_for_send returned (nothing for ""). One the CF could not release lapses
+    after FIRST_LOCK_MS."""
+    if not holder:
+        return
+    record = record_id(conversation).hex()
+    try:
+        qm.cf_call(lambda: qm.admin.release_conversation_lock(svc.structure, svc.name, record, holder))
+    except MQError as e:
+        log.warning("conversation %s of service %s: first-record lock left to lapse (%s)", conversation, svc.name, e)
+
+
+def commit_send(conn: Connection, svc: ctl.Service, conversation: str, eoc: str, pc: int, *, wait_s: float) -> None:
+    """The sender's COMMIT, EOC or EOCCANCEL of a UOW of the conversation (in its commit's unit of work, which holds
+    the record, so that it and an EOC serialize): refused when the conversation was ended, so that no UOW of it is
+    delivered after the one that ended it; EOC and EOCCANCEL end it (no further send on it)."""
+    if not conversation:
+        return
+    found, _ = peek(conn.qm, svc, conversation)
+    if found is not None and found.eoc:  # refused before the record is held: it stays free for everyone else
+        raise _ended(svc, conversation, found.eoc)
     rec = take(conn, svc, conversation, wait_s=wait_s)
-    if rec is not None:
-        put(conn, svc, replace(rec, eoc=eoc, changed_pc=max(pc, rec.changed_pc)))
+    if rec is None:
+        return
+    if rec.eoc:
+        raise _ended(svc, conversation, rec.eoc)
+    put(conn, svc, replace(rec, eoc=eoc, changed_pc=max(pc, rec.changed_pc)) if eoc else rec)
+
+
+def _ended(svc: ctl.Service, conversation: str, eoc: str) -> UowStatusError:
+    return UowStatusError(f"conversation {conversation} of service {svc.name} was ended by {eoc}: "
+                          "back out this unit of work")
 
 
 def follow(conn: Connection, svc: ctl.Service, old: Control, new: Control | None, how: str) -> None:
@@ -150,20 +222,29 @@ def take_next(qm: Member, conn: Connection, svc: ctl.Service, mode: str, user: s
               pc: int) -> Control | None:
     """The next ACCEPTED UOW this receiver may take with CONVID ``mode``, taken under ``conn``'s unit of work with its
     conversation's record bound to the receiver (the caller makes the UOW DELIVERED and commits); None when there is
-    none. Candidates are read in get order (priority, then commit order), FIRST_LOOK of them, then PEEK_LIMIT; the
+    none. Candidates are read in get order (priority, then commit order), in widening windows (FIRST_LOOK); the
     first UOW of a conversation that another receiver holds or races for makes the whole conversation wait, so that
     its UOWs stay in order."""
-    for limit in (FIRST_LOOK, ctl.PEEK_LIMIT):
+    looked: dict[str, tuple[ConvRecord | None, bool]] = {}  # each conversation's record, read once per receive
+    for limit in _windows():
         candidates = ctl.peek_status(qm, svc, ACCEPTED, limit)
-        got = _first_takeable(qm, conn, svc, candidates, mode, user, token, sealed, pc)
+        got = _first_takeable(qm, conn, svc, candidates, mode, user, token, sealed, pc, looked)
         if got is not None or len(candidates) < limit:
             return got
     return None
 
 
+def _windows() -> Iterator[int]:
+    yield FIRST_LOOK
+    limit = ctl.PEEK_LIMIT
+    while limit <= WIDEST_LOOK * ctl.PEEK_LIMIT:
+        yield limit
+        limit *= 2
+
+
 def _first_takeable(qm: Member, conn: Connection, svc: ctl.Service, candidates: list[Control], mode: str,
-                    user: str, token: str, sealed: str, pc: int) -> Control | None:
-    looked: dict[str, tuple[ConvRecord | None, bool]] = {}  # each conversation's record, read once per receive
+                    user: str, token: str, sealed: str, pc: int,
+                    looked: dict[str, tuple[ConvRecord | None, bool]]) -> Control | None:
     for want in _passes(mode):
         rule = want if want in (NEW, OLD) else ""
         passed: set[str] = set()  # conversations not for this receiver, or busy
@@ -210,6 +291,7 @@ def expire_idle(qm: Member, svc: ctl.Service, pc: int, cursor: str = "0", count:
     nxt, found = qm.cf_call(lambda: qm.structure(svc.structure).peek_scan(svc.control, "c", RECORD_CID_HEX, cursor,
                                                                           count))
     ended = 0
+    held_open: set[str] | None = None  # conversations with a UOW its sender holds open: read once, when needed
     for _, data in found:
         try:
             seen = ConvRecord.unpack(data)
@@ -217,10 +299,15 @@ def expire_idle(qm: Member, svc: ctl.Service, pc: int, cursor: str = "0", count:
             continue
         if not idle(seen, pc):
             continue
+        if idle_unless_held_open(seen, pc):
+            if held_open is None:
+                held_open = {c.conversation for c in ctl.scan_all(qm, svc, RECEIVED) if c.conversation}
+            if seen.conversation in held_open:
+                continue
         conn = qm.connect()
         try:
             rec = take(conn, svc, seen.conversation, wait_s=0.0)
-            if rec is None or not idle(rec, pc):
+            if rec is None or not idle(rec, pc, held_open=seen.conversation in (held_open or ())):
                 conn.backout()
                 continue
             conn.commit()
@@ -235,5 +322,5 @@ def expire_idle(qm: Member, svc: ctl.Service, pc: int, cursor: str = "0", count:
 
 ctl.FOLLOWERS.append(follow)
 
-__all__ = ["ANY", "NEW", "OLD", "RETURNED", "SETTLED", "end", "expire_idle", "follow", "open_for_send", "peek", "take",
+__all__ = ["ANY", "NEW", "OLD", "RETURNED", "SETTLED", "commit_send", "expire_idle", "follow", "open_for_send", "release_first", "peek", "take",
            "take_next"]

@@ -181,15 +181,18 @@ class Conversation:
                     user_status=ustatus, home=self._incarnation(), owner=scope_uow.id,
                     conversation=conversation or os.urandom(8).hex())
         conn = self.qm.connect()
+        held = ""
         try:
             ctl.put_control(conn, svc, c)
-            bindings.open_for_send(conn, svc, c, new=not conversation)
+            held = bindings.open_for_send(self.qm, conn, svc, c, new=not conversation)
             ctl.set_last(conn, svc, self.user, self.sealed, uow, ctl.cf_now_ms(self.qm, svc.structure),
                          c.entry_persistent)
             conn.commit()
         except BaseException:
             conn.backout()
             raise
+        finally:
+            bindings.release_first(self.qm, svc, c.conversation, held)
         self._remember(uow, svc)
         return _Open(svc, c)
 
@@ -223,10 +226,9 @@ class Conversation:
             to = transition(SENDER, event, old.status)
             return replace(op.control, status=to, owner="", changed_pc=pc, committed_ms=now_ms(), eoc=eoc,
                            user_status=old.user_status)
+        bindings.commit_send(self.scope, op.svc, op.control.conversation, eoc, pc, wait_s=ctl.wait_left(deadline))
         ctl.replace(self.qm, op.svc, op.control.uow, self._refusing(accept), conn=self.scope,
                     wait_s=ctl.wait_left(deadline))
-        if eoc:
-            bindings.end(self.scope, op.svc, op.control.conversation, eoc, pc, wait_s=ctl.wait_left(deadline))
 
     # --- receive --------------------------------------------------------------------------------------------
     def receive(self, service: str, *, option: str = ANY, wait_ms: int = 0, max_length: int = 0,

@@ -68,14 +68,20 @@ class ConvRecord:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
 
-def idle(rec: ConvRecord, pc: int) -> bool:
+def idle(rec: ConvRecord, pc: int, *, held_open: bool = False) -> bool:
     """Whether the conversation is over at pseudo-clock ``pc``: nothing of it being delivered, and no active UOW for
     CONV-NONACT, or no change for the longest lifetime of its UOWs (its count can be high after a CF loss: the
-    restore fold drops UOWs one entry at a time, and does not count them off the record)."""
+    restore fold drops UOWs one entry at a time, and does not count them off the record) while its sender holds none
+    of its UOWs open (``held_open``: a RECEIVED UOW never times out, and once committed it must find its record)."""
     if rec.delivering:
         return False
     quiet = pc - rec.changed_pc
-    return (rec.active <= 0 and quiet >= rec.nonact_ms) or quiet >= rec.lifetime_ms
+    return (rec.active <= 0 and quiet >= rec.nonact_ms) or (quiet >= rec.lifetime_ms and not held_open)
+
+
+def idle_unless_held_open(rec: ConvRecord, pc: int) -> bool:
+    """Whether only a UOW its sender holds open can keep the conversation from being over (the costly check)."""
+    return idle(rec, pc) and not idle(rec, pc, held_open=True)
 
 
 def owned_by(rec: ConvRecord, sender: str, sender_token: str) -> bool:
@@ -126,4 +132,4 @@ def after_restart(rec: ConvRecord) -> ConvRecord:
 
 
 __all__ = ["ANY", "NEW", "OLD", "RECORD_CID_HEX", "RECORD_LETTER", "RETURNED", "SETTLED", "ConvRecord",
-           "after_delivered", "after_restart", "bind", "counted", "idle", "owned_by", "record_id"]
+           "after_delivered", "after_restart", "bind", "counted", "idle", "idle_unless_held_open", "owned_by", "record_id"]

@@ -1566,6 +1566,15 @@ class TestAdminHoldLock:
         assert not admin.release_structure_recovery_lock(S, "QM1@5")
         assert admin.structure_recovery_holder(S) == "QM2@7"
 
+    def test_a_conversation_lock_is_one_sends_and_released_by_it_only(self, admin: Admin) -> None:
+        assert admin.try_conversation_lock(S, "SVC", "ab12", "uow-1", 60_000)
+        assert not admin.try_conversation_lock(S, "SVC", "ab12", "uow-2", 60_000)  # one first send at a time
+        assert admin.try_conversation_lock(S, "SVC", "cd34", "uow-2", 60_000)  # another conversation's is apart
+        assert 0 < admin.redis.pttl(keys.conversation_lock(S, "SVC", "ab12")) <= 60_000  # lapses if never released
+        assert not admin.release_conversation_lock(S, "SVC", "ab12", "uow-2")  # not another's
+        assert admin.release_conversation_lock(S, "SVC", "ab12", "uow-1")
+        assert admin.try_conversation_lock(S, "SVC", "ab12", "uow-2", 60_000)
+
 
 class TestPstore:
     """The persistent store's availability (docs/pstore.md): disconnect / connect and the "no new units of work"

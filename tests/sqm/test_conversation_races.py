@@ -16,7 +16,7 @@ from cfemu.errors import NoMessageError, UowStatusError
 from sqm.conversations import bindings
 from sqm.conversations import uowcontrols as ctl
 from sqm.conversations.conversation import SYNC, Conversation
-from sqm.conversations.convrecord import ConvRecord, record_id
+from sqm.conversations.convrecord import ConvRecord, idle, idle_unless_held_open, record_id
 from sqm.conversations.uowsweeper import Sweeper
 from sqm.core.manager import QueueManager
 from tests.support.group import start_qm
@@ -42,10 +42,6 @@ def records(qm: QueueManager, conversation: str) -> list[ConvRecord]:
     return [ConvRecord.unpack(data) for _, data in found]
 
 
-@pytest.mark.xfail(strict=True, reason="two first sends on one conversation id that race both find no record (an "
-                   "uncommitted put is invisible to the take's get and peek) and each puts one: two records of one "
-                   "conversation, each bound on its own, so its UOWs go to two server instances "
-                   "(sqm/conversations/bindings.py open_for_send; the CF has no put-if-absent by message id)")
 def test_two_first_sends_racing_on_one_conversation_id_make_one_record(
         qms: tuple[QueueManager, QueueManager], monkeypatch: pytest.MonkeyPatch) -> None:
     both_looked = threading.Barrier(2, timeout=30)
@@ -118,10 +114,6 @@ def test_eoc_racing_a_send_on_the_conversation_lets_one_of_them_win(qms: tuple[Q
         alice2.send(SVC, b"after", conversation=conv)
 
 
-@pytest.mark.xfail(strict=True, reason="convrecord.idle ends a record with no change for the longest lifetime of its "
-                   "UOWs whatever its active count says (sqm/conversations/convrecord.py idle), but a UOW its sender "
-                   "holds open (RECEIVED) never times out: the record of a bound conversation is removed while active, "
-                   "and the UOW, once committed, is a recordless one any instance takes by NEW")
 def test_a_bound_conversation_whose_sender_holds_a_uow_open_past_its_lifetime_stays_bound(
         qms: tuple[QueueManager, QueueManager]) -> None:
     admin = Admin(connect(qms[0].config.redis_url))
@@ -143,9 +135,6 @@ def test_a_bound_conversation_whose_sender_holds_a_uow_open_past_its_lifetime_st
         y.receive("SHORT", option=SYNC, convid="NEW")  # T2 is x's conversation's
 
 
-@pytest.mark.xfail(strict=True, reason="a UOW of the conversation that another session of its sender opened before "
-                   "the EOC is still committed after it (Conversation._stage_sent does not look at the record): the "
-                   "bound server receives a UOW after the one that ended the conversation")
 def test_no_uow_of_a_conversation_is_delivered_after_its_eoc(qms: tuple[QueueManager, QueueManager]) -> None:
     alice1, alice2 = Conversation(qms[0], "alice", "tok-a"), Conversation(qms[1], "alice", "tok-a")
     x = Conversation(qms[1], "server", "instance-1")
@@ -167,10 +156,6 @@ def test_no_uow_of_a_conversation_is_delivered_after_its_eoc(qms: tuple[QueueMan
     assert seen[-1] == "EOC", seen  # the UOW that ended it is the last one delivered
 
 
-@pytest.mark.xfail(strict=True, reason="a receive looks at the first uowcontrols.PEEK_LIMIT (1000) ACCEPTED UOWs only "
-                   "(sqm/conversations/bindings.py take_next): when that many belong to conversations bound to an "
-                   "instance that is not there (seed 003: bound to the fifth instance, three restarted), no other "
-                   "instance receives a new conversation behind them until they time out")
 def test_uows_of_conversations_bound_elsewhere_do_not_hide_a_new_conversation(
         qms: tuple[QueueManager, QueueManager], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(bindings, "FIRST_LOOK", 2)  # the window, made small: 1000 UOWs in the product
@@ -184,3 +169,52 @@ def test_uows_of_conversations_bound_elsewhere_do_not_hide_a_new_conversation(
         alice.send(SVC, b"for instance 5 #%d" % i, commit=True, conversation=conv)
     alice.send(SVC, b"a new conversation", commit=True)
     assert y.receive(SVC, option=SYNC, convid="NEW").body == b"a new conversation"
+
+
+def test_a_new_conversation_found_past_the_first_window_is_taken_from_its_first_uow(
+        qms: tuple[QueueManager, QueueManager], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The widened window is one snapshot in get order: a conversation whose UOWs all lie past the first windows is
+    still received from its first UOW, one at a time."""
+    monkeypatch.setattr(bindings, "FIRST_LOOK", 2)
+    monkeypatch.setattr(ctl, "PEEK_LIMIT", 4)
+    alice, bob = Conversation(qms[0], "alice", "tok-a"), Conversation(qms[0], "bob", "tok-b")
+    x, y = Conversation(qms[1], "server", "instance-5"), Conversation(qms[0], "server", "instance-1")
+    conv = alice.send(SVC, b"first", commit=True).conversation
+    x.receive(SVC, option=SYNC, convid="NEW")
+    x.commit()
+    for i in range(5):
+        alice.send(SVC, b"for instance 5 #%d" % i, commit=True, conversation=conv)
+    late = bob.send(SVC, b"late 1", commit=True).conversation
+    bob.send(SVC, b"late 2", commit=True, conversation=late)
+    assert y.receive(SVC, option=SYNC, convid="NEW").body == b"late 1"
+    with pytest.raises(NoMessageError):
+        Conversation(qms[1], "server", "instance-2").receive(SVC, option=SYNC, convid="NEW")  # late 2 waits for y
+    y.commit()
+    assert y.receive(SVC, option=SYNC, convid="OLD").body == b"late 2"
+    y.commit()
+
+
+def test_a_record_idle_past_the_lifetime_of_its_uows_ends_unless_its_sender_holds_one_open() -> None:
+    rec = ConvRecord("c", SVC, active=2, changed_pc=0, nonact_ms=10_000, lifetime_ms=1_000)
+    assert idle(rec, 1_000)  # a count a CF loss left high does not keep it
+    assert not idle(rec, 1_000, held_open=True)
+    assert idle_unless_held_open(rec, 1_000)
+    assert not idle(rec, 999)
+    unheld = ConvRecord("c", SVC, active=0, changed_pc=0, nonact_ms=500, lifetime_ms=1_000)
+    assert idle(unheld, 600, held_open=True)  # no active UOW: CONV-NONACT ends it
+    assert not idle_unless_held_open(unheld, 600)
+
+
+def test_a_first_send_that_finds_the_conversation_being_begun_past_its_wait_is_refused_and_changes_nothing(
+        qms: tuple[QueueManager, QueueManager], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ctl, "HELD_WAIT_S", 0.3)
+    svc = ctl.service(qms[0], SVC)
+    assert qms[0].admin.try_conversation_lock(svc.structure, SVC, record_id("shared").hex(), "another-send", 60_000)
+    alice = Conversation(qms[0], "alice", "tok-a")
+    with pytest.raises(UowStatusError, match="conversation shared of service SVC is being begun by another send"):
+        alice.send(SVC, b"T1", commit=True, conversation="shared")
+    assert records(qms[0], "shared") == []
+    assert ctl.peek_status(qms[0], svc, "RECEIVED") == []
+    assert qms[0].admin.release_conversation_lock(svc.structure, SVC, record_id("shared").hex(), "another-send")
+    alice.send(SVC, b"T1", commit=True, conversation="shared")  # the other send is over: this one begins it
+    assert len(records(qms[0], "shared")) == 1
