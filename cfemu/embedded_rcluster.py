@@ -54,13 +54,25 @@ class ClusterStartError(RuntimeError):
 ROLE_FILES = {ADMIN_USER: "cf-cluster-admin.password", REPLICATION_USER: "cf-replication.password"}
 
 
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out for outgoing connections and port 0 (32768 on Linux by default)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def cluster_port(host: str = "127.0.0.1", taken: set[int] | None = None) -> int:
-    """A free port for a cluster node: Redis wants its cluster bus at port + 10000, so both must be free and the
-    port at most 55535."""
+    """A free port for a cluster node: Redis wants its cluster bus at port + 10000, so both must be free. Both are
+    taken below the kernel's ephemeral range where it leaves room: a node started again later (a restart, a
+    replica coming back) finds them free, where a port in that range may meanwhile be any process's outgoing
+    connection or port-0 listener (seen: a restarted node failing with the bus port in use)."""
     taken = taken if taken is not None else set()
     rng = random.Random()
+    top = _ephemeral_low() - BUS_OFFSET
+    low, high = (10240, top) if top - 10240 >= 2000 else (20000, 45000)
     for _ in range(500):
-        port = rng.randrange(20000, 45000)
+        port = rng.randrange(low, high)
         if port in taken or port + BUS_OFFSET in taken:
             continue
         try:

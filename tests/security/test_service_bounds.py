@@ -134,7 +134,12 @@ def test_idle_unauthenticated_connections_are_closed_and_memory_is_bounded(serve
     assert len(refused) >= 150 - 64 - 10 and len(timed_out) >= 50, (len(refused), len(timed_out))
     assert "--max-unauthenticated" in refused[0]["error"]["message"]
     assert peak < 40 * 1024, f"the server grew by {peak} KiB with 150 unauthenticated connections"
-    assert metric(server, "sqm_connections_closed_total", reason="evicted") == len(refused)
+    # Each excess connection is closed by eviction (naming --max-unauthenticated); on a loaded machine an evicted
+    # one may not be gone yet when the next arrives, and that one is refused by the connection limits instead.
+    evicted = [f for f in refused if "--max-unauthenticated" in f["error"]["message"]]
+    assert metric(server, "sqm_connections_closed_total", reason="evicted") == len(evicted)
+    assert sum(metric(server, "sqm_connections_refused_total", limit=lim) for lim in ("server", "peer")) == \
+        len(refused) - len(evicted)
     assert metric(server, "sqm_connections_closed_total", reason="auth_timeout") == len(timed_out)
     assert metric(server, "sqm_connections_unauthenticated") == 0
     assert "did not authenticate within 5s" in server.log_text()
