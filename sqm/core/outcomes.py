@@ -25,12 +25,8 @@ from cfemu.errors import (
     FloorError,
     LogFailedError,
     MQError,
-    NoNewUowsError,
     OutcomeUnknownError,
-    PstoreUnavailableError,
     StructureFailedError,
-    StructureFullError,
-    UnknownObjectError,
 )
 from sqm.core import records
 from sqm.core.cfcall import CF_DOWN, reply_lost
@@ -42,21 +38,6 @@ from sqm.core.uow import UnitOfWork
 from sqm.log import RecordLog
 
 log = logging.getLogger("sqm")
-
-# What put_committed.lua refuses on the owner's first call only (a redo completes the logged decision).
-REFUSALS = (PstoreUnavailableError, NoNewUowsError, StructureFullError, UnknownObjectError)
-
-
-class PutRefusedError(Exception):
-    """The CF refused the owner's first call of a put committed in one CF operation (capacity, the persistent store,
-    an unknown queue): ``error`` says why. Its COMMIT is on disk: the owner logs the UOW backed out and the
-    application gets ``error`` (Connection._put_committed). Not an MQError: complete() lets it through, where a
-    structure failure would keep the outcome pending, to be completed."""
-
-    def __init__(self, error: MQError) -> None:
-        super().__init__(str(error))
-        self.error = error
-
 
 class Outcomes:
     """Completing units of work: complete, apply, log_decision, resolve, retry_pending."""
@@ -317,8 +298,8 @@ class Outcomes:
 
     def _redo_puts(self, uow: UnitOfWork, sname: str, lrsn: int, at: int) -> None:
         """The UOW's puts committed in one CF operation on this structure (put_committed.lua), from their records:
-        applied once, whoever calls (the CF keeps a tombstone for it). The owner's first call may be refused
-        (uow.may_refuse); any later one completes the logged decision. Each put counts after its own record."""
+        applied once, whoever calls (the CF keeps a tombstone for it), so every call completes the logged decision.
+        Each put counts after its own record."""
         puts = [r for r in uow.redo if r[0] == sname]
         if not puts:
             return
@@ -328,25 +309,13 @@ class Outcomes:
             for _, wire, data, put_lrsn in puts:
                 self.cf_call(partial(s.put_committed, self.caller, Entry.from_wire(wire), data, uow=uow.id,
                                      gen=uow.structures[sname], put_lrsn=put_lrsn, lrsn=lrsn,
-                                     at=at if at > put_lrsn else put_lrsn + 1, redo=not uow.may_refuse,
-                                     forget=forget))
+                                     at=at if at > put_lrsn else put_lrsn + 1, redo=True, forget=forget))
                 forget = []
-        except REFUSALS as e:
-            if forget:
-                with self.uow_lock:
-                    self._ended_fused.setdefault(sname, []).extend(forget)
-            refusable, uow.may_refuse = uow.may_refuse, False
-            if refusable:
-                raise PutRefusedError(e) from e
-            raise
-        except BaseException as e:
+        except BaseException:
             if forget:  # not told to the CF: the next such put tells it
                 with self.uow_lock:
                     self._ended_fused.setdefault(sname, []).extend(forget)
-            if not isinstance(e, FloorError):  # logged afresh above the floor, the owner's call is made again
-                uow.may_refuse = False
             raise
-        uow.may_refuse = False
 
     def _relog_puts(self, uow: UnitOfWork, sname: str) -> None:
         """A put to redo whose record lies below a backup's floor is logged afresh above it, so that a restore from

@@ -43,9 +43,6 @@ class UnitOfWork:
     # Puts committed in one CF operation (put_committed.lua), as their PUT records hold them: [structure, entry
     # (wire form), data, put LRSN]. Logged before the CF call, so the commit of the UOW redoes them on the CF.
     redo: list[list[Any]] = field(default_factory=list)
-    # The owner's first call of such a put, whose application waits for the answer: the CF may still refuse it
-    # (capacity, persistent store), and the owner then logs it backed out. Every later call completes it.
-    may_refuse: bool = False
     # UOWs (by structure) whose put_committed tombstones the CF may drop: their END was on disk when this UOW's
     # COMMIT was forced (Outcomes.complete).
     forget: dict[str, list[str]] = field(default_factory=dict)
