@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,6 +21,16 @@ QUEUES = ("Q1", "Q2", "Q3")
 def chaos(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "qsg.cli", "chaos", *args], capture_output=True, text=True,
                           timeout=timeout)
+
+
+def why_failed(summary: dict[str, Any], run_dir: Path) -> str:
+    """What a failed run found, readable in a CI log: the findings that are not zero, the report's Findings section
+    (each names its messages and UOWs), what the structures still held and the fault errors."""
+    report = (run_dir / "report.md").read_text()
+    section = report[report.find("## Findings"):report.find("## Counts")]
+    found = {k: v for k, v in summary["findings"].items() if v}
+    left = summary.get("extra", {}).get("left in the structures")
+    return f"findings {found}; left in the structures {left}; fault errors {summary['fault_errors']}\n{section}"
 
 
 def test_the_same_seed_gives_the_same_workload_and_fault_schedule() -> None:
@@ -62,7 +73,7 @@ def test_short_run_finds_nothing(tmp_path: Path, seed: int) -> None:
                 "--dir", str(tmp_path))
     assert out.stdout, out.stderr[-3000:]
     s = json.loads(out.stdout)
-    assert out.returncode == 0, (s["findings"], s["fault_errors"], (tmp_path / "report.md").read_text()[-3000:])
+    assert out.returncode == 0, why_failed(s, tmp_path)
     assert len(s["faults"]) >= 2 and not s["fault_errors"]
     assert all(f["service_s"] is not None for f in s["faults"])
     assert s["operations"] > 1000 and s["committed_uows"] > 200
@@ -87,7 +98,7 @@ def test_cf_kill_recauto_run_finds_nothing(tmp_path: Path) -> None:
                 "--dir", str(tmp_path))
     assert out.stdout, out.stderr[-3000:]
     s = json.loads(out.stdout)
-    assert out.returncode == 0, (s["findings"], s["fault_errors"], (tmp_path / "report.md").read_text()[-3000:])
+    assert out.returncode == 0, why_failed(s, tmp_path)
     assert s["faults"] and not s["fault_errors"]
     assert all(f["kind"] == "cf-kill-recauto" and f["service_s"] is not None for f in s["faults"])
     assert all(f["timings"]["recauto_s"] > 0 and f["timings"]["cf_restarts"] == 1 for f in s["faults"])
@@ -106,7 +117,7 @@ def test_pstore_disconnect_and_no_new_uows_run_finds_nothing(tmp_path: Path) -> 
                 "--dir", str(tmp_path))
     assert out.stdout, out.stderr[-3000:]
     s = json.loads(out.stdout)
-    assert out.returncode == 0, (s["findings"], s["fault_errors"], (tmp_path / "report.md").read_text()[-3000:])
+    assert out.returncode == 0, why_failed(s, tmp_path)
     assert {f["kind"] for f in s["faults"]} == {"pstore-disconnect", "no-new-uows"} and not s["fault_errors"]
     assert all(f["service_s"] is not None and f["timings"]["off_s"] >= 2.0 for f in s["faults"])
     assert all(v == 0 for v in s["findings"].values())
@@ -135,7 +146,7 @@ def test_cf_kill_duplex_primary_run_finds_nothing(tmp_path: Path) -> None:
                 "--dir", str(tmp_path))
     assert out.stdout, out.stderr[-3000:]
     s = json.loads(out.stdout)
-    assert out.returncode == 0, (s["findings"], s["fault_errors"], (tmp_path / "report.md").read_text()[-3000:])
+    assert out.returncode == 0, why_failed(s, tmp_path)
     assert s["faults"] and not s["fault_errors"]
     assert all(f["kind"] == "cf-kill-duplex-primary" and f["service_s"] is not None for f in s["faults"])
     assert all(f["timings"]["promotion_s"] > 0 and f["timings"]["empty_restarts"] == 0 for f in s["faults"])
@@ -151,7 +162,7 @@ def kind_run(tmp_path: Path, kind: str, seed: int, duration: float) -> dict[str,
                 str(tmp_path), timeout=900)
     assert out.stdout, out.stderr[-3000:]
     s = json.loads(out.stdout)
-    assert out.returncode == 0, (s["findings"], s["fault_errors"], (tmp_path / "report.md").read_text()[-3000:])
+    assert out.returncode == 0, why_failed(s, tmp_path)
     assert s["faults"] and all(f["kind"] == kind and f["service_s"] is not None for f in s["faults"])
     assert all(v == 0 for v in s["findings"].values()), s["findings"]
     for f in s["faults"]:
