@@ -281,5 +281,5 @@ def live_work(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
     return restarted
 
 
-__all__ = ["ORDER_LIMIT", "RESTORE_ENGINES", "UowAcrossRestore", "backup_structure", "ensure_backups", "live_work", "lose_cf",
-           "order_snapshot", "restore_all", "restore_engine", "restore_structure", "structure_state"]
+__all__ = ["ORDER_LIMIT", "RESTORE_ENGINES", "UowAcrossRestore", "backup_structure", "ensure_backups", "live_work",
+           "lose_cf", "order_snapshot", "restore_all", "restore_engine", "restore_structure", "structure_state"]
