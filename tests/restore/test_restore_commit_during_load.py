@@ -127,7 +127,7 @@ def test_a_get_committed_while_a_restore_loads_is_neither_consumed_twice_nor_los
         qm1.stop(checkpoint=False)
 
 
-@pytest.mark.parametrize("before_the_restore", [True, False], ids=["committed-before-the-log-read", "during-load"])
+@pytest.mark.parametrize("before_the_restore", [True, False], ids=["before-the-restore", "during-its-load"])
 def test_the_pending_answer_is_given_whatever_the_restore_then_decides(redis_url: str, tmp_path: Path,
                                                                       before_the_restore: bool) -> None:
     """A commit that meets a failed structure before the restore reads the logs is pending too (the member cannot
