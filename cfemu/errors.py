@@ -83,6 +83,17 @@ class OutcomeUnknownError(MQError):
     reason, reason_name = 2009, "MQRC_CONNECTION_BROKEN"
 
 
+class OutcomePendingError(OutcomeUnknownError):
+    """A commit whose COMMIT record was forced, but that a structure of its unit of work could not take then (the
+    structure failed or being restored, or the CF unreachable): the queue manager completes it when the structure
+    is back, committed, unless a restore of the structure read the logs before the COMMIT was forced and backed the
+    unit of work out (then the queue manager learns that and logs it). Until then the application cannot know which
+    (docs/uow.md, "When a commit's outcome is pending"). IBM MQ answers an MQCMIT so on z/OS when a queue manager
+    loses its connection to a CF structure during the commit (MQCC_WARNING)."""
+
+    reason, reason_name = 2124, "MQRC_OUTCOME_PENDING"
+
+
 class InDoubtError(MQError):
     reason, reason_name = 2352, "MQRC_UOW_IN_DOUBT"  # nearest MQ code: the unit of work is in doubt
 

@@ -494,7 +494,7 @@ class Conversation:
         for op in (self.sending, self.receiving):
             if op is not None and op.control.uow == uow:
                 return op.control.public()
-        # A status change in flight (one acknowledged while its commit waits for the CF, say) is waited for: a QUERY
+        # A status change in flight (one logged while its commit waits for the CF, say) is waited for: a QUERY
         # after a COMMIT that answered must not read the status before it.
         _, c = self._find(uow, wait_s=ctl.HELD_WAIT_S)
         return c.public()

@@ -3,6 +3,7 @@ most one current unit of work. The queue manager itself (log, CF calls, completi
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -24,6 +25,7 @@ from cfemu.errors import (
     MQError,
     NoMessageError,
     NotJoinedError,
+    OutcomePendingError,
     OutcomeUnknownError,
     StructureFailedError,
     SyncpointLimitError,
@@ -40,6 +42,8 @@ from sqm.core.records import INDOUBT, INFLIGHT, Record
 from sqm.core.uow import UnitOfWork
 from sqm.request_slots import nap
 
+log = logging.getLogger("sqm")
+
 # MQ's expiry is a 32-bit count of tenths of a second: bounded so that expiry arithmetic cannot overflow.
 MAX_EXPIRY_MS = (2**31 - 1) * 100
 
@@ -48,6 +52,8 @@ MAX_EXPIRY_MS = (2**31 - 1) * 100
 class QueueManagerPort(Protocol):
     """What a connection uses of its queue manager (sqm.core.manager.QueueManager is one)."""
 
+    @property
+    def name(self) -> str: ...
     @property
     def caller(self) -> Caller: ...
     @property
@@ -118,7 +124,9 @@ class BatchResult:
     """What a batch of puts or gets did. ``messages``: those that took effect, in the order of the batch (each is
     in the unit of work, or committed when ``committed``). ``error``: the first refusal of a message of the
     batch (the others were done); then nothing was committed, unless the batch ran outside syncpoint, whose
-    messages that took effect are committed as single puts outside syncpoint would be."""
+    messages that took effect are committed as single puts outside syncpoint would be. A get batch whose commit
+    is logged but pending (``error`` an OutcomePendingError: a structure could not take it then) delivers its
+    messages all the same, as a get outside syncpoint does: never consumed for nobody."""
 
     messages: list[Message]
     error: MQError | None = None
@@ -318,7 +326,14 @@ class Connection(UnitOfWorkScope):
             # get is the UOW's one piece of work. A poison message moved on the way (a get and a put) was checked
             # when it moved, perhaps a wait_ms ago; the message delivered may be non-persistent (taken while
             # disconnected): then standing.lua asks before the force, as for any UOW.
-            qm.complete(own, True, pstore_checked=own.operations == 1)
+            try:
+                qm.complete(own, True, pstore_checked=own.operations == 1)
+            except OutcomePendingError as e:
+                # The message is taken and its get logged: delivered, so that it is never consumed for nobody. Its
+                # get completes when the structure is back; a restore that read the logs before it made it
+                # available again, and then it is delivered again (at least once, never lost; docs/client.md).
+                log.warning("%s: the get of message %s from %s outside syncpoint is delivered with its outcome "
+                            "pending: %s", qm.name, entry.id, queue, e)
         qm.counters["gets"] += 1
         return Message.from_entry(entry, data)
 
@@ -527,7 +542,10 @@ class Connection(UnitOfWorkScope):
                                         "bytes the caller can carry")
         qm.counters["gets"] += len(taken)
         if error is None and commit:
-            self._commit(fresh and set(uow.structures) <= checked)
+            try:
+                self._commit(fresh and set(uow.structures) <= checked)
+            except OutcomePendingError as e:  # the messages are delivered, as by a get outside syncpoint
+                return BatchResult(taken, e)
             return BatchResult(taken, None, committed=True)
         self._drop_if_empty(uow)
         return BatchResult(taken, error)

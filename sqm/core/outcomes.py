@@ -25,6 +25,7 @@ from cfemu.errors import (
     FloorError,
     LogFailedError,
     MQError,
+    OutcomePendingError,
     OutcomeUnknownError,
     StructureFailedError,
 )
@@ -76,6 +77,7 @@ class Outcomes:
         of a CF round trip per message (BENCHMARKS.md). Either way the check comes before the force, which is the
         rule (docs/pstore.md): a disconnect after it refuses from the next commit on."""
         self.check_usable()
+        prepared = uow.state == INDOUBT  # its coordinator resolves it: a restore keeps it in doubt for that
         # A recovery (restart, or a peer) backing out a UOW carries the data of its persistent gets as the CF
         # holds them: their GET records may have died with the member (a UOW known only from the CF), and the
         # backout raises their backout counts, which a later restore must not forget (invariant 1).
@@ -126,6 +128,8 @@ class Outcomes:
                 # decision reached no log); the CF is not there: finish when it (or its restore) is back. A UOW
                 # left unapplied here held its entries locked until the member restarted (B7, CHAOS-RESULTS.md).
                 self._finish_later(uow, commit, for_member, e)
+                if commit and for_member is None and not prepared:
+                    raise self._commit_pending(uow, e) from None
                 return
             self._commit_failed(uow, e)
         except FencedError as e:
@@ -186,6 +190,20 @@ class Outcomes:
         log.warning("%s: %s of uow %s waits for the CF: %s", self.name, "commit" if commit else "backout", uow.id,
                     why)
         self.pending[uow.id] = lambda: self.apply(uow, commit, for_member=for_member)
+
+    def _commit_pending(self, uow: UnitOfWork, e: BaseException) -> OutcomePendingError:
+        """What the application learns of its commit, logged (forced), that a structure could not take: the
+        structure failed, being restored, or the CF unreachable. The commit waits, pending, and completes when the
+        structure is back; but a restore reads the logs once the structure has failed, and one that read them before
+        this COMMIT was forced has backed the unit of work out (it was in flight in the logs it read): the retry
+        then learns that and logs the BACKOUT. Which of the two it ends as is not known here, so the application is
+        never told "committed" (a put told so would be lost; a get told so would be delivered again). A structure
+        that answers after the force can no longer be restored without reading it (_refusing_first)."""
+        where = ", ".join(sorted(set(uow.structures) - uow.applied)) or "its structures"
+        return OutcomePendingError(
+            f"the commit of unit of work {uow.id} is logged, but {where} could not take it now ({e}): it completes "
+            f"when the structure is back, committed, unless a restore of it read the logs before this commit and "
+            f"backed the unit of work out; look for its messages once the structure is ACTIVE (docs/client.md)")
 
     def _commit_failed(self, uow: UnitOfWork, e: BaseException) -> NoReturn:
         """A commit of a UOW with no persistent work (nothing logged decides it) that the CF did not take. When no

@@ -15,7 +15,10 @@ application is told then depends on what was at stake, and the library never gue
   a new UOW is instead re-sent once on the next endpoint, since its first attempt is backed out either way;
 * the connection died while a commit was in flight: OutcomeUnknownError (it may or may not have committed);
   the same for prepare, resolve, define and put/get outside syncpoint, which take effect on their own;
-* read-only requests (ping, browse, status, indoubt) are simply re-sent on the next endpoint.
+* read-only requests (ping, browse, status, indoubt) are simply re-sent on the next endpoint;
+* the server answered that a commit is logged but pending (a structure failed, being restored, or the CF
+  unreachable): OutcomePendingError, a kind of OutcomeUnknownError (MQRC_OUTCOME_PENDING, 2124): it completes when
+  the structure is back, unless a restore that read the logs before it backed it out.
 
 Conversations (sqm.conversations.conversation; docs/uow.md): ``logon(user, token)`` makes this connection's session on the
 server; ``send``, ``receive`` and ``syncpoint`` use it. The session lives as long as the connection: when the
@@ -57,7 +60,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from cfemu.cf import Browsed
-from cfemu.errors import BackedOutError, MQError, OutcomeUnknownError
+from cfemu.errors import BackedOutError, MQError, OutcomePendingError, OutcomeUnknownError
 from cfemu.sockets import set_kernel_timeout
 from sqm.core.connection import Message
 from sqm.core.messaging import UnitOfWorkScope
@@ -176,11 +179,14 @@ class BatchError(MQError):
     """A batch (Client.put_batch, Client.get_batch) one of whose messages was refused. ``cause``: that refusal, the
     exception a single put or get would have raised (its reason code is this one's); ``done``: the messages that
     took effect, in order: in the unit of work, which stays open (commit or back it out), or committed when
-    ``committed`` (a batch outside syncpoint, whose done messages are committed as single puts would be)."""
+    ``committed`` (a batch outside syncpoint, whose done messages are committed as single puts would be). A
+    ``get_batch`` with ``commit`` whose commit is logged but pending (``cause`` an OutcomePendingError) delivers
+    its messages in ``done``: taken, their get completing when the structure is back (docs/client.md)."""
 
     def __init__(self, cause: MQError, done: list[Message], committed: bool) -> None:
+        what = "their commit pending" if isinstance(cause, OutcomePendingError) else "one refused"
         super().__init__(f"{len(done)} message(s) of the batch done{' and committed' if committed else ''}, "
-                         f"one refused: {cause}")
+                         f"{what}: {cause}")
         self.cause, self.done, self.committed = cause, done, committed
         self.reason, self.reason_name = cause.reason, cause.reason_name
 

@@ -18,7 +18,7 @@ from backup.run import run_backup
 from cfemu import keys
 from cfemu.admin import Admin
 from cfemu.entry import Entry
-from cfemu.errors import NoMessageError, StructureFailedError
+from cfemu.errors import NoMessageError, OutcomePendingError, StructureFailedError
 from restore.run import run_restore
 from restore.settle import CONSUMED, decide_outcome, settle
 from sqm.core import records
@@ -139,7 +139,8 @@ def test_seed3_a_put_outside_syncpoint_is_never_put_again_after_the_restore_repl
         uow = qm.new_uow()
         conn._put_entry("APP1", _entry("Q1"), b"in-commit", uow)
         client.hset(keys.meta("APP1"), "state", "FAILED")
-        qm.complete(uow, True)  # logged, then waits for the CF
+        with pytest.raises(OutcomePendingError):
+            qm.complete(uow, True)  # logged, then waits for the CF: the application hears it is pending
         assert qm.pending
         run_restore(client, "APP1", backup_root=backups, log_root=logs)  # completes it from the log
         getter = qm.connect()

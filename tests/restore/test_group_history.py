@@ -20,7 +20,7 @@ from backup.run import run_backup
 from cfemu import keys
 from cfemu.admin import Admin
 from cfemu.connection import connect
-from cfemu.errors import BackedOutError
+from cfemu.errors import BackedOutError, OutcomePendingError
 from cfemu.procs import free_port
 from restore.run import RestoreError, run_restore
 from sqm.core.manager import QueueManager
@@ -146,7 +146,8 @@ def test_a_commit_completed_by_restore_is_still_known_after_the_next_cf_loss(
         conn = qm.connect()
         conn.put("Q1", b"in-commit")
         client.hset(keys.meta(S), "state", "FAILED")  # the CF fails between the forced COMMIT and its update
-        conn.commit()
+        with pytest.raises(OutcomePendingError):
+            conn.commit()
         assert qm.pending
         for _ in range(2):
             lose_cf(client, [qm])
@@ -191,7 +192,7 @@ def test_purged_messages_do_not_come_back_after_a_later_cf_loss(redis_url: str, 
 def test_a_purge_discards_messages_not_the_outcome_of_uows_on_other_structures(
         redis_url: str, tmp_path: Path) -> None:
     """Found by the purge-then-cf-kill fault (seed 1): a UOW on APP1 and APP2 whose commit was logged while APP1
-    had failed (the application was told it committed), and an in-doubt one; APP1 is purged. The owner's retry
+    had failed (the application was told its outcome is pending), and an in-doubt one; APP1 is purged. The owner's retry
     met APP1's new generation, was refused as lost, logged BACKOUT and left its APP2 work locked (the committed
     put never became available), and the coordinator's commit of the in-doubt one failed the same way."""
     logs, backups = tmp_path / "logs", tmp_path / "backups"
@@ -209,7 +210,8 @@ def test_a_purge_discards_messages_not_the_outcome_of_uows_on_other_structures(
         d.put("Q3", b"in doubt on APP2")
         uow = d.prepare("xid-1")
         client.hset(keys.meta(S), "state", "FAILED")
-        a.commit()  # logged: the commit waits for APP1
+        with pytest.raises(OutcomePendingError):
+            a.commit()  # logged: the commit waits for APP1
         assert qm.pending
         ok("restore.cli", "purge", S, env=settings_env(redis_url, logs, backups))
         assert qm.retry_pending() == 1

@@ -19,6 +19,7 @@ from cfemu.errors import (
     BackedOutError,
     NoMessageError,
     NoNewUowsError,
+    OutcomePendingError,
     PstoreUnavailableError,
     StructureFullError,
 )
@@ -251,7 +252,8 @@ def test_a_pending_commit_completes_on_a_store_disconnected_meanwhile(redis_url:
         real(self, uow, sname, commit, for_member)
 
     monkeypatch.setattr(QueueManager, "_apply_one", apply_one)
-    c.commit()  # decided (logged): it waits for APP2
+    with pytest.raises(OutcomePendingError, match="APP2"):
+        c.commit()  # decided (logged): it waits for APP2
     monkeypatch.setattr(QueueManager, "_apply_one", real)
     assert len(qm.pending) == 1
     admin.set_state("APP2", "ACTIVE")
@@ -276,7 +278,8 @@ def test_a_refusal_after_one_structure_committed_keeps_the_commit_pending(redis_
 
     monkeypatch.setattr(QueueManager, "_apply_one", apply_one)
     uow = c._current_uow().id
-    c.commit()
+    with pytest.raises(OutcomePendingError, match="APP2"):
+        c.commit()
     monkeypatch.setattr(QueueManager, "_apply_one", real)
     assert "BACKOUT" not in _log_kinds(qm, uow) and list(qm.pending) == [uow]
     assert qm.retry_pending() == 0 and list(qm.pending) == [uow]  # still refused: still waiting

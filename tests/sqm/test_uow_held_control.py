@@ -18,7 +18,14 @@ import pytest
 
 from cfemu.admin import Admin
 from cfemu.connection import connect
-from cfemu.errors import EndOfUowError, MQError, NoMessageError, StructureFailedError, UowStatusError
+from cfemu.errors import (
+    EndOfUowError,
+    MQError,
+    NoMessageError,
+    OutcomePendingError,
+    StructureFailedError,
+    UowStatusError,
+)
 from sqm.conversations import uowcontrols as ctl
 from sqm.conversations.conversation import BOTH, SYNC, Conversation, settle_orphan
 from sqm.conversations.uowstatus import DELIVERED
@@ -163,7 +170,7 @@ def test_receivers_committing_expired_uows_while_sweepers_time_them_out_are_neve
 
 def _commit_waits_for_the_cf(qm: QueueManager, monkeypatch: pytest.MonkeyPatch) -> None:
     """The next commit's application on the CF fails as when the CF is away (a duplexed CF between its primary's
-    loss and the promotion): the commit is forced, acknowledged, and applied later (QueueManager._finish_later)."""
+    loss and the promotion): the commit is forced, answered pending, and applied later (QueueManager._finish_later)."""
     real = qm.apply
     failed: list[bool] = []
 
@@ -175,29 +182,33 @@ def _commit_waits_for_the_cf(qm: QueueManager, monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(qm, "apply", away_once)
 
 
-def test_a_query_after_a_commit_acknowledged_while_the_cf_was_away_sees_it(
+def test_a_query_after_a_commit_pending_while_the_cf_was_away_sees_it(
         qms: tuple[QueueManager, QueueManager], monkeypatch: pytest.MonkeyPatch) -> None:
     """Before: the sender's COMMIT answered ACCEPTED, and a QUERY (any member) and LAST right after it answered
-    RECEIVED until the member applied the commit (the chaos checker's uow-status finding)."""
+    RECEIVED until the member applied the commit (the chaos checker's uow-status finding). The COMMIT now answers
+    that its outcome is pending (the member cannot know that no restore read the logs before it); a QUERY waits for
+    the member to apply it, and sees it."""
     qm1, qm2 = qms
     snd = Conversation(qm1, "alice", "t")
     uow = snd.send(SVC, b"m0").uow
     _commit_waits_for_the_cf(qm1, monkeypatch)
-    assert snd.commit()["status"] == "ACCEPTED"
-    assert len(qm1.pending) == 1  # acknowledged, not yet applied
+    with pytest.raises(OutcomePendingError):
+        snd.commit()
+    assert len(qm1.pending) == 1  # logged, not yet applied
     threading.Timer(0.5, qm1.retry_pending).start()  # the member's housekeeping, once the CF is back
     assert Conversation(qm2, "carol").query(uow)["status"] == "ACCEPTED"
     assert not qm1.pending
 
 
-def test_last_after_a_receivers_commit_acknowledged_while_the_cf_was_away_sees_it(
+def test_last_after_a_receivers_commit_pending_while_the_cf_was_away_sees_it(
         qms: tuple[QueueManager, QueueManager], monkeypatch: pytest.MonkeyPatch) -> None:
     qm1, qm2 = qms
     snd, rcv = Conversation(qm1, "alice", "t"), Conversation(qm2, "bob")
     uow = sent(snd)
     received_whole(rcv)
     _commit_waits_for_the_cf(qm2, monkeypatch)
-    assert rcv.commit()["status"] == "PROCESSED"
+    with pytest.raises(OutcomePendingError):
+        rcv.commit()
     threading.Timer(0.5, qm2.retry_pending).start()
     last = Conversation(qm1, "alice", "t").last()
     assert (last["uow"], last["status"]) == (uow, "PROCESSED")

@@ -30,6 +30,7 @@ from qsg.chaos.bodies import parse_body
 from qsg.chaos.faults.heal import peer_recovery, restart
 from qsg.chaos.faults.kind import DUPLEX, Draw, FaultError, FaultKind, FaultSpec, Step, register
 from qsg.chaos.faults.restores import (
+    UowAcrossRestore,
     backup_structure,
     ensure_backups,
     live_work,
@@ -257,9 +258,12 @@ def restore_race(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
     once it is ACTIVE again, for `hold` seconds; then the first goes on. Exactly one of them may restore it:
     the one that planned while the other restored refuses, and one that finds the other loading is refused by
     its lock. The checker reads both spans from the history (restore-wiped), and the get order before the
-    structure failed and after it was restored (restore-order)."""
+    structure failed and after it was restored (restore-order). A unit of work opened on the structure before it
+    failed is committed while the first restore is held (restores.UowAcrossRestore): held at its load, that restore
+    read the logs before the COMMIT and backs it out, so the application must not be told it committed."""
     structure, where = str(f.params.get("structure", "APP1")), str(f.params.get("where", "plan"))
     ensure_backups(g)
+    across = UowAcrossRestore(g, f, structure, step)
     live = order_snapshot(g)
     client = g.cf()
     try:
@@ -290,6 +294,8 @@ def restore_race(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
         if not held.wait(60):
             raise FaultError(f"the first restore of {structure} never reached its {where}: {first}")
         step(f"first restore held in its {where}")
+        out["commit_while_held"] = across.commit()
+        step(f"{across.name}: its commit while the first restore is held answered {out['commit_while_held']}")
         try:
             restore_structure(g, structure, step)
             out["second"] = "ok"
@@ -299,6 +305,7 @@ def restore_race(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
     finally:
         release.set()
         thread.join(120)
+        across.close()
     out["first"] = "ok" if "result" in first else f"{type(first.get('error')).__name__}: " \
                                                      f"{str(first.get('error'))[:160]}"
     step("restored order read", restored_order=order_snapshot(g))
@@ -327,7 +334,11 @@ register(FaultKind(
         "plan (a slow Spark plan) or at the start of its load; meanwhile a second restore of it runs, and the "
         "workload works on the structure once it is ACTIVE, for 1-3 s; then the first goes on. Exactly one may "
         "restore it: the one that planned while the other restored refuses, and one that finds the other loading is "
-        "refused by restore's log lock (the checker's `restore-wiped`)"))
+        "refused by restore's log lock (the checker's `restore-wiped`). A unit of work of the fault's own (a put, and "
+        "a get of a message put for it, on EDGE or Q3), open before the structure failed, is committed while the "
+        "first restore is held: held at its load, that restore read the logs before the COMMIT and backs it out, so "
+        "the commit must answer that its outcome is pending (`unknown`): told committed, its put is `lost` and its "
+        "get `duplicated`"))
 
 
 def during_backup(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:

@@ -9,6 +9,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import redis
@@ -21,13 +22,16 @@ from cfemu.cf import CF
 from cfemu.errors import BackupRunningError
 from cfemu.progress import Progress, no_progress
 from qsg.chaos.bodies import parse_body
-from qsg.chaos.faults.heal import after_heal
+from qsg.chaos.faults.heal import after_heal, client_ep, history_of
 from qsg.chaos.faults.kind import FaultError, FaultSpec, Step
-from qsg.chaos.group import STRUCTURES, ChaosGroup
+from qsg.chaos.group import EDGE_QUEUE, STRUCTURES, ChaosGroup
+from qsg.chaos.history import OK as CALL_OK
+from qsg.chaos.workload import PutSpec, Runner, make_body
 from restore.engine import LOAD
 from restore.result import RestoreResult
 from restore.run import RestoreError, RestoreStoppedError, run_restore
 from sqm.core.clock import now_ms
+from sqm.service.client import Client
 
 ORDER_LIMIT = 100_000  # messages per queue an order snapshot reads
 
@@ -200,6 +204,46 @@ def order_snapshot(g: ChaosGroup) -> dict[str, list[str]]:
         client.close()
 
 
+class UowAcrossRestore:
+    """A unit of work the fault opens on a structure before the structure fails, and commits while its restore runs
+    (held in its plan, or at the start of its load, after it read the logs): a put and a get by correlation id
+    (of a message put for it outside syncpoint just before), all through the target SQM and in the history. The
+    member forces the COMMIT and the structure cannot take it: the application must hear that the outcome is
+    pending (the history's `unknown`), never that it committed, since a restore that read the logs before the
+    COMMIT backs the unit of work out (a put acknowledged then is `lost`, a get acknowledged then `duplicated`).
+    On APP1 it works on EDGE; on APP2 on Q3, the workload's (its get may then find its message taken: the put
+    alone is at stake)."""
+
+    def __init__(self, g: ChaosGroup, f: FaultSpec, structure: str, step: Step) -> None:
+        h = history_of(g)
+        self.name = f"race{f.n}"
+        queue = EDGE_QUEUE if structure == "APP1" else STRUCTURES[structure][0]
+        correlid = f"R{f.n}".encode()
+        self.client = Client([client_ep(g, f.target)], token=g.c.token, client_name=self.name,
+                             request_timeout=10.0)
+        self.runner = Runner(h, self.client, self.name, f"{self.name}.uow")
+        taken = f"{self.name}-take"
+        putter = Runner(h, self.client, f"{self.name}-putter", f"{self.name}.put1")
+        putter.call("put", partial(self.client.put, queue, make_body(taken, 64), syncpoint=False, correlid=correlid),
+                    uow=None, msg=taken, queue=queue, priority=0, persistent=True, syncpoint=False, expiry_ms=0,
+                    correlid=correlid.hex())
+        outcome, _ = self.runner.put(PutSpec(f"{self.name}-put", queue, 0, True, 0, 64), syncpoint=True)
+        self.open = outcome == CALL_OK
+        if self.open:
+            self.runner.get(queue, wait_ms=1000, correlid=correlid)
+        step(f"{self.name}: a unit of work open on {queue}" if self.open else f"{self.name}: its put failed")
+
+    def commit(self) -> str:
+        """Commit it now: the outcome the history recorded (ok, fail, unknown), or "none" when it never opened."""
+        if not self.open:
+            return "none"
+        outcome, _ = self.runner.call("commit", self.client.commit, uow=self.runner.uow)
+        return str(outcome)
+
+    def close(self) -> None:
+        self.client.close()
+
+
 def lose_cf(g: ChaosGroup, f: FaultSpec, step: Step, *, kill_during_load: bool = False,
             restart_at_once: bool = False) -> dict[str, Any]:
     """The CF killed -9, held down for the fault's hold, restarted empty, and every structure restored."""
@@ -237,5 +281,5 @@ def live_work(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
     return restarted
 
 
-__all__ = ["ORDER_LIMIT", "RESTORE_ENGINES", "backup_structure", "ensure_backups", "live_work", "lose_cf",
-           "order_snapshot", "restore_all", "restore_engine", "restore_structure", "structure_state"]
+__all__ = ["ORDER_LIMIT", "RESTORE_ENGINES", "UowAcrossRestore", "backup_structure", "ensure_backups", "live_work",
+           "lose_cf", "order_snapshot", "restore_all", "restore_engine", "restore_structure", "structure_state"]

@@ -178,6 +178,19 @@ def test_snoop_run_finds_nothing(tmp_path: Path) -> None:
     assert s["counts"]["snoop attempts"] > 40 and s["counts"]["snoop attempts refused"] > 30, s["counts"]
 
 
+@pytest.mark.slow
+def test_a_commit_while_a_restore_loads_is_answered_pending_and_nothing_is_lost(tmp_path: Path) -> None:
+    """The fault kind restore-race, seed 6 (APP1, held at its load): while its first restore is held at the start of
+    its load (after it read the logs), the fault's own unit of work (a put and a get on EDGE) is committed: the
+    member must answer that the outcome is pending (the history's unknown), never "committed": the restore backs
+    the unit of work out, and an acknowledged put would be the checker's `lost`, an acknowledged get its
+    `duplicated`."""
+    s = kind_run(tmp_path, "restore-race", 6, 8)
+    race = s["faults"][0]
+    assert race["where"] == "load", race
+    assert race["timings"]["commit_while_held"] == "unknown", race["timings"]
+
+
 @pytest.mark.soak
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize(("kind", "seed", "duration"), [

@@ -1,0 +1,144 @@
+"""What an application is told of a commit that is logged (its COMMIT forced) but that a structure could not take
+then (failed, being restored, the CF unreachable): OutcomePendingError (MQRC_OUTCOME_PENDING, 2124), never
+"committed", while the member keeps the commit pending and completes it when the structure is back. A get whose own
+commit is so pending (outside syncpoint, or a batch with commit) delivers its messages all the same: taken and
+logged, they are never consumed for nobody. A backout is acknowledged as before, and so is a coordinator's commit of
+a prepared unit of work (a restore keeps it in doubt for its coordinator)."""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+
+from cfemu.admin import Admin
+from cfemu.errors import BackedOutError, NoMessageError, OutcomePendingError
+from sqm.core.manager import QueueManager
+from sqm.core.uow import UnitOfWork
+from sqm.service import queue_ops
+from sqm.service.rest import RestEndpoint
+from tests.support.group import define_group, start_qm
+
+S = "APP1"
+
+
+@pytest.fixture
+def qm(redis_url: str, tmp_path: Path) -> Iterator[QueueManager]:
+    define_group(redis_url)
+    qm = start_qm(redis_url, tmp_path / "logs", "QM1", background=False)
+    yield qm
+    qm.stop()
+
+
+def fails_at_apply_now(qm: QueueManager, monkeypatch: pytest.MonkeyPatch) -> Admin:
+    """From now on, the structure fails between the next outcome's force and its application (once)."""
+    admin = Admin(qm.redis)
+    real = QueueManager.apply
+
+    def apply(self: QueueManager, uow: UnitOfWork, commit: bool, *, for_member: str | None = None) -> None:
+        monkeypatch.setattr(QueueManager, "apply", real)
+        admin.set_state(S, "FAILED")
+        real(self, uow, commit, for_member=for_member)
+
+    monkeypatch.setattr(QueueManager, "apply", apply)
+    return admin
+
+
+@pytest.fixture
+def fails_at_apply(qm: QueueManager, monkeypatch: pytest.MonkeyPatch) -> Admin:
+    return fails_at_apply_now(qm, monkeypatch)
+
+
+def back(qm: QueueManager, admin: Admin) -> None:
+    admin.set_state(S, "ACTIVE")
+    assert qm.retry_pending() == 1 and not qm.pending
+
+
+def available(qm: QueueManager) -> list[bytes]:
+    return [m.body for m in qm.connect().browse("Q1")]
+
+
+def test_a_commit_the_structure_cannot_take_is_pending_and_completes_when_it_is_back(
+        qm: QueueManager, fails_at_apply: Admin) -> None:
+    c = qm.connect()
+    c.put("Q1", b"m")
+    with pytest.raises(OutcomePendingError, match=r"^MQRC_OUTCOME_PENDING \(2124\): the commit of unit of work "):
+        c.commit()
+    assert len(qm.pending) == 1
+    back(qm, fails_at_apply)
+    assert available(qm) == [b"m"]
+
+
+def test_a_put_outside_syncpoint_whose_commit_is_pending_says_so(qm: QueueManager, fails_at_apply: Admin) -> None:
+    with pytest.raises(OutcomePendingError):
+        qm.connect().put("Q1", b"alone", syncpoint=False)
+    back(qm, fails_at_apply)
+    assert available(qm) == [b"alone"]
+
+
+def test_a_get_outside_syncpoint_whose_commit_is_pending_delivers_its_message(
+        qm: QueueManager, monkeypatch: pytest.MonkeyPatch) -> None:
+    qm.connect().put("Q1", b"taken", syncpoint=False)
+    admin = fails_at_apply_now(qm, monkeypatch)
+    assert qm.connect().get("Q1", syncpoint=False).body == b"taken"  # delivered: never consumed for nobody
+    assert len(qm.pending) == 1
+    back(qm, admin)
+    with pytest.raises(NoMessageError):
+        qm.connect().get("Q1", syncpoint=False)
+
+
+def test_a_get_batch_whose_commit_is_pending_delivers_its_messages_with_the_error(
+        qm: QueueManager, monkeypatch: pytest.MonkeyPatch) -> None:
+    c = qm.connect()
+    for body in (b"a", b"b"):
+        c.put("Q1", body, syncpoint=False)
+    admin = fails_at_apply_now(qm, monkeypatch)
+    result = c.get_batch("Q1", 10, commit=True)
+    assert [m.body for m in result.messages] == [b"a", b"b"] and not result.committed
+    assert isinstance(result.error, OutcomePendingError)
+    back(qm, admin)
+    assert available(qm) == []
+
+
+def test_a_backout_is_acknowledged_and_finished_when_the_structure_is_back(
+        qm: QueueManager, monkeypatch: pytest.MonkeyPatch) -> None:
+    c = qm.connect()
+    c.put("Q1", b"backed out")
+    admin = fails_at_apply_now(qm, monkeypatch)
+    c.backout()  # no error: a backout is the outcome every recovery gives an unfinished unit of work
+    back(qm, admin)
+    assert available(qm) == []
+
+
+
+def test_a_coordinator_s_commit_of_a_prepared_unit_of_work_is_acknowledged(
+        qm: QueueManager, monkeypatch: pytest.MonkeyPatch) -> None:
+    c = qm.connect()
+    c.put("Q1", b"prepared")
+    uow = c.prepare("xid-1")
+    admin = fails_at_apply_now(qm, monkeypatch)
+    qm.resolve(uow, True)  # the coordinator decided; a restore keeps the unit of work in doubt for it
+    back(qm, admin)
+    assert available(qm) == [b"prepared"]
+
+
+def test_the_rest_door_delivers_a_message_whose_get_commit_is_pending(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The REST DELETE's commit (RestEndpoint._commit_taken, called after the get): a pending one still sends the
+    200 with the message, as a get outside syncpoint delivers it; any other refusal is the request's error."""
+    endpoint: Any = types.SimpleNamespace(server=None)
+
+    def pending(*_: Any) -> None:
+        raise OutcomePendingError("logged, pending")
+
+    monkeypatch.setattr(queue_ops, "commit", pending)
+    RestEndpoint._commit_taken(endpoint, cast(Any, None))
+
+    def backed_out(*_: Any) -> None:
+        raise BackedOutError("backed out")
+
+    monkeypatch.setattr(queue_ops, "commit", backed_out)
+    with pytest.raises(BackedOutError):
+        RestEndpoint._commit_taken(endpoint, cast(Any, None))
