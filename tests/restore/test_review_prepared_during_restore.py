@@ -1,0 +1,96 @@
+"""Adversarial review of the pending commit (restore-inflight): a prepared (in-doubt) unit of work and a restore.
+
+The fix exempts a prepared unit of work from the pending answer (sqm/core/outcomes.py, ``prepared``): a coordinator's
+resolve-commit that meets a failed or RECOVERING structure returns as committed, on the ground that "a restore keeps
+in-doubt UOWs in doubt". That holds only for a restore that read a PREPARE. Connection.prepare forces its PREPARE
+without asking any structure (sqm/core/connection.py, prepare): a unit of work open on a structure that failed, and
+prepared while the structure's restore loads (after it read the logs), is in flight in the logs that restore read, so
+the restore backs it out. The coordinator was told the UOW voted yes; its resolve-commit is then answered committed
+(while the structure is RECOVERING) and the put is lost, or BackedOutError (once it is ACTIVE), a heuristic outcome
+after a yes vote."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from backup.run import run_backup
+from cfemu.errors import MQError
+from restore.engine import LOAD
+from restore.run import run_restore
+from tests.restore.test_restore import S
+from tests.restore.test_restore_commit_during_load import settle, view
+from tests.sqm.test_put_committed_recovery import warm
+from tests.support.group import define_group, start_qm
+
+
+@pytest.mark.xfail(strict=True, reason="review-pending: a UOW prepared while its structure's restore loads is backed "
+                                       "out by the restore, yet the coordinator's resolve-commit during the load is "
+                                       "answered committed: the put is lost")
+def test_a_resolve_commit_during_a_restore_of_a_uow_prepared_after_the_restore_read_the_logs(
+        redis_url: str, tmp_path: Path) -> None:
+    logs, backups = tmp_path / "logs", tmp_path / "backups"
+    client = define_group(redis_url)
+    qm1 = start_qm(redis_url, logs, "QM1", background=False, lease_ms=60_000)
+    try:
+        warm(qm1)
+        conn = qm1.connect()
+        conn.put("Q1", b"prepared during the restore")
+        run_backup(client, S, backups, log_root=logs)
+        told: list[str] = []
+
+        def during_load(phase: str, done: int, total: int | None) -> None:
+            if phase == LOAD and not told:
+                try:
+                    uow = conn.prepare("xid-review-1")  # the coordinator's phase one: voted yes
+                    told.append("prepared")
+                    qm1.resolve(uow, True)  # the coordinator's phase two
+                    told.append("committed")
+                except MQError as e:
+                    told.append(f"{type(e).__name__}: {e}")
+
+        run_restore(client, S, backup_root=backups, log_root=logs, mark_failed=True, progress=during_load)
+        assert told, "the restore never reached its load"
+        settle(qm1)
+        after = view(qm1)
+        if told[-1] == "committed":
+            # The coordinator was told the unit of work committed: its put must be there.
+            assert after == [(b"prepared during the restore", 0)], f"resolve answered committed, then: {after}"
+    finally:
+        qm1.stop(checkpoint=False)
+
+
+@pytest.mark.xfail(strict=True, reason="review-pending: a UOW prepared while its structure's restore loads is backed "
+                                       "out by the restore: the yes vote cannot be honoured, the coordinator's "
+                                       "resolve-commit afterwards is refused BackedOutError")
+def test_a_uow_prepared_while_a_restore_loads_can_still_be_committed_by_its_coordinator(
+        redis_url: str, tmp_path: Path) -> None:
+    logs, backups = tmp_path / "logs", tmp_path / "backups"
+    client = define_group(redis_url)
+    qm1 = start_qm(redis_url, logs, "QM1", background=False, lease_ms=60_000)
+    try:
+        warm(qm1)
+        conn = qm1.connect()
+        conn.put("Q1", b"prepared during the restore")
+        run_backup(client, S, backups, log_root=logs)
+        prepared: list[str] = []
+        refused: list[str] = []
+
+        def during_load(phase: str, done: int, total: int | None) -> None:
+            if phase == LOAD and not prepared and not refused:
+                try:
+                    prepared.append(conn.prepare("xid-review-2"))
+                except MQError as e:  # refusing the vote is a correct answer: the coordinator backs out
+                    refused.append(str(e))
+
+        run_restore(client, S, backup_root=backups, log_root=logs, mark_failed=True, progress=during_load)
+        assert prepared or refused, "the restore never reached its load"
+        if refused:
+            return
+        settle(qm1)
+        # A participant that voted yes must be able to commit when its coordinator says so (two-phase commit).
+        qm1.resolve(prepared[0], True)
+        assert view(qm1) == [(b"prepared during the restore", 0)]
+    finally:
+        qm1.stop(checkpoint=False)
