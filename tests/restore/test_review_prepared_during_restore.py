@@ -94,3 +94,32 @@ def test_a_uow_prepared_while_a_restore_loads_can_still_be_committed_by_its_coor
         assert view(qm1) == [(b"prepared during the restore", 0)]
     finally:
         qm1.stop(checkpoint=False)
+
+
+def test_a_uow_prepared_before_the_restore_read_the_logs_is_kept_in_doubt_and_its_resolve_commit_holds(
+        redis_url: str, tmp_path: Path) -> None:
+    """The exemption's own ground, checked with a real restore: a PREPARE on the logs the restore reads keeps the
+    unit of work in doubt in the restored structure, so a resolve-commit during the load, answered committed, ends
+    with the put there."""
+    logs, backups = tmp_path / "logs", tmp_path / "backups"
+    client = define_group(redis_url)
+    qm1 = start_qm(redis_url, logs, "QM1", background=False, lease_ms=60_000)
+    try:
+        warm(qm1)
+        conn = qm1.connect()
+        conn.put("Q1", b"prepared before the restore")
+        uow = conn.prepare("xid-review-3")
+        run_backup(client, S, backups, log_root=logs)
+        told: list[str] = []
+
+        def during_load(phase: str, done: int, total: int | None) -> None:
+            if phase == LOAD and not told:
+                qm1.resolve(uow, True)
+                told.append("committed")
+
+        run_restore(client, S, backup_root=backups, log_root=logs, mark_failed=True, progress=during_load)
+        assert told == ["committed"]
+        settle(qm1)
+        assert view(qm1) == [(b"prepared before the restore", 0)]
+    finally:
+        qm1.stop(checkpoint=False)
