@@ -25,7 +25,7 @@ from tests.sqm.test_put_committed_recovery import warm
 from tests.support.group import define_group, start_qm
 
 
-@pytest.mark.xfail(strict=True, reason="review-pending: a UOW prepared while its structure's restore loads is backed "
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="review-pending: a UOW prepared while its structure's restore loads is backed "
                                        "out by the restore, yet the coordinator's resolve-commit during the load is "
                                        "answered committed: the put is lost")
 def test_a_resolve_commit_during_a_restore_of_a_uow_prepared_after_the_restore_read_the_logs(
@@ -61,7 +61,7 @@ def test_a_resolve_commit_during_a_restore_of_a_uow_prepared_after_the_restore_r
         qm1.stop(checkpoint=False)
 
 
-@pytest.mark.xfail(strict=True, reason="review-pending: a UOW prepared while its structure's restore loads is backed "
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="review-pending: a UOW prepared while its structure's restore loads is backed "
                                        "out by the restore: the yes vote cannot be honoured, the coordinator's "
                                        "resolve-commit afterwards is refused BackedOutError")
 def test_a_uow_prepared_while_a_restore_loads_can_still_be_committed_by_its_coordinator(
@@ -90,7 +90,10 @@ def test_a_uow_prepared_while_a_restore_loads_can_still_be_committed_by_its_coor
             return
         settle(qm1)
         # A participant that voted yes must be able to commit when its coordinator says so (two-phase commit).
-        qm1.resolve(prepared[0], True)
+        try:
+            qm1.resolve(prepared[0], True)
+        except MQError as e:
+            raise AssertionError(f"the coordinator's commit of a unit of work that voted yes was refused: {e}") from e
         assert view(qm1) == [(b"prepared during the restore", 0)]
     finally:
         qm1.stop(checkpoint=False)
