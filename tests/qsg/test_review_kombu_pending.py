@@ -26,9 +26,6 @@ from tests.sqm.test_service import TOKEN, ServerProc  # noqa: E402
 S = "APP1"
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="review-pending: kombu's no-ack delivery raises when its get's commit answers "
-                                       "pending; the member completes the get later: the message is consumed for "
-                                       "nobody (qsg/kombu_transport.py Channel._take)")
 def test_a_no_ack_delivery_whose_commit_is_pending_is_never_consumed_for_nobody(
         member: ServerProc, fresh_redis: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     with Client(member.endpoint, token=TOKEN) as producer:
