@@ -210,8 +210,12 @@ class Outcomes:
         structure can have applied it, it is backed out (MQRC_BACKED_OUT); when one may have (applied already, or
         its reply lost), the commit is carried through and its outcome is unknown to the application. Either way
         the outcome is finished when the CF is back: never left holding its entries."""
-        maybe = bool(uow.applied) or getattr(e, "maybe_applied", False) or reply_lost(e)
-        if maybe:
+        if uow.applied:
+            self._finish_later(uow, True, None, e)
+            raise OutcomeUnknownError(f"the commit of unit of work {uow.id} was applied on "
+                                      f"{', '.join(sorted(uow.applied))}, but the rest could not take it ({e}); it "
+                                      "is finished when the CF is back (its non-persistent work there may be lost)")
+        if getattr(e, "maybe_applied", False) or reply_lost(e):
             self._finish_later(uow, True, None, e)
             raise OutcomeUnknownError(f"the commit of unit of work {uow.id} may or may not have been applied: "
                                       f"the CF's reply was lost ({e}); it is finished when the CF is back")
@@ -326,6 +330,14 @@ class Outcomes:
                 raise
             except BackedOutError as e:
                 if not commit:
+                    return
+                if uow.applied and not logged:
+                    # No log decides a UOW with no persistent work, and no restore keeps a non-persistent message
+                    # (docs/pstore.md): its work here went with the structure (or its recovery), which is all a
+                    # commit of it can come to here. The commit is complete, never pending for good.
+                    log.warning("%s: structure %s refused the commit of uow %s (no persistent work), which %s "
+                                "committed already: its non-persistent work there is lost (%s)", self.name, sname,
+                                uow.id, ", ".join(sorted(uow.applied)), e)
                     return
                 if uow.applied:
                     # Committed on another structure already: a backout now would split the UOW (and a BACKOUT
@@ -444,7 +456,8 @@ class Outcomes:
 
     def retry_pending(self) -> int:
         """Try again each decided outcome the CF could not take (housekeeping's first job); returns how many went
-        through. A CF or structure not back yet stops the round (the others would wait the same way). A retry
+        through. A CF not reachable stops the round (the others would wait the same way); a structure not back yet
+        (or refusing, pending, a commit another structure took) keeps only that UOW waiting. A retry
         refused for a reason of its own is that UOW's alone: it stays pending and is tried again, and neither stops
         the others' retries nor the rest of housekeeping (peer recovery, RECAUTO, expiry): a backout blocked so
         would leave its gets locked (invariant 1, docs/invariants.md). Said once a UOW,
@@ -457,7 +470,9 @@ class Outcomes:
                 done += 1
             except BackedOutError:
                 self.pending.pop(uid, None)
-            except (StructureFailedError, *CF_DOWN):
+            except StructureFailedError:
+                continue  # that UOW's structure is not back yet: the others' may be
+            except CF_DOWN:
                 break
             except MQError as e:
                 if uid not in self._refused_retries:
