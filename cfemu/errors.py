@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class MQError(Exception):
     """Base error: carries an MQ-like reason code and name (MQRC_*)."""
@@ -92,6 +94,11 @@ class OutcomePendingError(OutcomeUnknownError):
     loses its connection to a CF structure during the commit (MQCC_WARNING)."""
 
     reason, reason_name = 2124, "MQRC_OUTCOME_PENDING"
+    # What a get whose commit is pending delivered all the same (a get outside syncpoint, a conversation's receive
+    # of a message outside a unit of work): the message, as the call would have returned it; None for a commit
+    # that delivers nothing. Taken and logged, it is never consumed for nobody; a restore that read the logs before
+    # the commit may make it available again (docs/client.md, "Outcome pending").
+    message: Any = None
 
 
 class InDoubtError(MQError):

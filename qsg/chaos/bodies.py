@@ -4,6 +4,7 @@ and the payload derived from it, so that any delivery says which message it is a
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 import crc32c
 
@@ -30,4 +31,19 @@ def parse_body(body: bytes) -> tuple[str | None, bool]:
     return msg_id, ok
 
 
-__all__ = ["BODY_MAGIC", "make_body", "parse_body"]
+def delivery_fields(m: Any, qmgr: str) -> dict[str, Any]:
+    """What the history keeps of a message a get delivered (``m`` a client Message): the checker's delivery."""
+    msg_id, crc_ok = parse_body(m.body)
+    return {"msg": msg_id, "crc_ok": crc_ok, "queue": m.queue, "priority": m.priority, "persistent": m.persistent,
+            "backout_count": m.backout_count, "qmgr": qmgr}
+
+
+def pending_delivery(e: BaseException, qmgr: str) -> dict[str, Any]:
+    """The delivery an unknown outcome carries: a get whose commit is pending delivered its message with the error
+    (OutcomePendingError.message); the history records the get unknown, with the message delivered. {} for any
+    other unknown outcome."""
+    m = getattr(e, "message", None)
+    return delivery_fields(m, qmgr) if isinstance(getattr(m, "body", None), bytes) else {}
+
+
+__all__ = ["BODY_MAGIC", "delivery_fields", "make_body", "parse_body", "pending_delivery"]

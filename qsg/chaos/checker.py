@@ -4,8 +4,9 @@ It runs after healing, resolving every in-doubt UOW and draining every queue, on
 gets are in it, as op ``drain``). Definitions (docs/chaos.md has them with examples):
 
 Outcome of a unit of work: COMMITTED when its commit (or the coordinator's resolve, or an out-of-syncpoint put
-or get, or a drain get) returned ok; ABORTED when it was backed out (backout, or a BackedOutError); otherwise UNKNOWN,
-and then inferred from its effects:
+or get, or a drain get) returned ok; ABORTED when it was backed out (backout, a BackedOutError, a prepare refused
+with one); otherwise UNKNOWN, and then inferred from its effects (a get whose commit is pending is unknown and
+delivered its message: see delivered):
   * a put of the UOW is *visible* when its message was ever delivered (to any get, or the drain), and
     *invisible* when it was never delivered (only decisive for persistent messages without expiry);
   * a get of the UOW *took effect* when its message was never delivered again afterwards, and *did not* when it
@@ -79,6 +80,14 @@ PURGED = "purged"  # the phase of a fault's history event that names the message
 LEFT_SLACK_S = 1.0  # a get whose client left: the server might have gone on this long past the get's own wait
 SERVING_AGAIN = "serving again"  # the runner's event: when a member first passed a probe after a fault's heal
 SNOOP_OP = "snoop"  # an attempt of one application on another user's work (the snoop fault): refused, or a finding
+
+
+def delivered(o: Op) -> bool:
+    """A get (or drain get) that delivered its message: ok, or unknown with the message (its commit pending: the
+    member delivers the message with OutcomePendingError). The unknown one's unit of work is inferred like any
+    unknown one: it consumed the message only when the message was never delivered again, so it never counts as a
+    second committed consumer of a message a restore backed its get out of."""
+    return o.op in ("get", "drain") and (o.outcome == "ok" or o.outcome == "unknown" and "msg" in o.result)
 
 
 @dataclass
@@ -194,7 +203,7 @@ class Checker:
             if o.op == "put" and o.args.get("msg"):
                 self.puts[o.args["msg"]] = o
                 self.put_uow[o.args["msg"]] = key
-            if o.op in ("get", "drain") and o.outcome == "ok":
+            if delivered(o):
                 msg = o.result.get("msg")
                 if msg is None:
                     self.find("corrupted", [], f"op {o.id} ({o.client}) got a body that is not a chaos message "
@@ -235,6 +244,9 @@ class Checker:
                 elif o.outcome == "fail" and o.result.get("backed_out"):
                     u.outcome, u.known = ABORTED, True
                 return
+            if o.op == "prepare" and o.outcome == "fail" and o.result.get("backed_out"):  # a no vote
+                u.outcome, u.known = ABORTED, True
+                return
             if o.op == "prepare":
                 u.xid = o.args.get("xid", "")
                 ok = [r for r in resolves.get(u.xid, []) if r.outcome == "ok"]
@@ -257,7 +269,7 @@ class Checker:
             if o.op == "put" and o.outcome != "fail" and self._decisive(o.args["msg"]):
                 m = o.args["msg"]
                 (taken if self.deliveries.get(m) else untaken).append(m)
-            elif o.op == "get" and o.outcome == "ok" and o.result.get("msg") and self._decisive(o.result["msg"]):
+            elif o.op == "get" and delivered(o) and o.result.get("msg") and self._decisive(o.result["msg"]):
                 m = o.result["msg"]
                 ds = self.deliveries.get(m, [])
                 at = next(i for i, d in enumerate(ds) if d.op is o)
@@ -320,7 +332,7 @@ class Checker:
                         if put_done < f["t"] < d.op.t0 and self._cf_back(f) < d.op.t0:
                             self.find("resurrected", [m], f"non-persistent, put at t={put_done}, CF lost at "
                                                           f"t={f['t']}, delivered by op {d.op.id} at t={d.op.t0}")
-        unknown_drains = sum(1 for o in self.ops if o.op == "drain" and o.outcome == "unknown")
+        unknown_drains = sum(1 for o in self.ops if o.op == "drain" and o.outcome == "unknown" and not delivered(o))
         for m, put in sorted(self.puts.items()):
             if self.deliveries.get(m):
                 continue
@@ -358,8 +370,8 @@ class Checker:
         outcome is unknown), active after the message's put began: the get that may have consumed it for nobody."""
         queue = put.args.get("queue")
         for g in self.ops:
-            if g.op not in ("get", "drain") or g.outcome != "unknown" or g.args.get("queue") != queue:
-                continue
+            if g.op not in ("get", "drain") or g.outcome != "unknown" or delivered(g) or g.args.get("queue") != queue:
+                continue  # a get that delivered its message (its commit pending) consumed nothing for nobody
             if g.args.get("correlid") not in (None, put.args.get("correlid")):
                 continue  # a get by correlation id takes no message with another one
             if g.result.get("left"):  # a server that missed the leave would have waited out the get's wait

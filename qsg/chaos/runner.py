@@ -19,6 +19,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from cfemu.cf import CF
 from cfemu.errors import MQError, NoMessageError, OutcomeUnknownError
 from qsg.chaos import report
+from qsg.chaos.bodies import delivery_fields, pending_delivery
 from qsg.chaos.checker import MUST_BE_ZERO, check
 from qsg.chaos.conversations import drain_service, service_queues
 from qsg.chaos.faults import (
@@ -36,7 +37,7 @@ from qsg.chaos.group import DRAINED, QUEUES, STRUCTURES, ChaosGroup
 from qsg.chaos.history import FAIL, OK, UNKNOWN, History, load_history
 from qsg.chaos.options import ChaosOptions
 from qsg.chaos.pubsub_actions import drain_subscribers, topic_queues
-from qsg.chaos.workload import Coordinator, Workload, parse_body
+from qsg.chaos.workload import Coordinator, Workload
 from sqm.service.client import Client
 
 log = logging.getLogger("qsg.chaos")
@@ -239,16 +240,16 @@ def drain(group: ChaosGroup, history: History) -> int:
                 except NoMessageError as e:
                     history.complete(op, FAIL, reason=e.reason_name)
                     break
-                except OutcomeUnknownError as e:
-                    history.complete(op, UNKNOWN, reason=e.reason_name)
+                except OutcomeUnknownError as e:  # a pending get delivered its message with the error
+                    delivered = pending_delivery(e, c.qmgr)
+                    history.complete(op, UNKNOWN, reason=e.reason_name, **delivered)
+                    n += bool(delivered)
                     continue
                 except MQError as e:
                     history.complete(op, FAIL, reason=e.reason_name, detail=str(e)[:200])
                     time.sleep(0.5)
                     continue
-                msg, crc_ok = parse_body(m.body)
-                history.complete(op, OK, msg=msg, crc_ok=crc_ok, queue=m.queue, priority=m.priority,
-                                 persistent=m.persistent, backout_count=m.backout_count, qmgr=c.qmgr)
+                history.complete(op, OK, **delivery_fields(m, c.qmgr))
                 n += 1
     return n
 

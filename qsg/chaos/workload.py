@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cfemu.errors import BackedOutError, MQError, NoMessageError, OutcomeUnknownError
-from qsg.chaos.bodies import make_body, parse_body
+from qsg.chaos.bodies import delivery_fields, make_body, parse_body, pending_delivery
 from qsg.chaos.conversations import Conv, ConvRunner, ConvSession, conv_plan
 from qsg.chaos.history import FAIL, OK, UNKNOWN, History
 from qsg.chaos.pubsub_actions import SUBSCRIBERS, Pub, PubRunner, PubSession, pub_plan
@@ -284,8 +284,8 @@ class Runner:
         op_id = self.h.invoke(self.name, op, **args)
         try:
             result = fn()
-        except OutcomeUnknownError as e:
-            self.h.complete(op_id, UNKNOWN, reason=reason_of(e))
+        except OutcomeUnknownError as e:  # a get whose commit is pending: unknown, with the message it delivered
+            self.h.complete(op_id, UNKNOWN, reason=reason_of(e), **pending_delivery(e, self.c.qmgr))
             return UNKNOWN, e
         except NoMessageError as e:
             self.h.complete(op_id, FAIL, reason=reason_of(e))
@@ -312,10 +312,7 @@ class Runner:
         """A get (``match``: msgid= or correlid=); outside syncpoint it is a unit of work of its own."""
         def fn() -> tuple[Any, dict[str, Any]]:
             m = self.c.get(queue, syncpoint=syncpoint, wait_ms=wait_ms, **match)
-            msg_id, crc_ok = parse_body(m.body)
-            return m, {"msg": msg_id, "crc_ok": crc_ok, "queue": m.queue, "priority": m.priority,
-                       "persistent": m.persistent, "backout_count": m.backout_count,
-                       "qmgr": self.c.qmgr}
+            return m, delivery_fields(m, self.c.qmgr)
         return self.call("get", fn, uow=self.uow if syncpoint else None, queue=queue, syncpoint=syncpoint)
 
     def end(self, commit: bool) -> bool:

@@ -25,6 +25,7 @@ from cfemu.errors import (
     EndOfUowError,
     MQError,
     NoMessageError,
+    OutcomePendingError,
     OutcomeUnknownError,
     UnknownUowError,
     UowLimitError,
@@ -260,6 +261,10 @@ class Conversation:
                 try:
                     m = self.qm.connect().get(svc.name, syncpoint=False, max_length=max_length)
                     return Received(m.body, "", RECV_NONE, "", m.persistent)
+                except OutcomePendingError as e:  # delivered with the error, as the get outside syncpoint does
+                    m = e.message
+                    e.message = Received(m.body, "", RECV_NONE, "", m.persistent)
+                    raise
                 except NoMessageError:
                     pass
             if time.monotonic() >= deadline:

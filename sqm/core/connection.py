@@ -330,11 +330,15 @@ class Connection(UnitOfWorkScope):
             try:
                 qm.complete(own, True, pstore_checked=own.operations == 1)
             except OutcomePendingError as e:
-                # The message is taken and its get logged: delivered, so that it is never consumed for nobody. Its
-                # get completes when the structure is back; a restore that read the logs before it made it
-                # available again, and then it is delivered again (at least once, never lost; docs/client.md).
+                # The message is taken and its get logged: delivered with the error (e.message), so that it is never
+                # consumed for nobody, and the application learns its get is not known done: a restore that read
+                # the logs before it makes it available again, and then it is delivered again (at least once,
+                # never lost, never two gets both told done; docs/client.md).
                 log.warning("%s: the get of message %s from %s outside syncpoint is delivered with its outcome "
                             "pending: %s", qm.name, entry.id, queue, e)
+                qm.counters["gets"] += 1
+                e.message = Message.from_entry(entry, data)
+                raise
         qm.counters["gets"] += 1
         return Message.from_entry(entry, data)
 

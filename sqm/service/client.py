@@ -18,7 +18,9 @@ application is told then depends on what was at stake, and the library never gue
 * read-only requests (ping, browse, status, indoubt) are simply re-sent on the next endpoint;
 * the server answered that a commit is logged but pending (a structure failed, being restored, or the CF
   unreachable): OutcomePendingError, a kind of OutcomeUnknownError (MQRC_OUTCOME_PENDING, 2124): it completes when
-  the structure is back, unless a restore that read the logs before it backed it out.
+  the structure is back, unless a restore that read the logs before it backed it out. A get outside syncpoint
+  (and a conversation's receive of a message outside a unit of work) so answered delivers its message with the
+  error, in ``.message`` (a Message; a receive's reply map).
 
 Conversations (sqm.conversations.conversation; docs/uow.md): ``logon(user, token)`` makes this connection's session on the
 server; ``send``, ``receive`` and ``syncpoint`` use it. The session lives as long as the connection: when the
@@ -452,7 +454,12 @@ class Client(ConversationCalls, PubSubCalls, UnitOfWorkScope):
             args["msgid"] = msgid
         if correlid is not None:
             args["correlid"] = correlid
-        return message_from_wire(self._call("get", args, syncpoint=syncpoint, wait_s=wait_ms / 1000))
+        try:
+            return message_from_wire(self._call("get", args, syncpoint=syncpoint, wait_s=wait_ms / 1000))
+        except OutcomePendingError as e:  # its commit pending: the message is delivered with the error (.message)
+            if isinstance(e.message, dict):
+                e.message = message_from_wire(e.message)
+            raise
 
     def put_batch(self, messages: Sequence[bytes | dict[str, Any]], *, queue: str | None = None,
                   syncpoint: bool = True, commit: bool = False) -> list[Message]:

@@ -261,9 +261,15 @@ def ok_reply(rid: int | None, result: Any, **extra: Any) -> dict[str, Any]:
 
 
 def error_reply(rid: int | None, exc: MQError, **extra: Any) -> dict[str, Any]:
+    """The reply to a request refused by ``exc``. An error that delivered a message all the same (a get whose commit
+    is pending: OutcomePendingError.message) carries it in "delivered", in the reply's own form of it."""
     message = exc.args[0] if exc.args else ""
-    return {"id": rid, "ok": False, "error": {"reason": exc.reason, "reason_name": exc.reason_name,
-                                              "message": str(message), "type": type(exc).__name__}, **extra}
+    error = {"reason": exc.reason, "reason_name": exc.reason_name, "message": str(message),
+             "type": type(exc).__name__}
+    delivered = getattr(exc, "message", None)
+    if dataclasses.is_dataclass(delivered) and not isinstance(delivered, type):
+        error["delivered"] = {f.name: getattr(delivered, f.name) for f in dataclasses.fields(delivered)}
+    return {"id": rid, "ok": False, "error": error, **extra}
 
 
 def error_from_wire(err: Any) -> MQError:
@@ -273,7 +279,10 @@ def error_from_wire(err: Any) -> MQError:
     message = str(err.get("message", ""))
     cls = ERROR_CLASSES.get(str(err.get("type", "")))
     if cls is not None and cls.__init__ is MQError.__init__:
-        return cls(message)
+        known = cls(message)
+        if isinstance(err.get("delivered"), dict):  # its wire form: the call that raises it reads it as it would
+            known.message = err["delivered"]  # type: ignore[attr-defined]
+        return known
     exc = MQError(message)
     exc.reason = int(err.get("reason", MQError.reason))
     exc.reason_name = str(err.get("reason_name", MQError.reason_name))

@@ -10,7 +10,7 @@ import time
 from typing import Any, Protocol
 
 from cfemu import repository
-from cfemu.errors import BadRequestError, MQError, TruncatedMessageError
+from cfemu.errors import BadRequestError, MQError, OutcomePendingError, TruncatedMessageError
 from cfemu.topic_attributes import PUB_SUFFIX, SUB_SUFFIX
 from cfemu.uow_attributes import CONTROL_SUFFIX, DATA_SUFFIX
 from sqm import operations
@@ -105,6 +105,9 @@ def get(svc: Service, session: Session, args: dict[str, Any]) -> dict[str, Any]:
                      max_length=session.reply_limit - ENVELOPE - MESSAGE_COST)
     except TruncatedMessageError as e:
         raise _too_long(svc, session, "get", queue, e) from None
+    except OutcomePendingError:  # delivered with the error (its "delivered"): a get all the same
+        svc.activity.got(session.queues, queue)
+        raise
     svc.activity.got(session.queues, queue)
     return message_to_wire(m)
 

@@ -54,6 +54,7 @@ PREFIX = "/ibmmq/rest/{version}/messaging/qmgr/{qmgr}/queue/{queue}"
 CSRF_HEADER = "ibm-mq-rest-csrf-token"
 MD = "ibm-mq-md-"
 USR = "ibm-mq-usr-"
+OUTCOME_HEADER = "ibm-mq-outcome"  # "pending": a DELETE's get delivered with its commit pending (docs/rest.md)
 # The bodies IBM's POST takes: text of these media types, in UTF-8 (a missing charset is UTF-8).
 TEXT_TYPES = frozenset({"text/plain", "text/html", "text/xml", "application/json", "application/xml"})
 TEXT_PLAIN = "text/plain; charset=utf-8"
@@ -484,18 +485,22 @@ class RestEndpoint:
                                 "Get it with the native client.", reason=2110) from None
             if request.transport is None or request.transport.is_closing():
                 return web.Response(status=204)  # the caller left: backed out (the handle's end), not taken
-            await self._run(session, "commit", partial(self._commit_taken, session))
-        return web.Response(status=200, text=text, content_type="text/plain", charset="utf-8",
-                            headers=md_headers(m, int(time.time() * 1000)))
+            pending = await self._run(session, "commit", partial(self._commit_taken, session))
+        headers = md_headers(m, int(time.time() * 1000))
+        if pending:
+            headers[OUTCOME_HEADER] = "pending"
+        return web.Response(status=200, text=text, content_type="text/plain", charset="utf-8", headers=headers)
 
-    def _commit_taken(self, session: RestSession) -> None:
-        """Commit a message's get; one whose commit is logged but pending (a structure could not take it then) is
-        delivered all the same, as a get outside syncpoint is (docs/client.md, "Outcome pending"): never consumed
-        for nobody."""
+    def _commit_taken(self, session: RestSession) -> bool:
+        """Commit a message's get; True when the commit is logged but pending (a structure could not take it then):
+        the message is delivered all the same, as a get outside syncpoint delivers it with its OutcomePendingError
+        (docs/client.md, "Outcome pending"): never consumed for nobody, and the reply says its get is pending."""
         try:
             queue_ops.commit(self.server, session, {})
         except OutcomePendingError as e:
             log.warning("REST: a message's get is delivered with its commit pending: %s", e)
+            return True
+        return False
 
     async def _browse(self, request: web.Request, session: RestSession, limit: int) -> list[Message]:
         sel = self._selection(request, "/v3/" in request.path)

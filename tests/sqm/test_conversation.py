@@ -17,6 +17,7 @@ from cfemu.errors import (
     BadRequestError,
     EndOfUowError,
     NoMessageError,
+    OutcomePendingError,
     OutcomeUnknownError,
     UnknownUowError,
     UowLimitError,
@@ -466,3 +467,28 @@ def test_a_receive_whose_delivery_has_an_unknown_outcome_gives_the_uow_back(
     assert rcv.receiving is None
     assert (status(snd, uow), snd.query(uow)["deliveries"]) == ("ACCEPTED", 1)  # not held by an idle session
     assert Conversation(snd.qm, "ivan").receive(SVC, option=SYNC).uow == uow
+
+
+def test_a_receive_of_a_message_outside_a_uow_whose_commit_is_pending_delivers_it_with_the_error(
+        pair: tuple[Conversation, Conversation], qms: tuple[QueueManager, QueueManager],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    snd, rcv = pair
+    snd.send(SVC, b"plain", option=MSG)
+    admin = Admin(qms[1].redis)
+    real = QueueManager.apply
+
+    def fails_first(self: QueueManager, uow: Any, commit: bool, *, for_member: str | None = None) -> None:
+        monkeypatch.setattr(QueueManager, "apply", real)
+        admin.set_state(S, "FAILED")  # between the get's forced COMMIT and its application
+        real(self, uow, commit, for_member=for_member)
+
+    monkeypatch.setattr(QueueManager, "apply", fails_first)
+    with pytest.raises(OutcomePendingError) as told:
+        rcv.receive(SVC, option=MSG)
+    got = told.value.message
+    assert (got.body, got.recv, got.uow) == (b"plain", "RECV_NONE", "")  # delivered: never consumed for nobody
+    admin.set_state(S, "ACTIVE")
+    qms[1].retry_pending()
+    assert not qms[1].pending
+    with pytest.raises(NoMessageError):
+        rcv.receive(SVC, option=MSG)

@@ -16,9 +16,12 @@ import pytest
 
 from cfemu.admin import Admin
 from cfemu.errors import BackedOutError, NoMessageError, OutcomePendingError
+from sqm.core.connection import Message
 from sqm.core.manager import QueueManager
 from sqm.core.uow import UnitOfWork
 from sqm.service import queue_ops
+from sqm.service.client import Client
+from sqm.service.protocol import HEADER, decode_body, encode_frame, error_from_wire, error_reply
 from sqm.service.rest import RestEndpoint
 from tests.support.group import define_group, start_qm
 
@@ -83,7 +86,9 @@ def test_a_get_outside_syncpoint_whose_commit_is_pending_delivers_its_message(
         qm: QueueManager, monkeypatch: pytest.MonkeyPatch) -> None:
     qm.connect().put("Q1", b"taken", syncpoint=False)
     admin = fails_at_apply_now(qm, monkeypatch)
-    assert qm.connect().get("Q1", syncpoint=False).body == b"taken"  # delivered: never consumed for nobody
+    with pytest.raises(OutcomePendingError) as told:  # its get is not known done
+        qm.connect().get("Q1", syncpoint=False)
+    assert told.value.message.body == b"taken"  # delivered with the error: never consumed for nobody
     assert len(qm.pending) == 1
     back(qm, admin)
     with pytest.raises(NoMessageError):
@@ -134,7 +139,9 @@ def test_the_rest_door_delivers_a_message_whose_get_commit_is_pending(monkeypatc
         raise OutcomePendingError("logged, pending")
 
     monkeypatch.setattr(queue_ops, "commit", pending)
-    RestEndpoint._commit_taken(endpoint, cast(Any, None))
+    assert RestEndpoint._commit_taken(endpoint, cast(Any, None)) is True  # the reply says so (ibm-mq-outcome)
+    monkeypatch.setattr(queue_ops, "commit", lambda *_: None)
+    assert RestEndpoint._commit_taken(endpoint, cast(Any, None)) is False
 
     def backed_out(*_: Any) -> None:
         raise BackedOutError("backed out")
@@ -142,3 +149,26 @@ def test_the_rest_door_delivers_a_message_whose_get_commit_is_pending(monkeypatc
     monkeypatch.setattr(queue_ops, "commit", backed_out)
     with pytest.raises(BackedOutError):
         RestEndpoint._commit_taken(endpoint, cast(Any, None))
+
+
+def test_a_pending_get_s_message_crosses_the_network_door_with_its_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The service's error reply carries the message a pending get delivered (encoded as a real frame), and the
+    client's get raises OutcomePendingError with it as a Message: the application has both the message and the news
+    that its get is not known done."""
+    taken = Message(body=b"over the wire", queue="Q1", msgid=b"m" * 24, persistent=True)
+    err = OutcomePendingError("the commit of unit of work u1 is logged, but APP1 could not take it now")
+    err.message = taken
+    frame = encode_frame(error_reply(7, err))
+    reply = decode_body(frame[HEADER.size:])
+
+    def call(self: Client, op: str, args: dict[str, Any], **_: Any) -> Any:
+        assert op == "get" and args["syncpoint"] is False
+        raise error_from_wire(reply["error"])
+
+    monkeypatch.setattr(Client, "_call", call)
+    client = Client.__new__(Client)
+    with pytest.raises(OutcomePendingError, match=r"MQRC_OUTCOME_PENDING \(2124\)") as told:
+        client.get("Q1", syncpoint=False)
+    assert told.value.message == taken
+    # An error that delivered nothing carries nothing.
+    assert "delivered" not in error_reply(1, OutcomePendingError("a commit"))["error"]

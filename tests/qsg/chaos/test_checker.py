@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from cfemu.errors import OutcomePendingError, OutcomeUnknownError
+from qsg.chaos.bodies import make_body, pending_delivery
 from qsg.chaos.checker import FINDING_KINDS, check
+from sqm.core.connection import Message
 
 
 class Hist:
@@ -97,6 +100,43 @@ def test_duplicated_by_two_committed_gets_and_by_consumed_then_drained() -> None
     only(h.findings(), "duplicated")
     h = clean_base()
     h.drain("m1")  # consumed and still present at the end
+    only(h.findings(), "duplicated")
+
+
+def pending_get(h: Hist, client: str, msg: str, *, backout_count: int = 0, op: str = "get") -> None:
+    """A get outside syncpoint whose commit is pending: unknown, with the message it delivered all the same."""
+    extra: dict[str, Any] = {"uow": None, "syncpoint": False} if op == "get" else {}
+    h.op(client, op, "unknown", {"reason": "MQRC_OUTCOME_PENDING", "msg": msg, "crc_ok": True, "queue": "Q1",
+                                 "priority": 0, "backout_count": backout_count}, queue="Q1", **extra)
+
+
+def test_a_pending_get_backed_out_by_a_restore_and_delivered_again_is_no_duplicate() -> None:
+    h = clean_base()
+    h.put("p", None, "m4")
+    pending_get(h, "c2", "m4")  # told pending, with the message; a restore backs the get out
+    h.drain("m4")  # delivered again (its backout count raised)
+    h.events[-1]["backout_count"] = 1
+    r = check(h.events)
+    assert r.ok, r.summary()
+    assert r.counts["unknown outcomes resolved: backed out"] == 1
+
+
+def test_a_pending_get_whose_commit_completed_is_a_delivery_and_no_loss() -> None:
+    h = clean_base()
+    h.put("p", None, "m4")
+    pending_get(h, "c2", "m4")  # its commit completed: the message is never delivered again
+    r = check(h.events)
+    assert r.ok, r.summary()  # neither lost nor undelivered: the pending get delivered it
+    assert r.counts["unknown outcomes resolved: committed"] == 1
+    h = clean_base()
+    h.put("p", None, "m4")
+    pending_get(h, "drain", "m4", op="drain")
+    assert check(h.events).ok
+
+
+def test_a_message_delivered_again_after_a_committed_get_is_still_duplicated() -> None:
+    h = clean_base()
+    pending_get(h, "c2", "m1", backout_count=1)  # c.1 committed its get of m1: a later delivery is a duplicate
     only(h.findings(), "duplicated")
 
 
@@ -1021,3 +1061,15 @@ def test_isolation_an_attempt_not_refused() -> None:
     only(h.findings(), "isolation")
     detail = check(h.events).of("isolation")[0].detail
     assert "CANCEL as c3 (token guess) on ab12" in detail and "CANCELLED" in detail
+
+
+def test_the_workload_records_the_message_a_pending_get_delivered() -> None:
+    """What the workload and the drain record of an unknown outcome: the delivered message of a pending get (its
+    OutcomePendingError.message), nothing for any other unknown outcome."""
+    body = make_body("m9", 64)
+    e = OutcomePendingError("the commit of unit of work u1 is logged, but APP1 could not take it now")
+    e.message = Message(body=body, queue="Q1", backout_count=2)
+    assert pending_delivery(e, "QM1") == {"msg": "m9", "crc_ok": True, "queue": "Q1", "priority": 0,
+                                          "persistent": True, "backout_count": 2, "qmgr": "QM1"}
+    assert pending_delivery(OutcomePendingError("a commit"), "QM1") == {}
+    assert pending_delivery(OutcomeUnknownError("the connection died"), "QM1") == {}
