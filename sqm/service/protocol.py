@@ -67,6 +67,8 @@ HEADER = struct.Struct(">I")
 PROTOCOL_VERSION = 3
 # What a frame holds beside its messages: the request or reply map, its id, op and flags, argument names.
 ENVELOPE = 512
+# The most of an error's text a reply that delivers a message with its error carries (error_reply).
+DELIVERED_TEXT = 240
 # What a Message costs a reply beyond its data and its descriptor as the CF stores it (which already holds the
 # ids, in hex, the queue, the entry id and the properties): the field names and fixed-size values.
 MESSAGE_COST = 512
@@ -269,6 +271,9 @@ def error_reply(rid: int | None, exc: MQError, **extra: Any) -> dict[str, Any]:
     delivered = getattr(exc, "message", None)
     if dataclasses.is_dataclass(delivered) and not isinstance(delivered, type):
         error["delivered"] = {f.name: getattr(delivered, f.name) for f in dataclasses.fields(delivered)}
+        # The get was bounded to the reply's room for one message (ENVELOPE): the text must not crowd it out, or
+        # the reply would be refused and the message consumed for nobody.
+        error["message"] = error["message"][:DELIVERED_TEXT]
     return {"id": rid, "ok": False, "error": error, **extra}
 
 

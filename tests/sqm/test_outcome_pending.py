@@ -21,7 +21,16 @@ from sqm.core.manager import QueueManager
 from sqm.core.uow import UnitOfWork
 from sqm.service import queue_ops
 from sqm.service.client import Client
-from sqm.service.protocol import HEADER, decode_body, encode_frame, error_from_wire, error_reply
+from sqm.service.protocol import (
+    ENVELOPE,
+    HEADER,
+    decode_body,
+    encode_frame,
+    error_from_wire,
+    error_reply,
+    message_to_wire,
+    ok_reply,
+)
 from sqm.service.rest import RestEndpoint
 from tests.support.group import define_group, start_qm
 
@@ -170,5 +179,11 @@ def test_a_pending_get_s_message_crosses_the_network_door_with_its_error(monkeyp
     with pytest.raises(OutcomePendingError, match=r"MQRC_OUTCOME_PENDING \(2124\)") as told:
         client.get("Q1", syncpoint=False)
     assert told.value.message == taken
+    # The largest message a get takes still fits its reply with the error (the get is bounded to ENVELOPE and
+    # MESSAGE_COST beside its data and descriptor), however long the error's text.
+    err = OutcomePendingError("x" * 5000)
+    err.message = Message(body=b"b" * 1000, queue="Q" * 48, msgid=b"m" * 24, correlid=b"c" * 24)
+    plain = len(encode_frame(ok_reply(7, message_to_wire(err.message))))
+    assert len(encode_frame(error_reply(7, err))) <= plain + ENVELOPE
     # An error that delivered nothing carries nothing.
     assert "delivered" not in error_reply(1, OutcomePendingError("a commit"))["error"]

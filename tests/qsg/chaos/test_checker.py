@@ -271,6 +271,18 @@ def test_a_prepared_uow_takes_the_coordinators_resolution() -> None:
     only(h.findings(), "phantom")
 
 
+def test_a_prepare_refused_with_a_backout_is_a_known_backout() -> None:
+    """A no vote (a structure a restore may rebuild without the PREPARE): the unit of work is backed out, known, so
+    its put delivered is a phantom, not an unknown outcome inferred committed."""
+    h = clean_base()
+    h.put("p", "p.2", "x1")
+    h.op("p", "prepare", "fail", {"reason": "MQRC_BACKED_OUT", "backed_out": True}, uow="p.2", xid="x-p.2")
+    r = check(h.events)
+    assert r.ok and not r.counts.get("unknown outcomes"), (r.summary(), r.counts)
+    h.drain("x1")
+    only(h.findings(), "phantom")
+
+
 def test_deliveries_are_ordered_by_backout_count_not_by_when_a_slow_reply_arrived() -> None:
     """Soak seed 6 (a delayed CF link): c4's get took s1 first, but its reply arrived after the message had been
     backed out and delivered again to c2 (backout count 1). Ordered by reply time, c2's committed get looked
