@@ -266,14 +266,14 @@ def error_reply(rid: int | None, exc: MQError, **extra: Any) -> dict[str, Any]:
     """The reply to a request refused by ``exc``. An error that delivered a message all the same (a get whose commit
     is pending: OutcomePendingError.message) carries it in "delivered", in the reply's own form of it."""
     message = exc.args[0] if exc.args else ""
-    error = {"reason": exc.reason, "reason_name": exc.reason_name, "message": str(message),
-             "type": type(exc).__name__}
+    error: dict[str, Any] = {"reason": exc.reason, "reason_name": exc.reason_name, "message": str(message),
+                             "type": type(exc).__name__}
     delivered = getattr(exc, "message", None)
     if dataclasses.is_dataclass(delivered) and not isinstance(delivered, type):
         error["delivered"] = {f.name: getattr(delivered, f.name) for f in dataclasses.fields(delivered)}
         # The get was bounded to the reply's room for one message (ENVELOPE): the text must not crowd it out, or
         # the reply would be refused and the message consumed for nobody.
-        error["message"] = error["message"][:DELIVERED_TEXT]
+        error["message"] = str(message)[:DELIVERED_TEXT]
     return {"id": rid, "ok": False, "error": error, **extra}
 
 
