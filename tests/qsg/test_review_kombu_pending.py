@@ -1,10 +1,8 @@
-"""Adversarial review of the pending commit (restore-inflight): the kombu transport's no-ack delivery.
+"""Adversarial review of the pending commit: the kombu transport's no-ack delivery.
 
 A no-ack delivery (``basic_get(no_ack=True)``, a ``basic_consume`` with ``no_ack``) takes its message under syncpoint
-and commits at once (qsg/kombu_transport.py, Channel._take). The fix made a get outside syncpoint, a get_batch with
-commit and the REST door's get deliver their messages when their commit answers pending ("never consumed for
-nobody"), but _take still closes the client and raises on any commit error: a pending commit there takes the
-message off the queue (the member completes the get once the structure is back) and gives it to nobody."""
+and commits at once (qsg/kombu_transport.py, Channel._take). A commit that answers pending completes the get later:
+the message is delivered all the same (as a get outside syncpoint delivers it), never consumed for nobody."""
 
 from __future__ import annotations
 

@@ -1,12 +1,10 @@
-"""Adversarial review of the pending commit (restore-inflight): a get outside syncpoint whose structure fails, and
-is restored, between its get and its COMMIT.
+"""Adversarial review of the pending commit: a get outside syncpoint whose structure fails, and is restored,
+between its get and its COMMIT.
 
-Connection.get outside syncpoint catches the OutcomePendingError of its own commit and returns the message as
-delivered (sqm/core/connection.py, "the message is taken and its get logged: delivered"): the application is told
-nothing. A restore that read the logs before that get's COMMIT backs the get out, and the message is delivered a
-second time, to a get that also returned plainly: two gets that each answered "done" consumed one message, which is
-what invariant 1 (docs/invariants.md: "none is consumed twice (two committed gets)") and the chaos checker's
-`duplicated` finding forbid (the history records both gets `ok`, each a unit of work of its own that committed)."""
+A restore that read the logs before that get's COMMIT backs the get out, and the message is delivered again. The get
+must therefore never answer plainly "done": it raises OutcomePendingError carrying the message (delivered, never
+consumed for nobody), so that two gets are never both told done for one message (invariant 1, docs/invariants.md,
+and the chaos checker's `duplicated`)."""
 
 from __future__ import annotations
 

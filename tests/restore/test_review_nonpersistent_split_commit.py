@@ -1,12 +1,10 @@
-"""Adversarial review of the pending commit (restore-inflight): the non-persistent path (_commit_failed) of a unit of
-work across two structures, one restored between the commit's application on the first and on the second.
+"""Adversarial review of the pending commit: the non-persistent path of a unit of work across two structures, one
+restored between the commit's application on the first and on the second.
 
 Nothing logs a non-persistent unit of work, so the restore of APP2 (between APP1's commit and APP2's) drops its
-entries there; the commit, applied on APP1, is refused by APP2 (its work there lost with the restore). _apply_one
-then keeps it pending as a StructureFailedError ("it waits for the structure"), which the structure, ACTIVE again,
-answers the same way at every retry. retry_pending stops its whole round at a StructureFailedError (sqm/core/
-outcomes.py: "a CF or structure not back yet stops the round"): the outcomes pending after it, another unit of
-work's persistent commit on APP1 here, are never retried, and their entries stay locked for good."""
+entries there and APP2 refuses the commit (its work there lost with the restore). No restore keeps a non-persistent
+message: the commit is complete, not pending for good, and a structure not back yet keeps only its own UOW waiting
+in retry_pending, never the outcomes pending after it."""
 
 from __future__ import annotations
 

@@ -1,13 +1,11 @@
-"""Adversarial review of the pending commit (restore-inflight): a prepared (in-doubt) unit of work and a restore.
+"""Adversarial review of the pending commit: a prepared (in-doubt) unit of work and a restore.
 
-The fix exempts a prepared unit of work from the pending answer (sqm/core/outcomes.py, ``prepared``): a coordinator's
-resolve-commit that meets a failed or RECOVERING structure returns as committed, on the ground that "a restore keeps
-in-doubt UOWs in doubt". That holds only for a restore that read a PREPARE. Connection.prepare forces its PREPARE
-without asking any structure (sqm/core/connection.py, prepare): a unit of work open on a structure that failed, and
-prepared while the structure's restore loads (after it read the logs), is in flight in the logs that restore read, so
-the restore backs it out. The coordinator was told the UOW voted yes; its resolve-commit is then answered committed
-(while the structure is RECOVERING) and the put is lost, or BackedOutError (once it is ACTIVE), a heuristic outcome
-after a yes vote."""
+A coordinator's resolve-commit that meets a failed or RECOVERING structure is acknowledged, on the ground that a
+restore keeps in-doubt UOWs in doubt. That holds only for a restore that read the PREPARE: a unit of work prepared
+while its structure's restore loads (after it read the logs) is in flight in the logs that restore read, and is
+backed out by it. So Connection.prepare asks each structure of the UOW after its PREPARE is forced
+(QueueManager.confirm_prepared): one that is not ACTIVE refuses the vote (BackedOutError), and a yes vote is always
+one the coordinator's commit can honour."""
 
 from __future__ import annotations
 

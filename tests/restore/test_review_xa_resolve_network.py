@@ -1,11 +1,7 @@
-"""Adversarial review of the pending commit (restore-inflight), through the network door as a coordinator uses it:
-a member process (`sqm run`), the client library's prepare and resolve, a real restore of the structure.
-
-The member forces a PREPARE without asking the structure (sqm/core/connection.py, prepare), and answers a
-resolve-commit of a prepared unit of work "done" even when its structure cannot take it (sqm/core/outcomes.py:
-``prepared`` exempts it from the pending answer). Prepared while the structure's restore loads (after the restore
-read the logs, where the unit of work is in flight), the unit of work is backed out by that restore: the coordinator,
-told its resolve-commit is done, has lost the put."""
+"""Adversarial review of the pending commit, through the network door as a coordinator uses it: a member process
+(`sqm run`), the client library's prepare and resolve, a real restore of the structure. A unit of work prepared while
+its structure's restore loads would be backed out by that restore: its prepare is refused (a no vote), so a
+coordinator told its resolve-commit is done always finds the put."""
 
 from __future__ import annotations
 
