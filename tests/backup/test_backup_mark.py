@@ -19,31 +19,11 @@ from backup.run import run_backup
 from cfemu.admin import Admin
 from cfemu.cf import CF, BackupMark, Structure
 from cfemu.connection import connect
+from qsg.chaos.stalled_backup import start_stalled_backup
 from tests.support.group import define_group, start_qm
 
 S = "APP1"
 CFBACKUP = str(Path(sys.executable).parent / "cfbackup")
-
-# cfbackup run as a user runs it (backup.cli.main), with a backup that stops before its copy step 2 for SLOW_S
-# seconds (or until killed): a window in which the process is a running backup, its mark set and renewed.
-SLOW_BACKUP = """
-import os, sys, time
-import backup.cli as cli
-import backup.run as run
-
-real = run.run_backup
-
-def slow(*args, **kwargs):
-    def on_step(number, state):
-        if number == 2:
-            print("IN STEP 2", flush=True)
-            time.sleep(float(os.environ["SLOW_S"]))
-    return real(*args, on_step=on_step, **kwargs)
-
-cli.run_backup = slow
-sys.exit(cli.main(sys.argv[1:]))
-"""
-
 
 @pytest.fixture
 def env(redis_url: str, tmp_path: Path) -> dict[str, str]:
@@ -65,13 +45,8 @@ def cfbackup(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str
 
 
 def slow_backup(env: dict[str, str], slow_s: float, *args: str) -> subprocess.Popen[str]:
-    """A `cfbackup run APP1` process stopped before its step 2 (see SLOW_BACKUP), once it says so."""
-    proc = subprocess.Popen([sys.executable, "-c", SLOW_BACKUP, "run", S, *args], env={**env, "SLOW_S": str(slow_s)},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    assert line.strip() == "IN STEP 2", (line, proc.stderr.read() if proc.poll() is not None else "")
-    return proc
+    """A `cfbackup run APP1` process stalled before its step 2 for slow_s seconds, once it says so."""
+    return start_stalled_backup(["run", S, *args], env, slow_s)
 
 
 def mark(url: str) -> BackupMark | None:
