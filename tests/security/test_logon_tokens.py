@@ -31,6 +31,7 @@ from cfemu.errors import (
     UnknownUowError,
     UowStatusError,
 )
+from qsg.chaos.faults.clients import tokens_in_clear
 from sqm.core import logon_token
 from sqm.service.client import Client
 from sqm.service.protocol import NotAuthorizedError
@@ -82,14 +83,7 @@ def stolen_tokens(srv: ServerProc) -> list[str]:
                 messages = spy.browse(queue, 1000)
             except NotAuthorizedError:
                 continue
-            for m in messages:
-                try:
-                    body = msgpack.unpackb(m.body, raw=False)
-                except Exception:  # noqa: BLE001 - a UOW's or a publication's own message
-                    continue
-                if isinstance(body, dict):
-                    found += [v for k, v in body.items() if k in ("token", "receiver_token") and isinstance(v, str)
-                              and v]
+            found += tokens_in_clear(messages)
     return found
 
 
