@@ -182,6 +182,22 @@ def md_headers(m: Message, now_ms: int) -> dict[str, str]:
     return h
 
 
+def message_text(m: Message, problem: str, verb: str) -> str:
+    """The message's body as text; one that is not UTF-8 is a 400 naming the ``problem`` (the messaging REST API
+    returns text messages only) and telling how to ``verb`` it instead."""
+    try:
+        return m.body.decode("utf-8")
+    except UnicodeDecodeError:
+        raise RestError(400, "MQWB0303E", problem, "The messaging REST API returns text messages only.",
+                        f"{verb} it with the native client.", reason=2110) from None
+
+
+def text_reply(m: Message, text: str) -> web.Response:
+    """200 with the message as text/plain, its descriptor in the headers (md_headers)."""
+    return web.Response(status=200, text=text, content_type="text/plain", charset="utf-8",
+                        headers=md_headers(m, int(time.time() * 1000)))
+
+
 def summary(m: Message, now_ms: int) -> dict[str, Any]:
     """One message of a messagelist: its descriptor, not its body."""
     out: dict[str, Any] = {
@@ -475,17 +491,11 @@ class RestEndpoint:
             except NoMessageError:
                 return web.Response(status=204)
             m = message_from_wire(got)
-            try:
-                text = m.body.decode("utf-8")
-            except UnicodeDecodeError:
-                raise RestError(400, "MQWB0303E", "The message is not text in UTF-8: it was left on the queue.",
-                                "The messaging REST API returns text messages only.",
-                                "Get it with the native client.", reason=2110) from None
+            text = message_text(m, "The message is not text in UTF-8: it was left on the queue.", "Get")
             if request.transport is None or request.transport.is_closing():
                 return web.Response(status=204)  # the caller left: backed out (the handle's end), not taken
             await self._run(session, "commit", lambda: queue_ops.commit(self.server, session, {}))
-        return web.Response(status=200, text=text, content_type="text/plain", charset="utf-8",
-                            headers=md_headers(m, int(time.time() * 1000)))
+        return text_reply(m, text)
 
     async def _browse(self, request: web.Request, session: RestSession, limit: int) -> list[Message]:
         sel = self._selection(request, "/v3/" in request.path)
@@ -508,15 +518,7 @@ class RestEndpoint:
             found = await self._browse(request, session, 1)
         if not found:
             return web.Response(status=204)
-        m = found[0]
-        try:
-            text = m.body.decode("utf-8")
-        except UnicodeDecodeError:
-            raise RestError(400, "MQWB0303E", "The message is not text in UTF-8.",
-                            "The messaging REST API returns text messages only.",
-                            "Browse it with the native client.", reason=2110) from None
-        return web.Response(status=200, text=text, content_type="text/plain", charset="utf-8",
-                            headers=md_headers(m, int(time.time() * 1000)))
+        return text_reply(found[0], message_text(found[0], "The message is not text in UTF-8.", "Browse"))
 
     async def message_list(self, request: web.Request) -> web.Response:
         """A summary of up to ``limit`` messages (no bodies), in the order a get would take them."""
