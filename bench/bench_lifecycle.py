@@ -33,13 +33,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import redis
-from harness import Windows, append_result, load_average, on_real_disk
+from harness import Stopwatch, Windows, append_result, load_average, on_real_disk
 from rich.console import Console
 from rich.table import Table
 
@@ -106,22 +105,6 @@ def in_threads(loops: list[Callable[[float], int]], seconds: float) -> float:
 
 
 # --- where the time goes -----------------------------------------------------------------------------------
-@dataclass
-class Stopwatch:
-    seconds: float = 0.0
-    calls: int = 0
-
-    def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds += time.perf_counter() - t0
-                self.calls += 1
-        return timed
-
-
 def server_usec(client: redis.Redis) -> int:
     """Microseconds the redis-server spent executing commands so far (INFO commandstats)."""
     return sum(int(v["usec"]) for v in client.info("commandstats").values())

@@ -455,6 +455,13 @@ CONTENDERS: dict[str, type[Contender]] = {"postgres": Postgres, "rabbitmq": Rabb
 
 
 # --- the clients (in worker processes) -----------------------------------------------------------------------
+def redis_client(params: dict[str, Any], index: int) -> tuple[Any, str]:
+    """A client of the durable Redis, and the name of this client's own processing list (the reliable-queue
+    pattern: LMOVE from the queue into it, LREM once done)."""
+    import redis
+    return redis.Redis.from_url(params["url"]), f"bench:processing:{os.getpid()}:{index}"
+
+
 def make_loop(kind: str, params: dict[str, Any], index: int, qm: Any) -> tuple[Callable[[float], int], Callable[[], None]]:
     """A client of contender ``kind``: (run until a time.time() deadline -> lifecycles, close). With
     params["batch"] B >= 1, each lifecycle is a batch of B messages: put B and commit, then get B and commit (the
@@ -501,9 +508,7 @@ def make_loop(kind: str, params: dict[str, Any], index: int, qm: Any) -> tuple[C
             return n
         return rabbit, rconn.close
     if kind == "redis-aof":
-        import redis
-        client = redis.Redis.from_url(params["url"])
-        processing = f"bench:processing:{os.getpid()}:{index}"
+        client, processing = redis_client(params, index)
 
         def red(stop_at: float) -> int:
             n = 0
@@ -573,9 +578,7 @@ def make_batch_loop(kind: str, params: dict[str, Any], index: int, qm: Any,
             return n
         return pg, conn.close
     if kind == "redis-aof":
-        import redis
-        client = redis.Redis.from_url(params["url"])
-        processing = f"bench:processing:{os.getpid()}:{index}"
+        client, processing = redis_client(params, index)
 
         def red(stop_at: float) -> int:
             n = 0

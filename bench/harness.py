@@ -11,7 +11,8 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -64,6 +65,40 @@ def machine(work: Path) -> dict[str, Any]:
             "kernel": platform.release(), "python": platform.python_version(),
             "load_average_at_start": load_average(),
             "log_filesystem": filesystem_of(work)}
+
+
+# --- measuring parts ------------------------------------------------------------------------------------------
+class CountingClock:
+    """A caller's LRSN clock for a benchmark that drives the CF's scripts directly (cfemu.cf.Clock): a counter,
+    raised past every LRSN the CF returns."""
+
+    def __init__(self) -> None:
+        self.t = 0
+
+    def now(self) -> int:
+        self.t += 1
+        return self.t
+
+    def observe(self, lrsn: int) -> None:
+        self.t = max(self.t, lrsn)
+
+
+@dataclass
+class Stopwatch:
+    """The time spent in, and the calls of, every function it wraps."""
+
+    seconds: float = 0.0
+    calls: int = 0
+
+    def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+                self.calls += 1
+        return timed
 
 
 # --- the run ---------------------------------------------------------------------------------------------------
@@ -136,5 +171,5 @@ def append_result(name: str, result: dict[str, Any]) -> None:
         f.write(json.dumps(result, sort_keys=True) + "\n")
 
 
-__all__ = ["RESULTS", "Windows", "append_result", "filesystem_of", "load_average", "machine", "on_real_disk",
+__all__ = ["RESULTS", "CountingClock", "Stopwatch", "Windows", "append_result", "filesystem_of", "load_average", "machine", "on_real_disk",
            "one_member"]
