@@ -4,10 +4,8 @@ over once stale, and ended by an operator with `cfbackup cancel`. Real redis-ser
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,28 +18,13 @@ from cfemu.admin import Admin
 from cfemu.cf import CF, BackupMark, Structure
 from cfemu.connection import connect
 from qsg.chaos.stalled_backup import start_stalled_backup
-from tests.support.group import define_group, start_qm
+from tests.support.cfbackup import cfbackup, group_to_back_up
 
 S = "APP1"
-CFBACKUP = str(Path(sys.executable).parent / "cfbackup")
 
 @pytest.fixture
 def env(redis_url: str, tmp_path: Path) -> dict[str, str]:
-    client = define_group(redis_url, queues=("Q1",))
-    qm = start_qm(redis_url, tmp_path / "logs", "QM1", background=False)
-    conn = qm.connect()
-    for i in range(5):
-        conn.put("Q1", b"m%d" % i)
-    conn.commit()
-    qm.stop()
-    client.close()
-    e = {k: v for k, v in os.environ.items() if k not in ("CFEMU_BACKUP_DIR", "CFEMU_LOG_ROOT")}
-    e.update(REDIS_URL=redis_url, CFEMU_BACKUP_DIR=str(tmp_path / "bk"), CFEMU_LOG_ROOT=str(tmp_path / "logs"))
-    return e
-
-
-def cfbackup(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([CFBACKUP, *args], env=env, capture_output=True, text=True, timeout=120)
+    return group_to_back_up(redis_url, tmp_path, 5, queues=("Q1",))
 
 
 def slow_backup(env: dict[str, str], slow_s: float, *args: str) -> subprocess.Popen[str]:
