@@ -304,6 +304,12 @@ def _put_roster(conn: Connection, t: Topic, s: Subscription) -> None:
              counted=False)
 
 
+def _put_listed(conn: Connection, t: Topic, s: Subscription) -> None:
+    """The subscription's entry and its roster entry, under the connection's unit of work."""
+    put_subscription(conn, t, s)
+    _put_roster(conn, t, s)
+
+
 def subscribe(qm: Member, topic_name: str, name: str, *, durable: bool | None = None, user: str = "",
               token: str = "") -> Subscription:
     """SUBSCRIBE: a new subscription whose position is the structure's clock now (it receives the publications
@@ -327,8 +333,7 @@ def subscribe(qm: Member, topic_name: str, name: str, *, durable: bool | None = 
     s = Subscription(t.name, name, want, structure_clock(qm, t), AFTER_ALL, pc, pc, incarnation(qm), 0, user, token)
     conn = qm.connect()
     try:
-        put_subscription(conn, t, s)
-        _put_roster(conn, t, s)
+        _put_listed(conn, t, s)
         conn.commit()
     except BaseException:
         conn.backout()
@@ -394,8 +399,7 @@ def adopt_unsealed(qm: Member, t: Topic, name: str, user: str, token: str, seale
             return bool(peek_entries(qm, t, subscription_id(t.name, name, user, sealed)))
         take_roster(conn, t, old.sid)
         new = replace(old, token=sealed)
-        put_subscription(conn, t, new)
-        _put_roster(conn, t, new)
+        _put_listed(conn, t, new)
         conn.commit()
     except BaseException:
         conn.backout()
