@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
 import sys
 import threading
@@ -38,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from harness import Stopwatch, Windows, append_result, load_average, on_real_disk
+from harness import Stopwatch, Windows, append_result, measured_on_real_disk
 from rich.console import Console
 from rich.table import Table
 
@@ -361,21 +360,21 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     seconds, rounds = WINDOWS.of(ap, args)
     console = Console()
-    started = on_real_disk("lifecycle", args.work_dir, console, body_bytes=len(BODY), quick=args.quick)
-    if started is None:
-        return 2
-    work, result = started
-    srv = EmbeddedRedis(data_dir=work / "cf").start()
-    try:
+
+    def simplex_then_duplex(work: Path) -> dict[str, Any]:
+        srv = EmbeddedRedis(data_dir=work / "cf").start()
         try:
-            result.update(measure(srv.url, work, seconds, rounds, console))
+            measured = measure(srv.url, work, seconds, rounds, console)
         finally:
             srv.stop()
         if args.duplex:
-            result["duplex"] = measure_duplex(work, seconds, rounds, console)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    result["machine"]["load_average_at_end"] = load_average()
+            measured["duplex"] = measure_duplex(work, seconds, rounds, console)
+        return measured
+
+    result = measured_on_real_disk("lifecycle", args.work_dir, console, simplex_then_duplex, body_bytes=len(BODY),
+                                   quick=args.quick)
+    if result is None:
+        return 2
     report(result, console)
     if "duplex" in result:
         report_duplex(result["duplex"], console)

@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from harness import Windows, append_result, load_average, on_real_disk
+from harness import Windows, append_result, measured_on_real_disk
 from rich.console import Console
 from rich.table import Table
 
@@ -214,15 +213,11 @@ def main(argv: list[str] | None = None) -> int:
     if any(k < 1 for k in ks):
         ap.error("every K must be >= 1")
     console = Console()
-    started = on_real_disk("pubsub", args.work_dir, console, body_bytes=len(BODY), quick=args.quick)
-    if started is None:
+    result = measured_on_real_disk("pubsub", args.work_dir, console,
+                                   lambda work: measure(work, seconds, rounds, ks, console),
+                                   body_bytes=len(BODY), quick=args.quick)
+    if result is None:
         return 2
-    work, result = started
-    try:
-        result.update(measure(work, seconds, rounds, ks, console))
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    result["machine"]["load_average_at_end"] = load_average()
     report(result, console)
     append_result("pubsub", result)
     return 0

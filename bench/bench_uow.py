@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
 import sys
 import time
@@ -35,7 +34,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from harness import Windows, append_result, load_average, on_real_disk
+from harness import Windows, append_result, measured_on_real_disk
 from rich.console import Console
 from rich.table import Table
 
@@ -218,16 +217,12 @@ def main(argv: list[str] | None = None) -> int:
     if any(n < 1 for n in args.sizes):
         ap.error("--sizes: a UOW holds at least 1 message")
     console = Console()
-    started = on_real_disk("uow", args.work_dir, console, body_bytes=len(BODY), quick=args.quick)
-    if started is None:
+    result = measured_on_real_disk("uow", args.work_dir, console,
+                                   lambda work: measure(work, seconds, rounds, args.sizes, console),
+                                   body_bytes=len(BODY), quick=args.quick)
+    if result is None:
         return 2
-    work, result = started
-    try:
-        result.update(measure(work, seconds, rounds, args.sizes, console))
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     result["ratios"] = ratios(result["rows"])
-    result["machine"]["load_average_at_end"] = load_average()
     report(result, console)
     append_result("uow", result)
     return 0

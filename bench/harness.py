@@ -144,6 +144,22 @@ def on_real_disk(bench: str, work_dir: Path | None, console: Console, **fields: 
     return work, result
 
 
+def measured_on_real_disk(bench: str, work_dir: Path | None, console: Console,
+                          measure: Callable[[Path], dict[str, Any]], **fields: Any) -> dict[str, Any] | None:
+    """The result of ``measure(work)`` in a work directory on a real disk (on_real_disk; removed again), with the
+    load average at its end; None when the directory would be on tmpfs."""
+    started = on_real_disk(bench, work_dir, console, **fields)
+    if started is None:
+        return None
+    work, result = started
+    try:
+        result.update(measure(work))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    result["machine"]["load_average_at_end"] = load_average()
+    return result
+
+
 @contextmanager
 def one_member(bench: str, queue: str, structure: str = "APP1") -> Iterator[tuple[dict[str, Any], QueueManager]]:
     """(the machine, a started member QM1) on a private redis-server defining ``queue`` on ``structure``, its log
@@ -171,5 +187,6 @@ def append_result(name: str, result: dict[str, Any]) -> None:
         f.write(json.dumps(result, sort_keys=True) + "\n")
 
 
-__all__ = ["RESULTS", "CountingClock", "Stopwatch", "Windows", "append_result", "filesystem_of", "load_average", "machine", "on_real_disk",
+__all__ = ["RESULTS", "CountingClock", "Stopwatch", "Windows", "append_result", "filesystem_of", "load_average", "machine", "measured_on_real_disk",
+           "on_real_disk",
            "one_member"]
