@@ -241,24 +241,7 @@ def prune(backup_root: Path, structure: str, *, keep: int | None = None, older_t
             running = _running_backup(client, structure)
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
             reachable = False
-    removed: list[BackupInfo] = []
-    kept: list[BackupInfo] = []
-    for rank, b in enumerate(backups):
-        doomed = (keep is not None and rank >= keep) or (older_than is not None and b.started < now - older_than)
-        if doomed and b.id not in (newest_good, running):
-            removed.append(b)
-        else:
-            kept.append(b)
-    for b in removed:
-        shutil.rmtree(b.path)
-    note = ""
-    if reachable and client is not None:
-        try:
-            admin = Admin(client)
-            for b in removed:
-                admin.forget_backup(structure, b.id)
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
-            reachable = False
-    if not reachable and removed:
-        note = "the CF was not reachable: its catalog copy still lists the removed backups"
-    return PruneResult(removed, kept, reachable, note)
+    removed = [b for rank, b in enumerate(backups)
+               if ((keep is not None and rank >= keep) or (older_than is not None and b.started < now - older_than))
+               and b.id not in (newest_good, running)]
+    return _remove(structure, backups, removed, client if reachable else None)

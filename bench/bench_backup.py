@@ -42,6 +42,7 @@ from typing import Any
 
 import msgpack
 import redis
+from harness import append_result
 from rich.console import Console
 from rich.table import Table
 
@@ -453,10 +454,7 @@ def _finish(console: Console, result: dict[str, Any], args: argparse.Namespace) 
 
 
 def _append(result: dict[str, Any]) -> int:
-    out = Path(__file__).resolve().parent / "results"
-    out.mkdir(exist_ok=True)
-    with open(out / "backup.jsonl", "a") as f:
-        f.write(json.dumps(result, sort_keys=True) + "\n")
+    append_result("backup", result)
     return 0
 
 

@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 import msgpack  # noqa: E402
 import redis  # noqa: E402
+from harness import CountingClock  # noqa: E402
 
 from cfemu import bulk, keys  # noqa: E402
 from cfemu.admin import Admin, StructureDef  # noqa: E402
@@ -39,18 +40,6 @@ from cfemu.entry import Entry  # noqa: E402
 S, Q = "APP1", "Q1"
 RESULTS = ROOT / "bench" / "results" / "cf_bounded.jsonl"
 NOW = 2_000
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0
-
-    def now(self) -> int:
-        self.t += 1
-        return self.t
-
-    def observe(self, lrsn: int) -> None:
-        self.t = max(self.t, lrsn)
 
 
 class Probe:
@@ -119,7 +108,7 @@ def setup(r: redis.Redis) -> tuple[CF, Caller]:
     r.flushall()
     admin = Admin(r)
     admin.ensure_structure(S, (Q, "Q2"))
-    caller = Caller("QM1", admin.join("QM1", {}, lease_ms=600_000), Clock())
+    caller = Caller("QM1", admin.join("QM1", {}, lease_ms=600_000), CountingClock())
     return CF(r), caller
 
 

@@ -43,6 +43,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from harness import CountingClock  # noqa: E402
+
 from cfemu import lua  # noqa: E402
 from cfemu.admin import Admin  # noqa: E402
 from cfemu.cf import CF, Caller, CarriedCommit, Structure  # noqa: E402
@@ -56,18 +58,6 @@ FUSED_STEPS = ["put_committed", "get_committed"]
 OUTSIDE_SYNCPOINT = ["put", "commit(put)", "get", "commit(get)"]  # STEPS a member makes outside syncpoint
 # The longest message the caller can take (sqm passes one with every get).
 MAX_LENGTH = 4 * 1024 * 1024
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0
-
-    def now(self) -> int:
-        self.t += 1
-        return self.t
-
-    def observe(self, lrsn: int) -> None:
-        self.t = max(self.t, lrsn)
 
 
 def scripts_from(client: Any, folder: Path | None) -> dict[str, Any]:
@@ -94,7 +84,7 @@ class Variant:
         cf._scripts = scripts_from(self.client, folder)  # a benchmark's coupling: the scripts under test
         admin.ensure_structure("APP1", (self.queue,))
         self.s: Structure = cf.structure("APP1")
-        self.caller = Caller("QM1", admin.join("QM1", {}, lease_ms=3_600_000), Clock())
+        self.caller = Caller("QM1", admin.join("QM1", {}, lease_ms=3_600_000), CountingClock())
         self.n = 0
         self.fused = "put_committed" in cf._scripts and "get_committed" in cf._scripts
         self.carried: list[CarriedCommit] = []  # the commit of the last fused get, for the next one to carry

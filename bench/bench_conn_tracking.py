@@ -18,33 +18,25 @@ Prints a table and appends one JSON line to bench/results/conn_tracking.jsonl.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import shutil
 import statistics
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
-from bench_lifecycle import machine
+from harness import Windows, append_result, load_average, one_member
 from rich.console import Console
 from rich.table import Table
 
-from cfemu.admin import Admin
-from cfemu.connection import connect
-from cfemu.embedded import EmbeddedRedis
 from sqm.core.connection import Connection
-from sqm.core.manager import QueueManager, QueueManagerConfig
+from sqm.core.manager import QueueManager
 from sqm.service import queue_ops
 from sqm.service.protocol import MAX_FRAME
 from sqm.service.queue_activity import QueueActivity
-from sqm.wings import WINGS
 
 QUEUE, BODY = "Q1", b"x" * 1024
+WINDOWS = Windows(seconds=2.0, rounds=5, quick_seconds=0.5)
 
 
 class NoActivity(QueueActivity):
@@ -110,20 +102,10 @@ def bookkeeping_ns(activity: QueueActivity, session: Sess, n: int = 200_000) -> 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="one round of 0.5 s windows")
-    ap.add_argument("--seconds", type=float, default=None, help="each window (default 2, quick 0.5)")
-    ap.add_argument("--rounds", type=int, default=None, help="rounds of both windows (default 5, quick 1)")
+    WINDOWS.add_to(ap)
     args = ap.parse_args(argv)
-    seconds = args.seconds or (0.5 if args.quick else 2.0)
-    rounds = args.rounds or (1 if args.quick else 5)
-    work = Path(tempfile.mkdtemp(prefix="bench-conn-", dir=Path.cwd()))
-    host = machine(work)
-    cf = EmbeddedRedis(data_dir=work / "cf").start()
-    qm: QueueManager | None = None
-    try:
-        Admin(connect(cf.url)).ensure_structure("APP1", (QUEUE,))
-        qm = QueueManager(QueueManagerConfig(name="QM1", log_root=work / "logs", redis_url=cf.url), wings=WINGS)
-        qm.start()
+    seconds, rounds = WINDOWS.of(ap, args)
+    with one_member("conn", QUEUE) as (host, qm):
         session = Sess()
         on, off = Svc(qm, QueueActivity()), Svc(qm, NoActivity())
         requests(on, session, True, time.perf_counter() + 0.3)  # warm: scripts loaded, connection open
@@ -141,12 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             "ratio_tracked_over_untracked": round(medians["tracked"] / medians["untracked"], 3),
             "bookkeeping_ns_per_request": round(bookkeeping),
             "bookkeeping_share_of_request": round(bookkeeping * 1e-9 * medians["untracked"], 5),
-            "load_average_at_end": [round(x, 2) for x in os.getloadavg()]}
-    finally:
-        if qm is not None:
-            qm.stop()
-        cf.stop()
-        shutil.rmtree(work, ignore_errors=True)
+            "load_average_at_end": load_average()}
     table = Table(title="connection tracking: non-persistent put and get requests per second (median of rounds)")
     for col in ("untracked", "tracked", "tracked / untracked"):
         table.add_column(col, justify="right")
@@ -154,10 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     Console().print(table)
     Console().print(f"the bookkeeping alone: {result['bookkeeping_ns_per_request']} ns a request, "
                     f"{result['bookkeeping_share_of_request']:.3%} of an untracked request's time")
-    out = Path(__file__).parent / "results"
-    out.mkdir(exist_ok=True)
-    with open(out / "conn_tracking.jsonl", "a") as f:
-        f.write(json.dumps(result, sort_keys=True) + "\n")
+    append_result("conn_tracking", result)
     return 0
 
 

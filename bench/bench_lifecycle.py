@@ -26,24 +26,18 @@ table and appends one JSON line to bench/results/lifecycle.jsonl.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import redis
+from harness import Stopwatch, Windows, append_result, measured_on_real_disk
 from rich.console import Console
 from rich.table import Table
 
@@ -60,42 +54,9 @@ from sqm.wings import WINGS
 
 BODY = os.urandom(1024)
 STRUCTURE, QUEUE = "APP1", "Q1"
-REPO = Path(__file__).resolve().parents[1]
 TARGET_RATIO_1 = 0.75
 TARGET_FSYNCS_PER_COMMIT = 0.25
-
-
-# --- the machine -------------------------------------------------------------------------------------------
-def _command(*argv: str) -> str:
-    try:
-        return subprocess.run(argv, capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
-def filesystem_of(path: Path) -> str:
-    """The type and device of the mount holding path (from /proc/mounts: the longest matching mount point)."""
-    best = ("", "?", "?")
-    try:
-        with open("/proc/mounts") as f:
-            for line in f:
-                dev, mnt, fstype = line.split()[:3]
-                if (str(path).startswith(mnt.rstrip("/") + "/") or str(path) == mnt) and len(mnt) > len(best[0]):
-                    best = (mnt, fstype, dev)
-    except OSError:
-        pass
-    return f"{best[1]} on {best[2]} (mount {best[0] or '?'})"
-
-
-def machine(work: Path) -> dict[str, Any]:
-    model = _command("lscpu").splitlines()
-    return {"nproc": _command("nproc"),
-            "cpu": next((line.split(":", 1)[1].strip() for line in model if line.startswith("Model name")), "?"),
-            "memory": next((line.split()[1] + " GiB total" for line in _command("free", "-g").splitlines()
-                            if line.startswith("Mem:")), "?"),
-            "kernel": platform.release(), "python": platform.python_version(),
-            "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
-            "log_filesystem": filesystem_of(work)}
+WINDOWS = Windows(seconds=5.0, rounds=3, quick_seconds=1.0)
 
 
 # --- the loops -----------------------------------------------------------------------------------------------
@@ -143,22 +104,6 @@ def in_threads(loops: list[Callable[[float], int]], seconds: float) -> float:
 
 
 # --- where the time goes -----------------------------------------------------------------------------------
-@dataclass
-class Stopwatch:
-    seconds: float = 0.0
-    calls: int = 0
-
-    def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds += time.perf_counter() - t0
-                self.calls += 1
-        return timed
-
-
 def server_usec(client: redis.Redis) -> int:
     """Microseconds the redis-server spent executing commands so far (INFO commandstats)."""
     return sum(int(v["usec"]) for v in client.info("commandstats").values())
@@ -407,42 +352,33 @@ def report(result: dict[str, Any], console: Console) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="a short run: 1 round of 1 s windows")
-    ap.add_argument("--seconds", type=float, default=5.0, help="length of each measuring window")
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (the median is reported)")
+    WINDOWS.add_to(ap)
     ap.add_argument("--duplex", action="store_true",
                     help="also compare a simplex CF with a duplexed pair (a replica every CF call waits for)")
     ap.add_argument("--work-dir", type=Path, default=None,
                     help="where the temporary CF and logs go (default: the system temp dir; must be a real disk)")
     args = ap.parse_args(argv)
-    if args.quick:
-        args.seconds, args.rounds = 1.0, 1
+    seconds, rounds = WINDOWS.of(ap, args)
     console = Console()
-    work = Path(tempfile.mkdtemp(prefix="bench-lifecycle-", dir=args.work_dir))
-    result: dict[str, Any] = {"bench": "lifecycle", "date": datetime.now(UTC).isoformat(timespec="seconds"),
-                              "machine": machine(work), "body_bytes": len(BODY), "quick": args.quick}
-    if "tmpfs" in result["machine"]["log_filesystem"]:
-        console.print(f"[red]{work} is on tmpfs: fsync costs nothing there; pass --work-dir on a real disk")
-        shutil.rmtree(work, ignore_errors=True)
-        return 2
-    srv = EmbeddedRedis(data_dir=work / "cf").start()
-    try:
+
+    def simplex_then_duplex(work: Path) -> dict[str, Any]:
+        srv = EmbeddedRedis(data_dir=work / "cf").start()
         try:
-            result.update(measure(srv.url, work, args.seconds, args.rounds, console))
+            measured = measure(srv.url, work, seconds, rounds, console)
         finally:
             srv.stop()
         if args.duplex:
-            result["duplex"] = measure_duplex(work, args.seconds, args.rounds, console)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    result["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+            measured["duplex"] = measure_duplex(work, seconds, rounds, console)
+        return measured
+
+    result = measured_on_real_disk("lifecycle", args.work_dir, console, simplex_then_duplex, body_bytes=len(BODY),
+                                   quick=args.quick)
+    if result is None:
+        return 2
     report(result, console)
     if "duplex" in result:
         report_duplex(result["duplex"], console)
-    out = REPO / "bench" / "results"
-    out.mkdir(exist_ok=True)
-    with open(out / "lifecycle.jsonl", "a") as f:
-        f.write(json.dumps(result, sort_keys=True) + "\n")
+    append_result("lifecycle", result)
     return 0
 
 

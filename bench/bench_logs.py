@@ -25,7 +25,6 @@ bench/results/logs.jsonl.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -38,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from harness import append_result
 from rich.console import Console
 from rich.table import Table
 
@@ -50,7 +50,6 @@ from sqm.core.manager import QueueManager, QueueManagerConfig
 from sqm.log.format import list_segments
 from sqm.wings import WINGS
 
-REPO = Path(__file__).resolve().parents[1]
 S = "APP1"
 
 
@@ -309,10 +308,7 @@ def main() -> int:
         srv.stop()
         shutil.rmtree(work, ignore_errors=True)
     result["loadavg_after"] = os.getloadavg()
-    results = REPO / "bench" / "results" if (REPO / "bench" / "results").is_dir() else Path("bench/results")
-    results.mkdir(parents=True, exist_ok=True)
-    with open(results / "logs.jsonl", "a") as f:
-        f.write(json.dumps(result) + "\n")
+    append_result("logs", result)
     return 0
 
 

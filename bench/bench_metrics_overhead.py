@@ -15,31 +15,23 @@ Prints a table and appends one JSON line to bench/results/metrics_overhead.jsonl
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import shutil
 import statistics
-import tempfile
 import time
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
-from bench_lifecycle import machine
+from harness import Windows, append_result, load_average, one_member
 from prometheus_client import generate_latest
 from rich.console import Console
 from rich.table import Table
 
-from cfemu.admin import Admin
-from cfemu.connection import connect
-from cfemu.embedded import EmbeddedRedis
 from cfemu.latency import Latencies, Latency
-from sqm.core.manager import QueueManager, QueueManagerConfig
+from sqm.core.manager import QueueManager
 from sqm.service import metrics
 from sqm.service.ops import OPERATIONS
-from sqm.wings import WINGS
 
 QUEUE, BODY = "Q1", b"x" * 1024
+WINDOWS = Windows(seconds=2.0, rounds=5, quick_seconds=0.5)
 WORKLOADS = {"persistent put+commit+get+commit": True, "non-persistent put+get": False}
 
 
@@ -82,20 +74,10 @@ def lifecycles(qm: QueueManager, op_seconds: Latencies, stop_at: float, persiste
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="one round of 0.5 s windows")
-    ap.add_argument("--seconds", type=float, default=None, help="each window (default 2, quick 0.5)")
-    ap.add_argument("--rounds", type=int, default=None, help="rounds of both windows (default 5, quick 1)")
+    WINDOWS.add_to(ap)
     args = ap.parse_args(argv)
-    seconds = args.seconds or (0.5 if args.quick else 2.0)
-    rounds = args.rounds or (1 if args.quick else 5)
-    work = Path(tempfile.mkdtemp(prefix="bench-metrics-", dir=Path.cwd()))
-    host = machine(work)
-    cf = EmbeddedRedis(data_dir=work / "cf").start()
-    qm: QueueManager | None = None
-    try:
-        Admin(connect(cf.url)).ensure_structure("APP1", (QUEUE,))
-        qm = QueueManager(QueueManagerConfig(name="QM1", log_root=work / "logs", redis_url=cf.url), wings=WINGS)
-        qm.start()
+    seconds, rounds = WINDOWS.of(ap, args)
+    with one_member("metrics", QUEUE) as (host, qm):
         assert qm.log is not None
         timed = (Latency(), Latency(), Latencies())
         untimed = (NO_LATENCY, NO_LATENCY, NoLatencies())
@@ -124,12 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             "ratio_timed_over_untimed": {w: round(statistics.median(rates[f"{w} timed"])
                                                   / statistics.median(rates[f"{w} untimed"]), 3) for w in WORKLOADS},
             "scrape_ms_median": round(statistics.median(scrapes) * 1000, 2), "scrape_bytes": size,
-            "load_average_at_end": [round(x, 2) for x in os.getloadavg()]}
-    finally:
-        if qm is not None:
-            qm.stop()
-        cf.stop()
-        shutil.rmtree(work, ignore_errors=True)
+            "load_average_at_end": load_average()}
     table = Table(title="latency histograms: lifecycles per second (median of rounds), and one scrape")
     for col in ("workload", "untimed", "timed", "timed / untimed"):
         table.add_column(col, justify="right")
@@ -138,10 +115,7 @@ def main(argv: list[str] | None = None) -> int:
                       str(result["ratio_timed_over_untimed"][w]))
     Console().print(table)
     Console().print(f"one scrape of the member's registry: {result['scrape_ms_median']} ms, {size} bytes")
-    out = Path(__file__).parent / "results"
-    out.mkdir(exist_ok=True)
-    with open(out / "metrics_overhead.jsonl", "a") as f:
-        f.write(json.dumps(result, sort_keys=True) + "\n")
+    append_result("metrics_overhead", result)
     return 0
 
 

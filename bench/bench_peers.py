@@ -75,7 +75,7 @@ if str(REPO) not in sys.path:
 # The servers this benchmark starts (`sqm run`) and its client processes run this tree's code, not an installed one.
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
 
-from bench_lifecycle import machine  # noqa: E402
+from harness import append_result, load_average, machine  # noqa: E402
 
 from cfemu.procs import free_port  # noqa: E402
 
@@ -455,6 +455,13 @@ CONTENDERS: dict[str, type[Contender]] = {"postgres": Postgres, "rabbitmq": Rabb
 
 
 # --- the clients (in worker processes) -----------------------------------------------------------------------
+def redis_client(params: dict[str, Any], index: int) -> tuple[Any, str]:
+    """A client of the durable Redis, and the name of this client's own processing list (the reliable-queue
+    pattern: LMOVE from the queue into it, LREM once done)."""
+    import redis
+    return redis.Redis.from_url(params["url"]), f"bench:processing:{os.getpid()}:{index}"
+
+
 def make_loop(kind: str, params: dict[str, Any], index: int, qm: Any) -> tuple[Callable[[float], int], Callable[[], None]]:
     """A client of contender ``kind``: (run until a time.time() deadline -> lifecycles, close). With
     params["batch"] B >= 1, each lifecycle is a batch of B messages: put B and commit, then get B and commit (the
@@ -501,9 +508,7 @@ def make_loop(kind: str, params: dict[str, Any], index: int, qm: Any) -> tuple[C
             return n
         return rabbit, rconn.close
     if kind == "redis-aof":
-        import redis
-        client = redis.Redis.from_url(params["url"])
-        processing = f"bench:processing:{os.getpid()}:{index}"
+        client, processing = redis_client(params, index)
 
         def red(stop_at: float) -> int:
             n = 0
@@ -573,9 +578,7 @@ def make_batch_loop(kind: str, params: dict[str, Any], index: int, qm: Any,
             return n
         return pg, conn.close
     if kind == "redis-aof":
-        import redis
-        client = redis.Redis.from_url(params["url"])
-        processing = f"bench:processing:{os.getpid()}:{index}"
+        client, processing = redis_client(params, index)
 
         def red(stop_at: float) -> int:
             n = 0
@@ -835,7 +838,7 @@ def main(argv: list[str] | None = None) -> int:
         with ThreadPoolExecutor(max(1, len(running))) as pool:
             list(pool.map(stop, running.values()))
         shutil.rmtree(work, ignore_errors=True)
-    info["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    info["load_average_at_end"] = load_average()
     record = {"benchmark": "peers", "date": started.isoformat(timespec="seconds"), "quick": args.quick,
               "seconds": args.seconds, "rounds": args.rounds, "clients": keys, "batch": args.batch,
               "servers": args.servers,
@@ -843,10 +846,7 @@ def main(argv: list[str] | None = None) -> int:
               "setups": {name: c.servers_note for name, (c, _) in running.items()},
               "results": {k: v for k, v in results.items() if k in running},
               "elapsed_s": round(time.time() - started.timestamp())}
-    out = BENCH_DIR / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "peers.jsonl", "a") as f:
-        f.write(json.dumps(record) + "\n")
+    append_result("peers", record)
     if args.json:
         print(json.dumps(record, indent=1))
     else:

@@ -21,18 +21,14 @@ table and appends one JSON line to bench/results/pubsub.jsonl.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from bench_lifecycle import machine
+from harness import Windows, append_result, measured_on_real_disk
 from rich.console import Console
 from rich.table import Table
 
@@ -46,7 +42,7 @@ from sqm.wings import WINGS
 
 BODY = os.urandom(1024)
 STRUCTURE = "APP1"
-REPO = Path(__file__).resolve().parents[1]
+WINDOWS = Windows(seconds=2.0, rounds=3, quick_seconds=0.3)
 
 
 class Group:
@@ -208,35 +204,22 @@ def report(result: dict[str, Any], console: Console) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="a short run: 1 round of 0.3 s windows, K = 1 and 10")
-    ap.add_argument("--seconds", type=float, default=None, help="length of each window (default 2, quick 0.3)")
-    ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds, the median reported (default 3)")
+    WINDOWS.add_to(ap, "a short run: 1 round of 0.3 s windows, K = 1 and 10")
     ap.add_argument("--subscribers", type=int, nargs="+", default=None, help="K values (default 1 10 100)")
     ap.add_argument("--work-dir", type=Path, default=None, help="where the CFs and logs go (a real disk)")
     args = ap.parse_args(argv)
-    seconds = args.seconds if args.seconds is not None else 0.3 if args.quick else 2.0
-    rounds = args.rounds if args.rounds is not None else 1 if args.quick else 3
+    seconds, rounds = WINDOWS.of(ap, args)
     ks = args.subscribers or ([1, 10] if args.quick else [1, 10, 100])
-    if seconds <= 0 or rounds < 1 or any(k < 1 for k in ks):
-        ap.error("--seconds must be > 0, --rounds >= 1, every K >= 1")
+    if any(k < 1 for k in ks):
+        ap.error("every K must be >= 1")
     console = Console()
-    work = Path(tempfile.mkdtemp(prefix="bench-pubsub-", dir=args.work_dir))
-    result: dict[str, Any] = {"bench": "pubsub", "date": datetime.now(UTC).isoformat(timespec="seconds"),
-                              "machine": machine(work), "body_bytes": len(BODY), "quick": args.quick}
-    if "tmpfs" in result["machine"]["log_filesystem"]:
-        console.print(f"[red]{work} is on tmpfs: fsync costs nothing there; pass --work-dir on a real disk")
-        shutil.rmtree(work, ignore_errors=True)
+    result = measured_on_real_disk("pubsub", args.work_dir, console,
+                                   lambda work: measure(work, seconds, rounds, ks, console),
+                                   body_bytes=len(BODY), quick=args.quick)
+    if result is None:
         return 2
-    try:
-        result.update(measure(work, seconds, rounds, ks, console))
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    result["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     report(result, console)
-    out = REPO / "bench" / "results"
-    out.mkdir(exist_ok=True)
-    with open(out / "pubsub.jsonl", "a") as f:
-        f.write(json.dumps(result, sort_keys=True) + "\n")
+    append_result("pubsub", result)
     return 0
 
 

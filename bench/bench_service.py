@@ -18,8 +18,6 @@ bench/results/service.jsonl.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import shutil
 import statistics
 import sys
@@ -30,7 +28,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from bench_lifecycle import QUEUE, STRUCTURE, in_threads, machine, sqm_lifecycles
+from bench_lifecycle import QUEUE, STRUCTURE, in_threads, sqm_lifecycles
+from harness import append_result, load_average, machine
 from rich.console import Console
 from rich.table import Table
 
@@ -111,15 +110,12 @@ def main(argv: list[str] | None = None) -> int:
     for n, r in results.items():
         table.add_row(str(n), f"{r['in_process_per_s']:.0f}", f"{r['service_per_s']:.0f}", f"{r['ratio']:.2f}")
     console.print(table)
-    info["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    info["load_average_at_end"] = load_average()
     console.print(f"machine: {info}")
     record = {"benchmark": "service", "date": started.isoformat(timespec="seconds"), "quick": args.quick,
               "seconds": args.seconds, "rounds": args.rounds, "managers": MANAGERS, "machine": info,
               "results": {str(k): v for k, v in results.items()}, "elapsed_s": round(time.time() - started.timestamp())}
-    out = REPO / "bench" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "service.jsonl", "a") as f:
-        f.write(json.dumps(record) + "\n")
+    append_result("service", record)
     return 0
 
 

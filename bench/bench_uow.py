@@ -24,21 +24,17 @@ table and appends one JSON line to bench/results/uow.jsonl.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-from bench_lifecycle import machine
+from harness import Windows, append_result, measured_on_real_disk
 from rich.console import Console
 from rich.table import Table
 
@@ -52,7 +48,7 @@ from sqm.wings import WINGS
 
 BODY = os.urandom(1024)
 STRUCTURE, SERVICE, PLAIN = "APP1", "SVC", "PLAIN"
-REPO = Path(__file__).resolve().parents[1]
+WINDOWS = Windows(seconds=3.0, rounds=3, quick_seconds=0.5)
 STATUS_SETTINGS = {"status_on": 1, "status_off": 0}  # the service's UWSTATP
 
 
@@ -212,39 +208,23 @@ def report(result: dict[str, Any], console: Console) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="a short run: 1 round of 0.5 s windows (unless --seconds, --rounds say otherwise)")
-    ap.add_argument("--seconds", type=float, default=None, help="length of each measuring window (default 3, quick 0.5)")
-    ap.add_argument("--rounds", type=int, default=None,
-                    help="interleaved rounds, the median is reported (default 3, quick 1)")
+    WINDOWS.add_to(ap)
     ap.add_argument("--sizes", type=int, nargs="+", default=[1, 4], help="messages per UOW")
     ap.add_argument("--work-dir", type=Path, default=None,
                     help="where the temporary CFs and logs go (default: the system temp dir; must be a real disk)")
     args = ap.parse_args(argv)
-    args.seconds = args.seconds if args.seconds is not None else 0.5 if args.quick else 3.0
-    args.rounds = args.rounds if args.rounds is not None else 1 if args.quick else 3
-    if args.seconds <= 0 or args.rounds < 1:
-        ap.error("--seconds must be > 0 and --rounds >= 1")
+    seconds, rounds = WINDOWS.of(ap, args)
     if any(n < 1 for n in args.sizes):
         ap.error("--sizes: a UOW holds at least 1 message")
     console = Console()
-    work = Path(tempfile.mkdtemp(prefix="bench-uow-", dir=args.work_dir))
-    result: dict[str, Any] = {"bench": "uow", "date": datetime.now(UTC).isoformat(timespec="seconds"),
-                              "machine": machine(work), "body_bytes": len(BODY), "quick": args.quick}
-    if "tmpfs" in result["machine"]["log_filesystem"]:
-        console.print(f"[red]{work} is on tmpfs: fsync costs nothing there; pass --work-dir on a real disk")
-        shutil.rmtree(work, ignore_errors=True)
+    result = measured_on_real_disk("uow", args.work_dir, console,
+                                   lambda work: measure(work, seconds, rounds, args.sizes, console),
+                                   body_bytes=len(BODY), quick=args.quick)
+    if result is None:
         return 2
-    try:
-        result.update(measure(work, args.seconds, args.rounds, args.sizes, console))
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     result["ratios"] = ratios(result["rows"])
-    result["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     report(result, console)
-    out = REPO / "bench" / "results"
-    out.mkdir(exist_ok=True)
-    with open(out / "uow.jsonl", "a") as f:
-        f.write(json.dumps(result, sort_keys=True) + "\n")
+    append_result("uow", result)
     return 0
 
 

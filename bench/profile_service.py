@@ -37,6 +37,7 @@ BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 
 from bench_peers import TICK, _proc_table  # noqa: E402
+from harness import Stopwatch  # noqa: E402
 
 import sqm.log.writer as writer  # noqa: E402
 from cfemu import cf as cfmod  # noqa: E402
@@ -78,21 +79,6 @@ def own_ticks(pid: int) -> int:
     """CPU ticks of one process, without its children: the CF and the client are children of this process, and
     counting them in the server's figure (as an earlier version of this script did) counted them twice."""
     return _proc_table().get(pid, (0, 0))[1]
-
-
-class Stopwatch:
-    def __init__(self) -> None:
-        self.seconds, self.calls = 0.0, 0
-
-    def wrap(self, fn: Any) -> Any:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds += time.perf_counter() - t0
-                self.calls += 1
-        return timed
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -54,6 +54,18 @@ def _counts_rows(by_type: dict[str, int]) -> list[list[object]]:
     return [[t, n] for t, n in sorted(by_type.items())]
 
 
+def _show_moved(out: Output, done: migrate.Unloaded | migrate.Loaded, what: str, side: str, where: str) -> int:
+    """An unload's or a load's result: its JSON; or what moved, how much and how fast, the side's state now
+    (``side`` names it), the records moved by type, and ``where`` they are."""
+    if out.as_json:
+        out.json(done.to_dict())
+        return 0
+    out.line(f"{what}: {done.entries} entries, {done.bytes} bytes in {done.seconds:.2f} s; {side} {done.state}")
+    out.table("records", ["type", "entries"], _counts_rows(done.by_type))
+    out.line(where)
+    return 0
+
+
 def _log_root(args: argparse.Namespace, found: Settings, client: redis.Redis) -> Path | None:
     """--log-root, else the CF's record of the group repository (None: backup.migrate finds it), else the
     settings' log root (a CF that records none: lost since, or never joined)."""
@@ -69,14 +81,8 @@ def cmd_unload(args: argparse.Namespace, out: Output) -> int:
         done = migrate.unload(client, args.structure, args.to, backup_keys=found.backup_keys(), progress=bars,
                               log_root=_log_root(args, found, client), wait_s=args.wait)
     d = done.to_dict()
-    if out.as_json:
-        out.json(d)
-        return 0
-    out.line(f"unloaded structure {done.structure} of group {done.group} (migration {done.migration}): "
-             f"{done.entries} entries, {done.bytes} bytes in {done.seconds:.2f} s; the source is now {done.state}")
-    out.table("records", ["type", "entries"], _counts_rows(done.by_type))
-    out.line(f"unload: {d['unload']}  report: {d['report']}")
-    return 0
+    return _show_moved(out, done, f"unloaded structure {done.structure} of group {done.group} (migration "
+                       f"{done.migration})", "the source is now", f"unload: {d['unload']}  report: {d['report']}")
 
 
 def cmd_load(args: argparse.Namespace, out: Output) -> int:
@@ -90,15 +96,9 @@ def cmd_load(args: argparse.Namespace, out: Output) -> int:
         done = migrate.load(client, args.dir, structure=args.structure, group=args.group, restart=args.restart,
                             report=args.report, backup_keys=found.backup_keys(), source_keys=source_keys,
                             batch=args.batch, progress=bars, log_root=args.log_root)
-    d = done.to_dict()
-    if out.as_json:
-        out.json(d)
-        return 0
-    out.line(f"loaded migration {done.migration} as structure {done.structure} of group {done.group}: "
-             f"{done.entries} entries, {done.bytes} bytes in {done.seconds:.2f} s; the target is {done.state}")
-    out.table("records", ["type", "entries"], _counts_rows(done.by_type))
-    out.line(f"report: {done.report}  (compare it: cfemu migrate compare UNLOAD_REPORT {done.report})")
-    return 0
+    return _show_moved(out, done, f"loaded migration {done.migration} as structure {done.structure} of group "
+                       f"{done.group}", "the target is",
+                       f"report: {done.report}  (compare it: cfemu migrate compare UNLOAD_REPORT {done.report})")
 
 
 def cmd_compare(args: argparse.Namespace, out: Output) -> int:

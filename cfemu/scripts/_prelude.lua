@@ -193,6 +193,18 @@ local function store(d)
   return raw
 end
 
+-- Add a new entry (its descriptor d complete: id, queue, length, state) with its data: stored, in the expiry set
+-- when it expires, in its queue's correlation-id and message-id indexes, and counted in the structure's totals.
+-- The inverse of delete_entry.
+local function add_entry(d, data)
+  store(d)
+  redis.call('HSET', DATA, d.id, data)
+  if d.exp and d.exp > 0 then redis.call('ZADD', EXPIRY, d.exp, d.id) end
+  if d.cid and d.cid ~= '' then redis.call('SADD', ixkey(d.q, 'c', d.cid), d.id) end
+  if d.mid and d.mid ~= '' then redis.call('SADD', ixkey(d.q, 'm', d.mid), d.id) end
+  account(1, #data)
+end
+
 -- Remove an entry completely (committed get, backed-out put, purge of an expired message). {S}:expiry holds an
 -- entry only when its expiry time is above 0.
 local function delete_entry(d)

@@ -57,10 +57,5 @@ else
   d.l = cf; d.o1 = cf; d.o2 = cf
   make_available(d)
 end
-store(d)
-redis.call('HSET', DATA, id, data)
-if d.exp and d.exp > 0 then redis.call('ZADD', EXPIRY, d.exp, id) end
-if d.cid and d.cid ~= '' then redis.call('SADD', ixkey(queue, 'c', d.cid), id) end
-if d.mid and d.mid ~= '' then redis.call('SADD', ixkey(queue, 'm', d.mid), id) end
-account(1, #data)
+add_entry(d, data)
 return {cf, cur_gen(), 1}

@@ -45,11 +45,6 @@ end
 d.id = id; d.q = queue; d.len = #data; d.l = at; d.o1 = at; d.o2 = put_lrsn
 local cf = tick(math.max(tonumber(ARGV[3]), lrsn))
 make_available(d)
-store(d)
-redis.call('HSET', DATA, id, data)
-if d.exp and d.exp > 0 then redis.call('ZADD', EXPIRY, d.exp, id) end
-if d.cid and d.cid ~= '' then redis.call('SADD', ixkey(queue, 'c', d.cid), id) end
-if d.mid and d.mid ~= '' then redis.call('SADD', ixkey(queue, 'm', d.mid), id) end
-account(1, #data)
+add_entry(d, data)
 redis.call('HSET', TOMB, uow, 'A')
 return {cf, cur_gen(), 1}

@@ -57,6 +57,22 @@ def _done(o: Op) -> float:
     return o.t1 if o.t1 is not None else float("inf")
 
 
+def _commit_of(syncs: list[Op]) -> Op | None:
+    return next((o for o in syncs if o.args.get("option") == "COMMIT"), None)
+
+
+def _committed(commit: Op | None) -> str:
+    """What a unit of work's COMMIT call says of it: COMMITTED, ABORTED (never committed, or backed out) or
+    UNKNOWN (the call's outcome is not known)."""
+    if commit is None:
+        return ABORTED
+    if commit.outcome == "ok":
+        return COMMITTED
+    if commit.outcome == "fail" and commit.result.get("backed_out"):
+        return ABORTED
+    return UNKNOWN
+
+
 @dataclass
 class Publication:
     key: str
@@ -79,20 +95,14 @@ class Publication:
 
     @property
     def commit_op(self) -> Op | None:
-        return next((o for o in self.syncs if o.args.get("option") == "COMMIT"), None)
+        return _commit_of(self.syncs)
 
     @property
     def outcome(self) -> str:
+        """As _committed; never committed: its messages never left the session."""
         if any(o.outcome == "fail" and o.result.get("backed_out") for o in self.publishes):
             return ABORTED
-        c = self.commit_op
-        if c is None:
-            return ABORTED  # never committed: its messages never left the session
-        if c.outcome == "ok":
-            return COMMITTED
-        if c.outcome == "fail" and c.result.get("backed_out"):
-            return ABORTED
-        return UNKNOWN
+        return _committed(self.commit_op)
 
 
 @dataclass
@@ -113,19 +123,12 @@ class Receipt:
 
     @property
     def commit(self) -> Op | None:
-        return next((o for o in self.syncs if o.args.get("option") == "COMMIT"), None)
+        return _commit_of(self.syncs)
 
     @property
     def state(self) -> str:
         """COMMITTED, UNKNOWN (its COMMIT's outcome is not known) or ABORTED."""
-        c = self.commit
-        if c is None:
-            return ABORTED
-        if c.outcome == "ok":
-            return COMMITTED
-        if c.outcome == "fail" and c.result.get("backed_out"):
-            return ABORTED
-        return UNKNOWN
+        return _committed(self.commit)
 
 
 class PubSubChecker:

@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 
-import msgpack
+from sqm.core.packed_body import PackedBody
 
 RECORD_LETTER = "V"  # the records' correlation id on the control queue
 RECORD_CID_HEX = RECORD_LETTER.encode().hex()
@@ -38,7 +38,7 @@ NEW, OLD, ANY = "NEW", "OLD", "ANY"  # RECEIVE's CONVID: unbound conversations, 
 
 
 @dataclass
-class ConvRecord:
+class ConvRecord(PackedBody):
     conversation: str
     service: str
     sender: str = ""  # the user id that began it ("" a record made before senders were kept: anyone's)
@@ -58,14 +58,6 @@ class ConvRecord:
     @property
     def bound(self) -> bool:
         return bool(self.receiver)
-
-    def pack(self) -> bytes:
-        return msgpack.packb(asdict(self), use_bin_type=True)
-
-    @classmethod
-    def unpack(cls, raw: bytes) -> ConvRecord:
-        d = msgpack.unpackb(raw, raw=False)
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
 
 def idle(rec: ConvRecord, pc: int, *, held_open: bool = False) -> bool:

@@ -14,14 +14,13 @@ is (UWSTATP): docs/uow.md.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
-
-import msgpack
 
 from cfemu.uow_attributes import CONTROL_SUFFIX
 from sqm.conversations.convrecord import RECORD_CID_HEX, ConvRecord
 from sqm.conversations.convrecord import after_restart as conversation_after_restart
+from sqm.core.packed_body import PackedBody
 
 RECEIVED, ACCEPTED, DELIVERED, POSTPONED = "RECEIVED", "ACCEPTED", "DELIVERED", "POSTPONED"
 BACKEDOUT, PROCESSED, CANCELLED, TIMEOUT, DISCARDED = "BACKEDOUT", "PROCESSED", "CANCELLED", "TIMEOUT", "DISCARDED"
@@ -85,7 +84,7 @@ def transition(who: str, event: str, status: str) -> str:
 
 
 @dataclass
-class Control:
+class Control(PackedBody):
     """A UOW's control record: what EntireX lists under "Which Information is saved with the UOW?" (docs/uow.md)."""
     uow: str  # hex
     service: str
@@ -135,15 +134,6 @@ class Control:
             parts = incarnation.split(".")
             return len(parts) >= 2 and int(parts[1], 16) != epochs.get(parts[0], 0)
         return gone(self.owner), gone(self.home)
-
-    def pack(self) -> bytes:
-        return msgpack.packb(asdict(self), use_bin_type=True)
-
-    @classmethod
-    def unpack(cls, raw: bytes) -> Control:
-        d = msgpack.unpackb(raw, raw=False)
-        known = {k: d[k] for k in cls.__dataclass_fields__ if k in d}
-        return cls(**known)
 
     def public(self) -> dict[str, Any]:
         """What QUERY and LAST return (no owner internals)."""

@@ -12,10 +12,7 @@ SWEEPER = "conversations.sweeper"  # its key in the queue manager's hooks.state
 
 
 def install(qm: Member) -> None:
-    sweeper = Sweeper(qm)
-    qm.hooks.state[SWEEPER] = sweeper
-    if qm.config.uow_sweep_interval_ms:
-        qm.hooks.every(qm.config.uow_sweep_interval_ms / 1000, sweeper.sweep)
+    qm.hooks.add_sweeper(SWEEPER, Sweeper(qm), qm.config.uow_sweep_interval_ms)
 
     def settle(member: str) -> str:
         settled = settle_member_best_effort(qm)
@@ -26,8 +23,7 @@ def install(qm: Member) -> None:
 
 def sweeper(qm: Member) -> Sweeper | None:
     """The queue manager's UOW sweeper (its counts, for one), when the wing is installed."""
-    found = qm.hooks.state.get(SWEEPER)
-    return found if isinstance(found, Sweeper) else None
+    return qm.hooks.kept(SWEEPER, Sweeper)
 
 
 __all__ = ["SWEEPER", "install", "sweeper"]

@@ -49,8 +49,9 @@ MAX_EXPIRY_MS = (2**31 - 1) * 100
 
 
 
-class QueueManagerPort(Protocol):
-    """What a connection uses of its queue manager (sqm.core.manager.QueueManager is one)."""
+class MemberWork(Protocol):
+    """What a member's work runs on, for a connection and for the log's helpers (sqm.core.member.LogUser): its
+    identity in CF calls, its LRSN clock, its counters and its table of units of work."""
 
     @property
     def name(self) -> str: ...
@@ -62,6 +63,11 @@ class QueueManagerPort(Protocol):
     def counters(self) -> dict[str, int]: ...
     @property
     def uows(self) -> dict[str, UnitOfWork]: ...
+
+
+class QueueManagerPort(MemberWork, Protocol):
+    """What a connection uses of its queue manager (sqm.core.manager.QueueManager is one)."""
+
     @property
     def config(self) -> QueueManagerConfig: ...
 

@@ -15,9 +15,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
 
 Task = Callable[[], object]
 Listener = Callable[[str], str]  # the recovered member's name -> a line for the restart report, or ""
+
+
+T = TypeVar("T")
+
+
+class Sweeping(Protocol):
+    def sweep(self) -> object: ...
 
 
 @dataclass
@@ -37,6 +45,18 @@ class Hooks:
         """Run ``task`` from housekeeping every ``interval_s`` seconds, the first time at its first round."""
         self._tasks.append(_Every(interval_s, task))
 
+    def add_sweeper(self, key: str, sweeper: Sweeping, interval_ms: int) -> None:
+        """Keep a wing's sweeper in ``state`` under ``key``, and run its sweep from housekeeping every
+        ``interval_ms`` (0: never; QueueManagerConfig.uow_sweep_interval_ms)."""
+        self.state[key] = sweeper
+        if interval_ms:
+            self.every(interval_ms / 1000, sweeper.sweep)
+
+    def kept(self, key: str, kind: type[T]) -> T | None:
+        """What a wing keeps in ``state`` under ``key``, when it is a ``kind`` (None: the wing is not installed)."""
+        found = self.state.get(key)
+        return found if isinstance(found, kind) else None
+
     def on_member_recovered(self, listener: Listener) -> None:
         self._recovered.append(listener)
 
@@ -53,4 +73,4 @@ class Hooks:
         return [said for listener in self._recovered if (said := listener(member))]
 
 
-__all__ = ["Hooks", "Listener", "Task"]
+__all__ = ["Hooks", "Listener", "Sweeping", "Task"]

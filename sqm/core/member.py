@@ -13,19 +13,17 @@ from contextlib import AbstractContextManager
 from typing import Any, NoReturn, Protocol
 
 from cfemu.admin import Admin
-from cfemu.cf import Caller, Structure
+from cfemu.cf import Structure
 from cfemu.repository import GroupRepository
-from sqm.core.clock import LrsnClock
 from sqm.core.config import QueueManagerConfig
-from sqm.core.connection import Connection, QueueManagerPort
+from sqm.core.connection import Connection, MemberWork, QueueManagerPort
 from sqm.core.hooks import Hooks
 from sqm.core.uow import UnitOfWork
 from sqm.log import RecordLog
 
 
-class LogUser(Protocol):
-    """What relogging (sqm.core.relog) and log retention (sqm.core.retention) use: the member's log, its clock and
-    its UOW table, and the CF."""
+class MemberIdentity(Protocol):
+    """Who the member is: its name, its settings, and the group's definitions."""
 
     @property
     def name(self) -> str: ...
@@ -33,16 +31,14 @@ class LogUser(Protocol):
     def config(self) -> QueueManagerConfig: ...
     @property
     def admin(self) -> Admin: ...
-    @property
-    def caller(self) -> Caller: ...
-    @property
-    def clock(self) -> LrsnClock: ...
-    @property
-    def counters(self) -> dict[str, int]: ...
+
+
+class LogUser(MemberIdentity, MemberWork, Protocol):
+    """What relogging (sqm.core.relog) and log retention (sqm.core.retention) use: the member's log, its clock and
+    its UOW table, and the CF."""
+
     @property
     def log(self) -> RecordLog | None: ...
-    @property
-    def uows(self) -> dict[str, UnitOfWork]: ...
     @property
     def uow_lock(self) -> AbstractContextManager[Any]: ...
     @property
@@ -53,20 +49,12 @@ class LogUser(Protocol):
     def structure(self, name: str) -> Structure: ...
 
 
-class Member(QueueManagerPort, Protocol):
+class Member(MemberIdentity, QueueManagerPort, Protocol):
     """What a feature (a wing) and RECAUTO use: what a connection runs on (a wing makes its own connections), the
     member's identity and settings, the group's definitions, its UOW table (read), and the hooks it plugs into."""
 
     @property
-    def name(self) -> str: ...
-    @property
-    def config(self) -> QueueManagerConfig: ...
-    @property
-    def admin(self) -> Admin: ...
-    @property
     def repository(self) -> GroupRepository | None: ...
-    @property
-    def uows(self) -> dict[str, UnitOfWork]: ...
     @property
     def hooks(self) -> Hooks: ...
 
@@ -91,4 +79,4 @@ class RecoveringMember(Member, LogUser, Protocol):
     def manage_log(self) -> object: ...
 
 
-__all__ = ["LogUser", "Member", "RecoveringMember"]
+__all__ = ["LogUser", "Member", "MemberIdentity", "RecoveringMember"]

@@ -37,7 +37,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import msgpack
@@ -58,6 +58,7 @@ from sqm.core import logon_token
 from sqm.core.cfcall import CFCaller
 from sqm.core.connection import Connection
 from sqm.core.member import Member
+from sqm.core.packed_body import PackedBody
 from sqm.core.pclock import pseudo_clock
 from sqm.request_slots import nap
 
@@ -106,7 +107,7 @@ def topics(qm: Member) -> Iterator[Topic]:
 
 
 @dataclass(frozen=True)
-class Subscription:
+class Subscription(PackedBody):
     """A subscription entry's body."""
 
     topic: str
@@ -128,14 +129,6 @@ class Subscription:
     def home_gone(self, epochs: dict[str, int]) -> bool:
         member, _, epoch = self.home.partition(".")
         return not epoch or int(epoch, 16) != epochs.get(member, 0)
-
-    def pack(self) -> bytes:
-        return msgpack.packb(asdict(self), use_bin_type=True)
-
-    @classmethod
-    def unpack(cls, raw: bytes) -> Subscription:
-        d = msgpack.unpackb(raw, raw=False)
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
     def public(self) -> dict[str, Any]:
         return {"topic": self.topic, "name": self.name, "durable": self.durable, "position_lrsn": self.lrsn,
@@ -311,6 +304,12 @@ def _put_roster(conn: Connection, t: Topic, s: Subscription) -> None:
              counted=False)
 
 
+def _put_listed(conn: Connection, t: Topic, s: Subscription) -> None:
+    """The subscription's entry and its roster entry, under the connection's unit of work."""
+    put_subscription(conn, t, s)
+    _put_roster(conn, t, s)
+
+
 def subscribe(qm: Member, topic_name: str, name: str, *, durable: bool | None = None, user: str = "",
               token: str = "") -> Subscription:
     """SUBSCRIBE: a new subscription whose position is the structure's clock now (it receives the publications
@@ -334,8 +333,7 @@ def subscribe(qm: Member, topic_name: str, name: str, *, durable: bool | None = 
     s = Subscription(t.name, name, want, structure_clock(qm, t), AFTER_ALL, pc, pc, incarnation(qm), 0, user, token)
     conn = qm.connect()
     try:
-        put_subscription(conn, t, s)
-        _put_roster(conn, t, s)
+        _put_listed(conn, t, s)
         conn.commit()
     except BaseException:
         conn.backout()
@@ -401,8 +399,7 @@ def adopt_unsealed(qm: Member, t: Topic, name: str, user: str, token: str, seale
             return bool(peek_entries(qm, t, subscription_id(t.name, name, user, sealed)))
         take_roster(conn, t, old.sid)
         new = replace(old, token=sealed)
-        put_subscription(conn, t, new)
-        _put_roster(conn, t, new)
+        _put_listed(conn, t, new)
         conn.commit()
     except BaseException:
         conn.backout()

@@ -12,16 +12,12 @@ SWEEPER = "pubsub.sweeper"  # its key in the queue manager's hooks.state
 
 
 def install(qm: Member) -> None:
-    sweeper = PubSubSweeper(qm)
-    qm.hooks.state[SWEEPER] = sweeper
-    if qm.config.uow_sweep_interval_ms:
-        qm.hooks.every(qm.config.uow_sweep_interval_ms / 1000, sweeper.sweep)
+    qm.hooks.add_sweeper(SWEEPER, PubSubSweeper(qm), qm.config.uow_sweep_interval_ms)
 
 
 def sweeper(qm: Member) -> PubSubSweeper | None:
     """The queue manager's publish/subscribe sweeper, when the wing is installed."""
-    found = qm.hooks.state.get(SWEEPER)
-    return found if isinstance(found, PubSubSweeper) else None
+    return qm.hooks.kept(SWEEPER, PubSubSweeper)
 
 
 __all__ = ["SWEEPER", "install", "sweeper"]

@@ -185,9 +185,9 @@ def check_length(length: int, max_frame: int, why: str = "") -> None:
         raise FrameTooLargeError(f"frame of {length} bytes exceeds the limit of {max_frame} bytes{why}")
 
 
-async def read_frame(reader: asyncio.StreamReader, max_frame: int, why: str = "") -> bytes | None:
-    """The next frame's body, or None at a clean end of stream (between frames). A longer frame is refused from
-    its header, before its body is read (``why`` says which limit applied)."""
+async def read_frame_length(reader: asyncio.StreamReader, max_frame: int, why: str = "") -> int | None:
+    """The next frame's length from its header, or None at a clean end of stream (between frames). A frame longer
+    than max_frame raises FrameTooLargeError here, before its body is read (``why`` says which limit applied)."""
     try:
         head = await reader.readexactly(HEADER.size)
     except asyncio.IncompleteReadError as e:
@@ -196,7 +196,14 @@ async def read_frame(reader: asyncio.StreamReader, max_frame: int, why: str = ""
         raise
     (length,) = HEADER.unpack(head)
     check_length(length, max_frame, why)
-    return await reader.readexactly(length)
+    return int(length)
+
+
+async def read_frame(reader: asyncio.StreamReader, max_frame: int, why: str = "") -> bytes | None:
+    """The next frame's body, or None at a clean end of stream (between frames). A longer frame is refused from
+    its header, before its body is read (``why`` says which limit applied)."""
+    length = await read_frame_length(reader, max_frame, why)
+    return None if length is None else await reader.readexactly(length)
 
 
 def recv_exactly(sock: socket.socket, n: int) -> bytes:
@@ -215,25 +222,40 @@ def recv_frame(sock: socket.socket, max_frame: int) -> Any:
     return decode_body(recv_exactly(sock, length))
 
 
+def recv_frame_length(sock: socket.socket, buf: bytearray, max_frame: int, chunk: int = 65536) -> int | None:
+    """The next frame's length from a blocking socket, reading ahead into buf (kept by the caller: it holds the
+    header and whatever came after it), or None at a clean end of stream between frames. A frame longer than
+    max_frame raises FrameTooLargeError here, before its body is read."""
+    while len(buf) < HEADER.size:
+        got = sock.recv(chunk)
+        if not got:
+            if buf:
+                raise ConnectionError("the peer closed the connection in the middle of a frame")
+            return None
+        buf += got
+    (length,) = HEADER.unpack_from(buf)
+    check_length(length, max_frame)
+    return int(length)
+
+
+def recv_until(sock: socket.socket, buf: bytearray, end: int, chunk: int) -> None:
+    """Read from a blocking socket into buf until it holds ``end`` bytes (``chunk`` at most a recv)."""
+    while len(buf) < end:
+        got = sock.recv(chunk)
+        if not got:
+            raise ConnectionError("the peer closed the connection in the middle of a frame")
+        buf += got
+
+
 def recv_body(sock: socket.socket, buf: bytearray, max_frame: int) -> bytes | None:
     """The next frame's body from a blocking socket, reading ahead into buf (kept by the caller for the next
     call: one recv usually brings a whole frame), or None at a clean end of stream between frames. A longer frame
     than max_frame is refused from its header, before its body is read."""
-    while len(buf) < HEADER.size:
-        chunk = sock.recv(65536)
-        if not chunk:
-            if buf:
-                raise ConnectionError("the peer closed the connection in the middle of a frame")
-            return None
-        buf += chunk
-    (length,) = HEADER.unpack_from(buf)
-    check_length(length, max_frame)
+    length = recv_frame_length(sock, buf, max_frame)
+    if length is None:
+        return None
     end = HEADER.size + length
-    while len(buf) < end:
-        chunk = sock.recv(max(65536, min(end - len(buf), 2**20)))
-        if not chunk:
-            raise ConnectionError("the peer closed the connection in the middle of a frame")
-        buf += chunk
+    recv_until(sock, buf, end, max(65536, min(end - len(buf), 2**20)))
     body = bytes(buf[HEADER.size:end])
     del buf[:end]
     return body
@@ -316,4 +338,5 @@ __all__ = ["APPLICATION", "AUTH_METHOD", "DEFAULT_MAX_FRAME", "ENVELOPE", "ERROR
            "SessionLostError",
            "PRE_HELLO_MAX_FRAME", "PROOF_BYTES", "PROTOCOL_VERSION", "auth_proof", "auth_transcript", "new_nonce", "proof_matches", "ProtocolError", "QueueManagerUnavailableError",
            "QuiescingError", "arg", "check_length", "decode_body", "encode_frame", "error_from_wire", "error_reply",
-           "message_from_wire", "message_to_wire", "ok_reply", "parse_request", "read_frame", "recv_frame"]
+           "message_from_wire", "message_to_wire", "ok_reply", "parse_request", "read_frame", "read_frame_length",
+           "recv_frame", "recv_frame_length", "recv_until"]

@@ -184,6 +184,22 @@ def md_headers(m: Message, now_ms: int) -> dict[str, str]:
     return h
 
 
+def message_text(m: Message, problem: str, verb: str) -> str:
+    """The message's body as text; one that is not UTF-8 is a 400 naming the ``problem`` (the messaging REST API
+    returns text messages only) and telling how to ``verb`` it instead."""
+    try:
+        return m.body.decode("utf-8")
+    except UnicodeDecodeError:
+        raise RestError(400, "MQWB0303E", problem, "The messaging REST API returns text messages only.",
+                        f"{verb} it with the native client.", reason=2110) from None
+
+
+def text_reply(m: Message, text: str) -> web.Response:
+    """200 with the message as text/plain, its descriptor in the headers (md_headers)."""
+    return web.Response(status=200, text=text, content_type="text/plain", charset="utf-8",
+                        headers=md_headers(m, int(time.time() * 1000)))
+
+
 def summary(m: Message, now_ms: int) -> dict[str, Any]:
     """One message of a messagelist: its descriptor, not its body."""
     out: dict[str, Any] = {
@@ -477,19 +493,14 @@ class RestEndpoint:
             except NoMessageError:
                 return web.Response(status=204)
             m = message_from_wire(got)
-            try:
-                text = m.body.decode("utf-8")
-            except UnicodeDecodeError:
-                raise RestError(400, "MQWB0303E", "The message is not text in UTF-8: it was left on the queue.",
-                                "The messaging REST API returns text messages only.",
-                                "Get it with the native client.", reason=2110) from None
+            text = message_text(m, "The message is not text in UTF-8: it was left on the queue.", "Get")
             if request.transport is None or request.transport.is_closing():
                 return web.Response(status=204)  # the caller left: backed out (the handle's end), not taken
             pending = await self._run(session, "commit", partial(self._commit_taken, session))
-        headers = md_headers(m, int(time.time() * 1000))
+        reply = text_reply(m, text)
         if pending:
-            headers[OUTCOME_HEADER] = "pending"
-        return web.Response(status=200, text=text, content_type="text/plain", charset="utf-8", headers=headers)
+            reply.headers[OUTCOME_HEADER] = "pending"
+        return reply
 
     def _commit_taken(self, session: RestSession) -> bool:
         """Commit a message's get; True when the commit is logged but pending (a structure could not take it then):
@@ -523,15 +534,7 @@ class RestEndpoint:
             found = await self._browse(request, session, 1)
         if not found:
             return web.Response(status=204)
-        m = found[0]
-        try:
-            text = m.body.decode("utf-8")
-        except UnicodeDecodeError:
-            raise RestError(400, "MQWB0303E", "The message is not text in UTF-8.",
-                            "The messaging REST API returns text messages only.",
-                            "Browse it with the native client.", reason=2110) from None
-        return web.Response(status=200, text=text, content_type="text/plain", charset="utf-8",
-                            headers=md_headers(m, int(time.time() * 1000)))
+        return text_reply(found[0], message_text(found[0], "The message is not text in UTF-8.", "Browse"))
 
     async def message_list(self, request: web.Request) -> web.Response:
         """A summary of up to ``limit`` messages (no bodies), in the order a get would take them."""

@@ -55,11 +55,13 @@ from sqm.service.protocol import (
     FrameTooLargeError,
     NotAuthorizedError,
     ProtocolError,
-    check_length,
     decode_body,
     encode_frame,
     error_reply,
     parse_request,
+    read_frame_length,
+    recv_frame_length,
+    recv_until,
 )
 from sqm.service.session import OP_LABEL_UNKNOWN, ByteBudget, Session, Stats, Warnings, op_label
 
@@ -293,14 +295,9 @@ class Transport:
         """The next frame on the event loop: (body, bytes reserved), the reply to one refused for the budget
         (its body dropped), or None at a clean end of stream (between frames). A frame over the connection's
         limit raises FrameTooLargeError from its header, before its body is read."""
-        try:
-            head = await reader.readexactly(HEADER.size)
-        except asyncio.IncompleteReadError as e:
-            if not e.partial:
-                return None
-            raise
-        (length,) = HEADER.unpack(head)
-        check_length(length, session.request_limit, why)
+        length = await read_frame_length(reader, session.request_limit, why)
+        if length is None:
+            return None
         if length <= self.budget.free:
             return await reader.readexactly(length), 0
         if not self.budget.try_reserve(session, length):  # wait for it without blocking the loop
@@ -335,22 +332,12 @@ class Transport:
     def _recv_request(self, session: Session, sock: socket.socket, buf: bytearray) -> Read:
         """The next frame from the connection's blocking socket, reading ahead into buf (kept for the next call;
         a large frame's body is read into a buffer of its own, nothing past it), as ``_read_request``."""
-        while len(buf) < HEADER.size:
-            chunk = sock.recv(CHUNK)
-            if not chunk:
-                if buf:
-                    raise ConnectionError("the peer closed the connection in the middle of a frame")
-                return None
-            buf += chunk
-        (length,) = HEADER.unpack_from(buf)
-        check_length(length, session.request_limit)
+        length = recv_frame_length(sock, buf, session.request_limit, CHUNK)
+        if length is None:
+            return None
         end = HEADER.size + length
         if length <= self.budget.free:
-            while len(buf) < end:
-                chunk = sock.recv(CHUNK)
-                if not chunk:
-                    raise ConnectionError("the peer closed the connection in the middle of a frame")
-                buf += chunk
+            recv_until(sock, buf, end, CHUNK)
             body = bytes(buf[HEADER.size:end])
             del buf[:end]
             return body, 0

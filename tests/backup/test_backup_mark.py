@@ -4,10 +4,8 @@ over once stale, and ended by an operator with `cfbackup cancel`. Real redis-ser
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,59 +17,19 @@ from backup.run import run_backup
 from cfemu.admin import Admin
 from cfemu.cf import CF, BackupMark, Structure
 from cfemu.connection import connect
-from tests.support.group import define_group, start_qm
+from qsg.chaos.stalled_backup import start_stalled_backup
+from tests.support.cfbackup import cfbackup, group_to_back_up
 
 S = "APP1"
-CFBACKUP = str(Path(sys.executable).parent / "cfbackup")
-
-# cfbackup run as a user runs it (backup.cli.main), with a backup that stops before its copy step 2 for SLOW_S
-# seconds (or until killed): a window in which the process is a running backup, its mark set and renewed.
-SLOW_BACKUP = """
-import os, sys, time
-import backup.cli as cli
-import backup.run as run
-
-real = run.run_backup
-
-def slow(*args, **kwargs):
-    def on_step(number, state):
-        if number == 2:
-            print("IN STEP 2", flush=True)
-            time.sleep(float(os.environ["SLOW_S"]))
-    return real(*args, on_step=on_step, **kwargs)
-
-cli.run_backup = slow
-sys.exit(cli.main(sys.argv[1:]))
-"""
-
 
 @pytest.fixture
 def env(redis_url: str, tmp_path: Path) -> dict[str, str]:
-    client = define_group(redis_url, queues=("Q1",))
-    qm = start_qm(redis_url, tmp_path / "logs", "QM1", background=False)
-    conn = qm.connect()
-    for i in range(5):
-        conn.put("Q1", b"m%d" % i)
-    conn.commit()
-    qm.stop()
-    client.close()
-    e = {k: v for k, v in os.environ.items() if k not in ("CFEMU_BACKUP_DIR", "CFEMU_LOG_ROOT")}
-    e.update(REDIS_URL=redis_url, CFEMU_BACKUP_DIR=str(tmp_path / "bk"), CFEMU_LOG_ROOT=str(tmp_path / "logs"))
-    return e
-
-
-def cfbackup(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([CFBACKUP, *args], env=env, capture_output=True, text=True, timeout=120)
+    return group_to_back_up(redis_url, tmp_path, 5, queues=("Q1",))
 
 
 def slow_backup(env: dict[str, str], slow_s: float, *args: str) -> subprocess.Popen[str]:
-    """A `cfbackup run APP1` process stopped before its step 2 (see SLOW_BACKUP), once it says so."""
-    proc = subprocess.Popen([sys.executable, "-c", SLOW_BACKUP, "run", S, *args], env={**env, "SLOW_S": str(slow_s)},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    assert line.strip() == "IN STEP 2", (line, proc.stderr.read() if proc.poll() is not None else "")
-    return proc
+    """A `cfbackup run APP1` process stalled before its step 2 for slow_s seconds, once it says so."""
+    return start_stalled_backup(["run", S, *args], env, slow_s)
 
 
 def mark(url: str) -> BackupMark | None:

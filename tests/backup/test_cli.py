@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,28 +10,12 @@ import pytest
 from backup.files import MANIFEST_NAME
 from cfemu.admin import Admin
 from cfemu.connection import connect
-from tests.support.group import define_group, start_qm
-
-CFBACKUP = str(Path(sys.executable).parent / "cfbackup")
-
-
-def cfbackup(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([CFBACKUP, *args], env=env, capture_output=True, text=True, timeout=120)
+from tests.support.cfbackup import cfbackup, group_to_back_up
 
 
 @pytest.fixture
 def env(redis_url: str, tmp_path: Path) -> dict[str, str]:
-    client = define_group(redis_url)
-    qm = start_qm(redis_url, tmp_path / "logs", "QM1", background=False)
-    conn = qm.connect()
-    for i in range(20):
-        conn.put("Q1", b"m%d" % i)
-    conn.commit()
-    qm.stop()
-    client.close()
-    e = {k: v for k, v in os.environ.items() if k not in ("CFEMU_BACKUP_DIR", "CFEMU_LOG_ROOT")}
-    e.update(REDIS_URL=redis_url, CFEMU_BACKUP_DIR=str(tmp_path / "bk"), CFEMU_LOG_ROOT=str(tmp_path / "logs"))
-    return e
+    return group_to_back_up(redis_url, tmp_path, 20)
 
 
 @pytest.mark.slow

@@ -442,9 +442,11 @@ def test_the_command_line(source: tuple[QueueManager, dict[str, Any]], redis_url
     c = qm.connect()
     c.get(Q)
     c.commit()
-    cfemu("unload", S, "--to", str(tmp_path / "mig2"), "--redis-url", redis_url)
+    unloaded = " ".join(cfemu("unload", S, "--to", str(tmp_path / "mig2"), "--redis-url", redis_url).stdout.split())
+    assert f"unloaded structure {S} of group" in unloaded and "the source is now MIGRATED" in unloaded
     second = redis_factory()
-    cfemu("load", str(tmp_path / "mig2"), "--redis-url", second.url)
+    loaded_text = " ".join(cfemu("load", str(tmp_path / "mig2"), "--redis-url", second.url).stdout.split())
+    assert "loaded migration" in loaded_text and "the target is ACTIVE" in loaded_text
     diff = json.loads(cfemu("compare", reports[0], str(tmp_path / "mig2" / migrate.LOAD_REPORT), "--json",
                             status=1).stdout)
     assert not diff["equal"] and diff["differences"][0].startswith("the reports are of different migrations")

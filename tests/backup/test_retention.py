@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from cfemu.pstore import record_warm_generation
 from cfemu.repository import GroupRepository
 from restore.run import open_backup, run_restore
 from sqm.core.manager import QueueManager
+from tests.support.cfbackup import cfbackup_env
 from tests.support.harness import lose_cf
 
 S = "APP1"
@@ -100,19 +100,13 @@ def test_retention_keeps_the_restore_base_when_the_newest_backups_are_warm(
     assert open_backup(root, S, None, None, repo=repo).manifest["id"] == point
 
 
-def _env(redis_url: str, tmp_path: Path) -> dict[str, str]:
-    e = {k: v for k, v in os.environ.items() if k not in ("CFEMU_BACKUP_DIR", "CFEMU_LOG_ROOT")}
-    e.update(REDIS_URL=redis_url, CFEMU_BACKUP_DIR=str(tmp_path / "bk"), CFEMU_LOG_ROOT=str(tmp_path / "logs"))
-    return e
-
-
 @pytest.mark.slow
 def test_the_scheduler_keeps_the_newest_n_good_backups(qsg: tuple[redis.Redis, QueueManager], redis_url: str,
                                                          tmp_path: Path) -> None:
     client, qm = qsg
     qm.stop()
     proc = subprocess.Popen([sys.executable, "-m", "backup.cli", "schedule", "--interval", "0.2", "--keep", "2",
-                             "--structure", S], env=_env(redis_url, tmp_path), stdout=subprocess.PIPE,
+                             "--structure", S], env=cfbackup_env(redis_url, tmp_path), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 60
@@ -154,7 +148,7 @@ def test_an_operators_backup_waits_for_a_running_one_with_progress(qsg: tuple[re
                                                                    redis_url: str, tmp_path: Path) -> None:
     client, qm = qsg
     qm.stop()
-    env = _env(redis_url, tmp_path)
+    env = cfbackup_env(redis_url, tmp_path)
     cfbackup = [sys.executable, "-m", "backup.cli"]
     t = _hold_mark(client, 2.0)
     refused = subprocess.run([*cfbackup, "run", S, "--wait", "0"], env=env, capture_output=True, text=True,
@@ -219,7 +213,7 @@ def test_retention_by_age_keeps_every_backup_younger_than_the_age(qsg: tuple[red
 def test_the_scheduler_refuses_a_bad_keep_age_in_one_line(flags: list[str], says: str, redis_url: str,
                                                            tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "backup.cli", "schedule", "--interval", "1", *flags],
-                          env=_env(redis_url, tmp_path), capture_output=True, text=True, timeout=60)
+                          env=cfbackup_env(redis_url, tmp_path), capture_output=True, text=True, timeout=60)
     assert done.returncode != 0
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and says in lines[0], done.stderr

@@ -1,8 +1,10 @@
 """docker-compose.yml run for real, the way a user runs it (opt-in: `pytest -m compose`, or `make compose-test`).
 
 `docker-compose up -d` brings up the secured group (the CF with its default user off, QM1-QM3 authenticating every
-client, the backup scheduler, a Spark master and worker); the test then drives it from the host through the
-127.0.0.1-published ports with the application token the README says to take from the tools service:
+client, the backup scheduler, the CF's exporter, a Spark master and worker); the test then drives it from the host
+through the 127.0.0.1-published ports with the application token the README says to take from the tools service:
+- the scheduler's metrics port and the exporter's answer (the exporter with the CF's INFO, again after the CF's
+  loss, without a restart);
 - an attacker's view first: the CF answers NOAUTH, the service refuses no token, a wrong token, and an
   operator's request made with the application token;
 - units of work on every member (committed, backed out), a fuzzy backup through the tools service under load,
@@ -129,7 +131,7 @@ def cluster() -> Iterator[dict[str, float]]:
     t0 = time.monotonic()
     try:
         dc("up", "-d", "--no-build", timeout=1800)
-        wait_healthy(["cf", "qm1", "qm2", "qm3"])
+        wait_healthy(["cf", "qm1", "qm2", "qm3", "backup-scheduler", "cf-exporter"])
         times["up"] = time.monotonic() - t0
         yield times
     except BaseException:
@@ -233,6 +235,37 @@ def kill_cf() -> None:
         assert time.monotonic() < deadline, "the CF did not come back after it was killed"
         time.sleep(0.5)
     wait_healthy(["cf"], timeout=120)
+
+
+EXPORTER_PORT, SCHEDULER_PORT = 9121, 9110
+
+
+def scrape(port: int) -> dict[str, float]:
+    """The samples of a /metrics page published on the host's loopback: name{labels} -> value."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        page = r.read().decode()
+    return {name: float(value) for line in page.splitlines() if line and not line.startswith("#")
+            for name, _, value in [line.rpartition(" ")]}
+
+
+def sample(samples: dict[str, float], prefix: str) -> float:
+    """The value of the one sample whose name and labels start with prefix."""
+    found = [v for k, v in samples.items() if k.startswith(prefix)]
+    assert len(found) == 1, (prefix, found, sorted(samples)[:80])
+    return found[0]
+
+
+def check_cf_exporter() -> None:
+    """The exporter serves the CF's INFO: the CF answers, its server, its clients (the members), its memory, its
+    cached scripts and the calls of them (the CF's operations)."""
+    cf = scrape(EXPORTER_PORT)
+    assert sample(cf, "cfemu_cf_up") == 1.0
+    (server,) = [k for k in cf if k.startswith("cfemu_cf_info{")]
+    assert 'version="7.' in server and 'role="master"' in server and cf[server] == 1.0, server
+    assert sample(cf, "cfemu_cf_connected_clients") >= len(MEMBERS)
+    assert sample(cf, "cfemu_cf_memory_used_bytes") > 0
+    assert sample(cf, "cfemu_cf_cached_scripts") > 0
+    assert sample(cf, 'cfemu_cf_command_calls_total{command="evalsha"}') > 0
 
 
 LOST = {2373}  # MQRC_CF_STRUC_FAILED, also once the CF is back empty (the members know Q1 from the group repository)
@@ -415,9 +448,11 @@ def test_the_compose_cluster_runs_secured_loses_its_cf_and_restores(cluster: dic
         Client(("127.0.0.1", 7003), token=token).define_structure("EVIL")
 
     # The CF's INFO (the cf-exporter service) and the backup scheduler's metrics, published on loopback.
-    for port, wanted in ((9121, "cfemu_cf_up 1.0"), (9110, "cfbackup_scheduler_info{")):
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-            assert wanted in r.read().decode(), port
+    check_cf_exporter()
+    scheduler = scrape(SCHEDULER_PORT)
+    assert sample(scheduler, "cfbackup_scheduler_info{") == 1.0
+    assert 'interval_seconds="3600"' in next(k for k in scheduler if k.startswith("cfbackup_scheduler_info{"))
+    assert sample(scheduler, "cfbackup_scheduler_structure_list_failures_total") == 0
 
     tools("cfemu", "topic", "define", "NEWS", "--structure", "APP1")
     tools("cfemu", "define", "queue", "ORDERS", "--structure", "APP1", "--uow", "--status-lifetime", "3")
@@ -475,6 +510,8 @@ def test_the_compose_cluster_runs_secured_loses_its_cf_and_restores(cluster: dic
     wait_active("APP1", timeout=600)
     cluster["kill to APP1 ACTIVE again (RECAUTO)"] = time.monotonic() - t1
     assert queue_depths() == {q: ledger.depth(q) for q in QUEUES}
+    check_cf_exporter()  # the exporter reads the CF that came back (its scripts loaded again): no restart
+    assert inspect("cf-exporter", "{{.RestartCount}}") == "0"
     completed = recovery_messages("CSQE131I recovery of APP1 completed")
     assert len(completed) == 1, f"one automatic restore, not {len(completed)}: {completed}"
     print("recovered by RECAUTO:", completed[0])
@@ -545,6 +582,6 @@ def test_the_compose_cluster_runs_secured_loses_its_cf_and_restores(cluster: dic
     for kind in ("/v/logs/QM1/", "/v/backups/APP1/", "/v/secrets/secrets/service.token", "/v/secrets/users.acl"):
         assert any(p.startswith(kind) for p in listed), kind
     assert any("/restore-" in p for p in listed)  # the restore reports
-    for service in ("cf", "qm1", "qm2", "qm3", "backup-scheduler", "spark-master", "spark-worker"):
+    for service in ("cf", "qm1", "qm2", "qm3", "backup-scheduler", "cf-exporter", "spark-master", "spark-worker"):
         assert inspect(service, "{{.Config.User}}") in ("cfemu", f"{OWNER}:{OWNER}"), service
     cluster["test"] = time.monotonic() - t0

@@ -3,9 +3,11 @@ against real `sqm run` members on a real CF, with real clients connected to them
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +16,23 @@ import pytest
 from sqm.service.client import Client
 from sqm.service.protocol import NotAuthorizedError
 from tests.qsg.test_cli import ok, run
-from tests.sqm.test_service import OP_TOKEN, TOKEN, start_server
+from tests.sqm.test_service import OP_TOKEN, TOKEN, ServerProc, start_server
+
+
+@contextlib.contextmanager
+def two_members_serving_q1(redis_url: str, tmp_path: Path) -> Iterator[tuple[list[str], ServerProc, ServerProc]]:
+    """APP1 and Q1 defined with `cfemu define`, QM1 and QM2 serving them: (the settings arguments that name the
+    group, QM1, QM2); each member must stop cleanly at the end."""
+    where = ["--redis-url", redis_url, "--log-root", str(tmp_path / "logs")]
+    ok("cfemu", "define", "structure", "APP1", *where)
+    ok("cfemu", "define", "queue", "Q1", "--structure", "APP1", *where)
+    qm1 = start_server(redis_url, tmp_path, "QM1")
+    qm2 = start_server(redis_url, tmp_path, "QM2")
+    try:
+        yield where, qm1, qm2
+    finally:
+        assert qm1.stop() == 0
+        assert qm2.stop() == 0
 
 
 def _conn(*args: str) -> dict[str, Any]:
@@ -23,12 +41,7 @@ def _conn(*args: str) -> dict[str, Any]:
 
 @pytest.mark.slow
 def test_conn_shows_each_connection_with_its_application_peer_and_open_uow(redis_url: str, tmp_path: Path) -> None:
-    where = ["--redis-url", redis_url, "--log-root", str(tmp_path / "logs")]
-    ok("cfemu", "define", "structure", "APP1", *where)
-    ok("cfemu", "define", "queue", "Q1", "--structure", "APP1", *where)
-    qm1 = start_server(redis_url, tmp_path, "QM1")
-    qm2 = start_server(redis_url, tmp_path, "QM2")
-    try:
+    with two_members_serving_q1(redis_url, tmp_path) as (where, qm1, qm2):
         operator = ["--server", qm1.endpoint, "--server", qm2.endpoint, "--token", OP_TOKEN]
         with Client(qm1.endpoint, token=TOKEN, client_name="payroll") as app, \
                 Client(qm2.endpoint, token=TOKEN, client_name="billing") as idle:
@@ -65,9 +78,6 @@ def test_conn_shows_each_connection_with_its_application_peer_and_open_uow(redis
             assert after["payroll"]["uow"] is None and after["payroll"]["requests"] > payroll["requests"]
         gone = {r["application"] for r in _conn(*operator)["connections"]}
         assert "payroll" not in gone and "billing" not in gone  # closed connections leave the list
-    finally:
-        assert qm1.stop() == 0
-        assert qm2.stop() == 0
 
 
 @pytest.mark.slow
@@ -97,12 +107,7 @@ def _qstatus(*args: str) -> dict[str, Any]:
 def test_queue_status_fields_follow_puts_and_gets(redis_url: str, tmp_path: Path) -> None:
     """DISPLAY QSTATUS: uncommitted puts and gets, depth, oldest message age, handles and the last put and get
     (merged over the members) change as messages are put and got through two members."""
-    where = ["--redis-url", redis_url, "--log-root", str(tmp_path / "logs")]
-    ok("cfemu", "define", "structure", "APP1", *where)
-    ok("cfemu", "define", "queue", "Q1", "--structure", "APP1", *where)
-    qm1 = start_server(redis_url, tmp_path, "QM1")
-    qm2 = start_server(redis_url, tmp_path, "QM2")
-    try:
+    with two_members_serving_q1(redis_url, tmp_path) as (where, qm1, qm2):
         members = [*where, "--server", qm1.endpoint, "--server", qm2.endpoint, "--token", OP_TOKEN]
         empty = _qstatus(*members)
         assert (empty["depth"], empty["uncommitted"], empty["oldest_message_age_s"]) == (
@@ -144,9 +149,6 @@ def test_queue_status_fields_follow_puts_and_gets(redis_url: str, tmp_path: Path
         assert s["handles"] == 0 and s["last_put"] and s["last_get"]
         r = run("cfemu", "status", "NOPE", *where)
         assert r.returncode == 2 and "no queue 'NOPE'" in r.stderr and r.stderr.count("\n") == 1, r.stderr
-    finally:
-        assert qm1.stop() == 0
-        assert qm2.stop() == 0
 
 
 @pytest.mark.slow

@@ -105,10 +105,12 @@ def test_compose_topology(compose: dict[str, Any]) -> None:
                                                        for a in sched["command"][1:]])
     assert set(MANAGERS) <= set(sched["depends_on"])
     assert f"127.0.0.1:{sched_args.metrics_port}:{sched_args.metrics_port}" in sched["ports"]
+    assert f":{sched_args.metrics_port}/metrics" in " ".join(sched["healthcheck"]["test"])  # the compose test waits
     exporter = services["cf-exporter"]  # the CF's INFO as metrics, as the operator's CF user (the secrets volume)
     exporter_args = cfemu_cli.build_parser().parse_args(exporter["command"][1:])
     assert exporter_args.command == "exporter" and volumes_of(exporter)["secrets"] == "/run/cfemu"
     assert f"127.0.0.1:{exporter_args.port}:{exporter_args.port}" in exporter["ports"]
+    assert f":{exporter_args.port}/metrics" in " ".join(exporter["healthcheck"]["test"])
 
     master, worker, tools = services["spark-master"], services["spark-worker"], services["tools"]
     assert master["image"].split(":")[0] in ("apache/spark", "bitnami/spark")

@@ -14,7 +14,7 @@ from cfemu import keys
 from cfemu.admin import Admin
 from cfemu.cf import CF
 from cfemu.embedded import EmbeddedRedis
-from cfemu.errors import NoMessageError, PstoreUnavailableError
+from cfemu.errors import PstoreUnavailableError
 from cfemu.pstore import warm_generations
 from cfemu.repository import GroupRepository
 from qsg.pstore_cli import main as pstore
@@ -24,6 +24,7 @@ from sqm.core.relog import newest_pass
 from sqm.log import find_log_dirs
 from tests.support.group import define_group, start_qm
 from tests.support.harness import lose_cf
+from tests.support.messages import drained
 
 S = "APP1"
 
@@ -49,16 +50,6 @@ def _before_the_loss(url: str, logs: Path, backups: Path, redis: EmbeddedRedis) 
     c.commit()
     lose_cf(redis.client())
     return qm
-
-
-def _drain(qm: QueueManager, queue: str) -> list[bytes]:
-    c, out = qm.connect(), []
-    while True:
-        try:
-            out.append(c.get(queue).body)
-        except NoMessageError:
-            c.commit()
-            return out
 
 
 def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -90,7 +81,7 @@ def test_warm_then_hot_loses_nothing_committed(fresh_redis: EmbeddedRedis, dirs:
     c.backout()
     c.put("Q2", b"np-warm", persistent=False)
     c.commit()
-    assert _drain(qm, "Q2") == [b"np-warm"] and _drain(qm, "Q1") == []
+    assert drained(qm.connect(), "Q2") == [b"np-warm"] and drained(qm.connect(), "Q1") == []
     c.put("Q2", b"np-warm-2", persistent=False, syncpoint=False)
 
     rc, _, err = _cli(capsys, "connect", S, "--redis-url", url)
@@ -99,8 +90,8 @@ def test_warm_then_hot_loses_nothing_committed(fresh_redis: EmbeddedRedis, dirs:
     rc, out, err = _cli(capsys, "start", S, "--mode", "HOT", "--json", *_where(url, logs, backups))
     assert rc == 0, err
     assert CF(qm.redis).structure(S).pstore() == ("ACTIVE", True, "", "")
-    assert sorted(_drain(qm, "Q1")) == [f"p{i}".encode() for i in range(7)]  # the backup's and the log's
-    assert _drain(qm, "Q2") == []  # non-persistent messages do not outlive a restore
+    assert sorted(drained(qm.connect(), "Q1")) == [f"p{i}".encode() for i in range(7)]  # the backup's and the log's
+    assert drained(qm.connect(), "Q2") == []  # non-persistent messages do not outlive a restore
     qm.stop()
 
 
@@ -119,7 +110,7 @@ def test_cold_needs_a_confirmation_and_starts_empty_for_good(fresh_redis: Embedd
     c = qm.connect()
     c.put("Q1", b"after")  # connected: persistent work at once
     c.commit()
-    assert _drain(qm, "Q1") == [b"after"]
+    assert drained(qm.connect(), "Q1") == [b"after"]
     rc, _, err = _cli(capsys, "start", S, "--mode", "HOT", *_where(url, logs, backups))
     assert rc == 2 and "ACTIVE" in err  # only a failed, lost or WARM structure is started
     qm.stop()
@@ -133,7 +124,7 @@ def test_hot_restores_the_content(fresh_redis: EmbeddedRedis, dirs: tuple[Path, 
     rc, out, err = _cli(capsys, "start", S, "--mode", "HOT", *_where(url, logs, backups))
     assert rc == 0, err
     assert "HOT start" in out
-    assert sorted(_drain(qm, "Q1")) == [f"p{i}".encode() for i in range(7)]
+    assert sorted(drained(qm.connect(), "Q1")) == [f"p{i}".encode() for i in range(7)]
     qm.stop()
 
 
@@ -176,7 +167,7 @@ def test_no_backup_while_warm_and_a_restore_never_starts_from_one(fresh_redis: E
     assert taken["gen"] == done["gen"]
     hot = start(client, S, "HOT", backup_root=backups, log_root=logs)
     assert hot["backup"] != taken["id"]
-    assert sorted(_drain(qm, "Q1")) == [f"p{i}".encode() for i in range(7)]
+    assert sorted(drained(qm.connect(), "Q1")) == [f"p{i}".encode() for i in range(7)]
     qm.stop()
 
 
@@ -207,5 +198,5 @@ def test_a_relog_pass_made_while_warm_is_not_a_base(fresh_redis: EmbeddedRedis, 
     assert found is not None and int(found[1]["gen"]) == done["gen"]
     hot = start(fresh_redis.client(), S, "HOT", backup_root=backups, log_root=logs)
     assert hot["base_kind"] != "logs"
-    assert sorted(_drain(qm, "Q1")) == [f"p{i}".encode() for i in range(7)]
+    assert sorted(drained(qm.connect(), "Q1")) == [f"p{i}".encode() for i in range(7)]
     qm.stop()

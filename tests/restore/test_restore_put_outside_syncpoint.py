@@ -28,17 +28,13 @@ def test_a_put_whose_owner_died_before_its_end_is_restored_and_redone_once(
     """The put was committed on the CF, its owner died before its END; a consumer takes the message; a
     backup runs before or after that; the live structure is restored; the owner restarts (its redo) before or
     after the restore. The message must be consumed in the end, and the restore must agree with the CF."""
-    from tests.sqm.test_put_committed_recovery import Died, crash, die_at, warm
+    from tests.sqm.test_put_committed_recovery import died_before_its_end
     logs, backups = tmp_path / "logs", tmp_path / "backups"
     client = define_group(redis_url)
     qm1 = start_qm(redis_url, logs, "QM1", background=False, lease_ms=60_000)
     qm2 = start_qm(redis_url, logs, "QM2", background=False, lease_ms=60_000)
     try:
-        warm(qm1)
-        die_at(qm1, monkeypatch, "END", before=True)
-        with pytest.raises(Died):
-            qm1.connect().put("Q1", b"once", syncpoint=False)
-        crash(qm1)
+        died_before_its_end(qm1, monkeypatch)
         monkeypatch.undo()
         if backup_at == "before-consume":
             run_backup(client, S, backups, log_root=logs)
@@ -71,16 +67,12 @@ def test_a_restore_of_a_put_whose_owner_died_before_its_end_leaves_no_tombstones
         redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The owner of a put outside syncpoint died before its END; a backup, a restore, the owner's restart (its redo),
     more puts: at most one tombstone is left on the structure, not one per restore or per put."""
-    from tests.sqm.test_put_committed_recovery import Died, crash, die_at, tombstones, warm
+    from tests.sqm.test_put_committed_recovery import died_before_its_end, tombstones
     logs, backups = tmp_path / "logs", tmp_path / "backups"
     client = define_group(redis_url)
     qm1 = start_qm(redis_url, logs, "QM1", background=False, lease_ms=60_000)
     try:
-        warm(qm1)
-        die_at(qm1, monkeypatch, "END", before=True)
-        with pytest.raises(Died):
-            qm1.connect().put("Q1", b"once", syncpoint=False)
-        crash(qm1)
+        died_before_its_end(qm1, monkeypatch)
         monkeypatch.undo()
         run_backup(client, S, backups, log_root=logs)
         run_restore(client, S, backup_root=backups, log_root=logs, mark_failed=True)

@@ -21,8 +21,6 @@ from typing import Any
 import msgpack
 import pytest
 
-from cfemu.admin import Admin
-from cfemu.connection import connect
 from cfemu.errors import (
     BadRequestError,
     MQError,
@@ -31,12 +29,18 @@ from cfemu.errors import (
     UnknownUowError,
     UowStatusError,
 )
+from qsg.chaos.faults.clients import tokens_in_clear
 from sqm.core import logon_token
 from sqm.service.client import Client
 from sqm.service.protocol import NotAuthorizedError
-from tests.sqm.test_service import OP_TOKEN, TOKEN, ServerProc, start_server
-from tests.support.group import define_group
-from tests.support.harness import lose_cf
+from tests.sqm.test_service import (
+    OP_TOKEN,
+    TOKEN,
+    ServerProc,
+    fresh_group,
+    logged_on,
+    serving_pair,
+)
 
 SVC, TOPIC = "SVC", "NEWS"
 COMPANIONS = (f"{SVC}.UOWDATA", f"{SVC}.UOWCTL", f"{TOPIC}.PUB", f"{TOPIC}.SUB")
@@ -44,29 +48,15 @@ COMPANIONS = (f"{SVC}.UOWDATA", f"{SVC}.UOWCTL", f"{TOPIC}.PUB", f"{TOPIC}.SUB")
 
 @pytest.fixture(scope="module")
 def servers(redis_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProc, ServerProc]]:
-    client = redis_server.client()
-    lose_cf(client)
-    client.close()
-    define_group(redis_server.url, queues=("Q1",))
-    admin = Admin(connect(redis_server.url))
+    admin = fresh_group(redis_server)
     admin.define_queue(SVC, "APP1", uow={"status_lifetime": 2})
     admin.define_queue(TOPIC, "APP1", topic={})
-    group = tmp_path_factory.mktemp("tokens")
-    qm1 = start_server(redis_server.url, group, "QM1", "--token", TOKEN)
-    qm2 = start_server(redis_server.url, group, "QM2", "--token", TOKEN)
-    yield qm1, qm2
-    assert qm1.stop() == 0, qm1.log_text()
-    assert qm2.stop() == 0, qm2.log_text()
+    with serving_pair(redis_server.url, tmp_path_factory.mktemp("tokens")) as pair:
+        yield pair
 
 
 def user_token() -> str:
     return f"tk-{secrets.token_hex(10)}"  # unique: found nowhere unless this test's user put it there
-
-
-def logged_on(srv: ServerProc, user: str, token: str = "") -> Client:
-    c = Client(srv.endpoint, token=TOKEN)
-    c.logon(user, token)
-    return c
 
 
 def operator(srv: ServerProc) -> Client:
@@ -82,14 +72,7 @@ def stolen_tokens(srv: ServerProc) -> list[str]:
                 messages = spy.browse(queue, 1000)
             except NotAuthorizedError:
                 continue
-            for m in messages:
-                try:
-                    body = msgpack.unpackb(m.body, raw=False)
-                except Exception:  # noqa: BLE001 - a UOW's or a publication's own message
-                    continue
-                if isinstance(body, dict):
-                    found += [v for k, v in body.items() if k in ("token", "receiver_token") and isinstance(v, str)
-                              and v]
+            found += tokens_in_clear(messages)
     return found
 
 

@@ -18,6 +18,7 @@ from sqm.service.client import Client, parse_endpoint
 from sqm.service.protocol import QueueManagerUnavailableError
 from tests.sqm.test_service import TOKEN, start_server
 from tests.support.group import define_group
+from tests.support.messages import drained
 
 LEASE_MS = 1000
 
@@ -34,16 +35,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalGroup]:
 def endpoints(cluster: LocalGroup, *names: str) -> list[str]:
     by_name = {n: f"{h}:{p}" for n, h, p in cluster.endpoints}
     return [by_name[n] for n in names]
-
-
-def drain(c: Client, queue: str) -> list[bytes]:
-    out = []
-    while True:
-        try:
-            out.append(c.get(queue).body)
-        except NoMessageError:
-            c.commit()
-            return out
 
 
 def test_parse_endpoint() -> None:
@@ -82,7 +73,7 @@ def test_several_clients_on_several_servers(cluster: LocalGroup) -> None:
                 got.append(consumer.get("Q1").body)
             consumer.commit()
     with Client(endpoints(cluster, names[0]), token=cluster.token) as c:
-        got += drain(c, "Q1")
+        got += drained(c, "Q1")
     assert sorted(got) == sorted(f"p{i}-{j}".encode() for i in range(6) for j in range(30))
     for p in producers:
         p.close()
@@ -125,7 +116,7 @@ def test_kill_9_of_a_server_fails_clients_over_and_peer_recovery_releases_its_me
         assert (m.body, m.backout_count) == (b"held by the victim", 1)
         assert released_after < 20
         c.commit()
-        assert drain(c, "Q3") == [b"after failover"]
+        assert drained(c, "Q3") == [b"after failover"]
     victim.close()
     bystander.close()
 

@@ -26,7 +26,7 @@ from cfemu.errors import (
 from sqm.conversations.conversation import ANY, BOTH, MSG, SYNC, Conversation
 from sqm.conversations.uowsweeper import Sweeper
 from sqm.core.manager import QueueManager
-from tests.support.group import start_qm
+from tests.support.group import two_members
 
 S, SVC, PLAIN_SVC, LIMITED = "APP1", "SVC", "NOSTAT", "LIM"
 
@@ -39,11 +39,8 @@ def qms(redis_url: str, tmp_path: Path) -> Iterator[tuple[QueueManager, QueueMan
                        backout_queue="BQ")
     admin.define_queue(PLAIN_SVC, S, uow={})  # the defaults: no persistent status
     admin.define_queue(LIMITED, S, uow={"max_uows": 2, "max_messages": 2, "status_lifetime": 1})
-    a = start_qm(redis_url, tmp_path / "logs", "QM1", background=False)
-    b = start_qm(redis_url, tmp_path / "logs", "QM2", background=False)
-    yield a, b
-    a.stop()
-    b.stop()
+    with two_members(redis_url, tmp_path / "logs") as pair:
+        yield pair
 
 
 @pytest.fixture

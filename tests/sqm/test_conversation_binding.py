@@ -9,8 +9,6 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -24,21 +22,8 @@ from sqm.conversations.convrecord import ConvRecord, after_restart
 from sqm.conversations.uowstatus import restore_control_entry
 from sqm.conversations.uowsweeper import Sweeper
 from sqm.core.manager import QueueManager
-from tests.support.group import start_qm
 
-S, SVC = "APP1", "SVC"
-
-
-@pytest.fixture
-def qms(redis_url: str, tmp_path: Path) -> Iterator[tuple[QueueManager, QueueManager]]:
-    admin = Admin(connect(redis_url))
-    admin.ensure_structure(S, ())
-    admin.define_queue(SVC, S, uow={"status_lifetime": 2})
-    a = start_qm(redis_url, tmp_path / "logs", "QM1", background=False)
-    b = start_qm(redis_url, tmp_path / "logs", "QM2", background=False)
-    yield a, b
-    a.stop()
-    b.stop()
+S, SVC = "APP1", "SVC"  # what the qms fixture (tests/sqm/conftest.py) defines
 
 
 def send_uow(snd: Conversation, body: bytes, conversation: str = "", **kw: object) -> tuple[str, str]:

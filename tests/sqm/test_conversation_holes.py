@@ -24,7 +24,7 @@ from sqm.conversations.uowstatus import restore_control_entry, status_letter_hex
 from sqm.conversations.uowsweeper import Sweeper
 from sqm.core.manager import QueueManager, QueueManagerConfig
 from sqm.wings import WINGS
-from tests.support.group import start_qm
+from tests.support.group import two_members
 
 S, SVC = "APP1", "SVC"
 
@@ -42,11 +42,8 @@ def admin(redis_url: str) -> Admin:
 
 @pytest.fixture
 def qms(admin: Admin, redis_url: str, tmp_path: Path) -> Iterator[tuple[QueueManager, QueueManager]]:
-    a = start_qm(redis_url, tmp_path / "logs", "QM1", background=False)
-    b = start_qm(redis_url, tmp_path / "logs", "QM2", background=False)
-    yield a, b
-    a.stop()
-    b.stop()
+    with two_members(redis_url, tmp_path / "logs") as pair:
+        yield pair
 
 
 def sent(snd: Conversation, n: int = 3, service: str = SVC) -> str:

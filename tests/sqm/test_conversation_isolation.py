@@ -4,31 +4,13 @@ of the conversation it keeps context for) nor end it with EOC or EOCCANCEL."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 
-from cfemu.admin import Admin
-from cfemu.connection import connect
 from cfemu.errors import BadRequestError, NoMessageError, UowStatusError
 from sqm.conversations.conversation import SYNC, Conversation
 from sqm.core.manager import QueueManager
-from tests.support.group import start_qm
 
-S, SVC = "APP1", "SVC"
-
-
-@pytest.fixture
-def qms(redis_url: str, tmp_path: Path) -> Iterator[tuple[QueueManager, QueueManager]]:
-    admin = Admin(connect(redis_url))
-    admin.ensure_structure(S, ())
-    admin.define_queue(SVC, S, uow={"status_lifetime": 2})
-    a = start_qm(redis_url, tmp_path / "logs", "QM1", background=False)
-    b = start_qm(redis_url, tmp_path / "logs", "QM2", background=False)
-    yield a, b
-    a.stop()
-    b.stop()
+S, SVC = "APP1", "SVC"  # what the qms fixture (tests/sqm/conftest.py) defines
 
 
 def test_another_user_cannot_add_a_uow_to_a_bound_conversation(qms: tuple[QueueManager, QueueManager]) -> None:

@@ -5,8 +5,6 @@ leave one record, so that the conversation stays with one server instance."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -19,21 +17,8 @@ from sqm.conversations.conversation import SYNC, Conversation
 from sqm.conversations.convrecord import ConvRecord, idle, idle_unless_held_open, record_id
 from sqm.conversations.uowsweeper import Sweeper
 from sqm.core.manager import QueueManager
-from tests.support.group import start_qm
 
-S, SVC = "APP1", "SVC"
-
-
-@pytest.fixture
-def qms(redis_url: str, tmp_path: Path) -> Iterator[tuple[QueueManager, QueueManager]]:
-    admin = Admin(connect(redis_url))
-    admin.ensure_structure(S, ())
-    admin.define_queue(SVC, S, uow={"status_lifetime": 2})
-    a = start_qm(redis_url, tmp_path / "logs", "QM1", background=False)
-    b = start_qm(redis_url, tmp_path / "logs", "QM2", background=False)
-    yield a, b
-    a.stop()
-    b.stop()
+S, SVC = "APP1", "SVC"  # what the qms fixture (tests/sqm/conftest.py) defines
 
 
 def records(qm: QueueManager, conversation: str) -> list[ConvRecord]:

@@ -23,6 +23,7 @@ from cfemu.errors import ResourceProblemError
 from restore.run import LOGS, run_restore
 from sqm.cli import main as sqm_main
 from sqm.core.connection import Connection
+from sqm.core.manager import QueueManager
 from sqm.core.relog import newest_pass
 from sqm.log import LogReader, find_log_dirs
 from sqm.log.format import archived_segments, list_segments, read_manifest
@@ -48,6 +49,18 @@ def checkpoints_in(paths: list[Path], member: str) -> int:
     return n
 
 
+def churn(qm: QueueManager, c: Connection, checkpoints: int) -> None:
+    """Log load: six 200-byte messages put and got, each in a unit of work of its own, then a checkpoint, this many
+    times."""
+    for k in range(checkpoints):
+        for j in range(6):
+            c.put("Q1", f"churn-{k}-{j}".encode() + b"." * 200, priority=9)
+            c.commit()
+            c.get("Q1")
+            c.commit()
+        qm.checkpoint("logload")
+
+
 def test_linear_logging_archives_what_no_recovery_needs_and_readers_still_read_it(redis_url: str,
                                                                                   tmp_path: Path) -> None:
     logs, backups = tmp_path / "logs", tmp_path / "backups"
@@ -58,13 +71,7 @@ def test_linear_logging_archives_what_no_recovery_needs_and_readers_still_read_i
         c.put("Q1", f"stay-{i}".encode() + b"." * 100)
     c.commit()
     first_put = min(r["l"] for _, r in LogReader(qm.log_dir).records() if r["k"] == "PUT")
-    for k in range(12):
-        for j in range(6):
-            c.put("Q1", f"churn-{k}-{j}".encode() + b"." * 200, priority=9)
-            c.commit()
-            c.get("Q1")
-            c.commit()
-        qm.checkpoint("logload")
+    churn(qm, c, 12)
     ret = qm.retention
     assert ret is not None and not ret.unknown
     manifest = read_manifest(qm.log_dir)
@@ -365,13 +372,7 @@ def test_a_structure_whose_last_backup_is_older_than_the_retained_logs_restores_
     c.get("Q1")
     c.backout()
     backup = run_backup(client, S, backups, log_root=logs)
-    for k in range(10):
-        for j in range(6):
-            c.put("Q1", f"churn-{k}-{j}".encode() + b"." * 200, priority=9)
-            c.commit()
-            c.get("Q1")
-            c.commit()
-        qm.checkpoint("logload")
+    churn(qm, c, 10)
     truth = drain(c)
     qm.stop(checkpoint=False)
     rc, out, _ = run_cli(capsys, "log", "prune", "--all", "--json", "--log-root", str(logs), "--redis-url", redis_url)

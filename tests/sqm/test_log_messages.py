@@ -42,6 +42,20 @@ def wait_ready(proc: subprocess.Popen[bytes], ready: Path) -> int:
     return int(json.loads(ready.read_text())["port"])
 
 
+def stopped(proc: subprocess.Popen[bytes]) -> str:
+    """Stop the member with SIGTERM, as an operator does; what it said on stderr."""
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=60)
+    return proc.stderr.read().decode() if proc.stderr else ""
+
+
+def reap(proc: subprocess.Popen[bytes]) -> None:
+    """Kill the member if it still runs (after a failed step), and wait for it."""
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(timeout=10)
+
+
 def test_a_restart_says_it_was_initiated_and_completed_around_its_phases(redis_url: str, tmp_path: Path) -> None:
     """A member killed by SIGKILL with a unit of work in flight; its restart (a new process) says CSQR001I first,
     then what it reads (CSQR003I, CSQR004I), the backward recovery (CSQR006I), and CSQR002I last."""
@@ -56,13 +70,9 @@ def test_a_restart_says_it_was_initiated_and_completed_around_its_phases(redis_u
         client.close()
         proc = sqm_run(redis_url, logs, ready)
         wait_ready(proc, ready)
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
-        stderr = proc.stderr.read().decode() if proc.stderr else ""
+        stderr = stopped(proc)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(timeout=10)
+        reap(proc)
     said = [line for line in stderr.splitlines() if "CSQR0" in line]
     ids = [next(w for w in line.split() if w.startswith("CSQR0")) for line in said]
     assert ids[0] == "CSQR001I" and ids[-1] == "CSQR002I", said
@@ -135,13 +145,9 @@ def test_a_completed_backup_is_recorded_in_the_members_log_and_its_restart_says_
         second = run_backup(redis.Redis.from_url(redis_url), "APP1", backups, log_root=logs)
         wait_until(lambda: len(log_print(logs, "--kind", "BACKUP")) == 2, 30, "the member to note the 2nd backup")
         client.close()
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
-        stderr = proc.stderr.read().decode() if proc.stderr else ""
+        stderr = stopped(proc)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(timeout=10)
+        reap(proc)
     said = [line for line in stderr.splitlines() if "last backup of APP1 recorded in the log" in line]
     assert len(said) == 1 and manifest["id"] in said[0] and f"from LRSN {manifest['replay_from']}" in said[0], said
     assert [r["b"] for r in log_print(logs, "--kind", "BACKUP")] == [manifest["id"], second["id"]]
@@ -161,9 +167,7 @@ def restart_with_cpl_entries(redis_url: str, logs: Path, n: int) -> str:
         proc.wait(timeout=30)
         return proc.stderr.read().decode() if proc.stderr else ""
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(timeout=10)
+        reap(proc)
 
 
 @pytest.mark.slow
@@ -239,13 +243,9 @@ def test_a_damaged_active_segment_is_restored_from_its_archived_copy(redis_url: 
         client = Client(("127.0.0.1", wait_ready(proc, ready)), token=TOKEN, reconnect_timeout=1.0)
         bodies = [m.body[:5] for m in client.browse("Q1", limit=1000)]
         client.close()
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
-        stderr = proc.stderr.read().decode() if proc.stderr else ""
+        stderr = stopped(proc)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(timeout=10)
+        reap(proc)
     assert f"media recovery of log segment {copied[-1]}" in stderr, stderr[-3000:]
     archived = {a["segment"]: Path(a["path"]) for a in (read_manifest(logs / "QM2") or {}).get("archived", [])}
     assert (damaged if damaged.exists() else archived[copied[-1]]).read_bytes() == good  # archived since, maybe

@@ -8,7 +8,7 @@ whole group of `sqm run` processes exited fenced. Real redis-server, real thread
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -18,6 +18,7 @@ from cfemu.cf import Caller
 from cfemu.embedded import EmbeddedRedis
 from cfemu.entry import Entry
 from cfemu.errors import FencedError
+from sqm.core.manager import QueueManager
 from sqm.core.recovery import recover_peers
 from tests.support.group import define_group, start_qm
 from tests.support.harness import lose_cf
@@ -35,12 +36,20 @@ def _lease_renewed_after(admin: Admin, member: str, t: float, timeout: float = 3
     return False
 
 
-def test_the_heartbeat_rides_out_a_transient_out_of_memory_refusal(
-        redis_factory: Callable[..., EmbeddedRedis], tmp_path: Path) -> None:
+@pytest.fixture
+def member(redis_factory: Callable[..., EmbeddedRedis], tmp_path: Path) -> Iterator[tuple[QueueManager, Admin]]:
+    """QM1 with a short lease on a CF of its own (the test may change the CF's settings), and the CF's Admin."""
     srv = redis_factory()
     define_group(srv.url)
     qm = start_qm(srv.url, tmp_path / "logs", "QM1", lease_ms=LEASE_MS)
-    admin = Admin(srv.client())
+    try:
+        yield qm, Admin(srv.client())
+    finally:
+        qm.stop()
+
+
+def test_the_heartbeat_rides_out_a_transient_out_of_memory_refusal(member: tuple[QueueManager, Admin]) -> None:
+    qm, admin = member
     try:
         admin.redis.config_set("maxmemory-policy", "noeviction")
         admin.redis.config_set("maxmemory", 1)  # every write, the lease's SET included, is refused with OOM
@@ -53,28 +62,20 @@ def test_the_heartbeat_rides_out_a_transient_out_of_memory_refusal(
         conn.commit()
     finally:
         admin.redis.config_set("maxmemory", 0)
-        qm.stop()
 
 
-def test_one_malformed_admin_entry_is_reported_and_skipped_not_fatal(
-        redis_factory: Callable[..., EmbeddedRedis], tmp_path: Path) -> None:
-    srv = redis_factory()
-    define_group(srv.url)
-    qm = start_qm(srv.url, tmp_path / "logs", "QM1", lease_ms=LEASE_MS)
-    admin = Admin(srv.client())
-    try:
-        admin.redis.hset(MEMBERS, "QMBAD", b"\xc1 not msgpack")
-        admin.redis.hset(STRUCTURES, "APPBAD", b"\x92\x01")  # msgpack, but not a structure definition
-        assert [s.name for s in admin.structures()] == ["APP1"]
-        assert "QMBAD" not in admin.members()
-        assert {k for k, _ in admin.bad_entries} == {MEMBERS, STRUCTURES}
-        recover_peers(qm)  # reads every member: must not raise
-        qm.expire_messages()  # reads every structure: must not raise
-        time.sleep(LEASE_MS / 1000 * 1.5)
-        assert _lease_renewed_after(admin, "QM1", time.monotonic())
-        assert not qm.fenced
-    finally:
-        qm.stop()
+def test_one_malformed_admin_entry_is_reported_and_skipped_not_fatal(member: tuple[QueueManager, Admin]) -> None:
+    qm, admin = member
+    admin.redis.hset(MEMBERS, "QMBAD", b"\xc1 not msgpack")
+    admin.redis.hset(STRUCTURES, "APPBAD", b"\x92\x01")  # msgpack, but not a structure definition
+    assert [s.name for s in admin.structures()] == ["APP1"]
+    assert "QMBAD" not in admin.members()
+    assert {k for k, _ in admin.bad_entries} == {MEMBERS, STRUCTURES}
+    recover_peers(qm)  # reads every member: must not raise
+    qm.expire_messages()  # reads every structure: must not raise
+    time.sleep(LEASE_MS / 1000 * 1.5)
+    assert _lease_renewed_after(admin, "QM1", time.monotonic())
+    assert not qm.fenced
 
 
 def test_a_call_that_left_before_the_member_rejoined_a_new_cf_does_not_fence_it(

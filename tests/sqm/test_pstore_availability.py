@@ -29,6 +29,7 @@ from sqm.core.manager import QueueManager
 from sqm.core.uow import UnitOfWork
 from sqm.log import LogReader
 from tests.support.group import define_group, start_qm
+from tests.support.messages import drained
 
 S = "APP1"
 
@@ -91,16 +92,6 @@ class Worker(threading.Thread):
             c.backout()
 
 
-def _drain(qm: QueueManager, queue: str) -> list[bytes]:
-    c, out = qm.connect(), []
-    while True:
-        try:
-            out.append(c.get(queue).body)
-        except NoMessageError:
-            c.commit()
-            return out
-
-
 def test_disconnect_and_connect_under_load_lose_nothing(redis_url: str, tmp_path: Path) -> None:
     client = define_group(redis_url)
     qms = [start_qm(redis_url, tmp_path / "logs", f"QM{i}", background=False) for i in (1, 2)]
@@ -122,7 +113,7 @@ def test_disconnect_and_connect_under_load_lose_nothing(redis_url: str, tmp_path
     assert rc == 0
     assert not [w.failure for w in workers if w.failure], [w.failure for w in workers]
     committed = Counter(b for w in workers for b in w.committed)
-    taken = Counter(b for w in workers for b in w.got) + Counter(_drain(qms[0], "Q1"))
+    taken = Counter(b for w in workers for b in w.got) + Counter(drained(qms[0].connect(), "Q1"))
     assert taken == committed  # every committed persistent message once; nothing refused or backed out appears
     assert len(committed) > 20
     refusals = [r for w in workers for r in w.refusals]
@@ -148,7 +139,8 @@ def test_a_unit_of_work_in_progress_is_backed_out_at_its_commit(redis_url: str, 
         c.commit()
     assert e.value.reason_name == "MQRC_BACKED_OUT"
     CF(client).structure(S).pstore("connect")
-    assert _drain(qm, "Q1") == [] and _drain(qm, "Q2") == []  # the whole unit of work was backed out
+    # the whole unit of work was backed out
+    assert drained(qm.connect(), "Q1") == [] and drained(qm.connect(), "Q2") == []
     qm.stop()
 
 

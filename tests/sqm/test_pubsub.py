@@ -17,7 +17,7 @@ from cfemu.errors import BadRequestError, NoMessageError, ResourceProblemError, 
 from sqm.core.manager import QueueManager
 from sqm.pubsub import pubsub as ps
 from sqm.pubsub.pubsub_sweeper import PubSubSweeper
-from tests.support.group import start_qm
+from tests.support.group import start_qm, two_members
 
 S, T, SHORT, NONDUR = "APP1", "NEWS", "FLASH", "CHAT"
 
@@ -29,11 +29,8 @@ def qms(redis_url: str, tmp_path: Path) -> Iterator[tuple[QueueManager, QueueMan
     admin.define_queue(T, S, topic={})
     admin.define_queue(SHORT, S, topic={"lifetime_s": 1, "subscription_expiration_s": 2})
     admin.define_queue(NONDUR, S, topic={"durable": False, "persistent": False})
-    a = start_qm(redis_url, tmp_path / "logs", "QM1", background=False)
-    b = start_qm(redis_url, tmp_path / "logs", "QM2", background=False)
-    yield a, b
-    a.stop()
-    b.stop()
+    with two_members(redis_url, tmp_path / "logs") as pair:
+        yield pair
 
 
 def drain(session: ps.PubSubSession, topic: str, name: str) -> list[list[bytes]]:

@@ -21,7 +21,7 @@ from sqm.pubsub import pubsub as ps
 from sqm.pubsub.pubsub_sweeper import PubSubSweeper
 from sqm.service.client import Client
 from tests.sqm.test_service import TOKEN, start_server
-from tests.support.group import start_qm
+from tests.support.group import two_members
 
 S, T = "APP1", "NEWS"
 
@@ -31,11 +31,8 @@ def qms(redis_url: str, tmp_path: Path) -> Iterator[tuple[QueueManager, QueueMan
     admin = Admin(connect(redis_url))
     admin.ensure_structure(S)
     admin.define_queue(T, S, topic={})
-    a = start_qm(redis_url, tmp_path / "logs", "QM1", background=False)
-    b = start_qm(redis_url, tmp_path / "logs", "QM2", background=False)
-    yield a, b
-    a.stop()
-    b.stop()
+    with two_members(redis_url, tmp_path / "logs") as pair:
+        yield pair
 
 
 def drain(session: ps.PubSubSession, topic: str, name: str, **owner: str) -> list[list[bytes]]:

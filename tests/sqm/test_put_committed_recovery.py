@@ -59,6 +59,16 @@ def crash(qm: QueueManager) -> None:
     qm.stop(checkpoint=False)
 
 
+def died_before_its_end(qm: QueueManager, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The member, warmed, puts b"once" outside syncpoint and dies after the CF call and its forced COMMIT, before
+    its END (crashed: no checkpoint)."""
+    warm(qm)
+    die_at(qm, monkeypatch, "END", before=True)
+    with pytest.raises(Died):
+        qm.connect().put("Q1", b"once", syncpoint=False)
+    crash(qm)
+
+
 def tombstones(qm: QueueManager) -> dict[str, str]:
     return {keys.text(k): keys.text(v) for k, v in qm.redis.hgetall(keys.tomb("APP1")).items()}
 
@@ -116,11 +126,7 @@ def test_a_redo_does_not_bring_back_a_message_consumed_since(redis_url: str, log
     qm1 = start_qm(redis_url, log_root, "QM1", background=False, lease_ms=300)
     qm2 = start_qm(redis_url, log_root, "QM2", background=False, lease_ms=60_000)
     try:
-        warm(qm1)
-        die_at(qm1, monkeypatch, "END", before=True)
-        with pytest.raises(Died):
-            qm1.connect().put("Q1", b"once", syncpoint=False)
-        crash(qm1)
+        died_before_its_end(qm1, monkeypatch)
         assert qm2.connect().get("Q1", syncpoint=False).body == b"once"  # consumed
         if by == "peer":
             time.sleep(0.4)
@@ -198,11 +204,7 @@ def test_a_peer_redo_after_the_owner_restarted_does_not_bring_back_a_consumed_me
     monkeypatch.setattr(qm2, "complete", slow_complete)
     peer: threading.Thread | None = None
     try:
-        warm(qm1)
-        die_at(qm1, monkeypatch, "END", before=True)
-        with pytest.raises(Died):
-            qm1.connect().put("Q1", b"once", syncpoint=False)
-        crash(qm1)
+        died_before_its_end(qm1, monkeypatch)
         time.sleep(0.4)  # QM1's lease lapses
         peer = threading.Thread(target=recover_peers, args=(qm2,), daemon=True)
         peer.start()

@@ -40,6 +40,20 @@ def group(redis_factory: Callable[..., EmbeddedRedis], tmp_path: Path) -> tuple[
     return client, qm
 
 
+def counted_round_trips(qm: QueueManager, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """From now on, the calls of each round trip the member makes to the CF (qm.cf.run_many), one entry a round
+    trip."""
+    rounds: list[int] = []
+    run_many = qm.cf.run_many
+
+    def counted_run_many(calls: list[tuple[str, str, list[object]]]) -> list[object]:
+        rounds.append(len(calls))
+        return run_many(calls)
+
+    monkeypatch.setattr(qm.cf, "run_many", counted_run_many)
+    return rounds
+
+
 def test_outside_syncpoint_a_put_and_a_get_are_two_scripts_and_one_forced_write_each(
         group: tuple[redis.Redis, QueueManager]) -> None:
     """A persistent put outside syncpoint goes to the CF first, then its commit (put.lua, commit.lua: members do
@@ -157,14 +171,7 @@ def test_a_batch_behind_a_long_run_of_expired_messages_makes_its_gets_again_in_o
                     syncpoint=False)
     c.put_batch([PutSpec("Q1", b"L%d" % i) for i in range(6)], commit=True)
     time.sleep(0.01)  # every expiry passed
-    rounds: list[int] = []
-    run_many = qm.cf.run_many
-
-    def counted_run_many(calls: list[tuple[str, str, list[object]]]) -> list[object]:
-        rounds.append(len(calls))
-        return run_many(calls)
-
-    monkeypatch.setattr(qm.cf, "run_many", counted_run_many)
+    rounds = counted_round_trips(qm, monkeypatch)
     got = c.get_batch("Q1", 4, commit=True)
     assert got.committed and got.error is None
     assert [m.body for m in got.messages] == [b"L0", b"L1", b"L2", b"L3"]
@@ -186,14 +193,7 @@ def test_a_batch_that_finds_only_expired_messages_ends_when_a_get_finds_none(
     c = qm.connect()
     c.put_batch([PutSpec("Q1", b"x", persistent=False, expiry_ms=1) for _ in range(CF_STEP + 10)], syncpoint=False)
     time.sleep(0.01)
-    rounds: list[int] = []
-    run_many = qm.cf.run_many
-
-    def counted_run_many(calls: list[tuple[str, str, list[object]]]) -> list[object]:
-        rounds.append(len(calls))
-        return run_many(calls)
-
-    monkeypatch.setattr(qm.cf, "run_many", counted_run_many)
+    rounds = counted_round_trips(qm, monkeypatch)
     got = c.get_batch("Q1", 3)
     assert got.messages == [] and got.error is None and c.uow is None
     assert rounds == [3]  # again, then 10 moved and none, none

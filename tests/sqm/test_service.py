@@ -98,6 +98,34 @@ def start_server(redis_url: str, tmp: Path, name: str, *args: str, env: dict[str
     return ServerProc(name, proc, info["port"], info["metrics_port"], tmp / "logs", stderr)
 
 
+def fresh_group(redis_server: Any) -> Admin:
+    """The shared CF emptied and a group defined on it again (structure APP1 with Q1): its Admin, to define
+    more."""
+    client = redis_server.client()
+    lose_cf(client)
+    client.close()
+    define_group(redis_server.url, queues=("Q1",))
+    return Admin(connect(redis_server.url))
+
+
+@contextlib.contextmanager
+def serving_pair(redis_url: str, group: Path) -> Iterator[tuple[ServerProc, ServerProc]]:
+    """QM1 and QM2 serving the group with the application TOKEN, their logs under group; each must stop cleanly
+    (exit status 0) at the end."""
+    qm1 = start_server(redis_url, group, "QM1", "--token", TOKEN)
+    qm2 = start_server(redis_url, group, "QM2", "--token", TOKEN)
+    yield qm1, qm2
+    assert qm1.stop() == 0, qm1.log_text()
+    assert qm2.stop() == 0, qm2.log_text()
+
+
+def logged_on(srv: ServerProc, user: str, token: str = "", **kw: Any) -> Client:
+    """A client of srv with the application TOKEN, logged on as user."""
+    c = Client(srv.endpoint, token=TOKEN, **kw)
+    c.logon(user, token)
+    return c
+
+
 class Raw:
     """A raw protocol connection, for sending what a well-behaved client never would."""
 

@@ -11,8 +11,6 @@ from typing import Any
 
 import pytest
 
-from cfemu.admin import Admin
-from cfemu.connection import connect
 from cfemu.errors import (
     BackedOutError,
     BadRequestError,
@@ -26,9 +24,16 @@ from cfemu.errors import (
 )
 from sqm.service.client import Client
 from sqm.service.protocol import NotAuthorizedError, NotLoggedOnError, SessionLostError, encode_frame
-from tests.sqm.test_service import OP_TOKEN, TOKEN, Raw, ServerProc, start_server
-from tests.support.group import define_group
-from tests.support.harness import lose_cf
+from tests.sqm.test_service import (
+    OP_TOKEN,
+    TOKEN,
+    Raw,
+    ServerProc,
+    fresh_group,
+    logged_on,
+    serving_pair,
+    start_server,
+)
 from tests.support.waits import sigstop
 
 SVC = "SVC"  # persistent status kept 2 lifetimes, so QUERY and LAST see finished UOWs
@@ -37,23 +42,9 @@ SVC = "SVC"  # persistent status kept 2 lifetimes, so QUERY and LAST see finishe
 @pytest.fixture(scope="module")
 def servers(redis_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProc, ServerProc]]:
     """Two members of one group, a service defined on its structure."""
-    client = redis_server.client()
-    lose_cf(client)
-    client.close()
-    define_group(redis_server.url, queues=("Q1",))
-    Admin(connect(redis_server.url)).define_queue(SVC, "APP1", uow={"status_lifetime": 2})
-    group = tmp_path_factory.mktemp("uowgroup")
-    qm1 = start_server(redis_server.url, group, "QM1", "--token", TOKEN)
-    qm2 = start_server(redis_server.url, group, "QM2", "--token", TOKEN)
-    yield qm1, qm2
-    assert qm1.stop() == 0, qm1.log_text()
-    assert qm2.stop() == 0, qm2.log_text()
-
-
-def logged_on(srv: ServerProc, user: str, token: str = "", **kw: Any) -> Client:
-    c = Client(srv.endpoint, token=TOKEN, **kw)
-    c.logon(user, token)
-    return c
+    fresh_group(redis_server).define_queue(SVC, "APP1", uow={"status_lifetime": 2})
+    with serving_pair(redis_server.url, tmp_path_factory.mktemp("uowgroup")) as pair:
+        yield pair
 
 
 @contextlib.contextmanager

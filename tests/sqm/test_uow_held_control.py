@@ -31,7 +31,7 @@ from sqm.conversations.conversation import BOTH, SYNC, Conversation, settle_orph
 from sqm.conversations.uowstatus import DELIVERED
 from sqm.conversations.uowsweeper import Sweeper
 from sqm.core.manager import QueueManager
-from tests.support.group import start_qm
+from tests.support.group import two_members
 from tests.support.uow_looks import a_sweepers_look
 
 S, SVC, SHORT = "APP1", "SVC", "SHORT"
@@ -43,11 +43,8 @@ def qms(redis_url: str, tmp_path: Path) -> Iterator[tuple[QueueManager, QueueMan
     admin.ensure_structure(S, ())
     admin.define_queue(SVC, S, uow={"status_lifetime": 2})
     admin.define_queue(SHORT, S, uow={"status_lifetime": 254, "lifetime_s": 1})
-    a = start_qm(redis_url, tmp_path / "logs", "QM1", background=False)
-    b = start_qm(redis_url, tmp_path / "logs", "QM2", background=False)
-    yield a, b
-    a.stop()
-    b.stop()
+    with two_members(redis_url, tmp_path / "logs") as pair:
+        yield pair
 
 
 def sent(snd: Conversation, n: int = 2, service: str = SVC) -> str:

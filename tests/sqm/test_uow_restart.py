@@ -45,6 +45,7 @@ from sqm.conversations.uowstatus import (
     after_restart,
     status_letter_hex,
 )
+from tests.support.restart_table import RESTART_TABLE_1
 from tests.support.uow_member import UowMember, start_members
 
 S, SVC = "APP1", "SVC"
@@ -70,20 +71,7 @@ class Row:
         return [f"{self.id}-{i}".encode() for i in range(N)]
 
 
-# Seed 003, "What happens when Broker restarts?", Restart Table 1 (status before, persistent UOW, persistent
-# status -> status after), written out as the seed gives it.
-TABLE_1 = [Row(*r) for r in [
-    (RECEIVED, True, True, BACKEDOUT), (RECEIVED, True, False, None),
-    (RECEIVED, False, True, DISCARDED), (RECEIVED, False, False, None),
-    (ACCEPTED, True, True, ACCEPTED), (ACCEPTED, True, False, ACCEPTED),
-    (ACCEPTED, False, True, DISCARDED), (ACCEPTED, False, False, None),
-    (DELIVERED, True, True, ACCEPTED), (DELIVERED, True, False, ACCEPTED),
-    (DELIVERED, False, True, DISCARDED), (DELIVERED, False, False, None),
-    (POSTPONED, True, True, ACCEPTED), (POSTPONED, True, False, ACCEPTED),
-    (POSTPONED, False, True, DISCARDED), (POSTPONED, False, False, None),
-    (PROCESSED, True, True, PROCESSED), (PROCESSED, True, False, None),
-    (PROCESSED, False, True, PROCESSED), (PROCESSED, False, False, None),
-]]
+TABLE_1 = [Row(*r) for r in RESTART_TABLE_1]  # Seed 003, Restart Table 1 (tests.support.restart_table)
 # Restart Table 2: only the persistent status exists, and it stays. DISCARDED is only ever a non-persistent UOW's.
 TABLE_2 = [Row(s, p, True, s) for s in (CANCELLED, BACKEDOUT, TIMEOUT) for p in (True, False)] + [
     Row(DISCARDED, False, True, DISCARDED)]

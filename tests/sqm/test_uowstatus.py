@@ -30,6 +30,7 @@ from sqm.conversations.uowstatus import (
     status_letter_hex,
     transition,
 )
+from tests.support.restart_table import RESTART_TABLE_1
 
 # Seed 003, "ACI Function SYNCPOINT used for Units of Work" and the normal-status diagram, written out by hand.
 EXPECTED = {
@@ -79,19 +80,7 @@ def c(status: str, persistent: bool, persistent_status: bool, **kw: object) -> C
                    else "", **kw)  # type: ignore[arg-type]
 
 
-# Seed 003, Restart Table 1: (status before, persistent UOW, persistent status) -> status after (None: no trace).
-TABLE_1 = [
-    (RECEIVED, True, True, BACKEDOUT), (RECEIVED, True, False, None),
-    (RECEIVED, False, True, DISCARDED), (RECEIVED, False, False, None),
-    (ACCEPTED, True, True, ACCEPTED), (ACCEPTED, True, False, ACCEPTED),
-    (ACCEPTED, False, True, DISCARDED), (ACCEPTED, False, False, None),
-    (DELIVERED, True, True, ACCEPTED), (DELIVERED, True, False, ACCEPTED),
-    (DELIVERED, False, True, DISCARDED), (DELIVERED, False, False, None),
-    (POSTPONED, True, True, ACCEPTED), (POSTPONED, True, False, ACCEPTED),
-    (POSTPONED, False, True, DISCARDED), (POSTPONED, False, False, None),
-    (PROCESSED, True, True, PROCESSED), (PROCESSED, True, False, None),
-    (PROCESSED, False, True, PROCESSED), (PROCESSED, False, False, None),
-]
+TABLE_1 = RESTART_TABLE_1  # Seed 003, Restart Table 1 (tests.support.restart_table)
 # Restart Table 2: only a persistent status exists, and stays.
 TABLE_2 = [(s, p, True, s) for s in (CANCELLED, DISCARDED, BACKEDOUT, TIMEOUT) for p in (True, False)]
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import redis
@@ -24,3 +26,18 @@ def start_qm(url: str, log_root: Path, name: str, **cfg: object) -> QueueManager
                       wings=WINGS)
     qm.start()
     return qm
+
+
+@contextmanager
+def two_members(url: str, log_root: Path) -> Iterator[tuple[QueueManager, QueueManager]]:
+    """QM1 and QM2 started on the CF at url with their logs under log_root (no housekeeping thread: the test
+    drives it), and stopped again."""
+    a = start_qm(url, log_root, "QM1", background=False)
+    try:
+        b = start_qm(url, log_root, "QM2", background=False)
+        try:
+            yield a, b
+        finally:
+            b.stop()
+    finally:
+        a.stop()

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -41,6 +40,7 @@ from qsg.chaos.faults.restores import (
     structure_state,
 )
 from qsg.chaos.group import STRUCTURES, ChaosGroup
+from qsg.chaos.stalled_backup import StallError, start_stalled_backup
 from restore.engine import LOAD, READ_BACKUP
 from restore.run import RestoreError, run_purge
 
@@ -523,25 +523,6 @@ register(FaultKind(
         "read before the hang and after the restore (`restore-order`); the supervisor and RECAUTO off again"))
 
 
-# `cfbackup run` as an operator runs it (backup.cli.main), with a backup that stops before its copy step 2 for
-# $SLOW_S seconds: a window in which the process is a running backup, its mark set and its lease renewed.
-SLOW_BACKUP = """
-import os, sys, time
-import backup.cli as cli
-import backup.run as run
-
-real = run.run_backup
-
-def slow(*args, **kwargs):
-    def on_step(number, state):
-        if number == 2:
-            print("IN STEP 2", flush=True)
-            time.sleep(float(os.environ["SLOW_S"]))
-    return real(*args, on_step=on_step, **kwargs)
-
-cli.run_backup = slow
-sys.exit(cli.main(sys.argv[1:]))
-"""
 BACKUP_START_S = 60.0  # for the stuck backup to reach its step 2
 LEASE_SLACK_S = 2.0  # past the stuck backup's lease (its last renewal, the CF's clock) a new backup must not be refused
 
@@ -557,21 +538,14 @@ def _backup_mark(g: ChaosGroup, structure: str) -> str:
 
 
 def _stuck_backup(g: ChaosGroup, structure: str, lease_s: float, slow_s: float) -> subprocess.Popen[str]:
-    """`cfbackup run STRUCTURE --lease LEASE_S` stopped before its step 2 (SLOW_BACKUP), once it says so; with the
-    scheduler held meanwhile, so that its backup does not hold the mark first."""
+    """`cfbackup run STRUCTURE --lease LEASE_S` stalled before its step 2 (qsg.chaos.stalled_backup), once it says
+    so; with the scheduler held meanwhile, so that its backup does not hold the mark first."""
     g.pause_backups()
     try:
-        proc = subprocess.Popen([sys.executable, "-c", SLOW_BACKUP, "run", structure, "--lease", str(lease_s)],
-                                env={**g.c.child_env(), "SLOW_S": str(slow_s)}, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
-        assert proc.stdout is not None
-        ready, _, _ = select.select([proc.stdout], [], [], BACKUP_START_S)
-        line = proc.stdout.readline() if ready else ""
-        if line.strip() != "IN STEP 2":
-            proc.kill()
-            _, err = proc.communicate(timeout=30)
-            raise FaultError(f"the backup to get stuck did not reach its step 2: {line!r} {err[-300:]!r}")
-        return proc
+        return start_stalled_backup(["run", structure, "--lease", str(lease_s)], g.c.child_env(), slow_s,
+                                    BACKUP_START_S)
+    except StallError as e:
+        raise FaultError(str(e)) from None
     finally:
         g.resume_backups()
 

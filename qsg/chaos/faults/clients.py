@@ -347,7 +347,7 @@ def _companions() -> tuple[str, ...]:
     return (*service_queues(), *topic_queues())
 
 
-def _found_tokens(messages: Any) -> list[str]:
+def tokens_in_clear(messages: Any) -> list[str]:
     """Logon tokens the entries of a companion queue would carry in clear (its "token" and "receiver_token" fields)."""
     found: list[str] = []
     for m in messages:
@@ -433,7 +433,7 @@ def snoop(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
                 for queue in _companions():
                     seen = attempt("browse", as_user, "own", queue, partial(c.browse, queue, 1000))
                     if seen is not None:
-                        tokens += _found_tokens(seen)
+                        tokens += tokens_in_clear(seen)
                     attempt("get", as_user, "own", queue,
                             partial(c.get, queue, syncpoint=False, msgid=secrets.token_bytes(24)))
         step(f"companion queues tried: {len(tokens)} tokens found")
@@ -485,4 +485,4 @@ register(FaultKind(
         "the history; one not refused is the checker's `isolation` finding"))
 
 
-__all__ = ["BIG_MEMBER", "EDGE_FRAME", "HUGE_OVER", "LEAVE_WAIT_MS"]
+__all__ = ["BIG_MEMBER", "EDGE_FRAME", "HUGE_OVER", "LEAVE_WAIT_MS", "tokens_in_clear"]

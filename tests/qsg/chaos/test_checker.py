@@ -41,6 +41,12 @@ class Hist:
     def commit(self, client: str, uow: str, outcome: str = "ok") -> None:
         self.op(client, "commit", outcome, uow=uow)
 
+    def put_committed(self, client: str, *msgs: str) -> None:
+        """Each message put and committed in a unit of work of its own (``client.msg``), in this order."""
+        for m in msgs:
+            self.put(client, f"{client}.{m}", m)
+            self.commit(client, f"{client}.{m}")
+
     def backout(self, client: str, uow: str) -> None:
         self.op(client, "backout", uow=uow)
 
@@ -182,15 +188,18 @@ def test_corrupted() -> None:
     only(h.findings(), "corrupted")
 
 
-def test_order_one_producer_one_consumer() -> None:
-    h = clean_base()
-    for m in ("o1", "o2"):
-        h.put("p", f"p.{m}", m)
-        h.commit("p", f"p.{m}")
+def inverted(h: Hist) -> None:
+    """o1 and o2 put and committed in that order by p, then got and committed by c the other way round."""
+    h.put_committed("p", "o1", "o2")
     h.get("c", "c.o", "o2")
     h.commit("c", "c.o")
     h.get("c", "c.o2", "o1")
     h.commit("c", "c.o2")
+
+
+def test_order_one_producer_one_consumer() -> None:
+    h = clean_base()
+    inverted(h)
     f = check(h.events)
     only(f.summary(), "order")
     assert f.of("order")[0].msgs == ["o1", "o2"]
@@ -198,9 +207,7 @@ def test_order_one_producer_one_consumer() -> None:
 
 def test_order_allows_redelivery_after_backout_and_faults() -> None:
     h = clean_base()
-    for m in ("o1", "o2"):
-        h.put("p", f"p.{m}", m)
-        h.commit("p", f"p.{m}")
+    h.put_committed("p", "o1", "o2")
     h.get("x", "x.1", "o1")
     h.backout("x", "x.1")  # o1 goes back to its place after o2 was taken
     h.get("c", "c.o", "o2")
@@ -212,13 +219,7 @@ def test_order_allows_redelivery_after_backout_and_faults() -> None:
     assert f.counts["redeliveries after backout"] == 1
     h = clean_base()  # the same inversion inside a fault window is not judged
     h.fault(1, "sqm-kill", "inject")
-    for m in ("o1", "o2"):
-        h.put("p", f"p.{m}", m)
-        h.commit("p", f"p.{m}")
-    h.get("c", "c.o", "o2")
-    h.commit("c", "c.o")
-    h.get("c", "c.o2", "o1")
-    h.commit("c", "c.o2")
+    inverted(h)
     h.fault(1, "sqm-kill", "recovered")
     assert check(h.events).ok
 
