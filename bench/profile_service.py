@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import json
 import os
+import pstats
 import shutil
 import subprocess
 import sys
@@ -51,10 +53,16 @@ CLIENT = '''
 import os, sys, threading, time
 from sqm.service.client import Client
 body = os.urandom(1024)
-n, seconds, one_call = int(sys.argv[2]), float(sys.argv[3]), sys.argv[5] == "1"
+n, seconds, one_call, batch = int(sys.argv[2]), float(sys.argv[3]), sys.argv[5] == "1", int(sys.argv[6])
 handles = [Client(sys.argv[1], token=sys.argv[4]) for _ in range(n)]
+bodies = [body] * batch
 def lifecycle(c):
-    if one_call:  # outside syncpoint: each put and get a unit of work of its own, one request each
+    if batch:  # B messages put and committed in one request, then got and committed in one (or more)
+        c.put_batch(bodies, queue="Q1", commit=True)
+        got = 0
+        while got < batch:
+            got += len(c.get_batch("Q1", batch - got, wait_ms=1000, commit=True))
+    elif one_call:  # outside syncpoint: each put and get a unit of work of its own, one request each
         c.put("Q1", body, syncpoint=False); c.get("Q1", syncpoint=False, wait_ms=1000)
     else:
         c.put("Q1", body); c.commit(); c.get("Q1", wait_ms=1000); c.commit()
@@ -95,12 +103,55 @@ class Stopwatch:
         return timed
 
 
+class ThreadProfiles:
+    """A cProfile of every thread this process starts from now on, timed by each thread's own CPU clock: each new
+    thread starts its own profiler at its first Python call; ``clear`` forgets what they saw so far (the start
+    and the warm-up), ``dump`` merges them into one pstats file."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._profiles: list[cProfile.Profile] = []
+        threading.setprofile(self._start)
+
+    def _start(self, *_: Any) -> None:
+        prof = cProfile.Profile(time.thread_time)
+        with self._lock:
+            self._profiles.append(prof)
+        prof.enable()  # replaces this hook in this thread
+
+    def clear(self) -> None:
+        with self._lock:
+            for prof in self._profiles:
+                prof.clear()
+
+    def dump(self, path: str) -> None:
+        with self._lock:
+            profiles = list(self._profiles)
+        stats = None
+        for prof in profiles:
+            prof.snapshot_stats()
+            if not prof.stats:  # a thread that made no call in the window
+                continue
+            if stats is None:
+                stats = pstats.Stats(prof)
+            else:
+                stats.add(prof)
+        if stats is not None:
+            stats.dump_stats(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--clients", type=int, default=1)
     ap.add_argument("--one-call", action="store_true",
                     help="puts and gets outside syncpoint (one request each) instead of put, commit, get, commit")
+    ap.add_argument("--batch", type=int, default=0,
+                    help="B >= 1: the batched lifecycle, put_batch of B then get_batch of B, each with its commit; "
+                         "the figures are per message")
+    ap.add_argument("--cprofile", metavar="PATH",
+                    help="write a pstats file of the server's threads over the window, timed by each thread's CPU "
+                         "clock (time.thread_time): where the server's CPU goes, function by function")
     args = ap.parse_args(argv)
     (BENCH_DIR.parent / "var").mkdir(exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="profile-service-", dir=BENCH_DIR.parent / "var"))
@@ -110,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         admin = Admin(r)
         admin.define_structure("APP1")
         admin.define_queue("Q1", "APP1")
+        profiles = ThreadProfiles() if args.cprofile else None
         fsync, cf = Stopwatch(), Stopwatch()
         writer._fdatasync = fsync.wrap(writer._fdatasync)  # type: ignore[attr-defined]
         cfmod.CF.run = cf.wrap(cfmod.CF.run)  # type: ignore[method-assign]
@@ -121,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         while not (qm.running and server.port) and time.monotonic() < deadline:
             time.sleep(0.05)
         client = subprocess.Popen([sys.executable, "-c", CLIENT, f"127.0.0.1:{server.port}", str(args.clients),
-                                   str(args.seconds), TOKEN, "1" if args.one_call else "0"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                   str(args.seconds), TOKEN, "1" if args.one_call else "0", str(args.batch)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert client.stdin is not None and client.stdout is not None
         if client.stdout.readline().strip() != "ready":
             raise SystemExit("the client did not start")
@@ -130,11 +182,15 @@ def main(argv: list[str] | None = None) -> int:
         fsync.seconds = fsync.calls = cf.seconds = cf.calls = 0  # type: ignore[assignment]
         pids = {"server": os.getpid(), "cf": srv.pid or 0, "client": client.pid}
         cpu0 = {k: own_ticks(p) for k, p in pids.items()}
+        if profiles is not None:
+            profiles.clear()
         t0 = time.time()
         client.stdin.write("go\n")
         client.stdin.flush()
-        n = int(client.stdout.readline())
+        n = int(client.stdout.readline()) * max(1, args.batch)
         elapsed = time.time() - t0
+        if profiles is not None:
+            profiles.dump(args.cprofile)
         cpu1 = {k: own_ticks(p) for k, p in pids.items()}
         stats1 = r.info("commandstats")
         trips = getattr(qm.cf, "round_trips", 0) - trips0  # grouped CF calls (sqm.core.cfgroup); 0: not grouped
@@ -145,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         per = 1e6 / n
         print(json.dumps({
             "pythonpath": os.environ.get("PYTHONPATH", ""), "clients": args.clients, "one_call": args.one_call,
+            "batch": args.batch, "per": "message" if args.batch else "lifecycle",
             "lifecycles_per_s": round(n / elapsed, 1), "wall_us_per_lifecycle": round(elapsed * per * args.clients),
             "fsync_us": round(fsync.seconds * per), "fsyncs": round(fsync.calls / n, 2),
             "cf_round_trip_us": round(cf.seconds * per), "cf_calls": round(cf.calls / n, 2),
