@@ -3,7 +3,6 @@ most one current unit of work. The queue manager itself (log, CF calls, completi
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -36,6 +35,7 @@ from sqm.core.clock import LrsnClock, now_ms
 from sqm.core.config import QueueManagerConfig
 from sqm.core.failpoints import failpoint
 from sqm.core.messaging import UnitOfWorkScope
+from sqm.core.random_bytes import random_bytes
 from sqm.core.records import INDOUBT, INFLIGHT, Record
 from sqm.core.uow import UnitOfWork
 from sqm.request_slots import nap
@@ -184,8 +184,8 @@ class Connection(UnitOfWorkScope):
         except ValueError as e:
             raise BadRequestError(str(e)) from None
         t = now_ms()
-        entry = Entry(id=os.urandom(12).hex(), queue=queue, priority=priority, persistent=spec.persistent,
-                      msgid=(msgid if msgid is not None else os.urandom(24)).hex(), correlid=correlid.hex(),
+        entry = Entry(id=random_bytes(12).hex(), queue=queue, priority=priority, persistent=spec.persistent,
+                      msgid=(msgid if msgid is not None else random_bytes(24)).hex(), correlid=correlid.hex(),
                       expiry=t + expiry_ms if expiry_ms else 0, put_time=t, properties=props)
         return qdef, entry
 
@@ -344,7 +344,7 @@ class Connection(UnitOfWorkScope):
     def _move_to_backout_queue(self, qdef: QueueDef, entry: Entry, data: bytes, uow: UnitOfWork) -> None:
         """A poison message moves to the backout queue inside the same UOW (a get plus a put, all or nothing)."""
         bq = self.qm.queue_def(qdef.backout_queue)
-        moved = Entry(id=os.urandom(12).hex(), queue=bq.name, priority=entry.priority, persistent=entry.persistent,
+        moved = Entry(id=random_bytes(12).hex(), queue=bq.name, priority=entry.priority, persistent=entry.persistent,
                       msgid=entry.msgid, correlid=entry.correlid, expiry=entry.expiry, put_time=entry.put_time,
                       backout_count=entry.backout_count, properties=entry.properties)
         self._put_entry(bq.structure, moved, data, uow)
