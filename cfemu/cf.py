@@ -36,6 +36,11 @@ class Caller:
     clock: Clock
 
 
+# A pipeline's commands up to this many bytes in all go to the socket as one write (one system call, and one
+# hand-off of the GIL, instead of one per command: a grouped round trip carries several requests' scripts, a batch
+# of puts a hundred); a longer pipeline's commands (large messages) are written one by one, never copied.
+JOINED_SEND = 256 << 10
+
 # Structure handles a CF keeps (CF.structure): more names than a group defines, kept no further.
 MAX_STRUCTURE_HANDLES = 1024
 
@@ -98,6 +103,8 @@ class CF:
                 if script_keys is None:
                     script_keys = self._keys[sname] = keys.script_keys(sname)
                 chunks += pack(conn, ("EVALSHA", self._scripts[op].sha, len(script_keys), *script_keys, *args))
+            if len(chunks) > 1 and sum(map(len, chunks)) <= JOINED_SEND:
+                chunks = [b"".join(chunks)]
             replies = exchange(conn, chunks, len(calls))
         finally:
             try:

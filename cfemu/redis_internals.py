@@ -17,12 +17,14 @@ What redis-py keeps private and cfemu uses:
 - ``Connection._command_packer``: whether redis-py packs with hiredis (``HiredisRespSerializer``);
 - ``Connection._connect()`` (the hook that makes the socket) and ``Connection._host_error()`` (the address in its
   error texts);
-- ``ConnectionPool._checkpid()`` and ``BlockingConnectionPool._in_maintenance``;
+- ``ConnectionPool._checkpid()`` and ``.pid`` (the process that made or reset the pool), and
+  ``BlockingConnectionPool._in_maintenance``;
 - ``Retry._retries`` and ``Retry._supported_errors``: a policy of one attempt is run without its wrapper.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 from typing import Any
 
@@ -101,9 +103,23 @@ def retry_errors(retry: Any) -> tuple[type[BaseException], ...]:
     return tuple(retry._supported_errors)
 
 
+_pid = os.getpid()  # this process's id, kept up to date across a fork: os.getpid() is a system call
+
+
+def _forked() -> None:
+    global _pid
+    _pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
 def check_pid(pool: Any) -> None:
-    """redis-py's fork check of a pool: in a child process, the parent's connections are dropped first."""
-    pool._checkpid()
+    """redis-py's fork check of a pool: in a child process, the parent's connections are dropped first. The pool's
+    own check (``_checkpid``) asks os.getpid() every time; it runs here only when the pool was made in another
+    process than this one (its ``pid``), as it would find nothing to do otherwise."""
+    if getattr(pool, "pid", None) != _pid:
+        pool._checkpid()
 
 
 def in_maintenance(pool: Any) -> bool:
@@ -135,7 +151,8 @@ def fast_path() -> dict[str, bool]:
         "hiredis packer": isinstance(redis.Connection()._command_packer, HiredisRespSerializer),
         "socket hook": callable(getattr(conn_class, "_connect", None)),
         "host in errors": callable(getattr(conn_class, "_host_error", None)),
-        "pool fork check": callable(getattr(pool_class, "_checkpid", None)),
+        "pool fork check": callable(getattr(pool_class, "_checkpid", None))
+        and redis.ConnectionPool().pid == os.getpid(),
         "socket readiness check": callable(getattr(_redis_hiredis, "_socket_can_read", None)),
         "retry policy": isinstance(getattr(Retry(NoBackoff(), 0), "_retries", None), int)
         and isinstance(getattr(Retry(NoBackoff(), 0), "_supported_errors", None), tuple),

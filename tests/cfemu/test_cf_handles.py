@@ -32,3 +32,30 @@ def test_the_handles_kept_are_bounded(redis_url: str, monkeypatch: pytest.Monkey
         assert cf.structure(f"S{i}").name == f"S{i}"
     assert len(cf._structures) == 3
     assert cf.structure("S9") is not cf.structure("S9")  # past the bound: made each time, still right
+
+
+def test_a_pipelines_small_commands_go_to_the_socket_as_one_write(redis_url: str,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from cfemu.admin import Admin  # noqa: PLC0415
+    from cfemu.connection import connect  # noqa: PLC0415
+
+    client = connect(redis_url, max_connections=1)
+    try:
+        Admin(client).define_structure("APP1")
+        Admin(client).define_queue("Q1", "APP1")
+        cf = CF(client)
+        sent: list[int] = []
+        real = cfmod.exchange
+
+        def counted(conn: object, chunks: list[bytes], replies: int) -> list[object]:
+            sent.append(len(chunks))
+            return real(conn, chunks, replies)
+
+        monkeypatch.setattr(cfmod, "exchange", counted)
+        browse = ("browse", "APP1", ["Q1", 10, 0, 0, 0])
+        assert cf.run_many([browse] * 3) == [[0], [0], [0]]  # each: nothing more, no message
+        monkeypatch.setattr(cfmod, "JOINED_SEND", 10)  # commands longer than that in all: written one by one
+        assert cf.run_many([browse] * 3) == [[0], [0], [0]]  # each: nothing more, no message
+        assert sent == [1, 3]
+    finally:
+        client.close()
