@@ -37,6 +37,9 @@ from typing import Any
 
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
+# The tree profiled, as given: bench_peers (imported below) puts its own tree first in PYTHONPATH for the processes
+# it starts, and the client started here must run the tree given, as this process does.
+PROFILED_PATH = os.environ.get("PYTHONPATH", "")
 
 from bench_peers import TICK, _proc_table  # noqa: E402
 
@@ -149,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=0,
                     help="B >= 1: the batched lifecycle, put_batch of B then get_batch of B, each with its commit; "
                          "the figures are per message")
+    ap.add_argument("--slots", type=int, default=0,
+                    help="the server's request slots (ServerConfig.request_slots; 0: its default)")
     ap.add_argument("--cprofile", metavar="PATH",
                     help="write a pstats file of the server's threads over the window, timed by each thread's CPU "
                          "clock (time.thread_time): where the server's CPU goes, function by function")
@@ -167,13 +172,17 @@ def main(argv: list[str] | None = None) -> int:
         cfmod.CF.run = cf.wrap(cfmod.CF.run)  # type: ignore[method-assign]
         cfmod.CF.run_many = cf.wrap(cfmod.CF.run_many)  # type: ignore[method-assign]  # a grouped round trip
         qm = QueueManager(QueueManagerConfig(name="QM1", log_root=work / "logs", redis_url=srv.url, lease_ms=60_000), wings=WINGS)
-        server = SQMServer(ServerConfig(name="QM1", log_root=work / "logs", redis_url=srv.url, token=TOKEN), qm=qm)
+        slots = {"request_slots": args.slots} if args.slots else {}
+        server = SQMServer(ServerConfig(name="QM1", log_root=work / "logs", redis_url=srv.url, token=TOKEN, **slots),
+                           qm=qm)
         threading.Thread(target=lambda: asyncio.run(server.run(install_signals=False)), daemon=True).start()
         deadline = time.monotonic() + 60
         while not (qm.running and server.port) and time.monotonic() < deadline:
             time.sleep(0.05)
+        client_env = {**os.environ, "PYTHONPATH": PROFILED_PATH} if PROFILED_PATH else None
         client = subprocess.Popen([sys.executable, "-c", CLIENT, f"127.0.0.1:{server.port}", str(args.clients),
-                                   str(args.seconds), TOKEN, "1" if args.one_call else "0", str(args.batch)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                   str(args.seconds), TOKEN, "1" if args.one_call else "0", str(args.batch)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                  env=client_env)
         assert client.stdin is not None and client.stdout is not None
         if client.stdout.readline().strip() != "ready":
             raise SystemExit("the client did not start")
@@ -200,8 +209,8 @@ def main(argv: list[str] | None = None) -> int:
             return sum(int(v["usec"]) for k, v in stats.items() if only is None or k == only)
         per = 1e6 / n
         print(json.dumps({
-            "pythonpath": os.environ.get("PYTHONPATH", ""), "clients": args.clients, "one_call": args.one_call,
-            "batch": args.batch, "per": "message" if args.batch else "lifecycle",
+            "pythonpath": PROFILED_PATH, "clients": args.clients, "one_call": args.one_call,
+            "batch": args.batch, "per": "message" if args.batch else "lifecycle", "slots": server.slots.n,
             "lifecycles_per_s": round(n / elapsed, 1), "wall_us_per_lifecycle": round(elapsed * per * args.clients),
             "fsync_us": round(fsync.seconds * per), "fsyncs": round(fsync.calls / n, 2),
             "cf_round_trip_us": round(cf.seconds * per), "cf_calls": round(cf.calls / n, 2),

@@ -267,9 +267,14 @@ class Connection(UnitOfWorkScope):
         s = qm.structure(qdef.structure)
         deadline = time.monotonic() + wait_ms / 1000
         delay = 0.002
+        # The first attempt asks only whether the client was seen to leave (the flag); from the first wait on, each
+        # attempt looks at its connection too (a service's watch reads the socket: a system call, and with it a
+        # hand-off of the GIL, per get). A request that waited for its slot was looked at then
+        # (sqm.service.server), and a get outside syncpoint looks again before its message is committed.
+        waited = False
         try:
             while True:
-                if self.gone.is_set():
+                if self.gone.is_set() if waited else threading.Event.is_set(self.gone):
                     raise ClientGoneError(f"the client left while waiting for a message on {queue}")
                 if own is None and counted:
                     self._check_umsgs(uow, "get", queue)
@@ -296,6 +301,7 @@ class Connection(UnitOfWorkScope):
                 if time.monotonic() >= deadline:
                     raise NoMessageError(f"no message available on {queue}")
                 nap(delay)
+                waited = True
                 delay = min(delay * 2, 0.05)
         except BaseException as e:
             if uow.operations == 0 and not uow.doomed:  # nothing taken: no UOW to keep (an idle connection holds none)
