@@ -10,9 +10,13 @@ of bench_peers.py (1 KiB persistent put + commit, get + commit) from a child pro
                  waits for it), and of that the CF's own execution time of the scripts (redis-server's INFO
                  commandstats, evalsha); cf_round_trips: round trips per lifecycle when the member groups its
                  concurrent requests' CF calls (sqm.core.cfgroup), against cf_calls (script calls);
-  CPU:           user+system time of the server process, the CF and the client process.
+  CPU:           user+system time of the server process, the CF and the client process;
+  switches:      context switches of the server's threads (/proc: a thread that waited and was woken, or was
+                 preempted), a cost of its own on a virtual machine;
+  --batch B:     the batched lifecycle (put_batch of B, get_batch of B, each with its commit): figures per message.
 
     PYTHONPATH=<tree> .venv/bin/python bench/profile_service.py [--seconds 8] [--clients 1] [--one-call]
+        [--batch B] [--slots N] [--cprofile PATH]
 
 PYTHONPATH picks the tree whose server and client are profiled (e.g. a `git archive` of an older commit, for a
 before/after); prints one JSON line. The work files go under var/ and are removed.
@@ -89,6 +93,21 @@ def own_ticks(pid: int) -> int:
     """CPU ticks of one process, without its children: the CF and the client are children of this process, and
     counting them in the server's figure (as an earlier version of this script did) counted them twice."""
     return _proc_table().get(pid, (0, 0))[1]
+
+
+def context_switches() -> int:
+    """Context switches of this process's threads so far (voluntary: a thread waited; involuntary: it was
+    preempted), from /proc: each is a thread put to sleep and woken, or sent off a CPU."""
+    total = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/status") as f:
+                for line in f:
+                    if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
+                        total += int(line.split()[1])
+        except OSError:  # a thread that ended meanwhile
+            continue
+    return total
 
 
 class Stopwatch:
@@ -191,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         fsync.seconds = fsync.calls = cf.seconds = cf.calls = 0  # type: ignore[assignment]
         pids = {"server": os.getpid(), "cf": srv.pid or 0, "client": client.pid}
         cpu0 = {k: own_ticks(p) for k, p in pids.items()}
+        switches0 = context_switches()
         if profiles is not None:
             profiles.clear()
         t0 = time.time()
@@ -201,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         if profiles is not None:
             profiles.dump(args.cprofile)
         cpu1 = {k: own_ticks(p) for k, p in pids.items()}
+        switches = context_switches() - switches0
         stats1 = r.info("commandstats")
         trips = getattr(qm.cf, "round_trips", 0) - trips0  # grouped CF calls (sqm.core.cfgroup); 0: not grouped
         client.wait()
@@ -218,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
             "cf_script_server_us": round((usec(stats1, "cmdstat_evalsha") - usec(stats0, "cmdstat_evalsha")) / n),
             "cf_all_commands_server_us": round((usec(stats1) - usec(stats0)) / n),
             **{f"cpu_{k}_us": round((cpu1[k] - cpu0[k]) / TICK * per) for k in pids},
+            "server_context_switches": round(switches / n, 1),
             "load": [round(x, 2) for x in os.getloadavg()]}))
         sys.stdout.flush()
     finally:
