@@ -211,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         pids = {"server": os.getpid(), "cf": srv.pid or 0, "client": client.pid}
         cpu0 = {k: own_ticks(p) for k, p in pids.items()}
         switches0 = context_switches()
+        sys0 = os.times().system
         if profiles is not None:
             profiles.clear()
         t0 = time.time()
@@ -222,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
             profiles.dump(args.cprofile)
         cpu1 = {k: own_ticks(p) for k, p in pids.items()}
         switches = context_switches() - switches0
+        server_sys = os.times().system - sys0
         stats1 = r.info("commandstats")
         trips = getattr(qm.cf, "round_trips", 0) - trips0  # grouped CF calls (sqm.core.cfgroup); 0: not grouped
         client.wait()
@@ -239,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
             "cf_script_server_us": round((usec(stats1, "cmdstat_evalsha") - usec(stats0, "cmdstat_evalsha")) / n),
             "cf_all_commands_server_us": round((usec(stats1) - usec(stats0)) / n),
             **{f"cpu_{k}_us": round((cpu1[k] - cpu0[k]) / TICK * per) for k in pids},
+            "cpu_server_system_us": round(server_sys * per),  # of cpu_server_us: the kernel's share
             "server_context_switches": round(switches / n, 1),
             "load": [round(x, 2) for x in os.getloadavg()]}))
         sys.stdout.flush()
