@@ -44,6 +44,7 @@ JOINED_SEND = 256 << 10
 # Structure handles a CF keeps (CF.structure): more names than a group defines, kept no further.
 MAX_STRUCTURE_HANDLES = 1024
 
+
 class CF:
     """A connection to the CF (a Redis server) with every structure script registered (the admin ones: Admin)."""
 

@@ -20,8 +20,8 @@ class FreeConnections(LifoQueue):
     """The pool's free connections, last in first out: a ``LifoQueue`` whose take and give back are a list's pop
     and append (atomic under the GIL) while connections are free, with its condition taken only by a caller that
     has to wait and by whoever gives one back while somebody does. A CF call takes and gives back a connection
-    every time; the queue's condition and its waiter bookkeeping were a fifth of the Python calls of a message's
-    lifecycle in the member (BENCHMARKS.md, "peers", seventh look).
+    every time, and the queue's condition (its lock, its waiters, its notify) was a dozen Python calls of each
+    (BENCHMARKS.md, "peers", seventh look).
 
     No give-back is lost: a waiter counts itself in ``_sleepers`` (holding the condition's lock) before it looks
     at the list, and a giver looks at ``_sleepers`` after it appended, taking the lock to notify when it is
