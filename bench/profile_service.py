@@ -41,6 +41,10 @@ from typing import Any
 
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
+# bench_peers puts its own tree first on sys.path unless it is there already: here it goes last, so that the tree
+# PYTHONPATH names is the one imported (and profiled), not this script's.
+if str(BENCH_DIR.parent) not in sys.path:
+    sys.path.append(str(BENCH_DIR.parent))
 # The tree profiled, as given: bench_peers (imported below) puts its own tree first in PYTHONPATH for the processes
 # it starts, and the client started here must run the tree given, as this process does.
 PROFILED_PATH = os.environ.get("PYTHONPATH", "")
@@ -232,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
             return sum(int(v["usec"]) for k, v in stats.items() if only is None or k == only)
         per = 1e6 / n
         print(json.dumps({
-            "pythonpath": PROFILED_PATH, "clients": args.clients, "one_call": args.one_call,
+            "pythonpath": PROFILED_PATH, "tree": str(Path(cfmod.__file__).resolve().parents[1]),
+            "clients": args.clients, "one_call": args.one_call,
             "batch": args.batch, "per": "message" if args.batch else "lifecycle", "slots": server.slots.n,
             "lifecycles_per_s": round(n / elapsed, 1), "wall_us_per_lifecycle": round(elapsed * per * args.clients),
             "fsync_us": round(fsync.seconds * per), "fsyncs": round(fsync.calls / n, 2),

@@ -31,5 +31,6 @@ def test_the_batched_lifecycle_is_profiled_per_message_with_the_servers_cpu_prof
     assert figures["batch"] == 3 and figures["per"] == "message" and figures["slots"] == 2
     assert figures["lifecycles_per_s"] > 0 and figures["server_context_switches"] >= 0
     assert figures["pythonpath"] == str(REPO)
+    assert figures["tree"] == str(REPO.resolve())  # the tree profiled is PYTHONPATH's, not the script's copy's
     functions = {name for (_, _, name) in pstats.Stats(str(out)).stats}  # type: ignore[attr-defined]
     assert "put_batch" in functions and "get_batch" in functions
