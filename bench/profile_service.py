@@ -10,9 +10,13 @@ of bench_peers.py (1 KiB persistent put + commit, get + commit) from a child pro
                  waits for it), and of that the CF's own execution time of the scripts (redis-server's INFO
                  commandstats, evalsha); cf_round_trips: round trips per lifecycle when the member groups its
                  concurrent requests' CF calls (sqm.core.cfgroup), against cf_calls (script calls);
-  CPU:           user+system time of the server process, the CF and the client process.
+  CPU:           user+system time of the server process, the CF and the client process;
+  switches:      context switches of the server's threads (/proc: a thread that waited and was woken, or was
+                 preempted), a cost of its own on a virtual machine;
+  --batch B:     the batched lifecycle (put_batch of B, get_batch of B, each with its commit): figures per message.
 
     PYTHONPATH=<tree> .venv/bin/python bench/profile_service.py [--seconds 8] [--clients 1] [--one-call]
+        [--batch B] [--slots N] [--cprofile PATH]
 
 PYTHONPATH picks the tree whose server and client are profiled (e.g. a `git archive` of an older commit, for a
 before/after); prints one JSON line. The work files go under var/ and are removed.
@@ -22,8 +26,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import json
 import os
+import pstats
 import shutil
 import subprocess
 import sys
@@ -35,6 +41,13 @@ from typing import Any
 
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
+# bench_peers puts its own tree first on sys.path unless it is there already: here it goes last, so that the tree
+# PYTHONPATH names is the one imported (and profiled), not this script's.
+if str(BENCH_DIR.parent) not in sys.path:
+    sys.path.append(str(BENCH_DIR.parent))
+# The tree profiled, as given: bench_peers (imported below) puts its own tree first in PYTHONPATH for the processes
+# it starts, and the client started here must run the tree given, as this process does.
+PROFILED_PATH = os.environ.get("PYTHONPATH", "")
 
 from bench_peers import TICK, _proc_table  # noqa: E402
 from harness import Stopwatch  # noqa: E402
@@ -52,10 +65,16 @@ CLIENT = '''
 import os, sys, threading, time
 from sqm.service.client import Client
 body = os.urandom(1024)
-n, seconds, one_call = int(sys.argv[2]), float(sys.argv[3]), sys.argv[5] == "1"
+n, seconds, one_call, batch = int(sys.argv[2]), float(sys.argv[3]), sys.argv[5] == "1", int(sys.argv[6])
 handles = [Client(sys.argv[1], token=sys.argv[4]) for _ in range(n)]
+bodies = [body] * batch
 def lifecycle(c):
-    if one_call:  # outside syncpoint: each put and get a unit of work of its own, one request each
+    if batch:  # B messages put and committed in one request, then got and committed in one (or more)
+        c.put_batch(bodies, queue="Q1", commit=True)
+        got = 0
+        while got < batch:
+            got += len(c.get_batch("Q1", batch - got, wait_ms=1000, commit=True))
+    elif one_call:  # outside syncpoint: each put and get a unit of work of its own, one request each
         c.put("Q1", body, syncpoint=False); c.get("Q1", syncpoint=False, wait_ms=1000)
     else:
         c.put("Q1", body); c.commit(); c.get("Q1", wait_ms=1000); c.commit()
@@ -81,12 +100,72 @@ def own_ticks(pid: int) -> int:
     return _proc_table().get(pid, (0, 0))[1]
 
 
+def context_switches() -> int:
+    """Context switches of this process's threads so far (voluntary: a thread waited; involuntary: it was
+    preempted), from /proc: each is a thread put to sleep and woken, or sent off a CPU."""
+    total = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/status") as f:
+                for line in f:
+                    if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
+                        total += int(line.split()[1])
+        except OSError:  # a thread that ended meanwhile
+            continue
+    return total
+
+
+class ThreadProfiles:
+    """A cProfile of every thread this process starts from now on, timed by each thread's own CPU clock: each new
+    thread starts its own profiler at its first Python call; ``clear`` forgets what they saw so far (the start
+    and the warm-up), ``dump`` merges them into one pstats file."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._profiles: list[cProfile.Profile] = []
+        threading.setprofile(self._start)
+
+    def _start(self, *_: Any) -> None:
+        prof = cProfile.Profile(time.thread_time)
+        with self._lock:
+            self._profiles.append(prof)
+        prof.enable()  # replaces this hook in this thread
+
+    def clear(self) -> None:
+        with self._lock:
+            for prof in self._profiles:
+                prof.clear()
+
+    def dump(self, path: str) -> None:
+        with self._lock:
+            profiles = list(self._profiles)
+        stats = None
+        for prof in profiles:
+            prof.snapshot_stats()
+            if not prof.stats:  # a thread that made no call in the window
+                continue
+            if stats is None:
+                stats = pstats.Stats(prof)
+            else:
+                stats.add(prof)
+        if stats is not None:
+            stats.dump_stats(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--clients", type=int, default=1)
     ap.add_argument("--one-call", action="store_true",
                     help="puts and gets outside syncpoint (one request each) instead of put, commit, get, commit")
+    ap.add_argument("--batch", type=int, default=0,
+                    help="B >= 1: the batched lifecycle, put_batch of B then get_batch of B, each with its commit; "
+                         "the figures are per message")
+    ap.add_argument("--slots", type=int, default=0,
+                    help="the server's request slots (ServerConfig.request_slots; 0: its default)")
+    ap.add_argument("--cprofile", metavar="PATH",
+                    help="write a pstats file of the server's threads over the window, timed by each thread's CPU "
+                         "clock (time.thread_time): where the server's CPU goes, function by function")
     args = ap.parse_args(argv)
     (BENCH_DIR.parent / "var").mkdir(exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="profile-service-", dir=BENCH_DIR.parent / "var"))
@@ -96,18 +175,23 @@ def main(argv: list[str] | None = None) -> int:
         admin = Admin(r)
         admin.define_structure("APP1")
         admin.define_queue("Q1", "APP1")
+        profiles = ThreadProfiles() if args.cprofile else None
         fsync, cf = Stopwatch(), Stopwatch()
         writer._fdatasync = fsync.wrap(writer._fdatasync)  # type: ignore[attr-defined]
         cfmod.CF.run = cf.wrap(cfmod.CF.run)  # type: ignore[method-assign]
         cfmod.CF.run_many = cf.wrap(cfmod.CF.run_many)  # type: ignore[method-assign]  # a grouped round trip
         qm = QueueManager(QueueManagerConfig(name="QM1", log_root=work / "logs", redis_url=srv.url, lease_ms=60_000), wings=WINGS)
-        server = SQMServer(ServerConfig(name="QM1", log_root=work / "logs", redis_url=srv.url, token=TOKEN), qm=qm)
+        slots = {"request_slots": args.slots} if args.slots else {}
+        server = SQMServer(ServerConfig(name="QM1", log_root=work / "logs", redis_url=srv.url, token=TOKEN, **slots),
+                           qm=qm)
         threading.Thread(target=lambda: asyncio.run(server.run(install_signals=False)), daemon=True).start()
         deadline = time.monotonic() + 60
         while not (qm.running and server.port) and time.monotonic() < deadline:
             time.sleep(0.05)
+        client_env = {**os.environ, "PYTHONPATH": PROFILED_PATH} if PROFILED_PATH else None
         client = subprocess.Popen([sys.executable, "-c", CLIENT, f"127.0.0.1:{server.port}", str(args.clients),
-                                   str(args.seconds), TOKEN, "1" if args.one_call else "0"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                   str(args.seconds), TOKEN, "1" if args.one_call else "0", str(args.batch)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                  env=client_env)
         assert client.stdin is not None and client.stdout is not None
         if client.stdout.readline().strip() != "ready":
             raise SystemExit("the client did not start")
@@ -116,12 +200,20 @@ def main(argv: list[str] | None = None) -> int:
         fsync.seconds = fsync.calls = cf.seconds = cf.calls = 0  # type: ignore[assignment]
         pids = {"server": os.getpid(), "cf": srv.pid or 0, "client": client.pid}
         cpu0 = {k: own_ticks(p) for k, p in pids.items()}
+        switches0 = context_switches()
+        sys0 = os.times().system
+        if profiles is not None:
+            profiles.clear()
         t0 = time.time()
         client.stdin.write("go\n")
         client.stdin.flush()
-        n = int(client.stdout.readline())
+        n = int(client.stdout.readline()) * max(1, args.batch)
         elapsed = time.time() - t0
+        if profiles is not None:
+            profiles.dump(args.cprofile)
         cpu1 = {k: own_ticks(p) for k, p in pids.items()}
+        switches = context_switches() - switches0
+        server_sys = os.times().system - sys0
         stats1 = r.info("commandstats")
         trips = getattr(qm.cf, "round_trips", 0) - trips0  # grouped CF calls (sqm.core.cfgroup); 0: not grouped
         client.wait()
@@ -130,7 +222,9 @@ def main(argv: list[str] | None = None) -> int:
             return sum(int(v["usec"]) for k, v in stats.items() if only is None or k == only)
         per = 1e6 / n
         print(json.dumps({
-            "pythonpath": os.environ.get("PYTHONPATH", ""), "clients": args.clients, "one_call": args.one_call,
+            "pythonpath": PROFILED_PATH, "tree": str(Path(cfmod.__file__).resolve().parents[1]),
+            "clients": args.clients, "one_call": args.one_call,
+            "batch": args.batch, "per": "message" if args.batch else "lifecycle", "slots": server.slots.n,
             "lifecycles_per_s": round(n / elapsed, 1), "wall_us_per_lifecycle": round(elapsed * per * args.clients),
             "fsync_us": round(fsync.seconds * per), "fsyncs": round(fsync.calls / n, 2),
             "cf_round_trip_us": round(cf.seconds * per), "cf_calls": round(cf.calls / n, 2),
@@ -138,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
             "cf_script_server_us": round((usec(stats1, "cmdstat_evalsha") - usec(stats0, "cmdstat_evalsha")) / n),
             "cf_all_commands_server_us": round((usec(stats1) - usec(stats0)) / n),
             **{f"cpu_{k}_us": round((cpu1[k] - cpu0[k]) / TICK * per) for k in pids},
+            "cpu_server_system_us": round(server_sys * per),  # of cpu_server_us: the kernel's share
+            "server_context_switches": round(switches / n, 1),
             "load": [round(x, 2) for x in os.getloadavg()]}))
         sys.stdout.flush()
     finally:

@@ -15,7 +15,7 @@ from cfemu import bulk, duplex, keys, lua, rcluster
 from cfemu.entry import Entry
 from cfemu.errors import MQError, StructureFailedError, from_script_error
 from cfemu.limits import CF_STEP
-from cfemu.redis_internals import hiredis_io, pack
+from cfemu.redis_internals import hiredis_io, one_attempt, pack, retry_errors
 from cfemu.resp import exchange, receive, send
 
 
@@ -36,6 +36,15 @@ class Caller:
     clock: Clock
 
 
+# A pipeline's commands up to this many bytes in all go to the socket as one write (one system call, and one
+# hand-off of the GIL, instead of one per command: a grouped round trip carries several requests' scripts, a batch
+# of puts a hundred); a longer pipeline's commands (large messages) are written one by one, never copied.
+JOINED_SEND = 256 << 10
+
+# Structure handles a CF keeps (CF.structure): more names than a group defines, kept no further.
+MAX_STRUCTURE_HANDLES = 1024
+
+
 class CF:
     """A connection to the CF (a Redis server) with every structure script registered (the admin ones: Admin)."""
 
@@ -45,9 +54,17 @@ class CF:
         self._keys: dict[str, list[str]] = {}  # structure -> its scripts' KEYS (keys.script_keys), built once
         self._pair = duplex.pair_of(client)  # a duplexed CF: every call waits for its copy (cfemu.duplex)
         self._cluster = rcluster.is_cluster(client)  # a Redis Cluster: each script goes to its slot's master
+        # Structure handles by name, each made (and its name checked) once: a handle holds only this CF and the
+        # name, and a member asks for one per CF call.
+        self._structures: dict[str, Structure] = {}
 
     def structure(self, name: str) -> Structure:
-        return Structure(self, keys.check_name("structure", name))
+        found = self._structures.get(name) if type(name) is str else None
+        if found is None:
+            found = Structure(self, keys.check_name("structure", name))
+            if len(self._structures) < MAX_STRUCTURE_HANDLES:
+                self._structures[name] = found
+        return found
 
     def script(self, op: str) -> Any:
         """The registered script of an operation (a redis-py Script), for callers that pipeline many calls
@@ -87,6 +104,8 @@ class CF:
                 if script_keys is None:
                     script_keys = self._keys[sname] = keys.script_keys(sname)
                 chunks += pack(conn, ("EVALSHA", self._scripts[op].sha, len(script_keys), *script_keys, *args))
+            if len(chunks) > 1 and sum(map(len, chunks)) <= JOINED_SEND:
+                chunks = [b"".join(chunks)]
             replies = exchange(conn, chunks, len(calls))
         finally:
             try:
@@ -128,10 +147,17 @@ class CF:
             conn.send_packed_command(packed)
             return conn.read_response()
 
+        retry = conn.retry
         try:
             try:
-                return conn.retry.call_with_retry(send_and_read, lambda error, count: conn.disconnect(),
-                                                  with_failure_count=True)
+                if one_attempt(retry):  # what call_with_retry does with no retries, without its wrappers
+                    try:
+                        return send_and_read()
+                    except retry_errors(retry):
+                        conn.disconnect()
+                        raise
+                return retry.call_with_retry(send_and_read, lambda error, count: conn.disconnect(),
+                                             with_failure_count=True)
             finally:
                 try:
                     if conn.should_reconnect():

@@ -5,14 +5,78 @@ local limit, never read as a lost CF."""
 from __future__ import annotations
 
 import contextlib
+import time
 from queue import Empty, Full, LifoQueue
 from typing import Any
 
 import redis
 
-from cfemu.redis_internals import check_pid, in_maintenance
+from cfemu.redis_internals import check_pid, idle_and_clean, in_maintenance, socket_of
 
-__all__ = ["PoolExhaustedError", "WaitingPool"]
+__all__ = ["FreeConnections", "PoolExhaustedError", "WaitingPool"]
+
+
+class FreeConnections(LifoQueue):
+    """The pool's free connections, last in first out: a ``LifoQueue`` whose take and give back are a list's pop
+    and append (atomic under the GIL) while connections are free, with its condition taken only by a caller that
+    has to wait and by whoever gives one back while somebody does. A CF call takes and gives back a connection
+    every time, and the queue's condition (its lock, its waiters, its notify) was a dozen Python calls of each
+    (BENCHMARKS.md, "peers", seventh look).
+
+    No give-back is lost: a waiter counts itself in ``_sleepers`` (holding the condition's lock) before it looks
+    at the list, and a giver looks at ``_sleepers`` after it appended, taking the lock to notify when it is
+    non-zero; so either the waiter's look finds the connection or the giver's notify finds the waiter waiting."""
+
+    def _init(self, maxsize: int) -> None:
+        super()._init(maxsize)
+        self._sleepers = 0
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        try:
+            return self.queue.pop()
+        except IndexError:
+            if not block:
+                raise Empty from None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.not_empty:
+            self._sleepers += 1
+            try:
+                while True:
+                    try:
+                        return self.queue.pop()
+                    except IndexError:
+                        pass
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        raise Empty
+                    self.not_empty.wait(remaining)
+            finally:
+                self._sleepers -= 1
+
+    def get_nowait(self) -> Any:
+        return self.get(block=False)
+
+    def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
+        # Never more items than the pool's size exist (a connection or a None for one not made), so a full queue
+        # is a caller's mistake to report, not a state to wait out.
+        if 0 < self.maxsize <= len(self.queue):
+            raise Full
+        self.queue.append(item)
+        if self._sleepers:
+            with self.not_empty:
+                self.not_empty.notify()
+
+    def put_nowait(self, item: Any) -> None:
+        self.put(item, block=False)
+
+    def qsize(self) -> int:
+        return len(self.queue)
+
+    def empty(self) -> bool:
+        return not self.queue
+
+    def full(self) -> bool:
+        return 0 < self.maxsize <= len(self.queue)
 
 
 class PoolExhaustedError(redis.exceptions.RedisError):
@@ -28,6 +92,10 @@ class WaitingPool(redis.BlockingConnectionPool):
     observability records, which cost more CPU than the rest of a CF call's client side (BENCHMARKS.md, "Where the
     time goes: one lifecycle through the service"); in the modes this project never uses (client-side caching,
     maintenance notifications) redis-py's own methods run."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("queue_class", FreeConnections)
+        super().__init__(*args, **kwargs)
 
     def _lean(self) -> bool:
         return (getattr(self, "cache", None) is None and not in_maintenance(self)
@@ -49,6 +117,8 @@ class WaitingPool(redis.BlockingConnectionPool):
         if connection is None:
             connection = self.make_connection()
         try:
+            if socket_of(connection) is not None and idle_and_clean(connection):
+                return connection  # connected, nothing unread, not closed by the server: redis-py's checks pass
             connection.connect()
             try:
                 if connection.can_read():

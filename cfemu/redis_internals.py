@@ -12,22 +12,28 @@ What redis-py keeps private and cfemu uses:
 - ``Connection._sock``: the connected socket (None while not connected), written and read directly;
 - ``Connection._parser._reader`` and ``._buffer``: the hiredis reader and its receive buffer
   (``redis._parsers.hiredis._HiredisParser``), fed from the socket directly; ``NOT_ENOUGH_DATA``, the sentinel
-  the reader answers while a reply is incomplete;
+  the reader answers while a reply is incomplete; ``_socket_can_read``, its non-blocking readiness check of a
+  socket (a connection taken from the pool is checked for unread data with it);
 - ``Connection._command_packer``: whether redis-py packs with hiredis (``HiredisRespSerializer``);
 - ``Connection._connect()`` (the hook that makes the socket) and ``Connection._host_error()`` (the address in its
   error texts);
-- ``ConnectionPool._checkpid()`` and ``BlockingConnectionPool._in_maintenance``.
+- ``ConnectionPool._checkpid()`` and ``.pid`` (the process that made or reset the pool), and
+  ``BlockingConnectionPool._in_maintenance``;
+- ``Retry._retries`` and ``Retry._supported_errors``: a policy of one attempt is run without its wrapper.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 from typing import Any
 
 import hiredis
 import redis
 from redis._parsers import hiredis as _redis_hiredis
+from redis.backoff import NoBackoff
 from redis.connection import HiredisRespSerializer
+from redis.retry import Retry
 
 # What the hiredis reader answers while a reply is incomplete: redis-py builds its readers with this sentinel; one
 # without it leaves hiredis's own False (a nil reply is None in RESP2, never False).
@@ -75,9 +81,45 @@ def host_error(conn: Any) -> str:
     return str(conn._host_error())
 
 
+def idle_and_clean(conn: Any) -> bool:
+    """A connected connection with nothing unread, neither in its hiredis reader nor on its socket (what redis-py's
+    ``can_read()`` answers False for), told without its wrappers; False also when it cannot be told this way (another
+    parser): the caller then asks redis-py's own checks."""
+    reader = getattr(conn._parser, "_reader", None)
+    sock = conn._sock
+    if reader is None or sock is None or reader.has_data():
+        return False
+    return not _redis_hiredis._socket_can_read(sock, 0)
+
+
+def one_attempt(retry: Any) -> bool:
+    """Whether a connection's retry policy (redis.retry.Retry) makes one attempt only: then its call_with_retry is
+    the call, the failure callback and the raise, which cfemu's fast path does itself."""
+    return getattr(retry, "_retries", None) == 0
+
+
+def retry_errors(retry: Any) -> tuple[type[BaseException], ...]:
+    """The errors a retry policy retries on (and calls its failure callback for)."""
+    return tuple(retry._supported_errors)
+
+
+_pid = os.getpid()  # this process's id, kept up to date across a fork: os.getpid() is a system call
+
+
+def _forked() -> None:
+    global _pid
+    _pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
 def check_pid(pool: Any) -> None:
-    """redis-py's fork check of a pool: in a child process, the parent's connections are dropped first."""
-    pool._checkpid()
+    """redis-py's fork check of a pool: in a child process, the parent's connections are dropped first. The pool's
+    own check (``_checkpid``) asks os.getpid() every time; it runs here only when the pool was made in another
+    process than this one (its ``pid``), as it would find nothing to do otherwise."""
+    if getattr(pool, "pid", None) != _pid:
+        pool._checkpid()
 
 
 def in_maintenance(pool: Any) -> bool:
@@ -109,9 +151,14 @@ def fast_path() -> dict[str, bool]:
         "hiredis packer": isinstance(redis.Connection()._command_packer, HiredisRespSerializer),
         "socket hook": callable(getattr(conn_class, "_connect", None)),
         "host in errors": callable(getattr(conn_class, "_host_error", None)),
-        "pool fork check": callable(getattr(pool_class, "_checkpid", None)),
+        "pool fork check": callable(getattr(pool_class, "_checkpid", None))
+        and redis.ConnectionPool().pid == os.getpid(),
+        "socket readiness check": callable(getattr(_redis_hiredis, "_socket_can_read", None)),
+        "retry policy": isinstance(getattr(Retry(NoBackoff(), 0), "_retries", None), int)
+        and isinstance(getattr(Retry(NoBackoff(), 0), "_supported_errors", None), tuple),
     }
 
 
 __all__ = ["NOT_ENOUGH", "SocketHookConnection", "check_pid", "fast_path", "hiredis_io", "host_error",
-           "in_maintenance", "pack", "packs_with_hiredis", "socket_of"]
+           "idle_and_clean", "in_maintenance", "one_attempt", "pack", "packs_with_hiredis", "retry_errors",
+           "socket_of"]

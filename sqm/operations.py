@@ -153,6 +153,8 @@ _MISSING = object()
 def arg(args: dict[str, Any], op: str, name: str, kind: type | tuple[type, ...], default: Any = _MISSING) -> Any:
     """One request argument, type-checked: a wrong type is a BadRequestError naming the op and argument."""
     value = args.get(name, default)
+    if type(value) is kind:  # the common case, at once (a bool is never taken for an int here: its type is bool)
+        return value
     if value is _MISSING:
         raise BadRequestError(f"{op}: missing argument '{name}'")
     if value is None and default is None:

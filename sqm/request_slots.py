@@ -24,13 +24,12 @@ silent CF would make every request through one slot fail one socket timeout afte
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 _held = threading.local()  # .give_back: the current request's slot, or None once given up (or outside a request)
 LEASE_S = 0.1  # how long a request holds its slot before it counts as waiting (--slot-lease-ms)
@@ -68,11 +67,14 @@ class RequestSlots:
         self.waits = 0  # requests that had to wait for one, ever
         self.expired = 0  # slots taken back from requests that held them past the lease
 
-    @contextlib.contextmanager
-    def running(self) -> Iterator[bool]:
+    def running(self) -> _Running:
         """Hold a slot for the calling thread's request until it ends, ``before_wait`` gives it up, or its lease
-        runs out. Yields whether the request had to wait for it (then its client may have left, or the server
-        begun to stop, meanwhile); after ``close`` a waiting request goes on without one."""
+        runs out. Entering yields whether the request had to wait for it (then its client may have left, or the
+        server begun to stop, meanwhile); after ``close`` a waiting request goes on without one."""
+        return _Running(self)
+
+    def _take(self) -> tuple[int, bool]:
+        """(the request's number, whether it waited) once it holds a slot, or once the slots were closed."""
         waited = False
         try:
             self._free.get_nowait()
@@ -84,19 +86,14 @@ class RequestSlots:
         if took:
             with self._lock:
                 self._holders[number] = time.monotonic()
+        return number, waited
 
-        def give_back() -> None:  # by the holder, or by a waiter whose holder outlived its lease
-            with self._lock:
-                if self._holders.pop(number, None) is None:
-                    return  # given back already (a wait, the lease), or never taken (closed)
-            self._free.put(None)
-
-        _held.give_back = give_back
-        try:
-            yield waited
-        finally:
-            _held.give_back = None
-            give_back()
+    def _give_back(self, number: int) -> None:
+        """By the holder, or by a waiter whose holder outlived its lease."""
+        with self._lock:
+            if self._holders.pop(number, None) is None:
+                return  # given back already (a wait, the lease), or never taken (closed)
+        self._free.put(None)
 
     def _wait(self) -> bool:
         """Wait for a slot; True when one was taken, False when the slots were closed meanwhile."""
@@ -134,6 +131,29 @@ class RequestSlots:
             waiting = self.waiting
         for _ in range(waiting + 1):  # one each, and one for a request on its way to waiting
             self._free.put(None)
+
+
+class _Running:
+    """A request's hold of a slot (RequestSlots.running): a plain object rather than a generator-based context
+    manager, as every request of the service takes one."""
+
+    __slots__ = ("slots", "number")
+
+    def __init__(self, slots: RequestSlots) -> None:
+        self.slots = slots
+        self.number = -1
+
+    def __enter__(self) -> bool:
+        self.number, waited = self.slots._take()
+        _held.give_back = self.give_back
+        return waited
+
+    def give_back(self) -> None:
+        self.slots._give_back(self.number)
+
+    def __exit__(self, *exc: object) -> None:
+        _held.give_back = None
+        self.slots._give_back(self.number)
 
 
 def before_wait() -> None:

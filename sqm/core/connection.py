@@ -4,7 +4,6 @@ most one current unit of work. The queue manager itself (log, CF calls, completi
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -38,6 +37,7 @@ from sqm.core.clock import LrsnClock, now_ms
 from sqm.core.config import QueueManagerConfig
 from sqm.core.failpoints import failpoint
 from sqm.core.messaging import UnitOfWorkScope
+from sqm.core.random_bytes import random_bytes
 from sqm.core.records import INDOUBT, INFLIGHT, Record
 from sqm.core.uow import UnitOfWork
 from sqm.request_slots import nap
@@ -199,8 +199,8 @@ class Connection(UnitOfWorkScope):
         except ValueError as e:
             raise BadRequestError(str(e)) from None
         t = now_ms()
-        entry = Entry(id=os.urandom(12).hex(), queue=queue, priority=priority, persistent=spec.persistent,
-                      msgid=(msgid if msgid is not None else os.urandom(24)).hex(), correlid=correlid.hex(),
+        entry = Entry(id=random_bytes(12).hex(), queue=queue, priority=priority, persistent=spec.persistent,
+                      msgid=(msgid if msgid is not None else random_bytes(24)).hex(), correlid=correlid.hex(),
                       expiry=t + expiry_ms if expiry_ms else 0, put_time=t, properties=props)
         return qdef, entry
 
@@ -282,9 +282,14 @@ class Connection(UnitOfWorkScope):
         s = qm.structure(qdef.structure)
         deadline = time.monotonic() + wait_ms / 1000
         delay = 0.002
+        # The first attempt asks only whether the client was seen to leave (the flag); from the first wait on, each
+        # attempt looks at its connection too (a service's watch reads the socket: a system call, and with it a
+        # hand-off of the GIL, per get). A request that waited for its slot was looked at then
+        # (sqm.service.server), and a get outside syncpoint looks again before its message is committed.
+        waited = False
         try:
             while True:
-                if self.gone.is_set():
+                if self.gone.is_set() if waited else threading.Event.is_set(self.gone):
                     raise ClientGoneError(f"the client left while waiting for a message on {queue}")
                 if own is None and counted:
                     self._check_umsgs(uow, "get", queue)
@@ -311,6 +316,7 @@ class Connection(UnitOfWorkScope):
                 if time.monotonic() >= deadline:
                     raise NoMessageError(f"no message available on {queue}")
                 nap(delay)
+                waited = True
                 delay = min(delay * 2, 0.05)
         except BaseException as e:
             if uow.operations == 0 and not uow.doomed:  # nothing taken: no UOW to keep (an idle connection holds none)
@@ -370,7 +376,7 @@ class Connection(UnitOfWorkScope):
     def _move_to_backout_queue(self, qdef: QueueDef, entry: Entry, data: bytes, uow: UnitOfWork) -> None:
         """A poison message moves to the backout queue inside the same UOW (a get plus a put, all or nothing)."""
         bq = self.qm.queue_def(qdef.backout_queue)
-        moved = Entry(id=os.urandom(12).hex(), queue=bq.name, priority=entry.priority, persistent=entry.persistent,
+        moved = Entry(id=random_bytes(12).hex(), queue=bq.name, priority=entry.priority, persistent=entry.persistent,
                       msgid=entry.msgid, correlid=entry.correlid, expiry=entry.expiry, put_time=entry.put_time,
                       backout_count=entry.backout_count, properties=entry.properties)
         self._put_entry(bq.structure, moved, data, uow)

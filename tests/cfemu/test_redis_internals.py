@@ -15,6 +15,7 @@ import pytest
 import redis
 from redis.connection import HiredisRespSerializer
 
+import cfemu.cf
 import cfemu.connection
 from cfemu import redis_internals, resp
 from cfemu.admin import Admin
@@ -112,3 +113,62 @@ def test_a_packed_exchange_takes_the_fast_path(client: redis.Redis, monkeypatch:
         assert resp.exchange(conn, batch.chunks(), batch.count) == [b"OK", b"v"]
     finally:
         pool.release(conn)
+
+
+def test_a_cf_call_that_loses_its_connection_disconnects_it_and_raises(client: redis.Redis,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The members' connections make one attempt (no retries): the fast path runs it without redis-py's retry
+    wrapper, and a connection failure does what the wrapper's failure callback did: the connection is dropped
+    (the next call reconnects) and the error raised as it came."""
+    Admin(client).define_structure("APP1")
+    Admin(client).define_queue("Q1", "APP1")
+    cf = CF(client)
+    assert cf.structure("APP1").browse("Q1", 10, 0) == []
+    conn = client.connection_pool.get_connection()
+    assert redis_internals.one_attempt(conn.retry)
+    client.connection_pool.release(conn)
+
+    def lost(*_: Any) -> Any:
+        raise redis.exceptions.ConnectionError("Connection closed by server.")
+
+    monkeypatch.setattr(cfemu.cf, "_lean_exchange", lost)
+    with pytest.raises(redis.exceptions.ConnectionError, match="Connection closed by server"):
+        cf.structure("APP1").browse("Q1", 10, 0)
+    assert redis_internals.socket_of(conn) is None
+    monkeypatch.undo()
+    assert cf.structure("APP1").browse("Q1", 10, 0) == []  # reconnected
+
+
+def test_a_pool_made_in_this_process_is_not_asked_for_its_process_each_time(client: redis.Redis,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = client.connection_pool
+
+    def asked() -> None:
+        raise AssertionError("the pool's own fork check (an os.getpid() call) ran in the process that made it")
+
+    monkeypatch.setattr(pool, "_checkpid", asked)
+    redis_internals.check_pid(pool)
+    assert client.ping()
+
+
+def test_a_pool_used_in_a_forked_child_drops_its_parents_connections(client: redis.Redis) -> None:
+    import os  # noqa: PLC0415
+
+    assert client.ping()  # a connection made in the parent
+    pool = client.connection_pool
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        ok = b"0"
+        try:
+            redis_internals.check_pid(pool)
+            ok = b"1" if pool.pid == os.getpid() and not pool._connections else b"0"  # type: ignore[attr-defined]
+        finally:
+            os.write(w, ok)
+            os._exit(0)
+    os.close(w)
+    got = os.read(r, 1)
+    os.close(r)
+    os.waitpid(pid, 0)
+    assert got == b"1", "the child's check did not reset the parent's pool"
+    assert client.ping()  # the parent's connections are untouched

@@ -6,6 +6,7 @@ standing.lua before its COMMIT is forced: the time between its last call and its
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,9 +16,9 @@ import redis
 
 from cfemu.cf import CF
 from cfemu.embedded import EmbeddedRedis
-from cfemu.errors import NoMessageError, PstoreUnavailableError
+from cfemu.errors import ClientGoneError, NoMessageError, PstoreUnavailableError
 from cfemu.limits import CF_STEP
-from sqm.core.connection import PutSpec
+from sqm.core.connection import Connection, PutSpec
 from sqm.core.manager import QueueManager
 from tests.support.group import define_group, start_qm
 
@@ -197,4 +198,36 @@ def test_a_batch_that_finds_only_expired_messages_ends_when_a_get_finds_none(
     got = c.get_batch("Q1", 3)
     assert got.messages == [] and got.error is None and c.uow is None
     assert rounds == [3]  # again, then 10 moved and none, none
+    qm.stop()
+
+
+class _Watch(threading.Event):
+    """A client watch that counts its looks at the connection (a service's reads the socket each time)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.looks = 0
+
+    def is_set(self) -> bool:
+        self.looks += 1
+        return super().is_set()
+
+
+def test_a_get_that_finds_a_message_at_once_does_not_look_at_its_connection(
+        group: tuple[redis.Redis, QueueManager]) -> None:
+    _, qm = group
+    watch = _Watch()
+    c = Connection(qm, gone=watch)
+    c.put("Q1", b"m")
+    c.commit()
+    assert c.get("Q1").body == b"m" and watch.looks == 0
+    c.commit()
+    with pytest.raises(NoMessageError):
+        c.get("Q1", wait_ms=30)  # waits: each attempt after a wait looks
+    assert watch.looks >= 1
+    watch.set()  # the client was seen to leave: a get ends at once, and takes nothing
+    c.put("Q1", b"later", syncpoint=False)
+    with pytest.raises(ClientGoneError):
+        c.get("Q1")
+    assert qm.connect().get("Q1", syncpoint=False).body == b"later"
     qm.stop()

@@ -1,0 +1,36 @@
+"""bench/profile_service.py runs, with the batched lifecycle (--batch: figures per message) and the per-thread CPU
+profile of the server (--cprofile: a pstats file that pstats reads). The figures are not checked: on a loaded
+machine they mean nothing at this length. Run from a copy of bench/ so that its work files stay out of the tree."""
+
+from __future__ import annotations
+
+import json
+import os
+import pstats
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_the_batched_lifecycle_is_profiled_per_message_with_the_servers_cpu_profile(tmp_path: Path) -> None:
+    copy = tmp_path / "bench"
+    shutil.copytree(REPO / "bench", copy, ignore=shutil.ignore_patterns("results", "__pycache__"))
+    out = tmp_path / "server.pstats"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    run = subprocess.run([sys.executable, str(copy / "profile_service.py"), "--seconds", "0.5", "--clients", "1",
+                          "--batch", "3", "--slots", "2", "--cprofile", str(out)],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stderr[-2000:]
+    figures = json.loads(run.stdout.strip().splitlines()[-1])
+    assert figures["batch"] == 3 and figures["per"] == "message" and figures["slots"] == 2
+    assert figures["lifecycles_per_s"] > 0 and figures["server_context_switches"] >= 0
+    assert figures["pythonpath"] == str(REPO)
+    assert figures["tree"] == str(REPO.resolve())  # the tree profiled is PYTHONPATH's, not the script's copy's
+    functions = {name for (_, _, name) in pstats.Stats(str(out)).stats}  # type: ignore[attr-defined]
+    assert "put_batch" in functions and "get_batch" in functions

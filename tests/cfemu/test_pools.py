@@ -1,0 +1,136 @@
+"""cfemu.pools: the CF client's bounded pool of connections, whose free connections are taken and given back without
+a condition while there are some (FreeConnections), and whose callers wait for one when there are none. A real
+redis-server."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from cfemu.connection import connect
+from cfemu.pools import FreeConnections, PoolExhaustedError, WaitingPool
+
+
+@pytest.fixture
+def one(redis_url: str) -> Iterator[redis.Redis]:
+    """A CF client as the members make it, with a pool of one connection and a short wait for it."""
+    c = connect(redis_url, max_connections=1, pool_timeout=5.0)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def wait_for(condition: Any, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def test_the_pool_keeps_its_free_connections_in_free_connections(one: redis.Redis) -> None:
+    pool = one.connection_pool
+    assert isinstance(pool, WaitingPool)
+    assert isinstance(pool.pool, FreeConnections)
+
+
+def test_a_connection_given_back_goes_to_the_caller_waiting_for_one(one: redis.Redis) -> None:
+    pool = one.connection_pool
+    held = pool.get_connection()
+    got: list[Any] = []
+    waiter = threading.Thread(target=lambda: got.append(pool.get_connection()))
+    waiter.start()
+    wait_for(lambda: pool.pool._sleepers == 1, "the second caller to wait")  # type: ignore[attr-defined]
+    pool.release(held)
+    waiter.join(30)
+    assert not waiter.is_alive() and got == [held]
+    pool.release(got[0])
+    assert pool.pool._sleepers == 0  # type: ignore[attr-defined]
+
+
+def test_many_threads_share_a_small_pool_and_none_is_left_waiting(redis_url: str) -> None:
+    c = connect(redis_url, max_connections=2, pool_timeout=30.0)
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            for i in range(200):
+                assert c.echo(str(i)) == str(i).encode()
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(8)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in threads) and errors == []
+        assert len(c.connection_pool.pool.queue) == 2  # type: ignore[attr-defined]  # every connection came back
+    finally:
+        c.close()
+
+
+def test_an_exhausted_pool_says_so_after_its_timeout(redis_url: str) -> None:
+    c = connect(redis_url, max_connections=1, pool_timeout=0.2)
+    try:
+        held = c.connection_pool.get_connection()
+        t0 = time.monotonic()
+        with pytest.raises(PoolExhaustedError, match="all 1 connections to the CF stayed busy for 0.2s"):
+            c.connection_pool.get_connection()
+        assert time.monotonic() - t0 >= 0.2
+        c.connection_pool.release(held)
+    finally:
+        c.close()
+
+
+def test_free_connections_refuses_more_than_its_size_and_says_when_empty() -> None:
+    q = FreeConnections(2)
+    q.put_nowait(None)
+    q.put_nowait("c")
+    with pytest.raises(queue.Full):
+        q.put_nowait("d")
+    assert q.full() and q.qsize() == 2
+    assert q.get() == "c" and q.get_nowait() is None  # last in, first out
+    assert q.empty()
+    with pytest.raises(queue.Empty):
+        q.get_nowait()
+    with pytest.raises(queue.Empty):
+        q.get(timeout=0.05)
+
+
+def test_a_connection_left_with_an_unread_reply_is_not_handed_out_as_it_is(one: redis.Redis) -> None:
+    """A connection given back with a reply still unread (a caller that sent and never read) would answer the next
+    caller's command with it: the pool reconnects it instead."""
+    pool = one.connection_pool
+    conn = pool.get_connection()
+    conn.send_command("ECHO", "stale")
+    wait_for(lambda: bool(conn.can_read()), "the stale reply to arrive")
+    pool.release(conn)
+    again = pool.get_connection()
+    try:
+        again.send_command("ECHO", "fresh")
+        assert again.read_response() == b"fresh"
+    finally:
+        pool.release(again)
+
+
+def test_a_connected_idle_connection_is_taken_without_redis_pys_checks(one: redis.Redis,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = one.connection_pool
+    assert one.ping()  # connected, and back in the pool
+
+    def refuse(*_: Any, **__: Any) -> None:
+        raise AssertionError("redis-py's connect/can_read was called for a connected, idle connection")
+
+    monkeypatch.setattr(redis.connection.AbstractConnection, "connect", refuse)
+    monkeypatch.setattr(redis.connection.AbstractConnection, "can_read", refuse)
+    conn = pool.get_connection()
+    pool.release(conn)
