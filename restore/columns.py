@@ -59,7 +59,8 @@ except ImportError:  # installed where no C compiler was (the extension is optio
 SRC_E, SRC_I, SRC_IDS, SRC_DD, SRC_BACKUP = 0, 1, 2, 3, 4
 STOP_END, STOP_FRAME, STOP_BODY = 0, 1, 2
 
-_I64, _STR = pa.int64(), pa.string()
+# Strings as the C reader makes them (64-bit offsets): DuckDB reads them as they are, no copy into 32-bit ones.
+_I64, _STR = pa.int64(), pa.large_string()
 RECS = pa.schema([("rid", _I64), ("l", _I64), ("off", _I64), ("k", _STR), ("u", _STR), ("s", _STR), ("g", _I64),
                   ("at", _I64), ("o", _STR), ("by", _STR), ("eu", _STR), ("seg", _I64), ("m", _STR), ("f", _I64)])
 SS = pa.schema([("rid", _I64), ("s", _STR), ("g", _I64)])
@@ -94,8 +95,7 @@ def _arrays(cols: Sequence[tuple[bytes, bytes | None, bytes | None, int]], schem
     for (values, data, bitmap, nulls), field in zip(cols, schema, strict=False):
         validity = None if bitmap is None else pa.py_buffer(bitmap)
         if field.type == _STR:
-            arr = pa.Array.from_buffers(pa.large_string(), n, [validity, pa.py_buffer(values), pa.py_buffer(data)],
-                                        nulls).cast(_STR)
+            arr = pa.Array.from_buffers(_STR, n, [validity, pa.py_buffer(values), pa.py_buffer(data)], nulls)
         else:
             arr = pa.Array.from_buffers(_I64, n, [validity, pa.py_buffer(values)], nulls)
         out.append(arr)

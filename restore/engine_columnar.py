@@ -709,37 +709,38 @@ class ColumnarEngine:
             backup_dir = on_disk.path if on_disk is not None else None
             n_logs = sum(1 for j in jobs if j.backup_file is None)
             progress(READ_LOGS, 0, n_logs)
-            if on_disk is None:  # copies from elsewhere (a test's, or a base with no files)
-                total = manifest.get("entries")
-                n = len(jobs)
-                scanned, src = copies_as_frames(
-                    _counted(backup.copies(), progress, int(total) if total is not None else None),
-                    n << RID_BITS, 2 * n, spill.path)
-                sources[2 * n] = src
-                _insert(con, scanned)
-            logs_done = copies_done = 0
-            total_copies = int(manifest.get("entries") or 0) or None
-            if on_disk is not None:
-                progress(READ_BACKUP, 0, total_copies)
-            readers = _Readers(jobs, self.workers, partial(
-                _scan, backup_dir=backup_dir, structure=str(manifest.get("structure", structure)),
-                replay_from=replay_from, spill=spill.path))
-            try:
-                for item in readers.results():
-                    if item[0] == "rows":
-                        _insert(con, item[1])
-                        max_lrsn = max(max_lrsn, item[1].max_lrsn)
-                        continue
-                    job, srcs = item[1], item[2]
-                    sources.update(srcs)
-                    if job.backup_file is None:
-                        logs_done += 1
-                        progress(READ_LOGS, logs_done, n_logs)
-                    else:
-                        copies_done += int(job.backup_file.get("frames", 0))
-                        progress(READ_BACKUP, copies_done, total_copies)
-            finally:
-                readers.stop()
+            with _Streams(con) as streams:
+                if on_disk is None:  # copies from elsewhere (a test's, or a base with no files)
+                    total = manifest.get("entries")
+                    n = len(jobs)
+                    scanned, src = copies_as_frames(
+                        _counted(backup.copies(), progress, int(total) if total is not None else None),
+                        n << RID_BITS, 2 * n, spill.path)
+                    sources[2 * n] = src
+                    streams.put(scanned)
+                logs_done = copies_done = 0
+                total_copies = int(manifest.get("entries") or 0) or None
+                if on_disk is not None:
+                    progress(READ_BACKUP, 0, total_copies)
+                readers = _Readers(jobs, self.workers, partial(
+                    _scan, backup_dir=backup_dir, structure=str(manifest.get("structure", structure)),
+                    replay_from=replay_from, spill=spill.path))
+                try:
+                    for item in readers.results():
+                        if item[0] == "rows":
+                            streams.put(item[1])
+                            max_lrsn = max(max_lrsn, item[1].max_lrsn)
+                            continue
+                        job, srcs = item[1], item[2]
+                        sources.update(srcs)
+                        if job.backup_file is None:
+                            logs_done += 1
+                            progress(READ_LOGS, logs_done, n_logs)
+                        else:
+                            copies_done += int(job.backup_file.get("frames", 0))
+                            progress(READ_BACKUP, copies_done, total_copies)
+                finally:
+                    readers.stop()
             read_cpu = time.process_time() - cpu0
             held_by = [u for (u,) in con.execute(
                 f"SELECT DISTINCT u FROM raw_descs WHERE src = {SRC_BACKUP}").fetchall()]
@@ -796,15 +797,66 @@ def _on_disk(backup: BackupSource) -> Backup | None:
     return None
 
 
-def _insert(con: duckdb.DuckDBPyConnection, scanned: Scanned) -> None:
-    """A scan's rows into the plan's raw tables."""
-    for name, table in scanned.tables.items():
-        if len(table):
-            con.register("scanned", table)
-            try:
-                con.execute(f"INSERT INTO raw_{name} SELECT * FROM scanned")
-            finally:
-                con.unregister("scanned")
+class _Streams:
+    """The readers' rows into the plan's raw tables: one INSERT a table for the whole read, each reading an Arrow
+    stream its chunks are handed to (a queue of a few: what waits to be inserted stays bounded), in a thread and a
+    cursor of its own. One INSERT a chunk cost DuckDB about 8 ms a statement at 1M records, more as the table grew:
+    six times the CPU of these streams (BENCHMARKS.md, "The columnar engine, fourth pass"). Use it in a `with`:
+    leaving normally waits until every chunk is in and raises an INSERT's failure."""
+
+    DEPTH = 4
+
+    def __init__(self, con: duckdb.DuckDBPyConnection) -> None:
+        self.queues: dict[str, queue.Queue[pa.Table | None]] = {n: queue.Queue(maxsize=self.DEPTH) for n in TABLES}
+        self.failure: BaseException | None = None
+        self.threads = [threading.Thread(target=self._insert, args=(con.cursor(), name), name=f"restore-insert-{name}",
+                                         daemon=True) for name in TABLES]
+
+    def _batches(self, name: str) -> Iterator[pa.RecordBatch]:
+        while (table := self.queues[name].get()) is not None:
+            yield from table.to_batches()
+
+    def _insert(self, cur: duckdb.DuckDBPyConnection, name: str) -> None:
+        try:
+            cur.register(f"stream_{name}", pa.RecordBatchReader.from_batches(TABLES[name], self._batches(name)))
+            cur.execute(f"INSERT INTO raw_{name} SELECT * FROM stream_{name}")
+        except BaseException as e:  # raised by put() and __exit__
+            self.failure = self.failure or e
+            while self.queues[name].get() is not None:  # what is still handed over goes nowhere
+                pass
+        finally:
+            cur.close()
+
+    def put(self, scanned: Scanned) -> None:
+        for name, table in scanned.tables.items():
+            if len(table):
+                self._hand(name, table)
+
+    def _hand(self, name: str, table: pa.Table | None) -> None:
+        while self.failure is None:
+            with contextlib.suppress(queue.Full):
+                self.queues[name].put(table, timeout=0.2)
+                return
+        raise self.failure
+
+    def __enter__(self) -> _Streams:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        for name, q in self.queues.items():
+            if exc_type is None:
+                self._hand(name, None)
+            else:  # the threads' INSERTs end with what they were given
+                while True:
+                    with contextlib.suppress(queue.Full):
+                        q.put(None, timeout=0.2)
+                        break
+        for t in self.threads:
+            t.join()
+        if exc_type is None and self.failure is not None:
+            raise self.failure
 
 
 def _execute(con: duckdb.DuckDBPyConnection, sql: str, timings: dict[str, float], name: str = "") -> None:
