@@ -56,6 +56,7 @@ from restore.columns import (
     SRC_I,
     SRC_IDS,
     TABLES,
+    Pieces,
     Scanned,
     Source,
     copies_as_frames,
@@ -543,10 +544,13 @@ ORDER BY f.q, CASE f.st WHEN 'CP' THEN 0 WHEN 'UP' THEN 1 ELSE 2 END,
 """
 
 
+_unpack = partial(msgpack.unpackb, raw=False, unicode_errors="surrogateescape", strict_map_key=False)
+
+
 def _descriptor(desc: bytes, src: str) -> dict[str, Any]:
     """A descriptor as its bytes say; a backup's copy as backup.files reads it (a property table that is not a map
     is the CF's empty one)."""
-    entry: dict[str, Any] = msgpack.unpackb(desc, raw=False, unicode_errors="surrogateescape", strict_map_key=False)
+    entry: dict[str, Any] = _unpack(desc)
     if src == "B" and not isinstance(entry.get("pr", {}), dict):
         entry["pr"] = {}
     return entry
@@ -576,6 +580,30 @@ def _batches(cur: duckdb.DuckDBPyConnection, sql: str) -> Iterator[pa.RecordBatc
     reader = cur.sql(sql).to_arrow_reader(FETCH_ROWS)
     if reader is not None:
         yield from reader
+
+
+def _survivors(batch: pa.RecordBatch, pieces: Pieces) -> Iterator[Settled]:
+    """A batch of SURVIVORS_SQL's rows as Settled entries: each base descriptor read back (with its data) and
+    unpacked, the fields the fold set (its mask) set in it; a control entry as the restart tables keep it."""
+    c = batch.columns
+    descs, datas = pieces.read(*c[11:16])
+    eids, disps, structures, masks, srcs = (c[k].to_pylist() for k in (0, 1, 2, 9, 10))
+    folded = list(zip(*(c[k].to_pylist() for k in range(3, 9)), strict=True))  # st, u, l, o1, o2, bc
+    ruled = c[16].to_pylist() if c[16].null_count < len(batch) else None
+    unpack = _unpack
+    for k, eid in enumerate(eids):
+        if ruled is not None and ruled[k] is not None:  # a control entry as the restart tables keep it: final
+            yield Settled(eid, disps[k], structures[k], _descriptor(ruled[k], ""), c[17][k].as_py())
+            continue
+        entry: dict[str, Any] = unpack(descs[k])
+        if srcs[k] == "B" and not isinstance(entry.get("pr", {}), dict):
+            entry["pr"] = {}
+        mask = masks[k]
+        if mask:
+            for (name, bit), value in zip(FIELDS, folded[k], strict=True):
+                if mask & bit:
+                    entry[name] = value
+        yield Settled(eid, disps[k], structures[k], entry, datas[k])
 
 
 class SqlOutcomes(Mapping[str, Outcome]):
@@ -646,16 +674,12 @@ class ColumnarPlan(RestorePlan):
         return self.con.cursor()  # a connection of its own: the load reads the survivors from another thread
 
     def in_load_order(self) -> Iterator[Settled]:
-        for batch in _batches(self.cursor(), SURVIVORS_SQL):
-            cols = [c.to_pylist() for c in batch.columns]
-            rows = list(zip(*cols, strict=True))
-            read = iter(read_back(self.sources, [r[11:16] for r in rows if r[16] is None]))
-            for eid, disp, s, st, u, lrsn, o1, o2, bc, mask, src, _, _, _, _, _, ruled, ruled_data in rows:
-                if ruled is not None:  # a control entry as the restart tables keep it: final already
-                    yield Settled(eid, disp, s, _descriptor(ruled, ""), ruled_data)
-                    continue
-                desc, data = next(read)
-                yield Settled(eid, disp, s, _entry(desc, src, mask, (st, u, lrsn, o1, o2, bc)), data)
+        pieces = Pieces(self.sources)
+        try:
+            for batch in _batches(self.cursor(), SURVIVORS_SQL):
+                yield from _survivors(batch, pieces)
+        finally:
+            pieces.close()
 
     def loaded(self) -> Iterator[Settled]:
         return self.in_load_order()
