@@ -228,44 +228,42 @@ PLAN_SQL = """
 -- with what its kind's row says of it, then the entries each names (kind.entry_ids, once each, and of an outcome
 -- record the entries it carries of this structure, plan.restrict), then the descriptors (a backup's copy "B", a
 -- put's "P", a relog copy "R", a copy an outcome record carries "D": the last it carries of each entry)
-CREATE TABLE recs AS
-SELECT x.rid, x.l, x.m, x.seg, x.off, x.k, kd.role, x.u,
-       CASE WHEN kd.role = 'entry' THEN x.g WHEN kd.role = 'outcome' THEN sg.g END AS gen,
-       x.at, CASE WHEN x.o = 'C' THEN kd.dec_c ELSE kd.dec_b END AS dec, kd.outranks, kd.rank, kd.copy,
-       kd.carries, x.by AS dby, CASE WHEN kd.copy THEN coalesce(x.eu, '') ELSE '' END AS holder, kd.idsrc,
-       kd.descsrc
-FROM raw_recs x JOIN kinds kd USING (k)
-LEFT JOIN (SELECT rid, g FROM raw_ss WHERE s = $S) sg USING (rid)
-WHERE (kd.role = 'entry' AND x.s = $S) OR kd.role IN ('outcome', 'end');
-CREATE TABLE ev AS
-SELECT DISTINCT e.rid, e.eid FROM raw_ev e JOIN recs r USING (rid)
-WHERE (r.role = 'entry' AND e.src = r.idsrc) OR (r.role = 'outcome' AND e.src = $SRC_DD AND e.dds = $S);
-CREATE TABLE descs AS
-SELECT 'B' AS src, rid, eid, s, q, p, exp, st, u, l, o1, o2, bc, f, boff, blen, doff, dlen
-FROM raw_descs WHERE src = $SRC_BACKUP
-UNION ALL
-SELECT CASE WHEN r.copy THEN 'R' ELSE 'P' END, d.rid, d.eid, r0.s, d.q, d.p, d.exp, d.st, d.u, d.l, d.o1, d.o2,
-       d.bc, d.f, d.boff, d.blen, d.doff, d.dlen
-FROM raw_descs d JOIN recs r USING (rid) JOIN raw_recs r0 USING (rid)
-WHERE d.src = $SRC_E AND r.role = 'entry' AND r.descsrc = $SRC_E
-UNION ALL
-SELECT 'D', rid, eid, s, q, p, exp, st, u, l, o1, o2, bc, f, boff, blen, doff, dlen FROM (
-  SELECT d.*, row_number() OVER (PARTITION BY d.rid, d.eid ORDER BY d.pos DESC) AS rn
-  FROM raw_descs d JOIN recs r USING (rid) WHERE d.src = $SRC_DD AND d.s = $S AND r.role = 'outcome')
-WHERE rn = 1;
-DROP TABLE raw_ev;
-DROP TABLE raw_descs;
-DROP TABLE raw_recs;
-
--- the generation rule (plan.current_incarnation), and where each record lies in the merged log: by (LRSN,
--- member, segment, offset), which is (LRSN, rid), since the readers number the records of each member's log in
--- order, the members' logs in the order of their names (ColumnarEngine._jobs): no sort needed
+-- the generation rule (plan.current_incarnation) as `kept`, and where each record lies in the merged log (`seq`):
+-- by (LRSN, member, segment, offset), which is (LRSN, rid), since the readers number the records of each member's
+-- log in order, the members' logs in the order of their names (ColumnarEngine._jobs): no sort needed
 CREATE TABLE r AS
 SELECT *, l::HUGEINT * 18446744073709551616 + rid AS seq,
        ($G <= 0 OR coalesce(u IN (SELECT u FROM base_uows), false) OR role = 'end' OR gen IS NULL
         OR (gen = 0 AND role = 'outcome') OR (gen <> 0 AND gen >= $G)) AS kept
-FROM recs;
-DROP TABLE recs;
+FROM (
+  SELECT x.rid, x.l, x.m, x.k, kd.role, x.u,
+         CASE WHEN kd.role = 'entry' THEN x.g WHEN kd.role = 'outcome' THEN sg.g END AS gen,
+         x.at, CASE WHEN x.o = 'C' THEN kd.dec_c ELSE kd.dec_b END AS dec, kd.outranks, kd.rank, kd.copy,
+         kd.carries, x.by AS dby, CASE WHEN kd.copy THEN coalesce(x.eu, '') ELSE '' END AS holder, kd.idsrc,
+         kd.descsrc
+  FROM raw_recs x JOIN kinds kd USING (k)
+  LEFT JOIN (SELECT rid, g FROM raw_ss WHERE s = $S) sg USING (rid)
+  WHERE (kd.role = 'entry' AND x.s = $S) OR kd.role IN ('outcome', 'end'));
+DROP TABLE raw_recs;
+CREATE TABLE ev AS
+SELECT DISTINCT e.rid, e.eid FROM raw_ev e JOIN r USING (rid)
+WHERE (r.role = 'entry' AND e.src = r.idsrc) OR (r.role = 'outcome' AND e.src = $SRC_DD AND e.dds = $S);
+-- (an entry record's structure is $S: r keeps no other)
+CREATE TABLE descs AS
+SELECT 'B' AS src, rid, eid, s, q, p, exp, st, u, l, o1, o2, bc, f, boff, blen, doff, dlen
+FROM raw_descs WHERE src = $SRC_BACKUP
+UNION ALL
+SELECT CASE WHEN r.copy THEN 'R' ELSE 'P' END, d.rid, d.eid, $S, d.q, d.p, d.exp, d.st, d.u, d.l, d.o1, d.o2,
+       d.bc, d.f, d.boff, d.blen, d.doff, d.dlen
+FROM raw_descs d JOIN r USING (rid)
+WHERE d.src = $SRC_E AND r.role = 'entry' AND r.descsrc = $SRC_E
+UNION ALL
+SELECT 'D', rid, eid, s, q, p, exp, st, u, l, o1, o2, bc, f, boff, blen, doff, dlen FROM (
+  SELECT d.*, row_number() OVER (PARTITION BY d.rid, d.eid ORDER BY d.pos DESC) AS rn
+  FROM raw_descs d JOIN r USING (rid) WHERE d.src = $SRC_DD AND d.s = $S AND r.role = 'outcome')
+WHERE rn = 1;
+DROP TABLE raw_ev;
+DROP TABLE raw_descs;
 
 -- the UOWs a relog copy of this incarnation shows holding an entry: their older outcome records count
 CREATE TABLE holders AS SELECT DISTINCT holder AS u FROM r WHERE kept AND holder <> '';
@@ -323,9 +321,18 @@ WHERE rn = 1;
 CREATE TABLE eev AS
 SELECT e.eid, r.rid, r.seq, r.l, r.k, r.role, r.u, r.rank, r.copy, r.carries
 FROM ev e JOIN r USING (rid) WHERE r.kept;
+-- (with what quick asks of each: how many records name it, and of the one record that may be its only one, the
+-- rid, kind, UOW, LRSN, and whether it is a PUT, GET or EXPIRE rather than a copy or an outcome)
 CREATE TABLE ents AS
-SELECT eid, row_number() OVER () AS eix FROM (
-  SELECT eid FROM descs WHERE src = 'B' UNION SELECT eid FROM eev);
+SELECT eid, row_number() OVER () AS eix, count(rid) AS nrec, any_value(rid) AS rid, any_value(k) AS k,
+       any_value(u) AS u, any_value(l) AS l, bool_and(plain) AS plain
+FROM (
+  SELECT eid, NULL::BIGINT AS rid, NULL::VARCHAR AS k, NULL::VARCHAR AS u, NULL::BIGINT AS l,
+         NULL::BOOLEAN AS plain
+  FROM descs WHERE src = 'B'
+  UNION ALL
+  SELECT eid, rid, k, u, l, role = 'entry' AND NOT copy FROM eev)
+GROUP BY eid;
 -- the best copy: the backup's of the latest transition, else a relog pass's (settle.with_logged_copies)
 CREATE TABLE best AS
 SELECT eid, src, rid, st, u, l, o1, o2, bc FROM (
@@ -354,21 +361,17 @@ INSERT INTO outc SELECT u, 'B', $R, 'restore', []::VARCHAR[] FROM inflight;
 -- copy held by no UOW, the GET's UOW committed (consumed). The commit counts above the UOW's own operation on the
 -- entry, as in evs. The event by event fold below gives the same (test_the_one_step_fold_agrees_with_the_fold).
 CREATE TABLE quick AS
-SELECT n.eix, n.eid, 2::BIGINT AS ord, CASE WHEN x.k = 'PUT' THEN 'CP' END AS st,
+SELECT x.eix, x.eid, 2::BIGINT AS ord, CASE WHEN x.k = 'PUT' THEN 'CP' END AS st,
        CASE WHEN x.k = 'PUT' THEN '' END AS u, CASE WHEN x.k = 'PUT' THEN greatest(o.lrsn, x.l + 1) END AS l,
        CASE WHEN x.k = 'PUT' THEN greatest(o.lrsn, x.l + 1) END AS o1, CASE WHEN x.k = 'PUT' THEN x.l END AS o2,
-       d.bc, CASE WHEN x.k = 'PUT' THEN 'P' END AS src, d.rid,
+       NULL::BIGINT AS bc, CASE WHEN x.k = 'PUT' THEN 'P' END AS src, CASE WHEN x.k = 'PUT' THEN x.rid END AS rid,
        CASE WHEN x.k = 'PUT' THEN $ST | $U | $L | $O1 | $O2 ELSE 0 END AS mask,
        CASE WHEN x.k = 'PUT' THEN 'gone' ELSE 'consumed' END AS fate
-FROM (SELECT eid, any_value(rid) AS rid, any_value(k) AS k, any_value(u) AS u, any_value(l) AS l,
-             bool_and(role = 'entry' AND NOT copy) AS plain
-      FROM eev GROUP BY eid HAVING count(*) = 1) x
+FROM ents x
 JOIN outc o ON o.u = x.u AND o.kind = 'C'
-JOIN ents n ON n.eid = x.eid
 LEFT JOIN best b ON b.eid = x.eid
-LEFT JOIN descs d ON x.k = 'PUT' AND d.src = 'P' AND d.rid = x.rid AND d.eid = x.eid
-WHERE x.plain AND x.u <> ''
-  AND ((x.k = 'PUT' AND b.eid IS NULL AND d.rid IS NOT NULL)
+WHERE x.nrec = 1 AND x.plain AND x.u <> ''
+  AND ((x.k = 'PUT' AND b.eid IS NULL)
        OR (x.k = 'GET' AND b.st = 'CP' AND coalesce(b.u, '') = '' AND b.l < x.l));
 
 -- the events of each other entry (its records': PUT, GET, EXPIRE at their LRSN, by rank, and its UOWs' outcomes,
@@ -519,8 +522,9 @@ FOLD_SQL = fold_sql()
 
 FINAL_SQL = """
 -- settle._final: what a folded entry that still exists becomes
+-- (a committed put quick folded keeps its put's backout count: its bc is its descriptor's, read here)
 CREATE TABLE fin AS
-SELECT f.eix, n.eid, f.st, f.u, f.l, f.o1, f.o2, f.bc, f.src, f.rid, f.mask, d.s, d.q, d.p,
+SELECT f.eix, n.eid, f.st, f.u, f.l, f.o1, f.o2, coalesce(f.bc, d.bc) AS bc, f.src, f.rid, f.mask, d.s, d.q, d.p,
   CASE WHEN f.st IS NULL THEN f.fate
        WHEN f.ord = 0 AND f.st = 'EX' THEN 'expired'
        WHEN f.st IN ('UP', 'UG') THEN 'in-doubt'
