@@ -522,9 +522,11 @@ FOLD_SQL = fold_sql()
 
 FINAL_SQL = """
 -- settle._final: what a folded entry that still exists becomes
--- (a committed put quick folded keeps its put's backout count: its bc is its descriptor's, read here)
+-- (with where its base descriptor and data are, and for a committed put quick folded its put's backout count, its
+-- descriptor's, read here)
 CREATE TABLE fin AS
 SELECT f.eix, n.eid, f.st, f.u, f.l, f.o1, f.o2, coalesce(f.bc, d.bc) AS bc, f.src, f.rid, f.mask, d.s, d.q, d.p,
+  d.f, d.boff, d.blen, d.doff, d.dlen,
   CASE WHEN f.st IS NULL THEN f.fate
        WHEN f.ord = 0 AND f.st = 'EX' THEN 'expired'
        WHEN f.st IN ('UP', 'UG') THEN 'in-doubt'
@@ -537,10 +539,9 @@ LEFT JOIN descs d ON d.src = f.src AND d.rid = f.rid AND d.eid = n.eid;
 
 # The survivors in the CF's order (settle.load_key), each with its base descriptor and data.
 SURVIVORS_SQL = """
-SELECT f.eid, f.disp, f.s, f.st, f.u, f.l, f.o1, f.o2, f.bc, f.mask, f.src, d.f, d.boff, d.blen, d.doff, d.dlen,
+SELECT f.eid, f.disp, f.s, f.st, f.u, f.l, f.o1, f.o2, f.bc, f.mask, f.src, f.f, f.boff, f.blen, f.doff, f.dlen,
        c.blob, c.data
-FROM fin f JOIN descs d ON d.src = f.src AND d.rid = f.rid AND d.eid = f.eid
-LEFT JOIN ctl c ON c.eix = f.eix
+FROM fin f LEFT JOIN ctl c ON c.eix = f.eix
 WHERE f.disp IN ('restored', 'in-doubt')
 ORDER BY f.q, CASE f.st WHEN 'CP' THEN 0 WHEN 'UP' THEN 1 ELSE 2 END,
          CASE f.st WHEN 'CP' THEN -f.p WHEN 'UP' THEN f.o2 ELSE f.l END,
@@ -586,28 +587,39 @@ def _batches(cur: duckdb.DuckDBPyConnection, sql: str) -> Iterator[pa.RecordBatc
         yield from reader
 
 
-def _survivors(batch: pa.RecordBatch, pieces: Pieces) -> Iterator[Settled]:
+def _survivors(batch: pa.RecordBatch, pieces: Pieces) -> list[Settled]:
     """A batch of SURVIVORS_SQL's rows as Settled entries: each base descriptor read back (with its data) and
     unpacked, the fields the fold set (its mask) set in it; a control entry as the restart tables keep it."""
     c = batch.columns
     descs, datas = pieces.read(*c[11:16])
     eids, disps, structures, masks, srcs = (c[k].to_pylist() for k in (0, 1, 2, 9, 10))
-    folded = list(zip(*(c[k].to_pylist() for k in range(3, 9)), strict=True))  # st, u, l, o1, o2, bc
+    fields: list[list[Any] | None] = [None] * len(FIELDS)  # st, u, l, o1, o2, bc: read once a batch needs one
+    setting: dict[int, list[tuple[str, list[Any]]]] = {}  # mask -> (field, its column) of each field it sets
     ruled = c[16].to_pylist() if c[16].null_count < len(batch) else None
     unpack = _unpack
+    out = []
     for k, eid in enumerate(eids):
         if ruled is not None and ruled[k] is not None:  # a control entry as the restart tables keep it: final
-            yield Settled(eid, disps[k], structures[k], _descriptor(ruled[k], ""), c[17][k].as_py())
+            out.append(Settled(eid, disps[k], structures[k], _descriptor(ruled[k], ""), c[17][k].as_py()))
             continue
         entry: dict[str, Any] = unpack(descs[k])
         if srcs[k] == "B" and not isinstance(entry.get("pr", {}), dict):
             entry["pr"] = {}
         mask = masks[k]
         if mask:
-            for (name, bit), value in zip(FIELDS, folded[k], strict=True):
-                if mask & bit:
-                    entry[name] = value
-        yield Settled(eid, disps[k], structures[k], entry, datas[k])
+            sets = setting.get(mask)
+            if sets is None:
+                sets = setting[mask] = []
+                for j, (name, bit) in enumerate(FIELDS):
+                    if mask & bit:
+                        column = fields[j]
+                        if column is None:
+                            column = fields[j] = c[3 + j].to_pylist()
+                        sets.append((name, column))
+            for name, column in sets:
+                entry[name] = column[k]
+        out.append(Settled(eid, disps[k], structures[k], entry, datas[k]))
+    return out
 
 
 class SqlOutcomes(Mapping[str, Outcome]):
@@ -953,8 +965,7 @@ def _run(con: duckdb.DuckDBPyConnection, spill: SpillDir, structure: str, base: 
     plan.counts = Counter(dict(one("SELECT disp, count(*) FROM fin GROUP BY disp").fetchall()))
     plan.settled_count = sum(plan.counts.values())
     plan.loaded_count, plan.loaded_bytes = (int(v or 0) for v in one(
-        "SELECT count(*), sum(coalesce(octet_length(c.data), d.dlen)) FROM fin f JOIN descs d ON d.src = f.src "
-        "AND d.rid = f.rid AND d.eid = f.eid LEFT JOIN ctl c ON c.eix = f.eix "
+        "SELECT count(*), sum(coalesce(octet_length(c.data), f.dlen)) FROM fin f LEFT JOIN ctl c ON c.eix = f.eix "
         "WHERE f.disp IN ('restored', 'in-doubt')").fetchone() or (0, 0))
     plan.decisions = {u: u.split(".", 1)[0] for (u,) in one("SELECT u FROM inflight").fetchall()}
     plan.restore_decided = {u for (u,) in one(
@@ -990,9 +1001,8 @@ def _rule_on_control_entries(con: duckdb.DuckDBPyConnection, sources: list[Sourc
     status as restart leaves it (table ctl: its final descriptor and data), or dropped."""
     con.execute("CREATE TABLE ctl (eix BIGINT, blob BLOB, data BLOB)")
     rows = con.execute(
-        "SELECT f.eix, f.st, f.u, f.l, f.o1, f.o2, f.bc, f.mask, f.src, d.f, d.boff, d.blen, d.doff, d.dlen "
-        "FROM fin f JOIN descs d "
-        "ON d.src = f.src AND d.rid = f.rid AND d.eid = f.eid WHERE f.disp = 'control'").fetchall()
+        "SELECT f.eix, f.st, f.u, f.l, f.o1, f.o2, f.bc, f.mask, f.src, f.f, f.boff, f.blen, f.doff, f.dlen "
+        "FROM fin f WHERE f.disp = 'control'").fetchall()
     dropped: list[int] = []
     kept: list[tuple[int, bytes, bytes]] = []
     read = read_back(sources, [r[9:14] for r in rows])
