@@ -295,11 +295,14 @@ def scan_backup_file(backup_dir: Path, info: dict[str, Any], *, first_rid: int, 
         records, off, stop = _scan_file(fd, len(FILE_HEADER), size, capacity=size, first_frame=len(FILE_HEADER),
                                         min_lrsn=0, backup=True, first_rid=first_rid, const={"f": source},
                                         emit=with_structure, hashed=sha)
-        if stop == STOP_FRAME:
+        if stop == STOP_FRAME:  # as backup.files says it
             if size - off < 8:
                 raise TruncatedBackupError(f"{path}: truncated frame header at byte {off}")
-            raise CorruptFrameError(f"{path}: bad frame at byte {off} (its length runs past the end of the file, "
-                                    f"or a bad CRC)")
+            length = int.from_bytes(os.pread(fd, 4, off), "little")
+            if off + 8 + length > size:
+                raise CorruptFrameError(f"{path}: the frame at byte {off} runs past the end of the file "
+                                        f"(length {length}, {size - off - 8} bytes left)")
+            raise CorruptFrameError(f"{path}: bad CRC in the frame at byte {off}")
         if stop == STOP_BODY:
             raise _unreadable_copy(path, os.pread(fd, _frame_bytes(fd, off, size) or 8, off), off)
     finally:

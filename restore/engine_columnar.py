@@ -775,7 +775,9 @@ class ColumnarEngine:
             on_disk = _on_disk(backup)
             backup_dir = on_disk.path if on_disk is not None else None
             n_logs = sum(1 for j in jobs if j.backup_file is None)
-            progress(READ_LOGS, 0, n_logs)
+            # The backup's files and the logs are read side by side; progress shows the backup's reading, then the
+            # logs' (those read meanwhile counted): one phase after the other, as every engine shows them.
+            backup_left = len(jobs) - n_logs
             with _Streams(con) as streams:
                 if on_disk is None:  # copies from elsewhere (a test's, or a base with no files)
                     total = manifest.get("entries")
@@ -789,6 +791,8 @@ class ColumnarEngine:
                 total_copies = int(manifest.get("entries") or 0) or None
                 if on_disk is not None:
                     progress(READ_BACKUP, 0, total_copies)
+                if not backup_left:
+                    progress(READ_LOGS, 0, n_logs)
                 readers = _Readers(jobs, self.workers, partial(
                     _scan, backup_dir=backup_dir, structure=str(manifest.get("structure", structure)),
                     replay_from=replay_from, spill=spill.path))
@@ -802,10 +806,12 @@ class ColumnarEngine:
                         sources.update(srcs)
                         if job.backup_file is None:
                             logs_done += 1
-                            progress(READ_LOGS, logs_done, n_logs)
                         else:
                             copies_done += int(job.backup_file.get("frames", 0))
                             progress(READ_BACKUP, copies_done, total_copies)
+                            backup_left -= 1
+                        if not backup_left:
+                            progress(READ_LOGS, logs_done, n_logs)
                 finally:
                     readers.stop()
             read_cpu = time.process_time() - cpu0
