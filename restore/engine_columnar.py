@@ -321,6 +321,10 @@ WHERE rn = 1;
 CREATE TABLE eev AS
 SELECT e.eid, r.rid, r.seq, r.l, r.k, r.role, r.u, r.rank, r.copy, r.carries
 FROM ev e JOIN r USING (rid) WHERE r.kept;
+-- the records and their entry ids are not read past here: their memory goes to the statements that follow
+CREATE TABLE members AS SELECT m, count(*) AS n FROM r WHERE kept GROUP BY m;
+DROP TABLE ev;
+DROP TABLE r;
 -- (with what quick asks of each: how many records name it, and of the one record that may be its only one, the
 -- rid, kind, UOW, LRSN, and whether it is a PUT, GET or EXPIRE rather than a copy or an outcome)
 CREATE TABLE ents AS
@@ -967,7 +971,7 @@ def _run(con: duckdb.DuckDBPyConnection, spill: SpillDir, structure: str, base: 
     plan.spill, plan.con, plan.sources = spill, con, sources
     plan.timings = timings
     one = con.execute
-    plan.records_by_member = Counter(dict(one("SELECT m, count(*) FROM r WHERE kept GROUP BY m").fetchall()))
+    plan.records_by_member = Counter(dict(one("SELECT m, n FROM members").fetchall()))
     plan.counts = Counter(dict(one("SELECT disp, count(*) FROM fin GROUP BY disp").fetchall()))
     plan.settled_count = sum(plan.counts.values())
     plan.loaded_count, plan.loaded_bytes = (int(v or 0) for v in one(
