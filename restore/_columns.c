@@ -14,8 +14,10 @@
  * the buffer are columns, read back for the entries that survive. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <errno.h>
 #include <stdint.h>
 #include <string.h>
+#include <unistd.h>
 
 #define MAX_RECORD_BYTES (256u << 20)
 #define MAX_DEPTH 64
@@ -686,6 +688,137 @@ static PyObject *scan(PyObject *self, PyObject *args) {
                          (long long)(max_lrsn == INT64_MIN ? -1 : max_lrsn), nr, rt, ns, st, ne, et, nd, dt);
 }
 
+/* read_pieces(fds, f, boff, blen, doff, dlen) -> (descriptors, datas): for each row k, the blen[k] bytes at
+ * boff[k] and the dlen[k] bytes at doff[k] of the file fds[f[k]] (f, boff, ...: buffers of int64, one a row).
+ * The rows are read in the order of their places: pieces of one file that lie close together (the survivors of
+ * one queue, in commit order, lie close together in the log that put them) are read by one pread of the span
+ * that holds them (SPAN_BYTES at most, gaps of GAP_BYTES at most): a pread costs more than copying some bytes
+ * too many. The bytes a read did not find (a file shorter than its columns say) raise OSError. */
+#define SPAN_BYTES (1 << 20)
+#define GAP_BYTES (64 << 10)
+
+typedef struct {
+    int64_t f, off, end;  /* the file, and the span of the row's descriptor and data in it */
+    Py_ssize_t row;
+} Piece;
+
+static int piece_cmp(const void *a, const void *b) {
+    const Piece *x = a, *y = b;
+    if (x->f != y->f) return x->f < y->f ? -1 : 1;
+    if (x->off != y->off) return x->off < y->off ? -1 : 1;
+    return 0;
+}
+
+static int pread_all(int fd, char *buf, int64_t len, int64_t off) {
+    while (len > 0) {
+        ssize_t got = pread(fd, buf, (size_t)len, (off_t)off);
+        if (got < 0) {
+            if (errno == EINTR) continue;
+            return -1;
+        }
+        if (got == 0) {
+            errno = EIO;
+            return -1;
+        }
+        buf += got;
+        len -= got;
+        off += got;
+    }
+    return 0;
+}
+
+static PyObject *read_pieces(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *fds_obj;
+    Py_buffer b[5];
+    if (!PyArg_ParseTuple(args, "Oy*y*y*y*y*", &fds_obj, &b[0], &b[1], &b[2], &b[3], &b[4])) return NULL;
+    PyObject *descs = NULL, *datas = NULL, *fds = NULL, *out = NULL;
+    char *span = NULL;
+    Piece *order = NULL;
+    Py_ssize_t n = b[0].len / (Py_ssize_t)sizeof(int64_t);
+    const int64_t *f = b[0].buf, *boff = b[1].buf, *blen = b[2].buf, *doff = b[3].buf, *dlen = b[4].buf;
+    for (int k = 1; k < 5; k++) {
+        if (b[k].len != b[0].len) {
+            PyErr_SetString(PyExc_ValueError, "read_pieces: the columns differ in length");
+            goto done;
+        }
+    }
+    fds = PySequence_Fast(fds_obj, "read_pieces: fds must be a sequence");
+    if (!fds) goto done;
+    Py_ssize_t nfds = PySequence_Fast_GET_SIZE(fds);
+    descs = PyList_New(n);
+    datas = PyList_New(n);
+    order = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(Piece));
+    span = PyMem_Malloc(SPAN_BYTES);
+    if (!descs || !datas || !order || !span) {
+        if (!PyErr_Occurred()) PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if (f[k] < 0 || f[k] >= nfds || boff[k] < 0 || blen[k] < 0 || dlen[k] < 0 || (dlen[k] && doff[k] < 0)) {
+            PyErr_SetString(PyExc_ValueError, "read_pieces: a row names no open source, or no place in it");
+            goto done;
+        }
+        int64_t lo = boff[k], hi = boff[k] + blen[k];
+        if (dlen[k]) {
+            if (doff[k] < lo) lo = doff[k];
+            if (doff[k] + dlen[k] > hi) hi = doff[k] + dlen[k];
+        }
+        order[k] = (Piece){f[k], lo, hi, k};
+        PyObject *d = PyBytes_FromStringAndSize(NULL, blen[k]);
+        if (!d) goto done;
+        PyList_SET_ITEM(descs, k, d);
+        PyObject *x = PyBytes_FromStringAndSize(NULL, dlen[k]);
+        if (!x) goto done;
+        PyList_SET_ITEM(datas, k, x);
+    }
+    qsort(order, (size_t)n, sizeof(Piece), piece_cmp);
+    for (Py_ssize_t g = 0; g < n;) {
+        /* the group: the rows from g on whose spans fit in one read */
+        Py_ssize_t h = g + 1;
+        int64_t lo = order[g].off, hi = order[g].end;
+        while (h < n && order[h].f == order[g].f && order[h].off - hi <= GAP_BYTES &&
+               (order[h].end > hi ? order[h].end : hi) - lo <= SPAN_BYTES) {
+            if (order[h].end > hi) hi = order[h].end;
+            h++;
+        }
+        long fd = PyLong_AsLong(PySequence_Fast_GET_ITEM(fds, order[g].f));
+        if (fd < 0) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "read_pieces: a row names no open source");
+            goto done;
+        }
+        for (Py_ssize_t k = g; k < h; k++) {
+            Py_ssize_t row = order[k].row;
+            char *d = PyBytes_AS_STRING(PyList_GET_ITEM(descs, row)), *x = PyBytes_AS_STRING(PyList_GET_ITEM(datas, row));
+            int rc = 0;
+            if (hi - lo <= SPAN_BYTES) {
+                if (k == g) rc = pread_all((int)fd, span, hi - lo, lo);
+                if (rc == 0) {
+                    memcpy(d, span + (boff[row] - lo), (size_t)blen[row]);
+                    if (dlen[row]) memcpy(x, span + (doff[row] - lo), (size_t)dlen[row]);
+                }
+            } else {  /* one piece larger than a span: read as it is */
+                rc = pread_all((int)fd, d, blen[row], boff[row]);
+                if (rc == 0 && dlen[row]) rc = pread_all((int)fd, x, dlen[row], doff[row]);
+            }
+            if (rc) {
+                PyErr_SetFromErrno(PyExc_OSError);
+                goto done;
+            }
+        }
+        g = h;
+    }
+    out = PyTuple_Pack(2, descs, datas);
+done:
+    Py_XDECREF(descs);
+    Py_XDECREF(datas);
+    Py_XDECREF(fds);
+    PyMem_Free(span);
+    PyMem_Free(order);
+    for (int k = 0; k < 5; k++) PyBuffer_Release(&b[k]);
+    return out;
+}
+
 static PyObject *py_crc32c(PyObject *self, PyObject *args) {
     (void)self;
     Py_buffer view;
@@ -698,6 +831,7 @@ static PyObject *py_crc32c(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"scan", scan, METH_VARARGS, "Frames of msgpack records as column buffers (see restore/columns.py)."},
     {"crc32c", py_crc32c, METH_VARARGS, "CRC32C of a buffer (the frames' checksum)."},
+    {"read_pieces", read_pieces, METH_VARARGS, "Descriptors and data read back by their places (restore/columns.py)."},
     {NULL, NULL, 0, NULL},
 };
 

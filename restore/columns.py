@@ -31,6 +31,7 @@ from typing import Any
 
 import msgpack
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from backup.files import (
     FILE_HEADER,
@@ -59,7 +60,8 @@ except ImportError:  # installed where no C compiler was (the extension is optio
 SRC_E, SRC_I, SRC_IDS, SRC_DD, SRC_BACKUP = 0, 1, 2, 3, 4
 STOP_END, STOP_FRAME, STOP_BODY = 0, 1, 2
 
-_I64, _STR = pa.int64(), pa.string()
+# Strings as the C reader makes them (64-bit offsets): DuckDB reads them as they are, no copy into 32-bit ones.
+_I64, _STR = pa.int64(), pa.large_string()
 RECS = pa.schema([("rid", _I64), ("l", _I64), ("off", _I64), ("k", _STR), ("u", _STR), ("s", _STR), ("g", _I64),
                   ("at", _I64), ("o", _STR), ("by", _STR), ("eu", _STR), ("seg", _I64), ("m", _STR), ("f", _I64)])
 SS = pa.schema([("rid", _I64), ("s", _STR), ("g", _I64)])
@@ -94,8 +96,7 @@ def _arrays(cols: Sequence[tuple[bytes, bytes | None, bytes | None, int]], schem
     for (values, data, bitmap, nulls), field in zip(cols, schema, strict=False):
         validity = None if bitmap is None else pa.py_buffer(bitmap)
         if field.type == _STR:
-            arr = pa.Array.from_buffers(pa.large_string(), n, [validity, pa.py_buffer(values), pa.py_buffer(data)],
-                                        nulls).cast(_STR)
+            arr = pa.Array.from_buffers(_STR, n, [validity, pa.py_buffer(values), pa.py_buffer(data)], nulls)
         else:
             arr = pa.Array.from_buffers(_I64, n, [validity, pa.py_buffer(values)], nulls)
         out.append(arr)
@@ -294,11 +295,14 @@ def scan_backup_file(backup_dir: Path, info: dict[str, Any], *, first_rid: int, 
         records, off, stop = _scan_file(fd, len(FILE_HEADER), size, capacity=size, first_frame=len(FILE_HEADER),
                                         min_lrsn=0, backup=True, first_rid=first_rid, const={"f": source},
                                         emit=with_structure, hashed=sha)
-        if stop == STOP_FRAME:
+        if stop == STOP_FRAME:  # as backup.files says it
             if size - off < 8:
                 raise TruncatedBackupError(f"{path}: truncated frame header at byte {off}")
-            raise CorruptFrameError(f"{path}: bad frame at byte {off} (its length runs past the end of the file, "
-                                    f"or a bad CRC)")
+            length = int.from_bytes(os.pread(fd, 4, off), "little")
+            if off + 8 + length > size:
+                raise CorruptFrameError(f"{path}: the frame at byte {off} runs past the end of the file "
+                                        f"(length {length}, {size - off - 8} bytes left)")
+            raise CorruptFrameError(f"{path}: bad CRC in the frame at byte {off}")
         if stop == STOP_BODY:
             raise _unreadable_copy(path, os.pread(fd, _frame_bytes(fd, off, size) or 8, off), off)
     finally:
@@ -368,3 +372,34 @@ def read_back(sources: Sequence[Source], pieces: Sequence[tuple[int, int, int, i
         for fd in fds.values():
             os.close(fd)
     return out
+
+
+class Pieces:
+    """Descriptors and their data read back by their places (columns of a query's result: f, boff, blen, doff,
+    dlen, Arrow int64 arrays without nulls), a batch of rows at a time, in C (restore._columns.read_pieces): no
+    Python per row. Each source is opened once, when a row first names it; close() closes them."""
+
+    def __init__(self, sources: Sequence[Source]) -> None:
+        self.sources = sources
+        self.fds = [-1] * len(sources)
+
+    def read(self, f: pa.Array, boff: pa.Array, blen: pa.Array, doff: pa.Array,
+             dlen: pa.Array) -> tuple[list[bytes], list[bytes]]:
+        values = [_int64_values(a) for a in (f, boff, blen, doff, dlen)]
+        for k in pc.unique(f).to_pylist():
+            if self.fds[k] < 0:
+                self.fds[k] = self.sources[k].open()
+        return _columns.read_pieces(self.fds, *values)
+
+    def close(self) -> None:
+        for k, fd in enumerate(self.fds):
+            if fd >= 0:
+                os.close(fd)
+                self.fds[k] = -1
+
+
+def _int64_values(a: pa.Array) -> memoryview:
+    """The values of an int64 array without nulls, as bytes (its own slice of its buffer)."""
+    if a.null_count:
+        raise ValueError("a piece's place is missing")
+    return memoryview(a.buffers()[1])[a.offset * 8:(a.offset + len(a)) * 8]

@@ -56,6 +56,7 @@ from restore.columns import (
     SRC_I,
     SRC_IDS,
     TABLES,
+    Pieces,
     Scanned,
     Source,
     copies_as_frames,
@@ -227,44 +228,42 @@ PLAN_SQL = """
 -- with what its kind's row says of it, then the entries each names (kind.entry_ids, once each, and of an outcome
 -- record the entries it carries of this structure, plan.restrict), then the descriptors (a backup's copy "B", a
 -- put's "P", a relog copy "R", a copy an outcome record carries "D": the last it carries of each entry)
-CREATE TABLE recs AS
-SELECT x.rid, x.l, x.m, x.seg, x.off, x.k, kd.role, x.u,
-       CASE WHEN kd.role = 'entry' THEN x.g WHEN kd.role = 'outcome' THEN sg.g END AS gen,
-       x.at, CASE WHEN x.o = 'C' THEN kd.dec_c ELSE kd.dec_b END AS dec, kd.outranks, kd.rank, kd.copy,
-       kd.carries, x.by AS dby, CASE WHEN kd.copy THEN coalesce(x.eu, '') ELSE '' END AS holder, kd.idsrc,
-       kd.descsrc
-FROM raw_recs x JOIN kinds kd USING (k)
-LEFT JOIN (SELECT rid, g FROM raw_ss WHERE s = $S) sg USING (rid)
-WHERE (kd.role = 'entry' AND x.s = $S) OR kd.role IN ('outcome', 'end');
-CREATE TABLE ev AS
-SELECT DISTINCT e.rid, e.eid FROM raw_ev e JOIN recs r USING (rid)
-WHERE (r.role = 'entry' AND e.src = r.idsrc) OR (r.role = 'outcome' AND e.src = $SRC_DD AND e.dds = $S);
-CREATE TABLE descs AS
-SELECT 'B' AS src, rid, eid, s, q, p, exp, st, u, l, o1, o2, bc, f, boff, blen, doff, dlen
-FROM raw_descs WHERE src = $SRC_BACKUP
-UNION ALL
-SELECT CASE WHEN r.copy THEN 'R' ELSE 'P' END, d.rid, d.eid, r0.s, d.q, d.p, d.exp, d.st, d.u, d.l, d.o1, d.o2,
-       d.bc, d.f, d.boff, d.blen, d.doff, d.dlen
-FROM raw_descs d JOIN recs r USING (rid) JOIN raw_recs r0 USING (rid)
-WHERE d.src = $SRC_E AND r.role = 'entry' AND r.descsrc = $SRC_E
-UNION ALL
-SELECT 'D', rid, eid, s, q, p, exp, st, u, l, o1, o2, bc, f, boff, blen, doff, dlen FROM (
-  SELECT d.*, row_number() OVER (PARTITION BY d.rid, d.eid ORDER BY d.pos DESC) AS rn
-  FROM raw_descs d JOIN recs r USING (rid) WHERE d.src = $SRC_DD AND d.s = $S AND r.role = 'outcome')
-WHERE rn = 1;
-DROP TABLE raw_ev;
-DROP TABLE raw_descs;
-DROP TABLE raw_recs;
-
--- the generation rule (plan.current_incarnation), and where each record lies in the merged log: by (LRSN,
--- member, segment, offset), which is (LRSN, rid), since the readers number the records of each member's log in
--- order, the members' logs in the order of their names (ColumnarEngine._jobs): no sort needed
+-- the generation rule (plan.current_incarnation) as `kept`, and where each record lies in the merged log (`seq`):
+-- by (LRSN, member, segment, offset), which is (LRSN, rid), since the readers number the records of each member's
+-- log in order, the members' logs in the order of their names (ColumnarEngine._jobs): no sort needed
 CREATE TABLE r AS
 SELECT *, l::HUGEINT * 18446744073709551616 + rid AS seq,
        ($G <= 0 OR coalesce(u IN (SELECT u FROM base_uows), false) OR role = 'end' OR gen IS NULL
         OR (gen = 0 AND role = 'outcome') OR (gen <> 0 AND gen >= $G)) AS kept
-FROM recs;
-DROP TABLE recs;
+FROM (
+  SELECT x.rid, x.l, x.m, x.k, kd.role, x.u,
+         CASE WHEN kd.role = 'entry' THEN x.g WHEN kd.role = 'outcome' THEN sg.g END AS gen,
+         x.at, CASE WHEN x.o = 'C' THEN kd.dec_c ELSE kd.dec_b END AS dec, kd.outranks, kd.rank, kd.copy,
+         kd.carries, x.by AS dby, CASE WHEN kd.copy THEN coalesce(x.eu, '') ELSE '' END AS holder, kd.idsrc,
+         kd.descsrc
+  FROM raw_recs x JOIN kinds kd USING (k)
+  LEFT JOIN (SELECT rid, g FROM raw_ss WHERE s = $S) sg USING (rid)
+  WHERE (kd.role = 'entry' AND x.s = $S) OR kd.role IN ('outcome', 'end'));
+DROP TABLE raw_recs;
+CREATE TABLE ev AS
+SELECT DISTINCT e.rid, e.eid FROM raw_ev e JOIN r USING (rid)
+WHERE (r.role = 'entry' AND e.src = r.idsrc) OR (r.role = 'outcome' AND e.src = $SRC_DD AND e.dds = $S);
+-- (an entry record's structure is $S: r keeps no other)
+CREATE TABLE descs AS
+SELECT 'B' AS src, rid, eid, s, q, p, exp, st, u, l, o1, o2, bc, f, boff, blen, doff, dlen
+FROM raw_descs WHERE src = $SRC_BACKUP
+UNION ALL
+SELECT CASE WHEN r.copy THEN 'R' ELSE 'P' END, d.rid, d.eid, $S, d.q, d.p, d.exp, d.st, d.u, d.l, d.o1, d.o2,
+       d.bc, d.f, d.boff, d.blen, d.doff, d.dlen
+FROM raw_descs d JOIN r USING (rid)
+WHERE d.src = $SRC_E AND r.role = 'entry' AND r.descsrc = $SRC_E
+UNION ALL
+SELECT 'D', rid, eid, s, q, p, exp, st, u, l, o1, o2, bc, f, boff, blen, doff, dlen FROM (
+  SELECT d.*, row_number() OVER (PARTITION BY d.rid, d.eid ORDER BY d.pos DESC) AS rn
+  FROM raw_descs d JOIN r USING (rid) WHERE d.src = $SRC_DD AND d.s = $S AND r.role = 'outcome')
+WHERE rn = 1;
+DROP TABLE raw_ev;
+DROP TABLE raw_descs;
 
 -- the UOWs a relog copy of this incarnation shows holding an entry: their older outcome records count
 CREATE TABLE holders AS SELECT DISTINCT holder AS u FROM r WHERE kept AND holder <> '';
@@ -322,9 +321,22 @@ WHERE rn = 1;
 CREATE TABLE eev AS
 SELECT e.eid, r.rid, r.seq, r.l, r.k, r.role, r.u, r.rank, r.copy, r.carries
 FROM ev e JOIN r USING (rid) WHERE r.kept;
+-- the records and their entry ids are not read past here: their memory goes to the statements that follow
+CREATE TABLE members AS SELECT m, count(*) AS n FROM r WHERE kept GROUP BY m;
+DROP TABLE ev;
+DROP TABLE r;
+-- (with what quick asks of each: how many records name it, and of the one record that may be its only one, the
+-- rid, kind, UOW, LRSN, and whether it is a PUT, GET or EXPIRE rather than a copy or an outcome)
 CREATE TABLE ents AS
-SELECT eid, row_number() OVER () AS eix FROM (
-  SELECT eid FROM descs WHERE src = 'B' UNION SELECT eid FROM eev);
+SELECT eid, row_number() OVER () AS eix, count(rid) AS nrec, any_value(rid) AS rid, any_value(k) AS k,
+       any_value(u) AS u, any_value(l) AS l, bool_and(plain) AS plain
+FROM (
+  SELECT eid, NULL::BIGINT AS rid, NULL::VARCHAR AS k, NULL::VARCHAR AS u, NULL::BIGINT AS l,
+         NULL::BOOLEAN AS plain
+  FROM descs WHERE src = 'B'
+  UNION ALL
+  SELECT eid, rid, k, u, l, role = 'entry' AND NOT copy FROM eev)
+GROUP BY eid;
 -- the best copy: the backup's of the latest transition, else a relog pass's (settle.with_logged_copies)
 CREATE TABLE best AS
 SELECT eid, src, rid, st, u, l, o1, o2, bc FROM (
@@ -347,7 +359,26 @@ CREATE TABLE inflight AS
 SELECT DISTINCT u FROM named WHERE u NOT IN (SELECT u FROM outc);
 INSERT INTO outc SELECT u, 'B', $R, 'restore', []::VARCHAR[] FROM inflight;
 
--- the events of each entry (its records': PUT, GET, EXPIRE at their LRSN, by rank, and its UOWs' outcomes,
+-- the commonest histories folded in one step, their events not ordered (settle._committed_put, and the same for a
+-- get): an entry whose one record is a PUT, with no copy, its UOW committed (CP where the commit counts, first
+-- in FIFO order there, put order kept), and an entry whose one record is a GET above its backup copy, a committed
+-- copy held by no UOW, the GET's UOW committed (consumed). The commit counts above the UOW's own operation on the
+-- entry, as in evs. The event by event fold below gives the same (test_the_one_step_fold_agrees_with_the_fold).
+CREATE TABLE quick AS
+SELECT x.eix, x.eid, 2::BIGINT AS ord, CASE WHEN x.k = 'PUT' THEN 'CP' END AS st,
+       CASE WHEN x.k = 'PUT' THEN '' END AS u, CASE WHEN x.k = 'PUT' THEN greatest(o.lrsn, x.l + 1) END AS l,
+       CASE WHEN x.k = 'PUT' THEN greatest(o.lrsn, x.l + 1) END AS o1, CASE WHEN x.k = 'PUT' THEN x.l END AS o2,
+       NULL::BIGINT AS bc, CASE WHEN x.k = 'PUT' THEN 'P' END AS src, CASE WHEN x.k = 'PUT' THEN x.rid END AS rid,
+       CASE WHEN x.k = 'PUT' THEN $ST | $U | $L | $O1 | $O2 ELSE 0 END AS mask,
+       CASE WHEN x.k = 'PUT' THEN 'gone' ELSE 'consumed' END AS fate
+FROM ents x
+JOIN outc o ON o.u = x.u AND o.kind = 'C'
+LEFT JOIN best b ON b.eid = x.eid
+WHERE x.nrec = 1 AND x.plain AND x.u <> ''
+  AND ((x.k = 'PUT' AND b.eid IS NULL)
+       OR (x.k = 'GET' AND b.st = 'CP' AND coalesce(b.u, '') = '' AND b.l < x.l));
+
+-- the events of each other entry (its records': PUT, GET, EXPIRE at their LRSN, by rank, and its UOWs' outcomes,
 -- never at or below the UOW's own operations on it), each with its place in the fold's order (records of one
 -- LRSN and rank by rid: their merged-log order)
 CREATE TABLE evs AS
@@ -357,6 +388,7 @@ FROM (
          d.src AS d_src, d.rid AS d_rid, d.st AS d_st, d.u AS d_u, d.l AS d_l, d.o1 AS d_o1, d.o2 AS d_o2,
          d.bc AS d_bc
   FROM eev e LEFT JOIN descs d ON e.k = 'PUT' AND d.src = 'P' AND d.rid = e.rid AND d.eid = e.eid
+  ANTI JOIN quick q ON q.eid = e.eid
   WHERE e.role = 'entry' AND NOT e.copy
   UNION ALL
   SELECT n.eid, CASE WHEN o.lrsn > coalesce(n.top, 0) THEN o.lrsn ELSE coalesce(n.top, 0) + 1 END,
@@ -364,18 +396,21 @@ FROM (
   FROM named n JOIN outc o USING (u)
   LEFT JOIN odata od ON o.kind = 'B' AND od.u = n.u AND od.eid = n.eid
   LEFT JOIN descs d ON d.src = 'D' AND d.rid = od.rid AND d.eid = n.eid
+  ANTI JOIN quick q ON q.eid = n.eid
   WHERE o.kind <> 'D') x
 JOIN ents n USING (eid)
 WHERE n.eid NOT IN (SELECT eid FROM best WHERE st = 'EX')
 WINDOW w AS (PARTITION BY n.eix ORDER BY x.pos, x.rank, x.tie, x.eu);
 
 -- the fold (settle.settle): an entry no event names stays as its best copy is (a copy that is expired is not
--- folded), and the others are folded by FOLD_SQL, a range of them at a time
+-- folded), those folded in one step are as quick says, and the others are folded by FOLD_SQL, a range of them at
+-- a time
 CREATE TABLE touched AS SELECT eix, max(ord) AS cnt FROM evs GROUP BY eix;
 CREATE TABLE folded AS
 SELECT n.eix, 0::BIGINT AS ord, b.st, b.u, b.l, b.o1, b.o2, b.bc, b.src, b.rid, 0::BIGINT AS mask,
        CASE WHEN b.st = 'EX' THEN 'expired' ELSE 'gone' END AS fate
-FROM ents n LEFT JOIN best b USING (eid) ANTI JOIN touched t USING (eix);
+FROM ents n LEFT JOIN best b USING (eid) ANTI JOIN touched t USING (eix) ANTI JOIN quick q USING (eix);
+INSERT INTO folded SELECT * EXCLUDE (eid) FROM quick;
 """
 
 # The fold of the entries some event names, eix from $LO to below $HI (a range holds its entries' states and
@@ -491,8 +526,11 @@ FOLD_SQL = fold_sql()
 
 FINAL_SQL = """
 -- settle._final: what a folded entry that still exists becomes
+-- (with where its base descriptor and data are, and for a committed put quick folded its put's backout count, its
+-- descriptor's, read here)
 CREATE TABLE fin AS
-SELECT f.eix, n.eid, f.st, f.u, f.l, f.o1, f.o2, f.bc, f.src, f.rid, f.mask, d.s, d.q, d.p,
+SELECT f.eix, n.eid, f.st, f.u, f.l, f.o1, f.o2, coalesce(f.bc, d.bc) AS bc, f.src, f.rid, f.mask, d.s, d.q, d.p,
+  d.f, d.boff, d.blen, d.doff, d.dlen,
   CASE WHEN f.st IS NULL THEN f.fate
        WHEN f.ord = 0 AND f.st = 'EX' THEN 'expired'
        WHEN f.st IN ('UP', 'UG') THEN 'in-doubt'
@@ -505,10 +543,9 @@ LEFT JOIN descs d ON d.src = f.src AND d.rid = f.rid AND d.eid = n.eid;
 
 # The survivors in the CF's order (settle.load_key), each with its base descriptor and data.
 SURVIVORS_SQL = """
-SELECT f.eid, f.disp, f.s, f.st, f.u, f.l, f.o1, f.o2, f.bc, f.mask, f.src, d.f, d.boff, d.blen, d.doff, d.dlen,
+SELECT f.eid, f.disp, f.s, f.st, f.u, f.l, f.o1, f.o2, f.bc, f.mask, f.src, f.f, f.boff, f.blen, f.doff, f.dlen,
        c.blob, c.data
-FROM fin f JOIN descs d ON d.src = f.src AND d.rid = f.rid AND d.eid = f.eid
-LEFT JOIN ctl c ON c.eix = f.eix
+FROM fin f LEFT JOIN ctl c ON c.eix = f.eix
 WHERE f.disp IN ('restored', 'in-doubt')
 ORDER BY f.q, CASE f.st WHEN 'CP' THEN 0 WHEN 'UP' THEN 1 ELSE 2 END,
          CASE f.st WHEN 'CP' THEN -f.p WHEN 'UP' THEN f.o2 ELSE f.l END,
@@ -516,10 +553,13 @@ ORDER BY f.q, CASE f.st WHEN 'CP' THEN 0 WHEN 'UP' THEN 1 ELSE 2 END,
 """
 
 
+_unpack = partial(msgpack.unpackb, raw=False, unicode_errors="surrogateescape", strict_map_key=False)
+
+
 def _descriptor(desc: bytes, src: str) -> dict[str, Any]:
     """A descriptor as its bytes say; a backup's copy as backup.files reads it (a property table that is not a map
     is the CF's empty one)."""
-    entry: dict[str, Any] = msgpack.unpackb(desc, raw=False, unicode_errors="surrogateescape", strict_map_key=False)
+    entry: dict[str, Any] = _unpack(desc)
     if src == "B" and not isinstance(entry.get("pr", {}), dict):
         entry["pr"] = {}
     return entry
@@ -549,6 +589,41 @@ def _batches(cur: duckdb.DuckDBPyConnection, sql: str) -> Iterator[pa.RecordBatc
     reader = cur.sql(sql).to_arrow_reader(FETCH_ROWS)
     if reader is not None:
         yield from reader
+
+
+def _survivors(batch: pa.RecordBatch, pieces: Pieces) -> list[Settled]:
+    """A batch of SURVIVORS_SQL's rows as Settled entries: each base descriptor read back (with its data) and
+    unpacked, the fields the fold set (its mask) set in it; a control entry as the restart tables keep it."""
+    c = batch.columns
+    descs, datas = pieces.read(*c[11:16])
+    eids, disps, structures, masks, srcs = (c[k].to_pylist() for k in (0, 1, 2, 9, 10))
+    fields: list[list[Any] | None] = [None] * len(FIELDS)  # st, u, l, o1, o2, bc: read once a batch needs one
+    setting: dict[int, list[tuple[str, list[Any]]]] = {}  # mask -> (field, its column) of each field it sets
+    ruled = c[16].to_pylist() if c[16].null_count < len(batch) else None
+    unpack = _unpack
+    out = []
+    for k, eid in enumerate(eids):
+        if ruled is not None and ruled[k] is not None:  # a control entry as the restart tables keep it: final
+            out.append(Settled(eid, disps[k], structures[k], _descriptor(ruled[k], ""), c[17][k].as_py()))
+            continue
+        entry: dict[str, Any] = unpack(descs[k])
+        if srcs[k] == "B" and not isinstance(entry.get("pr", {}), dict):
+            entry["pr"] = {}
+        mask = masks[k]
+        if mask:
+            sets = setting.get(mask)
+            if sets is None:
+                sets = setting[mask] = []
+                for j, (name, bit) in enumerate(FIELDS):
+                    if mask & bit:
+                        column = fields[j]
+                        if column is None:
+                            column = fields[j] = c[3 + j].to_pylist()
+                        sets.append((name, column))
+            for name, column in sets:
+                entry[name] = column[k]
+        out.append(Settled(eid, disps[k], structures[k], entry, datas[k]))
+    return out
 
 
 class SqlOutcomes(Mapping[str, Outcome]):
@@ -619,16 +694,12 @@ class ColumnarPlan(RestorePlan):
         return self.con.cursor()  # a connection of its own: the load reads the survivors from another thread
 
     def in_load_order(self) -> Iterator[Settled]:
-        for batch in _batches(self.cursor(), SURVIVORS_SQL):
-            cols = [c.to_pylist() for c in batch.columns]
-            rows = list(zip(*cols, strict=True))
-            read = iter(read_back(self.sources, [r[11:16] for r in rows if r[16] is None]))
-            for eid, disp, s, st, u, lrsn, o1, o2, bc, mask, src, _, _, _, _, _, ruled, ruled_data in rows:
-                if ruled is not None:  # a control entry as the restart tables keep it: final already
-                    yield Settled(eid, disp, s, _descriptor(ruled, ""), ruled_data)
-                    continue
-                desc, data = next(read)
-                yield Settled(eid, disp, s, _entry(desc, src, mask, (st, u, lrsn, o1, o2, bc)), data)
+        pieces = Pieces(self.sources)
+        try:
+            for batch in _batches(self.cursor(), SURVIVORS_SQL):
+                yield from _survivors(batch, pieces)
+        finally:
+            pieces.close()
 
     def loaded(self) -> Iterator[Settled]:
         return self.in_load_order()
@@ -708,38 +779,45 @@ class ColumnarEngine:
             on_disk = _on_disk(backup)
             backup_dir = on_disk.path if on_disk is not None else None
             n_logs = sum(1 for j in jobs if j.backup_file is None)
-            progress(READ_LOGS, 0, n_logs)
-            if on_disk is None:  # copies from elsewhere (a test's, or a base with no files)
-                total = manifest.get("entries")
-                n = len(jobs)
-                scanned, src = copies_as_frames(
-                    _counted(backup.copies(), progress, int(total) if total is not None else None),
-                    n << RID_BITS, 2 * n, spill.path)
-                sources[2 * n] = src
-                _insert(con, scanned)
-            logs_done = copies_done = 0
-            total_copies = int(manifest.get("entries") or 0) or None
-            if on_disk is not None:
-                progress(READ_BACKUP, 0, total_copies)
-            readers = _Readers(jobs, self.workers, partial(
-                _scan, backup_dir=backup_dir, structure=str(manifest.get("structure", structure)),
-                replay_from=replay_from, spill=spill.path))
-            try:
-                for item in readers.results():
-                    if item[0] == "rows":
-                        _insert(con, item[1])
-                        max_lrsn = max(max_lrsn, item[1].max_lrsn)
-                        continue
-                    job, srcs = item[1], item[2]
-                    sources.update(srcs)
-                    if job.backup_file is None:
-                        logs_done += 1
-                        progress(READ_LOGS, logs_done, n_logs)
-                    else:
-                        copies_done += int(job.backup_file.get("frames", 0))
-                        progress(READ_BACKUP, copies_done, total_copies)
-            finally:
-                readers.stop()
+            # The backup's files and the logs are read side by side; progress shows the backup's reading, then the
+            # logs' (those read meanwhile counted): one phase after the other, as every engine shows them.
+            backup_left = len(jobs) - n_logs
+            with _Streams(con) as streams:
+                if on_disk is None:  # copies from elsewhere (a test's, or a base with no files)
+                    total = manifest.get("entries")
+                    n = len(jobs)
+                    scanned, src = copies_as_frames(
+                        _counted(backup.copies(), progress, int(total) if total is not None else None),
+                        n << RID_BITS, 2 * n, spill.path)
+                    sources[2 * n] = src
+                    streams.put(scanned)
+                logs_done = copies_done = 0
+                total_copies = int(manifest.get("entries") or 0) or None
+                if on_disk is not None:
+                    progress(READ_BACKUP, 0, total_copies)
+                if not backup_left:
+                    progress(READ_LOGS, 0, n_logs)
+                readers = _Readers(jobs, self.workers, partial(
+                    _scan, backup_dir=backup_dir, structure=str(manifest.get("structure", structure)),
+                    replay_from=replay_from, spill=spill.path))
+                try:
+                    for item in readers.results():
+                        if item[0] == "rows":
+                            streams.put(item[1])
+                            max_lrsn = max(max_lrsn, item[1].max_lrsn)
+                            continue
+                        job, srcs = item[1], item[2]
+                        sources.update(srcs)
+                        if job.backup_file is None:
+                            logs_done += 1
+                        else:
+                            copies_done += int(job.backup_file.get("frames", 0))
+                            progress(READ_BACKUP, copies_done, total_copies)
+                            backup_left -= 1
+                        if not backup_left:
+                            progress(READ_LOGS, logs_done, n_logs)
+                finally:
+                    readers.stop()
             read_cpu = time.process_time() - cpu0
             held_by = [u for (u,) in con.execute(
                 f"SELECT DISTINCT u FROM raw_descs WHERE src = {SRC_BACKUP}").fetchall()]
@@ -796,15 +874,66 @@ def _on_disk(backup: BackupSource) -> Backup | None:
     return None
 
 
-def _insert(con: duckdb.DuckDBPyConnection, scanned: Scanned) -> None:
-    """A scan's rows into the plan's raw tables."""
-    for name, table in scanned.tables.items():
-        if len(table):
-            con.register("scanned", table)
-            try:
-                con.execute(f"INSERT INTO raw_{name} SELECT * FROM scanned")
-            finally:
-                con.unregister("scanned")
+class _Streams:
+    """The readers' rows into the plan's raw tables: one INSERT a table for the whole read, each reading an Arrow
+    stream its chunks are handed to (a queue of a few: what waits to be inserted stays bounded), in a thread and a
+    cursor of its own. One INSERT a chunk cost DuckDB about 8 ms a statement at 1M records, more as the table grew:
+    six times the CPU of these streams (BENCHMARKS.md, "The columnar engine, fourth pass"). Use it in a `with`:
+    leaving normally waits until every chunk is in and raises an INSERT's failure."""
+
+    DEPTH = 4
+
+    def __init__(self, con: duckdb.DuckDBPyConnection) -> None:
+        self.queues: dict[str, queue.Queue[pa.Table | None]] = {n: queue.Queue(maxsize=self.DEPTH) for n in TABLES}
+        self.failure: BaseException | None = None
+        self.threads = [threading.Thread(target=self._insert, args=(con.cursor(), name), name=f"restore-insert-{name}",
+                                         daemon=True) for name in TABLES]
+
+    def _batches(self, name: str) -> Iterator[pa.RecordBatch]:
+        while (table := self.queues[name].get()) is not None:
+            yield from table.to_batches()
+
+    def _insert(self, cur: duckdb.DuckDBPyConnection, name: str) -> None:
+        try:
+            cur.register(f"stream_{name}", pa.RecordBatchReader.from_batches(TABLES[name], self._batches(name)))
+            cur.execute(f"INSERT INTO raw_{name} SELECT * FROM stream_{name}")
+        except BaseException as e:  # raised by put() and __exit__
+            self.failure = self.failure or e
+            while self.queues[name].get() is not None:  # what is still handed over goes nowhere
+                pass
+        finally:
+            cur.close()
+
+    def put(self, scanned: Scanned) -> None:
+        for name, table in scanned.tables.items():
+            if len(table):
+                self._hand(name, table)
+
+    def _hand(self, name: str, table: pa.Table | None) -> None:
+        while self.failure is None:
+            with contextlib.suppress(queue.Full):
+                self.queues[name].put(table, timeout=0.2)
+                return
+        raise self.failure
+
+    def __enter__(self) -> _Streams:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        for name, q in self.queues.items():
+            if exc_type is None:
+                self._hand(name, None)
+            else:  # the threads' INSERTs end with what they were given
+                while True:
+                    with contextlib.suppress(queue.Full):
+                        q.put(None, timeout=0.2)
+                        break
+        for t in self.threads:
+            t.join()
+        if exc_type is None and self.failure is not None:
+            raise self.failure
 
 
 def _execute(con: duckdb.DuckDBPyConnection, sql: str, timings: dict[str, float], name: str = "") -> None:
@@ -842,12 +971,11 @@ def _run(con: duckdb.DuckDBPyConnection, spill: SpillDir, structure: str, base: 
     plan.spill, plan.con, plan.sources = spill, con, sources
     plan.timings = timings
     one = con.execute
-    plan.records_by_member = Counter(dict(one("SELECT m, count(*) FROM r WHERE kept GROUP BY m").fetchall()))
+    plan.records_by_member = Counter(dict(one("SELECT m, n FROM members").fetchall()))
     plan.counts = Counter(dict(one("SELECT disp, count(*) FROM fin GROUP BY disp").fetchall()))
     plan.settled_count = sum(plan.counts.values())
     plan.loaded_count, plan.loaded_bytes = (int(v or 0) for v in one(
-        "SELECT count(*), sum(coalesce(octet_length(c.data), d.dlen)) FROM fin f JOIN descs d ON d.src = f.src "
-        "AND d.rid = f.rid AND d.eid = f.eid LEFT JOIN ctl c ON c.eix = f.eix "
+        "SELECT count(*), sum(coalesce(octet_length(c.data), f.dlen)) FROM fin f LEFT JOIN ctl c ON c.eix = f.eix "
         "WHERE f.disp IN ('restored', 'in-doubt')").fetchone() or (0, 0))
     plan.decisions = {u: u.split(".", 1)[0] for (u,) in one("SELECT u FROM inflight").fetchall()}
     plan.restore_decided = {u for (u,) in one(
@@ -883,9 +1011,8 @@ def _rule_on_control_entries(con: duckdb.DuckDBPyConnection, sources: list[Sourc
     status as restart leaves it (table ctl: its final descriptor and data), or dropped."""
     con.execute("CREATE TABLE ctl (eix BIGINT, blob BLOB, data BLOB)")
     rows = con.execute(
-        "SELECT f.eix, f.st, f.u, f.l, f.o1, f.o2, f.bc, f.mask, f.src, d.f, d.boff, d.blen, d.doff, d.dlen "
-        "FROM fin f JOIN descs d "
-        "ON d.src = f.src AND d.rid = f.rid AND d.eid = f.eid WHERE f.disp = 'control'").fetchall()
+        "SELECT f.eix, f.st, f.u, f.l, f.o1, f.o2, f.bc, f.mask, f.src, f.f, f.boff, f.blen, f.doff, f.dlen "
+        "FROM fin f WHERE f.disp = 'control'").fetchall()
     dropped: list[int] = []
     kept: list[tuple[int, bytes, bytes]] = []
     read = read_back(sources, [r[9:14] for r in rows])

@@ -10,6 +10,7 @@ from typing import Any
 
 import crc32c
 import msgpack
+import pyarrow as pa
 import pytest
 
 from backup.files import BackupWriter, ChecksumMismatchError, CorruptFrameError, read_backup
@@ -21,6 +22,7 @@ from restore.columns import (
     SRC_E,
     SRC_I,
     SRC_IDS,
+    Pieces,
     Scanned,
     Source,
     log_segments_read,
@@ -225,9 +227,13 @@ def test_a_damaged_backup_file_is_refused(tmp_path: Path, damage: str) -> None:
     b = read_backup(_backup(tmp_path))
     info = b.manifest["files"][1]
     path = b.path / info["name"]
-    if damage == "crc":
+    if damage == "crc":  # as backup.files says it
         _corrupt(path, path.stat().st_size - 3)
-        with pytest.raises(CorruptFrameError, match="bad frame"):
+        with pytest.raises(CorruptFrameError, match=r"bad CRC in the frame at byte \d+"):
+            _copies(b.path, info)
+        with path.open("r+b") as f:  # the last frame cut short
+            f.truncate(path.stat().st_size - 3)
+        with pytest.raises(CorruptFrameError, match=r"the frame at byte \d+ runs past the end of the file"):
             _copies(b.path, info)
     else:
         with pytest.raises(ChecksumMismatchError, match="sha256"):
@@ -270,3 +276,43 @@ def test_entries_are_read_back_from_a_segment_archived_after_it_was_read(tmp_pat
     assert not (d / "seg-00000001.log").exists()
     assert read_back(sources, pieces) == before
     log.close()
+
+
+def test_pieces_are_read_back_in_any_order_as_the_files_hold_them(tmp_path: Path) -> None:
+    """Pieces of two files in a shuffled order, near each other (read by one pread of their span) and far apart,
+    a descriptor with its data after it or not, data larger than a span, no data: each row gets its own bytes."""
+    rng = random.Random(4)
+    blobs = [rng.randbytes(3 << 20), rng.randbytes(1 << 20)]
+    paths = []
+    for k, blob in enumerate(blobs):
+        paths.append(tmp_path / f"f{k}")
+        paths[-1].write_bytes(blob)
+    rows = []
+    for _ in range(400):
+        f = rng.randrange(2)
+        size = len(blobs[f])
+        boff, blen = rng.randrange(size - 300), rng.randrange(1, 300)
+        choice = rng.random()
+        if choice < 0.4:  # the data right after the descriptor
+            doff, dlen = boff + blen + rng.randrange(4), rng.randrange(0, 2000)
+        elif choice < 0.5 and f == 0:  # data larger than one read's span
+            doff, dlen = rng.randrange(1 << 20), (3 << 19) + rng.randrange(1000)
+        else:
+            doff, dlen = rng.randrange(size - 5000), rng.randrange(0, 5000)
+        dlen = max(0, min(dlen, size - doff))
+        rows.append((f, boff, blen, doff, dlen))
+    pieces = Pieces([Source(str(p)) for p in paths])
+    try:
+        descs, datas = pieces.read(*(pa.array(col, pa.int64()) for col in zip(*rows, strict=True)))
+        # a slice of a longer array: its own values only
+        tail = pa.array([r[1] for r in rows] * 2, pa.int64()).slice(len(rows))
+        again, _ = pieces.read(*(pa.array(col, pa.int64()) for col in list(zip(*rows, strict=True))[:1]), tail,
+                               *(pa.array(col, pa.int64()) for col in list(zip(*rows, strict=True))[2:]))
+    finally:
+        pieces.close()
+    assert pieces.fds == [-1, -1]
+    assert descs == [blobs[f][b:b + n] for f, b, n, _, _ in rows]
+    assert datas == [blobs[f][d:d + n] for f, _, _, d, n in rows]
+    assert again == descs
+    with pytest.raises(ValueError, match="missing"):
+        Pieces([Source(str(paths[0]))]).read(*(pa.array([0, None], pa.int64()) for _ in range(5)))
