@@ -13,8 +13,8 @@ import redis
 
 from backup.protocol import STEPS
 from sqm.core.manager import QueueManager
-from tests.backup.test_retention import _env
 from tests.support import prom
+from tests.support.cfbackup import cfbackup_env as _env
 
 S = "APP1"
 

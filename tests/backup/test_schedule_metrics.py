@@ -17,8 +17,9 @@ import redis
 from backup.protocol import STEPS
 from cfemu.procs import free_port
 from sqm.core.manager import QueueManager
-from tests.backup.test_retention import _env, _hold_mark
+from tests.backup.test_retention import _hold_mark
 from tests.support import prom
+from tests.support.cfbackup import cfbackup_env as _env
 
 S = "APP1"
 
