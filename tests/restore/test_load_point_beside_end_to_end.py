@@ -236,6 +236,9 @@ def test_an_interrupt_while_the_load_waits_for_the_points_last_write_does_not_ab
     raised. Beside must wait for the write under way first, however it is
     left."""
     client, logs, backups, _, _ = lost
+    # Ctrl-C raises KeyboardInterrupt, whatever handler an earlier test left in this process (an in-process
+    # scheduler or server installs its own).
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
     release = threading.Event()
     in_last = threading.Event()
 
@@ -260,6 +263,7 @@ def test_an_interrupt_while_the_load_waits_for_the_points_last_write_does_not_ab
         alive = [t.name for t in threading.enumerate() if t.name == "restore-load-point"]
     finally:
         release.set()
+        signal.signal(signal.SIGINT, before)
     time.sleep(0.5)
     assert alive == [], f"the point's thread still ran when run_restore raised: {events}"
     assert "abort" in events
