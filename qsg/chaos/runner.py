@@ -9,6 +9,7 @@ import logging
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -254,33 +255,48 @@ def drain(group: ChaosGroup, history: History) -> int:
     return n
 
 
-TOPIC_SETTLE_S = 15.0  # after the subscribers' drain the members' sweepers remove its backlog: gets in flight
+SETTLE_S = 15.0  # how long leftovers looks again at entries that members' own short units of work may hold
 
 
 def leftovers(group: ChaosGroup) -> dict[str, dict[str, int]]:
-    """What is still in the structures after the drain (entries locked by a UOW nobody resolved, for example).
-    A topic's publications are removed by the members' sweepers, a short unit of work each, busiest right after the
-    subscribers' drain: its locked entries count only when they stay locked after TOPIC_SETTLE_S of looking."""
-
+    """What is still in the structures after the drain (entries locked by a UOW nobody resolved, for example)."""
     client = group.cf()
-    deadline = time.monotonic() + TOPIC_SETTLE_S
     try:
         cf = CF(client)
-        while True:
-            out = {}
-            for s in STRUCTURES:
-                for q, states in cf.structure(s).depths().items():
-                    # The service's control queue keeps final statuses: only its locked entries count there.
-                    held = states["UP"] or states["UG"]
-                    # A topic keeps publications until its sweeper removes them: only its locked entries count.
-                    if q in DRAINED and any(states.values()) or q in (*service_queues(), *topic_queues()) and held \
-                            or q == service_queues()[0] and any(states.values()):
-                        out[q] = states
-            if not set(out) & set(topic_queues()) or time.monotonic() >= deadline:
-                return out
-            time.sleep(0.25)
+        return settled_leftovers(lambda: left_in(cf), SETTLE_S)
     finally:
         client.close()
+
+
+def left_in(cf: CF) -> dict[str, dict[str, int]]:
+    """One look at the structures: the queues with entries that count as left behind, by state."""
+    out = {}
+    for s in STRUCTURES:
+        for q, states in cf.structure(s).depths().items():
+            # The service's control queue keeps final statuses: only its locked entries count there.
+            held = states["UP"] or states["UG"]
+            # A topic keeps publications until its sweeper removes them: only its locked entries count.
+            if q in DRAINED and any(states.values()) or q in (*service_queues(), *topic_queues()) and held \
+                    or q == service_queues()[0] and any(states.values()):
+                out[q] = states
+    return out
+
+
+def settled_leftovers(look: Callable[[], dict[str, dict[str, int]]], settle_s: float,
+                      interval_s: float = 0.25) -> dict[str, dict[str, int]]:
+    """What `look` still finds left behind once the members' own short units of work had time to end. A topic's and
+    a service's queues are where members work by themselves after the drain: the sweepers remove a topic's backlog
+    and take a service's UOW controls one at a time to change or delete them (a few CF round trips each, about once
+    a second per member), so one look can find such an entry locked for a moment. `look` is asked again until none
+    of those queues is in its answer, for at most `settle_s`: what it still finds then counts. The workload's own
+    queues count at the first look (nothing works on them after the drain)."""
+    transient = {*service_queues(), *topic_queues()}
+    deadline = time.monotonic() + settle_s
+    while True:
+        out = look()
+        if not set(out) & transient or time.monotonic() >= deadline:
+            return out
+        time.sleep(interval_s)
 
 
 def run_chaos(opts: ChaosOptions, console: Console | None = None,
