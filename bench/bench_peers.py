@@ -16,6 +16,8 @@ its reply. Each contender runs on 127.0.0.1, started here and stopped here (by p
                 embedded CF, logs on the real disk; put, commit, get, commit through sqm.core.connection.Connection.
   sqm-service:  `sqm run` servers (--servers, default 1) of a local cluster (qsg.local_group: an embedded CF,
                 authentication on, as users run it), clients sqm.service.client.Client with the group's token.
+  sqm-service-ungrouped: the same, each of the members' CF calls in a round trip of its own (the baseline of the
+                grouping of concurrent requests' CF calls, sqm.core.cfgroup); measured only when named in --peers.
 --batch B [B ...]: the batched lifecycle as well, per message: B messages put and committed together, then got and
 committed together (PostgreSQL: a multi-row INSERT, a DELETE of B rows; durable Redis: pipelines of B LPUSH, LMOVE,
 LREM; the SQM: put_batch and get_batch with their commit in the same request; B=0 is the one-message lifecycle).
@@ -27,6 +29,7 @@ count, rounds of all contenders interleaved; each figure is the median over the 
   of which redis:     the same for the redis-server among them alone (the SQM's CF; durable Redis's server): the
                       work Redis itself does for one lifecycle, which the SQM cannot go below on the same cores;
   fsyncs per commit:  where the contender counts them (the SQM's log, PostgreSQL's pg_stat_wal.wal_sync); '-' else;
+  CF round trips:     per lifecycle, the SQM members' (their metrics; several script calls may share one);
   load average:       the 1-minute load average when the round ended.
 
 PostgreSQL and RabbitMQ come from the system's packages: when missing they are installed with apt-get if this
@@ -34,8 +37,8 @@ process is root and apt-get is there (unless --no-install); when they cannot be 
 as skipped, with the reason, and no figure.
 
     .venv/bin/python bench/bench_peers.py [--quick] [--seconds 5] [--rounds 3] [--clients 1 8 32]
-        [--peers postgres rabbitmq redis-aof sqm-inproc sqm-service sqm-service-1] [--servers 1] [--no-install]
-        [--json]
+        [--peers postgres rabbitmq redis-aof sqm-inproc sqm-service sqm-service-1 sqm-service-ungrouped]
+        [--servers 1] [--no-install] [--json]
 
 Work files (PostgreSQL's cluster, RabbitMQ's node, the SQM logs, the AOF) live under the system's temp directory
 (--work-dir; a real disk: fsync must cost what it costs; not the repository's var/, which is private to its owner
@@ -84,7 +87,10 @@ STRUCTURE, QUEUE = "APP1", "Q1"
 # sqm-service-1: the same service, each put and get outside syncpoint (MQPMO/MQGMO_NO_SYNCPOINT): a unit of work of
 # its own, committed (COMMIT forced) before the reply, in one request instead of two; as RabbitMQ's confirmed publish
 # and Redis's LPUSH are one request each.
-PEERS = ("postgres", "rabbitmq", "redis-aof", "sqm-inproc", "sqm-service", "sqm-service-1")
+# sqm-service-ungrouped: the service with each of its CF calls in a round trip of its own (sqm.core.cfgroup's
+# benchmark baseline): the A/B of the grouping in one run, measured only when named (--peers).
+BASELINES = ("sqm-service-ungrouped",)
+PEERS = ("postgres", "rabbitmq", "redis-aof", "sqm-inproc", "sqm-service", "sqm-service-1", *BASELINES)
 ALL_CLIENTS = (1, 2, 4, 8, 16, 32, 64)
 # The contenders with a batched lifecycle (--batch; make_batch_loop). RabbitMQ's would be B publishes and one wait
 # for their confirms, not written: this machine has no RabbitMQ to measure it.
@@ -267,6 +273,10 @@ class Contender:
         """(fsyncs, commits) so far as the servers count them; None: not measurable from outside the clients."""
         return None
 
+    def cf_round_trips(self) -> int | None:
+        """The SQM members' CF round trips so far (several script calls may share one); None: no such count."""
+        return None
+
     def redis_pids(self) -> list[int]:
         """The redis-server processes among the servers (the SQM's CF; durable Redis's server): their CPU per
         lifecycle is shown apart, the work Redis itself does for one lifecycle."""
@@ -383,15 +393,27 @@ class RedisAOF(Contender):
         return {"url": self.server.url}
 
 
+def group_with_env(extra: dict[str, str]) -> type[Any]:
+    """qsg.local_group.LocalGroup whose processes get ``extra`` in their environment beside the cluster's own
+    settings: this process's environment stays as it is (the contenders start side by side, in threads)."""
+    from qsg.local_group import LocalGroup
+
+    class Group(LocalGroup):
+        def _env(self) -> dict[str, str]:
+            return {**super()._env(), **extra}
+    return Group
+
+
 class SQMService(Contender):
     """The SQM through `sqm run`: a local cluster (authentication on)."""
 
     name = "sqm-service"
+    member_env: dict[str, str] = {}  # for the members' processes, beside the cluster's settings
 
     def start(self) -> None:
-        from qsg.local_group import LocalGroup
-        self.cluster = LocalGroup.up(self.work / "cluster", managers=self.args.servers, backup_interval=None,
-                                     structure=STRUCTURE, queues=(QUEUE,), lease_ms=LEASE_MS)
+        self.cluster = group_with_env(self.member_env).up(
+            self.work / "cluster", managers=self.args.servers, backup_interval=None, structure=STRUCTURE,
+            queues=(QUEUE,), lease_ms=LEASE_MS)
         self.servers_note = (f"{self.args.servers} `sqm run` server(s) (authentication on) and the CF "
                              "(redis-server, no persistence: the SQM logs are the durable copy)")
 
@@ -408,16 +430,23 @@ class SQMService(Contender):
     def client_params(self) -> dict[str, Any]:
         return {"endpoints": [f"{h}:{p}" for _, h, p in self.cluster.endpoints], "token": self.cluster.token}
 
-    def fsyncs(self) -> tuple[int, int] | None:
-        fsyncs = commits = 0
+    def counters(self, *names: str) -> list[int]:
+        """Each counter named (sqm_<name>_total) summed over the members, from their metrics pages."""
+        totals = dict.fromkeys(names, 0)
         for m in self.cluster.state["managers"]:
             text = urllib.request.urlopen(f"http://{self.cluster.host}:{m['metrics_port']}/metrics", timeout=10)
             for line in text.read().decode().splitlines():
-                if line.startswith("sqm_fsyncs_total"):
-                    fsyncs += int(float(line.split()[-1]))
-                elif line.startswith("sqm_commits_total"):
-                    commits += int(float(line.split()[-1]))
+                for name in names:
+                    if line.startswith(f"sqm_{name}_total"):
+                        totals[name] += int(float(line.split()[-1]))
+        return [totals[name] for name in names]
+
+    def fsyncs(self) -> tuple[int, int] | None:
+        fsyncs, commits = self.counters("fsyncs", "commits")
         return fsyncs, commits
+
+    def cf_round_trips(self) -> int | None:
+        return self.counters("cf_round_trips")[0]
 
 
 class SQMInProcess(SQMService):
@@ -442,6 +471,9 @@ class SQMInProcess(SQMService):
     def fsyncs(self) -> tuple[int, int] | None:
         return None  # counted by the worker processes themselves
 
+    def cf_round_trips(self) -> int | None:
+        return None  # in the worker processes
+
 
 class SQMServiceOneCall(SQMService):
     """The service, each put and each get outside syncpoint: one request, durable before its reply."""
@@ -449,9 +481,23 @@ class SQMServiceOneCall(SQMService):
     name = "sqm-service-1"
 
 
+class SQMServiceUngrouped(SQMService):
+    """The service with each of its CF calls in a round trip of its own: the baseline of the grouping of concurrent
+    requests' CF calls (sqm.core.cfgroup), measured beside sqm-service in the same run."""
+
+    name = "sqm-service-ungrouped"
+
+    def start(self) -> None:
+        from sqm.core.cfgroup import UNGROUPED_ENV
+        self.member_env = {UNGROUPED_ENV: "1"}
+        super().start()
+        self.servers_note += "; each CF call in a round trip of its own (not grouped)"
+
+
 CONTENDERS: dict[str, type[Contender]] = {"postgres": Postgres, "rabbitmq": RabbitMQ, "redis-aof": RedisAOF,
                                           "sqm-inproc": SQMInProcess, "sqm-service": SQMService,
-                                          "sqm-service-1": SQMServiceOneCall}
+                                          "sqm-service-1": SQMServiceOneCall,
+                                          "sqm-service-ungrouped": SQMServiceUngrouped}
 
 
 # --- the clients (in worker processes) -----------------------------------------------------------------------
@@ -522,7 +568,7 @@ def make_loop(kind: str, params: dict[str, Any], index: int, qm: Any) -> tuple[C
                 n += 1
             return n
         return red, client.close
-    if kind in ("sqm-service", "sqm-inproc", "sqm-service-1"):
+    if kind in ("sqm-service", "sqm-inproc", "sqm-service-1", "sqm-service-ungrouped"):
         if kind.startswith("sqm-service"):
             from sqm.service.client import Client
             eps = params["endpoints"]
@@ -718,7 +764,7 @@ def measure(contender: Contender, workers: Workers, clients: int, seconds: float
         if not pipe.poll(120):
             raise RuntimeError(f"{contender.name}: clients not ready")
         pipe.recv()
-    f0 = contender.fsyncs()
+    f0, k0 = contender.fsyncs(), contender.cf_round_trips()
     roots = contender.server_pids() + workers.pids()
     redis = contender.redis_pids()
     c0, r0, t0 = cpu_ticks(roots), cpu_ticks(redis), time.time()
@@ -737,7 +783,7 @@ def measure(contender: Contender, workers: Workers, clients: int, seconds: float
     errors = [e for x in extras for e in x["errors"]]
     if errors:
         raise RuntimeError(f"{contender.name}: {len(errors)} client(s) failed: {errors[0]}")
-    f1 = contender.fsyncs()
+    f1, k1 = contender.fsyncs(), contender.cf_round_trips()
     fsyncs_per_commit = None
     if f0 is not None and f1 is not None and f1[1] > f0[1]:
         fsyncs_per_commit = (f1[0] - f0[0]) / (2 * total) if total else None
@@ -746,7 +792,9 @@ def measure(contender: Contender, workers: Workers, clients: int, seconds: float
     return {"per_s": total / (t1 - t0), "lifecycles": total,
             "cpu_us": (c1 - c0) / TICK * 1e6 / total if total else None,
             "redis_cpu_us": (r1 - r0) / TICK * 1e6 / total if total and redis else None,
-            "fsyncs_per_commit": fsyncs_per_commit, "load": round(os.getloadavg()[0], 2)}
+            "fsyncs_per_commit": fsyncs_per_commit,
+            "cf_round_trips": (k1 - k0) / total if k0 is not None and k1 is not None and total else None,
+            "load": round(os.getloadavg()[0], 2)}
 
 
 # --- the run ----------------------------------------------------------------------------------------------
@@ -756,7 +804,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--clients", type=int, nargs="+", default=list(ALL_CLIENTS))
-    ap.add_argument("--peers", nargs="+", choices=PEERS, default=list(PEERS))
+    ap.add_argument("--peers", nargs="+", choices=PEERS, default=[p for p in PEERS if p not in BASELINES])
     ap.add_argument("--servers", type=int, default=1, help="`sqm run` servers for sqm-service (default 1)")
     ap.add_argument("--client-procs", type=int, default=2, help="client worker processes per contender")
     ap.add_argument("--no-install", dest="install", action="store_false",
@@ -825,11 +873,13 @@ def main(argv: list[str] | None = None) -> int:
                         f"cpu {m['cpu_us'] or 0:7.0f} µs/lifecycle  load {m['load']}")
             for name, ms in rounds.items():
                 fs = [m["fsyncs_per_commit"] for m in ms if m["fsyncs_per_commit"] is not None]
+                trips = [m["cf_round_trips"] for m in ms if m["cf_round_trips"] is not None]
                 results[name][key] = {
                     "per_s": round(statistics.median(m["per_s"] for m in ms), 1),
                     "cpu_us_per_lifecycle": round(statistics.median(m["cpu_us"] for m in ms)),
                     "redis_cpu_us_per_lifecycle": _median_or_none([m["redis_cpu_us"] for m in ms]),
                     "fsyncs_per_commit": round(statistics.median(fs), 3) if fs else None,
+                    "cf_round_trips_per_lifecycle": round(statistics.median(trips), 2) if trips else None,
                     "load": [m["load"] for m in ms], "rounds_per_s": [round(m["per_s"], 1) for m in ms]}
     finally:
         def stop(cw: tuple[Contender, Workers]) -> None:
@@ -868,7 +918,9 @@ def print_tables(record: dict[str, Any]) -> None:
                             ("CPU µs per lifecycle (servers + clients)", "cpu_us_per_lifecycle", "{:.0f}"),
                             ("of which redis-server (the SQM's CF; durable Redis's server)",
                              "redis_cpu_us_per_lifecycle", "{:.0f}"),
-                            ("fsyncs per commit", "fsyncs_per_commit", "{:.2f}")):
+                            ("fsyncs per commit", "fsyncs_per_commit", "{:.2f}"),
+                            ("CF round trips per lifecycle (the SQM members': several script calls may share one)",
+                             "cf_round_trips_per_lifecycle", "{:.2f}")):
         table = Table("clients", *peers, "load", title=title)
         for n in record["clients"]:
             row = [str(n)]

@@ -16,7 +16,7 @@ of bench_peers.py (1 KiB persistent put + commit, get + commit) from a child pro
   --batch B:     the batched lifecycle (put_batch of B, get_batch of B, each with its commit): figures per message.
 
     PYTHONPATH=<tree> .venv/bin/python bench/profile_service.py [--seconds 8] [--clients 1] [--one-call]
-        [--batch B] [--slots N] [--cprofile PATH]
+        [--batch B] [--slots N] [--ungrouped] [--cprofile PATH]
 
 PYTHONPATH picks the tree whose server and client are profiled (e.g. a `git archive` of an older commit, for a
 before/after); prints one JSON line. The work files go under var/ and are removed.
@@ -163,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
                          "the figures are per message")
     ap.add_argument("--slots", type=int, default=0,
                     help="the server's request slots (ServerConfig.request_slots; 0: its default)")
+    ap.add_argument("--ungrouped", action="store_true",
+                    help="each of the member's CF calls in a round trip of its own (its concurrent requests' calls not "
+                         "grouped: sqm.core.cfgroup): the baseline the grouping is measured against")
     ap.add_argument("--cprofile", metavar="PATH",
                     help="write a pstats file of the server's threads over the window, timed by each thread's CPU "
                          "clock (time.thread_time): where the server's CPU goes, function by function")
@@ -181,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         cfmod.CF.run = cf.wrap(cfmod.CF.run)  # type: ignore[method-assign]
         cfmod.CF.run_many = cf.wrap(cfmod.CF.run_many)  # type: ignore[method-assign]  # a grouped round trip
         qm = QueueManager(QueueManagerConfig(name="QM1", log_root=work / "logs", redis_url=srv.url, lease_ms=60_000), wings=WINGS)
+        if args.ungrouped:
+            qm.cf.groups = False
         slots = {"request_slots": args.slots} if args.slots else {}
         server = SQMServer(ServerConfig(name="QM1", log_root=work / "logs", redis_url=srv.url, token=TOKEN, **slots),
                            qm=qm)
@@ -225,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
             "pythonpath": PROFILED_PATH, "tree": str(Path(cfmod.__file__).resolve().parents[1]),
             "clients": args.clients, "one_call": args.one_call,
             "batch": args.batch, "per": "message" if args.batch else "lifecycle", "slots": server.slots.n,
+            "grouped": bool(getattr(qm.cf, "groups", False)),
+            "cf_largest_round_trip": getattr(qm.cf, "largest", None),  # the most calls one shared round trip carried
             "lifecycles_per_s": round(n / elapsed, 1), "wall_us_per_lifecycle": round(elapsed * per * args.clients),
             "fsync_us": round(fsync.seconds * per), "fsyncs": round(fsync.calls / n, 2),
             "cf_round_trip_us": round(cf.seconds * per), "cf_calls": round(cf.calls / n, 2),

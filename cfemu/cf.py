@@ -90,40 +90,54 @@ class CF:
         fails raises redis-py's ConnectionError or TimeoutError, and which calls ran is then unknown: nothing is
         retried. A duplexed CF or a Redis Cluster runs them one by one through run (each confirmed or routed as
         run does); so does a connection this cannot drive directly. A NOSCRIPT reply (the CF lost its scripts:
-        that call did not run) loads the script and runs that call again through run."""
+        that call did not run) loads the script and runs that call again through run. A call whose arguments no
+        command can carry (redis-py's DataError) is refused in its place and nothing of it is sent: one caller's
+        bad argument never fails another's call."""
         if not calls:
             return []
         if self._pair is not None or self._cluster:
             return [self._run_or_error(op, sname, args) for op, sname, args in calls]
         pool = self.redis.connection_pool
         conn = pool.get_connection()
+        out: list[Any] = [None] * len(calls)
+        sent: list[int] = []  # the calls whose command is in the pipeline, in its order
         try:
             chunks: list[bytes] = []
-            for op, sname, args in calls:
-                script_keys = self._keys.get(sname)
-                if script_keys is None:
-                    script_keys = self._keys[sname] = keys.script_keys(sname)
-                chunks += pack(conn, ("EVALSHA", self._scripts[op].sha, len(script_keys), *script_keys, *args))
+            for i, (op, sname, args) in enumerate(calls):
+                try:
+                    chunks += self._command(conn, op, sname, args)
+                except Exception as e:  # its own arguments (a type no command carries): its error
+                    out[i] = e  # alone, as run raises it; nothing of it was sent, and the others still go
+                else:
+                    sent.append(i)
             if len(chunks) > 1 and sum(map(len, chunks)) <= JOINED_SEND:
                 chunks = [b"".join(chunks)]
-            replies = exchange(conn, chunks, len(calls))
+            replies = exchange(conn, chunks, len(sent)) if sent else []
         finally:
             try:
                 if conn.should_reconnect():
                     conn.disconnect()
             finally:
                 pool.release(conn)
-        out = [_script_reply(r, sname) for r, (_op, sname, _args) in zip(replies, calls, strict=True)]
+        for i, r in zip(sent, replies, strict=True):
+            out[i] = _script_reply(r, calls[i][1])
         for i, r in enumerate(out):
             if isinstance(r, redis.exceptions.NoScriptError):
                 op, sname, args = calls[i]
                 out[i] = self._run_or_error(op, sname, args)
         return out
 
+    def _command(self, conn: Any, op: str, structure: str, args: Sequence[Any]) -> list[bytes]:
+        """The EVALSHA of a structure script as the connection sends it."""
+        script_keys = self._keys.get(structure)
+        if script_keys is None:
+            script_keys = self._keys[structure] = keys.script_keys(structure)
+        return pack(conn, ("EVALSHA", self._scripts[op].sha, len(script_keys), *script_keys, *args))
+
     def _run_or_error(self, op: str, structure: str, args: Sequence[Any]) -> Any:
         try:
             return self.run(op, structure, args)
-        except (MQError, redis.exceptions.ResponseError) as e:
+        except (MQError, redis.exceptions.ResponseError, redis.exceptions.DataError) as e:
             return e
 
     def _evalsha(self, script: Any, script_keys: list[str], args: Sequence[Any]) -> Any:
@@ -136,7 +150,11 @@ class CF:
         cmd = ("EVALSHA", script.sha, len(script_keys), *script_keys, *args)
         pool = self.redis.connection_pool
         conn = pool.get_connection()
-        packed = pack(conn, cmd)  # what redis-py's hiredis packer makes of them, without its per-argument checks
+        try:
+            packed = pack(conn, cmd)  # what redis-py's hiredis packer makes of them, without its per-argument checks
+        except BaseException:  # an argument no command carries: the connection goes back, unused
+            pool.release(conn)
+            raise
 
         def send_and_read() -> Any:
             if self._pair is not None:

@@ -13,15 +13,22 @@ socket reads and writes, and the CF's event-loop turns.
 What a call means does not change:
 - each script still runs atomically on the CF (a pipeline is not a transaction: each script is its own);
 - a caller's calls stay in its order: its thread makes its next call only once the previous one answered;
-- a call's refusal is its own (the other calls of the round trip still run); a connection that fails is every
-  caller's failure, raised to each as ``run`` raises it (redis-py's ConnectionError or TimeoutError, the same words,
-  so sqm.core.cfcall.reply_lost still tells a lost reply from a refused connect);
-- a duplexed CF or a Redis Cluster, which CF.run_many drives one call at a time, is not grouped.
+- a call's refusal is its own (the other calls of the round trip still run), and so is an argument of it that no
+  command carries (refused before anything of it is sent); a connection that fails is every caller's failure,
+  raised to each as ``run`` raises it (redis-py's ConnectionError or TimeoutError, the same words, so
+  sqm.core.cfcall.reply_lost still tells a lost reply from a refused connect: a reply lost is an unknown outcome
+  for every caller of the round trip, as it would have been for each alone);
+- who may write does not change: each script checks its caller's epoch itself (fencing), whatever round trip
+  carries it;
+- nothing that blocks is grouped: every call here is a Lua script, which never blocks the CF; a duplexed CF (whose
+  calls each wait for the copy, WAIT) or a Redis Cluster, which CF.run_many drives one call at a time, is not
+  grouped, nor is a connection that would send a call again on its own (a shared round trip is never sent again).
 """
 
 from __future__ import annotations
 
 import _thread
+import os
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -29,6 +36,8 @@ from typing import Any
 import redis
 
 from cfemu.cf import CF
+from cfemu.redis_internals import one_attempt
+from sqm.core.failpoints import failpoint
 from sqm.request_slots import before_wait
 
 
@@ -59,13 +68,23 @@ def _copy_failure(e: BaseException) -> BaseException:
         return e
 
 
+# Set (to anything but ""), a member's CF calls each go in a round trip of their own: the baseline the benchmarks
+# measure the grouping against (bench/bench_peers.py's sqm-service-ungrouped). Not a user's setting: grouping costs
+# a lone call nothing.
+UNGROUPED_ENV = "SQM_BENCH_CF_UNGROUPED"
+
+
 class GroupedCF(CF):
     """A CF whose concurrent calls share round trips (see the module). ``round_trips`` and ``calls`` count what
     went to the CF this way: calls / round_trips is how many calls one round trip carried on average."""
 
     def __init__(self, client: redis.Redis) -> None:
         super().__init__(client)
-        self.groups = self._pair is None and not self._cluster
+        # A connection that sends a call again on its own (a retry policy of more than one attempt: never the
+        # member's, cfemu.connection) is not grouped: a shared round trip is never sent again, so each call goes
+        # alone, retried as it was.
+        self.groups = (self._pair is None and not self._cluster and one_attempt(client.get_retry())
+                       and not os.environ.get(UNGROUPED_ENV))
         self._lock = threading.Lock()
         self._queue: list[_Call] = []
         self._leading = False
@@ -75,7 +94,11 @@ class GroupedCF(CF):
         self.largest = 0  # the most calls one round trip carried
 
     def run(self, op: str, structure: str, args: Sequence[Any]) -> Any:
-        if not self.groups or self._leader == threading.get_ident():
+        if not self.groups:  # each call a round trip of its own (counted alike, unlocked: a metric)
+            self.round_trips += 1
+            self.calls += 1
+            return super().run(op, structure, args)
+        if self._leader == threading.get_ident():
             # The leader's own calls inside its round trip (CF.run_many makes a call again through run when the CF
             # had lost its script) go at once: queued, they would wait for the round trip they are part of.
             return super().run(op, structure, args)
@@ -122,6 +145,8 @@ class GroupedCF(CF):
                 for c in batch:
                     c.error = _copy_failure(e)
             else:
+                if len(batch) > 1:  # the CF applied every script of a shared round trip; none of its callers knows
+                    failpoint("shared-cf-round-trip")
                 for c, r in zip(batch, replies, strict=True):
                     if isinstance(r, BaseException):
                         c.error = r
@@ -146,4 +171,4 @@ class GroupedCF(CF):
                 self._leading = False
 
 
-__all__ = ["GroupedCF"]
+__all__ = ["UNGROUPED_ENV", "GroupedCF"]

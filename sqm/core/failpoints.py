@@ -19,6 +19,8 @@ Every failpoint in the project (add a row with each new ``failpoint()`` call):
                                                             appends, before its commit's force
     group-force          sqm.log.writer (RecordLog._lead_flush)  when other committers wait on a flush, before its
                                                             leader writes their records (none of them is on disk)
+    shared-cf-round-trip sqm.core.cfgroup (GroupedCF._lead)   after the CF answered a round trip shared by
+                                                            several callers, before any of them has its reply
     relog-before-force   sqm.core.relog (a relog pass)           after a batch's RELOG records are appended, before the force
     relog-after-force    sqm.core.relog (a relog pass)           after they are forced, before the entries are marked
     relog-before-checkpoint  sqm.core.manager.checkpoint         after the relog passes, before the checkpoint record

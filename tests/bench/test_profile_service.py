@@ -34,3 +34,22 @@ def test_the_batched_lifecycle_is_profiled_per_message_with_the_servers_cpu_prof
     assert figures["tree"] == str(REPO.resolve())  # the tree profiled is PYTHONPATH's, not the script's copy's
     functions = {name for (_, _, name) in pstats.Stats(str(out)).stats}  # type: ignore[attr-defined]
     assert "put_batch" in functions and "get_batch" in functions
+
+
+@pytest.mark.slow
+def test_the_ungrouped_baseline_sends_each_cf_call_alone(tmp_path: Path) -> None:
+    """--ungrouped: the member's concurrent requests' CF calls are not grouped (the baseline of sqm.core.cfgroup),
+    so no call shares a round trip with another; by default they may."""
+    copy = tmp_path / "bench"
+    shutil.copytree(REPO / "bench", copy, ignore=shutil.ignore_patterns("results", "__pycache__"))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    figures = []
+    for flags in (["--ungrouped"], []):
+        run = subprocess.run([sys.executable, str(copy / "profile_service.py"), "--seconds", "0.5", "--clients", "4",
+                              *flags], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+        assert run.returncode == 0, run.stderr[-2000:]
+        figures.append(json.loads(run.stdout.strip().splitlines()[-1]))
+    ungrouped, grouped = figures
+    assert (ungrouped["grouped"], ungrouped["cf_largest_round_trip"]) == (False, 0)  # no call went with another
+    assert grouped["grouped"] and grouped["cf_largest_round_trip"] >= 1
+    assert ungrouped["cf_round_trips"] > 0 and grouped["cf_round_trips"] > 0

@@ -118,3 +118,28 @@ def test_a_cf_killed_gives_a_connection_error_then_a_restarted_one_answers(
     Admin(admin_client).define_structure("APP1")
     Admin(admin_client).define_queue("Q1", "APP1")
     assert browse_q1(cf) == 0
+
+
+def test_an_argument_no_command_carries_fails_its_call_and_gives_the_connection_back(
+        redis_factory: Callable[..., EmbeddedRedis]) -> None:
+    """A call with an argument redis-py cannot send (None) is refused before anything is sent, and the pool's one
+    connection goes back: the next call gets it (it waited the pool's timeout for one that never came back)."""
+    cf, _ = one_connection_cf(redis_factory(), pool_timeout=2)
+    for _ in range(2):
+        with pytest.raises(redis.exceptions.DataError):
+            cf.run("browse", "APP1", ["Q1", None, 0, 0, 0])
+        assert browse_q1(cf) == 0
+
+
+def test_in_a_pipeline_a_call_that_cannot_be_sent_fails_alone(redis_factory: Callable[..., EmbeddedRedis]) -> None:
+    """CF.run_many: a call whose argument no command carries is refused in its place; the calls before and after
+    it still run, each with its own reply (it failed the whole pipeline, none of them sent)."""
+    cf, _ = one_connection_cf(redis_factory(), pool_timeout=2)
+    now = int(time.time() * 1000)
+    browse = ("browse", "APP1", ["Q1", 10, now, 0, 0])
+    out = cf.run_many([browse, ("browse", "APP1", ["Q1", None, now, 0, 0]), browse])
+    assert out[0] == out[2] == [0]  # each: nothing more, no message
+    assert isinstance(out[1], redis.exceptions.DataError)
+    [alone] = cf.run_many([("browse", "APP1", ["Q1", None, now, 0, 0])])  # nothing to send at all
+    assert isinstance(alone, redis.exceptions.DataError)
+    assert browse_q1(cf) == 0  # the connection went back, in step

@@ -2,11 +2,13 @@
 
 The CF is held still (CLIENT PAUSE) while one call is on its way, so that the calls of the other threads queue
 behind it for sure; once it is let go, they go in one pipelined round trip. Each caller gets its own reply, its own
-refusal, or (the connection lost) a failure that says its reply was lost; each thread's calls stay in its order; a
-queue manager's concurrent units of work each complete as if alone."""
+refusal, or (the connection lost, the CF killed) a failure that says its reply was lost; each thread's calls stay
+in its order; a queue manager's concurrent units of work each complete as if alone; and a member killed (SIGKILL)
+inside a shared round trip loses no acknowledged message and applies no unacknowledged one."""
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -17,7 +19,10 @@ from typing import Any
 
 import pytest
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
+from cfemu import resp
 from cfemu.admin import Admin
 from cfemu.cf import Caller, PutReply
 from cfemu.connection import connect
@@ -25,11 +30,15 @@ from cfemu.embedded import EmbeddedRedis
 from cfemu.entry import Entry
 from cfemu.errors import StructureFullError
 from sqm.core.cfcall import reply_lost
-from sqm.core.cfgroup import GroupedCF
+from sqm.core.cfgroup import UNGROUPED_ENV, GroupedCF
 from sqm.core.clock import LrsnClock
 from sqm.core.manager import QueueManager
 from sqm.request_slots import RequestSlots
+from tests.sqm.test_batch import _peer_recovered
+from tests.sqm.test_batch import client as batch_client
+from tests.sqm.test_service import start_server
 from tests.support.group import define_group, start_qm
+from tests.support.waits import sigstop
 
 THREADS = 8
 DEADLINE_S = 30.0  # generous: the machine may be loaded
@@ -109,6 +118,24 @@ def test_a_refusal_in_a_shared_round_trip_is_its_callers_alone(grouped: tuple[Gr
     assert cf.largest == THREADS - 1
 
 
+def test_a_call_that_cannot_be_sent_fails_alone_in_a_shared_round_trip(
+        grouped: tuple[GroupedCF, redis.Redis]) -> None:
+    """One caller's argument that no command carries (None for the message data) is its own DataError, as it is
+    alone; the other calls of its round trip still go, each with its reply (the error failed every caller's call,
+    none of them sent)."""
+    cf, side = grouped
+    caller = _caller(cf)
+    s = cf.structure("APP1")
+    calls: list[Callable[[], Any]] = [partial(s.put, caller, _entry(i), None if i == 3 else b"m%d" % i)
+                                      for i in range(THREADS)]
+    futures = _held_round_trip(cf, side, calls)
+    assert isinstance(futures[3].exception(), redis.exceptions.DataError)
+    assert all(f.result().clock > 0 for i, f in enumerate(futures) if i != 3)
+    assert cf.largest == THREADS - 1
+    bodies = sorted(d for _, d in s.browse("Q1", 100, int(time.time() * 1000)))
+    assert bodies == sorted(b"m%d" % i for i in range(THREADS) if i != 3)
+
+
 def test_a_script_the_cf_does_not_hold_is_loaded_inside_a_shared_round_trip(
         grouped: tuple[GroupedCF, redis.Redis]) -> None:
     """Scripts are loaded on first use: the shared round trip's NOSCRIPT replies are made again by its leader
@@ -170,6 +197,55 @@ def test_a_lost_connection_fails_each_caller_of_its_round_trip(grouped: tuple[Gr
     assert cf.largest == THREADS - 1
 
 
+def test_a_cf_killed_during_a_shared_round_trip_fails_each_caller_as_a_lost_reply(
+        fresh_redis: EmbeddedRedis, cf_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CF dies (SIGKILL) with a shared round trip's pipeline written to it and unanswered (it is stopped, the
+    pipeline sent, then it is killed): each caller of the round trip gets what it would have got alone, a
+    ConnectionError that says its reply was lost (its script may have run: the member takes the outcome as
+    unknown), each an exception of its own."""
+    cf = GroupedCF(connect(cf_url, max_connections=THREADS + 2))
+    caller = _caller(cf)
+    s = cf.structure("APP1")
+    side = connect(cf_url)
+    real_send = resp.send
+
+    def sent_to_a_cf_killed_before_it_answers(conn: Any, sock: Any, chunks: Any) -> None:
+        # The shared round trip's pipeline (CF.run_many; a lone call is sent by cfemu.cf's own path).
+        assert fresh_redis.pid is not None
+        sigstop(fresh_redis.pid)
+        real_send(conn, sock, chunks)
+        fresh_redis.kill()
+
+    monkeypatch.setattr(resp, "send", sent_to_a_cf_killed_before_it_answers)
+    futures = _held_round_trip(cf, side, [partial(s.put, caller, _entry(i), b"m%d" % i) for i in range(THREADS)])
+    assert futures[0].result().clock > 0  # the lone call, before the CF died
+    failures = [f.exception() for f in futures[1:]]
+    assert all(isinstance(e, redis.exceptions.ConnectionError) and reply_lost(e) for e in failures), failures
+    assert len({id(e) for e in failures}) == len(failures)
+    assert (cf.round_trips, cf.largest) == (2, THREADS - 1)
+    side.close()
+
+
+def test_each_caller_gets_its_own_reply_whatever_round_trip_carries_it(cf_url: str) -> None:
+    """Threads ask again and again, all at once, for a message of their own by its id (peek): every reply is the
+    asker's own, never a neighbour's in the same round trip."""
+    cf = GroupedCF(connect(cf_url, max_connections=THREADS + 2))
+    caller = _caller(cf)
+    s = cf.structure("APP1")
+    for t in range(THREADS):
+        s.put(caller, _entry(t), b"m%d" % t)
+
+    def asker(t: int) -> None:
+        mine = _entry(t)
+        for _ in range(50):
+            [(entry, data)] = s.peek("Q1", "m", mine.msgid)
+            assert (entry.id, data) == (mine.id, b"m%d" % t)
+
+    with ThreadPoolExecutor(THREADS) as pool:
+        list(pool.map(asker, range(THREADS)))
+    assert cf.calls == THREADS * 51 and cf.largest > 1  # the askers' calls shared round trips
+
+
 def test_each_threads_calls_stay_in_its_order(cf_url: str) -> None:
     cf = GroupedCF(connect(cf_url, max_connections=THREADS + 2))
     caller = _caller(cf)
@@ -215,3 +291,102 @@ def test_concurrent_units_of_work_share_round_trips_and_complete_each_as_alone(c
         assert status["cf_round_trips"] <= status["cf_calls"]
     finally:
         qm.stop()
+
+
+def test_a_connection_that_retries_on_its_own_is_not_grouped(cf_url: str) -> None:
+    """A round trip shared by several callers is never sent again; a client whose connections send a call again
+    on their own (not the member's: cfemu.connection makes one attempt) keeps each call alone, retried as before."""
+    assert GroupedCF(connect(cf_url, max_connections=2)).groups
+    cf = GroupedCF(connect(cf_url, max_connections=2, retry=Retry(NoBackoff(), 2)))
+    assert not cf.groups
+    cf.structure("APP1").put(_caller(cf), _entry(1), b"alone")
+    assert (cf.round_trips, cf.calls, cf.largest) == (1, 1, 0)  # a round trip of its own
+
+
+@pytest.mark.slow
+def test_kill_9_inside_a_shared_cf_round_trip_loses_no_acknowledged_message(fresh_redis: EmbeddedRedis,
+                                                                           tmp_path: Path) -> None:
+    """Eight clients run lifecycles (put, commit, get, commit, each a request) on one `sqm run` member, whose
+    concurrent requests' CF calls share round trips. The member dies (SIGKILL) once the CF answered its thirtieth
+    shared round trip, before any caller of it has its reply: the CF applied those scripts, and no client knows.
+    After peer recovery: no acknowledged put is lost (unless a get of it is in doubt), no acknowledged get comes
+    back, no put whose own request failed (its unit of work never committed) is there, and nothing is there that
+    was not acknowledged or in doubt."""
+    redis_url = str(fresh_redis.url)
+    define_group(redis_url, queues=("K4",))
+    victim = start_server(redis_url, tmp_path, "QM1", "--lease-ms", "1000",
+                          env={"SQM_FAILPOINTS": "shared-cf-round-trip=30"})
+    peer = start_server(redis_url, tmp_path, "QM2", "--lease-ms", "1000")
+    acked_puts: set[bytes] = set()
+    unknown_puts: set[bytes] = set()
+    failed_puts: set[bytes] = set()
+    acked_gets: set[bytes] = set()
+    unknown_gets: set[bytes] = set()
+    lock = threading.Lock()
+    lost = Exception  # the member died: each request fails as its client reports it (MQError, OSError...)
+
+    def lifecycles(k: int) -> None:
+        with batch_client(victim, reconnect_timeout=1) as c:
+            for n in range(2000):
+                body = b"c%d-m%d" % (k, n)
+                try:
+                    c.put("K4", body)
+                except lost:
+                    with lock:
+                        failed_puts.add(body)
+                    return
+                try:
+                    c.commit()
+                except lost:
+                    with lock:
+                        unknown_puts.add(body)
+                    return
+                with lock:
+                    acked_puts.add(body)
+                try:  # a message is there: each client's committed puts are at least its gets
+                    got = c.get("K4", wait_ms=10_000).body
+                except lost:
+                    return
+                try:
+                    c.commit()
+                except lost:
+                    with lock:
+                        unknown_gets.add(got)
+                    return
+                with lock:
+                    acked_gets.add(got)
+
+    try:
+        threads = [threading.Thread(target=lifecycles, args=(k,)) for k in range(THREADS)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=180)
+        assert victim.proc.wait(timeout=30) == -signal.SIGKILL, "the member was not killed in a shared round trip"
+        assert acked_gets, "no lifecycle was acknowledged before the kill"
+        _peer_recovered(peer)
+        with batch_client(peer) as check:
+            left = [m.body for m in check.get_batch("K4", 1000, commit=True)]
+        assert len(left) == len(set(left)), left
+        there = set(left)
+        assert not there & acked_gets, "an acknowledged get came back"
+        assert acked_puts - acked_gets - unknown_gets <= there, "an acknowledged put was lost"
+        assert not there & failed_puts, "a put whose unit of work never committed was applied"
+        assert there <= acked_puts | unknown_puts, "a message no client had acknowledged or had in doubt"
+    finally:
+        for srv in (victim, peer):
+            if srv.proc.poll() is None:
+                srv.stop()
+
+
+def test_the_benchmarks_baseline_sends_each_call_alone(cf_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """UNGROUPED_ENV (bench/bench_peers.py's sqm-service-ungrouped sets it for its members): concurrent calls each
+    go in a round trip of their own, counted as such."""
+    monkeypatch.setenv(UNGROUPED_ENV, "1")
+    cf = GroupedCF(connect(cf_url, max_connections=THREADS + 2))
+    assert not cf.groups
+    caller = _caller(cf)
+    s = cf.structure("APP1")
+    with ThreadPoolExecutor(THREADS) as pool:
+        list(pool.map(lambda t: [s.put(caller, _entry(t * 100 + k), b"x") for k in range(10)], range(THREADS)))
+    assert cf.largest == 0 and cf.round_trips > 0  # none shared (the counts are a metric, unlocked)
