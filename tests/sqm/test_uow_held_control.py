@@ -192,8 +192,10 @@ def test_a_query_after_a_commit_pending_while_the_cf_was_away_sees_it(
     with pytest.raises(OutcomePendingError):
         snd.commit()
     assert len(qm1.pending) == 1  # logged, not yet applied
-    threading.Timer(0.5, qm1.retry_pending).start()  # the member's housekeeping, once the CF is back
+    housekeeping = threading.Timer(0.5, qm1.retry_pending)  # the member's, once the CF is back
+    housekeeping.start()
     assert Conversation(qm2, "carol").query(uow)["status"] == "ACCEPTED"
+    housekeeping.join(timeout=30)  # the commit applied is seen before retry_pending forgets it as pending
     assert not qm1.pending
 
 
