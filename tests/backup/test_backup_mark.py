@@ -19,6 +19,7 @@ from cfemu.cf import CF, BackupMark, Structure
 from cfemu.connection import connect
 from qsg.chaos.stalled_backup import start_stalled_backup
 from tests.support.cfbackup import cfbackup, group_to_back_up
+from tests.support.waits import wait_until
 
 S = "APP1"
 
@@ -67,7 +68,8 @@ def test_a_backup_that_fails_on_a_response_error_leaves_no_mark(
 
 def test_a_backup_killed_with_sigkill_leaves_a_mark_the_next_backup_takes_over_after_its_lease(
         env: dict[str, str], redis_url: str, tmp_path: Path) -> None:
-    proc = slow_backup(env, 600, "--lease", "1.5")
+    # A lease longer than a loaded machine takes to start the next cfbackup, so that it finds the lease running
+    proc = slow_backup(env, 600, "--lease", "6")
     left = mark(redis_url)
     assert left is not None and not left.stale
     proc.kill()
@@ -75,7 +77,7 @@ def test_a_backup_killed_with_sigkill_leaves_a_mark_the_next_backup_takes_over_a
     refused = cfbackup("run", S, "--wait", "0", env=env)  # its lease still runs (--wait 0: refused at once)
     assert refused.returncode == 2 and f"backup {left.backup} of this structure is running" in refused.stderr
     assert "cfbackup cancel ends it" in refused.stderr
-    time.sleep(1.6)
+    wait_until(lambda: (m := mark(redis_url)) is not None and m.stale, 30, "the killed backup's lease to lapse")
     stale = mark(redis_url)
     assert stale is not None and stale.backup == left.backup and stale.stale
     taken = cfbackup("run", S, "--json", env=env)
