@@ -4,7 +4,6 @@ most one current unit of work. The queue manager itself (log, CF calls, completi
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ from cfemu.errors import (
 from cfemu.limits import check_id
 from cfemu.settings import ENV_MAX_UMSGS
 from sqm.core import records
+from sqm.core.client_watch import ClientWatch
 from sqm.core.clock import LrsnClock, now_ms
 from sqm.core.config import QueueManagerConfig
 from sqm.core.failpoints import failpoint
@@ -142,13 +142,13 @@ class BatchResult:
 class Connection(UnitOfWorkScope):
     """A connection handle (like MQCONN): holds at most one current UOW."""
 
-    def __init__(self, qm: QueueManagerPort, gone: threading.Event | None = None) -> None:
+    def __init__(self, qm: QueueManagerPort, gone: ClientWatch | None = None) -> None:
         self.qm = qm
         self.uow: UnitOfWork | None = None
         # Set when the application behind this handle has left (the service's client disconnected): a waiting
         # get stops waiting, and a get outside syncpoint that found a message backs it out instead of consuming
         # it for nobody (invariant 1, docs/invariants.md).
-        self.gone = gone or threading.Event()
+        self.gone = gone or ClientWatch()
 
     def _current_uow(self) -> UnitOfWork:
         if self.uow is None:
@@ -288,7 +288,7 @@ class Connection(UnitOfWorkScope):
         waited = False
         try:
             while True:
-                if self.gone.is_set() if waited else threading.Event.is_set(self.gone):
+                if self.gone.is_set() if waited else self.gone.seen_to_leave():
                     raise ClientGoneError(f"the client left while waiting for a message on {queue}")
                 if own is None and counted:
                     self._check_umsgs(uow, "get", queue)
