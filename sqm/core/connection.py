@@ -330,10 +330,12 @@ class Connection(UnitOfWorkScope):
             elif own is not None:
                 qm.complete(own, False)
             raise
+        if own is not None and self.gone.is_set():  # nobody to deliver it to: the message stays on the queue
+            qm.complete(own, False)
+            raise ClientGoneError(f"the client left before a message from {queue} could be delivered")
+        qm.counters["gets"] += 1  # a get that took a message counts before its commit (as in syncpoint)
+        message = Message.from_entry(entry, data)
         if own is not None:
-            if self.gone.is_set():  # nobody to deliver it to: the message stays on the queue
-                qm.complete(own, False)
-                raise ClientGoneError(f"the client left before a message from {queue} could be delivered")
             # get.lua refused a persistent message while disconnected: that check covers the commit only when the
             # get is the UOW's one piece of work. A poison message moved on the way (a get and a put) was checked
             # when it moved, perhaps a wait_ms ago; the message delivered may be non-persistent (taken while
@@ -347,11 +349,9 @@ class Connection(UnitOfWorkScope):
                 # never lost, never two gets both told done; docs/client.md).
                 log.warning("%s: the get of message %s from %s outside syncpoint is delivered with its outcome "
                             "pending: %s", qm.name, entry.id, queue, e)
-                qm.counters["gets"] += 1
-                e.message = Message.from_entry(entry, data)
+                e.message = message
                 raise
-        qm.counters["gets"] += 1
-        return Message.from_entry(entry, data)
+        return message
 
     def _uow_cf_call(self, uow: UnitOfWork, sname: str, fn: Callable[[], Any]) -> Any:
         """A CF call that works under ``uow`` on structure ``sname``. When the CF did not answer it, the member
