@@ -39,7 +39,6 @@ import contextlib
 import logging
 import signal
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -68,6 +67,7 @@ from cfemu.connection import connect
 from cfemu.credentials import BackupKeys
 from cfemu.errors import StructureFailedError
 from cfemu.settings import Settings
+from cfemu.signals import handling
 
 EXPECTED_ERRORS = (BackupError,)  # beyond clitools.COMMON_ERRORS
 
@@ -120,14 +120,8 @@ def _sigterm_ends_the_backup() -> Iterator[None]:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise BackupTerminated("terminated (SIGTERM)")
 
-    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+    with handling((signal.SIGTERM,), on_term):  # in the main thread alone: signals reach it only
         yield
-        return
-    before = signal.signal(signal.SIGTERM, on_term)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, before)
 
 
 def cmd_run(args: argparse.Namespace, out: Output) -> int:

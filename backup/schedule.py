@@ -32,6 +32,7 @@ from cfemu.connection import connect
 from cfemu.procs import popen_tied
 from cfemu.repository import GroupRepository
 from cfemu.settings import Settings
+from cfemu.signals import handling
 
 if TYPE_CHECKING:  # prometheus_client is imported by the scheduler only, not by every cfbackup command
     from backup.schedule_metrics import SchedulerMetrics
@@ -67,31 +68,30 @@ def run_backup_scheduler(interval: float, settings: Settings, structures: Sequen
             with contextlib.suppress(ProcessLookupError):
                 p.terminate()
 
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, on_term)
-        signal.signal(signal.SIGINT, on_term)
     log.info("backup scheduler: every %gs, structures: %s", interval, ", ".join(structures) or "all ACTIVE")
-    while not stop.wait(interval):
-        for s in structures or _active_structures(settings.redis_url, metrics):
-            if stop.is_set():
-                break
-            t0 = time.monotonic()
-            metrics.begin(s)
-            proc = popen_tied([*BACKUP_COMMAND, "run", s, "--wait", "0", "--json"], stdin=subprocess.DEVNULL,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=child_env)
-            current.append(proc)
-            out, err = proc.communicate()
-            current.remove(proc)
-            seconds = time.monotonic() - t0
-            if proc.returncode == 0:
-                metrics.backup_done(s, "ok", seconds, _manifest(out))
-                log.info("backup of %s done in %.1fs", s, seconds)
-                if keep:
-                    _retain(settings, s, keep, metrics, keep_age)
-            else:
-                tail = (err or out).decode(errors="replace").strip().splitlines()[-1:] or [""]
-                metrics.backup_done(s, "busy" if BUSY_REASON in tail[0] else "failed", seconds, None)
-                log.error("backup of %s failed (exit %s): %s", s, proc.returncode, tail[0])
+    with handling((signal.SIGTERM, signal.SIGINT), on_term):  # put back as found when it returns
+        while not stop.wait(interval):
+            for s in structures or _active_structures(settings.redis_url, metrics):
+                if stop.is_set():
+                    break
+                t0 = time.monotonic()
+                metrics.begin(s)
+                proc = popen_tied([*BACKUP_COMMAND, "run", s, "--wait", "0", "--json"],
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  env=child_env)
+                current.append(proc)
+                out, err = proc.communicate()
+                current.remove(proc)
+                seconds = time.monotonic() - t0
+                if proc.returncode == 0:
+                    metrics.backup_done(s, "ok", seconds, _manifest(out))
+                    log.info("backup of %s done in %.1fs", s, seconds)
+                    if keep:
+                        _retain(settings, s, keep, metrics, keep_age)
+                else:
+                    tail = (err or out).decode(errors="replace").strip().splitlines()[-1:] or [""]
+                    metrics.backup_done(s, "busy" if BUSY_REASON in tail[0] else "failed", seconds, None)
+                    log.error("backup of %s failed (exit %s): %s", s, proc.returncode, tail[0])
 
 
 def _manifest(out: bytes) -> dict[str, Any] | None:

@@ -150,17 +150,18 @@ class GroupRepository:
     # --- what it records -----------------------------------------------------------------------------------
     def record_structure(self, sdef: StructureDef, lrsn: int) -> None:
         """A structure's definition; a new one is made at `lrsn`, a replaced one keeps the LRSN it had."""
-        def change(state: State) -> None:
-            old = state["structures"].get(sdef.name) or {}
-            state["structures"][sdef.name] = {**asdict(sdef), "lrsn": int(old.get("lrsn", lrsn)),
-                                              "defined_at": old.get("defined_at", _iso()), "updated_at": _iso()}
-        self.update(change)
+        self._record("structures", sdef.name, asdict(sdef), lrsn)
 
     def record_queue(self, qdef: QueueDef, lrsn: int) -> None:
+        """A queue's definition; a new one is made at `lrsn`, a replaced one keeps the LRSN it had."""
+        self._record("queues", qdef.name, asdict(qdef), lrsn)
+
+    def _record(self, section: str, name: str, definition: dict[str, Any], lrsn: int) -> None:
+        """A definition of ``section``; a replaced one keeps the LRSN and the time it was first defined."""
         def change(state: State) -> None:
-            old = state["queues"].get(qdef.name) or {}
-            state["queues"][qdef.name] = {**asdict(qdef), "lrsn": int(old.get("lrsn", lrsn)),
-                                          "defined_at": old.get("defined_at", _iso()), "updated_at": _iso()}
+            old = state[section].get(name) or {}
+            state[section][name] = {**definition, "lrsn": int(old.get("lrsn", lrsn)),
+                                    "defined_at": old.get("defined_at", _iso()), "updated_at": _iso()}
         self.update(change)
 
     def adopt(self, structures: list[StructureDef], queues: list[QueueDef]) -> None:

@@ -21,6 +21,7 @@ from cfemu import credentials, exposition
 from cfemu.cf_exporter import INFO_TIMEOUT_S, CFInfoCollector
 from cfemu.clitools import Output, require_url, settings
 from cfemu.connection import connect
+from cfemu.signals import handling
 from qsg.cli_common import Parents, whole
 
 
@@ -31,16 +32,15 @@ def cmd_exporter(args: argparse.Namespace, out: Output) -> int:
         return connect(url, socket_timeout=INFO_TIMEOUT_S, socket_connect_timeout=INFO_TIMEOUT_S)
 
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    port = exposition.serve([CFInfoCollector(cf)], args.host, args.port)
-    where = {"metrics": f"http://{args.host}:{port}/metrics", "cf": credentials.redact(url)}
-    if args.json:
-        out.json(where)
-    else:
-        out.line(f"serving the CF's metrics ({where['cf']}) on {where['metrics']} until SIGTERM")
-    sys.stdout.flush()  # the address, at once, to whoever started it (a pipe is block-buffered)
-    stop.wait()
+    with handling((signal.SIGTERM, signal.SIGINT), lambda *_: stop.set()):
+        port = exposition.serve([CFInfoCollector(cf)], args.host, args.port)
+        where = {"metrics": f"http://{args.host}:{port}/metrics", "cf": credentials.redact(url)}
+        if args.json:
+            out.json(where)
+        else:
+            out.line(f"serving the CF's metrics ({where['cf']}) on {where['metrics']} until SIGTERM")
+        sys.stdout.flush()  # the address, at once, to whoever started it (a pipe is block-buffered)
+        stop.wait()
     return 0
 
 

@@ -83,6 +83,7 @@ from cfemu.settings import (
     ENV_TOKEN,
     ENV_URL,
 )
+from cfemu.signals import handling
 from qsg import rcluster_cf
 from qsg.cfpair import CFPair
 from qsg.group_supervisor import EXIT_FILE_ENV, SUPERVISE_INTERVAL_S, Supervisor, describe_exit
@@ -924,13 +925,12 @@ def supervise_main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    group = LocalGroup.load(args.dir)
-    sup = Supervisor(group, reload=True)
-    if args.metrics_port is not None:
-        serve_metrics(group, sup, args.metrics_port)
-    group_supervisor.run(group, stop, reload=True, interval=args.interval, supervisor=sup)
+    with handling((signal.SIGTERM, signal.SIGINT), lambda *_: stop.set()):
+        group = LocalGroup.load(args.dir)
+        sup = Supervisor(group, reload=True)
+        if args.metrics_port is not None:
+            serve_metrics(group, sup, args.metrics_port)
+        group_supervisor.run(group, stop, reload=True, interval=args.interval, supervisor=sup)
     return 0
 
 

@@ -17,12 +17,12 @@ the service (docs/architecture.md, the floors).
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from cfemu.errors import BadRequestError, MQError
+from sqm.core.client_watch import ClientWatch
 
 # --- roles -----------------------------------------------------------------------------------------------------
 APPLICATION, OPERATOR = "application", "operator"
@@ -71,7 +71,7 @@ class Session(Protocol):
         ...
 
     @property
-    def gone(self) -> threading.Event:
+    def gone(self) -> ClientWatch:
         """Set when the client has left: a waiting request ends, and takes nothing for nobody."""
         ...
 

@@ -17,11 +17,14 @@
   directory of their own, so that a cluster the README's `cfemu cluster up` left in the checkout's var/ (running
   or stopped, with its logs and backups) is never found and never written to. The checkout's root is put on
   $PYTHONPATH for the commands that run ``python -m tests.support...``.
+* ``signal_handlers_kept`` (autouse): a test that leaves a SIGINT or SIGTERM handler of its own (or of code it ran
+  in-process) in the process fails, and the handlers it found are put back.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -40,6 +43,7 @@ from tests.support.harness import HARNESS
 pytest_plugins = ["tests.support.tiers", "tests.support.workers"]
 
 ROOT = Path(__file__).resolve().parents[1]
+WATCHED_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # the handlers a test must leave as it found them
 
 # What cfemu.settings reads from the environment, but for $REDIS_URL (this suite's own switch to an external
 # server, above) and $CFEMU_SECRETS_DIR (set below, for the group's backup key).
@@ -119,6 +123,21 @@ def group_backup_key(tmp_path_factory: pytest.TempPathFactory) -> Iterator[crede
             os.environ.pop(credentials.ENV_SECRETS_DIR, None)
         else:
             os.environ[credentials.ENV_SECRETS_DIR] = before
+
+
+@pytest.fixture(autouse=True)
+def signal_handlers_kept() -> Iterator[None]:
+    """A test (or code it runs in-process: a command's main, a scheduler) leaves the SIGINT and SIGTERM handlers
+    of the process as it found them: a handler left behind turns a later test's Ctrl-C into nothing. The handlers
+    are put back, and the test that changed them fails."""
+    before = {sig: signal.getsignal(sig) for sig in WATCHED_SIGNALS}
+    yield
+    changed = {sig: handler for sig, handler in before.items() if signal.getsignal(sig) is not handler}
+    for sig, handler in changed.items():
+        signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+    if changed:
+        pytest.fail(f"the test left its own handler of {', '.join(sig.name for sig in changed)} in the process: "
+                    "put back what was there (cfemu.signals.handling)", pytrace=False)
 
 
 @pytest.fixture(scope="session")

@@ -29,6 +29,7 @@ from typing import Any
 from cfemu.errors import BackedOutError, EndOfUowError, MQError, NoMessageError
 from cfemu.uow_attributes import control_queue, data_queue
 from qsg.chaos.bodies import make_body, parse_body
+from qsg.chaos.client_session import ClientSession
 from qsg.chaos.history import FAIL, OK, UNKNOWN, History, load_history
 from qsg.chaos.recorded import RecordedRunner, reason_of
 from qsg.chaos.uowcheck import DRAIN_CLIENT, FINAL_CLIENT, RECEIVER, SENDER
@@ -92,49 +93,35 @@ def _fields(op: str, r: Any) -> dict[str, Any]:
     return {"suow": r.get("uow"), **{k: r[k] for k in keep if k in r}}
 
 
-class ConvSession:
+class ConvSession(ClientSession):
     """One client thread's conversation: a Client logged on as the thread's user (with the run's token, so LAST
     finds its work), made again, and logged on again, after a failure."""
 
     def __init__(self, history: History, endpoints: Sequence[tuple[str, int]], name: str, *, user: str,
                  user_token: str, token: str | None) -> None:
-        self.h = history
-        self.endpoints = list(endpoints)
-        self.name = name
+        super().__init__(history, endpoints, name, token=token, client_name=name)
         self.user = user
         self.user_token = user_token
-        self.token = token
         self.last_sent = ""  # the id of the last UOW this session's user committed
-        self._c: Client | None = None
 
     def client(self) -> Client | None:
         """A client logged on, or None (no server answered, or the logon failed: the action is skipped)."""
-        if self._c is None:
-            try:
-                self._c = Client(self.endpoints, token=self.token, client_name=self.name, connect_timeout=2.0,
-                                 request_timeout=5.0, reconnect_timeout=5.0)
-            except MQError:
-                return None
-        if self._c.user is None:
+        c = super().client()
+        if c is not None and c.user is None:
             op = self.h.invoke(self.name, "ulogon", user=self.user)
             try:
-                self._c.logon(self.user, self.user_token)
+                c.logon(self.user, self.user_token)
             except (MQError, OSError) as e:
                 self.h.complete(op, FAIL, reason=reason_of(e), error=type(e).__name__, detail=str(e)[:200])
                 self.close()
                 return None
-            self.h.complete(op, OK, qmgr=self._c.qmgr)
-        return self._c
+            self.h.complete(op, OK, qmgr=c.qmgr)
+        return c
 
     @property
     def current(self) -> Client | None:
         """The client as it is (None when there is none), without connecting or logging on."""
         return self._c
-
-    def close(self) -> None:
-        if self._c is not None:
-            self._c.close()
-            self._c = None
 
 
 class ConvRunner(RecordedRunner):

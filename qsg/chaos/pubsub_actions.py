@@ -39,7 +39,6 @@ from typing import Any
 
 from cfemu.errors import (
     BackedOutError,
-    MQError,
     NoMessageError,
     NoNewUowsError,
     PstoreUnavailableError,
@@ -48,6 +47,7 @@ from cfemu.errors import (
 )
 from cfemu.topic_attributes import publication_queue, subscription_queue
 from qsg.chaos.bodies import make_body, parse_body
+from qsg.chaos.client_session import ClientSession
 from qsg.chaos.history import FAIL, OK, History
 from qsg.chaos.recorded import RecordedRunner
 from sqm.service.client import Client
@@ -117,34 +117,16 @@ def _fields(op: str, r: Any) -> dict[str, Any]:
     return {k: r[k] for k in ("published", "received", "dropped", "returned") if k in r}
 
 
-class PubSession:
+class PubSession(ClientSession):
     """One client thread's publish/subscribe connection (a Client of its own, made again after a failure) and its
     subscriber's state."""
 
     def __init__(self, history: History, endpoints: Sequence[tuple[str, int]], name: str, *,
                  token: str | None, sub: tuple[str, bool] | None = None) -> None:
-        self.h = history
-        self.endpoints = list(endpoints)
-        self.name = name
-        self.token = token
+        super().__init__(history, endpoints, name, token=token, client_name=f"{name}-ps")
         self.sub = sub
         self.subscribed = False
         self.away_until = 0.0
-        self._c: Client | None = None
-
-    def client(self) -> Client | None:
-        if self._c is None:
-            try:
-                self._c = Client(self.endpoints, token=self.token, client_name=f"{self.name}-ps", connect_timeout=2.0,
-                                 request_timeout=5.0, reconnect_timeout=5.0)
-            except MQError:
-                return None
-        return self._c
-
-    def close(self) -> None:
-        if self._c is not None:
-            self._c.close()
-            self._c = None
 
 
 class PubRunner(RecordedRunner):

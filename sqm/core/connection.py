@@ -4,7 +4,6 @@ most one current unit of work. The queue manager itself (log, CF calls, completi
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ from cfemu.errors import (
 from cfemu.limits import check_id
 from cfemu.settings import ENV_MAX_UMSGS
 from sqm.core import records
+from sqm.core.client_watch import ClientWatch
 from sqm.core.clock import LrsnClock, now_ms
 from sqm.core.config import QueueManagerConfig
 from sqm.core.failpoints import failpoint
@@ -142,13 +142,13 @@ class BatchResult:
 class Connection(UnitOfWorkScope):
     """A connection handle (like MQCONN): holds at most one current UOW."""
 
-    def __init__(self, qm: QueueManagerPort, gone: threading.Event | None = None) -> None:
+    def __init__(self, qm: QueueManagerPort, gone: ClientWatch | None = None) -> None:
         self.qm = qm
         self.uow: UnitOfWork | None = None
         # Set when the application behind this handle has left (the service's client disconnected): a waiting
         # get stops waiting, and a get outside syncpoint that found a message backs it out instead of consuming
         # it for nobody (invariant 1, docs/invariants.md).
-        self.gone = gone or threading.Event()
+        self.gone = gone or ClientWatch()
 
     def _current_uow(self) -> UnitOfWork:
         if self.uow is None:
@@ -288,7 +288,7 @@ class Connection(UnitOfWorkScope):
         waited = False
         try:
             while True:
-                if self.gone.is_set() if waited else threading.Event.is_set(self.gone):
+                if self.gone.is_set() if waited else self.gone.seen_to_leave():
                     raise ClientGoneError(f"the client left while waiting for a message on {queue}")
                 if own is None and counted:
                     self._check_umsgs(uow, "get", queue)
@@ -330,10 +330,12 @@ class Connection(UnitOfWorkScope):
             elif own is not None:
                 qm.complete(own, False)
             raise
+        if own is not None and self.gone.is_set():  # nobody to deliver it to: the message stays on the queue
+            qm.complete(own, False)
+            raise ClientGoneError(f"the client left before a message from {queue} could be delivered")
+        qm.counters["gets"] += 1  # a get that took a message counts before its commit (as in syncpoint)
+        message = Message.from_entry(entry, data)
         if own is not None:
-            if self.gone.is_set():  # nobody to deliver it to: the message stays on the queue
-                qm.complete(own, False)
-                raise ClientGoneError(f"the client left before a message from {queue} could be delivered")
             # get.lua refused a persistent message while disconnected: that check covers the commit only when the
             # get is the UOW's one piece of work. A poison message moved on the way (a get and a put) was checked
             # when it moved, perhaps a wait_ms ago; the message delivered may be non-persistent (taken while
@@ -347,11 +349,9 @@ class Connection(UnitOfWorkScope):
                 # never lost, never two gets both told done; docs/client.md).
                 log.warning("%s: the get of message %s from %s outside syncpoint is delivered with its outcome "
                             "pending: %s", qm.name, entry.id, queue, e)
-                qm.counters["gets"] += 1
-                e.message = Message.from_entry(entry, data)
+                e.message = message
                 raise
-        qm.counters["gets"] += 1
-        return Message.from_entry(entry, data)
+        return message
 
     def _uow_cf_call(self, uow: UnitOfWork, sname: str, fn: Callable[[], Any]) -> Any:
         """A CF call that works under ``uow`` on structure ``sname``. When the CF did not answer it, the member

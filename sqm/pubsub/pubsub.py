@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -56,6 +55,7 @@ from cfemu.errors import (
 from cfemu.topic_attributes import TopicAttributes, publication_queue, subscription_queue
 from sqm.core import logon_token
 from sqm.core.cfcall import CFCaller
+from sqm.core.client_watch import ClientWatch
 from sqm.core.connection import Connection
 from sqm.core.member import Member
 from sqm.core.packed_body import PackedBody
@@ -426,7 +426,7 @@ class PubSubSession:
     """One participant's publish and subscribe session: one queue-manager unit of work carries the publication it
     is publishing and the subscriptions it is receiving for, so COMMIT settles them all atomically."""
 
-    def __init__(self, qm: Member, gone: threading.Event | None = None) -> None:
+    def __init__(self, qm: Member, gone: ClientWatch | None = None) -> None:
         self.qm = qm
         self.scope: Connection = qm.connect() if gone is None else Connection(qm, gone)
         self.draft: _Draft | None = None

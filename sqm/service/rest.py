@@ -23,7 +23,6 @@ import binascii
 import hmac
 import json
 import logging
-import threading
 import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -38,6 +37,7 @@ from aiohttp import web
 
 from cfemu.errors import MQError, NoMessageError, OutcomePendingError
 from cfemu.limits import MAX_ID_LENGTH
+from sqm.core.client_watch import ClientWatch
 from sqm.core.connection import Connection, Message
 from sqm.core.manager import CF_DOWN
 from sqm.operations import APPLICATION, OPERATOR
@@ -86,7 +86,7 @@ class RestSession:
     peer: str
     reply_limit: int = MAX_FRAME
     conn: Connection | None = None
-    gone: threading.Event = field(default_factory=threading.Event)
+    gone: ClientWatch = field(default_factory=ClientWatch)
     queues: set[str] = field(default_factory=set)  # the queues it used (its puts and gets count in QueueActivity)
 
     def reply_room(self, messages: int = 1) -> int:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sqm.conversations.conversation import Conversation
+from sqm.core.client_watch import ClientWatch
 from sqm.core.connection import Connection
 from sqm.pubsub.pubsub import PubSubSession
 from sqm.service.ops import OPS
@@ -59,7 +60,7 @@ class Session:
     conn: Connection | None = None
     conversation: Conversation | None = None  # made by logon (sqm.conversations.conversation); closed with the connection
     pubsub: PubSubSession | None = None  # made by the first publish or receive_pub; backed out with it
-    gone: threading.Event = field(default_factory=threading.Event)  # the client disconnected
+    gone: ClientWatch = field(default_factory=ClientWatch)  # the client disconnected
     reading: asyncio.Task[Any] | None = None  # the read of the next frame, when one is pending
     reserved: int = 0  # bytes of the member's budget this connection holds (ByteBudget; under its lock)
     # What DISPLAY CONN shows of it (sqm.service.conn_ops): wall-clock times, its requests, the queues it used.

@@ -37,7 +37,6 @@ import os
 import select
 import socket
 import ssl
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -45,6 +44,7 @@ import msgpack
 
 from cfemu.errors import BadRequestError, FencedError, MQError
 from cfemu.sockets import set_kernel_timeout
+from sqm.core.client_watch import ClientWatch
 from sqm.operations import OPERATOR, short
 from sqm.service.auth import Authenticator
 from sqm.service.config import EXIT_FENCED, ServerConfig
@@ -116,9 +116,10 @@ class Host(Protocol):
     def request_stop(self, exit_code: int = ...) -> None: ...
 
 
-class _PeerWatch(threading.Event):
+class _PeerWatch(ClientWatch):
     """Set when the client of a connection served by its own thread has gone: is_set() looks at the socket (a
-    waiting get asks it between polls of the CF), like the event loop's read of the next frame does."""
+    waiting get asks it between polls of the CF), like the event loop's read of the next frame does;
+    seen_to_leave() answers from the flag alone (ClientWatch)."""
 
     def __init__(self, sock: socket.socket) -> None:
         super().__init__()
@@ -616,7 +617,7 @@ class Transport:
         finally:
             with self.stats.lock:
                 self.stats.inflight -= 1
-        if threading.Event.is_set(session.gone):  # only what the request saw (no look at the socket per request)
+        if session.gone.seen_to_leave():  # only what the request saw (no look at the socket per request)
             return None
         reply, frame = self._bounded(session, rid, op, reply)
         self.stats.count((op, "ok" if reply["ok"] else reply["error"]["reason_name"]))

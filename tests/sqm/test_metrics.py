@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from prometheus_client import generate_latest
@@ -21,7 +20,7 @@ from sqm.service import metrics
 from sqm.service.client import Client
 from tests.sqm.test_service import TOKEN, ServerProc, start_server
 from tests.support import prom
-from tests.support.group import define_group, start_qm
+from tests.support.group import define_group
 
 
 @pytest.fixture(scope="module")
@@ -35,14 +34,6 @@ def member(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
         assert srv.stop() == 0, srv.log_text()
     finally:
         cf.stop()
-
-
-@pytest.fixture
-def qm(redis_url: str, tmp_path: Path) -> Iterator[QueueManager]:
-    define_group(redis_url)
-    qm = start_qm(redis_url, tmp_path / "logs", "QM1", background=False)
-    yield qm
-    qm.stop()
 
 
 def sample(text: str, name: str, **labels: str) -> float:

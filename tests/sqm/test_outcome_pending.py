@@ -8,8 +8,6 @@ a prepared unit of work (a restore keeps it in doubt for its coordinator)."""
 from __future__ import annotations
 
 import types
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any, cast
 
 import pytest
@@ -32,17 +30,8 @@ from sqm.service.protocol import (
     ok_reply,
 )
 from sqm.service.rest import RestEndpoint
-from tests.support.group import define_group, start_qm
 
 S = "APP1"
-
-
-@pytest.fixture
-def qm(redis_url: str, tmp_path: Path) -> Iterator[QueueManager]:
-    define_group(redis_url)
-    qm = start_qm(redis_url, tmp_path / "logs", "QM1", background=False)
-    yield qm
-    qm.stop()
 
 
 def fails_at_apply_now(qm: QueueManager, monkeypatch: pytest.MonkeyPatch) -> Admin:
@@ -95,9 +84,11 @@ def test_a_get_outside_syncpoint_whose_commit_is_pending_delivers_its_message(
         qm: QueueManager, monkeypatch: pytest.MonkeyPatch) -> None:
     qm.connect().put("Q1", b"taken", syncpoint=False)
     admin = fails_at_apply_now(qm, monkeypatch)
+    gets = qm.counters["gets"]
     with pytest.raises(OutcomePendingError) as told:  # its get is not known done
         qm.connect().get("Q1", syncpoint=False)
     assert told.value.message.body == b"taken"  # delivered with the error: never consumed for nobody
+    assert qm.counters["gets"] == gets + 1  # a message delivered: one get, counted once
     assert len(qm.pending) == 1
     back(qm, admin)
     with pytest.raises(NoMessageError):

@@ -6,7 +6,6 @@ standing.lua before its COMMIT is forced: the time between its last call and its
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +17,7 @@ from cfemu.cf import CF
 from cfemu.embedded import EmbeddedRedis
 from cfemu.errors import ClientGoneError, NoMessageError, PstoreUnavailableError
 from cfemu.limits import CF_STEP
+from sqm.core.client_watch import ClientWatch
 from sqm.core.connection import Connection, PutSpec
 from sqm.core.manager import QueueManager
 from tests.support.group import define_group, start_qm
@@ -201,7 +201,7 @@ def test_a_batch_that_finds_only_expired_messages_ends_when_a_get_finds_none(
     qm.stop()
 
 
-class _Watch(threading.Event):
+class _Watch(ClientWatch):
     """A client watch that counts its looks at the connection (a service's reads the socket each time)."""
 
     def __init__(self) -> None:

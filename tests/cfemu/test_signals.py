@@ -1,0 +1,66 @@
+"""A command's signal handlers for the length of a block (cfemu.signals.handling): real signals sent to this
+process, the handlers before the block put back however it ends, nothing installed from another thread."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from types import FrameType
+
+import pytest
+
+from cfemu.signals import handling
+
+
+def _interrupted_soon() -> None:
+    """Send SIGINT to this process and give the main thread the time to run its handler."""
+    os.kill(os.getpid(), signal.SIGINT)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        time.sleep(0.01)  # the handler runs at the first check after the signal; a handler that raises ends this
+
+
+def test_the_handlers_hold_for_the_block_and_are_put_back_after_it() -> None:
+    got: list[int] = []
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        got.append(signum)
+        raise _Handled
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    with handling((signal.SIGINT, signal.SIGTERM), on_signal) as installed:
+        assert installed
+        with pytest.raises(_Handled):
+            _interrupted_soon()
+        assert got == [signal.SIGINT]
+    assert {sig: signal.getsignal(sig) for sig in before} == before
+    with pytest.raises(KeyboardInterrupt):  # Ctrl-C does what it did before the block
+        _interrupted_soon()
+
+
+def test_the_handlers_are_put_back_when_the_block_raises() -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(RuntimeError, match="the command failed"), handling((signal.SIGTERM,), lambda *_: None):
+        assert signal.getsignal(signal.SIGTERM) is not before
+        raise RuntimeError("the command failed")
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_outside_the_main_thread_nothing_is_installed_and_the_block_runs() -> None:
+    before = signal.getsignal(signal.SIGINT)
+    seen: list[object] = []
+
+    def command() -> None:
+        with handling((signal.SIGINT,), lambda *_: None) as installed:
+            seen.extend([installed, signal.getsignal(signal.SIGINT)])
+
+    t = threading.Thread(target=command)
+    t.start()
+    t.join(10)
+    assert seen == [False, before]
+
+
+class _Handled(Exception):
+    pass
