@@ -154,9 +154,9 @@ class Outcomes:
         refusing it there would back out on one structure what another had committed (invariant 2). A structure that
         cannot answer is left to the commit's own path (it waits, or is refused there, as before this check).
         A prepared UOW is not asked: it voted yes, and its coordinator decides."""
-        for sname, gen in list(uow.structures.items()):
+        for sname in list(uow.structures):
             try:
-                standing = self.cf_call(partial(self.structure(sname).standing, self.caller, uow.id, gen=gen))
+                standing = self._standing(uow, sname)
             except (MQError, *CF_DOWN):
                 continue
             if standing == "D":
@@ -250,6 +250,33 @@ class Outcomes:
         self.pending.pop(uow.id, None)
         self.forget(uow)
 
+    def confirm_prepared(self, uow: UnitOfWork) -> None:
+        """After a UOW's PREPARE is forced, ask each of its structures how it stands there (standing.lua), by the
+        rule of _refusing_first: a restore reads the logs only once its structure has failed, so a structure that
+        answers ACTIVE now can no longer be restored without this PREPARE, and keeps the UOW in doubt for its
+        coordinator. One that is not ACTIVE, does not answer, or has the UOW backed out or lost ('B', 'L') may be
+        restored from logs read before the PREPARE, which back the UOW out: the yes vote could not be honoured. The
+        UOW is backed out (a BACKOUT forced after the PREPARE, which every restore agrees with) and the prepare
+        refused with BackedOutError, a no vote. Cost: one CF round trip per structure of the UOW on top of the
+        prepare's own force, paid by two-phase commit only."""
+        for sname in list(uow.structures):
+            try:
+                standing = self._standing(uow, sname)
+            except (MQError, *CF_DOWN) as e:
+                why = f"structure {sname} cannot answer ({e})"
+            else:
+                if standing not in ("B", "L"):
+                    continue
+                why = f"structure {sname} has it {'backed out by recovery' if standing == 'B' else 'lost with the CF'}"
+            self.complete(uow, False, reason="prepare refused")
+            raise BackedOutError(f"unit of work {uow.id} was backed out, not prepared: {why}; a restore of the "
+                                 "structure may not see its PREPARE (the coordinator backs out)")
+
+    def _standing(self, uow: UnitOfWork, sname: str) -> str:
+        """How the UOW stands on structure ``sname`` (standing.lua): raises as commit would when it is not ACTIVE."""
+        return str(self.cf_call(partial(self.structure(sname).standing, self.caller, uow.id,
+                                        gen=uow.structures[sname])))
+
     def _refusing_first(self, uow: UnitOfWork, todo: list[str]) -> list[str]:
         """Before a commit touches any of several structures, ask each how the UOW stands there (standing.lua,
         after the COMMIT is forced): one that is not ACTIVE makes the whole commit wait, applied nowhere yet
@@ -258,9 +285,7 @@ class Outcomes:
         anywhere. A restore reads the logs only once its structure has failed, so a structure that answers here,
         after the COMMIT was forced, can no longer be restored without seeing it. A disconnected persistent store
         ('D') does not refuse a decided commit: it refused before the force (_refuse_if_disconnected)."""
-        refusing = [sname for sname in todo
-                    if self.cf_call(partial(self.structure(sname).standing, self.caller, uow.id,
-                                            gen=uow.structures[sname])) in ("B", "L")]
+        refusing = [sname for sname in todo if self._standing(uow, sname) in ("B", "L")]
         return refusing + [sname for sname in todo if sname not in refusing]
 
     def _apply_one(self, uow: UnitOfWork, sname: str, commit: bool, for_member: str | None) -> None:

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from backup.run import run_backup
 from cfemu.errors import MQError
 from restore.engine import LOAD
@@ -23,9 +21,6 @@ from tests.sqm.test_put_committed_recovery import warm
 from tests.support.group import define_group, start_qm
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="review-pending: a UOW prepared while its structure's restore loads is backed "
-                                       "out by the restore, yet the coordinator's resolve-commit during the load is "
-                                       "answered committed: the put is lost")
 def test_a_resolve_commit_during_a_restore_of_a_uow_prepared_after_the_restore_read_the_logs(
         redis_url: str, tmp_path: Path) -> None:
     logs, backups = tmp_path / "logs", tmp_path / "backups"
@@ -59,9 +54,6 @@ def test_a_resolve_commit_during_a_restore_of_a_uow_prepared_after_the_restore_r
         qm1.stop(checkpoint=False)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="review-pending: a UOW prepared while its structure's restore loads is backed "
-                                       "out by the restore: the yes vote cannot be honoured, the coordinator's "
-                                       "resolve-commit afterwards is refused BackedOutError")
 def test_a_uow_prepared_while_a_restore_loads_can_still_be_committed_by_its_coordinator(
         redis_url: str, tmp_path: Path) -> None:
     logs, backups = tmp_path / "logs", tmp_path / "backups"

@@ -43,9 +43,6 @@ def member_process(fresh_redis: Any, tmp_path: Path) -> Iterator[ServerProc]:
     assert srv.stop() == 0, srv.log_text()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="review-pending: a coordinator's resolve-commit, through the network door, of "
-                                       "a UOW prepared while its structure's restore loads is answered done; the "
-                                       "restore backed the UOW out: the put is lost")
 def test_a_coordinator_told_its_resolve_commit_is_done_finds_the_put(member: ServerProc, fresh_redis: Any,
                                                                       tmp_path: Path) -> None:
     cf = connect(fresh_redis.url)
