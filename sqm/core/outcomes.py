@@ -254,23 +254,42 @@ class Outcomes:
         """After a UOW's PREPARE is forced, ask each of its structures how it stands there (standing.lua), by the
         rule of _refusing_first: a restore reads the logs only once its structure has failed, so a structure that
         answers ACTIVE now can no longer be restored without this PREPARE, and keeps the UOW in doubt for its
-        coordinator. One that is not ACTIVE, does not answer, or has the UOW backed out or lost ('B', 'L') may be
-        restored from logs read before the PREPARE, which back the UOW out: the yes vote could not be honoured. The
-        UOW is backed out (a BACKOUT forced after the PREPARE, which every restore agrees with) and the prepare
-        refused with BackedOutError, a no vote. Cost: one CF round trip per structure of the UOW on top of the
+        coordinator. One that is not ACTIVE, does not answer, or has the UOW backed out or lost ('B', 'L': a
+        restore or a purge since the UOW worked there) may be restored from logs read before the PREPARE, which
+        back the UOW out, or has backed it out already: the yes vote could not be honoured. The UOW is backed out
+        (a BACKOUT forced after the PREPARE, which every restore agrees with) and the prepare refused with
+        BackedOutError, a no vote (_vote_no). Cost: one CF round trip per structure of the UOW on top of the
         prepare's own force, paid by two-phase commit only."""
         for sname in list(uow.structures):
             try:
                 standing = self._standing(uow, sname)
+            except FencedError as e:
+                raise self._fenced_prepare(uow, e) from None
             except (MQError, *CF_DOWN) as e:
                 why = f"structure {sname} cannot answer ({e})"
             else:
                 if standing not in ("B", "L"):
                     continue
-                why = f"structure {sname} has it {'backed out by recovery' if standing == 'B' else 'lost with the CF'}"
+                why = f"structure {sname} has it {'backed out by recovery' if standing == 'B' else 'lost'}"
+            self._vote_no(uow, why)
+
+    def _vote_no(self, uow: UnitOfWork, why: str) -> NoReturn:
+        """Back out a UOW whose PREPARE cannot be a yes vote, and say so: BackedOutError. A peer that fenced this
+        member meanwhile decides the UOW from its log instead (_fenced_prepare)."""
+        try:
             self.complete(uow, False, reason="prepare refused")
-            raise BackedOutError(f"unit of work {uow.id} was backed out, not prepared: {why}; a restore of the "
-                                 "structure may not see its PREPARE (the coordinator backs out)")
+        except FencedError as e:
+            raise self._fenced_prepare(uow, e) from None
+        raise BackedOutError(f"unit of work {uow.id} was backed out, not prepared: {why}; a restore of the "
+                             "structure may not see its PREPARE (the coordinator backs out)")
+
+    def _fenced_prepare(self, uow: UnitOfWork, e: FencedError) -> OutcomeUnknownError:
+        """What the coordinator learns of a prepare during which a peer fenced this member: the peer decides the
+        UOW from this member's log as it read it, in doubt if its PREPARE was on disk by then (the coordinator
+        resolves it on this member once restarted), else backed out. This member cannot tell which."""
+        return OutcomeUnknownError(
+            f"the PREPARE of unit of work {uow.id} was logged when peer recovery fenced {self.name} ({e}): in doubt "
+            f"if the peer read it, else backed out; ask for it in doubt on {self.name} once it is restarted")
 
     def _standing(self, uow: UnitOfWork, sname: str) -> str:
         """How the UOW stands on structure ``sname`` (standing.lua): raises as commit would when it is not ACTIVE."""

@@ -1,0 +1,80 @@
+"""A PREPARE's vote (sqm.core.outcomes.Outcomes.confirm_prepared): after the PREPARE is forced, each structure of the
+unit of work is asked how it stands. One restored since the unit of work worked there has backed it out (or lost
+its work): the prepare votes no (BackedOutError), the unit of work backed out with a record after its PREPARE, which
+the member, the CF and a later restore all agree with. A member fenced by peer recovery during its prepare cannot
+tell what the peer decided from its log: it answers OutcomeUnknownError, and the peer, having read the PREPARE,
+keeps the unit of work in doubt for its coordinator. Real redis-server, real logs, real restores."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cfemu import keys
+from cfemu.errors import BackedOutError, OutcomeUnknownError
+from sqm.core.recovery import recover_peer
+from tests.restore.test_restore import uow_records
+from tests.support.crash import crash
+from tests.support.group import start_qm
+from tests.support.restore_at_load import restore_at_load
+
+
+@pytest.mark.parametrize("persistent", [True, False], ids=["a-get-and-a-put-logged", "a-non-persistent-put-only"])
+def test_a_prepare_after_its_structure_was_restored_votes_no(redis_url: str, tmp_path: Path,
+                                                            persistent: bool) -> None:
+    """persistent: the unit of work got a persistent message and put one (logged, forced before the restore: the
+    restore backs it out); else it put one non-persistent message (nothing logged: the restore never knew it, and
+    its work there is lost)."""
+    with restore_at_load(redis_url, tmp_path) as at:
+        at.conn.put("Q1", b"taken", syncpoint=False)
+        at.backup()
+        if persistent:
+            assert at.conn.get("Q1").body == b"taken"
+        at.conn.put("Q2", b"put", persistent=persistent)
+        assert at.conn.uow is not None and at.qm.log is not None
+        uow = at.conn.uow.id
+        at.qm.log.force()
+        at.restore()  # the structure fails and is restored: the unit of work was in flight there
+        at.settle()
+        with pytest.raises(BackedOutError, match=f"unit of work {uow} was backed out, not prepared: structure APP1"):
+            at.conn.prepare("xid-after-restore")
+        assert not at.qm.indoubt() and not at.qm.pending
+        assert [k for k in uow_records(at.logs / "QM1", uow) if k in ("PREPARE", "BACKOUT")] == ["PREPARE", "BACKOUT"]
+        want = {"Q1": [(b"taken", 1 if persistent else 0)], "Q2": []}  # the get backed out once, by the restore
+        assert {q: at.view(q) for q in want} == want
+        at.restore()  # a restore of the logs as they are now agrees
+        at.settle()
+        assert {q: at.view(q) for q in want} == want
+
+
+def test_a_member_fenced_during_its_prepare_answers_outcome_unknown(redis_url: str, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    with restore_at_load(redis_url, tmp_path) as at:
+        peer = start_qm(redis_url, at.logs, "QM2", background=False)
+        try:
+            at.conn.put("Q1", b"in doubt")
+            assert at.conn.uow is not None
+            uow = at.conn.uow.id
+            append = at.qm.append
+            recovered: list[Any] = []
+
+            def fenced_after_the_prepare(record: dict[str, Any], **kw: Any) -> None:
+                append(record, **kw)  # forced: on disk when the peer reads the log
+                if record["k"] == "PREPARE":
+                    peer.redis.delete(keys.lease("QM1"))  # its lease has lapsed
+                    recovered.append(recover_peer(peer, "QM1"))
+
+            monkeypatch.setattr(at.qm, "append", fenced_after_the_prepare)
+            with pytest.raises(OutcomeUnknownError, match="peer recovery fenced QM1") as told:
+                at.conn.prepare("xid-fenced")
+            assert "\n" not in str(told.value)
+            assert recovered and recovered[0].in_doubt == 1, recovered  # the peer read the PREPARE
+            crash(at.qm)
+            at.qm = start_qm(redis_url, at.logs, "QM1", background=False, lease_ms=60_000)
+            assert [u.id for u in at.qm.indoubt()] == [uow]
+            at.qm.resolve(uow, True)  # the coordinator, told nothing certain, finds it in doubt and commits it
+            assert at.view() == [(b"in doubt", 0)]
+        finally:
+            peer.stop(checkpoint=False)
