@@ -40,6 +40,12 @@ from sqm.log import RecordLog
 
 log = logging.getLogger("sqm")
 
+# The standings (standing.lua) that leave a PREPARE no yes vote to give: the UOW's outcome decided on the structure by
+# recovery, or its work there lost (confirm_prepared).
+NO_VOTE = {"B": "has it backed out by recovery", "C": "has it committed by recovery", "A": "has its put committed",
+           "L": "lost its work (restored or purged since)"}
+
+
 class Outcomes:
     """Completing units of work: complete, apply, log_decision, resolve, retry_pending."""
 
@@ -253,33 +259,44 @@ class Outcomes:
     def confirm_prepared(self, uow: UnitOfWork) -> None:
         """After a UOW's PREPARE is forced, ask each of its structures how it stands there (standing.lua), by the
         rule of _refusing_first: a restore reads the logs only once its structure has failed, so a structure that
-        answers ACTIVE now can no longer be restored without this PREPARE, and keeps the UOW in doubt for its
-        coordinator. One that is not ACTIVE, does not answer, or has the UOW backed out or lost ('B', 'L': a
-        restore or a purge since the UOW worked there) may be restored from logs read before the PREPARE, which
-        back the UOW out, or has backed it out already: the yes vote could not be honoured. The UOW is backed out
-        (a BACKOUT forced after the PREPARE, which every restore agrees with) and the prepare refused with
-        BackedOutError, a no vote (_vote_no). Cost: one CF round trip per structure of the UOW on top of the
-        prepare's own force, paid by two-phase commit only."""
+        answers ACTIVE, holding the UOW's work, can no longer be restored without this PREPARE and keeps the UOW in
+        doubt for its coordinator, whichever way it decides. A yes vote needs every structure so. One that is not
+        ACTIVE or does not answer may be restored from logs read before the PREPARE, which back the UOW out; one
+        that has the UOW's outcome decided by recovery ('B', 'C'; 'A' a put committed) or lost its work there ('L':
+        a restore or a purge since the UOW worked there) leaves the coordinator nothing to decide. The UOW is backed
+        out (a BACKOUT forced after the PREPARE, which every restore agrees with) and the prepare refused with
+        BackedOutError, a no vote; where recovery committed it, the backout cannot undo it, and the prepare answers
+        OutcomeUnknownError instead (_vote_no). A peer that fenced this member decides the UOW from its log
+        (_fenced_prepare). Cost: one CF round trip per structure of the UOW on top of the prepare's own force, paid
+        by two-phase commit only."""
+        answers: dict[str, str | BaseException] = {}
         for sname in list(uow.structures):
             try:
-                standing = self._standing(uow, sname)
+                answers[sname] = self._standing(uow, sname)
             except FencedError as e:
                 raise self._fenced_prepare(uow, e) from None
             except (MQError, *CF_DOWN) as e:
-                why = f"structure {sname} cannot answer ({e})"
-            else:
-                if standing not in ("B", "L"):
-                    continue
-                why = f"structure {sname} has it {'backed out by recovery' if standing == 'B' else 'lost'}"
-            self._vote_no(uow, why)
+                answers[sname] = e
+        refusing = {s: a for s, a in answers.items() if not isinstance(a, str) or a in NO_VOTE}
+        if refusing:
+            self._vote_no(uow, refusing)
 
-    def _vote_no(self, uow: UnitOfWork, why: str) -> NoReturn:
-        """Back out a UOW whose PREPARE cannot be a yes vote, and say so: BackedOutError. A peer that fenced this
-        member meanwhile decides the UOW from its log instead (_fenced_prepare)."""
+    def _vote_no(self, uow: UnitOfWork, refusing: dict[str, str | BaseException]) -> NoReturn:
+        """Back out a UOW whose PREPARE cannot be a yes vote, and say why. A structure where recovery committed the
+        UOW keeps that commit (the backout skips it: nothing there is left to undo, and nothing can be)."""
+        why = "; ".join(f"structure {s} " + (NO_VOTE[a] if isinstance(a, str) else f"cannot answer ({a})")
+                        for s, a in refusing.items())
+        committed = sorted(s for s, a in refusing.items() if a in ("C", "A"))
+        uow.applied.update(committed)
         try:
             self.complete(uow, False, reason="prepare refused")
         except FencedError as e:
             raise self._fenced_prepare(uow, e) from None
+        except CompletedByRecoveryError as e:  # recovery committed it on a structure since it was asked
+            committed.append(str(e))
+        if committed:
+            raise OutcomeUnknownError(f"unit of work {uow.id} was not prepared: {why}; recovery committed it on "
+                                      f"{', '.join(committed)}, and it is backed out on the rest")
         raise BackedOutError(f"unit of work {uow.id} was backed out, not prepared: {why}; a restore of the "
                              "structure may not see its PREPARE (the coordinator backs out)")
 

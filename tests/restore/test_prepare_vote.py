@@ -17,7 +17,7 @@ from cfemu.errors import BackedOutError, OutcomeUnknownError
 from sqm.core.recovery import recover_peer
 from tests.restore.test_restore import uow_records
 from tests.support.crash import crash
-from tests.support.group import start_qm
+from tests.support.group import define_group, start_qm
 from tests.support.restore_at_load import restore_at_load
 
 
@@ -76,5 +76,32 @@ def test_a_member_fenced_during_its_prepare_answers_outcome_unknown(redis_url: s
             assert [u.id for u in at.qm.indoubt()] == [uow]
             at.qm.resolve(uow, True)  # the coordinator, told nothing certain, finds it in doubt and commits it
             assert at.view() == [(b"in doubt", 0)]
+        finally:
+            peer.stop(checkpoint=False)
+
+
+def test_a_prepare_finding_its_work_committed_by_recovery_on_one_structure_keeps_that_and_backs_out_the_rest(
+        redis_url: str, tmp_path: Path) -> None:
+    """A structure that answers 'C' (recovery committed the unit of work there, as a peer's recovery leaves it: the
+    peer's own commit.lua call, decided by recovery) leaves no vote to give: a yes could not honour the coordinator's
+    backout, and a backout cannot undo that commit (backout.lua answers COMPLETED). The prepare backs the unit of
+    work out on the other structures, keeps the commit, and says so (OutcomeUnknownError); nothing stays locked."""
+    define_group(redis_url, structure="APP2", queues=("Q3",))
+    with restore_at_load(redis_url, tmp_path) as at:
+        peer = start_qm(redis_url, at.logs, "QM2", background=False)
+        try:
+            at.conn.put("Q1", b"on APP1")
+            at.conn.put("Q3", b"on APP2")
+            uow = at.conn.uow
+            assert uow is not None
+            peer.structure("APP2").commit(peer.caller, uow.id, gen=uow.structures["APP2"], lrsn=0,
+                                          decided_by_recovery=True)
+            with pytest.raises(OutcomeUnknownError, match="recovery committed it on APP2") as told:
+                at.conn.prepare("xid-committed-by-recovery")
+            assert "structure APP2 has it committed by recovery" in str(told.value) and "\n" not in str(told.value)
+            assert not at.qm.indoubt() and not at.qm.pending
+            assert at.view("Q1") == [] and at.view("Q3") == [(b"on APP2", 0)]
+            for s in ("APP1", "APP2"):  # no entry left locked
+                assert all(d["UP"] == d["UG"] == 0 for d in at.qm.structure(s).depths().values())
         finally:
             peer.stop(checkpoint=False)

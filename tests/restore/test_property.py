@@ -795,6 +795,8 @@ class RestoreHistory(RuleBasedStateMachine):
                 how in ("after-log-force", "during-apply", "put-after-cf") or mem.conn.uow is None
                 or not mem.conn.uow.persistent):
             how = "now"  # a UOW a structure backed out: it dies in flight (nothing logged reaches those points)
+        if how == "put-after-cf" and mem.open is not None and STRUCTURE_OF[queue] in mem.open.purged_on:
+            how = "now"  # its put there is refused before the CF takes it: a purge took its work there
         work = mem.open
         mem.dead_commits = False
         if how == "now":
