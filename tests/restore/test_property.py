@@ -935,6 +935,7 @@ def test_random_histories_with_cf_losses_deaths_and_skewed_clocks(redis_url: str
     assert s["peer recoveries"] >= 15 and s["... by a peer whose clock lags"] >= 7, s
     assert s["... completing a forced COMMIT"] >= 2, s
     assert s["purges"] >= 10 and s["restores after a purge"] >= 3, s
+    assert s["prepares refused (a no vote)"] >= 5, s
 
 
 @pytest.mark.slow
