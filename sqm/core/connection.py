@@ -86,6 +86,7 @@ class QueueManagerPort(MemberWork, Protocol):
     def note_store(self, uow: UnitOfWork, record: Record) -> None: ...
     def complete(self, uow: UnitOfWork, commit: bool, *, reason: str = "application",
                  for_member: str | None = None, pstore_checked: bool = False) -> None: ...
+    def confirm_prepared(self, uow: UnitOfWork) -> None: ...
 
 
 @dataclass
@@ -682,7 +683,9 @@ class Connection(UnitOfWorkScope):
 
     def prepare(self, xid: str) -> str:
         """Two-phase commit, phase one: the UOW becomes in doubt (durably); resolve it with
-        QueueManager.resolve(uow_id, commit) later, also after a restart. Returns the UOW id."""
+        QueueManager.resolve(uow_id, commit) later, also after a restart. Returns the UOW id. After the PREPARE is
+        forced each structure of the UOW is asked how it stands (QueueManager.confirm_prepared, one CF round trip a
+        structure): one a restore may rebuild without this PREPARE refuses the vote (BackedOutError)."""
         uow, self.uow = self.uow, None
         if uow is None:
             raise BadRequestError("no unit of work to prepare")
@@ -694,6 +697,7 @@ class Connection(UnitOfWorkScope):
         uow.persistent = True
         uow.xid = xid
         qm.append(records.prepare(uow.id, qm.clock.now(), uow.structures, xid=xid), uow=uow, state=INDOUBT)
+        qm.confirm_prepared(uow)  # a structure that may be restored without this PREPARE: a no vote
         return uow.id
 
 

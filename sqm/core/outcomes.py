@@ -40,6 +40,12 @@ from sqm.log import RecordLog
 
 log = logging.getLogger("sqm")
 
+# The standings (standing.lua) that leave a PREPARE no yes vote to give: the UOW's outcome decided on the structure by
+# recovery, or its work there lost (confirm_prepared).
+NO_VOTE = {"B": "has it backed out by recovery", "C": "has it committed by recovery", "A": "has its put committed",
+           "L": "lost its work (restored or purged since)"}
+
+
 class Outcomes:
     """Completing units of work: complete, apply, log_decision, resolve, retry_pending."""
 
@@ -154,9 +160,9 @@ class Outcomes:
         refusing it there would back out on one structure what another had committed (invariant 2). A structure that
         cannot answer is left to the commit's own path (it waits, or is refused there, as before this check).
         A prepared UOW is not asked: it voted yes, and its coordinator decides."""
-        for sname, gen in list(uow.structures.items()):
+        for sname in list(uow.structures):
             try:
-                standing = self.cf_call(partial(self.structure(sname).standing, self.caller, uow.id, gen=gen))
+                standing = self._standing(uow, sname)
             except (MQError, *CF_DOWN):
                 continue
             if standing == "D":
@@ -250,6 +256,63 @@ class Outcomes:
         self.pending.pop(uow.id, None)
         self.forget(uow)
 
+    def confirm_prepared(self, uow: UnitOfWork) -> None:
+        """After a UOW's PREPARE is forced, ask each of its structures how it stands there (standing.lua), by the
+        rule of _refusing_first: a restore reads the logs only once its structure has failed, so a structure that
+        answers ACTIVE, holding the UOW's work, can no longer be restored without this PREPARE and keeps the UOW in
+        doubt for its coordinator, whichever way it decides. A yes vote needs every structure so. One that is not
+        ACTIVE or does not answer may be restored from logs read before the PREPARE, which back the UOW out; one
+        that has the UOW's outcome decided by recovery ('B', 'C'; 'A' a put committed) or lost its work there ('L':
+        a restore or a purge since the UOW worked there) leaves the coordinator nothing to decide. The UOW is backed
+        out (a BACKOUT forced after the PREPARE, which every restore agrees with) and the prepare refused with
+        BackedOutError, a no vote; where recovery committed it, the backout cannot undo it, and the prepare answers
+        OutcomeUnknownError instead (_vote_no). A peer that fenced this member decides the UOW from its log
+        (_fenced_prepare). Cost: one CF round trip per structure of the UOW on top of the prepare's own force, paid
+        by two-phase commit only."""
+        answers: dict[str, str | BaseException] = {}
+        for sname in list(uow.structures):
+            try:
+                answers[sname] = self._standing(uow, sname)
+            except FencedError as e:
+                raise self._fenced_prepare(uow, e) from None
+            except (MQError, *CF_DOWN) as e:
+                answers[sname] = e
+        refusing = {s: a for s, a in answers.items() if not isinstance(a, str) or a in NO_VOTE}
+        if refusing:
+            self._vote_no(uow, refusing)
+
+    def _vote_no(self, uow: UnitOfWork, refusing: dict[str, str | BaseException]) -> NoReturn:
+        """Back out a UOW whose PREPARE cannot be a yes vote, and say why. A structure where recovery committed the
+        UOW keeps that commit (the backout skips it: nothing there is left to undo, and nothing can be)."""
+        why = "; ".join(f"structure {s} " + (NO_VOTE[a] if isinstance(a, str) else f"cannot answer ({a})")
+                        for s, a in refusing.items())
+        committed = sorted(s for s, a in refusing.items() if a in ("C", "A"))
+        uow.applied.update(committed)
+        try:
+            self.complete(uow, False, reason="prepare refused")
+        except FencedError as e:
+            raise self._fenced_prepare(uow, e) from None
+        except CompletedByRecoveryError as e:  # recovery committed it on a structure since it was asked
+            committed.append(str(e))
+        if committed:
+            raise OutcomeUnknownError(f"unit of work {uow.id} was not prepared: {why}; recovery committed it on "
+                                      f"{', '.join(committed)}, and it is backed out on the rest")
+        raise BackedOutError(f"unit of work {uow.id} was backed out, not prepared: {why}; a restore of the "
+                             "structure may not see its PREPARE (the coordinator backs out)")
+
+    def _fenced_prepare(self, uow: UnitOfWork, e: FencedError) -> OutcomeUnknownError:
+        """What the coordinator learns of a prepare during which a peer fenced this member: the peer decides the
+        UOW from this member's log as it read it, in doubt if its PREPARE was on disk by then (the coordinator
+        resolves it on this member once restarted), else backed out. This member cannot tell which."""
+        return OutcomeUnknownError(
+            f"the PREPARE of unit of work {uow.id} was logged when peer recovery fenced {self.name} ({e}): in doubt "
+            f"if the peer read it, else backed out; ask for it in doubt on {self.name} once it is restarted")
+
+    def _standing(self, uow: UnitOfWork, sname: str) -> str:
+        """How the UOW stands on structure ``sname`` (standing.lua): raises as commit would when it is not ACTIVE."""
+        return str(self.cf_call(partial(self.structure(sname).standing, self.caller, uow.id,
+                                        gen=uow.structures[sname])))
+
     def _refusing_first(self, uow: UnitOfWork, todo: list[str]) -> list[str]:
         """Before a commit touches any of several structures, ask each how the UOW stands there (standing.lua,
         after the COMMIT is forced): one that is not ACTIVE makes the whole commit wait, applied nowhere yet
@@ -258,9 +321,7 @@ class Outcomes:
         anywhere. A restore reads the logs only once its structure has failed, so a structure that answers here,
         after the COMMIT was forced, can no longer be restored without seeing it. A disconnected persistent store
         ('D') does not refuse a decided commit: it refused before the force (_refuse_if_disconnected)."""
-        refusing = [sname for sname in todo
-                    if self.cf_call(partial(self.structure(sname).standing, self.caller, uow.id,
-                                            gen=uow.structures[sname])) in ("B", "L")]
+        refusing = [sname for sname in todo if self._standing(uow, sname) in ("B", "L")]
         return refusing + [sname for sname in todo if sname not in refusing]
 
     def _apply_one(self, uow: UnitOfWork, sname: str, commit: bool, for_member: str | None) -> None:

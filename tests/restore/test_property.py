@@ -7,9 +7,10 @@ clock skewed.
 
 What the histories hold:
 - CF losses one after another: a loss and restore, live work on the restored structures (puts, gets, commits,
-  backouts, in-doubt work, units of work the loss backed out behind the application's back), then another loss,
-  with or without a backup between; a purge followed by a loss. Before a loss each member's log is forced or not
-  (drawn): records still in a member's buffer are invisible to that restore and reach the disk later.
+  backouts, in-doubt work, units of work the loss backed out behind the application's back: their commit, and
+  their prepare, refused), then another loss, with or without a backup between; a purge followed by a loss. Before
+  a loss each member's log is forced or not (drawn): records still in a member's buffer are invisible to that
+  restore and reach the disk later.
 - Clocks: each member's LRSN clock source is skewed by a drawn amount, ahead or behind, beyond the 1 s lease; a
   member that restarts draws a new one.
 - Backups while the group works: a burst of work between two of a backup's copy steps (a get backed out then
@@ -29,13 +30,13 @@ tests/restore/test_crash.py).
 The reference model knows what must be there: each queue's available messages in get order (priority, then the
 LRSN at which the put's commit counts, then put order: the order docs/log-format.md defines, with the LRSN read
 from the member's decided UOW or, for work that is never logged, from the CF's answer), every open, in-doubt and
-dead member's unit of work, and which structures lost a unit of work's work (its commit is then refused and the
-rest backed out). Checked after every step: each get returns exactly the message the model says; the CF's
-available messages equal the model's (ids, bodies, priorities, persistence, backout counts, order); the entries
-the CF holds uncommitted are exactly those of live units of work (nothing locked for good). At each restore: the
-order of each queue on the live CF is recorded (browse) and the survivors must come back in the same relative
-order; the restored CF must equal the model (no message lost, none twice, nothing resurrected), and the UOWs
-restore reports in doubt must be the model's.
+dead member's unit of work, and which structures lost a unit of work's work (its commit, or its prepare, is then
+refused and the rest backed out). Checked after every step: each get returns exactly the message the model says;
+the CF's available messages equal the model's (ids, bodies, priorities, persistence, backout counts, order);
+the entries the CF holds uncommitted are exactly those of live units of work (nothing locked for good). At each
+restore: the order of each queue on the live CF is recorded (browse) and the survivors must come back in the same
+relative order; the restored CF must equal the model (no message lost, none twice, nothing resurrected), and the
+UOWs restore reports in doubt must be the model's.
 
 One thing the model cannot know and takes from the CF: whether a restore raised the backout count of a message
 an in-flight UOW had got when the GET record never reached the disk (the restore backs that UOW out only if the
@@ -243,7 +244,9 @@ class RestoreHistory(RuleBasedStateMachine):
         self.seq = itertools.count(1)
         self.available: dict[str, list[Msg]] = {q: [] for q in ALL_QUEUES}
         self.in_doubt: dict[str, Uow] = {}  # prepared, work held on the CF
-        self.doomed: dict[str, Uow] = {}  # prepared after a structure lost its work: a commit is refused
+        # in doubt, and a structure lost its work: a purge since took a structure it only touched, or its prepare
+        # was accepted though a structure had lost its non-persistent work; a commit may be refused
+        self.doomed: dict[str, Uow] = {}
         self.consumed: set[str] = set()
         self.backed_up: set[str] = set()
         self.losses_since_backup = 0
@@ -468,10 +471,24 @@ class RestoreHistory(RuleBasedStateMachine):
         mem = cands[i % len(cands)]
         work, mem.open = mem.open, None
         assert work is not None
-        work.uow_id = mem.conn.prepare(f"xid-{next(self.seq)}")
-        (self.doomed if work.lost_on else self.in_doubt)[work.uow_id] = work
-        self.say(f"{mem.name} prepare {work}")
+        what = f"{mem.name} prepare {work}"
         self.work_since_loss = True
+        # After its PREPARE is forced the member asks each structure of the UOW how it stands: one that lost the
+        # UOW's work (a restore backed it out, a purge took a structure it only touched: lost_on) answers backed
+        # out or lost, and the prepare votes no (BackedOutError, the UOW backed out with a record). A structure
+        # that stands ACTIVE with the UOW's work, or a purge's 'P' tombstone (its outcome goes on), votes yes.
+        try:
+            work.uow_id = mem.conn.prepare(f"xid-{next(self.seq)}")
+        except BackedOutError as e:
+            assert work.lost_on, f"{what}: refused, though every structure holds its work ({e})"
+            self.say(f"{what}: refused (a no vote), backed out")
+            type(self).stats["prepares refused (a no vote)"] += 1
+            self.apply(work, False)
+            return
+        # A yes vote the coordinator's commit could not honour: its persistent work is gone from a structure.
+        assert not work.lost_persistent, f"{what}: accepted, though {sorted(work.lost_on)} lost its persistent work"
+        (self.doomed if work.lost_on else self.in_doubt)[work.uow_id] = work
+        self.say(what)
 
     def resolvable(self) -> list[str]:
         return sorted(u for u, w in {**self.in_doubt, **self.doomed}.items() if self.members[w.member].alive)
@@ -778,6 +795,8 @@ class RestoreHistory(RuleBasedStateMachine):
                 how in ("after-log-force", "during-apply", "put-after-cf") or mem.conn.uow is None
                 or not mem.conn.uow.persistent):
             how = "now"  # a UOW a structure backed out: it dies in flight (nothing logged reaches those points)
+        if how == "put-after-cf" and mem.open is not None and STRUCTURE_OF[queue] in mem.open.purged_on:
+            how = "now"  # its put there is refused before the CF takes it: a purge took its work there
         work = mem.open
         mem.dead_commits = False
         if how == "now":
@@ -916,6 +935,7 @@ def test_random_histories_with_cf_losses_deaths_and_skewed_clocks(redis_url: str
     assert s["peer recoveries"] >= 15 and s["... by a peer whose clock lags"] >= 7, s
     assert s["... completing a forced COMMIT"] >= 2, s
     assert s["purges"] >= 10 and s["restores after a purge"] >= 3, s
+    assert s["prepares refused (a no vote)"] >= 5, s
 
 
 @pytest.mark.slow

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,7 +28,7 @@ from sqm.core import records
 from sqm.core.connection import Connection
 from sqm.core.manager import QueueManager
 from sqm.log import LogCorruptError, LogReader, RecordLog
-from tests.support.group import define_group, start_qm
+from tests.support.group import define_group, rejoin, start_qm
 from tests.support.harness import lose_cf
 
 S = "APP1"
@@ -67,21 +66,6 @@ def tree_digest(root: Path) -> dict[str, str]:
     """sha256 of every file under root (the logs must be byte-identical after a refused restore)."""
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(root.rglob("*")) if p.is_file() and p.name != "writer.lock"}
-
-
-def rejoin(qm: QueueManager) -> None:
-    """What QueueManager._heartbeat_loop does when the CF was lost and rebuilt (background=False here)."""
-    for attempt in range(2):
-        try:
-            rc = qm.admin.heartbeat(qm.name, qm.caller.epoch, qm.config.lease_ms)
-            break
-        except redis.exceptions.ConnectionError:
-            if attempt:
-                raise
-    if rc < 0:
-        qm.caller.epoch = qm.admin.join(qm.name, {"pid": os.getpid(), "log": str(qm.log_dir),
-                                                  "min_epoch": qm.caller.epoch + 1}, qm.config.lease_ms)
-        qm._queue_cache.clear()
 
 
 def drain(conn: Connection, queue: str) -> list[tuple[bytes, int]]:

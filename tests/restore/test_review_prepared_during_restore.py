@@ -11,90 +11,63 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
-from backup.run import run_backup
-from cfemu.errors import MQError
-from restore.engine import LOAD
-from restore.run import run_restore
-from tests.restore.test_restore import S
-from tests.restore.test_restore_commit_during_load import settle, view
-from tests.sqm.test_put_committed_recovery import warm
-from tests.support.group import define_group, start_qm
+from cfemu.errors import BackedOutError, MQError
+from tests.support.restore_at_load import restore_at_load
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="review-pending: a UOW prepared while its structure's restore loads is backed "
-                                       "out by the restore, yet the coordinator's resolve-commit during the load is "
-                                       "answered committed: the put is lost")
 def test_a_resolve_commit_during_a_restore_of_a_uow_prepared_after_the_restore_read_the_logs(
         redis_url: str, tmp_path: Path) -> None:
-    logs, backups = tmp_path / "logs", tmp_path / "backups"
-    client = define_group(redis_url)
-    qm1 = start_qm(redis_url, logs, "QM1", background=False, lease_ms=60_000)
-    try:
-        warm(qm1)
-        conn = qm1.connect()
-        conn.put("Q1", b"prepared during the restore")
-        run_backup(client, S, backups, log_root=logs)
+    with restore_at_load(redis_url, tmp_path) as at:
+        at.conn.put("Q1", b"prepared during the restore")
+        at.backup()
         told: list[str] = []
 
-        def during_load(phase: str, done: int, total: int | None) -> None:
-            if phase == LOAD and not told:
-                try:
-                    uow = conn.prepare("xid-review-1")  # the coordinator's phase one: voted yes
-                    told.append("prepared")
-                    qm1.resolve(uow, True)  # the coordinator's phase two
-                    told.append("committed")
-                except MQError as e:
-                    told.append(f"{type(e).__name__}: {e}")
+        def prepare_and_commit() -> None:
+            try:
+                uow = at.conn.prepare("xid-review-1")  # the coordinator's phase one: voted yes
+                told.append("prepared")
+                at.qm.resolve(uow, True)  # the coordinator's phase two
+                told.append("committed")
+            except MQError as e:
+                told.append(f"{type(e).__name__}: {e}")
 
-        run_restore(client, S, backup_root=backups, log_root=logs, mark_failed=True, progress=during_load)
-        assert told, "the restore never reached its load"
-        settle(qm1)
-        after = view(qm1)
+        at.restore(prepare_and_commit)
+        at.settle()
+        after = at.view()
         if told[-1] == "committed":
             # The coordinator was told the unit of work committed: its put must be there.
             assert after == [(b"prepared during the restore", 0)], f"resolve answered committed, then: {after}"
-    finally:
-        qm1.stop(checkpoint=False)
+        else:  # a no vote: the unit of work is backed out everywhere, its put nowhere
+            assert told == [told[0]] and told[0].startswith("BackedOutError: "), told
+            assert after == []
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="review-pending: a UOW prepared while its structure's restore loads is backed "
-                                       "out by the restore: the yes vote cannot be honoured, the coordinator's "
-                                       "resolve-commit afterwards is refused BackedOutError")
 def test_a_uow_prepared_while_a_restore_loads_can_still_be_committed_by_its_coordinator(
         redis_url: str, tmp_path: Path) -> None:
-    logs, backups = tmp_path / "logs", tmp_path / "backups"
-    client = define_group(redis_url)
-    qm1 = start_qm(redis_url, logs, "QM1", background=False, lease_ms=60_000)
-    try:
-        warm(qm1)
-        conn = qm1.connect()
-        conn.put("Q1", b"prepared during the restore")
-        run_backup(client, S, backups, log_root=logs)
+    with restore_at_load(redis_url, tmp_path) as at:
+        at.conn.put("Q1", b"prepared during the restore")
+        at.backup()
         prepared: list[str] = []
-        refused: list[str] = []
+        refused: list[BackedOutError] = []
 
-        def during_load(phase: str, done: int, total: int | None) -> None:
-            if phase == LOAD and not prepared and not refused:
-                try:
-                    prepared.append(conn.prepare("xid-review-2"))
-                except MQError as e:  # refusing the vote is a correct answer: the coordinator backs out
-                    refused.append(str(e))
+        def prepare() -> None:
+            try:
+                prepared.append(at.conn.prepare("xid-review-2"))
+            except BackedOutError as e:  # refusing the vote is a correct answer: the coordinator backs out
+                refused.append(e)
 
-        run_restore(client, S, backup_root=backups, log_root=logs, mark_failed=True, progress=during_load)
-        assert prepared or refused, "the restore never reached its load"
+        at.restore(prepare)
+        at.settle()
         if refused:
+            # A no vote: the unit of work is backed out everywhere, its put nowhere, nothing left in doubt.
+            assert at.view() == [] and not at.qm.indoubt(), refused
             return
-        settle(qm1)
         # A participant that voted yes must be able to commit when its coordinator says so (two-phase commit).
         try:
-            qm1.resolve(prepared[0], True)
+            at.qm.resolve(prepared[0], True)
         except MQError as e:
             raise AssertionError(f"the coordinator's commit of a unit of work that voted yes was refused: {e}") from e
-        assert view(qm1) == [(b"prepared during the restore", 0)]
-    finally:
-        qm1.stop(checkpoint=False)
+        assert at.view() == [(b"prepared during the restore", 0)]
 
 
 def test_a_uow_prepared_before_the_restore_read_the_logs_is_kept_in_doubt_and_its_resolve_commit_holds(
@@ -102,25 +75,17 @@ def test_a_uow_prepared_before_the_restore_read_the_logs_is_kept_in_doubt_and_it
     """The exemption's own ground, checked with a real restore: a PREPARE on the logs the restore reads keeps the
     unit of work in doubt in the restored structure, so a resolve-commit during the load, answered committed, ends
     with the put there."""
-    logs, backups = tmp_path / "logs", tmp_path / "backups"
-    client = define_group(redis_url)
-    qm1 = start_qm(redis_url, logs, "QM1", background=False, lease_ms=60_000)
-    try:
-        warm(qm1)
-        conn = qm1.connect()
-        conn.put("Q1", b"prepared before the restore")
-        uow = conn.prepare("xid-review-3")
-        run_backup(client, S, backups, log_root=logs)
+    with restore_at_load(redis_url, tmp_path) as at:
+        at.conn.put("Q1", b"prepared before the restore")
+        uow = at.conn.prepare("xid-review-3")
+        at.backup()
         told: list[str] = []
 
-        def during_load(phase: str, done: int, total: int | None) -> None:
-            if phase == LOAD and not told:
-                qm1.resolve(uow, True)
-                told.append("committed")
+        def commit() -> None:
+            at.qm.resolve(uow, True)
+            told.append("committed")
 
-        run_restore(client, S, backup_root=backups, log_root=logs, mark_failed=True, progress=during_load)
+        at.restore(commit)
         assert told == ["committed"]
-        settle(qm1)
-        assert view(qm1) == [(b"prepared before the restore", 0)]
-    finally:
-        qm1.stop(checkpoint=False)
+        at.settle()
+        assert at.view() == [(b"prepared before the restore", 0)]

@@ -43,9 +43,6 @@ def member_process(fresh_redis: Any, tmp_path: Path) -> Iterator[ServerProc]:
     assert srv.stop() == 0, srv.log_text()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="review-pending: a coordinator's resolve-commit, through the network door, of "
-                                       "a UOW prepared while its structure's restore loads is answered done; the "
-                                       "restore backed the UOW out: the put is lost")
 def test_a_coordinator_told_its_resolve_commit_is_done_finds_the_put(member: ServerProc, fresh_redis: Any,
                                                                       tmp_path: Path) -> None:
     cf = connect(fresh_redis.url)
@@ -74,3 +71,6 @@ def test_a_coordinator_told_its_resolve_commit_is_done_finds_the_put(member: Ser
         left = [m.body for m in app.browse("Q1")]
     if told[-1] == "committed":
         assert left == [b"two-phase"], f"resolve-commit answered done, then the queue holds {left} ({told})"
+    else:  # a no vote: the unit of work is backed out, its put nowhere
+        assert len(told) == 1 and told[0].startswith("BackedOutError: "), told
+        assert left == [], f"the prepare was refused, then the queue holds {left}"

@@ -20,7 +20,7 @@ from cfemu.errors import MQError, NoMessageError
 from sqm.core import records
 from sqm.core.manager import QueueManager
 from sqm.core.recovery import recover_peers
-from tests.support.group import define_group, start_qm
+from tests.support.group import define_group, start_qm, warm
 from tests.support.waits import wait_until
 
 
@@ -32,13 +32,6 @@ class Died(BaseException):
 def log_root(redis_url: str, tmp_path: Path) -> Path:
     define_group(redis_url, queues=("Q1",))
     return tmp_path / "logs"
-
-
-def warm(qm: QueueManager) -> None:
-    """One put outside syncpoint, got: the queue is empty again, the member's first CF calls made."""
-    conn = qm.connect()
-    conn.put("Q1", b"warm", syncpoint=False)
-    assert conn.get("Q1", syncpoint=False).body == b"warm"
 
 
 def die_at(qm: QueueManager, monkeypatch: pytest.MonkeyPatch, kind: str, *, before: bool = False) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -41,3 +42,25 @@ def two_members(url: str, log_root: Path) -> Iterator[tuple[QueueManager, QueueM
             b.stop()
     finally:
         a.stop()
+
+
+def warm(qm: QueueManager) -> None:
+    """One put outside syncpoint, got: the queue is empty again, the member's first CF calls made."""
+    conn = qm.connect()
+    conn.put("Q1", b"warm", syncpoint=False)
+    assert conn.get("Q1", syncpoint=False).body == b"warm"
+
+
+def rejoin(qm: QueueManager) -> None:
+    """What QueueManager._heartbeat_loop does when the CF was lost and rebuilt (background=False here)."""
+    for attempt in range(2):
+        try:
+            rc = qm.admin.heartbeat(qm.name, qm.caller.epoch, qm.config.lease_ms)
+            break
+        except redis.exceptions.ConnectionError:
+            if attempt:
+                raise
+    if rc < 0:
+        qm.caller.epoch = qm.admin.join(qm.name, {"pid": os.getpid(), "log": str(qm.log_dir),
+                                                  "min_epoch": qm.caller.epoch + 1}, qm.config.lease_ms)
+        qm._queue_cache.clear()
