@@ -15,6 +15,7 @@ from cfemu.admin import Admin, AdminError
 from cfemu.connection import connect
 from cfemu.errors import BadRequestError, NoMessageError, ResourceProblemError, UnknownObjectError
 from sqm.core.manager import QueueManager
+from sqm.core.pclock import pseudo_clock
 from sqm.pubsub import pubsub as ps
 from sqm.pubsub.pubsub_sweeper import PubSubSweeper
 from tests.support.group import start_qm, two_members
@@ -27,7 +28,7 @@ def qms(redis_url: str, tmp_path: Path) -> Iterator[tuple[QueueManager, QueueMan
     admin = Admin(connect(redis_url))
     admin.ensure_structure(S)
     admin.define_queue(T, S, topic={})
-    admin.define_queue(SHORT, S, topic={"lifetime_s": 1, "subscription_expiration_s": 2})
+    admin.define_queue(SHORT, S, topic={"lifetime_s": 1, "subscription_expiration_s": 3})
     admin.define_queue(NONDUR, S, topic={"durable": False, "persistent": False})
     with two_members(redis_url, tmp_path / "logs") as pair:
         yield pair
@@ -136,24 +137,63 @@ def test_publications_removed_when_the_last_subscriber_commits_counted_once(
 
 
 def test_lifetime_and_subscription_expiration_on_the_pseudo_clock(qms: tuple[QueueManager, QueueManager]) -> None:
+    """Each sweep's removals are checked against the pseudo-clock read just before and just after it: a thing is
+    removed once its time has passed on the clock (never before, never later), and the test waits on the clock, not
+    on a fixed sleep, so it holds however slowly the machine runs."""
     a, _ = qms
+    t = ps.topic(a, SHORT)
+    lifetime, expiration = t.attributes.lifetime_s * 1000, t.attributes.subscription_expiration_s * 1000
+
+    def clock() -> int:
+        return pseudo_clock(a, t.structure)
+
+    def wait_clock(at_least: int) -> None:  # the clock runs while it is ticked (members tick it about every second)
+        deadline = time.monotonic() + 60
+        while clock() <= at_least:
+            assert time.monotonic() < deadline, f"the pseudo-clock never passed {at_least}"
+            time.sleep(0.05)
+
+    def active() -> dict[str, int]:
+        return {s.name: s.active_pc for s in ps.subscriptions(a, t)}
+
     ps.subscribe(a, SHORT, "idle")
     ps.subscribe(a, SHORT, "slow")
+    subscribed = active()
+    published_after = clock()
     ps.publish(a, SHORT, [b"old"])
+    published_by = clock()
     sweeper = PubSubSweeper(a)
-    assert sweeper.sweep()["publications-expired"] == 0
-    for _ in range(14):  # the pseudo-clock runs while members tick it (about a second apart)
-        time.sleep(0.1)
-        sweeper.sweep()
+
+    def sweep() -> None:
+        before = clock()
+        expired = sweeper.sweep()["publications-expired"]
+        after = clock()
+        gone = sweeper.counts["publications-expired"] - expired > 0  # expired by an earlier sweep
+        if not gone and before >= published_by + lifetime:  # past its lifetime: expired, never before
+            assert expired == 1, (before, published_by)
+        if after < published_after + lifetime:
+            assert expired == 0, (after, published_after)
+        left = active()
+        for name, pc in subscribed.items():  # idle past SUBSCRIPTION-EXPIRATION: removed, never before
+            if before >= pc + expiration:
+                assert name not in left, (name, pc, before)
+            elif after < pc + expiration:
+                assert name in left, (name, pc, after)
+
+    sweep()
+    wait_clock(published_by + lifetime)
+    sweep()
     assert sweeper.counts["publications-expired"] == 1  # past its lifetime though nobody received it
-    assert sweeper.counts["subscriptions-expired"] == 0
+    # A receive that finds nothing is activity once half the expiration has passed since the last (it commits).
+    wait_clock(subscribed["slow"] + expiration // 2)
     with pytest.raises(NoMessageError):
         ps.PubSubSession(a).receive(SHORT, "slow")
-    for _ in range(12):
-        time.sleep(0.1)
-        sweeper.sweep()
+    assert active()["slow"] > subscribed["slow"] + expiration // 2
+    subscribed["slow"] = active()["slow"]
+    wait_clock(subscribed["idle"] + expiration)
+    sweep()
     assert sweeper.counts["subscriptions-expired"] == 1  # idle past SUBSCRIPTION-EXPIRATION
-    assert [s.name for s in ps.subscriptions(a, ps.topic(a, SHORT))] == ["slow"]  # its receive was activity
+    assert [s.name for s in ps.subscriptions(a, t)] == ["slow"]  # its receive was activity
 
 
 def test_a_non_durable_subscription_ends_with_its_member(qms: tuple[QueueManager, QueueManager],
