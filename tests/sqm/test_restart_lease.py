@@ -49,7 +49,8 @@ def fill(srv: ServerProc, n: int, clients: int = 2, per_uow: int = 500) -> None:
 
     def work(k: int) -> None:
         try:
-            with Client(srv.endpoint, token=TOKEN) as c:
+            # A commit of per_uow messages may wait its turn for a long time on a loaded machine: not a lost link
+            with Client(srv.endpoint, token=TOKEN, request_timeout=180.0) as c:
                 for i in range(k, n, clients):
                     c.put("Q1", b"%07d" % i + b"." * 200)
                     if (i // clients + 1) % per_uow == 0:
