@@ -4,6 +4,7 @@ on real queue managers' histories, and end to end through run_restore."""
 
 from __future__ import annotations
 
+import importlib.util
 import random
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from cfemu.connection import connect
 from cfemu.embedded import EmbeddedRedis
 from cfemu.entry import Entry
 from restore import engine_columnar
-from restore.engine import engine_names, get_engine
+from restore.engine import default_engine, engine_names, get_engine
 from restore.engine_columnar import ColumnarEngine, ColumnarPlan
 from restore.run import WORK_DIR, run_restore
 from sqm.core import records
@@ -42,6 +43,17 @@ def columnar(backup: Backup, log_dirs: list[Path], replay_from: int, work: Path,
 def test_the_columnar_engine_is_registered() -> None:
     assert "columnar" in engine_names()
     assert isinstance(get_engine("columnar", workers=1), ColumnarEngine)
+
+
+def test_the_default_engine_is_the_columnar_one_where_its_readers_were_built(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    assert default_engine() == "columnar"
+    assert isinstance(get_engine(workers=1), ColumnarEngine)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "restore._columns" else find_spec(name, *a))
+    assert default_engine() == "local"
+    assert get_engine(workers=1).name == "local"
 
 
 @settings(max_examples=25, derandomize=True, database=None, deadline=None,
