@@ -365,10 +365,11 @@ INSERT INTO outc SELECT u, 'B', $R, 'restore', []::VARCHAR[] FROM inflight;
 -- in FIFO order there, put order kept), and an entry whose one record is a GET above its backup copy, a committed
 -- copy held by no UOW, the GET's UOW committed (consumed). The commit counts above the UOW's own operation on the
 -- entry, as in evs. The event by event fold below gives the same (test_the_one_step_fold_agrees_with_the_fold).
--- One join a statement, each of an exact table with a smaller one: DuckDB holds the memory it is given only
--- where a statement builds one large hash table at a time (two at once, the entries' and the joined ones', ran
--- out of 256 MiB at 1M entries: BENCHMARKS.md, "The columnar engine holds its memory limit"). An entry whose one
--- record is plain has no relog copy: its best copy is its backup copy, if any (nb).
+-- One join a statement, each of a materialized table (its size exact, not a filter's guess) with a smaller one:
+-- DuckDB holds the memory it is given only where a statement builds one large hash table at a time: it does not
+-- spill a hash table it misjudged as small, and two at once (the entries' and a join's output) overrun its share
+-- (BENCHMARKS.md, "The columnar engine holds its memory limit"). An entry whose one record is plain has no relog
+-- copy: its best copy is its backup copy, if any (nb).
 CREATE TABLE commits AS SELECT u, lrsn FROM outc WHERE kind = 'C';
 CREATE TABLE qone AS
 SELECT eix, eid, k, u, l, rid FROM ents
