@@ -1,6 +1,6 @@
 """cfrestore: RECOVER CFSTRUCT.
 
-  cfrestore run STRUCTURE [--backup ID] [--engine local|spark] [--dry-run] [--mark-failed] [--report FILE]
+  cfrestore run STRUCTURE [--backup ID] [--engine columnar|local|spark] [--dry-run] [--mark-failed] [--report FILE]
                           [--memory-limit SIZE] [--workers N] [--metrics-file PATH]
                                               rebuild a failed structure from a backup plus every member's log
                                               (--metrics-file: the run as Prometheus gauges, docs/metrics.md)
@@ -46,7 +46,7 @@ from cfemu.clitools import (
 )
 from cfemu.connection import connect
 from cfemu.settings import ENV_SPARK_MASTER, Settings
-from restore.engine import engine_names
+from restore.engine import default_engine, engine_names
 from restore.load import LoadVerifyError
 from restore.report import purge_summary, summary
 from restore.run import RestoreError, run_purge, run_restore
@@ -97,6 +97,7 @@ def _engine_options(args: argparse.Namespace, found: Settings | None = None) -> 
     """The engine's options. Local: its working memory (--memory-limit) and worker processes (--workers). Spark: the master (the flag, else the
     settings' Spark master, else local[*]) and its settings (what joining that master needs,
     spark_conf.driver_conf, then the --conf given, which win)."""
+    args.engine = args.engine or default_engine()
     if args.engine in ("local", "columnar"):
         chosen = found or settings(args)
         return {"memory": chosen.memory_limit(), "workers": chosen.restore_workers()}
@@ -196,7 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     unsigned.add_argument("--accept-unsigned", action="store_true",
                           help="use a backup taken before backups were signed (logged); only one you know is the "
                                "group's (docs/security.md)")
-    restore.add_argument("--engine", default="local", choices=engine_names(), help="planning engine")
+    restore.add_argument("--engine", default=None, choices=engine_names(),
+                         help="planning engine (default: columnar; local, the reference, where the columnar "
+                              "engine's C readers were not built)")
     restore.add_argument("--from-logs", action="store_true",
                          help="start from the relog window of the newest complete relog pass, from the logs alone, "
                               "even when a backup is newer (by default the newer start is used; the report says "

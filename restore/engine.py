@@ -20,16 +20,18 @@ The interface is one method:
 An engine must raise `sqm.log.LogCorruptError` / `LogFormatError` for a bad log (never skip it), and must not
 change anything: restore writes to the CF only after the whole plan is computed.
 
-`get_engine(name, **options)` returns an engine by name: "local" (in-process, in bounded memory:
-restore.partitioned; options memory, work_dir, partitions; the default), "columnar" (the same plan as SQL on
-DuckDB, in bounded memory: `restore.engine_columnar`; the local engine's options) or "spark"
-(`restore.engine_spark`); those two are imported only when asked for.
+`get_engine(name, **options)` returns an engine by name: "columnar" (the plan as SQL on DuckDB over columns its C
+readers decode, in bounded memory: `restore.engine_columnar`; options memory, work_dir, workers; the default),
+"local" (in-process, in bounded memory: restore.partitioned; the same options and partitions; the reference the
+others are tested against, and the default where the columnar engine's C readers were not built: default_engine)
+or "spark" (`restore.engine_spark`); columnar and spark are imported only when asked for.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import resource
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -158,9 +160,18 @@ def register_engine(name: str, factory: Callable[..., Engine]) -> None:
     _ENGINES[name] = factory
 
 
-def get_engine(name: str = "local", **options: Any) -> Engine:
+def default_engine() -> str:
+    """The engine a restore plans with unless told otherwise: the columnar one, whose plan and output cost less
+    than the local engine's (BENCHMARKS.md, "The columnar engine, fourth pass"); the local one where the columnar
+    engine's C readers were not built (an install made where no C compiler was), so that no restore, the automatic
+    ones after a CF loss least of all, stops for want of them."""
+    return "columnar" if importlib.util.find_spec("restore._columns") is not None else "local"
+
+
+def get_engine(name: str | None = None, **options: Any) -> Engine:
     """The engine called `name`, made with `options`. A lazily imported engine module registers itself with
-    register_engine(name, factory) when imported (or defines `make_engine(**options)`)."""
+    register_engine(name, factory) when imported (or defines `make_engine(**options)`). None: default_engine()."""
+    name = name or default_engine()
     if name not in _ENGINES and name in _LAZY:
         module = importlib.import_module(_LAZY[name])
         if name not in _ENGINES and hasattr(module, "make_engine"):

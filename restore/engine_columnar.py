@@ -325,11 +325,12 @@ FROM ev e JOIN r USING (rid) WHERE r.kept;
 CREATE TABLE members AS SELECT m, count(*) AS n FROM r WHERE kept GROUP BY m;
 DROP TABLE ev;
 DROP TABLE r;
--- (with what quick asks of each: how many records name it, and of the one record that may be its only one, the
--- rid, kind, UOW, LRSN, and whether it is a PUT, GET or EXPIRE rather than a copy or an outcome)
+-- (with what quick asks of each: how many records name it and how many backup copies it has, and of the one
+-- record that may be its only one, the rid, kind, UOW, LRSN, and whether it is a PUT, GET or EXPIRE rather than a
+-- copy or an outcome)
 CREATE TABLE ents AS
-SELECT eid, row_number() OVER () AS eix, count(rid) AS nrec, any_value(rid) AS rid, any_value(k) AS k,
-       any_value(u) AS u, any_value(l) AS l, bool_and(plain) AS plain
+SELECT eid, row_number() OVER () AS eix, count(rid) AS nrec, count(*) - count(rid) AS nb, any_value(rid) AS rid,
+       any_value(k) AS k, any_value(u) AS u, any_value(l) AS l, bool_and(plain) AS plain
 FROM (
   SELECT eid, NULL::BIGINT AS rid, NULL::VARCHAR AS k, NULL::VARCHAR AS u, NULL::BIGINT AS l,
          NULL::BOOLEAN AS plain
@@ -364,19 +365,27 @@ INSERT INTO outc SELECT u, 'B', $R, 'restore', []::VARCHAR[] FROM inflight;
 -- in FIFO order there, put order kept), and an entry whose one record is a GET above its backup copy, a committed
 -- copy held by no UOW, the GET's UOW committed (consumed). The commit counts above the UOW's own operation on the
 -- entry, as in evs. The event by event fold below gives the same (test_the_one_step_fold_agrees_with_the_fold).
+-- One join a statement, each of a materialized table (its size exact, not a filter's guess) with a smaller one:
+-- DuckDB holds the memory it is given only where a statement builds one large hash table at a time: it does not
+-- spill a hash table it misjudged as small, and two at once (the entries' and a join's output) overrun its share
+-- (BENCHMARKS.md, "The columnar engine holds its memory limit"). An entry whose one record is plain has no relog
+-- copy: its best copy is its backup copy, if any (nb).
+CREATE TABLE commits AS SELECT u, lrsn FROM outc WHERE kind = 'C';
+CREATE TABLE qone AS
+SELECT eix, eid, k, u, l, rid FROM ents
+WHERE nrec = 1 AND plain AND u <> '' AND ((k = 'PUT' AND nb = 0) OR (k = 'GET' AND nb > 0));
+CREATE TABLE qcommitted AS SELECT x.*, o.lrsn FROM qone x JOIN commits o USING (u);
+DROP TABLE qone;
+DROP TABLE commits;
 CREATE TABLE quick AS
-SELECT x.eix, x.eid, 2::BIGINT AS ord, CASE WHEN x.k = 'PUT' THEN 'CP' END AS st,
-       CASE WHEN x.k = 'PUT' THEN '' END AS u, CASE WHEN x.k = 'PUT' THEN greatest(o.lrsn, x.l + 1) END AS l,
-       CASE WHEN x.k = 'PUT' THEN greatest(o.lrsn, x.l + 1) END AS o1, CASE WHEN x.k = 'PUT' THEN x.l END AS o2,
-       NULL::BIGINT AS bc, CASE WHEN x.k = 'PUT' THEN 'P' END AS src, CASE WHEN x.k = 'PUT' THEN x.rid END AS rid,
-       CASE WHEN x.k = 'PUT' THEN $ST | $U | $L | $O1 | $O2 ELSE 0 END AS mask,
-       CASE WHEN x.k = 'PUT' THEN 'gone' ELSE 'consumed' END AS fate
-FROM ents x
-JOIN outc o ON o.u = x.u AND o.kind = 'C'
-LEFT JOIN best b ON b.eid = x.eid
-WHERE x.nrec = 1 AND x.plain AND x.u <> ''
-  AND ((x.k = 'PUT' AND b.eid IS NULL)
-       OR (x.k = 'GET' AND b.st = 'CP' AND coalesce(b.u, '') = '' AND b.l < x.l));
+SELECT eix, eid, 2::BIGINT AS ord, 'CP' AS st, '' AS u, greatest(lrsn, l + 1) AS l, greatest(lrsn, l + 1) AS o1,
+       l AS o2, NULL::BIGINT AS bc, 'P' AS src, rid, $ST | $U | $L | $O1 | $O2 AS mask, 'gone' AS fate
+FROM qcommitted WHERE k = 'PUT';
+INSERT INTO quick
+SELECT x.eix, x.eid, 2, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, 0, 'consumed'
+FROM qcommitted x JOIN best b USING (eid)
+WHERE x.k = 'GET' AND b.st = 'CP' AND coalesce(b.u, '') = '' AND b.l < x.l;
+DROP TABLE qcommitted;
 
 -- the events of each other entry (its records': PUT, GET, EXPIRE at their LRSN, by rank, and its UOWs' outcomes,
 -- never at or below the UOW's own operations on it), each with its place in the fold's order (records of one
@@ -725,8 +734,8 @@ class ColumnarPlan(RestorePlan):
 
 class ColumnarEngine:
     """The plan as one columnar plan on DuckDB, in bounded memory: its tables and spilled operators in a private
-    temporary directory under `work_dir`, within `memory` bytes (DuckDB is given half, the readers and the load
-    the rest). The log segments and the backup's files are read by `workers` threads side by side (the C reader
+    temporary directory under `work_dir`, within `memory` bytes (DuckDB is given duckdb_memory_for(memory), the
+    process, its readers and the load the rest). The log segments and the backup's files are read by `workers` threads side by side (the C reader
     lets go of the GIL: restore.columns), each file's rows handed to DuckDB as it is read; DuckDB runs that many
     threads."""
 
@@ -852,7 +861,7 @@ class ColumnarEngine:
         con = duckdb.connect(":memory:")
         tmp = spill.file("duckdb-tmp")
         tmp.mkdir(mode=0o700)
-        con.execute(f"SET memory_limit = '{max(64, self.memory // 2 >> 20)}MiB'")
+        con.execute(f"SET memory_limit = '{duckdb_memory_for(self.memory) >> 20}MiB'")
         con.execute(f"SET temp_directory = '{tmp}'")
         con.execute(f"SET threads = {self.workers}")
         con.execute("SET preserve_insertion_order = false")
@@ -860,10 +869,24 @@ class ColumnarEngine:
         return con
 
 
+# What the restore's process holds besides DuckDB's memory while the plan reads: the interpreter and its libraries
+# (about 125 MiB), the readers' chunks and the Arrow tables queued for DuckDB (about 80 MiB), and what the
+# allocators keep of them (BENCHMARKS.md, "The columnar engine holds its memory limit").
+PROCESS_MEMORY = 320 << 20
+DUCKDB_MIN_MEMORY = 64 << 20  # less than this and DuckDB cannot run the plan's larger statements at all
+
+
+def duckdb_memory_for(memory: int) -> int:
+    """DuckDB's share of the restore's memory limit: half, the load's read of the survivors and the process the
+    other half; under a small limit, what the process's own needs (PROCESS_MEMORY) leave, so that the whole
+    process stays within the limit; never less than DUCKDB_MIN_MEMORY."""
+    return max(DUCKDB_MIN_MEMORY, min(memory // 2, memory - PROCESS_MEMORY))
+
+
 def fold_rows_for(memory: int) -> int:
-    """How many entries the recursive fold takes at a time: about 2 KiB of DuckDB's memory (half of `memory`) an
+    """How many entries the recursive fold takes at a time: about 2 KiB of DuckDB's memory (duckdb_memory_for) an
     entry, the recursion's state and its hash tables (BENCHMARKS.md, "The columnar engine")."""
-    return max(1_000, memory // 2 // 2048)
+    return max(1_000, duckdb_memory_for(memory) // 2048)
 
 
 def _on_disk(backup: BackupSource) -> Backup | None:

@@ -76,7 +76,7 @@ from cfemu.progress import Progress, no_progress
 from cfemu.pstore import warm_generations
 from cfemu.repository import GroupRepository, migrated_refusal
 from cfemu.settings import restore_memory, restore_workers
-from restore.engine import PHASES, get_engine
+from restore.engine import PHASES, default_engine, get_engine
 from restore.load import LoadResult, batch_bytes_for, load_plan, loaded_tombstones, restore_owned_uows
 from restore.partitioned import DEFAULT_MEMORY
 from restore.plan import EARLIER_GENERATIONS, Copy, RestorePlan
@@ -500,7 +500,7 @@ def refuse_migrated(structure: str, state: str, log_root: Path, doing: str) -> N
 
 
 def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_root: Path,
-                backup_id: str | None = None, engine: str = "local", dry_run: bool = False,
+                backup_id: str | None = None, engine: str | None = None, dry_run: bool = False,
                 mark_failed: bool = False, progress: Progress = no_progress, report_path: Path | None = None,
                 now_ms: int | None = None, engine_options: dict[str, Any] | None = None,
                 from_logs: bool = False, backup_keys: BackupKeys | None = None) -> RestoreResult:
@@ -531,6 +531,7 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
         raise RestoreError(f"structure {structure} is ACTIVE: restore works on a FAILED structure; mark it "
                            f"failed first (--mark-failed) if you mean to replace its content")
     options = dict(engine_options or {})
+    engine = engine or default_engine()
     if engine in ("local", "columnar"):  # its spill files: a private directory beside the backups (docs/runbook.md)
         # A read-only backup volume (the compose tools service mounts it so): the system's temporary directory.
         options.setdefault("work_dir", backup_root / WORK_DIR if os.access(backup_root, os.W_OK) else None)

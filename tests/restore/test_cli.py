@@ -152,7 +152,7 @@ def make_engine(**options: Any) -> _NamedEngine:
 
 
 def test_engines_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert get_engine().name == "local" and "spark" in engine_names()
+    assert get_engine().name == "columnar" and "spark" in engine_names()  # the default (restore.engine.default_engine)
     with pytest.raises(UnknownEngineError, match="unknown restore engine 'nope': choose one of columnar, local, spark"):
         get_engine("nope")
     monkeypatch.setitem(engine_module._LAZY, "lazy", __name__)

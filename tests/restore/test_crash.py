@@ -54,7 +54,7 @@ def _load_workers(run: str) -> set[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", [(), ("--memory-limit", "64KiB", "--workers", "2")],
+@pytest.mark.parametrize("engine", [(), ("--engine", "local", "--memory-limit", "64KiB", "--workers", "2")],
                          ids=["in-memory", "partitioned-with-workers"])
 def test_restore_killed_mid_load_resumes_to_the_clean_result(redis_url: str, tmp_path: Path,
                                                              engine: tuple[str, ...]) -> None:

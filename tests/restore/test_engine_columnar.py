@@ -4,6 +4,7 @@ on real queue managers' histories, and end to end through run_restore."""
 
 from __future__ import annotations
 
+import importlib.util
 import random
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from cfemu.connection import connect
 from cfemu.embedded import EmbeddedRedis
 from cfemu.entry import Entry
 from restore import engine_columnar
-from restore.engine import engine_names, get_engine
+from restore.engine import default_engine, engine_names, get_engine
 from restore.engine_columnar import ColumnarEngine, ColumnarPlan
 from restore.run import WORK_DIR, run_restore
 from sqm.core import records
@@ -42,6 +43,17 @@ def columnar(backup: Backup, log_dirs: list[Path], replay_from: int, work: Path,
 def test_the_columnar_engine_is_registered() -> None:
     assert "columnar" in engine_names()
     assert isinstance(get_engine("columnar", workers=1), ColumnarEngine)
+
+
+def test_the_default_engine_is_the_columnar_one_where_its_readers_were_built(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    assert default_engine() == "columnar"
+    assert isinstance(get_engine(workers=1), ColumnarEngine)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "restore._columns" else find_spec(name, *a))
+    assert default_engine() == "local"
+    assert get_engine(workers=1).name == "local"
 
 
 @settings(max_examples=25, derandomize=True, database=None, deadline=None,
@@ -87,8 +99,9 @@ def test_the_one_step_fold_agrees_with_the_fold(tmp_path: Path, monkeypatch: pyt
     """The commonest histories (a committed put, a committed get of a backup copy) folded in one step (quick), or
     every entry event by event: the same plan as the reference either way; in one step, most entries are."""
     if not one_step:
-        monkeypatch.setattr(engine_columnar, "PLAN_SQL", engine_columnar.PLAN_SQL.replace("WHERE x.nrec = 1",
-                                                                                          "WHERE false AND x.nrec = 1"))
+        assert engine_columnar.PLAN_SQL.count("WHERE nrec = 1") == 1
+        monkeypatch.setattr(engine_columnar, "PLAN_SQL", engine_columnar.PLAN_SQL.replace("WHERE nrec = 1",
+                                                                                          "WHERE false AND nrec = 1"))
     h = simulate(random.Random(5), 800)
     backup, log_dirs = write_history(h, tmp_path)
     (tmp_path / "work").mkdir()
@@ -124,6 +137,28 @@ def test_the_fold_a_few_entries_at_a_time_plans_the_same(tmp_path: Path, monkeyp
     monkeypatch.setattr("restore.engine_columnar.fold_rows_for", lambda memory: 7)
     assert columnar(backup, log_dirs, h.replay_from, tmp_path / "work", workers=2) == ref
     assert len(ref["settled"]) > 3 * 7  # several ranges
+
+
+@pytest.mark.parametrize(("memory", "duckdb_mib", "shown"), [(512 << 20, 192, "192.0 MiB"), (1 << 30, 512, "512.0 MiB"),
+                                                             (2 << 30, 1024, "1.0 GiB"), (64 << 10, 64, "64.0 MiB")])
+def test_duckdb_is_given_what_the_process_leaves_of_the_memory_limit(tmp_path: Path, memory: int, duckdb_mib: int,
+                                                                   shown: str) -> None:
+    """DuckDB gets half the limit, but under a small limit only what the process's own needs (its interpreter,
+    the readers' chunks: PROCESS_MEMORY) leave, so that the whole process stays within the limit (at 1M messages
+    within 512 MiB: BENCHMARKS.md); never less than the least DuckDB runs the plan in."""
+    h = simulate(random.Random(2), 30)
+    backup, log_dirs = write_history(h, tmp_path)
+    (tmp_path / "work").mkdir()
+    plan = ColumnarEngine(memory=memory, work_dir=tmp_path / "work", workers=1).plan(S, backup, log_dirs,
+                                                                                   h.replay_from, NOW_MS)
+    try:
+        assert isinstance(plan, ColumnarPlan)
+        limit = plan.con.execute("SELECT current_setting('memory_limit')").fetchone()
+        assert limit is not None and limit[0] == shown
+    finally:
+        plan.close()
+    if memory >= 512 << 20:
+        assert memory - (duckdb_mib << 20) >= engine_columnar.PROCESS_MEMORY
 
 
 def test_a_history_across_a_restore(tmp_path: Path) -> None:

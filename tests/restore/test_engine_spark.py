@@ -469,7 +469,7 @@ def test_cfrestore_passes_master_conf_and_archive_to_the_spark_engine() -> None:
                                       "spark.driver.memory=8g", "--conf", "spark.a=b=c", "--archive-dir", "/a"])
     assert _engine_options(args) == {"master": "spark://h:7077", "archive_dir": Path("/a"),
                                      "conf": {"spark.driver.memory": "8g", "spark.a": "b=c"}}
-    assert set(_engine_options(build_parser().parse_args(["run", "APP1"]))) == {"memory", "workers"}  # the local engine's
+    assert set(_engine_options(build_parser().parse_args(["run", "APP1"]))) == {"memory", "workers"}  # the default engine's
     with pytest.raises(SystemExit):
         build_parser().parse_args(["run", "APP1", "--engine", "spark", "--conf", "no-equals-sign"])
 

@@ -147,7 +147,7 @@ def test_a_restore_in_tiny_memory_loads_what_the_default_loads(fresh_redis: Embe
         qm.log.force()
     client = connect(fresh_redis.url)
     lose_cf(client)
-    tiny = run_restore(client, S, backup_root=backups, log_root=logs, backup_id=manifest["id"],
+    tiny = run_restore(client, S, backup_root=backups, log_root=logs, backup_id=manifest["id"], engine="local",
                        engine_options={"memory": TINY, "partitions": 7, "workers": 3})
     after_tiny = _cf_content(client)
     default = run_restore(client, S, backup_root=backups, log_root=logs, backup_id=manifest["id"], mark_failed=True)
