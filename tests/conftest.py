@@ -140,6 +140,18 @@ def signal_handlers_kept() -> Iterator[None]:
                     "put back what was there (cfemu.signals.handling)", pytrace=False)
 
 
+@pytest.fixture
+def ctrl_c_raises() -> Iterator[None]:
+    """Python's own SIGINT handler for the test (KeyboardInterrupt), whatever the process had: a worker that ran
+    a Spark test keeps PySpark's (SparkContext installs one that cancels the context's jobs first, and with the
+    context stopped that call waits longer than a test does). The process's handler is put back."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedRedis | ExternalRedis]:
     url = os.environ.get("REDIS_URL")

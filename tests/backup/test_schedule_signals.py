@@ -29,7 +29,7 @@ def _interrupt_when_installed(before: object, stop: threading.Event, sent: threa
     os.kill(os.getpid(), signal.SIGINT)
 
 
-def test_sigint_stops_the_scheduler_and_its_handlers_go_with_it(tmp_path: Path) -> None:
+def test_sigint_stops_the_scheduler_and_its_handlers_go_with_it(tmp_path: Path, ctrl_c_raises: None) -> None:
     settings = resolve(redis_url="redis://127.0.0.1:1", backup_dir=tmp_path / "backups", log_root=tmp_path / "logs",
                        env={})
     before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}

@@ -22,7 +22,7 @@ def _interrupted_soon() -> None:
         time.sleep(0.01)  # the handler runs at the first check after the signal; a handler that raises ends this
 
 
-def test_the_handlers_hold_for_the_block_and_are_put_back_after_it() -> None:
+def test_the_handlers_hold_for_the_block_and_are_put_back_after_it(ctrl_c_raises: None) -> None:
     got: list[int] = []
 
     def on_signal(signum: int, frame: FrameType | None) -> None:

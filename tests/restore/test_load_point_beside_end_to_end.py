@@ -227,7 +227,8 @@ def test_a_normal_restores_point_holds_exactly_what_the_load_wrote(
 
 
 def test_an_interrupt_while_the_load_waits_for_the_points_last_write_does_not_abort_it_under_the_writer(
-        lost: tuple[redis.Redis, Path, Path, list[bytes], Any], monkeypatch: pytest.MonkeyPatch) -> None:
+        lost: tuple[redis.Redis, Path, Path, list[bytes], Any], monkeypatch: pytest.MonkeyPatch,
+        ctrl_c_raises: None) -> None:
     """Every batch is in the CF; the loading thread waits (Beside.__exit__, the normal way out: thread.join())
     for the point's thread to write the last one, which is slow (a busy disk). The operator presses Ctrl-C once:
     the KeyboardInterrupt leaves Beside.__exit__ from its join, without stopping or waiting for the thread, and
@@ -236,9 +237,6 @@ def test_an_interrupt_while_the_load_waits_for_the_points_last_write_does_not_ab
     raised. Beside must wait for the write under way first, however it is
     left."""
     client, logs, backups, _, _ = lost
-    # Ctrl-C raises KeyboardInterrupt, whatever handler an earlier test left in this process (an in-process
-    # scheduler or server installs its own).
-    before = signal.signal(signal.SIGINT, signal.default_int_handler)
     release = threading.Event()
     in_last = threading.Event()
 
@@ -263,7 +261,6 @@ def test_an_interrupt_while_the_load_waits_for_the_points_last_write_does_not_ab
         alive = [t.name for t in threading.enumerate() if t.name == "restore-load-point"]
     finally:
         release.set()
-        signal.signal(signal.SIGINT, before)
     time.sleep(0.5)
     assert alive == [], f"the point's thread still ran when run_restore raised: {events}"
     assert "abort" in events
