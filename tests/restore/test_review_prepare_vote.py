@@ -1,0 +1,62 @@
+"""Review of the PREPARE vote (sqm.core.outcomes.Outcomes.confirm_prepared) where a unit of work spans one ACTIVE
+structure and one that failed: the prepare votes no (BackedOutError, "nothing of the unit of work took effect; do it
+again"), the BACKOUT is forced after the PREPARE, and every reader of the log (the member's restart, a restore)
+takes the unit of work as backed out, never in doubt. Real redis-server, real logs, a real restart."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cfemu.admin import Admin
+from cfemu.errors import BackedOutError, BadRequestError
+from tests.restore.test_restore import uow_records
+from tests.support.crash import crash
+from tests.support.group import define_group, start_qm
+from tests.support.restore_at_load import RestoreAtLoad, restore_at_load
+
+
+def _no_vote_with_app2_failed(at: RestoreAtLoad) -> str:
+    """QM1's unit of work puts onto APP2 (touched first), then gets the persistent message on APP1; APP2 fails; the
+    prepare votes no. Returns the unit of work's id."""
+    conn = at.conn
+    conn.put("Q1", b"taken", syncpoint=False)
+    conn.put("Q3", b"put on APP2")
+    assert conn.get("Q1").body == b"taken"
+    uow = conn.uow
+    assert uow is not None and list(uow.structures) == ["APP2", "APP1"]
+    Admin(at.client).set_state("APP2", "FAILED")
+    with pytest.raises(BackedOutError, match=f"unit of work {uow.id} was backed out, not prepared: structure APP2"):
+        conn.prepare("xid-one-failed")
+    return str(uow.id)
+
+
+@pytest.mark.xfail(strict=True, reason="review: after a no vote caused by a failed structure, the backout stops at "
+                   "that structure (Outcomes.apply raises on the first one it cannot reach) and the UOW's get on the "
+                   "ACTIVE structure stays locked until the failed one is restored; the application was told "
+                   "BackedOutError ('do it again'), but its message cannot be got again")
+def test_a_no_vote_backs_out_at_once_on_the_structure_still_active(redis_url: str, tmp_path: Path) -> None:
+    define_group(redis_url, structure="APP2", queues=("Q3",))
+    with restore_at_load(redis_url, tmp_path) as at:
+        _no_vote_with_app2_failed(at)
+        # "do it again": the message the unit of work got on APP1, which stayed ACTIVE, is available again
+        assert at.view("Q1") == [(b"taken", 1)]
+
+
+def test_a_restart_after_a_no_vote_finds_it_backed_out_never_in_doubt(redis_url: str, tmp_path: Path) -> None:
+    """The log holds PREPARE then BACKOUT: the member's restart backs the unit of work out (the APP2 part waits for
+    the structure), and nothing is in doubt for a coordinator to commit."""
+    define_group(redis_url, structure="APP2", queues=("Q3",))
+    with restore_at_load(redis_url, tmp_path) as at:
+        uow = _no_vote_with_app2_failed(at)
+        assert [k for k in uow_records(at.logs / "QM1", uow) if k in ("PREPARE", "BACKOUT")] == ["PREPARE", "BACKOUT"]
+        crash(at.qm)
+        at.qm = start_qm(redis_url, at.logs, "QM1", background=False, lease_ms=60_000)
+        assert at.qm.indoubt() == []
+        with pytest.raises(BadRequestError, match="not in doubt"):
+            at.qm.resolve(uow, True)  # a coordinator retrying a commit after the no vote is refused
+        Admin(at.client).set_state("APP2", "ACTIVE")
+        at.qm.retry_pending()
+        assert not at.qm.pending
+        assert at.view("Q1") == [(b"taken", 1)] and at.view("Q3") == []  # backed out on both structures
