@@ -6,6 +6,7 @@ takes the unit of work as backed out, never in doubt. Real redis-server, real lo
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -61,3 +62,40 @@ def test_a_restart_after_a_no_vote_finds_it_backed_out_never_in_doubt(redis_url:
         at.qm.retry_pending()
         assert not at.qm.pending
         assert at.view("Q1") == [(b"taken", 1)] and at.view("Q3") == []  # backed out on both structures
+
+
+def test_a_restore_that_read_the_prepare_before_the_no_votes_backout_agrees_with_it(
+        redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The structure is failed when the PREPARE is forced (a no vote), and its restore reads the logs between the
+    PREPARE and the BACKOUT: it carries the unit of work over in doubt. The BACKOUT then completes on the restored
+    structure (a carried-over in-doubt unit of work backed out by its owner), and a later restore agrees."""
+    with restore_at_load(redis_url, tmp_path) as at:
+        at.conn.put("Q1", b"taken", syncpoint=False)
+        at.backup()
+        assert at.conn.get("Q1").body == b"taken"
+        at.conn.put("Q2", b"put")
+        assert at.conn.uow is not None
+        uow = at.conn.uow.id
+        Admin(at.client).set_state("APP1", "FAILED")
+        append = at.qm.append
+        restored: list[bool] = []
+
+        def restore_before_the_backout(record: dict[str, Any], **kw: Any) -> None:
+            if record["k"] == "BACKOUT" and not restored:
+                restored.append(True)
+                at.restore()  # reads the PREPARE, not the BACKOUT: in doubt on the restored structure
+            append(record, **kw)
+
+        monkeypatch.setattr(at.qm, "append", restore_before_the_backout)
+        with pytest.raises(BackedOutError, match=f"unit of work {uow} was backed out, not prepared"):
+            at.conn.prepare("xid-restored-between")
+        assert restored
+        monkeypatch.undo()
+        at.settle()
+        assert not at.qm.indoubt()
+        want = {"Q1": [(b"taken", 1)], "Q2": []}
+        assert {q: at.view(q) for q in want} == want
+        assert all(d["UP"] == d["UG"] == 0 for d in at.qm.structure("APP1").depths().values())
+        at.restore()  # the logs as they are now: PREPARE then BACKOUT
+        at.settle()
+        assert {q: at.view(q) for q in want} == want
