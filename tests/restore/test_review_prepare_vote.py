@@ -10,8 +10,10 @@ from typing import Any
 
 import pytest
 
+from cfemu import keys
 from cfemu.admin import Admin
-from cfemu.errors import BackedOutError, BadRequestError
+from cfemu.errors import BackedOutError, BadRequestError, OutcomeUnknownError
+from sqm.core.recovery import recover_peer
 from tests.restore.test_restore import uow_records
 from tests.support.crash import crash
 from tests.support.group import define_group, start_qm
@@ -99,3 +101,39 @@ def test_a_restore_that_read_the_prepare_before_the_no_votes_backout_agrees_with
         at.restore()  # the logs as they are now: PREPARE then BACKOUT
         at.settle()
         assert {q: at.view(q) for q in want} == want
+
+
+def test_a_member_fenced_before_its_prepare_reached_the_disk_never_reports_the_commit(
+        redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Peer recovery fences QM1 and reads its log just before the PREPARE is written: the peer backs the unit of
+    work out. The prepare answers OutcomeUnknownError; QM1's restarted log ends with that PREPARE, and a
+    coordinator's resolve-commit there must not be told "committed" for a put that is gone."""
+    with restore_at_load(redis_url, tmp_path) as at:
+        peer = start_qm(redis_url, at.logs, "QM2", background=False)
+        try:
+            at.conn.put("Q1", b"in flight")
+            assert at.conn.uow is not None
+            uow = at.conn.uow.id
+            append = at.qm.append
+            recovered: list[Any] = []
+
+            def fenced_before_the_prepare(record: dict[str, Any], **kw: Any) -> None:
+                if record["k"] == "PREPARE" and not recovered:
+                    peer.redis.delete(keys.lease("QM1"))  # its lease has lapsed
+                    recovered.append(recover_peer(peer, "QM1"))
+                append(record, **kw)
+
+            monkeypatch.setattr(at.qm, "append", fenced_before_the_prepare)
+            with pytest.raises(OutcomeUnknownError, match="peer recovery fenced QM1"):
+                at.conn.prepare("xid-fenced-before")
+            assert recovered and recovered[0].in_doubt == 0, recovered  # the peer backed it out
+            monkeypatch.undo()
+            crash(at.qm)
+            at.qm = start_qm(redis_url, at.logs, "QM1", background=False, lease_ms=60_000)
+            if uow in [u.id for u in at.qm.indoubt()]:
+                with pytest.raises(BackedOutError):
+                    at.qm.resolve(uow, True)
+            assert at.view() == []
+            assert not at.qm.indoubt() and not at.qm.pending
+        finally:
+            peer.stop(checkpoint=False)
