@@ -234,10 +234,23 @@ class Outcomes:
         todo = [s for s in uow.structures if s not in uow.applied]
         if commit and len(todo) > 1:
             todo = self._refusing_first(uow, todo)
+        waiting: StructureFailedError | None = None
         for sname in todo:
-            self._apply_one(uow, sname, commit, for_member)
+            try:
+                self._apply_one(uow, sname, commit, for_member)
+            except StructureFailedError as e:
+                # A backout keeps no order between structures: one that answers it cannot take it now (failed,
+                # being restored) waits alone, and the rest are released now, so that an application can do its
+                # work again on the structures still serving. A CF that does not answer stops the round (the rest
+                # would wait the same way), and a commit keeps its order (_refusing_first).
+                if commit or getattr(e, "no_answer", False):
+                    raise
+                waiting = waiting or e
+                continue
             uow.applied.add(sname)
             failpoint("during-apply")
+        if waiting is not None:
+            raise waiting
         if self.store_report is not None and for_member is None:
             self.store_report.outcome(uow, commit)
         if (uow.persistent or for_member is not None) and self.log is not None and not self.log_failed:

@@ -35,10 +35,6 @@ def _no_vote_with_app2_failed(at: RestoreAtLoad) -> str:
     return str(uow.id)
 
 
-@pytest.mark.xfail(strict=True, reason="review: after a no vote caused by a failed structure, the backout stops at "
-                   "that structure (Outcomes.apply raises on the first one it cannot reach) and the UOW's get on the "
-                   "ACTIVE structure stays locked until the failed one is restored; the application was told "
-                   "BackedOutError ('do it again'), but its message cannot be got again")
 def test_a_no_vote_backs_out_at_once_on_the_structure_still_active(redis_url: str, tmp_path: Path) -> None:
     define_group(redis_url, structure="APP2", queues=("Q3",))
     with restore_at_load(redis_url, tmp_path) as at:
@@ -46,6 +42,25 @@ def test_a_no_vote_backs_out_at_once_on_the_structure_still_active(redis_url: st
         at.qm.retry_pending()  # housekeeping's retry: APP2 is still failed
         # "do it again": the message the unit of work got on APP1, which stayed ACTIVE, is available again
         assert at.view("Q1") == [(b"taken", 1)]
+
+
+def test_an_application_s_backout_releases_the_structures_still_serving_at_once(redis_url: str,
+                                                                                 tmp_path: Path) -> None:
+    """The same unit of work backed out by its application while APP2 is failed: the backout of APP2 waits for the
+    structure (the application hears that its outcome is pending), and the get on APP1 is released now."""
+    define_group(redis_url, structure="APP2", queues=("Q3",))
+    with restore_at_load(redis_url, tmp_path) as at:
+        conn = at.conn
+        conn.put("Q1", b"taken", syncpoint=False)
+        conn.put("Q3", b"put on APP2")
+        assert conn.get("Q1").body == b"taken"
+        Admin(at.client).set_state("APP2", "FAILED")
+        conn.backout()  # acknowledged: the APP2 part is finished when the structure is back
+        assert at.qm.pending
+        assert at.view("Q1") == [(b"taken", 1)]
+        Admin(at.client).set_state("APP2", "ACTIVE")
+        at.qm.retry_pending()
+        assert not at.qm.pending and at.view("Q3") == []
 
 
 def test_a_restart_after_a_no_vote_finds_it_backed_out_never_in_doubt(redis_url: str, tmp_path: Path) -> None:
