@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import threading
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -29,6 +28,7 @@ from harness import Windows, append_result, load_average, one_member
 from rich.console import Console
 from rich.table import Table
 
+from sqm.core.client_watch import ClientWatch
 from sqm.core.connection import Connection
 from sqm.core.manager import QueueManager
 from sqm.service import queue_ops
@@ -63,7 +63,7 @@ class Sess:
     role: str = "application"
     reply_limit: int = MAX_FRAME
     conn: Connection | None = None
-    gone: threading.Event = field(default_factory=threading.Event)
+    gone: ClientWatch = field(default_factory=ClientWatch)
     queues: set[str] = field(default_factory=set)
     served: int = 0
     last_request: float = 0.0
