@@ -152,9 +152,13 @@ class Workers:
 
         threads = [threading.Thread(target=drive, args=(p,), name=f"restore-worker-{p.pid}", daemon=True)
                    for p in self.procs]
-        self._threads = threads
+        # Only started threads are published: leaving the `with` may run in another thread at any moment (a
+        # restore's backup reader failing beside the map) and joins what it finds here
+        started: list[threading.Thread] = []
+        self._threads = started
         for t in threads:
             t.start()
+            started.append(t)
         running = len(threads)
         error: BaseException | None = None
         try:
@@ -229,7 +233,8 @@ class Workers:
                     p.kill()
                     p.wait()
             for t in self._threads:  # each ends at its worker's end of file
-                t.join(_STOP_WAIT_S)
+                if t.ident is not None:  # a thread not started yet is never joined (RuntimeError)
+                    t.join(_STOP_WAIT_S)
             for p in self.procs:
                 if p.stdout is not None:
                     p.stdout.close()

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import types
 from collections.abc import Iterator
@@ -346,3 +347,13 @@ def test_workers_of_a_parent_without_stderr_still_work() -> None:
                          text=True, timeout=30, stdin=subprocess.DEVNULL)
     assert out.returncode == 0
     assert out.stdout.strip() == "[0, 1, 4, 9]"
+
+
+def test_leaving_while_another_thread_still_starts_the_map_s_threads_joins_only_those_started() -> None:
+    """A restore's backup reader fails beside a map that is still starting its threads: leaving the `with` (in the
+    reader's thread) meets a thread not started yet, and must not raise joining it (RuntimeError) over the
+    reader's own error."""
+    pool = Workers(2)
+    with pool:
+        pool._threads = [threading.Thread(target=lambda: None, name="restore-worker-not-started")]
+    assert pool._threads == [] and pool.procs == []
