@@ -9,30 +9,14 @@ told pending, what the member ends with is the same in its log, in the CF, and i
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from cfemu.admin import Admin
 from cfemu.errors import OutcomePendingError
-from sqm.core.connection import Connection
 from tests.restore.test_restore import S, uow_records
 from tests.support.restore_at_load import RestoreAtLoad, restore_at_load
-
-
-def commit_during_load(conn: Connection) -> tuple[Callable[[], None], list[str]]:
-    """An action for the restore's load that commits ``conn``'s unit of work; the list it fills says what the
-    application was told: "committed", or "pending" with the error's text."""
-    told: list[str] = []
-
-    def commit() -> None:
-        try:
-            conn.commit()
-            told.append("committed")
-        except OutcomePendingError as e:
-            told.extend(["pending", str(e)])
-    return commit, told
 
 
 def decision(logs: Path, uow: str) -> str:
@@ -55,11 +39,7 @@ def test_a_put_committed_while_a_restore_loads_is_never_acknowledged_and_then_lo
         at.conn.put("Q1", b"committed during the restore")
         assert at.conn.uow is not None
         uow = at.conn.uow.id
-        at.backup()
-        commit, told = commit_during_load(at.conn)
-        at.restore(commit)
-        at.settle()
-        after = at.view()
+        told, after = at.commit_during_restore()
         if told[0] == "committed":
             assert after == [(b"committed during the restore", 0)], f"acknowledged, then: {after}"
             return
@@ -78,11 +58,7 @@ def test_a_get_committed_while_a_restore_loads_is_neither_consumed_twice_nor_los
         assert at.conn.get("Q1").body == b"taken during the restore"
         assert at.conn.uow is not None
         uow = at.conn.uow.id
-        at.backup()
-        commit, told = commit_during_load(at.conn)
-        at.restore(commit)
-        at.settle()
-        after = at.view()
+        told, after = at.commit_during_restore()
         if told[0] == "committed":
             assert after == [], f"acknowledged as consumed, then available again: {after}"
             return
@@ -109,8 +85,7 @@ def test_the_pending_answer_is_given_whatever_the_restore_then_decides(redis_url
             at.restore(mark_failed=False)
             want = [(b"pending either way", 0)]
         else:
-            commit, told = commit_during_load(at.conn)
-            at.restore(commit)
+            told = at.restore_committing()
             assert told and told[0] == "pending", told
             want = []
         at.settle()

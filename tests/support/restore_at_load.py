@@ -14,6 +14,7 @@ from pathlib import Path
 import redis
 
 from backup.run import run_backup
+from cfemu.errors import OutcomePendingError
 from restore.engine import LOAD
 from restore.run import run_restore
 from sqm.core.connection import Connection
@@ -47,6 +48,30 @@ class RestoreAtLoad:
         run_restore(self.client, STRUCTURE, backup_root=self.backups, log_root=self.logs, mark_failed=mark_failed,
                     progress=progress)
         assert ran or at_load is None, "the restore never reached its load"
+
+    def restore_committing(self) -> list[str]:
+        """Restore the structure with the application's commit of its unit of work made at the load. What the
+        application was told: ["committed"], or ["pending", the error's text] (OutcomePendingError)."""
+        told: list[str] = []
+
+        def commit() -> None:
+            try:
+                self.conn.commit()
+                told.append("committed")
+            except OutcomePendingError as e:
+                told.extend(["pending", str(e)])
+
+        self.restore(commit)
+        return told
+
+    def commit_during_restore(self) -> tuple[list[str], list[tuple[bytes, int]]]:
+        """A backup, then a restore during whose load the application commits its unit of work, the member
+        settled on the restored structure: what the application was told (restore_committing) and the queue Q1
+        then (view)."""
+        self.backup()
+        told = self.restore_committing()
+        self.settle()
+        return told, self.view()
 
     def settle(self) -> None:
         settle(self.qm)
