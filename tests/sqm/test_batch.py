@@ -8,7 +8,6 @@ peer has recovered its work."""
 
 from __future__ import annotations
 
-import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -30,6 +29,7 @@ from sqm.service.client import BatchError, Client
 from sqm.service.protocol import MIN_FRAME
 from tests.sqm.test_service import OP_TOKEN, TOKEN, ServerProc, start_server
 from tests.support.group import define_group
+from tests.support.killed_member import killed_by_failpoint
 
 
 @pytest.fixture(scope="module")
@@ -194,64 +194,38 @@ def test_an_operator_and_an_application_may_batch_a_companion_queue_is_refused(s
 
 
 # --- kill -9 inside a batch --------------------------------------------------------------------------------------
-def _peer_recovered(srv: ServerProc, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    with Client(srv.endpoint, token=OP_TOKEN, role="operator") as op:
-        while op.status()["peer_recoveries"] < 1:
-            assert time.monotonic() < deadline, "no peer recovery"
-            time.sleep(0.1)
-
-
 def test_kill_9_inside_a_get_batch_redelivers_only_the_unacknowledged(redis_url: str, tmp_path: Path) -> None:
     """The member dies (SIGKILL) after its third batch's CF calls and log appends, before that batch's force.
     The acknowledged gets never come back; the killed batch's come back (backed out by the peer, their backout
     counts raised); nothing is lost."""
-    define_group(redis_url, queues=("K1",))
-    victim = start_server(redis_url, tmp_path, "QM1", "--lease-ms", "1000",
-                          env={"SQM_FAILPOINTS": "batch-before-force=3"})
-    peer = start_server(redis_url, tmp_path, "QM2", "--lease-ms", "1000")
-    try:
-        with client(peer) as feeder:
+    with killed_by_failpoint(redis_url, tmp_path, "K1", "batch-before-force=3") as killed:
+        with client(killed.peer) as feeder:
             feeder.put_batch([b"g%d" % i for i in range(30)], queue="K1", syncpoint=False)
-        c = client(victim, reconnect_timeout=1)
+        c = client(killed.victim, reconnect_timeout=1)
         acked = [m.body for _ in range(2) for m in c.get_batch("K1", 10, commit=True)]
         with pytest.raises(OutcomeUnknownError):  # lost while it committed: the client cannot know
             c.get_batch("K1", 10, commit=True)
-        assert victim.proc.wait(timeout=10) == -signal.SIGKILL
         c.close()
-        _peer_recovered(peer)
-        with client(peer) as check:
+        killed.recovered()
+        with client(killed.peer) as check:
             left = check.get_batch("K1", 1000, commit=True)
         assert acked == [b"g%d" % i for i in range(20)]
         assert [(m.body, m.backout_count) for m in left] == [(b"g%d" % i, 1) for i in range(20, 30)]
-    finally:
-        for srv in (victim, peer):
-            if srv.proc.poll() is None:
-                srv.stop()
 
 
 def test_kill_9_inside_a_put_batch_keeps_the_acknowledged_and_applies_none_of_it(redis_url: str, tmp_path: Path) -> None:
     """Two acknowledged batches of puts, a third killed before its force: after peer recovery the queue holds
     exactly the acknowledged messages, in order, and none of the killed batch."""
-    define_group(redis_url, queues=("K2",))
-    victim = start_server(redis_url, tmp_path, "QM1", "--lease-ms", "1000",
-                          env={"SQM_FAILPOINTS": "batch-before-force=3"})
-    peer = start_server(redis_url, tmp_path, "QM2", "--lease-ms", "1000")
-    try:
-        c = client(victim, reconnect_timeout=1)
+    with killed_by_failpoint(redis_url, tmp_path, "K2", "batch-before-force=3") as killed:
+        c = client(killed.victim, reconnect_timeout=1)
         acked = [m.body for b in range(2)
                  for m in c.put_batch([b"p%d-%d" % (b, i) for i in range(10)], queue="K2", commit=True)]
         with pytest.raises(OutcomeUnknownError):
             c.put_batch([b"lost%d" % i for i in range(10)], queue="K2", commit=True)
-        assert victim.proc.wait(timeout=10) == -signal.SIGKILL
         c.close()
-        _peer_recovered(peer)
-        with client(peer) as check:
+        killed.recovered()
+        with client(killed.peer) as check:
             assert [m.body for m in check.get_batch("K2", 1000, commit=True)] == acked
-    finally:
-        for srv in (victim, peer):
-            if srv.proc.poll() is None:
-                srv.stop()
 
 
 @pytest.mark.slow
@@ -262,16 +236,12 @@ def test_kill_9_inside_a_force_shared_by_concurrent_batches_loses_no_acknowledge
     their records. After peer recovery: every acknowledged batch is on the queue, whole; every batch on the queue
     was acknowledged or had its outcome unknown to its client, and is whole (none half-applied); and the batches
     of the killed force are not there."""
-    define_group(redis_url, queues=("K3",))
-    victim = start_server(redis_url, tmp_path, "QM1", "--lease-ms", "1000",
-                          env={"SQM_FAILPOINTS": "group-force=3"})
-    peer = start_server(redis_url, tmp_path, "QM2", "--lease-ms", "1000")
     clients, per, most = 8, 10, 200
     acked: list[list[bytes]] = []
     unknown: list[list[bytes]] = []
     lock = threading.Lock()
 
-    def commit_batches(k: int) -> None:
+    def commit_batches(victim: ServerProc, k: int) -> None:
         with client(victim, reconnect_timeout=1) as c:
             for b in range(most):
                 batch = [b"c%d-b%d-m%d" % (k, b, i) for i in range(per)]
@@ -284,15 +254,14 @@ def test_kill_9_inside_a_force_shared_by_concurrent_batches_loses_no_acknowledge
                 with lock:
                     acked.append(batch)
 
-    try:
-        threads = [threading.Thread(target=commit_batches, args=(k,)) for k in range(clients)]
+    with killed_by_failpoint(redis_url, tmp_path, "K3", "group-force=3") as killed:
+        threads = [threading.Thread(target=commit_batches, args=(killed.victim, k)) for k in range(clients)]
         for t in threads:
             t.start()
         for t in threads:
             t.join(timeout=120)
-        assert victim.proc.wait(timeout=30) == -signal.SIGKILL, "the member was not killed inside a shared force"
-        _peer_recovered(peer)
-        with client(peer) as check:
+        killed.recovered(timeout=30, what="the member was not killed inside a shared force")
+        with client(killed.peer) as check:
             left = {m.body for m in check.get_batch("K3", 1000, commit=True)}
         assert all(set(batch) <= left for batch in acked)  # nothing acknowledged is lost
         known = {body for batch in acked + unknown for body in batch}
@@ -302,7 +271,3 @@ def test_kill_9_inside_a_force_shared_by_concurrent_batches_loses_no_acknowledge
         # The killed force's leader and the committer(s) waiting on it had their COMMIT records only in the
         # member's memory: their batches are not applied.
         assert any(not set(batch) & left for batch in unknown)
-    finally:
-        for srv in (victim, peer):
-            if srv.proc.poll() is None:
-                srv.stop()

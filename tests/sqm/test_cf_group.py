@@ -8,7 +8,6 @@ inside a shared round trip loses no acknowledged message and applies no unacknow
 
 from __future__ import annotations
 
-import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -34,10 +33,10 @@ from sqm.core.cfgroup import UNGROUPED_ENV, GroupedCF
 from sqm.core.clock import LrsnClock
 from sqm.core.manager import QueueManager
 from sqm.request_slots import RequestSlots
-from tests.sqm.test_batch import _peer_recovered
 from tests.sqm.test_batch import client as batch_client
-from tests.sqm.test_service import start_server
+from tests.sqm.test_service import ServerProc
 from tests.support.group import define_group, start_qm
+from tests.support.killed_member import killed_by_failpoint
 from tests.support.waits import sigstop
 
 THREADS = 8
@@ -312,11 +311,6 @@ def test_kill_9_inside_a_shared_cf_round_trip_loses_no_acknowledged_message(fres
     After peer recovery: no acknowledged put is lost (unless a get of it is in doubt), no acknowledged get comes
     back, no put whose own request failed (its unit of work never committed) is there, and nothing is there that
     was not acknowledged or in doubt."""
-    redis_url = str(fresh_redis.url)
-    define_group(redis_url, queues=("K4",))
-    victim = start_server(redis_url, tmp_path, "QM1", "--lease-ms", "1000",
-                          env={"SQM_FAILPOINTS": "shared-cf-round-trip=30"})
-    peer = start_server(redis_url, tmp_path, "QM2", "--lease-ms", "1000")
     acked_puts: set[bytes] = set()
     unknown_puts: set[bytes] = set()
     failed_puts: set[bytes] = set()
@@ -325,7 +319,7 @@ def test_kill_9_inside_a_shared_cf_round_trip_loses_no_acknowledged_message(fres
     lock = threading.Lock()
     lost = Exception  # the member died: each request fails as its client reports it (MQError, OSError...)
 
-    def lifecycles(k: int) -> None:
+    def lifecycles(victim: ServerProc, k: int) -> None:
         with batch_client(victim, reconnect_timeout=1) as c:
             for n in range(2000):
                 body = b"c%d-m%d" % (k, n)
@@ -356,16 +350,15 @@ def test_kill_9_inside_a_shared_cf_round_trip_loses_no_acknowledged_message(fres
                 with lock:
                     acked_gets.add(got)
 
-    try:
-        threads = [threading.Thread(target=lifecycles, args=(k,)) for k in range(THREADS)]
+    with killed_by_failpoint(str(fresh_redis.url), tmp_path, "K4", "shared-cf-round-trip=30") as killed:
+        threads = [threading.Thread(target=lifecycles, args=(killed.victim, k)) for k in range(THREADS)]
         for t in threads:
             t.start()
         for t in threads:
             t.join(timeout=180)
-        assert victim.proc.wait(timeout=30) == -signal.SIGKILL, "the member was not killed in a shared round trip"
+        killed.recovered(timeout=30, what="the member was not killed in a shared round trip")
         assert acked_gets, "no lifecycle was acknowledged before the kill"
-        _peer_recovered(peer)
-        with batch_client(peer) as check:
+        with batch_client(killed.peer) as check:
             left = [m.body for m in check.get_batch("K4", 1000, commit=True)]
         assert len(left) == len(set(left)), left
         there = set(left)
@@ -373,10 +366,6 @@ def test_kill_9_inside_a_shared_cf_round_trip_loses_no_acknowledged_message(fres
         assert acked_puts - acked_gets - unknown_gets <= there, "an acknowledged put was lost"
         assert not there & failed_puts, "a put whose unit of work never committed was applied"
         assert there <= acked_puts | unknown_puts, "a message no client had acknowledged or had in doubt"
-    finally:
-        for srv in (victim, peer):
-            if srv.proc.poll() is None:
-                srv.stop()
 
 
 def test_the_benchmarks_baseline_sends_each_call_alone(cf_url: str, monkeypatch: pytest.MonkeyPatch) -> None:

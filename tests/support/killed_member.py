@@ -1,0 +1,52 @@
+"""A `sqm run` member killed (SIGKILL) by one of its failpoints (sqm.core.failpoints) in the middle of its work, and a
+peer that recovers that work: the harness of the tests that hold what the clients were told against what the peer
+leaves on the queue. The victim is QM1, the peer QM2, real processes on the test's CF, each with a lease of 1 s so
+that the peer recovers the victim soon after its death; both are stopped at the end (the victim if it is alive)."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqm.service.client import Client
+from tests.sqm.test_service import OP_TOKEN, ServerProc, start_server
+from tests.support.group import define_group
+
+
+@dataclass
+class KilledMember:
+    victim: ServerProc  # QM1, whose failpoint kills it
+    peer: ServerProc  # QM2
+
+    def recovered(self, timeout: float = 10.0, what: str = "the member was not killed by its failpoint") -> None:
+        """The victim died of SIGKILL (within ``timeout`` seconds), and the peer has recovered its work."""
+        assert self.victim.proc.wait(timeout=timeout) == -signal.SIGKILL, what
+        peer_recovered(self.peer)
+
+
+def peer_recovered(srv: ServerProc, timeout: float = 30) -> None:
+    """Wait until the member has recovered a peer (its operator status counts one peer recovery)."""
+    deadline = time.monotonic() + timeout
+    with Client(srv.endpoint, token=OP_TOKEN, role="operator") as op:
+        while op.status()["peer_recoveries"] < 1:
+            assert time.monotonic() < deadline, "no peer recovery"
+            time.sleep(0.1)
+
+
+@contextmanager
+def killed_by_failpoint(redis_url: str, tmp_path: Path, queue: str, failpoint: str) -> Iterator[KilledMember]:
+    """A group with ``queue`` on its structure APP1, QM1 started with SQM_FAILPOINTS=``failpoint`` and its peer
+    QM2."""
+    define_group(redis_url, queues=(queue,))
+    servers = [start_server(redis_url, tmp_path, "QM1", "--lease-ms", "1000", env={"SQM_FAILPOINTS": failpoint})]
+    try:
+        servers.append(start_server(redis_url, tmp_path, "QM2", "--lease-ms", "1000"))
+        yield KilledMember(*servers)
+    finally:
+        for srv in servers:
+            if srv.proc.poll() is None:
+                srv.stop()
