@@ -81,6 +81,7 @@ from restore.settle import (
     Settled,
 )
 from restore.spill import SpillDir
+from restore.sql_statements import split_statements
 from sqm.conversations.uowstatus import is_control_queue, restore_control_entry
 from sqm.core.records import KINDS, OUTCOME_RANK, Role
 from sqm.log import LogReader, one_log_per_member
@@ -961,17 +962,16 @@ class _Streams:
 
 def _execute(con: duckdb.DuckDBPyConnection, sql: str, timings: dict[str, float], name: str = "") -> None:
     """Each statement of `sql`, its seconds added to timings[its table's name]."""
-    for statement in sql.split(";"):
-        if statement.strip():
-            t0 = time.perf_counter()
-            what = name or (statement.split("CREATE TABLE ", 1)[-1].split()[0] if "CREATE TABLE" in statement else (
-                "drop" if "DROP TABLE" in statement else "insert"))
-            try:
-                con.execute(statement)
-            except duckdb.Error as e:
-                e.add_note(f"in the columnar plan's statement making {what}")
-                raise
-            timings[what] = round(timings.get(what, 0.0) + time.perf_counter() - t0, 3)
+    for statement in split_statements(sql):
+        t0 = time.perf_counter()
+        what = name or (statement.split("CREATE TABLE ", 1)[-1].split()[0] if "CREATE TABLE" in statement else (
+            "drop" if "DROP TABLE" in statement else "insert"))
+        try:
+            con.execute(statement)
+        except duckdb.Error as e:
+            e.add_note(f"in the columnar plan's statement making {what}")
+            raise
+        timings[what] = round(timings.get(what, 0.0) + time.perf_counter() - t0, 3)
 
 
 def _run(con: duckdb.DuckDBPyConnection, spill: SpillDir, structure: str, base: Base, now_ms: int,
