@@ -25,8 +25,12 @@ lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
 
+# The packages and the benchmarks: a benchmark calls the packages as an application does, and a call an API change
+# broke is found here rather than when the benchmark runs.
+TYPED := cfemu sqm backup restore qsg bench
+
 typecheck: venv
-	$(BIN)/mypy cfemu sqm backup restore qsg
+	$(BIN)/mypy $(TYPED)
 
 # The default suite in three tiers (tests/support/tiers.py): the fast one first, so that a broken change fails in
 # minutes, then the tests marked slow, then the few marked timed (they assert a response time or a throughput) one
@@ -44,7 +48,7 @@ test: export PYTHONPYCACHEPREFIX := $(abspath $(VENV))/pycache
 test: export PYTHONDONTWRITEBYTECODE :=
 test: venv
 	$(BIN)/ruff check .
-	$(BIN)/mypy cfemu sqm backup restore qsg
+	$(BIN)/mypy $(TYPED)
 	$(BIN)/lint-imports
 	$(BIN)/pytest -q -n $(TEST_WORKERS_FAST) --tier fast --durations-file=var/test-durations-fast.txt $(PYTEST_ARGS)
 	$(BIN)/pytest -q -n $(TEST_WORKERS_SLOW) --tier slow --durations-file=var/test-durations-slow.txt $(PYTEST_ARGS)

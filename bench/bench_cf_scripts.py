@@ -298,8 +298,8 @@ def main() -> None:
                   f"{statistics.median(rr):.2f} max {max(rr):.2f}")
     print(f"\nload {load:.1f} -> {result['load_after']:.1f}")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    with RESULTS.open("a") as f:
-        f.write(json.dumps(result) + "\n")
+    with RESULTS.open("a") as out:
+        out.write(json.dumps(result) + "\n")
 
 
 if __name__ == "__main__":

@@ -119,13 +119,13 @@ def relog_cost(url: str, work: Path, intervals: int, args: argparse.Namespace) -
         for _ in range(args.stay):  # warm up: the long-lived population reaches its steady size
             w.interval()
         r0, b0 = qm.counters.get("relog_records", 0), qm.counters.get("relog_bytes", 0)
-        depth = []
+        depth: list[tuple[int, float]] = []  # each checkpoint's queue depth and seconds
         for _ in range(intervals):
             w.interval(checkpoint=None)
-            depth.append(len(w.long) + w.short)
+            queued = len(w.long) + w.short
             t1 = time.perf_counter()
             qm.checkpoint(why)
-            depth[-1] = (depth[-1], time.perf_counter() - t1)
+            depth.append((queued, time.perf_counter() - t1))
         recs = qm.counters.get("relog_records", 0) - r0
         nbytes = qm.counters.get("relog_bytes", 0) - b0
         out[name] = {"relog_records_per_checkpoint": round(recs / intervals, 1),

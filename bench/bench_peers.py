@@ -306,11 +306,16 @@ class Postgres(Contender):
                  "-c", "max_connections=200", "-c", "shared_buffers=128MB", "-c", "track_wal_io_timing=off"],
                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, **run_as("postgres")))
         self.dsn = f"host=127.0.0.1 port={self.port} user=bench dbname=postgres"
-        wait_for(lambda: bool(psycopg.connect(self.dsn).close() or True), 60, "PostgreSQL", self.procs[-1], log)
+
+        def ready() -> bool:
+            psycopg.connect(self.dsn).close()
+            return True
+
+        wait_for(ready, 60, "PostgreSQL", self.procs[-1], log)
         with psycopg.connect(self.dsn, autocommit=True) as c:
             c.execute("CREATE TABLE queue (id bigserial PRIMARY KEY, body bytea NOT NULL)")
-            setting = dict(c.execute("SELECT name, setting FROM pg_settings WHERE name IN "
-                                     "('fsync', 'synchronous_commit', 'wal_sync_method')").fetchall())
+            setting: dict[str, str] = dict(c.execute("SELECT name, setting FROM pg_settings WHERE name IN "
+                                                     "('fsync', 'synchronous_commit', 'wal_sync_method')").fetchall())
         self.servers_note = f"PostgreSQL {b.parent.name}: " + ", ".join(f"{k}={v}" for k, v in sorted(setting.items()))
 
     def client_params(self) -> dict[str, Any]:
@@ -564,7 +569,7 @@ def make_loop(kind: str, params: dict[str, Any], index: int, qm: Any) -> tuple[C
                     item = client.lmove("bench:q", processing, "RIGHT", "LEFT")
                     if item is not None:
                         break
-                client.lrem(processing, 1, item)  # type: ignore[arg-type]
+                client.lrem(processing, 1, item)
                 n += 1
             return n
         return red, client.close

@@ -235,11 +235,12 @@ def real_sqm_kinds(work: Path, records: int, seed: int = 1) -> dict[str, int]:
         for qm in qms:
             qm.start()
         conns = [qm.connect() for qm in qms]
+        logs = [qm.log for qm in qms if qm.log is not None]  # every started member has its log
         body = rnd.randbytes(64)
         ops = 0
         turn = 0
         while True:
-            if ops % 200 == 0 and sum(qm.log.stats.records for qm in qms) >= records:
+            if ops % 200 == 0 and sum(lg.stats.records for lg in logs) >= records:
                 break
             c = conns[turn % 3]
             turn += 1
@@ -257,8 +258,8 @@ def real_sqm_kinds(work: Path, records: int, seed: int = 1) -> dict[str, int]:
                 backout = rnd.random() < GET_BACKOUT
             (c.backout if backout else c.commit)()
             ops += n
-        for qm in qms:
-            qm.log.force()
+        for lg in logs:
+            lg.force()
     finally:
         for qm in qms:
             qm.stop(checkpoint=False)
@@ -322,6 +323,7 @@ def plan_only(root: Path, memory: int, truth_file: Path, workers: int, engine_na
     """The plan alone (--plan-only): planned by the engine, then its survivors read in load order as the load reads
     them (the plan's output), every count checked against the generator's truth; no load, no raw writes."""
     from backup.files import read_backup
+    from cfemu.progress import no_progress
     from restore.engine import get_engine
 
     truth = json.loads(truth_file.read_text())
@@ -330,7 +332,7 @@ def plan_only(root: Path, memory: int, truth_file: Path, workers: int, engine_na
     out: dict[str, Any] = {"rss_start_mib": round(vm_hwm() / 2**20), "engine": engine_name, "plan_only": True}
     t0, c0 = time.perf_counter(), cpu_s()
     plan = get_engine(engine_name, memory=memory, work_dir=root / "work", workers=workers).plan(
-        S, backup, log_dirs, REPLAY_FROM, NOW_MS)
+        S, backup, log_dirs, REPLAY_FROM, NOW_MS, no_progress)
     out["plan_s"], out["plan_cpu_s"] = round(time.perf_counter() - t0, 2), round(cpu_s() - c0, 2)
     t1, c1 = time.perf_counter(), cpu_s()
     loaded = bumped = 0
@@ -338,7 +340,9 @@ def plan_only(root: Path, memory: int, truth_file: Path, workers: int, engine_na
         loaded += 1
         bumped += bool(s.entry and int(s.entry.get("bc", 0)) > 0)
     out["read_out_s"], out["read_out_cpu_s"] = round(time.perf_counter() - t1, 2), round(cpu_s() - c1, 2)
-    if hasattr(plan, "timings"):
+    if hasattr(plan, "timings"):  # the columnar engine's plan (its module imported already: it made the plan)
+        from restore.engine_columnar import ColumnarPlan
+        assert isinstance(plan, ColumnarPlan)
         out["statements_s"] = plan.timings
         out["read_cpu_s"] = round(plan.read_cpu_s, 2)
     out["partitions"] = getattr(plan, "partitions", 0)
@@ -398,6 +402,8 @@ def child(root: Path, memory: int, truth_file: Path, workers: int, engine_name: 
         out["plan_cpu_s"] = round(cpu_s() - c0, 2)  # this process's threads and its ended worker processes
         out["engine"] = engine_name
         if hasattr(plan, "timings"):  # the columnar engine: each statement, and its log readers' CPU
+            from restore.engine_columnar import ColumnarPlan
+            assert isinstance(plan, ColumnarPlan)
             out["statements_s"] = plan.timings
             out["read_logs_cpu_s"] = round(plan.read_cpu_s, 2)
         out["partitions"] = getattr(plan, "partitions", 0)

@@ -90,8 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for n in args.clients:
             service, in_process = [], []
-            for r in range(args.rounds):
-                console.print(f"[dim]{n} client(s), round {r + 1}/{args.rounds}[/dim]")
+            for k in range(args.rounds):
+                console.print(f"[dim]{n} client(s), round {k + 1}/{args.rounds}[/dim]")
                 in_process.append(measure_in_process(qms, n, args.seconds))
                 service.append(measure_service(cluster, n, args.seconds))
             s, p = statistics.median(service), statistics.median(in_process)

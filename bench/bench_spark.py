@@ -104,7 +104,7 @@ def generate(root: Path, records: int, seed: int = 1, backup_messages: int | Non
         seq += 1
         u = f"{member}.1.{seq}"
         log = logs[member]
-        mine = []
+        mine: list[tuple[str, dict[str, Any], bytes]] = []
         for _ in range(rnd.randint(1, 4)):
             lrsn += 1
             eid = f"{seq:08x}{len(mine):02x}{rnd.getrandbits(16):04x}"

@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         admin.define_queue("Q1", "APP1")
         profiles = ThreadProfiles() if args.cprofile else None
         fsync, cf = Stopwatch(), Stopwatch()
-        writer._fdatasync = fsync.wrap(writer._fdatasync)  # type: ignore[attr-defined]
+        writer._fdatasync = fsync.wrap(writer._fdatasync)
         cfmod.CF.run = cf.wrap(cfmod.CF.run)  # type: ignore[method-assign]
         cfmod.CF.run_many = cf.wrap(cfmod.CF.run_many)  # type: ignore[method-assign]  # a grouped round trip
         qm = QueueManager(QueueManagerConfig(name="QM1", log_root=work / "logs", redis_url=srv.url, lease_ms=60_000), wings=WINGS)
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("the client did not start")
         stats0 = r.info("commandstats")
         trips0 = getattr(qm.cf, "round_trips", 0)
-        fsync.seconds = fsync.calls = cf.seconds = cf.calls = 0  # type: ignore[assignment]
+        fsync.seconds = fsync.calls = cf.seconds = cf.calls = 0
         pids = {"server": os.getpid(), "cf": srv.pid or 0, "client": client.pid}
         cpu0 = {k: own_ticks(p) for k, p in pids.items()}
         switches0 = context_switches()
