@@ -68,7 +68,16 @@ from restore.columns import (
 )
 from restore.engine import READ_BACKUP, READ_LOGS, SETTLE, BackupSource, _counted, register_engine
 from restore.partitioned import DEFAULT_MEMORY
-from restore.plan import BACKOUT, INDOUBT, Base, RestorePlan, base_lrsn, base_of, restore_lrsn_above
+from restore.plan import (
+    BACKOUT,
+    INDOUBT,
+    Base,
+    RestorePlan,
+    SummarizedPlan,
+    base_lrsn,
+    base_of,
+    restore_lrsn_above,
+)
 from restore.settle import (
     CONSUMED,
     EXPIRED,
@@ -682,17 +691,13 @@ class ColumnarSettled(Collection[Settled]):
         return any(s == item for s in self)
 
 
-class ColumnarPlan(RestorePlan):
+class ColumnarPlan(SummarizedPlan):
     """A RestorePlan whose tables live in a DuckDB database in its spill directory until close()."""
 
     spill: SpillDir
     con: duckdb.DuckDBPyConnection
     settled_count: int
-    loaded_count: int
     loaded_bytes: int
-    held: dict[str, str]
-    first_lrsn: dict[str, int]
-    restore_decided: set[str]
     worker_peak_bytes: int
     workers: int
     partitions: int = 1
@@ -710,21 +715,6 @@ class ColumnarPlan(RestorePlan):
                 yield from _survivors(batch, pieces)
         finally:
             pieces.close()
-
-    def loaded(self) -> Iterator[Settled]:
-        return self.in_load_order()
-
-    def loaded_total(self) -> int:
-        return self.loaded_count
-
-    def in_doubt_uows(self) -> dict[str, str]:
-        return dict(self.held)
-
-    def loaded_first_lrsn(self) -> dict[str, int]:
-        return dict(self.first_lrsn)
-
-    def backed_out_by_restore(self) -> set[str]:
-        return set(self.restore_decided)
 
     def close(self) -> None:
         try:

@@ -50,7 +50,7 @@ from restore.plan import (
     INDOUBT,
     Base,
     Copy,
-    RestorePlan,
+    SummarizedPlan,
     base_of,
     copy_holder,
     in_flight_outcome,
@@ -186,18 +186,14 @@ def merged_runs(runs: Runs) -> Iterator[Settled]:
         yield Settled(f[1], f[2], f[3], f[4], f[5])
 
 
-class SpilledPlan(RestorePlan):
+class SpilledPlan(SummarizedPlan):
     """A RestorePlan whose settled entries and outcomes live in spill files (restore.spill) until close()."""
 
     spill: SpillDir
     partitions: int
     settled_count: int
-    loaded_count: int
     loaded_bytes: int  # the survivors' data, in all
     read_size: int
-    held: dict[str, str]
-    first_lrsn: dict[str, int]
-    restore_decided: set[str]
     worker_peak_bytes: int  # the worker processes' peak resident memory, summed (0: planned in this process)
     deferred_records: int = 0  # log records the slices' readers set aside until the backup was read
 
@@ -209,21 +205,6 @@ class SpilledPlan(RestorePlan):
     def runs(self) -> Runs:
         """Where its sorted runs are: enough for another process to read them in load order (merged_runs)."""
         return Runs(str(self.spill.path), self.partitions, self.read_size)
-
-    def loaded(self) -> Iterator[Settled]:
-        return self.in_load_order()
-
-    def loaded_total(self) -> int:
-        return self.loaded_count
-
-    def in_doubt_uows(self) -> dict[str, str]:
-        return dict(self.held)
-
-    def loaded_first_lrsn(self) -> dict[str, int]:
-        return dict(self.first_lrsn)
-
-    def backed_out_by_restore(self) -> set[str]:
-        return set(self.restore_decided)
 
     def close(self) -> None:
         self.spill.close()

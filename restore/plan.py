@@ -79,6 +79,31 @@ class RestorePlan:
         """Free what the plan keeps outside memory (a partitioned plan's spill files); nothing for this one."""
 
 
+class SummarizedPlan(RestorePlan):
+    """A RestorePlan whose settled entries live outside memory (spill files, a database) and are read on demand, in
+    load order (in_load_order): what the restore asks of them besides is summed up once, when the plan is made."""
+
+    loaded_count: int
+    held: dict[str, str]  # in_doubt_uows
+    first_lrsn: dict[str, int]  # loaded_first_lrsn
+    restore_decided: set[str]  # backed_out_by_restore
+
+    def loaded(self) -> Iterator[Settled]:
+        return self.in_load_order()
+
+    def loaded_total(self) -> int:
+        return self.loaded_count
+
+    def in_doubt_uows(self) -> dict[str, str]:
+        return dict(self.held)
+
+    def loaded_first_lrsn(self) -> dict[str, int]:
+        return dict(self.first_lrsn)
+
+    def backed_out_by_restore(self) -> set[str]:
+        return set(self.restore_decided)
+
+
 @dataclass(frozen=True)
 class Base:
     """What the plan knows of its base (the backup or restore point it starts from) before it reads the logs:
