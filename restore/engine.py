@@ -103,6 +103,18 @@ def _allow_open_files(n: int) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (n if hard == resource.RLIM_INFINITY else min(n, hard), hard))
 
 
+def bounded_resources(memory: int, work_dir: Path | None, workers: int | None) -> tuple[int, Path | None, int]:
+    """What an engine that plans in bounded memory is given, checked: ``memory`` bytes (positive), its work directory
+    (None: the system's temporary directory) and its ``workers`` (at least 1; None: the setting's default, one a
+    core)."""
+    if memory <= 0:
+        raise ValueError(f"the restore memory limit must be positive, not {memory}")
+    count = default_workers() if workers is None else workers
+    if count < 1:
+        raise ValueError(f"the restore workers must be at least 1, not {count}")
+    return memory, Path(work_dir) if work_dir is not None else None, count
+
+
 class LocalEngine:
     """The engine of this machine: plans in bounded memory (restore.partitioned), partitioned by entry id through
     spill files in a private temporary directory under `work_dir`, so that the partitions being settled (one per
@@ -114,14 +126,8 @@ class LocalEngine:
 
     def __init__(self, memory: int = DEFAULT_MEMORY, work_dir: Path | None = None,
                  partitions: int | None = None, workers: int | None = None) -> None:
-        if memory <= 0:
-            raise ValueError(f"the restore memory limit must be positive, not {memory}")
-        self.memory = memory
-        self.work_dir = Path(work_dir) if work_dir is not None else None  # None: the system's temporary directory
+        self.memory, self.work_dir, self.workers = bounded_resources(memory, work_dir, workers)
         self.partitions = partitions  # None: from the input's size and `memory` (partitions_for)
-        self.workers = default_workers() if workers is None else workers
-        if self.workers < 1:
-            raise ValueError(f"the restore workers must be at least 1, not {self.workers}")
 
     def plan(self, structure: str, backup: BackupSource, log_dirs: list[Path], replay_from: int, now_ms: int,
              progress: Progress = no_progress) -> RestorePlan:

@@ -47,7 +47,6 @@ import pyarrow as pa
 
 from backup.files import Backup, entry_path
 from cfemu.progress import Progress, no_progress
-from cfemu.settings import default_workers
 from cfemu.uow_attributes import CONTROL_SUFFIX
 from restore.columns import (
     SRC_BACKUP,
@@ -66,7 +65,15 @@ from restore.columns import (
     scan_backup_file,
     scan_segment,
 )
-from restore.engine import READ_BACKUP, READ_LOGS, SETTLE, BackupSource, _counted, register_engine
+from restore.engine import (
+    READ_BACKUP,
+    READ_LOGS,
+    SETTLE,
+    BackupSource,
+    _counted,
+    bounded_resources,
+    register_engine,
+)
 from restore.partitioned import DEFAULT_MEMORY
 from restore.plan import (
     BACKOUT,
@@ -734,13 +741,7 @@ class ColumnarEngine:
 
     def __init__(self, memory: int = DEFAULT_MEMORY, work_dir: Path | None = None,
                  partitions: int | None = None, workers: int | None = None) -> None:
-        if memory <= 0:
-            raise ValueError(f"the restore memory limit must be positive, not {memory}")
-        self.memory = memory
-        self.work_dir = Path(work_dir) if work_dir is not None else None
-        self.workers = default_workers() if workers is None else workers
-        if self.workers < 1:
-            raise ValueError(f"the restore workers must be at least 1, not {self.workers}")
+        self.memory, self.work_dir, self.workers = bounded_resources(memory, work_dir, workers)
         require_readers()
 
     def plan(self, structure: str, backup: BackupSource, log_dirs: list[Path], replay_from: int, now_ms: int,

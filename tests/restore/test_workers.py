@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from cfemu.settings import MAX_RESTORE_WORKERS, default_workers, parse_workers, resolve
-from restore.engine import LocalEngine
+from restore.engine import LocalEngine, get_engine
 from restore.workers import WorkerError, Workers
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -185,6 +185,16 @@ def test_the_workers_setting() -> None:
         resolve(env={"CFEMU_RESTORE_WORKERS": "many"}).restore_workers()
     with pytest.raises(ValueError, match="at least 1"):
         LocalEngine(workers=0)
+
+
+@pytest.mark.parametrize("engine", ["local", "columnar"])
+def test_an_engine_in_bounded_memory_refuses_no_memory_or_no_workers(engine: str, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="^the restore memory limit must be positive, not 0$"):
+        get_engine(engine, memory=0)
+    with pytest.raises(ValueError, match="^the restore workers must be at least 1, not -1$"):
+        get_engine(engine, workers=-1)
+    made = get_engine(engine, memory=1 << 20, work_dir=tmp_path, workers=None)
+    assert (made.memory, made.work_dir, made.workers) == (1 << 20, tmp_path, default_workers())
 
 
 def test_cfrestore_refuses_bad_workers_in_one_line(tmp_path: Path) -> None:
