@@ -250,10 +250,7 @@ class Connection(UnitOfWorkScope):
         try:
             self._put_entry(sname, entry, body, own)
         except BaseException:
-            if own.operations or own.doomed:
-                qm.complete(own, False)
-            else:
-                qm.forget(own)
+            self._abandon(own)
             raise
         qm.complete(own, True, pstore_checked=True)  # put.lua refused it if the store was disconnected
 
@@ -447,10 +444,7 @@ class Connection(UnitOfWorkScope):
             failpoint("batch-before-force")
         except BaseException:
             if own is not None:
-                if own.operations or own.doomed:
-                    qm.complete(own, False)
-                else:
-                    qm.forget(own)
+                self._abandon(own)
             raise
         qm.counters["puts"] += len(done)
         pstore_checked = fresh and set(uow.structures) <= checked
@@ -588,6 +582,14 @@ class Connection(UnitOfWorkScope):
             return None
         uow.umsgs += 1
         return Message.from_entry(entry, data)
+
+    def _abandon(self, own: UnitOfWork) -> None:
+        """A failed call's unit of work of its own (outside syncpoint): backed out where it did anything or is
+        doomed, else only forgotten (nothing to undo, nothing to log)."""
+        if own.operations or own.doomed:
+            self.qm.complete(own, False)
+        else:
+            self.qm.forget(own)
 
     def _drop_if_empty(self, uow: UnitOfWork) -> None:
         """A unit of work that did nothing is not kept (an idle connection holds none)."""
