@@ -386,6 +386,15 @@ class Transport:
             return max(0.0, session.opened + self.config.auth_timeout_s - asyncio.get_running_loop().time())
         return self.config.idle_timeout_s or None
 
+    def _closed_idle(self, session: Session) -> None:
+        """A connection about to close for its idle timeout, counted (under the lock: a connection's thread counts
+        it too) and logged; its open UOW is backed out as it closes."""
+        with self.stats.lock:
+            self.stats.closed["idle_timeout"] += 1
+        log.info("%s: connection %d (%s, %s) idle for %gs; closing it (its open UOW is backed out)",
+                 self.host.name, session.number, session.peer, session.client_name or "no name",
+                 self.config.idle_timeout_s)
+
     def _unauthenticated_refusal(self, session: Session, reason: str) -> None:
         """Count a refusal of a peer that has not authenticated (its connection is closed after the reply)."""
         if not session.authenticated:
@@ -413,10 +422,7 @@ class Transport:
                                              "connection")
                     writer.write(encode_frame(error_reply(None, exc)))
                 else:
-                    self.stats.closed["idle_timeout"] += 1
-                    log.info("%s: connection %d (%s, %s) idle for %gs; closing it (its open UOW is backed out)",
-                             self.host.name, session.number, session.peer, session.client_name or "no name",
-                             self.config.idle_timeout_s)
+                    self._closed_idle(session)
                 return
             try:
                 got = next_frame.result()
@@ -558,11 +564,7 @@ class Transport:
                 try:
                     got = self._recv_request(session, sock, buf)
                 except (BlockingIOError, TimeoutError):  # SO_RCVTIMEO: no request for the idle timeout
-                    with self.stats.lock:
-                        self.stats.closed["idle_timeout"] += 1
-                    log.info("%s: connection %d (%s, %s) idle for %gs; closing it (its open UOW is backed out)",
-                             self.host.name, session.number, session.peer, session.client_name or "no name",
-                             self.config.idle_timeout_s)
+                    self._closed_idle(session)
                     return
                 except FrameTooLargeError as e:
                     self.warn("frame", "%s: connection %d (%s): %s; closing it", self.host.name, session.number,
