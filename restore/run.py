@@ -416,6 +416,22 @@ def _admin_definition(admin: Admin, structure: str) -> StructureDef | None:
         return None
 
 
+def _definitions_without_backup(admin: Admin, repo: GroupRepository, structure: str,
+                                hint: str = "") -> tuple[StructureDef, list[QueueDef], bool]:
+    """The structure's definition and its queues for a start that reads no backup (a purge, a WARM start): the
+    CF's, else the group repository's (definitions); and whether the CF lost them. A structure neither knows is a
+    RestoreError (``hint``: what the error adds)."""
+    admin_def = _admin_definition(admin, structure)
+    known = repo.structure(structure)
+    if admin_def is None and known is None:
+        raise RestoreError(f"structure {structure} is not defined, in the CF or in the group repository "
+                           f"{repo.path}{hint}")
+    base_def = admin_def or (known[0] if known else StructureDef(structure))
+    sdef, queues = definitions(admin_def, admin.queues(), repo,
+                               {"structure": structure, "structure_def": asdict(base_def), "queues": []})
+    return sdef, queues, admin_def is None
+
+
 def definitions(admin_def: StructureDef | None, admin_queues: list[QueueDef], repo: GroupRepository,
                 manifest: dict[str, Any]) -> tuple[StructureDef, list[QueueDef]]:
     """The structure's definition and every queue on it: the CF's where the admin structure still has them,
@@ -773,19 +789,12 @@ def run_purge(client: redis.Redis, structure: str, *, backup_root: Path, log_roo
         refuse_others_writing(directory)
     admin = Admin(client)
     repo = GroupRepository(log_root)
-    admin_def = _admin_definition(admin, structure)
-    known = repo.structure(structure)
-    if admin_def is None and known is None:
-        raise RestoreError(f"structure {structure} is not defined, in the CF or in the group repository "
-                           f"{repo.path} (a purge keeps a definition; restore it from a backup instead)")
+    sdef, queues, lost = _definitions_without_backup(
+        admin, repo, structure, " (a purge keeps a definition; restore it from a backup instead)")
     state = admin.state(structure)
     if state == "ACTIVE" and not mark_failed:
         raise RestoreError(f"structure {structure} is ACTIVE: purge it only once it has failed, or mark it "
                            f"failed first (--mark-failed)")
-    lost = admin_def is None
-    base_def = admin_def or (known[0] if known else StructureDef(structure))
-    sdef, queues = definitions(admin_def, admin.queues(), repo,
-                               {"structure": structure, "structure_def": asdict(base_def), "queues": []})
     group = _group_of(admin, backup_root, structure, lost, backup_keys)
     _redefine(admin, group, sdef, queues, lost=lost)
     point = point_id(structure)

@@ -23,7 +23,6 @@ the structure's mode from the group repository (cfemu.pstore.start_mode)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,7 @@ import redis
 from backup.files import resolve_keys
 from backup.run import rebuild_catalog
 from cfemu import bulk, keys
-from cfemu.admin import Admin, StructureDef
+from cfemu.admin import Admin
 from cfemu.cf import CF
 from cfemu.credentials import BackupKeys
 from cfemu.errors import StructureFailedError
@@ -41,12 +40,11 @@ from cfemu.pstore import COLD, HOT, WARM, check_mode, record_warm_generation, st
 from cfemu.repository import GroupRepository
 from restore.run import (
     RestoreError,
-    _admin_definition,
+    _definitions_without_backup,
     _group_of,
     _redefine,
     _refused,
     committed_before_base,
-    definitions,
     refuse_migrated,
     run_purge,
     run_restore,
@@ -106,14 +104,7 @@ def warm_start(client: redis.Redis, structure: str, *, backup_root: Path, log_ro
     disconnected, no restore point. Returns the generation."""
     admin = Admin(client)
     repo = GroupRepository(log_root)
-    admin_def = _admin_definition(admin, structure)
-    known = repo.structure(structure)
-    if admin_def is None and known is None:
-        raise RestoreError(f"structure {structure} is not defined, in the CF or in the group repository {repo.path}")
-    lost = admin_def is None
-    base_def = admin_def or (known[0] if known else StructureDef(structure))
-    sdef, queues = definitions(admin_def, admin.queues(), repo,
-                               {"structure": structure, "structure_def": asdict(base_def), "queues": []})
+    sdef, queues, lost = _definitions_without_backup(admin, repo, structure)
     keys_ = resolve_keys(backup_keys)
     _redefine(admin, _group_of(admin, backup_root, structure, lost, keys_), sdef, queues, lost=lost)
     try:

@@ -18,7 +18,8 @@ from cfemu.errors import PstoreUnavailableError
 from cfemu.pstore import warm_generations
 from cfemu.repository import GroupRepository
 from qsg.pstore_cli import main as pstore
-from restore.start_modes import automatic_start, start
+from restore.run import RestoreError, run_purge
+from restore.start_modes import automatic_start, start, warm_start
 from sqm.core.manager import QueueManager
 from sqm.core.relog import newest_pass
 from sqm.log import find_log_dirs
@@ -200,3 +201,18 @@ def test_a_relog_pass_made_while_warm_is_not_a_base(fresh_redis: EmbeddedRedis, 
     assert hot["base_kind"] != "logs"
     assert sorted(drained(qm.connect(), "Q1")) == [f"p{i}".encode() for i in range(7)]
     qm.stop()
+
+
+def test_a_start_reading_no_backup_refuses_a_structure_neither_the_cf_nor_the_repository_defines(
+        fresh_redis: EmbeddedRedis, dirs: tuple[Path, Path]) -> None:
+    """A purge and a WARM start take the structure's definitions from the CF, else from the group repository: one
+    that neither defines is refused in one line, and nothing is defined by the attempt."""
+    logs, backups = dirs
+    client = define_group(fresh_redis.url)
+    where = r"in the CF or in the group repository \S+"
+    with pytest.raises(RestoreError, match=rf"^structure NOPE is not defined, {where} \(a purge keeps a "
+                                           r"definition; restore it from a backup instead\)$"):
+        run_purge(client, "NOPE", backup_root=backups, log_root=logs, mark_failed=True)
+    with pytest.raises(RestoreError, match=rf"^structure NOPE is not defined, {where}$"):
+        warm_start(client, "NOPE", backup_root=backups, log_root=logs)
+    assert [d.name for d in Admin(client).structures()] == [S]
