@@ -44,7 +44,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import sqm.core.records  # noqa: E402  (by its full name: generate() has a parameter called records)
