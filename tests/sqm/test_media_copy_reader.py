@@ -10,7 +10,7 @@ import pytest
 
 from sqm.log import LogReader
 from sqm.log.format import LogFormatError
-from tests.sqm.test_review_media_recovery import sealed_and_copied
+from tests.sqm.test_media_recovery_damage import sealed_and_copied
 
 
 def test_a_reader_reads_a_deleted_sealed_segment_from_its_archived_copy(tmp_path: Path) -> None:

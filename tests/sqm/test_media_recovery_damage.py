@@ -1,4 +1,4 @@
-"""Review of media recovery (sqm.log.mediacopy): a sealed segment with a verified archived copy, damaged in ways a
+"""Media recovery (sqm.log.mediacopy): a sealed segment with a verified archived copy, damaged in ways a
 disk damages files. Real files, fsynced by the writer."""
 
 from __future__ import annotations

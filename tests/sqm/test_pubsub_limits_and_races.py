@@ -1,4 +1,4 @@
-"""Publish and subscribe holes found by review R2, each a regression test (real redis-server, real logs, in-process
+"""Publish and subscribe at their limits and in races, each a regression test (real redis-server, real logs, in-process
 members; the service's owner binding on a real `sqm run` over real sockets): a subscriber beyond the 10,000th, or
 one whose receiver commits while a sweep reads the subscriptions, loses nothing; two subscribes of one name racing
 on two members deliver each publication once; a subscription belongs to the user that made it."""

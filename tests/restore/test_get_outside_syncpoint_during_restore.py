@@ -1,4 +1,4 @@
-"""Adversarial review of the pending commit: a get outside syncpoint whose structure fails, and is restored,
+"""The pending commit: a get outside syncpoint whose structure fails, and is restored,
 between its get and its COMMIT.
 
 A restore that read the logs before that get's COMMIT backs the get out, and the message is delivered again. The get

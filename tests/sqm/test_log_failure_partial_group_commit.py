@@ -1,4 +1,4 @@
-"""Review: a real `sqm run` process whose log reaches its file size limit (EFBIG, as ENOSPC) while 8 clients put
+"""A real `sqm run` process whose log reaches its file size limit (EFBIG, as ENOSPC) while 8 clients put
 persistent messages outside syncpoint. A group commit's write that fails part way leaves some COMMITs whole on disk
 and tells all their puts 2102 "persistent work is refused"; killed and restarted with room, the member redoes the
 whole COMMITs: messages reported refused are delivered (a phantom, docs/chaos.md: "its put was backed out or

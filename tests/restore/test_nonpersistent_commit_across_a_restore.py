@@ -1,4 +1,4 @@
-"""Adversarial review of the pending commit: the non-persistent path of a unit of work across two structures, one
+"""The pending commit: the non-persistent path of a unit of work across two structures, one
 restored between the commit's application on the first and on the second.
 
 Nothing logs a non-persistent unit of work, so the restore of APP2 (between APP1's commit and APP2's) drops its

@@ -1,16 +1,13 @@
-"""Review of the request slots (commit c129a86, sqm.request_slots): what an outsider sees through real `sqm run`
-processes with one slot (`--request-slots 1`) on a real CF.
+"""The request slots (sqm.request_slots): what an outsider sees through real `sqm run` processes with one slot
+(`--request-slots 1`) on a real CF.
 
-The review found that a slot was given up only where the request paths call before_wait (the log's force, a get's,
-receive's or status wait's poll). Every other way a request can block kept its slot: a CF that does not answer (a
-socket read in cfemu), the group repository's file lock (cfemu.repository). One such request stalled every other
-request of the member, even a ping; requests queued behind it ran one after another, after a shutdown's grace
-too, and also when their client had left; --request-slots had no upper bound, and its default ignored the CPU
-affinity. Each finding is a test below that failed before its fix: a slot is now a lease (--slot-lease-ms), a
-request that waited for its slot runs only if the server is not stopping and its client is still there, and the
-slots are bounded and follow the affinity. The rest check what held: the slots do not leak on errors or on
-clients that leave (both paths), the metrics count the queue, checkpoints taken inside requests do not deadlock,
-and a graceful shutdown with requests queued for the slot ends within its grace."""
+The rules: no request keeps its slot while it blocks, wherever it blocks (the log's force, a get's, receive's or
+status wait's poll, a CF that does not answer, the group repository's file lock), so one such request cannot stall
+every other request of the member, a ping included: a slot is a lease (--slot-lease-ms). A request that waited for
+its slot runs only if the server is not stopping and its client is still there. The slots are bounded and follow
+the CPU affinity. Slots do not leak on errors or on clients that leave (both paths), the metrics count the queue,
+checkpoints taken inside requests do not deadlock, and a graceful shutdown with requests queued for the slot ends
+within its grace."""
 
 from __future__ import annotations
 
@@ -173,7 +170,7 @@ def test_requests_on_a_silent_cf_time_out_together_not_one_after_another(group: 
     assert took[-1] < 2.5, f"the browses on a silent CF failed after {took} s: one socket timeout after another"
 
 
-@pytest.mark.soak  # 16 s (the shutdown checkpoint's CF timeouts): `pytest -m soak tests/sqm/test_review_request_slots.py`
+@pytest.mark.soak  # 16 s (the shutdown checkpoint's CF timeouts): `pytest -m soak tests/sqm/test_request_slots_processes.py`
 def test_sigterm_with_requests_queued_behind_a_silent_cf_ends_soon_after_the_grace(group: Any,
                                                                                    tmp_path: Path) -> None:
     """12 browses on a CF that does not answer (socket timeout 1 s), one slot, --shutdown-grace 1. With as many slots

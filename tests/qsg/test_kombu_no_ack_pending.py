@@ -1,4 +1,4 @@
-"""Adversarial review of the pending commit: the kombu transport's no-ack delivery.
+"""The pending commit and the kombu transport's no-ack delivery.
 
 A no-ack delivery (``basic_get(no_ack=True)``, a ``basic_consume`` with ``no_ack``) takes its message under syncpoint
 and commits at once (qsg/kombu_transport.py, Channel._take). A commit that answers pending completes the get later:
@@ -18,7 +18,7 @@ from cfemu.admin import Admin  # noqa: E402
 from cfemu.connection import connect  # noqa: E402
 from cfemu.errors import MQError  # noqa: E402
 from sqm.service.client import Client  # noqa: E402
-from tests.restore.test_review_xa_resolve_network import member_process, pending  # noqa: E402,F401 - the fixture
+from tests.restore.test_xa_resolve_during_restore_network import member_process, pending  # noqa: E402,F401 - the fixture
 from tests.sqm.test_service import TOKEN, ServerProc  # noqa: E402
 
 S = "APP1"

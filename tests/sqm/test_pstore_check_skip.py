@@ -1,4 +1,4 @@
-"""Review of the commit outside syncpoint that skips standing.lua (issue 15, sqm.core.manager.complete pstore_checked):
+"""The commit outside syncpoint that skips standing.lua (sqm.core.manager.complete pstore_checked):
 the skip holds only when the put's or get's own script checked the persistent store for all of the UOW's
 persistent work just before the force. Real redis-server, real logs."""
 

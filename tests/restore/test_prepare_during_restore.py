@@ -1,4 +1,4 @@
-"""Adversarial review of the pending commit: a prepared (in-doubt) unit of work and a restore.
+"""The pending commit: a prepared (in-doubt) unit of work and a restore.
 
 A coordinator's resolve-commit that meets a failed or RECOVERING structure is acknowledged, on the ground that a
 restore keeps in-doubt UOWs in doubt. That holds only for a restore that read the PREPARE: a unit of work prepared

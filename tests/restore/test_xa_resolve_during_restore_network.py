@@ -1,4 +1,4 @@
-"""Adversarial review of the pending commit, through the network door as a coordinator uses it: a member process
+"""The pending commit, through the network door as a coordinator uses it: a member process
 (`sqm run`), the client library's prepare and resolve, a real restore of the structure. A unit of work prepared while
 its structure's restore loads would be backed out by that restore: its prepare is refused (a no vote), so a
 coordinator told its resolve-commit is done always finds the put."""
