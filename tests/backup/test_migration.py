@@ -256,7 +256,8 @@ def cfemu_migrate(*args: str, status: int = 0) -> subprocess.CompletedProcess[st
 
 def test_a_source_whose_cf_is_lost_after_the_migration_is_not_restored_beside_its_target(
         fresh_redis: EmbeddedRedis, redis_factory: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """Review R2 (a): the MIGRATED header goes with the source CF; the group repository's record does not. RECAUTO
+    """A migrated source stays migrated after its CF is lost: the MIGRATED header goes with the source CF, the
+    group repository's record does not (docs/migration.md). RECAUTO
     (HOT), cfrestore run and every start mode refuse the lost source until 'cfemu migrate reopen' clears it."""
     url = fresh_redis.url
     qm = backed_up_source(url, tmp_path)
@@ -305,7 +306,8 @@ def test_a_source_whose_cf_is_lost_after_the_migration_is_not_restored_beside_it
 
 def test_no_start_mode_and_no_restore_starts_a_migrating_or_migrated_source(fresh_redis: EmbeddedRedis,
                                                                            tmp_path: Path) -> None:
-    """Review R2 (b): 'cfemu pstore start APP1 --mode HOT' restored a MIGRATED source to ACTIVE."""
+    """No start mode and no restore brings a migrating or MIGRATED source back to ACTIVE ('cfemu pstore start APP1
+    --mode HOT' included)."""
     url = fresh_redis.url
     client = connect(url)
     qm = backed_up_source(url, tmp_path)

@@ -1,7 +1,6 @@
-"""Every benchmark in bench/ runs (issue 15): each script in its quickest mode, side by side, so that a stale one
-(bench_backup.py once filled with put arguments from before a protocol change, bench_service.py once connected
-to a CF that had since gained users and passwords) fails the default suite instead of waiting for someone to run
-it. The figures are not checked: on a loaded machine they mean nothing at this length.
+"""Every benchmark in bench/ runs: each script in its quickest mode, side by side, so that a stale one (one that
+still calls an API or a protocol the product has since changed) fails the default suite instead of waiting for
+someone to run it. The figures are not checked: on a loaded machine they mean nothing at this length.
 
 The scripts run from a copy of bench/ in a temporary directory, so their result lines and work files stay out of
 the repository; peers that would need installing (bench_peers.py's PostgreSQL and RabbitMQ) are skipped by the

@@ -1271,8 +1271,9 @@ class TestBackupBegin:
         assert "backup" not in s.info() and s.info()["clock"] == "0"
 
     def test_refuses_a_structure_running_from_a_warm_start(self, admin: Admin, s: Structure) -> None:
-        """Review R2: a backup of a WARM structure (empty of its persistent content) became the base of the later
-        HOT start, which replayed the logs only from its floor: everything committed before the loss was lost."""
+        """No backup of a WARM structure (empty of its persistent content): it would become the base of the later
+        HOT start, which replays the logs only from its floor, and everything committed before the loss would be
+        lost."""
         admin.redis.hset(keys.meta(S), mapping={"pstore": "DISCONNECTED", "started": "WARM"})
         with pytest.raises(StructureFailedError, match="runs from a WARM start"):
             s.backup_begin("B1", 0)
@@ -1653,8 +1654,9 @@ class TestPstore:
         small.put(caller, entry("e7", queue="QS"), b"x")
 
     def test_a_put_too_big_for_the_room_left_does_not_stop_new_work(self, admin: Admin) -> None:
-        """Review R2: one put larger than the room left, in a structure below its low-water mark, set FULL, and
-        nothing cleared it (only deletes did): any client locked every application out with one bad put."""
+        """One put larger than the room left, in a structure below its low-water mark, is refused and does not set
+        FULL; a put below the mark clears a FULL left behind: no client locks every application out with one bad
+        put."""
         admin.ensure_structure("SMALL3", ("QU",), max_bytes=1_000_000)
         small, caller = CF(admin.redis).structure("SMALL3"), join(admin, "QM1")
         with pytest.raises(StructureFullError):
@@ -1675,9 +1677,9 @@ class TestPstore:
         assert small.pstore().no_new_uows == "FULL"
 
     def test_replacements_are_bounded(self, admin: Admin) -> None:
-        """Review R2: a put whose message id is that of an entry its UOW takes passed the capacity check and the
-        no-new-UOWs state whatever its number and size; any client can put with a message id. One per entry
-        taken, and not much longer than it (a status may grow by a user status)."""
+        """A put whose message id is that of an entry its UOW takes (a replacement) passes the capacity check and
+        the no-new-UOWs state only once per entry taken, and only if not much longer than it (a status may grow by
+        a user status): any client can put with a message id."""
         admin.ensure_structure("SMALL4", ("QV",), max_entries=10, max_bytes=10_000)
         small, caller = CF(admin.redis).structure("SMALL4"), join(admin, "QM1")
         small.put(caller, entry("k", queue="QV", msgid="4b"), b"x")

@@ -1,5 +1,6 @@
-"""`cfemu topic|sub|publish` (issue 14): defining and listing topics, subscriptions and a publication through a real
-`sqm run`'s service, every command with --json and with tables, one-line errors; `cfemu` subprocesses, a real CF."""
+"""`cfemu topic|sub|publish` (docs/pubsub.md): defining and listing topics, subscriptions and a publication through
+a real `sqm run`'s service, every command with --json and with tables, one-line errors; `cfemu` subprocesses, a real
+CF."""
 
 from __future__ import annotations
 

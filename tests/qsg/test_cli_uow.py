@@ -1,5 +1,6 @@
-"""`cfemu` and units of work (issue 13): defining a service, a UOW's status through a member's service (query,
-last, set-status, delete) and the UOW column of browse; `cfemu` subprocesses, a real `sqm run`, a real CF."""
+"""`cfemu` and units of work sent to services (docs/uow.md): defining a service, a UOW's status through a member's
+service (query, last, set-status, delete) and the UOW column of browse; `cfemu` subprocesses, a real `sqm run`, a
+real CF."""
 
 from __future__ import annotations
 

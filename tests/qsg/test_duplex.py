@@ -1,6 +1,6 @@
-"""A duplexed CF on real processes (issue 17, part 2): a local cluster started with duplex=True (two real
-redis-servers, the secondary a Redis replica; real ``sqm run`` members), the pair tended by the cluster's CF
-supervisor (qsg.cfpair). Client-side truth: what the clients were told, checked against what is on the queues."""
+"""A duplexed CF on real processes (docs/architecture.md, "A duplexed CF"): a local cluster started with duplex=True
+(two real redis-servers, the secondary a Redis replica; real ``sqm run`` members), the pair tended by the cluster's
+CF supervisor (qsg.cfpair). Client-side truth: what the clients were told, checked against what is on the queues."""
 
 from __future__ import annotations
 

@@ -186,9 +186,10 @@ def cluster(tmp_path: Path) -> Any:
 
 def test_the_cf_killed_under_load_comes_back_with_every_recauto_structure_active_and_nothing_lost(
         cluster: LocalGroup) -> None:
-    """Must show (issue 17, part 1): kill -9 of the CF under load, RECAUTO on; no command typed: every RECAUTO
-    structure ACTIVE again, full service through every member, nothing acknowledged lost, the time measured; the
-    two members race to recover and one restore only runs; APP2 (RECAUTO off) waits for the operator."""
+    """Automatic structure recovery (docs/architecture.md, "Automatic structure recovery"): kill -9 of the CF under
+    load, RECAUTO on; no command typed: every RECAUTO structure ACTIVE again, full service through every member,
+    nothing acknowledged lost, the time measured; the two members race to recover and one restore only runs; APP2
+    (RECAUTO off) waits for the operator."""
     c = cluster
     for s in STRUCTURES:
         client = connect(c.cf_url("backup"))

@@ -1,5 +1,6 @@
-"""The CF spread over a local 3-master Redis Cluster (issue 17 part 3): real redis-server processes in cluster mode,
-in-process members, backup and restore over a ``redis+cluster://`` URL."""
+"""The CF spread over a local 3-master Redis Cluster, each structure in one slot (docs/architecture.md, "Structures
+spread over a Redis Cluster"): real redis-server processes in cluster mode, in-process members, backup and restore
+over a ``redis+cluster://`` URL."""
 
 from __future__ import annotations
 

@@ -191,10 +191,10 @@ def test_purged_messages_do_not_come_back_after_a_later_cf_loss(redis_url: str, 
 
 def test_a_purge_discards_messages_not_the_outcome_of_uows_on_other_structures(
         redis_url: str, tmp_path: Path) -> None:
-    """Found by the purge-then-cf-kill fault (seed 1): a UOW on APP1 and APP2 whose commit was logged while APP1
-    had failed (the application was told its outcome is pending), and an in-doubt one; APP1 is purged. The owner's retry
-    met APP1's new generation, was refused as lost, logged BACKOUT and left its APP2 work locked (the committed
-    put never became available), and the coordinator's commit of the in-doubt one failed the same way."""
+    """A purge discards a structure's messages, not the outcome of UOWs that span it: a UOW on APP1 and APP2 whose
+    commit was logged while APP1 had failed (the application was told its outcome is pending), and an in-doubt
+    one; APP1 is purged. The owner's retry meets APP1's new generation and still completes the commit on APP2
+    (never BACKOUT, never APP2 work left locked), and the coordinator's commit of the in-doubt one completes too."""
     logs, backups = tmp_path / "logs", tmp_path / "backups"
     client = define_group(redis_url, queues=("Q1",))
     admin = Admin(client)

@@ -114,13 +114,14 @@ def test_get_order_after_peer_recovery_is_the_same_on_the_live_cf_and_after_a_re
 
 
 def test_the_fold_never_lets_an_outcome_count_below_the_uows_own_operations() -> None:
-    """A RECOVERY record written by a lagging peer before the fix (no `at`, below the UOW's operations): the
+    """A RECOVERY record without `at` (the form older logs hold), written by a lagging peer below the UOW's
+    operations: the
     restore still commits the UOW, and the report's count of UOWs in doubt agrees with what it holds."""
     entry = {"id": "c0", "q": "Q2", "p": 0, "per": 1, "st": "", "l": 0, "u": ""}
     p0 = {"id": "p0", "q": "Q1", "p": 0, "per": 1, "st": "CP", "l": 5, "u": "", "o1": 5, "o2": 5}
     uow = "QM2.1.1"
     recovered = records.recovery(uow, 50, {"APP1": 1}, commit=True, of="QM2", by="QM1")
-    recovered.pop("at", None)  # as written before the fix
+    recovered.pop("at", None)  # the form older logs hold
     logged = [records.get(uow, 100, structure="APP1", gen=1, entry_id="p0", queue="Q1"),
               records.put(uow, 101, structure="APP1", gen=1, entry=dict(entry), data=b"C0"),
               records.commit(uow, 102, {"APP1": 1}), recovered]

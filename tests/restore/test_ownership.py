@@ -33,7 +33,7 @@ from restore.run import RestoreError, run_purge, run_restore
 from tests.restore.test_restore import S, all_keys, drain
 from tests.support.group import define_group, start_qm
 
-MESSAGES = 50_000  # as in the issue: 50 load batches
+MESSAGES = 50_000  # 50 load batches: long enough for the CF to be lost with the load half done
 
 
 def fill(client: redis.Redis, n: int, queue: str = "Q1") -> None:

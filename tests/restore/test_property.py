@@ -664,9 +664,8 @@ class RestoreHistory(RuleBasedStateMachine):
             if m.alive:
                 # A structure a purge took its work from is not lost again: the purge's 'P' tombstone is part of
                 # the structure's state, which its restore point, every backup since and so every restore bring
-                # back (cfemu.bulk.purged_tombstones, backup.run), so its commit stays a no-op there and goes on
-                # (found by the checkpoint rule's first runs: the model expected MQRC_BACKED_OUT for such a UOW
-                # after a purge and a CF loss; the system, rightly, accepted the commit).
+                # back (cfemu.bulk.purged_tombstones, backup.run), so its commit stays a no-op there and goes on:
+                # such a UOW commits after a purge and a CF loss, it is not MQRC_BACKED_OUT.
                 gone = {s for s in lost if work.touches([s]) and s not in work.purged_on}
                 if gone:
                     work.lost_on |= gone

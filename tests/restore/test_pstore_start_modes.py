@@ -149,10 +149,11 @@ def test_recauto_starts_a_lost_structure_in_its_mode(fresh_redis: EmbeddedRedis,
 
 def test_no_backup_while_warm_and_a_restore_never_starts_from_one(fresh_redis: EmbeddedRedis,
                                                                   dirs: tuple[Path, Path]) -> None:
-    """Review R2: a backup taken while the structure ran WARM (empty of its persistent content) was the newest
-    good backup when the HOT start came, and the restore replayed the logs only from its floor: everything
-    committed before the CF loss was lost. backup_begin.lua refuses it; and a restore never starts from a backup
-    taken in a WARM generation (the group repository records them), the defence behind the refusal."""
+    """No backup is taken while the structure runs WARM (empty of its persistent content), and a restore never
+    starts from a backup taken in a WARM generation (the group repository records them): as the newest good
+    backup at the HOT start it would make the restore replay the logs only from its floor, and everything
+    committed before the CF loss would be lost. backup_begin.lua refuses it; the restore's rule is the defence
+    behind the refusal."""
     logs, backups = dirs
     url = fresh_redis.url
     qm = _before_the_loss(url, logs, backups, fresh_redis)

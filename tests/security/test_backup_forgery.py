@@ -1,9 +1,8 @@
-"""Finding 5 of issue 11: a forged backup was accepted. The manifest's checksum was an unkeyed SHA-256: editing the
-replay start, a body or the member list and recomputing it made `cfbackup verify` say good, and restore then
-resurrected consumed messages, dropped committed ones or loaded a forged body; a file name in the manifest could
-point outside the backup and restore read it.
+"""A forged backup is refused (docs/security.md, "Backups"). An unkeyed checksum is not enough: editing the replay
+start, a body or the member list and recomputing it would pass, and restore would then resurrect consumed messages,
+drop committed ones or load a forged body; and a file name in the manifest must not point outside the backup.
 
-Now the manifest carries every entry file's sha256 and is signed with the group's backup key (HMAC-SHA256), found
+So the manifest carries every entry file's sha256 and is signed with the group's backup key (HMAC-SHA256), found
 by every command through the settings resolver (here: $CFEMU_SECRETS_DIR, tests/conftest.py). Each test does what
 an attacker who can write the backup directory would do, with the format docs/backup-format.md describes, to a
 real backup taken by `cfbackup run` of a real group, and runs the real `cfbackup verify` and `cfrestore run`:

@@ -1,4 +1,5 @@
-"""Finding 1 of issue 11: the CF had no password. Probed as an attacker would: raw sockets and raw Redis commands,
+"""Nobody reaches the CF without a password, and each role has only the commands it needs (docs/security.md,
+"The CF (Redis)"). Probed as an attacker would: raw sockets and raw Redis commands,
 from another OS user (nobody) where the tests run as root, and with a member's own credentials.
 
 The CF of `cfemu cf start` (and of `cfemu cluster up`, see tests/qsg/test_local_group.py) starts with the default user

@@ -1,6 +1,7 @@
-"""Finding 4 of issue 11: files were world-readable. Log segments (message bodies), backup entry files, restore
-reports and manifests are now 0600 in 0700 directories, set by the code whatever the umask; a log or backup
-directory that other users can write is refused at start with a one-line error. Probed as another OS user."""
+"""No file of the group is readable by other users (docs/security.md, "Files"). Log segments (message bodies),
+backup entry files, restore reports and manifests are 0600 in 0700 directories, set by the code whatever the umask;
+a log or backup directory that other users can write is refused at start with a one-line error. Probed as another OS
+user."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""Finding 6 of issue 11, the lower findings: names with a trailing newline, unbounded ids and property names,
-expiry values that overflow, a password in an error message, and a traceback at `sqm run` start on a corrupt
-log. Each probed through the public API or the command line, as a client or an operator would."""
+"""Input bounds (docs/security.md): names with a trailing newline are refused, ids, property names and expiry
+values are bounded, no error message carries a password, and a corrupt log at `sqm run` start gives a one-line
+error, not a traceback. Each probed through the public API or the command line, as a client or an operator would."""
 
 from __future__ import annotations
 

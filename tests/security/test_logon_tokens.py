@@ -3,8 +3,8 @@ authenticates applications, not users) reads no other user's logon token, status
 other user's unit of work, status or subscription (docs/security.md, "Logon tokens and other users' work").
 
 Two `sqm run` members of one group on the session's redis-server. The victim (alice) logs on with a token; the
-attacker is another client of the same application token that first looks for her token where outside testing found
-it (a browse of every companion queue of the service and of the topic), then logs on as her with every token it
+attacker is another client of the same application token that first looks for her token wherever a client can see
+one (a browse of every companion queue of the service and of the topic), then logs on as her with every token it
 found and a guess, and as itself, and tries each operation. The owner with her token, and an operator, still can.
 """
 
@@ -64,7 +64,7 @@ def operator(srv: ServerProc) -> Client:
 
 
 def stolen_tokens(srv: ServerProc) -> list[str]:
-    """Every logon token an application finds by browsing the companion queues (what outside testing did)."""
+    """Every logon token an application finds by browsing the companion queues."""
     found: list[str] = []
     with Client(srv.endpoint, token=TOKEN) as spy:
         for queue in COMPANIONS:

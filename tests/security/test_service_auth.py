@@ -1,6 +1,7 @@
-"""Finding 2 of issue 11: the service let anyone in by default. Probed as an attacker would, from outside the
-process: raw sockets speaking the protocol by hand, a relay in the middle that captures a real handshake and
-replays it, guessed tokens, an application's token trying an operator's requests, a token sent in clear to a
+"""The service lets nobody in by default: authentication is on, roles are checked, credentials never travel in clear
+off loopback, and replays and guesses fail (docs/security.md, "The service"). Probed as an attacker would, from
+outside the process: raw sockets speaking the protocol by hand, a relay in the middle that captures a real handshake
+and replays it, guessed tokens, an application's token trying an operator's requests, a token sent in clear to a
 non-loopback address (inside a network namespace of the test's own).
 
 The server under attack is started the way a user starts one: the group's secrets made by `cfemu secrets init`,
@@ -406,8 +407,8 @@ def test_every_client_in_the_repo_speaks_the_challenge_response() -> None:
     offenders = []
     for path in [*root.glob("sqm/**/*.py"), *root.glob("qsg/**/*.py"), *root.glob("bench/*.py")]:
         text = path.read_text()
-        # A hello frame (up to the end of its args) that carries a token; a logon's user token (issue 13: a user id
-        # and token that identify an application's units of work) is not the group's token and is not a hello.
+        # A hello frame (up to the end of its args) that carries a token; a logon's user token (a user id and token
+        # that identify an application's units of work, docs/uow.md) is not the group's token and is not a hello.
         for hello in re.finditer(r'"op":\s*"hello"[^}]*\}', text):
             if re.search(r'\["token"\]|"token"', hello.group(0)):
                 offenders.append(str(path.relative_to(root)))

@@ -1,6 +1,7 @@
-"""Finding 3 of issue 11: memory grew without authentication. 200 unauthenticated requests with unique 1 MB op
-names grew the server by 220 MB and /metrics to 200 MB (the op became a Prometheus label); connections were
-unlimited and never timed out. Probed as an attacker would, with raw sockets against a real `sqm run`, measuring
+"""A client that has not authenticated cannot grow the server's memory (docs/security.md, "Limits and timeouts"):
+a small frame limit until authenticated, bounded metric label sets (an op name is never a Prometheus label as
+sent: 200 unique 1 MB op names would otherwise add 220 MB to the server and 200 MB to /metrics), connection
+limits and timeouts. Probed as an attacker would, with raw sockets against a real `sqm run`, measuring
 the server process's resident memory (/proc/PID/status) and the size of its /metrics.
 """
 

@@ -1,8 +1,9 @@
-"""TLS for real (issue 11, "Also"): the service's TLS and mutual TLS through `sqm run`, and the CF client's
-`rediss://` path with certificate verification against a real TLS endpoint. The bundled redis-server has no TLS,
-so a TLS-terminating proxy written here (asyncio + ssl) stands in front of the session's CF. Certificates are
-made by the test (tests/support/certs.py). Each refusal is probed from outside, as a peer would: a server whose
-certificate another CA signed, a client certificate from another CA, none at all, plain text on a TLS port.
+"""TLS for real (docs/security.md, "TLS to the CF" and "TLS to the service"): the service's TLS and mutual TLS
+through `sqm run`, and the CF client's `rediss://` path with certificate verification against a real TLS endpoint.
+The bundled redis-server has no TLS, so a TLS-terminating proxy written here (asyncio + ssl) stands in front of the
+session's CF. Certificates are made by the test (tests/support/certs.py). Each refusal is probed from outside, as a
+peer would: a server whose certificate another CA signed, a client certificate from another CA, none at all, plain
+text on a TLS port.
 """
 
 from __future__ import annotations

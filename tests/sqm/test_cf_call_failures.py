@@ -1,9 +1,9 @@
-"""A CF call inside a unit of work that fails (its reply lost, or the CF out of reach) must never leave an entry
-locked for good (B7 in CHAOS-RESULTS.md, found by the short chaos run, seed 2: a cf-link-cut while a get in
-syncpoint was on the wire left the message locked to a UOW the member had forgotten, and the drain counted it
-lost). Against a real redis-server: the reply is lost for real (the harness holds the CF busy past the member's
-read timeout, so the script runs after the member stopped waiting), and the CF is put out of the member's reach
-for real (its CF user is switched off and its connections killed)."""
+"""A CF call inside a unit of work that fails (its reply lost, or the CF out of reach) never leaves an entry locked
+for good: the call's structure joins the UOW, which is doomed, and its commit backs it out everywhere (a get in
+syncpoint on the wire during a link cut never leaves its message locked to a UOW the member has forgotten; B7 in
+CHAOS-RESULTS.md). Against a real redis-server: the reply is lost for real (the harness holds the CF busy past the
+member's read timeout, so the script runs after the member stopped waiting), and the CF is put out of the member's
+reach for real (its CF user is switched off and its connections killed)."""
 
 from __future__ import annotations
 

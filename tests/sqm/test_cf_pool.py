@@ -1,5 +1,5 @@
-"""The CF connection pool: sized by configuration, waited on, and never mistaken for a failed CF (issue 10,
-hole 14: with redis-py's default pool the 101st concurrent request failed as MQRC_CF_STRUC_FAILED)."""
+"""The CF connection pool: sized by configuration, waited on, and never mistaken for a failed CF (a local limit
+such as a pool with no free connection is never reported as MQRC_CF_STRUC_FAILED)."""
 
 from __future__ import annotations
 

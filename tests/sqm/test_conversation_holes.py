@@ -1,6 +1,6 @@
-"""Holes an adversarial review found in units of work sent to services (review R, issue 13), each with the test
-that reproduced it: a UOW received in part, UOWs held for good, statuses lost or wrongly ordered, another user's
-changes; and the races that held (two members' receivers and sweepers on the same UOWs)."""
+"""Units of work sent to services at their edges (docs/uow.md, invariant 9 in docs/invariants.md): a UOW is never
+received in part, never held for good, its statuses are never lost or reordered, and no user changes another's;
+and the races that hold (two members' receivers and sweepers on the same UOWs)."""
 
 from __future__ import annotations
 
@@ -272,9 +272,9 @@ def test_receivers_on_two_members_and_both_sweepers_race_every_uow_ends_once(
 
 def test_a_sweep_reads_a_bounded_batch_and_a_short_lifetime_behind_long_ones_still_times_out(
         admin: Admin, qms: tuple[QueueManager, QueueManager], monkeypatch: pytest.MonkeyPatch) -> None:
-    """The sweep read the first 1,000 of each status in commit order, sorting every one before that limit (a CF
-    blocked 294 ms per status for 20,000 kept statuses, review R), and a 1 s UOW behind 1,000 long-lived ones never
-    timed out. Now each sweep reads a batch per status (peek_scan.lua) and a pass goes round them all."""
+    """Each sweep reads a bounded batch per status (peek_scan.lua, never a sort of every kept status, which blocks
+    the CF: 294 ms per status for 20,000 kept statuses), and a pass goes round them all, so a 1 s UOW behind 1,000
+    long-lived ones still times out."""
     from cfemu.cf import Structure
     from sqm.conversations.uowstatus import Control
     admin.define_queue("BIG", S, uow={"max_uows": 5000, "status_lifetime": 1})

@@ -172,9 +172,9 @@ def test_outside_syncpoint_a_poison_message_alone_on_its_queue_still_moves(redis
 
 def test_a_put_whose_cf_reply_is_lost_is_outcome_unknown_not_failed(redis_server: Any, redis_url: str,
                                                                      tmp_path: Path) -> None:
-    """Found by the chaos soak (seed 9, cf-link-cut): a non-persistent put outside syncpoint whose request reached
-    the CF but whose reply was lost was reported as MQRC_CF_STRUC_FAILED, though the message was on the queue and
-    was delivered later (a 'phantom'). Here the reply is lost for real: the CF is held busy (DEBUG SLEEP from the
+    """A non-persistent put outside syncpoint whose request reached the CF but whose reply was lost is 'outcome
+    unknown', never MQRC_CF_STRUC_FAILED: the message may be on the queue and delivered later (a 'phantom' if it
+    were reported failed). Here the reply is lost for real: the CF is held busy (DEBUG SLEEP from the
     harness) past the member's read timeout, and runs the put after the member stopped waiting."""
     define_group(redis_url)
     qm = QueueManager(QueueManagerConfig(name="QM1", log_root=tmp_path / "logs", redis_url=redis_url,

@@ -331,8 +331,9 @@ def test_manifest_lagging_or_missing(tmp_path: Path) -> None:
 @pytest.mark.parametrize("which", ["last", "first"])
 def test_a_segment_listed_in_the_manifest_but_deleted_is_corruption_named_by_file(tmp_path: Path,
                                                                                    which: str) -> None:
-    """Issue 10, hole 12: deleting the last segment left no gap in the numbering, and its records were lost
-    silently by the reader, the writer (which carried on after the previous segment) and restore alike."""
+    """A segment the manifest lists that is missing is corruption, reported by file name by the reader, the writer
+    (which refuses to open and never recreates it) and restore alike; the last segment too, whose loss leaves no
+    gap in the numbering."""
     d = tmp_path / "QM1"
     write_log(d, 60, segment_bytes=1024)
     segs = sorted(d.glob("seg-*"))

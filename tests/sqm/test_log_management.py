@@ -1,8 +1,8 @@
-"""Log management (issue 12 steps 3-5; seed 002's active and inactive log; docs/log-management.md), against a real
-redis-server and real log files: linear logging archives what no recovery needs and every reader still reads it;
-a member killed by a real SIGKILL after many checkpoints restarts reading one checkpoint interval and the logs alone
-restore its structure from n intervals; a circular log that cannot free a segment refuses work and loses nothing;
-``sqm log status|archive|prune``."""
+"""Log management (seed 002's active and inactive log, linear and circular logging, the operator's view;
+docs/log-management.md), against a real redis-server and real log files: linear logging archives what no recovery
+needs and every reader still reads it; a member killed by a real SIGKILL after many checkpoints restarts reading one
+checkpoint interval and the logs alone restore its structure from n intervals; a circular log that cannot free a
+segment refuses work and loses nothing; ``sqm log status|archive|prune``."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
-"""No needed segment is ever pruned (issue 12, must show): a property test over random histories (hypothesis,
-bounded examples) against a real redis-server and real log files. A history mixes puts of messages that stay and
-of messages consumed at once, gets backed out, checkpoints (each relogs; linear logging archives what is inactive),
-backups, in-doubt units of work (resolved later), member kills (no checkpoint) and clean stops, and CF losses. At
-every stop the logs are pruned of everything sqm.core.retention says no recovery needs (sqm.logadmin.prune_log, what
-``sqm log prune`` runs); then the restart, and after a CF loss the restore, must give back the reference state:
-each message with its backout count, in get order."""
+"""No needed segment is ever pruned (docs/log-management.md, "Active and inactive log"): a property test over random
+histories (hypothesis, bounded examples) against a real redis-server and real log files. A history mixes puts of
+messages that stay and of messages consumed at once, gets backed out, checkpoints (each relogs; linear logging
+archives what is inactive), backups, in-doubt units of work (resolved later), member kills (no checkpoint) and clean
+stops, and CF losses. At every stop the logs are pruned of everything sqm.core.retention says no recovery needs
+(sqm.logadmin.prune_log, what ``sqm log prune`` runs); then the restart, and after a CF loss the restore, must give
+back the reference state: each message with its backout count, in get order."""
 
 from __future__ import annotations
 

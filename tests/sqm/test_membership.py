@@ -1,8 +1,9 @@
-"""A member's lease survives what the CF throws at its heartbeat (issue 10, hole 11).
+"""A member's lease survives what the CF throws at its heartbeat.
 
-Any Redis error that was not a connection error (a transient out-of-memory refusal, a script error on one
-malformed {ADMIN} entry) killed the heartbeat thread for good: the lease lapsed, peers fenced the member, and a
-whole group of `sqm run` processes exited fenced. Real redis-server, real threads, real leases.
+A heartbeat rides out every Redis error, not only connection errors: a transient out-of-memory refusal or a script
+error on one malformed {ADMIN} entry is reported and retried, and never stops the heartbeat thread (a stopped
+heartbeat lets the lease lapse, peers fence the member, and a whole group of `sqm run` processes exits fenced).
+Real redis-server, real threads, real leases.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The persistent store's availability under load (issue 14, part 2; docs/pstore.md): DISCONNECT-PSTORE /
+"""The persistent store's availability under load (docs/pstore.md): DISCONNECT-PSTORE /
 CONNECT-PSTORE while client threads on two queue managers put and get persistent and non-persistent messages
 (real redis-server, real logs): every committed persistent message is accounted for exactly once, the refusals say
 why, non-persistent work goes on; and the "no new units of work" state, set by an operator and by capacity."""
@@ -208,9 +208,9 @@ def _moving(redis_url: str, tmp_path: Path) -> tuple[QueueManager, Connection]:
 
 def test_a_disconnect_after_the_commit_is_forced_does_not_split_it(redis_url: str, tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """Review R2: APP2 disconnected after APP1 applied the commit: commit.lua refused APP2 as backed out and the
-    member backed the UOW out everywhere though APP1 had committed: m was lost, and the log held COMMIT then
-    BACKOUT. A logged COMMIT is decided: it completes on every structure."""
+    """A logged COMMIT is decided: it completes on every structure of the UOW, including one disconnected after
+    another structure applied it (docs/pstore.md, commit.lua does not refuse). Turning it into a backout there
+    would lose m and leave COMMIT then BACKOUT in the log."""
     qm, c = _moving(redis_url, tmp_path)
     real = QueueManager._apply_one
 
@@ -232,8 +232,8 @@ def test_a_disconnect_after_the_commit_is_forced_does_not_split_it(redis_url: st
 
 def test_a_pending_commit_completes_on_a_store_disconnected_meanwhile(redis_url: str, tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """Review R2, without a window: the commit applied on APP1, APP2 failed (its commit pending), then APP2 back
-    but disconnected: the retry completes the commit there, it is not turned into a backout."""
+    """A pending commit is never turned into a backout: the commit applied on APP1, APP2 failed (its commit
+    pending), then APP2 back but disconnected: the retry completes the commit there."""
     qm, c = _moving(redis_url, tmp_path)
     admin = Admin(qm.redis)
     real = QueueManager._apply_one
@@ -296,8 +296,8 @@ def test_persistent_work_is_refused_before_its_commit_is_forced(redis_url: str, 
 
 
 def test_one_put_too_big_does_not_lock_out_new_work(redis_url: str, tmp_path: Path) -> None:
-    """Review R2: a put larger than the room left in an empty structure set 'no new units of work' (FULL) for
-    good: one bad put locked every application out."""
+    """A put larger than the room left in an empty structure is refused and sets no 'no new units of work' (FULL):
+    one bad put never locks every application out (docs/pstore.md, "No new units of work")."""
     define_group(redis_url, max_bytes=1_000_000)
     qm = start_qm(redis_url, tmp_path / "logs", "QM1", background=False)
     c = qm.connect()
@@ -311,8 +311,8 @@ def test_one_put_too_big_does_not_lock_out_new_work(redis_url: str, tmp_path: Pa
 
 
 def test_replacements_cannot_fill_the_structure(redis_url: str, tmp_path: Path) -> None:
-    """Review R2: puts with the message id of a message the UOW takes passed the capacity check whatever their
-    number and size (any client may put with a message id)."""
+    """Puts with the message id of a message the UOW takes (replacements) are bounded by the capacity check like
+    any other put: any client may put with a message id, so they cannot fill the structure."""
     define_group(redis_url, max_entries=10, max_bytes=10_000)
     qm = start_qm(redis_url, tmp_path / "logs", "QM1", background=False)
     c = qm.connect()

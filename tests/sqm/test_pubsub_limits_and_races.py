@@ -70,9 +70,8 @@ def publish_n(qm: QueueManager, n: int) -> list[TopicNext]:
 @pytest.mark.slow
 def test_a_subscriber_beyond_the_10000th_loses_nothing_to_the_sweeper(
         qms: tuple[QueueManager, QueueManager]) -> None:
-    """R2 LOST: the sweeper read at most 10,000 subscriptions, oldest first, and took its removal floor from them:
-    the 10,001st (the one that committed last: a slow one catching up) lost p2, and never expired. It now reads
-    them all, in bounded batches."""
+    """The sweeper takes its removal floor from every subscription, read in bounded batches: a floor taken from
+    the first 10,000 only would let the 10,001st (the one that committed last: a slow one catching up) lose p2."""
     a, _ = qms
     t = ps.topic(a, T)
     start = (ps.structure_clock(a, t), ps.AFTER_ALL)
@@ -140,8 +139,8 @@ def test_a_sweep_while_the_slowest_subscriber_commits_removes_nothing_it_has_not
 
 def test_two_subscribes_of_one_name_racing_on_two_members_deliver_once(
         qms: tuple[QueueManager, QueueManager]) -> None:
-    """R2 DUPLICATED: subscribe peeks, then puts: two at once on two members both made an entry, and the
-    subscriber received each publication once per entry. Raced entries are merged, and never delivered from twice."""
+    """Subscribe peeks, then puts, so two at once on two members can both make an entry: raced entries are merged,
+    and a publication is never delivered from both."""
     a, b = qms
     names = [f"u{k}" for k in range(30)]
     for name in names:
@@ -197,7 +196,7 @@ def test_raced_entries_are_merged_at_the_furthest_position_and_never_received_fr
 
 
 def test_a_subscription_is_its_owners_alone(qms: tuple[QueueManager, QueueManager]) -> None:
-    """R2 SECURITY (the API): the owner (user and token) is part of the subscription's identity: another user, the
+    """Through the API, the owner (user and token) is part of the subscription's identity: another user, the
     same user with another token and the anonymous owner can neither receive for it nor remove it."""
     a, b = qms
     ps.subscribe(a, T, "inbox", user="alice", token="t1")
@@ -221,7 +220,7 @@ def test_a_subscription_is_its_owners_alone(qms: tuple[QueueManager, QueueManage
 
 
 def test_the_service_binds_a_subscription_to_the_logged_on_user(redis_url: str, tmp_path: Path) -> None:
-    """R2 SECURITY (the service): a subscription made after a logon belongs to that user and token: another
+    """Through the service, a subscription made after a logon belongs to that user and token: another
     logged-on user, a connection without a logon, and the same user with another token cannot receive for it,
     remove it or list it; an operator can remove it by naming its owner."""
     admin = Admin(connect(redis_url))

@@ -328,10 +328,9 @@ def test_a_peer_that_cannot_read_the_failed_members_log_does_not_guess(redis_url
 def test_a_commit_fenced_after_its_log_force_is_outcome_unknown_not_failed(redis_url: str, log_root: Path,
                                                                             syncpoint: bool,
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """Found by the chaos soak (seed 1, cf-link-halfopen): a persistent put outside syncpoint was reported failed
-    (MQRC_CONNECTION_BROKEN, fenced) and delivered later: its COMMIT was forced, then a peer fenced the member
-    before the CF applied it, and peer recovery completed it from the log. The application must hear 'outcome
-    unknown', not 'failed'."""
+    """A persistent put outside syncpoint whose COMMIT was forced, then whose member a peer fenced before the CF
+    applied it, is completed by peer recovery from the log: the application hears 'outcome unknown', never
+    'failed' (MQRC_CONNECTION_BROKEN) for a message delivered later."""
     qm1 = start_qm(redis_url, log_root, "QM1", background=False, lease_ms=300)
     qm2 = start_qm(redis_url, log_root, "QM2", background=False, lease_ms=60_000)
     try:

@@ -1,4 +1,4 @@
-"""Selective relogging with a Checkpoint Positioning List (seed 000, issue 12; docs/log-management.md), against a
+"""Selective relogging with a Checkpoint Positioning List (seed 000; docs/log-management.md), against a
 real redis-server and real log files: which messages a checkpoint relogs and when, the CPL it carries, and the
 seed's rules (a pass killed midway, a delete logged before the relog in one UOW, relogging at termination), each
 checked by restoring the structure from the logs alone and comparing with what the clients know.

@@ -1,5 +1,5 @@
-"""Request slots (sqm.request_slots, issue 15): at most N requests of a `sqm run` service do their work at once,
-each up to its first wait, where its slot goes to another request for good.
+"""Request slots (sqm.request_slots; docs/runbook.md, "Request slots"): at most N requests of a `sqm run` service do
+their work at once, each up to its first wait, where its slot goes to another request for good.
 
 The slots themselves are tested with plain threads; what they do to the service, through real `sqm run` processes
 on a real CF: a get waiting for a message does not keep the only slot from a put, committers through one slot

@@ -114,7 +114,7 @@ def slot_held_by_a_define(srv: ServerProc) -> Iterator[threading.Thread]:
     assert out and not isinstance(out[0], BaseException), out
 
 
-# --- findings, fixed (each failed before its fix) -------------------------------------------------------------------------
+# --- a CF that does not answer, or a lock held elsewhere, never stalls the slots --------------------------------------
 
 
 def test_a_request_on_a_cf_that_does_not_answer_keeps_the_only_slot_for_a_lease_only(group: Any, slot1: ServerProc) -> None:

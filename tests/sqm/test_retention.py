@@ -1,4 +1,5 @@
-"""What recovery still needs of a member's log (sqm.core.retention; seed 002's active and inactive log; issue 12 step 3).
+"""What recovery still needs of a member's log (sqm.core.retention; seed 002's active and inactive log;
+docs/log-management.md).
 The decision is pure logic (recovery_needs, structure_start, Retention.inactive_below), tested here on its own; the
 integration tests with real members and logs are in test_log_management.py."""
 

@@ -438,8 +438,8 @@ def test_msgpack_of_the_reply_is_plain(raw: Raw) -> None:
 
 @pytest.mark.parametrize("syncpoint", [False, True])
 def test_a_waiting_get_ends_with_its_connection_and_takes_nothing(server: ServerProc, syncpoint: bool) -> None:
-    """Issue 10, hole 9: a get with a 20 s wait whose client left after 0.5 s went on waiting, then consumed a
-    message put 1 s later (GET and COMMIT logged) and delivered it to nobody."""
+    """A waiting get ends with its connection: a get with a 20 s wait whose client left after 0.5 s takes nothing,
+    and a message put 1 s later is still there for the next get (never consumed and delivered to nobody)."""
     queue = "Q2"
     r = Raw(server.port)
     assert r.request("hello", {"token": TOKEN})["ok"]
@@ -455,11 +455,12 @@ def test_a_waiting_get_ends_with_its_connection_and_takes_nothing(server: Server
     assert got.body == body and got.backout_count == 0, "the message was taken by a get whose client had left"
 
 
-# --- issue 10, hole 10: messages larger than the service can carry ------------------------------------------------
-# The scenario: a queue accepted --max-msg-length 209715200; an in-process member put 100 MiB; a get outside
-# syncpoint through the service committed it and the client discarded the frame (destroyed); a syncpoint get backed
-# out and the message then blocked the head of the queue; a browse over the frame limit failed as "the connection
-# was lost twice". Reasons are checked by code (2080 MQRC_TRUNCATED_MSG_FAILED, 2218 MQRC_MSG_TOO_BIG_FOR_CHANNEL).
+# --- messages larger than the service can carry ---------------------------------------------------------------------
+# The rule (docs/architecture.md, "Size limits"): the limits agree end to end, and a get that cannot deliver a
+# message does not consume it. A message larger than a service's frames is neither committed and lost by a get
+# outside syncpoint, nor left blocking the head of the queue by a syncpoint get, and a browse over the frame limit
+# fails with its reason. Reasons are checked by code (2080 MQRC_TRUNCATED_MSG_FAILED, 2218
+# MQRC_MSG_TOO_BIG_FOR_CHANNEL).
 BIGQ = "BIGQ"  # on APP1, max_msg_length 1 MiB: more than the 64 KiB frames of the module's server carry
 
 

@@ -1,4 +1,4 @@
-"""Units of work as conversations over the network (issue 13): `sqm run` processes, clients on real sockets, one
+"""Units of work as conversations over the network (docs/uow.md): `sqm run` processes, clients on real sockets, one
 session per connection (logon), its UOWs backed out when the connection ends."""
 
 from __future__ import annotations

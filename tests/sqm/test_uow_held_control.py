@@ -1,8 +1,8 @@
 """A UOW's control entry held for a moment by another unit of work (a status change in flight, a sweeper's look, a
 change whose commit was forced while the CF was away): a settle waits for it instead of being refused, and QUERY and
-LAST wait for it instead of reading the status before a change already acknowledged. Found by the chaos suite
-(CHAOS-RESULTS.md, 2026-11-26 20:10: the service drain's COMMIT refused while a sweeper looked at its UOW; a QUERY
-right after a COMMIT acknowledged during a duplexed CF's failover read RECEIVED). Real redis-server, real logs."""
+LAST wait for it instead of reading the status before a change already acknowledged (so a service drain's COMMIT
+is not refused while a sweeper looks at its UOW, and a QUERY right after a COMMIT acknowledged during a duplexed
+CF's failover does not read RECEIVED). Real redis-server, real logs."""
 
 from __future__ import annotations
 
@@ -213,7 +213,7 @@ def test_last_after_a_receivers_commit_pending_while_the_cf_was_away_sees_it(
     assert (last["uow"], last["status"]) == (uow, "PROCESSED")
 
 
-# --- review of 636b3c8 (CHAOS-RESULTS.md, top entry, "Review") --------------------------------------------------------
+# --- a settle that meets a held control: who may act, how long it waits, whose hold it is ---------------------------
 
 def held_for(qm: QueueManager, uow: str, hold_s: float) -> threading.Timer:
     """Another unit of work takes the UOW's control now and gives it back after hold_s."""
@@ -226,9 +226,9 @@ def held_for(qm: QueueManager, uow: str, hold_s: float) -> threading.Timer:
 
 
 def test_setustatus_asks_who_may_set_it_of_the_control_it_waited_for(qms: tuple[QueueManager, QueueManager]) -> None:
-    """SETUSTATUS checked its caller against the control it read before the wait: bob, the receiver of record of a
-    UOW he backed out, waited while carol's receive took it (ACCEPTED -> DELIVERED to carol, in flight) and then set
-    the user status of the UOW carol was receiving. Before the wait it was refused at once (held)."""
+    """SETUSTATUS checks its caller against the control it waited for, not the one it read before the wait: bob,
+    the receiver of record of a UOW he backed out, waits while carol's receive takes it (ACCEPTED -> DELIVERED to
+    carol, in flight) and is then refused: he may not set the user status of the UOW carol is receiving."""
     qm1, qm2 = qms
     snd, bob = Conversation(qm1, "alice"), Conversation(qm2, "bob")
     uow = sent(snd)
@@ -250,10 +250,10 @@ def test_setustatus_asks_who_may_set_it_of_the_control_it_waited_for(qms: tuple[
 
 @pytest.mark.slow
 def test_commit_both_waits_once_for_held_controls_not_once_for_each(qms: tuple[QueueManager, QueueManager]) -> None:
-    """A COMMIT BOTH takes two controls, and waited up to HELD_WAIT_S for each: here the received UOW's is held for
-    2.5 s and the sent one's for 5 s, and the COMMIT answered after 5 s, past a client's 5 s request timeout (the
-    client says 'outcome unknown' of a commit that was carried out). One budget for the request: refused after 3 s,
-    nothing committed, the session still holds both (docs/uow.md: BACKOUT BOTH)."""
+    """A COMMIT BOTH takes two controls within one wait budget for the request, not HELD_WAIT_S for each (that
+    would answer past a client's 5 s request timeout, and the client would say 'outcome unknown' of a commit that
+    was carried out): with the received UOW's control held for 2.5 s and the sent one's for 5 s, it is refused
+    after 3 s, nothing committed, the session still holds both (docs/uow.md: BACKOUT BOTH)."""
     qm1, qm2 = qms
     snd, bob = Conversation(qm1, "alice"), Conversation(qm2, "bob")
     uow_in = sent(snd)
@@ -274,8 +274,8 @@ def test_commit_both_waits_once_for_held_controls_not_once_for_each(qms: tuple[Q
 
 def test_a_control_the_sessions_own_scope_holds_is_refused_at_once(qms: tuple[QueueManager, QueueManager]) -> None:
     """A COMMIT refused after its scope took the control (the UOW was settled under the session: a sweeper found its
-    scope gone) leaves the scope holding it until the session backs out. A SETUSTATUS of the same session then
-    waited HELD_WAIT_S for a holder that only its own thread can end, and was refused after it."""
+    scope gone) leaves the scope holding it until the session backs out. A SETUSTATUS of the same session is then
+    refused at once: it never waits HELD_WAIT_S for a holder that only its own thread can end."""
     qm1, qm2 = qms
     snd, bob = Conversation(qm1, "alice"), Conversation(qm2, "bob")
     uow = sent(snd)

@@ -302,9 +302,9 @@ def test_deliveries_are_ordered_by_backout_count_not_by_when_a_slow_reply_arrive
 
 
 def test_undelivered_consumed_by_a_get_whose_client_left() -> None:
-    """Issue 10, holes 9 and 10: a get whose client left while it waited (or whose reply never reached the client)
-    took a message, and nobody ever received it. Told apart from a plain loss, and not reported when the message
-    was delivered after all."""
+    """A get whose client left while it waited (or whose reply never reached the client) that took a message
+    nobody ever received is an 'undelivered' finding: told apart from a plain loss, and not reported when the
+    message was delivered after all (docs/runbook.md, "Message sizes and clients that leave")."""
     h = clean_base()
     h.op("leaver", "get", "unknown", {"reason": "client left", "left": True}, uow=None, queue="Q1", syncpoint=False,
          wait_ms=20_000)
@@ -334,8 +334,9 @@ def test_undelivered_consumed_by_a_get_whose_client_left() -> None:
 
 
 def test_stuck_entries_left_locked_after_the_drain() -> None:
-    """Issue 10, hole 2: a UOW decided by a lagging peer was restored as in doubt for nobody; its entries stayed
-    locked after every in-doubt UOW was resolved and every queue drained."""
+    """An entry still locked after every in-doubt UOW was resolved and every queue drained is a 'stuck' finding
+    (for example a UOW decided by a lagging peer restored as in doubt for nobody); expired messages waiting for
+    their purge are not."""
     h = clean_base()
     h.note(what="drained", drained=2, **{"left in the structures": {
         "Q1": {"UP": 0, "UG": 1, "EX": 0, "CP": 0}, "Q2": {"UP": 2, "UG": 0, "EX": 0, "CP": 0},
@@ -344,8 +345,9 @@ def test_stuck_entries_left_locked_after_the_drain() -> None:
 
 
 def test_restore_order_the_live_cf_and_restore_disagree() -> None:
-    """Issue 10, hole 3: a commit peer recovery completed was stamped at the RECOVERY record's LRSN on the live CF
-    and placed at the owner's COMMIT by restore. Messages taken, added or backed out in between are allowed."""
+    """The live CF and a restore agree on get order: a commit peer recovery completed counts at one LRSN on both
+    (docs/log-format.md, `counts_at`); any other order is a 'restore-order' finding. Messages taken, added or
+    backed out in between are allowed."""
     h = clean_base()
     h.fault(1, "peer-clock-skew", "inject")
     h.fault(1, "peer-clock-skew", "CF killed", live_order={"Q1": ["a", "x0", "c0", "b"], "Q3": ["k"]})
@@ -365,7 +367,7 @@ def test_restore_order_allows_gets_and_new_messages_in_between() -> None:
     assert h.findings() == dict.fromkeys(FINDING_KINDS, 0)
 
 
-# --- restores (issue 10, holes 4 and 5): the faults' 'restore began' / 'restore ended' events ---------------------
+# --- a restore owns its structure (docs/runbook.md): the faults' 'restore began' / 'restore ended' events --------
 
 def restore_began(h: Hist, n: int, *, cf: str = "cf-1", structure: str = "APP1") -> None:
     h.t += 0.01
@@ -408,8 +410,9 @@ def test_a_restore_that_stopped_when_its_cf_was_replaced_and_wrote_nothing_is_cl
 
 
 def test_restore_wiped_a_stale_restore_completed_after_another_and_wiped_acknowledged_work() -> None:
-    """Hole 5: the slow restore began first; the fast one restored the structure; a client's put was
-    acknowledged as committed; then the slow one loaded its older plan: the put is gone (lost, too)."""
+    """A stale restore that completes after another and wipes acknowledged work is a 'restore-wiped' finding: the
+    slow restore began first; the fast one restored the structure; a client's put was acknowledged as committed;
+    then the slow one loaded its older plan: the put is gone (lost, too)."""
     h = clean_base()
     restore_began(h, 1)  # slow to plan
     restore_began(h, 2)
@@ -925,7 +928,7 @@ def test_pub_order_a_subscriber_committed_a_later_publication_first() -> None:
 def test_pub_order_holds_only_for_a_commit_answered_ok_outside_the_faults() -> None:
     """A COMMIT whose outcome the publisher never learnt (the CF lost under it), or one answered during a fault,
     is completed when the CF or its restore is back, after publications committed meanwhile: delivered after
-    them, as allowed (found by the chaos run of seed 1 with a restore of a tiny memory limit that took 7 s)."""
+    them, as allowed (a slow restore, for example one with a tiny memory limit, makes that window seconds long)."""
     for outcome, in_fault in (("unknown", False), ("ok", True)):
         h = Pubs()
         h.subscribe("d0")
