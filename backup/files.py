@@ -27,7 +27,7 @@ import shutil
 import stat
 import struct
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import UTC, datetime
 from itertools import repeat
@@ -336,6 +336,32 @@ class BackupWriter:
         frames[2::3] = datas
         self._buf += b"".join(frames)
         self._added_whole(total, len(lengths))
+
+    @property
+    def selects_natively(self) -> bool:
+        """Whether add_selected can run: backup._frames (C) was built."""
+        return _frames is not None
+
+    def add_selected(self, step: int, descs: list[bytes | None], datas: list[bytes | None],
+                     decide: Callable[[bytes], bool], *, at_sight: bool = True) -> tuple[int, int, int]:
+        """A fetched part's copies as frames [step, descriptor, data], selected and framed in one pass in C
+        (backup/_frames.c, select_append): a pair with a None (an entry gone) is left out; a descriptor persistent
+        at sight (at_sight; backup.protocol._persistent_at_sight's rule) is copied; any other is copied when
+        decide(descriptor) says so. The same frames as add_raw of the pairs kept, in their order. Returns (copied,
+        data bytes copied, gone). Only where selects_natively."""
+        if _frames is None:
+            raise RuntimeError("backup._frames was not built: select with backup.protocol.select_raw, then add_raw")
+        if self._file is None:
+            self._open_next()  # the file the first frame opens in add_raw, opened first: the same bytes
+        added, copied, nbytes, vanished, overflow = _frames.select_append(
+            self._buf, b"\x93" + _STEP_HEAD[step], descs if type(descs) is list else list(descs),
+            datas if type(datas) is list else list(datas), min(self.roll_bytes - self._size, _WHOLE_BATCH_BYTES),
+            at_sight, decide)
+        if added >= 0:
+            self._added_whole(added, copied)
+        else:  # more than fits in the file or in a few write chunks: the copies kept, frame by frame
+            self.add_raw(step, overflow)
+        return copied, nbytes, vanished
 
     def _added_whole(self, size: int, frames: int) -> None:
         """A whole batch's frames are in the buffer: count them, and hand the buffer over when it is a chunk."""

@@ -28,7 +28,7 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar, cast
 
 import msgpack
 import redis
@@ -40,6 +40,12 @@ from cfemu import keys, rcluster, resp
 from cfemu.admin import EPOCHS, StructureDef, stage_structure
 from cfemu.entry import Entry
 from cfemu.redis_internals import hiredis_io, pack, socket_of
+
+_bulk: Any
+try:
+    from cfemu import _bulk  # type: ignore[attr-defined,no-redef]
+except ImportError:  # installed where no C compiler was (the extension is optional): parts told in Python
+    _bulk = None
 
 BATCH = 1000  # writes: entries (or keys to delete) per pipeline
 FETCH_BATCH = 2000  # reads: ids per pipelined fetch
@@ -101,9 +107,20 @@ def hmget(client: redis.Redis, key: str, fields: Sequence[str]) -> list[Any]:
     return list(reply)
 
 
+_NATIVE_LIMITS = 2**61  # the limits cfemu._bulk takes (its sums of sizes stay within 64 bits)
+
+
 def parts(descs: Sequence[bytes | None], limit: int) -> list[tuple[int, int]]:
     """The parts, [a, b) index ranges, in which the data of entries with these descriptors is read: at most
-    `limit` bytes each by the descriptors' `len` (data_length), one entry at least (None: gone, 0 bytes)."""
+    `limit` bytes each by the descriptors' `len` (data_length), one entry at least (None: gone, 0 bytes). Told
+    by cfemu._bulk (C) where it was built, else by parts_in_python, the reference."""
+    if _bulk is not None and type(descs) is list and 0 <= limit < _NATIVE_LIMITS:
+        return cast(list[tuple[int, int]], _bulk.parts(descs, limit, data_length))
+    return parts_in_python(descs, limit)
+
+
+def parts_in_python(descs: Sequence[bytes | None], limit: int) -> list[tuple[int, int]]:
+    """parts, one descriptor at a time in Python: the reference of cfemu/_bulk.c."""
     out: list[tuple[int, int]] = []
     start, held = 0, 0
     for k, raw in enumerate(descs):

@@ -1,0 +1,56 @@
+"""cfemu._bulk (cfemu/_bulk.c) tells the parts in which a fetched batch's data is read, in C; cfemu.bulk keeps the
+same rule in Python (parts_in_python), the reference and the fallback where the extension was not built. Both
+must answer the same parts for every batch: lengths read at sight in every msgpack width, descriptors that must be
+decoded (a "len" property, a signed or float length), gone entries, every limit around the sizes."""
+
+from __future__ import annotations
+
+import random
+import struct
+from typing import Any
+
+import msgpack
+import pytest
+
+from cfemu import bulk
+
+
+def _descriptor(rng: random.Random, i: int) -> bytes | None:
+    kind = rng.randrange(8)
+    if kind == 0:
+        return None  # gone
+    n = rng.choice([0, 1, 127, 128, 255, 256, 1024, 65_535, 65_536, 300_000, 2**32, 2**40])
+    w: dict[str, Any] = {"id": f"{i:024x}", "q": "Q1", "per": 1, "len": n, "pr": {}}
+    if kind == 1:
+        w["pr"] = {"len": rng.randrange(10)}  # the key's bytes twice: decoded
+    elif kind == 2:
+        w["mid"] = "\udca3len"  # the key's bytes in a string (surrogateescape: a raw byte 0xa3)
+    if kind == 3:  # a signed or float length: not read at sight
+        head = msgpack.packb({"id": f"{i:024x}"})
+        form = rng.choice([b"\xd0\x05", b"\xd1\x00\x05", b"\xcb" + struct.pack(">d", 5.0)])
+        return bytes([head[0] + 1]) + head[1:] + b"\xa3len" + form
+    if kind == 4:
+        del w["len"]
+    return msgpack.packb(w, use_bin_type=False, unicode_errors="surrogateescape")
+
+
+def test_the_extension_is_built_with_the_package() -> None:
+    assert bulk._bulk is not None, "cfemu._bulk was not built: make venv (pip install -e .) builds it"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_c_and_python_tell_the_same_parts(seed: int) -> None:
+    rng = random.Random(seed)
+    for _ in range(200):
+        descs = [_descriptor(rng, i) for i in range(rng.randrange(0, 60))]
+        for limit in (0, 1, 255, 1024, 70_000, 1 << 20, bulk.FETCH_BYTES, 2**41, 2**61 - 1):
+            assert bulk.parts(descs, limit) == bulk.parts_in_python(descs, limit), (descs, limit)
+
+
+def test_a_length_only_decoding_tells_is_asked_of_data_length() -> None:
+    """A descriptor whose length cannot be read at sight goes to the decoding reader: what it raises comes out."""
+    bad = b"\x81\xa3len\xa1x"  # a length that is not a number
+    with pytest.raises(ValueError):
+        bulk.parts_in_python([bad], 10)
+    with pytest.raises(ValueError):
+        bulk.parts([bad], 10)
