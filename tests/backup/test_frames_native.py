@@ -6,6 +6,8 @@ and frame by frame: whole batches, batches that cross a file's roll, batches of 
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 import random
 import subprocess
@@ -224,3 +226,53 @@ def test_selecting_in_c_asks_the_decider_once_an_entry_and_passes_on_its_error(t
     with pytest.raises(TypeError, match="bytes or None"):
         w.add_selected(2, [plain, "text"], [b"a", b"b"], decide)  # type: ignore[list-item]
     w.abort()
+
+
+# --- the entry files written with O_DIRECT ------------------------------------------------------------------
+def _direct_write(directory: Path, batches: list[list[tuple[bytes, bytes]]]) -> tuple[dict[str, Any], list[bool]]:
+    w = BackupWriter(directory, roll_bytes=3_000_000)
+    direct = []
+    for batch in batches:
+        w.add_raw(2, batch)
+        if w._file is not None:
+            direct.append(w._file.direct)
+    return w.finish({"id": directory.name, "structure": "S", "group": "G"}), direct
+
+
+def test_entry_files_written_past_the_page_cache_hold_the_same_bytes(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Written with O_DIRECT (whole blocks from an aligned buffer, the last bytes through the page cache), through
+    the page cache, or with O_DIRECT refused at the first write (a file system that takes the flag at the open
+    and not at a write): the same files, byte for byte, each of them read back whole."""
+    if not files._DIRECT:
+        pytest.skip("no O_DIRECT on this system: the page cache is the only path")
+    batches = _batches()
+    direct, seen = _direct_write(tmp_path / "S" / "direct", batches)
+    assert any(seen), "the test's file system should take O_DIRECT (ext4, xfs; tmpfs from Linux 6.6)"
+    monkeypatch.setattr(files, "_DIRECT", 0)
+    cached, seen = _direct_write(tmp_path / "S" / "cached", batches)
+    assert not any(seen)
+    monkeypatch.undo()
+    refusals = []
+    real_write = os.write
+
+    def refusing(fd: int, data: Any) -> int:
+        if not refusals and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refusals.append(fd)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(files.os, "write", refusing)
+    refused, _ = _direct_write(tmp_path / "S" / "refused", batches)
+    assert refusals
+    monkeypatch.undo()
+    assert len(direct["files"]) > 3
+    for other in (cached, refused):
+        assert [(f["name"], f["size"], f["sha256"]) for f in direct["files"]] == [
+            (f["name"], f["size"], f["sha256"]) for f in other["files"]]
+    for f in direct["files"]:
+        data = (tmp_path / "S" / "direct" / f["name"]).read_bytes()
+        assert len(data) == f["size"]
+        assert data == (tmp_path / "S" / "cached" / f["name"]).read_bytes()
+        assert data == (tmp_path / "S" / "refused" / f["name"]).read_bytes()
+    assert list(read_backup(tmp_path / "S" / "direct").frames()) == list(read_backup(tmp_path / "S" / "cached").frames())
