@@ -146,7 +146,7 @@ def _fetch_step(structure: Structure, state: str, count: StepCount, batch: int,
                 before_read: Callable[[], None] | None,
                 depth: Callable[[], int] | None) -> Iterator[tuple[list[bytes | None], list[bytes | None]]]:
     """The step's snapshot (counted), then its entries' raw descriptors and data, part by part."""
-    ids = structure.snapshot(state)
+    ids = structure.snapshot_raw(state)
     count.snapshot += len(ids)
     yield from bulk.fetch_raw(structure.cf.redis, structure.name, ids, batch, before_read=before_read,
                               depth=depth or bulk.FETCH_DEPTH)

@@ -51,6 +51,7 @@ BATCH = 1000  # writes: entries (or keys to delete) per pipeline
 FETCH_BATCH = 2000  # reads: ids per pipelined fetch
 FETCH_BYTES = 64 << 20  # reads: the most message data one read holds (a batch of large messages is read in parts)
 Wire = dict[str, Any]  # an entry descriptor in wire form (cfemu.entry.Entry.wire())
+Ids = Sequence[str] | Sequence[bytes]  # entry ids, as text or as the CF's bytes (Structure.snapshot_raw)
 
 
 # --- reads: the backup's fetch ---------------------------------------------------------------------------------
@@ -58,7 +59,7 @@ FETCH_DEPTH = 2  # reads: fetches in flight at once, each on its own connection 
 READ_COMMANDS = 2  # the commands one read sends (a backup's pacing counts its own: backup.pacing)
 
 
-def read(client: redis.Redis, structure: str, ids: Sequence[str],
+def read(client: redis.Redis, structure: str, ids: Ids,
          max_bytes: int | None = None) -> tuple[list[bytes | None], list[bytes | None]]:
     """The raw descriptors and data of `ids` (None where the entry is gone): the descriptors, then the data in
     parts of at most `max_bytes` (each entry's size from its descriptor's `len`; a part holds one entry at least),
@@ -73,15 +74,15 @@ def read(client: redis.Redis, structure: str, ids: Sequence[str],
     return descs, datas
 
 
-def _descriptors(client: redis.Redis, structure: str, ids: Sequence[str]) -> list[Any]:
+def _descriptors(client: redis.Redis, structure: str, ids: Ids) -> list[Any]:
     return hmget(client, keys.entries(structure), ids)  # bytes or None: the client is binary-safe
 
 
-def _data(client: redis.Redis, structure: str, ids: Sequence[str]) -> list[Any]:
+def _data(client: redis.Redis, structure: str, ids: Ids) -> list[Any]:
     return hmget(client, keys.data(structure), ids)
 
 
-def hmget(client: redis.Redis, key: str, fields: Sequence[str]) -> list[Any]:
+def hmget(client: redis.Redis, key: str, fields: Ids) -> list[Any]:
     """client.hmget(key, fields), on a connection of the client's pool driven directly (cfemu.resp): redis-py's
     per-command path (its packer's check of every argument, its wrappers) had cost a backup more CPU than the
     parsing of the reply, about half a microsecond an entry. A connection this cannot drive (none of hiredis's
@@ -175,7 +176,7 @@ def fetch(client: redis.Redis, structure: str, ids: Iterable[str],
         yield from flush()
 
 
-def fetch_raw(client: redis.Redis, structure: str, ids: Sequence[str], batch: int = FETCH_BATCH, *,
+def fetch_raw(client: redis.Redis, structure: str, ids: Ids, batch: int = FETCH_BATCH, *,
               before_read: Callable[[], None] | None = None, depth: int | Callable[[], int] = FETCH_DEPTH
               ) -> Iterator[tuple[list[bytes | None], list[bytes | None]]]:
     """The raw descriptors and data of `ids`, part by part, as the CF holds them (None where an entry is gone): a
@@ -193,7 +194,7 @@ def fetch_raw(client: redis.Redis, structure: str, ids: Sequence[str], batch: in
     if not chunks:
         return
 
-    def first(chunk: Sequence[str]) -> tuple[list[Any], list[tuple[int, int]], list[Any]]:
+    def first(chunk: Ids) -> tuple[list[Any], list[tuple[int, int]], list[Any]]:
         """A batch's descriptors, its parts, and its first part's data (a batch has one part at least)."""
         descs = _descriptors(client, structure, chunk)
         bounds = parts(descs, FETCH_BYTES)
@@ -206,7 +207,7 @@ def fetch_raw(client: redis.Redis, structure: str, ids: Sequence[str], batch: in
         later: deque[Future[Any]] = deque()  # reads in flight of the batch being handed over: its later parts
         next_batch = 0
 
-        def send_reads(chunk: Sequence[str], unread: deque[tuple[int, int]], limit: int | None = None) -> None:
+        def send_reads(chunk: Ids, unread: deque[tuple[int, int]], limit: int | None = None) -> None:
             """Fill the reads in flight up to `limit` (`depth`): the later parts of the batch being handed over
             first (they are handed over before the next batch), then the next batches."""
             nonlocal next_batch

@@ -322,6 +322,9 @@ class _TakenSnapshot:
     def snapshot(self, state: str) -> list[str]:
         return self._ids
 
+    def snapshot_raw(self, state: str) -> list[bytes]:
+        return [i.encode() for i in self._ids]
+
 
 def backup_actor(world: World) -> Steps:
     """backup.protocol's steps: begin (sets the floor), then per step an atomic snapshot of the ids and, as a
