@@ -1,4 +1,5 @@
-/* The parts of a fetched batch's data, told in C (cfemu.bulk.parts): a backup reads every descriptor of the
+/* The parts of a fetched batch's data, told in C (cfemu.bulk.parts), and the ids of a fetch's HMGETs packed in C
+ * (pack_args): a backup reads every descriptor of the
  * structure, and the Python loop that read each one's data length cost it about half a microsecond an entry.
  * cfemu/bulk.py keeps the same rule in Python: the reference, and what runs where this module was not built.
  *
@@ -11,6 +12,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <string.h>
 
 #define MAX_LIMIT (1LL << 61)
@@ -100,8 +102,54 @@ fail:
     return NULL;
 }
 
+/* pack_args(items) -> bytes: the items (bytes, or str as UTF-8) as RESP bulk strings, one after the other: the
+ * arguments of a command after its count line, as hiredis.pack_command writes them. A fetch's HMGET of 2,000 ids
+ * packed by pack_command cost about 0.1 us an id, as much as the parsing of its reply. */
+static PyObject *pack_args(PyObject *self, PyObject *arg) {
+    (void)self;
+    PyObject *items = PySequence_Fast(arg, "pack_args takes a list or a tuple of bytes or str");
+    if (items == NULL) return NULL;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(items), total = 0;
+    PyObject **item = PySequence_Fast_ITEMS(items), *out = NULL;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        Py_ssize_t n;
+        if (PyBytes_Check(item[i])) {
+            n = PyBytes_GET_SIZE(item[i]);
+        } else if (PyUnicode_Check(item[i])) {
+            if (PyUnicode_AsUTF8AndSize(item[i], &n) == NULL) goto done;
+        } else {
+            PyErr_Format(PyExc_TypeError, "argument %zd is %s, not bytes or str", i, Py_TYPE(item[i])->tp_name);
+            goto done;
+        }
+        total += n + 25; /* "$", at most 20 digits, "\r\n", the bytes, "\r\n" */
+    }
+    out = PyBytes_FromStringAndSize(NULL, total);
+    if (out == NULL) goto done;
+    char *p = PyBytes_AS_STRING(out);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        const char *b;
+        Py_ssize_t n;
+        if (PyBytes_Check(item[i])) {
+            b = PyBytes_AS_STRING(item[i]);
+            n = PyBytes_GET_SIZE(item[i]);
+        } else {
+            b = PyUnicode_AsUTF8AndSize(item[i], &n); /* cached by the first pass */
+        }
+        p += sprintf(p, "$%zd\r\n", n);
+        memcpy(p, b, (size_t)n);
+        p += n;
+        *p++ = '\r';
+        *p++ = '\n';
+    }
+    if (_PyBytes_Resize(&out, p - PyBytes_AS_STRING(out)) < 0) out = NULL;
+done:
+    Py_DECREF(items);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"parts", parts, METH_VARARGS, "The [a, b) parts in which a batch's data is read (see cfemu/_bulk.c)."},
+    {"pack_args", pack_args, METH_O, "A command's arguments as RESP bulk strings (see cfemu/_bulk.c)."},
     {NULL, NULL, 0, NULL},
 };
 

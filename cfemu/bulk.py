@@ -39,7 +39,7 @@ from redis.retry import Retry
 from cfemu import keys, rcluster, resp
 from cfemu.admin import EPOCHS, StructureDef, stage_structure
 from cfemu.entry import Entry
-from cfemu.redis_internals import hiredis_io, pack, socket_of
+from cfemu.redis_internals import hiredis_io, pack, packs_with_hiredis, socket_of
 
 _bulk: Any
 try:
@@ -82,6 +82,15 @@ def _data(client: redis.Redis, structure: str, ids: Ids) -> list[Any]:
     return hmget(client, keys.data(structure), ids)
 
 
+def _pack_hmget(conn: Any, key: str, fields: Ids) -> list[bytes]:
+    """HMGET key fields..., as the connection's packer packs it: its arguments packed by cfemu._bulk (C) where the
+    packer is hiredis's (the same bytes; tests/cfemu/test_bulk_parts_native.py), else by pack."""
+    if _bulk is None or not packs_with_hiredis(conn):
+        return pack(conn, ("HMGET", key, *fields))
+    k = key.encode()
+    return [b"*%d\r\n$5\r\nHMGET\r\n$%d\r\n%s\r\n" % (len(fields) + 2, len(k), k) + _bulk.pack_args(fields)]
+
+
 def hmget(client: redis.Redis, key: str, fields: Ids) -> list[Any]:
     """client.hmget(key, fields), on a connection of the client's pool driven directly (cfemu.resp): redis-py's
     per-command path (its packer's check of every argument, its wrappers) had cost a backup more CPU than the
@@ -96,7 +105,7 @@ def hmget(client: redis.Redis, key: str, fields: Ids) -> list[Any]:
     try:
         if hiredis_io(conn) is not None and not (conn.health_check_interval
                                                  and time.monotonic() > conn.next_health_check):
-            reply = resp.exchange(conn, pack(conn, ("HMGET", key, *fields)), 1)[0]
+            reply = resp.exchange(conn, _pack_hmget(conn, key, fields), 1)[0]
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
         reply = None  # the connection was dropped (resp.io_failure): redis-py's path connects again
     finally:

@@ -1,6 +1,6 @@
-"""cfemu._bulk (cfemu/_bulk.c) tells the parts in which a fetched batch's data is read, in C; cfemu.bulk keeps the
-same rule in Python (parts_in_python), the reference and the fallback where the extension was not built. Both
-must answer the same parts for every batch: lengths read at sight in every msgpack width, descriptors that must be
+"""cfemu._bulk (cfemu/_bulk.c) tells the parts in which a fetched batch's data is read, and packs the fetch's HMGETs,
+in C; cfemu.bulk keeps the same rule in Python (parts_in_python) and packs with hiredis where the extension was
+not built. Both must answer the same parts for every batch: lengths read at sight in every msgpack width, descriptors that must be
 decoded (a "len" property, a signed or float length), gone entries, every limit around the sizes."""
 
 from __future__ import annotations
@@ -9,8 +9,10 @@ import random
 import struct
 from typing import Any
 
+import hiredis
 import msgpack
 import pytest
+import redis
 
 from cfemu import bulk
 
@@ -54,3 +56,14 @@ def test_a_length_only_decoding_tells_is_asked_of_data_length() -> None:
         bulk.parts_in_python([bad], 10)
     with pytest.raises(ValueError):
         bulk.parts([bad], 10)
+
+
+@pytest.mark.parametrize("fields", [[], ["a"], [b"x" * 24, "\u00e9t\u00e9", b"", "", b"\r\n$3"], [f"{i:024x}" for i in range(2000)],
+                                    [bytes([i]) * i for i in range(256)]])
+def test_a_fetchs_hmget_is_packed_as_hiredis_packs_it(fields: list[bytes | str]) -> None:
+    """cfemu._bulk.pack_args gives the bytes hiredis.pack_command gives the same HMGET (str as UTF-8, bytes as
+    they are), and refuses what it refuses."""
+    conn = redis.Redis().connection_pool.make_connection()
+    assert bulk._pack_hmget(conn, "cf:APP1:e", fields) == [hiredis.pack_command(("HMGET", "cf:APP1:e", *fields))]
+    with pytest.raises(TypeError, match="argument 1 is int"):
+        bulk._bulk.pack_args(["a", 5])
