@@ -7,7 +7,18 @@
  * `batch` (both bytes): u32 body length, u32 CRC32C of the body (little endian), then the body: `head` (the
  * array head and step), the descriptor's bytes as they are, the bin head of the data, the data. It returns the
  * bytes appended; or -1, with nothing appended, when they would be more than `limit` (the caller then frames the
- * batch frame by frame, rolling files between them). */
+ * batch frame by frame, rolling files between them).
+ *
+ * select_append(buf, head, descs, datas, limit, at_sight, decide) is the copy loop of one fetched part: the lists
+ * of the CF's raw descriptors and data as the fetch read them (None where an entry is gone), selected as
+ * backup.protocol.select_raw selects them and framed as append frames them, in one pass with no Python object made
+ * per copied entry. A pair with a None is gone (counted as vanished); a descriptor persistent at sight (at_sight
+ * true: backup.protocol._persistent_at_sight's rule, the same bytes looked at) is copied as it is; any other is
+ * handed to decide(descriptor), whose true copies it (decide counts what it leaves out). It returns (added,
+ * copied, data bytes copied, vanished, overflow): added as append's; when the copies would be more than `limit`,
+ * added is -1, nothing is appended, and overflow is the list of the (descriptor, data) pairs selected, to be
+ * framed frame by frame (decide is never asked twice of an entry). */
+#define _GNU_SOURCE /* memmem */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
@@ -44,6 +55,24 @@ static void put_u32le(uint8_t *out, uint32_t v) {
     out[1] = (uint8_t)(v >> 8);
     out[2] = (uint8_t)(v >> 16);
     out[3] = (uint8_t)(v >> 24);
+}
+
+/* One frame at `out` (room made for it): its head, then the body: `head`, the descriptor's bytes, the bin head
+ * of the data, the data. Returns the end of the frame. */
+static uint8_t *put_frame(uint8_t *out, const Py_buffer *head, PyObject *desc, PyObject *data) {
+    size_t nd = (size_t)PyBytes_GET_SIZE(desc), n = (size_t)PyBytes_GET_SIZE(data);
+    uint8_t *body = out + FRAME_HEAD, *p = body;
+    memcpy(p, head->buf, (size_t)head->len);
+    p += head->len;
+    memcpy(p, PyBytes_AS_STRING(desc), nd);
+    p += nd;
+    p += bin_head(p, n);
+    memcpy(p, PyBytes_AS_STRING(data), n);
+    p += n;
+    size_t length = (size_t)(p - body);
+    put_u32le(out, (uint32_t)length);
+    put_u32le(out + 4, crc32c(body, length));
+    return p;
 }
 
 /* The pair at i of the batch: its two items, checked to be bytes (borrowed references). */
@@ -88,20 +117,8 @@ static PyObject *append(PyObject *self, PyObject *args) {
     if (PyByteArray_Resize(buf, start + total) < 0) goto done;
     uint8_t *out = (uint8_t *)PyByteArray_AS_STRING(buf) + start;
     for (Py_ssize_t i = 0; i < count; i++) {
-        PyObject *pair = PyList_GET_ITEM(batch, i), *desc = PyTuple_GET_ITEM(pair, 0), *data = PyTuple_GET_ITEM(pair, 1);
-        size_t nd = (size_t)PyBytes_GET_SIZE(desc), n = (size_t)PyBytes_GET_SIZE(data);
-        uint8_t *body = out + FRAME_HEAD, *p = body;
-        memcpy(p, head.buf, (size_t)head.len);
-        p += head.len;
-        memcpy(p, PyBytes_AS_STRING(desc), nd);
-        p += nd;
-        p += bin_head(p, n);
-        memcpy(p, PyBytes_AS_STRING(data), n);
-        p += n;
-        size_t length = (size_t)(p - body);
-        put_u32le(out, (uint32_t)length);
-        put_u32le(out + 4, crc32c(body, length));
-        out = p;
+        PyObject *pair = PyList_GET_ITEM(batch, i);
+        out = put_frame(out, &head, PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1));
     }
     result = PyLong_FromSsize_t(total);
 done:
@@ -109,8 +126,121 @@ done:
     return result;
 }
 
+/* The descriptor "per" key as the CF's writers encode it (a fixstr of 3), and the persistent value behind it. */
+static const uint8_t PER_KEY[4] = {0xa3, 'p', 'e', 'r'};
+#define PERSISTENT 1
+
+static const uint8_t *find_key(const uint8_t *p, size_t n) {
+    if (n < sizeof PER_KEY) return NULL;
+    return memmem(p, n, PER_KEY, sizeof PER_KEY);
+}
+
+/* backup.protocol._persistent_at_sight: "per" once, followed by 1 (raw.find, the byte at i + 4, raw.find from
+ * i + 4). */
+static int persistent_at_sight(const uint8_t *raw, size_t n) {
+    const uint8_t *k = find_key(raw, n);
+    if (k == NULL) return 0;
+    size_t i = (size_t)(k - raw);
+    if (!(n > i + 4 && raw[i + 4] == PERSISTENT)) return 0;
+    return find_key(raw + i + 4, n - (i + 4)) == NULL;
+}
+
+enum { GONE = 0, KEEP = 1, LEAVE = 2 };
+
+static PyObject *select_append(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *buf, *descs, *datas, *decide;
+    Py_buffer head;
+    Py_ssize_t limit;
+    int at_sight;
+    if (!PyArg_ParseTuple(args, "O!y*O!O!npO", &PyByteArray_Type, &buf, &head, &PyList_Type, &descs, &PyList_Type,
+                          &datas, &limit, &at_sight, &decide))
+        return NULL;
+    PyObject *result = NULL, *overflow = NULL;
+    uint8_t *verdict = NULL;
+    Py_ssize_t count = PyList_GET_SIZE(descs), total = 0, copied = 0, vanished = 0;
+    unsigned long long nbytes = 0;
+    if (PyList_GET_SIZE(datas) != count) {
+        PyErr_Format(PyExc_ValueError, "%zd descriptors and %zd data", count, PyList_GET_SIZE(datas));
+        PyBuffer_Release(&head);
+        return NULL;
+    }
+    /* Lists of their own: decide runs Python code, which must not change (and free) the items looked at. */
+    descs = PyList_GetSlice(descs, 0, count);
+    datas = descs == NULL ? NULL : PyList_GetSlice(datas, 0, count);
+    if (datas == NULL) goto done;
+    verdict = PyMem_Malloc(count ? (size_t)count : 1);
+    if (verdict == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    /* Pass 1: each pair's verdict, and the size of the frames of the copies. */
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *desc = PyList_GET_ITEM(descs, i), *data = PyList_GET_ITEM(datas, i);
+        if (desc == Py_None || data == Py_None) {
+            verdict[i] = GONE;
+            vanished++;
+            continue;
+        }
+        if (!PyBytes_Check(desc) || !PyBytes_Check(data)) {
+            PyErr_Format(PyExc_TypeError, "item %zd: descriptor and data must be bytes or None", i);
+            goto done;
+        }
+        int keep = at_sight && persistent_at_sight((const uint8_t *)PyBytes_AS_STRING(desc),
+                                                   (size_t)PyBytes_GET_SIZE(desc));
+        if (!keep) {
+            PyObject *said = PyObject_CallOneArg(decide, desc);
+            if (said == NULL) goto done;
+            keep = PyObject_IsTrue(said);
+            Py_DECREF(said);
+            if (keep < 0) goto done;
+        }
+        verdict[i] = keep ? KEEP : LEAVE;
+        if (!keep) continue;
+        size_t n = (size_t)PyBytes_GET_SIZE(data);
+        if (n > UINT32_MAX) {
+            PyErr_Format(PyExc_ValueError, "item %zd: data of %zu bytes is more than a frame holds", i, n);
+            goto done;
+        }
+        copied++;
+        nbytes += n;
+        total += FRAME_HEAD + head.len + PyBytes_GET_SIZE(desc) + (Py_ssize_t)bin_head_size(n) + (Py_ssize_t)n;
+    }
+    if (total > limit) {
+        overflow = PyList_New(copied);
+        if (overflow == NULL) goto done;
+        for (Py_ssize_t i = 0, k = 0; i < count; i++) {
+            if (verdict[i] != KEEP) continue;
+            PyObject *pair = PyTuple_Pack(2, PyList_GET_ITEM(descs, i), PyList_GET_ITEM(datas, i));
+            if (pair == NULL) goto done;
+            PyList_SET_ITEM(overflow, k++, pair);
+        }
+        result = Py_BuildValue("nnKnO", (Py_ssize_t)-1, copied, nbytes, vanished, overflow);
+        goto done;
+    }
+    /* Pass 2: the frames of the copies, in the batch's order. */
+    Py_ssize_t start = PyByteArray_GET_SIZE(buf);
+    if (PyByteArray_Resize(buf, start + total) < 0) goto done;
+    uint8_t *out = (uint8_t *)PyByteArray_AS_STRING(buf) + start;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (verdict[i] != KEEP) continue;
+        PyObject *desc = PyList_GET_ITEM(descs, i), *data = PyList_GET_ITEM(datas, i);
+        out = put_frame(out, &head, desc, data);
+    }
+    result = Py_BuildValue("nnKnO", total, copied, nbytes, vanished, Py_None);
+done:
+    PyMem_Free(verdict);
+    Py_XDECREF(overflow);
+    Py_XDECREF(descs);
+    Py_XDECREF(datas);
+    PyBuffer_Release(&head);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"append", append, METH_VARARGS, "Append a batch's frames to a bytearray (see backup/_frames.c)."},
+    {"select_append", select_append, METH_VARARGS,
+     "Select a fetched part's copies and append their frames to a bytearray (see backup/_frames.c)."},
     {NULL, NULL, 0, NULL},
 };
 

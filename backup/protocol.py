@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import msgpack
 
+from backup.files import BackupWriter
 from cfemu import bulk
 from cfemu.bulk import Wire
 from cfemu.cf import Structure
@@ -64,33 +65,59 @@ def _persistent_at_sight(raw: bytes) -> bool:
             and raw.find(_PER_KEY, i + 4) < 0)
 
 
+def _decider(count: StepCount, keep: Callable[[Wire], bool] | None) -> Callable[[bytes], bool]:
+    """Whether a present descriptor not taken at sight is copied: decoded, persistent, and accepted by `keep`;
+    what it leaves out is counted in `count`."""
+    def decide(raw: bytes) -> bool:
+        wire = bulk.unpack_wire(raw)
+        if wire.get("per", 1) != 1:
+            count.skipped_nonpersistent += 1
+            return False
+        if keep is not None and not keep(wire):
+            count.excluded += 1
+            return False
+        return True
+
+    return decide
+
+
 def select_raw(count: StepCount, descs: list[bytes | None], datas: list[bytes | None],
                keep: Callable[[Wire], bool] | None = None) -> list[tuple[bytes, bytes]]:
     """The copies one fetched batch keeps: present (not gone since the snapshot), persistent, and accepted by
     `keep`, counted in `count`, with each descriptor as the CF's bytes: a persistent descriptor is seen at sight
     (_persistent_at_sight) and not decoded; any other is decoded, and every one is when `keep` must look at it
-    (EXCLINT)."""
+    (EXCLINT). The reference of backup/_frames.c's select_append (write_part)."""
     out: list[tuple[bytes, bytes]] = []
     append = out.append
     at_sight = _persistent_at_sight if keep is None else None
+    decide = _decider(count, keep)
     nbytes = 0
     for raw, data in zip(descs, datas, strict=True):
         if raw is None or data is None:
             count.vanished += 1
             continue
-        if at_sight is None or not at_sight(raw):
-            wire = bulk.unpack_wire(raw)
-            if wire.get("per", 1) != 1:
-                count.skipped_nonpersistent += 1
-                continue
-            if keep is not None and not keep(wire):
-                count.excluded += 1
-                continue
+        if (at_sight is None or not at_sight(raw)) and not decide(raw):
+            continue
         append((raw, data))
         nbytes += len(data)
     count.copied += len(out)
     count.bytes += nbytes
     return out
+
+
+def write_part(writer: BackupWriter, step: int, count: StepCount, descs: list[bytes | None],
+               datas: list[bytes | None], keep: Callable[[Wire], bool] | None = None) -> None:
+    """One fetched part's copies (as select_raw selects them, counted in `count`) written by `writer` as frames
+    of `step`: selected and framed in one pass in C where backup._frames was built (BackupWriter.add_selected: no
+    Python object made per entry copied), else select_raw then add_raw. Both write the same bytes
+    (tests/backup/test_frames_native.py)."""
+    if not writer.selects_natively:
+        writer.add_raw(step, select_raw(count, descs, datas, keep))
+        return
+    copied, nbytes, vanished = writer.add_selected(step, descs, datas, _decider(count, keep), at_sight=keep is None)
+    count.copied += copied
+    count.bytes += nbytes
+    count.vanished += vanished
 
 
 def copy_step_raw(structure: Structure, state: str, count: StepCount, batch: int = 2000,
@@ -100,8 +127,26 @@ def copy_step_raw(structure: Structure, state: str, count: StepCount, batch: int
     one (of each one `keep` accepts, when given; select_raw), its descriptor as the CF's msgpack bytes (which a
     backup frame holds as they are: the same map, docs/backup-format.md). before_read: the pacing hook
     (cfemu.bulk.fetch_raw); depth: how many reads may be in flight (fetch_raw; the pacer's say)."""
-    ids = structure.snapshot(state)
-    count.snapshot += len(ids)
-    for descs, datas in bulk.fetch_raw(structure.cf.redis, structure.name, ids, batch, before_read=before_read,
-                                       depth=depth or bulk.FETCH_DEPTH):
+    for descs, datas in _fetch_step(structure, state, count, batch, before_read, depth):
         yield select_raw(count, descs, datas, keep)
+
+
+def copy_step(writer: BackupWriter, step: int, structure: Structure, state: str, count: StepCount,
+              batch: int = 2000, keep: Callable[[Wire], bool] | None = None,
+              before_read: Callable[[], None] | None = None,
+              depth: Callable[[], int] | None = None) -> Iterator[None]:
+    """copy_step_raw's copies written by `writer` as frames of `step`, part by part as they are fetched
+    (write_part); yields after each part (the caller's progress and checks)."""
+    for descs, datas in _fetch_step(structure, state, count, batch, before_read, depth):
+        write_part(writer, step, count, descs, datas, keep)
+        yield
+
+
+def _fetch_step(structure: Structure, state: str, count: StepCount, batch: int,
+                before_read: Callable[[], None] | None,
+                depth: Callable[[], int] | None) -> Iterator[tuple[list[bytes | None], list[bytes | None]]]:
+    """The step's snapshot (counted), then its entries' raw descriptors and data, part by part."""
+    ids = structure.snapshot_raw(state)
+    count.snapshot += len(ids)
+    yield from bulk.fetch_raw(structure.cf.redis, structure.name, ids, batch, before_read=before_read,
+                              depth=depth or bulk.FETCH_DEPTH)

@@ -31,7 +31,7 @@ from backup.catalog import OK, list_backups
 from backup.files import BackupError, BackupWriter, new_backup_id, resolve_keys, signing_key
 from backup.pacing import Pacer, probe_commands
 from backup.points import FUZZY, kind_of
-from backup.protocol import STEPS, StepCount, Wire, copy_step_raw
+from backup.protocol import STEPS, StepCount, Wire, copy_step
 from cfemu import bulk
 from cfemu.admin import Admin, AdminError
 from cfemu.cf import CF, Structure
@@ -332,9 +332,8 @@ def _run_backup(client: redis.Redis, structure: str, backup_root: Path, *, log_r
             # Each copy's descriptor goes into its frame as the CF's bytes: decoded only when its persistence
             # is not plain at sight, or for EXCLINT (backup.protocol.select_raw).
             pacer.new_step()
-            for copies in copy_step_raw(s, state_name, count, batch, keep=old_enough if exclint_s else None,
-                                        before_read=pacer.before_read, depth=pacer.reads_in_flight):
-                writer.add_raw(number, copies)
+            for _ in copy_step(writer, number, s, state_name, count, batch, keep=old_enough if exclint_s else None,
+                               before_read=pacer.before_read, depth=pacer.reads_in_flight):
                 lease.check()
                 progress(phase, count.copied + count.skipped_nonpersistent + count.vanished + count.excluded,
                          count.snapshot)

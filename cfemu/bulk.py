@@ -28,7 +28,7 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar, cast
 
 import msgpack
 import redis
@@ -39,12 +39,19 @@ from redis.retry import Retry
 from cfemu import keys, rcluster, resp
 from cfemu.admin import EPOCHS, StructureDef, stage_structure
 from cfemu.entry import Entry
-from cfemu.redis_internals import hiredis_io, pack, socket_of
+from cfemu.redis_internals import hiredis_io, pack, packs_with_hiredis, socket_of
+
+_bulk: Any
+try:
+    from cfemu import _bulk  # type: ignore[attr-defined,no-redef]
+except ImportError:  # installed where no C compiler was (the extension is optional): parts told in Python
+    _bulk = None
 
 BATCH = 1000  # writes: entries (or keys to delete) per pipeline
 FETCH_BATCH = 2000  # reads: ids per pipelined fetch
 FETCH_BYTES = 64 << 20  # reads: the most message data one read holds (a batch of large messages is read in parts)
 Wire = dict[str, Any]  # an entry descriptor in wire form (cfemu.entry.Entry.wire())
+Ids = Sequence[str] | Sequence[bytes]  # entry ids, as text or as the CF's bytes (Structure.snapshot_raw)
 
 
 # --- reads: the backup's fetch ---------------------------------------------------------------------------------
@@ -52,7 +59,7 @@ FETCH_DEPTH = 2  # reads: fetches in flight at once, each on its own connection 
 READ_COMMANDS = 2  # the commands one read sends (a backup's pacing counts its own: backup.pacing)
 
 
-def read(client: redis.Redis, structure: str, ids: Sequence[str],
+def read(client: redis.Redis, structure: str, ids: Ids,
          max_bytes: int | None = None) -> tuple[list[bytes | None], list[bytes | None]]:
     """The raw descriptors and data of `ids` (None where the entry is gone): the descriptors, then the data in
     parts of at most `max_bytes` (each entry's size from its descriptor's `len`; a part holds one entry at least),
@@ -67,15 +74,24 @@ def read(client: redis.Redis, structure: str, ids: Sequence[str],
     return descs, datas
 
 
-def _descriptors(client: redis.Redis, structure: str, ids: Sequence[str]) -> list[Any]:
+def _descriptors(client: redis.Redis, structure: str, ids: Ids) -> list[Any]:
     return hmget(client, keys.entries(structure), ids)  # bytes or None: the client is binary-safe
 
 
-def _data(client: redis.Redis, structure: str, ids: Sequence[str]) -> list[Any]:
+def _data(client: redis.Redis, structure: str, ids: Ids) -> list[Any]:
     return hmget(client, keys.data(structure), ids)
 
 
-def hmget(client: redis.Redis, key: str, fields: Sequence[str]) -> list[Any]:
+def _pack_hmget(conn: Any, key: str, fields: Ids) -> list[bytes]:
+    """HMGET key fields..., as the connection's packer packs it: its arguments packed by cfemu._bulk (C) where the
+    packer is hiredis's (the same bytes; tests/cfemu/test_bulk_parts_native.py), else by pack."""
+    if _bulk is None or not packs_with_hiredis(conn):
+        return pack(conn, ("HMGET", key, *fields))
+    k = key.encode()
+    return [b"*%d\r\n$5\r\nHMGET\r\n$%d\r\n%s\r\n" % (len(fields) + 2, len(k), k) + _bulk.pack_args(fields)]
+
+
+def hmget(client: redis.Redis, key: str, fields: Ids) -> list[Any]:
     """client.hmget(key, fields), on a connection of the client's pool driven directly (cfemu.resp): redis-py's
     per-command path (its packer's check of every argument, its wrappers) had cost a backup more CPU than the
     parsing of the reply, about half a microsecond an entry. A connection this cannot drive (none of hiredis's
@@ -89,7 +105,7 @@ def hmget(client: redis.Redis, key: str, fields: Sequence[str]) -> list[Any]:
     try:
         if hiredis_io(conn) is not None and not (conn.health_check_interval
                                                  and time.monotonic() > conn.next_health_check):
-            reply = resp.exchange(conn, pack(conn, ("HMGET", key, *fields)), 1)[0]
+            reply = resp.exchange(conn, _pack_hmget(conn, key, fields), 1)[0]
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
         reply = None  # the connection was dropped (resp.io_failure): redis-py's path connects again
     finally:
@@ -101,9 +117,20 @@ def hmget(client: redis.Redis, key: str, fields: Sequence[str]) -> list[Any]:
     return list(reply)
 
 
+_NATIVE_LIMITS = 2**61  # the limits cfemu._bulk takes (its sums of sizes stay within 64 bits)
+
+
 def parts(descs: Sequence[bytes | None], limit: int) -> list[tuple[int, int]]:
     """The parts, [a, b) index ranges, in which the data of entries with these descriptors is read: at most
-    `limit` bytes each by the descriptors' `len` (data_length), one entry at least (None: gone, 0 bytes)."""
+    `limit` bytes each by the descriptors' `len` (data_length), one entry at least (None: gone, 0 bytes). Told
+    by cfemu._bulk (C) where it was built, else by parts_in_python, the reference."""
+    if _bulk is not None and type(descs) is list and 0 <= limit < _NATIVE_LIMITS:
+        return cast(list[tuple[int, int]], _bulk.parts(descs, limit, data_length))
+    return parts_in_python(descs, limit)
+
+
+def parts_in_python(descs: Sequence[bytes | None], limit: int) -> list[tuple[int, int]]:
+    """parts, one descriptor at a time in Python: the reference of cfemu/_bulk.c."""
     out: list[tuple[int, int]] = []
     start, held = 0, 0
     for k, raw in enumerate(descs):
@@ -158,7 +185,7 @@ def fetch(client: redis.Redis, structure: str, ids: Iterable[str],
         yield from flush()
 
 
-def fetch_raw(client: redis.Redis, structure: str, ids: Sequence[str], batch: int = FETCH_BATCH, *,
+def fetch_raw(client: redis.Redis, structure: str, ids: Ids, batch: int = FETCH_BATCH, *,
               before_read: Callable[[], None] | None = None, depth: int | Callable[[], int] = FETCH_DEPTH
               ) -> Iterator[tuple[list[bytes | None], list[bytes | None]]]:
     """The raw descriptors and data of `ids`, part by part, as the CF holds them (None where an entry is gone): a
@@ -176,7 +203,7 @@ def fetch_raw(client: redis.Redis, structure: str, ids: Sequence[str], batch: in
     if not chunks:
         return
 
-    def first(chunk: Sequence[str]) -> tuple[list[Any], list[tuple[int, int]], list[Any]]:
+    def first(chunk: Ids) -> tuple[list[Any], list[tuple[int, int]], list[Any]]:
         """A batch's descriptors, its parts, and its first part's data (a batch has one part at least)."""
         descs = _descriptors(client, structure, chunk)
         bounds = parts(descs, FETCH_BYTES)
@@ -189,7 +216,7 @@ def fetch_raw(client: redis.Redis, structure: str, ids: Sequence[str], batch: in
         later: deque[Future[Any]] = deque()  # reads in flight of the batch being handed over: its later parts
         next_batch = 0
 
-        def send_reads(chunk: Sequence[str], unread: deque[tuple[int, int]], limit: int | None = None) -> None:
+        def send_reads(chunk: Ids, unread: deque[tuple[int, int]], limit: int | None = None) -> None:
             """Fill the reads in flight up to `limit` (`depth`): the later parts of the batch being handed over
             first (they are handed over before the next batch), then the next batches."""
             nonlocal next_batch

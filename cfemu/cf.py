@@ -666,7 +666,12 @@ class Structure:
         return int(marked)
 
     def snapshot(self, state: str) -> list[str]:
-        return [x.decode() for x in self._call("snapshot", None, [state])]
+        return [x.decode() for x in self.snapshot_raw(state)]
+
+    def snapshot_raw(self, state: str) -> list[bytes]:
+        """snapshot's ids as the CF's bytes: what a backup's fetch sends back to it (no decoding an id to encode it
+        again)."""
+        return list(self._call("snapshot", None, [state]))
 
     def fetch(self, ids: Iterable[str],
               batch: int = bulk.FETCH_BATCH) -> Iterable[tuple[str, Entry | None, bytes | None]]:

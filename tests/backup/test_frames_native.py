@@ -1,10 +1,13 @@
-"""backup._frames (backup/_frames.c) frames add_raw's whole batches in C; backup.files keeps the same framing in
-Python, the reference and the fallback where the extension was not built. The two must write the same files,
-byte for byte and frame by frame: whole batches, batches that cross a file's roll, batches of more than a write
-chunk allows (framed one by one), every msgpack bin head."""
+"""backup._frames (backup/_frames.c) frames add_raw's whole batches in C, and selects and frames a fetched part in
+one pass (add_selected); backup.files and backup.protocol keep the same framing and selection in Python, the
+reference and the fallback where the extension was not built. The two must write the same files, byte for byte
+and frame by frame: whole batches, batches that cross a file's roll, batches of more than a write chunk allows
+(framed one by one), every msgpack bin head, every kind of descriptor the selection tells apart."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
 import random
 import subprocess
@@ -17,6 +20,7 @@ import pytest
 
 from backup import files
 from backup.files import BackupWriter, _packer, read_backup
+from backup.protocol import StepCount, select_raw, write_part
 
 
 def _wire(i: int) -> dict[str, Any]:
@@ -117,3 +121,158 @@ def test_without_the_extension_the_backup_is_framed_in_python(tmp_path: Path) ->
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "framed in python 256"
+
+
+# --- select_append: a fetched part selected and framed in one pass (backup.protocol.write_part) -----------------
+def _fetched_parts() -> list[tuple[list[bytes | None], list[bytes | None]]]:
+    """Parts as the fetch hands them over: persistent descriptors as the CF writes them, and every kind the
+    selection must tell apart (not persistent, no "per" key, the key's bytes in a string or a property, gone
+    entries: a None descriptor or data), data of every bin head, a few parts of more than a write chunk."""
+    rng = random.Random(11)
+    pack = _packer().pack
+    sizes = [0, 1, 255, 256, 1024, 65535, 65536, 300_000]
+
+    def desc(i: int) -> bytes:
+        w = _wire(i)
+        kind = rng.randrange(9)
+        if kind == 1:
+            w["per"] = 0
+        elif kind == 2:
+            del w["per"]
+        elif kind == 3:
+            w["mid"] = "\udca3per\x01"  # a raw byte 0xa3 (surrogateescape): the key's bytes in a string
+        elif kind == 4:
+            w["pr"] = {"per": rng.choice([0, 1])}
+        elif kind == 5:
+            w["per"] = rng.choice([True, False, 2])
+        return pack(w)
+
+    parts: list[tuple[list[bytes | None], list[bytes | None]]] = []
+    for b in range(60):
+        n = rng.randrange(0, 40)
+        descs: list[bytes | None] = [desc(100 * b + i) for i in range(n)]
+        datas: list[bytes | None] = [os.urandom(rng.choice(sizes)) for _ in range(n)]
+        for i in range(n):
+            if rng.random() < 0.1:
+                (descs if rng.random() < 0.5 else datas)[i] = None
+        parts.append((descs, datas))
+    big = ([pack(_wire(90_000 + i)) for i in range(15)], [os.urandom(300_000) for _ in range(15)])
+    return parts[:10] + [big] + parts[10:40] + [big] + parts[40:]  # type: ignore[list-item]
+
+
+def _write_parts(directory: Path, parts: list[tuple[list[bytes | None], list[bytes | None]]], step: int,
+                 keep: Any) -> tuple[dict[str, Any], list[StepCount]]:
+    w = BackupWriter(directory, roll_bytes=3_000_000)
+    counts = []
+    for descs, datas in parts:
+        count = StepCount()
+        write_part(w, step, count, list(descs), list(datas), keep)
+        counts.append(count)
+    return w.finish({"id": directory.name, "structure": "S", "group": "G"}), counts
+
+
+@pytest.mark.parametrize("exclint", [False, True], ids=["at sight", "every descriptor decoded (EXCLINT)"])
+def test_selecting_in_c_writes_what_select_raw_and_add_raw_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 exclint: bool) -> None:
+    """The C pass (add_selected) and the reference (select_raw, then add_raw framed in Python) keep the same
+    copies, count them alike, and write the same files byte for byte, across rolled files and parts of more than
+    a write chunk."""
+    parts = _fetched_parts()
+    keep = (lambda wire: wire["pt"] % 3 != 0) if exclint else None
+    assert BackupWriter(tmp_path / "S" / "probe").selects_natively
+    c, c_counts = _write_parts(tmp_path / "S" / "c", parts, 3, keep)
+    monkeypatch.setattr(files, "_frames", None)
+    py, py_counts = _write_parts(tmp_path / "S" / "py", parts, 3, keep)
+    assert c_counts == py_counts
+    total = StepCount()
+    for k in c_counts:
+        total.copied, total.vanished = total.copied + k.copied, total.vanished + k.vanished
+        total.skipped_nonpersistent += k.skipped_nonpersistent
+        total.excluded += k.excluded
+    assert total.copied > 500 and total.vanished > 20 and total.skipped_nonpersistent > 50
+    assert (total.excluded > 50) == exclint
+    assert len(c["files"]) > 3, "the parts should roll the entry files"
+    assert [(f["name"], f["size"], f["sha256"], f["frames"]) for f in c["files"]] == [
+        (f["name"], f["size"], f["sha256"], f["frames"]) for f in py["files"]]
+    for f in c["files"]:
+        assert (tmp_path / "S" / "c" / f["name"]).read_bytes() == (tmp_path / "S" / "py" / f["name"]).read_bytes()
+    kept = [(raw, d) for descs, datas in parts for raw, d in select_raw(StepCount(), descs, datas, keep)]
+    assert [d for _, _, d in read_backup(tmp_path / "S" / "c").frames()] == [d for _, d in kept]
+
+
+def test_selecting_in_c_asks_the_decider_once_an_entry_and_passes_on_its_error(tmp_path: Path) -> None:
+    """decide is asked only of descriptors not persistent at sight, once each, also where the part is then framed
+    frame by frame; an error it raises comes out of add_selected with nothing of the part written."""
+    pack = _packer().pack
+    plain, odd = pack(_wire(1)), pack({**_wire(2), "per": 0})
+    w = BackupWriter(tmp_path / "S" / "b")
+    asked: list[bytes] = []
+
+    def decide(raw: bytes) -> bool:
+        asked.append(raw)
+        return False
+
+    big = os.urandom(3 << 20)
+    assert w.add_selected(2, [plain, odd, plain, None], [big, b"x", big, b"y"], decide) == (2, 2 * len(big), 1)
+    assert asked == [odd]
+    size = w._size
+
+    def broken(raw: bytes) -> bool:
+        raise ValueError("no")
+
+    with pytest.raises(ValueError, match="no"):
+        w.add_selected(2, [plain, odd], [b"a", b"b"], broken)
+    assert w._size == size
+    with pytest.raises(TypeError, match="bytes or None"):
+        w.add_selected(2, [plain, "text"], [b"a", b"b"], decide)  # type: ignore[list-item]
+    w.abort()
+
+
+# --- the entry files written with O_DIRECT ------------------------------------------------------------------
+def _direct_write(directory: Path, batches: list[list[tuple[bytes, bytes]]]) -> tuple[dict[str, Any], list[bool]]:
+    w = BackupWriter(directory, roll_bytes=3_000_000)
+    direct = []
+    for batch in batches:
+        w.add_raw(2, batch)
+        if w._file is not None:
+            direct.append(w._file.direct)
+    return w.finish({"id": directory.name, "structure": "S", "group": "G"}), direct
+
+
+def test_entry_files_written_past_the_page_cache_hold_the_same_bytes(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Written with O_DIRECT (whole blocks from an aligned buffer, the last bytes through the page cache), through
+    the page cache, or with O_DIRECT refused at the first write (a file system that takes the flag at the open
+    and not at a write): the same files, byte for byte, each of them read back whole."""
+    if not files._DIRECT:
+        pytest.skip("no O_DIRECT on this system: the page cache is the only path")
+    batches = _batches()
+    direct, seen = _direct_write(tmp_path / "S" / "direct", batches)
+    assert any(seen), "the test's file system should take O_DIRECT (ext4, xfs; tmpfs from Linux 6.6)"
+    monkeypatch.setattr(files, "_DIRECT", 0)
+    cached, seen = _direct_write(tmp_path / "S" / "cached", batches)
+    assert not any(seen)
+    monkeypatch.undo()
+    refusals = []
+    real_write = os.write
+
+    def refusing(fd: int, data: Any) -> int:
+        if not refusals and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refusals.append(fd)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(files.os, "write", refusing)
+    refused, _ = _direct_write(tmp_path / "S" / "refused", batches)
+    assert refusals
+    monkeypatch.undo()
+    assert len(direct["files"]) > 3
+    for other in (cached, refused):
+        assert [(f["name"], f["size"], f["sha256"]) for f in direct["files"]] == [
+            (f["name"], f["size"], f["sha256"]) for f in other["files"]]
+    for f in direct["files"]:
+        data = (tmp_path / "S" / "direct" / f["name"]).read_bytes()
+        assert len(data) == f["size"]
+        assert data == (tmp_path / "S" / "cached" / f["name"]).read_bytes()
+        assert data == (tmp_path / "S" / "refused" / f["name"]).read_bytes()
+    assert list(read_backup(tmp_path / "S" / "direct").frames()) == list(read_backup(tmp_path / "S" / "cached").frames())

@@ -1456,6 +1456,7 @@ class TestSnapshot:
         s.expire(NOW)
         assert s.snapshot("CP") == ["b", "a", "c", "d"]  # get order
         assert (s.snapshot("UP"), s.snapshot("UG"), s.snapshot("EX")) == (["up"], ["other"], ["old"])
+        assert s.snapshot_raw("CP") == [b"b", b"a", b"c", b"d"]  # the same ids as the CF's bytes (a backup's fetch)
 
     def test_refuses_an_unknown_state(self, s: Structure) -> None:
         with pytest.raises(BadRequestError, match="unknown state"):

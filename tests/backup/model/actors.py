@@ -322,6 +322,9 @@ class _TakenSnapshot:
     def snapshot(self, state: str) -> list[str]:
         return self._ids
 
+    def snapshot_raw(self, state: str) -> list[bytes]:
+        return [i.encode() for i in self._ids]
+
 
 def backup_actor(world: World) -> Steps:
     """backup.protocol's steps: begin (sets the floor), then per step an atomic snapshot of the ids and, as a
@@ -342,7 +345,8 @@ def backup_actor(world: World) -> Steps:
         if ids:
             yield f"backup step {number} {state} fetch"
         taken = cast(Structure, _TakenSnapshot(s, ids))
-        # The backup's own path (backup.run): the CF's descriptor bytes, selected by select_raw.
+        # The backup's own path (backup.run): the CF's descriptor bytes, selected by select_raw (the reference of
+        # the selection in C that backup.run's write_part takes: tests/backup/test_frames_native.py).
         b.copies.extend((STRUCTURE, bulk.unpack_wire(raw), d) for copies in copy_step_raw(taken, state, count)
                         for raw, d in copies)
     yield "backup end"
