@@ -53,12 +53,11 @@ import hmac
 import secrets
 import socket
 import struct
-import threading
 from typing import Any
 
 import msgpack
 
-from cfemu import errors
+from cfemu import errors, thread_packer
 from cfemu.errors import MessageTooBigError, MQError
 from cfemu.limits import DESCRIPTOR_ALLOWANCE, MAX_MSG_LENGTH
 from sqm.core.connection import Message
@@ -168,16 +167,8 @@ ERROR_CLASSES = _error_classes()
 
 
 # --- frames ------------------------------------------------------------------------------------------------
-_local = threading.local()
-
-
 def encode_frame(obj: Any) -> bytes:
-    # A Packer kept per thread (it holds a buffer; each connection's thread packs its own replies): msgpack.packb
-    # makes and frees one per call, about as much CPU again as packing a small reply.
-    packer: msgpack.Packer | None = getattr(_local, "packer", None)
-    if packer is None:
-        packer = _local.packer = msgpack.Packer(use_bin_type=True)
-    body = packer.pack(obj)  # a value it cannot pack raises, and leaves nothing in its buffer
+    body = thread_packer.pack(obj)  # the thread's Packer: a reply's frame is packed by its connection's thread
     return HEADER.pack(len(body)) + body
 
 
