@@ -4,7 +4,6 @@ local limit, never read as a lost CF."""
 
 from __future__ import annotations
 
-import contextlib
 import time
 from queue import Empty, Full, LifoQueue
 from typing import Any
@@ -144,8 +143,10 @@ class WaitingPool(redis.BlockingConnectionPool):
             return
         if connection.should_reconnect():
             connection.disconnect()
-        with contextlib.suppress(Full):
+        try:  # not contextlib.suppress: its object and two calls, at every CF call
             self.pool.put_nowait(connection)
+        except Full:
+            pass
 
     def _exhausted(self) -> PoolExhaustedError:
         return PoolExhaustedError(f"all {self.max_connections} connections to the CF stayed busy for "

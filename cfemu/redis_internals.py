@@ -25,6 +25,7 @@ What redis-py keeps private and cfemu uses:
 from __future__ import annotations
 
 import os
+import select
 import socket
 from typing import Any
 
@@ -38,6 +39,7 @@ from redis.retry import Retry
 # What the hiredis reader answers while a reply is incomplete: redis-py builds its readers with this sentinel; one
 # without it leaves hiredis's own False (a nil reply is None in RESP2, never False).
 NOT_ENOUGH: Any = getattr(_redis_hiredis, "NOT_ENOUGH_DATA", False)
+_POLLER = "_cfemu_poller"  # (socket, its poll object), kept on a connection for idle_and_clean
 
 
 def socket_of(conn: Any) -> Any:
@@ -89,7 +91,16 @@ def idle_and_clean(conn: Any) -> bool:
     sock = conn._sock
     if reader is None or sock is None or reader.has_data():
         return False
-    return not _redis_hiredis._socket_can_read(sock, 0)
+    if type(sock) is not socket.socket:  # a TLS socket's layer may hold decrypted bytes: redis-py's own check
+        return not _redis_hiredis._socket_can_read(sock, 0)
+    # The same non-blocking poll as _socket_can_read (readable, closed or failed: not clean), by a poll object kept
+    # with the connection for its socket rather than made and registered at every CF call.
+    kept = conn.__dict__.get(_POLLER)
+    if kept is None or kept[0] is not sock:
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        kept = conn.__dict__[_POLLER] = (sock, poller)
+    return not kept[1].poll(0)
 
 
 def one_attempt(retry: Any) -> bool:

@@ -12,8 +12,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-import msgpack
-
+from cfemu import thread_packer
 from cfemu.durable import fsync_directory
 from cfemu.latency import Latency
 from cfemu.private_files import open_private, private_dir
@@ -49,15 +48,7 @@ CHECKPOINTS_KEPT = 16
 WRITE_THRESHOLD = 256 * 1024
 
 _fdatasync = getattr(os, "fdatasync", os.fsync)
-_local = threading.local()
-
-
-def _pack(record: dict[str, Any]) -> bytes:
-    # msgpack.Packer keeps an internal buffer, so each thread gets its own.
-    packer: msgpack.Packer | None = getattr(_local, "packer", None)
-    if packer is None:
-        packer = _local.packer = msgpack.Packer(use_bin_type=True)
-    return packer.pack(record)
+_pack = thread_packer.pack  # each thread its own Packer, not kept past a record of a large message
 
 
 @dataclass

@@ -57,7 +57,7 @@ from typing import Any
 
 import msgpack
 
-from cfemu import errors
+from cfemu import errors, thread_packer
 from cfemu.errors import MessageTooBigError, MQError
 from cfemu.limits import DESCRIPTOR_ALLOWANCE, MAX_MSG_LENGTH
 from sqm.core.connection import Message
@@ -168,7 +168,7 @@ ERROR_CLASSES = _error_classes()
 
 # --- frames ------------------------------------------------------------------------------------------------
 def encode_frame(obj: Any) -> bytes:
-    body = msgpack.packb(obj, use_bin_type=True)
+    body = thread_packer.pack(obj)  # the thread's Packer: a reply's frame is packed by its connection's thread
     return HEADER.pack(len(body)) + body
 
 

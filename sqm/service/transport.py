@@ -590,7 +590,10 @@ class Transport:
                     self.budget.hold(session, len(frame))
                 sock.sendall(frame)
                 del frame
-                self.budget.release(session)  # one request at a time here: the connection holds nothing now
+                # One request at a time here: the connection holds nothing now. Only this thread changes what it
+                # holds while the loop runs, so the look needs no lock (most requests held nothing).
+                if session.reserved:
+                    self.budget.release(session)
                 if fenced:
                     loop.call_soon_threadsafe(self.host.request_stop, EXIT_FENCED)
         except OSError as e:  # the client went away (reset, broken pipe) or the shutdown closed its socket

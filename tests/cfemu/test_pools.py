@@ -5,6 +5,8 @@ redis-server."""
 from __future__ import annotations
 
 import queue
+import select
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -134,3 +136,24 @@ def test_a_connected_idle_connection_is_taken_without_redis_pys_checks(one: redi
     monkeypatch.setattr(redis.connection.AbstractConnection, "can_read", refuse)
     conn = pool.get_connection()
     pool.release(conn)
+
+
+def test_a_connection_the_server_closed_is_reconnected_after_earlier_checks(one: redis.Redis) -> None:
+    """The readiness check keeps a poll object with a connection for its socket (made once, not at every take):
+    after several takes, a connection the server then closes is still seen closed and is reconnected before use
+    (no command sent on it, so no lost reply), and the check then watches the new socket."""
+    pool = one.connection_pool
+    for _ in range(3):
+        assert one.ping()
+    conn = pool.get_connection()
+    old = conn._sock
+    old.shutdown(socket.SHUT_WR)  # the server reads the end of the stream and closes its side
+    pool.release(conn)
+    wait_for(lambda: bool(select.select([old], [], [], 0)[0]), "the server's close to reach the socket")
+    assert one.ping()
+    conn = pool.get_connection()
+    try:
+        assert conn._sock is not None and conn._sock is not old
+    finally:
+        pool.release(conn)
+    assert one.ping()
