@@ -156,6 +156,31 @@ def test_packed_commands_under_a_header_changed_meanwhile_are_tried_again(client
     assert len(checks) == 2 and client.hget(keys.data(S), "counter") == b"1"  # applied once
 
 
+def test_a_loads_batch_after_a_header_change_between_batches_is_tried_again_and_applied_once(
+        client: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The guard sent after a load's batch read the header before someone re-sized the structure (still this
+    owner's): the next batch's EXEC applies nothing under that guard's WATCH, and the batch goes again, judged by
+    the guard sent after the aborted EXEC; it is applied once."""
+    commands = resp.Packed()
+    commands.add("HINCRBY", keys.data(S), "counter", 1)
+    exchanges: list[int] = []
+    exchange = resp.exchange
+
+    def counted(conn: object, data: object, replies: int) -> list[object]:
+        exchanges.append(replies)
+        return exchange(conn, data, replies)  # type: ignore[arg-type]
+
+    with bulk.claim(client, S, bulk.observe(client, S)) as owner:
+        monkeypatch.setattr(resp, "exchange", counted)
+        assert owner.send(commands, watch_next=True) == [1]
+        client.hset(keys.meta(S), "max_entries", 10)  # between two batches
+        assert owner.send(commands, watch_next=True) == [2]
+        monkeypatch.undo()
+    # the first guard; the first batch; the second, aborted by the WATCH; the second again
+    assert exchanges == [3, 6, 6, 6]
+    assert client.hget(keys.data(S), "counter") == b"2"  # each batch applied once
+
+
 def test_a_packed_batch_waits_for_the_cf_twice(client: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
     """WATCH, the CF's identity and the header go in one round trip, MULTI, the batch and EXEC in a second: a
     watching redis-py pipeline made a round trip of each of the first three (four waits a batch, each a
