@@ -319,6 +319,12 @@ def cpu_s() -> float:
     return own.ru_utime + own.ru_stime + ended.ru_utime + ended.ru_stime
 
 
+def cf_cpu_s(client: Any) -> float:
+    """CPU seconds the CF's redis-server has used so far (INFO cpu, its threads and children)."""
+    info = client.info("cpu")
+    return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+
+
 def plan_only(root: Path, memory: int, truth_file: Path, workers: int, engine_name: str) -> None:
     """The plan alone (--plan-only): planned by the engine, then its survivors read in load order as the load reads
     them (the plan's output), every count checked against the generator's truth; no load, no raw writes."""
@@ -410,7 +416,7 @@ def child(root: Path, memory: int, truth_file: Path, workers: int, engine_name: 
         out["workers"] = min(workers, out["partitions"] or 1)
         out["workers_peak_mib"] = round(getattr(plan, "worker_peak_bytes", 0) / 2**20)
         out["phases_s"] = {k: round(v[1] - v[0], 2) for k, v in spans.items()}
-        t1 = time.perf_counter()
+        t1, c1, cf1 = time.perf_counter(), cpu_s(), cf_cpu_s(client)
         # As run_restore: the restore point's entries written as the load goes, its manifest before ACTIVE.
         point = RestorePointWriter(root / f"points-{engine_name}", "p", S, backup_keys=backup_keys)
         point_s = 0.0
@@ -428,6 +434,10 @@ def child(root: Path, memory: int, truth_file: Path, workers: int, engine_name: 
                              before_activate=finish_point)
         out["load_s"] = round(time.perf_counter() - t1 - point_s, 2)  # with the point's entries written
         out["point_s"] = round(point_s, 2)  # the point's manifest, its files' fsync
+        # CPU seconds of the load (the point's manifest with it): this process (every thread), and the CF's
+        out["load_cpu_s"], out["cf_load_cpu_s"] = round(cpu_s() - c1, 2), round(cf_cpu_s(client) - cf1, 2)
+        out["load_timings"] = {k: round(v, 2) for k, v in getattr(load, "timings", {}).items()}
+        out["loadavg_at_load"] = os.getloadavg()
         out["restore_s"] = round(time.perf_counter() - t0, 2)
         # this process's own peak, and its worker processes' (they ran beside it while the plan was settled)
         out["peak_rss_mib"] = round((vm_hwm() + getattr(plan, "worker_peak_bytes", 0)) / 2**20)
@@ -484,7 +494,7 @@ def child(root: Path, memory: int, truth_file: Path, workers: int, engine_name: 
                 server = EmbeddedRedis(data_dir=root / f"redis-{engine_name}")
                 server.start()
                 client = server.client()
-            t3 = time.perf_counter()
+            t3, c3, cf3 = time.perf_counter(), cpu_s(), cf_cpu_s(client)
             for ids, descs, datas, lists, sets in read_frames(raw.path):
                 pipe = client.pipeline(transaction=False)
                 pipe.hset(ent_key, mapping=dict(zip(ids, descs, strict=True)))
@@ -505,6 +515,8 @@ def child(root: Path, memory: int, truth_file: Path, workers: int, engine_name: 
                         run_start = i
                 pipe.execute()
             out[name] = round(time.perf_counter() - t3, 2)
+            out[name[:-2] + "_cpu_s"] = round(cpu_s() - c3, 2)  # this process's, and the CF's
+            out["cf_" + name[:-2] + "_cpu_s"] = round(cf_cpu_s(client) - cf3, 2)
             out["raw_written"] = client.hlen(ent_key)
         plan.close()
     finally:
@@ -513,6 +525,7 @@ def child(root: Path, memory: int, truth_file: Path, workers: int, engine_name: 
     out["plan_load_over_raw"] = round(out["raw_write_s"] / (out["plan_s"] + out["load_s"]), 3)
     out["restore_over_grouped_raw"] = round(out["raw_write_grouped_s"] / out["restore_s"], 3)
     out["restore_over_same_data_raw"] = round(out["raw_write_same_data_s"] / out["restore_s"], 3)
+    out["load_over_same_data_raw"] = round(out["load_s"] / out["raw_write_same_data_s"], 3)
     print(json.dumps(out))
 
 

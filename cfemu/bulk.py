@@ -416,16 +416,25 @@ def _exec_on(conn: Any, commands: resp.Packed) -> list[Any]:
     """MULTI, `commands`, EXEC, sent together on a watching connection (cfemu.resp); EXEC's replies. As redis-py's
     pipeline: WatchError when a watched key changed (nothing applied), the first error reply raised (a command
     refused when queued aborts the whole EXEC)."""
-    # The batch's strings as they are (cfemu.resp.Packed.chunks), not joined to MULTI and EXEC: that took two
-    # copies of the whole batch (its messages' data) while it was sent.
-    replies = resp.exchange(conn, [_MULTI, *commands.chunks(), _EXEC], commands.count + 2)
-    result = replies[-1]
-    for r in (*replies[:-1], result, *(result if isinstance(result, list) else ())):
-        if isinstance(r, redis.exceptions.ResponseError):
-            raise r
+    result, _ = _exec_then(conn, commands, [], 0)
     if result is None:
         raise redis.exceptions.WatchError(_WATCH_CHANGED)
-    return list(result)
+    return result
+
+
+def _exec_then(conn: Any, commands: resp.Packed, then: list[bytes], replies: int) -> tuple[list[Any] | None, list[Any]]:
+    """MULTI, `commands`, EXEC, then the commands `then` (`replies` replies), sent together; EXEC's replies (None:
+    a watched key changed, nothing applied) and the replies of `then`. The first error reply of the transaction is
+    raised (a command refused when queued aborts the whole EXEC)."""
+    # The batch's strings as they are (cfemu.resp.Packed.chunks), not joined to MULTI and EXEC: that took two
+    # copies of the whole batch (its messages' data) while it was sent.
+    out = resp.exchange(conn, [_MULTI, *commands.chunks(), _EXEC, *then], commands.count + 2 + replies)
+    cut = len(out) - replies
+    result = out[cut - 1]
+    for r in (*out[:cut - 1], result, *(result if isinstance(result, list) else ())):
+        if isinstance(r, redis.exceptions.ResponseError):
+            raise r
+    return (None if result is None else list(result)), out[cut:]
 
 
 def _pinned(client: redis.Redis) -> redis.Redis:
@@ -466,10 +475,15 @@ class Owner:
         self.separate_admin = admin is not None
         self.admin = admin if admin is not None else client
         self._guard: list[bytes] | None = None  # send's first round trip, packed (_watch_and_read)
+        # The replies of a guard sent after the last batch's EXEC (send(watch_next=True)): its WATCH is in force on
+        # the owner's connection until the next batch is sent, or until another transaction of the owner judges
+        # the header anew (check), which voids it.
+        self._next_guard: list[Any] | None = None
 
     def check(self, client: redis.Redis) -> None:
         """Raise NotOwnerError (CFReplacedError) unless the header, read through `client` (a watching pipeline),
         still says this owner's, in the same CF."""
+        self._next_guard = None  # this transaction's EXEC ends every WATCH on the connection, the guard's too
         self.judge(_header(client, self.structure))
 
     def judge(self, now: Seen) -> None:
@@ -492,11 +506,13 @@ class Owner:
         return _transact(self.client, (keys.meta(self.structure), *watch), self.check,
                          lambda pipe, _: stage(pipe))[1]
 
-    def send(self, commands: resp.Packed) -> list[Any]:
+    def send(self, commands: resp.Packed, *, watch_next: bool = False) -> list[Any]:
         """transaction() of commands packed beforehand (a bulk load's batch, prepared in another thread), in two
         round trips: WATCH, the CF's identity and the header sent together and judged, then MULTI, the commands
         and EXEC. (redis-py's watching pipeline makes each of the first three a round trip of its own: a batch
-        waited four times for the CF, each wait a scheduling delay on a busy machine.) A connection this cannot
+        waited four times for the CF, each wait a scheduling delay on a busy machine.) watch_next: more batches
+        follow, so the next one's WATCH, identity and header go out right after this EXEC, in the same round trip,
+        and are judged when that batch is sent: a load's batch then waits for the CF once. A connection this cannot
         drive (another parser than hiredis's) takes _transact."""
         pool = self.client.connection_pool
         for _ in range(WATCH_RETRIES):
@@ -507,7 +523,7 @@ class Owner:
             try:
                 if hiredis_io(conn) is None:
                     break
-                replies = self._exec_guarded(conn, commands)
+                replies = self._exec_guarded(conn, commands, watch_next)
                 if replies is not None:
                     return replies
             finally:
@@ -527,11 +543,14 @@ class Owner:
             self._guard = [guard.data()]
         return self._guard
 
-    def _exec_guarded(self, conn: Any, commands: resp.Packed) -> list[Any] | None:
+    def _exec_guarded(self, conn: Any, commands: resp.Packed, watch_next: bool) -> list[Any] | None:
         """One try of send on `conn`: EXEC's replies, or None when the header changed between the read and EXEC
         (nothing applied: try again). Raises as _transact does."""
+        guard, self._next_guard = self._next_guard, None
         try:
-            watched, info, header = resp.exchange(conn, self._watch_and_read(), 3)
+            if guard is None:
+                guard = resp.exchange(conn, self._watch_and_read(), 3)
+            watched, info, header = guard
             try:
                 for reply in (watched, info, header):
                     if isinstance(reply, redis.exceptions.ResponseError):
@@ -540,7 +559,10 @@ class Owner:
             except BaseException:
                 _unwatch(conn)
                 raise
-            return _exec_on(conn, commands)
+            if not watch_next:
+                return _exec_on(conn, commands)
+            result, self._next_guard = _exec_then(conn, commands, self._watch_and_read(), 3)
+            return result  # None: aborted; the retry judges the guard sent after it
         except redis.exceptions.WatchError:
             return None
         except redis.exceptions.ReadOnlyError as e:  # a replica now (demoted, or following another): not the CF
@@ -812,9 +834,10 @@ class Loader:
         return prepare(self.structure, batch)
 
     def send(self, st: Staged) -> None:
-        """Write a prepared batch, as one transaction of the owner."""
+        """Write a prepared batch, as one transaction of the owner (more batches are expected: Owner.send's
+        watch_next; the owner's next transaction of another kind voids the guard sent after this one)."""
         if st.entries:
-            self.holder.send(st.commands)
+            self.holder.send(st.commands, watch_next=True)
         # counted once the batch is in (a transaction tried again must not count it twice)
         for u, first in st.held.items():
             self.held[u] = min(self.held.get(u, first), first)

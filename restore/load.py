@@ -23,7 +23,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from cfemu import bulk, keys
@@ -31,6 +31,7 @@ from cfemu.admin import StructureDef
 from cfemu.limits import CF_STEP_BYTES
 from cfemu.progress import Progress, no_progress
 from restore.engine import LOAD
+from restore.interpreter import loading
 from restore.partitioned import DEFAULT_MEMORY, Runs, SpilledPlan, merged_runs
 from restore.plan import RestorePlan
 from restore.settle import Settled
@@ -53,6 +54,11 @@ class LoadResult:
     batches: int = 0
     uows_in_doubt: int = 0
     seconds: float = 0.0
+    # Where the load's seconds went (wall, in the loading thread): waiting for the next prepared batch, sending
+    # batches (each a transaction of the owner), waiting to hand a batch's copies to the restore point's writer;
+    # and the CPU seconds of the thread that prepared the batches (its source's reading included) and of the one
+    # that wrote the point's copies.
+    timings: dict[str, float] = field(default_factory=dict)
 
 
 def batches(items: Iterable[Settled], size: int, max_bytes: int = 0) -> Iterator[list[Settled]]:
@@ -94,6 +100,8 @@ class Prepared:
         self.queue: queue.Queue[Any] = queue.Queue(maxsize=self.DEPTH)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._produce, name="restore-load-prepare", daemon=True)
+        self.waited_s = 0.0  # the consumer's wall seconds waiting for a batch
+        self.cpu_s = 0.0  # the producing thread's CPU seconds, once it has ended
 
     def _put(self, item: Any) -> bool:
         while not self.stop.is_set():
@@ -110,8 +118,10 @@ class Prepared:
                 if not self._put(item):
                     return
         except BaseException as e:  # handed to the loading thread, which raises it
+            self.cpu_s = time.thread_time()
             self._put(_Failed(e))
             return
+        self.cpu_s = time.thread_time()
         self._put(_DONE)
 
     def __enter__(self) -> Prepared:
@@ -120,7 +130,9 @@ class Prepared:
 
     def __iter__(self) -> Iterator[tuple[bulk.Staged, int]]:
         while True:
+            t0 = time.perf_counter()
             item = self.queue.get()
+            self.waited_s += time.perf_counter() - t0
             if item is _DONE:
                 return
             if isinstance(item, _Failed):
@@ -161,6 +173,8 @@ class Beside:
         # leave a thread that still runs reported as ended.
         self.ended = threading.Event()
         self.thread = threading.Thread(target=self._consume, name="restore-load-point", daemon=True)
+        self.waited_s = 0.0  # the loading thread's wall seconds waiting to hand a batch over
+        self.cpu_s = 0.0  # the writing thread's CPU seconds, once it has ended
 
     def _consume(self) -> None:
         try:
@@ -174,13 +188,16 @@ class Beside:
                     except BaseException as e:  # raised in the loading thread (put, __exit__)
                         self.failure = e
         finally:
+            self.cpu_s = time.thread_time()
             self.ended.set()
 
     def put(self, copies: list[tuple[bytes, bytes]]) -> None:
         """Hand over one batch's copies, once the batch is in the CF (waits while DEPTH batches are pending)."""
         if self.failure is not None:
             raise self.failure
+        t0 = time.perf_counter()
         self.queue.put(copies)
+        self.waited_s += time.perf_counter() - t0
 
     def __enter__(self) -> Beside:
         self.thread.start()
@@ -315,16 +332,19 @@ def load_plan(owner: bulk.Owner, plan: RestorePlan, sdef: StructureDef, queues: 
         progress(LOAD, 0, total)
         clock = PseudoClockFloor()
         spilled = plan if isinstance(plan, SpilledPlan) and streams(plan) else None
-        with Workers(1, processes=1 if spilled is not None else 0) as pool:
+        with Workers(1, processes=1 if spilled is not None else 0) as pool, loading():
             if spilled is not None:
                 source = pool.stream(_staged_runs, (S, spilled.runs(), batch, batch_bytes))
             else:
                 source = staged(S, plan.in_load_order(), batch, batch_bytes)
             point = Beside(copies_to) if copies_to is not None else None  # no thread when no point is written
+            sending = 0.0
             with Prepared(source) as prepared, point or contextlib.nullcontext():
                 for staged_batch, floor in prepared:
                     clock.floor = max(clock.floor, floor)
+                    t_send = time.perf_counter()
                     loader.send(staged_batch)
+                    sending += time.perf_counter() - t_send
                     if point is not None:
                         point.put(staged_batch.copies)
                     expected.update(staged_batch.lists)
@@ -332,6 +352,9 @@ def load_plan(owner: bulk.Owner, plan: RestorePlan, sdef: StructureDef, queues: 
                     result.batches += 1
                     progress(LOAD, result.entries, total)
                     failpoint("restore-load-batch")  # tests: SQM_FAILPOINTS=restore-load-batch=N dies after N
+            result.timings = {"waiting_for_batches_s": prepared.waited_s, "sending_s": sending,
+                              "waiting_for_point_s": point.waited_s if point is not None else 0.0,
+                              "preparing_cpu_s": prepared.cpu_s, "point_cpu_s": point.cpu_s if point is not None else 0.0}
         if result.entries != total:  # a sorted run lost or cut short under the load: its merge just ends early
             raise LoadVerifyError(f"structure {S}: the load read {result.entries} entries, {total} entries in the "
                                   f"plan (left RECOVERING)")

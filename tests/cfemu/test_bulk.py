@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import pytest
 import redis
@@ -18,6 +19,12 @@ from cfemu.embedded import EmbeddedRedis
 S = "APP1"
 
 
+class Survivor(NamedTuple):
+    id: str
+    entry: dict[str, object]
+    data: bytes
+
+
 def header(client: redis.Redis) -> dict[str, str]:
     return {keys.text(k): keys.text(v) for k, v in client.hgetall(keys.meta(S)).items()}
 
@@ -26,15 +33,19 @@ def marker(value: str) -> Callable[[Pipeline], object]:
     return lambda pipe: pipe.hset(keys.data(S), "marker", value)
 
 
-def write_marker(owner: bulk.Owner, value: str, packed: bool) -> None:
+HOW = ["staged", "packed", "load"]
+
+
+def write_marker(owner: bulk.Owner, value: str, how: str) -> None:
     """The marker written by a transaction staged on redis-py's pipeline, or by commands packed beforehand (a bulk
-    load's batch: Owner.send); both are held to the same ownership rules."""
-    if packed:
-        commands = resp.Packed()
-        commands.add("HSET", keys.data(S), "marker", value)
-        owner.send(commands)
-    else:
+    load's batch: Owner.send), alone or as one of a load's batches (the next batch's WATCH and header read sent
+    after its EXEC, and judged when the next batch goes); all are held to the same ownership rules."""
+    if how == "staged":
         owner.transaction(marker(value))
+        return
+    commands = resp.Packed()
+    commands.add("HSET", keys.data(S), "marker", value)
+    owner.send(commands, watch_next=how == "load")
 
 
 @pytest.fixture
@@ -89,13 +100,13 @@ def test_a_claim_refuses_a_structure_that_changed_since_it_was_observed(client: 
     assert header(client) == before  # nothing written
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_a_later_claim_stops_the_earlier_owner_at_its_next_transaction(client: redis.Redis, packed: bool) -> None:
+@pytest.mark.parametrize("how", HOW)
+def test_a_later_claim_stops_the_earlier_owner_at_its_next_transaction(client: redis.Redis, how: str) -> None:
     first = bulk.claim(client, S, bulk.observe(client, S))
-    write_marker(first, "first", packed)
+    write_marker(first, "first", how)
     second = bulk.claim(client, S, bulk.observe(client, S))
     with pytest.raises(bulk.NotOwnerError, match="a later restore or a purge took the structure over"):
-        write_marker(first, "stale", packed)
+        write_marker(first, "stale", how)
     assert client.hget(keys.data(S), "marker") == b"first"  # the stale transaction applied nothing
     second.transaction(marker("second"))
     assert client.hget(keys.data(S), "marker") == b"second"
@@ -145,6 +156,31 @@ def test_packed_commands_under_a_header_changed_meanwhile_are_tried_again(client
     assert len(checks) == 2 and client.hget(keys.data(S), "counter") == b"1"  # applied once
 
 
+def test_a_loads_batch_after_a_header_change_between_batches_is_tried_again_and_applied_once(
+        client: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The guard sent after a load's batch read the header before someone re-sized the structure (still this
+    owner's): the next batch's EXEC applies nothing under that guard's WATCH, and the batch goes again, judged by
+    the guard sent after the aborted EXEC; it is applied once."""
+    commands = resp.Packed()
+    commands.add("HINCRBY", keys.data(S), "counter", 1)
+    exchanges: list[int] = []
+    exchange = resp.exchange
+
+    def counted(conn: object, data: object, replies: int) -> list[object]:
+        exchanges.append(replies)
+        return exchange(conn, data, replies)  # type: ignore[arg-type]
+
+    with bulk.claim(client, S, bulk.observe(client, S)) as owner:
+        monkeypatch.setattr(resp, "exchange", counted)
+        assert owner.send(commands, watch_next=True) == [1]
+        client.hset(keys.meta(S), "max_entries", 10)  # between two batches
+        assert owner.send(commands, watch_next=True) == [2]
+        monkeypatch.undo()
+    # the first guard; the first batch; the second, aborted by the WATCH; the second again
+    assert exchanges == [3, 6, 6, 6]
+    assert client.hget(keys.data(S), "counter") == b"2"  # each batch applied once
+
+
 def test_a_packed_batch_waits_for_the_cf_twice(client: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
     """WATCH, the CF's identity and the header go in one round trip, MULTI, the batch and EXEC in a second: a
     watching redis-py pipeline made a round trip of each of the first three (four waits a batch, each a
@@ -171,6 +207,33 @@ def test_a_packed_batch_waits_for_the_cf_twice(client: redis.Redis, monkeypatch:
     sent = ("watch", "hmget", "multi", "hset", "exec")  # and INFO, which the count's own reads use too
     assert {k: after.get(k, 0) - before.get(k, 0) for k in sent} == dict.fromkeys(sent, 1)
     assert client.hget(keys.data(S), "marker") == b"x"
+
+
+def test_a_loads_batches_wait_for_the_cf_once_each(client: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load's batch (Loader.send) sends the next batch's WATCH, CF identity and header read right after its EXEC:
+    after the first, each batch is one round trip (two had been a scheduling delay each on a busy machine). The
+    owner's next transaction of another kind (the load's finish) judges the header anew and is not aborted by the
+    WATCH left in force."""
+    exchanges: list[int] = []
+    exchange = resp.exchange
+
+    def counted(conn: object, data: object, replies: int) -> list[object]:
+        exchanges.append(replies)
+        return exchange(conn, data, replies)  # type: ignore[arg-type]
+
+    with bulk.claim(client, S, bulk.observe(client, S)) as owner:
+        loader = bulk.Loader(owner, gen=1)
+        monkeypatch.setattr(resp, "exchange", counted)
+        batches = [bulk.prepare(S, [Survivor(f"e{b}", {"id": f"e{b}", "q": "Q1", "st": "CP", "l": b}, b"x")])
+                   for b in range(3)]
+        for batch in batches:
+            loader.send(batch)
+        monkeypatch.undo()
+        client.hset(keys.meta(S), "max_entries", 10)  # a header change the left WATCH sees: finish is not aborted
+        assert loader.finish(["Q1"], owner=lambda u: "QM1", tomb={}) == 0
+    # WATCH, INFO, HMGET; then each batch: MULTI, its commands, EXEC, and the next batch's WATCH, INFO, HMGET
+    assert exchanges == [3, *(2 + batch.commands.count + 3 for batch in batches)]
+    assert client.hlen(keys.data(S)) == 3 and client.sismember(keys.queues(S), "Q1")
 
 
 def test_a_packed_batch_refused_leaves_the_owners_connection_unwatched(client: redis.Redis) -> None:
@@ -206,34 +269,34 @@ def test_packed_commands_with_an_error_apply_nothing_and_raise_it(client: redis.
         with pytest.raises(redis.exceptions.ResponseError, match="unknown command"):
             owner.send(aborted)
         assert client.hget(keys.data(S), "marker") == b"half"
-        write_marker(owner, "after", packed=True)  # the connection is still in step
+        write_marker(owner, "after", "packed")  # the connection is still in step
     assert client.hget(keys.data(S), "marker") == b"after"
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_an_owner_never_writes_into_a_cf_restarted_under_it(fresh_redis: EmbeddedRedis, packed: bool) -> None:
+@pytest.mark.parametrize("how", HOW)
+def test_an_owner_never_writes_into_a_cf_restarted_under_it(fresh_redis: EmbeddedRedis, how: str) -> None:
     c = fresh_redis.client()
     Admin(c).define_structure(S)
     owner = bulk.claim(c, S, bulk.observe(c, S))
-    write_marker(owner, "before", packed)
+    write_marker(owner, "before", how)
     fresh_redis.kill()
     fresh_redis.start()  # an empty CF on the same port
     with pytest.raises(bulk.CFReplacedError, match="the connection to the CF broke"):
-        write_marker(owner, "after", packed)
+        write_marker(owner, "after", how)
     with pytest.raises(redis.exceptions.ConnectionError):  # and its connection does not come back
         owner.client.ping()
     assert fresh_redis.client().keys("*") == []
     owner.close()
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_an_owner_checks_the_cf_identity_at_each_transaction(client: redis.Redis, packed: bool) -> None:
+@pytest.mark.parametrize("how", HOW)
+def test_an_owner_checks_the_cf_identity_at_each_transaction(client: redis.Redis, how: str) -> None:
     """Behind a proxy that keeps the client's connection open, a CF restarted from its own snapshot would still
     carry the token: the run id tells the servers apart."""
     with bulk.claim(client, S, bulk.observe(client, S)) as owner:
         owner.cf = "0" * 40  # as if the claim had been made on another server
         with pytest.raises(bulk.CFReplacedError, match="the CF is another server now"):
-            write_marker(owner, "x", packed)
+            write_marker(owner, "x", how)
     assert client.hget(keys.data(S), "marker") is None
 
 
@@ -257,8 +320,8 @@ def test_activate_keeps_the_token_and_a_purge_fences_a_loading_restore(client: r
     loading.close()
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_an_owner_stops_when_the_cf_became_a_replica(fresh_redis: EmbeddedRedis, packed: bool) -> None:
+@pytest.mark.parametrize("how", HOW)
+def test_an_owner_stops_when_the_cf_became_a_replica(fresh_redis: EmbeddedRedis, how: str) -> None:
     """A CF demoted under the load (a duplex failover, an operator's REPLICAOF) refuses writes with READONLY: the
     load stops as for a lost CF, to be run again on the new one (it raised a bare ReadOnlyError)."""
     c = fresh_redis.client()
@@ -267,7 +330,7 @@ def test_an_owner_stops_when_the_cf_became_a_replica(fresh_redis: EmbeddedRedis,
         c.execute_command("REPLICAOF", "127.0.0.1", "1")  # nothing listens there: it keeps its data, read only
         try:
             with pytest.raises(bulk.CFReplacedError, match="READONLY"):
-                write_marker(owner, "x", packed)
+                write_marker(owner, "x", how)
         finally:
             c.execute_command("REPLICAOF", "NO", "ONE")
     assert c.hget(keys.data(S), "marker") is None

@@ -17,16 +17,16 @@ from redis.client import Pipeline
 from cfemu import bulk, keys, resp
 from cfemu.admin import Admin
 from cfemu.embedded import EmbeddedRedis
-from tests.cfemu.test_bulk import write_marker
+from tests.cfemu.test_bulk import HOW, write_marker
 from tests.support.cf_loading import answers_loading
 
 S = "APP1"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("how", HOW)
 def test_a_batch_sent_while_the_cf_reloads_its_data_stops_the_load_as_a_lost_cf(
-        redis_factory: Callable[..., EmbeddedRedis], packed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+        redis_factory: Callable[..., EmbeddedRedis], how: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The CF reloads its dataset under the load (DEBUG RELOAD; a replica's resync is the same) and answers every
     command on the owner's connection -LOADING (MULTI and EXEC it still takes). redis-py's class for it,
     BusyLoadingError, is a ConnectionError: the pipeline raised it at the first command's reply and dropped the
@@ -41,7 +41,7 @@ def test_a_batch_sent_while_the_cf_reloads_its_data_stops_the_load_as_a_lost_cf(
     owner = bulk.claim(c, S, bulk.observe(c, S))
     # The owner's check of its header: through its watching pipeline, or (a packed batch) of the header read
     # with the batch's WATCH.
-    hook = "judge" if packed else "check"
+    hook = "check" if how == "staged" else "judge"
     check = getattr(owner, hook)
     reload = threading.Thread(target=lambda: srv.client(socket_timeout=None).execute_command("DEBUG", "RELOAD"))
 
@@ -55,7 +55,7 @@ def test_a_batch_sent_while_the_cf_reloads_its_data_stops_the_load_as_a_lost_cf(
     monkeypatch.setattr(owner, hook, check_then_reload)
     try:
         with pytest.raises(bulk.CFReplacedError):
-            write_marker(owner, "during", packed)
+            write_marker(owner, "during", how)
         with pytest.raises(redis.exceptions.ConnectionError, match="does not reconnect"):
             owner.client.ping()  # the connection was dropped: whatever it had in flight is never read as a reply
     finally:

@@ -1,0 +1,112 @@
+"""What a load asks of the interpreter (restore.interpreter.loading): while restore.load.load_plan sends its batches
+the switch interval is short and the cyclic collector paused, and both are given back when it ends, whether it
+ends well or not, and only when the last of several overlapping loads ends. A real redis-server."""
+
+from __future__ import annotations
+
+import gc
+import sys
+import threading
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from cfemu import bulk, keys
+from cfemu.admin import Admin, StructureDef
+from cfemu.entry import Entry
+from restore.engine import LOAD
+from restore.interpreter import SWITCH_INTERVAL_S, loading
+from restore.load import load_plan
+from restore.plan import RestorePlan
+from restore.settle import RESTORED, Settled
+
+S = "APP1"
+N = 2500  # three batches
+
+
+@pytest.fixture(autouse=True)
+def _default_settings() -> Iterator[None]:
+    """Each test starts with CPython's defaults (the collector on, a 5 ms switch interval) and leaves them so."""
+    before = sys.getswitchinterval(), gc.isenabled()
+    sys.setswitchinterval(0.005)
+    gc.enable()
+    yield
+    sys.setswitchinterval(before[0])
+    (gc.enable if before[1] else gc.disable)()
+
+
+def _plan(n: int = N, bad_at: int = -1) -> RestorePlan:
+    settled = []
+    for i in range(n):
+        e = Entry(id=f"m{i:08d}", queue="Q1", put_time=1, msgid=f"{i:016x}").wire()
+        e.update(st="CP", l=1000 + i, o1=i, o2=i)
+        if i == bad_at:  # a string that is not UTF-8 (a raw byte a backup kept): its batch cannot be written
+            e["cid"] = "\udcff"
+        settled.append(Settled(e["id"], RESTORED, S, e, b"x" * 100))
+    return RestorePlan(S, 10**7, settled, {})
+
+
+def _load(client: redis.Redis, plan: RestorePlan, seen: list[tuple[bool, float]]) -> None:
+    def progress(phase: str, done: int, total: int | None) -> None:
+        if phase == LOAD and done:  # in the loading thread, between two batches
+            seen.append((gc.isenabled(), sys.getswitchinterval()))
+
+    with bulk.claim(client, S, bulk.observe(client, S)) as owner:
+        load_plan(owner, plan, StructureDef(S), ["Q1"], progress=progress)
+
+
+def _group(redis_url: str) -> redis.Redis:
+    client = redis.Redis.from_url(redis_url)
+    Admin(client).define_structure(S)
+    Admin(client).define_queue("Q1", S)
+    return client
+
+
+def test_a_load_sends_its_batches_with_a_short_switch_interval_and_the_collector_paused(redis_url: str) -> None:
+    client = _group(redis_url)
+    seen: list[tuple[bool, float]] = []
+    _load(client, _plan(), seen)
+    assert client.hlen(keys.data(S)) == N
+    assert len(seen) == 3
+    assert all(not enabled and interval <= SWITCH_INTERVAL_S for enabled, interval in seen), seen
+    assert gc.isenabled() and sys.getswitchinterval() == pytest.approx(0.005, rel=0.05)
+
+
+def test_a_load_that_fails_gives_the_settings_back(redis_url: str) -> None:
+    client = _group(redis_url)
+    seen: list[tuple[bool, float]] = []
+    with pytest.raises(ValueError, match="not UTF-8"):
+        _load(client, _plan(bad_at=1500), seen)
+    assert seen == [(False, pytest.approx(SWITCH_INTERVAL_S, rel=0.05))]  # the first batch went in, the second failed
+    assert gc.isenabled() and sys.getswitchinterval() == pytest.approx(0.005, rel=0.05)
+
+
+def test_overlapping_loads_give_the_settings_back_when_the_last_one_ends() -> None:
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    during: list[tuple[bool, float]] = []
+
+    def second() -> None:
+        first_in.wait(30)
+        with loading():
+            second_in.set()
+            first_out.wait(30)
+            during.append((gc.isenabled(), sys.getswitchinterval()))
+
+    t = threading.Thread(target=second)
+    t.start()
+    with loading():
+        first_in.set()
+        assert second_in.wait(30)
+    first_out.set()  # the first has left; the second still loads
+    t.join(30)
+    assert during == [(False, pytest.approx(SWITCH_INTERVAL_S, rel=0.05))]
+    assert gc.isenabled() and sys.getswitchinterval() == pytest.approx(0.005, rel=0.05)
+
+
+def test_a_collector_paused_before_the_load_stays_paused_after_it() -> None:
+    gc.disable()
+    sys.setswitchinterval(0.0001)  # shorter than the load's: kept
+    with loading():
+        assert sys.getswitchinterval() == pytest.approx(0.0001, rel=0.05)
+    assert not gc.isenabled() and sys.getswitchinterval() == pytest.approx(0.0001, rel=0.05)
