@@ -241,15 +241,21 @@ class _EntryFile:
     as durable either way."""
 
     def __init__(self, path: Path) -> None:
-        self.fd = -1
+        # Made through the page cache, then O_DIRECT asked of the open file: an open with O_CREAT and O_DIRECT on
+        # a file system without it (tmpfs before Linux 6.6) creates the file and then fails with EINVAL, which
+        # left the file behind for the next open's O_EXCL to refuse. fcntl refuses the flag and changes nothing.
+        self.fd = open_private(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         self.direct = False
+        self._stage: mmap.mmap | None = None
         if _DIRECT:
-            with contextlib.suppress(OSError):  # EINVAL: a file system without O_DIRECT (tmpfs before Linux 6.6)
-                self.fd = open_private(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _DIRECT)
+            try:
+                self._stage = mmap.mmap(-1, _STAGE_BYTES)  # page-aligned memory
+                fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) | _DIRECT)
                 self.direct = True
-        if self.fd < 0:
-            self.fd = open_private(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-        self._stage = mmap.mmap(-1, _STAGE_BYTES) if self.direct else None  # page-aligned memory
+            except OSError:  # EINVAL: the file system has no O_DIRECT; the page cache then
+                if self._stage is not None:
+                    self._stage.close()
+                    self._stage = None
         self._held = 0  # bytes at the start of the stage, not yet written (less than a block)
         self._offset = 0  # bytes written to the file
 
@@ -275,13 +281,14 @@ class _EntryFile:
         """Write the stage's first n bytes (whole blocks) and keep the rest at its start."""
         assert self._stage is not None
         stage = memoryview(self._stage)
+        start = self._offset
         try:
             self._write_all(stage[:n])
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise
             self._buffered()  # O_DIRECT taken at the open and refused at the write: the page cache then
-            self._write_all(stage[:n])
+            self._write_all(stage[self._offset - start:n])  # from where the refused write left off
         rest = self._held - n
         if rest:
             self._stage.move(0, n, rest)
