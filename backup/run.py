@@ -345,6 +345,9 @@ def _run_backup(client: redis.Redis, structure: str, backup_root: Path, *, log_r
         # So are the UOWs it holds a record of: an in-doubt UOW registered without entries (its work here was
         # non-persistent) is known to a restore from this backup only by its records, of an older generation.
         uows = bulk.registered(client, structure)
+        # The entry files on disk before the CF is told the backup ended well (its header's last_backup): a write
+        # or fsync that fails here ends the backup as failed, with nothing kept.
+        writer.close_files()
         lease.check()
         try:  # refused unless the mark is still this backup's and its lease runs (backup_end.lua)
             end_lrsn = s.backup_end(backup_id, clock.now(), ok=True)

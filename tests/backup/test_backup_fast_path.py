@@ -4,6 +4,7 @@ cannot tell from the one decode-and-repack gave: the same frames, the same copie
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import threading
@@ -21,6 +22,8 @@ from backup.files import BackupWriter, _packer, read_backup
 from backup.protocol import StepCount, _persistent_at_sight, select_raw
 from backup.run import run_backup
 from cfemu import bulk
+from cfemu.admin import Admin
+from cfemu.cf import CF
 from cfemu.errors import NoMessageError
 from sqm.core.manager import QueueManager
 from tests.support.group import define_group, start_qm
@@ -290,3 +293,40 @@ def test_a_backup_taken_while_the_group_works_copies_each_entry_whole(
     for _, wire, data in frames:
         n = int(bytes.fromhex(wire["mid"]).rstrip(b"\x00")[1:])  # the message id, in hex
         assert data == body(n) and wire["len"] == len(data) and wire["per"] == 1, wire
+
+
+@pytest.mark.parametrize("failing", ["write", "fsync"])
+def test_a_disk_that_fails_under_the_backup_leaves_nothing(
+        qsg: tuple[redis.Redis, QueueManager], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        failing: str) -> None:
+    """A full disk at an entry file's write (the writing thread's, past the page cache where O_DIRECT is taken)
+    or an I/O error at its fsync: the backup fails with the error, ends as failed in the CF (no running mark, no
+    last backup), leaves no directory, no half-file and nothing in the catalog; the next one succeeds."""
+    client, qm = qsg
+    conn = qm.connect()
+    for _ in range(40):
+        conn.put("Q1", os.urandom(100_000))
+    conn.commit()
+    real = getattr(os, failing)
+    seen: list[int] = []
+
+    def fails(fd: int, *args: Any) -> Any:
+        path = os.readlink(f"/proc/self/fd/{fd}")  # the entry files' calls fail, no other file's
+        if "entries-" not in path:
+            return real(fd, *args)
+        seen.append(fd)
+        if failing == "write" and len(seen) < 3:  # a half-made file first
+            return real(fd, *args)
+        code = errno.ENOSPC if failing == "write" else errno.EIO
+        raise OSError(code, os.strerror(code), Path(path).name)
+
+    monkeypatch.setattr(files.os, failing, fails)
+    with pytest.raises(OSError, match="entries-0001.bin"):
+        run_backup(client, "APP1", tmp_path / "bk", batch=5)  # a write chunk (1 MiB) every few parts
+    monkeypatch.undo()
+    assert seen
+    assert list((tmp_path / "bk" / "APP1").iterdir()) == []
+    info = CF(client).structure("APP1").info()
+    assert "backup" not in info and "last_backup" not in info
+    assert Admin(client).backups("APP1") == []
+    assert run_backup(client, "APP1", tmp_path / "bk")["entries"] == 40
