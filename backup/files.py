@@ -242,8 +242,8 @@ class _EntryFile:
 
     def __init__(self, path: Path) -> None:
         # Made through the page cache, then O_DIRECT asked of the open file: an open with O_CREAT and O_DIRECT on
-        # a file system without it (tmpfs before Linux 6.6) creates the file and then fails with EINVAL, which
-        # left the file behind for the next open's O_EXCL to refuse. fcntl refuses the flag and changes nothing.
+        # a file system without it (tmpfs before Linux 6.6) creates the file and then fails with EINVAL, so that
+        # no second open could make it (O_EXCL); fcntl refuses the flag and changes nothing.
         self.fd = open_private(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         self.direct = False
         self._stage: mmap.mmap | None = None
