@@ -330,3 +330,30 @@ def test_a_disk_that_fails_under_the_backup_leaves_nothing(
     assert "backup" not in info and "last_backup" not in info
     assert Admin(client).backups("APP1") == []
     assert run_backup(client, "APP1", tmp_path / "bk")["entries"] == 40
+
+
+def test_a_manifest_that_cannot_be_written_withdraws_the_backup_it_ended(
+        qsg: tuple[redis.Redis, QueueManager], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The manifest is written after the backup ends in the CF (it holds the end's lrsn): a disk full at it fails
+    the backup, leaves no directory, and the header's last_backup names the backup before it again, not one that
+    is not there."""
+    client, qm = qsg
+    conn = qm.connect()
+    conn.put("Q1", b"x")
+    conn.commit()
+    first = run_backup(client, "APP1", tmp_path / "bk")
+    real = os.write
+
+    def full_at_the_manifest(fd: int, data: Any) -> int:
+        if "manifest.json" in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "manifest.json")
+        return real(fd, data)
+
+    monkeypatch.setattr(files.os, "write", full_at_the_manifest)
+    with pytest.raises(OSError, match="manifest.json"):
+        run_backup(client, "APP1", tmp_path / "bk")
+    monkeypatch.undo()
+    assert [p.name for p in (tmp_path / "bk" / "APP1").iterdir()] == [first["id"]]
+    info = CF(client).structure("APP1").info()
+    assert info["last_backup"] == first["id"] and "backup" not in info
+    assert [b["id"] for b in Admin(client).backups("APP1")] == [first["id"]]
