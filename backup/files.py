@@ -241,15 +241,21 @@ class _EntryFile:
     as durable either way."""
 
     def __init__(self, path: Path) -> None:
-        self.fd = -1
+        # Made through the page cache, then O_DIRECT asked of the open file: an open with O_CREAT and O_DIRECT on
+        # a file system without it (tmpfs before Linux 6.6) creates the file and then fails with EINVAL, so that
+        # no second open could make it (O_EXCL); fcntl refuses the flag and changes nothing.
+        self.fd = open_private(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         self.direct = False
+        self._stage: mmap.mmap | None = None
         if _DIRECT:
-            with contextlib.suppress(OSError):  # EINVAL: a file system without O_DIRECT (tmpfs before Linux 6.6)
-                self.fd = open_private(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _DIRECT)
+            try:
+                self._stage = mmap.mmap(-1, _STAGE_BYTES)  # page-aligned memory
+                fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) | _DIRECT)
                 self.direct = True
-        if self.fd < 0:
-            self.fd = open_private(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-        self._stage = mmap.mmap(-1, _STAGE_BYTES) if self.direct else None  # page-aligned memory
+            except OSError:  # EINVAL: the file system has no O_DIRECT; the page cache then
+                if self._stage is not None:
+                    self._stage.close()
+                    self._stage = None
         self._held = 0  # bytes at the start of the stage, not yet written (less than a block)
         self._offset = 0  # bytes written to the file
 
@@ -275,13 +281,14 @@ class _EntryFile:
         """Write the stage's first n bytes (whole blocks) and keep the rest at its start."""
         assert self._stage is not None
         stage = memoryview(self._stage)
+        start = self._offset
         try:
             self._write_all(stage[:n])
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise
             self._buffered()  # O_DIRECT taken at the open and refused at the write: the page cache then
-            self._write_all(stage[:n])
+            self._write_all(stage[self._offset - start:n])  # from where the refused write left off
         rest = self._held - n
         if rest:
             self._stage.move(0, n, rest)
@@ -310,8 +317,11 @@ class _EntryFile:
             os.close(self.fd)
             self.fd = -1
         if self._stage is not None:
-            self._stage.close()
-            self._stage = None
+            stage, self._stage = self._stage, None
+            # A failed write's traceback (the error the backup reports) may still hold a view of the stage: it is
+            # then freed with the traceback, and the error is not replaced by a BufferError.
+            with contextlib.suppress(BufferError):
+                stage.close()
 
 
 class BackupWriter:
@@ -337,8 +347,11 @@ class BackupWriter:
         self._buf = bytearray()  # frames not yet handed to the writing thread
         self._pool: ThreadPoolExecutor | None = None  # the writing thread, started with the first chunk
         self._pending: deque[Future[None]] = deque()
+        self._closed = False  # the entry files are written and fsynced: no more frames (close_files)
 
     def _open_next(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"{self.directory}: the entry files are closed: no more frames")
         self._close_current()
         name = f"entries-{len(self.files) + 1:04d}.bin"
         self._file = _EntryFile(self.directory / name)
@@ -468,13 +481,23 @@ class BackupWriter:
         if len(buf) >= _WRITE_CHUNK:
             self._flush_buffer()
 
-    def finish(self, manifest: dict[str, Any]) -> dict[str, Any]:
-        """Close the entry files (fsynced), then write the manifest, signed, atomically; returns it."""
+    def close_files(self) -> None:
+        """Write, fsync and close the entry files (and the directory that names them): every write or fsync error
+        shows here. A backup closes them before it ends well in the CF, so that a disk that fails under the files
+        fails the backup while it can still end as failed (finish writes the manifest alone then)."""
+        if self._closed:
+            return
         if self._file is None and not self.files:
             self._open_next()  # an empty structure still has one (empty) entry file: the format stays uniform
         self._close_current()
         self._stop_writing()
         fsync_directory(self.directory)
+        self._closed = True
+
+    def finish(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        """Close the entry files (close_files, when not done yet), then write the manifest, signed, atomically;
+        returns it."""
+        self.close_files()
         out = sign_manifest(dict(manifest, files=self.files), self._key)
         _write_manifest(self.directory, out)
         return out
@@ -492,7 +515,7 @@ class BackupWriter:
         self._pending.clear()
         self._stop_writing()
         if self._file is not None:
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(Exception):  # the backup's own failure is what its caller reports
                 self._file.close()
             self._file = None
         shutil.rmtree(self.directory, ignore_errors=True)

@@ -132,6 +132,16 @@ def _end_failed(s: Structure, backup_id: str, clock: LrsnClock) -> None:
             time.sleep(0.2)
 
 
+def _withdraw(s: Structure, backup_id: str, previous: str) -> None:
+    """Set the header's last_backup back from a backup that ended ok and could not be kept (backup_withdraw.lua);
+    a CF that cannot be asked leaves it naming the backup, which status then shows missing."""
+    try:
+        s.backup_withdraw(backup_id, previous)
+    except Exception as e:  # noqa: BLE001 - the backup's own failure is what the caller reports
+        log.warning("backup %s: ended in the CF and could not be kept; its header still names it (%s)",
+                    backup_id, e)
+
+
 class _Lease:
     """Renews a running backup's lease from a thread, and records why when its mark is no longer its own."""
 
@@ -294,6 +304,7 @@ def _run_backup(client: redis.Redis, structure: str, backup_root: Path, *, log_r
     writer: BackupWriter | None = None
     lease: _Lease | None = None
     ended = False
+    previous = ""  # the header's last_backup before this backup ends
     counts: list[StepCount] = []
     # From here on every way out ends the backup as failed in the CF: a reply lost after the mark was set
     # included (ending a backup whose mark is not there is refused and changes nothing).
@@ -345,6 +356,10 @@ def _run_backup(client: redis.Redis, structure: str, backup_root: Path, *, log_r
         # So are the UOWs it holds a record of: an in-doubt UOW registered without entries (its work here was
         # non-persistent) is known to a restore from this backup only by its records, of an older generation.
         uows = bulk.registered(client, structure)
+        # The entry files on disk before the CF is told the backup ended well (its header's last_backup): a write
+        # or fsync that fails here ends the backup as failed, with nothing kept.
+        writer.close_files()
+        previous = str(s.info().get("last_backup", ""))  # what last_backup names again if this one is withdrawn
         lease.check()
         try:  # refused unless the mark is still this backup's and its lease runs (backup_end.lua)
             end_lrsn = s.backup_end(backup_id, clock.now(), ok=True)
@@ -375,6 +390,8 @@ def _run_backup(client: redis.Redis, structure: str, backup_root: Path, *, log_r
                 lease.stop()
             if not ended:
                 _end_failed(s, backup_id, clock)
+            else:  # ended ok in the CF, and its manifest could not be written: not the last backup after all
+                _withdraw(s, backup_id, previous)
         finally:
             if writer is not None:
                 writer.abort()

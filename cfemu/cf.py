@@ -625,6 +625,11 @@ class Structure:
     def backup_end(self, backup_id: str, caller_lrsn: int, ok: bool) -> int:
         return int(self._call("backup_end", None, [backup_id, caller_lrsn, "ok" if ok else "failed"]))
 
+    def backup_withdraw(self, backup_id: str, previous: str) -> bool:
+        """Set the header's last_backup back to `previous` ('' none) while it names backup_id, a backup that ended
+        ok and could not be kept; False when it names another."""
+        return bool(int(self._call("backup_withdraw", None, [backup_id, previous])))
+
     def backup_cancel(self, backup_id: str = "") -> BackupCancelled:
         """Clear the backup mark, running or stale (only backup_id's when given): an operator's cfbackup cancel."""
         cancelled, left = self._call("backup_cancel", None, [backup_id])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
 import os
 import random
 import subprocess
@@ -276,3 +277,81 @@ def test_entry_files_written_past_the_page_cache_hold_the_same_bytes(tmp_path: P
         assert data == (tmp_path / "S" / "cached" / f["name"]).read_bytes()
         assert data == (tmp_path / "S" / "refused" / f["name"]).read_bytes()
     assert list(read_backup(tmp_path / "S" / "direct").frames()) == list(read_backup(tmp_path / "S" / "cached").frames())
+
+
+def _same_files(directory: Path, reference: Path, manifest: dict[str, Any]) -> None:
+    """Every entry file the manifest lists holds what the reference backup's does, and its sha256 and size."""
+    for f in manifest["files"]:
+        data = (directory / f["name"]).read_bytes()
+        assert len(data) == f["size"]
+        assert hashlib.sha256(data).hexdigest() == f["sha256"]
+        assert data == (reference / f["name"]).read_bytes()
+
+
+def test_a_file_system_that_refuses_o_direct_at_the_open_gets_the_page_cache(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Linux creates the file of an open with O_CREAT and O_DIRECT before it finds that the file system has no
+    O_DIRECT (EINVAL: tmpfs before 6.6, some FUSE and network file systems), and fcntl refuses the flag the same
+    way: the entry files are then written through the page cache, the same bytes, and the backup is not refused
+    for a file that exists already."""
+    if not files._DIRECT:
+        pytest.skip("no O_DIRECT on this system: the page cache is the only path")
+    batches = _batches()
+    monkeypatch.setattr(files, "_DIRECT", 0)
+    cached, _ = _direct_write(tmp_path / "S" / "cached", batches)
+    monkeypatch.undo()
+    real_open, real_fcntl = os.open, fcntl.fcntl
+    refused: list[str] = []
+
+    def open_without_direct(path: Any, flags: int, mode: int = 0o777, **kw: Any) -> int:
+        if flags & os.O_DIRECT:  # what the kernel does: the file is made, then the flag refused
+            os.close(real_open(path, flags & ~os.O_DIRECT, mode, **kw))
+            refused.append(str(path))
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, mode, **kw)
+
+    def fcntl_without_direct(fd: int, cmd: int, arg: int = 0) -> Any:
+        if cmd == fcntl.F_SETFL and arg & os.O_DIRECT:
+            refused.append(f"fd {fd}")
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_fcntl(fd, cmd, arg)
+
+    monkeypatch.setattr(os, "open", open_without_direct)
+    monkeypatch.setattr(fcntl, "fcntl", fcntl_without_direct)
+    manifest, seen = _direct_write(tmp_path / "S" / "nodirect", batches)
+    monkeypatch.undo()
+    assert refused and not any(seen)
+    assert [(f["name"], f["size"], f["sha256"]) for f in manifest["files"]] == [
+        (f["name"], f["size"], f["sha256"]) for f in cached["files"]]
+    _same_files(tmp_path / "S" / "nodirect", tmp_path / "S" / "cached", manifest)
+
+
+def test_an_o_direct_write_refused_after_a_short_write_goes_on_from_where_it_stopped(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write may write less than asked; when the write of the rest is then refused (EINVAL) and the page cache
+    takes over, it writes the rest, not the whole again: the file holds each byte once, as its sha256 says."""
+    if not files._DIRECT:
+        pytest.skip("no O_DIRECT on this system: the page cache is the only path")
+    batches = _batches()
+    monkeypatch.setattr(files, "_DIRECT", 0)
+    cached, _ = _direct_write(tmp_path / "S" / "cached", batches)
+    monkeypatch.undo()
+    real_write = os.write
+    calls: list[str] = []
+
+    def short_then_refused(fd: int, data: Any) -> int:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT and len(calls) < 2 and len(data) > 4096:
+            calls.append("short" if not calls else "refused")
+            if len(calls) == 1:
+                return real_write(fd, memoryview(data)[:4096])
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(files.os, "write", short_then_refused)
+    manifest, seen = _direct_write(tmp_path / "S" / "short", batches)
+    monkeypatch.undo()
+    assert calls == ["short", "refused"] and seen[0]
+    assert [(f["name"], f["size"], f["sha256"]) for f in manifest["files"]] == [
+        (f["name"], f["size"], f["sha256"]) for f in cached["files"]]
+    _same_files(tmp_path / "S" / "short", tmp_path / "S" / "cached", manifest)
+    assert list(read_backup(tmp_path / "S" / "short").frames()) == list(read_backup(tmp_path / "S" / "cached").frames())

@@ -17,6 +17,7 @@ import redis
 
 from cfemu.connection import connect
 from cfemu.pools import FreeConnections, PoolExhaustedError, WaitingPool
+from cfemu.redis_internals import idle_and_clean
 
 
 @pytest.fixture
@@ -157,3 +158,36 @@ def test_a_connection_the_server_closed_is_reconnected_after_earlier_checks(one:
     finally:
         pool.release(conn)
     assert one.ping()
+
+
+def test_a_reconnected_connection_is_not_checked_through_a_file_number_another_connection_took(
+        redis_url: str) -> None:
+    """A connection dropped (its socket closed) and made again later is checked on its new socket: another
+    connection that took its old file number meanwhile, and has a reply waiting, does not make it look busy, and
+    its own server-closed socket is never taken for clean through the old registration."""
+    a = redis.Redis.from_url(redis_url)
+    b = redis.Redis.from_url(redis_url)
+    try:
+        assert a.ping()
+        conn_a = a.connection_pool.get_connection()
+        old_fd = conn_a._sock.fileno()
+        assert idle_and_clean(conn_a)  # the poll object is made and kept for this socket
+        conn_a.disconnect()  # its file number is free again
+        conn_b = b.connection_pool.get_connection()
+        conn_b.connect()
+        if conn_b._sock.fileno() != old_fd:
+            pytest.skip("the other connection did not get the freed file number")
+        conn_b.send_command("PING")  # a reply waits on the old number: readable
+        wait_for(lambda: bool(select.select([conn_b._sock], [], [], 0)[0]), "the PONG to reach the socket")
+        conn_a.connect()
+        assert conn_a._sock.fileno() != old_fd
+        assert idle_and_clean(conn_a), "checked through the old file number, now the other connection's"
+        assert conn_b.read_response() in (b"PONG", "PONG", True)
+        conn_a._sock.shutdown(socket.SHUT_WR)
+        wait_for(lambda: bool(select.select([conn_a._sock], [], [], 0)[0]), "the server's close to reach the socket")
+        assert not idle_and_clean(conn_a)
+        b.connection_pool.release(conn_b)
+        a.connection_pool.release(conn_a)
+    finally:
+        a.close()
+        b.close()

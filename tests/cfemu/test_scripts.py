@@ -1444,6 +1444,23 @@ class TestBackupCancel:
             CF(admin.redis).structure("NOPE").backup_cancel()
 
 
+class TestBackupWithdraw:
+    def test_sets_last_backup_back_only_while_it_names_the_withdrawn_backup(self, s: Structure) -> None:
+        """A backup that ended ok and could not be kept is withdrawn: last_backup names the one before it again
+        (or none); a last_backup that has moved on (a later backup, a restore's point) is left as it is."""
+        s.backup_begin("B1", 0)
+        s.backup_end("B1", 0, ok=True)
+        s.backup_begin("B2", 0)
+        s.backup_end("B2", 0, ok=True)
+        assert s.backup_withdraw("B2", "B1") is True
+        assert s.info()["last_backup"] == "B1"
+        assert s.backup_withdraw("B2", "B0") is False  # names B1 now: not touched
+        assert s.info()["last_backup"] == "B1"
+        assert s.backup_withdraw("B1", "") is True
+        assert "last_backup" not in s.info()
+        assert s.backup_withdraw("B1", "") is False
+
+
 class TestSnapshot:
     def test_the_ids_in_one_state(self, s: Structure, qm1: Caller) -> None:
         for eid, p in (("a", 0), ("b", 9), ("c", 0)):

@@ -4,7 +4,10 @@ as it lives). The log's records and the service's frames are packed by it."""
 
 from __future__ import annotations
 
+import collections
+import gc
 import threading
+from typing import Any
 
 import msgpack
 
@@ -53,3 +56,43 @@ def test_the_log_and_the_service_frames_pack_with_it() -> None:
     frame = protocol.encode_frame(reply)
     assert frame[4:] == msgpack.packb(reply, use_bin_type=True)
     assert protocol.decode_body(frame[4:]) == reply
+
+
+class _PacksWhenCollected:
+    """Garbage (a cycle) whose finalizer packs, as a finalizer or a signal handler run by one may."""
+
+    packed: list[bytes] = []
+
+    def __init__(self) -> None:
+        self.me = self
+
+    def __del__(self) -> None:
+        _PacksWhenCollected.packed.append(thread_packer.pack({"nested": "record", "n": 7}))
+
+
+def test_a_pack_nested_in_another_in_the_same_thread_leaves_both_whole() -> None:
+    """Packing a dict subclass allocates, so the garbage collector may run a finalizer in the middle of a pack; a
+    finalizer (or a signal handler it lets run) that packs in turn gets its own bytes, and the outer pack its own:
+    neither holds the other's."""
+    thread_packer.pack({"warm": 1})  # the thread's Packer is made and kept
+    record: collections.defaultdict[str, Any] = collections.defaultdict(list)
+    for i in range(50):
+        record[f"k{i}"] = [i, {"x": i}]
+    obj = {"k": "PUT", "e": record, "d": b"x" * 100}
+    _PacksWhenCollected.packed.clear()
+    threshold = gc.get_threshold()
+    gc.collect()
+    gc.disable()
+    try:
+        gc.set_threshold(1)  # a collection at the first allocation inside the pack
+        for _ in range(3):
+            _PacksWhenCollected()
+        gc.enable()
+        out = thread_packer.pack(obj)
+    finally:
+        gc.enable()
+        gc.set_threshold(*threshold)
+    assert _PacksWhenCollected.packed, "the collector should have run the finalizers during the pack"
+    assert out == msgpack.packb(obj, use_bin_type=True)
+    assert _PacksWhenCollected.packed == [msgpack.packb({"nested": "record", "n": 7})] * 3
+    assert thread_packer.kept()
