@@ -19,11 +19,24 @@ def phony_targets() -> list[str]:
     return [t for t in match[1].split() if t not in ("venv", "clean")]
 
 
+def stamp_prerequisites() -> list[str]:
+    """The files the venv's stamp depends on (pyproject.toml and the C sources its build compiles)."""
+    match = re.search(r"^\$\(STAMP\):([^|\n]*)", (ROOT / "Makefile").read_text(), re.MULTILINE)
+    assert match, "the Makefile has a rule for $(STAMP)"
+    return match[1].split()
+
+
+def test_the_venv_is_remade_when_any_c_source_the_build_compiles_changes() -> None:
+    compiled = re.findall(r'"([\w/]+\.c)"', (ROOT / "pyproject.toml").read_text())
+    assert compiled, "pyproject.toml lists the C sources of its extension modules"
+    assert set(compiled) <= set(stamp_prerequisites())
+
+
 @pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
 @pytest.mark.parametrize("target", phony_targets())
 def test_a_target_on_a_fresh_clone_makes_the_venv_before_using_it(target: str, tmp_path: Path) -> None:
-    # a fresh clone (what the venv is built from): no .venv
-    for name in ("Makefile", "pyproject.toml", "restore/_columns.c", "backup/_frames.c", "native/crc32c.h"):
+    # a fresh clone (what the venv is built from: the stamp's prerequisites): no .venv
+    for name in ["Makefile", *stamp_prerequisites()]:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / name, tmp_path / name)
     done = subprocess.run(["make", "-n", target], cwd=tmp_path, capture_output=True, text=True, timeout=60)
