@@ -232,10 +232,10 @@ _STAGE_BYTES = 4 * 2**20  # the aligned buffer a chunk is copied into for O_DIRE
 
 class _EntryFile:
     """One entry file being written by the writing thread: with O_DIRECT where the file system takes it, else
-    through the page cache. Through the page cache, the kernel's copy of each chunk into it (and its pages made and
-    let go: posix_fadvise DONTNEED starts their write-back early) had cost the backup's process 0.3-1.5 µs of CPU
-    an entry of 1 KiB, as much as all of its selection and framing; O_DIRECT hands the pages to the disk as they
-    are, about 0.08 µs (BENCHMARKS.md, backup). O_DIRECT writes whole aligned blocks from aligned memory, so a
+    through the page cache. Through the page cache the kernel copies each chunk into pages it makes and lets go
+    (posix_fadvise DONTNEED starts their write-back early), a cost in the backup's process of the order of all its
+    selection and framing; O_DIRECT hands the pages to the disk as they are (the figures: BENCHMARKS.md, backup,
+    third pass). O_DIRECT writes whole aligned blocks from aligned memory, so a
     chunk is copied into an aligned buffer and written up to its last whole block; the rest waits for the next
     chunk, and the file's last bytes are written through the page cache at finish(), before the fsync: the file is
     as durable either way."""

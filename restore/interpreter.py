@@ -3,15 +3,14 @@
 The load runs three threads in one process: one prepares the batches (Python a message: the plan's output read,
 the descriptors packed), one sends them to the CF and waits for its replies, one writes the restore point. The
 sending thread is on the critical path, and it gives up the GIL at every socket call; under CPython's default
-switch interval (5 ms) it then waited up to 5 ms to get it back from the preparing thread after each reply, which
-had come in microseconds: the round trip of a batch's header check alone took it 5-11 ms, where the CF worked a few
-microseconds (BENCHMARKS.md, "The load's time at 1M within 512 MiB"). So while a load runs:
+switch interval (5 ms) it then waits up to that long to get it back from the preparing thread after each reply,
+which comes far sooner: the wait, not the CF, sets the pace (the figures: BENCHMARKS.md, "The load's time at 1M
+within 512 MiB"). So while a load runs:
 
   * the switch interval is short (SWITCH_INTERVAL_S): a thread that waits for the GIL gets it within that;
   * the cyclic garbage collector is paused: a load makes a few million small dicts, lists and Settled objects,
-    none of them in a cycle (reference counting frees every one), and the collector scanned the batches in flight
-    again and again (at 300k messages, 12 full collections in one load); the preparing thread's CPU fell by
-    12-15% without it. (The partitioned plan pauses it too.)
+    none of them in a cycle (reference counting frees every one), and the collector would scan the batches in
+    flight again and again, for nothing. (The partitioned plan pauses it too.)
 
 Both are settings of the whole process: loads that overlap in one process (a member restoring two structures)
 share them, and the settings in force before the first are given back when the last ends.
