@@ -288,18 +288,26 @@ def _same_files(directory: Path, reference: Path, manifest: dict[str, Any]) -> N
         assert data == (reference / f["name"]).read_bytes()
 
 
+def _written_through_the_page_cache(directory: Path, batches: list[list[tuple[bytes, bytes]]],
+                                    monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """The manifest of ``batches`` written with O_DIRECT off: what a file system without it gets (the test is
+    skipped where this system has no O_DIRECT: the page cache is then the only path)."""
+    if not files._DIRECT:
+        pytest.skip("no O_DIRECT on this system: the page cache is the only path")
+    monkeypatch.setattr(files, "_DIRECT", 0)
+    cached, _ = _direct_write(directory, batches)
+    monkeypatch.undo()
+    return cached
+
+
 def test_a_file_system_that_refuses_o_direct_at_the_open_gets_the_page_cache(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Linux creates the file of an open with O_CREAT and O_DIRECT before it finds that the file system has no
     O_DIRECT (EINVAL: tmpfs before 6.6, some FUSE and network file systems), and fcntl refuses the flag the same
     way: the entry files are then written through the page cache, the same bytes, and the backup is not refused
     for a file that exists already."""
-    if not files._DIRECT:
-        pytest.skip("no O_DIRECT on this system: the page cache is the only path")
     batches = _batches()
-    monkeypatch.setattr(files, "_DIRECT", 0)
-    cached, _ = _direct_write(tmp_path / "S" / "cached", batches)
-    monkeypatch.undo()
+    cached = _written_through_the_page_cache(tmp_path / "S" / "cached", batches, monkeypatch)
     real_open, real_fcntl = os.open, fcntl.fcntl
     refused: list[str] = []
 
@@ -330,12 +338,8 @@ def test_an_o_direct_write_refused_after_a_short_write_goes_on_from_where_it_sto
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A write may write less than asked; when the write of the rest is then refused (EINVAL) and the page cache
     takes over, it writes the rest, not the whole again: the file holds each byte once, as its sha256 says."""
-    if not files._DIRECT:
-        pytest.skip("no O_DIRECT on this system: the page cache is the only path")
     batches = _batches()
-    monkeypatch.setattr(files, "_DIRECT", 0)
-    cached, _ = _direct_write(tmp_path / "S" / "cached", batches)
-    monkeypatch.undo()
+    cached = _written_through_the_page_cache(tmp_path / "S" / "cached", batches, monkeypatch)
     real_write = os.write
     calls: list[str] = []
 

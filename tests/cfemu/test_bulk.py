@@ -56,6 +56,20 @@ def client(redis_url: str) -> redis.Redis:
     return c
 
 
+def count_exchanges(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """From now until monkeypatch.undo(): each round trip to the CF (resp.exchange) appends how many replies it
+    waited for to the list returned."""
+    exchanges: list[int] = []
+    exchange = resp.exchange
+
+    def counted(conn: object, data: object, replies: int) -> list[object]:
+        exchanges.append(replies)
+        return exchange(conn, data, replies)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(resp, "exchange", counted)
+    return exchanges
+
+
 def test_a_claim_takes_a_growing_token_and_makes_the_structure_recovering(client: redis.Redis) -> None:
     seen = bulk.observe(client, S)
     assert seen.state == "FAILED" and seen.token == 0 and seen.gen == 1 and len(seen.cf) == 40
@@ -163,15 +177,8 @@ def test_a_loads_batch_after_a_header_change_between_batches_is_tried_again_and_
     the guard sent after the aborted EXEC; it is applied once."""
     commands = resp.Packed()
     commands.add("HINCRBY", keys.data(S), "counter", 1)
-    exchanges: list[int] = []
-    exchange = resp.exchange
-
-    def counted(conn: object, data: object, replies: int) -> list[object]:
-        exchanges.append(replies)
-        return exchange(conn, data, replies)  # type: ignore[arg-type]
-
     with bulk.claim(client, S, bulk.observe(client, S)) as owner:
-        monkeypatch.setattr(resp, "exchange", counted)
+        exchanges = count_exchanges(monkeypatch)
         assert owner.send(commands, watch_next=True) == [1]
         client.hset(keys.meta(S), "max_entries", 10)  # between two batches
         assert owner.send(commands, watch_next=True) == [2]
@@ -187,19 +194,12 @@ def test_a_packed_batch_waits_for_the_cf_twice(client: redis.Redis, monkeypatch:
     scheduling delay for a restore on a busy machine)."""
     commands = resp.Packed()
     commands.add("HSET", keys.data(S), "marker", "x")
-    exchanges: list[int] = []
-    exchange = resp.exchange
-
-    def counted(conn: object, data: object, replies: int) -> list[object]:
-        exchanges.append(replies)
-        return exchange(conn, data, replies)  # type: ignore[arg-type]
-
     def calls() -> dict[str, int]:
         return {k.removeprefix("cmdstat_"): v["calls"] for k, v in client.info("commandstats").items()}
 
     with bulk.claim(client, S, bulk.observe(client, S)) as owner:
         before = calls()
-        monkeypatch.setattr(resp, "exchange", counted)
+        exchanges = count_exchanges(monkeypatch)
         owner.send(commands)
         monkeypatch.undo()
         after = calls()
@@ -214,16 +214,9 @@ def test_a_loads_batches_wait_for_the_cf_once_each(client: redis.Redis, monkeypa
     after the first, each batch is one round trip (two had been a scheduling delay each on a busy machine). The
     owner's next transaction of another kind (the load's finish) judges the header anew and is not aborted by the
     WATCH left in force."""
-    exchanges: list[int] = []
-    exchange = resp.exchange
-
-    def counted(conn: object, data: object, replies: int) -> list[object]:
-        exchanges.append(replies)
-        return exchange(conn, data, replies)  # type: ignore[arg-type]
-
     with bulk.claim(client, S, bulk.observe(client, S)) as owner:
         loader = bulk.Loader(owner, gen=1)
-        monkeypatch.setattr(resp, "exchange", counted)
+        exchanges = count_exchanges(monkeypatch)
         batches = [bulk.prepare(S, [Survivor(f"e{b}", {"id": f"e{b}", "q": "Q1", "st": "CP", "l": b}, b"x")])
                    for b in range(3)]
         for batch in batches:

@@ -1070,6 +1070,27 @@ def test_peer_recovery_recovers_every_uow_of_a_member_whose_structure_forgot_one
         qm2.stop(checkpoint=False)
 
 
+def _commit_across_structures_between_backups_then_crash(client: Any, qm1: QueueManager, logs: Path,
+                                                         backups: Path) -> None:
+    """APP1 is backed up; QM1 commits a UOW that puts a on APP1 (Q1) and b on APP2 (Q3); APP2 is backed up; QM1
+    dies (its END appended, not forced, is lost)."""
+    run_backup(client, "APP1", backups, log_root=logs)
+    conn = qm1.connect()
+    conn.put("Q1", b"a")
+    conn.put("Q3", b"b")
+    conn.commit()
+    run_backup(client, "APP2", backups, log_root=logs)
+    crash(qm1)
+
+
+def _restart_without_backing_out(redis_url: str, logs: Path) -> QueueManager:
+    """QM1 restarts, and its log decides no UOW BACKOUT (its committed UOW stays committed)."""
+    qm1 = start_qm(redis_url, logs, "QM1", background=False)
+    decided = [r["k"] for _, r in LogReader(logs / "QM1").records() if r["k"] in ("COMMIT", "BACKOUT")]
+    assert "BACKOUT" not in decided, f"QM1's log decides its committed UOW {decided}"
+    return qm1
+
+
 def test_a_member_restarts_after_a_structure_forgot_its_commit_and_the_next_restore_keeps_it(
         redis_url: str, tmp_path: Path) -> None:
     """APP1 is backed up; QM1 commits a UOW that puts a on APP1 and b on APP2 (its END appended, not forced);
@@ -1086,20 +1107,12 @@ def test_a_member_restarts_after_a_structure_forgot_its_commit_and_the_next_rest
     qm1 = start_qm(redis_url, logs, "QM1", background=False)
     qm2 = start_qm(redis_url, logs, "QM2", background=False)
     try:
-        run_backup(client, "APP1", backups, log_root=logs)
-        conn = qm1.connect()
-        conn.put("Q1", b"a")
-        conn.put("Q3", b"b")
-        conn.commit()
-        run_backup(client, "APP2", backups, log_root=logs)
-        crash(qm1)
+        _commit_across_structures_between_backups_then_crash(client, qm1, logs, backups)
         lose_cf(client)
         for s in ("APP1", "APP2"):
             run_restore(client, s, backup_root=backups, log_root=logs)
         rejoin(qm2)
-        qm1 = start_qm(redis_url, logs, "QM1", background=False)
-        decided = [r["k"] for _, r in LogReader(logs / "QM1").records() if r["k"] in ("COMMIT", "BACKOUT")]
-        assert "BACKOUT" not in decided, f"QM1's log decides its committed UOW {decided}"
+        qm1 = _restart_without_backing_out(redis_url, logs)
         assert [m.body for m in qm2.connect().browse("Q1")] == [b"a"]
         assert [m.body for m in qm2.connect().browse("Q3")] == [b"b"]
         run_restore(client, "APP1", backup_root=backups, log_root=logs, mark_failed=True)
@@ -1187,17 +1200,9 @@ def test_a_commit_a_structure_restored_since_forgot_is_not_backed_out_by_its_own
     qm1 = start_qm(redis_url, logs, "QM1", background=False)
     qm2 = start_qm(redis_url, logs, "QM2", background=False)
     try:
-        run_backup(client, "APP1", backups, log_root=logs)
-        conn = qm1.connect()
-        conn.put("Q1", b"a")
-        conn.put("Q3", b"b")
-        conn.commit()
-        run_backup(client, "APP2", backups, log_root=logs)
-        crash(qm1)
+        _commit_across_structures_between_backups_then_crash(client, qm1, logs, backups)
         run_restore(client, "APP2", backup_root=backups, log_root=logs, mark_failed=True)
-        qm1 = start_qm(redis_url, logs, "QM1", background=False)
-        decided = [r["k"] for _, r in LogReader(logs / "QM1").records() if r["k"] in ("COMMIT", "BACKOUT")]
-        assert "BACKOUT" not in decided, f"QM1's log decides its committed UOW {decided}"
+        qm1 = _restart_without_backing_out(redis_url, logs)
         lose_cf(client)
         for s in ("APP1", "APP2"):
             run_restore(client, s, backup_root=backups, log_root=logs)

@@ -255,12 +255,8 @@ def test_kill_9_inside_a_force_shared_by_concurrent_batches_loses_no_acknowledge
                     acked.append(batch)
 
     with killed_by_failpoint(redis_url, tmp_path, "K3", "group-force=3") as killed:
-        threads = [threading.Thread(target=commit_batches, args=(killed.victim, k)) for k in range(clients)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
-        killed.recovered(timeout=30, what="the member was not killed inside a shared force")
+        killed.run_clients(commit_batches, clients, join_timeout=120,
+                           what="the member was not killed inside a shared force")
         with client(killed.peer) as check:
             left = {m.body for m in check.get_batch("K3", 1000, commit=True)}
         assert all(set(batch) <= left for batch in acked)  # nothing acknowledged is lost

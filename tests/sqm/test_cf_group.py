@@ -351,12 +351,7 @@ def test_kill_9_inside_a_shared_cf_round_trip_loses_no_acknowledged_message(fres
                     acked_gets.add(got)
 
     with killed_by_failpoint(str(fresh_redis.url), tmp_path, "K4", "shared-cf-round-trip=30") as killed:
-        threads = [threading.Thread(target=lifecycles, args=(killed.victim, k)) for k in range(THREADS)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=180)
-        killed.recovered(timeout=30, what="the member was not killed in a shared round trip")
+        killed.run_clients(lifecycles, THREADS, join_timeout=180, what="the member was not killed in a shared round trip")
         assert acked_gets, "no lifecycle was acknowledged before the kill"
         with batch_client(killed.peer) as check:
             left = [m.body for m in check.get_batch("K4", 1000, commit=True)]

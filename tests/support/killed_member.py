@@ -6,8 +6,9 @@ that the peer recovers the victim soon after its death; both are stopped at the 
 from __future__ import annotations
 
 import signal
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,17 @@ from tests.support.group import define_group
 class KilledMember:
     victim: ServerProc  # QM1, whose failpoint kills it
     peer: ServerProc  # QM2
+
+    def run_clients(self, client: Callable[[ServerProc, int], None], count: int, *, join_timeout: float,
+                    what: str) -> None:
+        """``count`` threads each run ``client(victim, k)`` until the failpoint kills the victim under them; then
+        the peer has recovered its work (``what`` is the failure's message if the victim was not killed)."""
+        threads = [threading.Thread(target=client, args=(self.victim, k)) for k in range(count)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=join_timeout)
+        self.recovered(timeout=30, what=what)
 
     def recovered(self, timeout: float = 10.0, what: str = "the member was not killed by its failpoint") -> None:
         """The victim died of SIGKILL (within ``timeout`` seconds), and the peer has recovered its work."""
