@@ -13,8 +13,12 @@ same redis-server in the same run, rounds of the two interleaved:
   (f) with --duplex: the cost of a duplexed CF (BENCHMARKS.md, "Duplexed CF"): the same lifecycles, 1 and 8
       connections, on a simplex CF and on a duplexed pair (a second redis-server, a replica every CF call waits
       for: WAIT), rounds of the two interleaved in the same run; the ratio duplexed / simplex.
+  (g) with --socket: the CF over loopback TCP against the CF over its Unix-domain socket (BENCHMARKS.md, "the CF
+      over a Unix socket"): the same lifecycles, 1 and 8 connections, each kind on a CF of its own (alike: both
+      listen on a port and a socket), rounds interleaved; lifecycles/s and CPU µs per lifecycle of both processes
+      (this one: the members and their callers; the CF's redis-server), and the CPU of one CF call alone.
 
-    .venv/bin/python bench/bench_lifecycle.py [--quick] [--seconds 5] [--rounds 3] [--duplex]
+    .venv/bin/python bench/bench_lifecycle.py [--quick] [--seconds 5] [--rounds 3] [--duplex] [--socket]
 
 Part (e) times fsyncs by wrapping sqm.log.writer._fdatasync, a private name: a deliberate coupling (the writer's
 stats count fsyncs but not their time, and a timing hook in the log's hot path would cost every commit).
@@ -313,6 +317,85 @@ def cf_put_us(qm: QueueManager, n: int) -> float:
     return statistics.median(samples) * 1e6
 
 
+# --- (g) loopback TCP against the Unix-domain socket -------------------------------------------------------------
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (its /proc stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_of(server: EmbeddedRedis) -> float:
+    """CPU seconds so far of this process (every thread: the members and the loops) and of the CF."""
+    assert server.pid is not None
+    return time.process_time() + process_cpu_s(server.pid)
+
+
+def measure_socket(work: Path, seconds: float, rounds: int, console: Console) -> dict[str, Any]:
+    secrets = work / "socket-secrets"
+    passwords = credentials.create(secrets)
+    acl = credentials.acl_lines(passwords)
+    servers = {kind: EmbeddedRedis(data_dir=work / f"cf-{kind}", acl_users=acl, unix_socket=True).start()
+               for kind in ("tcp", "unix")}
+    urls = {kind: credentials.with_user(srv.url if kind == "tcp" else srv.unix_url, "operator", passwords["operator"])
+            for kind, srv in servers.items()}
+    qms: dict[str, list[QueueManager]] = {}
+    try:
+        loops: dict[str, dict[str, list[Callable[[float], int]]]] = {}
+        for kind, url in urls.items():
+            Admin(connect(url)).ensure_structure(STRUCTURE, (QUEUE,))
+            pair = [QueueManager(QueueManagerConfig(name=f"{kind[0].upper()}{i}", log_root=work / kind / "logs",
+                                                    redis_url=url), wings=WINGS) for i in (1, 2)]
+            for qm in pair:
+                qm.start()
+            qms[kind] = pair
+            loops[kind] = {"1": [partial(sqm_lifecycles, pair[0].connect())],
+                           "8": [partial(sqm_lifecycles, pair[i % 2].connect()) for i in range(8)]}
+        for kind in loops:  # warm up
+            for n in ("1", "8"):
+                in_threads(loops[kind][n], min(seconds, 0.5))
+        rates: dict[str, list[float]] = {f"{k}_{n}": [] for k in loops for n in ("1", "8")}
+        cpus: dict[str, list[float]] = {f"{k}_{n}": [] for k in loops for n in ("1", "8")}
+        for r in range(rounds):
+            console.log(f"socket round {r + 1}/{rounds}")
+            for n in ("1", "8"):
+                for kind in (("tcp", "unix") if r % 2 == 0 else ("unix", "tcp")):
+                    cpu0 = cpu_of(servers[kind])
+                    rate = in_threads(loops[kind][n], seconds)
+                    rates[f"{kind}_{n}"].append(rate)
+                    cpus[f"{kind}_{n}"].append((cpu_of(servers[kind]) - cpu0) / (rate * seconds) * 1e6)
+        out: dict[str, Any] = {f"{k}_per_s": round(statistics.median(v), 1) for k, v in rates.items()}
+        out.update({f"{k}_cpu_us": round(statistics.median(v), 1) for k, v in cpus.items()})
+        for kind, pair in qms.items():  # one CF call alone: its wall time and its CPU (both processes)
+            out[f"{kind}_cf_put_us"] = round(cf_put_us(pair[0], 300), 1)
+            calls = 3000
+            cpu0 = cpu_of(servers[kind])
+            cf_put_us(pair[0], calls)
+            out[f"{kind}_cf_put_cpu_us"] = round((cpu_of(servers[kind]) - cpu0) / calls * 1e6, 1)
+        out.update(rounds=rounds, seconds_per_window=seconds)
+        return out
+    finally:
+        for pair in qms.values():
+            for qm in pair:
+                qm.stop()
+        for srv in servers.values():
+            srv.stop()
+
+
+def report_socket(d: dict[str, Any], console: Console) -> None:
+    table = Table("connections", "TCP lifecycles/s", "socket lifecycles/s", "socket / TCP", "TCP CPU µs",
+                  "socket CPU µs", "socket - TCP",
+                  title="the CF over loopback TCP and over its Unix socket (same run, interleaved rounds)")
+    for n in ("1", "8"):
+        table.add_row(n, str(d[f"tcp_{n}_per_s"]), str(d[f"unix_{n}_per_s"]),
+                      str(round(d[f"unix_{n}_per_s"] / d[f"tcp_{n}_per_s"], 3)), str(d[f"tcp_{n}_cpu_us"]),
+                      str(d[f"unix_{n}_cpu_us"]), str(round(d[f"unix_{n}_cpu_us"] - d[f"tcp_{n}_cpu_us"], 1)))
+    table.add_row("one CF call (put script): wall µs", str(d["tcp_cf_put_us"]), str(d["unix_cf_put_us"]), "", "", "",
+                  str(round(d["unix_cf_put_us"] - d["tcp_cf_put_us"], 1)))
+    table.add_row("one CF call: CPU µs (both processes)", str(d["tcp_cf_put_cpu_us"]), str(d["unix_cf_put_cpu_us"]),
+                  "", "", "", str(round(d["unix_cf_put_cpu_us"] - d["tcp_cf_put_cpu_us"], 1)))
+    console.print(table)
+
+
 def report_duplex(d: dict[str, Any], console: Console) -> None:
     table = Table("connections", "simplex lifecycles/s", "duplexed lifecycles/s", "duplexed / simplex",
                   title="the cost of a duplexed CF (same run, interleaved rounds)")
@@ -355,6 +438,8 @@ def main(argv: list[str] | None = None) -> int:
     WINDOWS.add_to(ap)
     ap.add_argument("--duplex", action="store_true",
                     help="also compare a simplex CF with a duplexed pair (a replica every CF call waits for)")
+    ap.add_argument("--socket", action="store_true",
+                    help="also compare the CF over loopback TCP with the CF over its Unix-domain socket")
     ap.add_argument("--work-dir", type=Path, default=None,
                     help="where the temporary CF and logs go (default: the system temp dir; must be a real disk)")
     args = ap.parse_args(argv)
@@ -369,6 +454,8 @@ def main(argv: list[str] | None = None) -> int:
             srv.stop()
         if args.duplex:
             measured["duplex"] = measure_duplex(work, seconds, rounds, console)
+        if args.socket:
+            measured["socket"] = measure_socket(work, seconds, rounds, console)
         return measured
 
     result = measured_on_real_disk("lifecycle", args.work_dir, console, simplex_then_duplex, body_bytes=len(BODY),
@@ -378,6 +465,8 @@ def main(argv: list[str] | None = None) -> int:
     report(result, console)
     if "duplex" in result:
         report_duplex(result["duplex"], console)
+    if "socket" in result:
+        report_socket(result["socket"], console)
     append_result("lifecycle", result)
     return 0
 
