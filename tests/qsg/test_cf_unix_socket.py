@@ -134,3 +134,21 @@ def test_a_member_given_a_url_that_names_no_socket_says_so_in_one_line(tmp_path:
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert f"no CF socket at {tmp_path / 'none.sock'}: the file does not exist" in r.stderr, r.stderr
     assert r.stderr.strip().count("\n") == 0, r.stderr
+
+
+@pytest.mark.slow
+def test_cluster_up_with_no_cf_socket_keeps_the_group_on_tcp(tmp_path: Path) -> None:
+    d = tmp_path / "g"
+    env = {k: v for k, v in os.environ.items() if k != "CFEMU_SECRETS_DIR"}  # the cluster's secrets, not the suite's
+    try:
+        up = json.loads(cli("qsg.cli", "cluster", "up", "--dir", str(d), "--managers", "1", "--backup-interval", "0",
+                            "--no-cf-restart", "--no-member-restart", "--no-cf-socket", "--json", env=env).stdout)
+        assert up["cf_socket"] is None
+        g = LocalGroup.load(d)
+        assert g.local_url == g.redis_url and g.redis_url.startswith("redis://")
+        assert not (d / "cf" / "cf.sock").exists()
+        with Client([f"{h}:{p}" for _, h, p in g.endpoints], token=g.token) as c:
+            c.put("Q1", b"over tcp", syncpoint=False)
+        assert int(g.state["cf"]["port"]) in tcp_peer_ports(member_pids(g)[0])
+    finally:
+        cli("qsg.cli", "cluster", "down", "--dir", str(d), "--purge", env=env)
