@@ -293,6 +293,12 @@ def socket_url(path: str | os.PathLike[str], password: str | None = None) -> str
     return f"unix://{auth}{quote(os.path.abspath(path))}?db=0"
 
 
+def _made_socket_dir(directory: Path) -> bool:
+    """Is this a directory a CF made for its socket (under the system's temporary directory)?"""
+    return (directory.name.startswith(SOCKET_DIR_PREFIX)
+            and directory.resolve().parent == Path(tempfile.gettempdir()).resolve())
+
+
 _LIVE: weakref.WeakSet[EmbeddedRedis] = weakref.WeakSet()
 
 
@@ -383,7 +389,9 @@ class EmbeddedRedis:
         self._unix_socket = unix_socket
         self._socket_path: Path | None = (Path(os.path.abspath(unix_socket))
                                           if not isinstance(unix_socket, bool) else None)
-        self._owns_socket_dir = False
+        # A socket directory a CF made for itself (a long data directory's: _ensure_socket_path) goes when it stops,
+        # also when a later start (a restarted CF, an attached one) is given its path.
+        self._owns_socket_dir = self._socket_path is not None and _made_socket_dir(self._socket_path.parent)
 
     # ---------------------------------------------------------------- properties
 
@@ -724,7 +732,6 @@ class EmbeddedRedis:
             "version": self.server.version_text,
             "tls": {"cert": self.tls_cert, "key": self.tls_key, "ca": self.tls_ca} if self.tls else None,
             "unix_socket": str(self.socket_path) if self.socket_path is not None else None,
-            "unix_socket_dir_owned": self._owns_socket_dir,
             "requirepass": self.requirepass,
             "appendonly": self.appendonly,
             "appendfsync": self.appendfsync,
@@ -771,7 +778,6 @@ class EmbeddedRedis:
             tls_ca=tls.get("ca"),
             unix_socket=state.get("unix_socket") or False,
         )
-        srv._owns_socket_dir = bool(state.get("unix_socket_dir_owned"))
         pid = int(state["pid"])
         if not pid_alive(pid) or not pid_is_redis(pid):
             for name in (STATE_NAME, PID_NAME, URL_NAME):

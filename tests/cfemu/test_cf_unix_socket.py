@@ -121,6 +121,14 @@ def test_a_data_directory_too_long_for_a_socket_address_gets_a_private_one(
     finally:
         cf.stop()
     assert not path.parent.exists()  # its own directory goes with it
+    again = EmbeddedRedis(data_dir=deep, unix_socket=path, requirepass="pw")  # a restart where it listened before
+    again.start()
+    try:
+        assert again.socket_path == path and stat.S_IMODE(os.stat(path.parent).st_mode) == 0o700
+        assert connect(again.unix_url).ping() is True
+    finally:
+        again.stop()
+    assert not path.parent.exists()
 
 
 def test_a_socket_directory_others_may_enter_is_refused(short_dir: Path) -> None:
