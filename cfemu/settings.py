@@ -14,8 +14,8 @@ Each setting comes from the first of these that has it:
                           socket where it listens on one, else its TCP URL) counts only while its CF runs; its
                           log root, backup directory and token count even when it is down, because
                           ``cfemu cluster down`` keeps them.
-  4. the CF directory     the CF URL of ``cfemu cf start``: --cf-dir, else $CFEMU_CF_DIR, else the nearest var/cf,
-                          while that CF runs
+  4. the CF directory     the CF URL of ``cfemu cf start`` (its Unix socket, DIR/cf.sock): --cf-dir, else
+                          $CFEMU_CF_DIR, else the nearest var/cf, while that CF runs
   5. the default          var/logs, var/backups (relative to the working directory); no CF URL and no token;
                           restore's working memory 1GiB and its worker processes (the cores, at most 4); a
                           backup's share 0.05 (of the time it works while
@@ -63,7 +63,7 @@ from typing import Any
 
 from cfemu import credentials
 from cfemu.connection import ENV_URL
-from cfemu.embedded import PID_NAME, URL_NAME, socket_url
+from cfemu.embedded import PID_NAME, STATE_NAME, URL_NAME, socket_url
 from cfemu.procs import pid_alive
 
 ENV_LOG_ROOT = "CFEMU_LOG_ROOT"
@@ -301,13 +301,20 @@ def _find_dir(flag: str | os.PathLike[str] | None, env_name: str, marker: Path, 
 
 
 def _cf_dir_url(cf_dir: Path) -> str | None:
-    """The URL a running ``cfemu cf start`` CF recorded in its directory (None when it is not running)."""
+    """The URL of a running ``cfemu cf start`` CF, from what it recorded in its directory: its Unix-domain socket
+    where it listens on one (this command runs on its host), else its TCP URL (None when it is not running)."""
     try:
         url = (cf_dir / URL_NAME).read_text().strip()
         pid = int((cf_dir / PID_NAME).read_text().strip())
     except (OSError, ValueError):
         return None
-    return url if url and pid_alive(pid) else None
+    if not url or not pid_alive(pid):
+        return None
+    try:
+        path = json.loads((cf_dir / STATE_NAME).read_text()).get("unix_socket")
+    except (OSError, ValueError, AttributeError):
+        path = None
+    return socket_url(path) if path else url
 
 
 def _cluster_spark_master(state: Mapping[str, Any]) -> str | None:
