@@ -29,14 +29,12 @@ from cfemu import duplex, rcluster
 from cfemu.credentials import redact
 from cfemu.pools import PoolExhaustedError, WaitingPool
 from cfemu.redis_internals import SocketHookConnection, UnixSocketHookConnection, host_error
-from cfemu.sockets import set_kernel_timeout
+from cfemu.sockets import UNIX_PATH_MAX, set_kernel_timeout
 
 __all__ = ["ConnectionConfigError", "PoolExhaustedError", "connect", "unix_socket_path"]
 
 ENV_URL = "REDIS_URL"
 ENV_TLS = {"tls_ca": "CFEMU_TLS_CA", "tls_cert": "CFEMU_TLS_CERT", "tls_key": "CFEMU_TLS_KEY"}
-# The longest path a Unix-domain socket address holds (sun_path: 108 bytes with its terminating NUL, on Linux).
-UNIX_PATH_MAX = 107
 
 
 class ConnectionConfigError(ValueError):

@@ -55,6 +55,7 @@ from urllib.parse import quote
 import redis
 
 from cfemu.procs import free_port, log_tail, pid_alive, pid_is_redis, popen_tied
+from cfemu.sockets import UNIX_PATH_MAX
 
 __all__ = [
     "ENV_REDIS_SERVER",
@@ -81,7 +82,6 @@ URL_NAME = "server.url"
 ACL_NAME = "users.acl"
 SOCKET_NAME = "cf.sock"
 SOCKET_DIR_PREFIX = "cfemu-cf-"  # a private directory for the socket where the data directory's path is too long
-UNIX_PATH_MAX = 107  # the longest path a Unix-domain socket address holds (sun_path, its NUL aside, on Linux)
 
 
 class ServerError(RuntimeError):
