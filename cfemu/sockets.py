@@ -1,6 +1,6 @@
 """Socket settings shared by every floor: the CF's connections (cfemu.connection) and the network service's
-(sqm.service); whether an address is loopback (a listener bound to one is reachable from this host only); the longest Unix-domain
-socket path."""
+(sqm.service); whether an address is loopback (a listener bound to one is reachable from this host only); the
+longest Unix-domain socket path."""
 
 from __future__ import annotations
 
