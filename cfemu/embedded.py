@@ -336,7 +336,7 @@ class EmbeddedRedis:
         detach: run in its own session, outliving this process; write state files.
         unix_socket: also listen on a Unix-domain socket (``unix_url``): True for ``<data_dir>/cf.sock`` (or a
             private directory of its own when that path is too long), or the socket's path, whose directory must
-            be its owner's only (0700).
+            be its owner's only (0700). Not with TLS: a TLS CF listens with TLS only.
     """
 
     def __init__(
@@ -369,6 +369,10 @@ class EmbeddedRedis:
         self._server: ServerBinary | None = None
         if (tls_cert is None) != (tls_key is None) or (tls_ca is not None and tls_cert is None):
             raise ValueError("TLS needs both a certificate and a key (and a CA only with them)")
+        if tls_cert is not None and unix_socket is not False:
+            # A socket in clear beside the TLS port would let a local client in without the certificate the port
+            # asks for (mutual TLS): a TLS CF listens with TLS only.
+            raise ValueError("a CF with TLS listens on its TLS port only, not on a Unix socket")
         self.tls_cert = str(Path(tls_cert).resolve()) if tls_cert is not None else None
         self.tls_key = str(Path(tls_key).resolve()) if tls_key is not None else None
         self.tls_ca = str(Path(tls_ca).resolve()) if tls_ca is not None else None

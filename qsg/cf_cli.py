@@ -5,7 +5,8 @@ group's secrets (the CF's users, the service's tokens) for a CF this command doe
                             [--tls-cert F --tls-key F [--tls-ca F]]
 
 It listens on its TCP port and on a Unix-domain socket in its directory (cf.sock, 0600 in a 0700 directory): members
-on this host may use ``unix://DIR/cf.sock`` as their CF URL, with the same users and passwords.
+on this host may use ``unix://DIR/cf.sock`` as their CF URL, with the same users and passwords. A CF with TLS
+listens on its TLS port only (a socket in clear would let a client in without the certificate the port asks for).
 The CF runs the newest server that runs here (cfemu.embedded.find_server; with TLS the newest built with TLS);
 --server-binary (else $CFEMU_REDIS_SERVER) forces one. start and status say which binary and version run.
   cfemu secrets init --dir DIR [--acl-file FILE [--acl-owner UID]]
@@ -49,7 +50,7 @@ def cmd_cf(args: argparse.Namespace, out: Output) -> int:
         srv = EmbeddedRedis(port=args.port, data_dir=cf_dir, appendonly=args.appendonly, detach=True,
                             acl_users=credentials.acl_lines(passwords), binary=server.path,
                             tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
-                            unix_socket=True).start()
+                            unix_socket=args.tls_cert is None).start()
         info = {"running": True, "url": srv.url, "pid": srv.pid, "dir": str(srv.data_dir), **_server_fields(srv),
                 "secrets": str((cf_dir / credentials.SECRETS_DIR).resolve())}
     elif args.action == "stop":

@@ -141,6 +141,13 @@ def test_a_socket_directory_others_may_enter_is_refused(short_dir: Path) -> None
     assert not cf.is_running()
 
 
+def test_a_cf_with_tls_has_no_socket_beside_its_tls_port(short_dir: Path) -> None:
+    """A socket in clear would let a local client in without the client certificate the TLS port asks for."""
+    with pytest.raises(ValueError, match="TLS port only"):
+        EmbeddedRedis(data_dir=short_dir / "cf", tls_cert=short_dir / "c.pem", tls_key=short_dir / "c.key",
+                      tls_ca=short_dir / "ca.pem", unix_socket=True)
+
+
 def test_a_detached_cf_is_found_again_with_its_socket(short_dir: Path) -> None:
     cf = EmbeddedRedis(data_dir=short_dir / "cf", unix_socket=True, requirepass="pw", detach=True).start()
     try:
