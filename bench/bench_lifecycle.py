@@ -13,8 +13,12 @@ same redis-server in the same run, rounds of the two interleaved:
   (f) with --duplex: the cost of a duplexed CF (BENCHMARKS.md, "Duplexed CF"): the same lifecycles, 1 and 8
       connections, on a simplex CF and on a duplexed pair (a second redis-server, a replica every CF call waits
       for: WAIT), rounds of the two interleaved in the same run; the ratio duplexed / simplex.
+  (g) with --socket: the CF over loopback TCP against the CF over its Unix-domain socket (BENCHMARKS.md, "the CF
+      over a Unix socket"): the same lifecycles, 1 and 8 connections, each kind on a CF of its own (alike: both
+      listen on a port and a socket), rounds interleaved; lifecycles/s and CPU µs per lifecycle of both processes
+      (this one: the members and their callers; the CF's redis-server), and the CPU of one CF call alone.
 
-    .venv/bin/python bench/bench_lifecycle.py [--quick] [--seconds 5] [--rounds 3] [--duplex]
+    .venv/bin/python bench/bench_lifecycle.py [--quick] [--seconds 5] [--rounds 3] [--duplex] [--socket | --socket-only]
 
 Part (e) times fsyncs by wrapping sqm.log.writer._fdatasync, a private name: a deliberate coupling (the writer's
 stats count fsyncs but not their time, and a timing hook in the log's hot path would cost every commit).
@@ -54,6 +58,7 @@ from sqm.wings import WINGS
 
 BODY = os.urandom(1024)
 STRUCTURE, QUEUE = "APP1", "Q1"
+CALLS_QUEUE = "QCALLS"  # (g): the CF calls measured alone put here, out of the lifecycles' way
 TARGET_RATIO_1 = 0.75
 TARGET_FSYNCS_PER_COMMIT = 0.25
 WINDOWS = Windows(seconds=5.0, rounds=3, quick_seconds=1.0)
@@ -300,17 +305,112 @@ def measure_duplex(work: Path, seconds: float, rounds: int, console: Console) ->
             srv.stop()
 
 
-def cf_put_us(qm: QueueManager, n: int) -> float:
+def cf_put_us(qm: QueueManager, n: int, queue: str = QUEUE) -> float:
     """Median µs of one put script on the CF (no log, no commit): the CF call alone."""
     s = qm.cf.structure(STRUCTURE)
     samples = []
     for _ in range(n):
-        entry = Entry(id=os.urandom(12).hex(), queue=QUEUE, priority=0, persistent=False, msgid=os.urandom(24).hex(),
+        entry = Entry(id=os.urandom(12).hex(), queue=queue, priority=0, persistent=False, msgid=os.urandom(24).hex(),
                       correlid="", expiry=0, put_time=0)
         t0 = time.perf_counter()
         s.put(qm.caller, entry, BODY)
         samples.append(time.perf_counter() - t0)
     return statistics.median(samples) * 1e6
+
+
+# --- (g) loopback TCP against the Unix-domain socket -------------------------------------------------------------
+def cf_cpu_s(cf: redis.Redis) -> float:
+    """CPU seconds so far of the CF (its own getrusage, from INFO cpu: microseconds, where /proc's clock ticks are
+    10 ms)."""
+    info = cf.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
+def cpu_of(cf: redis.Redis) -> float:
+    """CPU seconds so far of this process (every thread: the members and the loops) and of the CF."""
+    return time.process_time() + cf_cpu_s(cf)
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"median": round(statistics.median(values), 3), "min": round(min(values), 3), "max": round(max(values), 3)}
+
+
+def measure_socket(work: Path, seconds: float, rounds: int, console: Console) -> dict[str, Any]:
+    secrets = work / "socket-secrets"
+    passwords = credentials.create(secrets)
+    acl = credentials.acl_lines(passwords)
+    servers = {kind: EmbeddedRedis(data_dir=work / f"cf-{kind}", acl_users=acl, unix_socket=True).start()
+               for kind in ("tcp", "unix")}
+    urls = {kind: credentials.with_user(srv.url if kind == "tcp" else srv.unix_url, "operator", passwords["operator"])
+            for kind, srv in servers.items()}
+    probes = {kind: connect(url) for kind, url in urls.items()}  # INFO cpu, over the kind's own path
+    qms: dict[str, list[QueueManager]] = {}
+    try:
+        loops: dict[str, dict[str, list[Callable[[float], int]]]] = {}
+        for kind, url in urls.items():
+            Admin(connect(url)).ensure_structure(STRUCTURE, (QUEUE, CALLS_QUEUE))
+            pair = [QueueManager(QueueManagerConfig(name=f"{kind[0].upper()}{i}", log_root=work / kind / "logs",
+                                                    redis_url=url), wings=WINGS) for i in (1, 2)]
+            for qm in pair:
+                qm.start()
+            qms[kind] = pair
+            loops[kind] = {"1": [partial(sqm_lifecycles, pair[0].connect())],
+                           "8": [partial(sqm_lifecycles, pair[i % 2].connect()) for i in range(8)]}
+        for kind in loops:  # warm up
+            for n in ("1", "8"):
+                in_threads(loops[kind][n], min(seconds, 0.5))
+        series: dict[str, list[float]] = {}
+        calls = 2000
+        for r in range(rounds):
+            console.log(f"socket round {r + 1}/{rounds}")
+            for kind in (("tcp", "unix") if r % 2 == 0 else ("unix", "tcp")):
+                for n in ("1", "8"):
+                    cpu0 = cpu_of(probes[kind])
+                    rate = in_threads(loops[kind][n], seconds)
+                    series.setdefault(f"{kind}_{n}_per_s", []).append(rate)
+                    series.setdefault(f"{kind}_{n}_cpu_us", []).append(
+                        (cpu_of(probes[kind]) - cpu0) / (rate * seconds) * 1e6)
+                # One CF call alone (a put script, no log): its wall time, and its CPU in each process.
+                client0, server0 = time.process_time(), cf_cpu_s(probes[kind])
+                series.setdefault(f"{kind}_cf_put_us", []).append(cf_put_us(qms[kind][0], calls, CALLS_QUEUE))
+                client_us = (time.process_time() - client0) / calls * 1e6
+                server_us = (cf_cpu_s(probes[kind]) - server0) / calls * 1e6
+                series.setdefault(f"{kind}_cf_put_client_cpu_us", []).append(client_us)
+                series.setdefault(f"{kind}_cf_put_server_cpu_us", []).append(server_us)
+                series.setdefault(f"{kind}_cf_put_cpu_us", []).append(client_us + server_us)
+        out: dict[str, Any] = {k: spread(v) for k, v in series.items()}
+        # The same round's two kinds ran one after the other: their ratio drifts less with the machine's load than
+        # either figure does.
+        for key in [k[len("tcp_"):] for k in series if k.startswith("tcp_")]:
+            out[f"ratio_{key}"] = spread([u / t for u, t in zip(series[f"unix_{key}"], series[f"tcp_{key}"],
+                                                                strict=True)])
+        out.update(rounds=rounds, seconds_per_window=seconds)
+        return out
+    finally:
+        for pair in qms.values():
+            for qm in pair:
+                qm.stop()
+        for srv in servers.values():
+            srv.stop()
+
+
+def report_socket(d: dict[str, Any], console: Console) -> None:
+    def cell(key: str) -> str:
+        v = d[key]
+        return f"{v['median']} ({v['min']}-{v['max']})"
+
+    table = Table("measure (median, range over rounds)", "TCP", "Unix socket", "socket / TCP (same round)",
+                  title="the CF over loopback TCP and over its Unix socket (same run, interleaved rounds)")
+    for key, what in (("1_per_s", "1 connection, lifecycles/s"), ("1_cpu_us", "1 connection, CPU µs per lifecycle"),
+                      ("8_per_s", "8 connections, lifecycles/s"), ("8_cpu_us", "8 connections, CPU µs per lifecycle"),
+                      ("cf_put_us", "one CF call (put script), wall µs"),
+                      ("cf_put_cpu_us", "one CF call, CPU µs (both processes)"),
+                      ("cf_put_client_cpu_us", "... of which the caller's"),
+                      ("cf_put_server_cpu_us", "... of which the CF's")):
+        r = d[f"ratio_{key}"]
+        table.add_row(what, cell(f"tcp_{key}"), cell(f"unix_{key}"),
+                      f"{round(r['median'], 3)} ({round(r['min'], 3)}-{round(r['max'], 3)})")
+    console.print(table)
 
 
 def report_duplex(d: dict[str, Any], console: Console) -> None:
@@ -355,6 +455,9 @@ def main(argv: list[str] | None = None) -> int:
     WINDOWS.add_to(ap)
     ap.add_argument("--duplex", action="store_true",
                     help="also compare a simplex CF with a duplexed pair (a replica every CF call waits for)")
+    ap.add_argument("--socket", action="store_true",
+                    help="also compare the CF over loopback TCP with the CF over its Unix-domain socket")
+    ap.add_argument("--socket-only", action="store_true", help="that comparison alone (g)")
     ap.add_argument("--work-dir", type=Path, default=None,
                     help="where the temporary CF and logs go (default: the system temp dir; must be a real disk)")
     args = ap.parse_args(argv)
@@ -362,6 +465,8 @@ def main(argv: list[str] | None = None) -> int:
     console = Console()
 
     def simplex_then_duplex(work: Path) -> dict[str, Any]:
+        if args.socket_only:
+            return {"socket": measure_socket(work, seconds, rounds, console)}
         srv = EmbeddedRedis(data_dir=work / "cf").start()
         try:
             measured = measure(srv.url, work, seconds, rounds, console)
@@ -369,15 +474,20 @@ def main(argv: list[str] | None = None) -> int:
             srv.stop()
         if args.duplex:
             measured["duplex"] = measure_duplex(work, seconds, rounds, console)
+        if args.socket:
+            measured["socket"] = measure_socket(work, seconds, rounds, console)
         return measured
 
     result = measured_on_real_disk("lifecycle", args.work_dir, console, simplex_then_duplex, body_bytes=len(BODY),
                                    quick=args.quick)
     if result is None:
         return 2
-    report(result, console)
+    if not args.socket_only:
+        report(result, console)
     if "duplex" in result:
         report_duplex(result["duplex"], console)
+    if "socket" in result:
+        report_socket(result["socket"], console)
     append_result("lifecycle", result)
     return 0
 

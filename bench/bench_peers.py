@@ -18,6 +18,8 @@ its reply. Each contender runs on 127.0.0.1, started here and stopped here (by p
                 authentication on, as users run it), clients sqm.service.client.Client with the group's token.
   sqm-service-ungrouped: the same, each of the members' CF calls in a round trip of its own (the baseline of the
                 grouping of concurrent requests' CF calls, sqm.core.cfgroup); measured only when named in --peers.
+  sqm-service-tcp: the same, the members reaching the CF over loopback TCP rather than its Unix-domain socket
+                (the local cluster's default); measured only when named in --peers.
 --batch B [B ...]: the batched lifecycle as well, per message: B messages put and committed together, then got and
 committed together (PostgreSQL: a multi-row INSERT, a DELETE of B rows; durable Redis: pipelines of B LPUSH, LMOVE,
 LREM; the SQM: put_batch and get_batch with their commit in the same request; B=0 is the one-message lifecycle).
@@ -89,7 +91,9 @@ STRUCTURE, QUEUE = "APP1", "Q1"
 # and Redis's LPUSH are one request each.
 # sqm-service-ungrouped: the service with each of its CF calls in a round trip of its own (sqm.core.cfgroup's
 # benchmark baseline): the A/B of the grouping in one run, measured only when named (--peers).
-BASELINES = ("sqm-service-ungrouped",)
+# sqm-service-tcp: the service with its members reaching the CF over loopback TCP instead of the CF's Unix-domain
+# socket (the local cluster's default, cfemu cluster up --no-cf-socket): the A/B of the socket in one run.
+BASELINES = ("sqm-service-ungrouped", "sqm-service-tcp")
 PEERS = ("postgres", "rabbitmq", "redis-aof", "sqm-inproc", "sqm-service", "sqm-service-1", *BASELINES)
 ALL_CLIENTS = (1, 2, 4, 8, 16, 32, 64)
 # The contenders with a batched lifecycle (--batch; make_batch_loop). RabbitMQ's would be B publishes and one wait
@@ -414,13 +418,15 @@ class SQMService(Contender):
 
     name = "sqm-service"
     member_env: dict[str, str] = {}  # for the members' processes, beside the cluster's settings
+    cf_socket = True  # the members reach the CF over its Unix-domain socket (else loopback TCP)
 
     def start(self) -> None:
         self.cluster = group_with_env(self.member_env).up(
             self.work / "cluster", managers=self.args.servers, backup_interval=None, structure=STRUCTURE,
-            queues=(QUEUE,), lease_ms=LEASE_MS)
+            queues=(QUEUE,), lease_ms=LEASE_MS, cf_socket=self.cf_socket)
         self.servers_note = (f"{self.args.servers} `sqm run` server(s) (authentication on) and the CF "
-                             "(redis-server, no persistence: the SQM logs are the durable copy)")
+                             "(redis-server, no persistence: the SQM logs are the durable copy), reached over "
+                             + ("its Unix-domain socket" if self.cf_socket else "loopback TCP"))
 
     def stop(self) -> None:
         self.cluster.down()
@@ -499,10 +505,19 @@ class SQMServiceUngrouped(SQMService):
         self.servers_note += "; each CF call in a round trip of its own (not grouped)"
 
 
+class SQMServiceTCP(SQMService):
+    """The service with its members reaching the CF over loopback TCP: the baseline of the CF's Unix-domain socket
+    (the local cluster's default), measured beside sqm-service in the same run."""
+
+    name = "sqm-service-tcp"
+    cf_socket = False
+
+
 CONTENDERS: dict[str, type[Contender]] = {"postgres": Postgres, "rabbitmq": RabbitMQ, "redis-aof": RedisAOF,
                                           "sqm-inproc": SQMInProcess, "sqm-service": SQMService,
                                           "sqm-service-1": SQMServiceOneCall,
-                                          "sqm-service-ungrouped": SQMServiceUngrouped}
+                                          "sqm-service-ungrouped": SQMServiceUngrouped,
+                                          "sqm-service-tcp": SQMServiceTCP}
 
 
 # --- the clients (in worker processes) -----------------------------------------------------------------------
@@ -573,7 +588,7 @@ def make_loop(kind: str, params: dict[str, Any], index: int, qm: Any) -> tuple[C
                 n += 1
             return n
         return red, client.close
-    if kind in ("sqm-service", "sqm-inproc", "sqm-service-1", "sqm-service-ungrouped"):
+    if kind in ("sqm-service", "sqm-inproc", "sqm-service-1", "sqm-service-ungrouped", "sqm-service-tcp"):
         if kind.startswith("sqm-service"):
             from sqm.service.client import Client
             eps = params["endpoints"]

@@ -6,6 +6,10 @@
   (``:pass@``); user names and passwords must be percent-encoded.
 * ``rediss://...`` -- TLS. CA/cert/key come from keyword arguments ``tls_ca``/``tls_cert``/
   ``tls_key`` or the environment (``CFEMU_TLS_CA``/``CFEMU_TLS_CERT``/``CFEMU_TLS_KEY``).
+* ``unix://[[user]:password@]/path/to/cf.sock[?db=0]`` -- a CF on this host, over its Unix-domain socket (an
+  embedded CF listens on one beside its TCP port: cfemu.embedded). The same users and passwords as over TCP; a
+  round trip costs less CPU than over loopback TCP (BENCHMARKS.md). The path must be absolute and name a socket
+  that exists when connect() is called.
 
 Clients are binary-safe (``decode_responses=False``).
 """
@@ -13,6 +17,7 @@ Clients are binary-safe (``decode_responses=False``).
 from __future__ import annotations
 
 import os
+import stat
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -23,10 +28,10 @@ from redis.retry import Retry
 from cfemu import duplex, rcluster
 from cfemu.credentials import redact
 from cfemu.pools import PoolExhaustedError, WaitingPool
-from cfemu.redis_internals import SocketHookConnection, host_error
-from cfemu.sockets import set_kernel_timeout
+from cfemu.redis_internals import SocketHookConnection, UnixSocketHookConnection, host_error
+from cfemu.sockets import UNIX_PATH_MAX, set_kernel_timeout
 
-__all__ = ["ConnectionConfigError", "PoolExhaustedError", "connect"]
+__all__ = ["ConnectionConfigError", "PoolExhaustedError", "connect", "unix_socket_path"]
 
 ENV_URL = "REDIS_URL"
 ENV_TLS = {"tls_ca": "CFEMU_TLS_CA", "tls_cert": "CFEMU_TLS_CERT", "tls_key": "CFEMU_TLS_KEY"}
@@ -36,8 +41,8 @@ class ConnectionConfigError(ValueError):
     """No or unusable CF address."""
 
 
-class _KernelTimeoutConnection(SocketHookConnection):
-    """A plain TCP connection to the CF whose socket blocks, with the kernel timing out a send or a receive
+class _KernelTimeout(redis.connection.AbstractConnection):
+    """A connection to the CF whose socket blocks, with the kernel timing out a send or a receive
     (cfemu.sockets.set_kernel_timeout), instead of a socket with a Python timeout, which polls before every send and
     every receive: two syscalls per CF call, each one more release of the GIL that a busy member's threads then
     contend for (BENCHMARKS.md, "peers"). A timeout surfaces as EAGAIN: cfemu.cf reads it as a timeout, and
@@ -64,6 +69,43 @@ class _KernelTimeoutConnection(SocketHookConnection):
             if isinstance(e.__context__, BlockingIOError):
                 raise redis.exceptions.TimeoutError(f"Timeout reading from {host_error(self)}") from None
             raise
+
+
+class _KernelTimeoutConnection(_KernelTimeout, SocketHookConnection):
+    """Over TCP."""
+
+
+class _KernelTimeoutUnixConnection(_KernelTimeout, UnixSocketHookConnection):
+    """Over a Unix-domain socket."""
+
+
+def unix_socket_path(url: str) -> str:
+    """The socket a ``unix://`` URL names, checked: an absolute path, short enough for a socket address, that
+    exists and is a socket. ConnectionConfigError (one line naming the problem) otherwise."""
+    path = urlsplit(url).path
+    if not path.startswith("/"):
+        raise ConnectionConfigError(f"a unix:// URL names the CF's socket by its absolute path "
+                                    f"(unix:///path/to/cf.sock), not {redact(url)!r}")
+    if len(os.fsencode(path)) > UNIX_PATH_MAX:
+        raise ConnectionConfigError(f"the socket path {path} is {len(os.fsencode(path))} bytes: a Unix-domain "
+                                    f"socket's path holds at most {UNIX_PATH_MAX}")
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise ConnectionConfigError(f"no CF socket at {path}: the file does not exist (is the CF running on this "
+                                    "host, and listening on that socket?)") from None
+    except OSError as e:
+        raise ConnectionConfigError(f"cannot reach the CF socket {path}: {e.strerror}") from None
+    if not stat.S_ISSOCK(mode):
+        kind = "a directory" if stat.S_ISDIR(mode) else "a regular file" if stat.S_ISREG(mode) else "not a socket"
+        raise ConnectionConfigError(f"{path} is {kind}, not a Unix-domain socket: a unix:// URL names the CF's "
+                                    "socket file")
+    return path
+
+
+# The schemes whose connections block with the kernel timing them out (_KernelTimeout); TLS keeps redis-py's own.
+_PLAIN: dict[str, Any] = {
+    "redis": _KernelTimeoutConnection, "unix": _KernelTimeoutUnixConnection}
 
 
 def connect(
@@ -96,7 +138,9 @@ def connect(
     scheme = urlsplit(url).scheme
     if scheme not in ("redis", "rediss", "unix", *rcluster.SCHEMES):
         raise ConnectionConfigError(f"unsupported URL scheme {scheme!r} in {redact(url)!r} (use redis://, "
-                                    "rediss:// or redis+cluster://)")
+                                    "rediss://, unix:// or redis+cluster://)")
+    if scheme == "unix":
+        unix_socket_path(url)
     opts: dict[str, Any] = {
         # Never send a command again by itself: a CF script whose reply was lost may have run, and a get run twice
         # takes two messages for one delivery. The caller decides what a lost reply means (sqm.core.manager.reply_lost).
@@ -136,8 +180,8 @@ def connect(
     if paired is not None:
         url = paired[0]
         opts.update(paired[1])
-    elif scheme == "redis" and "connection_class" not in opts:
-        opts["connection_class"] = _KernelTimeoutConnection
+    elif scheme in _PLAIN and "connection_class" not in opts:
+        opts["connection_class"] = _PLAIN[scheme]
     if max_connections is not None:
         if max_connections < 1:
             raise ConnectionConfigError(f"the CF connection pool needs at least 1 connection, not {max_connections}")

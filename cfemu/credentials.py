@@ -34,7 +34,7 @@ import secrets
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import quote, urlsplit, urlunsplit
+from urllib.parse import SplitResult, quote, urlsplit, urlunsplit
 
 from cfemu.private_files import private_dir, write_private
 
@@ -46,6 +46,7 @@ SPARK_SECRET_FILE = "spark.secret"  # the standalone Spark cluster's shared secr
 BACKUP_PREVIOUS_KEY_FILE = "backup-previous.key"  # a rotated-out key: still checks the backups it signed
 SECRETS_DIR = "secrets"  # inside the cluster directory or the ``cfemu cf start`` directory
 ENV_SECRETS_DIR = "CFEMU_SECRETS_DIR"
+URL_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")  # the CF URLs a role's user goes in
 
 # Command rules per role (Redis 6.2 ACL syntax). Order matters: categories are added, then @dangerous removed.
 # INFO (in @dangerous) is given back: it is read-only, and restore checks with it (INFO server's run_id) that it
@@ -204,13 +205,19 @@ def read_password(directory: Path, role: str) -> str | None:
 def with_user(url: str, role: str, password: str) -> str:
     """URL with the role's user and password in it, unless it names a user or password already."""
     parts = urlsplit(url)
-    if parts.username or parts.password or parts.scheme not in ("redis", "rediss", "redis+cluster", "rediss+cluster"):
+    if parts.username or parts.password or parts.scheme not in URL_SCHEMES:
         return url
-    host = parts.hostname or "127.0.0.1"
-    netloc = f"{quote(user(role), safe='')}:{quote(password, safe='')}@{host}"
-    if parts.port:
-        netloc += f":{parts.port}"
+    netloc = f"{quote(user(role), safe='')}:{quote(password, safe='')}@{_address(parts, '127.0.0.1')}"
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+def _address(parts: SplitResult, default_host: str) -> str:
+    """What follows the user information in a URL's netloc: host and port; nothing for unix:// (its socket is the
+    URL's path)."""
+    if parts.scheme == "unix":
+        return ""
+    host = parts.hostname or default_host
+    return host + (f":{parts.port}" if parts.port else "")
 
 
 def redact(url: str) -> str:
@@ -219,6 +226,5 @@ def redact(url: str) -> str:
     if not parts.password:
         return url
     userinfo = f"{parts.username}:***" if parts.username else ":***"
-    host = parts.hostname or ""
-    netloc = f"{userinfo}@{host}" + (f":{parts.port}" if parts.port else "")
+    netloc = f"{userinfo}@{_address(parts, '')}"
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))

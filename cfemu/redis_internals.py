@@ -138,16 +138,25 @@ def in_maintenance(pool: Any) -> bool:
     return bool(getattr(pool, "_in_maintenance", False))
 
 
-class SocketHookConnection(redis.Connection):
-    """A plain TCP redis-py connection whose every new socket is passed to socket_made() before use."""
+class _SocketHook:
+    """Passes every new socket of a redis-py connection to socket_made() before use."""
 
     def _connect(self) -> Any:
-        sock = super()._connect()
+        sock = super()._connect()  # type: ignore[misc]
         self.socket_made(sock)
         return sock
 
     def socket_made(self, sock: socket.socket) -> None:
         """Called with each socket the connection makes, before it sends anything on it."""
+
+
+class SocketHookConnection(_SocketHook, redis.Connection):
+    """A plain TCP redis-py connection whose every new socket is passed to socket_made() before use."""
+
+
+class UnixSocketHookConnection(_SocketHook, redis.UnixDomainSocketConnection):
+    """A redis-py connection over a Unix-domain socket whose every new socket is passed to socket_made() before
+    use."""
 
 
 def fast_path() -> dict[str, bool]:
@@ -170,6 +179,6 @@ def fast_path() -> dict[str, bool]:
     }
 
 
-__all__ = ["NOT_ENOUGH", "SocketHookConnection", "check_pid", "fast_path", "hiredis_io", "host_error",
+__all__ = ["NOT_ENOUGH", "SocketHookConnection", "UnixSocketHookConnection", "check_pid", "fast_path", "hiredis_io", "host_error",
            "idle_and_clean", "in_maintenance", "one_attempt", "pack", "packs_with_hiredis", "retry_errors",
            "socket_of"]

@@ -10,11 +10,12 @@ Each setting comes from the first of these that has it:
                           archive; default: none, each member archives into its log directory's archive/)
   3. the cluster          cluster.json of the nearest ``cfemu cluster`` directory: --cluster-dir, else
                           $CFEMU_CLUSTER_DIR, else the first var/cluster holding one, looking in the working
-                          directory and then its parents (as git looks for .git). Its CF URL counts only while
-                          its CF runs; its log root, backup directory and token count even when it is down,
-                          because ``cfemu cluster down`` keeps them.
-  4. the CF directory     the CF URL of ``cfemu cf start``: --cf-dir, else $CFEMU_CF_DIR, else the nearest var/cf,
-                          while that CF runs
+                          directory and then its parents (as git looks for .git). Its CF URL (the CF's Unix
+                          socket where it listens on one, else its TCP URL) counts only while its CF runs; its
+                          log root, backup directory and token count even when it is down, because
+                          ``cfemu cluster down`` keeps them.
+  4. the CF directory     the CF URL of ``cfemu cf start`` (its Unix socket, DIR/cf.sock): --cf-dir, else
+                          $CFEMU_CF_DIR, else the nearest var/cf, while that CF runs
   5. the default          var/logs, var/backups (relative to the working directory); no CF URL and no token;
                           restore's working memory 1GiB and its worker processes (the cores, at most 4); a
                           backup's share 0.05 (of the time it works while
@@ -62,7 +63,7 @@ from typing import Any
 
 from cfemu import credentials
 from cfemu.connection import ENV_URL
-from cfemu.embedded import PID_NAME, URL_NAME
+from cfemu.embedded import PID_NAME, STATE_NAME, URL_NAME, socket_url
 from cfemu.procs import pid_alive
 
 ENV_LOG_ROOT = "CFEMU_LOG_ROOT"
@@ -104,7 +105,8 @@ CLUSTER_REDIS_URL = "redis_url"
 CLUSTER_LOG_ROOT = "log_root"
 CLUSTER_BACKUP_DIR = "backup_dir"
 CLUSTER_LOG_ARCHIVE_DIR = "log_archive_dir"
-CLUSTER_CF = "cf"  # {"dir", "port", "pid"}: the pid is None once the CF is stopped
+CLUSTER_CF = "cf"  # {"dir", "port", "pid", "socket"}: the pid is None once the CF is stopped
+CLUSTER_CF_SOCKET = "socket"  # in CLUSTER_CF: the CF's Unix-domain socket, where the group's processes reach it
 # {"dir", "master_url", "master_pid", ...}: the cluster's standalone Spark (cfemu cluster up --spark N)
 CLUSTER_SPARK = "spark"
 
@@ -299,13 +301,20 @@ def _find_dir(flag: str | os.PathLike[str] | None, env_name: str, marker: Path, 
 
 
 def _cf_dir_url(cf_dir: Path) -> str | None:
-    """The URL a running ``cfemu cf start`` CF recorded in its directory (None when it is not running)."""
+    """The URL of a running ``cfemu cf start`` CF, from what it recorded in its directory: its Unix-domain socket
+    where it listens on one (this command runs on its host), else its TCP URL (None when it is not running)."""
     try:
         url = (cf_dir / URL_NAME).read_text().strip()
         pid = int((cf_dir / PID_NAME).read_text().strip())
     except (OSError, ValueError):
         return None
-    return url if url and pid_alive(pid) else None
+    if not url or not pid_alive(pid):
+        return None
+    try:
+        path = json.loads((cf_dir / STATE_NAME).read_text()).get("unix_socket")
+    except (OSError, ValueError, AttributeError):
+        path = None
+    return socket_url(path) if path else url
 
 
 def _cluster_spark_master(state: Mapping[str, Any]) -> str | None:
@@ -313,6 +322,13 @@ def _cluster_spark_master(state: Mapping[str, Any]) -> str | None:
     spark = state.get(CLUSTER_SPARK) or {}
     pid = spark.get("master_pid")
     return str(spark["master_url"]) if isinstance(pid, int) and pid_alive(pid) and spark.get("master_url") else None
+
+
+def cluster_cf_url(state: Mapping[str, Any]) -> str:
+    """The URL a process on the cluster's host reaches its CF by: the CF's Unix-domain socket where it listens on
+    one (``cfemu cluster up``, unless --no-cf-socket), else its TCP URL (``redis_url``)."""
+    path = (state.get(CLUSTER_CF) or {}).get(CLUSTER_CF_SOCKET)
+    return socket_url(path) if path else str(state[CLUSTER_REDIS_URL])
 
 
 def _cluster_cf_runs(state: Mapping[str, Any]) -> bool:
@@ -344,7 +360,7 @@ def resolve(*, redis_url: str | None = None, log_root: str | os.PathLike[str] | 
         return None
 
     cfdir = find_cf_dir(cf_dir, environ, cwd)
-    url = pick("redis_url", redis_url, ENV_URL, state.get(CLUSTER_REDIS_URL) if _cluster_cf_runs(state) else None,
+    url = pick("redis_url", redis_url, ENV_URL, cluster_cf_url(state) if _cluster_cf_runs(state) else None,
                (CF_DIR, _cf_dir_url(cfdir)))
     secrets_dir = find_secrets_dir(environ, cdir if state else None, cfdir)
     if url and secrets_dir is not None:

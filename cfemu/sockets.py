@@ -1,11 +1,15 @@
 """Socket settings shared by every floor: the CF's connections (cfemu.connection) and the network service's
-(sqm.service); and whether an address is loopback (a listener bound to one is reachable from this host only)."""
+(sqm.service); whether an address is loopback (a listener bound to one is reachable from this host only); the
+longest Unix-domain socket path."""
 
 from __future__ import annotations
 
 import ipaddress
 import socket
 import struct
+
+# The longest path a Unix-domain socket address holds (sun_path: 108 bytes with its terminating NUL, on Linux).
+UNIX_PATH_MAX = 107
 
 
 def set_kernel_timeout(sock: socket.socket, seconds: float | None) -> None:

@@ -4,6 +4,9 @@ group's secrets (the CF's users, the service's tokens) for a CF this command doe
   cfemu cf start|stop|status [--cf-dir DIR] [--port N] [--appendonly] [--server-binary PATH]
                             [--tls-cert F --tls-key F [--tls-ca F]]
 
+It listens on its TCP port and on a Unix-domain socket in its directory (cf.sock, 0600 in a 0700 directory): members
+on this host may use ``unix://DIR/cf.sock`` as their CF URL, with the same users and passwords. A CF with TLS
+listens on its TLS port only (a socket in clear would let a client in without the certificate the port asks for).
 The CF runs the newest server that runs here (cfemu.embedded.find_server; with TLS the newest built with TLS);
 --server-binary (else $CFEMU_REDIS_SERVER) forces one. start and status say which binary and version run.
   cfemu secrets init --dir DIR [--acl-file FILE [--acl-owner UID]]
@@ -46,7 +49,8 @@ def cmd_cf(args: argparse.Namespace, out: Output) -> int:
             raise CLIError(str(e)) from None
         srv = EmbeddedRedis(port=args.port, data_dir=cf_dir, appendonly=args.appendonly, detach=True,
                             acl_users=credentials.acl_lines(passwords), binary=server.path,
-                            tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca).start()
+                            tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
+                            unix_socket=args.tls_cert is None).start()
         info = {"running": True, "url": srv.url, "pid": srv.pid, "dir": str(srv.data_dir), **_server_fields(srv),
                 "secrets": str((cf_dir / credentials.SECRETS_DIR).resolve())}
     elif args.action == "stop":
@@ -67,9 +71,11 @@ def cmd_cf(args: argparse.Namespace, out: Output) -> int:
 
 
 def _server_fields(srv: EmbeddedRedis) -> dict[str, Any]:
-    """Which server runs: its binary, product and version, and whether it listens with TLS only."""
+    """Which server runs: its binary, product and version, whether it listens with TLS only, and the URL of its
+    Unix-domain socket (for members on this host: sqm run --redis-url unix://...)."""
     server = srv.server
-    return {"binary": server.path, "server": server.product, "version": server.version_text, "tls": srv.tls}
+    return {"binary": server.path, "server": server.product, "version": server.version_text, "tls": srv.tls,
+            **({"unix_url": srv.unix_url} if srv.socket_path is not None else {})}
 
 
 def cmd_secrets(args: argparse.Namespace, out: Output) -> int:

@@ -72,6 +72,7 @@ from cfemu.procs import (
 from cfemu.settings import (
     CLUSTER_BACKUP_DIR,
     CLUSTER_CF,
+    CLUSTER_CF_SOCKET,
     CLUSTER_FILE,
     CLUSTER_LOG_ROOT,
     CLUSTER_REDIS_URL,
@@ -82,6 +83,7 @@ from cfemu.settings import (
     ENV_OPERATOR_TOKEN,
     ENV_TOKEN,
     ENV_URL,
+    cluster_cf_url,
 )
 from cfemu.signals import handling
 from qsg import rcluster_cf
@@ -179,11 +181,17 @@ class LocalGroup:
         scheduler's, and those a process beside it takes or restores from)."""
         return credentials.backup_keys(self.secrets_dir)
 
+    @property
+    def local_url(self) -> str:
+        """The CF's URL for the group's processes, all on this host: its Unix-domain socket where it listens on
+        one (cf_socket), else redis_url (TCP, what a process elsewhere or a fault proxy in the path uses)."""
+        return cluster_cf_url(self.state)
+
     def cf_url(self, role: str = "operator") -> str:
-        """The CF's URL with the user and password of a role (for this process's own connections: never put it
-        on a command line or in a file)."""
+        """The CF's URL (local_url) with the user and password of a role (for this process's own connections:
+        never put it on a command line or in a file)."""
         password = credentials.read_password(self.secrets_dir, role)
-        return credentials.with_user(self.redis_url, role, password) if password else self.redis_url
+        return credentials.with_user(self.local_url, role, password) if password else self.local_url
 
     def manager(self, name: str) -> dict[str, Any]:
         for m in self.state["managers"]:
@@ -204,7 +212,7 @@ class LocalGroup:
            restart_cf: bool = False, recauto: bool = True, spark_workers: int = 0, spark_cores: int = 1,
            spark_memory: str = "2g", duplex: bool = False, redis_cluster: int = 0,
            restart_members: bool = False, rest: bool = False, backup_keep: int = 5,
-           backup_keep_age: str | None = None, console: bool = False) -> LocalGroup:
+           backup_keep_age: str | None = None, console: bool = False, cf_socket: bool = True) -> LocalGroup:
         """Start an embedded CF, managers QM1..QMn and (with a backup_interval) the backup scheduler.
 
         structure/queues are defined when missing (structure=None defines nothing). manager_args go to every
@@ -219,8 +227,12 @@ class LocalGroup:
         (qsg.group_supervisor; a thread here, or with detach the supervisor process). backup_keep: the
         scheduler's retention, good backups kept per structure (cfbackup schedule --keep; 0: all);
         backup_keep_age: also those started within that age (--keep-age, e.g. 7d). console: also
-        the group's web console (cfemu console) on a free loopback port, shown by status. On any failure
-        everything already started is stopped again.
+        the group's web console (cfemu console) on a free loopback port, shown by status. cf_socket: the CF
+        also listens on a Unix-domain socket (in its directory, cf/cf.sock), and the group's processes (members,
+        scheduler, supervisor, commands) reach it there rather than over loopback TCP, which costs more CPU a
+        call (BENCHMARKS.md); its TCP port stays for everything else (a member given cf_url_for, a proxy). A
+        duplexed CF and a Redis Cluster CF are reached over TCP. On any failure everything already started is
+        stopped again.
         """
         if duplex and redis_cluster:
             raise LocalGroupError("--duplex and --redis-cluster do not go together: a Redis Cluster CF keeps its copies "
@@ -250,7 +262,8 @@ class LocalGroup:
         state: dict[str, Any] = {
             "dir": str(d), "host": host, "detached": detach, "lease_ms": lease_ms,
             CLUSTER_LOG_ROOT: str(d / "logs"), CLUSTER_BACKUP_DIR: str(d / "backups"),
-            CLUSTER_CF: {"dir": str(d / "cf"), **({rcluster_cf.KEY: redis_cluster} if redis_cluster else {})},
+            CLUSTER_CF: {"dir": str(d / "cf"), **({rcluster_cf.KEY: redis_cluster} if redis_cluster else {}),
+                         **({CLUSTER_CF_SOCKET: None} if cf_socket and not duplex and not redis_cluster else {})},
             "managers": [{"name": f"QM{i}", "port": free_port(host), "metrics_port": free_port("127.0.0.1"),
                           **({"rest_port": free_port("127.0.0.1")} if rest else {})}
                          for i in range(1, managers + 1)],
@@ -364,7 +377,7 @@ class LocalGroup:
         env = dict(os.environ)
         # Every setting in the environment, this cluster's directory included, so that the children (and the
         # scheduler's backups) resolve this cluster's settings, not those of a cluster near their working directory.
-        env.update({ENV_URL: self.redis_url, credentials.ENV_SECRETS_DIR: str(self.secrets_dir), ENV_LOG_ROOT: str(self.log_root), ENV_BACKUP_DIR: str(self.backup_dir),
+        env.update({ENV_URL: self.local_url, credentials.ENV_SECRETS_DIR: str(self.secrets_dir), ENV_LOG_ROOT: str(self.log_root), ENV_BACKUP_DIR: str(self.backup_dir),
                     ENV_CLUSTER_DIR: str(self.dir), "PYTHONUNBUFFERED": "1"})
         # The children read the tokens from the secrets directory, like the CF's passwords.
         env.pop(ENV_TOKEN, None)
@@ -391,9 +404,14 @@ class LocalGroup:
         discard_data(cf_dir)  # the CF always starts empty, like a lost CF
         passwords = credentials.create(self.secrets_dir)
         acl = credentials.acl_lines(passwords) + (self.pair.acl() if self.duplexed else [])
+        cf = self.state[CLUSTER_CF]
+        # The socket's path is chosen at the first start and kept, so that a restarted CF is found where it was.
+        unix_socket = (cf.get(CLUSTER_CF_SOCKET) or True) if CLUSTER_CF_SOCKET in cf else False
         self._cf = EmbeddedRedis(port=port, data_dir=cf_dir, host=self.host, detach=self.state["detached"],
-                                 acl_users=acl).start()
-        self.state[CLUSTER_CF].update(port=self._cf.port, pid=self._cf.pid, server=self._cf.server.as_dict())
+                                 acl_users=acl, unix_socket=unix_socket).start()
+        cf.update(port=self._cf.port, pid=self._cf.pid, server=self._cf.server.as_dict())
+        if unix_socket:
+            cf[CLUSTER_CF_SOCKET] = str(self._cf.socket_path)
         self.state[CLUSTER_REDIS_URL] = self.pair.url() if self.duplexed and self.pair.state["addresses"] \
             else self._cf.url
 
@@ -437,7 +455,7 @@ class LocalGroup:
                 stale.unlink()
         env = {EXIT_FILE_ENV: str(self._exit_file(name)), **(env or {})}
         cmd = [*MEMBER_COMMAND, "--name", name, "--host", self.host, "--port", str(m["port"]),
-               "--metrics-port", str(m["metrics_port"]), "--redis-url", m.get("cf_url") or self.redis_url,
+               "--metrics-port", str(m["metrics_port"]), "--redis-url", m.get("cf_url") or self.local_url,
                *(("--rest-port", str(m["rest_port"])) if m.get("rest_port") else ()),
                "--log-root", str(self.log_root), "--backup-dir", str(self.backup_dir), "--lease-ms", str(self.state["lease_ms"]), "--ready-file",
                str(self._ready_file(name)), *self.state.get("manager_args", []), *m.get("extra_args", [])]
@@ -831,7 +849,8 @@ class LocalGroup:
             for row in spark.processes():
                 rows.append({**row, "ready": row["alive"]})
             spark_master = spark.master_url
-        doc = {"dir": str(self.dir), "redis_url": self.state.get(CLUSTER_REDIS_URL), "spark_master": spark_master,
+        doc = {"dir": str(self.dir), "redis_url": self.state.get(CLUSTER_REDIS_URL),
+               "cf_socket": cf.get(CLUSTER_CF_SOCKET), "spark_master": spark_master,
                "log_root": str(self.log_root),
                "backup_dir": str(self.backup_dir), "processes": rows}
         if cf.get("server"):  # which binary and version the CF runs (cfemu.embedded.find_server chose it)

@@ -23,7 +23,7 @@ BENCH = REPO / "bench"
 
 # Each script's quickest run (default: --quick). Keep the whole test well under a minute on 2 cores.
 QUICKEST: dict[str, list[str]] = {
-    "bench_lifecycle.py": ["--quick", "--duplex"],
+    "bench_lifecycle.py": ["--quick", "--duplex", "--socket"],
     "bench_service.py": ["--quick", "--seconds", "0.5", "--clients", "1", "2"],
     "bench_backup.py": ["--quick", "--messages", "2000", "--seconds", "0.5"],
     "bench_spark.py": ["--quick", "--sizes", "5000", "--masters", "--workers"],  # the local engine only: no JVM

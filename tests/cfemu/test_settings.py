@@ -14,13 +14,14 @@ from pathlib import Path
 import pytest
 
 from cfemu import credentials, settings
-from cfemu.embedded import PID_NAME, URL_NAME
+from cfemu.embedded import PID_NAME, STATE_NAME, URL_NAME
 from cfemu.private_files import private_dir, write_private
 from cfemu.settings import (
     CF_DIR,
     CLUSTER,
     CLUSTER_BACKUP_DIR,
     CLUSTER_CF,
+    CLUSTER_CF_SOCKET,
     CLUSTER_FILE,
     CLUSTER_LOG_ARCHIVE_DIR,
     CLUSTER_LOG_ROOT,
@@ -100,6 +101,20 @@ def test_cluster_beats_cf_dir_beats_default(home: Path, tmp_path: Path) -> None:
     empty.mkdir()
     s = resolve(env={}, cwd=empty)
     assert s.redis_url is None and s.sources["redis_url"] == DEFAULT
+
+
+def test_a_cluster_or_cf_directory_that_records_its_cfs_socket_gives_the_socket(home: Path) -> None:
+    """A process that finds the CF through its cluster or its `cfemu cf start` directory runs on the CF's host:
+    it takes the CF's Unix-domain socket where the CF recorded one (cfemu.embedded, unix_socket)."""
+    cluster = home / "var" / "cluster"
+    state = json.loads((cluster / CLUSTER_FILE).read_text())
+    state[CLUSTER_CF][CLUSTER_CF_SOCKET] = "/run/group/cf.sock"
+    (cluster / CLUSTER_FILE).write_text(json.dumps(state))
+    assert resolve(env={}, cwd=home).redis_url == "unix:///run/group/cf.sock?db=0"
+    (cluster / CLUSTER_FILE).unlink()
+    (home / "var" / "cf" / STATE_NAME).write_text(json.dumps({"unix_socket": "/run/cf/cf.sock"}))
+    s = resolve(env={}, cwd=home)
+    assert s.redis_url == "unix:///run/cf/cf.sock?db=0" and s.sources["redis_url"] == CF_DIR
 
 
 def test_the_directory_asked_about_is_the_only_one_searched(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,10 +12,12 @@ from __future__ import annotations
 import json
 import os
 import socket
+import stat
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 import redis
@@ -102,6 +104,36 @@ print(s.makefile("rb").readline().decode().strip())
 """)
     assert "READ" not in probe.stdout, probe.stdout
     assert probe.stdout.strip().endswith("NOAUTH Authentication required."), probe.stdout + probe.stderr
+
+
+def test_the_cfs_unix_socket_asks_for_a_password_and_no_other_os_user_reaches_it(
+        cf: tuple[Path, dict[str, object]]) -> None:
+    home, info = cf
+    path = urlsplit(str(info["unix_url"])).path
+    assert path == str((home / "var" / "cf" / "cf.sock").resolve())
+    assert stat.S_ISSOCK(os.stat(path).st_mode) and stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:  # its owner, with no password: nothing but AUTH
+        s.settimeout(5)
+        s.connect(path)
+        f = s.makefile("rb")
+        for command in (b"FLUSHALL", b"CONFIG SET dir /root", b"KEYS *", b"AUTH default ''"):
+            s.sendall(command + b"\r\n")
+            reply = f.readline()
+            assert reply.startswith((b"-NOAUTH", b"-WRONGPASS")), reply
+    password = credentials.read_password(Path(str(info["secrets"])), "member")
+    assert password
+    member = redis.Redis.from_url(credentials.with_user(str(info["unix_url"]), "member", password))
+    assert member.set("probe", "1") and member.get("probe") == b"1"  # a role's password works as over TCP
+    member.close()
+    probe = as_nobody(f"""
+import socket
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+try:
+    s.connect({path!r}); print("CONNECTED")
+except PermissionError:
+    print("REFUSED")
+""")
+    assert probe.stdout.strip() == "REFUSED", probe.stdout + probe.stderr
 
 
 @pytest.mark.parametrize("role", credentials.ROLES)
