@@ -21,32 +21,69 @@ from __future__ import annotations
 import gc
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 SWITCH_INTERVAL_S = 0.0005  # a tenth of CPython's default
 
 _lock = threading.Lock()
 _holders = 0
-_before: tuple[float, bool] = (0.0, True)  # the switch interval, and whether the collector was on, at the first
+# The switch interval, and whether the collector was on, before the first of the loads running: None once they
+# are given back. Kept until they are: a load that takes the settings while a giving back is owed does not take
+# the changed settings for the process's own.
+_before: tuple[float, bool] | None = None
 
 
 @contextmanager
 def loading() -> Iterator[None]:
-    """A short switch interval and the cyclic collector paused while the `with` runs (see the module doc)."""
-    global _holders, _before
-    with _lock:
-        if _holders == 0:
-            _before = (sys.getswitchinterval(), gc.isenabled())
-            sys.setswitchinterval(min(SWITCH_INTERVAL_S, _before[0]))
-            gc.disable()
-        _holders += 1
+    """A short switch interval and the cyclic collector paused while the `with` runs (see the module doc). They are
+    given back however the `with` is left, a Ctrl-C on the way in or out included: the way out gives back exactly
+    what the way in took (`held`), and is done again when an interrupt stops it midway (then raised once done): a
+    process that goes on after a Ctrl-C (a member, a notebook) must not keep the collector off for good, nor a later
+    load take the changed settings for the process's own."""
+    held = [False]  # set together with the count of loads: what the way out has to give back
     try:
+        _take(held)
         yield
     finally:
-        with _lock:
+        _until_done(_give_back, held)
+
+
+def _take(held: list[bool]) -> None:
+    global _holders, _before
+    with _lock:
+        if _before is None:
+            _before = (sys.getswitchinterval(), gc.isenabled())
+        _holders += 1
+        held[0] = True  # no call between the count and this: no interrupt is raised in between
+        sys.setswitchinterval(min(SWITCH_INTERVAL_S, _before[0]))
+        gc.disable()
+
+
+def _give_back(held: list[bool]) -> None:
+    global _holders, _before
+    with _lock:
+        if held[0]:
             _holders -= 1
-            if _holders == 0:
-                sys.setswitchinterval(_before[0])
-                if _before[1]:
-                    gc.enable()
+            held[0] = False
+        if _holders == 0 and _before is not None:
+            sys.setswitchinterval(_before[0])
+            if _before[1]:
+                gc.enable()
+            _before = None
+
+
+def _until_done(step: Callable[[list[bool]], None], held: list[bool]) -> None:
+    """step(held), done again while an interrupt (KeyboardInterrupt, SystemExit: not an Exception) stops it; the
+    first interrupt is raised once it is done."""
+    interrupted: BaseException | None = None
+    while True:
+        try:
+            step(held)
+            break
+        except Exception:
+            raise
+        except BaseException as e:
+            interrupted = interrupted or e
+    if interrupted is not None:
+        raise interrupted

@@ -5,9 +5,10 @@ ends well or not, and only when the last of several overlapping loads ends. A re
 from __future__ import annotations
 
 import gc
+import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import redis
@@ -110,3 +111,43 @@ def test_a_collector_paused_before_the_load_stays_paused_after_it() -> None:
     with loading():
         assert sys.getswitchinterval() == pytest.approx(0.0001, rel=0.05)
     assert not gc.isenabled() and sys.getswitchinterval() == pytest.approx(0.0001, rel=0.05)
+
+
+def _interrupt_once_at(monkeypatch: pytest.MonkeyPatch, module: object, name: str,
+                       when: Callable[..., bool] = lambda *args: True) -> list[int]:
+    """The first call of module.name for which when(*args) holds is met by a real SIGINT (Ctrl-C), which Python
+    raises as KeyboardInterrupt right after the call, where it came from; returns the list of interrupts sent."""
+    real = getattr(module, name)
+    sent: list[int] = []
+
+    def interrupted(*args: object) -> object:
+        out = real(*args)
+        if not sent and when(*args):
+            sent.append(1)
+            signal.raise_signal(signal.SIGINT)
+        return out
+
+    monkeypatch.setattr(module, name, interrupted)
+    return sent
+
+
+@pytest.mark.parametrize("where", ["on the way in", "on the way out"])
+def test_a_load_interrupted_while_it_takes_or_gives_back_the_settings_gives_them_back(
+        monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    """A Ctrl-C that lands while the settings are being taken (the collector just paused) or given back (the
+    switch interval given back, the collector not yet) is raised once they are back; a process that goes on (a
+    member, a notebook) and loads again gets its own settings back after that load too."""
+    if where == "on the way in":
+        sent = _interrupt_once_at(monkeypatch, gc, "disable")
+    else:
+        sent = _interrupt_once_at(monkeypatch, sys, "setswitchinterval", lambda s: s > SWITCH_INTERVAL_S)
+    ran: list[int] = []
+    with pytest.raises(KeyboardInterrupt):
+        with loading():
+            ran.append(1)
+    assert sent == [1] and ran == ([] if where == "on the way in" else [1])
+    monkeypatch.undo()
+    assert gc.isenabled() and sys.getswitchinterval() == pytest.approx(0.005, rel=0.05)
+    with loading():
+        assert not gc.isenabled() and sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL_S, rel=0.05)
+    assert gc.isenabled() and sys.getswitchinterval() == pytest.approx(0.005, rel=0.05)
