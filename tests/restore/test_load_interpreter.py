@@ -4,11 +4,15 @@ ends well or not, and only when the last of several overlapping loads ends. A re
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import signal
 import sys
 import threading
+import time
+import weakref
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import redis
@@ -16,11 +20,16 @@ import redis
 from cfemu import bulk, keys
 from cfemu.admin import Admin, StructureDef
 from cfemu.entry import Entry
+from cfemu.errors import NoMessageError
+from restore import interpreter
 from restore.engine import LOAD
 from restore.interpreter import SWITCH_INTERVAL_S, loading
 from restore.load import load_plan
 from restore.plan import RestorePlan
 from restore.settle import RESTORED, Settled
+from sqm.service.client import Client
+from sqm.service.server import ServerConfig, SQMServer
+from tests.support.group import define_group
 
 S = "APP1"
 N = 2500  # three batches
@@ -151,3 +160,84 @@ def test_a_load_interrupted_while_it_takes_or_gives_back_the_settings_gives_them
     with loading():
         assert not gc.isenabled() and sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL_S, rel=0.05)
     assert gc.isenabled() and sys.getswitchinterval() == pytest.approx(0.005, rel=0.05)
+
+
+class _Node:
+    """An object in a cycle of its own once made (reference counting never frees it: only the collector does)."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+def _reclaimed(refs: list[weakref.ref[_Node]], timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(r() is None for r in refs):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_garbage_in_cycles_made_while_a_load_runs_is_collected_as_it_runs() -> None:
+    """The collector's own runs stay paused for the whole load, but the young generations are collected every
+    COLLECT_EVERY_S: cycles that the process makes meanwhile (a member's requests) do not pile up until it ends."""
+    with loading():
+        made = [_Node() for _ in range(1000)]
+        refs = [weakref.ref(n) for n in made]
+        del made
+        assert _reclaimed(refs)
+        assert not gc.isenabled()
+
+
+def test_a_collector_the_process_paused_is_not_run_by_a_load() -> None:
+    gc.disable()
+    before = interpreter.young_collections
+    with loading():
+        made = [_Node() for _ in range(10)]
+        refs = [weakref.ref(n) for n in made]
+        del made
+        assert not _reclaimed(refs, timeout=3 * interpreter.COLLECT_EVERY_S)
+    assert interpreter.young_collections == before and not gc.isenabled()
+    gc.collect()
+
+
+def _no_message_errors() -> int:
+    return sum(isinstance(o, NoMessageError) for o in gc.get_objects())
+
+
+@pytest.mark.slow
+def test_a_members_refused_requests_leave_no_garbage_piling_up_while_a_load_runs_in_its_process(
+        redis_url: str, tmp_path: Path) -> None:
+    """A load in a member's process (RECAUTO) while the member serves clients: each GET refused with
+    MQRC_NO_MSG_AVAILABLE leaves its exception, traceback and frames in a cycle (4 KiB), on the client's side and on
+    the member's; they are collected while the load runs, not kept until it ends."""
+    define_group(redis_url)
+    server = SQMServer(ServerConfig(name="QM1", log_root=tmp_path / "logs", redis_url=redis_url, token="t0ken"))
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_until_complete, args=(server.run(install_signals=False),))
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not server.port and time.monotonic() < deadline:  # the queue manager started, then its port
+            time.sleep(0.05)
+        client = Client("127.0.0.1", server.port, token="t0ken")
+        try:
+            with loading():
+                gc.collect(1)  # what came before the load is not counted
+                for _ in range(300):
+                    with pytest.raises(NoMessageError):
+                        client.get("Q1")
+                # Two of the load's collections after the last request, then one count: a count lists every object
+                # of the process, and a collection run meanwhile would find the garbage still listed, so live.
+                swept = interpreter.young_collections + 2
+                deadline = time.monotonic() + 60
+                while interpreter.young_collections < swept and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                assert _no_message_errors() <= 20
+                assert not gc.isenabled()
+        finally:
+            client.close()
+    finally:
+        loop.call_soon_threadsafe(server.request_stop)
+        thread.join(60)
+        loop.close()
