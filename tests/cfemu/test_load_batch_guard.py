@@ -220,3 +220,30 @@ def test_a_batch_the_cf_refuses_leaves_the_next_batches_in_step(client: redis.Re
         assert load_batch(owner, "second", "2") == [1]
         assert owner.transaction(lambda pipe: pipe.hget(keys.data(S), "second")) == [b"2"]
     assert sorted(client.hkeys(keys.data(S))) == [b"first", b"second"]
+
+
+def test_a_connection_lost_while_the_next_guard_is_read_stops_the_load_with_nothing_read_out_of_turn(
+        client: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The connection fails after a batch's EXEC was answered, while the replies of the guard sent behind it are
+    read: whether the batch applied is unknown to the owner (here it did), so the load stops as for a lost CF, and
+    the connection is dropped with the rest of its replies: no later call of the owner reads them as its own."""
+    read_reply = resp.read_reply
+    replies = [0]
+
+    def fails_in_the_guard(sock: Any, reader: Any, buf: Any) -> Any:
+        replies[0] += 1
+        if replies[0] == 4:  # MULTI, HSET and EXEC read: the guard's WATCH is next
+            raise ConnectionResetError(104, "Connection reset by peer")
+        return read_reply(sock, reader, buf)
+
+    with bulk.claim(client, S, bulk.observe(client, S)) as owner:
+        load_batch(owner, "first")  # the first batch's own guard, then the batch and the next guard
+        monkeypatch.setattr(resp, "read_reply", fails_in_the_guard)
+        with pytest.raises(bulk.CFReplacedError, match="the connection to the CF broke"):
+            load_batch(owner, "second")
+        monkeypatch.undo()
+        with pytest.raises(bulk.CFReplacedError, match="the connection to the CF broke"):
+            load_batch(owner, "third")
+        with pytest.raises(redis.exceptions.ConnectionError):
+            owner.client.ping()
+    assert sorted(client.hkeys(keys.data(S))) == [b"first", b"second"]
