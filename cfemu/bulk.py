@@ -23,6 +23,7 @@ A pipeline is not atomic, and each use is safe for its own reason:
 
 from __future__ import annotations
 
+import socket
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
@@ -458,18 +459,48 @@ def _pinned(client: redis.Redis) -> redis.Redis:
     return redis.Redis(connection_pool=redis.ConnectionPool(connection_class=Pinned, max_connections=1, **kwargs))
 
 
+def reaches_directly(client: redis.Redis) -> bool:
+    """Whether the connection of `client` (an owner's one connection) reaches the server with nothing in between:
+    the server names the two ends of the connection (CLIENT INFO's addr and laddr) as this process's TCP socket
+    does. Behind a proxy or a NAT they differ, and a proxy may keep this end of the connection open while it
+    carries the commands to another server (a CF restarted or replaced behind it), whose connection has no WATCH
+    of this one's. False also when it cannot be told (a Unix socket, a server without CLIENT INFO)."""
+    pool = client.connection_pool
+    try:
+        info = client.client_info()
+        conn = pool.get_connection()
+    except redis.exceptions.RedisError:
+        return False
+    try:
+        sock = socket_of(conn)
+        if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+            return False
+        return (info.get("addr"), info.get("laddr")) == (_address(sock.getsockname()), _address(sock.getpeername()))
+    finally:
+        pool.release(conn)
+
+
+def _address(name: tuple[Any, ...]) -> str:
+    """A socket's address as Redis's CLIENT INFO writes it: host:port, [host]:port for IPv6."""
+    host, port = name[0], name[1]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 class Owner:
     """A restore's (or a purge's) hold on one structure, from its claim to the end of its load. Its writes go
     through transaction(), so each lands only while the structure is still this owner's (the header carries its
     restore token and says RECOVERING) and only in the CF the claim was made on. `client` is the owner's own
-    connection, which never reconnects: use it for anything else the owner writes (definitions)."""
+    connection, which never reconnects: use it for anything else the owner writes (definitions). `direct`:
+    whether that connection reaches the CF with nothing in between (reaches_directly): only then does a load's
+    batch rely on a guard sent after the batch before it (send's watch_next)."""
 
     def __init__(self, client: redis.Redis, structure: str, token: int, cf: str,
-                 admin: redis.Redis | None = None) -> None:
+                 admin: redis.Redis | None = None, *, direct: bool = False) -> None:
         self.client = client
         self.structure = structure
         self.token = token
         self.cf = cf
+        self.direct = direct
         # Where the owner reads and writes the admin structure: its own connection on a single server; on a Redis
         # Cluster, {ADMIN} has a slot of its own, perhaps on another master: the cluster client (cfemu.rcluster).
         self.separate_admin = admin is not None
@@ -512,8 +543,12 @@ class Owner:
         and EXEC. (redis-py's watching pipeline makes each of the first three a round trip of its own: a batch
         waited four times for the CF, each wait a scheduling delay on a busy machine.) watch_next: more batches
         follow, so the next one's WATCH, identity and header go out right after this EXEC, in the same round trip,
-        and are judged when that batch is sent: a load's batch then waits for the CF once. A connection this cannot
-        drive (another parser than hiredis's) takes _transact."""
+        and are judged when that batch is sent: a load's batch then waits for the CF once. That guard's WATCH holds
+        only on the connection it was sent on, so watch_next is taken only on a connection that reaches the CF
+        directly (`direct`): behind a proxy, the next batch could go out on the proxy's new connection to another
+        server, unwatched, under a CF identity read before the switch. A connection this cannot drive (another
+        parser than hiredis's) takes _transact."""
+        watch_next = watch_next and self.direct
         pool = self.client.connection_pool
         for _ in range(WATCH_RETRIES):
             try:
@@ -601,10 +636,11 @@ def claim(client: redis.Redis, structure: str, seen: Seen) -> Owner:
 
     try:
         token, _ = _transact(pinned, (keys.meta(structure),), check, stage)
+        direct = reaches_directly(pinned)
     except BaseException:
         pinned.close()
         raise
-    return Owner(pinned, structure, token, seen.cf, client if rcluster.is_cluster(client) else None)
+    return Owner(pinned, structure, token, seen.cf, client if rcluster.is_cluster(client) else None, direct=direct)
 
 
 def tombstones(client: redis.Redis, structure: str) -> dict[str, str]:

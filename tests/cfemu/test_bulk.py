@@ -212,8 +212,8 @@ def test_a_packed_batch_waits_for_the_cf_twice(client: redis.Redis, monkeypatch:
 def test_a_loads_batches_wait_for_the_cf_once_each(client: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
     """A load's batch (Loader.send) sends the next batch's WATCH, CF identity and header read right after its EXEC:
     after the first, each batch is one round trip (two had been a scheduling delay each on a busy machine). The
-    owner's next transaction of another kind (the load's finish) judges the header anew and is not aborted by the
-    WATCH left in force."""
+    owner's next transaction of another kind (the load's finish) judges the header anew: a header change that the
+    WATCH left in force saw makes its first EXEC apply nothing, and it goes again, applied once."""
     with bulk.claim(client, S, bulk.observe(client, S)) as owner:
         loader = bulk.Loader(owner, gen=1)
         exchanges = count_exchanges(monkeypatch)
@@ -222,8 +222,10 @@ def test_a_loads_batches_wait_for_the_cf_once_each(client: redis.Redis, monkeypa
         for batch in batches:
             loader.send(batch)
         monkeypatch.undo()
-        client.hset(keys.meta(S), "max_entries", 10)  # a header change the left WATCH sees: finish is not aborted
+        client.hset(keys.meta(S), "max_entries", 10)  # a header change the left WATCH sees
+        execs = client.info("commandstats")["cmdstat_exec"]["calls"]
         assert loader.finish(["Q1"], owner=lambda u: "QM1", tomb={}) == 0
+        assert client.info("commandstats")["cmdstat_exec"]["calls"] - execs == 2  # aborted once, then applied
     # WATCH, INFO, HMGET; then each batch: MULTI, its commands, EXEC, and the next batch's WATCH, INFO, HMGET
     assert exchanges == [3, *(2 + batch.commands.count + 3 for batch in batches)]
     assert client.hlen(keys.data(S)) == 3 and client.sismember(keys.queues(S), "Q1")
