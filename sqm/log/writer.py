@@ -545,7 +545,8 @@ class RecordLog:
         """Block until every record appended up to ``upto`` (default: everything appended so far, by any
         thread) is written and fsynced. Group commit: one caller (the leader) writes and fsyncs everything
         appended before its flush started; callers arriving meanwhile wait, then either find their position
-        durable or lead the next flush."""
+        durable or lead the next flush. The end of a flush wakes one waiter and each that leaves wakes the next,
+        so that the committers it made durable take the GIL one after another, not all at once."""
         with self._lock:
             if self._closed or self._failed is not None:
                 self._raise_unusable()
@@ -559,17 +560,21 @@ class RecordLog:
             if target is None:
                 return
             self._in_force += 1
+            woken = False
             try:
                 while True:
-                    if self._durable > target:
-                        return
-                    if self._failed is not None or self._closed:
+                    if self._durable > target or self._failed is not None or self._closed:
+                        if woken:  # the end of a flush wakes one waiter; each that leaves wakes the next
+                            self._fcond.notify()
+                        if self._durable > target:
+                            return
                         self._raise_unusable()
                     if not self._flushing:
                         self._flushing = True
                         siblings = self._in_force - 1
                         break
                     self._fcond.wait()
+                    woken = True
             finally:
                 self._in_force -= 1
         if siblings:
@@ -606,7 +611,10 @@ class RecordLog:
                     if end > self._durable:
                         self._durable = end
                 self._flushing = False
-                self._fcond.notify_all()
+                # One waiter, not all: each one woken that leaves wakes the next (force), so that the committers
+                # the flush made durable want the GIL one after another rather than all at once. The first one
+                # woken whose records came after this flush leads the next one (or waits for it) and wakes none.
+                self._fcond.notify()
 
     def append_forced(self, record: dict[str, Any]) -> LogPosition:
         pos = self.append(record)
