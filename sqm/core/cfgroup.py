@@ -7,9 +7,8 @@ the plain path (``CF.run``): one client pays nothing for the grouping. A call ma
 and its request gives its request slot up (sqm.request_slots.before_wait), so that other requests run and queue
 beside it. When the round trip in flight ends, the first queued call's thread leads the next one: it takes every
 call queued, sends them in one pipeline, hands each caller its own reply (or the error ``run`` would have raised for
-it) and wakes the first of them, which wakes the next, and so on (woken all at once, they would all want the GIL at
-once, and its hand-offs among them cost the server more CPU than their work); the first call queued meanwhile leads
-the one after. N concurrent requests so share round trips, socket reads and writes, and the CF's event-loop turns.
+it) and wakes it; the first call queued meanwhile leads the one after. N concurrent requests so share round trips,
+socket reads and writes, and the CF's event-loop turns.
 
 What a call means does not change:
 - each script still runs atomically on the CF (a pipeline is not a transaction: each script is its own);
@@ -46,7 +45,7 @@ class _Call:
     """One caller's call, waiting in the queue: its reply, or its error, once its round trip ended; or, woken
     without either, the lead of the next round trip."""
 
-    __slots__ = ("op", "structure", "args", "reply", "error", "done", "lead", "wake", "next")
+    __slots__ = ("op", "structure", "args", "reply", "error", "done", "lead", "wake")
 
     def __init__(self, op: str, structure: str, args: Sequence[Any]) -> None:
         self.op = op
@@ -58,7 +57,6 @@ class _Call:
         self.lead = False
         self.wake = _thread.allocate_lock()  # held until the call is answered or handed the lead
         self.wake.acquire()
-        self.next: _Call | None = None  # the caller of the same round trip this one wakes once it is awake
 
 
 def _copy_failure(e: BaseException) -> BaseException:
@@ -118,9 +116,7 @@ class GroupedCF(CF):
             finally:
                 self._hand_on()
         before_wait()  # a service request's slot goes to another request, whose calls may join this round trip
-        call.wake.acquire()  # released by the leader of its round trip (or the caller before it), or to hand it the lead
-        if call.next is not None:
-            call.next.wake.release()
+        call.wake.acquire()  # released by the leader of its round trip, or to hand it the lead
         if not call.done:
             assert call.lead
             self._lead()
@@ -158,13 +154,10 @@ class GroupedCF(CF):
                         c.reply = r
         finally:  # every caller of the round trip is answered, whatever happened
             self._leader = 0
-            waiting = [c for c in batch if not c.lead]  # the leader's own call: its thread is here, awake
             for c in batch:
                 c.done = True
-            for c, after in zip(waiting, waiting[1:]):
-                c.next = after
-            if waiting:  # each caller woken wakes the next: one thread more wants the GIL at a time, not all
-                waiting[0].wake.release()
+                if not c.lead:  # the leader's own call: its thread is here, awake
+                    c.wake.release()
             self._hand_on()
 
     def _hand_on(self) -> None:

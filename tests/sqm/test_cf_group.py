@@ -379,37 +379,3 @@ def test_the_benchmarks_baseline_sends_each_call_alone(cf_url: str, monkeypatch:
     with ThreadPoolExecutor(THREADS) as pool:
         list(pool.map(lambda t: [s.put(caller, _entry(t * 100 + k), b"x") for k in range(10)], range(THREADS)))
     assert cf.largest == 0 and cf.round_trips > 0  # none shared (the counts are a metric, unlocked)
-
-
-def test_the_callers_of_a_round_trip_are_woken_one_after_another(grouped: tuple[GroupedCF, redis.Redis],
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """A round trip's leader wakes one of its callers, and each caller woken wakes the next: no thread wakes more
-    than one (all woken at once, they would all want the GIL at once); each still gets its own reply."""
-    import _thread
-    from types import SimpleNamespace
-
-    import sqm.core.cfgroup as cfgroup
-
-    releases: list[int] = []  # the thread that released a caller's wake, for each release
-
-    class CountedLock:
-        def __init__(self) -> None:
-            self._lock = _thread.allocate_lock()
-
-        def acquire(self) -> bool:
-            return self._lock.acquire()
-
-        def release(self) -> None:
-            releases.append(threading.get_ident())
-            self._lock.release()
-
-    monkeypatch.setattr(cfgroup, "_thread", SimpleNamespace(allocate_lock=CountedLock))
-    cf, side = grouped
-    caller = _caller(cf)
-    s = cf.structure("APP1")
-    futures = _held_round_trip(cf, side, [partial(s.put, caller, _entry(i), b"m%d" % i) for i in range(THREADS)])
-    assert all(f.result().clock > 0 for f in futures)
-    assert cf.largest == THREADS - 1
-    # THREADS - 1 queued: one handed the lead by the first call, the THREADS - 2 others woken once answered
-    assert len(releases) == THREADS - 1
-    assert max(releases.count(t) for t in set(releases)) == 1, releases
