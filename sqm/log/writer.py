@@ -573,7 +573,11 @@ class RecordLog:
                         self._flushing = True
                         siblings = self._in_force - 1
                         break
-                    self._fcond.wait()
+                    try:
+                        self._fcond.wait()
+                    except BaseException:  # interrupted (a signal's exception): the wake it may have had goes on
+                        self._fcond.notify()
+                        raise
                     woken = True
             finally:
                 self._in_force -= 1
