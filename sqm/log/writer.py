@@ -545,8 +545,7 @@ class RecordLog:
         """Block until every record appended up to ``upto`` (default: everything appended so far, by any
         thread) is written and fsynced. Group commit: one caller (the leader) writes and fsyncs everything
         appended before its flush started; callers arriving meanwhile wait, then either find their position
-        durable or lead the next flush. The end of a flush wakes one waiter and each that leaves wakes the next,
-        so that the committers it made durable take the GIL one after another, not all at once."""
+        durable or lead the next flush."""
         with self._lock:
             if self._closed or self._failed is not None:
                 self._raise_unusable()
@@ -560,25 +559,17 @@ class RecordLog:
             if target is None:
                 return
             self._in_force += 1
-            woken = False
             try:
                 while True:
-                    if self._durable > target or self._failed is not None or self._closed:
-                        if woken:  # the end of a flush wakes one waiter; each that leaves wakes the next
-                            self._fcond.notify()
-                        if self._durable > target:
-                            return
+                    if self._durable > target:
+                        return
+                    if self._failed is not None or self._closed:
                         self._raise_unusable()
                     if not self._flushing:
                         self._flushing = True
                         siblings = self._in_force - 1
                         break
-                    try:
-                        self._fcond.wait()
-                    except BaseException:  # interrupted (a signal's exception): the wake it may have had goes on
-                        self._fcond.notify()
-                        raise
-                    woken = True
+                    self._fcond.wait()
             finally:
                 self._in_force -= 1
         if siblings:
@@ -615,10 +606,7 @@ class RecordLog:
                     if end > self._durable:
                         self._durable = end
                 self._flushing = False
-                # One waiter, not all: each one woken that leaves wakes the next (force), so that the committers
-                # the flush made durable want the GIL one after another rather than all at once. The first one
-                # woken whose records came after this flush leads the next one (or waits for it) and wakes none.
-                self._fcond.notify()
+                self._fcond.notify_all()
 
     def append_forced(self, record: dict[str, Any]) -> LogPosition:
         pos = self.append(record)

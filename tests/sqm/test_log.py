@@ -9,7 +9,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -520,68 +519,3 @@ def test_truncation_anywhere_in_last_segment_yields_a_prefix(
             extra = {"k": "PUT", "l": 1, "d": b"after"}
             p = log.append(extra)
         assert read_all(d) == [*got, (p, extra)]
-
-
-def test_a_flush_wakes_its_committers_one_after_another(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The end of a flush wakes one committer waiting in force, and each woken one that leaves wakes the next (not
-    all of them at once, each then wanting the GIL): every one still returns, those the flush made durable and,
-    queued among them, those whose records came after it (the first of which leads the next flush)."""
-    import sqm.log.writer as writer
-
-    held = threading.Event()
-    release = threading.Event()
-    real = writer._fdatasync
-
-    def first_blocks(fd: int) -> None:
-        if not held.is_set():
-            held.set()
-            assert release.wait(60)
-        real(fd)
-
-    monkeypatch.setattr(writer, "_fdatasync", first_blocks)
-    early, late = 4, 4
-    returned: list[int] = []
-    errors: list[BaseException] = []
-    with RecordLog(tmp_path / "QM1", "QM1") as log:
-        # appended before the leader's flush takes the buffer (durable by it), forced once it is under way
-        before = [log.append(rec(i)) for i in range(early)]
-
-        def commit(i: int, pos: LogPosition | None) -> None:
-            try:
-                log.force(pos if pos is not None else log.append(rec(i)))
-                returned.append(i)
-            except BaseException as e:  # pragma: no cover - reported below
-                errors.append(e)
-
-        leader = threading.Thread(target=commit, args=(99, None))
-        leader.start()
-        assert held.wait(60)  # the leader is inside its fdatasync, holding the flush
-        waiters = [threading.Thread(target=commit, args=(i, before[i])) for i in range(early)]
-        waiters += [threading.Thread(target=commit, args=(early + i, None)) for i in range(late)]
-        for th in waiters:
-            th.start()
-        deadline = time.monotonic() + 60
-        while log._in_force < early + late and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert log._in_force == early + late  # all of them wait on the flush
-        cond = log._fcond
-        wakes: list[tuple[str, int]] = []
-        notify, notify_all = cond.notify, cond.notify_all
-
-        def counted_notify(n: int = 1) -> None:
-            wakes.append(("notify", n))
-            notify(n)
-
-        def counted_notify_all() -> None:
-            wakes.append(("notify_all", 0))
-            notify_all()
-
-        monkeypatch.setattr(cond, "notify", counted_notify)
-        monkeypatch.setattr(cond, "notify_all", counted_notify_all)
-        release.set()
-        for th in [leader, *waiters]:
-            th.join(60)
-        assert not errors
-        assert sorted(returned) == [*range(early + late), 99]
-        assert wakes and all(w == ("notify", 1) for w in wakes), wakes
-        assert log.stats.fsyncs == 2  # the leader's flush, then one flush for every late committer
