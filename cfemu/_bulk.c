@@ -753,11 +753,122 @@ static PyObject *cut(PyObject *self, PyObject *args) {
 }
 
 
+/* ---- A batch's commands packed in C: pair_parts() and pack_groups() ---------------------------------------------
+ *
+ * pair_parts(fields, values) -> [part, ...] | None: the parts cfemu.resp.Packed.add_pairs appends after HSET's
+ * header, each field with the header of its value, then the value itself (the very object: never copied), and
+ * the last value's end. None where a field is not str or bytes, or a value not bytes: add_pairs does it in Python.
+ *
+ * pack_groups(command, groups) -> bytes | None: the commands (command, key, *members) for each key -> members of
+ * the dict `groups`, in its order, as hiredis.pack_command packs each (str as UTF-8). None where a key or member
+ * is neither str nor bytes (or a str is not UTF-8): the caller packs them with pack_command. A load's batch has a
+ * set of one member for most entries (its message id's index), and a Python loop over them had cost more than the
+ * set's name and members took to find. */
+
+/* The bytes of a str (UTF-8) or bytes argument; NULL without an error set where it is neither (or not UTF-8). */
+static const char *argument_bytes(PyObject *o, Py_ssize_t *n) {
+    if (PyBytes_CheckExact(o)) {
+        *n = PyBytes_GET_SIZE(o);
+        return PyBytes_AS_STRING(o);
+    }
+    if (PyUnicode_CheckExact(o)) {
+        const char *s = PyUnicode_AsUTF8AndSize(o, n);
+        if (s == NULL) PyErr_Clear();
+        return s;
+    }
+    return NULL;
+}
+
+static PyObject *pair_parts(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *fields, *values;
+    if (!PyArg_ParseTuple(args, "O!O!", &PyList_Type, &fields, &PyList_Type, &values)) return NULL;
+    Py_ssize_t count = PyList_GET_SIZE(fields);
+    if (count != PyList_GET_SIZE(values)) Py_RETURN_NONE;
+    PyObject *out = PyList_New(2 * count + 1);
+    if (out == NULL) return NULL;
+    char head[96];
+    for (Py_ssize_t k = 0; k < count; k++) {
+        PyObject *v = PyList_GET_ITEM(values, k);
+        Py_ssize_t fn;
+        const char *f = argument_bytes(PyList_GET_ITEM(fields, k), &fn);
+        if (f == NULL || !PyBytes_CheckExact(v)) {
+            Py_DECREF(out);
+            Py_RETURN_NONE;
+        }
+        int hn = snprintf(head, sizeof head, "%s$%zd\r\n", k ? "\r\n" : "", fn);
+        Py_ssize_t vn = PyBytes_GET_SIZE(v);
+        char tail[32];
+        int tn = snprintf(tail, sizeof tail, "\r\n$%zd\r\n", vn);
+        PyObject *h = PyBytes_FromStringAndSize(NULL, hn + fn + tn);
+        if (h == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        char *p = PyBytes_AS_STRING(h);
+        memcpy(p, head, (size_t)hn);
+        memcpy(p + hn, f, (size_t)fn);
+        memcpy(p + hn + fn, tail, (size_t)tn);
+        PyList_SET_ITEM(out, 2 * k, h);
+        PyList_SET_ITEM(out, 2 * k + 1, Py_NewRef(v));
+    }
+    PyObject *end = PyBytes_FromString(count ? "\r\n" : "");
+    if (end == NULL) {
+        Py_DECREF(out);
+        return NULL;
+    }
+    PyList_SET_ITEM(out, 2 * count, end);
+    return out;
+}
+
+static int put_bulk(Buf *b, const char *s, Py_ssize_t n) {
+    char head[32];
+    int hn = snprintf(head, sizeof head, "$%zd\r\n", n);
+    return put(b, head, (size_t)hn) < 0 || put(b, s, (size_t)n) < 0 || put(b, "\r\n", 2) < 0 ? -1 : 0;
+}
+
+static PyObject *pack_groups(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *command, *groups, *key, *members, *result = NULL;
+    if (!PyArg_ParseTuple(args, "O!O!", &PyBytes_Type, &command, &PyDict_Type, &groups)) return NULL;
+    Buf b = {NULL, 0, 0};
+    Py_ssize_t pos = 0;
+    int taken = 1;
+    while (taken && PyDict_Next(groups, &pos, &key, &members)) {
+        Py_ssize_t kn;
+        const char *k = argument_bytes(key, &kn);
+        if (k == NULL || !PyList_CheckExact(members)) {
+            taken = 0;
+            break;
+        }
+        char head[32];
+        int hn = snprintf(head, sizeof head, "*%zd\r\n", PyList_GET_SIZE(members) + 2);
+        if (put(&b, head, (size_t)hn) < 0 || put_bulk(&b, PyBytes_AS_STRING(command), PyBytes_GET_SIZE(command)) < 0 ||
+            put_bulk(&b, k, kn) < 0)
+            goto done;
+        for (Py_ssize_t m = 0; m < PyList_GET_SIZE(members); m++) {
+            Py_ssize_t mn;
+            const char *s = argument_bytes(PyList_GET_ITEM(members, m), &mn);
+            if (s == NULL) {
+                taken = 0;
+                break;
+            }
+            if (put_bulk(&b, s, mn) < 0) goto done;
+        }
+    }
+    result = taken ? PyBytes_FromStringAndSize(b.p ? (const char *)b.p : "", (Py_ssize_t)b.n) : Py_NewRef(Py_None);
+done:
+    PyMem_Free(b.p);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"parts", parts, METH_VARARGS, "The [a, b) parts in which a batch's data is read (see cfemu/_bulk.c)."},
     {"pack_args", pack_args, METH_O, "A command's arguments as RESP bulk strings (see cfemu/_bulk.c)."},
     {"stage", stage, METH_VARARGS, "A load batch's descriptors and grouping from columns (see cfemu/_bulk.c)."},
     {"cut", cut, METH_VARARGS, "Where a load batch of these data ends (see cfemu/_bulk.c)."},
+    {"pair_parts", pair_parts, METH_VARARGS, "HSET's parts after its header (see cfemu/_bulk.c)."},
+    {"pack_groups", pack_groups, METH_VARARGS, "Commands of a key and its members, packed (see cfemu/_bulk.c)."},
     {NULL, NULL, 0, NULL},
 };
 

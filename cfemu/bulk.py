@@ -813,8 +813,8 @@ def _staged(structure: str, ids: Sequence[str], descriptors: list[bytes], datas:
         c = st.commands
         c.add_pairs((b"HSET", keys.entries(S)), ids, descriptors)
         c.add_pairs((b"HSET", keys.data(S)), ids, datas)
-        c.add_commands([(b"SADD", k, *members) for k, members in sets.items()])
-        c.add_commands([(b"RPUSH", k, *members) for k, members in lists.items()])
+        c.add_groups(b"SADD", sets)
+        c.add_groups(b"RPUSH", lists)
         if expiry:
             c.add_items((b"ZADD", keys.expiry(S)), expiry, len(expiry))
     st.lists = {k: len(members) for k, members in lists.items()}
