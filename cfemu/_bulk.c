@@ -1,5 +1,7 @@
-/* The parts of a fetched batch's data, told in C (cfemu.bulk.parts), and the ids of a fetch's HMGETs packed in C
- * (pack_args): a backup reads every descriptor of the
+/* The CF format's bulk work in C: a restore load's batches staged from columns (stage, cut: cfemu.bulk.
+ * prepare_columns) and their commands packed (pair_parts, pack_groups: cfemu.resp.Packed), each described where it
+ * is defined below; and the parts of a fetched batch's data, told in C (cfemu.bulk.parts), and the ids of a
+ * fetch's HMGETs packed in C (pack_args): a backup reads every descriptor of the
  * structure, and the Python loop that read each one's data length cost it about half a microsecond an entry.
  * cfemu/bulk.py keeps the same rule in Python: the reference, and what runs where this module was not built.
  *

@@ -24,7 +24,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from cfemu import bulk, keys
 from cfemu.admin import StructureDef
@@ -247,6 +247,7 @@ def staged(structure: str, settled: Iterable[Settled], batch: int,
         del st  # handed on: not held while the next batch is read and prepared (it holds its messages' data)
 
 
+@runtime_checkable
 class StagesBatches(Protocol):
     """A plan that prepares the load's batches itself (restore.engine_columnar's, in C): staged(structure,
     plan.in_load_order(), batch, batch_bytes)'s batches, byte for byte, made its own way."""
@@ -340,11 +341,10 @@ def load_plan(owner: bulk.Owner, plan: RestorePlan, sdef: StructureDef, queues: 
         clock = PseudoClockFloor()
         spilled = plan if isinstance(plan, SpilledPlan) and streams(plan) else None
         with Workers(1, processes=1 if spilled is not None else 0) as pool, loading():
-            prepared_by_plan = getattr(plan, "staged", None)  # a plan that prepares its own batches (StagesBatches)
             if spilled is not None:
                 source = pool.stream(_staged_runs, (S, spilled.runs(), batch, batch_bytes))
-            elif prepared_by_plan is not None:
-                source = prepared_by_plan(S, batch, batch_bytes)
+            elif isinstance(plan, StagesBatches):
+                source = plan.staged(S, batch, batch_bytes)
             else:
                 source = staged(S, plan.in_load_order(), batch, batch_bytes)
             point = Beside(copies_to) if copies_to is not None else None  # no thread when no point is written
