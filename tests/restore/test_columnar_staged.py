@@ -133,3 +133,17 @@ def test_the_fold_fields_are_those_the_c_path_sets() -> None:
     assert [name for name, _ in engine_columnar.FIELDS] == list(bulk.OVERRIDES)
     with pytest.raises(ValueError, match="not those cfemu.bulk.OVERRIDES names"):
         list(columnar_staged.staged(S, [], None, lambda *_: [], (("st", 2),), 10))  # type: ignore[arg-type]
+
+
+def test_without_the_extension_every_batch_is_prepared_in_python(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   python_batches: list[int]) -> None:
+    """Where cfemu._bulk was not built, the plan's batches are still the Python path's, each made by it."""
+    monkeypatch.setattr(engine_columnar, "FETCH_ROWS", 7)
+    h = simulate(random.Random(5), 200)
+    backup, log_dirs = write_history(h, tmp_path)
+    plan = _plan(backup, log_dirs, h.replay_from, tmp_path / "work")
+    try:
+        monkeypatch.setattr(bulk, "_bulk", None)
+        assert _same_as_python(plan, 5, 0, python_batches) == 0
+    finally:
+        plan.close()
