@@ -2,7 +2,7 @@
 rows of the plan's survivors query: each base descriptor's bytes and data (read back by restore.columns.Pieces),
 the fold's mask and the fields it sets, whether the copy is a backup's. Decoding every descriptor into a dict, a
 Settled made of it (restore.engine_columnar's survivors), and then bulk.prepare packing each one again had been the
-load's preparing thread's CPU: 10-12 us an entry, 4.1-4.6 us so (BENCHMARKS.md, "A load prepared in C").
+load's preparing thread's CPU (BENCHMARKS.md, "A load prepared in C").
 
 The batches are those of restore.load.staged, cut by the same rule (restore.load.batches: `batch` entries, or fewer
 once their data reach `batch_bytes`) and byte for byte the same Staged. A batch the C path does not take exactly (a
