@@ -29,6 +29,7 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, NamedTuple, Protocol, TypeVar, cast
 
 import msgpack
@@ -788,9 +789,8 @@ def prepare(structure: str, batch: Sequence[Survivor]) -> Staged:
     batch is prepared in another thread, or another process, while this one's is sent by Loader.send). An entry
     that cannot be encoded raises ValueError (unloadable) before anything of its batch is sent."""
     S = structure
-    st = Staged(len(batch))
     lists: dict[str, list[str]] = {}
-    sets: dict[str, list[str]] = {}
+    sets: dict[str | bytes, list[str]] = {}
     expiry: list[Any] = []
     ids: list[str] = []
     descriptors: list[bytes] = []
@@ -799,7 +799,7 @@ def prepare(structure: str, batch: Sequence[Survivor]) -> Staged:
     # batch, and the sets an entry is in (sets_of) are named here inline, in sets_of's order.
     list_ids: dict[tuple[str, str, int], list[str]] = {}
     index_prefixes: dict[str, tuple[str, str]] = {}  # queue -> (its correlation id's, its message id's)
-    held = st.held
+    held: dict[str, int] = {}
     for s in batch:
         e = _wire(s)
         i = s.id
@@ -822,7 +822,7 @@ def prepare(structure: str, batch: Sequence[Survivor]) -> Staged:
         if cid or mid:
             prefixes = index_prefixes.get(q)
             if prefixes is None:
-                prefixes = index_prefixes[q] = (keys.index_set_prefix(S, q, "c"), keys.index_set_prefix(S, q, "m"))
+                prefixes = index_prefixes[q] = _index_prefixes(S, q)
             if cid:
                 sets.setdefault(prefixes[0] + cid, []).append(i)
             if mid:
@@ -833,19 +833,70 @@ def prepare(structure: str, batch: Sequence[Survivor]) -> Staged:
             raise unloadable(i, x) from None
         ids.append(i)
         datas.append(s.data)
-    st.copies = list(zip(descriptors, datas))
-    st.queues = {q for q, _, _ in list_ids}
-    st.bytes = sum(map(len, datas))
-    if batch:  # as redis-py's hset(mapping=...), sadd, rpush and zadd would send them
+    return _staged(S, ids, descriptors, datas, lists, sets, expiry, held, {q for q, _, _ in list_ids})
+
+
+def _staged(structure: str, ids: Sequence[str], descriptors: list[bytes], datas: Sequence[bytes],
+            lists: Mapping[str, list[str]], sets: Mapping[str | bytes, list[str]], expiry: list[Any],
+            held: dict[str, int], queues: set[str]) -> Staged:
+    """A batch's Staged from its entries' ids, descriptors and data and their grouping in first-seen order (list
+    name -> ids, set name -> ids, [exp, id, ...], UOW -> lowest LRSN, queues): its commands packed as redis-py's
+    hset(mapping=...), sadd, rpush and zadd would send them."""
+    S = structure
+    st = Staged(len(ids), held=held, queues=queues, copies=list(zip(descriptors, datas, strict=True)),
+                bytes=sum(map(len, datas)))
+    if ids:
         c = st.commands
         c.add_pairs((b"HSET", keys.entries(S)), ids, descriptors)
         c.add_pairs((b"HSET", keys.data(S)), ids, datas)
-        c.add_commands([(b"SADD", k, *members) for k, members in sets.items()])
-        c.add_commands([(b"RPUSH", k, *members) for k, members in lists.items()])
+        c.add_groups(b"SADD", sets)
+        c.add_groups(b"RPUSH", lists)
         if expiry:
             c.add_items((b"ZADD", keys.expiry(S)), expiry, len(expiry))
     st.lists = {k: len(members) for k, members in lists.items()}
     return st
+
+
+# The fields a mask given to prepare_columns sets, bit j field OVERRIDES[j] (cfemu/_bulk.c's order).
+OVERRIDES = ("st", "u", "l", "o1", "o2", "bc")
+
+
+def prepare_columns(structure: str, ids: list[str], descs: list[bytes], datas: list[bytes], masks: list[int],
+                    backup: list[bool], overrides: Sequence[list[Any] | None], start: int, end: int, *,
+                    aside_suffix: str = "") -> Staged | None:
+    """prepare of the entries [start, end) of these columns, in C (cfemu/_bulk.c's stage: no Python an entry):
+    entry k is ids[k], the base descriptor descs[k] (msgpack bytes) with field OVERRIDES[j] set to
+    overrides[j][k] where bit j of masks[k] is set (a column no mask needs may be None), where a copy of a backup
+    (backup[k]) with a property table that is not a map has the CF's empty one, and the data datas[k]. The same
+    Staged, byte for byte, as prepare of those entries. None: the C path does not take these entries exactly
+    (see cfemu/_bulk.c), or an entry's queue ends in aside_suffix, or the extension was not built: the caller
+    prepares them with prepare."""
+    if _bulk is None:
+        return None
+    said = _bulk.stage(ids, descs, datas, masks, backup, tuple(overrides), start, end,
+                       partial(keys.state_list, structure), partial(_index_prefixes, structure),
+                       keys.uow_set_prefix(structure), aside_suffix)
+    if said is None:
+        return None
+    descriptors, lists, sets, expiry, held, queues, _ = said
+    return _staged(structure, ids[start:end], descriptors, datas[start:end], lists, sets, expiry, held, queues)
+
+
+def _index_prefixes(structure: str, queue: str) -> tuple[str, str]:
+    return keys.index_set_prefix(structure, queue, "c"), keys.index_set_prefix(structure, queue, "m")
+
+
+def batch_end(datas: list[bytes], start: int, size: int, max_bytes: int) -> int:
+    """Where the batch of `datas` that begins at `start` ends: `size` entries, or fewer once their data reach
+    `max_bytes` (0: no bound; one entry at least); -1 where `datas` end first (restore.load.batches' rule)."""
+    if _bulk is not None:
+        return int(_bulk.cut(datas, start, size, max_bytes))
+    held = 0
+    for k in range(start, len(datas)):
+        held += len(datas[k])
+        if k + 1 - start >= size or (max_bytes and held >= max_bytes):
+            return k + 1
+    return -1
 
 
 class Loader:

@@ -108,7 +108,12 @@ def state_list(structure: str, queue: str, state: str, priority: int = 0) -> str
 
 def uow_set(structure: str, uow: str) -> str:
     """Set: the ids of the entries a UOW holds."""
-    return f"{tag(structure)}:uow:{uow}"
+    return uow_set_prefix(structure) + uow
+
+
+def uow_set_prefix(structure: str) -> str:
+    """What every uow_set(structure, uow) begins with, the UOW after it (cfemu/_bulk.c names them so)."""
+    return f"{tag(structure)}:uow:"
 
 
 def uow_work(structure: str, uow: str, kind: str) -> str:

@@ -10,13 +10,19 @@ reader come from cfemu.redis_internals).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NoReturn
 
 import redis
 from hiredis import pack_command
 
 from cfemu.redis_internals import NOT_ENOUGH, hiredis_io
+
+_bulk: Any
+try:
+    from cfemu import _bulk  # type: ignore[attr-defined,no-redef]
+except ImportError:  # built where no C compiler was: packed in Python
+    _bulk = None
 
 Arg = bytes | str | int
 LONG = 16 << 10  # a part this long is sent (and pickled) by itself: what is joined is 16 MiB a batch at most
@@ -76,6 +82,12 @@ class Packed:
             raise ValueError(f"a command had {len(fields)} fields and {len(values)} values")
         parts = self.parts
         parts.append(_header(head, 2 * len(fields)))
+        # the same parts made in C (cfemu/_bulk.c pair_parts) where every field is str or bytes and every value bytes
+        native = _bulk.pair_parts(fields, values) if _bulk is not None and type(fields) is type(values) is list else None
+        if native is not None:
+            parts += native
+            self.count += 1
+            return
         end = b""  # the end of the previous value, sent with the next field
         for f, v in zip(fields, values, strict=True):
             fb = f.encode() if type(f) is str else _encode(f)
@@ -94,6 +106,16 @@ class Packed:
         # hiredis's stub types the argument as a tuple of one item
         self.parts.append(b"".join([pack_command(tuple(c)) for c in commands]))  # type: ignore[arg-type]
         self.count += len(commands)
+
+    def add_groups(self, command: bytes, groups: Mapping[Any, list[Any]]) -> None:
+        """One command (command, key, *members) for each key -> members of `groups`, in its order, kept as one
+        part (add_commands): packed in C (cfemu/_bulk.c pack_groups) where every key and member is str or bytes."""
+        packed = _bulk.pack_groups(command, groups) if _bulk is not None and type(groups) is dict else None
+        if packed is None:
+            self.add_commands([(command, k, *members) for k, members in groups.items()])
+        else:
+            self.parts.append(packed)
+            self.count += len(groups)
 
     def data(self) -> bytes:
         return b"".join(self.parts)

@@ -46,8 +46,10 @@ import msgpack
 import pyarrow as pa
 
 from backup.files import Backup, entry_path
+from cfemu.bulk import Staged
 from cfemu.progress import Progress, no_progress
 from cfemu.uow_attributes import CONTROL_SUFFIX
+from restore import columnar_staged
 from restore.columns import (
     SRC_BACKUP,
     SRC_DD,
@@ -720,6 +722,15 @@ class ColumnarPlan(SummarizedPlan):
         try:
             for batch in _batches(self.cursor(), SURVIVORS_SQL):
                 yield from _survivors(batch, pieces)
+        finally:
+            pieces.close()
+
+    def staged(self, structure: str, batch: int, batch_bytes: int) -> Iterator[tuple[Staged, int]]:
+        """The load's prepared batches (restore.load.staged of in_load_order), made in C where they can be."""
+        pieces = Pieces(self.sources)
+        try:
+            yield from columnar_staged.staged(structure, _batches(self.cursor(), SURVIVORS_SQL), pieces, _survivors,
+                                              FIELDS, batch, batch_bytes)
         finally:
             pieces.close()
 

@@ -24,7 +24,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from cfemu import bulk, keys
 from cfemu.admin import StructureDef
@@ -247,6 +247,14 @@ def staged(structure: str, settled: Iterable[Settled], batch: int,
         del st  # handed on: not held while the next batch is read and prepared (it holds its messages' data)
 
 
+@runtime_checkable
+class StagesBatches(Protocol):
+    """A plan that prepares the load's batches itself (restore.engine_columnar's, in C): staged(structure,
+    plan.in_load_order(), batch, batch_bytes)'s batches, byte for byte, made its own way."""
+
+    def staged(self, structure: str, batch: int, batch_bytes: int) -> Iterator[tuple[bulk.Staged, int]]: ...
+
+
 def _staged_runs(job: tuple[str, Runs, int, int]) -> Iterator[tuple[bulk.Staged, int]]:
     """staged() of a partitioned plan's runs: a worker's task (Workers.stream)."""
     structure, runs, batch, batch_bytes = job
@@ -335,6 +343,8 @@ def load_plan(owner: bulk.Owner, plan: RestorePlan, sdef: StructureDef, queues: 
         with Workers(1, processes=1 if spilled is not None else 0) as pool, loading():
             if spilled is not None:
                 source = pool.stream(_staged_runs, (S, spilled.runs(), batch, batch_bytes))
+            elif isinstance(plan, StagesBatches):
+                source = plan.staged(S, batch, batch_bytes)
             else:
                 source = staged(S, plan.in_load_order(), batch, batch_bytes)
             point = Beside(copies_to) if copies_to is not None else None  # no thread when no point is written

@@ -4,9 +4,12 @@ place (errors included), against a real redis-server."""
 from __future__ import annotations
 
 import pickle
+from typing import Any
 
 import pytest
 import redis
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cfemu import resp
 from cfemu.embedded import EmbeddedRedis
@@ -107,3 +110,33 @@ def test_exchange_on_a_dead_server_raises_redis_pys_connection_error(fresh_redis
     with pytest.raises(redis.exceptions.ConnectionError):
         resp.exchange(conn, packed.data(), 1)
     assert conn._sock is None  # disconnected: whether the commands ran is unknown
+
+
+_args = st.one_of(st.text(max_size=6), st.binary(max_size=6), st.sampled_from(["é" * 40, "x" * 300, "bad\udcff"]))
+
+
+@settings(max_examples=200, deadline=None, database=None)
+@given(fields=st.lists(st.one_of(_args, st.integers(-5, 5)), max_size=6), values=st.lists(
+    st.one_of(st.binary(max_size=20), st.just(bytearray(b"ba"))), max_size=6),
+    groups=st.dictionaries(_args, st.lists(st.one_of(_args, st.integers(0, 3)), max_size=4), max_size=4))
+def test_pairs_and_groups_packed_in_c_are_packed_as_in_python(fields: list[Any], values: list[Any],
+                                                              groups: dict[Any, list[Any]]) -> None:
+    """add_pairs and add_groups give the same parts whether cfemu/_bulk.c packs them (str and bytes) or Python does
+    (any argument), and raise the same error where Python raises one."""
+    values = values[:len(fields)] + [b"v"] * (len(fields) - len(values))
+
+    def packed() -> list[Any]:
+        p = resp.Packed()
+        out: list[Any] = []
+        for add in (lambda: p.add_pairs((b"HSET", "h"), fields, values), lambda: p.add_groups(b"SADD", groups)):
+            try:
+                add()
+                out.append(None)
+            except Exception as e:  # noqa: BLE001 - compared with the other path's
+                out.append(type(e))
+        return [p.parts, p.count, out]
+
+    in_c = packed()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(resp, "_bulk", None)
+        assert packed() == in_c
