@@ -167,7 +167,8 @@ done:
  * None: an entry the C path does not take exactly as Python would (a descriptor that is not a map msgpack-python
  * would read into the same dict, an ext type, a string that is not strict UTF-8 where one is packed, a value of a
  * type prepare would convert or refuse, more than MAX_PROPERTIES properties, a queue ending in aside_suffix, ...): the caller
- * prepares the batch in Python (bulk.prepare), where every error and edge case is as it always was.
+ * prepares the batch in Python (bulk.prepare), where every error and edge case is as it always was. RuntimeError:
+ * list_name or index_prefixes (or a backup flag's truth) shortened the columns while their entries were staged.
  *
  * cut(datas, start, size, max_bytes) -> end | -1: where the batch that begins at `start` ends by restore.load's
  * rule (`size` entries, or fewer once their data reach max_bytes, 0: no bound), -1 where datas end first. */
@@ -480,9 +481,11 @@ typedef struct {
     PyObject *lists, *sets, *expiry, *held, *queues, *places, *prefixes, *list_name, *index_prefixes;
     const uint8_t *uow_prefix;
     size_t uow_prefix_n;
-    /* the place and the queue of the entry before (load order keeps them together) */
+    /* the place and the queue of the entry before (load order keeps them together): their text copied here, never
+     * pointing into an entry's bytes, which a callback into Python may free once that entry is staged */
     PyObject *members;
     Val last_q, last_st;
+    Buf last_q_text, last_st_text, last_pq_text;
     int last_neg;
     uint64_t last_u;
     int64_t last_i;
@@ -490,6 +493,15 @@ typedef struct {
     Val last_pq;
     Buf name;
 } Group;
+
+/* `v`'s text copied into `b`, `kept` made to read it there. */
+static int keep_text(Buf *b, Val *kept, const Val *v) {
+    b->n = 0;
+    if (grow(b, v->n + 1) < 0) return -1; /* a byte more: an empty text has a buffer too */
+    memcpy(b->p, v->s, v->n);
+    kept->s = b->p, kept->n = v->n;
+    return 0;
+}
 
 static PyObject *text_of(const Val *v) { return PyUnicode_DecodeUTF8((const char *)v->s, (Py_ssize_t)v->n, "strict"); }
 
@@ -522,7 +534,11 @@ static PyObject *place_members(Group *g, const Val *q, const Val *st, int neg, u
     Py_XDECREF(p);
     Py_XDECREF(key);
     if (members == NULL) return NULL;
-    g->members = members, g->last_q = *q, g->last_st = *st, g->last_neg = neg, g->last_u = u, g->last_i = i;
+    if (keep_text(&g->last_q_text, &g->last_q, q) < 0 || keep_text(&g->last_st_text, &g->last_st, st) < 0) {
+        g->members = NULL;
+        return NULL;
+    }
+    g->members = members, g->last_neg = neg, g->last_u = u, g->last_i = i;
     return members;
 }
 
@@ -568,13 +584,14 @@ static PyObject *queue_prefixes(Group *g, const Val *q) {
         Py_XDECREF(pair); /* the dict holds it */
     }
     Py_DECREF(key);
-    if (found != NULL) g->last_prefixes = found, g->last_pq = *q;
+    if (found != NULL && keep_text(&g->last_pq_text, &g->last_pq, q) < 0) found = NULL;
+    g->last_prefixes = found;
     return found;
 }
 
 /* One entry: its descriptor appended to `out`, its places in the groups. 0, 1: not taken, -1: error. */
 static int stage_one(Group *g, Buf *out, PyObject *id, PyObject *desc, PyObject *data, PyObject *mask_o,
-                     int from_backup, PyObject *const *columns, Py_ssize_t k, const char *aside, size_t aside_n) {
+                     int from_backup, PyObject *const *fields, const char *aside, size_t aside_n) {
     if (!PyUnicode_CheckExact(id) || !PyBytes_CheckExact(desc) || !PyBytes_CheckExact(data) ||
         !PyLong_CheckExact(mask_o))
         return 1;
@@ -595,11 +612,11 @@ static int stage_one(Group *g, Buf *out, PyObject *id, PyObject *desc, PyObject 
     }
     for (int j = 0; j < 6; j++) {
         if (!(mask & (1L << j))) continue;
-        if (columns[j] == Py_None) {
+        if (fields[j] == NULL) { /* held for every bit set whose column was given */
             PyErr_Format(PyExc_ValueError, "a mask sets field %s and its column was not given", FIELD_NAMES[OVERRIDDEN[j]]);
             return -1;
         }
-        if (column_value(PyList_GET_ITEM(columns[j], k), &f[OVERRIDDEN[j]])) return 1;
+        if (column_value(fields[j], &f[OVERRIDDEN[j]])) return 1;
     }
     const Val *q = &f[F_Q], *st = &f[F_ST], *u = &f[F_U], *cid = &f[F_CID], *mid = &f[F_MID];
     if (f[F_ID].kind != K_STR || q->kind != K_STR || st->kind != K_STR || !utf8_ok(st->s, st->n)) return 1;
@@ -615,9 +632,9 @@ static int stage_one(Group *g, Buf *out, PyObject *id, PyObject *desc, PyObject 
     case K_FLOAT: per = pv->f != 0.0; break;
     default: per = pv->n > 0; /* a str, bin, array or map: its length */
     }
-    int pneg, eneg, lneg;
-    uint64_t pu, eu, lu;
-    int64_t pi, ei, li;
+    int pneg, eneg, lneg = 0;
+    uint64_t pu, eu, lu = 0;
+    int64_t pi, ei, li = 0;
     if (as_int(&f[F_P], &pneg, &pu, &pi) < 0 || as_int(&f[F_EXP], &eneg, &eu, &ei) < 0) return 1;
     if (truthy(u) && (f[F_L].kind == K_MISSING || as_int(&f[F_L], &lneg, &lu, &li) < 0)) return 1;
     /* the descriptor, in descriptor()'s order */
@@ -675,6 +692,28 @@ static int column_list(PyObject *o, Py_ssize_t end, const char *what) {
     return 0;
 }
 
+/* Entry k's items, held: its id, descriptor, data, mask and backup flag, and the fields its mask sets (NULL: not
+ * set, or its column not given). -1: a column is too short now (a callback into Python changed it while the
+ * entries before were staged). */
+static int hold_entry(PyObject *const *cols, Py_ssize_t k, PyObject **item) {
+    long mask = 0;
+    for (int j = 0; j < 11; j++) {
+        item[j] = NULL;
+        if (cols[j] == NULL || (j >= 5 && !(mask & (1L << (j - 5))))) continue;
+        if (k >= PyList_GET_SIZE(cols[j])) {
+            for (int i = 0; i < j; i++) Py_XDECREF(item[i]);
+            PyErr_SetString(PyExc_RuntimeError, "the columns changed while their entries were staged");
+            return -1;
+        }
+        item[j] = Py_NewRef(PyList_GET_ITEM(cols[j], k));
+        if (j == 3 && PyLong_CheckExact(item[3])) {
+            mask = PyLong_AsLong(item[3]);
+            if (mask == -1 && PyErr_Occurred()) PyErr_Clear(); /* stage_one steps aside for it */
+        }
+    }
+    return 0;
+}
+
 static PyObject *stage(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *ids, *descs, *datas, *masks, *backup, *overrides, *list_name, *index_prefixes;
@@ -698,6 +737,8 @@ static PyObject *stage(PyObject *self, PyObject *args) {
     PyObject *const *columns = &PyTuple_GET_ITEM(overrides, 0);
     for (int j = 0; j < 6; j++)
         if (columns[j] != Py_None && column_list(columns[j], end, "an override column") < 0) return NULL;
+    PyObject *cols[11] = {ids, descs, datas, masks, backup};
+    for (int j = 0; j < 6; j++) cols[5 + j] = columns[j] == Py_None ? NULL : columns[j];
     Group g;
     memset(&g, 0, sizeof g);
     g.list_name = list_name, g.index_prefixes = index_prefixes;
@@ -709,16 +750,24 @@ static PyObject *stage(PyObject *self, PyObject *args) {
     long long nbytes = 0;
     int r = !g.lists || !g.sets || !g.expiry || !g.held || !g.queues || !g.places || !g.prefixes || !descriptors ? -1 : 0;
     for (Py_ssize_t k = start; r == 0 && k < end; k++) {
-        PyObject *data = PyList_GET_ITEM(datas, k);
+        /* The entry's items, held while it is staged: list_name, index_prefixes and a backup flag's truth run
+         * Python code, which may change the caller's lists (the fields read point into these items' bytes). */
+        PyObject *item[11];
+        if (hold_entry(cols, k, item) < 0) {
+            r = -1;
+            break;
+        }
+        int from_backup = PyObject_IsTrue(item[4]); /* as prepare's caller takes it: may raise */
         out.n = 0;
-        r = stage_one(&g, &out, PyList_GET_ITEM(ids, k), PyList_GET_ITEM(descs, k), data, PyList_GET_ITEM(masks, k),
-                      PyObject_IsTrue(PyList_GET_ITEM(backup, k)) == 1, columns, k, aside, (size_t)aside_n);
+        r = from_backup < 0 ? -1 : stage_one(&g, &out, item[0], item[1], item[2], item[3], from_backup, item + 5,
+                                             aside, (size_t)aside_n);
         if (r == 0) {
             PyObject *d = PyBytes_FromStringAndSize((const char *)out.p, (Py_ssize_t)out.n);
             if (d == NULL) r = -1;
             else PyList_SET_ITEM(descriptors, k - start, d);
-            nbytes += PyBytes_GET_SIZE(data);
+            nbytes += PyBytes_GET_SIZE(item[2]);
         }
+        for (int j = 0; j < 11; j++) Py_XDECREF(item[j]);
     }
     if (r == 0) {
         result = Py_BuildValue("(OOOOOOL)", descriptors, g.lists, g.sets, g.expiry, g.held, g.queues, nbytes);
@@ -730,6 +779,7 @@ static PyObject *stage(PyObject *self, PyObject *args) {
     Py_XDECREF(descriptors);
     Py_XDECREF(g.lists), Py_XDECREF(g.sets), Py_XDECREF(g.expiry), Py_XDECREF(g.held);
     Py_XDECREF(g.queues), Py_XDECREF(g.places), Py_XDECREF(g.prefixes);
+    PyMem_Free(g.last_q_text.p), PyMem_Free(g.last_st_text.p), PyMem_Free(g.last_pq_text.p);
     return result;
 }
 

@@ -6,6 +6,8 @@ error). The batches it takes are written to a real redis-server."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -188,6 +190,40 @@ def test_the_c_path_steps_aside_for_what_it_does_not_take_exactly(rows: list[_Ro
     _check(rows, taken=False)
 
 
+_TYPE_BYTES = [0xc0, 0xc1, 0xc2, 0xc3, 0xc4, 0xc6, 0xca, 0xcb, 0xcc, 0xcf, 0xd0, 0xd3, 0xd4, 0xd9, 0xda, 0xdb, 0xdc,
+               0xdd, 0xde, 0xdf, 0xff, 0x80, 0x8f, 0x90, 0x9f, 0xa0, 0xbf, 0x7f, 0xed, 0xf4]
+
+
+@st.composite
+def _mutated(draw: Any) -> _Row:
+    """A descriptor prepare stages, its bytes then cut, flipped, overwritten by a msgpack type byte, spliced or
+    grown: every length and count the C path reads may now run past the end of the bytes."""
+    row = draw(_entries(1))[0]
+    raw = bytearray(row.desc)
+    for _ in range(draw(st.integers(1, 4))):
+        at = draw(st.integers(0, len(raw)))
+        how = draw(st.sampled_from(["cut", "flip", "type", "insert", "repeat"]))
+        if how == "cut":
+            del raw[at:]
+        elif how == "insert":
+            raw[at:at] = draw(st.binary(min_size=1, max_size=5))
+        elif how == "repeat":
+            raw[at:at] = raw[at:at + draw(st.integers(1, 9))]
+        elif at < len(raw):
+            raw[at] = raw[at] ^ (1 << draw(st.integers(0, 7))) if how == "flip" else draw(st.sampled_from(_TYPE_BYTES))
+    row.desc = bytes(raw)
+    return row
+
+
+@pytest.mark.slow
+@settings(max_examples=1500, deadline=None, database=None)
+@given(rows=st.lists(_mutated(), min_size=1, max_size=3))
+def test_descriptor_bytes_cut_or_corrupted_are_staged_as_prepare_stages_them_or_stepped_aside(rows: list[_Row]) -> None:
+    """Any corruption of a descriptor's bytes: prepare's Staged, or None, never another Staged (nor a read past the
+    bytes' end: run it against a -fsanitize=address,undefined build of cfemu/_bulk.c to see one)."""
+    _check(rows, taken=False)
+
+
 def _row(e: dict[str, Any], **kw: Any) -> _Row:
     return _Row(e.get("id", "x"), msgpack.packb(e, use_bin_type=True, unicode_errors="surrogateescape"), **kw)
 
@@ -271,3 +307,69 @@ def test_a_batch_staged_in_c_is_written_to_the_cf_as_prepare_writes_it(redis_url
     finally:
         client.connection_pool.release(conn)
         client.close()
+
+
+# A stage whose list_name (Python, called once a place) empties every column it was given, or replaces every
+# item: the entry being staged keeps the items it was read from (its id, descriptor, override), and the next one is
+# refused by name where its columns are too short now, never read from a freed item or past a list's end.
+_CHANGED_BY_A_CALLBACK = """
+import msgpack
+from cfemu import _bulk, keys
+
+def columns():
+    descs = [msgpack.packb({"id": f"e{k}", "q": f"Q{k}", "st": "UP", "u": f"U{k}", "l": k, "mid": f"m{k}"})
+             for k in range(4)]
+    return ([f"e{k}" for k in range(4)], descs, [b"d" * k for k in range(4)], [1] * 4, [False] * 4,
+            (["UG"] * 4, None, None, None, None, None))
+
+def stage(cols, list_name):
+    ids, descs, datas, masks, backup, overrides = cols
+    return _bulk.stage(ids, descs, datas, masks, backup, overrides, 0, 4, list_name,
+                       lambda q: (keys.index_set_prefix("S", q, "c"), keys.index_set_prefix("S", q, "m")),
+                       keys.uow_set_prefix("S"), "")
+
+expected = stage(columns(), lambda *a: keys.state_list("S", *a))
+cols = columns()
+
+def emptying(*a):
+    ids, descs, datas, masks, backup, overrides = cols
+    for column in (ids, descs, datas, masks, backup, overrides[0]):
+        column.clear()
+    return keys.state_list("S", *a)
+
+def replacing(*a):
+    ids, descs, datas, masks, backup, overrides = cols
+    for column in (ids, descs, datas, masks, backup, overrides[0]):
+        column[:] = [column[-1]] * len(column)
+    return keys.state_list("S", *a)
+
+try:
+    stage(cols, emptying)
+except RuntimeError as e:
+    print(e)
+cols = columns()
+staged = stage(cols, replacing)
+assert staged[0][0] == expected[0][0] and staged[0][1:] == [expected[0][3]] * 3, staged[0]
+print("kept")
+"""
+
+
+def test_a_callback_that_changes_the_columns_leaves_each_entry_staged_from_the_items_it_was_read_from() -> None:
+    done = subprocess.run([sys.executable, "-c", _CHANGED_BY_A_CALLBACK], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert (done.returncode, done.stdout.split("\n")) == (0, ["the columns changed while their entries were staged",
+                                                               "kept", ""]), done.stderr[-2000:]
+
+
+class _Refused:
+    def __bool__(self) -> bool:
+        raise ZeroDivisionError("no truth")
+
+
+def test_a_backup_flag_whose_truth_raises_raises_as_prepares_caller_would() -> None:
+    """Its error, as the Python path's `if backup` raises it: never a result with an exception still set (here
+    the step aside for a log's property table that is not a map, None, had been returned so: a SystemError)."""
+    c = _columns([_row({**GOOD, "pr": [1, 2]})])
+    c["backup"] = [_Refused()]
+    with pytest.raises(ZeroDivisionError, match="no truth"):
+        bulk.prepare_columns(S, c["ids"], c["descs"], c["datas"], c["masks"], c["backup"], c["overrides"], 0, 1)
