@@ -14,18 +14,12 @@ import pytest
 
 from backup.files import Backup, BackupWriter, read_backup
 from cfemu import bulk
-from cfemu.connection import connect
-from cfemu.embedded import EmbeddedRedis
 from cfemu.entry import Entry
 from cfemu.uow_attributes import CONTROL_SUFFIX
 from restore import columnar_staged, engine_columnar, load
 from restore.engine_columnar import ColumnarEngine, ColumnarPlan
-from restore.run import run_restore
 from sqm.conversations.uowstatus import Control
 from tests.restore.test_engine_spark import NOW_MS, S, simulate, write_history
-from tests.restore.test_partitioned import TINY, _cf_content
-from tests.restore.test_restore import small_workload
-from tests.support.harness import lose_cf
 
 
 def _plan(backup: Backup, log_dirs: list[Path], replay_from: int, work: Path) -> ColumnarPlan:
@@ -108,25 +102,6 @@ def test_a_control_entrys_batch_goes_to_python_and_sets_the_pseudo_clock_floor(
         assert _same_as_python(plan, 3, 0, python_batches) > 0
     finally:
         plan.close()
-
-
-def test_a_restore_through_the_c_path_loads_what_the_local_engine_loads(
-        fresh_redis: EmbeddedRedis, tmp_path: Path, python_batches: list[int]) -> None:
-    logs, backups = tmp_path / "logs", tmp_path / "backups"
-    qms, manifest = small_workload(fresh_redis.url, logs, backups)
-    for qm in qms:
-        qm.log.force()
-    client = connect(fresh_redis.url)
-    lose_cf(client)
-    col = run_restore(client, S, backup_root=backups, log_root=logs, backup_id=manifest["id"], engine="columnar",
-                      engine_options={"memory": TINY, "workers": 2})
-    assert col.loaded_entries > 0 and python_batches == []  # every batch in C
-    after = _cf_content(client)
-    local = run_restore(client, S, backup_root=backups, log_root=logs, backup_id=manifest["id"], mark_failed=True)
-    assert _cf_content(client) == after
-    assert col.counts == local.counts and col.loaded_entries == local.loaded_entries
-    for qm in qms:
-        qm.stop(checkpoint=False)
 
 
 def test_the_fold_fields_are_those_the_c_path_sets() -> None:

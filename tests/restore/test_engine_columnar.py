@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from backup.files import Backup, BackupWriter, read_backup
+from cfemu import bulk
 from cfemu.connection import connect
 from cfemu.embedded import EmbeddedRedis
 from cfemu.entry import Entry
@@ -226,9 +227,14 @@ def test_peer_recovery_and_relogged_decisions_decide_as_the_reference(tmp_path: 
     assert columnar(backup, log_dirs, R, tmp_path / "work", workers=1) == ref
 
 
-def test_a_columnar_restore_loads_what_the_local_engine_loads(fresh_redis: EmbeddedRedis, tmp_path: Path) -> None:
-    """End to end (run_restore): the columnar engine in the least memory leaves the CF as the local engine does,
-    from the same backup, and leaves its work directory empty."""
+def test_a_columnar_restore_loads_what_the_local_engine_loads(fresh_redis: EmbeddedRedis, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """End to end (run_restore): the columnar engine in the least memory, every batch of its load staged in C (none
+    left to bulk.prepare), leaves the CF as the local engine does, from the same backup, and leaves its work
+    directory empty."""
+    in_python: list[int] = []
+    prepare = bulk.prepare
+    monkeypatch.setattr(bulk, "prepare", lambda structure, batch: in_python.append(len(batch)) or prepare(structure, batch))
     logs, backups = tmp_path / "logs", tmp_path / "backups"
     qms, manifest = small_workload(fresh_redis.url, logs, backups)
     for qm in qms:
@@ -237,6 +243,7 @@ def test_a_columnar_restore_loads_what_the_local_engine_loads(fresh_redis: Embed
     lose_cf(client)
     col = run_restore(client, S, backup_root=backups, log_root=logs, backup_id=manifest["id"], engine="columnar",
                       engine_options={"memory": TINY, "workers": 2})
+    assert col.loaded_entries > 0 and in_python == []
     after = _cf_content(client)
     local = run_restore(client, S, backup_root=backups, log_root=logs, backup_id=manifest["id"], mark_failed=True)
     assert _cf_content(client) == after
