@@ -14,7 +14,7 @@ import pytest
 from cfemu.admin import Admin
 from cfemu.connection import connect
 from sqm.service.client import Client
-from tests.sqm.test_service import start_server
+from tests.support.service_proc import start_server
 
 ROOT = Path(__file__).resolve().parents[2]
 

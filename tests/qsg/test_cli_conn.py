@@ -16,7 +16,7 @@ import pytest
 from sqm.service.client import Client
 from sqm.service.protocol import NotAuthorizedError
 from tests.qsg.test_cli import ok, run
-from tests.sqm.test_service import OP_TOKEN, TOKEN, ServerProc, start_server
+from tests.support.service_proc import OP_TOKEN, TOKEN, ServerProc, start_server
 
 
 @contextlib.contextmanager

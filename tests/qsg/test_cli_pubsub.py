@@ -13,7 +13,7 @@ from cfemu.admin import Admin
 from cfemu.connection import connect
 from sqm.service.client import Client
 from tests.qsg.test_cli import ok, run
-from tests.sqm.test_service import TOKEN, start_server
+from tests.support.service_proc import TOKEN, start_server
 
 
 def fails(*args: str) -> str:

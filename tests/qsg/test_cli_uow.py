@@ -13,7 +13,7 @@ from cfemu.admin import Admin, AdminError
 from cfemu.connection import connect
 from sqm.service.client import Client
 from tests.qsg.test_cli import ok, run
-from tests.sqm.test_service import start_server
+from tests.support.service_proc import start_server
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from restore.run import run_restore
 from sqm.service.client import Client
 from sqm.service.protocol import NotAuthorizedError
 from tests.qsg.test_cli import ok, run
-from tests.sqm.test_service import start_server
+from tests.support.service_proc import start_server
 
 S, SVC = "APP1", "SVC"
 

@@ -372,8 +372,8 @@ def test_the_overview_lists_each_members_connections(where: dict[str, str], tmp_
     """The console reads DISPLAY CONN (the members' connections operation): a client's application name, its peer
     and its open unit of work are on the page."""
     from sqm.service.client import Client
-    from tests.sqm.test_service import TOKEN as APP_TOKEN
-    from tests.sqm.test_service import start_server
+    from tests.support.service_proc import TOKEN as APP_TOKEN
+    from tests.support.service_proc import start_server
 
     _cfemu(where, "define", "structure", "APP1")
     _cfemu(where, "define", "queue", "Q1", "--structure", "APP1")

@@ -86,7 +86,7 @@ def test_a_daemon_with_json_logs_json_lines(redis_url: str, tmp_path: Path) -> N
 
     from cfemu.admin import Admin
     from cfemu.connection import connect
-    from tests.sqm.test_service import start_server
+    from tests.support.service_proc import start_server
 
     Admin(connect(redis_url)).define_structure("APP1")
     srv = start_server(redis_url, tmp_path, "QM1", "--json")

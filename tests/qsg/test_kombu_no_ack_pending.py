@@ -19,7 +19,7 @@ from cfemu.connection import connect  # noqa: E402
 from cfemu.errors import MQError  # noqa: E402
 from sqm.service.client import Client  # noqa: E402
 from tests.restore.test_xa_resolve_during_restore_network import member_process, pending  # noqa: E402,F401 - the fixture
-from tests.sqm.test_service import TOKEN, ServerProc  # noqa: E402
+from tests.support.service_proc import TOKEN, ServerProc  # noqa: E402
 
 S = "APP1"
 

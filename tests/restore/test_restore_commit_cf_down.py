@@ -16,9 +16,9 @@ from cfemu.embedded import EmbeddedRedis
 from cfemu.errors import OutcomePendingError, OutcomeUnknownError
 from restore.run import run_restore
 from sqm.service.client import Client
-from tests.sqm.test_service import TOKEN, start_server
 from tests.support.group import define_group
 from tests.support.prom import families, scrape
+from tests.support.service_proc import TOKEN, start_server
 from tests.support.waits import wait_until
 
 S = "APP1"

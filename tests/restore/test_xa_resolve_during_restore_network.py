@@ -19,8 +19,8 @@ from cfemu.errors import MQError
 from restore.engine import LOAD
 from restore.run import run_restore
 from sqm.service.client import Client
-from tests.sqm.test_service import TOKEN, ServerProc, http_get, start_server
 from tests.support.group import define_group
+from tests.support.service_proc import TOKEN, ServerProc, http_get, start_server
 
 S = "APP1"
 

@@ -33,7 +33,7 @@ from qsg.chaos.faults.clients import tokens_in_clear
 from sqm.core import logon_token
 from sqm.service.client import Client
 from sqm.service.protocol import NotAuthorizedError
-from tests.sqm.test_service import (
+from tests.support.service_proc import (
     OP_TOKEN,
     TOKEN,
     ServerProc,

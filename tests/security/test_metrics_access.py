@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.sqm.test_service import start_server
+from tests.support.service_proc import start_server
 
 
 def outward_address() -> str | None:

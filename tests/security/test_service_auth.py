@@ -30,9 +30,9 @@ from cfemu.connection import connect
 from sqm.service import protocol
 from sqm.service.client import Client
 from sqm.service.protocol import HEADER, NotAuthorizedError, encode_frame, recv_frame
-from tests.sqm.test_service import Raw, ServerProc, http_get, start_server
 from tests.support.group import define_group
 from tests.support.harness import lose_cf
+from tests.support.service_proc import Raw, ServerProc, http_get, start_server
 
 BIN = Path(sys.executable).parent
 NO_TOKENS = {"SQM_TOKEN": "", "SQM_OPERATOR_TOKEN": ""}  # start_server's test tokens off: the secrets decide

@@ -22,8 +22,8 @@ from cfemu.errors import BackedOutError, NoMessageError
 from sqm.service.client import Client
 from sqm.service.protocol import HEADER, PRE_HELLO_MAX_FRAME, QueueManagerUnavailableError, encode_frame
 from tests.security.test_service_auth import metric
-from tests.sqm.test_service import TOKEN, Raw, ServerProc, http_get, start_server
 from tests.support.group import define_group
+from tests.support.service_proc import TOKEN, Raw, ServerProc, http_get, start_server
 
 
 def rss_kib(pid: int) -> int:

@@ -30,9 +30,9 @@ from sqm.service.protocol import (
 )
 from tests.security.test_service_auth import metric
 from tests.security.test_service_bounds import closed_within, rss_kib
-from tests.sqm.test_service import TOKEN, Raw, ServerProc, start_server
 from tests.support.certs import issue, make_ca
 from tests.support.group import define_group
+from tests.support.service_proc import TOKEN, Raw, ServerProc, start_server
 
 MiB = 2**20
 DECLARED = 100 * MiB  # what each large frame declares

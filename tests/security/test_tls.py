@@ -24,9 +24,9 @@ from cfemu.admin import Admin
 from cfemu.connection import connect
 from sqm.service.client import Client, client_tls_context
 from sqm.service.protocol import QueueManagerUnavailableError, encode_frame
-from tests.sqm.test_service import TOKEN, Raw, ServerProc, start_server
 from tests.support.certs import CA, issue, make_ca
 from tests.support.group import define_group
+from tests.support.service_proc import TOKEN, Raw, ServerProc, start_server
 
 
 @pytest.fixture(scope="module")

@@ -27,9 +27,9 @@ from cfemu.errors import (
 from cfemu.limits import CF_STEP
 from sqm.service.client import BatchError, Client
 from sqm.service.protocol import MIN_FRAME
-from tests.sqm.test_service import OP_TOKEN, TOKEN, ServerProc, start_server
 from tests.support.group import define_group
 from tests.support.killed_member import killed_by_failpoint
+from tests.support.service_proc import OP_TOKEN, TOKEN, ServerProc, start_server
 
 
 @pytest.fixture(scope="module")

@@ -34,9 +34,9 @@ from sqm.core.clock import LrsnClock
 from sqm.core.manager import QueueManager
 from sqm.request_slots import RequestSlots
 from tests.sqm.test_batch import client as batch_client
-from tests.sqm.test_service import ServerProc
 from tests.support.group import define_group, start_qm
 from tests.support.killed_member import killed_by_failpoint
+from tests.support.service_proc import ServerProc
 from tests.support.waits import sigstop
 
 THREADS = 8

@@ -16,9 +16,9 @@ from cfemu.procs import free_port
 from qsg.local_group import LocalGroup
 from sqm.service.client import Client, parse_endpoint
 from sqm.service.protocol import QueueManagerUnavailableError
-from tests.sqm.test_service import TOKEN, start_server
 from tests.support.group import define_group
 from tests.support.messages import drained
+from tests.support.service_proc import TOKEN, start_server
 
 LEASE_MS = 1000
 

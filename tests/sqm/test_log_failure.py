@@ -20,8 +20,8 @@ import pytest
 from cfemu.errors import BackedOutError, LogFailedError, NoMessageError, OutcomeUnknownError
 from sqm.service.client import Client
 from sqm.service.server import EXIT_LOG_FAILED
-from tests.sqm.test_service import TOKEN, TOKENS_ENV
 from tests.support.group import define_group, start_qm
+from tests.support.service_proc import TOKEN, TOKENS_ENV
 from tests.support.waits import wait_until
 
 LOG_LIMIT = 256 * 1024  # bytes any file of the child may grow to: its log segment hits it first

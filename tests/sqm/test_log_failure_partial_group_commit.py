@@ -16,8 +16,8 @@ import pytest
 from cfemu.errors import LogFailedError, OutcomeUnknownError
 from sqm.service.client import Client
 from tests.sqm.test_log_failure import start_member
-from tests.sqm.test_service import TOKEN
 from tests.support.group import define_group
+from tests.support.service_proc import TOKEN
 
 SIZE = 30_000
 

@@ -23,8 +23,8 @@ from cfemu.errors import ResourceProblemError
 from sqm.core.clock import now_ms
 from sqm.log.format import read_manifest, segment_name
 from sqm.service.client import Client
-from tests.sqm.test_service import TOKEN, TOKENS_ENV
 from tests.support.group import define_group, start_qm
+from tests.support.service_proc import TOKEN, TOKENS_ENV
 from tests.support.waits import wait_until
 
 

@@ -23,8 +23,8 @@ from cfemu.settings import DEFAULT_MAX_UMSGS, ENV_MAX_UMSGS, resolve
 from sqm.conversations.conversation import SYNC, Conversation
 from sqm.core.manager import QueueManager
 from sqm.service.client import Client
-from tests.sqm.test_service import OP_TOKEN, TOKEN, TOKENS_ENV, ServerProc, start_server
 from tests.support.group import define_group, start_qm
+from tests.support.service_proc import OP_TOKEN, TOKEN, TOKENS_ENV, ServerProc, start_server
 
 
 def _depth(url: str, queue: str) -> int:

@@ -18,9 +18,9 @@ from cfemu.latency import FAST_BUCKETS, Latencies, Latency, PhaseTimes
 from sqm.core.manager import QueueManager
 from sqm.service import metrics
 from sqm.service.client import Client
-from tests.sqm.test_service import TOKEN, ServerProc, start_server
 from tests.support import prom
 from tests.support.group import define_group
+from tests.support.service_proc import TOKEN, ServerProc, start_server
 
 
 @pytest.fixture(scope="module")

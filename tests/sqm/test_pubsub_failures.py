@@ -18,7 +18,7 @@ from cfemu.admin import Admin
 from cfemu.connection import connect
 from cfemu.errors import BackedOutError, MQError, NoMessageError, UnknownObjectError
 from sqm.service.client import Client
-from tests.sqm.test_service import TOKEN, ServerProc, start_server
+from tests.support.service_proc import TOKEN, ServerProc, start_server
 
 S, T, EPHEMERAL = "APP1", "NEWS", "CHAT"
 LEASE = "1000"

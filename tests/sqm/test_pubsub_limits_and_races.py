@@ -20,8 +20,8 @@ from sqm.core.manager import QueueManager
 from sqm.pubsub import pubsub as ps
 from sqm.pubsub.pubsub_sweeper import PubSubSweeper
 from sqm.service.client import Client
-from tests.sqm.test_service import TOKEN, start_server
 from tests.support.group import two_members
+from tests.support.service_proc import TOKEN, start_server
 
 S, T = "APP1", "NEWS"
 

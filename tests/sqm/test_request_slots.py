@@ -20,8 +20,8 @@ import pytest
 from cfemu.admin import Admin
 from sqm.request_slots import RequestSlots, before_wait, default_slots, nap
 from sqm.service.client import Client
-from tests.sqm.test_service import TOKEN, TOKENS_ENV, ServerProc, http_get, start_server
 from tests.support.group import define_group
+from tests.support.service_proc import TOKEN, TOKENS_ENV, ServerProc, http_get, start_server
 
 SVC, TOPIC = "SVC", "NEWS"
 

@@ -33,8 +33,8 @@ from sqm.request_slots import RequestSlots, before_wait
 from sqm.service.client import Client
 from sqm.service.server import ServerConfig, ServerConfigError
 from tests.sqm.test_request_slots import metric
-from tests.sqm.test_service import OP_TOKEN, TOKEN, TOKENS_ENV, ServerProc, start_server
 from tests.support.group import define_group
+from tests.support.service_proc import OP_TOKEN, TOKEN, TOKENS_ENV, ServerProc, start_server
 from tests.support.waits import sigstop, wait_until
 
 
@@ -287,7 +287,7 @@ def test_failing_requests_and_clients_that_leave_mid_request_return_the_only_slo
     ctx = None
     if tls:
         from sqm.service.client import client_tls_context
-        from tests.sqm.test_service import _openssl
+        from tests.support.certs import _openssl
         _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
                  "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(tmp_path / "s.key"), "-out",
                  str(tmp_path / "s.pem"))

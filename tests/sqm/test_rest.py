@@ -25,8 +25,8 @@ import pytest
 from cfemu.admin import Admin
 from cfemu.connection import connect
 from sqm.service.client import Client
-from tests.sqm.test_service import OP_TOKEN, TOKEN, ServerProc, start_server
 from tests.support.certs import issue, make_ca
+from tests.support.service_proc import OP_TOKEN, TOKEN, ServerProc, start_server
 
 QUEUES = tuple(f"RQ{i}" for i in range(1, 21))
 CSRF = {"ibm-mq-rest-csrf-token": "x"}

@@ -24,8 +24,8 @@ from cfemu.admin import Admin
 from cfemu.cf import CF
 from cfemu.connection import connect
 from sqm.service.client import Client
-from tests.sqm.test_service import TOKEN, ServerProc, start_server
 from tests.support.group import define_group
+from tests.support.service_proc import TOKEN, ServerProc, start_server
 
 MESSAGES = 50_000
 LEASE = ("--lease-ms", "1500")

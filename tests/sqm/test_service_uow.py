@@ -24,7 +24,7 @@ from cfemu.errors import (
 )
 from sqm.service.client import Client
 from sqm.service.protocol import NotAuthorizedError, NotLoggedOnError, SessionLostError, encode_frame
-from tests.sqm.test_service import (
+from tests.support.service_proc import (
     OP_TOKEN,
     TOKEN,
     Raw,

@@ -17,8 +17,8 @@ import pytest
 
 from sqm.core.storereport import REPORT_ENV
 from sqm.service.client import Client
-from tests.sqm.test_service import TOKEN, TOKENS_ENV
 from tests.support.group import define_group
+from tests.support.service_proc import TOKEN, TOKENS_ENV
 from tests.support.waits import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]

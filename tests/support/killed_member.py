@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sqm.service.client import Client
-from tests.sqm.test_service import OP_TOKEN, ServerProc, start_server
 from tests.support.group import define_group
+from tests.support.service_proc import OP_TOKEN, ServerProc, start_server
 
 
 @dataclass

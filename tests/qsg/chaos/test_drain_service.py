@@ -21,9 +21,9 @@ from qsg.chaos.history import History, load_history
 from qsg.chaos.uowcheck import DRAIN_CLIENT, FINAL_CLIENT, RECEIVER
 from sqm.conversations import uowcontrols as ctl
 from sqm.core.manager import QueueManager
-from tests.sqm.test_service import TOKEN, ServerProc, start_server
 from tests.support.group import define_group, start_qm
 from tests.support.harness import lose_cf
+from tests.support.service_proc import TOKEN, ServerProc, start_server
 from tests.support.uow_looks import a_sweepers_look
 
 
