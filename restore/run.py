@@ -360,13 +360,16 @@ def member_log_dirs(log_root: Path, members: Mapping[str, str] | list[str], repl
     return [found[name] for name in sorted(found)]
 
 
-def log_ranges(log_dirs: list[Path], replay_from: int) -> dict[str, dict[str, Any]]:
+def log_ranges(log_dirs: list[Path], replay_from: int, replay_to: int) -> dict[str, dict[str, Any]]:
     """Per member: its log directory and the LRSN range restore replays from it ("to" None: nothing to replay,
-    the log ends before the replay range)."""
+    the log ends before the replay range). The range ends at `replay_to`, the highest LRSN the plan read: a live
+    member's log is read again here after the plan, and what it appended since was not replayed."""
     out: dict[str, dict[str, Any]] = {}
     for d in log_dirs:
         reader = LogReader(d)
         top = max((s.max_lrsn for s in reader.segments() if s.max_lrsn is not None), default=None)
+        if top is not None:
+            top = min(top, replay_to)
         out[reader.member] = {"dir": str(d), "from": replay_from,
                               "to": top if top is not None and top >= replay_from else None}
     return out
@@ -649,7 +652,7 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
                 rebuild_catalog(admin, backup_root, structure, backup_keys=backup_keys)
 
         result.replay_to, result.restore_lrsn = plan.max_lrsn, plan.restore_lrsn
-        result.log_ranges = log_ranges(log_dirs, replay_from)
+        result.log_ranges = log_ranges(log_dirs, replay_from, plan.max_lrsn)
         result.records_by_member = dict(plan.records_by_member)
         result.counts = _counts(plan)
         result.nonpersistent_lost = {"skipped by the backup": int(manifest.get("nonpersistent_skipped", 0)),

@@ -13,6 +13,7 @@ import pytest
 from restore.engine import LocalEngine
 from restore.log_slices import LogSlice, log_slices
 from restore.reference import read_logs, stream_logs
+from restore.run import log_ranges
 from sqm.log import LogFormatError, LogReader, RecordLog, merged_records
 from sqm.log.format import list_segments
 from tests.restore.test_engine_spark import NOW_MS, S, simulate, write_history
@@ -137,3 +138,13 @@ def test_the_plans_input_counts_archived_segments(tmp_path: Path) -> None:
     with RecordLog(tmp_path / "QM1", "QM1", segment_bytes=300) as log:
         assert log.archive(4, tmp_path / "archive")
     assert input_bytes(_NoBackup(), [tmp_path / "QM1"], 0) == before  # type: ignore[arg-type]
+
+
+def test_a_logs_range_ends_where_the_plan_stopped_reading(tmp_path: Path) -> None:
+    """The report's range of a member's log ends at the highest LRSN the plan read: records a live member
+    appended after the plan (the log is read again for the report) were not replayed and are not in it."""
+    _small_log(tmp_path / "QM1")  # LRSN 100-139
+    assert log_ranges([tmp_path / "QM1"], 110, 139)["QM1"]["to"] == 139
+    assert log_ranges([tmp_path / "QM1"], 110, 125)["QM1"] == {"dir": str(tmp_path / "QM1"), "from": 110, "to": 125}
+    assert log_ranges([tmp_path / "QM1"], 110, 105)["QM1"]["to"] is None  # nothing of the range was read
+    assert log_ranges([tmp_path / "QM1"], 140, 200)["QM1"]["to"] is None  # the log ends before the range
