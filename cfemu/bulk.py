@@ -213,11 +213,23 @@ def fetch_raw(client: redis.Redis, structure: str, ids: Ids, batch: int = FETCH_
         return descs, bounds, _data(client, structure, chunk[a:b])
 
     deepest = depth if isinstance(depth, int) else FETCH_DEPTH
-    with ThreadPoolExecutor(max_workers=deepest, thread_name_prefix="backup-fetch") as pool:
-        firsts: deque[Future[Any]] = deque()  # batches' first reads in flight (descriptors and first part)
-        later: deque[Future[Any]] = deque()  # reads in flight of the batch being handed over: its later parts
-        next_batch = 0
+    # The first read runs in the caller's thread (it goes out alone, see below, and the caller waits for it); the
+    # threads start with the second read: a fetch of one part (most of a small structure's, and each of a model
+    # check's thousands of backups) starts none, where a pool's thread cost more than the read.
+    pool: ThreadPoolExecutor | None = None
+    firsts: deque[Future[Any]] = deque()  # batches' first reads in flight (descriptors and first part)
+    later: deque[Future[Any]] = deque()  # reads in flight of the batch being handed over: its later parts
+    next_batch = 0
 
+    def submit(fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        nonlocal pool
+        if pool is None:
+            if not firsts and not later and next_batch == 0:
+                return _done(fn, *args)
+            pool = ThreadPoolExecutor(max_workers=deepest, thread_name_prefix="backup-fetch")
+        return pool.submit(fn, *args)
+
+    try:
         def send_reads(chunk: Ids, unread: deque[tuple[int, int]], limit: int | None = None) -> None:
             """Fill the reads in flight up to `limit` (`depth`): the later parts of the batch being handed over
             first (they are handed over before the next batch), then the next batches."""
@@ -229,11 +241,11 @@ def fetch_raw(client: redis.Redis, structure: str, ids: Ids, batch: int = FETCH_
             while len(firsts) + len(later) < limit or (unread and not later):
                 if unread:
                     a, b = unread.popleft()
-                    later.append(pool.submit(_data, client, structure, chunk[a:b]))
+                    later.append(submit(_data, client, structure, chunk[a:b]))
                 elif next_batch < len(chunks):
                     if before_read is not None:
                         before_read()
-                    firsts.append(pool.submit(first, chunks[next_batch]))
+                    firsts.append(submit(first, chunks[next_batch]))
                     next_batch += 1
                 else:
                     return
@@ -251,6 +263,19 @@ def fetch_raw(client: redis.Redis, structure: str, ids: Ids, batch: int = FETCH_
                 send_reads(chunk, unread)
                 yield descs[a:b], datas
                 del datas  # handed on: not held while the reads after it are
+    finally:
+        if pool is not None:
+            pool.shutdown()  # a caller that stopped early: the reads in flight end before the connections are reused
+
+
+def _done(fn: Callable[..., Any], *args: Any) -> Future[Any]:
+    """fn(*args) run now, in this thread, as a finished Future (its exception raised where the result is asked)."""
+    future: Future[Any] = Future()
+    try:
+        future.set_result(fn(*args))
+    except BaseException as e:  # noqa: BLE001 - handed to the Future's reader, as a pool's thread hands it
+        future.set_exception(e)
+    return future
 
 
 def unpack_wire(raw: bytes) -> Wire:

@@ -179,6 +179,30 @@ def test_the_first_read_goes_alone_and_before_read_never_sees_depth_in_flight(
     assert len(seen) == 10 and seen[:2] == [0, 0] and max(seen) <= depth - 1, seen
 
 
+def test_a_fetch_of_one_part_reads_in_the_callers_thread_and_one_of_more_reads_ahead_in_the_pool(
+        qsg: tuple[redis.Redis, QueueManager], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A one-part fetch (a small structure's backup) starts no thread: it costs more than the read; a fetch of
+    several parts reads its first in the caller's thread too, the others on the pool's threads."""
+    client, qm = qsg
+    _put(qm, [b"m%d" % i for i in range(6)])
+    ids = _ids(client)
+    threads: list[str] = []
+    real = bulk._data
+
+    def noted(*args: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return real(*args)
+
+    monkeypatch.setattr(bulk, "_data", noted)
+    assert len(list(bulk.fetch_raw(client, "APP1", ids, batch=len(ids)))) == 1
+    assert threads == [threading.current_thread().name]
+    threads.clear()
+    assert len(list(bulk.fetch_raw(client, "APP1", ids, batch=2, depth=2))) == 3
+    assert threads[0] == threading.current_thread().name
+    assert len(threads) == 3 and all(t.startswith("backup-fetch") for t in threads[1:]), threads
+    assert _fetch_threads() == []
+
+
 class _Part(list[Any]):
     """A part's data list that can be watched (weakref) while it is alive."""
 
