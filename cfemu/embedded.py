@@ -516,6 +516,10 @@ class EmbeddedRedis:
             "--appendonly", "yes" if self.appendonly else "no",
             "--appendfsync", self.appendfsync,
             "--appendfilename", "appendonly.aof",
+            # A CF server has one replica at most (a duplexed pair's secondary, a cluster master's): a full
+            # synchronisation starts at once rather than after the 5 s Redis waits by default for more replicas
+            # to share a diskless transfer.
+            "--repl-diskless-sync-delay", "0",
         ]  # fmt: skip
         if self._unix_socket is not False:
             cmd += ["--unixsocket", str(self._ensure_socket_path(data_dir)), "--unixsocketperm", "600"]

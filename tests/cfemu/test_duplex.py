@@ -115,6 +115,18 @@ def test_pair_made_duplex_again_is_waited_for(pair: Pair) -> None:
     assert state.duplex is True and pair.harness(1).hexists("{APP1}:ent", f"{2:024x}")
 
 
+def test_a_secondary_made_again_is_in_sync_without_waiting_for_more_replicas(pair: Pair) -> None:
+    """The CF's one replica is synchronised at once: Redis waits 5 s by default (repl-diskless-sync-delay) for
+    more replicas to share a diskless transfer, and a pair made duplex again stayed simplex that long."""
+    pair.servers[1].kill()
+    pair.servers[1].start()
+    t0 = time.monotonic()
+    pair.attach(1)
+    assert pair.wait_in_sync(30)
+    assert time.monotonic() - t0 < 4.5  # well below the 5 s a sync cannot start before under the default
+    assert pair.harness(0).config_get("repl-diskless-sync-delay") == {"repl-diskless-sync-delay": "0"}
+
+
 def test_member_on_the_demoted_primary_cannot_act_and_finds_the_new_one(pair: Pair) -> None:
     cf, caller = _member(pair)
     _put(cf, caller, 1)
