@@ -170,8 +170,9 @@ done:
  * prepares the batch in Python (bulk.prepare), where every error and edge case is as it always was. RuntimeError:
  * list_name or index_prefixes (or a backup flag's truth) shortened the columns while their entries were staged.
  *
- * cut(datas, start, size, max_bytes) -> end | -1: where the batch that begins at `start` ends by restore.load's
- * rule (`size` entries, or fewer once their data reach max_bytes, 0: no bound), -1 where datas end first. */
+ * cut(datas, start, size, max_bytes) -> end | -1: where the batch that begins at `start` ends by the load's batch
+ * rule, cfemu.bulk.batch_full (`size` entries, or fewer once their data reach max_bytes, 0: no bound), -1 where
+ * datas end first. */
 
 enum { K_MISSING = 0, K_NIL, K_BOOL, K_INT, K_FLOAT, K_STR, K_BIN, K_ARRAY, K_MAP };
 

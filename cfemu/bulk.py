@@ -911,15 +911,21 @@ def _index_prefixes(structure: str, queue: str) -> tuple[str, str]:
     return keys.index_set_prefix(structure, queue, "c"), keys.index_set_prefix(structure, queue, "m")
 
 
+def batch_full(count: int, held: int, size: int, max_bytes: int) -> bool:
+    """The load's batch rule: a batch of `count` entries (one at least) whose data hold `held` bytes ends there
+    once it has `size` entries, or once its data reach `max_bytes` (0: no bound). restore.load.batches cuts a
+    stream of survivors by it, batch_end a list of data (cfemu/_bulk.c's cut is the same rule in C)."""
+    return count >= size or bool(max_bytes and held >= max_bytes)
+
+
 def batch_end(datas: list[bytes], start: int, size: int, max_bytes: int) -> int:
-    """Where the batch of `datas` that begins at `start` ends: `size` entries, or fewer once their data reach
-    `max_bytes` (0: no bound; one entry at least); -1 where `datas` end first (restore.load.batches' rule)."""
+    """Where the batch of `datas` that begins at `start` ends by batch_full; -1 where `datas` end first."""
     if _bulk is not None:
         return int(_bulk.cut(datas, start, size, max_bytes))
     held = 0
     for k in range(start, len(datas)):
         held += len(datas[k])
-        if k + 1 - start >= size or (max_bytes and held >= max_bytes):
+        if batch_full(k + 1 - start, held, size, max_bytes):
             return k + 1
     return -1
 

@@ -62,14 +62,14 @@ class LoadResult:
 
 
 def batches(items: Iterable[Settled], size: int, max_bytes: int = 0) -> Iterator[list[Settled]]:
-    """`items` in lists of `size`, or fewer once their data reach `max_bytes` (0: no bound; a list holds one item
-    at least; the last list may be shorter): the load streams its survivors batch by batch."""
+    """`items` in lists cut by the load's batch rule (cfemu.bulk.batch_full: `size` items, or fewer once their data
+    reach `max_bytes`; the last list may be shorter): the load streams its survivors batch by batch."""
     chunk: list[Settled] = []
     held = 0
     for s in items:
         chunk.append(s)
         held += len(s.data)
-        if len(chunk) >= size or (max_bytes and held >= max_bytes):
+        if bulk.batch_full(len(chunk), held, size, max_bytes):
             yield chunk
             chunk = []
             held = 0

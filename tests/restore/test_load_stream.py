@@ -4,6 +4,7 @@ Real processes, a real redis-server."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import threading
@@ -358,3 +359,35 @@ def test_a_restore_bounds_its_load_batches_by_its_memory_limit(redis_url: str, t
     finally:
         qm.stop()
     assert loads == [(1 << 20, 3)]
+
+
+def _cuts_by_batch_end(datas: list[bytes], size: int, max_bytes: int) -> list[int]:
+    ends, start = [], 0
+    while start < len(datas):
+        end = bulk.batch_end(datas, start, size, max_bytes)
+        start = len(datas) if end < 0 else end
+        ends.append(start)
+    return ends
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["c", "python"])
+def test_the_load_and_the_columnar_load_cut_batches_by_one_rule(monkeypatch: pytest.MonkeyPatch,
+                                                                 native: bool) -> None:
+    """restore.load.batches (a stream of survivors) and bulk.batch_end (the columnar load's list of data, in C or,
+    where the extension is not built, in Python) cut the same batches: cfemu.bulk.batch_full's."""
+    import random
+
+    from restore.settle import Settled
+
+    if not native:
+        monkeypatch.setattr(bulk, "_bulk", None)
+    elif bulk._bulk is None:
+        pytest.fail("cfemu._bulk was not built")
+    rng = random.Random(7)
+    for _ in range(300):
+        datas = [b"d" * rng.choice([0, 1, 3, 8, 40]) for _ in range(rng.randrange(0, 30))]
+        size, max_bytes = rng.randrange(1, 9), rng.choice([0, 1, 5, 16, 60])
+        streamed = restore.load.batches((Settled(f"e{k}", "load", data=d) for k, d in enumerate(datas)), size,
+                                        max_bytes)
+        ends = list(itertools.accumulate(len(b) for b in streamed))
+        assert ends == _cuts_by_batch_end(datas, size, max_bytes), (datas, size, max_bytes)
