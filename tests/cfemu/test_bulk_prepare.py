@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pickle
 from collections import defaultdict
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -16,18 +15,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cfemu import bulk, keys, resp
+from tests.support.survivor import Survivor
 
 S = "APP1"
 
 
-@dataclass
-class _Survivor:
-    id: str
-    entry: dict[str, Any] | None
-    data: bytes
-
-
-def _expected(batch: list[_Survivor]) -> list[tuple[Any, ...]]:
+def _expected(batch: list[Survivor]) -> list[tuple[Any, ...]]:
     """The commands redis-py would send for the batch (hset mapping, sadd, rpush, zadd), as prepare documents."""
     entries = {s.id: bulk.descriptor(s.entry, s.data) for s in batch if s.entry is not None}
     datas = {s.id: s.data for s in batch}
@@ -56,7 +49,7 @@ _data = st.one_of(st.binary(max_size=40), st.sampled_from([b"", b"\r\n", bytes(1
 
 
 @st.composite
-def _batches(draw: Any) -> list[_Survivor]:
+def _batches(draw: Any) -> list[Survivor]:
     ids = draw(st.lists(_text, unique=True, max_size=25))
     out = []
     for n, i in enumerate(ids):
@@ -64,13 +57,13 @@ def _batches(draw: Any) -> list[_Survivor]:
              "p": draw(st.integers(0, 9)), "u": draw(st.sampled_from(["", "QM1.1.1", "QMé.1.2"])), "l": 100 + n,
              "mid": draw(st.sampled_from(["", i, "m"])), "cid": draw(st.sampled_from(["", "c", "ç"])),
              "exp": draw(st.sampled_from([0, 0, 1700000000000])), "pr": draw(st.sampled_from([{}, {"k": "v", "n": 1}]))}
-        out.append(_Survivor(i, e, draw(_data)))
+        out.append(Survivor(i, e, draw(_data)))
     return out
 
 
 @settings(max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(batch=_batches())
-def test_a_prepared_batch_is_what_redis_py_would_send(redis_url: str, batch: list[_Survivor]) -> None:
+def test_a_prepared_batch_is_what_redis_py_would_send(redis_url: str, batch: list[Survivor]) -> None:
     staged = bulk.prepare(S, batch)
     client = redis.Redis.from_url(redis_url)
     conn = client.connection_pool.get_connection()
@@ -103,7 +96,7 @@ def test_a_prepared_batch_is_what_redis_py_would_send(redis_url: str, batch: lis
 def test_a_batch_of_large_messages_carries_each_ones_data_once_to_another_process() -> None:
     """The load's worker pickles each prepared batch with its copies (the restore point's): each message's data is
     one object in both, written once."""
-    batch = [_Survivor(f"id{i}", {"id": f"id{i}", "q": "Q1", "st": "CP", "l": i}, bytes([i]) * (64 << 10))
+    batch = [Survivor(f"id{i}", {"id": f"id{i}", "q": "Q1", "st": "CP", "l": i}, bytes([i]) * (64 << 10))
              for i in range(20)]
     staged = bulk.prepare(S, batch)
     assert len(pickle.dumps(staged)) < 1.05 * sum(len(s.data) for s in batch)
@@ -114,10 +107,10 @@ def test_an_entry_that_cannot_be_encoded_is_refused_by_name_before_its_batch_is_
     """A raw byte a backup kept by surrogateescape (cfemu.entry reads descriptors so) cannot be written: neither
     the CF's scripts nor redis-py's strict encoding write it. prepare refuses the batch (it touches no server:
     nothing of it is sent) with a ValueError naming the entry, where the encoder's own error named none."""
-    good = _Survivor("ok", {"id": "ok", "q": "Q1", "st": "CP", "l": 1}, b"x")
+    good = Survivor("ok", {"id": "ok", "q": "Q1", "st": "CP", "l": 1}, b"x")
     bad_id = "bad\udcff" if field == "id" else "bad"
     e: dict[str, Any] = {"id": bad_id, "q": "Q1", "st": "CP", "l": 2}
     e[field] = {"k": "v\udca3"} if field == "pr" else "x\udca3" if field != "id" else bad_id
     with pytest.raises(ValueError, match=r"^entry 'bad(\\udcff)?' cannot be written to the CF: .* not UTF-8") as err:
-        bulk.prepare(S, [good, _Survivor(bad_id, e, b"y")])
+        bulk.prepare(S, [good, Survivor(bad_id, e, b"y")])
     assert err.value.__cause__ is None and ascii(str(err.value)) == repr(str(err.value))  # printable as it is

@@ -18,16 +18,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cfemu import bulk, keys, resp
+from tests.support.survivor import Survivor
 
 S = "APP1"
 CONTROL = ".CTL"
-
-
-@dataclass
-class _Survivor:
-    id: str
-    entry: dict[str, Any] | None
-    data: bytes
 
 
 @dataclass
@@ -46,7 +40,7 @@ class _Row:
 _unpack_args = {"raw": False, "unicode_errors": "surrogateescape", "strict_map_key": False}
 
 
-def _settled(row: _Row) -> _Survivor:
+def _settled(row: _Row) -> Survivor:
     """The entry as the plan's Python path reads it (restore.engine_columnar._survivors)."""
     entry = msgpack.unpackb(row.desc, **_unpack_args)
     if row.backup and not isinstance(entry.get("pr", {}), dict):
@@ -54,7 +48,7 @@ def _settled(row: _Row) -> _Survivor:
     for j, name in enumerate(bulk.OVERRIDES):
         if row.mask & (1 << j):
             entry[name] = row.fields[j]
-    return _Survivor(row.id, entry, row.data)
+    return Survivor(row.id, entry, row.data)
 
 
 def _columns(rows: list[_Row], pad: int = 0) -> dict[str, Any]:
