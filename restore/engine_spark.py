@@ -32,6 +32,7 @@ import contextlib
 import importlib
 import os
 import re
+import signal
 import sys
 import threading
 import time
@@ -435,8 +436,16 @@ def start_session(master: str, conf: Mapping[str, str], log_file: Path) -> Spark
         ("spark.python.worker.memory", "2g"),
     ])
     spark_conf.setAll(list(conf.items()))
-    with _stderr_to(log_file):  # the JVM inherits stderr when it starts: its early warnings go to the file too
-        spark = SparkSession.builder.config(conf=spark_conf).getOrCreate()
+    # A new SparkContext installs a SIGINT handler of its own in the main thread (it cancels the jobs, then raises
+    # KeyboardInterrupt) and leaves it there after the session stops: the process's own is put back, so that
+    # Ctrl-C does what the program (cfrestore, a member's RECAUTO, a test run) made it do.
+    sigint = signal.getsignal(signal.SIGINT)
+    try:
+        with _stderr_to(log_file):  # the JVM inherits stderr when it starts: its early warnings go to the file too
+            spark = SparkSession.builder.config(conf=spark_conf).getOrCreate()
+    finally:
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is not sigint:
+            signal.signal(signal.SIGINT, signal.SIG_DFL if sigint is None else sigint)
     if not master.startswith("local"):
         # Executors on other machines import this code: ship the project's packages with the job.
         spark.sparkContext.addPyFile(str(_packages_zip(log_file.parent)))

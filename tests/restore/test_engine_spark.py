@@ -379,6 +379,13 @@ def test_spark_logging_goes_to_the_log_file_not_the_console(spark: Any, tmp_path
     assert "SparkContext" in text  # Spark's INFO lines landed in the file
 
 
+def test_a_session_started_leaves_the_processes_sigint_handler_as_it_was(spark_started: Any) -> None:
+    """PySpark's SparkContext installs its own SIGINT handler and leaves it after the session stops: start_session
+    puts the process's back (run alone, a test that started a session failed at teardown for the handler it
+    left, and a program's Ctrl-C would cancel a stopped context's jobs instead of doing what the program said)."""
+    assert spark_started.sigint_after is spark_started.sigint_before
+
+
 # -------------------------------------------------------------------------------------------- real histories
 
 

@@ -72,9 +72,9 @@ def available(qm_conn: Any) -> list[tuple[str, int]]:
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("spark")  # joins the worker's Spark session, if it has one (tests/restore/conftest.py)
+@pytest.mark.xdist_group("spark")  # on the worker that holds the Spark session (tests/restore/conftest.py)
 def test_a_structure_whose_backup_is_older_than_the_relog_window_restores_from_the_logs_alone(
-        redis_url: str, tmp_path: Path) -> None:
+        redis_url: str, tmp_path: Path, spark: Any) -> None:
     logs, backups = tmp_path / "logs", tmp_path / "backups"
     client = define_group(redis_url, queues=("Q1", "Q2"))
     child = subprocess.Popen([sys.executable, "-c", CHILD, redis_url, str(logs)], stdin=subprocess.PIPE,
@@ -110,12 +110,9 @@ def test_a_structure_whose_backup_is_older_than_the_relog_window_restores_from_t
     assert max(first_puts) < window  # every stayer's put is outside the window: only the relog copies hold them
 
     local = LocalEngine().plan(S, base, log_dirs, window, 0)
-    pytest.importorskip("pyspark")
     from restore.engine_spark import SparkEngine
 
-    spark = SparkEngine(master="local[2]", conf={"spark.default.parallelism": "2"},
-                        log_file=tmp_path / "spark.log")
-    remote = spark.plan(S, base, log_dirs, window, 0)  # the session stays for other tests (getOrCreate)
+    remote = SparkEngine(spark=spark).plan(S, base, log_dirs, window, 0)
     key = lambda s: s.id  # noqa: E731
     assert [(s.id, s.disposition, s.entry) for s in sorted(remote.settled, key=key)] == \
         [(s.id, s.disposition, s.entry) for s in sorted(local.settled, key=key)]
