@@ -42,7 +42,7 @@ from typing import Any
 
 import msgpack
 import redis
-from harness import append_result
+from harness import Windows, append_result
 from rich.console import Console
 from rich.table import Table
 
@@ -293,11 +293,13 @@ def restore_rounds(client: redis.Redis, work: Path, ids: list[str], rounds: int,
     return out
 
 
+# The foreground windows, and the rounds of raw read / backup pairs (interleaved; the best of each).
+WINDOWS = Windows(seconds=10.0, rounds=2, quick_seconds=3.0)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--messages", type=int, default=1_000_000)
-    ap.add_argument("--seconds", type=float, default=10.0, help="length of each foreground window")
-    ap.add_argument("--rounds", type=int, default=2, help="raw read / backup pairs, interleaved; the best of each")
+    ap.add_argument("--messages", type=int, default=None, help="messages backed up (default 1M, --quick 20k)")
     ap.add_argument("--batch", type=int, default=DEFAULT_BATCH, help="entries per fetch of the measured backup")
     ap.add_argument("--fg-batch", type=int, default=DEFAULT_BATCH,
                     help="entries per fetch of the backups that run beside the foreground loops")
@@ -305,14 +307,16 @@ def main() -> int:
                     help="the paced backups' share (--backup-share) beside the foreground loops; the unpaced and "
                          "niced windows run with 1")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
-    ap.add_argument("--quick", action="store_true", help="a short run: 20k messages, 3 s windows, 1 round")
+    WINDOWS.add_to(ap, "a short run: 20k messages, 3 s foreground windows, 1 raw read / backup pair (unless "
+                       "--messages, --seconds, --rounds say otherwise)")
     ap.add_argument("--restore", action="store_true",
                     help="measure restore's load (against a raw pipelined write) instead of the backup")
     ap.add_argument("--no-guard", action="store_true",
                     help="--restore: skip the guarded write (for a tree from before the guard, to compare)")
     args = ap.parse_args()
-    if args.quick:
-        args.messages, args.seconds, args.rounds = 20_000, 3.0, 1
+    # --quick shortens what the command line leaves to the defaults (tests/bench runs it shorter still).
+    args.messages = args.messages or (20_000 if args.quick else 1_000_000)
+    args.seconds, args.rounds = WINDOWS.of(ap, args)
     console = Console()
     work = Path(tempfile.mkdtemp(prefix="bench-backup-"))
     srv = EmbeddedRedis(data_dir=work / "cf").start()

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from bench_lifecycle import QUEUE, STRUCTURE, in_threads, sqm_lifecycles
-from harness import append_result, load_average, machine
+from harness import Windows, append_result, load_average, machine
 from rich.console import Console
 from rich.table import Table
 
@@ -64,16 +64,16 @@ def measure_in_process(qms: list[QueueManager], clients: int, seconds: float) ->
             c.close()
 
 
+WINDOWS = Windows(seconds=5.0, rounds=3, quick_seconds=1.0)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="1 s windows, 1 round (a smoke run)")
-    ap.add_argument("--seconds", type=float, default=5.0)
-    ap.add_argument("--rounds", type=int, default=3)
+    WINDOWS.add_to(ap)
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--work-dir", type=Path, default=REPO / "var", help="where the logs go (a real disk)")
     args = ap.parse_args(argv)
-    if args.quick:
-        args.seconds, args.rounds = 1.0, 1
+    args.seconds, args.rounds = WINDOWS.of(ap, args)
     console = Console()
     args.work_dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench-service-", dir=args.work_dir))
