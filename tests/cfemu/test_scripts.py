@@ -161,6 +161,17 @@ def test_a_script_gets_the_prelude_definitions_it_uses() -> None:
     assert all(lua.source(op).count("\nlocal META, FENCE,") == 1 for op in lua.structure_operations())
 
 
+def test_a_scripts_source_is_made_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every CF object registers its scripts (a member's start, each command): each source is cut from the prelude
+    once, not again for each CF."""
+    lua.source("get")
+    cut: list[str] = []
+    real = lua.prelude_for
+    monkeypatch.setattr(lua, "prelude_for", lambda body: cut.append(body) or real(body))
+    assert lua.source("get") is lua.source("get")
+    assert cut == []
+
+
 # --- the structure operations ------------------------------------------------------------------------------------
 class TestPut:
     def test_an_uncommitted_put_is_held_by_its_uow(self, s: Structure, qm1: Caller) -> None:
