@@ -716,15 +716,19 @@ class Structure:
         return min(times) if times else None
 
     def depths(self) -> dict[str, dict[str, int]]:
-        """Per queue: number of entries in each state (CP summed over priorities)."""
-        r = self.cf.redis
-        out: dict[str, dict[str, int]] = {}
-        for q in self.queues():
-            pipe = r.pipeline(transaction=False)
+        """Per queue: number of entries in each state (CP summed over priorities), every queue's lists read in one
+        pipeline."""
+        queues = self.queues()
+        pipe = self.cf.redis.pipeline(transaction=False)
+        for q in queues:
             for st in ("UP", "UG", "EX"):
                 pipe.llen(keys.state_list(self.name, q, st))
             for p in keys.PRIORITIES:
                 pipe.llen(keys.state_list(self.name, q, "CP", p))
-            n = pipe.execute()
-            out[q] = {"UP": n[0], "UG": n[1], "EX": n[2], "CP": sum(n[3:])}
+        n = pipe.execute() if queues else []
+        width = 3 + len(keys.PRIORITIES)
+        out: dict[str, dict[str, int]] = {}
+        for i, q in enumerate(queues):
+            one = n[i * width:(i + 1) * width]
+            out[q] = {"UP": one[0], "UG": one[1], "EX": one[2], "CP": sum(one[3:])}
         return out

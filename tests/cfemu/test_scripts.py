@@ -174,6 +174,17 @@ def test_a_scripts_source_is_made_once_per_process(monkeypatch: pytest.MonkeyPat
 
 # --- the structure operations ------------------------------------------------------------------------------------
 class TestPut:
+    def test_the_depths_of_every_queue_are_read_in_one_pipeline(self, s: Structure, qm1: Caller,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+        s.put(qm1, entry("e1"), b"data", uow="U1")
+        s.put(qm1, entry("e2", queue=Q2, priority=7), b"data")  # no UOW: committed
+        s.put(qm1, entry("e3", queue=Q2, priority=2), b"data")
+        pipelines: list[object] = []
+        real = s.cf.redis.pipeline
+        monkeypatch.setattr(s.cf.redis, "pipeline", lambda *a, **kw: pipelines.append(1) or real(*a, **kw))
+        assert s.depths() == {Q: {"UP": 1, "CP": 0, "UG": 0, "EX": 0}, Q2: {"UP": 0, "CP": 2, "UG": 0, "EX": 0}}
+        assert len(pipelines) == 1
+
     def test_an_uncommitted_put_is_held_by_its_uow(self, s: Structure, qm1: Caller) -> None:
         reply = s.put(qm1, entry("e1"), b"data", uow="U1")
         assert reply.created and reply.gen == 1
