@@ -901,6 +901,10 @@ class LocalGroup:
                     os.kill(pid, signal.SIGKILL)
                 self._wait_gone(key, pid, 10.0)
                 killed[key] = pid
+        if self.duplexed:
+            # Before the primary: a primary stopped with its replica attached waits for the replica's next
+            # acknowledgement (about a second); nothing writes by now (the members and the supervisor are gone).
+            self.pair.stop_secondary(timeout=timeout)
         if rcluster_cf.is_cluster_cf(self.state.get(CLUSTER_CF, {})):
             self._nodes = None  # the supervisor may have restarted nodes: adopt what runs now
             self._cluster_nodes().stop()
@@ -910,8 +914,6 @@ class LocalGroup:
             with contextlib.suppress(LocalGroupError):
                 self._cf_server().stop(timeout=timeout)
         self.state[CLUSTER_CF]["pid"] = None
-        if self.duplexed:
-            self.pair.stop_secondary(timeout=timeout)
         for m in self.state["managers"]:
             m["pid"] = None
         if self.state.get("scheduler"):
