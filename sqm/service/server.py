@@ -59,7 +59,6 @@ from sqm.service.http import HealthEndpoint
 from sqm.service.ops import OPERATIONS, OPS
 from sqm.service.protocol import MAX_FRAME, NotAuthorizedError, QuiescingError, error_reply, ok_reply
 from sqm.service.queue_activity import QueueActivity
-from sqm.service.rest import RestEndpoint
 from sqm.service.session import (
     AUTH_FAILURE_REASONS,
     AUTH_METHODS,
@@ -71,6 +70,9 @@ from sqm.service.session import (
     Warnings,
 )
 from sqm.service.transport import Transport
+
+if TYPE_CHECKING:
+    from sqm.service.rest import RestEndpoint
 from sqm.wings import WINGS
 
 log = logging.getLogger("sqm.service.server")
@@ -106,7 +108,12 @@ class SQMServer:
         self._handlers: dict[str, Handler] = metrics.timed_handlers(OPERATIONS, self.op_seconds)
         self.registry = metrics.make_registry(self.qm, self.server_stats, self.op_seconds)
         self.http = HealthEndpoint(self.qm, self.registry, lambda: self._stopping)
-        self.rest = RestEndpoint(self, config, self.authenticator.tokens) if config.rest_port is not None else None
+        self.rest: RestEndpoint | None = None
+        if config.rest_port is not None:
+            # Imported only when served: aiohttp costs every member that serves no REST (most) a tenth of a second
+            # of its start, and each test that starts one.
+            from sqm.service.rest import RestEndpoint
+            self.rest = RestEndpoint(self, config, self.authenticator.tokens)
         self.rest_port = config.rest_port
 
     # --- what the operations' handlers may use (sqm.operations.Service and each owner's extension) ---------------

@@ -439,3 +439,17 @@ def test_readme_curl_round_trip_through_cluster_up(tmp_path: Path) -> None:
     finally:
         subprocess.run([str(bin_dir / "cfemu"), "cluster", "down", "--dir", str(tmp_path / "var" / "cluster")],
                        cwd=tmp_path, env=env, capture_output=True, timeout=120)
+
+
+def test_only_a_member_that_serves_rest_loads_aiohttp(member: Member) -> None:
+    """aiohttp is imported when --rest-port is given, not by every member (it had cost each member's start, and
+    each test that starts one, a tenth of a second)."""
+    def loaded(server: ServerProc) -> bool:
+        return "/aiohttp/" in Path(f"/proc/{server.proc.pid}/maps").read_text()
+
+    assert loaded(member.server)
+    plain = start_server(member.url, member.tmp, "QM2")  # the group's log root
+    try:
+        assert not loaded(plain)
+    finally:
+        plain.stop()
