@@ -7,6 +7,7 @@ directory), every one of them stopped by pid at the end.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -422,9 +423,12 @@ def test_usage_errors_and_retry_later_have_their_own_exit_codes(redis_url: str, 
     assert exit_code(ValueError("bad name")) == EXIT_USAGE
 
 
-@pytest.mark.slow
-def test_no_server_answering_is_retry_later(capsys: pytest.CaptureFixture[str]) -> None:
-    """Through --server, the client tries every endpoint for its reconnect timeout (15 s) first."""
+def test_no_server_answering_is_retry_later(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through --server, the client tries every endpoint for its reconnect timeout (15 s; 1 s here: the outcome is
+    what is checked) first."""
+    monkeypatch.setattr(Client, "__init__", functools.partialmethod(Client.__init__, reconnect_timeout=1.0))
+    t0 = time.monotonic()
     assert cli.main(["put", "Q1", "x", "--server", "127.0.0.1:1", "--token", "t"]) == EXIT_RETRY_LATER
+    assert time.monotonic() - t0 >= 1.0  # it tried for its reconnect timeout
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "MQRC_Q_MGR_NOT_AVAILABLE" in err, err
