@@ -24,12 +24,14 @@ def test_a_cf_still_loading_its_data_is_an_error_not_a_reply(redis_factory: Call
     srv = redis_factory()
     cf, client = one_connection_cf(srv)
     browse_q1(cf)
-    client.config_set("rdbcompression", "no")  # a dump of 30 MB: the server serves clients every 2 MB it loads
-    client.execute_command("DEBUG", "POPULATE", "60000", "k", "500")
+    client.config_set("rdbcompression", "no")  # a dump of 2 MB
+    client.execute_command("DEBUG", "POPULATE", "20000", "k", "100")
     client.save()
     srv.kill()
-    # The same server again, each key loaded slowly (key-load-delay, microseconds): about 4 s of loading.
-    cmd = srv._command(srv.port, srv.data_dir) + ["--key-load-delay", "100"]
+    # The same server again, each key loaded slowly (key-load-delay, microseconds: a second or more of loading),
+    # serving clients every 256 KiB it loads (by default every 2 MB: a dump of 30 MB had been needed).
+    cmd = srv._command(srv.port, srv.data_dir) + ["--key-load-delay", "50",
+                                                   "--loading-process-events-interval-bytes", str(256 << 10)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 10

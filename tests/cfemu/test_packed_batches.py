@@ -36,8 +36,11 @@ def test_a_batch_sent_while_the_cf_reloads_its_data_stops_the_load_as_a_lost_cf(
     c = srv.client(socket_timeout=None)
     Admin(c).define_structure(S)
     c.config_set("rdbcompression", "no")
-    c.execute_command("DEBUG", "POPULATE", "80000", "pad", "100")  # 8 MB: events served every 2 MB it loads
-    c.config_set("key-load-delay", 20)  # microseconds a key: seconds of loading
+    # 2 MB of keys, loaded slowly (key-load-delay: microseconds a key, a second or more of loading), with the
+    # events served every 256 KiB it loads (the default, every 2 MB, had needed four times the keys).
+    c.execute_command("DEBUG", "POPULATE", "20000", "pad", "100")
+    c.config_set("key-load-delay", 20)
+    c.config_set("loading-process-events-interval-bytes", 256 << 10)
     owner = bulk.claim(c, S, bulk.observe(c, S))
     # The owner's check of its header: through its watching pipeline, or (a packed batch) of the header read
     # with the batch's WATCH.
