@@ -5,6 +5,7 @@ queue manager's own state)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable
@@ -31,7 +32,9 @@ from cfemu.errors import (
 )
 from sqm.core import records
 from sqm.core.cfcall import CF_DOWN, reply_lost
+from sqm.core.cfgroup import GroupedCF
 from sqm.core.clock import LrsnClock
+from sqm.core.config import QueueManagerConfig
 from sqm.core.failpoints import failpoint
 from sqm.core.records import INBACKOUT, INCOMMIT, INDOUBT, INFLIGHT, Record
 from sqm.core.storereport import StoreReport
@@ -72,6 +75,12 @@ class Outcomes:
         def structure(self, name: str) -> Structure: ...
         def forget(self, uow: UnitOfWork) -> None: ...
         def append(self, record: Record, *, uow: UnitOfWork | None = None, state: str | None = None) -> None: ...
+        def append_many(self, recs: list[Record]) -> None: ...
+        def checkpoint(self, why: str) -> None: ...
+        def log_failure(self, e: OSError, uow: UnitOfWork | None = None) -> NoReturn: ...
+        config: QueueManagerConfig
+        cf: GroupedCF
+        activity: int
 
     def complete(self, uow: UnitOfWork, commit: bool, *, reason: str = "application",
                  for_member: str | None = None, pstore_checked: bool = False) -> None:
@@ -126,6 +135,11 @@ class Outcomes:
                               best_effort=not commit)
             failpoint("after-log-force" if commit else "backout-after-log")
         uow.state = INCOMMIT if commit else INBACKOUT
+        self._apply_decided(uow, commit, for_member, prepared)
+
+    def _apply_decided(self, uow: UnitOfWork, commit: bool, for_member: str | None, prepared: bool) -> None:
+        """Apply a decided outcome (complete, commit_many): a structure that cannot take it now leaves it pending,
+        and the application hears what it may know of it."""
         try:
             self.apply(uow, commit, for_member=for_member)
         except (StructureFailedError, *CF_DOWN) as e:
@@ -144,6 +158,73 @@ class Outcomes:
             raise
         finally:
             self.counters["commits" if commit else "backouts"] += 1
+
+    def commit_many(self, uows: list[UnitOfWork], logged: list[Record]) -> list[MQError | None]:
+        """Commit units of work of one persistent put or get outside syncpoint each, whose own CF script just
+        checked the persistent store (complete's pstore_checked), together: ``logged`` (their PUT and GET records)
+        and their COMMIT records appended under one hold of the lock and forced by one fsync, then their commits
+        applied in one CF round trip (each commit.lua atomic, in order). A commit the round trip did not finish
+        (refused, a floor, the CF gone) goes on alone by complete's path, as its own commit would have. The error
+        of each unit of work (None: committed), in their order; every COMMIT is on disk before this returns."""
+        self.check_usable()
+        errors: list[MQError | None] = [None] * len(uows)
+        if not uows:
+            return errors
+        if self.activity >= self.config.logload:
+            self.checkpoint("logload")
+        decisions = [records.commit(u.id, self.clock.now(), u.structures) for u in uows]
+        try:
+            with self.uow_lock:
+                assert self.log is not None
+                for record in logged:
+                    self.log.append(record)
+                pos = None
+                for u, record in zip(uows, decisions, strict=True):
+                    pos = self.log.append(record)
+                    u.first_lrsn = u.first_lrsn or int(record["l"])
+                    u.decide(INCOMMIT, record)
+            self.activity += len(logged) + len(uows)
+            failpoint("lifecycles-before-force")
+            self.log.force(pos)
+        except OSError as e:  # every COMMIT may be on disk: each outcome is unknown here (log_failure)
+            for i, u in enumerate(uows):
+                try:
+                    self.log_failure(e, u)
+                except MQError as failed:
+                    errors[i] = failed
+            return errors
+        failpoint("lifecycles-after-force")
+        calls = []
+        for u in uows:
+            (sname, gen), = u.structures.items()
+            calls.append(self.structure(sname).commit_call(self.caller, u.id, gen=gen, lrsn=u.record_lrsn,
+                                                           at=u.decided_lrsn))
+        try:
+            replies: list[Any] = self.cf_call(lambda: self.cf.run_many(calls))
+        except (MQError, *CF_DOWN) as e:
+            replies = [e] * len(uows)
+        ended: list[Record] = []
+        for i, (u, reply) in enumerate(zip(uows, replies, strict=True)):
+            if isinstance(reply, BaseException) or Structure.step_more(self.caller, reply):
+                try:
+                    self._apply_decided(u, True, None, False)
+                except MQError as e:
+                    errors[i] = e
+                finally:
+                    self.counters["commits"] += 1
+                continue
+            u.applied.update(u.structures)
+            if self.store_report is not None:
+                self.store_report.outcome(u, True)
+            ended.append(records.end(u.id, self.clock.now()))
+            self.counters["commits"] += 1
+        if ended:
+            with contextlib.suppress(LogFailedError):  # applied: a restart completes them again from the log
+                self.append_many(ended)
+        for u, error in zip(uows, errors, strict=True):
+            if error is None and u.id not in self.pending:
+                self.forget(u)
+        return errors
 
     def _holds_persistent_gets(self, uow: UnitOfWork) -> bool:
         """The UOW holds a persistent get on the CF, or a structure cannot say (then it is taken to hold one)."""

@@ -37,6 +37,7 @@ from cfemu.errors import BadRequestError, ClientGoneError, FencedError, MQError,
 from cfemu.latency import Latencies
 from cfemu.repository import RepositoryError
 from sqm.conversations import ops as conversation_ops
+from sqm.core.lifecycles import Lifecycles, OneGet, OnePut, Outcome
 from sqm.core.manager import CF_DOWN, QueueManager, QueueManagerConfig
 from sqm.log import LogLockedError
 from sqm.operations import OPERATOR, ROLES, Handler, NotLoggedOnError, short
@@ -92,6 +93,7 @@ class SQMServer:
         self.stats = Stats()
         self.activity = QueueActivity()  # last put and get per queue through this member (DISPLAY QSTATUS)
         self.slots = RequestSlots(config.request_slots, config.slot_lease_ms / 1000)
+        self.lifecycles = Lifecycles(self.qm)  # requests of several connections run together (run_together)
         self.port = config.port
         self.metrics_port = config.metrics_port
         self.exit_code = EXIT_OK
@@ -141,7 +143,8 @@ class SQMServer:
                            "auth_timeout_s": c.auth_timeout_s, "idle_timeout_s": c.idle_timeout_s,
                            "max_umsgs": self.qm.config.max_umsgs,
                            "max_request_bytes": self.transport.budget.limit},
-                "request_bytes_in_flight": self.transport.budget.used}
+                "request_bytes_in_flight": self.transport.budget.used,
+                "event_loop": {"on": c.event_loop, **self.transport.loop_counts()}}
 
     # --- life cycle --------------------------------------------------------------------------------------
     def server_stats(self) -> dict[str, Any]:
@@ -311,18 +314,60 @@ class SQMServer:
                 session.last_request = time.time()
                 result = self._handlers[op](self, session, args)
             return ok_reply(rid, result, **session.flags())
-        except MQError as e:
-            error: MQError = e
-        except AdminError as e:
-            error = BadRequestError(str(e))
-        except ValueError as e:  # names and values the CF layer refuses
-            error = BadRequestError(f"{op}: {e}")
-        except CF_DOWN as e:
-            error = StructureFailedError(f"the CF is unavailable: {e}")
-        except Exception as e:  # the server stays up; the failure is in its log
-            log.exception("%s: %s failed", self.qm.name, op)
-            error = MQError(f"internal error in {op}: {type(e).__name__}: {e}")
-        return error_reply(rid, error, **session.flags())
+        except Exception as e:
+            return error_reply(rid, self._as_error(op, e), **session.flags())
+
+    def _as_error(self, op: str, e: Exception) -> MQError:
+        """What a request's client is told of what its handler raised."""
+        if isinstance(e, MQError):
+            return e
+        if isinstance(e, AdminError):
+            return BadRequestError(str(e))
+        if isinstance(e, ValueError):  # names and values the CF layer refuses
+            return BadRequestError(f"{op}: {e}")
+        if isinstance(e, CF_DOWN):
+            return StructureFailedError(f"the CF is unavailable: {e}")
+        log.error("%s: %s failed", self.qm.name, op, exc_info=e)  # the server stays up; the failure is in its log
+        return MQError(f"internal error in {op}: {type(e).__name__}: {e}")
+
+    def run_together(self, requests: list[tuple[Session, int, str, dict[str, Any]]]) -> list[dict[str, Any] | None]:
+        """Requests of several connections that the dispatcher let run (``refusal``), each connection's one, run
+        together where they can be (queue_ops.together: puts and gets outside syncpoint, sqm.core.lifecycles):
+        the reply of each, or None for one to run by ``dispatch`` (any other request, or one the batch leaves to
+        its own path). Runs on the service's event loop (sqm.service.batch_loop), under no request slot: one
+        thread runs the whole batch."""
+        replies: list[dict[str, Any] | None] = [None] * len(requests)
+        calls: list[tuple[int, OnePut | OneGet]] = []
+        for k, (session, rid, op, args) in enumerate(requests):
+            try:
+                call = queue_ops.together(self, session, op, args)
+            except Exception as e:
+                replies[k] = error_reply(rid, self._as_error(op, e), **session.flags())
+                continue
+            if call is not None:
+                calls.append((k, call))
+        if not calls:
+            return replies
+        t0 = time.perf_counter()
+        try:
+            outcomes: list[Outcome] = self.lifecycles.run([c for _, c in calls])
+        except Exception as e:  # each request hears it, as each would alone
+            outcomes = [self._as_error("put", e)] * len(calls)
+        took = time.perf_counter() - t0
+        now = time.time()
+        for (k, call), outcome in zip(calls, outcomes, strict=True):
+            if outcome is None:
+                continue
+            session, rid, op, _ = requests[k]
+            session.served += 1
+            session.last_request = now
+            self.op_seconds[op].observe(took)
+            try:
+                replies[k] = ok_reply(rid, queue_ops.together_result(self, session, call, outcome),
+                                      **session.flags())
+            except Exception as e:
+                replies[k] = error_reply(rid, self._as_error(op, e), **session.flags())
+        return replies
 
     def _still_wanted(self, session: Session, op: str) -> None:
         """A request that waited for its slot runs only if the server is not stopping and its client is still
