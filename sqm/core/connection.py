@@ -37,6 +37,7 @@ from sqm.core.clock import LrsnClock, now_ms
 from sqm.core.config import QueueManagerConfig
 from sqm.core.failpoints import failpoint
 from sqm.core.messaging import UnitOfWorkScope
+from sqm.core.outcomes import Decided
 from sqm.core.random_bytes import random_bytes
 from sqm.core.records import INDOUBT, INFLIGHT, Record
 from sqm.core.uow import UnitOfWork
@@ -87,7 +88,8 @@ class QueueManagerPort(MemberWork, Protocol):
     def complete(self, uow: UnitOfWork, commit: bool, *, reason: str = "application",
                  for_member: str | None = None, pstore_checked: bool = False) -> None: ...
     def confirm_prepared(self, uow: UnitOfWork) -> None: ...
-    def commit_many(self, uows: list[UnitOfWork], logged: list[Record]) -> list[MQError | None]: ...
+    def decide_many(self, uows: list[UnitOfWork], logged: list[Record]) -> Decided: ...
+    def apply_many(self, batches: list[Decided]) -> None: ...
 
 
 @dataclass

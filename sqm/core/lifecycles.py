@@ -15,6 +15,7 @@ alone), a get that finds nothing and may wait, a get whose script met more expir
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,7 @@ from sqm.core import records
 from sqm.core.client_watch import ClientWatch
 from sqm.core.clock import now_ms
 from sqm.core.connection import Connection, Message, PutSpec, QueueManagerPort
+from sqm.core.outcomes import Decided
 from sqm.core.records import Record
 from sqm.core.uow import UnitOfWork
 
@@ -50,6 +52,17 @@ class OneGet:
 Outcome = Message | MQError | None  # the message put or got, the call's error, or None: make it alone
 
 
+@dataclass
+class Begun:
+    """Calls whose CF scripts ran and whose records are appended (Lifecycles.begin), to be finished: ``out`` holds
+    the outcomes known so far, and all of them after Lifecycles.finish."""
+
+    calls: list[OnePut | OneGet]
+    out: list[Outcome]
+    together: list[tuple[int, UnitOfWork, Message]] = field(default_factory=list)
+    decided: Decided | None = None
+
+
 class Lifecycles(Connection):
     """Runs calls of many applications together (``run``); it holds no unit of work of its own between runs."""
 
@@ -58,12 +71,19 @@ class Lifecycles(Connection):
 
     def run(self, calls: list[OnePut | OneGet]) -> list[Outcome]:
         """Each call's outcome, in their order (see the module)."""
+        begun = self.begin(calls)
+        self.finish([begun])
+        return begun.out
+
+    def begin(self, calls: list[OnePut | OneGet]) -> Begun:
+        """The first half of ``run``: the calls' CF scripts in one round trip, their records and COMMITs appended
+        (nothing forced yet). Their outcomes are known only after ``finish``."""
         qm = self.qm
         out: list[Outcome] = [None] * len(calls)
         try:
             qm.check_usable()
         except MQError as e:
-            return [e] * len(calls)
+            return Begun(calls, [e] * len(calls))
         todo: list[tuple[int, UnitOfWork, str, tuple[str, str, list[Any]], Entry | None]] = []
         for i, call in enumerate(calls):
             try:
@@ -84,7 +104,7 @@ class Lifecycles(Connection):
             except MQError as e:
                 out[i] = e
         if not todo:
-            return out
+            return Begun(calls, out)
         try:
             replies = self._batch_cf_call([t[1] for t in todo], [t[2] for t in todo], lambda k: todo[k][3], len(todo))
         except MQError as e:
@@ -128,15 +148,30 @@ class Lifecycles(Connection):
             logged.append(rec)
             qm.note_store(uow, rec)
             together.append((i, uow, message))
-        errors = qm.commit_many([u for _, u, _ in together], logged) if together else []
-        for (i, _, message), error in zip(together, errors, strict=True):
-            if isinstance(error, OutcomePendingError) and isinstance(calls[i], OneGet):
-                error.message = message  # delivered with it, as a get outside syncpoint alone (Connection.get)
-            out[i] = error or message
-        for call, outcome in zip(calls, out, strict=True):
-            if isinstance(outcome, Message) or getattr(outcome, "message", None) is not None:
-                qm.counters["puts" if isinstance(call, OnePut) else "gets"] += 1
-        return out
+        try:
+            decided = qm.decide_many([u for _, u, _ in together], logged)
+        except MQError as e:  # the member cannot commit now (fenced, stopping): none of them is decided
+            for i, uow, _ in together:
+                with contextlib.suppress(MQError):  # what cannot be backed out now, recovery backs out
+                    self._abandon(uow)
+                out[i] = e
+            return Begun(calls, out)
+        return Begun(calls, out, together, decided)
+
+    def finish(self, batches: list[Begun]) -> None:
+        """The second half of ``run`` for several begun batches together: every COMMIT forced by one fsync, their
+        commits applied in one CF round trip; each batch's ``out`` then holds its calls' outcomes."""
+        qm = self.qm
+        qm.apply_many([b.decided for b in batches if b.decided is not None])
+        for b in batches:
+            if b.decided is not None:
+                for (i, _, message), error in zip(b.together, b.decided.errors, strict=True):
+                    if isinstance(error, OutcomePendingError) and isinstance(b.calls[i], OneGet):
+                        error.message = message  # delivered with it, as a get outside syncpoint (Connection.get)
+                    b.out[i] = error or message
+            for call, outcome in zip(b.calls, b.out, strict=True):
+                if isinstance(outcome, Message) or getattr(outcome, "message", None) is not None:
+                    qm.counters["puts" if isinstance(call, OnePut) else "gets"] += 1
 
     def _alone(self, call: OneGet, uow: UnitOfWork, rec: Record, entry: Entry, message: Message) -> Outcome:
         """A get that took a message the batch does not commit with the others: a non-persistent one (nothing to
@@ -165,4 +200,4 @@ class Lifecycles(Connection):
         return message
 
 
-__all__ = ["Lifecycles", "OneGet", "OnePut", "Outcome"]
+__all__ = ["Begun", "Lifecycles", "OneGet", "OnePut", "Outcome"]

@@ -9,6 +9,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -40,6 +41,7 @@ from sqm.core.records import INBACKOUT, INCOMMIT, INDOUBT, INFLIGHT, Record
 from sqm.core.storereport import StoreReport
 from sqm.core.uow import UnitOfWork
 from sqm.log import RecordLog
+from sqm.log.format import LogPosition
 
 log = logging.getLogger("sqm")
 
@@ -47,6 +49,16 @@ log = logging.getLogger("sqm")
 # recovery, or its work there lost (confirm_prepared).
 NO_VOTE = {"B": "has it backed out by recovery", "C": "has it committed by recovery", "A": "has its put committed",
            "L": "lost its work (restored or purged since)"}
+
+
+@dataclass
+class Decided:
+    """Units of work whose COMMIT records are appended together (Outcomes.decide_many), to be forced and applied
+    (Outcomes.apply_many): the log position of the last, and each one's error (None: none yet)."""
+
+    uows: list[UnitOfWork]
+    errors: list[MQError | None]
+    position: LogPosition | None = None
 
 
 class Outcomes:
@@ -159,72 +171,88 @@ class Outcomes:
         finally:
             self.counters["commits" if commit else "backouts"] += 1
 
-    def commit_many(self, uows: list[UnitOfWork], logged: list[Record]) -> list[MQError | None]:
-        """Commit units of work of one persistent put or get outside syncpoint each, whose own CF script just
-        checked the persistent store (complete's pstore_checked), together: ``logged`` (their PUT and GET records)
-        and their COMMIT records appended under one hold of the lock and forced by one fsync, then their commits
-        applied in one CF round trip (each commit.lua atomic, in order). A commit the round trip did not finish
-        (refused, a floor, the CF gone) goes on alone by complete's path, as its own commit would have. The error
-        of each unit of work (None: committed), in their order; every COMMIT is on disk before this returns."""
+    def decide_many(self, uows: list[UnitOfWork], logged: list[Record]) -> Decided:
+        """The first half of committing, together, units of work of one persistent put or get outside syncpoint each
+        whose own CF script just checked the persistent store (complete's pstore_checked): ``logged`` (their PUT
+        and GET records) and their COMMIT records appended under one hold of the lock, not yet forced. The second
+        half is ``apply_many``, which forces them (one fsync for every Decided it is given) before it applies any."""
         self.check_usable()
-        errors: list[MQError | None] = [None] * len(uows)
+        decided = Decided(uows, [None] * len(uows))
         if not uows:
-            return errors
+            return decided
         if self.activity >= self.config.logload:
             self.checkpoint("logload")
-        decisions = [records.commit(u.id, self.clock.now(), u.structures) for u in uows]
+        commits = [records.commit(u.id, self.clock.now(), u.structures) for u in uows]
+        assert self.log is not None
         try:
             with self.uow_lock:
-                assert self.log is not None
                 for record in logged:
                     self.log.append(record)
-                pos = None
-                for u, record in zip(uows, decisions, strict=True):
-                    pos = self.log.append(record)
+                for u, record in zip(uows, commits, strict=True):
+                    decided.position = self.log.append(record)
                     u.first_lrsn = u.first_lrsn or int(record["l"])
                     u.decide(INCOMMIT, record)
-            self.activity += len(logged) + len(uows)
-            failpoint("lifecycles-before-force")
-            self.log.force(pos)
-        except OSError as e:  # every COMMIT may be on disk: each outcome is unknown here (log_failure)
-            for i, u in enumerate(uows):
+        except OSError as e:  # a COMMIT may be on disk: each outcome is unknown here (log_failure)
+            self._log_failed_for(decided, e)
+        self.activity += len(logged) + len(uows)
+        return decided
+
+    def _log_failed_for(self, decided: Decided, e: OSError) -> None:
+        for i, u in enumerate(decided.uows):
+            if decided.errors[i] is None:
                 try:
                     self.log_failure(e, u)
                 except MQError as failed:
-                    errors[i] = failed
-            return errors
+                    decided.errors[i] = failed
+        decided.position = None
+
+    def apply_many(self, batches: list[Decided]) -> None:
+        """The second half (decide_many): every COMMIT of ``batches`` forced by one fsync, then their commits
+        applied in one CF round trip (each commit.lua atomic, in order). A commit the round trip did not finish
+        (refused, a floor, the CF gone) goes on alone by complete's path, as its own commit would have. Each
+        unit of work's error (None: committed) is in its Decided's ``errors``; every COMMIT is on disk, or its
+        unit of work has an error, before this returns."""
+        assert self.log is not None
+        failpoint("lifecycles-before-force")
+        for d in batches:
+            if d.position is None:
+                continue
+            try:
+                self.log.force(d.position)  # the first force takes the later batches' records with it
+            except OSError as e:
+                self._log_failed_for(d, e)
         failpoint("lifecycles-after-force")
+        todo = [(d, i, u) for d in batches if d.position is not None for i, u in enumerate(d.uows)
+                if d.errors[i] is None]
         calls = []
-        for u in uows:
+        for _, _, u in todo:
             (sname, gen), = u.structures.items()
             calls.append(self.structure(sname).commit_call(self.caller, u.id, gen=gen, lrsn=u.record_lrsn,
                                                            at=u.decided_lrsn))
         try:
-            replies: list[Any] = self.cf_call(lambda: self.cf.run_many(calls))
+            replies: list[Any] = self.cf_call(lambda: self.cf.run_many(calls)) if calls else []
         except (MQError, *CF_DOWN) as e:
-            replies = [e] * len(uows)
+            replies = [e] * len(calls)
         ended: list[Record] = []
-        for i, (u, reply) in enumerate(zip(uows, replies, strict=True)):
+        done: list[UnitOfWork] = []
+        for (d, i, u), reply in zip(todo, replies, strict=True):
+            self.counters["commits"] += 1
             if isinstance(reply, BaseException) or Structure.step_more(self.caller, reply):
                 try:
                     self._apply_decided(u, True, None, False)
                 except MQError as e:
-                    errors[i] = e
-                finally:
-                    self.counters["commits"] += 1
+                    d.errors[i] = e
                 continue
             u.applied.update(u.structures)
             if self.store_report is not None:
                 self.store_report.outcome(u, True)
             ended.append(records.end(u.id, self.clock.now()))
-            self.counters["commits"] += 1
+            done.append(u)
         if ended:
             with contextlib.suppress(LogFailedError):  # applied: a restart completes them again from the log
                 self.append_many(ended)
-        for u, error in zip(uows, errors, strict=True):
-            if error is None and u.id not in self.pending:
-                self.forget(u)
-        return errors
+        for u in done:
+            self.forget(u)
 
     def _holds_persistent_gets(self, uow: UnitOfWork) -> bool:
         """The UOW holds a persistent get on the CF, or a structure cannot say (then it is taken to hold one)."""

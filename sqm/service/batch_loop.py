@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import queue
 import selectors
 import socket
 import threading
@@ -28,10 +29,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from cfemu.errors import FencedError
+from cfemu.errors import FencedError, OutcomeUnknownError
 from sqm.service.config import EXIT_FENCED
-from sqm.service.protocol import HEADER, encode_frame
-from sqm.service.session import Session
+from sqm.service.protocol import HEADER, encode_frame, error_reply
+from sqm.service.session import Session, Together
 
 log = logging.getLogger("sqm.service.server")
 
@@ -49,8 +50,9 @@ class LoopHost(Protocol):
         """The request in a frame (parsed, then let run by the dispatcher), or the reply to send instead."""
         ...
 
-    def run_together(self, requests: list[tuple[Session, int, str, dict[str, Any]]]) -> list[dict[str, Any] | None]:
-        ...
+    def begin_together(self, requests: list[tuple[Session, int, str, dict[str, Any]]]) -> Together: ...
+
+    def finish_together(self, batches: list[Together]) -> None: ...
 
     def finish(self, session: Session, rid: int, op: str, reply: dict[str, Any]) -> bytes:
         """A reply's frame, bounded and counted."""
@@ -62,8 +64,12 @@ class LoopHost(Protocol):
 
     def release(self, session: Session) -> None: ...
 
+    def may_run_together(self, op: str, args: dict[str, Any]) -> bool: ...
+
     def direct_step(self, session: Session, sock: socket.socket, buf: bytearray, loop: asyncio.AbstractEventLoop,
-                    parsed: tuple[int, str, dict[str, Any]] | None = None) -> bool: ...
+                    parsed: tuple[int, str, dict[str, Any]] | None = None,
+                    hand_back: Callable[[str, dict[str, Any]], bool] | None = None
+                    ) -> bool | tuple[int, str, dict[str, Any]]: ...
 
     def closed_idle(self, session: Session) -> None: ...
 
@@ -95,15 +101,21 @@ class BatchLoop:
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._sel.register(self._wake_r, selectors.EVENT_READ, None)
-        self._inbox: list[tuple[str, _Conn]] = []
+        self._inbox: list[tuple[str, Any]] = []
         self._lock = threading.Lock()
         self._conns: set[_Conn] = set()
         self._back: list[_Conn] = []  # connections come (back) with bytes read: the next turn looks at them
+        # requests a connection's thread read and handed to the loop to run together (the next turn's batch)
+        self._handed: list[tuple[_Conn, int, str, dict[str, Any]]] = []
         self._stopping = False
         self.batches = 0  # batches run, and the requests they carried (their mean: how much arrived together)
         self.batched = 0
+        # Batches begun by the loop, for the finisher (their force, their commits), which hands them back done.
+        self._begun: queue.SimpleQueue[tuple[Together, list[_Conn]] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=f"{host.name}-loop", daemon=True)
+        self._finisher = threading.Thread(target=self._finish, name=f"{host.name}-commit", daemon=True)
         self._thread.start()
+        self._finisher.start()
 
     # --- from other threads -------------------------------------------------------------------------------------
     def add(self, session: Session, sock: socket.socket, buf: bytearray, ended: Callable[[], None]) -> None:
@@ -111,18 +123,51 @@ class BatchLoop:
         handshake); ``ended`` is called, from the loop's thread, once the loop is done with it."""
         self._post("add", _Conn(session, sock, ended, buf))
 
-    def _post(self, what: str, conn: _Conn) -> None:
+    def _post(self, what: str, item: Any) -> None:
         with self._lock:
-            self._inbox.append((what, conn))
+            self._inbox.append((what, item))
         with contextlib.suppress(BlockingIOError, OSError):
             self._wake_w.send(b"\0")
 
     def stop(self) -> None:
-        """End the loop: every connection it holds is shut down and ended (those with their thread end there)."""
+        """End the loop: the batches begun are finished and answered, then every connection it holds is shut down
+        and ended (those with their thread end there)."""
+        self._begun.put(None)
+        self._finisher.join(timeout=30)
         self._stopping = True
         with contextlib.suppress(OSError):
             self._wake_w.send(b"\0")
         self._thread.join(timeout=5)
+
+    # --- the finisher's thread -----------------------------------------------------------------------------------
+    def _finish(self) -> None:
+        """Force and commit the batches the loop began, as many together as have been begun meanwhile (one fsync
+        and one CF round trip for all of them: while one batch's force runs, the loop begins the next), and hand
+        them back to the loop, which sends their replies."""
+        while True:
+            first = self._begun.get()
+            batches = [first]
+            while first is not None:
+                try:
+                    more = self._begun.get_nowait()
+                except queue.Empty:
+                    break
+                batches.append(more)
+                if more is None:
+                    break
+            begun = [b for b in batches if b is not None]
+            if begun:
+                try:
+                    self.host.finish_together([t for t, _ in begun])
+                    self._reply(begun)
+                except Exception as e:  # never made again by another path: its outcome is not known
+                    log.exception("%s: finishing a batch failed", self.host.name)
+                    for t, _ in begun:
+                        t.replies = [r or error_reply(req[1], OutcomeUnknownError(f"{req[2]}: {e}"))
+                                     for r, req in zip(t.replies, t.requests, strict=True)]
+                self._post("done", begun)
+            if batches[-1] is None:
+                return
 
     # --- the loop's thread --------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -147,6 +192,7 @@ class BatchLoop:
         except Exception:  # the loop must not die silently: its connections would hang
             log.exception("%s: the service's event loop failed; its connections are closed", self.host.name)
         finally:
+            self._drain_wake()  # the last batches' replies
             for conn in list(self._conns):
                 if not conn.away:
                     self._end(conn)
@@ -163,18 +209,31 @@ class BatchLoop:
                 pass
         with self._lock:
             inbox, self._inbox = self._inbox, []
-        for what, conn in inbox:
+        for what, item in inbox:
+            if what == "done":
+                self._answer(item)
+                continue
+            if what == "handed":  # back with a request to run together: it waits in the loop for its batch
+                handed, (rid, op, args) = item
+                handed.sock.setblocking(False)
+                self._handed.append((handed, rid, op, args))
+                continue
+            conn: _Conn = item
             if what == "end":
                 self._end(conn)
                 continue
             if what == "add":
                 self._conns.add(conn)
-            conn.away = False
-            conn.last = time.monotonic()
-            conn.sock.setblocking(False)
-            self._sel.register(conn.sock, selectors.EVENT_READ, conn)
-            if conn.buf:  # a request may be there already: this turn looks at it
-                self._back.append(conn)
+            self._back_to_loop(conn)
+
+    def _back_to_loop(self, conn: _Conn) -> None:
+        """A connection comes (back) to the loop: from its handshake, its thread or its batch."""
+        conn.away = False
+        conn.last = time.monotonic()
+        conn.sock.setblocking(False)
+        self._sel.register(conn.sock, selectors.EVENT_READ, conn)
+        if conn.buf:  # a request may be there already: this turn looks at it
+            self._back.append(conn)
 
     def _read(self, conn: _Conn) -> bool:
         """What the connection has, into its buffer; False when it ended (closed by its client or broken)."""
@@ -201,7 +260,8 @@ class BatchLoop:
     def _turn(self, ready: list[_Conn]) -> list[_Conn]:
         """Take one request from each ready connection, run them, send the replies; the connections with more
         bytes waiting (the next turn looks at them again)."""
-        together: list[tuple[_Conn, int, str, dict[str, Any]]] = []
+        together: list[tuple[_Conn, int, str, dict[str, Any]]] = self._handed
+        self._handed = []
         for conn in ready:
             if conn.away or conn.out or conn not in self._conns:
                 continue
@@ -223,24 +283,49 @@ class BatchLoop:
                 self._send(conn, encode_frame(request))
                 continue
             rid, op, args = request
-            if op in ("put", "get"):
+            if self.host.may_run_together(op, args):
                 together.append((conn, rid, op, args))
             else:
                 self._away(conn, request)
         if together:
             self.batches += 1
             self.batched += len(together)
-            replies = self.host.run_together([(c.session, rid, op, args) for c, rid, op, args in together])
-            for (conn, rid, op, args), reply in zip(together, replies, strict=True):
+            conns = [c for c, _, _, _ in together]
+            for conn in conns:  # each waits for its reply, reading nothing meanwhile (order per connection)
+                if not conn.away:  # else handed by its thread, out of the selector already
+                    self._sel.unregister(conn.sock)
+                conn.away = True
+            t = self.host.begin_together([(c.session, rid, op, args) for c, rid, op, args in together])
+            self._begun.put((t, conns))
+        return [c for c in ready if c in self._conns and not c.away and not c.out and self._whole(c)]
+
+    def _reply(self, done: list[tuple[Together, list[_Conn]]]) -> None:
+        """In the finisher, once every commit of the batches is on disk: each reply written as far as its client
+        takes it at once (the connection is out of the loop until ``_answer``: nobody else writes to it), so
+        that the reply does not wait for the loop's next turn."""
+        for t, conns in done:
+            for conn, (_, rid, op, _), reply in zip(conns, t.requests, t.replies, strict=True):
+                if reply is not None:
+                    self._queue_reply(conn, self.host.finish(conn.session, rid, op, reply))
+                    self._write(conn)
+
+    def _answer(self, done: list[tuple[Together, list[_Conn]]]) -> None:
+        """Batches the finisher handed back: each connection back in the loop with the rest of its reply to write,
+        each request the batch left to its own path handed to its connection's thread."""
+        for t, conns in done:
+            for conn, (_, rid, op, args), reply in zip(conns, t.requests, t.replies, strict=True):
+                if conn not in self._conns:  # ended meanwhile: nobody to answer
+                    continue
                 if reply is None:
                     self._away(conn, (rid, op, args))
                     continue
-                if conn not in self._conns:  # ended meanwhile (its client left): the reply has nobody to go to
-                    continue
                 if not reply["ok"] and reply["error"]["type"] == FencedError.__name__:
                     self.aio.call_soon_threadsafe(self.request_stop, EXIT_FENCED)
-                self._send(conn, self.host.finish(conn.session, rid, op, reply))
-        return [c for c in ready if c in self._conns and not c.away and not c.out and self._whole(c)]
+                if conn.session.gone.seen_to_leave():  # its connection broke while the finisher wrote
+                    self._end(conn)
+                    continue
+                self._back_to_loop(conn)
+                self._flush(conn)
 
     def _whole(self, conn: _Conn) -> bool:
         """A request is there to take (or a frame the connection's thread reads: one too large for the loop)."""
@@ -251,15 +336,19 @@ class BatchLoop:
                     or len(conn.buf) >= HEADER.size + length)
 
     def _send(self, conn: _Conn, frame: bytes) -> None:
+        self._queue_reply(conn, frame)
+        self._flush(conn)
+
+    def _queue_reply(self, conn: _Conn, frame: bytes) -> None:
         if len(frame) > self.free:
             self.host.hold(conn.session, len(frame))
             conn.held = True
         conn.out += frame
         conn.last = time.monotonic()
-        self._flush(conn)
 
-    def _flush(self, conn: _Conn) -> bool:
-        """Write what the connection's client can take now; False when the connection ended."""
+    def _write(self, conn: _Conn) -> bool:
+        """Write what the connection's client can take now (by the thread that has the connection: the loop, or
+        the finisher while the connection waits for its batch); False when the connection broke."""
         try:
             while conn.out:
                 n = conn.sock.send(conn.out)
@@ -269,11 +358,18 @@ class BatchLoop:
         except OSError as e:
             log.debug("%s: connection %d ended: %s", self.host.name, conn.session.number, e)
             conn.session.gone.set()
-            self._end(conn)
             return False
         if conn.held and not conn.out:
             conn.held = False
             self.host.release(conn.session)
+        return True
+
+    def _flush(self, conn: _Conn) -> bool:
+        """In the loop: write what the client can take now, and wait to write the rest; False when the connection
+        ended."""
+        if not self._write(conn):
+            self._end(conn)
+            return False
         events = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.out else 0)
         with contextlib.suppress(KeyError, ValueError):
             if self._sel.get_key(conn.sock).events != events:
@@ -282,20 +378,30 @@ class BatchLoop:
 
     def _away(self, conn: _Conn, parsed: tuple[int, str, dict[str, Any]] | None) -> None:
         """Hand the connection to its thread for one request (``parsed``, or the next frame it reads)."""
-        self._sel.unregister(conn.sock)
+        if not conn.away:  # else out of the selector already (its batch)
+            self._sel.unregister(conn.sock)
         conn.away = True
         conn.sock.setblocking(True)
         conn.session.executor.submit(self._step, conn, parsed)
 
     def _step(self, conn: _Conn, parsed: tuple[int, str, dict[str, Any]] | None) -> None:
-        """In the connection's thread: its one request, then back to the loop (or its end)."""
-        going = False
+        """In the connection's thread: its requests, one after another on the blocking socket (as the thread per
+        connection serves them: a connection whose requests do not run together costs no hand-off per request),
+        until one that runs together comes: then back to the loop with it (or the connection's end)."""
+        going: bool | tuple[int, str, dict[str, Any]] = False
         try:
-            going = self.host.direct_step(conn.session, conn.sock, conn.buf, self.aio, parsed)
+            while True:
+                going = self.host.direct_step(conn.session, conn.sock, conn.buf, self.aio, parsed,
+                                              self.host.may_run_together)
+                parsed = None
+                if going is not True or self._stopping:
+                    break
         finally:
             if self._stopping:  # the loop is gone or going: the connection ends here
                 conn.sock.close()
                 conn.ended()
+            elif isinstance(going, tuple):
+                self._post("handed", (conn, going))
             else:
                 self._post("back" if going else "end", conn)
 

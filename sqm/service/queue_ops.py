@@ -125,17 +125,25 @@ def get(svc: Service, session: Session, args: dict[str, Any]) -> dict[str, Any]:
     return message_to_wire(m)
 
 
+def runs_together(op: str, args: dict[str, Any]) -> bool:
+    """Whether a request is of the kinds ``together`` takes, from its shape alone (no check of its arguments'
+    values): a put outside syncpoint that is not non-persistent, a get outside syncpoint with no selection."""
+    if op not in ("put", "get") or args.get("syncpoint", True) is not False:
+        return False
+    if op == "put":
+        return args.get("persistent", True) is not False
+    return args.get("msgid") is None and args.get("correlid") is None
+
+
 def together(svc: Service, session: Session, op: str, args: dict[str, Any]) -> OnePut | OneGet | None:
     """The request as a call that runs together with other connections' (sqm.core.lifecycles): a persistent put
     outside syncpoint, or a get outside syncpoint of the next message; None for any other request (it goes by its
     own handler). Raises what its handler would raise for its arguments."""
-    if op not in ("put", "get") or args.get("syncpoint", True) is not False:
+    if not runs_together(op, args):
         return None
     if op == "put":
         spec = _put_spec(svc, args, "put")
         return OnePut(spec) if spec.persistent else None
-    if args.get("msgid") is not None or args.get("correlid") is not None:
-        return None
     wait_ms = _get_wait(svc, args, "get")
     return OneGet(_plain(svc, arg(args, "get", "queue", str), "get"),
                   max_length=session.reply_limit - ENVELOPE - MESSAGE_COST, wait_ms=wait_ms, gone=session.gone)
@@ -338,4 +346,4 @@ OPERATIONS = (
 )
 
 __all__ = ["COMPANION_SUFFIXES", "MAX_BATCH", "MAX_BROWSE", "MAX_UOW_ATTRIBUTES", "OPERATIONS", "Service", "Session",
-           "together", "together_result"]
+           "runs_together", "together", "together_result"]

@@ -37,7 +37,7 @@ from cfemu.errors import BadRequestError, ClientGoneError, FencedError, MQError,
 from cfemu.latency import Latencies
 from cfemu.repository import RepositoryError
 from sqm.conversations import ops as conversation_ops
-from sqm.core.lifecycles import Lifecycles, OneGet, OnePut, Outcome
+from sqm.core.lifecycles import Begun, Lifecycles, OneGet, OnePut
 from sqm.core.manager import CF_DOWN, QueueManager, QueueManagerConfig
 from sqm.log import LogLockedError
 from sqm.operations import OPERATOR, ROLES, Handler, NotLoggedOnError, short
@@ -69,6 +69,7 @@ from sqm.service.session import (
     OP_LABEL_UNKNOWN,
     Session,
     Stats,
+    Together,
     Warnings,
 )
 from sqm.service.transport import Transport
@@ -330,44 +331,61 @@ class SQMServer:
         log.error("%s: %s failed", self.qm.name, op, exc_info=e)  # the server stays up; the failure is in its log
         return MQError(f"internal error in {op}: {type(e).__name__}: {e}")
 
-    def run_together(self, requests: list[tuple[Session, int, str, dict[str, Any]]]) -> list[dict[str, Any] | None]:
-        """Requests of several connections that the dispatcher let run (``refusal``), each connection's one, run
-        together where they can be (queue_ops.together: puts and gets outside syncpoint, sqm.core.lifecycles):
-        the reply of each, or None for one to run by ``dispatch`` (any other request, or one the batch leaves to
-        its own path). Runs on the service's event loop (sqm.service.batch_loop), under no request slot: one
-        thread runs the whole batch."""
-        replies: list[dict[str, Any] | None] = [None] * len(requests)
-        calls: list[tuple[int, OnePut | OneGet]] = []
+    def may_run_together(self, op: str, args: dict[str, Any]) -> bool:
+        """Whether a request is of the kinds begin_together runs together (queue_ops.runs_together)."""
+        return queue_ops.runs_together(op, args)
+
+    def begin_together(self, requests: list[tuple[Session, int, str, dict[str, Any]]]) -> Together:
+        """Requests of several connections that the dispatcher let run (``refusal``), each connection's one, begun
+        together where they can be (queue_ops.together: puts and gets outside syncpoint; sqm.core.lifecycles):
+        their CF scripts in one round trip, their records appended. ``finish_together`` forces and commits them
+        and makes their replies; a reply left None is for a request to run by ``dispatch`` (any other request, or
+        one the batch leaves to its own path). Runs on the service's event loop (sqm.service.batch_loop), under no
+        request slot: one thread runs the whole batch."""
+        t = Together(requests, [None] * len(requests))
+        calls: list[OnePut | OneGet] = []
         for k, (session, rid, op, args) in enumerate(requests):
             try:
                 call = queue_ops.together(self, session, op, args)
             except Exception as e:
-                replies[k] = error_reply(rid, self._as_error(op, e), **session.flags())
+                t.replies[k] = error_reply(rid, self._as_error(op, e), **session.flags())
                 continue
             if call is not None:
-                calls.append((k, call))
-        if not calls:
-            return replies
-        t0 = time.perf_counter()
-        try:
-            outcomes: list[Outcome] = self.lifecycles.run([c for _, c in calls])
-        except Exception as e:  # each request hears it, as each would alone
-            outcomes = [self._as_error("put", e)] * len(calls)
-        took = time.perf_counter() - t0
-        now = time.time()
-        for (k, call), outcome in zip(calls, outcomes, strict=True):
-            if outcome is None:
-                continue
-            session, rid, op, _ = requests[k]
-            session.served += 1
-            session.last_request = now
-            self.op_seconds[op].observe(took)
+                t.index.append(k)
+                calls.append(call)
+        if calls:
+            t.started = time.perf_counter()
             try:
-                replies[k] = ok_reply(rid, queue_ops.together_result(self, session, call, outcome),
-                                      **session.flags())
-            except Exception as e:
-                replies[k] = error_reply(rid, self._as_error(op, e), **session.flags())
-        return replies
+                t.begun = self.lifecycles.begin(calls)
+            except Exception as e:  # each request hears it, as each would alone
+                t.begun = Begun(calls, [self._as_error("put", e)] * len(calls))
+        return t
+
+    def finish_together(self, batches: list[Together]) -> None:
+        """Force and commit begun batches together (one fsync, one CF round trip), then make their replies."""
+        begun = [t.begun for t in batches if t.begun is not None]
+        try:
+            self.lifecycles.finish(begun)
+        except Exception as e:  # each request not finished hears it
+            for b in begun:
+                b.out = [o if isinstance(o, MQError) else self._as_error("commit", e) for o in b.out]
+        now = time.time()
+        for t in batches:
+            if t.begun is None:
+                continue
+            took = time.perf_counter() - t.started
+            for k, call, outcome in zip(t.index, t.begun.calls, t.begun.out, strict=True):
+                if outcome is None:
+                    continue
+                session, rid, op, _ = t.requests[k]
+                session.served += 1
+                session.last_request = now
+                self.op_seconds[op].observe(took)
+                try:
+                    t.replies[k] = ok_reply(rid, queue_ops.together_result(self, session, call, outcome),
+                                            **session.flags())
+                except Exception as e:
+                    t.replies[k] = error_reply(rid, self._as_error(op, e), **session.flags())
 
     def _still_wanted(self, session: Session, op: str) -> None:
         """A request that waited for its slot runs only if the server is not stopping and its client is still

@@ -37,6 +37,7 @@ import os
 import select
 import socket
 import ssl
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -64,7 +65,7 @@ from sqm.service.protocol import (
     recv_frame_length,
     recv_until,
 )
-from sqm.service.session import OP_LABEL_UNKNOWN, ByteBudget, Session, Stats, Warnings, op_label
+from sqm.service.session import OP_LABEL_UNKNOWN, ByteBudget, Session, Stats, Together, Warnings, op_label
 
 log = logging.getLogger("sqm.service.server")  # the service's log lines keep one logger name
 
@@ -112,8 +113,11 @@ class Host(Protocol):
 
     def dispatch(self, session: Session, rid: int, op: str, args: dict[str, Any]) -> dict[str, Any]: ...
 
-    def run_together(self, requests: list[tuple[Session, int, str, dict[str, Any]]]) -> list[dict[str, Any] | None]:
-        ...
+    def may_run_together(self, op: str, args: dict[str, Any]) -> bool: ...
+
+    def begin_together(self, requests: list[tuple[Session, int, str, dict[str, Any]]]) -> Together: ...
+
+    def finish_together(self, batches: list[Together]) -> None: ...
 
     async def end_session(self, session: Session) -> None: ...
 
@@ -567,6 +571,7 @@ class Transport:
     async def _serve_on_loop(self, session: Session, sock: socket.socket, buf: bytearray,
                              loop: asyncio.AbstractEventLoop) -> None:
         """The connection joins the service's event loop (sqm.service.batch_loop) until it ends."""
+        set_kernel_timeout(sock, self.config.idle_timeout_s)  # while its thread has it, reading (the direct path)
         if self._batch is None:
             self._batch = BatchLoop(self, loop, self.config.idle_timeout_s, self.host.request_stop, FREE_FRAME)
         ended: asyncio.Future[None] = loop.create_future()
@@ -590,14 +595,25 @@ class Transport:
     def loop_request(self, session: Session, body: bytes) -> tuple[int, str, dict[str, Any]] | dict[str, Any]:
         return self._admit(session, self._parse(session, body))
 
-    def run_together(self, requests: list[tuple[Session, int, str, dict[str, Any]]]) -> list[dict[str, Any] | None]:
-        with self.stats.lock:
+    def may_run_together(self, op: str, args: dict[str, Any]) -> bool:
+        return self.host.may_run_together(op, args)
+
+    def begin_together(self, requests: list[tuple[Session, int, str, dict[str, Any]]]) -> Together:
+        with self.stats.lock:  # in flight until finished (the shutdown waits for them)
             self.stats.inflight += len(requests)
         try:
-            return self.host.run_together(requests)
-        finally:
+            return self.host.begin_together(requests)
+        except BaseException:
             with self.stats.lock:
                 self.stats.inflight -= len(requests)
+            raise
+
+    def finish_together(self, batches: list[Together]) -> None:
+        try:
+            self.host.finish_together(batches)
+        finally:
+            with self.stats.lock:
+                self.stats.inflight -= sum(len(t.requests) for t in batches)
 
     def finish(self, session: Session, rid: int, op: str, reply: dict[str, Any]) -> bytes:
         reply, frame = self._bounded(session, rid, op, reply)
@@ -617,16 +633,20 @@ class Transport:
                      loop: asyncio.AbstractEventLoop) -> None:
         try:
             set_kernel_timeout(sock, self.config.idle_timeout_s)
-            while self.direct_step(session, sock, buf, loop):
+            while self.direct_step(session, sock, buf, loop) is True:
                 pass
         finally:
             self.budget.release(session)
             sock.close()
 
     def direct_step(self, session: Session, sock: socket.socket, buf: bytearray, loop: asyncio.AbstractEventLoop,
-                    parsed: tuple[int, str, dict[str, Any]] | None = None) -> bool:
+                    parsed: tuple[int, str, dict[str, Any]] | None = None,
+                    hand_back: Callable[[str, dict[str, Any]], bool] | None = None
+                    ) -> bool | tuple[int, str, dict[str, Any]]:
         """One request of a connection served on its blocking socket (its next frame read into buf first, unless
-        ``parsed`` is the request, read already), answered; False when the connection is to end."""
+        ``parsed`` is the request, read already), answered; False when the connection is to end. A request read
+        here that ``hand_back(op, args)`` wants (a small frame) is returned instead, not run: the event loop runs
+        it (sqm.service.batch_loop)."""
         request: tuple[int, str, dict[str, Any]] | dict[str, Any] | None = parsed
         try:
             if request is None:
@@ -647,6 +667,9 @@ class Transport:
                     sock.sendall(encode_frame(got))
                     return True
                 request = self._parse(session, got[0])
+                if hand_back is not None and not got[1] and isinstance(request, tuple) \
+                        and hand_back(request[1], request[2]):
+                    return request
                 del got  # the frame's bytes: its request holds what it needs (its reservation covers both)
             reply = self._direct_request(session, request)
             if reply is None:
