@@ -112,6 +112,8 @@ class BatchLoop:
         self.batched = 0
         # Batches begun by the loop, for the finisher (their force, their commits), which hands them back done.
         self._begun: queue.SimpleQueue[tuple[Together, list[_Conn]] | None] = queue.SimpleQueue()
+        self._pending = 0  # batches handed to the finisher and not yet back (the loop's count)
+        self._finisher_closed = False  # set by stop: the loop finishes what it begins itself
         self._thread = threading.Thread(target=self._run, name=f"{host.name}-loop", daemon=True)
         self._finisher = threading.Thread(target=self._finish, name=f"{host.name}-commit", daemon=True)
         self._thread.start()
@@ -132,7 +134,9 @@ class BatchLoop:
     def stop(self) -> None:
         """End the loop: the batches begun are finished and answered, then every connection it holds is shut down
         and ended (those with their thread end there)."""
-        self._begun.put(None)
+        with self._lock:
+            self._finisher_closed = True
+            self._begun.put(None)
         self._finisher.join(timeout=30)
         self._stopping = True
         with contextlib.suppress(OSError):
@@ -157,24 +161,29 @@ class BatchLoop:
                     break
             begun = [b for b in batches if b is not None]
             if begun:
-                try:
-                    self.host.finish_together([t for t, _ in begun])
-                    self._reply(begun)
-                except Exception as e:  # never made again by another path: its outcome is not known
-                    log.exception("%s: finishing a batch failed", self.host.name)
-                    for t, _ in begun:
-                        t.replies = [r or error_reply(req[1], OutcomeUnknownError(f"{req[2]}: {e}"))
-                                     for r, req in zip(t.replies, t.requests, strict=True)]
+                self._complete(begun)
                 self._post("done", begun)
             if batches[-1] is None:
                 return
+
+    def _complete(self, begun: list[tuple[Together, list[_Conn]]]) -> None:
+        """Force and commit begun batches, then write their replies (in the finisher, or in the loop when it
+        began the only batch its connections can have)."""
+        try:
+            self.host.finish_together([t for t, _ in begun])
+            self._reply(begun)
+        except Exception as e:  # never made again by another path: its outcome is not known
+            log.exception("%s: finishing a batch failed", self.host.name)
+            for t, _ in begun:
+                t.replies = [r or error_reply(req[1], OutcomeUnknownError(f"{req[2]}: {e}"))
+                             for r, req in zip(t.replies, t.requests, strict=True)]
 
     # --- the loop's thread --------------------------------------------------------------------------------------
     def _run(self) -> None:
         try:
             ready: list[_Conn] = []
             while not self._stopping:
-                timeout = 0.0 if ready else self._next_idle()
+                timeout = 0.0 if ready or self._back or self._handed else self._next_idle()
                 for key, events in self._sel.select(timeout):
                     if key.data is None:
                         self._drain_wake()
@@ -186,8 +195,8 @@ class BatchLoop:
                         continue
                     if conn not in ready:
                         ready.append(conn)
-                ready = self._turn(ready + [c for c in self._back if c not in ready])
-                self._back = []
+                back, self._back = self._back, []
+                ready = self._turn(ready + [c for c in back if c not in ready])
                 self._close_idle()
         except Exception:  # the loop must not die silently: its connections would hang
             log.exception("%s: the service's event loop failed; its connections are closed", self.host.name)
@@ -211,6 +220,7 @@ class BatchLoop:
             inbox, self._inbox = self._inbox, []
         for what, item in inbox:
             if what == "done":
+                self._pending -= len(item)
                 self._answer(item)
                 continue
             if what == "handed":  # back with a request to run together: it waits in the loop for its batch
@@ -296,7 +306,14 @@ class BatchLoop:
                     self._sel.unregister(conn.sock)
                 conn.away = True
             t = self.host.begin_together([(c.session, rid, op, args) for c, rid, op, args in together])
-            self._begun.put((t, conns))
+            with self._lock:
+                handed = not self._finisher_closed and (self._pending or len(self._conns) > len(conns))
+                if handed:
+                    self._pending += 1
+                    self._begun.put((t, conns))
+            if not handed:  # no other connection can send meanwhile (or the finisher stopped): finished here
+                self._complete([(t, conns)])
+                self._answer([(t, conns)])
         return [c for c in ready if c in self._conns and not c.away and not c.out and self._whole(c)]
 
     def _reply(self, done: list[tuple[Together, list[_Conn]]]) -> None:

@@ -666,7 +666,7 @@ class Transport:
                 if isinstance(got, dict):  # refused for the budget, its body dropped: the connection goes on
                     sock.sendall(encode_frame(got))
                     return True
-                request = self._parse(session, got[0])
+                request = self._admit(session, self._parse(session, got[0]))
                 if hand_back is not None and not got[1] and isinstance(request, tuple) \
                         and hand_back(request[1], request[2]):
                     return request
