@@ -12,7 +12,9 @@ request may run, and the end of a connection's session); the rest is in its own 
 - sqm.service.config: ServerConfig and the exit codes of ``sqm run``.
 
 Each client connection gets one worker thread: its requests run there one after another, on one
-sqm.core.connection.Connection. When the connection goes away its open UOW is backed out (MQ backs out on an abnormal
+sqm.core.connection.Connection; the puts and gets outside syncpoint that arrive together on several plain
+connections run instead as one batch on the service's event loop (sqm.service.batch_loop, ``begin_together`` and
+``finish_together`` here; ``--thread-per-connection`` turns it off). When the connection goes away its open UOW is backed out (MQ backs out on an abnormal
 end); a prepared (in-doubt) UOW stays in doubt for its coordinator.
 
 Exit codes of ``sqm run``: 0 after a graceful shutdown (SIGTERM/SIGINT, with a checkpoint), 1 on a failure,
