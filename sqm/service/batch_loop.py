@@ -301,17 +301,21 @@ class BatchLoop:
             self.batches += 1
             self.batched += len(together)
             conns = [c for c, _, _, _ in together]
-            for conn in conns:  # each waits for its reply, reading nothing meanwhile (order per connection)
-                if not conn.away:  # else handed by its thread, out of the selector already
-                    self._sel.unregister(conn.sock)
-                conn.away = True
+            with self._lock:  # with no other connection to read meanwhile, the loop finishes the batch itself
+                alone = self._finisher_closed or not (self._pending or len(self._conns) > len(conns))
+            if not alone:
+                for conn in conns:  # each waits for its reply, reading nothing meanwhile (order per connection)
+                    if not conn.away:  # else handed by its thread, out of the selector already
+                        self._sel.unregister(conn.sock)
+                    conn.away = True
             t = self.host.begin_together([(c.session, rid, op, args) for c, rid, op, args in together])
-            with self._lock:
-                handed = not self._finisher_closed and (self._pending or len(self._conns) > len(conns))
-                if handed:
-                    self._pending += 1
-                    self._begun.put((t, conns))
-            if not handed:  # no other connection can send meanwhile (or the finisher stopped): finished here
+            if not alone:
+                with self._lock:
+                    alone = self._finisher_closed  # it stopped meanwhile
+                    if not alone:
+                        self._pending += 1
+                        self._begun.put((t, conns))
+            if alone:
                 self._complete([(t, conns)])
                 self._answer([(t, conns)])
         return [c for c in ready if c in self._conns and not c.away and not c.out and self._whole(c)]
@@ -341,7 +345,10 @@ class BatchLoop:
                 if conn.session.gone.seen_to_leave():  # its connection broke while the finisher wrote
                     self._end(conn)
                     continue
-                self._back_to_loop(conn)
+                if conn.away:
+                    self._back_to_loop(conn)
+                elif conn.buf:  # finished by the loop itself, still in the selector: its next request
+                    self._back.append(conn)
                 self._flush(conn)
 
     def _whole(self, conn: _Conn) -> bool:
