@@ -20,6 +20,9 @@ its reply. Each contender runs on 127.0.0.1, started here and stopped here (by p
                 grouping of concurrent requests' CF calls, sqm.core.cfgroup); measured only when named in --peers.
   sqm-service-tcp: the same, the members reaching the CF over loopback TCP rather than its Unix-domain socket
                 (the local cluster's default); measured only when named in --peers.
+  sqm-service-base, sqm-service-1-base: sqm-service and sqm-service-1 with the members running the code of
+                --base-tree (an export of main, say: the A/B of a change in one run; run the benchmark from a
+                directory that holds no package of the project); measured only when named in --peers.
 --batch B [B ...]: the batched lifecycle as well, per message: B messages put and committed together, then got and
 committed together (PostgreSQL: a multi-row INSERT, a DELETE of B rows; durable Redis: pipelines of B LPUSH, LMOVE,
 LREM; the SQM: put_batch and get_batch with their commit in the same request; B=0 is the one-message lifecycle).
@@ -40,7 +43,7 @@ as skipped, with the reason, and no figure.
 
     .venv/bin/python bench/bench_peers.py [--quick] [--seconds 5] [--rounds 3] [--clients 1 8 32]
         [--peers postgres rabbitmq redis-aof sqm-inproc sqm-service sqm-service-1 sqm-service-ungrouped]
-        [--servers 1] [--no-install] [--json]
+        [--servers 1] [--base-tree PATH] [--no-install] [--json]
 
 Work files (PostgreSQL's cluster, RabbitMQ's node, the SQM logs, the AOF) live under the system's temp directory
 (--work-dir; a real disk: fsync must cost what it costs; not the repository's var/, which is private to its owner
