@@ -125,10 +125,7 @@ class GroupedCF(CF):
         return call.reply
 
     def run_many(self, calls: Sequence[tuple[str, str, Sequence[Any]]]) -> list[Any]:
-        """CF.run_many (one round trip of its own for a batch's calls), counted; a batch of one call goes as a
-        call (``run``: the plain path, cheaper than a pipeline, or the next shared round trip)."""
-        if len(calls) == 1:
-            return [self._run_or_error(*calls[0])]
+        """CF.run_many (one round trip of its own for a batch's calls), counted."""
         self.round_trips += 1
         self.calls += len(calls)
         self.largest = max(self.largest, len(calls))
