@@ -3,9 +3,12 @@ request, runs the requests that arrived together as one batch, and writes their 
 
 Each turn: ``select`` on every connection the loop holds; read what each ready one has (non-blocking); take from
 each at most one whole request (a connection's next request is never begun before its previous reply is out:
-order per connection); run those the host can run together in one call (``Host.run_together``: puts and gets
-outside syncpoint, one CF round trip for their scripts, one append and one fsync for their records, one round trip
-for their commits; sqm.core.lifecycles), then send their replies, each only after its commit is on disk.
+order per connection); begin those the host can run together as one batch (``LoopHost.begin_together``: puts and
+gets outside syncpoint, one CF round trip for their scripts, their records and COMMITs appended;
+sqm.core.lifecycles). The finisher thread then forces every batch begun meanwhile with one fsync, applies their
+commits in one CF round trip (``LoopHost.finish_together``) and writes each reply, only after its COMMIT is on
+disk; while it does, the loop reads and begins the next batch. With no other connection to read meanwhile, the
+loop finishes its batch itself (one client pays no hand-off).
 
 A request of any other kind, a frame that is large or not whole yet, and a request the batch leaves to its own
 path go as before: the connection is handed to its own thread for that one request (sqm.service.transport,
@@ -146,8 +149,8 @@ class BatchLoop:
     # --- the finisher's thread -----------------------------------------------------------------------------------
     def _finish(self) -> None:
         """Force and commit the batches the loop began, as many together as have been begun meanwhile (one fsync
-        and one CF round trip for all of them: while one batch's force runs, the loop begins the next), and hand
-        them back to the loop, which sends their replies."""
+        and one CF round trip for all of them: while one batch's force runs, the loop begins the next), write
+        their replies, and hand their connections back to the loop."""
         while True:
             first = self._begun.get()
             batches = [first]
