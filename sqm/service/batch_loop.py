@@ -260,6 +260,8 @@ class BatchLoop:
                     return False
                 conn.buf += chunk
                 got += len(chunk)
+                if len(chunk) < READ_CHUNK:  # the socket is drained: no read more to learn it
+                    break
         except (BlockingIOError, InterruptedError):
             pass
         except OSError as e:
