@@ -20,6 +20,9 @@ its reply. Each contender runs on 127.0.0.1, started here and stopped here (by p
                 grouping of concurrent requests' CF calls, sqm.core.cfgroup); measured only when named in --peers.
   sqm-service-tcp: the same, the members reaching the CF over loopback TCP rather than its Unix-domain socket
                 (the local cluster's default); measured only when named in --peers.
+  sqm-service-base, sqm-service-1-base: sqm-service and sqm-service-1 with the members running the code of
+                --base-tree (an export of main, say: the A/B of a change in one run; run the benchmark from a
+                directory that holds no package of the project); measured only when named in --peers.
 --batch B [B ...]: the batched lifecycle as well, per message: B messages put and committed together, then got and
 committed together (PostgreSQL: a multi-row INSERT, a DELETE of B rows; durable Redis: pipelines of B LPUSH, LMOVE,
 LREM; the SQM: put_batch and get_batch with their commit in the same request; B=0 is the one-message lifecycle).
@@ -40,7 +43,7 @@ as skipped, with the reason, and no figure.
 
     .venv/bin/python bench/bench_peers.py [--quick] [--seconds 5] [--rounds 3] [--clients 1 8 32]
         [--peers postgres rabbitmq redis-aof sqm-inproc sqm-service sqm-service-1 sqm-service-ungrouped]
-        [--servers 1] [--no-install] [--json]
+        [--servers 1] [--base-tree PATH] [--no-install] [--json]
 
 Work files (PostgreSQL's cluster, RabbitMQ's node, the SQM logs, the AOF) live under the system's temp directory
 (--work-dir; a real disk: fsync must cost what it costs; not the repository's var/, which is private to its owner
@@ -93,7 +96,10 @@ STRUCTURE, QUEUE = "APP1", "Q1"
 # benchmark baseline): the A/B of the grouping in one run, measured only when named (--peers).
 # sqm-service-tcp: the service with its members reaching the CF over loopback TCP instead of the CF's Unix-domain
 # socket (the local cluster's default, cfemu cluster up --no-cf-socket): the A/B of the socket in one run.
-BASELINES = ("sqm-service-ungrouped", "sqm-service-tcp")
+# sqm-service-base, sqm-service-1-base: sqm-service and sqm-service-1 with their members running the code of another
+# tree (--base-tree: an export of the main branch, say): the A/B of a change to the member in one run, measured only
+# when named.
+BASELINES = ("sqm-service-ungrouped", "sqm-service-tcp", "sqm-service-base", "sqm-service-1-base")
 PEERS = ("postgres", "rabbitmq", "redis-aof", "sqm-inproc", "sqm-service", "sqm-service-1", *BASELINES)
 ALL_CLIENTS = (1, 2, 4, 8, 16, 32, 64)
 # The contenders with a batched lifecycle (--batch; make_batch_loop). RabbitMQ's would be B publishes and one wait
@@ -492,6 +498,25 @@ class SQMServiceOneCall(SQMService):
     name = "sqm-service-1"
 
 
+class SQMServiceBase(SQMService):
+    """sqm-service with its members (and the cluster's other processes) running the code of --base-tree."""
+
+    name = "sqm-service-base"
+
+    def start(self) -> None:
+        if self.args.base_tree is None:
+            raise SystemExit(f"{self.name} needs --base-tree")
+        self.member_env = {"PYTHONPATH": str(self.args.base_tree.resolve())}
+        super().start()
+        self.servers_note += f"; the members run the code of {self.args.base_tree}"
+
+
+class SQMServiceOneCallBase(SQMServiceBase):
+    """sqm-service-1 with its members running the code of --base-tree."""
+
+    name = "sqm-service-1-base"
+
+
 class SQMServiceUngrouped(SQMService):
     """The service with each of its CF calls in a round trip of its own: the baseline of the grouping of concurrent
     requests' CF calls (sqm.core.cfgroup), measured beside sqm-service in the same run."""
@@ -516,6 +541,8 @@ class SQMServiceTCP(SQMService):
 CONTENDERS: dict[str, type[Contender]] = {"postgres": Postgres, "rabbitmq": RabbitMQ, "redis-aof": RedisAOF,
                                           "sqm-inproc": SQMInProcess, "sqm-service": SQMService,
                                           "sqm-service-1": SQMServiceOneCall,
+                                          "sqm-service-base": SQMServiceBase,
+                                          "sqm-service-1-base": SQMServiceOneCallBase,
                                           "sqm-service-ungrouped": SQMServiceUngrouped,
                                           "sqm-service-tcp": SQMServiceTCP}
 
@@ -588,7 +615,8 @@ def make_loop(kind: str, params: dict[str, Any], index: int, qm: Any) -> tuple[C
                 n += 1
             return n
         return red, client.close
-    if kind in ("sqm-service", "sqm-inproc", "sqm-service-1", "sqm-service-ungrouped", "sqm-service-tcp"):
+    if kind in ("sqm-service", "sqm-inproc", "sqm-service-1", "sqm-service-base", "sqm-service-1-base",
+                "sqm-service-ungrouped", "sqm-service-tcp"):
         if kind.startswith("sqm-service"):
             from sqm.service.client import Client
             eps = params["endpoints"]
@@ -613,7 +641,7 @@ def make_loop(kind: str, params: dict[str, Any], index: int, qm: Any) -> tuple[C
                 handle.commit()
                 n += 1
             return n
-        return (sqm_one_call if kind == "sqm-service-1" else sqm), handle.close
+        return (sqm_one_call if kind.startswith("sqm-service-1") else sqm), handle.close
     raise ValueError(kind)
 
 
@@ -826,6 +854,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", type=int, nargs="+", default=list(ALL_CLIENTS))
     ap.add_argument("--peers", nargs="+", choices=PEERS, default=[p for p in PEERS if p not in BASELINES])
     ap.add_argument("--servers", type=int, default=1, help="`sqm run` servers for sqm-service (default 1)")
+    ap.add_argument("--base-tree", type=Path, default=None,
+                    help="for sqm-service-1-base: a source tree whose code its members run (run this benchmark "
+                         "from a directory that holds no package of the project, so the tree's PYTHONPATH decides)")
     ap.add_argument("--client-procs", type=int, default=2, help="client worker processes per contender")
     ap.add_argument("--no-install", dest="install", action="store_false",
                     help="skip a contender that is not installed instead of installing it")

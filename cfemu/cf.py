@@ -541,6 +541,18 @@ class Structure:
         return self._outcome("backout", caller, uow, [gen, lrsn, 1 if has_data else 0,
                                                       1 if decided_by_recovery else 0, at], step)
 
+    def commit_call(self, caller: Caller, uow: str, *, gen: int, lrsn: int, at: int = 0,
+                    step: int = CF_STEP) -> tuple[str, str, list[Any]]:
+        """The first call of commit() as a call for CF.run_many (op, structure, args); its reply read by
+        step_more."""
+        return "commit", self.name, [caller.member, caller.epoch, caller.clock.now(), uow, gen, lrsn, 0, at, 0, step]
+
+    @staticmethod
+    def step_more(caller: Caller, out: Any) -> bool:
+        """The reply of one call of commit.lua or backout.lua: whether more is to be done (call it again)."""
+        caller.clock.observe(int(out[0]))
+        return bool(int(out[3]))
+
     def commit_step(self, caller: Caller, uow: str, *, gen: int, lrsn: int, at: int = 0,
                     decided_by_recovery: bool = False, later: bool = False, step: int = CF_STEP) -> OutcomeStep:
         """One call of commit.lua: at most `step` units of work. later: this caller's previous call of this commit

@@ -124,6 +124,13 @@ class GroupedCF(CF):
             raise call.error
         return call.reply
 
+    def run_many(self, calls: Sequence[tuple[str, str, Sequence[Any]]]) -> list[Any]:
+        """CF.run_many (one round trip of its own for a batch's calls), counted."""
+        self.round_trips += 1
+        self.calls += len(calls)
+        self.largest = max(self.largest, len(calls))
+        return super().run_many(calls)
+
     def _one(self, op: str, structure: str, args: Sequence[Any]) -> Any:
         self.round_trips += 1
         self.calls += 1
@@ -140,7 +147,7 @@ class GroupedCF(CF):
             self.largest = max(self.largest, len(batch))
             self._leader = threading.get_ident()
             try:
-                replies = super().run_many([(c.op, c.structure, c.args) for c in batch])
+                replies = CF.run_many(self, [(c.op, c.structure, c.args) for c in batch])  # counted above
             except BaseException as e:  # the connection failed: which calls ran is unknown, to each of them
                 for c in batch:
                     c.error = _copy_failure(e)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol
@@ -37,6 +37,7 @@ from sqm.core.clock import LrsnClock, now_ms
 from sqm.core.config import QueueManagerConfig
 from sqm.core.failpoints import failpoint
 from sqm.core.messaging import UnitOfWorkScope
+from sqm.core.outcomes import Decided
 from sqm.core.random_bytes import random_bytes
 from sqm.core.records import INDOUBT, INFLIGHT, Record
 from sqm.core.uow import UnitOfWork
@@ -87,6 +88,8 @@ class QueueManagerPort(MemberWork, Protocol):
     def complete(self, uow: UnitOfWork, commit: bool, *, reason: str = "application",
                  for_member: str | None = None, pstore_checked: bool = False) -> None: ...
     def confirm_prepared(self, uow: UnitOfWork) -> None: ...
+    def decide_many(self, uows: list[UnitOfWork], logged: list[Record]) -> Decided: ...
+    def apply_many(self, batches: list[Decided]) -> None: ...
 
 
 @dataclass
@@ -418,7 +421,7 @@ class Connection(UnitOfWorkScope):
                 return s.put_call(qm.caller, entry, bodies[i], uow=uow.id,
                                   gen=uow.structures.get(qdef.structure, 0))
 
-            replies = self._batch_cf_call(uow, [q.structure for q, _ in made], call, len(made))
+            replies = self._batch_cf_call([uow] * len(made), [q.structure for q, _ in made], call, len(made))
             done: list[Message] = []
             error: MQError | None = None
             logged: list[Record] = []
@@ -502,7 +505,7 @@ class Connection(UnitOfWorkScope):
             longer = False  # a message longer than its share stays on the queue (the next batch's first)
             calls, made = n, 0  # gets in this round; gets of the batch made in earlier rounds
             while calls:
-                replies = self._batch_cf_call(uow, [sname] * calls, call, calls)
+                replies = self._batch_cf_call([uow] * calls, [sname] * calls, call, calls)
                 # Every reply is read, whatever came before it: a call after a refusal may still have taken a
                 # message (another member took the one refused meanwhile), and a message taken is the unit of work's.
                 again, exhausted = 0, False
@@ -597,8 +600,8 @@ class Connection(UnitOfWorkScope):
             self.qm.forget(uow)
             self.uow = None
 
-    def _batch_cf_call(self, uow: UnitOfWork, snames: list[str], call: Callable[[int], tuple[str, str, list[Any]]],
-                       n: int) -> list[Any]:
+    def _batch_cf_call(self, uows: Sequence[UnitOfWork], snames: list[str],
+                       call: Callable[[int], tuple[str, str, list[Any]]], n: int) -> list[Any]:
         """The n calls of a batch (call(i) makes the i-th) in one round trip (CF.run_many): each reply, or the
         error of its call, in its place. Without an answer (the CF or the link failed), what ran is unknown: every
         structure joins the unit of work, which can then only be backed out (as _uow_cf_call). A call refused
@@ -611,9 +614,9 @@ class Connection(UnitOfWorkScope):
             replies = qm.cf_call(lambda: qm.cf.run_many([call(i) for i in range(n)]))
         except StructureFailedError as e:
             if e.no_answer:
-                for sname in snames:
+                for uow, sname in zip(uows, snames, strict=True):
                     uow.structures.setdefault(sname, 0)
-                uow.doomed = uow.doomed or f"a batch of CF calls of it failed ({e})"
+                    uow.doomed = uow.doomed or f"a batch of CF calls of it failed ({e})"
             raise
         # A FENCED or NOTJOINED refusal comes before a script changes anything: made again through cf_call, which
         # joins the structure, or takes the newer epoch of a re-join, or marks this member fenced.
@@ -623,7 +626,7 @@ class Connection(UnitOfWorkScope):
 
         for i in again:
             try:
-                replies[i] = self._uow_cf_call(uow, snames[i], partial(rerun, i))
+                replies[i] = self._uow_cf_call(uows[i], snames[i], partial(rerun, i))
             except MQError as e:
                 replies[i] = e
         return list(replies)

@@ -17,6 +17,10 @@ Every failpoint in the project (add a row with each new ``failpoint()`` call):
     put-after-cf         sqm.core.connection (put in a UOW)      after the CF holds the put, before it is logged
     batch-before-force   sqm.core.connection (put_batch, get_batch)  after a batch's CF calls and its records'
                                                             appends, before its commit's force
+    lifecycles-before-force  sqm.core.outcomes (commit_many)   after a batch of puts and gets outside syncpoint
+                                                            appended its records and COMMITs, before their force
+    lifecycles-after-force   sqm.core.outcomes (commit_many)   after that force, before the commits are applied
+                                                            (no reply of the batch is sent)
     group-force          sqm.log.writer (RecordLog._lead_flush)  when other committers wait on a flush, before its
                                                             leader writes their records (none of them is on disk)
     shared-cf-round-trip sqm.core.cfgroup (GroupedCF._lead)   after the CF answered a round trip shared by

@@ -5,9 +5,11 @@ queue manager's own state)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -31,12 +33,15 @@ from cfemu.errors import (
 )
 from sqm.core import records
 from sqm.core.cfcall import CF_DOWN, reply_lost
+from sqm.core.cfgroup import GroupedCF
 from sqm.core.clock import LrsnClock
+from sqm.core.config import QueueManagerConfig
 from sqm.core.failpoints import failpoint
 from sqm.core.records import INBACKOUT, INCOMMIT, INDOUBT, INFLIGHT, Record
 from sqm.core.storereport import StoreReport
 from sqm.core.uow import UnitOfWork
 from sqm.log import RecordLog
+from sqm.log.format import LogPosition
 
 log = logging.getLogger("sqm")
 
@@ -44,6 +49,16 @@ log = logging.getLogger("sqm")
 # recovery, or its work there lost (confirm_prepared).
 NO_VOTE = {"B": "has it backed out by recovery", "C": "has it committed by recovery", "A": "has its put committed",
            "L": "lost its work (restored or purged since)"}
+
+
+@dataclass
+class Decided:
+    """Units of work whose COMMIT records are appended together (Outcomes.decide_many), to be forced and applied
+    (Outcomes.apply_many): the log position of the last, and each one's error (None: none yet)."""
+
+    uows: list[UnitOfWork]
+    errors: list[MQError | None]
+    position: LogPosition | None = None
 
 
 class Outcomes:
@@ -72,6 +87,12 @@ class Outcomes:
         def structure(self, name: str) -> Structure: ...
         def forget(self, uow: UnitOfWork) -> None: ...
         def append(self, record: Record, *, uow: UnitOfWork | None = None, state: str | None = None) -> None: ...
+        def append_many(self, recs: list[Record]) -> None: ...
+        def checkpoint(self, why: str) -> None: ...
+        def log_failure(self, e: OSError, uow: UnitOfWork | None = None) -> NoReturn: ...
+        config: QueueManagerConfig
+        cf: GroupedCF
+        activity: int
 
     def complete(self, uow: UnitOfWork, commit: bool, *, reason: str = "application",
                  for_member: str | None = None, pstore_checked: bool = False) -> None:
@@ -126,6 +147,11 @@ class Outcomes:
                               best_effort=not commit)
             failpoint("after-log-force" if commit else "backout-after-log")
         uow.state = INCOMMIT if commit else INBACKOUT
+        self._apply_decided(uow, commit, for_member, prepared)
+
+    def _apply_decided(self, uow: UnitOfWork, commit: bool, for_member: str | None, prepared: bool) -> None:
+        """Apply a decided outcome (complete, commit_many): a structure that cannot take it now leaves it pending,
+        and the application hears what it may know of it."""
         try:
             self.apply(uow, commit, for_member=for_member)
         except (StructureFailedError, *CF_DOWN) as e:
@@ -144,6 +170,89 @@ class Outcomes:
             raise
         finally:
             self.counters["commits" if commit else "backouts"] += 1
+
+    def decide_many(self, uows: list[UnitOfWork], logged: list[Record]) -> Decided:
+        """The first half of committing, together, units of work of one persistent put or get outside syncpoint each
+        whose own CF script just checked the persistent store (complete's pstore_checked): ``logged`` (their PUT
+        and GET records) and their COMMIT records appended under one hold of the lock, not yet forced. The second
+        half is ``apply_many``, which forces them (one fsync for every Decided it is given) before it applies any."""
+        self.check_usable()
+        decided = Decided(uows, [None] * len(uows))
+        if not uows:
+            return decided
+        if self.activity >= self.config.logload:
+            self.checkpoint("logload")
+        commits = [records.commit(u.id, self.clock.now(), u.structures) for u in uows]
+        assert self.log is not None
+        try:
+            with self.uow_lock:
+                for record in logged:
+                    self.log.append(record)
+                for u, record in zip(uows, commits, strict=True):
+                    decided.position = self.log.append(record)
+                    u.first_lrsn = u.first_lrsn or int(record["l"])
+                    u.decide(INCOMMIT, record)
+        except OSError as e:  # a COMMIT may be on disk: each outcome is unknown here (log_failure)
+            self._log_failed_for(decided, e)
+        self.activity += len(logged) + len(uows)
+        return decided
+
+    def _log_failed_for(self, decided: Decided, e: OSError) -> None:
+        for i, u in enumerate(decided.uows):
+            if decided.errors[i] is None:
+                try:
+                    self.log_failure(e, u)
+                except MQError as failed:
+                    decided.errors[i] = failed
+        decided.position = None
+
+    def apply_many(self, batches: list[Decided]) -> None:
+        """The second half (decide_many): every COMMIT of ``batches`` forced by one fsync, then their commits
+        applied in one CF round trip (each commit.lua atomic, in order). A commit the round trip did not finish
+        (refused, a floor, the CF gone) goes on alone by complete's path, as its own commit would have. Each
+        unit of work's error (None: committed) is in its Decided's ``errors``; every COMMIT is on disk, or its
+        unit of work has an error, before this returns."""
+        assert self.log is not None
+        failpoint("lifecycles-before-force")
+        for d in batches:
+            if d.position is None:
+                continue
+            try:
+                self.log.force(d.position)  # the first force takes the later batches' records with it
+            except OSError as e:
+                self._log_failed_for(d, e)
+        failpoint("lifecycles-after-force")
+        todo = [(d, i, u) for d in batches if d.position is not None for i, u in enumerate(d.uows)
+                if d.errors[i] is None]
+        calls = []
+        for _, _, u in todo:
+            (sname, gen), = u.structures.items()
+            calls.append(self.structure(sname).commit_call(self.caller, u.id, gen=gen, lrsn=u.record_lrsn,
+                                                           at=u.decided_lrsn))
+        try:
+            replies: list[Any] = self.cf_call(lambda: self.cf.run_many(calls)) if calls else []
+        except (MQError, *CF_DOWN) as e:
+            replies = [e] * len(calls)
+        ended: list[Record] = []
+        done: list[UnitOfWork] = []
+        for (d, i, u), reply in zip(todo, replies, strict=True):
+            self.counters["commits"] += 1
+            if isinstance(reply, BaseException) or Structure.step_more(self.caller, reply):
+                try:
+                    self._apply_decided(u, True, None, False)
+                except MQError as e:
+                    d.errors[i] = e
+                continue
+            u.applied.update(u.structures)
+            if self.store_report is not None:
+                self.store_report.outcome(u, True)
+            ended.append(records.end(u.id, self.clock.now()))
+            done.append(u)
+        if ended:
+            with contextlib.suppress(LogFailedError):  # applied: a restart completes them again from the log
+                self.append_many(ended)
+        for u in done:
+            self.forget(u)
 
     def _holds_persistent_gets(self, uow: UnitOfWork) -> bool:
         """The UOW holds a persistent get on the CF, or a structure cannot say (then it is taken to hold one)."""

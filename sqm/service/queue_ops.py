@@ -14,7 +14,8 @@ from cfemu.errors import BadRequestError, MQError, OutcomePendingError, Truncate
 from cfemu.topic_attributes import PUB_SUFFIX, SUB_SUFFIX
 from cfemu.uow_attributes import CONTROL_SUFFIX, DATA_SUFFIX
 from sqm import operations
-from sqm.core.connection import BatchResult, Connection, PutSpec
+from sqm.core.connection import BatchResult, Connection, Message, PutSpec
+from sqm.core.lifecycles import OneGet, OnePut
 from sqm.core.manager import QueueManager
 from sqm.operations import ANY_ROLE, OPERATOR, OPERATOR_ONLY, Operation, arg, short
 from sqm.service.protocol import ENVELOPE, MESSAGE_COST, NotAuthorizedError, error_reply, message_to_wire
@@ -76,27 +77,39 @@ def _plain(svc: Service, queue: str, op: str) -> str:
     return queue
 
 
+def _put_spec(svc: Service, args: dict[str, Any], op: str) -> PutSpec:
+    """A put's message from its arguments (a put's, or one of a put_batch's messages)."""
+    return PutSpec(_plain(svc, arg(args, op, "queue", str), "put"), arg(args, op, "body", bytes),
+                   persistent=arg(args, op, "persistent", bool, True), priority=arg(args, op, "priority", int, 0),
+                   msgid=arg(args, op, "msgid", bytes, None), correlid=arg(args, op, "correlid", bytes, b""),
+                   expiry_ms=arg(args, op, "expiry_ms", int, 0), properties=arg(args, op, "properties", dict, None))
+
+
 def put(svc: Service, session: Session, args: dict[str, Any]) -> dict[str, Any]:
     conn = _connection(svc, session)
-    queue = _plain(svc, arg(args, "put", "queue", str), "put")
-    m = conn.put(queue, arg(args, "put", "body", bytes),
-                 persistent=arg(args, "put", "persistent", bool, True),
-                 syncpoint=arg(args, "put", "syncpoint", bool, True),
-                 priority=arg(args, "put", "priority", int, 0),
-                 msgid=arg(args, "put", "msgid", bytes, None),
-                 correlid=arg(args, "put", "correlid", bytes, b""),
-                 expiry_ms=arg(args, "put", "expiry_ms", int, 0),
-                 properties=arg(args, "put", "properties", dict, None))
-    svc.activity.put(session.queues, queue)
+    spec = _put_spec(svc, args, "put")
+    m = conn.put(spec.queue, spec.body, persistent=spec.persistent, syncpoint=arg(args, "put", "syncpoint", bool, True),
+                 priority=spec.priority, msgid=spec.msgid, correlid=spec.correlid, expiry_ms=spec.expiry_ms,
+                 properties=spec.properties)
+    return _put_result(svc, session, m)
+
+
+def _put_result(svc: Service, session: Session, m: Message) -> dict[str, Any]:
+    svc.activity.put(session.queues, m.queue)
     m.body = b""  # the client has the body; do not send it back
     return message_to_wire(m)
 
 
+def _get_wait(svc: Service, args: dict[str, Any], op: str) -> int:
+    wait_ms = arg(args, op, "wait_ms", int, 0)
+    if not 0 <= wait_ms <= svc.max_wait_ms:
+        raise BadRequestError(f"{op}: wait_ms must be 0-{svc.max_wait_ms}, not {wait_ms}")
+    return wait_ms
+
+
 def get(svc: Service, session: Session, args: dict[str, Any]) -> dict[str, Any]:
     conn = _connection(svc, session)
-    wait_ms = arg(args, "get", "wait_ms", int, 0)
-    if not 0 <= wait_ms <= svc.max_wait_ms:
-        raise BadRequestError(f"get: wait_ms must be 0-{svc.max_wait_ms}, not {wait_ms}")
+    wait_ms = _get_wait(svc, args, "get")
     queue = _plain(svc, arg(args, "get", "queue", str), "get")
     try:  # the CF refuses, untouched, a message the reply could not carry: nothing is taken for nobody
         m = conn.get(queue, syncpoint=arg(args, "get", "syncpoint", bool, True),
@@ -110,6 +123,46 @@ def get(svc: Service, session: Session, args: dict[str, Any]) -> dict[str, Any]:
         raise
     svc.activity.got(session.queues, queue)
     return message_to_wire(m)
+
+
+def runs_together(op: str, args: dict[str, Any]) -> bool:
+    """Whether a request is of the kinds ``together`` takes, from its shape alone (no check of its arguments'
+    values): a put outside syncpoint that is not non-persistent, a get outside syncpoint with no selection."""
+    if op not in ("put", "get") or args.get("syncpoint", True) is not False:
+        return False
+    if op == "put":
+        return args.get("persistent", True) is not False
+    return args.get("msgid") is None and args.get("correlid") is None
+
+
+def together(svc: Service, session: Session, op: str, args: dict[str, Any]) -> OnePut | OneGet | None:
+    """The request as a call that runs together with other connections' (sqm.core.lifecycles): a persistent put
+    outside syncpoint, or a get outside syncpoint of the next message; None for any other request (it goes by its
+    own handler). Raises what its handler would raise for its arguments."""
+    if not runs_together(op, args):
+        return None
+    if op == "put":
+        spec = _put_spec(svc, args, "put")
+        return OnePut(spec) if spec.persistent else None
+    wait_ms = _get_wait(svc, args, "get")
+    return OneGet(_plain(svc, arg(args, "get", "queue", str), "get"),
+                  max_length=session.reply_limit - ENVELOPE - MESSAGE_COST, wait_ms=wait_ms, gone=session.gone)
+
+
+def together_result(svc: Service, session: Session, call: OnePut | OneGet, outcome: Message | MQError) -> Any:
+    """The result of a call run together (``together``), as its handler returns it, or its error raised as the
+    handler raises it."""
+    if isinstance(call, OnePut):
+        if isinstance(outcome, MQError):
+            raise outcome
+        return _put_result(svc, session, outcome)
+    if isinstance(outcome, TruncatedMessageError):
+        raise _too_long(svc, session, "get", call.queue, outcome)
+    if isinstance(outcome, Message | OutcomePendingError):
+        svc.activity.got(session.queues, call.queue)
+    if isinstance(outcome, MQError):
+        raise outcome
+    return message_to_wire(outcome)
 
 
 def put_batch(svc: Service, session: Session, args: dict[str, Any]) -> dict[str, Any]:
@@ -126,13 +179,7 @@ def put_batch(svc: Service, session: Session, args: dict[str, Any]) -> dict[str,
     for i, item in enumerate(items):
         if not isinstance(item, dict):
             raise BadRequestError(f"put_batch: message {i} must be a map of put's arguments")
-        op = f"put_batch message {i}"
-        specs.append(PutSpec(_plain(svc, arg(item, op, "queue", str), "put"), arg(item, op, "body", bytes),
-                             persistent=arg(item, op, "persistent", bool, True),
-                             priority=arg(item, op, "priority", int, 0), msgid=arg(item, op, "msgid", bytes, None),
-                             correlid=arg(item, op, "correlid", bytes, b""),
-                             expiry_ms=arg(item, op, "expiry_ms", int, 0),
-                             properties=arg(item, op, "properties", dict, None)))
+        specs.append(_put_spec(svc, item, f"put_batch message {i}"))
     done = _connection(svc, session).put_batch(specs, syncpoint=arg(args, "put_batch", "syncpoint", bool, True),
                                                commit=arg(args, "put_batch", "commit", bool, False))
     for queue in {m.queue for m in done.messages}:
@@ -147,9 +194,7 @@ def get_batch(svc: Service, session: Session, args: dict[str, Any]) -> dict[str,
     limit = arg(args, "get_batch", "max_messages", int)
     if not 1 <= limit <= MAX_BATCH:
         raise BadRequestError(f"get_batch: max_messages must be 1-{MAX_BATCH}, not {limit}")
-    wait_ms = arg(args, "get_batch", "wait_ms", int, 0)
-    if not 0 <= wait_ms <= svc.max_wait_ms:
-        raise BadRequestError(f"get_batch: wait_ms must be 0-{svc.max_wait_ms}, not {wait_ms}")
+    wait_ms = _get_wait(svc, args, "get_batch")
     queue = _plain(svc, arg(args, "get_batch", "queue", str), "get")
     room = session.reply_limit - ENVELOPE
     if limit * (MESSAGE_COST + 1) > room:
@@ -300,4 +345,5 @@ OPERATIONS = (
     Operation("define", "queue", OPERATOR_ONLY, define, alone=True),
 )
 
-__all__ = ["COMPANION_SUFFIXES", "MAX_BATCH", "MAX_BROWSE", "MAX_UOW_ATTRIBUTES", "OPERATIONS", "Service", "Session"]
+__all__ = ["COMPANION_SUFFIXES", "MAX_BATCH", "MAX_BROWSE", "MAX_UOW_ATTRIBUTES", "OPERATIONS", "Service", "Session",
+           "runs_together", "together", "together_result"]

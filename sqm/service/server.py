@@ -12,7 +12,9 @@ request may run, and the end of a connection's session); the rest is in its own 
 - sqm.service.config: ServerConfig and the exit codes of ``sqm run``.
 
 Each client connection gets one worker thread: its requests run there one after another, on one
-sqm.core.connection.Connection. When the connection goes away its open UOW is backed out (MQ backs out on an abnormal
+sqm.core.connection.Connection; the puts and gets outside syncpoint that arrive together on several plain
+connections run instead as one batch on the service's event loop (sqm.service.batch_loop, ``begin_together`` and
+``finish_together`` here; ``--thread-per-connection`` turns it off). When the connection goes away its open UOW is backed out (MQ backs out on an abnormal
 end); a prepared (in-doubt) UOW stays in doubt for its coordinator.
 
 Exit codes of ``sqm run``: 0 after a graceful shutdown (SIGTERM/SIGINT, with a checkpoint), 1 on a failure,
@@ -37,6 +39,7 @@ from cfemu.errors import BadRequestError, ClientGoneError, FencedError, MQError,
 from cfemu.latency import Latencies
 from cfemu.repository import RepositoryError
 from sqm.conversations import ops as conversation_ops
+from sqm.core.lifecycles import Begun, Lifecycles, OneGet, OnePut
 from sqm.core.manager import CF_DOWN, QueueManager, QueueManagerConfig
 from sqm.log import LogLockedError
 from sqm.operations import OPERATOR, ROLES, Handler, NotLoggedOnError, short
@@ -67,6 +70,7 @@ from sqm.service.session import (
     OP_LABEL_UNKNOWN,
     Session,
     Stats,
+    Together,
     Warnings,
 )
 from sqm.service.transport import Transport
@@ -94,6 +98,7 @@ class SQMServer:
         self.stats = Stats()
         self.activity = QueueActivity()  # last put and get per queue through this member (DISPLAY QSTATUS)
         self.slots = RequestSlots(config.request_slots, config.slot_lease_ms / 1000)
+        self.lifecycles = Lifecycles(self.qm)  # requests of several connections run together (run_together)
         self.port = config.port
         self.metrics_port = config.metrics_port
         self.exit_code = EXIT_OK
@@ -148,7 +153,8 @@ class SQMServer:
                            "auth_timeout_s": c.auth_timeout_s, "idle_timeout_s": c.idle_timeout_s,
                            "max_umsgs": self.qm.config.max_umsgs,
                            "max_request_bytes": self.transport.budget.limit},
-                "request_bytes_in_flight": self.transport.budget.used}
+                "request_bytes_in_flight": self.transport.budget.used,
+                "event_loop": {"on": c.event_loop, **self.transport.loop_counts()}}
 
     # --- life cycle --------------------------------------------------------------------------------------
     def server_stats(self) -> dict[str, Any]:
@@ -318,18 +324,77 @@ class SQMServer:
                 session.last_request = time.time()
                 result = self._handlers[op](self, session, args)
             return ok_reply(rid, result, **session.flags())
-        except MQError as e:
-            error: MQError = e
-        except AdminError as e:
-            error = BadRequestError(str(e))
-        except ValueError as e:  # names and values the CF layer refuses
-            error = BadRequestError(f"{op}: {e}")
-        except CF_DOWN as e:
-            error = StructureFailedError(f"the CF is unavailable: {e}")
-        except Exception as e:  # the server stays up; the failure is in its log
-            log.exception("%s: %s failed", self.qm.name, op)
-            error = MQError(f"internal error in {op}: {type(e).__name__}: {e}")
-        return error_reply(rid, error, **session.flags())
+        except Exception as e:
+            return error_reply(rid, self._as_error(op, e), **session.flags())
+
+    def _as_error(self, op: str, e: Exception) -> MQError:
+        """What a request's client is told of what its handler raised."""
+        if isinstance(e, MQError):
+            return e
+        if isinstance(e, AdminError):
+            return BadRequestError(str(e))
+        if isinstance(e, ValueError):  # names and values the CF layer refuses
+            return BadRequestError(f"{op}: {e}")
+        if isinstance(e, CF_DOWN):
+            return StructureFailedError(f"the CF is unavailable: {e}")
+        log.error("%s: %s failed", self.qm.name, op, exc_info=e)  # the server stays up; the failure is in its log
+        return MQError(f"internal error in {op}: {type(e).__name__}: {e}")
+
+    def may_run_together(self, op: str, args: dict[str, Any]) -> bool:
+        """Whether a request is of the kinds begin_together runs together (queue_ops.runs_together)."""
+        return queue_ops.runs_together(op, args)
+
+    def begin_together(self, requests: list[tuple[Session, int, str, dict[str, Any]]]) -> Together:
+        """Requests of several connections that the dispatcher let run (``refusal``), each connection's one, begun
+        together where they can be (queue_ops.together: puts and gets outside syncpoint; sqm.core.lifecycles):
+        their CF scripts in one round trip, their records appended. ``finish_together`` forces and commits them
+        and makes their replies; a reply left None is for a request to run by ``dispatch`` (any other request, or
+        one the batch leaves to its own path). Runs on the service's event loop (sqm.service.batch_loop), under no
+        request slot: one thread runs the whole batch."""
+        t = Together(requests, [None] * len(requests))
+        calls: list[OnePut | OneGet] = []
+        for k, (session, rid, op, args) in enumerate(requests):
+            try:
+                call = queue_ops.together(self, session, op, args)
+            except Exception as e:
+                t.replies[k] = error_reply(rid, self._as_error(op, e), **session.flags())
+                continue
+            if call is not None:
+                t.index.append(k)
+                calls.append(call)
+        if calls:
+            t.started = time.perf_counter()
+            try:
+                t.begun = self.lifecycles.begin(calls)
+            except Exception as e:  # each request hears it, as each would alone
+                t.begun = Begun(calls, [self._as_error("put", e)] * len(calls))
+        return t
+
+    def finish_together(self, batches: list[Together]) -> None:
+        """Force and commit begun batches together (one fsync, one CF round trip), then make their replies."""
+        begun = [t.begun for t in batches if t.begun is not None]
+        try:
+            self.lifecycles.finish(begun)
+        except Exception as e:  # each request not finished hears it
+            for b in begun:
+                b.out = [o if isinstance(o, MQError) else self._as_error("commit", e) for o in b.out]
+        now = time.time()
+        for t in batches:
+            if t.begun is None:
+                continue
+            took = time.perf_counter() - t.started
+            for k, call, outcome in zip(t.index, t.begun.calls, t.begun.out, strict=True):
+                if outcome is None:
+                    continue
+                session, rid, op, _ = t.requests[k]
+                session.served += 1
+                session.last_request = now
+                self.op_seconds[op].observe(took)
+                try:
+                    t.replies[k] = ok_reply(rid, queue_ops.together_result(self, session, call, outcome),
+                                            **session.flags())
+                except Exception as e:
+                    t.replies[k] = error_reply(rid, self._as_error(op, e), **session.flags())
 
     def _still_wanted(self, session: Session, op: str) -> None:
         """A request that waited for its slot runs only if the server is not stopping and its client is still

@@ -18,6 +18,7 @@ from typing import Any
 from sqm.conversations.conversation import Conversation
 from sqm.core.client_watch import ClientWatch
 from sqm.core.connection import Connection
+from sqm.core.lifecycles import Begun
 from sqm.pubsub.pubsub import PubSubSession
 from sqm.service.ops import OPS
 from sqm.service.protocol import ENVELOPE, MESSAGE_COST
@@ -111,6 +112,18 @@ class Stats:
             self.requests[key] += 1
 
 
+@dataclass
+class Together:
+    """Requests of several connections run as one batch (SQMServer.begin_together, finish_together): each
+    one's reply once known (None: to run by dispatch, or not finished yet)."""
+
+    requests: list[tuple[Session, int, str, dict[str, Any]]]
+    replies: list[dict[str, Any] | None]
+    index: list[int] = field(default_factory=list)  # the requests begun together, in the order of begun's calls
+    begun: Begun | None = None
+    started: float = 0.0  # perf_counter when they began (their op_seconds)
+
+
 class ByteBudget:
     """The bytes of requests (and replies) in flight on a member, held to ``limit``.
 
@@ -193,4 +206,4 @@ class Warnings:
 
 
 __all__ = ["AUTH_FAILURE_REASONS", "ByteBudget", "AUTH_METHODS", "CLOSE_REASONS", "LIMITS", "OP_LABEL_UNKNOWN", "Session",
-           "Stats", "Warnings", "op_label"]
+           "Stats", "Together", "Warnings", "op_label"]

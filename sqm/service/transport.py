@@ -6,8 +6,10 @@ thread: its requests run there one after another, on one sqm.core.connection.Con
 connection and runs the handshake (sqm.service.auth); once a plain (non-TLS) connection has authenticated, its
 thread reads, runs and answers its requests itself on blocking socket calls (the direct loop: no hand-off from the
 loop to the thread and back per request, which cost more CPU than the request's own work; bench/profile_service.py),
-and the loop only ends it at shutdown. A TLS connection stays on the event loop, which hands each request to its
-thread.
+and the loop only ends it at shutdown. By default (``ServerConfig.event_loop``) such a connection joins the
+service's event loop instead (sqm.service.batch_loop), which runs the puts and gets outside syncpoint of all its
+connections that arrive together as one batch, and hands the connection to its thread (``direct_step``) for the
+requests of other kinds. A TLS connection stays on the asyncio loop, which hands each request to its thread.
 
 Until it has authenticated a peer may send only small frames and must do so within ``auth_timeout_s``; at most
 ``max_unauthenticated`` such connections are open at once, and when one more comes the pool makes room for it
@@ -37,6 +39,7 @@ import os
 import select
 import socket
 import ssl
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -47,6 +50,7 @@ from cfemu.sockets import set_kernel_timeout
 from sqm.core.client_watch import ClientWatch
 from sqm.operations import OPERATOR, short
 from sqm.service.auth import Authenticator
+from sqm.service.batch_loop import BatchLoop
 from sqm.service.config import EXIT_FENCED, ServerConfig
 from sqm.service.protocol import (
     HEADER,
@@ -63,7 +67,7 @@ from sqm.service.protocol import (
     recv_frame_length,
     recv_until,
 )
-from sqm.service.session import OP_LABEL_UNKNOWN, ByteBudget, Session, Stats, Warnings, op_label
+from sqm.service.session import OP_LABEL_UNKNOWN, ByteBudget, Session, Stats, Together, Warnings, op_label
 
 log = logging.getLogger("sqm.service.server")  # the service's log lines keep one logger name
 
@@ -111,6 +115,12 @@ class Host(Protocol):
 
     def dispatch(self, session: Session, rid: int, op: str, args: dict[str, Any]) -> dict[str, Any]: ...
 
+    def may_run_together(self, op: str, args: dict[str, Any]) -> bool: ...
+
+    def begin_together(self, requests: list[tuple[Session, int, str, dict[str, Any]]]) -> Together: ...
+
+    def finish_together(self, batches: list[Together]) -> None: ...
+
     async def end_session(self, session: Session) -> None: ...
 
     def request_stop(self, exit_code: int = ...) -> None: ...
@@ -151,6 +161,7 @@ class Transport:
         self.auth = auth
         self.warn = warn
         self._direct: dict[int, socket.socket] = {}  # session number -> socket served by its own thread
+        self._batch: BatchLoop | None = None  # the event loop of authenticated plain connections (event_loop)
         self._tasks: set[asyncio.Task[Any]] = set()
         # connections that have not authenticated: session number -> (session, its task, its writer)
         self._preauth: dict[int, tuple[Session, asyncio.Task[Any], asyncio.StreamWriter]] = {}
@@ -541,12 +552,15 @@ class Transport:
         if buffered:
             buffered.clear()
         sock = socket.socket(fileno=os.dup(tsock.fileno()))  # ours; the transport closes its own at the end
-        sock.setblocking(True)
         session.gone = _PeerWatch(sock)
         if session.conn is not None:
             session.conn.gone = session.gone
-        self._direct[session.number] = sock
         loop = asyncio.get_running_loop()
+        if self.config.event_loop:
+            await self._serve_on_loop(session, sock, leftover, loop)
+            return
+        sock.setblocking(True)
+        self._direct[session.number] = sock
         try:
             await loop.run_in_executor(session.executor, self._direct_loop, session, sock, leftover, loop)
         except asyncio.CancelledError:  # shutdown: the thread ends at its next read (the socket is shut down)
@@ -556,65 +570,138 @@ class Transport:
         finally:
             self._direct.pop(session.number, None)
 
+    async def _serve_on_loop(self, session: Session, sock: socket.socket, buf: bytearray,
+                             loop: asyncio.AbstractEventLoop) -> None:
+        """The connection joins the service's event loop (sqm.service.batch_loop) until it ends."""
+        set_kernel_timeout(sock, self.config.idle_timeout_s)  # while its thread has it, reading (the direct path)
+        if self._batch is None:
+            self._batch = BatchLoop(self, loop, self.config.idle_timeout_s, self.host.request_stop, FREE_FRAME)
+        ended: asyncio.Future[None] = loop.create_future()
+
+        def end() -> None:
+            loop.call_soon_threadsafe(lambda: None if ended.done() else ended.set_result(None))
+
+        self._batch.add(session, sock, buf, end)
+        await ended
+
+    def loop_counts(self) -> dict[str, int]:
+        """The event loop's batches so far and the requests they carried (their ratio: how many ran together)."""
+        b = self._batch
+        return {"batches": b.batches if b else 0, "batched_requests": b.batched if b else 0}
+
+    # --- what the event loop asks of the transport (sqm.service.batch_loop.LoopHost) ------------------------------
+    @property
+    def name(self) -> str:
+        return self.host.name
+
+    def loop_request(self, session: Session, body: bytes) -> tuple[int, str, dict[str, Any]] | dict[str, Any]:
+        return self._admit(session, self._parse(session, body))
+
+    def may_run_together(self, op: str, args: dict[str, Any]) -> bool:
+        return self.host.may_run_together(op, args)
+
+    def begin_together(self, requests: list[tuple[Session, int, str, dict[str, Any]]]) -> Together:
+        with self.stats.lock:  # in flight until finished (the shutdown waits for them)
+            self.stats.inflight += len(requests)
+        try:
+            return self.host.begin_together(requests)
+        except BaseException:
+            with self.stats.lock:
+                self.stats.inflight -= len(requests)
+            raise
+
+    def finish_together(self, batches: list[Together]) -> None:
+        try:
+            self.host.finish_together(batches)
+        finally:
+            with self.stats.lock:
+                self.stats.inflight -= sum(len(t.requests) for t in batches)
+
+    def finish(self, session: Session, rid: int, op: str, reply: dict[str, Any]) -> bytes:
+        reply, frame = self._bounded(session, rid, op, reply)
+        self.stats.count((op, "ok" if reply["ok"] else reply["error"]["reason_name"]))
+        return frame
+
+    def hold(self, session: Session, n: int) -> None:
+        self.budget.hold(session, n)
+
+    def release(self, session: Session) -> None:
+        self.budget.release(session)
+
+    def closed_idle(self, session: Session) -> None:
+        self._closed_idle(session)
+
     def _direct_loop(self, session: Session, sock: socket.socket, buf: bytearray,
                      loop: asyncio.AbstractEventLoop) -> None:
         try:
             set_kernel_timeout(sock, self.config.idle_timeout_s)
-            while True:
+            while self.direct_step(session, sock, buf, loop) is True:
+                pass
+        finally:
+            self.budget.release(session)
+            sock.close()
+
+    def direct_step(self, session: Session, sock: socket.socket, buf: bytearray, loop: asyncio.AbstractEventLoop,
+                    parsed: tuple[int, str, dict[str, Any]] | None = None,
+                    hand_back: Callable[[str, dict[str, Any]], bool] | None = None
+                    ) -> bool | tuple[int, str, dict[str, Any]]:
+        """One request of a connection served on its blocking socket (its next frame read into buf first, unless
+        ``parsed`` is the request, read already), answered; False when the connection is to end. A request read
+        here that ``hand_back(op, args)`` wants (a small frame) is returned instead, not run: the event loop runs
+        it (sqm.service.batch_loop)."""
+        request: tuple[int, str, dict[str, Any]] | dict[str, Any] | None = parsed
+        try:
+            if request is None:
                 try:
                     got = self._recv_request(session, sock, buf)
                 except (BlockingIOError, TimeoutError):  # SO_RCVTIMEO: no request for the idle timeout
                     self._closed_idle(session)
-                    return
+                    return False
                 except FrameTooLargeError as e:
                     self.warn("frame", "%s: connection %d (%s): %s; closing it", self.host.name, session.number,
                               session.peer, e)
                     self.stats.count((OP_LABEL_UNKNOWN, e.reason_name))
                     sock.sendall(encode_frame(error_reply(None, e)))
-                    return
+                    return False
                 if got is None:
-                    return
+                    return False
                 if isinstance(got, dict):  # refused for the budget, its body dropped: the connection goes on
                     sock.sendall(encode_frame(got))
-                    continue
-                parsed = self._parse(session, got[0])
+                    return True
+                request = self._admit(session, self._parse(session, got[0]))
+                if hand_back is not None and not got[1] and isinstance(request, tuple) \
+                        and hand_back(request[1], request[2]):
+                    return request
                 del got  # the frame's bytes: its request holds what it needs (its reservation covers both)
-                reply = self._direct_request(session, parsed)
-                if reply is None:
-                    log.info("%s: connection %d (%s) left during a request; its reply is dropped", self.host.name,
-                             session.number, session.peer)
-                    return
-                frame, fenced = reply
-                del reply
-                if len(frame) > self.budget.free:
-                    self.budget.hold(session, len(frame))
-                sock.sendall(frame)
-                del frame
-                # One request at a time here: the connection holds nothing now. Only this thread changes what it
-                # holds while the loop runs, so the look needs no lock (most requests held nothing).
-                if session.reserved:
-                    self.budget.release(session)
-                if fenced:
-                    loop.call_soon_threadsafe(self.host.request_stop, EXIT_FENCED)
+            reply = self._direct_request(session, request)
+            if reply is None:
+                log.info("%s: connection %d (%s) left during a request; its reply is dropped", self.host.name,
+                         session.number, session.peer)
+                return False
+            frame, fenced = reply
+            del reply
+            if len(frame) > self.budget.free:
+                self.budget.hold(session, len(frame))
+            sock.sendall(frame)
+            del frame
+            # One request at a time here: the connection holds nothing now. Only this thread changes what it
+            # holds while the request runs, so the look needs no lock (most requests held nothing).
+            if session.reserved:
+                self.budget.release(session)
+            if fenced:
+                loop.call_soon_threadsafe(self.host.request_stop, EXIT_FENCED)
+            return True
         except OSError as e:  # the client went away (reset, broken pipe) or the shutdown closed its socket
             log.debug("%s: connection %d ended: %s", self.host.name, session.number, e)
-        finally:
-            self.budget.release(session)
-            sock.close()
+            return False
 
     def _direct_request(self, session: Session,
                         parsed: tuple[int, str, dict[str, Any]] | dict[str, Any]) -> tuple[bytes, bool] | None:
         """One request of an authenticated connection: (reply frame, fenced), or None when the client left."""
-        if isinstance(parsed, dict):
-            return encode_frame(parsed), False
-        rid, op, args = parsed
-        if op in ("hello", "auth"):
-            again = BadRequestError(f"{op}: this connection has already authenticated (as {session.role})")
-            self.stats.count((op, again.reason_name))
-            return encode_frame(error_reply(rid, again, uow=session.uow_open())), False
-        refused = self.host.refusal(session, rid, op)
-        if refused is not None:
-            return encode_frame(refused), False
+        admitted = self._admit(session, parsed)
+        if isinstance(admitted, dict):
+            return encode_frame(admitted), False
+        rid, op, args = admitted
         with self.stats.lock:
             self.stats.inflight += 1
         try:
@@ -627,6 +714,20 @@ class Transport:
         reply, frame = self._bounded(session, rid, op, reply)
         self.stats.count((op, "ok" if reply["ok"] else reply["error"]["reason_name"]))
         return frame, not reply["ok"] and reply["error"]["type"] == FencedError.__name__
+
+    def _admit(self, session: Session, parsed: tuple[int, str, dict[str, Any]] | dict[str, Any]
+               ) -> tuple[int, str, dict[str, Any]] | dict[str, Any]:
+        """An authenticated connection's request that may run, or the reply to send instead (a malformed one's,
+        a second handshake's, the dispatcher's refusal)."""
+        if isinstance(parsed, dict):
+            return parsed
+        rid, op, _ = parsed
+        if op in ("hello", "auth"):
+            again = BadRequestError(f"{op}: this connection has already authenticated (as {session.role})")
+            self.stats.count((op, again.reason_name))
+            return error_reply(rid, again, uow=session.uow_open())
+        refused = self.host.refusal(session, rid, op)
+        return parsed if refused is None else refused
 
     # --- what both paths do with a request before it runs ---------------------------------------------------
     def _parse(self, session: Session, body: bytes | bytearray) -> tuple[int, str, dict[str, Any]] | dict[str, Any]:
@@ -651,6 +752,8 @@ class Transport:
         if self.stats.inflight:
             log.warning("%s: %d requests still running after %.1fs; closing their connections", self.host.name,
                         self.stats.inflight, grace_s)
+        if self._batch is not None:  # its connections end (each one with its thread ends at its next read)
+            await asyncio.get_running_loop().run_in_executor(None, self._batch.stop)
         for sock in list(self._direct.values()):  # wakes each connection thread blocked reading its next request
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)

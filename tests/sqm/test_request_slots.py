@@ -162,8 +162,9 @@ def test_committers_through_one_slot_share_the_logs_fsyncs_and_the_waits_are_cou
     def committer() -> None:
         try:
             with Client(one_slot.endpoint, token=TOKEN) as c:
-                for _ in range(40):
-                    c.put("Q2", b"x" * 1024, syncpoint=False)
+                for _ in range(40):  # under syncpoint: requests of the connections' threads, which take slots
+                    c.put("Q2", b"x" * 1024)
+                    c.commit()
         except BaseException as e:  # reported below
             errors.append(e)
 

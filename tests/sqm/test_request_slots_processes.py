@@ -59,8 +59,10 @@ def slot1(group: Any, tmp_path: Path) -> Iterator[ServerProc]:
 @pytest.fixture
 def slot1_kept(group: Any, tmp_path: Path) -> Iterator[ServerProc]:
     """One slot whose holder keeps it for a minute (--slot-lease-ms 60000): requests stay queued behind a holder that
-    waits where it cannot give its slot up, as they all did before the lease."""
-    srv = one_slot_server(group, tmp_path, "--slot-lease-ms", "60000")
+    waits where it cannot give its slot up, as they all did before the lease. Each connection by its own thread
+    (--thread-per-connection), so that its puts and gets outside syncpoint take slots too (on the event loop they
+    run together and take none: test_puts_and_gets_outside_syncpoint_on_the_event_loop_do_not_queue_for_a_slot)."""
+    srv = one_slot_server(group, tmp_path, "--slot-lease-ms", "60000", "--thread-per-connection")
     yield srv
     assert srv.stop() == 0, srv.log_text()
 
@@ -257,6 +259,27 @@ def test_a_get_queued_for_the_slot_whose_client_left_takes_nothing(slot1_kept: S
         assert c.get("Q1", syncpoint=False).body == b"keep me"
 
 
+def test_puts_and_gets_outside_syncpoint_on_the_event_loop_do_not_queue_for_a_slot(group: Any, tmp_path: Path) -> None:
+    """The only slot held by a define waiting for the group repository's lock (for a minute: the lease): on the
+    event loop (the default) a put and a get outside syncpoint run at once all the same, in a batch that takes no
+    slot, while a ping (a request of a connection's thread) waits for the slot."""
+    srv = one_slot_server(group, tmp_path, "--slot-lease-ms", "60000")
+    c, pinger = Client(srv.endpoint, token=TOKEN), Client(srv.endpoint, token=TOKEN)
+    try:
+        with slot_held_by_a_define(srv):
+            assert timed(lambda: c.put("Q1", b"not held back", syncpoint=False)) < 2
+            assert c.get("Q1", syncpoint=False).body == b"not held back"
+            t, out = in_thread(pinger.ping)
+            time.sleep(0.5)
+            assert t.is_alive() and not out, "a ping did not wait for the slot the define holds"
+        t.join(10)
+        assert out and isinstance(out[0], dict), out
+    finally:
+        c.close()
+        pinger.close()
+        assert srv.stop() == 0, srv.log_text()
+
+
 def test_a_put_queued_for_the_slot_whose_client_left_is_not_carried_out(slot1_kept: ServerProc) -> None:
     with slot_held_by_a_define(slot1_kept):
         leaver = Client(slot1_kept.endpoint, token=TOKEN, request_timeout=0.5, reconnect_timeout=0)
@@ -366,8 +389,9 @@ def test_checkpoints_taken_inside_requests_through_one_slot_do_not_deadlock(grou
 
 
 def test_sigterm_with_requests_queued_for_the_only_slot_ends_within_the_grace(group: Any, tmp_path: Path) -> None:
-    """16 clients committing through one slot (most of them queued for it at any moment) when SIGTERM comes: the
-    process ends within --shutdown-grace, with exit code 0, and every request is either done or refused."""
+    """16 clients committing through one slot (most of them queued for it at any moment: under syncpoint, requests of
+    their connections' threads) when SIGTERM comes: the process ends within --shutdown-grace, with exit code 0, and
+    every request is either done or refused."""
     srv = one_slot_server(group, tmp_path, "--shutdown-grace", "3")
     stop = threading.Event()
     done, errors = [0], list[BaseException]()
@@ -376,7 +400,8 @@ def test_sigterm_with_requests_queued_for_the_only_slot_ends_within_the_grace(gr
         try:
             with Client(srv.endpoint, token=TOKEN, reconnect_timeout=0.5, request_timeout=10) as c:
                 while not stop.is_set():
-                    c.put("Q2", b"x" * 512, syncpoint=False)
+                    c.put("Q2", b"x" * 512)
+                    c.commit()
                     done[0] += 1
         except BaseException as e:  # noqa: BLE001 - looked at below
             errors.append(e)

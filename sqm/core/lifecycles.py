@@ -1,0 +1,203 @@
+"""Many applications' puts and gets outside syncpoint run together: the calls of one turn of the service's event loop
+(sqm.service.batch_loop), each a unit of work of its own, as the same calls made one by one would be, at the cost
+of one of them.
+
+Each persistent put outside syncpoint and each get outside syncpoint is the unit of work it is alone
+(Connection.put, Connection.get): put.lua or get.lua first, under its own UOW; then its PUT or GET record, its
+COMMIT forced; then commit.lua. Together, their CF scripts go in one pipelined round trip (CF.run_many: each script
+atomic, applied in order), their records are one append and one fsync (Outcomes.commit_many), and their commits one
+more round trip; every COMMIT is on disk before any of them returns, so no reply can come before its commit is
+durable. Each call's outcome is its own: a refusal (no such queue, a full structure, a message too long) is that
+call's error and the others go on. What the plain path does with more care than a batch can take is left to it:
+a get that finds a poison message (moved to its backout queue, committed, and then the request is made again
+alone), a get that finds nothing and may wait, a get whose script met more expired messages than one call moves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from cfemu.cf import Structure
+from cfemu.entry import Entry
+from cfemu.errors import ClientGoneError, MQError, NoMessageError, OutcomePendingError
+from sqm.core import records
+from sqm.core.client_watch import ClientWatch
+from sqm.core.clock import now_ms
+from sqm.core.connection import Connection, Message, PutSpec, QueueManagerPort
+from sqm.core.outcomes import Decided
+from sqm.core.records import Record
+from sqm.core.uow import UnitOfWork
+
+
+@dataclass
+class OnePut:
+    """A persistent put outside syncpoint (``spec.persistent`` must be set)."""
+
+    spec: PutSpec
+
+
+@dataclass
+class OneGet:
+    """A get outside syncpoint of the next message of ``queue`` (no selection). ``max_length``: as Connection.get;
+    ``wait_ms``: when no message is there and it is not 0, the call is left to the plain path, which waits."""
+
+    queue: str
+    max_length: int = 0
+    wait_ms: int = 0
+    gone: ClientWatch = field(default_factory=ClientWatch)
+
+
+Outcome = Message | MQError | None  # the message put or got, the call's error, or None: make it alone
+
+
+@dataclass
+class Begun:
+    """Calls whose CF scripts ran and whose records are appended (Lifecycles.begin), to be finished: ``out`` holds
+    the outcomes known so far, and all of them after Lifecycles.finish."""
+
+    calls: list[OnePut | OneGet]
+    out: list[Outcome]
+    together: list[tuple[int, UnitOfWork, Message]] = field(default_factory=list)
+    decided: Decided | None = None
+
+
+class Lifecycles(Connection):
+    """Runs calls of many applications together (``run``); it holds no unit of work of its own between runs."""
+
+    def __init__(self, qm: QueueManagerPort) -> None:
+        super().__init__(qm)
+
+    def run(self, calls: list[OnePut | OneGet]) -> list[Outcome]:
+        """Each call's outcome, in their order (see the module)."""
+        begun = self.begin(calls)
+        self.finish([begun])
+        return begun.out
+
+    def begin(self, calls: list[OnePut | OneGet]) -> Begun:
+        """The first half of ``run``: the calls' CF scripts in one round trip, their records and COMMITs appended
+        (nothing forced yet). Their outcomes are known only after ``finish``."""
+        qm = self.qm
+        out: list[Outcome] = [None] * len(calls)
+        try:
+            qm.check_usable()
+        except MQError as e:
+            return Begun(calls, [e] * len(calls))
+        todo: list[tuple[int, UnitOfWork, str, tuple[str, str, list[Any]], Entry | None]] = []
+        for i, call in enumerate(calls):
+            try:
+                if isinstance(call, OnePut):
+                    qdef, entry = self._new_entry(call.spec)
+                    qm.ensure_log_space()
+                    uow = qm.new_uow()
+                    s = qm.structure(qdef.structure)
+                    todo.append((i, uow, qdef.structure, s.put_call(qm.caller, entry, bytes(call.spec.body),
+                                                                    uow=uow.id), entry))
+                else:
+                    qdef = qm.queue_def(call.queue)
+                    uow = qm.new_uow()
+                    s = qm.structure(qdef.structure)
+                    todo.append((i, uow, qdef.structure, s.get_call(qm.caller, call.queue, uow=uow.id,
+                                                                    now_ms=now_ms(), max_length=call.max_length),
+                                 None))
+            except MQError as e:
+                out[i] = e
+        if not todo:
+            return Begun(calls, out)
+        try:
+            replies = self._batch_cf_call([t[1] for t in todo], [t[2] for t in todo], lambda k: todo[k][3], len(todo))
+        except MQError as e:
+            replies = [e] * len(todo)
+        together: list[tuple[int, UnitOfWork, Message]] = []
+        logged: list[Record] = []
+        for (i, uow, sname, _, made), raw in zip(todo, replies, strict=True):
+            if isinstance(raw, BaseException):
+                self._abandon(uow)
+                out[i] = raw if isinstance(raw, MQError) else MQError(f"the CF refused the call: {raw}")
+                continue
+            call = calls[i]
+            if isinstance(call, OnePut):
+                assert made is not None
+                reply = Structure.put_reply(qm.caller, raw)
+                uow.structures[sname] = reply.gen
+                uow.operations += 1
+                uow.persistent = True
+                rec = records.put(uow.id, reply.clock, structure=sname, gen=reply.gen, entry=made.wire(),
+                                  data=bytes(call.spec.body))
+                logged.append(rec)
+                qm.note_store(uow, rec)
+                together.append((i, uow, Message.from_entry(made, bytes(call.spec.body))))
+                continue
+            got = Structure.get_reply(qm.caller, raw)
+            uow.structures[sname] = got.gen
+            if got.entry is None:
+                qm.forget(uow)
+                if not got.again and not call.wait_ms:
+                    out[i] = NoMessageError(f"no message available on {call.queue}")
+                continue  # None: the plain path waits, or goes on past the expired messages
+            uow.operations += 1
+            message = Message.from_entry(got.entry, got.data or b"")
+            rec = records.get(uow.id, got.entry.lrsn, structure=sname, gen=got.gen, entry_id=got.entry.id,
+                              queue=call.queue)
+            if not got.entry.persistent or self._is_poison(qm.queue_def(call.queue), got.entry) \
+                    or call.gone.seen_to_leave():
+                out[i] = self._alone(call, uow, rec, got.entry, message)
+                continue
+            uow.persistent = True
+            logged.append(rec)
+            qm.note_store(uow, rec)
+            together.append((i, uow, message))
+        try:
+            decided = qm.decide_many([u for _, u, _ in together], logged)
+        except MQError as e:  # the member cannot commit now (fenced, stopping): none of them is decided
+            for i, uow, _ in together:
+                with contextlib.suppress(MQError):  # what cannot be backed out now, recovery backs out
+                    self._abandon(uow)
+                out[i] = e
+            return Begun(calls, out)
+        return Begun(calls, out, together, decided)
+
+    def finish(self, batches: list[Begun]) -> None:
+        """The second half of ``run`` for several begun batches together: every COMMIT forced by one fsync, their
+        commits applied in one CF round trip; each batch's ``out`` then holds its calls' outcomes."""
+        qm = self.qm
+        qm.apply_many([b.decided for b in batches if b.decided is not None])
+        for b in batches:
+            if b.decided is not None:
+                for (i, _, message), error in zip(b.together, b.decided.errors, strict=True):
+                    if isinstance(error, OutcomePendingError) and isinstance(b.calls[i], OneGet):
+                        error.message = message  # delivered with it, as a get outside syncpoint (Connection.get)
+                    b.out[i] = error or message
+            for call, outcome in zip(b.calls, b.out, strict=True):
+                if isinstance(outcome, Message) or getattr(outcome, "message", None) is not None:
+                    qm.counters["puts" if isinstance(call, OnePut) else "gets"] += 1
+
+    def _alone(self, call: OneGet, uow: UnitOfWork, rec: Record, entry: Entry, message: Message) -> Outcome:
+        """A get that took a message the batch does not commit with the others: a non-persistent one (nothing to
+        log), a poison one (moved to its backout queue, then the request is made again alone: None), or one whose
+        client has left (backed out: the message stays on its queue)."""
+        qm = self.qm
+        if entry.persistent:
+            uow.persistent = True
+            qm.append(rec)
+            qm.note_store(uow, rec)
+        try:
+            if call.gone.seen_to_leave():
+                qm.complete(uow, False)
+                return ClientGoneError(f"the client left before a message from {call.queue} could be delivered")
+            qdef = qm.queue_def(call.queue)
+            if self._is_poison(qdef, entry):
+                self._move_to_backout_queue(qdef, entry, message.body, uow)
+                qm.complete(uow, True)
+                return None
+            qm.complete(uow, True, pstore_checked=True)
+        except OutcomePendingError as e:
+            e.message = message
+            return e
+        except MQError as e:
+            return e
+        return message
+
+
+__all__ = ["Begun", "Lifecycles", "OneGet", "OnePut", "Outcome"]

@@ -1,0 +1,461 @@
+"""The service's event loop for authenticated plain connections: one thread reads every connection that has a
+request, runs the requests that arrived together as one batch, and writes their replies.
+
+Each turn: ``select`` on every connection the loop holds; read what each ready one has (non-blocking); take from
+each at most one whole request (a connection's next request is never begun before its previous reply is out:
+order per connection); begin those the host can run together as one batch (``LoopHost.begin_together``: puts and
+gets outside syncpoint, one CF round trip for their scripts, their records and COMMITs appended;
+sqm.core.lifecycles). The finisher thread then forces every batch begun meanwhile with one fsync, applies their
+commits in one CF round trip (``LoopHost.finish_together``) and writes each reply, only after its COMMIT is on
+disk; while it does, the loop reads and begins the next batch. With no other connection to read meanwhile, the
+loop finishes its batch itself (one client pays no hand-off).
+
+A request of any other kind, a frame that is large or not whole yet, and a request the batch leaves to its own
+path go as before: the connection is handed to its own thread for that one request (sqm.service.transport,
+``direct_step``, on the blocking socket), and comes back to the loop once its reply is sent. A reply the client
+does not take at once waits in the connection's own buffer (the socket is written when it can take more): a client
+that stops reading holds back only itself. A connection idle for the idle timeout is closed, as the direct path
+closes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from cfemu.errors import FencedError, OutcomeUnknownError
+from sqm.service.config import EXIT_FENCED
+from sqm.service.protocol import HEADER, encode_frame, error_reply
+from sqm.service.session import Session, Together
+
+log = logging.getLogger("sqm.service.server")
+
+READ_CHUNK = 65536  # what one read of a ready connection asks for
+TURN_READ = 4 * READ_CHUNK  # the most one turn reads of one connection (the rest waits for the next turn)
+
+
+class LoopHost(Protocol):
+    """What the loop needs of the transport and the server."""
+
+    @property
+    def name(self) -> str: ...
+
+    def loop_request(self, session: Session, body: bytes) -> tuple[int, str, dict[str, Any]] | dict[str, Any]:
+        """The request in a frame (parsed, then let run by the dispatcher), or the reply to send instead."""
+        ...
+
+    def begin_together(self, requests: list[tuple[Session, int, str, dict[str, Any]]]) -> Together: ...
+
+    def finish_together(self, batches: list[Together]) -> None: ...
+
+    def finish(self, session: Session, rid: int, op: str, reply: dict[str, Any]) -> bytes:
+        """A reply's frame, bounded and counted."""
+        ...
+
+    def hold(self, session: Session, n: int) -> None:
+        """Count a reply of n bytes against the member's budget until ``release``."""
+        ...
+
+    def release(self, session: Session) -> None: ...
+
+    def may_run_together(self, op: str, args: dict[str, Any]) -> bool: ...
+
+    def direct_step(self, session: Session, sock: socket.socket, buf: bytearray, loop: asyncio.AbstractEventLoop,
+                    parsed: tuple[int, str, dict[str, Any]] | None = None,
+                    hand_back: Callable[[str, dict[str, Any]], bool] | None = None
+                    ) -> bool | tuple[int, str, dict[str, Any]]: ...
+
+    def closed_idle(self, session: Session) -> None: ...
+
+
+@dataclass(eq=False)
+class _Conn:
+    session: Session
+    sock: socket.socket
+    ended: Callable[[], None]  # tells the connection's task that the loop is done with it
+    buf: bytearray = field(default_factory=bytearray)
+    out: bytearray = field(default_factory=bytearray)  # a reply not yet taken by the client
+    away: bool = False  # with its thread for one request
+    held: bool = False  # its reply in ``out`` holds bytes of the member's budget
+    last: float = field(default_factory=time.monotonic)
+
+
+class BatchLoop:
+    """The loop's thread and the connections it holds (``add``); ``stop`` ends both."""
+
+    def __init__(self, host: LoopHost, aio: asyncio.AbstractEventLoop, idle_timeout_s: float,
+                 request_stop: Callable[[int], None], free: int) -> None:
+        self.host = host
+        self.free = free  # a frame longer than this is read by the connection's thread, under the budget
+        self.aio = aio
+        self.idle_timeout_s = idle_timeout_s
+        self.request_stop = request_stop
+        self._sel = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, None)
+        self._inbox: list[tuple[str, Any]] = []
+        self._lock = threading.Lock()
+        self._conns: set[_Conn] = set()
+        self._back: list[_Conn] = []  # connections come (back) with bytes read: the next turn looks at them
+        # requests a connection's thread read and handed to the loop to run together (the next turn's batch)
+        self._handed: list[tuple[_Conn, int, str, dict[str, Any]]] = []
+        self._stopping = False
+        self.batches = 0  # batches run, and the requests they carried (their mean: how much arrived together)
+        self.batched = 0
+        # Batches begun by the loop, for the finisher (their force, their commits), which hands them back done.
+        self._begun: queue.SimpleQueue[tuple[Together, list[_Conn]] | None] = queue.SimpleQueue()
+        self._pending = 0  # batches handed to the finisher and not yet back (the loop's count)
+        self._finisher_closed = False  # set by stop: the loop finishes what it begins itself
+        self._thread = threading.Thread(target=self._run, name=f"{host.name}-loop", daemon=True)
+        self._finisher = threading.Thread(target=self._finish, name=f"{host.name}-commit", daemon=True)
+        self._thread.start()
+        self._finisher.start()
+
+    # --- from other threads -------------------------------------------------------------------------------------
+    def add(self, session: Session, sock: socket.socket, buf: bytearray, ended: Callable[[], None]) -> None:
+        """Take an authenticated connection (its socket the loop's own from now on; buf: what was read past the
+        handshake); ``ended`` is called, from the loop's thread, once the loop is done with it."""
+        self._post("add", _Conn(session, sock, ended, buf))
+
+    def _post(self, what: str, item: Any) -> None:
+        with self._lock:
+            self._inbox.append((what, item))
+        with contextlib.suppress(BlockingIOError, OSError):
+            self._wake_w.send(b"\0")
+
+    def stop(self) -> None:
+        """End the loop: the batches begun are finished and answered, then every connection it holds is shut down
+        and ended (those with their thread end there)."""
+        with self._lock:
+            self._finisher_closed = True
+            self._begun.put(None)
+        self._finisher.join(timeout=30)
+        self._stopping = True
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"\0")
+        self._thread.join(timeout=5)
+
+    # --- the finisher's thread -----------------------------------------------------------------------------------
+    def _finish(self) -> None:
+        """Force and commit the batches the loop began, as many together as have been begun meanwhile (one fsync
+        and one CF round trip for all of them: while one batch's force runs, the loop begins the next), write
+        their replies, and hand their connections back to the loop."""
+        while True:
+            first = self._begun.get()
+            batches = [first]
+            while first is not None:
+                try:
+                    more = self._begun.get_nowait()
+                except queue.Empty:
+                    break
+                batches.append(more)
+                if more is None:
+                    break
+            begun = [b for b in batches if b is not None]
+            if begun:
+                self._complete(begun)
+                self._post("done", begun)
+            if batches[-1] is None:
+                return
+
+    def _complete(self, begun: list[tuple[Together, list[_Conn]]]) -> None:
+        """Force and commit begun batches, then write their replies (in the finisher, or in the loop when it
+        began the only batch its connections can have)."""
+        try:
+            self.host.finish_together([t for t, _ in begun])
+            self._reply(begun)
+        except Exception as e:  # never made again by another path: its outcome is not known
+            log.exception("%s: finishing a batch failed", self.host.name)
+            for t, _ in begun:
+                t.replies = [r or error_reply(req[1], OutcomeUnknownError(f"{req[2]}: {e}"))
+                             for r, req in zip(t.replies, t.requests, strict=True)]
+
+    # --- the loop's thread --------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            ready: list[_Conn] = []
+            while not self._stopping:
+                timeout = 0.0 if ready or self._back or self._handed else self._next_idle()
+                for key, events in self._sel.select(timeout):
+                    if key.data is None:
+                        self._drain_wake()
+                        continue
+                    conn: _Conn = key.data
+                    if events & selectors.EVENT_WRITE and not self._flush(conn):
+                        continue
+                    if events & selectors.EVENT_READ and not self._read(conn):
+                        continue
+                    if conn not in ready:
+                        ready.append(conn)
+                back, self._back = self._back, []
+                ready = self._turn(ready + [c for c in back if c not in ready])
+                self._close_idle()
+        except Exception:  # the loop must not die silently: its connections would hang
+            log.exception("%s: the service's event loop failed; its connections are closed", self.host.name)
+        finally:
+            self._drain_wake()  # the last batches' replies
+            for conn in list(self._conns):
+                if not conn.away:
+                    self._end(conn)
+                else:
+                    with contextlib.suppress(OSError):
+                        conn.sock.shutdown(socket.SHUT_RDWR)
+            self._sel.close()
+            self._wake_r.close()
+            self._wake_w.close()
+
+    def _drain_wake(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            while self._wake_r.recv(4096):
+                pass
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+        for what, item in inbox:
+            if what == "done":
+                self._pending -= len(item)
+                self._answer(item)
+                continue
+            if what == "handed":  # back with a request to run together: it waits in the loop for its batch
+                handed, (rid, op, args) = item
+                handed.sock.setblocking(False)
+                self._handed.append((handed, rid, op, args))
+                continue
+            conn: _Conn = item
+            if what == "end":
+                self._end(conn)
+                continue
+            if what == "add":
+                self._conns.add(conn)
+            self._back_to_loop(conn)
+
+    def _back_to_loop(self, conn: _Conn) -> None:
+        """A connection comes (back) to the loop: from its handshake, its thread or its batch."""
+        conn.away = False
+        conn.last = time.monotonic()
+        conn.sock.setblocking(False)
+        self._sel.register(conn.sock, selectors.EVENT_READ, conn)
+        if conn.buf:  # a request may be there already: this turn looks at it
+            self._back.append(conn)
+
+    def _read(self, conn: _Conn) -> bool:
+        """What the connection has, into its buffer; False when it ended (closed by its client or broken)."""
+        got = 0
+        try:
+            while got < TURN_READ:
+                chunk = conn.sock.recv(READ_CHUNK)
+                if not chunk:
+                    conn.session.gone.set()
+                    self._end(conn)
+                    return False
+                conn.buf += chunk
+                got += len(chunk)
+                if len(chunk) < READ_CHUNK:  # the socket is drained: no read more to learn it
+                    break
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError as e:
+            log.debug("%s: connection %d ended: %s", self.host.name, conn.session.number, e)
+            conn.session.gone.set()
+            self._end(conn)
+            return False
+        conn.last = time.monotonic()
+        return True
+
+    def _turn(self, ready: list[_Conn]) -> list[_Conn]:
+        """Take one request from each ready connection, run them, send the replies; the connections with more
+        bytes waiting (the next turn looks at them again)."""
+        together: list[tuple[_Conn, int, str, dict[str, Any]]] = self._handed
+        self._handed = []
+        for conn in ready:
+            if conn.away or conn.out or conn not in self._conns:
+                continue
+            if len(conn.buf) < HEADER.size:
+                continue
+            (length,) = HEADER.unpack_from(conn.buf)
+            # A frame larger than free, or over the connection's limit, is read by the connection's thread, under
+            # the member's budget of request bytes (sqm.service.transport).
+            if length > conn.session.request_limit or length > self.free:
+                self._away(conn, None)
+                continue
+            end = HEADER.size + length
+            if len(conn.buf) < end:
+                continue
+            body = bytes(conn.buf[HEADER.size:end])
+            del conn.buf[:end]
+            request = self.host.loop_request(conn.session, body)
+            if isinstance(request, dict):
+                self._send(conn, encode_frame(request))
+                continue
+            rid, op, args = request
+            if self.host.may_run_together(op, args):
+                together.append((conn, rid, op, args))
+            else:
+                self._away(conn, request)
+        if together:
+            self.batches += 1
+            self.batched += len(together)
+            conns = [c for c, _, _, _ in together]
+            with self._lock:  # with no other connection to read meanwhile, the loop finishes the batch itself
+                alone = self._finisher_closed or not (self._pending or len(self._conns) > len(conns))
+            if not alone:
+                for conn in conns:  # each waits for its reply, reading nothing meanwhile (order per connection)
+                    if not conn.away:  # else handed by its thread, out of the selector already
+                        self._sel.unregister(conn.sock)
+                    conn.away = True
+            t = self.host.begin_together([(c.session, rid, op, args) for c, rid, op, args in together])
+            if not alone:
+                with self._lock:
+                    alone = self._finisher_closed  # it stopped meanwhile
+                    if not alone:
+                        self._pending += 1
+                        self._begun.put((t, conns))
+            if alone:
+                self._complete([(t, conns)])
+                self._answer([(t, conns)])
+        return [c for c in ready if c in self._conns and not c.away and not c.out and self._whole(c)]
+
+    def _reply(self, done: list[tuple[Together, list[_Conn]]]) -> None:
+        """In the finisher, once every commit of the batches is on disk: each reply written as far as its client
+        takes it at once (the connection is out of the loop until ``_answer``: nobody else writes to it), so
+        that the reply does not wait for the loop's next turn."""
+        for t, conns in done:
+            for conn, (_, rid, op, _), reply in zip(conns, t.requests, t.replies, strict=True):
+                if reply is not None:
+                    self._queue_reply(conn, self.host.finish(conn.session, rid, op, reply))
+                    self._write(conn)
+
+    def _answer(self, done: list[tuple[Together, list[_Conn]]]) -> None:
+        """Batches the finisher handed back: each connection back in the loop with the rest of its reply to write,
+        each request the batch left to its own path handed to its connection's thread."""
+        for t, conns in done:
+            for conn, (_, rid, op, args), reply in zip(conns, t.requests, t.replies, strict=True):
+                if conn not in self._conns:  # ended meanwhile: nobody to answer
+                    continue
+                if reply is None:
+                    self._away(conn, (rid, op, args))
+                    continue
+                if not reply["ok"] and reply["error"]["type"] == FencedError.__name__:
+                    self.aio.call_soon_threadsafe(self.request_stop, EXIT_FENCED)
+                if conn.session.gone.seen_to_leave():  # its connection broke while the finisher wrote
+                    self._end(conn)
+                    continue
+                if conn.away:
+                    self._back_to_loop(conn)
+                elif conn.buf:  # finished by the loop itself, still in the selector: its next request
+                    self._back.append(conn)
+                self._flush(conn)
+
+    def _whole(self, conn: _Conn) -> bool:
+        """A request is there to take (or a frame the connection's thread reads: one too large for the loop)."""
+        if len(conn.buf) < HEADER.size:
+            return False
+        (length,) = HEADER.unpack_from(conn.buf)
+        return bool(length > conn.session.request_limit or length > self.free
+                    or len(conn.buf) >= HEADER.size + length)
+
+    def _send(self, conn: _Conn, frame: bytes) -> None:
+        self._queue_reply(conn, frame)
+        self._flush(conn)
+
+    def _queue_reply(self, conn: _Conn, frame: bytes) -> None:
+        if len(frame) > self.free:
+            self.host.hold(conn.session, len(frame))
+            conn.held = True
+        conn.out += frame
+        conn.last = time.monotonic()
+
+    def _write(self, conn: _Conn) -> bool:
+        """Write what the connection's client can take now (by the thread that has the connection: the loop, or
+        the finisher while the connection waits for its batch); False when the connection broke."""
+        try:
+            while conn.out:
+                n = conn.sock.send(conn.out)
+                del conn.out[:n]
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError as e:
+            log.debug("%s: connection %d ended: %s", self.host.name, conn.session.number, e)
+            conn.session.gone.set()
+            return False
+        if conn.held and not conn.out:
+            conn.held = False
+            self.host.release(conn.session)
+        return True
+
+    def _flush(self, conn: _Conn) -> bool:
+        """In the loop: write what the client can take now, and wait to write the rest; False when the connection
+        ended."""
+        if not self._write(conn):
+            self._end(conn)
+            return False
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.out else 0)
+        with contextlib.suppress(KeyError, ValueError):
+            if self._sel.get_key(conn.sock).events != events:
+                self._sel.modify(conn.sock, events, conn)
+        return True
+
+    def _away(self, conn: _Conn, parsed: tuple[int, str, dict[str, Any]] | None) -> None:
+        """Hand the connection to its thread for one request (``parsed``, or the next frame it reads)."""
+        if not conn.away:  # else out of the selector already (its batch)
+            self._sel.unregister(conn.sock)
+        conn.away = True
+        conn.sock.setblocking(True)
+        conn.session.executor.submit(self._step, conn, parsed)
+
+    def _step(self, conn: _Conn, parsed: tuple[int, str, dict[str, Any]] | None) -> None:
+        """In the connection's thread: its requests, one after another on the blocking socket (as the thread per
+        connection serves them: a connection whose requests do not run together costs no hand-off per request),
+        until one that runs together comes: then back to the loop with it (or the connection's end)."""
+        going: bool | tuple[int, str, dict[str, Any]] = False
+        try:
+            while True:
+                going = self.host.direct_step(conn.session, conn.sock, conn.buf, self.aio, parsed,
+                                              self.host.may_run_together)
+                parsed = None
+                if going is not True or self._stopping:
+                    break
+        finally:
+            if self._stopping:  # the loop is gone or going: the connection ends here
+                conn.sock.close()
+                conn.ended()
+            elif isinstance(going, tuple):
+                self._post("handed", (conn, going))
+            else:
+                self._post("back" if going else "end", conn)
+
+    def _end(self, conn: _Conn) -> None:
+        with contextlib.suppress(KeyError, ValueError):
+            self._sel.unregister(conn.sock)
+        if conn in self._conns:
+            self._conns.discard(conn)
+            conn.sock.close()
+            conn.ended()
+
+    def _next_idle(self) -> float:
+        """Seconds until the next connection may reach its idle timeout (at most one)."""
+        if not self.idle_timeout_s or not self._conns:
+            return 1.0
+        oldest = min((c.last for c in self._conns if not c.away), default=time.monotonic())
+        return max(0.0, min(1.0, oldest + self.idle_timeout_s - time.monotonic()))
+
+    def _close_idle(self) -> None:
+        if not self.idle_timeout_s:
+            return
+        now = time.monotonic()
+        for conn in [c for c in self._conns if not c.away and now - c.last >= self.idle_timeout_s]:
+            self.host.closed_idle(conn.session)
+            self._end(conn)
+
+
+__all__ = ["BatchLoop", "LoopHost"]

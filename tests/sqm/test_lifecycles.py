@@ -1,0 +1,76 @@
+"""Puts and gets outside syncpoint of many applications run together (sqm.core.lifecycles), in process on a real
+redis-server and a real log: one batch, each call's own outcome, one CF round trip for the scripts and one for the
+commits, one fsync; what the batch leaves to the plain path is left untouched."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from cfemu.admin import Admin
+from cfemu.embedded import EmbeddedRedis
+from cfemu.errors import BadRequestError, NoMessageError, StructureFullError, UnknownObjectError
+from sqm.core.connection import Message, PutSpec
+from sqm.core.lifecycles import Lifecycles, OneGet, OnePut
+from tests.support.group import define_group, start_qm
+
+
+def test_one_batch_gives_each_call_its_own_outcome_in_two_round_trips_and_one_fsync(
+        redis_factory: Callable[..., EmbeddedRedis], tmp_path: Path) -> None:
+    srv = redis_factory()
+    client = define_group(srv.url, queues=("Q1", "Q2", "Q3"))
+    Admin(client).ensure_structure("TINY", ("FULLQ",), max_entries=1)
+    qm = start_qm(srv.url, tmp_path / "logs", "QM1", lease_ms=60_000, background=False)
+    try:
+        c = qm.connect()
+        c.put("Q2", b"waiting", syncpoint=False)
+        c.put("FULLQ", b"fills TINY", syncpoint=False)
+        with pytest.raises(NoMessageError):  # get.lua loaded in the CF (its first call would load it: a call more)
+            c.get("Q3", syncpoint=False)
+        assert qm.log is not None
+        trips, fsyncs = qm.cf.round_trips, qm.log.stats.fsyncs
+        calls: list[OnePut | OneGet] = [
+            OnePut(PutSpec("Q1", b"new")),
+            OnePut(PutSpec("NOSUCH", b"x")),
+            OnePut(PutSpec("FULLQ", b"x")),
+            OnePut(PutSpec("Q1", b"x", priority=12)),
+            OneGet("Q2"),
+            OneGet("Q3"),
+            OneGet("Q3", wait_ms=1000),
+        ]
+        out = Lifecycles(qm).run(calls)
+        assert isinstance(out[0], Message) and out[0].body == b"new"
+        assert isinstance(out[1], UnknownObjectError)
+        assert isinstance(out[2], StructureFullError)
+        assert isinstance(out[3], BadRequestError)  # refused before anything was sent
+        assert isinstance(out[4], Message) and out[4].body == b"waiting"
+        assert isinstance(out[5], NoMessageError)
+        assert out[6] is None  # nothing there and it may wait: left to the plain path, which waits
+        assert qm.cf.round_trips - trips == 2  # the scripts, then the two commits
+        assert qm.log.stats.fsyncs - fsyncs == 1
+        assert not qm.uows  # every unit of work of the batch is finished (committed, or abandoned)
+        assert c.get("Q1", syncpoint=False).body == b"new"
+        for queue in ("Q1", "Q2", "Q3"):
+            assert not c.browse(queue)
+        assert [m.body for m in c.browse("FULLQ")] == [b"fills TINY"]
+    finally:
+        qm.stop()
+
+
+def test_an_empty_batch_and_one_all_refused_force_nothing(redis_factory: Callable[..., EmbeddedRedis],
+                                                          tmp_path: Path) -> None:
+    srv = redis_factory()
+    define_group(srv.url)
+    qm = start_qm(srv.url, tmp_path / "logs", "QM1", lease_ms=60_000, background=False)
+    try:
+        assert qm.log is not None
+        fsyncs = qm.log.stats.fsyncs
+        assert Lifecycles(qm).run([]) == []
+        out = Lifecycles(qm).run([OnePut(PutSpec("NOSUCH", b"x")), OneGet("NOSUCH")])
+        assert all(isinstance(o, UnknownObjectError) for o in out)
+        assert qm.log.stats.fsyncs == fsyncs
+        assert not qm.uows
+    finally:
+        qm.stop()

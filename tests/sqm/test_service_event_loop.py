@@ -1,0 +1,232 @@
+"""The service's event loop (sqm.service.batch_loop): the puts and gets outside syncpoint that arrive together from
+many connections run as one batch (sqm.core.lifecycles). Real redis-server, real `sqm run` processes, real sockets.
+
+Each request of a batch keeps its own outcome; a connection's requests are answered in its order; a client that
+stops reading its replies holds back nobody else; and a member killed (SIGKILL) inside a batch, before or after
+its force, loses no acknowledged message and applies no unacknowledged one once a peer has recovered its work."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cfemu.admin import Admin
+from cfemu.connection import connect
+from cfemu.errors import NoMessageError
+from sqm.service.client import Client
+from sqm.service.protocol import encode_frame
+from tests.support.group import define_group
+from tests.support.killed_member import killed_by_failpoint
+from tests.support.service_proc import OP_TOKEN, TOKEN, Raw, ServerProc, start_server
+
+QUEUES = ("E1", "E2", "E3", "E4", "E5")
+
+
+@pytest.fixture(scope="module")
+def server(redis_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc]:
+    client = redis_server.client()
+    client.flushall()
+    client.close()
+    define_group(redis_server.url, queues=QUEUES)
+    Admin(connect(redis_server.url)).ensure_structure("TINY", ("FULLQ",), max_entries=1)
+    srv = start_server(redis_server.url, tmp_path_factory.mktemp("loop"), "QM1")
+    yield srv
+    assert srv.stop() == 0, srv.log_text()
+
+
+def client(srv: ServerProc, **kw: Any) -> Client:
+    return Client(srv.endpoint, token=TOKEN, **kw)
+
+
+def loop_counts(srv: ServerProc) -> dict[str, Any]:
+    with Client(srv.endpoint, token=OP_TOKEN, role="operator") as op:
+        counts: dict[str, Any] = op.status()["event_loop"]
+        return counts
+
+
+def raw(srv: ServerProc) -> Raw:
+    r = Raw(srv.port)
+    assert r.login()["ok"]
+    return r
+
+
+def send(r: Raw, op: str, args: dict[str, Any]) -> int:
+    """Send a request without waiting for its reply; its id."""
+    r.ids += 1
+    r.send_bytes(encode_frame({"id": r.ids, "op": op, "args": args}))
+    return r.ids
+
+
+def test_requests_sent_together_run_in_one_batch_each_with_its_own_outcome(server: ServerProc) -> None:
+    """Six connections each send one request before any reply is read: a put (ok), a put to a queue that does not
+    exist, a put to a full structure, a get of the message there (ok), a get of an empty queue, a get with a bad
+    wait. The member takes them in as few batches as they arrived in, and
+    each reply is that request's own: one request's refusal fails no other."""
+    with client(server) as c:
+        c.put("E2", b"there", syncpoint=False)
+        c.put("FULLQ", b"fills TINY", syncpoint=False)
+    before = loop_counts(server)
+    conns = [raw(server) for _ in range(6)]
+    try:
+        requests = [("put", {"queue": "E1", "body": b"ok", "syncpoint": False}),
+                    ("put", {"queue": "NOSUCH", "body": b"x", "syncpoint": False}),
+                    ("put", {"queue": "FULLQ", "body": b"x", "syncpoint": False}),
+                    ("get", {"queue": "E2", "syncpoint": False}),
+                    ("get", {"queue": "E3", "syncpoint": False}),
+                    ("get", {"queue": "E3", "syncpoint": False, "wait_ms": -5})]
+        # the frames go out at once, so that they arrive in one turn of the loop as far as the kernel lets them
+        ids = [send(r, op, args) for r, (op, args) in zip(conns, requests, strict=True)]
+        replies = [r.reply() for r in conns]
+    finally:
+        for r in conns:
+            r.close()
+    assert [rep["id"] for rep in replies] == ids
+    ok = [rep["ok"] for rep in replies]
+    assert ok == [True, False, False, True, False, False], replies
+    assert replies[3]["result"]["body"] == b"there"
+    assert [rep["error"]["type"] for rep in replies if not rep["ok"]] == [
+        "UnknownObjectError", "StructureFullError", "NoMessageError", "BadRequestError"]
+    after = loop_counts(server)
+    assert after["batched_requests"] - before["batched_requests"] == 6
+    assert after["batches"] - before["batches"] <= 6
+    with client(server) as c:  # the acknowledged put is there, the refused ones are not
+        assert c.get("E1", syncpoint=False).body == b"ok"
+        with pytest.raises(NoMessageError):
+            c.get("E1", syncpoint=False)
+
+
+def test_concurrent_clients_share_batches(server: ServerProc) -> None:
+    """Sixteen clients running put-then-get lifecycles outside syncpoint at once: every message put is got exactly
+    once, and batches carried more than one request on average."""
+    before = loop_counts(server)
+    got: list[bytes] = []
+    lock = threading.Lock()
+
+    def lifecycles(k: int) -> None:
+        with client(server) as c:
+            for n in range(40):
+                c.put("E4", b"c%d-%d" % (k, n), syncpoint=False)
+                m = c.get("E4", syncpoint=False, wait_ms=10_000)
+                with lock:
+                    got.append(m.body)
+
+    threads = [threading.Thread(target=lifecycles, args=(k,)) for k in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert sorted(got) == sorted(b"c%d-%d" % (k, n) for k in range(16) for n in range(40))
+    after = loop_counts(server)
+    batches = after["batches"] - before["batches"]
+    carried = after["batched_requests"] - before["batched_requests"]
+    assert carried == 16 * 40 * 2
+    assert carried > batches, (carried, batches)  # some requests did run together
+
+
+def test_a_connection_s_requests_are_answered_in_its_order(server: ServerProc) -> None:
+    """One connection sends puts, gets and a ping (a request of the other path) back to back without reading:
+    the replies come in the order sent, and the gets take the messages in the order they were put."""
+    r = raw(server)
+    try:
+        sent = [send(r, "put", {"queue": "E5", "body": b"m%d" % i, "syncpoint": False}) for i in range(5)]
+        sent.append(send(r, "ping", {}))
+        sent += [send(r, "get", {"queue": "E5", "syncpoint": False}) for _ in range(5)]
+        replies = [r.reply() for _ in sent]
+    finally:
+        r.close()
+    assert [rep["id"] for rep in replies] == sent
+    assert all(rep["ok"] for rep in replies), replies
+    assert [rep["result"]["body"] for rep in replies[6:]] == [b"m%d" % i for i in range(5)]
+
+
+def test_a_client_that_stops_reading_holds_back_no_other(server: ServerProc) -> None:
+    """A client asks for 40 messages of 256 KiB (10 MiB of replies) and reads none of them: its replies wait in
+    its socket and its own buffer. Meanwhile other clients' lifecycles go on; the stalled one's replies are all
+    there, in order, once it reads."""
+    big = b"x" * (256 * 1024)
+    with client(server) as feeder:
+        feeder.put_batch([big] * 40, queue="E3", syncpoint=False)
+    stalled = raw(server)
+    try:
+        sent = [send(stalled, "get", {"queue": "E3", "syncpoint": False}) for _ in range(40)]
+        deadline = time.monotonic() + 60
+        with client(server) as other:
+            for n in range(50):
+                other.put("E1", b"other-%d" % n, syncpoint=False)
+                assert other.get("E1", syncpoint=False).body == b"other-%d" % n
+                assert time.monotonic() < deadline, "the other client was held back"
+        replies = [stalled.reply() for _ in sent]
+    finally:
+        stalled.close()
+    assert [rep["id"] for rep in replies] == sent
+    assert all(rep["ok"] and rep["result"]["body"] == big for rep in replies)
+
+
+def test_thread_per_connection_is_still_there(fresh_redis: Any, tmp_path: Path) -> None:
+    """--thread-per-connection serves each connection by its own thread: no batch runs, and lifecycles work."""
+    define_group(str(fresh_redis.url), queues=("T1",))
+    srv = start_server(str(fresh_redis.url), tmp_path, "QM1", "--thread-per-connection")
+    try:
+        with client(srv) as c:
+            c.put("T1", b"alone", syncpoint=False)
+            assert c.get("T1", syncpoint=False).body == b"alone"
+        assert loop_counts(srv) == {"on": False, "batches": 0, "batched_requests": 0}
+    finally:
+        assert srv.stop() == 0, srv.log_text()
+
+
+# --- kill -9 inside a batch --------------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["lifecycles-before-force=25", "lifecycles-after-force=25"])
+def test_kill_9_inside_a_batch_loses_no_acknowledged_message(fresh_redis: Any, tmp_path: Path, where: str) -> None:
+    """Twelve clients run lifecycles (a persistent put outside syncpoint, then a get outside syncpoint, each one
+    request) on one member, whose event loop runs the requests that arrive together as one batch. The member dies
+    (SIGKILL) in its 25th batch, before its force (none of its records on disk) or after it (all of them on disk,
+    no reply sent). After peer recovery: no acknowledged put is lost (unless a get of it is in doubt), no
+    acknowledged get comes back, and nothing is there that no client was told was put or had in doubt."""
+    acked_puts: set[bytes] = set()
+    unknown_puts: set[bytes] = set()
+    acked_gets: set[bytes] = set()
+    doubtful_gets: list[int] = []
+    lock = threading.Lock()
+
+    def lifecycles(victim: ServerProc, k: int) -> None:
+        with client(victim, reconnect_timeout=1) as c:
+            for n in range(2000):
+                body = b"c%d-m%d" % (k, n)
+                try:
+                    c.put("K5", body, syncpoint=False)
+                except Exception:  # the member died: the put's outcome is unknown to its client
+                    with lock:
+                        unknown_puts.add(body)
+                    return
+                with lock:
+                    acked_puts.add(body)
+                try:
+                    got = c.get("K5", syncpoint=False, wait_ms=10_000).body
+                except Exception:  # its outcome unknown: it may have taken a message
+                    with lock:
+                        doubtful_gets.append(k)
+                    return
+                with lock:
+                    acked_gets.add(got)
+
+    with killed_by_failpoint(str(fresh_redis.url), tmp_path, "K5", where) as killed:
+        killed.run_clients(lifecycles, 12, join_timeout=180, what=f"the member was not killed at {where}")
+        assert acked_gets, "no lifecycle was acknowledged before the kill"
+        with client(killed.peer) as check:
+            left = [m.body for m in check.get_batch("K5", 1000, commit=True)]
+        there = set(left)
+        assert len(left) == len(there), left
+        assert not there & acked_gets, "an acknowledged get came back"
+        lost = acked_puts - acked_gets - there  # each get in doubt may have taken one, and no more
+        assert len(lost) <= len(doubtful_gets), f"acknowledged puts lost: {sorted(lost)}"
+        assert there <= acked_puts | unknown_puts, "a message no client had acknowledged or had in doubt"
+        if where.startswith("lifecycles-before-force"):  # the killed batch's records never reached the disk
+            assert not there & unknown_puts, "a put the member died before logging was applied"
+            assert not lost, "a get the member died before logging consumed its message"
