@@ -221,9 +221,9 @@ def test_at_most_depth_plus_one_parts_are_held(qsg: tuple[redis.Redis, QueueMana
     lock = threading.Lock()
     real = bulk._data
 
-    def watched(client_: Any, structure: str, chunk: Any) -> Any:
+    def watched(client_: Any, structure: str, chunk: Any, size_hint: int | None = None) -> Any:
         time.sleep(0.002)
-        part = _Part(real(client_, structure, chunk))
+        part = _Part(real(client_, structure, chunk, size_hint))
         with lock:
             alive.add(id(part))
             most[0] = max(most[0], len(alive))
@@ -322,10 +322,10 @@ def test_a_cf_that_dies_mid_backup_fails_it_cleanly(redis_factory: Callable[...,
     real = bulk._data
     calls = itertools.count()
 
-    def killing(client_: Any, structure: str, chunk: Any) -> Any:
+    def killing(client_: Any, structure: str, chunk: Any, size_hint: int | None = None) -> Any:
         if next(calls) == 3:
             fresh_redis.kill()
-        return real(client_, structure, chunk)
+        return real(client_, structure, chunk, size_hint)
 
     monkeypatch.setattr(bulk, "_data", killing)
     monkeypatch.setattr(backup.run, "END_FAILED_RETRY_S", 0.5)
