@@ -132,17 +132,18 @@ def copy_step_raw(structure: Structure, state: str, count: StepCount, batch: int
 
 
 def copy_step(writer: BackupWriter, step: int, structure: Structure, state: str, count: StepCount,
-              batch: int = 2000, keep: Callable[[Wire], bool] | None = None,
+              batch: int | Callable[[], int] = 2000, keep: Callable[[Wire], bool] | None = None,
               before_read: Callable[[], None] | None = None,
               depth: Callable[[], int] | None = None) -> Iterator[None]:
     """copy_step_raw's copies written by `writer` as frames of `step`, part by part as they are fetched
-    (write_part); yields after each part (the caller's progress and checks)."""
+    (write_part); yields after each part (the caller's progress and checks). batch: ids a read, or a function
+    asked before each read (cfemu.bulk.fetch_raw; the pacer's say)."""
     for descs, datas in _fetch_step(structure, state, count, batch, before_read, depth):
         write_part(writer, step, count, descs, datas, keep)
         yield
 
 
-def _fetch_step(structure: Structure, state: str, count: StepCount, batch: int,
+def _fetch_step(structure: Structure, state: str, count: StepCount, batch: int | Callable[[], int],
                 before_read: Callable[[], None] | None,
                 depth: Callable[[], int] | None) -> Iterator[tuple[list[bytes | None], Sequence[bytes | None]]]:
     """The step's snapshot (counted), then its entries' raw descriptors and data, part by part."""

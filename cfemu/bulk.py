@@ -291,7 +291,7 @@ def fetch(client: redis.Redis, structure: str, ids: Iterable[str],
         yield from flush()
 
 
-def fetch_raw(client: redis.Redis, structure: str, ids: Ids, batch: int = FETCH_BATCH, *,
+def fetch_raw(client: redis.Redis, structure: str, ids: Ids, batch: int | Callable[[], int] = FETCH_BATCH, *,
               before_read: Callable[[], None] | None = None, depth: int | Callable[[], int] = FETCH_DEPTH
               ) -> Iterator[tuple[list[bytes | None], Sequence[bytes | None]]]:
     """The raw descriptors and data of `ids`, part by part, as the CF holds them (None where an entry is gone): a
@@ -304,10 +304,12 @@ def fetch_raw(client: redis.Redis, structure: str, ids: Ids, batch: int = FETCH_
     function, asked before reads are sent: a paced backup reads one at a time while the group works
     (backup.pacing). before_read(), when given, is called before each batch's read is sent (READ_COMMANDS commands
     when its data fit in one part), in the caller's thread, between two reads: a backup paces itself there
-    (backup.pacing), so that a pause holds up neither a read in flight nor the part being handled."""
-    chunks = [ids[i:i + batch] for i in range(0, len(ids), batch)]
-    if not chunks:
+    (backup.pacing), so that a pause holds up neither a read in flight nor the part being handled. `batch` (ids a
+    batch) may be a function too, asked after before_read for each batch: a paced backup reads larger batches on
+    an idle CF (fewer reads, each one's cost spread over more entries) and smaller ones while the group works."""
+    if not ids:
         return
+    sized: Callable[[], int] = batch if callable(batch) else lambda: batch
     seen = [0, 0]  # bytes and entries of the data read so far: the next read's size hint
 
     def data(part: Ids) -> Sequence[Any]:
@@ -331,14 +333,15 @@ def fetch_raw(client: redis.Redis, structure: str, ids: Ids, batch: int = FETCH_
     # threads start with the second read: a fetch of one part (most of a small structure's, and each of a model
     # check's thousands of backups) starts none, where a pool's thread cost more than the read.
     pool: ThreadPoolExecutor | None = None
-    firsts: deque[Future[Any]] = deque()  # batches' first reads in flight (descriptors and first part)
+    # batches' first reads in flight (descriptors and first part), each with its ids
+    firsts: deque[tuple[Ids, Future[Any]]] = deque()
     later: deque[Future[Any]] = deque()  # reads in flight of the batch being handed over: its later parts
-    next_batch = 0
+    next_id = 0  # where the next batch starts in ids
 
     def submit(fn: Callable[..., Any], *args: Any) -> Future[Any]:
         nonlocal pool
         if pool is None:
-            if not firsts and not later and next_batch == 0:
+            if not firsts and not later and next_id == 0:
                 return _done(fn, *args)
             pool = ThreadPoolExecutor(max_workers=deepest, thread_name_prefix="backup-fetch")
         return pool.submit(fn, *args)
@@ -347,20 +350,21 @@ def fetch_raw(client: redis.Redis, structure: str, ids: Ids, batch: int = FETCH_
         def send_reads(chunk: Ids, unread: deque[tuple[int, int]], limit: int | None = None) -> None:
             """Fill the reads in flight up to `limit` (`depth`): the later parts of the batch being handed over
             first (they are handed over before the next batch), then the next batches."""
-            nonlocal next_batch
+            nonlocal next_id
             if limit is None:
-                limit = min(deepest, depth if isinstance(depth, int) else depth())
+                limit = max(1, min(deepest, depth if isinstance(depth, int) else depth()))
             # The batch being handed over always has its next part in flight, even past the limit: when the depth
             # shrinks (a paced backup's group starts working), the next batches' reads may fill it.
             while len(firsts) + len(later) < limit or (unread and not later):
                 if unread:
                     a, b = unread.popleft()
                     later.append(submit(data, chunk[a:b]))
-                elif next_batch < len(chunks):
+                elif next_id < len(ids):
                     if before_read is not None:
                         before_read()
-                    firsts.append(submit(first, chunks[next_batch]))
-                    next_batch += 1
+                    ahead = ids[next_id:next_id + max(1, sized())]
+                    firsts.append((ahead, submit(first, ahead)))
+                    next_id += len(ahead)
                 else:
                     return
 
@@ -368,8 +372,10 @@ def fetch_raw(client: redis.Redis, structure: str, ids: Ids, batch: int = FETCH_
         # two reads, and the set-up of a second connection (its handshake's commands) in that millisecond read as a
         # busy group (tests/backup/test_pacing.py); by the second read the first connection is set up and busy.
         send_reads((), deque(), limit=1)
-        for chunk in chunks:
-            descs, bounds, datas = firsts.popleft().result()
+        while firsts:
+            chunk, read = firsts.popleft()
+            descs, bounds, datas = read.result()
+            del read  # it holds the first part: not kept past its hand-over
             unread = deque(bounds[1:])
             for j, (a, b) in enumerate(bounds):
                 if j:
