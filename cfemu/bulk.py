@@ -143,6 +143,9 @@ def _read_bulks(conn: Any, sock: socket.socket, packed: list[bytes], count: int,
         raise redis.exceptions.ConnectionError(f"Protocol error: {e}") from None
     except OSError as e:
         raise resp.io_failure(conn, e, writing=False) from None
+    except BaseException:  # interrupted within the reply (a signal's handler raised): its rest is still unread
+        conn.disconnect()
+        raise
     if isinstance(said, str):
         error = reply_error(conn, said)
         if isinstance(error, redis.exceptions.ConnectionError):  # as redis-py's read_response: dropped

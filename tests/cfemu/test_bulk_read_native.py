@@ -198,3 +198,25 @@ def test_a_reply_out_of_step_drops_the_connection_and_the_read_is_made_again(
     monkeypatch.setattr(bulk._bulk, "read_bulks", refusing)
     assert bulk.hmget(client, "h", ["a", "b"], size_hint=0) == [b"1", None]
     assert len(said) == 1
+
+
+def test_a_read_interrupted_within_the_reply_drops_the_connection(client: redis.Redis,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A signal's handler that raises within the read (here: the reader made to raise KeyboardInterrupt, the reply
+    left unread on the socket) drops that connection: it never goes back to the pool with a reply on it, and the
+    next read gets its own answer."""
+    client.hset("h", mapping={"a": b"1", "b": b"2"})
+    used: list[Any] = []
+    real = bulk._bulk.read_bulks
+
+    def interrupted(fd: int, count: int, hint: int, timeout_ms: int) -> Any:
+        used.append(fd)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bulk._bulk, "read_bulks", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        bulk.hmget(client, "h", ["a"], size_hint=0)
+    monkeypatch.setattr(bulk._bulk, "read_bulks", real)
+    pool = client.connection_pool
+    assert all(c._sock is None or c._sock.fileno() != used[0] for c in pool._available_connections)  # type: ignore[attr-defined]
+    assert list(bulk.hmget(client, "h", ["b", "a"], size_hint=0)) == [b"2", b"1"]
