@@ -17,7 +17,9 @@
  * handed to decide(descriptor), whose true copies it (decide counts what it leaves out). It returns (added,
  * copied, data bytes copied, vanished, overflow): added as append's; when the copies would be more than `limit`,
  * added is -1, nothing is appended, and overflow is the list of the (descriptor, data) pairs selected, to be
- * framed frame by frame (decide is never asked twice of an entry). */
+ * framed frame by frame (decide is never asked twice of an entry). `datas` may also be a fetched reply's strings
+ * left in its bytes (cfemu.bulk.Bulks, passed as its (blob, spans)): framed from there, with no bytes object made
+ * for any of them. */
 #define _GNU_SOURCE /* memmem */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -59,15 +61,15 @@ static void put_u32le(uint8_t *out, uint32_t v) {
 
 /* One frame at `out` (room made for it): its head, then the body: `head`, the descriptor's bytes, the bin head
  * of the data, the data. Returns the end of the frame. */
-static uint8_t *put_frame(uint8_t *out, const Py_buffer *head, PyObject *desc, PyObject *data) {
-    size_t nd = (size_t)PyBytes_GET_SIZE(desc), n = (size_t)PyBytes_GET_SIZE(data);
+static uint8_t *put_frame(uint8_t *out, const Py_buffer *head, PyObject *desc, const char *data, size_t n) {
+    size_t nd = (size_t)PyBytes_GET_SIZE(desc);
     uint8_t *body = out + FRAME_HEAD, *p = body;
     memcpy(p, head->buf, (size_t)head->len);
     p += head->len;
     memcpy(p, PyBytes_AS_STRING(desc), nd);
     p += nd;
     p += bin_head(p, n);
-    memcpy(p, PyBytes_AS_STRING(data), n);
+    memcpy(p, data, n);
     p += n;
     size_t length = (size_t)(p - body);
     put_u32le(out, (uint32_t)length);
@@ -117,8 +119,9 @@ static PyObject *append(PyObject *self, PyObject *args) {
     if (PyByteArray_Resize(buf, start + total) < 0) goto done;
     uint8_t *out = (uint8_t *)PyByteArray_AS_STRING(buf) + start;
     for (Py_ssize_t i = 0; i < count; i++) {
-        PyObject *pair = PyList_GET_ITEM(batch, i);
-        out = put_frame(out, &head, PyTuple_GET_ITEM(pair, 0), PyTuple_GET_ITEM(pair, 1));
+        PyObject *pair = PyList_GET_ITEM(batch, i), *data = PyTuple_GET_ITEM(pair, 1);
+        out = put_frame(out, &head, PyTuple_GET_ITEM(pair, 0), PyBytes_AS_STRING(data),
+                        (size_t)PyBytes_GET_SIZE(data));
     }
     result = PyLong_FromSsize_t(total);
 done:
@@ -147,28 +150,85 @@ static int persistent_at_sight(const uint8_t *raw, size_t n) {
 
 enum { GONE = 0, KEEP = 1, LEAVE = 2 };
 
+/* A fetched part's data: a list of bytes or None, or a reply's strings left in its bytes (cfemu.bulk.Bulks, given
+ * as the tuple (blob, spans): each string's offset and length as two native 64-bit integers, length -1 for
+ * null). */
+typedef struct {
+    PyObject *list;
+    const char *blob;
+    Py_ssize_t blob_len, count;
+    const int64_t *spans;
+} Datas;
+
+static int datas_open(PyObject *datas, Datas *d) {
+    memset(d, 0, sizeof *d);
+    if (PyList_Check(datas)) {
+        d->list = datas;
+        d->count = PyList_GET_SIZE(datas);
+        return 0;
+    }
+    PyObject *blob, *spans;
+    if (!PyTuple_Check(datas) || PyTuple_GET_SIZE(datas) != 2 || !PyBytes_Check(blob = PyTuple_GET_ITEM(datas, 0)) ||
+        !PyBytes_Check(spans = PyTuple_GET_ITEM(datas, 1)) || PyBytes_GET_SIZE(spans) % 16) {
+        PyErr_SetString(PyExc_TypeError, "the data are a list, or a (blob, spans) pair of bytes (cfemu.bulk.Bulks)");
+        return -1;
+    }
+    d->blob = PyBytes_AS_STRING(blob);
+    d->blob_len = PyBytes_GET_SIZE(blob);
+    d->spans = (const int64_t *)PyBytes_AS_STRING(spans);
+    d->count = PyBytes_GET_SIZE(spans) / 16;
+    return 0;
+}
+
+/* The data of item i: 1 and its bytes, 0 for a None (gone), -1 with an error raised. */
+static int data_at(const Datas *d, Py_ssize_t i, const char **p, size_t *n) {
+    if (d->list != NULL) {
+        PyObject *data = PyList_GET_ITEM(d->list, i);
+        if (data == Py_None) return 0;
+        if (!PyBytes_Check(data)) {
+            PyErr_Format(PyExc_TypeError, "item %zd: descriptor and data must be bytes or None", i);
+            return -1;
+        }
+        *p = PyBytes_AS_STRING(data);
+        *n = (size_t)PyBytes_GET_SIZE(data);
+        return 1;
+    }
+    int64_t at = d->spans[2 * i], len = d->spans[2 * i + 1];
+    if (len == -1) return 0;
+    if (at < 0 || len < 0 || at > d->blob_len || len > d->blob_len - at) {
+        PyErr_Format(PyExc_ValueError, "item %zd: a span (%lld, %lld) outside the reply's %zd bytes", i, (long long)at,
+                     (long long)len, d->blob_len);
+        return -1;
+    }
+    *p = d->blob + at;
+    *n = (size_t)len;
+    return 1;
+}
+
 static PyObject *select_append(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *buf, *descs, *datas, *decide;
+    PyObject *buf, *descs, *datas_in, *decide, *datas = NULL;
     Py_buffer head;
     Py_ssize_t limit;
     int at_sight;
-    if (!PyArg_ParseTuple(args, "O!y*O!O!npO", &PyByteArray_Type, &buf, &head, &PyList_Type, &descs, &PyList_Type,
-                          &datas, &limit, &at_sight, &decide))
+    if (!PyArg_ParseTuple(args, "O!y*O!OnpO", &PyByteArray_Type, &buf, &head, &PyList_Type, &descs, &datas_in,
+                          &limit, &at_sight, &decide))
         return NULL;
     PyObject *result = NULL, *overflow = NULL;
     uint8_t *verdict = NULL;
     Py_ssize_t count = PyList_GET_SIZE(descs), total = 0, copied = 0, vanished = 0;
     unsigned long long nbytes = 0;
-    if (PyList_GET_SIZE(datas) != count) {
-        PyErr_Format(PyExc_ValueError, "%zd descriptors and %zd data", count, PyList_GET_SIZE(datas));
-        PyBuffer_Release(&head);
-        return NULL;
-    }
-    /* Lists of their own: decide runs Python code, which must not change (and free) the items looked at. */
+    Datas d;
+    /* Lists of their own: decide runs Python code, which must not change (and free) the items looked at (a
+     * (blob, spans) pair is of bytes: it cannot change). */
     descs = PyList_GetSlice(descs, 0, count);
-    datas = descs == NULL ? NULL : PyList_GetSlice(datas, 0, count);
-    if (datas == NULL) goto done;
+    if (descs == NULL) goto done;
+    datas = PyList_Check(datas_in) ? PyList_GetSlice(datas_in, 0, PyList_GET_SIZE(datas_in)) : Py_NewRef(datas_in);
+    if (datas == NULL || datas_open(datas, &d) < 0) goto done;
+    if (d.count != count) {
+        PyErr_Format(PyExc_ValueError, "%zd descriptors and %zd data", count, d.count);
+        goto done;
+    }
     verdict = PyMem_Malloc(count ? (size_t)count : 1);
     if (verdict == NULL) {
         PyErr_NoMemory();
@@ -176,13 +236,17 @@ static PyObject *select_append(PyObject *self, PyObject *args) {
     }
     /* Pass 1: each pair's verdict, and the size of the frames of the copies. */
     for (Py_ssize_t i = 0; i < count; i++) {
-        PyObject *desc = PyList_GET_ITEM(descs, i), *data = PyList_GET_ITEM(datas, i);
-        if (desc == Py_None || data == Py_None) {
+        PyObject *desc = PyList_GET_ITEM(descs, i);
+        const char *data;
+        size_t n;
+        int present = data_at(&d, i, &data, &n);
+        if (present < 0) goto done;
+        if (desc == Py_None || !present) {
             verdict[i] = GONE;
             vanished++;
             continue;
         }
-        if (!PyBytes_Check(desc) || !PyBytes_Check(data)) {
+        if (!PyBytes_Check(desc)) {
             PyErr_Format(PyExc_TypeError, "item %zd: descriptor and data must be bytes or None", i);
             goto done;
         }
@@ -197,7 +261,6 @@ static PyObject *select_append(PyObject *self, PyObject *args) {
         }
         verdict[i] = keep ? KEEP : LEAVE;
         if (!keep) continue;
-        size_t n = (size_t)PyBytes_GET_SIZE(data);
         if (n > UINT32_MAX) {
             PyErr_Format(PyExc_ValueError, "item %zd: data of %zu bytes is more than a frame holds", i, n);
             goto done;
@@ -211,7 +274,12 @@ static PyObject *select_append(PyObject *self, PyObject *args) {
         if (overflow == NULL) goto done;
         for (Py_ssize_t i = 0, k = 0; i < count; i++) {
             if (verdict[i] != KEEP) continue;
-            PyObject *pair = PyTuple_Pack(2, PyList_GET_ITEM(descs, i), PyList_GET_ITEM(datas, i));
+            const char *data;
+            size_t n;
+            data_at(&d, i, &data, &n); /* checked in pass 1 */
+            PyObject *bytes = PyBytes_FromStringAndSize(data, (Py_ssize_t)n);
+            PyObject *pair = bytes == NULL ? NULL : PyTuple_Pack(2, PyList_GET_ITEM(descs, i), bytes);
+            Py_XDECREF(bytes);
             if (pair == NULL) goto done;
             PyList_SET_ITEM(overflow, k++, pair);
         }
@@ -224,8 +292,10 @@ static PyObject *select_append(PyObject *self, PyObject *args) {
     uint8_t *out = (uint8_t *)PyByteArray_AS_STRING(buf) + start;
     for (Py_ssize_t i = 0; i < count; i++) {
         if (verdict[i] != KEEP) continue;
-        PyObject *desc = PyList_GET_ITEM(descs, i), *data = PyList_GET_ITEM(datas, i);
-        out = put_frame(out, &head, desc, data);
+        const char *data;
+        size_t n;
+        data_at(&d, i, &data, &n);
+        out = put_frame(out, &head, PyList_GET_ITEM(descs, i), data, n);
     }
     result = Py_BuildValue("nnKnO", total, copied, nbytes, vanished, Py_None);
 done:

@@ -329,8 +329,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--exclint", type=int, default=0, metavar="SECONDS",
                      help="leave out messages put less than SECONDS before the backup (restore replays them)")
     run.add_argument("--batch", type=int, default=DEFAULT_BATCH, metavar="N",
-                     help=f"entries per pipelined fetch (default {DEFAULT_BATCH}); smaller batches hold up the CF's "
-                          "other work for less time, larger ones back up faster")
+                     help=f"entries per pipelined fetch while the group works (default {DEFAULT_BATCH}; twice as "
+                          "many on an idle CF); smaller batches hold up the CF's other work for less time, larger "
+                          "ones back up faster")
     run.add_argument("--lease", type=float, default=DEFAULT_LEASE_S, metavar="SECONDS",
                      help=f"the backup's mark in the CF lasts SECONDS past its last renewal (default "
                           f"{DEFAULT_LEASE_S:g}; renewed every fifth of it): a backup killed without a word blocks "

@@ -30,7 +30,7 @@ import shutil
 import stat
 import struct
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import UTC, datetime
 from itertools import repeat
@@ -42,6 +42,7 @@ import crc32c
 import msgpack
 
 from cfemu import settings
+from cfemu.bulk import Bulks
 from cfemu.credentials import BackupKeys, key_id
 from cfemu.durable import fsync_directory, replace_file
 from cfemu.private_files import open_private, private_dir
@@ -324,6 +325,13 @@ class _EntryFile:
                 stage.close()
 
 
+def _native_datas(datas: Sequence[bytes | None]) -> Any:
+    """A fetched part's data as backup._frames.select_append takes them: a list, or a Bulks' (blob, spans)."""
+    if type(datas) is Bulks:
+        return datas.blob, datas.spans
+    return datas if type(datas) is list else list(datas)
+
+
 class BackupWriter:
     """Writes one backup directory: frames into entry files (rolled at roll_bytes), then the manifest.
 
@@ -438,20 +446,21 @@ class BackupWriter:
         """Whether add_selected can run: backup._frames (C) was built."""
         return _frames is not None
 
-    def add_selected(self, step: int, descs: list[bytes | None], datas: list[bytes | None],
+    def add_selected(self, step: int, descs: list[bytes | None], datas: Sequence[bytes | None],
                      decide: Callable[[bytes], bool], *, at_sight: bool = True) -> tuple[int, int, int]:
         """A fetched part's copies as frames [step, descriptor, data], selected and framed in one pass in C
         (backup/_frames.c, select_append): a pair with a None (an entry gone) is left out; a descriptor persistent
         at sight (at_sight; backup.protocol._persistent_at_sight's rule) is copied; any other is copied when
-        decide(descriptor) says so. The same frames as add_raw of the pairs kept, in their order. Returns (copied,
-        data bytes copied, gone). Only where selects_natively."""
+        decide(descriptor) says so. The same frames as add_raw of the pairs kept, in their order; data read as
+        cfemu.bulk.Bulks are framed from the reply's bytes. Returns (copied, data bytes copied, gone). Only where
+        selects_natively."""
         if _frames is None:
             raise RuntimeError("backup._frames was not built: select with backup.protocol.select_raw, then add_raw")
         if self._file is None:
             self._open_next()  # the file the first frame opens in add_raw, opened first: the same bytes
         added, copied, nbytes, vanished, overflow = _frames.select_append(
             self._buf, b"\x93" + _STEP_HEAD[step], descs if type(descs) is list else list(descs),
-            datas if type(datas) is list else list(datas), min(self.roll_bytes - self._size, _WHOLE_BATCH_BYTES),
+            _native_datas(datas), min(self.roll_bytes - self._size, _WHOLE_BATCH_BYTES),
             at_sight, decide)
         if added >= 0:
             self._added_whole(added, copied)

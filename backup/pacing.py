@@ -27,6 +27,7 @@ log = logging.getLogger("backup.pacing")
 IDLE_OPS_PER_S = 200.0  # other commands a second below which the CF counts as idle (a quiet group's heartbeats)
 PROBE_EVERY_S = 0.05  # how often the CF's command count is read (an INFO: one round trip)
 MAX_PAUSE_S = 1.0  # the longest pause after one batch, whatever the batch took
+IDLE_BATCH_FACTOR = 2  # an idle CF's reads ask for this many times the backup's batch (1,000 ids by default)
 
 
 def probe_commands(client: redis.Redis, structure: str) -> Callable[[], int]:
@@ -102,6 +103,13 @@ class Pacer:
         held the CF twice as much per second worked, and the group's paced drop rose from 5.6% to 13-16%
         (BENCHMARKS.md, backup)."""
         return 1 if self.loaded else bulk.FETCH_DEPTH
+
+    def batch_size(self, batch: int) -> int:
+        """How many ids the backup's next read asks for (cfemu.bulk.fetch_raw's batch, asked after before_read):
+        `batch` while the group works, so that each read holds the CF as briefly as the share was measured with;
+        IDLE_BATCH_FACTOR times as many on an idle CF, where nothing waits behind a read and each read's own cost
+        (its round trips, its threads' hand-overs) is spread over more entries."""
+        return batch if self.loaded else batch * IDLE_BATCH_FACTOR
 
     def _probe(self, now: float) -> None:
         try:

@@ -19,7 +19,7 @@ backup runs carries its data in the BACKOUT record (enforced by cfemu/scripts/ba
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import msgpack
@@ -81,7 +81,7 @@ def _decider(count: StepCount, keep: Callable[[Wire], bool] | None) -> Callable[
     return decide
 
 
-def select_raw(count: StepCount, descs: list[bytes | None], datas: list[bytes | None],
+def select_raw(count: StepCount, descs: list[bytes | None], datas: Sequence[bytes | None],
                keep: Callable[[Wire], bool] | None = None) -> list[tuple[bytes, bytes]]:
     """The copies one fetched batch keeps: present (not gone since the snapshot), persistent, and accepted by
     `keep`, counted in `count`, with each descriptor as the CF's bytes: a persistent descriptor is seen at sight
@@ -106,7 +106,7 @@ def select_raw(count: StepCount, descs: list[bytes | None], datas: list[bytes | 
 
 
 def write_part(writer: BackupWriter, step: int, count: StepCount, descs: list[bytes | None],
-               datas: list[bytes | None], keep: Callable[[Wire], bool] | None = None) -> None:
+               datas: Sequence[bytes | None], keep: Callable[[Wire], bool] | None = None) -> None:
     """One fetched part's copies (as select_raw selects them, counted in `count`) written by `writer` as frames
     of `step`: selected and framed in one pass in C where backup._frames was built (BackupWriter.add_selected: no
     Python object made per entry copied), else select_raw then add_raw. Both write the same bytes
@@ -132,19 +132,20 @@ def copy_step_raw(structure: Structure, state: str, count: StepCount, batch: int
 
 
 def copy_step(writer: BackupWriter, step: int, structure: Structure, state: str, count: StepCount,
-              batch: int = 2000, keep: Callable[[Wire], bool] | None = None,
+              batch: int | Callable[[], int] = 2000, keep: Callable[[Wire], bool] | None = None,
               before_read: Callable[[], None] | None = None,
               depth: Callable[[], int] | None = None) -> Iterator[None]:
     """copy_step_raw's copies written by `writer` as frames of `step`, part by part as they are fetched
-    (write_part); yields after each part (the caller's progress and checks)."""
+    (write_part); yields after each part (the caller's progress and checks). batch: ids a read, or a function
+    asked before each read (cfemu.bulk.fetch_raw; the pacer's say)."""
     for descs, datas in _fetch_step(structure, state, count, batch, before_read, depth):
         write_part(writer, step, count, descs, datas, keep)
         yield
 
 
-def _fetch_step(structure: Structure, state: str, count: StepCount, batch: int,
+def _fetch_step(structure: Structure, state: str, count: StepCount, batch: int | Callable[[], int],
                 before_read: Callable[[], None] | None,
-                depth: Callable[[], int] | None) -> Iterator[tuple[list[bytes | None], list[bytes | None]]]:
+                depth: Callable[[], int] | None) -> Iterator[tuple[list[bytes | None], Sequence[bytes | None]]]:
     """The step's snapshot (counted), then its entries' raw descriptors and data, part by part."""
     ids = structure.snapshot_raw(state)
     count.snapshot += len(ids)

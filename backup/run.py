@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -343,7 +344,8 @@ def _run_backup(client: redis.Redis, structure: str, backup_root: Path, *, log_r
             # Each copy's descriptor goes into its frame as the CF's bytes: decoded only when its persistence
             # is not plain at sight, or for EXCLINT (backup.protocol.select_raw).
             pacer.new_step()
-            for _ in copy_step(writer, number, s, state_name, count, batch, keep=old_enough if exclint_s else None,
+            for _ in copy_step(writer, number, s, state_name, count, partial(pacer.batch_size, batch),
+                               keep=old_enough if exclint_s else None,
                                before_read=pacer.before_read, depth=pacer.reads_in_flight):
                 lease.check()
                 progress(phase, count.copied + count.skipped_nonpersistent + count.vanished + count.excluded,

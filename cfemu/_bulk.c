@@ -107,6 +107,21 @@ fail:
 /* pack_args(items) -> bytes: the items (bytes, or str as UTF-8) as RESP bulk strings, one after the other: the
  * arguments of a command after its count line, as hiredis.pack_command writes them. A fetch's HMGET of 2,000 ids
  * packed by pack_command cost about 0.1 us an id, as much as the parsing of its reply. */
+/* "$<n>\r\n" at p (n >= 0), without printf's format parsing (two per entry a backup fetches); returns its end. */
+static char *put_bulk_head(char *p, Py_ssize_t n) {
+    char digits[24];
+    int k = 0;
+    do {
+        digits[k++] = (char)('0' + n % 10);
+        n /= 10;
+    } while (n > 0);
+    *p++ = '$';
+    while (k > 0) *p++ = digits[--k];
+    *p++ = '\r';
+    *p++ = '\n';
+    return p;
+}
+
 static PyObject *pack_args(PyObject *self, PyObject *arg) {
     (void)self;
     PyObject *items = PySequence_Fast(arg, "pack_args takes a list or a tuple of bytes or str");
@@ -137,7 +152,7 @@ static PyObject *pack_args(PyObject *self, PyObject *arg) {
         } else {
             b = PyUnicode_AsUTF8AndSize(item[i], &n); /* cached by the first pass */
         }
-        p += sprintf(p, "$%zd\r\n", n);
+        p = put_bulk_head(p, n);
         memcpy(p, b, (size_t)n);
         p += n;
         *p++ = '\r';
@@ -914,9 +929,232 @@ done:
     return result;
 }
 
+
+/* read_bulks(fd, count, size_hint) -> (blob, spans) | str: one reply of the CF read from the blocking socket `fd`
+ * and parsed with the GIL let go: an array of `count` bulk strings or nulls, as HMGET answers (RESP2's $-1 and
+ * RESP3's _ both read as null). blob: the reply's bytes as received; spans: `count` pairs of signed 64-bit
+ * integers in the machine's order, (offset in blob, length) of each string, length -1 for a null. No Python object
+ * is made per string: a backup's fetch reads a million of them (cfemu.bulk.Bulks reads them back; backup/_frames.c
+ * frames them from the blob). An error reply answers its text as a str (the connection is still in step).
+ * size_hint: the bytes expected (the data lengths the descriptors record), the blob's first size. timeout_ms:
+ * below 0 for a blocking socket (the kernel's receive timeout ends a recv with EAGAIN), else how long to wait for
+ * each receive of a non-blocking one (Python's socket timeout). Raises OSError from the socket (EAGAIN,
+ * TimeoutError: the timeout), EOFError when the CF closes the connection within the reply, ValueError for a
+ * reply that is not such an array (the connection is then out of step: the caller drops it). */
+#include <errno.h>
+#include <poll.h>
+#include <sys/socket.h>
+
+#define MAX_BULK (512LL << 20) /* the longest bulk string the CF sends (proto-max-bulk-len's default) */
+#define MAX_LINE 32            /* a string's header line's longest: a type byte, a 64-bit length and CRLF */
+#define MAX_ERROR_LINE 65536   /* an error reply's longest line */
+
+enum { NEED_MORE = 0, PARSED = 1, BAD = -1, ERROR_REPLY = 2 };
+
+typedef struct {
+    const char *buf;
+    Py_ssize_t pos, end;   /* parsed up to pos; received up to end */
+    Py_ssize_t count, got; /* strings expected, parsed */
+    int64_t *spans;
+    Py_ssize_t err_start, err_len; /* an error reply's text */
+    long long want;                /* bytes of the bulk being parsed after its header; -1 none */
+    const char *why;               /* what is wrong with a bad reply */
+} Reader;
+
+/* The length of the line at pos (up to CRLF, at most `most` bytes with them), or NEED_MORE / BAD. */
+static int line_at(Reader *r, Py_ssize_t most, Py_ssize_t *len) {
+    Py_ssize_t avail = r->end - r->pos;
+    const char *p = r->buf + r->pos;
+    const char *cr = memchr(p, '\r', (size_t)(avail < most ? avail : most));
+    if (cr == NULL) {
+        if (avail >= most) {
+            r->why = "a header line without its end";
+            return BAD;
+        }
+        return NEED_MORE;
+    }
+    if (cr + 1 >= r->buf + r->end) return NEED_MORE;
+    if (cr[1] != '\n') {
+        r->why = "a CR without LF";
+        return BAD;
+    }
+    *len = cr - p;
+    return PARSED;
+}
+
+/* A decimal integer of the header line p[1..n) (after its type byte); -1 allowed; else BAD via *ok = 0. */
+static long long number(const char *p, Py_ssize_t n, int *ok) {
+    long long v = 0;
+    Py_ssize_t i = 1;
+    int neg = 0;
+    *ok = 0;
+    if (n > 1 && p[1] == '-') {
+        neg = 1;
+        i = 2;
+    }
+    if (i >= n || n - i > 18) return 0;
+    for (; i < n; i++) {
+        if (p[i] < '0' || p[i] > '9') return 0;
+        v = v * 10 + (p[i] - '0');
+    }
+    if (neg && v != 1) return 0;
+    *ok = 1;
+    return neg ? -1 : v;
+}
+
+/* Parse what was received: PARSED once the whole reply is, NEED_MORE, BAD, or ERROR_REPLY. */
+static int parse(Reader *r) {
+    for (;;) {
+        if (r->want >= 0) { /* a bulk's bytes and their CRLF */
+            if (r->end - r->pos < r->want + 2) return NEED_MORE;
+            if (r->buf[r->pos + r->want] != '\r' || r->buf[r->pos + r->want + 1] != '\n') {
+                r->why = "a bulk string without CRLF after its bytes";
+                return BAD;
+            }
+            r->spans[2 * r->got] = r->pos;
+            r->spans[2 * r->got + 1] = r->want;
+            r->got++;
+            r->pos += r->want + 2;
+            r->want = -1;
+        }
+        if (r->count >= 0 && r->got == r->count) return PARSED;
+        Py_ssize_t n;
+        int said = line_at(r, r->count < 0 ? MAX_ERROR_LINE : MAX_LINE, &n);
+        if (said != PARSED) return said;
+        const char *p = r->buf + r->pos;
+        int ok = 1;
+        if (r->count < 0) { /* the reply's head */
+            if (n >= 1 && p[0] == '-') {
+                r->err_start = r->pos + 1;
+                r->err_len = n - 1;
+                r->pos += n + 2;
+                return ERROR_REPLY;
+            }
+            long long c = (n >= 1 && p[0] == '*') ? number(p, n, &ok) : -2;
+            if (!ok || c != r->got) { /* got holds the count asked for until the head is read */
+                r->why = c == -2 ? "not an array" : "an array of another length than the fields asked for";
+                return BAD;
+            }
+            r->count = (Py_ssize_t)c;
+            r->got = 0;
+        } else if (n == 1 && p[0] == '_') {
+            r->spans[2 * r->got] = 0;
+            r->spans[2 * r->got + 1] = -1;
+            r->got++;
+        } else if (n >= 1 && p[0] == '$') {
+            long long len = number(p, n, &ok);
+            if (!ok || len > MAX_BULK) {
+                r->why = "a bulk string's length that is not one";
+                return BAD;
+            }
+            if (len < 0) {
+                r->spans[2 * r->got] = 0;
+                r->spans[2 * r->got + 1] = -1;
+                r->got++;
+            } else {
+                r->want = len;
+            }
+        } else {
+            r->why = "an item that is neither a bulk string nor a null";
+            return BAD;
+        }
+        r->pos += n + 2;
+    }
+}
+
+static PyObject *read_bulks(PyObject *self, PyObject *args) {
+    (void)self;
+    int fd, timeout_ms;
+    Py_ssize_t count, hint;
+    if (!PyArg_ParseTuple(args, "inni", &fd, &count, &hint, &timeout_ms)) return NULL;
+    if (count < 0 || count > PY_SSIZE_T_MAX / 16) {
+        PyErr_Format(PyExc_ValueError, "cannot read %zd strings", count);
+        return NULL;
+    }
+    Py_ssize_t cap = hint < 4096 ? 4096 : hint + 64 + count * 16; /* the data and each string's header */
+    PyObject *blob = PyBytes_FromStringAndSize(NULL, cap);
+    PyObject *spans = blob == NULL ? NULL : PyBytes_FromStringAndSize(NULL, count * 16 + 1);
+    if (spans == NULL) {
+        Py_XDECREF(blob);
+        return NULL;
+    }
+    Reader r = {NULL, 0, 0, -1, count, (int64_t *)PyBytes_AS_STRING(spans), 0, 0, -1, NULL};
+    int said = NEED_MORE, failed = 0; /* failed: errno of the socket; -1: closed by the CF */
+    while (said == NEED_MORE) {
+        if (r.end == cap) { /* room for more: the blob grows (with the GIL: it is a Python object) */
+            Py_ssize_t more = cap < (PY_SSIZE_T_MAX >> 1) ? cap * 2 : PY_SSIZE_T_MAX;
+            if (more == cap || _PyBytes_Resize(&blob, more) < 0) {
+                if (!PyErr_Occurred()) PyErr_NoMemory();
+                goto fail;
+            }
+            cap = more;
+        }
+        char *buf = PyBytes_AS_STRING(blob);
+        r.buf = buf;
+        Py_BEGIN_ALLOW_THREADS
+        while (said == NEED_MORE && r.end < cap) {
+            ssize_t n = recv(fd, buf + r.end, (size_t)(cap - r.end), 0);
+            if (n > 0) {
+                r.end += n;
+                said = parse(&r);
+            } else if (n == 0) {
+                failed = -1;
+                break;
+            } else if ((errno == EAGAIN || errno == EWOULDBLOCK) && timeout_ms >= 0) {
+                struct pollfd pfd = {fd, POLLIN, 0};
+                int ready = poll(&pfd, 1, timeout_ms);
+                if (ready == 0) {
+                    failed = ETIMEDOUT;
+                    break;
+                }
+                if (ready < 0) {
+                    failed = errno;
+                    break;
+                }
+            } else {
+                failed = errno; /* EINTR among them: handled with the GIL */
+                break;
+            }
+        }
+        Py_END_ALLOW_THREADS
+        if (failed == EINTR) { /* a signal: its Python handler runs (and may raise) before the read goes on */
+            failed = 0;
+            if (PyErr_CheckSignals() < 0) goto fail;
+        } else if (failed == -1) {
+            PyErr_SetString(PyExc_EOFError, "the CF closed the connection within a reply");
+            goto fail;
+        } else if (failed) {
+            errno = failed;
+            PyErr_SetFromErrno(PyExc_OSError);
+            goto fail;
+        }
+    }
+    if (said == BAD) {
+        PyErr_Format(PyExc_ValueError, "the CF's reply is not an array of bulk strings: %s", r.why);
+        goto fail;
+    }
+    if (r.pos != r.end) {
+        PyErr_SetString(PyExc_ValueError, "the CF sent more than the reply asked for");
+        goto fail;
+    }
+    if (said == ERROR_REPLY) {
+        PyObject *text = PyUnicode_DecodeUTF8(r.buf + r.err_start, r.err_len, "replace");
+        Py_DECREF(blob);
+        Py_DECREF(spans);
+        return text;
+    }
+    if (_PyBytes_Resize(&blob, r.end) < 0 || _PyBytes_Resize(&spans, count * 16) < 0) goto fail;
+    return Py_BuildValue("(NN)", blob, spans);
+fail:
+    Py_XDECREF(blob);
+    Py_XDECREF(spans);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"parts", parts, METH_VARARGS, "The [a, b) parts in which a batch's data is read (see cfemu/_bulk.c)."},
     {"pack_args", pack_args, METH_O, "A command's arguments as RESP bulk strings (see cfemu/_bulk.c)."},
+    {"read_bulks", read_bulks, METH_VARARGS, "One array reply of bulk strings, read from a socket (see cfemu/_bulk.c)."},
     {"stage", stage, METH_VARARGS, "A load batch's descriptors and grouping from columns (see cfemu/_bulk.c)."},
     {"cut", cut, METH_VARARGS, "Where a load batch of these data ends (see cfemu/_bulk.c)."},
     {"pair_parts", pair_parts, METH_VARARGS, "HSET's parts after its header (see cfemu/_bulk.c)."},

@@ -23,6 +23,7 @@ A pipeline is not atomic, and each use is safe for its own reason:
 
 from __future__ import annotations
 
+import math
 import socket
 import time
 from collections import defaultdict, deque
@@ -30,7 +31,7 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, S
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, NamedTuple, Protocol, TypeVar, cast
+from typing import Any, NamedTuple, Protocol, TypeVar, cast, overload
 
 import msgpack
 import redis
@@ -41,7 +42,7 @@ from redis.retry import Retry
 from cfemu import keys, rcluster, resp
 from cfemu.admin import EPOCHS, StructureDef, stage_structure
 from cfemu.entry import Entry
-from cfemu.redis_internals import hiredis_io, pack, packs_with_hiredis, socket_of
+from cfemu.redis_internals import hiredis_io, pack, packs_with_hiredis, plain_socket, reply_error, socket_of
 
 _bulk: Any
 try:
@@ -77,11 +78,11 @@ def read(client: redis.Redis, structure: str, ids: Ids,
 
 
 def _descriptors(client: redis.Redis, structure: str, ids: Ids) -> list[Any]:
-    return hmget(client, keys.entries(structure), ids)  # bytes or None: the client is binary-safe
+    return cast(list[Any], hmget(client, keys.entries(structure), ids))  # bytes or None: the client is binary-safe
 
 
-def _data(client: redis.Redis, structure: str, ids: Ids) -> list[Any]:
-    return hmget(client, keys.data(structure), ids)
+def _data(client: redis.Redis, structure: str, ids: Ids, size_hint: int | None = None) -> Sequence[Any]:
+    return hmget(client, keys.data(structure), ids, size_hint=size_hint)
 
 
 def _pack_hmget(conn: Any, key: str, fields: Ids) -> list[bytes]:
@@ -93,12 +94,14 @@ def _pack_hmget(conn: Any, key: str, fields: Ids) -> list[bytes]:
     return [b"*%d\r\n$5\r\nHMGET\r\n$%d\r\n%s\r\n" % (len(fields) + 2, len(k), k) + _bulk.pack_args(fields)]
 
 
-def hmget(client: redis.Redis, key: str, fields: Ids) -> list[Any]:
+def hmget(client: redis.Redis, key: str, fields: Ids, *, size_hint: int | None = None) -> Sequence[Any]:
     """client.hmget(key, fields), on a connection of the client's pool driven directly (cfemu.resp): redis-py's
     per-command path (its packer's check of every argument, its wrappers) had cost a backup more CPU than the
     parsing of the reply, about half a microsecond an entry. A connection this cannot drive (none of hiredis's
     parser, a health check due, a cluster client), or one that fails, leaves the read to client.hmget itself,
-    with its own retry policy (a read may be made again)."""
+    with its own retry policy (a read may be made again). size_hint (the bytes the values are expected to hold):
+    the reply is read as Bulks, from the socket past hiredis with the GIL let go (cfemu._bulk.read_bulks), where
+    the connection's socket is a plain one (not TLS) and the extension was built."""
     if rcluster.is_cluster(client):
         return client.hmget(key, fields)
     pool = client.connection_pool
@@ -107,7 +110,12 @@ def hmget(client: redis.Redis, key: str, fields: Ids) -> list[Any]:
     try:
         if hiredis_io(conn) is not None and not (conn.health_check_interval
                                                  and time.monotonic() > conn.next_health_check):
-            reply = resp.exchange(conn, _pack_hmget(conn, key, fields), 1)[0]
+            packed = _pack_hmget(conn, key, fields)
+            sock = plain_socket(conn) if size_hint is not None and _bulk is not None else None
+            if sock is not None:
+                reply = _read_bulks(conn, sock, packed, len(fields), size_hint or 0)
+            else:
+                reply = resp.exchange(conn, packed, 1)[0]
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
         reply = None  # the connection was dropped (resp.io_failure): redis-py's path connects again
     finally:
@@ -116,7 +124,69 @@ def hmget(client: redis.Redis, key: str, fields: Ids) -> list[Any]:
         return client.hmget(key, fields)
     if isinstance(reply, redis.exceptions.ResponseError):
         raise reply
-    return list(reply)
+    return reply if type(reply) is Bulks else list(reply)
+
+
+def _read_bulks(conn: Any, sock: socket.socket, packed: list[bytes], count: int, size_hint: int) -> Any:
+    """Send `packed` (one command answered by an array of `count` bulk strings) and read its reply by
+    cfemu._bulk.read_bulks: Bulks, or the error reply as redis-py's exception object. A reply that fails or is
+    not such an array drops the connection and raises redis-py's ConnectionError or TimeoutError."""
+    resp.send(conn, sock, packed)
+    timeout = sock.gettimeout()  # None: a blocking socket, timed out by the kernel (cfemu.sockets)
+    try:
+        said = _bulk.read_bulks(sock.fileno(), count, size_hint, -1 if timeout is None else math.ceil(timeout * 1000))
+    except EOFError:
+        conn.disconnect()
+        raise redis.exceptions.ConnectionError("Connection closed by server.") from None
+    except ValueError as e:  # out of step with the CF: what follows on the connection cannot be read
+        conn.disconnect()
+        raise redis.exceptions.ConnectionError(f"Protocol error: {e}") from None
+    except OSError as e:
+        raise resp.io_failure(conn, e, writing=False) from None
+    except BaseException:  # interrupted within the reply (a signal's handler raised): its rest is still unread
+        conn.disconnect()
+        raise
+    if isinstance(said, str):
+        error = reply_error(conn, said)
+        if isinstance(error, redis.exceptions.ConnectionError):  # as redis-py's read_response: dropped
+            conn.disconnect()
+            raise error
+        return error
+    return Bulks(*said)
+
+
+class Bulks(Sequence[bytes | None]):
+    """The strings of an array reply as cfemu._bulk.read_bulks read it, left in the reply's bytes: `blob`, and
+    `spans`, each string's (offset, length) as two native 64-bit integers (length -1: null). Items are made as
+    they are asked for: backup/_frames.c frames a backup's copies from the blob, and makes none."""
+
+    __slots__ = ("blob", "spans", "_at")
+
+    def __init__(self, blob: bytes, spans: bytes) -> None:
+        self.blob = blob
+        self.spans = spans
+        self._at = memoryview(spans).cast("q")
+
+    def __len__(self) -> int:
+        return len(self._at) // 2
+
+    @overload
+    def __getitem__(self, i: int) -> bytes | None: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[bytes | None]: ...
+
+    def __getitem__(self, i: int | slice) -> bytes | None | list[bytes | None]:
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        k = range(len(self))[i]  # IndexError out of range; a negative index counts from the end
+        at, n = self._at[2 * k], self._at[2 * k + 1]
+        return None if n < 0 else self.blob[at:at + n]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    __hash__ = None  # type: ignore[assignment]
 
 
 _NATIVE_LIMITS = 2**61  # the limits cfemu._bulk takes (its sums of sizes stay within 64 bits)
@@ -168,6 +238,43 @@ def data_length(raw: bytes) -> int:
     return int(unpack_wire(raw).get("len", 0) or 0)
 
 
+# The lists that hold a state's entries on each queue, in get order (cfemu/scripts/snapshot.lua's `lists`).
+_SNAPSHOT_LISTS: dict[str, tuple[tuple[str, int], ...]] = {
+    "UG": (("UG", 0),), "UP": (("UP", 0),), "EX": (("EX", 0),), "CP": tuple(("CP", p) for p in range(9, -1, -1))}
+SNAPSHOT_TRIES = 3  # snapshots as a transaction whose queue set changed under them, before the script takes one
+
+
+def _queue_names(client: redis.Redis, structure: str) -> set[str]:
+    return {keys.text(q) for q in client.smembers(keys.queues(structure))}
+
+
+def snapshot(client: redis.Redis, structure: str, state: str) -> list[bytes] | None:
+    """The ids of every entry of the structure in `state` (UG, UP, CP, EX) on every queue, in get order per queue,
+    as the CF's bytes: snapshot.lua's answer, taken as one transaction (MULTI/EXEC) of the queue set and an LRANGE
+    of each of its queues' lists. The queue set is read first, to name the lists, and again inside the
+    transaction: when both agree the transaction read every list of the state at one instant, as the script
+    does; when a queue was defined or deleted in between, it is taken again. The CF serves LRANGE's reply
+    natively, where the script made a Lua string of every id and converted each back (0.3 against 0.05 µs of the
+    CF an id, with the CF held: BENCHMARKS.md, backup). None: the queue set changed under SNAPSHOT_TRIES
+    transactions in a row, or the state is not one of the four: the caller asks the script, which takes the
+    snapshot (or refuses the state) in one step."""
+    lists = _SNAPSHOT_LISTS.get(state)
+    if lists is None:
+        return None
+    node = rcluster.node_client(client, structure, fresh=False)  # every key of the structure is in one slot
+    for _ in range(SNAPSHOT_TRIES):
+        queues = _queue_names(node, structure)
+        pipe = node.pipeline(transaction=True)
+        pipe.smembers(keys.queues(structure))
+        for q in sorted(queues):  # the script's order (a script reads a set sorted)
+            for st, priority in lists:
+                pipe.lrange(keys.state_list(structure, q, st, priority), 0, -1)
+        now, *ranges = pipe.execute()
+        if {keys.text(q) for q in now} == queues:
+            return [i for ids in ranges for i in ids]
+    return None
+
+
 def fetch(client: redis.Redis, structure: str, ids: Iterable[str],
           batch: int = FETCH_BATCH) -> Iterator[tuple[str, Entry | None, bytes | None]]:
     """Current descriptor and data of each id (None when the entry is gone), read in pipelined batches."""
@@ -187,9 +294,9 @@ def fetch(client: redis.Redis, structure: str, ids: Iterable[str],
         yield from flush()
 
 
-def fetch_raw(client: redis.Redis, structure: str, ids: Ids, batch: int = FETCH_BATCH, *,
+def fetch_raw(client: redis.Redis, structure: str, ids: Ids, batch: int | Callable[[], int] = FETCH_BATCH, *,
               before_read: Callable[[], None] | None = None, depth: int | Callable[[], int] = FETCH_DEPTH
-              ) -> Iterator[tuple[list[bytes | None], list[bytes | None]]]:
+              ) -> Iterator[tuple[list[bytes | None], Sequence[bytes | None]]]:
     """The raw descriptors and data of `ids`, part by part, as the CF holds them (None where an entry is gone): a
     batch's descriptors, then its data in parts of at most FETCH_BYTES (read's parts), each part handed over on
     its own (a batch of two thousand messages of 4 MiB held whole was 8 GiB, and the next one prefetched beside
@@ -200,31 +307,44 @@ def fetch_raw(client: redis.Redis, structure: str, ids: Ids, batch: int = FETCH_
     function, asked before reads are sent: a paced backup reads one at a time while the group works
     (backup.pacing). before_read(), when given, is called before each batch's read is sent (READ_COMMANDS commands
     when its data fit in one part), in the caller's thread, between two reads: a backup paces itself there
-    (backup.pacing), so that a pause holds up neither a read in flight nor the part being handled."""
-    chunks = [ids[i:i + batch] for i in range(0, len(ids), batch)]
-    if not chunks:
+    (backup.pacing), so that a pause holds up neither a read in flight nor the part being handled. `batch` (ids a
+    batch) may be a function too, asked after before_read for each batch: a paced backup reads larger batches on
+    an idle CF (fewer reads, each one's cost spread over more entries) and smaller ones while the group works."""
+    if not ids:
         return
+    sized: Callable[[], int] = batch if callable(batch) else lambda: batch
+    seen = [0, 0]  # bytes and entries of the data read so far: the next read's size hint
 
-    def first(chunk: Ids) -> tuple[list[Any], list[tuple[int, int]], list[Any]]:
+    def data(part: Ids) -> Sequence[Any]:
+        """A part's data, read as Bulks where it can be (hmget's size_hint, within a part's bound: no object an
+        entry)."""
+        got = _data(client, structure, part, min(seen[0] * len(part) // seen[1], FETCH_BYTES) if seen[1] else 0)
+        if type(got) is Bulks:
+            seen[0] += len(got.blob)
+            seen[1] += len(got)
+        return got
+
+    def first(chunk: Ids) -> tuple[list[Any], list[tuple[int, int]], Sequence[Any]]:
         """A batch's descriptors, its parts, and its first part's data (a batch has one part at least)."""
-        descs = _descriptors(client, structure, chunk)
+        descs = list(_descriptors(client, structure, chunk))
         bounds = parts(descs, FETCH_BYTES)
         a, b = bounds[0]
-        return descs, bounds, _data(client, structure, chunk[a:b])
+        return descs, bounds, data(chunk[a:b])
 
     deepest = depth if isinstance(depth, int) else FETCH_DEPTH
     # The first read runs in the caller's thread (it goes out alone, see below, and the caller waits for it); the
     # threads start with the second read: a fetch of one part (most of a small structure's, and each of a model
     # check's thousands of backups) starts none, where a pool's thread cost more than the read.
     pool: ThreadPoolExecutor | None = None
-    firsts: deque[Future[Any]] = deque()  # batches' first reads in flight (descriptors and first part)
+    # batches' first reads in flight (descriptors and first part), each with its ids
+    firsts: deque[tuple[Ids, Future[Any]]] = deque()
     later: deque[Future[Any]] = deque()  # reads in flight of the batch being handed over: its later parts
-    next_batch = 0
+    next_id = 0  # where the next batch starts in ids
 
     def submit(fn: Callable[..., Any], *args: Any) -> Future[Any]:
         nonlocal pool
         if pool is None:
-            if not firsts and not later and next_batch == 0:
+            if not firsts and not later and next_id == 0:
                 return _done(fn, *args)
             pool = ThreadPoolExecutor(max_workers=deepest, thread_name_prefix="backup-fetch")
         return pool.submit(fn, *args)
@@ -233,20 +353,21 @@ def fetch_raw(client: redis.Redis, structure: str, ids: Ids, batch: int = FETCH_
         def send_reads(chunk: Ids, unread: deque[tuple[int, int]], limit: int | None = None) -> None:
             """Fill the reads in flight up to `limit` (`depth`): the later parts of the batch being handed over
             first (they are handed over before the next batch), then the next batches."""
-            nonlocal next_batch
+            nonlocal next_id
             if limit is None:
-                limit = min(deepest, depth if isinstance(depth, int) else depth())
+                limit = max(1, min(deepest, depth if isinstance(depth, int) else depth()))
             # The batch being handed over always has its next part in flight, even past the limit: when the depth
             # shrinks (a paced backup's group starts working), the next batches' reads may fill it.
             while len(firsts) + len(later) < limit or (unread and not later):
                 if unread:
                     a, b = unread.popleft()
-                    later.append(submit(_data, client, structure, chunk[a:b]))
-                elif next_batch < len(chunks):
+                    later.append(submit(data, chunk[a:b]))
+                elif next_id < len(ids):
                     if before_read is not None:
                         before_read()
-                    firsts.append(submit(first, chunks[next_batch]))
-                    next_batch += 1
+                    ahead = ids[next_id:next_id + max(1, sized())]
+                    firsts.append((ahead, submit(first, ahead)))
+                    next_id += len(ahead)
                 else:
                     return
 
@@ -254,8 +375,10 @@ def fetch_raw(client: redis.Redis, structure: str, ids: Ids, batch: int = FETCH_
         # two reads, and the set-up of a second connection (its handshake's commands) in that millisecond read as a
         # busy group (tests/backup/test_pacing.py); by the second read the first connection is set up and busy.
         send_reads((), deque(), limit=1)
-        for chunk in chunks:
-            descs, bounds, datas = firsts.popleft().result()
+        while firsts:
+            chunk, read = firsts.popleft()
+            descs, bounds, datas = read.result()
+            del read  # it holds the first part: not kept past its hand-over
             unread = deque(bounds[1:])
             for j, (a, b) in enumerate(bounds):
                 if j:

@@ -687,8 +687,9 @@ class Structure:
 
     def snapshot_raw(self, state: str) -> list[bytes]:
         """snapshot's ids as the CF's bytes: what a backup's fetch sends back to it (no decoding an id to encode it
-        again)."""
-        return list(self._call("snapshot", None, [state]))
+        again). Taken as one transaction of LRANGEs (cfemu.bulk.snapshot), or by the script where that cannot take it."""
+        ids = bulk.snapshot(self.cf.redis, self.name, state)
+        return list(self._call("snapshot", None, [state])) if ids is None else ids
 
     def fetch(self, ids: Iterable[str],
               batch: int = bulk.FETCH_BATCH) -> Iterable[tuple[str, Entry | None, bytes | None]]:

@@ -14,6 +14,8 @@ What redis-py keeps private and cfemu uses:
   (``redis._parsers.hiredis._HiredisParser``), fed from the socket directly; ``NOT_ENOUGH_DATA``, the sentinel
   the reader answers while a reply is incomplete; ``_socket_can_read``, its non-blocking readiness check of a
   socket (a connection taken from the pool is checked for unread data with it);
+- ``Connection._parser.parse_error``: an error reply's text made the exception redis-py raises for it (a reply
+  read past the parser, by cfemu._bulk.read_bulks);
 - ``Connection._command_packer``: whether redis-py packs with hiredis (``HiredisRespSerializer``);
 - ``Connection._connect()`` (the hook that makes the socket) and ``Connection._host_error()`` (the address in its
   error texts);
@@ -27,7 +29,7 @@ from __future__ import annotations
 import os
 import select
 import socket
-from typing import Any
+from typing import Any, cast
 
 import hiredis
 import redis
@@ -58,6 +60,22 @@ def hiredis_io(conn: Any) -> tuple[Any, Any, Any] | None:
     if sock is None or reader is None or buf is None:
         return None
     return sock, reader, buf
+
+
+def plain_socket(conn: Any) -> socket.socket | None:
+    """The connection's socket where the CF's bytes come through it as they are (not TLS) and its hiredis reader
+    holds nothing unread: a reply may then be read from the socket past the reader (cfemu._bulk.read_bulks).
+    None otherwise."""
+    io = hiredis_io(conn)
+    if io is None or type(io[0]) is not socket.socket or io[1].has_data():
+        return None
+    return io[0]
+
+
+def reply_error(conn: Any, text: str) -> Exception:
+    """An error reply's text (without its "-") as the exception redis-py's parser makes of it: a ResponseError, or
+    a ConnectionError for the codes it reads as one (LOADING, NOAUTH)."""
+    return cast(Exception, conn._parser.parse_error(text))
 
 
 def packs_with_hiredis(conn: Any) -> bool:
@@ -174,11 +192,13 @@ def fast_path() -> dict[str, bool]:
         "pool fork check": callable(getattr(pool_class, "_checkpid", None))
         and redis.ConnectionPool().pid == os.getpid(),
         "socket readiness check": callable(getattr(_redis_hiredis, "_socket_can_read", None)),
+        "reply errors": callable(getattr(getattr(_redis_hiredis, "_HiredisParser", None), "parse_error", None)),
         "retry policy": isinstance(getattr(Retry(NoBackoff(), 0), "_retries", None), int)
         and isinstance(getattr(Retry(NoBackoff(), 0), "_supported_errors", None), tuple),
     }
 
 
 __all__ = ["NOT_ENOUGH", "SocketHookConnection", "UnixSocketHookConnection", "check_pid", "fast_path", "hiredis_io", "host_error",
-           "idle_and_clean", "in_maintenance", "one_attempt", "pack", "packs_with_hiredis", "retry_errors",
+           "idle_and_clean", "in_maintenance", "one_attempt", "pack", "packs_with_hiredis", "plain_socket",
+           "reply_error", "retry_errors",
            "socket_of"]

@@ -203,6 +203,36 @@ def test_a_fetch_of_one_part_reads_in_the_callers_thread_and_one_of_more_reads_a
     assert _fetch_threads() == []
 
 
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_a_batch_size_asked_before_each_read_sizes_that_read(qsg: tuple[redis.Redis, QueueManager],
+                                                              monkeypatch: pytest.MonkeyPatch, depth: int) -> None:
+    """batch as a function (a paced backup's: larger on an idle CF): asked after before_read for each batch, the
+    read asks for that many ids (the rest, at the end), and every id is handed over once, in order."""
+    client, qm = qsg
+    _put(qm, [b"m%d" % i for i in range(40)])
+    ids = _ids(client)
+    real = bulk._descriptors
+    asked: list[int] = []
+    read: list[int] = []
+    events: list[str] = []
+    sizes = iter([3, 7, 1, 0, 5] + [9] * 10)  # 0: one id at least
+
+    def size() -> int:
+        events.append("size")
+        asked.append(next(sizes))
+        return asked[-1]
+
+    def recorded(client_: Any, structure: str, chunk: Any) -> Any:
+        read.append(len(chunk))
+        return real(client_, structure, chunk)
+
+    monkeypatch.setattr(bulk, "_descriptors", recorded)
+    got = list(bulk.fetch_raw(client, "APP1", ids, batch=size, depth=depth, before_read=lambda: events.append("read")))
+    assert read == [max(1, n) for n in asked[:-1]] + [40 - sum(max(1, n) for n in asked[:-1])]
+    assert events == ["read", "size"] * len(read)
+    assert [d for _, p in got for d in p] == bulk.read(client, "APP1", ids)[1]
+
+
 class _Part(list[Any]):
     """A part's data list that can be watched (weakref) while it is alive."""
 
@@ -221,9 +251,9 @@ def test_at_most_depth_plus_one_parts_are_held(qsg: tuple[redis.Redis, QueueMana
     lock = threading.Lock()
     real = bulk._data
 
-    def watched(client_: Any, structure: str, chunk: Any) -> Any:
+    def watched(client_: Any, structure: str, chunk: Any, size_hint: int | None = None) -> Any:
         time.sleep(0.002)
-        part = _Part(real(client_, structure, chunk))
+        part = _Part(real(client_, structure, chunk, size_hint))
         with lock:
             alive.add(id(part))
             most[0] = max(most[0], len(alive))
@@ -322,10 +352,10 @@ def test_a_cf_that_dies_mid_backup_fails_it_cleanly(redis_factory: Callable[...,
     real = bulk._data
     calls = itertools.count()
 
-    def killing(client_: Any, structure: str, chunk: Any) -> Any:
+    def killing(client_: Any, structure: str, chunk: Any, size_hint: int | None = None) -> Any:
         if next(calls) == 3:
             fresh_redis.kill()
-        return real(client_, structure, chunk)
+        return real(client_, structure, chunk, size_hint)
 
     monkeypatch.setattr(bulk, "_data", killing)
     monkeypatch.setattr(backup.run, "END_FAILED_RETRY_S", 0.5)

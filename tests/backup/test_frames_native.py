@@ -11,6 +11,7 @@ import fcntl
 import hashlib
 import os
 import random
+import struct
 import subprocess
 import sys
 import textwrap
@@ -22,6 +23,8 @@ import pytest
 from backup import files
 from backup.files import BackupWriter, _packer, read_backup
 from backup.protocol import StepCount, select_raw, write_part
+from cfemu.bulk import Bulks
+from tests.support.bulks import bulks_of
 
 
 def _wire(i: int) -> dict[str, Any]:
@@ -162,26 +165,28 @@ def _fetched_parts() -> list[tuple[list[bytes | None], list[bytes | None]]]:
 
 
 def _write_parts(directory: Path, parts: list[tuple[list[bytes | None], list[bytes | None]]], step: int,
-                 keep: Any) -> tuple[dict[str, Any], list[StepCount]]:
+                 keep: Any, *, as_read: bool = False) -> tuple[dict[str, Any], list[StepCount]]:
+    """as_read: each part's data as the fetch reads them from the CF's socket (Bulks: the reply's bytes)."""
     w = BackupWriter(directory, roll_bytes=3_000_000)
     counts = []
     for descs, datas in parts:
         count = StepCount()
-        write_part(w, step, count, list(descs), list(datas), keep)
+        write_part(w, step, count, list(descs), bulks_of(datas) if as_read else list(datas), keep)
         counts.append(count)
     return w.finish({"id": directory.name, "structure": "S", "group": "G"}), counts
 
 
+@pytest.mark.parametrize("as_read", [False, True], ids=["data as bytes", "data in the reply's bytes (Bulks)"])
 @pytest.mark.parametrize("exclint", [False, True], ids=["at sight", "every descriptor decoded (EXCLINT)"])
 def test_selecting_in_c_writes_what_select_raw_and_add_raw_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                 exclint: bool) -> None:
+                                                                 exclint: bool, as_read: bool) -> None:
     """The C pass (add_selected) and the reference (select_raw, then add_raw framed in Python) keep the same
     copies, count them alike, and write the same files byte for byte, across rolled files and parts of more than
-    a write chunk."""
+    a write chunk; the C pass also from data left in a reply's bytes (cfemu.bulk.Bulks)."""
     parts = _fetched_parts()
     keep = (lambda wire: wire["pt"] % 3 != 0) if exclint else None
     assert BackupWriter(tmp_path / "S" / "probe").selects_natively
-    c, c_counts = _write_parts(tmp_path / "S" / "c", parts, 3, keep)
+    c, c_counts = _write_parts(tmp_path / "S" / "c", parts, 3, keep, as_read=as_read)
     monkeypatch.setattr(files, "_frames", None)
     py, py_counts = _write_parts(tmp_path / "S" / "py", parts, 3, keep)
     assert c_counts == py_counts
@@ -226,6 +231,23 @@ def test_selecting_in_c_asks_the_decider_once_an_entry_and_passes_on_its_error(t
     assert w._size == size
     with pytest.raises(TypeError, match="bytes or None"):
         w.add_selected(2, [plain, "text"], [b"a", b"b"], decide)  # type: ignore[list-item]
+    w.abort()
+
+
+def test_selecting_in_c_refuses_data_spans_outside_their_reply(tmp_path: Path) -> None:
+    """Data given as a reply's bytes and spans whose span points past the bytes (or is negative, or the count of
+    spans is not the count of descriptors) are refused with a clear error, and nothing of the part is written."""
+    plain = _packer().pack(_wire(1))
+    w = BackupWriter(tmp_path / "S" / "b")
+    good = bulks_of([b"abc", None])
+    assert w.add_selected(2, [plain, plain], good, lambda raw: True) == (1, 3, 1)
+    size = w._size
+    for spans in ([1, 3, 1, 9], [-1, 2, 0, -1], [2, -3, 0, -1], [2**62, 1, 0, -1]):
+        with pytest.raises(ValueError, match="outside the reply"):
+            w.add_selected(2, [plain, plain], Bulks(good.blob, struct.pack("=4q", *spans)), lambda raw: True)
+    with pytest.raises(ValueError, match="2 descriptors and 1 data"):
+        w.add_selected(2, [plain, plain], bulks_of([b"x"]), lambda raw: True)
+    assert w._size == size
     w.abort()
 
 

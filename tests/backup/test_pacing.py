@@ -17,7 +17,7 @@ import redis
 
 from backup.cli import build_parser
 from backup.files import read_backup
-from backup.pacing import Pacer, probe_commands
+from backup.pacing import IDLE_BATCH_FACTOR, Pacer, probe_commands
 from backup.run import run_backup
 from cfemu import bulk, settings
 from cfemu.clitools import settings as resolve_args
@@ -104,6 +104,23 @@ def test_a_working_group_gets_one_read_in_flight_an_idle_cf_all_of_them() -> Non
     clock.t += 0.06
     busy.before_read()
     assert busy.loaded and busy.reads_in_flight() == 1
+
+
+def test_a_working_group_gets_reads_of_the_backups_batch_an_idle_cf_larger_ones() -> None:
+    """While the group works each read asks for the backup's batch (the CF held as briefly as the share was
+    measured with); on an idle CF, and before the first verdict, IDLE_BATCH_FACTOR times as many."""
+    clock = Clock()
+    busy = _pacer([1000 + k * 10_000 for k in range(10)], 0.1, clock)
+    assert busy.batch_size(500) == 500 * IDLE_BATCH_FACTOR == 1000  # no verdict yet
+    busy.before_read()
+    clock.t += 0.06
+    busy.before_read()
+    assert busy.loaded and busy.batch_size(500) == 500
+    idle = _pacer([1000 + k * (bulk.READ_COMMANDS + 1) for k in range(10)], 0.1, clock)
+    idle.before_read()
+    clock.t += 0.06
+    idle.before_read()
+    assert not idle.loaded and idle.batch_size(500) == 1000
 
 
 def test_share_one_never_pauses_nor_probes() -> None:

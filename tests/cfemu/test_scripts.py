@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from cfemu import keys, lua
+from cfemu import bulk, keys, lua
 from cfemu.admin import Admin
 from cfemu.cf import CF, Caller, CarriedCommit, OutcomeReply, Structure
 from cfemu.connection import connect
@@ -1447,6 +1447,89 @@ class TestSnapshot:
     def test_refuses_an_unknown_state(self, s: Structure) -> None:
         with pytest.raises(BadRequestError, match="unknown state"):
             s.snapshot("XX")
+
+    STATES = ("UG", "UP", "CP", "EX")
+
+    @staticmethod
+    def calls(s: Structure, command: str) -> int:
+        """How many times the CF has run `command` (INFO commandstats)."""
+        return int(s.cf.redis.info("commandstats").get(f"cmdstat_{command}", {}).get("calls", 0))
+
+    @staticmethod
+    def scripts_run(s: Structure, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+        """The operations whose script the structure's CF runs from now on, in order."""
+        ran: list[str] = []
+        run = s.cf.run
+
+        def recorded(op: str, structure: str, args: Any) -> Any:
+            ran.append(op)
+            return run(op, structure, args)
+
+        monkeypatch.setattr(s.cf, "run", recorded)
+        return ran
+
+    def fill(self, s: Structure, qm1: Caller) -> None:
+        for k, p in enumerate((0, 9, 4, 0, 9)):
+            s.put(qm1, entry(f"c{k}", priority=p), b"x")
+            s.put(qm1, entry(f"d{k}", queue=Q2, priority=p), b"x")
+        s.get(qm1, Q, uow="U1", now_ms=NOW)
+        s.put(qm1, entry("up", queue=Q2), b"x", uow="U1")
+        s.put(qm1, entry("old", expiry=1_000), b"x")
+        s.expire(NOW)
+
+    def test_is_one_transaction_of_the_cf_with_the_scripts_answer(self, s: Structure, qm1: Caller) -> None:
+        """The snapshot is taken as a transaction of LRANGEs (the CF serves their replies natively), not by the
+        script, and answers what the script answers in every state: every queue, every priority, get order."""
+        self.fill(s, qm1)
+        evals, execs = self.calls(s, "evalsha"), self.calls(s, "exec")
+        got = {st: s.snapshot_raw(st) for st in self.STATES}
+        assert (self.calls(s, "evalsha"), self.calls(s, "exec")) == (evals, execs + len(self.STATES))
+        assert got == {st: list(s.cf.run("snapshot", S, [st])) for st in self.STATES}
+        assert got["CP"] == [b"c4", b"c2", b"c0", b"c3", b"d1", b"d4", b"d2", b"d0", b"d3"]  # Q1 then Q2
+        assert (got["UG"], got["UP"], got["EX"]) == ([b"c1"], [b"up"], [b"old"])
+
+    def test_a_queue_defined_between_the_transactions_two_reads_is_taken_again(
+            self, s: Structure, qm1: Caller, admin: Admin, monkeypatch: pytest.MonkeyPatch) -> None:
+        """The queue set is read to name the lists, and read again in the transaction: a queue defined in between
+        (its entries not in the lists named) makes the snapshot be taken again, with that queue's entries."""
+        self.fill(s, qm1)
+        read = bulk._queue_names
+        reads: list[int] = []
+
+        def queue_names(client: Any, structure: str) -> set[str]:
+            names = read(client, structure)
+            if not reads:
+                admin.define_queue("Q3", S)
+                s.put(qm1, entry("new", queue="Q3"), b"x")
+            reads.append(len(names))
+            return names
+
+        monkeypatch.setattr(bulk, "_queue_names", queue_names)
+        scripts = self.scripts_run(s, monkeypatch)
+        got = s.snapshot_raw("CP")
+        assert reads == [2, 3] and "snapshot" not in scripts
+        assert b"new" in got and sorted(got) == sorted(s.cf.run("snapshot", S, ["CP"]))
+
+    def test_a_queue_set_that_keeps_changing_leaves_the_snapshot_to_the_script(
+            self, s: Structure, qm1: Caller, monkeypatch: pytest.MonkeyPatch) -> None:
+        """A queue set that changes under every transaction tried: after SNAPSHOT_TRIES, the script takes the
+        snapshot in one step (it always can)."""
+        self.fill(s, qm1)
+        read = bulk._queue_names
+        reads: list[int] = []
+
+        def queue_names(client: Any, structure: str) -> set[str]:
+            names = read(client, structure)
+            reads.append(len(names))
+            client.sadd(keys.queues(S), f"QX{len(reads)}")
+            return names
+
+        monkeypatch.setattr(bulk, "_queue_names", queue_names)
+        scripts = self.scripts_run(s, monkeypatch)
+        got = s.snapshot_raw("CP")
+        assert len(reads) == bulk.SNAPSHOT_TRIES and scripts == ["snapshot"]
+        monkeypatch.setattr(bulk, "_queue_names", read)
+        assert got == s.snapshot_raw("CP") and len(got) == 9
 
 
 # --- the admin operations ----------------------------------------------------------------------------------------
