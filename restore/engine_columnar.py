@@ -111,6 +111,9 @@ ST, U, L, O1, O2, BC = 1, 2, 4, 8, 16, 32
 FIELDS = (("st", ST), ("u", U), ("l", L), ("o1", O1), ("o2", O2), ("bc", BC))
 # The redo steps of the fold's ENTRY kinds (settle.settle): a kind not here stops the plan.
 REDO_KINDS = ("PUT", "GET", "EXPIRE")
+# The types of a record's kind and role in the plan's tables: the registry's kinds and the roles as ENUMs, one byte
+# each where a string takes sixteen.
+KIND_ENUM, ROLE_ENUM = "record_kind", "record_role"
 RID_BITS = 36  # a scan's records get ids (job << RID_BITS) + i: distinct across scans, in order within one
 
 _PACK = msgpack.Packer(use_bin_type=True, unicode_errors="surrogateescape").pack
@@ -247,11 +250,9 @@ PLAN_SQL = """
 -- with what its kind's row says of it, then the entries each names (kind.entry_ids, once each, and of an outcome
 -- record the entries it carries of this structure, plan.restrict), then the descriptors (a backup's copy "B", a
 -- put's "P", a relog copy "R", a copy an outcome record carries "D": the last it carries of each entry)
--- the generation rule (plan.current_incarnation) as `kept`, and where each record lies in the merged log (`seq`):
--- by (LRSN, member, segment, offset), which is (LRSN, rid), since the readers number the records of each member's
--- log in order, the members' logs in the order of their names (ColumnarEngine._jobs): no sort needed
+-- the generation rule (plan.current_incarnation) as `kept`
 CREATE TABLE r AS
-SELECT *, l::HUGEINT * 18446744073709551616 + rid AS seq,
+SELECT *,
        ($G <= 0 OR coalesce(u IN (SELECT u FROM base_uows), false) OR role = 'end' OR gen IS NULL
         OR (gen = 0 AND role = 'outcome') OR (gen <> 0 AND gen >= $G)) AS kept
 FROM (
@@ -262,7 +263,7 @@ FROM (
          kd.descsrc
   FROM raw_recs x JOIN kinds kd USING (k)
   LEFT JOIN (SELECT rid, g FROM raw_ss WHERE s = $S) sg USING (rid)
-  WHERE (kd.role = 'entry' AND x.s = $S) OR kd.role IN ('outcome', 'end'));
+  WHERE (kd.role = 'entry' AND x.mine) OR kd.role IN ('outcome', 'end'));
 DROP TABLE raw_recs;
 CREATE TABLE ev AS
 SELECT DISTINCT e.rid, e.eid FROM raw_ev e JOIN r USING (rid)
@@ -286,8 +287,12 @@ DROP TABLE raw_descs;
 
 -- the UOWs a relog copy of this incarnation shows holding an entry: their older outcome records count
 CREATE TABLE holders AS SELECT DISTINCT holder AS u FROM r WHERE kept AND holder <> '';
+-- (each with where it lies in the merged log, `seq`: by (LRSN, member, segment, offset), which is (LRSN, rid), since
+-- the readers number the records of each member's log in order, the members' logs in the order of their names
+-- (ColumnarEngine._jobs): no sort needed)
 CREATE TABLE orecs AS
-SELECT * FROM r WHERE role = 'outcome' AND (kept OR u IN (SELECT u FROM holders));
+SELECT *, l::HUGEINT * 18446744073709551616 + rid AS seq FROM r
+WHERE role = 'outcome' AND (kept OR u IN (SELECT u FROM holders));
 CREATE TABLE ended AS SELECT DISTINCT u FROM r WHERE kept AND role = 'end';
 
 -- settle.decide_outcome: a decision that outranks the owner's (RECOVERY): its first by (LRSN, by) decides
@@ -338,7 +343,7 @@ WHERE rn = 1;
 
 -- the records on each entry (plan_local's by_entry), and every entry (copied or named)
 CREATE TABLE eev AS
-SELECT e.eid, r.rid, r.seq, r.l, r.k, r.role, r.u, r.rank, r.copy, r.carries
+SELECT e.eid, r.rid, r.l, r.k, r.role, r.u, r.rank, r.copy, r.carries
 FROM ev e JOIN r USING (rid) WHERE r.kept;
 -- the records and their entry ids are not read past here: their memory goes to the statements that follow
 CREATE TABLE members AS SELECT m, count(*) AS n FROM r WHERE kept GROUP BY m;
@@ -363,7 +368,7 @@ SELECT eid, src, rid, st, u, l, o1, o2, bc FROM (
   SELECT *, row_number() OVER (PARTITION BY eid ORDER BY l DESC, grp, ord) AS rn FROM (
     SELECT eid, src, rid, st, u, l, o1, o2, bc, 0 AS grp, rid AS ord FROM descs WHERE src = 'B'
     UNION ALL
-    SELECT d.eid, d.src, d.rid, d.st, d.u, d.l, d.o1, d.o2, d.bc, 1, e.seq
+    SELECT d.eid, d.src, d.rid, d.st, d.u, d.l, d.o1, d.o2, d.bc, 1, e.l::HUGEINT * 18446744073709551616 + e.rid
     FROM eev e JOIN descs d ON d.src = 'R' AND d.rid = e.rid AND d.eid = e.eid WHERE e.copy))
 WHERE rn = 1;
 -- the UOWs each entry's fold needs (settle.uows_named), and the highest LRSN of each one's operations on it
@@ -571,8 +576,8 @@ LEFT JOIN descs d ON d.src = f.src AND d.rid = f.rid AND d.eid = n.eid;
 
 # The survivors in the CF's order (settle.load_key), each with its base descriptor and data.
 SURVIVORS_SQL = """
-SELECT f.eid, f.disp, f.s, f.st, f.u, f.l, f.o1, f.o2, f.bc, f.mask, f.src, f.f, f.boff, f.blen, f.doff, f.dlen,
-       c.blob, c.data
+SELECT f.eid, f.disp, f.s, f.st, f.u, f.l, f.o1, f.o2, f.bc, f.mask, f.src, f.f::BIGINT AS f, f.boff,
+       f.blen::BIGINT AS blen, f.doff, f.dlen::BIGINT AS dlen, c.blob, c.data
 FROM fin f LEFT JOIN ctl c ON c.eix = f.eix
 WHERE f.disp IN ('restored', 'in-doubt')
 ORDER BY f.q, CASE f.st WHEN 'CP' THEN 0 WHEN 'UP' THEN 1 ELSE 2 END,
@@ -603,12 +608,15 @@ def _entry(desc: bytes, src: str, mask: int, row: tuple[Any, ...]) -> dict[str, 
     return entry
 
 
+def _literal(value: str | int) -> str:
+    """A string quoted as SQL spells it, a number as itself."""
+    return "'" + value.replace("'", "''") + "'" if isinstance(value, str) else str(int(value))
+
+
 def _bind(sql: str, params: Mapping[str, Any]) -> str:
     """The statements with their $-names replaced by literals (numbers, and strings quoted)."""
     for name in sorted(params, key=len, reverse=True):
-        value = params[name]
-        text = "'" + value.replace("'", "''") + "'" if isinstance(value, str) else str(int(value))
-        sql = sql.replace(f"${name}", text)
+        sql = sql.replace(f"${name}", _literal(params[name]))
     return sql
 
 
@@ -783,8 +791,9 @@ class ColumnarEngine:
         cpu0 = time.process_time()
         con = self._connect(spill)
         try:
+            raw = raw_columns(structure)
             for name, schema in TABLES.items():
-                con.from_arrow(schema.empty_table()).create(f"raw_{name}")
+                con.from_arrow(schema.empty_table()).project(raw[name]).create(f"raw_{name}")
             sources: dict[int, Source] = {}
             max_lrsn = 0
             jobs = self._jobs(backup, log_dirs, replay_from)
@@ -794,7 +803,7 @@ class ColumnarEngine:
             # The backup's files and the logs are read side by side; progress shows the backup's reading, then the
             # logs' (those read meanwhile counted): one phase after the other, as every engine shows them.
             backup_left = len(jobs) - n_logs
-            with _Streams(con) as streams:
+            with _Streams(con, raw) as streams:
                 if on_disk is None:  # copies from elsewhere (a test's, or a base with no files)
                     total = manifest.get("entries")
                     n = len(jobs)
@@ -838,9 +847,9 @@ class ColumnarEngine:
             base = base_of({"gen": int(manifest.get("gen", 0) or 0), "carried": manifest.get("carried", ()),
                             "end_lrsn": base_lrsn(manifest), "uows": list(manifest.get("uows") or ())}, held_by)
             unknown = con.execute(
-                "SELECT DISTINCT x.k FROM raw_recs x JOIN kinds kd USING (k) WHERE kd.role = 'entry' AND NOT kd.copy "
-                "AND x.s = ? AND x.k NOT IN (SELECT unnest(?::VARCHAR[])) ORDER BY 1",
-                [structure, list(REDO_KINDS)]).fetchall()
+                "SELECT DISTINCT x.k::VARCHAR FROM raw_recs x JOIN kinds kd USING (k) WHERE kd.role = 'entry' AND NOT "
+                "kd.copy AND x.mine AND x.k::VARCHAR NOT IN (SELECT unnest(?::VARCHAR[])) ORDER BY 1",
+                [list(REDO_KINDS)]).fetchall()
             if unknown:
                 raise ValueError(f"restore's fold has no redo step for {unknown[0][0]} records")
             restore_lrsn = restore_lrsn_above(max_lrsn, base)
@@ -868,7 +877,11 @@ class ColumnarEngine:
         con.execute(f"SET temp_directory = '{tmp}'")
         con.execute(f"SET threads = {self.workers}")
         con.execute("SET preserve_insertion_order = false")
-        con.from_arrow(kinds_table()).create("kinds")
+        kinds = kinds_table()
+        for enum, values in ((KIND_ENUM, kinds["k"].to_pylist()), (ROLE_ENUM, [r.value for r in Role])):
+            con.execute(f"CREATE TYPE {enum} AS ENUM ({', '.join(_literal(v) for v in values)})")
+        con.from_arrow(kinds).project(f"* REPLACE (k::{KIND_ENUM} AS k, role::{ROLE_ENUM} AS role, "
+                                      "idsrc::TINYINT AS idsrc, descsrc::TINYINT AS descsrc)").create("kinds")
         return con
 
 
@@ -892,6 +905,18 @@ def fold_rows_for(memory: int) -> int:
     return max(1_000, duckdb_memory_for(memory) // 2048)
 
 
+def raw_columns(structure: str) -> dict[str, str]:
+    """What the plan keeps of each reader table (restore.columns.TABLES), as a select list over it: the columns its
+    statements read, a record's kind as an ENUM of the registry's kinds (one byte, not a string: every statement
+    over the records joins or compares it), and whether an entry record's structure is the one restored (`mine`)
+    instead of its name. Narrow tables are what lets DuckDB keep them within its share of the memory limit rather
+    than spill them (BENCHMARKS.md, "The plan's tables narrowed")."""
+    return {"recs": f"rid, l, TRY_CAST(k AS {KIND_ENUM}) AS k, u, s = {_literal(structure)} AS mine, g, \"at\", o, \"by\", eu, m",
+            "ss": "rid, s, g", "ev": "rid, src::TINYINT AS src, eid, dds",
+            "descs": "rid, src::TINYINT AS src, pos::INTEGER AS pos, eid, s, q, p, exp, st, u, l, o1, o2, bc, boff, "
+                     "blen::INTEGER AS blen, doff, dlen::INTEGER AS dlen, f::INTEGER AS f"}
+
+
 def _on_disk(backup: BackupSource) -> Backup | None:
     """The backup's files, when it is one on disk (itself, or the base restore.run plans from)."""
     for b in (backup, getattr(backup, "base", None)):
@@ -909,7 +934,8 @@ class _Streams:
 
     DEPTH = 4
 
-    def __init__(self, con: duckdb.DuckDBPyConnection) -> None:
+    def __init__(self, con: duckdb.DuckDBPyConnection, columns: Mapping[str, str]) -> None:
+        self.columns = columns
         self.queues: dict[str, queue.Queue[pa.Table | None]] = {n: queue.Queue(maxsize=self.DEPTH) for n in TABLES}
         self.failure: BaseException | None = None
         self.threads = [threading.Thread(target=self._insert, args=(con.cursor(), name), name=f"restore-insert-{name}",
@@ -922,7 +948,7 @@ class _Streams:
     def _insert(self, cur: duckdb.DuckDBPyConnection, name: str) -> None:
         try:
             cur.register(f"stream_{name}", pa.RecordBatchReader.from_batches(TABLES[name], self._batches(name)))
-            cur.execute(f"INSERT INTO raw_{name} SELECT * FROM stream_{name}")
+            cur.execute(f"INSERT INTO raw_{name} SELECT {self.columns[name]} FROM stream_{name}")
         except BaseException as e:  # raised by put() and __exit__
             self.failure = self.failure or e
             while self.queues[name].get() is not None:  # what is still handed over goes nowhere
