@@ -340,6 +340,10 @@ SELECT u, eid, rid FROM (
     SELECT o.u, e.eid, o.rid, 0, 0, '', -o.seq
     FROM own o JOIN ob USING (u) JOIN ev e ON e.rid = o.rid WHERE o.seq > ob.b))
 WHERE rn = 1;
+-- (each table is dropped after the last statement that reads it: DuckDB's share of a small memory limit goes to
+-- the statements that follow rather than to spilling what no statement reads again)
+DROP TABLE holders; DROP TABLE firsts; DROP TABLE oa; DROP TABLE own; DROP TABLE lastrec; DROP TABLE ob;
+DROP TABLE structs; DROP TABLE orecs;
 
 -- the records on each entry (plan_local's by_entry), and every entry (copied or named)
 CREATE TABLE eev AS
@@ -415,7 +419,7 @@ DROP TABLE qcommitted;
 -- never at or below the UOW's own operations on it), each with its place in the fold's order (records of one
 -- LRSN and rank by rid: their merged-log order)
 CREATE TABLE evs AS
-SELECT n.eix, row_number() OVER w AS ord, x.* EXCLUDE (eid)
+SELECT n.eix, row_number() OVER w AS ord, x.*
 FROM (
   SELECT e.eid, e.l AS pos, e.rank, e.rid AS tie, e.k AS kind, e.u AS eu, NULL::VARCHAR AS ok,
          d.src AS d_src, d.rid AS d_rid, d.st AS d_st, d.u AS d_u, d.l AS d_l, d.o1 AS d_o1, d.o2 AS d_o2,
@@ -434,16 +438,26 @@ FROM (
 JOIN ents n USING (eid)
 WHERE n.eid NOT IN (SELECT eid FROM best WHERE st = 'EX')
 WINDOW w AS (PARTITION BY n.eix ORDER BY x.pos, x.rank, x.tie, x.eu);
+DROP TABLE eev;
+DROP TABLE named;
 
--- the fold (settle.settle): an entry no event names stays as its best copy is (a copy that is expired is not
--- folded), those folded in one step are as quick says, and the others are folded by FOLD_SQL, a range of them at
--- a time
-CREATE TABLE touched AS SELECT eix, max(ord) AS cnt FROM evs GROUP BY eix;
-CREATE TABLE folded AS
-SELECT n.eix, 0::BIGINT AS ord, b.st, b.u, b.l, b.o1, b.o2, b.bc, b.src, b.rid, 0::BIGINT AS mask,
+-- the fold (settle.settle): an entry no event names stays as its best copy is (still: a copy that is expired is
+-- not folded), those folded in one step are as quick says, and the others are folded by FOLD_SQL into folded, a
+-- range of them at a time; still and quick carry each entry's id, and touched the ids of those folded's hold, so
+-- that fin joins no state with ents for its entry's id
+CREATE TABLE touched AS SELECT eix, any_value(eid) AS eid, max(ord) AS cnt FROM evs GROUP BY eix;
+-- (and the state each of those starts from: its best copy, or none; made once here, not a range at a time)
+CREATE TABLE starts AS
+SELECT t.eix, t.eid, t.cnt, 0::BIGINT AS ord, b.st, b.u, b.l, b.o1, b.o2, b.bc, b.src, b.rid, 0::BIGINT AS mask,
+       CASE WHEN b.st = 'EX' THEN 'expired' ELSE 'gone' END AS fate
+FROM touched t LEFT JOIN best b USING (eid);
+CREATE TABLE still AS
+SELECT n.eix, n.eid, 0::BIGINT AS ord, b.st, b.u, b.l, b.o1, b.o2, b.bc, b.src, b.rid, 0::BIGINT AS mask,
        CASE WHEN b.st = 'EX' THEN 'expired' ELSE 'gone' END AS fate
 FROM ents n LEFT JOIN best b USING (eid) ANTI JOIN touched t USING (eix) ANTI JOIN quick q USING (eix);
-INSERT INTO folded SELECT * EXCLUDE (eid) FROM quick;
+CREATE TABLE folded AS SELECT * EXCLUDE (eid) FROM still LIMIT 0;
+DROP TABLE best;
+DROP TABLE ents;
 """
 
 # The fold of the entries some event names, eix from $LO to below $HI (a range holds its entries' states and
@@ -507,12 +521,9 @@ FROM (
           SELECT *, st0 IS NOT NULL AND pos <= l0 AS skip FROM ($SOURCE))))))
 """
 
-# Each entry of the range with $WHICH events (a predicate on cnt), its state before its first event: its best
-# copy (or none).
+# Each entry of the range with $WHICH events (a predicate on cnt), its state before its first event (starts).
 START_SQL = """
-SELECT n.eix, 0::BIGINT AS ord, b.st, b.u, b.l, b.o1, b.o2, b.bc, b.src, b.rid, 0::BIGINT AS mask,
-       CASE WHEN b.st = 'EX' THEN 'expired' ELSE 'gone' END AS fate
-FROM ents n SEMI JOIN (SELECT eix FROM evs_range WHERE ord = 1 AND $WHICH) t USING (eix) LEFT JOIN best b USING (eid)
+SELECT * EXCLUDE (cnt, eid) FROM starts WHERE eix >= $LO AND eix < $HI AND $WHICH
 """
 
 FOLD_RANGE_SQL = """
@@ -562,7 +573,7 @@ FINAL_SQL = """
 -- (with where its base descriptor and data are, and for a committed put quick folded its put's backout count, its
 -- descriptor's, read here)
 CREATE TABLE fin AS
-SELECT f.eix, n.eid, f.st, f.u, f.l, f.o1, f.o2, coalesce(f.bc, d.bc) AS bc, f.src, f.rid, f.mask, d.s, d.q, d.p,
+SELECT f.eix, f.eid, f.st, f.u, f.l, f.o1, f.o2, coalesce(f.bc, d.bc) AS bc, f.src, f.rid, f.mask, d.s, d.q, d.p,
   d.f, d.boff, d.blen, d.doff, d.dlen,
   CASE WHEN f.st IS NULL THEN f.fate
        WHEN f.ord = 0 AND f.st = 'EX' THEN 'expired'
@@ -570,8 +581,15 @@ SELECT f.eix, n.eid, f.st, f.u, f.l, f.o1, f.o2, coalesce(f.bc, d.bc) AS bc, f.s
        WHEN d.exp > 0 AND d.exp <= $NOW THEN 'expired'
        WHEN suffix(d.q, $CONTROL_SUFFIX) THEN 'control'
        ELSE 'restored' END AS disp
-FROM folded f JOIN ents n USING (eix)
-LEFT JOIN descs d ON d.src = f.src AND d.rid = f.rid AND d.eid = n.eid;
+FROM (SELECT * FROM quick UNION ALL BY NAME SELECT * FROM still
+      UNION ALL BY NAME SELECT f.*, t.eid FROM folded f JOIN touched t USING (eix)) f
+LEFT JOIN descs d ON d.src = f.src AND d.rid = f.rid AND d.eid = f.eid;
+DROP TABLE quick; DROP TABLE still; DROP TABLE folded; DROP TABLE starts; DROP TABLE touched; DROP TABLE evs;
+DROP TABLE IF EXISTS evs_range; DROP TABLE IF EXISTS fs;
+-- of the descriptors, the plan's outcomes (SqlOutcomes) read those outcome records carry ("D") from here on
+CREATE TABLE carried AS SELECT * FROM descs WHERE src = 'D';
+DROP TABLE descs;
+ALTER TABLE carried RENAME TO descs;
 """
 
 # The survivors in the CF's order (settle.load_key), each with its base descriptor and data.

@@ -103,6 +103,8 @@ def test_the_one_step_fold_agrees_with_the_fold(tmp_path: Path, monkeypatch: pyt
         assert engine_columnar.PLAN_SQL.count("WHERE nrec = 1") == 1
         monkeypatch.setattr(engine_columnar, "PLAN_SQL", engine_columnar.PLAN_SQL.replace("WHERE nrec = 1",
                                                                                           "WHERE false AND nrec = 1"))
+    assert engine_columnar.FINAL_SQL.count("DROP TABLE quick;") == 1  # kept here, to count what it folded
+    monkeypatch.setattr(engine_columnar, "FINAL_SQL", engine_columnar.FINAL_SQL.replace("DROP TABLE quick;", ""))
     h = simulate(random.Random(5), 800)
     backup, log_dirs = write_history(h, tmp_path)
     (tmp_path / "work").mkdir()
@@ -267,11 +269,14 @@ def test_a_record_of_a_kind_the_registry_does_not_know_is_left_out_as_the_refere
         reference(backup, log_dirs, h.replay_from))
 
 
-def test_the_plans_tables_are_narrow(tmp_path: Path) -> None:
+def test_the_plans_tables_are_narrow(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """What the plan keeps a row of its largest tables (a record, an entry's record) is what lets DuckDB hold them
     within its share of a small memory limit rather than spill them: a kind and a role one byte each (ENUMs), no
     128-bit merged-log place kept a record (it is made from the LRSN and rid where an order needs it), none of the
     readers' columns no statement reads."""
+    assert engine_columnar.PLAN_SQL.count("DROP TABLE eev;") == 1  # its columns kept apart here to be read after
+    monkeypatch.setattr(engine_columnar, "PLAN_SQL", engine_columnar.PLAN_SQL.replace(
+        "DROP TABLE eev;", "CREATE TABLE eev_columns AS SELECT * FROM eev LIMIT 0; DROP TABLE eev;"))
     h = simulate(random.Random(6), 200)
     backup, log_dirs = write_history(h, tmp_path)
     (tmp_path / "work").mkdir()
@@ -280,12 +285,31 @@ def test_the_plans_tables_are_narrow(tmp_path: Path) -> None:
         assert isinstance(plan, ColumnarPlan)
         types = {(t, c): d for t, c, d in plan.con.execute(
             "SELECT table_name, column_name, data_type FROM duckdb_columns()").fetchall()}
-        assert types[("eev", "k")] == types[("kinds", "k")] and types[("eev", "k")].startswith("ENUM(")
-        assert types[("eev", "role")].startswith("ENUM(")
-        assert "HUGEINT" not in {d for (t, _), d in types.items() if t in ("eev", "ents", "members")}
-        assert ("eev", "seq") not in types
+        assert types[("eev_columns", "k")] == types[("kinds", "k")] and types[("kinds", "k")].startswith("ENUM(")
+        assert types[("eev_columns", "role")].startswith("ENUM(")
+        assert "HUGEINT" not in {d for (t, _), d in types.items() if t in ("eev_columns", "members")}
     finally:
         plan.close()
     raw = engine_columnar.raw_columns(S)
     for name in ("off", "seg", "f"):
         assert name not in raw["recs"].replace(" AS ", " ").split(", ")
+
+
+def test_the_plan_keeps_only_the_tables_its_output_reads(tmp_path: Path) -> None:
+    """Each of the plan's tables is dropped after the last statement that reads it, so that DuckDB's share of the
+    memory limit goes to the statements that follow (and to the survivors' sort the load reads) rather than to
+    spilling tables no statement reads again; of the descriptors only those outcome records carry stay (the plan's
+    outcomes read them)."""
+    h = simulate(random.Random(6), 400)
+    backup, log_dirs = write_history(h, tmp_path)
+    (tmp_path / "work").mkdir()
+    plan = ColumnarEngine(work_dir=tmp_path / "work", workers=1).plan(S, backup, log_dirs, h.replay_from, NOW_MS)
+    try:
+        assert isinstance(plan, ColumnarPlan)
+        tables = {t for (t,) in plan.con.execute("SELECT table_name FROM duckdb_tables()").fetchall()}
+        assert tables == {"kinds", "base_uows", "members", "ended", "outc", "odata", "inflight", "descs", "fin",
+                          "ctl"}
+        assert {s for (s,) in plan.con.execute("SELECT DISTINCT src FROM descs").fetchall()} <= {"D"}
+        assert dict(plan.outcomes) == dict(reference(backup, log_dirs, h.replay_from).outcomes)
+    finally:
+        plan.close()
