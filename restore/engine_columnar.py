@@ -250,10 +250,15 @@ PLAN_SQL = """
 -- with what its kind's row says of it, then the entries each names (kind.entry_ids, once each, and of an outcome
 -- record the entries it carries of this structure, plan.restrict), then the descriptors (a backup's copy "B", a
 -- put's "P", a relog copy "R", a copy an outcome record carries "D": the last it carries of each entry)
+-- the UOWs whose outcome is applied on the CF (their END records, each kept by the generation rule), and how many
+-- of those records each member logged (members, below): r holds the records the rest of the plan reads
+CREATE TABLE ends AS
+SELECT x.u, x.m, count(*) AS n FROM raw_recs x JOIN kinds kd USING (k) WHERE kd.role = 'end' GROUP BY x.u, x.m;
+CREATE TABLE ended AS SELECT DISTINCT u FROM ends;
 -- the generation rule (plan.current_incarnation) as `kept`
 CREATE TABLE r AS
 SELECT *,
-       ($G <= 0 OR coalesce(u IN (SELECT u FROM base_uows), false) OR role = 'end' OR gen IS NULL
+       ($G <= 0 OR coalesce(u IN (SELECT u FROM base_uows), false) OR gen IS NULL
         OR (gen = 0 AND role = 'outcome') OR (gen <> 0 AND gen >= $G)) AS kept
 FROM (
   SELECT x.rid, x.l, x.m, x.k, kd.role, x.u,
@@ -263,7 +268,7 @@ FROM (
          kd.descsrc
   FROM raw_recs x JOIN kinds kd USING (k)
   LEFT JOIN (SELECT rid, g FROM raw_ss WHERE s = $S) sg USING (rid)
-  WHERE (kd.role = 'entry' AND x.mine) OR kd.role IN ('outcome', 'end'));
+  WHERE (kd.role = 'entry' AND x.mine) OR kd.role = 'outcome');
 DROP TABLE raw_recs;
 CREATE TABLE ev AS
 SELECT DISTINCT e.rid, e.eid FROM raw_ev e JOIN r USING (rid)
@@ -293,7 +298,6 @@ CREATE TABLE holders AS SELECT DISTINCT holder AS u FROM r WHERE kept AND holder
 CREATE TABLE orecs AS
 SELECT *, l::HUGEINT * 18446744073709551616 + rid AS seq FROM r
 WHERE role = 'outcome' AND (kept OR u IN (SELECT u FROM holders));
-CREATE TABLE ended AS SELECT DISTINCT u FROM r WHERE kept AND role = 'end';
 
 -- settle.decide_outcome: a decision that outranks the owner's (RECOVERY): its first by (LRSN, by) decides
 CREATE TABLE firsts AS
@@ -350,7 +354,10 @@ CREATE TABLE eev AS
 SELECT e.eid, r.rid, r.l, r.k, r.role, r.u, r.rank, r.copy, r.carries
 FROM ev e JOIN r USING (rid) WHERE r.kept;
 -- the records and their entry ids are not read past here: their memory goes to the statements that follow
-CREATE TABLE members AS SELECT m, count(*) AS n FROM r WHERE kept GROUP BY m;
+CREATE TABLE members AS
+SELECT m, sum(n)::BIGINT AS n FROM (SELECT m, count(*) AS n FROM r WHERE kept GROUP BY m UNION ALL SELECT m, n FROM ends)
+GROUP BY m;
+DROP TABLE ends;
 DROP TABLE ev;
 DROP TABLE r;
 -- (with what quick asks of each: how many records name it and how many backup copies it has, and of the one

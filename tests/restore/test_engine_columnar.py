@@ -273,10 +273,12 @@ def test_the_plans_tables_are_narrow(tmp_path: Path, monkeypatch: pytest.MonkeyP
     """What the plan keeps a row of its largest tables (a record, an entry's record) is what lets DuckDB hold them
     within its share of a small memory limit rather than spill them: a kind and a role one byte each (ENUMs), no
     128-bit merged-log place kept a record (it is made from the LRSN and rid where an order needs it), none of the
-    readers' columns no statement reads."""
-    assert engine_columnar.PLAN_SQL.count("DROP TABLE eev;") == 1  # its columns kept apart here to be read after
-    monkeypatch.setattr(engine_columnar, "PLAN_SQL", engine_columnar.PLAN_SQL.replace(
-        "DROP TABLE eev;", "CREATE TABLE eev_columns AS SELECT * FROM eev LIMIT 0; DROP TABLE eev;"))
+    readers' columns no statement reads, and no END record among the records (the UOWs they end and the members'
+    counts of them are taken before), the members' counts still those of the reference."""
+    assert engine_columnar.PLAN_SQL.count("DROP TABLE eev;") == engine_columnar.PLAN_SQL.count("DROP TABLE r;") == 1
+    monkeypatch.setattr(engine_columnar, "PLAN_SQL", engine_columnar.PLAN_SQL.replace(  # kept apart to be read after
+        "DROP TABLE eev;", "CREATE TABLE eev_columns AS SELECT * FROM eev LIMIT 0; DROP TABLE eev;").replace(
+        "DROP TABLE r;", "CREATE TABLE r_roles AS SELECT DISTINCT role::VARCHAR AS role FROM r; DROP TABLE r;"))
     h = simulate(random.Random(6), 200)
     backup, log_dirs = write_history(h, tmp_path)
     (tmp_path / "work").mkdir()
@@ -288,6 +290,9 @@ def test_the_plans_tables_are_narrow(tmp_path: Path, monkeypatch: pytest.MonkeyP
         assert types[("eev_columns", "k")] == types[("kinds", "k")] and types[("kinds", "k")].startswith("ENUM(")
         assert types[("eev_columns", "role")].startswith("ENUM(")
         assert "HUGEINT" not in {d for (t, _), d in types.items() if t in ("eev_columns", "members")}
+        assert {role for (role,) in plan.con.execute("SELECT role FROM r_roles").fetchall()} == {"entry", "outcome"}
+        ref = reference(backup, log_dirs, h.replay_from)
+        assert plan.records_by_member == ref.records_by_member and plan.in_commit == ref.in_commit
     finally:
         plan.close()
     raw = engine_columnar.raw_columns(S)
