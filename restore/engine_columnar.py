@@ -245,6 +245,11 @@ class _Readers:
 # place in the merged log), ev (entry id a record names), descs (a descriptor a row: "B" a backup copy, "P" a put's,
 # "R" a relog copy, "D" a copy an outcome record carries), base_uows (plan.Base.carried).
 
+# An entry's state before any event (the fold's start): its best copy b (or none), of which a copy that is expired
+# is not folded.
+BEST_STATE = """0::BIGINT AS ord, b.st, b.u, b.l, b.o1, b.o2, b.bc, b.src, b.rid, 0::BIGINT AS mask,
+       CASE WHEN b.st = 'EX' THEN 'expired' ELSE 'gone' END AS fate"""
+
 PLAN_SQL = """
 -- the readers' rows as the plan takes them: the records that matter for the structure (plan.relevant), each
 -- with what its kind's row says of it, then the entries each names (kind.entry_ids, once each, and of an outcome
@@ -252,9 +257,8 @@ PLAN_SQL = """
 -- put's "P", a relog copy "R", a copy an outcome record carries "D": the last it carries of each entry)
 -- the UOWs whose outcome is applied on the CF (their END records, each kept by the generation rule), and how many
 -- of those records each member logged (members, below): r holds the records the rest of the plan reads
-CREATE TABLE ends AS
-SELECT x.u, x.m, count(*) AS n FROM raw_recs x JOIN kinds kd USING (k) WHERE kd.role = 'end' GROUP BY x.u, x.m;
-CREATE TABLE ended AS SELECT DISTINCT u FROM ends;
+CREATE TABLE ended AS SELECT DISTINCT x.u FROM raw_recs x JOIN kinds kd USING (k) WHERE kd.role = 'end';
+CREATE TABLE ends AS SELECT x.m, count(*) AS n FROM raw_recs x JOIN kinds kd USING (k) WHERE kd.role = 'end' GROUP BY x.m;
 -- the generation rule (plan.current_incarnation) as `kept`
 CREATE TABLE r AS
 SELECT *,
@@ -458,17 +462,15 @@ DROP TABLE named;
 CREATE TABLE touched AS SELECT eix, any_value(eid) AS eid, max(ord) AS cnt FROM evs GROUP BY eix;
 -- (and the state each of those starts from: its best copy, or none; made once here, not a range at a time)
 CREATE TABLE starts AS
-SELECT t.eix, t.eid, t.cnt, 0::BIGINT AS ord, b.st, b.u, b.l, b.o1, b.o2, b.bc, b.src, b.rid, 0::BIGINT AS mask,
-       CASE WHEN b.st = 'EX' THEN 'expired' ELSE 'gone' END AS fate
+SELECT t.eix, t.eid, t.cnt, $BEST_STATE
 FROM touched t LEFT JOIN best b USING (eid);
 CREATE TABLE still AS
-SELECT n.eix, n.eid, 0::BIGINT AS ord, b.st, b.u, b.l, b.o1, b.o2, b.bc, b.src, b.rid, 0::BIGINT AS mask,
-       CASE WHEN b.st = 'EX' THEN 'expired' ELSE 'gone' END AS fate
+SELECT n.eix, n.eid, $BEST_STATE
 FROM slow n LEFT JOIN best b USING (eid) ANTI JOIN touched t USING (eix);
 CREATE TABLE folded AS SELECT * EXCLUDE (eid) FROM still LIMIT 0;
 DROP TABLE best;
 DROP TABLE slow;
-"""
+""".replace("$BEST_STATE", BEST_STATE)  # bound here, where the others are bound by _run
 
 # The fold of the entries some event names, eix from $LO to below $HI (a range holds its entries' states and
 # events in memory, hence the ranges). settle.settle's transition (STEP_SQL) is applied to each entry's state once
