@@ -17,6 +17,8 @@
   directory of their own, so that a cluster the README's `cfemu cluster up` left in the checkout's var/ (running
   or stopped, with its logs and backups) is never found and never written to. The checkout's root is put on
   $PYTHONPATH for the commands that run ``python -m tests.support...``.
+* ``started_processes_killed`` (autouse): a `sqm run` child a test started and left running (it failed before its
+  stop) is killed by its pid after the test (tests.support.started_procs).
 * ``signal_handlers_kept`` (autouse): a test that leaves a SIGINT or SIGTERM handler of its own (or of code it ran
   in-process) in the process fails, and the handlers it found are put back.
 """
@@ -39,6 +41,7 @@ from cfemu.connection import connect
 from cfemu.embedded import EmbeddedRedis
 from cfemu.private_files import private_dir
 from tests.support.harness import HARNESS
+from tests.support.started_procs import STARTED, kill_left_running
 
 pytest_plugins = ["tests.support.tiers", "tests.support.workers"]
 
@@ -123,6 +126,13 @@ def group_backup_key(tmp_path_factory: pytest.TempPathFactory) -> Iterator[crede
             os.environ.pop(credentials.ENV_SECRETS_DIR, None)
         else:
             os.environ[credentials.ENV_SECRETS_DIR] = before
+
+
+@pytest.fixture(autouse=True)
+def started_processes_killed() -> Iterator[None]:
+    since = len(STARTED)
+    yield
+    kill_left_running(since)
 
 
 @pytest.fixture(autouse=True)

@@ -26,6 +26,7 @@ from sqm.service.client import Client
 from sqm.service.protocol import encode_frame, recv_frame
 from tests.support.group import define_group
 from tests.support.harness import lose_cf
+from tests.support.started_procs import started
 
 TOKEN = "t0ken-for-tests"  # the application role's
 OP_TOKEN = "operator-t0ken-for-tests"
@@ -66,8 +67,8 @@ def start_server(redis_url: str, tmp: Path, name: str, *args: str, env: dict[str
     cmd = [sys.executable, "-m", "sqm.cli", "run", "--name", name, "--redis-url", redis_url, "--log-root",
            str(tmp / "logs"), "--port", "0", "--metrics-port", "0", "--ready-file", str(ready), *args]
     with open(stderr, "ab") as err:  # the tests' tokens unless env or a flag gives others
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err,
-                                env={**os.environ, **TOKENS_ENV, **(env or {})})
+        proc = started(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err,
+                                        env={**os.environ, **TOKENS_ENV, **(env or {})}))
     deadline = time.monotonic() + timeout
     while not ready.exists():
         if proc.poll() is not None:
