@@ -1067,11 +1067,17 @@ static PyObject *read_bulks(PyObject *self, PyObject *args) {
     int fd, timeout_ms;
     Py_ssize_t count, hint;
     if (!PyArg_ParseTuple(args, "inni", &fd, &count, &hint, &timeout_ms)) return NULL;
-    if (count < 0 || count > PY_SSIZE_T_MAX / 16) {
+    if (count < 0 || count > PY_SSIZE_T_MAX / 64) {
         PyErr_Format(PyExc_ValueError, "cannot read %zd strings", count);
         return NULL;
     }
-    Py_ssize_t cap = hint < 4096 ? 4096 : hint + 64 + count * 16; /* the data and each string's header */
+    /* The hint is only the blob's first size: never more than `count` strings of MAX_BULK bytes could fill (a
+     * hint beyond that, however large, neither overflows the sums below nor allocates for bytes that cannot come);
+     * with count <= PY_SSIZE_T_MAX / 64, data + 64 + count * 16 stays below PY_SSIZE_T_MAX. */
+    Py_ssize_t most = count < (PY_SSIZE_T_MAX / 2) / (MAX_BULK + MAX_LINE) ? count * (MAX_BULK + MAX_LINE)
+                                                                            : PY_SSIZE_T_MAX / 2;
+    Py_ssize_t data = hint < most ? hint : most;
+    Py_ssize_t cap = data < 4096 ? 4096 : data + 64 + count * 16; /* the data and each string's header */
     PyObject *blob = PyBytes_FromStringAndSize(NULL, cap);
     PyObject *spans = blob == NULL ? NULL : PyBytes_FromStringAndSize(NULL, count * 16 + 1);
     if (spans == NULL) {

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 import socket
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -134,6 +135,19 @@ def test_a_reply_cut_short_by_a_closed_connection_raises_eof_at_every_cut(
         finally:
             a.close()
             b.close()
+
+
+@pytest.mark.parametrize("hint", [sys.maxsize, sys.maxsize - 100, sys.maxsize // 2])
+def test_a_size_hint_beyond_any_reply_is_only_a_first_size(pair: tuple[socket.socket, socket.socket],
+                                                            hint: int) -> None:
+    """The size hint sizes the blob at first and nothing else: one however large (a descriptor's recorded length
+    gone wrong) neither overflows the blob's size (a SystemError, undefined behaviour in C) nor asks for memory no
+    reply of that many strings could fill (a MemoryError): the reply is read as with an exact hint."""
+    reader, writer = pair
+    writer.sendall(b"*0\r\n")
+    assert read_bulks(reader.fileno(), 0, hint, _timeout_ms(reader)) == (b"*0\r\n", b"")
+    writer.sendall(b"*0\r\n")  # and the socket was left at the next reply
+    assert read_bulks(reader.fileno(), 0, 0, _timeout_ms(reader)) == (b"*0\r\n", b"")
 
 
 def test_a_cf_that_does_not_answer_times_out(pair: tuple[socket.socket, socket.socket]) -> None:
