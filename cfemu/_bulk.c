@@ -944,6 +944,7 @@ done:
 #include <errno.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <time.h>
 
 #define MAX_BULK (512LL << 20) /* the longest bulk string the CF sends (proto-max-bulk-len's default) */
 #define MAX_LINE 32            /* a string's header line's longest: a type byte, a 64-bit length and CRLF */
@@ -1062,6 +1063,12 @@ static int parse(Reader *r) {
     }
 }
 
+static long long monotonic_ms(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (long long)t.tv_sec * 1000 + t.tv_nsec / 1000000;
+}
+
 static PyObject *read_bulks(PyObject *self, PyObject *args) {
     (void)self;
     int fd, timeout_ms;
@@ -1086,6 +1093,10 @@ static PyObject *read_bulks(PyObject *self, PyObject *args) {
     }
     Reader r = {NULL, 0, 0, -1, count, (int64_t *)PyBytes_AS_STRING(spans), 0, 0, -1, NULL};
     int said = NEED_MORE, failed = 0; /* failed: errno of the socket; -1: closed by the CF */
+    /* When the wait for the next bytes times out (a non-blocking socket): a deadline kept across signals, as
+     * Python's recv keeps it (PEP 475), so that signals more often than the timeout do not wait for ever; -1
+     * while no wait is on. */
+    long long deadline = -1;
     while (said == NEED_MORE) {
         if (r.end == cap) { /* room for more: the blob grows (with the GIL: it is a Python object) */
             Py_ssize_t more = cap < (PY_SSIZE_T_MAX >> 1) ? cap * 2 : PY_SSIZE_T_MAX;
@@ -1102,13 +1113,16 @@ static PyObject *read_bulks(PyObject *self, PyObject *args) {
             ssize_t n = recv(fd, buf + r.end, (size_t)(cap - r.end), 0);
             if (n > 0) {
                 r.end += n;
+                deadline = -1;
                 said = parse(&r);
             } else if (n == 0) {
                 failed = -1;
                 break;
             } else if ((errno == EAGAIN || errno == EWOULDBLOCK) && timeout_ms >= 0) {
+                long long now = monotonic_ms();
+                if (deadline < 0) deadline = now + timeout_ms;
                 struct pollfd pfd = {fd, POLLIN, 0};
-                int ready = poll(&pfd, 1, timeout_ms);
+                int ready = poll(&pfd, 1, deadline > now ? (int)(deadline - now) : 0);
                 if (ready == 0) {
                     failed = ETIMEDOUT;
                     break;

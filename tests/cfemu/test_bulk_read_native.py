@@ -5,10 +5,13 @@ short, or one that is not such an array, raises a clear error and never crashes 
 
 from __future__ import annotations
 
+import contextlib
 import random
+import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -161,6 +164,57 @@ def test_a_cf_that_does_not_answer_times_out(pair: tuple[socket.socket, socket.s
     writer.sendall(b"*2\r\n$1\r\na")
     with pytest.raises((BlockingIOError, TimeoutError)):
         read_bulks(reader.fileno(), 2, 0, _timeout_ms(reader))
+
+
+@contextlib.contextmanager
+def _signals_every(interval: float, most: int) -> Iterator[list[int]]:
+    """SIGALRM every `interval` seconds, its Python handler doing nothing (as a child's SIGCHLD or a timer's would)
+    until it has run `most` times; then it raises, so that a read that never ends fails instead of hanging."""
+    runs = [0]
+
+    def handler(signum: int, frame: Any) -> None:
+        runs[0] += 1
+        if runs[0] > most:
+            raise RuntimeError(f"still reading after {most} signals")
+
+    old = signal.signal(signal.SIGALRM, handler)
+    signal.setitimer(signal.ITIMER_REAL, interval, interval)
+    try:
+        yield runs
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def test_signals_within_the_wait_neither_cut_the_reply_nor_lengthen_the_timeout() -> None:
+    """Signals whose handlers return (EINTR in recv or poll) leave the read going on where it was: a reply sent in
+    slow pieces is read whole. And the timeout of a Python-timeout socket is kept across them, as Python's own
+    recv keeps it (PEP 475): a CF that does not answer times out though a signal comes more often than the
+    timeout (each one had started the wait over: the read never ended)."""
+    reader, writer = socket.socketpair()
+    try:
+        reader.settimeout(0.5)
+        items: list[bytes | None] = [b"x" * 50, None, b"", b"y\r\n" * 10]
+        data = _reply(items, random.Random(1))
+
+        def slowly() -> None:
+            for i in range(0, len(data), 20):
+                time.sleep(0.03)
+                writer.sendall(data[i:i + 20])
+
+        sender = threading.Thread(target=slowly)
+        with _signals_every(0.01, 2000):
+            sender.start()
+            try:
+                assert list(Bulks(*read_bulks(reader.fileno(), len(items), 0, _timeout_ms(reader)))) == items
+            finally:
+                sender.join()
+        with _signals_every(0.1, 100) as runs, pytest.raises(TimeoutError):
+            read_bulks(reader.fileno(), 1, 0, _timeout_ms(reader))
+        assert runs[0] >= 1  # the signals came within the wait
+    finally:
+        reader.close()
+        writer.close()
 
 
 def test_bulks_reads_as_the_list_it_stands_for() -> None:
