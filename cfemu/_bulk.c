@@ -938,7 +938,8 @@ done:
  * frames them from the blob). An error reply answers its text as a str (the connection is still in step).
  * size_hint: the bytes expected (the data lengths the descriptors record), the blob's first size. timeout_ms:
  * below 0 for a blocking socket (the kernel's receive timeout ends a recv with EAGAIN), else how long to wait for
- * each receive of a non-blocking one (Python's socket timeout). Raises OSError from the socket (EAGAIN,
+ * each receive of a non-blocking one (Python's socket timeout, of any length, kept across signals as Python's recv
+ * keeps it). Raises OSError from the socket (EAGAIN,
  * TimeoutError: the timeout), EOFError when the CF closes the connection within the reply, ValueError for a
  * reply that is not such an array (the connection is then out of step: the caller drops it). */
 #include <errno.h>
@@ -1071,9 +1072,11 @@ static long long monotonic_ms(void) {
 
 static PyObject *read_bulks(PyObject *self, PyObject *args) {
     (void)self;
-    int fd, timeout_ms;
+    int fd;
+    long long timeout_ms;
     Py_ssize_t count, hint;
-    if (!PyArg_ParseTuple(args, "inni", &fd, &count, &hint, &timeout_ms)) return NULL;
+    if (!PyArg_ParseTuple(args, "innL", &fd, &count, &hint, &timeout_ms)) return NULL;
+    if (timeout_ms > (1LL << 52)) timeout_ms = 1LL << 52; /* over 100,000 years: the deadline's sum stays in range */
     if (count < 0 || count > PY_SSIZE_T_MAX / 64) {
         PyErr_Format(PyExc_ValueError, "cannot read %zd strings", count);
         return NULL;
@@ -1122,7 +1125,9 @@ static PyObject *read_bulks(PyObject *self, PyObject *args) {
                 long long now = monotonic_ms();
                 if (deadline < 0) deadline = now + timeout_ms;
                 struct pollfd pfd = {fd, POLLIN, 0};
-                int ready = poll(&pfd, 1, deadline > now ? (int)(deadline - now) : 0);
+                long long left = deadline > now ? deadline - now : 0; /* poll waits an int's milliseconds */
+                int ready = poll(&pfd, 1, left < INT_MAX ? (int)left : INT_MAX);
+                if (ready == 0 && left >= INT_MAX) continue;
                 if (ready == 0) {
                     failed = ETIMEDOUT;
                     break;

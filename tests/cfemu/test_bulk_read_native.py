@@ -252,6 +252,19 @@ def test_a_fetch_reads_its_data_from_the_socket_past_hiredis(client: redis.Redis
     assert client.ping()
 
 
+def test_a_python_timeout_longer_than_a_wait_in_milliseconds_holds_is_read_past_hiredis(redis_url: str) -> None:
+    """A redis-py client whose socket timeout is longer than poll's milliseconds hold (about 25 days: "effectively
+    none") reads its data as Bulks like any other, the wait bounded at the longest poll takes (an OverflowError
+    of the milliseconds had failed the read, after its command went out)."""
+    client = redis.Redis.from_url(redis_url, socket_timeout=1e7)
+    try:
+        client.hset("h", mapping={"a": b"1", "b": b"22"})
+        got = bulk.hmget(client, "h", ["b", "x", "a"], size_hint=0)
+        assert type(got) is Bulks and list(got) == [b"22", None, b"1"]
+    finally:
+        client.close()
+
+
 def test_a_reply_out_of_step_drops_the_connection_and_the_read_is_made_again(
         client: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
     """A reply the C reader refuses (here: made to refuse it) drops that connection, and hmget reads again through
