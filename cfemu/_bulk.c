@@ -938,12 +938,14 @@ done:
  * frames them from the blob). An error reply answers its text as a str (the connection is still in step).
  * size_hint: the bytes expected (the data lengths the descriptors record), the blob's first size. timeout_ms:
  * below 0 for a blocking socket (the kernel's receive timeout ends a recv with EAGAIN), else how long to wait for
- * each receive of a non-blocking one (Python's socket timeout). Raises OSError from the socket (EAGAIN,
+ * each receive of a non-blocking one (Python's socket timeout, of any length, kept across signals as Python's recv
+ * keeps it). Raises OSError from the socket (EAGAIN,
  * TimeoutError: the timeout), EOFError when the CF closes the connection within the reply, ValueError for a
  * reply that is not such an array (the connection is then out of step: the caller drops it). */
 #include <errno.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <time.h>
 
 #define MAX_BULK (512LL << 20) /* the longest bulk string the CF sends (proto-max-bulk-len's default) */
 #define MAX_LINE 32            /* a string's header line's longest: a type byte, a 64-bit length and CRLF */
@@ -1062,16 +1064,30 @@ static int parse(Reader *r) {
     }
 }
 
+static long long monotonic_ms(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (long long)t.tv_sec * 1000 + t.tv_nsec / 1000000;
+}
+
 static PyObject *read_bulks(PyObject *self, PyObject *args) {
     (void)self;
-    int fd, timeout_ms;
+    int fd;
+    long long timeout_ms;
     Py_ssize_t count, hint;
-    if (!PyArg_ParseTuple(args, "inni", &fd, &count, &hint, &timeout_ms)) return NULL;
-    if (count < 0 || count > PY_SSIZE_T_MAX / 16) {
+    if (!PyArg_ParseTuple(args, "innL", &fd, &count, &hint, &timeout_ms)) return NULL;
+    if (timeout_ms > (1LL << 52)) timeout_ms = 1LL << 52; /* over 100,000 years: the deadline's sum stays in range */
+    if (count < 0 || count > PY_SSIZE_T_MAX / 64) {
         PyErr_Format(PyExc_ValueError, "cannot read %zd strings", count);
         return NULL;
     }
-    Py_ssize_t cap = hint < 4096 ? 4096 : hint + 64 + count * 16; /* the data and each string's header */
+    /* The hint is only the blob's first size: never more than `count` strings of MAX_BULK bytes could fill (a
+     * hint beyond that, however large, neither overflows the sums below nor allocates for bytes that cannot come);
+     * with count <= PY_SSIZE_T_MAX / 64, data + 64 + count * 16 stays below PY_SSIZE_T_MAX. */
+    Py_ssize_t most = count < (PY_SSIZE_T_MAX / 2) / (MAX_BULK + MAX_LINE) ? count * (MAX_BULK + MAX_LINE)
+                                                                            : PY_SSIZE_T_MAX / 2;
+    Py_ssize_t data = hint < most ? hint : most;
+    Py_ssize_t cap = data < 4096 ? 4096 : data + 64 + count * 16; /* the data and each string's header */
     PyObject *blob = PyBytes_FromStringAndSize(NULL, cap);
     PyObject *spans = blob == NULL ? NULL : PyBytes_FromStringAndSize(NULL, count * 16 + 1);
     if (spans == NULL) {
@@ -1080,6 +1096,10 @@ static PyObject *read_bulks(PyObject *self, PyObject *args) {
     }
     Reader r = {NULL, 0, 0, -1, count, (int64_t *)PyBytes_AS_STRING(spans), 0, 0, -1, NULL};
     int said = NEED_MORE, failed = 0; /* failed: errno of the socket; -1: closed by the CF */
+    /* When the wait for the next bytes times out (a non-blocking socket): a deadline kept across signals, as
+     * Python's recv keeps it (PEP 475), so that signals more often than the timeout do not wait for ever; -1
+     * while no wait is on. */
+    long long deadline = -1;
     while (said == NEED_MORE) {
         if (r.end == cap) { /* room for more: the blob grows (with the GIL: it is a Python object) */
             Py_ssize_t more = cap < (PY_SSIZE_T_MAX >> 1) ? cap * 2 : PY_SSIZE_T_MAX;
@@ -1096,13 +1116,18 @@ static PyObject *read_bulks(PyObject *self, PyObject *args) {
             ssize_t n = recv(fd, buf + r.end, (size_t)(cap - r.end), 0);
             if (n > 0) {
                 r.end += n;
+                deadline = -1;
                 said = parse(&r);
             } else if (n == 0) {
                 failed = -1;
                 break;
             } else if ((errno == EAGAIN || errno == EWOULDBLOCK) && timeout_ms >= 0) {
+                long long now = monotonic_ms();
+                if (deadline < 0) deadline = now + timeout_ms;
                 struct pollfd pfd = {fd, POLLIN, 0};
-                int ready = poll(&pfd, 1, timeout_ms);
+                long long left = deadline > now ? deadline - now : 0; /* poll waits an int's milliseconds */
+                int ready = poll(&pfd, 1, left < INT_MAX ? (int)left : INT_MAX);
+                if (ready == 0 && left >= INT_MAX) continue;
                 if (ready == 0) {
                     failed = ETIMEDOUT;
                     break;

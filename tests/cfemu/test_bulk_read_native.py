@@ -5,9 +5,13 @@ short, or one that is not such an array, raises a clear error and never crashes 
 
 from __future__ import annotations
 
+import contextlib
 import random
+import signal
 import socket
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -136,6 +140,19 @@ def test_a_reply_cut_short_by_a_closed_connection_raises_eof_at_every_cut(
             b.close()
 
 
+@pytest.mark.parametrize("hint", [sys.maxsize, sys.maxsize - 100, sys.maxsize // 2])
+def test_a_size_hint_beyond_any_reply_is_only_a_first_size(pair: tuple[socket.socket, socket.socket],
+                                                            hint: int) -> None:
+    """The size hint sizes the blob at first and nothing else: one however large (a descriptor's recorded length
+    gone wrong) neither overflows the blob's size (a SystemError, undefined behaviour in C) nor asks for memory no
+    reply of that many strings could fill (a MemoryError): the reply is read as with an exact hint."""
+    reader, writer = pair
+    writer.sendall(b"*0\r\n")
+    assert read_bulks(reader.fileno(), 0, hint, _timeout_ms(reader)) == (b"*0\r\n", b"")
+    writer.sendall(b"*0\r\n")  # and the socket was left at the next reply
+    assert read_bulks(reader.fileno(), 0, 0, _timeout_ms(reader)) == (b"*0\r\n", b"")
+
+
 def test_a_cf_that_does_not_answer_times_out(pair: tuple[socket.socket, socket.socket]) -> None:
     """Nothing comes within the socket's timeout: an OSError of the timeout (EAGAIN from the kernel's timeout of
     a blocking socket, TimeoutError from the wait on a non-blocking one)."""
@@ -147,6 +164,57 @@ def test_a_cf_that_does_not_answer_times_out(pair: tuple[socket.socket, socket.s
     writer.sendall(b"*2\r\n$1\r\na")
     with pytest.raises((BlockingIOError, TimeoutError)):
         read_bulks(reader.fileno(), 2, 0, _timeout_ms(reader))
+
+
+@contextlib.contextmanager
+def _signals_every(interval: float, most: int) -> Iterator[list[int]]:
+    """SIGALRM every `interval` seconds, its Python handler doing nothing (as a child's SIGCHLD or a timer's would)
+    until it has run `most` times; then it raises, so that a read that never ends fails instead of hanging."""
+    runs = [0]
+
+    def handler(signum: int, frame: Any) -> None:
+        runs[0] += 1
+        if runs[0] > most:
+            raise RuntimeError(f"still reading after {most} signals")
+
+    old = signal.signal(signal.SIGALRM, handler)
+    signal.setitimer(signal.ITIMER_REAL, interval, interval)
+    try:
+        yield runs
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def test_signals_within_the_wait_neither_cut_the_reply_nor_lengthen_the_timeout() -> None:
+    """Signals whose handlers return (EINTR in recv or poll) leave the read going on where it was: a reply sent in
+    slow pieces is read whole. And the timeout of a Python-timeout socket is kept across them, as Python's own
+    recv keeps it (PEP 475): a CF that does not answer times out though a signal comes more often than the
+    timeout (each one had started the wait over: the read never ended)."""
+    reader, writer = socket.socketpair()
+    try:
+        reader.settimeout(0.5)
+        items: list[bytes | None] = [b"x" * 50, None, b"", b"y\r\n" * 10]
+        data = _reply(items, random.Random(1))
+
+        def slowly() -> None:
+            for i in range(0, len(data), 20):
+                time.sleep(0.03)
+                writer.sendall(data[i:i + 20])
+
+        sender = threading.Thread(target=slowly)
+        with _signals_every(0.01, 2000):
+            sender.start()
+            try:
+                assert list(Bulks(*read_bulks(reader.fileno(), len(items), 0, _timeout_ms(reader)))) == items
+            finally:
+                sender.join()
+        with _signals_every(0.1, 100) as runs, pytest.raises(TimeoutError):
+            read_bulks(reader.fileno(), 1, 0, _timeout_ms(reader))
+        assert runs[0] >= 1  # the signals came within the wait
+    finally:
+        reader.close()
+        writer.close()
 
 
 def test_bulks_reads_as_the_list_it_stands_for() -> None:
@@ -182,6 +250,19 @@ def test_a_fetch_reads_its_data_from_the_socket_past_hiredis(client: redis.Redis
     with pytest.raises(redis.exceptions.ResponseError, match="WRONGTYPE"):
         bulk.hmget(client, "s", fields, size_hint=0)
     assert client.ping()
+
+
+def test_a_python_timeout_longer_than_a_wait_in_milliseconds_holds_is_read_past_hiredis(redis_url: str) -> None:
+    """A redis-py client whose socket timeout is longer than poll's milliseconds hold (about 25 days: "effectively
+    none") reads its data as Bulks like any other, the wait bounded at the longest poll takes (an OverflowError
+    of the milliseconds had failed the read, after its command went out)."""
+    client = redis.Redis.from_url(redis_url, socket_timeout=1e7)
+    try:
+        client.hset("h", mapping={"a": b"1", "b": b"22"})
+        got = bulk.hmget(client, "h", ["b", "x", "a"], size_hint=0)
+        assert type(got) is Bulks and list(got) == [b"22", None, b"1"]
+    finally:
+        client.close()
 
 
 def test_a_reply_out_of_step_drops_the_connection_and_the_read_is_made_again(
