@@ -210,9 +210,10 @@ class Workers:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         try:
-            # A map still running here was abandoned (its caller raised, or was interrupted, or stopped reading):
-            # its workers' results would go unread, so they are not waited for (a task can take minutes).
-            if self._streaming or any(t.is_alive() for t in self._threads):
+            # Left on an error, or with a map still running (its caller raised, or was interrupted, or stopped
+            # reading): the workers' results would go unread, so they are not waited for (a task can take minutes,
+            # and a worker still starting its interpreter on a busy machine, seconds).
+            if (exc and exc[0] is not None) or self._streaming or any(t.is_alive() for t in self._threads):
                 for p in self.procs:
                     p.kill()
             for p in self.procs:

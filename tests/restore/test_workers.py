@@ -98,6 +98,16 @@ def test_a_map_begun_after_the_workers_stopped_is_refused_not_run_here() -> None
         next(late)
 
 
+def test_workers_left_on_an_error_are_killed_not_waited_for() -> None:
+    """Leaving the `with` on an error (a restore's backup failing at its first frame, before a task was handed out)
+    kills the workers at once: waiting for them to reach their end of file would wait for their interpreters to
+    start, seconds on a busy machine."""
+    with pytest.raises(RuntimeError, match="the backup failed"), Workers(2) as pool:
+        procs = list(pool.procs)
+        raise RuntimeError("the backup failed")
+    assert [p.returncode for p in procs] == [-signal.SIGKILL] * 2
+
+
 def test_one_worker_is_this_process() -> None:
     with Workers(1) as pool:
         assert [pid for _, pid in pool.map(square_and_pid, range(3))] == [os.getpid()] * 3
