@@ -167,6 +167,46 @@ def test_a_client_that_stops_reading_holds_back_no_other(server: ServerProc) -> 
     assert all(rep["ok"] and rep["result"]["body"] == big for rep in replies)
 
 
+def _rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def test_a_client_that_sends_without_reading_is_held_back_by_its_socket(server: ServerProc) -> None:
+    """A client pipelines small gets outside syncpoint as fast as its socket takes them and reads no reply. The
+    loop reads no more of a connection than a turn's share ahead of the requests it runs: past that, the client's
+    own socket holds it back (TCP), as the thread per connection does. The member does not take 64 MiB of requests
+    into its memory (each of its turns runs one request of the connection, and would read 256 KiB)."""
+    frame = encode_frame({"id": 1, "op": "get", "args": {"queue": "E4", "syncpoint": False}})
+    chunk = frame * (2**20 // len(frame))
+    target = 64 * 2**20
+    r = raw(server)
+    rss_before = _rss_kib(server.proc.pid)
+    sent = 0
+    try:
+        r.sock.setblocking(False)
+        deadline = time.monotonic() + 10
+        view = memoryview(chunk)
+        while sent < target and time.monotonic() < deadline:
+            try:
+                n = r.sock.send(view)
+            except BlockingIOError:
+                time.sleep(0.005)
+                continue
+            sent += n
+            view = view[n:] if n < len(view) else memoryview(chunk)
+        rss_after = _rss_kib(server.proc.pid)
+    finally:
+        r.close()
+    assert sent < target // 2, (f"the member took {sent >> 20} MiB of requests it had not run from one client "
+                                f"(its memory grew {(rss_after - rss_before) >> 10} MiB)")
+    with client(server) as c:  # the member serves on
+        c.put("E1", b"after the flood", syncpoint=False)
+        assert c.get("E1", syncpoint=False).body == b"after the flood"
+
+
 def test_thread_per_connection_is_still_there(fresh_redis: Any, tmp_path: Path) -> None:
     """--thread-per-connection serves each connection by its own thread: no batch runs, and lifecycles work."""
     define_group(str(fresh_redis.url), queues=("T1",))
