@@ -207,6 +207,28 @@ def test_a_client_that_sends_without_reading_is_held_back_by_its_socket(server: 
         assert c.get("E1", syncpoint=False).body == b"after the flood"
 
 
+def test_a_poison_message_that_cannot_move_stays_on_its_queue(server: ServerProc, redis_server: Any) -> None:
+    """A get outside syncpoint finds a poison message (its backout count at the queue's threshold) whose backout
+    queue is full: the move fails, the get hears why, and the message stays on its queue (backed out, as the plain
+    path leaves it), not held by a unit of work nobody ends."""
+    admin = Admin(connect(redis_server.url))
+    admin.ensure_structure("TINYBQ", ("PBQ",), max_entries=1)
+    admin.define_queue("PQ", "APP1", backout_threshold=1, backout_queue="PBQ")
+    with client(server) as c:
+        c.put("PBQ", b"fills TINYBQ", syncpoint=False)
+        c.put("PQ", b"poison", syncpoint=False)
+        assert c.get("PQ").body == b"poison"
+        c.backout()  # its backout count now 1: poison at the next get
+    r = raw(server)
+    try:
+        refused = r.request("get", {"queue": "PQ", "syncpoint": False})
+    finally:
+        r.close()
+    assert not refused["ok"], refused
+    with client(server) as c:
+        assert [m.body for m in c.browse("PQ")] == [b"poison"], "the poison message is held by a unit of work"
+
+
 def test_thread_per_connection_is_still_there(fresh_redis: Any, tmp_path: Path) -> None:
     """--thread-per-connection serves each connection by its own thread: no batch runs, and lifecycles work."""
     define_group(str(fresh_redis.url), queues=("T1",))
