@@ -7,6 +7,7 @@ its force, loses no acknowledged message and applies no unacknowledged one once 
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -17,9 +18,10 @@ import pytest
 
 from cfemu.admin import Admin
 from cfemu.connection import connect
-from cfemu.errors import NoMessageError
+from cfemu.errors import LogFailedError, NoMessageError
 from sqm.service.client import Client
 from sqm.service.protocol import encode_frame
+from tests.sqm.test_log_failure import start_member
 from tests.support.group import define_group
 from tests.support.killed_member import killed_by_failpoint
 from tests.support.service_proc import OP_TOKEN, TOKEN, Raw, ServerProc, start_server
@@ -354,3 +356,72 @@ def test_sigterm_with_batches_in_flight_answers_or_refuses_and_loses_nothing(fre
     lost = acked_puts - acked_gets - there
     assert len(lost) <= len(doubtful_gets), f"acknowledged puts lost: {sorted(lost)}"
     assert there <= acked_puts | unknown_puts, "a message no client had acknowledged or had in doubt"
+
+
+# --- the log fails under a batch ---------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_a_log_that_fails_under_batches_loses_no_acknowledged_lifecycle(redis_url: str, tmp_path: Path) -> None:
+    """Eight clients run lifecycles (put then get outside syncpoint, batched by the event loop) on a member whose
+    log reaches its file size limit (EFBIG, as ENOSPC). Killed and restarted with room: no acknowledged get's
+    message comes back, no acknowledged put is lost unless a get in doubt may have taken it, and no put told
+    'refused' is there."""
+    logs, ready = tmp_path / "logs", tmp_path / "QM2.ready"
+    define_group(redis_url, queues=("LF",))
+    proc = start_member(redis_url, logs, ready, limited=True)
+    acked_puts: set[bytes] = set()
+    refused_puts: set[bytes] = set()
+    unknown_puts: set[bytes] = set()
+    acked_gets: set[bytes] = set()
+    doubtful_gets: list[int] = []
+    lock = threading.Lock()
+    try:
+        port = json.loads(ready.read_text())["port"]
+
+        def lifecycles(k: int) -> None:
+            with Client(("127.0.0.1", port), token=TOKEN, reconnect_timeout=1.0) as c:
+                for n in range(1000):
+                    body = b"c%d-m%d-" % (k, n) + b"x" * 3000
+                    try:
+                        c.put("LF", body, syncpoint=False)
+                    except LogFailedError:
+                        with lock:
+                            refused_puts.add(body)
+                        return
+                    except Exception:
+                        with lock:
+                            unknown_puts.add(body)
+                        return
+                    with lock:
+                        acked_puts.add(body)
+                    try:
+                        got = c.get("LF", syncpoint=False).body
+                    except NoMessageError:
+                        continue
+                    except Exception:
+                        with lock:
+                            doubtful_gets.append(k)
+                        return
+                    with lock:
+                        acked_gets.add(got)
+
+        threads = [threading.Thread(target=lifecycles, args=(k,)) for k in range(8)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(120)
+        assert acked_gets and (refused_puts or unknown_puts), "the log did not fail under the lifecycles"
+        proc.kill()
+        proc.wait(30)
+        time.sleep(1.5)  # its lease lapses
+        proc = start_member(redis_url, logs, ready, limited=False)
+        with Client(("127.0.0.1", json.loads(ready.read_text())["port"]), token=TOKEN) as c:
+            there = {m.body for m in c.browse("LF", limit=10_000)}
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
+    assert not there & acked_gets, "an acknowledged get's message came back"
+    assert not there & refused_puts, "a put told refused was delivered"
+    lost = acked_puts - acked_gets - there
+    assert len(lost) <= len(doubtful_gets), f"acknowledged puts lost: {len(lost)}"
+    assert there <= acked_puts | unknown_puts | refused_puts
