@@ -356,7 +356,9 @@ class SQMServer:
         for k, (session, rid, op, args) in enumerate(requests):
             try:
                 call = queue_ops.together(self, session, op, args)
-            except Exception as e:
+            except Exception as e:  # refused for its arguments: run and counted, as dispatch counts it
+                session.served += 1
+                session.last_request = time.time()
                 t.replies[k] = error_reply(rid, self._as_error(op, e), **session.flags())
                 continue
             if call is not None:

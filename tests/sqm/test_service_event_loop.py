@@ -231,6 +231,23 @@ def test_a_poison_message_that_cannot_move_stays_on_its_queue(server: ServerProc
         assert [m.body for m in c.browse("PQ")] == [b"poison"], "the poison message is held by a unit of work"
 
 
+def test_display_conn_counts_a_batched_request_refused_for_its_arguments(server: ServerProc) -> None:
+    """DISPLAY CONN counts each request a connection had run, a batched one refused for its arguments (a get with
+    a bad wait, a put with a bad priority) as the plain path counts it: requests 2, its last request's time set."""
+    r = Raw(server.port)
+    assert r.login(client="counted")["ok"]
+    try:
+        bad_get = r.request("get", {"queue": "E1", "syncpoint": False, "wait_ms": -1})
+        bad_put = r.request("put", {"queue": "E1", "body": b"x", "syncpoint": False, "priority": 99})
+        assert not bad_get["ok"] and not bad_put["ok"], (bad_get, bad_put)
+        with Client(server.endpoint, token=OP_TOKEN, role="operator") as op:
+            row, = [c for c in op.connections()["connections"] if c["application"] == "counted"]
+    finally:
+        r.close()
+    assert row["requests"] == 2, row
+    assert row["last_request"], row
+
+
 def test_thread_per_connection_is_still_there(fresh_redis: Any, tmp_path: Path) -> None:
     """--thread-per-connection serves each connection by its own thread: no batch runs, and lifecycles work."""
     define_group(str(fresh_redis.url), queues=("T1",))
