@@ -8,6 +8,8 @@ its force, loses no acknowledged message and applies no unacknowledged one once 
 from __future__ import annotations
 
 import json
+import socket
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -246,6 +248,46 @@ def test_display_conn_counts_a_batched_request_refused_for_its_arguments(server:
         r.close()
     assert row["requests"] == 2, row
     assert row["last_request"], row
+
+
+def _held(srv: ServerProc) -> tuple[int, int]:
+    """The member's open file descriptors and threads."""
+    pid = srv.proc.pid
+    return len(list(Path(f"/proc/{pid}/fd").iterdir())), len(list(Path(f"/proc/{pid}/task").iterdir()))
+
+
+def _open_uows(srv: ServerProc) -> int:
+    with Client(srv.endpoint, token=OP_TOKEN, role="operator") as op:
+        return sum(op.status()["uows"].values())
+
+
+def test_clients_that_vanish_mid_batch_leave_no_fd_thread_or_unit_of_work(server: ServerProc) -> None:
+    """Sixty clients each send a put and a get outside syncpoint (and a ping, a request of the other path) and
+    reset their connection (RST) without reading a reply, while other clients' batches run. The member closes
+    every one of their sockets, ends their threads and holds no unit of work of theirs."""
+    with client(server) as c:
+        c.put_batch([b"v"] * 60, queue="E2", syncpoint=False)
+    fds, threads = _held(server)
+    for k in range(60):
+        r = raw(server)
+        send(r, "put", {"queue": "E2", "body": b"gone-%d" % k, "syncpoint": False})
+        send(r, "get", {"queue": "E2", "syncpoint": False})
+        if k % 3 == 0:
+            send(r, "ping", {})
+        r.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        r.close()
+    deadline = time.monotonic() + 60
+    while True:
+        now_fds, now_threads = _held(server)
+        uows = _open_uows(server)
+        if now_fds <= fds + 2 and now_threads <= threads + 2 and uows == 0:
+            break
+        assert time.monotonic() < deadline, (f"fds {fds} -> {now_fds}, threads {threads} -> {now_threads}, "
+                                             f"units of work open: {uows}")
+        time.sleep(0.2)
+    with client(server) as c:  # each vanished client's put is there at most once
+        gone = [m.body for m in c.get_batch("E2", 500, commit=True) if m.body.startswith(b"gone-")]
+    assert len(gone) == len(set(gone)), gone
 
 
 def test_thread_per_connection_is_still_there(fresh_redis: Any, tmp_path: Path) -> None:
