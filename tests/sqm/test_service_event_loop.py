@@ -419,11 +419,12 @@ def test_sigterm_with_batches_in_flight_answers_or_refuses_and_loses_nothing(fre
 
 # --- the log fails under a batch ---------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_a_log_that_fails_under_batches_loses_no_acknowledged_lifecycle(redis_url: str, tmp_path: Path) -> None:
+def test_a_log_that_fails_under_batches_loses_no_acknowledged_lifecycle(fresh_redis: Any, tmp_path: Path) -> None:
     """Eight clients run lifecycles (put then get outside syncpoint, batched by the event loop) on a member whose
     log reaches its file size limit (EFBIG, as ENOSPC). Killed and restarted with room: no acknowledged get's
     message comes back, no acknowledged put is lost unless a get in doubt may have taken it, and no put told
     'refused' is there."""
+    redis_url = str(fresh_redis.url)
     logs, ready = tmp_path / "logs", tmp_path / "QM2.ready"
     define_group(redis_url, queues=("LF",))
     proc = start_member(redis_url, logs, ready, limited=True)
