@@ -17,7 +17,7 @@ does not take at once waits in the connection's own buffer (the socket is writte
 read meanwhile): a client that stops reading holds back only itself. The loop reads a connection no further ahead
 of the requests it runs than ``AHEAD`` bytes: a client that sends faster than its requests run is held back by its
 own socket, not buffered by the member. A connection idle for the idle timeout is closed, as the direct path
-closes it.
+closes it (one whose reply is being taken is not idle).
 """
 
 from __future__ import annotations
@@ -389,6 +389,7 @@ class BatchLoop:
             while conn.out:
                 n = conn.sock.send(conn.out)
                 del conn.out[:n]
+                conn.last = time.monotonic()  # a client taking its reply is not idle
         except (BlockingIOError, InterruptedError):
             pass
         except OSError as e:

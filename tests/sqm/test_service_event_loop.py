@@ -22,7 +22,7 @@ from cfemu.admin import Admin
 from cfemu.connection import connect
 from cfemu.errors import LogFailedError, NoMessageError
 from sqm.service.client import Client
-from sqm.service.protocol import encode_frame
+from sqm.service.protocol import HEADER, decode_body, encode_frame
 from tests.sqm.test_log_failure import start_member
 from tests.support.group import define_group
 from tests.support.killed_member import killed_by_failpoint
@@ -485,3 +485,47 @@ def test_a_log_that_fails_under_batches_loses_no_acknowledged_lifecycle(fresh_re
     lost = acked_puts - acked_gets - there
     assert len(lost) <= len(doubtful_gets), f"acknowledged puts lost: {len(lost)}"
     assert there <= acked_puts | unknown_puts | refused_puts
+
+
+# --- a reply read slowly is not an idle connection -------------------------------------------------------------
+@pytest.mark.slow
+def test_a_reply_read_slowly_past_the_idle_timeout_is_delivered_whole(fresh_redis: Any, tmp_path: Path) -> None:
+    """A client with a small receive window reads a 12 MiB message's reply at a few MiB a second, longer than the
+    member's idle timeout (1 s): a connection whose reply is being taken is not idle, and the reply arrives whole
+    (as the thread per connection, whose send times out only when the client takes nothing)."""
+    define_group(str(fresh_redis.url), queues=("Q0",))
+    Admin(connect(str(fresh_redis.url))).define_queue("BIG", "APP1", max_msg_length=16 * 2**20)
+    srv = start_server(str(fresh_redis.url), tmp_path, "QM1", "--idle-timeout", "1")
+    big = bytes(range(256)) * (12 * 2**12)
+    try:
+        with client(srv) as c:
+            c.put("BIG", big, syncpoint=False)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)  # before connect: a small window
+        sock.settimeout(10)
+        sock.connect(("127.0.0.1", srv.port))
+        r = Raw.__new__(Raw)
+        r.sock, r.ids = sock, 100
+        try:
+            assert r.login()["ok"]
+            send(r, "get", {"queue": "BIG", "syncpoint": False})
+            got = bytearray()
+            started = time.monotonic()
+            while True:
+                time.sleep(0.02)
+                chunk = sock.recv(64 * 1024)
+                if not chunk:
+                    break
+                got += chunk
+                if len(got) >= HEADER.size and len(got) >= HEADER.size + HEADER.unpack_from(got)[0]:
+                    break
+            took = time.monotonic() - started
+        finally:
+            r.close()
+        assert took > 1.0, f"the reply came in {took:.1f}s: not slowly enough to test the idle timeout"
+        (frame_length,) = HEADER.unpack_from(got)
+        whole = HEADER.size + frame_length
+        assert len(got) == whole, f"the reply was cut at {len(got)} of {whole} bytes"
+        assert decode_body(bytes(got[HEADER.size:]))["result"]["body"] == big
+    finally:
+        assert srv.stop() == 0, srv.log_text()
