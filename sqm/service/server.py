@@ -421,8 +421,12 @@ class SQMServer:
                 except MQError as e:
                     log.warning("%s: backing out the UOW of closed connection %d: %s", self.qm.name,
                                 session.number, e)
-            with contextlib.suppress(asyncio.CancelledError):
-                await loop.run_in_executor(session.executor, backout)
+            backed_out = loop.run_in_executor(session.executor, backout)
+            try:
+                await asyncio.shield(backed_out)
+            except asyncio.CancelledError:  # the shutdown: the backout still ends before its checkpoint
+                with contextlib.suppress(asyncio.CancelledError):
+                    await backed_out
         session.executor.shutdown(wait=False)
 
 

@@ -8,6 +8,7 @@ its force, loses no acknowledged message and applies no unacknowledged one once 
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import struct
 import threading
@@ -19,8 +20,10 @@ from typing import Any
 import pytest
 
 from cfemu.admin import Admin
+from cfemu.cf import CF
 from cfemu.connection import connect
 from cfemu.errors import LogFailedError, NoMessageError
+from sqm.log import LogReader
 from sqm.service.client import Client
 from sqm.service.protocol import HEADER, decode_body, encode_frame
 from tests.sqm.test_log_failure import start_member
@@ -529,3 +532,21 @@ def test_a_reply_read_slowly_past_the_idle_timeout_is_delivered_whole(fresh_redi
         assert decode_body(bytes(got[HEADER.size:]))["result"]["body"] == big
     finally:
         assert srv.stop() == 0, srv.log_text()
+
+
+def test_sigterm_backs_out_a_loop_connection_s_open_unit_of_work_before_its_checkpoint(
+        fresh_redis: Any, tmp_path: Path) -> None:
+    """A connection on the event loop holds a unit of work (a put under syncpoint, run by its thread) when the member
+    is told to stop (SIGTERM): the unit of work is backed out before the shutdown checkpoint, which is the log's
+    last record, and the member leaves nothing uncommitted on the CF (it leaves the group: no peer recovers it).
+    Run a few times: the backout raced the shutdown's cancellation of the connection's task."""
+    define_group(str(fresh_redis.url), queues=("Q1",))
+    cf = connect(str(fresh_redis.url))
+    for name in ("QMA", "QMB", "QMC", "QMD", "QME", "QMF"):
+        srv = start_server(str(fresh_redis.url), tmp_path, name)
+        with client(srv) as c:
+            c.put("Q1", b"in flight at shutdown")
+            assert srv.stop(signal.SIGTERM) == 0, srv.log_text()
+        records = [r for _, r in LogReader(tmp_path / "logs" / name).records()]
+        assert records[-1]["k"] == "CHECKPOINT", f"{name}: {[r['k'] for r in records[-3:]]}"
+        assert CF(cf).structure("APP1").depths()["Q1"]["UP"] == 0, f"{name} left an uncommitted put on the CF"
