@@ -354,11 +354,13 @@ class SQMServer:
         t = Together(requests, [None] * len(requests))
         calls: list[OnePut | OneGet] = []
         for k, (session, rid, op, args) in enumerate(requests):
+            started = time.perf_counter()
             try:
                 call = queue_ops.together(self, session, op, args)
-            except Exception as e:  # refused for its arguments: run and counted, as dispatch counts it
+            except Exception as e:  # refused for its arguments: run, counted and timed, as dispatch's are
                 session.served += 1
                 session.last_request = time.time()
+                self.op_seconds[op].observe(time.perf_counter() - started)
                 t.replies[k] = error_reply(rid, self._as_error(op, e), **session.flags())
                 continue
             if call is not None:

@@ -29,7 +29,7 @@ from sqm.service.protocol import HEADER, decode_body, encode_frame
 from tests.sqm.test_log_failure import start_member
 from tests.support.group import define_group
 from tests.support.killed_member import killed_by_failpoint
-from tests.support.service_proc import OP_TOKEN, TOKEN, Raw, ServerProc, start_server
+from tests.support.service_proc import OP_TOKEN, TOKEN, Raw, ServerProc, http_get, start_server
 
 QUEUES = ("E1", "E2", "E3", "E4", "E5")
 
@@ -291,6 +291,28 @@ def test_clients_that_vanish_mid_batch_leave_no_fd_thread_or_unit_of_work(server
     with client(server) as c:  # each vanished client's put is there at most once
         gone = [m.body for m in c.get_batch("E2", 500, commit=True) if m.body.startswith(b"gone-")]
     assert len(gone) == len(set(gone)), gone
+
+
+def _get_durations(srv: ServerProc) -> float:
+    """How many gets sqm_operation_duration_seconds has observed."""
+    status, text = http_get(srv.metrics_port, "/metrics")
+    assert status == 200
+    for line in text.splitlines():
+        if line.startswith("sqm_operation_duration_seconds_count{") and 'op="get"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_batched_request_refused_for_its_arguments_is_timed(server: ServerProc) -> None:
+    """sqm_operation_duration_seconds observes every request run, a batched one refused for its arguments (a get
+    with a bad wait) as the plain path's handler observes it (whether it returned or raised)."""
+    before = _get_durations(server)
+    r = raw(server)
+    try:
+        assert not r.request("get", {"queue": "E1", "syncpoint": False, "wait_ms": -1})["ok"]
+    finally:
+        r.close()
+    assert _get_durations(server) == before + 1
 
 
 def test_thread_per_connection_is_still_there(fresh_redis: Any, tmp_path: Path) -> None:
