@@ -175,8 +175,8 @@ class Lifecycles(Connection):
 
     def _alone(self, call: OneGet, uow: UnitOfWork, rec: Record, entry: Entry, message: Message) -> Outcome:
         """A get that took a message the batch does not commit with the others: a non-persistent one (nothing to
-        log), a poison one (moved to its backout queue, then the request is made again alone: None), or one whose
-        client has left (backed out: the message stays on its queue)."""
+        log), a poison one (moved to its backout queue, then the request is made again alone: None; backed out
+        when it cannot move), or one whose client has left (backed out: the message stays on its queue)."""
         qm = self.qm
         if entry.persistent:
             uow.persistent = True
@@ -188,7 +188,12 @@ class Lifecycles(Connection):
                 return ClientGoneError(f"the client left before a message from {call.queue} could be delivered")
             qdef = qm.queue_def(call.queue)
             if self._is_poison(qdef, entry):
-                self._move_to_backout_queue(qdef, entry, message.body, uow)
+                try:
+                    self._move_to_backout_queue(qdef, entry, message.body, uow)
+                except MQError as e:  # not moved: the message goes back to its queue (as Connection.get leaves it)
+                    with contextlib.suppress(MQError):  # what cannot be backed out now, recovery backs out
+                        qm.complete(uow, False)
+                    return e
                 qm.complete(uow, True)
                 return None
             qm.complete(uow, True, pstore_checked=True)

@@ -236,13 +236,13 @@ class Outcomes:
         ended: list[Record] = []
         done: list[UnitOfWork] = []
         for (d, i, u), reply in zip(todo, replies, strict=True):
-            self.counters["commits"] += 1
             if isinstance(reply, BaseException) or Structure.step_more(self.caller, reply):
-                try:
+                try:  # counted there
                     self._apply_decided(u, True, None, False)
                 except MQError as e:
                     d.errors[i] = e
                 continue
+            self.counters["commits"] += 1
             u.applied.update(u.structures)
             if self.store_report is not None:
                 self.store_report.outcome(u, True)

@@ -13,9 +13,11 @@ loop finishes its batch itself (one client pays no hand-off).
 A request of any other kind, a frame that is large or not whole yet, and a request the batch leaves to its own
 path go as before: the connection is handed to its own thread for that one request (sqm.service.transport,
 ``direct_step``, on the blocking socket), and comes back to the loop once its reply is sent. A reply the client
-does not take at once waits in the connection's own buffer (the socket is written when it can take more): a client
-that stops reading holds back only itself. A connection idle for the idle timeout is closed, as the direct path
-closes it.
+does not take at once waits in the connection's own buffer (the socket is written when it can take more, and not
+read meanwhile): a client that stops reading holds back only itself. The loop reads a connection no further ahead
+of the requests it runs than ``AHEAD`` bytes: a client that sends faster than its requests run is held back by its
+own socket, not buffered by the member. A connection idle for the idle timeout is closed, as the direct path
+closes it (one whose reply is being taken is not idle).
 """
 
 from __future__ import annotations
@@ -41,6 +43,10 @@ log = logging.getLogger("sqm.service.server")
 
 READ_CHUNK = 65536  # what one read of a ready connection asks for
 TURN_READ = 4 * READ_CHUNK  # the most one turn reads of one connection (the rest waits for the next turn)
+# The most of a connection's bytes the loop holds read and not yet run (at least one whole frame it runs): past it
+# the loop reads no more of that connection, and the client's own socket holds it back (TCP), as a connection's
+# thread does, which reads a request only once its previous reply is sent.
+AHEAD = TURN_READ
 
 
 class LoopHost(Protocol):
@@ -96,6 +102,7 @@ class BatchLoop:
                  request_stop: Callable[[int], None], free: int) -> None:
         self.host = host
         self.free = free  # a frame longer than this is read by the connection's thread, under the budget
+        self.ahead = max(AHEAD, HEADER.size + free)  # a whole frame the loop runs always fits
         self.aio = aio
         self.idle_timeout_s = idle_timeout_s
         self.request_stop = request_stop
@@ -252,7 +259,7 @@ class BatchLoop:
         """What the connection has, into its buffer; False when it ended (closed by its client or broken)."""
         got = 0
         try:
-            while got < TURN_READ:
+            while got < TURN_READ and len(conn.buf) < self.ahead:
                 chunk = conn.sock.recv(READ_CHUNK)
                 if not chunk:
                     conn.session.gone.set()
@@ -382,6 +389,7 @@ class BatchLoop:
             while conn.out:
                 n = conn.sock.send(conn.out)
                 del conn.out[:n]
+                conn.last = time.monotonic()  # a client taking its reply is not idle
         except (BlockingIOError, InterruptedError):
             pass
         except OSError as e:
@@ -394,12 +402,12 @@ class BatchLoop:
         return True
 
     def _flush(self, conn: _Conn) -> bool:
-        """In the loop: write what the client can take now, and wait to write the rest; False when the connection
-        ended."""
+        """In the loop: write what the client can take now, and wait to write the rest (reading nothing of the
+        connection meanwhile: its next request waits for this reply); False when the connection ended."""
         if not self._write(conn):
             self._end(conn)
             return False
-        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.out else 0)
+        events = selectors.EVENT_WRITE if conn.out else selectors.EVENT_READ
         with contextlib.suppress(KeyError, ValueError):
             if self._sel.get_key(conn.sock).events != events:
                 self._sel.modify(conn.sock, events, conn)

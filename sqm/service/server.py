@@ -354,9 +354,13 @@ class SQMServer:
         t = Together(requests, [None] * len(requests))
         calls: list[OnePut | OneGet] = []
         for k, (session, rid, op, args) in enumerate(requests):
+            started = time.perf_counter()
             try:
                 call = queue_ops.together(self, session, op, args)
-            except Exception as e:
+            except Exception as e:  # refused for its arguments: run, counted and timed, as dispatch's are
+                session.served += 1
+                session.last_request = time.time()
+                self.op_seconds[op].observe(time.perf_counter() - started)
                 t.replies[k] = error_reply(rid, self._as_error(op, e), **session.flags())
                 continue
             if call is not None:
@@ -419,8 +423,12 @@ class SQMServer:
                 except MQError as e:
                     log.warning("%s: backing out the UOW of closed connection %d: %s", self.qm.name,
                                 session.number, e)
-            with contextlib.suppress(asyncio.CancelledError):
-                await loop.run_in_executor(session.executor, backout)
+            backed_out = loop.run_in_executor(session.executor, backout)
+            try:
+                await asyncio.shield(backed_out)
+            except asyncio.CancelledError:  # the shutdown: the backout still ends before its checkpoint
+                with contextlib.suppress(asyncio.CancelledError):
+                    await backed_out
         session.executor.shutdown(wait=False)
 
 

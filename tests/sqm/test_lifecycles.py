@@ -11,7 +11,13 @@ import pytest
 
 from cfemu.admin import Admin
 from cfemu.embedded import EmbeddedRedis
-from cfemu.errors import BadRequestError, NoMessageError, StructureFullError, UnknownObjectError
+from cfemu.errors import (
+    BadRequestError,
+    NoMessageError,
+    OutcomePendingError,
+    StructureFullError,
+    UnknownObjectError,
+)
 from sqm.core.connection import Message, PutSpec
 from sqm.core.lifecycles import Lifecycles, OneGet, OnePut
 from tests.support.group import define_group, start_qm
@@ -73,4 +79,24 @@ def test_an_empty_batch_and_one_all_refused_force_nothing(redis_factory: Callabl
         assert qm.log.stats.fsyncs == fsyncs
         assert not qm.uows
     finally:
+        qm.stop()
+
+
+def test_a_commit_the_batch_leaves_to_its_own_path_is_counted_once(
+        redis_factory: Callable[..., EmbeddedRedis], tmp_path: Path) -> None:
+    """A batch's commit that its round trip cannot apply (the structure is being restored: RECOVERING) goes on by
+    complete's path, pending until the structure is back: one commit decided, counted once."""
+    srv = redis_factory()
+    client = define_group(srv.url, queues=("Q1",))
+    qm = start_qm(srv.url, tmp_path / "logs", "QM1", lease_ms=60_000, background=False)
+    try:
+        lifecycles = Lifecycles(qm)
+        begun = lifecycles.begin([OnePut(PutSpec("Q1", b"pending"))])
+        commits = qm.counters["commits"]
+        Admin(client).set_state("APP1", "RECOVERING")
+        lifecycles.finish([begun])
+        assert isinstance(begun.out[0], OutcomePendingError), begun.out
+        assert qm.counters["commits"] - commits == 1
+    finally:
+        Admin(client).set_state("APP1", "ACTIVE")
         qm.stop()
