@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import redis
 
 from cfemu.admin import Admin
 from cfemu.embedded import EmbeddedRedis
@@ -15,6 +16,7 @@ from cfemu.errors import (
     BadRequestError,
     NoMessageError,
     OutcomePendingError,
+    StructureFailedError,
     StructureFullError,
     UnknownObjectError,
 )
@@ -99,4 +101,37 @@ def test_a_commit_the_batch_leaves_to_its_own_path_is_counted_once(
         assert qm.counters["commits"] - commits == 1
     finally:
         Admin(client).set_state("APP1", "ACTIVE")
+        qm.stop()
+
+
+def test_a_batch_whose_checkpoint_fails_backs_out_every_call_and_answers_each(
+        redis_factory: Callable[..., EmbeddedRedis], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The LOGLOAD checkpoint that deciding the batch's commits takes first fails on a CF error (once: a blip),
+    after the batch's scripts ran: each unit of work is backed out (the message got stays on its queue, the put
+    vanishes) and each call hears the CF's failure, as its own call would."""
+    srv = redis_factory()
+    define_group(srv.url, queues=("Q1", "Q2"))
+    qm = start_qm(srv.url, tmp_path / "logs", "QM1", lease_ms=60_000, background=False)
+    try:
+        c = qm.connect()
+        c.put("Q2", b"stays", syncpoint=False)
+
+        checkpoint = qm.checkpoint
+        failed: list[str] = []
+
+        def checkpoint_fails_once(why: str) -> None:
+            if not failed:
+                failed.append(why)
+                raise redis.exceptions.ConnectionError("the CF went away during the checkpoint")
+            checkpoint(why)
+
+        monkeypatch.setattr(qm, "checkpoint", checkpoint_fails_once)
+        qm.activity = qm.config.logload  # the next decision takes a checkpoint first
+        out = Lifecycles(qm).run([OnePut(PutSpec("Q1", b"vanishes")), OneGet("Q2")])
+        assert all(isinstance(o, StructureFailedError) and "went away" in str(o) for o in out), out
+        assert not qm.uows  # none left open: nothing stays locked
+        assert failed == ["logload"]
+        assert not c.browse("Q1")
+        assert c.get("Q2", syncpoint=False).body == b"stays"
+    finally:
         qm.stop()
