@@ -4,6 +4,9 @@ commits, one fsync; what the batch leaves to the plain path is left untouched.""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -11,6 +14,7 @@ import pytest
 import redis
 
 from cfemu.admin import Admin
+from cfemu.connection import connect
 from cfemu.embedded import EmbeddedRedis
 from cfemu.errors import (
     BadRequestError,
@@ -20,8 +24,11 @@ from cfemu.errors import (
     StructureFullError,
     UnknownObjectError,
 )
+from sqm.core.config import QueueManagerConfig
 from sqm.core.connection import Message, PutSpec
 from sqm.core.lifecycles import Lifecycles, OneGet, OnePut
+from sqm.core.manager import QueueManager
+from sqm.wings import WINGS
 from tests.support.group import define_group, start_qm
 
 
@@ -133,5 +140,41 @@ def test_a_batch_whose_checkpoint_fails_backs_out_every_call_and_answers_each(
         assert failed == ["logload"]
         assert not c.browse("Q1")
         assert c.get("Q2", syncpoint=False).body == b"stays"
+    finally:
+        qm.stop()
+
+
+def test_commits_a_hung_cf_cannot_take_wait_pending_after_one_timeout_not_one_each(
+        redis_factory: Callable[..., EmbeddedRedis], tmp_path: Path) -> None:
+    """The CF stops answering (SIGSTOP) between a batch's scripts and its commits: the commits' round trip times
+    out once and every commit, on disk, waits pending (OutcomePendingError at once); none is made again alone,
+    each waiting out its own timeout. Once the CF answers again, the pending commits complete."""
+    srv = redis_factory()
+    define_group(srv.url, queues=("Q1",))
+    timeout_s = 1.0  # the CF socket's (30 s by default)
+    qm = QueueManager(QueueManagerConfig(name="QM1", log_root=tmp_path / "logs", redis_url=srv.url,
+                                         lease_ms=60_000, background=False),
+                      connect(srv.url, socket_timeout=timeout_s), wings=WINGS)
+    qm.start()
+    pid = srv.pid
+    assert pid is not None
+    n = 6
+    try:
+        lifecycles = Lifecycles(qm)
+        begun = lifecycles.begin([OnePut(PutSpec("Q1", b"m%d" % k)) for k in range(n)])
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            lifecycles.finish([begun])
+            took = time.monotonic() - started
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert all(isinstance(o, OutcomePendingError) for o in begun.out), begun.out
+        # one timeout (and cf_call's own retry at most), not one more per commit: n commits alone took > n timeouts
+        assert took < 3 * timeout_s, took
+        assert len(qm.pending) == n
+        assert qm.retry_pending() == n
+        c = qm.connect()
+        assert sorted(m.body for m in c.browse("Q1")) == [b"m%d" % k for k in range(n)]
     finally:
         qm.stop()
