@@ -93,8 +93,12 @@ class Lifecycles(Connection):
         except MQError as e:
             return Begun(calls, [e] * len(calls))
         todo: list[tuple[int, UnitOfWork, str, tuple[str, str, list[Any]], Entry | None]] = []
+        unreachable: MQError | None = None  # the CF did not answer a call's checks (a queue's definition)
         for i, call in enumerate(calls):
             uow: UnitOfWork | None = None
+            if unreachable is not None:  # the next call would wait for the same CF (a hung one: its timeout each)
+                out[i] = unreachable
+                continue
             try:
                 if isinstance(call, OnePut):
                     qdef, entry = self._new_entry(call.spec)
@@ -113,11 +117,22 @@ class Lifecycles(Connection):
             except Exception as e:  # refused before anything was sent: nothing to undo
                 if uow is not None:
                     qm.forget(uow)
-                out[i] = _as_mq_error(e)
+                failed = out[i] = _as_mq_error(e)
+                if isinstance(e, CF_DOWN) or getattr(e, "no_answer", False):
+                    unreachable = failed
+        if unreachable is not None:  # nothing was sent: the calls made ready hear it too, with nothing to undo
+            for i, uow, *_ in todo:
+                qm.forget(uow)
+                out[i] = unreachable
+            todo = []
         if not todo:
             return Begun(calls, out)
+        unanswered: MQError | None = None  # the round trip got no answer: what ran of it is unknown
         try:
             replies = self._batch_cf_call([t[1] for t in todo], [t[2] for t in todo], lambda k: todo[k][3], len(todo))
+        except StructureFailedError as e:
+            replies = [e] * len(todo)
+            unanswered = e if e.no_answer else None
         except MQError as e:
             replies = [e] * len(todo)
         except Exception as e:  # what ran is unknown: each unit of work can only be backed out (as no answer is)
@@ -125,6 +140,13 @@ class Lifecycles(Connection):
                 uow.structures.setdefault(sname, 0)
                 uow.doomed = uow.doomed or f"a batch of CF calls of it failed ({e})"
             replies = [_as_mq_error(e)] * len(todo)
+        if unanswered is not None:
+            # Each unit of work is backed out once the CF answers again: now, each backout would wait for the
+            # same CF in turn (a hung one: its full timeout each), and the whole batch with it.
+            for i, uow, *_ in todo:
+                qm.back_out_later(uow, unanswered)
+                out[i] = unanswered
+            return Begun(calls, out)
         together: list[tuple[int, UnitOfWork, Message]] = []
         try:
             logged = self._take(calls, todo, replies, out, together)

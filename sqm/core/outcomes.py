@@ -312,6 +312,16 @@ class Outcomes:
         return BackedOutError(f"unit of work {uow.id} is backed out: peer recovery fenced {self.name} before its "
                               f"commit was applied or logged ({e})")
 
+    def back_out_later(self, uow: UnitOfWork, why: BaseException) -> None:
+        """Back out, once the CF answers again (retry_pending), a unit of work in flight with no record in the log
+        whose CF calls got no answer (``why``: the CF unreachable): what complete's backout would come to after
+        its own wait for the same CF. A batch's units of work (sqm.core.lifecycles) go so, all at once, rather
+        than each waiting out its own timeout."""
+        assert uow.state == INFLIGHT and not uow.persistent, uow
+        uow.state = INBACKOUT
+        self._finish_later(uow, False, None, why)
+        self.counters["backouts"] += 1
+
     def _finish_later(self, uow: UnitOfWork, commit: bool, for_member: str | None, why: BaseException) -> None:
         log.warning("%s: %s of uow %s waits for the CF: %s", self.name, "commit" if commit else "backout", uow.id,
                     why)

@@ -151,11 +151,8 @@ def test_commits_a_hung_cf_cannot_take_wait_pending_after_one_timeout_not_one_ea
     each waiting out its own timeout. Once the CF answers again, the pending commits complete."""
     srv = redis_factory()
     define_group(srv.url, queues=("Q1",))
-    timeout_s = 1.0  # the CF socket's (30 s by default)
-    qm = QueueManager(QueueManagerConfig(name="QM1", log_root=tmp_path / "logs", redis_url=srv.url,
-                                         lease_ms=60_000, background=False),
-                      connect(srv.url, socket_timeout=timeout_s), wings=WINGS)
-    qm.start()
+    timeout_s = 1.0
+    qm = hung_cf_member(srv, tmp_path, timeout_s)
     pid = srv.pid
     assert pid is not None
     n = 6
@@ -178,3 +175,51 @@ def test_commits_a_hung_cf_cannot_take_wait_pending_after_one_timeout_not_one_ea
         assert sorted(m.body for m in c.browse("Q1")) == [b"m%d" % k for k in range(n)]
     finally:
         qm.stop()
+
+
+@pytest.mark.parametrize("known", [True, False], ids=["queues-known", "queue-to-look-up"])
+def test_a_batch_whose_scripts_a_hung_cf_does_not_answer_waits_one_timeout_not_one_each(
+        redis_factory: Callable[..., EmbeddedRedis], tmp_path: Path, known: bool) -> None:
+    """The CF stops answering (SIGSTOP) before a batch's scripts: their round trip (or the look-up of a queue the
+    member has not used yet) times out once and each call hears the CF's failure at once; each unit of work (what
+    ran of it is unknown) is backed out once the CF answers again (pending work), not now, one at a time, each
+    waiting out its own timeout. Nothing is left locked."""
+    srv = redis_factory()
+    define_group(srv.url, queues=("Q1", "Q2"))
+    timeout_s = 1.0
+    qm = hung_cf_member(srv, tmp_path, timeout_s)
+    pid = srv.pid
+    assert pid is not None
+    n = 6
+    try:
+        c = qm.connect()
+        for k in range(n // 2):
+            c.put("Q2", b"stays%d" % k, syncpoint=False)
+        if known:
+            assert not c.browse("Q1")  # its definition read
+        calls: list[OnePut | OneGet] = [OnePut(PutSpec("Q1", b"m%d" % k)) for k in range(n // 2)]
+        calls += [OneGet("Q2") for _ in range(n // 2)]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            out = Lifecycles(qm).run(calls)
+            took = time.monotonic() - started
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert all(isinstance(o, StructureFailedError) for o in out), out
+        assert took < 3 * timeout_s, took
+        qm.retry_pending()
+        assert not qm.uows and not qm.pending
+        assert not c.browse("Q1")
+        assert sorted(m.body for m in c.browse("Q2")) == [b"stays%d" % k for k in range(n // 2)]
+    finally:
+        qm.stop()
+
+
+def hung_cf_member(srv: EmbeddedRedis, tmp_path: Path, timeout_s: float) -> QueueManager:
+    """QM1 on srv, its CF socket timing out after timeout_s (30 s by default), no housekeeping thread."""
+    qm = QueueManager(QueueManagerConfig(name="QM1", log_root=tmp_path / "logs", redis_url=srv.url,
+                                         lease_ms=60_000, background=False),
+                      connect(srv.url, socket_timeout=timeout_s), wings=WINGS)
+    qm.start()
+    return qm
