@@ -21,13 +21,21 @@ from typing import Any
 
 from cfemu.cf import Structure
 from cfemu.entry import Entry
-from cfemu.errors import ClientGoneError, MQError, NoMessageError, OutcomePendingError
+from cfemu.errors import (
+    ClientGoneError,
+    MQError,
+    NoMessageError,
+    OutcomePendingError,
+    OutcomeUnknownError,
+    StructureFailedError,
+)
 from sqm.core import records
+from sqm.core.cfcall import CF_DOWN
 from sqm.core.client_watch import ClientWatch
 from sqm.core.clock import now_ms
 from sqm.core.connection import Connection, Message, PutSpec, QueueManagerPort
 from sqm.core.outcomes import Decided
-from sqm.core.records import Record
+from sqm.core.records import INFLIGHT, Record
 from sqm.core.uow import UnitOfWork
 
 
@@ -85,7 +93,12 @@ class Lifecycles(Connection):
         except MQError as e:
             return Begun(calls, [e] * len(calls))
         todo: list[tuple[int, UnitOfWork, str, tuple[str, str, list[Any]], Entry | None]] = []
+        unreachable: MQError | None = None  # the CF did not answer a call's checks (a queue's definition)
         for i, call in enumerate(calls):
+            uow: UnitOfWork | None = None
+            if unreachable is not None:  # the next call would wait for the same CF (a hung one: its timeout each)
+                out[i] = unreachable
+                continue
             try:
                 if isinstance(call, OnePut):
                     qdef, entry = self._new_entry(call.spec)
@@ -101,15 +114,54 @@ class Lifecycles(Connection):
                     todo.append((i, uow, qdef.structure, s.get_call(qm.caller, call.queue, uow=uow.id,
                                                                     now_ms=now_ms(), max_length=call.max_length),
                                  None))
-            except MQError as e:
-                out[i] = e
+            except Exception as e:  # refused before anything was sent: nothing to undo
+                if uow is not None:
+                    qm.forget(uow)
+                failed = out[i] = _as_mq_error(e)
+                if isinstance(e, CF_DOWN) or getattr(e, "no_answer", False):
+                    unreachable = failed
+        if unreachable is not None:  # nothing was sent: the calls made ready hear it too, with nothing to undo
+            for i, uow, *_ in todo:
+                qm.forget(uow)
+                out[i] = unreachable
+            todo = []
         if not todo:
             return Begun(calls, out)
+        unanswered: MQError | None = None  # the round trip got no answer: what ran of it is unknown
         try:
             replies = self._batch_cf_call([t[1] for t in todo], [t[2] for t in todo], lambda k: todo[k][3], len(todo))
+        except StructureFailedError as e:
+            replies = [e] * len(todo)
+            unanswered = e if e.no_answer else None
         except MQError as e:
             replies = [e] * len(todo)
+        except Exception as e:  # what ran is unknown: each unit of work can only be backed out (as no answer is)
+            for _, uow, sname, _, _ in todo:
+                uow.structures.setdefault(sname, 0)
+                uow.doomed = uow.doomed or f"a batch of CF calls of it failed ({e})"
+            replies = [_as_mq_error(e)] * len(todo)
+        if unanswered is not None:
+            # Each unit of work is backed out once the CF answers again: now, each backout would wait for the
+            # same CF in turn (a hung one: its full timeout each), and the whole batch with it.
+            for i, uow, *_ in todo:
+                qm.back_out_later(uow, unanswered)
+                out[i] = unanswered
+            return Begun(calls, out)
         together: list[tuple[int, UnitOfWork, Message]] = []
+        try:
+            logged = self._take(calls, todo, replies, out, together)
+            decided = qm.decide_many([u for _, u, _ in together], logged)
+        except Exception as e:  # the member cannot commit now (fenced, stopping, a checkpoint the CF refused)
+            self._undo(todo, out, e)
+            return Begun(calls, out)
+        return Begun(calls, out, together, decided)
+
+    def _take(self, calls: list[OnePut | OneGet],
+              todo: list[tuple[int, UnitOfWork, str, tuple[str, str, list[Any]], Entry | None]],
+              replies: list[Any], out: list[Outcome], together: list[tuple[int, UnitOfWork, Message]]) -> list[Record]:
+        """Each call's CF reply taken: a refusal its outcome, a call the batch commits into ``together`` with its
+        record (returned, in order), a get the batch does not commit finished alone."""
+        qm = self.qm
         logged: list[Record] = []
         for (i, uow, sname, _, made), raw in zip(todo, replies, strict=True):
             if isinstance(raw, BaseException):
@@ -148,15 +200,26 @@ class Lifecycles(Connection):
             logged.append(rec)
             qm.note_store(uow, rec)
             together.append((i, uow, message))
-        try:
-            decided = qm.decide_many([u for _, u, _ in together], logged)
-        except MQError as e:  # the member cannot commit now (fenced, stopping): none of them is decided
-            for i, uow, _ in together:
-                with contextlib.suppress(MQError):  # what cannot be backed out now, recovery backs out
-                    self._abandon(uow)
-                out[i] = e
-            return Begun(calls, out)
-        return Begun(calls, out, together, decided)
+        return logged
+
+    def _undo(self, todo: list[tuple[int, UnitOfWork, str, tuple[str, str, list[Any]], Entry | None]],
+              out: list[Outcome], e: Exception) -> None:
+        """The batch failed before its commits were decided: each call not answered yet whose unit of work is
+        still open is backed out (what cannot be backed out now, recovery backs out, as it would the plain path's)
+        and hears ``e``; one whose COMMIT was appended hears that its outcome is unknown (a force may take it)."""
+        qm = self.qm
+        failed = _as_mq_error(e)
+        for i, uow, *_ in todo:
+            if out[i] is not None or uow.id not in qm.uows:
+                continue  # answered already, or finished (a get that found nothing and may wait: the plain path's)
+            if uow.state != INFLIGHT:
+                out[i] = OutcomeUnknownError(f"unit of work {uow.id}: its COMMIT was appended when the batch "
+                                             f"failed ({failed}): committed if it reached the disk")
+                continue
+            uow.doomed = uow.doomed or f"its batch failed ({failed})"  # backed out even if it did nothing yet
+            with contextlib.suppress(Exception):  # what cannot be backed out now, recovery backs out
+                self._abandon(uow)
+            out[i] = failed
 
     def finish(self, batches: list[Begun]) -> None:
         """The second half of ``run`` for several begun batches together: every COMMIT forced by one fsync, their
@@ -203,6 +266,15 @@ class Lifecycles(Connection):
         except MQError as e:
             return e
         return message
+
+
+def _as_mq_error(e: Exception) -> MQError:
+    """What a call hears of what its batch raised (an MQError as it is; the CF unreachable: a failed structure)."""
+    if isinstance(e, MQError):
+        return e
+    if isinstance(e, CF_DOWN):
+        return StructureFailedError(f"the CF is unavailable: {e}")
+    return MQError(f"internal error: {type(e).__name__}: {e}")
 
 
 __all__ = ["Begun", "Lifecycles", "OneGet", "OnePut", "Outcome"]

@@ -213,7 +213,9 @@ class QueueManager(Outcomes, LogSpace):
             except AdminError:
                 raise self._not_in_cf(queue) from None
             except CF_DOWN as e:
-                raise StructureFailedError(f"the CF is unavailable: {e}") from None
+                failed = StructureFailedError(f"the CF is unavailable: {e}")
+                failed.no_answer = True
+                raise failed from None
             except PoolExhaustedError as e:
                 raise ResourceProblemError(f"queue manager {self.name}: {e}; raise --cf-connections") from None
             self._queue_cache[queue] = q

@@ -229,13 +229,24 @@ class Outcomes:
             (sname, gen), = u.structures.items()
             calls.append(self.structure(sname).commit_call(self.caller, u.id, gen=gen, lrsn=u.record_lrsn,
                                                            at=u.decided_lrsn))
+        unreachable: BaseException | None = None  # the CF did not answer the round trip
         try:
             replies: list[Any] = self.cf_call(lambda: self.cf.run_many(calls)) if calls else []
-        except (MQError, *CF_DOWN) as e:
+        except (StructureFailedError, *CF_DOWN) as e:
+            replies, unreachable = [e] * len(calls), e
+        except MQError as e:
             replies = [e] * len(calls)
         ended: list[Record] = []
         done: list[UnitOfWork] = []
         for (d, i, u), reply in zip(todo, replies, strict=True):
+            if unreachable is not None:
+                # Each commit is on disk and waits, pending, as complete's path leaves one the CF cannot take: made
+                # again one at a time now, each would wait for the same CF in turn (a hung one: its full timeout
+                # each), and every reply of the batch with them.
+                self._finish_later(u, True, None, unreachable)
+                d.errors[i] = self._commit_pending(u, unreachable)
+                self.counters["commits"] += 1
+                continue
             if isinstance(reply, BaseException) or Structure.step_more(self.caller, reply):
                 try:  # counted there
                     self._apply_decided(u, True, None, False)
@@ -300,6 +311,16 @@ class Outcomes:
                 f"structures ({rest}); its outcome there is not known here")
         return BackedOutError(f"unit of work {uow.id} is backed out: peer recovery fenced {self.name} before its "
                               f"commit was applied or logged ({e})")
+
+    def back_out_later(self, uow: UnitOfWork, why: BaseException) -> None:
+        """Back out, once the CF answers again (retry_pending), a unit of work in flight with no record in the log
+        whose CF calls got no answer (``why``: the CF unreachable): what complete's backout would come to after
+        its own wait for the same CF. A batch's units of work (sqm.core.lifecycles) go so, all at once, rather
+        than each waiting out its own timeout."""
+        assert uow.state == INFLIGHT and not uow.persistent, uow
+        uow.state = INBACKOUT
+        self._finish_later(uow, False, None, why)
+        self.counters["backouts"] += 1
 
     def _finish_later(self, uow: UnitOfWork, commit: bool, for_member: str | None, why: BaseException) -> None:
         log.warning("%s: %s of uow %s waits for the CF: %s", self.name, "commit" if commit else "backout", uow.id,

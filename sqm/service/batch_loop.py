@@ -47,6 +47,9 @@ TURN_READ = 4 * READ_CHUNK  # the most one turn reads of one connection (the res
 # the loop reads no more of that connection, and the client's own socket holds it back (TCP), as a connection's
 # thread does, which reads a request only once its previous reply is sent.
 AHEAD = TURN_READ
+# Turns failed in a row after which the loop gives up: its connections are closed and the transport serves new ones
+# by a thread each (a failure that repeats every turn would otherwise spin, and answer nobody).
+MAX_FAILED_TURNS = 20
 
 
 class LoopHost(Protocol):
@@ -118,6 +121,8 @@ class BatchLoop:
         # requests a connection's thread read and handed to the loop to run together (the next turn's batch)
         self._handed: list[tuple[_Conn, int, str, dict[str, Any]]] = []
         self._stopping = False
+        self._closed = False  # the loop's thread has ended (or is ending): it takes no connection more
+        self.failed = ""  # why the loop's thread ended, when it failed
         self.batches = 0  # batches run, and the requests they carried (their mean: how much arrived together)
         self.batched = 0
         # Batches begun by the loop, for the finisher (their force, their commits), which hands them back done.
@@ -130,14 +135,26 @@ class BatchLoop:
         self._finisher.start()
 
     # --- from other threads -------------------------------------------------------------------------------------
-    def add(self, session: Session, sock: socket.socket, buf: bytearray, ended: Callable[[], None]) -> None:
+    def add(self, session: Session, sock: socket.socket, buf: bytearray, ended: Callable[[], None]) -> bool:
         """Take an authenticated connection (its socket the loop's own from now on; buf: what was read past the
-        handshake); ``ended`` is called, from the loop's thread, once the loop is done with it."""
-        self._post("add", _Conn(session, sock, ended, buf))
+        handshake); ``ended`` is called, from the loop's thread, once the loop is done with it. False: the loop
+        has ended (``failed`` says why, when it failed), and the connection is still the caller's."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._inbox.append(("add", _Conn(session, sock, ended, buf)))
+        with contextlib.suppress(BlockingIOError, OSError):
+            self._wake_w.send(b"\0")
+        return True
 
     def _post(self, what: str, item: Any) -> None:
         with self._lock:
-            self._inbox.append((what, item))
+            if not self._closed:
+                self._inbox.append((what, item))
+                item = None
+        if item is not None:  # the loop has ended: nobody is left to take the connections back, they end here
+            self._end_without_loop(what, item)
+            return
         with contextlib.suppress(BlockingIOError, OSError):
             self._wake_w.send(b"\0")
 
@@ -178,39 +195,41 @@ class BatchLoop:
 
     def _complete(self, begun: list[tuple[Together, list[_Conn]]]) -> None:
         """Force and commit begun batches, then write their replies (in the finisher, or in the loop when it
-        began the only batch its connections can have)."""
+        began the only batch its connections can have). A failure to finish answers each request not answered
+        yet with its outcome unknown (a COMMIT may be on disk): every request hears something."""
         try:
             self.host.finish_together([t for t, _ in begun])
-            self._reply(begun)
         except Exception as e:  # never made again by another path: its outcome is not known
             log.exception("%s: finishing a batch failed", self.host.name)
             for t, _ in begun:
-                t.replies = [r or error_reply(req[1], OutcomeUnknownError(f"{req[2]}: {e}"))
-                             for r, req in zip(t.replies, t.requests, strict=True)]
+                _unknown(t, e)
+        self._reply(begun)
 
     # --- the loop's thread --------------------------------------------------------------------------------------
     def _run(self) -> None:
+        failures = 0  # turns failed in a row
+        ready: list[_Conn] = []
         try:
-            ready: list[_Conn] = []
             while not self._stopping:
-                timeout = 0.0 if ready or self._back or self._handed else self._next_idle()
-                for key, events in self._sel.select(timeout):
-                    if key.data is None:
-                        self._drain_wake()
-                        continue
-                    conn: _Conn = key.data
-                    if events & selectors.EVENT_WRITE and not self._flush(conn):
-                        continue
-                    if events & selectors.EVENT_READ and not self._read(conn):
-                        continue
-                    if conn not in ready:
-                        ready.append(conn)
-                back, self._back = self._back, []
-                ready = self._turn(ready + [c for c in back if c not in ready])
-                self._close_idle()
+                try:
+                    ready = self._once(ready)
+                    failures = 0
+                except Exception:  # the loop goes on: what that turn held is looked at again by the next
+                    failures += 1
+                    log.exception("%s: a turn of the service's event loop failed (%d in a row)", self.host.name,
+                                  failures)
+                    if failures >= MAX_FAILED_TURNS:
+                        raise
+                    self._back.extend(c for c in ready if c not in self._back)
+                    ready = []
+                    time.sleep(0.01 * failures)  # a failure that repeats does not spin
         except Exception:  # the loop must not die silently: its connections would hang
-            log.exception("%s: the service's event loop failed; its connections are closed", self.host.name)
+            self.failed = "its turns failed again and again (see the log)"
+            log.error("%s: the service's event loop ended: %s; its connections are closed and new ones are "
+                      "served by a thread each", self.host.name, self.failed)
         finally:
+            with self._lock:
+                self._closed = True  # add refuses from now on: the transport serves the connection itself
             self._drain_wake()  # the last batches' replies
             for conn in list(self._conns):
                 if not conn.away:
@@ -221,6 +240,25 @@ class BatchLoop:
             self._sel.close()
             self._wake_r.close()
             self._wake_w.close()
+
+    def _once(self, ready: list[_Conn]) -> list[_Conn]:
+        """One turn: read what the ready connections have, run what came, close the idle ones."""
+        timeout = 0.0 if ready or self._back or self._handed else self._next_idle()
+        for key, events in self._sel.select(timeout):
+            if key.data is None:
+                self._drain_wake()
+                continue
+            conn: _Conn = key.data
+            if events & selectors.EVENT_WRITE and not self._flush(conn):
+                continue
+            if events & selectors.EVENT_READ and not self._read(conn):
+                continue
+            if conn not in ready:
+                ready.append(conn)
+        back, self._back = self._back, []
+        ready = self._turn(ready + [c for c in back if c not in ready])
+        self._close_idle()
+        return ready
 
     def _drain_wake(self) -> None:
         with contextlib.suppress(BlockingIOError, OSError):
@@ -300,7 +338,13 @@ class BatchLoop:
                 continue
             body = bytes(conn.buf[HEADER.size:end])
             del conn.buf[:end]
-            request = self.host.loop_request(conn.session, body)
+            try:
+                request = self.host.loop_request(conn.session, body)
+            except Exception:  # that connection's failure alone: it ends (its client sees the close)
+                log.exception("%s: connection %d ended: its request could not be read", self.host.name,
+                              conn.session.number)
+                self._end(conn)
+                continue
             if isinstance(request, dict):
                 self._send(conn, encode_frame(request))
                 continue
@@ -320,7 +364,16 @@ class BatchLoop:
                     if not conn.away:  # else handed by its thread, out of the selector already
                         self._sel.unregister(conn.sock)
                     conn.away = True
-            t = self.host.begin_together([(c.session, rid, op, args) for c, rid, op, args in together])
+            requests = [(c.session, rid, op, args) for c, rid, op, args in together]
+            try:
+                t = self.host.begin_together(requests)
+            except Exception as e:  # that batch's failure alone: each of its requests hears it, the loop goes on
+                log.exception("%s: beginning a batch failed", self.host.name)
+                t = Together(requests, [None] * len(requests))
+                _unknown(t, e)  # its records may be appended: a later force can make them durable
+                self._reply([(t, conns)])
+                self._answer([(t, conns)])
+                return self._still_ready(ready)
             if not alone:
                 with self._lock:
                     alone = self._finisher_closed  # it stopped meanwhile
@@ -330,6 +383,9 @@ class BatchLoop:
             if alone:
                 self._complete([(t, conns)])
                 self._answer([(t, conns)])
+        return self._still_ready(ready)
+
+    def _still_ready(self, ready: list[_Conn]) -> list[_Conn]:
         return [c for c in ready if c in self._conns and not c.away and not c.out and self._whole(c)]
 
     def _reply(self, done: list[tuple[Together, list[_Conn]]]) -> None:
@@ -339,8 +395,25 @@ class BatchLoop:
         for t, conns in done:
             for conn, (_, rid, op, _), reply in zip(conns, t.requests, t.replies, strict=True):
                 if reply is not None:
-                    self._queue_reply(conn, self.host.finish(conn.session, rid, op, reply))
-                    self._write(conn)
+                    self._reply_one(conn, rid, op, reply)
+
+    def _reply_one(self, conn: _Conn, rid: int, op: str, reply: dict[str, Any]) -> None:
+        """Queue and write one reply; a reply that cannot be made is sent as an error saying its outcome is
+        unknown (its work may be done), and a connection that cannot take even that is ended by ``_answer``."""
+        try:
+            frame = self.host.finish(conn.session, rid, op, reply)
+        except Exception as e:
+            log.exception("%s: the reply to %s on connection %d could not be made", self.host.name, op,
+                          conn.session.number)
+            frame = encode_frame(error_reply(rid, OutcomeUnknownError(f"{op}: its reply could not be made: {e}")))
+        try:
+            self._queue_reply(conn, frame)
+        except Exception:  # nothing to say it with: the connection ends, and its client learns that
+            log.exception("%s: connection %d ended: its reply could not be queued", self.host.name,
+                          conn.session.number)
+            conn.session.gone.set()
+            return
+        self._write(conn)
 
     def _answer(self, done: list[tuple[Together, list[_Conn]]]) -> None:
         """Batches the finisher handed back: each connection back in the loop with the rest of its reply to write,
@@ -434,13 +507,25 @@ class BatchLoop:
                 if going is not True or self._stopping:
                     break
         finally:
-            if self._stopping:  # the loop is gone or going: the connection ends here
+            if self._stopping:  # the loop is going: the connection ends here
                 conn.sock.close()
                 conn.ended()
             elif isinstance(going, tuple):
                 self._post("handed", (conn, going))
             else:
                 self._post("back" if going else "end", conn)
+
+    @staticmethod
+    def _end_without_loop(what: str, item: Any) -> None:
+        if what == "done":
+            conns = [c for _, cs in item for c in cs]
+        elif what == "handed":
+            conns = [item[0]]
+        else:
+            conns = [item]
+        for conn in conns:
+            conn.sock.close()
+            conn.ended()
 
     def _end(self, conn: _Conn) -> None:
         with contextlib.suppress(KeyError, ValueError):
@@ -464,6 +549,12 @@ class BatchLoop:
         for conn in [c for c in self._conns if not c.away and now - c.last >= self.idle_timeout_s]:
             self.host.closed_idle(conn.session)
             self._end(conn)
+
+
+def _unknown(t: Together, e: BaseException) -> None:
+    """Every request of a batch not answered yet hears that its outcome is not known (``e`` says why)."""
+    t.replies = [r or error_reply(req[1], OutcomeUnknownError(f"{req[2]}: {e}"))
+                 for r, req in zip(t.replies, t.requests, strict=True)]
 
 
 __all__ = ["BatchLoop", "LoopHost"]

@@ -370,8 +370,8 @@ class SQMServer:
             t.started = time.perf_counter()
             try:
                 t.begun = self.lifecycles.begin(calls)
-            except Exception as e:  # each request hears it, as each would alone
-                t.begun = Begun(calls, [self._as_error("put", e)] * len(calls))
+            except Exception as e:  # each request hears it, as each would alone (named by its own operation)
+                t.begun = Begun(calls, [self._as_error(requests[k][2], e) for k in t.index])
         return t
 
     def finish_together(self, batches: list[Together]) -> None:

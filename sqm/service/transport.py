@@ -556,9 +556,13 @@ class Transport:
         if session.conn is not None:
             session.conn.gone = session.gone
         loop = asyncio.get_running_loop()
-        if self.config.event_loop:
-            await self._serve_on_loop(session, sock, leftover, loop)
+        if self.config.event_loop and await self._serve_on_loop(session, sock, leftover, loop):
             return
+        await self._serve_own_thread(session, sock, leftover, loop)
+
+    async def _serve_own_thread(self, session: Session, sock: socket.socket, leftover: bytearray,
+                               loop: asyncio.AbstractEventLoop) -> None:
+        """The connection served by its own thread until it ends."""
         sock.setblocking(True)
         self._direct[session.number] = sock
         try:
@@ -571,8 +575,9 @@ class Transport:
             self._direct.pop(session.number, None)
 
     async def _serve_on_loop(self, session: Session, sock: socket.socket, buf: bytearray,
-                             loop: asyncio.AbstractEventLoop) -> None:
-        """The connection joins the service's event loop (sqm.service.batch_loop) until it ends."""
+                             loop: asyncio.AbstractEventLoop) -> bool:
+        """The connection joins the service's event loop (sqm.service.batch_loop) until it ends; False when the
+        loop has ended (it failed: ``loop_counts`` says why), and the connection is served by its own thread."""
         set_kernel_timeout(sock, self.config.idle_timeout_s)  # while its thread has it, reading (the direct path)
         if self._batch is None:
             self._batch = BatchLoop(self, loop, self.config.idle_timeout_s, self.host.request_stop, FREE_FRAME)
@@ -581,13 +586,17 @@ class Transport:
         def end() -> None:
             loop.call_soon_threadsafe(lambda: None if ended.done() else ended.set_result(None))
 
-        self._batch.add(session, sock, buf, end)
+        if not self._batch.add(session, sock, buf, end):
+            return False
         await ended
+        return True
 
-    def loop_counts(self) -> dict[str, int]:
-        """The event loop's batches so far and the requests they carried (their ratio: how many ran together)."""
+    def loop_counts(self) -> dict[str, Any]:
+        """The event loop's batches so far and the requests they carried (their ratio: how many ran together),
+        and why it ended when it failed ("": it did not)."""
         b = self._batch
-        return {"batches": b.batches if b else 0, "batched_requests": b.batched if b else 0}
+        return {"batches": b.batches if b else 0, "batched_requests": b.batched if b else 0,
+                "failed": b.failed if b else ""}
 
     # --- what the event loop asks of the transport (sqm.service.batch_loop.LoopHost) ------------------------------
     @property

@@ -323,7 +323,7 @@ def test_thread_per_connection_is_still_there(fresh_redis: Any, tmp_path: Path) 
         with client(srv) as c:
             c.put("T1", b"alone", syncpoint=False)
             assert c.get("T1", syncpoint=False).body == b"alone"
-        assert loop_counts(srv) == {"on": False, "batches": 0, "batched_requests": 0}
+        assert loop_counts(srv) == {"on": False, "batches": 0, "batched_requests": 0, "failed": ""}
     finally:
         assert srv.stop() == 0, srv.log_text()
 

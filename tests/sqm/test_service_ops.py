@@ -193,3 +193,21 @@ def test_an_unknown_operation_is_refused_naming_the_table(server: SQMServer, exe
 def test_every_row_is_reachable_through_the_service_table() -> None:
     assert ops.OPERATIONS is OPERATIONS
     assert all(OPERATIONS[op.name] is op for op in OPERATIONS)
+
+
+def test_a_batch_that_fails_whole_names_each_request_s_own_operation(server: SQMServer,
+                                                                     executor: ThreadPoolExecutor) -> None:
+    """A batch of puts and gets run together (begin_together) that fails as a whole tells each request of its own
+    operation: the get hears "get", not the put's name."""
+    class Failing:
+        def begin(self, calls: Any) -> Any:
+            raise RuntimeError("the batch broke")
+
+    server.lifecycles = Failing()  # type: ignore[assignment]
+    session = session_of(APPLICATION, executor)
+    t = server.begin_together([(session, 1, "put", {"queue": "Q1", "body": b"x", "syncpoint": False}),
+                               (session, 2, "get", {"queue": "Q1", "syncpoint": False})])
+    assert t.begun is not None
+    errors = [e.args[0] for e in t.begun.out if e is not None]
+    assert errors[0].startswith("internal error in put: RuntimeError: the batch broke"), errors
+    assert errors[1].startswith("internal error in get: RuntimeError: the batch broke"), errors
