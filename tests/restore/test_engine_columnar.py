@@ -41,6 +41,18 @@ def columnar(backup: Backup, log_dirs: list[Path], replay_from: int, work: Path,
         assert list(work.iterdir()) == []  # the spill directory removed
 
 
+def planned(seed: int, steps: int, tmp_path: Path, **engine: Any) -> tuple[ColumnarPlan, tuple[Backup, list[Path], int]]:
+    """The columnar engine's plan (its tables open, to be read; close it after) of a simulated history, and what the
+    reference plans the same history from (its backup, log directories and replay point)."""
+    h = simulate(random.Random(seed), steps)
+    backup, log_dirs = write_history(h, tmp_path)
+    (tmp_path / "work").mkdir()
+    plan = ColumnarEngine(work_dir=tmp_path / "work", workers=1, **engine).plan(S, backup, log_dirs, h.replay_from,
+                                                                              NOW_MS)
+    assert isinstance(plan, ColumnarPlan)
+    return plan, (backup, log_dirs, h.replay_from)
+
+
 def test_the_columnar_engine_is_registered() -> None:
     assert "columnar" in engine_names()
     assert isinstance(get_engine("columnar", workers=1), ColumnarEngine)
@@ -107,14 +119,10 @@ def test_the_one_step_fold_agrees_with_the_fold(tmp_path: Path, monkeypatch: pyt
     # (both kept, to be counted after)
     monkeypatch.setattr(engine_columnar, "FINAL_SQL", engine_columnar.FINAL_SQL.replace("DROP TABLE quick;", ""))
     monkeypatch.setattr(engine_columnar, "PLAN_SQL", engine_columnar.PLAN_SQL.replace("DROP TABLE slow;", ""))
-    h = simulate(random.Random(5), 800)
-    backup, log_dirs = write_history(h, tmp_path)
-    (tmp_path / "work").mkdir()
-    plan = ColumnarEngine(work_dir=tmp_path / "work", workers=1).plan(S, backup, log_dirs, h.replay_from, NOW_MS)
+    plan, inputs = planned(5, 800, tmp_path)
     try:
-        assert isinstance(plan, ColumnarPlan)
         quick = dict(plan.con.execute("SELECT fate, count(*) FROM quick GROUP BY fate").fetchall())
-        ref = described(reference(backup, log_dirs, h.replay_from))
+        ref = described(reference(*inputs))
         assert described(plan) == ref
         # the event by event fold reads the events of the entries quick did not fold (slow), and only those
         slow = plan.con.execute("SELECT count(*), count(*) FILTER (WHERE eix IN (SELECT eix FROM quick)) FROM slow")
@@ -155,13 +163,8 @@ def test_duckdb_is_given_what_the_process_leaves_of_the_memory_limit(tmp_path: P
     """DuckDB gets half the limit, but under a small limit only what the process's own needs (its interpreter,
     the readers' chunks: PROCESS_MEMORY) leave, so that the whole process stays within the limit (at 1M messages
     within 512 MiB: BENCHMARKS.md); never less than the least DuckDB runs the plan in."""
-    h = simulate(random.Random(2), 30)
-    backup, log_dirs = write_history(h, tmp_path)
-    (tmp_path / "work").mkdir()
-    plan = ColumnarEngine(memory=memory, work_dir=tmp_path / "work", workers=1).plan(S, backup, log_dirs,
-                                                                                   h.replay_from, NOW_MS)
+    plan, _ = planned(2, 30, tmp_path, memory=memory)
     try:
-        assert isinstance(plan, ColumnarPlan)
         limit = plan.con.execute("SELECT current_setting('memory_limit')").fetchone()
         assert limit is not None and limit[0] == shown
     finally:
@@ -285,19 +288,15 @@ def test_the_plans_tables_are_narrow(tmp_path: Path, monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(engine_columnar, "PLAN_SQL", engine_columnar.PLAN_SQL.replace(  # kept apart to be read after
         "DROP TABLE eev;", "CREATE TABLE eev_columns AS SELECT * FROM eev LIMIT 0; DROP TABLE eev;").replace(
         "DROP TABLE r;", "CREATE TABLE r_roles AS SELECT DISTINCT role::VARCHAR AS role FROM r; DROP TABLE r;"))
-    h = simulate(random.Random(6), 200)
-    backup, log_dirs = write_history(h, tmp_path)
-    (tmp_path / "work").mkdir()
-    plan = ColumnarEngine(work_dir=tmp_path / "work", workers=1).plan(S, backup, log_dirs, h.replay_from, NOW_MS)
+    plan, inputs = planned(6, 200, tmp_path)
     try:
-        assert isinstance(plan, ColumnarPlan)
         types = {(t, c): d for t, c, d in plan.con.execute(
             "SELECT table_name, column_name, data_type FROM duckdb_columns()").fetchall()}
         assert types[("eev_columns", "k")] == types[("kinds", "k")] and types[("kinds", "k")].startswith("ENUM(")
         assert types[("eev_columns", "role")].startswith("ENUM(")
         assert "HUGEINT" not in {d for (t, _), d in types.items() if t in ("eev_columns", "members")}
         assert {role for (role,) in plan.con.execute("SELECT role FROM r_roles").fetchall()} == {"entry", "outcome"}
-        ref = reference(backup, log_dirs, h.replay_from)
+        ref = reference(*inputs)
         assert plan.records_by_member == ref.records_by_member and plan.in_commit == ref.in_commit
     finally:
         plan.close()

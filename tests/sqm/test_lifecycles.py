@@ -149,12 +149,7 @@ def test_commits_a_hung_cf_cannot_take_wait_pending_after_one_timeout_not_one_ea
     """The CF stops answering (SIGSTOP) between a batch's scripts and its commits: the commits' round trip times
     out once and every commit, on disk, waits pending (OutcomePendingError at once); none is made again alone,
     each waiting out its own timeout. Once the CF answers again, the pending commits complete."""
-    srv = redis_factory()
-    define_group(srv.url, queues=("Q1",))
-    timeout_s = 1.0
-    qm = hung_cf_member(srv, tmp_path, timeout_s)
-    pid = srv.pid
-    assert pid is not None
+    qm, pid = hung_cf_member(redis_factory, tmp_path, ("Q1",))
     n = 6
     try:
         lifecycles = Lifecycles(qm)
@@ -168,7 +163,7 @@ def test_commits_a_hung_cf_cannot_take_wait_pending_after_one_timeout_not_one_ea
             os.kill(pid, signal.SIGCONT)
         assert all(isinstance(o, OutcomePendingError) for o in begun.out), begun.out
         # one timeout (and cf_call's own retry at most), not one more per commit: n commits alone took > n timeouts
-        assert took < 3 * timeout_s, took
+        assert took < 3 * HUNG_TIMEOUT_S, took
         assert len(qm.pending) == n
         assert qm.retry_pending() == n
         c = qm.connect()
@@ -184,12 +179,7 @@ def test_a_batch_whose_scripts_a_hung_cf_does_not_answer_waits_one_timeout_not_o
     member has not used yet) times out once and each call hears the CF's failure at once; each unit of work (what
     ran of it is unknown) is backed out once the CF answers again (pending work), not now, one at a time, each
     waiting out its own timeout. Nothing is left locked."""
-    srv = redis_factory()
-    define_group(srv.url, queues=("Q1", "Q2"))
-    timeout_s = 1.0
-    qm = hung_cf_member(srv, tmp_path, timeout_s)
-    pid = srv.pid
-    assert pid is not None
+    qm, pid = hung_cf_member(redis_factory, tmp_path, ("Q1", "Q2"))
     n = 6
     try:
         c = qm.connect()
@@ -207,7 +197,7 @@ def test_a_batch_whose_scripts_a_hung_cf_does_not_answer_waits_one_timeout_not_o
         finally:
             os.kill(pid, signal.SIGCONT)
         assert all(isinstance(o, StructureFailedError) for o in out), out
-        assert took < 3 * timeout_s, took
+        assert took < 3 * HUNG_TIMEOUT_S, took
         qm.retry_pending()
         assert not qm.uows and not qm.pending
         assert not c.browse("Q1")
@@ -216,10 +206,18 @@ def test_a_batch_whose_scripts_a_hung_cf_does_not_answer_waits_one_timeout_not_o
         qm.stop()
 
 
-def hung_cf_member(srv: EmbeddedRedis, tmp_path: Path, timeout_s: float) -> QueueManager:
-    """QM1 on srv, its CF socket timing out after timeout_s (30 s by default), no housekeeping thread."""
+HUNG_TIMEOUT_S = 1.0  # the CF socket timeout of hung_cf_member's member (30 s by default)
+
+
+def hung_cf_member(redis_factory: Callable[..., EmbeddedRedis], tmp_path: Path,
+                   queues: tuple[str, ...]) -> tuple[QueueManager, int]:
+    """QM1 on a CF of its own that defines `queues`, its CF socket timing out after HUNG_TIMEOUT_S, no housekeeping
+    thread; and the CF's pid (to SIGSTOP it)."""
+    srv = redis_factory()
+    define_group(srv.url, queues=queues)
+    assert srv.pid is not None
     qm = QueueManager(QueueManagerConfig(name="QM1", log_root=tmp_path / "logs", redis_url=srv.url,
                                          lease_ms=60_000, background=False),
-                      connect(srv.url, socket_timeout=timeout_s), wings=WINGS)
+                      connect(srv.url, socket_timeout=HUNG_TIMEOUT_S), wings=WINGS)
     qm.start()
-    return qm
+    return qm, srv.pid

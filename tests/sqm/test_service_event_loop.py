@@ -29,6 +29,7 @@ from sqm.service.protocol import HEADER, decode_body, encode_frame
 from tests.sqm.test_log_failure import start_member
 from tests.support.group import define_group
 from tests.support.killed_member import killed_by_failpoint
+from tests.support.lifecycle_ledger import LifecycleLedger
 from tests.support.service_proc import OP_TOKEN, TOKEN, Raw, ServerProc, http_get, start_server
 
 QUEUES = ("E1", "E2", "E3", "E4", "E5")
@@ -389,34 +390,15 @@ def test_sigterm_with_batches_in_flight_answers_or_refuses_and_loses_nothing(fre
     requests whose outcome the clients did not hear."""
     define_group(str(fresh_redis.url), queues=("S1",))
     srv = start_server(str(fresh_redis.url), tmp_path, "QM1")
-    acked_puts: set[bytes] = set()
-    unknown_puts: set[bytes] = set()
-    acked_gets: set[bytes] = set()
-    doubtful_gets: list[int] = []
-    lock = threading.Lock()
+    ledger = LifecycleLedger()
     started = threading.Event()
 
     def lifecycles(k: int) -> None:
         with client(srv) as c:
             for n in range(100_000):
-                body = b"c%d-m%d" % (k, n)
-                try:
-                    c.put("S1", body, syncpoint=False)
-                except Exception:
-                    with lock:
-                        unknown_puts.add(body)
+                if not ledger.put(c, "S1", b"c%d-m%d" % (k, n)) or not ledger.get(c, "S1", wait_ms=5_000):
                     return
-                with lock:
-                    acked_puts.add(body)
-                try:
-                    got = c.get("S1", syncpoint=False, wait_ms=5_000).body
-                except Exception:
-                    with lock:
-                        doubtful_gets.append(k)
-                    return
-                with lock:
-                    acked_gets.add(got)
-                if len(acked_gets) > 200:
+                if len(ledger.acked_gets) > 200:
                     started.set()
 
     threads = [threading.Thread(target=lifecycles, args=(k,)) for k in range(10)]
@@ -434,12 +416,7 @@ def test_sigterm_with_batches_in_flight_answers_or_refuses_and_loses_nothing(fre
             left = [m.body for m in check.get_batch("S1", 1000, commit=True)]
     finally:
         assert again.stop() == 0, again.log_text()
-    there = set(left)
-    assert len(left) == len(there), left
-    assert not there & acked_gets, "an acknowledged get came back"
-    lost = acked_puts - acked_gets - there
-    assert len(lost) <= len(doubtful_gets), f"acknowledged puts lost: {sorted(lost)}"
-    assert there <= acked_puts | unknown_puts, "a message no client had acknowledged or had in doubt"
+    ledger.check(left)
 
 
 # --- the log fails under a batch ---------------------------------------------------------------------------------
@@ -453,12 +430,7 @@ def test_a_log_that_fails_under_batches_loses_no_acknowledged_lifecycle(fresh_re
     logs, ready = tmp_path / "logs", tmp_path / "QM2.ready"
     define_group(redis_url, queues=("LF",))
     proc = start_member(redis_url, logs, ready, limited=True)
-    acked_puts: set[bytes] = set()
-    refused_puts: set[bytes] = set()
-    unknown_puts: set[bytes] = set()
-    acked_gets: set[bytes] = set()
-    doubtful_gets: list[int] = []
-    lock = threading.Lock()
+    ledger = LifecycleLedger()
     try:
         port = json.loads(ready.read_text())["port"]
 
@@ -466,50 +438,28 @@ def test_a_log_that_fails_under_batches_loses_no_acknowledged_lifecycle(fresh_re
             with Client(("127.0.0.1", port), token=TOKEN, reconnect_timeout=1.0) as c:
                 for n in range(1000):
                     body = b"c%d-m%d-" % (k, n) + b"x" * 3000
-                    try:
-                        c.put("LF", body, syncpoint=False)
-                    except LogFailedError:
-                        with lock:
-                            refused_puts.add(body)
+                    if not ledger.put(c, "LF", body, refused=(LogFailedError,)) \
+                            or ledger.get(c, "LF", nothing=(NoMessageError,)) is False:
                         return
-                    except Exception:
-                        with lock:
-                            unknown_puts.add(body)
-                        return
-                    with lock:
-                        acked_puts.add(body)
-                    try:
-                        got = c.get("LF", syncpoint=False).body
-                    except NoMessageError:
-                        continue
-                    except Exception:
-                        with lock:
-                            doubtful_gets.append(k)
-                        return
-                    with lock:
-                        acked_gets.add(got)
 
         threads = [threading.Thread(target=lifecycles, args=(k,)) for k in range(8)]
         for th in threads:
             th.start()
         for th in threads:
             th.join(120)
-        assert acked_gets and (refused_puts or unknown_puts), "the log did not fail under the lifecycles"
+        assert ledger.acked_gets and (ledger.refused_puts or ledger.unknown_puts), \
+            "the log did not fail under the lifecycles"
         proc.kill()
         proc.wait(30)
         time.sleep(1.5)  # its lease lapses
         proc = start_member(redis_url, logs, ready, limited=False)
         with Client(("127.0.0.1", json.loads(ready.read_text())["port"]), token=TOKEN) as c:
-            there = {m.body for m in c.browse("LF", limit=10_000)}
+            there = [m.body for m in c.browse("LF", limit=10_000)]
     finally:
         if proc.poll() is None:
             proc.kill()
         proc.wait(timeout=10)
-    assert not there & acked_gets, "an acknowledged get's message came back"
-    assert not there & refused_puts, "a put told refused was delivered"
-    lost = acked_puts - acked_gets - there
-    assert len(lost) <= len(doubtful_gets), f"acknowledged puts lost: {len(lost)}"
-    assert there <= acked_puts | unknown_puts | refused_puts
+    ledger.check(there)
 
 
 # --- a reply read slowly is not an idle connection -------------------------------------------------------------
