@@ -118,13 +118,10 @@ def add_run_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
     p.add_argument("--slot-lease-ms", type=int, default=int(LEASE_S * 1000),
                    help="a request that holds its slot this long counts as waiting (on a slow CF, a lock), and a "
                         f"queued request takes the slot back (default {int(LEASE_S * 1000)})")
-    p.add_argument("--event-loop", action="store_true",
-                   help="serve authenticated plain connections by one event loop that runs the puts and gets outside "
-                        "syncpoint arriving together as one batch (one CF round trip, one fsync; docs/architecture.md): "
-                        "faster from 8 clients up, not yet the default (a known hang under CF losses)")
     p.add_argument("--thread-per-connection", action="store_true",
-                   help="serve each authenticated plain connection by its own thread, each request alone (the "
-                        "default; overrides --event-loop)")
+                   help="serve each authenticated plain connection by its own thread, each request alone, rather "
+                        "than by the event loop that runs the puts and gets outside syncpoint arriving together as "
+                        "one batch (one CF round trip, one fsync; docs/service.md)")
     p.add_argument("--logload", type=int, default=10000,
                    help="LOGLOAD: take a checkpoint every N log records (default 10000)")
     p.add_argument("--max-frame", type=int, default=DEFAULT_MAX_FRAME,
@@ -179,7 +176,7 @@ def cmd_run(args: argparse.Namespace, out: Output) -> int:
         metrics_port=args.metrics_port, metrics_host=args.metrics_host, rest_port=args.rest_port,
         rest_host=args.rest_host, rest_max_body=args.rest_max_body, lease_ms=args.lease_ms,
         cf_connections=args.cf_connections, request_slots=args.request_slots, slot_lease_ms=args.slot_lease_ms,
-        event_loop=args.event_loop and not args.thread_per_connection,
+        event_loop=not args.thread_per_connection,
         logload=args.logload, max_umsgs=max_umsgs, max_frame=args.max_frame, log_mode=args.log_mode, log_ring=args.log_ring,
         log_archive_dir=found.log_archive_dir, segment_bytes=max(4096, int(args.log_segment_mb * 2**20)),
         checkpoint_interval_s=args.checkpoint_interval, cpl_entries=args.cpl_entries,

@@ -66,10 +66,8 @@ class ServerConfig:
     request_slots: int = field(default_factory=default_slots)
     slot_lease_ms: int = int(LEASE_S * 1000)  # a request holding its slot this long counts as waiting
     # Authenticated plain connections served by one event loop that runs the puts and gets outside syncpoint that
-    # arrive together as one batch (sqm.service.batch_loop); False: each by its own thread (the direct loop). Off
-    # by default: the demo's workload through CF losses and member kills can leave a client waiting for good on it
-    # (docs/architecture.md, "Requests that arrive together run as one batch").
-    event_loop: bool = False
+    # arrive together as one batch (sqm.service.batch_loop); False: each by its own thread (the direct loop)
+    event_loop: bool = True
     logload: int = 10000  # LOGLOAD: a checkpoint every this many log records
     max_umsgs: int = DEFAULT_MAX_UMSGS  # MAXUMSGS: messages put and got in one unit of work (QueueManagerConfig)
     # Log management (sqm.core.manager.QueueManagerConfig, docs/log-management.md)

@@ -32,12 +32,11 @@ def limit_file_size() -> None:  # runs in the child before exec
     resource.setrlimit(resource.RLIMIT_FSIZE, (LOG_LIMIT, LOG_LIMIT))
 
 
-def start_member(redis_url: str, logs: Path, ready: Path, *, limited: bool,
-                 args: tuple[str, ...] = ()) -> subprocess.Popen[bytes]:
+def start_member(redis_url: str, logs: Path, ready: Path, *, limited: bool) -> subprocess.Popen[bytes]:
     ready.unlink(missing_ok=True)
     proc = subprocess.Popen(
         [sys.executable, "-m", "sqm.cli", "run", "--name", "QM2", "--port", "0", "--redis-url", redis_url,
-         "--log-root", str(logs), "--lease-ms", "1000", "--ready-file", str(ready), *args],
+         "--log-root", str(logs), "--lease-ms", "1000", "--ready-file", str(ready)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=limit_file_size if limited else None,
         env={**os.environ, **TOKENS_ENV})
     wait_until(lambda: ready.exists() or proc.poll() is not None, 60, "QM2 to start")

@@ -261,9 +261,9 @@ def test_a_get_queued_for_the_slot_whose_client_left_takes_nothing(slot1_kept: S
 
 def test_puts_and_gets_outside_syncpoint_on_the_event_loop_do_not_queue_for_a_slot(group: Any, tmp_path: Path) -> None:
     """The only slot held by a define waiting for the group repository's lock (for a minute: the lease): on the
-    event loop (--event-loop) a put and a get outside syncpoint run at once all the same, in a batch that takes no
+    event loop (the default) a put and a get outside syncpoint run at once all the same, in a batch that takes no
     slot, while a ping (a request of a connection's thread) waits for the slot."""
-    srv = one_slot_server(group, tmp_path, "--slot-lease-ms", "60000", "--event-loop")
+    srv = one_slot_server(group, tmp_path, "--slot-lease-ms", "60000")
     c, pinger = Client(srv.endpoint, token=TOKEN), Client(srv.endpoint, token=TOKEN)
     try:
         with slot_held_by_a_define(srv):

@@ -42,7 +42,7 @@ def server(redis_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Itera
     client.close()
     define_group(redis_server.url, queues=QUEUES)
     Admin(connect(redis_server.url)).ensure_structure("TINY", ("FULLQ",), max_entries=1)
-    srv = start_server(redis_server.url, tmp_path_factory.mktemp("loop"), "QM1", "--event-loop")
+    srv = start_server(redis_server.url, tmp_path_factory.mktemp("loop"), "QM1")
     yield srv
     assert srv.stop() == 0, srv.log_text()
 
@@ -365,7 +365,7 @@ def test_kill_9_inside_a_batch_loses_no_acknowledged_message(fresh_redis: Any, t
                 with lock:
                     acked_gets.add(got)
 
-    with killed_by_failpoint(str(fresh_redis.url), tmp_path, "K5", where, "--event-loop") as killed:
+    with killed_by_failpoint(str(fresh_redis.url), tmp_path, "K5", where) as killed:
         killed.run_clients(lifecycles, 12, join_timeout=180, what=f"the member was not killed at {where}")
         assert acked_gets, "no lifecycle was acknowledged before the kill"
         with client(killed.peer) as check:
@@ -389,7 +389,7 @@ def test_sigterm_with_batches_in_flight_answers_or_refuses_and_loses_nothing(fre
     after a restart the queue holds exactly the acknowledged puts no acknowledged get took, give or take the
     requests whose outcome the clients did not hear."""
     define_group(str(fresh_redis.url), queues=("S1",))
-    srv = start_server(str(fresh_redis.url), tmp_path, "QM1", "--event-loop")
+    srv = start_server(str(fresh_redis.url), tmp_path, "QM1")
     ledger = LifecycleLedger()
     started = threading.Event()
 
@@ -410,7 +410,7 @@ def test_sigterm_with_batches_in_flight_answers_or_refuses_and_loses_nothing(fre
     assert time.monotonic() - t0 < 15, "the member did not stop within its grace"
     for t in threads:
         t.join(timeout=30)
-    again = start_server(str(fresh_redis.url), tmp_path, "QM1", "--event-loop")
+    again = start_server(str(fresh_redis.url), tmp_path, "QM1")
     try:
         with client(again) as check:
             left = [m.body for m in check.get_batch("S1", 1000, commit=True)]
@@ -429,7 +429,7 @@ def test_a_log_that_fails_under_batches_loses_no_acknowledged_lifecycle(fresh_re
     redis_url = str(fresh_redis.url)
     logs, ready = tmp_path / "logs", tmp_path / "QM2.ready"
     define_group(redis_url, queues=("LF",))
-    proc = start_member(redis_url, logs, ready, limited=True, args=("--event-loop",))
+    proc = start_member(redis_url, logs, ready, limited=True)
     ledger = LifecycleLedger()
     try:
         port = json.loads(ready.read_text())["port"]
@@ -452,7 +452,7 @@ def test_a_log_that_fails_under_batches_loses_no_acknowledged_lifecycle(fresh_re
         proc.kill()
         proc.wait(30)
         time.sleep(1.5)  # its lease lapses
-        proc = start_member(redis_url, logs, ready, limited=False, args=("--event-loop",))
+        proc = start_member(redis_url, logs, ready, limited=False)
         with Client(("127.0.0.1", json.loads(ready.read_text())["port"]), token=TOKEN) as c:
             there = [m.body for m in c.browse("LF", limit=10_000)]
     finally:
@@ -470,7 +470,7 @@ def test_a_reply_read_slowly_past_the_idle_timeout_is_delivered_whole(fresh_redi
     (as the thread per connection, whose send times out only when the client takes nothing)."""
     define_group(str(fresh_redis.url), queues=("Q0",))
     Admin(connect(str(fresh_redis.url))).define_queue("BIG", "APP1", max_msg_length=16 * 2**20)
-    srv = start_server(str(fresh_redis.url), tmp_path, "QM1", "--event-loop", "--idle-timeout", "1")
+    srv = start_server(str(fresh_redis.url), tmp_path, "QM1", "--idle-timeout", "1")
     big = bytes(range(256)) * (12 * 2**12)
     try:
         with client(srv) as c:
@@ -515,7 +515,7 @@ def test_sigterm_backs_out_a_loop_connection_s_open_unit_of_work_before_its_chec
     define_group(str(fresh_redis.url), queues=("Q1",))
     cf = connect(str(fresh_redis.url))
     for name in ("QMA", "QMB", "QMC", "QMD", "QME", "QMF"):
-        srv = start_server(str(fresh_redis.url), tmp_path, name, "--event-loop")
+        srv = start_server(str(fresh_redis.url), tmp_path, name)
         with client(srv) as c:
             c.put("Q1", b"in flight at shutdown")
             assert srv.stop(signal.SIGTERM) == 0, srv.log_text()
