@@ -242,7 +242,10 @@ def test_an_idle_cf_gets_an_unpaced_backup_a_busy_one_a_paced_one(
     assert done[0] > 0
     pacing = busy["pacing"]
     assert pacing["pauses"] >= 10, pacing
-    assert pacing["paused_s"] > 0.5 * elapsed, (pacing, elapsed)  # it worked about a tenth of the time
+    # It pauses nine times what it measured itself working between two reads (share 0.1). On a loaded machine
+    # (the suite's workers on 2 cores) the process also waits for the CPU outside what it measures, so the pauses
+    # are a smaller part of the wall time than 0.9: 0.30-0.35 in two CI runs. An unpaced backup pauses not at all.
+    assert pacing["paused_s"] > 0.25 * elapsed, (pacing, elapsed)
     frames = list(read_backup(tmp_path / "bk" / "APP1" / busy["id"]).frames())
     assert sum(1 for _, w, _ in frames if w["q"] == "Q2") == 3000
 
