@@ -91,9 +91,11 @@ class Pacer:
             if self.loaded:
                 pause = min((now - self._resumed) * (1 - self.share) / self.share, self.max_pause_s)
                 if pause > 0:
+                    # The time it was away, not the time it asked for: a loaded machine wakes a sleeper late, and
+                    # the manifest says how long the backup held back.
                     self._sleep(pause)
                     self.stats.paused += 1
-                    self.stats.pause_s += pause
+                    self.stats.pause_s += self._clock() - now
         self._own += bulk.READ_COMMANDS
         self._resumed = self._clock()
 
