@@ -436,26 +436,24 @@ DROP TABLE qcommitted;
 CREATE TABLE slow AS SELECT eix, eid FROM ents ANTI JOIN quick USING (eix);
 DROP TABLE ents;
 CREATE TABLE folds AS SELECT eix, eid FROM slow ANTI JOIN (SELECT eid FROM best WHERE st = 'EX') USING (eid);
-CREATE TABLE evx AS
-SELECT f.eix, e.eid, e.l AS pos, e.rank, e.rid AS tie, e.k::VARCHAR AS kind, e.u AS eu, NULL::VARCHAR AS ok
-FROM eev e JOIN folds f USING (eid) WHERE e.role = 'entry' AND NOT e.copy;
-DROP TABLE eev;
 CREATE TABLE evd AS
-SELECT x.*, d.src AS d_src, d.rid AS d_rid, d.st AS d_st, d.u AS d_u, d.l AS d_l, d.o1 AS d_o1, d.o2 AS d_o2,
+SELECT f.eix, e.eid, e.l AS pos, e.rank, e.rid AS tie, e.k::VARCHAR AS kind, e.u AS eu, NULL::VARCHAR AS ok,
+       d.src AS d_src, d.rid AS d_rid, d.st AS d_st, d.u AS d_u, d.l AS d_l, d.o1 AS d_o1, d.o2 AS d_o2,
        d.bc AS d_bc
-FROM evx x LEFT JOIN descs d ON x.kind = 'PUT' AND d.src = 'P' AND d.rid = x.tie AND d.eid = x.eid;
-DROP TABLE evx;
+FROM eev e JOIN folds f USING (eid)
+LEFT JOIN descs d ON e.k = 'PUT' AND d.src = 'P' AND d.rid = e.rid AND d.eid = e.eid
+WHERE e.role = 'entry' AND NOT e.copy;
+DROP TABLE eev;
 CREATE TABLE evo AS
 SELECT f.eix, n.eid, CASE WHEN o.lrsn > coalesce(n.top, 0) THEN o.lrsn ELSE coalesce(n.top, 0) + 1 END AS pos,
        n.u, o.kind
 FROM named n JOIN folds f USING (eid) JOIN outc o USING (u) WHERE o.kind <> 'D';
 DROP TABLE named;
-CREATE TABLE evb AS
-SELECT x.eix, x.eid, x.u, od.rid FROM evo x JOIN odata od ON x.kind = 'B' AND od.u = x.u AND od.eid = x.eid;
 INSERT INTO evd
 SELECT x.eix, x.eid, x.pos, $OUTCOME_RANK, NULL, 'O', x.u, x.kind, d.src, d.rid, d.st, d.u, d.l, d.o1, d.o2, d.bc
-FROM evo x LEFT JOIN evb b USING (eix, u) LEFT JOIN descs d ON d.src = 'D' AND d.rid = b.rid AND d.eid = x.eid;
-DROP TABLE evo; DROP TABLE evb;
+FROM evo x LEFT JOIN odata od ON x.kind = 'B' AND od.u = x.u AND od.eid = x.eid
+LEFT JOIN descs d ON d.src = 'D' AND d.rid = od.rid AND d.eid = x.eid;
+DROP TABLE evo;
 CREATE TABLE evs AS
 SELECT eix, row_number() OVER (PARTITION BY eix ORDER BY pos, rank, tie, eu) AS ord, * EXCLUDE (eix) FROM evd;
 DROP TABLE evd;
