@@ -431,8 +431,8 @@ DROP TABLE qcommitted;
 -- LRSN and rank by rid: their merged-log order); `slow` holds the entries quick did not fold (a few, where quick
 -- holds most: joined by id, a smaller table to build), `folds` those of them whose best copy is not expired (an
 -- expired copy is not folded: its entry has no events). One or two joins a statement, as above: the events made
--- in one statement of eight joins and a window held about 50 MiB of hash tables whatever the history's size (each
--- join's partitions, one set per thread), against DuckDB's floor of 64 MiB (DUCKDB_MIN_MEMORY).
+-- in one statement of eight joins and a window held 54-68 MiB, mostly hash tables, whatever the history's size
+-- (each join's partitions, one set per thread), against DuckDB's floor of 64 MiB (DUCKDB_MIN_MEMORY).
 CREATE TABLE slow AS SELECT eix, eid FROM ents ANTI JOIN quick USING (eix);
 DROP TABLE ents;
 CREATE TABLE folds AS SELECT eix, eid FROM slow ANTI JOIN (SELECT eid FROM best WHERE st = 'EX') USING (eid);
