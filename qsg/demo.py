@@ -71,6 +71,7 @@ def demo_result(summary: dict[str, Any], events: list[dict[str, Any]]) -> dict[s
         "commits_after_restore": sum(1 for t in commit_times(events) if recovered is not None and t > recovered),
         "drained": summary["extra"].get("drained", 0),
         "fault_errors": summary["fault_errors"],
+        "stopped": summary["extra"].get("stopped", ""),  # why the run ended early (a structure left FAILED)
         **{k: findings.get(k, 0) for k in FINDING_KINDS},
         "findings": summary["finding_details"][:20],
         "report_dir": summary["report_dir"],
@@ -132,6 +133,8 @@ def cmd_demo(args: argparse.Namespace, out: Output) -> int:
         out.print(summary_table(result))
         if result["fault_errors"]:
             out.line(f"faults that failed: {'; '.join(result['fault_errors'])}")
+        if result["stopped"]:
+            out.line(f"the demo stopped early: {result['stopped']}")
     return 1 if failed(result) else 0
 
 

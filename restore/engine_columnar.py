@@ -111,6 +111,9 @@ ST, U, L, O1, O2, BC = 1, 2, 4, 8, 16, 32
 FIELDS = (("st", ST), ("u", U), ("l", L), ("o1", O1), ("o2", O2), ("bc", BC))
 # The redo steps of the fold's ENTRY kinds (settle.settle): a kind not here stops the plan.
 REDO_KINDS = ("PUT", "GET", "EXPIRE")
+# The types of a record's kind and role in the plan's tables: the registry's kinds and the roles as ENUMs, one byte
+# each where a string takes sixteen.
+KIND_ENUM, ROLE_ENUM = "record_kind", "record_role"
 RID_BITS = 36  # a scan's records get ids (job << RID_BITS) + i: distinct across scans, in order within one
 
 _PACK = msgpack.Packer(use_bin_type=True, unicode_errors="surrogateescape").pack
@@ -242,17 +245,24 @@ class _Readers:
 # place in the merged log), ev (entry id a record names), descs (a descriptor a row: "B" a backup copy, "P" a put's,
 # "R" a relog copy, "D" a copy an outcome record carries), base_uows (plan.Base.carried).
 
+# An entry's state before any event (the fold's start): its best copy b (or none), of which a copy that is expired
+# is not folded.
+BEST_STATE = """0::BIGINT AS ord, b.st, b.u, b.l, b.o1, b.o2, b.bc, b.src, b.rid, 0::BIGINT AS mask,
+       CASE WHEN b.st = 'EX' THEN 'expired' ELSE 'gone' END AS fate"""
+
 PLAN_SQL = """
 -- the readers' rows as the plan takes them: the records that matter for the structure (plan.relevant), each
 -- with what its kind's row says of it, then the entries each names (kind.entry_ids, once each, and of an outcome
 -- record the entries it carries of this structure, plan.restrict), then the descriptors (a backup's copy "B", a
 -- put's "P", a relog copy "R", a copy an outcome record carries "D": the last it carries of each entry)
--- the generation rule (plan.current_incarnation) as `kept`, and where each record lies in the merged log (`seq`):
--- by (LRSN, member, segment, offset), which is (LRSN, rid), since the readers number the records of each member's
--- log in order, the members' logs in the order of their names (ColumnarEngine._jobs): no sort needed
+-- the UOWs whose outcome is applied on the CF (their END records, each kept by the generation rule), and how many
+-- of those records each member logged (members, below): r holds the records the rest of the plan reads
+CREATE TABLE ended AS SELECT DISTINCT x.u FROM raw_recs x JOIN kinds kd USING (k) WHERE kd.role = 'end';
+CREATE TABLE ends AS SELECT x.m, count(*) AS n FROM raw_recs x JOIN kinds kd USING (k) WHERE kd.role = 'end' GROUP BY x.m;
+-- the generation rule (plan.current_incarnation) as `kept`
 CREATE TABLE r AS
-SELECT *, l::HUGEINT * 18446744073709551616 + rid AS seq,
-       ($G <= 0 OR coalesce(u IN (SELECT u FROM base_uows), false) OR role = 'end' OR gen IS NULL
+SELECT *,
+       ($G <= 0 OR coalesce(u IN (SELECT u FROM base_uows), false) OR gen IS NULL
         OR (gen = 0 AND role = 'outcome') OR (gen <> 0 AND gen >= $G)) AS kept
 FROM (
   SELECT x.rid, x.l, x.m, x.k, kd.role, x.u,
@@ -262,7 +272,7 @@ FROM (
          kd.descsrc
   FROM raw_recs x JOIN kinds kd USING (k)
   LEFT JOIN (SELECT rid, g FROM raw_ss WHERE s = $S) sg USING (rid)
-  WHERE (kd.role = 'entry' AND x.s = $S) OR kd.role IN ('outcome', 'end'));
+  WHERE (kd.role = 'entry' AND x.mine) OR kd.role = 'outcome');
 DROP TABLE raw_recs;
 CREATE TABLE ev AS
 SELECT DISTINCT e.rid, e.eid FROM raw_ev e JOIN r USING (rid)
@@ -286,9 +296,12 @@ DROP TABLE raw_descs;
 
 -- the UOWs a relog copy of this incarnation shows holding an entry: their older outcome records count
 CREATE TABLE holders AS SELECT DISTINCT holder AS u FROM r WHERE kept AND holder <> '';
+-- (each with where it lies in the merged log, `seq`: by (LRSN, member, segment, offset), which is (LRSN, rid), since
+-- the readers number the records of each member's log in order, the members' logs in the order of their names
+-- (ColumnarEngine._jobs): no sort needed)
 CREATE TABLE orecs AS
-SELECT * FROM r WHERE role = 'outcome' AND (kept OR u IN (SELECT u FROM holders));
-CREATE TABLE ended AS SELECT DISTINCT u FROM r WHERE kept AND role = 'end';
+SELECT *, l::HUGEINT * 18446744073709551616 + rid AS seq FROM r
+WHERE role = 'outcome' AND (kept OR u IN (SELECT u FROM holders));
 
 -- settle.decide_outcome: a decision that outranks the owner's (RECOVERY): its first by (LRSN, by) decides
 CREATE TABLE firsts AS
@@ -335,13 +348,20 @@ SELECT u, eid, rid FROM (
     SELECT o.u, e.eid, o.rid, 0, 0, '', -o.seq
     FROM own o JOIN ob USING (u) JOIN ev e ON e.rid = o.rid WHERE o.seq > ob.b))
 WHERE rn = 1;
+-- (each table is dropped after the last statement that reads it: DuckDB's share of a small memory limit goes to
+-- the statements that follow rather than to spilling what no statement reads again)
+DROP TABLE holders; DROP TABLE firsts; DROP TABLE oa; DROP TABLE own; DROP TABLE lastrec; DROP TABLE ob;
+DROP TABLE structs; DROP TABLE orecs;
 
 -- the records on each entry (plan_local's by_entry), and every entry (copied or named)
 CREATE TABLE eev AS
-SELECT e.eid, r.rid, r.seq, r.l, r.k, r.role, r.u, r.rank, r.copy, r.carries
+SELECT e.eid, r.rid, r.l, r.k, r.role, r.u, r.rank, r.copy, r.carries
 FROM ev e JOIN r USING (rid) WHERE r.kept;
 -- the records and their entry ids are not read past here: their memory goes to the statements that follow
-CREATE TABLE members AS SELECT m, count(*) AS n FROM r WHERE kept GROUP BY m;
+CREATE TABLE members AS
+SELECT m, sum(n)::BIGINT AS n FROM (SELECT m, count(*) AS n FROM r WHERE kept GROUP BY m UNION ALL SELECT m, n FROM ends)
+GROUP BY m;
+DROP TABLE ends;
 DROP TABLE ev;
 DROP TABLE r;
 -- (with what quick asks of each: how many records name it and how many backup copies it has, and of the one
@@ -363,7 +383,7 @@ SELECT eid, src, rid, st, u, l, o1, o2, bc FROM (
   SELECT *, row_number() OVER (PARTITION BY eid ORDER BY l DESC, grp, ord) AS rn FROM (
     SELECT eid, src, rid, st, u, l, o1, o2, bc, 0 AS grp, rid AS ord FROM descs WHERE src = 'B'
     UNION ALL
-    SELECT d.eid, d.src, d.rid, d.st, d.u, d.l, d.o1, d.o2, d.bc, 1, e.seq
+    SELECT d.eid, d.src, d.rid, d.st, d.u, d.l, d.o1, d.o2, d.bc, 1, e.l::HUGEINT * 18446744073709551616 + e.rid
     FROM eev e JOIN descs d ON d.src = 'R' AND d.rid = e.rid AND d.eid = e.eid WHERE e.copy))
 WHERE rn = 1;
 -- the UOWs each entry's fold needs (settle.uows_named), and the highest LRSN of each one's operations on it
@@ -408,38 +428,53 @@ DROP TABLE qcommitted;
 
 -- the events of each other entry (its records': PUT, GET, EXPIRE at their LRSN, by rank, and its UOWs' outcomes,
 -- never at or below the UOW's own operations on it), each with its place in the fold's order (records of one
--- LRSN and rank by rid: their merged-log order)
+-- LRSN and rank by rid: their merged-log order); `slow` holds the entries quick did not fold (a few, where quick
+-- holds most: joined by id, a smaller table to build), `folds` those of them whose best copy is not expired (an
+-- expired copy is not folded: its entry has no events). One or two joins a statement, as above: the events made
+-- in one statement of eight joins and a window held 54-68 MiB, mostly hash tables, whatever the history's size
+-- (each join's partitions, one set per thread), against DuckDB's floor of 64 MiB (DUCKDB_MIN_MEMORY).
+CREATE TABLE slow AS SELECT eix, eid FROM ents ANTI JOIN quick USING (eix);
+DROP TABLE ents;
+CREATE TABLE folds AS SELECT eix, eid FROM slow ANTI JOIN (SELECT eid FROM best WHERE st = 'EX') USING (eid);
+CREATE TABLE evd AS
+SELECT f.eix, e.eid, e.l AS pos, e.rank, e.rid AS tie, e.k::VARCHAR AS kind, e.u AS eu, NULL::VARCHAR AS ok,
+       d.src AS d_src, d.rid AS d_rid, d.st AS d_st, d.u AS d_u, d.l AS d_l, d.o1 AS d_o1, d.o2 AS d_o2,
+       d.bc AS d_bc
+FROM eev e JOIN folds f USING (eid)
+LEFT JOIN descs d ON e.k = 'PUT' AND d.src = 'P' AND d.rid = e.rid AND d.eid = e.eid
+WHERE e.role = 'entry' AND NOT e.copy;
+DROP TABLE eev;
+CREATE TABLE evo AS
+SELECT f.eix, n.eid, CASE WHEN o.lrsn > coalesce(n.top, 0) THEN o.lrsn ELSE coalesce(n.top, 0) + 1 END AS pos,
+       n.u, o.kind
+FROM named n JOIN folds f USING (eid) JOIN outc o USING (u) WHERE o.kind <> 'D';
+DROP TABLE named;
+INSERT INTO evd
+SELECT x.eix, x.eid, x.pos, $OUTCOME_RANK, NULL, 'O', x.u, x.kind, d.src, d.rid, d.st, d.u, d.l, d.o1, d.o2, d.bc
+FROM evo x LEFT JOIN odata od ON x.kind = 'B' AND od.u = x.u AND od.eid = x.eid
+LEFT JOIN descs d ON d.src = 'D' AND d.rid = od.rid AND d.eid = x.eid;
+DROP TABLE evo;
 CREATE TABLE evs AS
-SELECT n.eix, row_number() OVER w AS ord, x.* EXCLUDE (eid)
-FROM (
-  SELECT e.eid, e.l AS pos, e.rank, e.rid AS tie, e.k AS kind, e.u AS eu, NULL::VARCHAR AS ok,
-         d.src AS d_src, d.rid AS d_rid, d.st AS d_st, d.u AS d_u, d.l AS d_l, d.o1 AS d_o1, d.o2 AS d_o2,
-         d.bc AS d_bc
-  FROM eev e LEFT JOIN descs d ON e.k = 'PUT' AND d.src = 'P' AND d.rid = e.rid AND d.eid = e.eid
-  ANTI JOIN quick q ON q.eid = e.eid
-  WHERE e.role = 'entry' AND NOT e.copy
-  UNION ALL
-  SELECT n.eid, CASE WHEN o.lrsn > coalesce(n.top, 0) THEN o.lrsn ELSE coalesce(n.top, 0) + 1 END,
-         $OUTCOME_RANK, NULL, 'O', n.u, o.kind, d.src, d.rid, d.st, d.u, d.l, d.o1, d.o2, d.bc
-  FROM named n JOIN outc o USING (u)
-  LEFT JOIN odata od ON o.kind = 'B' AND od.u = n.u AND od.eid = n.eid
-  LEFT JOIN descs d ON d.src = 'D' AND d.rid = od.rid AND d.eid = n.eid
-  ANTI JOIN quick q ON q.eid = n.eid
-  WHERE o.kind <> 'D') x
-JOIN ents n USING (eid)
-WHERE n.eid NOT IN (SELECT eid FROM best WHERE st = 'EX')
-WINDOW w AS (PARTITION BY n.eix ORDER BY x.pos, x.rank, x.tie, x.eu);
+SELECT eix, row_number() OVER (PARTITION BY eix ORDER BY pos, rank, tie, eu) AS ord, * EXCLUDE (eix) FROM evd;
+DROP TABLE evd;
+DROP TABLE folds;
 
--- the fold (settle.settle): an entry no event names stays as its best copy is (a copy that is expired is not
--- folded), those folded in one step are as quick says, and the others are folded by FOLD_SQL, a range of them at
--- a time
-CREATE TABLE touched AS SELECT eix, max(ord) AS cnt FROM evs GROUP BY eix;
-CREATE TABLE folded AS
-SELECT n.eix, 0::BIGINT AS ord, b.st, b.u, b.l, b.o1, b.o2, b.bc, b.src, b.rid, 0::BIGINT AS mask,
-       CASE WHEN b.st = 'EX' THEN 'expired' ELSE 'gone' END AS fate
-FROM ents n LEFT JOIN best b USING (eid) ANTI JOIN touched t USING (eix) ANTI JOIN quick q USING (eix);
-INSERT INTO folded SELECT * EXCLUDE (eid) FROM quick;
-"""
+-- the fold (settle.settle): an entry no event names stays as its best copy is (still: a copy that is expired is
+-- not folded), those folded in one step are as quick says, and the others are folded by FOLD_SQL into folded, a
+-- range of them at a time; still and quick carry each entry's id, and touched the ids of those folded's hold, so
+-- that fin joins no state with ents for its entry's id
+CREATE TABLE touched AS SELECT eix, any_value(eid) AS eid, max(ord) AS cnt FROM evs GROUP BY eix;
+-- (and the state each of those starts from: its best copy, or none; made once here, not a range at a time)
+CREATE TABLE starts AS
+SELECT t.eix, t.eid, t.cnt, $BEST_STATE
+FROM touched t LEFT JOIN best b USING (eid);
+CREATE TABLE still AS
+SELECT n.eix, n.eid, $BEST_STATE
+FROM slow n LEFT JOIN best b USING (eid) ANTI JOIN touched t USING (eix);
+CREATE TABLE folded AS SELECT * EXCLUDE (eid) FROM still LIMIT 0;
+DROP TABLE best;
+DROP TABLE slow;
+""".replace("$BEST_STATE", BEST_STATE)  # bound here, where the others are bound by _run
 
 # The fold of the entries some event names, eix from $LO to below $HI (a range holds its entries' states and
 # events in memory, hence the ranges). settle.settle's transition (STEP_SQL) is applied to each entry's state once
@@ -502,12 +537,9 @@ FROM (
           SELECT *, st0 IS NOT NULL AND pos <= l0 AS skip FROM ($SOURCE))))))
 """
 
-# Each entry of the range with $WHICH events (a predicate on cnt), its state before its first event: its best
-# copy (or none).
+# Each entry of the range with $WHICH events (a predicate on cnt), its state before its first event (starts).
 START_SQL = """
-SELECT n.eix, 0::BIGINT AS ord, b.st, b.u, b.l, b.o1, b.o2, b.bc, b.src, b.rid, 0::BIGINT AS mask,
-       CASE WHEN b.st = 'EX' THEN 'expired' ELSE 'gone' END AS fate
-FROM ents n SEMI JOIN (SELECT eix FROM evs_range WHERE ord = 1 AND $WHICH) t USING (eix) LEFT JOIN best b USING (eid)
+SELECT * EXCLUDE (cnt, eid) FROM starts WHERE eix >= $LO AND eix < $HI AND $WHICH
 """
 
 FOLD_RANGE_SQL = """
@@ -557,7 +589,7 @@ FINAL_SQL = """
 -- (with where its base descriptor and data are, and for a committed put quick folded its put's backout count, its
 -- descriptor's, read here)
 CREATE TABLE fin AS
-SELECT f.eix, n.eid, f.st, f.u, f.l, f.o1, f.o2, coalesce(f.bc, d.bc) AS bc, f.src, f.rid, f.mask, d.s, d.q, d.p,
+SELECT f.eix, f.eid, f.st, f.u, f.l, f.o1, f.o2, coalesce(f.bc, d.bc) AS bc, f.src, f.rid, f.mask, d.s, d.q, d.p,
   d.f, d.boff, d.blen, d.doff, d.dlen,
   CASE WHEN f.st IS NULL THEN f.fate
        WHEN f.ord = 0 AND f.st = 'EX' THEN 'expired'
@@ -565,14 +597,21 @@ SELECT f.eix, n.eid, f.st, f.u, f.l, f.o1, f.o2, coalesce(f.bc, d.bc) AS bc, f.s
        WHEN d.exp > 0 AND d.exp <= $NOW THEN 'expired'
        WHEN suffix(d.q, $CONTROL_SUFFIX) THEN 'control'
        ELSE 'restored' END AS disp
-FROM folded f JOIN ents n USING (eix)
-LEFT JOIN descs d ON d.src = f.src AND d.rid = f.rid AND d.eid = n.eid;
+FROM (SELECT * FROM quick UNION ALL BY NAME SELECT * FROM still
+      UNION ALL BY NAME SELECT f.*, t.eid FROM folded f JOIN touched t USING (eix)) f
+LEFT JOIN descs d ON d.src = f.src AND d.rid = f.rid AND d.eid = f.eid;
+DROP TABLE quick; DROP TABLE still; DROP TABLE folded; DROP TABLE starts; DROP TABLE touched; DROP TABLE evs;
+DROP TABLE IF EXISTS evs_range; DROP TABLE IF EXISTS fs;
+-- of the descriptors, the plan's outcomes (SqlOutcomes) read those outcome records carry ("D") from here on
+CREATE TABLE carried AS SELECT * FROM descs WHERE src = 'D';
+DROP TABLE descs;
+ALTER TABLE carried RENAME TO descs;
 """
 
 # The survivors in the CF's order (settle.load_key), each with its base descriptor and data.
 SURVIVORS_SQL = """
-SELECT f.eid, f.disp, f.s, f.st, f.u, f.l, f.o1, f.o2, f.bc, f.mask, f.src, f.f, f.boff, f.blen, f.doff, f.dlen,
-       c.blob, c.data
+SELECT f.eid, f.disp, f.s, f.st, f.u, f.l, f.o1, f.o2, f.bc, f.mask, f.src, f.f::BIGINT AS f, f.boff,
+       f.blen::BIGINT AS blen, f.doff, f.dlen::BIGINT AS dlen, c.blob, c.data
 FROM fin f LEFT JOIN ctl c ON c.eix = f.eix
 WHERE f.disp IN ('restored', 'in-doubt')
 ORDER BY f.q, CASE f.st WHEN 'CP' THEN 0 WHEN 'UP' THEN 1 ELSE 2 END,
@@ -603,12 +642,15 @@ def _entry(desc: bytes, src: str, mask: int, row: tuple[Any, ...]) -> dict[str, 
     return entry
 
 
+def _literal(value: str | int) -> str:
+    """A string quoted as SQL spells it, a number as itself."""
+    return "'" + value.replace("'", "''") + "'" if isinstance(value, str) else str(int(value))
+
+
 def _bind(sql: str, params: Mapping[str, Any]) -> str:
     """The statements with their $-names replaced by literals (numbers, and strings quoted)."""
     for name in sorted(params, key=len, reverse=True):
-        value = params[name]
-        text = "'" + value.replace("'", "''") + "'" if isinstance(value, str) else str(int(value))
-        sql = sql.replace(f"${name}", text)
+        sql = sql.replace(f"${name}", _literal(params[name]))
     return sql
 
 
@@ -783,8 +825,9 @@ class ColumnarEngine:
         cpu0 = time.process_time()
         con = self._connect(spill)
         try:
+            raw = raw_columns(structure)
             for name, schema in TABLES.items():
-                con.from_arrow(schema.empty_table()).create(f"raw_{name}")
+                con.from_arrow(schema.empty_table()).project(raw[name]).create(f"raw_{name}")
             sources: dict[int, Source] = {}
             max_lrsn = 0
             jobs = self._jobs(backup, log_dirs, replay_from)
@@ -794,7 +837,7 @@ class ColumnarEngine:
             # The backup's files and the logs are read side by side; progress shows the backup's reading, then the
             # logs' (those read meanwhile counted): one phase after the other, as every engine shows them.
             backup_left = len(jobs) - n_logs
-            with _Streams(con) as streams:
+            with _Streams(con, raw) as streams:
                 if on_disk is None:  # copies from elsewhere (a test's, or a base with no files)
                     total = manifest.get("entries")
                     n = len(jobs)
@@ -838,9 +881,9 @@ class ColumnarEngine:
             base = base_of({"gen": int(manifest.get("gen", 0) or 0), "carried": manifest.get("carried", ()),
                             "end_lrsn": base_lrsn(manifest), "uows": list(manifest.get("uows") or ())}, held_by)
             unknown = con.execute(
-                "SELECT DISTINCT x.k FROM raw_recs x JOIN kinds kd USING (k) WHERE kd.role = 'entry' AND NOT kd.copy "
-                "AND x.s = ? AND x.k NOT IN (SELECT unnest(?::VARCHAR[])) ORDER BY 1",
-                [structure, list(REDO_KINDS)]).fetchall()
+                "SELECT DISTINCT x.k::VARCHAR FROM raw_recs x JOIN kinds kd USING (k) WHERE kd.role = 'entry' AND NOT "
+                "kd.copy AND x.mine AND x.k::VARCHAR NOT IN (SELECT unnest(?::VARCHAR[])) ORDER BY 1",
+                [list(REDO_KINDS)]).fetchall()
             if unknown:
                 raise ValueError(f"restore's fold has no redo step for {unknown[0][0]} records")
             restore_lrsn = restore_lrsn_above(max_lrsn, base)
@@ -868,7 +911,11 @@ class ColumnarEngine:
         con.execute(f"SET temp_directory = '{tmp}'")
         con.execute(f"SET threads = {self.workers}")
         con.execute("SET preserve_insertion_order = false")
-        con.from_arrow(kinds_table()).create("kinds")
+        kinds = kinds_table()
+        for enum, values in ((KIND_ENUM, kinds["k"].to_pylist()), (ROLE_ENUM, [r.value for r in Role])):
+            con.execute(f"CREATE TYPE {enum} AS ENUM ({', '.join(_literal(v) for v in values)})")
+        con.from_arrow(kinds).project(f"* REPLACE (k::{KIND_ENUM} AS k, role::{ROLE_ENUM} AS role, "
+                                      "idsrc::TINYINT AS idsrc, descsrc::TINYINT AS descsrc)").create("kinds")
         return con
 
 
@@ -876,7 +923,11 @@ class ColumnarEngine:
 # (about 125 MiB), the readers' chunks and the Arrow tables queued for DuckDB (about 80 MiB), and what the
 # allocators keep of them (BENCHMARKS.md, "The columnar engine holds its memory limit").
 PROCESS_MEMORY = 320 << 20
-DUCKDB_MIN_MEMORY = 64 << 20  # less than this and DuckDB cannot run the plan's larger statements at all
+# The least DuckDB is given. Under a small history a statement's peak is mostly its hash tables' fixed partitions,
+# per join and per thread (about 22 MiB for the largest statements at three threads, whatever the history's size:
+# one or two joins a statement, PLAN_SQL); the floor holds twice that, since which threads take partitions varies
+# from run to run (test_the_plan_holds_at_duckdbs_floor_with_a_margin_of_two).
+DUCKDB_MIN_MEMORY = 64 << 20
 
 
 def duckdb_memory_for(memory: int) -> int:
@@ -890,6 +941,18 @@ def fold_rows_for(memory: int) -> int:
     """How many entries the recursive fold takes at a time: about 2 KiB of DuckDB's memory (duckdb_memory_for) an
     entry, the recursion's state and its hash tables (BENCHMARKS.md, "The columnar engine")."""
     return max(1_000, duckdb_memory_for(memory) // 2048)
+
+
+def raw_columns(structure: str) -> dict[str, str]:
+    """What the plan keeps of each reader table (restore.columns.TABLES), as a select list over it: the columns its
+    statements read, a record's kind as an ENUM of the registry's kinds (one byte, not a string: every statement
+    over the records joins or compares it), and whether an entry record's structure is the one restored (`mine`)
+    instead of its name. Narrow tables are what lets DuckDB keep them within its share of the memory limit rather
+    than spill them (BENCHMARKS.md, "The plan's tables narrowed")."""
+    return {"recs": f"rid, l, TRY_CAST(k AS {KIND_ENUM}) AS k, u, s = {_literal(structure)} AS mine, g, \"at\", o, \"by\", eu, m",
+            "ss": "rid, s, g", "ev": "rid, src::TINYINT AS src, eid, dds",
+            "descs": "rid, src::TINYINT AS src, pos::INTEGER AS pos, eid, s, q, p, exp, st, u, l, o1, o2, bc, boff, "
+                     "blen::INTEGER AS blen, doff, dlen::INTEGER AS dlen, f::INTEGER AS f"}
 
 
 def _on_disk(backup: BackupSource) -> Backup | None:
@@ -909,7 +972,8 @@ class _Streams:
 
     DEPTH = 4
 
-    def __init__(self, con: duckdb.DuckDBPyConnection) -> None:
+    def __init__(self, con: duckdb.DuckDBPyConnection, columns: Mapping[str, str]) -> None:
+        self.columns = columns
         self.queues: dict[str, queue.Queue[pa.Table | None]] = {n: queue.Queue(maxsize=self.DEPTH) for n in TABLES}
         self.failure: BaseException | None = None
         self.threads = [threading.Thread(target=self._insert, args=(con.cursor(), name), name=f"restore-insert-{name}",
@@ -922,7 +986,7 @@ class _Streams:
     def _insert(self, cur: duckdb.DuckDBPyConnection, name: str) -> None:
         try:
             cur.register(f"stream_{name}", pa.RecordBatchReader.from_batches(TABLES[name], self._batches(name)))
-            cur.execute(f"INSERT INTO raw_{name} SELECT * FROM stream_{name}")
+            cur.execute(f"INSERT INTO raw_{name} SELECT {self.columns[name]} FROM stream_{name}")
         except BaseException as e:  # raised by put() and __exit__
             self.failure = self.failure or e
             while self.queues[name].get() is not None:  # what is still handed over goes nowhere

@@ -30,6 +30,7 @@ from qsg.chaos.faults import (
     FaultError,
     FaultSpec,
     after_heal,
+    failed_structures,
     reconnect_pstores,
     restore_all,
     schedule,
@@ -102,11 +103,13 @@ class FaultRecord:
     unavailable: str = ""
     serving: dict[str, float | None] = field(default_factory=dict)  # member -> seconds from heal to serving again
     serve_bound_s: float | None = None
+    failed_structures: list[str] = field(default_factory=list)  # left FAILED by the fault (its restore failed)
 
     def to_json(self) -> dict[str, Any]:
         return {**self.spec.to_json(), "started": self.started, "recovered": self.recovered,
                 "service_s": self.service_s, "timings": self.timings, "error": self.error,
-                "unavailable": self.unavailable, "serving": self.serving, "serve_bound_s": self.serve_bound_s}
+                "unavailable": self.unavailable, "serving": self.serving, "serve_bound_s": self.serve_bound_s,
+                "failed_structures": self.failed_structures}
 
 
 def _execute(group: ChaosGroup, history: History, spec: FaultSpec, bound_s: float) -> FaultRecord:
@@ -144,6 +147,15 @@ def _execute(group: ChaosGroup, history: History, spec: FaultSpec, bound_s: floa
         log.exception("fault %d (%s) failed", spec.n, spec.kind)
         rec.error = f"{type(e).__name__}: {e}"
         history.fault("error", fault=spec.n, kind=spec.kind, error=rec.error)
+    # A fault that failed may have left a structure FAILED (its restore failed): nothing brings it back, no member
+    # serves its queues, so the run waits for no service that cannot come; it ends after this fault (run_chaos).
+    rec.failed_structures = failed_structures(group) if rec.error else []
+    if rec.failed_structures:
+        rec.error += f" (structures left FAILED: {', '.join(rec.failed_structures)}; the run stops here)"
+        history.fault("error", fault=spec.n, kind=spec.kind, error=rec.error,
+                      failed_structures=rec.failed_structures)
+        watch.stop()
+        return rec
     # Healed, then every SQM must serve. One can still go down just after its probe passed (fenced a moment after
     # its link healed, the lease having lapsed during the fault): heal again, as an operator would.
     deadline = time.monotonic() + 90.0
@@ -227,6 +239,11 @@ def resolve_in_doubt(group: ChaosGroup, coordinator: Coordinator) -> dict[str, i
             "still in doubt": left}
 
 
+# A queue whose every get fails for this long is left as it is (its structure lost for good, say): the drain goes
+# on to the next queue rather than wait for good, and what the queue still holds the checker counts.
+DRAIN_REFUSED_S = 60.0
+
+
 def drain(group: ChaosGroup, history: History) -> int:
     """Get every message off every workload queue, outside syncpoint, each get in the history (op drain)."""
 
@@ -234,6 +251,7 @@ def drain(group: ChaosGroup, history: History) -> int:
     eps = list(group.direct.values())
     with Client(eps, token=group.c.token, client_name="drain", request_timeout=30.0) as c:
         for q in DRAINED:
+            failing_since: float | None = None
             while True:
                 op = history.invoke("drain", "drain", queue=q)
                 try:
@@ -248,8 +266,13 @@ def drain(group: ChaosGroup, history: History) -> int:
                     continue
                 except MQError as e:
                     history.complete(op, FAIL, reason=e.reason_name, detail=str(e)[:200])
+                    failing_since = failing_since or time.monotonic()
+                    if time.monotonic() - failing_since > DRAIN_REFUSED_S:  # the checker counts what is left
+                        history.note(what="drain gave up", queue=q, reason=e.reason_name, seconds=DRAIN_REFUSED_S)
+                        break
                     time.sleep(0.5)
                     continue
+                failing_since = None
                 history.complete(op, OK, **delivery_fields(m, c.qmgr))
                 n += 1
     return n
@@ -299,6 +322,21 @@ def settled_leftovers(look: Callable[[], dict[str, dict[str, int]]], settle_s: f
         time.sleep(interval_s)
 
 
+def heal_and_drain(group: ChaosGroup, history: History, coordinator: Coordinator, extra: dict[str, Any],
+                   bar: Progress) -> None:
+    """The run's end: heal, every member serving, what is in doubt resolved, every queue drained, what is left."""
+    task = bar.add_task("heal, resolve in-doubt, drain", total=None, info="")
+    heal(group, history)
+    extra["service after healing"] = group.wait_service(timeout=90.0) is not None
+    extra["in doubt"] = resolve_in_doubt(group, coordinator)
+    extra["drained"] = drain(group, history)
+    extra["service"] = drain_service(history, list(group.direct.values()), group.c.token)
+    extra["topic"] = drain_subscribers(history, list(group.direct.values()), group.c.token)
+    extra["left in the structures"] = leftovers(group)
+    history.note(what="drained", **{k: v for k, v in extra.items() if k != "in doubt"})
+    bar.update(task, total=1, completed=1, info=f"{extra['drained']} drained")
+
+
 def run_chaos(opts: ChaosOptions, console: Console | None = None,
               specs: list[FaultSpec] | None = None) -> dict[str, Any]:
     """One run; returns the summary (also written to the report directory). specs: a scripted fault schedule
@@ -343,11 +381,13 @@ def run_chaos(opts: ChaosOptions, console: Console | None = None,
                            info=info or f"{work.actions_done} actions, {len(records)}/{len(specs)} faults")
                 return el
 
-            while tick() < opts.duration:
+            lost: list[str] = []
+            while not lost and tick() < opts.duration:
                 if pending and time.monotonic() - t0 >= pending[0].at:
                     spec = pending.pop(0)
                     tick(f"fault {spec.n}: {spec.kind} on {spec.target}")
                     records.append(_execute(group, history, spec, serve_bound(opts, spec.kind)))
+                    lost = records[-1].failed_structures
                     continue
                 time.sleep(0.1)
             history.note(what="workload stop", pids=group.pids())
@@ -355,18 +395,15 @@ def run_chaos(opts: ChaosOptions, console: Console | None = None,
             if stuck:
                 extra["client threads still running at stop"] = stuck
             phases["workload_s"] = round(time.monotonic() - t0, 2)
-            task = bar.add_task("heal, resolve in-doubt, drain", total=None, info="")
-            t1 = time.monotonic()
-            heal(group, history)
-            extra["service after healing"] = group.wait_service(timeout=90.0) is not None
-            extra["in doubt"] = resolve_in_doubt(group, coordinator)
-            extra["drained"] = drain(group, history)
-            extra["service"] = drain_service(history, list(group.direct.values()), group.c.token)
-            extra["topic"] = drain_subscribers(history, list(group.direct.values()), group.c.token)
-            extra["left in the structures"] = leftovers(group)
-            history.note(what="drained", **{k: v for k, v in extra.items() if k != "in doubt"})
-            phases["heal_drain_s"] = round(time.monotonic() - t1, 2)
-            bar.update(task, total=1, completed=1, info=f"{extra['drained']} drained")
+            if lost:
+                # Healing, resolving and draining need every structure: with one FAILED the run ends here, its
+                # report saying so (the fault's error) rather than waiting on queues no member can serve.
+                extra["stopped"] = f"structures left FAILED (their restore failed): {', '.join(lost)}"
+                history.note(what="run stopped", failed_structures=lost)
+            else:
+                t1 = time.monotonic()
+                heal_and_drain(group, history, coordinator, extra, bar)
+                phases["heal_drain_s"] = round(time.monotonic() - t1, 2)
     finally:
         history.close()
         group.down()

@@ -43,6 +43,7 @@ from qsg.chaos.faults.pstore import reconnect_pstores
 from qsg.chaos.faults.restores import (
     RESTORE_ENGINES,
     ensure_backups,
+    failed_structures,
     order_snapshot,
     restore_all,
     restore_engine,
@@ -120,5 +121,5 @@ def docs_table() -> str:
 
 __all__ = ["CF_LINK_KINDS", "CLUSTER_SHORT_KINDS", "COST_S", "DUPLEX_KINDS", "FAMILIES", "FAULTS", "FaultError",
            "FaultKind", "FaultSpec", "KINDS", "RESTORE_ENGINES", "ROWS", "SHORT_KINDS", "Step", "after_heal",
-           "docs_table", "ensure_backups", "order_snapshot", "parse_kinds", "reconnect_pstores", "restore_all",
+           "docs_table", "ensure_backups", "failed_structures", "order_snapshot", "parse_kinds", "reconnect_pstores", "restore_all",
            "restore_engine", "schedule"]
