@@ -39,7 +39,7 @@ from cfemu.errors import BadRequestError, ClientGoneError, FencedError, MQError,
 from cfemu.latency import Latencies
 from cfemu.repository import RepositoryError
 from sqm.conversations import ops as conversation_ops
-from sqm.core.lifecycles import Begun, Lifecycles, OneGet, OnePut
+from sqm.core.lifecycles import Begun, Call, Lifecycles
 from sqm.core.manager import CF_DOWN, QueueManager, QueueManagerConfig
 from sqm.log import LogLockedError
 from sqm.operations import OPERATOR, ROLES, Handler, NotLoggedOnError, short
@@ -352,7 +352,7 @@ class SQMServer:
         one the batch leaves to its own path). Runs on the service's event loop (sqm.service.batch_loop), under no
         request slot: one thread runs the whole batch."""
         t = Together(requests, [None] * len(requests))
-        calls: list[OnePut | OneGet] = []
+        calls: list[Call] = []
         for k, (session, rid, op, args) in enumerate(requests):
             started = time.perf_counter()
             try:

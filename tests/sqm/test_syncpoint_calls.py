@@ -1,0 +1,93 @@
+"""Puts, gets and commits under syncpoint of many applications run together (sqm.core.syncpoint_calls, through
+sqm.core.lifecycles), in process on a real redis-server and a real log: the puts' and gets' scripts in one round
+trip with nothing forced, the commits' standing checks in one round trip, their COMMITs forced by one fsync and
+applied in one more round trip; each call's own outcome; each unit of work its connection's."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from cfemu.admin import Admin
+from cfemu.embedded import EmbeddedRedis
+from cfemu.errors import BackedOutError, NoMessageError, StructureFullError, UnknownObjectError
+from sqm.core.connection import Message, PutSpec
+from sqm.core.lifecycles import Lifecycles
+from sqm.core.syncpoint_calls import DONE, SyncCommit, SyncGet, SyncPut
+from tests.support.group import define_group, start_qm
+
+
+def test_commits_of_many_connections_are_one_fsync_and_two_round_trips(
+        redis_factory: Callable[..., EmbeddedRedis], tmp_path: Path) -> None:
+    srv = redis_factory()
+    define_group(srv.url, queues=("Q1",))
+    qm = start_qm(srv.url, tmp_path / "logs", "QM1", lease_ms=60_000, background=False)
+    try:
+        warm = qm.connect()  # put.lua, standing.lua and commit.lua loaded in the CF (a first call loads its script)
+        warm.put("Q1", b"warm")
+        warm.commit()
+        assert warm.get("Q1", syncpoint=False).body == b"warm"
+        conns = [qm.connect() for _ in range(5)]
+        for k, c in enumerate(conns):
+            c.put("Q1", b"m%d" % k)
+        doomed = qm.connect()
+        doomed.put("Q1", b"doomed")
+        assert doomed.uow is not None
+        doomed.uow.doomed = "a CF call of it failed (the test says so)"
+        held = doomed.uow
+        assert qm.log is not None
+        trips, fsyncs, commits = qm.cf.round_trips, qm.log.stats.fsyncs, qm.counters["commits"]
+        out = Lifecycles(qm).run([*(SyncCommit(c) for c in conns), SyncCommit(None), SyncCommit(qm.connect()),
+                                  SyncCommit(doomed)])
+        assert out[:7] == [DONE] * 7  # five committed, two with nothing to commit
+        assert out[7] is None and doomed.uow is held  # left to its own path, its unit of work still its connection's
+        assert qm.cf.round_trips - trips == 2  # the five standing checks, then the five commits
+        assert qm.log.stats.fsyncs - fsyncs == 1
+        assert qm.counters["commits"] - commits == 5
+        assert all(c.uow is None for c in conns)
+        assert list(qm.uows) == [held.id]
+        assert sorted(m.body for m in warm.browse("Q1")) == [b"m%d" % k for k in range(5)]
+        with pytest.raises(BackedOutError):
+            doomed.commit()
+        assert not qm.uows
+    finally:
+        qm.stop()
+
+
+def test_puts_and_gets_under_syncpoint_run_in_one_round_trip_and_force_nothing(
+        redis_factory: Callable[..., EmbeddedRedis], tmp_path: Path) -> None:
+    srv = redis_factory()
+    client = define_group(srv.url, queues=("Q1", "Q2"))
+    Admin(client).ensure_structure("TINY", ("FULLQ",), max_entries=1)
+    qm = start_qm(srv.url, tmp_path / "logs", "QM1", lease_ms=60_000, background=False)
+    try:
+        other = qm.connect()
+        other.put("Q2", b"waiting", syncpoint=False)
+        other.put("FULLQ", b"fills TINY", syncpoint=False)
+        other.put("Q1", b"loads put.lua")
+        other.backout()
+        with pytest.raises(NoMessageError):  # get.lua loaded too
+            other.get("Q1")
+        c1, c2, c3, c4 = (qm.connect() for _ in range(4))
+        assert qm.log is not None
+        trips, fsyncs = qm.cf.round_trips, qm.log.stats.fsyncs
+        out = Lifecycles(qm).run([SyncPut(c1, PutSpec("Q1", b"mine")), SyncPut(c2, PutSpec("NOSUCH", b"x")),
+                                  SyncPut(c3, PutSpec("FULLQ", b"x")), SyncGet(c4, "Q2")])
+        assert isinstance(out[0], Message) and out[0].body == b"mine"
+        assert isinstance(out[1], UnknownObjectError)
+        assert isinstance(out[2], StructureFullError)
+        assert isinstance(out[3], Message) and out[3].body == b"waiting"
+        assert qm.cf.round_trips - trips == 1
+        assert qm.log.stats.fsyncs == fsyncs  # a put or get under syncpoint is forced by its commit only
+        assert c1.uow is not None and c1.uow.operations == 1 and c1.uow.persistent
+        assert c4.uow is not None and c4.uow.operations == 1
+        assert not other.browse("Q1") and not other.browse("Q2")  # neither committed yet
+        c4.backout()  # the unit of work is the connection's: its own backout puts the message back
+        assert [m.body for m in other.browse("Q2")] == [b"waiting"]
+        out = Lifecycles(qm).run([SyncCommit(c1)])
+        assert out == [DONE]
+        assert [m.body for m in other.browse("Q1")] == [b"mine"]
+    finally:
+        qm.stop()
