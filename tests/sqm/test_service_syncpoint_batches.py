@@ -1,0 +1,163 @@
+"""The service's event loop runs the puts, gets and commits under syncpoint that arrive together from many
+connections as one batch (sqm.core.syncpoint_calls). Real redis-server, real `sqm run` processes, real sockets.
+
+Each request of a batch keeps its own outcome and each unit of work stays its connection's; a member killed
+(SIGKILL) inside a batch of commits, before or after its force, loses no acknowledged commit and applies no
+unacknowledged one once a peer has recovered its work."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cfemu.admin import Admin
+from cfemu.connection import connect
+from tests.sqm.test_service_event_loop import client, loop_counts, raw, send
+from tests.support.group import define_group
+from tests.support.killed_member import killed_by_failpoint
+from tests.support.service_proc import ServerProc, start_server
+
+
+def test_commits_sent_together_run_in_one_batch_each_with_its_own_outcome(fresh_redis: Any, tmp_path: Path) -> None:
+    """Five connections each hold a unit of work (three with a put on one structure, one with a put on a structure
+    then set RECOVERING, one with nothing) and send their commits before any reply is read. The puts and the
+    commits run on the event loop; each commit's reply is its own: the three commit, the one whose structure
+    cannot take it now hears its commit pending (and it completes once the structure is back), the empty one
+    commits nothing, and one refusal fails no other."""
+    define_group(fresh_redis.url, queues=("S1", "S2", "S3"))
+    admin = Admin(connect(fresh_redis.url))
+    admin.ensure_structure("SLOW", ("SQ1",))
+    srv = start_server(fresh_redis.url, tmp_path, "QM1")
+    try:
+        before = loop_counts(srv)
+        conns = [raw(srv) for _ in range(5)]
+        try:
+            for r, queue in zip(conns, ("S1", "S2", "S3", "SQ1"), strict=False):
+                assert r.request("put", {"queue": queue, "body": queue.encode()})["ok"]
+            admin.set_state("SLOW", "RECOVERING")
+            ids = [send(r, "commit", {}) for r in conns]  # out at once: they arrive in one turn as far as they can
+            replies = [r.reply() for r in conns]
+        finally:
+            for r in conns:
+                r.close()
+        assert [rep["id"] for rep in replies] == ids
+        assert [rep["ok"] for rep in replies] == [True, True, True, False, True], replies
+        assert replies[3]["error"]["type"] == "OutcomePendingError", replies[3]
+        assert not any(rep["uow"] for rep in replies)  # every unit of work ended, the pending one decided
+        after = loop_counts(srv)
+        assert after["batched_requests"] - before["batched_requests"] == 4 + 5  # the puts and the commits
+        with client(srv) as c:
+            for queue in ("S1", "S2", "S3"):
+                assert c.get(queue, syncpoint=False).body == queue.encode()
+            admin.set_state("SLOW", "ACTIVE")
+            assert c.get("SQ1", syncpoint=False, wait_ms=20_000).body == b"SQ1"  # the pending commit completed
+    finally:
+        assert srv.stop() == 0, srv.log_text()
+
+
+def test_a_unit_of_work_spans_batches_and_stays_its_connection_s(fresh_redis: Any, tmp_path: Path) -> None:
+    """Four clients each put three messages under syncpoint, get one back, then commit or back out, all at once:
+    what each sees and what is left is what its own unit of work did, whichever batches carried its requests."""
+    define_group(fresh_redis.url, queues=("U1",))
+    srv = start_server(fresh_redis.url, tmp_path, "QM1")
+    errors: list[BaseException] = []
+
+    def work(k: int) -> None:
+        try:
+            with client(srv) as c:
+                for n in range(3):
+                    c.put("U1", b"u%d-%d" % (k, n))
+                if k % 2:
+                    c.backout()
+                else:
+                    c.commit()
+        except BaseException as e:  # noqa: BLE001 - reported by the assertion below
+            errors.append(e)
+
+    try:
+        before = loop_counts(srv)
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert not errors, errors
+        with client(srv) as c:
+            left = sorted(m.body for m in c.browse("U1"))
+        assert left == sorted(b"u%d-%d" % (k, n) for k in (0, 2) for n in range(3))
+        after = loop_counts(srv)
+        assert after["batched_requests"] - before["batched_requests"] >= 4 * 3 + 2  # the puts and the commits
+    finally:
+        assert srv.stop() == 0, srv.log_text()
+
+
+# --- kill -9 inside a batch of commits -------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["lifecycles-before-force=25", "lifecycles-after-force=25"])
+def test_kill_9_inside_a_batch_of_commits_loses_no_acknowledged_commit(fresh_redis: Any, tmp_path: Path,
+                                                                       where: str) -> None:
+    """Twelve clients run lifecycles under syncpoint (put, commit, get, commit: four requests) on one member, whose
+    event loop runs the requests that arrive together as one batch. The member dies (SIGKILL) in its 25th batch
+    of commits, before its force (none of its COMMITs on disk) or after it (all of them on disk, no reply sent).
+    After peer recovery: no put whose commit was acknowledged is lost (unless a get of it had its commit in
+    doubt), no message whose get's commit was acknowledged comes back, and nothing is there that no client was
+    told was committed or had in doubt."""
+    acked_puts: set[bytes] = set()
+    unknown_puts: set[bytes] = set()
+    acked_gets: set[bytes] = set()
+    doubtful_gets: set[bytes] = set()  # the messages got whose commit's outcome is not known
+    gets_unseen = [0]  # gets whose message the client never saw (their commit never came)
+    lock = threading.Lock()
+
+    def lifecycles(victim: ServerProc, k: int) -> None:
+        with client(victim, reconnect_timeout=1) as c:
+            for n in range(2000):
+                body = b"c%d-m%d" % (k, n)
+                try:
+                    c.put("K6", body)
+                    c.commit()
+                except Exception:  # the member died: the put's outcome is unknown to its client
+                    with lock:
+                        unknown_puts.add(body)
+                    return
+                with lock:
+                    acked_puts.add(body)
+                try:
+                    got = c.get("K6", wait_ms=10_000).body
+                except Exception:  # nothing committed: its unit of work is backed out by recovery
+                    with lock:
+                        gets_unseen[0] += 1
+                    return
+                try:
+                    c.commit()
+                except Exception:  # its outcome unknown: the message may be consumed
+                    with lock:
+                        doubtful_gets.add(got)
+                    return
+                with lock:
+                    acked_gets.add(got)
+
+    with killed_by_failpoint(str(fresh_redis.url), tmp_path, "K6", where) as killed:
+        killed.run_clients(lifecycles, 12, join_timeout=180, what=f"the member was not killed at {where}")
+        assert acked_gets, "no lifecycle was acknowledged before the kill"
+        with client(killed.peer) as check:
+            deadline = time.monotonic() + 30
+            left: list[bytes] = []
+            while True:  # a message the recovery backs out is back once its unit of work is
+                left = [m.body for m in check.browse("K6", 10_000)]
+                if set(acked_puts - acked_gets - doubtful_gets) <= set(left) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+        there = set(left)
+        assert len(left) == len(there), left
+        assert not there & acked_gets, "a message whose get's commit was acknowledged came back"
+        lost = acked_puts - acked_gets - there
+        assert lost <= doubtful_gets, f"acknowledged puts lost: {sorted(lost - doubtful_gets)}"
+        assert there <= acked_puts | unknown_puts, "a message no client had committed or had in doubt"
+        if where.startswith("lifecycles-before-force"):  # the killed batch's COMMITs never reached the disk
+            assert not there & unknown_puts, "a put whose COMMIT the member died before forcing was applied"
+            assert not lost, "a get whose COMMIT the member died before forcing consumed its message"
