@@ -18,7 +18,8 @@ Every failpoint in the project (add a row with each new ``failpoint()`` call):
     batch-before-force   sqm.core.connection (put_batch, get_batch)  after a batch's CF calls and its records'
                                                             appends, before its commit's force
     lifecycles-before-force  sqm.core.outcomes (commit_many)   after a batch of puts and gets outside syncpoint
-                                                            appended its records and COMMITs, before their force
+                                                            and commits under syncpoint appended its records
+                                                            and COMMITs, before their force
     lifecycles-after-force   sqm.core.outcomes (commit_many)   after that force, before the commits are applied
                                                             (no reply of the batch is sent)
     group-force          sqm.log.writer (RecordLog._lead_flush)  when other committers wait on a flush, before its

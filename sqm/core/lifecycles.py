@@ -11,6 +11,10 @@ durable. Each call's outcome is its own: a refusal (no such queue, a full struct
 call's error and the others go on. What the plain path does with more care than a batch can take is left to it:
 a get that finds a poison message (moved to its backout queue, committed, and then the request is made again
 alone), a get that finds nothing and may wait, a get whose script met more expired messages than one call moves.
+
+Puts, gets and commits under syncpoint (sqm.core.syncpoint_calls) run in the same batches, in their connections'
+units of work: their scripts and the commits' standing checks in the same round trip, the commits' COMMITs
+appended, forced and applied with the others.
 """
 
 from __future__ import annotations

@@ -172,8 +172,9 @@ class Outcomes:
             self.counters["commits" if commit else "backouts"] += 1
 
     def decide_many(self, uows: list[UnitOfWork], logged: list[Record]) -> Decided:
-        """The first half of committing, together, units of work of one persistent put or get outside syncpoint each
-        whose own CF script just checked the persistent store (complete's pstore_checked): ``logged`` (their PUT
+        """The first half of committing, together, units of work on one structure each whose persistent store was
+        checked just now (complete's pstore_checked: by the script of their one put or get outside syncpoint, or by
+        their standing check under syncpoint, sqm.core.syncpoint_calls): ``logged`` (their PUT
         and GET records) and their COMMIT records appended under one hold of the lock, not yet forced. The second
         half is ``apply_many``, which forces them (one fsync for every Decided it is given) before it applies any."""
         self.check_usable()

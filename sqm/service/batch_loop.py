@@ -4,8 +4,8 @@ request, runs the requests that arrived together as one batch, and writes their 
 Each turn: ``select`` on every connection the loop holds; read what each ready one has (non-blocking); take from
 each at most one whole request (a connection's next request is never begun before its previous reply is out:
 order per connection); begin those the host can run together as one batch (``LoopHost.begin_together``: puts and
-gets outside syncpoint, one CF round trip for their scripts, their records and COMMITs appended;
-sqm.core.lifecycles). The finisher thread then forces every batch begun meanwhile with one fsync, applies their
+gets outside syncpoint, puts, gets and commits under syncpoint, one CF round trip for their scripts and the
+commits' standing checks, their records and COMMITs appended; sqm.core.lifecycles, sqm.core.syncpoint_calls). The finisher thread then forces every batch begun meanwhile with one fsync, applies their
 commits in one CF round trip (``LoopHost.finish_together``) and writes each reply, only after its COMMIT is on
 disk; while it does, the loop reads and begins the next batch. With no other connection to read meanwhile, the
 loop finishes its batch itself (one client pays no hand-off).

@@ -12,8 +12,8 @@ request may run, and the end of a connection's session); the rest is in its own 
 - sqm.service.config: ServerConfig and the exit codes of ``sqm run``.
 
 Each client connection gets one worker thread: its requests run there one after another, on one
-sqm.core.connection.Connection; the puts and gets outside syncpoint that arrive together on several plain
-connections run instead as one batch on the service's event loop (sqm.service.batch_loop, ``begin_together`` and
+sqm.core.connection.Connection; the puts and gets (outside syncpoint, and under it with their commits) that
+arrive together on several plain connections run instead as one batch on the service's event loop (sqm.service.batch_loop, ``begin_together`` and
 ``finish_together`` here; ``--thread-per-connection`` turns it off). When the connection goes away its open UOW is backed out (MQ backs out on an abnormal
 end); a prepared (in-doubt) UOW stays in doubt for its coordinator.
 
@@ -346,7 +346,8 @@ class SQMServer:
 
     def begin_together(self, requests: list[tuple[Session, int, str, dict[str, Any]]]) -> Together:
         """Requests of several connections that the dispatcher let run (``refusal``), each connection's one, begun
-        together where they can be (queue_ops.together: puts and gets outside syncpoint; sqm.core.lifecycles):
+        together where they can be (queue_ops.together: puts and gets outside syncpoint, puts, gets and commits under syncpoint;
+        sqm.core.lifecycles):
         their CF scripts in one round trip, their records appended. ``finish_together`` forces and commits them
         and makes their replies; a reply left None is for a request to run by ``dispatch`` (any other request, or
         one the batch leaves to its own path). Runs on the service's event loop (sqm.service.batch_loop), under no
