@@ -374,12 +374,16 @@ class BatchLoop:
                 self._reply([(t, conns)])
                 self._answer([(t, conns)])
                 return self._still_ready(ready)
-            if not alone:
+            # A batch with nothing to force (puts and gets under syncpoint) is answered now: its replies do not wait
+            # behind the finisher's force of other batches.
+            if not alone and t.forces:
                 with self._lock:
                     alone = self._finisher_closed  # it stopped meanwhile
                     if not alone:
                         self._pending += 1
                         self._begun.put((t, conns))
+            else:
+                alone = True
             if alone:
                 self._complete([(t, conns)])
                 self._answer([(t, conns)])
