@@ -11,7 +11,9 @@ Every failpoint in the project (add a row with each new ``failpoint()`` call):
 
     name                 where                              the process dies
     before-log-force     sqm.core.manager.QueueManager.complete  before the UOW's decision record is forced
+                         (and apply_many, for a batch holding commits under syncpoint: before its force)
     after-log-force      sqm.core.manager.QueueManager.complete  after a commit is forced, before it is applied
+                         (and apply_many, for such a batch: after its force, before its commits are applied)
     backout-after-log    sqm.core.manager.QueueManager.complete  after a backout is forced, before it is applied
     during-apply         sqm.core.manager.QueueManager.apply     after each structure of the UOW is applied
     put-after-cf         sqm.core.connection (put in a UOW)      after the CF holds the put, before it is logged

@@ -271,7 +271,8 @@ class Lifecycles(Connection):
         """The second half of ``run`` for several begun batches together: every COMMIT forced by one fsync, their
         commits applied in one CF round trip; each batch's ``out`` then holds its calls' outcomes."""
         qm = self.qm
-        qm.apply_many([b.decided for b in batches if b.decided is not None])
+        qm.apply_many([b.decided for b in batches if b.decided is not None],
+                      applications=any(m is None for b in batches for _, _, m in b.together))
         for b in batches:
             if b.decided is not None:
                 for (i, _, message), error in zip(b.together, b.decided.errors, strict=True):

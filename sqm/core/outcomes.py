@@ -207,14 +207,17 @@ class Outcomes:
                     decided.errors[i] = failed
         decided.position = None
 
-    def apply_many(self, batches: list[Decided]) -> None:
+    def apply_many(self, batches: list[Decided], *, applications: bool = False) -> None:
         """The second half (decide_many): every COMMIT of ``batches`` forced by one fsync, then their commits
         applied in one CF round trip (each commit.lua atomic, in order). A commit the round trip did not finish
         (refused, a floor, the CF gone) goes on alone by complete's path, as its own commit would have. Each
         unit of work's error (None: committed) is in its Decided's ``errors``; every COMMIT is on disk, or its
-        unit of work has an error, before this returns."""
+        unit of work has an error, before this returns. ``applications``: the batches hold commits an application
+        asked for (under syncpoint), which pass complete's failpoints too, as alone."""
         assert self.log is not None
         failpoint("lifecycles-before-force")
+        if applications:
+            failpoint("before-log-force")
         for d in batches:
             if d.position is None:
                 continue
@@ -223,6 +226,8 @@ class Outcomes:
             except OSError as e:
                 self._log_failed_for(d, e)
         failpoint("lifecycles-after-force")
+        if applications:
+            failpoint("after-log-force")
         todo = [(d, i, u) for d in batches if d.position is not None for i, u in enumerate(d.uows)
                 if d.errors[i] is None]
         calls = []
