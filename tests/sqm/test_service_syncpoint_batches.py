@@ -60,7 +60,7 @@ def test_commits_sent_together_run_in_one_batch_each_with_its_own_outcome(fresh_
 
 
 def test_a_unit_of_work_spans_batches_and_stays_its_connection_s(fresh_redis: Any, tmp_path: Path) -> None:
-    """Four clients each put three messages under syncpoint, get one back, then commit or back out, all at once:
+    """Four clients each put three messages under syncpoint, then commit or back out, all at once:
     what each sees and what is left is what its own unit of work did, whichever batches carried its requests."""
     define_group(fresh_redis.url, queues=("U1",))
     srv = start_server(fresh_redis.url, tmp_path, "QM1")
