@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import pytest
 
 from cfemu.admin import Admin
 from cfemu.connection import connect
+from sqm.log import LogReader
 from tests.sqm.test_service_event_loop import client, loop_counts, raw, send
 from tests.support.group import define_group
 from tests.support.killed_member import killed_by_failpoint
@@ -101,11 +103,13 @@ def test_a_unit_of_work_spans_batches_and_stays_its_connection_s(fresh_redis: An
 def test_kill_9_inside_a_batch_of_commits_loses_no_acknowledged_commit(fresh_redis: Any, tmp_path: Path,
                                                                        where: str) -> None:
     """Twelve clients run lifecycles under syncpoint (put, commit, get, commit: four requests) on one member, whose
-    event loop runs the requests that arrive together as one batch. The member dies (SIGKILL) in its 25th batch
-    of commits, before its force (none of its COMMITs on disk) or after it (all of them on disk, no reply sent).
-    After peer recovery: no put whose commit was acknowledged is lost (unless a get of it had its commit in
-    doubt), no message whose get's commit was acknowledged comes back, and nothing is there that no client was
-    told was committed or had in doubt."""
+    event loop runs the requests that arrive together as one batch. The member dies (SIGKILL) in a batch, before
+    its force or after it (its COMMITs on disk, no reply sent). A COMMIT appended while the finisher forced
+    earlier batches may be on disk before the killed batch's own force: its client heard nothing, so it is in
+    doubt, and the victim's log on disk is what decides it. After peer recovery: every acknowledged commit is in
+    that log (acknowledged only once forced), no put whose commit was acknowledged is lost (unless a get of it had
+    its commit in doubt), no message whose get's commit was acknowledged comes back, nothing is there that no
+    client was told was committed or had in doubt, and each commit in doubt ended as that log decides it."""
     acked_puts: set[bytes] = set()
     unknown_puts: set[bytes] = set()
     acked_gets: set[bytes] = set()
@@ -158,6 +162,51 @@ def test_kill_9_inside_a_batch_of_commits_loses_no_acknowledged_commit(fresh_red
         lost = acked_puts - acked_gets - there
         assert lost <= doubtful_gets, f"acknowledged puts lost: {sorted(lost - doubtful_gets)}"
         assert there <= acked_puts | unknown_puts, "a message no client had committed or had in doubt"
-        if where.startswith("lifecycles-before-force"):  # the killed batch's COMMITs never reached the disk
-            assert not there & unknown_puts, "a put whose COMMIT the member died before forcing was applied"
-            assert not lost, "a get whose COMMIT the member died before forcing consumed its message"
+        # What the peer did is what the victim's log on disk decides (a reply that was never sent decides nothing:
+        # a COMMIT that a force of an earlier batch took to disk, appended before the killed batch was handed to
+        # the finisher, is committed though its client heard nothing; one that reached no disk is backed out).
+        on_disk = _log_on_disk(killed.victim.log_root / "QM1")
+        assert all(on_disk.put_committed(b) for b in acked_puts), "a put's commit acknowledged before it was forced"
+        assert all(on_disk.get_committed(b) for b in acked_gets), "a get's commit acknowledged before it was forced"
+        applied = {b for b in unknown_puts if on_disk.put_committed(b)}
+        assert there & unknown_puts <= applied, "a put whose COMMIT never reached the disk was applied"
+        assert applied - on_disk.got <= there, "a put whose COMMIT reached the disk was not applied"
+        consumed = {b for b in doubtful_gets if on_disk.get_committed(b)}
+        assert not there & consumed, "a get whose COMMIT reached the disk did not consume its message"
+        assert doubtful_gets - consumed <= there, "a get whose COMMIT never reached the disk consumed its message"
+
+
+@dataclass
+class _OnDisk:
+    """A member's log as its disk holds it: the units of work of each message's put and get, those committed."""
+
+    put_uow: dict[bytes, str]
+    get_uow: dict[bytes, str]
+    committed: set[str]
+
+    @property
+    def got(self) -> set[bytes]:
+        """The messages a committed get took."""
+        return {b for b, u in self.get_uow.items() if u in self.committed}
+
+    def put_committed(self, body: bytes) -> bool:
+        return self.put_uow.get(body, "") in self.committed
+
+    def get_committed(self, body: bytes) -> bool:
+        return self.get_uow.get(body, "") in self.committed
+
+
+def _log_on_disk(directory: Path) -> _OnDisk:
+    put_uow: dict[bytes, str] = {}
+    entry_body: dict[str, bytes] = {}
+    get_uow: dict[bytes, str] = {}
+    committed: set[str] = set()
+    for _, rec in LogReader(directory).records():
+        if rec["k"] == "PUT":
+            put_uow[bytes(rec["d"])] = rec["u"]
+            entry_body[rec["e"]["id"]] = bytes(rec["d"])
+        elif rec["k"] == "GET":
+            get_uow[entry_body[rec["i"]]] = rec["u"]
+        elif rec["k"] == "COMMIT":
+            committed.add(rec["u"])
+    return _OnDisk(put_uow, get_uow, committed)
