@@ -7,6 +7,8 @@ unacknowledged one once a peer has recovered its work."""
 
 from __future__ import annotations
 
+import socket
+import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -18,7 +20,7 @@ import pytest
 from cfemu.admin import Admin
 from cfemu.connection import connect
 from sqm.log import LogReader
-from tests.sqm.test_service_event_loop import client, loop_counts, raw, send
+from tests.sqm.test_service_event_loop import _open_uows, client, loop_counts, raw, send
 from tests.support.group import define_group
 from tests.support.killed_member import killed_by_failpoint
 from tests.support.service_proc import ServerProc, start_server
@@ -210,3 +212,56 @@ def _log_on_disk(directory: Path) -> _OnDisk:
         elif rec["k"] == "COMMIT":
             committed.add(rec["u"])
     return _OnDisk(put_uow, get_uow, committed)
+
+
+def test_clients_that_vanish_mid_unit_of_work_have_it_backed_out(fresh_redis: Any, tmp_path: Path) -> None:
+    """Thirty clients each get a message and put one under syncpoint on the event loop, read the replies, (some
+    send their commit and) reset their connection (RST) without reading more, while other clients' batches run: as
+    on the connection's thread, each open unit of work is backed out (its got message available again, its put
+    gone), a commit that ran is committed whole, and no unit of work is left open."""
+    define_group(fresh_redis.url, queues=("V1", "V2"))
+    srv = start_server(fresh_redis.url, tmp_path, "QM1")
+    stop = threading.Event()
+
+    def busy() -> None:  # other connections' batches run meanwhile
+        with client(srv) as c:
+            while not stop.is_set():
+                c.put("V2", b"busy")
+                c.commit()
+                c.get("V2")
+                c.commit()
+
+    try:
+        with client(srv) as c:
+            c.put_batch([b"m%d" % k for k in range(30)], queue="V1", syncpoint=False)
+        others = [threading.Thread(target=busy) for _ in range(3)]
+        for t in others:
+            t.start()
+        for k in range(30):
+            r = raw(srv)
+            send(r, "get", {"queue": "V1"})
+            send(r, "put", {"queue": "V1", "body": b"gone-%d" % k})
+            assert r.reply()["ok"] and r.reply()["uow"]  # the unit of work is open on the member
+            if k % 3 == 0:
+                send(r, "commit", {})
+            r.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            r.close()
+        stop.set()
+        for t in others:
+            t.join(timeout=60)
+        deadline = time.monotonic() + 60
+        while (uows := _open_uows(srv)) != 0:
+            assert time.monotonic() < deadline, f"units of work left open: {uows}"
+            time.sleep(0.2)
+        with client(srv) as c:
+            left = [m.body for m in c.browse("V1", 1000)]
+        assert len(left) == len(set(left)), left
+        originals = {b"m%d" % k for k in range(30)}
+        gone = {b for b in left if b.startswith(b"gone-")}
+        assert {int(b[5:]) for b in gone} <= set(range(0, 30, 3)), "a put no commit was sent for is there"
+        # a unit of work committed whole: its put there exactly when its get's message is not
+        assert len(originals - set(left)) == len(gone), (sorted(originals - set(left)), sorted(gone))
+        assert len(left) >= 30 - 10, left
+    finally:
+        stop.set()
+        assert srv.stop() == 0, srv.log_text()
