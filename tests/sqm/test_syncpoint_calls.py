@@ -5,6 +5,9 @@ applied in one more round trip; each call's own outcome; each unit of work its c
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,10 +15,18 @@ import pytest
 
 from cfemu.admin import Admin
 from cfemu.embedded import EmbeddedRedis
-from cfemu.errors import BackedOutError, NoMessageError, StructureFullError, UnknownObjectError
+from cfemu.errors import (
+    BackedOutError,
+    NoMessageError,
+    OutcomePendingError,
+    StructureFailedError,
+    StructureFullError,
+    UnknownObjectError,
+)
 from sqm.core.connection import Message, PutSpec
-from sqm.core.lifecycles import Lifecycles
+from sqm.core.lifecycles import Call, Lifecycles
 from sqm.core.syncpoint_calls import DONE, SyncCommit, SyncGet, SyncPut
+from tests.sqm.test_lifecycles import HUNG_TIMEOUT_S, hung_cf_member
 from tests.support.group import define_group, start_qm
 
 
@@ -89,5 +100,45 @@ def test_puts_and_gets_under_syncpoint_run_in_one_round_trip_and_force_nothing(
         out = Lifecycles(qm).run([SyncCommit(c1)])
         assert out == [DONE]
         assert [m.body for m in other.browse("Q1")] == [b"mine"]
+    finally:
+        qm.stop()
+
+
+def test_a_hung_cf_mid_batch_ends_each_unit_of_work_as_alone_within_two_timeouts(
+        redis_factory: Callable[..., EmbeddedRedis], tmp_path: Path) -> None:
+    """The CF stops answering (SIGSTOP) before a batch of commits, a put and a get under syncpoint: the commits'
+    standing checks time out (left to the commit, as alone), their COMMITs are forced and they wait pending; the
+    put and the get hear the CF's failure and their units of work, doomed, stay their connections' (their commit
+    backs them out). Two timeouts in all, not two a commit; once the CF answers, the commits complete."""
+    qm, pid = hung_cf_member(redis_factory, tmp_path, ("Q1", "Q2"))
+    try:
+        other = qm.connect()
+        other.put("Q2", b"waiting", syncpoint=False)
+        committers = [qm.connect() for _ in range(4)]
+        for k, c in enumerate(committers):
+            c.put("Q1", b"m%d" % k)
+        putter, getter = qm.connect(), qm.connect()
+        putter.put("Q1", b"first")  # a unit of work open before the CF hangs
+        calls: list[Call] = [*(SyncCommit(c) for c in committers), SyncPut(putter, PutSpec("Q1", b"doomed")),
+                             SyncGet(getter, "Q2")]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            out = Lifecycles(qm).run(calls)
+            took = time.monotonic() - started
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert all(isinstance(o, OutcomePendingError) for o in out[:4]), out
+        assert isinstance(out[4], StructureFailedError) and isinstance(out[5], StructureFailedError), out
+        assert took < 4 * HUNG_TIMEOUT_S, took
+        assert putter.uow is not None and putter.uow.doomed and getter.uow is not None and getter.uow.doomed
+        assert all(c.uow is None for c in committers)
+        assert qm.retry_pending() == 4
+        for c in (putter, getter):  # what ran of their calls is unknown: backed out, as alone
+            with pytest.raises(BackedOutError):
+                c.commit()
+        assert not qm.uows and not qm.pending
+        assert sorted(m.body for m in other.browse("Q1")) == [b"m%d" % k for k in range(4)]
+        assert [m.body for m in other.browse("Q2")] == [b"waiting"]
     finally:
         qm.stop()
