@@ -215,6 +215,9 @@ class Outcomes:
         unit of work has an error, before this returns. ``applications``: the batches hold commits an application
         asked for (under syncpoint), which pass complete's failpoints too, as alone."""
         assert self.log is not None
+        batches = [d for d in batches if d.uows]
+        if not batches:  # nothing to force (a batch of puts and gets under syncpoint): no failpoint of a force
+            return
         failpoint("lifecycles-before-force")
         if applications:
             failpoint("before-log-force")

@@ -7,6 +7,7 @@ unacknowledged one once a peer has recovered its work."""
 
 from __future__ import annotations
 
+import signal
 import socket
 import struct
 import threading
@@ -265,3 +266,27 @@ def test_clients_that_vanish_mid_unit_of_work_have_it_backed_out(fresh_redis: An
     finally:
         stop.set()
         assert srv.stop() == 0, srv.log_text()
+
+
+def test_a_batch_with_nothing_to_force_passes_no_failpoint_of_a_force(fresh_redis: Any, tmp_path: Path) -> None:
+    """A member whose failpoints kill it at the first force of a batch of commits (before it, and after it) runs
+    puts and gets under syncpoint on its event loop, and their backout: none of them forces anything, so the member
+    lives on; its first commit under syncpoint is the one that dies."""
+    define_group(fresh_redis.url, queues=("F1",))
+    srv = start_server(fresh_redis.url, tmp_path, "QM1",
+                       env={"SQM_FAILPOINTS": "lifecycles-before-force=1,lifecycles-after-force=1"})
+    try:
+        with client(srv) as c:
+            c.put_batch([b"stays"], queue="F1", syncpoint=False)  # its own path: not a batch of the loop
+            for _ in range(3):
+                c.put("F1", b"backed out")
+                assert c.get("F1").body == b"stays"
+                c.backout()
+            assert srv.proc.poll() is None, srv.log_text()
+            c.put("F1", b"dies")
+            with pytest.raises(Exception):  # noqa: B017 - the member died at its force: the outcome is unknown
+                c.commit()
+        assert srv.proc.wait(timeout=30) == -signal.SIGKILL, srv.log_text()
+    finally:
+        if srv.proc.poll() is None:
+            srv.stop()
