@@ -12,7 +12,6 @@ import socket
 import struct
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +19,9 @@ import pytest
 
 from cfemu.admin import Admin
 from cfemu.connection import connect
-from sqm.log import LogReader
 from tests.sqm.test_service_event_loop import _open_uows, client, loop_counts, raw, send
 from tests.support.group import define_group
-from tests.support.killed_member import killed_by_failpoint
+from tests.support.killed_member import killed_by_failpoint, log_on_disk
 from tests.support.service_proc import ServerProc, start_server
 
 
@@ -168,7 +166,7 @@ def test_kill_9_inside_a_batch_of_commits_loses_no_acknowledged_commit(fresh_red
         # What the peer did is what the victim's log on disk decides (a reply that was never sent decides nothing:
         # a COMMIT that a force of an earlier batch took to disk, appended before the killed batch was handed to
         # the finisher, is committed though its client heard nothing; one that reached no disk is backed out).
-        on_disk = _log_on_disk(killed.victim.log_root / "QM1")
+        on_disk = log_on_disk(killed.victim.log_root / "QM1")
         assert all(on_disk.put_committed(b) for b in acked_puts), "a put's commit acknowledged before it was forced"
         assert all(on_disk.get_committed(b) for b in acked_gets), "a get's commit acknowledged before it was forced"
         applied = {b for b in unknown_puts if on_disk.put_committed(b)}
@@ -178,41 +176,6 @@ def test_kill_9_inside_a_batch_of_commits_loses_no_acknowledged_commit(fresh_red
         assert not there & consumed, "a get whose COMMIT reached the disk did not consume its message"
         assert doubtful_gets - consumed <= there, "a get whose COMMIT never reached the disk consumed its message"
 
-
-@dataclass
-class _OnDisk:
-    """A member's log as its disk holds it: the units of work of each message's put and get, those committed."""
-
-    put_uow: dict[bytes, str]
-    get_uow: dict[bytes, str]
-    committed: set[str]
-
-    @property
-    def got(self) -> set[bytes]:
-        """The messages a committed get took."""
-        return {b for b, u in self.get_uow.items() if u in self.committed}
-
-    def put_committed(self, body: bytes) -> bool:
-        return self.put_uow.get(body, "") in self.committed
-
-    def get_committed(self, body: bytes) -> bool:
-        return self.get_uow.get(body, "") in self.committed
-
-
-def _log_on_disk(directory: Path) -> _OnDisk:
-    put_uow: dict[bytes, str] = {}
-    entry_body: dict[str, bytes] = {}
-    get_uow: dict[bytes, str] = {}
-    committed: set[str] = set()
-    for _, rec in LogReader(directory).records():
-        if rec["k"] == "PUT":
-            put_uow[bytes(rec["d"])] = rec["u"]
-            entry_body[rec["e"]["id"]] = bytes(rec["d"])
-        elif rec["k"] == "GET":
-            get_uow[entry_body[rec["i"]]] = rec["u"]
-        elif rec["k"] == "COMMIT":
-            committed.add(rec["u"])
-    return _OnDisk(put_uow, get_uow, committed)
 
 
 def test_clients_that_vanish_mid_unit_of_work_have_it_backed_out(fresh_redis: Any, tmp_path: Path) -> None:
