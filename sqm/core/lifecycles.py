@@ -255,9 +255,12 @@ class Lifecycles(Connection):
         qm = self.qm
         failed = _as_mq_error(e)
         for i, uow, *_ in todo:
-            if out[i] is not None or uow.id not in qm.uows or isinstance(calls[i], SyncPut | SyncGet):
+            call = calls[i]
+            if (out[i] is not None or uow.id not in qm.uows or isinstance(call, SyncPut | SyncGet)
+                    or (isinstance(call, SyncCommit) and call.conn is not None and call.conn.uow is uow)):
                 continue  # answered already, or finished (a get that found nothing and may wait: the plain path's),
-                # or its connection's unit of work, which goes on (the connection commits or backs it out)
+                # or its connection's unit of work, which goes on (the connection commits or backs it out; a commit
+                # let go to its own path is made there, as alone)
             if uow.state != INFLIGHT:
                 out[i] = OutcomeUnknownError(f"unit of work {uow.id}: its COMMIT was appended when the batch "
                                              f"failed ({failed}): committed if it reached the disk")

@@ -14,9 +14,11 @@ from pathlib import Path
 import pytest
 
 from cfemu.admin import Admin
+from cfemu.cf import CF
 from cfemu.embedded import EmbeddedRedis
 from cfemu.errors import (
     BackedOutError,
+    LogFailedError,
     NoMessageError,
     OutcomePendingError,
     StructureFailedError,
@@ -141,4 +143,39 @@ def test_a_hung_cf_mid_batch_ends_each_unit_of_work_as_alone_within_two_timeouts
         assert sorted(m.body for m in other.browse("Q1")) == [b"m%d" % k for k in range(4)]
         assert [m.body for m in other.browse("Q2")] == [b"waiting"]
     finally:
+        qm.stop()
+
+
+def test_a_commit_left_to_its_own_path_is_untouched_when_its_batch_fails_before_deciding(
+        redis_factory: Callable[..., EmbeddedRedis], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two commits in one batch: one whose structure says its persistent store is disconnected (left to its own
+    path, its unit of work back on its connection) and one the batch decides, when the batch fails before deciding
+    it (the LOGLOAD checkpoint cannot be written: the log failed). The one left to its own path is made there, as
+    alone: its unit of work untouched by the batch's failure, then backed out for the disconnected store."""
+    srv = redis_factory()
+    client = define_group(srv.url, queues=("Q1",))
+    Admin(client).ensure_structure("S2", ("Q3",))
+    qm = start_qm(srv.url, tmp_path / "logs", "QM1", lease_ms=60_000, background=False)
+    try:
+        left, decided = qm.connect(), qm.connect()
+        left.put("Q1", b"left")
+        decided.put("Q3", b"decided")
+        held = left.uow
+        CF(client).structure("APP1").pstore("disconnect")
+
+        def refused(why: str) -> None:
+            raise LogFailedError(f"the checkpoint could not be written ({why}; the test says so)")
+
+        monkeypatch.setattr(qm, "checkpoint", refused)
+        qm.activity = qm.config.logload  # the batch's decision takes a LOGLOAD checkpoint first
+        out = Lifecycles(qm).run([SyncCommit(left), SyncCommit(decided)])
+        assert out[0] is None, out  # its own path makes it
+        assert isinstance(out[1], LogFailedError), out
+        assert left.uow is held and held is not None and not held.doomed and held.id in qm.uows
+        monkeypatch.undo()
+        with pytest.raises(BackedOutError, match="persistent store is disconnected"):
+            left.commit()
+        assert held.id not in qm.uows
+    finally:
+        monkeypatch.undo()
         qm.stop()
