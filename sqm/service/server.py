@@ -35,7 +35,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cfemu.admin import AdminError
-from cfemu.errors import BadRequestError, ClientGoneError, FencedError, MQError, StructureFailedError
+from cfemu.errors import (
+    BadRequestError,
+    ClientGoneError,
+    FencedError,
+    MQError,
+    OutcomeUnknownError,
+    StructureFailedError,
+)
 from cfemu.latency import Latencies
 from cfemu.repository import RepositoryError
 from sqm.conversations import ops as conversation_ops
@@ -380,9 +387,14 @@ class SQMServer:
         begun = [t.begun for t in batches if t.begun is not None]
         try:
             self.lifecycles.finish(begun)
-        except Exception as e:  # each request not finished hears it
+        except Exception as e:  # each call the batch was committing and not finished hears it (its COMMIT may be on
+            # disk); the others' outcomes stand (a put or get under syncpoint is in its unit of work whatever happened)
+            failed = self._as_error("commit", e)
             for b in begun:
-                b.out = [o if isinstance(o, MQError) else self._as_error("commit", e) for o in b.out]
+                for i, _, _ in b.together:
+                    if b.out[i] is None:
+                        b.out[i] = OutcomeUnknownError(f"its batch's force or commit failed ({failed}): committed if "
+                                                       "its COMMIT reached the disk")
         now = time.time()
         for t in batches:
             if t.begun is None:

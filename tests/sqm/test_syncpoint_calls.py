@@ -9,7 +9,9 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -28,6 +30,11 @@ from cfemu.errors import (
 from sqm.core.connection import Message, PutSpec
 from sqm.core.lifecycles import Call, Lifecycles
 from sqm.core.syncpoint_calls import DONE, SyncCommit, SyncGet, SyncPut
+from sqm.operations import APPLICATION
+from sqm.service import queue_ops
+from sqm.service.config import ServerConfig
+from sqm.service.server import SQMServer
+from sqm.service.session import Session
 from tests.sqm.test_lifecycles import HUNG_TIMEOUT_S, hung_cf_member
 from tests.support.group import define_group, start_qm
 
@@ -178,4 +185,48 @@ def test_a_commit_left_to_its_own_path_is_untouched_when_its_batch_fails_before_
         assert held.id not in qm.uows
     finally:
         monkeypatch.undo()
+        qm.stop()
+
+
+def test_a_force_that_fails_whole_tells_no_put_under_syncpoint_it_failed(
+        redis_factory: Callable[..., EmbeddedRedis], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch holding a commit, a put under syncpoint and a commit its own path makes (a disconnected persistent
+    store), whose force fails as a whole (an error no path expects): the commit hears it; the put, in its
+    connection's unit of work whatever the force did, is told so (its commit commits it); the other commit goes to
+    its own path, as it would have."""
+    srv = redis_factory()
+    client = define_group(srv.url, queues=("Q1",))
+    Admin(client).ensure_structure("S2", ("Q3",))
+    qm = start_qm(srv.url, tmp_path / "logs", "QM1", lease_ms=60_000, background=False)
+    server = SQMServer(ServerConfig(name="QM1", log_root=tmp_path / "logs", redis_url=srv.url, token="app-token"),
+                       qm=qm)
+    pool = ThreadPoolExecutor(1)
+    try:
+        sessions = [Session(k, "127.0.0.1:1", pool, authenticated=True, request_limit=2**20, reply_limit=2**20,
+                            peer_ip="127.0.0.1", role=APPLICATION) for k in range(3)]
+        committer, putter, left = (queue_ops._connection(server, s) for s in sessions)
+        committer.put("Q3", b"committed?")
+        left.put("Q1", b"left")
+        CF(client).structure("APP1").pstore("disconnect")
+
+        def broken(batches: Any, **kw: Any) -> None:
+            raise RuntimeError("the force broke")
+
+        monkeypatch.setattr(qm, "apply_many", broken)
+        t = server.begin_together([(sessions[0], 1, "commit", {}),
+                                   (sessions[1], 2, "put", {"queue": "Q3", "body": b"mine"}),
+                                   (sessions[2], 3, "commit", {})])
+        server.finish_together([t])
+        monkeypatch.undo()
+        first, second, third = t.replies
+        assert first is not None and first["error"]["type"] == "OutcomeUnknownError", first  # its COMMIT appended
+        assert second is not None and second["ok"], second  # the put is in its unit of work
+        assert third is None  # its own path makes it
+        assert putter.uow is not None and putter.uow.operations == 1
+        putter.commit()
+        CF(client).structure("APP1").pstore("connect")
+        assert b"mine" in [m.body for m in qm.connect().browse("Q3")]
+    finally:
+        monkeypatch.undo()
+        pool.shutdown(wait=False)
         qm.stop()
