@@ -19,9 +19,10 @@ import pytest
 
 from cfemu.admin import Admin
 from cfemu.connection import connect
+from sqm.service.server import EXIT_FENCED
 from tests.sqm.test_service_event_loop import _open_uows, client, loop_counts, raw, send
 from tests.support.group import define_group
-from tests.support.killed_member import killed_by_failpoint, log_on_disk
+from tests.support.killed_member import killed_by_failpoint, log_on_disk, peer_recovered
 from tests.support.service_proc import ServerProc, start_server
 
 
@@ -253,3 +254,44 @@ def test_a_batch_with_nothing_to_force_passes_no_failpoint_of_a_force(fresh_redi
     finally:
         if srv.proc.poll() is None:
             srv.stop()
+
+
+@pytest.mark.slow
+def test_commits_of_a_member_fenced_mid_batch_each_hear_an_outcome_the_peer_keeps(fresh_redis: Any,
+                                                                                 tmp_path: Path) -> None:
+    """Six clients hold a put under syncpoint each on QM1; QM1 is paused (SIGSTOP) past its lease and fenced, as
+    peer recovery fences a member it takes over; the clients send their commits meanwhile, and QM1 resumes and runs
+    them as a batch. Every commit is answered, none told it committed (the member is fenced: no COMMIT of its can
+    count), QM1 exits as fenced, and once QM2 has recovered its work no put is on the queue."""
+    define_group(fresh_redis.url, queues=("FQ",))
+    srv = start_server(fresh_redis.url, tmp_path, "QM1", "--lease-ms", "900")
+    peer: ServerProc | None = None
+    admin = Admin(connect(fresh_redis.url))
+    conns = [raw(srv) for _ in range(6)]
+    try:
+        for k, r in enumerate(conns):
+            assert r.request("put", {"queue": "FQ", "body": b"f%d" % k})["ok"]
+        srv.proc.send_signal(signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 20
+            while "QM1" not in admin.lapsed_members():
+                assert time.monotonic() < deadline, "the lease never lapsed"
+                time.sleep(0.1)
+            assert admin.fence("QM1")
+            ids = [send(r, "commit", {}) for r in conns]
+        finally:
+            srv.proc.send_signal(signal.SIGCONT)
+        replies = [r.reply() for r in conns]
+        assert [rep["id"] for rep in replies] == ids
+        assert not any(rep["ok"] for rep in replies), replies
+        assert srv.proc.wait(timeout=30) == EXIT_FENCED, srv.log_text()
+        peer = start_server(fresh_redis.url, tmp_path, "QM2", "--lease-ms", "900")
+        peer_recovered(peer)
+        with client(peer) as c:
+            assert not [m.body for m in c.browse("FQ")]
+    finally:
+        for r in conns:
+            r.close()
+        for s in (srv, peer):
+            if s is not None and s.proc.poll() is None:
+                s.stop()
