@@ -193,8 +193,9 @@ class Lifecycles(Connection):
               together: list[tuple[int, UnitOfWork, Message | None]]) -> list[Record]:
         """Each call's CF reply taken: a refusal its outcome, a call the batch commits into ``together`` with its
         record (returned, in order; a commit under syncpoint with None), a get the batch does not commit finished
-        alone, a put or get under syncpoint into its connection's unit of work."""
-        qm = self.qm
+        alone, a put or get under syncpoint into its connection's unit of work. One call's unexpected failure is
+        its own: every other call whose script ran is still taken (a put under syncpoint left untaken would be made
+        again by its own path: a second message in its unit of work, the first with no record)."""
         logged: list[Record] = []
         for (i, uow, sname, cfcall, made), raw in zip(todo, replies, strict=True):
             call = calls[i]
@@ -210,42 +211,57 @@ class Lifecycles(Connection):
                 except Exception as e:  # as the call alone raises it (a record the log refused, a failed move)
                     out[i] = _as_mq_error(e)
                 continue
-            if isinstance(raw, BaseException):
-                self._abandon(uow)
-                out[i] = raw if isinstance(raw, MQError) else MQError(f"the CF refused the call: {raw}")
+            try:
+                taken = self._take_own(call, uow, sname, made, raw, out, i)
+            except Exception as e:  # that call's own failure: the others of the round trip are taken all the same
+                uow.doomed = uow.doomed or f"taking its CF reply failed ({e})"
+                with contextlib.suppress(Exception):  # what cannot be backed out now, recovery backs out
+                    self._abandon(uow)
+                out[i] = _as_mq_error(e)
                 continue
-            if isinstance(call, OnePut):
-                assert made is not None
-                reply = Structure.put_reply(qm.caller, raw)
-                uow.structures[sname] = reply.gen
-                uow.operations += 1
-                uow.persistent = True
-                rec = records.put(uow.id, reply.clock, structure=sname, gen=reply.gen, entry=made.wire(),
-                                  data=bytes(call.spec.body))
+            if taken is not None:
+                rec, message = taken
                 logged.append(rec)
-                qm.note_store(uow, rec)
-                together.append((i, uow, Message.from_entry(made, bytes(call.spec.body))))
-                continue
-            got = Structure.get_reply(qm.caller, raw)
-            uow.structures[sname] = got.gen
-            if got.entry is None:
-                qm.forget(uow)
-                if not got.again and not call.wait_ms:
-                    out[i] = NoMessageError(f"no message available on {call.queue}")
-                continue  # None: the plain path waits, or goes on past the expired messages
-            uow.operations += 1
-            message = Message.from_entry(got.entry, got.data or b"")
-            rec = records.get(uow.id, got.entry.lrsn, structure=sname, gen=got.gen, entry_id=got.entry.id,
-                              queue=call.queue)
-            if not got.entry.persistent or self._is_poison(qm.queue_def(call.queue), got.entry) \
-                    or call.gone.seen_to_leave():
-                out[i] = self._alone(call, uow, rec, got.entry, message)
-                continue
-            uow.persistent = True
-            logged.append(rec)
-            qm.note_store(uow, rec)
-            together.append((i, uow, message))
+                together.append((i, uow, message))
         return logged
+
+    def _take_own(self, call: OnePut | OneGet, uow: UnitOfWork, sname: str, made: Entry | None, raw: Any,
+                  out: list[Outcome], i: int) -> tuple[Record, Message] | None:
+        """A put's or get's reply outside syncpoint taken into its own unit of work: its record and message for the
+        batch to commit, or None with its outcome in ``out`` (a refusal, nothing to get, a get finished alone)."""
+        qm = self.qm
+        if isinstance(raw, BaseException):
+            self._abandon(uow)
+            out[i] = raw if isinstance(raw, MQError) else MQError(f"the CF refused the call: {raw}")
+            return None
+        if isinstance(call, OnePut):
+            assert made is not None
+            reply = Structure.put_reply(qm.caller, raw)
+            uow.structures[sname] = reply.gen
+            uow.operations += 1
+            uow.persistent = True
+            rec = records.put(uow.id, reply.clock, structure=sname, gen=reply.gen, entry=made.wire(),
+                              data=bytes(call.spec.body))
+            qm.note_store(uow, rec)
+            return rec, Message.from_entry(made, bytes(call.spec.body))
+        got = Structure.get_reply(qm.caller, raw)
+        uow.structures[sname] = got.gen
+        if got.entry is None:
+            qm.forget(uow)
+            if not got.again and not call.wait_ms:
+                out[i] = NoMessageError(f"no message available on {call.queue}")
+            return None  # None in out: the plain path waits, or goes on past the expired messages
+        uow.operations += 1
+        message = Message.from_entry(got.entry, got.data or b"")
+        rec = records.get(uow.id, got.entry.lrsn, structure=sname, gen=got.gen, entry_id=got.entry.id,
+                          queue=call.queue)
+        if not got.entry.persistent or self._is_poison(qm.queue_def(call.queue), got.entry) \
+                or call.gone.seen_to_leave():
+            out[i] = self._alone(call, uow, rec, got.entry, message)
+            return None
+        uow.persistent = True
+        qm.note_store(uow, rec)
+        return rec, message
 
     def _undo(self, calls: list[Call], todo: list[tuple[int, UnitOfWork, str, tuple[str, str, list[Any]], Entry | None]],
               out: list[Outcome], e: Exception) -> None:

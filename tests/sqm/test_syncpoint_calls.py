@@ -28,7 +28,7 @@ from cfemu.errors import (
     UnknownObjectError,
 )
 from sqm.core.connection import Message, PutSpec
-from sqm.core.lifecycles import Call, Lifecycles
+from sqm.core.lifecycles import Call, Lifecycles, OnePut
 from sqm.core.syncpoint_calls import DONE, SyncCommit, SyncGet, SyncPut
 from sqm.operations import APPLICATION
 from sqm.service import queue_ops
@@ -229,4 +229,38 @@ def test_a_force_that_fails_whole_tells_no_put_under_syncpoint_it_failed(
     finally:
         monkeypatch.undo()
         pool.shutdown(wait=False)
+        qm.stop()
+
+
+def test_a_call_of_the_batch_that_fails_unexpectedly_leaves_every_put_under_syncpoint_taken_once(
+        redis_factory: Callable[..., EmbeddedRedis], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch's put outside syncpoint fails unexpectedly once its script ran (its store report breaks: an error
+    no path expects), before a put under syncpoint of the same round trip is taken: the put under syncpoint, whose
+    script ran too, is taken into its unit of work all the same (its record appended), never left to its own path
+    to be made a second time (a second message in the unit of work, one of them with no record in the log)."""
+    srv = redis_factory()
+    define_group(srv.url, queues=("Q1",))
+    qm = start_qm(srv.url, tmp_path / "logs", "QM1", lease_ms=60_000, background=False)
+    try:
+        c = qm.connect()
+        real, broken = qm.note_store, [False]
+
+        def note_store(uow: Any, rec: Any) -> None:
+            if not broken[0]:
+                broken[0] = True
+                raise RuntimeError("the store report broke")
+            real(uow, rec)
+
+        monkeypatch.setattr(qm, "note_store", note_store)
+        out = Lifecycles(qm).run([OnePut(PutSpec("Q1", b"other")), SyncPut(c, PutSpec("Q1", b"mine"))])
+        monkeypatch.undo()
+        assert broken[0]
+        assert not isinstance(out[0], Message), out  # its own unit of work backed out
+        assert isinstance(out[1], Message), out  # None would send it to its own path: put a second time
+        c.commit()
+        assert [m.body for m in c.browse("Q1")] == [b"mine"]
+        assert qm.log is not None
+        assert [r["d"] for _, r in qm.log.records() if r["k"] == "PUT"] == [b"mine"]
+    finally:
+        monkeypatch.undo()
         qm.stop()
