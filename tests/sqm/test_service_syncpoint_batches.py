@@ -19,11 +19,12 @@ import pytest
 
 from cfemu.admin import Admin
 from cfemu.connection import connect
+from sqm.service.client import Client
 from sqm.service.server import EXIT_FENCED
 from tests.sqm.test_service_event_loop import _open_uows, client, loop_counts, raw, send
 from tests.support.group import define_group
 from tests.support.killed_member import killed_by_failpoint, log_on_disk, peer_recovered
-from tests.support.service_proc import ServerProc, start_server
+from tests.support.service_proc import OP_TOKEN, ServerProc, start_server
 
 
 def test_commits_sent_together_run_in_one_batch_each_with_its_own_outcome(fresh_redis: Any, tmp_path: Path) -> None:
@@ -295,3 +296,44 @@ def test_commits_of_a_member_fenced_mid_batch_each_hear_an_outcome_the_peer_keep
         for s in (srv, peer):
             if s is not None and s.proc.poll() is None:
                 s.stop()
+
+
+def test_status_and_display_conn_count_batched_work_under_syncpoint_as_alone(fresh_redis: Any, tmp_path: Path) -> None:
+    """Four clients each put, commit, get and commit under syncpoint, together, on the event loop: the member's
+    counters (puts, gets, commits, no backout) and DISPLAY CONN (each connection's requests, its queue, no unit of
+    work left) count them as the connections' threads would, one each."""
+    define_group(fresh_redis.url, queues=("CQ",))
+    srv = start_server(fresh_redis.url, tmp_path, "QM1")
+    clients = [client(srv, client_name=f"counted-{k}") for k in range(4)]
+    try:
+        with Client(srv.endpoint, token=OP_TOKEN, role="operator") as op:
+            before, loop_before = op.status(), loop_counts(srv)
+            errors: list[BaseException] = []
+
+            def lifecycle(c: Client, k: int) -> None:
+                try:
+                    c.put("CQ", b"c%d" % k)
+                    c.commit()
+                    c.get("CQ", wait_ms=10_000)
+                    c.commit()
+                except BaseException as e:  # noqa: BLE001 - reported by the assertion below
+                    errors.append(e)
+
+            threads = [threading.Thread(target=lifecycle, args=(c, k)) for k, c in enumerate(clients)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=60)
+            assert not errors, errors
+            after = op.status()
+            assert {k: after[k] - before[k] for k in ("puts", "gets", "commits", "backouts")} == \
+                {"puts": 4, "gets": 4, "commits": 8, "backouts": 0}
+            assert loop_counts(srv)["batched_requests"] - loop_before["batched_requests"] == 16  # all on the loop
+            rows = {r["application"]: r for r in op.connections()["connections"]}
+        for k in range(4):
+            row = rows[f"counted-{k}"]
+            assert (row["requests"], row["queues"], row["uow"]) == (4, ["CQ"], None), row
+    finally:
+        for c in clients:
+            c.close()
+        assert srv.stop() == 0, srv.log_text()
