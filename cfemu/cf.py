@@ -601,7 +601,11 @@ class Structure:
     def standing(self, caller: Caller, uow: str, *, gen: int) -> str:
         """How the UOW stands here (standing.lua): 'H' held, 'C' / 'B' decided by recovery, 'L' lost with the
         CF, 'N' nothing here. Raises as commit would for a structure that is not ACTIVE or a fenced member."""
-        return keys.text(self.cf.run("standing", self.name, [caller.member, caller.epoch, uow, gen]))
+        return keys.text(self.cf.run(*self.standing_call(caller, uow, gen=gen)))
+
+    def standing_call(self, caller: Caller, uow: str, *, gen: int) -> tuple[str, str, list[Any]]:
+        """standing() as a call for CF.run_many (op, structure, args); its reply read by keys.text."""
+        return "standing", self.name, [caller.member, caller.epoch, uow, gen]
 
     def uow_entries(self, uow: str) -> list[tuple[Entry, bytes]]:
         return _pairs(self._call("uow_entries", None, [uow]))

@@ -11,14 +11,17 @@ Every failpoint in the project (add a row with each new ``failpoint()`` call):
 
     name                 where                              the process dies
     before-log-force     sqm.core.manager.QueueManager.complete  before the UOW's decision record is forced
+                         (and apply_many, for a batch holding commits under syncpoint: before its force)
     after-log-force      sqm.core.manager.QueueManager.complete  after a commit is forced, before it is applied
+                         (and apply_many, for such a batch: after its force, before its commits are applied)
     backout-after-log    sqm.core.manager.QueueManager.complete  after a backout is forced, before it is applied
     during-apply         sqm.core.manager.QueueManager.apply     after each structure of the UOW is applied
     put-after-cf         sqm.core.connection (put in a UOW)      after the CF holds the put, before it is logged
     batch-before-force   sqm.core.connection (put_batch, get_batch)  after a batch's CF calls and its records'
                                                             appends, before its commit's force
     lifecycles-before-force  sqm.core.outcomes (commit_many)   after a batch of puts and gets outside syncpoint
-                                                            appended its records and COMMITs, before their force
+                                                            and commits under syncpoint appended its records
+                                                            and COMMITs, before their force
     lifecycles-after-force   sqm.core.outcomes (commit_many)   after that force, before the commits are applied
                                                             (no reply of the batch is sent)
     group-force          sqm.log.writer (RecordLog._lead_flush)  when other committers wait on a flush, before its

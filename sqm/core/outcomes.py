@@ -172,8 +172,9 @@ class Outcomes:
             self.counters["commits" if commit else "backouts"] += 1
 
     def decide_many(self, uows: list[UnitOfWork], logged: list[Record]) -> Decided:
-        """The first half of committing, together, units of work of one persistent put or get outside syncpoint each
-        whose own CF script just checked the persistent store (complete's pstore_checked): ``logged`` (their PUT
+        """The first half of committing, together, units of work on one structure each whose persistent store was
+        checked just now (complete's pstore_checked: by the script of their one put or get outside syncpoint, or by
+        their standing check under syncpoint, sqm.core.syncpoint_calls): ``logged`` (their PUT
         and GET records) and their COMMIT records appended under one hold of the lock, not yet forced. The second
         half is ``apply_many``, which forces them (one fsync for every Decided it is given) before it applies any."""
         self.check_usable()
@@ -206,14 +207,20 @@ class Outcomes:
                     decided.errors[i] = failed
         decided.position = None
 
-    def apply_many(self, batches: list[Decided]) -> None:
+    def apply_many(self, batches: list[Decided], *, applications: bool = False) -> None:
         """The second half (decide_many): every COMMIT of ``batches`` forced by one fsync, then their commits
         applied in one CF round trip (each commit.lua atomic, in order). A commit the round trip did not finish
         (refused, a floor, the CF gone) goes on alone by complete's path, as its own commit would have. Each
         unit of work's error (None: committed) is in its Decided's ``errors``; every COMMIT is on disk, or its
-        unit of work has an error, before this returns."""
+        unit of work has an error, before this returns. ``applications``: the batches hold commits an application
+        asked for (under syncpoint), which pass complete's failpoints too, as alone."""
         assert self.log is not None
+        batches = [d for d in batches if d.uows]
+        if not batches:  # nothing to force (a batch of puts and gets under syncpoint): no failpoint of a force
+            return
         failpoint("lifecycles-before-force")
+        if applications:
+            failpoint("before-log-force")
         for d in batches:
             if d.position is None:
                 continue
@@ -222,6 +229,8 @@ class Outcomes:
             except OSError as e:
                 self._log_failed_for(d, e)
         failpoint("lifecycles-after-force")
+        if applications:
+            failpoint("after-log-force")
         todo = [(d, i, u) for d in batches if d.position is not None for i, u in enumerate(d.uows)
                 if d.errors[i] is None]
         calls = []

@@ -4,8 +4,8 @@ request, runs the requests that arrived together as one batch, and writes their 
 Each turn: ``select`` on every connection the loop holds; read what each ready one has (non-blocking); take from
 each at most one whole request (a connection's next request is never begun before its previous reply is out:
 order per connection); begin those the host can run together as one batch (``LoopHost.begin_together``: puts and
-gets outside syncpoint, one CF round trip for their scripts, their records and COMMITs appended;
-sqm.core.lifecycles). The finisher thread then forces every batch begun meanwhile with one fsync, applies their
+gets outside syncpoint, puts, gets and commits under syncpoint, one CF round trip for their scripts and the
+commits' standing checks, their records and COMMITs appended; sqm.core.lifecycles, sqm.core.syncpoint_calls). The finisher thread then forces every batch begun meanwhile with one fsync, applies their
 commits in one CF round trip (``LoopHost.finish_together``) and writes each reply, only after its COMMIT is on
 disk; while it does, the loop reads and begins the next batch. With no other connection to read meanwhile, the
 loop finishes its batch itself (one client pays no hand-off).
@@ -374,12 +374,16 @@ class BatchLoop:
                 self._reply([(t, conns)])
                 self._answer([(t, conns)])
                 return self._still_ready(ready)
-            if not alone:
+            # A batch with nothing to force (puts and gets under syncpoint) is answered now: its replies do not wait
+            # behind the finisher's force of other batches.
+            if not alone and t.forces:
                 with self._lock:
                     alone = self._finisher_closed  # it stopped meanwhile
                     if not alone:
                         self._pending += 1
                         self._begun.put((t, conns))
+            else:
+                alone = True
             if alone:
                 self._complete([(t, conns)])
                 self._answer([(t, conns)])

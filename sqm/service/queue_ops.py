@@ -15,8 +15,9 @@ from cfemu.topic_attributes import PUB_SUFFIX, SUB_SUFFIX
 from cfemu.uow_attributes import CONTROL_SUFFIX, DATA_SUFFIX
 from sqm import operations
 from sqm.core.connection import BatchResult, Connection, Message, PutSpec
-from sqm.core.lifecycles import OneGet, OnePut
+from sqm.core.lifecycles import Call, OneGet, OnePut
 from sqm.core.manager import QueueManager
+from sqm.core.syncpoint_calls import Done, SyncCommit, SyncGet, SyncPut
 from sqm.operations import ANY_ROLE, OPERATOR, OPERATOR_ONLY, Operation, arg, short
 from sqm.service.protocol import ENVELOPE, MESSAGE_COST, NotAuthorizedError, error_reply, message_to_wire
 from sqm.service.queue_activity import QueueActivity
@@ -127,32 +128,47 @@ def get(svc: Service, session: Session, args: dict[str, Any]) -> dict[str, Any]:
 
 def runs_together(op: str, args: dict[str, Any]) -> bool:
     """Whether a request is of the kinds ``together`` takes, from its shape alone (no check of its arguments'
-    values): a put outside syncpoint that is not non-persistent, a get outside syncpoint with no selection."""
-    if op not in ("put", "get") or args.get("syncpoint", True) is not False:
-        return False
-    if op == "put":
-        return args.get("persistent", True) is not False
-    return args.get("msgid") is None and args.get("correlid") is None
+    values): a put (outside syncpoint: one that is not non-persistent), a get with no selection, a commit."""
+    if op == "commit":
+        return True
+    if op == "get":
+        return args.get("msgid") is None and args.get("correlid") is None
+    return op == "put" and (args.get("syncpoint", True) is not False or args.get("persistent", True) is not False)
 
 
-def together(svc: Service, session: Session, op: str, args: dict[str, Any]) -> OnePut | OneGet | None:
+def together(svc: Service, session: Session, op: str, args: dict[str, Any]) -> Call | None:
     """The request as a call that runs together with other connections' (sqm.core.lifecycles): a persistent put
-    outside syncpoint, or a get outside syncpoint of the next message; None for any other request (it goes by its
-    own handler). Raises what its handler would raise for its arguments."""
+    outside syncpoint, a get outside syncpoint of the next message, each a unit of work of its own; a put, a get of
+    the next message and a commit under syncpoint, in the connection's unit of work (sqm.core.syncpoint_calls);
+    None for any other request (it goes by its own handler). Raises what its handler would raise for its
+    arguments."""
     if not runs_together(op, args):
         return None
+    if op == "commit":
+        return SyncCommit(session.conn)
+    syncpoint = arg(args, op, "syncpoint", bool, True)
     if op == "put":
         spec = _put_spec(svc, args, "put")
+        if syncpoint:
+            return SyncPut(_connection(svc, session), spec)
         return OnePut(spec) if spec.persistent else None
     wait_ms = _get_wait(svc, args, "get")
-    return OneGet(_plain(svc, arg(args, "get", "queue", str), "get"),
-                  max_length=session.reply_limit - ENVELOPE - MESSAGE_COST, wait_ms=wait_ms, gone=session.gone)
+    queue = _plain(svc, arg(args, "get", "queue", str), "get")
+    max_length = session.reply_limit - ENVELOPE - MESSAGE_COST
+    if syncpoint:
+        return SyncGet(_connection(svc, session), queue, max_length=max_length, wait_ms=wait_ms)
+    return OneGet(queue, max_length=max_length, wait_ms=wait_ms, gone=session.gone)
 
 
-def together_result(svc: Service, session: Session, call: OnePut | OneGet, outcome: Message | MQError) -> Any:
+def together_result(svc: Service, session: Session, call: Call, outcome: Message | Done | MQError) -> Any:
     """The result of a call run together (``together``), as its handler returns it, or its error raised as the
     handler raises it."""
-    if isinstance(call, OnePut):
+    if isinstance(outcome, Done):
+        return None
+    if isinstance(call, SyncCommit):
+        assert isinstance(outcome, MQError)
+        raise outcome
+    if isinstance(call, OnePut | SyncPut):
         if isinstance(outcome, MQError):
             raise outcome
         return _put_result(svc, session, outcome)

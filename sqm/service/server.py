@@ -12,8 +12,8 @@ request may run, and the end of a connection's session); the rest is in its own 
 - sqm.service.config: ServerConfig and the exit codes of ``sqm run``.
 
 Each client connection gets one worker thread: its requests run there one after another, on one
-sqm.core.connection.Connection; the puts and gets outside syncpoint that arrive together on several plain
-connections run instead as one batch on the service's event loop (sqm.service.batch_loop, ``begin_together`` and
+sqm.core.connection.Connection; the puts and gets (outside syncpoint, and under it with their commits) that
+arrive together on several plain connections run instead as one batch on the service's event loop (sqm.service.batch_loop, ``begin_together`` and
 ``finish_together`` here; ``--thread-per-connection`` turns it off). When the connection goes away its open UOW is backed out (MQ backs out on an abnormal
 end); a prepared (in-doubt) UOW stays in doubt for its coordinator.
 
@@ -35,11 +35,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cfemu.admin import AdminError
-from cfemu.errors import BadRequestError, ClientGoneError, FencedError, MQError, StructureFailedError
+from cfemu.errors import (
+    BadRequestError,
+    ClientGoneError,
+    FencedError,
+    MQError,
+    OutcomeUnknownError,
+    StructureFailedError,
+)
 from cfemu.latency import Latencies
 from cfemu.repository import RepositoryError
 from sqm.conversations import ops as conversation_ops
-from sqm.core.lifecycles import Begun, Lifecycles, OneGet, OnePut
+from sqm.core.lifecycles import Begun, Call, Lifecycles
 from sqm.core.manager import CF_DOWN, QueueManager, QueueManagerConfig
 from sqm.log import LogLockedError
 from sqm.operations import OPERATOR, ROLES, Handler, NotLoggedOnError, short
@@ -346,13 +353,14 @@ class SQMServer:
 
     def begin_together(self, requests: list[tuple[Session, int, str, dict[str, Any]]]) -> Together:
         """Requests of several connections that the dispatcher let run (``refusal``), each connection's one, begun
-        together where they can be (queue_ops.together: puts and gets outside syncpoint; sqm.core.lifecycles):
+        together where they can be (queue_ops.together: puts and gets outside syncpoint, puts, gets and commits under syncpoint;
+        sqm.core.lifecycles):
         their CF scripts in one round trip, their records appended. ``finish_together`` forces and commits them
         and makes their replies; a reply left None is for a request to run by ``dispatch`` (any other request, or
         one the batch leaves to its own path). Runs on the service's event loop (sqm.service.batch_loop), under no
         request slot: one thread runs the whole batch."""
         t = Together(requests, [None] * len(requests))
-        calls: list[OnePut | OneGet] = []
+        calls: list[Call] = []
         for k, (session, rid, op, args) in enumerate(requests):
             started = time.perf_counter()
             try:
@@ -379,9 +387,14 @@ class SQMServer:
         begun = [t.begun for t in batches if t.begun is not None]
         try:
             self.lifecycles.finish(begun)
-        except Exception as e:  # each request not finished hears it
+        except Exception as e:  # each call the batch was committing and not finished hears it (its COMMIT may be on
+            # disk); the others' outcomes stand (a put or get under syncpoint is in its unit of work whatever happened)
+            failed = self._as_error("commit", e)
             for b in begun:
-                b.out = [o if isinstance(o, MQError) else self._as_error("commit", e) for o in b.out]
+                for i, _, _ in b.together:
+                    if b.out[i] is None:
+                        b.out[i] = OutcomeUnknownError(f"its batch's force or commit failed ({failed}): committed if "
+                                                       "its COMMIT reached the disk")
         now = time.time()
         for t in batches:
             if t.begun is None:

@@ -123,6 +123,12 @@ class Together:
     begun: Begun | None = None
     started: float = 0.0  # perf_counter when they began (their op_seconds)
 
+    @property
+    def forces(self) -> bool:
+        """Whether finishing the batch forces the log: it decided commits (else, puts and gets under syncpoint and
+        refusals, its replies need no fsync and no round trip more)."""
+        return self.begun is not None and self.begun.decided is not None and bool(self.begun.decided.uows)
+
 
 class ByteBudget:
     """The bytes of requests (and replies) in flight on a member, held to ``limit``.

@@ -7,7 +7,7 @@ connection and runs the handshake (sqm.service.auth); once a plain (non-TLS) con
 thread reads, runs and answers its requests itself on blocking socket calls (the direct loop: no hand-off from the
 loop to the thread and back per request, which cost more CPU than the request's own work; bench/profile_service.py),
 and the loop only ends it at shutdown. By default (``ServerConfig.event_loop``) such a connection joins the
-service's event loop instead (sqm.service.batch_loop), which runs the puts and gets outside syncpoint of all its
+service's event loop instead (sqm.service.batch_loop), which runs the puts and gets (and commits under syncpoint) of all its
 connections that arrive together as one batch, and hands the connection to its thread (``direct_step``) for the
 requests of other kinds. A TLS connection stays on the asyncio loop, which hands each request to its thread.
 

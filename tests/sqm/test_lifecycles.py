@@ -26,7 +26,7 @@ from cfemu.errors import (
 )
 from sqm.core.config import QueueManagerConfig
 from sqm.core.connection import Message, PutSpec
-from sqm.core.lifecycles import Lifecycles, OneGet, OnePut
+from sqm.core.lifecycles import Call, Lifecycles, OneGet, OnePut
 from sqm.core.manager import QueueManager
 from sqm.wings import WINGS
 from tests.support.group import define_group, start_qm
@@ -46,7 +46,7 @@ def test_one_batch_gives_each_call_its_own_outcome_in_two_round_trips_and_one_fs
             c.get("Q3", syncpoint=False)
         assert qm.log is not None
         trips, fsyncs = qm.cf.round_trips, qm.log.stats.fsyncs
-        calls: list[OnePut | OneGet] = [
+        calls: list[Call] = [
             OnePut(PutSpec("Q1", b"new")),
             OnePut(PutSpec("NOSUCH", b"x")),
             OnePut(PutSpec("FULLQ", b"x")),
@@ -187,7 +187,7 @@ def test_a_batch_whose_scripts_a_hung_cf_does_not_answer_waits_one_timeout_not_o
             c.put("Q2", b"stays%d" % k, syncpoint=False)
         if known:
             assert not c.browse("Q1")  # its definition read
-        calls: list[OnePut | OneGet] = [OnePut(PutSpec("Q1", b"m%d" % k)) for k in range(n // 2)]
+        calls: list[Call] = [OnePut(PutSpec("Q1", b"m%d" % k)) for k in range(n // 2)]
         calls += [OneGet("Q2") for _ in range(n // 2)]
         os.kill(pid, signal.SIGSTOP)
         try:

@@ -28,7 +28,7 @@ from sqm.service.client import Client
 from sqm.service.protocol import HEADER, decode_body, encode_frame
 from tests.sqm.test_log_failure import start_member
 from tests.support.group import define_group
-from tests.support.killed_member import killed_by_failpoint
+from tests.support.killed_member import killed_by_failpoint, log_on_disk
 from tests.support.lifecycle_ledger import LifecycleLedger
 from tests.support.service_proc import OP_TOKEN, TOKEN, Raw, ServerProc, http_get, start_server
 
@@ -335,9 +335,11 @@ def test_thread_per_connection_is_still_there(fresh_redis: Any, tmp_path: Path) 
 def test_kill_9_inside_a_batch_loses_no_acknowledged_message(fresh_redis: Any, tmp_path: Path, where: str) -> None:
     """Twelve clients run lifecycles (a persistent put outside syncpoint, then a get outside syncpoint, each one
     request) on one member, whose event loop runs the requests that arrive together as one batch. The member dies
-    (SIGKILL) in its 25th batch, before its force (none of its records on disk) or after it (all of them on disk,
-    no reply sent). After peer recovery: no acknowledged put is lost (unless a get of it is in doubt), no
-    acknowledged get comes back, and nothing is there that no client was told was put or had in doubt."""
+    (SIGKILL) in its 25th batch with something to force, before its force or after it (its records on disk, no
+    reply sent). After peer recovery: every acknowledged put's and get's COMMIT is in the victim's log on disk, no
+    acknowledged put is lost (unless a get of it is in doubt), no acknowledged get comes back, nothing is there
+    that no client was told was put or had in doubt, and each put or get in doubt ended as that log decides it
+    (a force of earlier batches may have taken a COMMIT of the killed batch to disk before the kill)."""
     acked_puts: set[bytes] = set()
     unknown_puts: set[bytes] = set()
     acked_gets: set[bytes] = set()
@@ -376,9 +378,16 @@ def test_kill_9_inside_a_batch_loses_no_acknowledged_message(fresh_redis: Any, t
         lost = acked_puts - acked_gets - there  # each get in doubt may have taken one, and no more
         assert len(lost) <= len(doubtful_gets), f"acknowledged puts lost: {sorted(lost)}"
         assert there <= acked_puts | unknown_puts, "a message no client had acknowledged or had in doubt"
-        if where.startswith("lifecycles-before-force"):  # the killed batch's records never reached the disk
-            assert not there & unknown_puts, "a put the member died before logging was applied"
-            assert not lost, "a get the member died before logging consumed its message"
+        # What the peer did is what the victim's log on disk decides: a COMMIT appended while the finisher forced
+        # earlier batches may reach the disk with their force, before the killed batch's own; its client heard
+        # nothing (in doubt), and the log decides it.
+        on_disk = log_on_disk(killed.victim.log_root / "QM1")
+        assert all(on_disk.put_committed(b) for b in acked_puts), "a put acknowledged before its COMMIT was forced"
+        assert all(on_disk.get_committed(b) for b in acked_gets), "a get acknowledged before its COMMIT was forced"
+        applied = {b for b in unknown_puts if on_disk.put_committed(b)}
+        assert there & unknown_puts <= applied, "a put whose COMMIT never reached the disk was applied"
+        assert applied - on_disk.got <= there, "a put whose COMMIT reached the disk was not applied"
+        assert lost <= on_disk.got, "a message lost that no get whose COMMIT reached the disk took"
 
 
 # --- graceful shutdown with batches in flight ------------------------------------------------------------------

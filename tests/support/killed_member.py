@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from sqm.log import LogReader
 from sqm.service.client import Client
 from tests.support.group import define_group
 from tests.support.service_proc import OP_TOKEN, ServerProc, start_server
@@ -62,3 +63,40 @@ def killed_by_failpoint(redis_url: str, tmp_path: Path, queue: str, failpoint: s
         for srv in servers:
             if srv.proc.poll() is None:
                 srv.stop()
+
+
+@dataclass
+class OnDisk:
+    """A member's log as its disk holds it: the units of work of each message's put and get, those committed."""
+
+    put_uow: dict[bytes, str]
+    get_uow: dict[bytes, str]
+    committed: set[str]
+
+    @property
+    def got(self) -> set[bytes]:
+        """The messages a committed get took."""
+        return {b for b, u in self.get_uow.items() if u in self.committed}
+
+    def put_committed(self, body: bytes) -> bool:
+        return self.put_uow.get(body, "") in self.committed
+
+    def get_committed(self, body: bytes) -> bool:
+        return self.get_uow.get(body, "") in self.committed
+
+
+def log_on_disk(directory: Path) -> OnDisk:
+    """The log of a member (its directory) as its disk holds it, read after the member died."""
+    put_uow: dict[bytes, str] = {}
+    entry_body: dict[str, bytes] = {}
+    get_uow: dict[bytes, str] = {}
+    committed: set[str] = set()
+    for _, rec in LogReader(directory).records():
+        if rec["k"] == "PUT":
+            put_uow[bytes(rec["d"])] = rec["u"]
+            entry_body[rec["e"]["id"]] = bytes(rec["d"])
+        elif rec["k"] == "GET":
+            get_uow[entry_body[rec["i"]]] = rec["u"]
+        elif rec["k"] == "COMMIT":
+            committed.add(rec["u"])
+    return OnDisk(put_uow, get_uow, committed)

@@ -170,7 +170,7 @@ def _peers_behind(d: Draw) -> tuple[float, dict[str, Any]]:
     params: dict[str, Any] = {"skew_ms": -(d.lease_ms + d.rnd.choice((1000, 2000, 4000)))}
     if len(d.managers) > 2 and d.rnd.random() < 0.5:  # else a busy peer recovers it
         params["idle"] = d.rnd.choice([m for m in d.managers if m != d.target])
-    params["commit"] = d.rnd.randint(2, 12)  # the victim dies right after forcing this many COMMITs
+    params["commit"] = d.rnd.randint(2, 12)  # the victim dies right after this many forces of COMMITs
     return 0.0, params
 
 
@@ -178,7 +178,8 @@ register(FaultKind(
     "peer-clock-skew", peer_clock_skew, number=15, cost_s=32.0, draw=_peers_behind,
     doc="every peer of the target is restarted with its clock skewed behind by more than the lease (lease + 1, 2 or "
         "4 s); the target is restarted with the failpoint `after-log-force=N` (N from the seed, 2-12) and dies right "
-        "after its N-th COMMIT is forced; a skewed peer completes the commit; then the CF is lost and restored (as "
+        "after its N-th force of COMMITs (one commit, or a batch of commits under syncpoint); a skewed peer "
+        "completes the commit; then the CF is lost and restored (as "
         "`cf-kill`) and the target restarts. In half the seeds the recoverer is an idle peer: its client proxy is "
         "cut 7 s before (longer than the coordinator's longest park, so nothing moves its clock on) and the other "
         "peer is stopped (SIGSTOP) from the target's death until the idle one has recovered it (it may be fenced "
