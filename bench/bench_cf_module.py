@@ -1,5 +1,5 @@
 """What the CF's server module saves the CF's server: CPU µs per call of each operation the module has
-(cfemu.server_module.COMMANDS), its Lua script against its module command, in one server and one run.
+(cfemu.server_module.COMMANDS: put and get), its Lua script against its module command, in one server and one run.
 
 One redis-server (the one the CF runs, with the module loaded) holds the same structure twice: database 0 driven
 through the scripts (EVALSHA), database 1 through the module's commands. A round runs a batch of `--batch` calls
@@ -38,10 +38,11 @@ from cfemu.embedded import EmbeddedRedis  # noqa: E402
 from cfemu.entry import Entry  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "cf_module.jsonl"
+MAX_LENGTH = 4 * 1024 * 1024  # the longest message a get can take (sqm passes one with every get)
 BODY = b"x" * 1024
 S, Q = "APP1", "Q1"
 # The calls measured: (name, operation, whether each message is put in a UOW of its own).
-CASES = [("put (in a UOW)", "put", True), ("put (outside syncpoint)", "put", False)]
+CASES = [("put (in a UOW)", "put", True), ("put (outside syncpoint)", "put", False), ("get (in a UOW)", "get", True)]
 
 
 def cpu_ns(pid: int) -> int:
@@ -74,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         structure = CF(sides["script"]).structure(S)
         script_keys = keys.script_keys(S)
         shas = {op: sides["script"].script_load(lua.source(op)) for _, op, _ in CASES}
-        sides["module"].script_load(lua.source("put"))
+        for op in shas:
+            sides["module"].script_load(lua.source(op))
         figures: dict[str, dict[str, list[float]]] = {}
         serial = 0
 
@@ -84,10 +86,17 @@ def main(argv: list[str] | None = None) -> int:
             head: tuple[Any, ...] = ((server_module.COMMANDS[op],) if side == "module"
                                      else ("EVALSHA", shas[op], len(script_keys)))
             commands = []
+            if op == "get":  # the messages the batch takes, put first (not measured)
+                batch(side, "put", False, True)
             for _ in range(args.batch):
                 serial += 1
-                _, _, call_args = structure.put_call(caller, Entry(id=f"e{serial}", queue=Q, msgid=f"{serial:048x}"),
-                                                     BODY, uow=f"u{serial}" if in_uow else "")
+                if op == "put":
+                    _, _, call_args = structure.put_call(caller, Entry(id=f"e{serial}", queue=Q,
+                                                                       msgid=f"{serial:048x}"),
+                                                         BODY, uow=f"u{serial}" if in_uow else "")
+                else:
+                    _, _, call_args = structure.get_call(caller, Q, uow=f"g{serial}", now_ms=1_000,
+                                                         max_length=MAX_LENGTH)
                 commands.append((*head, *script_keys, *call_args))
             before = cpu_ns(srv.pid or 0)
             if pipelined:

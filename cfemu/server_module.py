@@ -21,7 +21,7 @@ import redis
 __all__ = ["COMMANDS", "ENV_MODULE", "loaded_ops", "path"]
 
 # The operations the module runs, by script name, and their commands.
-COMMANDS = {"put": "CF.PUT"}
+COMMANDS = {"put": "CF.PUT", "get": "CF.GET"}
 
 # "0": the embedded server does not load the module (the CF runs its scripts).
 ENV_MODULE = "CFEMU_CF_MODULE"

@@ -143,7 +143,7 @@ def _caller(rng: random.Random, pair: Pair, clock: Clock) -> Caller:
 def _entry(rng: random.Random, n: int) -> Entry:
     return Entry(id=f"e{rng.randrange(n)}", queue=rng.choice((*QUEUES * 4, "NOQ")), priority=rng.randrange(3),
                  persistent=rng.random() < 0.6, msgid=rng.choice(("", "", "m1", "m2")),
-                 correlid=rng.choice(("", "", "c1")), expiry=rng.choice((0, 0, 0, 10**13, 1_000)),
+                 correlid=rng.choice(("", "", "c1")), expiry=rng.choice((0, 0, 10**13, 1_000, 1_000)),
                  put_time=rng.randrange(10**12), backout_count=rng.randrange(3),
                  properties=rng.choice(({}, {}, {"k": "v", "n": 3})))
 
@@ -173,16 +173,38 @@ def _step(rng: random.Random, pair: Pair, clock: Clock, ids: int) -> tuple[str, 
                   persistent=taken.persistent)
         _, _, args = s.put_call(c, e, bytes(size), uow=u, gen=gen)
         return "put", pair.call("put", args)
-    if roll < 0.65:
-        _, _, args = s.get_call(_caller(rng, pair, clock), rng.choice(QUEUES), uow=uow or "U1", gen=gen,
-                                match=rng.choice(("", "", "m")), value="m1", now_ms=2_000)
-        if args[6] == "m":  # a match by message id
-            args[7] = rng.choice(("m1", "m2"))
+    if roll < 0.61:  # expired messages at the head of a queue, met by a get with a small step
+        c = Caller(MEMBERS[0], pair.epochs[MEMBERS[0]], clock)
+        for _ in range(3):
+            e = Entry(id=f"x{clock.now()}", queue=QUEUES[0], priority=2, expiry=1_000)
+            _, _, args = s.put_call(c, e, b"expired", uow="")
+            put = pair.call("put", args)
+            if put[0] != put[1]:
+                return "put", put
+        _, _, args = s.get_call(c, QUEUES[0], uow="U1", now_ms=2_000, step=rng.choice((1, 2)))
         return "get", pair.call("get", args)
-    if roll < 0.75:
+    if roll < 0.64:  # the best match is not the first the index lists: a put committed after a later put
+        c = Caller(MEMBERS[0], pair.epochs[MEMBERS[0]], clock)
+        u = f"W{clock.now()}"
+        first = Entry(id=f"w{clock.now()}", queue=QUEUES[1], priority=1, msgid="m3")
+        second = Entry(id=f"w{clock.now()}", queue=QUEUES[1], priority=1, msgid="m3")
+        for call in (s.put_call(c, first, b"in a UOW", uow=u), s.put_call(c, second, b"outside", uow=""),
+                     s.commit_call(c, u, gen=0, lrsn=10**6 * clock.now())):  # counts after the second put
+            done = pair.call(call[0], call[2])
+            if done[0] != done[1]:
+                return call[0], done
+        _, _, args = s.get_call(c, QUEUES[1], uow=f"G{clock.now()}", match="m", value="m3", now_ms=2_000)
+        return "get", pair.call("get", args)
+    if roll < 0.72:
+        match = rng.choice(("", "", "m", "c"))
+        _, _, args = s.get_call(_caller(rng, pair, clock), rng.choice((*QUEUES * 4, "NOQ")), uow=uow or "U1", gen=gen,
+                                match=match, value={"m": rng.choice(("m1", "m2")), "c": "c1"}.get(match, ""),
+                                now_ms=2_000, max_length=rng.choice((0, 0, 150, 400)), step=rng.choice((0, 1, 1, 2, 50)))
+        return "get", pair.call("get", args)
+    if roll < 0.79:
         _, _, args = s.commit_call(_caller(rng, pair, clock), uow or "U1", gen=gen, lrsn=clock.now())
         return "commit", pair.call("commit", args)
-    if roll < 0.82:
+    if roll < 0.84:
         c = _caller(rng, pair, clock)
         args = [c.member, c.epoch, clock.now(), uow or "U2", gen, clock.now(), rng.randrange(2), 0, 0, 0, 0]
         return "backout", pair.call("backout", args)
@@ -244,11 +266,11 @@ def test_module_and_scripts_give_the_same_replies_and_structure(server: Embedded
     assert "put" in seen
 
 
-def test_the_sequences_reach_every_refusal_of_a_put(server: EmbeddedRedis) -> None:
-    """The random sequences above are worth their name: over all seeds, puts are refused for every reason
-    put.lua has, and some go through (created, and repeated by id)."""
-    pair = Pair(server)
-    kinds: set[str] = set()
+def test_the_sequences_reach_every_refusal_of_the_module_operations(server: EmbeddedRedis) -> None:
+    """The random sequences above are worth their name: over all seeds, puts and gets are refused for every
+    reason their scripts have, and some go through (a put created, and repeated by id; a get that took a message,
+    found none, or ran out of its step among expired messages)."""
+    kinds: dict[str, set[str]] = {"put": set(), "get": set()}
     for seed in range(SEEDS):
         pair = Pair(server)
         rng = random.Random(seed)
@@ -256,8 +278,16 @@ def test_the_sequences_reach_every_refusal_of_a_put(server: EmbeddedRedis) -> No
         ids = rng.choice((6, 12, 40))
         for _ in range(STEPS):
             done = _step(rng, pair, clock, ids)
-            if done is not None and done[0] == "put":
-                reply = done[1][0]
-                kinds.add(reply[1].split()[0] if isinstance(reply, tuple) else f"created={reply[2]}")
-    assert kinds >= {"FENCED", "NOTJOINED", "NOQUEUE", "BADUOW", "BACKEDOUT", "COMPLETED", "PSTORE", "NONEW",
-                     "FULL", "CFSTATE", "created=1", "created=0"}, kinds
+            if done is None or done[0] not in kinds:
+                continue
+            op, reply = done[0], done[1][0]
+            if isinstance(reply, tuple):
+                kinds[op].add(reply[1].split()[0])
+            elif op == "put":
+                kinds[op].add(f"created={reply[2]}")
+            else:
+                kinds[op].add({2: "none", 3: "again", 4: "taken"}[len(reply)])
+    refusals = {"FENCED", "NOTJOINED", "NOQUEUE", "BADUOW", "BACKEDOUT", "COMPLETED", "PSTORE", "CFSTATE",
+                "NOSTRUCT"}
+    assert kinds["put"] >= refusals | {"NONEW", "FULL", "created=1", "created=0"}, kinds["put"]
+    assert kinds["get"] >= refusals | {"TOOLONG", "none", "again", "taken"}, kinds["get"]

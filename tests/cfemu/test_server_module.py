@@ -51,26 +51,26 @@ def lifecycle(admin_client: redis.Redis, cf_client: redis.Redis, mid: str = "m")
     s.commit(caller, f"g-{mid}", gen=0, lrsn=caller.clock.now())
 
 
-def test_the_embedded_cf_runs_put_as_the_module_command(redis_factory: Factory) -> None:
+def test_the_embedded_cf_runs_the_module_commands(redis_factory: Factory) -> None:
     srv = redis_factory()
     r = srv.client()
     assert srv.module_loaded
     assert server_module.loaded_ops(r) == server_module.COMMANDS
     lifecycle(r, r)
     n = calls(r)
-    assert n.get("cf.put") == 1
-    assert n.get("evalsha", 0) >= 3  # the commits and the get: scripts
+    assert n.get("cf.put") == 1 and n.get("cf.get") == 1
+    assert n.get("evalsha", 0) >= 2  # the commits: scripts
 
 
 def test_a_role_user_runs_the_module_command(redis_factory: Factory, tmp_path: Path) -> None:
-    """The module gives its command the ACL category of a write (cfemu/_cfmodule.c): a member's user, allowed
-    writes and scripts, may run it."""
+    """The module gives its commands the ACL category of a write (cfemu/_cfmodule.c): a member's user, allowed
+    writes and scripts, may run them."""
     passwords = credentials.create(tmp_path / "secrets")
     srv = redis_factory(acl_users=[*credentials.acl_lines(passwords), "user harness on >h ~* &* +@all"])
     harness = srv.client(username="harness", password="h")
     member = srv.client(username=credentials.user("member"), password=passwords["member"])
     lifecycle(harness, member)
-    assert calls(harness).get("cf.put") == 1
+    assert calls(harness).get("cf.put") == calls(harness).get("cf.get") == 1
 
 
 def test_a_server_that_will_not_load_the_module_runs_the_scripts(
@@ -86,7 +86,7 @@ def test_a_server_that_will_not_load_the_module_runs_the_scripts(
     assert server_module.loaded_ops(r) == {}
     lifecycle(r, r)
     n = calls(r)
-    assert "cf.put" not in n and n.get("evalsha", 0) >= 4
+    assert "cf.put" not in n and "cf.get" not in n and n.get("evalsha", 0) >= 4
 
 
 def test_the_module_can_be_turned_off(redis_factory: Factory, monkeypatch: pytest.MonkeyPatch) -> None:
