@@ -1092,13 +1092,16 @@ static void acl_category(RedisModuleCtx *ctx, const char *name, const char *cate
     if (command) set_categories(command, category);
 }
 
+/* Both commands are refused whole while the server is out of memory (deny-oom): a script is refused at its first
+ * write instead, so a call that the script would refuse before writing anything (FENCED, NOQUEUE, ...) is refused
+ * here with OOM. */
 int RedisModule_OnLoad(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     (void)argv;
     (void)argc;
     if (RedisModule_Init(ctx, "cfemu", 1, REDISMODULE_APIVER_1) == REDISMODULE_ERR) return REDISMODULE_ERR;
     if (RedisModule_CreateCommand(ctx, "cf.put", cf_put, "write deny-oom", 1, NKEYS, 1) == REDISMODULE_ERR)
         return REDISMODULE_ERR;
-    if (RedisModule_CreateCommand(ctx, "cf.get", cf_get, "write", 1, NKEYS, 1) == REDISMODULE_ERR)
+    if (RedisModule_CreateCommand(ctx, "cf.get", cf_get, "write deny-oom", 1, NKEYS, 1) == REDISMODULE_ERR)
         return REDISMODULE_ERR;
     acl_category(ctx, "cf.put", "write");
     acl_category(ctx, "cf.get", "write");
