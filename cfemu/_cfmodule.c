@@ -1076,6 +1076,188 @@ static int cf_get(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     return REDISMODULE_OK;
 }
 
+/* ------------------------------------------------------------------------------------------------ CF.COMMIT */
+
+/* The reply that sends a call back to its script: the module does the usual case of an operation and leaves the
+ * rest to the script (the caller runs it: cfemu.cf), deciding before it writes anything. */
+#define TO_SCRIPT "CFSCRIPT this call is for the script"
+
+typedef struct { Desc d; RedisModuleString *id; double key; } Held2;
+
+static int by_key(const void *a, const void *b) {
+    double x = ((const Held2 *)a)->key, y = ((const Held2 *)b)->key;
+    return x < y ? -1 : x > y;
+}
+
+static int carried_over(Call *c, RedisModuleString *gen) {
+    double g = str_num(gen);
+    return g != 0 && g != cur_gen(c);
+}
+
+/* CF.COMMIT: commit.lua for a UOW that holds no more entries than the call's budget, whose commit has not begun
+ * in steps, and whose puts all go at the tail of their lists (the usual case: a commit counts after what is
+ * there); any other call gets TO_SCRIPT before anything is written. */
+static int cf_commit(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
+    if (argc != 1 + NKEYS + 10) return RedisModule_WrongArity(ctx);
+    RedisModule_AutoMemory(ctx);
+    Call call = {0};
+    Call *c = &call;
+    c->ctx = ctx;
+    c->keys = argv + 1;
+    size_t ml;
+    c->prefix = RedisModule_StringPtrLen(c->keys[K_META], &ml);
+    c->prefix_len = ml >= 4 ? ml - 4 : 0;
+    MetaWrites w = {{0}, {0}};
+    RedisModuleString **a = argv + 1 + NKEYS - 1;
+    RedisModuleString *member = a[1], *epoch = a[2], *uow = a[4], *gen = a[5];
+    PTR(uow, u);
+    RedisModuleString *rec = hget(c, K_UOWS, uow);
+    if (rec) {
+        PTR(rec, raw);
+        Map m;
+        if (!map_parse((const uint8_t *)raw, raw_len, &m) || map_find(&m, "s") >= 0)
+            return RedisModule_ReplyWithError(ctx, TO_SCRIPT);  /* an outcome begun in steps */
+    }
+    if (str_is(a[9], "1")) return RedisModule_ReplyWithError(ctx, TO_SCRIPT);
+    if (check_ready(c, member, epoch) != REDISMODULE_OK) return REDISMODULE_OK;
+    RedisModuleString *t = hget(c, K_TOMB, uow);
+    if (t && str_is(t, "B")) return refuse(c, "BACKEDOUT unit of work %.*s was backed out by recovery", S(u));
+    if (t && (str_is(t, "C") || str_is(t, "P") || str_is(t, "A"))) {
+        if (str_is(t, "C") && !carried_over(c, gen)) RedisModule_Call(ctx, "HDEL", "!ss", c->keys[K_TOMB], uow);
+        double cf = tick(c, a[3]);
+        meta_set(c, &w, H_CLOCK, c->h[H_CLOCK]);
+        meta_flush(c, &w);
+        RedisModule_ReplyWithArray(ctx, 4);
+        RedisModule_ReplyWithLongLong(ctx, (long long)cf);
+        for (int i = 0; i < 3; i++) RedisModule_ReplyWithLongLong(ctx, 0);
+        return REDISMODULE_OK;
+    }
+    double lrsn = str_num(a[6]);
+    if (lrsn > 0) {
+        double floor = h_num(c, H_FLOOR);
+        if (lrsn < floor) return refuse(c, "FLOOR %lld", (long long)floor);
+    }
+    if (uow_standing(c, uow, gen, rec) != REDISMODULE_OK) return REDISMODULE_OK;
+    int carried = carried_over(c, gen) && rec != NULL;
+    int ok;
+    double budget = arg_num(a, 11, 10, &ok);
+    if (!ok || budget <= 0) budget = 1e300;
+    RedisModuleString *set_key = derived(c, "uow:", 4, u, u_len, NULL, 0, NULL, 0);
+    RedisModuleCallReply *card = RedisModule_Call(ctx, "SCARD", "s", set_key);
+    if ((double)RedisModule_CallReplyInteger(card) > budget) return RedisModule_ReplyWithError(ctx, TO_SCRIPT);
+
+    /* held_entries, ordered: puts by put LRSN, gets by get LRSN */
+    RedisModuleCallReply *members = RedisModule_Call(ctx, "SMEMBERS", "s", set_key);
+    size_t n = members ? RedisModule_CallReplyLength(members) : 0;
+    Held2 *puts = RedisModule_PoolAlloc(ctx, sizeof(Held2) * (n + 1));
+    Held2 *gets = RedisModule_PoolAlloc(ctx, sizeof(Held2) * (n + 1));
+    size_t np = 0, ng = 0;
+    for (size_t i = 0; i < n; i++) {
+        RedisModuleString *id = RedisModule_CreateStringFromCallReply(RedisModule_CallReplyArrayElement(members, i));
+        PTR(id, idp);
+        Desc d;
+        load(c, idp, idp_len, &d);
+        const char *du; size_t dul;
+        if (!d.ok || !map_str(&d.m, "u", &du, &dul) || dul != u_len || memcmp(du, u, dul) != 0) continue;
+        if (map_str_is(&d.m, "st", "UP")) {
+            puts[np] = (Held2){d, id, 0};
+            map_num(&d.m, "o2", &puts[np].key);
+            np++;
+        } else if (map_str_is(&d.m, "st", "UG")) {
+            gets[ng] = (Held2){d, id, 0};
+            map_num(&d.m, "l", &gets[ng].key);
+            ng++;
+        }
+    }
+    qsort(puts, np, sizeof(Held2), by_key);
+    qsort(gets, ng, sizeof(Held2), by_key);
+    for (size_t i = 0; i < np; i++) {  /* the puts' map keys point into their stored bytes: re-parse the copies */
+        PTR(puts[i].d.raw, r);
+        map_parse((const uint8_t *)r, r_len, &puts[i].d.m);
+    }
+    for (size_t i = 0; i < ng; i++) {
+        PTR(gets[i].d.raw, r);
+        map_parse((const uint8_t *)r, r_len, &gets[i].d.m);
+    }
+
+    /* The LRSN the puts are stamped with, as tick will make it. */
+    double cf = h_num(c, H_CLOCK);
+    double caller = str_num(a[3]);
+    if ((lrsn > caller ? lrsn : caller) > cf) cf = lrsn > caller ? lrsn : caller;
+    cf += 1;
+    double at = str_num(a[8]);
+    double l = lrsn == 0 ? cf : lrsn;
+    if (at == 0) at = l;
+    /* Each list the puts go to: its first put (in put order) at its tail, else the script places them. */
+    RedisModuleString **lists = RedisModule_PoolAlloc(ctx, sizeof(RedisModuleString *) * (np + 1));
+    for (size_t i = 0; i < np; i++) {
+        const char *q; size_t ql;
+        double p = 0;
+        map_str(&puts[i].d.m, "q", &q, &ql);
+        map_num(&puts[i].d.m, "p", &p);
+        lists[i] = cp_key(c, q, ql, p);
+        int first = 1;
+        for (size_t j = 0; j < i; j++)
+            if (str_eq(lists[j], lists[i])) first = 0;
+        if (!first) continue;
+        RedisModuleCallReply *last = RedisModule_Call(ctx, "LINDEX", "sc", lists[i], "-1");
+        if (last && RedisModule_CallReplyType(last) == REDISMODULE_REPLY_STRING) {
+            size_t ll;
+            const char *lid = RedisModule_CallReplyStringPtr(last, &ll);
+            Desc tail;
+            load(c, lid, ll, &tail);
+            if (tail.ok && before(at, puts[i].key, &tail.m)) return RedisModule_ReplyWithError(ctx, TO_SCRIPT);
+        }
+    }
+
+    double check = tick(c, lrsn > caller ? a[6] : a[3]);
+    (void)check;
+    meta_set(c, &w, H_CLOCK, c->h[H_CLOCK]);
+    for (size_t i = 0; i < np; i++) {  /* commit_puts: each at the tail of its list */
+        const char *q; size_t ql;
+        map_str(&puts[i].d.m, "q", &q, &ql);
+        RedisModule_Call(ctx, "LREM", "!scs", qkey(c, q, ql, "up", 2), "1", puts[i].id);
+        Field set[4] = {{"l", 1, at, NULL, 0}, {"o1", 1, at, NULL, 0}, {"st", 0, 0, "CP", 2}, {"u", 0, 0, "", 0}};
+        store(c, puts[i].id, &puts[i].d.m, set, 4);
+        w_rpush(c, lists[i], puts[i].id);
+    }
+    double gone = 0, gone_bytes = 0;
+    for (size_t i = 0; i < ng; i++) {  /* delete_held: the gets' entries */
+        Map *m = &gets[i].d.m;
+        const char *q; size_t ql;
+        map_str(m, "q", &q, &ql);
+        RedisModuleString *id = gets[i].id;
+        RedisModule_Call(ctx, "LREM", "!scs", qkey(c, q, ql, "ug", 2), "1", id);
+        RedisModule_Call(ctx, "HDEL", "!ss", c->keys[K_ENT], id);
+        RedisModule_Call(ctx, "HDEL", "!ss", c->keys[K_DATA], id);
+        double exp = 0, len = 0;
+        if (map_num(m, "exp", &exp) && exp > 0) RedisModule_Call(ctx, "ZREM", "!ss", c->keys[K_EXPIRY], id);
+        const char *v; size_t vl;
+        if (map_str(m, "cid", &v, &vl) && vl) RedisModule_Call(ctx, "SREM", "!ss", ixkey(c, q, ql, "c", v, vl), id);
+        if (map_str(m, "mid", &v, &vl) && vl) RedisModule_Call(ctx, "SREM", "!ss", ixkey(c, q, ql, "m", v, vl), id);
+        map_num(m, "len", &len);
+        gone += 1;
+        gone_bytes += len;
+    }
+    if (ng) {  /* account(-1, -len) for each, and the low-water relief */
+        meta_set(c, &w, H_ENTRIES, RedisModule_CreateStringPrintf(ctx, "%.0f", h_num(c, H_ENTRIES) - gone));
+        meta_set(c, &w, H_BYTES, RedisModule_CreateStringPrintf(ctx, "%.0f", h_num(c, H_BYTES) - gone_bytes));
+        if (h_is(c, H_NONEW, "FULL") && below_low_water(c)) meta_del(c, &w, H_NONEW);
+    }
+    meta_flush(c, &w);
+    /* outcome_done */
+    RedisModule_Call(ctx, "DEL", "!sss", set_key, derived(c, "uowp:", 5, u, u_len, NULL, 0, NULL, 0),
+                     derived(c, "uowg:", 5, u, u_len, NULL, 0, NULL, 0));
+    RedisModule_Call(ctx, "HDEL", "!ss", c->keys[K_UOWS], uow);
+    if (str_is(a[7], "1") || carried) RedisModule_Call(ctx, "HSET", "!ssc", c->keys[K_TOMB], uow, "C");
+    RedisModule_ReplyWithArray(ctx, 4);
+    RedisModule_ReplyWithLongLong(ctx, (long long)cf);
+    RedisModule_ReplyWithLongLong(ctx, (long long)np);
+    RedisModule_ReplyWithLongLong(ctx, (long long)ng);
+    RedisModule_ReplyWithLongLong(ctx, 0);
+    return REDISMODULE_OK;
+}
+
 /* The command's ACL category, so that a user allowed the category may call it as it may call the script (the
  * CF's roles: cfemu.credentials). The functions for it came after the header's API version (Redis 7.2, Valkey):
  * asked of the server by name; a server without them leaves the command to users allowed all commands, and the
@@ -1103,7 +1285,10 @@ int RedisModule_OnLoad(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) 
         return REDISMODULE_ERR;
     if (RedisModule_CreateCommand(ctx, "cf.get", cf_get, "write deny-oom", 1, NKEYS, 1) == REDISMODULE_ERR)
         return REDISMODULE_ERR;
+    if (RedisModule_CreateCommand(ctx, "cf.commit", cf_commit, "write deny-oom", 1, NKEYS, 1) == REDISMODULE_ERR)
+        return REDISMODULE_ERR;
     acl_category(ctx, "cf.put", "write");
+    acl_category(ctx, "cf.commit", "write");
     acl_category(ctx, "cf.get", "write");
     return REDISMODULE_OK;
 }

@@ -17,6 +17,7 @@ from cfemu.errors import MQError, StructureFailedError, from_script_error
 from cfemu.limits import CF_STEP
 from cfemu.redis_internals import hiredis_io, one_attempt, pack, retry_errors
 from cfemu.resp import exchange, receive, send
+from cfemu.server_module import TO_SCRIPT
 
 
 class Clock(Protocol):
@@ -76,15 +77,21 @@ class CF:
         return self._scripts[op]
 
     def run(self, op: str, structure: str, args: Sequence[Any]) -> Any:
+        return self._run(op, structure, args, False)
+
+    def _run(self, op: str, structure: str, args: Sequence[Any], script: bool) -> Any:
+        """run, by the operation's script when `script` is set (a call the module's command left to it)."""
         try:
             script_keys = self._keys.get(structure)
             if script_keys is None:
                 script_keys = self._keys[structure] = keys.script_keys(structure)
-            return self._evalsha(op, script_keys, args)
+            return self._evalsha(op, script_keys, args, script)
         except redis.exceptions.ResponseError as e:
             msg = str(e)
             if self._lost_module(op, e):
-                return self.run(op, structure, args)
+                return self._run(op, structure, args, script)
+            if msg.startswith(TO_SCRIPT):  # the module's command did nothing: the script does the call
+                return self._run(op, structure, args, True)
             if msg.startswith(("NOSCRIPT", "ERR", "WRONGTYPE", "BUSY", "LOADING", "READONLY", "OOM")):
                 raise
             raise from_script_error(msg, structure) from None
@@ -95,9 +102,12 @@ class CF:
         head = self._heads.get(op)
         if head is None:
             command = self._native_ops().get(op)
-            head = (command,) if command else ("EVALSHA", self._scripts[op].sha, len(keys.SCRIPT_KEYS))
+            head = (command,) if command else self._script_head(op)
             self._heads[op] = head
         return head
+
+    def _script_head(self, op: str) -> tuple[Any, ...]:
+        return ("EVALSHA", self._scripts[op].sha, len(keys.SCRIPT_KEYS))
 
     def _native_ops(self) -> dict[str, str]:
         """The operations the server runs as module commands (op -> command), asked once."""
@@ -156,15 +166,21 @@ class CF:
             finally:
                 pool.release(conn)
         again: list[int] = []  # calls that did not run: their script was not loaded, or the module is gone
+        scripted: list[int] = []  # calls the module's command left to the script
         for i, r in zip(sent, replies, strict=True):
             if isinstance(r, redis.exceptions.NoScriptError) or (
                     isinstance(r, redis.exceptions.ResponseError) and self._lost_module(calls[i][0], r)):
                 again.append(i)
+            elif isinstance(r, redis.exceptions.ResponseError) and str(r).startswith(TO_SCRIPT):
+                scripted.append(i)
             else:
                 out[i] = _script_reply(r, calls[i][1])
         for i in again:
             op, sname, args = calls[i]
             out[i] = self._run_or_error(op, sname, args)
+        for i in scripted:
+            op, sname, args = calls[i]
+            out[i] = self._run_or_error(op, sname, args, script=True)
         return out
 
     def _command(self, conn: Any, op: str, structure: str, args: Sequence[Any]) -> list[bytes]:
@@ -175,13 +191,13 @@ class CF:
             script_keys = self._keys[structure] = keys.script_keys(structure)
         return pack(conn, (*self._head(op), *script_keys, *args))
 
-    def _run_or_error(self, op: str, structure: str, args: Sequence[Any]) -> Any:
+    def _run_or_error(self, op: str, structure: str, args: Sequence[Any], script: bool = False) -> Any:
         try:
-            return self.run(op, structure, args)
+            return self._run(op, structure, args, True) if script else self.run(op, structure, args)
         except (MQError, redis.exceptions.ResponseError, redis.exceptions.DataError) as e:
             return e
 
-    def _evalsha(self, op: str, script_keys: list[str], args: Sequence[Any]) -> Any:
+    def _evalsha(self, op: str, script_keys: list[str], args: Sequence[Any], by_script: bool = False) -> Any:
         """An operation's call (EVALSHA of its registered script, or its module command), as redis-py's Script call
         does it (the pool's connection, its retry
         policy with a disconnect before each retry, NOSCRIPT loads the script and runs it again) without the rest
@@ -190,7 +206,7 @@ class CF:
         script = self._scripts[op]
         if self._cluster:  # redis-py's cluster client routes EVALSHA by its keys (one hash tag: one slot)
             return script(keys=script_keys, args=list(args))
-        cmd = (*self._head(op), *script_keys, *args)
+        cmd = (*(self._script_head(op) if by_script else self._head(op)), *script_keys, *args)
         pool = self.redis.connection_pool
         conn = pool.get_connection()
         try:
@@ -229,7 +245,7 @@ class CF:
         except redis.exceptions.NoScriptError:  # the CF restarted or flushed its scripts: load it, run it again
             if self._pair is not None:  # on a connection of ours, so that the call is confirmed as any other
                 self.redis.script_load(script.script)
-                return self._evalsha(op, script_keys, args)
+                return self._evalsha(op, script_keys, args, True)
             return script(keys=script_keys, args=list(args))
 
 

@@ -18,10 +18,14 @@ from typing import Any
 
 import redis
 
-__all__ = ["COMMANDS", "ENV_MODULE", "loaded_ops", "path"]
+__all__ = ["COMMANDS", "ENV_MODULE", "TO_SCRIPT", "loaded_ops", "path"]
 
 # The operations the module runs, by script name, and their commands.
-COMMANDS = {"put": "CF.PUT", "get": "CF.GET"}
+COMMANDS = {"put": "CF.PUT", "get": "CF.GET", "commit": "CF.COMMIT"}
+
+# The error a module command replies, having done nothing, with a call it leaves to the operation's script (the
+# rarer cases of an operation: cfemu/_cfmodule.c); the CF then runs the script for that call.
+TO_SCRIPT = "CFSCRIPT"
 
 # "0": the embedded server does not load the module (the CF runs its scripts).
 ENV_MODULE = "CFEMU_CF_MODULE"

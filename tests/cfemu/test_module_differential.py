@@ -105,6 +105,8 @@ class Pair:
         self.structure = CF(self.scripts).structure(S)
         self.keys = keys.script_keys(S)
         self.epochs: dict[str, int] = {}
+        self.native: dict[str, int] = {}  # calls the module's commands did, by operation
+        self.scripted: dict[str, int] = {}  # calls they left to the script
         admins = [Admin(self.scripts), Admin(self.module)]
         for a in admins:
             a.ensure_structure(S, QUEUES)
@@ -119,7 +121,16 @@ class Pair:
             command = server_module.COMMANDS.get(op) if native else None
             head: tuple[Any, ...] = (command,) if command else ("EVALSHA", self.shas[op], len(self.keys))
             try:
-                reply = r.execute_command(*head, *self.keys, *args)
+                try:
+                    reply = r.execute_command(*head, *self.keys, *args)
+                except redis.exceptions.ResponseError as e:
+                    if not str(e).startswith(server_module.TO_SCRIPT):
+                        raise
+                    self.scripted[op] = self.scripted.get(op, 0) + 1  # left to the script, as the CF does
+                    reply = r.execute_command("EVALSHA", self.shas[op], len(self.keys), *self.keys, *args)
+                else:
+                    if native and command:
+                        self.native[op] = self.native.get(op, 0) + 1
                 if op in ("get", "get_committed") and isinstance(reply, list) and len(reply) >= 4:
                     reply[2] = (_decoded(reply[2]), len(reply[2]))  # the descriptor taken, as stored
                 out.append(reply)
@@ -202,7 +213,11 @@ def _step(rng: random.Random, pair: Pair, clock: Clock, ids: int) -> tuple[str, 
                                 now_ms=2_000, max_length=rng.choice((0, 0, 150, 400)), step=rng.choice((0, 1, 1, 2, 50)))
         return "get", pair.call("get", args)
     if roll < 0.79:
-        _, _, args = s.commit_call(_caller(rng, pair, clock), uow or "U1", gen=gen, lrsn=clock.now())
+        _, _, args = s.commit_call(_caller(rng, pair, clock), uow or "U1", gen=gen,
+                                   lrsn=rng.choice((0, clock.now(), clock.now())), at=rng.choice((0, 0, clock.now())))
+        args[6] = rng.choice((0, 0, 1))  # the outcome recorded (a tombstone): as peer recovery decides it
+        if rng.random() < 0.3:  # capacity's "no new units of work", which the commit's gets may end
+            pair.both(lambda r: r.hset(keys.meta(S), "nonew", "FULL"))
         return "commit", pair.call("commit", args)
     if roll < 0.84:
         c = _caller(rng, pair, clock)
@@ -271,6 +286,7 @@ def test_the_sequences_reach_every_refusal_of_the_module_operations(server: Embe
     reason their scripts have, and some go through (a put created, and repeated by id; a get that took a message,
     found none, or ran out of its step among expired messages)."""
     kinds: dict[str, set[str]] = {"put": set(), "get": set()}
+    native: dict[str, int] = {}
     for seed in range(SEEDS):
         pair = Pair(server)
         rng = random.Random(seed)
@@ -287,7 +303,11 @@ def test_the_sequences_reach_every_refusal_of_the_module_operations(server: Embe
                 kinds[op].add(f"created={reply[2]}")
             else:
                 kinds[op].add({2: "none", 3: "again", 4: "taken"}[len(reply)])
+        for op, n in pair.native.items():
+            native[op] = native.get(op, 0) + n
     refusals = {"FENCED", "NOTJOINED", "NOQUEUE", "BADUOW", "BACKEDOUT", "COMPLETED", "PSTORE", "CFSTATE",
                 "NOSTRUCT"}
     assert kinds["put"] >= refusals | {"NONEW", "FULL", "created=1", "created=0"}, kinds["put"]
     assert kinds["get"] >= refusals | {"TOOLONG", "none", "again", "taken"}, kinds["get"]
+    # Every module command did calls itself (not only leave them to its script).
+    assert all(native.get(op, 0) > 20 for op in server_module.COMMANDS), native

@@ -58,8 +58,7 @@ def test_the_embedded_cf_runs_the_module_commands(redis_factory: Factory) -> Non
     assert server_module.loaded_ops(r) == server_module.COMMANDS
     lifecycle(r, r)
     n = calls(r)
-    assert n.get("cf.put") == 1 and n.get("cf.get") == 1
-    assert n.get("evalsha", 0) >= 2  # the commits: scripts
+    assert (n.get("cf.put"), n.get("cf.get"), n.get("cf.commit")) == (1, 1, 2)
 
 
 def test_a_role_user_runs_the_module_command(redis_factory: Factory, tmp_path: Path) -> None:
@@ -86,7 +85,7 @@ def test_a_server_that_will_not_load_the_module_runs_the_scripts(
     assert server_module.loaded_ops(r) == {}
     lifecycle(r, r)
     n = calls(r)
-    assert "cf.put" not in n and "cf.get" not in n and n.get("evalsha", 0) >= 4
+    assert not {"cf.put", "cf.get", "cf.commit"} & set(n) and n.get("evalsha", 0) >= 4
 
 
 def test_the_module_can_be_turned_off(redis_factory: Factory, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -137,3 +136,29 @@ def test_a_user_the_server_will_not_let_run_the_module_command_gets_the_scripts(
     # One refused call per CF object (each lifecycle makes its own), never one per operation.
     assert stats["cmdstat_cf.put"]["calls"] == 0 and stats["cmdstat_cf.put"]["rejected_calls"] == 2
     assert "cmdstat_cf.get" not in stats or stats["cmdstat_cf.get"]["calls"] == 0
+
+
+def test_a_call_the_module_leaves_to_the_script_is_made_by_the_script(redis_factory: Factory) -> None:
+    """CF.COMMIT does the usual commit and leaves the others to commit.lua (a UOW larger than the call's step: a
+    commit in steps): the CF makes that call with the script, alone (run) or in a pipeline (run_many)."""
+    srv = redis_factory()
+    r = srv.client()
+    admin = Admin(r)
+    admin.ensure_structure(S, (Q,))
+    caller = Caller("QM1", admin.join("QM1", {}, lease_ms=60_000), Clock())
+    cf = CF(srv.client())
+    s = cf.structure(S)
+    for uow in ("big1", "big2"):
+        for i in range(5):
+            s.put(caller, Entry(id=f"{uow}-{i}", queue=Q), b"x", uow=uow)
+    assert s.commit(caller, "big1", gen=0, lrsn=caller.clock.now(), step=2).puts == 5
+    op, name, args = s.commit_call(caller, "big2", gen=0, lrsn=caller.clock.now(), step=2)
+    [first] = cf.run_many([(op, name, args)])
+    assert not isinstance(first, Exception) and s.step_more(caller, first)  # the script's first step
+    while s.step_more(caller, first):  # the next steps (each left to the script too)
+        first = cf.run("commit", S, [caller.member, caller.epoch, caller.clock.now(), "big2", 0, args[5], 0, 0, 1, 2])
+    stats = r.info("commandstats")
+    # Every call of those commits was left to the script: the module's command did nothing with any of them.
+    assert stats["cmdstat_cf.commit"]["calls"] == stats["cmdstat_cf.commit"]["failed_calls"] >= 4
+    taken = [s.get(caller, Q, uow="g", now_ms=1_000).entry for _ in range(10)]
+    assert sorted(e.id for e in taken if e) == sorted(f"{u}-{i}" for u in ("big1", "big2") for i in range(5))
