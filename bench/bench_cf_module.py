@@ -1,5 +1,5 @@
 """What the CF's server module saves the CF's server: CPU µs per call of each operation the module has
-(cfemu.server_module.COMMANDS: put and get), its Lua script against its module command, in one server and one run.
+(cfemu.server_module.COMMANDS: put, get, commit), its Lua script against its module command, in one server and one run.
 
 One redis-server (the one the CF runs, with the module loaded) holds the same structure twice: database 0 driven
 through the scripts (EVALSHA), database 1 through the module's commands. A round runs a batch of `--batch` calls
@@ -40,9 +40,12 @@ from cfemu.entry import Entry  # noqa: E402
 RESULTS = ROOT / "bench" / "results" / "cf_module.jsonl"
 MAX_LENGTH = 4 * 1024 * 1024  # the longest message a get can take (sqm passes one with every get)
 BODY = b"x" * 1024
-S, Q = "APP1", "Q1"
+# The commits' own queue (Q2): the puts and gets the other cases leave uncommitted in Q1 would make each commit's
+# LREM of its entry scan past them, as no member's queue holds thousands of uncommitted entries.
+S, Q, Q2 = "APP1", "Q1", "Q2"
 # The calls measured: (name, operation, whether each message is put in a UOW of its own).
-CASES = [("put (in a UOW)", "put", True), ("put (outside syncpoint)", "put", False), ("get (in a UOW)", "get", True)]
+CASES = [("put (in a UOW)", "put", True), ("put (outside syncpoint)", "put", False), ("get (in a UOW)", "get", True),
+         ("commit of a put", "commit", True), ("commit of a get", "commit", False)]
 
 
 def cpu_ns(pid: int) -> int:
@@ -68,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         caller = Caller("QM1", 0, CountingClock())
         for r in sides.values():
             admin = Admin(r)
-            admin.ensure_structure(S, (Q,))
+            admin.ensure_structure(S, (Q, Q2))
             caller = Caller("QM1", admin.join("QM1", {}, lease_ms=3_600_000), caller.clock)
         for r in sides.values():  # both fences at the same epoch
             Admin(r).join_structures("QM1", caller.epoch)
@@ -80,22 +83,28 @@ def main(argv: list[str] | None = None) -> int:
         figures: dict[str, dict[str, list[float]]] = {}
         serial = 0
 
-        def batch(side: str, op: str, in_uow: bool, pipelined: bool) -> float:
+        def batch(side: str, op: str, in_uow: bool, pipelined: bool, queue: str = Q) -> float:
             nonlocal serial
             r = sides[side]
             head: tuple[Any, ...] = ((server_module.COMMANDS[op],) if side == "module"
                                      else ("EVALSHA", shas[op], len(script_keys)))
             commands = []
             if op == "get":  # the messages the batch takes, put first (not measured)
-                batch(side, "put", False, True)
-            for _ in range(args.batch):
+                batch(side, "put", False, True, queue)
+            held = serial
+            if op == "commit":  # the UOWs the batch commits, each holding one put (in_uow) or one get (not measured)
+                batch(side, "put" if in_uow else "get", True, True, Q2)
+            for i in range(args.batch):
                 serial += 1
-                if op == "put":
-                    _, _, call_args = structure.put_call(caller, Entry(id=f"e{serial}", queue=Q,
+                if op == "commit":
+                    uow = f"u{held + 1 + i}" if in_uow else f"g{held + args.batch + 1 + i}"
+                    _, _, call_args = structure.commit_call(caller, uow, gen=0, lrsn=caller.clock.now())
+                elif op == "put":
+                    _, _, call_args = structure.put_call(caller, Entry(id=f"e{serial}", queue=queue,
                                                                        msgid=f"{serial:048x}"),
                                                          BODY, uow=f"u{serial}" if in_uow else "")
                 else:
-                    _, _, call_args = structure.get_call(caller, Q, uow=f"g{serial}", now_ms=1_000,
+                    _, _, call_args = structure.get_call(caller, queue, uow=f"g{serial}", now_ms=1_000,
                                                          max_length=MAX_LENGTH)
                 commands.append((*head, *script_keys, *call_args))
             before = cpu_ns(srv.pid or 0)

@@ -1,11 +1,13 @@
-/* The CF's hot operations as a Redis/Valkey module: CF.PUT and CF.GET do what cfemu/scripts/put.lua and get.lua
- * do, reply for reply and write for write (the scripts are the specification; tests/cfemu/test_module_differential.py
- * holds the module to them). The server loads it with --loadmodule (cfemu.server_module); where it cannot, the CF
- * runs the scripts.
+/* The CF's hot operations as a Redis/Valkey module: CF.PUT, CF.GET and CF.COMMIT do what cfemu/scripts/put.lua,
+ * get.lua and commit.lua do, reply for reply and write for write (the scripts are the specification;
+ * tests/cfemu/test_module_differential.py holds the module to them). The server loads it with --loadmodule
+ * (cfemu.server_module); where it cannot, the CF runs the scripts. A command may leave a call to its script: it then
+ * answers CFSCRIPT before it writes anything (CF.COMMIT: every commit but the usual one).
  *
  * A command takes its script's KEYS and ARGV in the same order, without EVALSHA's sha and key count:
  *   CF.PUT meta fence ent data uows tomb queues expiry  member epoch lrsn uow gen id queue descriptor data
  *   CF.GET meta fence ent data uows tomb queues expiry  member epoch lrsn uow gen queue match value now [max [step]]
+ *   CF.COMMIT meta fence ent data uows tomb queues expiry  member epoch lrsn uow gen commit-lrsn record at later step
  *
  * Reads go through the module key API (no command dispatch). Writes go through the key API with the command of the
  * same effect replicated, or are commands called with the '!' flag: either way the AOF and replicas get the effects
