@@ -16,7 +16,7 @@ $(BIN)/python:
 
 # Re-install only when pyproject.toml (or the C sources its build compiles) changed since the last successful
 # install.
-$(STAMP): pyproject.toml restore/_columns.c backup/_frames.c cfemu/_bulk.c native/crc32c.h | $(BIN)/python
+$(STAMP): pyproject.toml setup.py restore/_columns.c backup/_frames.c cfemu/_bulk.c cfemu/_cfmodule.c native/crc32c.h | $(BIN)/python
 	$(BIN)/python -m pip install -q --disable-pip-version-check --upgrade pip setuptools wheel
 	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[dev,spark,kombu]'
 	touch $(STAMP)

@@ -38,6 +38,7 @@ from harness import Windows, append_result, measured_on_real_disk
 from rich.console import Console
 from rich.table import Table
 
+from cfemu import server_module
 from cfemu.admin import Admin
 from cfemu.connection import connect
 from cfemu.embedded import EmbeddedRedis
@@ -62,7 +63,8 @@ class Group:
     def totals(self) -> dict[str, int]:
         s = [qm.status() for qm in self.qms]
         stats = connect(self.cf.url).info("commandstats")
-        scripts = sum(int(stats.get(f"cmdstat_{c}", {}).get("calls", 0)) for c in ("evalsha", "eval"))
+        operations = ("evalsha", "eval", *(c.lower() for c in server_module.COMMANDS.values()))  # scripts, module
+        scripts = sum(int(stats.get(f"cmdstat_{c}", {}).get("calls", 0)) for c in operations)
         return {"log_records": sum(x["log_records"] for x in s), "log_bytes": sum(x["log_bytes"] for x in s),
                 "fsyncs": sum(x["fsyncs"] for x in s), "cf_scripts": scripts,
                 "redis_commands": sum(int(v["calls"]) for v in stats.values())}

@@ -11,12 +11,13 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 import msgpack
 import redis
 
-from cfemu import bulk, duplex, keys, lua, rcluster
+from cfemu import bulk, duplex, keys, lua, rcluster, server_module
 from cfemu.entry import Entry
 from cfemu.errors import MQError, StructureFailedError, from_script_error
 from cfemu.limits import CF_STEP
 from cfemu.redis_internals import hiredis_io, one_attempt, pack, retry_errors
 from cfemu.resp import exchange, receive, send
+from cfemu.server_module import TO_SCRIPT
 
 
 class Clock(Protocol):
@@ -54,6 +55,10 @@ class CF:
         self._keys: dict[str, list[str]] = {}  # structure -> its scripts' KEYS (keys.script_keys), built once
         self._pair = duplex.pair_of(client)  # a duplexed CF: every call waits for its copy (cfemu.duplex)
         self._cluster = rcluster.is_cluster(client)  # a Redis Cluster: each script goes to its slot's master
+        # The operations the CF's server runs as module commands (cfemu.server_module), asked at the first call;
+        # each operation's command head (the module's command, or EVALSHA of its script), made once.
+        self._native: dict[str, str] | None = None
+        self._heads: dict[str, tuple[Any, ...]] = {}
         # Structure handles by name, each made (and its name checked) once: a handle holds only this CF and the
         # name, and a member asks for one per CF call.
         self._structures: dict[str, Structure] = {}
@@ -72,16 +77,56 @@ class CF:
         return self._scripts[op]
 
     def run(self, op: str, structure: str, args: Sequence[Any]) -> Any:
+        return self._run(op, structure, args, False)
+
+    def _run(self, op: str, structure: str, args: Sequence[Any], script: bool) -> Any:
+        """run, by the operation's script when `script` is set (a call the module's command left to it)."""
         try:
             script_keys = self._keys.get(structure)
             if script_keys is None:
                 script_keys = self._keys[structure] = keys.script_keys(structure)
-            return self._evalsha(self._scripts[op], script_keys, args)
+            return self._evalsha(op, script_keys, args, script)
         except redis.exceptions.ResponseError as e:
             msg = str(e)
+            if self._lost_module(op, e):
+                return self._run(op, structure, args, script)
+            if msg.startswith(TO_SCRIPT):  # the module's command did nothing: the script does the call
+                return self._run(op, structure, args, True)
             if msg.startswith(("NOSCRIPT", "ERR", "WRONGTYPE", "BUSY", "LOADING", "READONLY", "OOM")):
                 raise
             raise from_script_error(msg, structure) from None
+
+    def _head(self, op: str) -> tuple[Any, ...]:
+        """The command an operation's call starts with: its module command where the server has it, else EVALSHA
+        of its script (a duplexed CF and a Redis Cluster run the scripts)."""
+        head = self._heads.get(op)
+        if head is None:
+            command = self._native_ops().get(op)
+            head = (command,) if command else self._script_head(op)
+            self._heads[op] = head
+        return head
+
+    def _script_head(self, op: str) -> tuple[Any, ...]:
+        return ("EVALSHA", self._scripts[op].sha, len(keys.SCRIPT_KEYS))
+
+    def _native_ops(self) -> dict[str, str]:
+        """The operations the server runs as module commands (op -> command), asked once."""
+        if self._native is None:
+            self._native = {} if self._pair is not None or self._cluster else server_module.loaded_ops(self.redis)
+        return self._native
+
+    def _lost_module(self, op: str, error: Exception) -> bool:
+        """Whether a call failed because the operation's module command cannot be used: the server no longer has
+        it (a CF restarted without the module), or the caller's user may not run it (a server whose module API
+        cannot give a module command an ACL category: cfemu/_cfmodule.c). The operations then go to the scripts
+        from now on, and the call can be made again (nothing of it ran)."""
+        msg = str(error)
+        if not (self._native and op in self._native and (
+                msg.startswith("unknown command") or "no permissions to run the 'cf." in msg)):
+            return False
+        self._native = {}
+        self._heads.clear()
+        return True
 
     def run_many(self, calls: Sequence[tuple[str, str, Sequence[Any]]]) -> list[Any]:
         """Several structure scripts (op, structure, args) in one round trip: a pipeline on one connection, never a
@@ -97,6 +142,7 @@ class CF:
             return []
         if self._pair is not None or self._cluster:
             return [self._run_or_error(op, sname, args) for op, sname, args in calls]
+        self._native_ops()  # asked before the pipeline takes its connection (which may be the pool's only one)
         pool = self.redis.connection_pool
         conn = pool.get_connection()
         out: list[Any] = [None] * len(calls)
@@ -119,35 +165,48 @@ class CF:
                     conn.disconnect()
             finally:
                 pool.release(conn)
+        again: list[int] = []  # calls that did not run: their script was not loaded, or the module is gone
+        scripted: list[int] = []  # calls the module's command left to the script
         for i, r in zip(sent, replies, strict=True):
-            out[i] = _script_reply(r, calls[i][1])
-        for i, r in enumerate(out):
-            if isinstance(r, redis.exceptions.NoScriptError):
-                op, sname, args = calls[i]
-                out[i] = self._run_or_error(op, sname, args)
+            if isinstance(r, redis.exceptions.NoScriptError) or (
+                    isinstance(r, redis.exceptions.ResponseError) and self._lost_module(calls[i][0], r)):
+                again.append(i)
+            elif isinstance(r, redis.exceptions.ResponseError) and str(r).startswith(TO_SCRIPT):
+                scripted.append(i)
+            else:
+                out[i] = _script_reply(r, calls[i][1])
+        for i in again:
+            op, sname, args = calls[i]
+            out[i] = self._run_or_error(op, sname, args)
+        for i in scripted:
+            op, sname, args = calls[i]
+            out[i] = self._run_or_error(op, sname, args, script=True)
         return out
 
     def _command(self, conn: Any, op: str, structure: str, args: Sequence[Any]) -> list[bytes]:
-        """The EVALSHA of a structure script as the connection sends it."""
+        """The call of a structure operation as the connection sends it (its module command or its script's
+        EVALSHA)."""
         script_keys = self._keys.get(structure)
         if script_keys is None:
             script_keys = self._keys[structure] = keys.script_keys(structure)
-        return pack(conn, ("EVALSHA", self._scripts[op].sha, len(script_keys), *script_keys, *args))
+        return pack(conn, (*self._head(op), *script_keys, *args))
 
-    def _run_or_error(self, op: str, structure: str, args: Sequence[Any]) -> Any:
+    def _run_or_error(self, op: str, structure: str, args: Sequence[Any], script: bool = False) -> Any:
         try:
-            return self.run(op, structure, args)
+            return self._run(op, structure, args, True) if script else self.run(op, structure, args)
         except (MQError, redis.exceptions.ResponseError, redis.exceptions.DataError) as e:
             return e
 
-    def _evalsha(self, script: Any, script_keys: list[str], args: Sequence[Any]) -> Any:
-        """EVALSHA of a registered script, as redis-py's Script call does it (the pool's connection, its retry
+    def _evalsha(self, op: str, script_keys: list[str], args: Sequence[Any], by_script: bool = False) -> Any:
+        """An operation's call (EVALSHA of its registered script, or its module command), as redis-py's Script call
+        does it (the pool's connection, its retry
         policy with a disconnect before each retry, NOSCRIPT loads the script and runs it again) without the rest
         of redis-py's per-command path (observability records, argument filtering, wrappers): that path cost more
         CPU than the script itself, four times per message lifecycle (BENCHMARKS.md, "peers")."""
+        script = self._scripts[op]
         if self._cluster:  # redis-py's cluster client routes EVALSHA by its keys (one hash tag: one slot)
             return script(keys=script_keys, args=list(args))
-        cmd = ("EVALSHA", script.sha, len(script_keys), *script_keys, *args)
+        cmd = (*(self._script_head(op) if by_script else self._head(op)), *script_keys, *args)
         pool = self.redis.connection_pool
         conn = pool.get_connection()
         try:
@@ -186,7 +245,7 @@ class CF:
         except redis.exceptions.NoScriptError:  # the CF restarted or flushed its scripts: load it, run it again
             if self._pair is not None:  # on a connection of ours, so that the call is confirmed as any other
                 self.redis.script_load(script.script)
-                return self._evalsha(script, script_keys, args)
+                return self._evalsha(op, script_keys, args, True)
             return script(keys=script_keys, args=list(args))
 
 

@@ -4,7 +4,8 @@ it beside its own: qsg.supervisor_metrics; docs/metrics.md).
 What an operator of the CF watches: whether it answers (``cfemu_cf_up``) or answers BUSY (a script has run past
 its busy-reply-threshold: ``cfemu_cf_busy``, and the BUSY replies in ``cfemu_cf_errors_total{error="BUSY"}``),
 its memory against its limit, its clients, its keys, how much time its commands and scripts took
-(``cfemu_cf_command_seconds_total{command="evalsha"}`` is the CF operations' time: each is one script), and its
+(``cfemu_cf_command_seconds_total{command="evalsha"}`` is the CF operations' time: each is one script; where the
+server module runs, its commands, ``cf.put`` and ``cf.get``, are the others: cfemu.server_module), and its
 persistence (the last save, the changes since, the last write's status). A scrape reads INFO once, with a short
 timeout, so a hung CF costs the scrape at most that long.
 """

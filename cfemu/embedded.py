@@ -54,6 +54,7 @@ from urllib.parse import quote
 
 import redis
 
+from cfemu import server_module
 from cfemu.procs import free_port, log_tail, pid_alive, pid_is_redis, popen_tied
 from cfemu.sockets import UNIX_PATH_MAX
 
@@ -337,6 +338,9 @@ class EmbeddedRedis:
         unix_socket: also listen on a Unix-domain socket (``unix_url``): True for ``<data_dir>/cf.sock`` (or a
             private directory of its own when that path is too long), or the socket's path, whose directory must
             be its owner's only (0700). Not with TLS: a TLS CF listens with TLS only.
+        module: load the CF's server module where the build made it (cfemu.server_module): the CF operations it
+            has run in C instead of Lua. A server that will not load it starts without it (the CF then runs every
+            operation's script); ``module_loaded`` says which.
     """
 
     def __init__(
@@ -359,6 +363,7 @@ class EmbeddedRedis:
         tls_key: str | os.PathLike[str] | None = None,
         tls_ca: str | os.PathLike[str] | None = None,
         unix_socket: bool | str | os.PathLike[str] = False,
+        module: bool = True,
     ) -> None:
         if appendfsync not in ("always", "everysec", "no"):
             raise ValueError(f"appendfsync must be always|everysec|no, not {appendfsync!r}")
@@ -383,6 +388,8 @@ class EmbeddedRedis:
         self.acl_users = list(acl_users) if acl_users is not None else None
         self.config = dict(config or {})
         self.extra_args = list(extra_args)
+        self.module = module
+        self._module_refused = False  # this server would not load the module: it starts without it
         self.startup_timeout = startup_timeout
         self.detach = detach
         self._given_data_dir = Path(data_dir).resolve() if data_dir is not None else None
@@ -539,8 +546,19 @@ class EmbeddedRedis:
             cmd += ["--enable-debug-command", "local"]
         for key, value in self.config.items():
             cmd += [f"--{key}", str(value)]
+        module = self._module_path()
+        if module is not None:
+            cmd += ["--loadmodule", str(module)]
         cmd += self.extra_args
         return cmd
+
+    def _module_path(self) -> Path | None:
+        return server_module.path() if self.module and not self._module_refused else None
+
+    @property
+    def module_loaded(self) -> bool:
+        """Whether the server was started with the CF's server module."""
+        return self._module_path() is not None
 
     def start(self) -> EmbeddedRedis:
         """Start the server (again, after ``kill()``/``stop()``: same port and data directory)."""
@@ -556,15 +574,21 @@ class EmbeddedRedis:
         data_dir = self._ensure_data_dir()
         attempts = 1 if self._port is not None else 3
         last: ServerStartError | None = None
-        for _ in range(attempts):
+        while attempts > 0:
             port = self._port if self._port is not None else free_port(self.host)
             try:
                 self._spawn(port, data_dir)
             except ServerStartError as exc:
                 last = exc
-                if "Address already in use" not in str(exc):
-                    raise
-                continue
+                if "Address already in use" in str(exc):
+                    attempts -= 1
+                    continue
+                if self._module_path() is not None and ("failed to load" in str(exc) or "not loaded" in str(exc)):
+                    # The server would not load the module (another build, an older API): it starts without it
+                    # and the CF runs the scripts.
+                    self._module_refused = True
+                    continue
+                raise
             self._port = port
             if self.detach:
                 self._write_state()

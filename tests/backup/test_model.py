@@ -1,7 +1,10 @@
 """Exhaustive model check of the fuzzy backup protocol (docs/invariants.md, invariant 4).
 
 Every interleaving (no sampling) of the backup's steps with a few message transitions, run against the real CF
-scripts on the real redis-server, then the CF is lost and restored with the real fold (restore.plan.plan_local).
+operations on the real redis-server, then the CF is lost and restored with the real fold (restore.plan.plan_local).
+The CF runs them twice: as the product's CF does (the server module's commands, cfemu.server_module, for the
+operations it has, where the build made it; the scripts for the others), and on a server without the module (every
+operation its script): the scripts are the specification, and the module must keep every invariant they keep.
 
 Scope. One structure APP1 with queue Q1 (persistent messages m1, m2) and queue Q2 (one non-persistent message,
 which must never come back); two members, QM1 with a true clock and QM2 with a clock 5 s slow (only the CF's
@@ -51,7 +54,7 @@ during it, so step 1 is a second line of defence here (the test pins that down t
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +62,8 @@ import pytest
 import redis
 
 from backup.protocol import STEPS
+from cfemu import server_module
+from cfemu.embedded import EmbeddedRedis
 from restore.reference import plan_local
 from tests.backup.model.actors import (
     NP_QUEUE,
@@ -254,6 +259,17 @@ def client(redis_url: str, redis_server: Any) -> redis.Redis:
     return redis_server.client()
 
 
+@pytest.fixture(scope="module")
+def scripts_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[redis.Redis]:
+    """A CF that runs every operation's script: a server started without the module."""
+    srv = EmbeddedRedis(data_dir=tmp_path_factory.mktemp("model-scripts"), module=False)
+    srv.start()
+    try:
+        yield srv.client()
+    finally:
+        srv.stop()
+
+
 # Interleavings explored per scenario (equivalence classes under the sleep-set reduction). Pinned: a change in
 # the protocol, the scripts or the actors that changes the search space shows here.
 EXPECTED = {"lifecycle": 3376, "redelivery": 3283, "get_before_backup": 130, "put_outside_syncpoint": 1009,
@@ -280,10 +296,23 @@ FUSED_SCHEDULES = pytest.mark.xdist_group("backup-model-fused")
                                       pytest.param(fused, marks=FUSED_SCHEDULES), expiry],
                          ids=lambda s: s.__name__)
 def test_backup_loses_nothing_under_any_interleaving(client: redis.Redis, scenario: Scenario) -> None:
+    # The product's CF: the module's commands where the build made the module.
+    assert server_module.path() is None or server_module.loaded_ops(client) == server_module.COMMANDS
     result = explored(client, scenario)
     assert not result.findings, "\n".join(str(f) for f in result.findings[:3])
     assert result.exploration.interleavings == EXPECTED[scenario.__name__]
     assert result.exploration.nodes > result.exploration.interleavings
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario", [lifecycle, redelivery, get_before_backup, put_outside_syncpoint, fused, expiry],
+                         ids=lambda s: s.__name__)
+def test_backup_loses_nothing_under_any_interleaving_on_the_scripts(scripts_client: redis.Redis,
+                                                                     scenario: Scenario) -> None:
+    assert server_module.loaded_ops(scripts_client) == {}
+    result = check(scripts_client, scenario)
+    assert not result.findings, "\n".join(str(f) for f in result.findings[:3])
+    assert result.exploration.interleavings == EXPECTED[scenario.__name__]
 
 
 @pytest.mark.slow

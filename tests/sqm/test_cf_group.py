@@ -77,8 +77,10 @@ def _entry(i: int, queue: str = "Q1") -> Entry:
                  expiry=0, put_time=int(time.time() * 1000), properties={})
 
 
-def _held_round_trip(cf: GroupedCF, side: redis.Redis, calls: list[Callable[[], Any]]) -> list[Future[Any]]:
-    """Start the first call while the CF holds its writes (scripts among them), queue the others behind it, then let the CF go."""
+def _held_round_trip(cf: GroupedCF, side: redis.Redis, calls: list[Callable[[], Any]],
+                     unpaused: threading.Event | None = None) -> list[Future[Any]]:
+    """Start the first call while the CF holds its writes (scripts among them), queue the others behind it, then let
+    the CF go (`unpaused` is set once the CF has answered that)."""
     side.execute_command("CLIENT", "PAUSE", 30_000, "WRITE")
     pool = ThreadPoolExecutor(len(calls))
     futures = [pool.submit(calls[0])]
@@ -86,6 +88,8 @@ def _held_round_trip(cf: GroupedCF, side: redis.Redis, calls: list[Callable[[], 
     futures += [pool.submit(c) for c in calls[1:]]
     _wait_for(lambda: len(cf._queue) == len(calls) - 1, "the other calls to queue")
     side.execute_command("CLIENT", "UNPAUSE")
+    if unpaused is not None:
+        unpaused.set()
     for f in futures:
         f.exception(timeout=DEADLINE_S)
     pool.shutdown()
@@ -208,15 +212,20 @@ def test_a_cf_killed_during_a_shared_round_trip_fails_each_caller_as_a_lost_repl
     side = connect(cf_url)
     real_send = resp.send
 
+    unpaused = threading.Event()
+
     def sent_to_a_cf_killed_before_it_answers(conn: Any, sock: Any, chunks: Any) -> None:
-        # The shared round trip's pipeline (CF.run_many; a lone call is sent by cfemu.cf's own path).
+        # The shared round trip's pipeline (CF.run_many; a lone call is sent by cfemu.cf's own path). The CF may
+        # write the lone call's reply before the reply to UNPAUSE: it is stopped only once that one is read.
+        assert unpaused.wait(DEADLINE_S), "the CF did not answer UNPAUSE"
         assert fresh_redis.pid is not None
         sigstop(fresh_redis.pid)
         real_send(conn, sock, chunks)
         fresh_redis.kill()
 
     monkeypatch.setattr(resp, "send", sent_to_a_cf_killed_before_it_answers)
-    futures = _held_round_trip(cf, side, [partial(s.put, caller, _entry(i), b"m%d" % i) for i in range(THREADS)])
+    futures = _held_round_trip(cf, side, [partial(s.put, caller, _entry(i), b"m%d" % i) for i in range(THREADS)],
+                               unpaused)
     assert futures[0].result().clock > 0  # the lone call, before the CF died
     failures = [f.exception() for f in futures[1:]]
     assert all(isinstance(e, redis.exceptions.ConnectionError) and reply_lost(e) for e in failures), failures

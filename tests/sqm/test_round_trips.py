@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from cfemu import server_module
 from cfemu.cf import CF
 from cfemu.embedded import EmbeddedRedis
 from cfemu.errors import ClientGoneError, NoMessageError, PstoreUnavailableError
@@ -24,7 +25,10 @@ from tests.support.group import define_group, start_qm
 
 
 def _scripts(client: redis.Redis) -> int:
-    return int(client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
+    """CF operations the server ran: scripts, and the server module's commands (each one a script's operation)."""
+    stats = client.info("commandstats")
+    names = ["evalsha", *(c.lower() for c in server_module.COMMANDS.values())]
+    return sum(int(stats.get(f"cmdstat_{n}", {}).get("calls", 0)) for n in names)
 
 
 def _fsyncs(qm: QueueManager) -> int:

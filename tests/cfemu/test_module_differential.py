@@ -1,0 +1,313 @@
+"""The CF's server module against the Lua scripts it replaces (cfemu/_cfmodule.c, cfemu.server_module): the scripts
+are the specification. One real server with the module loaded holds two copies of one structure, in database 0
+(driven through the scripts, EVALSHA) and database 1 (the module's commands for the operations it has, the scripts
+for the others). Random sequences of operations, refusals included (fences, members that never joined, unknown
+queues, UOWs of other members, UOWs marked, tombstoned or lost with the CF, a disconnected persistent store, the
+"no new units of work" state, capacity limits in entries and bytes, replacements of an entry the UOW took, a failed
+structure, duplicate ids), run on both; every reply must be the same, and so must the whole structure after each
+step: every key with its type and value, descriptors and UOW records compared decoded (msgpack maps have no key
+order; cmsgpack packs an empty table as an empty array and drops nil values)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import msgpack
+import pytest
+import redis
+
+from cfemu import keys, lua, server_module
+from cfemu.admin import Admin
+from cfemu.cf import CF, Caller
+from cfemu.embedded import EmbeddedRedis
+from cfemu.entry import Entry
+
+S = "APP1"
+QUEUES = ("Q1", "Q2")
+MEMBERS = ("QM1", "QM2")
+SEEDS = 24
+STEPS = 70
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0
+
+    def now(self) -> int:
+        self.t += 1
+        return self.t
+
+    def observe(self, lrsn: int) -> None:
+        self.t = max(self.t, lrsn)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedRedis]:
+    srv = EmbeddedRedis(data_dir=tmp_path_factory.mktemp("module-differential"))
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def _normal(v: Any) -> Any:
+    """A decoded msgpack value as cmsgpack would give it back: no nil map values, an empty map as an empty list."""
+    if isinstance(v, dict):
+        out = {k: _normal(x) for k, x in v.items() if x is not None}
+        return out or []
+    if isinstance(v, list):
+        return [_normal(x) for x in v]
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    return v
+
+
+def _decoded(raw: bytes) -> Any:
+    return _normal(msgpack.unpackb(raw, raw=True, strict_map_key=False))
+
+
+def state(r: redis.Redis) -> dict[bytes, Any]:
+    """Every key of the structure, typed: what a reader of it can see."""
+    out: dict[bytes, Any] = {}
+    packed = {keys.entries(S).encode(), keys.uows(S).encode()}
+    for k in sorted(r.scan_iter(match=keys.all_structure_keys_pattern(S))):
+        t = r.type(k)
+        if t == b"hash":
+            h = r.hgetall(k)
+            # A packed value's length counts too: a get's bound counts the descriptor as stored.
+            out[k] = ("hash", {f: (_decoded(v), len(v)) if k in packed else v for f, v in h.items()})
+        elif t == b"list":
+            out[k] = ("list", r.lrange(k, 0, -1))
+        elif t == b"set":
+            out[k] = ("set", r.smembers(k))
+        elif t == b"zset":
+            out[k] = ("zset", r.zrange(k, 0, -1, withscores=True))
+        else:
+            out[k] = (t, r.dump(k))
+    return out
+
+
+class Pair:
+    """The structure in two databases: `scripts` runs every operation's script, `module` the module's command
+    where it has one."""
+
+    def __init__(self, server: EmbeddedRedis) -> None:
+        self.scripts = server.client(db=0)
+        self.module = server.client(db=1)
+        for r in (self.scripts, self.module):
+            r.flushdb()
+            for op in lua.structure_operations():
+                r.script_load(lua.source(op))
+        self.shas = {op: CF(self.scripts).script(op).sha for op in lua.structure_operations()}
+        self.structure = CF(self.scripts).structure(S)
+        self.keys = keys.script_keys(S)
+        self.epochs: dict[str, int] = {}
+        self.native: dict[str, int] = {}  # calls the module's commands did, by operation
+        self.scripted: dict[str, int] = {}  # calls they left to the script
+        admins = [Admin(self.scripts), Admin(self.module)]
+        for a in admins:
+            a.ensure_structure(S, QUEUES)
+        for m in MEMBERS:
+            self.epochs[m] = admins[0].join(m, {}, lease_ms=600_000)
+            admins[1].join_structures(m, self.epochs[m])
+
+    def call(self, op: str, args: list[Any]) -> tuple[Any, Any]:
+        """The operation on both; each reply, or the error's text."""
+        out = []
+        for r, native in ((self.scripts, False), (self.module, True)):
+            command = server_module.COMMANDS.get(op) if native else None
+            head: tuple[Any, ...] = (command,) if command else ("EVALSHA", self.shas[op], len(self.keys))
+            try:
+                try:
+                    reply = r.execute_command(*head, *self.keys, *args)
+                except redis.exceptions.ResponseError as e:
+                    if not str(e).startswith(server_module.TO_SCRIPT):
+                        raise
+                    self.scripted[op] = self.scripted.get(op, 0) + 1  # left to the script, as the CF does
+                    reply = r.execute_command("EVALSHA", self.shas[op], len(self.keys), *self.keys, *args)
+                else:
+                    if native and command:
+                        self.native[op] = self.native.get(op, 0) + 1
+                if op in ("get", "get_committed") and isinstance(reply, list) and len(reply) >= 4:
+                    reply[2] = (_decoded(reply[2]), len(reply[2]))  # the descriptor taken, as stored
+                out.append(reply)
+            except redis.exceptions.ResponseError as e:
+                out.append(("error", str(e)))
+        return out[0], out[1]
+
+    def both(self, fn: Callable[[redis.Redis], Any]) -> None:
+        fn(self.scripts)
+        fn(self.module)
+
+
+def _caller(rng: random.Random, pair: Pair, clock: Clock) -> Caller:
+    member = rng.choice((*MEMBERS * 5, "QM9"))
+    epoch = pair.epochs.get(member, 1)
+    if rng.random() < 0.08:
+        epoch -= 1  # a stale incarnation: fenced
+    return Caller(member, epoch, clock)
+
+
+def _entry(rng: random.Random, n: int) -> Entry:
+    return Entry(id=f"e{rng.randrange(n)}", queue=rng.choice((*QUEUES * 4, "NOQ")), priority=rng.randrange(3),
+                 persistent=rng.random() < 0.6, msgid=rng.choice(("", "", "m1", "m2")),
+                 correlid=rng.choice(("", "", "c1")), expiry=rng.choice((0, 0, 10**13, 1_000, 1_000)),
+                 put_time=rng.randrange(10**12), backout_count=rng.randrange(3),
+                 properties=rng.choice(({}, {}, {"k": "v", "n": 3})))
+
+
+def _step(rng: random.Random, pair: Pair, clock: Clock, ids: int) -> tuple[str, tuple[Any, Any]] | None:
+    """One random operation on both copies: its name and both replies (None for a change made by hand)."""
+    s = pair.structure
+    uow = rng.choice(("", "", "U1", "U2", "U3", "U4"))
+    gen = rng.choice((0, 0, 0, 0, 1, 2))
+    roll = rng.random()
+    if roll < 0.5:
+        e = _entry(rng, ids)
+        size = rng.choice((0, 10, 100, 300, 700))
+        _, _, args = s.put_call(_caller(rng, pair, clock), e, bytes(rng.randrange(256) for _ in range(size)),
+                                uow=uow, gen=gen)
+        return "put", pair.call("put", args)
+    if roll < 0.58:  # a replacement: a get, then a put of the same message id on the same queue in that UOW
+        c = _caller(rng, pair, clock)
+        u, queue = rng.choice(("U1", "U2")), rng.choice(QUEUES)
+        _, _, args = s.get_call(c, queue, uow=u, gen=gen, now_ms=2_000)
+        got = pair.call("get", args)
+        if not (isinstance(got[0], list) and len(got[0]) >= 4):
+            return "get", got
+        taken = Entry.unpack(pair.scripts.hget(keys.entries(S), got[0][2][0][b"id"]) or b"")
+        size = max(0, taken.length + rng.choice((-50, 100, 200, 300)))
+        e = Entry(id=f"r{clock.now()}", queue=queue, msgid=rng.choice((taken.msgid, taken.msgid, "m2")),
+                  persistent=taken.persistent)
+        _, _, args = s.put_call(c, e, bytes(size), uow=u, gen=gen)
+        return "put", pair.call("put", args)
+    if roll < 0.61:  # expired messages at the head of a queue, met by a get with a small step
+        c = Caller(MEMBERS[0], pair.epochs[MEMBERS[0]], clock)
+        for _ in range(3):
+            e = Entry(id=f"x{clock.now()}", queue=QUEUES[0], priority=2, expiry=1_000)
+            _, _, args = s.put_call(c, e, b"expired", uow="")
+            put = pair.call("put", args)
+            if put[0] != put[1]:
+                return "put", put
+        _, _, args = s.get_call(c, QUEUES[0], uow="U1", now_ms=2_000, step=rng.choice((1, 2)))
+        return "get", pair.call("get", args)
+    if roll < 0.64:  # the best match is not the first the index lists: a put committed after a later put
+        c = Caller(MEMBERS[0], pair.epochs[MEMBERS[0]], clock)
+        u = f"W{clock.now()}"
+        first = Entry(id=f"w{clock.now()}", queue=QUEUES[1], priority=1, msgid="m3")
+        second = Entry(id=f"w{clock.now()}", queue=QUEUES[1], priority=1, msgid="m3")
+        for call in (s.put_call(c, first, b"in a UOW", uow=u), s.put_call(c, second, b"outside", uow=""),
+                     s.commit_call(c, u, gen=0, lrsn=10**6 * clock.now())):  # counts after the second put
+            done = pair.call(call[0], call[2])
+            if done[0] != done[1]:
+                return call[0], done
+        _, _, args = s.get_call(c, QUEUES[1], uow=f"G{clock.now()}", match="m", value="m3", now_ms=2_000)
+        return "get", pair.call("get", args)
+    if roll < 0.72:
+        match = rng.choice(("", "", "m", "c"))
+        _, _, args = s.get_call(_caller(rng, pair, clock), rng.choice((*QUEUES * 4, "NOQ")), uow=uow or "U1", gen=gen,
+                                match=match, value={"m": rng.choice(("m1", "m2")), "c": "c1"}.get(match, ""),
+                                now_ms=2_000, max_length=rng.choice((0, 0, 150, 400)), step=rng.choice((0, 1, 1, 2, 50)))
+        return "get", pair.call("get", args)
+    if roll < 0.79:
+        _, _, args = s.commit_call(_caller(rng, pair, clock), uow or "U1", gen=gen,
+                                   lrsn=rng.choice((0, clock.now(), clock.now())), at=rng.choice((0, 0, clock.now())))
+        args[6] = rng.choice((0, 0, 1))  # the outcome recorded (a tombstone): as peer recovery decides it
+        if rng.random() < 0.3:  # capacity's "no new units of work", which the commit's gets may end
+            pair.both(lambda r: r.hset(keys.meta(S), "nonew", "FULL"))
+        return "commit", pair.call("commit", args)
+    if roll < 0.84:
+        c = _caller(rng, pair, clock)
+        args = [c.member, c.epoch, clock.now(), uow or "U2", gen, clock.now(), rng.randrange(2), 0, 0, 0, 0]
+        return "backout", pair.call("backout", args)
+    # The structure changed by hand, alike on both: the states a put is refused or let through in.
+    meta, tomb, uows = keys.meta(S), keys.tomb(S), keys.uows(S)
+    change = rng.randrange(9)
+    if change == 0:
+        value = rng.choice(("DISCONNECTED", None))
+        pair.both(lambda r: r.hset(meta, "pstore", value) if value else r.hdel(meta, "pstore"))
+    elif change == 1:
+        value = rng.choice(("OPERATOR", "FULL", "FULL", None, None))
+        pair.both(lambda r: r.hset(meta, "nonew", value) if value else r.hdel(meta, "nonew"))
+    elif change == 2:
+        n = rng.choice((0, 0, 3, 5, 8))
+        pair.both(lambda r: r.hset(meta, "max_entries", n))
+    elif change == 3:
+        n = rng.choice((0, 0, 400, 1_500))
+        pair.both(lambda r: r.hset(meta, "max_bytes", n))
+    elif change == 4:
+        value = rng.choice(("ACTIVE", "ACTIVE", "ACTIVE", "FAILED"))
+        pair.both(lambda r: r.hset(meta, "state", value))
+    elif change == 5:
+        g = rng.choice((0, 1, 2))
+        pair.both(lambda r: r.hset(meta, "gen", g))
+    elif change == 6:
+        u, t = rng.choice(("U1", "U2", "U3", "U4")), rng.choice(("A", "B", "C", "P", None, None))
+        pair.both(lambda r: r.hset(tomb, u, t) if t else r.hdel(tomb, u))
+    elif change == 7:
+        u, mark = rng.choice(("U3", "U4")), rng.choice(("C", "B"))
+        record = msgpack.packb({"o": rng.choice(MEMBERS), "f": 1, "g": 0, "s": mark}, use_bin_type=False)
+        if rng.random() < 0.5:
+            pair.both(lambda r: r.hset(uows, u, record))
+    elif rng.random() < 0.3:
+        pair.both(lambda r: r.hdel(meta, "state"))  # the structure is not in the CF (NOSTRUCT) until change 4
+    return None
+
+
+def test_the_module_is_loaded_for_the_comparison(server: EmbeddedRedis) -> None:
+    """The comparison below compares something: the server runs the module's commands."""
+    assert server.module_loaded, "the package's build made no server module (cfemu/_cfmodule.c)"
+    assert set(server_module.loaded_ops(server.client())) == set(server_module.COMMANDS)
+
+
+@pytest.mark.parametrize("seed", range(SEEDS))
+def test_module_and_scripts_give_the_same_replies_and_structure(server: EmbeddedRedis, seed: int) -> None:
+    pair = Pair(server)
+    rng = random.Random(seed)
+    clock = Clock()
+    ids = rng.choice((6, 12, 40))
+    seen: dict[str, set[str]] = {}
+    for step in range(STEPS):
+        done = _step(rng, pair, clock, ids)
+        if done is not None:
+            op, (by_script, by_module) = done
+            assert by_module == by_script, f"seed {seed} step {step}: {op} replied differently"
+            kind = by_script[1].split()[0] if isinstance(by_script, tuple) else "ok"
+            seen.setdefault(op, set()).add(kind)
+        assert state(pair.module) == state(pair.scripts), f"seed {seed} step {step}: the structures differ"
+    assert "put" in seen
+
+
+def test_the_sequences_reach_every_refusal_of_the_module_operations(server: EmbeddedRedis) -> None:
+    """The random sequences above are worth their name: over all seeds, puts and gets are refused for every
+    reason their scripts have, and some go through (a put created, and repeated by id; a get that took a message,
+    found none, or ran out of its step among expired messages)."""
+    kinds: dict[str, set[str]] = {"put": set(), "get": set()}
+    native: dict[str, int] = {}
+    for seed in range(SEEDS):
+        pair = Pair(server)
+        rng = random.Random(seed)
+        clock = Clock()
+        ids = rng.choice((6, 12, 40))
+        for _ in range(STEPS):
+            done = _step(rng, pair, clock, ids)
+            if done is None or done[0] not in kinds:
+                continue
+            op, reply = done[0], done[1][0]
+            if isinstance(reply, tuple):
+                kinds[op].add(reply[1].split()[0])
+            elif op == "put":
+                kinds[op].add(f"created={reply[2]}")
+            else:
+                kinds[op].add({2: "none", 3: "again", 4: "taken"}[len(reply)])
+        for op, n in pair.native.items():
+            native[op] = native.get(op, 0) + n
+    refusals = {"FENCED", "NOTJOINED", "NOQUEUE", "BADUOW", "BACKEDOUT", "COMPLETED", "PSTORE", "CFSTATE",
+                "NOSTRUCT"}
+    assert kinds["put"] >= refusals | {"NONEW", "FULL", "created=1", "created=0"}, kinds["put"]
+    assert kinds["get"] >= refusals | {"TOOLONG", "none", "again", "taken"}, kinds["get"]
+    # Every module command did calls itself (not only leave them to its script).
+    assert all(native.get(op, 0) > 20 for op in server_module.COMMANDS), native
