@@ -25,7 +25,11 @@ beforehand, written with pipelines of the same batch size and no transaction:
 
     .venv/bin/python bench/bench_restore.py [--quick] [--sizes 1000000:2000000 10000000:20000000]
                                             [--body 1024] [--memory 1GiB] [--engines local columnar]
-                                            [--plan-only]
+                                            [--plan-only] [--spark-master local[2]]
+
+The spark engine (--engines spark) is given no memory limit (Spark has none to give): its driver, JVM and Python
+workers are measured together, as every engine is, by the process tree's peak RSS (sampled every 0.5 s, the CF's
+redis-server left out), shown beside the figure of the process and its workers' own peaks.
 
 --plan-only measures the plan alone (time, CPU, peak memory, and its output read once in load order), each
 engine's counts checked against the generator's truth: no load, no raw write.
@@ -325,6 +329,85 @@ def cf_cpu_s(client: Any) -> float:
     return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
 
 
+def engine_options(root: Path, memory: int, workers: int, engine_name: str) -> dict[str, Any]:
+    """What get_engine takes for this engine: the local engines' memory limit, spill directory and worker processes;
+    Spark's master ($BENCH_SPARK_MASTER, default local[2]) and its log file (Spark takes no memory limit: the
+    process tree's sampled peak is what says whether it stayed within one)."""
+    if engine_name == "spark":
+        return {"master": os.environ.get("BENCH_SPARK_MASTER", "local[2]"), "log_file": root / "spark.log"}
+    return {"memory": memory, "work_dir": root / "work", "workers": workers}
+
+
+def _descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for t in tasks:
+            try:
+                kids = Path(f"/proc/{p}/task/{t}/children").read_text().split()
+            except OSError:
+                continue
+            found += [int(k) for k in kids]
+            todo += [int(k) for k in kids]
+    return found
+
+
+class TreeSampler:
+    """The peak of the RSS summed over this process and every process under it (Spark's JVM and Python workers,
+    the local engines' worker processes), the CF's redis-server and its children left out, sampled every
+    `interval` seconds; and the CPU seconds each of those processes was last seen to have used (a floor: a
+    process's last ticks before it ends can be missed)."""
+
+    def __init__(self, exclude: set[int] | None = None, interval: float = 0.5) -> None:
+        import threading
+        self.exclude, self.interval = set(exclude or ()), interval
+        self.peak = 0
+        self.cpu: dict[tuple[int, str], float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._tick = os.sysconf("SC_CLK_TCK")
+        self._page = os.sysconf("SC_PAGE_SIZE")
+
+    def start(self) -> TreeSampler:
+        self._thread.start()
+        return self
+
+    def sample(self) -> None:
+        me = os.getpid()
+        excluded: set[int] = set()
+        for p in self.exclude:
+            excluded |= {p, *_descendants(p)}
+        total = 0
+        for p in [me, *_descendants(me)]:
+            if p in excluded:
+                continue
+            try:
+                stat = Path(f"/proc/{p}/stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()
+            total += int(fields[21]) * self._page  # rss, pages
+            if p != me:  # this process's own CPU: getrusage
+                self.cpu[(p, fields[19])] = (int(fields[11]) + int(fields[12])) / self._tick  # by pid and start
+        self.peak = max(self.peak, total)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.sample()
+
+    def others_cpu_s(self) -> float:
+        return sum(self.cpu.values())
+
+    def stop(self) -> None:
+        self.sample()
+        self._stop.set()
+        self._thread.join()
+
+
 def plan_only(root: Path, memory: int, truth_file: Path, workers: int, engine_name: str) -> None:
     """The plan alone (--plan-only): planned by the engine, then its survivors read in load order as the load reads
     them (the plan's output), every count checked against the generator's truth; no load, no raw writes."""
@@ -336,10 +419,13 @@ def plan_only(root: Path, memory: int, truth_file: Path, workers: int, engine_na
     backup = read_backup(root / "backup" / S / "b", backup_keys=bench_keys(root))
     log_dirs = find_log_dirs(root / "logs")
     out: dict[str, Any] = {"rss_start_mib": round(vm_hwm() / 2**20), "engine": engine_name, "plan_only": True}
+    tree = TreeSampler().start()
     t0, c0 = time.perf_counter(), cpu_s()
-    plan = get_engine(engine_name, memory=memory, work_dir=root / "work", workers=workers).plan(
+    plan = get_engine(engine_name, **engine_options(root, memory, workers, engine_name)).plan(
         S, backup, log_dirs, REPLAY_FROM, NOW_MS, no_progress)
     out["plan_s"], out["plan_cpu_s"] = round(time.perf_counter() - t0, 2), round(cpu_s() - c0, 2)
+    tree.sample()
+    out["plan_tree_cpu_s"] = round(cpu_s() - c0 + tree.others_cpu_s(), 2)
     t1, c1 = time.perf_counter(), cpu_s()
     loaded = bumped = 0
     for s in plan.in_load_order():
@@ -353,6 +439,8 @@ def plan_only(root: Path, memory: int, truth_file: Path, workers: int, engine_na
         out["read_cpu_s"] = round(plan.read_cpu_s, 2)
     out["partitions"] = getattr(plan, "partitions", 0)
     out["peak_rss_mib"] = round((vm_hwm() + getattr(plan, "worker_peak_bytes", 0)) / 2**20)
+    tree.stop()
+    out["tree_peak_rss_mib"] = round(tree.peak / 2**20)
     counts = dict(plan.counts)
     problems = [f"{name} {counts.get(name, 0)} != {want}" for name, want in (
         ("restored", truth["restored"]), ("consumed", truth["consumed"]), ("put-backed-out", truth["put_backed_out"]))
@@ -377,7 +465,7 @@ def child(root: Path, memory: int, truth_file: Path, workers: int, engine_name: 
     from cfemu.embedded import EmbeddedRedis
     from restore.engine import get_engine
     from restore.load import load_plan
-    from restore.spill import SpillWriter, read_frames
+    from restore.spill import SpillDir, SpillWriter, read_frames
 
     truth = json.loads(truth_file.read_text())
     backup_keys = bench_keys(root)
@@ -401,11 +489,15 @@ def child(root: Path, memory: int, truth_file: Path, workers: int, engine_name: 
         admin.define_structure(S)
         for q in QUEUES:
             admin.define_queue(q, S)
+        tree = TreeSampler(exclude={server.pid} if server.pid else set()).start()
         t0, c0 = time.perf_counter(), cpu_s()
-        engine = get_engine(engine_name, memory=memory, work_dir=root / "work", workers=workers)
+        engine = get_engine(engine_name, **engine_options(root, memory, workers, engine_name))
         plan = engine.plan(S, backup, log_dirs, REPLAY_FROM, NOW_MS, progress)
         out["plan_s"] = round(time.perf_counter() - t0, 2)
         out["plan_cpu_s"] = round(cpu_s() - c0, 2)  # this process's threads and its ended worker processes
+        tree.sample()
+        out["plan_tree_cpu_s"] = round(cpu_s() - c0 + tree.others_cpu_s(), 2)  # and the live ones (Spark's)
+        out["plan_tree_peak_rss_mib"] = round(tree.peak / 2**20)
         out["engine"] = engine_name
         if hasattr(plan, "timings"):  # the columnar engine: each statement, and its log readers' CPU
             from restore.engine_columnar import ColumnarPlan
@@ -441,6 +533,8 @@ def child(root: Path, memory: int, truth_file: Path, workers: int, engine_name: 
         out["restore_s"] = round(time.perf_counter() - t0, 2)
         # this process's own peak, and its worker processes' (they ran beside it while the plan was settled)
         out["peak_rss_mib"] = round((vm_hwm() + getattr(plan, "worker_peak_bytes", 0)) / 2**20)
+        tree.stop()
+        out["tree_peak_rss_mib"] = round(tree.peak / 2**20)  # every process but the CF's, summed when sampled
         out["loaded"] = load.entries
         out["redis_used_mib"] = round(int(client.info("memory")["used_memory"]) / 2**20)
         counts = dict(plan.counts)
@@ -460,7 +554,9 @@ def child(root: Path, memory: int, truth_file: Path, workers: int, engine_name: 
         print(json.dumps(out), flush=True)  # the restore's figures, kept by the parent should the baseline fail
 
         # The baseline: the same final data, prepared beforehand, then written raw.
-        raw = SpillWriter(plan.spill, "raw")  # type: ignore[attr-defined]
+        # A plan held in memory (Spark's) has no spill directory of its own: the prepared data goes to one made here.
+        raw_spill = getattr(plan, "spill", None) or SpillDir(root / "work")
+        raw = SpillWriter(raw_spill, "raw")
         batch: list[Any] = []
 
         def flush() -> None:
@@ -519,6 +615,8 @@ def child(root: Path, memory: int, truth_file: Path, workers: int, engine_name: 
             out["cf_" + name[:-2] + "_cpu_s"] = round(cf_cpu_s(client) - cf3, 2)
             out["raw_written"] = client.hlen(ent_key)
         plan.close()
+        if raw_spill is not getattr(plan, "spill", None):
+            raw_spill.close()
     finally:
         server.stop()
     out["restore_over_raw"] = round(out["raw_write_s"] / out["restore_s"], 3)
@@ -553,6 +651,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the local engine's worker processes (cfrestore --workers; default: its default)")
     ap.add_argument("--engines", nargs="+", default=["local"],
                     help="the restore engines to measure, each size with each in the same run (default: local)")
+    ap.add_argument("--spark-master", default="local[2]",
+                    help="the spark engine's master (local[N], or spark://HOST:PORT of a running standalone cluster)")
     ap.add_argument("--plan-only", action="store_true",
                     help="the plan alone: plan time, CPU and peak memory, its output read once; no load, no raw write")
     ap.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
@@ -561,6 +661,8 @@ def main(argv: list[str] | None = None) -> int:
         (plan_only if args.plan_only else child)(Path(args.child[0]), int(args.child[1]), Path(args.child[2]), int(args.child[3]), args.child[4])
         return 0
     from cfemu.settings import default_workers, parse_size
+
+    os.environ["BENCH_SPARK_MASTER"] = args.spark_master  # the children's spark engine
 
     memory = parse_size(args.memory, what="--memory")
     workers = args.workers or default_workers()
@@ -579,10 +681,10 @@ def main(argv: list[str] | None = None) -> int:
         table = Table("engine", "messages", "log records", "body", "partitions", "plan s (CPU s)", "load s", "point s",
                       "restore s", "raw write s (grouped; same data)", "raw/restore (grouped; same data)",
                       "raw/(plan+load)",
-                      "peak RSS MiB", "correct",
+                      "peak RSS MiB (process tree)", "correct",
                       title=f"restore, engines {', '.join(args.engines)}, --memory-limit {args.memory}, --workers {workers}")
         plan_table = Table("engine", "messages", "log records", "plan s (CPU s)", "output read s (CPU s)",
-                           "peak RSS MiB", "correct",
+                           "peak RSS MiB (process tree)", "correct",
                            title=f"restore plan alone, --memory-limit {args.memory}, --workers {workers}")
         for i, size in enumerate(sizes):
             final, records = (int(x) for x in size.split(":"))
@@ -622,7 +724,8 @@ def main(argv: list[str] | None = None) -> int:
                 if "error" not in run and args.plan_only:
                     plan_table.add_row(engine_name, f"{truth.restored:,}", f"{truth.records:,}",
                                        f"{run['plan_s']} ({run['plan_cpu_s']})",
-                                       f"{run['read_out_s']} ({run['read_out_cpu_s']})", str(run["peak_rss_mib"]),
+                                       f"{run['read_out_s']} ({run['read_out_cpu_s']})",
+                                       f"{run['peak_rss_mib']} ({run.get('tree_peak_rss_mib', '-')})",
                                        "yes" if not run["problems"] else "; ".join(run["problems"]))
                 elif "error" not in run:
                     table.add_row(engine_name, f"{truth.restored:,}", f"{truth.records:,}", str(body), str(run["partitions"]),
@@ -631,7 +734,8 @@ def main(argv: list[str] | None = None) -> int:
                                   f"{run['raw_write_same_data_s']})",
                                   f"{run['restore_over_raw']:.2f} ({run['restore_over_grouped_raw']:.2f}; "
                                   f"{run['restore_over_same_data_raw']:.2f})",
-                                  f"{run['plan_load_over_raw']:.2f}", str(run["peak_rss_mib"]),
+                                  f"{run['plan_load_over_raw']:.2f}",
+                                  f"{run['peak_rss_mib']} ({run.get('tree_peak_rss_mib', '-')})",
                                   "yes" if not run["problems"] else "; ".join(run["problems"]))
             if not args.keep:
                 shutil.rmtree(root, ignore_errors=True)
