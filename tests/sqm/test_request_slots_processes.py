@@ -389,10 +389,10 @@ def test_checkpoints_taken_inside_requests_through_one_slot_do_not_deadlock(grou
 
 
 def test_sigterm_with_requests_queued_for_the_only_slot_ends_within_the_grace(group: Any, tmp_path: Path) -> None:
-    """16 clients committing through one slot (most of them queued for it at any moment: under syncpoint, requests of
-    their connections' threads) when SIGTERM comes: the process ends within --shutdown-grace, with exit code 0, and
-    every request is either done or refused."""
-    srv = one_slot_server(group, tmp_path, "--shutdown-grace", "3")
+    """16 clients committing through one slot (most of them queued for it at any moment: a thread per connection,
+    where every request takes a slot) when SIGTERM comes: the process ends within --shutdown-grace, with exit code
+    0, and every request is either done or refused."""
+    srv = one_slot_server(group, tmp_path, "--shutdown-grace", "3", "--thread-per-connection")
     stop = threading.Event()
     done, errors = [0], list[BaseException]()
 
