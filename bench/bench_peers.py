@@ -424,12 +424,13 @@ class SQMService(Contender):
 
     name = "sqm-service"
     member_env: dict[str, str] = {}  # for the members' processes, beside the cluster's settings
+    member_args: tuple[str, ...] = ()  # for every `sqm run`
     cf_socket = True  # the members reach the CF over its Unix-domain socket (else loopback TCP)
 
     def start(self) -> None:
         self.cluster = group_with_env(self.member_env).up(
             self.work / "cluster", managers=self.args.servers, backup_interval=None, structure=STRUCTURE,
-            queues=(QUEUE,), lease_ms=LEASE_MS, cf_socket=self.cf_socket)
+            queues=(QUEUE,), lease_ms=LEASE_MS, cf_socket=self.cf_socket, manager_args=self.member_args)
         self.servers_note = (f"{self.args.servers} `sqm run` server(s) (authentication on) and the CF "
                              "(redis-server, no persistence: the SQM logs are the durable copy), reached over "
                              + ("its Unix-domain socket" if self.cf_socket else "loopback TCP"))
@@ -519,15 +520,17 @@ class SQMServiceOneCallBase(SQMServiceBase):
 
 class SQMServiceUngrouped(SQMService):
     """The service with each of its CF calls in a round trip of its own: the baseline of the grouping of concurrent
-    requests' CF calls (sqm.core.cfgroup), measured beside sqm-service in the same run."""
+    requests' CF calls (sqm.core.cfgroup) and of the event loop's batches (a thread per connection), measured beside
+    sqm-service in the same run."""
 
     name = "sqm-service-ungrouped"
+    member_args = ("--thread-per-connection",)
 
     def start(self) -> None:
         from sqm.core.cfgroup import UNGROUPED_ENV
         self.member_env = {UNGROUPED_ENV: "1"}
         super().start()
-        self.servers_note += "; each CF call in a round trip of its own (not grouped)"
+        self.servers_note += "; each CF call in a round trip of its own (not grouped, a thread per connection)"
 
 
 class SQMServiceTCP(SQMService):

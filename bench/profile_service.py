@@ -166,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the server's request slots (ServerConfig.request_slots; 0: its default)")
     ap.add_argument("--ungrouped", action="store_true",
                     help="each of the member's CF calls in a round trip of its own (its concurrent requests' calls not "
-                         "grouped: sqm.core.cfgroup): the baseline the grouping is measured against")
+                         "grouped: sqm.core.cfgroup; a thread per connection, no event loop's batches): the baseline "
+                         "the grouping is measured against")
     ap.add_argument("--cprofile", metavar="PATH",
                     help="write a pstats file of the server's threads over the window, timed by each thread's CPU "
                          "clock (time.thread_time): where the server's CPU goes, function by function")
@@ -188,8 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.ungrouped:
             qm.cf.groups = False
         slots = {"request_slots": args.slots} if args.slots else {}
-        server = SQMServer(ServerConfig(name="QM1", log_root=work / "logs", redis_url=srv.url, token=TOKEN, **slots),
-                           qm=qm)
+        server = SQMServer(ServerConfig(name="QM1", log_root=work / "logs", redis_url=srv.url, token=TOKEN,
+                                        event_loop=not args.ungrouped, **slots), qm=qm)
         threading.Thread(target=lambda: asyncio.run(server.run(install_signals=False)), daemon=True).start()
         deadline = time.monotonic() + 60
         while not (qm.running and server.port) and time.monotonic() < deadline:
