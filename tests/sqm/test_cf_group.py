@@ -314,8 +314,9 @@ def test_a_connection_that_retries_on_its_own_is_not_grouped(cf_url: str) -> Non
 @pytest.mark.slow
 def test_kill_9_inside_a_shared_cf_round_trip_loses_no_acknowledged_message(fresh_redis: EmbeddedRedis,
                                                                            tmp_path: Path) -> None:
-    """Eight clients run lifecycles (put, commit, get, commit, each a request) on one `sqm run` member, whose
-    concurrent requests' CF calls share round trips. The member dies (SIGKILL) once the CF answered its thirtieth
+    """Eight clients run lifecycles (put, commit, get, commit, each a request) on one `sqm run` member served by a
+    thread per connection, whose concurrent requests' CF calls share round trips (the event loop's batches have
+    kill tests of their own: tests/sqm/test_service_event_loop.py, test_service_syncpoint_batches.py). The member dies (SIGKILL) once the CF answered its thirtieth
     shared round trip, before any caller of it has its reply: the CF applied those scripts, and no client knows.
     After peer recovery: no acknowledged put is lost (unless a get of it is in doubt), no acknowledged get comes
     back, no put whose own request failed (its unit of work never committed) is there, and nothing is there that
@@ -359,7 +360,8 @@ def test_kill_9_inside_a_shared_cf_round_trip_loses_no_acknowledged_message(fres
                 with lock:
                     acked_gets.add(got)
 
-    with killed_by_failpoint(str(fresh_redis.url), tmp_path, "K4", "shared-cf-round-trip=30") as killed:
+    with killed_by_failpoint(str(fresh_redis.url), tmp_path, "K4", "shared-cf-round-trip=30",
+                             "--thread-per-connection") as killed:
         killed.run_clients(lifecycles, THREADS, join_timeout=180, what="the member was not killed in a shared round trip")
         assert acked_gets, "no lifecycle was acknowledged before the kill"
         with batch_client(killed.peer) as check:

@@ -51,11 +51,13 @@ def peer_recovered(srv: ServerProc, timeout: float = 30) -> None:
 
 
 @contextmanager
-def killed_by_failpoint(redis_url: str, tmp_path: Path, queue: str, failpoint: str) -> Iterator[KilledMember]:
-    """A group with ``queue`` on its structure APP1, QM1 started with SQM_FAILPOINTS=``failpoint`` and its peer
-    QM2."""
+def killed_by_failpoint(redis_url: str, tmp_path: Path, queue: str, failpoint: str,
+                        *victim_args: str) -> Iterator[KilledMember]:
+    """A group with ``queue`` on its structure APP1, QM1 started with SQM_FAILPOINTS=``failpoint`` (and
+    ``victim_args``) and its peer QM2."""
     define_group(redis_url, queues=(queue,))
-    servers = [start_server(redis_url, tmp_path, "QM1", "--lease-ms", "1000", env={"SQM_FAILPOINTS": failpoint})]
+    servers = [start_server(redis_url, tmp_path, "QM1", "--lease-ms", "1000", *victim_args,
+                            env={"SQM_FAILPOINTS": failpoint})]
     try:
         servers.append(start_server(redis_url, tmp_path, "QM2", "--lease-ms", "1000"))
         yield KilledMember(*servers)
