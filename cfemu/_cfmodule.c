@@ -395,9 +395,11 @@ static double h_num(Call *c, int f) {
     return *e ? 0 : d;
 }
 
+/* A number written as a script's redis.call writes a Lua number (Redis 7.0: %.17g; an integer below 1e17 in plain
+ * digits, as every later version writes it too). */
 static void h_set_num(Call *c, int f, double v) {
     header_read(c);
-    c->h[f] = RedisModule_CreateStringPrintf(c->ctx, "%.0f", v);
+    c->h[f] = RedisModule_CreateStringPrintf(c->ctx, "%.17g", v);
 }
 
 /* A number as Lua writes it into a command or a string (integral values without a fraction). */
@@ -697,6 +699,26 @@ static int below_low_water(Call *c) {
     return (maxn == 0 || n <= maxn * 0.8) && (maxb == 0 || b <= maxb * 0.8);
 }
 
+/* Whether the arguments at `at` (a -1 ends the list) that the script reads as numbers are plain integers (an
+ * optional '-' and digits, at most 2^53: exact as Lua's number). The module takes only those; a call with any other
+ * (no number, blanks, hex, a fraction, out of range: each read by Lua's tonumber in its own way) is the script's. */
+static int int_args(RedisModuleString **a, int nargs, const int *at) {
+    for (; *at >= 0; at++) {
+        if (*at > nargs) continue;  /* absent: the script's default */
+        size_t l;
+        const char *p = RedisModule_StringPtrLen(a[*at], &l);
+        size_t i = l && p[0] == '-' ? 1 : 0;
+        if (l == i || l - i > 16) return 0;
+        uint64_t v = 0;
+        for (; i < l; i++) {
+            if (p[i] < '0' || p[i] > '9') return 0;
+            v = v * 10 + (uint64_t)(p[i] - '0');
+        }
+        if (v > ((uint64_t)1 << 53)) return 0;
+    }
+    return 1;
+}
+
 /* ------------------------------------------------------------------------------------------------ CF.PUT */
 
 #define REPLACEMENT_SLACK 256
@@ -837,6 +859,8 @@ static int cf_put(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     RedisModuleString *member = a[1], *epoch = a[2], *lrsn = a[3], *uow = a[4], *gen = a[5], *id = a[6],
                       *queue = a[7], *desc = a[8], *data = a[9];
 
+    static const int numeric[] = {3, 5, -1};  /* lrsn, gen */
+    if (!int_args(a, 9, numeric)) return RedisModule_ReplyWithError(ctx, TO_SCRIPT);
     if (!keys_typed(c)) return RedisModule_ReplyWithError(ctx, WRONGTYPE_MSG);
     if (check_ready(c, member, epoch) != REDISMODULE_OK) return REDISMODULE_OK;
     PTR(queue, q);
@@ -1014,6 +1038,8 @@ static int cf_get(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     int nargs = argc - (1 + NKEYS);
     RedisModuleString *member = a[1], *epoch = a[2], *lrsn = a[3], *uow = a[4], *gen = a[5], *queue = a[6],
                       *match = a[7], *value = a[8];
+    static const int numeric[] = {3, 5, 9, 10, 11, -1};  /* lrsn, gen, now, max, step */
+    if (!int_args(a, nargs, numeric)) return RedisModule_ReplyWithError(ctx, TO_SCRIPT);
     int ok;
     double now = arg_num(a, nargs + 1, 9, &ok);
     double max_length = arg_num(a, nargs + 1, 10, &ok);
@@ -1201,6 +1227,8 @@ static int cf_commit(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     MetaWrites w = {{0}, {0}};
     RedisModuleString **a = argv + 1 + NKEYS - 1;
     RedisModuleString *member = a[1], *epoch = a[2], *uow = a[4], *gen = a[5];
+    static const int numeric[] = {3, 5, 6, 8, 10, -1};  /* lrsn, gen, commit lrsn, at, step */
+    if (!int_args(a, 10, numeric)) return RedisModule_ReplyWithError(ctx, TO_SCRIPT);
     if (!keys_typed(c)) return RedisModule_ReplyWithError(ctx, WRONGTYPE_MSG);
     PTR(uow, u);
     RedisModuleString *rec = hget(c, K_UOWS, uow);
