@@ -521,12 +521,21 @@ static void w_rpush(Call *c, RedisModuleString *key, RedisModuleString *ele) {
 /* The error reply a script's redis.error_reply(msg) gives. */
 static int refuse(Call *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static int refuse(Call *c, const char *fmt, ...) {
-    char msg[ERRBUF];
+    /* the whole message, however long the names it holds (the script's error reply holds all of them) */
+    char small[ERRBUF];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
+    int n = vsnprintf(small, sizeof small, fmt, ap);
     va_end(ap);
-    return RedisModule_ReplyWithError(c->ctx, msg);
+    if (n < 0) return RedisModule_ReplyWithError(c->ctx, "ERR refusal not formatted");
+    if ((size_t)n < sizeof small) return RedisModule_ReplyWithError(c->ctx, small);
+    char *msg = RedisModule_Alloc((size_t)n + 1);
+    va_start(ap, fmt);
+    vsnprintf(msg, (size_t)n + 1, fmt, ap);
+    va_end(ap);
+    int r = RedisModule_ReplyWithError(c->ctx, msg);
+    RedisModule_Free(msg);
+    return r;
 }
 
 #define S(rs) (int)rs##_len, rs

@@ -381,3 +381,20 @@ def test_binary_ids_priorities_large_values_and_many_properties_give_the_same_re
     assert done[0] == done[1]
     assert state(pair.module) == state(pair.scripts)
     assert pair.native.get("get", 0) > 10 and pair.native.get("put", 0) > 10
+
+
+def test_refusals_naming_long_names_give_the_same_replies(server: EmbeddedRedis) -> None:
+    """A refusal names the queue, member or UOW it is about, however long the name (the script's error reply
+    holds the whole of it)."""
+    pair, clock = Pair(server), Clock()
+    s, c = pair.structure, Caller(MEMBERS[0], pair.epochs[MEMBERS[0]], clock)
+    long = "q" * 2_000
+    replies = [pair.call("put", s.put_call(c, Entry(id="e1", queue=long), b"x")[2]),
+               pair.call("get", s.get_call(c, long, uow="U1", now_ms=1)[2]),
+               pair.call("put", s.put_call(Caller("M" * 2_000, 1, clock), Entry(id="e2", queue=QUEUES[0]), b"x")[2])]
+    pair.call("put", s.put_call(c, Entry(id="e3", queue=QUEUES[0]), b"x", uow="U" * 2_000)[2])
+    other = Caller(MEMBERS[1], pair.epochs[MEMBERS[1]], clock)
+    replies.append(pair.call("put", s.put_call(other, Entry(id="e4", queue=QUEUES[0]), b"x", uow="U" * 2_000)[2]))
+    for by_script, by_module in replies:
+        assert isinstance(by_script, tuple) and len(by_script[1]) > 2_000
+        assert by_module == by_script
