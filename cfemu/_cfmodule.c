@@ -26,6 +26,10 @@
 
 #define ERRBUF 512
 
+/* The reply that sends a call back to its script: the module does the usual case of an operation and leaves the
+ * rest to the script (the caller runs it: cfemu.cf), deciding before it writes anything. */
+#define TO_SCRIPT "CFSCRIPT this call is for the script"
+
 /* ------------------------------------------------------------------------------------------------ msgpack */
 
 /* One object's end, or NULL when it runs past `end` or is not msgpack. */
@@ -391,9 +395,11 @@ static double h_num(Call *c, int f) {
     return *e ? 0 : d;
 }
 
+/* A number written as a script's redis.call writes a Lua number (Redis 7.0: %.17g; an integer below 1e17 in plain
+ * digits, as every later version writes it too). */
 static void h_set_num(Call *c, int f, double v) {
     header_read(c);
-    c->h[f] = RedisModule_CreateStringPrintf(c->ctx, "%.0f", v);
+    c->h[f] = RedisModule_CreateStringPrintf(c->ctx, "%.17g", v);
 }
 
 /* A number as Lua writes it into a command or a string (integral values without a fraction). */
@@ -426,6 +432,14 @@ static RedisModuleString *ixkey(Call *c, const char *q, size_t ql, const char *k
     return s;
 }
 
+static RedisModuleString *cp_key(Call *c, const char *q, size_t ql, double p) {
+    char suffix[80];
+    char num[64];
+    fmt_num(num, sizeof num, p);
+    int sl = snprintf(suffix, sizeof suffix, "cp:%s", num);
+    return qkey(c, q, ql, suffix, (size_t)sl);
+}
+
 static RedisModuleString *hget(Call *c, int key, RedisModuleString *field) {
     RedisModuleKey *k = RedisModule_OpenKey(c->ctx, c->keys[key], REDISMODULE_READ);
     RedisModuleString *v = NULL;
@@ -442,6 +456,30 @@ static int hexists(Call *c, int key, RedisModuleString *field) {
         RedisModule_HashGet(k, REDISMODULE_HASH_EXISTS, field, &exists, NULL);
     RedisModule_CloseKey(k);
     return exists;
+}
+
+/* A structure's keys may be written by hand (a member's user may write any of them): a key of another type than the
+ * CF keeps there gets the script's refusal, WRONGTYPE, and every key a call writes is checked before its first
+ * write, so that the refused call writes nothing (a write through the key API to a key of another type would fail
+ * unseen, and still be replicated). */
+#define WRONGTYPE_MSG "WRONGTYPE Operation against a key holding the wrong kind of value"
+
+/* Whether `key` holds a value of another type than `type` (an absent key holds none). */
+static int wrong_type(Call *c, RedisModuleString *key, int type) {
+    RedisModuleKey *k = RedisModule_OpenKey(c->ctx, key, REDISMODULE_READ);
+    int t = RedisModule_KeyType(k);
+    RedisModule_CloseKey(k);
+    return t != REDISMODULE_KEYTYPE_EMPTY && t != type;
+}
+
+/* Whether every one of the script's KEYS holds what the CF keeps there (or nothing). */
+static int keys_typed(Call *c) {
+    static const int type[NKEYS] = {REDISMODULE_KEYTYPE_HASH, REDISMODULE_KEYTYPE_HASH, REDISMODULE_KEYTYPE_HASH,
+                                    REDISMODULE_KEYTYPE_HASH, REDISMODULE_KEYTYPE_HASH, REDISMODULE_KEYTYPE_HASH,
+                                    REDISMODULE_KEYTYPE_SET, REDISMODULE_KEYTYPE_ZSET};
+    for (int i = 0; i < NKEYS; i++)
+        if (wrong_type(c, c->keys[i], type[i])) return 0;
+    return 1;
 }
 
 static int str_is(RedisModuleString *s, const char *want) {
@@ -483,12 +521,21 @@ static void w_rpush(Call *c, RedisModuleString *key, RedisModuleString *ele) {
 /* The error reply a script's redis.error_reply(msg) gives. */
 static int refuse(Call *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static int refuse(Call *c, const char *fmt, ...) {
-    char msg[ERRBUF];
+    /* the whole message, however long the names it holds (the script's error reply holds all of them) */
+    char small[ERRBUF];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
+    int n = vsnprintf(small, sizeof small, fmt, ap);
     va_end(ap);
-    return RedisModule_ReplyWithError(c->ctx, msg);
+    if (n < 0) return RedisModule_ReplyWithError(c->ctx, "ERR refusal not formatted");
+    if ((size_t)n < sizeof small) return RedisModule_ReplyWithError(c->ctx, small);
+    char *msg = RedisModule_Alloc((size_t)n + 1);
+    va_start(ap, fmt);
+    vsnprintf(msg, (size_t)n + 1, fmt, ap);
+    va_end(ap);
+    int r = RedisModule_ReplyWithError(c->ctx, msg);
+    RedisModule_Free(msg);
+    return r;
 }
 
 #define S(rs) (int)rs##_len, rs
@@ -635,6 +682,18 @@ static void load(Call *c, const char *id, size_t idl, Desc *d) {
     }
 }
 
+/* A stored descriptor the module cannot read (not msgpack, or a map its parser does not hold): the script reads
+ * it, or fails on it with nothing written; the module never takes it for an absent entry. */
+static int unreadable(const Desc *d) { return d->raw && !d->ok; }
+
+/* A stored UOW record the module cannot read (see unreadable). */
+static int rec_unreadable(RedisModuleString *rec) {
+    if (!rec) return 0;
+    PTR(rec, raw);
+    Map m;
+    return !map_parse((const uint8_t *)raw, raw_len, &m);
+}
+
 /* before(a, b): get order within a priority, commit lrsn then put lrsn. */
 static int before(double a1, double a2, const Map *b) {
     double b1 = 0, b2 = 0;
@@ -649,18 +708,39 @@ static int below_low_water(Call *c) {
     return (maxn == 0 || n <= maxn * 0.8) && (maxb == 0 || b <= maxb * 0.8);
 }
 
+/* Whether the arguments at `at` (a -1 ends the list) that the script reads as numbers are plain integers (an
+ * optional '-' and digits, at most 2^53: exact as Lua's number). The module takes only those; a call with any other
+ * (no number, blanks, hex, a fraction, out of range: each read by Lua's tonumber in its own way) is the script's. */
+static int int_args(RedisModuleString **a, int nargs, const int *at) {
+    for (; *at >= 0; at++) {
+        if (*at > nargs) continue;  /* absent: the script's default */
+        size_t l;
+        const char *p = RedisModule_StringPtrLen(a[*at], &l);
+        size_t i = l && p[0] == '-' ? 1 : 0;
+        if (l == i || l - i > 16) return 0;
+        uint64_t v = 0;
+        for (; i < l; i++) {
+            if (p[i] < '0' || p[i] > '9') return 0;
+            v = v * 10 + (uint64_t)(p[i] - '0');
+        }
+        if (v > ((uint64_t)1 << 53)) return 0;
+    }
+    return 1;
+}
+
 /* ------------------------------------------------------------------------------------------------ CF.PUT */
 
 #define REPLACEMENT_SLACK 256
 
 /* put.lua's replacement(): the UOW holds an uncommitted get of an entry with this message id on this queue that
- * it has not replaced yet, and this put is not much longer than it. */
+ * it has not replaced yet, and this put is not much longer than it. -1: a descriptor it cannot read (the call is
+ * the script's). */
 static int replacement(Call *c, RedisModuleString *uow, const char *q, size_t ql, const char *mid, size_t midl,
                        size_t datalen) {
     PTR(uow, u);
     if (u_len == 0 || midl == 0) return 0;
     RedisModuleCallReply *r = RedisModule_Call(c->ctx, "SMEMBERS", "s", ixkey(c, q, ql, "m", mid, midl));
-    size_t n = r ? RedisModule_CallReplyLength(r) : 0;
+    size_t n = r && RedisModule_CallReplyType(r) == REDISMODULE_REPLY_ARRAY ? RedisModule_CallReplyLength(r) : 0;
     long long taken = 0, replaced = 0;
     double longest = 0;
     for (size_t i = 0; i < n; i++) {
@@ -668,6 +748,7 @@ static int replacement(Call *c, RedisModuleString *uow, const char *q, size_t ql
         const char *id = RedisModule_CallReplyStringPtr(RedisModule_CallReplyArrayElement(r, i), &idl);
         Desc o;
         load(c, id, idl, &o);
+        if (unreadable(&o)) return -1;
         if (!o.ok) continue;
         const char *ou; size_t oul;
         if (!map_str(&o.m, "u", &ou, &oul) || oul != u_len || memcmp(ou, u, oul) != 0) continue;
@@ -692,9 +773,14 @@ static int admit(Call *c, MetaWrites *w, size_t bytes, RedisModuleString *uow, c
         meta_del(c, w, H_NONEW);
         nonew = 0;
     }
-    if ((nonew || !h_is(c, H_MAX_ENTRIES, "0") || !h_is(c, H_MAX_BYTES, "0")) && has_mid &&
-        replacement(c, uow, q, ql, mid, midl, bytes))
-        return REDISMODULE_OK;
+    if ((nonew || !h_is(c, H_MAX_ENTRIES, "0") || !h_is(c, H_MAX_BYTES, "0")) && has_mid) {
+        int r = replacement(c, uow, q, ql, mid, midl, bytes);
+        if (r < 0) {
+            RedisModule_ReplyWithError(c->ctx, TO_SCRIPT);
+            return REDISMODULE_ERR;
+        }
+        if (r) return REDISMODULE_OK;
+    }
     if (nonew) {
         refuse(c, "NONEW the structure takes no new units of work (%s): only consuming work is allowed",
                h_is(c, H_NONEW, "FULL") ? "it reached its capacity" : "set by an operator");
@@ -727,8 +813,9 @@ static int reply_put(Call *c, double cf, long long created) {
     return REDISMODULE_OK;
 }
 
-/* make_available(d): the committed entry into its priority list at its place in get order. */
-static void make_available(Call *c, RedisModuleString *id, const char *q, size_t ql, const char *prio, size_t pl,
+/* make_available(d): the committed entry into its priority list at its place in get order. REDISMODULE_ERR
+ * (nothing written): a descriptor in the list it cannot read. */
+static int make_available(Call *c, RedisModuleString *id, const char *q, size_t ql, const char *prio, size_t pl,
                            double o1, double o2) {
     char suffix[80];
     int sl = snprintf(suffix, sizeof suffix, "cp:%.*s", (int)pl, prio);
@@ -739,6 +826,7 @@ static void make_available(Call *c, RedisModuleString *id, const char *q, size_t
         const char *lid = RedisModule_CallReplyStringPtr(last, &ll);
         Desc t;
         load(c, lid, ll, &t);
+        if (unreadable(&t)) return REDISMODULE_ERR;
         if (t.ok && before(o1, o2, &t.m)) {
             RedisModuleCallReply *len = RedisModule_Call(c->ctx, "LLEN", "s", k);
             long long n = RedisModule_CallReplyInteger(len);
@@ -751,15 +839,17 @@ static void make_available(Call *c, RedisModuleString *id, const char *q, size_t
                     PTR(eid, e);
                     Desc ed;
                     load(c, e, e_len, &ed);
+                    if (unreadable(&ed)) return REDISMODULE_ERR;
                     if (ed.ok && before(o1, o2, &ed.m)) {
                         RedisModule_Call(c->ctx, "LINSERT", "!scss", k, "BEFORE", eid, id);
-                        return;
+                        return REDISMODULE_OK;
                     }
                 }
             }
         }
     }
     w_rpush(c, k, id);
+    return REDISMODULE_OK;
 }
 
 /* CF.PUT: put.lua. */
@@ -778,6 +868,9 @@ static int cf_put(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     RedisModuleString *member = a[1], *epoch = a[2], *lrsn = a[3], *uow = a[4], *gen = a[5], *id = a[6],
                       *queue = a[7], *desc = a[8], *data = a[9];
 
+    static const int numeric[] = {3, 5, -1};  /* lrsn, gen */
+    if (!int_args(a, 9, numeric)) return RedisModule_ReplyWithError(ctx, TO_SCRIPT);
+    if (!keys_typed(c)) return RedisModule_ReplyWithError(ctx, WRONGTYPE_MSG);
     if (check_ready(c, member, epoch) != REDISMODULE_OK) return REDISMODULE_OK;
     PTR(queue, q);
     PTR(uow, u);
@@ -786,6 +879,7 @@ static int cf_put(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     RedisModuleString *rec = NULL;
     if (u_len) {
         rec = hget(c, K_UOWS, uow);
+        if (rec_unreadable(rec)) return RedisModule_ReplyWithError(ctx, TO_SCRIPT);
         if (uow_standing(c, uow, gen, rec) != REDISMODULE_OK) return REDISMODULE_OK;
         if (uow_owner_check(c, uow, member, rec) != REDISMODULE_OK) return REDISMODULE_OK;
     }
@@ -797,7 +891,7 @@ static int cf_put(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     }
     PTR(desc, dr);
     Map d;
-    if (!map_parse((const uint8_t *)dr, dr_len, &d)) return refuse(c, "ERR descriptor is not a msgpack map");
+    if (!map_parse((const uint8_t *)dr, dr_len, &d)) return RedisModule_ReplyWithError(ctx, TO_SCRIPT);
     PTR(data, dt);
     (void)dt;
     double per = 0;
@@ -809,6 +903,17 @@ static int cf_put(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     size_t midl = 0, cidl = 0;
     int has_mid = map_str(&d, "mid", &mid, &midl);
     int has_cid = map_str(&d, "cid", &cid, &cidl);
+    double p = 0;
+    map_num(&d, "p", &p);
+    char prio[64];
+    int pl = fmt_num(prio, sizeof prio, p);
+    /* every key the put writes, checked before its first write */
+    if ((u_len && (wrong_type(c, derived(c, "uow:", 4, u, u_len, NULL, 0, NULL, 0), REDISMODULE_KEYTYPE_SET) ||
+                   wrong_type(c, qkey(c, q, q_len, "up", 2), REDISMODULE_KEYTYPE_LIST))) ||
+        (!u_len && wrong_type(c, cp_key(c, q, q_len, p), REDISMODULE_KEYTYPE_LIST)) ||
+        (has_cid && cidl && wrong_type(c, ixkey(c, q, q_len, "c", cid, cidl), REDISMODULE_KEYTYPE_SET)) ||
+        (has_mid && midl && wrong_type(c, ixkey(c, q, q_len, "m", mid, midl), REDISMODULE_KEYTYPE_SET)))
+        return RedisModule_ReplyWithError(ctx, WRONGTYPE_MSG);
     if (admit(c, &w, dt_len, uow, q, q_len, mid, midl, has_mid) != REDISMODULE_OK) return REDISMODULE_OK;
 
     PTR(id, i);
@@ -838,16 +943,14 @@ static int cf_put(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
         RedisModule_Call(ctx, "SADD", "!ss", derived(c, "uow:", 4, u, u_len, NULL, 0, NULL, 0), id);
         w_rpush(c, qkey(c, q, q_len, "up", 2), id);
     } else {
-        double p = 0;
-        map_num(&d, "p", &p);
-        char prio[64];
-        int pl = fmt_num(prio, sizeof prio, p);
         set[nset++] = (Field){"l", 1, cf, NULL, 0};
         set[nset++] = (Field){"o1", 1, cf, NULL, 0};
         set[nset++] = (Field){"o2", 1, cf, NULL, 0};
         set[nset++] = (Field){"st", 0, 0, "CP", 2};
         set[nset++] = (Field){"u", 0, 0, "", 0};
-        make_available(c, id, q, q_len, prio, (size_t)pl, cf, cf);
+        /* nothing is written before it in this branch */
+        if (make_available(c, id, q, q_len, prio, (size_t)pl, cf, cf) != REDISMODULE_OK)
+            return RedisModule_ReplyWithError(ctx, TO_SCRIPT);
     }
     /* add_entry(d, data) */
     Buf o = {0};
@@ -894,14 +997,6 @@ static void expire(Call *c, RedisModuleString *id, const Map *m, const char *q, 
     Field set[1] = {{"st", 0, 0, "EX", 2}};
     store(c, id, m, set, 1);
     w_rpush(c, qkey(c, q, ql, "ex", 2), id);
-}
-
-static RedisModuleString *cp_key(Call *c, const char *q, size_t ql, double p) {
-    char suffix[80];
-    char num[64];
-    fmt_num(num, sizeof num, p);
-    int sl = snprintf(suffix, sizeof suffix, "cp:%s", num);
-    return qkey(c, q, ql, suffix, (size_t)sl);
 }
 
 static int key_exists(Call *c, RedisModuleString *k) {
@@ -952,6 +1047,8 @@ static int cf_get(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     int nargs = argc - (1 + NKEYS);
     RedisModuleString *member = a[1], *epoch = a[2], *lrsn = a[3], *uow = a[4], *gen = a[5], *queue = a[6],
                       *match = a[7], *value = a[8];
+    static const int numeric[] = {3, 5, 9, 10, 11, -1};  /* lrsn, gen, now, max, step */
+    if (!int_args(a, nargs, numeric)) return RedisModule_ReplyWithError(ctx, TO_SCRIPT);
     int ok;
     double now = arg_num(a, nargs + 1, 9, &ok);
     double max_length = arg_num(a, nargs + 1, 10, &ok);
@@ -959,29 +1056,48 @@ static int cf_get(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     double budget = arg_num(a, nargs + 1, 11, &ok);
     if (!ok || budget <= 0) budget = 1e300;
 
+    if (!keys_typed(c)) return RedisModule_ReplyWithError(ctx, WRONGTYPE_MSG);
     if (check_ready(c, member, epoch) != REDISMODULE_OK) return REDISMODULE_OK;
     PTR(queue, q);
     PTR(uow, u);
     RedisModuleCallReply *known = RedisModule_Call(ctx, "SISMEMBER", "ss", c->keys[K_QUEUES], queue);
     if (!known || RedisModule_CallReplyInteger(known) == 0) return refuse(c, "NOQUEUE %.*s", S(q));
     RedisModuleString *rec = hget(c, K_UOWS, uow);
+    if (rec_unreadable(rec)) return RedisModule_ReplyWithError(ctx, TO_SCRIPT);
     if (uow_standing(c, uow, gen, rec) != REDISMODULE_OK) return REDISMODULE_OK;
     if (uow_owner_check(c, uow, member, rec) != REDISMODULE_OK) return REDISMODULE_OK;
+    PTR(match, mt);
+    /* every key the get reads as a list or set or writes, checked before its first write; which priority lists
+     * hold entries, known from that check (the get's own pops change only the list it takes from) */
+    int cp_there[10];
+    for (int i = 0; i < 10; i++) {
+        RedisModuleString *ki = cp_key(c, q, q_len, i);
+        if (wrong_type(c, ki, REDISMODULE_KEYTYPE_LIST)) return RedisModule_ReplyWithError(ctx, WRONGTYPE_MSG);
+        cp_there[i] = key_exists(c, ki);
+    }
+    if (wrong_type(c, qkey(c, q, q_len, "ug", 2), REDISMODULE_KEYTYPE_LIST) ||
+        wrong_type(c, qkey(c, q, q_len, "ex", 2), REDISMODULE_KEYTYPE_LIST) ||
+        wrong_type(c, derived(c, "uow:", 4, u, u_len, NULL, 0, NULL, 0), REDISMODULE_KEYTYPE_SET))
+        return RedisModule_ReplyWithError(ctx, WRONGTYPE_MSG);
+    if (mt_len) {
+        PTR(value, v);
+        if (wrong_type(c, ixkey(c, q, q_len, mt, v, v_len), REDISMODULE_KEYTYPE_SET))
+            return RedisModule_ReplyWithError(ctx, WRONGTYPE_MSG);
+    }
 
     Held found = {0};
     int have = 0;
     RedisModuleString *head_of = NULL;
     double used = 0;
     int again = 0;
-    PTR(match, mt);
+    int wrote = 0;  /* expired entries moved: a descriptor it cannot read then ends the call as a step (again) */
     if (mt_len == 0) {
         int top = 9;
         while (!have && !again && top >= 0) {
             int p = -1;
             RedisModuleString *k = NULL;
             for (int i = top; i >= 0; i--) {  /* the highest priority at or below top whose list holds an entry */
-                RedisModuleString *ki = cp_key(c, q, q_len, i);
-                if (key_exists(c, ki)) { p = i; k = ki; break; }
+                if (cp_there[i]) { p = i; k = cp_key(c, q, q_len, i); break; }
             }
             if (p < 0) break;
             for (;;) {
@@ -991,9 +1107,15 @@ static int cf_get(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
                 PTR(id, idp);
                 Desc d;
                 load(c, idp, idp_len, &d);
+                if (unreadable(&d)) {
+                    if (!wrote) return RedisModule_ReplyWithError(ctx, TO_SCRIPT);
+                    again = 1;
+                    break;
+                }
                 if (d.ok && live(&d.m, now)) { found.d = d; found.id = id; have = 1; head_of = k; break; }
                 if (used >= budget) { again = 1; break; }
                 used += 1;
+                wrote = 1;
                 RedisModule_Call(ctx, "LPOP", "!s", k);
                 if (d.ok) expire(c, id, &d.m, q, q_len);
             }
@@ -1002,16 +1124,22 @@ static int cf_get(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     } else {
         PTR(value, v);
         RedisModuleCallReply *r = RedisModule_Call(ctx, "SMEMBERS", "s", ixkey(c, q, q_len, mt, v, v_len));
-        size_t n = r ? RedisModule_CallReplyLength(r) : 0;
+        size_t n = r && RedisModule_CallReplyType(r) == REDISMODULE_REPLY_ARRAY ? RedisModule_CallReplyLength(r) : 0;
         for (size_t i = 0; i < n; i++) {
             RedisModuleString *id = RedisModule_CreateStringFromCallReply(RedisModule_CallReplyArrayElement(r, i));
             PTR(id, idp);
             Desc d;
             load(c, idp, idp_len, &d);
+            if (unreadable(&d)) {
+                if (!wrote) return RedisModule_ReplyWithError(ctx, TO_SCRIPT);
+                again = 1;
+                break;
+            }
             if (!d.ok || !map_str_is(&d.m, "st", "CP")) continue;
             double dp = 0;
             map_num(&d.m, "p", &dp);
             if (!live(&d.m, now)) {
+                wrote = 1;
                 RedisModule_Call(ctx, "LREM", "!scs", cp_key(c, q, q_len, dp), "1", id);
                 expire(c, id, &d.m, q, q_len);
                 continue;
@@ -1080,10 +1208,6 @@ static int cf_get(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
 
 /* ------------------------------------------------------------------------------------------------ CF.COMMIT */
 
-/* The reply that sends a call back to its script: the module does the usual case of an operation and leaves the
- * rest to the script (the caller runs it: cfemu.cf), deciding before it writes anything. */
-#define TO_SCRIPT "CFSCRIPT this call is for the script"
-
 typedef struct { Desc d; RedisModuleString *id; double key; } Held2;
 
 static int by_key(const void *a, const void *b) {
@@ -1112,6 +1236,9 @@ static int cf_commit(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     MetaWrites w = {{0}, {0}};
     RedisModuleString **a = argv + 1 + NKEYS - 1;
     RedisModuleString *member = a[1], *epoch = a[2], *uow = a[4], *gen = a[5];
+    static const int numeric[] = {3, 5, 6, 8, 10, -1};  /* lrsn, gen, commit lrsn, at, step */
+    if (!int_args(a, 10, numeric)) return RedisModule_ReplyWithError(ctx, TO_SCRIPT);
+    if (!keys_typed(c)) return RedisModule_ReplyWithError(ctx, WRONGTYPE_MSG);
     PTR(uow, u);
     RedisModuleString *rec = hget(c, K_UOWS, uow);
     if (rec) {
@@ -1145,12 +1272,14 @@ static int cf_commit(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     double budget = arg_num(a, 11, 10, &ok);
     if (!ok || budget <= 0) budget = 1e300;
     RedisModuleString *set_key = derived(c, "uow:", 4, u, u_len, NULL, 0, NULL, 0);
+    if (wrong_type(c, set_key, REDISMODULE_KEYTYPE_SET)) return RedisModule_ReplyWithError(ctx, WRONGTYPE_MSG);
     RedisModuleCallReply *card = RedisModule_Call(ctx, "SCARD", "s", set_key);
     if ((double)RedisModule_CallReplyInteger(card) > budget) return RedisModule_ReplyWithError(ctx, TO_SCRIPT);
 
     /* held_entries, ordered: puts by put LRSN, gets by get LRSN */
     RedisModuleCallReply *members = RedisModule_Call(ctx, "SMEMBERS", "s", set_key);
-    size_t n = members ? RedisModule_CallReplyLength(members) : 0;
+    size_t n = members && RedisModule_CallReplyType(members) == REDISMODULE_REPLY_ARRAY
+                   ? RedisModule_CallReplyLength(members) : 0;
     Held2 *puts = RedisModule_PoolAlloc(ctx, sizeof(Held2) * (n + 1));
     Held2 *gets = RedisModule_PoolAlloc(ctx, sizeof(Held2) * (n + 1));
     size_t np = 0, ng = 0;
@@ -1159,6 +1288,9 @@ static int cf_commit(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
         PTR(id, idp);
         Desc d;
         load(c, idp, idp_len, &d);
+        const char *dq; size_t dql;
+        /* one it cannot read, or without its queue (which the script fails on): the script's */
+        if (unreadable(&d) || (d.ok && !map_str(&d.m, "q", &dq, &dql))) return RedisModule_ReplyWithError(ctx, TO_SCRIPT);
         const char *du; size_t dul;
         if (!d.ok || !map_str(&d.m, "u", &du, &dul) || dul != u_len || memcmp(du, u, dul) != 0) continue;
         if (map_str_is(&d.m, "st", "UP")) {
@@ -1193,11 +1325,14 @@ static int cf_commit(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     /* Each list the puts go to: its first put (in put order) at its tail, else the script places them. */
     RedisModuleString **lists = RedisModule_PoolAlloc(ctx, sizeof(RedisModuleString *) * (np + 1));
     for (size_t i = 0; i < np; i++) {
-        const char *q; size_t ql;
+        const char *q = ""; size_t ql = 0;
         double p = 0;
         map_str(&puts[i].d.m, "q", &q, &ql);
         map_num(&puts[i].d.m, "p", &p);
         lists[i] = cp_key(c, q, ql, p);
+        if (wrong_type(c, lists[i], REDISMODULE_KEYTYPE_LIST) ||
+            wrong_type(c, qkey(c, q, ql, "up", 2), REDISMODULE_KEYTYPE_LIST))
+            return RedisModule_ReplyWithError(ctx, WRONGTYPE_MSG);
         int first = 1;
         for (size_t j = 0; j < i; j++)
             if (str_eq(lists[j], lists[i])) first = 0;
@@ -1208,15 +1343,26 @@ static int cf_commit(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
             const char *lid = RedisModule_CallReplyStringPtr(last, &ll);
             Desc tail;
             load(c, lid, ll, &tail);
+            if (unreadable(&tail)) return RedisModule_ReplyWithError(ctx, TO_SCRIPT);
             if (tail.ok && before(at, puts[i].key, &tail.m)) return RedisModule_ReplyWithError(ctx, TO_SCRIPT);
         }
+    }
+
+    for (size_t i = 0; i < ng; i++) {  /* the lists and indexes the gets leave */
+        const Map *m = &gets[i].d.m;
+        const char *q = "", *v; size_t ql = 0, vl;
+        map_str(m, "q", &q, &ql);
+        if (wrong_type(c, qkey(c, q, ql, "ug", 2), REDISMODULE_KEYTYPE_LIST) ||
+            (map_str(m, "cid", &v, &vl) && vl && wrong_type(c, ixkey(c, q, ql, "c", v, vl), REDISMODULE_KEYTYPE_SET)) ||
+            (map_str(m, "mid", &v, &vl) && vl && wrong_type(c, ixkey(c, q, ql, "m", v, vl), REDISMODULE_KEYTYPE_SET)))
+            return RedisModule_ReplyWithError(ctx, WRONGTYPE_MSG);
     }
 
     double check = tick(c, lrsn > caller ? a[6] : a[3]);
     (void)check;
     meta_set(c, &w, H_CLOCK, c->h[H_CLOCK]);
     for (size_t i = 0; i < np; i++) {  /* commit_puts: each at the tail of its list */
-        const char *q; size_t ql;
+        const char *q = ""; size_t ql = 0;
         map_str(&puts[i].d.m, "q", &q, &ql);
         RedisModule_Call(ctx, "LREM", "!scs", qkey(c, q, ql, "up", 2), "1", puts[i].id);
         Field set[4] = {{"l", 1, at, NULL, 0}, {"o1", 1, at, NULL, 0}, {"st", 0, 0, "CP", 2}, {"u", 0, 0, "", 0}};
@@ -1226,7 +1372,7 @@ static int cf_commit(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     double gone = 0, gone_bytes = 0;
     for (size_t i = 0; i < ng; i++) {  /* delete_held: the gets' entries */
         Map *m = &gets[i].d.m;
-        const char *q; size_t ql;
+        const char *q = ""; size_t ql = 0;
         map_str(m, "q", &q, &ql);
         RedisModuleString *id = gets[i].id;
         RedisModule_Call(ctx, "LREM", "!scs", qkey(c, q, ql, "ug", 2), "1", id);

@@ -311,3 +311,90 @@ def test_the_sequences_reach_every_refusal_of_the_module_operations(server: Embe
     assert kinds["get"] >= refusals | {"TOOLONG", "none", "again", "taken"}, kinds["get"]
     # Every module command did calls itself (not only leave them to its script).
     assert all(native.get(op, 0) > 20 for op in server_module.COMMANDS), native
+
+
+def _held_work(pair: Pair, clock: Clock) -> Caller:
+    """Committed messages on Q1 and a UOW U1 holding a put and a get, alike on both copies."""
+    s, c = pair.structure, Caller(MEMBERS[0], pair.epochs[MEMBERS[0]], clock)
+    for i in range(3):
+        pair.call("put", s.put_call(c, Entry(id=f"c{i}", queue=QUEUES[0], msgid="m1", expiry=1_000 * i), b"x")[2])
+    pair.call("put", s.put_call(c, Entry(id="p1", queue=QUEUES[0]), b"held", uow="U1")[2])
+    pair.call("get", s.get_call(c, QUEUES[0], uow="U1", now_ms=500)[2])
+    return c
+
+
+# Arguments the scripts read as numbers (by operation: ARGV index from 0), and what a caller may send in them.
+NUMERIC_ARGS = {"put": (2, 4), "get": (2, 4, 8, 9, 10), "commit": (2, 4, 5, 7, 9)}
+ODD_NUMBERS = ("abc", "", "5 ", " 7", "0x10", "-1", "1e400", "12.5")
+
+
+def _usual_call(pair: Pair, clock: Clock, op: str) -> list[Any]:
+    """The arguments of a usual call of `op` on the work _held_work leaves."""
+    s, c = pair.structure, _held_work(pair, clock)
+    if op == "put":
+        return list(s.put_call(c, Entry(id="n1", queue=QUEUES[0], msgid="m1"), b"new", uow="U1")[2])
+    if op == "get":
+        return list(s.get_call(c, QUEUES[0], uow="U1", now_ms=2_000, max_length=0, step=5)[2])
+    return list(s.commit_call(c, "U1", gen=0, lrsn=clock.now())[2])
+
+
+@pytest.mark.parametrize("op", sorted(NUMERIC_ARGS))
+def test_arguments_that_are_odd_numbers_give_the_same_replies_and_structure(server: EmbeddedRedis, op: str) -> None:
+    """What the random sequences never send: a number argument that is no number, or one Lua reads otherwise than
+    C's strtod (trailing blanks, hex, out of range, a fraction)."""
+    for index in NUMERIC_ARGS[op]:
+        for odd in ODD_NUMBERS:
+            pair, clock = Pair(server), Clock()
+            args = _usual_call(pair, clock, op)
+            args[index] = odd
+            by_script, by_module = pair.call(op, args)
+            assert by_module == by_script, f"{op} argument {index} = {odd!r}"
+            assert state(pair.module) == state(pair.scripts), f"{op} argument {index} = {odd!r}"
+
+
+def test_binary_ids_priorities_large_values_and_many_properties_give_the_same_replies_and_structure(
+        server: EmbeddedRedis) -> None:
+    """What the random sequences never send: ids and message ids of any bytes, every priority, a data of a MiB,
+    many properties, every expiry, and a commit of them in one UOW."""
+    pair, clock = Pair(server), Clock()
+    s, c = pair.structure, Caller(MEMBERS[0], pair.epochs[MEMBERS[0]], clock)
+    rng = random.Random(7)
+    for i in range(24):
+        e = Entry(id=f"b\x00\xff{i}", queue=QUEUES[i % 2], priority=i % 10, persistent=bool(i % 3),
+                  msgid=rng.choice(("", "\x00m\xff", "m" * 300)), correlid=rng.choice(("", "c\n1")),
+                  expiry=rng.choice((0, 1_000, 10**13, 2**40)), put_time=rng.randrange(2**53),
+                  properties={f"p{j}": rng.choice(("v" * j, j, -j * 1.5, True)) for j in range(rng.choice((0, 40)))})
+        data = bytes(rng.randrange(256) for _ in range(rng.choice((0, 70_000)))) + (b"\x00" * (2**20 if i == 5 else 0))
+        for op, _, args in (s.put_call(c, e, data, uow=rng.choice(("", "U1", "U2"))),):
+            done = pair.call(op, args)
+            assert done[0] == done[1], f"put {i}"
+    for u in ("U1", "U2"):
+        done = pair.call("commit", s.commit_call(c, u, gen=0, lrsn=clock.now())[2])
+        assert done[0] == done[1], f"commit {u}"
+    for i in range(30):
+        q = QUEUES[i % 2]
+        match, value = rng.choice((("", ""), ("m", "\x00m\xff"), ("m", "m" * 300), ("c", "c\n1")))
+        done = pair.call("get", s.get_call(c, q, uow="G1", match=match, value=value, now_ms=2_000,
+                                           max_length=rng.choice((0, 2**21)), step=rng.choice((0, 1)))[2])
+        assert done[0] == done[1], f"get {i}"
+    done = pair.call("commit", s.commit_call(c, "G1", gen=0, lrsn=clock.now())[2])
+    assert done[0] == done[1]
+    assert state(pair.module) == state(pair.scripts)
+    assert pair.native.get("get", 0) > 10 and pair.native.get("put", 0) > 10
+
+
+def test_refusals_naming_long_names_give_the_same_replies(server: EmbeddedRedis) -> None:
+    """A refusal names the queue, member or UOW it is about, however long the name (the script's error reply
+    holds the whole of it)."""
+    pair, clock = Pair(server), Clock()
+    s, c = pair.structure, Caller(MEMBERS[0], pair.epochs[MEMBERS[0]], clock)
+    long = "q" * 2_000
+    replies = [pair.call("put", s.put_call(c, Entry(id="e1", queue=long), b"x")[2]),
+               pair.call("get", s.get_call(c, long, uow="U1", now_ms=1)[2]),
+               pair.call("put", s.put_call(Caller("M" * 2_000, 1, clock), Entry(id="e2", queue=QUEUES[0]), b"x")[2])]
+    pair.call("put", s.put_call(c, Entry(id="e3", queue=QUEUES[0]), b"x", uow="U" * 2_000)[2])
+    other = Caller(MEMBERS[1], pair.epochs[MEMBERS[1]], clock)
+    replies.append(pair.call("put", s.put_call(other, Entry(id="e4", queue=QUEUES[0]), b"x", uow="U" * 2_000)[2]))
+    for by_script, by_module in replies:
+        assert isinstance(by_script, tuple) and len(by_script[1]) > 2_000
+        assert by_module == by_script
