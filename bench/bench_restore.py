@@ -27,9 +27,11 @@ beforehand, written with pipelines of the same batch size and no transaction:
                                             [--body 1024] [--memory 1GiB] [--engines local columnar]
                                             [--plan-only] [--spark-master local[2]]
 
-The spark engine (--engines spark) is given no memory limit (Spark has none to give): its driver, JVM and Python
-workers are measured together, as every engine is, by the process tree's peak RSS (sampled every 0.5 s, the CF's
-redis-server left out), shown beside the figure of the process and its workers' own peaks.
+The spark engine (--engines spark) is given the memory limit as the others are (its Spark memory settings derived
+from it: restore.spark_conf.memory_conf; its settled entries spilled to the work directory); Spark has no limit of
+its own for the whole, so its driver, JVM and Python workers are measured together, as every engine is, by the
+process tree's peak RSS (sampled every 0.5 s, the CF's redis-server left out), shown beside the figure of the process
+and its workers' own peaks.
 
 --plan-only measures the plan alone (time, CPU, peak memory, and its output read once in load order), each
 engine's counts checked against the generator's truth: no load, no raw write.
@@ -331,10 +333,11 @@ def cf_cpu_s(client: Any) -> float:
 
 def engine_options(root: Path, memory: int, workers: int, engine_name: str) -> dict[str, Any]:
     """What get_engine takes for this engine: the local engines' memory limit, spill directory and worker processes;
-    Spark's master ($BENCH_SPARK_MASTER, default local[2]) and its log file (Spark takes no memory limit: the
-    process tree's sampled peak is what says whether it stayed within one)."""
+    Spark's master ($BENCH_SPARK_MASTER, default local[2]), its log file, the memory limit and spill directory (the
+    process tree's sampled peak is what says whether Spark stayed within the limit)."""
     if engine_name == "spark":
-        return {"master": os.environ.get("BENCH_SPARK_MASTER", "local[2]"), "log_file": root / "spark.log"}
+        return {"master": os.environ.get("BENCH_SPARK_MASTER", "local[2]"), "log_file": root / "spark.log",
+                "memory": memory, "work_dir": root / "work"}
     return {"memory": memory, "work_dir": root / "work", "workers": workers}
 
 

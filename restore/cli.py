@@ -95,8 +95,9 @@ def cmd_run(args: argparse.Namespace, out: Output, *, dry_run: bool = False) -> 
 
 def _engine_options(args: argparse.Namespace, found: Settings | None = None) -> dict[str, Any]:
     """The engine's options. Local: its working memory (--memory-limit) and worker processes (--workers). Spark: the master (the flag, else the
-    settings' Spark master, else local[*]) and its settings (what joining that master needs,
-    spark_conf.driver_conf, then the --conf given, which win)."""
+    settings' Spark master, else local[*]), its settings (what joining that master needs,
+    spark_conf.driver_conf, then the --conf given, which win) and the memory limit (its memory settings are
+    derived from it: spark_conf.memory_conf)."""
     args.engine = args.engine or default_engine()
     if args.engine in ("local", "columnar"):
         chosen = found or settings(args)
@@ -105,7 +106,7 @@ def _engine_options(args: argparse.Namespace, found: Settings | None = None) -> 
         return {}
     master = args.master or (found.spark_master if found is not None else None) or "local[*]"
     conf = {**driver_conf(master, found.secrets_dir if found is not None else None), **dict(args.conf)}
-    options: dict[str, Any] = {"master": master, "conf": conf}
+    options: dict[str, Any] = {"master": master, "conf": conf, "memory": (found or settings(args)).memory_limit()}
     if args.archive_dir:
         options["archive_dir"] = Path(args.archive_dir)
     return options

@@ -14,9 +14,11 @@ uows_named / settle):
                restore/reference.py's plan_local).
 
 Within a group, records are put in merged-log order (LRSN, member, segment, offset) and copies in backup-file order
-before the fold sees them: that is the order the local engine reads them in, so ties fold the same way. The plan
-comes back to the driver as the same RestorePlan restore.reference.plan_local returns. Nothing the driver needs is
-collect()ed whole: every result whose size grows with the backup or the logs (the UOWs the base names, the UOWs that
+before the fold sees them: that is the order the local engine reads them in, so ties fold the same way. Each settle
+partition's survivors are sorted in load order by its worker, and the driver appends them to spill files as it
+fetches them, as restore.partitioned's runs: the plan is a restore.partitioned.SpilledPlan, its survivors read by
+the load as a k-way merge of the runs, and the driver's memory does not grow with the history (what it keeps: the
+UOWs' outcomes, the UOWs that ended, counts). Nothing the driver needs is collect()ed whole: every result whose size grows with the backup or the logs (the UOWs the base names, the UOWs that
 ended, the outcomes, the settled entries) comes back through restore.spark_fetch.stream, in jobs of bounded bytes
 under spark.driver.maxResultSize, however many records it holds (a plan of 1M records of 1 KiB is 1.07 GB, over the
 1 GiB default: a count of records cannot say when to stream).
@@ -39,7 +41,8 @@ import time
 import uuid
 import zipfile
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,10 +55,14 @@ from restore.engine import (
     READ_LOGS,
     SETTLE,
     BackupSource,
+    bounded_resources,
     register_engine,
 )
 from restore.log_slices import LogSlice
+from restore.partitioned import DEFAULT_MEMORY, SpilledPlan, SpilledSettled, buffers_for, merge_read_size
 from restore.plan import (
+    COMMIT,
+    INDOUBT,
     Base,
     Copy,
     RestorePlan,
@@ -66,10 +73,12 @@ from restore.plan import (
     owner_of,
     prepare_record,
     restore_lrsn_above,
-    summarize,
+    uow_owner,
 )
-from restore.settle import Outcome, Settled, best_copy, decide_outcome, settle, uows_named
+from restore.settle import BACKOUT, Outcome, best_copy, decide_outcome, load_key, settle, uows_named
+from restore.spark_conf import memory_conf
 from restore.spark_fetch import stream
+from restore.spill import Partitioned, SpillDir
 from sqm.core.records import Record, Role, entry_ids, lookup
 from sqm.log import LogFormatError, one_log_per_member
 from sqm.log.format import SegmentScan, log_segments, read_manifest, trusted_segments
@@ -208,6 +217,25 @@ def settle_group(group: tuple[str, Iterable[tuple[int, Any]]], outcomes: Mapping
     return [("s", settle(eid, best, records, named, now_ms)), *undecided]
 
 
+def run_of_partition(index: int, rows: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, int, Any]]:
+    """One settle partition's rows, tagged with its index, ready for its spill files (restore.partitioned's
+    frames): ("d", i, uow) for each UOW restore decides, ("g", i, (id, disposition)) for each entry not loaded,
+    then ("r", i, run frame) for each survivor, in load order (settle.load_key): one partition's survivors are
+    sorted here, where its groups are held already, so that the driver only appends them."""
+    run: list[tuple[Any, ...]] = []
+    for tag, item in rows:
+        if tag != "s":
+            yield tag, index, item
+        elif item.entry is None:
+            yield "g", index, (item.id, item.disposition)
+        else:
+            run.append((load_key(item.id, item.entry), item.id, item.disposition, item.structure, item.entry,
+                        item.data))
+    run.sort(key=lambda t: t[0])
+    for frame in run:
+        yield "r", index, frame
+
+
 def log_stats(keyed: Iterator[tuple[OrderKey, Record]]) -> Iterator[tuple[int, Any]]:
     """Per partition: (1, uow) for each UOW with an END record, then (0, relevant records per member). One
     element per UOW, not one list per partition: stream() can split the UOWs into fetches of bounded size."""
@@ -219,6 +247,76 @@ def log_stats(keyed: Iterator[tuple[OrderKey, Record]]) -> Iterator[tuple[int, A
     yield 0, members
 
 
+# ------------------------------------------------------------------------------------- the plan, on the driver
+
+
+@dataclass
+class Written:
+    """What the driver keeps of the settled entries it wrote to spill files: counts, and the UOWs that hold
+    loaded entries (bounded by the work in flight at the failure, not by the history)."""
+
+    dispositions: Counter[str] = field(default_factory=Counter)
+    decisions: dict[str, str] = field(default_factory=dict)
+    loaded: int = 0
+    loaded_bytes: int = 0
+    first: dict[str, int] = field(default_factory=dict)  # UOW -> lowest LRSN of the loaded entries it holds
+
+
+def write_runs(rows: Iterable[tuple[str, int, Any]], spill: SpillDir, parts: int, buffer_bytes: int) -> Written:
+    """Append run_of_partition's rows to the spill files of restore.partitioned (run-<i>, gone-<i>) through
+    buffers of at most buffer_bytes in all; each partition's survivors arrive in load order, so each run-<i> is
+    sorted."""
+    runs = Partitioned(spill, "run", parts, buffer_bytes // 2)
+    gone = Partitioned(spill, "gone", parts, buffer_bytes // 2)
+    out = Written()
+    for tag, i, item in rows:
+        if tag == "d":
+            out.decisions[item] = owner_of(item)
+        elif tag == "g":
+            out.dispositions[item[1]] += 1
+            gone.add(i, item)
+        else:
+            runs.add(i, item)
+            out.dispositions[item[2]] += 1
+            out.loaded += 1
+            out.loaded_bytes += len(item[5])
+            holder = item[4].get("u")
+            if holder:
+                lrsn = int(item[4]["l"])
+                out.first[holder] = min(out.first.get(holder, lrsn), lrsn)
+    runs.close()
+    gone.close()
+    return out
+
+
+def spilled_plan(structure: str, spill: SpillDir, parts: int, written: Written, outcomes: dict[str, Outcome],
+                 ended: Collection[str], restore_lrsn: int, per_member: Counter[str], max_lrsn: int,
+                 read_size: int) -> SpilledPlan:
+    """The plan over the spill files write_runs wrote, summed up as restore.plan.summarize and held_uows would sum
+    up the same entries held in memory."""
+    for uow in written.decisions:
+        outcomes[uow] = in_flight_outcome(restore_lrsn)
+    held = {u: uow_owner(u, outcomes.get(u)) for u in written.first}
+    for u, o in outcomes.items():
+        if o.kind == INDOUBT and structure in o.structures and u not in held:
+            held[u] = uow_owner(u, o)
+    counts = Counter(written.dispositions)
+    counts["uows in doubt"] = len(held)
+    counts["uows in flight backed out"] = len(written.decisions)
+    in_commit = {u for u, o in outcomes.items() if o.kind == COMMIT and u not in ended}
+    plan = SpilledPlan(structure, restore_lrsn, [], outcomes, written.decisions, in_commit, counts, per_member,
+                       max_lrsn)
+    plan.spill, plan.partitions, plan.read_size = spill, parts, read_size
+    plan.settled_count = sum(written.dispositions.values())
+    plan.loaded_count, plan.loaded_bytes = written.loaded, written.loaded_bytes
+    plan.held, plan.first_lrsn = dict(sorted(held.items())), written.first
+    plan.restore_decided = {u for u, o in outcomes.items() if o.kind == BACKOUT and o.decided_by == "restore"}
+    plan.worker_peak_bytes = 0  # Spark's executors and Python workers are not this process's to measure
+    plan.workers = 1  # the load merges the runs in this process
+    plan.settled = SpilledSettled(plan)
+    return plan
+
+
 # ------------------------------------------------------------------------------------------------ the engine
 
 
@@ -226,15 +324,20 @@ class SparkEngine:
     """Restore planning on Spark. master: any Spark master URL ("local[*]", "spark://host:7077", ...); conf:
     further Spark settings; log_file: where Spark's own logging goes; archive_dir: a restore.archive directory
     whose Parquet copies of sealed segments are read instead of the segment files; spark: an existing
-    SparkSession to use (tests share one)."""
+    SparkSession to use (tests share one); memory: the restore's memory limit, from which the session's memory
+    settings are derived (spark_conf.memory_conf; `conf` wins) and the driver's buffers sized; work_dir: where
+    the plan's spill files go (the settled entries: the driver streams them there, in load order, and keeps none).
+    """
 
     name = "spark"
 
     def __init__(self, master: str = "local[*]", conf: Mapping[str, str] | None = None,
                  log_file: str | Path = DEFAULT_LOG_FILE, archive_dir: str | Path | None = None,
-                 spark: SparkSession | None = None) -> None:
+                 spark: SparkSession | None = None, memory: int = DEFAULT_MEMORY,
+                 work_dir: Path | None = None) -> None:
+        self.memory, self.work_dir, _ = bounded_resources(memory, work_dir, 1)
         self.master = master
-        self.conf = dict(conf or {})
+        self.conf = {**memory_conf(master, self.memory), **dict(conf or {})}
         self.log_file = Path(log_file).absolute()
         self.archive_dir = Path(archive_dir) if archive_dir is not None else None
         self._spark = spark
@@ -308,26 +411,24 @@ class SparkEngine:
             results = (records.flatMap(lambda kr: [(eid, (0, kr)) for eid in entry_ids(kr[1])])
                        .union(copies.mapValues(lambda pc: (1, pc)))
                        .partitionBy(parts).mapPartitions(by_key)
-                       .flatMap(lambda group: settle_group(group, shared.value, restore_lrsn, now_ms)))
-            # The plan streams back in fetches of bounded bytes, never in one collect (spark_fetch).
-            rows = stream(results)
-            settled: list[Settled] = []
-            decisions: dict[str, str] = {}
-            for tag, item in rows:
-                if tag == "s":
-                    settled.append(item)
-                else:
-                    decisions[item] = owner_of(item)
+                       .flatMap(lambda group: settle_group(group, shared.value, restore_lrsn, now_ms))
+                       .mapPartitionsWithIndex(run_of_partition))
+            # The plan streams back in fetches of bounded bytes, never in one collect (spark_fetch), and goes
+            # straight to spill files: each partition's survivors as a run sorted in load order, the others as
+            # (id, disposition), as restore.partitioned writes them; the driver keeps no entry.
+            spill = SpillDir(self.work_dir)
+            try:
+                written = write_runs(stream(results), spill, parts, buffers_for(self.memory))
+            except BaseException:
+                spill.close()
+                raise
             phases.done(SETTLE)
             shared.destroy()
             for rdd in (copies, tagged):
                 rdd.unpersist()
         self.phase_seconds = phases.seconds
-        for uow in decisions:
-            outcomes[uow] = in_flight_outcome(restore_lrsn)
-        counts, in_commit = summarize(structure, settled, outcomes, decisions, ended)
-        return RestorePlan(structure, restore_lrsn, settled, outcomes, decisions, in_commit, counts, per_member,
-                           max_lrsn)
+        return spilled_plan(structure, spill, parts, written, outcomes, ended, restore_lrsn, per_member, max_lrsn,
+                            merge_read_size(self.memory, parts))
 
     # --- inputs ---------------------------------------------------------------------------------------------
     @staticmethod

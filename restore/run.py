@@ -551,19 +551,19 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
                            f"failed first (--mark-failed) if you mean to replace its content")
     options = dict(engine_options or {})
     engine = engine or default_engine()
-    if engine in ("local", "columnar"):  # its spill files: a private directory beside the backups (docs/runbook.md)
+    if engine in ("local", "columnar", "spark"):  # spill files: a private directory beside the backups (docs/runbook.md)
         # A read-only backup volume (the compose tools service mounts it so): the system's temporary directory.
         options.setdefault("work_dir", backup_root / WORK_DIR if os.access(backup_root, os.W_OK) else None)
         # RECAUTO and library callers: $CFEMU_RESTORE_MEMORY and $CFEMU_RESTORE_WORKERS, else the defaults
         try:
             if "memory" not in options:
                 options["memory"] = restore_memory()
-            if "workers" not in options:
+            if "workers" not in options and engine != "spark":  # Spark's parallelism is its master's
                 options["workers"] = restore_workers()
         except ValueError as e:
             raise RestoreError(str(e)) from None
     chosen_engine = get_engine(engine, **options)
-    memory_limit = int(getattr(chosen_engine, "memory", 0) or 0)  # 0: an engine without one (Spark)
+    memory_limit = int(getattr(chosen_engine, "memory", 0) or 0)  # 0: an engine without one
     repo = GroupRepository(log_root)  # read only until the load
     group = admin.group_name() if sdef is not None else None
     no_backup: RestoreError | None = None

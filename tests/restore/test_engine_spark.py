@@ -474,8 +474,10 @@ def test_cfrestore_passes_master_conf_and_archive_to_the_spark_engine() -> None:
 
     args = build_parser().parse_args(["run", "APP1", "--engine", "spark", "--master", "spark://h:7077", "--conf",
                                       "spark.driver.memory=8g", "--conf", "spark.a=b=c", "--archive-dir", "/a"])
-    assert _engine_options(args) == {"master": "spark://h:7077", "archive_dir": Path("/a"),
+    assert _engine_options(args) == {"master": "spark://h:7077", "archive_dir": Path("/a"), "memory": 2**30,
                                      "conf": {"spark.driver.memory": "8g", "spark.a": "b=c"}}
+    limited = build_parser().parse_args(["run", "APP1", "--engine", "spark", "--memory-limit", "2GiB"])
+    assert _engine_options(limited)["memory"] == 2 * 2**30
     assert set(_engine_options(build_parser().parse_args(["run", "APP1"]))) == {"memory", "workers"}  # the default engine's
     with pytest.raises(SystemExit):
         build_parser().parse_args(["run", "APP1", "--engine", "spark", "--conf", "no-equals-sign"])
@@ -571,3 +573,53 @@ def test_b12_a_uow_carried_across_a_restore_and_decided_later_is_decided_by_the_
     from tests.restore.test_chaos_regressions import b12_history
 
     b12_history(redis_url, tmp_path, "spark", {"spark": spark})
+
+
+def test_the_spark_plan_streams_its_entries_to_spill_files_not_the_drivers_memory(
+        spark: Any, tmp_path: Path, tiny_max_result_size: int) -> None:
+    """The settled entries go from the fetches straight to sorted runs in spill files (a SpilledPlan the load
+    merges), so that the driver's memory does not grow with the history: its peak of Python allocations while it
+    plans is a fraction of the data the plan restores (a list of the settled entries would hold all of it), and
+    the plan still equals the local engine's."""
+    import tracemalloc
+
+    from restore.partitioned import SpilledPlan
+
+    h = simulate(random.Random(5), 200, body_bytes=1000)
+    for n in range(400):  # committed messages the backup holds, none of them touched since: all restored
+        lrsn = 10 + n
+        e = Entry(id=f"kept{n:04d}", queue="Q1", priority=n % 3, put_time=lrsn, expiry=0).wire()
+        e.update(st="CP", u="", l=lrsn, o1=lrsn, o2=lrsn)
+        h.copies.append((1, e, os.urandom(20_000), S))
+    backup, log_dirs = write_history(h, tmp_path / "history", segment_bytes=65536)
+    engine = SparkEngine(spark=spark, memory=2**20, work_dir=tmp_path / "work")
+    tracemalloc.start()
+    try:
+        plan = engine.plan(S, backup, log_dirs, h.replay_from, NOW_MS)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    try:
+        assert isinstance(plan, SpilledPlan)
+        assert any(plan.spill.path.glob("run-*")) and plan.spill.path.parent == tmp_path / "work"
+        assert plan.loaded_bytes > 7 * 2**20
+        assert peak < plan.loaded_bytes / 3, (peak, plan.loaded_bytes)
+        assert normalized(plan) == normalized(LocalEngine().plan(S, backup, log_dirs, h.replay_from, NOW_MS))
+    finally:
+        plan.close()
+    assert not (tmp_path / "work").exists() or not any((tmp_path / "work").iterdir())
+
+
+def test_the_spark_engine_derives_its_memory_settings_from_the_memory_limit() -> None:
+    from restore.spark_conf import memory_conf
+
+    two = memory_conf("spark://h:7077", 2 * 2**30)
+    assert two == {"spark.driver.memory": "512m", "spark.executor.memory": "512m",
+                   "spark.driver.maxResultSize": "256m", "spark.python.worker.memory": "1024m"}
+    assert memory_conf("local[2]", 8 * 2**30) == {"spark.driver.memory": "2048m", "spark.driver.maxResultSize": "1024m",
+                                                   "spark.python.worker.memory": "4096m"}
+    assert memory_conf("local[2]", 2**20)["spark.driver.memory"] == "512m"  # a JVM needs that much to start
+    engine = SparkEngine("local[2]", conf={"spark.driver.memory": "3g"}, memory=2 * 2**30)
+    assert engine.conf["spark.driver.memory"] == "3g" and engine.conf["spark.python.worker.memory"] == "1024m"
+    with pytest.raises(ValueError, match="memory limit must be positive"):
+        SparkEngine(memory=0)
