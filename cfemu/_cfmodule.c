@@ -852,17 +852,24 @@ static int make_available(Call *c, RedisModuleString *id, const char *q, size_t 
     return REDISMODULE_OK;
 }
 
+/* A command's call: its context, its keys (argv[1..NKEYS], as the script's KEYS) and the structure's key prefix
+ * ("{S}:", the meta key's name without its "meta"). */
+static Call call_of(RedisModuleCtx *ctx, RedisModuleString **argv) {
+    Call c = {0};
+    c.ctx = ctx;
+    c.keys = argv + 1;
+    size_t ml;
+    c.prefix = RedisModule_StringPtrLen(c.keys[K_META], &ml);
+    c.prefix_len = ml >= 4 ? ml - 4 : 0;
+    return c;
+}
+
 /* CF.PUT: put.lua. */
 static int cf_put(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     if (argc != 1 + NKEYS + 9) return RedisModule_WrongArity(ctx);
     RedisModule_AutoMemory(ctx);
-    Call call = {0};
+    Call call = call_of(ctx, argv);
     Call *c = &call;
-    c->ctx = ctx;
-    c->keys = argv + 1;
-    size_t ml;
-    c->prefix = RedisModule_StringPtrLen(c->keys[K_META], &ml);
-    c->prefix_len = ml >= 4 ? ml - 4 : 0;
     MetaWrites w = {{0}, {0}};
     RedisModuleString **a = argv + 1 + NKEYS - 1;  /* a[1]..a[9] as the script's ARGV */
     RedisModuleString *member = a[1], *epoch = a[2], *lrsn = a[3], *uow = a[4], *gen = a[5], *id = a[6],
@@ -1035,13 +1042,8 @@ static int reply_clock_gen(Call *c, double cf, int again) {
 static int cf_get(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     if (argc < 1 + NKEYS + 9 || argc > 1 + NKEYS + 11) return RedisModule_WrongArity(ctx);
     RedisModule_AutoMemory(ctx);
-    Call call = {0};
+    Call call = call_of(ctx, argv);
     Call *c = &call;
-    c->ctx = ctx;
-    c->keys = argv + 1;
-    size_t ml;
-    c->prefix = RedisModule_StringPtrLen(c->keys[K_META], &ml);
-    c->prefix_len = ml >= 4 ? ml - 4 : 0;
     MetaWrites w = {{0}, {0}};
     RedisModuleString **a = argv + 1 + NKEYS - 1;  /* a[1].. as the script's ARGV */
     int nargs = argc - (1 + NKEYS);
@@ -1226,13 +1228,8 @@ static int carried_over(Call *c, RedisModuleString *gen) {
 static int cf_commit(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     if (argc != 1 + NKEYS + 10) return RedisModule_WrongArity(ctx);
     RedisModule_AutoMemory(ctx);
-    Call call = {0};
+    Call call = call_of(ctx, argv);
     Call *c = &call;
-    c->ctx = ctx;
-    c->keys = argv + 1;
-    size_t ml;
-    c->prefix = RedisModule_StringPtrLen(c->keys[K_META], &ml);
-    c->prefix_len = ml >= 4 ? ml - 4 : 0;
     MetaWrites w = {{0}, {0}};
     RedisModuleString **a = argv + 1 + NKEYS - 1;
     RedisModuleString *member = a[1], *epoch = a[2], *uow = a[4], *gen = a[5];
