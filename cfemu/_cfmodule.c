@@ -379,20 +379,24 @@ static int h_is(Call *c, int f, const char *want) {
     return l == strlen(want) && memcmp(s, want, l) == 0;
 }
 
-/* tonumber(meta(field) or '0'): a missing field is 0; a field that is no number is 0 too (the script would
- * fail on it; the CF never writes one). */
-static double h_num(Call *c, int f) {
-    header_read(c);
-    if (!c->h[f]) return 0;
+/* tonumber(s), 0 where s is no number. */
+static double str_num(RedisModuleString *s) {
     size_t l;
-    const char *s = RedisModule_StringPtrLen(c->h[f], &l);
+    const char *p = RedisModule_StringPtrLen(s, &l);
     char t[64];
     if (l == 0 || l >= sizeof t) return 0;
-    memcpy(t, s, l);
+    memcpy(t, p, l);
     t[l] = 0;
     char *e;
     double d = strtod(t, &e);
     return *e ? 0 : d;
+}
+
+/* tonumber(meta(field) or '0'): a missing field is 0; a field that is no number is 0 too (the script would
+ * fail on it; the CF never writes one). */
+static double h_num(Call *c, int f) {
+    header_read(c);
+    return c->h[f] ? str_num(c->h[f]) : 0;
 }
 
 /* A number written as a script's redis.call writes a Lua number (Redis 7.0: %.17g; an integer below 1e17 in plain
@@ -489,18 +493,6 @@ static int str_is(RedisModuleString *s, const char *want) {
 }
 
 static int str_eq(RedisModuleString *a, RedisModuleString *b) { return RedisModule_StringCompare(a, b) == 0; }
-
-static double str_num(RedisModuleString *s) {
-    size_t l;
-    const char *p = RedisModule_StringPtrLen(s, &l);
-    char t[64];
-    if (l == 0 || l >= sizeof t) return 0;
-    memcpy(t, p, l);
-    t[l] = 0;
-    char *e;
-    double d = strtod(t, &e);
-    return *e ? 0 : d;
-}
 
 /* Writes through the key API, with the command that has the same effect replicated (AOF, replicas): cheaper than
  * calling the command, which the server would look up, check and run as a client's. */
