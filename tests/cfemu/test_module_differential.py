@@ -23,24 +23,13 @@ from cfemu.admin import Admin
 from cfemu.cf import CF, Caller
 from cfemu.embedded import EmbeddedRedis
 from cfemu.entry import Entry
+from tests.support.counting_clock import CountingClock as Clock
 
 S = "APP1"
 QUEUES = ("Q1", "Q2")
 MEMBERS = ("QM1", "QM2")
 SEEDS = 24
 STEPS = 70
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0
-
-    def now(self) -> int:
-        self.t += 1
-        return self.t
-
-    def observe(self, lrsn: int) -> None:
-        self.t = max(self.t, lrsn)
 
 
 @pytest.fixture(scope="module")

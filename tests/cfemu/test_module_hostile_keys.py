@@ -17,21 +17,10 @@ from cfemu.cf import CF, Caller, Structure
 from cfemu.embedded import EmbeddedRedis
 from cfemu.entry import Entry
 from cfemu.errors import MQError
+from tests.support.counting_clock import CountingClock as Clock
 
 S, Q = "APP1", "Q1"
 Factory = Callable[..., EmbeddedRedis]
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0
-
-    def now(self) -> int:
-        self.t += 1
-        return self.t
-
-    def observe(self, lrsn: int) -> None:
-        self.t = max(self.t, lrsn)
 
 
 def structure(srv: EmbeddedRedis) -> tuple[redis.Redis, Caller, Structure]:

@@ -42,24 +42,11 @@ from cfemu.errors import (
     UnknownObjectError,
 )
 from cfemu.limits import CF_STEP
+from tests.support.counting_clock import CountingClock as Clock
 
 S, Q, Q2 = "APP1", "Q1", "Q2"
 LONG = 10**13  # an expiry time (ms) far in the future
 NOW = 2_000  # the `now` (ms) the tests pass; an entry expiring at 1_000 has expired by then
-
-
-class Clock:
-    """A caller's LRSN clock that only counts: enough for the CF's Lamport merge."""
-
-    def __init__(self, start: int = 0) -> None:
-        self.t = start
-
-    def now(self) -> int:
-        self.t += 1
-        return self.t
-
-    def observe(self, lrsn: int) -> None:
-        self.t = max(self.t, lrsn)
 
 
 @pytest.fixture

