@@ -10,11 +10,36 @@ import pstats
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def test_the_servers_context_switches_keep_those_of_threads_that_ended(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A thread that switched and then ended between two readings still counts: the difference of two readings
+    is never negative (a server's threads come and go during a profile)."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import profile_service
+
+    switched, release = threading.Event(), threading.Event()
+
+    def switch_often() -> None:
+        for _ in range(100):
+            time.sleep(0.0005)  # each sleep is a voluntary switch of this thread
+        switched.set()
+        release.wait()
+
+    thread = threading.Thread(target=switch_often)
+    thread.start()
+    switched.wait(30)
+    while_alive = profile_service.context_switches()
+    release.set()
+    thread.join()
+    assert profile_service.context_switches() >= while_alive
 
 
 @pytest.mark.slow
