@@ -7,7 +7,7 @@ reach for real (its CF user is switched off and its connections killed)."""
 
 from __future__ import annotations
 
-import threading
+import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -47,14 +47,23 @@ def qm(redis_url: str, tmp_path: Path) -> Iterator[QueueManager]:
 @contextmanager
 def reply_lost(redis_server: Any) -> Iterator[None]:
     """The next CF call's reply is lost: the CF is busy past the member's read timeout, then runs it."""
-    harness = redis_server.client()
-    busy = threading.Thread(target=lambda: harness.execute_command("DEBUG", "SLEEP", "1.0"))
-    busy.start()
-    time.sleep(0.1)
+    sleeper = redis_server.client().connection_pool.get_connection()
+    sleeper.send_command("DEBUG", "SLEEP", "1.0")  # on its way before any call of the member's
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # the CF is busy once a PING goes unanswered (an answer, even NOAUTH: not yet)
+        with socket.create_connection((redis_server.host, redis_server.port), timeout=5) as probe:
+            probe.sendall(b"PING\r\n")
+            probe.settimeout(0.05)
+            try:
+                probe.recv(64)
+            except TimeoutError:
+                break
+        time.sleep(0.01)
     try:
         yield
     finally:
-        busy.join()
+        sleeper.read_response()
+        sleeper.disconnect()
 
 
 @contextmanager
