@@ -173,13 +173,19 @@ class _Lease:
     def check(self) -> None:
         """Raise BackupCancelledError once a renewal was refused."""
         if self.lost:
-            raise BackupCancelledError(f"backup {self.backup_id} ended before it finished: {self.lost} "
-                                       "(cancelled with cfbackup cancel, or its lease ended); nothing was kept")
+            raise ended_before_it_finished(self.backup_id, self.lost)
 
     def stop(self) -> None:
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=5.0)  # a renewal waiting on a CF that does not answer is left to its timeout
+
+
+def ended_before_it_finished(backup_id: str, why: str) -> BackupCancelledError:
+    """The one error of a backup whose mark was taken from it (cancelled, or its lease ended), whether a renewal
+    or its end found out: the operator reads the same cause either way."""
+    return BackupCancelledError(f"backup {backup_id} ended before it finished: {why} (cancelled with cfbackup "
+                                "cancel, or its lease ended); nothing was kept")
 
 
 DEFAULT_WAIT_S = 120.0  # how long an operator's backup waits for one running (cfbackup run --wait)
@@ -366,7 +372,7 @@ def _run_backup(client: redis.Redis, structure: str, backup_root: Path, *, log_r
         try:  # refused unless the mark is still this backup's and its lease runs (backup_end.lua)
             end_lrsn = s.backup_end(backup_id, clock.now(), ok=True)
         except BackupEndedError as e:
-            raise BackupCancelledError(f"backup {backup_id} could not end well: {e}; nothing was kept") from None
+            raise ended_before_it_finished(backup_id, str(e)) from None
         ended = True
         lease.stop()
         steps = [{"step": n, "state": st, "label": label, **asdict(c)}

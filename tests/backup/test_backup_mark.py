@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from backup.catalog import list_backups
-from backup.run import run_backup
+from backup.run import BackupCancelledError, run_backup
 from cfemu.admin import Admin
 from cfemu.cf import CF, BackupMark, Structure
 from cfemu.connection import connect
@@ -64,6 +64,25 @@ def test_a_backup_that_fails_on_a_response_error_leaves_no_mark(
     assert "backup" not in CF(client).structure(S).info()
     assert list((tmp_path / "bk" / S).iterdir()) == []
     assert run_backup(client, S, tmp_path / "bk")["entries"] == 0
+
+
+def test_a_backup_cancelled_after_its_last_renewal_says_it_ended_before_it_finished(
+        qsg: tuple[redis.Redis, object], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An operator's cancel that lands after the backup's last renewal is found by its end, which the CF refuses:
+    the error is the one a renewal gives (a loaded machine decides which of the two sees it first)."""
+    client, _ = qsg
+    real_end = Structure.backup_end
+
+    def cancelled_first(self: Structure, backup_id: str, caller_lrsn: int, ok: bool) -> int:
+        if ok:
+            self.backup_cancel(backup_id)  # cfbackup cancel, between the last renewal and the end
+        return real_end(self, backup_id, caller_lrsn, ok)
+
+    monkeypatch.setattr(Structure, "backup_end", cancelled_first)
+    with pytest.raises(BackupCancelledError, match=r"^backup \S+ ended before it finished: .*cfbackup cancel.*"
+                                                   "nothing was kept$"):
+        run_backup(client, S, tmp_path / "bk")
+    assert list_backups(tmp_path / "bk", S) == [] and CF(client).structure(S).backup_mark() is None
 
 
 def test_a_backup_killed_with_sigkill_leaves_a_mark_the_next_backup_takes_over_after_its_lease(
