@@ -176,7 +176,9 @@ class Outcomes:
         checked just now (complete's pstore_checked: by the script of their one put or get outside syncpoint, or by
         their standing check under syncpoint, sqm.core.syncpoint_calls): ``logged`` (their PUT
         and GET records) and their COMMIT records appended under one hold of the lock, not yet forced. The second
-        half is ``apply_many``, which forces them (one fsync for every Decided it is given) before it applies any."""
+        half is ``apply_many``, which forces them (one fsync for every Decided it is given) before it applies any.
+        Raises only when no COMMIT was appended; once one was, a failure backs out the units of work not decided
+        (their error in ``errors``), and the decided ones go on."""
         self.check_usable()
         decided = Decided(uows, [None] * len(uows))
         if not uows:
@@ -185,18 +187,43 @@ class Outcomes:
             self.checkpoint("logload")
         commits = [records.commit(u.id, self.clock.now(), u.structures) for u in uows]
         assert self.log is not None
+        appended = 0  # COMMITs appended
         try:
             with self.uow_lock:
                 for record in logged:
                     self.log.append(record)
                 for u, record in zip(uows, commits, strict=True):
                     decided.position = self.log.append(record)
+                    appended += 1
                     u.first_lrsn = u.first_lrsn or int(record["l"])
                     u.decide(INCOMMIT, record)
         except OSError as e:  # a COMMIT may be on disk: each outcome is unknown here (log_failure)
             self._log_failed_for(decided, e)
+        except Exception as e:
+            if not appended:
+                raise  # nothing decided: the caller backs each unit of work out
+            # The COMMITs appended are decided (a later force takes them to disk whatever happens here): they go on
+            # to apply_many, which forces and applies them. The units of work after them are not decided: each is
+            # backed out here, and hears so.
+            log.error("%s: appending the COMMITs of a batch failed after %d of %d (%s: %s)", self.name, appended,
+                      len(uows), type(e).__name__, e, exc_info=e)
+            for i in range(appended, len(uows)):
+                decided.errors[i] = self._back_out_undecided(uows[i], e)
         self.activity += len(logged) + len(uows)
         return decided
+
+    def _back_out_undecided(self, uow: UnitOfWork, why: Exception) -> MQError:
+        """A unit of work of decide_many whose COMMIT was not appended: backed out, as its batch's failure before
+        its decision backs it out; its caller's error. What cannot be backed out now, recovery backs out."""
+        try:
+            self.complete(uow, False, reason="its COMMIT could not be appended")
+        except MQError as e:
+            return e
+        except Exception as e:
+            log.error("%s: backing out uow %s failed (%s: %s)", self.name, uow.id, type(e).__name__, e, exc_info=e)
+            return MQError(f"internal error: {type(why).__name__}: {why}")
+        return BackedOutError(f"unit of work {uow.id} was backed out: its COMMIT could not be appended "
+                              f"({type(why).__name__}: {why})")
 
     def _log_failed_for(self, decided: Decided, e: OSError) -> None:
         for i, u in enumerate(decided.uows):

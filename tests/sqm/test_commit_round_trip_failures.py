@@ -1,8 +1,9 @@
-"""A batch's commits, forced, then applied in one CF round trip (Outcomes.apply_many), when that round trip fails in
-a way no one names: a reply the CF refuses with an error the member does not map, a reply it cannot read, a bug.
-Each unit of work's COMMIT is on disk by then, so each must end applied, or pending with its caller told so (and
-completed by retry_pending); none may be left decided and locked on the CF until the member restarts. In process,
-on a real redis-server and a real log; the failures are injected by patching the CF calls."""
+"""A batch's commits (Outcomes.decide_many, apply_many) when a step fails in a way no one names: the round trip that
+applies them (a refusal the member does not map, a reply it cannot read, a bug), or the append of their COMMITs
+part way. A unit of work whose COMMIT is in the log must end applied, or pending with its caller told so (and
+completed by retry_pending); one whose COMMIT is not is backed out; none may be left decided and locked on the CF
+until the member restarts. In process, on a real redis-server and a real log; the failures are injected by
+patching the CF calls and the log's append."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import redis
 
 from cfemu.cf import Structure
 from cfemu.embedded import EmbeddedRedis
-from cfemu.errors import OutcomePendingError
+from cfemu.errors import BackedOutError, OutcomePendingError
 from sqm.core.connection import Message, PutSpec
 from sqm.core.lifecycles import Lifecycles, OnePut
 from sqm.core.manager import QueueManager
@@ -107,3 +108,28 @@ def test_commits_that_fail_unexpectedly_alone_too_wait_pending_and_complete_late
     assert qm.retry_pending() == N
     assert not qm.pending and not qm.uows
     assert _bodies(qm) == [b"m%d" % k for k in range(N)]
+
+
+def test_a_batch_whose_commits_fail_to_append_part_way_applies_those_appended_and_backs_out_the_rest(
+        qm: QueueManager, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The log's append fails (a bug, not an OSError) at the third of four COMMITs: the two appended are decided
+    and go on, forced and applied; the two after them are backed out and hear so. None is left decided and
+    unapplied, or in flight."""
+    assert qm.log is not None
+    real_append = qm.log.append
+    commits = 0
+
+    def append(record: dict[str, Any]) -> Any:
+        nonlocal commits
+        if record.get("k") == "COMMIT":
+            commits += 1
+            if commits == 3:
+                raise TypeError("a bug in the append")
+        return real_append(record)
+
+    monkeypatch.setattr(qm.log, "append", append)
+    out = Lifecycles(qm).run([OnePut(PutSpec("Q1", b"m%d" % k)) for k in range(N)])
+    assert [type(o) for o in out] == [Message, Message, BackedOutError, BackedOutError], out
+    _no_uow_decided_and_left(qm)
+    assert not qm.uows and not qm.pending
+    assert _bodies(qm) == [b"m0", b"m1"]
