@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         def batch(side: str, op: str, in_uow: bool, pipelined: bool, queue: str = Q) -> float:
             nonlocal serial
             r = sides[side]
-            head: tuple[Any, ...] = ((server_module.COMMANDS[op],) if side == "module"
+            head: tuple[Any, ...] = ((server_module.COMMANDS[op], shas[op]) if side == "module"
                                      else ("EVALSHA", shas[op], len(script_keys)))
             commands = []
             if op == "get":  # the messages the batch takes, put first (not measured)

@@ -1,13 +1,17 @@
 /* The CF's hot operations as a Redis/Valkey module: CF.PUT, CF.GET and CF.COMMIT do what cfemu/scripts/put.lua,
  * get.lua and commit.lua do, reply for reply and write for write (the scripts are the specification;
  * tests/cfemu/test_module_differential.py holds the module to them). The server loads it with --loadmodule
- * (cfemu.server_module); where it cannot, the CF runs the scripts. A command may leave a call to its script: it then
- * answers CFSCRIPT before it writes anything (CF.COMMIT: every commit but the usual one).
+ * (cfemu.server_module); where it cannot, the CF runs the scripts. A command may leave a call to its script (CF.COMMIT:
+ * every commit but the usual one): it decides so before it writes anything, and runs the script itself, in the
+ * command's place (EVALSHA of the sha the call names), so that the calls of one pipeline apply in the order they
+ * were sent. Only where the server will not run it for the command (a user not allowed EVALSHA, a server whose
+ * module API has no such call) does it answer CFSCRIPT, having done nothing, and the caller runs the script.
  *
- * A command takes its script's KEYS and ARGV in the same order, without EVALSHA's sha and key count:
- *   CF.PUT meta fence ent data uows tomb queues expiry  member epoch lrsn uow gen id queue descriptor data
- *   CF.GET meta fence ent data uows tomb queues expiry  member epoch lrsn uow gen queue match value now [max [step]]
- *   CF.COMMIT meta fence ent data uows tomb queues expiry  member epoch lrsn uow gen commit-lrsn record at later step
+ * A command takes its script's sha, then its KEYS and ARGV in the same order, without EVALSHA's key count:
+ *   CF.PUT sha meta fence ent data uows tomb queues expiry  member epoch lrsn uow gen id queue descriptor data
+ *   CF.GET sha meta fence ent data uows tomb queues expiry  member epoch lrsn uow gen queue match value now [max [step]]
+ *   CF.COMMIT sha meta fence ent data uows tomb queues expiry  member epoch lrsn uow gen commit-lrsn record at later
+ *     step
  *
  * Reads go through the module key API (no command dispatch). Writes go through the key API with the command of the
  * same effect replicated, or are commands called with the '!' flag: either way the AOF and replicas get the effects
@@ -26,9 +30,12 @@
 
 #define ERRBUF 512
 
-/* The reply that sends a call back to its script: the module does the usual case of an operation and leaves the
- * rest to the script (the caller runs it: cfemu.cf), deciding before it writes anything. */
+/* The reply that sends a call back to its script, when the module cannot run the script itself (to_script): the
+ * caller runs it (cfemu.cf). */
 #define TO_SCRIPT "CFSCRIPT this call is for the script"
+
+/* argv[0] is the command, argv[1] the script's sha, argv[FIRST_KEY..] its KEYS, then its ARGV. */
+#define FIRST_KEY 2
 
 /* ------------------------------------------------------------------------------------------------ msgpack */
 
@@ -348,6 +355,8 @@ static const char *HEADER[NHEADER] = {"state", "gen", "clock", "floor", "pstore"
 
 typedef struct {
     RedisModuleCtx *ctx;
+    RedisModuleString **argv;  /* the command's, whole: to_script passes them on */
+    int argc;
     RedisModuleString **keys;
     const char *prefix;  /* "{S}:" : the tag the derived keys start with */
     size_t prefix_len;
@@ -355,6 +364,19 @@ typedef struct {
     int header_read;
     RedisModuleString *h[NHEADER];  /* NULL: absent */
 } Call;
+
+/* A call the command leaves to its script, which the command runs here, in its own place among the client's calls
+ * (a caller that ran it after the rest of a pipeline would apply the calls out of their order): EVALSHA of the sha
+ * the call names, with its KEYS and ARGV, as the client's user (the C flag: what that user may not run, it does
+ * not run here either), its effects replicated as the script's are. The script's reply, or its refusal, is the
+ * command's. Where the server will not make that call, TO_SCRIPT: nothing was done, and the caller runs it. Called
+ * only before the command has written anything. */
+static int to_script(Call *c) {
+    RedisModuleCallReply *r = RedisModule_Call(c->ctx, "EVALSHA", "!Cslv", c->argv[1], (long long)NKEYS,
+                                               c->argv + FIRST_KEY, (size_t)(c->argc - FIRST_KEY));
+    if (!r) return RedisModule_ReplyWithError(c->ctx, TO_SCRIPT);
+    return RedisModule_ReplyWithCallReply(c->ctx, r);
+}
 
 static void header_read(Call *c) {
     if (c->header_read) return;
@@ -768,7 +790,7 @@ static int admit(Call *c, MetaWrites *w, size_t bytes, RedisModuleString *uow, c
     if ((nonew || !h_is(c, H_MAX_ENTRIES, "0") || !h_is(c, H_MAX_BYTES, "0")) && has_mid) {
         int r = replacement(c, uow, q, ql, mid, midl, bytes);
         if (r < 0) {
-            RedisModule_ReplyWithError(c->ctx, TO_SCRIPT);
+            to_script(c);
             return REDISMODULE_ERR;
         }
         if (r) return REDISMODULE_OK;
@@ -846,10 +868,12 @@ static int make_available(Call *c, RedisModuleString *id, const char *q, size_t 
 
 /* A command's call: its context, its keys (argv[1..NKEYS], as the script's KEYS) and the structure's key prefix
  * ("{S}:", the meta key's name without its "meta"). */
-static Call call_of(RedisModuleCtx *ctx, RedisModuleString **argv) {
+static Call call_of(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     Call c = {0};
     c.ctx = ctx;
-    c.keys = argv + 1;
+    c.argv = argv;
+    c.argc = argc;
+    c.keys = argv + FIRST_KEY;
     size_t ml;
     c.prefix = RedisModule_StringPtrLen(c.keys[K_META], &ml);
     c.prefix_len = ml >= 4 ? ml - 4 : 0;
@@ -858,17 +882,17 @@ static Call call_of(RedisModuleCtx *ctx, RedisModuleString **argv) {
 
 /* CF.PUT: put.lua. */
 static int cf_put(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
-    if (argc != 1 + NKEYS + 9) return RedisModule_WrongArity(ctx);
+    if (argc != FIRST_KEY + NKEYS + 9) return RedisModule_WrongArity(ctx);
     RedisModule_AutoMemory(ctx);
-    Call call = call_of(ctx, argv);
+    Call call = call_of(ctx, argv, argc);
     Call *c = &call;
     MetaWrites w = {{0}, {0}};
-    RedisModuleString **a = argv + 1 + NKEYS - 1;  /* a[1]..a[9] as the script's ARGV */
+    RedisModuleString **a = argv + FIRST_KEY + NKEYS - 1;  /* a[1]..a[9] as the script's ARGV */
     RedisModuleString *member = a[1], *epoch = a[2], *lrsn = a[3], *uow = a[4], *gen = a[5], *id = a[6],
                       *queue = a[7], *desc = a[8], *data = a[9];
 
     static const int numeric[] = {3, 5, -1};  /* lrsn, gen */
-    if (!int_args(a, 9, numeric)) return RedisModule_ReplyWithError(ctx, TO_SCRIPT);
+    if (!int_args(a, 9, numeric)) return to_script(c);
     if (!keys_typed(c)) return RedisModule_ReplyWithError(ctx, WRONGTYPE_MSG);
     if (check_ready(c, member, epoch) != REDISMODULE_OK) return REDISMODULE_OK;
     PTR(queue, q);
@@ -878,7 +902,7 @@ static int cf_put(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     RedisModuleString *rec = NULL;
     if (u_len) {
         rec = hget(c, K_UOWS, uow);
-        if (rec_unreadable(rec)) return RedisModule_ReplyWithError(ctx, TO_SCRIPT);
+        if (rec_unreadable(rec)) return to_script(c);
         if (uow_standing(c, uow, gen, rec) != REDISMODULE_OK) return REDISMODULE_OK;
         if (uow_owner_check(c, uow, member, rec) != REDISMODULE_OK) return REDISMODULE_OK;
     }
@@ -890,7 +914,7 @@ static int cf_put(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     }
     PTR(desc, dr);
     Map d;
-    if (!map_parse((const uint8_t *)dr, dr_len, &d)) return RedisModule_ReplyWithError(ctx, TO_SCRIPT);
+    if (!map_parse((const uint8_t *)dr, dr_len, &d)) return to_script(c);
     PTR(data, dt);
     (void)dt;
     double per = 0;
@@ -949,7 +973,7 @@ static int cf_put(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
         set[nset++] = (Field){"u", 0, 0, "", 0};
         /* nothing is written before it in this branch */
         if (make_available(c, id, q, q_len, prio, (size_t)pl, cf, cf) != REDISMODULE_OK)
-            return RedisModule_ReplyWithError(ctx, TO_SCRIPT);
+            return to_script(c);
     }
     /* add_entry(d, data) */
     Buf o = {0};
@@ -1032,17 +1056,17 @@ static int reply_clock_gen(Call *c, double cf, int again) {
 
 /* CF.GET: get.lua (the prelude's take). */
 static int cf_get(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
-    if (argc < 1 + NKEYS + 9 || argc > 1 + NKEYS + 11) return RedisModule_WrongArity(ctx);
+    if (argc < FIRST_KEY + NKEYS + 9 || argc > FIRST_KEY + NKEYS + 11) return RedisModule_WrongArity(ctx);
     RedisModule_AutoMemory(ctx);
-    Call call = call_of(ctx, argv);
+    Call call = call_of(ctx, argv, argc);
     Call *c = &call;
     MetaWrites w = {{0}, {0}};
-    RedisModuleString **a = argv + 1 + NKEYS - 1;  /* a[1].. as the script's ARGV */
-    int nargs = argc - (1 + NKEYS);
+    RedisModuleString **a = argv + FIRST_KEY + NKEYS - 1;  /* a[1].. as the script's ARGV */
+    int nargs = argc - (FIRST_KEY + NKEYS);
     RedisModuleString *member = a[1], *epoch = a[2], *lrsn = a[3], *uow = a[4], *gen = a[5], *queue = a[6],
                       *match = a[7], *value = a[8];
     static const int numeric[] = {3, 5, 9, 10, 11, -1};  /* lrsn, gen, now, max, step */
-    if (!int_args(a, nargs, numeric)) return RedisModule_ReplyWithError(ctx, TO_SCRIPT);
+    if (!int_args(a, nargs, numeric)) return to_script(c);
     int ok;
     double now = arg_num(a, nargs + 1, 9, &ok);
     double max_length = arg_num(a, nargs + 1, 10, &ok);
@@ -1057,7 +1081,7 @@ static int cf_get(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     RedisModuleCallReply *known = RedisModule_Call(ctx, "SISMEMBER", "ss", c->keys[K_QUEUES], queue);
     if (!known || RedisModule_CallReplyInteger(known) == 0) return refuse(c, "NOQUEUE %.*s", S(q));
     RedisModuleString *rec = hget(c, K_UOWS, uow);
-    if (rec_unreadable(rec)) return RedisModule_ReplyWithError(ctx, TO_SCRIPT);
+    if (rec_unreadable(rec)) return to_script(c);
     if (uow_standing(c, uow, gen, rec) != REDISMODULE_OK) return REDISMODULE_OK;
     if (uow_owner_check(c, uow, member, rec) != REDISMODULE_OK) return REDISMODULE_OK;
     PTR(match, mt);
@@ -1102,7 +1126,7 @@ static int cf_get(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
                 Desc d;
                 load(c, idp, idp_len, &d);
                 if (unreadable(&d)) {
-                    if (!wrote) return RedisModule_ReplyWithError(ctx, TO_SCRIPT);
+                    if (!wrote) return to_script(c);
                     again = 1;
                     break;
                 }
@@ -1125,7 +1149,7 @@ static int cf_get(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
             Desc d;
             load(c, idp, idp_len, &d);
             if (unreadable(&d)) {
-                if (!wrote) return RedisModule_ReplyWithError(ctx, TO_SCRIPT);
+                if (!wrote) return to_script(c);
                 again = 1;
                 break;
             }
@@ -1218,15 +1242,15 @@ static int carried_over(Call *c, RedisModuleString *gen) {
  * in steps, and whose puts all go at the tail of their lists (the usual case: a commit counts after what is
  * there); any other call gets TO_SCRIPT before anything is written. */
 static int cf_commit(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
-    if (argc != 1 + NKEYS + 10) return RedisModule_WrongArity(ctx);
+    if (argc != FIRST_KEY + NKEYS + 10) return RedisModule_WrongArity(ctx);
     RedisModule_AutoMemory(ctx);
-    Call call = call_of(ctx, argv);
+    Call call = call_of(ctx, argv, argc);
     Call *c = &call;
     MetaWrites w = {{0}, {0}};
-    RedisModuleString **a = argv + 1 + NKEYS - 1;
+    RedisModuleString **a = argv + FIRST_KEY + NKEYS - 1;
     RedisModuleString *member = a[1], *epoch = a[2], *uow = a[4], *gen = a[5];
     static const int numeric[] = {3, 5, 6, 8, 10, -1};  /* lrsn, gen, commit lrsn, at, step */
-    if (!int_args(a, 10, numeric)) return RedisModule_ReplyWithError(ctx, TO_SCRIPT);
+    if (!int_args(a, 10, numeric)) return to_script(c);
     if (!keys_typed(c)) return RedisModule_ReplyWithError(ctx, WRONGTYPE_MSG);
     PTR(uow, u);
     RedisModuleString *rec = hget(c, K_UOWS, uow);
@@ -1234,9 +1258,9 @@ static int cf_commit(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
         PTR(rec, raw);
         Map m;
         if (!map_parse((const uint8_t *)raw, raw_len, &m) || map_find(&m, "s") >= 0)
-            return RedisModule_ReplyWithError(ctx, TO_SCRIPT);  /* an outcome begun in steps */
+            return to_script(c);  /* an outcome begun in steps */
     }
-    if (str_is(a[9], "1")) return RedisModule_ReplyWithError(ctx, TO_SCRIPT);
+    if (str_is(a[9], "1")) return to_script(c);
     if (check_ready(c, member, epoch) != REDISMODULE_OK) return REDISMODULE_OK;
     RedisModuleString *t = hget(c, K_TOMB, uow);
     if (t && str_is(t, "B")) return refuse(c, "BACKEDOUT unit of work %.*s was backed out by recovery", S(u));
@@ -1263,7 +1287,7 @@ static int cf_commit(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     RedisModuleString *set_key = derived(c, "uow:", 4, u, u_len, NULL, 0, NULL, 0);
     if (wrong_type(c, set_key, REDISMODULE_KEYTYPE_SET)) return RedisModule_ReplyWithError(ctx, WRONGTYPE_MSG);
     RedisModuleCallReply *card = RedisModule_Call(ctx, "SCARD", "s", set_key);
-    if ((double)RedisModule_CallReplyInteger(card) > budget) return RedisModule_ReplyWithError(ctx, TO_SCRIPT);
+    if ((double)RedisModule_CallReplyInteger(card) > budget) return to_script(c);
 
     /* held_entries, ordered: puts by put LRSN, gets by get LRSN */
     RedisModuleCallReply *members = RedisModule_Call(ctx, "SMEMBERS", "s", set_key);
@@ -1279,7 +1303,7 @@ static int cf_commit(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
         load(c, idp, idp_len, &d);
         const char *dq; size_t dql;
         /* one it cannot read, or without its queue (which the script fails on): the script's */
-        if (unreadable(&d) || (d.ok && !map_str(&d.m, "q", &dq, &dql))) return RedisModule_ReplyWithError(ctx, TO_SCRIPT);
+        if (unreadable(&d) || (d.ok && !map_str(&d.m, "q", &dq, &dql))) return to_script(c);
         const char *du; size_t dul;
         if (!d.ok || !map_str(&d.m, "u", &du, &dul) || dul != u_len || memcmp(du, u, dul) != 0) continue;
         if (map_str_is(&d.m, "st", "UP")) {
@@ -1332,8 +1356,8 @@ static int cf_commit(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
             const char *lid = RedisModule_CallReplyStringPtr(last, &ll);
             Desc tail;
             load(c, lid, ll, &tail);
-            if (unreadable(&tail)) return RedisModule_ReplyWithError(ctx, TO_SCRIPT);
-            if (tail.ok && before(at, puts[i].key, &tail.m)) return RedisModule_ReplyWithError(ctx, TO_SCRIPT);
+            if (unreadable(&tail)) return to_script(c);
+            if (tail.ok && before(at, puts[i].key, &tail.m)) return to_script(c);
         }
     }
 
@@ -1418,11 +1442,12 @@ int RedisModule_OnLoad(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) 
     (void)argv;
     (void)argc;
     if (RedisModule_Init(ctx, "cfemu", 1, REDISMODULE_APIVER_1) == REDISMODULE_ERR) return REDISMODULE_ERR;
-    if (RedisModule_CreateCommand(ctx, "cf.put", cf_put, "write deny-oom", 1, NKEYS, 1) == REDISMODULE_ERR)
+    if (RedisModule_CreateCommand(ctx, "cf.put", cf_put, "write deny-oom", FIRST_KEY, FIRST_KEY + NKEYS - 1, 1) == REDISMODULE_ERR)
         return REDISMODULE_ERR;
-    if (RedisModule_CreateCommand(ctx, "cf.get", cf_get, "write deny-oom", 1, NKEYS, 1) == REDISMODULE_ERR)
+    if (RedisModule_CreateCommand(ctx, "cf.get", cf_get, "write deny-oom", FIRST_KEY, FIRST_KEY + NKEYS - 1, 1) == REDISMODULE_ERR)
         return REDISMODULE_ERR;
-    if (RedisModule_CreateCommand(ctx, "cf.commit", cf_commit, "write deny-oom", 1, NKEYS, 1) == REDISMODULE_ERR)
+    if (RedisModule_CreateCommand(ctx, "cf.commit", cf_commit, "write deny-oom", FIRST_KEY, FIRST_KEY + NKEYS - 1,
+                                  1) == REDISMODULE_ERR)
         return REDISMODULE_ERR;
     acl_category(ctx, "cf.put", "write");
     acl_category(ctx, "cf.commit", "write");

@@ -102,7 +102,8 @@ class CF:
         head = self._heads.get(op)
         if head is None:
             command = self._native_ops().get(op)
-            head = (command,) if command else self._script_head(op)
+            # The module's command names the script's sha, which it runs itself for a call it leaves to the script.
+            head = (command, self._scripts[op].sha) if command else self._script_head(op)
             self._heads[op] = head
         return head
 
@@ -113,7 +114,24 @@ class CF:
         """The operations the server runs as module commands (op -> command), asked once."""
         if self._native is None:
             self._native = {} if self._pair is not None or self._cluster else server_module.loaded_ops(self.redis)
+            self._load_module_scripts()
         return self._native
+
+    def _load_module_scripts(self) -> None:
+        """The scripts of the operations the module runs, loaded in the server: a module command runs its script
+        itself, in its place, for a call it leaves to it (cfemu/_cfmodule.c), and a script the server has not
+        loaded would come back NOSCRIPT, to be run after the calls behind it in a pipeline. Asked when the module
+        is found, and again when such a call came back NOSCRIPT (the CF lost its scripts: restarted, or flushed).
+        A user that may not load scripts leaves them to the calls (NOSCRIPT loads them one at a time)."""
+        if not self._native:
+            return
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            for op in self._native:
+                pipe.script_load(self._scripts[op].script)
+            pipe.execute()
+        except redis.exceptions.ResponseError:
+            pass
 
     def _lost_module(self, op: str, error: Exception) -> bool:
         """Whether a call failed because the operation's module command cannot be used: the server no longer has
@@ -175,6 +193,8 @@ class CF:
                 scripted.append(i)
             else:
                 out[i] = _script_reply(r, calls[i][1])
+        if any(calls[i][0] in (self._native or {}) for i in again):
+            self._load_module_scripts()
         for i in again:
             op, sname, args = calls[i]
             out[i] = self._run_or_error(op, sname, args)

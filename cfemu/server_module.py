@@ -23,8 +23,10 @@ __all__ = ["COMMANDS", "ENV_MODULE", "TO_SCRIPT", "loaded_ops", "path"]
 # The operations the module runs, by script name, and their commands.
 COMMANDS = {"put": "CF.PUT", "get": "CF.GET", "commit": "CF.COMMIT"}
 
-# The error a module command replies, having done nothing, with a call it leaves to the operation's script (the
-# rarer cases of an operation: cfemu/_cfmodule.c); the CF then runs the script for that call.
+# A module command takes its script's sha first, then the script's KEYS and ARGV: a call it leaves to the script (the
+# rarer cases of an operation: cfemu/_cfmodule.c) it runs with that script itself, in the call's place among the
+# caller's, so that a pipeline's calls apply in the order sent. The error it replies, having done nothing, where the
+# server will not run the script for it: the CF then runs the script for that call.
 TO_SCRIPT = "CFSCRIPT"
 
 # "0": the embedded server does not load the module (the CF runs its scripts).

@@ -176,7 +176,9 @@ class Outcomes:
         checked just now (complete's pstore_checked: by the script of their one put or get outside syncpoint, or by
         their standing check under syncpoint, sqm.core.syncpoint_calls): ``logged`` (their PUT
         and GET records) and their COMMIT records appended under one hold of the lock, not yet forced. The second
-        half is ``apply_many``, which forces them (one fsync for every Decided it is given) before it applies any."""
+        half is ``apply_many``, which forces them (one fsync for every Decided it is given) before it applies any.
+        Raises only when no COMMIT was appended; once one was, a failure backs out the units of work not decided
+        (their error in ``errors``), and the decided ones go on."""
         self.check_usable()
         decided = Decided(uows, [None] * len(uows))
         if not uows:
@@ -185,18 +187,43 @@ class Outcomes:
             self.checkpoint("logload")
         commits = [records.commit(u.id, self.clock.now(), u.structures) for u in uows]
         assert self.log is not None
+        appended = 0  # COMMITs appended
         try:
             with self.uow_lock:
                 for record in logged:
                     self.log.append(record)
                 for u, record in zip(uows, commits, strict=True):
                     decided.position = self.log.append(record)
+                    appended += 1
                     u.first_lrsn = u.first_lrsn or int(record["l"])
                     u.decide(INCOMMIT, record)
         except OSError as e:  # a COMMIT may be on disk: each outcome is unknown here (log_failure)
             self._log_failed_for(decided, e)
+        except Exception as e:
+            if not appended:
+                raise  # nothing decided: the caller backs each unit of work out
+            # The COMMITs appended are decided (a later force takes them to disk whatever happens here): they go on
+            # to apply_many, which forces and applies them. The units of work after them are not decided: each is
+            # backed out here, and hears so.
+            log.error("%s: appending the COMMITs of a batch failed after %d of %d (%s: %s)", self.name, appended,
+                      len(uows), type(e).__name__, e, exc_info=e)
+            for i in range(appended, len(uows)):
+                decided.errors[i] = self._back_out_undecided(uows[i], e)
         self.activity += len(logged) + len(uows)
         return decided
+
+    def _back_out_undecided(self, uow: UnitOfWork, why: Exception) -> MQError:
+        """A unit of work of decide_many whose COMMIT was not appended: backed out, as its batch's failure before
+        its decision backs it out; its caller's error. What cannot be backed out now, recovery backs out."""
+        try:
+            self.complete(uow, False, reason="its COMMIT could not be appended")
+        except MQError as e:
+            return e
+        except Exception as e:
+            log.error("%s: backing out uow %s failed (%s: %s)", self.name, uow.id, type(e).__name__, e, exc_info=e)
+            return MQError(f"internal error: {type(why).__name__}: {why}")
+        return BackedOutError(f"unit of work {uow.id} was backed out: its COMMIT could not be appended "
+                              f"({type(why).__name__}: {why})")
 
     def _log_failed_for(self, decided: Decided, e: OSError) -> None:
         for i, u in enumerate(decided.uows):
@@ -233,18 +260,33 @@ class Outcomes:
             failpoint("after-log-force")
         todo = [(d, i, u) for d in batches if d.position is not None for i, u in enumerate(d.uows)
                 if d.errors[i] is None]
-        calls = []
+        # From here every unit of work of ``todo`` has its COMMIT on disk: whatever fails below, each ends applied,
+        # or pending (retry_pending completes it) with its error told to its caller. One left neither would hold
+        # its entries locked on the CF until the member restarted.
+        calls: list[tuple[str, str, list[Any]]] = []
+        unmade: list[Exception | None] = []  # each one's call, or why it could not be made (it goes alone)
         for _, _, u in todo:
-            (sname, gen), = u.structures.items()
-            calls.append(self.structure(sname).commit_call(self.caller, u.id, gen=gen, lrsn=u.record_lrsn,
-                                                           at=u.decided_lrsn))
+            try:
+                (sname, gen), = u.structures.items()
+                calls.append(self.structure(sname).commit_call(self.caller, u.id, gen=gen, lrsn=u.record_lrsn,
+                                                               at=u.decided_lrsn))
+                unmade.append(None)
+            except Exception as e:
+                unmade.append(e)
         unreachable: BaseException | None = None  # the CF did not answer the round trip
+        sent: list[Any]
         try:
-            replies: list[Any] = self.cf_call(lambda: self.cf.run_many(calls)) if calls else []
+            sent = self.cf_call(lambda: self.cf.run_many(calls)) if calls else []
         except (StructureFailedError, *CF_DOWN) as e:
-            replies, unreachable = [e] * len(calls), e
+            sent, unreachable = [e] * len(calls), e
         except MQError as e:
-            replies = [e] * len(calls)
+            sent = [e] * len(calls)
+        except Exception as e:  # not a refusal the CF names (a reply not understood, a bug): what ran is not known
+            log.error("%s: the round trip of %d commits failed (%s: %s); each goes on alone", self.name,
+                      len(calls), type(e).__name__, e, exc_info=e)
+            sent = [e] * len(calls)
+        answers = iter(sent)
+        replies = [e if e is not None else next(answers) for e in unmade]
         ended: list[Record] = []
         done: list[UnitOfWork] = []
         for (d, i, u), reply in zip(todo, replies, strict=True):
@@ -256,23 +298,46 @@ class Outcomes:
                 d.errors[i] = self._commit_pending(u, unreachable)
                 self.counters["commits"] += 1
                 continue
-            if isinstance(reply, BaseException) or Structure.step_more(self.caller, reply):
-                try:  # counted there
-                    self._apply_decided(u, True, None, False)
-                except MQError as e:
-                    d.errors[i] = e
+            try:
+                alone = isinstance(reply, BaseException) or Structure.step_more(self.caller, reply)
+            except Exception as e:  # a reply this cannot read: the commit goes on alone, as a refused one does
+                log.error("%s: the reply to the commit of uow %s cannot be read (%r): it goes on alone", self.name,
+                          u.id, reply, exc_info=e)
+                alone = True
+            if alone:
+                d.errors[i] = self._apply_alone(u)
                 continue
             self.counters["commits"] += 1
             u.applied.update(u.structures)
             if self.store_report is not None:
-                self.store_report.outcome(u, True)
+                with contextlib.suppress(Exception):  # a report's failure is not the commit's
+                    self.store_report.outcome(u, True)
             ended.append(records.end(u.id, self.clock.now()))
             done.append(u)
-        if ended:
-            with contextlib.suppress(LogFailedError):  # applied: a restart completes them again from the log
+        try:
+            if ended:
                 self.append_many(ended)
-        for u in done:
-            self.forget(u)
+        except Exception as e:  # applied: a restart completes them again from the log
+            if not isinstance(e, LogFailedError):
+                log.error("%s: the END records of %d applied commits were not appended", self.name, len(ended),
+                          exc_info=e)
+        finally:
+            for u in done:
+                self.forget(u)
+
+    def _apply_alone(self, uow: UnitOfWork) -> MQError | None:
+        """A commit forced by apply_many that its round trip did not finish, applied alone as complete applies it:
+        its error (None: committed). Whatever that raises, the commit ends applied or pending, never neither."""
+        try:
+            self._apply_decided(uow, True, None, False)  # counted there
+        except MQError as e:
+            return e
+        except Exception as e:  # on disk, so decided: it waits, pending, and its caller hears so
+            log.error("%s: the commit of uow %s failed (%s: %s); it waits, pending", self.name, uow.id,
+                      type(e).__name__, e, exc_info=e)
+            self._finish_later(uow, True, None, e)
+            return self._commit_pending(uow, e)
+        return None
 
     def _holds_persistent_gets(self, uow: UnitOfWork) -> bool:
         """The UOW holds a persistent get on the CF, or a structure cannot say (then it is taken to hold one)."""
@@ -645,10 +710,10 @@ class Outcomes:
     def retry_pending(self) -> int:
         """Try again each decided outcome the CF could not take (housekeeping's first job); returns how many went
         through. A CF not reachable stops the round (the others would wait the same way); a structure not back yet
-        (or refusing, pending, a commit another structure took) keeps only that UOW waiting. A retry
-        refused for a reason of its own is that UOW's alone: it stays pending and is tried again, and neither stops
-        the others' retries nor the rest of housekeeping (peer recovery, RECAUTO, expiry): a backout blocked so
-        would leave its gets locked (invariant 1, docs/invariants.md). Said once a UOW,
+        (or refusing, pending, a commit another structure took) keeps only that UOW waiting. A retry refused for a
+        reason of its own, or failing for one no one names, is that UOW's alone: it stays pending and is tried
+        again, and neither stops the others' retries nor the rest of housekeeping (peer recovery, RECAUTO, expiry):
+        a backout blocked so would leave its gets locked (invariant 1, docs/invariants.md). Said once a UOW,
         at warning level (housekeeping logs its own errors at debug)."""
         done = 0
         for uid, fn in list(self.pending.items()):
@@ -662,10 +727,11 @@ class Outcomes:
                 continue  # that UOW's structure is not back yet: the others' may be
             except CF_DOWN:
                 break
-            except MQError as e:
+            except Exception as e:  # that UOW's own (a refusal, or a failure no one names): it stays pending
                 if uid not in self._refused_retries:
                     self._refused_retries.add(uid)
-                    log.warning("%s: the pending %s was refused, tried again later: %s", self.name, uid, e)
+                    log.warning("%s: the pending %s was refused, tried again later: %s", self.name, uid, e,
+                                exc_info=None if isinstance(e, MQError) else e)
         self._refused_retries &= set(self.pending)
         return done
 

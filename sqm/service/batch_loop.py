@@ -3,12 +3,16 @@ request, runs the requests that arrived together as one batch, and writes their 
 
 Each turn: ``select`` on every connection the loop holds; read what each ready one has (non-blocking); take from
 each at most one whole request (a connection's next request is never begun before its previous reply is out:
-order per connection); begin those the host can run together as one batch (``LoopHost.begin_together``: puts and
-gets outside syncpoint, puts, gets and commits under syncpoint, one CF round trip for their scripts and the
-commits' standing checks, their records and COMMITs appended; sqm.core.lifecycles, sqm.core.syncpoint_calls). The finisher thread then forces every batch begun meanwhile with one fsync, applies their
-commits in one CF round trip (``LoopHost.finish_together``) and writes each reply, only after its COMMIT is on
-disk; while it does, the loop reads and begins the next batch. With no other connection to read meanwhile, the
-loop finishes its batch itself (one client pays no hand-off).
+order per connection); hand those the host can run together to the beginner thread, which begins them as one
+batch (``LoopHost.begin_together``: puts and gets outside syncpoint, puts, gets and commits under syncpoint, one CF
+round trip for their scripts and the commits' standing checks, their records and COMMITs appended;
+sqm.core.lifecycles, sqm.core.syncpoint_calls). The finisher thread then forces every batch begun meanwhile with one
+fsync, applies their commits in one CF round trip (``LoopHost.finish_together``) and writes each reply, only after
+its COMMIT is on disk; while it does, the beginner begins the next batch. The loop's own thread makes no CF call
+while other connections are there to serve: a CF that hangs until its calls time out holds up the batches that need
+it, never the other connections' requests that need no CF (a status, a ping). With no other connection to read
+meanwhile, the loop begins and finishes its batch itself (one client pays no hand-off; a connection that joins
+meanwhile waits for that batch, up to the CF's timeout when the CF hangs).
 
 A request of any other kind, a frame that is large or not whole yet, and a request the batch leaves to its own
 path go as before: the connection is handed to its own thread for that one request (sqm.service.transport,
@@ -125,13 +129,18 @@ class BatchLoop:
         self.failed = ""  # why the loop's thread ended, when it failed
         self.batches = 0  # batches run, and the requests they carried (their mean: how much arrived together)
         self.batched = 0
-        # Batches begun by the loop, for the finisher (their force, their commits), which hands them back done.
+        # Batches for the beginner (their CF scripts, their records), which hands those with commits on to the
+        # finisher (their force, their commits); each hands back what it has done.
+        self._to_begin: queue.SimpleQueue[tuple[list[tuple[Session, int, str, dict[str, Any]]], list[_Conn]] | None] \
+            = queue.SimpleQueue()
         self._begun: queue.SimpleQueue[tuple[Together, list[_Conn]] | None] = queue.SimpleQueue()
-        self._pending = 0  # batches handed to the finisher and not yet back (the loop's count)
-        self._finisher_closed = False  # set by stop: the loop finishes what it begins itself
+        self._pending = 0  # connections whose batch is with the beginner or the finisher (the loop's count)
+        self._finisher_closed = False  # set by stop: the loop begins and finishes what it takes itself
         self._thread = threading.Thread(target=self._run, name=f"{host.name}-loop", daemon=True)
+        self._beginner = threading.Thread(target=self._begin, name=f"{host.name}-begin", daemon=True)
         self._finisher = threading.Thread(target=self._finish, name=f"{host.name}-commit", daemon=True)
         self._thread.start()
+        self._beginner.start()
         self._finisher.start()
 
     # --- from other threads -------------------------------------------------------------------------------------
@@ -163,12 +172,53 @@ class BatchLoop:
         and ended (those with their thread end there)."""
         with self._lock:
             self._finisher_closed = True
-            self._begun.put(None)
+            self._to_begin.put(None)  # the beginner hands the end on to the finisher once it has begun the rest
+        self._beginner.join(timeout=30)
         self._finisher.join(timeout=30)
         self._stopping = True
         with contextlib.suppress(OSError):
             self._wake_w.send(b"\0")
         self._thread.join(timeout=5)
+
+    # --- the beginner's thread -----------------------------------------------------------------------------------
+    def _begin(self) -> None:
+        """Begin the batches the loop hands over (their CF scripts, their records appended), all those waiting
+        together as one: one with commits goes on to the finisher, one without is finished and answered here (its
+        replies need no force: they do not wait behind the finisher's). The CF calls run here, not in the loop's
+        thread: a CF that answers slowly, or not at all until the calls time out, holds up only the batches that
+        need it (those handed over meanwhile wait one more round trip, together, not one each), and the loop goes
+        on reading, handing out and answering every other connection's requests."""
+        ending = False
+        while not ending:
+            item = self._to_begin.get()
+            if item is None:
+                break
+            requests, conns = list(item[0]), list(item[1])
+            while True:
+                try:
+                    more = self._to_begin.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    ending = True
+                    break
+                requests += more[0]
+                conns += more[1]
+            try:
+                t = self.host.begin_together(requests)
+            except Exception as e:  # that batch's failure alone: each of its requests hears it
+                log.exception("%s: beginning a batch failed", self.host.name)
+                t = Together(requests, [None] * len(requests))
+                _unknown(t, e)  # its records may be appended: a later force can make them durable
+                self._reply([(t, conns)])
+                self._post("done", [(t, conns)])
+                continue
+            if t.forces:
+                self._begun.put((t, conns))
+            else:
+                self._complete([(t, conns)])
+                self._post("done", [(t, conns)])
+        self._begun.put(None)
 
     # --- the finisher's thread -----------------------------------------------------------------------------------
     def _finish(self) -> None:
@@ -268,7 +318,7 @@ class BatchLoop:
             inbox, self._inbox = self._inbox, []
         for what, item in inbox:
             if what == "done":
-                self._pending -= len(item)
+                self._pending -= sum(len(conns) for _, conns in item)
                 self._answer(item)
                 continue
             if what == "handed":  # back with a request to run together: it waits in the loop for its batch
@@ -357,34 +407,28 @@ class BatchLoop:
             self.batches += 1
             self.batched += len(together)
             conns = [c for c, _, _, _ in together]
-            with self._lock:  # with no other connection to read meanwhile, the loop finishes the batch itself
-                alone = self._finisher_closed or not (self._pending or len(self._conns) > len(conns))
-            if not alone:
-                for conn in conns:  # each waits for its reply, reading nothing meanwhile (order per connection)
-                    if not conn.away:  # else handed by its thread, out of the selector already
-                        self._sel.unregister(conn.sock)
-                    conn.away = True
             requests = [(c.session, rid, op, args) for c, rid, op, args in together]
-            try:
-                t = self.host.begin_together(requests)
-            except Exception as e:  # that batch's failure alone: each of its requests hears it, the loop goes on
-                log.exception("%s: beginning a batch failed", self.host.name)
-                t = Together(requests, [None] * len(requests))
-                _unknown(t, e)  # its records may be appended: a later force can make them durable
-                self._reply([(t, conns)])
-                self._answer([(t, conns)])
-                return self._still_ready(ready)
-            # A batch with nothing to force (puts and gets under syncpoint) is answered now: its replies do not wait
-            # behind the finisher's force of other batches.
-            if not alone and t.forces:
-                with self._lock:
-                    alone = self._finisher_closed  # it stopped meanwhile
-                    if not alone:
-                        self._pending += 1
-                        self._begun.put((t, conns))
-            else:
-                alone = True
+            # With no other connection to read meanwhile, the loop begins and finishes the batch itself (one client
+            # pays no hand-off); else the beginner does, and the loop goes on with the other connections.
+            with self._lock:
+                alone = self._finisher_closed or not (self._pending or len(self._conns) > len(conns))
+                if not alone:
+                    for conn in conns:  # each waits for its reply, reading nothing meanwhile (order per connection)
+                        if not conn.away:  # else handed by its thread, out of the selector already
+                            self._sel.unregister(conn.sock)
+                        conn.away = True
+                    self._pending += len(conns)
+                    self._to_begin.put((requests, conns))
             if alone:
+                try:
+                    t = self.host.begin_together(requests)
+                except Exception as e:  # that batch's failure alone: each of its requests hears it, the loop goes on
+                    log.exception("%s: beginning a batch failed", self.host.name)
+                    t = Together(requests, [None] * len(requests))
+                    _unknown(t, e)  # its records may be appended: a later force can make them durable
+                    self._reply([(t, conns)])
+                    self._answer([(t, conns)])
+                    return self._still_ready(ready)
                 self._complete([(t, conns)])
                 self._answer([(t, conns)])
         return self._still_ready(ready)

@@ -103,33 +103,65 @@ class Pair:
             self.epochs[m] = admins[0].join(m, {}, lease_ms=600_000)
             admins[1].join_structures(m, self.epochs[m])
 
+    def head(self, op: str, native: bool) -> tuple[Any, ...]:
+        """What a call of ``op`` starts with: its module command (with its script's sha, which the command runs
+        for a call it leaves to the script) on the module's copy where the module has it, else EVALSHA."""
+        command = server_module.COMMANDS.get(op) if native else None
+        return (command, self.shas[op]) if command else ("EVALSHA", self.shas[op], len(self.keys))
+
     def call(self, op: str, args: list[Any]) -> tuple[Any, Any]:
         """The operation on both; each reply, or the error's text."""
         out = []
         for r, native in ((self.scripts, False), (self.module, True)):
-            command = server_module.COMMANDS.get(op) if native else None
-            head: tuple[Any, ...] = (command,) if command else ("EVALSHA", self.shas[op], len(self.keys))
+            head = self.head(op, native)
             try:
                 try:
                     reply = r.execute_command(*head, *self.keys, *args)
                 except redis.exceptions.ResponseError as e:
                     if not str(e).startswith(server_module.TO_SCRIPT):
                         raise
-                    self.scripted[op] = self.scripted.get(op, 0) + 1  # left to the script, as the CF does
+                    self.scripted[op] = self.scripted.get(op, 0) + 1  # left to the caller, who runs the script
                     reply = r.execute_command("EVALSHA", self.shas[op], len(self.keys), *self.keys, *args)
                 else:
-                    if native and command:
+                    if native and head[0] != "EVALSHA":
                         self.native[op] = self.native.get(op, 0) + 1
-                if op in ("get", "get_committed") and isinstance(reply, list) and len(reply) >= 4:
-                    reply[2] = (_decoded(reply[2]), len(reply[2]))  # the descriptor taken, as stored
-                out.append(reply)
+                out.append(_comparable(op, reply))
             except redis.exceptions.ResponseError as e:
                 out.append(("error", str(e)))
+        return out[0], out[1]
+
+    def pipelined(self, calls: list[tuple[str, list[Any]]]) -> tuple[list[Any], list[Any]]:
+        """The calls in one pipeline on each copy, as CF.run_many sends them: each reply, or the error's text. A
+        call the module's command left to the caller (CFSCRIPT) is run by its script once the pipeline is back,
+        which is all a caller can do with it."""
+        out = []
+        for r, native in ((self.scripts, False), (self.module, True)):
+            pipe = r.pipeline(transaction=False)
+            for op, args in calls:
+                pipe.execute_command(*self.head(op, native), *self.keys, *args)
+            replies = pipe.execute(raise_on_error=False)
+            for k, ((op, args), reply) in enumerate(zip(calls, replies, strict=True)):
+                if isinstance(reply, redis.exceptions.ResponseError) and str(reply).startswith(
+                        server_module.TO_SCRIPT):
+                    self.scripted[op] = self.scripted.get(op, 0) + 1
+                    try:
+                        replies[k] = r.execute_command("EVALSHA", self.shas[op], len(self.keys), *self.keys, *args)
+                    except redis.exceptions.ResponseError as e:
+                        replies[k] = e
+            out.append([("error", str(reply)) if isinstance(reply, redis.exceptions.ResponseError)
+                        else _comparable(op, reply) for (op, _), reply in zip(calls, replies, strict=True)])
         return out[0], out[1]
 
     def both(self, fn: Callable[[redis.Redis], Any]) -> None:
         fn(self.scripts)
         fn(self.module)
+
+
+def _comparable(op: str, reply: Any) -> Any:
+    """A reply as the comparison reads it: a get's descriptor decoded (msgpack maps have no key order)."""
+    if op in ("get", "get_committed") and isinstance(reply, list) and len(reply) >= 4:
+        reply[2] = (_decoded(reply[2]), len(reply[2]))  # the descriptor taken, as stored
+    return reply
 
 
 def _caller(rng: random.Random, pair: Pair, clock: Clock) -> Caller:
@@ -300,6 +332,8 @@ def test_the_sequences_reach_every_refusal_of_the_module_operations(server: Embe
     assert kinds["get"] >= refusals | {"TOOLONG", "none", "again", "taken"}, kinds["get"]
     # Every module command did calls itself (not only leave them to its script).
     assert all(native.get(op, 0) > 20 for op in server_module.COMMANDS), native
+    # A call a command leaves to its script is run there by the command itself, never left to the caller.
+    assert not pair.scripted, pair.scripted
 
 
 def _held_work(pair: Pair, clock: Clock) -> Caller:
@@ -387,3 +421,25 @@ def test_refusals_naming_long_names_give_the_same_replies(server: EmbeddedRedis)
     for by_script, by_module in replies:
         assert isinstance(by_script, tuple) and len(by_script[1]) > 2_000
         assert by_module == by_script
+
+
+def test_a_call_left_to_the_script_applies_in_its_place_in_a_pipeline(server: EmbeddedRedis) -> None:
+    """A pipeline (CF.run_many) whose first call the module's command leaves to its script (the last step of a
+    commit in steps) and whose later calls depend on it (gets of the messages it commits): the module applies
+    every call in the order sent, as the scripts do. A caller that ran the left call after the pipeline applied
+    the gets first, which found nothing."""
+    pair, clock = Pair(server), Clock()
+    s, c = pair.structure, Caller(MEMBERS[0], pair.epochs[MEMBERS[0]], clock)
+    for i in range(3):
+        done = pair.call("put", s.put_call(c, Entry(id=f"p{i}", queue=QUEUES[0]), b"x", uow="U1")[2])
+        assert done[0] == done[1]
+    lrsn = clock.now()
+    first = pair.call("commit", s.commit_call(c, "U1", gen=0, lrsn=lrsn, step=2)[2])  # more to do: in steps
+    assert first[0] == first[1] and first[0][3] == 1, first
+    last = [c.member, c.epoch, clock.now(), "U1", 0, lrsn, 0, 0, 1, 2]  # the next step: left to the script
+    gets = [("get", s.get_call(c, QUEUES[0], uow=f"G{k}", now_ms=1_000)[2]) for k in range(3)]
+    by_script, by_module = pair.pipelined([("commit", last), *gets])
+    assert by_module == by_script
+    assert any(len(reply) >= 4 for reply in by_script[1:]), by_script  # a get took what the commit committed
+    assert state(pair.module) == state(pair.scripts)
+    assert not pair.scripted, pair.scripted

