@@ -252,8 +252,8 @@ class BatchLoop:
                 self._drain_wake()
                 continue
             conn: _Conn = key.data
-            if conn.away:  # sent more (or closed) while its request runs: looked at once it is back
-                self._unwatch(conn)
+            if conn.away:  # its next request, sent on its reply: waits in its buffer until its batch is done
+                self._read_ahead(conn)
                 continue
             if events & selectors.EVENT_WRITE and not self._flush(conn):
                 continue
@@ -306,9 +306,9 @@ class BatchLoop:
             conn.sock.setblocking(False)
             conn.blocking = False
 
-    # The selector watches a connection while the loop has it. One that goes to a batch stays registered (two
-    # epoll_ctl calls and the selector's bookkeeping per request saved): the turn that finds it ready while it is
-    # away takes it out (``_once``), and its return puts it back.
+    # The selector watches a connection while the loop has it and while it is away with a batch (two epoll_ctl
+    # calls and the selector's bookkeeping per request saved; what it sends meanwhile: ``_read_ahead``); one that
+    # goes to its own thread is taken out, and its return puts it back.
     def _watch(self, conn: _Conn, events: int) -> None:
         if conn.events == events:
             return
@@ -331,8 +331,7 @@ class BatchLoop:
             while got < TURN_READ and len(conn.buf) < self.ahead:
                 chunk = conn.sock.recv(READ_CHUNK)
                 if not chunk:
-                    conn.session.gone.set()
-                    self._end(conn)
+                    self._gone(conn)
                     return False
                 conn.buf += chunk
                 got += len(chunk)
@@ -342,11 +341,28 @@ class BatchLoop:
             pass
         except OSError as e:
             log.debug("%s: connection %d ended: %s", self.host.name, conn.session.number, e)
-            conn.session.gone.set()
-            self._end(conn)
+            self._gone(conn)
             return False
         conn.last = time.monotonic()
         return True
+
+    def _read_ahead(self, conn: _Conn) -> None:
+        """A connection away with its batch that the selector finds ready: its client took its reply (the finisher
+        writes it) and sent its next request before the batch came back to the loop. What it sent is read now, as
+        any connection's is, and is run once the batch is done (``_answer``): it costs no turn more, and the
+        connection stays registered. Only one that the selector would report again and again (its buffer full, its
+        client gone) is taken out of the selector until it is back."""
+        if len(conn.buf) >= self.ahead or not self._read(conn) or len(conn.buf) >= self.ahead:
+            self._unwatch(conn)
+
+    def _gone(self, conn: _Conn) -> None:
+        """The client closed or broke the connection: it ends now, or once its batch is done (``_answer``, which
+        ends a connection whose client has gone)."""
+        conn.session.gone.set()
+        if conn.away:
+            self._unwatch(conn)
+        else:
+            self._end(conn)
 
     def _turn(self, ready: list[_Conn]) -> list[_Conn]:
         """Take one request from each ready connection, run them, send the replies; the connections with more

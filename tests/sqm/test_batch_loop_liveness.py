@@ -158,10 +158,11 @@ def test_a_connection_that_sends_ahead_while_its_batch_finishes_costs_the_loop_n
     """A client sends its next request while its batch is being forced by the loop's finisher: the loop neither
     runs it nor turns on it meanwhile (the connection, away with its batch, is taken out of the selector when found
     ready, not looked at again and again), and both requests are answered in their order."""
+    sock, _, _ = harness.connect()
+    other, _, _ = harness.connect()  # another connection to read meanwhile: the loop hands the batch to its finisher
+    assert ask(sock, 0)["ok"] and ask(other, 0)["ok"]  # both in the loop
     harness.host.forcing = True
     harness.host.finish_s = 1.0
-    sock, _, _ = harness.connect()
-    harness.connect()  # another connection to read meanwhile: the loop hands the batch to its finisher
     turns = _count_selects(harness.loop)
     sock.sendall(encode_frame({"id": 1, "op": "put", "args": {"n": 1}}))
     time.sleep(0.3)  # its batch is in the finisher's slow force
