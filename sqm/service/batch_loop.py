@@ -407,7 +407,7 @@ class BatchLoop:
             with self._lock:  # with no other connection to read meanwhile, the loop finishes the batch itself
                 alone = self._finisher_closed or not (self._pending or len(self._conns) > len(conns))
             if not alone:
-                for conn in conns:  # each waits for its reply, reading nothing meanwhile (order per connection)
+                for conn in conns:  # each waits for its reply, running nothing more meanwhile (order per connection)
                     conn.away = True
             requests = [(c.session, rid, op, args) for c, rid, op, args in together]
             try:
