@@ -32,6 +32,7 @@ import os
 import pstats
 import resource
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -147,6 +148,29 @@ class ThreadProfiles:
             stats.dump_stats(path)
 
 
+PERF_EVENTS = {"raw_syscalls:sys_enter": "syscalls", "context-switches": "switches_perf"}
+
+
+def _perf_stat(pid: int, out: Path) -> subprocess.Popen[bytes]:
+    """perf stat counting the events of PERF_EVENTS on every thread of ``pid`` until it is interrupted."""
+    perf = subprocess.Popen(["perf", "stat", "-x", ",", "-e", ",".join(PERF_EVENTS), "-p", str(pid), "-o", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(0.5)  # attached before the window opens
+    return perf
+
+
+def _perf_counts(perf: subprocess.Popen[bytes], out: Path) -> dict[str, int]:
+    """What perf stat counted, by the names of PERF_EVENTS (an event it could not count is left out)."""
+    perf.send_signal(signal.SIGINT)
+    perf.wait(timeout=10)
+    counts: dict[str, int] = {}
+    for line in out.read_text().splitlines():
+        fields = line.split(",")
+        if len(fields) > 2 and fields[2] in PERF_EVENTS and fields[0].isdigit():
+            counts[PERF_EVENTS[fields[2]]] = int(fields[0])
+    return counts
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=8.0)
@@ -162,6 +186,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="each of the member's CF calls in a round trip of its own (its concurrent requests' calls not "
                          "grouped: sqm.core.cfgroup; a thread per connection, no event loop's batches): the baseline "
                          "the grouping is measured against")
+    ap.add_argument("--syscalls", action="store_true",
+                    help="count the server's system calls and context switches over the window (perf stat on the "
+                         "raw_syscalls:sys_enter tracepoint of its threads; needs perf and access to tracepoints): a "
+                         "count per lifecycle, not a time, which a loaded machine does not blur")
     ap.add_argument("--cprofile", metavar="PATH",
                     help="write a pstats file of the server's threads over the window, timed by each thread's CPU "
                          "clock (time.thread_time): where the server's CPU goes, function by function")
@@ -203,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         cpu0 = {k: own_ticks(p) for k, p in pids.items()}
         switches0 = context_switches()
         sys0 = os.times().system
+        perf = _perf_stat(os.getpid(), work / "perf.txt") if args.syscalls else None
         if profiles is not None:
             profiles.clear()
         t0 = time.time()
@@ -210,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         client.stdin.flush()
         n = int(client.stdout.readline()) * max(1, args.batch)
         elapsed = time.time() - t0
+        counted = _perf_counts(perf, work / "perf.txt") if perf is not None else {}
         if profiles is not None:
             profiles.dump(args.cprofile)
         cpu1 = {k: own_ticks(p) for k, p in pids.items()}
@@ -242,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
             **{f"cpu_{k}_us": round((cpu1[k] - cpu0[k]) / TICK * per) for k in pids},
             "cpu_server_system_us": round(server_sys * per),  # of cpu_server_us: the kernel's share
             "server_context_switches": round(switches / n, 1),
+            **{f"server_{k}": round(v / n, 1) for k, v in counted.items()},
             "load": [round(x, 2) for x in os.getloadavg()]}))
         sys.stdout.flush()
     finally:

@@ -60,7 +60,9 @@ class Entry:
 def check_properties(props: dict[str, Any]) -> dict[str, PropertyValue]:
     """User properties: non-empty str names, str/int/float/bool values (the CF's Lua msgpack keeps only those
     intact, integers within +-2^53), at most cfemu.limits.MAX_PROPERTIES_LENGTH bytes packed (so that every
-    descriptor fits its allowance)."""
+    descriptor fits its allowance). No properties (most messages have none) pack to one byte: nothing to check."""
+    if not props:
+        return {}
     for k, v in props.items():
         if not isinstance(k, str) or not k or not isinstance(v, str | int | float | bool):
             raise ValueError(f"message property {str(k)[:40]!r}: a non-empty name, and a value of str, int, "

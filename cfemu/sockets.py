@@ -17,10 +17,19 @@ def set_kernel_timeout(sock: socket.socket, seconds: float | None) -> None:
     with EAGAIN, an OSError) instead of Python polling before every call, as a socket with a Python timeout does
     (a syscall each, and one more release of the GIL). None or 0: no timeout."""
     sock.settimeout(None)
-    sec = 0.0 if not seconds or seconds <= 0 else seconds
-    timeval = struct.pack("ll", int(sec), int((sec - int(sec)) * 1e6))
+    timeval = _timeval(seconds)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+
+
+def set_receive_timeout(sock: socket.socket, seconds: float | None) -> None:
+    """The kernel's receive timeout alone (SO_RCVTIMEO), on a socket set_kernel_timeout made blocking already."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(seconds))
+
+
+def _timeval(seconds: float | None) -> bytes:
+    sec = 0.0 if not seconds or seconds <= 0 else seconds
+    return struct.pack("ll", int(sec), int((sec - int(sec)) * 1e6))
 
 
 def is_loopback_ip(address: str) -> bool:

@@ -100,6 +100,8 @@ class _Conn:
     away: bool = False  # with its thread for one request
     held: bool = False  # its reply in ``out`` holds bytes of the member's budget
     last: float = field(default_factory=time.monotonic)
+    events: int = 0  # what the selector watches it for (0: not registered)
+    blocking: bool = True  # its socket's mode (its thread's path reads it blocking)
 
 
 class BatchLoop:
@@ -125,6 +127,7 @@ class BatchLoop:
         # requests a connection's thread read and handed to the loop to run together (the next turn's batch)
         self._handed: list[tuple[_Conn, int, str, dict[str, Any]]] = []
         self._stopping = False
+        self._idle_due = 0.0  # no connection can reach its idle timeout before this (monotonic) time
         self._closed = False  # the loop's thread has ended (or is ending): it takes no connection more
         self.failed = ""  # why the loop's thread ended, when it failed
         self.batches = 0  # batches run, and the requests they carried (their mean: how much arrived together)
@@ -299,6 +302,9 @@ class BatchLoop:
                 self._drain_wake()
                 continue
             conn: _Conn = key.data
+            if conn.away:  # its next request, sent on its reply: waits in its buffer until its batch is done
+                self._read_ahead(conn)
+                continue
             if events & selectors.EVENT_WRITE and not self._flush(conn):
                 continue
             if events & selectors.EVENT_READ and not self._read(conn):
@@ -323,7 +329,7 @@ class BatchLoop:
                 continue
             if what == "handed":  # back with a request to run together: it waits in the loop for its batch
                 handed, (rid, op, args) = item
-                handed.sock.setblocking(False)
+                self._nonblocking(handed)
                 self._handed.append((handed, rid, op, args))
                 continue
             conn: _Conn = item
@@ -338,10 +344,35 @@ class BatchLoop:
         """A connection comes (back) to the loop: from its handshake, its thread or its batch."""
         conn.away = False
         conn.last = time.monotonic()
-        conn.sock.setblocking(False)
-        self._sel.register(conn.sock, selectors.EVENT_READ, conn)
+        self._nonblocking(conn)
+        self._watch(conn, selectors.EVENT_READ)
         if conn.buf:  # a request may be there already: this turn looks at it
             self._back.append(conn)
+
+    @staticmethod
+    def _nonblocking(conn: _Conn) -> None:
+        """The loop reads and writes a connection's socket without blocking (set only when its thread had it)."""
+        if conn.blocking:
+            conn.sock.setblocking(False)
+            conn.blocking = False
+
+    # The selector watches a connection while the loop has it and while it is away with a batch (two epoll_ctl
+    # calls and the selector's bookkeeping per request saved; what it sends meanwhile: ``_read_ahead``); one that
+    # goes to its own thread is taken out, and its return puts it back.
+    def _watch(self, conn: _Conn, events: int) -> None:
+        if conn.events == events:
+            return
+        if conn.events:
+            self._sel.modify(conn.sock, events, conn)
+        else:
+            self._sel.register(conn.sock, events, conn)
+        conn.events = events
+
+    def _unwatch(self, conn: _Conn) -> None:
+        if conn.events:
+            conn.events = 0
+            with contextlib.suppress(KeyError, ValueError):
+                self._sel.unregister(conn.sock)
 
     def _read(self, conn: _Conn) -> bool:
         """What the connection has, into its buffer; False when it ended (closed by its client or broken)."""
@@ -350,8 +381,7 @@ class BatchLoop:
             while got < TURN_READ and len(conn.buf) < self.ahead:
                 chunk = conn.sock.recv(READ_CHUNK)
                 if not chunk:
-                    conn.session.gone.set()
-                    self._end(conn)
+                    self._gone(conn)
                     return False
                 conn.buf += chunk
                 got += len(chunk)
@@ -361,11 +391,28 @@ class BatchLoop:
             pass
         except OSError as e:
             log.debug("%s: connection %d ended: %s", self.host.name, conn.session.number, e)
-            conn.session.gone.set()
-            self._end(conn)
+            self._gone(conn)
             return False
         conn.last = time.monotonic()
         return True
+
+    def _read_ahead(self, conn: _Conn) -> None:
+        """A connection away with its batch that the selector finds ready: its client took its reply (the finisher
+        writes it) and sent its next request before the batch came back to the loop. What it sent is read now, as
+        any connection's is, and is run once the batch is done (``_answer``): it costs no turn more, and the
+        connection stays registered. Only one that the selector would report again and again (its buffer full, its
+        client gone) is taken out of the selector until it is back."""
+        if len(conn.buf) >= self.ahead or not self._read(conn) or len(conn.buf) >= self.ahead:
+            self._unwatch(conn)
+
+    def _gone(self, conn: _Conn) -> None:
+        """The client closed or broke the connection: it ends now, or once its batch is done (``_answer``, which
+        ends a connection whose client has gone)."""
+        conn.session.gone.set()
+        if conn.away:
+            self._unwatch(conn)
+        else:
+            self._end(conn)
 
     def _turn(self, ready: list[_Conn]) -> list[_Conn]:
         """Take one request from each ready connection, run them, send the replies; the connections with more
@@ -413,9 +460,7 @@ class BatchLoop:
             with self._lock:
                 alone = self._finisher_closed or not (self._pending or len(self._conns) > len(conns))
                 if not alone:
-                    for conn in conns:  # each waits for its reply, reading nothing meanwhile (order per connection)
-                        if not conn.away:  # else handed by its thread, out of the selector already
-                            self._sel.unregister(conn.sock)
+                    for conn in conns:  # each waits for its reply, running nothing more meanwhile (order per connection)
                         conn.away = True
                     self._pending += len(conns)
                     self._to_begin.put((requests, conns))
@@ -528,18 +573,16 @@ class BatchLoop:
         if not self._write(conn):
             self._end(conn)
             return False
-        events = selectors.EVENT_WRITE if conn.out else selectors.EVENT_READ
-        with contextlib.suppress(KeyError, ValueError):
-            if self._sel.get_key(conn.sock).events != events:
-                self._sel.modify(conn.sock, events, conn)
+        if conn.events:
+            self._watch(conn, selectors.EVENT_WRITE if conn.out else selectors.EVENT_READ)
         return True
 
     def _away(self, conn: _Conn, parsed: tuple[int, str, dict[str, Any]] | None) -> None:
         """Hand the connection to its thread for one request (``parsed``, or the next frame it reads)."""
-        if not conn.away:  # else out of the selector already (its batch)
-            self._sel.unregister(conn.sock)
+        self._unwatch(conn)
         conn.away = True
         conn.sock.setblocking(True)
+        conn.blocking = True
         conn.session.executor.submit(self._step, conn, parsed)
 
     def _step(self, conn: _Conn, parsed: tuple[int, str, dict[str, Any]] | None) -> None:
@@ -576,8 +619,7 @@ class BatchLoop:
             conn.ended()
 
     def _end(self, conn: _Conn) -> None:
-        with contextlib.suppress(KeyError, ValueError):
-            self._sel.unregister(conn.sock)
+        self._unwatch(conn)
         if conn in self._conns:
             self._conns.discard(conn)
             conn.sock.close()
@@ -587,16 +629,27 @@ class BatchLoop:
         """Seconds until the next connection may reach its idle timeout (at most one)."""
         if not self.idle_timeout_s or not self._conns:
             return 1.0
-        oldest = min((c.last for c in self._conns if not c.away), default=time.monotonic())
-        return max(0.0, min(1.0, oldest + self.idle_timeout_s - time.monotonic()))
+        return max(0.0, min(1.0, self._idle_due - time.monotonic()))
 
     def _close_idle(self) -> None:
+        """Close the connections idle for the idle timeout. They are looked at only once the first of them may
+        be (``_idle_due``), not at every turn: a connection's ``last`` only moves forward, and one that comes back
+        to the loop later comes with a later one, so none can reach its timeout before that time."""
         if not self.idle_timeout_s:
             return
         now = time.monotonic()
-        for conn in [c for c in self._conns if not c.away and now - c.last >= self.idle_timeout_s]:
-            self.host.closed_idle(conn.session)
-            self._end(conn)
+        if now < self._idle_due:
+            return
+        due = now + self.idle_timeout_s  # the soonest a connection that comes back from now on may be idle
+        for conn in list(self._conns):
+            if conn.away:
+                continue
+            if now - conn.last >= self.idle_timeout_s:
+                self.host.closed_idle(conn.session)
+                self._end(conn)
+            else:
+                due = min(due, conn.last + self.idle_timeout_s)
+        self._idle_due = due
 
 
 def _unknown(t: Together, e: BaseException) -> None:

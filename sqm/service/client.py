@@ -63,7 +63,7 @@ from typing import Any, NoReturn
 
 from cfemu.cf import Browsed
 from cfemu.errors import BackedOutError, MQError, OutcomePendingError, OutcomeUnknownError
-from cfemu.sockets import set_kernel_timeout
+from cfemu.sockets import set_kernel_timeout, set_receive_timeout
 from sqm.core.connection import Message
 from sqm.core.messaging import UnitOfWorkScope
 from sqm.service.client_conversations import ConversationCalls
@@ -233,6 +233,7 @@ class Client(ConversationCalls, PubSubCalls, UnitOfWorkScope):
         self._ps_held = False  # the publish/subscribe session holds something (the server says, in each reply)
         self._held = False  # the session holds a unit of work (sent or received, not settled): the server says
         self._rbuf = bytearray()  # what was read past the last reply
+        self._poll: select.poll | None = None  # what tells whether the server closed the connection between requests
         self._timeout: float | None = None
         self._lock = threading.Lock()
         if connect:
@@ -277,7 +278,8 @@ class Client(ConversationCalls, PubSubCalls, UnitOfWorkScope):
         self.endpoint = ep
         self._sock = sock
         self._rbuf = bytearray()
-        self._timeout = None  # the timeout set on this socket (plain sockets: SO_RCVTIMEO and SO_SNDTIMEO)
+        self._poll = None  # made at the first request of this connection
+        self._timeout = None  # the receive timeout set on this socket (plain sockets: SO_RCVTIMEO; None: none yet)
         log.debug("connected to %s at %s:%d", self.qmgr, *ep)
 
     def _drop(self) -> None:
@@ -291,11 +293,13 @@ class Client(ConversationCalls, PubSubCalls, UnitOfWorkScope):
         """Between requests the server sends nothing, so a readable socket means it closed (or broke)."""
         assert self._sock is not None
         try:
-            readable, _, _ = select.select([self._sock], [], [], 0)
+            if self._poll is None:  # one poll object per connection: no fd lists built per request, as select's
+                self._poll = select.poll()
+                self._poll.register(self._sock, select.POLLIN)
+            if not self._poll.poll(0):  # POLLIN, or the POLLHUP, POLLERR or POLLNVAL that poll always reports
+                return False
         except (OSError, ValueError):
             return True
-        if not readable:
-            return False
         if isinstance(self._sock, ssl.SSLSocket):
             # TLS records that carry no application data (a TLS 1.3 session ticket) also make the socket readable.
             try:
@@ -377,14 +381,22 @@ class Client(ConversationCalls, PubSubCalls, UnitOfWorkScope):
 
     def _set_timeout(self, seconds: float) -> None:
         """The reply must come within seconds. A plain socket stays blocking with the kernel's receive timeout
-        (set only when it changes): no poll before each send and receive, as a Python socket timeout makes."""
-        assert self._sock is not None
+        (set only when it changes): no poll before each send and receive, as a Python socket timeout makes. Its
+        send timeout is the request timeout, set once: the server reads a request at once, however long it then
+        waits for a message (a get's wait lengthens the receive timeout alone, one setsockopt each time it
+        changes, which a get between puts and commits makes twice per message)."""
+        sock = self._sock
+        assert sock is not None
         if seconds == self._timeout:
             return
-        if isinstance(self._sock, ssl.SSLSocket):
-            self._sock.settimeout(seconds)
+        if isinstance(sock, ssl.SSLSocket):
+            sock.settimeout(seconds)
         else:
-            set_kernel_timeout(self._sock, seconds)
+            if self._timeout is None:  # the connection's first request: blocking, with both kernel timeouts
+                set_kernel_timeout(sock, self.request_timeout)
+                self._timeout = self.request_timeout
+            if seconds != self._timeout:
+                set_receive_timeout(sock, seconds)
         self._timeout = seconds
 
     def _too_long(self, op: str, args: dict[str, Any], length: int) -> NoReturn:

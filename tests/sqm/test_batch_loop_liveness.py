@@ -22,6 +22,14 @@ from sqm.service.session import Session, Together
 DEADLINE_S = 20.0  # generous: the machine is loaded; a hang is what fails
 
 
+class _Forcing(Together):
+    """A batch whose finish forces the log (its commits): the loop hands it to its finisher."""
+
+    @property
+    def forces(self) -> bool:
+        return True
+
+
 class FailingHost:
     """A LoopHost whose batches succeed (each request's reply: its own args) unless told to raise."""
 
@@ -31,6 +39,8 @@ class FailingHost:
         self.fail_begin = 0  # how many begin_together calls raise
         self.fail_finish = 0  # how many finish_together calls raise
         self.fail_turns = 0  # how many select calls raise (the loop's turn itself)
+        self.forcing = False  # each batch forces the log, as commits do (finished by the loop's finisher)
+        self.finish_s = 0.0  # how long each finish takes (a slow fsync)
 
     def loop_request(self, session: Session, body: bytes) -> tuple[int, str, dict[str, Any]] | dict[str, Any]:
         return parse_request(decode_body(body))
@@ -39,12 +49,13 @@ class FailingHost:
         if self.fail_begin:
             self.fail_begin -= 1
             raise RuntimeError("begin exploded")
-        return Together(requests, [None] * len(requests))
+        return (_Forcing if self.forcing else Together)(requests, [None] * len(requests))
 
     def finish_together(self, batches: list[Together]) -> None:
         if self.fail_finish:
             self.fail_finish -= 1
             raise RuntimeError("finish exploded")
+        time.sleep(self.finish_s)
         for t in batches:
             t.replies = [ok_reply(rid, args) for _, rid, _, args in t.requests]
 
@@ -141,6 +152,45 @@ def test_a_batch_whose_begin_raises_is_answered_and_the_loop_goes_on(harness: Ha
     second, _, _ = harness.connect()  # the loop survived: a connection added later is served
     assert ask(second, 7)["ok"]
     assert ask(first, 2)["ok"]
+
+
+def test_a_connection_that_sends_ahead_while_its_batch_finishes_costs_the_loop_no_turns(harness: Harness) -> None:
+    """A client sends its next request while its batch is being forced by the loop's finisher: the loop neither
+    runs it nor turns on it meanwhile (the connection, away with its batch, is taken out of the selector when found
+    ready, not looked at again and again), and both requests are answered in their order."""
+    sock, _, _ = harness.connect()
+    other, _, _ = harness.connect()  # another connection to read meanwhile: the loop hands the batch to its finisher
+    assert ask(sock, 0)["ok"] and ask(other, 0)["ok"]  # both in the loop
+    harness.host.forcing = True
+    harness.host.finish_s = 1.0
+    turns = _count_selects(harness.loop)
+    sock.sendall(encode_frame({"id": 1, "op": "put", "args": {"n": 1}}))
+    time.sleep(0.3)  # its batch is in the finisher's slow force
+    sock.sendall(encode_frame({"id": 2, "op": "put", "args": {"n": 2}}))  # before its reply
+    before = turns[0]
+    assert _reply(sock) == {"id": 1, "ok": True, "result": {"n": 1}}
+    assert turns[0] - before < 20  # a few turns (the finisher's wake-ups), not a spin while the batch is away
+    assert _reply(sock) == {"id": 2, "ok": True, "result": {"n": 2}}
+
+
+def _count_selects(loop: BatchLoop) -> list[int]:
+    """Count the loop's selects (its turns) from now on."""
+    real = loop._sel.select
+    count = [0]
+
+    def select(timeout: float | None = None) -> Any:
+        count[0] += 1
+        return real(timeout)
+
+    loop._sel.select = select  # type: ignore[method-assign]
+    return count
+
+
+def _reply(sock: socket.socket) -> dict[str, Any]:
+    (length,) = HEADER.unpack(_exactly(sock, HEADER.size))
+    reply = decode_body(_exactly(sock, length))
+    assert isinstance(reply, dict)
+    return reply
 
 
 def _fail_select(loop: BatchLoop, times: int) -> list[int]:
