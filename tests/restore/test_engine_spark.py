@@ -575,6 +575,7 @@ def test_b12_a_uow_carried_across_a_restore_and_decided_later_is_decided_by_the_
     b12_history(redis_url, tmp_path, "spark", {"spark": spark})
 
 
+@pytest.mark.timeout(900)  # some hundred fetch jobs of 80 KiB: up to 300 s on a loaded machine (see above)
 def test_the_spark_plan_streams_its_entries_to_spill_files_not_the_drivers_memory(
         spark: Any, tmp_path: Path, tiny_max_result_size: int) -> None:
     """The settled entries go from the fetches straight to sorted runs in spill files (a SpilledPlan the load
