@@ -114,6 +114,9 @@ REDO_KINDS = ("PUT", "GET", "EXPIRE")
 # The types of a record's kind and role in the plan's tables: the registry's kinds and the roles as ENUMs, one byte
 # each where a string takes sixteen.
 KIND_ENUM, ROLE_ENUM = "record_kind", "record_role"
+# A record's member (whose log it is in) as an ENUM of the members whose logs are read (MEMBER_ENUM), and whether
+# its outcome field "o" is a commit as a boolean: one byte each where a string takes sixteen, on every record.
+MEMBER_ENUM = "log_member"
 RID_BITS = 36  # a scan's records get ids (job << RID_BITS) + i: distinct across scans, in order within one
 
 _PACK = msgpack.Packer(use_bin_type=True, unicode_errors="surrogateescape").pack
@@ -257,8 +260,10 @@ PLAN_SQL = """
 -- put's "P", a relog copy "R", a copy an outcome record carries "D": the last it carries of each entry)
 -- the UOWs whose outcome is applied on the CF (their END records, each kept by the generation rule), and how many
 -- of those records each member logged (members, below): r holds the records the rest of the plan reads
-CREATE TABLE ended AS SELECT DISTINCT x.u FROM raw_recs x JOIN kinds kd USING (k) WHERE kd.role = 'end';
-CREATE TABLE ends AS SELECT x.m, count(*) AS n FROM raw_recs x JOIN kinds kd USING (k) WHERE kd.role = 'end' GROUP BY x.m;
+CREATE TABLE endrecs AS SELECT x.u, x.m FROM raw_recs x JOIN kinds kd USING (k) WHERE kd.role = 'end';
+CREATE TABLE ended AS SELECT DISTINCT u FROM endrecs;
+CREATE TABLE ends AS SELECT m, count(*) AS n FROM endrecs GROUP BY m;
+DROP TABLE endrecs;
 -- the generation rule (plan.current_incarnation) as `kept`
 CREATE TABLE r AS
 SELECT *,
@@ -267,7 +272,7 @@ SELECT *,
 FROM (
   SELECT x.rid, x.l, x.m, x.k, kd.role, x.u,
          CASE WHEN kd.role = 'entry' THEN x.g WHEN kd.role = 'outcome' THEN sg.g END AS gen,
-         x.at, CASE WHEN x.o = 'C' THEN kd.dec_c ELSE kd.dec_b END AS dec, kd.outranks, kd.rank, kd.copy,
+         x.at, CASE WHEN x.oc THEN kd.dec_c ELSE kd.dec_b END AS dec, kd.outranks, kd.rank, kd.copy,
          kd.carries, x.by AS dby, CASE WHEN kd.copy THEN coalesce(x.eu, '') ELSE '' END AS holder, kd.idsrc,
          kd.descsrc
   FROM raw_recs x JOIN kinds kd USING (k)
@@ -319,7 +324,7 @@ FROM firsts f JOIN orecs o USING (u) GROUP BY f.u, f.kind, f.decided_by, f.fl;
 CREATE TABLE own AS
 SELECT * FROM orecs WHERE NOT outranks AND dec IS NOT NULL AND u NOT IN (SELECT u FROM firsts);
 CREATE TABLE lastrec AS
-SELECT u, arg_max(dec, seq) AS kind, arg_max(k, seq) AS lk, arg_max(m, seq) AS decided_by FROM own GROUP BY u;
+SELECT u, arg_max(dec, seq) AS kind, arg_max(k, seq) AS lk, arg_max(m::VARCHAR, seq) AS decided_by FROM own GROUP BY u;
 CREATE TABLE ob AS
 WITH brk AS (SELECT o.u, max(o.seq) AS b FROM own o JOIN lastrec x USING (u) WHERE o.k <> x.lk GROUP BY o.u)
 SELECT x.u, x.kind, x.decided_by, coalesce(brk.b, -1) AS b, min(coalesce(nullif(o.at, 0), o.l)) AS lrsn
@@ -825,6 +830,8 @@ class ColumnarEngine:
         cpu0 = time.process_time()
         con = self._connect(spill)
         try:
+            members = sorted({LogReader(d).member for d in log_dirs})
+            con.execute(f"CREATE TYPE {MEMBER_ENUM} AS ENUM ({', '.join(_literal(m) for m in members)})")
             raw = raw_columns(structure)
             for name, schema in TABLES.items():
                 con.from_arrow(schema.empty_table()).project(raw[name]).create(f"raw_{name}")
@@ -946,10 +953,12 @@ def fold_rows_for(memory: int) -> int:
 def raw_columns(structure: str) -> dict[str, str]:
     """What the plan keeps of each reader table (restore.columns.TABLES), as a select list over it: the columns its
     statements read, a record's kind as an ENUM of the registry's kinds (one byte, not a string: every statement
-    over the records joins or compares it), and whether an entry record's structure is the one restored (`mine`)
-    instead of its name. Narrow tables are what lets DuckDB keep them within its share of the memory limit rather
+    over the records joins or compares it), its member as an ENUM of the members read (MEMBER_ENUM), whether its
+    outcome field is a commit (`oc`) and whether an entry record's structure is the one restored (`mine`) instead
+    of their strings. Narrow tables are what lets DuckDB keep them within its share of the memory limit rather
     than spill them (BENCHMARKS.md, "The plan's tables narrowed")."""
-    return {"recs": f"rid, l, TRY_CAST(k AS {KIND_ENUM}) AS k, u, s = {_literal(structure)} AS mine, g, \"at\", o, \"by\", eu, m",
+    return {"recs": f"rid, l, TRY_CAST(k AS {KIND_ENUM}) AS k, u, s = {_literal(structure)} AS mine, g, \"at\", "
+                    f"o = 'C' AS oc, \"by\", eu, m::{MEMBER_ENUM} AS m",
             "ss": "rid, s, g", "ev": "rid, src::TINYINT AS src, eid, dds",
             "descs": "rid, src::TINYINT AS src, pos::INTEGER AS pos, eid, s, q, p, exp, st, u, l, o1, o2, bc, boff, "
                      "blen::INTEGER AS blen, doff, dlen::INTEGER AS dlen, f::INTEGER AS f"}
