@@ -651,10 +651,10 @@ def test_the_spark_plan_joins_entries_with_outcomes_in_spark_not_in_the_drivers_
     finally:
         tracemalloc.stop()
     try:
-        assert isinstance(plan.outcomes, SpilledOutcomes) and len(plan.outcomes) == 300
         outcome_bytes = sum(len(c[2]) for o in plan.outcomes.values() for c in o.data.values())
         assert outcome_bytes == 300 * 40_000
         assert peak < outcome_bytes / 3, (peak, outcome_bytes)
+        assert isinstance(plan.outcomes, SpilledOutcomes) and len(plan.outcomes) == 300
         assert normalized(plan) == normalized(LocalEngine().plan(S, backup, log_dirs, h.replay_from, NOW_MS))
     finally:
         plan.close()
