@@ -8,20 +8,24 @@ uows_named / settle):
   read logs    one task per log segment, decoded by sqm.log's own SegmentScan (or, for segments archived by
                restore.archive, a Parquet scan with the LRSN and relevance filters pushed down), each record
                passed through prepare_record; the relevant records stay cached for the next phase;
-  settle       outcome records grouped by UOW -> decide_outcome, collected (the plan returns them all) and
-               broadcast back; entry records and backup copies grouped by entry id -> best copy + settle, with
-               the broadcast outcomes (a UOW with none was in flight: backed out at restore_lrsn, as in
-               restore/reference.py's plan_local).
+  settle       a shuffle by UOW id: each UOW's outcome records (and its END, and the entries that name it) meet in
+               one partition, where decide_outcome decides it (a UOW with none was in flight: backed out at
+               restore_lrsn, as in restore/reference.py's plan_local) and sends its outcome to the entries that
+               need it; then a shuffle by entry id of entry records, backup copies and those outcomes -> best
+               copy + settle. The join of entries with outcomes is a hash join in Spark: no outcome goes through
+               the driver's memory.
 
 Within a group, records are put in merged-log order (LRSN, member, segment, offset) and copies in backup-file order
 before the fold sees them: that is the order the local engine reads them in, so ties fold the same way. Each settle
 partition's survivors are sorted in load order by its worker, and the driver appends them to spill files as it
 fetches them, as restore.partitioned's runs: the plan is a restore.partitioned.SpilledPlan, its survivors read by
-the load as a k-way merge of the runs, and the driver's memory does not grow with the history (what it keeps: the
-UOWs' outcomes, the UOWs that ended, counts). Nothing the driver needs is collect()ed whole: every result whose size grows with the backup or the logs (the UOWs the base names, the UOWs that
-ended, the outcomes, the settled entries) comes back through restore.spark_fetch.stream, in jobs of bounded bytes
-under spark.driver.maxResultSize, however many records it holds (a plan of 1M records of 1 KiB is 1.07 GB, over the
-1 GiB default: a count of records cannot say when to stream).
+the load as a k-way merge of the runs, and the UOWs' decided outcomes, appended to the same spill directory as
+they stream past, read as restore.partitioned's SpilledOutcomes. The driver's memory does not grow with the history
+(what it keeps: counts, the UOWs still open at the failure, and the UOWs the base's copies name). Nothing the driver
+needs is collect()ed whole: every result whose size grows with the backup or the logs comes back through
+restore.spark_fetch.stream, in jobs of bounded bytes under spark.driver.maxResultSize, however many records it
+holds (a plan of 1M records of 1 KiB is 1.07 GB, over the 1 GiB default: a count of records cannot say when to
+stream).
 Spark runs quietly: its log4j output, and the JVM's stderr, go to a log file; its stages report through the
 engine's progress callback as the restore phases (a thread polls the status tracker). A backup error a worker
 raises (a changed entry file, a corrupt frame) comes back to the driver as the same error, one
@@ -41,8 +45,9 @@ import time
 import uuid
 import zipfile
 from collections import Counter
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +64,16 @@ from restore.engine import (
     register_engine,
 )
 from restore.log_slices import LogSlice
-from restore.partitioned import DEFAULT_MEMORY, SpilledPlan, SpilledSettled, buffers_for, merge_read_size
+from restore.partitioned import (
+    DEFAULT_MEMORY,
+    SpilledOutcomes,
+    SpilledPlan,
+    SpilledSettled,
+    buffers_for,
+    merge_read_size,
+    pack_outcome,
+    partition_of,
+)
 from restore.plan import (
     COMMIT,
     INDOUBT,
@@ -183,44 +197,132 @@ def by_key(pairs: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, list[Any]]]:
     return iter(sorted(groups.items(), key=lambda kv: kv[0]))
 
 
-def decide_group(group: tuple[str, Iterable[tuple[OrderKey, Record]]]) -> list[tuple[str, Outcome]]:
-    uow, keyed = group
-    outcome = decide_outcome([r for _, r in sorted(keyed, key=lambda kr: kr[0])])
-    return [] if outcome is None else [(uow, outcome)]
+# The rows of the UOW shuffle, keyed by UOW id: what decides its outcome, and who needs it.
+OUTCOME_RECORD, OLDER_RECORD, ENDED, HOLDS, NEED = 0, 1, 2, 3, 4
 
 
-def entry_group(values: Iterable[tuple[int, Any]]) -> tuple[Copy | None, list[Record]]:
-    """One entry's best backup copy and its records in merged-log order (tag 0: a record, 1: a copy)."""
+def uow_rows(keyed: tuple[OrderKey, Record]) -> list[tuple[str, tuple[int, Any]]]:
+    """A current record's rows in the UOW shuffle: an outcome record or an END for its UOW, a HOLDS mark for the
+    UOW a relog copy shows holding its entry (copy_holder: that UOW's older outcome records count), and a NEED
+    (UOW, entry id) for every UOW whose outcome the fold of each entry it names may ask for (settle.uows_named
+    takes them from the records' UOWs and the best copy's holder: these, and the backup copies' holders
+    (copy_need), cover every UOW it can name)."""
+    _, rec = keyed
+    role = lookup(rec).role
+    u = rec.get("u") or ""
+    out: list[tuple[str, tuple[int, Any]]] = []
+    if role is Role.OUTCOME:
+        out.append((u, (OUTCOME_RECORD, keyed)))
+    elif role is Role.END:
+        out.append((u, (ENDED, None)))
+    holder = copy_holder(rec)
+    if holder:
+        out.append((holder, (HOLDS, None)))
+    eids = entry_ids(rec)
+    for named in {u, holder} - {""}:
+        out.extend((named, (NEED, eid)) for eid in eids)
+    return out
+
+
+def copy_need(keyed: tuple[str, tuple[tuple[int, int], Copy]]) -> list[tuple[str, tuple[int, Any]]]:
+    """A backup copy's NEED: the UOW it shows holding its entry, if any."""
+    eid, (_, copy) = keyed
+    u = copy[1].get("u") or ""
+    return [(u, (NEED, eid))] if u else []
+
+
+def outcome_for(eid: str, o: Outcome) -> tuple[Any, ...]:
+    """The part of a UOW's outcome the fold of entry `eid` reads (its data for that entry alone: a UOW's backout may
+    carry the data of many), as a plain tuple (cheaper to pickle than the dataclass)."""
+    data = o.data.get(eid)
+    return o.kind, o.lrsn, o.decided_by, data, o.structures
+
+
+def outcome_of(eid: str, t: tuple[Any, ...]) -> Outcome:
+    kind, lrsn, decided_by, data, structures = t
+    return Outcome(kind, lrsn, decided_by, {} if data is None else {eid: data}, structures)
+
+
+def decide_partition(index: int, rows: Iterable[tuple[str, tuple[int, Any]]], structure: str
+                     ) -> Iterator[tuple[Any, ...]]:
+    """One UOW partition of the UOW shuffle (the partition of a UOW id is partitioned.partition_of): each UOW's
+    outcome decided (settle.decide_outcome on its outcome records in merged-log order, its older ones too if a
+    relog copy shows it holding an entry: plan.revived), then, for the driver, ("o", index, (uow, packed
+    outcome)) and what the plan sums up of it: ("c", uow) committed with no END yet, ("i", uow, owner) in doubt
+    with records naming the structure, ("b", uow) backed out by an earlier restore; and for the entry shuffle,
+    ("n", entry id, (uow, outcome_for or None)) for each entry that needs it (None: no outcome, in flight)."""
+    for u, items in by_key(rows):
+        recs: list[tuple[OrderKey, Record]] = []
+        older: list[tuple[OrderKey, Record]] = []
+        needs: set[str] = set()
+        ended = holds = False
+        for tag, item in items:
+            if tag == OUTCOME_RECORD:
+                recs.append(item)
+            elif tag == NEED:
+                needs.add(item)
+            elif tag == OLDER_RECORD:
+                older.append(item)
+            elif tag == ENDED:
+                ended = True
+            else:
+                holds = True
+        if holds:
+            recs.extend(older)
+        recs.sort(key=lambda kr: kr[0])
+        o = decide_outcome(r for _, r in recs) if recs else None
+        if o is not None:
+            yield "o", index, (u, pack_outcome(o))
+            if o.kind == COMMIT and not ended:
+                yield "c", u
+            elif o.kind == INDOUBT and structure in o.structures:
+                yield "i", u, uow_owner(u, o)
+            elif o.kind == BACKOUT and o.decided_by == "restore":
+                yield "b", u
+        for eid in sorted(needs):
+            yield "n", eid, (u, None if o is None else outcome_for(eid, o))
+
+
+def entry_group(values: Iterable[tuple[int, Any]]
+                ) -> tuple[Copy | None, list[Record], dict[str, tuple[Any, ...] | None]]:
+    """One entry's best backup copy, its records in merged-log order, and the outcomes of the UOWs it may name
+    as the UOW shuffle delivered them (tag 0: a record, 1: a copy, 2: (uow, outcome_for or None))."""
     records: list[tuple[OrderKey, Record]] = []
     copies: list[tuple[tuple[int, int], Copy]] = []
+    delivered: list[tuple[str, Any]] = []
     for tag, item in values:
-        (copies if tag else records).append(item)
+        (records if tag == 0 else copies if tag == 1 else delivered).append(item)
     copies.sort(key=lambda pc: pc[0])
     records.sort(key=lambda kr: kr[0])
-    return best_copy(c for _, c in copies), [r for _, r in records]
+    return (best_copy(c for _, c in copies), [r for _, r in records],
+            dict(delivered))
 
 
-def settle_group(group: tuple[str, Iterable[tuple[int, Any]]], outcomes: Mapping[str, Outcome],
-                 restore_lrsn: int, now_ms: int) -> list[tuple[str, Any]]:
-    """settle() one entry: ("s", Settled), then ("d", uow) for each UOW it names that has no outcome: restore
-    decides those backed out at restore_lrsn, as restore/reference.py's plan_local does."""
+def settle_group(group: tuple[str, Iterable[tuple[int, Any]]], restore_lrsn: int, now_ms: int
+                 ) -> list[tuple[str, Any]]:
+    """settle() one entry: ("s", Settled); ("d", uow) for each UOW it names that has no outcome: restore decides
+    those backed out at restore_lrsn, as restore/reference.py's plan_local does; and ("h", (uow, owner)) for the
+    UOW that holds it, if it is loaded held."""
     eid, values = group
-    best, records = entry_group(values)
+    best, records, delivered = entry_group(values)
     named: dict[str, Outcome] = {}
-    undecided: list[tuple[str, Any]] = []
+    out: list[tuple[str, Any]] = []
     for uow in uows_named(best, records):
-        outcome = outcomes.get(uow)
-        if outcome is None:
-            outcome = in_flight_outcome(restore_lrsn)
-            undecided.append(("d", uow))
-        named[uow] = outcome
-    return [("s", settle(eid, best, records, named, now_ms)), *undecided]
+        t = delivered.get(uow)
+        if t is None:
+            out.append(("d", uow))
+        named[uow] = in_flight_outcome(restore_lrsn) if t is None else outcome_of(eid, t)
+    s = settle(eid, best, records, named, now_ms)
+    holder = s.entry.get("u") if s.entry is not None else None
+    if holder:
+        out.append(("h", (holder, uow_owner(holder, named.get(holder)))))
+    return [("s", s), *out]
 
 
 def run_of_partition(index: int, rows: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, int, Any]]:
     """One settle partition's rows, tagged with its index, ready for its spill files (restore.partitioned's
-    frames): ("d", i, uow) for each UOW restore decides, ("g", i, (id, disposition)) for each entry not loaded,
-    then ("r", i, run frame) for each survivor, in load order (settle.load_key): one partition's survivors are
+    frames): ("d", i, uow) for each UOW restore decides, ("h", i, (uow, owner)) for the holder of each entry
+    loaded held, ("g", i, (id, disposition)) for each entry not loaded, then ("r", i, run frame) for each survivor, in load order (settle.load_key): one partition's survivors are
     sorted here, where its groups are held already, so that the driver only appends them."""
     run: list[tuple[Any, ...]] = []
     for tag, item in rows:
@@ -236,18 +338,43 @@ def run_of_partition(index: int, rows: Iterable[tuple[str, Any]]) -> Iterator[tu
         yield "r", index, frame
 
 
-def log_stats(keyed: Iterator[tuple[OrderKey, Record]]) -> Iterator[tuple[int, Any]]:
-    """Per partition: (1, uow) for each UOW with an END record, then (0, relevant records per member). One
-    element per UOW, not one list per partition: stream() can split the UOWs into fetches of bounded size."""
-    members: Counter[str] = Counter()
-    for _, rec in keyed:
-        members[rec.get("m", "?")] += 1
-        if lookup(rec).role is Role.END:
-            yield 1, rec["u"]
-    yield 0, members
+def log_stats(keyed: Iterator[tuple[OrderKey, Record]]) -> Iterator[Counter[str]]:
+    """Per partition: its relevant records per member."""
+    yield Counter(rec.get("m", "?") for _, rec in keyed)
 
 
 # ------------------------------------------------------------------------------------- the plan, on the driver
+
+
+@dataclass
+class Decided:
+    """What the driver keeps of the UOWs' outcomes it wrote to the "decided" spill files (partitioned's
+    SpilledOutcomes reads them): how many, and the UOWs still open at the failure or decided by a restore."""
+
+    count: int = 0
+    in_commit: set[str] = field(default_factory=set)  # committed, no END record yet
+    in_doubt: dict[str, str] = field(default_factory=dict)  # in doubt, with records naming the structure: owner
+    restore_decided: set[str] = field(default_factory=set)  # backed out by an earlier restore
+
+
+def write_decided(rows: Iterable[tuple[Any, ...]], spill: SpillDir, parts: int, buffer_bytes: int) -> Decided:
+    """Append decide_partition's rows for the driver to the spill files "decided-<j>" (j: the UOW's partition,
+    partitioned.partition_of) through buffers of at most buffer_bytes in all; keep the sets the plan sums up."""
+    decided = Partitioned(spill, "decided", parts, buffer_bytes)
+    out = Decided()
+    for row in rows:
+        tag = row[0]
+        if tag == "o":
+            decided.add(row[1], row[2])
+            out.count += 1
+        elif tag == "c":
+            out.in_commit.add(row[1])
+        elif tag == "i":
+            out.in_doubt[row[1]] = row[2]
+        else:
+            out.restore_decided.add(row[1])
+    decided.close()
+    return out
 
 
 @dataclass
@@ -260,6 +387,7 @@ class Written:
     loaded: int = 0
     loaded_bytes: int = 0
     first: dict[str, int] = field(default_factory=dict)  # UOW -> lowest LRSN of the loaded entries it holds
+    held: dict[str, str] = field(default_factory=dict)  # UOW -> owner, of the UOWs holding loaded entries
 
 
 def write_runs(rows: Iterable[tuple[str, int, Any]], spill: SpillDir, parts: int, buffer_bytes: int) -> Written:
@@ -272,6 +400,8 @@ def write_runs(rows: Iterable[tuple[str, int, Any]], spill: SpillDir, parts: int
     for tag, i, item in rows:
         if tag == "d":
             out.decisions[item] = owner_of(item)
+        elif tag == "h":
+            out.held[item[0]] = item[1]
         elif tag == "g":
             out.dispositions[item[1]] += 1
             gone.add(i, item)
@@ -289,28 +419,26 @@ def write_runs(rows: Iterable[tuple[str, int, Any]], spill: SpillDir, parts: int
     return out
 
 
-def spilled_plan(structure: str, spill: SpillDir, parts: int, written: Written, outcomes: dict[str, Outcome],
-                 ended: Collection[str], restore_lrsn: int, per_member: Counter[str], max_lrsn: int,
-                 read_size: int) -> SpilledPlan:
-    """The plan over the spill files write_runs wrote, summed up as restore.plan.summarize and held_uows would sum
-    up the same entries held in memory."""
-    for uow in written.decisions:
-        outcomes[uow] = in_flight_outcome(restore_lrsn)
-    held = {u: uow_owner(u, outcomes.get(u)) for u in written.first}
-    for u, o in outcomes.items():
-        if o.kind == INDOUBT and structure in o.structures and u not in held:
-            held[u] = uow_owner(u, o)
+def spilled_plan(structure: str, spill: SpillDir, parts: int, written: Written, decided: Decided,
+                 restore_lrsn: int, per_member: Counter[str], max_lrsn: int, read_size: int) -> SpilledPlan:
+    """The plan over the spill files write_decided and write_runs wrote, summed up as restore.plan.summarize and
+    held_uows would sum up the same entries and outcomes held in memory."""
+    in_flight = {u: in_flight_outcome(restore_lrsn) for u in written.decisions}
+    outcomes = SpilledOutcomes(Partitioned(spill, "decided", parts, 0), partial(partition_of, n=parts),
+                               decided.count, in_flight)
+    held = dict(written.held)
+    for u, owner in decided.in_doubt.items():
+        held.setdefault(u, owner)
     counts = Counter(written.dispositions)
     counts["uows in doubt"] = len(held)
     counts["uows in flight backed out"] = len(written.decisions)
-    in_commit = {u for u, o in outcomes.items() if o.kind == COMMIT and u not in ended}
-    plan = SpilledPlan(structure, restore_lrsn, [], outcomes, written.decisions, in_commit, counts, per_member,
-                       max_lrsn)
+    plan = SpilledPlan(structure, restore_lrsn, [], outcomes, written.decisions, decided.in_commit, counts,
+                       per_member, max_lrsn)
     plan.spill, plan.partitions, plan.read_size = spill, parts, read_size
     plan.settled_count = sum(written.dispositions.values())
     plan.loaded_count, plan.loaded_bytes = written.loaded, written.loaded_bytes
     plan.held, plan.first_lrsn = dict(sorted(held.items())), written.first
-    plan.restore_decided = {u for u, o in outcomes.items() if o.kind == BACKOUT and o.decided_by == "restore"}
+    plan.restore_decided = decided.restore_decided | set(written.decisions)
     plan.worker_peak_bytes = 0  # Spark's executors and Python workers are not this process's to measure
     plan.workers = 1  # the load merges the runs in this process
     plan.settled = SpilledSettled(plan)
@@ -384,12 +512,8 @@ class SparkEngine:
                 StorageLevel.MEMORY_AND_DISK)
             records = tagged.filter(lambda t: t[0] == CURRENT).values()
             per_member: Counter[str] = Counter()
-            ended: set[str] = set()
-            for tag, item in stream(records.mapPartitions(log_stats)):
-                if tag:
-                    ended.add(item)
-                else:
-                    per_member.update(item)
+            for counted in stream(records.mapPartitions(log_stats)):
+                per_member.update(counted)
             phases.done(READ_LOGS)
 
             phases.start(SETTLE)
@@ -398,36 +522,38 @@ class SparkEngine:
                         self._input_bytes(backup, segments, archived) // BYTES_PER_PARTITION)
             max_lrsn = max(backup_max, archive_max, max_seen.value)
             restore_lrsn = restore_lrsn_above(max_lrsn, base)
-            # UOW outcomes: small next to the entries, and the plan returns them all, so they come to the
-            # driver and go out to the workers again as a broadcast (a map-side join, one shuffle less).
-            # The UOWs relog copies show holding entries: their older outcome records count (plan.revived).
-            held = set(stream(records.map(lambda kr: copy_holder(kr[1])).filter(bool).distinct()
-                              .mapPartitions(_sorted)))
-            revived = tagged.filter(lambda t: t[0] == OLDER and t[1][1]["u"] in held).values()
-            outcomes: dict[str, Outcome] = dict(stream(
-                records.filter(lambda kr: lookup(kr[1]).role is Role.OUTCOME).union(revived)
-                .map(lambda kr: (kr[1]["u"], kr)).partitionBy(parts).mapPartitions(by_key).flatMap(decide_group)))
-            shared = sc.broadcast(outcomes)
-            results = (records.flatMap(lambda kr: [(eid, (0, kr)) for eid in entry_ids(kr[1])])
-                       .union(copies.mapValues(lambda pc: (1, pc)))
-                       .partitionBy(parts).mapPartitions(by_key)
-                       .flatMap(lambda group: settle_group(group, shared.value, restore_lrsn, now_ms))
-                       .mapPartitionsWithIndex(run_of_partition))
-            # The plan streams back in fetches of bounded bytes, never in one collect (spark_fetch), and goes
-            # straight to spill files: each partition's survivors as a run sorted in load order, the others as
-            # (id, disposition), as restore.partitioned writes them; the driver keeps no entry.
+            # The UOWs' outcomes are joined with the entries in Spark, never held by the driver: a shuffle by UOW
+            # decides each UOW's outcome and sends it to the entries that need it (a hash join), and the driver
+            # only appends the outcomes to spill files as they stream past, and keeps the UOWs still open.
+            part_of = partial(partition_of, n=parts)
+            older = tagged.filter(lambda t: t[0] == OLDER).values().map(
+                lambda kr: (kr[1]["u"], (OLDER_RECORD, kr)))
+            uows = (records.flatMap(uow_rows).union(copies.flatMap(copy_need)).union(older)
+                    .partitionBy(parts, part_of)
+                    .mapPartitionsWithIndex(lambda i, rows: decide_partition(i, rows, structure))
+                    .persist(StorageLevel.MEMORY_AND_DISK))
             spill = SpillDir(self.work_dir)
             try:
+                decided = write_decided(stream(uows.filter(lambda row: row[0] != "n")), spill, parts,
+                                        buffers_for(self.memory) // 2)
+                results = (records.flatMap(lambda kr: [(eid, (0, kr)) for eid in entry_ids(kr[1])])
+                           .union(copies.mapValues(lambda pc: (1, pc)))
+                           .union(uows.filter(lambda row: row[0] == "n").map(lambda row: (row[1], (2, row[2]))))
+                           .partitionBy(parts).mapPartitions(by_key)
+                           .flatMap(lambda group: settle_group(group, restore_lrsn, now_ms))
+                           .mapPartitionsWithIndex(run_of_partition))
+                # The plan streams back in fetches of bounded bytes, never in one collect (spark_fetch), and goes
+                # straight to spill files: each partition's survivors as a run sorted in load order, the others as
+                # (id, disposition), as restore.partitioned writes them; the driver keeps no entry.
                 written = write_runs(stream(results), spill, parts, buffers_for(self.memory))
             except BaseException:
                 spill.close()
                 raise
             phases.done(SETTLE)
-            shared.destroy()
-            for rdd in (copies, tagged):
+            for rdd in (copies, tagged, uows):
                 rdd.unpersist()
         self.phase_seconds = phases.seconds
-        return spilled_plan(structure, spill, parts, written, outcomes, ended, restore_lrsn, per_member, max_lrsn,
+        return spilled_plan(structure, spill, parts, written, decided, restore_lrsn, per_member, max_lrsn,
                             merge_read_size(self.memory, parts))
 
     # --- inputs ---------------------------------------------------------------------------------------------

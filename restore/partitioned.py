@@ -114,11 +114,13 @@ def _by_partition(ids: list[str], part: Callable[[str], int]) -> dict[int, list[
     return out
 
 
-def _pack_outcome(o: Outcome) -> list[Any]:
+def pack_outcome(o: Outcome) -> list[Any]:
+    """An outcome as a msgpack frame (the decided outcomes' spill files)."""
     return [o.kind, o.lrsn, o.decided_by, [[eid, *c] for eid, c in o.data.items()], list(o.structures)]
 
 
-def _unpack_outcome(f: list[Any]) -> Outcome:
+def unpack_outcome(f: list[Any]) -> Outcome:
+    """The outcome of a pack_outcome frame."""
     return Outcome(f[0], f[1], f[2], {d[0]: (d[1], d[2], d[3]) for d in f[3]}, tuple(f[4]))
 
 
@@ -133,7 +135,7 @@ class SpilledOutcomes(Mapping[str, Outcome]):
 
     def _partition(self, j: int) -> dict[str, Outcome]:
         if self._cached is None or self._cached[0] != j:
-            self._cached = (j, {u: _unpack_outcome(o) for u, o in self.decided.read(j)})
+            self._cached = (j, {u: unpack_outcome(o) for u, o in self.decided.read(j)})
         return self._cached[1]
 
     def __getitem__(self, uow: str) -> Outcome:
@@ -644,7 +646,7 @@ def _decide(job: _Job, structure: str, chunk: tuple[int, list[int]]) -> _Decided
             if o is None:
                 continue
             out.decided += 1
-            packed[u] = _pack_outcome(o)
+            packed[u] = pack_outcome(o)
             decided.add(j, (u, packed[u]))
             if o.kind == COMMIT and u not in ended:
                 out.in_commit.add(u)
@@ -674,7 +676,7 @@ def _fold(job: _Job, i: int) -> _Folded:
     outs: dict[str, Outcome | None] = {}
     for name in job.needed:
         needed = _reader(spill, name, job.P)
-        outs.update((u, None if o is None else _unpack_outcome(o)) for u, o in needed.read(i))
+        outs.update((u, None if o is None else unpack_outcome(o)) for u, o in needed.read(i))
         needed.remove(i)
     copies: dict[str, list[Copy]] = defaultdict(list)
     by_entry: dict[str, list[tuple[Key, Record]]] = defaultdict(list)

@@ -8,6 +8,7 @@ managers, with a fuzzy backup taken while they work.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 from collections.abc import Iterator
@@ -483,19 +484,26 @@ def test_cfrestore_passes_master_conf_and_archive_to_the_spark_engine() -> None:
         build_parser().parse_args(["run", "APP1", "--engine", "spark", "--conf", "no-equals-sign"])
 
 
-@pytest.fixture
-def tiny_max_result_size(spark: Any) -> Iterator[int]:
-    """spark.driver.maxResultSize set to 80 KiB in the running session (each new job reads it), for one test."""
+@contextlib.contextmanager
+def max_result_size(spark: Any, size: str) -> Iterator[None]:
+    """spark.driver.maxResultSize set to `size` in the running session (each new job reads it) while it lasts."""
     conf = spark.sparkContext._jsc.sc().conf()
     before = conf.getOption("spark.driver.maxResultSize")
-    conf.set("spark.driver.maxResultSize", "80k")
+    conf.set("spark.driver.maxResultSize", size)
     try:
-        yield 80 * 1024
+        yield
     finally:
         if before.isDefined():
             conf.set("spark.driver.maxResultSize", before.get())
         else:
             conf.remove("spark.driver.maxResultSize")
+
+
+@pytest.fixture
+def tiny_max_result_size(spark: Any) -> Iterator[int]:
+    """spark.driver.maxResultSize set to 80 KiB in the running session, for one test."""
+    with max_result_size(spark, "80k"):
+        yield 80 * 1024
 
 
 def test_a_plan_bigger_than_max_result_size_comes_back_in_bounded_fetches(
@@ -609,6 +617,48 @@ def test_the_spark_plan_streams_its_entries_to_spill_files_not_the_drivers_memor
     finally:
         plan.close()
     assert not (tmp_path / "work").exists() or not any((tmp_path / "work").iterdir())
+
+
+def test_the_spark_plan_joins_entries_with_outcomes_in_spark_not_in_the_drivers_memory(
+        spark: Any, tmp_path: Path) -> None:
+    """The UOWs' outcomes meet the entries that need them in a shuffle by UOW (a hash join in Spark): the driver
+    only appends them to spill files as they stream past, so that its memory does not grow with the UOWs. Here
+    every UOW's outcome is big (a backout carrying the data of the entry it got, while a backup ran): the driver's
+    peak of Python allocations while it plans is a fraction of the outcomes' data (a map of every outcome, or a
+    broadcast of it, would hold all of it), and the plan, its outcomes included, equals the local engine's."""
+    import tracemalloc
+
+    from restore.partitioned import SpilledOutcomes
+
+    h = History(replay_from=1000)
+    lrsn = 1000
+    for n in range(300):  # a committed message in the backup, got by a UOW that backs out carrying its data
+        e = Entry(id=f"got{n:04d}", queue="Q1", priority=0, put_time=10 + n, expiry=0).wire()
+        e.update(st="CP", u="", l=10 + n, o1=10 + n, o2=10 + n)
+        body = os.urandom(40_000)
+        h.copies.append((1, dict(e), body, S))
+        u, member = f"QM{n % 3 + 1}.1.{n}", MEMBERS[n % 3]
+        lrsn += 2
+        h.logs[member].append(records.get(u, lrsn, structure=S, gen=1, entry_id=e["id"], queue="Q1"))
+        got = dict(e, st="UG", u=u, l=lrsn)
+        h.logs[member].append(records.backout(u, lrsn + 1, {S: 1}, data=[[S, got, body]]))
+    backup, log_dirs = write_history(h, tmp_path / "history", segment_bytes=65536)
+    engine = SparkEngine(spark=spark, memory=2**20, work_dir=tmp_path / "work")
+    tracemalloc.start()
+    try:
+        with max_result_size(spark, "1m"):  # fetches of 512 KiB: a few dozen jobs, not hundreds
+            plan = engine.plan(S, backup, log_dirs, h.replay_from, NOW_MS)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    try:
+        outcome_bytes = sum(len(c[2]) for o in plan.outcomes.values() for c in o.data.values())
+        assert outcome_bytes == 300 * 40_000
+        assert peak < outcome_bytes / 3, (peak, outcome_bytes)
+        assert isinstance(plan.outcomes, SpilledOutcomes) and len(plan.outcomes) == 300
+        assert normalized(plan) == normalized(LocalEngine().plan(S, backup, log_dirs, h.replay_from, NOW_MS))
+    finally:
+        plan.close()
 
 
 def test_the_spark_engine_derives_its_memory_settings_from_the_memory_limit() -> None:
