@@ -28,12 +28,17 @@ def calls(r: redis.Redis) -> dict[str, int]:
     return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in r.info("commandstats").items()}
 
 
-def lifecycle(admin_client: redis.Redis, cf_client: redis.Redis, mid: str = "m") -> None:
-    """A persistent message put, committed, got and committed, through the CF's methods."""
+def joined(admin_client: redis.Redis, cf_client: redis.Redis) -> tuple[Caller, CF]:
+    """Member QM1 joined to a structure with queue Q (through `admin_client`), and a CF object on `cf_client`."""
     admin = Admin(admin_client)
     admin.ensure_structure(S, (Q,))
-    caller = Caller("QM1", admin.join("QM1", {}, lease_ms=60_000), Clock())
-    s = CF(cf_client).structure(S)
+    return Caller("QM1", admin.join("QM1", {}, lease_ms=600_000), Clock()), CF(cf_client)
+
+
+def lifecycle(admin_client: redis.Redis, cf_client: redis.Redis, mid: str = "m") -> None:
+    """A persistent message put, committed, got and committed, through the CF's methods."""
+    caller, cf = joined(admin_client, cf_client)
+    s = cf.structure(S)
     assert s.put(caller, Entry(id=f"e-{mid}", queue=Q, msgid=mid), b"data", uow=f"p-{mid}").created
     s.commit(caller, f"p-{mid}", gen=0, lrsn=caller.clock.now())
     got = s.get(caller, Q, uow=f"g-{mid}", now_ms=1_000)
@@ -89,10 +94,7 @@ def test_a_cf_restarted_without_the_module_replays_its_writes_and_runs_the_scrip
     them; a CF object that called the module's command goes on with the scripts once the server lacks it."""
     srv = redis_factory(appendonly=True, appendfsync="always")
     r = srv.client()
-    admin = Admin(r)
-    admin.ensure_structure(S, (Q,))
-    caller = Caller("QM1", admin.join("QM1", {}, lease_ms=600_000), Clock())
-    cf = CF(srv.client())
+    caller, cf = joined(r, srv.client())
     s = cf.structure(S)
     s.put(caller, Entry(id="e1", queue=Q), b"one", uow="u1")
     s.commit(caller, "u1", gen=0, lrsn=caller.clock.now())
@@ -133,10 +135,7 @@ def test_a_call_the_module_leaves_to_the_script_is_made_by_the_script(redis_fact
     commit in steps), which it runs itself: the same call alone (run) or in a pipeline (run_many)."""
     srv = redis_factory()
     r = srv.client()
-    admin = Admin(r)
-    admin.ensure_structure(S, (Q,))
-    caller = Caller("QM1", admin.join("QM1", {}, lease_ms=60_000), Clock())
-    cf = CF(srv.client())
+    caller, cf = joined(r, srv.client())
     s = cf.structure(S)
     for uow in ("big1", "big2"):
         for i in range(5):
@@ -164,10 +163,7 @@ def test_a_pipeline_applies_a_call_left_to_the_script_in_the_order_given(redis_f
     structure."""
     srv = redis_factory(appendonly=True, appendfsync="always")
     r = srv.client()
-    admin = Admin(r)
-    admin.ensure_structure(S, (Q,))
-    caller = Caller("QM1", admin.join("QM1", {}, lease_ms=60_000), Clock())
-    cf = CF(srv.client())
+    caller, cf = joined(r, srv.client())
     s = cf.structure(S)
     for i in range(3):
         s.put(caller, Entry(id=f"p{i}", queue=Q), b"x", uow="big")
