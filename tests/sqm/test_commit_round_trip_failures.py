@@ -16,7 +16,7 @@ import redis
 
 from cfemu.cf import Structure
 from cfemu.embedded import EmbeddedRedis
-from cfemu.errors import BackedOutError, OutcomePendingError
+from cfemu.errors import BackedOutError, LogFailedError, OutcomePendingError, OutcomeUnknownError
 from sqm.core.connection import Message, PutSpec
 from sqm.core.lifecycles import Lifecycles, OnePut
 from sqm.core.manager import QueueManager
@@ -27,9 +27,14 @@ N = 4
 
 
 @pytest.fixture
-def qm(redis_factory: Callable[..., EmbeddedRedis], tmp_path: Path) -> Iterator[QueueManager]:
-    srv = redis_factory()
-    define_group(srv.url, queues=("Q1",))
+def srv(redis_factory: Callable[..., EmbeddedRedis]) -> EmbeddedRedis:
+    cf = redis_factory()
+    define_group(cf.url, queues=("Q1",))
+    return cf
+
+
+@pytest.fixture
+def qm(srv: EmbeddedRedis, tmp_path: Path) -> Iterator[QueueManager]:
     member = start_qm(srv.url, tmp_path / "logs", "QM1", lease_ms=60_000, background=False)
     try:
         yield member
@@ -133,3 +138,35 @@ def test_a_batch_whose_commits_fail_to_append_part_way_applies_those_appended_an
     _no_uow_decided_and_left(qm)
     assert not qm.uows and not qm.pending
     assert _bodies(qm) == [b"m0", b"m1"]
+
+
+def test_a_batch_whose_force_fails_unexpectedly_is_a_log_failure_not_a_lock_left_behind(
+        qm: QueueManager, srv: EmbeddedRedis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The log's force raises what is not an I/O error (the log closed under the batch, a bug): whether the COMMITs
+    reached the disk is not known. Each caller hears its outcome is unknown (never "failed": a put so told might be
+    delivered), the member refuses persistent work as after a failed fsync, and its restart decides every one of
+    them from the log, leaving none locked on the CF."""
+    assert qm.log is not None
+
+    def force(upto: Any = None) -> None:
+        raise ValueError("a bug in the force")
+
+    monkeypatch.setattr(qm.log, "force", force)
+    lifecycles = Lifecycles(qm)
+    begun = lifecycles.begin([OnePut(PutSpec("Q1", b"m%d" % k)) for k in range(N)])
+    lifecycles.finish([begun])
+    assert all(isinstance(o, OutcomeUnknownError) for o in begun.out), begun.out
+    assert qm.log_failed and "a bug in the force" in qm.log_failed
+    [refused] = Lifecycles(qm).run([OnePut(PutSpec("Q1", b"after"))])
+    assert isinstance(refused, LogFailedError), refused
+    monkeypatch.undo()
+    qm.stop()
+    again = start_qm(srv.url, tmp_path / "logs", "QM1", lease_ms=60_000, background=False)
+    try:
+        assert not again.uows and not again.pending
+        bodies = _bodies(again)
+        assert bodies in ([], [b"m%d" % k for k in range(N)]), bodies  # as the log decided: all or none
+        got = [again.connect().get("Q1", syncpoint=False).body for _ in bodies]
+        assert sorted(got) == bodies  # none is left locked: each decided one can be taken
+    finally:
+        again.stop()
