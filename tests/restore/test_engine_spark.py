@@ -583,13 +583,14 @@ def test_b12_a_uow_carried_across_a_restore_and_decided_later_is_decided_by_the_
     b12_history(redis_url, tmp_path, "spark", {"spark": spark})
 
 
-@pytest.mark.timeout(900)  # some hundred fetch jobs of 80 KiB: up to 300 s on a loaded machine (see above)
+@pytest.mark.timeout(900)  # some tens of fetch jobs: up to 300 s on a loaded machine when they were 80 KiB each
 def test_the_spark_plan_streams_its_entries_to_spill_files_not_the_drivers_memory(
-        spark: Any, tmp_path: Path, tiny_max_result_size: int) -> None:
+        spark: Any, tmp_path: Path) -> None:
     """The settled entries go from the fetches straight to sorted runs in spill files (a SpilledPlan the load
     merges), so that the driver's memory does not grow with the history: its peak of Python allocations while it
     plans is a fraction of the data the plan restores (a list of the settled entries would hold all of it), and
-    the plan still equals the local engine's."""
+    the plan still equals the local engine's. The fetches are bounded by a maxResultSize of 512 KiB (fetches of
+    256 KiB: some thirty jobs for the 8 MiB restored), a sixteenth of the data."""
     import tracemalloc
 
     from restore.partitioned import SpilledPlan
@@ -604,7 +605,8 @@ def test_the_spark_plan_streams_its_entries_to_spill_files_not_the_drivers_memor
     engine = SparkEngine(spark=spark, memory=2**20, work_dir=tmp_path / "work")
     tracemalloc.start()
     try:
-        plan = engine.plan(S, backup, log_dirs, h.replay_from, NOW_MS)
+        with max_result_size(spark, "512k"):
+            plan = engine.plan(S, backup, log_dirs, h.replay_from, NOW_MS)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
