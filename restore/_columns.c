@@ -27,6 +27,9 @@ enum { STOP_END = 0, STOP_FRAME = 1, STOP_BODY = 2 };
 #include "crc32c.h" /* native/: shared with backup._frames */
 
 /* ------------------------------------------------------------------------------------------------ columns */
+/* A column grows while the scan runs without the GIL: its buffers come from the raw allocator (PyMem_Raw*), which
+ * needs no GIL; PyMem_Malloc's family does (pymalloc's pools are the GIL's), and PYTHONMALLOC=debug stops the
+ * process on such a call. */
 typedef struct {
     int is_str;
     Py_ssize_t n, cap;
@@ -39,10 +42,10 @@ typedef struct {
 static int col_grow(Col *c) {
     if (c->n + 2 <= c->cap) return 0;
     Py_ssize_t cap = c->cap ? c->cap * 2 : 1024;
-    int64_t *i = PyMem_Realloc(c->i, (size_t)(cap + 1) * sizeof(int64_t));
+    int64_t *i = PyMem_RawRealloc(c->i, (size_t)(cap + 1) * sizeof(int64_t));
     if (!i) return -1;
     c->i = i;
-    uint8_t *v = PyMem_Realloc(c->valid, (size_t)cap);
+    uint8_t *v = PyMem_RawRealloc(c->valid, (size_t)cap);
     if (!v) return -1;
     c->valid = v;
     if (c->cap == 0 && c->is_str) c->i[0] = 0;
@@ -63,7 +66,7 @@ static int col_str(Col *c, const char *s, size_t len, int valid) {
         if (c->slen + len > c->scap) {
             size_t cap = c->scap ? c->scap : 4096;
             while (cap < c->slen + len) cap *= 2;
-            char *ns = PyMem_Realloc(c->s, cap);
+            char *ns = PyMem_RawRealloc(c->s, cap);
             if (!ns) return -1;
             c->s = ns;
             c->scap = cap;
@@ -83,9 +86,9 @@ static void col_truncate(Col *c, Py_ssize_t n) {
 }
 
 static void col_free(Col *c) {
-    PyMem_Free(c->i);
-    PyMem_Free(c->valid);
-    PyMem_Free(c->s);
+    PyMem_RawFree(c->i);
+    PyMem_RawFree(c->valid);
+    PyMem_RawFree(c->s);
     memset(c, 0, sizeof(*c));
 }
 

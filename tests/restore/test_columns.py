@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -316,3 +318,24 @@ def test_pieces_are_read_back_in_any_order_as_the_files_hold_them(tmp_path: Path
     assert again == descs
     with pytest.raises(ValueError, match="missing"):
         Pieces([Source(str(paths[0]))]).read(*(pa.array([0, None], pa.int64()) for _ in range(5)))
+
+
+def test_the_c_readers_allocate_nothing_that_needs_the_gil_while_they_run_without_it(tmp_path: Path) -> None:
+    """The scan runs without the GIL (reader threads beside DuckDB's): its columns must grow with the raw allocator.
+    Under PYTHONMALLOC=debug, Python stops the process on a PyMem_Malloc-family call made without the GIL."""
+    script = (
+        "import sys; from pathlib import Path; sys.path.insert(0, sys.argv[1]);"
+        "from tests.restore import test_columns as t;"
+        "from backup.files import read_backup;"
+        "d = Path(sys.argv[2]); rows, _ = t._scan_log(t._log(d, n=400), 0, d / 'spill');"
+        "b = read_backup(t._backup(d));"
+        "copies = [c for info in b.manifest['files'] for c in t._copies(b.path, info)];"
+        "print(len(rows), len(copies))"
+    )
+    root = Path(__file__).resolve().parents[2]
+    (tmp_path / "spill").mkdir()
+    done = subprocess.run([sys.executable, "-c", script, str(root), str(tmp_path)], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONMALLOC": "debug"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    records, copies = map(int, done.stdout.split())
+    assert records > 1000 and copies == 50
