@@ -126,6 +126,209 @@ static PyObject *col_export(Col *c, int is_str) {
     return Py_BuildValue("(NNNn)", vals, data, bitmap, nulls);
 }
 
+
+/* ------------------------------------------------------------------------------------------------ entry ids */
+/* A dictionary of entry ids to integers (0, 1, ... in the order first seen), shared by every scan of one plan (the
+ * backup's and the logs' readers, in threads of their own: a lock guards it), so that the plan's tables join and
+ * group on 4-byte integers rather than the ids' strings, and turn them back into strings only for the entries
+ * it outputs. Compact: the ids' bytes one after another (arena), where each begins (offs, 4 bytes an id), and an
+ * open-addressing table of id + 1 (4 bytes a slot, at most IDS_LOAD full): about 12 bytes an id besides its own. */
+#include <pthread.h>
+
+#define IDS_MAX 0x7FFFFFFFu      /* ids fit the plan's INTEGER columns */
+#define IDS_LOAD_NUM 7           /* the table grows past 7/10 full */
+#define IDS_LOAD_DEN 10
+
+typedef struct {
+    PyObject_HEAD
+    pthread_mutex_t lock;
+    uint32_t *slots;  /* id + 1, 0 for an empty slot */
+    size_t nslots;    /* a power of two */
+    uint32_t *offs;   /* offs[i]: where id i begins in arena; offs[n]: its end */
+    size_t n, offcap;
+    char *arena;
+    size_t alen, acap;
+} Ids;
+
+static uint64_t ids_hash(const char *s, size_t n) {
+    uint64_t h = 0x9E3779B97F4A7C15ull ^ (uint64_t)n;
+    size_t k = 0;
+    for (; k + 8 <= n; k += 8) {
+        uint64_t w;
+        memcpy(&w, s + k, 8);
+        h = (h ^ w) * 0xFF51AFD7ED558CCDull;
+        h ^= h >> 32;
+    }
+    if (k < n) {
+        uint64_t w = 0;
+        memcpy(&w, s + k, n - k);
+        h = (h ^ w) * 0xC4CEB9FE1A85EC53ull;
+    }
+    h ^= h >> 29;
+    h *= 0xFF51AFD7ED558CCDull;
+    return h ^ (h >> 32);
+}
+
+static int ids_same(const Ids *d, uint32_t id, const char *s, size_t n) {
+    return (size_t)(d->offs[id + 1] - d->offs[id]) == n && memcmp(d->arena + d->offs[id], s, n) == 0;
+}
+
+static int ids_rehash(Ids *d, size_t nslots) {
+    uint32_t *slots = calloc(nslots, sizeof(uint32_t));
+    if (!slots) return -1;
+    for (uint32_t id = 0; id < d->n; id++) {
+        size_t h = (size_t)ids_hash(d->arena + d->offs[id], d->offs[id + 1] - d->offs[id]) & (nslots - 1);
+        while (slots[h]) h = (h + 1) & (nslots - 1);
+        slots[h] = id + 1;
+    }
+    free(d->slots);
+    d->slots = slots;
+    d->nslots = nslots;
+    return 0;
+}
+
+/* The integer of id s (taken into the dictionary if new); -1: no memory, or more ids or bytes than it holds. */
+static int64_t ids_intern_locked(Ids *d, const char *s, size_t n) {
+    if (d->nslots == 0 && ids_rehash(d, 1u << 16)) return -1;
+    size_t mask = d->nslots - 1, h = (size_t)ids_hash(s, n) & mask;
+    for (uint32_t v; (v = d->slots[h]); h = (h + 1) & mask)
+        if (ids_same(d, v - 1, s, n)) return v - 1;
+    if (d->n >= IDS_MAX || d->alen + n > UINT32_MAX) return -1;
+    if (d->n + 2 > d->offcap) {
+        size_t cap = d->offcap ? d->offcap * 2 : 1u << 16;
+        uint32_t *o = realloc(d->offs, cap * sizeof(uint32_t));
+        if (!o) return -1;
+        if (!d->offs) o[0] = 0;
+        d->offs = o;
+        d->offcap = cap;
+    }
+    if (d->alen + n > d->acap) {
+        size_t cap = d->acap ? d->acap : 1u << 20;
+        while (cap < d->alen + n) cap *= 2;
+        char *a = realloc(d->arena, cap);
+        if (!a) return -1;
+        d->arena = a;
+        d->acap = cap;
+    }
+    memcpy(d->arena + d->alen, s, n);
+    d->alen += n;
+    uint32_t id = (uint32_t)d->n++;
+    d->offs[id + 1] = (uint32_t)d->alen;
+    d->slots[h] = id + 1;
+    if (d->n * IDS_LOAD_DEN > d->nslots * IDS_LOAD_NUM && ids_rehash(d, d->nslots * 2)) return -1;
+    return id;
+}
+
+static int64_t ids_intern(Ids *d, const char *s, size_t n) {
+    pthread_mutex_lock(&d->lock);
+    int64_t id = ids_intern_locked(d, s, n);
+    pthread_mutex_unlock(&d->lock);
+    return id;
+}
+
+static void ids_clear(Ids *d) {
+    free(d->slots);
+    free(d->offs);
+    free(d->arena);
+    d->slots = NULL;
+    d->offs = NULL;
+    d->arena = NULL;
+    d->nslots = d->n = d->offcap = d->alen = d->acap = 0;
+}
+
+static PyObject *Ids_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+    (void)args;
+    (void)kw;
+    Ids *d = (Ids *)type->tp_alloc(type, 0);
+    if (!d) return NULL;
+    pthread_mutex_init(&d->lock, NULL);
+    return (PyObject *)d;
+}
+
+static void Ids_dealloc(Ids *d) {
+    ids_clear(d);
+    pthread_mutex_destroy(&d->lock);
+    Py_TYPE(d)->tp_free((PyObject *)d);
+}
+
+static Py_ssize_t Ids_len(Ids *d) {
+    pthread_mutex_lock(&d->lock);
+    Py_ssize_t n = (Py_ssize_t)d->n;
+    pthread_mutex_unlock(&d->lock);
+    return n;
+}
+
+/* strings(lo, hi) -> (ids, offsets, data): ids lo to hi - 1 as the buffers of an Arrow int32 array of them and a
+ * large_string array of their strings (int64 offsets from 0). */
+static PyObject *Ids_strings(Ids *d, PyObject *args) {
+    Py_ssize_t lo, hi;
+    if (!PyArg_ParseTuple(args, "nn", &lo, &hi)) return NULL;
+    pthread_mutex_lock(&d->lock);
+    if (lo < 0 || hi < lo || (size_t)hi > d->n) {
+        pthread_mutex_unlock(&d->lock);
+        PyErr_SetString(PyExc_ValueError, "strings: lo and hi must lie within the ids taken");
+        return NULL;
+    }
+    size_t base = hi > lo ? d->offs[lo] : 0, end = hi > lo ? d->offs[hi] : 0;
+    PyObject *nums = PyBytes_FromStringAndSize(NULL, (hi - lo) * (Py_ssize_t)sizeof(int32_t));
+    PyObject *offs = PyBytes_FromStringAndSize(NULL, (hi - lo + 1) * (Py_ssize_t)sizeof(int64_t));
+    PyObject *data = PyBytes_FromStringAndSize(hi > lo ? d->arena + base : "", (Py_ssize_t)(end - base));
+    if (nums && offs && data) {
+        int32_t *v = (int32_t *)PyBytes_AS_STRING(nums);
+        int64_t *o = (int64_t *)PyBytes_AS_STRING(offs);
+        o[0] = 0;
+        for (Py_ssize_t k = lo; k < hi; k++) {
+            v[k - lo] = (int32_t)k;
+            o[k - lo + 1] = (int64_t)(d->offs[k + 1] - base);
+        }
+    }
+    pthread_mutex_unlock(&d->lock);
+    if (!nums || !offs || !data) {
+        Py_XDECREF(nums);
+        Py_XDECREF(offs);
+        Py_XDECREF(data);
+        return NULL;
+    }
+    return Py_BuildValue("(NNN)", nums, offs, data);
+}
+
+/* The bytes the dictionary holds (its arrays' capacities). */
+static PyObject *Ids_nbytes(Ids *d, PyObject *unused) {
+    (void)unused;
+    pthread_mutex_lock(&d->lock);
+    size_t b = d->nslots * sizeof(uint32_t) + d->offcap * sizeof(uint32_t) + d->acap;
+    pthread_mutex_unlock(&d->lock);
+    return PyLong_FromSize_t(b);
+}
+
+static PyObject *Ids_clear(Ids *d, PyObject *unused) {
+    (void)unused;
+    pthread_mutex_lock(&d->lock);
+    ids_clear(d);
+    pthread_mutex_unlock(&d->lock);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef Ids_methods[] = {
+    {"strings", (PyCFunction)Ids_strings, METH_VARARGS, "Ids lo..hi-1 as Arrow large_string buffers."},
+    {"nbytes", (PyCFunction)Ids_nbytes, METH_NOARGS, "The bytes the dictionary holds."},
+    {"clear", (PyCFunction)Ids_clear, METH_NOARGS, "Forget every id (their memory freed)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PySequenceMethods Ids_as_sequence = {.sq_length = (lenfunc)Ids_len};
+
+static PyTypeObject IdsType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "restore._columns.Ids",
+    .tp_basicsize = sizeof(Ids),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Entry ids to integers, shared by the scans of one plan (restore/_columns.c).",
+    .tp_new = Ids_new,
+    .tp_dealloc = (destructor)Ids_dealloc,
+    .tp_methods = Ids_methods,
+    .tp_as_sequence = &Ids_as_sequence,
+};
+
 /* The tables and their columns: restore/columns.py names them in this order. */
 enum { R_RID, R_L, R_OFF, R_K, R_U, R_S, R_G, R_AT, R_O, R_BY, R_EU, R_N };
 enum { S_RID, S_S, S_G, S_N };
@@ -141,15 +344,32 @@ enum { SRC_E = 0, SRC_I = 1, SRC_IDS = 2, SRC_DD = 3, SRC_BACKUP = 4 };
 
 typedef struct {
     Col r[R_N], s[S_N], e[E_N], d[D_N];
+    Ids *ids;       /* NULL: entry ids as strings; else as their integers in it */
     int64_t shift;  /* the buffer's offset in its file: added to every offset a column holds */
 } Tables;
 
-static void tables_init(Tables *t) {
+static void tables_init(Tables *t, Ids *ids) {
     memset(t, 0, sizeof(*t));
+    t->ids = ids;
     for (int k = 0; k < R_N; k++) t->r[k].is_str = R_STR[k];
     for (int k = 0; k < S_N; k++) t->s[k].is_str = S_STR[k];
     for (int k = 0; k < E_N; k++) t->e[k].is_str = E_STR[k];
     for (int k = 0; k < D_N; k++) t->d[k].is_str = D_STR[k];
+    if (ids) t->e[E_EID].is_str = t->d[D_EID].is_str = 0;
+}
+
+/* An entry id into its column: its string, or its integer in the plan's dictionary. */
+static int col_eid(Tables *t, Col *c, const char *s, size_t len) {
+    if (!t->ids) return col_str(c, s, len, 1);
+    int64_t id = ids_intern(t->ids, s, len);
+    return id < 0 ? -1 : col_int(c, id, 1);
+}
+
+/* Row `row` of descs' entry id into ev's column: the same string, or the same integer. */
+static int col_eid_of_desc(Tables *t, Py_ssize_t row) {
+    Col *d = &t->d[D_EID], *e = &t->e[E_EID];
+    if (t->ids) return col_int(e, d->i[row], 1);
+    return col_str(e, d->s + d->i[row], (size_t)(d->i[row + 1] - d->i[row]), 1);
 }
 
 static void tables_free(Tables *t) {
@@ -170,11 +390,11 @@ static void tables_truncate(Tables *t, Marks m) {
     for (int k = 0; k < D_N; k++) col_truncate(&t->d[k], m.d);
 }
 
-static PyObject *export_table(Col *cols, const char *is_str, int n) {
+static PyObject *export_table(Col *cols, int n) {
     PyObject *out = PyTuple_New(n);
     if (!out) return NULL;
     for (int k = 0; k < n; k++) {
-        PyObject *c = col_export(&cols[k], is_str[k]);
+        PyObject *c = col_export(&cols[k], cols[k].is_str);
         if (!c) {
             Py_DECREF(out);
             return NULL;
@@ -412,7 +632,7 @@ static int take_desc(Rd *r, Tables *t, const uint8_t *base, int64_t rid, int64_t
     e |= col_int(&d[D_RID], rid, 1);
     e |= col_int(&d[D_SRC], src, 1);
     e |= col_int(&d[D_POS], pos, 1);
-    e |= col_str(&d[D_EID], strs[D_EID], lens[D_EID], 1);
+    e |= col_eid(t, &d[D_EID], strs[D_EID], lens[D_EID]);
     e |= col_str(&d[D_S], s, slen, s != NULL);
     e |= col_str(&d[D_Q], strs[D_Q], lens[D_Q], 1);  /* q absent: "" (desc.get("q", "")) */
     /* p, exp, o1, o2, bc absent or nil: 0 (int(desc.get(name, 0))) */
@@ -505,16 +725,14 @@ static int take_record(Rd *r, Tables *t, const uint8_t *base, int64_t rid, int64
             int rc = take_desc(r, t, base, rid, SRC_E, 0, NULL, 0);
             if (rc) return rc;
             has_eu = 1;
-            size_t idl;
-            const char *id = str_at(&t->d[D_EID], edesc, &idl);
-            if (col_int(&t->e[E_RID], rid, 1) || col_int(&t->e[E_SRC], SRC_E, 1) || col_str(&t->e[E_EID], id, idl, 1) ||
+            if (col_int(&t->e[E_RID], rid, 1) || col_int(&t->e[E_SRC], SRC_E, 1) || col_eid_of_desc(t, edesc) ||
                 col_str(&t->e[E_DDS], NULL, 0, 0))
                 return -2;
         } else if (key_is(key, kl, "i")) {
             const char *i;
             size_t il;
             if (rd_str(r, &i, &il) != 1 || !utf8_ok((const uint8_t *)i, il)) return -1;
-            if (col_int(&t->e[E_RID], rid, 1) || col_int(&t->e[E_SRC], SRC_I, 1) || col_str(&t->e[E_EID], i, il, 1) ||
+            if (col_int(&t->e[E_RID], rid, 1) || col_int(&t->e[E_SRC], SRC_I, 1) || col_eid(t, &t->e[E_EID], i, il) ||
                 col_str(&t->e[E_DDS], NULL, 0, 0))
                 return -2;
         } else if (key_is(key, kl, "ids")) {
@@ -525,7 +743,7 @@ static int take_record(Rd *r, Tables *t, const uint8_t *base, int64_t rid, int64
                 size_t il;
                 if (rd_str(r, &i, &il) != 1 || !utf8_ok((const uint8_t *)i, il)) return -1;
                 if (col_int(&t->e[E_RID], rid, 1) || col_int(&t->e[E_SRC], SRC_IDS, 1) ||
-                    col_str(&t->e[E_EID], i, il, 1) || col_str(&t->e[E_DDS], NULL, 0, 0))
+                    col_eid(t, &t->e[E_EID], i, il) || col_str(&t->e[E_DDS], NULL, 0, 0))
                     return -2;
             }
         } else if (key_is(key, kl, "dd")) {
@@ -545,9 +763,7 @@ static int take_record(Rd *r, Tables *t, const uint8_t *base, int64_t rid, int64
                 if (rc) return rc;
                 if (rd_bin(r, &dd, &ddl) != 1) return -1;
                 set_data(t, row, (int64_t)(dd - base) + t->shift, (int64_t)ddl);
-                size_t idl;
-                const char *id = str_at(&t->d[D_EID], row, &idl);
-                if (col_int(&t->e[E_RID], rid, 1) || col_int(&t->e[E_SRC], SRC_DD, 1) || col_str(&t->e[E_EID], id, idl, 1) ||
+                if (col_int(&t->e[E_RID], rid, 1) || col_int(&t->e[E_SRC], SRC_DD, 1) || col_eid_of_desc(t, row) ||
                     col_str(&t->e[E_DDS], ds, dsl, 1))
                     return -2;
             }
@@ -611,9 +827,15 @@ static PyObject *scan(PyObject *self, PyObject *args) {
     long long min_lrsn, first_rid;
     int mode, check_crc;
     long long shift;
-    if (!PyArg_ParseTuple(args, "y*nnnnLiLpL", &view, &start, &end, &cap, &first_frame, &min_lrsn, &mode, &first_rid,
-                          &check_crc, &shift))
+    PyObject *ids_obj = Py_None;
+    if (!PyArg_ParseTuple(args, "y*nnnnLiLpL|O", &view, &start, &end, &cap, &first_frame, &min_lrsn, &mode, &first_rid,
+                          &check_crc, &shift, &ids_obj))
         return NULL;
+    if (ids_obj != Py_None && !PyObject_TypeCheck(ids_obj, &IdsType)) {
+        PyBuffer_Release(&view);
+        PyErr_SetString(PyExc_TypeError, "scan: ids must be a restore._columns.Ids or None");
+        return NULL;
+    }
     if (start < 0 || end > view.len || start > end) {
         PyBuffer_Release(&view);
         PyErr_SetString(PyExc_ValueError, "scan: start and end must lie within the buffer");
@@ -625,7 +847,7 @@ static PyObject *scan(PyObject *self, PyObject *args) {
         PyBuffer_Release(&view);
         return PyErr_NoMemory();
     }
-    tables_init(t);
+    tables_init(t, ids_obj == Py_None ? NULL : (Ids *)ids_obj);
     t->shift = shift;
     Py_ssize_t off = start;
     int64_t rid = first_rid, max_lrsn = INT64_MIN, records = 0;
@@ -672,8 +894,8 @@ static PyObject *scan(PyObject *self, PyObject *args) {
         PyMem_Free(t);
         return PyErr_NoMemory();
     }
-    PyObject *rt = export_table(t->r, R_STR, R_N), *st = export_table(t->s, S_STR, S_N),
-             *et = export_table(t->e, E_STR, E_N), *dt = export_table(t->d, D_STR, D_N);
+    PyObject *rt = export_table(t->r, R_N), *st = export_table(t->s, S_N),
+             *et = export_table(t->e, E_N), *dt = export_table(t->d, D_N);
     Py_ssize_t nr = t->r[0].n, ns = t->s[0].n, ne = t->e[0].n, nd = t->d[0].n;
     tables_free(t);
     PyMem_Free(t);
@@ -839,5 +1061,14 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_columns", NULL, -1,
 
 PyMODINIT_FUNC PyInit__columns(void) {
     crc32c_init();
-    return PyModule_Create(&module);
+    if (PyType_Ready(&IdsType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    Py_INCREF(&IdsType);
+    if (PyModule_AddObject(m, "Ids", (PyObject *)&IdsType) < 0) {
+        Py_DECREF(&IdsType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

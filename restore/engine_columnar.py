@@ -56,7 +56,8 @@ from restore.columns import (
     SRC_E,
     SRC_I,
     SRC_IDS,
-    TABLES,
+    EntryIds,
+    ID_TABLES,
     Pieces,
     Scanned,
     Source,
@@ -169,17 +170,17 @@ class _Job:
 
 
 def _scan(job: _Job, emit: Callable[[Scanned], None], *, backup_dir: Path | None, structure: str, replay_from: int,
-          spill: Path) -> list[tuple[int, Source]]:
-    """A job's tables, handed to `emit` a chunk at a time (in any thread: the C reader lets go of the GIL); returns
-    the sources their bytes are in."""
+          spill: Path, ids: EntryIds) -> list[tuple[int, Source]]:
+    """A job's tables, handed to `emit` a chunk at a time (in any thread: the C reader lets go of the GIL), each
+    entry id its integer in `ids`; returns the sources their bytes are in."""
     if job.backup_file is not None:
         assert backup_dir is not None
         scan_backup_file(backup_dir, job.backup_file, first_rid=job.n << RID_BITS, source=2 * job.n,
-                         structure=structure, emit=emit)
+                         structure=structure, emit=emit, ids=ids)
         return [(2 * job.n, Source(str(entry_path(backup_dir, job.backup_file["name"]))))]
     assert job.log_dir is not None and job.path is not None
     sources = scan_segment(job.log_dir, job.segment, job.path, job.member, is_last=job.is_last, min_lrsn=replay_from,
-                           first_rid=job.n << RID_BITS, source=2 * job.n, spill=spill, emit=emit)
+                           first_rid=job.n << RID_BITS, source=2 * job.n, spill=spill, emit=emit, ids=ids)
     return [(2 * job.n + k, src) for k, src in enumerate(sources)]
 
 
@@ -615,13 +616,13 @@ ALTER TABLE carried RENAME TO descs;
 
 # The survivors in the CF's order (settle.load_key), each with its base descriptor and data.
 SURVIVORS_SQL = """
-SELECT f.eid, f.disp, f.s, f.st, f.u, f.l, f.o1, f.o2, f.bc, f.mask, f.src, f.f::BIGINT AS f, f.boff,
+SELECT x.eid, f.disp, f.s, f.st, f.u, f.l, f.o1, f.o2, f.bc, f.mask, f.src, f.f::BIGINT AS f, f.boff,
        f.blen::BIGINT AS blen, f.doff, f.dlen::BIGINT AS dlen, c.blob, c.data
-FROM fin f LEFT JOIN ctl c ON c.eix = f.eix
+FROM fin f JOIN eids x ON x.i = f.eid LEFT JOIN ctl c ON c.eix = f.eix
 WHERE f.disp IN ('restored', 'in-doubt')
 ORDER BY f.q, CASE f.st WHEN 'CP' THEN 0 WHEN 'UP' THEN 1 ELSE 2 END,
          CASE f.st WHEN 'CP' THEN -f.p WHEN 'UP' THEN f.o2 ELSE f.l END,
-         CASE f.st WHEN 'CP' THEN f.o1 ELSE 0 END, CASE f.st WHEN 'CP' THEN f.o2 ELSE 0 END, f.eid
+         CASE f.st WHEN 'CP' THEN f.o1 ELSE 0 END, CASE f.st WHEN 'CP' THEN f.o2 ELSE 0 END, x.eid
 """
 
 
@@ -713,8 +714,9 @@ class SqlOutcomes(Mapping[str, Outcome]):
         if row is None:
             raise KeyError(uow)
         rows = cur.execute(
-            "SELECT od.eid, d.s, d.f, d.boff, d.blen, d.doff, d.dlen FROM odata od JOIN descs d ON d.src = 'D' AND "
-            "d.rid = od.rid AND d.eid = od.eid WHERE od.u = ? AND ? = 'B' ORDER BY od.eid", [uow, row[0]]).fetchall()
+            "SELECT x.eid, d.s, d.f, d.boff, d.blen, d.doff, d.dlen FROM odata od JOIN descs d ON d.src = 'D' AND "
+            "d.rid = od.rid AND d.eid = od.eid JOIN eids x ON x.i = od.eid WHERE od.u = ? AND ? = 'B' "
+            "ORDER BY x.eid", [uow, row[0]]).fetchall()
         read = read_back(self.sources, [r[2:] for r in rows])
         data = {r[0]: (r[1], _descriptor(desc, "D"), blob) for r, (desc, blob) in zip(rows, read, strict=True)}
         return Outcome(row[0], int(row[1]), row[2], data, tuple(row[3] or ()))
@@ -736,7 +738,8 @@ class ColumnarSettled(Collection[Settled]):
     def __iter__(self) -> Iterator[Settled]:
         yield from self.plan.in_load_order()
         for batch in _batches(self.plan.cursor(),
-                              "SELECT eid, disp FROM fin WHERE disp NOT IN ('restored', 'in-doubt') ORDER BY eid"):
+                              "SELECT x.eid, f.disp FROM fin f JOIN eids x ON x.i = f.eid "
+                              "WHERE f.disp NOT IN ('restored', 'in-doubt') ORDER BY x.eid"):
             for eid, disp in zip(*(c.to_pylist() for c in batch.columns), strict=True):
                 yield Settled(eid, disp)
 
@@ -833,8 +836,9 @@ class ColumnarEngine:
             members = sorted({LogReader(d).member for d in log_dirs})
             con.execute(f"CREATE TYPE {MEMBER_ENUM} AS ENUM ({', '.join(_literal(m) for m in members)})")
             raw = raw_columns(structure)
-            for name, schema in TABLES.items():
+            for name, schema in ID_TABLES.items():
                 con.from_arrow(schema.empty_table()).project(raw[name]).create(f"raw_{name}")
+            ids = EntryIds()
             sources: dict[int, Source] = {}
             max_lrsn = 0
             jobs = self._jobs(backup, log_dirs, replay_from)
@@ -850,7 +854,7 @@ class ColumnarEngine:
                     n = len(jobs)
                     scanned, src = copies_as_frames(
                         _counted(backup.copies(), progress, int(total) if total is not None else None),
-                        n << RID_BITS, 2 * n, spill.path)
+                        n << RID_BITS, 2 * n, spill.path, ids)
                     sources[2 * n] = src
                     streams.put(scanned)
                 logs_done = copies_done = 0
@@ -861,7 +865,7 @@ class ColumnarEngine:
                     progress(READ_LOGS, 0, n_logs)
                 readers = _Readers(jobs, self.workers, partial(
                     _scan, backup_dir=backup_dir, structure=str(manifest.get("structure", structure)),
-                    replay_from=replay_from, spill=spill.path))
+                    replay_from=replay_from, spill=spill.path, ids=ids))
                 try:
                     for item in readers.results():
                         if item[0] == "rows":
@@ -880,6 +884,7 @@ class ColumnarEngine:
                             progress(READ_LOGS, logs_done, n_logs)
                 finally:
                     readers.stop()
+            _entry_names(con, ids)
             read_cpu = time.process_time() - cpu0
             held_by = [u for (u,) in con.execute(
                 f"SELECT DISTINCT u FROM raw_descs WHERE src = {SRC_BACKUP}").fetchall()]
@@ -959,9 +964,28 @@ def raw_columns(structure: str) -> dict[str, str]:
     than spill them (BENCHMARKS.md, "The plan's tables narrowed")."""
     return {"recs": f"rid, l, TRY_CAST(k AS {KIND_ENUM}) AS k, u, s = {_literal(structure)} AS mine, g, \"at\", "
                     f"o = 'C' AS oc, \"by\", eu, m::{MEMBER_ENUM} AS m",
-            "ss": "rid, s, g", "ev": "rid, src::TINYINT AS src, eid, dds",
-            "descs": "rid, src::TINYINT AS src, pos::INTEGER AS pos, eid, s, q, p, exp, st, u, l, o1, o2, bc, boff, "
+            "ss": "rid, s, g", "ev": "rid, src::TINYINT AS src, eid::INTEGER AS eid, dds",
+            "descs": "rid, src::TINYINT AS src, pos::INTEGER AS pos, eid::INTEGER AS eid, s, q, p, exp, st, u, l, "
+                     "o1, o2, bc, boff, "
                      "blen::INTEGER AS blen, doff, dlen::INTEGER AS dlen, f::INTEGER AS f"}
+
+
+ID_NAMES_ROWS = 1 << 20  # entry ids handed to DuckDB's table of their strings at a time
+
+
+def _entry_names(con: duckdb.DuckDBPyConnection, ids: EntryIds) -> None:
+    """The entry ids' strings by their integers (table eids: i, eid), from the readers' dictionary, which is freed:
+    the plan's tables hold the integers, the output turns its entries' back into strings (SURVIVORS_SQL)."""
+    con.execute("CREATE TABLE eids (i INTEGER, eid VARCHAR)")
+    cur = con.cursor()
+    try:
+        for lo in range(0, len(ids), ID_NAMES_ROWS):
+            cur.register("id_names", ids.strings(lo, min(len(ids), lo + ID_NAMES_ROWS)))
+            cur.execute("INSERT INTO eids SELECT i, eid FROM id_names")
+            cur.unregister("id_names")
+    finally:
+        cur.close()
+    ids.clear()
 
 
 def _on_disk(backup: BackupSource) -> Backup | None:
@@ -983,10 +1007,11 @@ class _Streams:
 
     def __init__(self, con: duckdb.DuckDBPyConnection, columns: Mapping[str, str]) -> None:
         self.columns = columns
-        self.queues: dict[str, queue.Queue[pa.Table | None]] = {n: queue.Queue(maxsize=self.DEPTH) for n in TABLES}
+        self.queues: dict[str, queue.Queue[pa.Table | None]] = {n: queue.Queue(maxsize=self.DEPTH)
+                                                               for n in ID_TABLES}
         self.failure: BaseException | None = None
         self.threads = [threading.Thread(target=self._insert, args=(con.cursor(), name), name=f"restore-insert-{name}",
-                                         daemon=True) for name in TABLES]
+                                         daemon=True) for name in ID_TABLES]
 
     def _batches(self, name: str) -> Iterator[pa.RecordBatch]:
         while (table := self.queues[name].get()) is not None:
@@ -994,7 +1019,7 @@ class _Streams:
 
     def _insert(self, cur: duckdb.DuckDBPyConnection, name: str) -> None:
         try:
-            cur.register(f"stream_{name}", pa.RecordBatchReader.from_batches(TABLES[name], self._batches(name)))
+            cur.register(f"stream_{name}", pa.RecordBatchReader.from_batches(ID_TABLES[name], self._batches(name)))
             cur.execute(f"INSERT INTO raw_{name} SELECT {self.columns[name]} FROM stream_{name}")
         except BaseException as e:  # raised by put() and __exit__
             self.failure = self.failure or e

@@ -337,6 +337,31 @@ def test_the_plans_tables_are_narrow(tmp_path: Path, monkeypatch: pytest.MonkeyP
         assert name not in raw["recs"].replace(" AS ", " ").split(", ")
 
 
+def test_the_plans_tables_key_entries_by_integers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The readers turn each entry id into its integer in one dictionary shared by the backup's and the logs'
+    readers, so that the plan's tables join and group on 4-byte integers, not 12-character strings: every entry id
+    column of the plan's tables is an INTEGER, the same entry has the same integer whichever reader saw it (the
+    backup's copies and the logs' records of one entry meet in one row of ents), and the output turns them back
+    into the reference's ids."""
+    monkeypatch.setattr(engine_columnar, "PLAN_SQL", engine_columnar.PLAN_SQL.replace(  # kept apart to be read after
+        "DROP TABLE eev;", "CREATE TABLE eev_columns AS SELECT * FROM eev LIMIT 0; DROP TABLE eev;").replace(
+        "DROP TABLE ents;", "CREATE TABLE ents_kept AS SELECT eid, nrec, nb FROM ents; DROP TABLE ents;"))
+    plan, inputs = planned(6, 200, tmp_path)
+    try:
+        types = {(t, c): d for t, c, d in plan.con.execute(
+            "SELECT table_name, column_name, data_type FROM duckdb_columns()").fetchall()}
+        keyed = {t: d for (t, c), d in types.items() if c == "eid" and t != "eids"}
+        assert {"eev_columns", "ents_kept", "descs", "odata", "fin"} <= set(keyed)
+        assert set(keyed.values()) == {"INTEGER"}, keyed
+        met = plan.con.execute("SELECT count(*) FROM ents_kept WHERE nrec > 0 AND nb > 0").fetchone()
+        assert met is not None and met[0] > 0  # the backup's and the logs' ids of one entry are one integer
+        ref = reference(*inputs)
+        assert [s.id for s in plan.in_load_order()] == [s.id for s in ref.in_load_order()]
+        assert sorted(s.id for s in plan.settled) == sorted(s.id for s in ref.settled)
+    finally:
+        plan.close()
+
+
 def test_the_plan_keeps_only_the_tables_its_output_reads(tmp_path: Path) -> None:
     """Each of the plan's tables is dropped after the last statement that reads it, so that DuckDB's share of the
     memory limit goes to the statements that follow (and to the survivors' sort the load reads) rather than to
@@ -350,7 +375,7 @@ def test_the_plan_keeps_only_the_tables_its_output_reads(tmp_path: Path) -> None
         assert isinstance(plan, ColumnarPlan)
         tables = {t for (t,) in plan.con.execute("SELECT table_name FROM duckdb_tables()").fetchall()}
         assert tables == {"kinds", "base_uows", "members", "ended", "outc", "odata", "inflight", "descs", "fin",
-                          "ctl"}
+                          "ctl", "eids"}
         assert {s for (s,) in plan.con.execute("SELECT DISTINCT src FROM descs").fetchall()} <= {"D"}
         assert dict(plan.outcomes) == dict(reference(backup, log_dirs, h.replay_from).outcomes)
     finally:
