@@ -128,26 +128,32 @@ static PyObject *col_export(Col *c, int is_str) {
 
 
 /* ------------------------------------------------------------------------------------------------ entry ids */
-/* A dictionary of entry ids to integers (0, 1, ... in the order first seen), shared by every scan of one plan (the
- * backup's and the logs' readers, in threads of their own: a lock guards it), so that the plan's tables join and
- * group on 4-byte integers rather than the ids' strings, and turn them back into strings only for the entries
- * it outputs. Compact: the ids' bytes one after another (arena), where each begins (offs, 4 bytes an id), and an
- * open-addressing table of id + 1 (4 bytes a slot, at most IDS_LOAD full): about 12 bytes an id besides its own. */
+/* A dictionary of entry ids to integers, shared by every scan of one plan (the backup's and the logs' readers, in
+ * threads of their own), so that the plan's tables join and group on 4-byte integers rather than the ids'
+ * strings, and turn them back into strings only for the entries it outputs. The ids are spread over IDS_STRIPES
+ * parts by their hash, each with its own lock (the readers seldom wait on each other), its own ids numbered
+ * 0, 1, ... as first seen: an id's integer is its number there times IDS_STRIPES plus its part. Compact: in each
+ * part the ids' bytes one after another (arena), where each begins (offs, 4 bytes an id), and an open-addressing
+ * table of number + 1 (4 bytes a slot, at most 7/10 full): about 12 bytes an id besides its own. */
 #include <pthread.h>
 
-#define IDS_MAX 0x7FFFFFFFu      /* ids fit the plan's INTEGER columns */
-#define IDS_LOAD_NUM 7           /* the table grows past 7/10 full */
-#define IDS_LOAD_DEN 10
+#define IDS_STRIPE_BITS 6
+#define IDS_STRIPES (1u << IDS_STRIPE_BITS)
+#define IDS_MAX (0x7FFFFFFFu >> IDS_STRIPE_BITS)  /* ids a part holds: every integer fits an INTEGER column */
 
 typedef struct {
-    PyObject_HEAD
     pthread_mutex_t lock;
-    uint32_t *slots;  /* id + 1, 0 for an empty slot */
+    uint32_t *slots;  /* number + 1, 0 for an empty slot */
     size_t nslots;    /* a power of two */
     uint32_t *offs;   /* offs[i]: where id i begins in arena; offs[n]: its end */
     size_t n, offcap;
     char *arena;
     size_t alen, acap;
+} IdPart;
+
+typedef struct {
+    PyObject_HEAD
+    IdPart part[IDS_STRIPES];
 } Ids;
 
 static uint64_t ids_hash(const char *s, size_t n) {
@@ -169,11 +175,11 @@ static uint64_t ids_hash(const char *s, size_t n) {
     return h ^ (h >> 32);
 }
 
-static int ids_same(const Ids *d, uint32_t id, const char *s, size_t n) {
+static int part_same(const IdPart *d, uint32_t id, const char *s, size_t n) {
     return (size_t)(d->offs[id + 1] - d->offs[id]) == n && memcmp(d->arena + d->offs[id], s, n) == 0;
 }
 
-static int ids_rehash(Ids *d, size_t nslots) {
+static int part_rehash(IdPart *d, size_t nslots) {
     uint32_t *slots = calloc(nslots, sizeof(uint32_t));
     if (!slots) return -1;
     for (uint32_t id = 0; id < d->n; id++) {
@@ -187,15 +193,19 @@ static int ids_rehash(Ids *d, size_t nslots) {
     return 0;
 }
 
-/* The integer of id s (taken into the dictionary if new); -1: no memory, or more ids or bytes than it holds. */
-static int64_t ids_intern_locked(Ids *d, const char *s, size_t n) {
-    if (d->nslots == 0 && ids_rehash(d, 1u << 16)) return -1;
-    size_t mask = d->nslots - 1, h = (size_t)ids_hash(s, n) & mask;
+/* The number of id s in its part (taken if new); -1: no memory, or more ids or bytes than a part holds. */
+static int64_t part_intern(IdPart *d, const char *s, size_t n, uint64_t hash) {
+    if (d->nslots == 0) {
+        size_t want = 1u << 10;
+        while (want * 7 < d->n * 10 + 10) want *= 2;
+        if (part_rehash(d, want)) return -1;
+    }
+    size_t mask = d->nslots - 1, h = (size_t)hash & mask;
     for (uint32_t v; (v = d->slots[h]); h = (h + 1) & mask)
-        if (ids_same(d, v - 1, s, n)) return v - 1;
+        if (part_same(d, v - 1, s, n)) return v - 1;
     if (d->n >= IDS_MAX || d->alen + n > UINT32_MAX) return -1;
     if (d->n + 2 > d->offcap) {
-        size_t cap = d->offcap ? d->offcap * 2 : 1u << 16;
+        size_t cap = d->offcap ? d->offcap * 2 : 1u << 10;
         uint32_t *o = realloc(d->offs, cap * sizeof(uint32_t));
         if (!o) return -1;
         if (!d->offs) o[0] = 0;
@@ -203,7 +213,7 @@ static int64_t ids_intern_locked(Ids *d, const char *s, size_t n) {
         d->offcap = cap;
     }
     if (d->alen + n > d->acap) {
-        size_t cap = d->acap ? d->acap : 1u << 20;
+        size_t cap = d->acap ? d->acap : 1u << 14;
         while (cap < d->alen + n) cap *= 2;
         char *a = realloc(d->arena, cap);
         if (!a) return -1;
@@ -215,18 +225,22 @@ static int64_t ids_intern_locked(Ids *d, const char *s, size_t n) {
     uint32_t id = (uint32_t)d->n++;
     d->offs[id + 1] = (uint32_t)d->alen;
     d->slots[h] = id + 1;
-    if (d->n * IDS_LOAD_DEN > d->nslots * IDS_LOAD_NUM && ids_rehash(d, d->nslots * 2)) return -1;
+    if (d->n * 10 > d->nslots * 7 && part_rehash(d, d->nslots * 2)) return -1;
     return id;
 }
 
+/* The integer of id s (taken into the dictionary if new); -1 as part_intern. */
 static int64_t ids_intern(Ids *d, const char *s, size_t n) {
-    pthread_mutex_lock(&d->lock);
-    int64_t id = ids_intern_locked(d, s, n);
-    pthread_mutex_unlock(&d->lock);
-    return id;
+    uint64_t hash = ids_hash(s, n);
+    unsigned stripe = (unsigned)(hash >> (64 - IDS_STRIPE_BITS));
+    IdPart *p = &d->part[stripe];
+    pthread_mutex_lock(&p->lock);
+    int64_t id = part_intern(p, s, n, hash);
+    pthread_mutex_unlock(&p->lock);
+    return id < 0 ? -1 : (id << IDS_STRIPE_BITS) | stripe;
 }
 
-static void ids_clear(Ids *d) {
+static void part_clear(IdPart *d) {
     free(d->slots);
     free(d->offs);
     free(d->arena);
@@ -241,48 +255,53 @@ static PyObject *Ids_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     (void)kw;
     Ids *d = (Ids *)type->tp_alloc(type, 0);
     if (!d) return NULL;
-    pthread_mutex_init(&d->lock, NULL);
+    for (unsigned k = 0; k < IDS_STRIPES; k++) pthread_mutex_init(&d->part[k].lock, NULL);
     return (PyObject *)d;
 }
 
 static void Ids_dealloc(Ids *d) {
-    ids_clear(d);
-    pthread_mutex_destroy(&d->lock);
+    for (unsigned k = 0; k < IDS_STRIPES; k++) {
+        part_clear(&d->part[k]);
+        pthread_mutex_destroy(&d->part[k].lock);
+    }
     Py_TYPE(d)->tp_free((PyObject *)d);
 }
 
 static Py_ssize_t Ids_len(Ids *d) {
-    pthread_mutex_lock(&d->lock);
-    Py_ssize_t n = (Py_ssize_t)d->n;
-    pthread_mutex_unlock(&d->lock);
+    Py_ssize_t n = 0;
+    for (unsigned k = 0; k < IDS_STRIPES; k++) {
+        pthread_mutex_lock(&d->part[k].lock);
+        n += (Py_ssize_t)d->part[k].n;
+        pthread_mutex_unlock(&d->part[k].lock);
+    }
     return n;
 }
 
-/* strings(lo, hi) -> (ids, offsets, data): ids lo to hi - 1 as the buffers of an Arrow int32 array of them and a
- * large_string array of their strings (int64 offsets from 0). */
+/* strings(part) -> (ids, offsets, data): the ids of one part as the buffers of an Arrow int32 array of their
+ * integers and a large_string array of their strings (int64 offsets from 0). */
 static PyObject *Ids_strings(Ids *d, PyObject *args) {
-    Py_ssize_t lo, hi;
-    if (!PyArg_ParseTuple(args, "nn", &lo, &hi)) return NULL;
-    pthread_mutex_lock(&d->lock);
-    if (lo < 0 || hi < lo || (size_t)hi > d->n) {
-        pthread_mutex_unlock(&d->lock);
-        PyErr_SetString(PyExc_ValueError, "strings: lo and hi must lie within the ids taken");
+    unsigned stripe;
+    if (!PyArg_ParseTuple(args, "I", &stripe)) return NULL;
+    if (stripe >= IDS_STRIPES) {
+        PyErr_SetString(PyExc_ValueError, "strings: no such part");
         return NULL;
     }
-    size_t base = hi > lo ? d->offs[lo] : 0, end = hi > lo ? d->offs[hi] : 0;
-    PyObject *nums = PyBytes_FromStringAndSize(NULL, (hi - lo) * (Py_ssize_t)sizeof(int32_t));
-    PyObject *offs = PyBytes_FromStringAndSize(NULL, (hi - lo + 1) * (Py_ssize_t)sizeof(int64_t));
-    PyObject *data = PyBytes_FromStringAndSize(hi > lo ? d->arena + base : "", (Py_ssize_t)(end - base));
+    IdPart *p = &d->part[stripe];
+    pthread_mutex_lock(&p->lock);
+    Py_ssize_t n = (Py_ssize_t)p->n;
+    PyObject *nums = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(int32_t));
+    PyObject *offs = PyBytes_FromStringAndSize(NULL, (n + 1) * (Py_ssize_t)sizeof(int64_t));
+    PyObject *data = PyBytes_FromStringAndSize(n ? p->arena : "", (Py_ssize_t)(n ? p->offs[n] : 0));
     if (nums && offs && data) {
         int32_t *v = (int32_t *)PyBytes_AS_STRING(nums);
         int64_t *o = (int64_t *)PyBytes_AS_STRING(offs);
         o[0] = 0;
-        for (Py_ssize_t k = lo; k < hi; k++) {
-            v[k - lo] = (int32_t)k;
-            o[k - lo + 1] = (int64_t)(d->offs[k + 1] - base);
+        for (Py_ssize_t k = 0; k < n; k++) {
+            v[k] = (int32_t)(((uint32_t)k << IDS_STRIPE_BITS) | stripe);
+            o[k + 1] = (int64_t)p->offs[k + 1];
         }
     }
-    pthread_mutex_unlock(&d->lock);
+    pthread_mutex_unlock(&p->lock);
     if (!nums || !offs || !data) {
         Py_XDECREF(nums);
         Py_XDECREF(offs);
@@ -292,25 +311,90 @@ static PyObject *Ids_strings(Ids *d, PyObject *args) {
     return Py_BuildValue("(NNN)", nums, offs, data);
 }
 
+/* names(values) -> (offsets, data): the strings of the ids in `values` (int32, one a row) as the buffers of an
+ * Arrow large_string array. Read while no scan takes ids (after the reading): no lock. */
+static PyObject *Ids_names(Ids *d, PyObject *args) {
+    Py_buffer b;
+    if (!PyArg_ParseTuple(args, "y*", &b)) return NULL;
+    Py_ssize_t n = b.len / (Py_ssize_t)sizeof(int32_t);
+    const int32_t *v = b.buf;
+    size_t total = 0;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        const IdPart *p = &d->part[(uint32_t)v[k] & (IDS_STRIPES - 1)];
+        uint32_t id = (uint32_t)v[k] >> IDS_STRIPE_BITS;
+        if (v[k] < 0 || id >= p->n) {
+            PyBuffer_Release(&b);
+            PyErr_SetString(PyExc_ValueError, "names: an id the dictionary does not hold");
+            return NULL;
+        }
+        total += p->offs[id + 1] - p->offs[id];
+    }
+    PyObject *offs = PyBytes_FromStringAndSize(NULL, (n + 1) * (Py_ssize_t)sizeof(int64_t));
+    PyObject *data = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)total);
+    if (offs && data) {
+        int64_t *o = (int64_t *)PyBytes_AS_STRING(offs);
+        char *out = PyBytes_AS_STRING(data);
+        size_t at = 0;
+        o[0] = 0;
+        for (Py_ssize_t k = 0; k < n; k++) {
+            const IdPart *p = &d->part[(uint32_t)v[k] & (IDS_STRIPES - 1)];
+            uint32_t id = (uint32_t)v[k] >> IDS_STRIPE_BITS;
+            size_t len = p->offs[id + 1] - p->offs[id];
+            memcpy(out + at, p->arena + p->offs[id], len);
+            at += len;
+            o[k + 1] = (int64_t)at;
+        }
+    }
+    PyBuffer_Release(&b);
+    if (!offs || !data) {
+        Py_XDECREF(offs);
+        Py_XDECREF(data);
+        return NULL;
+    }
+    return Py_BuildValue("(NN)", offs, data);
+}
+
 /* The bytes the dictionary holds (its arrays' capacities). */
 static PyObject *Ids_nbytes(Ids *d, PyObject *unused) {
     (void)unused;
-    pthread_mutex_lock(&d->lock);
-    size_t b = d->nslots * sizeof(uint32_t) + d->offcap * sizeof(uint32_t) + d->acap;
-    pthread_mutex_unlock(&d->lock);
+    size_t b = 0;
+    for (unsigned k = 0; k < IDS_STRIPES; k++) {
+        IdPart *p = &d->part[k];
+        pthread_mutex_lock(&p->lock);
+        b += p->nslots * sizeof(uint32_t) + p->offcap * sizeof(uint32_t) + p->acap;
+        pthread_mutex_unlock(&p->lock);
+    }
     return PyLong_FromSize_t(b);
+}
+
+/* Free the tables that find an id's integer (the strings stay, for names()); an id taken after is found again. */
+static PyObject *Ids_seal(Ids *d, PyObject *unused) {
+    (void)unused;
+    for (unsigned k = 0; k < IDS_STRIPES; k++) {
+        IdPart *p = &d->part[k];
+        pthread_mutex_lock(&p->lock);
+        free(p->slots);
+        p->slots = NULL;
+        p->nslots = 0;
+        pthread_mutex_unlock(&p->lock);
+    }
+    Py_RETURN_NONE;
 }
 
 static PyObject *Ids_clear(Ids *d, PyObject *unused) {
     (void)unused;
-    pthread_mutex_lock(&d->lock);
-    ids_clear(d);
-    pthread_mutex_unlock(&d->lock);
+    for (unsigned k = 0; k < IDS_STRIPES; k++) {
+        pthread_mutex_lock(&d->part[k].lock);
+        part_clear(&d->part[k]);
+        pthread_mutex_unlock(&d->part[k].lock);
+    }
     Py_RETURN_NONE;
 }
 
 static PyMethodDef Ids_methods[] = {
-    {"strings", (PyCFunction)Ids_strings, METH_VARARGS, "Ids lo..hi-1 as Arrow large_string buffers."},
+    {"strings", (PyCFunction)Ids_strings, METH_VARARGS, "The ids of one part as Arrow buffers."},
+    {"names", (PyCFunction)Ids_names, METH_VARARGS, "The strings of int32 ids as Arrow large_string buffers."},
+    {"seal", (PyCFunction)Ids_seal, METH_NOARGS, "Free the lookup tables; the strings stay."},
     {"nbytes", (PyCFunction)Ids_nbytes, METH_NOARGS, "The bytes the dictionary holds."},
     {"clear", (PyCFunction)Ids_clear, METH_NOARGS, "Forget every id (their memory freed)."},
     {NULL, NULL, 0, NULL},

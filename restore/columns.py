@@ -84,12 +84,15 @@ def require_readers() -> None:
                            "--engine local")
 
 
+IDS_PARTS = 64  # the parts of an EntryIds, each with its own lock (IDS_STRIPES in restore/_columns.c)
+
+
 class EntryIds:
-    """A dictionary of entry ids to integers (0, 1, ... in the order first seen), shared by the scans of one plan:
-    given to the readers, they make each entry id its integer in it (ID_TABLES), the same integer for the same id
-    whichever file or thread reads it, so that the plan joins and groups on integers rather than strings. It holds
-    about 12 bytes an id besides the id's own (restore/_columns.c): 1.4M ids of 12 bytes, about 35 MiB. strings()
-    gives them back a range at a time; clear() frees it."""
+    """A dictionary of entry ids to integers (non-negative, below 2**31), shared by the scans of one plan: given to
+    the readers, they make each entry id its integer in it (ID_TABLES), the same integer for the same id whichever
+    file or thread reads it, so that the plan joins and groups on integers rather than strings. It holds about 12
+    bytes an id besides the id's own (restore/_columns.c), 4 of them its lookup table (freed by seal()): 1.4M ids
+    of 12 bytes, about 35 MiB. parts() gives them all back, names() the strings of some; clear() frees it."""
 
     def __init__(self) -> None:
         require_readers()
@@ -101,12 +104,26 @@ class EntryIds:
     def nbytes(self) -> int:
         return int(self.ids.nbytes())
 
-    def strings(self, lo: int, hi: int) -> pa.Table:
-        """Ids lo to hi - 1: their integers (i, int32) and their strings (eid)."""
-        nums, offsets, data = self.ids.strings(lo, hi)
-        n = hi - lo
-        return pa.table({"i": pa.Array.from_buffers(pa.int32(), n, [None, pa.py_buffer(nums)]),
-                         "eid": pa.Array.from_buffers(_STR, n, [None, pa.py_buffer(offsets), pa.py_buffer(data)])})
+    def parts(self) -> Iterator[pa.Table]:
+        """Every id, a part of the dictionary at a time: their integers (i, int32) and their strings (eid)."""
+        for part in range(IDS_PARTS):
+            nums, offsets, data = self.ids.strings(part)
+            n = len(nums) // 4
+            yield pa.table({"i": pa.Array.from_buffers(pa.int32(), n, [None, pa.py_buffer(nums)]),
+                            "eid": pa.Array.from_buffers(_STR, n, [None, pa.py_buffer(offsets), pa.py_buffer(data)])})
+
+    def names(self, values: pa.Array) -> pa.Array:
+        """The strings of the ids in `values` (an int32 array without nulls)."""
+        if values.null_count:
+            raise ValueError("an entry id is missing")
+        n = len(values)
+        buf = memoryview(values.buffers()[1])[values.offset * 4:(values.offset + n) * 4]
+        offsets, data = self.ids.names(buf)
+        return pa.Array.from_buffers(_STR, n, [None, pa.py_buffer(offsets), pa.py_buffer(data)])
+
+    def seal(self) -> None:
+        """Free what finds an id's integer (a third of the dictionary); the strings stay for names()."""
+        self.ids.seal()
 
     def clear(self) -> None:
         self.ids.clear()

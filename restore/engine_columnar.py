@@ -44,6 +44,7 @@ from typing import Any
 import duckdb
 import msgpack
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from backup.files import Backup, entry_path
 from cfemu.bulk import Staged
@@ -612,18 +613,27 @@ DROP TABLE IF EXISTS evs_range; DROP TABLE IF EXISTS fs;
 CREATE TABLE carried AS SELECT * FROM descs WHERE src = 'D';
 DROP TABLE descs;
 ALTER TABLE carried RENAME TO descs;
+-- (and the entries a decision's records carry, with their ids' strings)
+CREATE TABLE onamed AS SELECT od.*, x.eid AS name FROM odata od JOIN eids x ON x.i = od.eid;
+DROP TABLE odata;
+ALTER TABLE onamed RENAME TO odata;
 """
 
-# The survivors in the CF's order (settle.load_key), each with its base descriptor and data.
+# The survivors in the CF's order (settle.load_key), each with its base descriptor and data; its entry id the
+# integer the plan's tables hold (the load reads them through _in_id_order, which gives the id's string and puts
+# the entries of one key in the order of their ids' strings), and the key (LOAD_KEY) last.
 SURVIVORS_SQL = """
-SELECT x.eid, f.disp, f.s, f.st, f.u, f.l, f.o1, f.o2, f.bc, f.mask, f.src, f.f::BIGINT AS f, f.boff,
-       f.blen::BIGINT AS blen, f.doff, f.dlen::BIGINT AS dlen, c.blob, c.data
-FROM fin f JOIN eids x ON x.i = f.eid LEFT JOIN ctl c ON c.eix = f.eix
+SELECT f.eid, f.disp, f.s, f.st, f.u, f.l, f.o1, f.o2, f.bc, f.mask, f.src, f.f::BIGINT AS f, f.boff,
+       f.blen::BIGINT AS blen, f.doff, f.dlen::BIGINT AS dlen, c.blob, c.data, f.q AS k_q,
+       CASE f.st WHEN 'CP' THEN 0 WHEN 'UP' THEN 1 ELSE 2 END AS k_state,
+       CASE f.st WHEN 'CP' THEN -f.p WHEN 'UP' THEN f.o2 ELSE f.l END AS k_1,
+       CASE f.st WHEN 'CP' THEN f.o1 ELSE 0 END AS k_2, CASE f.st WHEN 'CP' THEN f.o2 ELSE 0 END AS k_3
+FROM fin f LEFT JOIN ctl c ON c.eix = f.eix
 WHERE f.disp IN ('restored', 'in-doubt')
-ORDER BY f.q, CASE f.st WHEN 'CP' THEN 0 WHEN 'UP' THEN 1 ELSE 2 END,
-         CASE f.st WHEN 'CP' THEN -f.p WHEN 'UP' THEN f.o2 ELSE f.l END,
-         CASE f.st WHEN 'CP' THEN f.o1 ELSE 0 END, CASE f.st WHEN 'CP' THEN f.o2 ELSE 0 END, x.eid
+ORDER BY k_q, k_state, k_1, k_2, k_3, f.eid
 """
+LOAD_KEY = ("k_q", "k_state", "k_1", "k_2", "k_3")
+
 
 
 _unpack = partial(msgpack.unpackb, raw=False, unicode_errors="surrogateescape", strict_map_key=False)
@@ -665,6 +675,67 @@ def _batches(cur: duckdb.DuckDBPyConnection, sql: str) -> Iterator[pa.RecordBatc
     reader = cur.sql(sql).to_arrow_reader(FETCH_ROWS)
     if reader is not None:
         yield from reader
+
+
+def _same_key_as_previous(batch: pa.RecordBatch) -> pa.Array:
+    """For rows 1.. of a batch: whether its load key (LOAD_KEY) is the row before's (nulls equal to nulls)."""
+    same = None
+    for name in LOAD_KEY:
+        col = batch.column(name)
+        a, b = col.slice(1), col.slice(0, len(col) - 1)
+        eq = pc.or_kleene(pc.fill_null(pc.equal(a, b), False), pc.and_(pc.is_null(a), pc.is_null(b)))
+        same = eq if same is None else pc.and_(same, eq)
+    assert same is not None
+    return same
+
+
+def _key(batch: pa.RecordBatch, row: int) -> tuple[Any, ...]:
+    return tuple(batch.column(name)[row].as_py() for name in LOAD_KEY)
+
+
+def _in_id_order(batches: Iterator[pa.RecordBatch], ids: EntryIds) -> Iterator[pa.RecordBatch]:
+    """SURVIVORS_SQL's batches with each entry id's string in place of its integer, the entries of one load key
+    in the order of their ids' strings (settle.load_key's last part; the query orders them by the integers): the
+    rows of a batch's last key are held back until a row of another key comes."""
+    held: pa.RecordBatch | None = None
+    for batch in batches:
+        if not len(batch):
+            continue
+        if held is not None:
+            if _key(held, len(held) - 1) == _key(batch, 0):  # a key across batches (rare): one batch of the two
+                batch = pa.Table.from_batches([held, batch]).combine_chunks().to_batches()[0]
+            else:
+                yield _named(held, ids)
+            held = None
+        starts = pc.indices_nonzero(pc.invert(_same_key_as_previous(batch))).to_pylist() if len(batch) > 1 else []
+        last = starts[-1] + 1 if starts else 0  # where the batch's last key starts
+        if last:
+            yield _named(batch.slice(0, last), ids)
+        held = batch.slice(last)
+    if held is not None:
+        yield _named(held, ids)
+
+
+def _named(batch: pa.RecordBatch, ids: EntryIds) -> pa.RecordBatch:
+    """Rows of whole load keys with their ids' strings, the rows of one key in the order of those strings."""
+    names = ids.names(batch.column(0))
+    batch = batch.set_column(0, "eid", names)
+    if len(batch) < 2:
+        return batch
+    same = _same_key_as_previous(batch)
+    if not pc.any(same).as_py():
+        return batch
+    flags = same.to_pylist()
+    order = list(range(len(batch)))
+    k = 0
+    while k < len(order):
+        end = k + 1
+        while end < len(order) and flags[end - 1]:
+            end += 1
+        if end - k > 1:
+            order[k:end] = sorted(order[k:end], key=lambda row: names[row].as_py())
+        k = end
+    return batch.take(pa.array(order))
 
 
 def _survivors(batch: pa.RecordBatch, pieces: Pieces) -> list[Settled]:
@@ -714,9 +785,8 @@ class SqlOutcomes(Mapping[str, Outcome]):
         if row is None:
             raise KeyError(uow)
         rows = cur.execute(
-            "SELECT x.eid, d.s, d.f, d.boff, d.blen, d.doff, d.dlen FROM odata od JOIN descs d ON d.src = 'D' AND "
-            "d.rid = od.rid AND d.eid = od.eid JOIN eids x ON x.i = od.eid WHERE od.u = ? AND ? = 'B' "
-            "ORDER BY x.eid", [uow, row[0]]).fetchall()
+            "SELECT od.name, d.s, d.f, d.boff, d.blen, d.doff, d.dlen FROM odata od JOIN descs d ON d.src = 'D' AND "
+            "d.rid = od.rid AND d.eid = od.eid WHERE od.u = ? AND ? = 'B' ORDER BY od.name", [uow, row[0]]).fetchall()
         read = read_back(self.sources, [r[2:] for r in rows])
         data = {r[0]: (r[1], _descriptor(desc, "D"), blob) for r, (desc, blob) in zip(rows, read, strict=True)}
         return Outcome(row[0], int(row[1]), row[2], data, tuple(row[3] or ()))
@@ -761,16 +831,21 @@ class ColumnarPlan(SummarizedPlan):
     workers: int
     partitions: int = 1
     sources: list[Source]  # where the descriptors' bytes and the data are (restore.columns.read_back)
+    ids: EntryIds  # the entry ids' strings by the integers the plan's tables hold
     timings: dict[str, float]  # seconds of each statement of the plan (where the time goes)
     read_cpu_s: float = 0.0  # CPU seconds of this process while the logs and the backup were read
 
     def cursor(self) -> duckdb.DuckDBPyConnection:
         return self.con.cursor()  # a connection of its own: the load reads the survivors from another thread
 
+    def survivor_batches(self) -> Iterator[pa.RecordBatch]:
+        """The survivors query's rows in load order, their entry ids as strings (SURVIVORS_SQL)."""
+        return _in_id_order(_batches(self.cursor(), SURVIVORS_SQL), self.ids)
+
     def in_load_order(self) -> Iterator[Settled]:
         pieces = Pieces(self.sources)
         try:
-            for batch in _batches(self.cursor(), SURVIVORS_SQL):
+            for batch in self.survivor_batches():
                 yield from _survivors(batch, pieces)
         finally:
             pieces.close()
@@ -779,7 +854,7 @@ class ColumnarPlan(SummarizedPlan):
         """The load's prepared batches (restore.load.staged of in_load_order), made in C where they can be."""
         pieces = Pieces(self.sources)
         try:
-            yield from columnar_staged.staged(structure, _batches(self.cursor(), SURVIVORS_SQL), pieces, _survivors,
+            yield from columnar_staged.staged(structure, self.survivor_batches(), pieces, _survivors,
                                               FIELDS, batch, batch_bytes)
         finally:
             pieces.close()
@@ -787,6 +862,7 @@ class ColumnarPlan(SummarizedPlan):
     def close(self) -> None:
         try:
             self.con.close()
+            self.ids.clear()
         finally:
             self.spill.close()
 
@@ -906,6 +982,7 @@ class ColumnarEngine:
         except BaseException:
             con.close()
             raise
+        plan.ids = ids
         plan.worker_peak_bytes = 0  # the readers are threads of this process
         plan.workers = self.workers
         plan.read_cpu_s = read_cpu
@@ -970,22 +1047,20 @@ def raw_columns(structure: str) -> dict[str, str]:
                      "blen::INTEGER AS blen, doff, dlen::INTEGER AS dlen, f::INTEGER AS f"}
 
 
-ID_NAMES_ROWS = 1 << 20  # entry ids handed to DuckDB's table of their strings at a time
-
-
 def _entry_names(con: duckdb.DuckDBPyConnection, ids: EntryIds) -> None:
-    """The entry ids' strings by their integers (table eids: i, eid), from the readers' dictionary, which is freed:
-    the plan's tables hold the integers, the output turns its entries' back into strings (SURVIVORS_SQL)."""
+    """The entry ids' strings by their integers (table eids: i, eid, for the plan's other outputs), from the
+    readers' dictionary, which is sealed (its lookup table freed): the plan's tables hold the integers, and the
+    survivors' are turned back into strings by the dictionary as the load reads them (_in_id_order)."""
     con.execute("CREATE TABLE eids (i INTEGER, eid VARCHAR)")
     cur = con.cursor()
     try:
-        for lo in range(0, len(ids), ID_NAMES_ROWS):
-            cur.register("id_names", ids.strings(lo, min(len(ids), lo + ID_NAMES_ROWS)))
+        for part in ids.parts():
+            cur.register("id_names", part)
             cur.execute("INSERT INTO eids SELECT i, eid FROM id_names")
             cur.unregister("id_names")
     finally:
         cur.close()
-    ids.clear()
+    ids.seal()
 
 
 def _on_disk(backup: BackupSource) -> Backup | None:

@@ -342,7 +342,7 @@ def test_the_plans_tables_key_entries_by_integers(tmp_path: Path, monkeypatch: p
     readers, so that the plan's tables join and group on 4-byte integers, not 12-character strings: every entry id
     column of the plan's tables is an INTEGER, the same entry has the same integer whichever reader saw it (the
     backup's copies and the logs' records of one entry meet in one row of ents), and the output turns them back
-    into the reference's ids."""
+    into the reference's ids, in the reference's order."""
     monkeypatch.setattr(engine_columnar, "PLAN_SQL", engine_columnar.PLAN_SQL.replace(  # kept apart to be read after
         "DROP TABLE eev;", "CREATE TABLE eev_columns AS SELECT * FROM eev LIMIT 0; DROP TABLE eev;").replace(
         "DROP TABLE ents;", "CREATE TABLE ents_kept AS SELECT eid, nrec, nb FROM ents; DROP TABLE ents;"))
