@@ -627,7 +627,8 @@ SELECT f.eid, f.disp, f.s, f.st, f.u, f.l, f.o1, f.o2, f.bc, f.mask, f.src, f.f:
        f.blen::BIGINT AS blen, f.doff, f.dlen::BIGINT AS dlen, c.blob, c.data, f.q AS k_q,
        CASE f.st WHEN 'CP' THEN 0 WHEN 'UP' THEN 1 ELSE 2 END AS k_state,
        CASE f.st WHEN 'CP' THEN -f.p WHEN 'UP' THEN f.o2 ELSE f.l END AS k_1,
-       CASE f.st WHEN 'CP' THEN f.o1 ELSE 0 END AS k_2, CASE f.st WHEN 'CP' THEN f.o2 ELSE 0 END AS k_3
+       CASE f.st WHEN 'CP' THEN f.o1 ELSE 0 END AS k_2, CASE f.st WHEN 'CP' THEN f.o2 ELSE 0 END AS k_3,
+       hash(k_q, k_state, k_1, k_2, k_3) AS k_hash
 FROM fin f LEFT JOIN ctl c ON c.eix = f.eix
 WHERE f.disp IN ('restored', 'in-doubt')
 ORDER BY k_q, k_state, k_1, k_2, k_3, f.eid
@@ -678,14 +679,18 @@ def _batches(cur: duckdb.DuckDBPyConnection, sql: str) -> Iterator[pa.RecordBatc
 
 
 def _same_key_as_previous(batch: pa.RecordBatch) -> pa.Array:
-    """For rows 1.. of a batch: whether its load key (LOAD_KEY) is the row before's (nulls equal to nulls)."""
-    same = None
+    """For rows 1.. of a batch: whether its load key (LOAD_KEY) is the row before's (nulls equal to nulls). The
+    keys' hashes first (one comparison a row): a batch where no two rows in a row have one hash has no two with
+    one key, the common case; else the keys themselves."""
+    h = batch.column("k_hash")
+    same = pc.equal(h.slice(1), h.slice(0, len(h) - 1))
+    if not pc.any(same).as_py():
+        return same
     for name in LOAD_KEY:
         col = batch.column(name)
         a, b = col.slice(1), col.slice(0, len(col) - 1)
         eq = pc.or_kleene(pc.fill_null(pc.equal(a, b), False), pc.and_(pc.is_null(a), pc.is_null(b)))
-        same = eq if same is None else pc.and_(same, eq)
-    assert same is not None
+        same = pc.and_(same, eq)
     return same
 
 

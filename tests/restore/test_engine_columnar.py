@@ -9,6 +9,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
@@ -20,6 +21,7 @@ from cfemu.embedded import EmbeddedRedis
 from cfemu.entry import Entry
 from restore import engine_columnar
 from restore.engine import default_engine, engine_names, get_engine
+from restore.columns import EntryIds, copies_as_frames
 from restore.engine_columnar import ColumnarEngine, ColumnarPlan
 from restore.run import WORK_DIR, run_restore
 from sqm.core import records
@@ -360,6 +362,27 @@ def test_the_plans_tables_key_entries_by_integers(tmp_path: Path, monkeypatch: p
         assert sorted(s.id for s in plan.settled) == sorted(s.id for s in ref.settled)
     finally:
         plan.close()
+
+
+def test_the_survivors_of_one_load_key_come_in_the_order_of_their_ids(tmp_path: Path) -> None:
+    """The survivors' query orders the entries of one load key by their ids' integers, which are in no order of
+    their strings: the load reads them in the order of the strings (settle.load_key), a key's rows held back where
+    they run on into the next batch."""
+    names = ["e-9", "e-1", "e-5", "e-3", "e-2", "e-8", "e-4"]
+    ids = EntryIds()
+    copies_as_frames([(S, {"id": n, "q": "Q", "l": 1}, b"") for n in names], 0, 0, tmp_path, ids)
+    ints = {name: i for part in ids.parts() for i, name in zip(part["i"].to_pylist(), part["eid"].to_pylist(),
+                                                                strict=True)}
+    # (key, id) in the query's order: by key, then by the ids' integers
+    rows = sorted([(1, "e-9"), (1, "e-1"), (2, "e-5"), (2, "e-3"), (2, "e-2"), (3, "e-8"), (4, "e-4")],
+                  key=lambda r: (r[0], ints[r[1]]))
+    cut = [rows[:3], rows[3:4], rows[4:]]  # key 2 runs across three batches
+    batches = [pa.RecordBatch.from_pydict({
+        "eid": pa.array([ints[n] for _, n in part], pa.int32()), "k_q": ["Q"] * len(part),
+        "k_state": [0] * len(part), "k_1": [k for k, _ in part], "k_2": pa.array([None] * len(part), pa.int64()), "k_3": [0] * len(part),
+        "k_hash": pa.array([0] * len(part), pa.uint64())}) for part in cut]  # every key's hash one: they collide
+    out = [n for b in engine_columnar._in_id_order(iter(batches), ids) for n in b.column("eid").to_pylist()]
+    assert out == ["e-1", "e-9", "e-2", "e-3", "e-5", "e-8", "e-4"]
 
 
 def test_the_plan_keeps_only_the_tables_its_output_reads(tmp_path: Path) -> None:
