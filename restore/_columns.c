@@ -367,6 +367,23 @@ static PyObject *Ids_nbytes(Ids *d, PyObject *unused) {
     return PyLong_FromSize_t(b);
 }
 
+/* reserve(n): size the lookup tables for n ids in all, so that they need not grow (each growth places every id
+ * again, at a cache miss or two an id). */
+static PyObject *Ids_reserve(Ids *d, PyObject *args) {
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "n", &n)) return NULL;
+    size_t per = (size_t)(n > 0 ? n : 0) / IDS_STRIPES + 1, want = 1u << 10;
+    while (want * 7 < per * 10) want *= 2;
+    for (unsigned k = 0; k < IDS_STRIPES; k++) {
+        IdPart *p = &d->part[k];
+        pthread_mutex_lock(&p->lock);
+        int rc = want > p->nslots ? part_rehash(p, want) : 0;
+        pthread_mutex_unlock(&p->lock);
+        if (rc) return PyErr_NoMemory();
+    }
+    Py_RETURN_NONE;
+}
+
 /* Free the tables that find an id's integer (the strings stay, for names()); an id taken after is found again. */
 static PyObject *Ids_seal(Ids *d, PyObject *unused) {
     (void)unused;
@@ -395,6 +412,7 @@ static PyMethodDef Ids_methods[] = {
     {"strings", (PyCFunction)Ids_strings, METH_VARARGS, "The ids of one part as Arrow buffers."},
     {"names", (PyCFunction)Ids_names, METH_VARARGS, "The strings of int32 ids as Arrow large_string buffers."},
     {"seal", (PyCFunction)Ids_seal, METH_NOARGS, "Free the lookup tables; the strings stay."},
+    {"reserve", (PyCFunction)Ids_reserve, METH_VARARGS, "Size the lookup tables for n ids."},
     {"nbytes", (PyCFunction)Ids_nbytes, METH_NOARGS, "The bytes the dictionary holds."},
     {"clear", (PyCFunction)Ids_clear, METH_NOARGS, "Forget every id (their memory freed)."},
     {NULL, NULL, 0, NULL},

@@ -121,6 +121,10 @@ class EntryIds:
         offsets, data = self.ids.names(buf)
         return pa.Array.from_buffers(_STR, n, [None, pa.py_buffer(offsets), pa.py_buffer(data)])
 
+    def reserve(self, n: int) -> None:
+        """Size the dictionary's lookup tables for about n ids, so that they need not grow as the readers go."""
+        self.ids.reserve(n)
+
     def seal(self) -> None:
         """Free what finds an id's integer (a third of the dictionary); the strings stay for names()."""
         self.ids.seal()

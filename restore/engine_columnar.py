@@ -119,6 +119,10 @@ KIND_ENUM, ROLE_ENUM = "record_kind", "record_role"
 # A record's member (whose log it is in) as an ENUM of the members whose logs are read (MEMBER_ENUM), and whether
 # its outcome field "o" is a commit as a boolean: one byte each where a string takes sixteen, on every record.
 MEMBER_ENUM = "log_member"
+# About how many bytes of log hold a new entry id, for sizing the ids' dictionary before the reading (a record of a
+# put with 1 KiB of data and the records of its get and commits: about 500 bytes a record, most naming one entry);
+# where the logs hold more ids than this says, the dictionary grows as it reads.
+LOG_BYTES_AN_ID = 512
 RID_BITS = 36  # a scan's records get ids (job << RID_BITS) + i: distinct across scans, in order within one
 
 _PACK = msgpack.Packer(use_bin_type=True, unicode_errors="surrogateescape").pack
@@ -923,6 +927,8 @@ class ColumnarEngine:
             sources: dict[int, Source] = {}
             max_lrsn = 0
             jobs = self._jobs(backup, log_dirs, replay_from)
+            ids.reserve(int(manifest.get("entries") or 0) + sum(
+                j.path.stat().st_size for j in jobs if j.path is not None) // LOG_BYTES_AN_ID)
             on_disk = _on_disk(backup)
             backup_dir = on_disk.path if on_disk is not None else None
             n_logs = sum(1 for j in jobs if j.backup_file is None)
