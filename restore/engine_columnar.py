@@ -617,10 +617,6 @@ DROP TABLE IF EXISTS evs_range; DROP TABLE IF EXISTS fs;
 CREATE TABLE carried AS SELECT * FROM descs WHERE src = 'D';
 DROP TABLE descs;
 ALTER TABLE carried RENAME TO descs;
--- (and the entries a decision's records carry, with their ids' strings)
-CREATE TABLE onamed AS SELECT od.*, x.eid AS name FROM odata od JOIN eids x ON x.i = od.eid;
-DROP TABLE odata;
-ALTER TABLE onamed RENAME TO odata;
 """
 
 # The survivors in the CF's order (settle.load_key), each with its base descriptor and data; its entry id the
@@ -785,8 +781,9 @@ def _survivors(batch: pa.RecordBatch, pieces: Pieces) -> list[Settled]:
 class SqlOutcomes(Mapping[str, Outcome]):
     """Every UOW's outcome (RestorePlan.outcomes), read from the plan's tables as asked."""
 
-    def __init__(self, cursor: Callable[[], duckdb.DuckDBPyConnection], count: int, sources: list[Source]) -> None:
-        self.cursor, self.count, self.sources = cursor, count, sources
+    def __init__(self, cursor: Callable[[], duckdb.DuckDBPyConnection], count: int, sources: list[Source],
+                 ids: EntryIds) -> None:
+        self.cursor, self.count, self.sources, self.ids = cursor, count, sources, ids
 
     def __getitem__(self, uow: str) -> Outcome:
         cur = self.cursor()
@@ -794,10 +791,14 @@ class SqlOutcomes(Mapping[str, Outcome]):
         if row is None:
             raise KeyError(uow)
         rows = cur.execute(
-            "SELECT od.name, d.s, d.f, d.boff, d.blen, d.doff, d.dlen FROM odata od JOIN descs d ON d.src = 'D' AND "
-            "d.rid = od.rid AND d.eid = od.eid WHERE od.u = ? AND ? = 'B' ORDER BY od.name", [uow, row[0]]).fetchall()
+            "SELECT od.eid, d.s, d.f, d.boff, d.blen, d.doff, d.dlen FROM odata od JOIN descs d ON d.src = 'D' AND "
+            "d.rid = od.rid AND d.eid = od.eid WHERE od.u = ? AND ? = 'B'", [uow, row[0]]).fetchall()
+        names = self.ids.names(pa.array([r[0] for r in rows], pa.int32())).to_pylist()
+        rows = [r for _, r in sorted(zip(names, rows, strict=True))]
+        names.sort()
         read = read_back(self.sources, [r[2:] for r in rows])
-        data = {r[0]: (r[1], _descriptor(desc, "D"), blob) for r, (desc, blob) in zip(rows, read, strict=True)}
+        data = {name: (r[1], _descriptor(desc, "D"), blob)
+                for name, r, (desc, blob) in zip(names, rows, read, strict=True)}
         return Outcome(row[0], int(row[1]), row[2], data, tuple(row[3] or ()))
 
     def __iter__(self) -> Iterator[str]:
@@ -816,6 +817,9 @@ class ColumnarSettled(Collection[Settled]):
 
     def __iter__(self) -> Iterator[Settled]:
         yield from self.plan.in_load_order()
+        with self.plan.lock:
+            if not self.plan.con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'eids'").fetchall()[0][0]:
+                _entry_names(self.plan.con, self.plan.ids)
         for batch in _batches(self.plan.cursor(),
                               "SELECT x.eid, f.disp FROM fin f JOIN eids x ON x.i = f.eid "
                               "WHERE f.disp NOT IN ('restored', 'in-doubt') ORDER BY x.eid"):
@@ -841,6 +845,7 @@ class ColumnarPlan(SummarizedPlan):
     partitions: int = 1
     sources: list[Source]  # where the descriptors' bytes and the data are (restore.columns.read_back)
     ids: EntryIds  # the entry ids' strings by the integers the plan's tables hold
+    lock: threading.Lock  # held while a table of the ids' strings is made (ColumnarSettled)
     timings: dict[str, float]  # seconds of each statement of the plan (where the time goes)
     read_cpu_s: float = 0.0  # CPU seconds of this process while the logs and the backup were read
 
@@ -971,7 +976,7 @@ class ColumnarEngine:
                             progress(READ_LOGS, logs_done, n_logs)
                 finally:
                     readers.stop()
-            _entry_names(con, ids)
+            ids.seal()
             read_cpu = time.process_time() - cpu0
             held_by = [u for (u,) in con.execute(
                 f"SELECT DISTINCT u FROM raw_descs WHERE src = {SRC_BACKUP}").fetchall()]
@@ -989,11 +994,10 @@ class ColumnarEngine:
             progress(SETTLE, 0, 1)
             source_list = [sources.get(i, Source("")) for i in range(max(sources, default=-1) + 1)]
             plan = _run(con, spill, structure, base, now_ms, restore_lrsn, max_lrsn, source_list,
-                        fold_rows_for(self.memory))
+                        fold_rows_for(self.memory), ids)
         except BaseException:
             con.close()
             raise
-        plan.ids = ids
         plan.worker_peak_bytes = 0  # the readers are threads of this process
         plan.workers = self.workers
         plan.read_cpu_s = read_cpu
@@ -1059,9 +1063,8 @@ def raw_columns(structure: str) -> dict[str, str]:
 
 
 def _entry_names(con: duckdb.DuckDBPyConnection, ids: EntryIds) -> None:
-    """The entry ids' strings by their integers (table eids: i, eid, for the plan's other outputs), from the
-    readers' dictionary, which is sealed (its lookup table freed): the plan's tables hold the integers, and the
-    survivors' are turned back into strings by the dictionary as the load reads them (_in_id_order)."""
+    """The entry ids' strings by their integers as a table (eids: i, eid), from the readers' dictionary, for the
+    outputs that list every entry in the order of its id (ColumnarSettled): made when one is first read."""
     con.execute("CREATE TABLE eids (i INTEGER, eid VARCHAR)")
     cur = con.cursor()
     try:
@@ -1071,7 +1074,6 @@ def _entry_names(con: duckdb.DuckDBPyConnection, ids: EntryIds) -> None:
             cur.unregister("id_names")
     finally:
         cur.close()
-    ids.seal()
 
 
 def _on_disk(backup: BackupSource) -> Backup | None:
@@ -1161,7 +1163,7 @@ def _execute(con: duckdb.DuckDBPyConnection, sql: str, timings: dict[str, float]
 
 
 def _run(con: duckdb.DuckDBPyConnection, spill: SpillDir, structure: str, base: Base, now_ms: int,
-         restore_lrsn: int, max_lrsn: int, sources: list[Source], fold_rows: int) -> ColumnarPlan:
+         restore_lrsn: int, max_lrsn: int, sources: list[Source], fold_rows: int, ids: EntryIds) -> ColumnarPlan:
     """The plan's statements on the rows read, and the plan they make; the fold `fold_rows` entries at a time."""
     con.from_arrow(pa.table({"u": pa.array(sorted(base.carried), pa.string())})).create("base_uows")
     timings: dict[str, float] = {}
@@ -1177,7 +1179,7 @@ def _run(con: duckdb.DuckDBPyConnection, spill: SpillDir, structure: str, base: 
     _rule_on_control_entries(con, sources)
 
     plan = ColumnarPlan(structure, restore_lrsn, [], {}, {}, set(), Counter(), Counter(), max_lrsn)
-    plan.spill, plan.con, plan.sources = spill, con, sources
+    plan.spill, plan.con, plan.sources, plan.ids, plan.lock = spill, con, sources, ids, threading.Lock()
     plan.timings = timings
     one = con.execute
     plan.records_by_member = Counter(dict(one("SELECT m, n FROM members").fetchall()))
@@ -1205,7 +1207,7 @@ def _run(con: duckdb.DuckDBPyConnection, spill: SpillDir, structure: str, base: 
     plan.counts["uows in doubt"] = len(plan.held)
     plan.counts["uows in flight backed out"] = len(plan.decisions)
     count = one("SELECT count(*) FROM outc").fetchone()
-    plan.outcomes = SqlOutcomes(plan.cursor, int(count[0]) if count else 0, sources)
+    plan.outcomes = SqlOutcomes(plan.cursor, int(count[0]) if count else 0, sources, ids)
     plan.settled = ColumnarSettled(plan)
     return plan
 

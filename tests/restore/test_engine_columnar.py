@@ -398,7 +398,7 @@ def test_the_plan_keeps_only_the_tables_its_output_reads(tmp_path: Path) -> None
         assert isinstance(plan, ColumnarPlan)
         tables = {t for (t,) in plan.con.execute("SELECT table_name FROM duckdb_tables()").fetchall()}
         assert tables == {"kinds", "base_uows", "members", "ended", "outc", "odata", "inflight", "descs", "fin",
-                          "ctl", "eids"}
+                          "ctl"}
         assert {s for (s,) in plan.con.execute("SELECT DISTINCT src FROM descs").fetchall()} <= {"D"}
         assert dict(plan.outcomes) == dict(reference(backup, log_dirs, h.replay_from).outcomes)
     finally:
