@@ -52,13 +52,13 @@ from cfemu.progress import Progress, no_progress
 from cfemu.uow_attributes import CONTROL_SUFFIX
 from restore import columnar_staged
 from restore.columns import (
+    ID_TABLES,
     SRC_BACKUP,
     SRC_DD,
     SRC_E,
     SRC_I,
     SRC_IDS,
     EntryIds,
-    ID_TABLES,
     Pieces,
     Scanned,
     Source,

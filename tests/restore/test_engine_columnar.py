@@ -20,8 +20,8 @@ from cfemu.connection import connect
 from cfemu.embedded import EmbeddedRedis
 from cfemu.entry import Entry
 from restore import engine_columnar
-from restore.engine import default_engine, engine_names, get_engine
 from restore.columns import EntryIds, copies_as_frames
+from restore.engine import default_engine, engine_names, get_engine
 from restore.engine_columnar import ColumnarEngine, ColumnarPlan
 from restore.run import WORK_DIR, run_restore
 from sqm.core import records
