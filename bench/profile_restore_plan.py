@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
                            "counts": dict(plan.counts)}
     if args.output:
         c1, rows = time.process_time(), 0
-        for batch in plan.survivor_batches():
+        for batch in ec._batches(plan.cursor(), ec.SURVIVORS_SQL):
             rows += batch.num_rows
         out["output_cpu_s"], out["output_rows"] = round(time.process_time() - c1, 2), rows
     truth = json.loads((root / "truth.json").read_text())

@@ -126,311 +126,6 @@ static PyObject *col_export(Col *c, int is_str) {
     return Py_BuildValue("(NNNn)", vals, data, bitmap, nulls);
 }
 
-
-/* ------------------------------------------------------------------------------------------------ entry ids */
-/* A dictionary of entry ids to integers, shared by every scan of one plan (the backup's and the logs' readers, in
- * threads of their own), so that the plan's tables join and group on 4-byte integers rather than the ids'
- * strings, and turn them back into strings only for the entries it outputs. The ids are spread over IDS_STRIPES
- * parts by their hash, each with its own lock (the readers seldom wait on each other), its own ids numbered
- * 0, 1, ... as first seen: an id's integer is its number there times IDS_STRIPES plus its part. Compact: in each
- * part the ids' bytes one after another (arena), where each begins (offs, 4 bytes an id), and an open-addressing
- * table of number + 1 (4 bytes a slot, at most 7/10 full): about 12 bytes an id besides its own. */
-#include <pthread.h>
-
-#define IDS_STRIPE_BITS 6
-#define IDS_STRIPES (1u << IDS_STRIPE_BITS)
-#define IDS_MAX (0x7FFFFFFFu >> IDS_STRIPE_BITS)  /* ids a part holds: every integer fits an INTEGER column */
-
-typedef struct {
-    pthread_mutex_t lock;
-    uint32_t *slots;  /* number + 1, 0 for an empty slot */
-    size_t nslots;    /* a power of two */
-    uint32_t *offs;   /* offs[i]: where id i begins in arena; offs[n]: its end */
-    size_t n, offcap;
-    char *arena;
-    size_t alen, acap;
-} IdPart;
-
-typedef struct {
-    PyObject_HEAD
-    IdPart part[IDS_STRIPES];
-} Ids;
-
-static uint64_t ids_hash(const char *s, size_t n) {
-    uint64_t h = 0x9E3779B97F4A7C15ull ^ (uint64_t)n;
-    size_t k = 0;
-    for (; k + 8 <= n; k += 8) {
-        uint64_t w;
-        memcpy(&w, s + k, 8);
-        h = (h ^ w) * 0xFF51AFD7ED558CCDull;
-        h ^= h >> 32;
-    }
-    if (k < n) {
-        uint64_t w = 0;
-        memcpy(&w, s + k, n - k);
-        h = (h ^ w) * 0xC4CEB9FE1A85EC53ull;
-    }
-    h ^= h >> 29;
-    h *= 0xFF51AFD7ED558CCDull;
-    return h ^ (h >> 32);
-}
-
-static int part_same(const IdPart *d, uint32_t id, const char *s, size_t n) {
-    return (size_t)(d->offs[id + 1] - d->offs[id]) == n && memcmp(d->arena + d->offs[id], s, n) == 0;
-}
-
-static int part_rehash(IdPart *d, size_t nslots) {
-    uint32_t *slots = calloc(nslots, sizeof(uint32_t));
-    if (!slots) return -1;
-    for (uint32_t id = 0; id < d->n; id++) {
-        size_t h = (size_t)ids_hash(d->arena + d->offs[id], d->offs[id + 1] - d->offs[id]) & (nslots - 1);
-        while (slots[h]) h = (h + 1) & (nslots - 1);
-        slots[h] = id + 1;
-    }
-    free(d->slots);
-    d->slots = slots;
-    d->nslots = nslots;
-    return 0;
-}
-
-/* The number of id s in its part (taken if new); -1: no memory, or more ids or bytes than a part holds. */
-static int64_t part_intern(IdPart *d, const char *s, size_t n, uint64_t hash) {
-    if (d->nslots == 0) {
-        size_t want = 1u << 10;
-        while (want * 7 < d->n * 10 + 10) want *= 2;
-        if (part_rehash(d, want)) return -1;
-    }
-    size_t mask = d->nslots - 1, h = (size_t)hash & mask;
-    for (uint32_t v; (v = d->slots[h]); h = (h + 1) & mask)
-        if (part_same(d, v - 1, s, n)) return v - 1;
-    if (d->n >= IDS_MAX || d->alen + n > UINT32_MAX) return -1;
-    if (d->n + 2 > d->offcap) {
-        size_t cap = d->offcap ? d->offcap * 2 : 1u << 10;
-        uint32_t *o = realloc(d->offs, cap * sizeof(uint32_t));
-        if (!o) return -1;
-        if (!d->offs) o[0] = 0;
-        d->offs = o;
-        d->offcap = cap;
-    }
-    if (d->alen + n > d->acap) {
-        size_t cap = d->acap ? d->acap : 1u << 14;
-        while (cap < d->alen + n) cap *= 2;
-        char *a = realloc(d->arena, cap);
-        if (!a) return -1;
-        d->arena = a;
-        d->acap = cap;
-    }
-    memcpy(d->arena + d->alen, s, n);
-    d->alen += n;
-    uint32_t id = (uint32_t)d->n++;
-    d->offs[id + 1] = (uint32_t)d->alen;
-    d->slots[h] = id + 1;
-    if (d->n * 10 > d->nslots * 7 && part_rehash(d, d->nslots * 2)) return -1;
-    return id;
-}
-
-/* The integer of id s (taken into the dictionary if new); -1 as part_intern. */
-static int64_t ids_intern(Ids *d, const char *s, size_t n) {
-    uint64_t hash = ids_hash(s, n);
-    unsigned stripe = (unsigned)(hash >> (64 - IDS_STRIPE_BITS));
-    IdPart *p = &d->part[stripe];
-    pthread_mutex_lock(&p->lock);
-    int64_t id = part_intern(p, s, n, hash);
-    pthread_mutex_unlock(&p->lock);
-    return id < 0 ? -1 : (id << IDS_STRIPE_BITS) | stripe;
-}
-
-static void part_clear(IdPart *d) {
-    free(d->slots);
-    free(d->offs);
-    free(d->arena);
-    d->slots = NULL;
-    d->offs = NULL;
-    d->arena = NULL;
-    d->nslots = d->n = d->offcap = d->alen = d->acap = 0;
-}
-
-static PyObject *Ids_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
-    (void)args;
-    (void)kw;
-    Ids *d = (Ids *)type->tp_alloc(type, 0);
-    if (!d) return NULL;
-    for (unsigned k = 0; k < IDS_STRIPES; k++) pthread_mutex_init(&d->part[k].lock, NULL);
-    return (PyObject *)d;
-}
-
-static void Ids_dealloc(Ids *d) {
-    for (unsigned k = 0; k < IDS_STRIPES; k++) {
-        part_clear(&d->part[k]);
-        pthread_mutex_destroy(&d->part[k].lock);
-    }
-    Py_TYPE(d)->tp_free((PyObject *)d);
-}
-
-static Py_ssize_t Ids_len(Ids *d) {
-    Py_ssize_t n = 0;
-    for (unsigned k = 0; k < IDS_STRIPES; k++) {
-        pthread_mutex_lock(&d->part[k].lock);
-        n += (Py_ssize_t)d->part[k].n;
-        pthread_mutex_unlock(&d->part[k].lock);
-    }
-    return n;
-}
-
-/* strings(part) -> (ids, offsets, data): the ids of one part as the buffers of an Arrow int32 array of their
- * integers and a large_string array of their strings (int64 offsets from 0). */
-static PyObject *Ids_strings(Ids *d, PyObject *args) {
-    unsigned stripe;
-    if (!PyArg_ParseTuple(args, "I", &stripe)) return NULL;
-    if (stripe >= IDS_STRIPES) {
-        PyErr_SetString(PyExc_ValueError, "strings: no such part");
-        return NULL;
-    }
-    IdPart *p = &d->part[stripe];
-    pthread_mutex_lock(&p->lock);
-    Py_ssize_t n = (Py_ssize_t)p->n;
-    PyObject *nums = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(int32_t));
-    PyObject *offs = PyBytes_FromStringAndSize(NULL, (n + 1) * (Py_ssize_t)sizeof(int64_t));
-    PyObject *data = PyBytes_FromStringAndSize(n ? p->arena : "", (Py_ssize_t)(n ? p->offs[n] : 0));
-    if (nums && offs && data) {
-        int32_t *v = (int32_t *)PyBytes_AS_STRING(nums);
-        int64_t *o = (int64_t *)PyBytes_AS_STRING(offs);
-        o[0] = 0;
-        for (Py_ssize_t k = 0; k < n; k++) {
-            v[k] = (int32_t)(((uint32_t)k << IDS_STRIPE_BITS) | stripe);
-            o[k + 1] = (int64_t)p->offs[k + 1];
-        }
-    }
-    pthread_mutex_unlock(&p->lock);
-    if (!nums || !offs || !data) {
-        Py_XDECREF(nums);
-        Py_XDECREF(offs);
-        Py_XDECREF(data);
-        return NULL;
-    }
-    return Py_BuildValue("(NNN)", nums, offs, data);
-}
-
-/* names(values) -> (offsets, data): the strings of the ids in `values` (int32, one a row) as the buffers of an
- * Arrow large_string array. Read while no scan takes ids (after the reading): no lock. */
-static PyObject *Ids_names(Ids *d, PyObject *args) {
-    Py_buffer b;
-    if (!PyArg_ParseTuple(args, "y*", &b)) return NULL;
-    Py_ssize_t n = b.len / (Py_ssize_t)sizeof(int32_t);
-    const int32_t *v = b.buf;
-    size_t total = 0;
-    for (Py_ssize_t k = 0; k < n; k++) {
-        const IdPart *p = &d->part[(uint32_t)v[k] & (IDS_STRIPES - 1)];
-        uint32_t id = (uint32_t)v[k] >> IDS_STRIPE_BITS;
-        if (v[k] < 0 || id >= p->n) {
-            PyBuffer_Release(&b);
-            PyErr_SetString(PyExc_ValueError, "names: an id the dictionary does not hold");
-            return NULL;
-        }
-        total += p->offs[id + 1] - p->offs[id];
-    }
-    PyObject *offs = PyBytes_FromStringAndSize(NULL, (n + 1) * (Py_ssize_t)sizeof(int64_t));
-    PyObject *data = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)total);
-    if (offs && data) {
-        int64_t *o = (int64_t *)PyBytes_AS_STRING(offs);
-        char *out = PyBytes_AS_STRING(data);
-        size_t at = 0;
-        o[0] = 0;
-        for (Py_ssize_t k = 0; k < n; k++) {
-            const IdPart *p = &d->part[(uint32_t)v[k] & (IDS_STRIPES - 1)];
-            uint32_t id = (uint32_t)v[k] >> IDS_STRIPE_BITS;
-            size_t len = p->offs[id + 1] - p->offs[id];
-            memcpy(out + at, p->arena + p->offs[id], len);
-            at += len;
-            o[k + 1] = (int64_t)at;
-        }
-    }
-    PyBuffer_Release(&b);
-    if (!offs || !data) {
-        Py_XDECREF(offs);
-        Py_XDECREF(data);
-        return NULL;
-    }
-    return Py_BuildValue("(NN)", offs, data);
-}
-
-/* The bytes the dictionary holds (its arrays' capacities). */
-static PyObject *Ids_nbytes(Ids *d, PyObject *unused) {
-    (void)unused;
-    size_t b = 0;
-    for (unsigned k = 0; k < IDS_STRIPES; k++) {
-        IdPart *p = &d->part[k];
-        pthread_mutex_lock(&p->lock);
-        b += p->nslots * sizeof(uint32_t) + p->offcap * sizeof(uint32_t) + p->acap;
-        pthread_mutex_unlock(&p->lock);
-    }
-    return PyLong_FromSize_t(b);
-}
-
-/* reserve(n): size the lookup tables for n ids in all, so that they need not grow (each growth places every id
- * again, at a cache miss or two an id). */
-static PyObject *Ids_reserve(Ids *d, PyObject *args) {
-    Py_ssize_t n;
-    if (!PyArg_ParseTuple(args, "n", &n)) return NULL;
-    size_t per = (size_t)(n > 0 ? n : 0) / IDS_STRIPES + 1, want = 1u << 10;
-    while (want * 7 < per * 10) want *= 2;
-    for (unsigned k = 0; k < IDS_STRIPES; k++) {
-        IdPart *p = &d->part[k];
-        pthread_mutex_lock(&p->lock);
-        int rc = want > p->nslots ? part_rehash(p, want) : 0;
-        pthread_mutex_unlock(&p->lock);
-        if (rc) return PyErr_NoMemory();
-    }
-    Py_RETURN_NONE;
-}
-
-/* Free the tables that find an id's integer (the strings stay, for names()); an id taken after is found again. */
-static PyObject *Ids_seal(Ids *d, PyObject *unused) {
-    (void)unused;
-    for (unsigned k = 0; k < IDS_STRIPES; k++) {
-        IdPart *p = &d->part[k];
-        pthread_mutex_lock(&p->lock);
-        free(p->slots);
-        p->slots = NULL;
-        p->nslots = 0;
-        pthread_mutex_unlock(&p->lock);
-    }
-    Py_RETURN_NONE;
-}
-
-static PyObject *Ids_clear(Ids *d, PyObject *unused) {
-    (void)unused;
-    for (unsigned k = 0; k < IDS_STRIPES; k++) {
-        pthread_mutex_lock(&d->part[k].lock);
-        part_clear(&d->part[k]);
-        pthread_mutex_unlock(&d->part[k].lock);
-    }
-    Py_RETURN_NONE;
-}
-
-static PyMethodDef Ids_methods[] = {
-    {"strings", (PyCFunction)Ids_strings, METH_VARARGS, "The ids of one part as Arrow buffers."},
-    {"names", (PyCFunction)Ids_names, METH_VARARGS, "The strings of int32 ids as Arrow large_string buffers."},
-    {"seal", (PyCFunction)Ids_seal, METH_NOARGS, "Free the lookup tables; the strings stay."},
-    {"reserve", (PyCFunction)Ids_reserve, METH_VARARGS, "Size the lookup tables for n ids."},
-    {"nbytes", (PyCFunction)Ids_nbytes, METH_NOARGS, "The bytes the dictionary holds."},
-    {"clear", (PyCFunction)Ids_clear, METH_NOARGS, "Forget every id (their memory freed)."},
-    {NULL, NULL, 0, NULL},
-};
-
-static PySequenceMethods Ids_as_sequence = {.sq_length = (lenfunc)Ids_len};
-
-static PyTypeObject IdsType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "restore._columns.Ids",
-    .tp_basicsize = sizeof(Ids),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Entry ids to integers, shared by the scans of one plan (restore/_columns.c).",
-    .tp_new = Ids_new,
-    .tp_dealloc = (destructor)Ids_dealloc,
-    .tp_methods = Ids_methods,
-    .tp_as_sequence = &Ids_as_sequence,
-};
-
 /* The tables and their columns: restore/columns.py names them in this order. */
 enum { R_RID, R_L, R_OFF, R_K, R_U, R_S, R_G, R_AT, R_O, R_BY, R_EU, R_N };
 enum { S_RID, S_S, S_G, S_N };
@@ -446,32 +141,15 @@ enum { SRC_E = 0, SRC_I = 1, SRC_IDS = 2, SRC_DD = 3, SRC_BACKUP = 4 };
 
 typedef struct {
     Col r[R_N], s[S_N], e[E_N], d[D_N];
-    Ids *ids;       /* NULL: entry ids as strings; else as their integers in it */
     int64_t shift;  /* the buffer's offset in its file: added to every offset a column holds */
 } Tables;
 
-static void tables_init(Tables *t, Ids *ids) {
+static void tables_init(Tables *t) {
     memset(t, 0, sizeof(*t));
-    t->ids = ids;
     for (int k = 0; k < R_N; k++) t->r[k].is_str = R_STR[k];
     for (int k = 0; k < S_N; k++) t->s[k].is_str = S_STR[k];
     for (int k = 0; k < E_N; k++) t->e[k].is_str = E_STR[k];
     for (int k = 0; k < D_N; k++) t->d[k].is_str = D_STR[k];
-    if (ids) t->e[E_EID].is_str = t->d[D_EID].is_str = 0;
-}
-
-/* An entry id into its column: its string, or its integer in the plan's dictionary. */
-static int col_eid(Tables *t, Col *c, const char *s, size_t len) {
-    if (!t->ids) return col_str(c, s, len, 1);
-    int64_t id = ids_intern(t->ids, s, len);
-    return id < 0 ? -1 : col_int(c, id, 1);
-}
-
-/* Row `row` of descs' entry id into ev's column: the same string, or the same integer. */
-static int col_eid_of_desc(Tables *t, Py_ssize_t row) {
-    Col *d = &t->d[D_EID], *e = &t->e[E_EID];
-    if (t->ids) return col_int(e, d->i[row], 1);
-    return col_str(e, d->s + d->i[row], (size_t)(d->i[row + 1] - d->i[row]), 1);
 }
 
 static void tables_free(Tables *t) {
@@ -492,11 +170,11 @@ static void tables_truncate(Tables *t, Marks m) {
     for (int k = 0; k < D_N; k++) col_truncate(&t->d[k], m.d);
 }
 
-static PyObject *export_table(Col *cols, int n) {
+static PyObject *export_table(Col *cols, const char *is_str, int n) {
     PyObject *out = PyTuple_New(n);
     if (!out) return NULL;
     for (int k = 0; k < n; k++) {
-        PyObject *c = col_export(&cols[k], cols[k].is_str);
+        PyObject *c = col_export(&cols[k], is_str[k]);
         if (!c) {
             Py_DECREF(out);
             return NULL;
@@ -734,7 +412,7 @@ static int take_desc(Rd *r, Tables *t, const uint8_t *base, int64_t rid, int64_t
     e |= col_int(&d[D_RID], rid, 1);
     e |= col_int(&d[D_SRC], src, 1);
     e |= col_int(&d[D_POS], pos, 1);
-    e |= col_eid(t, &d[D_EID], strs[D_EID], lens[D_EID]);
+    e |= col_str(&d[D_EID], strs[D_EID], lens[D_EID], 1);
     e |= col_str(&d[D_S], s, slen, s != NULL);
     e |= col_str(&d[D_Q], strs[D_Q], lens[D_Q], 1);  /* q absent: "" (desc.get("q", "")) */
     /* p, exp, o1, o2, bc absent or nil: 0 (int(desc.get(name, 0))) */
@@ -827,14 +505,16 @@ static int take_record(Rd *r, Tables *t, const uint8_t *base, int64_t rid, int64
             int rc = take_desc(r, t, base, rid, SRC_E, 0, NULL, 0);
             if (rc) return rc;
             has_eu = 1;
-            if (col_int(&t->e[E_RID], rid, 1) || col_int(&t->e[E_SRC], SRC_E, 1) || col_eid_of_desc(t, edesc) ||
+            size_t idl;
+            const char *id = str_at(&t->d[D_EID], edesc, &idl);
+            if (col_int(&t->e[E_RID], rid, 1) || col_int(&t->e[E_SRC], SRC_E, 1) || col_str(&t->e[E_EID], id, idl, 1) ||
                 col_str(&t->e[E_DDS], NULL, 0, 0))
                 return -2;
         } else if (key_is(key, kl, "i")) {
             const char *i;
             size_t il;
             if (rd_str(r, &i, &il) != 1 || !utf8_ok((const uint8_t *)i, il)) return -1;
-            if (col_int(&t->e[E_RID], rid, 1) || col_int(&t->e[E_SRC], SRC_I, 1) || col_eid(t, &t->e[E_EID], i, il) ||
+            if (col_int(&t->e[E_RID], rid, 1) || col_int(&t->e[E_SRC], SRC_I, 1) || col_str(&t->e[E_EID], i, il, 1) ||
                 col_str(&t->e[E_DDS], NULL, 0, 0))
                 return -2;
         } else if (key_is(key, kl, "ids")) {
@@ -845,7 +525,7 @@ static int take_record(Rd *r, Tables *t, const uint8_t *base, int64_t rid, int64
                 size_t il;
                 if (rd_str(r, &i, &il) != 1 || !utf8_ok((const uint8_t *)i, il)) return -1;
                 if (col_int(&t->e[E_RID], rid, 1) || col_int(&t->e[E_SRC], SRC_IDS, 1) ||
-                    col_eid(t, &t->e[E_EID], i, il) || col_str(&t->e[E_DDS], NULL, 0, 0))
+                    col_str(&t->e[E_EID], i, il, 1) || col_str(&t->e[E_DDS], NULL, 0, 0))
                     return -2;
             }
         } else if (key_is(key, kl, "dd")) {
@@ -865,7 +545,9 @@ static int take_record(Rd *r, Tables *t, const uint8_t *base, int64_t rid, int64
                 if (rc) return rc;
                 if (rd_bin(r, &dd, &ddl) != 1) return -1;
                 set_data(t, row, (int64_t)(dd - base) + t->shift, (int64_t)ddl);
-                if (col_int(&t->e[E_RID], rid, 1) || col_int(&t->e[E_SRC], SRC_DD, 1) || col_eid_of_desc(t, row) ||
+                size_t idl;
+                const char *id = str_at(&t->d[D_EID], row, &idl);
+                if (col_int(&t->e[E_RID], rid, 1) || col_int(&t->e[E_SRC], SRC_DD, 1) || col_str(&t->e[E_EID], id, idl, 1) ||
                     col_str(&t->e[E_DDS], ds, dsl, 1))
                     return -2;
             }
@@ -929,15 +611,9 @@ static PyObject *scan(PyObject *self, PyObject *args) {
     long long min_lrsn, first_rid;
     int mode, check_crc;
     long long shift;
-    PyObject *ids_obj = Py_None;
-    if (!PyArg_ParseTuple(args, "y*nnnnLiLpL|O", &view, &start, &end, &cap, &first_frame, &min_lrsn, &mode, &first_rid,
-                          &check_crc, &shift, &ids_obj))
+    if (!PyArg_ParseTuple(args, "y*nnnnLiLpL", &view, &start, &end, &cap, &first_frame, &min_lrsn, &mode, &first_rid,
+                          &check_crc, &shift))
         return NULL;
-    if (ids_obj != Py_None && !PyObject_TypeCheck(ids_obj, &IdsType)) {
-        PyBuffer_Release(&view);
-        PyErr_SetString(PyExc_TypeError, "scan: ids must be a restore._columns.Ids or None");
-        return NULL;
-    }
     if (start < 0 || end > view.len || start > end) {
         PyBuffer_Release(&view);
         PyErr_SetString(PyExc_ValueError, "scan: start and end must lie within the buffer");
@@ -949,7 +625,7 @@ static PyObject *scan(PyObject *self, PyObject *args) {
         PyBuffer_Release(&view);
         return PyErr_NoMemory();
     }
-    tables_init(t, ids_obj == Py_None ? NULL : (Ids *)ids_obj);
+    tables_init(t);
     t->shift = shift;
     Py_ssize_t off = start;
     int64_t rid = first_rid, max_lrsn = INT64_MIN, records = 0;
@@ -996,8 +672,8 @@ static PyObject *scan(PyObject *self, PyObject *args) {
         PyMem_Free(t);
         return PyErr_NoMemory();
     }
-    PyObject *rt = export_table(t->r, R_N), *st = export_table(t->s, S_N),
-             *et = export_table(t->e, E_N), *dt = export_table(t->d, D_N);
+    PyObject *rt = export_table(t->r, R_STR, R_N), *st = export_table(t->s, S_STR, S_N),
+             *et = export_table(t->e, E_STR, E_N), *dt = export_table(t->d, D_STR, D_N);
     Py_ssize_t nr = t->r[0].n, ns = t->s[0].n, ne = t->e[0].n, nd = t->d[0].n;
     tables_free(t);
     PyMem_Free(t);
@@ -1163,14 +839,5 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_columns", NULL, -1,
 
 PyMODINIT_FUNC PyInit__columns(void) {
     crc32c_init();
-    if (PyType_Ready(&IdsType) < 0) return NULL;
-    PyObject *m = PyModule_Create(&module);
-    if (!m) return NULL;
-    Py_INCREF(&IdsType);
-    if (PyModule_AddObject(m, "Ids", (PyObject *)&IdsType) < 0) {
-        Py_DECREF(&IdsType);
-        Py_DECREF(m);
-        return NULL;
-    }
-    return m;
+    return PyModule_Create(&module);
 }

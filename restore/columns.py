@@ -70,9 +70,6 @@ DESCS = pa.schema([("rid", _I64), ("src", _I64), ("pos", _I64), ("eid", _STR), (
                    ("p", _I64), ("exp", _I64), ("st", _STR), ("u", _STR), ("l", _I64), ("o1", _I64), ("o2", _I64),
                    ("bc", _I64), ("boff", _I64), ("blen", _I64), ("doff", _I64), ("dlen", _I64), ("f", _I64)])
 TABLES = {"recs": RECS, "ss": SS, "ev": EV, "descs": DESCS}
-# The same with each entry id as its integer in the plan's dictionary (EntryIds), where one is given.
-ID_TABLES = {name: schema.set(schema.get_field_index("eid"), pa.field("eid", _I64)) if "eid" in schema.names
-             else schema for name, schema in TABLES.items()}
 _C_COLUMNS = {"recs": 11, "ss": 3, "ev": 4, "descs": 18}  # the columns the C reader makes, in schema order
 
 
@@ -82,55 +79,6 @@ def require_readers() -> None:
         raise RuntimeError("the columnar restore engine needs its C readers (restore._columns), which were not "
                            "built: install the package where a C compiler is (pip install builds them), or use "
                            "--engine local")
-
-
-IDS_PARTS = 64  # the parts of an EntryIds, each with its own lock (IDS_STRIPES in restore/_columns.c)
-
-
-class EntryIds:
-    """A dictionary of entry ids to integers (non-negative, below 2**31), shared by the scans of one plan: given to
-    the readers, they make each entry id its integer in it (ID_TABLES), the same integer for the same id whichever
-    file or thread reads it, so that the plan joins and groups on integers rather than strings. It holds about 12
-    bytes an id besides the id's own (restore/_columns.c), 4 of them its lookup table (freed by seal()): 1.4M ids
-    of 12 bytes, about 35 MiB. parts() gives them all back, names() the strings of some; clear() frees it."""
-
-    def __init__(self) -> None:
-        require_readers()
-        self.ids = _columns.Ids()
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def nbytes(self) -> int:
-        return int(self.ids.nbytes())
-
-    def parts(self) -> Iterator[pa.Table]:
-        """Every id, a part of the dictionary at a time: their integers (i, int32) and their strings (eid)."""
-        for part in range(IDS_PARTS):
-            nums, offsets, data = self.ids.strings(part)
-            n = len(nums) // 4
-            yield pa.table({"i": pa.Array.from_buffers(pa.int32(), n, [None, pa.py_buffer(nums)]),
-                            "eid": pa.Array.from_buffers(_STR, n, [None, pa.py_buffer(offsets), pa.py_buffer(data)])})
-
-    def names(self, values: pa.Array) -> pa.Array:
-        """The strings of the ids in `values` (an int32 array without nulls)."""
-        if values.null_count:
-            raise ValueError("an entry id is missing")
-        n = len(values)
-        buf = memoryview(values.buffers()[1])[values.offset * 4:(values.offset + n) * 4]
-        offsets, data = self.ids.names(buf)
-        return pa.Array.from_buffers(_STR, n, [None, pa.py_buffer(offsets), pa.py_buffer(data)])
-
-    def reserve(self, n: int) -> None:
-        """Size the dictionary's lookup tables for about n ids, so that they need not grow as the readers go."""
-        self.ids.reserve(n)
-
-    def seal(self) -> None:
-        """Free what finds an id's integer (a third of the dictionary); the strings stay for names()."""
-        self.ids.seal()
-
-    def clear(self) -> None:
-        self.ids.clear()
 
 
 @dataclass
@@ -157,16 +105,14 @@ def _arrays(cols: Sequence[tuple[bytes, bytes | None, bytes | None, int]], schem
 
 def scan_buffer(buf: Any, start: int, end: int, *, capacity: int, first_frame: int, min_lrsn: int, backup: bool,
                 first_rid: int, check_crc: bool = True, const: dict[str, Any] | None = None,
-                shift: int = 0, ids: EntryIds | None = None) -> tuple[Scanned, int, int]:
+                shift: int = 0) -> tuple[Scanned, int, int]:
     """The frames of buf[start:end] as tables (see the module doc); with where the reader stopped (an offset in
     the file) and why (STOP_END: at `end`). const: columns every row of recs and descs has (seg, m, f); shift: the
-    buffer's offset in its file; ids: the entry ids as their integers in it (ID_TABLES), else as strings."""
+    buffer's offset in its file."""
     off, stop, records, max_lrsn, parts = _columns.scan(buf, start, end, capacity, first_frame, min_lrsn,
-                                                        1 if backup else 0, first_rid, check_crc, shift,
-                                                        None if ids is None else ids.ids)
+                                                        1 if backup else 0, first_rid, check_crc, shift)
     tables: dict[str, pa.Table] = {}
-    schemas = TABLES if ids is None else ID_TABLES
-    for (name, schema), (n, cols) in zip(schemas.items(), parts, strict=True):
+    for (name, schema), (n, cols) in zip(TABLES.items(), parts, strict=True):
         arrays = _arrays(cols, schema, n)
         for field in list(schema)[_C_COLUMNS[name]:]:
             value = (const or {}).get(field.name)
@@ -216,8 +162,7 @@ Emit = Callable[[Scanned], None]
 
 
 def _scan_file(fd: int, start: int, size: int, *, capacity: int, first_frame: int, min_lrsn: int, backup: bool,
-               first_rid: int, const: dict[str, Any], emit: Emit, hashed: Any = None,
-               ids: EntryIds | None = None) -> tuple[int, int, int]:
+               first_rid: int, const: dict[str, Any], emit: Emit, hashed: Any = None) -> tuple[int, int, int]:
     """The frames of the open file `fd` from `start` to `size`, read CHUNK bytes at a time (a frame that runs past
     a chunk is read again whole with the next one), each chunk's tables handed to `emit`, so that what a reader
     holds stays bounded whatever the file's size. Returns the records taken, where the reader stopped and why.
@@ -231,8 +176,7 @@ def _scan_file(fd: int, start: int, size: int, *, capacity: int, first_frame: in
             hashed.update(memoryview(buf)[upto - off:])
             upto = off + len(buf)
         sc, stop_at, stop = scan_buffer(buf, 0, len(buf), capacity=capacity, first_frame=first_frame,
-                                        min_lrsn=min_lrsn, backup=backup, first_rid=rid, const=const, shift=off,
-                                        ids=ids)
+                                        min_lrsn=min_lrsn, backup=backup, first_rid=rid, const=const, shift=off)
         emit(sc)
         rid += sc.records
         if stop == STOP_END:
@@ -280,7 +224,7 @@ def log_segments_read(directory: Path, min_lrsn: int, only: Any = None) -> Itera
 
 
 def scan_segment(directory: Path, segno: int, path: Path, member: str, *, is_last: bool, min_lrsn: int,
-                 first_rid: int, source: int, spill: Path, emit: Emit, ids: EntryIds | None = None) -> list[Source]:
+                 first_rid: int, source: int, spill: Path, emit: Emit) -> list[Source]:
     """One log segment's records from `min_lrsn` on, as tables handed to `emit` a chunk at a time; returns the
     sources their bytes are in (the segment, and a spill file of records the C reader did not take, if any)."""
     with open(path, "rb") as f:
@@ -293,7 +237,7 @@ def scan_segment(directory: Path, segno: int, path: Path, member: str, *, is_las
     try:
         taken, off, stop = _scan_file(fd, header.length, os.fstat(fd).st_size, capacity=header.capacity,
                                       first_frame=header.length, min_lrsn=min_lrsn, backup=False,
-                                      first_rid=first_rid, const=const, emit=emit, ids=ids)
+                                      first_rid=first_rid, const=const, emit=emit)
     finally:
         os.close(fd)
     sources = [Source(str(path), str(directory), segno)]
@@ -309,7 +253,7 @@ def scan_segment(directory: Path, segno: int, path: Path, member: str, *, is_las
     data = _frames(bodies)
     more, end, stop = scan_buffer(data, 0, len(data), capacity=len(data), first_frame=0, min_lrsn=min_lrsn,
                                   backup=False, first_rid=first_rid + taken, check_crc=False,
-                                  const={"seg": segno, "m": member, "f": source + 1}, ids=ids)
+                                  const={"seg": segno, "m": member, "f": source + 1})
     if stop != STOP_END:
         bad = rest[len(more.tables["recs"])][0] if len(more.tables["recs"]) < len(rest) else end
         raise LogCorruptError(path, bad, "a record restore's columnar reader cannot take (a field of an "
@@ -325,7 +269,7 @@ def scan_segment(directory: Path, segno: int, path: Path, member: str, *, is_las
 
 
 def scan_backup_file(backup_dir: Path, info: dict[str, Any], *, first_rid: int, source: int, structure: str,
-                     emit: Emit, ids: EntryIds | None = None) -> int:
+                     emit: Emit) -> int:
     """One backup entry file's copies as a descs table (src SRC_BACKUP, rid their place in the backup), handed to
     `emit` a chunk at a time; the file checked as backup.files reads it (its header, every frame's CRC, its sha256
     and frame count: a file that fails raises once all of it is read). A frame the C reader does not take raises
@@ -350,7 +294,7 @@ def scan_backup_file(backup_dir: Path, info: dict[str, Any], *, first_rid: int, 
         sha = hashlib.sha256(header)
         records, off, stop = _scan_file(fd, len(FILE_HEADER), size, capacity=size, first_frame=len(FILE_HEADER),
                                         min_lrsn=0, backup=True, first_rid=first_rid, const={"f": source},
-                                        emit=with_structure, hashed=sha, ids=ids)
+                                        emit=with_structure, hashed=sha)
         if stop == STOP_FRAME:  # as backup.files says it
             if size - off < 8:
                 raise TruncatedBackupError(f"{path}: truncated frame header at byte {off}")
@@ -389,7 +333,7 @@ def _unreadable_copy(path: Path, frame: bytes, off: int) -> Exception:
 
 
 def copies_as_frames(copies: Any, first_rid: int, source: int,
-                     spill: Path, ids: EntryIds | None = None) -> tuple[Scanned, Source]:
+                     spill: Path) -> tuple[Scanned, Source]:
     """Copies from any backup source ((structure, descriptor, data) each) as a descs table: packed as backup
     frames into a spill file, then read by the C reader (the source their bytes are read back from)."""
     data = bytearray()
@@ -402,8 +346,7 @@ def copies_as_frames(copies: Any, first_rid: int, source: int,
     with open(path, "wb") as f:
         f.write(data)
     scanned, off, stop = scan_buffer(bytes(data), 0, len(data), capacity=len(data), first_frame=0, min_lrsn=0,
-                                     backup=True, first_rid=first_rid, check_crc=False, const={"f": source},
-                                     ids=ids)
+                                     backup=True, first_rid=first_rid, check_crc=False, const={"f": source})
     if stop != STOP_END:
         raise _unreadable_copy(path, bytes(data[off:]), off)
     descs = scanned.tables["descs"]

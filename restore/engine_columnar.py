@@ -44,7 +44,6 @@ from typing import Any
 import duckdb
 import msgpack
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from backup.files import Backup, entry_path
 from cfemu.bulk import Staged
@@ -52,13 +51,12 @@ from cfemu.progress import Progress, no_progress
 from cfemu.uow_attributes import CONTROL_SUFFIX
 from restore import columnar_staged
 from restore.columns import (
-    ID_TABLES,
     SRC_BACKUP,
     SRC_DD,
     SRC_E,
     SRC_I,
     SRC_IDS,
-    EntryIds,
+    TABLES,
     Pieces,
     Scanned,
     Source,
@@ -119,10 +117,6 @@ KIND_ENUM, ROLE_ENUM = "record_kind", "record_role"
 # A record's member (whose log it is in) as an ENUM of the members whose logs are read (MEMBER_ENUM), and whether
 # its outcome field "o" is a commit as a boolean: one byte each where a string takes sixteen, on every record.
 MEMBER_ENUM = "log_member"
-# About how many bytes of log hold a new entry id, for sizing the ids' dictionary before the reading (a record of a
-# put with 1 KiB of data and the records of its get and commits: about 500 bytes a record, most naming one entry);
-# where the logs hold more ids than this says, the dictionary grows as it reads.
-LOG_BYTES_AN_ID = 512
 RID_BITS = 36  # a scan's records get ids (job << RID_BITS) + i: distinct across scans, in order within one
 
 _PACK = msgpack.Packer(use_bin_type=True, unicode_errors="surrogateescape").pack
@@ -175,17 +169,17 @@ class _Job:
 
 
 def _scan(job: _Job, emit: Callable[[Scanned], None], *, backup_dir: Path | None, structure: str, replay_from: int,
-          spill: Path, ids: EntryIds) -> list[tuple[int, Source]]:
-    """A job's tables, handed to `emit` a chunk at a time (in any thread: the C reader lets go of the GIL), each
-    entry id its integer in `ids`; returns the sources their bytes are in."""
+          spill: Path) -> list[tuple[int, Source]]:
+    """A job's tables, handed to `emit` a chunk at a time (in any thread: the C reader lets go of the GIL); returns
+    the sources their bytes are in."""
     if job.backup_file is not None:
         assert backup_dir is not None
         scan_backup_file(backup_dir, job.backup_file, first_rid=job.n << RID_BITS, source=2 * job.n,
-                         structure=structure, emit=emit, ids=ids)
+                         structure=structure, emit=emit)
         return [(2 * job.n, Source(str(entry_path(backup_dir, job.backup_file["name"]))))]
     assert job.log_dir is not None and job.path is not None
     sources = scan_segment(job.log_dir, job.segment, job.path, job.member, is_last=job.is_last, min_lrsn=replay_from,
-                           first_rid=job.n << RID_BITS, source=2 * job.n, spill=spill, emit=emit, ids=ids)
+                           first_rid=job.n << RID_BITS, source=2 * job.n, spill=spill, emit=emit)
     return [(2 * job.n + k, src) for k, src in enumerate(sources)]
 
 
@@ -619,22 +613,16 @@ DROP TABLE descs;
 ALTER TABLE carried RENAME TO descs;
 """
 
-# The survivors in the CF's order (settle.load_key), each with its base descriptor and data; its entry id the
-# integer the plan's tables hold (the load reads them through _in_id_order, which gives the id's string and puts
-# the entries of one key in the order of their ids' strings), and the key (LOAD_KEY) last.
+# The survivors in the CF's order (settle.load_key), each with its base descriptor and data.
 SURVIVORS_SQL = """
 SELECT f.eid, f.disp, f.s, f.st, f.u, f.l, f.o1, f.o2, f.bc, f.mask, f.src, f.f::BIGINT AS f, f.boff,
-       f.blen::BIGINT AS blen, f.doff, f.dlen::BIGINT AS dlen, c.blob, c.data, f.q AS k_q,
-       CASE f.st WHEN 'CP' THEN 0 WHEN 'UP' THEN 1 ELSE 2 END AS k_state,
-       CASE f.st WHEN 'CP' THEN -f.p WHEN 'UP' THEN f.o2 ELSE f.l END AS k_1,
-       CASE f.st WHEN 'CP' THEN f.o1 ELSE 0 END AS k_2, CASE f.st WHEN 'CP' THEN f.o2 ELSE 0 END AS k_3,
-       hash(k_q, k_state, k_1, k_2, k_3) AS k_hash
+       f.blen::BIGINT AS blen, f.doff, f.dlen::BIGINT AS dlen, c.blob, c.data
 FROM fin f LEFT JOIN ctl c ON c.eix = f.eix
 WHERE f.disp IN ('restored', 'in-doubt')
-ORDER BY k_q, k_state, k_1, k_2, k_3, f.eid
+ORDER BY f.q, CASE f.st WHEN 'CP' THEN 0 WHEN 'UP' THEN 1 ELSE 2 END,
+         CASE f.st WHEN 'CP' THEN -f.p WHEN 'UP' THEN f.o2 ELSE f.l END,
+         CASE f.st WHEN 'CP' THEN f.o1 ELSE 0 END, CASE f.st WHEN 'CP' THEN f.o2 ELSE 0 END, f.eid
 """
-LOAD_KEY = ("k_q", "k_state", "k_1", "k_2", "k_3")
-
 
 
 _unpack = partial(msgpack.unpackb, raw=False, unicode_errors="surrogateescape", strict_map_key=False)
@@ -678,71 +666,6 @@ def _batches(cur: duckdb.DuckDBPyConnection, sql: str) -> Iterator[pa.RecordBatc
         yield from reader
 
 
-def _same_key_as_previous(batch: pa.RecordBatch) -> pa.Array:
-    """For rows 1.. of a batch: whether its load key (LOAD_KEY) is the row before's (nulls equal to nulls). The
-    keys' hashes first (one comparison a row): a batch where no two rows in a row have one hash has no two with
-    one key, the common case; else the keys themselves."""
-    h = batch.column("k_hash")
-    same = pc.equal(h.slice(1), h.slice(0, len(h) - 1))
-    if not pc.any(same).as_py():
-        return same
-    for name in LOAD_KEY:
-        col = batch.column(name)
-        a, b = col.slice(1), col.slice(0, len(col) - 1)
-        eq = pc.or_kleene(pc.fill_null(pc.equal(a, b), False), pc.and_(pc.is_null(a), pc.is_null(b)))
-        same = pc.and_(same, eq)
-    return same
-
-
-def _key(batch: pa.RecordBatch, row: int) -> tuple[Any, ...]:
-    return tuple(batch.column(name)[row].as_py() for name in LOAD_KEY)
-
-
-def _in_id_order(batches: Iterator[pa.RecordBatch], ids: EntryIds) -> Iterator[pa.RecordBatch]:
-    """SURVIVORS_SQL's batches with each entry id's string in place of its integer, the entries of one load key
-    in the order of their ids' strings (settle.load_key's last part; the query orders them by the integers): the
-    rows of a batch's last key are held back until a row of another key comes."""
-    held: pa.RecordBatch | None = None
-    for batch in batches:
-        if not len(batch):
-            continue
-        if held is not None:
-            if _key(held, len(held) - 1) == _key(batch, 0):  # a key across batches (rare): one batch of the two
-                batch = pa.Table.from_batches([held, batch]).combine_chunks().to_batches()[0]
-            else:
-                yield _named(held, ids)
-            held = None
-        starts = pc.indices_nonzero(pc.invert(_same_key_as_previous(batch))).to_pylist() if len(batch) > 1 else []
-        last = starts[-1] + 1 if starts else 0  # where the batch's last key starts
-        if last:
-            yield _named(batch.slice(0, last), ids)
-        held = batch.slice(last)
-    if held is not None:
-        yield _named(held, ids)
-
-
-def _named(batch: pa.RecordBatch, ids: EntryIds) -> pa.RecordBatch:
-    """Rows of whole load keys with their ids' strings, the rows of one key in the order of those strings."""
-    names = ids.names(batch.column(0))
-    batch = batch.set_column(0, "eid", names)
-    if len(batch) < 2:
-        return batch
-    same = _same_key_as_previous(batch)
-    if not pc.any(same).as_py():
-        return batch
-    flags = same.to_pylist()
-    order = list(range(len(batch)))
-    k = 0
-    while k < len(order):
-        end = k + 1
-        while end < len(order) and flags[end - 1]:
-            end += 1
-        if end - k > 1:
-            order[k:end] = sorted(order[k:end], key=lambda row: names[row].as_py())
-        k = end
-    return batch.take(pa.array(order))
-
-
 def _survivors(batch: pa.RecordBatch, pieces: Pieces) -> list[Settled]:
     """A batch of SURVIVORS_SQL's rows as Settled entries: each base descriptor read back (with its data) and
     unpacked, the fields the fold set (its mask) set in it; a control entry as the restart tables keep it."""
@@ -781,9 +704,8 @@ def _survivors(batch: pa.RecordBatch, pieces: Pieces) -> list[Settled]:
 class SqlOutcomes(Mapping[str, Outcome]):
     """Every UOW's outcome (RestorePlan.outcomes), read from the plan's tables as asked."""
 
-    def __init__(self, cursor: Callable[[], duckdb.DuckDBPyConnection], count: int, sources: list[Source],
-                 ids: EntryIds) -> None:
-        self.cursor, self.count, self.sources, self.ids = cursor, count, sources, ids
+    def __init__(self, cursor: Callable[[], duckdb.DuckDBPyConnection], count: int, sources: list[Source]) -> None:
+        self.cursor, self.count, self.sources = cursor, count, sources
 
     def __getitem__(self, uow: str) -> Outcome:
         cur = self.cursor()
@@ -792,13 +714,9 @@ class SqlOutcomes(Mapping[str, Outcome]):
             raise KeyError(uow)
         rows = cur.execute(
             "SELECT od.eid, d.s, d.f, d.boff, d.blen, d.doff, d.dlen FROM odata od JOIN descs d ON d.src = 'D' AND "
-            "d.rid = od.rid AND d.eid = od.eid WHERE od.u = ? AND ? = 'B'", [uow, row[0]]).fetchall()
-        names = self.ids.names(pa.array([r[0] for r in rows], pa.int32())).to_pylist()
-        rows = [r for _, r in sorted(zip(names, rows, strict=True))]
-        names.sort()
+            "d.rid = od.rid AND d.eid = od.eid WHERE od.u = ? AND ? = 'B' ORDER BY od.eid", [uow, row[0]]).fetchall()
         read = read_back(self.sources, [r[2:] for r in rows])
-        data = {name: (r[1], _descriptor(desc, "D"), blob)
-                for name, r, (desc, blob) in zip(names, rows, read, strict=True)}
+        data = {r[0]: (r[1], _descriptor(desc, "D"), blob) for r, (desc, blob) in zip(rows, read, strict=True)}
         return Outcome(row[0], int(row[1]), row[2], data, tuple(row[3] or ()))
 
     def __iter__(self) -> Iterator[str]:
@@ -817,12 +735,8 @@ class ColumnarSettled(Collection[Settled]):
 
     def __iter__(self) -> Iterator[Settled]:
         yield from self.plan.in_load_order()
-        with self.plan.lock:
-            if not self.plan.con.execute("SELECT count(*) FROM duckdb_tables() WHERE table_name = 'eids'").fetchall()[0][0]:
-                _entry_names(self.plan.con, self.plan.ids)
         for batch in _batches(self.plan.cursor(),
-                              "SELECT x.eid, f.disp FROM fin f JOIN eids x ON x.i = f.eid "
-                              "WHERE f.disp NOT IN ('restored', 'in-doubt') ORDER BY x.eid"):
+                              "SELECT eid, disp FROM fin WHERE disp NOT IN ('restored', 'in-doubt') ORDER BY eid"):
             for eid, disp in zip(*(c.to_pylist() for c in batch.columns), strict=True):
                 yield Settled(eid, disp)
 
@@ -844,22 +758,16 @@ class ColumnarPlan(SummarizedPlan):
     workers: int
     partitions: int = 1
     sources: list[Source]  # where the descriptors' bytes and the data are (restore.columns.read_back)
-    ids: EntryIds  # the entry ids' strings by the integers the plan's tables hold
-    lock: threading.Lock  # held while a table of the ids' strings is made (ColumnarSettled)
     timings: dict[str, float]  # seconds of each statement of the plan (where the time goes)
     read_cpu_s: float = 0.0  # CPU seconds of this process while the logs and the backup were read
 
     def cursor(self) -> duckdb.DuckDBPyConnection:
         return self.con.cursor()  # a connection of its own: the load reads the survivors from another thread
 
-    def survivor_batches(self) -> Iterator[pa.RecordBatch]:
-        """The survivors query's rows in load order, their entry ids as strings (SURVIVORS_SQL)."""
-        return _in_id_order(_batches(self.cursor(), SURVIVORS_SQL), self.ids)
-
     def in_load_order(self) -> Iterator[Settled]:
         pieces = Pieces(self.sources)
         try:
-            for batch in self.survivor_batches():
+            for batch in _batches(self.cursor(), SURVIVORS_SQL):
                 yield from _survivors(batch, pieces)
         finally:
             pieces.close()
@@ -868,7 +776,7 @@ class ColumnarPlan(SummarizedPlan):
         """The load's prepared batches (restore.load.staged of in_load_order), made in C where they can be."""
         pieces = Pieces(self.sources)
         try:
-            yield from columnar_staged.staged(structure, self.survivor_batches(), pieces, _survivors,
+            yield from columnar_staged.staged(structure, _batches(self.cursor(), SURVIVORS_SQL), pieces, _survivors,
                                               FIELDS, batch, batch_bytes)
         finally:
             pieces.close()
@@ -876,7 +784,6 @@ class ColumnarPlan(SummarizedPlan):
     def close(self) -> None:
         try:
             self.con.close()
-            self.ids.clear()
         finally:
             self.spill.close()
 
@@ -926,14 +833,11 @@ class ColumnarEngine:
             members = sorted({LogReader(d).member for d in log_dirs})
             con.execute(f"CREATE TYPE {MEMBER_ENUM} AS ENUM ({', '.join(_literal(m) for m in members)})")
             raw = raw_columns(structure)
-            for name, schema in ID_TABLES.items():
+            for name, schema in TABLES.items():
                 con.from_arrow(schema.empty_table()).project(raw[name]).create(f"raw_{name}")
-            ids = EntryIds()
             sources: dict[int, Source] = {}
             max_lrsn = 0
             jobs = self._jobs(backup, log_dirs, replay_from)
-            ids.reserve(int(manifest.get("entries") or 0) + sum(
-                j.path.stat().st_size for j in jobs if j.path is not None) // LOG_BYTES_AN_ID)
             on_disk = _on_disk(backup)
             backup_dir = on_disk.path if on_disk is not None else None
             n_logs = sum(1 for j in jobs if j.backup_file is None)
@@ -946,7 +850,7 @@ class ColumnarEngine:
                     n = len(jobs)
                     scanned, src = copies_as_frames(
                         _counted(backup.copies(), progress, int(total) if total is not None else None),
-                        n << RID_BITS, 2 * n, spill.path, ids)
+                        n << RID_BITS, 2 * n, spill.path)
                     sources[2 * n] = src
                     streams.put(scanned)
                 logs_done = copies_done = 0
@@ -957,7 +861,7 @@ class ColumnarEngine:
                     progress(READ_LOGS, 0, n_logs)
                 readers = _Readers(jobs, self.workers, partial(
                     _scan, backup_dir=backup_dir, structure=str(manifest.get("structure", structure)),
-                    replay_from=replay_from, spill=spill.path, ids=ids))
+                    replay_from=replay_from, spill=spill.path))
                 try:
                     for item in readers.results():
                         if item[0] == "rows":
@@ -976,7 +880,6 @@ class ColumnarEngine:
                             progress(READ_LOGS, logs_done, n_logs)
                 finally:
                     readers.stop()
-            ids.seal()
             read_cpu = time.process_time() - cpu0
             held_by = [u for (u,) in con.execute(
                 f"SELECT DISTINCT u FROM raw_descs WHERE src = {SRC_BACKUP}").fetchall()]
@@ -994,7 +897,7 @@ class ColumnarEngine:
             progress(SETTLE, 0, 1)
             source_list = [sources.get(i, Source("")) for i in range(max(sources, default=-1) + 1)]
             plan = _run(con, spill, structure, base, now_ms, restore_lrsn, max_lrsn, source_list,
-                        fold_rows_for(self.memory), ids)
+                        fold_rows_for(self.memory))
         except BaseException:
             con.close()
             raise
@@ -1056,24 +959,9 @@ def raw_columns(structure: str) -> dict[str, str]:
     than spill them (BENCHMARKS.md, "The plan's tables narrowed")."""
     return {"recs": f"rid, l, TRY_CAST(k AS {KIND_ENUM}) AS k, u, s = {_literal(structure)} AS mine, g, \"at\", "
                     f"o = 'C' AS oc, \"by\", eu, m::{MEMBER_ENUM} AS m",
-            "ss": "rid, s, g", "ev": "rid, src::TINYINT AS src, eid::INTEGER AS eid, dds",
-            "descs": "rid, src::TINYINT AS src, pos::INTEGER AS pos, eid::INTEGER AS eid, s, q, p, exp, st, u, l, "
-                     "o1, o2, bc, boff, "
+            "ss": "rid, s, g", "ev": "rid, src::TINYINT AS src, eid, dds",
+            "descs": "rid, src::TINYINT AS src, pos::INTEGER AS pos, eid, s, q, p, exp, st, u, l, o1, o2, bc, boff, "
                      "blen::INTEGER AS blen, doff, dlen::INTEGER AS dlen, f::INTEGER AS f"}
-
-
-def _entry_names(con: duckdb.DuckDBPyConnection, ids: EntryIds) -> None:
-    """The entry ids' strings by their integers as a table (eids: i, eid), from the readers' dictionary, for the
-    outputs that list every entry in the order of its id (ColumnarSettled): made when one is first read."""
-    con.execute("CREATE TABLE eids (i INTEGER, eid VARCHAR)")
-    cur = con.cursor()
-    try:
-        for part in ids.parts():
-            cur.register("id_names", part)
-            cur.execute("INSERT INTO eids SELECT i, eid FROM id_names")
-            cur.unregister("id_names")
-    finally:
-        cur.close()
 
 
 def _on_disk(backup: BackupSource) -> Backup | None:
@@ -1095,11 +983,10 @@ class _Streams:
 
     def __init__(self, con: duckdb.DuckDBPyConnection, columns: Mapping[str, str]) -> None:
         self.columns = columns
-        self.queues: dict[str, queue.Queue[pa.Table | None]] = {n: queue.Queue(maxsize=self.DEPTH)
-                                                               for n in ID_TABLES}
+        self.queues: dict[str, queue.Queue[pa.Table | None]] = {n: queue.Queue(maxsize=self.DEPTH) for n in TABLES}
         self.failure: BaseException | None = None
         self.threads = [threading.Thread(target=self._insert, args=(con.cursor(), name), name=f"restore-insert-{name}",
-                                         daemon=True) for name in ID_TABLES]
+                                         daemon=True) for name in TABLES]
 
     def _batches(self, name: str) -> Iterator[pa.RecordBatch]:
         while (table := self.queues[name].get()) is not None:
@@ -1107,7 +994,7 @@ class _Streams:
 
     def _insert(self, cur: duckdb.DuckDBPyConnection, name: str) -> None:
         try:
-            cur.register(f"stream_{name}", pa.RecordBatchReader.from_batches(ID_TABLES[name], self._batches(name)))
+            cur.register(f"stream_{name}", pa.RecordBatchReader.from_batches(TABLES[name], self._batches(name)))
             cur.execute(f"INSERT INTO raw_{name} SELECT {self.columns[name]} FROM stream_{name}")
         except BaseException as e:  # raised by put() and __exit__
             self.failure = self.failure or e
@@ -1163,7 +1050,7 @@ def _execute(con: duckdb.DuckDBPyConnection, sql: str, timings: dict[str, float]
 
 
 def _run(con: duckdb.DuckDBPyConnection, spill: SpillDir, structure: str, base: Base, now_ms: int,
-         restore_lrsn: int, max_lrsn: int, sources: list[Source], fold_rows: int, ids: EntryIds) -> ColumnarPlan:
+         restore_lrsn: int, max_lrsn: int, sources: list[Source], fold_rows: int) -> ColumnarPlan:
     """The plan's statements on the rows read, and the plan they make; the fold `fold_rows` entries at a time."""
     con.from_arrow(pa.table({"u": pa.array(sorted(base.carried), pa.string())})).create("base_uows")
     timings: dict[str, float] = {}
@@ -1179,7 +1066,7 @@ def _run(con: duckdb.DuckDBPyConnection, spill: SpillDir, structure: str, base: 
     _rule_on_control_entries(con, sources)
 
     plan = ColumnarPlan(structure, restore_lrsn, [], {}, {}, set(), Counter(), Counter(), max_lrsn)
-    plan.spill, plan.con, plan.sources, plan.ids, plan.lock = spill, con, sources, ids, threading.Lock()
+    plan.spill, plan.con, plan.sources = spill, con, sources
     plan.timings = timings
     one = con.execute
     plan.records_by_member = Counter(dict(one("SELECT m, n FROM members").fetchall()))
@@ -1207,7 +1094,7 @@ def _run(con: duckdb.DuckDBPyConnection, spill: SpillDir, structure: str, base: 
     plan.counts["uows in doubt"] = len(plan.held)
     plan.counts["uows in flight backed out"] = len(plan.decisions)
     count = one("SELECT count(*) FROM outc").fetchone()
-    plan.outcomes = SqlOutcomes(plan.cursor, int(count[0]) if count else 0, sources, ids)
+    plan.outcomes = SqlOutcomes(plan.cursor, int(count[0]) if count else 0, sources)
     plan.settled = ColumnarSettled(plan)
     return plan
 

@@ -9,7 +9,6 @@ import random
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
@@ -20,7 +19,6 @@ from cfemu.connection import connect
 from cfemu.embedded import EmbeddedRedis
 from cfemu.entry import Entry
 from restore import engine_columnar
-from restore.columns import EntryIds, copies_as_frames
 from restore.engine import default_engine, engine_names, get_engine
 from restore.engine_columnar import ColumnarEngine, ColumnarPlan
 from restore.run import WORK_DIR, run_restore
@@ -337,52 +335,6 @@ def test_the_plans_tables_are_narrow(tmp_path: Path, monkeypatch: pytest.MonkeyP
     raw = engine_columnar.raw_columns(S)
     for name in ("off", "seg", "f"):
         assert name not in raw["recs"].replace(" AS ", " ").split(", ")
-
-
-def test_the_plans_tables_key_entries_by_integers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The readers turn each entry id into its integer in one dictionary shared by the backup's and the logs'
-    readers, so that the plan's tables join and group on 4-byte integers, not 12-character strings: every entry id
-    column of the plan's tables is an INTEGER, the same entry has the same integer whichever reader saw it (the
-    backup's copies and the logs' records of one entry meet in one row of ents), and the output turns them back
-    into the reference's ids, in the reference's order."""
-    monkeypatch.setattr(engine_columnar, "PLAN_SQL", engine_columnar.PLAN_SQL.replace(  # kept apart to be read after
-        "DROP TABLE eev;", "CREATE TABLE eev_columns AS SELECT * FROM eev LIMIT 0; DROP TABLE eev;").replace(
-        "DROP TABLE ents;", "CREATE TABLE ents_kept AS SELECT eid, nrec, nb FROM ents; DROP TABLE ents;"))
-    plan, inputs = planned(6, 200, tmp_path)
-    try:
-        types = {(t, c): d for t, c, d in plan.con.execute(
-            "SELECT table_name, column_name, data_type FROM duckdb_columns()").fetchall()}
-        keyed = {t: d for (t, c), d in types.items() if c == "eid" and t != "eids"}
-        assert {"eev_columns", "ents_kept", "descs", "odata", "fin"} <= set(keyed)
-        assert set(keyed.values()) == {"INTEGER"}, keyed
-        met = plan.con.execute("SELECT count(*) FROM ents_kept WHERE nrec > 0 AND nb > 0").fetchone()
-        assert met is not None and met[0] > 0  # the backup's and the logs' ids of one entry are one integer
-        ref = reference(*inputs)
-        assert [s.id for s in plan.in_load_order()] == [s.id for s in ref.in_load_order()]
-        assert sorted(s.id for s in plan.settled) == sorted(s.id for s in ref.settled)
-    finally:
-        plan.close()
-
-
-def test_the_survivors_of_one_load_key_come_in_the_order_of_their_ids(tmp_path: Path) -> None:
-    """The survivors' query orders the entries of one load key by their ids' integers, which are in no order of
-    their strings: the load reads them in the order of the strings (settle.load_key), a key's rows held back where
-    they run on into the next batch."""
-    names = ["e-9", "e-1", "e-5", "e-3", "e-2", "e-8", "e-4"]
-    ids = EntryIds()
-    copies_as_frames([(S, {"id": n, "q": "Q", "l": 1}, b"") for n in names], 0, 0, tmp_path, ids)
-    ints = {name: i for part in ids.parts() for i, name in zip(part["i"].to_pylist(), part["eid"].to_pylist(),
-                                                                strict=True)}
-    # (key, id) in the query's order: by key, then by the ids' integers
-    rows = sorted([(1, "e-9"), (1, "e-1"), (2, "e-5"), (2, "e-3"), (2, "e-2"), (3, "e-8"), (4, "e-4")],
-                  key=lambda r: (r[0], ints[r[1]]))
-    cut = [rows[:3], rows[3:4], rows[4:]]  # key 2 runs across three batches
-    batches = [pa.RecordBatch.from_pydict({
-        "eid": pa.array([ints[n] for _, n in part], pa.int32()), "k_q": ["Q"] * len(part),
-        "k_state": [0] * len(part), "k_1": [k for k, _ in part], "k_2": pa.array([None] * len(part), pa.int64()), "k_3": [0] * len(part),
-        "k_hash": pa.array([0] * len(part), pa.uint64())}) for part in cut]  # every key's hash one: they collide
-    out = [n for b in engine_columnar._in_id_order(iter(batches), ids) for n in b.column("eid").to_pylist()]
-    assert out == ["e-1", "e-9", "e-2", "e-3", "e-5", "e-8", "e-4"]
 
 
 def test_the_plan_keeps_only_the_tables_its_output_reads(tmp_path: Path) -> None:
