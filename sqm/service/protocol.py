@@ -329,6 +329,9 @@ def message_to_wire(m: Message) -> dict[str, Any]:
 
 
 def message_from_wire(obj: dict[str, Any]) -> Message:
+    """The Message a reply's map describes; fields this side does not know (a newer server's) are left out."""
+    if obj.keys() <= _MESSAGE_NAMES:  # the usual case, checked in C: no map made again
+        return Message(**obj)
     return Message(**{k: v for k, v in obj.items() if k in _MESSAGE_NAMES})
 
 
