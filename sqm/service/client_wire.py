@@ -34,6 +34,7 @@ from sqm.service.protocol import HEADER, ProtocolError, check_length
 RECEIVE_BUFFER = 65536  # a reply that fits is read and unpacked in place; a longer one gets a buffer of its own
 TCP_ESTABLISHED = 1  # tcp_info.tcpi_state (linux/tcp.h): the connection as it is while neither side closed it
 TCP_INFO = getattr(socket, "TCP_INFO", None)  # Linux; elsewhere a plain socket is polled too
+_NOT_WHOLE = object()  # no whole reply in one read: read on
 
 
 def _unpack(body: memoryview) -> Any:
@@ -88,25 +89,40 @@ class Wire:
             if wait_s > 0:
                 deadline = time.monotonic() + self.request_timeout + wait_s
         sock.sendall(frame)
-        reply = self._reply(deadline)
+        reply = self._whole_reply(deadline) if self._start == self._end else _NOT_WHOLE
+        if reply is _NOT_WHOLE:
+            reply = self._reply(deadline)
         if isinstance(reply, dict):
             got = reply.get("id")
             if got is not None and got != rid:
                 raise ProtocolError(f"a reply to request {got!r} came for request {rid}: the stream is out of step")
         return reply
 
+    def _whole_reply(self, deadline: float) -> Any:
+        """The usual case, in one call: with nothing left over, one read brings the whole reply and no more.
+        _NOT_WHOLE when it did not (what it read is kept for _reply, which reads on), or the read timed out within
+        a get's wait (_reply reads again, for what is left of it)."""
+        try:
+            end = self.sock.recv_into(self._view)
+        except BlockingIOError:
+            self._timed_out(deadline)
+            return _NOT_WHOLE
+        if not end:
+            raise ConnectionError("connection closed by the server")
+        if end >= HEADER.size:
+            (length,) = HEADER.unpack_from(self._buf)
+            if end == HEADER.size + length and length <= self.max_frame:
+                try:
+                    return msgpack.unpackb(self._view[HEADER.size:end], raw=False, strict_map_key=True)
+                except Exception as e:  # msgpack raises several unrelated types (ExtraData, FormatError, ...)
+                    raise ProtocolError(f"frame is not valid msgpack: {type(e).__name__}: {e}") from None
+        self._start, self._end = 0, end
+        return _NOT_WHOLE
+
     def _reply(self, deadline: float) -> Any:
         """The next frame, decoded (``deadline``: on the monotonic clock, when a get's wait lengthens the reply's
         time beyond the kernel's receive timeout; 0: none)."""
         start, end = self._start, self._end
-        if start == end:  # the usual case: nothing left over, and one read brings the whole reply and no more
-            end = self._receive(self._view, deadline)
-            if end >= HEADER.size:
-                (length,) = HEADER.unpack_from(self._buf)
-                if end == HEADER.size + length:
-                    check_length(length, self.max_frame)
-                    return _unpack(self._view[HEADER.size:end])
-            start, self._start, self._end = 0, 0, end
         while end - start < HEADER.size:
             start, end = self._read(start, end, deadline, HEADER.size)
         (length,) = HEADER.unpack_from(self._buf, start)
@@ -145,16 +161,21 @@ class Wire:
         while True:
             try:
                 got = sock.recv_into(into)
-            except BlockingIOError:  # the kernel's receive timeout (a plain socket)
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(f"no reply within {self._timeout:g} s") from None
-                self._timeout = min(left, self.request_timeout)  # a get's wait: the rest of its time
-                set_receive_timeout(sock, self._timeout)
+            except BlockingIOError:
+                self._timed_out(deadline)
                 continue
             if not got:
                 raise ConnectionError("connection closed by the server")
             return got
+
+    def _timed_out(self, deadline: float) -> None:
+        """The kernel's receive timeout expired (a plain socket): raise TimeoutError, unless a get's wait leaves
+        time before ``deadline``, which becomes the receive timeout."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"no reply within {self._timeout:g} s")
+        self._timeout = min(left, self.request_timeout)
+        set_receive_timeout(self.sock, self._timeout)
 
     # --- between requests ----------------------------------------------------------------------------------------
     def closed_while_idle(self) -> bool:
