@@ -755,14 +755,22 @@ def one_round(kind: str, params: dict[str, Any], worker: int, qm: Any, threads_n
     pipe.send(("done", sum(counts), extra))
 
 
+PACKAGES = ("cfemu", "sqm", "backup", "restore", "qsg")
+
+
+def use_code_tree(tree: str) -> None:
+    """Import the project's packages from ``tree`` from now on (a base contender's client process): none of those
+    this process imported already is kept."""
+    for name in [n for n in sys.modules if n.split(".")[0] in PACKAGES]:
+        del sys.modules[name]
+    sys.path.insert(0, tree)
+
+
 def client_worker(kind: str, params: dict[str, Any], worker: int, pipe: Pipe) -> None:
     """A client process: on ("prepare", threads) open that many clients, one thread each, and say "ready"; on
     ("go", stop_at) run them until stop_at (time.time()) and report ("done", lifecycles, extra)."""
-    code_tree = params.get("code_tree")
-    if code_tree:  # the project's packages from that tree (a base contender's clients), none of this one's kept
-        for name in [n for n in sys.modules if n.split(".")[0] in ("cfemu", "sqm", "backup", "restore", "qsg")]:
-            del sys.modules[name]
-        sys.path.insert(0, code_tree)
+    if params.get("code_tree"):
+        use_code_tree(params["code_tree"])
     qm = None
     if kind == "sqm-inproc":
         os.environ.update(params["env"])
