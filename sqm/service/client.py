@@ -264,11 +264,12 @@ class Client(ConversationCalls, PubSubCalls, UnitOfWorkScope):
             sock.settimeout(self.request_timeout)
             hello = handshake(sock, token=self.token, role=self.role, client_name=self.client_name,
                               max_frame=self.own_max_frame, where=f"{ep[0]}:{ep[1]}")
-            wire = Wire(sock, request_timeout=self.request_timeout, max_frame=self.own_max_frame)
+            max_frame = min(self.own_max_frame, int(hello.get("max_frame", self.own_max_frame)))
+            wire = Wire(sock, request_timeout=self.request_timeout, max_frame=max_frame)
         except BaseException:
             sock.close()
             raise
-        self.max_frame = min(self.own_max_frame, int(hello.get("max_frame", self.own_max_frame)))
+        self.max_frame = max_frame
         self.qmgr = str(hello.get("qmgr", ""))
         self.endpoint = ep
         self._wire = wire
@@ -317,7 +318,7 @@ class Client(ConversationCalls, PubSubCalls, UnitOfWorkScope):
                 if len(frame) - HEADER.size > self.max_frame:
                     self._too_long(op, args, len(frame) - HEADER.size)
                 try:
-                    reply = wire.exchange(frame, rid, wait_s)
+                    reply = wire.exchange(frame, rid, self.request_timeout, wait_s)
                 except (OSError, ProtocolError, FrameTooLargeError) as e:
                     self._lost(op, syncpoint, in_flight=True, why=str(e) or type(e).__name__, settles=settles)
                     continue

@@ -73,21 +73,23 @@ class Wire:
             self._packer = msgpack.Packer(use_bin_type=True)
         return HEADER.pack(len(body)) + body
 
-    def exchange(self, frame: bytes, rid: int, wait_s: float = 0.0) -> Any:
-        """Send a request's frame and return its reply, decoded; the reply may take request_timeout + wait_s.
-        OSError, ProtocolError or FrameTooLargeError: the connection cannot be used again."""
+    def exchange(self, frame: bytes, rid: int, request_timeout: float, wait_s: float = 0.0) -> Any:
+        """Send a request's frame and return its reply, decoded; the reply may take request_timeout + wait_s (the
+        client's request timeout now: an application may change it between requests). OSError, ProtocolError or
+        FrameTooLargeError: the connection cannot be used again."""
         sock = self.sock
         deadline = 0.0
+        self.request_timeout = request_timeout
         if self.tls:
-            if self._timeout != self.request_timeout + wait_s:
-                self._timeout = self.request_timeout + wait_s
+            if self._timeout != request_timeout + wait_s:
+                self._timeout = request_timeout + wait_s
                 sock.settimeout(self._timeout)
         else:
-            if self._timeout != self.request_timeout:  # a get's wait lengthened it
-                set_receive_timeout(sock, self.request_timeout)
-                self._timeout = self.request_timeout
+            if self._timeout != request_timeout:  # a get's wait lengthened it, or the application changed it
+                set_receive_timeout(sock, request_timeout)
+                self._timeout = request_timeout
             if wait_s > 0:
-                deadline = time.monotonic() + self.request_timeout + wait_s
+                deadline = time.monotonic() + request_timeout + wait_s
         sock.sendall(frame)
         reply = self._whole_reply(deadline) if self._start == self._end else _NOT_WHOLE
         if reply is _NOT_WHOLE:

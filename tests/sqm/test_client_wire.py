@@ -85,8 +85,9 @@ def connect(server: Scripted, request_timeout: float = 5.0) -> Wire:
                 max_frame=64 * 2**20)
 
 
-def call(wire: Wire, rid: int, wait_s: float = 0.0) -> Any:
-    return wire.exchange(wire.frame({"id": rid, "op": "ping", "args": {}}), rid, wait_s)
+def call(wire: Wire, rid: int, wait_s: float = 0.0, request_timeout: float | None = None) -> Any:
+    timeout = wire.request_timeout if request_timeout is None else request_timeout
+    return wire.exchange(wire.frame({"id": rid, "op": "ping", "args": {}}), rid, timeout, wait_s)
 
 
 def test_replies_are_read_whole_in_pieces_longer_than_the_buffer_and_two_in_one_read() -> None:
@@ -112,11 +113,13 @@ def test_replies_are_read_whole_in_pieces_longer_than_the_buffer_and_two_in_one_
 def test_a_get_may_take_its_wait_on_top_of_the_request_timeout_and_no_more() -> None:
     server = Scripted([reply("late but waited for", delay=0.6), reply("too late", delay=0.8)])
     try:
-        wire = connect(server, request_timeout=0.3)
-        assert call(wire, 1, wait_s=0.5)["result"] == "late but waited for"  # 0.6 s: within 0.3 + 0.5
+        # The client's timeout when it connected, then shortened by the application (Client.request_timeout, which
+        # the client passes with each request): the next requests keep to it.
+        wire = connect(server, request_timeout=30.0)
+        assert call(wire, 1, wait_s=0.5, request_timeout=0.3)["result"] == "late but waited for"  # within 0.3 + 0.5
         t0 = time.monotonic()
         with pytest.raises(TimeoutError, match="no reply within"):
-            call(wire, 2)  # no wait: the request timeout alone
+            call(wire, 2, request_timeout=0.3)  # no wait: the request timeout alone
         assert 0.25 < time.monotonic() - t0 < 0.55  # once the request timeout, not twice
         wire.close()
     finally:
