@@ -20,8 +20,8 @@ its reply. Each contender runs on 127.0.0.1, started here and stopped here (by p
                 grouping of concurrent requests' CF calls, sqm.core.cfgroup); measured only when named in --peers.
   sqm-service-tcp: the same, the members reaching the CF over loopback TCP rather than its Unix-domain socket
                 (the local cluster's default); measured only when named in --peers.
-  sqm-service-base, sqm-service-1-base: sqm-service and sqm-service-1 with the members running the code of
-                --base-tree (an export of main, say: the A/B of a change in one run; run the benchmark from a
+  sqm-service-base, sqm-service-1-base: sqm-service and sqm-service-1 with the members and the client processes
+                running the code of --base-tree (an export of main, say: the A/B of a change in one run; run the benchmark from a
                 directory that holds no package of the project); measured only when named in --peers.
 --batch B [B ...]: the batched lifecycle as well, per message: B messages put and committed together, then got and
 committed together (PostgreSQL: a multi-row INSERT, a DELETE of B rows; durable Redis: pipelines of B LPUSH, LMOVE,
@@ -30,7 +30,7 @@ The clients of every contender run in --client-procs worker processes (default: 
 so the benchmark process's GIL does not bound them. Client counts 1, 2, 4, 8, 16, 32, 64 (--clients); for each
 count, rounds of all contenders interleaved; each figure is the median over the rounds, with:
   CPU per lifecycle:  user+system CPU of the contender's server processes (with their children) and of the client
-                      processes over the window, per lifecycle (µs);
+                      processes over the window, per lifecycle (µs), and each of the two apart;
   of which redis:     the same for the redis-server among them alone (the SQM's CF; durable Redis's server): the
                       work Redis itself does for one lifecycle, which the SQM cannot go below on the same cores;
   fsyncs per commit:  where the contender counts them (the SQM's log, PostgreSQL's pg_stat_wal.wal_sync); '-' else;
@@ -96,9 +96,9 @@ STRUCTURE, QUEUE = "APP1", "Q1"
 # benchmark baseline): the A/B of the grouping in one run, measured only when named (--peers).
 # sqm-service-tcp: the service with its members reaching the CF over loopback TCP instead of the CF's Unix-domain
 # socket (the local cluster's default, cfemu cluster up --no-cf-socket): the A/B of the socket in one run.
-# sqm-service-base, sqm-service-1-base: sqm-service and sqm-service-1 with their members running the code of another
-# tree (--base-tree: an export of the main branch, say): the A/B of a change to the member in one run, measured only
-# when named.
+# sqm-service-base, sqm-service-1-base: sqm-service and sqm-service-1 with their members and their client processes
+# running the code of another tree (--base-tree: an export of the main branch, say): the A/B of a change to the
+# member or the client library in one run, measured only when named.
 BASELINES = ("sqm-service-ungrouped", "sqm-service-tcp", "sqm-service-base", "sqm-service-1-base")
 PEERS = ("postgres", "rabbitmq", "redis-aof", "sqm-inproc", "sqm-service", "sqm-service-1", *BASELINES)
 ALL_CLIENTS = (1, 2, 4, 8, 16, 32, 64)
@@ -500,7 +500,8 @@ class SQMServiceOneCall(SQMService):
 
 
 class SQMServiceBase(SQMService):
-    """sqm-service with its members (and the cluster's other processes) running the code of --base-tree."""
+    """sqm-service with its members (and the cluster's other processes) and its client processes running the code of
+    --base-tree."""
 
     name = "sqm-service-base"
 
@@ -509,7 +510,11 @@ class SQMServiceBase(SQMService):
             raise SystemExit(f"{self.name} needs --base-tree")
         self.member_env = {"PYTHONPATH": str(self.args.base_tree.resolve())}
         super().start()
-        self.servers_note += f"; the members run the code of {self.args.base_tree}"
+        self.servers_note += f"; the members and the client processes run the code of {self.args.base_tree}"
+
+    def client_params(self) -> dict[str, Any]:
+        assert self.args.base_tree is not None
+        return {**super().client_params(), "code_tree": str(self.args.base_tree.resolve())}
 
 
 class SQMServiceOneCallBase(SQMServiceBase):
@@ -750,9 +755,22 @@ def one_round(kind: str, params: dict[str, Any], worker: int, qm: Any, threads_n
     pipe.send(("done", sum(counts), extra))
 
 
+PACKAGES = ("cfemu", "sqm", "backup", "restore", "qsg")
+
+
+def use_code_tree(tree: str) -> None:
+    """Import the project's packages from ``tree`` from now on (a base contender's client process): none of those
+    this process imported already is kept."""
+    for name in [n for n in sys.modules if n.split(".")[0] in PACKAGES]:
+        del sys.modules[name]
+    sys.path.insert(0, tree)
+
+
 def client_worker(kind: str, params: dict[str, Any], worker: int, pipe: Pipe) -> None:
     """A client process: on ("prepare", threads) open that many clients, one thread each, and say "ready"; on
     ("go", stop_at) run them until stop_at (time.time()) and report ("done", lifecycles, extra)."""
+    if params.get("code_tree"):
+        use_code_tree(params["code_tree"])
     qm = None
     if kind == "sqm-inproc":
         os.environ.update(params["env"])
@@ -816,14 +834,14 @@ def measure(contender: Contender, workers: Workers, clients: int, seconds: float
             raise RuntimeError(f"{contender.name}: clients not ready")
         pipe.recv()
     f0, k0 = contender.fsyncs(), contender.cf_round_trips()
-    roots = contender.server_pids() + workers.pids()
+    servers, client_pids = contender.server_pids(), workers.pids()
     redis = contender.redis_pids()
-    c0, r0, t0 = cpu_ticks(roots), cpu_ticks(redis), time.time()
+    s0, cl0, r0, t0 = cpu_ticks(servers), cpu_ticks(client_pids), cpu_ticks(redis), time.time()
     stop_at = t0 + seconds
     for pipe in used:
         pipe.send(("go", stop_at))
     time.sleep(max(0.0, stop_at - time.time()))
-    c1, r1, t1 = cpu_ticks(roots), cpu_ticks(redis), time.time()
+    s1, cl1, r1, t1 = cpu_ticks(servers), cpu_ticks(client_pids), cpu_ticks(redis), time.time()
     total, extras = 0, []
     for pipe in used:
         if not pipe.poll(120):
@@ -841,7 +859,9 @@ def measure(contender: Contender, workers: Workers, clients: int, seconds: float
     elif "fsyncs" in extras[0]:
         fsyncs_per_commit = sum(x["fsyncs"] for x in extras) / (2 * total) if total else None
     return {"per_s": total / (t1 - t0), "lifecycles": total,
-            "cpu_us": (c1 - c0) / TICK * 1e6 / total if total else None,
+            "cpu_us": (s1 - s0 + cl1 - cl0) / TICK * 1e6 / total if total else None,
+            "server_cpu_us": (s1 - s0) / TICK * 1e6 / total if total else None,
+            "client_cpu_us": (cl1 - cl0) / TICK * 1e6 / total if total else None,
             "redis_cpu_us": (r1 - r0) / TICK * 1e6 / total if total and redis else None,
             "fsyncs_per_commit": fsyncs_per_commit,
             "cf_round_trips": (k1 - k0) / total if k0 is not None and k1 is not None and total else None,
@@ -924,13 +944,16 @@ def main(argv: list[str] | None = None) -> int:
                     m = measure(c, w, n, args.seconds, b)
                     rounds[name].append(m)
                     say(f"  {key:>8} clients, round {r + 1}/{args.rounds}, {name:<12} {m['per_s']:8.1f}/s  "
-                        f"cpu {m['cpu_us'] or 0:7.0f} µs/lifecycle  load {m['load']}")
+                        f"cpu {m['cpu_us'] or 0:7.0f} µs/lifecycle (servers {m['server_cpu_us'] or 0:5.0f}, "
+                        f"clients {m['client_cpu_us'] or 0:5.0f})  load {m['load']}")
             for name, ms in rounds.items():
                 fs = [m["fsyncs_per_commit"] for m in ms if m["fsyncs_per_commit"] is not None]
                 trips = [m["cf_round_trips"] for m in ms if m["cf_round_trips"] is not None]
                 results[name][key] = {
                     "per_s": round(statistics.median(m["per_s"] for m in ms), 1),
                     "cpu_us_per_lifecycle": round(statistics.median(m["cpu_us"] for m in ms)),
+                    "server_cpu_us_per_lifecycle": _median_or_none([m["server_cpu_us"] for m in ms]),
+                    "client_cpu_us_per_lifecycle": _median_or_none([m["client_cpu_us"] for m in ms]),
                     "redis_cpu_us_per_lifecycle": _median_or_none([m["redis_cpu_us"] for m in ms]),
                     "fsyncs_per_commit": round(statistics.median(fs), 3) if fs else None,
                     "cf_round_trips_per_lifecycle": round(statistics.median(trips), 2) if trips else None,
@@ -970,6 +993,9 @@ def print_tables(record: dict[str, Any]) -> None:
     peers = list(record["results"])
     for title, key, fmt in (("lifecycles/s (median)", "per_s", "{:.0f}"),
                             ("CPU µs per lifecycle (servers + clients)", "cpu_us_per_lifecycle", "{:.0f}"),
+                            ("of which the servers (with their children)", "server_cpu_us_per_lifecycle",
+                             "{:.0f}"),
+                            ("of which the client processes", "client_cpu_us_per_lifecycle", "{:.0f}"),
                             ("of which redis-server (the SQM's CF; durable Redis's server)",
                              "redis_cpu_us_per_lifecycle", "{:.0f}"),
                             ("fsyncs per commit", "fsyncs_per_commit", "{:.2f}"),

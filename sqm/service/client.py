@@ -49,11 +49,9 @@ browse returns the messages one reply carries, with ``more`` set when it left so
 
 from __future__ import annotations
 
-import contextlib
 import hmac
 import itertools
 import logging
-import select
 import socket
 import ssl
 import threading
@@ -63,16 +61,17 @@ from typing import Any, NoReturn
 
 from cfemu.cf import Browsed
 from cfemu.errors import BackedOutError, MQError, OutcomePendingError, OutcomeUnknownError
-from cfemu.sockets import set_kernel_timeout, set_receive_timeout
 from sqm.core.connection import Message
 from sqm.core.messaging import UnitOfWorkScope
 from sqm.service.client_conversations import ConversationCalls
 from sqm.service.client_pubsub import PubSubCalls
+from sqm.service.client_wire import Wire
 from sqm.service.ops import OPERATIONS
 from sqm.service.protocol import (
     APPLICATION,
     AUTH_METHOD,
     DEFAULT_MAX_FRAME,
+    HEADER,
     MIN_FRAME,
     PROOF_BYTES,
     PROTOCOL_VERSION,
@@ -85,12 +84,10 @@ from sqm.service.protocol import (
     QuiescingError,
     auth_proof,
     auth_transcript,
-    decode_body,
     encode_frame,
     error_from_wire,
     message_from_wire,
     new_nonce,
-    recv_body,
     recv_frame,
 )
 
@@ -226,15 +223,12 @@ class Client(ConversationCalls, PubSubCalls, UnitOfWorkScope):
         self.qmgr = ""  # name of the queue manager currently connected to
         self.endpoint: Endpoint | None = None
         self._index = 0
-        self._sock: socket.socket | None = None
+        self._wire: Wire | None = None  # the connection to the server now, if any
         self._ids = itertools.count(1)
         self._uow_open = False
         self._user: str | None = None  # the user id this connection's session logged on with
         self._ps_held = False  # the publish/subscribe session holds something (the server says, in each reply)
         self._held = False  # the session holds a unit of work (sent or received, not settled): the server says
-        self._rbuf = bytearray()  # what was read past the last reply
-        self._poll: select.poll | None = None  # what tells whether the server closed the connection between requests
-        self._timeout: float | None = None
         self._lock = threading.Lock()
         if connect:
             with self._lock:
@@ -270,54 +264,29 @@ class Client(ConversationCalls, PubSubCalls, UnitOfWorkScope):
             sock.settimeout(self.request_timeout)
             hello = handshake(sock, token=self.token, role=self.role, client_name=self.client_name,
                               max_frame=self.own_max_frame, where=f"{ep[0]}:{ep[1]}")
+            max_frame = min(self.own_max_frame, int(hello.get("max_frame", self.own_max_frame)))
+            wire = Wire(sock, request_timeout=self.request_timeout, max_frame=max_frame)
         except BaseException:
             sock.close()
             raise
-        self.max_frame = min(self.own_max_frame, int(hello.get("max_frame", self.own_max_frame)))
+        self.max_frame = max_frame
         self.qmgr = str(hello.get("qmgr", ""))
         self.endpoint = ep
-        self._sock = sock
-        self._rbuf = bytearray()
-        self._poll = None  # made at the first request of this connection
-        self._timeout = None  # the receive timeout set on this socket (plain sockets: SO_RCVTIMEO; None: none yet)
+        self._wire = wire
         log.debug("connected to %s at %s:%d", self.qmgr, *ep)
 
     def _drop(self) -> None:
-        if self._sock is not None:
-            with contextlib.suppress(OSError):
-                self._sock.close()
-        self._sock = None
+        if self._wire is not None:
+            self._wire.close()
+        self._wire = None
         self._index += 1  # fail over: the next connection tries the next endpoint first
-
-    def _died_while_idle(self) -> bool:
-        """Between requests the server sends nothing, so a readable socket means it closed (or broke)."""
-        assert self._sock is not None
-        try:
-            if self._poll is None:  # one poll object per connection: no fd lists built per request, as select's
-                self._poll = select.poll()
-                self._poll.register(self._sock, select.POLLIN)
-            if not self._poll.poll(0):  # POLLIN, or the POLLHUP, POLLERR or POLLNVAL that poll always reports
-                return False
-        except (OSError, ValueError):
-            return True
-        if isinstance(self._sock, ssl.SSLSocket):
-            # TLS records that carry no application data (a TLS 1.3 session ticket) also make the socket readable.
-            try:
-                self._sock.setblocking(False)
-                self._sock.recv(1)
-            except ssl.SSLWantReadError:
-                return False
-            except OSError:
-                return True
-        return True
 
     def close(self) -> None:
         """Disconnect. Like MQDISC after an abnormal end, the server backs out an open unit of work."""
         with self._lock:
-            if self._sock is not None:
-                with contextlib.suppress(OSError):
-                    self._sock.close()
-            self._sock = None
+            if self._wire is not None:
+                self._wire.close()
+            self._wire = None
             self._uow_open = False
             self._user, self._held = None, False
 
@@ -336,35 +305,35 @@ class Client(ConversationCalls, PubSubCalls, UnitOfWorkScope):
               settles: str = "") -> Any:
         with self._lock:
             for _attempt in (1, 2):
-                if self._sock is None:
+                wire = self._wire
+                if wire is None:
                     self._connect()
-                elif self._died_while_idle():
+                    wire = self._wire
+                    assert wire is not None
+                elif wire.closed_while_idle():
                     self._lost(op, syncpoint, in_flight=False, why="the connection was closed", settles=settles)
                     continue
-                assert self._sock is not None
                 rid = next(self._ids)
-                frame = encode_frame({"id": rid, "op": op, "args": args})
-                if len(frame) - 4 > self.max_frame:
-                    self._too_long(op, args, len(frame) - 4)
+                frame = wire.frame({"id": rid, "op": op, "args": args})
+                if len(frame) - HEADER.size > self.max_frame:
+                    self._too_long(op, args, len(frame) - HEADER.size)
                 try:
-                    self._set_timeout(self.request_timeout + wait_s)
-                    self._sock.sendall(frame)
-                    body = recv_body(self._sock, self._rbuf, self.max_frame)
-                    if body is None:
-                        raise ConnectionError("connection closed by the server")
-                    reply = decode_body(body)
+                    reply = wire.exchange(frame, rid, self.request_timeout, wait_s)
                 except (OSError, ProtocolError, FrameTooLargeError) as e:
                     self._lost(op, syncpoint, in_flight=True, why=str(e) or type(e).__name__, settles=settles)
                     continue
-                if not isinstance(reply, dict) or "ok" not in reply:
+                if type(reply) is not dict or "ok" not in reply:
                     self._drop()
                     raise ProtocolError(f"{op}: malformed reply from {self.qmgr}: {reply!r}")
-                if isinstance(reply.get("uow"), bool):
-                    self._uow_open = reply["uow"]
-                if isinstance(reply.get("held"), bool):
-                    self._held = reply["held"]
-                if isinstance(reply.get("ps_held"), bool):
-                    self._ps_held = reply["ps_held"]
+                flag = reply.get("uow")
+                if flag is True or flag is False:
+                    self._uow_open = flag
+                flag = reply.get("held")
+                if flag is True or flag is False:
+                    self._held = flag
+                flag = reply.get("ps_held")
+                if flag is True or flag is False:
+                    self._ps_held = flag
                 if reply["ok"]:
                     return reply.get("result")
                 exc = error_from_wire(reply.get("error"))
@@ -378,26 +347,6 @@ class Client(ConversationCalls, PubSubCalls, UnitOfWorkScope):
             if op in READ_ONLY or op == "logon":
                 raise QueueManagerUnavailableError(f"{op}: the connection was lost twice")
             raise BackedOutError(f"{op}: the connection was lost twice; the unit of work was backed out")
-
-    def _set_timeout(self, seconds: float) -> None:
-        """The reply must come within seconds. A plain socket stays blocking with the kernel's receive timeout
-        (set only when it changes): no poll before each send and receive, as a Python socket timeout makes. Its
-        send timeout is the request timeout, set once: the server reads a request at once, however long it then
-        waits for a message (a get's wait lengthens the receive timeout alone, one setsockopt each time it
-        changes, which a get between puts and commits makes twice per message)."""
-        sock = self._sock
-        assert sock is not None
-        if seconds == self._timeout:
-            return
-        if isinstance(sock, ssl.SSLSocket):
-            sock.settimeout(seconds)
-        else:
-            if self._timeout is None:  # the connection's first request: blocking, with both kernel timeouts
-                set_kernel_timeout(sock, self.request_timeout)
-                self._timeout = self.request_timeout
-            if seconds != self._timeout:
-                set_receive_timeout(sock, seconds)
-        self._timeout = seconds
 
     def _too_long(self, op: str, args: dict[str, Any], length: int) -> NoReturn:
         """A request this connection cannot carry: refused before anything is sent (the UOW is as it was)."""

@@ -247,20 +247,6 @@ def recv_until(sock: socket.socket, buf: bytearray, end: int, chunk: int) -> Non
         buf += got
 
 
-def recv_body(sock: socket.socket, buf: bytearray, max_frame: int) -> bytes | None:
-    """The next frame's body from a blocking socket, reading ahead into buf (kept by the caller for the next
-    call: one recv usually brings a whole frame), or None at a clean end of stream between frames. A longer frame
-    than max_frame is refused from its header, before its body is read."""
-    length = recv_frame_length(sock, buf, max_frame)
-    if length is None:
-        return None
-    end = HEADER.size + length
-    recv_until(sock, buf, end, max(65536, min(end - len(buf), 2**20)))
-    body = bytes(buf[HEADER.size:end])
-    del buf[:end]
-    return body
-
-
 # --- requests and replies ----------------------------------------------------------------------------------
 def parse_request(obj: Any) -> tuple[int, str, dict[str, Any]]:
     """(id, op, args) of a decoded request; a malformed one raises ProtocolError (with the id when known)."""
@@ -329,6 +315,9 @@ def message_to_wire(m: Message) -> dict[str, Any]:
 
 
 def message_from_wire(obj: dict[str, Any]) -> Message:
+    """The Message a reply's map describes; fields this side does not know (a newer server's) are left out."""
+    if obj.keys() <= _MESSAGE_NAMES:  # the usual case, checked in C: no map made again
+        return Message(**obj)
     return Message(**{k: v for k, v in obj.items() if k in _MESSAGE_NAMES})
 
 

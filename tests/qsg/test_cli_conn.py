@@ -47,7 +47,7 @@ def test_conn_shows_each_connection_with_its_application_peer_and_open_uow(redis
                 Client(qm2.endpoint, token=TOKEN, client_name="billing") as idle:
             app.put("Q1", b"in flight")  # under syncpoint: the connection's UOW stays open
             idle.ping()
-            local = app._sock.getsockname() if app._sock is not None else None
+            local = app._wire.sock.getsockname() if app._wire is not None else None
             assert local is not None
             doc = _conn(*operator)
             assert doc["unreachable"] == []

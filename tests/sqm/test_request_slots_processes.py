@@ -327,8 +327,8 @@ def test_failing_requests_and_clients_that_leave_mid_request_return_the_only_slo
             leaver = Client(srv.endpoint, token=TOKEN, tls=ctx, reconnect_timeout=0)
             t, out = in_thread(lambda c=leaver: c.get("Q2", syncpoint=False, wait_ms=5_000))  # type: ignore[misc]
             time.sleep(0.3)
-            assert leaver._sock is not None
-            leaver._sock.shutdown(socket.SHUT_RDWR)
+            assert leaver._wire is not None
+            leaver._wire.sock.shutdown(socket.SHUT_RDWR)
             t.join(10)
             assert out and isinstance(out[0], BaseException), out
             leaver.close()
