@@ -83,6 +83,12 @@ class OutcomeUnknownError(MQError):
     """The commit's outcome is not known (the connection died during commit)."""
 
     reason, reason_name = 2009, "MQRC_CONNECTION_BROKEN"
+    # What a get whose commit's outcome is not known (or pending, below) delivered all the same (a get outside
+    # syncpoint, a conversation's receive of a message outside a unit of work): the message, as the call would have
+    # returned it; None for a commit that delivers nothing. Taken and logged, it is never consumed for nobody;
+    # should the commit not be on disk (or a restore read the logs before it), the message is delivered again
+    # later (docs/client.md, "Outcome pending").
+    message: Any = None
 
 
 class OutcomePendingError(OutcomeUnknownError):
@@ -94,11 +100,6 @@ class OutcomePendingError(OutcomeUnknownError):
     loses its connection to a CF structure during the commit (MQCC_WARNING)."""
 
     reason, reason_name = 2124, "MQRC_OUTCOME_PENDING"
-    # What a get whose commit is pending delivered all the same (a get outside syncpoint, a conversation's receive
-    # of a message outside a unit of work): the message, as the call would have returned it; None for a commit
-    # that delivers nothing. Taken and logged, it is never consumed for nobody; a restore that read the logs before
-    # the commit may make it available again (docs/client.md, "Outcome pending").
-    message: Any = None
 
 
 class InDoubtError(MQError):

@@ -19,8 +19,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def declared(pyproject: Path) -> list[str]:
     """The dotted names of the extensions pyproject.toml declares."""
+    return [ext["name"] for ext in _extensions(pyproject)]
+
+
+def _extensions(pyproject: Path) -> list[dict]:  # type: ignore[type-arg]
     config = tomllib.loads(pyproject.read_text())
-    return [ext["name"] for ext in config["tool"]["setuptools"].get("ext-modules", [])]
+    return list(config["tool"]["setuptools"].get("ext-modules", []))
 
 
 def built_file(root: Path, name: str) -> Path | None:
@@ -35,16 +39,23 @@ def built_file(root: Path, name: str) -> Path | None:
 
 
 def missing(root: Path) -> list[str]:
-    """The declared extensions with no compiled file."""
-    return [name for name in declared(root / "pyproject.toml") if built_file(root, name) is None]
+    """The declared extensions with no compiled file, or one older than a file it is compiled from: a build that
+    failed leaves the last one that worked in place, which is not the source's."""
+    absent = []
+    for ext in _extensions(root / "pyproject.toml"):
+        built = built_file(root, ext["name"])
+        inputs = [root / f for f in (*ext.get("sources", []), *ext.get("depends", []))]
+        if built is None or any(f.is_file() and f.stat().st_mtime > built.stat().st_mtime for f in inputs):
+            absent.append(ext["name"])
+    return absent
 
 
 def main(root: Path = ROOT) -> int:
     names = declared(root / "pyproject.toml")
     absent = missing(root)
     for name in absent:
-        print(f"native part not built: {name} (the package runs without it, slower; rebuild with "
-              f"`{sys.executable} -m pip install -e .` without -q to see the compiler's error)", file=sys.stderr)
+        print(f"native part not built from its source: {name} (the package runs without it, or an older build of it; "
+              f"`{sys.executable} -m pip install -e .` shows the compiler's error)", file=sys.stderr)
     if not absent:
         print(f"native parts built: {len(names)} of {len(names)}")
     required = os.environ.get("NATIVE_REQUIRED", "0") == "1"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -46,11 +47,11 @@ def test_a_part_the_build_left_out_is_named_and_fails_where_required(
     monkeypatch.setenv("NATIVE_REQUIRED", "1")
     assert check_built.main(root) == 1
     err = capsys.readouterr().err
-    assert "native part not built: beta._quick" in err and "alpha._fast" not in err
+    assert "native part not built from its source: beta._quick" in err and "alpha._fast" not in err
     # outside CI the package still installs: the part falls back to its slower path, and the line says so
     monkeypatch.setenv("NATIVE_REQUIRED", "0")
     assert check_built.main(root) == 0
-    assert "native part not built: beta._quick" in capsys.readouterr().err
+    assert "native part not built from its source: beta._quick" in capsys.readouterr().err
 
 
 def test_a_complete_build_passes_quietly(check_built, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -69,3 +70,14 @@ def test_make_venv_runs_the_check_after_the_install() -> None:
     assert check < text.index("touch $(STAMP)", install)
     assert "export NATIVE_REQUIRED=1" in (ROOT / ".ci" / "run").read_text()
 
+
+
+def test_a_part_older_than_its_source_is_named_as_not_built(check_built, tmp_path: Path) -> None:
+    """A build that fails leaves the last one that worked in place: a compiled file older than the source (or a
+    header it depends on) is not the source's."""
+    root = a_tree(tmp_path, built=["alpha._fast", "beta._quick"])
+    source = root / "beta" / "_quick.c"
+    source.write_text("int broken(")
+    built = root / "beta" / ("_quick" + importlib.machinery.EXTENSION_SUFFIXES[0])
+    os.utime(built, (built.stat().st_mtime - 60, built.stat().st_mtime - 60))
+    assert check_built.missing(root) == ["beta._quick"]

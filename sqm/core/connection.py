@@ -23,7 +23,6 @@ from cfemu.errors import (
     MQError,
     NoMessageError,
     NotJoinedError,
-    OutcomePendingError,
     OutcomeUnknownError,
     StructureFailedError,
     SyncpointLimitError,
@@ -348,13 +347,15 @@ class Connection(UnitOfWorkScope):
             # disconnected): then standing.lua asks before the force, as for any UOW.
             try:
                 qm.complete(own, True, pstore_checked=own.operations == 1)
-            except OutcomePendingError as e:
-                # The message is taken and its get logged: delivered with the error (e.message), so that it is never
-                # consumed for nobody, and the application learns its get is not known done: a restore that read
-                # the logs before it makes it available again, and then it is delivered again (at least once,
-                # never lost, never two gets both told done; docs/client.md).
+            except OutcomeUnknownError as e:
+                # Pending (a structure could not take it) or unknown (the log failed as its COMMIT was written): the
+                # message is taken and its get logged, or perhaps logged: delivered with the error (e.message), so
+                # that it is never consumed for nobody, and the application learns its get is not known done: a
+                # restore that read the logs before it, or a restart that finds no COMMIT, makes it available again,
+                # and then it is delivered again (at least once, never lost, never two gets both told done;
+                # docs/client.md).
                 log.warning("%s: the get of message %s from %s outside syncpoint is delivered with its outcome "
-                            "pending: %s", qm.name, entry.id, queue, e)
+                            "not known: %s", qm.name, entry.id, queue, e)
                 e.message = message
                 raise
         return message
@@ -563,7 +564,7 @@ class Connection(UnitOfWorkScope):
         if error is None and commit:
             try:
                 self._commit(fresh and set(uow.structures) <= checked)
-            except OutcomePendingError as e:  # the messages are delivered, as by a get outside syncpoint
+            except OutcomeUnknownError as e:  # pending or unknown: the messages are delivered, as by a get alone
                 return BatchResult(taken, e)
             return BatchResult(taken, None, committed=True)
         self._drop_if_empty(uow)

@@ -29,7 +29,6 @@ from cfemu.errors import (
     ClientGoneError,
     MQError,
     NoMessageError,
-    OutcomePendingError,
     OutcomeUnknownError,
     StructureFailedError,
 )
@@ -295,7 +294,7 @@ class Lifecycles(Connection):
         for b in batches:
             if b.decided is not None:
                 for (i, _, message), error in zip(b.together, b.decided.errors, strict=True):
-                    if isinstance(error, OutcomePendingError) and isinstance(b.calls[i], OneGet):
+                    if isinstance(error, OutcomeUnknownError) and isinstance(b.calls[i], OneGet):
                         error.message = message  # delivered with it, as a get outside syncpoint (Connection.get)
                     b.out[i] = error or (DONE if message is None else message)
             for call, outcome in zip(b.calls, b.out, strict=True):  # under syncpoint: counted when taken
@@ -328,7 +327,7 @@ class Lifecycles(Connection):
                 qm.complete(uow, True)
                 return None
             qm.complete(uow, True, pstore_checked=True)
-        except OutcomePendingError as e:
+        except OutcomeUnknownError as e:  # pending or unknown: the message goes with it, never consumed for nobody
             e.message = message
             return e
         except MQError as e:

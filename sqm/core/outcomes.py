@@ -253,17 +253,8 @@ class Outcomes:
                 continue
             try:
                 self.log.force(d.position)  # the first force takes the later batches' records with it
-            except OSError as e:
+            except OSError as e:  # whatever failed in the force (RecordLog.force): the log is not trusted again
                 self._log_failed_for(d, e)
-            except Exception as e:
-                # Not an I/O error (the log closed under the batch, a bug): whether the COMMITs reached the disk is
-                # not known, as after a failed fsync, and a log whose force fails so is not trusted either. Left
-                # decided, they would hold their entries locked while the member went on serving, until a later
-                # force took them to disk unapplied; as a log failure the member refuses persistent work, its
-                # callers hear their outcomes are unknown, and its restart decides them from the log.
-                log.error("%s: forcing the COMMITs of a batch failed (%s: %s)", self.name, type(e).__name__, e,
-                          exc_info=e)
-                self._log_failed_for(d, OSError(f"its force failed: {type(e).__name__}: {e}"))
         failpoint("lifecycles-after-force")
         if applications:
             failpoint("after-log-force")

@@ -89,6 +89,11 @@ class ArchiveOutcome:
     bytes: int
 
 
+
+class _BadPosition(ValueError):
+    """force() was given a position past the last record appended: the caller's error, not the log's."""
+
+
 class RecordLog:
     """One SQM's log, opened for writing.
 
@@ -545,14 +550,34 @@ class RecordLog:
         """Block until every record appended up to ``upto`` (default: everything appended so far, by any
         thread) is written and fsynced. Group commit: one caller (the leader) writes and fsyncs everything
         appended before its flush started; callers arriving meanwhile wait, then either find their position
-        durable or lead the next flush."""
+        durable or lead the next flush.
+
+        A force that fails raises OSError, whatever failed (an I/O error, or anything else in the flush): what
+        reached the disk is then not known, so the log is not trusted again (every later append and force is
+        refused, and close forces nothing more), as after a failed fsync. A caller's bad position is its own
+        ValueError, and a log closed after every record up to ``upto`` was forced answers that it is durable."""
+        try:
+            self._force(upto)
+        except (OSError, _BadPosition):
+            raise
+        except Exception as e:
+            with self._lock:
+                if self._failed is None:
+                    self._failed = OSError(f"a force failed: {type(e).__name__}: {e}")
+            raise OSError(f"{self.directory}: record log unusable: a force failed ({type(e).__name__}: {e})") from e
+
+    def _force(self, upto: LogPosition | None) -> None:
         with self._lock:
-            if self._closed or self._failed is not None:
+            if self._failed is not None:
                 self._raise_unusable()
             last = self._last
             if upto is not None and last is not None and upto > last:
-                raise ValueError(f"force({upto}): position beyond the last appended record {last}")
+                raise _BadPosition(f"force({upto}): position beyond the last appended record {last}")
             target = upto if upto is not None else last
+            if self._closed:
+                if target is None or self._durable > target:
+                    return  # close forced it before it closed
+                self._raise_unusable()
         before_wait()  # a service request's slot goes to another request while this one waits (group commit)
         with self._fcond:
             self.stats.forces += 1

@@ -179,11 +179,14 @@ class BatchError(MQError):
     exception a single put or get would have raised (its reason code is this one's); ``done``: the messages that
     took effect, in order: in the unit of work, which stays open (commit or back it out), or committed when
     ``committed`` (a batch outside syncpoint, whose done messages are committed as single puts would be). A
-    ``get_batch`` with ``commit`` whose commit is logged but pending (``cause`` an OutcomePendingError) delivers
-    its messages in ``done``: taken, their get completing when the structure is back (docs/client.md)."""
+    ``get_batch`` with ``commit`` whose commit is logged but pending (``cause`` an OutcomePendingError), or whose
+    outcome is not known (``cause`` an OutcomeUnknownError: the log failed as its COMMIT was written), delivers its
+    messages in ``done``: taken, their get completing when the structure is back, or decided by the member's
+    restart (docs/client.md)."""
 
     def __init__(self, cause: MQError, done: list[Message], committed: bool) -> None:
-        what = "their commit pending" if isinstance(cause, OutcomePendingError) else "one refused"
+        what = ("their commit pending" if isinstance(cause, OutcomePendingError) else
+                "their commit's outcome not known" if isinstance(cause, OutcomeUnknownError) else "one refused")
         super().__init__(f"{len(done)} message(s) of the batch done{' and committed' if committed else ''}, "
                          f"{what}: {cause}")
         self.cause, self.done, self.committed = cause, done, committed
@@ -417,7 +420,7 @@ class Client(ConversationCalls, PubSubCalls, UnitOfWorkScope):
             args["correlid"] = correlid
         try:
             return message_from_wire(self._call("get", args, syncpoint=syncpoint, wait_s=wait_ms / 1000))
-        except OutcomePendingError as e:  # its commit pending: the message is delivered with the error (.message)
+        except OutcomeUnknownError as e:  # its commit pending or unknown: the message comes with the error (.message)
             if isinstance(e.message, dict):
                 e.message = message_from_wire(e.message)
             raise

@@ -10,7 +10,7 @@ import time
 from typing import Any, Protocol
 
 from cfemu import repository
-from cfemu.errors import BadRequestError, MQError, OutcomePendingError, TruncatedMessageError
+from cfemu.errors import BadRequestError, MQError, OutcomeUnknownError, TruncatedMessageError
 from cfemu.topic_attributes import PUB_SUFFIX, SUB_SUFFIX
 from cfemu.uow_attributes import CONTROL_SUFFIX, DATA_SUFFIX
 from sqm import operations
@@ -119,8 +119,9 @@ def get(svc: Service, session: Session, args: dict[str, Any]) -> dict[str, Any]:
                      max_length=session.reply_limit - ENVELOPE - MESSAGE_COST)
     except TruncatedMessageError as e:
         raise _too_long(svc, session, "get", queue, e) from None
-    except OutcomePendingError:  # delivered with the error (its "delivered"): a get all the same
-        svc.activity.got(session.queues, queue)
+    except OutcomeUnknownError as e:  # pending or unknown: delivered with the error (its "delivered")
+        if e.message is not None:
+            svc.activity.got(session.queues, queue)
         raise
     svc.activity.got(session.queues, queue)
     return message_to_wire(m)
@@ -174,7 +175,7 @@ def together_result(svc: Service, session: Session, call: Call, outcome: Message
         return _put_result(svc, session, outcome)
     if isinstance(outcome, TruncatedMessageError):
         raise _too_long(svc, session, "get", call.queue, outcome)
-    if isinstance(outcome, Message | OutcomePendingError):
+    if isinstance(outcome, Message) or getattr(outcome, "message", None) is not None:  # delivered, with an error too
         svc.activity.got(session.queues, call.queue)
     if isinstance(outcome, MQError):
         raise outcome

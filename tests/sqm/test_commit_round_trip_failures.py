@@ -18,7 +18,7 @@ from cfemu.cf import Structure
 from cfemu.embedded import EmbeddedRedis
 from cfemu.errors import BackedOutError, LogFailedError, OutcomePendingError, OutcomeUnknownError
 from sqm.core.connection import Message, PutSpec
-from sqm.core.lifecycles import Lifecycles, OnePut
+from sqm.core.lifecycles import Lifecycles, OneGet, OnePut
 from sqm.core.manager import QueueManager
 from sqm.core.records import INCOMMIT
 from tests.support.group import define_group, start_qm
@@ -140,33 +140,89 @@ def test_a_batch_whose_commits_fail_to_append_part_way_applies_those_appended_an
     assert _bodies(qm) == [b"m0", b"m1"]
 
 
-def test_a_batch_whose_force_fails_unexpectedly_is_a_log_failure_not_a_lock_left_behind(
-        qm: QueueManager, srv: EmbeddedRedis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The log's force raises what is not an I/O error (the log closed under the batch, a bug): whether the COMMITs
-    reached the disk is not known. Each caller hears its outcome is unknown (never "failed": a put so told might be
-    delivered), the member refuses persistent work as after a failed fsync, and its restart decides every one of
-    them from the log, leaving none locked on the CF."""
-    assert qm.log is not None
 
-    def force(upto: Any = None) -> None:
+def _force_fails_inside(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The log's next flush fails with what is not an I/O error (a bug in it): the writer fails for good."""
+    import sqm.log.writer as writer
+
+    def broken(fd: int) -> None:
         raise ValueError("a bug in the force")
 
-    monkeypatch.setattr(qm.log, "force", force)
+    monkeypatch.setattr(writer, "_fdatasync", broken)
+
+
+def _restarted(srv: EmbeddedRedis, tmp_path: Path, qm: QueueManager) -> QueueManager:
+    qm.stop()
+    return start_qm(srv.url, tmp_path / "logs", "QM1", lease_ms=60_000, background=False)
+
+
+def test_a_batch_whose_force_fails_unexpectedly_is_a_log_failure_not_a_lock_left_behind(
+        qm: QueueManager, srv: EmbeddedRedis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The log's force fails with what is not an I/O error: whether the COMMITs reached the disk is not known. Each
+    caller hears its outcome is unknown (never "failed": a put so told might be delivered), the member refuses
+    persistent work as after a failed fsync, and its restart decides every one of them from the log, leaving none
+    locked on the CF."""
     lifecycles = Lifecycles(qm)
     begun = lifecycles.begin([OnePut(PutSpec("Q1", b"m%d" % k)) for k in range(N)])
+    _force_fails_inside(monkeypatch)
     lifecycles.finish([begun])
     assert all(isinstance(o, OutcomeUnknownError) for o in begun.out), begun.out
     assert qm.log_failed and "a bug in the force" in qm.log_failed
     [refused] = Lifecycles(qm).run([OnePut(PutSpec("Q1", b"after"))])
     assert isinstance(refused, LogFailedError), refused
     monkeypatch.undo()
-    qm.stop()
-    again = start_qm(srv.url, tmp_path / "logs", "QM1", lease_ms=60_000, background=False)
+    again = _restarted(srv, tmp_path, qm)
     try:
         assert not again.uows and not again.pending
         bodies = _bodies(again)
         assert bodies in ([], [b"m%d" % k for k in range(N)]), bodies  # as the log decided: all or none
         got = [again.connect().get("Q1", syncpoint=False).body for _ in bodies]
         assert sorted(got) == bodies  # none is left locked: each decided one can be taken
+    finally:
+        again.stop()
+
+
+@pytest.mark.parametrize("path", ["batched", "alone"])
+def test_a_get_whose_commit_is_not_known_delivers_its_message(
+        qm: QueueManager, srv: EmbeddedRedis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    """A get outside syncpoint whose force fails: its outcome is not known (its COMMIT may be on disk, and then the
+    restart commits it), so the message goes with the error, never consumed for nobody: the caller has it, and,
+    should the restart back the get out, it is delivered again."""
+    qm.connect().put("Q1", b"held", syncpoint=False)
+    _force_fails_inside(monkeypatch)
+    if path == "batched":
+        [outcome] = Lifecycles(qm).run([OneGet("Q1")])
+        assert isinstance(outcome, OutcomeUnknownError), outcome
+        error = outcome
+    else:
+        with pytest.raises(OutcomeUnknownError) as caught:
+            qm.connect().get("Q1", syncpoint=False)
+        error = caught.value
+    assert isinstance(error.message, Message) and error.message.body == b"held"
+    assert qm.log_failed
+    monkeypatch.undo()
+    again = _restarted(srv, tmp_path, qm)
+    try:
+        assert not again.uows and not again.pending
+        assert _bodies(again) in ([], [b"held"])  # consumed (its COMMIT on disk) or back on its queue
+    finally:
+        again.stop()
+
+
+def test_a_put_alone_whose_force_fails_unexpectedly_is_not_known_and_the_member_refuses_persistent_work(
+        qm: QueueManager, srv: EmbeddedRedis, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same failure on a put outside syncpoint made alone (Connection.put: QueueManager.append's force): the
+    caller hears its outcome is unknown (before: the ValueError itself, which the service reports as a refusal, for
+    a put its restart then delivered), and the member refuses persistent work from then on."""
+    conn = qm.connect()
+    _force_fails_inside(monkeypatch)
+    with pytest.raises(OutcomeUnknownError):
+        conn.put("Q1", b"alone", syncpoint=False)
+    with pytest.raises(LogFailedError):
+        conn.put("Q1", b"after", syncpoint=False)
+    monkeypatch.undo()
+    again = _restarted(srv, tmp_path, qm)
+    try:
+        assert not again.uows and not again.pending and _bodies(again) in ([], [b"alone"])
     finally:
         again.stop()

@@ -519,3 +519,44 @@ def test_truncation_anywhere_in_last_segment_yields_a_prefix(
             extra = {"k": "PUT", "l": 1, "d": b"after"}
             p = log.append(extra)
         assert read_all(d) == [*got, (p, extra)]
+
+
+def test_a_force_that_fails_in_any_way_fails_the_log_for_good(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not only an I/O error: anything that fails inside the flush leaves what reached the disk unknown, so the log
+    is not trusted again, as after a failed fsync: OSError now and for every later force and append, and close
+    forces nothing more."""
+    import sqm.log.writer as writer
+
+    log = RecordLog(tmp_path / "QM1", "QM1")
+    log.append(rec(1))
+    log.force()
+    pos = log.append(rec(2))
+
+    def broken(fd: int) -> None:
+        raise ValueError("a bug in the flush")
+
+    monkeypatch.setattr(writer, "_fdatasync", broken)
+    with pytest.raises(OSError, match="a bug in the flush"):
+        log.force(pos)
+    monkeypatch.undo()
+    with pytest.raises(OSError, match="unusable"):
+        log.append(rec(3))
+    with pytest.raises(OSError, match="unusable"):
+        log.force()
+    log.close()
+    other = RecordLog(tmp_path / "QM2", "QM2")
+    other.append(rec(1))
+    with pytest.raises(ValueError, match="beyond the last appended"):  # a caller's bad position is its own error
+        other.force(LogPosition(9, 9))
+    other.force()  # and the log goes on
+    other.close()
+
+
+def test_a_force_of_records_close_already_forced_succeeds(tmp_path: Path) -> None:
+    """A committer whose COMMIT the log's close forced (a member stopping while its last batch commits) is told its
+    record is durable, not that the log is closed: its commit goes on, as decided."""
+    log = RecordLog(tmp_path / "QM1", "QM1")
+    pos = log.append(rec(1))
+    log.close()
+    log.force(pos)  # durable: no error
+    assert [r["l"] for _, r in LogReader(tmp_path / "QM1").records()] == [1]
