@@ -40,15 +40,18 @@ def put_committed(qm: QueueManager, queue: str, bodies: list[bytes]) -> None:
         conn.commit()
 
 
-def drain(qm: QueueManager, queue: str) -> list[bytes]:
+def drain(qm: QueueManager, queue: str, out: list[bytes] | None = None) -> list[bytes]:
+    """Every message of ``queue``, each got and committed; into ``out`` as each is committed, so that a caller that
+    retries after an error (a cluster settling after a failover) keeps those taken before it."""
     conn = qm.connect()
-    out = []
+    out = [] if out is None else out
     while True:
         try:
-            out.append(conn.get(queue).body)
+            body = conn.get(queue).body
         except NoMessageError:
             break
         conn.commit()
+        out.append(body)
     return out
 
 
@@ -216,14 +219,15 @@ class Producer:
 
 def wait_for(cond, timeout: float, what: str) -> float:  # type: ignore[no-untyped-def]
     t0 = time.monotonic()
+    last: Exception | None = None  # what the condition last raised, named if it times out
     while time.monotonic() - t0 < timeout:
         try:
             if cond():
                 return time.monotonic() - t0
-        except (MQError, redis.exceptions.RedisError):
-            pass
+        except (MQError, redis.exceptions.RedisError) as e:
+            last = e
         time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last error: {last!r})")
 
 
 @pytest.mark.slow
@@ -302,7 +306,7 @@ def test_a_master_killed_with_a_replica_has_the_replica_promoted_and_its_structu
         promoted = cl.master_of("APP1")
         assert cl.role(promoted) == "master"
         got: list[bytes] = []
-        wait_for(lambda: got.extend(drain(qm2, "Q1")) is None and len(got) >= 20, 30, "APP1 served again")
+        wait_for(lambda: len(drain(qm2, "Q1", got)) >= 20, 30, "APP1 served again")
         print(f"kill to service on the promoted replica: {time.monotonic() - t0:.1f}s")
         assert sorted(got) == sorted(b"m-%d" % i for i in range(20))
         rcluster.refresh(client)  # this client has not met the failover yet: its first call would, and fail
