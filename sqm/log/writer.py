@@ -89,7 +89,6 @@ class ArchiveOutcome:
     bytes: int
 
 
-
 class _BadPosition(ValueError):
     """force() was given a position past the last record appended: the caller's error, not the log's."""
 

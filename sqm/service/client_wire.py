@@ -29,20 +29,12 @@ import msgpack
 
 from cfemu.sockets import set_kernel_timeout, set_receive_timeout
 from cfemu.thread_packer import KEEP_BELOW
-from sqm.service.protocol import HEADER, ProtocolError, check_length
+from sqm.service.protocol import HEADER, ProtocolError, check_length, decode_body
 
 RECEIVE_BUFFER = 65536  # a reply that fits is read and unpacked in place; a longer one gets a buffer of its own
 TCP_ESTABLISHED = 1  # tcp_info.tcpi_state (linux/tcp.h): the connection as it is while neither side closed it
 TCP_INFO = getattr(socket, "TCP_INFO", None)  # Linux; elsewhere a plain socket is polled too
 _NOT_WHOLE = object()  # no whole reply in one read: read on
-
-
-def _unpack(body: memoryview) -> Any:
-    """A reply's body unpacked; anything msgpack cannot read is a ProtocolError."""
-    try:
-        return msgpack.unpackb(body, raw=False, strict_map_key=True)
-    except Exception as e:  # msgpack raises several unrelated types (ExtraData, FormatError, ValueError, ...)
-        raise ProtocolError(f"frame is not valid msgpack: {type(e).__name__}: {e}") from None
 
 
 class Wire:
@@ -114,10 +106,7 @@ class Wire:
         if end >= HEADER.size:
             (length,) = HEADER.unpack_from(self._buf)
             if end == HEADER.size + length and length <= self.max_frame:
-                try:
-                    return msgpack.unpackb(self._view[HEADER.size:end], raw=False, strict_map_key=True)
-                except Exception as e:  # msgpack raises several unrelated types (ExtraData, FormatError, ...)
-                    raise ProtocolError(f"frame is not valid msgpack: {type(e).__name__}: {e}") from None
+                return decode_body(self._view[HEADER.size:end])
         self._start, self._end = 0, end
         return _NOT_WHOLE
 
@@ -138,7 +127,7 @@ class Wire:
             while have < len(whole):
                 have += self._receive(view[have:], deadline)
             self._start = self._end = 0
-            return _unpack(view[HEADER.size:])
+            return decode_body(view[HEADER.size:])
         while end < stop:
             start, end = self._read(start, end, deadline, stop - start)
             stop = start + HEADER.size + length
@@ -146,7 +135,7 @@ class Wire:
             self._start = self._end = 0
         else:  # more than this reply came (not from a server that keeps the protocol; kept in step all the same)
             self._start, self._end = stop, end
-        return _unpack(self._view[start + HEADER.size:stop])
+        return decode_body(self._view[start + HEADER.size:stop])
 
     def _read(self, start: int, end: int, deadline: float, need: int) -> tuple[int, int]:
         """Read more into the buffer, first moving what it holds to its front when ``need`` bytes from start would

@@ -172,8 +172,8 @@ def encode_frame(obj: Any) -> bytes:
     return HEADER.pack(len(body)) + body
 
 
-def decode_body(body: bytes | bytearray) -> Any:
-    """Unpack a frame body; anything msgpack cannot read is a ProtocolError."""
+def decode_body(body: bytes | bytearray | memoryview) -> Any:
+    """Unpack a frame body (where it lies, given a memoryview); anything msgpack cannot read is a ProtocolError."""
     try:
         return msgpack.unpackb(body, raw=False, strict_map_key=True)
     except Exception as e:  # msgpack raises several unrelated types (ExtraData, FormatError, ValueError, ...)

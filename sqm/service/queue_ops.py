@@ -175,7 +175,7 @@ def together_result(svc: Service, session: Session, call: Call, outcome: Message
         return _put_result(svc, session, outcome)
     if isinstance(outcome, TruncatedMessageError):
         raise _too_long(svc, session, "get", call.queue, outcome)
-    if isinstance(outcome, Message) or getattr(outcome, "message", None) is not None:  # delivered, with an error too
+    if isinstance(outcome, Message) or (isinstance(outcome, OutcomeUnknownError) and outcome.message is not None):
         svc.activity.got(session.queues, call.queue)
     if isinstance(outcome, MQError):
         raise outcome
