@@ -241,6 +241,12 @@ class Channel(virtual.Channel):
                 # Logged, completed when the structure is back: delivered, as a get outside syncpoint is
                 # (docs/client.md, "Outcome pending"), never consumed for nobody.
                 log.warning("cfemu: a no-ack delivery from %s with its commit pending: %s", queue, e)
+            except OutcomeUnknownError as e:
+                # The commit may have consumed it (the connection or the member's log failed during it): delivered
+                # all the same, for a delivery twice is better than none; the connection is not reused.
+                log.warning("cfemu: a no-ack delivery from %s with its commit's outcome not known: %s", queue, e)
+                client.close()
+                return payload
             except BaseException:
                 client.close()
                 raise

@@ -25,7 +25,6 @@ from cfemu.errors import (
     EndOfUowError,
     MQError,
     NoMessageError,
-    OutcomePendingError,
     OutcomeUnknownError,
     UnknownUowError,
     UowLimitError,
@@ -261,9 +260,10 @@ class Conversation:
                 try:
                     m = self.qm.connect().get(svc.name, syncpoint=False, max_length=max_length)
                     return Received(m.body, "", RECV_NONE, "", m.persistent)
-                except OutcomePendingError as e:  # delivered with the error, as the get outside syncpoint does
+                except OutcomeUnknownError as e:  # pending or unknown: delivered with the error, as the get does
                     m = e.message
-                    e.message = Received(m.body, "", RECV_NONE, "", m.persistent)
+                    if m is not None:
+                        e.message = Received(m.body, "", RECV_NONE, "", m.persistent)
                     raise
                 except NoMessageError:
                     pass

@@ -35,7 +35,7 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from cfemu.errors import MQError, NoMessageError, OutcomePendingError
+from cfemu.errors import MQError, NoMessageError, OutcomePendingError, OutcomeUnknownError
 from cfemu.limits import MAX_ID_LENGTH
 from sqm.core.client_watch import ClientWatch
 from sqm.core.connection import Connection, Message
@@ -54,7 +54,7 @@ PREFIX = "/ibmmq/rest/{version}/messaging/qmgr/{qmgr}/queue/{queue}"
 CSRF_HEADER = "ibm-mq-rest-csrf-token"
 MD = "ibm-mq-md-"
 USR = "ibm-mq-usr-"
-OUTCOME_HEADER = "ibm-mq-outcome"  # "pending": a DELETE's get delivered with its commit pending (docs/rest.md)
+OUTCOME_HEADER = "ibm-mq-outcome"  # a DELETE's get delivered with its commit "pending" or "unknown" (docs/rest.md)
 # The bodies IBM's POST takes: text of these media types, in UTF-8 (a missing charset is UTF-8).
 TEXT_TYPES = frozenset({"text/plain", "text/html", "text/xml", "application/json", "application/xml"})
 TEXT_PLAIN = "text/plain; charset=utf-8"
@@ -496,22 +496,27 @@ class RestEndpoint:
             text = message_text(m, "The message is not text in UTF-8: it was left on the queue.", "Get")
             if request.transport is None or request.transport.is_closing():
                 return web.Response(status=204)  # the caller left: backed out (the handle's end), not taken
-            pending = await self._run(session, "commit", partial(self._commit_taken, session))
+            outcome = await self._run(session, "commit", partial(self._commit_taken, session))
         reply = text_reply(m, text)
-        if pending:
-            reply.headers[OUTCOME_HEADER] = "pending"
+        if outcome:
+            reply.headers[OUTCOME_HEADER] = outcome
         return reply
 
-    def _commit_taken(self, session: RestSession) -> bool:
-        """Commit a message's get; True when the commit is logged but pending (a structure could not take it then):
-        the message is delivered all the same, as a get outside syncpoint delivers it with its OutcomePendingError
-        (docs/client.md, "Outcome pending"): never consumed for nobody, and the reply says its get is pending."""
+    def _commit_taken(self, session: RestSession) -> str:
+        """Commit a message's get; "" when it committed. A commit logged but pending (a structure could not take it
+        then) answers "pending", one whose outcome is not known (the member's log failed as its COMMIT was written)
+        "unknown": either way the message is delivered, as a get outside syncpoint delivers it with its error
+        (docs/client.md, "Outcome pending"), never consumed for nobody, and the reply says its get is not known
+        done."""
         try:
             queue_ops.commit(self.server, session, {})
         except OutcomePendingError as e:
             log.warning("REST: a message's get is delivered with its commit pending: %s", e)
-            return True
-        return False
+            return "pending"
+        except OutcomeUnknownError as e:
+            log.warning("REST: a message's get is delivered with its commit's outcome not known: %s", e)
+            return "unknown"
+        return ""
 
     async def _browse(self, request: web.Request, session: RestSession, limit: int) -> list[Message]:
         sel = self._selection(request, "/v3/" in request.path)

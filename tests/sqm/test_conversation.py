@@ -4,6 +4,7 @@ and the status). Restarts and CF loss: tests/sqm/test_uow_restart.py; the networ
 
 from __future__ import annotations
 
+import errno
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +27,7 @@ from cfemu.errors import (
 from sqm.conversations.conversation import ANY, BOTH, MSG, SYNC, Conversation
 from sqm.conversations.uowsweeper import Sweeper
 from sqm.core.manager import QueueManager
+from sqm.log import writer as log_writer
 from tests.support.group import two_members
 
 S, SVC, PLAIN_SVC, LIMITED = "APP1", "SVC", "NOSTAT", "LIM"
@@ -489,3 +491,23 @@ def test_a_receive_of_a_message_outside_a_uow_whose_commit_is_pending_delivers_i
     assert not qms[1].pending
     with pytest.raises(NoMessageError):
         rcv.receive(SVC, option=MSG)
+
+
+def test_a_receive_of_a_message_outside_a_uow_whose_commit_outcome_is_unknown_delivers_it_with_the_error(
+        pair: tuple[Conversation, Conversation], qms: tuple[QueueManager, QueueManager],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The receiving member's log fails as the get's COMMIT is written (its fdatasync answers EIO): the outcome is
+    not known, and the message comes with the error in the receive's own form, never consumed for nobody."""
+    snd, rcv = pair
+    snd.send(SVC, b"plain", option=MSG)
+
+    def eio(fd: int) -> None:
+        raise OSError(errno.EIO, "Input/output error (injected)")
+
+    monkeypatch.setattr(log_writer, "_fdatasync", eio)
+    with pytest.raises(OutcomeUnknownError) as told:
+        rcv.receive(SVC, option=MSG)
+    monkeypatch.undo()
+    got = told.value.message
+    assert (got.body, got.recv, got.uow) == (b"plain", "RECV_NONE", "")
+    assert qms[1].log_failed

@@ -13,7 +13,7 @@ from typing import Any, cast
 import pytest
 
 from cfemu.admin import Admin
-from cfemu.errors import BackedOutError, NoMessageError, OutcomePendingError
+from cfemu.errors import BackedOutError, NoMessageError, OutcomePendingError, OutcomeUnknownError
 from sqm.core.connection import Message
 from sqm.core.manager import QueueManager
 from sqm.core.uow import UnitOfWork
@@ -131,17 +131,23 @@ def test_a_coordinator_s_commit_of_a_prepared_unit_of_work_is_acknowledged(
 
 
 def test_the_rest_door_delivers_a_message_whose_get_commit_is_pending(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The REST DELETE's commit (RestEndpoint._commit_taken, called after the get): a pending one still sends the
-    200 with the message, as a get outside syncpoint delivers it; any other refusal is the request's error."""
+    """The REST DELETE's commit (RestEndpoint._commit_taken, called after the get): a pending one, or one whose
+    outcome is not known (the log failed as its COMMIT was written), still sends the 200 with the message, as a get
+    outside syncpoint delivers it; any other refusal is the request's error."""
     endpoint: Any = types.SimpleNamespace(server=None)
 
     def pending(*_: Any) -> None:
         raise OutcomePendingError("logged, pending")
 
+    def unknown(*_: Any) -> None:
+        raise OutcomeUnknownError("the log failed as the COMMIT was written")
+
     monkeypatch.setattr(queue_ops, "commit", pending)
-    assert RestEndpoint._commit_taken(endpoint, cast(Any, None)) is True  # the reply says so (ibm-mq-outcome)
+    assert RestEndpoint._commit_taken(endpoint, cast(Any, None)) == "pending"  # the reply says so (ibm-mq-outcome)
+    monkeypatch.setattr(queue_ops, "commit", unknown)
+    assert RestEndpoint._commit_taken(endpoint, cast(Any, None)) == "unknown"
     monkeypatch.setattr(queue_ops, "commit", lambda *_: None)
-    assert RestEndpoint._commit_taken(endpoint, cast(Any, None)) is False
+    assert RestEndpoint._commit_taken(endpoint, cast(Any, None)) == ""
 
     def backed_out(*_: Any) -> None:
         raise BackedOutError("backed out")
