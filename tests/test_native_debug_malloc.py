@@ -22,7 +22,7 @@ NATIVE_TESTS = [
 ]
 
 
-@pytest.mark.slow
+@pytest.mark.deep
 @pytest.mark.timeout(600)
 def test_the_native_parts_tests_pass_under_the_debug_allocator(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",

@@ -304,7 +304,7 @@ def test_backup_loses_nothing_under_any_interleaving(client: redis.Redis, scenar
     assert result.exploration.nodes > result.exploration.interleavings
 
 
-@pytest.mark.slow
+@pytest.mark.deep  # the default suite checks the product's CF (the module where built: above)
 @pytest.mark.parametrize("scenario", [lifecycle, redelivery, get_before_backup, put_outside_syncpoint, fused, expiry],
                          ids=lambda s: s.__name__)
 def test_backup_loses_nothing_under_any_interleaving_on_the_scripts(scripts_client: redis.Redis,

@@ -18,6 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("spark")]
 
 
+@pytest.mark.deep
 @pytest.mark.timeout(600)
 def test_the_spark_engine_restores_and_its_jvm_counts_in_the_peak(tmp_path: Path) -> None:
     copy = tmp_path / "bench"

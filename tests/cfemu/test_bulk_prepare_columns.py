@@ -209,7 +209,7 @@ def _mutated(draw: Any) -> _Row:
     return row
 
 
-@pytest.mark.slow
+@pytest.mark.deep
 @settings(max_examples=1500, deadline=None, database=None)
 @given(rows=st.lists(_mutated(), min_size=1, max_size=3))
 def test_descriptor_bytes_cut_or_corrupted_are_staged_as_prepare_stages_them_or_stepped_aside(rows: list[_Row]) -> None:

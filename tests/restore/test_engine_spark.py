@@ -583,6 +583,7 @@ def test_b12_a_uow_carried_across_a_restore_and_decided_later_is_decided_by_the_
     b12_history(redis_url, tmp_path, "spark", {"spark": spark})
 
 
+@pytest.mark.deep
 @pytest.mark.timeout(900)  # some tens of fetch jobs: up to 300 s on a loaded machine when they were 80 KiB each
 def test_the_spark_plan_streams_its_entries_to_spill_files_not_the_drivers_memory(
         spark: Any, tmp_path: Path) -> None:
@@ -621,6 +622,7 @@ def test_the_spark_plan_streams_its_entries_to_spill_files_not_the_drivers_memor
     assert not (tmp_path / "work").exists() or not any((tmp_path / "work").iterdir())
 
 
+@pytest.mark.deep
 def test_the_spark_plan_joins_entries_with_outcomes_in_spark_not_in_the_drivers_memory(
         spark: Any, tmp_path: Path) -> None:
     """The UOWs' outcomes meet the entries that need them in a shuffle by UOW (a hash join in Spark): the driver

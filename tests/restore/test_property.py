@@ -922,7 +922,7 @@ def run(machine: type[RestoreHistory], examples: int, steps: int, derandomize: b
     print("; ".join(f"{k}: {v}" for k, v in sorted(machine.stats.items())))
 
 
-@pytest.mark.slow
+@pytest.mark.deep  # the default suite runs the columnar engine's (below)
 @pytest.mark.timeout(900)  # a failure shrinks for up to 5 minutes (hypothesis's own bound) before it is reported
 def test_random_histories_with_cf_losses_deaths_and_skewed_clocks(redis_url: str, tmp_path: Path) -> None:
     machine = make_machine(redis_url, tmp_path)
