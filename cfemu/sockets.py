@@ -28,8 +28,12 @@ def set_receive_timeout(sock: socket.socket, seconds: float | None) -> None:
 
 
 def _timeval(seconds: float | None) -> bytes:
-    sec = 0.0 if not seconds or seconds <= 0 else seconds
-    return struct.pack("ll", int(sec), int((sec - int(sec)) * 1e6))
+    """A struct timeval for SO_RCVTIMEO/SO_SNDTIMEO; (0, 0), which the kernel reads as no timeout, only for None or
+    0 and less: a positive timeout below a microsecond (what is left of a deadline) is one microsecond."""
+    if not seconds or seconds <= 0:
+        return struct.pack("ll", 0, 0)
+    usec = max(1, round(seconds * 1e6))
+    return struct.pack("ll", usec // 1_000_000, usec % 1_000_000)
 
 
 def is_loopback_ip(address: str) -> bool:

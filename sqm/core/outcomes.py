@@ -40,7 +40,7 @@ from sqm.core.failpoints import failpoint
 from sqm.core.records import INBACKOUT, INCOMMIT, INDOUBT, INFLIGHT, Record
 from sqm.core.storereport import StoreReport
 from sqm.core.uow import UnitOfWork
-from sqm.log import RecordLog
+from sqm.log import RecordLog, RecordRefusedError
 from sqm.log.format import LogPosition
 
 log = logging.getLogger("sqm")
@@ -187,18 +187,21 @@ class Outcomes:
             self.checkpoint("logload")
         commits = [records.commit(u.id, self.clock.now(), u.structures) for u in uows]
         assert self.log is not None
-        appended = 0  # COMMITs appended
+        appended = tried = 0  # COMMITs appended; COMMITs whose append began
         try:
             with self.uow_lock:
                 for record in logged:
                     self.log.append(record)
                 for u, record in zip(uows, commits, strict=True):
+                    tried += 1
                     decided.position = self.log.append(record)
                     appended += 1
                     u.first_lrsn = u.first_lrsn or int(record["l"])
                     u.decide(INCOMMIT, record)
-        except OSError as e:  # a COMMIT may be on disk: each outcome is unknown here (log_failure)
-            self._log_failed_for(decided, e)
+        except OSError as e:
+            # A COMMIT appended, or whose append failed part way, may be on disk: its outcome is unknown here. One the
+            # log refused whole (RecordRefusedError), or never began, is not: its unit of work is refused.
+            self._log_failed_for(decided, e, appended if isinstance(e, RecordRefusedError) else tried)
         except Exception as e:
             if not appended:
                 raise  # nothing decided: the caller backs each unit of work out
@@ -225,11 +228,15 @@ class Outcomes:
         return BackedOutError(f"unit of work {uow.id} was backed out: its COMMIT could not be appended "
                               f"({type(why).__name__}: {why})")
 
-    def _log_failed_for(self, decided: Decided, e: OSError) -> None:
+    def _log_failed_for(self, decided: Decided, e: OSError, maybe_on_disk: int) -> None:
+        """The log failed while a batch's records were appended: the first ``maybe_on_disk`` units of work hear that
+        their outcome is unknown (their COMMIT may be on disk: the restart decides it), the others that they were
+        refused (LogFailedError: no COMMIT of theirs was written, so the restart backs them out; a get's message is
+        not delivered, or it would be delivered again then)."""
         for i, u in enumerate(decided.uows):
             if decided.errors[i] is None:
                 try:
-                    self.log_failure(e, u)
+                    self.log_failure(e, u if i < maybe_on_disk else None)
                 except MQError as failed:
                     decided.errors[i] = failed
         decided.position = None
@@ -254,7 +261,7 @@ class Outcomes:
             try:
                 self.log.force(d.position)  # the first force takes the later batches' records with it
             except OSError as e:  # whatever failed in the force (RecordLog.force): the log is not trusted again
-                self._log_failed_for(d, e)
+                self._log_failed_for(d, e, len(d.uows))  # every COMMIT of d was appended: each may be on disk
         failpoint("lifecycles-after-force")
         if applications:
             failpoint("after-log-force")

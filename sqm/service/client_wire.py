@@ -22,6 +22,7 @@ from __future__ import annotations
 import select
 import socket
 import ssl
+import sys
 import time
 from typing import Any
 
@@ -33,7 +34,9 @@ from sqm.service.protocol import HEADER, ProtocolError, check_length, decode_bod
 
 RECEIVE_BUFFER = 65536  # a reply that fits is read and unpacked in place; a longer one gets a buffer of its own
 TCP_ESTABLISHED = 1  # tcp_info.tcpi_state (linux/tcp.h): the connection as it is while neither side closed it
-TCP_INFO = getattr(socket, "TCP_INFO", None)  # Linux; elsewhere a plain socket is polled too
+# Linux's tcp_info (its tcpi_state numbering is Linux's own: the BSDs that name TCP_INFO number the states
+# otherwise); elsewhere a plain socket is polled too.
+TCP_INFO = getattr(socket, "TCP_INFO", None) if sys.platform.startswith("linux") else None
 _NOT_WHOLE = object()  # no whole reply in one read: read on
 
 

@@ -46,7 +46,7 @@ from cfemu.errors import (
 from cfemu.latency import Latencies
 from cfemu.repository import RepositoryError
 from sqm.conversations import ops as conversation_ops
-from sqm.core.lifecycles import Begun, Call, Lifecycles
+from sqm.core.lifecycles import Begun, Call, Lifecycles, OneGet
 from sqm.core.manager import CF_DOWN, QueueManager, QueueManagerConfig
 from sqm.log import LogLockedError
 from sqm.operations import OPERATOR, ROLES, Handler, NotLoggedOnError, short
@@ -391,10 +391,12 @@ class SQMServer:
             # disk); the others' outcomes stand (a put or get under syncpoint is in its unit of work whatever happened)
             failed = self._as_error("commit", e)
             for b in begun:
-                for i, _, _ in b.together:
+                for i, _, message in b.together:
                     if b.out[i] is None:
-                        b.out[i] = OutcomeUnknownError(f"its batch's force or commit failed ({failed}): committed if "
-                                                       "its COMMIT reached the disk")
+                        unknown = b.out[i] = OutcomeUnknownError(f"its batch's force or commit failed ({failed}): "
+                                                                 "committed if its COMMIT reached the disk")
+                        if isinstance(b.calls[i], OneGet):  # its message delivered with it, never consumed for nobody
+                            unknown.message = message
         now = time.time()
         for t in batches:
             if t.begun is None:

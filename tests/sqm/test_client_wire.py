@@ -8,6 +8,7 @@ import select
 import socket
 import ssl
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -183,3 +184,14 @@ def test_the_tls_check_between_requests_leaves_the_socket_blocking(tmp_path: Pat
         wire.close()
     finally:
         server.stop()
+
+
+def test_the_idle_check_reads_tcp_info_on_linux_alone() -> None:
+    """tcpi_state is numbered as Linux numbers it: on a BSD that names TCP_INFO too (ESTABLISHED is 4 there) the
+    check would find every idle connection closed, so there the socket is polled instead."""
+    probe = ("import sys; sys.platform = {!r}; import sqm.service.client_wire as w; "
+             "print(w.TCP_INFO is None)")
+    for platform, polled in (("freebsd14", "True"), ("linux", "False")):
+        out = subprocess.run([sys.executable, "-c", probe.format(platform)], capture_output=True, text=True,
+                             timeout=60, check=True).stdout.strip()
+        assert out == polled, (platform, out)

@@ -13,8 +13,11 @@ import pytest
 
 from cfemu.errors import LogFailedError, OutcomeUnknownError
 from sqm.log import writer as log_writer
+from sqm.service.client import Client
+from sqm.service.config import ServerConfig
 from tests.sqm.test_put_committed_recovery import all_bodies, crash, warm
 from tests.support.group import define_group, start_qm
+from tests.support.inprocess_server import RunningServer
 
 
 @pytest.fixture
@@ -84,5 +87,38 @@ def test_a_put_applied_on_the_cf_is_acknowledged_when_its_end_cannot_be_written(
     qm = start_qm(redis_url, log_root, "QM1", background=False)
     try:
         assert all_bodies(qm).count(b"applied") == 1  # the restart completes it again from its COMMIT, once
+    finally:
+        qm.stop()
+
+
+def test_a_get_after_the_log_failed_is_refused_through_the_service_not_delivered_twice(
+        redis_url: str, log_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once the member's log has failed, a get outside syncpoint through the service (the batch loop's path) has
+    its COMMIT refused by the writer, never written: it hears LogFailedError and its message is not delivered (the
+    restart backs the get out and the message is there again, delivered once then). Were it told "unknown" with the
+    message, the message would be delivered twice."""
+    member = RunningServer(ServerConfig(name="QM1", log_root=log_root, redis_url=redis_url, token="app-token",
+                                        port=0, lease_ms=1000, ready_file=log_root.parent / "QM1.ready"))
+    try:
+        with Client(member.endpoint, token="app-token") as c:
+            for body in (b"A", b"B"):
+                c.put("Q1", body, syncpoint=False)
+
+            def eio(fd: int) -> None:
+                raise OSError(errno.EIO, "Input/output error (injected)")
+            monkeypatch.setattr(log_writer, "_fdatasync", eio)
+            with pytest.raises(OutcomeUnknownError):
+                c.put("Q1", b"X", syncpoint=False)
+            monkeypatch.undo()
+            assert member.server.qm.log_failed
+            for _ in range(2):
+                with pytest.raises(LogFailedError) as refused:
+                    c.get("Q1", syncpoint=False)
+                assert getattr(refused.value, "message", None) is None
+    finally:
+        member.stop()
+    qm = start_qm(redis_url, log_root, "QM1", background=False)
+    try:
+        assert all_bodies(qm) == [b"A", b"B", b"X"]  # each there once: none was delivered
     finally:
         qm.stop()

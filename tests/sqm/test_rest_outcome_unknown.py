@@ -6,10 +6,7 @@ so that the failure can be injected at the writer), a real redis-server, real lo
 
 from __future__ import annotations
 
-import asyncio
 import errno
-import json
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,36 +14,12 @@ import pytest
 
 from sqm.log import writer as log_writer
 from sqm.service.config import ServerConfig
-from sqm.service.server import SQMServer
 from tests.sqm.test_put_committed_recovery import all_bodies
 from tests.sqm.test_rest import CSRF, TEXT, basic, http
 from tests.support.group import define_group, start_qm
-from tests.support.waits import wait_until
+from tests.support.inprocess_server import RunningServer
 
 TOKEN = "app-token"
-
-
-class RunningServer:
-    """An SQMServer serving on its own event loop in a thread of this process."""
-
-    def __init__(self, config: ServerConfig) -> None:
-        self.server = SQMServer(config)
-        self.loop = asyncio.new_event_loop()
-        self.exit_code: int | None = None
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-        ready = Path(str(config.ready_file))
-        wait_until(lambda: ready.exists() or not self.thread.is_alive(), 60, "the member to serve")
-        self.rest_port = int(json.loads(ready.read_text())["rest_port"])
-
-    def _serve(self) -> None:
-        self.exit_code = self.loop.run_until_complete(self.server.run(install_signals=False))
-
-    def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.server.request_stop)
-        self.thread.join(60)
-        assert not self.thread.is_alive(), "the member did not stop"
-        self.loop.close()
 
 
 @pytest.fixture

@@ -264,3 +264,35 @@ def test_a_call_of_the_batch_that_fails_unexpectedly_leaves_every_put_under_sync
     finally:
         monkeypatch.undo()
         qm.stop()
+
+
+def test_a_get_whose_batch_s_finish_fails_unexpectedly_is_delivered_with_its_unknown_outcome(
+        redis_factory: Callable[..., EmbeddedRedis], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The batch's force and commit (Lifecycles.finish) raise an error no path expects, after a get outside
+    syncpoint took its message and appended its COMMIT: the get's reply says its outcome is unknown and carries
+    the message (the restart commits the get when the COMMIT reached the disk): never consumed for nobody."""
+    srv = redis_factory()
+    define_group(srv.url, queues=("Q1",))
+    qm = start_qm(srv.url, tmp_path / "logs", "QM1", lease_ms=60_000, background=False)
+    server = SQMServer(ServerConfig(name="QM1", log_root=tmp_path / "logs", redis_url=srv.url, token="app-token"),
+                       qm=qm)
+    pool = ThreadPoolExecutor(1)
+    try:
+        qm.connect().put("Q1", b"taken", syncpoint=False)
+        session = Session(0, "127.0.0.1:1", pool, authenticated=True, request_limit=2**20, reply_limit=2**20,
+                          peer_ip="127.0.0.1", role=APPLICATION)
+
+        def broken(begun: Any) -> None:
+            raise RuntimeError("the finish broke")
+
+        monkeypatch.setattr(server.lifecycles, "finish", broken)
+        t = server.begin_together([(session, 1, "get", {"queue": "Q1", "syncpoint": False})])
+        server.finish_together([t])
+        monkeypatch.undo()
+        [reply] = t.replies
+        assert reply is not None and reply["error"]["type"] == "OutcomeUnknownError", reply
+        assert reply["error"]["delivered"]["body"] == b"taken", reply
+    finally:
+        monkeypatch.undo()
+        pool.shutdown(wait=False)
+        qm.stop()
