@@ -148,6 +148,46 @@ class ThreadProfiles:
             stats.dump_stats(path)
 
 
+def thread_clocks() -> dict[int, tuple[str, int, int, int, int]]:
+    """Every thread of this process now: native id -> (its Python name, or the OS's for a thread Python did not
+    start; user and system CPU ticks; voluntary and involuntary context switches), from /proc/self/task."""
+    names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+    out: dict[int, tuple[str, int, int, int, int]] = {}
+    for entry in os.listdir("/proc/self/task"):
+        tid = int(entry)
+        try:
+            with open(f"/proc/self/task/{entry}/stat", "rb") as f:
+                raw = f.read()
+            with open(f"/proc/self/task/{entry}/status") as f:
+                status = dict(line.split(":", 1) for line in f if ":" in line)
+        except OSError:  # ended meanwhile
+            continue
+        comm = raw[raw.index(b"(") + 1:raw.rindex(b")")].decode(errors="replace")
+        fields = raw.rsplit(b")", 1)[1].split()
+        out[tid] = (names.get(tid, comm), int(fields[11]), int(fields[12]),
+                    int(status["voluntary_ctxt_switches"]), int(status["nonvoluntary_ctxt_switches"]))
+    return out
+
+
+def per_thread(before: dict[int, tuple[str, int, int, int, int]], after: dict[int, tuple[str, int, int, int, int]],
+               n: int) -> dict[str, dict[str, float]]:
+    """Each thread's CPU (user, system µs) and context switches (voluntary, involuntary) per lifecycle over the
+    window, by name (threads of one name summed: a connection's threads, the executor's); those that spent
+    nothing left out. A thread that ended within the window is not counted (its figures went with it)."""
+    out: dict[str, dict[str, float]] = {}
+    for tid, (name, user, system, vol, invol) in after.items():
+        name0, user0, system0, vol0, invol0 = before.get(tid, (name, 0, 0, 0, 0))
+        row = out.setdefault(name.rstrip("0123456789_-") or name, {"user_us": 0.0, "system_us": 0.0,
+                                                                  "voluntary": 0.0, "involuntary": 0.0})
+        row["user_us"] += (user - user0) / TICK * 1e6 / n
+        row["system_us"] += (system - system0) / TICK * 1e6 / n
+        row["voluntary"] += (vol - vol0) / n
+        row["involuntary"] += (invol - invol0) / n
+    return {k: {f: round(v, 2 if f in ("voluntary", "involuntary") else 0) for f, v in row.items()}
+            for k, row in sorted(out.items(), key=lambda kv: -(kv[1]["user_us"] + kv[1]["system_us"]))
+            if row["user_us"] + row["system_us"] + row["voluntary"] > 0}
+
+
 PERF_EVENTS = {"raw_syscalls:sys_enter": "syscalls", "context-switches": "switches_perf"}
 
 
@@ -190,6 +230,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="count the server's system calls and context switches over the window (perf stat on the "
                          "raw_syscalls:sys_enter tracepoint of its threads; needs perf and access to tracepoints): a "
                          "count per lifecycle, not a time, which a loaded machine does not blur")
+    ap.add_argument("--threads", action="store_true",
+                    help="each of the server's threads apart (by its name: the event loop's, the beginner's, the "
+                         "finisher's, ...): CPU µs and context switches per lifecycle over the window "
+                         "(/proc/self/task)")
     ap.add_argument("--cprofile", metavar="PATH",
                     help="write a pstats file of the server's threads over the window, timed by each thread's CPU "
                          "clock (time.thread_time): where the server's CPU goes, function by function")
@@ -234,11 +278,13 @@ def main(argv: list[str] | None = None) -> int:
         perf = _perf_stat(os.getpid(), work / "perf.txt") if args.syscalls else None
         if profiles is not None:
             profiles.clear()
+        threads0 = thread_clocks() if args.threads else {}
         t0 = time.time()
         client.stdin.write("go\n")
         client.stdin.flush()
         n = int(client.stdout.readline()) * max(1, args.batch)
         elapsed = time.time() - t0
+        threads1 = thread_clocks() if args.threads else {}
         counted = _perf_counts(perf, work / "perf.txt") if perf is not None else {}
         if profiles is not None:
             profiles.dump(args.cprofile)
@@ -273,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
             "cpu_server_system_us": round(server_sys * per),  # of cpu_server_us: the kernel's share
             "server_context_switches": round(switches / n, 1),
             **{f"server_{k}": round(v / n, 1) for k, v in counted.items()},
+            **({"server_threads": per_thread(threads0, threads1, n)} if args.threads else {}),
             "load": [round(x, 2) for x in os.getloadavg()]}))
         sys.stdout.flush()
     finally:

@@ -78,3 +78,48 @@ def test_the_ungrouped_baseline_sends_each_cf_call_alone(tmp_path: Path) -> None
     assert (ungrouped["grouped"], ungrouped["cf_largest_round_trip"]) == (False, 0)  # no call went with another
     assert grouped["grouped"] and grouped["cf_largest_round_trip"] >= 1
     assert ungrouped["cf_round_trips"] > 0 and grouped["cf_round_trips"] > 0
+
+
+def test_each_thread_is_counted_under_its_own_name_per_lifecycle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--threads: a thread that burns CPU shows under its Python name, with its CPU per lifecycle; the digits that
+    number threads of one kind are dropped, so that they add up."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import profile_service
+
+    started, release = threading.Event(), threading.Event()
+
+    def burn() -> None:
+        end = time.thread_time() + 0.2
+        while time.thread_time() < end:
+            pass
+        started.set()
+        release.wait()
+
+    before = profile_service.thread_clocks()
+    workers = [threading.Thread(target=burn, name=f"burner-{i}") for i in range(2)]
+    for w in workers:
+        w.start()
+    started.wait(30)
+    while not all(t.native_id in profile_service.thread_clocks() for t in workers):
+        time.sleep(0.01)
+    after = profile_service.thread_clocks()
+    release.set()
+    for w in workers:
+        w.join()
+    rows = profile_service.per_thread(before, after, 10)
+    assert "burner" in rows, rows  # both threads under one name
+    assert rows["burner"]["user_us"] + rows["burner"]["system_us"] >= 0.3 / 10 * 1e6  # at least 2 x 0.2 s less slack
+
+
+@pytest.mark.slow
+def test_the_servers_event_loop_thread_is_profiled_by_name(tmp_path: Path) -> None:
+    copy = tmp_path / "bench"
+    shutil.copytree(REPO / "bench", copy, ignore=shutil.ignore_patterns("results", "__pycache__"))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    run = subprocess.run([sys.executable, str(copy / "profile_service.py"), "--seconds", "0.5", "--clients", "1",
+                          "--one-call", "--threads"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=180)
+    assert run.returncode == 0, run.stderr[-2000:]
+    figures = json.loads(run.stdout.strip().splitlines()[-1])
+    loop = figures["server_threads"]["QM1-loop"]  # one client: the loop begins and finishes its batches itself
+    assert loop["user_us"] + loop["system_us"] > 0 and loop["voluntary"] > 0
