@@ -343,6 +343,80 @@ static void map_pack(Buf *o, const Map *m, const Field *set, int nset) {
     }
 }
 
+/* A descriptor value the module writes as the script does: a scalar (a string, a number, nil, a boolean). */
+static int mp_scalar(const uint8_t *p, const uint8_t *end) {
+    const char *s;
+    size_t n;
+    double d;
+    if (p >= end) return 0;
+    return mp_str(p, end, &s, &n) || mp_num(p, end, &d) || *p == 0xc0 || *p == 0xc2 || *p == 0xc3;
+}
+
+/* Keys of one map (their strings) with none twice: cmsgpack keeps the last of a key given twice, the module each. */
+static int keys_unique(const char *const *k, const size_t *kl, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        for (size_t j = i + 1; j < n; j++)
+            if (kl[i] == kl[j] && memcmp(k[i], k[j], kl[i]) == 0) return 0;
+    return 1;
+}
+
+#define PLAIN_PROPERTIES 64
+/* A map of string keys to scalars, none twice (a message's properties). */
+static int plain_map(const uint8_t *p, const uint8_t *end) {
+    uint8_t c = *p;
+    size_t items;
+    const uint8_t *at = p + 1;
+    if ((c & 0xf0) == 0x80) items = c & 0x0f;
+    else if (c == 0xde && at + 2 <= end) { items = be(at, 2); at += 2; }
+    else return 0;
+    if (items > PLAIN_PROPERTIES) return 0;
+    const char *k[PLAIN_PROPERTIES];
+    size_t kl[PLAIN_PROPERTIES];
+    for (size_t i = 0; i < items; i++) {
+        if (!mp_str(at, end, &k[i], &kl[i])) return 0;
+        at = mp_skip(at, end, 0);
+        if (!at || !mp_scalar(at, end)) return 0;
+        at = mp_skip(at, end, 0);
+        if (!at) return 0;
+    }
+    return at == end && keys_unique(k, kl, items);
+}
+
+/* A put's descriptor in the shape the product makes it (cfemu.entry): keys none twice, a priority of 0-9, an expiry
+ * a whole number, ids strings, every other value a scalar or a map of string keys to scalars. The script's
+ * cmsgpack refuses some other shapes (extension types), and decodes and packs the rest its own way (a key given
+ * twice, integer keys, arrays with holes, deep nesting, numbers written in key names): a put of any other shape is
+ * left to the script, the specification, rather than written otherwise. */
+static int desc_plain(const uint8_t *p, size_t len, const Map *d) {
+    const uint8_t *end = p + len;
+    uint8_t c = *p;
+    size_t items;
+    const uint8_t *at = p + 1;
+    if ((c & 0xf0) == 0x80) items = c & 0x0f;
+    else if (c == 0xde && at + 2 <= end) { items = be(at, 2); at += 2; }
+    else return 0;
+    if (items > MAP_MAX) return 0;
+    const char *k[MAP_MAX];
+    size_t kl[MAP_MAX];
+    for (size_t i = 0; i < items; i++) {  /* every key, nil values too: map_parse skips those */
+        if (!mp_str(at, end, &k[i], &kl[i])) return 0;
+        at = mp_skip(at, end, 0);
+        if (!at || !(at = mp_skip(at, end, 0))) return 0;
+    }
+    if (!keys_unique(k, kl, items)) return 0;
+    double prio, exp;
+    if (!map_num(d, "p", &prio) || prio != (double)(int)prio || prio < 0 || prio > 9) return 0;
+    if (map_find(d, "exp") >= 0 && (!map_num(d, "exp", &exp) || exp != (double)(long long)exp)) return 0;
+    const char *s;
+    size_t n;
+    if ((map_find(d, "mid") >= 0 && !map_str(d, "mid", &s, &n)) ||
+        (map_find(d, "cid") >= 0 && !map_str(d, "cid", &s, &n)))
+        return 0;
+    for (int i = 0; i < d->n; i++)
+        if (!mp_scalar(d->v[i], d->vend[i]) && !plain_map(d->v[i], d->vend[i])) return 0;
+    return 1;
+}
+
 /* ------------------------------------------------------------------------------------------------ the call */
 
 enum { K_META, K_FENCE, K_ENT, K_DATA, K_UOWS, K_TOMB, K_QUEUES, K_EXPIRY, NKEYS };
@@ -914,7 +988,8 @@ static int cf_put(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     }
     PTR(desc, dr);
     Map d;
-    if (!map_parse((const uint8_t *)dr, dr_len, &d)) return to_script(c);
+    if (!map_parse((const uint8_t *)dr, dr_len, &d) || !desc_plain((const uint8_t *)dr, dr_len, &d))
+        return to_script(c);
     PTR(data, dt);
     (void)dt;
     double per = 0;
@@ -1085,6 +1160,7 @@ static int cf_get(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     if (uow_standing(c, uow, gen, rec) != REDISMODULE_OK) return REDISMODULE_OK;
     if (uow_owner_check(c, uow, member, rec) != REDISMODULE_OK) return REDISMODULE_OK;
     PTR(match, mt);
+    if (mt_len > 1 || (mt_len == 1 && *mt != 'm' && *mt != 'c')) return to_script(c);  /* a match by another index */
     /* every key the get reads as a list or set or writes, checked before its first write; which priority lists
      * hold entries, known from that check (the get's own pops change only the list it takes from) */
     int cp_there[10];

@@ -5,7 +5,7 @@ What an operator of the CF watches: whether it answers (``cfemu_cf_up``) or answ
 its busy-reply-threshold: ``cfemu_cf_busy``, and the BUSY replies in ``cfemu_cf_errors_total{error="BUSY"}``),
 its memory against its limit, its clients, its keys, how much time its commands and scripts took
 (``cfemu_cf_command_seconds_total{command="evalsha"}`` is the CF operations' time: each is one script; where the
-server module runs, its commands, ``cf.put`` and ``cf.get``, are the others: cfemu.server_module), and its
+server module runs, its commands, ``cf.put``, ``cf.get`` and ``cf.commit``, are the others: cfemu.server_module), and its
 persistence (the last save, the changes since, the last write's status). A scrape reads INFO once, with a short
 timeout, so a hung CF costs the scrape at most that long.
 """
