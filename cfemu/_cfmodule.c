@@ -446,6 +446,9 @@ typedef struct {
  * command's. Where the server will not make that call, TO_SCRIPT: nothing was done, and the caller runs it. Called
  * only before the command has written anything. */
 static int to_script(Call *c) {
+    /* No retry without the C flag where the server lacks it (Redis 6.2): there a script's write inside a module's
+     * replicated call fails the server's assertion (multi.c, propagate_in_transaction) and the server dies. Its
+     * caller runs the script after the rest of its pipeline instead: nothing lost, the order not kept. */
     RedisModuleCallReply *r = RedisModule_Call(c->ctx, "EVALSHA", "!Cslv", c->argv[1], (long long)NKEYS,
                                                c->argv + FIRST_KEY, (size_t)(c->argc - FIRST_KEY));
     if (!r) return RedisModule_ReplyWithError(c->ctx, TO_SCRIPT);

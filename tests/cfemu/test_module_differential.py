@@ -431,6 +431,10 @@ def test_a_call_left_to_the_script_applies_in_its_place_in_a_pipeline(server: Em
     commit in steps) and whose later calls depend on it (gets of the messages it commits): the module applies
     every call in the order sent, as the scripts do. A caller that ran the left call after the pipeline applied
     the gets first, which found nothing."""
+    _left_call_in_place(server)
+
+
+def _left_call_in_place(server: EmbeddedRedis) -> None:
     pair, clock = Pair(server), Clock()
     s, c = pair.structure, Caller(MEMBERS[0], pair.epochs[MEMBERS[0]], clock)
     for i in range(3):
