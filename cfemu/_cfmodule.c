@@ -228,7 +228,8 @@ static void mp_put_str(Buf *o, const char *s, size_t n) {
 
 /* A number as cmsgpack packs a Lua number: an integral value as the smallest integer, else a double. */
 static void mp_put_num(Buf *o, double d) {
-    if (d == (double)(int64_t)d && d >= -9.2e18 && d <= 1.8e19) {
+    /* cmsgpack's test (IS_INT64_EQUIVALENT), its range first: outside int64's a conversion is undefined */
+    if (d >= -9223372036854775808.0 && d < 9223372036854775808.0 && d == (double)(int64_t)d) {
         int64_t v = (int64_t)d;
         if (v >= 0) {
             if (v < 128) buf_byte(o, (uint8_t)v);
@@ -352,34 +353,44 @@ static int mp_scalar(const uint8_t *p, const uint8_t *end) {
     return mp_str(p, end, &s, &n) || mp_num(p, end, &d) || *p == 0xc0 || *p == 0xc2 || *p == 0xc3;
 }
 
-/* Keys of one map (their strings) with none twice: cmsgpack keeps the last of a key given twice, the module each. */
-static int keys_unique(const char *const *k, const size_t *kl, size_t n) {
-    for (size_t i = 0; i < n; i++)
-        for (size_t j = i + 1; j < n; j++)
-            if (kl[i] == kl[j] && memcmp(k[i], k[j], kl[i]) == 0) return 0;
+/* A map key: where its string lies. */
+typedef struct { const char *s; size_t n; } Key;
+
+static int key_order(const void *a, const void *b) {
+    const Key *x = a, *y = b;
+    size_t n = x->n < y->n ? x->n : y->n;
+    int c = memcmp(x->s, y->s, n);
+    return c ? c : (x->n > y->n) - (x->n < y->n);
+}
+
+/* Keys of one map with none twice (sorts them): cmsgpack keeps the last of a key given twice, the module each. */
+static int keys_unique(Key *k, size_t n) {
+    qsort(k, n, sizeof(Key), key_order);
+    for (size_t i = 1; i < n; i++)
+        if (key_order(&k[i - 1], &k[i]) == 0) return 0;
     return 1;
 }
 
-#define PLAIN_PROPERTIES 64
-/* A map of string keys to scalars, none twice (a message's properties). */
+/* A map of string keys to scalars, none twice (a message's properties: as many as its bytes hold). */
 static int plain_map(const uint8_t *p, const uint8_t *end) {
     uint8_t c = *p;
     size_t items;
     const uint8_t *at = p + 1;
     if ((c & 0xf0) == 0x80) items = c & 0x0f;
     else if (c == 0xde && at + 2 <= end) { items = be(at, 2); at += 2; }
+    else if (c == 0xdf && at + 4 <= end) { items = be(at, 4); at += 4; }
     else return 0;
-    if (items > PLAIN_PROPERTIES) return 0;
-    const char *k[PLAIN_PROPERTIES];
-    size_t kl[PLAIN_PROPERTIES];
-    for (size_t i = 0; i < items; i++) {
-        if (!mp_str(at, end, &k[i], &kl[i])) return 0;
-        at = mp_skip(at, end, 0);
-        if (!at || !mp_scalar(at, end)) return 0;
-        at = mp_skip(at, end, 0);
-        if (!at) return 0;
+    if (items > (size_t)(end - at) / 2) return 0;  /* each item is two bytes at least */
+    if (items == 0) return at == end;
+    Key *k = RedisModule_Alloc(sizeof(Key) * items);
+    int ok = 1;
+    for (size_t i = 0; ok && i < items; i++) {
+        ok = mp_str(at, end, &k[i].s, &k[i].n) && (at = mp_skip(at, end, 0)) && mp_scalar(at, end) &&
+             (at = mp_skip(at, end, 0));
     }
-    return at == end && keys_unique(k, kl, items);
+    ok = ok && at == end && keys_unique(k, items);
+    RedisModule_Free(k);
+    return ok;
 }
 
 /* A put's descriptor in the shape the product makes it (cfemu.entry): keys none twice, a priority of 0-9, an expiry
@@ -396,17 +407,19 @@ static int desc_plain(const uint8_t *p, size_t len, const Map *d) {
     else if (c == 0xde && at + 2 <= end) { items = be(at, 2); at += 2; }
     else return 0;
     if (items > MAP_MAX) return 0;
-    const char *k[MAP_MAX];
-    size_t kl[MAP_MAX];
+    Key k[MAP_MAX];
     for (size_t i = 0; i < items; i++) {  /* every key, nil values too: map_parse skips those */
-        if (!mp_str(at, end, &k[i], &kl[i])) return 0;
+        if (!mp_str(at, end, &k[i].s, &k[i].n)) return 0;
         at = mp_skip(at, end, 0);
         if (!at || !(at = mp_skip(at, end, 0))) return 0;
     }
-    if (!keys_unique(k, kl, items)) return 0;
+    if (!keys_unique(k, items)) return 0;
     double prio, exp;
-    if (!map_num(d, "p", &prio) || prio != (double)(int)prio || prio < 0 || prio > 9) return 0;
-    if (map_find(d, "exp") >= 0 && (!map_num(d, "exp", &exp) || exp != (double)(long long)exp)) return 0;
+    if (!map_num(d, "p", &prio) || !(prio >= 0 && prio <= 9) || prio != (double)(int)prio) return 0;
+    if (map_find(d, "exp") >= 0 &&
+        (!map_num(d, "exp", &exp) || !(exp > -9007199254740992.0 && exp < 9007199254740992.0) ||
+         exp != (double)(long long)exp))
+        return 0;
     const char *s;
     size_t n;
     if ((map_find(d, "mid") >= 0 && !map_str(d, "mid", &s, &n)) ||

@@ -71,14 +71,15 @@ def _write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
         view = view[n:]
 
 
-class LogFullError(OSError):
-    """A circular log's ring has no segment it may reuse: every one holds a record recovery still needs."""
-
-
 class RecordRefusedError(OSError):
     """The log refused a record before any byte of it was buffered or written (the log failed earlier, or sealing
     the full segment failed): the record cannot be on disk. Any other OSError of an append or a force leaves the
     record possibly on disk (a write or an fsync that fails part way)."""
+
+
+class LogFullError(RecordRefusedError):
+    """A circular log's ring has no segment it may reuse: every one holds a record recovery still needs. Raised
+    before the record is buffered: refused, never on disk."""
 
 
 @dataclass(frozen=True)

@@ -391,12 +391,17 @@ class SQMServer:
             # disk); the others' outcomes stand (a put or get under syncpoint is in its unit of work whatever happened)
             failed = self._as_error("commit", e)
             for b in begun:
-                for i, _, message in b.together:
-                    if b.out[i] is None:
-                        unknown = b.out[i] = OutcomeUnknownError(f"its batch's force or commit failed ({failed}): "
-                                                                 "committed if its COMMIT reached the disk")
-                        if isinstance(b.calls[i], OneGet):  # its message delivered with it, never consumed for nobody
-                            unknown.message = message
+                decided = b.decided.errors if b.decided is not None else [None] * len(b.together)
+                for (i, _, message), known in zip(b.together, decided, strict=True):
+                    if b.out[i] is not None:
+                        continue
+                    if known is not None and not isinstance(known, OutcomeUnknownError):
+                        b.out[i] = known  # refused or backed out before its COMMIT was appended: that stands
+                        continue
+                    unknown = b.out[i] = OutcomeUnknownError(f"its batch's force or commit failed ({failed}): "
+                                                             "committed if its COMMIT reached the disk")
+                    if isinstance(b.calls[i], OneGet):  # its message delivered with it, never consumed for nobody
+                        unknown.message = message
         now = time.time()
         for t in batches:
             if t.begun is None:

@@ -469,6 +469,9 @@ HAND_MADE_DESCRIPTORS = {
     "integer keys": _descriptor(x={1: "a", 2: "b"}),
     "deep nesting": _descriptor(x=functools.reduce(lambda v, _: [v], range(20), 1)),
     "a key given twice": b"\x82\xa1p\x00\xa1p\x01",
+    # {"pr": {"k": 1, "k": 2}}: the properties' map written by hand in place of the empty one ("pr" then 0x80)
+    "a property given twice": _descriptor().replace(b"\xa2pr\x80", b"\xa2pr\x82\xa1k\x01\xa1k\x02"),
+    "a property of -2**63 as a float": _descriptor(pr={"f": -2.0**63, "g": -9.21e18, "h": 2.0**63}),
 }
 
 
@@ -522,3 +525,19 @@ def test_a_commit_of_more_entries_than_the_module_orders_quickly_is_the_script_s
         took.append(time.perf_counter() - started)
     assert state(pair.module) == state(pair.scripts)
     assert took[1] < 3 * took[0] + 0.05, took
+
+
+def test_a_put_with_many_properties_is_the_module_s_own(server: EmbeddedRedis) -> None:
+    """A message with as many properties as the product lets it have (their packed bytes, not their count, are
+    bounded) is put by the module itself, not left to the script: the same reply and structure, and no script run
+    on the module's copy."""
+    pair, clock = Pair(server), Clock()
+    s, c = pair.structure, Caller(MEMBERS[0], pair.epochs[MEMBERS[0]], clock)
+    props = {f"k{i}": (i, f"v{i}", i * 0.5, i % 2 == 0)[i % 4] for i in range(500)}
+    args = s.put_call(c, Entry(id="many", queue=QUEUES[0], properties=props), b"x")[2]
+    before = pair.module.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
+    by_script, by_module = pair.call("put", args)
+    after = pair.module.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
+    assert by_module == by_script
+    assert state(pair.module) == state(pair.scripts)
+    assert after - before == 1  # the scripts' copy's own call alone (one server holds both copies)

@@ -12,7 +12,9 @@ from typing import Any
 import pytest
 
 from cfemu.errors import LogFailedError, OutcomeUnknownError
+from sqm.core.lifecycles import Lifecycles, OneGet
 from sqm.log import writer as log_writer
+from sqm.log.writer import LogFullError
 from sqm.service.client import Client
 from sqm.service.config import ServerConfig
 from tests.sqm.test_put_committed_recovery import all_bodies, crash, warm
@@ -120,5 +122,71 @@ def test_a_get_after_the_log_failed_is_refused_through_the_service_not_delivered
     qm = start_qm(redis_url, log_root, "QM1", background=False)
     try:
         assert all_bodies(qm) == [b"A", b"B", b"X"]  # each there once: none was delivered
+    finally:
+        qm.stop()
+
+
+def test_a_batch_whose_finish_fails_keeps_the_refusal_of_a_get_whose_commit_was_never_written(
+        redis_url: str, log_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The log failed; then a get outside syncpoint through the service has its COMMIT refused (LogFailedError),
+    and the batch's finish fails unexpectedly after: the get still hears it was refused, without the message (the
+    restart backs it out and the message is there again). Told "unknown" with the message, it would be delivered
+    twice."""
+    member = RunningServer(ServerConfig(name="QM1", log_root=log_root, redis_url=redis_url, token="app-token",
+                                        port=0, lease_ms=1000, ready_file=log_root.parent / "QM1.ready"))
+    try:
+        with Client(member.endpoint, token="app-token") as c:
+            c.put("Q1", b"A", syncpoint=False)
+
+            def eio(fd: int) -> None:
+                raise OSError(errno.EIO, "Input/output error (injected)")
+            monkeypatch.setattr(log_writer, "_fdatasync", eio)
+            with pytest.raises(OutcomeUnknownError):
+                c.put("Q1", b"X", syncpoint=False)
+            monkeypatch.undo()
+            qm = member.server.qm
+            real_apply = qm.apply_many
+
+            def apply_then_fail(batches: Any, **kw: Any) -> None:
+                real_apply(batches, **kw)
+                raise RuntimeError("an unexpected failure after the batch was decided (injected)")
+            monkeypatch.setattr(qm, "apply_many", apply_then_fail)
+            with pytest.raises(LogFailedError) as refused:
+                c.get("Q1", syncpoint=False)
+            assert getattr(refused.value, "message", None) is None
+    finally:
+        monkeypatch.undo()
+        member.stop()
+    qm = start_qm(redis_url, log_root, "QM1", background=False)
+    try:
+        assert all_bodies(qm) == [b"A", b"X"]
+    finally:
+        qm.stop()
+
+
+def test_a_get_whose_commit_a_full_ring_refused_is_refused_not_delivered(
+        redis_url: str, log_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A circular log whose ring is full refuses the COMMIT before buffering it (LogFullError): the batched get
+    hears that it was refused, without its message, which is never on disk and is there again after the restart."""
+    qm = start_qm(redis_url, log_root, "QM1", background=False)
+    try:
+        qm.connect().put("Q1", b"A", syncpoint=False)
+        assert qm.log is not None
+        real_append = qm.log.append
+
+        def full_at_commit(record: Any) -> Any:
+            if record.get("k") == "COMMIT":
+                raise LogFullError("circular log full (injected): every segment holds a needed record")
+            return real_append(record)
+        monkeypatch.setattr(qm.log, "append", full_at_commit)
+        [out] = Lifecycles(qm).run([OneGet("Q1")])
+        monkeypatch.undo()
+        assert isinstance(out, LogFailedError) and not isinstance(out, OutcomeUnknownError), out
+        assert getattr(out, "message", None) is None
+    finally:
+        crash(qm)
+    qm = start_qm(redis_url, log_root, "QM1", background=False)
+    try:
+        assert all_bodies(qm) == [b"A"]
     finally:
         qm.stop()
