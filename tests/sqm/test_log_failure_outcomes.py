@@ -28,6 +28,13 @@ def log_root(redis_url: str, tmp_path: Path) -> Path:
     return tmp_path / "logs"
 
 
+def fail_fsyncs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every fdatasync of the log answers EIO (a failing disk) until the monkeypatch is undone."""
+    def eio(fd: int) -> None:
+        raise OSError(errno.EIO, "Input/output error (injected)")
+    monkeypatch.setattr(log_writer, "_fdatasync", eio)
+
+
 @pytest.mark.parametrize("fused", [True, False])
 def test_a_put_whose_commit_fsync_failed_is_told_its_outcome_is_unknown_and_the_log_decides_it(
         redis_url: str, log_root: Path, monkeypatch: pytest.MonkeyPatch, fused: bool) -> None:
@@ -36,10 +43,7 @@ def test_a_put_whose_commit_fsync_failed_is_told_its_outcome_is_unknown_and_the_
         if fused:
             warm(qm)  # the member knows the structure's generation: the put is committed in one CF call
         real = log_writer._fdatasync
-
-        def eio(fd: int) -> None:
-            raise OSError(errno.EIO, "Input/output error (injected)")
-        monkeypatch.setattr(log_writer, "_fdatasync", eio)
+        fail_fsyncs(monkeypatch)
         with pytest.raises(OutcomeUnknownError, match="may have reached the disk"):
             qm.connect().put("Q1", b"unknown", syncpoint=False)
         monkeypatch.setattr(log_writer, "_fdatasync", real)
@@ -106,9 +110,7 @@ def test_a_get_after_the_log_failed_is_refused_through_the_service_not_delivered
             for body in (b"A", b"B"):
                 c.put("Q1", body, syncpoint=False)
 
-            def eio(fd: int) -> None:
-                raise OSError(errno.EIO, "Input/output error (injected)")
-            monkeypatch.setattr(log_writer, "_fdatasync", eio)
+            fail_fsyncs(monkeypatch)
             with pytest.raises(OutcomeUnknownError):
                 c.put("Q1", b"X", syncpoint=False)
             monkeypatch.undo()
@@ -138,9 +140,7 @@ def test_a_batch_whose_finish_fails_keeps_the_refusal_of_a_get_whose_commit_was_
         with Client(member.endpoint, token="app-token") as c:
             c.put("Q1", b"A", syncpoint=False)
 
-            def eio(fd: int) -> None:
-                raise OSError(errno.EIO, "Input/output error (injected)")
-            monkeypatch.setattr(log_writer, "_fdatasync", eio)
+            fail_fsyncs(monkeypatch)
             with pytest.raises(OutcomeUnknownError):
                 c.put("Q1", b"X", syncpoint=False)
             monkeypatch.undo()
