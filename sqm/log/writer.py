@@ -527,14 +527,22 @@ class RecordLog:
             else:
                 os.close(self._fd)
         segno = self._seg + 1
-        if reuse is not None:
-            self._sealed.remove(reuse)
-            self._pruned = reuse.segment + 1
-            self._write_manifest_locked()  # first: a crash before the rename leaves an unlisted, readable segment
-            self._fd = self._reuse_segment(reuse.path, segno)
-            self.stats.segments -= 1
-        else:
-            self._fd = self._create_segment(segno)
+        # The sealed segment's descriptor is closed (or retired) above: never used again. Should the next segment
+        # not be made, the log is failed for good, with no descriptor of its own: a later flush or close would
+        # otherwise write to, or close, whatever file has been given that number since.
+        self._fd = -1
+        try:
+            if reuse is not None:
+                self._sealed.remove(reuse)
+                self._pruned = reuse.segment + 1
+                self._write_manifest_locked()  # first: a crash before the rename leaves an unlisted, readable segment
+                self._fd = self._reuse_segment(reuse.path, segno)
+                self.stats.segments -= 1
+            else:
+                self._fd = self._create_segment(segno)
+        except OSError as e:
+            self._failed = e
+            raise
         self._seg = segno
         self._capacity = self.segment_bytes
         self._first_frame = self._off = len(encode_header(segno, self.segment_bytes, self.member))

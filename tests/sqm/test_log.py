@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -24,6 +25,7 @@ from sqm.log import (
     LogPosition,
     LogReader,
     RecordLog,
+    RecordRefusedError,
     find_log_dirs,
     merged_records,
 )
@@ -560,3 +562,30 @@ def test_a_force_of_records_close_already_forced_succeeds(tmp_path: Path) -> Non
     log.close()
     log.force(pos)  # durable: no error
     assert [r["l"] for _, r in LogReader(tmp_path / "QM1").records()] == [1]
+
+
+def test_a_segment_that_cannot_be_made_fails_the_log_and_closes_no_other_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The next segment cannot be created (a full disk, no descriptors left) after the sealed one's descriptor
+    was closed: the log is failed for good, and its close neither writes to nor closes the file that has since
+    been given that descriptor's number."""
+    log = RecordLog(tmp_path / "QM1", "QM1", segment_bytes=1024)
+    sealed_fd = log._fd
+
+    def no_room(segno: int) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+    monkeypatch.setattr(log, "_create_segment", no_room)
+    with pytest.raises(RecordRefusedError):
+        for i in range(100):
+            log.append(rec(i, 100))
+    other = os.open(tmp_path / "another-file", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        assert other == sealed_fd  # the lowest free number: the one the sealed segment had
+        with pytest.raises(OSError, match="unusable"):
+            log.append(rec(200))
+        log.close()
+        os.fstat(other)  # still open: the log's close did not close it
+        assert os.path.getsize(tmp_path / "another-file") == 0  # and nothing was written to it
+    finally:
+        os.close(other)
