@@ -42,7 +42,8 @@ def driver_conf(master: str, secrets_dir: Path | None) -> dict[str, str]:
 MIB = 2**20
 JVM_MIN = 512 * MIB  # below about this a Spark JVM refuses to start (its reserved memory is 300 MiB)
 PYTHON_WORKER_MIN = 512 * MIB
-RESULT_MIN = 64 * MIB
+RESULT_MIN = 32 * MIB
+SPARK_RESERVED = 300 * MIB  # of a JVM's heap, what Spark keeps for itself (spark.testing.reservedMemory)
 
 
 def _mib(n: int) -> str:
@@ -50,17 +51,25 @@ def _mib(n: int) -> str:
 
 
 def memory_conf(master: str, memory: int) -> dict[str, str]:
-    """The Spark memory settings derived from the restore's memory limit (`--memory-limit`, bytes): the driver's
-    JVM heap and each executor's a quarter of it (at least JVM_MIN; in local[...] masters the executors are the
-    driver's JVM); spark.driver.maxResultSize an eighth, so that one fetch of the plan's results
-    (restore.spark_fetch: half of it) stays a sixteenth of the limit in the driver; and each Python worker's
-    aggregation memory half of it (at least PYTHON_WORKER_MIN: a worker holds the broadcast outcomes and one
-    partition's groups, and under 512m PySpark's shuffle writer thinks memory is short and flushes ever smaller
-    batches, a 4x slowdown at 1M records). Spark has no limit of its own for the whole: these bound its parts."""
-    jvm = _mib(max(JVM_MIN, memory // 4))
+    """The Spark memory settings derived from the restore's memory limit (`--memory-limit`, bytes). Spark has no
+    limit of its own for the whole: these bound its parts.
+
+    * Each JVM's heap (at least JVM_MIN): on a cluster the driver's and each executor's a quarter of the limit; in
+      local[...] masters the driver's JVM is the executors too (it runs the tasks, keeps their persisted chunks and
+      serves the fetches), so it has half. With a quarter there, 512 MiB at 2 GiB, the JVM lost fetches' results
+      or ran out of heap at 400,000 messages of 1 KiB.
+    * spark.driver.maxResultSize: a quarter of the heap beyond Spark's reserved memory, so that one fetch of the
+      plan's results (restore.spark_fetch: half of it) is an eighth of what Spark may use there; the driver holds a
+      fetch at least twice over while it serves it to Python.
+    * Each Python worker's aggregation memory (at least PYTHON_WORKER_MIN: under 512m PySpark's shuffle writer
+      thinks memory is short and flushes ever smaller batches, a 4x slowdown at 1M records): half of the limit on
+      a cluster, a quarter in local[2] (its two workers and the JVM's half: the limit)."""
+    local = master.startswith("local")
+    heap = max(JVM_MIN, memory // (2 if local else 4))
+    jvm = _mib(heap)
     conf = {"spark.driver.memory": jvm, "spark.executor.memory": jvm,
-            "spark.driver.maxResultSize": _mib(max(RESULT_MIN, memory // 8)),
-            "spark.python.worker.memory": _mib(max(PYTHON_WORKER_MIN, memory // 2))}
-    if master.startswith("local"):
+            "spark.driver.maxResultSize": _mib(max(RESULT_MIN, (heap - SPARK_RESERVED) // 4)),
+            "spark.python.worker.memory": _mib(max(PYTHON_WORKER_MIN, memory // (4 if local else 2)))}
+    if local:
         del conf["spark.executor.memory"]  # the driver's JVM runs the tasks
     return conf
