@@ -59,8 +59,8 @@ test: venv
 # The longest checks, beyond the default suite's (tests marked deep): the exhaustive model check on the CF's Lua
 # scripts (the specification the server module is held to; the default suite checks the module), the restore
 # property test's longest run (the local engine's 200 histories; the default suite runs the columnar engine's 40),
-# Spark's memory bounds, the C paths under the debug allocator and 1,500 corrupted descriptors. About 8 minutes on
-# 2 cores; .ci/run runs it after `make test`.
+# Spark's memory bounds, the C paths under the debug allocator and 1,500 corrupted descriptors. About 3-5
+# minutes on 2 cores; .ci/run runs it after `make test`.
 deep-test: export PYTHONPYCACHEPREFIX := $(abspath $(VENV))/pycache
 deep-test: export PYTHONDONTWRITEBYTECODE :=
 deep-test: venv
