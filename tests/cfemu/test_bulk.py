@@ -33,18 +33,24 @@ def marker(value: str) -> Callable[[Pipeline], object]:
     return lambda pipe: pipe.hset(keys.data(S), "marker", value)
 
 
-HOW = ["staged", "packed", "load"]
+HOW = ["staged", "packed", "load", "native"]
 
 
 def write_marker(owner: bulk.Owner, value: str, how: str) -> None:
     """The marker written by a transaction staged on redis-py's pipeline, or by commands packed beforehand (a bulk
     load's batch: Owner.send), alone or as one of a load's batches (the next batch's WATCH and header read sent
-    after its EXEC, and judged when the next batch goes); all are held to the same ownership rules."""
+    after its EXEC, and judged when the next batch goes), or as a batch the CF's server module checks itself
+    (Owner.load, LOAD); all are held to the same ownership rules."""
     if how == "staged":
         owner.transaction(marker(value))
         return
     commands = resp.Packed()
     commands.add("HSET", keys.data(S), "marker", value)
+    if how == "native":
+        assert owner.loads_natively()
+        owner.load(commands)
+        owner.loaded()
+        return
     owner.send(commands, watch_next=how == "load")
 
 
@@ -215,6 +221,7 @@ def test_a_loads_batches_wait_for_the_cf_once_each(client: redis.Redis, monkeypa
     owner's next transaction of another kind (the load's finish) judges the header anew: a header change that the
     WATCH left in force saw makes its first EXEC apply nothing, and it goes again, applied once."""
     with bulk.claim(client, S, bulk.observe(client, S)) as owner:
+        monkeypatch.setattr(owner, "loads_natively", lambda: False)  # a CF without the module
         loader = bulk.Loader(owner, gen=1)
         exchanges = count_exchanges(monkeypatch)
         batches = [bulk.prepare(S, [Survivor(f"e{b}", {"id": f"e{b}", "q": "Q1", "st": "CP", "l": b}, b"x")])
