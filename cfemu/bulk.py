@@ -813,6 +813,9 @@ class Owner:
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
             self._drop_loading()
             raise CFReplacedError("the connection to the CF broke") from e
+        if isinstance(reply, redis.exceptions.ConnectionError):  # LOADING (a CF reloading its data), NOAUTH
+            self._drop_loading()
+            raise CFReplacedError(f"the CF answered as a server that lost its data or its users would ({reply})")
         if isinstance(reply, redis.exceptions.ResponseError):
             self._drop_loading()
             self._refused(reply)
