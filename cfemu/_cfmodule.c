@@ -1569,6 +1569,11 @@ static int cf_load(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     if (argc != 4) return RedisModule_WrongArity(ctx);
     RedisModule_AutoMemory(ctx);
     char msg[ERRBUF];
+    size_t ml, n;
+    const char *prefix = RedisModule_StringPtrLen(argv[1], &ml);
+    if (ml < 8 || prefix[0] != '{' || memcmp(prefix + ml - 6, "}:meta", 6) != 0)
+        return RedisModule_ReplyWithError(ctx, "ERR CF.LOAD: the first key is not a structure's header ({S}:meta)");
+    size_t prefix_len = ml - 4;
     RedisModuleKey *meta = RedisModule_OpenKey(ctx, argv[1], REDISMODULE_READ);
     RedisModuleString *token = NULL, *state = NULL;
     int mt = RedisModule_KeyType(meta);
@@ -1576,6 +1581,9 @@ static int cf_load(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
         return RedisModule_ReplyWithError(ctx, "WRONGTYPE Operation against a key holding the wrong kind of value");
     if (mt == REDISMODULE_KEYTYPE_HASH)
         RedisModule_HashGet(meta, REDISMODULE_HASH_CFIELDS, "restore_token", &token, "state", &state, NULL);
+    if (!state)
+        return RedisModule_ReplyWithError(ctx, "NOHEADER the structure's header is gone from the CF (flushed, or a "
+                                               "CF restarted empty)");
     if (!token || RedisModule_StringCompare(token, argv[2]) != 0) {
         size_t tl = 4;
         const char *t = token ? RedisModule_StringPtrLen(token, &tl) : "none";
@@ -1583,16 +1591,12 @@ static int cf_load(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
         return RedisModule_ReplyWithError(ctx, msg);
     }
     size_t sl = 0;
-    const char *st = state ? RedisModule_StringPtrLen(state, &sl) : "without a state";
-    if (!state) sl = strlen(st);
-    if (!state || sl != 10 || memcmp(st, "RECOVERING", 10) != 0) {
+    const char *st = RedisModule_StringPtrLen(state, &sl);
+    if (sl != 10 || memcmp(st, "RECOVERING", 10) != 0) {
         snprintf(msg, sizeof msg, "NOTOWNER the structure is %.*s, not RECOVERING", (int)sl, st);
         return RedisModule_ReplyWithError(ctx, msg);
     }
 
-    size_t ml, n;
-    const char *prefix = RedisModule_StringPtrLen(argv[1], &ml);
-    size_t prefix_len = ml >= 4 ? ml - 4 : 0;
     const char *blob = RedisModule_StringPtrLen(argv[3], &n);
     const char *p = blob, *end = blob + n;
     /* the commands, checked, as (first argument, count) over one array of every argument */
@@ -1679,7 +1683,9 @@ static int cf_load(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     for (size_t i = 0; i < ncmd; i++) {
         size_t upto = i + 1 < ncmd ? firsts[i + 1] : used;
         RedisModuleCallReply *r = RedisModule_Call(ctx, names[i], "!v", args + firsts[i] + 1, upto - firsts[i] - 1);
-        if (!r || RedisModule_CallReplyType(r) == REDISMODULE_REPLY_ERROR) {
+        int failed = !r || RedisModule_CallReplyType(r) == REDISMODULE_REPLY_ERROR;
+        if (r && !failed) RedisModule_FreeCallReply(r);  /* not held to the end: a batch makes thousands */
+        if (failed) {
             /* checked above: only the server itself (out of memory) refuses one now */
             size_t el = 0;
             const char *e = r ? RedisModule_CallReplyStringPtr(r, &el) : "no reply";

@@ -765,9 +765,11 @@ class Owner:
 
     def _refused(self, error: redis.exceptions.ResponseError) -> None:
         """Raise what a refusal of LOAD means for the owner: NotOwnerError (the structure is not its own: nothing
-        written) or CFReplacedError (a replica now). Other refusals (no such command, a user not allowed it) are
+        written) or CFReplacedError (a replica now, or the header gone: the CF lost). Other refusals (no such command, a user not allowed it) are
         the caller's to judge."""
         text = str(error)
+        if text.startswith("NOHEADER"):
+            raise CFReplacedError("the structure's header is gone from the CF (flushed, or a CF restarted empty)")
         if text.startswith("NOTOWNER"):
             raise NotOwnerError(f"a later restore or a purge took the structure over, or changed its state: "
                                 f"{text[len('NOTOWNER '):]}")
@@ -798,13 +800,20 @@ class Owner:
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
             self._drop_loading()
             raise CFReplacedError("the connection to the CF broke") from e
+        except BaseException:  # sent in part, or not: the connection cannot carry another batch
+            self._drop_loading()
+            raise
         self._in_flight += 1
 
     def loaded(self) -> None:
         """Wait for the oldest batch load() sent: it is in the CF. Raises NotOwnerError (the structure is not this
-        owner's any more: the batch wrote nothing) or CFReplacedError; either ends the owner's loading (the
-        connection is dropped, with whatever was sent after that batch)."""
-        assert self._loading is not None and self._in_flight > 0, "loaded() with no batch in flight"
+        owner's any more: the batch wrote nothing), CFReplacedError, or the CF's refusal of a batch it could not
+        apply (nothing of it written); any of them ends the owner's loading: the connection is dropped. A batch sent
+        after a refused one is checked on its own and may still have been applied (one refused for its owner is
+        followed only by batches refused alike): the load has failed, and its structure stays RECOVERING until a
+        restore runs again from its reset."""
+        if self._loading is None or not self._in_flight:
+            raise RuntimeError("loaded() with no batch in flight")
         conn = self._loading
         io = hiredis_io(conn)
         assert io is not None
@@ -813,6 +822,9 @@ class Owner:
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
             self._drop_loading()
             raise CFReplacedError("the connection to the CF broke") from e
+        except BaseException:  # a reply read in part: the connection cannot be read on
+            self._drop_loading()
+            raise
         if isinstance(reply, redis.exceptions.ConnectionError):  # LOADING (a CF reloading its data), NOAUTH
             self._drop_loading()
             raise CFReplacedError(f"the CF answered as a server that lost its data or its users would ({reply})")
@@ -1236,7 +1248,8 @@ class Loader:
         """After the last batch: the queue set (`queues` and every queue written to), a record for each UOW
         holding entries (its owner by `owner`), and the tombstones (UOW -> 'C' | 'B'). Returns the number of UOWs
         holding entries."""
-        assert not self._sent, "finish() before the last batches are in (flush)"
+        if self._sent:
+            raise RuntimeError("finish() before the last batches are in (flush)")
         S = self.structure
         all_queues = sorted(set(queues) | self.queues)
 

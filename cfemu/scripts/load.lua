@@ -3,19 +3,31 @@
 -- CF, so a load may send its next batch before this one's reply is back: a batch that reaches the CF after another
 -- restore or a purge claimed the structure writes nothing (a guard read by the client, then MULTI, could not say so
 -- before the batch was sent). The CF's server module runs it as CF.LOAD (cfemu/_cfmodule.c); this script is its
--- specification (tests/cfemu/test_module_differential.py).
+-- specification (tests/cfemu/test_load_command.py holds the module to it).
 --
--- KEYS[1] the structure's header (META; the other KEYS of the prelude are not given). ARGV[1] the restore token. ARGV[2] the batch's writes in RESP, as a client
--- sends commands (arrays of bulk strings): HSET, SADD, RPUSH or ZADD (integer scores), each on a key of this
--- structure (its "{S}:" prefix) of the command's type or none, of at most 4096 arguments (what Lua can unpack into
--- one call; a load's batch of up to 2,047 entries fits). Every command is checked before the first is
--- applied: a batch refused is refused whole. Returns how many commands it applied.
+-- KEYS[1] the structure's header, {S}:meta (META; the other KEYS of the prelude are not given). ARGV[1] the restore
+-- token. ARGV[2] the batch's writes in RESP, as a client sends commands (arrays of bulk strings): HSET, SADD, RPUSH
+-- or ZADD (integer scores), each on a key of this structure (its "{S}:" prefix) of the command's type or none, of
+-- at most 4096 arguments (what Lua can unpack into one call; a load's batch of up to 2,047 entries fits). Every
+-- command is checked before the first is applied: a batch refused is refused whole. Returns how many commands it
+-- applied. A header without a state (flushed, a CF restarted empty) answers NOHEADER: the CF was lost, not taken
+-- over.
+if string.sub(META, 1, 1) ~= '{' or string.sub(META, -6) ~= '}:meta' or #META < 8 then
+  return redis.error_reply('ERR CF.LOAD: the first key is not a structure\'s header ({S}:meta)')
+end
+local held_meta = redis.call('TYPE', META)['ok']
+if held_meta ~= 'hash' and held_meta ~= 'none' then
+  return redis.error_reply('WRONGTYPE Operation against a key holding the wrong kind of value')
+end
 local h = redis.call('HMGET', META, 'restore_token', 'state')
+if not h[2] then
+  return redis.error_reply('NOHEADER the structure\'s header is gone from the CF (flushed, or a CF restarted empty)')
+end
 if h[1] ~= ARGV[1] then
   return redis.error_reply('NOTOWNER the structure\'s restore token is ' .. (h[1] or 'none') .. ', not this load\'s')
 end
 if h[2] ~= 'RECOVERING' then
-  return redis.error_reply('NOTOWNER the structure is ' .. (h[2] or 'without a state') .. ', not RECOVERING')
+  return redis.error_reply('NOTOWNER the structure is ' .. h[2] .. ', not RECOVERING')
 end
 
 local prefix = string.sub(META, 1, #META - 4)

@@ -365,3 +365,26 @@ def test_the_backups_hmget_reads_what_redis_py_reads_and_a_failed_read_again(
     monkeypatch.setattr(resp, "exchange", breaks_once)
     assert bulk.hmget(c, key, fields) == [b"\x00\r\n$3\r\n", None, b""]
     assert broken, "the failed read was not the one made"
+
+
+def test_an_owner_interrupted_while_a_batch_is_in_flight_gives_its_connection_up(
+        client: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A KeyboardInterrupt while the owner reads a batch's reply (Owner.loaded) drops the connection: the owner is
+    then a lost CF to everything after (its connection never reconnects), not a pool with its one connection
+    still out."""
+    with bulk.claim(client, S, bulk.observe(client, S)) as owner:
+        assert owner.loads_natively()
+        commands = resp.Packed()
+        commands.add("HSET", keys.data(S), "marker", "x")
+        owner.load(commands)
+
+        def interrupted(*args: object) -> list[object]:
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(resp, "receive", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            owner.loaded()
+        monkeypatch.undo()
+        assert owner.in_flight == 0
+        with pytest.raises(redis.exceptions.ConnectionError, match="does not reconnect"):
+            owner.client.ping()

@@ -110,12 +110,33 @@ def test_a_batch_of_a_structure_not_the_owners_is_refused_whole(pair: Pair, head
     assert list(pair.same()) == [META.encode()]
 
 
-def test_a_structure_without_a_header_or_its_state_refuses_the_batch(pair: Pair) -> None:
+GONE = "error: NOHEADER the structure's header is gone from the CF (flushed, or a CF restarted empty)"
+
+
+def test_a_structure_without_a_header_or_its_state_refuses_the_batch_as_a_cf_lost(pair: Pair) -> None:
     pair.each(lambda r: r.hdel(META, "state"))
-    assert pair.both(GOOD) == ("error: NOTOWNER the structure is without a state, not RECOVERING",) * 2
+    assert pair.both(GOOD) == (GONE,) * 2
     pair.each(lambda r: r.delete(META))
-    assert pair.both(GOOD) == ("error: NOTOWNER the structure's restore token is none, not this load's",) * 2
+    assert pair.both(GOOD) == (GONE,) * 2
     assert pair.same() == {}
+
+
+@pytest.mark.parametrize("meta", ["ab", "abc", "x", "meta", "{}:meta", "{APP1}:hdr", "APP1}:meta"])
+def test_a_first_key_that_is_not_a_structures_header_is_refused(pair: Pair, meta: str) -> None:
+    """Its prefix bounds the keys a batch may write: a short or odd name would let any key through."""
+    pair.each(lambda r: r.hset(meta, mapping={"restore_token": TOKEN, "state": "RECOVERING"}))
+    out = []
+    for r, head in ((pair.script, ("EVALSHA", pair.sha, 1)), (pair.module, (server_module.LOAD,))):
+        with pytest.raises(redis.exceptions.ResponseError) as e:
+            r.execute_command(*head, meta, TOKEN, batch(("SADD", "zz-other", "m")))
+        out.append(str(e.value))
+    assert out == ["CF.LOAD: the first key is not a structure's header ({S}:meta)"] * 2
+    assert b"zz-other" not in pair.same()
+
+
+def test_a_header_of_another_type_is_refused_alike(pair: Pair) -> None:
+    pair.each(lambda r: (r.delete(META), r.set(META, "x")))
+    assert pair.both(GOOD) == ("error: WRONGTYPE Operation against a key holding the wrong kind of value",) * 2
 
 
 GOOD_FIRST = ("HSET", keys.data(S), "e1", b"d1")
