@@ -7,6 +7,8 @@
  * were sent. Only where the server will not run it for the command (a user not allowed EVALSHA, a server whose
  * module API has no such call) does it answer CFSCRIPT, having done nothing, and the caller runs the script.
  *
+ * CF.LOAD does what load.lua does (a restore's load batch), in every case: it takes the script's KEYS and ARGV alone.
+ *
  * A command takes its script's sha, then its KEYS and ARGV in the same order, without EVALSHA's key count:
  *   CF.PUT sha meta fence ent data uows tomb queues expiry  member epoch lrsn uow gen id queue descriptor data
  *   CF.GET sha meta fence ent data uows tomb queues expiry  member epoch lrsn uow gen queue match value now [max [step]]
@@ -25,6 +27,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #include "redismodule.h"
 
@@ -1515,6 +1518,185 @@ static int cf_commit(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
     return REDISMODULE_OK;
 }
 
+/* ------------------------------------------------------------------------------------------------ CF.LOAD */
+
+/* CF.LOAD meta token commands: load.lua (a restore's load batch, applied only while the structure is the restore's).
+ * `commands` is the batch's writes in RESP; each is checked (load_check) before the first is applied. */
+#define LOAD_MAX_ARGS 4096
+
+typedef struct { const char *name; int type; } LoadCommand;
+static const LoadCommand LOAD_COMMANDS[] = {
+    {"HSET", REDISMODULE_KEYTYPE_HASH}, {"SADD", REDISMODULE_KEYTYPE_SET},
+    {"RPUSH", REDISMODULE_KEYTYPE_LIST}, {"ZADD", REDISMODULE_KEYTYPE_ZSET},
+};
+static const char *TYPE_NAMES[] = {"none", "string", "list", "hash", "set", "zset", "module", "stream"};
+
+/* A RESP length ("*N\r\n" or "$N\r\n" at p, the marker `mark`): its value and where what follows begins, or -1.
+ * Digits only, as load.lua's %d+ (a value beyond the blob is refused by the caller). */
+static long long resp_len(const char *p, const char *end, char mark, const char **after) {
+    if (p >= end || *p != mark) return -1;
+    p++;
+    const char *d = p;
+    long long v = 0;
+    while (p < end && *p >= '0' && *p <= '9') {
+        if (v < (1LL << 40)) v = v * 10 + (*p - '0');
+        p++;
+    }
+    if (p == d || p + 2 > end || p[0] != '\r' || p[1] != '\n') return -1;
+    *after = p + 2;
+    return v;
+}
+
+/* ZADD's score as load.lua takes it: an optional minus, digits, 18 characters at most. */
+static int integral_score(RedisModuleString *s) {
+    size_t n;
+    const char *p = RedisModule_StringPtrLen(s, &n);
+    if (n == 0 || n > 18) return 0;
+    size_t i = p[0] == '-' ? 1 : 0;
+    if (i == n) return 0;
+    for (; i < n; i++)
+        if (p[i] < '0' || p[i] > '9') return 0;
+    return 1;
+}
+
+static int load_refused(RedisModuleCtx *ctx, const char *why) {
+    char msg[ERRBUF];
+    snprintf(msg, sizeof msg, "ERR CF.LOAD: %.400s", why);
+    return RedisModule_ReplyWithError(ctx, msg);
+}
+
+static int cf_load(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
+    if (argc != 4) return RedisModule_WrongArity(ctx);
+    RedisModule_AutoMemory(ctx);
+    char msg[ERRBUF];
+    size_t ml, n;
+    const char *prefix = RedisModule_StringPtrLen(argv[1], &ml);
+    if (ml < 8 || prefix[0] != '{' || memcmp(prefix + ml - 6, "}:meta", 6) != 0)
+        return RedisModule_ReplyWithError(ctx, "ERR CF.LOAD: the first key is not a structure's header ({S}:meta)");
+    size_t prefix_len = ml - 4;
+    RedisModuleKey *meta = RedisModule_OpenKey(ctx, argv[1], REDISMODULE_READ);
+    RedisModuleString *token = NULL, *state = NULL;
+    int mt = RedisModule_KeyType(meta);
+    if (mt != REDISMODULE_KEYTYPE_EMPTY && mt != REDISMODULE_KEYTYPE_HASH)
+        return RedisModule_ReplyWithError(ctx, "WRONGTYPE Operation against a key holding the wrong kind of value");
+    if (mt == REDISMODULE_KEYTYPE_HASH)
+        RedisModule_HashGet(meta, REDISMODULE_HASH_CFIELDS, "restore_token", &token, "state", &state, NULL);
+    if (!state)
+        return RedisModule_ReplyWithError(ctx, "NOHEADER the structure's header is gone from the CF (flushed, or a "
+                                               "CF restarted empty)");
+    if (!token || RedisModule_StringCompare(token, argv[2]) != 0) {
+        size_t tl = 4;
+        const char *t = token ? RedisModule_StringPtrLen(token, &tl) : "none";
+        snprintf(msg, sizeof msg, "NOTOWNER the structure's restore token is %.*s, not this load's", (int)tl, t);
+        return RedisModule_ReplyWithError(ctx, msg);
+    }
+    size_t sl = 0;
+    const char *st = RedisModule_StringPtrLen(state, &sl);
+    if (sl != 10 || memcmp(st, "RECOVERING", 10) != 0) {
+        snprintf(msg, sizeof msg, "NOTOWNER the structure is %.*s, not RECOVERING", (int)sl, st);
+        return RedisModule_ReplyWithError(ctx, msg);
+    }
+
+    const char *blob = RedisModule_StringPtrLen(argv[3], &n);
+    const char *p = blob, *end = blob + n;
+    /* the commands, checked, as (first argument, count) over one array of every argument */
+    size_t cap = 64, used = 0, ncmd = 0, cmd_cap = 16;
+    RedisModuleString **args = RedisModule_PoolAlloc(ctx, cap * sizeof *args);
+    size_t *firsts = RedisModule_PoolAlloc(ctx, cmd_cap * sizeof *firsts);
+    const char **names = RedisModule_PoolAlloc(ctx, cmd_cap * sizeof *names);
+    RedisModuleDict *made = RedisModule_CreateDict(ctx);  /* key -> the type the batch makes it (a new key) */
+    const char *why = NULL;
+    while (p < end && !why) {
+        const char *q;
+        long long count = resp_len(p, end, '*', &q);
+        if (count < 3) { why = "the commands are not RESP arrays of at least three bulk strings"; break; }
+        if (count > LOAD_MAX_ARGS) { why = "a command of more than 4096 arguments"; break; }
+        p = q;
+        if (used + (size_t)count > cap) {
+            size_t bigger = (used + (size_t)count) * 2;
+            RedisModuleString **grown = RedisModule_PoolAlloc(ctx, bigger * sizeof *grown);
+            memcpy(grown, args, used * sizeof *args);
+            args = grown;
+            cap = bigger;
+        }
+        size_t first = used;
+        for (long long i = 0; i < count; i++) {
+            long long len = resp_len(p, end, '$', &q);
+            if (len < 0 || (size_t)(end - q) < (size_t)len + 2 || q[len] != '\r' || q[len + 1] != '\n') {
+                why = "the commands are not RESP arrays of at least three bulk strings";
+                break;
+            }
+            args[used++] = RedisModule_CreateString(ctx, q, (size_t)len);
+            p = q + len + 2;
+        }
+        if (why) break;
+        size_t nl;
+        const char *name = RedisModule_StringPtrLen(args[first], &nl);
+        const LoadCommand *lc = NULL;
+        for (size_t k = 0; k < sizeof LOAD_COMMANDS / sizeof *LOAD_COMMANDS; k++)
+            if (nl == strlen(LOAD_COMMANDS[k].name) && strncasecmp(name, LOAD_COMMANDS[k].name, nl) == 0)
+                lc = &LOAD_COMMANDS[k];
+        if (!lc) { why = "a load writes by HSET, SADD, RPUSH or ZADD only"; break; }
+        int paired = lc->type == REDISMODULE_KEYTYPE_HASH || lc->type == REDISMODULE_KEYTYPE_ZSET;
+        if (paired && count % 2 != 0) {
+            snprintf(msg, sizeof msg, "%s needs its fields and values in pairs", lc->name);
+            why = msg;
+            break;
+        }
+        if (lc->type == REDISMODULE_KEYTYPE_ZSET)
+            for (long long i = 2; i < count && !why; i += 2)
+                if (!integral_score(args[first + (size_t)i])) why = "ZADD's scores are integers";
+        if (why) break;
+        size_t kl;
+        const char *key = RedisModule_StringPtrLen(args[first + 1], &kl);
+        if (kl < prefix_len || memcmp(key, prefix, prefix_len) != 0) { why = "a key outside the structure"; break; }
+        /* a key this batch makes has the type of the command that makes it */
+        void *seen = RedisModule_DictGetC(made, (void *)key, kl, NULL);
+        int held = seen ? (int)(intptr_t)seen - 1 : REDISMODULE_KEYTYPE_EMPTY;
+        if (!seen) {
+            RedisModuleKey *k = RedisModule_OpenKey(ctx, args[first + 1], REDISMODULE_READ);
+            held = RedisModule_KeyType(k);
+            RedisModule_CloseKey(k);
+        }
+        if (held != REDISMODULE_KEYTYPE_EMPTY && held != lc->type) {
+            const char *tn = held >= 0 && held < (int)(sizeof TYPE_NAMES / sizeof *TYPE_NAMES) ? TYPE_NAMES[held] : "?";
+            snprintf(msg, sizeof msg, "%s on a key that holds a %s", lc->name, tn);
+            why = msg;
+            break;
+        }
+        if (!seen) RedisModule_DictReplaceC(made, (void *)key, kl, (void *)(intptr_t)(lc->type + 1));
+        if (ncmd == cmd_cap) {
+            size_t bigger = cmd_cap * 2;
+            size_t *f2 = RedisModule_PoolAlloc(ctx, bigger * sizeof *f2);
+            const char **n2 = RedisModule_PoolAlloc(ctx, bigger * sizeof *n2);
+            memcpy(f2, firsts, ncmd * sizeof *f2);
+            memcpy(n2, names, ncmd * sizeof *n2);
+            firsts = f2;
+            names = n2;
+            cmd_cap = bigger;
+        }
+        firsts[ncmd] = first;
+        names[ncmd++] = lc->name;
+    }
+    RedisModule_FreeDict(ctx, made);
+    if (why) return load_refused(ctx, why);
+    for (size_t i = 0; i < ncmd; i++) {
+        size_t upto = i + 1 < ncmd ? firsts[i + 1] : used;
+        RedisModuleCallReply *r = RedisModule_Call(ctx, names[i], "!v", args + firsts[i] + 1, upto - firsts[i] - 1);
+        int failed = !r || RedisModule_CallReplyType(r) == REDISMODULE_REPLY_ERROR;
+        if (r && !failed) RedisModule_FreeCallReply(r);  /* not held to the end: a batch makes thousands */
+        if (failed) {
+            /* checked above: only the server itself (out of memory) refuses one now */
+            size_t el = 0;
+            const char *e = r ? RedisModule_CallReplyStringPtr(r, &el) : "no reply";
+            snprintf(msg, sizeof msg, "ERR CF.LOAD: %s failed after %zu of %zu commands: %.*s", names[i], i, ncmd,
+                     (int)el, e);
+            return RedisModule_ReplyWithError(ctx, msg);
+        }
+    }
+    return RedisModule_ReplyWithLongLong(ctx, (long long)ncmd);
+}
+
 /* The command's ACL category, so that a user allowed the category may call it as it may call the script (the
  * CF's roles: cfemu.credentials). The functions for it came after the header's API version (Redis 7.2, Valkey):
  * asked of the server by name; a server without them leaves the command to users allowed all commands, and the
@@ -1545,7 +1727,10 @@ int RedisModule_OnLoad(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) 
     if (RedisModule_CreateCommand(ctx, "cf.commit", cf_commit, "write deny-oom", FIRST_KEY, FIRST_KEY + NKEYS - 1,
                                   1) == REDISMODULE_ERR)
         return REDISMODULE_ERR;
+    if (RedisModule_CreateCommand(ctx, "cf.load", cf_load, "write deny-oom", 1, 1, 1) == REDISMODULE_ERR)
+        return REDISMODULE_ERR;
     acl_category(ctx, "cf.put", "write");
+    acl_category(ctx, "cf.load", "write");
     acl_category(ctx, "cf.commit", "write");
     acl_category(ctx, "cf.get", "write");
     return REDISMODULE_OK;

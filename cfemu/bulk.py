@@ -39,7 +39,7 @@ from redis.backoff import NoBackoff
 from redis.client import Pipeline
 from redis.retry import Retry
 
-from cfemu import keys, rcluster, resp
+from cfemu import keys, rcluster, resp, server_module
 from cfemu.admin import EPOCHS, StructureDef, stage_structure
 from cfemu.entry import Entry
 from cfemu.redis_internals import hiredis_io, pack, packs_with_hiredis, plain_socket, reply_error, socket_of
@@ -430,6 +430,13 @@ def count_nonpersistent(client: redis.Redis, structure: str) -> int:
 
 # --- ownership: a restore's (or a purge's) hold on a structure -----------------------------------------------
 TOKEN = "restore_token"  # header field: the token of the restore or purge that claimed the structure last
+# A load's batches in flight at once where the CF checks each batch's owner itself (Owner.load): the next batch
+# crosses the network and is read in while the CF applies this one.
+LOAD_DEPTH = 2
+# The most entries a batch sent by Owner.load may hold: its HSETs then have at most 4,096 arguments, LOAD's bound
+# (cfemu/scripts/load.lua). A larger batch goes by Owner.send.
+LOAD_MAX_ENTRIES = 2047
+
 WATCH_RETRIES = 20  # a transaction whose header changed under it, though still the owner's, is tried again
 _WATCH_CHANGED = "Watched variable changed."  # redis-py's WatchError when EXEC applied nothing
 T = TypeVar("T")
@@ -659,6 +666,9 @@ class Owner:
         # the owner's connection until the next batch is sent, or until another transaction of the owner judges
         # the header anew (check), which voids it.
         self._next_guard: list[Any] | None = None
+        self._loads: bool | None = None  # whether load() may be used: asked once (loads_natively)
+        self._loading: Any = None  # the connection held while batches sent by load() are in flight
+        self._in_flight = 0
 
     def check(self, client: redis.Redis) -> None:
         """Raise NotOwnerError (CFReplacedError) unless the header, read through `client` (a watching pipeline),
@@ -715,6 +725,128 @@ class Owner:
         else:
             raise NotOwnerError(f"the structure's header changed under {WATCH_RETRIES} transactions in a row")
         return _transact(self.client, (keys.meta(self.structure),), self.check, commands)[1]
+
+    def loads_natively(self) -> bool:
+        """Whether this owner's batches may go by load(): the CF has LOAD (its server module), the owner's
+        connection reaches it directly (`direct`), is read by hiredis's parser, and the CF lets this user run LOAD.
+        Asked once, by an empty batch sent with the CF's identity read, which is judged: the owner's connection
+        never reconnects and reaches the server directly, so every batch sent on it after reaches the server whose
+        identity was judged here, and LOAD checks the rest (the header) itself. Raises as a batch would (a CF
+        replaced, a replica now, the structure not this owner's)."""
+        if self._loads is None:
+            self._loads = False
+            if self.direct and server_module.loads(self.client):
+                pool = self.client.connection_pool
+                conn = pool.get_connection()
+                try:
+                    if hiredis_io(conn) is not None:
+                        self._loads = self._probe_load(conn)
+                finally:
+                    pool.release(conn)
+        return self._loads
+
+    def _probe_load(self, conn: Any) -> bool:
+        """loads_natively's question on `conn`."""
+        try:
+            info, reply = resp.exchange(conn, [b"*2\r\n$4\r\nINFO\r\n$6\r\nserver\r\n",
+                                               self._load_head(0)[0] + b"\r\n"], 2)
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
+            raise CFReplacedError("the connection to the CF broke") from e
+        if isinstance(info, redis.exceptions.ResponseError):
+            raise info
+        identity = _run_id(info)
+        if identity != self.cf:
+            raise CFReplacedError(f"the CF is another server now (run id {self.cf[:12]} at the claim, "
+                                  f"{identity[:12]} now)")
+        if isinstance(reply, redis.exceptions.ResponseError):
+            self._refused(reply)  # the owner's own refusals raise; a user not allowed LOAD comes back
+            return False
+        return reply == 0
+
+    def _refused(self, error: redis.exceptions.ResponseError) -> None:
+        """Raise what a refusal of LOAD means for the owner: NotOwnerError (the structure is not its own: nothing
+        written) or CFReplacedError (a replica now, or the header gone: the CF lost). Other refusals (no such command, a user not allowed it) are
+        the caller's to judge."""
+        text = str(error)
+        if text.startswith("NOHEADER"):
+            raise CFReplacedError("the structure's header is gone from the CF (flushed, or a CF restarted empty)")
+        if text.startswith("NOTOWNER"):
+            raise NotOwnerError(f"a later restore or a purge took the structure over, or changed its state: "
+                                f"{text[len('NOTOWNER '):]}")
+        if isinstance(error, redis.exceptions.ReadOnlyError) or text.startswith("READONLY"):
+            raise CFReplacedError("the CF refused a write (READONLY): the server is a replica now")
+
+    def _load_head(self, size: int) -> list[bytes]:
+        """LOAD's name, the header's key and the restore token, and the header of a `size`-byte batch, in RESP."""
+        meta, token = keys.meta(self.structure).encode(), str(self.token).encode()
+        return [b"*4\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n$%d\r\n" % (
+            len(server_module.LOAD), server_module.LOAD.encode(), len(meta), meta, len(token), token, size)]
+
+    def load(self, commands: resp.Packed) -> None:
+        """Send a load's batch (its commands packed beforehand) as LOAD, without waiting for its reply (loaded()
+        reads it): the CF applies it whole only while the structure is still this owner's, so the next batch may
+        go out before this one is applied. Only where loads_natively(), with at most LOAD_MAX_ENTRIES entries a
+        batch; no other transaction of the owner until every batch sent is loaded()."""
+        if self._loading is None:
+            try:
+                self._loading = self.client.connection_pool.get_connection()
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
+                raise CFReplacedError("the connection to the CF broke") from e
+        io = hiredis_io(self._loading)
+        assert io is not None, "load() where loads_natively() said no"
+        chunks = commands.chunks()
+        try:
+            resp.send(self._loading, io[0], [*self._load_head(sum(map(len, chunks))), *chunks, b"\r\n"])
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
+            self._drop_loading()
+            raise CFReplacedError("the connection to the CF broke") from e
+        except BaseException:  # sent in part, or not: the connection cannot carry another batch
+            self._drop_loading()
+            raise
+        self._in_flight += 1
+
+    def loaded(self) -> None:
+        """Wait for the oldest batch load() sent: it is in the CF. Raises NotOwnerError (the structure is not this
+        owner's any more: the batch wrote nothing), CFReplacedError, or the CF's refusal of a batch it could not
+        apply (nothing of it written); any of them ends the owner's loading: the connection is dropped. A batch sent
+        after a refused one is checked on its own and may still have been applied (one refused for its owner is
+        followed only by batches refused alike): the load has failed, and its structure stays RECOVERING until a
+        restore runs again from its reset."""
+        if self._loading is None or not self._in_flight:
+            raise RuntimeError("loaded() with no batch in flight")
+        conn = self._loading
+        io = hiredis_io(conn)
+        assert io is not None
+        try:
+            reply = resp.receive(conn, *io, 1)[0]
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
+            self._drop_loading()
+            raise CFReplacedError("the connection to the CF broke") from e
+        except BaseException:  # a reply read in part: the connection cannot be read on
+            self._drop_loading()
+            raise
+        if isinstance(reply, redis.exceptions.ConnectionError):  # LOADING (a CF reloading its data), NOAUTH
+            self._drop_loading()
+            raise CFReplacedError(f"the CF answered as a server that lost its data or its users would ({reply})")
+        if isinstance(reply, redis.exceptions.ResponseError):
+            self._drop_loading()
+            self._refused(reply)
+            raise reply
+        self._in_flight -= 1
+        if not self._in_flight:
+            self.client.connection_pool.release(self._loading)
+            self._loading = None
+
+    @property
+    def in_flight(self) -> int:
+        """Batches load() sent whose reply loaded() has not read."""
+        return self._in_flight
+
+    def _drop_loading(self) -> None:
+        conn, self._loading, self._in_flight = self._loading, None, 0
+        if conn is not None:
+            conn.disconnect()
+            self.client.connection_pool.release(conn)
 
     def _watch_and_read(self) -> list[bytes]:
         """WATCH of the header, INFO server and HMGET of the header's _HEADER_FIELDS, packed once."""
@@ -1065,30 +1197,59 @@ class Loader:
         self.bytes = 0
         self.held: dict[str, int] = {}  # UOW holding entries -> lowest LRSN of its entries
         self.queues: set[str] = set()
+        self._sent: deque[Staged] = deque()  # batches sent by the owner's load() and not yet in (send, flush)
 
     def write(self, batch: Sequence[Survivor]) -> None:
-        """One batch: descriptors, data, list places, UOW sets, expiry times and id indexes."""
+        """One batch: descriptors, data, list places, UOW sets, expiry times and id indexes; in the CF when this
+        returns."""
         self.send(self.prepare(batch))
+        self.flush()
 
     def prepare(self, batch: Sequence[Survivor]) -> Staged:
         """A batch's writes, computed and packed but not sent (prepare)."""
         return prepare(self.structure, batch)
 
-    def send(self, st: Staged) -> None:
-        """Write a prepared batch, as one transaction of the owner (more batches are expected: Owner.send's
-        watch_next; the owner's next transaction of another kind voids the guard sent after this one)."""
+    def send(self, st: Staged) -> list[Staged]:
+        """Write a prepared batch. Returns the batches now in the CF, oldest first: where the owner loads natively
+        (Owner.load) up to LOAD_DEPTH batches are in flight, so this one may be in a later call's list, or
+        flush()'s; else it is this one, written as one transaction of the owner (more batches are expected:
+        Owner.send's watch_next; the owner's next transaction of another kind voids the guard sent after it)."""
+        holder = self.holder
+        if st.entries and st.entries <= LOAD_MAX_ENTRIES and holder.loads_natively():
+            holder.load(st.commands)
+            self._sent.append(st)
+            landed = []
+            while holder.in_flight >= LOAD_DEPTH:
+                holder.loaded()
+                landed.append(self._landed(self._sent.popleft()))
+            return landed
+        landed = self.flush()
         if st.entries:
-            self.holder.send(st.commands, watch_next=True)
-        # counted once the batch is in (a transaction tried again must not count it twice)
+            holder.send(st.commands, watch_next=not holder.loads_natively())
+        return [*landed, self._landed(st)]
+
+    def flush(self) -> list[Staged]:
+        """Wait until every batch sent is in the CF; returns those that were not yet, oldest first."""
+        landed = []
+        while self._sent:
+            self.holder.loaded()
+            landed.append(self._landed(self._sent.popleft()))
+        return landed
+
+    def _landed(self, st: Staged) -> Staged:
+        """Count a batch once it is in (a transaction tried again must not count it twice)."""
         for u, first in st.held.items():
             self.held[u] = min(self.held.get(u, first), first)
         self.queues.update(st.queues)
         self.bytes += st.bytes
+        return st
 
     def finish(self, queues: Iterable[str], owner: Callable[[str], str], tomb: Mapping[str, str]) -> int:
         """After the last batch: the queue set (`queues` and every queue written to), a record for each UOW
         holding entries (its owner by `owner`), and the tombstones (UOW -> 'C' | 'B'). Returns the number of UOWs
         holding entries."""
+        if self._sent:
+            raise RuntimeError("finish() before the last batches are in (flush)")
         S = self.structure
         all_queues = sorted(set(queues) | self.queues)
 

@@ -18,10 +18,14 @@ from typing import Any
 
 import redis
 
-__all__ = ["COMMANDS", "ENV_MODULE", "TO_SCRIPT", "loaded_ops", "path"]
+__all__ = ["COMMANDS", "ENV_MODULE", "LOAD", "TO_SCRIPT", "loaded_ops", "loads", "path"]
 
 # The operations the module runs, by script name, and their commands.
 COMMANDS = {"put": "CF.PUT", "get": "CF.GET", "commit": "CF.COMMIT"}
+
+# A restore's load batch (cfemu/scripts/load.lua, cfemu.bulk.Owner.load): not an operation of a CF object, and it
+# takes its script's KEYS and ARGV alone (the module runs every case itself).
+LOAD = "CF.LOAD"
 
 # A module command takes its script's sha first, then the script's KEYS and ARGV: a call it leaves to the script (the
 # rarer cases of an operation: cfemu/_cfmodule.c) it runs with that script itself, in the call's place among the
@@ -49,15 +53,27 @@ def path() -> Path | None:
 
 
 def loaded_ops(client: redis.Redis) -> dict[str, str]:
-    """The operations whose command the server behind `client` has (op -> command): one COMMAND INFO, read
-    unparsed (redis-py's parser of its reply fails on the null it gives for a command the server lacks)."""
+    """The operations whose command the server behind `client` has (op -> command)."""
+    found = _has(client, list(COMMANDS.values()))
+    return {op: cmd for (op, cmd), there in zip(COMMANDS.items(), found, strict=True) if there}
+
+
+def loads(client: redis.Redis) -> bool:
+    """Whether the server behind `client` has LOAD, the command of a restore's load batch."""
+    return _has(client, [LOAD])[0]
+
+
+def _has(client: redis.Redis, commands: list[str]) -> list[bool]:
+    """Whether the server behind `client` has each of `commands`: one COMMAND INFO, read unparsed (redis-py's
+    parser of its reply fails on the null it gives for a command the server lacks). A server or user that may not
+    ask: none."""
     pool = client.connection_pool
     conn = pool.get_connection()
     try:
-        conn.send_command("COMMAND", "INFO", *COMMANDS.values())
+        conn.send_command("COMMAND", "INFO", *commands)
         info: Any = conn.read_response()
-    except redis.exceptions.ResponseError:  # a server or user that may not ask: the scripts
-        return {}
+    except redis.exceptions.ResponseError:
+        return [False] * len(commands)
     finally:
         pool.release(conn)
-    return {op: cmd for (op, cmd), found in zip(COMMANDS.items(), info or []) if found}
+    return [bool(found) for found in (info or [None] * len(commands))]

@@ -78,8 +78,8 @@ def batches(items: Iterable[Settled], size: int, max_bytes: int = 0) -> Iterator
 
 
 def batch_bytes_for(memory: int) -> int:
-    """The most message data one batch of a load holds when the restore may use `memory` bytes: about seven batches
-    are held at once (DEPTH prepared ahead, one being sent, the copies of two for the restore point (Beside: one
+    """The most message data one batch of a load holds when the restore may use `memory` bytes: about eight batches
+    are held at once (DEPTH prepared ahead, bulk.LOAD_DEPTH being sent, the copies of two for the restore point (Beside: one
     being written, one waiting), and in a worker the one being made and its pickle), so a batch gets a sixteenth,
     1 MiB at least, and at most cfemu.limits.CF_STEP_BYTES: a batch is one transaction on the CF, which no other
     client's call can pass while it copies the data in. Batches of a thousand messages of 4 MiB (a queue's default
@@ -349,19 +349,29 @@ def load_plan(owner: bulk.Owner, plan: RestorePlan, sdef: StructureDef, queues: 
                 source = staged(S, plan.in_load_order(), batch, batch_bytes)
             point = Beside(copies_to) if copies_to is not None else None  # no thread when no point is written
             sending = 0.0
+
+            def landed(batches: list[bulk.Staged]) -> None:
+                """After each batch is in the CF: its copies to the restore point, its counts."""
+                for b in batches:
+                    if point is not None:
+                        point.put(b.copies)
+                    expected.update(b.lists)
+                    result.entries += b.entries
+                    result.batches += 1
+                    progress(LOAD, result.entries, total)
+                    failpoint("restore-load-batch")  # tests: SQM_FAILPOINTS=restore-load-batch=N dies after N
+
             with Prepared(source) as prepared, point or contextlib.nullcontext():
                 for staged_batch, floor in prepared:
                     clock.floor = max(clock.floor, floor)
                     t_send = time.perf_counter()
-                    loader.send(staged_batch)
+                    done = loader.send(staged_batch)  # the batch may still be in flight (bulk.LOAD_DEPTH)
                     sending += time.perf_counter() - t_send
-                    if point is not None:
-                        point.put(staged_batch.copies)
-                    expected.update(staged_batch.lists)
-                    result.entries += staged_batch.entries
-                    result.batches += 1
-                    progress(LOAD, result.entries, total)
-                    failpoint("restore-load-batch")  # tests: SQM_FAILPOINTS=restore-load-batch=N dies after N
+                    landed(done)
+                t_send = time.perf_counter()
+                done = loader.flush()
+                sending += time.perf_counter() - t_send
+                landed(done)
             result.timings = {"waiting_for_batches_s": prepared.waited_s, "sending_s": sending,
                               "waiting_for_point_s": point.waited_s if point is not None else 0.0,
                               "preparing_cpu_s": prepared.cpu_s, "point_cpu_s": point.cpu_s if point is not None else 0.0}

@@ -33,18 +33,24 @@ def marker(value: str) -> Callable[[Pipeline], object]:
     return lambda pipe: pipe.hset(keys.data(S), "marker", value)
 
 
-HOW = ["staged", "packed", "load"]
+HOW = ["staged", "packed", "load", "native"]
 
 
 def write_marker(owner: bulk.Owner, value: str, how: str) -> None:
     """The marker written by a transaction staged on redis-py's pipeline, or by commands packed beforehand (a bulk
     load's batch: Owner.send), alone or as one of a load's batches (the next batch's WATCH and header read sent
-    after its EXEC, and judged when the next batch goes); all are held to the same ownership rules."""
+    after its EXEC, and judged when the next batch goes), or as a batch the CF's server module checks itself
+    (Owner.load, LOAD); all are held to the same ownership rules."""
     if how == "staged":
         owner.transaction(marker(value))
         return
     commands = resp.Packed()
     commands.add("HSET", keys.data(S), "marker", value)
+    if how == "native":
+        assert owner.loads_natively()
+        owner.load(commands)
+        owner.loaded()
+        return
     owner.send(commands, watch_next=how == "load")
 
 
@@ -215,6 +221,7 @@ def test_a_loads_batches_wait_for_the_cf_once_each(client: redis.Redis, monkeypa
     owner's next transaction of another kind (the load's finish) judges the header anew: a header change that the
     WATCH left in force saw makes its first EXEC apply nothing, and it goes again, applied once."""
     with bulk.claim(client, S, bulk.observe(client, S)) as owner:
+        monkeypatch.setattr(owner, "loads_natively", lambda: False)  # a CF without the module
         loader = bulk.Loader(owner, gen=1)
         exchanges = count_exchanges(monkeypatch)
         batches = [bulk.prepare(S, [Survivor(f"e{b}", {"id": f"e{b}", "q": "Q1", "st": "CP", "l": b}, b"x")])
@@ -358,3 +365,26 @@ def test_the_backups_hmget_reads_what_redis_py_reads_and_a_failed_read_again(
     monkeypatch.setattr(resp, "exchange", breaks_once)
     assert bulk.hmget(c, key, fields) == [b"\x00\r\n$3\r\n", None, b""]
     assert broken, "the failed read was not the one made"
+
+
+def test_an_owner_interrupted_while_a_batch_is_in_flight_gives_its_connection_up(
+        client: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A KeyboardInterrupt while the owner reads a batch's reply (Owner.loaded) drops the connection: the owner is
+    then a lost CF to everything after (its connection never reconnects), not a pool with its one connection
+    still out."""
+    with bulk.claim(client, S, bulk.observe(client, S)) as owner:
+        assert owner.loads_natively()
+        commands = resp.Packed()
+        commands.add("HSET", keys.data(S), "marker", "x")
+        owner.load(commands)
+
+        def interrupted(*args: object) -> list[object]:
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(resp, "receive", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            owner.loaded()
+        monkeypatch.undo()
+        assert owner.in_flight == 0
+        with pytest.raises(redis.exceptions.ConnectionError, match="does not reconnect"):
+            owner.client.ping()

@@ -34,6 +34,17 @@ def load_batch(owner: bulk.Owner, field: str, value: str = "x") -> list[Any]:
     return owner.send(batch(field, value), watch_next=True)
 
 
+def load_batch_by(owner: bulk.Owner, field: str, how: str) -> None:
+    """One batch as a load sends it: a guarded transaction (load_batch), or a batch the CF checks itself
+    (Owner.load: CF.LOAD of the server module)."""
+    if how == "transaction":
+        load_batch(owner, field)
+        return
+    assert owner.loads_natively()
+    owner.load(batch(field))
+    owner.loaded()
+
+
 def defined(client: redis.Redis) -> redis.Redis:
     Admin(client).define_structure(S)
     Admin(client).set_state(S, "FAILED")
@@ -179,29 +190,32 @@ def test_an_owners_connection_killed_between_two_batches_is_not_made_again(fresh
         owner.client.ping()
 
 
-def test_a_cf_flushed_between_two_batches_stops_the_load(fresh_redis: EmbeddedRedis) -> None:
+@pytest.mark.parametrize("how", ["transaction", "native"])
+def test_a_cf_flushed_between_two_batches_stops_the_load(fresh_redis: EmbeddedRedis, how: str) -> None:
     """A FLUSHALL between two batches (the CF emptied under the load, by the same server process, so the same run
-    id): the guard's WATCH makes the next EXEC apply nothing, and the guard sent after it finds no header."""
+    id): the guard's WATCH makes the next EXEC apply nothing, and the guard sent after it finds no header; CF.LOAD
+    finds no header. Either way a lost CF (the restore says to run it again), not a takeover."""
     client = defined(fresh_redis.client())
     with bulk.claim(client, S, bulk.observe(client, S)) as owner:
-        load_batch(owner, "first")
+        load_batch_by(owner, "first", how)
         client.flushall()
         with pytest.raises(bulk.CFReplacedError, match="the structure's header is gone"):
-            load_batch(owner, "stale")
+            load_batch_by(owner, "stale", how)
     assert client.keys("*") == []
 
 
-def test_a_cf_demoted_between_two_batches_stops_the_load(fresh_redis: EmbeddedRedis) -> None:
+@pytest.mark.parametrize("how", ["transaction", "native"])
+def test_a_cf_demoted_between_two_batches_stops_the_load(fresh_redis: EmbeddedRedis, how: str) -> None:
     """A CF that became a replica between two batches (a duplex failover, an operator's REPLICAOF) keeps its run
     id and its data, so the guard read before the demotion still passes: the queued writes' READONLY stops the
     load, having written nothing more."""
     c = defined(fresh_redis.client())
     with bulk.claim(c, S, bulk.observe(c, S)) as owner:
-        load_batch(owner, "first")
+        load_batch_by(owner, "first", how)
         c.execute_command("REPLICAOF", "127.0.0.1", "1")  # nothing listens there: it keeps its data, read only
         try:
             with pytest.raises(bulk.CFReplacedError, match="READONLY"):
-                load_batch(owner, "stale")
+                load_batch_by(owner, "stale", how)
         finally:
             c.execute_command("REPLICAOF", "NO", "ONE")
     assert c.hkeys(keys.data(S)) == [b"first"]

@@ -44,16 +44,18 @@ def test_a_batch_sent_while_the_cf_reloads_its_data_stops_the_load_as_a_lost_cf(
     owner = bulk.claim(c, S, bulk.observe(c, S))
     # The owner's check of its header: through its watching pipeline, or (a packed batch) of the header read
     # with the batch's WATCH.
-    hook = "check" if how == "staged" else "judge"
+    # A batch the CF checks itself (native): after the owner's first check of the CF, by its probe of LOAD.
+    hook = {"staged": "check", "native": "loads_natively"}.get(how, "judge")
     check = getattr(owner, hook)
     reload = threading.Thread(target=lambda: srv.client(socket_timeout=None).execute_command("DEBUG", "RELOAD"))
 
-    def check_then_reload(read: Pipeline | bulk.Seen) -> None:
-        check(read)
+    def check_then_reload(*read: Pipeline | bulk.Seen) -> object:
+        checked = check(*read)
         reload.start()  # between the owner's check and its batch
         deadline = time.monotonic() + 20
         while not answers_loading(srv.port):
             assert time.monotonic() < deadline, "the CF never answered LOADING"
+        return checked
 
     monkeypatch.setattr(owner, hook, check_then_reload)
     try:

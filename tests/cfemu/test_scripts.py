@@ -17,8 +17,9 @@ from typing import Any
 
 import msgpack
 import pytest
+import redis
 
-from cfemu import bulk, keys, lua
+from cfemu import bulk, keys, lua, resp
 from cfemu.admin import Admin
 from cfemu.cf import CF, Caller, CarriedCommit, OutcomeReply, Structure
 from cfemu.connection import connect
@@ -1826,3 +1827,28 @@ def _p99(waits: list[float], took: float) -> float:
     waits.sort()
     assert len(waits) > 100, (len(waits), took)
     return waits[int(len(waits) * 0.99)]
+
+
+class TestLoad:
+    """A restore's load batch (load.lua; run as the module's CF.LOAD by cfemu.bulk.Owner.load, held to the script by
+    tests/cfemu/test_load_command.py): applied whole while the structure is the owner's, refused whole after a
+    later claim."""
+
+    @staticmethod
+    def batch(value: str) -> bytes:
+        p = resp.Packed()
+        p.add("HSET", keys.data(S), "e1", value)
+        p.add("RPUSH", f"{keys.tag(S)}:q:{Q}:cp:0", "e1")
+        return p.data()
+
+    def test_the_owners_batch_is_applied_and_a_superseded_owners_refused(self, admin: Admin) -> None:
+        r = admin.redis
+        load = r.register_script(lua.source("load"))
+        owner = bulk.claim(r, S, bulk.observe(r, S))
+        assert load(keys=[keys.meta(S)], args=[owner.token, self.batch("first")]) == 2
+        later = bulk.claim(r, S, bulk.observe(r, S))
+        with pytest.raises(redis.exceptions.ResponseError, match="NOTOWNER the structure's restore token is"):
+            load(keys=[keys.meta(S)], args=[owner.token, self.batch("stale")])
+        assert r.hget(keys.data(S), "e1") == b"first" and r.llen(f"{keys.tag(S)}:q:{Q}:cp:0") == 1
+        owner.close()
+        later.close()

@@ -84,7 +84,8 @@ def test_restore_killed_mid_load_resumes_to_the_clean_result(redis_url: str, tmp
         time.sleep(0.1)
     assert _load_workers(run) == set()
     assert Admin(client).state(S) == "RECOVERING"
-    assert client.hlen(keys.entries(S)) == 1000  # one batch made it
+    # One batch made it; the next, in flight when the restore was killed (bulk.LOAD_DEPTH), is in whole or not at all.
+    assert client.hlen(keys.entries(S)) in (1000, 2000)
     decided = [r for _, r in LogReader(logs / RESTORE_MEMBER).records()]
     assert [(r["k"], r["o"], r["by"]) for r in decided] == [("RECOVERY", "B", "restore")]
 
