@@ -9,7 +9,10 @@ reads the CF's CPU seconds (INFO cpu, used_cpu_sys + used_cpu_user) before and a
 
   * raw: the batch's commands alone, pipelined (what the restore benchmark's same-data raw write sends);
   * transaction: the same inside MULTI/EXEC, no guard;
-  * load: Loader.send as the load sends today (guard, MULTI/EXEC, the next guard after EXEC);
+  * load: Loader.send as a load sends where the CF has no server module (guard, MULTI/EXEC, the next guard after
+    EXEC);
+  * load_native: Loader.send where the CF has it (each batch one CF.LOAD, which checks the owner itself, two
+    batches in flight: cfemu.bulk.LOAD_DEPTH);
   * load_x10: the same with ten batches a transaction (the guard once for ten thousand entries);
   * restore_sets: the index sets as RESTORE of prebuilt serialized values (DUMP format: the set as a listpack,
     RDB type 20, then the server's RDB version, learned from its own DUMP, and the CRC64), in MULTI/EXEC;
@@ -153,6 +156,18 @@ def _load(per: int) -> Form:
     return form
 
 
+def load_native(client: redis.Redis, batches: list[Batch]) -> Callable[[], None]:
+    loader = bulk.Loader(bulk.claim(client, S, bulk.observe(client, S)), gen=1)
+    if not loader.holder.loads_natively():
+        raise SystemExit("load_native: this CF does not run CF.LOAD (no server module, or not reached directly)")
+
+    def write() -> None:
+        for b in batches:
+            loader.send(b.staged)
+        loader.flush()
+    return write
+
+
 def restore_sets(client: redis.Redis, batches: list[Batch]) -> Callable[[], None]:
     client.sadd("probe", "x")
     dumped = client.dump("probe")
@@ -213,6 +228,7 @@ def hashes_apart(client: redis.Redis, batches: list[Batch]) -> Callable[[], None
 
 
 FORMS: dict[str, Form] = {"hashes_apart": hashes_apart, "raw": raw, "transaction": transaction, "load": _load(1), "load_x10": _load(10),
+                          "load_native": load_native,
                           "restore_sets": restore_sets, "lua_sets": lua_sets}
 
 
@@ -265,11 +281,12 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(out))
         return 0
     table = Table(title=f"CF CPU of loading {entries} entries ({rounds} rounds, load {out['load_avg']})")
-    for col in ("form", "CF CPU s (each round)", "median", "/ raw"):
+    for col in ("form", "CF CPU s (each round)", "median", "/ raw", "wall s (median)"):
         table.add_column(col)
     for n in names:
         table.add_row(n, " ".join(f"{r['cf_cpu_s']:.2f}" for r in runs[n]), f"{medians[n]:.2f}",
-                      f"{medians[n] / base:.2f}" if base else "")
+                      f"{medians[n] / base:.2f}" if base else "",
+                      f"{statistics.median(r['wall_s'] for r in runs[n]):.2f}")
     Console().print(table)
     return 0
 
