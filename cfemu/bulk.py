@@ -765,8 +765,8 @@ class Owner:
 
     def _refused(self, error: redis.exceptions.ResponseError) -> None:
         """Raise what a refusal of LOAD means for the owner: NotOwnerError (the structure is not its own: nothing
-        written) or CFReplacedError (a replica now, or the header gone: the CF lost). Other refusals (no such command, a user not allowed it) are
-        the caller's to judge."""
+        written) or CFReplacedError (a replica now, or the header gone: the CF lost). Other refusals (no such
+        command, a user not allowed it) are the caller's to judge."""
         text = str(error)
         if text.startswith("NOHEADER"):
             raise CFReplacedError("the structure's header is gone from the CF (flushed, or a CF restarted empty)")

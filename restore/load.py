@@ -78,11 +78,11 @@ def batches(items: Iterable[Settled], size: int, max_bytes: int = 0) -> Iterator
 
 
 def batch_bytes_for(memory: int) -> int:
-    """The most message data one batch of a load holds when the restore may use `memory` bytes: about eight batches
-    are held at once (DEPTH prepared ahead, bulk.LOAD_DEPTH being sent, the copies of two for the restore point (Beside: one
-    being written, one waiting), and in a worker the one being made and its pickle), so a batch gets a sixteenth,
-    1 MiB at least, and at most cfemu.limits.CF_STEP_BYTES: a batch is one transaction on the CF, which no other
-    client's call can pass while it copies the data in. Batches of a thousand messages of 4 MiB (a queue's default
+    """The most message data one batch of a load holds when the restore may use `memory` bytes: about eight
+    batches are held at once (DEPTH prepared ahead, bulk.LOAD_DEPTH being sent, the copies of two for the restore
+    point (Beside: one being written, one waiting), and in a worker the one being made and its pickle), so a batch
+    gets a sixteenth, 1 MiB at least, and at most cfemu.limits.CF_STEP_BYTES: a batch is one step of the CF, which
+    no other client's call can pass while it copies the data in. Batches of a thousand messages of 4 MiB (a queue's default
     MAXMSGL) had been 4 GiB each, whatever the limit."""
     return min(max(1 << 20, memory // 16), CF_STEP_BYTES)
 
