@@ -1521,7 +1521,7 @@ static int cf_commit(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
 /* ------------------------------------------------------------------------------------------------ CF.LOAD */
 
 /* CF.LOAD meta token commands: load.lua (a restore's load batch, applied only while the structure is the restore's).
- * `commands` is the batch's writes in RESP; each is checked (load_check) before the first is applied. */
+ * `commands` is the batch's writes in RESP; every one is checked before the first is applied. */
 #define LOAD_MAX_ARGS 4096
 
 typedef struct { const char *name; int type; } LoadCommand;
@@ -1558,6 +1558,19 @@ static int integral_score(RedisModuleString *s) {
         if (p[i] < '0' || p[i] > '9') return 0;
     return 1;
 }
+
+/* `array` (of `size`-byte items, `used` of them) with room for `want`: itself, or a copy twice as large from the
+ * command's pool (freed when the command returns). */
+static void *pool_room(RedisModuleCtx *ctx, void *array, size_t used, size_t want, size_t *cap, size_t size) {
+    if (want <= *cap) return array;
+    void *grown = RedisModule_PoolAlloc(ctx, want * 2 * size);
+    memcpy(grown, array, used * size);
+    *cap = want * 2;
+    return grown;
+}
+
+/* A checked command of a batch: where its arguments start among all of them, and its name as LOAD_COMMANDS has it. */
+typedef struct { size_t first; const char *name; } Checked;
 
 static int load_refused(RedisModuleCtx *ctx, const char *why) {
     char msg[ERRBUF];
@@ -1599,11 +1612,10 @@ static int cf_load(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
 
     const char *blob = RedisModule_StringPtrLen(argv[3], &n);
     const char *p = blob, *end = blob + n;
-    /* the commands, checked, as (first argument, count) over one array of every argument */
+    /* every argument of the batch in one array, and the commands checked over it */
     size_t cap = 64, used = 0, ncmd = 0, cmd_cap = 16;
     RedisModuleString **args = RedisModule_PoolAlloc(ctx, cap * sizeof *args);
-    size_t *firsts = RedisModule_PoolAlloc(ctx, cmd_cap * sizeof *firsts);
-    const char **names = RedisModule_PoolAlloc(ctx, cmd_cap * sizeof *names);
+    Checked *cmds = RedisModule_PoolAlloc(ctx, cmd_cap * sizeof *cmds);
     RedisModuleDict *made = RedisModule_CreateDict(ctx);  /* key -> the type the batch makes it (a new key) */
     const char *why = NULL;
     while (p < end && !why) {
@@ -1612,13 +1624,7 @@ static int cf_load(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
         if (count < 3) { why = "the commands are not RESP arrays of at least three bulk strings"; break; }
         if (count > LOAD_MAX_ARGS) { why = "a command of more than 4096 arguments"; break; }
         p = q;
-        if (used + (size_t)count > cap) {
-            size_t bigger = (used + (size_t)count) * 2;
-            RedisModuleString **grown = RedisModule_PoolAlloc(ctx, bigger * sizeof *grown);
-            memcpy(grown, args, used * sizeof *args);
-            args = grown;
-            cap = bigger;
-        }
+        args = pool_room(ctx, args, used, used + (size_t)count, &cap, sizeof *args);
         size_t first = used;
         for (long long i = 0; i < count; i++) {
             long long len = resp_len(p, end, '$', &q);
@@ -1665,31 +1671,22 @@ static int cf_load(RedisModuleCtx *ctx, RedisModuleString **argv, int argc) {
             break;
         }
         if (!seen) RedisModule_DictReplaceC(made, (void *)key, kl, (void *)(intptr_t)(lc->type + 1));
-        if (ncmd == cmd_cap) {
-            size_t bigger = cmd_cap * 2;
-            size_t *f2 = RedisModule_PoolAlloc(ctx, bigger * sizeof *f2);
-            const char **n2 = RedisModule_PoolAlloc(ctx, bigger * sizeof *n2);
-            memcpy(f2, firsts, ncmd * sizeof *f2);
-            memcpy(n2, names, ncmd * sizeof *n2);
-            firsts = f2;
-            names = n2;
-            cmd_cap = bigger;
-        }
-        firsts[ncmd] = first;
-        names[ncmd++] = lc->name;
+        cmds = pool_room(ctx, cmds, ncmd, ncmd + 1, &cmd_cap, sizeof *cmds);
+        cmds[ncmd++] = (Checked){first, lc->name};
     }
     RedisModule_FreeDict(ctx, made);
     if (why) return load_refused(ctx, why);
     for (size_t i = 0; i < ncmd; i++) {
-        size_t upto = i + 1 < ncmd ? firsts[i + 1] : used;
-        RedisModuleCallReply *r = RedisModule_Call(ctx, names[i], "!v", args + firsts[i] + 1, upto - firsts[i] - 1);
+        size_t upto = i + 1 < ncmd ? cmds[i + 1].first : used;
+        RedisModuleCallReply *r = RedisModule_Call(ctx, cmds[i].name, "!v", args + cmds[i].first + 1,
+                                                   upto - cmds[i].first - 1);
         int failed = !r || RedisModule_CallReplyType(r) == REDISMODULE_REPLY_ERROR;
         if (r && !failed) RedisModule_FreeCallReply(r);  /* not held to the end: a batch makes thousands */
         if (failed) {
             /* checked above: only the server itself (out of memory) refuses one now */
             size_t el = 0;
             const char *e = r ? RedisModule_CallReplyStringPtr(r, &el) : "no reply";
-            snprintf(msg, sizeof msg, "ERR CF.LOAD: %s failed after %zu of %zu commands: %.*s", names[i], i, ncmd,
+            snprintf(msg, sizeof msg, "ERR CF.LOAD: %s failed after %zu of %zu commands: %.*s", cmds[i].name, i, ncmd,
                      (int)el, e);
             return RedisModule_ReplyWithError(ctx, msg);
         }
