@@ -35,7 +35,8 @@ Errors from the server come back as the same exception classes (cfemu.errors), w
 Authentication: ``token`` is the token of ``role`` (application, the default, or operator; an application gets
 it from the group's secrets, service.token, or $SQM_TOKEN: cfemu.settings). It never leaves this process: the
 client answers the server's challenge with an HMAC of it, and checks the server's own answer, so a server that
-does not hold the same token is refused (NotAuthorizedError) before any request is sent. A wrong token fails at
+does not hold the same token is refused (NotAuthorizedError) before any request is sent, and so is a server that
+says it needs no authentication, unless ``allow_unauthenticated`` (a member run with --no-auth). A wrong token fails at
 once (NotAuthorizedError, not retried); a server at its connection limit (ConnectionLimitError) is treated like
 one that does not answer: the next endpoint is tried.
 
@@ -139,18 +140,29 @@ def _result(reply: Any) -> dict[str, Any]:
 
 
 def handshake(sock: socket.socket, *, token: str | None, role: str = APPLICATION, client_name: str = "",
-              max_frame: int = DEFAULT_MAX_FRAME, where: str = "the server") -> dict[str, Any]:
+              max_frame: int = DEFAULT_MAX_FRAME, where: str = "the server",
+              allow_unauthenticated: bool = False) -> dict[str, Any]:
     """Say hello on a connected socket and authenticate (sqm.service.protocol): answer the server's challenge with
     the token's HMAC and check the server's answer, which shows it holds the same token. Returns the hello's
-    result. For raw clients too (the chaos suite's), which then speak frames themselves."""
+    result. For raw clients too (the chaos suite's), which then speak frames themselves.
+
+    A client that holds a token refuses a server that says it needs none, unless allow_unauthenticated: a server
+    of the group proves it holds the token, and anything that can answer on the member's address (a local user who
+    took its port while it was down, or whoever sits in the path of a connection without TLS) could otherwise say
+    "no authentication" and be sent the client's requests, their messages and its logon tokens in clear."""
     nonce = new_nonce()
     sock.sendall(encode_frame({"id": 0, "op": "hello", "args": {
         "client": client_name, "max_frame": max_frame, "version": PROTOCOL_VERSION, "nonce": nonce}}))
     hello = _result(recv_frame(sock, max_frame))
     auth = hello.get("auth") or {}
-    if not auth.get("required"):
-        return hello  # a server run with --no-auth (loopback only)
     where = f"{hello.get('qmgr', '?')} at {where}"
+    if not auth.get("required"):
+        if token is not None and not allow_unauthenticated:
+            raise NotAuthorizedError(
+                f"{where} says it needs no authentication, and this client holds a {role} token: refused before "
+                "any request was sent (a server of the group proves it holds the token; this one may be an "
+                "impostor). For a member run with --no-auth, connect without a token or with allow_unauthenticated")
+        return hello  # a server run with --no-auth (loopback only)
     if token is None:
         raise NotAuthorizedError(f"{where} requires authentication and this client has no token: give the {role} "
                                  "token (the group's secrets directory, or $SQM_TOKEN)")
@@ -200,7 +212,8 @@ class Client(ConversationCalls, PubSubCalls, UnitOfWorkScope):
                  token: str | None = None, role: str = APPLICATION, tls: ssl.SSLContext | None = None,
                  client_name: str = "",
                  connect_timeout: float = 5.0, request_timeout: float = 30.0, reconnect_timeout: float = 15.0,
-                 max_frame: int = DEFAULT_MAX_FRAME, connect: bool = True) -> None:
+                 max_frame: int = DEFAULT_MAX_FRAME, connect: bool = True,
+                 allow_unauthenticated: bool = False) -> None:
         if port is not None:
             specs: list[EndpointSpec] = [(str(endpoints), port)]
         elif isinstance(endpoints, str | tuple):
@@ -216,6 +229,8 @@ class Client(ConversationCalls, PubSubCalls, UnitOfWorkScope):
             raise ValueError(f"unknown role {role!r}; roles: {', '.join(ROLES)}")
         self.token = token
         self.role = role
+        # A member run with --no-auth is refused to a client holding a token unless this says so (handshake).
+        self.allow_unauthenticated = allow_unauthenticated
         self.tls = tls
         self.client_name = client_name
         self.connect_timeout = connect_timeout
@@ -266,7 +281,8 @@ class Client(ConversationCalls, PubSubCalls, UnitOfWorkScope):
                 sock = self.tls.wrap_socket(sock, server_hostname=ep[0])
             sock.settimeout(self.request_timeout)
             hello = handshake(sock, token=self.token, role=self.role, client_name=self.client_name,
-                              max_frame=self.own_max_frame, where=f"{ep[0]}:{ep[1]}")
+                              max_frame=self.own_max_frame, where=f"{ep[0]}:{ep[1]}",
+                              allow_unauthenticated=self.allow_unauthenticated)
             max_frame = min(self.own_max_frame, int(hello.get("max_frame", self.own_max_frame)))
             wire = Wire(sock, request_timeout=self.request_timeout, max_frame=max_frame)
         except BaseException:
