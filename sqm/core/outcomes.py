@@ -706,12 +706,16 @@ class Outcomes:
         with self.uow_lock:
             return [u for u in self.uows.values() if u.state == INDOUBT]
 
-    def resolve(self, uow_id: str, commit: bool) -> None:
-        """Resolve an in-doubt UOW (the external coordinator's decision), also after a restart."""
+    def resolve(self, uow_id: str, commit: bool, *, check: Callable[[UnitOfWork], None] | None = None) -> None:
+        """Resolve an in-doubt UOW (the external coordinator's decision), also after a restart. check (a caller's
+        authorization: it raises to refuse) is run on the UOW found in doubt, before anything is done: a check made
+        by the caller beforehand could find the UOW not yet in doubt and let it through."""
         with self.uow_lock:
             uow = self.uows.get(uow_id)
         if uow is None or uow.state != INDOUBT:
             raise BadRequestError(f"unit of work {uow_id} is not in doubt on {self.name}")
+        if check is not None:
+            check(uow)
         self.complete(uow, commit, reason="resolved by coordinator")
 
     def retry_pending(self) -> int:

@@ -18,6 +18,7 @@ from sqm.core.connection import BatchResult, Connection, Message, PutSpec
 from sqm.core.lifecycles import Call, OneGet, OnePut
 from sqm.core.manager import QueueManager
 from sqm.core.syncpoint_calls import Done, SyncCommit, SyncGet, SyncPut
+from sqm.core.uow import UnitOfWork
 from sqm.operations import ANY_ROLE, OPERATOR, OPERATOR_ONLY, Operation, arg, short
 from sqm.service.protocol import ENVELOPE, MESSAGE_COST, NotAuthorizedError, error_reply, message_to_wire
 from sqm.service.queue_activity import QueueActivity
@@ -273,17 +274,22 @@ def prepare(svc: Service, session: Session, args: dict[str, Any]) -> str:
 def resolve(svc: Service, session: Session, args: dict[str, Any]) -> None:
     uow_id = arg(args, "resolve", "uow", str)
     commit = arg(args, "resolve", "commit", bool)
-    if session.role != OPERATOR:
-        # An application resolves its own in-doubt UOWs: those it names by the xid it prepared them with.
-        xid = arg(args, "resolve", "xid", str, None)
-        if xid is None:
-            raise NotAuthorizedError("resolve: an application resolves only its own in-doubt units of work: give "
-                                     "the xid it prepared the unit of work with (an operator may resolve any)")
-        mine = [u for u in svc.qm.indoubt() if u.id == uow_id]
-        if mine and not hmac.compare_digest(mine[0].xid.encode(), xid.encode()):
+    if session.role == OPERATOR:
+        svc.qm.resolve(uow_id, commit)
+        return
+    # An application resolves its own in-doubt UOWs: those it names by the xid it prepared them with, checked on the
+    # UOW the queue manager finds in doubt (a UOW not yet in doubt when looked at first would otherwise go through).
+    xid = arg(args, "resolve", "xid", str, None)
+    if xid is None:
+        raise NotAuthorizedError("resolve: an application resolves only its own in-doubt units of work: give "
+                                 "the xid it prepared the unit of work with (an operator may resolve any)")
+
+    def prepared_with_xid(uow: UnitOfWork) -> None:
+        if not hmac.compare_digest(uow.xid.encode(), xid.encode()):
             raise NotAuthorizedError(f"resolve: unit of work {short(uow_id)} was not prepared with that xid: an "
                                      "application resolves only its own (an operator may resolve any)")
-    svc.qm.resolve(uow_id, commit)
+
+    svc.qm.resolve(uow_id, commit, check=prepared_with_xid)
 
 
 def indoubt(svc: Service, session: Session, args: dict[str, Any]) -> list[dict[str, Any]]:
