@@ -216,6 +216,13 @@ class UowLimitError(MQError):
     reason, reason_name = 2102, "MQRC_RESOURCE_PROBLEM"
 
 
+class LogonThrottledError(MQError):
+    """A logon with yet another token for a user id whose logons have tried many different tokens lately (a token
+    being guessed: sqm.conversations.logon_guesses); try again later."""
+
+    reason, reason_name = 2035, "MQRC_NOT_AUTHORIZED"
+
+
 class UnknownUowError(MQError):
     """No UOW with that id (never sent, or its status was not kept: it is not persistent, or it was deleted)."""
 

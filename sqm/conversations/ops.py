@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import threading
 import time
+import weakref
 from typing import Any, Protocol
 
 from cfemu.errors import (
@@ -23,6 +24,7 @@ from cfemu.errors import (
 from sqm import operations
 from sqm.conversations import operator_status
 from sqm.conversations.conversation import MAX_USER, OPTIONS, Conversation, check_convid
+from sqm.conversations.logon_guesses import LogonGuesses
 from sqm.conversations.uowstatus import USER_STATUS_MAX
 from sqm.core.manager import QueueManager
 from sqm.operations import (
@@ -50,6 +52,22 @@ class Service(operations.Service, Protocol):
 class Session(operations.Session, Protocol):
     conversation: Conversation | None  # made by logon; closed with the connection
 
+    @property
+    def peer_ip(self) -> str: ...
+
+
+# Each member's brake on logons that try ever new tokens for a user id (one per queue manager served).
+_GUESSES: weakref.WeakKeyDictionary[QueueManager, LogonGuesses] = weakref.WeakKeyDictionary()
+_GUESSES_LOCK = threading.Lock()
+
+
+def _guesses(qm: QueueManager) -> LogonGuesses:
+    with _GUESSES_LOCK:
+        found = _GUESSES.get(qm)
+        if found is None:
+            found = _GUESSES[qm] = LogonGuesses()
+        return found
+
 
 def logoff(svc: Service, session: Session, why: str) -> None:
     """End the connection's session: what it holds is backed out (a sent UOW BACKEDOUT, a received one ACCEPTED
@@ -73,6 +91,11 @@ def _logged_on(session: Session) -> Conversation:
 def logon(svc: Service, session: Session, args: dict[str, Any]) -> dict[str, Any]:
     user = _identity(args, "user", required=True)
     token = _identity(args, "token", required=False)
+    wait_s = _guesses(svc.qm).delay(user, token, session.peer_ip, time.monotonic())
+    if wait_s > 0:  # a user id logged on with ever new tokens: a token being guessed is slowed down
+        before_wait()
+        if threading.Event.wait(session.gone, wait_s):
+            raise ClientGoneError(f"logon of user {user}: the client has gone")
     logoff(svc, session, "a new logon")  # one session per connection: the new one replaces it
     session.conversation = Conversation(svc.qm, user, token)
     return {"user": user, "token": bool(token), "qmgr": svc.qm.name}

@@ -1,0 +1,83 @@
+"""A user id logged on with ever new tokens is made to wait (sqm.conversations.logon_guesses): a token cannot be
+guessed at the speed of a connection, and a client that logs on again with its own token is not slowed."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cfemu.errors import LogonThrottledError
+from sqm.conversations import logon_guesses
+from sqm.conversations.logon_guesses import DELAY_BASE_S, DELAY_MAX_S, FORGET_S, FREE, WAIT_MAX_S, LogonGuesses
+from tests.support.service_proc import fresh_group, logged_on, start_server
+
+
+def test_the_first_tokens_pass_and_a_token_seen_passes_again_at_once() -> None:
+    g = LogonGuesses()
+    assert [g.delay("alice", f"t{i}", "peer", 100.0) for i in range(FREE)] == [0.0] * FREE
+    assert [g.delay("alice", "t0", "peer", 100.0 + i) for i in range(50)] == [0.0] * 50
+
+
+def test_each_new_token_beyond_the_free_ones_waits_longer_whichever_connection_it_comes_from() -> None:
+    g = LogonGuesses()
+    for i in range(FREE):
+        g.delay("alice", f"t{i}", "a", 0.0)
+    # Asked all at once (parallel connections): each passes only after the one before it, the delay doubling.
+    waits = [g.delay("alice", f"guess{i}", f"peer{i}", 0.0) for i in range(5)]
+    expected, at = [], 0.0
+    for k in range(5):
+        expected.append(at)
+        at += min(DELAY_MAX_S, DELAY_BASE_S * 2 ** k)
+    assert waits == pytest.approx(expected)
+    # Once a logon would wait more than WAIT_MAX_S it is refused at once, naming the user id.
+    with pytest.raises(LogonThrottledError, match="user alice has logged on with .* different tokens"):
+        for i in range(100):
+            assert g.delay("alice", f"more{i}", "peer", 0.0) <= WAIT_MAX_S
+    assert LogonThrottledError.reason == 2035
+
+
+def test_another_user_id_is_not_slowed_and_the_window_forgets() -> None:
+    g = LogonGuesses()
+    for i in range(FREE + 6):
+        g.delay("alice", f"t{i}", "peer", 0.0)
+    assert g.delay("bob", "bobs-token", "peer", 0.0) == 0.0
+    later = FORGET_S + 1.0
+    assert [g.delay("alice", f"new{i}", "peer", later) for i in range(FREE)] == [0.0] * FREE
+
+
+def test_what_it_keeps_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(logon_guesses, "USERS_TRACKED", 10)
+    monkeypatch.setattr(logon_guesses, "TOKENS_KEPT", 8)
+    g = LogonGuesses()
+    for i in range(100):
+        g.delay(f"user{i}", "t", "peer", 0.0)
+    for i in range(100):
+        try:
+            g.delay("alice", f"t{i}", "peer", 0.0)
+        except LogonThrottledError:
+            pass
+    assert len(g._users) == 10 and len(g._users["alice"].seen) <= 8
+
+
+@pytest.mark.slow
+def test_guessing_a_logon_token_through_the_service_is_slowed_and_said(redis_server: Any, tmp_path: Path) -> None:
+    fresh_group(redis_server)
+    srv = start_server(redis_server.url, tmp_path, "QM1")
+    try:
+        with logged_on(srv, "alice", "her-token") as own:
+            t0 = time.monotonic()
+            for _ in range(FREE + 3):
+                own.logon("alice", "her-token")
+            assert time.monotonic() - t0 < 2 * DELAY_BASE_S, "a logon again with the same token was slowed"
+        with logged_on(srv, "mallory", "") as m:
+            t0 = time.monotonic()
+            for guess in range(FREE + 2):  # with her token, FREE pass at once, then 3 wait 0, 0.25 and 0.5 s
+                m.logon("alice", f"{guess:04d}")
+            took = time.monotonic() - t0
+        assert took >= DELAY_BASE_S + 2 * DELAY_BASE_S - 0.05, took
+        assert "user alice: logons with" in srv.log_text() and "a token being guessed?" in srv.log_text()
+    finally:
+        assert srv.stop() == 0, srv.log_text()
