@@ -62,7 +62,7 @@ from typing import Any
 from qsg.chaos.history import Op, pair_ops
 from qsg.chaos.pubsub_actions import TOPIC_STRUCTURE
 from qsg.chaos.pubsubcheck import PUB_KINDS, PUB_OPS, check_pubsub
-from qsg.chaos.restcheck import is_rest, match_missing, rest_counts, unknown_rest_gets
+from qsg.chaos.restcheck import is_rest, match_missing, ordering_counts, rest_counts, unknown_rest_gets
 from qsg.chaos.uowcheck import CONV_OPS, UOW_KINDS, check_uows
 
 COMMITTED, ABORTED, UNKNOWN, UNDETERMINED = "committed", "aborted", "unknown", "undetermined"
@@ -224,8 +224,10 @@ class Checker:
             # count mean that a take was erased without a backout: a CF lost before its GET reached a log the
             # restore read. The erased take came first, so the get asked first comes first: by completion time,
             # a reply held up across the loss and the restore (cf-kill-twice holds an SQM there) made the
-            # committed get after it look undone and the aborted one look done.
-            d.sort(key=lambda x: (int(x.op.result.get("backout_count", 0) or 0), x.op.t0))
+            # committed get after it look undone and the aborted one look done. A REST get's count is inferred
+            # (qsg.chaos.restcheck.ordering_counts: the door does not tell it).
+            counts = ordering_counts([x.op for x in d])
+            d.sort(key=lambda x: (counts[x.op.id], x.op.t0))
         for u in self.uows.values():
             self._known_outcome(u, resolves)
 

@@ -38,6 +38,24 @@ def rest_counts(ops: Sequence[Op]) -> dict[str, int]:
                                                       and o.result.get("status") != 204)}
 
 
+def ordering_counts(deliveries: Sequence[Op]) -> dict[int, int]:
+    """The backout count of each delivery of one message (op id -> count), that orders the message's deliveries.
+    The native client's is the message's own (the member tells it); a REST get's is not told (the door has no such
+    header), so it is one more than the highest count among the message's deliveries that completed before it (0
+    when none did): it took the message after each of those had given it back. Without that a REST get that waited
+    (asked before a native get took the message, answered after that get's backout gave it back) or that took a
+    message backed out before (its true count above 0) would sort before the deliveries it followed."""
+    counts: dict[int, int] = {}
+    highest = -1
+    for o in sorted(deliveries, key=lambda o: o.t1 if o.t1 is not None else o.t0):
+        if is_rest(o):
+            counts[o.id] = highest + 1
+        else:
+            counts[o.id] = int(o.result.get("backout_count", 0) or 0)
+        highest = max(highest, counts[o.id])
+    return counts
+
+
 def could_take(g: Op, queue: str, available_from: float, settle_s: float) -> bool:
     """Whether REST get ``g`` could have taken a message of ``queue`` that was there from ``available_from`` on."""
     end = (g.t1 if g.t1 is not None else float("inf")) + settle_s
@@ -68,4 +86,5 @@ def match_missing(missing: Sequence[tuple[str, str, float]], gets: Sequence[Op],
     return {m: by_id[gid] for gid, m in taker.items()}
 
 
-__all__ = ["REST", "VIA", "could_take", "is_rest", "match_missing", "rest_counts", "unknown_rest_gets"]
+__all__ = ["REST", "VIA", "could_take", "is_rest", "match_missing", "ordering_counts", "rest_counts",
+           "unknown_rest_gets"]

@@ -105,6 +105,31 @@ def test_a_pending_rest_get_delivers_and_a_failed_one_excuses_nothing() -> None:
     only(h.findings(), "lost")
 
 
+def test_a_rest_get_after_backouts_comes_after_them_though_the_door_tells_no_backout_count() -> None:
+    """Seen in a chaos run (seed 2, short kinds): a REST get that waited (asked before a native get took the message,
+    answered after that get's backout gave it back), and one that took a message backed out twice, sorted before the
+    deliveries they followed (the REST delivery has no backout count, and was asked first): the aborted native get
+    looked like the one that took the message, an atomicity finding of a UOW that was backed out."""
+    h = Hist()
+    h.put_committed("p", "m1", "m2")
+    h.n += 1  # the REST get is asked first and waits (its invocation now, its answer after the backout)
+    rest_id, asked = h.n, h.t + 0.005
+    h.events.append({"type": "invoke", "id": rest_id, "t": asked, "client": "c2-rest", "op": "get", **REST,
+                     "queue": "Q1", "syncpoint": False, "wait_ms": 300})
+    h.get("c", "c.1", "m1")
+    h.put("c", "c.1", "m2x")
+    h.backout("c", "c.1")
+    h.t += 0.01
+    h.events.append({"type": "ok", "id": rest_id, "t": round(h.t, 4), "msg": "m1", "crc_ok": True, "queue": "Q1",
+                     "priority": 0, "persistent": True, "status": 200})
+    for n, uow in enumerate(("c.2", "c.3")):  # m2 backed out twice, then taken by REST
+        h.get("c", uow, "m2", backout_count=n)
+        h.put("c", uow, f"m2x{n}")
+        h.backout("c", uow)
+    rest_get(h, "m2")
+    assert all(v == 0 for v in h.findings().values()), h.findings()
+
+
 def check_counts(h: Hist) -> dict[str, int]:
     from qsg.chaos.checker import check
 
