@@ -218,6 +218,13 @@ class Checker:
                     self.find("corrupted", [msg], f"checksum mismatch at op {o.id} ({o.client})", key)
                 if int(o.result.get("backout_count", 0) or 0) > 0:
                     self.counts["deliveries with a backout count"] += 1
+        for u in self.uows.values():
+            self._known_outcome(u, resolves)
+
+        def consumed(o: Op) -> bool:
+            u = self.uows[o.args.get("uow") or f"op{o.id}"]
+            return u.known and u.outcome == COMMITTED
+
         for d in self.deliveries.values():
             # Delivery order: every backout of a get raises the message's backout count, so the count orders
             # the deliveries of one message even when a reply arrives late (a slow link). Two deliveries with one
@@ -226,10 +233,8 @@ class Checker:
             # a reply held up across the loss and the restore (cf-kill-twice holds an SQM there) made the
             # committed get after it look undone and the aborted one look done. A REST get's count is inferred
             # (qsg.chaos.restcheck.ordering_counts: the door does not tell it).
-            counts = ordering_counts([x.op for x in d])
+            counts = ordering_counts([x.op for x in d], consumed)
             d.sort(key=lambda x: (counts[x.op.id], x.op.t0))
-        for u in self.uows.values():
-            self._known_outcome(u, resolves)
 
     def _known_outcome(self, u: Uow, resolves: dict[str, list[Op]]) -> None:
         first = u.ops[0]

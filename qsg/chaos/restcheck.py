@@ -12,7 +12,7 @@ answered 201 is committed, and no message is received twice (a REST get answered
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from qsg.chaos.history import Op
 
@@ -38,21 +38,25 @@ def rest_counts(ops: Sequence[Op]) -> dict[str, int]:
                                                       and o.result.get("status") != 204)}
 
 
-def ordering_counts(deliveries: Sequence[Op]) -> dict[int, int]:
+def ordering_counts(deliveries: Sequence[Op], consumed: Callable[[Op], bool]) -> dict[int, int]:
     """The backout count of each delivery of one message (op id -> count), that orders the message's deliveries.
     The native client's is the message's own (the member tells it); a REST get's is not told (the door has no such
-    header), so it is one more than the highest count among the message's deliveries that completed before it (0
-    when none did): it took the message after each of those had given it back. Without that a REST get that waited
-    (asked before a native get took the message, answered after that get's backout gave it back) or that took a
-    message backed out before (its true count above 0) would sort before the deliveries it followed."""
-    counts: dict[int, int] = {}
-    highest = -1
-    for o in sorted(deliveries, key=lambda o: o.t1 if o.t1 is not None else o.t0):
-        if is_rest(o):
-            counts[o.id] = highest + 1
-        else:
-            counts[o.id] = int(o.result.get("backout_count", 0) or 0)
-        highest = max(highest, counts[o.id])
+    header), so it is one more than the highest count among the deliveries it followed (0 when none): those that
+    completed before it was asked (they gave the message back before it could take it), and those that completed
+    while it ran and did not consume the message (``consumed``: their unit of work is known committed), which gave
+    it back while it waited. A delivery that consumed the message while the REST get ran came after the REST get's
+    take, which was backed out: a member held up (paused, fenced) between its take and its reply answers long after
+    the take (the door's ``ibm-mq-outcome: unknown``). Without this a REST get that waited (asked before a native get
+    took the message, answered after that get's backout gave it back) or that took a message backed out before (its
+    true count above 0) would sort before the deliveries it followed."""
+    def end(o: Op) -> float:
+        return o.t1 if o.t1 is not None else o.t0
+
+    counts = {o.id: int(o.result.get("backout_count", 0) or 0) for o in deliveries if not is_rest(o)}
+    for r in sorted((o for o in deliveries if is_rest(o)), key=end):
+        followed = [counts[d.id] for d in deliveries if d is not r and d.id in counts
+                    and (end(d) < r.t0 or end(d) < end(r) and not consumed(d))]
+        counts[r.id] = max(followed) + 1 if followed else 0
     return counts
 
 

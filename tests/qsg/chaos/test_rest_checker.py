@@ -130,6 +130,35 @@ def test_a_rest_get_after_backouts_comes_after_them_though_the_door_tells_no_bac
     assert all(v == 0 for v in h.findings().values()), h.findings()
 
 
+def test_a_rest_get_answered_after_its_member_was_held_up_came_before_the_get_that_consumed_the_message() -> None:
+    """Seen in a chaos run (seed 2, disk-full and sqm-pause): a DELETE on a member that was paused as it took the
+    message; its peer fenced it and backed its get out, a native get took the message (backout count 1) and committed;
+    the member, resumed, committed the get, was fenced, and answered 200 with ``ibm-mq-outcome: unknown``. The REST
+    take came first: it is not a second consumer, and the native unit of work is whole."""
+    h = Hist()
+    h.put_committed("p", "m1")
+    h.n += 1
+    rest_id, asked = h.n, h.t + 0.005
+    h.events.append({"type": "invoke", "id": rest_id, "t": asked, "client": "c4-rest", "op": "get", **REST,
+                     "queue": "Q1", "syncpoint": False, "wait_ms": 0})
+    h.t += 3.0  # the member is paused; its peer recovers it
+    h.put("c", "c.1", "m2")
+    h.get("c", "c.1", "m1", backout_count=1)
+    h.commit("c", "c.1")
+    h.t += 0.1
+    h.events.append({"type": "unknown", "id": rest_id, "t": round(h.t, 4), "reason": "ibm-mq-outcome: unknown",
+                     "msg": "m1", "crc_ok": True, "queue": "Q1", "priority": 0, "persistent": True, "status": 200})
+    h.drain("m2")
+    assert all(v == 0 for v in h.findings().values()), h.findings()
+    # The same REST answer for a get asked after the native get had consumed the message: delivered twice.
+    h = Hist()
+    h.put_committed("p", "m1")
+    h.get("c", "c.1", "m1")
+    h.commit("c", "c.1")
+    rest_get(h, "m1", outcome="unknown")
+    assert h.findings()["duplicated"] == 1, h.findings()
+
+
 def check_counts(h: Hist) -> dict[str, int]:
     from qsg.chaos.checker import check
 
