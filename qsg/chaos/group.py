@@ -26,7 +26,7 @@ from cfemu.errors import MQError
 from cfemu.procs import free_port
 from qsg.chaos.conversations import SERVICE, SERVICE_UOW
 from qsg.chaos.history import History
-from qsg.chaos.proxy import FaultProxy
+from qsg.chaos.proxy import CUT, FaultProxy
 from qsg.chaos.pubsub_actions import TOPIC, TOPIC_ATTRS, TOPIC_STRUCTURE
 from qsg.local_group import LocalGroup
 from sqm.service.client import Client
@@ -238,6 +238,11 @@ class ChaosGroup:
         """(member, host, REST port) of every member; none when the group has no REST door."""
         return [(n, "127.0.0.1", int(self.c.manager(n)["rest_port"])) for n in self.names
                 if self.c.manager(n).get("rest_port")]
+
+    def clients_reach(self, name: str) -> bool:
+        """Whether clients may reach a member now: not while a fault has its client proxy cut (the REST door, which
+        has no proxy, follows this)."""
+        return self.client_proxies[name].mode != CUT
 
     @property
     def direct(self) -> dict[str, tuple[str, int]]:

@@ -19,7 +19,9 @@ What the history records is what the HTTP exchange said:
 
 Each client thread prefers one member's port and, when a connection is refused, tries the others in turn. The
 REST ports are the members' own (no fault proxy: a proxy accepts a connection for a member that is down and then
-resets it, which would turn a refusal that sent nothing into an unknown outcome).
+resets it, which would turn a refusal that sent nothing into an unknown outcome); a member whose clients a fault
+has cut off (its client proxy cut: ``reachable`` says no) is skipped as one that refuses, so that a fault that
+needs a member to serve no client (peer-clock-skew's idle peer) has it so for the REST door too.
 """
 
 from __future__ import annotations
@@ -95,11 +97,13 @@ class Reply:
 class RestSession:
     """One client thread's REST door: the members' REST ports, its preferred one first, and the group's token."""
 
-    def __init__(self, history: History, endpoints: Sequence[RestEndpoint], name: str, *, token: str | None) -> None:
+    def __init__(self, history: History, endpoints: Sequence[RestEndpoint], name: str, *, token: str | None,
+                 reachable: Callable[[str], bool] | None = None) -> None:
         self.h = history
         self.endpoints = list(endpoints)
         self.name = name
         self.token = token
+        self.reachable = reachable  # member -> whether clients may reach it now (None: always)
 
     def exchange(self, method: str, queue: str, *, body: bytes | None = None, query: str = "",
                  headers: dict[str, str] | None = None) -> Reply:
@@ -109,6 +113,9 @@ class RestSession:
             h["Authorization"] = f"Bearer {self.token}"
         refused = Reply(error="ConnectionRefusedError", detail="no member accepted the connection")
         for qmgr, host, port in self.endpoints:
+            if self.reachable is not None and not self.reachable(qmgr):
+                refused = Reply(error="ConnectionRefusedError", detail=f"{qmgr}: its clients are cut off")
+                continue
             conn = http.client.HTTPConnection(host, port, timeout=CONNECT_TIMEOUT_S)
             try:
                 try:

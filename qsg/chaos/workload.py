@@ -208,11 +208,14 @@ class Workload:
 
     def __init__(self, history: History, endpoints: list[Endpoint], coordinator: Coordinator, *, seed: int,
                  clients: int, queues: tuple[str, ...], token: str | None = None,
-                 rest_endpoints: list[RestEndpoint] | None = None) -> None:
-        """``rest_endpoints``: the members' REST ports, when the run's mix has the REST kind (None: it has not)."""
+                 rest_endpoints: list[RestEndpoint] | None = None,
+                 rest_reachable: Callable[[str], bool] | None = None) -> None:
+        """``rest_endpoints``: the members' REST ports, when the run's mix has the REST kind (None: it has not);
+        ``rest_reachable``: whether clients may reach a member now (a fault may cut its clients off)."""
         self.history = history
         self.endpoints = endpoints
         self.rest_endpoints = rest_endpoints
+        self.rest_reachable = rest_reachable
         self.coordinator = coordinator
         self.seed = seed
         self.queues = queues
@@ -254,7 +257,7 @@ class Workload:
         if self.rest_endpoints:
             r = i % len(self.rest_endpoints)
             rest = RestSession(self.history, self.rest_endpoints[r:] + self.rest_endpoints[:r], f"{name}-rest",
-                               token=self.token)
+                               token=self.token, reachable=self.rest_reachable)
         plan = client_plan(self.seed, i, self.queues, rest=rest is not None)
         n_uow = 0
         while not self._stop.is_set():

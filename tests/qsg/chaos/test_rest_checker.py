@@ -262,3 +262,18 @@ def test_an_action_runs_all_its_puts_or_gets(door: int, tmp_path: Path) -> None:
     assert r.run(Rest(puts=(RestPut("a", "Q1", 0, True, 0, 10), RestPut("b", "Q3", 0, False, 4000, 10))))
     assert not r.run(Rest(gets=("Q1", "Q2")))  # the second was refused
     assert "Authorization" not in Door.received[0][2] and Door.received[1][2]["ibm-mq-md-expiry"] == "4000"
+
+
+def test_a_member_whose_clients_are_cut_off_is_skipped_as_one_that_refuses(door: int, tmp_path: Path) -> None:
+    """A fault that cuts a member's clients off (its client proxy) cuts the REST clients off it too: nothing is sent
+    to it, the next member is tried, and with none left the call failed (it sent nothing)."""
+    h = History(tmp_path / "h.jsonl")
+    cut = {"QM1"}
+    s = RestSession(h, [("QM1", "127.0.0.1", door), ("QM2", "127.0.0.1", door)], "c1-rest", token=None,
+                    reachable=lambda name: name not in cut)
+    r = RestRunner(h, s, "c1.1")
+    Door.script = [(201, {}, b"")]
+    assert r.put(RestPut("a", "Q1", 0, True, 0, 10)) == "ok"
+    assert Door.received[0][1].startswith("/ibmmq/rest/v3/messaging/qmgr/QM2/")
+    cut.add("QM2")
+    assert r.get("Q1", 0) == "fail" and len(Door.received) == 1
