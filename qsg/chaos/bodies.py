@@ -1,5 +1,9 @@
 """The chaos workload's message bodies: ``CHAOS1|<id>|<crc32c of payload>|<payload>``, the id unique in the run
-and the payload derived from it, so that any delivery says which message it is and whether it arrived intact."""
+and the payload derived from it, so that any delivery says which message it is and whether it arrived intact.
+
+Every body is ASCII text: the REST door (docs/rest.md) puts and gets text messages only, and its gets share the
+queues with the native client's, so any message of the workload must be one a REST get can take (a body that is
+not UTF-8 is refused there and left at the head of its queue)."""
 
 from __future__ import annotations
 
@@ -12,8 +16,9 @@ BODY_MAGIC = b"CHAOS1"
 
 
 def make_body(msg_id: str, size: int) -> bytes:
-    """CHAOS1|<id>|<crc32c of payload, hex>|<payload>; the payload is derived from the id (reproducible)."""
-    seed = hashlib.sha256(msg_id.encode()).digest()
+    """CHAOS1|<id>|<crc32c of payload, hex>|<payload>; the payload (hex digits) is derived from the id
+    (reproducible)."""
+    seed = hashlib.sha256(msg_id.encode()).hexdigest().encode()
     payload = (seed * (size // len(seed) + 1))[:size]
     return b"|".join((BODY_MAGIC, msg_id.encode(), b"%08x" % crc32c.crc32c(payload), payload))
 

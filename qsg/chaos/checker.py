@@ -16,7 +16,8 @@ delivered its message: see delivered):
 
 Findings (each names the message ids and UOWs involved):
   lost        a persistent message without expiry whose put committed (known, not inferred) and that no
-              committed or undetermined get consumed and the drain did not find;
+              committed or undetermined get consumed and the drain did not find, unless a REST get whose outcome
+              is unknown accounts for it (at-most-once; each such get for one message: qsg.chaos.restcheck);
   undelivered such a message when a get on its queue whose client never received a reply (the client left while
               it waited, or its outcome is unknown) was active while the message was there: consumed for nobody;
   duplicated  a message consumed by two committed gets (the drain counts as one);
@@ -44,6 +45,8 @@ Findings (each names the message ids and UOWs involved):
               (history op "snoop") that was not refused;
   uow-*        units of work sent to a service (conversations): qsg.chaos.uowcheck has those rules.
   pub-*        publications and subscribers (durable publish and subscribe): qsg.chaos.pubsubcheck's rules.
+Operations through the REST door (``via: "rest"``: qsg.chaos.rest_actions) are puts and gets outside syncpoint like
+any other, under every rule above.
 Allowed and counted: non-persistent messages lost (with the CF), unknown outcomes (resolved either way),
 redeliveries after backout, expired messages that never came back, messages a purge discarded (neither lost nor
 evidence about their UOW's outcome: the operator threw them away).
@@ -59,6 +62,7 @@ from typing import Any
 from qsg.chaos.history import Op, pair_ops
 from qsg.chaos.pubsub_actions import TOPIC_STRUCTURE
 from qsg.chaos.pubsubcheck import PUB_KINDS, PUB_OPS, check_pubsub
+from qsg.chaos.restcheck import is_rest, match_missing, ordering_counts, rest_counts, unknown_rest_gets
 from qsg.chaos.uowcheck import CONV_OPS, UOW_KINDS, check_uows
 
 COMMITTED, ABORTED, UNKNOWN, UNDETERMINED = "committed", "aborted", "unknown", "undetermined"
@@ -214,16 +218,23 @@ class Checker:
                     self.find("corrupted", [msg], f"checksum mismatch at op {o.id} ({o.client})", key)
                 if int(o.result.get("backout_count", 0) or 0) > 0:
                     self.counts["deliveries with a backout count"] += 1
+        for u in self.uows.values():
+            self._known_outcome(u, resolves)
+
+        def consumed(o: Op) -> bool:
+            u = self.uows[o.args.get("uow") or f"op{o.id}"]
+            return u.known and u.outcome == COMMITTED
+
         for d in self.deliveries.values():
             # Delivery order: every backout of a get raises the message's backout count, so the count orders
             # the deliveries of one message even when a reply arrives late (a slow link). Two deliveries with one
             # count mean that a take was erased without a backout: a CF lost before its GET reached a log the
             # restore read. The erased take came first, so the get asked first comes first: by completion time,
             # a reply held up across the loss and the restore (cf-kill-twice holds an SQM there) made the
-            # committed get after it look undone and the aborted one look done.
-            d.sort(key=lambda x: (int(x.op.result.get("backout_count", 0) or 0), x.op.t0))
-        for u in self.uows.values():
-            self._known_outcome(u, resolves)
+            # committed get after it look undone and the aborted one look done. A REST get's count is inferred
+            # (qsg.chaos.restcheck.ordering_counts: the door does not tell it).
+            counts = ordering_counts([x.op for x in d], consumed)
+            d.sort(key=lambda x: (counts[x.op.id], x.op.t0))
 
     def _known_outcome(self, u: Uow, resolves: dict[str, list[Op]]) -> None:
         first = u.ops[0]
@@ -333,6 +344,7 @@ class Checker:
                             self.find("resurrected", [m], f"non-persistent, put at t={put_done}, CF lost at "
                                                           f"t={f['t']}, delivered by op {d.op.id} at t={d.op.t0}")
         unknown_drains = sum(1 for o in self.ops if o.op == "drain" and o.outcome == "unknown" and not delivered(o))
+        missing: list[tuple[str, Op, Uow]] = []
         for m, put in sorted(self.puts.items()):
             if self.deliveries.get(m):
                 continue
@@ -349,17 +361,31 @@ class Checker:
                     self.counts["expired, never delivered (allowed)"] += 1
                 continue
             if u.known and u.outcome == COMMITTED:
-                taker = self._replyless_get(put, u)
-                if taker is not None:
-                    why = "its client left while it waited" if taker.result.get("left") else "its outcome is unknown"
-                    self.find("undelivered", [m], f"put committed by {u.key} ({u.client}) at t={u.end}, never "
-                                                  f"delivered: {taker.op} op {taker.id} ({taker.client}) on "
-                                                  f"{put.args['queue']} got no reply to its client ({why}) while "
-                                                  "the message was there: consumed for nobody", u.key)
-                    continue
-                note = f"; {unknown_drains} drain gets had an unknown outcome" if unknown_drains else ""
-                self.find("lost", [m], f"put committed by {u.key} ({u.client}) at t={u.end}, never consumed, "
-                                       f"not present at the end{note}", u.key)
+                missing.append((m, put, u))
+        # REST gets are at-most-once (qsg.chaos.restcheck): each unknown one may account for one missing message.
+        rest_gets = unknown_rest_gets(self.ops)
+        taken = match_missing([(m, str(put.args.get("queue")), u.start) for m, put, u in missing], rest_gets,
+                              SETTLE_S)
+        self.counts["unknown REST gets"] = len(rest_gets)
+        self.counts["missing after an unknown REST get (allowed: at-most-once)"] = len(taken)
+        for m, put, u in missing:
+            if m in taken:
+                continue
+            taker = self._replyless_get(put, u)
+            if taker is not None:
+                why = "its client left while it waited" if taker.result.get("left") else "its outcome is unknown"
+                self.find("undelivered", [m], f"put committed by {u.key} ({u.client}) at t={u.end}, never "
+                                              f"delivered: {taker.op} op {taker.id} ({taker.client}) on "
+                                              f"{put.args['queue']} got no reply to its client ({why}) while "
+                                              "the message was there: consumed for nobody", u.key)
+                continue
+            note = f"; {unknown_drains} drain gets had an unknown outcome" if unknown_drains else ""
+            on_queue = sum(1 for g in rest_gets if g.args.get("queue") == put.args.get("queue"))
+            if on_queue:
+                note += (f"; the {on_queue} unknown REST gets on {put.args['queue']} could each account for one "
+                         "other missing message at most")
+            self.find("lost", [m], f"put committed by {u.key} ({u.client}) at t={u.end}, never consumed, "
+                                   f"not present at the end{note}", u.key)
         # Consumed only by gets of undetermined UOWs: not lost, but worth counting.
         self.counts["consumed only by undetermined UOWs"] = sum(
             1 for ds in self.deliveries.values()
@@ -372,6 +398,8 @@ class Checker:
         for g in self.ops:
             if g.op not in ("get", "drain") or g.outcome != "unknown" or delivered(g) or g.args.get("queue") != queue:
                 continue  # a get that delivered its message (its commit pending) consumed nothing for nobody
+            if is_rest(g):
+                continue  # matched one to one with what is missing (qsg.chaos.restcheck), before this rule
             if g.args.get("correlid") not in (None, put.args.get("correlid")):
                 continue  # a get by correlation id takes no message with another one
             if g.result.get("left"):  # a server that missed the leave would have waited out the get's wait
@@ -426,6 +454,8 @@ class Checker:
             pu, du = self.uows[self.put_uow[m]], self.uows[d.uow]
             if not (pu.known and pu.outcome == COMMITTED and du.outcome == COMMITTED):
                 continue
+            if is_rest(d.op):
+                continue  # the REST door does not tell a message's backout count: a redelivery cannot be told apart
             if int(d.op.result.get("backout_count", 0) or 0) or not (calm(pu.start, pu.end)
                                                                      and calm(du.start, du.end)):
                 continue
@@ -584,6 +614,7 @@ class Checker:
         self.check_isolation()
         check_uows(self.ops, self.find, self.counts)
         check_pubsub(self.ops, self.find, self.counts, self.disturbed(), self.purged, self.topic_purges)
+        self.counts.update(rest_counts(self.ops))
         self.counts["operations"] = len(self.ops)
         self.counts["units of work"] = len(self.uows)  # MQ units of work; UOWs sent to a service count apart
         self.counts["messages put"] = len(self.puts)

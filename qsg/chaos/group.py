@@ -1,5 +1,7 @@
 """The group under test: a LocalGroup with a fault proxy on every SQM's path to the CF and on every client's
 path to an SQM, a second structure, a probe queue, and (where the machine allows) one SQM's log on a small tmpfs.
+When the run's mix has the REST kind, every member also serves the messaging REST API on a loopback port of its own
+(kept across its restarts), with the service's authentication.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from cfemu.errors import MQError
 from cfemu.procs import free_port
 from qsg.chaos.conversations import SERVICE, SERVICE_UOW
 from qsg.chaos.history import History
-from qsg.chaos.proxy import FaultProxy
+from qsg.chaos.proxy import CUT, FaultProxy
 from qsg.chaos.pubsub_actions import TOPIC, TOPIC_ATTRS, TOPIC_STRUCTURE
 from qsg.local_group import LocalGroup
 from sqm.service.client import Client
@@ -130,8 +132,9 @@ class ChaosGroup:
     """Start, probe, heal and stop the group under test."""
 
     def __init__(self, directory: Path, *, managers: int, lease_ms: int, backup_interval: float | None,
-                 log_disk: bool, duplex: bool = False, redis_cluster: int = 0) -> None:
+                 log_disk: bool, duplex: bool = False, redis_cluster: int = 0, rest: bool = False) -> None:
         self.dir = directory
+        self.rest = rest  # every member serves the REST door too (the REST kind is in the run's mix)
         self.redis_cluster = redis_cluster  # the CF as a Redis Cluster: no proxy between the SQMs and the CF
         self.managers = managers
         self.lease_ms = lease_ms
@@ -164,7 +167,7 @@ class ChaosGroup:
             self.cluster = LocalGroup.up(self.dir, managers=self.managers, backup_interval=self.backup_interval,
                                          structure="APP1", queues=(*STRUCTURES["APP1"], PROBE_QUEUE, EDGE_QUEUE, BULK_QUEUE),
                                          lease_ms=self.lease_ms, recauto=False, redis_cluster=self.redis_cluster,
-                                         duplex=self.duplex, restart_cf=self.duplex,
+                                         duplex=self.duplex, restart_cf=self.duplex, rest=self.rest,
                                          # a cluster client follows the cluster's redirections to the nodes
                                          # themselves: no proxy can stand between an SQM and a Redis Cluster CF
                                          cf_url_for=None if self.redis_cluster else self._cf_route)
@@ -229,6 +232,17 @@ class ChaosGroup:
     @property
     def client_endpoints(self) -> list[tuple[str, int]]:
         return [("127.0.0.1", self.client_proxies[n].port) for n in self.names]
+
+    @property
+    def rest_endpoints(self) -> list[tuple[str, str, int]]:
+        """(member, host, REST port) of every member; none when the group has no REST door."""
+        return [(n, "127.0.0.1", int(self.c.manager(n)["rest_port"])) for n in self.names
+                if self.c.manager(n).get("rest_port")]
+
+    def clients_reach(self, name: str) -> bool:
+        """Whether clients may reach a member now: not while a fault has its client proxy cut (the REST door, which
+        has no proxy, follows this)."""
+        return self.client_proxies[name].mode != CUT
 
     @property
     def direct(self) -> dict[str, tuple[str, int]]:

@@ -349,7 +349,8 @@ def run_chaos(opts: ChaosOptions, console: Console | None = None,
     history = History(history_path, seed=opts.seed, options=opts.to_json())
     group = ChaosGroup(rdir / "cluster", managers=opts.managers, lease_ms=opts.lease_ms,
                        backup_interval=opts.backup_interval, log_disk="disk-full" in opts.kinds,
-                       duplex=any(k in DUPLEX_KINDS for k in opts.kinds), redis_cluster=opts.redis_cluster)
+                       duplex=any(k in DUPLEX_KINDS for k in opts.kinds), redis_cluster=opts.redis_cluster,
+                       rest=opts.rest)
     group.history = history
     group.seed = opts.seed
     if specs is None:
@@ -366,7 +367,9 @@ def run_chaos(opts: ChaosOptions, console: Console | None = None,
                      disk_unavailable=group.disk_unavailable)
         coordinator = Coordinator(history, group.direct, token=group.c.token)
         work = Workload(history, group.client_endpoints, coordinator, seed=opts.seed, clients=opts.clients,
-                        queues=QUEUES, token=group.c.token)
+                        queues=QUEUES, token=group.c.token,
+                        rest_endpoints=group.rest_endpoints if opts.rest else None,
+                        rest_reachable=group.clients_reach)
         with Progress(TextColumn("{task.description:<40}"), BarColumn(), TextColumn("{task.fields[info]}"),
                       TimeElapsedColumn(), console=console, transient=not console.is_terminal) as bar:
             task = bar.add_task(f"seed {opts.seed}: workload", total=opts.duration, info="")

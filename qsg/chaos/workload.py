@@ -11,7 +11,9 @@ same actions, message ids, payloads and decisions (the interleaving with faults 
   owner's ``resolve`` operation, at once or later (left in doubt, across faults, resolved after healing);
 * ``conv``: a unit of work sent to, or received from, a service, or a status query (qsg.chaos.conversations);
 * ``pub``: a publication published, publications received for the thread's subscriber, or its subscriber offline
-  for a while (qsg.chaos.pubsub_actions).
+  for a while (qsg.chaos.pubsub_actions);
+* ``rest`` (only when the run's mix has it): puts by HTTP POST or destructive gets by HTTP DELETE on the members'
+  REST ports (qsg.chaos.rest_actions).
 
 Messages: persistent or not, priorities 0/5/9 (mostly 0, so that order can be checked), some with an expiry.
 Every message has a unique id and a CRC32C of its payload, both in its body (see make_body).
@@ -33,6 +35,7 @@ from qsg.chaos.conversations import Conv, ConvRunner, ConvSession, conv_plan
 from qsg.chaos.history import FAIL, OK, UNKNOWN, History
 from qsg.chaos.pubsub_actions import SUBSCRIBERS, Pub, PubRunner, PubSession, pub_plan
 from qsg.chaos.recorded import reason_of
+from qsg.chaos.rest_actions import REST_SHARE, Rest, RestEndpoint, RestRunner, RestSession, rest_plan
 from sqm.service.client import Client
 from sqm.service.protocol import QueueManagerUnavailableError
 
@@ -56,17 +59,19 @@ class PutSpec:
 
 @dataclass(frozen=True)
 class Action:
-    kind: str  # uow, consume, put1, 2pc, conv, pub
+    kind: str  # uow, consume, put1, 2pc, conv, pub, rest
     puts: tuple[PutSpec, ...] = ()
     gets: tuple[str, ...] = ()  # queues
     commit: bool = True  # for 2pc: the coordinator's decision
     park_s: float = 0.0  # 2pc: leave in doubt this long before the coordinator resolves it (0: at once)
     conv: Conv | None = None  # conv: the conversation action
     pub: Pub | None = None  # pub: the publish/subscribe action
+    rest: Rest | None = None  # rest: the REST door's puts or gets
 
 
-def client_plan(seed: int, client: int, queues: tuple[str, ...]) -> Iterator[Action]:
-    """The endless, reproducible action sequence of one client."""
+def client_plan(seed: int, client: int, queues: tuple[str, ...], *, rest: bool = False) -> Iterator[Action]:
+    """The endless, reproducible action sequence of one client. ``rest``: REST_SHARE of the actions go through the
+    REST door; without it the plan is what it was before the REST kind existed (the same seed, the same plan)."""
     rnd = random.Random(f"chaos-{seed}-{client}")
     n = 0
     n_pub = 0
@@ -84,6 +89,11 @@ def client_plan(seed: int, client: int, queues: tuple[str, ...]) -> Iterator[Act
 
     while True:
         share = rnd.random()
+        if rest:
+            if share < REST_SHARE:
+                yield Action("rest", rest=rest_plan(rnd, next_msg, queues))
+                continue
+            share = (share - REST_SHARE) / (1 - REST_SHARE)  # the other kinds share the rest as before
         if share < CONV_SHARE:
             yield Action("conv", conv=conv_plan(rnd, next_msg))
             continue
@@ -197,9 +207,15 @@ class Workload:
     """Client threads following their plans until stop(), each on its own sqm.service.client.Client."""
 
     def __init__(self, history: History, endpoints: list[Endpoint], coordinator: Coordinator, *, seed: int,
-                 clients: int, queues: tuple[str, ...], token: str | None = None) -> None:
+                 clients: int, queues: tuple[str, ...], token: str | None = None,
+                 rest_endpoints: list[RestEndpoint] | None = None,
+                 rest_reachable: Callable[[str], bool] | None = None) -> None:
+        """``rest_endpoints``: the members' REST ports, when the run's mix has the REST kind (None: it has not);
+        ``rest_reachable``: whether clients may reach a member now (a fault may cut its clients off)."""
         self.history = history
         self.endpoints = endpoints
+        self.rest_endpoints = rest_endpoints
+        self.rest_reachable = rest_reachable
         self.coordinator = coordinator
         self.seed = seed
         self.queues = queues
@@ -237,7 +253,12 @@ class Workload:
         client: Client | None = None
         conv = ConvSession(self.history, eps, name, user=name, user_token=f"chaos-{self.seed}", token=self.token)
         pubsub = PubSession(self.history, eps, name, token=self.token, sub=SUBSCRIBERS.get(i))
-        plan = client_plan(self.seed, i, self.queues)
+        rest = None
+        if self.rest_endpoints:
+            r = i % len(self.rest_endpoints)
+            rest = RestSession(self.history, self.rest_endpoints[r:] + self.rest_endpoints[:r], f"{name}-rest",
+                               token=self.token, reachable=self.rest_reachable)
+        plan = client_plan(self.seed, i, self.queues, rest=rest is not None)
         n_uow = 0
         while not self._stop.is_set():
             if client is None:
@@ -250,7 +271,8 @@ class Workload:
             action = next(plan)
             n_uow += 1
             try:
-                ok = Runner(self.history, client, name, f"{name}.{n_uow}", self.coordinator, conv, pubsub).run(action)
+                ok = Runner(self.history, client, name, f"{name}.{n_uow}", self.coordinator, conv, pubsub,
+                            rest).run(action)
             except Exception:  # a bug in the suite itself: keep the evidence, keep the run going
                 log.exception("%s: action %s failed", name, action.kind)
                 ok = False
@@ -268,7 +290,7 @@ class Runner:
 
     def __init__(self, history: History, client: Any, name: str, uow: str,
                  coordinator: Coordinator | None = None, conv: ConvSession | None = None,
-                 pubsub: PubSession | None = None) -> None:
+                 pubsub: PubSession | None = None, rest: RestSession | None = None) -> None:
         self.h = history
         self.c = client
         self.name = name
@@ -276,6 +298,7 @@ class Runner:
         self.coordinator = coordinator
         self.conv = conv
         self.pubsub = pubsub
+        self.rest = rest
 
     def call(self, op: str, fn: Callable[[], Any], **args: Any) -> tuple[str, Any]:
         """Invoke, run, complete: (outcome, result or exception). Not RecordedRunner.call, which closes its session
@@ -335,6 +358,9 @@ class Runner:
         if a.kind == "pub":
             assert self.pubsub is not None and a.pub is not None, "a pub action needs the client's pub/sub session"
             return PubRunner(self.h, self.pubsub, self.uow).run(a.pub)
+        if a.kind == "rest":
+            assert self.rest is not None and a.rest is not None, "a rest action needs the client's REST session"
+            return RestRunner(self.h, self.rest, self.uow).run(a.rest)
         if a.kind == "put1":
             outcome, _ = self.put(a.puts[0], syncpoint=False)
             return outcome == OK

@@ -121,7 +121,10 @@ STATUS_OF_REASON = {
 
 
 def mq_failure(e: MQError, what: str) -> RestError:
-    status = STATUS_OF_REASON.get(e.reason, 500)
+    # A commit whose outcome is not known (its log force failed, peer recovery fenced the member as it committed, the
+    # CF's reply to it was lost; OutcomeUnknownError, MQRC_CONNECTION_BROKEN as any broken connection) is not a
+    # refusal: its work may be done, so it is never the 503 "try again" that the door answers after a backout.
+    status = 500 if isinstance(e, OutcomeUnknownError) else STATUS_OF_REASON.get(e.reason, 500)
     if status == 404:
         return RestError(404, "MQWB0303E", f"{what}: {e}", "The queue does not exist on this queue manager.",
                          "Resubmit the request with the name of a defined queue.", reason=e.reason)

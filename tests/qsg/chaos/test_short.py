@@ -19,7 +19,9 @@ QUEUES = ("Q1", "Q2", "Q3")
 
 
 def chaos(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "qsg.cli", "chaos", *args], capture_output=True, text=True,
+    """``cfemu chaos``; a run's mix has the REST kind (puts and gets through the members' REST doors)."""
+    rest = ("--rest",) if args[:1] in (("run",), ("soak",)) else ()
+    return subprocess.run([sys.executable, "-m", "qsg.cli", "chaos", *args, *rest], capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -34,11 +36,14 @@ def why_failed(summary: dict[str, Any], run_dir: Path) -> str:
 
 
 def test_the_same_seed_gives_the_same_workload_and_fault_schedule() -> None:
-    def plan(seed: int, client: int) -> list[object]:
-        it = client_plan(seed, client, QUEUES)
+    def plan(seed: int, client: int, rest: bool = False) -> list[Any]:
+        it = client_plan(seed, client, QUEUES, rest=rest)
         return [next(it) for _ in range(200)]
 
     assert plan(7, 3) == plan(7, 3) and plan(7, 3) != plan(8, 3) and plan(7, 3) != plan(7, 4)
+    assert plan(7, 3, rest=True) == plan(7, 3, rest=True) and plan(7, 3, rest=True) != plan(7, 3)
+    assert {a.kind for a in plan(7, 3, rest=True)} >= {"rest", "uow", "conv", "pub"}
+    assert "rest" not in {a.kind for a in plan(7, 3)}  # only when the run's mix has it
     names = ["QM1", "QM2", "QM3"]
     assert schedule(7, KINDS, 60, names, lease_ms=3000) == schedule(7, KINDS, 60, names, lease_ms=3000)
     assert schedule(7, KINDS, 60, names, lease_ms=3000) != schedule(8, KINDS, 60, names, lease_ms=3000)
@@ -56,6 +61,7 @@ def test_message_bodies_carry_id_and_checksum() -> None:
     assert parse_body(body) == ("7-3-12", True)
     assert parse_body(body[:-1] + bytes([body[-1] ^ 1])) == ("7-3-12", False)
     assert parse_body(b"not a chaos message") == (None, False)
+    assert body.decode("ascii")  # text: the REST door takes and gives text messages only
 
 
 def assert_found_nothing(out: subprocess.CompletedProcess[str], run_dir: Path) -> None:
@@ -95,6 +101,7 @@ def test_short_run_finds_nothing(tmp_path: Path, seed: int) -> None:
     assert len(s["faults"]) >= 2 and not s["fault_errors"]
     assert all(f["service_s"] is not None for f in s["faults"])
     assert s["operations"] > 1000 and s["committed_uows"] > 200
+    assert s["counts"]["REST puts acknowledged"] > 10 and s["counts"]["REST gets received"] > 10, s["counts"]
     assert all(v == 0 for v in s["findings"].values())
     assert s["counts"].get("unknown outcomes", 0) >= 0 and s["recovery"]["service_s"]
     for name in ("history.jsonl", "summary.json", "findings.json", "faults.json", "throughput.svg", "report.md"):
