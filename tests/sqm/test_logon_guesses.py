@@ -11,7 +11,14 @@ import pytest
 
 from cfemu.errors import LogonThrottledError
 from sqm.conversations import logon_guesses
-from sqm.conversations.logon_guesses import DELAY_BASE_S, DELAY_MAX_S, FORGET_S, FREE, WAIT_MAX_S, LogonGuesses
+from sqm.conversations.logon_guesses import (
+    DELAY_BASE_S,
+    DELAY_MAX_S,
+    FORGET_S,
+    FREE,
+    WAIT_MAX_S,
+    LogonGuesses,
+)
 from tests.support.service_proc import fresh_group, logged_on, start_server
 
 
