@@ -60,6 +60,7 @@ class _CappedServer(ThreadingHTTPServer):
     a read timeout on each (the handler's): a connection past the cap is closed unanswered, an idle one is closed."""
 
     daemon_threads = True
+    request_queue_size = 64  # the listen backlog (socketserver's 5 made a flood's connections wait for SYN retries)
     cap: ConnectionCap
 
     def process_request(self, request: Any, client_address: Any) -> None:
