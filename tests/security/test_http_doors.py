@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import json
+import resource
 import socket
 import time
 import urllib.request
@@ -193,3 +194,29 @@ def test_a_metrics_flood_costs_the_cf_one_collection_per_cache_period(redis_serv
     finally:
         cf.close()
         srv.stop()
+
+
+def test_accept_errors_when_out_of_file_descriptors_do_not_flood_the_log(redis_server: Any, tmp_path: Path) -> None:
+    """A member out of file descriptors failed hundreds of accepts a second, each logged at ERROR with its
+    traceback; now one line a second, saying how many were not logged. The member's limit is lowered (prlimit) so
+    that tens of connections reach it, with the REST caps above that."""
+    srv, port = rest_member(redis_server, tmp_path, "--rest-max-connections", "500",
+                            "--rest-max-connections-per-peer", "500")
+    in_use = len(list(Path(f"/proc/{srv.proc.pid}/fd").iterdir()))
+    _, hard = resource.prlimit(srv.proc.pid, resource.RLIMIT_NOFILE)
+    resource.prlimit(srv.proc.pid, resource.RLIMIT_NOFILE, (in_use + 30, hard))
+    held: list[socket.socket] = []
+    try:
+        end = time.monotonic() + 3
+        while time.monotonic() < end and len(held) < 200:
+            try:
+                held.append(socket.create_connection(("127.0.0.1", port), timeout=1))
+            except OSError:
+                time.sleep(0.01)
+    finally:
+        for s in held:
+            s.close()
+        srv.stop()
+    accept_lines = [ln for ln in srv.log_text().splitlines() if "socket.accept() out of system resource" in ln]
+    assert 1 <= len(accept_lines) <= 5, accept_lines[:10]
+    assert any("more like it not logged" in ln for ln in accept_lines)
