@@ -172,6 +172,7 @@ class GuardedSite(BaseSite):
 
     def __init__(self, runner: web.BaseRunner, host: str, port: int, limits: HttpLimits, what: str,
                  log: logging.Logger, *, ssl_context: ssl.SSLContext | None = None, backlog: int = 128) -> None:
+        limits.check(what)
         super().__init__(runner, ssl_context=ssl_context, backlog=backlog)
         self._host, self._port = host, port
         self.limits = limits
