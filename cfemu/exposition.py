@@ -9,15 +9,21 @@ cfemu.cf_exporter). Their names and the alerts on them: docs/metrics.md.
 from __future__ import annotations
 
 import os
+import socket
 import sys
+import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
+from http.server import ThreadingHTTPServer
 from importlib import metadata
+from typing import Any
 
-from prometheus_client import PROCESS_COLLECTOR, start_http_server, write_to_textfile
+from prometheus_client import PROCESS_COLLECTOR, write_to_textfile
 from prometheus_client.core import CollectorRegistry, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.exposition import MetricsHandler
 from prometheus_client.registry import Collector
 
+from cfemu.connection_cap import ConnectionCap, peer_of
 from cfemu.latency import Latency
 from cfemu.sockets import is_loopback_host
 
@@ -43,14 +49,56 @@ def histogram(name: str, help_text: str, labels: list[str],
     return family
 
 
-def serve(collectors: Iterable[Collector], host: str, port: int) -> int:
+# The bounds of an exporter's HTTP server: whoever reaches the port may connect, and each connection holds a thread.
+EXPORTER_READ_TIMEOUT_S = 5.0  # a connection must send its request (and may stay idle) at most this long
+EXPORTER_MAX_CONNECTIONS = 16  # connections served at once; past it a new one is closed at once
+EXPORTER_MAX_CONNECTIONS_PER_PEER = 4  # of them from one address
+
+
+class _CappedServer(ThreadingHTTPServer):
+    """The client library's threaded server with a cap on the connections it serves at once (each is a thread) and
+    a read timeout on each (the handler's): a connection past the cap is closed unanswered, an idle one is closed."""
+
+    daemon_threads = True
+    request_queue_size = 64  # the listen backlog (socketserver's 5 made a flood's connections wait for SYN retries)
+    cap: ConnectionCap
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if self.cap.admit(peer_of(client_address)) is not None:
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.cap.release(peer_of(client_address))
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A peer's broken or timed-out request is not the process's error: not printed (a flood of them would
+        flood stderr)."""
+
+
+def serve(collectors: Iterable[Collector], host: str, port: int, *, read_timeout_s: float = EXPORTER_READ_TIMEOUT_S,
+          max_connections: int = EXPORTER_MAX_CONNECTIONS,
+          max_connections_per_peer: int = EXPORTER_MAX_CONNECTIONS_PER_PEER) -> int:
     """Serve /metrics of ``collectors`` and the process's own (CPU, memory, open files, start time) on host:port,
-    in a thread of the client library's HTTP server; the port it listens on (0: one the system chose). /metrics has
-    no authentication: on an address beyond loopback, a one-line warning on stderr says so (exposure_warning)."""
+    in a thread of an HTTP server (the client library's handler, at most ``max_connections`` connections at once,
+    ``max_connections_per_peer`` from one address, each closed after ``read_timeout_s`` without a request); the
+    port it listens on (0: one the system chose). /metrics has no authentication: on an address beyond loopback, a
+    one-line warning on stderr says so (exposure_warning)."""
     registry = CollectorRegistry(auto_describe=False)
     for c in (*collectors, PROCESS_COLLECTOR):
         registry.register(c)
-    server, _thread = start_http_server(port, addr=host, registry=registry)
+    handler = type("BoundedMetricsHandler", (MetricsHandler,), {"registry": registry, "timeout": read_timeout_s,
+                                                                "log_message": lambda *a: None})
+    server_class = type("ExporterServer", (_CappedServer,), {
+        "address_family": socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                             flags=socket.AI_PASSIVE)[0][0],
+        "cap": ConnectionCap(max_connections, max_connections_per_peer)})
+    server = server_class((host, port), handler)
+    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
     bound = int(server.server_port)
     warning = exposure_warning(host, bound)
     if warning:

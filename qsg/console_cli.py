@@ -85,7 +85,11 @@ def cmd_console(args: argparse.Namespace, out: Output) -> int:
 
 
 async def _serve(console: Any, args: argparse.Namespace, served: ssl.SSLContext | None, out: Output) -> int:
-    runner = await console.serve(args.host, args.port, served)
+    from sqm.http_guard import HttpLimits
+
+    limits = HttpLimits(head_timeout_s=args.head_timeout, keepalive_timeout_s=args.keepalive_timeout,
+                        max_connections=args.max_connections, max_connections_per_peer=args.max_connections_per_peer)
+    runner = await console.serve(args.host, args.port, served, limits)
     port = int(runner.addresses[0][1])
     url = f"{'https' if served else 'http'}://{args.host}:{port}/"
     doc = {"pid": os.getpid(), "url": url, "port": port, "host": args.host, "tls": served is not None}
@@ -123,4 +127,12 @@ def console_arguments(p: argparse.ArgumentParser, parents: Parents) -> None:
     p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
                    help="a DNS name the browser may use for the console besides its --host, localhost and this "
                         "machine's name (repeat); requests naming another are refused (DNS rebinding)")
+    p.add_argument("--head-timeout", type=seconds(0, above=True), default=10.0,
+                   help="seconds a new connection has to send a whole request head, else it is closed (default 10)")
+    p.add_argument("--keepalive-timeout", type=seconds(0, above=True), default=30.0,
+                   help="seconds a connection may stay idle between requests (default 30)")
+    p.add_argument("--max-connections", type=whole(1), default=64,
+                   help="connections open at once; past it a new one is closed at once (default 64)")
+    p.add_argument("--max-connections-per-peer", type=whole(1), default=32,
+                   help="connections open at once from one address (default 32)")
     p.add_argument("--ready-file", help="write {pid, url, port} here once serving")

@@ -109,6 +109,22 @@ def add_run_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
                         "network: give it TLS)")
     p.add_argument("--rest-max-body", type=int, default=4 * 2**20,
                    help="longest message body a REST put takes, bytes (default 4 MiB)")
+    p.add_argument("--http-head-timeout", type=float, default=10.0,
+                   help="seconds a new REST or metrics connection has to send a whole request head, else it is "
+                        "closed (default 10)")
+    p.add_argument("--rest-keepalive-timeout", type=float, default=30.0,
+                   help="seconds a REST connection may stay idle between requests (default 30)")
+    p.add_argument("--rest-max-connections", type=int, default=256,
+                   help="REST connections open at once; past it a new one is closed at once (default 256)")
+    p.add_argument("--rest-max-connections-per-peer", type=int, default=64,
+                   help="REST connections open at once from one address (default 64)")
+    p.add_argument("--metrics-max-connections", type=int, default=32,
+                   help="metrics-port connections open at once; past it a new one is closed at once (default 32)")
+    p.add_argument("--metrics-max-connections-per-peer", type=int, default=8,
+                   help="metrics-port connections open at once from one address (default 8)")
+    p.add_argument("--metrics-cache", type=float, default=1.0,
+                   help="seconds a collected /metrics page is served again before the next collection (default 1; "
+                        "0: collect for every scrape, one at a time)")
     p.add_argument("--lease-ms", type=int, default=5000, help="lease in the admin structure (default 5000)")
     p.add_argument("--cf-connections", type=int, default=64,
                    help="connections to the CF; more concurrent requests wait for one (default 64)")
@@ -175,6 +191,11 @@ def cmd_run(args: argparse.Namespace, out: Output) -> int:
         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
         metrics_port=args.metrics_port, metrics_host=args.metrics_host, rest_port=args.rest_port,
         rest_host=args.rest_host, rest_max_body=args.rest_max_body, lease_ms=args.lease_ms,
+        http_head_timeout_s=args.http_head_timeout, rest_keepalive_timeout_s=args.rest_keepalive_timeout,
+        rest_max_connections=args.rest_max_connections,
+        rest_max_connections_per_peer=args.rest_max_connections_per_peer,
+        metrics_max_connections=args.metrics_max_connections,
+        metrics_max_connections_per_peer=args.metrics_max_connections_per_peer, metrics_cache_s=args.metrics_cache,
         cf_connections=args.cf_connections, request_slots=args.request_slots, slot_lease_ms=args.slot_lease_ms,
         event_loop=not args.thread_per_connection,
         logload=args.logload, max_umsgs=max_umsgs, max_frame=args.max_frame, log_mode=args.log_mode, log_ring=args.log_ring,

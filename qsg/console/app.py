@@ -53,6 +53,7 @@ from qsg.console.security import (
     token_matches,
 )
 from qsg.console.source import GroupSource
+from sqm.http_guard import GuardedSite, HttpLimits, runner_kwargs
 from sqm.service.auth import Failures
 from sqm.service.config import is_loopback_ip
 
@@ -353,15 +354,19 @@ class Console:
         raise web.HTTPSeeOther("/#jobs")
 
     # --- serving -------------------------------------------------------------------------------------------------
-    async def serve(self, host: str, port: int, ssl_context: ssl.SSLContext | None) -> web.AppRunner:
-        """Start serving; the runner (its address: runner.addresses) to clean up when done."""
+    async def serve(self, host: str, port: int, ssl_context: ssl.SSLContext | None,
+                    limits: HttpLimits | None = None) -> web.AppRunner:
+        """Start serving, under ``limits`` (sqm.http_guard: a cap on connections, a wait for a request's head, a
+        keep-alive timeout, a throttled error log); the runner (its address: runner.addresses) to clean up when
+        done."""
+        limits = limits or HttpLimits(max_connections=64, max_connections_per_peer=32)
         if host and not _wildcard(host):
             self.allowed_hosts.add(host.lower())
         else:  # every address of this machine: its names too
             self.allowed_hosts |= {socket.gethostname().lower(), socket.getfqdn().lower()}
-        runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        runner = web.AppRunner(self.app, access_log=None, handle_signals=False, **runner_kwargs(limits, log))
         await runner.setup()
-        await web.TCPSite(runner, host, port, ssl_context=ssl_context, backlog=64).start()
+        await GuardedSite(runner, host, port, limits, "console", log, ssl_context=ssl_context, backlog=64).start()
         return runner
 
 

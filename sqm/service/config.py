@@ -60,6 +60,14 @@ class ServerConfig:
     rest_host: str = "127.0.0.1"
     rest_workers: int = 32  # REST requests carried out at once (a waiting get holds one); the rest queue
     rest_max_body: int = 4 * 2**20  # the longest body a REST put takes (a queue's default MAXMSGL)
+    # The bounds of the HTTP doors against peers that have not authenticated (sqm.http_guard, docs/security.md)
+    http_head_timeout_s: float = 10.0  # a new REST or metrics connection's request head must be whole by then
+    rest_keepalive_timeout_s: float = 30.0  # a REST connection idle between requests this long is closed
+    rest_max_connections: int = 256  # REST connections open at once (past it a new one is closed at once)
+    rest_max_connections_per_peer: int = 64  # REST connections open at once from one address
+    metrics_max_connections: int = 32  # metrics-port connections open at once
+    metrics_max_connections_per_peer: int = 8  # metrics-port connections open at once from one address
+    metrics_cache_s: float = 1.0  # a /metrics page is collected at most once per this long; 0: every scrape
     lease_ms: int = 5000
     cf_connections: int = 64
     # requests doing their work at once, up to their first wait (sqm.request_slots); the rest wait for a slot
@@ -102,6 +110,11 @@ class ServerConfig:
             raise ServerConfigError("the authentication timeout must be > 0 s and the idle timeout >= 0 s (0: none)")
         if min(self.max_connections, self.max_connections_per_peer, self.max_unauthenticated) < 1:
             raise ServerConfigError("connection limits must be at least 1")
+        if self.http_head_timeout_s <= 0 or self.rest_keepalive_timeout_s <= 0 or self.metrics_cache_s < 0:
+            raise ServerConfigError("the HTTP head and keep-alive timeouts must be > 0 s, the metrics cache >= 0 s")
+        if min(self.rest_max_connections, self.rest_max_connections_per_peer, self.metrics_max_connections,
+               self.metrics_max_connections_per_peer) < 1:
+            raise ServerConfigError("the HTTP connection caps must be at least 1")
         if self.rest_workers < 1 or self.rest_max_body < 1:
             raise ServerConfigError("the REST workers and the REST body limit must be at least 1")
         if self.rest_port is not None and not self.auth and not is_loopback_host(self.rest_host):

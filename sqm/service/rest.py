@@ -40,6 +40,7 @@ from cfemu.limits import MAX_ID_LENGTH
 from sqm.core.client_watch import ClientWatch
 from sqm.core.connection import Connection, Message
 from sqm.core.manager import CF_DOWN
+from sqm.http_guard import GuardedSite, HttpLimits, runner_kwargs
 from sqm.operations import APPLICATION, OPERATOR
 from sqm.request_slots import RequestSlots
 from sqm.service import queue_ops
@@ -187,6 +188,29 @@ def md_headers(m: Message, now_ms: int) -> dict[str, str]:
     return h
 
 
+# What HTTP carries in a header (RFC 9110): a name of token characters, a value without control characters other
+# than tab. aiohttp refuses to send anything else, after the handler returned: a get committed by then is lost.
+TOKEN_CHARS = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
+FORBIDDEN_IN_VALUE = frozenset(chr(c) for c in (*range(0x09), *range(0x0A, 0x20), 0x7F))
+
+
+def carried_headers(m: Message, now_ms: int, problem: str, verb: str) -> dict[str, str]:
+    """md_headers, each of which HTTP can carry; a user property it cannot (a name that is not a token, a value
+    with a control character such as CR or LF) is a 400 naming it and the ``problem`` (the message is left for a
+    native client: IBM's API leaves a message it cannot return on its queue), telling how to ``verb`` it instead."""
+    headers = md_headers(m, now_ms)
+    for name, value in headers.items():
+        prop = name[len(USR):] if name.startswith(USR) else name
+        why = ("its name is not an HTTP token" if not set(name) <= TOKEN_CHARS else
+               "its value holds a control character" if not FORBIDDEN_IN_VALUE.isdisjoint(value) else "")
+        if why:
+            raise RestError(400, "MQWB0303E", f"The message's property {prop[:64]!r} cannot be returned as an "
+                            f"{USR}* header: {why}.{' ' + problem if problem else ''}",
+                            "The messaging REST API returns a message's user properties as HTTP headers.",
+                            f"{verb} it with the native client.", reason=2110)
+    return headers
+
+
 def message_text(m: Message, problem: str, verb: str) -> str:
     """The message's body as text; one that is not UTF-8 is a 400 naming the ``problem`` (the messaging REST API
     returns text messages only) and telling how to ``verb`` it instead."""
@@ -197,10 +221,9 @@ def message_text(m: Message, problem: str, verb: str) -> str:
                         f"{verb} it with the native client.", reason=2110) from None
 
 
-def text_reply(m: Message, text: str) -> web.Response:
-    """200 with the message as text/plain, its descriptor in the headers (md_headers)."""
-    return web.Response(status=200, text=text, content_type="text/plain", charset="utf-8",
-                        headers=md_headers(m, int(time.time() * 1000)))
+def text_reply(text: str, headers: dict[str, str]) -> web.Response:
+    """200 with the message as text/plain, its descriptor in the headers (carried_headers)."""
+    return web.Response(status=200, text=text, content_type="text/plain", charset="utf-8", headers=headers)
 
 
 def summary(m: Message, now_ms: int) -> dict[str, Any]:
@@ -244,12 +267,17 @@ class RestEndpoint:
     async def start(self, host: str, port: int) -> int:
         loop = asyncio.get_running_loop()
         self.group = await loop.run_in_executor(self.executor, self.server.qm.admin.group_name)
+        c = self.config
+        limits = HttpLimits(head_timeout_s=c.http_head_timeout_s, keepalive_timeout_s=c.rest_keepalive_timeout_s,
+                            max_connections=c.rest_max_connections,
+                            max_connections_per_peer=c.rest_max_connections_per_peer)
         self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False,
-                                     shutdown_timeout=self.config.shutdown_grace_s)
+                                     shutdown_timeout=c.shutdown_grace_s, **runner_kwargs(limits, log))
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port, ssl_context=self.config.ssl_context(), backlog=128)
+        site = GuardedSite(self._runner, host, port, limits, f"{self.server.name} REST", log,
+                           ssl_context=c.ssl_context(), backlog=128)
         await site.start()
-        self.port = int(self._runner.addresses[0][1])
+        self.port = site.port
         return self.port
 
     async def stop(self) -> None:
@@ -497,10 +525,11 @@ class RestEndpoint:
                 return web.Response(status=204)
             m = message_from_wire(got)
             text = message_text(m, "The message is not text in UTF-8: it was left on the queue.", "Get")
+            headers = carried_headers(m, int(time.time() * 1000), "It was left on the queue.", "Get")
             if request.transport is None or request.transport.is_closing():
                 return web.Response(status=204)  # the caller left: backed out (the handle's end), not taken
             outcome = await self._run(session, "commit", partial(self._commit_taken, session))
-        reply = text_reply(m, text)
+        reply = text_reply(text, headers)
         if outcome:
             reply.headers[OUTCOME_HEADER] = outcome
         return reply
@@ -542,7 +571,8 @@ class RestEndpoint:
             found = await self._browse(request, session, 1)
         if not found:
             return web.Response(status=204)
-        return text_reply(found[0], message_text(found[0], "The message is not text in UTF-8.", "Browse"))
+        text = message_text(found[0], "The message is not text in UTF-8.", "Browse")
+        return text_reply(text, carried_headers(found[0], int(time.time() * 1000), "", "Browse"))
 
     async def message_list(self, request: web.Request) -> web.Response:
         """A summary of up to ``limit`` messages (no bodies), in the order a get would take them."""

@@ -119,7 +119,10 @@ class SQMServer:
         self.op_seconds = Latencies()
         self._handlers: dict[str, Handler] = metrics.timed_handlers(OPERATIONS, self.op_seconds)
         self.registry = metrics.make_registry(self.qm, self.server_stats, self.op_seconds)
-        self.http = HealthEndpoint(self.qm, self.registry, lambda: self._stopping)
+        self.http = HealthEndpoint(self.qm, self.registry, lambda: self._stopping, cache_s=config.metrics_cache_s,
+                                   head_timeout_s=config.http_head_timeout_s,
+                                   max_connections=config.metrics_max_connections,
+                                   max_connections_per_peer=config.metrics_max_connections_per_peer, warn=self.warn)
         self.rest: RestEndpoint | None = None
         if config.rest_port is not None:
             # Imported only when served: aiohttp costs every member that serves no REST (most) a tenth of a second

@@ -65,7 +65,8 @@ def start_server(redis_url: str, tmp: Path, name: str, *args: str, env: dict[str
     stderr = tmp / f"{name}.stderr"
     ready.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "sqm.cli", "run", "--name", name, "--redis-url", redis_url, "--log-root",
-           str(tmp / "logs"), "--port", "0", "--metrics-port", "0", "--ready-file", str(ready), *args]
+           str(tmp / "logs"), "--port", "0", "--metrics-port", "0", "--ready-file", str(ready),
+           "--metrics-cache", "0", *args]  # a test reads /metrics right after what it counts: no cached page
     with open(stderr, "ab") as err:  # the tests' tokens unless env or a flag gives others
         proc = started(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err,
                                         env={**os.environ, **TOKENS_ENV, **(env or {})}))

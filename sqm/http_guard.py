@@ -1,0 +1,232 @@
+"""What bounds an aiohttp door (the REST API of a member, the group's web console) against peers that have not
+authenticated: a cap on open connections, a short wait for a request's head, a keep-alive timeout, and a log that a
+flood cannot flood.
+
+- A connection past the cap (total, or per peer address: cfemu.connection_cap) is closed at once, unanswered.
+- A connection must deliver its first request's head within ``head_timeout_s`` of opening (a TLS one: its handshake
+  too), else it is closed; between requests, aiohttp closes a connection idle for ``keepalive_timeout_s`` (its
+  keep-alive timer, which also bounds a later request's head: the connection is idle until the head is whole).
+- aiohttp's own error lines (a traceback at ERROR for one malformed request) and the event loop's accept errors
+  (one per refused accept when the process is out of file descriptors) go out as one WARNING line a second per
+  kind at most, without traceback; the rest are dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+import sys
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+from aiohttp.web_runner import BaseSite
+
+from cfemu.connection_cap import ConnectionCap, peer_of
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """The bounds of one door (docs/security.md, "HTTP doors")."""
+
+    head_timeout_s: float = 10.0  # a new connection's first request head must be whole by then
+    keepalive_timeout_s: float = 30.0  # a connection idle between requests this long is closed
+    max_connections: int = 256  # connections open at once
+    max_connections_per_peer: int = 64  # connections open at once from one address
+
+    def check(self, what: str) -> None:
+        if self.head_timeout_s <= 0 or self.keepalive_timeout_s <= 0:
+            raise ValueError(f"{what}: the head and keep-alive timeouts must be > 0 s")
+        if min(self.max_connections, self.max_connections_per_peer) < 1:
+            raise ValueError(f"{what}: connection caps must be at least 1")
+
+
+class ThrottledLog:
+    """One WARNING line a second at most per key; what comes meanwhile is counted and said with the next line."""
+
+    def __init__(self, log: logging.Logger, every_s: float = 1.0) -> None:
+        self.log = log
+        self.every_s = every_s
+        self._last: dict[str, float] = {}
+        self._dropped: dict[str, int] = {}
+
+    def __call__(self, key: str, msg: str, *args: Any) -> None:
+        now = time.monotonic()
+        if now - self._last.get(key, -self.every_s) < self.every_s:
+            self._dropped[key] = self._dropped.get(key, 0) + 1
+            return
+        self._last[key] = now
+        dropped = self._dropped.pop(key, 0)
+        if dropped:
+            self.log.warning(msg + " (%d more like it not logged)", *args, dropped)
+        else:
+            self.log.warning(msg, *args)
+
+
+class _AiohttpLog(logging.Logger):
+    """The logger aiohttp's request handlers write to: their errors (a malformed request, a handler's exception,
+    a peer gone) as throttled one-line warnings; debug lines as they are."""
+
+    def __init__(self, name: str, throttled: ThrottledLog) -> None:
+        super().__init__(name)
+        self.throttled = throttled
+        self.parent = logging.getLogger(name)  # debug lines reach the real logger's handlers
+
+    def _one_line(self, level: str, msg: object, *args: Any, **kw: Any) -> None:
+        text = str(msg) % args if args else str(msg)
+        exc = kw.get("exc_info")
+        if exc is True:
+            exc = sys.exc_info()[1]
+        elif isinstance(exc, tuple):
+            exc = exc[1]
+        detail = f": {type(exc).__name__}: {str(exc)[:200]}" if isinstance(exc, BaseException) else ""
+        line = " ".join(f"{text[:200]}{detail}".split())  # one line: a peer's bytes may hold line breaks
+        self.throttled(f"aiohttp-{level}", "%s: %s", self.name, line)
+
+    def exception(self, msg: object, *args: Any, **kw: Any) -> None:
+        self._one_line("error", msg, *args, **kw)
+
+    def error(self, msg: object, *args: Any, **kw: Any) -> None:
+        self._one_line("error", msg, *args, **kw)
+
+    def warning(self, msg: object, *args: Any, **kw: Any) -> None:
+        self._one_line("warning", msg, *args, **kw)
+
+
+class _Guarded(asyncio.Protocol):
+    """A connection of a guarded door: counted under the cap, closed if its first request head is late; everything
+    else goes to aiohttp's handler as it is."""
+
+    def __init__(self, site: GuardedSite, inner: asyncio.Protocol) -> None:
+        self.site = site
+        self.inner: asyncio.Protocol | None = inner
+        self.peer = "?"
+        self.transport: asyncio.Transport | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.tail = b""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.peer = peer_of(transport.get_extra_info("peername"))
+        refusal = self.site.cap.admit(self.peer)
+        if refusal is not None:
+            self.inner = None
+            transport.abort()
+            self.site.warn("cap", "%s: a connection from %s closed at once: the cap of %s is reached (closed so far: "
+                           "%d)", self.site.what, self.peer, refusal, self.site.cap.refused)
+            return
+        self.transport = transport
+        self.timer = asyncio.get_running_loop().call_later(self.site.limits.head_timeout_s, self._head_late)
+        assert self.inner is not None
+        self.inner.connection_made(transport)
+
+    def _head_late(self) -> None:
+        self.timer = None
+        if self.transport is not None and not self.transport.is_closing():
+            self.site.head_timeouts += 1
+            self.site.warn("head", "%s: a connection from %s closed: no whole request head within %.1fs (closed so "
+                           "far: %d)", self.site.what, self.peer, self.site.limits.head_timeout_s,
+                           self.site.head_timeouts)
+            self.transport.abort()
+
+    def data_received(self, data: bytes) -> None:
+        if self.inner is None:
+            return
+        if self.timer is not None:
+            seen = self.tail + data
+            if b"\r\n\r\n" in seen or b"\n\n" in seen:
+                self.timer.cancel()
+                self.timer = None
+                self.tail = b""
+            else:
+                self.tail = seen[-3:]
+        self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received() if self.inner is not None else None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.inner is None:
+            return
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        self.site.cap.release(self.peer)
+        inner, self.inner = self.inner, None
+        inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        if self.inner is not None:
+            self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self.inner is not None:
+            self.inner.resume_writing()
+
+
+class GuardedSite(BaseSite):
+    """aiohttp's TCP site under HttpLimits; ``port`` is the one it listens on once started."""
+
+    def __init__(self, runner: web.BaseRunner, host: str, port: int, limits: HttpLimits, what: str,
+                 log: logging.Logger, *, ssl_context: ssl.SSLContext | None = None, backlog: int = 128) -> None:
+        limits.check(what)
+        super().__init__(runner, ssl_context=ssl_context, backlog=backlog)
+        self._host, self._port = host, port
+        self.limits = limits
+        self.what = what
+        self.cap = ConnectionCap(limits.max_connections, limits.max_connections_per_peer)
+        self.warn = ThrottledLog(log)
+        self.head_timeouts = 0
+        self.port = port
+
+    @property
+    def name(self) -> str:
+        return f"{'https' if self._ssl_context else 'http'}://{self._host}:{self.port}"
+
+    async def start(self) -> None:
+        await super().start()
+        loop = asyncio.get_running_loop()
+        throttle_accept_errors(loop, self.warn)
+        server = self._runner.server
+        assert server is not None
+        self._server = await loop.create_server(
+            lambda: _Guarded(self, server()), self._host, self._port, ssl=self._ssl_context, backlog=self._backlog,
+            ssl_handshake_timeout=self.limits.head_timeout_s if self._ssl_context else None)
+        self.port = int(self._server.sockets[0].getsockname()[1])
+
+
+def runner_kwargs(limits: HttpLimits, log: logging.Logger) -> dict[str, Any]:
+    """What an AppRunner of a guarded door takes: the keep-alive timeout and the throttled error log."""
+    return {"keepalive_timeout": limits.keepalive_timeout_s,
+            "logger": _AiohttpLog(log.name + ".http", ThrottledLog(log))}
+
+
+def throttle_accept_errors(loop: asyncio.AbstractEventLoop, warn: ThrottledLog) -> None:
+    """The loop's accept errors (out of file descriptors: one per refused accept) throttled; every other error goes
+    to the handler the loop had."""
+    if loop in _THROTTLED_LOOPS:
+        return
+    previous = loop.get_exception_handler()
+
+    def handler(lp: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        message = str(context.get("message", ""))
+        if message.startswith("socket.accept()"):
+            exc = context.get("exception")
+            warn("accept", "accepting a connection failed: %s: %s", message, exc)
+            return
+        if previous is not None:
+            previous(lp, context)
+        else:
+            lp.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)
+    _THROTTLED_LOOPS.add(loop)
+
+
+_THROTTLED_LOOPS: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()  # handler installed once a loop
+
+
+__all__ = ["GuardedSite", "HttpLimits", "ThrottledLog", "runner_kwargs", "throttle_accept_errors"]

@@ -1,0 +1,56 @@
+"""The exporters' HTTP server (cfemu exporter, the group supervisor's metrics, cfbackup schedule's) against idle
+peers: each connection is a thread, so connections past the cap are closed at once and an idle one is closed after
+the read timeout. Before, the client library's server started a thread per connection and never timed one out.
+Real sockets; caps and timeouts set small."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+import urllib.request
+
+from prometheus_client.core import GaugeMetricFamily
+
+from cfemu.exposition import serve
+
+
+class _One:
+    def collect(self):  # type: ignore[no-untyped-def]
+        g = GaugeMetricFamily("probe_value", "a value")
+        g.add_metric([], 1.0)
+        yield g
+
+
+def closed_by_server(s: socket.socket, within: float) -> bool:
+    s.settimeout(within)
+    try:
+        return s.recv(1024) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_the_exporters_server_caps_connections_and_times_idle_ones_out() -> None:
+    port = serve([_One()], "127.0.0.1", 0, read_timeout_s=0.5, max_connections=4, max_connections_per_peer=2)
+    threads_before = threading.active_count()
+    held = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(2)]
+    try:
+        held[1].sendall(b"GET /metrics HTTP/1.1\r\n")
+        time.sleep(0.1)
+        extra = socket.create_connection(("127.0.0.1", port), timeout=5)
+        assert closed_by_server(extra, 0.3), "a third connection from one address was not closed at once"
+        extra.close()
+        assert threading.active_count() <= threads_before + 2
+        for s in held:
+            assert closed_by_server(s, 2.0), "an idle connection was held open"
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            assert b"probe_value 1.0" in r.read()
+    finally:
+        for s in held:
+            s.close()
+    deadline = time.monotonic() + 2
+    while threading.active_count() > threads_before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert threading.active_count() <= threads_before  # the connections' threads ended

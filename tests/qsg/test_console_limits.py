@@ -1,0 +1,68 @@
+"""The console's server against a peer that has not logged in: past its connection cap a new connection is closed
+at once, one that sends no whole request head is closed after the head timeout, one idle after a reply after the
+keep-alive timeout; it serves meanwhile. Before, aiohttp held an idle connection for an hour, with no cap. Real
+sockets to the console's server; caps and timeouts set small."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from qsg.console.app import Console
+from qsg.console.source import GroupSource
+from sqm.http_guard import HttpLimits
+
+
+@pytest.fixture
+def where(redis_url: str, tmp_path: Path) -> dict[str, str]:
+    return {"redis_url": redis_url, "log_root": str(tmp_path / "logs")}
+
+
+async def closed_by_server(reader: asyncio.StreamReader, within: float) -> bool:
+    try:
+        return await asyncio.wait_for(reader.read(65536), within) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_the_console_caps_connections_and_closes_idle_ones(where: dict[str, str]) -> None:
+    console = Console(GroupSource(where), interval_s=3600)
+    limits = HttpLimits(head_timeout_s=0.5, keepalive_timeout_s=0.5, max_connections=4, max_connections_per_peer=2)
+
+    async def scenario() -> None:
+        runner = await console.serve("127.0.0.1", 0, None, limits)
+        port = runner.addresses[0][1]
+        held = []
+        try:
+            for partial in (b"", b"GET /login HTTP/1.1\r\n"):
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(partial)
+                held.append((reader, writer))
+            await asyncio.sleep(0.1)
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            assert await closed_by_server(reader, 0.3), "a third connection from one address was not closed"
+            writer.close()
+            t0 = time.monotonic()
+            for reader, _ in held:
+                assert await closed_by_server(reader, 2.0), "a connection without a request head was held open"
+            assert time.monotonic() - t0 < 1.5
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET /login HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            assert head.startswith(b"HTTP/1.1 200 ")
+            length = int(next(ln.split(b":")[1] for ln in head.split(b"\r\n") if ln.lower().startswith(
+                b"content-length")))
+            await reader.readexactly(length)
+            assert await closed_by_server(reader, 2.0), "an idle keep-alive connection was held open"
+            writer.close()
+        finally:
+            for _, w in held:
+                w.close()
+            await runner.cleanup()
+
+    asyncio.run(scenario())
