@@ -40,7 +40,8 @@ typecheck: venv
 # Each tier is spread over pytest-xdist workers (TEST_WORKERS_FAST and TEST_WORKERS_SLOW; 0 runs it in one process):
 # more workers than cores pay because most tests wait on subprocesses, fsyncs, leases and timeouts rather than
 # compute. tests/support/workers.py keeps a module's tests together where they share a module fixture; every
-# worker has its own CF, temporary directories and ports.
+# worker has its own CF, temporary directories and ports; the longest tests in the tier's last durations file are
+# handed out first, so that no worker ends the run alone with a long one.
 # The bytecode goes to .venv/pycache: where $$PYTHONDONTWRITEBYTECODE is set, pytest would otherwise rewrite the
 # asserts of every test module on each run (about 4 s of CPU) and each command the tests start would compile
 # the sources again.
