@@ -11,16 +11,18 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import crc32c
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from backup.files import Backup, BackupWriter, read_backup
+from backup.files import Backup, BackupWriter, ChecksumMismatchError, read_backup
 from cfemu.entry import Entry
 from restore.archive import archive_logs
 from restore.engine import READ_BACKUP, READ_LOGS, SETTLE, LocalEngine, get_engine
@@ -355,6 +357,25 @@ def test_a_log_with_a_corrupt_frame_fails_the_spark_plan(spark: Any, tmp_path: P
     first.write_bytes(bytes(raw))
     with pytest.raises(Exception, match="corrupt record log .*seg-00000001.log"):
         SparkEngine(spark=spark).plan(S, backup, log_dirs, 0, NOW_MS)
+
+
+def test_an_entry_file_changed_since_the_backup_fails_the_spark_plan_with_the_backups_own_error(
+        spark: Any, tmp_path: Path) -> None:
+    """The Spark engine reads entry files in its workers: a byte flipped in a body (its frame's CRC fixed) comes back
+    to the driver as the error the local engine raises, naming the file, so that cfrestore refuses it in the same
+    one line on either engine (tests/security/test_backup_forgery.py runs that refusal through cfrestore)."""
+    h = simulate(random.Random(5), 200)
+    backup, log_dirs = write_history(h, tmp_path)
+    f = sorted((tmp_path / "backup" / S / "b").glob("entries-*.bin"))[0]
+    raw = bytearray(f.read_bytes())
+    length = int.from_bytes(raw[9:13], "little")
+    raw[9 + 8 + length - 1] ^= 0x01  # the last byte of the first frame's body: its data
+    raw[13:17] = crc32c.crc32c(bytes(raw[17:17 + length])).to_bytes(4, "little")
+    f.write_bytes(bytes(raw))
+    with pytest.raises(ChecksumMismatchError, match=f"^{re.escape(str(f))}: sha256 does not match the manifest$"):
+        LocalEngine().plan(S, backup, log_dirs, h.replay_from, NOW_MS)
+    with pytest.raises(ChecksumMismatchError, match=f"^{re.escape(str(f))}: sha256 does not match the manifest$"):
+        SparkEngine(spark=spark).plan(S, backup, log_dirs, h.replay_from, NOW_MS)
 
 
 def test_progress_reports_spark_stages_as_the_restore_phases(spark: Any, tmp_path: Path) -> None:
