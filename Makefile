@@ -60,7 +60,8 @@ test: venv
 # The longest checks, beyond the default suite's (tests marked deep): the exhaustive model check on the CF's Lua
 # scripts (the specification the server module is held to; the default suite checks the module), the restore
 # property test's longest run (the local engine's 200 histories; the default suite runs the columnar engine's 40),
-# Spark's memory bounds, the C paths under the debug allocator and 1,500 corrupted descriptors. About 3-5
+# the Spark engine against the local one on more random histories (the default suite plans 8 of each kind),
+# Spark's memory bounds, the C paths under the debug allocator and 1,500 corrupted descriptors. About 4-6
 # minutes on 2 cores; .ci/run runs it after `make test`.
 deep-test: export PYTHONPYCACHEPREFIX := $(abspath $(VENV))/pycache
 deep-test: export PYTHONDONTWRITEBYTECODE :=
