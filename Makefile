@@ -40,7 +40,8 @@ typecheck: venv
 # Each tier is spread over pytest-xdist workers (TEST_WORKERS_FAST and TEST_WORKERS_SLOW; 0 runs it in one process):
 # more workers than cores pay because most tests wait on subprocesses, fsyncs, leases and timeouts rather than
 # compute. tests/support/workers.py keeps a module's tests together where they share a module fixture; every
-# worker has its own CF, temporary directories and ports.
+# worker has its own CF, temporary directories and ports; the longest tests in the tier's last durations file are
+# handed out first, so that no worker ends the run alone with a long one.
 # The bytecode goes to .venv/pycache: where $$PYTHONDONTWRITEBYTECODE is set, pytest would otherwise rewrite the
 # asserts of every test module on each run (about 4 s of CPU) and each command the tests start would compile
 # the sources again.
@@ -59,7 +60,8 @@ test: venv
 # The longest checks, beyond the default suite's (tests marked deep): the exhaustive model check on the CF's Lua
 # scripts (the specification the server module is held to; the default suite checks the module), the restore
 # property test's longest run (the local engine's 200 histories; the default suite runs the columnar engine's 40),
-# Spark's memory bounds, the C paths under the debug allocator and 1,500 corrupted descriptors. About 3-5
+# the Spark engine against the local one on more random histories (the default suite plans 8 of each kind),
+# Spark's memory bounds, the C paths under the debug allocator and 1,500 corrupted descriptors. About 4-6
 # minutes on 2 cores; .ci/run runs it after `make test`.
 deep-test: export PYTHONPYCACHEPREFIX := $(abspath $(VENV))/pycache
 deep-test: export PYTHONDONTWRITEBYTECODE :=

@@ -107,3 +107,34 @@ def test_under_xdist_every_workers_tests_are_recorded_once_and_groups_share_thei
     assert len((tmp_path / "setups.session").read_text().split()) == 1
     assert len({r[2] for r in rows if "test_sharing" in r[3]}) == 1
     assert len({r[2] for r in rows if "test_grouped" in r[3]}) == 1
+
+
+ORDERED = """
+import os
+import pytest
+
+@pytest.mark.parametrize("n", range(4))
+def test_order(n):
+    with open(os.environ["ORDER"], "a") as f:
+        f.write(f"{n}\\n")
+"""
+
+
+@pytest.mark.parametrize("previous", [None, {3: 50.0, 1: 2.0, 2: 1.0}])
+def test_under_xdist_the_tests_longest_in_the_previous_run_are_handed_out_first(
+        tmp_path: Path, previous: dict[int, float] | None) -> None:
+    """The order tests are handed out in, on one worker: the previous run's durations file, longest first; a test
+    it does not name counts as the mean of those it names; without one, collection order."""
+    pytest.importorskip("xdist")
+    (tmp_path / "test_ordered.py").write_text(ORDERED)
+    if previous is not None:
+        (tmp_path / "durations.txt").write_text("# header\n" + "".join(
+            f"{s:9.3f}  passed   gw0   test_ordered.py::test_order[{n}]\n" for n, s in previous.items()))
+    env = {**os.environ, "ORDER": str(tmp_path / "order"),
+           "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.support.tiers", "-p", "tests.support.workers",
+                           "-p", "no:cacheprovider", "-n", "1", "--durations-file=durations.txt"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "4 passed" in done.stdout, done.stdout + done.stderr
+    order = [int(n) for n in (tmp_path / "order").read_text().split()]
+    assert order == ([0, 1, 2, 3] if previous is None else [3, 0, 1, 2])  # 0: the mean, 17.7 s

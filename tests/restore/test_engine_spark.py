@@ -11,16 +11,18 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import crc32c
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from backup.files import Backup, BackupWriter, read_backup
+from backup.files import Backup, BackupWriter, ChecksumMismatchError, read_backup
 from cfemu.entry import Entry
 from restore.archive import archive_logs
 from restore.engine import READ_BACKUP, READ_LOGS, SETTLE, LocalEngine, get_engine
@@ -274,37 +276,67 @@ def both_plans(spark: Any, backup: Backup, log_dirs: list[Path], replay_from: in
     return normalized(local), normalized(remote)
 
 
-# 16 histories (2.6 s each with Spark's jobs: 25 took 66 s of the default suite); the partitioned engine's
-# differential tests against the local one (tests/restore/test_partitioned.py) run 25 and 30 of the same generator's.
+# The default suite plans 8 histories of each kind on both engines (about 3 s each with Spark's jobs), the deep
+# tests (`make deep-test`) 24 and 16 more: the same property on more of the generator's histories. The partitioned
+# engine's differential tests against the local one (tests/restore/test_partitioned.py) run 25 and 30 of the same
+# generator's in the default suite.
 # The timeouts: all the histories of one test count against one pytest-timeout, and on a machine loaded by other
 # work (the suite's own workers among it) a plan takes up to 20 s; a timeout raised inside a py4j call leaves the
 # worker's Spark session unusable for every test after it.
-@pytest.mark.timeout(900)
-@settings(max_examples=16, derandomize=True, database=None, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(seed=st.integers(0, 2**32 - 1), steps=st.integers(0, 120))
-def test_spark_and_local_engines_give_identical_plans(spark: Any, tmp_path_factory: pytest.TempPathFactory,
-                                                       seed: int, steps: int) -> None:
+def plan_identically(spark: Any, root: Path, seed: int, steps: int) -> None:
     h = simulate(random.Random(seed), steps)
-    backup, log_dirs = write_history(h, tmp_path_factory.mktemp("history"))
+    backup, log_dirs = write_history(h, root)
     local, remote = both_plans(spark, backup, log_dirs, h.replay_from)
     assert remote == local
 
 
-@pytest.mark.timeout(900)
-@settings(max_examples=12, derandomize=True, database=None, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(seed=st.integers(0, 2**32 - 1))
-def test_spark_and_local_engines_agree_on_histories_that_carry_a_uow_across_a_restore(
-        spark: Any, tmp_path_factory: pytest.TempPathFactory, seed: int) -> None:
+def plan_a_carried_uow_identically(spark: Any, root: Path, seed: int) -> None:
     """The generator's histories with an in-doubt UOW that holds entries carried across the restore that moved the
     generation on, and a backup after it (simulate's carry): the UOW's outcome in the log counts under the
     generation rule, and both engines settle it alike."""
     h = simulate(random.Random(seed), 150, carry=True)
     assume(h.carried)  # not vacuous: a UOW holding entries was carried (3 seeds in 300 carry none)
-    backup, log_dirs = write_history(h, tmp_path_factory.mktemp("carried"))
+    backup, log_dirs = write_history(h, root)
     local, remote = both_plans(spark, backup, log_dirs, h.replay_from)
     assert remote == local
+
+
+@pytest.mark.timeout(900)
+@settings(max_examples=8, derandomize=True, database=None, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1), steps=st.integers(0, 120))
+def test_spark_and_local_engines_give_identical_plans(spark: Any, tmp_path_factory: pytest.TempPathFactory,
+                                                       seed: int, steps: int) -> None:
+    plan_identically(spark, tmp_path_factory.mktemp("history"), seed, steps)
+
+
+@pytest.mark.deep
+@pytest.mark.timeout(1800)
+@settings(max_examples=24, derandomize=True, database=None, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1), steps=st.integers(0, 120))
+def test_spark_and_local_engines_give_identical_plans_on_more_histories(
+        spark: Any, tmp_path_factory: pytest.TempPathFactory, seed: int, steps: int) -> None:
+    plan_identically(spark, tmp_path_factory.mktemp("history"), seed, steps)
+
+
+@pytest.mark.timeout(900)
+@settings(max_examples=8, derandomize=True, database=None, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1))
+def test_spark_and_local_engines_agree_on_histories_that_carry_a_uow_across_a_restore(
+        spark: Any, tmp_path_factory: pytest.TempPathFactory, seed: int) -> None:
+    plan_a_carried_uow_identically(spark, tmp_path_factory.mktemp("carried"), seed)
+
+
+@pytest.mark.deep
+@pytest.mark.timeout(1800)
+@settings(max_examples=16, derandomize=True, database=None, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1))
+def test_spark_and_local_engines_agree_on_more_histories_that_carry_a_uow_across_a_restore(
+        spark: Any, tmp_path_factory: pytest.TempPathFactory, seed: int) -> None:
+    plan_a_carried_uow_identically(spark, tmp_path_factory.mktemp("carried"), seed)
 
 
 def test_a_rich_history_exercises_every_disposition(spark: Any, tmp_path: Path) -> None:
@@ -355,6 +387,25 @@ def test_a_log_with_a_corrupt_frame_fails_the_spark_plan(spark: Any, tmp_path: P
     first.write_bytes(bytes(raw))
     with pytest.raises(Exception, match="corrupt record log .*seg-00000001.log"):
         SparkEngine(spark=spark).plan(S, backup, log_dirs, 0, NOW_MS)
+
+
+def test_an_entry_file_changed_since_the_backup_fails_the_spark_plan_with_the_backups_own_error(
+        spark: Any, tmp_path: Path) -> None:
+    """The Spark engine reads entry files in its workers: a byte flipped in a body (its frame's CRC fixed) comes back
+    to the driver as the error the local engine raises, naming the file, so that cfrestore refuses it in the same
+    one line on either engine (tests/security/test_backup_forgery.py runs that refusal through cfrestore)."""
+    h = simulate(random.Random(5), 200)
+    backup, log_dirs = write_history(h, tmp_path)
+    f = sorted((tmp_path / "backup" / S / "b").glob("entries-*.bin"))[0]
+    raw = bytearray(f.read_bytes())
+    length = int.from_bytes(raw[9:13], "little")
+    raw[9 + 8 + length - 1] ^= 0x01  # the last byte of the first frame's body: its data
+    raw[13:17] = crc32c.crc32c(bytes(raw[17:17 + length])).to_bytes(4, "little")
+    f.write_bytes(bytes(raw))
+    with pytest.raises(ChecksumMismatchError, match=f"^{re.escape(str(f))}: sha256 does not match the manifest$"):
+        LocalEngine().plan(S, backup, log_dirs, h.replay_from, NOW_MS)
+    with pytest.raises(ChecksumMismatchError, match=f"^{re.escape(str(f))}: sha256 does not match the manifest$"):
+        SparkEngine(spark=spark).plan(S, backup, log_dirs, h.replay_from, NOW_MS)
 
 
 def test_progress_reports_spark_stages_as_the_restore_phases(spark: Any, tmp_path: Path) -> None:

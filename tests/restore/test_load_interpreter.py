@@ -145,7 +145,7 @@ def _interrupt_once_at(monkeypatch: pytest.MonkeyPatch, module: object, name: st
 
 @pytest.mark.parametrize("where", ["on the way in", "on the way out"])
 def test_a_load_interrupted_while_it_takes_or_gives_back_the_settings_gives_them_back(
-        monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+        monkeypatch: pytest.MonkeyPatch, where: str, ctrl_c_raises: None) -> None:
     """A Ctrl-C that lands while the settings are being taken (the collector just paused) or given back (the
     switch interval given back, the collector not yet) is raised once they are back; a process that goes on (a
     member, a notebook) and loads again gets its own settings back after that load too."""

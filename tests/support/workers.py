@@ -11,8 +11,12 @@ per group, one per test otherwise. A test is in a group
   module, class or package: a group of processes, a server, every benchmark run at once), so that the fixture is
   set up once, as in a serial run, instead of once on every worker that gets one of its tests.
 
-Units are handed out as workers free up, the larger first (xdist's scope scheduling), then the single tests in their
-collection order. Each worker has its own session fixtures (the group's CF), temporary directories and so ports.
+Units are handed out as workers free up, the longest first: a unit's length is the sum of its tests' durations in
+the tier's durations file of the previous run (``--durations-file``, tests/support/tiers.py; a test it does not name
+counts as the mean of those it does), so that no worker is left alone with a long test at the end of the run while
+the others stand idle. Without that file: the larger units first (xdist's scope scheduling), then the single tests in
+their collection order. Each worker has its own session fixtures (the group's CF), temporary directories and so
+ports.
 
 (xdist's own ``--dist loadgroup`` reads the same mark, but with pytest 9.2 it groups nothing: it renames the node
 id through an attribute that pytest no longer reads. Here each worker writes the groups it collected to a file that
@@ -58,6 +62,24 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     os.replace(tmp, path)  # every worker collects the same tests: any one's file will do
 
 
+def previous_durations(config: pytest.Config) -> dict[str, float]:
+    """Node id -> seconds, from the durations file this run will write, as the previous run left it (empty when
+    there is none, or it cannot be read)."""
+    path = config.getoption("durations_file", None)
+    if not path:
+        return {}
+    durations: dict[str, float] = {}
+    try:
+        with (config.invocation_params.dir / path).open() as f:
+            for line in f:
+                fields = line.split(None, 3)  # seconds, outcome, worker, node id (which may hold spaces)
+                if len(fields) == 4 and not line.startswith("#"):
+                    durations[fields[3].rstrip("\n")] = float(fields[0])
+    except (OSError, ValueError):
+        return {}
+    return durations
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     path = config.stash.get(_groups_path, None)
     if path is not None:
@@ -76,12 +98,25 @@ else:
             super().__init__(config, log)
             self.groups_path = config.stash[_groups_path]
             self.groups: dict[str, str] | None = None
+            self.ordered = False
 
         def _split_scope(self, nodeid: str) -> str:
             if self.groups is None:
                 self.groups = json.loads(self.groups_path.read_text()) if self.groups_path.exists() else {}
             group = self.groups.get(nodeid)
             return nodeid if group is None else f"group:{group}"
+
+        def _assign_work_unit(self, node: Any) -> None:
+            if not self.ordered:  # the first call: every unit is in the queue
+                self.ordered = True
+                expected = previous_durations(self.config)
+                if expected:
+                    unknown = sum(expected.values()) / len(expected)
+                    units = sorted(self.workqueue.items(),  # stable: equal lengths keep xdist's order
+                                   key=lambda unit: -sum(expected.get(t, unknown) for t in unit[1]))
+                    self.workqueue.clear()
+                    self.workqueue.update(units)
+            super()._assign_work_unit(node)
 
     def pytest_configure_node(node: Any) -> None:
         config = node.config
