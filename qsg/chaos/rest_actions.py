@@ -35,6 +35,7 @@ from typing import Any
 
 from qsg.chaos.bodies import make_body, parse_body
 from qsg.chaos.history import FAIL, OK, UNKNOWN, History
+from qsg.chaos.put_spec import PutSpec
 from qsg.chaos.restcheck import REST, VIA
 
 REST_SHARE = 0.12  # of the actions, when the run's mix has the REST kind
@@ -53,18 +54,8 @@ RestEndpoint = tuple[str, str, int]  # (member name, host, REST port)
 
 
 @dataclass(frozen=True)
-class RestPut:
-    msg: str
-    queue: str
-    priority: int
-    persistent: bool
-    expiry_ms: int
-    size: int
-
-
-@dataclass(frozen=True)
 class Rest:
-    puts: tuple[RestPut, ...] = ()
+    puts: tuple[PutSpec, ...] = ()
     gets: tuple[str, ...] = ()  # queues
     wait_ms: int = 0  # each get's wait
 
@@ -72,7 +63,7 @@ class Rest:
 def rest_plan(rnd: random.Random, next_msg: Callable[[], str], queues: Sequence[str]) -> Rest:
     """One REST action, drawn from the plan's generator."""
     if rnd.random() < 0.5:
-        return Rest(puts=tuple(RestPut(next_msg(), rnd.choice(queues), rnd.choice((0, 0, 0, 0, 5, 9)),
+        return Rest(puts=tuple(PutSpec(next_msg(), rnd.choice(queues), rnd.choice((0, 0, 0, 0, 5, 9)),
                                        rnd.random() < 0.7,
                                        rnd.choice((1500, 4000)) if rnd.random() < 0.05 else 0,
                                        rnd.randint(64, 1024))
@@ -160,7 +151,7 @@ class RestRunner:
         self.s = session
         self.key = key
 
-    def put(self, p: RestPut) -> str:
+    def put(self, p: PutSpec) -> str:
         op = self.h.invoke(self.s.name, "put", **{VIA: REST}, action=self.key, msg=p.msg, queue=p.queue,
                            priority=p.priority, persistent=p.persistent, syncpoint=False, expiry_ms=p.expiry_ms)
         headers = {"Content-Type": "text/plain;charset=utf-8",
@@ -221,4 +212,4 @@ class RestRunner:
         return ok
 
 
-__all__ = ["REST_SHARE", "Rest", "RestEndpoint", "RestPut", "RestRunner", "RestSession", "rest_plan"]
+__all__ = ["REST_SHARE", "Rest", "RestEndpoint", "RestRunner", "RestSession", "rest_plan"]

@@ -34,6 +34,7 @@ from qsg.chaos.bodies import delivery_fields, make_body, parse_body, pending_del
 from qsg.chaos.conversations import Conv, ConvRunner, ConvSession, conv_plan
 from qsg.chaos.history import FAIL, OK, UNKNOWN, History
 from qsg.chaos.pubsub_actions import SUBSCRIBERS, Pub, PubRunner, PubSession, pub_plan
+from qsg.chaos.put_spec import PutSpec
 from qsg.chaos.recorded import reason_of
 from qsg.chaos.rest_actions import REST_SHARE, Rest, RestEndpoint, RestRunner, RestSession, rest_plan
 from sqm.service.client import Client
@@ -47,16 +48,6 @@ PUB_SHARE = 0.12  # of the actions: publications published and received (durable
 
 
 # --- the plan --------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class PutSpec:
-    msg: str
-    queue: str
-    priority: int
-    persistent: bool
-    expiry_ms: int
-    size: int
-
-
 @dataclass(frozen=True)
 class Action:
     kind: str  # uow, consume, put1, 2pc, conv, pub, rest

@@ -16,7 +16,8 @@ import pytest
 
 from qsg.chaos.bodies import make_body, parse_body
 from qsg.chaos.history import History, load_history, pair_ops
-from qsg.chaos.rest_actions import EMPTY, Rest, RestPut, RestRunner, RestSession
+from qsg.chaos.put_spec import PutSpec
+from qsg.chaos.rest_actions import EMPTY, Rest, RestRunner, RestSession
 from tests.qsg.chaos.test_checker import Hist, only
 
 REST = {"via": "rest"}
@@ -228,11 +229,11 @@ def test_the_runner_records_what_each_exchange_said(door: int, tmp_path: Path) -
     Door.script = [(201, {"ibm-mq-md-messageId": "ID:00"}, b""), ibm_error(503, 2373), ibm_error(500, 2124), "reset",
                    (200, {"ibm-mq-md-priority": "5", "ibm-mq-md-persistence": "persistent"}, msg_body),
                    (200, {"ibm-mq-outcome": "pending"}, msg_body), (204, {}, b""), "reset", ibm_error(503, 2161)]
-    puts = [RestPut(f"7-1-{n}", "Q1", 5, n % 2 == 0, 0, 100) for n in range(1, 5)]
+    puts = [PutSpec(f"7-1-{n}", "Q1", 5, n % 2 == 0, 0, 100) for n in range(1, 5)]
     assert [r.put(p) for p in puts] == ["ok", "fail", "unknown", "unknown"]
     assert [r.get("Q2", 100) for _ in range(5)] == ["ok", "unknown", EMPTY, "unknown", "fail"]
     s.endpoints = [("QM9", "127.0.0.1", closed_port())]
-    assert r.put(RestPut("7-1-9", "Q1", 0, True, 0, 10)) == "fail"  # no member took the connection: not sent
+    assert r.put(PutSpec("7-1-9", "Q1", 0, True, 0, 10)) == "fail"  # no member took the connection: not sent
     assert r.get("Q1", 0) == "fail"
     h.close()
     ops, _ = pair_ops(load_history(tmp_path / "h.jsonl"))
@@ -259,7 +260,7 @@ def test_an_action_runs_all_its_puts_or_gets(door: int, tmp_path: Path) -> None:
     h = History(tmp_path / "h.jsonl")
     r = RestRunner(h, RestSession(h, [("QM1", "127.0.0.1", door)], "c1-rest", token=None), "c1.1")
     Door.script = [(201, {}, b""), (201, {}, b""), (204, {}, b""), ibm_error(503, 2373)]
-    assert r.run(Rest(puts=(RestPut("a", "Q1", 0, True, 0, 10), RestPut("b", "Q3", 0, False, 4000, 10))))
+    assert r.run(Rest(puts=(PutSpec("a", "Q1", 0, True, 0, 10), PutSpec("b", "Q3", 0, False, 4000, 10))))
     assert not r.run(Rest(gets=("Q1", "Q2")))  # the second was refused
     assert "Authorization" not in Door.received[0][2] and Door.received[1][2]["ibm-mq-md-expiry"] == "4000"
 
@@ -273,7 +274,7 @@ def test_a_member_whose_clients_are_cut_off_is_skipped_as_one_that_refuses(door:
                     reachable=lambda name: name not in cut)
     r = RestRunner(h, s, "c1.1")
     Door.script = [(201, {}, b"")]
-    assert r.put(RestPut("a", "Q1", 0, True, 0, 10)) == "ok"
+    assert r.put(PutSpec("a", "Q1", 0, True, 0, 10)) == "ok"
     assert Door.received[0][1].startswith("/ibmmq/rest/v3/messaging/qmgr/QM2/")
     cut.add("QM2")
     assert r.get("Q1", 0) == "fail" and len(Door.received) == 1
