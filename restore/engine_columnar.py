@@ -261,7 +261,8 @@ PLAN_SQL = """
 -- the UOWs whose outcome is applied on the CF (their END records, each kept by the generation rule), and how many
 -- of those records each member logged (members, below): r holds the records the rest of the plan reads
 CREATE TABLE endrecs AS SELECT x.u, x.m FROM raw_recs x JOIN kinds kd USING (k) WHERE kd.role = 'end';
-CREATE TABLE ended AS SELECT DISTINCT u FROM endrecs;
+-- only an owner's END ends a UOW for the in-commit tombstones (plan.ends_for_its_owner): a peer's does not
+CREATE TABLE ended AS SELECT DISTINCT u FROM endrecs WHERE split_part(u, '.', 1) = m;
 CREATE TABLE ends AS SELECT m, count(*) AS n FROM endrecs GROUP BY m;
 DROP TABLE endrecs;
 -- the generation rule (plan.current_incarnation) as `kept`

@@ -82,6 +82,7 @@ from restore.plan import (
     RestorePlan,
     base_of,
     copy_holder,
+    ends_for_its_owner,
     in_flight_outcome,
     older_outcome,
     owner_of,
@@ -213,7 +214,7 @@ def uow_rows(keyed: tuple[OrderKey, Record]) -> list[tuple[str, tuple[int, Any]]
     out: list[tuple[str, tuple[int, Any]]] = []
     if role is Role.OUTCOME:
         out.append((u, (OUTCOME_RECORD, keyed)))
-    elif role is Role.END:
+    elif role is Role.END and ends_for_its_owner(u, rec.get("m")):
         out.append((u, (ENDED, None)))
     holder = copy_holder(rec)
     if holder:

@@ -53,6 +53,7 @@ from restore.plan import (
     SummarizedPlan,
     base_of,
     copy_holder,
+    ends_for_its_owner,
     in_flight_outcome,
     older_outcome,
     owner_of,
@@ -479,7 +480,8 @@ def _scan_records(records: Iterable[tuple[Key, Record]], structure: str, base: B
         if holder:
             uow.add(part(holder), (_HELD, holder))
         if kind.role is Role.END:
-            uow.add(part(u), (_END, u))
+            if ends_for_its_owner(u, rec.get("m")):
+                uow.add(part(u), (_END, u))
             continue
         if kind.role is Role.OUTCOME:
             uow.add(part(u), (_OUTCOME_REC, key, rec))

@@ -170,6 +170,16 @@ def owner_of(uow: str) -> str:
     return uow.split(".", 1)[0]
 
 
+def ends_for_its_owner(uow: str, member: str | None) -> bool:
+    """Whether an END record, logged by `member`, tells the restore that nobody retries the UOW's outcome: only the
+    owner's own END does. A peer that completed the owner's commit in its recovery logs an END too, but the
+    owner's log still holds the COMMIT without one, and the owner completes it again when it restarts: the
+    restored structure must leave that retry a 'C' tombstone (plan.in_commit), or it answers "lost with the CF"
+    and the owner logs a BACKOUT after its COMMIT (invariant 2), which a later restore folds into the loss of
+    messages whose put was committed. The columnar plan's `ended` table says the same in SQL."""
+    return member == owner_of(uow)
+
+
 def uow_owner(uow: str, outcome: Outcome | None) -> str:
     """The member that owns a UOW: the one that logged its PREPARE for an in-doubt one, else the one its id
     names (never the peer whose RECOVERY record decided it: that member cannot resolve it)."""

@@ -29,6 +29,7 @@ from restore.plan import (
     RestorePlan,
     base_of,
     copy_holder,
+    ends_for_its_owner,
     in_flight_outcome,
     older_outcome,
     owner_of,
@@ -76,7 +77,8 @@ def plan_local(structure: str, backup: Iterable[Copy], records: Iterable[Record]
             holders.add(holder)
         role = lookup(rec).role
         if role is Role.END:
-            ended.add(rec["u"])
+            if ends_for_its_owner(rec["u"], rec.get("m")):
+                ended.add(rec["u"])
             continue
         if role is Role.OUTCOME:
             by_uow[rec["u"]].append(rec)

@@ -834,12 +834,19 @@ class RestoreHistory(RuleBasedStateMachine):
         return [m for m in self.members if not m.alive and m.listed]
 
     @precondition(lambda self: bool(self.recoverable()))
-    @rule(i=st.integers(0, 2), by=st.integers(0, 2))
-    def peer_recovery(self, i: int, by: int) -> None:
+    @rule(i=st.integers(0, 2), by=st.integers(0, 2), forced=st.booleans())
+    def peer_recovery(self, i: int, by: int, forced: bool = False) -> None:
+        """A live peer recovers a dead member; `forced`: the peer's log, its RECOVERY and END records, then reaches
+        the disk (as its next forced work takes them there), before whatever follows (a CF loss, the dead
+        member's restart)."""
         cands = self.recoverable()
         dead, peer = cands[i % len(cands)], self.live(by)
         peer.qm.redis.delete(keys.lease(dead.name))  # its lease has lapsed
         rep = recover_peer(peer.qm, dead.name)
+        if forced:
+            assert peer.qm.log is not None
+            peer.qm.log.force()
+            type(self).stats["... the peer's log forced after it"] += 1
         self.say(f"{peer.name} (skew {peer.skew / 1e6:+.2f}s) recovers {dead.name}: {rep.committed} committed, "
                  f"{rep.backed_out} backed out, {rep.in_doubt} in doubt")
         stats = type(self).stats
@@ -1117,6 +1124,54 @@ def test_a_member_restarts_after_a_structure_forgot_its_commit_and_the_next_rest
         assert [m.body for m in qm2.connect().browse("Q3")] == [b"b"]
         run_restore(client, "APP1", backup_root=backups, log_root=logs, mark_failed=True)
         assert [m.body for m in qm2.connect().browse("Q1")] == [b"a"], "a committed message was lost"
+    finally:
+        qm1.stop(checkpoint=False)
+        qm2.stop()
+
+
+@pytest.mark.parametrize("engine", ["local", "columnar", "partitioned"])
+def test_a_commit_a_peer_completed_and_ended_stays_committed_through_a_cf_loss_and_its_owners_restart(
+        redis_url: str, tmp_path: Path, engine: str) -> None:
+    """QM1 dies right after forcing the COMMIT of a UOW that put a on APP1 and b on APP2; QM2 recovers it (commits
+    it on both, logs RECOVERY and END) and its log reaches the disk; the CF is lost and both structures restored
+    from the logs. QM1's restart completes its COMMIT again: both structures must answer that it stands, and its
+    log must not back it out; a later restore keeps a and b. (The restore took QM2's END as the end of the UOW and
+    left no 'C' tombstone: APP2 answered 'lost with the CF', QM1 logged BACKOUT after its COMMIT and failed on
+    APP1 as committed by recovery, every restart; a restore after that BACKOUT loses a and b. The chaos suite's
+    seed 15 with peer-clock-skew met it as a member that would not restart: CHAOS-RESULTS.md, R1.)"""
+    logs, backups = tmp_path / "logs", tmp_path / "backups"
+    client = define_group(redis_url, queues=("Q1",))
+    define_group(redis_url, structure="APP2", queues=("Q3",))
+    qm1 = start_qm(redis_url, logs, "QM1", background=False, lease_ms=LEASE_MS)
+    qm2 = start_qm(redis_url, logs, "QM2", background=False, lease_ms=LEASE_MS)
+    engines: dict[str, dict[str, Any]] = {
+        "local": {"engine": "local"}, "columnar": {"engine": "columnar"},
+        "partitioned": {"engine": "local", "engine_options": {"partitions": 7, "workers": 2}}}
+    options = engines[engine]
+    try:
+        conn = qm1.connect()
+        conn.put("Q1", b"a")
+        conn.put("Q3", b"b")
+        with failpoint_armed("after-log-force"), pytest.raises(Crash):
+            conn.commit()
+        crash(qm1)
+        qm2.redis.delete(keys.lease("QM1"))  # its lease has lapsed
+        report = recover_peer(qm2, "QM1")
+        assert report is not None and report.committed == 1 and qm2.log is not None
+        qm2.log.force()  # the peer's END reaches the disk (by its next forced work, in a running group)
+        lose_cf(client)
+        for s in ("APP1", "APP2"):
+            run_restore(client, s, backup_root=backups, log_root=logs, **options)
+        rejoin(qm2)
+        qm1 = _restart_without_backing_out(redis_url, logs)
+        assert [m.body for m in qm2.connect().browse("Q1")] == [b"a"]
+        assert [m.body for m in qm2.connect().browse("Q3")] == [b"b"]
+        assert qm1.log is not None
+        qm1.log.force()
+        for s in ("APP1", "APP2"):
+            run_restore(client, s, backup_root=backups, log_root=logs, mark_failed=True, **options)
+        assert [m.body for m in qm2.connect().browse("Q1")] == [b"a"], "a committed message was lost"
+        assert [m.body for m in qm2.connect().browse("Q3")] == [b"b"], "a committed message was lost"
     finally:
         qm1.stop(checkpoint=False)
         qm2.stop()
