@@ -18,7 +18,8 @@ applications (put, get, browse, commit, backout, prepare, resolve of their own i
 a client proves it holds one (HMAC-SHA256 of a fresh challenge).
 
 Nobody gets CONFIG, MODULE, DEBUG, FLUSHALL/FLUSHDB, SAVE/BGSAVE, SHUTDOWN, SCRIPT FLUSH, KEYS, ACL, CLIENT,
-MONITOR or REPLICAOF (Redis's @dangerous category), nor SCRIPT FLUSH/KILL. Scripts run with their caller's
+MONITOR or REPLICAOF (Redis's @dangerous category), nor SCRIPT FLUSH, FUNCTION or FCALL; SCRIPT KILL only the
+operator. Scripts run with their caller's
 permissions (Redis checks every redis.call against the caller's ACL), so EVAL and SCRIPT LOAD give no more than
 the commands a role already has.
 
@@ -51,11 +52,14 @@ URL_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")  # 
 # Command rules per role (Redis 6.2 ACL syntax). Order matters: categories are added, then @dangerous removed.
 # INFO (in @dangerous) is given back: it is read-only, and restore checks with it (INFO server's run_id) that it
 # still talks to the CF it started on. TIME: the pseudo-clock (pclock.lua) counts on the CF's time, not a member's.
-# SCRIPT is taken out whole (Redis 6.2 cannot take out one subcommand) and LOAD and EXISTS given back: redis-py
-# loads a script on NOSCRIPT; FLUSH and KILL stay out.
-_BASE = ("-@all +@read +@write +@keyspace +@scripting +@transaction +@connection -@dangerous -script "
+# Scripts: EVAL and EVALSHA by name, not @scripting, which on Redis 7 and Valkey also holds FUNCTION (LOAD and
+# FLUSH: code kept in the server) and FCALL, which the group never uses. SCRIPT is taken out whole (Redis 6.2
+# cannot take out one subcommand) and LOAD and EXISTS given back: redis-py loads a script on NOSCRIPT; FLUSH stays
+# out, and KILL is the operator's alone: the group's supervisor, holding the operator's user, ends a script that
+# keeps the CF BUSY (qsg.group_supervisor), which nobody else then can.
+_BASE = ("-@all +@read +@write +@keyspace +eval +evalsha +@transaction +@connection -@dangerous -script "
          "+script|load +script|exists +ping +info +time")
-_RULES = {role: _BASE for role in ("member", "backup", "restore", "operator")}
+_RULES = {"member": _BASE, "backup": _BASE, "restore": _BASE, "operator": _BASE + " +script|kill"}
 
 
 class SecretsError(RuntimeError):

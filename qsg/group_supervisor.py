@@ -5,9 +5,14 @@ Every interval (0.2 s) it tends:
 * **the CF.** A dead redis-server is restarted empty on the same port (members re-join it; RECAUTO structures are
   restored by a member). A live one that does not answer ``PING`` within ``CF_PING_TIMEOUT_S`` in
   ``CF_HUNG_AFTER`` probes in a row, over at least ``CF_HUNG_MIN_S`` (a stopped process, a wedged host), is
-  SIGKILLed and restarted the same way. A ``BUSY`` answer is an answer: that CF runs a long script, it is not hung.
-  Redis answers nothing while a script runs until the script has run its busy-reply-threshold (5 s by default),
-  then ``BUSY``: a CF silent for longer than ``CF_HUNG_MIN_S`` is not running a script. A duplexed CF's pair is tended by
+  SIGKILLed and restarted the same way. Redis answers nothing while a script runs until the script has run its
+  busy-reply-threshold (5 s by default), then ``BUSY``: a CF silent for longer than ``CF_HUNG_MIN_S`` is not
+  running a script. A ``BUSY`` answer is an answer, but not for ever: the group's own scripts each hold the CF for
+  milliseconds (BENCHMARKS.md, "Bounded CF calls"), so a script still running ``CF_BUSY_KILL_AFTER_S`` after the
+  first ``BUSY`` (a loop someone holding a CF password sent, a script's bug) is ended with ``SCRIPT KILL`` (the
+  operator's CF user may); one that wrote before it looped cannot be (``UNKILLABLE``), nor one that keeps the CF
+  busy ``CF_BUSY_GRACE_S`` after the kill: that CF is SIGKILLed and restarted like a hung one (what it held is
+  restored). A duplexed CF's pair is tended by
   its controller (qsg.cfpair: degrade, promote, resync), a Redis Cluster CF's dead nodes are restarted.
 * **the members** (when the group was started with member restarts, as ``cfemu cluster up`` does). A member
   whose process is gone (killed, crashed, or exited: 3 when peer recovery fenced it, 4 when its log could not be
@@ -78,6 +83,8 @@ RESTART_RESET_AFTER_S = 60.0  # a member that served this long in a row is resta
 CF_PING_TIMEOUT_S = 1.0
 CF_HUNG_AFTER = 3  # probes in a row
 CF_HUNG_MIN_S = 6.0  # silent at least this long: longer than Redis's default busy-reply-threshold (5 s)
+CF_BUSY_KILL_AFTER_S = 10.0  # BUSY this long (a script then ran 15 s: a thousand times any of the group's own)
+CF_BUSY_GRACE_S = 5.0  # after SCRIPT KILL: still BUSY this long, the CF is taken for hung
 
 # The exit codes of ``sqm run`` (sqm.service.server's EXIT_*; `sqm run --help`), as a restart's reason says them.
 MEMBER_EXITS = {0: "stopped (exit 0) outside 'cfemu cluster'", 1: "failed (exit 1)",
@@ -120,6 +127,7 @@ class SupervisorCounts:
         self.restart_failures: Counter[str] = Counter()
         self.member_up: dict[str, bool] = {}  # the members it tends (a group started with member restarts)
         self.ping_seconds = Latency()  # the CF's answers to the hang probe (BUSY included)
+        self.script_kills = 0  # scripts ended with SCRIPT KILL after CF_BUSY_KILL_AFTER_S of BUSY
         self.tick_seconds = Latency()
         self.tick_failures = 0
 
@@ -156,6 +164,8 @@ class Supervisor:
         self._ping_pid: int | None = None
         self.cf_misses = 0
         self.cf_silent_since: float | None = None  # monotonic: the first probe of the misses in a row
+        self.cf_busy_since: float | None = None  # monotonic: the first BUSY answer of those in a row
+        self.script_killed_at: float | None = None  # monotonic: when SCRIPT KILL was sent in this BUSY spell
         self.counts = SupervisorCounts()
 
     # --- one interval ------------------------------------------------------------------------------------------
@@ -196,8 +206,13 @@ class Supervisor:
             sent = self.clock()
             with self.counts.ping_seconds.time():
                 self._ping.ping()
-        except redis.exceptions.ResponseError as e:  # BUSY running a script, LOADING: it answers, it is not hung
-            log.debug("the CF answered PING with %s", e)
+        except redis.exceptions.ResponseError as e:
+            self.cf_misses = 0
+            self.cf_silent_since = None
+            if str(e).startswith("BUSY"):
+                return self._cf_busy(pid, sent)
+            log.debug("the CF answered PING with %s", e)  # it answers: not hung
+            return None
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
             self.cf_misses += 1
             if self.cf_silent_since is None:
@@ -212,6 +227,43 @@ class Supervisor:
             return None
         self.cf_misses = 0
         self.cf_silent_since = None
+        if self.cf_busy_since is not None:
+            log.warning("the CF (pid %s) answers again after %.1fs of BUSY", pid, self.clock() - self.cf_busy_since)
+        self.cf_busy_since = None
+        self.script_killed_at = None
+        return None
+
+    def _cf_busy(self, pid: int, sent: float) -> str | None:
+        """The CF answered BUSY (a script past its busy-reply-threshold): after CF_BUSY_KILL_AFTER_S of it, the
+        script is ended with SCRIPT KILL; a script that cannot be ended (UNKILLABLE: it wrote), or a CF still BUSY
+        CF_BUSY_GRACE_S after a kill it did not answer OK (NOTBUSY: a script that ended as it was sent, or a
+        function, which SCRIPT KILL cannot end), makes the CF hung (the reason returned)."""
+        if self.cf_busy_since is None:
+            self.cf_busy_since = sent
+            log.warning("the CF (pid %s) answers BUSY: a script has run past its busy-reply-threshold; it is ended "
+                        "if it still runs in %gs", pid, CF_BUSY_KILL_AFTER_S)
+        busy = self.clock() - self.cf_busy_since
+        if busy < CF_BUSY_KILL_AFTER_S:
+            return None
+        if self.script_killed_at is None:
+            self.script_killed_at = self.clock()
+            assert self._ping is not None
+            try:
+                self._ping.script_kill()
+            except redis.exceptions.ResponseError as e:
+                if str(e).startswith("NOTBUSY"):  # it ended by itself meanwhile
+                    return None
+                return f"hung: BUSY for {busy:.0f}s, a script SCRIPT KILL cannot end ({e}); SIGKILLed"
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
+                log.warning("SCRIPT KILL to the CF (pid %s) got no answer: %s", pid, e)
+                return None
+            self.counts.script_kills += 1
+            log.error("the CF (pid %s) was BUSY for %.0fs: the script running was ended with SCRIPT KILL", pid, busy)
+            self.cf_busy_since = self.script_killed_at = None  # a BUSY from now on is another script's
+            return None
+        if self.clock() - self.script_killed_at >= CF_BUSY_GRACE_S:
+            return (f"hung: BUSY for {busy:.0f}s, still BUSY {CF_BUSY_GRACE_S:g}s after SCRIPT KILL; "
+                    "SIGKILLed")
         return None
 
     def _close_ping(self) -> None:
@@ -231,6 +283,8 @@ class Supervisor:
                 wait_gone(int(pid), 10.0)  # a child of ours is gone once it is a zombie: restart_dead_cf reaps it
             self.cf_misses = 0
             self.cf_silent_since = None
+            self.cf_busy_since = None
+            self.script_killed_at = None
             self._close_ping()
         try:
             if self.c.restart_dead_cf(reason=hung or "died"):

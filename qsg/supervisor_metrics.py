@@ -55,6 +55,10 @@ class SupervisorCollector(Collector):
                               "restarted, after 3 over 6 s)", labels=[])
         g.add_metric([], self.sup.cf_misses)
         yield g
+        c = CounterMetricFamily(f"{PREFIX}cf_script_kills", "Scripts the supervisor ended with SCRIPT KILL after "
+                                "they kept the CF BUSY 10 s", labels=[])
+        c.add_metric([], counts.script_kills)
+        yield c
         yield histogram(f"{PREFIX}cf_ping_duration_seconds", "How long the CF took to answer the hang probe (PING; "
                         "BUSY is an answer)", [], [([], counts.ping_seconds)])
         yield histogram(f"{PREFIX}tick_duration_seconds", "How long each of the supervisor's intervals took", [],

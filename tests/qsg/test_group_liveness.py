@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -228,6 +229,50 @@ def test_a_cf_busy_with_a_long_script_is_not_taken_for_hung(tmp_path: Path) -> N
         assert client.eval(spin, 0) == 1  # 8 s without an answer to anyone, BUSY from the 5th on
         time.sleep(1.0)
         assert c.state["cf"]["pid"] == pid and c.cf_restarts == 0 and c.cf_alive()
+    finally:
+        c.down()
+
+
+@pytest.mark.slow
+def test_a_script_that_keeps_the_cf_busy_is_killed_and_one_that_wrote_gets_the_cf_restarted(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Anyone holding a role's CF password (here the member's) sends a script that never ends: every call gets
+    BUSY from its 5th second. No role but the operator may SCRIPT KILL, and none may FCALL; the supervisor (as the
+    operator) ends the script once the CF has answered BUSY for CF_BUSY_KILL_AFTER_S (shortened here), and the
+    CF goes on as it was (same process, same data). A script that wrote before it looped cannot be killed
+    (UNKILLABLE): the CF is SIGKILLed and restarted like a hung one."""
+    monkeypatch.setattr(group_supervisor, "CF_BUSY_KILL_AFTER_S", 1.0)
+    monkeypatch.setattr(group_supervisor, "CF_BUSY_GRACE_S", 2.0)
+    caplog.set_level(logging.WARNING, logger="qsg.group_supervisor")
+    c = LocalGroup.up(tmp_path / "c", managers=1, backup_interval=None, lease_ms=30000, restart_cf=True)
+    try:
+        pid = c.state["cf"]["pid"]
+        member = redis.Redis.from_url(c.cf_url("member"), socket_timeout=60)
+        for refused in (lambda: member.script_kill(), lambda: member.execute_command("FCALL", "f", 0)):
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                refused()
+        operator = redis.Redis.from_url(c.cf_url("operator"), socket_timeout=5)
+        operator.set("kept", b"1")
+
+        def runs_until_stopped(script: str, keys: int) -> tuple[float, str]:
+            t0 = time.monotonic()
+            try:
+                member.eval(script, keys, *(["{probe}:x"] * keys))
+                return time.monotonic() - t0, "returned"
+            except redis.exceptions.RedisError as e:
+                return time.monotonic() - t0, str(e)
+
+        took, why = runs_until_stopped("while true do end", 0)
+        assert "killed" in why.lower() and took < 20, (took, why)
+        assert c.state["cf"]["pid"] == pid and c.cf_restarts == 0 and operator.get("kept") == b"1"
+        assert "the script running was ended with SCRIPT KILL" in caplog.text
+
+        took, why = runs_until_stopped("redis.call('SET', KEYS[1], 1) while true do end", 1)
+        assert took < 30, (took, why)
+        wait_for("the CF restarted", lambda: c.cf_restarts == 1 and c.cf_alive(), 30)
+        assert c.state["cf"]["pid"] != pid and not pid_alive(pid)
+        reason = c.state["cf"]["last_restart"]["reason"]
+        assert reason.startswith("hung: BUSY for") and "UNKILLABLE" in reason and reason.endswith("SIGKILLed")
     finally:
         c.down()
 

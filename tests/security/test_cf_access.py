@@ -154,6 +154,15 @@ def test_no_role_may_run_a_dangerous_command(cf: tuple[Path, dict[str, object]],
     with pytest.raises(redis.exceptions.ResponseError, match="can't run this command|no permissions to run"):
         client.eval("return redis.call('FLUSHALL')", 0)
     assert client.get("probe") == b"1"
+    # No functions (the group runs scripts by EVAL and EVALSHA); SCRIPT KILL is the operator's, for the supervisor.
+    with pytest.raises(redis.exceptions.ResponseError, match="NOPERM|no permissions"):
+        client.execute_command("FCALL", "f", 0)
+    if role == "operator":
+        with pytest.raises(redis.exceptions.ResponseError, match="NOTBUSY"):
+            client.script_kill()
+    else:
+        with pytest.raises(redis.exceptions.ResponseError, match="NOPERM|no permissions"):
+            client.script_kill()
 
 
 @pytest.mark.slow
