@@ -234,3 +234,12 @@ def test_the_readme_kombu_example_runs_as_written(tmp_path: Path) -> None:
         assert r.stdout.strip() == "{'order': 1}"
     finally:
         g.down()
+
+
+def test_a_bad_url_is_refused_naming_it_without_its_token() -> None:
+    """A failover URL without a port is refused, the URL in the message with its token hidden: an application
+    logs the exception it gets, and the service token must not land in its log."""
+    url = "cfemu://:S3CRET-SERVICE-TOKEN@127.0.0.1:1;cfemu://:S3CRET-SERVICE-TOKEN@otherhost/APP1"
+    with pytest.raises(ValueError, match=r"bad cfemu URL 'cfemu://:\*\*\*@otherhost/APP1'") as raised:
+        kombu.Connection(url).connect()
+    assert "S3CRET" not in str(raised.value)
