@@ -52,6 +52,7 @@ from kombu.transport import TRANSPORT_ALIASES, virtual
 from kombu.utils.json import dumps, loads
 from kombu.utils.url import parse_url
 
+from cfemu.credentials import redact
 from cfemu.errors import (
     BackedOutError,
     MQError,
@@ -103,7 +104,8 @@ def _endpoint_of_url(url: str) -> tuple[str, int]:
     if "://" in url:
         p = parse_url(url)
         if not p.get("hostname") or not p.get("port"):
-            raise ValueError(f"bad cfemu URL {url!r}: use cfemu://:TOKEN@HOST:PORT/STRUCTURE")
+            # the token hidden: an application logs the exception it is raised
+            raise ValueError(f"bad cfemu URL {redact(url)!r}: use cfemu://:TOKEN@HOST:PORT/STRUCTURE")
         return str(p["hostname"]), int(p["port"])
     return parse_endpoint(url.rstrip("/"))
 

@@ -790,6 +790,13 @@ class RestoreHistory(RuleBasedStateMachine):
         if how in ("before-log-force", "after-log-force", "during-apply", "backout-after-log") and (
                 mem.open is None or not (mem.open.persistent or mem.open.lost_on)):
             self.put(i, queue, persistent=True, priority=0, syncpoint=True)  # work for the failpoint to decide
+        if how == "after-log-force" and not self.only and mem.open is not None and not (
+                mem.open.lost_on or mem.open.purged_on):
+            # a forced COMMIT that spans both structures: what its owner's restart completes again after a peer
+            # recovered it and a structure was restored since (each structure must answer that it stands)
+            for s, queues in STRUCTURES.items():
+                if not mem.open.touches([s]):
+                    self.put(i, queues[0], persistent=True, priority=0, syncpoint=True)
         if mem.open is not None and mem.open.lost_on and (
                 how in ("after-log-force", "during-apply", "put-after-cf") or mem.conn.uow is None
                 or not mem.conn.uow.persistent):
