@@ -108,7 +108,7 @@ def _engine_options(args: argparse.Namespace, found: Settings | None = None) -> 
     conf = {**driver_conf(master, found.secrets_dir if found is not None else None), **dict(args.conf)}
     options: dict[str, Any] = {"master": master, "conf": conf, "memory": (found or settings(args)).memory_limit()}
     if args.archive_dir:
-        options["archive_dir"] = Path(args.archive_dir)
+        options["archive_dir"] = Path(args.archive_dir)  # checked by the restore (restore.run, restore.archive)
     return options
 
 
@@ -124,8 +124,9 @@ def cmd_archive(args: argparse.Namespace, out: Output) -> int:
     from restore.archive import archive_logs  # pyarrow: imported only by the verbs that use it
 
     archive_dir = Path(args.archive_dir)
+    found = settings(args)
     with _bars(out) as bars:
-        result = archive_logs(settings(args).log_root, archive_dir, bars)
+        result = archive_logs(found.log_root, archive_dir, bars, backup_keys=found.backup_keys())
     if out.as_json:
         out.json({"archived": [str(p) for p in result.archived], "skipped": result.skipped,
                   "records": result.records})
@@ -143,7 +144,7 @@ def cmd_audit(args: argparse.Namespace, out: Output) -> int:
     archive_dir = Path(args.archive_dir)
     if not archive_files(archive_dir):
         raise FileNotFoundError(f"{archive_dir}: no archived segments here (run cfrestore archive first)")
-    found = audit_message(archive_dir, args.entry_id)
+    found = audit_message(archive_dir, args.entry_id, backup_keys=settings(args).backup_keys())
     rows = [{"lrsn": r["l"], "member": r["m"], "kind": r["k"], "uow": r.get("u", ""), "what": describe(r)}
             for r in found]
     if out.as_json:
