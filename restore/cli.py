@@ -7,12 +7,13 @@
   cfrestore plan STRUCTURE [--backup ID]      what run would do (= run --dry-run): touches nothing
   cfrestore purge STRUCTURE [--mark-failed]   RECOVER CFSTRUCT TYPE(PURGE): empty it and make it usable again
   cfrestore mark-failed STRUCTURE             fail an ACTIVE structure (work on it then fails: MQRC_CF_STRUC_FAILED)
-  cfrestore archive --archive-dir DIR         copy the closed log segments to Parquet (docs/spark.md)
+  cfrestore archive --archive-dir DIR         copy the closed log segments to Parquet, each sealed with the
+                                              group's backup key (docs/spark.md)
   cfrestore audit ENTRY_ID --archive-dir DIR  where did message ENTRY_ID go? its records in the archive
 
 Spark engine options (docs/spark.md): --master URL (default $CFEMU_SPARK_MASTER, else the Spark master of the
 cluster's 'cfemu cluster up --spark N' while it runs, else local[*]), --conf KEY=VALUE (repeatable), --archive-dir
-DIR (read archived segments from there). A spark:// master gets the group's Spark secret (spark.secret in its
+DIR (read archived segments from there: only those whose seals verify; docs/security.md). A spark:// master gets the group's Spark secret (spark.secret in its
 secrets directory) in the driver's settings, in process, when there is one.
 
 The CF, the members' logs and the backup root are found as by every command (cfemu.settings): --redis-url,
