@@ -13,8 +13,9 @@
 
 Spark engine options (docs/spark.md): --master URL (default $CFEMU_SPARK_MASTER, else the Spark master of the
 cluster's 'cfemu cluster up --spark N' while it runs, else local[*]), --conf KEY=VALUE (repeatable), --archive-dir
-DIR (read archived segments from there: only those whose seals verify; docs/security.md). A spark:// master gets the group's Spark secret (spark.secret in its
-secrets directory) in the driver's settings, in process, when there is one.
+DIR (read archived segments from there: only those whose seals verify, docs/security.md). A spark:// master gets
+the group's Spark secret (spark.secret in its secrets directory) in the driver's settings, in process, when there
+is one.
 
 The CF, the members' logs and the backup root are found as by every command (cfemu.settings): --redis-url,
 --log-root, --backup-dir, else the environment ($REDIS_URL, $CFEMU_LOG_ROOT, $CFEMU_BACKUP_DIR), else the nearest
