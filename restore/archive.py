@@ -94,13 +94,6 @@ def seal_path(parquet: Path) -> Path:
     return parquet.with_suffix(".seal")
 
 
-def archived_segment(archive_dir: Path, member: str, segment: int) -> Path | None:
-    """The Parquet file of one archived segment, or None when that segment is not archived (unchecked: the
-    readers use verified_segment)."""
-    path = parquet_path(archive_dir, member, segment)
-    return path if path.is_file() else None
-
-
 def refuse_unsafe_archive(archive_dir: Path, member: str | None = None) -> None:
     """UnsafeDirectoryError when other users can write the archive directory (or a member's directory in it):
     whoever can write there could replace an archived segment, or remove one and its seal."""
