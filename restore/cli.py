@@ -7,13 +7,15 @@
   cfrestore plan STRUCTURE [--backup ID]      what run would do (= run --dry-run): touches nothing
   cfrestore purge STRUCTURE [--mark-failed]   RECOVER CFSTRUCT TYPE(PURGE): empty it and make it usable again
   cfrestore mark-failed STRUCTURE             fail an ACTIVE structure (work on it then fails: MQRC_CF_STRUC_FAILED)
-  cfrestore archive --archive-dir DIR         copy the closed log segments to Parquet (docs/spark.md)
+  cfrestore archive --archive-dir DIR         copy the closed log segments to Parquet, each sealed with the
+                                              group's backup key (docs/spark.md)
   cfrestore audit ENTRY_ID --archive-dir DIR  where did message ENTRY_ID go? its records in the archive
 
 Spark engine options (docs/spark.md): --master URL (default $CFEMU_SPARK_MASTER, else the Spark master of the
 cluster's 'cfemu cluster up --spark N' while it runs, else local[*]), --conf KEY=VALUE (repeatable), --archive-dir
-DIR (read archived segments from there). A spark:// master gets the group's Spark secret (spark.secret in its
-secrets directory) in the driver's settings, in process, when there is one.
+DIR (read archived segments from there: only those whose seals verify, docs/security.md). A spark:// master gets
+the group's Spark secret (spark.secret in its secrets directory) in the driver's settings, in process, when there
+is one.
 
 The CF, the members' logs and the backup root are found as by every command (cfemu.settings): --redis-url,
 --log-root, --backup-dir, else the environment ($REDIS_URL, $CFEMU_LOG_ROOT, $CFEMU_BACKUP_DIR), else the nearest
@@ -108,7 +110,7 @@ def _engine_options(args: argparse.Namespace, found: Settings | None = None) -> 
     conf = {**driver_conf(master, found.secrets_dir if found is not None else None), **dict(args.conf)}
     options: dict[str, Any] = {"master": master, "conf": conf, "memory": (found or settings(args)).memory_limit()}
     if args.archive_dir:
-        options["archive_dir"] = Path(args.archive_dir)
+        options["archive_dir"] = Path(args.archive_dir)  # checked by the restore (restore.run, restore.archive)
     return options
 
 
@@ -124,8 +126,9 @@ def cmd_archive(args: argparse.Namespace, out: Output) -> int:
     from restore.archive import archive_logs  # pyarrow: imported only by the verbs that use it
 
     archive_dir = Path(args.archive_dir)
+    found = settings(args)
     with _bars(out) as bars:
-        result = archive_logs(settings(args).log_root, archive_dir, bars)
+        result = archive_logs(found.log_root, archive_dir, bars, backup_keys=found.backup_keys())
     if out.as_json:
         out.json({"archived": [str(p) for p in result.archived], "skipped": result.skipped,
                   "records": result.records})
@@ -143,7 +146,7 @@ def cmd_audit(args: argparse.Namespace, out: Output) -> int:
     archive_dir = Path(args.archive_dir)
     if not archive_files(archive_dir):
         raise FileNotFoundError(f"{archive_dir}: no archived segments here (run cfrestore archive first)")
-    found = audit_message(archive_dir, args.entry_id)
+    found = audit_message(archive_dir, args.entry_id, backup_keys=settings(args).backup_keys())
     rows = [{"lrsn": r["l"], "member": r["m"], "kind": r["k"], "uow": r.get("u", ""), "what": describe(r)}
             for r in found]
     if out.as_json:

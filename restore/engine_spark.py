@@ -54,6 +54,7 @@ from typing import Any
 from pyspark import AccumulatorParam, SparkConf, StorageLevel
 from pyspark.sql import SparkSession
 
+from cfemu.credentials import BackupKeys
 from cfemu.progress import Progress, no_progress
 from restore.engine import (
     READ_BACKUP,
@@ -455,7 +456,8 @@ class SparkEngine:
     whose Parquet copies of sealed segments are read instead of the segment files; spark: an existing
     SparkSession to use (tests share one); memory: the restore's memory limit, from which the session's memory
     settings are derived (spark_conf.memory_conf; `conf` wins) and the driver's buffers sized; work_dir: where
-    the plan's spill files go (the settled entries: the driver streams them there, in load order, and keeps none).
+    the plan's spill files go (the settled entries: the driver streams them there, in load order, and keeps none);
+    backup_keys: the group's backup keys, which check the archive's seals (default: those the settings find).
     """
 
     name = "spark"
@@ -463,12 +465,13 @@ class SparkEngine:
     def __init__(self, master: str = "local[*]", conf: Mapping[str, str] | None = None,
                  log_file: str | Path = DEFAULT_LOG_FILE, archive_dir: str | Path | None = None,
                  spark: SparkSession | None = None, memory: int = DEFAULT_MEMORY,
-                 work_dir: Path | None = None) -> None:
+                 work_dir: Path | None = None, backup_keys: BackupKeys | None = None) -> None:
         self.memory, self.work_dir, _ = bounded_resources(memory, work_dir, 1)
         self.master = master
         self.conf = {**memory_conf(master, self.memory), **dict(conf or {})}
         self.log_file = Path(log_file).absolute()
         self.archive_dir = Path(archive_dir) if archive_dir is not None else None
+        self.backup_keys = backup_keys  # check the archive's seals (None: those the settings find)
         self._spark = spark
         self.phase_seconds: dict[str, float] = {}
 
@@ -580,9 +583,14 @@ class SparkEngine:
 
     def _log_sources(self, log_dirs: list[Path], replay_from: int) -> tuple[list[SegmentTask], list[str]]:
         """The segments to scan, and the archived (Parquet) segment files to read instead of their segments.
-        A sealed segment whose manifest says every LRSN is below replay_from is skipped, as LogReader does."""
-        from restore.archive import archived_segment
+        A sealed segment whose manifest says every LRSN is below replay_from is skipped, as LogReader does. An
+        archived file is read only once its seal is checked against the group's backup keys and the log's own
+        information on the segment (restore.archive.verified_segment): one that does not pass is refused, with
+        its name, before anything is read, never passed over (docs/spark.md, "The log archive")."""
+        from restore.archive import refuse_unsafe_archive, verified_segment
 
+        if self.archive_dir is not None:
+            refuse_unsafe_archive(self.archive_dir)
         tasks: list[SegmentTask] = []
         archived: list[str] = []
         for member, d in one_log_per_member(log_dirs).items():
@@ -593,8 +601,9 @@ class SparkEngine:
                 info = trusted.get(segno)
                 if segno != last and info is not None and (info.max_lrsn is None or info.max_lrsn < replay_from):
                     continue
-                parquet = archived_segment(self.archive_dir, member, segno) if self.archive_dir else None
-                if parquet is not None and segno != last:
+                parquet = (verified_segment(self.archive_dir, member, segno, info, self.backup_keys)
+                           if self.archive_dir is not None and segno != last else None)
+                if parquet is not None:
                     archived.append(str(parquet))
                 else:
                     tasks.append((member, segno, str(path.absolute()), segno == last))

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cfemu.private_files import open_private, private_dir
+from cfemu.private_files import open_private, private_dir, refuse_others_writing
 
 
 @dataclass
@@ -69,8 +69,14 @@ class PurgeResult:
 
 
 def write_report(result: RestoreResult, path: Path) -> None:
-    """Write the JSON report durably (temp file, fsync, rename); restore.report documents its fields."""
-    private_dir(path.parent)
+    """Write the JSON report durably (temp file, fsync, rename), the file 0600; restore.report documents its
+    fields. The directory is left as it is (an operator's own: never chmodded), refused when other users can
+    write it; a missing one is made 0700."""
+    parent = path.absolute().parent
+    if parent.is_dir():
+        refuse_others_writing(parent)
+    else:
+        private_dir(parent)
     tmp = path.with_name(path.name + ".tmp")
     with os.fdopen(open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w") as f:
         json.dump(result.to_json(), f, indent=1, sort_keys=True)

@@ -518,6 +518,18 @@ def refuse_migrated(structure: str, state: str, log_root: Path, doing: str) -> N
         raise RestoreError(migrated_refusal(structure, record, doing))
 
 
+def refuse_unsafe_inputs(log_root: Path, report_path: Path | None, archive_dir: Path | str | None) -> None:
+    """Refused before anything is read or changed (UnsafeDirectoryError, naming the directory): a log root, an
+    archive directory or the report's directory that other users can write. Whoever can write the logs or the
+    archive could hand the restore records of their own (a consumed message back, with their body); whoever can
+    write the report's directory could replace the report, or a link in its place would take the write."""
+    refuse_others_writing(log_root)
+    if archive_dir is not None:
+        refuse_others_writing(Path(archive_dir))
+    if report_path is not None:
+        refuse_others_writing(Path(report_path).absolute().parent)
+
+
 def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_root: Path,
                 backup_id: str | None = None, engine: str | None = None, dry_run: bool = False,
                 mark_failed: bool = False, progress: Progress = no_progress, report_path: Path | None = None,
@@ -537,6 +549,7 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
         raise RestoreError(str(e)) from None
     backup_root, log_root = Path(backup_root), Path(log_root)
     backup_keys = resolve_keys(backup_keys)
+    refuse_unsafe_inputs(log_root, report_path, (engine_options or {}).get("archive_dir"))
     if not dry_run:
         signing_key(backup_keys, "sign the restore point with")  # refused now, not after the load
         for directory in (backup_root, backup_root / structure):  # where its restore point goes: nor then
@@ -551,6 +564,8 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
                            f"failed first (--mark-failed) if you mean to replace its content")
     options = dict(engine_options or {})
     engine = engine or default_engine()
+    if engine == "spark":
+        options.setdefault("backup_keys", backup_keys)  # checks the seals of the archived segments it reads
     if engine in ("local", "columnar", "spark"):  # spill files: a private directory beside the backups (docs/runbook.md)
         # A read-only backup volume (the compose tools service mounts it so): the system's temporary directory.
         options.setdefault("work_dir", backup_root / WORK_DIR if os.access(backup_root, os.W_OK) else None)
@@ -577,6 +592,8 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
     manifest = found.manifest if found is not None else {}
     members = known_members(repo, manifest, admin)
     log_dirs = member_log_dirs(log_root, members, int(manifest.get("replay_from", 0)))
+    for log_dir in log_dirs:
+        refuse_others_writing(log_dir)
     if backup_id is None:
         found = choose_start(structure, found, log_dirs, repo, group or str(manifest.get("group") or "QSG1"),
                              from_logs=from_logs)
