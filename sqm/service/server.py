@@ -196,6 +196,11 @@ class SQMServer:
                                             limit=2**16, backlog=128,
                                             ssl_handshake_timeout=self.config.auth_timeout_s if self.ssl else None)
         self.port = server.sockets[0].getsockname()[1]
+        if not is_loopback_host(self.config.host) and self.ssl is None:
+            log.warning("%s: the service on %s:%d has no TLS: logon tokens and message bodies cross the network in "
+                        "clear, readable by whoever is on the path (the service's own tokens are proven, never "
+                        "sent); use --tls-cert/--tls-key (docs/security.md)", self.qm.name, self.config.host,
+                        self.port)
         http = None
         if self.config.metrics_port is not None:
             http = await asyncio.start_server(self.http.serve, self.config.metrics_host, self.config.metrics_port)

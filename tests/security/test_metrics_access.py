@@ -53,6 +53,8 @@ def test_metrics_listen_on_loopback_even_when_the_service_listens_everywhere(
             pass  # the service itself still listens where it was told
     finally:
         srv.stop()
+    # listening off loopback without TLS: logon tokens and bodies would cross in clear, which the log says
+    assert "the service on 0.0.0.0:" in srv.log_text() and "has no TLS" in srv.log_text(), srv.log_text()
 
 
 def test_another_metrics_address_is_the_operators_choice_and_logged(
@@ -63,3 +65,4 @@ def test_another_metrics_address_is_the_operators_choice_and_logged(
     finally:
         srv.stop()
     assert "have no authentication" in srv.log_text() and "--metrics-host" in srv.log_text()
+    assert "has no TLS" not in srv.log_text()  # the service itself on loopback
