@@ -20,7 +20,10 @@ from typing import Any
 
 import redis
 
+from backup.bounded_json import read_json_file
 from backup.files import (
+    MANIFEST_MAX_BYTES,
+    MANIFEST_NAME,
     BackupError,
     BackupNotFoundError,
     IncompleteBackupError,
@@ -103,6 +106,17 @@ def _inspect(path: Path, structure: str, started: datetime, deep: bool,
 
 _LINK_PROBLEM = ("{path}: a symbolic link, which no backup is (it may lead outside the backup directory): neither "
                  "read nor removed; remove it having checked where it leads")
+
+
+def readable_kind(path: Path) -> str:
+    """The kind (backup.points) a damaged backup's manifest still says, signature unchecked: "" when it cannot be
+    read as a manifest within the bound (too big, too deep, not JSON, a link, missing). For the choice of a
+    restore's base, which must not pass over what may be a restore or purge point."""
+    try:
+        manifest = read_json_file(Path(path) / MANIFEST_NAME, MANIFEST_MAX_BYTES, "the manifest")
+    except (OSError, ValueError):
+        return ""
+    return kind_of(manifest) if isinstance(manifest, dict) else ""
 
 
 def _sort_key(b: BackupInfo) -> tuple[datetime, int, str]:

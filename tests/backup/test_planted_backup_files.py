@@ -17,7 +17,7 @@ import pytest
 import redis
 
 from backup import catalog
-from backup.catalog import CORRUPT, OK, UNTRUSTED, find_backup, list_backups, prune, retain
+from backup.catalog import CORRUPT, OK, UNTRUSTED, find_backup, list_backups, prune, readable_kind, retain
 from backup.files import (
     MANIFEST_MAX_BYTES,
     MANIFEST_NAME,
@@ -191,3 +191,14 @@ def test_a_symbolic_link_named_like_a_backup_is_untrusted_and_a_prune_removes_th
     assert human.returncode == 2 and f"{link.name} of {S} was not removed" in human.stderr, human
     assert link.is_symlink() and sorted(p.name for p in victim.iterdir()) == before
     assert [failed.id for failed, _ in prune(root, S, keep=1).failed] == [link.name]
+
+
+def test_the_kind_a_damaged_manifest_still_says_is_read_within_the_bound(tmp_path: Path) -> None:
+    root = tmp_path / "bk"
+    nested, huge, point = _planted_id(0, "aaaaaa"), _planted_id(1, "bbbbbb"), _planted_id(2, "cccccc")
+    _plant(root, nested, NESTED)
+    _plant(root, huge, size=2**30)
+    _plant(root, point, json.dumps({"kind": "restore", "files": "damaged"}).encode())
+    assert readable_kind(root / S / nested) == ""  # a restore's choice of base then refuses to pass over it
+    assert readable_kind(root / S / huge) == ""
+    assert readable_kind(root / S / point) == "restore"
