@@ -4,7 +4,8 @@ Listing reads each backup's manifest (its signature checked with the group's bac
 presence and sizes; `deep` also reads every frame (CRC32C, sha256, frame counts), as `cfbackup verify` does. A
 backup is ok, corrupt (damaged: a file, a frame, a checksum), incomplete (no manifest: unfinished), unsigned
 (taken before backups were signed: ok only with the operator's override) or untrusted (not the group's backup as
-it was written: its signature does not match or is another key's, or it names files outside itself). The admin structure keeps a
+it was written: its signature does not match or is another key's, it names files outside itself, or it is a
+symbolic link, which is never read nor removed through). The admin structure keeps a
 copy of the catalog (cfemu.admin.Admin.backups) that is lost with the CF; pruning updates it when it can.
 """
 
@@ -19,7 +20,10 @@ from typing import Any
 
 import redis
 
+from backup.bounded_json import read_json_file
 from backup.files import (
+    MANIFEST_MAX_BYTES,
+    MANIFEST_NAME,
     BackupError,
     BackupNotFoundError,
     IncompleteBackupError,
@@ -67,8 +71,20 @@ class BackupInfo:
 
 
 def inspect(path: Path, *, deep: bool = False, backup_keys: BackupKeys | None = None) -> BackupInfo:
-    """The state of the backup directory at `path` (named by its backup id)."""
+    """The state of the backup directory at `path` (named by its backup id). Whatever goes wrong reading it is this
+    backup's state (corrupt, naming the file), never an exception that would stop a listing of the others."""
     structure, started = parse_backup_id(path.name)
+    if path.is_symlink():  # never read through: it may lead anywhere
+        return BackupInfo(path.name, structure, path, started, UNTRUSTED, _LINK_PROBLEM.format(path=path))
+    try:
+        return _inspect(path, structure, started, deep, backup_keys)
+    except Exception as e:  # noqa: BLE001 - one unreadable backup is a corrupt row, the others are still listed
+        return BackupInfo(path.name, structure, path, started, CORRUPT,
+                          f"{path}: cannot be read ({type(e).__name__}: {e})")
+
+
+def _inspect(path: Path, structure: str, started: datetime, deep: bool,
+             backup_keys: BackupKeys | None) -> BackupInfo:
     try:
         manifest = (verify(path, backup_keys=backup_keys) if deep
                     else read_backup(path, backup_keys=backup_keys).manifest)
@@ -86,6 +102,21 @@ def inspect(path: Path, *, deep: bool = False, backup_keys: BackupKeys | None = 
         return BackupInfo(path.name, structure, path, started, CORRUPT,
                           f"{path}: the manifest names backup {manifest['id']} of {manifest['structure']}")
     return BackupInfo(path.name, structure, path, started, OK, manifest=manifest)
+
+
+_LINK_PROBLEM = ("{path}: a symbolic link, which no backup is (it may lead outside the backup directory): neither "
+                 "read nor removed; remove it having checked where it leads")
+
+
+def readable_kind(path: Path) -> str:
+    """The kind (backup.points) a damaged backup's manifest still says, signature unchecked: "" when it cannot be
+    read as a manifest within the bound (too big, too deep, not JSON, a link, missing). For the choice of a
+    restore's base, which must not pass over what may be a restore or purge point."""
+    try:
+        manifest = read_json_file(Path(path) / MANIFEST_NAME, MANIFEST_MAX_BYTES, "the manifest")
+    except (OSError, ValueError):
+        return ""
+    return kind_of(manifest) if isinstance(manifest, dict) else ""
 
 
 def _sort_key(b: BackupInfo) -> tuple[datetime, int, str]:
@@ -113,7 +144,8 @@ def list_backups(backup_root: Path, structure: str | None = None, *, deep: bool 
                 sname, _ = parse_backup_id(p.name)
             except ValueError:
                 continue  # not a backup (a stray file or folder)
-            if p.is_dir() and sname == d.name:
+            # lstat: a link named like a backup is listed (untrusted), never followed
+            if sname == d.name and (p.is_symlink() or p.is_dir()):
                 found.append(inspect(p, deep=deep, backup_keys=backup_keys))
     return sorted(found, key=_sort_key, reverse=True)
 
@@ -125,6 +157,8 @@ def find_backup(backup_root: Path, backup_id: str) -> Path:
     except ValueError as e:
         raise BackupNotFoundError(str(e)) from None
     path = Path(backup_root) / structure / backup_id
+    if path.is_symlink():
+        raise UntrustedBackupError(_LINK_PROBLEM.format(path=path))
     if not path.is_dir():
         raise BackupNotFoundError(f"no backup {backup_id} in {backup_root}")
     return path
@@ -144,6 +178,7 @@ class PruneResult:
     kept: list[BackupInfo]
     admin_updated: bool  # False when the CF was not reachable (its catalog copy is rebuilt on restore)
     note: str = ""
+    failed: list[tuple[BackupInfo, str]] = field(default_factory=list)  # not removed, and why
 
 
 def _running_backup(client: redis.Redis, structure: str) -> str | None:
@@ -202,11 +237,24 @@ def retain(backup_root: Path, structure: str, keep: int, *, client: redis.Redis 
     return _remove(structure, backups, doomed, client)
 
 
-def _remove(structure: str, backups: list[BackupInfo], removed: list[BackupInfo],
+def _remove(structure: str, backups: list[BackupInfo], doomed: list[BackupInfo],
             client: redis.Redis | None) -> PruneResult:
-    """Remove `removed` (of `backups`) from the disk, and from the admin catalog when `client` reaches the CF."""
-    for b in removed:
-        shutil.rmtree(b.path)
+    """Remove `doomed` (of `backups`) from the disk, and from the admin catalog when `client` reaches the CF. One
+    that cannot be removed (a symbolic link, never followed; a file the process may not delete) does not stop the
+    others: it is named in `failed`, and only what was removed leaves the catalog."""
+    removed: list[BackupInfo] = []
+    failed: list[tuple[BackupInfo, str]] = []
+    for b in doomed:
+        if b.path.is_symlink():
+            failed.append((b, _LINK_PROBLEM.format(path=b.path)))
+            continue
+        try:
+            shutil.rmtree(b.path)
+        except OSError as e:
+            if b.path.exists() or b.path.is_symlink():  # else gone all the same (removed by someone meanwhile)
+                failed.append((b, f"{b.path}: {e}"))
+                continue
+        removed.append(b)
     reachable = client is not None
     if client is not None:
         try:
@@ -217,7 +265,7 @@ def _remove(structure: str, backups: list[BackupInfo], removed: list[BackupInfo]
             reachable = False
     note = "the CF was not reachable: its catalog copy still lists the removed backups" if not reachable and removed \
         else ""
-    return PruneResult(removed, [b for b in backups if b not in removed], reachable, note)
+    return PruneResult(removed, [b for b in backups if b not in removed], reachable, note, failed)
 
 
 def prune(backup_root: Path, structure: str, *, keep: int | None = None, older_than: timedelta | None = None,

@@ -270,8 +270,9 @@ def cmd_prune(args: argparse.Namespace, out: Output) -> int:
                    backup_keys=_keys(found, args))
     if out.as_json:
         out.json({"removed": [b.id for b in result.removed], "kept": [b.id for b in result.kept],
-                     "admin_updated": result.admin_updated, "note": result.note})
-        return 0
+                  "admin_updated": result.admin_updated, "note": result.note,
+                  "failed": [{"id": b.id, "problem": why} for b, why in result.failed]})
+        return 2 if result.failed else 0
     if not result.removed:
         out.line(f"nothing to prune: {len(result.kept)} backup(s) of {args.structure} kept")
     else:
@@ -282,7 +283,9 @@ def cmd_prune(args: argparse.Namespace, out: Output) -> int:
         out.line(f"{len(result.removed)} removed, {len(result.kept)} kept")
     if result.note:
         out.line(f"note: {result.note}")
-    return 0
+    for b, why in result.failed:
+        print(f"cfbackup: backup {b.id} of {args.structure} was not removed: {why}", file=sys.stderr)
+    return 2 if result.failed else 0
 
 
 def cmd_schedule(args: argparse.Namespace, out: Output) -> int:

@@ -41,6 +41,7 @@ from typing import Any, BinaryIO, cast
 import crc32c
 import msgpack
 
+from backup.bounded_json import JSONFileError, load_json_bounded
 from cfemu import settings
 from cfemu.bulk import Bulks
 from cfemu.credentials import BackupKeys, key_id
@@ -69,6 +70,12 @@ MANIFEST_NAME = "manifest.json"
 ROLL_BYTES = 256 * 2**20
 _ID_RE = re.compile(r"^(?P<structure>[A-Za-z0-9_.\-]{1,48})-(?P<ts>\d{8}T\d{6}Z)-(?P<rand>[0-9a-f]{6})$")
 _READ_BUFFER = 4 * 2**20
+# The largest manifest read (a bigger one is refused as damaged, nothing read): a manifest grows with its entry
+# files (about 150 bytes each, one per ROLL_BYTES of entries), queues, members, tombstones and registered UOWs. A
+# 1M-message backup's (1 KiB bodies, 5 entry files) measured 3,154 bytes (2026-11-30); 8 MiB is over 2,600 times
+# that, room for the entry files of several TiB beside tens of thousands of queues and UOWs, and bounds what a
+# planted file costs every reader of the catalog (the console polls it every few seconds).
+MANIFEST_MAX_BYTES = 8 * 2**20
 _WRITE_CHUNK = 2**20  # frames handed to the writing thread at a time
 
 
@@ -624,6 +631,9 @@ def read_manifest(path: Path, *, backup_keys: BackupKeys | None = None) -> dict[
     signature with the group's backup keys (an unsigned one only with keys.accept_unsigned, and logged)."""
     path = Path(path)
     keys = resolve_keys(backup_keys)
+    if path.is_symlink():
+        raise UntrustedBackupError(f"{path}: a symbolic link, which no backup directory is (it may lead outside the "
+                                   f"backup directory): refused, nothing read")
     if not path.is_dir():
         raise BackupNotFoundError(f"{path}: no such backup directory")
     mpath = path / MANIFEST_NAME
@@ -631,11 +641,10 @@ def read_manifest(path: Path, *, backup_keys: BackupKeys | None = None) -> dict[
         raise IncompleteBackupError(f"backup {path.name} has no manifest: it is unfinished (or its manifest "
                                     f"was removed) and cannot be used")
     with _open_file(mpath) as f:
-        raw = f.read()
-    try:
-        manifest = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ChecksumMismatchError(f"{mpath}: the manifest is not valid JSON ({e})") from None
+        try:
+            manifest = load_json_bounded(f, mpath, MANIFEST_MAX_BYTES, "the manifest")
+        except JSONFileError as e:
+            raise ChecksumMismatchError(str(e)) from None
     if not isinstance(manifest, dict):
         raise ChecksumMismatchError(f"{mpath}: the manifest is not a JSON object")
     _check_file_list(path, manifest)

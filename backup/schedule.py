@@ -138,3 +138,5 @@ def _retain(settings: Settings, structure: str, keep: int, metrics: SchedulerMet
                  ", ".join(b.id for b in result.removed), len(result.kept))
     if result.note:
         log.warning("retention of %s: %s", structure, result.note)
+    for b, why in result.failed:
+        log.warning("retention of %s: backup %s was not removed: %s", structure, b.id, why)

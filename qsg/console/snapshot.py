@@ -10,13 +10,13 @@ cluster's processes, the backups (age, size, signature) and the restore reports.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from backup.bounded_json import read_json_file
 from backup.catalog import list_backups
 from cfemu.cf import CF
 from cfemu.credentials import redact
@@ -27,6 +27,10 @@ log = logging.getLogger("qsg.console")
 
 BACKUPS_SHOWN = 10  # per structure, newest first
 RESTORES_SHOWN = 10
+# The largest restore report read (a bigger one is not shown): a report is about 2 KiB, growing with the members'
+# log ranges and the UOWs left in doubt (about 60 bytes each); 4 MiB holds tens of thousands of those, and bounds
+# what a file planted in the backup directory costs the poller, which reads them every few seconds.
+RESTORE_REPORT_MAX_BYTES = 4 * 2**20
 
 
 def take(source: GroupSource) -> dict[str, Any]:
@@ -139,7 +143,8 @@ def _backups_part(source: GroupSource, snap: dict[str, Any]) -> None:
         manifest = b.manifest or {}
         signature = manifest.get("signature") or {}
         started = _parse_time(row["started_at"]) or b.started.replace(tzinfo=UTC)
-        row.update(age_s=max(0.0, (now - started).total_seconds()), disk_bytes=_disk_bytes(b.path),
+        row.update(age_s=max(0.0, (now - started).total_seconds()),
+                   disk_bytes=None if b.path.is_symlink() else _disk_bytes(b.path),  # a link is never followed
                    signed_by=signature.get("key") if isinstance(signature, dict) else None)
         snap["backups"].append(row)
 
@@ -171,8 +176,10 @@ def _restores_part(source: GroupSource, snap: dict[str, Any]) -> None:
     reports = sorted(root.glob("*/restore-*.json"), key=lambda p: p.name, reverse=True) if root.is_dir() else []
     for path in reports[:RESTORES_SHOWN]:
         try:
-            doc = json.loads(path.read_text())
+            doc = read_json_file(path, RESTORE_REPORT_MAX_BYTES, "the restore report")
         except (OSError, ValueError):
+            continue
+        if not isinstance(doc, dict):
             continue
         snap["restores"].append({
             "report": path.name, "structure": doc.get("structure"), "started_at": doc.get("started_at"),
