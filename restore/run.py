@@ -39,7 +39,6 @@ The rules, and why each is needed: docs/architecture.md, "The group's durable hi
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import resource
@@ -54,8 +53,17 @@ from typing import Any
 
 import redis
 
-from backup.catalog import CORRUPT, OK, UNSIGNED, UNTRUSTED, BackupInfo, find_backup, list_backups
-from backup.files import MANIFEST_NAME, Backup, parse_backup_id, read_backup, resolve_keys, signing_key
+from backup.catalog import (
+    CORRUPT,
+    OK,
+    UNSIGNED,
+    UNTRUSTED,
+    BackupInfo,
+    find_backup,
+    list_backups,
+    readable_kind,
+)
+from backup.files import Backup, parse_backup_id, read_backup, resolve_keys, signing_key
 from backup.points import (
     DEFINITION,
     FUZZY,
@@ -284,7 +292,7 @@ def _refuse_to_cross_damaged_points(backups: list[BackupInfo], good: BackupInfo 
                                            f"(--backup {good.id})"))
         if b.state != CORRUPT:
             continue
-        kind = _readable_kind(b.path)
+        kind = readable_kind(b.path)
         if kind == FUZZY:
             continue
         what = f"a {kind} point" if kind else "unreadable: it may be a restore or purge point"
@@ -309,14 +317,6 @@ def _copy_of_an_older_backup(b: BackupInfo, backups: list[BackupInfo], good: Bac
     if any(o.id == b.copy_of and o.state == OK for o in backups):
         return True
     return good is not None and started < good.started
-
-
-def _readable_kind(path: Path) -> str:
-    """The kind a damaged backup's manifest still says ("" when it cannot be read)."""
-    try:
-        return kind_of(json.loads((path / MANIFEST_NAME).read_text()))
-    except (OSError, ValueError, AttributeError):
-        return ""
 
 
 def _logs_reach_back(log_dirs: list[Path], structure: str) -> None:

@@ -30,7 +30,7 @@ from cfemu.admin import Admin
 from cfemu.repository import GroupRepository
 from qsg.console.snapshot import _backups_part
 from qsg.console.source import GroupSource
-from restore.run import run_restore
+from restore.run import RestoreError, run_restore
 from sqm.core.manager import QueueManager
 from tests.support.cfbackup import cfbackup, cfbackup_env
 from tests.support.harness import lose_cf
@@ -84,6 +84,10 @@ def test_a_deeply_nested_manifest_is_one_corrupt_backup_and_the_others_are_liste
 
     qm.stop()
     lose_cf(client)
+    # the choice of a base (RECAUTO, cfrestore run without --backup) does not pass over it: it may be a restore
+    # point; refused naming it, before anything is changed
+    with pytest.raises(RestoreError, match=f"backup {planted} of {S} is corrupt .*unreadable"):
+        run_restore(client, S, backup_root=root, log_root=logs)
     result = run_restore(client, S, backup_root=root, log_root=logs, backup_id=good)  # cfrestore run --backup
     assert result.loaded_entries == 1
 
