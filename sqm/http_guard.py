@@ -26,6 +26,7 @@ from aiohttp import web
 from aiohttp.web_runner import BaseSite
 
 from cfemu.connection_cap import ConnectionCap, peer_of
+from sqm.operations import one_line
 
 
 @dataclass(frozen=True)
@@ -82,8 +83,8 @@ class _AiohttpLog(logging.Logger):
             exc = sys.exc_info()[1]
         elif isinstance(exc, tuple):
             exc = exc[1]
-        detail = f": {type(exc).__name__}: {str(exc)[:200]}" if isinstance(exc, BaseException) else ""
-        line = " ".join(f"{text[:200]}{detail}".split())  # one line: a peer's bytes may hold line breaks
+        detail = f": {type(exc).__name__}: {one_line(str(exc), 200)}" if isinstance(exc, BaseException) else ""
+        line = f"{one_line(text, 200)}{detail}"  # one line: a peer's bytes may hold line breaks or escapes
         self.throttled(f"aiohttp-{level}", "%s: %s", self.name, line)
 
     def exception(self, msg: object, *args: Any, **kw: Any) -> None:

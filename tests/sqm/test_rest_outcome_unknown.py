@@ -20,29 +20,17 @@ from pathlib import Path
 import pytest
 
 from sqm.log import writer as log_writer
-from sqm.service.config import ServerConfig
 from tests.sqm.test_put_committed_recovery import all_bodies
 from tests.sqm.test_rest import CSRF, TEXT, basic, http
-from tests.support.group import define_group, start_qm
+from tests.support.group import start_qm
 from tests.support.inprocess_server import RunningServer
-
-TOKEN = "app-token"
+from tests.support.rest_member import TOKEN, rest_url, serving_rest
 
 
 @pytest.fixture
 def member(redis_url: str, tmp_path: Path) -> Iterator[RunningServer]:
-    define_group(redis_url, queues=("Q1",))
-    running = RunningServer(ServerConfig(name="QM1", log_root=tmp_path / "logs", redis_url=redis_url, token=TOKEN,
-                                         port=0, rest_port=0, lease_ms=1000, ready_file=tmp_path / "QM1.ready"))
-    try:
+    with serving_rest(redis_url, tmp_path) as running:
         yield running
-    finally:
-        if running.thread.is_alive():
-            running.stop()
-
-
-def message_url(member: RunningServer) -> str:
-    return f"http://127.0.0.1:{member.rest_port}/ibmmq/rest/v3/messaging/qmgr/QM1/queue/Q1/message"
 
 
 def fail_log_forces(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -65,7 +53,7 @@ def bodies_after_restart(member: RunningServer, redis_url: str, tmp_path: Path) 
 
 def test_a_delete_whose_commit_outcome_is_unknown_delivers_the_message_and_says_so(
         member: RunningServer, redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    base = message_url(member)
+    base = rest_url(member)
     put = http("POST", base, b"taken once", {**basic(TOKEN), **CSRF, **TEXT}, auth=False)
     assert put.status == 201, (put.status, put.body)
     fail_log_forces(monkeypatch)  # the get's COMMIT is written, its force fails
@@ -82,7 +70,7 @@ def test_a_delete_whose_commit_outcome_is_unknown_delivers_the_message_and_says_
 def test_a_post_whose_commit_outcome_is_unknown_is_answered_500_not_503(
         member: RunningServer, redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     fail_log_forces(monkeypatch)  # the put's COMMIT is written, its force fails
-    put = http("POST", message_url(member), b"put once", {**basic(TOKEN), **CSRF, **TEXT}, auth=False)
+    put = http("POST", rest_url(member), b"put once", {**basic(TOKEN), **CSRF, **TEXT}, auth=False)
     monkeypatch.undo()
     assert member.server.qm.log_failed
     error = put.error()
