@@ -8,7 +8,7 @@ flood cannot flood.
   keep-alive timer, which also bounds a later request's head: the connection is idle until the head is whole).
 - aiohttp's own error lines (a traceback at ERROR for one malformed request) and the event loop's accept errors
   (one per refused accept when the process is out of file descriptors) go out as one WARNING line a second per
-  kind at most, without traceback; the rest are dropped.
+  kind at most, without traceback (sqm.throttled_log); the rest are counted and said with the next line.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import asyncio
 import logging
 import ssl
 import sys
-import time
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +26,7 @@ from aiohttp.web_runner import BaseSite
 
 from cfemu.connection_cap import ConnectionCap, peer_of
 from sqm.operations import one_line
+from sqm.throttled_log import ThrottledLog
 
 
 @dataclass(frozen=True)
@@ -43,28 +43,6 @@ class HttpLimits:
             raise ValueError(f"{what}: the head and keep-alive timeouts must be > 0 s")
         if min(self.max_connections, self.max_connections_per_peer) < 1:
             raise ValueError(f"{what}: connection caps must be at least 1")
-
-
-class ThrottledLog:
-    """One WARNING line a second at most per key; what comes meanwhile is counted and said with the next line."""
-
-    def __init__(self, log: logging.Logger, every_s: float = 1.0) -> None:
-        self.log = log
-        self.every_s = every_s
-        self._last: dict[str, float] = {}
-        self._dropped: dict[str, int] = {}
-
-    def __call__(self, key: str, msg: str, *args: Any) -> None:
-        now = time.monotonic()
-        if now - self._last.get(key, -self.every_s) < self.every_s:
-            self._dropped[key] = self._dropped.get(key, 0) + 1
-            return
-        self._last[key] = now
-        dropped = self._dropped.pop(key, 0)
-        if dropped:
-            self.log.warning(msg + " (%d more like it not logged)", *args, dropped)
-        else:
-            self.log.warning(msg, *args)
 
 
 class _AiohttpLog(logging.Logger):
@@ -230,4 +208,4 @@ def throttle_accept_errors(loop: asyncio.AbstractEventLoop, warn: ThrottledLog) 
 _THROTTLED_LOOPS: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()  # handler installed once a loop
 
 
-__all__ = ["GuardedSite", "HttpLimits", "ThrottledLog", "runner_kwargs", "throttle_accept_errors"]
+__all__ = ["GuardedSite", "HttpLimits", "runner_kwargs", "throttle_accept_errors"]
