@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import urllib.parse
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -24,9 +25,11 @@ HOSTILE = "AB\r\nSet-Cookie: owned=1\x1b[2J"  # a line break into a header or a 
 
 
 @pytest.fixture(scope="module")
-def member(redis_server: object, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    url = redis_server.url  # type: ignore[attr-defined]
-    with serving_rest(url, tmp_path_factory.mktemp("echo")) as running:
+def member(redis_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    client = redis_server.client()
+    client.flushall()  # the session's CF, shared by the module's tests: a group of its own
+    client.close()
+    with serving_rest(redis_server.url, tmp_path_factory.mktemp("echo")) as running:
         yield running
 
 
