@@ -114,6 +114,18 @@ static uint64_t be(const uint8_t *p, int n) {
     return v;
 }
 
+/* A map's header at p (fixmap, map16, and map32 when ``wide``): its count of key-value pairs in *items and the
+ * address of its first key; NULL when p holds no such header or it runs past `end`. What reads a map as one
+ * (map_parse, plain_map, desc_plain) reads its header here; mp_skip and mp_canon read every kind of header. */
+static const uint8_t *map_header(const uint8_t *p, const uint8_t *end, size_t *items, int wide) {
+    if (p >= end) return NULL;
+    uint8_t c = *p++;
+    if ((c & 0xf0) == 0x80) { *items = c & 0x0f; return p; }
+    if (c == 0xde && p + 2 <= end) { *items = be(p, 2); return p + 2; }
+    if (wide && c == 0xdf && p + 4 <= end) { *items = be(p, 4); return p + 4; }
+    return NULL;
+}
+
 /* A number object as a double (as Lua holds every number); 0 when it is not a number. */
 static int mp_num(const uint8_t *p, const uint8_t *end, double *out) {
     if (p >= end) return 0;
@@ -153,13 +165,9 @@ static int map_parse(const uint8_t *p, size_t len, Map *m) {
     const uint8_t *end = p + len;
     m->n = 0;
     if (p >= end) return 0;
-    uint8_t c = *p++;
-    size_t items;
-    if ((c & 0xf0) == 0x80) items = c & 0x0f;
-    else if ((c & 0xf0) == 0x90 && (c & 0x0f) == 0) items = 0;  /* an empty table packs as an empty array */
-    else if (c == 0xde && p + 2 <= end) { items = be(p, 2); p += 2; }
-    else if (c == 0xdf && p + 4 <= end) { items = be(p, 4); p += 4; }
-    else return 0;
+    size_t items = 0;
+    if (*p == 0x90) p++;  /* an empty table packs as an empty array */
+    else if (!(p = map_header(p, end, &items, 1))) return 0;
     for (size_t i = 0; i < items; i++) {
         const char *k; size_t kl;
         if (!mp_str(p, end, &k, &kl)) return 0;
@@ -376,13 +384,9 @@ static int keys_unique(Key *k, size_t n) {
 
 /* A map of string keys to scalars, none twice (a message's properties: as many as its bytes hold). */
 static int plain_map(const uint8_t *p, const uint8_t *end) {
-    uint8_t c = *p;
     size_t items;
-    const uint8_t *at = p + 1;
-    if ((c & 0xf0) == 0x80) items = c & 0x0f;
-    else if (c == 0xde && at + 2 <= end) { items = be(at, 2); at += 2; }
-    else if (c == 0xdf && at + 4 <= end) { items = be(at, 4); at += 4; }
-    else return 0;
+    const uint8_t *at = map_header(p, end, &items, 1);
+    if (!at) return 0;
     if (items > (size_t)(end - at) / 2) return 0;  /* each item is two bytes at least */
     if (items == 0) return at == end;
     Key *k = RedisModule_Alloc(sizeof(Key) * items);
@@ -403,13 +407,9 @@ static int plain_map(const uint8_t *p, const uint8_t *end) {
  * left to the script, the specification, rather than written otherwise. */
 static int desc_plain(const uint8_t *p, size_t len, const Map *d) {
     const uint8_t *end = p + len;
-    uint8_t c = *p;
     size_t items;
-    const uint8_t *at = p + 1;
-    if ((c & 0xf0) == 0x80) items = c & 0x0f;
-    else if (c == 0xde && at + 2 <= end) { items = be(at, 2); at += 2; }
-    else return 0;
-    if (items > MAP_MAX) return 0;
+    const uint8_t *at = map_header(p, end, &items, 0);  /* the product never writes a descriptor as a map32 */
+    if (!at || items > MAP_MAX) return 0;
     Key k[MAP_MAX];
     for (size_t i = 0; i < items; i++) {  /* every key, nil values too: map_parse skips those */
         if (!mp_str(at, end, &k[i].s, &k[i].n)) return 0;

@@ -4,10 +4,13 @@
   cfemu conn [--member QM1] [--server HOST:PORT ...] [--server-ca CA.pem] [--json]
 
 The members are those given with --server, else the local cluster's (cluster.json). Each connection's row: the
-member, its connection number, the application name its client gave (``Client(client_name=...)``), its role and
-logged-on user, its peer address, TLS or not, when it connected, its last request, the requests it made, and its
-open unit of work (id, state, age). An operator token is needed (an application's is refused the operation); a
-member that does not answer has a row of its own saying why, and the exit code is then 75 (retry later).
+member, its connection number, the application name its client gave (``Client(client_name=...)``), how it
+authenticated (its role and the proof: sqm.service.conn_ops), its logged-on user, its peer address, TLS or not (and
+the subject of its client certificate under mutual TLS), when it connected, its last request, the requests it made, and its open unit of work (id, state, age). The application
+name and the user are marked claimed: they are what the client said, and the table shows them escaped and cut
+(a name is any string a client chose: it must not pass for another row, a terminal's escape or the table's
+markup). An operator token is needed (an application's is refused the operation); a member that does not answer
+has a row of its own saying why, and the exit code is then 75 (retry later).
 """
 
 from __future__ import annotations
@@ -16,16 +19,25 @@ import argparse
 import time
 from typing import Any
 
+from rich.markup import escape
+
 from cfemu.clitools import CLIError, Output, add_settings_arguments, settings
 from cfemu.errors import MQError
 from qsg.cli_common import Parents, Parser, RetryLaterError
 from qsg.local_group import LocalGroup, LocalGroupError
-from sqm.operations import OPERATOR
+from sqm.operations import OPERATOR, one_line
 from sqm.service.client import Client, client_tls_context
 from sqm.service.protocol import NotAuthorizedError
 
 CLIENT_NAME = "cfemu"
 MEMBER_TIMEOUT_S = 5.0  # a member that hangs must not hang the command for longer
+CLAIM_CHARS = 32  # what the table shows of a claimed name at most (the rest is in --json)
+# How each way of authenticating reads in the table: what the member verified of the connection.
+PROOFS = {"challenge": "token proven", "bearer": "token sent", "none": "member runs --no-auth: nothing proven"}
+CLAIMED_NOTE = ("application and user are what each client said, not checked: any holder of the application "
+                "token, or a connection still in its handshake, can claim any name. What the member verified: "
+                "authenticated (the role's token), peer, TLS and a client certificate (mutual TLS: with one "
+                "per application, the name to trust).")
 
 
 def conn_arguments(parser: Parser, parents: Parents) -> None:
@@ -89,6 +101,30 @@ def _since(t: float | None, now: float) -> str:
     return f"{stamp} ({age:.0f}s ago)" if age < 3600 else f"{stamp} ({age / 3600:.1f}h ago)"
 
 
+def claimed(value: str | None) -> str:
+    """A name the client gave, as the table shows it: marked claimed, escaped (control characters, the table's
+    markup), cut; "-" when it gave none."""
+    if not value:
+        return "-"
+    return escape(one_line(value, CLAIM_CHARS)) + " (claimed)"
+
+
+def authenticated(row: dict[str, Any]) -> str:
+    """What the member verified of the connection's role: NO while it is still in its handshake."""
+    method = row.get("auth")
+    if row["role"] is None:
+        return "NO (handshake)"
+    return f"{row['role']} ({PROOFS.get(str(method), 'proof unknown')})"
+
+
+def tls(row: dict[str, Any]) -> str:
+    """TLS or not, and the subject of the client certificate the member verified (mutual TLS)."""
+    if not row["tls"]:
+        return "no"
+    cert = row.get("certificate")
+    return f"yes, cert {escape(one_line(cert, 64))} (verified)" if cert else "yes"
+
+
 def _uow(u: dict[str, Any] | None) -> str:
     return "-" if u is None else f"{u['id']} {u['state']} {u['age_s']:.0f}s"
 
@@ -109,11 +145,13 @@ def cmd_conn(args: argparse.Namespace, out: Output) -> int:
         out.json({"connections": rows, "unreachable": failed})
     else:
         now = time.time()
-        out.table("connections", ["SQM", "conn", "application", "role", "user", "peer", "TLS", "connected",
-                                  "last request", "requests", "open UOW"],
-                  [(r["qmgr"], r["connection"], r["application"] or "-", r["role"] or "(handshake)",
-                    r["user"] or "-", r["peer"], "yes" if r["tls"] else "no", _since(r["connected"], now),
+        out.table("connections", ["SQM", "conn", "application", "authenticated", "user", "peer", "TLS",
+                                  "connected", "last request", "requests", "open UOW"],
+                  [(r["qmgr"], r["connection"], claimed(r["application"]), authenticated(r), claimed(r["user"]),
+                    r["peer"], tls(r), _since(r["connected"], now),
                     _since(r["last_request"], now), r["requests"], _uow(r["uow"])) for r in rows])
+        if rows:
+            out.line(CLAIMED_NOTE)
         for f in failed:
             out.line(f"{f['server']}: no answer: {f['error']}")
     if failed:

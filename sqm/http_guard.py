@@ -8,7 +8,7 @@ flood cannot flood.
   keep-alive timer, which also bounds a later request's head: the connection is idle until the head is whole).
 - aiohttp's own error lines (a traceback at ERROR for one malformed request) and the event loop's accept errors
   (one per refused accept when the process is out of file descriptors) go out as one WARNING line a second per
-  kind at most, without traceback; the rest are dropped.
+  kind at most, without traceback (sqm.throttled_log); the rest are counted and said with the next line.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import asyncio
 import logging
 import ssl
 import sys
-import time
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +25,8 @@ from aiohttp import web
 from aiohttp.web_runner import BaseSite
 
 from cfemu.connection_cap import ConnectionCap, peer_of
+from sqm.operations import one_line
+from sqm.throttled_log import ThrottledLog
 
 
 @dataclass(frozen=True)
@@ -44,28 +45,6 @@ class HttpLimits:
             raise ValueError(f"{what}: connection caps must be at least 1")
 
 
-class ThrottledLog:
-    """One WARNING line a second at most per key; what comes meanwhile is counted and said with the next line."""
-
-    def __init__(self, log: logging.Logger, every_s: float = 1.0) -> None:
-        self.log = log
-        self.every_s = every_s
-        self._last: dict[str, float] = {}
-        self._dropped: dict[str, int] = {}
-
-    def __call__(self, key: str, msg: str, *args: Any) -> None:
-        now = time.monotonic()
-        if now - self._last.get(key, -self.every_s) < self.every_s:
-            self._dropped[key] = self._dropped.get(key, 0) + 1
-            return
-        self._last[key] = now
-        dropped = self._dropped.pop(key, 0)
-        if dropped:
-            self.log.warning(msg + " (%d more like it not logged)", *args, dropped)
-        else:
-            self.log.warning(msg, *args)
-
-
 class _AiohttpLog(logging.Logger):
     """The logger aiohttp's request handlers write to: their errors (a malformed request, a handler's exception,
     a peer gone) as throttled one-line warnings; debug lines as they are."""
@@ -82,8 +61,8 @@ class _AiohttpLog(logging.Logger):
             exc = sys.exc_info()[1]
         elif isinstance(exc, tuple):
             exc = exc[1]
-        detail = f": {type(exc).__name__}: {str(exc)[:200]}" if isinstance(exc, BaseException) else ""
-        line = " ".join(f"{text[:200]}{detail}".split())  # one line: a peer's bytes may hold line breaks
+        detail = f": {type(exc).__name__}: {one_line(str(exc), 200)}" if isinstance(exc, BaseException) else ""
+        line = f"{one_line(text, 200)}{detail}"  # one line: a peer's bytes may hold line breaks or escapes
         self.throttled(f"aiohttp-{level}", "%s: %s", self.name, line)
 
     def exception(self, msg: object, *args: Any, **kw: Any) -> None:
@@ -229,4 +208,4 @@ def throttle_accept_errors(loop: asyncio.AbstractEventLoop, warn: ThrottledLog) 
 _THROTTLED_LOOPS: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()  # handler installed once a loop
 
 
-__all__ = ["GuardedSite", "HttpLimits", "ThrottledLog", "runner_kwargs", "throttle_accept_errors"]
+__all__ = ["GuardedSite", "HttpLimits", "runner_kwargs", "throttle_accept_errors"]

@@ -171,8 +171,17 @@ def arg(args: dict[str, Any], op: str, name: str, kind: type | tuple[type, ...],
 
 
 def short(text: str, n: int = 40) -> str:
-    """A peer-chosen string as it may appear in a message or a log line: bounded."""
+    """A peer-chosen string as it may appear in a message or a log line: quoted, bounded, its control characters
+    escaped (repr), so that it is one line with nothing in it for a terminal, a log reader or a header to act on."""
     return repr(text) if len(text) <= n else repr(text[:n]) + f"...({len(text)} chars)"
+
+
+def one_line(text: str, n: int = 400) -> str:
+    """A message that may hold peer-chosen strings (an MQ error naming a queue, a library's error) as a reply or a
+    log line repeats it: its control characters escaped (a line break or a terminal escape of a peer's never
+    reaches a log, a header or a terminal as such), at most ``n`` characters of it, with its length when cut."""
+    escaped = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[:n])
+    return escaped if len(text) <= n else f"{escaped}...({len(text)} chars)"
 
 
 def bounded_str(args: dict[str, Any], op: str, name: str, longest: int, default: str = "") -> str:
@@ -193,4 +202,4 @@ def service_name(args: dict[str, Any], op: str, name: str = "service") -> str:
 
 __all__ = ["ANY_ROLE", "APPLICATION", "MAX_NAME", "MAX_USER", "NO_ROLE", "OPERATOR", "OPERATOR_ONLY", "ROLES", "Handler",
            "NotLoggedOnError", "Operation", "Operations", "Service", "Session", "arg", "bounded_str",
-           "service_name", "short"]
+           "one_line", "service_name", "short"]

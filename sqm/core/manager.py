@@ -14,6 +14,7 @@ import logging
 import os
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterable
 from functools import partial
 from pathlib import Path
@@ -56,12 +57,25 @@ from sqm.core.retention import Retention
 from sqm.core.storereport import StoreReport
 from sqm.core.uow import UnitOfWork
 from sqm.log import RecordLog, RecordRefusedError
+from sqm.throttled_log import ThrottledLog
 
 log = logging.getLogger("sqm")
 
 # A feature installed on a queue manager when it is made (sqm.wings: the conversations and publish/subscribe): it
 # registers its housekeeping tasks and listeners with the queue manager's hooks (sqm.core.hooks).
 Wing = Callable[["QueueManager"], None]
+
+# A housekeeping failure that repeats (every pass, five a second, as when the process is out of file descriptors) is
+# logged once a minute per kind, the first with its traceback, the repeats counted: never a log flood.
+HOUSEKEEPING_LOG_EVERY_S = 60.0
+
+
+def failure_kind(e: BaseException) -> str:
+    """What makes two failures "the same" for the log: the exception's type and where it was raised (its message
+    may differ each time: a path, a count)."""
+    frames = traceback.extract_tb(e.__traceback__)
+    where = f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else "?"
+    return f"{type(e).__name__} at {where}"
 
 
 class QueueManager(Outcomes, LogSpace):
@@ -458,6 +472,8 @@ class QueueManager(Outcomes, LogSpace):
     def _housekeeping_loop(self) -> None:
         next_expiry = 0.0
         stop = self._stop
+        failures = ThrottledLog(log, HOUSEKEEPING_LOG_EVERY_S, level=logging.ERROR)
+        last_failed = 0.0  # monotonic time of the last failure logged or counted (0.0: none since the last all-clear)
         while not stop.wait(0.2):
             if self.fenced:
                 return
@@ -476,8 +492,18 @@ class QueueManager(Outcomes, LogSpace):
                 self.hooks.run_due(time.monotonic())  # the wings' tasks (their sweepers)
             except (MQError, *CF_DOWN) as e:
                 log.debug("%s housekeeping: %s", self.name, e)
-            except Exception:  # keep the queue manager alive; the failure is in its log
-                log.exception("%s housekeeping failed", self.name)
+                continue
+            except Exception as e:  # keep the queue manager alive; the failure is in its log (throttled)
+                last_failed = time.monotonic()
+                failures(failure_kind(e), "%s housekeeping failed: %s: %s", self.name, type(e).__name__, e,
+                         exc_info=e)
+                continue
+            # A whole interval of passes without a failure: say so, with the count not said yet. (Sooner would
+            # misread a task that fails each time it is due, with good passes between, as healed.)
+            if last_failed and time.monotonic() - last_failed >= HOUSEKEEPING_LOG_EVERY_S:
+                last_failed = 0.0
+                log.warning("%s housekeeping has not failed for %.0fs (%d failures since the last line not logged)",
+                            self.name, HOUSEKEEPING_LOG_EVERY_S, failures.forget())
 
     def expire_messages(self) -> int:
         """The expiry task: expired messages leave the structures (logged when persistent)."""

@@ -85,11 +85,12 @@ class Authenticator:
     def authenticated(self, session: Session, role: str, method: str) -> None:
         session.authenticated = True
         session.role = role
+        session.auth_method = method
         session.request_limit = self.config.max_frame
         self.stats.unauthenticated -= 1
         self.stats.authenticated[(role, method)] += 1
         log.debug("%s: connection %d (%s, %s) authenticated as %s (%s)", self.qm.name, session.number,
-                  session.peer, session.client_name or "no name", role, method)
+                  session.peer, session.named, role, method)
 
     async def _failed(self, session: Session, rid: int, reason: str, why: str,
                       message: str = "authentication failed") -> dict[str, Any]:
@@ -100,7 +101,7 @@ class Authenticator:
         if n & (n - 1) == 0:  # the 1st, 2nd, 4th, 8th... failure in a row from that address
             log.warning("%s: connection %d (%s, %s): authentication failed: %s (%d failures in a row from %s; "
                         "answers to it now wait %.1fs)", self.qm.name, session.number, session.peer,
-                        short(session.client_name), why, n, session.peer_ip, delay)
+                        session.named, why, n, session.peer_ip, delay)
         await asyncio.sleep(delay)
         return error_reply(rid, NotAuthorizedError(message))
 

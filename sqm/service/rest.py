@@ -36,12 +36,13 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from cfemu.errors import MQError, NoMessageError, OutcomePendingError, OutcomeUnknownError
+from cfemu.keys import check_name
 from cfemu.limits import MAX_ID_LENGTH
 from sqm.core.client_watch import ClientWatch
 from sqm.core.connection import Connection, Message
 from sqm.core.manager import CF_DOWN
 from sqm.http_guard import GuardedSite, HttpLimits, runner_kwargs
-from sqm.operations import APPLICATION, OPERATOR
+from sqm.operations import APPLICATION, OPERATOR, one_line, short
 from sqm.request_slots import RequestSlots
 from sqm.service import queue_ops
 from sqm.service.auth import Failures
@@ -62,6 +63,11 @@ TEXT_PLAIN = "text/plain; charset=utf-8"
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 MAX_LIST = 1000  # messages a messagelist browses at most (its ``limit``)
 ID_PREFIX = "ID:"
+# What an error body repeats of a string the client chose (a queue name, a header, a path): a name of this many
+# characters, an MQ error of this many (they name the queue, the property...), control characters escaped. Enough to
+# recognise it, one line always, never the client's kilobytes back in the reply or the member's log.
+ECHO_CHARS = 64
+ERROR_CHARS = 400
 
 
 class RestServer(queue_ops.Service, Protocol):
@@ -121,31 +127,49 @@ STATUS_OF_REASON = {
 }
 
 
+def echo(text: str) -> str:
+    """A string the client chose, as an error repeats it: quoted, escaped, at most ECHO_CHARS of it."""
+    return short(text, ECHO_CHARS)
+
+
+def queue_of(request: web.Request) -> str:
+    """The queue the URL names; a name no queue can have (cfemu.keys: 1-48 characters of A-Z a-z 0-9 _ . -) is the
+    404 of an unknown queue, before anything runs."""
+    name = request.match_info["queue"]
+    try:
+        return check_name("queue", name)
+    except ValueError:
+        raise RestError(404, "MQWB0303E", f"No queue can be named {echo(name)}: a queue name is 1-48 characters of "
+                        "A-Z a-z 0-9 _ . -", "The queue does not exist on this queue manager.",
+                        "Resubmit the request with the name of a defined queue.", reason=2085) from None
+
+
 def mq_failure(e: MQError, what: str) -> RestError:
     # A commit whose outcome is not known (its log force failed, peer recovery fenced the member as it committed, the
     # CF's reply to it was lost; OutcomeUnknownError, MQRC_CONNECTION_BROKEN as any broken connection) is not a
     # refusal: its work may be done, so it is never the 503 "try again" that the door answers after a backout.
     status = 500 if isinstance(e, OutcomeUnknownError) else STATUS_OF_REASON.get(e.reason, 500)
+    said = one_line(str(e), ERROR_CHARS)  # it may repeat what the client sent (a property's name, say)
     if status == 404:
-        return RestError(404, "MQWB0303E", f"{what}: {e}", "The queue does not exist on this queue manager.",
+        return RestError(404, "MQWB0303E", f"{what}: {said}", "The queue does not exist on this queue manager.",
                          "Resubmit the request with the name of a defined queue.", reason=e.reason)
     if status == 403:
-        return RestError(403, "MQWB0103E", f"Not authorized: {what}: {e}",
+        return RestError(403, "MQWB0103E", f"Not authorized: {what}: {said}",
                          "The authenticated principal is not authorized to perform the requested operation.",
                          "Use the queue through the operations meant for it.", reason=e.reason)
-    return RestError(status, "MQWB0303E", f"{what}: {e}",
+    return RestError(status, "MQWB0303E", f"{what}: {said}",
                      "An error occurred while sending, receiving or browsing the message.",
                      "Resubmit the request later" if status == 503 else "Resubmit the request, correcting any issues.",
                      reason=e.reason)
 
 
 def bad_header(name: str, value: str, why: str) -> RestError:
-    return RestError(400, "MQWB0302E", f"The {name} request header cannot be set as {value[:64]!r} is not a valid "
+    return RestError(400, "MQWB0302E", f"The {name} request header cannot be set as {echo(value)} is not a valid "
                      "request header value.", why, "Resubmit the request using a valid header value.", reason=2046)
 
 
 def bad_query(name: str, value: str, why: str) -> RestError:
-    return RestError(400, "MQWB0118E", f"The {name} query parameter value {value[:64]!r} is not valid.", why,
+    return RestError(400, "MQWB0118E", f"The {name} query parameter value {echo(value)} is not valid.", why,
                      "Resubmit the request with a valid query parameter value.", reason=2046)
 
 
@@ -204,7 +228,7 @@ def carried_headers(m: Message, now_ms: int, problem: str, verb: str) -> dict[st
         why = ("its name is not an HTTP token" if not set(name) <= TOKEN_CHARS else
                "its value holds a control character" if not FORBIDDEN_IN_VALUE.isdisjoint(value) else "")
         if why:
-            raise RestError(400, "MQWB0303E", f"The message's property {prop[:64]!r} cannot be returned as an "
+            raise RestError(400, "MQWB0303E", f"The message's property {echo(prop)} cannot be returned as an "
                             f"{USR}* header: {why}.{' ' + problem if problem else ''}",
                             "The messaging REST API returns a message's user properties as HTTP headers.",
                             f"{verb} it with the native client.", reason=2110)
@@ -303,7 +327,7 @@ class RestEndpoint:
                              f"Use one of: {', '.join(sorted(e.allowed_methods))}.",
                              headers={"Allow": ", ".join(sorted(e.allowed_methods))}).response()
         except web.HTTPNotFound:
-            return RestError(404, "MQWB0006E", f"The resource {request.path[:200]} was not found.",
+            return RestError(404, "MQWB0006E", f"The resource {echo(request.path)} was not found.",
                              "The URL names no resource of the messaging REST API.",
                              "Use /ibmmq/rest/v3/messaging/qmgr/{qmgr}/queue/{queue}/message or .../messagelist."
                              ).response()
@@ -368,7 +392,7 @@ class RestEndpoint:
                             f"Resubmit the request with the {CSRF_HEADER} header (any value).", reason=2035)
         qmgr = request.match_info["qmgr"]
         if qmgr not in (self.server.name, self.group):
-            raise RestError(404, "MQWB0009E", f"Could not find the queue manager '{qmgr[:64]}'.",
+            raise RestError(404, "MQWB0009E", f"Could not find the queue manager {echo(qmgr)}.",
                             "The MQ REST API was invoked specifying a queue manager name which cannot be located.",
                             f"Resubmit the request with this member's name ({self.server.name}) or the group's "
                             f"({self.group}).", reason=2058)
@@ -394,7 +418,7 @@ class RestEndpoint:
             raise mq_failure(e, f"{op} on {session.number}") from None
         except CF_DOWN as e:
             self.server.stats.count((op, "MQRC_CF_STRUC_FAILED"))
-            raise RestError(503, "MQWB0303E", f"the CF is unavailable: {e}", "The coupling facility did not answer.",
+            raise RestError(503, "MQWB0303E", f"the CF is unavailable: {one_line(str(e), ERROR_CHARS)}", "The coupling facility did not answer.",
                             "Resubmit the request later.", reason=2373) from None
         self.server.stats.count((op, "ok"))
         return result
@@ -405,7 +429,7 @@ class RestEndpoint:
             try:
                 session.conn.close()
             except MQError as e:
-                log.warning("%s: backing out REST request %d: %s", self.server.name, session.number, e)
+                log.warning("%s: backing out REST request %d: %s", self.server.name, session.number, one_line(str(e), ERROR_CHARS))
 
     @asynccontextmanager
     async def _handle(self, session: RestSession) -> AsyncIterator[None]:
@@ -431,7 +455,7 @@ class RestEndpoint:
             raise RestError(400, "MQWB0305E", "The request body is not valid UTF-8.",
                             "The messaging REST API puts text messages in UTF-8.",
                             "Send the body in UTF-8.", reason=2046) from None
-        args.update(queue=request.match_info["queue"], body=raw, syncpoint=True)
+        args.update(queue=queue_of(request), body=raw, syncpoint=True)
 
         def put() -> dict[str, Any]:
             done = queue_ops.put(self.server, session, args)
@@ -451,12 +475,12 @@ class RestEndpoint:
                             "Resubmit the request with Content-Type: text/plain;charset=utf-8.", reason=2046)
         if request.content_type not in TEXT_TYPES:
             raise RestError(415, "MQWB0306E", "The media type is unsupported for this type of request.",
-                            f"The media type {request.content_type[:64]!r} is not one of "
+                            f"The media type {echo(request.content_type)} is not one of "
                             f"{', '.join(sorted(TEXT_TYPES))}.",
                             "Resubmit the request with Content-Type: text/plain;charset=utf-8.", reason=2046)
         charset = (request.charset or "utf-8").lower()
         if charset not in ("utf-8", "utf8"):
-            raise RestError(415, "MQWB0305E", f"The character set {charset[:32]} is not acceptable for the request.",
+            raise RestError(415, "MQWB0305E", f"The character set {echo(charset)} is not acceptable for the request.",
                             "The messaging REST API accepts UTF-8 bodies only.",
                             "Resubmit the request with charset=utf-8.", reason=2046)
         h = request.headers
@@ -517,7 +541,7 @@ class RestEndpoint:
         wait = request.query.get("wait", "0")
         if not wait.isdigit() or int(wait) > self.server.max_wait_ms:
             raise bad_query("wait", wait, f"wait is a number of milliseconds, 0-{self.server.max_wait_ms}.")
-        args.update(queue=request.match_info["queue"], syncpoint=True, wait_ms=int(wait))
+        args.update(queue=queue_of(request), syncpoint=True, wait_ms=int(wait))
         async with self._handle(session):
             try:
                 got = await self._run(session, "get", lambda: queue_ops.get(self.server, session, args))
@@ -543,16 +567,16 @@ class RestEndpoint:
         try:
             queue_ops.commit(self.server, session, {})
         except OutcomePendingError as e:
-            log.warning("REST: a message's get is delivered with its commit pending: %s", e)
+            log.warning("REST: a message's get is delivered with its commit pending: %s", one_line(str(e), ERROR_CHARS))
             return "pending"
         except OutcomeUnknownError as e:
-            log.warning("REST: a message's get is delivered with its commit's outcome not known: %s", e)
+            log.warning("REST: a message's get is delivered with its commit's outcome not known: %s", one_line(str(e), ERROR_CHARS))
             return "unknown"
         return ""
 
     async def _browse(self, request: web.Request, session: RestSession, limit: int) -> list[Message]:
         sel = self._selection(request, "/v3/" in request.path)
-        queue = request.match_info["queue"]
+        queue = queue_of(request)
         scan = queue_ops.MAX_BROWSE if sel else limit
         found = await self._run(session, "browse", lambda: queue_ops.browse(
             self.server, session, {"queue": queue, "limit": scan}))

@@ -317,7 +317,7 @@ class SQMServer:
                                         "request: connect with the operator token)")
             self.stats.count((op, denied.reason_name))
             self.warn(f"denied-{op}", "%s: connection %d (%s, %s): %s refused to the %s role", self.qm.name,
-                      session.number, session.peer, session.client_name or "no name", op, session.role)
+                      session.number, session.peer, session.named, op, session.role)
             return error_reply(rid, denied, uow=session.uow_open())
         if self._stopping:
             return error_reply(rid, self.quiescing(op), **session.flags())

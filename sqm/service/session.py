@@ -19,6 +19,7 @@ from sqm.conversations.conversation import Conversation
 from sqm.core.client_watch import ClientWatch
 from sqm.core.connection import Connection
 from sqm.core.lifecycles import Begun
+from sqm.operations import short
 from sqm.pubsub.pubsub import PubSubSession
 from sqm.service.ops import OPS
 from sqm.service.protocol import ENVELOPE, MESSAGE_COST
@@ -39,6 +40,18 @@ def op_label(op: str) -> str:
     return op if op in _KNOWN else OP_LABEL_UNKNOWN
 
 
+def certificate_subject(cert: dict[str, Any] | None) -> str | None:
+    """The subject of the certificate a client presented, as verified by mutual TLS (``peercert`` of the
+    connection's SSL object: filled only when the member required and checked one), e.g. ``CN=payroll,O=Bank``;
+    None without one."""
+    if not cert:
+        return None
+    short_names = {"commonName": "CN", "organizationName": "O", "organizationalUnitName": "OU",
+                   "countryName": "C", "localityName": "L", "stateOrProvinceName": "ST"}
+    parts = [f"{short_names.get(k, k)}={v}" for rdn in cert.get("subject", ()) for k, v in rdn]
+    return ",".join(parts) or None
+
+
 @dataclass
 class Session:
     """One client connection: its worker thread and its MQ connection handle."""
@@ -51,10 +64,12 @@ class Session:
     reply_limit: int  # the longest frame sent to it: the server's limit, or the client's when smaller
     peer_ip: str = "?"
     tls: bool = False
+    certificate: str | None = None  # the subject of its client certificate, verified by mutual TLS (--tls-ca)
     opened: float = 0.0  # loop time of the accept
     role: str | None = None  # once authenticated: APPLICATION or OPERATOR
+    auth_method: str | None = None  # how the role was established, once authenticated (AUTH_METHODS)
     said_hello: bool = False
-    client_name: str = ""
+    client_name: str = ""  # what the client's hello says it is: claimed, never checked (any name, any connection)
     client_max: int = 0  # the client's frame limit from its hello (0: it gave none)
     nonce: bytes = b""  # the challenge of this connection (the server's, fresh at each hello)
     client_nonce: bytes = b""
@@ -69,6 +84,11 @@ class Session:
     last_request: float = 0.0
     served: int = 0  # requests dispatched to a handler (refused ones are not counted)
     queues: set[str] = field(default_factory=set)  # queues it put to, got from or browsed
+
+    @property
+    def named(self) -> str:
+        """The client's name as a log line repeats it: quoted, bounded, escaped (it is whatever the client said)."""
+        return short(self.client_name) if self.client_name else "no name"
 
     def uow_open(self) -> bool:
         """Has the connection's UOW done anything (an empty UOW is not worth reporting as open)?"""

@@ -67,7 +67,16 @@ from sqm.service.protocol import (
     recv_frame_length,
     recv_until,
 )
-from sqm.service.session import OP_LABEL_UNKNOWN, ByteBudget, Session, Stats, Together, Warnings, op_label
+from sqm.service.session import (
+    OP_LABEL_UNKNOWN,
+    ByteBudget,
+    Session,
+    Stats,
+    Together,
+    Warnings,
+    certificate_subject,
+    op_label,
+)
 
 log = logging.getLogger("sqm.service.server")  # the service's log lines keep one logger name
 
@@ -243,6 +252,7 @@ class Transport:
                           authenticated=False, request_limit=min(PRE_HELLO_MAX_FRAME, self.config.max_frame),
                           reply_limit=self.config.max_frame, peer_ip=ip,
                           tls=writer.get_extra_info("ssl_object") is not None,
+                          certificate=certificate_subject(writer.get_extra_info("peercert")),
                           opened=asyncio.get_running_loop().time())
         self._live[session.number] = session
         self.stats.connections += 1
@@ -403,7 +413,7 @@ class Transport:
         with self.stats.lock:
             self.stats.closed["idle_timeout"] += 1
         log.info("%s: connection %d (%s, %s) idle for %gs; closing it (its open UOW is backed out)",
-                 self.host.name, session.number, session.peer, session.client_name or "no name",
+                 self.host.name, session.number, session.peer, session.named,
                  self.config.idle_timeout_s)
 
     def _unauthenticated_refusal(self, session: Session, reason: str) -> None:

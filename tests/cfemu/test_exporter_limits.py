@@ -13,6 +13,7 @@ import urllib.request
 from prometheus_client.core import GaugeMetricFamily
 
 from cfemu.exposition import serve
+from tests.support.raw_sockets import closed_by_server
 
 
 class _One:
@@ -20,16 +21,6 @@ class _One:
         g = GaugeMetricFamily("probe_value", "a value")
         g.add_metric([], 1.0)
         yield g
-
-
-def closed_by_server(s: socket.socket, within: float) -> bool:
-    s.settimeout(within)
-    try:
-        return s.recv(1024) == b""
-    except ConnectionResetError:
-        return True
-    except TimeoutError:
-        return False
 
 
 def test_the_exporters_server_caps_connections_and_times_idle_ones_out() -> None:

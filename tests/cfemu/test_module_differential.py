@@ -462,6 +462,12 @@ HAND_MADE_DESCRIPTORS = {
     # {"pr": {"k": 1, "k": 2}}: the properties' map written by hand in place of the empty one ("pr" then 0x80)
     "a property given twice": _descriptor().replace(b"\xa2pr\x80", b"\xa2pr\x82\xa1k\x01\xa1k\x02"),
     "a property of -2**63 as a float": _descriptor(pr={"f": -2.0**63, "g": -9.21e18, "h": 2.0**63}),
+    # Map headers the product does not write for so few items (its 16 fields are a map16): each reader of a map in
+    # the module reads its header in one place (map_header), a descriptor's map32 left to the script.
+    "a descriptor as a map32": b"\xdf\x00\x00\x00\x10" + _descriptor()[3:],
+    "the properties as a map16": _descriptor().replace(b"\xa2pr\x80", b"\xa2pr\xde\x00\x01\xa1k\x01"),
+    "the properties as a map32": _descriptor().replace(b"\xa2pr\x80", b"\xa2pr\xdf\x00\x00\x00\x01\xa1k\x01"),
+    "a cut map32 header": b"\xdf\x00\x00",
 }
 
 

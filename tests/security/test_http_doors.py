@@ -18,39 +18,16 @@ from typing import Any
 import pytest
 
 from sqm.service.client import Client
+from tests.support.raw_sockets import closed_by_server, exchange
 from tests.support.service_proc import TOKEN, ServerProc, fresh_group, start_server
 
 REST = "/ibmmq/rest/v3/messaging/qmgr/QM1/queue/Q1/message"
 
 
-def raw(port: int, data: bytes, wait: float = 5.0) -> bytes:
-    """Send ``data`` on a new connection and read until the server closes it (or ``wait`` passes)."""
-    with socket.create_connection(("127.0.0.1", port), timeout=wait) as s:
-        s.sendall(data)
-        out = b""
-        try:
-            while chunk := s.recv(65536):
-                out += chunk
-        except TimeoutError:
-            pass
-    return out
-
-
 def rest_request(port: int, method: str) -> bytes:
     auth = "Basic " + base64.b64encode(f"x:{TOKEN}".encode()).decode()
-    return raw(port, (f"{method} {REST} HTTP/1.1\r\nHost: x\r\nAuthorization: {auth}\r\n"
+    return exchange(port, (f"{method} {REST} HTTP/1.1\r\nHost: x\r\nAuthorization: {auth}\r\n"
                       "ibm-mq-rest-csrf-token: 1\r\nConnection: close\r\n\r\n").encode())
-
-
-def closed_by_server(s: socket.socket, within: float) -> bool:
-    """Whether the server closes ``s`` (EOF or reset) within ``within`` seconds."""
-    s.settimeout(within)
-    try:
-        return s.recv(1024) == b""
-    except ConnectionResetError:
-        return True
-    except TimeoutError:
-        return False
 
 
 def rest_member(redis_server: Any, tmp_path: Path, *args: str) -> tuple[ServerProc, int]:
@@ -127,7 +104,7 @@ def test_malformed_requests_do_not_flood_the_members_log(redis_server: Any, tmp_
     srv, port = rest_member(redis_server, tmp_path)
     try:
         for _ in range(20):
-            reply = raw(port, b"GET /" + b"Q" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", wait=3)
+            reply = exchange(port, b"GET /" + b"Q" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", wait=3)
             assert reply.startswith((b"HTTP/1.1 4", b"HTTP/1.0 4")) or reply == b""
         assert rest_request(port, "GET").startswith(b"HTTP/1.1 204 ")
     finally:
@@ -156,7 +133,7 @@ def test_metrics_port_connections_are_capped(redis_server: Any, tmp_path: Path) 
         extra.close()
         for s in held:
             assert closed_by_server(s, 3.0)
-        assert b" 200 " in raw(srv.metrics_port, b"GET /healthz HTTP/1.0\r\n\r\n").split(b"\r\n")[0]
+        assert b" 200 " in exchange(srv.metrics_port, b"GET /healthz HTTP/1.0\r\n\r\n").split(b"\r\n")[0]
     finally:
         for s in held:
             s.close()

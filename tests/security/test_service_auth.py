@@ -29,7 +29,8 @@ from cfemu.admin import Admin
 from cfemu.connection import connect
 from sqm.service import protocol
 from sqm.service.client import Client
-from sqm.service.protocol import HEADER, NotAuthorizedError, encode_frame, recv_frame
+from sqm.service.protocol import HEADER, NotAuthorizedError
+from tests.support.fake_member import FakeMember
 from tests.support.group import define_group
 from tests.support.harness import lose_cf
 from tests.support.service_proc import Raw, ServerProc, http_get, start_server
@@ -219,30 +220,19 @@ def test_a_captured_handshake_is_useless(group: tuple[ServerProc, dict[str, str]
 def test_a_server_that_does_not_hold_the_token_is_refused_by_the_client(tmp_path: Path) -> None:
     """The handshake is mutual: an impostor that answers every auth with ok (it cannot know the token, so its own
     proof is made up) is refused by the client before any request is sent to it."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    seen: list[str] = []
+    def proves_nothing(req: dict[str, Any]) -> dict[str, Any]:
+        if req["op"] == "auth":
+            return {"role": "application", "proof": os.urandom(32), "epoch": 1}
+        return {"qmgr": "QM1", "version": 3, "max_frame": 2**20, "session": 1,
+                "auth": {"required": True, "methods": ["hmac-sha256"], "nonce": os.urandom(32)}}
 
-    def impostor() -> None:
-        conn, _ = listener.accept()
-        with conn:
-            while True:
-                try:
-                    req = recv_frame(conn, 2**20)
-                except (ConnectionError, OSError):
-                    return
-                seen.append(req["op"])
-                result: dict[str, Any] = {"qmgr": "QM1", "version": 3, "max_frame": 2**20, "session": 1,
-                                          "auth": {"required": True, "methods": ["hmac-sha256"],
-                                                   "nonce": os.urandom(32)}}
-                if req["op"] == "auth":
-                    result = {"role": "application", "proof": os.urandom(32), "epoch": 1}
-                conn.sendall(encode_frame({"id": req["id"], "ok": True, "result": result}))
-
-    threading.Thread(target=impostor, daemon=True).start()
-    with pytest.raises(NotAuthorizedError, match="did not prove it holds"):
-        Client(f"127.0.0.1:{listener.getsockname()[1]}", token="the-real-token", reconnect_timeout=0.5)
-    assert seen == ["hello", "auth"]  # no request was sent to it
-    listener.close()
+    impostor = FakeMember(proves_nothing)
+    try:
+        with pytest.raises(NotAuthorizedError, match="did not prove it holds"):
+            Client(impostor.endpoint, token="the-real-token", reconnect_timeout=0.5)
+        assert impostor.ops() == ["hello", "auth"]  # no request was sent to it
+    finally:
+        impostor.close()
 
 
 @pytest.mark.slow
