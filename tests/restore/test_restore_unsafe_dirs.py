@@ -6,33 +6,17 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from cfemu.admin import Admin
-from restore.cli import main
 from sqm.core.manager import QueueManager
-from tests.restore.test_restore import S, small_workload
+from tests.restore import test_cli
+from tests.restore.test_restore import S
 
-
-@pytest.fixture
-def group(redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[QueueManager]]:
-    logs, backups = tmp_path / "logs", tmp_path / "backups"
-    monkeypatch.setenv("REDIS_URL", redis_url)
-    monkeypatch.setenv("CFEMU_BACKUP_DIR", str(backups))
-    monkeypatch.setenv("CFEMU_LOG_ROOT", str(logs))
-    qms, _ = small_workload(redis_url, logs, backups)
-    yield qms
-    for qm in qms:
-        qm.stop()
-
-
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    rc = main(list(argv))
-    out, err = capsys.readouterr()
-    return rc, out, err
+group = test_cli.group  # the fixture: three members with a small workload, the CLI's environment
+run = test_cli.run
 
 
 def backups_of(tmp_path: Path) -> list[str]:
