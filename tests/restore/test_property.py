@@ -949,7 +949,7 @@ def test_random_histories_restored_by_the_columnar_engine(redis_url: str, tmp_pa
     assert s["CF losses"] >= 3 and s["structure failures"] >= 2 and s["peer recoveries"] >= 10, s
 
 
-@pytest.mark.deep  # the default suite runs the first 16 of these (above)
+@pytest.mark.deep  # the default suite runs 16 of these histories (above)
 @pytest.mark.timeout(900)
 def test_more_random_histories_restored_by_the_columnar_engine(redis_url: str, tmp_path: Path) -> None:
     machine = make_machine(redis_url, tmp_path, engine="columnar")
