@@ -8,8 +8,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
-from typing import cast
 
 import pytest
 
@@ -140,26 +138,3 @@ def test_under_xdist_the_tests_longest_in_the_previous_run_are_handed_out_first(
     assert done.returncode == 0 and "4 passed" in done.stdout, done.stdout + done.stderr
     order = [int(n) for n in (tmp_path / "order").read_text().split()]
     assert order == ([0, 1, 2, 3] if previous is None else [3, 0, 1, 2])  # 0: the mean, 17.7 s
-
-
-def test_without_a_durations_file_of_its_own_a_run_takes_the_committed_snapshot_of_the_same_name(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A fresh clone has no var/test-durations-TIER.txt: the order comes from tests/support/durations/ (the
-    longest tests first, as in a run that has one); once a run wrote its own, that one is read."""
-    from tests.support import workers
-    snapshots = tmp_path / "snapshots"
-    snapshots.mkdir()
-    (snapshots / "d.txt").write_text("# header\n   30.000  passed   gw0   t.py::long\n")
-    monkeypatch.setattr(workers, "SNAPSHOT_DIR", snapshots)
-    config = cast(pytest.Config, SimpleNamespace(getoption=lambda name, default=None: "var/d.txt",
-                                                 invocation_params=SimpleNamespace(dir=tmp_path)))
-    assert workers.previous_durations(config) == {"t.py::long": 30.0}
-    (tmp_path / "var").mkdir()
-    (tmp_path / "var" / "d.txt").write_text("# header\n    1.000  passed   gw0   t.py::short\n")
-    assert workers.previous_durations(config) == {"t.py::short": 1.0}
-
-
-def test_the_committed_slow_tier_snapshot_names_the_tiers_tests() -> None:
-    from tests.support.workers import SNAPSHOT_DIR, read_durations
-    snapshot = read_durations(SNAPSHOT_DIR / "test-durations-slow.txt")
-    assert len(snapshot) > 100 and all(node.startswith("tests/") for node in snapshot)

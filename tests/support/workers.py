@@ -14,9 +14,8 @@ per group, one per test otherwise. A test is in a group
 Units are handed out as workers free up, the longest first: a unit's length is the sum of its tests' durations in
 the tier's durations file of the previous run (``--durations-file``, tests/support/tiers.py; a test it does not name
 counts as the mean of those it does), so that no worker is left alone with a long test at the end of the run while
-the others stand idle. Without that file (a fresh clone): the committed snapshot of the same name in
-tests/support/durations/; without either, the larger units first (xdist's scope scheduling), then the single tests
-in their collection order. Each worker has its own session fixtures (the group's CF), temporary directories and so
+the others stand idle. Without that file: the larger units first (xdist's scope scheduling), then the single tests in
+their collection order. Each worker has its own session fixtures (the group's CF), temporary directories and so
 ports.
 
 (xdist's own ``--dist loadgroup`` reads the same mark, but with pytest 9.2 it groups nothing: it renames the node
@@ -63,20 +62,15 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     os.replace(tmp, path)  # every worker collects the same tests: any one's file will do
 
 
-# Each tier's durations as a run on the project's 2-core machine left them, committed: the order of a run with no
-# durations file of its own (a fresh clone, CI), where the longest tests would otherwise be handed out in
-# collection order and one could start last, leaving a worker alone with it at the end. A newer var/ file of the
-# same name, written by every `make test`, takes its place. Refresh it by copying var/test-durations-TIER.txt here
-# when the tier's longest tests change.
-SNAPSHOT_DIR = Path(__file__).parent / "durations"
-
-
-def read_durations(path: Path) -> dict[str, float]:
-    """Node id -> seconds, from a durations file (tests/support/tiers.py writes them); empty when there is none,
-    or it cannot be read."""
+def previous_durations(config: pytest.Config) -> dict[str, float]:
+    """Node id -> seconds, from the durations file this run will write, as the previous run left it (empty when
+    there is none, or it cannot be read)."""
+    path = config.getoption("durations_file", None)
+    if not path:
+        return {}
     durations: dict[str, float] = {}
     try:
-        with path.open() as f:
+        with (config.invocation_params.dir / path).open() as f:
             for line in f:
                 fields = line.split(None, 3)  # seconds, outcome, worker, node id (which may hold spaces)
                 if len(fields) == 4 and not line.startswith("#"):
@@ -84,15 +78,6 @@ def read_durations(path: Path) -> dict[str, float]:
     except (OSError, ValueError):
         return {}
     return durations
-
-
-def previous_durations(config: pytest.Config) -> dict[str, float]:
-    """Node id -> seconds, from the durations file this run will write, as the previous run left it; without one,
-    from the committed snapshot of the same name (SNAPSHOT_DIR); empty when neither can be read."""
-    path = config.getoption("durations_file", None)
-    if not path:
-        return {}
-    return read_durations(config.invocation_params.dir / path) or read_durations(SNAPSHOT_DIR / Path(path).name)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
