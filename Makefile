@@ -58,11 +58,15 @@ test: venv
 	$(BIN)/pytest -q --tier timed --durations-file=var/test-durations-timed.txt $(PYTEST_ARGS)
 
 # The longest checks, beyond the default suite's (tests marked deep): the exhaustive model check on the CF's Lua
-# scripts (the specification the server module is held to; the default suite checks the module), the restore
-# property test's longest run (the local engine's 200 histories; the default suite runs the columnar engine's 40),
-# the Spark engine against the local one on more random histories (the default suite plans 8 of each kind),
-# Spark's memory bounds, the C paths under the debug allocator and 1,500 corrupted descriptors. About 4-6
-# minutes on 2 cores; .ci/run runs it after `make test`.
+# scripts (the specification the server module is held to; the default suite checks the module), and on the module
+# every interleaving of the model's four longer scenarios (the default suite runs every one of the two shorter ones
+# and 500 random schedules of each longer one; and of the backup beside a half-applied outcome, where it runs 200),
+# the restore property test's longest run (the local engine's 200 histories) and the columnar engine's 40 (the
+# default suite runs 16), the Spark engine against the local one on more random histories (the default suite plans 4
+# of each kind), the partitioned and columnar engines' differential tests on 25-30 more histories (the default suite
+# runs 8-12), the log-pruning property's 15 more histories (the default suite runs 6), Spark's memory bounds, the C
+# paths under the debug allocator and 1,500 corrupted descriptors. About 6-8 minutes on 2 cores; .ci/run runs it
+# after `make test`.
 deep-test: export PYTHONPYCACHEPREFIX := $(abspath $(VENV))/pycache
 deep-test: export PYTHONDONTWRITEBYTECODE :=
 deep-test: venv

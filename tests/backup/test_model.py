@@ -38,7 +38,9 @@ members stalled anywhere): the restore equals what the CF and the logs say must 
 in-commit work completed; in-flight work backed out; logged puts outside syncpoint kept).
 Reduction: sleep sets (tests/backup/model/scheduler.py) with one independence: a member's log-only step (it reads the
 CF and its clock, and appends to its own log) commutes with a backup snapshot or fetch (which only read the CF):
-one schedule per class of equivalent schedules is run, every reachable state is visited. Also, a put or get
+one schedule per class of equivalent schedules is run, every reachable state is visited. Every interleaving of the
+four longer scenarios (about 3,000 each) is the deep tier's (make deep-test); the default suite runs every one of
+the two shorter ones and 500 random schedules of each longer one, with the same checks. Also, a put or get
 inside a UOW is one step with its log record (CF first, then the record: nothing else reads a log before the CF
 is lost, and the restore reads a fetch's pipelined descriptor and data as one atomic read).
 The floor refusal (FloorError: relog, retry) is modelled but no schedule here reaches it: with puts outside
@@ -85,7 +87,7 @@ from tests.backup.model.actors import (
     restored_rows,
     run_to_end,
 )
-from tests.backup.model.scheduler import Exploration, Stop, explore
+from tests.backup.model.scheduler import Exploration, Stop, explore, sample
 
 MEMBERS = (("QM1", 0), ("QM2", -5_000_000))
 
@@ -215,7 +217,8 @@ class Result:
 
 
 def check(client: redis.Redis, scenario: Scenario, mutation: Mutation | None = None, *,
-          stop_at_first: bool = False) -> Result:
+          stop_at_first: bool = False, samples: int | None = None) -> Result:
+    """Every interleaving (one per equivalence class); with `samples`, that many random schedules instead."""
     group = Group(client, MEMBERS)
     mutation = mutation or Mutation()
     current: list[World] = []
@@ -244,10 +247,14 @@ def check(client: redis.Redis, scenario: Scenario, mutation: Mutation | None = N
         run_check(check_complete, "end", trace)
 
     t0 = time.monotonic()
-    ex = explore(start, on_leaf=on_leaf, on_node=on_node, independent=independent)
+    if samples is None:
+        ex = explore(start, on_leaf=on_leaf, on_node=on_node, independent=independent)
+        how = f"one per equivalence class; {ex.sleep_blocked} redundant branches cut"
+    else:
+        ex = sample(start, schedules=samples, seed=SAMPLE_SEED, on_leaf=on_leaf, on_node=on_node)
+        how = f"distinct, of {samples} drawn at random"
     result = Result(ex, findings, time.monotonic() - t0, schedules)
-    print(f"{scenario.__name__}: {ex.interleavings} interleavings (one per equivalence class; "
-          f"{ex.sleep_blocked} redundant branches cut), {ex.nodes} intermediate states checked, "
+    print(f"{scenario.__name__}: {ex.interleavings} interleavings ({how}), {ex.nodes} intermediate states checked, "
           f"longest schedule {ex.longest} steps, {result.seconds:.1f}s, {len(findings)} findings")
     return result
 
@@ -276,24 +283,39 @@ EXPECTED = {"lifecycle": 3376, "redelivery": 3283, "get_before_backup": 130, "pu
             "fused": 3070, "expiry": 2710}
 
 
-# The complete explorations (no mutation) this process ran, by scenario: a test that looks at the schedules of one
-# that a test before it checked takes them from here rather than exploring them again (fused: 3070 schedules).
-_EXPLORED: dict[str, Result] = {}
+# Random schedules drawn per scenario where the default suite samples instead of running every interleaving (the
+# deep tier runs every one), and the generator's seed (the same schedules every run). 500 draws run about 450
+# distinct schedules of each scenario in 5-15 s, against 40-90 s for all of them; the mutation test below shows
+# they find the lost message the lifecycle's every-interleaving check finds.
+SAMPLES = 500
+SAMPLE_SEED = 1
+
+# The explorations (no mutation) this process ran, by scenario and sample count (None: every interleaving): a
+# test that looks at the schedules of one that a test before it checked takes them from here rather than
+# running them again.
+_EXPLORED: dict[tuple[str, int | None], Result] = {}
 
 
-def explored(client: redis.Redis, scenario: Scenario) -> Result:
-    if scenario.__name__ not in _EXPLORED:
-        _EXPLORED[scenario.__name__] = check(client, scenario)
-    return _EXPLORED[scenario.__name__]
+def explored(client: redis.Redis, scenario: Scenario, samples: int | None = None) -> Result:
+    key = (scenario.__name__, samples)
+    if key not in _EXPLORED:
+        _EXPLORED[key] = check(client, scenario, samples=samples)
+    return _EXPLORED[key]
 
 
 # The tests that look at the fused scenario's schedules run on one worker, after its check (collection order).
 FUSED_SCHEDULES = pytest.mark.xdist_group("backup-model-fused")
+# Every interleaving of the longer scenarios (3,000 and more each, 40-90 s a scenario): the deep tier's; the
+# default suite runs SAMPLES random ones of each (below) and every interleaving of the two shorter ones.
+EVERY_INTERLEAVING_IS_DEEP = pytest.mark.deep
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scenario", [lifecycle, redelivery, get_before_backup, put_outside_syncpoint,
-                                      pytest.param(fused, marks=FUSED_SCHEDULES), expiry],
+@pytest.mark.parametrize("scenario", [pytest.param(lifecycle, marks=EVERY_INTERLEAVING_IS_DEEP),
+                                      pytest.param(redelivery, marks=EVERY_INTERLEAVING_IS_DEEP),
+                                      get_before_backup, put_outside_syncpoint,
+                                      pytest.param(fused, marks=EVERY_INTERLEAVING_IS_DEEP),
+                                      pytest.param(expiry, marks=EVERY_INTERLEAVING_IS_DEEP)],
                          ids=lambda s: s.__name__)
 def test_backup_loses_nothing_under_any_interleaving(client: redis.Redis, scenario: Scenario) -> None:
     # The product's CF: the module's commands where the build made the module.
@@ -302,6 +324,27 @@ def test_backup_loses_nothing_under_any_interleaving(client: redis.Redis, scenar
     assert not result.findings, "\n".join(str(f) for f in result.findings[:3])
     assert result.exploration.interleavings == EXPECTED[scenario.__name__]
     assert result.exploration.nodes > result.exploration.interleavings
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario", [lifecycle, redelivery, pytest.param(fused, marks=FUSED_SCHEDULES), expiry],
+                         ids=lambda s: s.__name__)
+def test_backup_loses_nothing_under_random_interleavings(client: redis.Redis, scenario: Scenario) -> None:
+    """The same checks on SAMPLES random schedules of each longer scenario (every interleaving: deep tier)."""
+    assert server_module.path() is None or server_module.loaded_ops(client) == server_module.COMMANDS
+    result = explored(client, scenario, SAMPLES)
+    assert not result.findings, "\n".join(str(f) for f in result.findings[:3])
+    assert result.exploration.interleavings > SAMPLES // 2  # not the same few schedules drawn again and again
+    assert result.exploration.nodes > result.exploration.interleavings
+
+
+@pytest.mark.slow
+def test_random_interleavings_find_the_message_lost_without_the_patents_exception(client: redis.Redis) -> None:
+    """The sample is not blind: without the patent's exception the lifecycle's random schedules lose m1, as its
+    every-interleaving check (test_checker_catches_backout_without_data) finds."""
+    result = check(client, lifecycle, Mutation(no_backout_data=True), stop_at_first=True, samples=SAMPLES)
+    assert result.findings, "the random schedules missed the lost message"
+    assert "lost ['m1']" in result.findings[0].problem, str(result.findings[0])
 
 
 @pytest.mark.deep  # the default suite checks the product's CF (the module where built: above)
@@ -353,7 +396,7 @@ def test_fused_puts_below_the_floor_are_made_again_above_it(client: redis.Redis)
     """The slow-clocked member's put_committed meets the floor of the backup begun before it (some schedules): it is
     logged backed out and made again as a new UOW above the floor, and nothing is lost or doubled (the scenario's
     check); the exploration reaches that path."""
-    traces = explored(client, fused).schedules
+    traces = explored(client, fused, SAMPLES).schedules
     assert any(any("put_committed below the floor" in step for step in t) for t in traces)
     assert any(not any("below the floor" in step for step in t) for t in traces)
 

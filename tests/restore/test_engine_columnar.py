@@ -69,11 +69,26 @@ def test_the_default_engine_is_the_columnar_one_where_its_readers_were_built(
     assert get_engine(workers=1).name == "local"
 
 
-@settings(max_examples=25, derandomize=True, database=None, deadline=None,
+# The differential tests below run 10 and 8 of the generator's histories in the default suite; their deep twins
+# (`make deep-test`) 25 and 20 more.
+@settings(max_examples=10, derandomize=True, database=None, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**32 - 1), steps=st.integers(0, 120))
 def test_columnar_plans_equal_the_in_memory_plan(tmp_path_factory: pytest.TempPathFactory, seed: int,
                                                  steps: int) -> None:
+    plan_like_the_reference(tmp_path_factory, seed, steps)
+
+
+@pytest.mark.deep
+@settings(max_examples=25, derandomize=True, database=None, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1), steps=st.integers(0, 120))
+def test_columnar_plans_equal_the_in_memory_plan_on_more_histories(tmp_path_factory: pytest.TempPathFactory,
+                                                                   seed: int, steps: int) -> None:
+    plan_like_the_reference(tmp_path_factory, seed, steps)
+
+
+def plan_like_the_reference(tmp_path_factory: pytest.TempPathFactory, seed: int, steps: int) -> None:
     h = simulate(random.Random(seed), steps)
     root = tmp_path_factory.mktemp("history")
     backup, log_dirs = write_history(h, root)
@@ -81,11 +96,24 @@ def test_columnar_plans_equal_the_in_memory_plan(tmp_path_factory: pytest.TempPa
         reference(backup, log_dirs, h.replay_from))
 
 
-@settings(max_examples=20, derandomize=True, database=None, deadline=None,
+@settings(max_examples=8, derandomize=True, database=None, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**32 - 1))
 def test_columnar_plans_of_histories_that_carry_a_uow_across_a_restore(tmp_path_factory: pytest.TempPathFactory,
                                                                        seed: int) -> None:
+    plan_a_carried_uow_like_the_reference(tmp_path_factory, seed)
+
+
+@pytest.mark.deep
+@settings(max_examples=20, derandomize=True, database=None, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1))
+def test_columnar_plans_of_more_histories_that_carry_a_uow_across_a_restore(
+        tmp_path_factory: pytest.TempPathFactory, seed: int) -> None:
+    plan_a_carried_uow_like_the_reference(tmp_path_factory, seed)
+
+
+def plan_a_carried_uow_like_the_reference(tmp_path_factory: pytest.TempPathFactory, seed: int) -> None:
     h = simulate(random.Random(seed), 150, carry=True)
     assume(h.carried)
     root = tmp_path_factory.mktemp("carried")

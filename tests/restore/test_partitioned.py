@@ -83,12 +83,27 @@ def three_ways(backup: Backup, log_dirs: list[Path], replay_from: int, tmp: Path
         assert list(tmp.iterdir()) == []  # every spill directory removed
 
 
+# The differential tests below run 10 and 12 of the generator's histories in the default suite; their deep twins
+# (`make deep-test`) 25 and 30 more.
 @pytest.mark.slow
-@settings(max_examples=25, derandomize=True, database=None, deadline=None,
+@settings(max_examples=10, derandomize=True, database=None, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**32 - 1), steps=st.integers(0, 120))
 def test_partitioned_plans_equal_the_in_memory_plan(tmp_path_factory: pytest.TempPathFactory, seed: int,
                                                     steps: int) -> None:
+    plan_three_ways_the_same(tmp_path_factory, seed, steps)
+
+
+@pytest.mark.deep
+@settings(max_examples=25, derandomize=True, database=None, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1), steps=st.integers(0, 120))
+def test_partitioned_plans_equal_the_in_memory_plan_on_more_histories(tmp_path_factory: pytest.TempPathFactory,
+                                                                      seed: int, steps: int) -> None:
+    plan_three_ways_the_same(tmp_path_factory, seed, steps)
+
+
+def plan_three_ways_the_same(tmp_path_factory: pytest.TempPathFactory, seed: int, steps: int) -> None:
     h = simulate(random.Random(seed), steps)
     root = tmp_path_factory.mktemp("history")
     backup, log_dirs = write_history(h, root)
@@ -402,13 +417,26 @@ def test_a_plan_interrupted_while_workers_settle_leaves_nothing(tmp_path: Path,
 
 
 @pytest.mark.slow
-@settings(max_examples=30, derandomize=True, database=None, deadline=None,
+@settings(max_examples=12, derandomize=True, database=None, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**32 - 1))
 def test_histories_that_carry_a_uow_across_a_restore_partition_the_same(tmp_path_factory: pytest.TempPathFactory,
                                                                         seed: int) -> None:
     """The generator's histories with an in-doubt UOW carried across the restore and a backup after it (simulate's
     carry): the workers' deferred records, filed once the backup is read, give the in-memory plan."""
+    partition_a_carried_uow_the_same(tmp_path_factory, seed)
+
+
+@pytest.mark.deep
+@settings(max_examples=30, derandomize=True, database=None, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1))
+def test_more_histories_that_carry_a_uow_across_a_restore_partition_the_same(
+        tmp_path_factory: pytest.TempPathFactory, seed: int) -> None:
+    partition_a_carried_uow_the_same(tmp_path_factory, seed)
+
+
+def partition_a_carried_uow_the_same(tmp_path_factory: pytest.TempPathFactory, seed: int) -> None:
     h = simulate(random.Random(seed), 150, carry=True)
     assume(h.carried)  # not vacuous: a UOW holding entries was carried (3 seeds in 300 carry none)
     root = tmp_path_factory.mktemp("carried")

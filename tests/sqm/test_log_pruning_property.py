@@ -105,14 +105,12 @@ class History:
 
 # The property and the check of its histories after it share PRUNED: one worker runs both, in file order.
 ONE_WORKER = pytest.mark.xdist_group("log-pruning-property")
+# Histories in the default suite; the deep twin below runs DEEP_EXAMPLES more.
+EXAMPLES, DEEP_EXAMPLES = 6, 15
 
 
-@pytest.mark.slow
-@ONE_WORKER
-@settings(max_examples=15, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
-@given(ops=OPS)
-def test_after_any_prune_restart_and_restore_give_the_reference_state(redis_url: str, tmp_path_factory: Any,
-                                                                     ops: list[str]) -> None:
+def prune_restart_and_restore(redis_url: str, tmp_path_factory: Any, ops: list[str]) -> int:
+    """One history; the segments it pruned."""
     root = tmp_path_factory.mktemp("history")
     lose_cf(redis.Redis.from_url(redis_url))  # each example starts from an empty CF
     h = History(redis_url, root)
@@ -126,8 +124,17 @@ def test_after_any_prune_restart_and_restore_give_the_reference_state(redis_url:
     finally:
         h.qm.stop(checkpoint=False)
     assert sum(s.records for s in LogReader(h.logs / "QM1").segments()) > 0
-    PRUNED.append(h.pruned)
     print(f"history {ops}: {h.pruned} segments pruned")
+    return h.pruned
+
+
+@pytest.mark.slow
+@ONE_WORKER
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(ops=OPS)
+def test_after_any_prune_restart_and_restore_give_the_reference_state(redis_url: str, tmp_path_factory: Any,
+                                                                     ops: list[str]) -> None:
+    PRUNED.append(prune_restart_and_restore(redis_url, tmp_path_factory, ops))
 
 
 PRUNED: list[int] = []
@@ -138,4 +145,21 @@ PRUNED: list[int] = []
 def test_the_histories_pruned_segments() -> None:
     """Runs after the property (file order): some of its histories must really have pruned segments, or the
     property proved nothing about pruning."""
-    assert len(PRUNED) == 15 and sum(1 for n in PRUNED if n) >= 5, PRUNED
+    assert len(PRUNED) == EXAMPLES and sum(1 for n in PRUNED if n) >= PRUNING_HISTORIES, PRUNED
+
+
+PRUNING_HISTORIES = 3  # of the default suite's EXAMPLES (about half of what they give: all 6 prune)
+
+
+@pytest.mark.deep
+def test_after_any_prune_of_more_histories_restart_and_restore_give_the_reference_state(
+        redis_url: str, tmp_path_factory: Any) -> None:
+    pruned: list[int] = []
+
+    @settings(max_examples=DEEP_EXAMPLES, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(ops=OPS)
+    def history(ops: list[str]) -> None:
+        pruned.append(prune_restart_and_restore(redis_url, tmp_path_factory, ops))
+
+    history()
+    assert len(pruned) == DEEP_EXAMPLES and sum(1 for n in pruned if n) >= 5, pruned

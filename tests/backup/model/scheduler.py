@@ -17,10 +17,15 @@ subtrees of its later siblings for as long as only steps independent of t are ta
 takes t there is a reordering of independent steps of one already run. So exactly one schedule per equivalence
 class (Mazurkiewicz trace) of complete schedules is run, and every reachable state is still visited; a branch
 where every unfinished actor sleeps is cut (it is counted, never checked: its completions were all run).
+
+`sample` runs a given number of random complete schedules instead (each step: an actor that can go on, drawn from a
+seeded generator), with the same callbacks: the default suite's smaller instance of a search whose every
+interleaving the deep tier runs.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -132,3 +137,57 @@ def explore(start: Callable[[], Sequence[tuple[str, Actor]]], *,
                 break
         else:
             return result
+
+
+def sample(start: Callable[[], Sequence[tuple[str, Actor]]], *, schedules: int, seed: int,
+           on_leaf: Callable[[Trace], None],
+           on_node: Callable[[Trace], None] | None = None) -> Exploration:
+    """Run `schedules` random complete schedules of the actors `start()` returns: at each step the actor to go on
+    is drawn uniformly from those that can, by a generator seeded with `seed` (the same schedules every run).
+
+    on_leaf(trace) runs after each distinct complete schedule (one drawn again is run, not checked again: it
+    ends in the same state); on_node(trace) runs once per distinct intermediate state reached (the first time a
+    schedule reaches that prefix). `interleavings` counts the distinct complete schedules."""
+    result = Exploration()
+    rnd = random.Random(seed)
+    seen_nodes: set[tuple[str, ...]] = set()
+    seen_leaves: set[tuple[str, ...]] = set()
+    for _ in range(schedules):
+        pairs = list(start())
+        names = [n for n, _ in pairs]
+        actors = [a for _, a in pairs]
+        labels: list[str | None] = [next(a, None) for a in actors]
+        trace: Trace = []
+        try:
+            while True:
+                enabled = [i for i, lab in enumerate(labels) if lab is not None]
+                if not enabled:
+                    break
+                choice = rnd.choice(enabled)
+                trace.append(f"{names[choice]}: {labels[choice]}")
+                labels[choice] = next(actors[choice], None)
+                result.steps += 1
+                if on_node is not None and any(lab is not None for lab in labels):
+                    node = tuple(trace)
+                    if node not in seen_nodes:
+                        seen_nodes.add(node)
+                        result.nodes += 1
+                        on_node(trace)
+            leaf = tuple(trace)
+            if leaf in seen_leaves:  # drawn before: the same state, checked then
+                continue
+            seen_leaves.add(leaf)
+            result.interleavings += 1
+            result.longest = max(result.longest, len(trace))
+            if len(result.first_leaves) < 3:
+                result.first_leaves.append(list(trace))
+            on_leaf(trace)
+        except Stop:
+            result.stopped = True
+            return result
+        finally:
+            for a in actors:
+                close = getattr(a, "close", None)
+                if close is not None:
+                    close()
+    return result
