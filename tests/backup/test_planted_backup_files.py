@@ -40,6 +40,10 @@ NESTED = b"[" * 100_000 + b"]" * 100_000  # 200 kB: exhausts json's recursion, n
 # Memory a reader may use with a 1 GiB manifest or report planted: the interpreter and its imports take about
 # 100 MB; reading the planted file whole would take more than 1 GB.
 RSS_BOUND_KB = 400_000
+# The probe's own peak (VmHWM of its address space): ru_maxrss would carry its parent's, the test worker's, over
+# the fork and exec that started it.
+PEAK_KB = ("def peak_kb():\n    for line in open('/proc/self/status'):\n        if line.startswith('VmHWM:'):\n"
+           "            return int(line.split()[1])\n")
 
 
 def _planted_id(hours_from_now: float, suffix: str = "abcdef") -> str:
@@ -96,10 +100,10 @@ def test_a_huge_sparse_manifest_is_refused_without_reading_it(tmp_path: Path) ->
     root = tmp_path / "bk"
     planted = _planted_id(0)
     mpath = _plant(root, planted, size=2**30)
-    probe = ("import json, resource, sys; from pathlib import Path; from backup.catalog import list_backups; "
+    probe = (PEAK_KB + "import json, sys; from pathlib import Path; from backup.catalog import list_backups; "
              "rows = list_backups(Path(sys.argv[1]), 'APP1'); "
              "print(json.dumps({'rows': [[b.state, b.problem] for b in rows], "
-             "'maxrss_kb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))")
+             "'maxrss_kb': peak_kb()}))")
     out = json.loads(subprocess.run([sys.executable, "-c", probe, str(root)], capture_output=True, text=True,
                                     check=True, timeout=120).stdout)
     [[state, problem]] = out["rows"]
@@ -124,11 +128,11 @@ def test_a_huge_sparse_restore_report_is_not_read_by_the_console(tmp_path: Path)
     with (root / S / "restore-20261130T000001000000Z.json").open("wb") as f:
         f.truncate(2**30)
     (root / S / "restore-20261130T000002000000Z.json").write_bytes(NESTED)
-    probe = ("import json, resource, sys; from pathlib import Path; from qsg.console.snapshot import _restores_part; "
+    probe = (PEAK_KB + "import json, sys; from pathlib import Path; from qsg.console.snapshot import _restores_part; "
              "from qsg.console.source import GroupSource; snap = {'restores': []}; "
              "_restores_part(GroupSource(where={'backup_dir': Path(sys.argv[1])}), snap); "
              "print(json.dumps({'reports': [r['report'] for r in snap['restores']], "
-             "'maxrss_kb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))")
+             "'maxrss_kb': peak_kb()}))")
     out = json.loads(subprocess.run([sys.executable, "-c", probe, str(root)], capture_output=True, text=True,
                                     check=True, timeout=120).stdout)
     assert out["reports"] == ["restore-20261130T000000000000Z.json"]  # the good one, the planted ones skipped
