@@ -325,16 +325,26 @@ class Admin:
         return self._run("heartbeat", [keys.lease(member), EPOCHS], [member, epoch, lease_ms])
 
     def leave(self, member: str) -> None:
-        """Clean shutdown: no lease, no recovery needed (the member's log shows no open work)."""
-        self.redis.delete(keys.lease(member))
-        self.redis.hdel(MEMBERS, member)
+        """Clean shutdown: no lease, no recovery needed (the member's log shows no open work). The lease and the
+        listing go in one step: a peer never sees the member listed without a lease (lapsed) and recovers it."""
+        if duplex.pair_of(self.redis) is not None:
+            duplex.run_confirmed(self.redis, [("MULTI",), ("DEL", keys.lease(member)), ("HDEL", MEMBERS, member),
+                                              ("EXEC",)])
+            return
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.delete(keys.lease(member))
+        pipe.hdel(MEMBERS, member)
+        pipe.execute()
 
     def fence(self, member: str, *, repair_ms: int = 5000) -> int:
         """Bump a lapsed member's epoch so that every CF call it makes with the old one is refused. Returns 0, and
-        changes nothing, when the member holds a lease again (it restarted since it was seen lapsed). A lease key
+        changes nothing, when the member holds a lease again (it restarted since it was seen lapsed) or is no longer
+        listed (it left the group, or a peer recovered it, since it was seen lapsed). A lease key
         that holds anything but a lease (another type, no time to live) fences nobody: it is replaced by a lease
         of ``repair_ms`` and 0 returned (admin_fence.lua)."""
-        epoch = self._run("fence", [keys.lease(member), EPOCHS], [member, int(time.time() * 1000), repair_ms])
+        epoch = self._run("fence", [keys.lease(member), EPOCHS, MEMBERS], [member, int(time.time() * 1000), repair_ms])
+        if epoch == -2:  # it left (or was recovered) after the caller listed it: nobody to fence
+            return 0
         if epoch < 0:
             log.warning("the lease key of member %s held no lease (another type, or no time to live): replaced by a "
                         "lease of %d ms; the member is not fenced", member, repair_ms)

@@ -295,7 +295,7 @@ def recover_peer(qm: RecoveringMember, failed: str) -> PeerRecoveryReport | None
     rep = PeerRecoveryReport(failed, qm.name)
     epoch = qm.admin.fence(failed, repair_ms=qm.config.lease_ms)
     if not epoch:
-        log.info("%s: %s holds a lease again (it restarted): nothing to recover", qm.name, failed)
+        log.info("%s: %s holds a lease again (it restarted) or left the group: nothing to recover", qm.name, failed)
         return rep
     log_dir = qm.config.log_root / failed
     if not log_dir.is_dir():
