@@ -687,6 +687,9 @@ class Connection(UnitOfWorkScope):
         uow, self.uow = self.uow, None
         if uow is None:
             return
+        if uow.state == INDOUBT:  # its coordinator decides it (QueueManager.resolve), not the application
+            self.uow = uow
+            raise InDoubtError(f"unit of work {uow.id} is prepared: resolve it through the coordinator")
         if uow.operations == 0 and not uow.doomed:
             self.qm.forget(uow)
             return
@@ -697,6 +700,7 @@ class Connection(UnitOfWorkScope):
         QueueManager.resolve(uow_id, commit) later, also after a restart. Returns the UOW id. After the PREPARE is
         forced each structure of the UOW is asked how it stands (QueueManager.confirm_prepared, one CF round trip a
         structure): one a restore may rebuild without this PREPARE refuses the vote (BackedOutError)."""
+        check_xid(xid)  # before anything: a refused prepare leaves the unit of work open, as it was
         uow, self.uow = self.uow, None
         if uow is None:
             raise BadRequestError("no unit of work to prepare")
@@ -718,6 +722,24 @@ class Connection(UnitOfWorkScope):
             self.backout()
 
 
+# An XA transaction id as a coordinator writes it: its format id, global transaction id and branch qualifier (at
+# most 64 bytes each) in hex with separators fit in 300 characters. The xid is logged in the PREPARE record, kept
+# while the unit of work is in doubt and carried by every in-doubt listing: unbounded, one application's xids
+# could make the operator's listing too long for any reply.
+XID_MAX_CHARS = 300
+
+
+def check_xid(xid: object) -> None:
+    """Refuse an xid that is not 1 to XID_MAX_CHARS printable ASCII characters (an empty one would let anyone
+    naming no xid resolve the unit of work as its own)."""
+    if not isinstance(xid, str) or not xid:
+        raise BadRequestError("prepare: the xid must be a non-empty string")
+    if len(xid) > XID_MAX_CHARS:
+        raise BadRequestError(f"prepare: the xid is {len(xid)} characters long; at most {XID_MAX_CHARS}")
+    if not (xid.isascii() and xid.isprintable()):
+        raise BadRequestError("prepare: the xid must be printable ASCII characters")
+
+
 def _batch_error(e: BaseException, index: int) -> MQError:
     """The refusal of message ``index`` of a batch, as the MQError a single call would have raised."""
     if isinstance(e, MQError):
@@ -725,4 +747,4 @@ def _batch_error(e: BaseException, index: int) -> MQError:
     return StructureFailedError(f"message {index} of the batch: the CF refused it: {e}")
 
 
-__all__ = ["BatchResult", "Connection", "Message", "PutSpec"]
+__all__ = ["XID_MAX_CHARS", "BatchResult", "Connection", "Message", "PutSpec", "check_xid"]

@@ -709,14 +709,30 @@ class Outcomes:
     def resolve(self, uow_id: str, commit: bool, *, check: Callable[[UnitOfWork], None] | None = None) -> None:
         """Resolve an in-doubt UOW (the external coordinator's decision), also after a restart. check (a caller's
         authorization: it raises to refuse) is run on the UOW found in doubt, before anything is done: a check made
-        by the caller beforehand could find the UOW not yet in doubt and let it through."""
+        by the caller beforehand could find the UOW not yet in doubt and let it through.
+
+        A UOW has one decision: the first resolve claims it (found in doubt and claimed in one step) and any other
+        is refused until the claim ends. A claim ends without a decision only when none was logged (the check
+        refused, or the log could not be written, which stops the member's further decisions): then the UOW is
+        still in doubt and may be resolved again. Two resolves both logged would leave COMMIT and BACKOUT in the
+        log, and a restore follows the last one (restore.settle), whatever the CF applied."""
         with self.uow_lock:
             uow = self.uows.get(uow_id)
-        if uow is None or uow.state != INDOUBT:
-            raise BadRequestError(f"unit of work {uow_id} is not in doubt on {self.name}")
-        if check is not None:
-            check(uow)
-        self.complete(uow, commit, reason="resolved by coordinator")
+            if uow is None or uow.state != INDOUBT:
+                raise BadRequestError(f"unit of work {uow_id} is not in doubt on {self.name}")
+            if uow.resolving:
+                raise BadRequestError(f"unit of work {uow_id} is being resolved on {self.name}: it takes one "
+                                      "resolution")
+            uow.resolving = True
+        try:
+            if check is not None:
+                check(uow)
+            self.complete(uow, commit, reason="resolved by coordinator")
+        except BaseException:
+            with self.uow_lock:
+                if uow.state == INDOUBT:  # nothing decided: the UOW may be resolved again
+                    uow.resolving = False
+            raise
 
     def retry_pending(self) -> int:
         """Try again each decided outcome the CF could not take (housekeeping's first job); returns how many went

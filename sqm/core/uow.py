@@ -49,6 +49,9 @@ class UnitOfWork:
     # When this process began it (wall-clock seconds; at restart, a UOW rebuilt from the log begins anew): its age
     # as DISPLAY CONN shows it.
     began: float = field(default_factory=time.time, compare=False)
+    # An in-doubt UOW a resolve has claimed (Outcomes.resolve): it has one decision, so a second resolve (the
+    # coordinator's and an operator's, say) is refused while the first is under way, not logged beside it.
+    resolving: bool = field(default=False, compare=False)
 
     def snapshot(self) -> dict[str, Any]:
         snap = {"st": self.state, "ss": dict(self.structures), "x": self.xid, "dl": self.decided_lrsn,

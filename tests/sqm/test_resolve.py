@@ -1,0 +1,121 @@
+"""An in-doubt unit of work has one resolution: two resolves at once (the coordinator's commit and an operator's
+heuristic backout) must not both be logged and applied, since a later restore follows the log's last decision
+whatever the CF applied (restore.settle). Real redis-server, a real log."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from cfemu.errors import BadRequestError, InDoubtError
+from sqm.core.connection import XID_MAX_CHARS
+from sqm.core.manager import QueueManager
+from sqm.log import LogReader
+from sqm.service.protocol import NotAuthorizedError
+
+DECISIONS = ("COMMIT", "BACKOUT")
+
+
+def _decisions(qm: QueueManager, uow_id: str) -> list[str]:
+    return [r["k"] for _, r in LogReader(qm.log_dir).records() if r["k"] in DECISIONS and r.get("u") == uow_id]
+
+
+def _prepared(qm: QueueManager, body: bytes, xid: str) -> str:
+    c = qm.connect()
+    c.put("Q1", body)
+    return c.prepare(xid)
+
+
+def test_a_second_resolve_while_one_is_under_way_is_refused_and_one_decision_is_logged(qm: QueueManager) -> None:
+    uow = _prepared(qm, b"prepared", "xid-race")
+    first_in, release = threading.Event(), threading.Event()
+    outcome: dict[str, object] = {}
+
+    def held_in_its_check(_uow: object) -> None:  # the first resolve's authorization check: it waits here
+        first_in.set()
+        release.wait(10)
+
+    def first() -> None:
+        try:
+            qm.resolve(uow, True, check=held_in_its_check)
+            outcome["commit"] = "ok"
+        except Exception as e:  # noqa: BLE001 - reported by the assert below
+            outcome["commit"] = repr(e)
+
+    t = threading.Thread(target=first)
+    t.start()
+    assert first_in.wait(10)
+    try:
+        with pytest.raises(BadRequestError, match="being resolved"):
+            qm.resolve(uow, False)  # an operator's backout while the coordinator's commit is under way
+    finally:
+        release.set()
+        t.join(10)
+    assert outcome["commit"] == "ok"
+    assert _decisions(qm, uow) == ["COMMIT"]
+    assert qm.connect().get("Q1").body == b"prepared"
+    with pytest.raises(BadRequestError, match="not in doubt"):
+        qm.resolve(uow, False)  # decided: nothing left to resolve
+
+
+def test_a_resolve_its_check_refuses_leaves_the_unit_of_work_to_be_resolved(qm: QueueManager) -> None:
+    uow = _prepared(qm, b"kept", "xid-mine")
+
+    def not_yours(_uow: object) -> None:
+        raise NotAuthorizedError("not prepared with that xid")
+
+    with pytest.raises(NotAuthorizedError):
+        qm.resolve(uow, False, check=not_yours)
+    assert [u.id for u in qm.indoubt()] == [uow] and _decisions(qm, uow) == []
+    qm.resolve(uow, True)  # the claim ended with the refusal: the rightful resolve goes through
+    assert _decisions(qm, uow) == ["COMMIT"]
+
+
+def test_resolves_racing_from_threads_decide_each_unit_of_work_once(qm: QueueManager) -> None:
+    """The race as the service runs it (each connection's request on its own thread), without a hold: both
+    resolves start together; exactly one is acknowledged and logged, every time."""
+    for trial in range(20):
+        uow = _prepared(qm, f"m{trial}".encode(), f"xid-{trial}")
+        start = threading.Barrier(2)
+        acked: list[bool] = []
+
+        def resolve(commit: bool, uow: str = uow, start: threading.Barrier = start, acked: list[bool] = acked) -> None:
+            start.wait()
+            try:
+                qm.resolve(uow, commit)
+                acked.append(commit)
+            except BadRequestError:
+                pass
+
+        threads = [threading.Thread(target=resolve, args=(c,)) for c in (True, False)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert len(acked) == 1, f"trial {trial}: {acked}"
+        assert _decisions(qm, uow) == ["COMMIT" if acked[0] else "BACKOUT"], trial
+
+
+def test_an_application_cannot_back_out_a_prepared_unit_of_work_it_still_holds(qm: QueueManager) -> None:
+    c = qm.connect()
+    c.put("Q1", b"x")
+    uow = c.prepare("xid-held")
+    c.uow = qm.uows[uow]  # as commit leaves it on the connection when the application tries to commit it
+    with pytest.raises(InDoubtError):
+        c.backout()
+    assert [u.id for u in qm.indoubt()] == [uow] and _decisions(qm, uow) == []
+
+
+@pytest.mark.parametrize("xid, why", [("x" * (XID_MAX_CHARS + 1), f"at most {XID_MAX_CHARS}"),
+                                      ("", "non-empty"), ("tab\there", "printable ASCII")])
+def test_an_xid_too_long_empty_or_unprintable_is_refused_and_the_unit_of_work_stays_open(
+        qm: QueueManager, xid: str, why: str) -> None:
+    c = qm.connect()
+    c.put("Q1", b"open")
+    with pytest.raises(BadRequestError, match=why):
+        c.prepare(xid)
+    assert c.uow is not None and c.uow.state == "INFLIGHT" and qm.indoubt() == []
+    assert not [r for _, r in LogReader(qm.log_dir).records() if r["k"] == "PREPARE"]
+    uow = c.prepare("x" * XID_MAX_CHARS)  # the longest xid there is: prepared
+    assert [u.id for u in qm.indoubt()] == [uow]
