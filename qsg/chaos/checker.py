@@ -43,6 +43,8 @@ Findings (each names the message ids and UOWs involved):
               ended between one fault's recovery and the next fault (or the workload's end): it served, then stopped;
   isolation   one application acting as, or reading the work of, another user: an attempt of the snoop fault
               (history op "snoop") that was not refused;
+  resolved-twice  a prepared UOW that two resolves with opposite decisions both reported done (the coordinator's
+              and an operator's heuristic one, raced: qsg.chaos.workload.Coordinator): a UOW has one decision;
   uow-*        units of work sent to a service (conversations): qsg.chaos.uowcheck has those rules.
   pub-*        publications and subscribers (durable publish and subscribe): qsg.chaos.pubsubcheck's rules.
 Operations through the REST door (``via: "rest"``: qsg.chaos.rest_actions) are puts and gets outside syncpoint like
@@ -67,7 +69,7 @@ from qsg.chaos.uowcheck import CONV_OPS, UOW_KINDS, check_uows
 
 COMMITTED, ABORTED, UNKNOWN, UNDETERMINED = "committed", "aborted", "unknown", "undetermined"
 MUST_BE_ZERO = ("lost", "undelivered", "duplicated", "phantom", "atomicity", "corrupted", "stuck",
-                "restore-foreign-cf", "restore-wiped", "purge-undone", "liveness", "isolation", *UOW_KINDS,
+                "restore-foreign-cf", "restore-wiped", "purge-undone", "liveness", "isolation", "resolved-twice", *UOW_KINDS,
                 *PUB_KINDS)
 FINDING_KINDS = (*MUST_BE_ZERO, "order", "restore-order", "resurrected", "expired")
 EXPIRY_SLACK_S = 1.0  # the server's clock reads expiry at the get, some milliseconds after the client's invoke
@@ -220,6 +222,11 @@ class Checker:
                     self.counts["deliveries with a backout count"] += 1
         for u in self.uows.values():
             self._known_outcome(u, resolves)
+        for xid, ops in sorted(resolves.items()):
+            decisions = {bool(o.args.get("commit")) for o in ops if o.outcome == "ok"}
+            if len(decisions) > 1:
+                self.find("resolved-twice", [], f"xid {xid}: committed and backed out, both reported done (ops "
+                                                 f"{', '.join(str(o.id) for o in ops if o.outcome == 'ok')})")
 
         def consumed(o: Op) -> bool:
             u = self.uows[o.args.get("uow") or f"op{o.id}"]

@@ -365,7 +365,7 @@ def run_chaos(opts: ChaosOptions, console: Console | None = None,
         group.up()
         history.note(what="group up", seconds=round(time.monotonic() - t_start, 2),
                      disk_unavailable=group.disk_unavailable)
-        coordinator = Coordinator(history, group.direct, token=group.c.token)
+        coordinator = Coordinator(history, group.direct, token=group.c.token, operator_token=group.c.operator_token)
         work = Workload(history, group.client_endpoints, coordinator, seed=opts.seed, clients=opts.clients,
                         queues=QUEUES, token=group.c.token,
                         rest_endpoints=group.rest_endpoints if opts.rest else None,

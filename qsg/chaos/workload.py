@@ -21,6 +21,7 @@ Every message has a unique id and a CRC32C of its payload, both in its body (see
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import threading
@@ -113,6 +114,10 @@ def client_plan(seed: int, client: int, queues: tuple[str, ...], *, rest: bool =
 Endpoint = tuple[str, int]
 
 
+HEURISTIC = "operator-heuristic"  # the client name of an operator's heuristic resolve (Coordinator)
+HEURISTIC_EVERY = 4
+
+
 @dataclass
 class Parked:
     """A prepared (in-doubt) UOW the coordinator resolves later."""
@@ -138,6 +143,11 @@ class Coordinator:
     decisions: dict[str, bool] = field(default_factory=dict)  # xid -> commit?
     parked: list[Parked] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # Every HEURISTIC_EVERY-th due resolve, an operator (this token) resolves the same UOW the other way at the same
+    # moment, as a heuristic decision taken while the coordinator's is under way: one of the two may succeed, never
+    # both (the checker's resolved-twice rule). None: no heuristic decisions.
+    operator_token: str | None = None
+    resolves_due: int = 0
 
     def decide(self, xid: str, commit: bool) -> None:
         with self.lock:
@@ -147,14 +157,22 @@ class Coordinator:
         with self.lock:
             self.parked.append(item)
 
-    def resolve(self, xid: str, uow: str, qmgr: str, commit: bool, *, who: str = "coordinator") -> str:
-        """One resolve attempt: ok, fail, unknown, or "away" (the owner did not answer: try again later)."""
-
+    def resolve(self, xid: str, uow: str, qmgr: str, commit: bool, *, who: str = "coordinator",
+                start: threading.Barrier | None = None) -> str:
+        """One resolve attempt: ok, fail, unknown, or "away" (the owner did not answer: try again later). The
+        heuristic one (who HEURISTIC) resolves as an operator, by the UOW's id alone; start: wait there, connected,
+        for the other resolve of the race."""
+        heuristic = who == HEURISTIC
         op = self.history.invoke(who, "resolve", xid=xid, server_uow=uow, qmgr=qmgr, commit=commit)
         try:
-            with Client([self.owners[qmgr]], token=self.token, client_name=who, connect_timeout=2.0,
+            with Client([self.owners[qmgr]], token=self.operator_token if heuristic else self.token,
+                        role="operator" if heuristic else "application", client_name=who, connect_timeout=2.0,
                         request_timeout=10.0, reconnect_timeout=1.0) as c:
-                c.resolve(uow, commit, xid=xid)  # an application resolves its own: it names the xid
+                if start is not None:
+                    with contextlib.suppress(threading.BrokenBarrierError):
+                        start.wait(5.0)
+                # An application resolves its own: it names the xid; an operator may resolve any.
+                c.resolve(uow, commit, xid=None if heuristic else xid)
         except OutcomeUnknownError as e:
             self.history.complete(op, UNKNOWN, reason=reason_of(e))
             return UNKNOWN
@@ -171,11 +189,25 @@ class Coordinator:
         for p in due:
             # An owner that is away (killed, restarting) is tried again; any other outcome is final: an unknown
             # or failed resolve is settled by the final pass, which asks every owner what is still in doubt.
-            if self.resolve(p.xid, p.uow, p.qmgr, p.commit) == AWAY:
+            if self._resolve_due(p) == AWAY:
                 p.due = now + 0.5
             else:
                 with self.lock:
                     self.parked.remove(p)
+
+    def _resolve_due(self, p: Parked) -> str:
+        """The coordinator's resolve of a parked UOW; every HEURISTIC_EVERY-th, raced by an operator's opposite one."""
+        self.resolves_due += 1
+        if self.operator_token is None or self.resolves_due % HEURISTIC_EVERY:
+            return self.resolve(p.xid, p.uow, p.qmgr, p.commit)
+        start = threading.Barrier(2)
+        other = threading.Thread(target=self.resolve, args=(p.xid, p.uow, p.qmgr, not p.commit),
+                                 kwargs={"who": HEURISTIC, "start": start}, name="chaos-heuristic", daemon=True)
+        other.start()
+        try:
+            return self.resolve(p.xid, p.uow, p.qmgr, p.commit, start=start)
+        finally:
+            other.join(30.0)
 
     def resolve_all(self, indoubt_by_qmgr: dict[str, list[dict[str, Any]]]) -> int:
         """After healing: resolve every UOW still in doubt on any queue manager (presumed abort for a prepare

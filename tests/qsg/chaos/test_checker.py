@@ -272,6 +272,29 @@ def test_a_prepared_uow_takes_the_coordinators_resolution() -> None:
     only(h.findings(), "phantom")
 
 
+def test_resolved_twice_a_coordinators_commit_and_an_operators_backout_both_done() -> None:
+    h = clean_base()
+    h.put("p", "p.2", "x1")
+    h.op("p", "prepare", "ok", {"server_uow": "QM1.1.5", "qmgr": "QM1"}, uow="p.2", xid="x-p.2")
+    h.op("coordinator", "resolve", "ok", xid="x-p.2", server_uow="QM1.1.5", qmgr="QM1", commit=True)
+    h.op("operator-heuristic", "resolve", "ok", xid="x-p.2", server_uow="QM1.1.5", qmgr="QM1", commit=False)
+    h.get("c", "c.1", "x1")
+    h.commit("c", "c.1")
+    only(h.findings(), "resolved-twice")
+
+
+def test_a_heuristic_resolve_refused_while_the_coordinators_went_through_is_no_finding() -> None:
+    h = clean_base()
+    h.put("p", "p.2", "x1")
+    h.op("p", "prepare", "ok", {"server_uow": "QM1.1.5", "qmgr": "QM1"}, uow="p.2", xid="x-p.2")
+    h.op("operator-heuristic", "resolve", "fail", {"reason": "MQRC_UNEXPECTED_ERROR"}, xid="x-p.2",
+         server_uow="QM1.1.5", qmgr="QM1", commit=False)
+    h.op("coordinator", "resolve", "ok", xid="x-p.2", server_uow="QM1.1.5", qmgr="QM1", commit=True)
+    h.get("c", "c.1", "x1")
+    h.commit("c", "c.1")
+    assert check(h.events).ok
+
+
 def test_a_prepare_refused_with_a_backout_is_a_known_backout() -> None:
     """A no vote (a structure a restore may rebuild without the PREPARE): the unit of work is backed out, known, so
     its put delivered is a phantom, not an unknown outcome inferred committed."""
