@@ -457,7 +457,8 @@ class PubSubSession:
         if len(body) > t.max_msg_length:
             raise BadRequestError(f"publication message of {len(body)} bytes exceeds topic {t.name}'s limit of "
                                   f"{t.max_msg_length}")
-        d = self.draft if self.draft is not None else _Draft(t, os.urandom(16).hex())  # kept once a message is
+        # A new publication begins with its first message accepted: a refused one leaves the session as it was.
+        d = self.draft if self.draft is not None else _Draft(t, os.urandom(16).hex())
         if d.topic.name != t.name:
             raise BadRequestError(f"publication {d.pub} is being published to {d.topic.name}: "
                                   f"commit or back it out before publishing to {t.name}")
@@ -594,6 +595,5 @@ def publish(qm: Member, topic_name: str, bodies: list[bytes]) -> str:
 
 __all__ = ["Topic", "topic", "topics", "Subscription", "Publication", "PubSubSession", "subscribe", "unsubscribe",
            "subscriptions", "peek_subscription", "publish", "subscription_id", "structure_clock", "next_publication",
-           "next_publication_head",
-           "take_subscription", "take_all", "take_roster", "put_subscription", "roster", "roster_id", "scan_entries",
-           "peek_entries", "merged", "adopt_unsealed"]
+           "next_publication_head", "take_subscription", "take_all", "take_roster", "put_subscription", "roster",
+           "roster_id", "scan_entries", "peek_entries", "merged", "adopt_unsealed"]
