@@ -372,6 +372,17 @@ class TopicNext(NamedTuple):
     messages: list[tuple[Entry, bytes]]
 
 
+class TopicHead(NamedTuple):
+    """The head of the next publication (Structure.topic_head): what a sweep needs of it, never its data."""
+
+    clock: int  # as TopicNext
+    state: str  # as TopicNext
+    lrsn: int
+    pub: str
+    messages: int  # how many it has (0 unless state 'P')
+    first: Entry | None  # its first message's descriptor (its properties: pub.created, pub.count)
+
+
 class PstoreStatus(NamedTuple):
     """The availability of a structure's persistent store (pstore.lua)."""
 
@@ -587,6 +598,16 @@ class Structure:
         if state != "P":
             return TopicNext(int(out[0]), state, 0, "", [])
         return TopicNext(int(out[0]), state, int(out[2]), keys.text(out[3]), _pairs(out[4:]))
+
+    def topic_head(self, queue: str, after_lrsn: int, after_pub: str = "") -> TopicHead:
+        """The publication topic_next would return, by its head only: its commit LRSN, id, message count and first
+        message's descriptor, none of its data (topic_next.lua's 'H' form). Its cost in the CF and on the wire does
+        not grow with the publication's bytes: the sweeper's look at every topic's oldest publication."""
+        out = self._call("topic_next", None, [queue, after_lrsn, after_pub, "H"])
+        state = keys.text(out[1])
+        if state != "P":
+            return TopicHead(int(out[0]), state, 0, "", 0, None)
+        return TopicHead(int(out[0]), state, int(out[2]), keys.text(out[3]), int(out[4]), Entry.unpack(out[5]))
 
     def peek_scan(self, queue: str, match: str, value: str, cursor: str = "0",
                   count: int = 500) -> tuple[str, list[tuple[Entry, bytes]]]:

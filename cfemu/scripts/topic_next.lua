@@ -11,13 +11,16 @@
 -- 'pub.count' property is being removed (the sweeper takes its messages): it is skipped, never returned in part.
 -- Read only; idempotent.
 -- ARGV: 1 queue, 2 position LRSN (o1 of the last publication received; the structure clock at subscribe),
---       3 position publication id (hex; '' = before every publication at that LRSN, '~' = after every one)
+--       3 position publication id (hex; '' = before every publication at that LRSN, '~' = after every one),
+--       4 'H' for its head only (optional): what the sweeper needs of a publication, never its data, so that a
+--         large publication a subscriber has not received yet costs the CF no more per sweep than a small one
 -- Returns {clock, 'P', o1, publication id, descriptor, data, descriptor, data, ...} (its messages in put order),
+-- with 'H' {clock, 'P', o1, publication id, message count, descriptor of its first message},
 -- {clock, 'W'} when the next one waits for an open publication, or {clock, 'N'} when there is none.
 local st = redis.call('HGET', META, 'state')
 if not st then return redis.error_reply('NOSTRUCT structure is not in the CF (never defined, or the CF was lost)') end
 if st ~= 'ACTIVE' then return redis.error_reply('CFSTATE structure is ' .. st) end
-local queue, pos, pos_pub = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local queue, pos, pos_pub, head_only = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4] == 'H'
 if redis.call('SISMEMBER', QUEUES, queue) == 0 then return redis.error_reply('NOQUEUE ' .. queue) end
 if not pos then return redis.error_reply('BADARG position must be an LRSN') end
 local clock = tonumber(redis.call('HGET', META, 'clock') or '0')
@@ -76,6 +79,11 @@ while i < n do
     for _, d in ipairs(group) do if (d.cid or '') == c then msgs[#msgs + 1] = d end end
     if #msgs == count_of(msgs[1]) then
       local out = {clock_s, 'P', string.format('%d', g), c}
+      if head_only then
+        out[5] = string.format('%d', #msgs)
+        out[6] = cmsgpack.pack(msgs[1])
+        return out
+      end
       for _, d in ipairs(msgs) do
         out[#out + 1] = cmsgpack.pack(d)
         out[#out + 1] = redis.call('HGET', DATA, d.id)

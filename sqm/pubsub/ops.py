@@ -14,6 +14,7 @@ from sqm import operations
 from sqm.core.manager import QueueManager
 from sqm.operations import ANY_ROLE, MAX_USER, OPERATOR, Operation, arg, bounded_str, service_name
 from sqm.pubsub import pubsub
+from sqm.pubsub.publication_bounds import DraftBudget
 
 log = logging.getLogger("sqm.service.server")  # the service's log lines keep one logger name
 
@@ -21,6 +22,11 @@ log = logging.getLogger("sqm.service.server")  # the service's log lines keep on
 class Service(operations.Service, Protocol):
     @property
     def qm(self) -> QueueManager: ...
+
+    @property
+    def draft_budget(self) -> DraftBudget:
+        """The member's budget the publications being published count their bytes against."""
+        ...
 
 
 class LoggedOn(Protocol):
@@ -42,13 +48,13 @@ class Session(operations.Session, Protocol):
 
 def _session(svc: Service, session: Session) -> pubsub.PubSubSession:
     if session.pubsub is None:
-        session.pubsub = pubsub.PubSubSession(svc.qm, session.gone)
+        session.pubsub = pubsub.PubSubSession(svc.qm, session.gone, svc.draft_budget)
     return session.pubsub
 
 
 def end_session(svc: Service, session: Session) -> None:
-    """Back out the connection's publish/subscribe session (a publication being published dropped, received ones
-    returned); what cannot be backed out now, recovery backs out."""
+    """Back out the connection's publish/subscribe session (a publication being published dropped, its bytes given
+    back to the member's budget; received ones returned); what cannot be backed out now, recovery backs out."""
     ps, session.pubsub = session.pubsub, None
     if ps is None:
         return

@@ -42,7 +42,7 @@ from typing import Any
 import msgpack
 
 from cfemu.admin import QueueDef
-from cfemu.cf import TopicNext
+from cfemu.cf import TopicHead, TopicNext
 from cfemu.entry import Entry
 from cfemu.errors import (
     BadRequestError,
@@ -60,6 +60,7 @@ from sqm.core.connection import Connection
 from sqm.core.member import Member
 from sqm.core.packed_body import PackedBody
 from sqm.core.pclock import pseudo_clock
+from sqm.pubsub.publication_bounds import DraftBudget, check_fits
 from sqm.request_slots import nap
 
 SUB_LETTER = b"S"  # every subscription entry's correlation id: subscriptions() scans them all by it
@@ -233,11 +234,18 @@ def roster(qm: Member, t: Topic, batch: int = SCAN_BATCH) -> set[str]:
 
 def structure_clock(qm: Member, t: Topic) -> int:
     """The structure's LRSN clock: every publication committed so far counts at or below it."""
-    return int(qm.cf_call(lambda: qm.structure(t.structure).topic_next(t.pub_queue, 2**53)).clock)
+    return int(qm.cf_call(lambda: qm.structure(t.structure).topic_head(t.pub_queue, 2**53)).clock)
 
 
 def next_publication(qm: Member, t: Topic, position: tuple[int, str]) -> TopicNext:
+    """The next publication after the position, whole (a receive's)."""
     return qm.cf_call(lambda: qm.structure(t.structure).topic_next(t.pub_queue, position[0], position[1]))
+
+
+def next_publication_head(qm: Member, t: Topic, position: tuple[int, str]) -> TopicHead:
+    """The head of the publication next_publication would return, without its data (the sweeper's look: it
+    needs a publication's place, creation time and message count, and reads the oldest one every sweep)."""
+    return qm.cf_call(lambda: qm.structure(t.structure).topic_head(t.pub_queue, position[0], position[1]))
 
 
 def put_subscription(conn: Connection, t: Topic, s: Subscription) -> None:
@@ -420,17 +428,23 @@ class _Draft:
     topic: Topic
     pub: str
     bodies: list[bytes] = field(default_factory=list)
+    data_bytes: int = 0  # of its bodies
 
 
 class PubSubSession:
     """One participant's publish and subscribe session: one queue-manager unit of work carries the publication it
-    is publishing and the subscriptions it is receiving for, so COMMIT settles them all atomically."""
+    is publishing and the subscriptions it is receiving for, so COMMIT settles them all atomically.
 
-    def __init__(self, qm: Member, gone: ClientWatch | None = None) -> None:
+    The publication being published is held to its bounds (sqm.pubsub.publication_bounds): its size, and, with a
+    ``budget`` (the service's), its bytes counted against the member's budget until COMMIT or BACKOUT."""
+
+    def __init__(self, qm: Member, gone: ClientWatch | None = None, budget: DraftBudget | None = None) -> None:
         self.qm = qm
         self.scope: Connection = qm.connect() if gone is None else Connection(qm, gone)
         self.draft: _Draft | None = None
         self.held: dict[tuple[str, str], _Held] = {}
+        self.budget = budget
+        self.reserved = 0  # bytes of the budget the publication being published holds (under the budget's lock)
 
     # --- publish ----------------------------------------------------------------------------------------------
     def publish(self, topic_name: str, body: bytes, *, commit: bool = False) -> dict[str, Any]:
@@ -443,15 +457,20 @@ class PubSubSession:
         if len(body) > t.max_msg_length:
             raise BadRequestError(f"publication message of {len(body)} bytes exceeds topic {t.name}'s limit of "
                                   f"{t.max_msg_length}")
-        if self.draft is None:
-            self.draft = _Draft(t, os.urandom(16).hex())
-        elif self.draft.topic.name != t.name:
-            raise BadRequestError(f"publication {self.draft.pub} is being published to {self.draft.topic.name}: "
+        # A new publication begins with its first message accepted: a refused one leaves the session as it was.
+        d = self.draft if self.draft is not None else _Draft(t, os.urandom(16).hex())
+        if d.topic.name != t.name:
+            raise BadRequestError(f"publication {d.pub} is being published to {d.topic.name}: "
                                   f"commit or back it out before publishing to {t.name}")
-        if len(self.draft.bodies) >= t.attributes.max_messages:
-            raise BadRequestError(f"publication {self.draft.pub} holds {len(self.draft.bodies)} messages, topic "
+        if len(d.bodies) >= t.attributes.max_messages:
+            raise BadRequestError(f"publication {d.pub} holds {len(d.bodies)} messages, topic "
                                   f"{t.name}'s max_messages")
-        self.draft.bodies.append(bytes(body))
+        check_fits(t.name, d.pub, d.data_bytes, len(d.bodies), len(body))
+        if self.budget is not None:
+            self.budget.reserve(self, t.name, d.pub, len(body), len(d.bodies))
+        d.bodies.append(bytes(body))
+        d.data_bytes += len(body)
+        self.draft = d
         out = {"pub": self.draft.pub, "topic": t.name, "messages": len(self.draft.bodies), "committed": False}
         if commit:
             self.commit()
@@ -540,6 +559,7 @@ class PubSubSession:
             raise
         self.draft = None
         self.held = {}
+        self._release()
         return {"published": pub, "received": received}
 
     def backout(self) -> dict[str, Any]:
@@ -549,8 +569,14 @@ class PubSubSession:
         received = sum(h.received for h in self.held.values())
         self.draft = None
         self.held = {}
+        self._release()
         self.scope.backout()
         return {"dropped": pub, "returned": received}
+
+    def _release(self) -> None:
+        """Give the budget back the bytes of the publication that was being published (committed or dropped)."""
+        if self.budget is not None and self.reserved:
+            self.budget.release(self)
 
     def close(self) -> None:
         self.backout()
@@ -569,5 +595,5 @@ def publish(qm: Member, topic_name: str, bodies: list[bytes]) -> str:
 
 __all__ = ["Topic", "topic", "topics", "Subscription", "Publication", "PubSubSession", "subscribe", "unsubscribe",
            "subscriptions", "peek_subscription", "publish", "subscription_id", "structure_clock", "next_publication",
-           "take_subscription", "take_all", "take_roster", "put_subscription", "roster", "roster_id", "scan_entries",
-           "peek_entries", "merged", "adopt_unsealed"]
+           "next_publication_head", "take_subscription", "take_all", "take_roster", "put_subscription", "roster",
+           "roster_id", "scan_entries", "peek_entries", "merged", "adopt_unsealed"]

@@ -70,18 +70,18 @@ class PubSubSweeper:
         lifetime_ms = t.attributes.lifetime_s * 1000
         position: tuple[int, str] = (0, "")
         for _ in range(MAX_PER_SWEEP):
-            nxt = ps.next_publication(qm, t, position)
-            if nxt.state != "P":
+            nxt = ps.next_publication_head(qm, t, position)  # never its data: see next_publication_head
+            if nxt.state != "P" or nxt.first is None:
                 break
             position = (nxt.lrsn, nxt.pub)
-            created = int(nxt.messages[0][0].properties.get("pub.created", 0))
+            created = int(nxt.first.properties.get("pub.created", 0))
             if position <= floor:
                 why = "publications-received"
             elif created + lifetime_ms <= pc:
                 why = "publications-expired"
             else:
                 break  # in commit order: those after it are newer (their lifetimes, near enough, too)
-            done[why] += _remove_publication(qm, t, nxt.pub, len(nxt.messages))
+            done[why] += _remove_publication(qm, t, nxt.pub, nxt.messages)
         return done
 
     def read_subscriptions(self, t: ps.Topic) -> dict[str, list[ps.Subscription]]:

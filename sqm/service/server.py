@@ -51,6 +51,7 @@ from sqm.core.manager import CF_DOWN, QueueManager, QueueManagerConfig
 from sqm.log import LogLockedError
 from sqm.operations import OPERATOR, ROLES, Handler, NotLoggedOnError, short
 from sqm.pubsub import ops as pubsub_ops
+from sqm.pubsub.publication_bounds import DraftBudget
 from sqm.request_slots import RequestSlots
 from sqm.service import conn_ops, metrics, queue_ops
 from sqm.service.auth import Authenticator
@@ -114,6 +115,8 @@ class SQMServer:
         self.warn = Warnings()
         self.authenticator = Authenticator(config, self.qm, self.stats, self.warn)
         self.transport = Transport(self, config, self.stats, self.authenticator, self.warn)
+        # Publications being published hold their bytes until COMMIT: counted in the budget of requests in flight.
+        self._draft_budget = DraftBudget(self.transport.budget, config.request_budget_wait_s)
         # The operations a request may name, and their handlers (each timed into op_seconds, which the metrics
         # show): the handshake's run before (the transport's).
         self.op_seconds = Latencies()
@@ -139,6 +142,10 @@ class SQMServer:
     @property
     def max_wait_ms(self) -> int:
         return self.config.max_wait_ms
+
+    @property
+    def draft_budget(self) -> DraftBudget:
+        return self._draft_budget
 
     @property
     def stopping(self) -> bool:

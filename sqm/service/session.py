@@ -13,7 +13,7 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from sqm.conversations.conversation import Conversation
 from sqm.core.client_watch import ClientWatch
@@ -150,8 +150,17 @@ class Together:
         return self.begun is not None and self.begun.decided is not None and bool(self.begun.decided.uows)
 
 
+class Holder(Protocol):
+    """What holds bytes of the budget: a connection (its frames and replies, Session.reserved), or a connection's
+    publication being published (sqm.pubsub.pubsub.PubSubSession.reserved, until its COMMIT or BACKOUT)."""
+
+    reserved: int
+
+
 class ByteBudget:
-    """The bytes of requests (and replies) in flight on a member, held to ``limit``.
+    """The bytes of requests (and replies) in flight on a member, held to ``limit``; with them the bytes of the
+    publications being published (sqm.pubsub.publication_bounds), which a member holds from each message's publish
+    to the publication's COMMIT or BACKOUT.
 
     A frame longer than ``free`` bytes reserves its declared length before its body is read and gives it back
     once its reply is sent or its connection ends; a frame of at most ``free`` bytes reserves nothing (each
@@ -168,8 +177,8 @@ class ByteBudget:
         self.refused = 0  # reservations that waited their bound in vain
         self._cond = threading.Condition()
 
-    def reserve(self, session: Session, n: int, wait_s: float) -> bool:
-        """Reserve n bytes for session, waiting up to wait_s for them; False when they did not come back."""
+    def reserve(self, holder: Holder, n: int, wait_s: float) -> bool:
+        """Reserve n bytes for holder, waiting up to wait_s for them; False when they did not come back."""
         with self._cond:
             if self.used + n > self.limit:
                 self.waits += 1
@@ -180,15 +189,15 @@ class ByteBudget:
                         self.refused += 1
                         return False
                     self._cond.wait(left)
-            self._take(session, n)
+            self._take(holder, n)
             return True
 
-    def try_reserve(self, session: Session, n: int) -> bool:
-        """Reserve n bytes for session if they are free now (the event loop's form: it must not block)."""
+    def try_reserve(self, holder: Holder, n: int) -> bool:
+        """Reserve n bytes for holder if they are free now (the event loop's form: it must not block)."""
         with self._cond:
             if self.used + n > self.limit:
                 return False
-            self._take(session, n)
+            self._take(holder, n)
             return True
 
     def note(self, *, waited: bool = False, refused: bool = False) -> None:
@@ -197,23 +206,23 @@ class ByteBudget:
             self.waits += waited
             self.refused += refused
 
-    def hold(self, session: Session, n: int) -> None:
-        """Count n bytes for session whatever the limit (a reply, whose work is done)."""
+    def hold(self, holder: Holder, n: int) -> None:
+        """Count n bytes for holder whatever the limit (a reply, whose work is done)."""
         with self._cond:
-            self._take(session, n)
+            self._take(holder, n)
 
-    def _take(self, session: Session, n: int) -> None:
+    def _take(self, holder: Holder, n: int) -> None:
         self.used += n
-        session.reserved += n
+        holder.reserved += n
         self.peak = max(self.peak, self.used)
 
-    def release(self, session: Session, n: int | None = None) -> None:
-        """Give back n of session's bytes (None: all it holds, at the end of its connection)."""
+    def release(self, holder: Holder, n: int | None = None) -> None:
+        """Give back n of holder's bytes (None: all it holds, at the end of its connection)."""
         with self._cond:
-            n = session.reserved if n is None else min(n, session.reserved)
+            n = holder.reserved if n is None else min(n, holder.reserved)
             if n <= 0:
                 return
-            session.reserved -= n
+            holder.reserved -= n
             self.used -= n
             self._cond.notify_all()
 
@@ -231,5 +240,5 @@ class Warnings:
             log.warning(msg, *args)
 
 
-__all__ = ["AUTH_FAILURE_REASONS", "ByteBudget", "AUTH_METHODS", "CLOSE_REASONS", "LIMITS", "OP_LABEL_UNKNOWN", "Session",
+__all__ = ["AUTH_FAILURE_REASONS", "ByteBudget", "Holder", "AUTH_METHODS", "CLOSE_REASONS", "LIMITS", "OP_LABEL_UNKNOWN", "Session",
            "Stats", "Together", "Warnings", "op_label"]

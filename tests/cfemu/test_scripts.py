@@ -653,14 +653,41 @@ class TestTopicNext:
         self.publish(s, qm1, "U1", "aa", 2)
         before = dump(s)
         s.topic_next(Q, 0)
+        s.topic_head(Q, 0)
         assert dump(s) == before
+
+    def test_head_form_names_the_same_publication_without_its_data(self, s: Structure, qm1: Caller) -> None:
+        self.publish(s, qm1, "U1", "aa", 3)
+        s.put(qm1, entry("big", correlid="bb", properties={"pub.count": 1, "pub.index": 0, "pub.created": 7}),
+              b"x" * 2_000_000, uow="U2")
+        s.commit(qm1, "U2", gen=1, lrsn=0)
+        pos: tuple[int, str] = (0, "")
+        while (whole := s.topic_next(Q, *pos)).state == "P":
+            head = s.topic_head(Q, *pos)
+            assert (head.clock, head.state, head.lrsn, head.pub, head.messages) == \
+                (whole.clock, "P", whole.lrsn, whole.pub, len(whole.messages))
+            assert head.first == whole.messages[0][0]
+            pos = (whole.lrsn, whole.pub)
+        assert head.first is not None and head.first.properties["pub.created"] == 7
+        assert s.topic_head(Q, *pos) == (whole.clock, "N", 0, "", 0, None)
+        # Its reply carries no data: the head of a 2 MB publication is a descriptor's few hundred bytes.
+        start = s.cf.redis.info("stats")["total_net_output_bytes"]
+        s.topic_head(Q, *pos[:1], "")  # at the LRSN of the big one, before its id: the big one
+        assert s.cf.redis.info("stats")["total_net_output_bytes"] - start < 20_000
+        self.publish(s, qm1, "U3", "cc", 1, commit=False)  # open: the next one waits, in the head form too
+        self.publish(s, qm1, "U4", "dd", 1)
+        assert s.topic_head(Q, *pos).state == "W"
 
     def test_refusals(self, admin: Admin, s: Structure) -> None:
         with pytest.raises(UnknownObjectError):
             s.topic_next("NOQ", 0)
+        with pytest.raises(UnknownObjectError):
+            s.topic_head("NOQ", 0)
         admin.set_state(S, "RECOVERING")
         with pytest.raises(StructureFailedError, match="RECOVERING"):
             s.topic_next(Q, 0)
+        with pytest.raises(StructureFailedError, match="RECOVERING"):
+            s.topic_head(Q, 0)
 
 
 class TestPeekScan:
