@@ -69,6 +69,9 @@ PROTOCOL_VERSION = 3
 ENVELOPE = 512
 # The most of an error's text a reply that delivers a message with its error carries (error_reply).
 DELIVERED_TEXT = 240
+# The most of any error's text a reply carries: an error may repeat what the request sent (a queue's name, say),
+# which is bounded only by the frame; the rest is cut and its length said.
+ERROR_TEXT = 2000
 # What a Message costs a reply beyond its data and its descriptor as the CF stores it (which already holds the
 # ids, in hex, the queue, the entry id and the properties): the field names and fixed-size values.
 MESSAGE_COST = 512
@@ -273,8 +276,10 @@ def ok_reply(rid: int | None, result: Any, **extra: Any) -> dict[str, Any]:
 def error_reply(rid: int | None, exc: MQError, **extra: Any) -> dict[str, Any]:
     """The reply to a request refused by ``exc``. An error that delivered a message all the same (a get whose commit
     is pending: OutcomePendingError.message) carries it in "delivered", in the reply's own form of it."""
-    message = exc.args[0] if exc.args else ""
-    error: dict[str, Any] = {"reason": exc.reason, "reason_name": exc.reason_name, "message": str(message),
+    message = str(exc.args[0]) if exc.args else ""
+    if len(message) > ERROR_TEXT:
+        message = f"{message[:ERROR_TEXT]}...({len(message)} chars)"
+    error: dict[str, Any] = {"reason": exc.reason, "reason_name": exc.reason_name, "message": message,
                              "type": type(exc).__name__}
     delivered = getattr(exc, "message", None)
     if dataclasses.is_dataclass(delivered) and not isinstance(delivered, type):

@@ -4,6 +4,7 @@ health and metrics, TLS, graceful shutdown and fencing. Every abuse is followed 
 from __future__ import annotations
 
 import contextlib
+import re
 import signal
 import subprocess
 import sys
@@ -28,6 +29,7 @@ from sqm.log.format import MAX_RECORD_BYTES
 from sqm.service import protocol
 from sqm.service.client import Client, client_tls_context
 from sqm.service.protocol import (
+    ERROR_TEXT,
     HEADER,
     FrameTooLargeError,
     NotAuthorizedError,
@@ -130,6 +132,18 @@ def test_wrong_typed_argument_and_unknown_op_are_bad_requests(raw: Raw) -> None:
     assert "missing argument 'queue'" in r["error"]["message"]
     r = raw.request("explode", {})
     assert "unknown operation 'explode'" in r["error"]["message"]
+    assert raw.request("ping")["ok"]
+
+
+def test_an_error_repeating_a_long_name_is_cut_and_says_its_length(raw: Raw) -> None:
+    """A refusal may repeat what the request sent (here a queue's name of 30,000 characters): the reply carries
+    at most ERROR_TEXT characters of it, and says how long it was."""
+    name = "Q" * 30_000
+    r = raw.request("put", {"queue": name, "body": b"x"})
+    message = r["error"]["message"]
+    assert not r["ok"] and len(message) <= ERROR_TEXT + 40, len(message)
+    said = re.search(r"\.\.\.\((\d+) chars\)$", message)
+    assert said is not None and int(said.group(1)) > 30_000, message[-80:]
     assert raw.request("ping")["ok"]
 
 
