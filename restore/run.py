@@ -805,7 +805,9 @@ def run_purge(client: redis.Redis, structure: str, *, backup_root: Path, log_roo
     backup_root = Path(backup_root)
     backup_keys = resolve_keys(backup_keys)
     signing_key(backup_keys, "sign the purge's restore point with")  # before anything changes
-    for directory in (backup_root, backup_root / structure):  # where its restore point goes
+    # Where its restore point goes, and the log root whose group repository holds the definitions a lost CF no
+    # longer has: whoever else could write it could hand the purge definitions of their own.
+    for directory in (backup_root, backup_root / structure, Path(log_root)):
         refuse_others_writing(directory)
     admin = Admin(client)
     repo = GroupRepository(log_root)

@@ -77,6 +77,20 @@ def test_a_log_root_others_can_write_is_refused(group: list[QueueManager], tmp_p
         unsafe.chmod(mode)  # the running members' own directories
 
 
+def test_a_purge_with_a_log_root_others_can_write_is_refused_before_it_changes_anything(
+        group: list[QueueManager], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A purge reads the definitions a lost CF no longer has from the group repository under the log root."""
+    unsafe = tmp_path / "logs"
+    mode = unsafe.stat().st_mode & 0o7777
+    unsafe.chmod(0o777)
+    try:
+        before = backups_of(tmp_path)
+        rc, _, err = run(capsys, "purge", S, "--mark-failed")
+        refused_untouched(group, tmp_path, before, rc, err, unsafe)
+    finally:
+        unsafe.chmod(mode)
+
+
 def test_a_spark_archive_directory_others_can_write_is_refused_before_spark_starts(
         group: list[QueueManager], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     shared = tmp_path / "archive"
