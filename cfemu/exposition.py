@@ -8,9 +8,11 @@ cfemu.cf_exporter). Their names and the alerts on them: docs/metrics.md.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -18,7 +20,7 @@ from http.server import ThreadingHTTPServer
 from importlib import metadata
 from typing import Any
 
-from prometheus_client import PROCESS_COLLECTOR, write_to_textfile
+from prometheus_client import PROCESS_COLLECTOR, generate_latest
 from prometheus_client.core import CollectorRegistry, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import MetricsHandler
 from prometheus_client.registry import Collector
@@ -126,7 +128,10 @@ def write_last_run(path: str | os.PathLike[str], prefix: str, structure: str, *,
                    phases: Mapping[str, float], values: Mapping[str, tuple[str, float]] | None = None) -> None:
     """A one-shot command's run (a backup, a restore by hand) as gauges in ``path``, for node_exporter's textfile
     collector: when it ended, whether it succeeded, how long it and each phase took, and ``values`` (name ->
-    (help, value)). Written atomically (a temporary file renamed), so a scrape never reads half of it."""
+    (help, value)). Written atomically (a temporary file renamed), so a scrape never reads half of it. The temporary
+    file has a name nobody can guess and is created, never opened where something already is: a link planted in the
+    directory beside it is never written through (prometheus_client's own textfile writer uses <path>.<pid>.<tid>).
+    Mode 0644: the collector runs as another user."""
     def gauge(name: str, help_text: str, value: float, **labels: str) -> GaugeMetricFamily:
         g = GaugeMetricFamily(f"{prefix}{name}", help_text, labels=["structure", *labels])
         g.add_metric([structure, *labels.values()], value)
@@ -144,7 +149,17 @@ def write_last_run(path: str | os.PathLike[str], prefix: str, structure: str, *,
     families += [gauge(name, help_text, value) for name, (help_text, value) in (values or {}).items()]
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Families(families))
-    write_to_textfile(os.fspath(path), registry)
+    target = os.fspath(path)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(target)), prefix=f".{os.path.basename(target)}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(generate_latest(registry))
+            os.fchmod(f.fileno(), 0o644)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 __all__ = ["exposure_warning", "histogram", "package_version", "serve", "write_last_run"]

@@ -71,3 +71,24 @@ def test_a_backup_and_a_restore_by_hand_leave_their_metrics_in_a_file(
     assert value(text, "cfbackup_last_run_success", structure="NOPE") == 0
     assert value(text, "cfbackup_last_run_entries", structure="NOPE") is None
     assert value(text, "cfbackup_last_run_success", structure=S) is None
+
+
+def test_the_metrics_file_is_never_written_through_a_link_planted_beside_it(tmp_path: Path) -> None:
+    """The temporary file a run's metrics are written to first cannot be guessed and is created anew: a link at the
+    name prometheus_client's own writer would use (<path>.<pid>.<thread id>) is left alone, and so is its target;
+    the file is 0644 for the collector, which runs as another user."""
+    import os
+    import threading
+
+    from cfemu.exposition import write_last_run
+
+    path = tmp_path / "cfbackup.prom"
+    victim = tmp_path / "victim"
+    victim.write_text("keep me\n")
+    planted = Path(f"{path}.{os.getpid()}.{threading.current_thread().ident}")
+    planted.symlink_to(victim)
+    write_last_run(path, "cfbackup_", S, ok=True, seconds=1.5, phases={"copy": 1.0})
+    assert victim.read_text() == "keep me\n" and planted.is_symlink()
+    assert value(path.read_text(), "cfbackup_last_run_success", structure=S) == 1.0
+    assert path.stat().st_mode & 0o777 == 0o644
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([path.name, victim.name, planted.name])
