@@ -589,6 +589,17 @@ class Structure:
         held by an uncommitted get, without taking them (peek.lua), in get order."""
         return _pairs(self._call("peek", None, [queue, match, value, limit]))
 
+    def peek_many(self, queue: str, match: str, values: Sequence[str]) -> list[tuple[Entry, bytes] | None]:
+        """For each value (hex; 1-1000 of them), the first entry ``peek`` would return for it, or None: one call
+        (peek_many.lua). In the order of ``values``."""
+        out = self._call("peek_many", None, [queue, match, *values])
+        return [(Entry.unpack(out[i]), out[i + 1] or b"") if out[i] else None for i in range(0, len(out), 2)]
+
+    def queue_mark(self, queue: str) -> str:
+        """A mark of the queue's committed entries that changes when one is made available or taken
+        (queue_mark.lua): equal marks, read at two moments, say that nothing was seen to change in between."""
+        return keys.text(self._call("queue_mark", None, [queue]))
+
     def topic_next(self, queue: str, after_lrsn: int, after_pub: str = "") -> TopicNext:
         """The next publication on a topic's publication queue after the position (``after_lrsn``, ``after_pub``):
         every message of it in put order, without taking them (topic_next.lua); state 'W' when it waits for an

@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import replace
 
+from cfemu.entry import Entry
 from cfemu.errors import MQError, NoMessageError, UowStatusError
 from sqm.conversations import uowcontrols as ctl
 from sqm.conversations.convrecord import (
@@ -52,6 +53,9 @@ RECORD_WAIT_S = 1.0  # how long a change waits for a record another short unit o
 # instance. Each read is one snapshot in get order, so a conversation's UOWs are still taken in order.
 FIRST_LOOK = 32
 WIDEST_LOOK = 16
+# Conversation records one CF call reads (peek_many.lua, at most 1000): a call's hold on the CF stays short (about
+# a tenth of a millisecond a record), and a look at a window of 1000 UOWs costs a few calls, not one per record.
+PEEK_BATCH = 250
 
 
 def peek(qm: CFCaller, svc: ctl.Service, conversation: str) -> tuple[ConvRecord | None, bool]:
@@ -61,6 +65,22 @@ def peek(qm: CFCaller, svc: ctl.Service, conversation: str) -> tuple[ConvRecord 
         return None, False
     entry, data = found[0]
     return ConvRecord.unpack(data), entry.state == "UG"
+
+
+def peek_all(qm: CFCaller, svc: ctl.Service, conversations: list[str]) -> dict[str, tuple[ConvRecord | None, bool]]:
+    """``peek`` of each conversation, PEEK_BATCH of them a CF call (peek_many.lua): a look at a window of UOWs reads
+    their conversations' records in one call, not one call each."""
+    out: dict[str, tuple[ConvRecord | None, bool]] = {}
+    for i in range(0, len(conversations), PEEK_BATCH):
+        batch = conversations[i:i + PEEK_BATCH]
+        found = _peek_records(qm, svc, [record_id(conv).hex() for conv in batch])
+        for conv, one in zip(batch, found, strict=True):
+            out[conv] = (None, False) if one is None else (ConvRecord.unpack(one[1]), one[0].state == "UG")
+    return out
+
+
+def _peek_records(qm: CFCaller, svc: ctl.Service, ids: list[str]) -> list[tuple[Entry, bytes] | None]:
+    return list(qm.cf_call(lambda: qm.structure(svc.structure).peek_many(svc.control, "m", ids)))
 
 
 def take(conn: Connection, svc: ctl.Service, conversation: str, *, wait_s: float = RECORD_WAIT_S) -> ConvRecord | None:
@@ -219,14 +239,15 @@ def _passes(mode: str) -> Iterator[str]:
 
 
 def take_next(qm: Member, conn: Connection, svc: ctl.Service, mode: str, user: str, token: str, sealed: str,
-              pc: int) -> Control | None:
+              pc: int, *, wide: bool = False) -> Control | None:
     """The next ACCEPTED UOW this receiver may take with CONVID ``mode``, taken under ``conn``'s unit of work with its
     conversation's record bound to the receiver (the caller makes the UOW DELIVERED and commits); None when there is
     none. Candidates are read in get order (priority, then commit order), in widening windows (FIRST_LOOK); the
     first UOW of a conversation that another receiver holds or races for makes the whole conversation wait, so that
-    its UOWs stay in order."""
+    its UOWs stay in order. ``wide``: begin with the second window (a waiting receive's look again, after one that
+    found nothing: the first window's read costs the CF as much as the second's, peek.lua reading every match)."""
     looked: dict[str, tuple[ConvRecord | None, bool]] = {}  # each conversation's record, read once per receive
-    for limit in _windows():
+    for limit in _windows(wide):
         candidates = ctl.peek_status(qm, svc, ACCEPTED, limit)
         got = _first_takeable(qm, conn, svc, candidates, mode, user, token, sealed, pc, looked)
         if got is not None or len(candidates) < limit:
@@ -234,8 +255,9 @@ def take_next(qm: Member, conn: Connection, svc: ctl.Service, mode: str, user: s
     return None
 
 
-def _windows() -> Iterator[int]:
-    yield FIRST_LOOK
+def _windows(wide: bool = False) -> Iterator[int]:
+    if not wide:
+        yield FIRST_LOOK
     limit = ctl.PEEK_LIMIT
     while limit <= WIDEST_LOOK * ctl.PEEK_LIMIT:
         yield limit
@@ -245,6 +267,9 @@ def _windows() -> Iterator[int]:
 def _first_takeable(qm: Member, conn: Connection, svc: ctl.Service, candidates: list[Control], mode: str,
                     user: str, token: str, sealed: str, pc: int,
                     looked: dict[str, tuple[ConvRecord | None, bool]]) -> Control | None:
+    wanted = {c.conversation for c in candidates if mode in (NEW, OLD, ANY) or c.conversation == mode}
+    looked.update(peek_all(qm, svc, sorted(wanted - {""} - looked.keys())))  # the window's records, read at once
+    looked.setdefault("", (None, False))  # a UOW of no conversation
     for want in _passes(mode):
         rule = want if want in (NEW, OLD) else ""
         passed: set[str] = set()  # conversations not for this receiver, or busy
@@ -252,7 +277,7 @@ def _first_takeable(qm: Member, conn: Connection, svc: ctl.Service, candidates: 
             conv = seen.conversation
             if conv in passed or (rule == "" and conv != want):
                 continue
-            if conv not in looked:
+            if conv not in looked:  # given up after a failed take: read again
                 looked[conv] = peek(qm, svc, conv) if conv else (None, False)
             rec, held = looked[conv]
             if held or not _may_take(rec, rule, user, token, sealed):
@@ -322,5 +347,5 @@ def expire_idle(qm: Member, svc: ctl.Service, pc: int, cursor: str = "0", count:
 
 ctl.FOLLOWERS.append(follow)
 
-__all__ = ["ANY", "NEW", "OLD", "RETURNED", "SETTLED", "commit_send", "expire_idle", "follow", "open_for_send", "release_first", "peek", "take",
+__all__ = ["ANY", "NEW", "OLD", "RETURNED", "SETTLED", "commit_send", "expire_idle", "follow", "open_for_send", "release_first", "peek", "peek_all", "take",
            "take_next"]

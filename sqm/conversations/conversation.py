@@ -34,6 +34,7 @@ from cfemu.uow_attributes import UWSTATP_DEFAULT, UWSTATP_NONE
 from sqm.conversations import bindings
 from sqm.conversations import uowcontrols as ctl
 from sqm.conversations.convrecord import NEW, OLD, SETTLED
+from sqm.conversations.receive_watch import ReceiveWatch
 from sqm.conversations.uowstatus import (
     ACCEPTED,
     ACTIVE,
@@ -232,13 +233,15 @@ class Conversation:
 
     # --- receive --------------------------------------------------------------------------------------------
     def receive(self, service: str, *, option: str = ANY, wait_ms: int = 0, max_length: int = 0,
-                convid: str = ANY) -> Received:
+                convid: str = ANY, watch: ReceiveWatch | None = None) -> Received:
         """RECEIVE. Within a UOW being received: its next message (RECV_MIDDLE / LAST), or EndOfUowError after the
         last. Otherwise SYNC: the first message of the next ACCEPTED UOW (commit order) this receiver may take by
         ``convid`` (CONVID: NEW a conversation nobody received yet, OLD one bound to this user id and token, ANY its
         own first then new ones, or one conversation's id; docs/uow.md, "Conversations"), MSG: a message outside any
         UOW, ANY: either. ``max_length`` (0: any): the longest message the caller can carry (Connection.get); a
-        longer one raises TruncatedMessageError and is not taken (a UOW's first message: the UOW is ACCEPTED again)."""
+        longer one raises TruncatedMessageError and is not taken (a UOW's first message: the UOW is ACCEPTED again).
+        ``watch``: what this receive's wait learned so far, for a caller that polls this receive itself (made here
+        for a wait of its own): a look at the service's UOWs is made again only when something changed."""
         self._max_length = max_length
         if option not in (SYNC, MSG, ANY):
             raise BadRequestError(f"receive option must be SYNC, MSG or ANY, not {option!r}")
@@ -251,9 +254,10 @@ class Conversation:
             return self._next_of(self.receiving)
         deadline = time.monotonic() + wait_ms / 1000
         delay = 0.005
+        watch = watch or (ReceiveWatch() if wait_ms else None)
         while True:
             if option in (SYNC, ANY):
-                got = self._start_receiving(svc, convid)
+                got = self._start_receiving(svc, convid, watch)
                 if got is not None:
                     return got
             if option in (MSG, ANY):
@@ -273,18 +277,24 @@ class Conversation:
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
 
-    def _start_receiving(self, svc: ctl.Service, convid: str = ANY) -> Received | None:
+    def _start_receiving(self, svc: ctl.Service, convid: str = ANY,
+                         watch: ReceiveWatch | None = None) -> Received | None:
         """Take the next ACCEPTED UOW this receiver may take by ``convid``: ACCEPTED -> DELIVERED and its conversation
         bound to this receiver (committed at once, owned by this session's scope), then its first message into the
-        scope."""
+        scope. With ``watch``: None at once while nothing changed since its last look found nothing."""
+        if watch is not None and not watch.worth_a_look(self.qm, svc, convid):
+            return None
         scope_uow = self.scope._current_uow()
         pc = ctl.pseudo_clock(self.qm, svc.structure)
         conn = self.qm.connect()
         delivered: Control | None = None
         try:
-            old = bindings.take_next(self.qm, conn, svc, convid, self.user, self.token, self.sealed, pc)
+            old = bindings.take_next(self.qm, conn, svc, convid, self.user, self.token, self.sealed, pc,
+                                     wide=watch is not None and watch.looked)
             if old is None:
                 conn.backout()
+                if watch is not None:
+                    watch.found_nothing()
                 return None
             to = transition(RECEIVER, "RECEIVE", old.status)
             new = delivered = replace(old, status=to, owner=scope_uow.id, receiver=self.user,

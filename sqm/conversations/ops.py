@@ -25,6 +25,7 @@ from sqm import operations
 from sqm.conversations import operator_status
 from sqm.conversations.conversation import MAX_USER, OPTIONS, Conversation, check_convid
 from sqm.conversations.logon_guesses import LogonGuesses
+from sqm.conversations.receive_watch import ReceiveWatch
 from sqm.conversations.uowstatus import USER_STATUS_MAX
 from sqm.core.manager import QueueManager
 from sqm.operations import (
@@ -129,13 +130,16 @@ def receive(svc: Service, session: Session, args: dict[str, Any]) -> dict[str, A
         raise BadRequestError(f"receive: wait_ms must be 0-{svc.max_wait_ms}, not {wait_ms}")
     deadline = time.monotonic() + wait_ms / 1000
     delay = 0.005
+    # One for the whole wait: a poll looks at the service's UOWs again only when something changed.
+    watch = ReceiveWatch() if wait_ms else None
     while True:
         if session.gone.is_set():
             raise ClientGoneError(f"receive on {service}: the client has gone")
         if svc.stopping:  # not carried out: the client may go on elsewhere (nothing was taken)
             raise svc.quiescing("receive")
         try:
-            got = conv.receive(service, option=option, max_length=session.reply_room(), convid=convid)
+            got = conv.receive(service, option=option, max_length=session.reply_room(), convid=convid,
+                               watch=watch)
             break
         except EndOfUowError:
             raise

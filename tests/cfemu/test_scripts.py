@@ -599,6 +599,93 @@ class TestPeek:
             s.peek(Q, "c", "ab")
 
 
+class TestPeekMany:
+    def test_gives_each_values_first_entry_in_get_order_or_none(self, s: Structure, qm1: Caller) -> None:
+        for eid, p in (("a", 0), ("b", 5), ("c", 0)):
+            s.put(qm1, entry(eid, priority=p, msgid="0101"), eid.encode())
+        s.put(qm1, entry("d", msgid="0202"), b"d")
+        s.put(qm1, entry("uncommitted", msgid="0303"), b"x", uow="U1")  # an uncommitted put is not there yet
+        def found(*values: str) -> list[tuple[str, bytes] | None]:
+            return [(one[0].id, one[1]) if one else None for one in s.peek_many(Q, "m", list(values))]
+
+        assert found("0202", "0404", "0101", "0303") == [("d", b"d"), None, ("b", b"b"), None]
+        taken = s.get(qm1, Q, uow="U2", match="m", value="0101", now_ms=NOW).entry
+        assert taken is not None and taken.id == "b"
+        held = s.peek_many(Q, "m", ["0101"])[0]
+        assert held is not None and (held[0].id, held[0].state) == ("b", "UG")  # held: seen as committed, as peek
+        assert s.peek_many(Q, "c", ["ab"]) == [None]
+        for value in ("0101", "0202", "0303"):  # the same answers as peek's first
+            assert [(e.id, d) for e, d in s.peek(Q, "m", value, 1)] == [one for one in found(value) if one]
+
+    def test_changes_nothing(self, s: Structure, qm1: Caller) -> None:
+        s.put(qm1, entry("a", msgid="0101"), b"a")
+        before = dump(s)
+        s.peek_many(Q, "m", ["0101", "0202"])
+        assert dump(s) == before
+
+    def test_refusals(self, admin: Admin, s: Structure) -> None:
+        with pytest.raises(UnknownObjectError):
+            s.peek_many("NOQ", "m", ["ab"])
+        with pytest.raises(BadRequestError, match="match"):
+            s.peek_many(Q, "x", ["ab"])
+        with pytest.raises(BadRequestError, match="1-1000 values"):
+            s.peek_many(Q, "m", [])
+        with pytest.raises(BadRequestError, match="1-1000 values"):
+            s.peek_many(Q, "m", ["ab"] * 1001)
+        admin.set_state(S, "RECOVERING")
+        with pytest.raises(StructureFailedError, match="RECOVERING"):
+            s.peek_many(Q, "m", ["ab"])
+
+
+class TestQueueMark:
+    """A mark of a queue's committed entries: the same while nothing is made available or taken, another after."""
+
+    def test_changes_when_an_entry_is_made_available_or_taken_and_not_otherwise(self, s: Structure,
+                                                                                 qm1: Caller) -> None:
+        marks = [s.queue_mark(Q)]
+        assert marks[0] == ""  # nothing committed
+        s.put(qm1, entry("a"), b"a")
+        marks.append(s.queue_mark(Q))
+        s.put(qm1, entry("b", priority=3), b"b")  # another priority
+        marks.append(s.queue_mark(Q))
+        s.put(qm1, entry("c"), b"c", uow="U1")
+        assert s.queue_mark(Q) == marks[-1]  # an uncommitted put: nothing made available yet
+        s.put(qm1, entry("other", queue=Q2), b"x")
+        assert s.queue_mark(Q) == marks[-1]  # another queue's
+        s.commit(qm1, "U1", gen=1, lrsn=0)
+        marks.append(s.queue_mark(Q))  # committed
+        taken = s.get(qm1, Q, uow="U2", now_ms=NOW).entry
+        assert taken is not None
+        marks.append(s.queue_mark(Q))  # taken (held by an uncommitted get)
+        assert len(set(marks)) == len(marks), marks
+        s.backout(qm1, "U2", gen=1, lrsn=0, has_data=False)
+        assert s.queue_mark(Q) == marks[-2]  # given back: the queue's committed entries are as they were
+
+    def test_a_replacement_committed_changes_it(self, s: Structure, qm1: Caller) -> None:
+        """A status change: the get of an entry and the put of its successor with the same message id, committed
+        (the list's length is the same after as before)."""
+        s.put(qm1, entry("a", msgid="0101"), b"a")
+        s.put(qm1, entry("b", msgid="0202"), b"b")
+        before = s.queue_mark(Q)
+        assert s.get(qm1, Q, uow="U1", match="m", value="0101", now_ms=NOW).entry is not None
+        s.put(qm1, entry("a2", msgid="0101"), b"a2", uow="U1", gen=1)
+        s.commit(qm1, "U1", gen=1, lrsn=0)
+        assert s.queue_mark(Q) != before
+
+    def test_changes_nothing(self, s: Structure, qm1: Caller) -> None:
+        s.put(qm1, entry("a"), b"a")
+        before = dump(s)
+        s.queue_mark(Q)
+        assert dump(s) == before
+
+    def test_refusals(self, admin: Admin, s: Structure) -> None:
+        with pytest.raises(UnknownObjectError):
+            s.queue_mark("NOQ")
+        admin.set_state(S, "RECOVERING")
+        with pytest.raises(StructureFailedError, match="RECOVERING"):
+            s.queue_mark(Q)
+
+
 class TestTopicNext:
     """The next publication after a position: whole, in commit order, never past an open publication."""
 
