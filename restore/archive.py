@@ -40,6 +40,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from backup.bounded_json import JSONFileError, read_json_file
 from backup.files import canonical_json, resolve_keys, signing_key
 from cfemu.credentials import BackupKeys, key_id
 from cfemu.durable import fsync_directory
@@ -134,16 +135,21 @@ def verified_segment(archive_dir: Path, member: str, segment: int, live: Segment
 
 
 _ARCHIVE_AGAIN = "remove it and run 'cfrestore archive' again (it archives the segment anew)"
+SEAL_MAX_BYTES = 64 * 1024  # a seal is a few hundred bytes: its fields, digest and signature
 
 
 def _read_seal(path: Path) -> dict[str, Any]:
+    """The seal beside an archived file: a regular file of at most SEAL_MAX_BYTES (a planted one of any size, or a
+    link, is refused before it is read)."""
     try:
-        seal = json.loads(seal_path(path).read_bytes())
+        seal = read_json_file(seal_path(path), SEAL_MAX_BYTES, "its seal")
     except FileNotFoundError:
         raise ArchiveError(f"{path}: no seal ({seal_path(path).name}): archived before archives were signed, or "
                            f"its seal was removed; run 'cfrestore archive' again to re-archive it") from None
-    except ValueError as e:
-        raise ArchiveError(f"{seal_path(path)}: not a seal ({e}): {_ARCHIVE_AGAIN}") from None
+    except JSONFileError as e:
+        raise ArchiveError(f"{e}: {_ARCHIVE_AGAIN}") from None
+    except OSError as e:
+        raise ArchiveError(f"{seal_path(path)}: cannot be read ({e.strerror or e}): {_ARCHIVE_AGAIN}") from None
     if not isinstance(seal, dict) or not isinstance(seal.get("signature"), dict):
         raise ArchiveError(f"{seal_path(path)}: not a signed seal: {_ARCHIVE_AGAIN}")
     return seal

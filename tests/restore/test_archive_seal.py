@@ -100,6 +100,27 @@ def test_a_seal_recomputed_without_the_key_is_refused(archived: Path) -> None:
         verified_segment(archived, "QM1", 1)
 
 
+@pytest.mark.parametrize("plant", ["huge", "link"])
+def test_a_planted_huge_seal_or_a_link_in_its_place_is_refused_unread(archived: Path, tmp_path: Path,
+                                                                       plant: str) -> None:
+    """A seal is a few hundred bytes: a planted one of a gigabyte (sparse: no disk spent) is refused by its size
+    before it is read, and a link in a seal's place (which may lead to a device or a FIFO) is never followed."""
+    seal = seal_path(archived / "QM1" / SEG1)
+    seal.unlink()
+    if plant == "huge":
+        with open(seal, "wb") as f:
+            f.truncate(1 << 30)
+        why = "more than the 65536 it can be"
+    else:
+        target = tmp_path / "elsewhere.json"
+        target.write_text("{}")
+        seal.symlink_to(target)
+        why = "symbolic link"
+    with pytest.raises(ArchiveError, match=why) as e:
+        verified_segment(archived, "QM1", 1)
+    assert "\n" not in str(e.value) and "cfrestore archive" in str(e.value)
+
+
 def test_a_seal_made_with_another_groups_key_is_refused(archived: Path, tmp_path: Path) -> None:
     other = tmp_path / "other-secrets"
     credentials.create_backup_key(other)
