@@ -11,8 +11,8 @@ life: a promotion swaps the roles, never the ports, so members keep their URL), 
 ``cf`` (settings.CLUSTER_CF) is always the current primary.
 
 Promotion is the product's own, by the process that owns both servers, not Redis Sentinel (docs/architecture.md):
-the primary holds a lease (it must answer the controller's PING within ``lease_ms``); one that does not is killed
-(SIGKILL: it can no longer act) and, only if the pair is DUPLEX-confirmed and the secondary runs, the secondary
+the primary holds a lease (it must answer the controller's PING within ``lease_ms``); one that does not (stopped,
+wedged, or held by a script: Redis answers nobody while one runs) is killed (SIGKILL: it can no longer act) and, only if the pair is DUPLEX-confirmed and the secondary runs, the secondary
 is promoted at the next generation; else (both lost, or the copy was not in sync) the primary is restarted empty at
 the next generation, and RECAUTO restores the structures from the backups and the logs.
 

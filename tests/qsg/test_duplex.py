@@ -180,6 +180,41 @@ def test_hung_primary_loses_its_lease_and_is_killed_before_the_promotion(cluster
     assert "fenced" not in _member_logs(c) and "recovered QM" not in _member_logs(c), _member_logs(c)[-3000:]
 
 
+@pytest.mark.slow
+def test_a_script_that_keeps_the_primary_busy_is_a_hang_the_copy_takes_over(cluster: LocalGroup) -> None:
+    """A loop sent by anyone holding a CF password (here the member role's) holds the primary: it answers nobody,
+    then BUSY. The pair's controller takes a primary that does not answer its PING within the pair's lease for
+    hung (as the simplex CF's supervisor takes a BUSY one after its kill rule): killed, its in-sync copy promoted.
+    The loop wrote nothing, so the copy has all the primary had; the group serves again, nobody fenced."""
+    import threading
+
+    c = cluster
+    pid = int(c.state["cf"]["pid"])
+    _wait("the pair in duplex", lambda: c.pair.state["mode"] == "DUPLEX", 60, 0.1)
+    looper = connect(c.cf_url("member"), socket_timeout=60)
+    ended: list[BaseException] = []
+
+    def loop() -> None:
+        try:
+            looper.eval("while true do end", 0)
+        except BaseException as e:  # noqa: BLE001 - its connection is cut when the primary is killed
+            ended.append(e)
+
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    try:
+        _wait("the secondary promoted", lambda: c.pair.state["promotions"] == 1, 60, 0.05)
+        _wait("the busy primary killed", lambda: not Path(f"/proc/{pid}").exists()
+              or "Z" in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0], 10)
+        t.join(10)
+        assert ended, "the loop's call still runs"
+    finally:
+        looper.close()
+    _wait("full service", lambda: all(_probe(c, n) for n in c.names), 60, 0.1)
+    assert set(c.names) <= set(c.running_processes()), c.running_processes()
+    assert "fenced" not in _member_logs(c), _member_logs(c)[-3000:]
+
+
 def test_duplex_needs_the_supervisor(tmp_path: Path) -> None:
     with pytest.raises(LocalGroupError, match="needs the CF supervisor"):
         LocalGroup.up(tmp_path / "c", managers=1, backup_interval=None, restart_cf=False, duplex=True)
