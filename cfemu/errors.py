@@ -38,6 +38,12 @@ class StructureNotInCFError(StructureFailedError):
     defines it, or restores it), unlike a structure that is there but FAILED or busy."""
 
 
+class StructureMigratedError(StructureFailedError):
+    """The structure is MIGRATED: a store migration's source, whose messages its target serves now. Unlike a
+    failed or recovering structure it stays so until an operator abandons the migration ('cfemu migrate reopen'):
+    trying again later changes nothing."""
+
+
 class FencedError(MQError):
     """This queue manager's epoch is stale (peer recovery took over its work): it must restart."""
 
@@ -191,6 +197,10 @@ def from_script_error(message: str, structure: str) -> MQError:
         "NONEW": NoNewUowsError,
     }
     cls = mapping.get(code, MQError)
+    if code == "CFSTATE" and detail.endswith(" MIGRATED"):
+        return StructureMigratedError(f"{where}: a store migration's source, its messages served by its target "
+                                      f"(only if the migration is abandoned: 'cfemu migrate reopen {structure} "
+                                      f"--confirm {structure}')")
     if cls is UnknownObjectError:
         return cls(f"queue {detail} is not defined on structure {structure}")
     return cls(where if cls is not MQError else f"structure {structure}: {message}")

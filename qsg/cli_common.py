@@ -28,7 +28,7 @@ from cfemu.admin import Admin
 from cfemu.clitools import CLIError, Output, add_settings_arguments, require_url, run_command, settings
 from cfemu.connection import connect
 from cfemu.embedded import ServerError
-from cfemu.errors import MQError, StructureFailedError, StructureNotInCFError
+from cfemu.errors import MQError, StructureFailedError, StructureMigratedError, StructureNotInCFError
 
 OPERATOR_QM = "OPS"  # the short-lived in-process queue manager of one-shot put/get
 
@@ -58,6 +58,8 @@ def exit_code(e: BaseException) -> int:
         return EXIT_RETRY_LATER
     if isinstance(e, StructureFailedError) and (e.maybe_applied or isinstance(e, StructureNotInCFError)):
         return EXIT_USAGE  # not there at all: defined by nobody, or lost with the CF; the operator looks
+    if isinstance(e, StructureMigratedError):
+        return EXIT_USAGE  # MIGRATED until an operator reopens it: a retry would wait for ever
     if isinstance(e, MQError):
         return EXIT_RETRY_LATER if e.reason in RETRY_LATER_REASONS else EXIT_USAGE
     if isinstance(e, redis.exceptions.ResponseError):

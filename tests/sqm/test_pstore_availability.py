@@ -329,3 +329,15 @@ def test_replacements_cannot_fill_the_structure(redis_url: str, tmp_path: Path) 
     info = CF(qm.redis).structure(S).info()
     qm.stop()
     assert int(info["entries"]) <= 10 and int(info["bytes"]) <= 10_000 and refused, (refused, info)
+
+
+def test_a_migrated_structure_is_refused_for_good_not_retry_later(redis_url: str, tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """A store migration's source stays MIGRATED until an operator reopens it: a verb refused for it exits 2 (not 75,
+    which a script would retry for ever) and names the way out."""
+    define_group(redis_url).hset(keys.meta(S), "state", "MIGRATED")  # as a migration's unload leaves its source
+    capsys.readouterr()
+    for verb in (["disconnect", S], ["connect", S], ["no-new-uows", S, "--on"]):
+        assert pstore([*verb, "--redis-url", redis_url]) == 2, verb
+        err = capsys.readouterr().err
+        assert "structure is MIGRATED" in err and f"cfemu migrate reopen {S}" in err and err.count("\n") == 1, err
