@@ -89,7 +89,7 @@ CF_BUSY_GRACE_S = 5.0  # after SCRIPT KILL: still BUSY this long, the CF is take
 # The exit codes of ``sqm run`` (sqm.service.server's EXIT_*; `sqm run --help`), as a restart's reason says them.
 MEMBER_EXITS = {0: "stopped (exit 0) outside 'cfemu cluster'", 1: "failed (exit 1)",
                 2: "refused its configuration (exit 2)", 3: "was fenced by peer recovery (exit 3)",
-                4: "could not write its record log (exit 4)"}
+                4: "its record log failed (exit 4: it could not write it, or read it at restart)"}
 EXIT_FILE_ENV = "CFEMU_MEMBER_EXIT_FILE"  # where ``python -m qsg.member`` records its exit status
 
 

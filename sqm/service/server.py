@@ -48,7 +48,7 @@ from cfemu.repository import RepositoryError
 from sqm.conversations import ops as conversation_ops
 from sqm.core.lifecycles import Begun, Call, Lifecycles, OneGet
 from sqm.core.manager import CF_DOWN, QueueManager, QueueManagerConfig
-from sqm.log import LogLockedError
+from sqm.log import LogCorruptError, LogFormatError, LogLockedError
 from sqm.operations import OPERATOR, ROLES, Handler, NotLoggedOnError, short
 from sqm.pubsub import ops as pubsub_ops
 from sqm.pubsub.publication_bounds import DraftBudget
@@ -491,6 +491,10 @@ def serve(config: ServerConfig) -> int:
     except RepositoryError as e:  # a log root that is not the group's: a configuration error
         log.error("%s", e)
         return EXIT_CONFIG
+    except (LogCorruptError, LogFormatError) as e:  # its own log cannot be read: restart cannot recover from it
+        log.error("%s: its record log cannot be read, so it cannot restart (docs/runbook.md, \"Reading the "
+                  "logs\"): %s", config.name, e)
+        return EXIT_LOG_FAILED
     except OSError as e:  # e.g. the port is taken
         log.error("%s: %s", config.name, e)
         return EXIT_ERROR

@@ -355,7 +355,8 @@ def test_the_restart_reasons_are_sqm_runs_exit_codes() -> None:
     from sqm.service import server
 
     assert group_supervisor.describe_exit(server.EXIT_FENCED) == "was fenced by peer recovery (exit 3)"
-    assert group_supervisor.describe_exit(server.EXIT_LOG_FAILED) == "could not write its record log (exit 4)"
+    assert group_supervisor.describe_exit(server.EXIT_LOG_FAILED) == ("its record log failed (exit 4: it could not "
+                                                                       "write it, or read it at restart)")
     assert group_supervisor.describe_exit(server.EXIT_CONFIG) == "refused its configuration (exit 2)"
     assert group_supervisor.describe_exit(-signal.SIGKILL) == "was killed by SIGKILL"
     assert group_supervisor.describe_exit(9) == "exited 9"

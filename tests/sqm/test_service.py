@@ -36,7 +36,7 @@ from sqm.service.protocol import (
     QueueManagerUnavailableError,
     encode_frame,
 )
-from sqm.service.server import EXIT_FENCED
+from sqm.service.server import EXIT_FENCED, EXIT_LOG_FAILED
 from tests.support.group import define_group, start_qm
 from tests.support.harness import lose_cf
 from tests.support.service_proc import (
@@ -554,3 +554,24 @@ def test_the_limits_agree_end_to_end(redis_server: Any) -> None:
     r = redis_server.client()
     assert int(r.config_get("proto-max-bulk-len")["proto-max-bulk-len"]) >= longest
     assert int(r.config_get("client-query-buffer-limit")["client-query-buffer-limit"]) >= 2 * longest
+
+
+def test_a_member_whose_own_log_is_corrupt_exits_4_naming_the_file(redis_url: str, tmp_path: Path) -> None:
+    """Corruption before the end of a member's log stops its restart (restart cannot know what the damaged
+    records decided): `sqm run` exits 4, its record log failed, not 2, a configuration error, and says which file."""
+    define_group(redis_url, queues=("Q1",))
+    qm = start_server(redis_url, tmp_path, "QMC", "--token", TOKEN)
+    with Client([("127.0.0.1", qm.port)], token=TOKEN) as c:
+        for i in range(50):
+            c.put("Q1", f"m{i}".encode() * 50)
+        c.commit()
+    assert qm.stop() == 0
+    segment = sorted((tmp_path / "logs" / "QMC").glob("seg-*.log"))[-1]
+    raw = bytearray(segment.read_bytes())
+    raw[len(raw) // 2] ^= 0x40  # inside a frame before the end: no torn tail, a damaged record
+    segment.write_bytes(bytes(raw))
+    r = subprocess.run([sys.executable, "-m", "sqm.cli", "run", "--name", "QMC", "--redis-url", redis_url,
+                        "--log-root", str(tmp_path / "logs"), "--port", "0", "--metrics-port", "0", "--token", TOKEN],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == EXIT_LOG_FAILED, (r.returncode, r.stderr[-2000:])
+    assert "its record log cannot be read" in r.stderr and segment.name in r.stderr, r.stderr[-2000:]
