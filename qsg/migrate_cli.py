@@ -95,7 +95,8 @@ def cmd_load(args: argparse.Namespace, out: Output) -> int:
     with _bars(out) as bars:
         done = migrate.load(client, args.dir, structure=args.structure, group=args.group, restart=args.restart,
                             report=args.report, backup_keys=found.backup_keys(), source_keys=source_keys,
-                            batch=args.batch, progress=bars, log_root=args.log_root)
+                            batch=args.batch, progress=bars, log_root=args.log_root,
+                            default_log_root=found.log_root)
     return _show_moved(out, done, f"loaded migration {done.migration} as structure {done.structure} of group "
                        f"{done.group}", "the target is",
                        f"report: {done.report}  (compare it: cfemu migrate compare UNLOAD_REPORT {done.report})")
