@@ -13,8 +13,11 @@ a UOW meanwhile makes it look again) and that no backup runs. Every member scrip
 is not ACTIVE (check_ready, cfemu/scripts/_prelude.lua: CFSTATE, MQRC_CF_STRUC_FAILED to the application), and
 RECAUTO (sqm.core.recauto) only restores a structure that is FAILED, or RECOVERING with an automatic recovery's mark:
 a MIGRATING or MIGRATED structure is neither, so no member takes it for a lost CF. At the end the source is left
-MIGRATED (a failed unload puts it back to ACTIVE): it serves nothing until an operator reopens it deliberately
-(``reopen``), so the two stores never serve at once.
+MIGRATED (a failed unload puts it back to ACTIVE, removes what it wrote and its record: _undo_unload): it serves
+nothing until an operator reopens it deliberately (``reopen``), so the two stores never serve at once. A structure
+started WARM is refused (its content is in its backups and logs, not in the CF). While the unload runs it renews a
+lease in the header (UNTIL, _Lease): reopen refuses a MIGRATING structure whose lease is live, and an unload that
+finds the state changed under it (reopened after its lease lapsed) keeps nothing.
 
 The header is in the source CF, and a loss of that CF takes it away: the structure then reads FAILED, and RECAUTO
 or ``cfrestore run`` would restore it from its backups and logs beside its target. So before the header says
@@ -32,7 +35,8 @@ last. A load killed midway leaves the target RECOVERING with the migration's id 
 
 The handshake (before anything is written on the target): the manifest is the group's (its signature), of this
 format (MIGRATION_FORMAT) and kind, every entry file intact; the target is not the source store (same CF run id and
-structure, or a header that says it is this migration's source); the target structure is empty (no entries, no
+structure, or a header that says it is this migration's source, or a group repository that records the structure
+migrated away: _refuse_migrated_away, which outlives a lost source CF); the target structure is empty (no entries, no
 UOW records, no tombstones; not being restored or migrated), its queues are not defined on another structure of the
 target, and the target's group is the one asked for.
 """

@@ -2,7 +2,8 @@
 backup.migrate), with a report of every record on both sides and their comparison (backup.migrate_report).
 
     cfemu migrate unload STRUCT --to DIR [--redis-url SOURCE] [--log-root DIR] [--wait SECONDS]   the source ends
-                                   MIGRATED; a running backup is waited for (default 120 s)
+                                   MIGRATED; a running backup is waited for (default 120 s); DIR new, empty, or
+                                   holding only a killed unload of STRUCT (replaced)
     cfemu migrate load DIR --redis-url TARGET [--structure NAME] [--group NAME] [--restart] [--report FILE]
                            [--source-keys-dir DIR]
     cfemu migrate compare UNLOAD_REPORT LOAD_REPORT [--keys-dir DIR]  equal, or each difference (exit status 1)
@@ -166,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
     un = sub.add_parser("unload", parents=[common, cf], help="unload a structure into a directory (it ends MIGRATED)")
     un.add_argument("structure")
-    un.add_argument("--to", required=True, metavar="DIR", help="a new or empty directory")
+    un.add_argument("--to", required=True, metavar="DIR", help="a new or empty directory (or one holding only what a "
+                    "killed unload of the structure left: replaced)")
     un.add_argument("--log-root", metavar="DIR", help=REPO_HELP)
     un.add_argument("--wait", type=seconds(), default=DEFAULT_WAIT_S, metavar="SECONDS",
                     help=f"while a backup of the structure runs (the scheduler's), wait for it to end, at most SECONDS "
