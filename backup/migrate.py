@@ -641,7 +641,7 @@ def load(client: redis.Redis, directory: str | Path, *, structure: str | None = 
     if group is not None:
         keys.check_name("group", group)
     found = handshake(client, manifest, S, group=group, restart=restart)
-    _refuse_migrated_away(client, S, info["id"], log_root, default_log_root)
+    _refuse_migrated_away(client, S, info, group, log_root, default_log_root)
     report_path = Path(report) if report is not None else Path(directory) / LOAD_REPORT
     if report_path.exists():
         if not (restart and found["partial"]):
@@ -692,14 +692,19 @@ def load(client: redis.Redis, directory: str | Path, *, structure: str | None = 
     return result
 
 
-def _refuse_migrated_away(client: redis.Redis, structure: str, migration: str, log_root: str | Path | None,
-                          default_log_root: str | Path | None) -> None:
+def _refuse_migrated_away(client: redis.Redis, structure: str, info: Mapping[str, Any], group: str | None,
+                          log_root: str | Path | None, default_log_root: str | Path | None) -> None:
     """Refuse a load into a group whose repository records `structure` migrated away. Always checked (the
     repository the CF records, else log_root, else default_log_root): after a loss of the source CF the
     repository is all that knows the source, and a load of the unload back into it would make both CFs serve
-    the messages; restore and RECAUTO would refuse such a loaded structure after a CF loss too."""
+    the messages; restore and RECAUTO would refuse such a loaded structure after a CF loss too.
+    default_log_root (the settings', often the source group's while the target is a new CF of another group) is
+    read only for a target that is the source's group, or whose group is not known yet (--group not given, the CF
+    records none): the safe side."""
+    migration = str(info["id"])
     if log_root is None and Admin(client).repository() is None:
-        if default_log_root is None:
+        target_group = group or (Admin(client).group_name() if client.exists(keys.group()) else None)
+        if default_log_root is None or target_group not in (None, info.get("source_group")):
             return
         repo = GroupRepository(default_log_root)
     else:
