@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -67,9 +68,25 @@ sys.exit(main(sys.argv[2:]))
 """
 
 
+_STARTED: list[subprocess.Popen[str]] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_process_left() -> Iterator[None]:
+    """A test that fails with its migrate process stopped kills it: no stopped process outlives the test."""
+    yield
+    while _STARTED:
+        proc = _STARTED.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=60)
+
+
 def migrate_process(point: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-c", STOPPER, point, *args], cwd=ROOT, text=True,
+    proc = subprocess.Popen([sys.executable, "-c", STOPPER, point, *args], cwd=ROOT, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **(env or {})})
+    _STARTED.append(proc)
+    return proc
 
 
 def wait_stopped(proc: subprocess.Popen[str]) -> None:
@@ -112,7 +129,8 @@ def test_a_structure_started_warm_is_not_unloaded(fresh_redis: EmbeddedRedis, tm
     """Started WARM after a CF loss, a structure's persistent content is in its backups and logs only: an unload
     would carry an empty store away and leave the committed messages served nowhere. Refused, nothing changed;
     once started HOT, it unloads every message."""
-    url, roots = fresh_redis.url, {"backup_root": tmp_path / "backups", "log_root": tmp_path / "logs"}
+    url = fresh_redis.url
+    roots: dict[str, Any] = {"backup_root": tmp_path / "backups", "log_root": tmp_path / "logs"}
     qm = backed_up_source(url, tmp_path)
     client = connect(url)
     try:
