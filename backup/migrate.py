@@ -798,6 +798,11 @@ def status(client: redis.Redis, structure: str, *, log_root: str | Path | None =
         MIGRATING: "being unloaded (or an unload died: 'cfemu migrate reopen' gives it back); members' work refused",
         MIGRATED: "unloaded: serves nothing so that its target alone does; 'cfemu migrate reopen' to serve again",
     }.get(state, "")
+    if state == MIGRATING and header.get(UNTIL):
+        left_ms = int(header[UNTIL]) - _now_ms(node.time())
+        meaning = (f"being unloaded (its lease has {left_ms / 1000:.1f} s left: reopen refused); members' work refused"
+                   if left_ms > 0 else "an unload that died or stalled (its lease ran out): 'cfemu migrate reopen' "
+                   "gives it back; members' work refused")
     if state == "RECOVERING":
         meaning = (f"a load of migration {mid} is running, or was killed midway (partial: load again with --restart)"
                    if mid else "being restored (not a migration's)")

@@ -209,6 +209,7 @@ def test_an_unload_that_runs_is_not_reopened_under_it(fresh_redis: EmbeddedRedis
         wait_stopped(proc)
         with pytest.raises(migrate.MigrationError, match=f"structure {S}: the unload of migration .* is running"):
             migrate.reopen(connect(url), S)
+        assert migrate.status(connect(url), S)["meaning"].startswith("being unloaded (its lease has")
         err = cli("reopen", S, "--confirm", S, "--redis-url", url, status=2)
         assert err.count("\n") == 1 and "is running" in err, err
         rc, out, err = finish(proc)
@@ -232,6 +233,7 @@ def test_an_unload_reopened_under_it_keeps_nothing(point: str, fresh_redis: Embe
                                env={"LEASE": "0.5"})
         wait_stopped(proc)
         time.sleep(0.6)
+        assert migrate.status(connect(url), S)["meaning"].startswith("an unload that died or stalled")
         assert migrate.reopen(connect(url), S)["state"] == "ACTIVE"
         rc, out, err = finish(proc)
         assert rc == 2 and err.count("\n") == 1, (out, err)
