@@ -13,8 +13,11 @@ a UOW meanwhile makes it look again) and that no backup runs. Every member scrip
 is not ACTIVE (check_ready, cfemu/scripts/_prelude.lua: CFSTATE, MQRC_CF_STRUC_FAILED to the application), and
 RECAUTO (sqm.core.recauto) only restores a structure that is FAILED, or RECOVERING with an automatic recovery's mark:
 a MIGRATING or MIGRATED structure is neither, so no member takes it for a lost CF. At the end the source is left
-MIGRATED (a failed unload puts it back to ACTIVE): it serves nothing until an operator reopens it deliberately
-(``reopen``), so the two stores never serve at once.
+MIGRATED (a failed unload puts it back to ACTIVE, removes what it wrote and its record: _undo_unload): it serves
+nothing until an operator reopens it deliberately (``reopen``), so the two stores never serve at once. A structure
+started WARM is refused (its content is in its backups and logs, not in the CF). While the unload runs it renews a
+lease in the header (UNTIL, _Lease): reopen refuses a MIGRATING structure whose lease is live, and an unload that
+finds the state changed under it (reopened after its lease lapsed) keeps nothing.
 
 The header is in the source CF, and a loss of that CF takes it away: the structure then reads FAILED, and RECAUTO
 or ``cfrestore run`` would restore it from its backups and logs beside its target. So before the header says
@@ -32,13 +35,17 @@ last. A load killed midway leaves the target RECOVERING with the migration's id 
 
 The handshake (before anything is written on the target): the manifest is the group's (its signature), of this
 format (MIGRATION_FORMAT) and kind, every entry file intact; the target is not the source store (same CF run id and
-structure, or a header that says it is this migration's source); the target structure is empty (no entries, no
+structure, or a header that says it is this migration's source, or a group repository that records the structure
+migrated away: _refuse_migrated_away, which outlives a lost source CF); the target structure is empty (no entries, no
 UOW records, no tombstones; not being restored or migrated), its queues are not defined on another structure of the
 target, and the target's group is the one asked for.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import shutil
 import time
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
@@ -50,7 +57,15 @@ from typing import Any, NamedTuple
 import msgpack
 import redis
 
-from backup.files import Backup, BackupWriter, new_backup_id, read_manifest, resolve_keys, signing_key
+from backup.files import (
+    MANIFEST_NAME,
+    Backup,
+    BackupWriter,
+    new_backup_id,
+    read_manifest,
+    resolve_keys,
+    signing_key,
+)
 from backup.migrate_report import (
     CREATED,
     LOADED,
@@ -72,6 +87,8 @@ MIGRATION_FORMAT = 1  # the unload's format: a load refuses another
 KIND = "cfemu-migration-unload"
 MIGRATING, MIGRATED = "MIGRATING", "MIGRATED"
 FIELD = "migration"  # header field: the migration's id (source: MIGRATING/MIGRATED; target: while it loads)
+UNTIL = "migration_until"  # header field: the running unload's lease, ms of the CF's clock (source: MIGRATING)
+LEASE_S = 30.0  # an unload renews its lease every third of it; reopen waits for a killed one's to run out
 UNLOAD_DIR, UNLOAD_REPORT, LOAD_REPORT = "unload", "unload-report.jsonl", "load-report.jsonl"
 _HEADER_CARRIED = ("gen", "clock", "floor")  # the source header fields the target keeps (LRSNs keep growing)
 _RETRIES = 20
@@ -166,6 +183,10 @@ def _definitions(client: redis.Redis, structure: str) -> tuple[dict[str, Any], l
     return sdef, queues
 
 
+def _now_ms(cf_time: tuple[int, int]) -> int:
+    return int(cf_time[0]) * 1000 + int(cf_time[1]) // 1000
+
+
 def _header(client: redis.Redis, structure: str) -> dict[str, str]:
     return {keys.text(k): keys.text(v) for k, v in client.hgetall(keys.meta(structure)).items()}
 
@@ -189,16 +210,18 @@ def _guarded(node: redis.Redis, watch: tuple[str, ...], check: Any, stage: Any) 
 
 
 # --- the source: unload, reopen ---------------------------------------------------------------------------------
-def freeze(client: redis.Redis, structure: str, migration: str) -> None:
-    """ACTIVE -> MIGRATING in one transaction, refused while a unit of work holds entries or a backup runs. A
+def freeze(client: redis.Redis, structure: str, migration: str, *, lease_s: float = LEASE_S) -> None:
+    """ACTIVE -> MIGRATING in one transaction, refused while a unit of work holds entries or a backup runs, and for
+    a structure started WARM (its content is not in the CF, as backup_begin.lua refuses its backup). A
     backup mark whose lease has ended is no backup running (cfemu.cf.BackupMark): the freeze clears it, so that
-    its backup, if it still runs, cannot end well."""
+    its backup, if it still runs, cannot end well. The header then holds the unload's lease (UNTIL, lease_s from
+    the CF's time): the mark that it runs, renewed while it does (_renew), which reopen respects."""
     node = rcluster.node_client(client, structure)
     meta, uows = keys.meta(structure), keys.uows(structure)
 
     def check(pipe: Any) -> bool:
-        state, mark_id, until, other = pipe.hmget(meta, "state", "backup", "backup_until", FIELD)
-        state, other = (keys.text(v) if v is not None else None for v in (state, other))
+        state, mark_id, until, other, started = pipe.hmget(meta, "state", "backup", "backup_until", FIELD, "started")
+        state, other, started = (keys.text(v) if v is not None else None for v in (state, other, started))
         mark = BackupMark.read(mark_id, until, pipe.time())
         backup = mark.backup if mark is not None and not mark.stale else None
         if state is None:
@@ -208,6 +231,12 @@ def freeze(client: redis.Redis, structure: str, migration: str) -> None:
                                  f"('cfemu migrate reopen {structure}') to unload it again")
         if state != "ACTIVE":
             raise MigrationError(f"structure {structure} is {state}; only an ACTIVE structure can be unloaded")
+        if started == "WARM":
+            # its persistent content is in its backups and logs, not in the CF (docs/pstore.md): an unload would
+            # carry an empty store away and mark the source MIGRATED, and the committed messages served nowhere
+            raise MigrationError(f"structure {structure} runs from a WARM start: its persistent content is in its "
+                                 "backups and logs, not in the CF; start it HOT or COLD first "
+                                 f"('cfemu pstore start {structure} --mode HOT')")
         if backup:
             raise BackupRunningMigrationError(f"structure {structure}: backup {backup} is running; unload once it "
                                               "has ended")
@@ -218,7 +247,8 @@ def freeze(client: redis.Redis, structure: str, migration: str) -> None:
         return mark is not None and mark.stale
 
     def stage(pipe: Any, stale: bool) -> None:
-        pipe.hset(meta, mapping={"state": MIGRATING, FIELD: migration})
+        pipe.hset(meta, mapping={"state": MIGRATING, FIELD: migration,
+                                 UNTIL: _now_ms(node.time()) + int(lease_s * 1000)})
         if stale:
             pipe.hdel(meta, "backup", "backup_until")
 
@@ -226,31 +256,38 @@ def freeze(client: redis.Redis, structure: str, migration: str) -> None:
 
 
 def _freeze_when_no_backup_runs(client: redis.Redis, structure: str, migration: str, wait_s: float,
-                                progress: Progress) -> None:
+                                lease_s: float, progress: Progress) -> None:
     """freeze, once no backup of the structure runs: waited for at most wait_s seconds (0: refused at once)."""
     when_no_backup_runs(
-        CF(client).structure(structure), wait_s, progress, lambda: freeze(client, structure, migration),
+        CF(client).structure(structure), wait_s, progress, lambda: freeze(client, structure, migration, lease_s=lease_s),
         BackupRunningMigrationError,
         lambda running: BackupRunningMigrationError(f"structure {structure}: backup {running} is still running "
                                                     f"after waiting {wait_s:g}s for it; unload once it has ended"))
 
 
 def _set_state(client: redis.Redis, structure: str, *, to: str, expect: tuple[str, ...],
-               migration: str | None = None) -> str:
-    """Move the header's state from one of `expect` (of `migration` when given) to `to`; returns the old state."""
+               migration: str | None = None, unless_running: bool = False) -> str:
+    """Move the header's state from one of `expect` (of `migration` when given) to `to`; returns the old state.
+    unless_running: refused while a MIGRATING structure's unload holds a live lease (it runs, if slowly)."""
     node = rcluster.node_client(client, structure)
     meta = keys.meta(structure)
 
     def check(pipe: Any) -> str:
-        state, mid = (keys.text(v) if v is not None else "" for v in pipe.hmget(meta, "state", FIELD))
+        state, mid, until = (keys.text(v) if v is not None else "" for v in pipe.hmget(meta, "state", FIELD, UNTIL))
         if state not in expect or (migration is not None and mid != migration):
             raise MigrationError(f"structure {structure} is {state or 'not in this CF'}"
                                  f"{f' (migration {mid})' if mid else ''}, not {' or '.join(expect)}"
                                  f"{f' of migration {migration}' if migration else ''}: left as it is")
+        left_ms = int(until) - _now_ms(pipe.time()) if until else 0
+        if unless_running and state == MIGRATING and left_ms > 0:
+            raise MigrationError(f"structure {structure}: the unload of migration {mid} is running (its lease has "
+                                 f"{left_ms / 1000:.1f} s left): let it end, or stop it and reopen once its lease "
+                                 "has run out")
         return state
 
     def stage(pipe: Any, _: str) -> None:
         pipe.hset(meta, "state", to)
+        pipe.hdel(meta, UNTIL)
         if to == "ACTIVE":
             pipe.hdel(meta, FIELD)
 
@@ -278,7 +315,8 @@ def group_repository(client: redis.Redis, log_root: str | Path | None = None) ->
 
 def reopen(client: redis.Redis, structure: str, *, log_root: str | Path | None = None) -> dict[str, Any]:
     """Give a migrated source back to its members: the operator's deliberate choice, after a migration that is
-    abandoned, or before a second unload. Never while the target serves (both would). A MIGRATING or MIGRATED
+    abandoned, or before a second unload. Never while the target serves (both would), nor while the unload runs
+    (its lease is live: an unload that finds the state changed under it would leave a loadable unload). A MIGRATING or MIGRATED
     structure becomes ACTIVE; the group repository's record of the migration is cleared, so that a structure
     whose CF was lost since (FAILED) is restored again (RECAUTO, cfrestore run)."""
     keys.check_name("structure", structure)
@@ -288,7 +326,7 @@ def reopen(client: redis.Redis, structure: str, *, log_root: str | Path | None =
     record = repo.migrated().get(structure)
     if state in (MIGRATING, MIGRATED):
         # the header first: a failure between the two leaves the record, which refuses more, never less
-        before = _set_state(client, structure, to="ACTIVE", expect=(MIGRATING, MIGRATED))
+        before = _set_state(client, structure, to="ACTIVE", expect=(MIGRATING, MIGRATED), unless_running=True)
         now = "ACTIVE"
     elif record is not None:
         before = now = state
@@ -322,19 +360,105 @@ class Unloaded:
                 "state": self.state}
 
 
+class _Lease:
+    """The running unload's lease (the header's UNTIL): renewed every third of it, each renewal one guarded
+    transaction that checks the structure is still MIGRATING by this migration. A reopen (after a lapsed lease)
+    or anything else that changed the state under the unload makes it stop with a MigrationError."""
+
+    def __init__(self, client: redis.Redis, structure: str, migration: str, lease_s: float) -> None:
+        self.node = rcluster.node_client(client, structure)
+        self.structure, self.migration, self.lease_s = structure, migration, lease_s
+        self._next = time.monotonic() + lease_s / 3
+
+    def renew(self, *, now: bool = False) -> None:
+        if not now and time.monotonic() < self._next:
+            return
+        meta = keys.meta(self.structure)
+
+        def check(pipe: Any) -> None:
+            state, mid = (keys.text(v) if v is not None else "" for v in pipe.hmget(meta, "state", FIELD))
+            if state != MIGRATING or mid != self.migration:
+                raise MigrationError(f"structure {self.structure} changed under the unload of migration "
+                                     f"{self.migration} (it is {state or 'not in this CF'}"
+                                     f"{f' of migration {mid}' if mid and mid != self.migration else ''}; reopened?): "
+                                     "the unload is abandoned, nothing of it is kept")
+
+        def stage(pipe: Any, _: None) -> None:
+            pipe.hset(meta, UNTIL, _now_ms(self.node.time()) + int(self.lease_s * 1000))
+
+        _guarded(self.node, (meta,), check, stage)
+        self._next = time.monotonic() + self.lease_s / 3
+
+
+def _clear_leftover(directory: Path, structure: str, *, remove: bool) -> None:
+    """A directory that holds only what an unload of `structure` left when it was killed (no manifest: never a
+    loadable unload) is emptied for this one (remove=True, once the structure is frozen by this unload, so that
+    the unload that left it does not run any more); anything else there is refused, never removed."""
+    if not directory.exists() or not any(directory.iterdir()):
+        return
+    names = {p.name for p in directory.iterdir()}
+    leftover = names <= {UNLOAD_DIR, UNLOAD_REPORT} and not (directory / UNLOAD_DIR / MANIFEST_NAME).exists()
+    if leftover and UNLOAD_REPORT in names:
+        try:
+            with open(directory / UNLOAD_REPORT, "rb") as f:
+                head = json.loads(f.readline() or b"{}")
+        except (OSError, ValueError):
+            head = {}
+        leftover = isinstance(head, dict) and head.get("report") == "unload" and head.get("structure") == structure
+    if not leftover:
+        raise MigrationError(f"{directory} is not empty (and holds no killed unload of {structure} without its "
+                             "manifest): unload into a new or empty directory")
+    if not remove:
+        return
+    shutil.rmtree(directory / UNLOAD_DIR, ignore_errors=True)
+    (directory / UNLOAD_REPORT).unlink(missing_ok=True)
+
+
+def _undo_unload(client: redis.Redis, structure: str, migration: str, directory: Path, repo: GroupRepository,
+                 created: bool, wrote: bool, writer: BackupWriter | None, report: ReportWriter | None) -> None:
+    """A failed unload leaves nothing loadable and the source serving again. Each step is guarded on its own (a
+    full disk fails the report's flush too): the files written go (the unload, complete or not: a complete one
+    whose state change failed must not be loaded elsewhere), the header goes back to ACTIVE when it is still
+    this migration's, and this migration's record in the group repository goes unless the header's state is
+    unknown (the CF unreachable: left MIGRATING and recorded, which refuses more, never less; 'cfemu migrate
+    reopen' gives it back)."""
+    if report is not None:
+        with contextlib.suppress(Exception):
+            report.abandon()
+    if writer is not None:
+        with contextlib.suppress(Exception):
+            writer.abort()
+    if wrote:  # what is there is this unload's, never what it found
+        shutil.rmtree(directory / UNLOAD_DIR, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            (directory / UNLOAD_REPORT).unlink(missing_ok=True)
+    if created:
+        with contextlib.suppress(OSError):
+            directory.rmdir()  # only when empty
+    try:
+        _set_state(client, structure, to="ACTIVE", expect=(MIGRATING,), migration=migration)
+    except MigrationError:
+        pass  # no longer this migration's (reopened meanwhile): its record is this migration's only
+    except redis.exceptions.RedisError:
+        return  # state unknown: the record stays
+    with contextlib.suppress(Exception):
+        repo.clear_migrated(structure, migration)
+
+
 def unload(client: redis.Redis, structure: str, to: str | Path, *, backup_keys: BackupKeys | None = None,
-           progress: Progress = no_progress, log_root: str | Path | None = None, wait_s: float = 0.0) -> Unloaded:
-    """Unload `structure` into the directory `to` (new, or empty): ``unload/`` (the backup file format, its
-    manifest signed) and ``unload-report.jsonl``. The source ends MIGRATED, and the group repository (the CF's,
-    or log_root's: group_repository) records it migrated; a failure puts it back to ACTIVE and removes what was
-    written. wait_s: a backup of the structure running (a scheduler's) is waited for, at most this long
-    (backup.run.wait_for_running_backup, with progress); 0 refuses at once."""
+           progress: Progress = no_progress, log_root: str | Path | None = None, wait_s: float = 0.0,
+           lease_s: float = LEASE_S) -> Unloaded:
+    """Unload `structure` into the directory `to` (new, or empty, or holding only what a killed unload of it
+    left: _clear_leftover): ``unload/`` (the backup file format, its manifest signed) and
+    ``unload-report.jsonl``. The source ends MIGRATED, and the group repository (the CF's, or log_root's:
+    group_repository) records it migrated; a failure puts it back to ACTIVE and removes what was written
+    (_undo_unload). wait_s: a backup of the structure running (a scheduler's) is waited for, at most this long
+    (backup.run.wait_for_running_backup, with progress); 0 refuses at once. lease_s: the unload's lease (_Lease)."""
     t0 = time.monotonic()
     keys_ = resolve_keys(backup_keys)
     signing_key(keys_, "sign the unload with")  # no key, no unload: refused before the CF is touched
     directory = Path(to)
-    if directory.exists() and any(directory.iterdir()):
-        raise MigrationError(f"{directory} is not empty: unload into a new or empty directory")
+    created = not directory.exists()
     keys.check_name("structure", structure)
     admin = Admin(client)
     sdef, queues = _definitions(client, structure)
@@ -346,12 +470,17 @@ def unload(client: redis.Redis, structure: str, to: str | Path, *, backup_keys: 
         raise HandshakeError(f"structure {structure} is recorded migrated in the group repository {repo.path} "
                              f"(migration {recorded.get('migration')}): reopen it first ('cfemu migrate reopen "
                              f"{structure}') to unload it again")
+    _clear_leftover(directory, structure, remove=False)  # refused before the freeze
     cf = bulk.cf_identity(node)
     migration = new_backup_id(structure, datetime.now(UTC))
-    _freeze_when_no_backup_runs(client, structure, migration, wait_s, progress)
+    _freeze_when_no_backup_runs(client, structure, migration, wait_s, lease_s, progress)
     writer: BackupWriter | None = None
     report: ReportWriter | None = None
+    wrote = False
     try:
+        lease = _Lease(client, structure, migration, lease_s)
+        _clear_leftover(directory, structure, remove=True)
+        wrote = True
         header = _header(node, structure)
         writer = BackupWriter(directory / UNLOAD_DIR, backup_keys=keys_)
         report = ReportWriter(directory / UNLOAD_REPORT, {
@@ -362,6 +491,7 @@ def unload(client: redis.Redis, structure: str, to: str | Path, *, backup_keys: 
         for q in queues:
             report.add(definition_record("queue", q["name"], q, action=UNLOADED))
         total = int(node.hlen(keys.entries(structure)))
+        lease.renew(now=True)
         for name, pos, wire, data in read_store(node, structure):
             writer.add(0, wire, data)
             rec = entry_record(wire, data, list_name=name, pos=pos, action=UNLOADED)
@@ -371,9 +501,12 @@ def unload(client: redis.Redis, structure: str, to: str | Path, *, backup_keys: 
             result.by_type[rec["type"]] = result.by_type.get(rec["type"], 0) + 1
             if result.entries % 5000 == 0:
                 progress("unload", result.entries, total)
+            if result.entries % 500 == 0:
+                lease.renew()
         progress("unload", result.entries, total)
         report_sha = report.close()
         report = None
+        lease.renew(now=True)
         writer.finish({
             "kind": KIND, "id": migration, "structure": structure, "group": group,
             "migration": {"format": MIGRATION_FORMAT, "id": migration, "source_cf": cf, "source_group": group,
@@ -389,18 +522,12 @@ def unload(client: redis.Redis, structure: str, to: str | Path, *, backup_keys: 
         # durably outside the CF before the header says it: a CF loss must not make the source restorable
         repo.record_migrated(structure, migration, unload=str((directory / UNLOAD_DIR).absolute()), source_cf=cf)
         _set_state(client, structure, to=MIGRATED, expect=(MIGRATING,), migration=migration)
-    except BaseException:
-        if report is not None:
-            report.abandon()
-            (directory / UNLOAD_REPORT).unlink(missing_ok=True)
-        if writer is not None:
-            writer.abort()
-        try:
-            _set_state(client, structure, to="ACTIVE", expect=(MIGRATING,), migration=migration)
-        except (MigrationError, redis.exceptions.RedisError):
-            pass  # left MIGRATING (and recorded): 'cfemu migrate reopen' gives it back
-        else:
-            repo.clear_migrated(structure, migration)
+    except BaseException as e:
+        _undo_unload(client, structure, migration, directory, repo, created, wrote, writer, report)
+        if isinstance(e, OSError):
+            raise MigrationError(f"structure {structure}: writing the unload into {directory} failed "
+                                 f"({e.strerror or e}{f': {e.filename}' if e.filename else ''}): nothing of it is "
+                                 "kept, the source serves again") from e
         raise
     result.seconds = time.monotonic() - t0
     return result
@@ -498,11 +625,12 @@ def handshake(client: redis.Redis, manifest: Mapping[str, Any], structure: str, 
 def load(client: redis.Redis, directory: str | Path, *, structure: str | None = None, group: str | None = None,
          restart: bool = False, report: str | Path | None = None, backup_keys: BackupKeys | None = None,
          source_keys: BackupKeys | None = None, batch: int = bulk.BATCH, progress: Progress = no_progress,
-         log_root: str | Path | None = None) -> Loaded:
+         log_root: str | Path | None = None, default_log_root: str | Path | None = None) -> Loaded:
     """Load the unload in `directory` into the CF `client` names, as `structure` (default: the source's name).
     The load report goes to `report` (default: load-report.jsonl in `directory`). log_root: the target group's
     log root, whose group repository (cfemu.repository) then knows the structure and its queues too, so that
-    RECAUTO and restore find them after a loss of the target CF."""
+    RECAUTO and restore find them after a loss of the target CF. default_log_root (the settings'): the group
+    repository checked when log_root is not given and the CF records none (_refuse_migrated_away)."""
     t0 = time.monotonic()
     keys_ = resolve_keys(backup_keys)
     signing_key(keys_, "sign the load report with")
@@ -513,11 +641,7 @@ def load(client: redis.Redis, directory: str | Path, *, structure: str | None = 
     if group is not None:
         keys.check_name("group", group)
     found = handshake(client, manifest, S, group=group, restart=restart)
-    if log_root is not None and S in GroupRepository(log_root).migrated():
-        # that group's S was migrated away: restore and RECAUTO would refuse the loaded one after a CF loss
-        raise HandshakeError(f"the target group's repository {GroupRepository(log_root).path} records structure {S} "
-                             f"migrated away (migration {GroupRepository(log_root).migrated()[S].get('migration')}): "
-                             "load under another name (--structure), or reopen it there first")
+    _refuse_migrated_away(client, S, info, group, log_root, default_log_root)
     report_path = Path(report) if report is not None else Path(directory) / LOAD_REPORT
     if report_path.exists():
         if not (restart and found["partial"]):
@@ -530,35 +654,74 @@ def load(client: redis.Redis, directory: str | Path, *, structure: str | None = 
     sdef = StructureDef.from_dict(sdef_raw)
     hdr = manifest["header"]
     result = Loaded(info["id"], S, info["structure"], found["group"], found["cf"], report_path)
-    with bulk.claim(client, S, bulk.observe(client, S)) as owner:
-        owner.transaction(lambda pipe: pipe.hset(keys.meta(S), FIELD, info["id"]))
-        writer = ReportWriter(report_path, {
-            "report": "load", "migration": info["id"], "structure": S, "source_structure": info["structure"],
-            "group": found["group"], "cf": found["cf"], "source_cf": info["source_cf"],
-            "started": datetime.now(UTC).isoformat()}, backup_keys=keys_)
-        try:
-            bulk.reset(owner, sdef)
-            # definitions: the structure's and its queues', every field as the source stored them
-            owner.admin.hset(STRUCTURES, S, msgpack.packb(sdef_raw, use_bin_type=True))
-            for q in queues_raw:
-                owner.admin.hset(QUEUES, q["name"], msgpack.packb(q, use_bin_type=True))
-            writer.add(definition_record("structure", S, sdef_raw, action=CREATED))
-            for q in queues_raw:
-                writer.add(definition_record("queue", q["name"], q, action=CREATED))
-            _load_entries(owner, unloaded, writer, result, batch, progress)
-            if manifest["pclock"]:
-                owner.transaction(lambda pipe: pipe.hset(keys.pclock(S), mapping=manifest["pclock"]))
-            _verify(owner, unloaded, result)
-            writer.close()
-        except BaseException:
-            writer.abandon()
-            raise
-        bulk.activate(owner, sdef, gen=int(hdr["gen"]) or 1, clock=int(hdr["clock"]), floor=int(hdr["floor"]),
-                      entries=result.entries, nbytes=result.bytes)
+    try:
+        with bulk.claim(client, S, bulk.observe(client, S)) as owner:
+            owner.transaction(lambda pipe: pipe.hset(keys.meta(S), FIELD, info["id"]))
+            writer = ReportWriter(report_path, {
+                "report": "load", "migration": info["id"], "structure": S, "source_structure": info["structure"],
+                "group": found["group"], "cf": found["cf"], "source_cf": info["source_cf"],
+                "started": datetime.now(UTC).isoformat()}, backup_keys=keys_)
+            try:
+                bulk.reset(owner, sdef)
+                # definitions: the structure's and its queues', every field as the source stored them
+                owner.admin.hset(STRUCTURES, S, msgpack.packb(sdef_raw, use_bin_type=True))
+                for q in queues_raw:
+                    owner.admin.hset(QUEUES, q["name"], msgpack.packb(q, use_bin_type=True))
+                writer.add(definition_record("structure", S, sdef_raw, action=CREATED))
+                for q in queues_raw:
+                    writer.add(definition_record("queue", q["name"], q, action=CREATED))
+                _load_entries(owner, unloaded, writer, result, batch, progress)
+                if manifest["pclock"]:
+                    owner.transaction(lambda pipe: pipe.hset(keys.pclock(S), mapping=manifest["pclock"]))
+                _verify(owner, unloaded, result)
+                writer.close()
+            except BaseException:
+                writer.abandon()
+                raise
+            bulk.activate(owner, sdef, gen=int(hdr["gen"]) or 1, clock=int(hdr["clock"]), floor=int(hdr["floor"]),
+                          entries=result.entries, nbytes=result.bytes)
+    except bulk.CFReplacedError as e:
+        raise MigrationError(f"structure {S}: {e}") from None
+    except bulk.NotOwnerError as e:
+        # a concurrent load (or restore) claimed the structure after this one: it owns it now, this one stopped
+        raise MigrationError(f"another load or restore took structure {S} over: this load of migration {info['id']} "
+                             f"stopped, its report {report_path} unfinished ({e})") from None
     if log_root is not None:
         GroupRepository(log_root).adopt([sdef], [QueueDef.from_dict(q) for q in queues_raw])
     result.seconds = time.monotonic() - t0
     return result
+
+
+def _refuse_migrated_away(client: redis.Redis, structure: str, info: Mapping[str, Any], group: str | None,
+                          log_root: str | Path | None, default_log_root: str | Path | None) -> None:
+    """Refuse a load into a group whose repository records `structure` migrated away. Always checked (the
+    repository the CF records, else log_root, else default_log_root): after a loss of the source CF the
+    repository is all that knows the source, and a load of the unload back into it would make both CFs serve
+    the messages; restore and RECAUTO would refuse such a loaded structure after a CF loss too.
+    default_log_root (the settings', often the source group's while the target is a new CF of another group) is
+    read only for a target that is the source's group, or whose group is not known yet (--group not given, the CF
+    records none): the safe side."""
+    migration = str(info["id"])
+    if log_root is None and Admin(client).repository() is None:
+        target_group = group or (Admin(client).group_name() if client.exists(keys.group()) else None)
+        if default_log_root is None or target_group not in (None, info.get("source_group")):
+            return
+        repo = GroupRepository(default_log_root)
+    else:
+        repo = group_repository(client, log_root)
+    try:
+        record = repo.migrated().get(structure)
+    except RepositoryError as e:
+        raise MigrationError(str(e)) from None
+    if record is None:
+        return
+    same = record.get("migration") == migration
+    # loaded back into its source's group: both would serve its messages (the source CF lost and restarted
+    # empty); another migration's: restore and RECAUTO would refuse the loaded structure after a CF loss
+    raise (SameStoreError if same else HandshakeError)(
+        f"the target group's repository {repo.path} records structure {structure} migrated away (migration "
+        f"{record.get('migration')}{', this unload: the target is its source' if same else ''}): load into another "
+        "group's CF or under another name (--structure), or reopen it there first")
 
 
 def _load_entries(owner: bulk.Owner, unloaded: Backup, writer: ReportWriter, result: Loaded, batch: int,
@@ -635,6 +798,11 @@ def status(client: redis.Redis, structure: str, *, log_root: str | Path | None =
         MIGRATING: "being unloaded (or an unload died: 'cfemu migrate reopen' gives it back); members' work refused",
         MIGRATED: "unloaded: serves nothing so that its target alone does; 'cfemu migrate reopen' to serve again",
     }.get(state, "")
+    if state == MIGRATING and header.get(UNTIL):
+        left_ms = int(header[UNTIL]) - _now_ms(node.time())
+        meaning = (f"being unloaded (its lease has {left_ms / 1000:.1f} s left: reopen refused); members' work refused"
+                   if left_ms > 0 else "an unload that died or stalled (its lease ran out): 'cfemu migrate reopen' "
+                   "gives it back; members' work refused")
     if state == "RECOVERING":
         meaning = (f"a load of migration {mid} is running, or was killed midway (partial: load again with --restart)"
                    if mid else "being restored (not a migration's)")

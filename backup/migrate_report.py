@@ -27,6 +27,7 @@ that agree record for record on entry, type, list, position and digest prove the
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -157,9 +158,16 @@ class ReportWriter:
         return sha
 
     def abandon(self) -> None:
-        """A failed unload or load: the report stays as written, without a trailer (it shows how far it got)."""
-        self._file.flush()
-        self._file.close()
+        """A failed unload or load: the report stays as written, without a trailer (it shows how far it got). Never
+        raises: the failure that abandons it (a full disk, which fails this flush too) is what its caller reports,
+        and the caller's cleanup goes on after it."""
+        try:
+            self._file.flush()
+        except OSError:
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                self._file.close()  # closes the file even when its own flush fails
 
 
 @dataclass

@@ -2,7 +2,8 @@
 backup.migrate), with a report of every record on both sides and their comparison (backup.migrate_report).
 
     cfemu migrate unload STRUCT --to DIR [--redis-url SOURCE] [--log-root DIR] [--wait SECONDS]   the source ends
-                                   MIGRATED; a running backup is waited for (default 120 s)
+                                   MIGRATED; a running backup is waited for (default 120 s); DIR new, empty, or
+                                   holding only a killed unload of STRUCT (replaced)
     cfemu migrate load DIR --redis-url TARGET [--structure NAME] [--group NAME] [--restart] [--report FILE]
                            [--source-keys-dir DIR]
     cfemu migrate compare UNLOAD_REPORT LOAD_REPORT [--keys-dir DIR]  equal, or each difference (exit status 1)
@@ -95,7 +96,8 @@ def cmd_load(args: argparse.Namespace, out: Output) -> int:
     with _bars(out) as bars:
         done = migrate.load(client, args.dir, structure=args.structure, group=args.group, restart=args.restart,
                             report=args.report, backup_keys=found.backup_keys(), source_keys=source_keys,
-                            batch=args.batch, progress=bars, log_root=args.log_root)
+                            batch=args.batch, progress=bars, log_root=args.log_root,
+                            default_log_root=found.log_root)
     return _show_moved(out, done, f"loaded migration {done.migration} as structure {done.structure} of group "
                        f"{done.group}", "the target is",
                        f"report: {done.report}  (compare it: cfemu migrate compare UNLOAD_REPORT {done.report})")
@@ -165,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
     un = sub.add_parser("unload", parents=[common, cf], help="unload a structure into a directory (it ends MIGRATED)")
     un.add_argument("structure")
-    un.add_argument("--to", required=True, metavar="DIR", help="a new or empty directory")
+    un.add_argument("--to", required=True, metavar="DIR", help="a new or empty directory (or one holding only what a "
+                    "killed unload of the structure left: replaced)")
     un.add_argument("--log-root", metavar="DIR", help=REPO_HELP)
     un.add_argument("--wait", type=seconds(), default=DEFAULT_WAIT_S, metavar="SECONDS",
                     help=f"while a backup of the structure runs (the scheduler's), wait for it to end, at most SECONDS "

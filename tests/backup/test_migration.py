@@ -322,10 +322,13 @@ def test_no_start_mode_and_no_restore_starts_a_migrating_or_migrated_source(fres
             run_restore(client, S, mark_failed=True, **roots)
         assert Admin(client).state(S) == migrate.MIGRATED
         assert migrate.reopen(client, S)["state"] == "ACTIVE" and GroupRepository(tmp_path / "logs").migrated() == {}
-        migrate.freeze(client, S, "M-1")  # an unload under way (or one that died)
+        migrate.freeze(client, S, "M-1")  # an unload under way: its lease is live
         with pytest.raises(RestoreError, match="is MIGRATING, a store migration's source"):
             start(client, S, "HOT", **roots)
+        with pytest.raises(migrate.MigrationError, match="the unload of migration M-1 is running"):
+            migrate.reopen(client, S)
         assert Admin(client).state(S) == migrate.MIGRATING
+        client.hset(keys.meta(S), migrate.UNTIL, 1)  # one that died: its lease has run out
         assert migrate.reopen(client, S)["state_before"] == migrate.MIGRATING
         with pytest.raises(migrate.MigrationError, match="is ACTIVE and the group repository .* records no migration"):
             migrate.reopen(client, S)
