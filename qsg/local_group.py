@@ -207,13 +207,17 @@ class LocalGroup:
     @classmethod
     def up(cls, directory: str | os.PathLike[str], managers: int = 3, *, backup_interval: float | None = 10.0,
            structure: str | None = "APP1", queues: Sequence[str] = ("Q1", "Q2"), lease_ms: int = 5000,
-           token: str | None = None, host: str = "127.0.0.1", detach: bool = False, start_timeout: float = 30.0,
+           token: str | None = None, host: str = "127.0.0.1", detach: bool = False, start_timeout: float = 90.0,
            manager_args: Sequence[str] = (), cf_url_for: Callable[[str, str], str] | None = None,
            restart_cf: bool = False, recauto: bool = True, spark_workers: int = 0, spark_cores: int = 1,
            spark_memory: str = "2g", duplex: bool = False, redis_cluster: int = 0,
            restart_members: bool = False, rest: bool = False, backup_keep: int = 5,
            backup_keep_age: str | None = None, console: bool = False, cf_socket: bool = True) -> LocalGroup:
         """Start an embedded CF, managers QM1..QMn and (with a backup_interval) the backup scheduler.
+
+        start_timeout: how long each member's first start may take before the group is taken down. A member that
+        exits is reported at once; one that is only slow (a loaded machine: on 2 cores under a test suite's load
+        of 15-20 a member took more than 30 s to write its first log line) is waited for.
 
         structure/queues are defined when missing (structure=None defines nothing). manager_args go to every
         ``sqm run``. cf_url_for(manager, cf_url) gives the CF URL a manager uses (a proxy in the path, for the
