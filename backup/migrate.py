@@ -77,7 +77,7 @@ from backup.migrate_report import (
 from backup.run import when_no_backup_runs
 from cfemu import bulk, keys, rcluster
 from cfemu.admin import QUEUES, STRUCTURES, Admin, QueueDef, StructureDef
-from cfemu.cf import CF, BackupMark
+from cfemu.cf import CF, BackupMark, cf_time_ms
 from cfemu.credentials import BackupKeys
 from cfemu.progress import Progress, no_progress
 from cfemu.repository import GroupRepository, RepositoryError
@@ -183,10 +183,6 @@ def _definitions(client: redis.Redis, structure: str) -> tuple[dict[str, Any], l
     return sdef, queues
 
 
-def _now_ms(cf_time: tuple[int, int]) -> int:
-    return int(cf_time[0]) * 1000 + int(cf_time[1]) // 1000
-
-
 def _header(client: redis.Redis, structure: str) -> dict[str, str]:
     return {keys.text(k): keys.text(v) for k, v in client.hgetall(keys.meta(structure)).items()}
 
@@ -248,7 +244,7 @@ def freeze(client: redis.Redis, structure: str, migration: str, *, lease_s: floa
 
     def stage(pipe: Any, stale: bool) -> None:
         pipe.hset(meta, mapping={"state": MIGRATING, FIELD: migration,
-                                 UNTIL: _now_ms(node.time()) + int(lease_s * 1000)})
+                                 UNTIL: cf_time_ms(node.time()) + int(lease_s * 1000)})
         if stale:
             pipe.hdel(meta, "backup", "backup_until")
 
@@ -278,7 +274,7 @@ def _set_state(client: redis.Redis, structure: str, *, to: str, expect: tuple[st
             raise MigrationError(f"structure {structure} is {state or 'not in this CF'}"
                                  f"{f' (migration {mid})' if mid else ''}, not {' or '.join(expect)}"
                                  f"{f' of migration {migration}' if migration else ''}: left as it is")
-        left_ms = int(until) - _now_ms(pipe.time()) if until else 0
+        left_ms = int(until) - cf_time_ms(pipe.time()) if until else 0
         if unless_running and state == MIGRATING and left_ms > 0:
             raise MigrationError(f"structure {structure}: the unload of migration {mid} is running (its lease has "
                                  f"{left_ms / 1000:.1f} s left): let it end, or stop it and reopen once its lease "
@@ -384,7 +380,7 @@ class _Lease:
                                      "the unload is abandoned, nothing of it is kept")
 
         def stage(pipe: Any, _: None) -> None:
-            pipe.hset(meta, UNTIL, _now_ms(self.node.time()) + int(self.lease_s * 1000))
+            pipe.hset(meta, UNTIL, cf_time_ms(self.node.time()) + int(self.lease_s * 1000))
 
         _guarded(self.node, (meta,), check, stage)
         self._next = time.monotonic() + self.lease_s / 3
@@ -799,7 +795,7 @@ def status(client: redis.Redis, structure: str, *, log_root: str | Path | None =
         MIGRATED: "unloaded: serves nothing so that its target alone does; 'cfemu migrate reopen' to serve again",
     }.get(state, "")
     if state == MIGRATING and header.get(UNTIL):
-        left_ms = int(header[UNTIL]) - _now_ms(node.time())
+        left_ms = int(header[UNTIL]) - cf_time_ms(node.time())
         meaning = (f"being unloaded (its lease has {left_ms / 1000:.1f} s left: reopen refused); members' work refused"
                    if left_ms > 0 else "an unload that died or stalled (its lease ran out): 'cfemu migrate reopen' "
                    "gives it back; members' work refused")

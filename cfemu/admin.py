@@ -301,16 +301,8 @@ class Admin:
         old = int(self.redis.hget(EPOCHS, member) or 0)
         epoch = max(old + 1, int(info.get("min_epoch", 0)), int(time.time() * 1000))
         packed_info = msgpack.packb(info, use_bin_type=True)
-        if duplex.pair_of(self.redis) is not None:  # the new epoch is on both servers before the member uses it
-            duplex.run_confirmed(self.redis, [("MULTI",), ("HSET", EPOCHS, member, epoch),
-                                              ("SET", keys.lease(member), epoch, "PX", lease_ms),
-                                              ("HSET", MEMBERS, member, packed_info), ("EXEC",)])
-        else:
-            pipe = self.redis.pipeline(transaction=True)
-            pipe.hset(EPOCHS, member, epoch)
-            pipe.set(keys.lease(member), epoch, px=lease_ms)
-            pipe.hset(MEMBERS, member, packed_info)
-            pipe.execute()
+        self._transaction([("HSET", EPOCHS, member, epoch), ("SET", keys.lease(member), epoch, "PX", lease_ms),
+                           ("HSET", MEMBERS, member, packed_info)])
         self.join_structures(member, epoch)
         return epoch
 
@@ -327,13 +319,17 @@ class Admin:
     def leave(self, member: str) -> None:
         """Clean shutdown: no lease, no recovery needed (the member's log shows no open work). The lease and the
         listing go in one step: a peer never sees the member listed without a lease (lapsed) and recovers it."""
+        self._transaction([("DEL", keys.lease(member)), ("HDEL", MEMBERS, member)])
+
+    def _transaction(self, commands: list[tuple[Any, ...]]) -> None:
+        """The commands applied as one step (MULTI/EXEC): no reader sees some of them done and not the others. On a
+        duplexed CF they are on both servers before this returns (the member acts on them at once)."""
         if duplex.pair_of(self.redis) is not None:
-            duplex.run_confirmed(self.redis, [("MULTI",), ("DEL", keys.lease(member)), ("HDEL", MEMBERS, member),
-                                              ("EXEC",)])
+            duplex.run_confirmed(self.redis, [("MULTI",), *commands, ("EXEC",)])
             return
         pipe = self.redis.pipeline(transaction=True)
-        pipe.delete(keys.lease(member))
-        pipe.hdel(MEMBERS, member)
+        for command in commands:
+            pipe.execute_command(*command)
         pipe.execute()
 
     def fence(self, member: str, *, repair_ms: int = 5000) -> int:

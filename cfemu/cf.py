@@ -401,6 +401,12 @@ class BackupBegun(NamedTuple):
     took_over: str = ""  # the backup whose stale mark (its lease ended) this one replaced ("" when none)
 
 
+def cf_time_ms(cf_time: tuple[int, int]) -> int:
+    """The CF's TIME reply (seconds, microseconds) in milliseconds: the clock leases and marks are kept in, so that
+    every member and tool compares them against the one clock they were written in."""
+    return int(cf_time[0]) * 1000 + int(cf_time[1]) // 1000
+
+
 class BackupMark(NamedTuple):
     """The structure's backup mark as a reader sees it (backup_begin.lua, the prelude's backup_mark)."""
 
@@ -422,8 +428,7 @@ class BackupMark(NamedTuple):
             return None
         if until is None or cf_time is None:
             return cls(keys.text(backup), None)
-        now_ms = int(cf_time[0]) * 1000 + int(cf_time[1]) // 1000
-        return cls(keys.text(backup), int(keys.text(until)) - now_ms)
+        return cls(keys.text(backup), int(keys.text(until)) - cf_time_ms(cf_time))
 
 
 class BackupCancelled(NamedTuple):

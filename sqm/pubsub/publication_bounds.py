@@ -41,7 +41,9 @@ def check_fits(topic: str, pub: str, data_bytes: int, messages: int, body: int) 
 
 
 class Holder(Protocol):
-    """What holds bytes of a budget (a connection; a publication being published)."""
+    """What holds bytes of the member's budget: a connection (its frames and replies, sqm.service.session.Session
+    .reserved), or a connection's publication being published (sqm.pubsub.pubsub.PubSubSession.reserved, until its
+    COMMIT or BACKOUT)."""
 
     reserved: int
 

@@ -13,13 +13,14 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from sqm.conversations.conversation import Conversation
 from sqm.core.client_watch import ClientWatch
 from sqm.core.connection import Connection
 from sqm.core.lifecycles import Begun
 from sqm.operations import short
+from sqm.pubsub.publication_bounds import Holder
 from sqm.pubsub.pubsub import PubSubSession
 from sqm.service.ops import OPS
 from sqm.service.protocol import ENVELOPE, MESSAGE_COST
@@ -148,13 +149,6 @@ class Together:
         """Whether finishing the batch forces the log: it decided commits (else, puts and gets under syncpoint and
         refusals, its replies need no fsync and no round trip more)."""
         return self.begun is not None and self.begun.decided is not None and bool(self.begun.decided.uows)
-
-
-class Holder(Protocol):
-    """What holds bytes of the budget: a connection (its frames and replies, Session.reserved), or a connection's
-    publication being published (sqm.pubsub.pubsub.PubSubSession.reserved, until its COMMIT or BACKOUT)."""
-
-    reserved: int
 
 
 class ByteBudget:
