@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.stamp
 PYTEST_ARGS ?=
 
-.PHONY: venv test lint typecheck demo bench bench-full compose-images compose-test spark-cluster-test rcluster-test console-test cf-tls-test deep-test clean
+.PHONY: venv test lint typecheck demo bench bench-full compose-images compose-test spark-cluster-test rcluster-test console-test cf-tls-test deep-test e2e-test clean
 
 venv: $(STAMP)
 
@@ -71,6 +71,18 @@ deep-test: export PYTHONPYCACHEPREFIX := $(abspath $(VENV))/pycache
 deep-test: export PYTHONDONTWRITEBYTECODE :=
 deep-test: venv
 	$(BIN)/pytest -q -n $(TEST_WORKERS_SLOW) -m deep --durations-file=var/test-durations-deep.txt $(PYTEST_ARGS)
+
+# The longest end-to-end runs of whole groups (tests marked e2e), beyond the default suite's own, which keeps the
+# shorter runs of the same parts (a member killed under load, a CF lost and restored, kombu's and the REST door's
+# own tests): the chaos short runs, the demo and the example applications (chess, Celery), the group's liveness and
+# its duplexed CF's failovers, the local and Redis Cluster groups' command lines, the Spark engine's plans and
+# restores, kombu's own integration suite, the benchmarks' smoke runs. .ci/run runs it after `make test`.
+E2E_MARKS := e2e and not soak and not deep and not compose and not spark_cluster and not rcluster and not browser and not cf_tls
+
+e2e-test: export PYTHONPYCACHEPREFIX := $(abspath $(VENV))/pycache
+e2e-test: export PYTHONDONTWRITEBYTECODE :=
+e2e-test: venv
+	$(BIN)/pytest -q -n $(TEST_WORKERS_SLOW) -m '$(E2E_MARKS)' --durations-file=var/test-durations-e2e.txt $(PYTEST_ARGS)
 
 demo: venv
 	$(BIN)/cfemu demo

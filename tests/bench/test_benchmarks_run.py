@@ -70,6 +70,7 @@ def test_every_benchmark_has_a_quickest_mode() -> None:
     assert set(QUICKEST) <= set(scripts()), f"QUICKEST names a script that is gone: {set(QUICKEST) - set(scripts())}"
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("name", scripts())
 def test_benchmark_runs(name: str, runs: dict[str, tuple[int, str, float]]) -> None:
@@ -77,6 +78,7 @@ def test_benchmark_runs(name: str, runs: dict[str, tuple[int, str, float]]) -> N
     assert rc == 0, f"{name} {' '.join(QUICKEST.get(name, ['--quick']))} exited {rc} after {seconds:.0f} s:\n{output[-4000:]}"
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_installed_peers_can_reach_their_files(runs: dict[str, tuple[int, str, float]]) -> None:
     """PostgreSQL and RabbitMQ run as their own users: a work directory under a private (0700) parent, as the
@@ -87,6 +89,7 @@ def test_installed_peers_can_reach_their_files(runs: dict[str, tuple[int, str, f
     assert "Permission denied" not in output and "eacces" not in output, output[-4000:]
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_a_benchmarks_quick_mode_keeps_the_sizes_given_with_it(runs: dict[str, tuple[int, str, float]]) -> None:
     """--quick shortens only what the command line leaves to the defaults: bench_backup runs the 2000 messages
@@ -112,6 +115,7 @@ def test_a_peer_that_cannot_be_had_is_unavailable(monkeypatch: pytest.MonkeyPatc
         bench_peers.pg_bin(True)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_the_peers_benchmark_shows_the_redis_servers_own_cpu(runs: dict[str, tuple[int, str, float]]) -> None:
     """The CPU a lifecycle costs in redis-server alone (the SQM's CF, durable Redis's server) is shown apart: the

@@ -149,6 +149,7 @@ def cluster(tmp_path: Path) -> Iterator[LocalGroup]:
         c.down()
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_the_game_survives_a_member_kill_a_cf_loss_and_a_player_restart(cluster: LocalGroup) -> None:
     c = cluster

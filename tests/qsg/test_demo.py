@@ -20,6 +20,7 @@ def test_the_demo_is_a_scripted_chaos_run_backup_then_cf_loss() -> None:
     assert faults[0].at < faults[1].at
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_demo_quick_loses_nothing(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-m", "qsg.demo", "--quick", "--json", "--dir", str(tmp_path)],
@@ -47,6 +48,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_a_demo_whose_restore_fails_ends_and_says_so(tmp_path: Path) -> None:
     """The restore after the CF loss fails: the structure stays FAILED, no member can serve its queues, and the demo

@@ -63,6 +63,7 @@ def _structure_state(c: LocalGroup) -> str:
         client.close()
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_primary_killed_under_load_is_replaced_by_its_copy_nothing_lost_nothing_restored(
         cluster: LocalGroup) -> None:
@@ -93,6 +94,7 @@ def test_primary_killed_under_load_is_replaced_by_its_copy_nothing_lost_nothing_
     _nothing_lost(c, load)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_secondary_killed_under_load_the_group_carries_on_simplex_then_resyncs(cluster: LocalGroup) -> None:
     c = cluster
@@ -116,6 +118,7 @@ def test_secondary_killed_under_load_the_group_carries_on_simplex_then_resyncs(c
     _nothing_lost(c, load)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_primary_lost_while_simplex_is_not_promoted_it_is_restarted_empty(cluster: LocalGroup) -> None:
     """The copy was out of date (the pair simplex) when the primary died: promoting it would lose acknowledged
@@ -134,6 +137,7 @@ def test_primary_lost_while_simplex_is_not_promoted_it_is_restarted_empty(cluste
     assert _structure_state(c) == "FAILED"  # the CF came back empty: RECAUTO's turn
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_both_lost_under_load_falls_back_to_the_backup_and_the_logs(cluster: LocalGroup) -> None:
     """The loss of both servers of the pair: the controller restarts the primary empty at a new generation and a
@@ -161,6 +165,7 @@ def test_both_lost_under_load_falls_back_to_the_backup_and_the_logs(cluster: Loc
     _nothing_lost(c, load)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_hung_primary_loses_its_lease_and_is_killed_before_the_promotion(cluster: LocalGroup) -> None:
     c = cluster
@@ -180,6 +185,7 @@ def test_hung_primary_loses_its_lease_and_is_killed_before_the_promotion(cluster
     assert "fenced" not in _member_logs(c) and "recovered QM" not in _member_logs(c), _member_logs(c)[-3000:]
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_a_script_that_keeps_the_primary_busy_is_a_hang_the_copy_takes_over(cluster: LocalGroup) -> None:
     """A loop sent by anyone holding a CF password (here the member role's) holds the primary: it answers nobody,
@@ -220,6 +226,7 @@ def test_duplex_needs_the_supervisor(tmp_path: Path) -> None:
         LocalGroup.up(tmp_path / "c", managers=1, backup_interval=None, restart_cf=False, duplex=True)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_cli_up_duplex_status_json_and_private_files(tmp_path: Path) -> None:
     d = tmp_path / "c"
@@ -264,6 +271,7 @@ def test_cli_up_duplex_status_json_and_private_files(tmp_path: Path) -> None:
         assert down.returncode == 0, down.stderr[-2000:]
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_the_supervisor_metrics_count_the_pairs_events(cluster: LocalGroup) -> None:
     from prometheus_client import generate_latest

@@ -117,6 +117,7 @@ def group(tmp_path: Path) -> Iterator[Detached]:
 
 
 # --- the supervisor with real processes --------------------------------------------------------------------------
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_a_killed_or_fenced_member_is_restarted_and_an_operator_stopped_one_is_not(group: Detached) -> None:
     up = group.up("--managers", "2", "--backup-interval", "0", "--lease-ms", "1000")
@@ -170,6 +171,7 @@ def test_a_killed_or_fenced_member_is_restarted_and_an_operator_stopped_one_is_n
     assert not any(pid_alive(pid) for pid in group.pids)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_a_hung_cf_is_killed_and_restarted_and_cluster_restart_end_to_end(group: Detached) -> None:
     group.up("--managers", "2", "--backup-interval", "1", "--lease-ms", "2000")
@@ -216,6 +218,7 @@ def test_a_hung_cf_is_killed_and_restarted_and_cluster_restart_end_to_end(group:
     assert bad.returncode == EXIT_USAGE and "no queue manager QM7" in bad.stderr and bad.stderr.count("\n") == 1
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_a_cf_busy_with_a_long_script_is_not_taken_for_hung(tmp_path: Path) -> None:
     """Redis answers nothing while a script runs, then BUSY once it has run 5 s: longer than the supervisor's
@@ -233,6 +236,7 @@ def test_a_cf_busy_with_a_long_script_is_not_taken_for_hung(tmp_path: Path) -> N
         c.down()
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_a_script_that_keeps_the_cf_busy_is_killed_and_one_that_wrote_gets_the_cf_restarted(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:

@@ -31,7 +31,7 @@ from qsg.local_group import LocalGroup  # noqa: E402
 from sqm.service.client import Client  # noqa: E402
 from tests.qsg import celery_app  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
 ROOT = Path(__file__).resolve().parents[2]
 N = 60

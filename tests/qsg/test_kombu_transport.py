@@ -102,18 +102,22 @@ def failover_connection(group: LocalGroup) -> Iterator[Any]:
 
 
 # --- kombu's integration mixins -----------------------------------------------------------------------------------
+@pytest.mark.e2e
 class TestCfemuBasicFunctionality(common.BasicFunctionality):
     pass
 
 
+@pytest.mark.e2e
 class TestCfemuBaseMessage(common.BaseMessage):
     pass
 
 
+@pytest.mark.e2e
 class TestCfemuBasePriority(common.BasePriority):
     PRIORITY_ORDER = "asc"  # MQ's: 9 is got first
 
 
+@pytest.mark.e2e
 class TestCfemuBaseExchangeTypes(common.BaseExchangeTypes):
     @pytest.mark.xfail(strict=True, raises=TimeoutError,
                        reason="no fanout: a fanout exchange needs a binding table shared by every process, which the "
@@ -122,10 +126,12 @@ class TestCfemuBaseExchangeTypes(common.BaseExchangeTypes):
         super().test_fanout(connection)
 
 
+@pytest.mark.e2e
 class TestCfemuBaseTimeToLive(common.BaseTimeToLive):
     pass
 
 
+@pytest.mark.e2e
 class TestCfemuBaseFailover(common.BaseFailover):
     pass
 

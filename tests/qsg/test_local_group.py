@@ -173,6 +173,7 @@ def get_through_a_fencing(state: dict[str, Any], token: str, timeout_s: float = 
         time.sleep(0.5)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_cli_cluster_up_status_backup_down(tmp_path: Path) -> None:
     d = str(tmp_path / "cluster")
@@ -281,6 +282,7 @@ SETTINGS_ENV = ("REDIS_URL", "CFEMU_LOG_ROOT", "CFEMU_BACKUP_DIR", "CFEMU_CLUSTE
                 "CFEMU_SECRETS_DIR")
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_every_cli_finds_the_cluster_from_its_directory_with_no_flags_and_no_environment(tmp_path: Path) -> None:
     """README "Using it": after `cfemu cluster up`, cfemu, cfbackup, cfrestore and sqm run in the same directory

@@ -15,6 +15,7 @@ from cfemu.connection import connect
 from qsg.local_group import LocalGroup, LocalGroupError
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_a_cluster_with_a_redis_cluster_cf_shows_its_nodes_and_heals_a_killed_master(tmp_path: Path) -> None:
     c = LocalGroup.up(tmp_path / "cl", managers=2, backup_interval=1.0, redis_cluster=3, restart_cf=True)
@@ -81,6 +82,7 @@ def test_the_settings_resolver_gives_a_redis_cluster_cf_url_with_the_role_user(t
     assert resolve(cluster_dir=d, role="member", env={}).redis_url is None  # no node runs: no CF
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_cfemu_cluster_up_redis_cluster_on_the_command_line(tmp_path: Path) -> None:
     """The detached launcher (what a user runs): up --json lists the nodes, down stops every one of them."""

@@ -230,6 +230,7 @@ def wait_for(cond, timeout: float, what: str) -> float:  # type: ignore[no-untyp
     raise AssertionError(f"timed out after {timeout}s waiting for {what} (last error: {last!r})")
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("victim", ["APP1", "APP2"])
 def test_a_master_killed_under_load_has_its_structures_restored_automatically_and_nothing_is_lost(
@@ -283,6 +284,7 @@ def test_a_master_killed_under_load_has_its_structures_restored_automatically_an
         qm2.stop()
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_a_master_killed_with_a_replica_has_the_replica_promoted_and_its_structure_served_without_restore(
         redis_cluster_factory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

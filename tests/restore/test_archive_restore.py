@@ -25,7 +25,7 @@ from restore.run import run_restore
 from tests.support.group import define_group, start_qm
 from tests.support.harness import lose_cf
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("spark")]
+pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.xdist_group("spark")]
 
 S = "APP1"
 KEPT = {b"msg-1", b"msg-2", b"msg-3", b"late"}

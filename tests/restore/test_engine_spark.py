@@ -34,7 +34,7 @@ from sqm.log import RecordLog, find_log_dirs
 
 # slow: run after the fast tier (tests/support/tiers.py); spark: on the worker that holds the Spark session
 # (tests/restore/conftest.py).
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("spark")]
+pytestmark = [pytest.mark.slow, pytest.mark.e2e, pytest.mark.xdist_group("spark")]
 
 pyspark = pytest.importorskip("pyspark")
 

@@ -67,6 +67,7 @@ def fill(srv: ServerProc, n: int, clients: int = 2, per_uow: int = 500) -> None:
     assert not errors, errors
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_a_slow_restart_on_a_busy_machine_keeps_its_lease(redis_url: str, tmp_path: Path) -> None:
     define_group(redis_url)

@@ -90,6 +90,7 @@ def test_bad_fault_kind_is_refused_by_name(tmp_path: Path) -> None:
 
 # Seed 2 is a second schedule of the same faults: it runs with -m soak (31 s), to keep the default suite under 20
 # minutes; seed 1 and the fault kinds' own short runs below stay in it.
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [1, pytest.param(2, marks=pytest.mark.soak)])
 def test_short_run_finds_nothing(tmp_path: Path, seed: int) -> None:
@@ -115,6 +116,7 @@ def test_short_run_finds_nothing(tmp_path: Path, seed: int) -> None:
     assert bool(began) == any(f["kind"] == "cf-kill" for f in s["faults"])
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_cf_kill_recauto_run_finds_nothing(tmp_path: Path) -> None:
     """The fault kind cf-kill-recauto: the CF killed under the chaos workload with RECAUTO on; nobody restores by
@@ -161,6 +163,7 @@ def test_soak_every_fault_kind(tmp_path: Path, seed: int) -> None:
     assert_found_nothing(out, tmp_path)
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_cf_kill_duplex_primary_run_finds_nothing(tmp_path: Path) -> None:
     """The fault kind cf-kill-duplex-primary: a duplexed group; the primary killed under the chaos workload; its
@@ -193,6 +196,7 @@ def kind_run(tmp_path: Path, kind: str, seed: int, duration: float) -> dict[str,
     return s
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_snoop_run_finds_nothing(tmp_path: Path) -> None:
     """The fault kind snoop: another application of the same token reads and touches no other user's work; every
@@ -201,6 +205,7 @@ def test_snoop_run_finds_nothing(tmp_path: Path) -> None:
     assert s["counts"]["snoop attempts"] > 40 and s["counts"]["snoop attempts refused"] > 30, s["counts"]
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_a_commit_while_a_restore_loads_is_answered_pending_and_nothing_is_lost(tmp_path: Path) -> None:
     """The fault kind restore-race, seed 6 (APP1, held at its load): while its first restore is held at the start of
