@@ -54,3 +54,20 @@ def test_make_test_names_the_durations_file_in_one_word() -> None:
     before the plugin that knows the option is loaded, and the run stops with 'unrecognized arguments'."""
     text = (ROOT / "Makefile").read_text()
     assert "--durations-file=" in text and "--durations-file " not in text
+
+
+def test_ci_runs_every_tier_the_default_suite_leaves_out_for_length() -> None:
+    """The e2e and deep tests are left out of `make test` for its length only: .ci/run runs their targets, and each
+    target selects its marker (a dropped line or a mistyped -m would leave them run by nobody)."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    makefile = (ROOT / "Makefile").read_text()
+    addopts = re.search(r"^addopts = (.*)$", (ROOT / "pyproject.toml").read_text(), re.MULTILINE)
+    assert addopts
+    for marker, target in (("e2e", "e2e-test"), ("deep", "deep-test")):
+        assert f"not {marker} " in addopts[1], f"the default suite leaves {marker} out"
+        assert re.search(rf"^make {target}$", ci, re.MULTILINE), f".ci/run runs make {target}"
+        recipe = re.search(rf"^{target}: venv\n((?:\t.*\n)+)", makefile, re.MULTILINE)
+        assert recipe, f"the Makefile has a {target} recipe"
+        marks = re.search(r"^E2E_MARKS := (.*)$", makefile, re.MULTILINE) if marker == "e2e" else None
+        selected = marks[1] if marks else recipe[1]
+        assert re.search(rf"(^|-m |'){marker}\b", selected), f"make {target} selects the tests marked {marker}"
