@@ -66,7 +66,7 @@ from cfemu.clitools import styled_table as _table
 from cfemu.connection import connect
 from cfemu.credentials import BackupKeys
 from cfemu.errors import StructureFailedError
-from cfemu.settings import Settings
+from cfemu.settings import ENV_BACKUP_DIR, Settings
 from cfemu.signals import handling
 
 EXPECTED_ERRORS = (BackupError,)  # beyond clitools.COMMON_ERRORS
@@ -201,6 +201,8 @@ def cmd_cancel(args: argparse.Namespace, out: Output) -> int:
 def cmd_list(args: argparse.Namespace, out: Output) -> int:
     found = settings(args)
     backup_dir = found.backup_dir
+    if not backup_dir.is_dir():  # a mistyped directory is not "no backups": the operator would take it for a loss
+        raise ValueError(f"the backup directory {backup_dir} does not exist (check --backup-dir or ${ENV_BACKUP_DIR})")
     backups = list_backups(backup_dir, args.structure, deep=args.deep, backup_keys=_keys(found, args))
     if out.as_json:
         out.json([b.summary() for b in backups])

@@ -147,6 +147,15 @@ class Output:
 
 
 # --- errors -----------------------------------------------------------------------------------------------------
+def error_line(e: BaseException) -> str:
+    """An expected error in one line. redis-py's connection errors name only an address ("Error 111 connecting to
+    127.0.0.1:1"): the only Redis servers these commands reach are the CF's, so the line says it is the CF."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    if isinstance(e, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)):
+        return f"cannot reach the CF: {text}"
+    return text
+
+
 def run_command(prog: str, args: argparse.Namespace, func: Callable[[argparse.Namespace, Output], int],
                 expected: tuple[type[BaseException], ...] = (),
                 exit_code: Callable[[BaseException], int] | None = None) -> int:
@@ -161,7 +170,7 @@ def run_command(prog: str, args: argparse.Namespace, func: Callable[[argparse.Na
     except (*COMMON_ERRORS, *expected) as e:
         if getattr(args, "verbose", False):
             traceback.print_exc()
-        print(f"{prog}: error: {' '.join(str(e).split()) or type(e).__name__}", file=sys.stderr)
+        print(f"{prog}: error: {error_line(e)}", file=sys.stderr)
         return exit_code(e) if exit_code is not None else 2
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)

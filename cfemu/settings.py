@@ -85,6 +85,9 @@ DEFAULT_LOG_ROOT = Path("var/logs")
 DEFAULT_BACKUP_DIR = Path("var/backups")
 DEFAULT_MEMORY_LIMIT = "1GiB"  # restore's working memory (docs/runbook.md, "Sizing a restore's memory")
 MIN_MEMORY_LIMIT = 64 << 10
+#: The most a memory limit may say: far beyond any machine, and within what the engines' own settings take (DuckDB's
+#: memory_limit, Spark's memory settings), so that a mistyped exponent is one line, not the engine's traceback.
+MAX_MEMORY_LIMIT = 1 << 50
 # The local restore engine's worker processes by default: one a core, at most this many (each settles one partition
 # at a time in its own share of the working memory; more than the cores only adds processes that wait).
 MAX_DEFAULT_RESTORE_WORKERS = 4
@@ -203,7 +206,7 @@ class Settings:
 
 def parse_size(text: str, *, what: str = "size") -> int:
     """A size in bytes from '512MiB', '2G', '1.5GiB', '65536' (k/m/g/t: binary; kb/mb/gb/tb: decimal). Raises
-    ValueError with one line naming the problem: not a size, or below MIN_MEMORY_LIMIT."""
+    ValueError with one line naming the problem: not a size, below MIN_MEMORY_LIMIT or above MAX_MEMORY_LIMIT."""
     raw = str(text).strip().lower().replace(" ", "").replace("_", "")
     number = raw.rstrip("abcdefghijklmnopqrstuvwxyz")
     unit = raw[len(number):]
@@ -216,6 +219,8 @@ def parse_size(text: str, *, what: str = "size") -> int:
     size = int(value * _UNITS[unit])
     if size < MIN_MEMORY_LIMIT:
         raise ValueError(f"{what}: {text!r} is below the least it can be, {MIN_MEMORY_LIMIT // 1024} KiB")
+    if size > MAX_MEMORY_LIMIT:
+        raise ValueError(f"{what}: {text!r} is above the most it can be, {MAX_MEMORY_LIMIT >> 40} TiB")
     return size
 
 

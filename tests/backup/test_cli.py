@@ -82,6 +82,8 @@ def test_corrupt_backup_and_bad_input_are_one_line_errors(env: dict[str, str], t
         (("prune", "APP1", "--older-than", "soon"), "bad age 'soon'"),
         (("run", "APP1", "--exclint", "-5"), "EXCLINT must be >= 0"),
         (("run", "APP1", "--batch", "0"), "batch must be at least 1"),
+        (("list", "APP1", "--backup-dir", str(tmp_path / "nowhere")), f"the backup directory {tmp_path / 'nowhere'} "
+                                                                      "does not exist"),
     ]:
         out = cfbackup(*args, env=env)
         assert out.returncode == 2, (args, out.stdout, out.stderr)
@@ -91,7 +93,8 @@ def test_corrupt_backup_and_bad_input_are_one_line_errors(env: dict[str, str], t
     assert not (tmp_path / "bk" / "NOPE").exists()
 
     no_cf = cfbackup("run", "APP1", env={**env, "REDIS_URL": "redis://127.0.0.1:1/0"})
-    assert no_cf.returncode == 2 and no_cf.stderr.count("\n") == 1 and "Connection refused" in no_cf.stderr
+    assert no_cf.returncode == 2 and no_cf.stderr.count("\n") == 1
+    assert no_cf.stderr.startswith("cfbackup: error: cannot reach the CF: ") and "Connection refused" in no_cf.stderr
 
 
 def test_a_malformed_backup_name_is_one_clear_line(env: dict[str, str]) -> None:

@@ -290,12 +290,14 @@ def test_peak_memory_stays_bounded_as_the_input_grows(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------------------------- the setting
 
 @pytest.mark.parametrize(("text", "size"), [("1GiB", 1 << 30), ("512m", 512 << 20), ("65536", 65536),
-                                             ("1.5 GiB", 3 << 29), ("2G", 2 << 30), ("100MB", 100_000_000)])
+                                             ("1.5 GiB", 3 << 29), ("2G", 2 << 30), ("100MB", 100_000_000),
+                                             ("1024TiB", 1 << 50)])
 def test_memory_limits_parse(text: str, size: int) -> None:
     assert parse_size(text) == size
 
 
-@pytest.mark.parametrize("text", ["", "lots", "12 parsecs", "-1G", "0", "1k", "nanG", "inf"])
+@pytest.mark.parametrize("text", ["", "lots", "12 parsecs", "-1G", "0", "1k", "nanG", "inf",
+                                  "1e30", "1e300", "99999999TiB", "1025TiB"])
 def test_bad_memory_limits_are_refused_in_one_line(text: str) -> None:
     with pytest.raises(ValueError) as e:
         parse_size(text, what="--memory-limit")
