@@ -21,7 +21,7 @@ import msgpack
 import redis
 
 from cfemu import duplex, keys, lua
-from cfemu.limits import DEFAULT_MSG_LENGTH, check_max_msg_length
+from cfemu.limits import DEFAULT_MSG_LENGTH, check_defined, check_max_msg_length
 from cfemu.topic_attributes import TopicAttributes, companion_queues
 from cfemu.uow_attributes import UowAttributes, UowDefaults, control_queue, data_queue, stored_attributes
 
@@ -45,6 +45,15 @@ class StructureDef:
     # (sqm.core.recauto). On by default, as in MQ; a definition written before the attribute existed reads as on.
     recauto: bool = True
 
+    def __post_init__(self) -> None:
+        # Checked here, so that no path (the command line, the console, a repository read) makes a definition the
+        # CF, msgpack or the group repository's readers cannot take.
+        try:
+            check_defined(f"structure {self.name}: max_entries", self.max_entries)
+            check_defined(f"structure {self.name}: max_bytes", self.max_bytes)
+        except ValueError as e:
+            raise AdminError(str(e)) from None
+
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> StructureDef:
         """A definition as stored (admin structure, group repository, a backup's structure_def), old ones too."""
@@ -63,6 +72,12 @@ class QueueDef:
     uow: dict[str, Any] = field(default_factory=dict)
     # A topic's attributes (cfemu.topic_attributes.TopicAttributes as a dict); empty: not a topic.
     topic: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        try:
+            check_defined(f"queue {self.name}: backout_threshold", self.backout_threshold)
+        except ValueError as e:
+            raise AdminError(str(e)) from None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> QueueDef:

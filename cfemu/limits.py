@@ -40,6 +40,18 @@ CF_STEP = 256
 CF_STEP_BYTES = 8 * 2**20
 
 
+#: The largest count or size a definition may hold (a structure's capacity, a queue's backout threshold): what the
+#: CF's scripts hold exactly (Lua numbers are doubles) and what a definition's msgpack form can carry.
+MAX_DEFINED = 2**53 - 1
+
+
+def check_defined(what: str, n: int) -> int:
+    """A definition's count or size, from 0 (none, or unlimited) to MAX_DEFINED; ValueError, one line, otherwise."""
+    if not 0 <= n <= MAX_DEFINED:
+        raise ValueError(f"{what} must be between 0 and {MAX_DEFINED}, not {n}")
+    return n
+
+
 def check_max_msg_length(n: int) -> int:
     """A queue's max message length, or ValueError naming the group's bound."""
     if not 0 < n <= MAX_MSG_LENGTH:

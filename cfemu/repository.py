@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import secrets
 import time
@@ -57,6 +58,8 @@ from cfemu import keys
 from cfemu.admin import Admin, AdminError, QueueDef, StructureDef
 from cfemu.durable import replace_file
 from cfemu.uow_attributes import UowDefaults
+
+log = logging.getLogger("cfemu.repository")
 
 DIRECTORY = "_group"  # under the log root, beside the members' logs (not a log: no manifest.json, no segments)
 FILE = "repository.json"
@@ -189,19 +192,24 @@ class GroupRepository:
         rec = ((self.load() or {}).get("structures") or {}).get(name)
         if rec is None:
             return None
-        return StructureDef.from_dict(rec), int(rec["lrsn"])
+        return _structure_def(name, rec), int(rec["lrsn"])
 
     def structures(self) -> dict[str, StructureDef]:
         """Every structure the repository defines, by name (an entry written before RECAUTO existed reads as on)."""
-        return {name: StructureDef.from_dict(rec)
+        return {name: _structure_def(name, rec)
                 for name, rec in ((self.load() or {}).get("structures") or {}).items()}
 
     def queues(self, structure: str | None = None) -> list[QueueDef]:
-        """The queue definitions (of one structure, or all), sorted by name."""
+        """The queue definitions (of one structure, or all), sorted by name; a malformed one (edited by hand) is
+        passed over with a warning, so that it cannot stop every member's start."""
         out = []
-        for rec in ((self.load() or {}).get("queues") or {}).values():
+        for name, rec in ((self.load() or {}).get("queues") or {}).items():
             if structure is None or rec.get("structure") == structure:
-                out.append(QueueDef.from_dict(rec))
+                try:
+                    out.append(QueueDef.from_dict(rec))
+                except (ValueError, TypeError, KeyError) as e:
+                    log.warning("group repository: the definition of queue %s is malformed (%s): passed over; "
+                                "define it again", name, e)
         return sorted(out, key=lambda q: q.name)
 
     # --- the group's defaults for its services (cfemu.uow_attributes.UowDefaults) -----------------------------
@@ -283,6 +291,18 @@ def _sync_uow_defaults(admin: Admin, repo: GroupRepository) -> None:
         admin.set_uow_defaults(in_repo)
     elif in_cf is not None and in_repo != in_cf:
         repo.record_uow_defaults(in_cf)
+
+
+def _structure_def(name: str, rec: Mapping[str, Any]) -> StructureDef:
+    """A structure's definition as the repository holds it. A malformed one (edited by hand) still names a structure
+    with a history in the logs, so it is read with the defaults (unlimited capacity) and a warning, never dropped:
+    a dropped one would let the structure be defined again empty over its history."""
+    try:
+        return StructureDef.from_dict(rec)
+    except (ValueError, TypeError, KeyError) as e:
+        log.warning("group repository: the definition of structure %s is malformed (%s): read as unlimited; "
+                    "'cfemu alter structure %s' sets it again", name, e, name)
+        return StructureDef(name, recauto=bool(rec.get("recauto", True)))
 
 
 def redefine_survivors(admin: Admin, repo: GroupRepository) -> list[str]:

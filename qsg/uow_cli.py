@@ -1,6 +1,6 @@
 """`cfemu indoubt` and `cfemu uow`: units of work through the members' services.
 
-  cfemu indoubt list | resolve UOW --commit|--backout --server HOST:PORT
+  cfemu indoubt list | resolve UOW --commit|--backout [--server HOST:PORT ...]   (default: the local cluster's members)
   cfemu uow query UOWID | last | set-status UOWID STATUS | delete UOWID --server HOST:PORT [--user U]
   cfemu uow set-uow-status UOWID ACCEPTED|CANCELLED --server HOST:PORT          (the operator's SET-UOW-STATUS)
 """
@@ -11,16 +11,33 @@ import argparse
 from typing import Any
 
 from cfemu.clitools import CLIError, Output, settings
-from qsg.cli_common import Parents, Parser
+from cfemu.errors import MQError
+from qsg.cli_common import Parents, Parser, RetryLaterError
+from qsg.conn_cli import MEMBER_TIMEOUT_S, endpoints
 from sqm.conversations.operator_status import TARGETS
 from sqm.service.client import Client
+from sqm.service.protocol import NotAuthorizedError
 
 
 def cmd_indoubt(args: argparse.Namespace, out: Output) -> int:
+    """In-doubt UOWs of every member asked (--server, else every member of the local cluster: each member holds its
+    own), and their resolution. A member that does not answer is named after the rows of those that did, and the
+    exit status says the list is partial (75): an empty list must mean that nothing is in doubt."""
     found = settings(args)
     token, role = found.token, found.token_role
+    servers = endpoints(args)
+    rows, failed = ([], []) if args.action == "resolve" and args.server else _indoubt_rows(servers, token, role)
     if args.action == "resolve":
-        with Client(args.server, token=token, role=role, client_name="cfemu") as c:
+        if not args.server:  # the cluster's members: resolved on the one holding it (each resolves only its own)
+            holders = [r["server"] for r in rows if r["uow"] == args.uow]
+            if not holders:
+                if failed:
+                    raise RetryLaterError(f"unit of work {args.uow} is not in doubt on the members that answered, "
+                                          f"and {len(failed)} did not: {failed[0]['server']}: {failed[0]['error']}")
+                raise CLIError(f"unit of work {args.uow} is not in doubt on any member of the local cluster "
+                               "('cfemu indoubt list' lists those that are)")
+            servers = holders[:1]
+        with Client(servers, token=token, role=role, client_name="cfemu") as c:
             c.resolve(args.uow, args.commit)
             where = c.qmgr
         outcome = "committed" if args.commit else "backed out"
@@ -29,16 +46,34 @@ def cmd_indoubt(args: argparse.Namespace, out: Output) -> int:
         else:
             out.line(f"unit of work {args.uow} {outcome} on {where}")
         return 0
-    rows: list[dict[str, Any]] = []
-    for endpoint in args.server:  # every SQM holds its own in-doubt UOWs
-        with Client([endpoint], token=token, role=role, client_name="cfemu") as c:
-            rows += [{**u, "qmgr": c.qmgr, "server": endpoint} for u in c.indoubt()]
     if args.json:
-        out.json({"indoubt": rows})
+        out.json({"indoubt": rows, "unreachable": failed})
     else:
         out.table("in-doubt units of work", ["SQM", "UOW", "XID", "structures"],
                   [(r["qmgr"], r["uow"], r["xid"], ", ".join(r["structures"])) for r in rows])
+        for f in failed:
+            out.line(f"{f['server']}: no answer: {f['error']}")
+    if failed:
+        raise RetryLaterError(f"{len(failed)} member(s) did not answer, their in-doubt units of work are not "
+                              f"listed: {failed[0]['server']}: {failed[0]['error']}")
     return 0
+
+
+def _indoubt_rows(servers: list[str], token: str | None, role: str
+                  ) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
+    """Each member's in-doubt UOWs (with its name and endpoint), and the members that did not answer."""
+    rows: list[dict[str, Any]] = []
+    failed: list[dict[str, str]] = []
+    for endpoint in servers:
+        try:
+            with Client([endpoint], token=token, role=role, client_name="cfemu", connect_timeout=MEMBER_TIMEOUT_S,
+                        request_timeout=MEMBER_TIMEOUT_S, reconnect_timeout=0.0) as c:
+                rows += [{**u, "qmgr": c.qmgr, "server": endpoint} for u in c.indoubt()]
+        except NotAuthorizedError as e:
+            raise CLIError(f"{endpoint}: {e}") from None
+        except (MQError, OSError) as e:
+            failed.append({"server": endpoint, "error": f"{type(e).__name__}: {e}"})
+    return rows, failed
 
 
 # What cfemu uow prints of a UOW's status (sqm.conversations.uowstatus.Control.public), in this order; the rest after.
@@ -90,7 +125,7 @@ def cmd_uow(args: argparse.Namespace, out: Output) -> int:
 
 def indoubt_arguments(p: argparse.ArgumentParser, parents: Parents) -> None:
     isub = p.add_subparsers(dest="action", required=True)
-    il = isub.add_parser("list", parents=[parents.common, parents.server], help="in-doubt UOWs of each --server")
+    il = isub.add_parser("list", parents=[parents.common, parents.server], help="in-doubt UOWs of each --server (default: every member of the local cluster)")
     il.set_defaults(uow=None)
     ir = isub.add_parser("resolve", parents=[parents.common, parents.server],
                          help="commit or back out an in-doubt UOW")

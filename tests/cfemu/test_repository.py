@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from cfemu import keys, repository
-from cfemu.admin import Admin, StructureDef
+from cfemu.admin import Admin, AdminError, StructureDef
 from cfemu.connection import connect
+from cfemu.limits import MAX_DEFINED
 from cfemu.repository import GroupRepository, RepositoryError, open_group_repository
 from tests.support.harness import lose_cf
 
@@ -121,3 +122,52 @@ def test_survivors_are_defined_again_with_their_uow_and_topic_attributes(redis_u
     svc, news = admin.queue_def("SVC"), admin.queue_def("NEWS")
     assert svc.uow["status_lifetime"] == 2 and svc.backout_queue == "BQ" and news.topic["lifetime_s"] == 60
     assert {"SVC.UOWCTL", "SVC.UOWDATA", "NEWS.PUB", "NEWS.SUB"} <= {q.name for q in admin.queues()}
+
+
+@pytest.mark.parametrize("in_cf", [True, False], ids=["in-the-cf", "lost-with-the-cf"])
+def test_a_capacity_beyond_what_the_cf_holds_is_refused_and_written_nowhere(redis_url: str, tmp_path: Path,
+                                                                              in_cf: bool) -> None:
+    """ALTER of a structure the CF lost changes the repository alone: a capacity of 20 digits was written there
+    unchecked, and every later open of the repository (each member's start, restore, purge, define, put) failed
+    on it with msgpack's OverflowError, the alter that would undo it too."""
+    client = connect(redis_url)
+    admin = Admin(client)
+    repo = open_group_repository(admin, tmp_path / "logs", who="test")
+    repository.define_structure(admin, repo, "APP1", max_entries=10)
+    repository.define_queue(admin, repo, "Q1", "APP1")
+    if not in_cf:
+        lose_cf(client)
+    before = repo.path.read_bytes()
+    with pytest.raises(AdminError, match=r"^structure APP1: max_entries must be between 0 and 9007199254740991, "
+                                         r"not 99999999999999999999$"):
+        repository.alter_structure(admin, repo, "APP1", max_entries=99999999999999999999)
+    with pytest.raises(AdminError, match="max_bytes must be between"):
+        repository.alter_structure(admin, repo, "APP1", max_bytes=MAX_DEFINED + 1)
+    if in_cf:  # (a queue is defined only in a structure the CF holds)
+        with pytest.raises(AdminError, match="backout_threshold must be between"):
+            repository.define_queue(admin, repo, "Q2", "APP1", backout_threshold=2**64)
+    assert repo.path.read_bytes() == before
+    assert repository.alter_structure(admin, repo, "APP1", max_entries=MAX_DEFINED).max_entries == MAX_DEFINED
+
+
+def test_a_repository_edited_by_hand_to_a_capacity_out_of_range_still_opens(redis_url: str, tmp_path: Path,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """A definition no command writes any more (a hand edit, an older version): read as unlimited with a warning,
+    never dropped (its structure has a history in the logs); the members still start and the alter mends it."""
+    client = connect(redis_url)
+    admin = Admin(client)
+    repo = open_group_repository(admin, tmp_path / "logs", who="test")
+    repository.define_structure(admin, repo, "APP1", max_entries=10)
+    repository.define_queue(admin, repo, "Q1", "APP1", backout_threshold=3)
+    state = json.loads(repo.path.read_text())
+    state["structures"]["APP1"]["max_entries"] = 99999999999999999999
+    state["queues"]["Q1"]["backout_threshold"] = -1
+    repo.path.write_text(json.dumps(state))
+    admin.redis.delete(keys.queue_defs(), keys.structure_defs())  # as a survivor: defined again from the repository
+    with caplog.at_level("WARNING", logger="cfemu.repository"):
+        assert open_group_repository(admin, tmp_path / "logs", who="QM1").id == repo.id
+    assert repo.structure("APP1") == (StructureDef("APP1"), state["structures"]["APP1"]["lrsn"])
+    assert [q.name for q in repo.queues()] == []
+    assert "structure APP1 is malformed" in caplog.text and "queue Q1 is malformed" in caplog.text
+    assert repository.alter_structure(admin, repo, "APP1", max_entries=5).max_entries == 5
+    assert json.loads(repo.path.read_text())["structures"]["APP1"]["max_entries"] == 5

@@ -195,6 +195,18 @@ def test_through_a_server_and_in_doubt_resolution(where: list[str], redis_url: s
         listed = json.loads(ok("cfemu", "indoubt", "list", "--json", *server))["indoubt"]
         assert [(u["uow"], u["xid"], u["qmgr"]) for u in listed] == [(uow, "XID-1", "QM1")]
         assert "XID-1" in ok("cfemu", "indoubt", "list", *server)
+        # a member that does not answer: the rows of those that did, its own line, and retry later (an empty or
+        # short list must not read as "nothing in doubt")
+        r = run("cfemu", "indoubt", "list", *server, "--server", "127.0.0.1:1")
+        assert r.returncode == 75 and "XID-1" in r.stdout and "127.0.0.1:1: no answer" in r.stdout, r
+        assert "did not answer, their in-doubt units of work are not listed" in r.stderr, r.stderr
+        partial = run("cfemu", "indoubt", "list", "--json", *server, "--server", "127.0.0.1:1")
+        doc = json.loads(partial.stdout)
+        assert partial.returncode == 75 and [u["uow"] for u in doc["indoubt"]] == [uow]
+        assert [f["server"] for f in doc["unreachable"]] == ["127.0.0.1:1"]
+        # no member named and no local cluster: refused, not an empty list
+        bare = run("cfemu", "indoubt", "list", "--token", "op-tok", env=app_env, cwd=tmp_path)
+        assert bare.returncode == 2 and "no members to ask" in bare.stderr, bare.stderr
         ok("cfemu", "indoubt", "resolve", uow, "--commit", *server)
         assert json.loads(ok("cfemu", "indoubt", "list", "--json", *server))["indoubt"] == []
         r = run("cfemu", "indoubt", "resolve", uow, "--backout", *server)

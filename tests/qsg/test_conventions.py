@@ -94,3 +94,19 @@ def test_a_daemon_with_json_logs_json_lines(redis_url: str, tmp_path: Path) -> N
     lines = [json.loads(line) for line in srv.log_text().splitlines()]
     assert lines and all({"time", "level", "logger", "message"} <= set(x) for x in lines)
     assert any("QM1" in x["message"] for x in lines)
+
+
+@pytest.mark.parametrize("argv", [
+    ["define", "structure", "APP9", "--max-entries", "99999999999999999999"],
+    ["alter", "structure", "APP9", "--max-bytes", "9007199254740992"],
+    ["define", "queue", "Q9", "--structure", "APP9", "--backout-threshold", "99999999999999999999"],
+], ids=["define-max-entries", "alter-max-bytes", "define-backout-threshold"])
+def test_a_definitions_number_beyond_what_the_cf_holds_is_one_line(argv: list[str], nowhere: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """Refused before anything is read or written (a 20-digit capacity of a structure the CF had lost was written
+    to the group repository and stopped every member's start)."""
+    with pytest.raises(SystemExit) as e:
+        cfemu_cli.main(argv)
+    assert e.value.code == 2
+    _, err = capsys.readouterr()
+    assert err.count("\n") == 1 and "must be a whole number from 0 to 9007199254740991" in err, err

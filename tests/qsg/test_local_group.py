@@ -317,6 +317,19 @@ def test_every_cli_finds_the_cluster_from_its_directory_with_no_flags_and_no_env
         plan = cli("restore.cli", "plan", "APP1").stdout
         assert backup_id in plan and "restored" in plan and str(cluster / "backups") in plan
 
+        # In-doubt units of work: listed from every member, and resolved on the one holding it, with no flags (the
+        # runbook's lines; without --server the list was always empty, and resolve refused)
+        group = LocalGroup.load(cluster)
+        (_, host, port) = [e for e in group.endpoints if e[0] == "QM2"][0]
+        with Client([f"{host}:{port}"], token=group.token) as app:
+            app.put("Q1", b"two-phase")
+            uow = app.prepare("XID-LOCAL")
+        listed = json.loads(cli("qsg.cli", "indoubt", "list", "--json").stdout)
+        assert [(u["uow"], u["xid"], u["qmgr"]) for u in listed["indoubt"]] == [(uow, "XID-LOCAL", "QM2")]
+        assert listed["unreachable"] == []
+        assert "committed on QM2" in cli("qsg.cli", "indoubt", "resolve", uow, "--commit").stdout
+        assert json.loads(cli("qsg.cli", "indoubt", "list", "--json").stdout)["indoubt"] == []
+
         printed = cli("sqm.cli", "log", "print", "--all").stdout
         assert f"under {cluster / 'logs'}" in printed and "PUT" in printed and "COMMIT" in printed
         assert not (tmp_path / "var" / "logs").exists() and not (tmp_path / "var" / "backups").exists()
