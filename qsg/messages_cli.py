@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -18,13 +19,17 @@ import msgpack
 from cfemu.clitools import CLIError, Output, require_url, settings
 from cfemu.errors import FencedError, NoMessageError
 from cfemu.uow_attributes import CONTROL_SUFFIX, DATA_SUFFIX
-from qsg.cli_common import Parents, whole
+from qsg.cli_common import Parents, RetryLaterError, whole
 from sqm.conversations.convrecord import RECORD_LETTER, ConvRecord
 from sqm.conversations.uowcontrols import LAST_LETTER
 from sqm.conversations.uowstatus import Control
 from sqm.core.manager import QueueManager, QueueManagerConfig
+from sqm.log.format import LogLockedError
 from sqm.service.client import Client
 from sqm.wings import WINGS
+
+#: The most messages one `cfemu put` writes (its bodies are made up front): a bulk load beyond it is a program's job.
+MAX_PUT_COUNT = 10_000_000
 
 log = logging.getLogger("qsg.messages_cli")
 
@@ -74,7 +79,11 @@ def messaging(args: argparse.Namespace) -> Iterator[MessagingHandle]:
                                          lease_ms=args.lease_ms, cpl_entries=0, background=False), wings=WINGS)
     lease = LeaseKeeper(qm)  # from the join on: restart recovery and its checkpoint may outlast the lease
     try:
-        qm.start()
+        try:
+            qm.start()
+        except LogLockedError as e:  # another in-process command holds the member name (a `get --wait` left running)
+            raise RetryLaterError(f"{e}: another cfemu command runs as {args.qm_name}; wait for it, or give this one "
+                                  "--qm-name NAME (or --server HOST:PORT)") from None
         try:
             conn = qm.connect()
             try:
@@ -197,13 +206,23 @@ def cmd_put(args: argparse.Namespace, out: Output) -> int:
                 if put and isinstance(e, Exception):
                     raise CLIError(f"{len(put)} of {len(bodies)} message(s) were put on {args.queue} and committed; "
                                    f"the next unit of work was backed out: {e}") from e
+                if put and isinstance(e, KeyboardInterrupt):
+                    # What is committed stays: said (and, with --json, listed) so that a rerun does not put it twice.
+                    _report_put(out, args, put, interrupted=True)
+                    print(f"cfemu: {len(put)} of {len(bodies)} message(s) were put on {args.queue} and committed "
+                          "before the interrupt; the next unit of work was backed out", file=sys.stderr)
                 raise
             put.extend(done)
+    _report_put(out, args, put)
+    return 0
+
+
+def _report_put(out: Output, args: argparse.Namespace, put: list[Any], *, interrupted: bool = False) -> None:
     if args.json:
-        out.json({"queue": args.queue, "put": len(put), "msgids": [m.msgid.hex() for m in put]})
+        out.json({"queue": args.queue, "put": len(put), "msgids": [m.msgid.hex() for m in put],
+                  **({"interrupted": True} if interrupted else {})})
     else:
         out.line(f"put {len(put)} message(s) on {args.queue} (committed)")
-    return 0
 
 
 def cmd_get(args: argparse.Namespace, out: Output) -> int:
@@ -235,7 +254,8 @@ def cmd_browse(args: argparse.Namespace, out: Output) -> int:
 def put_arguments(p: argparse.ArgumentParser, parents: Parents) -> None:
     p.add_argument("queue")
     p.add_argument("messages", nargs="+", metavar="MESSAGE")
-    p.add_argument("--count", type=whole(1), default=1, help="put the messages this many times (>= 1)")
+    p.add_argument("--count", type=whole(1, MAX_PUT_COUNT), default=1,
+                   help=f"put the messages this many times (1-{MAX_PUT_COUNT})")
     p.add_argument("--per-commit", type=whole(1), default=1000, metavar="N",
                    help="messages per unit of work (default 1000; at most the member's MAXUMSGS)")
     p.add_argument("--priority", type=whole(0, 9), default=0, help="0-9")

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from cfemu.admin import Admin
+from cfemu.cf import CF
 from cfemu.connection import connect
 from sqm.service.client import Client
 from tests.support.service_proc import start_server
@@ -242,3 +245,64 @@ def test_put_commits_in_units_of_work_of_per_commit_messages(where: list[str]) -
     assert "4 of 10 message(s) were put on Q1 and committed; the next unit of work was backed out" in r.stderr
     got = json.loads(ok("cfemu", "browse", "Q1", "--json", "--limit", "100", *where))
     assert [m["body"] for m in got["messages"]].count("y") == 4 and len(got["messages"]) == 29
+
+
+@pytest.mark.slow
+def test_an_interrupted_put_says_what_it_committed(where: list[str], redis_url: str) -> None:
+    """Ctrl-C in a long `cfemu put`: the units of work committed before it stay, and the command says how many
+    (and lists them with --json), so that the operator does not put them again; only the unit of work in flight is
+    backed out. It printed only "interrupted", and a rerun put thousands of messages twice."""
+    ok("cfemu", "define", "structure", "APP1", *where)
+    ok("cfemu", "define", "queue", "QINT", "--structure", "APP1", *where)
+    proc = subprocess.Popen([sys.executable, "-m", "qsg.cli", "put", "QINT", "x", "--count", "200000",
+                             "--per-commit", "200", "--json", *where], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while _depth(redis_url) < 400:
+            assert proc.poll() is None and time.monotonic() < deadline, "the put ended or never committed 400"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, (out, err)
+    doc = json.loads(out)
+    committed = _depth(redis_url)
+    assert doc["interrupted"] is True and doc["put"] == len(doc["msgids"]) == committed >= 400, (doc["put"], committed)
+    assert committed % 200 == 0, "whole units of work only"
+    assert f"{committed} of 200000 message(s) were put on QINT and committed before the interrupt" in err, err
+    assert err.rstrip().endswith("cfemu: interrupted"), err
+
+
+def _depth(redis_url: str) -> int:
+    """QINT's committed messages, as the CF counts them."""
+    return CF(connect(redis_url)).structure("APP1").depths().get("QINT", {}).get("CP", 0)
+
+
+@pytest.mark.slow
+def test_two_in_process_commands_at_once_the_second_says_to_wait_or_name_itself(where: list[str]) -> None:
+    """Each in-process cfemu command is the member OPS (its log, its lock): a second one while a `get --wait`
+    runs is refused in one line, retry later (75), naming --qm-name; it was a LogLockedError traceback, exit 1."""
+    ok("cfemu", "define", "structure", "APP1", *where)
+    ok("cfemu", "define", "queue", "Q1", "--structure", "APP1", *where)
+    ok("cfemu", "define", "queue", "Q2", "--structure", "APP1", *where)
+    waiting = subprocess.Popen([sys.executable, "-m", "qsg.cli", "get", "Q2", "--wait-ms", "30000", *where], cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            r = run("cfemu", "put", "Q1", "later", *where)
+            if r.returncode != 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)  # the waiting get had not started yet: its put went through; again
+        assert r.returncode == 75 and r.stderr.count("\n") == 1, (r.returncode, r.stderr)
+        assert "another cfemu command runs as OPS" in r.stderr and "--qm-name" in r.stderr, r.stderr
+        assert r.stderr.startswith("cfemu: error: ") and "Traceback" not in r.stderr
+        named = run("cfemu", "put", "Q1", "named", "--qm-name", "OPS2", *where)
+        assert named.returncode == 0, named.stderr
+    finally:
+        waiting.kill()
+        waiting.wait()
