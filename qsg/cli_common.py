@@ -78,7 +78,7 @@ def run_verb(prog: str, args: argparse.Namespace, func: Callable[[argparse.Names
 
 class Parser(argparse.ArgumentParser):
     """An argparse parser whose usage errors are one line on stderr, exit status 2:
-    ``cfemu put: error: argument --count: must be a whole number >= 1, not -5 (see 'cfemu put --help')``.
+    ``cfemu put: error: argument --count: must be a whole number from 1 to 10000000, not -5 (see 'cfemu put --help')``.
     Sub-parsers are of the same class."""
 
     def error(self, message: str) -> NoReturn:

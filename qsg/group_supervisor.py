@@ -20,6 +20,11 @@ Every interval (0.2 s) it tends:
   ``RESTART_MAX_DELAY_S``, and back to the first once a member has served ``RESTART_RESET_AFTER_S`` in a row. A
   member an operator or a caller holds (``cfemu cluster stop``/``restart``, ``LocalGroup.kill_manager``, which
   its caller restarts itself) is left alone, and ``cfemu cluster down`` stops the supervisor before anything else.
+  A member whose process runs but is hung (stopped, wedged: it served once since its start, and has held no lease
+  in a CF that answers for ``MEMBER_HUNG_AFTER_S``) is SIGKILLed and restarted the same way: a member that loses
+  its lease while it runs is fenced and exits by itself (3) at its next heartbeat, so one still there that long
+  after is not running. Its peers have recovered its work meanwhile; the kill frees its ports for the restart.
+  (Checked where the supervisor probes the CF: a simplex CF it tends.)
 
 Each restart is a warning line in the supervisor's log (``run/cf-supervisor.log`` of a detached cluster), a line
 in the member's own ``run/<member>.log``, and in ``cluster.json``: the member's (or the CF's) ``restarts`` count and
@@ -47,6 +52,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from cfemu import keys
 from cfemu.latency import Latency
 from cfemu.procs import wait_gone
 from cfemu.settings import CLUSTER_CF
@@ -85,6 +91,9 @@ CF_HUNG_AFTER = 3  # probes in a row
 CF_HUNG_MIN_S = 6.0  # silent at least this long: longer than Redis's default busy-reply-threshold (5 s)
 CF_BUSY_KILL_AFTER_S = 10.0  # BUSY this long (a script then ran 15 s: a thousand times any of the group's own)
 CF_BUSY_GRACE_S = 5.0  # after SCRIPT KILL: still BUSY this long, the CF is taken for hung
+# A running member that served, with no lease in an answering CF this long, is hung: three times the longest lease a
+# member takes by default (sqm run --lease-ms 5000), and longer than a CF restarted empty takes to be re-joined.
+MEMBER_HUNG_AFTER_S = 15.0
 
 # The exit codes of ``sqm run`` (sqm.service.server's EXIT_*; `sqm run --help`), as a restart's reason says them.
 MEMBER_EXITS = {0: "stopped (exit 0) outside 'cfemu cluster'", 1: "failed (exit 1)",
@@ -145,6 +154,7 @@ class _Member:
     delay: float = RESTART_FIRST_DELAY_S  # before the next restart
     due: float | None = None  # monotonic: when the pending restart runs
     reason: str = ""
+    leaseless_since: float | None = None  # monotonic: since when its process runs with no lease in the CF
 
 
 class Supervisor:
@@ -167,6 +177,7 @@ class Supervisor:
         self.cf_busy_since: float | None = None  # monotonic: the first BUSY answer of those in a row
         self.script_killed_at: float | None = None  # monotonic: when SCRIPT KILL was sent in this BUSY spell
         self.counts = SupervisorCounts()
+        self.leases: set[str] | None = None  # the tended members holding a lease at this interval (None: unknown)
 
     # --- one interval ------------------------------------------------------------------------------------------
     @property
@@ -175,6 +186,7 @@ class Supervisor:
 
     def tick(self) -> None:
         hung = self._cf_hung() if self.tends_cf else None  # outside the state lock: a hung CF's probe takes long
+        self.leases = self._leases_held() if hung is None else None
         # The state lock when others write cluster.json (a detached group) or when members are tended (the calls
         # that hold one take it); a thread tending only the CF keeps out of their way.
         shared = self.reload or bool(self.c.state.get("member_restart"))
@@ -266,6 +278,21 @@ class Supervisor:
                     "SIGKILLed")
         return None
 
+    def _leases_held(self) -> set[str] | None:
+        """The tended members that hold a lease in the CF now (None: not known: no probe of a CF that answered)."""
+        if self._ping is None or self.cf_misses or not self.members:
+            return None
+        names = sorted(self.members)
+        try:
+            pipe = self._ping.pipeline(transaction=False)
+            for name in names:
+                pipe.exists(keys.lease(name))
+            found = pipe.execute()
+        except redis.exceptions.RedisError as e:
+            log.debug("the members' leases could not be read: %s", e)
+            return None
+        return {name for name, n in zip(names, found, strict=True) if n}
+
     def _close_ping(self) -> None:
         if self._ping is not None:
             with contextlib.suppress(Exception):
@@ -309,7 +336,8 @@ class Supervisor:
             if self.c.manager_runs(name):
                 self.counts.member_up[name] = True
                 self._watch_serving(name, t, int(pid), now)
-                continue
+                if not self._hung(name, t, int(pid), now):
+                    continue
             self.counts.member_up[name] = False
             if t.due is None:  # just found dead
                 t.reason = self.c.exit_reason(name, int(pid))
@@ -328,6 +356,30 @@ class Supervisor:
                 t.serving_since = now
         elif now - t.serving_since >= RESTART_RESET_AFTER_S:
             t.delay = RESTART_FIRST_DELAY_S
+
+    def _hung(self, name: str, t: _Member, pid: int, now: float) -> bool:
+        """SIGKILL a member that served and has held no lease for MEMBER_HUNG_AFTER_S while its process runs (its
+        restart then follows as for a member that died); True when it was killed."""
+        if self.leases is None or t.serving_since is None or name in self.leases:
+            t.leaseless_since = None
+            return False
+        if t.leaseless_since is None:
+            t.leaseless_since = now
+            return False
+        silent = now - t.leaseless_since
+        if silent < MEMBER_HUNG_AFTER_S:
+            return False
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        wait_gone(pid, 5.0)
+        self.counts.member_up[name] = False
+        t.leaseless_since = None
+        t.reason = (f"was hung: no lease in the CF for {silent:.0f}s while its process ran (a stopped or wedged "
+                    "process); SIGKILLed")
+        t.due = now + t.delay
+        log.warning("%s (pid %s) %s; restarting it in %gs", name, pid, t.reason, t.delay)
+        t.delay = min(t.delay * 2, RESTART_MAX_DELAY_S)
+        return True
 
     def _restart(self, m: dict[str, Any], t: _Member) -> None:
         name = m["name"]

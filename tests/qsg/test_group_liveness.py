@@ -26,7 +26,13 @@ from cfemu.errors import BackupRunningError, NoMessageError, StructureFailedErro
 from cfemu.procs import pid_alive
 from qsg import cli, group_supervisor
 from qsg.cli_common import EXIT_RETRY_LATER, EXIT_USAGE, exit_code
-from qsg.group_supervisor import RESTART_FIRST_DELAY_S, RESTART_MAX_DELAY_S, RESTART_RESET_AFTER_S, Supervisor
+from qsg.group_supervisor import (
+    MEMBER_HUNG_AFTER_S,
+    RESTART_FIRST_DELAY_S,
+    RESTART_MAX_DELAY_S,
+    RESTART_RESET_AFTER_S,
+    Supervisor,
+)
 from qsg.local_group import LocalGroup
 from sqm.service.client import Client
 from sqm.service.protocol import NotAuthorizedError, QueueManagerUnavailableError
@@ -152,12 +158,23 @@ def test_a_killed_or_fenced_member_is_restarted_and_an_operator_stopped_one_is_n
     assert group.row("QM2")["last_restart"]["reason"] == "was fenced by peer recovery (exit 3)"
     wait_for("QM2 serving again", lambda: group.serves("QM2"), 30)
 
+    # held for good (hung): its process runs, fenced, never wakes to exit; SIGKILLed once it has held no lease for
+    # MEMBER_HUNG_AFTER_S, and restarted (it was left alive and not ready for as long as it stayed stopped)
+    hung = group.row("QM2")["pid"]
+    os.kill(hung, signal.SIGSTOP)
+    wait_for("QM2 killed as hung and restarted", lambda: group.row("QM2")["restarts"] == 3,
+             MEMBER_HUNG_AFTER_S + 45)
+    assert not pid_alive(hung)
+    reason = group.row("QM2")["last_restart"]["reason"]
+    assert reason.startswith("was hung: no lease in the CF for") and "SIGKILLed" in reason, reason
+    wait_for("QM2 serving again after the hang", lambda: group.serves("QM2"), 30)
+
     # an operator's stop is not undone by the supervisor; the operator's restart brings it back
     stopped = json.loads(cfemu("cluster", "stop", "QM2", "--dir", str(group.d), "--json").stdout)
     assert stopped["stopped_by"] == "SIGTERM"
-    time.sleep(RESTART_FIRST_DELAY_S * 4 + 1)  # longer than the delay its next restart would have (third: 4 s)
+    time.sleep(RESTART_FIRST_DELAY_S * 8 + 1)  # longer than the delay its next restart would have (fourth: 8 s)
     row = group.row("QM2")
-    assert not row["alive"] and row["restarts"] == 2 and row["held"] == "stopped by the operator"
+    assert not row["alive"] and row["restarts"] == 3 and row["held"] == "stopped by the operator"
     assert cfemu("cluster", "status", "--dir", str(group.d), check=False).returncode == 1
     again = json.loads(cfemu("cluster", "restart", "QM2", "--dir", str(group.d), "--json").stdout)
     assert again["stopped_by"] == "was not running" and again["pid"] != row["pid"]
@@ -167,7 +184,7 @@ def test_a_killed_or_fenced_member_is_restarted_and_an_operator_stopped_one_is_n
     down = json.loads(cfemu("cluster", "down", "--dir", str(group.d), "--json").stdout)
     assert down["still_running"] == {} and down["killed_after_timeout"] == {}
     time.sleep(1.5)
-    assert [m.get("restarts") or 0 for m in group.state()["managers"]] == [0, 2]
+    assert [m.get("restarts") or 0 for m in group.state()["managers"]] == [0, 3]
     assert not any(pid_alive(pid) for pid in group.pids)
 
 
@@ -401,9 +418,9 @@ def test_a_put_longer_than_the_lease_keeps_its_lease_and_a_later_get_is_fast(tmp
 
 # --- numbers and exit codes of every verb -------------------------------------------------------------------------
 BAD_NUMBERS = [
-    (["put", "Q1", "x", "--count", "-5"], "--count: must be a whole number >= 1, not -5"),
+    (["put", "Q1", "x", "--count", "-5"], "--count: must be a whole number from 1 to 10000000, not -5"),
     (["put", "Q1", "x", "--count", "0"], "--count"),
-    (["put", "Q1", "x", "--count", "many"], "--count: must be a whole number >= 1, not 'many'"),
+    (["put", "Q1", "x", "--count", "many"], "--count: must be a whole number from 1 to 10000000, not 'many'"),
     (["put", "Q1", "x", "--priority", "10"], "--priority: must be a whole number from 0 to 9"),
     (["put", "Q1", "x", "--lease-ms", "100"], "--lease-ms"),
     (["get", "Q1", "--count", "0"], "--count"),
