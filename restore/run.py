@@ -363,14 +363,14 @@ def member_log_dirs(log_root: Path, members: Mapping[str, str] | list[str], repl
 
 
 def refuse_foreign_logs(log_root: Path, known: Mapping[str, str]) -> list[Path]:
-    """The logs under log_root; RestoreError, naming the directory, when one is of a member the group does not know
-    (restore's own log aside): another group's log would have its records replayed into our structures and its
-    relog passes taken for ours (choose_start), so that ours would be lost. It is the operator's to move away."""
-    ours, others = split_log_dirs(log_root, [*known, RESTORE_MEMBER])
+    """The logs under log_root; RestoreError, naming the directory, when one is another group's (split_log_dirs: of
+    a member the group does not know, restore's own log aside, or stamped with another group): its records would
+    be replayed into our structures and its relog passes taken for ours (choose_start), so that ours would be lost.
+    It is the operator's to move away."""
+    ours, others = split_log_dirs(log_root, [*known, RESTORE_MEMBER], GroupRepository(log_root).id)
     if others:
-        raise RestoreError(f"the log {others[0]} is of member {others[0].name}, which the group does not know (not "
-                           f"in its repository, its backup or its CF): another group's log is not read; move it "
-                           f"out of {log_root} and run again")
+        raise RestoreError(f"the log {others[0].directory} is another group's ({others[0].why}): restore does not "
+                           f"read it; move it out of {log_root} and run again")
     return ours
 
 

@@ -511,6 +511,13 @@ def _size(path: Path) -> int:
         return -1
 
 
+def manifest_group(manifest: dict[str, Any] | None) -> str | None:
+    """The id of the group repository the log's member wrote it for (RecordLog.stamp_group); None for a log not
+    stamped (written before logs were)."""
+    group = (manifest or {}).get("group")
+    return str(group) if group is not None else None
+
+
 def manifest_checkpoints(manifest: dict[str, Any] | None) -> list[tuple[LogPosition, int]]:
     if not manifest:
         return []

@@ -33,6 +33,7 @@ from sqm.log.format import (
     crc32c,
     encode_header,
     manifest_checkpoints,
+    manifest_group,
     read_header,
     read_manifest,
     read_record_at,
@@ -132,6 +133,7 @@ class RecordLog:
         self._copies: list[dict[str, Any]] = []
         self.media_recovered: list[MediaRecovery] = []  # damaged segments restored from their copies at open
         self._pruned = 0  # segments below this were removed on purpose (no recovery needed them)
+        self._group: str | None = None  # the id of the group repository whose member writes it (stamp_group)
         self.stats = LogStats()
         self._lock = threading.Lock()  # buffer, current segment, counters of appends
         self._fcond = threading.Condition(threading.Lock())  # group commit state (never take _lock inside)
@@ -198,6 +200,7 @@ class RecordLog:
         self._archived = list((manifest or {}).get("archived", []))
         self._copies = list((manifest or {}).get("copies", []))
         self._pruned = int((manifest or {}).get("pruned", 0))
+        self._group = manifest_group(manifest)
         archived = {i.segment for i in archived_segments(manifest)}
         trusted = trusted_segments(d, manifest)
         restored = restore_missing(d, self.member, manifest)
@@ -436,7 +439,25 @@ class RecordLog:
             "ring": self.ring,
             "checkpoints": [{"position": p.to_json(), "lrsn": lrsn} for p, lrsn in self._checkpoints],
         }
+        if self._group is not None:
+            data["group"] = self._group
         write_manifest(self.directory, data)
+
+    def stamp_group(self, group: str) -> None:
+        """Say in the manifest which group the log is of (the id of its group repository, cfemu.repository), so
+        that a copy of it under another group's log root is known for another group's and never read as one of
+        that group's logs (sqm.core.group_logs). LogFormatError when it is stamped with another group already:
+        its records are another group's history, and this member must not write on them."""
+        with self._lock:
+            if self._closed:
+                self._raise_unusable()
+            if self._group == group:
+                return
+            if self._group is not None:
+                raise LogFormatError(f"{self.directory}: the log is of another group (its manifest names group "
+                                     f"repository {self._group}, this member's group is {group}): move it away")
+            self._group = group
+            self._write_manifest_locked()
 
     # --------------------------------------------------------------------------------------- append
 

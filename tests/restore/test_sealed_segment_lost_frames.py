@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import redis
 
 from backup.run import run_backup
 from restore.run import run_restore
@@ -39,7 +40,7 @@ def cut_at_a_frame_boundary(path: Path) -> int:
     return cut
 
 
-def _member_with_a_cut_segment(redis_url: str, tmp_path: Path) -> tuple[object, Path, Path, Path]:
+def _member_with_a_cut_segment(redis_url: str, tmp_path: Path) -> tuple[redis.Redis, Path, Path, Path]:
     """QM1 logs 40 commits in small segments after a backup, and is killed (no checkpoint: its sealed segments
     have no archived copy); a sealed segment in the middle of the replay range loses its last frames."""
     logs, backups = tmp_path / "logs", tmp_path / "backups"
@@ -53,7 +54,7 @@ def _member_with_a_cut_segment(redis_url: str, tmp_path: Path) -> tuple[object, 
     qm.stop(checkpoint=False)
     segs = sorted((logs / "QM1").glob("seg-*"))
     victim = segs[len(segs) // 2]
-    assert victim.name in {e["file"] for e in read_manifest(logs / "QM1")["segments"] if e["sealed"]}
+    assert victim.name in {e["file"] for e in (read_manifest(logs / "QM1") or {})["segments"] if e["sealed"]}
     cut_at_a_frame_boundary(victim)
     return client, logs, backups, victim
 
