@@ -15,29 +15,12 @@ import redis
 from backup.run import run_backup
 from restore.run import run_restore
 from sqm.log import LogCorruptError
-from sqm.log.format import FRAME, read_header, read_manifest, trusted_segments
+from sqm.log.format import read_manifest, trusted_segments
 from tests.support.group import define_group, start_qm
 from tests.support.harness import lose_cf
+from tests.support.log_damage import cut_at_a_frame_boundary
 
 S = "APP1"
-
-
-def cut_at_a_frame_boundary(path: Path) -> int:
-    """Remove the second half of the segment's frames, whole: the file still ends at a frame boundary."""
-    with open(path, "rb") as f:
-        header = read_header(f, path, allow_partial=False)
-    assert header is not None
-    data = path.read_bytes()
-    off, bounds = header.length, []
-    while off + FRAME.size <= len(data):
-        length, _ = FRAME.unpack_from(data, off)
-        off += FRAME.size + length
-        bounds.append(off)
-    assert len(bounds) >= 4
-    cut = bounds[len(bounds) // 2 - 1]
-    with open(path, "r+b") as f:
-        f.truncate(cut)
-    return cut
 
 
 def _member_with_a_cut_segment(redis_url: str, tmp_path: Path) -> tuple[redis.Redis, Path, Path, Path]:
