@@ -183,11 +183,12 @@ def _digest(path: Path) -> tuple[int, str]:
     return size, h.hexdigest()
 
 
-def segment_table(path: Path, segment: int, member: str) -> pa.Table:
-    """One closed segment as an Arrow table (decoded by sqm.log's SegmentScan: a damaged frame raises)."""
+def segment_table(path: Path, segment: int, member: str, expected: SegmentInfo | None = None) -> pa.Table:
+    """One closed segment as an Arrow table (decoded by sqm.log's SegmentScan: a damaged frame raises, and so does
+    a segment that reads as less than its manifest entry, `expected`)."""
     cols: dict[str, list[Any]] = {name: [] for name in SCHEMA.names}
     pack = msgpack.Packer(use_bin_type=True).pack
-    for pos, rec in SegmentScan(path, segment, member, is_last=False):
+    for pos, rec in SegmentScan(path, segment, member, is_last=False, expected=expected):
         kind = lookup(rec)
         # An event's queue; a backout's carried entries are in entry_ids, but their queues are not the record's.
         queues = kind.queues(rec) if kind.role is Role.ENTRY else []
@@ -236,7 +237,7 @@ def archive_logs(log_root: str | Path, out_dir: str | Path, progress: Progress =
         if _already_archived(out, member, segno, live, backup_keys):
             result.skipped += 1
         else:
-            table = segment_table(path, segno, member)
+            table = segment_table(path, segno, member, live)
             result.archived.append(_write_atomically(table, out, member, segno, key))
             result.records += table.num_rows
         progress(ARCHIVE, done, len(work))

@@ -45,6 +45,7 @@ from sqm.log.format import (
     SegmentScan,
     archived_segments,
     check_header,
+    check_sealed,
     log_segments,
     read_header,
     read_manifest,
@@ -226,7 +227,9 @@ def log_segments_read(directory: Path, min_lrsn: int, only: Any = None) -> Itera
 def scan_segment(directory: Path, segno: int, path: Path, member: str, *, is_last: bool, min_lrsn: int,
                  first_rid: int, source: int, spill: Path, emit: Emit) -> list[Source]:
     """One log segment's records from `min_lrsn` on, as tables handed to `emit` a chunk at a time; returns the
-    sources their bytes are in (the segment, and a spill file of records the C reader did not take, if any)."""
+    sources their bytes are in (the segment, and a spill file of records the C reader did not take, if any). A
+    sealed segment is checked against its manifest entry as every reader of the log checks it (check_sealed)."""
+    expected = None if is_last else trusted_segments(directory, read_manifest(directory)).get(segno)
     with open(path, "rb") as f:
         header = read_header(f, path, allow_partial=is_last)
         if header is None:
@@ -242,9 +245,12 @@ def scan_segment(directory: Path, segno: int, path: Path, member: str, *, is_las
         os.close(fd)
     sources = [Source(str(path), str(directory), segno)]
     if stop == STOP_END:
+        # read to its end (the C reader keeps only records from min_lrsn on: the end is what it can tell)
+        check_sealed(expected, path, end=off)
         return sources
     # The house's reader from there: it raises for a damaged frame, ends at a torn end, decodes what it can.
-    rest = [(pos.offset, rec) for pos, rec in SegmentScan(path, segno, member, is_last=is_last, start_offset=off)
+    rest = [(pos.offset, rec) for pos, rec in SegmentScan(path, segno, member, is_last=is_last, start_offset=off,
+                                                       expected=expected)
             if rec["l"] >= min_lrsn]
     if not rest:
         return sources

@@ -97,7 +97,7 @@ from restore.spark_fetch import stream
 from restore.spill import Partitioned, SpillDir
 from sqm.core.records import Record, Role, entry_ids, lookup
 from sqm.log import LogFormatError, one_log_per_member
-from sqm.log.format import SegmentScan, log_segments, read_manifest, trusted_segments
+from sqm.log.format import SegmentInfo, SegmentScan, log_segments, read_manifest, trusted_segments
 
 DEFAULT_LOG_FILE = Path("var") / "spark" / "spark.log"
 # Records per shuffle partition: small enough that one Python worker groups a partition in memory.
@@ -111,7 +111,8 @@ TASK_BYTES = 32 * 2**20  # input bytes per reading task
 
 # merged-log order of a record: (LRSN, member, segment, offset)
 OrderKey = tuple[int, str, int, int]
-SegmentTask = tuple[str, int, str, bool]  # (member, segment number, path, is the member's last segment)
+#: (member, segment number, path, is the member's last segment, the manifest's entry for a sealed one or None)
+SegmentTask = tuple[str, int, str, bool, SegmentInfo | None]
 
 
 # The last line of a worker's traceback that names one of the product's errors: "<module>.<Class>: <message>".
@@ -151,11 +152,11 @@ def scan_segment(task: SegmentTask, replay_from: int) -> Iterator[tuple[OrderKey
     member's last segment when the plan listed them is read with every segment its log has gained since: the
     backup is read between the listing and the reading, and a member still logging meanwhile (the re-plan after
     the claim of an ACTIVE structure) rolls into segments the listing never named (as restore.log_slices)."""
-    member, segno, path, is_last = task
+    member, segno, path, is_last, expected = task
     if is_last:  # an active segment: in its log's own directory
         yield from LogSlice(str(Path(path).parent), (segno,), replay_from, to_end=True).records()
         return
-    for pos, rec in SegmentScan(Path(path), segno, member, is_last=is_last):
+    for pos, rec in SegmentScan(Path(path), segno, member, is_last=is_last, expected=expected):
         if rec["l"] >= replay_from:
             rec["m"] = member
             yield (rec["l"], member, pos.segment, pos.offset), rec
@@ -606,7 +607,7 @@ class SparkEngine:
                 if parquet is not None:
                     archived.append(str(parquet))
                 else:
-                    tasks.append((member, segno, str(path.absolute()), segno == last))
+                    tasks.append((member, segno, str(path.absolute()), segno == last, info))
         return tasks, archived
 
     def _records(self, spark: SparkSession, segments: list[SegmentTask], archived: list[str], structure: str,

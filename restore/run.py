@@ -90,6 +90,7 @@ from restore.partitioned import DEFAULT_MEMORY
 from restore.plan import EARLIER_GENERATIONS, Copy, RestorePlan
 from restore.result import PurgeResult, RestoreResult, write_report
 from sqm.core import records
+from sqm.core.group_logs import split_log_dirs
 from sqm.core.records import INCOMMIT
 from sqm.core.relog import newest_pass
 from sqm.core.uow import rebuild_table
@@ -345,9 +346,10 @@ def known_members(repo: GroupRepository, manifest: dict[str, Any], admin: Admin)
 
 def member_log_dirs(log_root: Path, members: Mapping[str, str] | list[str], replay_from: int) -> list[Path]:
     """Every log under log_root; refuses when a member the group knows (members: name -> where it logs) has
-    none there, naming each and where its log is or should be."""
-    found = {d.name: d for d in find_log_dirs(log_root)}
+    none there, naming each and where its log is or should be, and when a log there is of a member the group does
+    not know (refuse_foreign_logs)."""
     where = members if isinstance(members, Mapping) else dict.fromkeys(members, "")
+    found = {d.name: d for d in refuse_foreign_logs(log_root, where)}
     missing = sorted(m for m in where if m not in found)
     if missing:
         elsewhere = [f"{m} logs to {where[m]}" for m in missing
@@ -358,6 +360,18 @@ def member_log_dirs(log_root: Path, members: Mapping[str, str] | list[str], repl
                            + f"; bring {'each' if len(missing) > 1 else 'it'} back to {log_root}/<member> (or "
                              "mount it there) and run again")
     return [found[name] for name in sorted(found)]
+
+
+def refuse_foreign_logs(log_root: Path, known: Mapping[str, str]) -> list[Path]:
+    """The logs under log_root; RestoreError, naming the directory, when one is another group's (split_log_dirs: of
+    a member the group does not know, restore's own log aside, or stamped with another group): its records would
+    be replayed into our structures and its relog passes taken for ours (choose_start), so that ours would be lost.
+    It is the operator's to move away."""
+    ours, others = split_log_dirs(log_root, [*known, RESTORE_MEMBER], GroupRepository(log_root).id)
+    if others:
+        raise RestoreError(f"the log {others[0].directory} is another group's ({others[0].why}): restore does not "
+                           f"read it; move it out of {log_root} and run again")
+    return ours
 
 
 def log_ranges(log_dirs: list[Path], replay_from: int, replay_to: int) -> dict[str, dict[str, Any]]:

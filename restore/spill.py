@@ -10,9 +10,11 @@ database: every access is a sequential append or a sequential read of one whole 
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,22 +26,36 @@ from cfemu.private_files import open_private, private_dir
 READ_SIZE = 1 << 20
 
 
+PREFIX = ".restore-spill-"
+#: A spill directory's lock file: its maker holds an exclusive flock on it while the directory is in use. The
+#: kernel lets go of it when the maker dies, however it dies (SIGKILL, the OOM killer), so a directory whose lock can
+#: be taken is one nobody will read again.
+OWNER = ".owner"
+#: A spill directory with no lock file is taken for left behind only once older than this: its maker makes the lock
+#: file right after the directory, and a directory from a version before lock files has none.
+UNLOCKED_GRACE_S = 600
+
+
 class SpillDir:
     """A private temporary directory under `parent` (a private directory: created 0700, refused when others can
-    write it; None: the system's temporary directory), removed by close() (or at the end of a `with`)."""
+    write it; None: the system's temporary directory), removed by close() (or at the end of a `with`). Made, it
+    removes the spill directories beside it that their makers left behind (remove_left_behind): a restore killed
+    (SIGKILL, the OOM killer) never closes its own, and RECAUTO's retries would otherwise fill the disk with them."""
 
     def __init__(self, parent: Path | None = None) -> None:
         if parent is not None:
             private_dir(Path(parent))
-        self.path = Path(tempfile.mkdtemp(prefix=".restore-spill-", dir=parent))  # mkdtemp: mode 0700
+        self.path = Path(tempfile.mkdtemp(prefix=PREFIX, dir=parent))  # mkdtemp: mode 0700
+        self._owner = _hold(self.path / OWNER)
         self.bytes_written = 0
+        self.removed = remove_left_behind(self.path.parent, keep=self.path)
 
     @classmethod
     def at(cls, path: Path) -> SpillDir:
         """The spill directory `path` made by another process's SpillDir (a worker's view of it: only its
         maker removes it)."""
         spill = cls.__new__(cls)
-        spill.path, spill.bytes_written = Path(path), 0
+        spill.path, spill.bytes_written, spill._owner, spill.removed = Path(path), 0, -1, []
         return spill
 
     def file(self, name: str) -> Path:
@@ -47,12 +63,61 @@ class SpillDir:
 
     def close(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
+        if self._owner >= 0:  # after the removal: until then the directory is in use
+            os.close(self._owner)
+            self._owner = -1
 
     def __enter__(self) -> SpillDir:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _hold(path: Path) -> int:
+    """Create the lock file at path and hold an exclusive flock on it (the descriptor is not inherited by programs
+    this process runs)."""
+    fd = open_private(path, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def remove_left_behind(parent: Path, keep: Path) -> list[Path]:
+    """Remove the spill directories in parent other than `keep` whose maker is gone (their lock file's flock can
+    be taken; one with no lock file: once older than UNLOCKED_GRACE_S). One in use by a live restore is left
+    alone. Returns those removed."""
+    removed: list[Path] = []
+    try:
+        entries = list(os.scandir(parent))
+    except OSError:
+        return removed
+    for entry in entries:
+        path = Path(entry.path)
+        if not entry.name.startswith(PREFIX) or path == keep or not entry.is_dir(follow_symlinks=False):
+            continue
+        try:
+            fd = os.open(path / OWNER, os.O_RDWR | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            try:
+                old = time.time() - entry.stat(follow_symlinks=False).st_mtime > UNLOCKED_GRACE_S
+            except OSError:
+                continue
+            if old:
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+            continue
+        except OSError:  # another user's, or not ours to read: left alone
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # its maker is alive
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        finally:
+            os.close(fd)
+    return removed
 
 
 def _append(spill: SpillDir, path: Path, data: bytes | bytearray) -> None:

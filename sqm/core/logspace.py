@@ -103,7 +103,7 @@ class LogSpace:
             return ret
         try:
             moved = self.log.archive(below, self.archive_dir)
-        except (OSError, LogFormatError) as e:  # the segments stay in the active log: nothing is lost
+        except (OSError, LogFormatError, LogCorruptError) as e:  # the segments stay in the active log: nothing is lost
             log.warning("%s: archiving the inactive log segments failed (%s); they stay in the active log",
                         self.name, e)
             return ret

@@ -144,6 +144,13 @@ class QueueManager(Outcomes, LogSpace):
         self.repository = open_group_repository(self.admin, self.config.log_root, who=self.name)
         self.log = RecordLog(self.log_dir, self.name, segment_bytes=self.config.segment_bytes,
                              ring=self.config.log_ring if self.config.log_mode == CIRCULAR else 0)
+        repo_id = self.repository.id
+        if repo_id is not None:  # the log says whose it is: another group's log root never reads it as its own
+            try:
+                self.log.stamp_group(repo_id)
+            except BaseException:
+                self.log.close()
+                raise
         self.log.before_shared_flush = partial(failpoint, "group-force")
         last = self.log.last_checkpoint()
         self.relog_passes = relog.last_passes(last[1] if last else None)

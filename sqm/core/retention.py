@@ -22,9 +22,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cfemu.admin import Admin
+from sqm.core.group_logs import known_member_logs
 from sqm.core.relog import newest_pass
 from sqm.core.uow import UnitOfWork, rebuild_table
-from sqm.log import LogPosition, LogReader, SegmentInfo, find_log_dirs
+from sqm.log import LogPosition, LogReader, SegmentInfo
 
 if TYPE_CHECKING:
     from sqm.core.member import LogUser
@@ -138,13 +139,16 @@ def structure_start(structure: str, backups: list[dict[str, Any]], relog: tuple[
                               "its definition)")
 
 
-def structure_starts(admin: Admin, log_dirs: list[Path]) -> dict[str, Need] | None:
-    """Each structure's CF recovery start (structure_start), from the CF's backup catalog and the members' last
-    checkpoints. None when the CF cannot say (unreachable, or lost: its catalog and structures are gone until a
-    restore brings them back), so that nothing is taken for inactive."""
+def structure_starts(admin: Admin, log_root: Path) -> dict[str, Need] | None:
+    """Each structure's CF recovery start (structure_start), from the CF's backup catalog and the last checkpoints
+    of the members' logs under log_root (only the group's members': a log of another group's member there is not
+    ours, and its relog passes say nothing of our structures; sqm.core.group_logs). None when the CF cannot say
+    (unreachable, or lost: its catalog and structures are gone until a restore brings them back), so that nothing
+    is taken for inactive."""
     try:
         if admin.repository() is None:
             return None
+        log_dirs = known_member_logs(admin, log_root)
         out = {}
         for sdef in admin.structures():
             out[sdef.name] = structure_start(sdef.name, admin.backups(sdef.name), newest_pass(log_dirs, sdef.name))
@@ -159,7 +163,7 @@ def member_retention(qm: LogUser) -> Retention:
     cps = qm.log.checkpoints()
     with qm.uow_lock:
         uows = [u for u in qm.uows.values() if u.persistent]
-    starts = structure_starts(qm.admin, find_log_dirs(qm.config.log_root))
+    starts = structure_starts(qm.admin, Path(qm.config.log_root))
     return recovery_needs(qm.name, cps[-1] if cps else None, uows, starts)
 
 
@@ -170,7 +174,7 @@ def log_retention(log_dir: Path, admin: Admin, log_root: Path | None = None) -> 
     last = reader.last_checkpoint()
     start, ckpt = (last[0], last[1]) if last else (None, None)
     table = rebuild_table(reader.member, ckpt, (r for _, r in reader.records(start)))
-    starts = structure_starts(admin, find_log_dirs(log_root or log_dir.parent))
+    starts = structure_starts(admin, Path(log_root or log_dir.parent))
     return recovery_needs(reader.member, cps[-1] if cps else None, table.values(), starts)
 
 

@@ -205,6 +205,27 @@ def decode_body(body: bytes, path: Path, offset: int) -> dict[str, Any]:
     return rec
 
 
+def check_sealed(expected: SegmentInfo | None, path: Path, *, end: int,
+                 counted: tuple[int, int | None, int | None] | None = None) -> None:
+    """A sealed segment read to its end must be the segment its manifest entry describes (``expected``; None: no
+    entry, nothing to compare). Its frames are sealed with their CRCs, but whole frames lost at its end (a cut at a
+    frame boundary: a bad copy, writes lost in a host crash) leave a file that reads cleanly: only the manifest's
+    end offset, record count and LRSN range tell it lost committed records, and a reader that went on would
+    restore or recover around them without a word. ``end``: where the read ended; ``counted``: (records, lowest,
+    highest LRSN) it read, None where the read did not cover the whole segment. Raises :class:`LogCorruptError`."""
+    if expected is None or not expected.sealed:
+        return
+    want = (expected.records, expected.min_lrsn, expected.max_lrsn)
+    if end == expected.end.offset and (counted is None or counted == want):
+        return
+    read = "" if counted is None else f" with {counted[0]} records, LRSN {counted[1]}..{counted[2]}"
+    raise LogCorruptError(
+        path, end,
+        f"sealed segment {expected.segment} ends at byte {end}{read}, but its manifest entry says it ends at byte "
+        f"{expected.end.offset} with {want[0]} records, LRSN {want[1]}..{want[2]}: records at its end are lost",
+    )
+
+
 def _valid_frame_follows(data: bytes, start: int) -> int | None:
     """Offset (in ``data``) of the first plausible complete frame at or after ``start``, if any."""
     n = len(data)
@@ -230,7 +251,8 @@ class SegmentScan:
 
     ``is_last``: the segment is the last one of the log, so a torn final frame is the normal end of log
     (iteration stops silently, ``torn_bytes`` says how much was left over). Anything else that is wrong
-    raises :class:`LogCorruptError` / :class:`LogFormatError`.
+    raises :class:`LogCorruptError` / :class:`LogFormatError`. ``expected``: the manifest's entry for a sealed
+    segment; the scan that reaches the file's end checks it (check_sealed: whole frames lost at the end raise).
 
     After iteration: ``header`` (None if the file holds only a partial header), ``end_offset`` (offset just
     after the last valid frame), ``torn_bytes``, ``records``, ``first``, ``last``, ``min_lrsn``, ``max_lrsn``
@@ -245,8 +267,10 @@ class SegmentScan:
         *,
         is_last: bool,
         start_offset: int = 0,
+        expected: SegmentInfo | None = None,
     ) -> None:
         self.path = path
+        self.expected = None if is_last else expected
         self.segment = segment
         self.member = member
         self.is_last = is_last
@@ -265,6 +289,11 @@ class SegmentScan:
             self.segment, self.path, self.first, self.last, LogPosition(self.segment, self.end_offset),
             self.min_lrsn, self.max_lrsn, self.records, sealed=not self.is_last,
         )
+
+    def _check_end(self, first_frame: int) -> None:
+        whole = self.start_offset <= first_frame  # else the count and LRSNs cover only the frames read
+        check_sealed(self.expected, self.path, end=self.end_offset,
+                     counted=(self.records, self.min_lrsn, self.max_lrsn) if whole else None)
 
     def run(self) -> SegmentScan:
         """Scan the whole segment without keeping the records (validation, end of log, statistics)."""
@@ -293,6 +322,7 @@ class SegmentScan:
                 head = f.read(FRAME_HEADER_BYTES)
                 if len(head) < FRAME_HEADER_BYTES:
                     if not head:
+                        self._check_end(first_frame)
                         return
                     if is_last:
                         self.torn_bytes = len(head)
@@ -479,6 +509,13 @@ def _size(path: Path) -> int:
         return path.stat().st_size
     except FileNotFoundError:
         return -1
+
+
+def manifest_group(manifest: dict[str, Any] | None) -> str | None:
+    """The id of the group repository the log's member wrote it for (RecordLog.stamp_group); None for a log not
+    stamped (written before logs were)."""
+    group = (manifest or {}).get("group")
+    return str(group) if group is not None else None
 
 
 def manifest_checkpoints(manifest: dict[str, Any] | None) -> list[tuple[LogPosition, int]]:

@@ -73,17 +73,12 @@ def copy_verified(src: Path, dst: Path, segment: int, member: str, info: Segment
         raise LogFormatError(f"{dst}: the archived copy of segment {segment} does not read back as the bytes of "
                              f"{src}: not archived")
     try:
-        scan = SegmentScan(tmp, segment, member, is_last=False).run().info()
+        SegmentScan(tmp, segment, member, is_last=False, expected=info).run()
     except LogCorruptError as e:
-        # The copy holds the segment's own bytes (checked above): the damage is in the segment, and the error
-        # names it, not the temporary copy that is removed here.
+        # The copy holds the segment's own bytes (checked above): the damage is in the segment (a damaged frame, or
+        # fewer records than its manifest entry), and the error names it, not the temporary copy removed here.
         tmp.unlink()
         raise LogCorruptError(src, e.offset, e.what) from None
-    if (scan.records, scan.min_lrsn, scan.max_lrsn) != (info.records, info.min_lrsn, info.max_lrsn):
-        tmp.unlink()
-        raise LogFormatError(f"{dst}: the archived copy of segment {segment} does not read back as the segment "
-                             f"({scan.records} records, LRSN {scan.min_lrsn}..{scan.max_lrsn}; the log has "
-                             f"{info.records}, {info.min_lrsn}..{info.max_lrsn}): not archived")
     os.replace(tmp, dst)
     fsync_directory(dst.parent)
     return size, digest.hexdigest()

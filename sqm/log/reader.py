@@ -55,14 +55,15 @@ class LogReader:
                 raise LogFormatError(f"{path}: segment header is incomplete; member unknown")
             self.member = header.member
 
-    def _scan(self, segno: int, path: Path, *, is_last: bool, start_offset: int = 0) -> SegmentScan:
+    def _scan(self, segno: int, path: Path, *, is_last: bool, start_offset: int = 0,
+              expected: SegmentInfo | None = None) -> SegmentScan:
         self.segments_opened += 1
         if not path.exists():
             # Archived by its running writer since this reader listed the segments: the archive lists the copy
             # before the active file goes (RecordLog.archive), so the manifest read now names it.
             moved = {i.segment: i.path for i in archived_segments(read_manifest(self.directory))}.get(segno)
             path = moved or path
-        return SegmentScan(path, segno, self.member, is_last=is_last, start_offset=start_offset)
+        return SegmentScan(path, segno, self.member, is_last=is_last, start_offset=start_offset, expected=expected)
 
     def records(
         self, start: LogPosition | None = None, min_lrsn: int | None = None,
@@ -78,7 +79,7 @@ class LogReader:
         segs = log_segments(self.directory, manifest)
         if not segs:
             return
-        trusted = trusted_segments(self.directory, manifest) if min_lrsn is not None else {}
+        trusted = trusted_segments(self.directory, manifest)
         last = segs[-1][0]
         for segno, path in segs:
             if (start is not None and segno < start.segment) or (segments is not None and segno not in segments):
@@ -88,7 +89,8 @@ class LogReader:
                 if info is not None and (info.max_lrsn is None or info.max_lrsn < min_lrsn):
                     continue
             off = start.offset if start is not None and segno == start.segment else 0
-            frames = self._frames(manifest, segno, path, is_last=segno == last, start_offset=off)
+            frames = self._frames(manifest, segno, path, is_last=segno == last, start_offset=off,
+                                  expected=trusted.get(segno))
             if min_lrsn is None:
                 yield from frames
             else:
@@ -97,11 +99,12 @@ class LogReader:
                         yield pos, rec
 
     def _frames(self, manifest: dict[str, Any] | None, segno: int, path: Path, *, is_last: bool,
-                start_offset: int) -> Iterator[tuple[LogPosition, dict[str, Any]]]:
+                start_offset: int, expected: SegmentInfo | None = None
+                ) -> Iterator[tuple[LogPosition, dict[str, Any]]]:
         """The segment's records; a sealed segment found damaged on the way is read on from its verified archived
         copy (the same bytes: media recovery, sqm.log.mediacopy), from the first frame not read yet. Restore and
         peer recovery read a member's log here, before the member's own restart would repair the segment."""
-        scan = self._scan(segno, path, is_last=is_last, start_offset=start_offset)
+        scan = self._scan(segno, path, is_last=is_last, start_offset=start_offset, expected=expected)
         try:
             yield from scan
         except (LogCorruptError, LogFormatError):
@@ -109,7 +112,7 @@ class LogReader:
             if copy is None or copy == path:
                 raise
             yield from SegmentScan(copy, segno, self.member, is_last=False,
-                                   start_offset=scan.end_offset or start_offset)
+                                   start_offset=scan.end_offset or start_offset, expected=expected)
 
     def segments(self) -> list[SegmentInfo]:
         """Per-segment information: from the manifest for sealed segments, by scanning for the others

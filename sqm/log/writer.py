@@ -28,10 +28,12 @@ from sqm.log.format import (
     SegmentInfo,
     SegmentScan,
     archived_segments,
+    check_sealed,
     checked_segments,
     crc32c,
     encode_header,
     manifest_checkpoints,
+    manifest_group,
     read_header,
     read_manifest,
     read_record_at,
@@ -131,6 +133,7 @@ class RecordLog:
         self._copies: list[dict[str, Any]] = []
         self.media_recovered: list[MediaRecovery] = []  # damaged segments restored from their copies at open
         self._pruned = 0  # segments below this were removed on purpose (no recovery needed them)
+        self._group: str | None = None  # the id of the group repository whose member writes it (stamp_group)
         self.stats = LogStats()
         self._lock = threading.Lock()  # buffer, current segment, counters of appends
         self._fcond = threading.Condition(threading.Lock())  # group commit state (never take _lock inside)
@@ -197,6 +200,7 @@ class RecordLog:
         self._archived = list((manifest or {}).get("archived", []))
         self._copies = list((manifest or {}).get("copies", []))
         self._pruned = int((manifest or {}).get("pruned", 0))
+        self._group = manifest_group(manifest)
         archived = {i.segment for i in archived_segments(manifest)}
         trusted = trusted_segments(d, manifest)
         restored = restore_missing(d, self.member, manifest)
@@ -228,6 +232,9 @@ class RecordLog:
             if info is not None:
                 with open(path, "rb") as f:
                     header = read_header(f, path, allow_partial=False)
+                    # Not scanned (its manifest entry is trusted): a file shorter than that entry lost whole
+                    # frames at its end, and a member must not start on a log that lost records.
+                    check_sealed(info, path, end=os.fstat(f.fileno()).st_size)
                 assert header is not None
                 if header.segment != segno or header.member != self.member:
                     raise LogFormatError(
@@ -432,7 +439,25 @@ class RecordLog:
             "ring": self.ring,
             "checkpoints": [{"position": p.to_json(), "lrsn": lrsn} for p, lrsn in self._checkpoints],
         }
+        if self._group is not None:
+            data["group"] = self._group
         write_manifest(self.directory, data)
+
+    def stamp_group(self, group: str) -> None:
+        """Say in the manifest which group the log is of (the id of its group repository, cfemu.repository), so
+        that a copy of it under another group's log root is known for another group's and never read as one of
+        that group's logs (sqm.core.group_logs). LogFormatError when it is stamped with another group already:
+        its records are another group's history, and this member must not write on them."""
+        with self._lock:
+            if self._closed:
+                self._raise_unusable()
+            if self._group == group:
+                return
+            if self._group is not None:
+                raise LogFormatError(f"{self.directory}: the log is of another group (its manifest names group "
+                                     f"repository {self._group}, this member's group is {group}): move it away")
+            self._group = group
+            self._write_manifest_locked()
 
     # --------------------------------------------------------------------------------------- append
 
@@ -681,22 +706,23 @@ class RecordLog:
             if self._closed:
                 self._raise_unusable()
             self._write_locked()
-            segs = [(i.segment, i.path) for i in archived_segments({"archived": self._archived})
-                    if i.segment < (self._sealed[0].segment if self._sealed else self._seg)]
-            segs += [(i.segment, i.path) for i in self._sealed] + [
-                (self._seg, self.directory / segment_name(self._seg))
+            segs: list[tuple[int, Path, SegmentInfo | None]] = [
+                (i.segment, i.path, i) for i in archived_segments({"archived": self._archived})
+                if i.segment < (self._sealed[0].segment if self._sealed else self._seg)]
+            segs += [(i.segment, i.path, i) for i in self._sealed] + [
+                (self._seg, self.directory / segment_name(self._seg), None)
             ]
         return self._iter(segs, start)
 
     def _iter(
-        self, segs: list[tuple[int, Path]], start: LogPosition | None
+        self, segs: list[tuple[int, Path, SegmentInfo | None]], start: LogPosition | None
     ) -> Iterator[tuple[LogPosition, dict[str, Any]]]:
         last = segs[-1][0]
-        for segno, path in segs:
+        for segno, path, info in segs:
             if start is not None and segno < start.segment:
                 continue
             off = start.offset if start is not None and segno == start.segment else 0
-            yield from SegmentScan(path, segno, self.member, is_last=segno == last, start_offset=off)
+            yield from SegmentScan(path, segno, self.member, is_last=segno == last, start_offset=off, expected=info)
 
     def end_position(self) -> LogPosition:
         """Where the next record will go (in the current segment, unless it rolls)."""

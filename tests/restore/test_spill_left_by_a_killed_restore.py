@@ -1,0 +1,93 @@
+"""A restore killed with SIGKILL (the OOM killer, an operator) never removes its spill directory; the next restore
+removes those their makers left behind, and never one a live restore is using (its maker's flock on the lock file
+inside says so: the kernel lets go of it when the maker dies)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from backup.run import run_backup
+from restore.run import WORK_DIR, run_restore
+from restore.spill import SpillDir
+from tests.restore.test_group_history import settings_env
+from tests.support.group import define_group, start_qm
+from tests.support.harness import lose_cf
+
+S = "APP1"
+PREFIX = ".restore-spill-"
+
+pytestmark = pytest.mark.slow
+
+
+def _spill_dirs(work: Path) -> list[Path]:
+    return sorted(work.glob(f"{PREFIX}*")) if work.is_dir() else []
+
+
+def test_the_next_restore_removes_the_spill_directory_of_a_restore_killed_with_sigkill(redis_url: str,
+                                                                                        tmp_path: Path) -> None:
+    logs, backups = tmp_path / "logs", tmp_path / "backups"
+    client = define_group(redis_url, queues=("Q1",))
+    qm = start_qm(redis_url, logs, "QM1", background=False)
+    c = qm.connect()
+    run_backup(client, S, backups, log_root=logs)
+    for i in range(6000):
+        c.put("Q1", f"M{i:05d}".encode() + b"." * 100)
+        if i % 500 == 499:
+            c.commit()
+    c.commit()
+    truth = sorted(m.body for m in c.browse("Q1", limit=10_000))
+    qm.stop()
+    lose_cf(client)
+    work = backups / WORK_DIR
+    env = {**os.environ, **settings_env(redis_url, logs, backups)}
+    killed: list[Path] = []
+    for _ in range(3):  # a restore that ends before its spill directory is seen is run again
+        p = subprocess.Popen([sys.executable, "-m", "restore.cli", "run", S], env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while not _spill_dirs(work) and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        if p.poll() is None:
+            os.kill(p.pid, signal.SIGKILL)
+            p.wait()
+            killed = _spill_dirs(work)
+            if killed:
+                break
+        lose_cf(client)
+    assert killed, "no restore was caught with its spill directory"
+    r = run_restore(client, S, backup_root=backups, log_root=logs)
+    assert r.records_by_member is not None
+    assert _spill_dirs(work) == []
+    qm = start_qm(redis_url, logs, "QM1", background=False)
+    try:
+        assert sorted(m.body for m in qm.connect().browse("Q1", limit=10_000)) == truth
+    finally:
+        qm.stop()
+
+
+def test_a_spill_directory_in_use_by_a_live_process_is_left_alone(tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    maker = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; from restore.spill import SpillDir; "
+                               f"s = SpillDir(Path({str(work)!r})); print(s.path, flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert maker.stdout is not None
+        theirs = Path(maker.stdout.readline().strip())
+        with SpillDir(work) as mine:
+            assert theirs.is_dir() and mine.removed == []
+        os.kill(maker.pid, signal.SIGKILL)
+        maker.wait()
+        with SpillDir(work) as mine:
+            assert mine.removed == [theirs] and not theirs.exists()
+    finally:
+        if maker.poll() is None:
+            maker.kill()
+            maker.wait()
