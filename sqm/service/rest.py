@@ -7,7 +7,9 @@ operations' handlers (sqm.service.queue_ops) under a request slot, as the servic
 
 - POST puts under syncpoint and commits; the 201 is sent only after the commit returned (the log forced);
 - DELETE gets under syncpoint, then commits only if the caller is still connected, and replies after the commit;
-  otherwise it backs out and the message stays on its queue;
+  otherwise it backs out and the message stays on its queue. A DELETE that waits runs in a thread of the waiting
+  gets' own (sqm.service.rest_waits): waits never hold the threads puts and browses run in, and a waiting get whose
+  caller hung up stops waiting and takes nothing;
 - GET browses: nothing is taken.
 
 Authentication: HTTP basic (the password is a role's token; the user name is neither checked nor stored) or a bearer
@@ -48,6 +50,7 @@ from sqm.service import queue_ops
 from sqm.service.auth import Failures
 from sqm.service.config import ServerConfig, is_loopback_ip
 from sqm.service.protocol import MAX_FRAME, message_from_wire
+from sqm.service.rest_waits import RestWatch, WaitSlots
 from sqm.service.session import Stats
 
 log = logging.getLogger("sqm.service.rest")
@@ -93,7 +96,7 @@ class RestSession:
     peer: str
     reply_limit: int = MAX_FRAME
     conn: Connection | None = None
-    gone: ClientWatch = field(default_factory=ClientWatch)
+    gone: ClientWatch = field(default_factory=ClientWatch)  # RestWatch: set when its caller has gone
     queues: set[str] = field(default_factory=set)  # the queues it used (its puts and gets count in QueueActivity)
 
     def reply_room(self, messages: int = 1) -> int:
@@ -273,7 +276,11 @@ class RestEndpoint:
         self.tokens = tokens  # role -> token; empty when authentication is off (every request an operator)
         self.group = ""  # the queue-sharing group's name, read at start: a qmgr in the URL may name it too
         self.failures = Failures()
+        # Requests that do not wait (puts, browses, gets without wait, commits, backouts) run in ``executor``;
+        # waiting gets in ``wait_executor``, as many as ``waits`` lets wait at once (sqm.service.rest_waits).
         self.executor = ThreadPoolExecutor(max_workers=config.rest_workers, thread_name_prefix="rest")
+        self.wait_executor = ThreadPoolExecutor(max_workers=config.rest_workers, thread_name_prefix="rest-wait")
+        self.waits = WaitSlots(config.rest_workers, max(1, config.rest_workers // 2))
         self._numbers = iter(range(1, 2**62))
         self._active: weakref.WeakSet[RestSession] = weakref.WeakSet()  # the requests under way (stop wakes them)
         self._runner: web.AppRunner | None = None
@@ -311,6 +318,7 @@ class RestEndpoint:
         if self._runner is not None:
             await self._runner.cleanup()
         self.executor.shutdown(wait=False, cancel_futures=True)
+        self.wait_executor.shutdown(wait=False, cancel_futures=True)
 
     # --- what every request goes through -------------------------------------------------------------------------
     @web.middleware
@@ -398,18 +406,20 @@ class RestEndpoint:
                             f"({self.group}).", reason=2058)
         if self.server.stopping:
             raise mq_failure(self.server.quiescing(request.method), "the request was not carried out")
-        session = RestSession(number=next(self._numbers), role=role, peer=request.remote or "?")
+        session = RestSession(number=next(self._numbers), role=role, peer=request.remote or "?",
+                              gone=RestWatch(request))
         self._active.add(session)
         return session
 
-    async def _run(self, session: RestSession, op: str, work: Callable[[], Any]) -> Any:
-        """Run ``work`` in a worker thread under a request slot, counted as the service counts ``op``; an MQ
-        refusal becomes its RestError."""
+    async def _run(self, session: RestSession, op: str, work: Callable[[], Any], *,
+                   executor: ThreadPoolExecutor | None = None) -> Any:
+        """Run ``work`` in a worker thread (of ``executor``, by default the one for requests that do not wait)
+        under a request slot, counted as the service counts ``op``; an MQ refusal becomes its RestError."""
         def call() -> Any:
             with self.server.slots.running():
                 return work()
         try:
-            result = await asyncio.get_running_loop().run_in_executor(self.executor, call)
+            result = await asyncio.get_running_loop().run_in_executor(executor or self.executor, call)
         except NoMessageError:
             self.server.stats.count((op, NoMessageError.reason_name))
             raise
@@ -541,10 +551,10 @@ class RestEndpoint:
         wait = request.query.get("wait", "0")
         if not wait.isdigit() or int(wait) > self.server.max_wait_ms:
             raise bad_query("wait", wait, f"wait is a number of milliseconds, 0-{self.server.max_wait_ms}.")
-        args.update(queue=queue_of(request), syncpoint=True, wait_ms=int(wait))
+        args.update(queue=queue_of(request), syncpoint=True)
         async with self._handle(session):
             try:
-                got = await self._run(session, "get", lambda: queue_ops.get(self.server, session, args))
+                got = await self._get(session, args, int(wait))
             except NoMessageError:
                 return web.Response(status=204)
             m = message_from_wire(got)
@@ -557,6 +567,26 @@ class RestEndpoint:
         if outcome:
             reply.headers[OUTCOME_HEADER] = outcome
         return reply
+
+    async def _get(self, session: RestSession, args: dict[str, Any], wait_ms: int) -> dict[str, Any]:
+        """The get of a DELETE: one that waits takes a waiting slot first (in line, on the event loop, for no
+        longer than its wait) and waits what is left of its wait in a thread of the waiting gets; one whose slot
+        did not come in time tries once without waiting. NoMessageError when there is no message."""
+        if wait_ms > 0:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + wait_ms / 1000
+            if await self.waits.take(session.peer, deadline, session.gone):
+                try:
+                    left = max(0, int((deadline - loop.time()) * 1000))
+                    return await self._run(session, "get", lambda: queue_ops.get(
+                        self.server, session, {**args, "wait_ms": left}), executor=self.wait_executor)
+                finally:
+                    self.waits.give(session.peer)
+            if session.gone.is_set():  # nothing taken: the member stops (503), or nobody is there to answer
+                if self.server.stopping:
+                    raise mq_failure(self.server.quiescing("DELETE"), "the request was not carried out")
+                raise NoMessageError("the caller left while its get waited in line")
+        return await self._run(session, "get", lambda: queue_ops.get(self.server, session, {**args, "wait_ms": 0}))
 
     def _commit_taken(self, session: RestSession) -> str:
         """Commit a message's get; "" when it committed. A commit logged but pending (a structure could not take it

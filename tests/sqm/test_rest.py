@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -26,7 +27,7 @@ from cfemu.admin import Admin
 from cfemu.connection import connect
 from sqm.service.client import Client
 from tests.support.certs import issue, make_ca
-from tests.support.service_proc import OP_TOKEN, TOKEN, ServerProc, start_server
+from tests.support.service_proc import OP_TOKEN, TOKEN, TOKENS_ENV, ServerProc, start_server
 
 QUEUES = tuple(f"RQ{i}" for i in range(1, 21))
 CSRF = {"ibm-mq-rest-csrf-token": "x"}
@@ -270,6 +271,83 @@ def test_a_waiting_get_whose_caller_left_takes_nothing(member: Member) -> None:
     time.sleep(0.5)  # the abandoned get takes it, sees its caller gone, backs it out
     r = take(member, "RQ14", "?wait=5000")
     assert r.status == 200 and r.body == b"for someone else"
+
+
+def send_waiting_get(m: Member, queue: str, wait_ms: int) -> socket.socket:
+    """A DELETE ?wait=wait_ms sent on a connection of its own, its reply not read yet."""
+    s = socket.create_connection(("127.0.0.1", m.rest_port), timeout=60)
+    s.sendall((f"DELETE {m.base(queue).split(str(m.rest_port), 1)[1]}/message?wait={wait_ms} HTTP/1.1\r\n"
+               f"Host: x\r\nAuthorization: {basic()['Authorization']}\r\nibm-mq-rest-csrf-token: x\r\n"
+               "Content-Length: 0\r\nConnection: close\r\n\r\n").encode())
+    return s
+
+
+def reply_of(s: socket.socket) -> tuple[int, bytes]:
+    """(status, body) of the one reply on a connection that closes after it."""
+    data = b""
+    while chunk := s.recv(65536):
+        data += chunk
+    s.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body
+
+
+def test_abandoned_waiting_gets_free_their_threads_and_take_nothing(member: Member) -> None:
+    """40 waiting DELETEs whose callers hung up: another client's POST is not held up (it waited for a thread a
+    whole wait long), and a message that arrives is not taken and backed out by a get nobody waits for (it came
+    back to the next consumer as a redelivery, its backout count raised)."""
+    waiters = [send_waiting_get(member, "RQ15", 20000) for _ in range(40)]
+    time.sleep(0.3)
+    for s in waiters:
+        s.close()
+    time.sleep(0.5)  # the member sees them gone at its next poll of the CF
+    t0 = time.monotonic()
+    put(member, "RQ16", "not held up")
+    assert time.monotonic() - t0 < 3
+    put(member, "RQ15", "for someone who is there")
+    time.sleep(0.5)
+    with Client(member.server.endpoint, token=TOKEN) as c:
+        m = c.get("RQ15", wait_ms=2000)
+        c.commit()
+    assert m.body == b"for someone who is there" and m.backout_count == 0
+    assert take(member, "RQ16").body == b"not held up"
+
+
+def test_waiting_gets_do_not_hold_up_puts(member: Member) -> None:
+    """40 DELETEs waiting, their callers there: a put (another client's) runs at once, and every waiting get,
+    in a thread or in line, gets one of the messages put next."""
+    waiters = [send_waiting_get(member, "RQ17", 20000) for _ in range(40)]
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    put(member, "RQ18", "not held up")
+    assert time.monotonic() - t0 < 3
+    for i in range(40):
+        put(member, "RQ17", f"m{i}")
+    replies = [reply_of(s) for s in waiters]
+    assert sorted(body for _, body in replies) == sorted(f"m{i}".encode() for i in range(40))
+    assert {status for status, _ in replies} == {200}
+    assert take(member, "RQ18").body == b"not held up"
+
+
+def test_rest_workers_bound_the_waiting_gets(fresh_redis: Any, tmp_path: Path) -> None:
+    """--rest-workers 1: one get waits in a thread, the others wait in line, each no longer than its wait."""
+    r = connect(fresh_redis.url)
+    Admin(r).ensure_structure("APP1", ("WQ", "PQ"))
+    r.close()
+    m = start_member(fresh_redis.url, tmp_path, "QMR", "--rest-workers", "1")
+    try:
+        t0 = time.monotonic()
+        waiters = [send_waiting_get(m, "WQ", 1500) for _ in range(3)]
+        put(m, "PQ", "p")
+        assert time.monotonic() - t0 < 1.2, "a put waits for no waiting get"
+        assert [reply_of(s)[0] for s in waiters] == [204, 204, 204]
+        assert time.monotonic() - t0 < 4, "each waited its 1.5 s, not one after the other"
+    finally:
+        m.server.stop()
+    bad = subprocess.run([sys.executable, "-m", "sqm.cli", "run", "--name", "QMR", "--redis-url", fresh_redis.url,
+                          "--log-root", str(tmp_path / "logs"), "--rest-port", "0", "--rest-workers", "0"],
+                         capture_output=True, text=True, timeout=60, env={**os.environ, **TOKENS_ENV})
+    assert bad.returncode == 2 and "REST workers must be 1-1024" in bad.stderr, bad.stderr
 
 
 def test_priority_order(member: Member) -> None:
