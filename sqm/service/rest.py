@@ -556,6 +556,7 @@ class RestEndpoint:
             try:
                 got = await self._get(session, args, int(wait))
             except NoMessageError:
+                await self._keep_moves(session)
                 return web.Response(status=204)
             m = message_from_wire(got)
             text = message_text(m, "The message is not text in UTF-8: it was left on the queue.", "Get")
@@ -587,6 +588,14 @@ class RestEndpoint:
                     raise mq_failure(self.server.quiescing("DELETE"), "the request was not carried out")
                 raise NoMessageError("the caller left while its get waited in line")
         return await self._run(session, "get", lambda: queue_ops.get(self.server, session, {**args, "wait_ms": 0}))
+
+    async def _keep_moves(self, session: RestSession) -> None:
+        """Commit what a get that found no message left in its unit of work: it can hold only the poison messages
+        it moved to their backout queue on the way (a get and a put each). Backed out with the request's handle, a
+        poison message alone on its queue went back to its head at every DELETE, its backout count climbing, and
+        never reached its backout queue."""
+        if session.conn is not None and session.conn.uow is not None:
+            await self._run(session, "commit", lambda: queue_ops.commit(self.server, session, {}))
 
     def _commit_taken(self, session: RestSession) -> str:
         """Commit a message's get; "" when it committed. A commit logged but pending (a structure could not take it

@@ -29,7 +29,8 @@ from sqm.service.client import Client
 from tests.support.certs import issue, make_ca
 from tests.support.service_proc import OP_TOKEN, TOKEN, TOKENS_ENV, ServerProc, start_server
 
-QUEUES = tuple(f"RQ{i}" for i in range(1, 21))
+QUEUES = (*(f"RQ{i}" for i in range(1, 21)), "RBQ")
+POISON_Q, BACKOUT_Q, THRESHOLD = "RPQ", "RBQ", 2  # RPQ: backout threshold 2, backout queue RBQ
 CSRF = {"ibm-mq-rest-csrf-token": "x"}
 TEXT = {"Content-Type": "text/plain;charset=utf-8"}
 
@@ -117,6 +118,7 @@ def member(redis_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Itera
     client.close()
     r = connect(redis_server.url)
     Admin(r).ensure_structure("APP1", QUEUES)
+    Admin(r).define_queue(POISON_Q, "APP1", backout_threshold=THRESHOLD, backout_queue=BACKOUT_Q)
     r.close()
     m = start_member(redis_server.url, tmp_path_factory.mktemp("rest"))
     try:
@@ -348,6 +350,25 @@ def test_rest_workers_bound_the_waiting_gets(fresh_redis: Any, tmp_path: Path) -
                           "--log-root", str(tmp_path / "logs"), "--rest-port", "0", "--rest-workers", "0"],
                          capture_output=True, text=True, timeout=60, env={**os.environ, **TOKENS_ENV})
     assert bad.returncode == 2 and "REST workers must be 1-1024" in bad.stderr, bad.stderr
+
+
+def test_a_poison_message_alone_on_its_queue_reaches_its_backout_queue(member: Member) -> None:
+    """The DELETE's get moves the poison message to the backout queue, then finds nothing: the move is committed
+    with the 204, not backed out with the request (the message went back to its queue at every DELETE, its
+    backout count climbing)."""
+    with Client(member.server.endpoint, token=TOKEN) as c:
+        c.put(POISON_Q, b"poison")
+        c.commit()
+        for _ in range(THRESHOLD):
+            c.get(POISON_Q)
+            c.backout()
+    assert take(member, POISON_Q).status == 204
+    assert take(member, POISON_Q).status == 204
+    with Client(member.server.endpoint, token=TOKEN) as c:
+        assert list(c.browse(POISON_Q)) == []
+        m = c.get(BACKOUT_Q)
+        c.commit()
+    assert m.body == b"poison" and m.backout_count == THRESHOLD
 
 
 def test_priority_order(member: Member) -> None:
