@@ -219,6 +219,26 @@ def md_headers(m: Message, now_ms: int) -> dict[str, str]:
 # than tab. aiohttp refuses to send anything else, after the handler returned: a get committed by then is lost.
 TOKEN_CHARS = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
 FORBIDDEN_IN_VALUE = frozenset(chr(c) for c in (*range(0x09), *range(0x0A, 0x20), 0x7F))
+# How many user properties HTTP carries as headers, and how many bytes of them: clients refuse a reply past their own
+# bounds (Python's http.client more than 100 headers, many servers and proxies a head over 8 KiB), after the get
+# was committed: the message lost for its caller. Past these the message is one the API cannot return (a 400, the get
+# backed out), and a POST cannot set more.
+MAX_USR_HEADERS = 64
+MAX_USR_BYTES = 8 * 2**10  # each ``name: value`` line with its CRLF, names with their ibm-mq-usr- prefix
+
+
+def usr_header_bytes(headers: dict[str, str]) -> int:
+    """The bytes the ``ibm-mq-usr-*`` headers among ``headers`` take in an HTTP head (UTF-8)."""
+    return sum(len(k.encode()) + len(v.encode()) + 4 for k, v in headers.items() if k.lower().startswith(USR))
+
+
+def usr_bounds_problem(count: int, size: int) -> str:
+    """Why ``count`` user properties of ``size`` header bytes are more than HTTP carries, or ""."""
+    if count > MAX_USR_HEADERS:
+        return f"{count} user properties are more than the {MAX_USR_HEADERS} the API carries as headers"
+    if size > MAX_USR_BYTES:
+        return f"its user properties take {size} bytes of headers, more than the {MAX_USR_BYTES} the API carries"
+    return ""
 
 
 def carried_headers(m: Message, now_ms: int, problem: str, verb: str) -> dict[str, str]:
@@ -226,6 +246,12 @@ def carried_headers(m: Message, now_ms: int, problem: str, verb: str) -> dict[st
     with a control character such as CR or LF) is a 400 naming it and the ``problem`` (the message is left for a
     native client: IBM's API leaves a message it cannot return on its queue), telling how to ``verb`` it instead."""
     headers = md_headers(m, now_ms)
+    usr = {k: v for k, v in headers.items() if k.startswith(USR)}
+    if too_many := usr_bounds_problem(len(usr), usr_header_bytes(usr)):
+        raise RestError(400, "MQWB0303E", f"The message cannot be returned: {too_many}."
+                        f"{' ' + problem if problem else ''}",
+                        "The messaging REST API returns a message's user properties as HTTP headers.",
+                        f"{verb} it with the native client.", reason=2110)
     for name, value in headers.items():
         prop = name[len(USR):] if name.startswith(USR) else name
         why = ("its name is not an HTTP token" if not set(name) <= TOKEN_CHARS else
@@ -517,6 +543,9 @@ class RestEndpoint:
         if props:
             if not v3:
                 raise bad_header(USR + "*", next(iter(props)), "User properties are a REST API v3 feature.")
+            if too_many := usr_bounds_problem(len(props), usr_header_bytes(dict(h))):
+                raise bad_header(USR + "*", f"{len(props)} headers", f"A message has at most {MAX_USR_HEADERS} user "
+                                 f"properties and {MAX_USR_BYTES} bytes of them ({too_many}).")
             args["properties"] = props
         return args
 

@@ -409,6 +409,34 @@ def test_user_properties_round_trip(member: Member) -> None:
     assert r.headers["ibm-mq-usr-n"] == "3" and r.headers["ibm-mq-usr-s"] == "t"
 
 
+def test_more_user_properties_than_http_carries_are_left_on_the_queue(member: Member) -> None:
+    """120 small properties (a reply of more than 100 headers: Python's http.client refuses it), or 10 KiB of
+    them: the DELETE is a 400 and the message stays for a native client, never committed for a caller who cannot
+    read the reply. A POST cannot set so many."""
+    many = {f"p{i}": "v" for i in range(120)}
+    big = {f"b{i}": "x" * 1000 for i in range(10)}
+    with Client(member.server.endpoint, token=TOKEN) as c:
+        for props in (many, big):
+            c.put("RQ19", b"props", properties=props)
+            c.commit()
+            for r in (take(member, "RQ19"), http("GET", member.base("RQ19") + "/message")):
+                assert r.status == 400 and r.error()["reasonCode"] == 2110, r.body
+                assert "user properties" in r.error()["message"]
+            m = c.get("RQ19")
+            c.commit()
+            assert m.properties == props
+    r = http("POST", member.base("RQ19") + "/message", b"x",
+             {**CSRF, **TEXT, **{f"ibm-mq-usr-p{i}": "v" for i in range(65)}})
+    assert r.status == 400 and r.error()["msgId"] == "MQWB0302E", r.body
+    r = http("POST", member.base("RQ19") + "/message", b"x",
+             {**CSRF, **TEXT, **{f"ibm-mq-usr-b{i}": "x" * 1000 for i in range(9)}})
+    assert r.status == 400 and r.error()["msgId"] == "MQWB0302E", r.body
+    put(member, "RQ19", "64 are carried", **{f"ibm-mq-usr-p{i}": "v" for i in range(64)})
+    r = take(member, "RQ19")
+    assert r.status == 200 and sum(k.startswith("ibm-mq-usr-") for k in r.headers) == 64
+    assert take(member, "RQ19").status == 204
+
+
 def test_native_client_on_the_other_side(member: Member) -> None:
     mid = put(member, "RQ11", "from rest", **{"ibm-mq-md-correlationId": "xyz"})
     with Client(member.server.endpoint, token=TOKEN) as c:
