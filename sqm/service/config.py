@@ -116,6 +116,10 @@ class ServerConfig:
         if min(self.rest_max_connections, self.rest_max_connections_per_peer, self.metrics_max_connections,
                self.metrics_max_connections_per_peer) < 1:
             raise ServerConfigError("the HTTP connection caps must be at least 1")
+        for flag, port in (("--port", self.port), ("--metrics-port", self.metrics_port),
+                           ("--rest-port", self.rest_port)):
+            if port is not None and not 0 <= port <= 65535:
+                raise ServerConfigError(f"{flag} must be 0-65535 (0: any free port), not {port}")
         if not 1 <= self.rest_workers <= MAX_REST_WORKERS or self.rest_max_body < 1:
             raise ServerConfigError(f"the REST workers must be 1-{MAX_REST_WORKERS} (not {self.rest_workers}) and "
                                     f"the REST body limit at least 1 (not {self.rest_max_body})")

@@ -41,7 +41,7 @@ from cfemu.errors import MQError, NoMessageError, OutcomePendingError, OutcomeUn
 from cfemu.keys import check_name
 from cfemu.limits import MAX_ID_LENGTH
 from sqm.core.client_watch import ClientWatch
-from sqm.core.connection import Connection, Message
+from sqm.core.connection import MAX_EXPIRY_MS, Connection, Message
 from sqm.core.manager import CF_DOWN
 from sqm.http_guard import GuardedSite, HttpLimits, runner_kwargs
 from sqm.operations import APPLICATION, OPERATOR, one_line, short
@@ -176,6 +176,16 @@ def bad_query(name: str, value: str, why: str) -> RestError:
                      "Resubmit the request with a valid query parameter value.", reason=2046)
 
 
+MAX_DIGITS = 18  # the longest number a header or query value may be written with (MQ's longest expiry has 12)
+
+
+def ascii_number(text: str) -> int | None:
+    """The value of ``text`` when it is 1 to MAX_DIGITS ASCII digits, else None. str.isdigit alone also takes
+    other scripts' digits and superscripts (``²``, which int() refuses), and int() of thousands of digits is slow
+    work on the event loop."""
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= MAX_DIGITS else None
+
+
 def encode_id(raw: bytes, *, text_ok: bool) -> str:
     """An id as v3 shows it: ``ID:`` and the hex of its bytes; a correlation id given as text (printable ASCII,
     not starting with ``ID:``) comes back as that text."""
@@ -262,6 +272,32 @@ def carried_headers(m: Message, now_ms: int, problem: str, verb: str) -> dict[st
                             "The messaging REST API returns a message's user properties as HTTP headers.",
                             f"{verb} it with the native client.", reason=2110)
     return headers
+
+
+def user_properties(request: web.Request) -> dict[str, str]:
+    """The user properties a POST sets: one per ``ibm-mq-usr-NAME`` header. A header with no NAME, a NAME given
+    twice (HTTP header names are case-insensitive: ``x`` and ``X`` are one header to a proxy, which may merge or
+    drop either), or bytes that are not UTF-8, is a 400 naming it: none is dropped or chosen silently."""
+    props: dict[str, str] = {}
+    seen: dict[str, str] = {}  # a property's name in lower case -> its header as sent
+    for header, value in request.headers.items():  # every header, repeated ones too
+        if not header.lower().startswith(USR):
+            continue
+        name = header[len(USR):]
+        if not name:
+            raise bad_header(echo(header), value, "A user property's header is ibm-mq-usr-NAME, with a NAME.")
+        if name.lower() in seen:
+            raise bad_header(echo(header), value, f"The user property {echo(name)} is given twice (as "
+                             f"{echo(seen[name.lower()])} and {echo(header)}): header names are case-insensitive, "
+                             "a property's header is given once.")
+        try:
+            header.encode("utf-8")
+            value.encode("utf-8")
+        except UnicodeEncodeError:  # aiohttp hands bytes that are not UTF-8 on as lone surrogates
+            raise bad_header(echo(header), value, "A user property's header is text in UTF-8.") from None
+        seen[name.lower()] = header
+        props[name] = value
+    return props
 
 
 def message_text(m: Message, problem: str, verb: str) -> str:
@@ -526,24 +562,27 @@ class RestEndpoint:
                 raise bad_header(MD + "persistence", p, "Persistence is persistent or nonPersistent.")
             args["persistent"] = p == "persistent"
         if (e := h.get(MD + "expiry")) is not None and e != "unlimited":
-            if not e.isdigit() or int(e) == 0:
-                raise bad_header(MD + "expiry", e, "Expiry is unlimited or a number of milliseconds > 0.")
-            args["expiry_ms"] = int(e)
+            ms = ascii_number(e)
+            if ms is None or not 0 < ms <= MAX_EXPIRY_MS:
+                raise bad_header(MD + "expiry", e, f"Expiry is unlimited or a number of milliseconds, 1-{MAX_EXPIRY_MS} "
+                                 "(MQ's longest expiry).")
+            args["expiry_ms"] = ms
         if (c := h.get(MD + "correlationId")) is not None:
             args["correlid"] = decode_id(c, text_ok=v3, what=MD + "correlationId", bad=bad_header)
         if (pr := h.get(MD + "priority")) is not None:
             if not v3:
                 raise bad_header(MD + "priority", pr, "ibm-mq-md-priority is a REST API v3 header.")
-            if not pr.isdigit() or not 0 <= int(pr) <= 9:
+            priority = ascii_number(pr)
+            if priority is None or not 0 <= priority <= 9:
                 raise bad_header(MD + "priority", pr, "Priority is 0-9.")
-            args["priority"] = int(pr)
+            args["priority"] = priority
         if (rt := h.get(MD + "replyTo")) is not None:
             raise bad_header(MD + "replyTo", rt, "Reply-to queues are not built on this queue manager.")
-        props = {k[len(USR):]: v for k, v in h.items() if k.lower().startswith(USR) and len(k) > len(USR)}
+        props = user_properties(request)
         if props:
             if not v3:
                 raise bad_header(USR + "*", next(iter(props)), "User properties are a REST API v3 feature.")
-            if too_many := usr_bounds_problem(len(props), usr_header_bytes(dict(h))):
+            if too_many := usr_bounds_problem(len(props), usr_header_bytes({USR + k: v for k, v in props.items()})):
                 raise bad_header(USR + "*", f"{len(props)} headers", f"A message has at most {MAX_USR_HEADERS} user "
                                  f"properties and {MAX_USR_BYTES} bytes of them ({too_many}).")
             args["properties"] = props
@@ -578,12 +617,13 @@ class RestEndpoint:
         v3 = "/v3/" in request.path
         args = self._selection(request, v3)
         wait = request.query.get("wait", "0")
-        if not wait.isdigit() or int(wait) > self.server.max_wait_ms:
+        wait_ms = ascii_number(wait)
+        if wait_ms is None or wait_ms > self.server.max_wait_ms:
             raise bad_query("wait", wait, f"wait is a number of milliseconds, 0-{self.server.max_wait_ms}.")
         args.update(queue=queue_of(request), syncpoint=True)
         async with self._handle(session):
             try:
-                got = await self._get(session, args, int(wait))
+                got = await self._get(session, args, wait_ms)
             except NoMessageError:
                 await self._keep_moves(session)
                 return web.Response(status=204)
@@ -670,10 +710,11 @@ class RestEndpoint:
         """A summary of up to ``limit`` messages (no bodies), in the order a get would take them."""
         session = await self._admit(request)
         raw = request.query.get("limit", str(MAX_LIST))
-        if not raw.isdigit() or not 1 <= int(raw) <= MAX_LIST:
+        limit = ascii_number(raw)
+        if limit is None or not 1 <= limit <= MAX_LIST:
             raise bad_query("limit", raw, f"limit is 1-{MAX_LIST}.")
         async with self._handle(session):
-            found = await self._browse(request, session, int(raw))
+            found = await self._browse(request, session, limit)
         now = int(time.time() * 1000)
         return web.json_response({"messages": [summary(m, now) for m in found]})
 

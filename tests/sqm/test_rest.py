@@ -18,6 +18,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
+from http.client import HTTPConnection
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ import pytest
 
 from cfemu.admin import Admin
 from cfemu.connection import connect
+from sqm.core.connection import MAX_EXPIRY_MS
 from sqm.service.client import Client
 from tests.support.certs import issue, make_ca
 from tests.support.service_proc import OP_TOKEN, TOKEN, TOKENS_ENV, ServerProc, start_server
@@ -211,6 +213,59 @@ def test_refusals(member: Member) -> None:
     assert take(member, "RQ3").status == 204  # nothing was put by a refused request
 
 
+def post_raw(m: Member, queue: str, headers: list[tuple[str, str]]) -> Reply:
+    """A POST with http.client, its headers as given: repeated, differing in case only, each value's characters
+    sent as the bytes of the same codes (latin-1: "\\xc2\\xb2" is the UTF-8 of ², "\\xff" a byte that is not UTF-8)."""
+    c = HTTPConnection("127.0.0.1", m.rest_port, timeout=30)
+    try:
+        c.putrequest("POST", m.base(queue).split(str(m.rest_port), 1)[1] + "/message")
+        for k, v in [*basic().items(), *CSRF.items(), *TEXT.items(), ("Content-Length", "1"), *headers]:
+            c.putheader(k, v.encode("latin-1"))
+        c.endheaders(b"x")
+        r = c.getresponse()
+        return Reply(r.status, {k.lower(): v for k, v in r.getheaders()}, r.read())
+    finally:
+        c.close()
+
+
+SUPERSCRIPT_TWO = "\xc2\xb2"  # ², a digit to str.isdigit, not to int()
+
+
+def test_numbers_are_ascii_digits_within_bounds(member: Member) -> None:
+    """A superscript digit, 5000 digits, an expiry past MQ's: a 400 naming the value, never a bare 500."""
+    url = member.base("RQ20") + "/message"
+    for query in ("?wait=%C2%B2", "?wait=" + "1" * 5000):
+        r = http("DELETE", url + query, headers=CSRF)
+        assert r.status == 400 and r.error()["msgId"] == "MQWB0118E", r.body
+    for limit in ("%C2%B2", "1" * 5000):
+        r = http("GET", member.base("RQ20") + "/messagelist?limit=" + limit)
+        assert r.status == 400 and r.error()["msgId"] == "MQWB0118E", r.body
+    for header, value in (("ibm-mq-md-priority", SUPERSCRIPT_TWO), ("ibm-mq-md-expiry", SUPERSCRIPT_TWO),
+                          ("ibm-mq-md-expiry", str(MAX_EXPIRY_MS + 1)), ("ibm-mq-md-expiry", "9" * 5000)):
+        r = post_raw(member, "RQ20", [(header, value)])
+        assert r.status == 400 and r.error()["msgId"] == "MQWB0302E" and header in r.error()["message"], r.body
+    put(member, "RQ20", "longest", **{"ibm-mq-md-expiry": str(MAX_EXPIRY_MS)})
+    assert take(member, "RQ20").body == b"longest"
+    assert take(member, "RQ20").status == 204  # nothing was put by a refused request
+
+
+def test_user_property_headers_given_once_with_a_name_in_utf8(member: Member) -> None:
+    """Two ibm-mq-usr-x headers, x and X, an empty name, a byte that is not UTF-8: a 400 MQWB0302E naming the
+    header, nothing put (no last one winning silently, no two properties of one case-insensitive header)."""
+    for headers, named in (([("ibm-mq-usr-x", "one"), ("ibm-mq-usr-x", "two")], "ibm-mq-usr-x"),
+                           ([("ibm-mq-usr-x", "one"), ("ibm-mq-usr-X", "two")], "ibm-mq-usr-X"),
+                           ([("ibm-mq-usr-", "v")], "ibm-mq-usr-'"),
+                           ([("ibm-mq-usr-bad", "caf\xe9")], "ibm-mq-usr-bad")):
+        r = post_raw(member, "RQ20", headers)
+        assert r.status == 400 and r.error()["msgId"] == "MQWB0302E", (headers, r.body)
+        assert named in r.error()["message"], r.error()["message"]
+        assert "surrogates" not in r.body.decode()
+    r = post_raw(member, "RQ20", [("ibm-mq-usr-x", "caf\xc3\xa9")])  # café in UTF-8
+    assert r.status == 201
+    assert http("GET", member.base("RQ20") + "/messagelist").json()["messages"][0]["userProperties"] == {"x": "café"}
+    assert take(member, "RQ20").status == 200 and take(member, "RQ20").status == 204
+
+
 def test_group_name_is_a_qmgr_too(member: Member) -> None:
     group = Admin(connect(member.url)).group_name()
     r = http("POST", member.base("RQ4", qmgr=group) + "/message", b"g", {**CSRF, **TEXT})
@@ -346,10 +401,18 @@ def test_rest_workers_bound_the_waiting_gets(fresh_redis: Any, tmp_path: Path) -
         assert time.monotonic() - t0 < 4, "each waited its 1.5 s, not one after the other"
     finally:
         m.server.stop()
-    bad = subprocess.run([sys.executable, "-m", "sqm.cli", "run", "--name", "QMR", "--redis-url", fresh_redis.url,
-                          "--log-root", str(tmp_path / "logs"), "--rest-port", "0", "--rest-workers", "0"],
-                         capture_output=True, text=True, timeout=60, env={**os.environ, **TOKENS_ENV})
-    assert bad.returncode == 2 and "REST workers must be 1-1024" in bad.stderr, bad.stderr
+
+
+def test_sqm_run_refuses_bad_rest_options_before_it_starts(fresh_redis: Any, tmp_path: Path) -> None:
+    """One line and exit status 2, before the member starts (not a traceback once it has started)."""
+    for options, said in ((("--rest-port", "-1"), "--rest-port must be 0-65535"),
+                          (("--rest-port", "70000"), "--rest-port must be 0-65535"),
+                          (("--rest-port", "0", "--rest-workers", "0"), "REST workers must be 1-1024")):
+        bad = subprocess.run([sys.executable, "-m", "sqm.cli", "run", "--name", "QMB", "--redis-url", fresh_redis.url,
+                              "--log-root", str(tmp_path / "logs"), "--port", "0", *options],
+                             capture_output=True, text=True, timeout=60, env={**os.environ, **TOKENS_ENV})
+        assert bad.returncode == 2 and said in bad.stderr, (options, bad.stderr)
+        assert len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr, bad.stderr
 
 
 def test_a_poison_message_alone_on_its_queue_reaches_its_backout_queue(member: Member) -> None:
