@@ -37,7 +37,7 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from cfemu.errors import MQError, NoMessageError, OutcomePendingError, OutcomeUnknownError
+from cfemu.errors import ClientGoneError, MQError, NoMessageError, OutcomePendingError, OutcomeUnknownError
 from cfemu.keys import check_name
 from cfemu.limits import MAX_ID_LENGTH
 from sqm.core.client_watch import ClientWatch
@@ -485,6 +485,11 @@ class RestEndpoint:
         except NoMessageError:
             self.server.stats.count((op, NoMessageError.reason_name))
             raise
+        except ClientGoneError as e:
+            self.server.stats.count((op, e.reason_name))
+            if self.server.stopping:  # the server's stop ended it: the caller hears 503, try again elsewhere
+                raise mq_failure(e, f"{op} on {session.number}") from None
+            raise
         except MQError as e:
             self.server.stats.count((op, e.reason_name))
             raise mq_failure(e, f"{op} on {session.number}") from None
@@ -624,7 +629,7 @@ class RestEndpoint:
         async with self._handle(session):
             try:
                 got = await self._get(session, args, wait_ms)
-            except NoMessageError:
+            except (NoMessageError, ClientGoneError):  # none, or its caller left: nothing taken
                 await self._keep_moves(session)
                 return web.Response(status=204)
             m = message_from_wire(got)
@@ -659,8 +664,8 @@ class RestEndpoint:
         return await self._run(session, "get", lambda: queue_ops.get(self.server, session, {**args, "wait_ms": 0}))
 
     async def _keep_moves(self, session: RestSession) -> None:
-        """Commit what a get that found no message left in its unit of work: it can hold only the poison messages
-        it moved to their backout queue on the way (a get and a put each). Backed out with the request's handle, a
+        """Commit what a get that found no message (or stopped, its caller gone) left in its unit of work: it can
+        hold only the poison messages it moved to their backout queue on the way (a get and a put each). Backed out with the request's handle, a
         poison message alone on its queue went back to its head at every DELETE, its backout count climbing, and
         never reached its backout queue."""
         if session.conn is not None and session.conn.uow is not None:

@@ -434,6 +434,26 @@ def test_a_poison_message_alone_on_its_queue_reaches_its_backout_queue(member: M
     assert m.body == b"poison" and m.backout_count == THRESHOLD
 
 
+def test_a_waiting_get_whose_caller_left_keeps_its_poison_moves(member: Member) -> None:
+    """The waiting DELETE moves the poison message, waits, sees its caller gone: the move is committed (backed
+    out, the message went back to its queue, its backout count one higher, for the next get to move again)."""
+    with Client(member.server.endpoint, token=TOKEN) as c:
+        c.put(POISON_Q, b"poison 2")
+        c.commit()
+        for _ in range(THRESHOLD):
+            c.get(POISON_Q)
+            c.backout()
+    s = send_waiting_get(member, POISON_Q, 5000)
+    time.sleep(0.3)
+    s.close()
+    time.sleep(0.7)
+    with Client(member.server.endpoint, token=TOKEN) as c:
+        assert list(c.browse(POISON_Q)) == []
+        m = c.get(BACKOUT_Q)
+        c.commit()
+    assert m.body == b"poison 2" and m.backout_count == THRESHOLD
+
+
 def test_priority_order(member: Member) -> None:
     for text, prio in (("low", "1"), ("high", "9"), ("mid", "5"), ("default", None)):
         put(member, "RQ8", text, **({"ibm-mq-md-priority": prio} if prio else {}))
