@@ -109,6 +109,10 @@ def add_run_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
                         "network: give it TLS)")
     p.add_argument("--rest-max-body", type=int, default=4 * 2**20,
                    help="longest message body a REST put takes, bytes (default 4 MiB)")
+    p.add_argument("--rest-workers", type=int, default=32,
+                   help="threads carrying out REST requests that do not wait (puts, browses, gets without wait), and "
+                        "as many again for gets that wait: at most N wait at once, at most half of them from one "
+                        "address; the others wait in line for no longer than their wait (default 32)")
     p.add_argument("--http-head-timeout", type=float, default=10.0,
                    help="seconds a new REST or metrics connection has to send a whole request head, else it is "
                         "closed (default 10)")
@@ -190,7 +194,7 @@ def cmd_run(args: argparse.Namespace, out: Output) -> int:
         max_request_bytes=args.max_request_bytes_per_member, request_budget_wait_s=args.request_budget_wait,
         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
         metrics_port=args.metrics_port, metrics_host=args.metrics_host, rest_port=args.rest_port,
-        rest_host=args.rest_host, rest_max_body=args.rest_max_body, lease_ms=args.lease_ms,
+        rest_host=args.rest_host, rest_max_body=args.rest_max_body, rest_workers=args.rest_workers, lease_ms=args.lease_ms,
         http_head_timeout_s=args.http_head_timeout, rest_keepalive_timeout_s=args.rest_keepalive_timeout,
         rest_max_connections=args.rest_max_connections,
         rest_max_connections_per_peer=args.rest_max_connections_per_peer,

@@ -22,6 +22,7 @@ from sqm.service.protocol import DEFAULT_MAX_FRAME, MAX_FRAME, MIN_FRAME
 EXIT_OK, EXIT_ERROR, EXIT_CONFIG, EXIT_FENCED, EXIT_LOG_FAILED = 0, 1, 2, 3, 4
 
 DEFAULT_REQUEST_BUDGET = 256 * 2**20  # the least default budget of request bytes in flight on a member
+MAX_REST_WORKERS = 1024  # threads for REST requests (twice this: as many again for waiting gets); more is a mistake
 
 
 class ServerConfigError(ValueError):
@@ -58,7 +59,7 @@ class ServerConfig:
     # otherwise, like the metrics port; it authenticates with the service's tokens and uses its TLS settings.
     rest_port: int | None = None
     rest_host: str = "127.0.0.1"
-    rest_workers: int = 32  # REST requests carried out at once (a waiting get holds one); the rest queue
+    rest_workers: int = 32  # REST requests carried out at once, and waiting gets at once (sqm.service.rest_waits)
     rest_max_body: int = 4 * 2**20  # the longest body a REST put takes (a queue's default MAXMSGL)
     # The bounds of the HTTP doors against peers that have not authenticated (sqm.http_guard, docs/security.md)
     http_head_timeout_s: float = 10.0  # a new REST or metrics connection's request head must be whole by then
@@ -115,8 +116,13 @@ class ServerConfig:
         if min(self.rest_max_connections, self.rest_max_connections_per_peer, self.metrics_max_connections,
                self.metrics_max_connections_per_peer) < 1:
             raise ServerConfigError("the HTTP connection caps must be at least 1")
-        if self.rest_workers < 1 or self.rest_max_body < 1:
-            raise ServerConfigError("the REST workers and the REST body limit must be at least 1")
+        for flag, port in (("--port", self.port), ("--metrics-port", self.metrics_port),
+                           ("--rest-port", self.rest_port)):
+            if port is not None and not 0 <= port <= 65535:
+                raise ServerConfigError(f"{flag} must be 0-65535 (0: any free port), not {port}")
+        if not 1 <= self.rest_workers <= MAX_REST_WORKERS or self.rest_max_body < 1:
+            raise ServerConfigError(f"the REST workers must be 1-{MAX_REST_WORKERS} (not {self.rest_workers}) and "
+                                    f"the REST body limit at least 1 (not {self.rest_max_body})")
         if self.rest_port is not None and not self.auth and not is_loopback_host(self.rest_host):
             raise ServerConfigError(f"--no-auth is refused with --rest-host {self.rest_host!r}, which is not a "
                                     "loopback address: anyone who reaches it could take every message")

@@ -7,7 +7,9 @@ operations' handlers (sqm.service.queue_ops) under a request slot, as the servic
 
 - POST puts under syncpoint and commits; the 201 is sent only after the commit returned (the log forced);
 - DELETE gets under syncpoint, then commits only if the caller is still connected, and replies after the commit;
-  otherwise it backs out and the message stays on its queue;
+  otherwise it backs out and the message stays on its queue. A DELETE that waits runs in a thread of the waiting
+  gets' own (sqm.service.rest_waits): waits never hold the threads puts and browses run in, and a waiting get whose
+  caller hung up stops waiting and takes nothing;
 - GET browses: nothing is taken.
 
 Authentication: HTTP basic (the password is a role's token; the user name is neither checked nor stored) or a bearer
@@ -35,11 +37,11 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from cfemu.errors import MQError, NoMessageError, OutcomePendingError, OutcomeUnknownError
+from cfemu.errors import ClientGoneError, MQError, NoMessageError, OutcomePendingError, OutcomeUnknownError
 from cfemu.keys import check_name
 from cfemu.limits import MAX_ID_LENGTH
 from sqm.core.client_watch import ClientWatch
-from sqm.core.connection import Connection, Message
+from sqm.core.connection import MAX_EXPIRY_MS, Connection, Message
 from sqm.core.manager import CF_DOWN
 from sqm.http_guard import GuardedSite, HttpLimits, runner_kwargs
 from sqm.operations import APPLICATION, OPERATOR, one_line, short
@@ -48,6 +50,7 @@ from sqm.service import queue_ops
 from sqm.service.auth import Failures
 from sqm.service.config import ServerConfig, is_loopback_ip
 from sqm.service.protocol import MAX_FRAME, message_from_wire
+from sqm.service.rest_waits import RestWatch, WaitSlots
 from sqm.service.session import Stats
 
 log = logging.getLogger("sqm.service.rest")
@@ -93,7 +96,7 @@ class RestSession:
     peer: str
     reply_limit: int = MAX_FRAME
     conn: Connection | None = None
-    gone: ClientWatch = field(default_factory=ClientWatch)
+    gone: ClientWatch = field(default_factory=ClientWatch)  # RestWatch: set when its caller has gone
     queues: set[str] = field(default_factory=set)  # the queues it used (its puts and gets count in QueueActivity)
 
     def reply_room(self, messages: int = 1) -> int:
@@ -173,6 +176,16 @@ def bad_query(name: str, value: str, why: str) -> RestError:
                      "Resubmit the request with a valid query parameter value.", reason=2046)
 
 
+MAX_DIGITS = 18  # the longest number a header or query value may be written with (MQ's longest expiry has 12)
+
+
+def ascii_number(text: str) -> int | None:
+    """The value of ``text`` when it is 1 to MAX_DIGITS ASCII digits, else None. str.isdigit alone also takes
+    other scripts' digits and superscripts (``²``, which int() refuses), and int() of thousands of digits is slow
+    work on the event loop."""
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= MAX_DIGITS else None
+
+
 def encode_id(raw: bytes, *, text_ok: bool) -> str:
     """An id as v3 shows it: ``ID:`` and the hex of its bytes; a correlation id given as text (printable ASCII,
     not starting with ``ID:``) comes back as that text."""
@@ -216,6 +229,26 @@ def md_headers(m: Message, now_ms: int) -> dict[str, str]:
 # than tab. aiohttp refuses to send anything else, after the handler returned: a get committed by then is lost.
 TOKEN_CHARS = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
 FORBIDDEN_IN_VALUE = frozenset(chr(c) for c in (*range(0x09), *range(0x0A, 0x20), 0x7F))
+# How many user properties HTTP carries as headers, and how many bytes of them: clients refuse a reply past their own
+# bounds (Python's http.client more than 100 headers, many servers and proxies a head over 8 KiB), after the get
+# was committed: the message lost for its caller. Past these the message is one the API cannot return (a 400, the get
+# backed out), and a POST cannot set more.
+MAX_USR_HEADERS = 64
+MAX_USR_BYTES = 8 * 2**10  # each ``name: value`` line with its CRLF, names with their ibm-mq-usr- prefix
+
+
+def usr_header_bytes(headers: dict[str, str]) -> int:
+    """The bytes the ``ibm-mq-usr-*`` headers among ``headers`` take in an HTTP head (UTF-8)."""
+    return sum(len(k.encode()) + len(v.encode()) + 4 for k, v in headers.items() if k.lower().startswith(USR))
+
+
+def usr_bounds_problem(count: int, size: int) -> str:
+    """Why ``count`` user properties of ``size`` header bytes are more than HTTP carries, or ""."""
+    if count > MAX_USR_HEADERS:
+        return f"{count} user properties are more than the {MAX_USR_HEADERS} the API carries as headers"
+    if size > MAX_USR_BYTES:
+        return f"its user properties take {size} bytes of headers, more than the {MAX_USR_BYTES} the API carries"
+    return ""
 
 
 def carried_headers(m: Message, now_ms: int, problem: str, verb: str) -> dict[str, str]:
@@ -223,6 +256,12 @@ def carried_headers(m: Message, now_ms: int, problem: str, verb: str) -> dict[st
     with a control character such as CR or LF) is a 400 naming it and the ``problem`` (the message is left for a
     native client: IBM's API leaves a message it cannot return on its queue), telling how to ``verb`` it instead."""
     headers = md_headers(m, now_ms)
+    usr = {k: v for k, v in headers.items() if k.startswith(USR)}
+    if too_many := usr_bounds_problem(len(usr), usr_header_bytes(usr)):
+        raise RestError(400, "MQWB0303E", f"The message cannot be returned: {too_many}."
+                        f"{' ' + problem if problem else ''}",
+                        "The messaging REST API returns a message's user properties as HTTP headers.",
+                        f"{verb} it with the native client.", reason=2110)
     for name, value in headers.items():
         prop = name[len(USR):] if name.startswith(USR) else name
         why = ("its name is not an HTTP token" if not set(name) <= TOKEN_CHARS else
@@ -233,6 +272,32 @@ def carried_headers(m: Message, now_ms: int, problem: str, verb: str) -> dict[st
                             "The messaging REST API returns a message's user properties as HTTP headers.",
                             f"{verb} it with the native client.", reason=2110)
     return headers
+
+
+def user_properties(request: web.Request) -> dict[str, str]:
+    """The user properties a POST sets: one per ``ibm-mq-usr-NAME`` header. A header with no NAME, a NAME given
+    twice (HTTP header names are case-insensitive: ``x`` and ``X`` are one header to a proxy, which may merge or
+    drop either), or bytes that are not UTF-8, is a 400 naming it: none is dropped or chosen silently."""
+    props: dict[str, str] = {}
+    seen: dict[str, str] = {}  # a property's name in lower case -> its header as sent
+    for header, value in request.headers.items():  # every header, repeated ones too
+        if not header.lower().startswith(USR):
+            continue
+        name = header[len(USR):]
+        if not name:
+            raise bad_header(echo(header), value, "A user property's header is ibm-mq-usr-NAME, with a NAME.")
+        if name.lower() in seen:
+            raise bad_header(echo(header), value, f"The user property {echo(name)} is given twice (as "
+                             f"{echo(seen[name.lower()])} and {echo(header)}): header names are case-insensitive, "
+                             "a property's header is given once.")
+        try:
+            header.encode("utf-8")
+            value.encode("utf-8")
+        except UnicodeEncodeError:  # aiohttp hands bytes that are not UTF-8 on as lone surrogates
+            raise bad_header(echo(header), value, "A user property's header is text in UTF-8.") from None
+        seen[name.lower()] = header
+        props[name] = value
+    return props
 
 
 def message_text(m: Message, problem: str, verb: str) -> str:
@@ -273,7 +338,11 @@ class RestEndpoint:
         self.tokens = tokens  # role -> token; empty when authentication is off (every request an operator)
         self.group = ""  # the queue-sharing group's name, read at start: a qmgr in the URL may name it too
         self.failures = Failures()
+        # Requests that do not wait (puts, browses, gets without wait, commits, backouts) run in ``executor``;
+        # waiting gets in ``wait_executor``, as many as ``waits`` lets wait at once (sqm.service.rest_waits).
         self.executor = ThreadPoolExecutor(max_workers=config.rest_workers, thread_name_prefix="rest")
+        self.wait_executor = ThreadPoolExecutor(max_workers=config.rest_workers, thread_name_prefix="rest-wait")
+        self.waits = WaitSlots(config.rest_workers, max(1, config.rest_workers // 2))
         self._numbers = iter(range(1, 2**62))
         self._active: weakref.WeakSet[RestSession] = weakref.WeakSet()  # the requests under way (stop wakes them)
         self._runner: web.AppRunner | None = None
@@ -311,6 +380,7 @@ class RestEndpoint:
         if self._runner is not None:
             await self._runner.cleanup()
         self.executor.shutdown(wait=False, cancel_futures=True)
+        self.wait_executor.shutdown(wait=False, cancel_futures=True)
 
     # --- what every request goes through -------------------------------------------------------------------------
     @web.middleware
@@ -398,20 +468,27 @@ class RestEndpoint:
                             f"({self.group}).", reason=2058)
         if self.server.stopping:
             raise mq_failure(self.server.quiescing(request.method), "the request was not carried out")
-        session = RestSession(number=next(self._numbers), role=role, peer=request.remote or "?")
+        session = RestSession(number=next(self._numbers), role=role, peer=request.remote or "?",
+                              gone=RestWatch(request))
         self._active.add(session)
         return session
 
-    async def _run(self, session: RestSession, op: str, work: Callable[[], Any]) -> Any:
-        """Run ``work`` in a worker thread under a request slot, counted as the service counts ``op``; an MQ
-        refusal becomes its RestError."""
+    async def _run(self, session: RestSession, op: str, work: Callable[[], Any], *,
+                   executor: ThreadPoolExecutor | None = None) -> Any:
+        """Run ``work`` in a worker thread (of ``executor``, by default the one for requests that do not wait)
+        under a request slot, counted as the service counts ``op``; an MQ refusal becomes its RestError."""
         def call() -> Any:
             with self.server.slots.running():
                 return work()
         try:
-            result = await asyncio.get_running_loop().run_in_executor(self.executor, call)
+            result = await asyncio.get_running_loop().run_in_executor(executor or self.executor, call)
         except NoMessageError:
             self.server.stats.count((op, NoMessageError.reason_name))
+            raise
+        except ClientGoneError as e:
+            self.server.stats.count((op, e.reason_name))
+            if self.server.stopping:  # the server's stop ended it: the caller hears 503, try again elsewhere
+                raise mq_failure(e, f"{op} on {session.number}") from None
             raise
         except MQError as e:
             self.server.stats.count((op, e.reason_name))
@@ -490,23 +567,29 @@ class RestEndpoint:
                 raise bad_header(MD + "persistence", p, "Persistence is persistent or nonPersistent.")
             args["persistent"] = p == "persistent"
         if (e := h.get(MD + "expiry")) is not None and e != "unlimited":
-            if not e.isdigit() or int(e) == 0:
-                raise bad_header(MD + "expiry", e, "Expiry is unlimited or a number of milliseconds > 0.")
-            args["expiry_ms"] = int(e)
+            ms = ascii_number(e)
+            if ms is None or not 0 < ms <= MAX_EXPIRY_MS:
+                raise bad_header(MD + "expiry", e, f"Expiry is unlimited or a number of milliseconds, 1-{MAX_EXPIRY_MS} "
+                                 "(MQ's longest expiry).")
+            args["expiry_ms"] = ms
         if (c := h.get(MD + "correlationId")) is not None:
             args["correlid"] = decode_id(c, text_ok=v3, what=MD + "correlationId", bad=bad_header)
         if (pr := h.get(MD + "priority")) is not None:
             if not v3:
                 raise bad_header(MD + "priority", pr, "ibm-mq-md-priority is a REST API v3 header.")
-            if not pr.isdigit() or not 0 <= int(pr) <= 9:
+            priority = ascii_number(pr)
+            if priority is None or not 0 <= priority <= 9:
                 raise bad_header(MD + "priority", pr, "Priority is 0-9.")
-            args["priority"] = int(pr)
+            args["priority"] = priority
         if (rt := h.get(MD + "replyTo")) is not None:
             raise bad_header(MD + "replyTo", rt, "Reply-to queues are not built on this queue manager.")
-        props = {k[len(USR):]: v for k, v in h.items() if k.lower().startswith(USR) and len(k) > len(USR)}
+        props = user_properties(request)
         if props:
             if not v3:
                 raise bad_header(USR + "*", next(iter(props)), "User properties are a REST API v3 feature.")
+            if too_many := usr_bounds_problem(len(props), usr_header_bytes({USR + k: v for k, v in props.items()})):
+                raise bad_header(USR + "*", f"{len(props)} headers", f"A message has at most {MAX_USR_HEADERS} user "
+                                 f"properties and {MAX_USR_BYTES} bytes of them ({too_many}).")
             args["properties"] = props
         return args
 
@@ -539,13 +622,15 @@ class RestEndpoint:
         v3 = "/v3/" in request.path
         args = self._selection(request, v3)
         wait = request.query.get("wait", "0")
-        if not wait.isdigit() or int(wait) > self.server.max_wait_ms:
+        wait_ms = ascii_number(wait)
+        if wait_ms is None or wait_ms > self.server.max_wait_ms:
             raise bad_query("wait", wait, f"wait is a number of milliseconds, 0-{self.server.max_wait_ms}.")
-        args.update(queue=queue_of(request), syncpoint=True, wait_ms=int(wait))
+        args.update(queue=queue_of(request), syncpoint=True)
         async with self._handle(session):
             try:
-                got = await self._run(session, "get", lambda: queue_ops.get(self.server, session, args))
-            except NoMessageError:
+                got = await self._get(session, args, wait_ms)
+            except (NoMessageError, ClientGoneError):  # none, or its caller left: nothing taken
+                await self._keep_moves(session)
                 return web.Response(status=204)
             m = message_from_wire(got)
             text = message_text(m, "The message is not text in UTF-8: it was left on the queue.", "Get")
@@ -557,6 +642,34 @@ class RestEndpoint:
         if outcome:
             reply.headers[OUTCOME_HEADER] = outcome
         return reply
+
+    async def _get(self, session: RestSession, args: dict[str, Any], wait_ms: int) -> dict[str, Any]:
+        """The get of a DELETE: one that waits takes a waiting slot first (in line, on the event loop, for no
+        longer than its wait) and waits what is left of its wait in a thread of the waiting gets; one whose slot
+        did not come in time tries once without waiting. NoMessageError when there is no message."""
+        if wait_ms > 0:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + wait_ms / 1000
+            if await self.waits.take(session.peer, deadline, session.gone):
+                try:
+                    left = max(0, int((deadline - loop.time()) * 1000))
+                    return await self._run(session, "get", lambda: queue_ops.get(
+                        self.server, session, {**args, "wait_ms": left}), executor=self.wait_executor)
+                finally:
+                    self.waits.give(session.peer)
+            if session.gone.is_set():  # nothing taken: the member stops (503), or nobody is there to answer
+                if self.server.stopping:
+                    raise mq_failure(self.server.quiescing("DELETE"), "the request was not carried out")
+                raise NoMessageError("the caller left while its get waited in line")
+        return await self._run(session, "get", lambda: queue_ops.get(self.server, session, {**args, "wait_ms": 0}))
+
+    async def _keep_moves(self, session: RestSession) -> None:
+        """Commit what a get that found no message (or stopped, its caller gone) left in its unit of work: it can
+        hold only the poison messages it moved to their backout queue on the way (a get and a put each). Backed out with the request's handle, a
+        poison message alone on its queue went back to its head at every DELETE, its backout count climbing, and
+        never reached its backout queue."""
+        if session.conn is not None and session.conn.uow is not None:
+            await self._run(session, "commit", lambda: queue_ops.commit(self.server, session, {}))
 
     def _commit_taken(self, session: RestSession) -> str:
         """Commit a message's get; "" when it committed. A commit logged but pending (a structure could not take it
@@ -602,10 +715,11 @@ class RestEndpoint:
         """A summary of up to ``limit`` messages (no bodies), in the order a get would take them."""
         session = await self._admit(request)
         raw = request.query.get("limit", str(MAX_LIST))
-        if not raw.isdigit() or not 1 <= int(raw) <= MAX_LIST:
+        limit = ascii_number(raw)
+        if limit is None or not 1 <= limit <= MAX_LIST:
             raise bad_query("limit", raw, f"limit is 1-{MAX_LIST}.")
         async with self._handle(session):
-            found = await self._browse(request, session, int(raw))
+            found = await self._browse(request, session, limit)
         now = int(time.time() * 1000)
         return web.json_response({"messages": [summary(m, now) for m in found]})
 

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -17,6 +18,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
+from http.client import HTTPConnection
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +26,13 @@ import pytest
 
 from cfemu.admin import Admin
 from cfemu.connection import connect
+from sqm.core.connection import MAX_EXPIRY_MS
 from sqm.service.client import Client
 from tests.support.certs import issue, make_ca
-from tests.support.service_proc import OP_TOKEN, TOKEN, ServerProc, start_server
+from tests.support.service_proc import OP_TOKEN, TOKEN, TOKENS_ENV, ServerProc, start_server
 
-QUEUES = tuple(f"RQ{i}" for i in range(1, 21))
+QUEUES = (*(f"RQ{i}" for i in range(1, 21)), "RBQ")
+POISON_Q, BACKOUT_Q, THRESHOLD = "RPQ", "RBQ", 2  # RPQ: backout threshold 2, backout queue RBQ
 CSRF = {"ibm-mq-rest-csrf-token": "x"}
 TEXT = {"Content-Type": "text/plain;charset=utf-8"}
 
@@ -116,6 +120,7 @@ def member(redis_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Itera
     client.close()
     r = connect(redis_server.url)
     Admin(r).ensure_structure("APP1", QUEUES)
+    Admin(r).define_queue(POISON_Q, "APP1", backout_threshold=THRESHOLD, backout_queue=BACKOUT_Q)
     r.close()
     m = start_member(redis_server.url, tmp_path_factory.mktemp("rest"))
     try:
@@ -208,6 +213,59 @@ def test_refusals(member: Member) -> None:
     assert take(member, "RQ3").status == 204  # nothing was put by a refused request
 
 
+def post_raw(m: Member, queue: str, headers: list[tuple[str, str]]) -> Reply:
+    """A POST with http.client, its headers as given: repeated, differing in case only, each value's characters
+    sent as the bytes of the same codes (latin-1: "\\xc2\\xb2" is the UTF-8 of ², "\\xff" a byte that is not UTF-8)."""
+    c = HTTPConnection("127.0.0.1", m.rest_port, timeout=30)
+    try:
+        c.putrequest("POST", m.base(queue).split(str(m.rest_port), 1)[1] + "/message")
+        for k, v in [*basic().items(), *CSRF.items(), *TEXT.items(), ("Content-Length", "1"), *headers]:
+            c.putheader(k, v.encode("latin-1"))
+        c.endheaders(b"x")
+        r = c.getresponse()
+        return Reply(r.status, {k.lower(): v for k, v in r.getheaders()}, r.read())
+    finally:
+        c.close()
+
+
+SUPERSCRIPT_TWO = "\xc2\xb2"  # ², a digit to str.isdigit, not to int()
+
+
+def test_numbers_are_ascii_digits_within_bounds(member: Member) -> None:
+    """A superscript digit, 5000 digits, an expiry past MQ's: a 400 naming the value, never a bare 500."""
+    url = member.base("RQ20") + "/message"
+    for query in ("?wait=%C2%B2", "?wait=" + "1" * 5000):
+        r = http("DELETE", url + query, headers=CSRF)
+        assert r.status == 400 and r.error()["msgId"] == "MQWB0118E", r.body
+    for limit in ("%C2%B2", "1" * 5000):
+        r = http("GET", member.base("RQ20") + "/messagelist?limit=" + limit)
+        assert r.status == 400 and r.error()["msgId"] == "MQWB0118E", r.body
+    for header, value in (("ibm-mq-md-priority", SUPERSCRIPT_TWO), ("ibm-mq-md-expiry", SUPERSCRIPT_TWO),
+                          ("ibm-mq-md-expiry", str(MAX_EXPIRY_MS + 1)), ("ibm-mq-md-expiry", "9" * 5000)):
+        r = post_raw(member, "RQ20", [(header, value)])
+        assert r.status == 400 and r.error()["msgId"] == "MQWB0302E" and header in r.error()["message"], r.body
+    put(member, "RQ20", "longest", **{"ibm-mq-md-expiry": str(MAX_EXPIRY_MS)})
+    assert take(member, "RQ20").body == b"longest"
+    assert take(member, "RQ20").status == 204  # nothing was put by a refused request
+
+
+def test_user_property_headers_given_once_with_a_name_in_utf8(member: Member) -> None:
+    """Two ibm-mq-usr-x headers, x and X, an empty name, a byte that is not UTF-8: a 400 MQWB0302E naming the
+    header, nothing put (no last one winning silently, no two properties of one case-insensitive header)."""
+    for headers, named in (([("ibm-mq-usr-x", "one"), ("ibm-mq-usr-x", "two")], "ibm-mq-usr-x"),
+                           ([("ibm-mq-usr-x", "one"), ("ibm-mq-usr-X", "two")], "ibm-mq-usr-X"),
+                           ([("ibm-mq-usr-", "v")], "ibm-mq-usr-'"),
+                           ([("ibm-mq-usr-bad", "caf\xe9")], "ibm-mq-usr-bad")):
+        r = post_raw(member, "RQ20", headers)
+        assert r.status == 400 and r.error()["msgId"] == "MQWB0302E", (headers, r.body)
+        assert named in r.error()["message"], r.error()["message"]
+        assert "surrogates" not in r.body.decode()
+    r = post_raw(member, "RQ20", [("ibm-mq-usr-x", "caf\xc3\xa9")])  # café in UTF-8
+    assert r.status == 201
+    assert http("GET", member.base("RQ20") + "/messagelist").json()["messages"][0]["userProperties"] == {"x": "café"}
+    assert take(member, "RQ20").status == 200 and take(member, "RQ20").status == 204
+
+
 def test_group_name_is_a_qmgr_too(member: Member) -> None:
     group = Admin(connect(member.url)).group_name()
     r = http("POST", member.base("RQ4", qmgr=group) + "/message", b"g", {**CSRF, **TEXT})
@@ -272,6 +330,130 @@ def test_a_waiting_get_whose_caller_left_takes_nothing(member: Member) -> None:
     assert r.status == 200 and r.body == b"for someone else"
 
 
+def send_waiting_get(m: Member, queue: str, wait_ms: int) -> socket.socket:
+    """A DELETE ?wait=wait_ms sent on a connection of its own, its reply not read yet."""
+    s = socket.create_connection(("127.0.0.1", m.rest_port), timeout=60)
+    s.sendall((f"DELETE {m.base(queue).split(str(m.rest_port), 1)[1]}/message?wait={wait_ms} HTTP/1.1\r\n"
+               f"Host: x\r\nAuthorization: {basic()['Authorization']}\r\nibm-mq-rest-csrf-token: x\r\n"
+               "Content-Length: 0\r\nConnection: close\r\n\r\n").encode())
+    return s
+
+
+def reply_of(s: socket.socket) -> tuple[int, bytes]:
+    """(status, body) of the one reply on a connection that closes after it."""
+    data = b""
+    while chunk := s.recv(65536):
+        data += chunk
+    s.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body
+
+
+def test_abandoned_waiting_gets_free_their_threads_and_take_nothing(member: Member) -> None:
+    """40 waiting DELETEs whose callers hung up: another client's POST is not held up (it waited for a thread a
+    whole wait long), and a message that arrives is not taken and backed out by a get nobody waits for (it came
+    back to the next consumer as a redelivery, its backout count raised)."""
+    waiters = [send_waiting_get(member, "RQ15", 20000) for _ in range(40)]
+    time.sleep(0.3)
+    for s in waiters:
+        s.close()
+    time.sleep(0.5)  # the member sees them gone at its next poll of the CF
+    t0 = time.monotonic()
+    put(member, "RQ16", "not held up")
+    assert time.monotonic() - t0 < 3
+    put(member, "RQ15", "for someone who is there")
+    time.sleep(0.5)
+    with Client(member.server.endpoint, token=TOKEN) as c:
+        m = c.get("RQ15", wait_ms=2000)
+        c.commit()
+    assert m.body == b"for someone who is there" and m.backout_count == 0
+    assert take(member, "RQ16").body == b"not held up"
+
+
+def test_waiting_gets_do_not_hold_up_puts(member: Member) -> None:
+    """40 DELETEs waiting, their callers there: a put (another client's) runs at once, and every waiting get,
+    in a thread or in line, gets one of the messages put next."""
+    waiters = [send_waiting_get(member, "RQ17", 20000) for _ in range(40)]
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    put(member, "RQ18", "not held up")
+    assert time.monotonic() - t0 < 3
+    for i in range(40):
+        put(member, "RQ17", f"m{i}")
+    replies = [reply_of(s) for s in waiters]
+    assert sorted(body for _, body in replies) == sorted(f"m{i}".encode() for i in range(40))
+    assert {status for status, _ in replies} == {200}
+    assert take(member, "RQ18").body == b"not held up"
+
+
+def test_rest_workers_bound_the_waiting_gets(fresh_redis: Any, tmp_path: Path) -> None:
+    """--rest-workers 1: one get waits in a thread, the others wait in line, each no longer than its wait."""
+    r = connect(fresh_redis.url)
+    Admin(r).ensure_structure("APP1", ("WQ", "PQ"))
+    r.close()
+    m = start_member(fresh_redis.url, tmp_path, "QMR", "--rest-workers", "1")
+    try:
+        t0 = time.monotonic()
+        waiters = [send_waiting_get(m, "WQ", 1500) for _ in range(3)]
+        put(m, "PQ", "p")
+        assert time.monotonic() - t0 < 1.2, "a put waits for no waiting get"
+        assert [reply_of(s)[0] for s in waiters] == [204, 204, 204]
+        assert time.monotonic() - t0 < 4, "each waited its 1.5 s, not one after the other"
+    finally:
+        m.server.stop()
+
+
+def test_sqm_run_refuses_bad_rest_options_before_it_starts(fresh_redis: Any, tmp_path: Path) -> None:
+    """One line and exit status 2, before the member starts (not a traceback once it has started)."""
+    for options, said in ((("--rest-port", "-1"), "--rest-port must be 0-65535"),
+                          (("--rest-port", "70000"), "--rest-port must be 0-65535"),
+                          (("--rest-port", "0", "--rest-workers", "0"), "REST workers must be 1-1024")):
+        bad = subprocess.run([sys.executable, "-m", "sqm.cli", "run", "--name", "QMB", "--redis-url", fresh_redis.url,
+                              "--log-root", str(tmp_path / "logs"), "--port", "0", *options],
+                             capture_output=True, text=True, timeout=60, env={**os.environ, **TOKENS_ENV})
+        assert bad.returncode == 2 and said in bad.stderr, (options, bad.stderr)
+        assert len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr, bad.stderr
+
+
+def test_a_poison_message_alone_on_its_queue_reaches_its_backout_queue(member: Member) -> None:
+    """The DELETE's get moves the poison message to the backout queue, then finds nothing: the move is committed
+    with the 204, not backed out with the request (the message went back to its queue at every DELETE, its
+    backout count climbing)."""
+    with Client(member.server.endpoint, token=TOKEN) as c:
+        c.put(POISON_Q, b"poison")
+        c.commit()
+        for _ in range(THRESHOLD):
+            c.get(POISON_Q)
+            c.backout()
+    assert take(member, POISON_Q).status == 204
+    assert take(member, POISON_Q).status == 204
+    with Client(member.server.endpoint, token=TOKEN) as c:
+        assert list(c.browse(POISON_Q)) == []
+        m = c.get(BACKOUT_Q)
+        c.commit()
+    assert m.body == b"poison" and m.backout_count == THRESHOLD
+
+
+def test_a_waiting_get_whose_caller_left_keeps_its_poison_moves(member: Member) -> None:
+    """The waiting DELETE moves the poison message, waits, sees its caller gone: the move is committed (backed
+    out, the message went back to its queue, its backout count one higher, for the next get to move again)."""
+    with Client(member.server.endpoint, token=TOKEN) as c:
+        c.put(POISON_Q, b"poison 2")
+        c.commit()
+        for _ in range(THRESHOLD):
+            c.get(POISON_Q)
+            c.backout()
+    s = send_waiting_get(member, POISON_Q, 5000)
+    time.sleep(0.3)
+    s.close()
+    time.sleep(0.7)
+    with Client(member.server.endpoint, token=TOKEN) as c:
+        assert list(c.browse(POISON_Q)) == []
+        m = c.get(BACKOUT_Q)
+        c.commit()
+    assert m.body == b"poison 2" and m.backout_count == THRESHOLD
+
+
 def test_priority_order(member: Member) -> None:
     for text, prio in (("low", "1"), ("high", "9"), ("mid", "5"), ("default", None)):
         put(member, "RQ8", text, **({"ibm-mq-md-priority": prio} if prio else {}))
@@ -308,6 +490,34 @@ def test_user_properties_round_trip(member: Member) -> None:
         c.commit()
     r = take(member, "RQ10")
     assert r.headers["ibm-mq-usr-n"] == "3" and r.headers["ibm-mq-usr-s"] == "t"
+
+
+def test_more_user_properties_than_http_carries_are_left_on_the_queue(member: Member) -> None:
+    """120 small properties (a reply of more than 100 headers: Python's http.client refuses it), or 10 KiB of
+    them: the DELETE is a 400 and the message stays for a native client, never committed for a caller who cannot
+    read the reply. A POST cannot set so many."""
+    many = {f"p{i}": "v" for i in range(120)}
+    big = {f"b{i}": "x" * 1000 for i in range(10)}
+    with Client(member.server.endpoint, token=TOKEN) as c:
+        for props in (many, big):
+            c.put("RQ19", b"props", properties=props)
+            c.commit()
+            for r in (take(member, "RQ19"), http("GET", member.base("RQ19") + "/message")):
+                assert r.status == 400 and r.error()["reasonCode"] == 2110, r.body
+                assert "user properties" in r.error()["message"]
+            m = c.get("RQ19")
+            c.commit()
+            assert m.properties == props
+    r = http("POST", member.base("RQ19") + "/message", b"x",
+             {**CSRF, **TEXT, **{f"ibm-mq-usr-p{i}": "v" for i in range(65)}})
+    assert r.status == 400 and r.error()["msgId"] == "MQWB0302E", r.body
+    r = http("POST", member.base("RQ19") + "/message", b"x",
+             {**CSRF, **TEXT, **{f"ibm-mq-usr-b{i}": "x" * 1000 for i in range(9)}})
+    assert r.status == 400 and r.error()["msgId"] == "MQWB0302E", r.body
+    put(member, "RQ19", "64 are carried", **{f"ibm-mq-usr-p{i}": "v" for i in range(64)})
+    r = take(member, "RQ19")
+    assert r.status == 200 and sum(k.startswith("ibm-mq-usr-") for k in r.headers) == 64
+    assert take(member, "RQ19").status == 204
 
 
 def test_native_client_on_the_other_side(member: Member) -> None:
