@@ -117,6 +117,48 @@ def _clamp_priority(value: Any) -> int:
         return 0
 
 
+# The envelope's fields and the types _put writes (None: absent).
+_ENVELOPE_TYPES: dict[str, tuple[type, ...]] = {
+    "content-type": (str, type(None)), "content-encoding": (str, type(None)), "headers": (dict, type(None)),
+    "properties": (dict, type(None)), "text": (bool, type(None))}
+
+
+def _envelope(m: MQMessage) -> tuple[dict[str, Any], str]:
+    """The envelope ``m`` carries ({} when it has none), or ({}, the problem) when its property is not one that
+    _put writes: JSON text of an object with those fields of those types, no body encoding of its own (the body
+    is the MQ message's as it is), and a text body that decodes as UTF-8."""
+    raw = m.properties.get(ENVELOPE_PROPERTY)
+    if raw is None:
+        return {}, ""
+    if not isinstance(raw, str):
+        return {}, f"not text but {type(raw).__name__}"
+    try:
+        env = loads(raw)
+    except Exception as e:  # not JSON, or JSON kombu's decoding hooks refuse (a tagged value that is not one)
+        return {}, f"not kombu's JSON: {e}"
+    if not isinstance(env, dict):
+        return {}, f"JSON {type(env).__name__}, not an object"
+    for name, types in _ENVELOPE_TYPES.items():
+        if not isinstance(env.get(name), types):
+            return {}, f"its {name!r} is {type(env.get(name)).__name__}"
+    props = env.get("properties") or {}
+    if not isinstance(props.get("delivery_info"), dict | None):
+        return {}, f"its delivery_info is {type(props.get('delivery_info')).__name__}"
+    if props.get("body_encoding") is not None:
+        return {}, f"its body_encoding is {props.get('body_encoding')!r}"
+    if env.get("text") and not _is_utf8(m.body):
+        return {}, "its body is said to be text, and is not UTF-8"
+    return env, ""
+
+
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
 class QoS(virtual.QoS):
     """Settles each delivery's unit of work: ack commits it, reject backs it out (requeue) or commits it (drop),
     and what is unacknowledged when the channel closes is backed out (never re-put: the message is still in its
@@ -230,12 +272,7 @@ class Channel(virtual.Channel):
             raise
         t.polls_answered()
         tag = uuid.uuid4().hex
-        try:
-            payload = self._payload(m, queue, tag)
-        except BaseException:
-            # Not a kombu message (an MQ application put it): back it out, and say so; it stays on the queue.
-            client.close()
-            raise
+        payload = self._payload(m, queue, tag)
         if no_ack:
             try:
                 client.commit()
@@ -259,10 +296,16 @@ class Channel(virtual.Channel):
 
     @staticmethod
     def _payload(m: MQMessage, queue: str, tag: str) -> dict[str, Any]:
-        raw = m.properties.get(ENVELOPE_PROPERTY)
-        env: dict[str, Any] = loads(raw) if isinstance(raw, str) else {}
-        body: bytes | str = m.body.decode() if env.get("text") else m.body
-        props = dict(env.get("properties") or {})
+        """kombu's message for ``m``: its envelope applied, or none when ``m`` has none or a bad one (any application
+        may put any property: a bad envelope is said, and the message delivered as an MQ application's message is,
+        for the consumer to settle; it never stops the consumer's polls). Without an envelope the body is kombu's
+        untyped data: text when it is UTF-8, else bytes (encoding "binary", which kombu does not decode)."""
+        envelope, problem = _envelope(m)
+        if problem:
+            log.warning("cfemu: message %s on %s has a bad %r property (%s): delivered without kombu's envelope",
+                        m.msgid.hex(), queue, ENVELOPE_PROPERTY, problem)
+        body: bytes | str = m.body.decode() if envelope.get("text") else m.body
+        props = dict(envelope.get("properties") or {})
         props["delivery_tag"] = tag
         props["priority"] = m.priority
         info = dict(props.get("delivery_info") or {})
@@ -270,9 +313,9 @@ class Channel(virtual.Channel):
         info.setdefault("exchange", "")
         info["redelivered"] = m.backout_count > 0
         props["delivery_info"] = info
-        return {"body": body, "content-type": env.get("content-type"),
-                "content-encoding": env.get("content-encoding"), "headers": env.get("headers") or {},
-                "properties": props}
+        encoding = envelope.get("content-encoding") if envelope else None if _is_utf8(m.body) else "binary"
+        return {"body": body, "content-type": envelope.get("content-type"), "content-encoding": encoding,
+                "headers": envelope.get("headers") or {}, "properties": props}
 
     # --- publishing ----------------------------------------------------------------------------------------------
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:

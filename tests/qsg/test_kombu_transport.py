@@ -249,3 +249,31 @@ def test_a_bad_url_is_refused_naming_it_without_its_token() -> None:
     with pytest.raises(ValueError, match=r"bad cfemu URL 'cfemu://:\*\*\*@otherhost/APP1'") as raised:
         kombu.Connection(url).connect()
     assert "S3CRET" not in str(raised.value)
+
+
+@pytest.mark.parametrize("raw, body", [
+    ("notjson", b"from an MQ app"),  # an MQ application's (a REST POST's header ibm-mq-usr-kombu: notjson)
+    ("[1]", b"x"),
+    ('{"properties": "x"}', b"x"),
+    ('{"headers": [1], "text": false}', b"x"),
+    ('{"properties": {"body_encoding": "base64"}}', b"not base64 at all!"),
+    ('{"text": true}', b"\xff\xfe not UTF-8"),
+], ids=["not-json", "a-list", "properties-text", "headers-list", "body-encoding", "text-not-utf8"])
+def test_a_bad_envelope_is_delivered_without_it_and_said(group: LocalGroup, caplog: pytest.LogCaptureFixture,
+                                                         raw: str, body: bytes) -> None:
+    """Any application may put any user property: a ``kombu`` property that is not the envelope _put writes is
+    delivered as a message without an envelope (a warning names the queue and the message), and the consumer
+    goes on to the next message; it never raises out of a poll (a Celery worker died of it, at every restart)."""
+    _purge(group, ["kbad"])
+    url = kt.members_url(members(group), group.token or "")
+    with kombu.Connection(url, transport_options=options(group)) as conn, closing(conn.SimpleQueue("kbad")) as q:
+        with Client(members(group), token=group.token) as c:
+            bad = c.put("kbad", body, syncpoint=False, properties={"kombu": raw})
+        q.put({"n": 1})
+        with caplog.at_level("WARNING", logger="qsg.kombu_transport"):
+            m = q.get(timeout=5)
+        assert (m.body, m.content_type, m.headers) == (body, None, {})
+        assert m.payload == (body if body.startswith(b"\xff") else body.decode())  # bytes when not UTF-8
+        assert f"message {bad.msgid.hex()} on kbad has a bad 'kombu' property" in caplog.text
+        m.ack()
+        assert q.get(timeout=5).payload == {"n": 1}
