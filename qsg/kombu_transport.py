@@ -260,8 +260,10 @@ class Channel(virtual.Channel):
         try:
             m = client.get(queue, wait_ms=0)
         except NoMessageError:
-            t.checkin(client)
             t.polls_answered()
+            if client.uow_open:
+                self._commit_backout_moves(client, queue)
+            t.checkin(client)
             raise Empty() from None
         except TRANSIENT_GET_ERRORS as e:
             client.close()
@@ -293,6 +295,22 @@ class Channel(virtual.Channel):
         else:
             t.hold(tag, client)
         return payload
+
+    @staticmethod
+    def _commit_backout_moves(client: Client, queue: str) -> None:
+        """A get that found no message with its unit of work open: the get moved poison messages (backout count at
+        the queue's threshold) to the backout queue on its way, and that is all the unit of work holds (the
+        connection came from the pool with none). Committed, so that they reach the backout queue: backed out, a
+        poison message alone on its queue went back to its head at every poll, its count climbing, never moved."""
+        try:
+            client.commit()
+        except (MQError, *CONNECTION_ERRORS) as e:  # backed out with the connection (closed by checkin): the next poll moves them again
+            log.warning("cfemu: poison messages of %s moved to its backout queue, then the commit failed: %s",
+                        queue, e)
+            client.close()
+            return
+        log.warning("cfemu: poison messages of %s (backout count at its threshold) moved to its backout queue",
+                    queue)
 
     @staticmethod
     def _payload(m: MQMessage, queue: str, tag: str) -> dict[str, Any]:

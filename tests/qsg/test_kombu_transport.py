@@ -277,3 +277,24 @@ def test_a_bad_envelope_is_delivered_without_it_and_said(group: LocalGroup, capl
         assert f"message {bad.msgid.hex()} on kbad has a bad 'kombu' property" in caplog.text
         m.ack()
         assert q.get(timeout=5).payload == {"n": 1}
+
+
+def test_a_poison_message_alone_on_its_queue_reaches_its_backout_queue(group: LocalGroup) -> None:
+    """Requeued up to the queue's backout threshold, the message is moved to its backout queue by the next poll,
+    and stays moved: the poll that moved it and then found nothing commits the move (backed out with its
+    connection, the message went back to its queue at every poll, its backout count climbing for ever)."""
+    with Client(members(group), token=group.operator_token, role="operator") as admin:
+        for name, threshold, boq in (("kpoisbo", 0, ""), ("kpois", 3, "kpoisbo")):
+            admin.define_queue(name, "APP1", backout_threshold=threshold, backout_queue=boq, replace=True)
+    _purge(group, ["kpois", "kpoisbo"])
+    url = kt.members_url(members(group), group.token or "")
+    with kombu.Connection(url, transport_options=options(group)) as conn, closing(conn.SimpleQueue("kpois")) as q:
+        q.put({"poison": 1})
+        for _ in range(3):
+            q.get(timeout=5).requeue()
+        with pytest.raises(q.Empty):
+            q.get(timeout=1)
+        with Client(members(group), token=group.token) as c:
+            assert list(c.browse("kpois")) == []
+            (moved,) = c.browse("kpoisbo")
+            assert (moved.body, moved.backout_count) == (b'{"poison": 1}', 3)
