@@ -24,7 +24,7 @@ The rules (docs/kombu.md says why):
   recovery) backs them out: a message is never lost, and is delivered again until one consumer acknowledges it
   (at-least-once: a consumer that dies after its work and before its ack has it done twice).
 * One connection per unacknowledged delivery (idle ones are pooled): kombu's prefetch is how many a channel holds
-  at once (``prefetch_count``, or ``max_unacked`` when the consumer sets none).
+  at once (``prefetch_count``, at most ``max_unacked``, which also applies when the consumer sets none).
 * Failover: every request fails over across all the members the URL names (the client's own failover: a unit of
   work open on a member that died is reported backed out, never guessed). Connecting checks the member of kombu's
   current URL, so kombu moves along its failover list when that one does not answer.
@@ -164,13 +164,17 @@ class QoS(virtual.QoS):
     and what is unacknowledged when the channel closes is backed out (never re-put: the message is still in its
     unit of work, and backing out returns it)."""
 
+    def _limit(self) -> int:
+        """Unacknowledged deliveries the channel may hold: the prefetch count, never more than ``max_unacked`` (each
+        holds a connection to a member, which counts them against its connections per address)."""
+        cap: int = self.channel.transport.max_unacked
+        return min(self.prefetch_count or cap, cap)
+
     def can_consume(self) -> bool:
-        limit = self.prefetch_count or self.channel.transport.max_unacked
-        return len(self._delivered) - len(self._dirty) < limit
+        return len(self._delivered) - len(self._dirty) < self._limit()
 
     def can_consume_max_estimate(self) -> int:
-        limit = self.prefetch_count or self.channel.transport.max_unacked
-        return max(limit - (len(self._delivered) - len(self._dirty)), 0)
+        return max(self._limit() - (len(self._delivered) - len(self._dirty)), 0)
 
     def ack(self, delivery_tag: str) -> None:
         try:

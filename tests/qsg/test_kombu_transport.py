@@ -298,3 +298,28 @@ def test_a_poison_message_alone_on_its_queue_reaches_its_backout_queue(group: Lo
             assert list(c.browse("kpois")) == []
             (moved,) = c.browse("kpoisbo")
             assert (moved.body, moved.backout_count) == (b'{"poison": 1}', 3)
+
+
+def test_a_prefetch_count_above_max_unacked_holds_max_unacked(group: LocalGroup) -> None:
+    """Each unacknowledged delivery holds a connection to a member: a consumer's prefetch count never takes more
+    than ``max_unacked`` of them (a prefetch of 200 held 127 connections, and the member's connection limit per
+    address then refused every other application of the host)."""
+    _purge(group, ["kpref"])
+    url = kt.members_url(members(group), group.token or "")
+    got: list[Any] = []
+    with kombu.Connection(url, transport_options=options(group, max_unacked=3)) as conn:
+        queue = kombu.Queue("kpref", routing_key="kpref")
+        with conn.Producer() as producer:
+            for n in range(8):
+                producer.publish({"n": n}, routing_key="kpref", declare=[queue])
+        with conn.Consumer(queue, callbacks=[lambda body, message: got.append(message)], prefetch_count=200):
+            for _ in range(10):
+                try:
+                    conn.drain_events(timeout=0.3)
+                except TimeoutError:
+                    pass
+            assert len(got) == 3 and len(conn.transport._held) == 3
+            for m in got:
+                m.ack()
+            conn.drain_events(timeout=5)
+            assert len(got) > 3
