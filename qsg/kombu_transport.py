@@ -25,6 +25,8 @@ The rules (docs/kombu.md says why):
   (at-least-once: a consumer that dies after its work and before its ack has it done twice).
 * One connection per unacknowledged delivery (idle ones are pooled): kombu's prefetch is how many a channel holds
   at once (``prefetch_count``, at most ``max_unacked``, which also applies when the consumer sets none).
+* A held delivery's connection is pinged every ``keepalive_interval`` seconds (60), so that the member does not close
+  it as idle (its ``--idle-timeout``) and back the delivery out while its consumer still works on it.
 * Failover: every request fails over across all the members the URL names (the client's own failover: a unit of
   work open on a member that died is reported backed out, never guessed). Connecting checks the member of kombu's
   current URL, so kombu moves along its failover list when that one does not answer.
@@ -85,6 +87,9 @@ ENVELOPE_PROPERTY = "kombu"
 DEFAULT_MAX_UNACKED = 16
 # Idle connections a kombu connection keeps for its next deliveries.
 IDLE_CLIENTS = 8
+# Seconds between the pings that keep a held delivery's connection from the member's idle timeout (sqm run
+# --idle-timeout, an hour by default), which would close it and so back the delivery out under its consumer.
+DEFAULT_KEEPALIVE_INTERVAL = 60.0
 MAX_PRIORITY = 9
 
 # A member or the CF not answering: the request is retried (a publish) or the poll finds nothing this time (a get).
@@ -401,6 +406,7 @@ class Transport(virtual.Transport):
         opts = client.transport_options or {}
         self.max_unacked = int(opts.get("max_unacked", DEFAULT_MAX_UNACKED))
         self.size_limit = int(opts.get("size_limit", 1000))
+        self.keepalive_interval = float(opts.get("keepalive_interval", DEFAULT_KEEPALIVE_INTERVAL))
         self._client_args = self._client_arguments(client, opts)
         self._operator_token: str | None = opts.get("operator_token")
         vhost = (client.virtual_host or "").strip("/")
@@ -411,6 +417,14 @@ class Transport(virtual.Transport):
         self._producer: Client | None = None
         self._known: set[str] = set()
         self._poll_failing = False
+        # Deliveries whose unit of work a keepalive found backed out (its connection lost): tag -> why.
+        self._lost: dict[str, str] = {}
+        # Held by a keepalive across the ping of a held connection and the look at its unit of work after it, and by
+        # a settle as it takes the delivery's connection: a ping that reconnected (its unit of work gone with the old
+        # connection) is seen before a commit could run on the new connection and report the delivery acknowledged.
+        self._alive_lock = threading.Lock()
+        self._keepalive: threading.Thread | None = None
+        self._keepalive_stop = threading.Event()
 
     @staticmethod
     def _client_arguments(conninfo: Any, opts: dict[str, Any]) -> dict[str, Any]:
@@ -456,9 +470,11 @@ class Transport(virtual.Transport):
         try:
             super().close_connection(connection)
         finally:
+            self._keepalive_stop.set()
             with self._lock:
                 clients = [*self._idle, *self._held.values(), *([self._producer] if self._producer else [])]
                 self._idle, self._held, self._producer = [], {}, None
+                self._lost.clear()
             for c in clients:
                 c.close()  # a unit of work still open is backed out by the member
 
@@ -499,17 +515,72 @@ class Transport(virtual.Transport):
         if self._poll_failing:
             log.warning("cfemu: polls are answered again")
         self._poll_failing = False
+        # Deliveries whose unit of work a keepalive found backed out (its connection lost): tag -> why.
+        self._lost: dict[str, str] = {}
+        # Held by a keepalive across the ping of a held connection and the look at its unit of work after it, and by
+        # a settle as it takes the delivery's connection: a ping that reconnected (its unit of work gone with the old
+        # connection) is seen before a commit could run on the new connection and report the delivery acknowledged.
+        self._alive_lock = threading.Lock()
+        self._keepalive: threading.Thread | None = None
+        self._keepalive_stop = threading.Event()
 
     def hold(self, tag: str, client: Client) -> None:
         with self._lock:
             self._held[tag] = client
+            keepalive = self._keepalive
+            if self.keepalive_interval and (keepalive is None or not keepalive.is_alive()
+                                            or self._keepalive_stop.is_set()):
+                self._keepalive_stop = threading.Event()
+                self._keepalive = threading.Thread(target=self._keep_alive, args=(self._keepalive_stop,),
+                                                   name="cfemu-keepalive", daemon=True)
+                self._keepalive.start()
+
+    def _keep_alive(self, stop: threading.Event) -> None:
+        """Until the kombu connection closes: ping each held delivery's connection every ``keepalive_interval``, so
+        that the member never closes it as idle while its consumer works on the message (a Celery task longer than
+        the idle timeout, a task with an ETA): closed, its unit of work would be backed out and the message
+        delivered to another consumer while the first one still works on it."""
+        while not stop.wait(self.keepalive_interval):
+            with self._lock:
+                held = list(self._held.items())
+            for tag, client in held:
+                if stop.is_set():
+                    return
+                self._ping_held(tag, client)
+
+    def _ping_held(self, tag: str, client: Client) -> None:
+        with self._alive_lock:
+            with self._lock:
+                if self._held.get(tag) is not client:
+                    return  # settled meanwhile
+            problem = ""
+            try:
+                client.ping()
+            except Exception as e:  # the member gone: the unit of work is gone with the connection
+                problem = str(e) or type(e).__name__
+            if client.uow_open:
+                return
+            with self._lock:
+                if self._held.get(tag) is not client:
+                    return
+                del self._held[tag]
+                why = self._lost[tag] = problem or "the connection was lost, and the ping went to a new one"
+        client.close()
+        log.warning("cfemu: a held delivery's connection was lost (%s): its unit of work was backed out, and the "
+                    "message is delivered again; its ack will raise", why)
 
     def settle(self, tag: str, *, commit: bool) -> None:
         """End the unit of work of a delivery: commit it (ack, or reject without requeue) or back it out. A commit
         that fails raises (BackedOutError: the message comes back; OutcomeUnknownError: it may have); a backout
         that fails needs nothing more: the member backs the unit of work out when its connection drops."""
-        with self._lock:
+        with self._alive_lock, self._lock:
             client = self._held.pop(tag, None)
+            lost = self._lost.pop(tag, None)
+        if lost is not None:
+            if commit:
+                raise BackedOutError(f"cfemu: the delivery's connection was lost while it was held ({lost}): its "
+                                     "unit of work was backed out, and the message is delivered again")
+            return
         if client is None:
             return  # settled already, or its connection was closed (backed out)
         try:

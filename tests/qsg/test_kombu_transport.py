@@ -323,3 +323,39 @@ def test_a_prefetch_count_above_max_unacked_holds_max_unacked(group: LocalGroup)
                 m.ack()
             conn.drain_events(timeout=5)
             assert len(got) > 3
+
+
+def test_a_delivery_held_past_the_idle_timeout_stays_with_its_consumer(tmp_path: Path) -> None:
+    """A consumer that works on a message longer than the member's idle timeout (a long Celery task, an ETA task)
+    keeps it: the transport pings the held connection, which the member would close as idle, backing the delivery
+    out to the next consumer while the first still works on it. And a held connection the ping finds lost (its
+    member killed) makes the delivery's ack raise BackedOutError: the message is delivered again, never reported
+    acknowledged by a commit on the connection the ping reconnected."""
+    g = LocalGroup.up(tmp_path / "g", managers=2, backup_interval=None, lease_ms=2000,
+                      manager_args=("--idle-timeout", "2"))
+    try:
+        url = kt.members_url(members(g), g.token or "")
+        opts = options(g, keepalive_interval=0.5)
+        with kombu.Connection(url, transport_options=opts) as a, kombu.Connection(url, transport_options=opts) as b, \
+                closing(a.SimpleQueue("klong")) as qa, closing(b.SimpleQueue("klong")) as qb:
+            qa.put({"task": "long"})
+            m = qa.get(timeout=5)
+            deadline = time.monotonic() + 5  # 2.5 idle timeouts
+            while time.monotonic() < deadline:
+                with pytest.raises(qb.Empty):
+                    qb.get(timeout=0.5)
+            m.ack()
+            with pytest.raises(qb.Empty):
+                qb.get(timeout=0.5)
+
+            qa.put({"task": "lost"})
+            m = qa.get(timeout=5)  # held on QM1, the first member named
+            g.kill_manager("QM1")
+            time.sleep(2)  # a ping or more: it reconnects to QM2, the unit of work gone with QM1 (recovered)
+            with pytest.raises(BackedOutError):
+                m.ack()
+            again = qb.get(timeout=30)
+            assert again.payload == {"task": "lost"} and again.delivery_info["redelivered"]
+            again.ack()
+    finally:
+        g.down()
