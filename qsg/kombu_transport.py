@@ -183,15 +183,24 @@ class QoS(virtual.QoS):
 
     def ack(self, delivery_tag: str) -> None:
         try:
-            self.channel.transport.settle(delivery_tag, commit=True)
+            self._open_transport("ack").settle(delivery_tag, commit=True)
         finally:
             self._quick_ack(delivery_tag)
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
         try:
-            self.channel.transport.settle(delivery_tag, commit=not requeue)
+            self._open_transport("reject").settle(delivery_tag, commit=not requeue)
         finally:
             self._quick_ack(delivery_tag)
+
+    def _open_transport(self, what: str) -> Transport:
+        """The transport of the channel, or a connection error when the channel was closed: closing it backed its
+        deliveries out, so an ack now acknowledges nothing (Celery logs "Couldn't ack" for a connection error)."""
+        transport: Transport | None = self.channel.connection
+        if transport is None:
+            raise BackedOutError(f"cfemu: {what} of a delivery whose channel was closed: closing it backed the "
+                                 "delivery out, and the message is delivered again")
+        return transport
 
     def restore_unacked(self) -> list[Any]:
         self._flush()

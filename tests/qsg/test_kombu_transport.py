@@ -359,3 +359,29 @@ def test_a_delivery_held_past_the_idle_timeout_stays_with_its_consumer(tmp_path:
             again.ack()
     finally:
         g.down()
+
+
+def test_an_ack_after_the_connection_closed_raises_a_connection_error(group: LocalGroup) -> None:
+    """Closing a connection backs its deliveries out; an ack or a reject of one afterwards (Celery's consumer
+    restarting while a late-acknowledged task still runs) raises one of the transport's connection errors, which
+    Celery reports ("Couldn't ack"), and the message is delivered again."""
+    _purge(group, ["kclosed"])
+    url = kt.members_url(members(group), group.token or "")
+    with kombu.Connection(url, transport_options=options(group)) as conn, closing(conn.SimpleQueue("kclosed")) as q:
+        q.put({"n": 1})
+        q.put({"n": 2})
+    conn = kombu.Connection(url, transport_options=options(group))
+    q = conn.SimpleQueue("kclosed")
+    first, second = q.get(timeout=5), q.get(timeout=5)
+    errors = conn.connection_errors
+    conn.close()
+    with pytest.raises(errors, match="channel was closed"):
+        first.ack()
+    with pytest.raises(errors, match="channel was closed"):
+        second.reject()
+    with kombu.Connection(url, transport_options=options(group)) as conn, closing(conn.SimpleQueue("kclosed")) as q:
+        again = [q.get(timeout=5), q.get(timeout=5)]
+        assert sorted(m.payload["n"] for m in again) == [1, 2]
+        assert all(m.delivery_info["redelivered"] for m in again)
+        for m in again:
+            m.ack()
