@@ -96,6 +96,8 @@ MAX_PRIORITY = 9
 CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
     OSError, QueueManagerUnavailableError, ConnectionLimitError, QuiescingError, ProtocolError, BackedOutError,
     OutcomeUnknownError, StructureFailedError, ResourceProblemError)
+# A commit that fails with one of these did not commit (or may not have: the unit of work is then left to the member).
+COMMIT_ERRORS: tuple[type[BaseException], ...] = (MQError, *CONNECTION_ERRORS)
 # A poll that meets one of these finds no message this time; the next poll tries again.
 TRANSIENT_GET_ERRORS: tuple[type[BaseException], ...] = CONNECTION_ERRORS
 
@@ -113,6 +115,43 @@ def _endpoint_of_url(url: str) -> tuple[str, int]:
             raise ValueError(f"bad cfemu URL {redact(url)!r}: use cfemu://:TOKEN@HOST:PORT/STRUCTURE")
         return str(p["hostname"]), int(p["port"])
     return parse_endpoint(url.rstrip("/"))
+
+
+def _count_option(opts: dict[str, Any], name: str, default: int) -> int:
+    """A transport option that counts (an int, or its text, at least 1): a bad one raises, naming it."""
+    value = opts.get(name, default)
+    try:
+        if isinstance(value, bool | float):
+            raise ValueError
+        n = int(value)
+    except (TypeError, ValueError):
+        n = 0
+    if n < 1:
+        raise ValueError(f"cfemu: transport option {name}={value!r}: not a whole number of at least 1")
+    return n
+
+
+def _seconds_option(opts: dict[str, Any], name: str, default: float, *, positive: bool = False) -> float:
+    """A transport option in seconds (a number, or its text; at least 0, or above 0 when ``positive``)."""
+    value = opts.get(name, default)
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = float("nan")
+    if not (seconds > 0 if positive else seconds >= 0) or seconds == float("inf"):
+        need = "above 0" if positive else "0 or more"
+        raise ValueError(f"cfemu: transport option {name}={value!r}: not a number of seconds {need}")
+    return seconds
+
+
+def _text_option(opts: dict[str, Any], name: str) -> str | None:
+    """A transport option that is text (a token, a name), or None when not given; a token is never shown."""
+    value = opts.get(name)
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"cfemu: transport option {name}: not text but {type(value).__name__}")
+    return value
 
 
 def _clamp_priority(value: Any) -> int:
@@ -322,7 +361,7 @@ class Channel(virtual.Channel):
         poison message alone on its queue went back to its head at every poll, its count climbing, never moved."""
         try:
             client.commit()
-        except (MQError, *CONNECTION_ERRORS) as e:  # backed out with the connection (closed by checkin): the next poll moves them again
+        except COMMIT_ERRORS as e:  # backed out with the connection (closed here): the next poll moves them again
             log.warning("cfemu: poison messages of %s moved to its backout queue, then the commit failed: %s",
                         queue, e)
             client.close()
@@ -413,13 +452,17 @@ class Transport(virtual.Transport):
     def __init__(self, client: Any, **kwargs: Any) -> None:
         super().__init__(client, **kwargs)
         opts = client.transport_options or {}
-        self.max_unacked = int(opts.get("max_unacked", DEFAULT_MAX_UNACKED))
-        self.size_limit = int(opts.get("size_limit", 1000))
-        self.keepalive_interval = float(opts.get("keepalive_interval", DEFAULT_KEEPALIVE_INTERVAL))
+        self.max_unacked = _count_option(opts, "max_unacked", DEFAULT_MAX_UNACKED)
+        self.size_limit = _count_option(opts, "size_limit", 1000)
+        self.keepalive_interval = _seconds_option(opts, "keepalive_interval", DEFAULT_KEEPALIVE_INTERVAL)
+        _seconds_option(opts, "polling_interval", self.polling_interval)  # kombu's own: checked here all the same
         self._client_args = self._client_arguments(client, opts)
-        self._operator_token: str | None = opts.get("operator_token")
+        self._operator_token = _text_option(opts, "operator_token")
         vhost = (client.virtual_host or "").strip("/")
-        self.structure = check_name("structure", vhost or opts.get("structure", DEFAULT_STRUCTURE))
+        try:
+            self.structure = check_name("structure", vhost or _text_option(opts, "structure") or DEFAULT_STRUCTURE)
+        except ValueError as e:
+            raise ValueError(f"cfemu: {e} (the URL's virtual host, or transport option structure)") from None
         self._lock = threading.Lock()
         self._idle: list[Client] = []
         self._held: dict[str, Client] = {}
@@ -441,17 +484,30 @@ class Transport(virtual.Transport):
         endpoints: list[tuple[str, int]] = []
         if conninfo.hostname and conninfo.port:
             endpoints.append((str(conninfo.hostname), int(conninfo.port)))
-        for alt in [*(conninfo.alt or ()), *opts.get("endpoints", ())]:
+        more = opts.get("endpoints", ())
+        if isinstance(more, str):
+            more = [more]
+        if not isinstance(more, list | tuple):
+            raise ValueError(f"cfemu: transport option endpoints={redact(repr(more))}: not a list of 'HOST:PORT'")
+        for alt in conninfo.alt or ():
             ep = _endpoint_of_url(alt) if isinstance(alt, str) else parse_endpoint(alt)
+            if ep not in endpoints:
+                endpoints.append(ep)
+        for alt in more:
+            try:
+                ep = _endpoint_of_url(alt) if isinstance(alt, str) else parse_endpoint(alt)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"cfemu: transport option endpoints: {redact(str(e))}") from None
             if ep not in endpoints:
                 endpoints.append(ep)
         if not endpoints:
             raise ValueError("cfemu: no member given: use cfemu://:TOKEN@HOST:PORT/")
-        token = conninfo.password or opts.get("token") or os.environ.get(ENV_TOKEN)
-        args: dict[str, Any] = {"endpoints": endpoints, "token": token, "client_name": opts.get("client_name", "kombu"),
-                                "connect_timeout": float(opts.get("connect_timeout", conninfo.connect_timeout or 5)),
-                                "request_timeout": float(opts.get("request_timeout", 30.0)),
-                                "reconnect_timeout": float(opts.get("reconnect_timeout", 15.0))}
+        token = conninfo.password or _text_option(opts, "token") or os.environ.get(ENV_TOKEN)
+        args: dict[str, Any] = {
+            "endpoints": endpoints, "token": token, "client_name": _text_option(opts, "client_name") or "kombu",
+            "connect_timeout": _seconds_option(opts, "connect_timeout", conninfo.connect_timeout or 5, positive=True),
+            "request_timeout": _seconds_option(opts, "request_timeout", 30.0, positive=True),
+            "reconnect_timeout": _seconds_option(opts, "reconnect_timeout", 15.0)}
         ssl = conninfo.ssl
         if ssl:
             if isinstance(ssl, dict):
@@ -524,14 +580,6 @@ class Transport(virtual.Transport):
         if self._poll_failing:
             log.warning("cfemu: polls are answered again")
         self._poll_failing = False
-        # Deliveries whose unit of work a keepalive found backed out (its connection lost): tag -> why.
-        self._lost: dict[str, str] = {}
-        # Held by a keepalive across the ping of a held connection and the look at its unit of work after it, and by
-        # a settle as it takes the delivery's connection: a ping that reconnected (its unit of work gone with the old
-        # connection) is seen before a commit could run on the new connection and report the delivery acknowledged.
-        self._alive_lock = threading.Lock()
-        self._keepalive: threading.Thread | None = None
-        self._keepalive_stop = threading.Event()
 
     def hold(self, tag: str, client: Client) -> None:
         with self._lock:

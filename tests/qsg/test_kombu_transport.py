@@ -385,3 +385,41 @@ def test_an_ack_after_the_connection_closed_raises_a_connection_error(group: Loc
         assert all(m.delivery_info["redelivered"] for m in again)
         for m in again:
             m.ack()
+
+
+@pytest.mark.parametrize("option, value, said", [
+    ("max_unacked", 0, "max_unacked=0: not a whole number of at least 1"),
+    ("max_unacked", -1, "max_unacked=-1: not a whole number of at least 1"),
+    ("max_unacked", "abc", "max_unacked='abc': not a whole number of at least 1"),
+    ("max_unacked", 2.5, "max_unacked=2.5: not a whole number of at least 1"),
+    ("size_limit", None, "size_limit=None: not a whole number of at least 1"),
+    ("keepalive_interval", -1, "keepalive_interval=-1: not a number of seconds 0 or more"),
+    ("polling_interval", "soon", "polling_interval='soon': not a number of seconds 0 or more"),
+    ("request_timeout", 0, "request_timeout=0: not a number of seconds above 0"),
+    ("connect_timeout", "x", "connect_timeout='x': not a number of seconds above 0"),
+    ("reconnect_timeout", float("nan"), "reconnect_timeout=nan: not a number of seconds 0 or more"),
+    ("endpoints", 7, "endpoints=7: not a list of 'HOST:PORT'"),
+    ("endpoints", ["nohost"], "endpoints: "),
+    ("operator_token", 123, "operator_token: not text but int"),
+    ("client_name", ["k"], "client_name: not text but list"),
+])
+def test_a_bad_transport_option_is_refused_naming_it(group: LocalGroup, option: str, value: Any, said: str) -> None:
+    """Each transport option is checked when the connection is made: a bad one is one line naming the option and
+    its value (max_unacked=0 received nothing, silently; max_unacked='abc' said only "invalid literal for int()")."""
+    url = kt.members_url(members(group), group.token or "")
+    conn = kombu.Connection(url, transport_options=options(group, **{option: value}))
+    with pytest.raises(ValueError) as raised:
+        conn.connect()
+    assert f"cfemu: transport option {said}" in str(raised.value) and "\n" not in str(raised.value)
+    conn.release()
+
+
+def test_good_transport_options_given_as_text_are_taken(group: LocalGroup) -> None:
+    url = kt.members_url(members(group), group.token or "")
+    opts = options(group, max_unacked="2", size_limit="10", keepalive_interval="0", request_timeout="5",
+                   endpoints=f"127.0.0.1:{members(group)[1][1]}")
+    with kombu.Connection(url, transport_options=opts) as conn:
+        t = conn.transport
+        conn.connect()
+        assert (t.max_unacked, t.size_limit, t.keepalive_interval) == (2, 10, 0.0)
+        assert t._client_args["request_timeout"] == 5.0 and len(t._client_args["endpoints"]) == 2
