@@ -169,8 +169,8 @@ _ENVELOPE_TYPES: dict[str, tuple[type, ...]] = {
 
 def _envelope(m: MQMessage) -> tuple[dict[str, Any], str]:
     """The envelope ``m`` carries ({} when it has none), or ({}, the problem) when its property is not one that
-    _put writes: JSON text of an object with those fields of those types, no body encoding of its own (the body
-    is the MQ message's as it is), and a text body that decodes as UTF-8."""
+    _put writes: JSON text of an object with those fields of those types, and no body encoding of its own (the
+    body is the MQ message's as it is). Whether a text body decodes is _payload's to see (it decodes it)."""
     raw = m.properties.get(ENVELOPE_PROPERTY)
     if raw is None:
         return {}, ""
@@ -190,8 +190,6 @@ def _envelope(m: MQMessage) -> tuple[dict[str, Any], str]:
         return {}, f"its delivery_info is {type(props.get('delivery_info')).__name__}"
     if props.get("body_encoding") is not None:
         return {}, f"its body_encoding is {props.get('body_encoding')!r}"
-    if env.get("text") and not _is_utf8(m.body):
-        return {}, "its body is said to be text, and is not UTF-8"
     return env, ""
 
 
@@ -376,10 +374,15 @@ class Channel(virtual.Channel):
         for the consumer to settle; it never stops the consumer's polls). Without an envelope the body is kombu's
         untyped data: text when it is UTF-8, else bytes (encoding "binary", which kombu does not decode)."""
         envelope, problem = _envelope(m)
+        body: bytes | str = m.body
+        if envelope.get("text"):
+            try:
+                body = m.body.decode()
+            except UnicodeDecodeError:
+                envelope, problem = {}, "its body is said to be text, and is not UTF-8"
         if problem:
             log.warning("cfemu: message %s on %s has a bad %r property (%s): delivered without kombu's envelope",
                         m.msgid.hex(), queue, ENVELOPE_PROPERTY, problem)
-        body: bytes | str = m.body.decode() if envelope.get("text") else m.body
         props = dict(envelope.get("properties") or {})
         props["delivery_tag"] = tag
         props["priority"] = m.priority
@@ -615,10 +618,13 @@ class Transport(virtual.Transport):
                 client.ping()
             except Exception as e:  # the member gone: the unit of work is gone with the connection
                 problem = str(e) or type(e).__name__
-            if client.uow_open:
-                return
             with self._lock:
                 if self._held.get(tag) is not client:
+                    # The kombu connection closed meanwhile (a settle waits for this lock): its clients are closed,
+                    # and this one again, should the ping have reconnected it.
+                    client.close()
+                    return
+                if client.uow_open:
                     return
                 del self._held[tag]
                 why = self._lost[tag] = problem or "the connection was lost, and the ping went to a new one"
