@@ -135,14 +135,14 @@ def test_a_celery_worker_survives_a_message_with_a_bad_envelope(tmp_path: Path) 
         options = {"operator_token": g.operator_token, "polling_interval": 0.1}
         db_path = tmp_path / "tasks.db"
         celery_app.open_db(str(db_path)).close()
-        celery_app.app.conf.broker_url = url
-        celery_app.app.conf.broker_transport_options = options
-        with celery_app.app.connection_for_write() as conn:  # declares the task queue (the operator token)
-            conn.SimpleQueue(celery_app.QUEUE).close()
-        with Client(members, token=g.token) as c:
-            c.put(celery_app.QUEUE, b"from an MQ app", syncpoint=False, properties={"kombu": "notjson"})
-        for n in range(5):
-            celery_app.record.apply_async((n, str(db_path)), kwargs={"seconds": 0.05}, retry=True)
+        # A connection of its own: the app's producer pool may hold one to another test's group, since gone.
+        with celery_app.app.connection_for_write(url, transport_options=options) as conn:
+            conn.SimpleQueue(celery_app.QUEUE).close()  # declares the task queue (the operator token)
+            with Client(members, token=g.token) as c:
+                c.put(celery_app.QUEUE, b"from an MQ app", syncpoint=False, properties={"kombu": "notjson"})
+            for n in range(5):
+                celery_app.record.apply_async((n, str(db_path)), kwargs={"seconds": 0.05}, retry=True,
+                                              connection=conn)
         env = {**os.environ, "PYTHONPATH": str(ROOT), "CFEMU_CELERY_BROKER": url,
                "CFEMU_CELERY_OPTIONS": json.dumps(options)}
         with worker_log.open("wb") as out:
