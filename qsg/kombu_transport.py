@@ -24,7 +24,9 @@ The rules (docs/kombu.md says why):
   recovery) backs them out: a message is never lost, and is delivered again until one consumer acknowledges it
   (at-least-once: a consumer that dies after its work and before its ack has it done twice).
 * One connection per unacknowledged delivery (idle ones are pooled): kombu's prefetch is how many a channel holds
-  at once (``prefetch_count``, or ``max_unacked`` when the consumer sets none).
+  at once (``prefetch_count``, at most ``max_unacked``, which also applies when the consumer sets none).
+* A held delivery's connection is pinged every ``keepalive_interval`` seconds (60), so that the member does not close
+  it as idle (its ``--idle-timeout``) and back the delivery out while its consumer still works on it.
 * Failover: every request fails over across all the members the URL names (the client's own failover: a unit of
   work open on a member that died is reported backed out, never guessed). Connecting checks the member of kombu's
   current URL, so kombu moves along its failover list when that one does not answer.
@@ -85,12 +87,17 @@ ENVELOPE_PROPERTY = "kombu"
 DEFAULT_MAX_UNACKED = 16
 # Idle connections a kombu connection keeps for its next deliveries.
 IDLE_CLIENTS = 8
+# Seconds between the pings that keep a held delivery's connection from the member's idle timeout (sqm run
+# --idle-timeout, an hour by default), which would close it and so back the delivery out under its consumer.
+DEFAULT_KEEPALIVE_INTERVAL = 60.0
 MAX_PRIORITY = 9
 
 # A member or the CF not answering: the request is retried (a publish) or the poll finds nothing this time (a get).
 CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
     OSError, QueueManagerUnavailableError, ConnectionLimitError, QuiescingError, ProtocolError, BackedOutError,
     OutcomeUnknownError, StructureFailedError, ResourceProblemError)
+# A commit that fails with one of these did not commit (or may not have: the unit of work is then left to the member).
+COMMIT_ERRORS: tuple[type[BaseException], ...] = (MQError, *CONNECTION_ERRORS)
 # A poll that meets one of these finds no message this time; the next poll tries again.
 TRANSIENT_GET_ERRORS: tuple[type[BaseException], ...] = CONNECTION_ERRORS
 
@@ -110,6 +117,43 @@ def _endpoint_of_url(url: str) -> tuple[str, int]:
     return parse_endpoint(url.rstrip("/"))
 
 
+def _count_option(opts: dict[str, Any], name: str, default: int) -> int:
+    """A transport option that counts (an int, or its text, at least 1): a bad one raises, naming it."""
+    value = opts.get(name, default)
+    try:
+        if isinstance(value, bool | float):
+            raise ValueError
+        n = int(value)
+    except (TypeError, ValueError):
+        n = 0
+    if n < 1:
+        raise ValueError(f"cfemu: transport option {name}={value!r}: not a whole number of at least 1")
+    return n
+
+
+def _seconds_option(opts: dict[str, Any], name: str, default: float, *, positive: bool = False) -> float:
+    """A transport option in seconds (a number, or its text; at least 0, or above 0 when ``positive``)."""
+    value = opts.get(name, default)
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = float("nan")
+    if not (seconds > 0 if positive else seconds >= 0) or seconds == float("inf"):
+        need = "above 0" if positive else "0 or more"
+        raise ValueError(f"cfemu: transport option {name}={value!r}: not a number of seconds {need}")
+    return seconds
+
+
+def _text_option(opts: dict[str, Any], name: str) -> str | None:
+    """A transport option that is text (a token, a name), or None when not given; a token is never shown."""
+    value = opts.get(name)
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"cfemu: transport option {name}: not text but {type(value).__name__}")
+    return value
+
+
 def _clamp_priority(value: Any) -> int:
     try:
         return max(0, min(MAX_PRIORITY, int(value)))
@@ -117,30 +161,83 @@ def _clamp_priority(value: Any) -> int:
         return 0
 
 
+# The envelope's fields and the types _put writes (None: absent).
+_ENVELOPE_TYPES: dict[str, tuple[type, ...]] = {
+    "content-type": (str, type(None)), "content-encoding": (str, type(None)), "headers": (dict, type(None)),
+    "properties": (dict, type(None)), "text": (bool, type(None))}
+
+
+def _envelope(m: MQMessage) -> tuple[dict[str, Any], str]:
+    """The envelope ``m`` carries ({} when it has none), or ({}, the problem) when its property is not one that
+    _put writes: JSON text of an object with those fields of those types, and no body encoding of its own (the
+    body is the MQ message's as it is). Whether a text body decodes is _payload's to see (it decodes it)."""
+    raw = m.properties.get(ENVELOPE_PROPERTY)
+    if raw is None:
+        return {}, ""
+    if not isinstance(raw, str):
+        return {}, f"not text but {type(raw).__name__}"
+    try:
+        env = loads(raw)
+    except Exception as e:  # not JSON, or JSON kombu's decoding hooks refuse (a tagged value that is not one)
+        return {}, f"not kombu's JSON: {e}"
+    if not isinstance(env, dict):
+        return {}, f"JSON {type(env).__name__}, not an object"
+    for name, types in _ENVELOPE_TYPES.items():
+        if not isinstance(env.get(name), types):
+            return {}, f"its {name!r} is {type(env.get(name)).__name__}"
+    props = env.get("properties") or {}
+    if not isinstance(props.get("delivery_info"), dict | None):
+        return {}, f"its delivery_info is {type(props.get('delivery_info')).__name__}"
+    if props.get("body_encoding") is not None:
+        return {}, f"its body_encoding is {props.get('body_encoding')!r}"
+    return env, ""
+
+
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
 class QoS(virtual.QoS):
     """Settles each delivery's unit of work: ack commits it, reject backs it out (requeue) or commits it (drop),
     and what is unacknowledged when the channel closes is backed out (never re-put: the message is still in its
     unit of work, and backing out returns it)."""
 
+    def _limit(self) -> int:
+        """Unacknowledged deliveries the channel may hold: the prefetch count, never more than ``max_unacked`` (each
+        holds a connection to a member, which counts them against its connections per address)."""
+        cap: int = self.channel.transport.max_unacked
+        return min(self.prefetch_count or cap, cap)
+
     def can_consume(self) -> bool:
-        limit = self.prefetch_count or self.channel.transport.max_unacked
-        return len(self._delivered) - len(self._dirty) < limit
+        return len(self._delivered) - len(self._dirty) < self._limit()
 
     def can_consume_max_estimate(self) -> int:
-        limit = self.prefetch_count or self.channel.transport.max_unacked
-        return max(limit - (len(self._delivered) - len(self._dirty)), 0)
+        return max(self._limit() - (len(self._delivered) - len(self._dirty)), 0)
 
     def ack(self, delivery_tag: str) -> None:
         try:
-            self.channel.transport.settle(delivery_tag, commit=True)
+            self._open_transport("ack").settle(delivery_tag, commit=True)
         finally:
             self._quick_ack(delivery_tag)
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
         try:
-            self.channel.transport.settle(delivery_tag, commit=not requeue)
+            self._open_transport("reject").settle(delivery_tag, commit=not requeue)
         finally:
             self._quick_ack(delivery_tag)
+
+    def _open_transport(self, what: str) -> Transport:
+        """The transport of the channel, or a connection error when the channel was closed: closing it backed its
+        deliveries out, so an ack now acknowledges nothing (Celery logs "Couldn't ack" for a connection error)."""
+        transport: Transport | None = self.channel.connection
+        if transport is None:
+            raise BackedOutError(f"cfemu: {what} of a delivery whose channel was closed: closing it backed the "
+                                 "delivery out, and the message is delivered again")
+        return transport
 
     def restore_unacked(self) -> list[Any]:
         self._flush()
@@ -218,8 +315,10 @@ class Channel(virtual.Channel):
         try:
             m = client.get(queue, wait_ms=0)
         except NoMessageError:
-            t.checkin(client)
             t.polls_answered()
+            if client.uow_open:
+                self._commit_backout_moves(client, queue)
+            t.checkin(client)
             raise Empty() from None
         except TRANSIENT_GET_ERRORS as e:
             client.close()
@@ -230,12 +329,7 @@ class Channel(virtual.Channel):
             raise
         t.polls_answered()
         tag = uuid.uuid4().hex
-        try:
-            payload = self._payload(m, queue, tag)
-        except BaseException:
-            # Not a kombu message (an MQ application put it): back it out, and say so; it stays on the queue.
-            client.close()
-            raise
+        payload = self._payload(m, queue, tag)
         if no_ack:
             try:
                 client.commit()
@@ -258,11 +352,38 @@ class Channel(virtual.Channel):
         return payload
 
     @staticmethod
+    def _commit_backout_moves(client: Client, queue: str) -> None:
+        """A get that found no message with its unit of work open: the get moved poison messages (backout count at
+        the queue's threshold) to the backout queue on its way, and that is all the unit of work holds (the
+        connection came from the pool with none). Committed, so that they reach the backout queue: backed out, a
+        poison message alone on its queue went back to its head at every poll, its count climbing, never moved."""
+        try:
+            client.commit()
+        except COMMIT_ERRORS as e:  # backed out with the connection (closed here): the next poll moves them again
+            log.warning("cfemu: poison messages of %s moved to its backout queue, then the commit failed: %s",
+                        queue, e)
+            client.close()
+            return
+        log.warning("cfemu: poison messages of %s (backout count at its threshold) moved to its backout queue",
+                    queue)
+
+    @staticmethod
     def _payload(m: MQMessage, queue: str, tag: str) -> dict[str, Any]:
-        raw = m.properties.get(ENVELOPE_PROPERTY)
-        env: dict[str, Any] = loads(raw) if isinstance(raw, str) else {}
-        body: bytes | str = m.body.decode() if env.get("text") else m.body
-        props = dict(env.get("properties") or {})
+        """kombu's message for ``m``: its envelope applied, or none when ``m`` has none or a bad one (any application
+        may put any property: a bad envelope is said, and the message delivered as an MQ application's message is,
+        for the consumer to settle; it never stops the consumer's polls). Without an envelope the body is kombu's
+        untyped data: text when it is UTF-8, else bytes (encoding "binary", which kombu does not decode)."""
+        envelope, problem = _envelope(m)
+        body: bytes | str = m.body
+        if envelope.get("text"):
+            try:
+                body = m.body.decode()
+            except UnicodeDecodeError:
+                envelope, problem = {}, "its body is said to be text, and is not UTF-8"
+        if problem:
+            log.warning("cfemu: message %s on %s has a bad %r property (%s): delivered without kombu's envelope",
+                        m.msgid.hex(), queue, ENVELOPE_PROPERTY, problem)
+        props = dict(envelope.get("properties") or {})
         props["delivery_tag"] = tag
         props["priority"] = m.priority
         info = dict(props.get("delivery_info") or {})
@@ -270,9 +391,9 @@ class Channel(virtual.Channel):
         info.setdefault("exchange", "")
         info["redelivered"] = m.backout_count > 0
         props["delivery_info"] = info
-        return {"body": body, "content-type": env.get("content-type"),
-                "content-encoding": env.get("content-encoding"), "headers": env.get("headers") or {},
-                "properties": props}
+        encoding = envelope.get("content-encoding") if envelope else None if _is_utf8(m.body) else "binary"
+        return {"body": body, "content-type": envelope.get("content-type"), "content-encoding": encoding,
+                "headers": envelope.get("headers") or {}, "properties": props}
 
     # --- publishing ----------------------------------------------------------------------------------------------
     def _put(self, queue: str, message: dict[str, Any], **kwargs: Any) -> None:
@@ -334,18 +455,31 @@ class Transport(virtual.Transport):
     def __init__(self, client: Any, **kwargs: Any) -> None:
         super().__init__(client, **kwargs)
         opts = client.transport_options or {}
-        self.max_unacked = int(opts.get("max_unacked", DEFAULT_MAX_UNACKED))
-        self.size_limit = int(opts.get("size_limit", 1000))
+        self.max_unacked = _count_option(opts, "max_unacked", DEFAULT_MAX_UNACKED)
+        self.size_limit = _count_option(opts, "size_limit", 1000)
+        self.keepalive_interval = _seconds_option(opts, "keepalive_interval", DEFAULT_KEEPALIVE_INTERVAL)
+        _seconds_option(opts, "polling_interval", self.polling_interval)  # kombu's own: checked here all the same
         self._client_args = self._client_arguments(client, opts)
-        self._operator_token: str | None = opts.get("operator_token")
+        self._operator_token = _text_option(opts, "operator_token")
         vhost = (client.virtual_host or "").strip("/")
-        self.structure = check_name("structure", vhost or opts.get("structure", DEFAULT_STRUCTURE))
+        try:
+            self.structure = check_name("structure", vhost or _text_option(opts, "structure") or DEFAULT_STRUCTURE)
+        except ValueError as e:
+            raise ValueError(f"cfemu: {e} (the URL's virtual host, or transport option structure)") from None
         self._lock = threading.Lock()
         self._idle: list[Client] = []
         self._held: dict[str, Client] = {}
         self._producer: Client | None = None
         self._known: set[str] = set()
         self._poll_failing = False
+        # Deliveries whose unit of work a keepalive found backed out (its connection lost): tag -> why.
+        self._lost: dict[str, str] = {}
+        # Held by a keepalive across the ping of a held connection and the look at its unit of work after it, and by
+        # a settle as it takes the delivery's connection: a ping that reconnected (its unit of work gone with the old
+        # connection) is seen before a commit could run on the new connection and report the delivery acknowledged.
+        self._alive_lock = threading.Lock()
+        self._keepalive: threading.Thread | None = None
+        self._keepalive_stop = threading.Event()
 
     @staticmethod
     def _client_arguments(conninfo: Any, opts: dict[str, Any]) -> dict[str, Any]:
@@ -353,17 +487,30 @@ class Transport(virtual.Transport):
         endpoints: list[tuple[str, int]] = []
         if conninfo.hostname and conninfo.port:
             endpoints.append((str(conninfo.hostname), int(conninfo.port)))
-        for alt in [*(conninfo.alt or ()), *opts.get("endpoints", ())]:
+        more = opts.get("endpoints", ())
+        if isinstance(more, str):
+            more = [more]
+        if not isinstance(more, list | tuple):
+            raise ValueError(f"cfemu: transport option endpoints={redact(repr(more))}: not a list of 'HOST:PORT'")
+        for alt in conninfo.alt or ():
             ep = _endpoint_of_url(alt) if isinstance(alt, str) else parse_endpoint(alt)
+            if ep not in endpoints:
+                endpoints.append(ep)
+        for alt in more:
+            try:
+                ep = _endpoint_of_url(alt) if isinstance(alt, str) else parse_endpoint(alt)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"cfemu: transport option endpoints: {redact(str(e))}") from None
             if ep not in endpoints:
                 endpoints.append(ep)
         if not endpoints:
             raise ValueError("cfemu: no member given: use cfemu://:TOKEN@HOST:PORT/")
-        token = conninfo.password or opts.get("token") or os.environ.get(ENV_TOKEN)
-        args: dict[str, Any] = {"endpoints": endpoints, "token": token, "client_name": opts.get("client_name", "kombu"),
-                                "connect_timeout": float(opts.get("connect_timeout", conninfo.connect_timeout or 5)),
-                                "request_timeout": float(opts.get("request_timeout", 30.0)),
-                                "reconnect_timeout": float(opts.get("reconnect_timeout", 15.0))}
+        token = conninfo.password or _text_option(opts, "token") or os.environ.get(ENV_TOKEN)
+        args: dict[str, Any] = {
+            "endpoints": endpoints, "token": token, "client_name": _text_option(opts, "client_name") or "kombu",
+            "connect_timeout": _seconds_option(opts, "connect_timeout", conninfo.connect_timeout or 5, positive=True),
+            "request_timeout": _seconds_option(opts, "request_timeout", 30.0, positive=True),
+            "reconnect_timeout": _seconds_option(opts, "reconnect_timeout", 15.0)}
         ssl = conninfo.ssl
         if ssl:
             if isinstance(ssl, dict):
@@ -391,9 +538,11 @@ class Transport(virtual.Transport):
         try:
             super().close_connection(connection)
         finally:
+            self._keepalive_stop.set()
             with self._lock:
                 clients = [*self._idle, *self._held.values(), *([self._producer] if self._producer else [])]
                 self._idle, self._held, self._producer = [], {}, None
+                self._lost.clear()
             for c in clients:
                 c.close()  # a unit of work still open is backed out by the member
 
@@ -438,13 +587,63 @@ class Transport(virtual.Transport):
     def hold(self, tag: str, client: Client) -> None:
         with self._lock:
             self._held[tag] = client
+            keepalive = self._keepalive
+            if self.keepalive_interval and (keepalive is None or not keepalive.is_alive()
+                                            or self._keepalive_stop.is_set()):
+                self._keepalive_stop = threading.Event()
+                self._keepalive = threading.Thread(target=self._keep_alive, args=(self._keepalive_stop,),
+                                                   name="cfemu-keepalive", daemon=True)
+                self._keepalive.start()
+
+    def _keep_alive(self, stop: threading.Event) -> None:
+        """Until the kombu connection closes: ping each held delivery's connection every ``keepalive_interval``, so
+        that the member never closes it as idle while its consumer works on the message (a Celery task longer than
+        the idle timeout, a task with an ETA): closed, its unit of work would be backed out and the message
+        delivered to another consumer while the first one still works on it."""
+        while not stop.wait(self.keepalive_interval):
+            with self._lock:
+                held = list(self._held.items())
+            for tag, client in held:
+                if stop.is_set():
+                    return
+                self._ping_held(tag, client)
+
+    def _ping_held(self, tag: str, client: Client) -> None:
+        with self._alive_lock:
+            with self._lock:
+                if self._held.get(tag) is not client:
+                    return  # settled meanwhile
+            problem = ""
+            try:
+                client.ping()
+            except Exception as e:  # the member gone: the unit of work is gone with the connection
+                problem = str(e) or type(e).__name__
+            with self._lock:
+                if self._held.get(tag) is not client:
+                    # The kombu connection closed meanwhile (a settle waits for this lock): its clients are closed,
+                    # and this one again, should the ping have reconnected it.
+                    client.close()
+                    return
+                if client.uow_open:
+                    return
+                del self._held[tag]
+                why = self._lost[tag] = problem or "the connection was lost, and the ping went to a new one"
+        client.close()
+        log.warning("cfemu: a held delivery's connection was lost (%s): its unit of work was backed out, and the "
+                    "message is delivered again; its ack will raise", why)
 
     def settle(self, tag: str, *, commit: bool) -> None:
         """End the unit of work of a delivery: commit it (ack, or reject without requeue) or back it out. A commit
         that fails raises (BackedOutError: the message comes back; OutcomeUnknownError: it may have); a backout
         that fails needs nothing more: the member backs the unit of work out when its connection drops."""
-        with self._lock:
+        with self._alive_lock, self._lock:
             client = self._held.pop(tag, None)
+            lost = self._lost.pop(tag, None)
+        if lost is not None:
+            if commit:
+                raise BackedOutError(f"cfemu: the delivery's connection was lost while it was held ({lost}): its "
+                                     "unit of work was backed out, and the message is delivered again")
+            return
         if client is None:
             return  # settled already, or its connection was closed (backed out)
         try:

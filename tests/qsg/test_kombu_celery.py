@@ -5,7 +5,8 @@ supervisor restarts it and a member restores the structure by itself, RECAUTO).
 What is checked: every task completes, and its effect happens once. The transport delivers at least once: a task
 whose acknowledgement (the commit of its delivery's unit of work) was lost with the member or the CF runs again,
 so the task is idempotent by its task id (tests/qsg/celery_app.py): ``done`` holds one row per task, ``runs``
-every run, and the runs past one are printed.
+every run, and the runs past one are printed. Then a worker meeting an MQ application's message whose ``kombu``
+property is not the transport's envelope: it deletes that one and runs the tasks behind it.
 """
 
 from __future__ import annotations
@@ -118,4 +119,56 @@ def test_a_celery_worker_completes_every_task_once_through_a_member_kill_and_a_c
                 pass
             worker.wait(timeout=10)
             print(worker_log.read_text(errors="replace")[-6000:])
+        g.down()
+
+
+def test_a_celery_worker_survives_a_message_with_a_bad_envelope(tmp_path: Path) -> None:
+    """An MQ application's message on the worker's queue whose ``kombu`` user property is not the transport's
+    envelope (a REST POST with the header ``ibm-mq-usr-kombu: notjson``): the worker deletes it as an unknown
+    message and runs the tasks behind it (the poll raised JSONDecodeError, and the worker exited at every start)."""
+    g = LocalGroup.up(tmp_path / "g", managers=1, backup_interval=None)
+    worker: subprocess.Popen[bytes] | None = None
+    worker_log = tmp_path / "worker.log"
+    try:
+        members = [(h, p) for _, h, p in g.endpoints]
+        url = kt.members_url(members, g.token or "")
+        options = {"operator_token": g.operator_token, "polling_interval": 0.1}
+        db_path = tmp_path / "tasks.db"
+        celery_app.open_db(str(db_path)).close()
+        # A connection of its own: the app's producer pool may hold one to another test's group, since gone.
+        with celery_app.app.connection_for_write(url, transport_options=options) as conn:
+            conn.SimpleQueue(celery_app.QUEUE).close()  # declares the task queue (the operator token)
+            with Client(members, token=g.token) as c:
+                c.put(celery_app.QUEUE, b"from an MQ app", syncpoint=False, properties={"kombu": "notjson"})
+            for n in range(5):
+                celery_app.record.apply_async((n, str(db_path)), kwargs={"seconds": 0.05}, retry=True,
+                                              connection=conn)
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "CFEMU_CELERY_BROKER": url,
+               "CFEMU_CELERY_OPTIONS": json.dumps(options)}
+        with worker_log.open("wb") as out:
+            worker = subprocess.Popen(
+                [sys.executable, "-m", "celery", "-A", "tests.qsg.celery_app", "worker", "--pool", "solo",
+                 "--without-gossip", "--without-mingle", "--without-heartbeat", "-Q", celery_app.QUEUE,
+                 "--loglevel", "INFO"],
+                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        _wait("the five tasks done", lambda: _count(db_path, "done") >= 5 or worker.poll() is not None, 120)
+        assert worker.poll() is None, worker_log.read_text(errors="replace")[-3000:]
+        assert _count(db_path, "done") == 5
+        log = worker_log.read_text(errors="replace")
+        assert "has a bad 'kombu' property" in log and "unknown message" in log
+        with Client(members, token=g.token) as c:
+            _wait("the queue empty", lambda: not list(c.browse(celery_app.QUEUE)), 10)
+    finally:
+        if worker is not None:
+            if worker.poll() is None:
+                worker.send_signal(signal.SIGTERM)
+                try:
+                    worker.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    pass
+            try:
+                os.killpg(worker.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            worker.wait(timeout=10)
         g.down()

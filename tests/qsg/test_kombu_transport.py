@@ -249,3 +249,177 @@ def test_a_bad_url_is_refused_naming_it_without_its_token() -> None:
     with pytest.raises(ValueError, match=r"bad cfemu URL 'cfemu://:\*\*\*@otherhost/APP1'") as raised:
         kombu.Connection(url).connect()
     assert "S3CRET" not in str(raised.value)
+
+
+@pytest.mark.parametrize("raw, body", [
+    ("notjson", b"from an MQ app"),  # an MQ application's (a REST POST's header ibm-mq-usr-kombu: notjson)
+    ("[1]", b"x"),
+    ('{"properties": "x"}', b"x"),
+    ('{"headers": [1], "text": false}', b"x"),
+    ('{"properties": {"body_encoding": "base64"}}', b"not base64 at all!"),
+    ('{"text": true}', b"\xff\xfe not UTF-8"),
+], ids=["not-json", "a-list", "properties-text", "headers-list", "body-encoding", "text-not-utf8"])
+def test_a_bad_envelope_is_delivered_without_it_and_said(group: LocalGroup, caplog: pytest.LogCaptureFixture,
+                                                         raw: str, body: bytes) -> None:
+    """Any application may put any user property: a ``kombu`` property that is not the envelope _put writes is
+    delivered as a message without an envelope (a warning names the queue and the message), and the consumer
+    goes on to the next message; it never raises out of a poll (a Celery worker died of it, at every restart)."""
+    _purge(group, ["kbad"])
+    url = kt.members_url(members(group), group.token or "")
+    with kombu.Connection(url, transport_options=options(group)) as conn, closing(conn.SimpleQueue("kbad")) as q:
+        with Client(members(group), token=group.token) as c:
+            bad = c.put("kbad", body, syncpoint=False, properties={"kombu": raw})
+        q.put({"n": 1})
+        with caplog.at_level("WARNING", logger="qsg.kombu_transport"):
+            m = q.get(timeout=5)
+        assert (m.body, m.content_type, m.headers) == (body, None, {})
+        assert m.payload == (body if body.startswith(b"\xff") else body.decode())  # bytes when not UTF-8
+        assert f"message {bad.msgid.hex()} on kbad has a bad 'kombu' property" in caplog.text
+        m.ack()
+        assert q.get(timeout=5).payload == {"n": 1}
+
+
+def test_a_poison_message_alone_on_its_queue_reaches_its_backout_queue(group: LocalGroup) -> None:
+    """Requeued up to the queue's backout threshold, the message is moved to its backout queue by the next poll,
+    and stays moved: the poll that moved it and then found nothing commits the move (backed out with its
+    connection, the message went back to its queue at every poll, its backout count climbing for ever)."""
+    with Client(members(group), token=group.operator_token, role="operator") as admin:
+        for name, threshold, boq in (("kpoisbo", 0, ""), ("kpois", 3, "kpoisbo")):
+            admin.define_queue(name, "APP1", backout_threshold=threshold, backout_queue=boq, replace=True)
+    _purge(group, ["kpois", "kpoisbo"])
+    url = kt.members_url(members(group), group.token or "")
+    with kombu.Connection(url, transport_options=options(group)) as conn, closing(conn.SimpleQueue("kpois")) as q:
+        q.put({"poison": 1})
+        for _ in range(3):
+            q.get(timeout=5).requeue()
+        with pytest.raises(q.Empty):
+            q.get(timeout=1)
+        with Client(members(group), token=group.token) as c:
+            assert list(c.browse("kpois")) == []
+            (moved,) = c.browse("kpoisbo")
+            assert (moved.body, moved.backout_count) == (b'{"poison": 1}', 3)
+
+
+def test_a_prefetch_count_above_max_unacked_holds_max_unacked(group: LocalGroup) -> None:
+    """Each unacknowledged delivery holds a connection to a member: a consumer's prefetch count never takes more
+    than ``max_unacked`` of them (a prefetch of 200 held 127 connections, and the member's connection limit per
+    address then refused every other application of the host)."""
+    _purge(group, ["kpref"])
+    url = kt.members_url(members(group), group.token or "")
+    got: list[Any] = []
+    with kombu.Connection(url, transport_options=options(group, max_unacked=3)) as conn:
+        queue = kombu.Queue("kpref", routing_key="kpref")
+        with conn.Producer() as producer:
+            for n in range(8):
+                producer.publish({"n": n}, routing_key="kpref", declare=[queue])
+        with conn.Consumer(queue, callbacks=[lambda body, message: got.append(message)], prefetch_count=200):
+            for _ in range(10):
+                try:
+                    conn.drain_events(timeout=0.3)
+                except TimeoutError:
+                    pass
+            assert len(got) == 3 and len(conn.transport._held) == 3
+            for m in got:
+                m.ack()
+            conn.drain_events(timeout=5)
+            assert len(got) > 3
+
+
+def test_a_delivery_held_past_the_idle_timeout_stays_with_its_consumer(tmp_path: Path) -> None:
+    """A consumer that works on a message longer than the member's idle timeout (a long Celery task, an ETA task)
+    keeps it: the transport pings the held connection, which the member would close as idle, backing the delivery
+    out to the next consumer while the first still works on it. And a held connection the ping finds lost (its
+    member killed) makes the delivery's ack raise BackedOutError: the message is delivered again, never reported
+    acknowledged by a commit on the connection the ping reconnected."""
+    g = LocalGroup.up(tmp_path / "g", managers=2, backup_interval=None, lease_ms=2000,
+                      manager_args=("--idle-timeout", "2"))
+    try:
+        url = kt.members_url(members(g), g.token or "")
+        opts = options(g, keepalive_interval=0.5)
+        with kombu.Connection(url, transport_options=opts) as a, kombu.Connection(url, transport_options=opts) as b, \
+                closing(a.SimpleQueue("klong")) as qa, closing(b.SimpleQueue("klong")) as qb:
+            qa.put({"task": "long"})
+            m = qa.get(timeout=5)
+            deadline = time.monotonic() + 5  # 2.5 idle timeouts
+            while time.monotonic() < deadline:
+                with pytest.raises(qb.Empty):
+                    qb.get(timeout=0.5)
+            m.ack()
+            with pytest.raises(qb.Empty):
+                qb.get(timeout=0.5)
+
+            qa.put({"task": "lost"})
+            m = qa.get(timeout=5)  # held on QM1, the first member named
+            g.kill_manager("QM1")
+            time.sleep(2)  # a ping or more: it reconnects to QM2, the unit of work gone with QM1 (recovered)
+            with pytest.raises(BackedOutError):
+                m.ack()
+            again = qb.get(timeout=30)
+            assert again.payload == {"task": "lost"} and again.delivery_info["redelivered"]
+            again.ack()
+    finally:
+        g.down()
+
+
+def test_an_ack_after_the_connection_closed_raises_a_connection_error(group: LocalGroup) -> None:
+    """Closing a connection backs its deliveries out; an ack or a reject of one afterwards (Celery's consumer
+    restarting while a late-acknowledged task still runs) raises one of the transport's connection errors, which
+    Celery reports ("Couldn't ack"), and the message is delivered again."""
+    _purge(group, ["kclosed"])
+    url = kt.members_url(members(group), group.token or "")
+    with kombu.Connection(url, transport_options=options(group)) as conn, closing(conn.SimpleQueue("kclosed")) as q:
+        q.put({"n": 1})
+        q.put({"n": 2})
+    conn = kombu.Connection(url, transport_options=options(group))
+    q = conn.SimpleQueue("kclosed")
+    first, second = q.get(timeout=5), q.get(timeout=5)
+    errors = conn.connection_errors
+    conn.close()
+    with pytest.raises(errors, match="channel was closed"):
+        first.ack()
+    with pytest.raises(errors, match="channel was closed"):
+        second.reject()
+    with kombu.Connection(url, transport_options=options(group)) as conn, closing(conn.SimpleQueue("kclosed")) as q:
+        again = [q.get(timeout=5), q.get(timeout=5)]
+        assert sorted(m.payload["n"] for m in again) == [1, 2]
+        assert all(m.delivery_info["redelivered"] for m in again)
+        for m in again:
+            m.ack()
+
+
+@pytest.mark.parametrize("option, value, said", [
+    ("max_unacked", 0, "max_unacked=0: not a whole number of at least 1"),
+    ("max_unacked", -1, "max_unacked=-1: not a whole number of at least 1"),
+    ("max_unacked", "abc", "max_unacked='abc': not a whole number of at least 1"),
+    ("max_unacked", 2.5, "max_unacked=2.5: not a whole number of at least 1"),
+    ("size_limit", None, "size_limit=None: not a whole number of at least 1"),
+    ("keepalive_interval", -1, "keepalive_interval=-1: not a number of seconds 0 or more"),
+    ("polling_interval", "soon", "polling_interval='soon': not a number of seconds 0 or more"),
+    ("request_timeout", 0, "request_timeout=0: not a number of seconds above 0"),
+    ("connect_timeout", "x", "connect_timeout='x': not a number of seconds above 0"),
+    ("reconnect_timeout", float("nan"), "reconnect_timeout=nan: not a number of seconds 0 or more"),
+    ("endpoints", 7, "endpoints=7: not a list of 'HOST:PORT'"),
+    ("endpoints", ["nohost"], "endpoints: "),
+    ("operator_token", 123, "operator_token: not text but int"),
+    ("client_name", ["k"], "client_name: not text but list"),
+])
+def test_a_bad_transport_option_is_refused_naming_it(group: LocalGroup, option: str, value: Any, said: str) -> None:
+    """Each transport option is checked when the connection is made: a bad one is one line naming the option and
+    its value (max_unacked=0 received nothing, silently; max_unacked='abc' said only "invalid literal for int()")."""
+    url = kt.members_url(members(group), group.token or "")
+    conn = kombu.Connection(url, transport_options=options(group, **{option: value}))
+    with pytest.raises(ValueError) as raised:
+        conn.connect()
+    assert f"cfemu: transport option {said}" in str(raised.value) and "\n" not in str(raised.value)
+    conn.release()
+
+
+def test_good_transport_options_given_as_text_are_taken(group: LocalGroup) -> None:
+    url = kt.members_url(members(group), group.token or "")
+    opts = options(group, max_unacked="2", size_limit="10", keepalive_interval="0", request_timeout="5",
+                   endpoints=f"127.0.0.1:{members(group)[1][1]}")
+    with kombu.Connection(url, transport_options=opts) as conn:
+        t = conn.transport
+        conn.connect()
+        assert (t.max_unacked, t.size_limit, t.keepalive_interval) == (2, 10, 0.0)
+        assert t._client_args["request_timeout"] == 5.0 and len(t._client_args["endpoints"]) == 2
