@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_runner import BaseSite
 
 from cfemu.connection_cap import ConnectionCap, peer_of
@@ -61,7 +62,14 @@ class _AiohttpLog(logging.Logger):
             exc = sys.exc_info()[1]
         elif isinstance(exc, tuple):
             exc = exc[1]
-        detail = f": {type(exc).__name__}: {one_line(str(exc), 200)}" if isinstance(exc, BaseException) else ""
+        if isinstance(exc, HttpProcessingError):
+            # aiohttp's parse errors quote what the peer sent (an over-long Authorization line: its credential):
+            # the kind and status only, never the peer's bytes.
+            detail = f": {type(exc).__name__} (HTTP {exc.code}; what the peer sent is not logged)"
+        elif isinstance(exc, BaseException):
+            detail = f": {type(exc).__name__}: {one_line(str(exc), 200)}"
+        else:
+            detail = ""
         line = f"{one_line(text, 200)}{detail}"  # one line: a peer's bytes may hold line breaks or escapes
         self.throttled(f"aiohttp-{level}", "%s: %s", self.name, line)
 

@@ -115,6 +115,25 @@ def test_malformed_requests_do_not_flood_the_members_log(redis_server: Any, tmp_
     assert len(lines) <= 3, lines
 
 
+def test_a_malformed_request_is_logged_without_what_the_peer_sent(redis_server: Any, tmp_path: Path) -> None:
+    """aiohttp's parse error quotes the first bytes of the line it refused: an over-long Authorization line put
+    the caller's credential into the member's log."""
+    srv, port = rest_member(redis_server, tmp_path)
+    secret = "SECRETSTANDIN0123456789abcdef"
+    try:
+        reply = exchange(port, (f"GET {REST} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {secret}"
+                                + "x" * 9000 + "\r\n\r\n").encode(), wait=3)
+        assert reply.startswith((b"HTTP/1.1 4", b"HTTP/1.0 4")) or reply == b""
+        deadline = time.monotonic() + 10
+        while "LineTooLong" not in srv.log_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        srv.stop()
+    text = srv.log_text()
+    assert "LineTooLong (HTTP 400; what the peer sent is not logged)" in text, text[-2000:]
+    assert secret not in text and "Bearer" not in text
+
+
 def test_metrics_port_connections_are_capped(redis_server: Any, tmp_path: Path) -> None:
     """The metrics port has no authentication: past its cap a new connection is closed at once, and one that
     sends no whole request head is closed after the head timeout."""
