@@ -35,7 +35,7 @@ from backup.files import (
     resolve_keys,
     verify,
 )
-from backup.points import FUZZY, kind_of
+from backup.points import FUZZY, RESTORE_LOG, kind_of, point_being_written
 from cfemu.admin import Admin
 from cfemu.cf import CF
 from cfemu.credentials import BackupKeys
@@ -58,6 +58,9 @@ class BackupInfo:
     problem: str = ""  # why it is not ok
     manifest: dict[str, Any] | None = field(default=None, repr=False)
     copy_of: str = ""  # untrusted as a copy under another name: the id its signed manifest names
+    # The start_lrsn its manifest says (order_lrsn): checked when ok, else as it still reads (readable_start_lrsn);
+    # None when it cannot be read.
+    start_lrsn: int | None = None
 
     def summary(self) -> dict[str, Any]:
         """A JSON-friendly row for listings."""
@@ -77,10 +80,13 @@ def inspect(path: Path, *, deep: bool = False, backup_keys: BackupKeys | None = 
     if path.is_symlink():  # never read through: it may lead anywhere
         return BackupInfo(path.name, structure, path, started, UNTRUSTED, _LINK_PROBLEM.format(path=path))
     try:
-        return _inspect(path, structure, started, deep, backup_keys)
+        info = _inspect(path, structure, started, deep, backup_keys)
     except Exception as e:  # noqa: BLE001 - one unreadable backup is a corrupt row, the others are still listed
-        return BackupInfo(path.name, structure, path, started, CORRUPT,
+        info = BackupInfo(path.name, structure, path, started, CORRUPT,
                           f"{path}: cannot be read ({type(e).__name__}: {e})")
+    info.start_lrsn = (int(info.manifest.get("start_lrsn") or 0) if info.manifest is not None
+                       else readable_start_lrsn(path))
+    return info
 
 
 def _inspect(path: Path, structure: str, started: datetime, deep: bool,
@@ -108,25 +114,55 @@ _LINK_PROBLEM = ("{path}: a symbolic link, which no backup is (it may lead outsi
                  "read nor removed; remove it having checked where it leads")
 
 
-def readable_kind(path: Path) -> str:
-    """The kind (backup.points) a damaged backup's manifest still says, signature unchecked: "" when it cannot be
-    read as a manifest within the bound (too big, too deep, not JSON, a link, missing). For the choice of a
-    restore's base, which must not pass over what may be a restore or purge point."""
+def _readable_manifest(path: Path) -> dict[str, Any] | None:
+    """A damaged backup's manifest as it still reads, signature unchecked; None when it cannot be read as a
+    manifest within the bound (too big, too deep, not JSON, a link, missing)."""
     try:
         manifest = read_json_file(Path(path) / MANIFEST_NAME, MANIFEST_MAX_BYTES, "the manifest")
     except (OSError, ValueError):
-        return ""
-    return kind_of(manifest) if isinstance(manifest, dict) else ""
+        return None
+    return manifest if isinstance(manifest, dict) else None
 
 
-def _sort_key(b: BackupInfo) -> tuple[datetime, int, str]:
-    return b.started, int((b.manifest or {}).get("start_lrsn", 0)), b.id
+def readable_kind(path: Path) -> str:
+    """The kind (backup.points) a damaged backup's manifest still says, signature unchecked: "" when it cannot be
+    read. For the choice of a restore's base, which must not pass over what may be a restore or purge point."""
+    manifest = _readable_manifest(path)
+    return kind_of(manifest) if manifest is not None else ""
+
+
+def readable_start_lrsn(path: Path) -> int | None:
+    """The start_lrsn a damaged backup's manifest still says, signature unchecked (None when it cannot be read):
+    where it stands in its structure's history, for the choice of a restore's base."""
+    manifest = _readable_manifest(path)
+    try:
+        return int(manifest["start_lrsn"]) if manifest is not None else None
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def order_lrsn(b: BackupInfo) -> int:
+    """Where a backup or restore point stands in its structure's history, as an LRSN: its manifest's start_lrsn,
+    which the CF ticked when it began (backup_begin.lua; a restore point's is its restore's LRSN); for one that is
+    not ok, as its manifest still says it. The CF's clock never runs back, where the time in an id (the wall clock
+    of whoever took it) may: an NTP step back, another host. Log retention (sqm.core.retention) keeps the logs from
+    the newest backup by start_lrsn, so every choice of a newest backup must be by it too, or a restore would start
+    from a backup whose logs were pruned. Only an entry whose manifest cannot be read has nothing better than its
+    id's time: the last microsecond of that second (an LRSN is microseconds since the epoch), so that one begun in
+    the same second as a good one counts as newer."""
+    if b.start_lrsn is not None:
+        return b.start_lrsn
+    return int(b.started.timestamp()) * 1_000_000 + 999_999
+
+
+def _sort_key(b: BackupInfo) -> tuple[int, datetime, str]:
+    return order_lrsn(b), b.started, b.id
 
 
 def list_backups(backup_root: Path, structure: str | None = None, *, deep: bool = False,
                  backup_keys: BackupKeys | None = None) -> list[BackupInfo]:
-    """Backups (good or not) of one structure, or of all, newest first, checked with backup_keys (default: those
-    this process's settings find)."""
+    """Backups (good or not) of one structure, or of all, newest first (by order_lrsn: the CF's clock, not the
+    id's time), checked with backup_keys (default: those this process's settings find)."""
     root = Path(backup_root)
     backup_keys = resolve_keys(backup_keys)
     if structure:
@@ -179,6 +215,7 @@ class PruneResult:
     admin_updated: bool  # False when the CF was not reachable (its catalog copy is rebuilt on restore)
     note: str = ""
     failed: list[tuple[BackupInfo, str]] = field(default_factory=list)  # not removed, and why
+    held: list[tuple[BackupInfo, str]] = field(default_factory=list)  # would have gone, kept, and why
 
 
 def _running_backup(client: redis.Redis, structure: str) -> str | None:
@@ -199,9 +236,23 @@ def restore_base(backups: list[BackupInfo], repo: GroupRepository | None) -> str
     return None
 
 
+_BEING_WRITTEN = "a restore point its restore is still writing (the restore runs: it holds {log}'s writer lock)"
+
+
+def _hold_points_being_written(doomed: list[BackupInfo], log_root: Path | None) -> list[tuple[BackupInfo, str]]:
+    """Take out of `doomed` the restore points a running restore is still writing (points.point_being_written):
+    removed under it, the restore would fail after its whole load. Returns them, each with why it stays."""
+    held = [b for b in doomed if not b.path.is_symlink() and point_being_written(b.path, log_root)]
+    for b in held:
+        doomed.remove(b)
+    where = f"{log_root}/{RESTORE_LOG}" if log_root is not None else f"restore's log ({RESTORE_LOG})"
+    return [(b, _BEING_WRITTEN.format(log=where)) for b in held]
+
+
 def retain(backup_root: Path, structure: str, keep: int, *, client: redis.Redis | None = None,
            repo: GroupRepository | None = None, backup_keys: BackupKeys | None = None,
-           keep_age: timedelta | None = None, now: datetime | None = None) -> PruneResult:
+           keep_age: timedelta | None = None, now: datetime | None = None,
+           log_root: Path | None = None) -> PruneResult:
     """The scheduler's retention: keep the newest `keep` good backups of `structure`, and with `keep_age` also
     every good backup started within that age (whichever keeps more: a burst of backups never pushes out what an
     age promises, a quiet week never leaves fewer than `keep`), and remove only what no restore can need. What goes is good backups, and incomplete ones (a backup or restore killed mid-way), older
@@ -209,7 +260,9 @@ def retain(backup_root: Path, structure: str, keep: int, *, client: redis.Redis 
     taken from a WARM start), never the backup the CF says is running, and never a corrupt, untrusted or unsigned
     one (a restore refuses to pass over some of them, and they are for an operator to look at). A restore or purge
     point goes only with every backup older than it, so that no restore can start below a point it would cross.
-    When `client` reaches the CF, what goes also leaves the admin catalog."""
+    Nor a restore point a running restore is still writing (its restore holds the writer lock of restore's log
+    under `log_root`; without one, no unfinished point goes). When `client` reaches the CF, what goes also leaves
+    the admin catalog."""
     if keep < 1:
         raise ValueError(f"--keep must be at least 1, not {keep}")
     backups = list_backups(backup_root, structure, backup_keys=backup_keys)
@@ -234,7 +287,13 @@ def retain(backup_root: Path, structure: str, keep: int, *, client: redis.Redis 
         if b in doomed and kind_of(b.manifest or {}) != FUZZY and any(o.id in kept_older for o in backups[i + 1:]):
             doomed.remove(b)
             kept_older.add(b.id)
-    return _remove(structure, backups, doomed, client)
+    held = _hold_points_being_written(doomed, log_root)
+    return _with_held(_remove(structure, backups, doomed, client), held)
+
+
+def _with_held(result: PruneResult, held: list[tuple[BackupInfo, str]]) -> PruneResult:
+    result.held = held
+    return result
 
 
 def _remove(structure: str, backups: list[BackupInfo], doomed: list[BackupInfo],
@@ -270,11 +329,12 @@ def _remove(structure: str, backups: list[BackupInfo], doomed: list[BackupInfo],
 
 def prune(backup_root: Path, structure: str, *, keep: int | None = None, older_than: timedelta | None = None,
           client: redis.Redis | None = None, now: datetime | None = None,
-          backup_keys: BackupKeys | None = None) -> PruneResult:
+          backup_keys: BackupKeys | None = None, log_root: Path | None = None) -> PruneResult:
     """Remove backups of `structure` beyond the newest `keep`, and/or started more than `older_than` ago.
 
-    The newest good backup is never removed, nor the backup the CF says is running. When `client` reaches the
-    CF, the removed backups also leave the admin catalog."""
+    The newest good backup is never removed, nor the backup the CF says is running, nor a restore point a running
+    restore is still writing (its restore holds the writer lock of restore's log under `log_root`; without one, no
+    unfinished point goes). When `client` reaches the CF, the removed backups also leave the admin catalog."""
     if keep is None and older_than is None:
         raise ValueError("say what to prune: keep N newest, or older than an age")
     if keep is not None and keep < 1:
@@ -292,4 +352,5 @@ def prune(backup_root: Path, structure: str, *, keep: int | None = None, older_t
     removed = [b for rank, b in enumerate(backups)
                if ((keep is not None and rank >= keep) or (older_than is not None and b.started < now - older_than))
                and b.id not in (newest_good, running)]
-    return _remove(structure, backups, removed, client if reachable else None)
+    held = _hold_points_being_written(removed, log_root)
+    return _with_held(_remove(structure, backups, removed, client if reachable else None), held)

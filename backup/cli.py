@@ -55,12 +55,15 @@ from cfemu.admin import Admin
 from cfemu.cf import CF, BackupCancelled
 from cfemu.clitools import (
     Output,
+    Parser,
     PhaseBars,
     add_settings_arguments,
     configure_logging,
     require_url,
     run_command,
+    seconds,
     settings,
+    whole,
 )
 from cfemu.clitools import styled_table as _table
 from cfemu.connection import connect
@@ -269,11 +272,12 @@ def cmd_prune(args: argparse.Namespace, out: Output) -> int:
     found = settings(args)
     client = connect(found.redis_url) if found.redis_url else None  # without a CF, only the files are pruned
     result = prune(found.backup_dir, args.structure, keep=args.keep, older_than=older, client=client,
-                   backup_keys=_keys(found, args))
+                   backup_keys=_keys(found, args), log_root=found.log_root)
     if out.as_json:
         out.json({"removed": [b.id for b in result.removed], "kept": [b.id for b in result.kept],
                   "admin_updated": result.admin_updated, "note": result.note,
-                  "failed": [{"id": b.id, "problem": why} for b, why in result.failed]})
+                  "failed": [{"id": b.id, "problem": why} for b, why in result.failed],
+                  "held": [{"id": b.id, "why": why} for b, why in result.held]})
         return 2 if result.failed else 0
     if not result.removed:
         out.line(f"nothing to prune: {len(result.kept)} backup(s) of {args.structure} kept")
@@ -285,6 +289,8 @@ def cmd_prune(args: argparse.Namespace, out: Output) -> int:
         out.line(f"{len(result.removed)} removed, {len(result.kept)} kept")
     if result.note:
         out.line(f"note: {result.note}")
+    for b, why in result.held:
+        out.line(f"kept {b.id}: {why}")
     for b, why in result.failed:
         print(f"cfbackup: backup {b.id} of {args.structure} was not removed: {why}", file=sys.stderr)
     return 2 if result.failed else 0
@@ -295,10 +301,6 @@ def cmd_schedule(args: argparse.Namespace, out: Output) -> int:
     from backup.schedule_metrics import SchedulerMetrics
     from cfemu import exposition
 
-    if args.interval <= 0:
-        raise ValueError(f"--interval must be > 0, not {args.interval}")
-    if args.keep < 0:
-        raise ValueError(f"--keep must be >= 0, not {args.keep}")
     keep_age = parse_age(args.keep_age) if args.keep_age else None
     if keep_age is not None and not args.keep:
         raise ValueError("--keep-age needs a retention: --keep 0 keeps every backup")
@@ -313,35 +315,40 @@ def cmd_schedule(args: argparse.Namespace, out: Output) -> int:
     return 0
 
 
+# The longest wait, lease or interval a command takes: a year (a timed wait of more overflows the platform's time_t
+# or threading.TIMEOUT_MAX; none is meant).
+MAX_SECONDS = 366 * 86400
+
+
 def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
+    common = Parser(add_help=False)
     add_settings_arguments(common, "backup_dir", "cluster_dir")
     common.add_argument("--json", action="store_true", help="machine-readable output")
     common.add_argument("--verbose", "-v", action="store_true", help="show the traceback of an error")
-    cf = argparse.ArgumentParser(add_help=False)
+    cf = Parser(add_help=False)
     add_settings_arguments(cf, "redis_url", "cf_dir")
 
-    unsigned = argparse.ArgumentParser(add_help=False)
+    unsigned = Parser(add_help=False)
     unsigned.add_argument("--accept-unsigned", action="store_true",
                           help="use backups taken before backups were signed (each is logged); only for backups "
                                "you know are the group's (docs/security.md)")
 
-    p = argparse.ArgumentParser(prog="cfbackup", description="Fuzzy backup of CF structures (BACKUP CFSTRUCT).")
+    p = Parser(prog="cfbackup", description="Fuzzy backup of CF structures (BACKUP CFSTRUCT).")
     sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
     run = sub.add_parser("run", parents=[common, cf], help="back up a structure")
     run.add_argument("structure")
     add_settings_arguments(run, "log_root", "backup_share")  # log root: to count the exception records
-    run.add_argument("--exclint", type=int, default=0, metavar="SECONDS",
+    run.add_argument("--exclint", type=whole(0), default=0, metavar="SECONDS",
                      help="leave out messages put less than SECONDS before the backup (restore replays them)")
-    run.add_argument("--batch", type=int, default=DEFAULT_BATCH, metavar="N",
+    run.add_argument("--batch", type=whole(1), default=DEFAULT_BATCH, metavar="N",
                      help=f"entries per pipelined fetch while the group works (default {DEFAULT_BATCH}; twice as "
                           "many on an idle CF); smaller batches hold up the CF's other work for less time, larger "
                           "ones back up faster")
-    run.add_argument("--lease", type=float, default=DEFAULT_LEASE_S, metavar="SECONDS",
+    run.add_argument("--lease", type=seconds(0, MAX_SECONDS, above=True), default=DEFAULT_LEASE_S, metavar="SECONDS",
                      help=f"the backup's mark in the CF lasts SECONDS past its last renewal (default "
                           f"{DEFAULT_LEASE_S:g}; renewed every fifth of it): a backup killed without a word blocks "
                           "the next backup and 'cfemu migrate unload' that long")
-    run.add_argument("--wait", type=float, default=DEFAULT_WAIT_S, metavar="SECONDS",
+    run.add_argument("--wait", type=seconds(0, MAX_SECONDS), default=DEFAULT_WAIT_S, metavar="SECONDS",
                      help=f"while another backup of the structure runs (the scheduler's), wait for it to end, at "
                           f"most SECONDS (default {DEFAULT_WAIT_S:g}; 0: refuse at once)")
     run.add_argument("--metrics-file", metavar="PATH",
@@ -370,22 +377,23 @@ def build_parser() -> argparse.ArgumentParser:
     sign.set_defaults(func=cmd_sign)
     pr = sub.add_parser("prune", parents=[common, cf, unsigned],
                         help="remove old backups (never the newest good one)")
+    add_settings_arguments(pr, "log_root")  # a restore point being written is kept while its restore runs
     pr.add_argument("structure")
     how = pr.add_mutually_exclusive_group(required=True)
-    how.add_argument("--keep", type=int, metavar="N", help="keep the N newest backups")
+    how.add_argument("--keep", type=whole(1), metavar="N", help="keep the N newest backups")
     how.add_argument("--older-than", metavar="AGE", help="remove backups older than AGE (e.g. 7d, 12h)")
     pr.set_defaults(func=cmd_prune)
     sch = sub.add_parser("schedule", parents=[common, cf], help="back up structures every N seconds (a daemon)")
     add_settings_arguments(sch, "log_root", "backup_share")  # handed on to every backup it runs
-    sch.add_argument("--interval", type=float, required=True, metavar="SECONDS")
+    sch.add_argument("--interval", type=seconds(0, MAX_SECONDS, above=True), required=True, metavar="SECONDS")
     sch.add_argument("--structure", action="append", default=[], help="structure to back up (default: all ACTIVE)")
-    sch.add_argument("--keep", type=int, default=DEFAULT_KEEP, metavar="N",
+    sch.add_argument("--keep", type=whole(0), default=DEFAULT_KEEP, metavar="N",
                      help=f"after each good backup keep the newest N good backups of the structure (default "
                           f"{DEFAULT_KEEP}; 0: keep all) and remove older ones no restore can need")
     sch.add_argument("--keep-age", metavar="AGE",
                      help="also keep every good backup started within AGE (e.g. 7d, 12h): retention keeps whichever "
                           "of --keep and --keep-age keeps more")
-    sch.add_argument("--metrics-port", type=int, metavar="PORT",
+    sch.add_argument("--metrics-port", type=whole(0, 65535), metavar="PORT",
                      help="serve Prometheus metrics on PORT (0: any free port; default: none): what it ran, each "
                           "backup's and step's duration, each structure's last good backup (docs/metrics.md)")
     sch.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",

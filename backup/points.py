@@ -35,11 +35,16 @@ from backup.files import MANIFEST_NAME, BackupWriter, new_backup_id
 from cfemu.admin import QueueDef, StructureDef
 from cfemu.credentials import BackupKeys
 from cfemu.private_files import open_private, refuse_others_writing
+from sqm.log import writer_is_open
 
 # A backup manifest's kind (a manifest without one is a fuzzy backup: written before kinds existed).
 FUZZY, RESTORE, PURGE, DEFINITION = "fuzzy", "restore", "purge", "definition"
 POINT_STEP = 0  # the step number of a restore point's frames
 UNFINISHED_MARK = ".unfinished-restore-point"  # in a restore point's directory until its manifest is written
+# Restore's own log, beside the members' logs under the log root: a running restore holds its writer lock from
+# before it begins its restore point until the point is finished (restore.run), so an unfinished point whose
+# restore still runs is told from one a killed restore left.
+RESTORE_LOG = "_restore"
 
 
 def kind_of(manifest: Mapping[str, Any]) -> str:
@@ -47,7 +52,8 @@ def kind_of(manifest: Mapping[str, Any]) -> str:
 
 
 def point_id(structure: str) -> str:
-    """A new backup id for a restore point (the same form as any backup's: it sorts among them by time)."""
+    """A new backup id for a restore point (the same form as any backup's). The catalog orders it among them by its
+    manifest's start_lrsn (the restore's LRSN), not by the time in the id (backup.catalog.order_lrsn)."""
     return new_backup_id(structure, datetime.now(UTC))
 
 
@@ -114,6 +120,16 @@ class RestorePointWriter:
         """Remove the point unless it is finished (see the class doc)."""
         if not self.finished:
             self.writer.abort()
+
+
+def point_being_written(path: Path, log_root: Path | None) -> bool:
+    """Whether the backup directory at `path` is a restore point its restore is still writing: unfinished (the mark,
+    no manifest) while a restore holds restore's own log open under `log_root`. Removed now, the restore would fail
+    at the end of its load, its work lost; one a killed restore left goes (remove_unfinished_points, cfbackup
+    prune). Without a log root, every unfinished point counts as being written."""
+    if not (path / UNFINISHED_MARK).exists() or (path / MANIFEST_NAME).exists():
+        return False
+    return log_root is None or writer_is_open(Path(log_root) / RESTORE_LOG)
 
 
 def remove_unfinished_points(backup_root: Path, structure: str) -> list[str]:

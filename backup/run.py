@@ -17,6 +17,7 @@ directory.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -248,6 +249,8 @@ def run_backup(client: redis.Redis, structure: str, backup_root: Path, *, log_ro
     wait_s: while another backup of the structure runs (a scheduler's), wait for it to end, at most this long
     (progress: wait_for_running_backup), then begin; 0 refuses at once with BackupRunningError, as does a wait that
     ran out. The rest of the arguments are _run_backup's."""
+    if not 0 <= wait_s < math.inf:  # NaN too: it compares with nothing, and the wait would never end
+        raise ValueError(f"the wait for another backup must be 0 seconds or more, and finite, not {wait_s}")
     return when_no_backup_runs(
         CF(client).structure(structure), wait_s, progress,
         lambda: _run_backup(client, structure, backup_root, log_root=log_root, exclint_s=exclint_s,
@@ -285,8 +288,8 @@ def _run_backup(client: redis.Redis, structure: str, backup_root: Path, *, log_r
         raise ValueError(f"batch must be at least 1 entry, not {batch}")
     if not 0 < share <= 1:
         raise ValueError(f"the backup's share must be above 0 and at most 1, not {share}")
-    if not lease_s > 0:
-        raise ValueError(f"the backup's lease must be above 0 seconds, not {lease_s}")
+    if not 0 < lease_s < math.inf:
+        raise ValueError(f"the backup's lease must be above 0 seconds, and finite, not {lease_s}")
     backup_keys = resolve_keys(backup_keys)
     signing_key(backup_keys)  # no key, no backup: refused before the CF is touched
     for directory in (Path(backup_root), Path(backup_root) / structure):  # nor where others can write

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -54,6 +55,8 @@ def run_backup_scheduler(interval: float, settings: Settings, structures: Sequen
     settings (the scheduler's own, resolved once) go to every child through its environment, so that each backup
     uses the scheduler's CF, log root and backup directory whatever the child would find on its own.
     """
+    if not 0 < interval < math.inf:  # NaN too: stop.wait(nan) returns at once, and the loop would spin
+        raise ValueError(f"the interval must be above 0 seconds, and finite, not {interval}")
     stop = stop or threading.Event()
     if metrics is None:
         from backup.schedule_metrics import SchedulerMetrics
@@ -125,7 +128,7 @@ def _retain(settings: Settings, structure: str, keep: int, metrics: SchedulerMet
         try:
             result = retain(settings.backup_dir, structure, keep, client=client,
                             repo=GroupRepository(settings.log_root), backup_keys=settings.backup_keys(),
-                            keep_age=keep_age)
+                            keep_age=keep_age, log_root=settings.log_root)
         finally:
             client.close()
     except Exception as e:  # noqa: BLE001 - retention never stops the backups
@@ -140,3 +143,5 @@ def _retain(settings: Settings, structure: str, keep: int, metrics: SchedulerMet
         log.warning("retention of %s: %s", structure, result.note)
     for b, why in result.failed:
         log.warning("retention of %s: backup %s was not removed: %s", structure, b.id, why)
+    for b, why in result.held:
+        log.info("retention of %s: backup %s kept: %s", structure, b.id, why)

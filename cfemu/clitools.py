@@ -21,7 +21,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from types import TracebackType
-from typing import Any
+from typing import Any, NoReturn
 
 import redis
 from rich import box
@@ -226,3 +226,52 @@ def configure_logging(verbose: bool = False, as_json: bool = False) -> None:
     handler.setFormatter(JsonLogFormatter() if as_json else
                          logging.Formatter("%(asctime)s %(levelname)s %(name)s[%(threadName)s]: %(message)s"))
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, handlers=[handler])
+
+
+EXIT_USAGE = 2  # argparse's own: a bad command line
+
+
+class Parser(argparse.ArgumentParser):
+    """An argparse parser whose usage errors are one line on stderr, exit status 2:
+    ``cfemu put: error: argument --count: must be a whole number from 1 to 10000000, not -5 (see 'cfemu put --help')``.
+    Sub-parsers are of the same class."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {' '.join(message.split())} (see '{self.prog} --help')\n")
+
+
+def whole(low: int | None = None, high: int | None = None) -> Callable[[str], int]:
+    """An argument type: a whole number in [low, high] (either bound may be open)."""
+    return _number(int, "a whole number", low, high)
+
+
+def seconds(low: float | None = 0.0, high: float | None = None, *, above: bool = False) -> Callable[[str], float]:
+    """An argument type: a number of seconds >= low (> low with above), <= high."""
+    return _number(float, "a number", low, high, above=above)
+
+
+def _shown(bound: float) -> str:
+    """A bound as people write it: whole numbers in full (104857600, not 1.04858e+08)."""
+    return str(int(bound)) if float(bound).is_integer() else f"{bound:g}"
+
+
+def _number(kind: Callable[[str], Any], what: str, low: Any, high: Any, *, above: bool = False) -> Any:
+    if low is not None and high is not None:
+        wanted = (f"{what} > {_shown(low)} and <= {_shown(high)}" if above
+                  else f"{what} from {_shown(low)} to {_shown(high)}")
+    elif low is not None:
+        wanted = f"{what} {'>' if above else '>='} {_shown(low)}"
+    else:
+        wanted = f"{what} <= {_shown(high)}" if high is not None else what
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {wanted}, not {text!r}") from None
+        if value != value or value in (float("inf"), float("-inf")) or \
+                (low is not None and (value <= low if above else value < low)) or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be {wanted}, not {text}")
+        return value
+
+    return parse

@@ -19,13 +19,23 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, NamedTuple, NoReturn
+from typing import NamedTuple
 
 import redis
 
 from cfemu import credentials
 from cfemu.admin import Admin
-from cfemu.clitools import CLIError, Output, add_settings_arguments, require_url, run_command, settings
+from cfemu.clitools import (  # noqa: F401 - Parser, seconds and whole: every verb module takes them from here
+    CLIError,
+    Output,
+    Parser,
+    add_settings_arguments,
+    require_url,
+    run_command,
+    seconds,
+    settings,
+    whole,
+)
 from cfemu.connection import connect
 from cfemu.embedded import ServerError
 from cfemu.errors import MQError, StructureFailedError, StructureMigratedError, StructureNotInCFError
@@ -74,51 +84,6 @@ def run_verb(prog: str, args: argparse.Namespace, func: Callable[[argparse.Names
              expected: tuple[type[BaseException], ...] = EXPECTED_ERRORS) -> int:
     """cfemu.clitools.run_command with the exit codes above."""
     return run_command(prog, args, func, expected, exit_code)
-
-
-class Parser(argparse.ArgumentParser):
-    """An argparse parser whose usage errors are one line on stderr, exit status 2:
-    ``cfemu put: error: argument --count: must be a whole number from 1 to 10000000, not -5 (see 'cfemu put --help')``.
-    Sub-parsers are of the same class."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {' '.join(message.split())} (see '{self.prog} --help')\n")
-
-
-def whole(low: int | None = None, high: int | None = None) -> Callable[[str], int]:
-    """An argument type: a whole number in [low, high] (either bound may be open)."""
-    return _number(int, "a whole number", low, high)
-
-
-def seconds(low: float | None = 0.0, high: float | None = None, *, above: bool = False) -> Callable[[str], float]:
-    """An argument type: a number of seconds >= low (> low with above), <= high."""
-    return _number(float, "a number", low, high, above=above)
-
-
-def _shown(bound: float) -> str:
-    """A bound as people write it: whole numbers in full (104857600, not 1.04858e+08)."""
-    return str(int(bound)) if float(bound).is_integer() else f"{bound:g}"
-
-
-def _number(kind: Callable[[str], Any], what: str, low: Any, high: Any, *, above: bool = False) -> Any:
-    if low is not None and high is not None:
-        wanted = f"{what} from {_shown(low)} to {_shown(high)}"
-    elif low is not None:
-        wanted = f"{what} {'>' if above else '>='} {_shown(low)}"
-    else:
-        wanted = f"{what} <= {_shown(high)}" if high is not None else what
-
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be {wanted}, not {text!r}") from None
-        if value != value or value in (float("inf"), float("-inf")) or \
-                (low is not None and (value <= low if above else value < low)) or (high is not None and value > high):
-            raise argparse.ArgumentTypeError(f"must be {wanted}, not {text}")
-        return value
-
-    return parse
 
 
 class Parents(NamedTuple):

@@ -61,6 +61,7 @@ from backup.catalog import (
     BackupInfo,
     find_backup,
     list_backups,
+    order_lrsn,
     readable_kind,
 )
 from backup.files import Backup, parse_backup_id, read_backup, resolve_keys, signing_key
@@ -69,6 +70,7 @@ from backup.points import (
     FUZZY,
     PURGE,
     RESTORE,
+    RESTORE_LOG,
     RestorePointWriter,
     kind_of,
     point_id,
@@ -99,7 +101,7 @@ from sqm.log.format import log_segments, read_manifest
 
 log = logging.getLogger("restore.run")
 
-RESTORE_MEMBER = "_restore"  # restore's own log, beside the members' logs
+RESTORE_MEMBER = RESTORE_LOG  # restore's own log, beside the members' logs
 WORK_DIR = ".restore-work"  # under the backup root: the local engine's spill files, removed after each restore
 
 
@@ -277,9 +279,7 @@ def _refuse_to_cross_damaged_points(backups: list[BackupInfo], good: BackupInfo 
     (altered, another key's) or unsigned is refused whatever its kind: someone may have tampered with the backups,
     and what it claims to be cannot be believed."""
     for b in backups:
-        # Not newer by the catalog's order alone: a damaged manifest has no LRSN to sort by, and ids are to the
-        # second, so one begun in the same second as the good one counts as newer.
-        if good is not None and (b is good or b.started < good.started):
+        if good is not None and (b is good or _stands_before(b, good)):
             continue
         if b.state == UNTRUSTED and _copy_of_an_older_backup(b, backups, good):
             log.warning("restore of %s passes over backup %s: a copy of backup %s under a newer name (its signed "
@@ -303,6 +303,20 @@ def _refuse_to_cross_damaged_points(backups: list[BackupInfo], good: BackupInfo 
                            f"with --backup")
 
 
+def _stands_before(b: BackupInfo, good: BackupInfo) -> bool:
+    """Whether a backup that is not good certainly stands before the base in the structure's history, so that a
+    restore from the base does not cross it. By the CF-ticked start_lrsn its manifest still says (unchecked:
+    catalog.readable_start_lrsn), as the catalog orders good ones; ids are to the second and follow whoever's wall
+    clock took them (a clock stepped back names a later point earlier). A damaged restore or purge point (or one
+    whose kind cannot be read) whose LRSN cannot be read is newer, whatever its time: it is never crossed without a
+    word. Any other (untrusted, unsigned, incomplete, a damaged fuzzy backup) is before the base only when every
+    clue says so: its id's time, and its LRSN when it can be read (an altered manifest may claim an older one)."""
+    lrsn, base = b.start_lrsn, order_lrsn(good)
+    if b.state == CORRUPT and readable_kind(b.path) != FUZZY:
+        return lrsn is not None and lrsn < base
+    return b.started < good.started and (lrsn is None or lrsn < base)
+
+
 def _copy_of_an_older_backup(b: BackupInfo, backups: list[BackupInfo], good: BackupInfo | None) -> bool:
     """A backup refused only for its name (a signed, intact copy of another backup of this structure) is passed
     over when what it copies is no newer than the base: the original good in the catalog (where it counts at its
@@ -320,16 +334,43 @@ def _copy_of_an_older_backup(b: BackupInfo, backups: list[BackupInfo], good: Bac
     return good is not None and started < good.started
 
 
-def _logs_reach_back(log_dirs: list[Path], structure: str) -> None:
-    """A restore from a definition replays every log from the definition on: each must still begin with its
-    first segment, where it is archived included (log management removes none while a structure restores from its
-    definition; an operator might have)."""
+def _logs_reach_back(log_dirs: list[Path], structure: str, base: Mapping[str, Any]) -> None:
+    """Every member's log must hold every record from the base's replay start on: a restore replays them all, and
+    one that is gone is work lost without a word (a committed put not loaded, a consumed message back). Log
+    management keeps them for the base restore would choose (sqm.core.retention), but a restore may start lower:
+    the newest backup damaged after the logs were pruned to its replay start, a base named with --backup, a
+    segment an operator removed. A log reaches back when it still holds its first segment; when the segments it
+    lacks were all removed on purpose, when every one held only LRSNs below the replay start (its manifest's
+    pruned_lrsn); else (removed before the manifest said, or by hand) when its first record, archived segments
+    included, is at or below it."""
+    replay_from = int(base["replay_from"])
     for d in log_dirs:
-        segments = log_segments(d, read_manifest(d))  # archived segments count: restore reads them there
-        if segments and segments[0][0] != 1:
-            raise RestoreError(f"the log {d} begins at segment {segments[0][0]}: its earlier records are gone, and "
-                               f"structure {structure} was never backed up (a restore from its definition replays "
-                               f"every log from the definition on); bring the segments back")
+        gap = _log_gap(d, replay_from)
+        if gap is None:
+            continue
+        what = (f"structure {structure} was never backed up (a restore from its definition replays every log from "
+                f"the definition on): bring the segments back" if kind_of(base) == DEFINITION else
+                "restore from the logs alone (--from-logs), or name a base the logs reach back to (--backup ID)")
+        raise RestoreError(f"the log of member {d.name} ({d}) {gap}, and {describe_start(base)}: the records from "
+                           f"LRSN {replay_from} on are not all there, and the restore would lose them; {what}")
+
+
+def _log_gap(directory: Path, replay_from: int) -> str | None:
+    """Why the log at `directory` lacks records from `replay_from` on (_logs_reach_back), naming its first LRSN;
+    None when it holds them all."""
+    manifest = read_manifest(directory) or {}
+    segments = log_segments(directory, manifest)  # archived segments count: restore reads them there
+    if not segments or segments[0][0] == 1:
+        return None
+    first_segment = segments[0][0]
+    pruned_lrsn = manifest.get("pruned_lrsn")
+    if pruned_lrsn is not None and first_segment <= int(manifest.get("pruned", 0)) and int(pruned_lrsn) < replay_from:
+        return None
+    first = next((s.min_lrsn for s in LogReader(directory).segments() if s.min_lrsn is not None), None)
+    if pruned_lrsn is None and first is not None and first <= replay_from:
+        return None
+    return (f"begins at segment {first_segment}, first LRSN {first if first is not None else 'unknown (no record)'}"
+            + (f", its removed segments holding LRSNs up to {pruned_lrsn}" if pruned_lrsn is not None else ""))
 
 
 def known_members(repo: GroupRepository, manifest: dict[str, Any], admin: Admin) -> dict[str, str]:
@@ -617,8 +658,7 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
     backup = found
     manifest = backup.manifest
     replay_from = int(manifest["replay_from"])
-    if kind_of(manifest) == DEFINITION:
-        _logs_reach_back(log_dirs, structure)
+    _logs_reach_back(log_dirs, structure, manifest)
     decisions_seen = _decisions_logged(log_root)  # before the plan reads them: compared under the log's lock
     timer = PhaseTimer(progress)
     now = now_ms if now_ms is not None else time.time_ns() // 1_000_000

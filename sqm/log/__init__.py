@@ -13,7 +13,14 @@ from sqm.log.format import (
     SegmentInfo,
 )
 from sqm.log.reader import LogReader, find_log_dirs, merged_records, one_log_per_member
-from sqm.log.writer import ArchiveOutcome, LogFullError, LogStats, RecordLog, RecordRefusedError
+from sqm.log.writer import (
+    ArchiveOutcome,
+    LogFullError,
+    LogStats,
+    RecordLog,
+    RecordRefusedError,
+    writer_is_open,
+)
 
 __all__ = [
     "ArchiveOutcome",
@@ -31,4 +38,5 @@ __all__ = [
     "find_log_dirs",
     "merged_records",
     "one_log_per_member",
+    "writer_is_open",
 ]

@@ -66,6 +66,22 @@ class LogStats:
     fsync_seconds: Latency = field(default_factory=Latency)  # how long each fsync of a segment took
 
 
+def writer_is_open(directory: Path) -> bool:
+    """Whether a writer holds the log at `directory` open now (its writer lock, RecordLog, is taken: by this process
+    or another). A process that died released it. False when the directory has no lock file."""
+    try:
+        fd = os.open(Path(directory) / LOCK_NAME, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing the descriptor releases the shared lock taken to test
+    return False
+
+
 def _write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
     view = memoryview(data)
     while view:
@@ -134,6 +150,9 @@ class RecordLog:
         self.media_recovered: list[MediaRecovery] = []  # damaged segments restored from their copies at open
         self._pruned = 0  # segments below this were removed on purpose (no recovery needed them)
         self._group: str | None = None  # the id of the group repository whose member writes it (stamp_group)
+        # The highest LRSN of the segments removed on purpose (None: none removed, or removed before the manifest
+        # said): restore checks that a member's log still holds every record from its base's replay start on.
+        self._pruned_lrsn: int | None = None
         self.stats = LogStats()
         self._lock = threading.Lock()  # buffer, current segment, counters of appends
         self._fcond = threading.Condition(threading.Lock())  # group commit state (never take _lock inside)
@@ -201,6 +220,8 @@ class RecordLog:
         self._copies = list((manifest or {}).get("copies", []))
         self._pruned = int((manifest or {}).get("pruned", 0))
         self._group = manifest_group(manifest)
+        pruned_lrsn = (manifest or {}).get("pruned_lrsn")
+        self._pruned_lrsn = int(pruned_lrsn) if pruned_lrsn is not None else None
         archived = {i.segment for i in archived_segments(manifest)}
         trusted = trusted_segments(d, manifest)
         restored = restore_missing(d, self.member, manifest)
@@ -405,6 +426,7 @@ class RecordLog:
             gone_copies = [c for c in self._copies if int(c["segment"]) < below]
             self._copies = [c for c in self._copies if int(c["segment"]) >= below]
             self._pruned = max(self._pruned, below)
+            self._note_pruned([i.max_lrsn for i in gone_active] + [a.get("max_lrsn") for a in gone_archived])
             self._write_manifest_locked()
             self.stats.segments -= len(gone_active)
         for info in gone_active:
@@ -413,6 +435,12 @@ class RecordLog:
             Path(a["path"]).unlink(missing_ok=True)
         fsync_directory(self.directory)
         return sorted([i.segment for i in gone_active] + [int(a["segment"]) for a in gone_archived])
+
+    def _note_pruned(self, max_lrsns: list[int | None]) -> None:
+        """Raise the manifest's pruned_lrsn to the highest LRSN of segments being removed on purpose."""
+        known = [int(x) for x in max_lrsns if x is not None]
+        if known:
+            self._pruned_lrsn = max([*known, *([self._pruned_lrsn] if self._pruned_lrsn is not None else [])])
 
     def archived(self) -> list[SegmentInfo]:
         with self._lock:
@@ -436,6 +464,7 @@ class RecordLog:
             "archived": self._archived,
             "copies": self._copies,
             "pruned": self._pruned,
+            **({"pruned_lrsn": self._pruned_lrsn} if self._pruned_lrsn is not None else {}),
             "ring": self.ring,
             "checkpoints": [{"position": p.to_json(), "lrsn": lrsn} for p, lrsn in self._checkpoints],
         }
@@ -560,6 +589,7 @@ class RecordLog:
             if reuse is not None:
                 self._sealed.remove(reuse)
                 self._pruned = reuse.segment + 1
+                self._note_pruned([reuse.max_lrsn])
                 self._write_manifest_locked()  # first: a crash before the rename leaves an unlisted, readable segment
                 self._fd = self._reuse_segment(reuse.path, segno)
                 self.stats.segments -= 1
