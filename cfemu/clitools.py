@@ -13,9 +13,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -147,6 +149,9 @@ class Output:
 
 
 # --- errors -----------------------------------------------------------------------------------------------------
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE  # 141: what a shell reports for a process ended by SIGPIPE
+
+
 def error_line(e: BaseException) -> str:
     """An expected error in one line. redis-py's connection errors name only an address ("Error 111 connecting to
     127.0.0.1:1"): the only Redis servers these commands reach are the CF's, so the line says it is the CF."""
@@ -167,6 +172,12 @@ def run_command(prog: str, args: argparse.Namespace, func: Callable[[argparse.Na
     os.umask(0o077)
     try:
         return int(func(args, Output(bool(getattr(args, "json", False)))))
+    except BrokenPipeError:
+        # The reader of the output has gone (`... | head`): stop without a word, as other tools do, with the status
+        # a shell gives a process SIGPIPE ended; what is left to flush goes nowhere.
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     except (*COMMON_ERRORS, *expected) as e:
         if getattr(args, "verbose", False):
             traceback.print_exc()

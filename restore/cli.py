@@ -39,6 +39,7 @@ from cfemu.admin import Admin
 from cfemu.bulk import NotOwnerError
 from cfemu.clitools import (
     Output,
+    Parser,
     PhaseBars,
     add_settings_arguments,
     require_url,
@@ -189,15 +190,15 @@ def cmd_mark_failed(args: argparse.Namespace, out: Output) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
+    common = Parser(add_help=False)
     add_settings_arguments(common, "redis_url", "cluster_dir", "cf_dir")
     common.add_argument("--json", action="store_true", help="machine-readable output")
     common.add_argument("--verbose", "-v", action="store_true", help="show the traceback of an error")
-    restore = argparse.ArgumentParser(add_help=False)
+    restore = Parser(add_help=False)
     restore.add_argument("structure")
     add_settings_arguments(restore, "backup_dir", "log_root", "memory_limit", "workers")
     restore.add_argument("--backup", metavar="ID", help="restore from this backup (default: the latest good one)")
-    unsigned = argparse.ArgumentParser(add_help=False)
+    unsigned = Parser(add_help=False)
     unsigned.add_argument("--accept-unsigned", action="store_true",
                           help="use a backup taken before backups were signed (logged); only one you know is the "
                                "group's (docs/security.md)")
@@ -219,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="spark engine: a Spark setting (repeatable)")
     restore.add_argument("--archive-dir", help="spark engine: read archived log segments from this directory")
 
-    p = argparse.ArgumentParser(prog="cfrestore", description="Restore CF structures (RECOVER CFSTRUCT).")
+    p = Parser(prog="cfrestore", description="Restore CF structures (RECOVER CFSTRUCT).")
     sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
     run = sub.add_parser("run", parents=[common, restore, unsigned], help="restore a structure from a backup and the logs")
     run.add_argument("--dry-run", action="store_true", help="print the plan; change nothing")

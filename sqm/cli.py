@@ -23,10 +23,12 @@ import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 from cfemu.clitools import (
     CLIError,
     Output,
+    Parser,
     add_settings_arguments,
     configure_logging,
     require_url,
@@ -217,8 +219,10 @@ RecoveryFactory = Callable[[argparse.Namespace, Settings], RecoverStructure | No
 
 
 def build_parser(recovery: RecoveryFactory | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sqm", description="Shared queue manager (SQM) commands.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = Parser(prog="sqm", description="Shared queue manager (SQM) commands.")
+    # The sub-parsers are Parsers too (one-line usage errors); the helpers that add them take any ArgumentParser's.
+    sub = cast("argparse._SubParsersAction[argparse.ArgumentParser]",
+               parser.add_subparsers(dest="command", required=True))
     add_run_parser(sub)
     add_log_admin_parsers(add_log_parser(sub))  # sqm log print | status | archive | prune
     parser.set_defaults(cf_role="member", recovery=recovery)  # cf_role: the CF user (cfemu.credentials)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from cfemu.clitools import Output, run_command
+from cfemu.clitools import Output, Parser, run_command
 from qsg.chaos.checker import FINDING_KINDS, check
 from qsg.chaos.faults import (
     CF_LINK_KINDS,
@@ -48,9 +48,9 @@ def _positive(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="cfemu chaos", description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p = Parser(prog="cfemu chaos", description=__doc__.split("\n\n")[0] if __doc__ else None)
     sub = p.add_subparsers(dest="command", required=True)
-    common = argparse.ArgumentParser(add_help=False)
+    common = Parser(add_help=False)
     common.add_argument("--duration", type=_positive, default=25.0, help="seconds of workload per seed (25)")
     common.add_argument("--faults", type=_kinds, default=parse_kinds("all"), metavar="KINDS",
                         help="all (default: every kind but the duplexed CF's), short, none, or a comma-separated "

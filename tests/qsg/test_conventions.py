@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -14,6 +17,8 @@ from qsg import cli as cfemu_cli
 from qsg.chaos import cli as chaos_cli
 from restore import cli as restore_cli
 from sqm import cli as sqm_cli
+
+ROOT = Path(__file__).resolve().parents[2]
 
 Main = Callable[[list[str] | None], int]
 
@@ -110,3 +115,38 @@ def test_a_definitions_number_beyond_what_the_cf_holds_is_one_line(argv: list[st
     assert e.value.code == 2
     _, err = capsys.readouterr()
     assert err.count("\n") == 1 and "must be a whole number from 0 to 9007199254740991" in err, err
+
+
+@pytest.mark.parametrize(("main", "argv", "words"), [
+    (restore_cli.main, ["run", "APP1", "--engine", "bogus"], "cfrestore run: error: argument --engine: invalid choice"),
+    (restore_cli.main, ["audit"], "cfrestore audit: error: the following arguments are required"),
+    (sqm_cli.main, ["log", "print"], "sqm log print: error: one of the arguments --member --all is required"),
+    (chaos_cli.main, ["run", "--bogus"], "error: unrecognized arguments: --bogus"),
+    (backup_cli.main, ["run"], "cfbackup run: error: the following arguments are required"),
+], ids=["cfrestore-engine", "cfrestore-audit", "sqm-log-print", "chaos-run", "cfbackup-run"])
+def test_every_commands_usage_error_is_one_line(main: Main, argv: list[str], words: str, nowhere: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """argparse's own usage errors print the usage block then the error; every command's parser says it in one
+    line with the --help to read (cfemu.clitools.Parser), as cfemu's and cfbackup's did."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    _, err = capsys.readouterr()
+    assert err.count("\n") == 1 and words in err and "--help')" in err, err
+
+
+def test_a_reader_that_goes_away_ends_the_command_without_an_error(tmp_path: Path) -> None:
+    """`... --json | head`: the pipe's reader leaves; the command stops quietly with the status a shell gives a
+    process SIGPIPE ended (141), not "error: [Errno 32] Broken pipe"."""
+    script = ("import argparse, sys\n"
+              "from cfemu.clitools import run_command\n"
+              "def lines(args, out):\n"
+              "    for i in range(200000):\n"
+              "        print(f'line {i} ' + 'x' * 60)\n"
+              "    return 0\n"
+              "sys.exit(run_command('sqm', argparse.Namespace(), lines))\n")
+    done = subprocess.run(f"{sys.executable} -c \"$SCRIPT\" | head -n 1; exit ${{PIPESTATUS[0]}}", shell=True,
+                          executable="/bin/bash", capture_output=True, text=True, timeout=60, cwd=ROOT,
+                          env={**os.environ, "SCRIPT": script})
+    assert done.stdout == "line 0 " + "x" * 60 + "\n"
+    assert done.stderr == "" and done.returncode == 141, (done.returncode, done.stderr)
