@@ -93,6 +93,9 @@ def settings(args: argparse.Namespace) -> Settings:
 
 def require_url(s: Settings) -> str:
     """The CF URL, or the error that says every way to give one."""
+    if not s.redis_url and s.cluster_dir is not None:  # found the group, stopped: say so, not "no CF"
+        raise CLIError(f"the cluster in {s.cluster_dir} is down (its CF does not run): start it with 'cfemu cluster "
+                       f"up --dir {s.cluster_dir}', or pass --redis-url")
     if not s.redis_url:
         raise CLIError(f"no CF found: pass --redis-url, set ${_settings.ENV_URL}, or start one ('cfemu cluster up' "
                        "or 'cfemu cf start')")

@@ -93,6 +93,9 @@ def cmd_cluster(args: argparse.Namespace, out: Output) -> int:
 def _member_action(cluster: Any, args: argparse.Namespace, out: Output) -> int:
     if not args.member:
         raise CLIError(f"cfemu cluster {args.action}: name the member (one of {', '.join(cluster.names)})")
+    if not cluster.cf_alive():  # a member started now would only fail to join, its whole log in the error
+        raise CLIError(f"cfemu cluster {args.action} {args.member}: the cluster in {cluster.dir} is down (its CF does "
+                       f"not run): 'cfemu cluster up --dir {cluster.dir}' starts it, members included")
     if args.action == "stop":
         doc = cluster.stop_member(args.member, timeout=args.timeout)
         text = (f"{doc['member']} stopped ({doc['stopped_by']}, {doc['stop_seconds']:g}s); the supervisor leaves it "

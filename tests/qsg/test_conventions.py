@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -150,3 +151,22 @@ def test_a_reader_that_goes_away_ends_the_command_without_an_error(tmp_path: Pat
                           env={**os.environ, "SCRIPT": script})
     assert done.stdout == "line 0 " + "x" * 60 + "\n"
     assert done.stderr == "" and done.returncode == 141, (done.returncode, done.stderr)
+
+
+def test_a_stopped_cluster_is_named_as_down(nowhere: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Beside a cluster that is down, a command that needs its CF says the cluster is down and how to start it (it
+    said "no CF found ... start one"), and `cluster restart` of a member refuses before starting one that could
+    only fail to join (it printed the member's whole log as one 4 KB line)."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    cluster = nowhere / "var" / "cluster"
+    cluster.mkdir(parents=True)
+    (cluster / "cluster.json").write_text(json.dumps({"cf": {"pid": dead.pid, "port": 1},
+                                                      "managers": [{"name": "QM1", "pid": dead.pid}]}))
+    assert cfemu_cli.main(["status"]) == 2
+    _, err = capsys.readouterr()
+    assert err.count("\n") == 1 and f"the cluster in {cluster} is down (its CF does not run)" in err, err
+    assert "cfemu cluster up --dir" in err
+    assert cfemu_cli.main(["cluster", "restart", "QM1"]) == 2
+    _, err = capsys.readouterr()
+    assert err.count("\n") == 1 and "cfemu cluster restart QM1: the cluster in" in err and "is down" in err, err
