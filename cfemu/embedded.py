@@ -652,6 +652,11 @@ class EmbeddedRedis:
             ctx.load_cert_chain(self.tls_cert, self.tls_key)
         return ctx
 
+    def answers(self) -> bool:
+        """Whether the server answers a PING within a second (an error reply, such as NOAUTH, is an answer): a
+        process that runs but does not (stopped, wedged) is hung."""
+        return self._raw_ping(self.port) is not None
+
     def _raw_ping(self, port: int) -> bytes | None:
         try:
             with contextlib.ExitStack() as stack:

@@ -51,7 +51,8 @@ def cmd_cf(args: argparse.Namespace, out: Output) -> int:
                             acl_users=credentials.acl_lines(passwords), binary=server.path,
                             tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
                             unix_socket=args.tls_cert is None).start()
-        info = {"running": True, "url": srv.url, "pid": srv.pid, "dir": str(srv.data_dir), **_server_fields(srv),
+        info = {"running": True, "answering": srv.answers(), "url": srv.url, "pid": srv.pid,
+                "dir": str(srv.data_dir), **_server_fields(srv),
                 "secrets": str((cf_dir / credentials.SECRETS_DIR).resolve())}
     elif args.action == "stop":
         srv = EmbeddedRedis.attach(cf_dir)
@@ -60,14 +61,16 @@ def cmd_cf(args: argparse.Namespace, out: Output) -> int:
     else:
         try:
             srv = EmbeddedRedis.attach(cf_dir)
-            info = {"running": True, "url": srv.url, "pid": srv.pid, "dir": str(cf_dir), **_server_fields(srv)}
+            info = {"running": True, "answering": srv.answers(), "url": srv.url, "pid": srv.pid, "dir": str(cf_dir),
+                    **_server_fields(srv)}
         except ServerError:
             info = {"running": False, "dir": str(cf_dir)}
     if args.json:
         out.json(info)
     else:
         out.table(f"CF ({args.action})", ["field", "value"], sorted(info.items()))
-    return 0 if args.action != "status" or info.get("running") else 1
+    # status: 1 (a negative answer) when no CF runs, or when its process runs but does not answer (hung)
+    return 0 if args.action != "status" or (info.get("running") and info.get("answering")) else 1
 
 
 def _server_fields(srv: EmbeddedRedis) -> dict[str, Any]:

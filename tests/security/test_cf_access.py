@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import stat
 import subprocess
@@ -185,6 +186,21 @@ def test_cf_start_and_status_say_which_server_runs(cf: tuple[Path, dict[str, obj
     assert status.returncode == 0 and json.loads(status.stdout) | {"secrets": info["secrets"]} == info, status.stdout
     table = run_cli("cfemu", "cf", "status", cwd=home).stdout
     assert running.path in table and running.version_text in table, table
+
+
+def test_cf_status_says_a_cf_that_runs_but_does_not_answer(cf: tuple[Path, dict[str, object]]) -> None:
+    """A stopped (SIGSTOP) or wedged redis-server still runs: status said "running": true, exit 0."""
+    home, info = cf
+    pid = int(str(info["pid"]))
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        status = run_cli("cfemu", "cf", "status", "--json", cwd=home)
+        doc = json.loads(status.stdout)
+        assert status.returncode == 1 and doc["running"] is True and doc["answering"] is False, status.stdout
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    again = run_cli("cfemu", "cf", "status", "--json", cwd=home)
+    assert again.returncode == 0 and json.loads(again.stdout)["answering"] is True
 
 
 def test_no_secret_in_an_error_message(cf: tuple[Path, dict[str, object]]) -> None:
