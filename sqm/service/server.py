@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -198,19 +199,35 @@ class SQMServer:
         """Start the queue manager, serve until stopped, shut down gracefully; return the exit code."""
         loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        await loop.run_in_executor(None, self._start_queue_manager)
-        server = await asyncio.start_server(self.transport.serve, self.config.host, self.config.port, ssl=self.ssl,
-                                            limit=2**16, backlog=128,
+        # Every port is had (bound, not yet listening) before the queue manager starts (joins the group, opens its
+        # log, recovers): a port that cannot be had stops the member as a configuration error, with nothing of it
+        # left in the group. Not listening meanwhile, a client's connection is refused, and it goes to another
+        # member, rather than waiting in a backlog for the whole of a restart.
+        service_sock = _reserve(self.config.host, self.config.port, "--port")
+        self.port = service_sock.getsockname()[1]
+        metrics_sock = None
+        if self.config.metrics_port is not None:
+            metrics_sock = _reserve(self.config.metrics_host, self.config.metrics_port, "--metrics-port")
+        if self.rest is not None and self.config.rest_port:
+            _reserve(self.config.rest_host, self.config.rest_port, "--rest-port").close()  # aiohttp binds it later
+        try:
+            await loop.run_in_executor(None, self._start_queue_manager)
+        except BaseException:
+            service_sock.close()
+            if metrics_sock is not None:
+                metrics_sock.close()
+            raise
+        server = await asyncio.start_server(self.transport.serve, sock=service_sock, ssl=self.ssl, limit=2**16,
+                                            backlog=128,
                                             ssl_handshake_timeout=self.config.auth_timeout_s if self.ssl else None)
-        self.port = server.sockets[0].getsockname()[1]
         if not is_loopback_host(self.config.host) and self.ssl is None:
             log.warning("%s: the service on %s:%d has no TLS: logon tokens and message bodies cross the network in "
                         "clear, readable by whoever is on the path (the service's own tokens are proven, never "
                         "sent); use --tls-cert/--tls-key (docs/security.md)", self.qm.name, self.config.host,
                         self.port)
         http = None
-        if self.config.metrics_port is not None:
-            http = await asyncio.start_server(self.http.serve, self.config.metrics_host, self.config.metrics_port)
+        if metrics_sock is not None:
+            http = await asyncio.start_server(self.http.serve, sock=metrics_sock)
             self.metrics_port = http.sockets[0].getsockname()[1]
             if not is_loopback_host(self.config.metrics_host):
                 log.warning("%s: /metrics, /healthz and /readyz on %s:%d have no authentication: whoever reaches "
@@ -475,6 +492,24 @@ if TYPE_CHECKING:  # the server and its sessions are what each owner's handlers 
         _pubsub: tuple[pubsub_ops.Service, pubsub_ops.Session] = (server, session)
 
 
+def _reserve(host: str, port: int, option: str) -> socket.socket:
+    """host:port bound, not listening (a connection to it is refused until the server listens on it);
+    ServerConfigError naming the option when it cannot be had (taken, not an address of this host)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as e:
+        raise ServerConfigError(f"cannot listen on {host}:{port} ({option}): {e.strerror or e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio's own servers do
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise ServerConfigError(f"cannot listen on {host}:{port} ({option}): {e.strerror or e}") from None
+    return sock
+
+
 def serve(config: ServerConfig) -> int:
     """Run one SQM server until it is stopped; the return value is the process exit code."""
     try:
@@ -484,6 +519,9 @@ def serve(config: ServerConfig) -> int:
         return EXIT_CONFIG
     try:
         return asyncio.run(server.run())
+    except ServerConfigError as e:  # a port that cannot be had: before the member joined the group
+        log.error("%s: %s", config.name, e)
+        return EXIT_CONFIG
     except LogLockedError as e:
         log.error("%s: its log is in use by another process (is %s already running?): %s", config.name,
                   config.name, e)
