@@ -134,6 +134,7 @@ class Output:
     def __init__(self, as_json: bool = False, width: int = 250) -> None:
         self.as_json = as_json
         self.console = console(width)
+        self.wrote_json = False  # a document is out: an error after it (a partial answer) adds no second one
 
     def table(self, title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
         t = styled_table(self.console, *columns, title=title)
@@ -146,6 +147,7 @@ class Output:
 
     def json(self, obj: Any) -> None:
         print(dumps(obj))
+        self.wrote_json = True
 
     def line(self, text: str) -> None:
         self.console.print(text, markup=False, highlight=False)
@@ -173,8 +175,9 @@ def run_command(prog: str, args: argparse.Namespace, func: Callable[[argparse.Na
     # Whatever a command creates (reports, archives, chaos histories, a cluster's files) holds message bodies or
     # secrets: its owner's only, whatever the caller's umask. The data files set their modes themselves as well.
     os.umask(0o077)
+    out = Output(bool(getattr(args, "json", False)))
     try:
-        return int(func(args, Output(bool(getattr(args, "json", False)))))
+        return int(func(args, out))
     except BrokenPipeError:
         # The reader of the output has gone (`... | head`): stop without a word, as other tools do, with the status
         # a shell gives a process SIGPIPE ended; what is left to flush goes nowhere.
@@ -184,8 +187,12 @@ def run_command(prog: str, args: argparse.Namespace, func: Callable[[argparse.Na
     except (*COMMON_ERRORS, *expected) as e:
         if getattr(args, "verbose", False):
             traceback.print_exc()
-        print(f"{prog}: error: {error_line(e)}", file=sys.stderr)
-        return exit_code(e) if exit_code is not None else 2
+        line = error_line(e)
+        print(f"{prog}: error: {line}", file=sys.stderr)
+        code = exit_code(e) if exit_code is not None else 2
+        if out.as_json and not out.wrote_json:  # a script reading stdout gets the failure as JSON, not nothing
+            print(json.dumps({"error": line, "exit": code}))
+        return code
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130

@@ -170,3 +170,13 @@ def test_a_stopped_cluster_is_named_as_down(nowhere: Path, capsys: pytest.Captur
     assert cfemu_cli.main(["cluster", "restart", "QM1"]) == 2
     _, err = capsys.readouterr()
     assert err.count("\n") == 1 and "cfemu cluster restart QM1: the cluster in" in err and "is down" in err, err
+
+
+def test_with_json_an_error_is_a_json_document_on_stdout_too(nowhere: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """A script reading --json output got nothing on stdout when the command failed; now the one line on stderr,
+    and {"error", "exit"} on stdout. A command that printed a partial answer adds no second document."""
+    assert cfemu_cli.main(["status", "--json"]) == 2
+    out, err = capsys.readouterr()
+    assert json.loads(out) == {"error": err.removeprefix("cfemu: error: ").rstrip("\n"), "exit": 2}
+    assert err.startswith("cfemu: error: no CF found") and err.count("\n") == 1
