@@ -432,8 +432,12 @@ class RestEndpoint:
         if request.transport is not None and request.transport.get_extra_info("sslcontext") is None \
                 and not is_loopback_ip(peer):
             self.server.stats.auth_failures["bearer_in_clear"] += 1
-            log.warning("%s: REST request from %s sent a token in clear off loopback; refused (rotate it if it was "
-                        "valid: docs/security.md)", self.server.name, peer)
+            # Compared in constant time, as a valid one is below: the operator needs to know whether to rotate it.
+            valid = any(known is not None and hmac.compare_digest(known.encode(), token.encode())
+                        for known in self.tokens.values())
+            log.warning("%s: REST request from %s sent a token in clear off loopback; refused%s",
+                        self.server.name, peer, ": IT WAS VALID, treat it as exposed and rotate it (docs/security.md)"
+                        if valid else " (it was not a token of this group)")
             raise RestError(401, "MQWB0104E", "Credentials sent in clear are refused on a non-loopback connection.",
                             "A token must not cross the network unencrypted.",
                             "Use HTTPS (sqm run --tls-cert/--tls-key).", reason=2035, headers=challenge)

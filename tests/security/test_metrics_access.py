@@ -5,12 +5,13 @@ the server logs as unauthenticated. Probed with raw sockets at the machine's own
 
 from __future__ import annotations
 
+import json
 import socket
 from pathlib import Path
 
 import pytest
 
-from tests.support.service_proc import start_server
+from tests.support.service_proc import TOKEN, start_server
 
 
 def outward_address() -> str | None:
@@ -66,3 +67,27 @@ def test_another_metrics_address_is_the_operators_choice_and_logged(
         srv.stop()
     assert "have no authentication" in srv.log_text() and "--metrics-host" in srv.log_text()
     assert "has no TLS" not in srv.log_text()  # the service itself on loopback
+
+
+def test_a_rest_token_in_clear_off_loopback_is_said_valid_or_not(redis_url: str, tmp_path: Path,
+                                                                 address: str) -> None:
+    """Both are refused; the log says whether the token was one of the group's (then it is exposed: rotate it),
+    where it said "rotate it if it was valid" and left the operator to guess."""
+    srv = start_server(redis_url, tmp_path, "QM1", "--rest-port", "0", "--rest-host", "0.0.0.0")
+    rest_port = int(json.loads((tmp_path / "QM1.ready").read_text())["rest_port"])
+    try:
+        for token in (TOKEN, "not-a-token-of-this-group"):
+            request = (f"POST /ibmmq/rest/v3/messaging/qmgr/QM1/queue/Q1/message HTTP/1.1\r\nHost: x\r\n"
+                       f"Authorization: Bearer {token}\r\nibm-mq-rest-csrf-token: 1\r\nContent-Type: text/plain\r\n"
+                       "Content-Length: 1\r\nConnection: close\r\n\r\nx").encode()
+            with socket.create_connection((address, rest_port), timeout=10) as s:
+                s.sendall(request)
+                reply = s.recv(65536)
+            assert b" 401 " in reply.split(b"\r\n")[0], reply[:200]
+    finally:
+        srv.stop()
+    lines = [ln for ln in srv.log_text().splitlines() if "sent a token in clear off loopback" in ln]
+    assert len(lines) == 2, lines
+    assert "IT WAS VALID, treat it as exposed and rotate it" in lines[0]
+    assert "it was not a token of this group" in lines[1]
+    assert TOKEN not in srv.log_text()
