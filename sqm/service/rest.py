@@ -492,7 +492,9 @@ class RestEndpoint:
         except ClientGoneError as e:
             self.server.stats.count((op, e.reason_name))
             if self.server.stopping:  # the server's stop ended it: the caller hears 503, try again elsewhere
-                raise mq_failure(e, f"{op} on {session.number}") from None
+                stopped = type(e)(f"the member {self.server.name} is stopping: the wait ended with nothing taken; "
+                                  "try again (another member, or this one once it is back)")
+                raise mq_failure(stopped, f"{op} on {session.number}") from None
             raise
         except MQError as e:
             self.server.stats.count((op, e.reason_name))

@@ -597,6 +597,10 @@ def test_shutdown_ends_a_waiting_get(fresh_redis: Any, tmp_path: Path) -> None:
     assert m.server.stop() == 0, m.server.log_text()
     waiter.join(timeout=30)
     assert time.monotonic() - t0 < 15 and replies and replies[0].status == 503, replies
+    # said as the member stopping, not as the caller having left (it had not)
+    message = replies[0].error()["message"]
+    assert "the member QMW is stopping: the wait ended with nothing taken" in message, message
+    assert "client left" not in message
 
 
 # --- durability: a 201 is a committed message ---------------------------------------------------------------------
