@@ -38,6 +38,7 @@ from cfemu import bulk
 from cfemu.admin import Admin, AdminError
 from cfemu.cf import CF, Structure
 from cfemu.credentials import BackupKeys
+from cfemu.durable import disk_full_named
 from cfemu.errors import BackupEndedError, BackupRunningError, MQError, StructureFailedError
 from cfemu.private_files import refuse_others_writing
 from cfemu.progress import Progress, no_progress
@@ -251,6 +252,16 @@ def run_backup(client: redis.Redis, structure: str, backup_root: Path, *, log_ro
     ran out. The rest of the arguments are _run_backup's."""
     if not 0 <= wait_s < math.inf:  # NaN too: it compares with nothing, and the wait would never end
         raise ValueError(f"the wait for another backup must be 0 seconds or more, and finite, not {wait_s}")
+    with disk_full_named(backup_root / structure, "the backup was not kept (its files removed, its mark cleared)"):
+        return _when_no_backup_runs(client, structure, backup_root, log_root=log_root, exclint_s=exclint_s,
+                                    progress=progress, batch=batch, on_step=on_step, backup_keys=backup_keys,
+                                    share=share, lease_s=lease_s, wait_s=wait_s)
+
+
+def _when_no_backup_runs(client: redis.Redis, structure: str, backup_root: Path, *, log_root: Path | None,
+                         exclint_s: int, progress: Progress, batch: int, on_step: StepHook | None,
+                         backup_keys: BackupKeys | None, share: float, lease_s: float,
+                         wait_s: float) -> dict[str, Any]:
     return when_no_backup_runs(
         CF(client).structure(structure), wait_s, progress,
         lambda: _run_backup(client, structure, backup_root, log_root=log_root, exclint_s=exclint_s,

@@ -7,7 +7,10 @@ then the directory fsynced, so that a crash leaves either the old file or the ne
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -36,3 +39,26 @@ def replace_file(path: Path, payload: bytes, *, mode: int = 0o600) -> None:
     os.chmod(tmp, mode)  # an older temp file may have had another mode
     os.replace(tmp, path)
     fsync_directory(path.parent)
+
+
+class DiskFullError(OSError):
+    """A write found its disk full: said with the directory it wrote under and what that leaves (the system's
+    "[Errno 28] No space left on device" names neither)."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+@contextlib.contextmanager
+def disk_full_named(directory: Path, consequence: str) -> Iterator[None]:
+    """Within it, a write that finds its disk full (ENOSPC, EDQUOT) is a DiskFullError naming ``directory`` and the
+    ``consequence`` (what the failed operation kept or left)."""
+    try:
+        yield
+    except DiskFullError:
+        raise
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise DiskFullError(e.errno, f"no space left on the device of {directory} ({e.strerror}): "
+                                     f"{consequence}") from e

@@ -48,6 +48,7 @@ from cfemu.clitools import (
     styled_table,
 )
 from cfemu.connection import connect
+from cfemu.durable import disk_full_named
 from cfemu.settings import ENV_SPARK_MASTER, Settings
 from restore.engine import default_engine, engine_names
 from restore.load import LoadVerifyError
@@ -71,7 +72,9 @@ def cmd_run(args: argparse.Namespace, out: Output, *, dry_run: bool = False) -> 
     t0 = time.monotonic()
     result = None
     try:
-        with _bars(out) as bars:
+        with _bars(out) as bars, disk_full_named(found.backup_dir, f"the restore did not finish: structure "
+                                                 f"{args.structure} is not restored (it stays as 'cfemu status' "
+                                                 "shows it); free space there and run it again"):
             result = run_restore(client, args.structure, backup_root=found.backup_dir, log_root=found.log_root,
                                  backup_id=args.backup, engine=args.engine, dry_run=dry_run or args.dry_run,
                                  mark_failed=args.mark_failed, progress=bars,
