@@ -40,6 +40,7 @@ def small_disk(path: Path, size: str) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(path)], check=False)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small file system needs root (CI runs as root)")
 def test_cfbackup_into_a_full_disk_names_it_and_keeps_nothing(redis_url: str, tmp_path: Path) -> None:
     env = group_to_back_up(redis_url, tmp_path, 3000)
@@ -53,6 +54,7 @@ def test_cfbackup_into_a_full_disk_names_it_and_keeps_nothing(redis_url: str, tm
     assert again.returncode == 0, again.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small file system needs root (CI runs as root)")
 def test_cfrestore_whose_backup_directory_fills_names_it(redis_url: str, tmp_path: Path) -> None:
     """The restore writes its spill files and its restore point under the backup directory."""
