@@ -52,13 +52,16 @@ bugs not to steer around. The soak (`pytest -m soak`) runs longer histories from
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 import os
 import time
+import unittest.mock
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -75,6 +78,8 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from backup import points as backup_points
+from backup import run as backup_run
 from backup.protocol import STEPS as BACKUP_STEPS
 from backup.run import run_backup
 from cfemu import keys
@@ -198,6 +203,20 @@ class Member:
     dead_work: Uow | None = None
     dead_commits: bool = False
     listed: bool = False  # dead, and still in the group's admin structure (a peer can recover it)
+
+
+@contextlib.contextmanager
+def clock_behind(module: Any, by: timedelta = timedelta(minutes=2)) -> Iterator[None]:
+    """The wall clock ``module`` names its backups and points by is ``by`` behind (NTP stepped it back)."""
+    real = datetime
+
+    class Behind(datetime):
+        @classmethod
+        def now(cls, tz: Any = None) -> Any:  # type: ignore[override]
+            return real.now(tz) - by
+
+    with unittest.mock.patch.object(module, "datetime", Behind):
+        yield
 
 
 def purge(client: redis.Redis, backups: Path, logs: Path, structure: str = STRUCTURE) -> Any:
@@ -566,10 +585,13 @@ class RestoreHistory(RuleBasedStateMachine):
 
     # --- backup, restores, purge ------------------------------------------------------------------------------
     @rule(structure=st.sampled_from(sorted(STRUCTURES)),
-          during=st.one_of(st.none(), st.tuples(st.integers(1, len(BACKUP_STEPS)), WORK)))
-    def backup(self, structure: str, during: tuple[int, list[tuple[Any, ...]]] | None) -> None:
+          during=st.one_of(st.none(), st.tuples(st.integers(1, len(BACKUP_STEPS)), WORK)),
+          clock_back=st.booleans())
+    def backup(self, structure: str, during: tuple[int, list[tuple[Any, ...]]] | None, clock_back: bool) -> None:
         """A fuzzy backup, while the group works or not: `during` is a burst of work done just before one of its
-        copy steps (a get backed out then carries its data in the BACKOUT record: the patent's exception)."""
+        copy steps (a get backed out then carries its data in the BACKOUT record: the patent's exception);
+        `clock_back`: taken on a wall clock behind (NTP stepped it back, or another host's), so that its id names it
+        older than the backups before it (the CF's LRSN orders them)."""
 
         def on_step(number: int, state: str) -> None:
             if during is not None and number == during[0]:
@@ -577,8 +599,9 @@ class RestoreHistory(RuleBasedStateMachine):
                 type(self).stats["backups with work between their steps"] += 1
                 self.work(during[1])
 
-        self.say(f"backup {structure}")
-        run_backup(self.client, structure, self.backups, log_root=self.logs, on_step=on_step)
+        self.say(f"backup {structure}" + (" (on a clock stepped back)" if clock_back else ""))
+        with clock_behind(backup_run) if clock_back else contextlib.nullcontext():
+            run_backup(self.client, structure, self.backups, log_root=self.logs, on_step=on_step)
         self.backed_up.add(structure)
         self.losses_since_backup = 0
         self.purged_since_backup.discard(structure)
@@ -763,14 +786,16 @@ class RestoreHistory(RuleBasedStateMachine):
 
     @precondition(lambda self: bool(self.backed_up - self.purged_since_backup))
     @rule(structure=st.sampled_from(sorted(STRUCTURES)), now=st.integers(0, 7),
-          fails=st.one_of(st.none(), st.lists(st.booleans(), min_size=3, max_size=3)))
-    def purge(self, structure: str, now: int, fails: list[bool] | None) -> None:
+          fails=st.one_of(st.none(), st.lists(st.booleans(), min_size=3, max_size=3)), clock_back=st.booleans())
+    def purge(self, structure: str, now: int, fails: list[bool] | None, clock_back: bool) -> None:
         """A purge; `fails`: the structure fails at once and is restored from the purge's point (the members'
-        logs forced as drawn), else whatever follows."""
+        logs forced as drawn), else whatever follows; `clock_back`: its point named on a wall clock behind, older
+        by its id than the backup before it (a restore that ordered by ids crossed it: the purged work came back)."""
         if now or structure not in self.backed_up or structure in self.purged_since_backup:
             return  # a purge is rare: it empties the structure
-        purge(self.client, self.backups, self.logs, structure)
-        self.say(f"purge {structure}")
+        with clock_behind(backup_points) if clock_back else contextlib.nullcontext():
+            purge(self.client, self.backups, self.logs, structure)
+        self.say(f"purge {structure}" + (" (on a clock stepped back)" if clock_back else ""))
         type(self).stats["purges"] += 1
         self.purged_since_backup.add(structure)
         self.lose({structure}, purged=True)
