@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import msgpack
 
-from cfemu.clitools import CLIError, Output, require_url, settings
+from cfemu.clitools import CLIError, Output, PhaseBars, require_url, settings
 from cfemu.errors import FencedError, NoMessageError
 from cfemu.uow_attributes import CONTROL_SUFFIX, DATA_SUFFIX
 from qsg.cli_common import Parents, RetryLaterError, whole
@@ -195,8 +195,9 @@ def cmd_put(args: argparse.Namespace, out: Output) -> int:
     member's MAXUMSGS): each committed before the next begins; a failure backs out only the one it was in."""
     bodies = [b.encode() for b in args.messages] * args.count
     put: list[Any] = []
-    with messaging(args) as h:
+    with messaging(args) as h, _bars(out) as bars:
         for first in range(0, len(bodies), args.per_commit):
+            bars("put", len(put), len(bodies))
             try:
                 done = [h.put(args.queue, b, persistent=not args.non_persistent, priority=args.priority,
                               correlid=args.correlid.encode()) for b in bodies[first:first + args.per_commit]]
@@ -213,8 +214,14 @@ def cmd_put(args: argparse.Namespace, out: Output) -> int:
                           "before the interrupt; the next unit of work was backed out", file=sys.stderr)
                 raise
             put.extend(done)
+        bars("put", len(put), len(bodies))
     _report_put(out, args, put)
     return 0
+
+
+def _bars(out: Output) -> PhaseBars:
+    """A bar of the messages done, on a terminal (not with --json): a put of thousands takes seconds."""
+    return PhaseBars(out.console, disabled=out.as_json or not out.console.is_terminal)
 
 
 def _report_put(out: Output, args: argparse.Namespace, put: list[Any], *, interrupted: bool = False) -> None:
@@ -227,13 +234,15 @@ def _report_put(out: Output, args: argparse.Namespace, put: list[Any], *, interr
 
 def cmd_get(args: argparse.Namespace, out: Output) -> int:
     got: list[Any] = []
-    with messaging(args) as h:
+    with messaging(args) as h, _bars(out) as bars:
         try:
             while args.all or len(got) < args.count:
                 try:
                     got.append(h.get(args.queue, wait_ms=args.wait_ms))
                 except NoMessageError:
                     break
+                if len(got) % 100 == 0:
+                    bars("got", len(got), None if args.all else args.count)
             h.commit()
         except BaseException:
             h.backout()

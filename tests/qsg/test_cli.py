@@ -306,3 +306,18 @@ def test_two_in_process_commands_at_once_the_second_says_to_wait_or_name_itself(
     finally:
         waiting.kill()
         waiting.wait()
+
+
+@pytest.mark.slow
+def test_a_long_put_and_get_show_progress_on_a_terminal(where: list[str]) -> None:
+    """Thousands of messages take seconds: on a terminal a bar counts them (not in a pipe, not with --json)."""
+    ok("cfemu", "define", "structure", "APP1", *where)
+    ok("cfemu", "define", "queue", "Q1", "--structure", "APP1", *where)
+    command = " ".join([sys.executable, "-m", "qsg.cli", "put", "Q1", "x", "--count", "3000", "--per-commit", "500",
+                        *where])
+    on_tty = subprocess.run(["script", "-qec", command, "/dev/null"], capture_output=True, text=True, timeout=120,
+                            cwd=ROOT, env={**os.environ, "COLUMNS": "120"})
+    assert on_tty.returncode == 0, on_tty.stdout + on_tty.stderr
+    assert "3000/3000" in on_tty.stdout and "put 3000 message(s) on Q1 (committed)" in on_tty.stdout, on_tty.stdout
+    piped = run("cfemu", "get", "Q1", "--count", "3000", *where)
+    assert piped.returncode == 0 and "/3000" not in piped.stdout  # a pipe gets the table only
