@@ -60,5 +60,5 @@ def disk_full_named(directory: Path, consequence: str) -> Iterator[None]:
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
-        raise DiskFullError(e.errno, f"no space left on the device of {directory} ({e.strerror}): "
-                                     f"{consequence}") from e
+        what = f"{e.strerror}: {e.filename!r}" if e.filename else e.strerror
+        raise DiskFullError(e.errno, f"no space left on the device of {directory} ({what}): {consequence}") from e

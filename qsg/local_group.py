@@ -532,7 +532,7 @@ class LocalGroup:
                 self._wait_manager(name, timeout)
                 return
             except LocalGroupError as e:
-                if "address already in use" not in str(e) or attempt == attempts - 1:
+                if "address already in use" not in str(e).lower() or attempt == attempts - 1:
                     raise
             self.set_manager(name, port=free_port(self.host), metrics_port=free_port(self.host),
                              **({"rest_port": free_port("127.0.0.1")} if self.manager(name).get("rest_port") else {}))
