@@ -54,6 +54,7 @@ from backup.schedule import DEFAULT_KEEP
 from cfemu.admin import Admin
 from cfemu.cf import CF, BackupCancelled
 from cfemu.clitools import (
+    MAX_SECONDS,
     Output,
     Parser,
     PhaseBars,
@@ -313,11 +314,6 @@ def cmd_schedule(args: argparse.Namespace, out: Output) -> int:
     run_backup_scheduler(args.interval, settings(args), args.structure, keep=args.keep, metrics=metrics,
                          keep_age=keep_age)
     return 0
-
-
-# The longest wait, lease or interval a command takes: a year (a timed wait of more overflows the platform's time_t
-# or threading.TIMEOUT_MAX; none is meant).
-MAX_SECONDS = 366 * 86400
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,6 +6,10 @@
 * Output: ``Output`` prints rich tables on a terminal, plain columns otherwise, or one JSON document (--json).
 * Errors: ``run_command`` runs a verb; an expected error is one line on stderr, ``PROG: error: ...``, exit status 2,
   and --verbose adds the traceback. Ctrl-C is ``PROG: interrupted``, exit status 130.
+* Arguments: ``Parser`` says a usage error in one line, exit status 2; ``whole``, ``seconds``, ``number``,
+  ``input_file`` and ``output_file`` are argument types that refuse a value out of range (NaN and infinity included),
+  a missing file or a file in no directory as the command line is parsed, naming the option and the value, before
+  anything runs.
 * Progress: ``PhaseBars`` draws the cfemu.progress port as one rich bar per phase.
 * Daemons (``sqm run``, ``cfbackup schedule``): ``configure_logging`` writes their log lines, as JSON with --json.
 """
@@ -22,6 +26,7 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
+from pathlib import Path
 from types import TracebackType
 from typing import Any, NoReturn
 
@@ -261,14 +266,58 @@ class Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {' '.join(message.split())} (see '{self.prog} --help')\n")
 
 
+# The longest wait, lease or interval a command takes: a year (a timed wait of more overflows the platform's time_t
+# or threading.TIMEOUT_MAX; none is meant).
+MAX_SECONDS = 366 * 86400
+MAX_MS = MAX_SECONDS * 1000
+#: A member's lease in the admin structure (--lease-ms of `sqm run`, of `cfemu cluster up` for its members, of a
+#: cfemu command's in-process member): at least 500 ms, a member renewing it every third of it.
+MIN_LEASE_MS = 500
+
+
 def whole(low: int | None = None, high: int | None = None) -> Callable[[str], int]:
     """An argument type: a whole number in [low, high] (either bound may be open)."""
     return _number(int, "a whole number", low, high)
 
 
+def number(low: float | None = None, high: float | None = None, *, above: bool = False) -> Callable[[str], float]:
+    """An argument type: a number, fractions allowed (a size in MiB, a share), >= low (> low with above), <= high;
+    never NaN or infinite."""
+    return _number(float, "a number", low, high, above=above)
+
+
+def lease_ms(text: str) -> int:
+    """An argument type: a member's lease in ms, MIN_LEASE_MS to MAX_MS."""
+    return whole(MIN_LEASE_MS, MAX_MS)(text)
+
+
 def seconds(low: float | None = 0.0, high: float | None = None, *, above: bool = False) -> Callable[[str], float]:
     """An argument type: a number of seconds >= low (> low with above), <= high."""
-    return _number(float, "a number", low, high, above=above)
+    return number(low, high, above=above)
+
+
+def input_file(text: str) -> str:
+    """An argument type: a file the command reads (a certificate, a key): it must be a readable file now, not a
+    missing one found once the command has started."""
+    if not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"must be a file that exists, not {text!r}")
+    if not os.access(text, os.R_OK):
+        raise argparse.ArgumentTypeError(f"must be a file this user may read, not {text!r}")
+    return text
+
+
+def output_file(text: str) -> Path:
+    """An argument type: a file the command writes later (a ready file, a report). Its directory must exist and it
+    must not be a directory itself, so that a mistyped path is refused now, not once the command has started work
+    it would then leave half done."""
+    path = Path(text)
+    if not text or path.is_dir():
+        raise argparse.ArgumentTypeError(f"must be a file, not the directory {text!r}" if text else
+                                         "must be a file, not ''")
+    if not path.absolute().parent.is_dir():
+        raise argparse.ArgumentTypeError(f"must be a file in a directory that exists, not {text!r} (no directory "
+                                         f"{str(path.absolute().parent)!r})")
+    return path
 
 
 def _shown(bound: float) -> str:

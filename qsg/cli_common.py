@@ -30,6 +30,7 @@ from cfemu.clitools import (  # noqa: F401 - Parser, seconds and whole: every ve
     Output,
     Parser,
     add_settings_arguments,
+    lease_ms,
     require_url,
     run_command,
     seconds,
@@ -105,7 +106,7 @@ def parents() -> Parents:
                         help="go through an SQM server (repeat for failover); default: an in-process SQM")
     add_settings_arguments(server, "token")
     server.add_argument("--qm-name", default=OPERATOR_QM, help=f"in-process SQM name (default {OPERATOR_QM})")
-    server.add_argument("--lease-ms", type=whole(500), default=5000,
+    server.add_argument("--lease-ms", type=lease_ms, default=5000,
                         help="in-process SQM: its lease in ms (default 5000; >= 500, as 'sqm run')")
     return Parents(common, where, server)
 

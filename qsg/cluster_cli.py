@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from backup.catalog import parse_age
-from cfemu.clitools import CLIError, Output
+from cfemu.clitools import CLIError, Output, lease_ms
 from cfemu.settings import find_cluster_dir
 from qsg.cli_common import Parents, seconds, whole
 
@@ -139,7 +139,7 @@ def cluster_arguments(p: argparse.ArgumentParser, parents: Parents) -> None:
                         "older ones no restore can need")
     p.add_argument("--backup-keep-age", type=age, metavar="AGE",
                    help="the scheduler also keeps every good backup started within AGE (e.g. 7d, 12h)")
-    p.add_argument("--lease-ms", type=whole(500), default=5000)
+    p.add_argument("--lease-ms", type=lease_ms, default=5000)
     p.add_argument("--token", help="the application token clients must prove they hold (default: the group's "
                                    "service.token, made at the first 'up')")
     p.add_argument("--structure", default="APP1", help="structure to define if missing ('' for none)")

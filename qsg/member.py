@@ -55,6 +55,10 @@ def restore_hook(args: argparse.Namespace, found: Settings) -> RecoverStructure:
     as ``cfrestore run STRUCTURE`` would with this member's settings; or, for a structure whose start mode is WARM
     or COLD (cfemu pstore mode), that start (restore.start_modes, docs/pstore.md)."""
     backup_root, log_root = found.backup_dir, found.log_root
+    # The restore reads $CFEMU_RESTORE_MEMORY and $CFEMU_RESTORE_WORKERS when a structure fails: a bad one is refused
+    # now, as the member starts, in one line naming it (ValueError: exit 2), not found when the group needs it.
+    settings_mod.restore_memory()
+    settings_mod.restore_workers()
 
     def recover(structure: str, progress: Progress) -> Mapping[str, Any]:
         url = restore_url(args) or found.redis_url

@@ -26,23 +26,49 @@ from pathlib import Path
 from typing import cast
 
 from cfemu.clitools import (
+    MAX_MS,
+    MAX_SECONDS,
     CLIError,
     Output,
     Parser,
     add_settings_arguments,
     configure_logging,
+    input_file,
+    lease_ms,
+    number,
+    output_file,
     require_url,
     run_command,
+    seconds,
     settings,
+    whole,
 )
+from cfemu.limits import MAX_MSG_LENGTH
 from cfemu.settings import Settings, operator_token
 from sqm.core.recauto import RecoverStructure
 from sqm.core.storereport import DEFAULT_NAME, REPORT_ENV, report_path
 from sqm.logadmin import add_log_admin_parsers
 from sqm.logprint import LOG_ERRORS, add_log_parser
 from sqm.request_slots import LEASE_S, MAX_SLOTS, default_slots
+from sqm.service.config import MAX_REST_WORKERS
 from sqm.service.protocol import DEFAULT_MAX_FRAME, MAX_FRAME, MIN_FRAME
 from sqm.service.server import ServerConfig, is_loopback_host, serve
+
+# The ranges of sqm run's numbers, checked as the command line is parsed: a value out of its range (NaN and
+# infinity included) is one line naming the option and the value, exit status 2, before anything is opened or
+# written. An upper bound is where a larger value can only be a mistake, or would break later, once the member has
+# joined its group.
+PORT = whole(0, 65535)  # 0: any free port
+# Connections at once (the service's, the REST and metrics doors'): the kernel's default ceiling on one process's
+# open files (fs.nr_open); more could never be open.
+CONNECTIONS = whole(1, 2**20)
+MAX_CF_CONNECTIONS = 10_000  # redis-server's default maxclients: the CF would refuse more
+MAX_LOGLOAD = 16_000_000  # IBM MQ's own upper bound of LOGLOAD
+# A segment's capacity is a 32-bit field of its header (sqm.log.format): a segment must stay below 4 GiB.
+MAX_SEGMENT_MIB = 4095
+MAX_LOG_RING = 100_000  # segments in a circular log's ring: 6 TiB at the default 64 MiB a segment
+MAX_CPL_ENTRIES = 1000  # checkpoints the CPL keeps: restart and CF recovery read back as many intervals of log
+MAX_REQUEST_BUDGET = 2**40  # bytes of requests in flight on one member: a TiB of memory is more than it has
 
 NO_TOKEN = ("no service token found (--token, $SQM_TOKEN, or service.token in the group's secrets directory: "
             "$CFEMU_SECRETS_DIR, the cluster's or the CF's): make one with 'cfemu secrets init --dir DIR' and set "
@@ -57,103 +83,109 @@ def add_run_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
                                           "exit code 3 means peer recovery fenced it (restart it).")
     p.add_argument("--name", required=True, help="queue manager name (its log is LOG_ROOT/NAME)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=0, help="TCP port (0: any free port, see --ready-file)")
+    p.add_argument("--port", type=PORT, default=0, help="TCP port (0: any free port, see --ready-file)")
     add_settings_arguments(p, "redis_url", "log_root", "token", "cluster_dir", "cf_dir", "backup_dir",
                            "log_archive_dir", "max_umsgs")
     p.add_argument("--log-mode", choices=("linear", "circular"), default="linear",
                    help="linear (default): inactive log segments are archived, then removed from the active log; "
                         "circular: a fixed ring of --log-ring segments reused once inactive")
-    p.add_argument("--log-ring", type=int, default=8, help="segments in a circular log's ring (default 8, >= 3)")
-    p.add_argument("--log-segment-mb", type=float, default=64.0, help="log segment size in MiB (default 64)")
-    p.add_argument("--checkpoint-interval", type=float, default=300.0,
+    p.add_argument("--log-ring", type=whole(3, MAX_LOG_RING), default=8,
+                   help=f"segments in a circular log's ring (default 8; 3-{MAX_LOG_RING})")
+    p.add_argument("--log-segment-mb", type=number(0, MAX_SEGMENT_MIB, above=True), default=64.0,
+                   help=f"log segment size in MiB (default 64; above 0, at most {MAX_SEGMENT_MIB})")
+    p.add_argument("--checkpoint-interval", type=seconds(0, MAX_SECONDS), default=300.0,
                    help="also take a checkpoint every N seconds (default 300; 0: only by LOGLOAD and log space)")
-    p.add_argument("--cpl-entries", type=int, default=3,
+    p.add_argument("--cpl-entries", type=whole(0, MAX_CPL_ENTRIES), default=3,
                    help="n, the checkpoints the Checkpoint Positioning List keeps: a live message's newest copy is "
                         "never older than n checkpoint intervals (default 3; 0: no relogging)")
     p.add_argument("--pstore-report", choices=("YES", "NO"), default="NO",
                    help="YES: report every persistent record created or deleted, one JSON line each (seed 004's "
                         f"PSTORE-REPORT), to --pstore-report-file, else ${REPORT_ENV}, else {DEFAULT_NAME} in the "
                         "current directory (docs/pstore.md)")
-    p.add_argument("--pstore-report-file", metavar="FILE", help="the running store report's file")
-    p.add_argument("--tls-cert", help="server certificate (PEM) for TLS")
-    p.add_argument("--tls-key", help="server private key (PEM)")
-    p.add_argument("--tls-ca", help="CA (PEM) for client certificates: turns on mutual TLS")
+    p.add_argument("--pstore-report-file", type=output_file, metavar="FILE",
+                   help="the running store report's file (its directory must exist)")
+    p.add_argument("--tls-cert", type=input_file, help="server certificate (PEM) for TLS")
+    p.add_argument("--tls-key", type=input_file, help="server private key (PEM)")
+    p.add_argument("--tls-ca", type=input_file, help="CA (PEM) for client certificates: turns on mutual TLS")
     p.add_argument("--no-auth", action="store_true",
                    help="no authentication: every connection is an operator (refused on a non-loopback --host)")
-    p.add_argument("--auth-timeout", type=float, default=5.0,
+    p.add_argument("--auth-timeout", type=seconds(0, MAX_SECONDS, above=True), default=5.0,
                    help="seconds a connection has to authenticate before it is closed (default 5)")
-    p.add_argument("--idle-timeout", type=float, default=3600.0,
+    p.add_argument("--idle-timeout", type=seconds(0, MAX_SECONDS), default=3600.0,
                    help="close an authenticated connection idle this many seconds; its open UOW is backed out "
                         "(default 3600; 0: never)")
-    p.add_argument("--max-connections", type=int, default=512, help="connections at once (default 512)")
-    p.add_argument("--max-connections-per-peer", type=int, default=128,
+    p.add_argument("--max-connections", type=CONNECTIONS, default=512, help="connections at once (default 512)")
+    p.add_argument("--max-connections-per-peer", type=CONNECTIONS, default=128,
                    help="connections at once from one address (default 128)")
-    p.add_argument("--max-unauthenticated", type=int, default=64,
+    p.add_argument("--max-unauthenticated", type=CONNECTIONS, default=64,
                    help="connections at once that have not authenticated yet (default 64)")
-    p.add_argument("--max-request-bytes-per-member", type=int, default=None,
+    p.add_argument("--max-request-bytes-per-member", type=whole(MIN_FRAME, MAX_REQUEST_BUDGET), default=None,
                    help="bytes of requests in flight at once on this member: a frame over 64 KiB reserves its "
                         "length before its body is read, waits up to --request-budget-wait for it, else is refused with "
                         "MQRC_DATA_LENGTH_ERROR (default: the larger of 256 MiB and 4 frames of --max-frame; at least "
                         "--max-frame)")
-    p.add_argument("--request-budget-wait", type=float, default=5.0,
+    p.add_argument("--request-budget-wait", type=seconds(0, MAX_SECONDS), default=5.0,
                    help="seconds a large request waits for --max-request-bytes-per-member before it is refused "
                         "(default 5)")
-    p.add_argument("--metrics-port", type=int, default=None,
+    p.add_argument("--metrics-port", type=PORT, default=None,
                    help="HTTP port for /healthz, /readyz and /metrics (0: any free port; default: none)")
     p.add_argument("--metrics-host", default="127.0.0.1",
                    help="address of the HTTP port (default 127.0.0.1: it has no authentication; another address "
                         "lets whoever reaches it read queue names, depths and counters, and is logged)")
-    p.add_argument("--rest-port", type=int, default=None,
+    p.add_argument("--rest-port", type=PORT, default=None,
                    help="HTTP(S) port of the IBM MQ messaging REST API (docs/rest.md; 0: any free port; default: "
                         "off); authenticated with the service's tokens, TLS with --tls-cert/--tls-key")
     p.add_argument("--rest-host", default="127.0.0.1",
                    help="address of the REST port (default 127.0.0.1; another address is reachable from the "
                         "network: give it TLS)")
-    p.add_argument("--rest-max-body", type=int, default=4 * 2**20,
+    p.add_argument("--rest-max-body", type=whole(1, MAX_MSG_LENGTH), default=4 * 2**20,
                    help="longest message body a REST put takes, bytes (default 4 MiB)")
-    p.add_argument("--rest-workers", type=int, default=32,
+    p.add_argument("--rest-workers", type=whole(1, MAX_REST_WORKERS), default=32,
                    help="threads carrying out REST requests that do not wait (puts, browses, gets without wait), and "
                         "as many again for gets that wait: at most N wait at once, at most half of them from one "
                         "address; the others wait in line for no longer than their wait (default 32)")
-    p.add_argument("--http-head-timeout", type=float, default=10.0,
+    p.add_argument("--http-head-timeout", type=seconds(0, MAX_SECONDS, above=True), default=10.0,
                    help="seconds a new REST or metrics connection has to send a whole request head, else it is "
                         "closed (default 10)")
-    p.add_argument("--rest-keepalive-timeout", type=float, default=30.0,
+    p.add_argument("--rest-keepalive-timeout", type=seconds(0, MAX_SECONDS, above=True), default=30.0,
                    help="seconds a REST connection may stay idle between requests (default 30)")
-    p.add_argument("--rest-max-connections", type=int, default=256,
+    p.add_argument("--rest-max-connections", type=CONNECTIONS, default=256,
                    help="REST connections open at once; past it a new one is closed at once (default 256)")
-    p.add_argument("--rest-max-connections-per-peer", type=int, default=64,
+    p.add_argument("--rest-max-connections-per-peer", type=CONNECTIONS, default=64,
                    help="REST connections open at once from one address (default 64)")
-    p.add_argument("--metrics-max-connections", type=int, default=32,
+    p.add_argument("--metrics-max-connections", type=CONNECTIONS, default=32,
                    help="metrics-port connections open at once; past it a new one is closed at once (default 32)")
-    p.add_argument("--metrics-max-connections-per-peer", type=int, default=8,
+    p.add_argument("--metrics-max-connections-per-peer", type=CONNECTIONS, default=8,
                    help="metrics-port connections open at once from one address (default 8)")
-    p.add_argument("--metrics-cache", type=float, default=1.0,
+    p.add_argument("--metrics-cache", type=seconds(0, MAX_SECONDS), default=1.0,
                    help="seconds a collected /metrics page is served again before the next collection (default 1; "
                         "0: collect for every scrape, one at a time)")
-    p.add_argument("--lease-ms", type=int, default=5000, help="lease in the admin structure (default 5000)")
-    p.add_argument("--cf-connections", type=int, default=64,
+    p.add_argument("--lease-ms", type=lease_ms, default=5000,
+                   help="lease in the admin structure (default 5000; at least 500)")
+    p.add_argument("--cf-connections", type=whole(4, MAX_CF_CONNECTIONS), default=64,
                    help="connections to the CF; more concurrent requests wait for one (default 64)")
-    p.add_argument("--request-slots", type=int, default=default_slots(),
+    p.add_argument("--request-slots", type=whole(1, MAX_SLOTS), default=default_slots(),
                    help="requests doing their work at once, each up to its first wait (for the log, a message); "
                         f"the others wait for a slot (default: CPUs + 1, here {default_slots()}; at most {MAX_SLOTS})")
-    p.add_argument("--slot-lease-ms", type=int, default=int(LEASE_S * 1000),
+    p.add_argument("--slot-lease-ms", type=whole(1, MAX_MS), default=int(LEASE_S * 1000),
                    help="a request that holds its slot this long counts as waiting (on a slow CF, a lock), and a "
                         f"queued request takes the slot back (default {int(LEASE_S * 1000)})")
     p.add_argument("--thread-per-connection", action="store_true",
                    help="serve each authenticated plain connection by its own thread, each request alone, rather "
                         "than by the event loop that runs the puts and gets outside syncpoint arriving together as "
                         "one batch (one CF round trip, one fsync; docs/service.md)")
-    p.add_argument("--logload", type=int, default=10000,
+    p.add_argument("--logload", type=whole(1, MAX_LOGLOAD), default=10000,
                    help="LOGLOAD: take a checkpoint every N log records (default 10000)")
-    p.add_argument("--max-frame", type=int, default=DEFAULT_MAX_FRAME,
+    p.add_argument("--max-frame", type=whole(MIN_FRAME, MAX_FRAME), default=DEFAULT_MAX_FRAME,
                    help=f"longest frame accepted or sent after hello, bytes ({MIN_FRAME}-{MAX_FRAME}; the default "
                         "carries any message a queue can hold; less refuses longer messages)")
-    p.add_argument("--shutdown-grace", type=float, default=10.0,
+    p.add_argument("--shutdown-grace", type=seconds(0, MAX_SECONDS), default=10.0,
                    help="seconds in-flight requests get at shutdown (default 10)")
-    p.add_argument("--cf-wait", type=float, default=30.0, help="seconds to wait for the CF at start")
-    p.add_argument("--ready-file", type=Path, help="write {pid, port, metrics_port, rest_port} here once serving")
-    p.add_argument("--clock-skew-ms", type=int, default=0,
+    p.add_argument("--cf-wait", type=seconds(0, MAX_SECONDS), default=30.0,
+                   help="seconds to wait for the CF at start (default 30)")
+    p.add_argument("--ready-file", type=output_file,
+                   help="write {pid, port, metrics_port, rest_port} here once serving (its directory must exist)")
+    p.add_argument("--clock-skew-ms", type=whole(-MAX_MS, MAX_MS), default=0,
                    help="skew this member's LRSN clock source by N ms (tests; the OS clock is not touched)")
     p.add_argument("--json", action="store_true", help="log lines as JSON objects")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -161,22 +193,10 @@ def add_run_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
 
 
 def cmd_run(args: argparse.Namespace, out: Output) -> int:
-    if args.lease_ms < 500 or args.logload < 1 or args.cf_connections < 4:
-        raise CLIError("--lease-ms must be >= 500, --logload >= 1 and --cf-connections >= 4")
-    if not 1 <= args.request_slots <= MAX_SLOTS or args.slot_lease_ms < 1:
-        raise CLIError(f"--request-slots must be 1-{MAX_SLOTS} (not {args.request_slots}) and --slot-lease-ms >= 1 "
-                       f"(not {args.slot_lease_ms})")
-    if args.log_ring < 3 or args.log_segment_mb <= 0 or args.checkpoint_interval < 0 or args.cpl_entries < 0:
-        raise CLIError("--log-ring must be >= 3, --log-segment-mb > 0, --checkpoint-interval >= 0 and "
-                       "--cpl-entries >= 0")
-    if not MIN_FRAME <= args.max_frame <= MAX_FRAME:
-        raise CLIError(f"--max-frame must be {MIN_FRAME}-{MAX_FRAME} bytes (the most carries any message a queue can "
-                       f"hold), not {args.max_frame}")
+    # Each number's own range is the parser's (the argument types above); what is left is one option against another.
     budget = args.max_request_bytes_per_member
     if budget is not None and budget < args.max_frame:
         raise CLIError(f"--max-request-bytes-per-member must be at least --max-frame ({args.max_frame}), not {budget}")
-    if args.request_budget_wait < 0:
-        raise CLIError(f"--request-budget-wait must be >= 0, not {args.request_budget_wait}")
     if args.no_auth and not is_loopback_host(args.host):
         raise CLIError(f"--no-auth is refused on --host {args.host}, which is not a loopback address: anyone who "
                        "reaches it could do anything; run with the group's tokens instead")
@@ -186,6 +206,7 @@ def cmd_run(args: argparse.Namespace, out: Output) -> int:
     op_token = operator_token(found)
     if not args.no_auth and not (found.token or op_token):
         raise CLIError(NO_TOKEN)
+    pstore_report = pstore_report_file(args)
     configure_logging(args.verbose, as_json=out.as_json)
     recovery = args.recovery(args, found) if args.recovery is not None else None
     return serve(ServerConfig(
@@ -209,7 +230,21 @@ def cmd_run(args: argparse.Namespace, out: Output) -> int:
         checkpoint_interval_s=args.checkpoint_interval, cpl_entries=args.cpl_entries,
         shutdown_grace_s=args.shutdown_grace, cf_wait_s=args.cf_wait, ready_file=args.ready_file,
         clock_skew_ms=args.clock_skew_ms, recover_structure=recovery,
-        pstore_report=report_path(args.pstore_report_file).absolute() if args.pstore_report == "YES" else None))
+        pstore_report=pstore_report))
+
+
+def pstore_report_file(args: argparse.Namespace) -> Path | None:
+    """The running store report's file (--pstore-report YES), or None. A file from $CFEMU_PSTORE_REPORT is checked as
+    --pstore-report-file is (its directory exists): refused at start, not once the member has joined its group."""
+    if args.pstore_report != "YES":
+        return None
+    path = report_path(args.pstore_report_file)
+    if args.pstore_report_file is None:
+        try:
+            output_file(str(path))
+        except argparse.ArgumentTypeError as e:
+            raise CLIError(f"${REPORT_ENV}: {e}") from None
+    return path.absolute()
 
 
 # How the composition root gives ``sqm run`` its automatic structure recovery (RECAUTO, sqm.core.recauto): from the

@@ -19,13 +19,14 @@ from pathlib import Path
 from typing import Any
 
 from cfemu.admin import Admin
-from cfemu.clitools import CLIError, Output, add_settings_arguments, require_url, settings
+from cfemu.clitools import CLIError, Output, add_settings_arguments, require_url, settings, whole
 from cfemu.connection import connect
 from sqm.core.retention import Retention, log_retention
 from sqm.log import LogLockedError, LogReader, RecordLog, find_log_dirs
 from sqm.log.format import archived_segments, read_manifest
 
 ACTIVE, INACTIVE, ARCHIVED = "active", "inactive", "archived"
+MAX_SEGMENT = 2**32 - 1  # a segment's number is a 32-bit field of its header (sqm.log.format)
 
 
 def segment_rows(log_dir: Path, ret: Retention) -> list[dict[str, Any]]:
@@ -158,8 +159,9 @@ def add_log_admin_parsers(verbs: argparse._SubParsersAction[argparse.ArgumentPar
         add_settings_arguments(p, "redis_url", "log_root", "cluster_dir", "cf_dir",
                                *(("log_archive_dir",) if name == "archive" else ()))
         if name == "prune":
-            p.add_argument("--below", type=int, help="remove the segments numbered below N (refused if any is "
-                                                     "needed; default: every inactive one)")
+            p.add_argument("--below", type=whole(1, MAX_SEGMENT), metavar="N",
+                           help=f"remove the segments numbered below N, 1-{MAX_SEGMENT} (refused if any is needed; "
+                                "default: every inactive one)")
         p.add_argument("--json", action="store_true", help="JSON instead of a table")
         p.add_argument("-v", "--verbose", action="store_true", help="a traceback with errors")
         p.set_defaults(func=func)

@@ -24,10 +24,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cfemu.clitools import Output, add_settings_arguments, settings, styled_table
+from cfemu.clitools import Output, add_settings_arguments, settings, styled_table, whole
 from cfemu.settings import ENV_LOG_ROOT
 from sqm.core.records import KINDS, Record, Role, UnknownRecordError, describe, entry_ids, lookup, queues_of
 from sqm.log import LogCorruptError, LogFormatError, LogReader, find_log_dirs, merged_records
+
+# An LRSN is a count of microseconds (sqm.core.clock), written as an unsigned 64-bit msgpack integer at most.
+MAX_LRSN = 2**64 - 1
+LRSN = whole(0, MAX_LRSN)
 
 
 class LogPrintError(Exception):
@@ -150,8 +154,8 @@ def add_log_parser(
     p.add_argument("--uow", help="only this unit of work's records")
     p.add_argument("--queue", help="records about this queue, with the outcomes of their UOWs")
     p.add_argument("--message", help="records about this message (entry id or message id, hex), with outcomes")
-    p.add_argument("--from-lrsn", type=int, help="only records with LRSN >= this")
-    p.add_argument("--to-lrsn", type=int, help="only records with LRSN <= this")
+    p.add_argument("--from-lrsn", type=LRSN, metavar="N", help=f"only records with LRSN >= N (0-{MAX_LRSN})")
+    p.add_argument("--to-lrsn", type=LRSN, metavar="N", help=f"only records with LRSN <= N (0-{MAX_LRSN})")
     p.add_argument("--kind", action="append", metavar="KIND[,KIND...]",
                    help=f"only these record kinds ({', '.join(KINDS)}); repeatable")
     p.add_argument("--json", action="store_true", help="one JSON object per line instead of a table")

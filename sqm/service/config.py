@@ -7,9 +7,10 @@ configuration, 3 when peer recovery fenced this queue manager (restart it), 4 wh
 
 from __future__ import annotations
 
+import math
 import os
 import ssl
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from cfemu.settings import DEFAULT_MAX_UMSGS, MAX_MAX_UMSGS
@@ -96,6 +97,10 @@ class ServerConfig:
     recover_structure: RecoverStructure | None = None  # RECAUTO's restore (sqm.core.recauto), injected by qsg.member
 
     def check(self) -> None:
+        for f in fields(self):  # a duration is compared below: NaN would pass every comparison, infinity most
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not (math.isfinite(value) and value >= 0):
+                raise ServerConfigError(f"{f.name} must be a finite number of seconds >= 0, not {value}")
         if not MIN_FRAME <= self.max_frame <= MAX_FRAME:
             raise ServerConfigError(f"max frame must be {MIN_FRAME}-{MAX_FRAME} bytes, not {self.max_frame}")
         if self.auth and not (self.token or self.operator_token):

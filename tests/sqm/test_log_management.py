@@ -412,9 +412,9 @@ def test_checkpoints_by_time_and_when_log_space_runs_low(redis_url: str, tmp_pat
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--log-ring", "2"], "--log-ring must be >= 3"),
-    (["--checkpoint-interval", "-1"], "--checkpoint-interval >= 0"),
-    (["--cpl-entries", "-1"], "--cpl-entries >= 0"),
+    (["--log-ring", "2"], "argument --log-ring: must be a whole number from 3 to"),
+    (["--checkpoint-interval", "-1"], "argument --checkpoint-interval: must be a number from 0 to"),
+    (["--cpl-entries", "-1"], "argument --cpl-entries: must be a whole number from 0 to"),
     (["--log-mode", "spiral"], "invalid choice"),
 ])
 def test_sqm_run_refuses_bad_log_settings(tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str],

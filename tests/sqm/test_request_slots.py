@@ -208,7 +208,7 @@ def test_request_slots_below_one_are_refused_in_one_line(tmp_path: Path) -> None
                           capture_output=True, text=True, timeout=60, env={**TOKENS_ENV, "PATH": "/usr/bin:/bin"})
     assert done.returncode != 0
     lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and "--request-slots must be 1-4096 (not 0)" in lines[0], done.stderr
+    assert len(lines) == 1 and "argument --request-slots: must be a whole number from 1 to 4096, not 0" in lines[0], done.stderr
     assert not any(tmp_path.iterdir())  # nothing was created
 
 
