@@ -74,6 +74,7 @@ from backup.migrate_report import (
     definition_record,
     entry_record,
 )
+from backup.migrate_target import TARGET_FILE, record_target
 from backup.run import when_no_backup_runs
 from cfemu import bulk, keys, rcluster
 from cfemu.admin import QUEUES, STRUCTURES, Admin, QueueDef, StructureDef
@@ -112,6 +113,10 @@ class SameStoreError(HandshakeError):
 
 class TargetNotEmptyError(HandshakeError):
     pass
+
+
+class LoadedElsewhereError(HandshakeError):
+    """The unload was loaded into another store (backup.migrate_target)."""
 
 
 class LoadVerifyError(MigrationError):
@@ -503,6 +508,10 @@ def unload(client: redis.Redis, structure: str, to: str | Path, *, backup_keys: 
         report_sha = report.close()
         report = None
         lease.renew(now=True)
+        # Durably outside the CF before the manifest makes the unload loadable: a CF loss must not make the source
+        # restorable while an unload of it can be loaded (killed between the two, the record refuses more, never
+        # less: 'cfemu migrate reopen' clears it).
+        repo.record_migrated(structure, migration, unload=str((directory / UNLOAD_DIR).absolute()), source_cf=cf)
         writer.finish({
             "kind": KIND, "id": migration, "structure": structure, "group": group,
             "migration": {"format": MIGRATION_FORMAT, "id": migration, "source_cf": cf, "source_group": group,
@@ -515,8 +524,6 @@ def unload(client: redis.Redis, structure: str, to: str | Path, *, backup_keys: 
             "entries": result.entries, "bytes": result.bytes, "report": {"name": UNLOAD_REPORT, "sha256": report_sha},
         })
         writer = None
-        # durably outside the CF before the header says it: a CF loss must not make the source restorable
-        repo.record_migrated(structure, migration, unload=str((directory / UNLOAD_DIR).absolute()), source_cf=cf)
         _set_state(client, structure, to=MIGRATED, expect=(MIGRATING,), migration=migration)
     except BaseException as e:
         _undo_unload(client, structure, migration, directory, repo, created, wrote, writer, report)
@@ -643,6 +650,7 @@ def load(client: redis.Redis, directory: str | Path, *, structure: str | None = 
         if not (restart and found["partial"]):
             raise MigrationError(f"{report_path} exists: a load report is never overwritten (--report elsewhere)")
         report_path.unlink()
+    _claim_target(Path(directory), info, S, found)
     if found["set_group"]:
         Admin(client).set_group_name(str(group))
     sdef_raw = dict(manifest["structure_def"], name=S)
@@ -683,9 +691,30 @@ def load(client: redis.Redis, directory: str | Path, *, structure: str | None = 
         raise MigrationError(f"another load or restore took structure {S} over: this load of migration {info['id']} "
                              f"stopped, its report {report_path} unfinished ({e})") from None
     if log_root is not None:
-        GroupRepository(log_root).adopt([sdef], [QueueDef.from_dict(q) for q in queues_raw])
+        repo = GroupRepository(log_root)
+        repo.adopt([sdef], [QueueDef.from_dict(q) for q in queues_raw])
+        repo.record_loaded(S, str(info["id"]), unload=str(Path(directory).resolve()))
     result.seconds = time.monotonic() - t0
     return result
+
+
+def _claim_target(directory: Path, info: Mapping[str, Any], structure: str, found: Mapping[str, Any]) -> None:
+    """Record this load's target as the unload's one store, or refuse it when another store is recorded
+    (backup.migrate_target): a load started over, or a second load into the same store, passes."""
+    mine = {"migration": str(info["id"]), "cf": str(found["cf"]), "structure": structure,
+            "group": str(found["group"])}
+    try:
+        held = record_target(directory, mine)
+    except (OSError, ValueError) as e:
+        raise MigrationError(f"cannot record the load's target in {directory / TARGET_FILE} ({e}): a load records "
+                             "it there so that the unload is never loaded into two stores") from None
+    if held is not None and (held.get("cf"), held.get("structure")) != (mine["cf"], structure):
+        raise LoadedElsewhereError(
+            f"the unload of migration {info['id']} is loaded into CF {held.get('cf', '?')[:12]} as structure "
+            f"{held.get('structure')} of group {held.get('group')} ({directory / TARGET_FILE}): loaded into another "
+            f"store too, its messages would be served twice; only if that target is given up (its structure "
+            f"deleted, its CF retired), or is this store restarted since (a new run id), remove {TARGET_FILE} and "
+            "load again")
 
 
 def _refuse_migrated_away(client: redis.Redis, structure: str, info: Mapping[str, Any], group: str | None,

@@ -1344,7 +1344,8 @@ class Purged(NamedTuple):
 def purge(client: redis.Redis, sdef: StructureDef, queues: Sequence[str], *,
           before_activate: Callable[[int, dict[str, str]], str] | None = None,
           committed: Callable[[int], Iterable[str]] | None = None,
-          flags: Mapping[str, str] | None = None) -> Purged:
+          flags: Mapping[str, str] | None = None, seen: Seen | None = None,
+          claimed: Callable[[Owner], None] | None = None) -> Purged:
     """Empty the structure and make it ACTIVE again in a new generation, above its clock and its old generation
     (so a unit of work from before that had no work here is backed out when it next touches it); its queues stay
     defined, and the UOWs that held entries get a 'P' tombstone (purged_tombstones). The purge claims the
@@ -1354,9 +1355,14 @@ def purge(client: redis.Redis, sdef: StructureDef, queues: Sequence[str], *,
     committed(gen): the UOWs whose commit took effect here in generation `gen` (the one purged) and whose owner may
     still retry it (restore.run.committed_before_base): they get a 'P' tombstone too, so that the retry is a no-op
     here instead of a "lost with the CF" that would make the owner back out a committed UOW. flags: header fields
-    set as it becomes ACTIVE (activate)."""
+    set as it becomes ACTIVE (activate). seen: what the caller saw when it decided to purge (observe; default:
+    now): a restore or another purge that took the structure over since is refused by the claim (NotOwnerError),
+    as a purge decided on a failed structure must not empty one restored meanwhile. claimed(owner): what the
+    caller does as soon as it owns the structure, before it is emptied (a lost CF's definitions given back)."""
     S = sdef.name
-    with claim(client, S, observe(client, S)) as owner:
+    with claim(client, S, seen if seen is not None else observe(client, S)) as owner:
+        if claimed is not None:
+            claimed(owner)
         info = {keys.text(k): keys.text(v) for k, v in owner.client.hgetall(keys.meta(S)).items()}
         discarded = int(owner.client.hlen(keys.entries(S)))
         gen = max(time.time_ns() // 1000, int(info.get("clock", 0)) + 1, int(info.get("gen", 0)) + 1)

@@ -67,6 +67,7 @@ LOCK = "lock"
 FORMAT = "cfemu-group-repository"
 VERSION = 1
 MIGRATED = "migrated"  # the section of the structures a store migration unloaded
+LOADED = "loaded"  # the section of the structures a store migration loaded here
 UOW_DEFAULTS = "uow_defaults"  # the section of the group's defaults for its services
 
 State = dict[str, Any]
@@ -241,6 +242,19 @@ class GroupRepository:
         if self.exists():
             self.update(change)
         return found[0] if found else None
+
+    def record_loaded(self, structure: str, migration: str, *, unload: str) -> None:
+        """`structure` was loaded here by `migration` from `unload`: none of what was loaded is in this group's logs,
+        so until a backup or a complete relog pass holds it, a restore from the definition alone would lose it."""
+        def change(state: State) -> None:
+            state.setdefault(LOADED, {})[structure] = {"migration": migration, "unload": unload,
+                                                       "loaded_at": _iso()}
+        self.update(change)
+
+    def loaded(self, structure: str) -> dict[str, Any] | None:
+        """The migration that loaded `structure` here, or None."""
+        rec = ((self.load() or {}).get(LOADED) or {}).get(structure)
+        return dict(rec) if rec else None
 
     def migrated(self) -> dict[str, dict[str, Any]]:
         """Structure -> its migration record, for every structure unloaded and not reopened."""

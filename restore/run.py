@@ -65,6 +65,7 @@ from backup.catalog import (
     readable_kind,
 )
 from backup.files import Backup, parse_backup_id, read_backup, resolve_keys, signing_key
+from backup.migrate_target import TARGET_FILE
 from backup.points import (
     DEFINITION,
     FUZZY,
@@ -96,7 +97,7 @@ from sqm.core.group_logs import split_log_dirs
 from sqm.core.records import INCOMMIT
 from sqm.core.relog import newest_pass
 from sqm.core.uow import rebuild_table
-from sqm.log import LogLockedError, LogReader, RecordLog, find_log_dirs
+from sqm.log import LogFormatError, LogLockedError, LogReader, RecordLog, find_log_dirs
 from sqm.log.format import log_segments, read_manifest
 
 log = logging.getLogger("restore.run")
@@ -196,6 +197,22 @@ def choose_start(structure: str, backup: Backup | DefinitionBase | None, log_dir
         if int(relog["gen"]) < gen or int(relog["w"]) <= start:
             return backup
     return logs_base(structure, member, relog, backup, repo, group)
+
+
+def _refuse_loaded_from_definition(repo: GroupRepository, structure: str, manifest: Mapping[str, Any]) -> None:
+    """RestoreError when the base is the structure's definition alone and a store migration loaded it: what was
+    loaded is in no log of this group, only in a backup or a complete relog pass taken since, and there is
+    neither; restored from its definition the structure would be served without it."""
+    loaded = repo.loaded(structure)
+    if loaded is None or kind_of(manifest) != DEFINITION:
+        return
+    unload = loaded.get("unload", "?")
+    raise RestoreError(
+        f"structure {structure} was loaded by migration {loaded.get('migration', '?')} (from {unload}) and has had "
+        f"neither a backup nor a complete relog pass since: restored from its definition alone it would be served "
+        f"without what was loaded, so nothing was restored; load the unload again ('cfemu migrate load {unload} "
+        f"--report FILE', a new report, after removing {Path(unload) / TARGET_FILE}: this CF is a new store; "
+        f"messages consumed since the load come back), or give them up with 'cfrestore purge {structure}'")
 
 
 def _definition_base(repo: GroupRepository, structure: str, group: str) -> DefinitionBase | None:
@@ -366,7 +383,7 @@ def _log_gap(directory: Path, replay_from: int) -> str | None:
     pruned_lrsn = manifest.get("pruned_lrsn")
     if pruned_lrsn is not None and first_segment <= int(manifest.get("pruned", 0)) and int(pruned_lrsn) < replay_from:
         return None
-    first = next((s.min_lrsn for s in LogReader(directory).segments() if s.min_lrsn is not None), None)
+    first = next((s.min_lrsn for s in LogReader(directory).segments(manifest) if s.min_lrsn is not None), None)
     if pruned_lrsn is None and first is not None and first <= replay_from:
         return None
     return (f"begins at segment {first_segment}, first LRSN {first if first is not None else 'unknown (no record)'}"
@@ -401,6 +418,19 @@ def member_log_dirs(log_root: Path, members: Mapping[str, str] | list[str], repl
                            + f"; bring {'each' if len(missing) > 1 else 'it'} back to {log_root}/<member> (or "
                              "mount it there) and run again")
     return [found[name] for name in sorted(found)]
+
+
+def refuse_missing_member_logs(admin: Admin, structure: str, what: str, log_root: Path) -> None:
+    """Every member the group knows must have its log under log_root before a structure starts empty (a purge, a
+    COLD or WARM start): each unit of work whose COMMIT a member logged but had not applied gets a tombstone
+    (committed_before_base), so that the member's retry finds its commit standing. Without a member's log its units
+    of work would get none: its restart would hear "lost with the CF", log BACKOUT after its COMMIT and fail on the
+    structures that kept the commit, at every restart. `what` names the operation in the refusal."""
+    try:
+        member_log_dirs(log_root, known_members(GroupRepository(log_root), {}, admin), 0)
+    except RestoreError as e:
+        raise RestoreError(f"{what} of {structure} reads every member's log (the commits they logged and had not "
+                           f"applied keep their outcome): {e}") from None
 
 
 def refuse_foreign_logs(log_root: Path, known: Mapping[str, str]) -> list[Path]:
@@ -516,6 +546,23 @@ def _redefine(admin: Admin, group: str, sdef: StructureDef, queues: list[QueueDe
     for q in queues:
         if lost or q.name not in known:
             admin.define_from(q, structure=sdef.name, replace=True)
+
+
+def purge_claimed(client: redis.Redis, sdef: StructureDef, queues: list[QueueDef], *, group: str, lost: bool,
+                  log_root: Path, seen: bulk.Seen | None, **options: Any) -> bulk.Purged:
+    """bulk.purge of the structure (a COLD start, a WARM one, `cfrestore purge`) as the caller saw it (``seen``):
+    the UOWs committed before the new base tombstoned from every member's log, and the structure defined again as
+    the purge's first step once it owns it (bulk.purge's claimed), so that a purge refused because a restore took
+    the structure over meanwhile changed nothing. Refused in one line (RestoreError) when it lost the claim.
+    ``options``: bulk.purge's (before_activate, flags)."""
+    structure = sdef.name
+    try:
+        return bulk.purge(client, sdef, [q.name for q in queues],
+                          committed=lambda gen: committed_before_base(find_log_dirs(log_root), structure, gen),
+                          seen=seen, claimed=lambda owner: _redefine(Admin(owner.admin), group, sdef, queues,
+                                                                     lost=lost), **options)
+    except bulk.NotOwnerError as e:
+        raise _refused(structure, e) from e
 
 
 def _log_decisions(log: RecordLog, plan: RestorePlan, gen: int) -> int:
@@ -657,6 +704,7 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
         raise no_backup
     backup = found
     manifest = backup.manifest
+    _refuse_loaded_from_definition(repo, structure, manifest)
     replay_from = int(manifest["replay_from"])
     _logs_reach_back(log_dirs, structure, manifest)
     decisions_seen = _decisions_logged(log_root)  # before the plan reads them: compared under the log's lock
@@ -821,6 +869,13 @@ class _restore_log:
             self.log = RecordLog(self.directory, RESTORE_MEMBER)
         except LogLockedError as e:
             raise RestoreError(f"another restore is running ({e})") from None
+        group = GroupRepository(self.log_root).id
+        if group is not None:  # says whose decisions these are, as each member's log does (sqm.core.group_logs)
+            try:
+                self.log.stamp_group(group)
+            except LogFormatError as e:
+                self.log.close()
+                raise RestoreError(f"restore of {self.structure} refused: {e}") from None
         now = _decisions_logged(self.log_root)
         if now != self.seen:
             self.log.close()
@@ -845,13 +900,16 @@ def _group_of(admin: Admin, backup_root: Path, structure: str, lost: bool, backu
 
 
 def run_purge(client: redis.Redis, structure: str, *, backup_root: Path, log_root: Path,
-              mark_failed: bool = False, backup_keys: BackupKeys | None = None) -> PurgeResult:
+              mark_failed: bool = False, backup_keys: BackupKeys | None = None,
+              seen: bulk.Seen | None = None) -> PurgeResult:
     """RECOVER CFSTRUCT TYPE(PURGE): discard every message, keep the definition and queues, a new generation
     (so every unit of work from before is backed out when it next touches the structure), state ACTIVE.
     The purge is a restore point (kind purge, empty) in the backup catalog, written before the structure is
     usable again: a later restore starts there and never brings the purged messages back.
     The definitions come from the CF, or from the group repository under log_root when the CF lost them.
-    backup_keys sign the restore point (default: those this process's settings find; none: refused at once)."""
+    backup_keys sign the restore point (default: those this process's settings find; none: refused at once).
+    seen: the structure as the caller saw it when it chose to purge (bulk.observe; default: as this call first
+    sees it): a restore that completed since is refused, not emptied."""
     try:
         keys.check_name("structure", structure)
     except ValueError as e:
@@ -865,14 +923,15 @@ def run_purge(client: redis.Redis, structure: str, *, backup_root: Path, log_roo
         refuse_others_writing(directory)
     admin = Admin(client)
     repo = GroupRepository(log_root)
+    seen = seen if seen is not None else bulk.observe(client, structure)  # what the purge's claim compares against
     sdef, queues, lost = _definitions_without_backup(
         admin, repo, structure, " (a purge keeps a definition; restore it from a backup instead)")
-    state = admin.state(structure)
+    state = seen.state or "FAILED"  # a structure missing from the CF counts as FAILED (Admin.state)
     if state == "ACTIVE" and not mark_failed:
         raise RestoreError(f"structure {structure} is ACTIVE: purge it only once it has failed, or mark it "
                            f"failed first (--mark-failed)")
+    refuse_missing_member_logs(admin, structure, "a purge", Path(log_root))
     group = _group_of(admin, backup_root, structure, lost, backup_keys)
-    _redefine(admin, group, sdef, queues, lost=lost)
     point = point_id(structure)
 
     def write_point(gen: int, tombstones: dict[str, str]) -> str:  # RECOVERING, before it is usable again
@@ -881,10 +940,7 @@ def run_purge(client: redis.Redis, structure: str, *, backup_root: Path, log_roo
                             entries=(), tombstones=tombstones, backup_keys=backup_keys)
         return point
 
-    try:
-        purged = bulk.purge(client, sdef, [q.name for q in queues], before_activate=write_point,
-                            committed=lambda gen: committed_before_base(find_log_dirs(log_root), structure, gen))
-    except bulk.NotOwnerError as e:
-        raise _refused(structure, e) from e
+    purged = purge_claimed(client, sdef, queues, group=group, lost=lost, log_root=Path(log_root), seen=seen,
+                           before_activate=write_point)
     rebuild_catalog(admin, backup_root, structure, backup_keys=backup_keys)
     return PurgeResult(structure, state, purged.discarded, purged.discarded_bytes, purged.gen, restore_point=point)

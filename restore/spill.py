@@ -27,6 +27,10 @@ READ_SIZE = 1 << 20
 
 
 PREFIX = ".restore-spill-"
+#: A spill directory is made under this prefix and renamed to PREFIX once its lock is held, so that no directory
+#: named PREFIX... is ever seen without its lock: a restore killed between the two steps leaves a MAKING one, which
+#: the next restore removes like any other left behind.
+MAKING = ".restore-making-"
 #: A spill directory's lock file: its maker holds an exclusive flock on it while the directory is in use. The
 #: kernel lets go of it when the maker dies, however it dies (SIGKILL, the OOM killer), so a directory whose lock can
 #: be taken is one nobody will read again.
@@ -45,8 +49,10 @@ class SpillDir:
     def __init__(self, parent: Path | None = None) -> None:
         if parent is not None:
             private_dir(Path(parent))
-        self.path = Path(tempfile.mkdtemp(prefix=PREFIX, dir=parent))  # mkdtemp: mode 0700
-        self._owner = _hold(self.path / OWNER)
+        making = Path(tempfile.mkdtemp(prefix=MAKING, dir=parent))  # mkdtemp: mode 0700
+        self._owner = _hold(making / OWNER)
+        self.path = making.with_name(PREFIX + making.name[len(MAKING):])
+        os.rename(making, self.path)
         self.bytes_written = 0
         self.removed = remove_left_behind(self.path.parent, keep=self.path)
 
@@ -93,7 +99,7 @@ def remove_left_behind(parent: Path, keep: Path) -> list[Path]:
         return removed
     for entry in entries:
         path = Path(entry.path)
-        if not entry.name.startswith(PREFIX) or path == keep or not entry.is_dir(follow_symlinks=False):
+        if not entry.name.startswith((PREFIX, MAKING)) or path == keep or not entry.is_dir(follow_symlinks=False):
             continue
         try:
             fd = os.open(path / OWNER, os.O_RDWR | os.O_NOFOLLOW)

@@ -42,14 +42,12 @@ from restore.run import (
     RestoreError,
     _definitions_without_backup,
     _group_of,
-    _redefine,
-    _refused,
-    committed_before_base,
+    purge_claimed,
     refuse_migrated,
+    refuse_missing_member_logs,
     run_purge,
     run_restore,
 )
-from sqm.log import find_log_dirs
 
 WARM_FLAGS = {"pstore": "DISCONNECTED", "started": WARM}
 
@@ -70,12 +68,18 @@ def start(client: redis.Redis, structure: str, mode: str, *, backup_root: Path, 
     mode = check_mode(mode)
     keys.check_name("structure", structure)
     admin = Admin(client)
-    state = admin.state(structure)
+    # What the start decides on: the purge of COLD and WARM claims the structure only if nothing took it over since
+    # (a HOT restore that completed meanwhile is not emptied).
+    seen = bulk.observe(client, structure)
+    state = seen.state or "FAILED"  # a structure missing from the CF counts as FAILED (Admin.state)
     refuse_migrated(structure, state, Path(log_root), f"starting ({mode})")
     warm = state == "ACTIVE" and _started(client, structure) == WARM
     if state == "ACTIVE" and not warm:
         raise RestoreError(f"structure {structure} is ACTIVE: a start mode applies to a structure that failed or "
                            f"was lost with the CF (or that runs from a WARM start)")
+    _refuse_another_groups_root(admin, structure, Path(log_root))
+    # Every mode reads every member's log, and refuses before anything changes when one is missing: HOT's restore
+    # to replay it, COLD's purge and the WARM start for the tombstones of the commits logged and not applied.
     out: dict[str, Any] = {"structure": structure, "mode": mode, "state_before": state,
                            "started_before": WARM if warm else ""}
     if mode == HOT:
@@ -86,32 +90,44 @@ def start(client: redis.Redis, structure: str, mode: str, *, backup_root: Path, 
                    summary=f"{r.loaded_entries} entries restored from {r.backup_id or 'the logs'}")
     elif mode == COLD:
         p = run_purge(client, structure, backup_root=backup_root, log_root=log_root, mark_failed=warm,
-                      backup_keys=backup_keys)
+                      backup_keys=backup_keys, seen=seen)
         out.update(discarded=p.discarded, gen=p.gen, restore_point=p.restore_point,
                    summary=f"started empty ({p.discarded} entries discarded), restore point {p.restore_point}")
     else:
         if warm:
             raise RestoreError(f"structure {structure} runs from a WARM start already")
-        gen = warm_start(client, structure, backup_root=backup_root, log_root=log_root, backup_keys=backup_keys)
+        gen = warm_start(client, structure, backup_root=backup_root, log_root=log_root, backup_keys=backup_keys,
+                         seen=seen)
         out.update(gen=gen, summary="started empty with its persistent store disconnected; its backups and logs "
                                     "are kept for a later HOT start")
     return out
 
 
+def _refuse_another_groups_root(admin: Admin, structure: str, log_root: Path) -> None:
+    """A log root whose group repository is not the one the CF records as the group's is another group's (or a
+    wrong --log-root): its repository would record the WARM generation, and its logs would decide the tombstones."""
+    recorded = admin.repository()
+    here = GroupRepository(log_root).id
+    if recorded is not None and here != recorded["id"]:
+        raise RestoreError(f"starting {structure}: the log root {log_root} is not the group's (its group repository "
+                           f"is {here or 'missing'}, the CF's group has {recorded['id']} at {recorded['path']}): "
+                           "name the group's log root")
+
+
 def warm_start(client: redis.Redis, structure: str, *, backup_root: Path, log_root: Path,
-               backup_keys: BackupKeys | None = None) -> int:
+               backup_keys: BackupKeys | None = None, seen: bulk.Seen | None = None) -> int:
     """The WARM start (module doc): the structure empty and ACTIVE in a new generation, persistent store
-    disconnected, no restore point. Returns the generation."""
+    disconnected, no restore point. Returns the generation. seen: the structure as the caller saw it when it chose
+    the start (bulk.observe; default: now): a restore that completed since is refused, not emptied."""
     admin = Admin(client)
     repo = GroupRepository(log_root)
+    seen = seen if seen is not None else bulk.observe(client, structure)
     sdef, queues, lost = _definitions_without_backup(admin, repo, structure)
+    refuse_missing_member_logs(admin, structure, "a WARM start", Path(log_root))
     keys_ = resolve_keys(backup_keys)
-    _redefine(admin, _group_of(admin, backup_root, structure, lost, keys_), sdef, queues, lost=lost)
-    try:
-        purged = bulk.purge(client, sdef, [q.name for q in queues], flags=WARM_FLAGS,
-                            committed=lambda gen: committed_before_base(find_log_dirs(log_root), structure, gen))
-    except bulk.NotOwnerError as e:
-        raise _refused(structure, e) from e
+    group = _group_of(admin, backup_root, structure, lost, keys_)
+    purged = purge_claimed(client, sdef, queues, group=group, lost=lost, log_root=Path(log_root), seen=seen,
+                           flags=WARM_FLAGS)
     # Before anything else reads the new generation as a base: a restore never starts from it (cfemu.pstore).
     record_warm_generation(repo, structure, purged.gen)
     rebuild_catalog(admin, backup_root, structure, backup_keys=keys_)

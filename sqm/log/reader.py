@@ -114,10 +114,12 @@ class LogReader:
             yield from SegmentScan(copy, segno, self.member, is_last=False,
                                    start_offset=scan.end_offset or start_offset, expected=expected)
 
-    def segments(self) -> list[SegmentInfo]:
+    def segments(self, manifest: dict[str, Any] | None = None) -> list[SegmentInfo]:
         """Per-segment information: from the manifest for sealed segments, by scanning for the others
-        (always for the last one)."""
-        manifest = read_manifest(self.directory)
+        (always for the last one). ``manifest``: the one the caller has just read, so that what it decided from
+        the manifest and these segments are of one look at the log (default: read now)."""
+        if manifest is None:
+            manifest = read_manifest(self.directory)
         segs = log_segments(self.directory, manifest)
         trusted = trusted_segments(self.directory, manifest)
         out: list[SegmentInfo] = []

@@ -4,32 +4,21 @@ remove each new one."""
 
 from __future__ import annotations
 
+import contextlib
 from datetime import datetime, timedelta
 from pathlib import Path
-
-import pytest
 
 import backup.run
 from backup.catalog import INCOMPLETE, list_backups, order_lrsn, prune, retain
 from backup.files import new_backup_id
 from tests.support.group import define_group, start_qm
+from tests.support.wall_clock import clock_behind
 
 S = "APP1"
+STEP = timedelta(minutes=10)  # the clock steps back this much before the third backup
 
 
-def _clock_back(monkeypatch: pytest.MonkeyPatch, by: timedelta) -> None:
-    real = datetime
-
-    class Behind(datetime):
-        @classmethod
-        def now(cls, tz=None):  # type: ignore[no-untyped-def, override]
-            return real.now(tz) - by
-
-    monkeypatch.setattr(backup.run, "datetime", Behind)
-
-
-def _backups_across_a_clock_step(redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                 keep: int | None) -> tuple[list[str], list[list[str]]]:
+def _backups_across_a_clock_step(redis_url: str, tmp_path: Path, keep: int | None) -> tuple[list[str], list[list[str]]]:
     """Four backups, the clock stepped back 10 minutes before the third; with `keep`, the retention after each.
     Returns the ids in the order taken, and what retention removed after each."""
     logs, backups = tmp_path / "logs", tmp_path / "backups"
@@ -41,9 +30,8 @@ def _backups_across_a_clock_step(redis_url: str, tmp_path: Path, monkeypatch: py
         for k in range(4):
             c.put("Q1", f"M{k}".encode())
             c.commit()
-            if k == 2:
-                _clock_back(monkeypatch, timedelta(minutes=10))
-            taken.append(backup.run.run_backup(client, S, backups, log_root=logs)["id"])
+            with clock_behind(backup.run, STEP) if k >= 2 else contextlib.nullcontext():
+                taken.append(backup.run.run_backup(client, S, backups, log_root=logs)["id"])
             if keep is not None:
                 removed.append([b.id for b in retain(backups, S, keep, client=client, log_root=logs).removed])
     finally:
@@ -52,15 +40,15 @@ def _backups_across_a_clock_step(redis_url: str, tmp_path: Path, monkeypatch: py
 
 
 def test_retention_after_a_clock_step_back_keeps_the_newest_backups(
-        redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    taken, removed = _backups_across_a_clock_step(redis_url, tmp_path, monkeypatch, keep=2)
+        redis_url: str, tmp_path: Path) -> None:
+    taken, removed = _backups_across_a_clock_step(redis_url, tmp_path, keep=2)
     assert removed == [[], [], [taken[0]], [taken[1]]]  # each time the oldest, never the one just taken
     assert [b.id for b in list_backups(tmp_path / "backups", S)] == [taken[3], taken[2]]
 
 
 def test_the_catalog_and_prune_order_by_the_cf_clock_after_a_clock_step_back(
-        redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    taken, _ = _backups_across_a_clock_step(redis_url, tmp_path, monkeypatch, keep=None)
+        redis_url: str, tmp_path: Path) -> None:
+    taken, _ = _backups_across_a_clock_step(redis_url, tmp_path, keep=None)
     root = tmp_path / "backups"
     assert [b.id for b in list_backups(root, S)] == taken[::-1]
     assert [b.id for b in prune(root, S, keep=2).removed] == [taken[1], taken[0]]

@@ -6,7 +6,7 @@ made behind the clock is crossed."""
 from __future__ import annotations
 
 import json
-from datetime import datetime, timedelta
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -21,21 +21,10 @@ from sqm.cli import main as sqm_main
 from sqm.core.manager import QueueManager
 from tests.support.group import define_group, rejoin, start_qm
 from tests.support.harness import lose_cf
+from tests.support.wall_clock import clock_behind
 
 S = "APP1"
 BACK = timedelta(minutes=2)
-
-
-def _clock_back(monkeypatch: pytest.MonkeyPatch, module: object) -> None:
-    """The wall clock `module` names its ids by is BACK behind."""
-    real = datetime
-
-    class Behind(datetime):
-        @classmethod
-        def now(cls, tz=None):  # type: ignore[no-untyped-def, override]
-            return real.now(tz) - BACK
-
-    monkeypatch.setattr(module, "datetime", Behind)
 
 
 def _messages(qm: QueueManager) -> list[bytes]:
@@ -50,7 +39,7 @@ def _work(qm: QueueManager, prefix: str, n: int = 5) -> None:
 
 
 def test_a_backup_taken_with_the_clock_back_is_the_base_after_the_logs_were_pruned_to_it(
-        redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+        redis_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     logs, backups = tmp_path / "logs", tmp_path / "backups"
     client = define_group(redis_url, queues=("Q1", "Q2"))
     qm = start_qm(redis_url, logs, "QM1", background=False, segment_bytes=4096)
@@ -63,8 +52,7 @@ def test_a_backup_taken_with_the_clock_back_is_the_base_after_the_logs_were_prun
     for _ in range(20):  # log load, so that segments roll and prune has something to remove
         c.put("Q2", b"churn" + b"." * 300, syncpoint=False)
         c.get("Q2", syncpoint=False)
-    with monkeypatch.context() as m:
-        _clock_back(m, backup.run)
+    with clock_behind(backup.run, BACK):
         second = backup.run.run_backup(client, S, backups, log_root=logs)
     assert parse_backup_id(second["id"])[1] < parse_backup_id(first["id"])[1]  # its id says it is older
     assert second["start_lrsn"] > first["start_lrsn"]
@@ -87,8 +75,8 @@ def test_a_backup_taken_with_the_clock_back_is_the_base_after_the_logs_were_prun
         qm.stop()
 
 
-def _purged_behind_the_clock(redis_url: str, logs: Path, backups: Path,
-                             monkeypatch: pytest.MonkeyPatch) -> tuple[redis.Redis, QueueManager, str, str]:
+def _purged_behind_the_clock(redis_url: str, logs: Path,
+                             backups: Path) -> tuple[redis.Redis, QueueManager, str, str]:
     """A fuzzy backup, then the CF lost and the structure purged on a clock behind the backup's: (the CF, the
     member, the backup's id, the purge point's id)."""
     client = define_group(redis_url, queues=("Q1",))
@@ -96,17 +84,16 @@ def _purged_behind_the_clock(redis_url: str, logs: Path, backups: Path,
     _work(qm, "M")
     fuzzy = backup.run.run_backup(client, S, backups, log_root=logs)["id"]
     lose_cf(client)
-    with monkeypatch.context() as m:
-        _clock_back(m, backup.points)
+    with clock_behind(backup.points, BACK):
         point = run_purge(client, S, backup_root=backups, log_root=logs).restore_point
     assert parse_backup_id(point)[1] < parse_backup_id(fuzzy)[1]
     return client, qm, fuzzy, point
 
 
 def test_a_purge_point_made_with_the_clock_behind_the_last_backup_is_not_crossed(
-        redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        redis_url: str, tmp_path: Path) -> None:
     logs, backups = tmp_path / "logs", tmp_path / "backups"
-    client, qm, fuzzy, point = _purged_behind_the_clock(redis_url, logs, backups, monkeypatch)
+    client, qm, fuzzy, point = _purged_behind_the_clock(redis_url, logs, backups)
     assert [b.id for b in list_backups(backups, S)] == [point, fuzzy]
     rejoin(qm)
     c = qm.connect()
@@ -126,11 +113,11 @@ def test_a_purge_point_made_with_the_clock_behind_the_last_backup_is_not_crossed
 
 
 def test_a_damaged_purge_point_behind_the_clock_is_refused_not_crossed(
-        redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        redis_url: str, tmp_path: Path) -> None:
     """Its manifest unreadable, nothing says where the point stands but its id, whose time is behind: it counts as
     newer than the good backup whatever its time."""
     logs, backups = tmp_path / "logs", tmp_path / "backups"
-    client, qm, _, point = _purged_behind_the_clock(redis_url, logs, backups, monkeypatch)
+    client, qm, _, point = _purged_behind_the_clock(redis_url, logs, backups)
     qm.stop(checkpoint=False)
     (backups / S / point / MANIFEST_NAME).write_bytes(b"{not json")
     lose_cf(client)

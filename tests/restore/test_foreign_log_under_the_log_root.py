@@ -140,3 +140,18 @@ def test_a_log_with_no_stamp_is_taken_for_the_groups(redis_url: str, tmp_path: P
     assert split_log_dirs(logs, ["QM1"], GroupRepository(logs).id) == ([logs / "QM1"], [])
     start_qm(redis_url, logs, "QM1", background=False).stop()  # and stamped when its member starts
     assert _manifest(logs / "QM1")["group"] == GroupRepository(logs).id
+
+
+def test_restore_stamps_its_own_log_with_its_group(redis_url: str, tmp_path: Path) -> None:
+    """Restore's own log (its RECOVERY decisions) says whose it is, as each member's does: another group sharing the
+    log root refuses it rather than take our decisions for its own."""
+    logs, backups = tmp_path / "logs", tmp_path / "backups"
+    client = define_group(redis_url, queues=("Q1",))
+    qm = start_qm(redis_url, logs, "QM1", background=False)
+    run_backup(client, S, backups, log_root=logs)
+    qm.stop()
+    lose_cf(client)
+    run_restore(client, S, backup_root=backups, log_root=logs)
+    stamp = _manifest(logs / "_restore")["group"]
+    assert stamp == GroupRepository(logs).id and stamp
+    assert logs / "_restore" in [f.directory for f in split_log_dirs(logs, ["QM1", "_restore"], "another-group")[1]]

@@ -57,11 +57,9 @@ import inspect
 import itertools
 import os
 import time
-import unittest.mock
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -97,6 +95,7 @@ from tests.restore.test_restore import rejoin
 from tests.support.crash import Crash, crash, failpoint_armed
 from tests.support.group import define_group, start_qm
 from tests.support.harness import lose_cf
+from tests.support.wall_clock import clock_behind
 
 STRUCTURES = {"APP1": ("Q1", "Q2"), "APP2": ("Q3",)}
 STRUCTURE, QUEUES = "APP1", STRUCTURES["APP1"]  # the single-structure histories below
@@ -203,20 +202,6 @@ class Member:
     dead_work: Uow | None = None
     dead_commits: bool = False
     listed: bool = False  # dead, and still in the group's admin structure (a peer can recover it)
-
-
-@contextlib.contextmanager
-def clock_behind(module: Any, by: timedelta = timedelta(minutes=2)) -> Iterator[None]:
-    """The wall clock ``module`` names its backups and points by is ``by`` behind (NTP stepped it back)."""
-    real = datetime
-
-    class Behind(datetime):
-        @classmethod
-        def now(cls, tz: Any = None) -> Any:  # type: ignore[override]
-            return real.now(tz) - by
-
-    with unittest.mock.patch.object(module, "datetime", Behind):
-        yield
 
 
 def purge(client: redis.Redis, backups: Path, logs: Path, structure: str = STRUCTURE) -> Any:
@@ -1011,6 +996,12 @@ def test_soak_random_histories(redis_url: str, tmp_path: Path) -> None:
 AHEAD_US = 30_000_000  # a member whose clock runs 30 s ahead: far more than any test takes
 
 
+def _one_member_ahead(redis_url: str, logs: Path) -> tuple[QueueManager, QueueManager]:
+    """QM1, its clock AHEAD_US ahead of the wall clock, and QM2 on it: both started in this process."""
+    return (start_qm(redis_url, logs, "QM1", background=False, clock_skew_us=AHEAD_US),
+            start_qm(redis_url, logs, "QM2", background=False))
+
+
 def test_work_after_a_restore_is_replayed_by_the_next_restore_from_the_same_backup(
         redis_url: str, tmp_path: Path) -> None:
     """QM1's clock runs ahead and moves the CF's clock ahead of the wall clock (a non-persistent put, nothing
@@ -1021,8 +1012,7 @@ def test_work_after_a_restore_is_replayed_by_the_next_restore_from_the_same_back
     consumed twice. Now a restore's LRSN lies above every LRSN its base records: restore.plan.base_lrsn.)"""
     logs, backups = tmp_path / "logs", tmp_path / "backups"
     client = define_group(redis_url, queues=QUEUES)
-    qm1 = start_qm(redis_url, logs, "QM1", background=False, clock_skew_us=AHEAD_US)
-    qm2 = start_qm(redis_url, logs, "QM2", background=False)
+    qm1, qm2 = _one_member_ahead(redis_url, logs)
     try:
         qm2.connect().put("Q1", b"m1", syncpoint=False)
         qm1.connect().put("Q2", b"np", persistent=False, syncpoint=False)  # the CF's clock jumps 30 s ahead
@@ -1054,8 +1044,7 @@ def test_a_uow_open_across_two_restores_from_one_backup_cannot_commit_what_they_
     restore.run.earlier_generations.)"""
     logs, backups = tmp_path / "logs", tmp_path / "backups"
     client = define_group(redis_url, queues=QUEUES)
-    qm1 = start_qm(redis_url, logs, "QM1", background=False, clock_skew_us=AHEAD_US)
-    qm2 = start_qm(redis_url, logs, "QM2", background=False)
+    qm1, qm2 = _one_member_ahead(redis_url, logs)
     try:
         qm1.connect().put("Q1", b"m0", syncpoint=False)
         time.sleep(0.05)
@@ -1095,8 +1084,7 @@ def test_peer_recovery_recovers_every_uow_of_a_member_whose_structure_forgot_one
     test_peer_recovery_goes_on_past_a_commit_a_restore_backed_out.)"""
     logs, backups = tmp_path / "logs", tmp_path / "backups"
     client = define_group(redis_url, queues=QUEUES)
-    qm1 = start_qm(redis_url, logs, "QM1", background=False, lease_ms=LEASE_MS)
-    qm2 = start_qm(redis_url, logs, "QM2", background=False, lease_ms=LEASE_MS)
+    qm1, qm2 = _two_members(redis_url, logs, lease_ms=LEASE_MS)
     try:
         qm2.connect().put("Q1", b"m1", syncpoint=False)  # U1
         run_backup(client, STRUCTURE, backups, log_root=logs)
@@ -1117,6 +1105,20 @@ def test_peer_recovery_recovers_every_uow_of_a_member_whose_structure_forgot_one
     finally:
         qm1.stop()
         qm2.stop(checkpoint=False)
+
+
+def _two_members(redis_url: str, logs: Path, **options: Any) -> tuple[QueueManager, QueueManager]:
+    """QM1 and QM2 started in this process on the group's CF, with the same start_qm options."""
+    return (start_qm(redis_url, logs, "QM1", background=False, **options),
+            start_qm(redis_url, logs, "QM2", background=False, **options))
+
+
+def _two_structures_and_two_members(redis_url: str, logs: Path, **options: Any
+                                    ) -> tuple[redis.Redis, QueueManager, QueueManager]:
+    """APP1 (Q1) and APP2 (Q3) defined, QM1 and QM2 started (_two_members): the CF's client and the members."""
+    client = define_group(redis_url, queues=("Q1",))
+    define_group(redis_url, structure="APP2", queues=("Q3",))
+    return (client, *_two_members(redis_url, logs, **options))
 
 
 def _commit_across_structures_between_backups_then_crash(client: Any, qm1: QueueManager, logs: Path,
@@ -1151,10 +1153,7 @@ def test_a_member_restarts_after_a_structure_forgot_its_commit_and_the_next_rest
     test_a_commit_a_structure_restored_since_forgot_is_not_backed_out_by_its_owner. Now APP2's restore leaves the
     UOW a 'C' tombstone: restore.run.committed_before_base.)"""
     logs, backups = tmp_path / "logs", tmp_path / "backups"
-    client = define_group(redis_url, queues=("Q1",))
-    define_group(redis_url, structure="APP2", queues=("Q3",))
-    qm1 = start_qm(redis_url, logs, "QM1", background=False)
-    qm2 = start_qm(redis_url, logs, "QM2", background=False)
+    client, qm1, qm2 = _two_structures_and_two_members(redis_url, logs)
     try:
         _commit_across_structures_between_backups_then_crash(client, qm1, logs, backups)
         lose_cf(client)
@@ -1182,10 +1181,7 @@ def test_a_commit_a_peer_completed_and_ended_stays_committed_through_a_cf_loss_a
     APP1 as committed by recovery, every restart; a restore after that BACKOUT loses a and b. The chaos suite's
     seed 15 with peer-clock-skew met it as a member that would not restart: CHAOS-RESULTS.md, R1.)"""
     logs, backups = tmp_path / "logs", tmp_path / "backups"
-    client = define_group(redis_url, queues=("Q1",))
-    define_group(redis_url, structure="APP2", queues=("Q3",))
-    qm1 = start_qm(redis_url, logs, "QM1", background=False, lease_ms=LEASE_MS)
-    qm2 = start_qm(redis_url, logs, "QM2", background=False, lease_ms=LEASE_MS)
+    client, qm1, qm2 = _two_structures_and_two_members(redis_url, logs, lease_ms=LEASE_MS)
     engines: dict[str, dict[str, Any]] = {
         "local": {"engine": "local"}, "columnar": {"engine": "columnar"},
         "partitioned": {"engine": "local", "engine_options": {"partitions": 7, "workers": 2}}}
@@ -1264,8 +1260,7 @@ def test_a_backout_count_raised_by_recovery_survives_a_restore(redis_url: str, t
     1. APP1 fails and is restored from the backup taken before: m1 comes back with count 0."""
     logs, backups = tmp_path / "logs", tmp_path / "backups"
     client = define_group(redis_url, queues=QUEUES)
-    qm1 = start_qm(redis_url, logs, "QM1", background=False, lease_ms=LEASE_MS)
-    qm2 = start_qm(redis_url, logs, "QM2", background=False, lease_ms=LEASE_MS)
+    qm1, qm2 = _two_members(redis_url, logs, lease_ms=LEASE_MS)
     try:
         qm1.connect().put("Q1", b"m1", syncpoint=False)
         run_backup(client, STRUCTURE, backups, log_root=logs)
@@ -1292,10 +1287,7 @@ def test_a_commit_a_structure_restored_since_forgot_is_not_backed_out_by_its_own
     the commit: APP2 must not answer 'lost with the CF' (it would make QM1 log BACKOUT after its COMMIT); then the
     CF is lost, and APP1's restore from its backup replays the UOW: a, whose put was committed, must come back."""
     logs, backups = tmp_path / "logs", tmp_path / "backups"
-    client = define_group(redis_url, queues=("Q1",))
-    define_group(redis_url, structure="APP2", queues=("Q3",))
-    qm1 = start_qm(redis_url, logs, "QM1", background=False)
-    qm2 = start_qm(redis_url, logs, "QM2", background=False)
+    client, qm1, qm2 = _two_structures_and_two_members(redis_url, logs)
     try:
         _commit_across_structures_between_backups_then_crash(client, qm1, logs, backups)
         run_restore(client, "APP2", backup_root=backups, log_root=logs, mark_failed=True)
@@ -1319,8 +1311,7 @@ def test_peer_recovery_goes_on_past_a_commit_a_restore_backed_out(redis_url: str
     its backout count raised) and finish, instead of stopping there with m2 locked while QM2 stays down."""
     logs, backups = tmp_path / "logs", tmp_path / "backups"
     client = define_group(redis_url, queues=QUEUES)
-    qm1 = start_qm(redis_url, logs, "QM1", background=False, lease_ms=LEASE_MS)
-    qm2 = start_qm(redis_url, logs, "QM2", background=False, lease_ms=LEASE_MS)
+    qm1, qm2 = _two_members(redis_url, logs, lease_ms=LEASE_MS)
     try:
         qm1.connect().put("Q2", b"m2", syncpoint=False)
         run_backup(client, STRUCTURE, backups, log_root=logs)

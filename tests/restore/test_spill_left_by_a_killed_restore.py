@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from backup.run import run_backup
+from restore import spill as spill_module
 from restore.run import WORK_DIR, run_restore
-from restore.spill import SpillDir
+from restore.spill import MAKING, SpillDir
 from tests.restore.test_group_history import settings_env
 from tests.support.group import define_group, start_qm
 from tests.support.harness import lose_cf
@@ -28,6 +29,10 @@ pytestmark = pytest.mark.slow
 
 def _spill_dirs(work: Path) -> list[Path]:
     return sorted(work.glob(f"{PREFIX}*")) if work.is_dir() else []
+
+
+def _made_or_making(work: Path) -> list[Path]:
+    return sorted([*work.glob(f"{PREFIX}*"), *work.glob(f"{MAKING}*")]) if work.is_dir() else []
 
 
 def test_the_next_restore_removes_the_spill_directory_of_a_restore_killed_with_sigkill(redis_url: str,
@@ -64,7 +69,7 @@ def test_the_next_restore_removes_the_spill_directory_of_a_restore_killed_with_s
     assert killed, "no restore was caught with its spill directory"
     r = run_restore(client, S, backup_root=backups, log_root=logs)
     assert r.records_by_member is not None
-    assert _spill_dirs(work) == []
+    assert _made_or_making(work) == []
     qm = start_qm(redis_url, logs, "QM1", background=False)
     try:
         assert sorted(m.body for m in qm.connect().browse("Q1", limit=10_000)) == truth
@@ -91,3 +96,31 @@ def test_a_spill_directory_in_use_by_a_live_process_is_left_alone(tmp_path: Path
         if maker.poll() is None:
             maker.kill()
             maker.wait()
+
+
+def test_a_spill_directory_is_never_seen_under_its_name_before_its_lock_is_held(tmp_path: Path,
+                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restore killed between making its directory and locking it would leave one that looks in use for
+    UNLOCKED_GRACE_S: the directory takes its name only once locked."""
+    work = tmp_path / "work"
+    seen: list[list[Path]] = []
+    hold = spill_module._hold
+
+    def watching(path: Path) -> int:
+        seen.append(_spill_dirs(work))
+        return hold(path)
+
+    monkeypatch.setattr(spill_module, "_hold", watching)
+    with SpillDir(work) as s:
+        assert s.path.name.startswith(PREFIX) and (s.path / ".owner").exists()
+    assert seen == [[]]
+
+
+def test_a_directory_left_while_being_made_is_removed_by_the_next_restore(tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    work.mkdir(mode=0o700)
+    left = work / f"{MAKING}abc"
+    left.mkdir(mode=0o700)
+    (left / ".owner").touch()
+    with SpillDir(work) as mine:
+        assert mine.removed == [left] and not left.exists()
