@@ -370,6 +370,7 @@ class TopicNext(NamedTuple):
     lrsn: int  # the publication's commit LRSN (o1): with pub, the subscriber's position after it
     pub: str  # the publication id (hex)
     messages: list[tuple[Entry, bytes]]
+    open_from: int | None = None  # state 'W' or 'N': the LRSN of the first put of the open publications, if any
 
 
 class TopicHead(NamedTuple):
@@ -381,6 +382,7 @@ class TopicHead(NamedTuple):
     pub: str
     messages: int  # how many it has (0 unless state 'P')
     first: Entry | None  # its first message's descriptor (its properties: pub.created, pub.count)
+    open_from: int | None = None  # as TopicNext
 
 
 class PstoreStatus(NamedTuple):
@@ -471,6 +473,11 @@ class Browsed(list[T]):
     def __init__(self, items: Iterable[T] = (), *, more: bool = False) -> None:
         super().__init__(items)
         self.more = more
+
+
+def _open_from(out: list[Any]) -> int | None:
+    """topic_next.lua's LRSN of the first put of the open publications, after a 'W' or 'N' (None: none open)."""
+    return int(out[2]) if len(out) > 2 else None
 
 
 def _pairs(flat: list[Any]) -> list[tuple[Entry, bytes]]:
@@ -612,7 +619,7 @@ class Structure:
         out = self._call("topic_next", None, [queue, after_lrsn, after_pub])
         state = keys.text(out[1])
         if state != "P":
-            return TopicNext(int(out[0]), state, 0, "", [])
+            return TopicNext(int(out[0]), state, 0, "", [], _open_from(out))
         return TopicNext(int(out[0]), state, int(out[2]), keys.text(out[3]), _pairs(out[4:]))
 
     def topic_head(self, queue: str, after_lrsn: int, after_pub: str = "") -> TopicHead:
@@ -622,7 +629,7 @@ class Structure:
         out = self._call("topic_next", None, [queue, after_lrsn, after_pub, "H"])
         state = keys.text(out[1])
         if state != "P":
-            return TopicHead(int(out[0]), state, 0, "", 0, None)
+            return TopicHead(int(out[0]), state, 0, "", 0, None, _open_from(out))
         return TopicHead(int(out[0]), state, int(out[2]), keys.text(out[3]), int(out[4]), Entry.unpack(out[5]))
 
     def peek_scan(self, queue: str, match: str, value: str, cursor: str = "0",

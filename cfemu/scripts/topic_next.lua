@@ -16,7 +16,9 @@
 --         large publication a subscriber has not received yet costs the CF no more per sweep than a small one
 -- Returns {clock, 'P', o1, publication id, descriptor, data, descriptor, data, ...} (its messages in put order),
 -- with 'H' {clock, 'P', o1, publication id, message count, descriptor of its first message},
--- {clock, 'W'} when the next one waits for an open publication, or {clock, 'N'} when there is none.
+-- {clock, 'W', open} when the next one waits for an open publication, or {clock, 'N'[, open]} when there is none;
+-- open: the LRSN of the first put of the open publications (the lowest one can commit above), when there are any:
+-- a subscribe starts below it, so that a publication committing below the clock is still after its position.
 local st = redis.call('HGET', META, 'state')
 if not st then return redis.error_reply('NOSTRUCT structure is not in the CF (never defined, or the CF was lost)') end
 if st ~= 'ACTIVE' then return redis.error_reply('CFSTATE structure is ' .. st) end
@@ -55,7 +57,7 @@ local i = lo
 while i < n do
   local first = load(redis.call('LINDEX', k, i))
   local g = first.o1
-  if horizon ~= nil and g >= horizon then return {clock_s, 'W'} end
+  if horizon ~= nil and g >= horizon then return {clock_s, 'W', string.format('%d', horizon)} end
   -- the entries committed at LRSN g (one publication, almost always), in list order
   local group, j, done = {}, i, false
   while not done and j < n do
@@ -93,4 +95,5 @@ while i < n do
   end
   i = j
 end
+if horizon ~= nil then return {clock_s, 'N', string.format('%d', horizon)} end
 return {clock_s, 'N'}

@@ -49,9 +49,11 @@ from cfemu.errors import (
     ClientGoneError,
     MQError,
     NoMessageError,
+    PstoreUnavailableError,
     ResourceProblemError,
     UnknownObjectError,
 )
+from cfemu.pstore import WARM
 from cfemu.topic_attributes import TopicAttributes, publication_queue, subscription_queue
 from sqm.core import logon_token
 from sqm.core.cfcall import CFCaller
@@ -233,8 +235,13 @@ def roster(qm: Member, t: Topic, batch: int = SCAN_BATCH) -> set[str]:
 
 
 def structure_clock(qm: Member, t: Topic) -> int:
-    """The structure's LRSN clock: every publication committed so far counts at or below it."""
-    return int(qm.cf_call(lambda: qm.structure(t.structure).topic_head(t.pub_queue, 2**53)).clock)
+    """Where a subscription made now starts: the structure's LRSN clock (every publication committed so far counts at
+    or below it), or just below the first put of an open publication when there is one. That one's COMMIT may be
+    logged by a member whose clock runs behind another's, and count below the clock: a subscriber whose position
+    was the clock would never receive it. So a subscribe's position, and the floor below which the sweeper removes
+    publications as received, stay below every open publication."""
+    head = qm.cf_call(lambda: qm.structure(t.structure).topic_head(t.pub_queue, 2**53))
+    return int(head.clock) if head.open_from is None else min(int(head.clock), int(head.open_from) - 1)
 
 
 def next_publication(qm: Member, t: Topic, position: tuple[int, str]) -> TopicNext:
@@ -258,6 +265,17 @@ def _held_elsewhere(t: Topic, name: str) -> ResourceProblemError:
                                 "session: try again when it commits or backs out")
 
 
+def _no_subscription(qm: CFCaller, t: Topic, name: str, user: str) -> MQError:
+    """UnknownObjectError, but on a structure that runs from a WARM start: its durable subscriptions are in its
+    backups and logs then, not in the CF, and come back with its HOT start (docs/pstore.md), so "no subscription"
+    would be untrue, and would send the application to subscribe again, after everything published meanwhile."""
+    if qm.cf_call(lambda: qm.structure(t.structure).pstore()).started == WARM:
+        return PstoreUnavailableError(f"structure {t.structure} runs from a WARM start: topic {t.name}'s durable "
+                                      f"subscriptions (subscription {name} among them, if it is one) come back "
+                                      "with its HOT start, their positions with them")
+    return UnknownObjectError(f"topic {t.name} has no subscription {name}" + (f" of user {user}" if user else ""))
+
+
 def take_all(conn: Connection, t: Topic, name: str, *, user: str = "", token: str = "") -> tuple[Subscription, bool]:
     """Get every entry of the subscription under the connection's unit of work (one, but after two subscribes of it
     raced: they are merged), and whether another session holds one of them (then the caller must not receive: two
@@ -269,8 +287,7 @@ def take_all(conn: Connection, t: Topic, name: str, *, user: str = "", token: st
     except NoMessageError:
         if peek_entries(conn.qm, t, sid):
             raise _held_elsewhere(t, name) from None
-        raise UnknownObjectError(f"topic {t.name} has no subscription {name}"
-                                 + (f" of user {user}" if user else "")) from None
+        raise _no_subscription(conn.qm, t, name, user) from None
     elsewhere = False
     for _ in range(MAX_DUPLICATES):
         mine = {m.entry_id for m in taken}
@@ -320,8 +337,8 @@ def _put_listed(conn: Connection, t: Topic, s: Subscription) -> None:
 
 def subscribe(qm: Member, topic_name: str, name: str, *, durable: bool | None = None, user: str = "",
               token: str = "") -> Subscription:
-    """SUBSCRIBE: a new subscription whose position is the structure's clock now (it receives the publications
-    committed after it), or the subscription already there (a user subscribes once: docs/pubsub.md). ``durable``: None
+    """SUBSCRIBE: a new subscription whose position is the structure's clock now, or below an open publication
+    (structure_clock: it receives the publications committed after it, and those that commit after it), or the subscription already there (a user subscribes once: docs/pubsub.md). ``durable``: None
     for the topic's characteristic (durable when the topic allows it). ``user``, ``token``: its owner."""
     t = topic(qm, topic_name)
     _check_name(name)

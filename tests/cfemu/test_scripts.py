@@ -730,6 +730,22 @@ class TestTopicNext:
         s.backout(qm1, "U1", gen=1, lrsn=0, has_data=False)
         assert s.topic_next(Q, 0).pub == "bb"
 
+    def test_says_where_the_open_publications_begin(self, s: Structure, qm1: Caller) -> None:
+        """A subscribe starts below an open publication (sqm.pubsub.structure_clock): its commit may count below
+        the clock."""
+        assert s.topic_head(Q, 2**53).open_from is None and s.topic_next(Q, 0).open_from is None
+        before = s.topic_next(Q, 0).clock
+        self.publish(s, qm1, "U1", "aa", 2, commit=False)
+        opened = s.topic_next(Q, 0)
+        self.publish(s, qm1, "U2", "bb", 1)
+        assert opened.open_from is not None and before < opened.open_from <= opened.clock
+        waits = s.topic_next(Q, 0)
+        assert (waits.state, waits.open_from) == ("W", opened.open_from)
+        after = s.topic_head(Q, 2**53)  # past everything: none after it, and where the open one began
+        assert (after.state, after.open_from) == ("N", opened.open_from) and after.clock > opened.clock
+        s.backout(qm1, "U1", gen=1, lrsn=0, has_data=False)
+        assert s.topic_head(Q, 2**53).open_from is None
+
     def test_skips_a_publication_being_removed(self, s: Structure, qm1: Caller) -> None:
         self.publish(s, qm1, "U1", "aa", 2)
         self.publish(s, qm1, "U2", "bb", 1)
@@ -756,7 +772,7 @@ class TestTopicNext:
             assert head.first == whole.messages[0][0]
             pos = (whole.lrsn, whole.pub)
         assert head.first is not None and head.first.properties["pub.created"] == 7
-        assert s.topic_head(Q, *pos) == (whole.clock, "N", 0, "", 0, None)
+        assert s.topic_head(Q, *pos) == (whole.clock, "N", 0, "", 0, None, None)
         # Its reply carries no data: the head of a 2 MB publication is a descriptor's few hundred bytes.
         start = s.cf.redis.info("stats")["total_net_output_bytes"]
         s.topic_head(Q, *pos[:1], "")  # at the LRSN of the big one, before its id: the big one
