@@ -24,7 +24,8 @@ The rules (docs/kombu.md says why):
   recovery) backs them out: a message is never lost, and is delivered again until one consumer acknowledges it
   (at-least-once: a consumer that dies after its work and before its ack has it done twice).
 * One connection per unacknowledged delivery (idle ones are pooled): kombu's prefetch is how many a channel holds
-  at once (``prefetch_count``, at most ``max_unacked``, which also applies when the consumer sets none).
+  at once (``prefetch_count``: its first value at most ``max_unacked``, which also applies when the consumer sets
+  none, and what the consumer raised it by since, as Celery does for each task with an ETA it holds).
 * A held delivery's connection is pinged every ``keepalive_interval`` seconds (60), so that the member does not close
   it as idle (its ``--idle-timeout``) and back the delivery out while its consumer still works on it.
 * Failover: every request fails over across all the members the URL names (the client's own failover: a unit of
@@ -206,11 +207,31 @@ class QoS(virtual.QoS):
     and what is unacknowledged when the channel closes is backed out (never re-put: the message is still in its
     unit of work, and backing out returns it)."""
 
+    _prefetch = 0  # the prefetch count the consumer set last (0: none)
+    _first_prefetch = 0  # the first prefetch count the consumer set (0: none yet)
+
+    @property
+    def prefetch_count(self) -> int:
+        return self._prefetch
+
+    @prefetch_count.setter
+    def prefetch_count(self, value: int) -> None:
+        self._prefetch = value or 0
+        if not self._first_prefetch:
+            self._first_prefetch = self._prefetch
+
     def _limit(self) -> int:
-        """Unacknowledged deliveries the channel may hold: the prefetch count, never more than ``max_unacked`` (each
-        holds a connection to a member, which counts them against its connections per address)."""
+        """Unacknowledged deliveries the channel may hold (each holds a connection to a member, which counts them
+        against its connections per address): the consumer's first prefetch count, never more than
+        ``max_unacked``, plus what it raised the count by since. Celery raises it by one for each task with an ETA
+        or a countdown it holds unacknowledged until due, and lowers it again once the task ran, so that tasks due
+        now keep coming (as kombu's own virtual transports, which honour any prefetch count): capped at
+        ``max_unacked``, as many delayed tasks stalled every task due now behind them. Celery's
+        ``worker_eta_task_limit`` bounds the rise (and so the connections delayed tasks hold)."""
         cap: int = self.channel.transport.max_unacked
-        return min(self.prefetch_count or cap, cap)
+        first = self._first_prefetch or cap
+        now = self._prefetch or cap
+        return min(now, first, cap) + max(0, now - first)
 
     def can_consume(self) -> bool:
         return len(self._delivered) - len(self._dirty) < self._limit()

@@ -3,6 +3,11 @@ authenticated: a cap on open connections, a short wait for a request's head, a k
 flood cannot flood.
 
 - A connection past the cap (total, or per peer address: cfemu.connection_cap) is closed at once, unanswered.
+- A peer that half-closes (ends its sending side) after whole requests still gets their replies (pipelined ones
+  too), and the connection is closed once they are sent: the end of the peer's stream means no more requests, not "do not answer" (aiohttp alone
+  closed the connection at once, so a put was committed and its 201 never sent). A connection with no request under
+  way is closed at once. The request's handler can tell (``peer_has_finished``): a destructive get must not hand a
+  message to a peer whose end of stream may be a hang-up.
 - A connection must deliver its first request's head within ``head_timeout_s`` of opening (a TLS one: its handshake
   too), else it is closed; between requests, aiohttp closes a connection idle for ``keepalive_timeout_s`` (its
   keep-alive timer, which also bounds a later request's head: the connection is idle until the head is whole).
@@ -23,9 +28,11 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_runner import BaseSite
 
 from cfemu.connection_cap import ConnectionCap, peer_of
+from cfemu.sockets import is_loopback_ip
 from sqm.operations import one_line
 from sqm.throttled_log import ThrottledLog
 
@@ -38,12 +45,16 @@ class HttpLimits:
     keepalive_timeout_s: float = 30.0  # a connection idle between requests this long is closed
     max_connections: int = 256  # connections open at once
     max_connections_per_peer: int = 64  # connections open at once from one address
+    cap_options: str = ""  # the options that set the caps, named when a connection is refused
 
     def check(self, what: str) -> None:
         if self.head_timeout_s <= 0 or self.keepalive_timeout_s <= 0:
             raise ValueError(f"{what}: the head and keep-alive timeouts must be > 0 s")
         if min(self.max_connections, self.max_connections_per_peer) < 1:
             raise ValueError(f"{what}: connection caps must be at least 1")
+
+
+CLOSE_CHECK_S = 0.02  # how often a half-closed connection looks whether its requests are all answered
 
 
 class _AiohttpLog(logging.Logger):
@@ -94,6 +105,7 @@ class _Guarded(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.tail = b""
+        self.peer_finished = False  # the peer ended its sending side (a half-close, or a hang-up)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -103,7 +115,7 @@ class _Guarded(asyncio.Protocol):
             self.inner = None
             transport.abort()
             self.site.warn("cap", "%s: a connection from %s closed at once: the cap of %s is reached (closed so far: "
-                           "%d)", self.site.what, self.peer, refusal, self.site.cap.refused)
+                           "%d)%s", self.site.what, self.peer, refusal, self.site.cap.refused, self.site.cap_hint(self.peer))
             return
         self.transport = transport
         self.timer = asyncio.get_running_loop().call_later(self.site.limits.head_timeout_s, self._head_late)
@@ -133,7 +145,23 @@ class _Guarded(asyncio.Protocol):
         self.inner.data_received(data)
 
     def eof_received(self) -> bool | None:
-        return self.inner.eof_received() if self.inner is not None else None
+        self.peer_finished = True
+        inner = self.inner
+        if not isinstance(inner, RequestHandler) or self.timer is not None or _idle(inner):
+            return inner.eof_received() if inner is not None else None  # nothing to answer: closed now
+        self._close_once_answered()
+        return True  # keep the transport open to write the replies
+
+    def _close_once_answered(self) -> None:
+        """Close the transport once aiohttp has answered every request the peer sent before its end of stream
+        (pipelined ones too: aiohttp's own close() dropped those after the first), looking every CLOSE_CHECK_S."""
+        inner, transport = self.inner, self.transport
+        if transport is None or transport.is_closing() or not isinstance(inner, RequestHandler):
+            return
+        if _idle(inner):
+            transport.close()
+            return
+        asyncio.get_running_loop().call_later(CLOSE_CHECK_S, self._close_once_answered)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.inner is None:
@@ -154,6 +182,22 @@ class _Guarded(asyncio.Protocol):
             self.inner.resume_writing()
 
 
+def _idle(handler: RequestHandler) -> bool:
+    """Whether aiohttp's handler holds no request to answer: it waits for the next one (its waiter pending) and has
+    none parsed. Its waiter is None while it answers one."""
+    waiter = getattr(handler, "_waiter", None)
+    return waiter is not None and not waiter.done() and not getattr(handler, "_messages", None)
+
+
+def peer_has_finished(transport: asyncio.BaseTransport | None) -> bool:
+    """Whether the peer of a guarded door's connection has ended its stream or gone: the transport is gone or
+    closing, or the peer half-closed it (TCP cannot tell a half-close from a hang-up until a write fails)."""
+    if transport is None or transport.is_closing():
+        return True
+    guard = transport.get_protocol()
+    return isinstance(guard, _Guarded) and guard.peer_finished
+
+
 class GuardedSite(BaseSite):
     """aiohttp's TCP site under HttpLimits; ``port`` is the one it listens on once started."""
 
@@ -168,6 +212,18 @@ class GuardedSite(BaseSite):
         self.warn = ThrottledLog(log)
         self.head_timeouts = 0
         self.port = port
+
+    def cap_hint(self, peer: str) -> str:
+        """What the refusal line adds: the options that set the caps; from a loopback peer, that every local client
+        (a local reverse proxy in front of the door, a local tool) is that one address, so the per-address cap is
+        theirs together, and setting it to the total cap lets one of them use the whole door."""
+        if not self.limits.cap_options:
+            return ""
+        hint = f"; the caps are {self.limits.cap_options}"
+        if is_loopback_ip(peer):
+            hint += (": every local client is one loopback address, sharing the per-address cap (give it the total "
+                     "cap's value to let one local client, a reverse proxy say, use the whole door)")
+        return hint
 
     @property
     def name(self) -> str:
@@ -216,4 +272,4 @@ def throttle_accept_errors(loop: asyncio.AbstractEventLoop, warn: ThrottledLog) 
 _THROTTLED_LOOPS: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()  # handler installed once a loop
 
 
-__all__ = ["GuardedSite", "HttpLimits", "runner_kwargs", "throttle_accept_errors"]
+__all__ = ["GuardedSite", "HttpLimits", "peer_has_finished", "runner_kwargs", "throttle_accept_errors"]

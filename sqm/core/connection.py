@@ -317,9 +317,12 @@ class Connection(UnitOfWorkScope):
                     if own is None and counted:
                         uow.umsgs += 1
                     break
-                if time.monotonic() >= deadline:
+                left = deadline - time.monotonic()
+                if left <= 0:
                     raise NoMessageError(f"no message available on {queue}")
-                nap(delay)
+                # The last look is at the end of the wait, never a poll interval past it: a message taken then is
+                # answered to a caller that may have stopped waiting, and an empty queue is answered late.
+                nap(min(delay, left))
                 waited = True
                 delay = min(delay * 2, 0.05)
         except BaseException as e:

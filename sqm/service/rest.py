@@ -43,7 +43,7 @@ from cfemu.limits import MAX_ID_LENGTH
 from sqm.core.client_watch import ClientWatch
 from sqm.core.connection import MAX_EXPIRY_MS, Connection, Message
 from sqm.core.manager import CF_DOWN
-from sqm.http_guard import GuardedSite, HttpLimits, runner_kwargs
+from sqm.http_guard import GuardedSite, HttpLimits, peer_has_finished, runner_kwargs
 from sqm.operations import APPLICATION, OPERATOR, one_line, short
 from sqm.request_slots import RequestSlots
 from sqm.service import queue_ops
@@ -346,6 +346,7 @@ class RestEndpoint:
         self._numbers = iter(range(1, 2**62))
         self._active: weakref.WeakSet[RestSession] = weakref.WeakSet()  # the requests under way (stop wakes them)
         self._runner: web.AppRunner | None = None
+        self.site: GuardedSite | None = None  # the listening site once started (its connection cap)
         self.port: int | None = None
         self.app = web.Application(middlewares=[self._errors], client_max_size=config.rest_max_body)
         r = self.app.router
@@ -363,13 +364,15 @@ class RestEndpoint:
         c = self.config
         limits = HttpLimits(head_timeout_s=c.http_head_timeout_s, keepalive_timeout_s=c.rest_keepalive_timeout_s,
                             max_connections=c.rest_max_connections,
-                            max_connections_per_peer=c.rest_max_connections_per_peer)
+                            max_connections_per_peer=c.rest_max_connections_per_peer,
+                            cap_options="--rest-max-connections and --rest-max-connections-per-peer")
         self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False,
                                      shutdown_timeout=c.shutdown_grace_s, **runner_kwargs(limits, log))
         await self._runner.setup()
         site = GuardedSite(self._runner, host, port, limits, f"{self.server.name} REST", log,
                            ssl_context=c.ssl_context(), backlog=128)
         await site.start()
+        self.site = site
         self.port = site.port
         return self.port
 
@@ -637,17 +640,35 @@ class RestEndpoint:
                 got = await self._get(session, args, wait_ms)
             except (NoMessageError, ClientGoneError):  # none, or its caller left: nothing taken
                 await self._keep_moves(session)
-                return web.Response(status=204)
+                return self._nothing_taken(request)
             m = message_from_wire(got)
             text = message_text(m, "The message is not text in UTF-8: it was left on the queue.", "Get")
             headers = carried_headers(m, int(time.time() * 1000), "It was left on the queue.", "Get")
-            if request.transport is None or request.transport.is_closing():
-                return web.Response(status=204)  # the caller left: backed out (the handle's end), not taken
-            outcome = await self._run(session, "commit", partial(self._commit_taken, session))
+            outcome = None
+            # The caller's connection decides (not the member's stop, which sets ``gone`` too: a message taken by
+            # then is still delivered to a caller who is there).
+            if not peer_has_finished(request.transport):
+                outcome = await self._run(session, "commit", partial(self._commit_taken, session, request))
+            if outcome is None:
+                return self._nothing_taken(request)  # the caller left: backed out (the handle's end), not taken
         reply = text_reply(text, headers)
         if outcome:
             reply.headers[OUTCOME_HEADER] = outcome
         return reply
+
+    @staticmethod
+    def _nothing_taken(request: web.Request) -> web.Response:
+        """The reply of a DELETE that took nothing: 204; but when its caller only half-closed its connection (the
+        end of its stream, which TCP does not tell from a hang-up) a 400 saying so, so that such a client is not
+        told "no message" while messages wait: a get hands a message over only on a connection open both ways."""
+        if peer_has_finished(request.transport) and request.transport is not None \
+                and not request.transport.is_closing():
+            raise RestError(400, "MQWB0303E", "Nothing was taken: the client ended its side of the connection "
+                            "(a half-close) before the get's reply.",
+                            "A destructive get hands a message over only on a connection open both ways: the end of "
+                            "a client's stream may be a hang-up, and a message sent to nobody would be lost.",
+                            "Keep the connection open until the reply has been read.")
+        return web.Response(status=204)
 
     async def _get(self, session: RestSession, args: dict[str, Any], wait_ms: int) -> dict[str, Any]:
         """The get of a DELETE: one that waits takes a waiting slot first (in line, on the event loop, for no
@@ -677,12 +698,15 @@ class RestEndpoint:
         if session.conn is not None and session.conn.uow is not None:
             await self._run(session, "commit", lambda: queue_ops.commit(self.server, session, {}))
 
-    def _commit_taken(self, session: RestSession) -> str:
-        """Commit a message's get; "" when it committed. A commit logged but pending (a structure could not take it
+    def _commit_taken(self, session: RestSession, request: web.Request) -> str | None:
+        """Commit a message's get; "" when it committed; None when its caller left while the commit waited for a
+        thread (nothing committed: the handle's end backs the get out). A commit logged but pending (a structure could not take it
         then) answers "pending", one whose outcome is not known (the member's log failed as its COMMIT was written)
         "unknown": either way the message is delivered, as a get outside syncpoint delivers it with its error
         (docs/client.md, "Outcome pending"), never consumed for nobody, and the reply says its get is not known
         done."""
+        if peer_has_finished(request.transport):  # looked at again in the thread, just before the commit
+            return None
         try:
             queue_ops.commit(self.server, session, {})
         except OutcomePendingError as e:

@@ -19,13 +19,15 @@ from collections import Counter
 from aiohttp import web
 
 from sqm.core.client_watch import ClientWatch
+from sqm.http_guard import peer_has_finished
 
 RECHECK_S = 0.25  # how often a get waiting in line looks whether its caller is still there
 
 
 class RestWatch(ClientWatch):
-    """Set when the caller of a REST request has gone: ``is_set()`` looks at the request's HTTP connection (closed
-    by the peer, or closing), as the native service's watch reads its socket; ``set()`` by the server's stop."""
+    """Set when the caller of a REST request has gone: ``is_set()`` looks at the request's HTTP connection (the
+    peer's end of stream, a reset, or closing), as the native service's watch reads its socket; ``set()`` by the
+    server's stop."""
 
     def __init__(self, request: web.Request) -> None:
         super().__init__()
@@ -35,9 +37,9 @@ class RestWatch(ClientWatch):
         if super().is_set():
             return True
         # Read from a worker thread: attribute reads of the event loop's objects, which the GIL keeps whole; the
-        # loop sets the transport to None (or closing) when the peer's end of stream or reset arrives.
-        transport = self._request.transport
-        if transport is None or transport.is_closing():
+        # loop sets the transport to None (or closing) when the peer's reset arrives, the guard marks its end of
+        # stream (a hang-up, or a half-close: TCP does not tell them apart until a write fails).
+        if peer_has_finished(self._request.transport):
             self.set()
             return True
         return False

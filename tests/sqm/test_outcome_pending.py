@@ -8,7 +8,7 @@ a prepared unit of work (a restore keeps it in doubt for its coordinator)."""
 from __future__ import annotations
 
 import types
-from typing import Any, cast
+from typing import Any
 
 import pytest
 
@@ -135,6 +135,9 @@ def test_the_rest_door_delivers_a_message_whose_get_commit_is_pending(monkeypatc
     outcome is not known (the log failed as its COMMIT was written), still sends the 200 with the message, as a get
     outside syncpoint delivers it; any other refusal is the request's error."""
     endpoint: Any = types.SimpleNamespace(server=None)
+    # The caller is still there: its connection open (the commit is made only then).
+    there: Any = types.SimpleNamespace(transport=types.SimpleNamespace(is_closing=lambda: False,
+                                                                       get_protocol=lambda: None))
 
     def pending(*_: Any) -> None:
         raise OutcomePendingError("logged, pending")
@@ -143,18 +146,18 @@ def test_the_rest_door_delivers_a_message_whose_get_commit_is_pending(monkeypatc
         raise OutcomeUnknownError("the log failed as the COMMIT was written")
 
     monkeypatch.setattr(queue_ops, "commit", pending)
-    assert RestEndpoint._commit_taken(endpoint, cast(Any, None)) == "pending"  # the reply says so (ibm-mq-outcome)
+    assert RestEndpoint._commit_taken(endpoint, None, there) == "pending"  # the reply says so (ibm-mq-outcome)
     monkeypatch.setattr(queue_ops, "commit", unknown)
-    assert RestEndpoint._commit_taken(endpoint, cast(Any, None)) == "unknown"
+    assert RestEndpoint._commit_taken(endpoint, None, there) == "unknown"
     monkeypatch.setattr(queue_ops, "commit", lambda *_: None)
-    assert RestEndpoint._commit_taken(endpoint, cast(Any, None)) == ""
+    assert RestEndpoint._commit_taken(endpoint, None, there) == ""
 
     def backed_out(*_: Any) -> None:
         raise BackedOutError("backed out")
 
     monkeypatch.setattr(queue_ops, "commit", backed_out)
     with pytest.raises(BackedOutError):
-        RestEndpoint._commit_taken(endpoint, cast(Any, None))
+        RestEndpoint._commit_taken(endpoint, None, there)
 
 
 def test_a_pending_get_s_message_crosses_the_network_door_with_its_error(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -184,3 +187,13 @@ def test_a_pending_get_s_message_crosses_the_network_door_with_its_error(monkeyp
     assert len(encode_frame(error_reply(7, err))) <= plain + ENVELOPE
     # An error that delivered nothing carries nothing.
     assert "delivered" not in error_reply(1, OutcomePendingError("a commit"))["error"]
+
+
+def test_the_rest_door_commits_no_get_for_a_caller_that_left(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A caller that hung up while its get's commit waited for a thread: nothing is committed (the handle's end
+    backs the get out), so the message is never consumed for nobody."""
+    committed: list[bool] = []
+    monkeypatch.setattr(queue_ops, "commit", lambda *_: committed.append(True))
+    gone: Any = types.SimpleNamespace(transport=None)
+    assert RestEndpoint._commit_taken(types.SimpleNamespace(server=None), None, gone) is None
+    assert committed == []

@@ -405,9 +405,10 @@ def test_rest_workers_bound_the_waiting_gets(fresh_redis: Any, tmp_path: Path) -
 
 def test_sqm_run_refuses_bad_rest_options_before_it_starts(fresh_redis: Any, tmp_path: Path) -> None:
     """One line and exit status 2, before the member starts (not a traceback once it has started)."""
-    for options, said in ((("--rest-port", "-1"), "--rest-port must be 0-65535"),
-                          (("--rest-port", "70000"), "--rest-port must be 0-65535"),
-                          (("--rest-port", "0", "--rest-workers", "0"), "REST workers must be 1-1024")):
+    for options, said in ((("--rest-port", "-1"), "--rest-port: must be a whole number from 0 to 65535"),
+                          (("--rest-port", "70000"), "--rest-port: must be a whole number from 0 to 65535"),
+                          (("--rest-port", "0", "--rest-workers", "0"), "--rest-workers: must be a whole number from "
+                                                                        "1 to 1024")):
         bad = subprocess.run([sys.executable, "-m", "sqm.cli", "run", "--name", "QMB", "--redis-url", fresh_redis.url,
                               "--log-root", str(tmp_path / "logs"), "--port", "0", *options],
                              capture_output=True, text=True, timeout=60, env={**os.environ, **TOKENS_ENV})
