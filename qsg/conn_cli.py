@@ -22,15 +22,12 @@ from typing import Any
 from rich.markup import escape
 
 from cfemu.clitools import CLIError, Output, add_settings_arguments, settings
-from cfemu.errors import MQError
-from qsg.cli_common import Parents, Parser, RetryLaterError
+from qsg.cli_common import Parents, Parser
 from qsg.local_group import LocalGroup, LocalGroupError
+from qsg.member_answers import Answered, ask_each_member, name_unanswered, raise_if_partial
 from sqm.operations import OPERATOR, one_line
 from sqm.service.client import Client, client_tls_context
-from sqm.service.protocol import NotAuthorizedError
 
-CLIENT_NAME = "cfemu"
-MEMBER_TIMEOUT_S = 5.0  # a member that hangs must not hang the command for longer
 CLAIM_CHARS = 32  # what the table shows of a claimed name at most (the rest is in --json)
 # How each way of authenticating reads in the table: what the member verified of the connection.
 PROOFS = {"challenge": "token proven", "bearer": "token sent", "none": "member runs --no-auth: nothing proven"}
@@ -79,18 +76,10 @@ def ask_members(args: argparse.Namespace, servers: list[str] | None = None) -> l
         raise CLIError("the members' connections are an operator's to see: give the operator token (--token, "
                        "$SQM_OPERATOR_TOKEN or the group's secrets), not the application's")
     tls = client_tls_context(args.server_ca) if args.server_ca else None
-    docs: list[dict[str, Any]] = []
-    for endpoint in endpoints(args) if servers is None else servers:
-        try:
-            with Client([endpoint], token=found.token, role=OPERATOR, tls=tls, client_name=CLIENT_NAME,
-                        connect_timeout=MEMBER_TIMEOUT_S, request_timeout=MEMBER_TIMEOUT_S,
-                        reconnect_timeout=0.0) as c:
-                docs.append({**c.connections(), "server": endpoint})
-        except NotAuthorizedError as e:
-            raise CLIError(f"{endpoint}: {e}") from None
-        except (MQError, OSError) as e:
-            docs.append({"server": endpoint, "error": f"{type(e).__name__}: {e}"})
-    return docs
+    answers = ask_each_member(endpoints(args) if servers is None else servers, Client.connections,
+                              token=found.token, role=OPERATOR, tls=tls)
+    return [{**a.reply, "server": a.server} if isinstance(a, Answered) else {"server": a.server, "error": a.error}
+            for a in answers]
 
 
 def _since(t: float | None, now: float) -> str:
@@ -152,10 +141,8 @@ def cmd_conn(args: argparse.Namespace, out: Output) -> int:
                     _since(r["last_request"], now), r["requests"], _uow(r["uow"])) for r in rows])
         if rows:
             out.line(CLAIMED_NOTE)
-        for f in failed:
-            out.line(f"{f['server']}: no answer: {f['error']}")
-    if failed:
-        raise RetryLaterError(f"{len(failed)} member(s) did not answer: {failed[0]['server']}: {failed[0]['error']}")
+        name_unanswered(out, failed)
+    raise_if_partial(failed)
     return 0
 
 

@@ -94,6 +94,7 @@ CF_BUSY_GRACE_S = 5.0  # after SCRIPT KILL: still BUSY this long, the CF is take
 # A running member that served, with no lease in an answering CF this long, is hung: three times the longest lease a
 # member takes by default (sqm run --lease-ms 5000), and longer than a CF restarted empty takes to be re-joined.
 MEMBER_HUNG_AFTER_S = 15.0
+MEMBER_KILL_WAIT_S = 5.0  # how long an interval waits for a member it SIGKILLed as hung to be gone
 
 # The exit codes of ``sqm run`` (sqm.service.server's EXIT_*; `sqm run --help`), as a restart's reason says them.
 MEMBER_EXITS = {0: "stopped (exit 0) outside 'cfemu cluster'", 1: "failed (exit 1)",
@@ -178,6 +179,7 @@ class Supervisor:
         self.script_killed_at: float | None = None  # monotonic: when SCRIPT KILL was sent in this BUSY spell
         self.counts = SupervisorCounts()
         self.leases: set[str] | None = None  # the tended members holding a lease at this interval (None: unknown)
+        self.killed: list[int] = []  # the pids of members SIGKILLed as hung in this interval, not yet waited for
 
     # --- one interval ------------------------------------------------------------------------------------------
     @property
@@ -190,13 +192,16 @@ class Supervisor:
         # The state lock when others write cluster.json (a detached group) or when members are tended (the calls
         # that hold one take it); a thread tending only the CF keeps out of their way.
         shared = self.reload or bool(self.c.state.get("member_restart"))
-        with self.c.state_lock() if shared else contextlib.nullcontext():
-            if self.reload:
-                self.c.refresh()
-            if self.tends_cf:
-                self.tend_cf(hung)
-            if self.c.state.get("member_restart"):
-                self.tend_members()
+        try:
+            with self.c.state_lock() if shared else contextlib.nullcontext():
+                if self.reload:
+                    self.c.refresh()
+                if self.tends_cf:
+                    self.tend_cf(hung)
+                if self.c.state.get("member_restart"):
+                    self.tend_members()
+        finally:
+            self._wait_for_killed_members()
 
     # --- the CF ----------------------------------------------------------------------------------------------
     def _cf_hung(self) -> str | None:
@@ -371,7 +376,7 @@ class Supervisor:
             return False
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        wait_gone(pid, 5.0)
+        self.killed.append(pid)  # waited for once the state lock is released (tick)
         self.counts.member_up[name] = False
         t.leaseless_since = None
         t.reason = (f"was hung: no lease in the CF for {silent:.0f}s while its process ran (a stopped or wedged "
@@ -380,6 +385,13 @@ class Supervisor:
         log.warning("%s (pid %s) %s; restarting it in %gs", name, pid, t.reason, t.delay)
         t.delay = min(t.delay * 2, RESTART_MAX_DELAY_S)
         return True
+
+    def _wait_for_killed_members(self) -> None:
+        """Wait for the members SIGKILLed as hung in this interval to be gone (each up to MEMBER_KILL_WAIT_S), so
+        that the next interval finds them dead and restarts them after their delay. Outside the state lock: a
+        status, an operator's stop or another member's restart must not wait for a dying process."""
+        while self.killed:
+            wait_gone(self.killed.pop(), MEMBER_KILL_WAIT_S)
 
     def _restart(self, m: dict[str, Any], t: _Member) -> None:
         name = m["name"]

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
@@ -18,6 +20,7 @@ import msgpack
 
 from cfemu.clitools import CLIError, Output, PhaseBars, require_url, settings
 from cfemu.errors import FencedError, NoMessageError
+from cfemu.signals import handling
 from cfemu.uow_attributes import CONTROL_SUFFIX, DATA_SUFFIX
 from qsg.cli_common import Parents, RetryLaterError, whole
 from sqm.conversations.convrecord import RECORD_LETTER, ConvRecord
@@ -195,12 +198,20 @@ def cmd_put(args: argparse.Namespace, out: Output) -> int:
     member's MAXUMSGS): each committed before the next begins; a failure backs out only the one it was in."""
     bodies = [b.encode() for b in args.messages] * args.count
     put: list[Any] = []
-    with messaging(args) as h, _bars(out) as bars:
+    # Ctrl-C is taken between two puts, not wherever it lands: raised inside the member's own calls (a commit half
+    # applied, a lock just taken), it left the in-process member unable to back the unit of work out or stop.
+    interrupted = threading.Event()
+    with (messaging(args) as h, _bars(out) as bars,
+          handling((signal.SIGINT,), lambda *_: interrupted.set())):
         for first in range(0, len(bodies), args.per_commit):
             bars("put", len(put), len(bodies))
             try:
-                done = [h.put(args.queue, b, persistent=not args.non_persistent, priority=args.priority,
-                              correlid=args.correlid.encode()) for b in bodies[first:first + args.per_commit]]
+                done = []
+                for b in bodies[first:first + args.per_commit]:
+                    _raise_if(interrupted)
+                    done.append(h.put(args.queue, b, persistent=not args.non_persistent, priority=args.priority,
+                                      correlid=args.correlid.encode()))
+                _raise_if(interrupted)
                 h.commit()
             except BaseException as e:
                 h.backout()
@@ -219,6 +230,11 @@ def cmd_put(args: argparse.Namespace, out: Output) -> int:
     return 0
 
 
+def _raise_if(interrupted: threading.Event) -> None:
+    if interrupted.is_set():
+        raise KeyboardInterrupt
+
+
 def _bars(out: Output) -> PhaseBars:
     """A bar of the messages done, on a terminal (not with --json): a put of thousands takes seconds."""
     return PhaseBars(out.console, disabled=out.as_json or not out.console.is_terminal)
@@ -234,11 +250,15 @@ def _report_put(out: Output, args: argparse.Namespace, put: list[Any], *, interr
 
 def cmd_get(args: argparse.Namespace, out: Output) -> int:
     got: list[Any] = []
-    with messaging(args) as h, _bars(out) as bars:
+    # Ctrl-C is taken between two of the member's calls, as put takes it; a long --wait-ms is asked in slices
+    # (_waiting_get) so that it still ends within a slice of the interrupt.
+    interrupted = threading.Event()
+    with (messaging(args) as h, _bars(out) as bars,
+          handling((signal.SIGINT,), lambda *_: interrupted.set())):
         try:
             while args.all or len(got) < args.count:
                 try:
-                    got.append(h.get(args.queue, wait_ms=args.wait_ms))
+                    got.append(_waiting_get(h, args.queue, args.wait_ms, interrupted))
                 except NoMessageError:
                     break
                 if len(got) % 100 == 0:
@@ -249,6 +269,24 @@ def cmd_get(args: argparse.Namespace, out: Output) -> int:
             raise
     _print_messages(out, f"got {len(got)} message(s) from {args.queue} (committed)", got, args.json)
     return 0 if got or args.all else 1
+
+
+#: The longest wait of one get a waiting `cfemu get` asks: how long a Ctrl-C may take to be acted on.
+WAIT_SLICE_MS = 200
+
+
+def _waiting_get(h: MessagingHandle, queue: str, wait_ms: int, interrupted: threading.Event) -> Any:
+    """``h.get(queue, wait_ms=wait_ms)``, its wait asked in slices of at most WAIT_SLICE_MS, the interrupt looked at
+    before each: a message that comes during the wait is taken by the slice under way, as one long wait would."""
+    deadline = time.monotonic() + wait_ms / 1000
+    while True:
+        _raise_if(interrupted)
+        left = max(0, round((deadline - time.monotonic()) * 1000))
+        try:
+            return h.get(queue, wait_ms=min(left, WAIT_SLICE_MS))
+        except NoMessageError:
+            if left <= WAIT_SLICE_MS:
+                raise
 
 
 def cmd_browse(args: argparse.Namespace, out: Output) -> int:

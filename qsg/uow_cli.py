@@ -11,12 +11,11 @@ import argparse
 from typing import Any
 
 from cfemu.clitools import CLIError, Output, settings
-from cfemu.errors import MQError
 from qsg.cli_common import Parents, Parser, RetryLaterError
-from qsg.conn_cli import MEMBER_TIMEOUT_S, endpoints
+from qsg.conn_cli import endpoints
+from qsg.member_answers import Answered, ask_each_member, name_unanswered, raise_if_partial, unanswered
 from sqm.conversations.operator_status import TARGETS
 from sqm.service.client import Client
-from sqm.service.protocol import NotAuthorizedError
 
 
 def cmd_indoubt(args: argparse.Namespace, out: Output) -> int:
@@ -51,29 +50,18 @@ def cmd_indoubt(args: argparse.Namespace, out: Output) -> int:
     else:
         out.table("in-doubt units of work", ["SQM", "UOW", "XID", "structures"],
                   [(r["qmgr"], r["uow"], r["xid"], ", ".join(r["structures"])) for r in rows])
-        for f in failed:
-            out.line(f"{f['server']}: no answer: {f['error']}")
-    if failed:
-        raise RetryLaterError(f"{len(failed)} member(s) did not answer, their in-doubt units of work are not "
-                              f"listed: {failed[0]['server']}: {failed[0]['error']}")
+        name_unanswered(out, failed)
+    raise_if_partial(failed, "their in-doubt units of work are not listed")
     return 0
 
 
 def _indoubt_rows(servers: list[str], token: str | None, role: str
                   ) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
     """Each member's in-doubt UOWs (with its name and endpoint), and the members that did not answer."""
-    rows: list[dict[str, Any]] = []
-    failed: list[dict[str, str]] = []
-    for endpoint in servers:
-        try:
-            with Client([endpoint], token=token, role=role, client_name="cfemu", connect_timeout=MEMBER_TIMEOUT_S,
-                        request_timeout=MEMBER_TIMEOUT_S, reconnect_timeout=0.0) as c:
-                rows += [{**u, "qmgr": c.qmgr, "server": endpoint} for u in c.indoubt()]
-        except NotAuthorizedError as e:
-            raise CLIError(f"{endpoint}: {e}") from None
-        except (MQError, OSError) as e:
-            failed.append({"server": endpoint, "error": f"{type(e).__name__}: {e}"})
-    return rows, failed
+    answers = ask_each_member(servers, lambda c: [{**u, "qmgr": c.qmgr} for u in c.indoubt()], token=token,
+                              role=role)
+    rows = [{**u, "server": a.server} for a in answers if isinstance(a, Answered) for u in a.reply]
+    return rows, unanswered(answers)
 
 
 # What cfemu uow prints of a UOW's status (sqm.conversations.uowstatus.Control.public), in this order; the rest after.

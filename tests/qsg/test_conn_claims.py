@@ -28,7 +28,9 @@ def conn_json(*args: str) -> list[dict[str, Any]]:
 def test_an_unauthenticated_claim_of_a_name_is_told_from_the_authenticated_one(redis_server: Any,
                                                                                  tmp_path: Path) -> None:
     fresh_group(redis_server)
-    srv = start_server(redis_server.url, tmp_path, "QM1")
+    # The impostor stays in its handshake while the test looks: the member closes it after --auth-timeout (5 s by
+    # default), which two `cfemu conn` runs on a loaded machine can outlast.
+    srv = start_server(redis_server.url, tmp_path, "QM1", "--auth-timeout", "120")
     impostor = Raw(srv.port)
     hostile = Raw(srv.port)
     try:
