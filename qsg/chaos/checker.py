@@ -48,7 +48,9 @@ Findings (each names the message ids and UOWs involved):
   uow-*        units of work sent to a service (conversations): qsg.chaos.uowcheck has those rules.
   pub-*        publications and subscribers (durable publish and subscribe): qsg.chaos.pubsubcheck's rules.
 Operations through the REST door (``via: "rest"``: qsg.chaos.rest_actions) are puts and gets outside syncpoint like
-any other, under every rule above.
+any other, under every rule above; those through the kombu transport (``via: "kombu"``: qsg.chaos.kombu_actions) are
+puts outside syncpoint and gets under syncpoint settled by an ack (commit) or a requeue (backout), under every rule
+above too.
 Allowed and counted: non-persistent messages lost (with the CF), unknown outcomes (resolved either way),
 redeliveries after backout, expired messages that never came back, messages a purge discarded (neither lost nor
 evidence about their UOW's outcome: the operator threw them away).
@@ -61,6 +63,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from qsg.chaos.doors import count_untold, kombu_counts
 from qsg.chaos.history import Op, pair_ops
 from qsg.chaos.pubsub_actions import TOPIC_STRUCTURE
 from qsg.chaos.pubsubcheck import PUB_KINDS, PUB_OPS, check_pubsub
@@ -461,8 +464,8 @@ class Checker:
             pu, du = self.uows[self.put_uow[m]], self.uows[d.uow]
             if not (pu.known and pu.outcome == COMMITTED and du.outcome == COMMITTED):
                 continue
-            if is_rest(d.op):
-                continue  # the REST door does not tell a message's backout count: a redelivery cannot be told apart
+            if count_untold(d.op):
+                continue  # the door did not tell the message's backout count: a redelivery cannot be told apart
             if int(d.op.result.get("backout_count", 0) or 0) or not (calm(pu.start, pu.end)
                                                                      and calm(du.start, du.end)):
                 continue
@@ -622,6 +625,7 @@ class Checker:
         check_uows(self.ops, self.find, self.counts)
         check_pubsub(self.ops, self.find, self.counts, self.disturbed(), self.purged, self.topic_purges)
         self.counts.update(rest_counts(self.ops))
+        self.counts.update(kombu_counts(self.ops))
         self.counts["operations"] = len(self.ops)
         self.counts["units of work"] = len(self.uows)  # MQ units of work; UOWs sent to a service count apart
         self.counts["messages put"] = len(self.puts)

@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--rest", action="store_true",
                         help="the REST kind in the workload's mix: every member serves the messaging REST API and "
                              "some client actions put and get through it (docs/chaos.md)")
+    common.add_argument("--kombu", action="store_true",
+                        help="the kombu kind in the workload's mix: some client actions publish and consume through "
+                             "the kombu transport Celery applications use (docs/chaos.md)")
     common.add_argument("--json", action="store_true", help="print the summary as JSON")
     common.add_argument("-v", "--verbose", action="store_true", help="tracebacks and the suite's own log")
     run = sub.add_parser("run", parents=[common], help="one seed")
@@ -134,7 +137,7 @@ def cmd_chaos(args: argparse.Namespace, out: Output) -> int:
     opts = ChaosOptions(duration=args.duration, kinds=kinds, clients=args.clients, managers=args.managers,
                         lease_ms=args.lease_ms, backup_interval=args.backup_interval, report_dir=args.dir,
                         keep_cluster=args.keep_cluster, redis_cluster=args.redis_cluster,
-                        serve_within_s=args.serve_within, rest=args.rest)
+                        serve_within_s=args.serve_within, rest=args.rest, kombu=args.kombu)
     if args.command == "run":
         opts.seed = args.seed
         summary = run_chaos(opts, console)

@@ -21,6 +21,7 @@ class ChaosOptions:
     redis_cluster: int = 0  # the CF as a Redis Cluster of this many masters (0: one redis-server)
     serve_within_s: float | None = None  # every member serves again this soon after each fault's heal (None: per kind)
     rest: bool = False  # the workload's mix has the REST kind: puts and gets through the members' REST doors
+    kombu: bool = False  # the workload's mix has the kombu kind: publishes and deliveries through the kombu transport
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)

@@ -3,6 +3,8 @@ queue, the priority, persistence, the expiry and the payload's size its body is 
 
 from __future__ import annotations
 
+import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 
@@ -16,4 +18,13 @@ class PutSpec:
     size: int
 
 
-__all__ = ["PutSpec"]
+def door_puts(rnd: random.Random, next_msg: Callable[[], str], queues: Sequence[str],
+              persistent_p: float) -> tuple[PutSpec, ...]:
+    """1-3 puts of a door's action (REST, kombu), drawn from the plan's generator: priority 0 mostly, 5 or 9
+    sometimes; persistent with probability ``persistent_p``; 5% with an expiry."""
+    return tuple(PutSpec(next_msg(), rnd.choice(queues), rnd.choice((0, 0, 0, 0, 5, 9)), rnd.random() < persistent_p,
+                         rnd.choice((1500, 4000)) if rnd.random() < 0.05 else 0, rnd.randint(64, 1024))
+                 for _ in range(rnd.randint(1, 3)))
+
+
+__all__ = ["PutSpec", "door_puts"]

@@ -35,7 +35,7 @@ from typing import Any
 
 from qsg.chaos.bodies import make_body, parse_body
 from qsg.chaos.history import FAIL, OK, UNKNOWN, History
-from qsg.chaos.put_spec import PutSpec
+from qsg.chaos.put_spec import PutSpec, door_puts
 from qsg.chaos.restcheck import REST, VIA
 
 REST_SHARE = 0.12  # of the actions, when the run's mix has the REST kind
@@ -63,11 +63,7 @@ class Rest:
 def rest_plan(rnd: random.Random, next_msg: Callable[[], str], queues: Sequence[str]) -> Rest:
     """One REST action, drawn from the plan's generator."""
     if rnd.random() < 0.5:
-        return Rest(puts=tuple(PutSpec(next_msg(), rnd.choice(queues), rnd.choice((0, 0, 0, 0, 5, 9)),
-                                       rnd.random() < 0.7,
-                                       rnd.choice((1500, 4000)) if rnd.random() < 0.05 else 0,
-                                       rnd.randint(64, 1024))
-                               for _ in range(rnd.randint(1, 3))))
+        return Rest(puts=door_puts(rnd, next_msg, queues, 0.7))
     return Rest(gets=tuple(rnd.choice(queues) for _ in range(rnd.randint(1, 3))), wait_ms=rnd.choice(GET_WAITS_MS))
 
 

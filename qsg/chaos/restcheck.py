@@ -14,14 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from qsg.chaos.doors import REST, VIA, count_untold, is_rest
 from qsg.chaos.history import Op
-
-VIA = "via"  # the history's argument naming the door an operation went through
-REST = "rest"
-
-
-def is_rest(o: Op) -> bool:
-    return o.args.get(VIA) == REST
 
 
 def unknown_rest_gets(ops: Sequence[Op]) -> list[Op]:
@@ -48,15 +42,17 @@ def ordering_counts(deliveries: Sequence[Op], consumed: Callable[[Op], bool]) ->
     take, which was backed out: a member held up (paused, fenced) between its take and its reply answers long after
     the take (the door's ``ibm-mq-outcome: unknown``). Without this a REST get that waited (asked before a native get
     took the message, answered after that get's backout gave it back) or that took a message backed out before (its
-    true count above 0) would sort before the deliveries it followed."""
+    true count above 0) would sort before the deliveries it followed. A kombu redelivery's count is inferred the
+    same way (kombu tells only that it is one: its count is at least 1); a first kombu delivery's is 0.
+    """
     def end(o: Op) -> float:
         return o.t1 if o.t1 is not None else o.t0
 
-    counts = {o.id: int(o.result.get("backout_count", 0) or 0) for o in deliveries if not is_rest(o)}
-    for r in sorted((o for o in deliveries if is_rest(o)), key=end):
+    counts = {o.id: int(o.result.get("backout_count", 0) or 0) for o in deliveries if not count_untold(o)}
+    for r in sorted((o for o in deliveries if count_untold(o)), key=end):
         followed = [counts[d.id] for d in deliveries if d is not r and d.id in counts
                     and (end(d) < r.t0 or end(d) < end(r) and not consumed(d))]
-        counts[r.id] = max(followed) + 1 if followed else 0
+        counts[r.id] = max(max(followed) + 1 if followed else 0, 1 if r.result.get("redelivered") else 0)
     return counts
 
 

@@ -369,7 +369,7 @@ def run_chaos(opts: ChaosOptions, console: Console | None = None,
         work = Workload(history, group.client_endpoints, coordinator, seed=opts.seed, clients=opts.clients,
                         queues=QUEUES, token=group.c.token,
                         rest_endpoints=group.rest_endpoints if opts.rest else None,
-                        rest_reachable=group.clients_reach)
+                        rest_reachable=group.clients_reach, kombu=opts.kombu)
         with Progress(TextColumn("{task.description:<40}"), BarColumn(), TextColumn("{task.fields[info]}"),
                       TimeElapsedColumn(), console=console, transient=not console.is_terminal) as bar:
             task = bar.add_task(f"seed {opts.seed}: workload", total=opts.duration, info="")

@@ -14,6 +14,8 @@ same actions, message ids, payloads and decisions (the interleaving with faults 
   for a while (qsg.chaos.pubsub_actions);
 * ``rest`` (only when the run's mix has it): puts by HTTP POST or destructive gets by HTTP DELETE on the members'
   REST ports (qsg.chaos.rest_actions).
+* ``kombu`` (only when the run's mix has it): publishes, and deliveries acknowledged or requeued, through the kombu
+  transport Celery applications use (qsg.chaos.kombu_actions).
 
 Messages: persistent or not, priorities 0/5/9 (mostly 0, so that order can be checked), some with an expiry.
 Every message has a unique id and a CRC32C of its payload, both in its body (see make_body).
@@ -34,6 +36,7 @@ from cfemu.errors import BackedOutError, MQError, NoMessageError, OutcomeUnknown
 from qsg.chaos.bodies import delivery_fields, make_body, parse_body, pending_delivery
 from qsg.chaos.conversations import Conv, ConvRunner, ConvSession, conv_plan
 from qsg.chaos.history import FAIL, OK, UNKNOWN, History
+from qsg.chaos.kombu_actions import KOMBU_SHARE, Kombu, KombuRunner, KombuSession, kombu_plan
 from qsg.chaos.pubsub_actions import SUBSCRIBERS, Pub, PubRunner, PubSession, pub_plan
 from qsg.chaos.put_spec import PutSpec
 from qsg.chaos.recorded import reason_of
@@ -51,7 +54,7 @@ PUB_SHARE = 0.12  # of the actions: publications published and received (durable
 # --- the plan --------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Action:
-    kind: str  # uow, consume, put1, 2pc, conv, pub, rest
+    kind: str  # uow, consume, put1, 2pc, conv, pub, rest, kombu
     puts: tuple[PutSpec, ...] = ()
     gets: tuple[str, ...] = ()  # queues
     commit: bool = True  # for 2pc: the coordinator's decision
@@ -59,11 +62,14 @@ class Action:
     conv: Conv | None = None  # conv: the conversation action
     pub: Pub | None = None  # pub: the publish/subscribe action
     rest: Rest | None = None  # rest: the REST door's puts or gets
+    kombu: Kombu | None = None  # kombu: the kombu transport's publishes or deliveries
 
 
-def client_plan(seed: int, client: int, queues: tuple[str, ...], *, rest: bool = False) -> Iterator[Action]:
+def client_plan(seed: int, client: int, queues: tuple[str, ...], *, rest: bool = False,
+                kombu: bool = False) -> Iterator[Action]:
     """The endless, reproducible action sequence of one client. ``rest``: REST_SHARE of the actions go through the
-    REST door; without it the plan is what it was before the REST kind existed (the same seed, the same plan)."""
+    REST door; ``kombu``: KOMBU_SHARE through the kombu transport; without them the plan is what it was before
+    those kinds existed (the same seed, the same plan)."""
     rnd = random.Random(f"chaos-{seed}-{client}")
     n = 0
     n_pub = 0
@@ -86,6 +92,11 @@ def client_plan(seed: int, client: int, queues: tuple[str, ...], *, rest: bool =
                 yield Action("rest", rest=rest_plan(rnd, next_msg, queues))
                 continue
             share = (share - REST_SHARE) / (1 - REST_SHARE)  # the other kinds share the rest as before
+        if kombu:
+            if share < KOMBU_SHARE:
+                yield Action("kombu", kombu=kombu_plan(rnd, next_msg, queues))
+                continue
+            share = (share - KOMBU_SHARE) / (1 - KOMBU_SHARE)
         if share < CONV_SHARE:
             yield Action("conv", conv=conv_plan(rnd, next_msg))
             continue
@@ -232,11 +243,13 @@ class Workload:
     def __init__(self, history: History, endpoints: list[Endpoint], coordinator: Coordinator, *, seed: int,
                  clients: int, queues: tuple[str, ...], token: str | None = None,
                  rest_endpoints: list[RestEndpoint] | None = None,
-                 rest_reachable: Callable[[str], bool] | None = None) -> None:
+                 rest_reachable: Callable[[str], bool] | None = None, kombu: bool = False) -> None:
         """``rest_endpoints``: the members' REST ports, when the run's mix has the REST kind (None: it has not);
-        ``rest_reachable``: whether clients may reach a member now (a fault may cut its clients off)."""
+        ``rest_reachable``: whether clients may reach a member now (a fault may cut its clients off); ``kombu``:
+        the run's mix has the kombu kind (through the same client endpoints as the native client)."""
         self.history = history
         self.endpoints = endpoints
+        self.kombu = kombu
         self.rest_endpoints = rest_endpoints
         self.rest_reachable = rest_reachable
         self.coordinator = coordinator
@@ -281,7 +294,8 @@ class Workload:
             r = i % len(self.rest_endpoints)
             rest = RestSession(self.history, self.rest_endpoints[r:] + self.rest_endpoints[:r], f"{name}-rest",
                                token=self.token, reachable=self.rest_reachable)
-        plan = client_plan(self.seed, i, self.queues, rest=rest is not None)
+        kombu = KombuSession(self.history, eps, f"{name}-kombu", token=self.token) if self.kombu else None
+        plan = client_plan(self.seed, i, self.queues, rest=rest is not None, kombu=self.kombu)
         n_uow = 0
         while not self._stop.is_set():
             if client is None:
@@ -295,7 +309,7 @@ class Workload:
             n_uow += 1
             try:
                 ok = Runner(self.history, client, name, f"{name}.{n_uow}", self.coordinator, conv, pubsub,
-                            rest).run(action)
+                            rest, kombu).run(action)
             except Exception:  # a bug in the suite itself: keep the evidence, keep the run going
                 log.exception("%s: action %s failed", name, action.kind)
                 ok = False
@@ -313,7 +327,8 @@ class Runner:
 
     def __init__(self, history: History, client: Any, name: str, uow: str,
                  coordinator: Coordinator | None = None, conv: ConvSession | None = None,
-                 pubsub: PubSession | None = None, rest: RestSession | None = None) -> None:
+                 pubsub: PubSession | None = None, rest: RestSession | None = None,
+                 kombu: KombuSession | None = None) -> None:
         self.h = history
         self.c = client
         self.name = name
@@ -322,6 +337,7 @@ class Runner:
         self.conv = conv
         self.pubsub = pubsub
         self.rest = rest
+        self.kombu = kombu
 
     def call(self, op: str, fn: Callable[[], Any], **args: Any) -> tuple[str, Any]:
         """Invoke, run, complete: (outcome, result or exception). Not RecordedRunner.call, which closes its session
@@ -384,6 +400,9 @@ class Runner:
         if a.kind == "rest":
             assert self.rest is not None and a.rest is not None, "a rest action needs the client's REST session"
             return RestRunner(self.h, self.rest, self.uow).run(a.rest)
+        if a.kind == "kombu":
+            assert self.kombu is not None and a.kombu is not None, "a kombu action needs the client's kombu session"
+            return KombuRunner(self.h, self.kombu, self.uow).run(a.kombu)
         if a.kind == "put1":
             outcome, _ = self.put(a.puts[0], syncpoint=False)
             return outcome == OK

@@ -888,6 +888,30 @@ def test_pub_a_publication_committed_while_a_subscribe_ran_may_go_either_way() -
     assert not any(check(h.events).summary().values())
 
 
+def test_pub_one_committed_before_a_subscribe_behind_a_publication_still_open_may_reach_it() -> None:
+    """A subscribe starts below an open publication (docs/pubsub.md): one committed before it, but held back behind
+    that open one, reaches the new subscriber. Allowed (and counted) only when another publication's COMMIT began
+    before its own answered and was still under way when the subscribe was asked."""
+    def history(open_until: float) -> Pubs:
+        h = Pubs()
+        h.subscribe("d0")
+        h.n += 1  # P1's COMMIT: its puts made, its answer at open_until
+        open_commit, h.t = h.n, h.t + 0.01
+        h.events.append({"type": "invoke", "id": open_commit, "t": h.t, "client": "p", "op": "psync", "uow": "p.1",
+                         "topic": "NEWS", "option": "COMMIT", "role": "publisher", "pub": "P1"})
+        h.publish("q.1", "P2", ["b1"])  # committed and answered while P1 is open
+        h.events.append({"type": "ok", "id": open_commit, "t": open_until})
+        h.t = max(h.t, 0.5)
+        h.subscribe("d2")  # asked at about 0.51
+        h.recv("d2.1", "d2", [("P2", 20, ["b1"])])
+        return h
+
+    r = check(history(open_until=0.9).events)  # P1 still open when d2 subscribed
+    assert r.summary()["pub-before-subscribe"] == 0
+    assert r.counts["publications held back at a subscribe, received (allowed)"] == 1
+    assert check(history(open_until=0.2).events).summary()["pub-before-subscribe"] == 1  # P1 answered before
+
+
 def test_pub_a_backed_out_or_never_committed_publication_delivered_is_found() -> None:
     h = pubs_base()
     h.recv("pdrain.3", "d0", [("PX", 25, ["x1"])], client="pdrain")

@@ -19,8 +19,9 @@ QUEUES = ("Q1", "Q2", "Q3")
 
 
 def chaos(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    """``cfemu chaos``; a run's mix has the REST kind (puts and gets through the members' REST doors)."""
-    rest = ("--rest",) if args[:1] in (("run",), ("soak",)) else ()
+    """``cfemu chaos``; a run's mix has the REST and kombu kinds (puts and gets through the members' REST doors, and
+    publishes and deliveries through the kombu transport)."""
+    rest = ("--rest", "--kombu") if args[:1] in (("run",), ("soak",)) else ()
     return subprocess.run([sys.executable, "-m", "qsg.cli", "chaos", *args, *rest], capture_output=True, text=True,
                           timeout=timeout)
 
@@ -36,14 +37,18 @@ def why_failed(summary: dict[str, Any], run_dir: Path) -> str:
 
 
 def test_the_same_seed_gives_the_same_workload_and_fault_schedule() -> None:
-    def plan(seed: int, client: int, rest: bool = False) -> list[Any]:
-        it = client_plan(seed, client, QUEUES, rest=rest)
+    def plan(seed: int, client: int, rest: bool = False, kombu: bool = False) -> list[Any]:
+        it = client_plan(seed, client, QUEUES, rest=rest, kombu=kombu)
         return [next(it) for _ in range(200)]
 
     assert plan(7, 3) == plan(7, 3) and plan(7, 3) != plan(8, 3) and plan(7, 3) != plan(7, 4)
     assert plan(7, 3, rest=True) == plan(7, 3, rest=True) and plan(7, 3, rest=True) != plan(7, 3)
     assert {a.kind for a in plan(7, 3, rest=True)} >= {"rest", "uow", "conv", "pub"}
     assert "rest" not in {a.kind for a in plan(7, 3)}  # only when the run's mix has it
+    assert plan(7, 3, kombu=True) == plan(7, 3, kombu=True) and "kombu" in {a.kind for a in plan(7, 3, kombu=True)}
+    assert "kombu" not in {a.kind for a in plan(7, 3, rest=True)}
+    both = plan(7, 3, rest=True, kombu=True)
+    assert {"rest", "kombu"} <= {a.kind for a in both}
     names = ["QM1", "QM2", "QM3"]
     assert schedule(7, KINDS, 60, names, lease_ms=3000) == schedule(7, KINDS, 60, names, lease_ms=3000)
     assert schedule(7, KINDS, 60, names, lease_ms=3000) != schedule(8, KINDS, 60, names, lease_ms=3000)
@@ -103,6 +108,8 @@ def test_short_run_finds_nothing(tmp_path: Path, seed: int) -> None:
     assert all(f["service_s"] is not None for f in s["faults"])
     assert s["operations"] > 1000 and s["committed_uows"] > 200
     assert s["counts"]["REST puts acknowledged"] > 10 and s["counts"]["REST gets received"] > 10, s["counts"]
+    assert s["counts"]["kombu publishes acknowledged"] > 10, s["counts"]
+    assert s["counts"]["kombu deliveries acknowledged"] > 10 and s["counts"]["kombu deliveries requeued"] > 0, s["counts"]
     assert all(v == 0 for v in s["findings"].values())
     assert s["counts"].get("unknown outcomes", 0) >= 0 and s["recovery"]["service_s"]
     for name in ("history.jsonl", "summary.json", "findings.json", "faults.json", "throughput.svg", "report.md"):
