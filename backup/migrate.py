@@ -74,7 +74,7 @@ from backup.migrate_report import (
     definition_record,
     entry_record,
 )
-from backup.migrate_target import TARGET_FILE, record_target
+from backup.migrate_target import TARGET_FILE, read_target, record_target
 from backup.run import when_no_backup_runs
 from cfemu import bulk, keys, rcluster
 from cfemu.admin import QUEUES, STRUCTURES, Admin, QueueDef, StructureDef
@@ -314,17 +314,28 @@ def group_repository(client: redis.Redis, log_root: str | Path | None = None) ->
     return repo
 
 
-def reopen(client: redis.Redis, structure: str, *, log_root: str | Path | None = None) -> dict[str, Any]:
+def reopen(client: redis.Redis, structure: str, *, log_root: str | Path | None = None,
+           target_given_up: bool = False) -> dict[str, Any]:
     """Give a migrated source back to its members: the operator's deliberate choice, after a migration that is
     abandoned, or before a second unload. Never while the target serves (both would), nor while the unload runs
     (its lease is live: an unload that finds the state changed under it would leave a loadable unload). A MIGRATING or MIGRATED
     structure becomes ACTIVE; the group repository's record of the migration is cleared, so that a structure
-    whose CF was lost since (FAILED) is restored again (RECAUTO, cfrestore run)."""
+    whose CF was lost since (FAILED) is restored again (RECAUTO, cfrestore run). An unload that was loaded (its
+    directory records the target: backup.migrate_target) is refused unless ``target_given_up``: that target serves
+    its messages, and the source reopened would serve them too."""
     keys.check_name("structure", structure)
     repo = group_repository(client, log_root)
     header = _header(rcluster.node_client(client, structure), structure)
     state = header.get("state", "") or "FAILED"  # missing from the CF: lost with it (Admin.state)
     record = repo.migrated().get(structure)
+    target = _loaded_target(record)
+    if target is not None and not target_given_up:
+        raise LoadedElsewhereError(
+            f"structure {structure}'s unload (migration {target.get('migration', '?')}) is loaded into CF "
+            f"{target.get('cf', '?')[:12]} as structure {target.get('structure', '?')} of group "
+            f"{target.get('group', '?')} ({_target_record(record)}): that target "
+            f"serves its messages, and the source reopened would serve them twice; only once the target is given up "
+            f"(its structure deleted, its CF retired): reopen with --target-given-up")
     if state in (MIGRATING, MIGRATED):
         # the header first: a failure between the two leaves the record, which refuses more, never less
         before = _set_state(client, structure, to="ACTIVE", expect=(MIGRATING, MIGRATED), unless_running=True)
@@ -337,7 +348,26 @@ def reopen(client: redis.Redis, structure: str, *, log_root: str | Path | None =
     repo.clear_migrated(structure)
     return {"structure": structure, "state_before": before, "state": now,
             "migration": header.get(FIELD, "") or (record or {}).get("migration", ""),
-            "repository": str(repo.path), "restore_needed": now != "ACTIVE"}
+            "repository": str(repo.path), "restore_needed": now != "ACTIVE", "target_given_up": target}
+
+
+def _target_record(record: Mapping[str, Any] | None) -> Path:
+    """Where the load of a recorded unload records its target: beside the unload's files (record's 'unload')."""
+    files = Path(str((record or {}).get("unload", "")))
+    return (files.parent if files.name == UNLOAD_DIR else files) / TARGET_FILE
+
+
+def _loaded_target(record: Mapping[str, Any] | None) -> dict[str, str] | None:
+    """The store the recorded unload was loaded into (its directory's target record), or None: not loaded, or its
+    directory is not readable here (then the operator's --confirm alone stands for it)."""
+    unload = (record or {}).get("unload")
+    if not unload:
+        return None
+    path = _target_record(record)
+    try:
+        return read_target(path) if path.exists() else None
+    except (OSError, ValueError):
+        return {"cf": "?", "structure": "?", "group": "?", "migration": str((record or {}).get("migration", "?"))}
 
 
 @dataclass

@@ -8,7 +8,7 @@ backup.migrate), with a report of every record on both sides and their compariso
                            [--source-keys-dir DIR]
     cfemu migrate compare UNLOAD_REPORT LOAD_REPORT [--keys-dir DIR]  equal, or each difference (exit status 1)
     cfemu migrate status STRUCT [--redis-url URL] [--log-root DIR]
-    cfemu migrate reopen STRUCT --confirm STRUCT [--redis-url SOURCE] [--log-root DIR]
+    cfemu migrate reopen STRUCT --confirm STRUCT [--redis-url SOURCE] [--log-root DIR] [--target-given-up]
                                                                      the source serves again (deliberately)
 
 --log-root names the source group's log root, whose group repository records the migration (default: the one
@@ -141,7 +141,8 @@ def cmd_reopen(args: argparse.Namespace, out: Output) -> int:
                        f"{args.structure}")
     found = settings(args)
     client = connect(require_url(found))
-    st = migrate.reopen(client, args.structure, log_root=_log_root(args, found, client))
+    st = migrate.reopen(client, args.structure, log_root=_log_root(args, found, client),
+                        target_given_up=args.target_given_up)
     if out.as_json:
         out.json(st)
     elif st["restore_needed"]:
@@ -200,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     ro.add_argument("structure")
     ro.add_argument("--confirm", metavar="STRUCT", default="", help="the structure's name again")
     ro.add_argument("--log-root", metavar="DIR", help=REPO_HELP)
+    ro.add_argument("--target-given-up", action="store_true",
+                    help="the unload was loaded, and its target no longer serves it (its structure deleted, its CF "
+                         "retired): reopen anyway (refused without it once the unload is loaded)")
     ro.set_defaults(func=cmd_reopen, cf_role="operator")
     return p
 

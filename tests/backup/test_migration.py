@@ -158,8 +158,10 @@ def test_a_structure_moves_to_another_cf_and_group_and_the_reports_compare_equal
     # once FAILED (as a CF loss leaves it), the group repository's record of the migration keeps it away...
     Admin(src).set_state(S, "FAILED")
     assert recauto.check(now=2e9) == [] and recovered == []
-    # ...until it is reopened: then the same check recovers it
-    assert migrate.reopen(src, S)["restore_needed"]
+    # ...until it is reopened, its target given up (loaded, it serves the messages): then the same check recovers it
+    with pytest.raises(migrate.LoadedElsewhereError, match="reopen with --target-given-up"):
+        migrate.reopen(src, S)
+    assert migrate.reopen(src, S, target_given_up=True)["restore_needed"]
     assert recauto.check(now=3e9) == [S] and recauto.wait(10) and recovered == [S]
 
 
@@ -294,7 +296,7 @@ def test_a_source_whose_cf_is_lost_after_the_migration_is_not_restored_beside_it
         err = cfemu_migrate("reopen", S, "--redis-url", url, "--log-root", str(tmp_path / "logs"), status=2).stderr
         assert err.count("\n") == 1 and "applications get the same messages twice" in err
         out = cfemu_migrate("reopen", S, "--redis-url", url, "--log-root", str(tmp_path / "logs"), "--confirm",
-                            S).stdout
+                            S, "--target-given-up").stdout
         assert "restores it from its backups and logs, and it serves again: its target must not" in out, out
         assert GroupRepository(tmp_path / "logs").migrated() == {}
         # the operator's choice now: restored, it serves every message again
@@ -442,7 +444,7 @@ def test_the_command_line(source: tuple[QueueManager, dict[str, Any]], redis_url
     assert cmp["equal"] and cmp["differences"] == []
     assert "equal: the" in cfemu("compare", *reports).stdout
     # a load report of another migration of the same structure: compare names each difference (exit status 1)
-    json.loads(cfemu("reopen", S, "--redis-url", redis_url, "--confirm", S, "--json").stdout)
+    json.loads(cfemu("reopen", S, "--redis-url", redis_url, "--confirm", S, "--target-given-up", "--json").stdout)
     qm, _ = source
     c = qm.connect()
     c.get(Q)
