@@ -35,7 +35,9 @@ Findings (message ids, and the publication or receipt key):
   pub-before-subscribe     a publication whose COMMIT answered before the subscriber subscribed, delivered to it
                            (allowed and counted when another publication's COMMIT, begun before it answered, was
                            still under way when the subscribe was asked: it may have been held back behind that
-                           open one, and a subscribe starts below an open publication, docs/pubsub.md);
+                           open one, and a subscribe starts below an open publication, docs/pubsub.md; and when its
+                           COMMIT answered in a fault window, as pub-order allows: completed in the CF later, it
+                           was open there when the subscribe started);
   pub-phantom              a delivered message no publisher published.
 Also ``corrupted`` (a checksum mismatch). Counted: publications by outcome, deliveries, redeliveries after backout.
 """
@@ -307,7 +309,12 @@ class PubSubChecker:
             p = self.pubs[d.pub_key]
             c = p.commit_op
             if c is not None and _done(c) < asked:
-                if self._held_back(p, c, asked):
+                if not self._ordered(c):
+                    # its COMMIT answered in a fault window: it may have taken effect in the CF after the subscribe
+                    # (completed once the CF or its restore was back), open there until then
+                    self.counts["publications committed in a fault window, received by a later subscriber "
+                                "(allowed)"] += 1
+                elif self._held_back(p, c, asked):
                     self.counts["publications held back at a subscribe, received (allowed)"] += 1
                 else:
                     self.find("pub-before-subscribe", d.msgs, f"{who} received {p.key}, whose COMMIT (op {c.id}) "
@@ -343,9 +350,17 @@ class PubSubChecker:
         to start."""
         for q in self.pubs.values():
             cq = q.commit_op
-            if q is not p and cq is not None and cq.t0 < _done(commit) and _done(cq) > asked:
+            if q is not p and cq is not None and cq.t0 < _done(commit) and self._open_until(cq) > asked:
                 return True
         return False
+
+    def _open_until(self, commit: Op) -> float:
+        """Until when a publication may have been open in the CF: its COMMIT's answer, or, for one answered in a
+        fault window (_ordered), the end of that window: it may have been completed in the CF only then."""
+        if self._ordered(commit):
+            return _done(commit)
+        end = _done(commit)
+        return max([end, *(w1 for w0, w1 in self.disturbed if commit.t0 < w1 and w0 < end)])
 
     def _order(self, who: str, seq: list[Delivery]) -> None:
         last: tuple[int, str] | None = None

@@ -912,6 +912,30 @@ def test_pub_one_committed_before_a_subscribe_behind_a_publication_still_open_ma
     assert check(history(open_until=0.2).events).summary()["pub-before-subscribe"] == 1  # P1 answered before
 
 
+def test_pub_one_committed_in_a_fault_window_may_reach_a_later_subscriber() -> None:
+    """A COMMIT answered while the CF was lost (its structure restored meanwhile) is completed in the CF once it is
+    back, after a subscribe made then: open there when the subscribe started below it, it may reach that
+    subscriber (counted). The same COMMIT answered outside every fault window reaching it is a finding."""
+    def history(in_fault: bool) -> Pubs:
+        h = Pubs()
+        h.subscribe("d0")
+        if in_fault:
+            h.fault(1, "cf-hang", "inject")
+        h.publish("p.1", "P1", ["a1"])  # answered "ok": logged, its CF work waits for the restore
+        if in_fault:
+            h.fault(1, "cf-hang", "recovered")
+        h.t += 0.5
+        h.subscribe("n4", durable=False)
+        h.recv("n4.1", "n4", [("P1", 10, ["a1"])])
+        h.recv("pdrain.1", "d0", [("P1", 10, ["a1"])], client="pdrain")
+        return h
+
+    r = check(history(in_fault=True).events)
+    assert r.summary()["pub-before-subscribe"] == 0, r.findings
+    assert r.counts["publications committed in a fault window, received by a later subscriber (allowed)"] == 1
+    pub_only(history(in_fault=False), "pub-before-subscribe")
+
+
 def test_pub_a_backed_out_or_never_committed_publication_delivered_is_found() -> None:
     h = pubs_base()
     h.recv("pdrain.3", "d0", [("PX", 25, ["x1"])], client="pdrain")
