@@ -37,6 +37,16 @@ class Caller:
     clock: Clock
 
 
+def with_epoch(call: tuple[str, str, list[Any]], caller: Caller) -> tuple[str, str, list[Any]]:
+    """A call made by one of Structure's *_call builders (its arguments begin with the member and its epoch), with
+    the caller's epoch of now: a call built before the member re-joined a CF that came back empty (a higher epoch)
+    still carries the old one, and made again as it was it is refused FENCED, as if a peer had fenced the member."""
+    op, structure, args = call
+    if len(args) > 1 and args[0] == caller.member and args[1] != caller.epoch:
+        return op, structure, [args[0], caller.epoch, *args[2:]]
+    return call
+
+
 # A pipeline's commands up to this many bytes in all go to the socket as one write (one system call, and one
 # hand-off of the GIL, instead of one per command: a grouped round trip carries several requests' scripts, a batch
 # of puts a hundred); a longer pipeline's commands (large messages) are written one by one, never copied.

@@ -611,13 +611,13 @@ class Connection(UnitOfWorkScope):
 
     def _batch_cf_call(self, uows: Sequence[UnitOfWork], snames: list[str],
                        call: Callable[[int], tuple[str, str, list[Any]]], n: int) -> list[Any]:
-        """The n calls of a batch (call(i) makes the i-th) in one round trip (CF.run_many): each reply, or the
-        error of its call, in its place. Without an answer (the CF or the link failed), what ran is unknown: every
-        structure joins the unit of work, which can then only be backed out (as _uow_cf_call). A call refused
-        because the structure did not know this member is made again, after the member joined it, and so is one
-        refused for an epoch the member has since left for a newer one (a re-join); a fencing refusal marks the
-        member fenced (QueueManager.cf_call). Each is made again in its turn: a structure refuses all of a batch's
-        calls alike, so the order of the calls it takes is kept."""
+        """The n calls of a batch (call(i) makes the i-th, with the member's epoch of now) in one round trip
+        (CF.run_many): each reply, or the error of its call, in its place. Without an answer (the CF or the link
+        failed), what ran is unknown: every structure joins the unit of work, which can then only be backed out (as
+        _uow_cf_call). A call refused because the structure did not know this member is made again, after the member
+        joined it, and so is one refused for an epoch the member has since left for a newer one (a re-join); a
+        fencing refusal marks the member fenced (QueueManager.cf_call). Each is made again in its turn: a structure
+        refuses all of a batch's calls alike, so the order of the calls it takes is kept."""
         qm = self.qm
         try:
             replies = qm.cf_call(lambda: qm.cf.run_many([call(i) for i in range(n)]))

@@ -23,7 +23,7 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from cfemu.cf import Structure
+from cfemu.cf import Structure, with_epoch
 from cfemu.entry import Entry
 from cfemu.errors import (
     ClientGoneError,
@@ -144,7 +144,10 @@ class Lifecycles(Connection):
         marked = [UnitOfWork("", "") if isinstance(calls[t[0]], SyncCommit) else t[1] for t in todo]
         unanswered: MQError | None = None  # the round trip got no answer: what ran of it is unknown
         try:
-            replies = self._batch_cf_call(marked, [t[2] for t in todo], lambda k: todo[k][3], len(todo))
+            # The calls were built before: each is made (and made again) with the member's epoch of the time, which
+            # a re-join in between (its own, when the batch is refused NOTJOINED) has raised.
+            replies = self._batch_cf_call(marked, [t[2] for t in todo], lambda k: with_epoch(todo[k][3], qm.caller),
+                                          len(todo))
         except StructureFailedError as e:
             replies = [e] * len(todo)
             unanswered = e if e.no_answer else None

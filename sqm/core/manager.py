@@ -403,7 +403,7 @@ class QueueManager(Outcomes, LogSpace):
                 self.renew_membership()
                 return fn()
         except FencedError:
-            if self.caller.epoch != epoch and not self.fenced:
+            if not self.fenced and self._rejoined_since(epoch):
                 # The member re-joined a CF that came back empty (a higher epoch) while this call, built with the
                 # old one, was on its way: the stale epoch is its own, not a peer's fencing. FENCED is answered
                 # before a script changes anything, so the call is made again with the new epoch.
@@ -417,6 +417,14 @@ class QueueManager(Outcomes, LogSpace):
             raise failed from None
         except PoolExhaustedError as e:
             raise ResourceProblemError(f"queue manager {self.name}: {e}; raise --cf-connections") from None
+
+    def _rejoined_since(self, epoch: int) -> bool:
+        """Has this member re-joined the group (a higher epoch) since a call made with ``epoch``? A re-join raises
+        the structures' fences to its new epoch before the caller takes it: a call refused FENCED in between would
+        see the old epoch still current and take its own re-join for a peer's fencing. The membership lock, held
+        through the whole re-join, is waited for first."""
+        with self._membership_lock:
+            return self.caller.epoch != epoch
 
     def renew_membership(self) -> None:
         """Renew the lease; re-join the group when the CF lost it (a new, higher epoch); mark fenced when a peer

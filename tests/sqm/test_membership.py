@@ -8,6 +8,7 @@ Real redis-server, real threads, real leases.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,6 +20,8 @@ from cfemu.cf import Caller
 from cfemu.embedded import EmbeddedRedis
 from cfemu.entry import Entry
 from cfemu.errors import FencedError
+from sqm.core.connection import Message, PutSpec
+from sqm.core.lifecycles import Lifecycles, OnePut
 from sqm.core.manager import QueueManager
 from sqm.core.recovery import recover_peers
 from tests.support.group import define_group, start_qm
@@ -110,6 +113,90 @@ def test_a_call_that_left_before_the_member_rejoined_a_new_cf_does_not_fence_it(
         assert [m.body for m in qm.connect().browse("Q1")] == [b"after the re-join"]
     finally:
         qm.stop()
+
+
+def test_a_batch_made_again_after_the_rejoin_carries_the_new_epoch(
+        redis_factory: Callable[..., EmbeddedRedis], tmp_path: Path) -> None:
+    """Lifecycles.begin builds its batch's calls, each with the member's epoch, before it sends them. The CF was lost
+    and came back empty: the batch is refused NOTJOINED, and its call made again (Connection._batch_cf_call) re-joins
+    the group with a higher epoch, then was made again with the epoch it was built with: refused FENCED, made again
+    for the new epoch, still with the old one, refused again, and taken for a peer's fencing. Members of a chaos run
+    (cf-hang, seed 10) stopped as fenced from their begin thread 10 ms after re-joining."""
+    srv = redis_factory()
+    define_group(srv.url)
+    qm = start_qm(srv.url, tmp_path / "logs", "QM1", background=False)
+    try:
+        old_epoch = qm.caller.epoch
+        lose_cf(srv.client())
+        define_group(srv.url)
+        out = Lifecycles(qm).run([OnePut(PutSpec("Q1", b"after the re-join")), OnePut(PutSpec("Q1", b"and this"))])
+        assert qm.caller.epoch > old_epoch
+        assert not qm.fenced, f"the member took its own re-join for a fencing: {out}"
+        assert all(isinstance(m, Message) for m in out), out
+        assert [m.body for m in qm.connect().browse("Q1")] == [b"after the re-join", b"and this"]
+    finally:
+        qm.stop(checkpoint=not qm.fenced)
+
+
+def test_a_call_refused_while_the_rejoin_raises_the_fences_does_not_fence_the_member(
+        redis_factory: Callable[..., EmbeddedRedis], tmp_path: Path) -> None:
+    """The re-join after the loss of the CF raises the structures' fences to the new epoch (Admin.join) before the
+    member's caller takes that epoch. A call made in between, with the old epoch, is refused FENCED (current: the new
+    epoch) and, seen before the caller's epoch moved, was taken for a peer's fencing: all three members of a chaos
+    run (cf-hang) stopped as fenced 10 ms after re-joining. The refusal must wait for the re-join to end, and the
+    call be made again with the new epoch."""
+    srv = redis_factory()
+    define_group(srv.url)
+    qm = start_qm(srv.url, tmp_path / "logs", "QM1", background=False)
+    try:
+        old_epoch = qm.caller.epoch
+        lose_cf(srv.client())
+        define_group(srv.url)
+        s = qm.structure("APP1")
+        entry = Entry(id="e1", queue="Q1", priority=0, persistent=False, msgid="00", correlid="", expiry=0,
+                      put_time=0, properties={})
+        refused = threading.Event()
+        epochs: list[int] = []
+        outcome: list[object] = []
+
+        def put() -> object:
+            epochs.append(qm.caller.epoch)
+            try:
+                return s.put(qm.caller, entry, b"beside the re-join")
+            except FencedError:
+                refused.set()
+                raise
+
+        def call() -> None:
+            try:
+                outcome.append(qm.cf_call(put))
+            except Exception as e:  # noqa: BLE001 - the test reports it
+                outcome.append(e)
+
+        admin = qm.lease_admin
+        join = admin.join
+        caller = threading.Thread(target=call)
+
+        def join_with_a_call_beside(member: str, info: dict[str, object], lease_ms: int) -> int:
+            epoch = join(member, info, lease_ms)  # the fences hold the new epoch; the caller still has the old one
+            caller.start()
+            assert refused.wait(5), "the call beside the re-join was not refused"
+            time.sleep(0.05)  # the refusal's handling, before the caller takes the new epoch
+            return epoch
+
+        admin.join = join_with_a_call_beside  # type: ignore[method-assign]
+        try:
+            qm.renew_membership()
+        finally:
+            admin.join = join  # type: ignore[method-assign]
+        caller.join(5)
+        assert not caller.is_alive()
+        assert qm.caller.epoch > old_epoch
+        assert not qm.fenced, f"the member took its own re-join for a fencing: {outcome}"
+        assert epochs == [old_epoch, qm.caller.epoch] and not isinstance(outcome[0], Exception), outcome
+        assert [m.body for m in qm.connect().browse("Q1")] == [b"beside the re-join"]
+    finally:
+        qm.stop(checkpoint=not qm.fenced)
 
 
 def test_a_member_fenced_by_a_peer_still_stops(redis_factory: Callable[..., EmbeddedRedis], tmp_path: Path) -> None:
