@@ -106,6 +106,7 @@ class _Guarded(asyncio.Protocol):
         self.timer: asyncio.TimerHandle | None = None
         self.tail = b""
         self.peer_finished = False  # the peer ended its sending side (a half-close, or a hang-up)
+        self.finished_at = 0.0  # the loop's time when it did
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -146,6 +147,7 @@ class _Guarded(asyncio.Protocol):
 
     def eof_received(self) -> bool | None:
         self.peer_finished = True
+        self.finished_at = asyncio.get_running_loop().time()
         inner = self.inner
         if not isinstance(inner, RequestHandler) or self.timer is not None or _idle(inner):
             return inner.eof_received() if inner is not None else None  # nothing to answer: closed now
@@ -154,14 +156,24 @@ class _Guarded(asyncio.Protocol):
 
     def _close_once_answered(self) -> None:
         """Close the transport once aiohttp has answered every request the peer sent before its end of stream
-        (pipelined ones too: aiohttp's own close() dropped those after the first), looking every CLOSE_CHECK_S."""
+        (pipelined ones too: aiohttp's own close() dropped those after the first), looking every CLOSE_CHECK_S; abort
+        it when they are not answered within the head timeout of the end: a request whose body the peer never
+        finished sending would otherwise hold its place under the caps for ever (a request the peer finished is
+        answered at once: a waiting get ends when its caller has finished, peer_has_finished)."""
         inner, transport = self.inner, self.transport
         if transport is None or transport.is_closing() or not isinstance(inner, RequestHandler):
             return
         if _idle(inner):
             transport.close()
             return
-        asyncio.get_running_loop().call_later(CLOSE_CHECK_S, self._close_once_answered)
+        loop = asyncio.get_running_loop()
+        if loop.time() - self.finished_at >= self.site.limits.head_timeout_s:
+            self.site.warn("unfinished", "%s: a connection from %s closed: its peer ended its stream %.1fs ago with "
+                           "a request unanswered (its body not all sent?)", self.site.what, self.peer,
+                           self.site.limits.head_timeout_s)
+            transport.abort()
+            return
+        loop.call_later(CLOSE_CHECK_S, self._close_once_answered)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.inner is None:

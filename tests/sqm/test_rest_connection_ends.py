@@ -7,6 +7,7 @@ member serving REST in this process, a real redis-server, raw sockets."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import socket
 import struct
 import time
@@ -135,3 +136,21 @@ def test_every_way_a_connection_ends_gives_back_its_place_under_the_caps(member:
 def test_pipelined_requests_of_a_half_closed_connection_are_all_answered(member: RunningServer) -> None:
     reply = half_closed(member, BROWSE * 3)
     assert reply.count(b"HTTP/1.1 ") == 3, reply[:600]
+
+
+def test_a_connection_closed_with_its_request_body_unfinished_gives_back_its_place(member: RunningServer) -> None:
+    """A peer that ends its stream before its request body is whole (an aborted upload) never gets an answer: its
+    connection is aborted once the head timeout has passed since the end, not held under the caps for ever."""
+    site = site_of(member)
+    kept = site.limits
+    site.limits = dataclasses.replace(kept, head_timeout_s=1.0)
+    post = (f"POST {PATH} HTTP/1.1\r\nHost: x\r\nAuthorization: {AUTH}\r\nibm-mq-rest-csrf-token: 1\r\n"
+            f"Content-Type: text/plain\r\nContent-Length: 100\r\n\r\n").encode() + b"abcde"
+    try:
+        before = site.cap.open
+        for _ in range(5):
+            with connect(member) as s:
+                s.sendall(post)
+        wait_until(lambda: site.cap.open == before, timeout=8.0, what="the unfinished requests' connections closed")
+    finally:
+        site.limits = kept
