@@ -25,7 +25,8 @@ The rules (docs/kombu.md says why):
   (at-least-once: a consumer that dies after its work and before its ack has it done twice).
 * One connection per unacknowledged delivery (idle ones are pooled): kombu's prefetch is how many a channel holds
   at once (``prefetch_count``: its first value at most ``max_unacked``, which also applies when the consumer sets
-  none, and what the consumer raised it by since, as Celery does for each task with an ETA it holds).
+  none, and what the consumer raised it by since, at most ``max_raised``, as Celery does for each task with an ETA it
+  holds).
 * A held delivery's connection is pinged every ``keepalive_interval`` seconds (60), so that the member does not close
   it as idle (its ``--idle-timeout``) and back the delivery out while its consumer still works on it.
 * Failover: every request fails over across all the members the URL names (the client's own failover: a unit of
@@ -86,6 +87,9 @@ DEFAULT_STRUCTURE = "APP1"
 ENVELOPE_PROPERTY = "kombu"
 # Unacknowledged deliveries a channel holds when its consumer sets no prefetch count (each holds a connection).
 DEFAULT_MAX_UNACKED = 16
+# max_raised by default, per max_unacked: room for the delayed tasks (Celery's ETAs and countdowns, a retry's among
+# them) a worker holds, each one connection; more stall the tasks due now until one is due, fewer bound connections.
+RAISED_PER_UNACKED = 4
 # Idle connections a kombu connection keeps for its next deliveries.
 IDLE_CLIENTS = 8
 # Seconds between the pings that keep a held delivery's connection from the member's idle timeout (sqm run
@@ -223,15 +227,17 @@ class QoS(virtual.QoS):
     def _limit(self) -> int:
         """Unacknowledged deliveries the channel may hold (each holds a connection to a member, which counts them
         against its connections per address): the consumer's first prefetch count, never more than
-        ``max_unacked``, plus what it raised the count by since. Celery raises it by one for each task with an ETA
+        ``max_unacked``, plus what it raised the count by since, at most ``max_raised`` (one consumer's rises must
+        not take every connection its host may open to the member). Celery raises it by one for each task with an ETA
         or a countdown it holds unacknowledged until due, and lowers it again once the task ran, so that tasks due
         now keep coming (as kombu's own virtual transports, which honour any prefetch count): capped at
         ``max_unacked``, as many delayed tasks stalled every task due now behind them. Celery's
         ``worker_eta_task_limit`` bounds the rise (and so the connections delayed tasks hold)."""
-        cap: int = self.channel.transport.max_unacked
+        transport = self.channel.transport
+        cap: int = transport.max_unacked
         first = self._first_prefetch or cap
         now = self._prefetch or cap
-        return min(now, first, cap) + max(0, now - first)
+        return min(now, first, cap) + min(max(0, now - first), transport.max_raised)
 
     def can_consume(self) -> bool:
         return len(self._delivered) - len(self._dirty) < self._limit()
@@ -477,6 +483,8 @@ class Transport(virtual.Transport):
         super().__init__(client, **kwargs)
         opts = client.transport_options or {}
         self.max_unacked = _count_option(opts, "max_unacked", DEFAULT_MAX_UNACKED)
+        # What a consumer's raised prefetch count (Celery's delayed tasks) adds to max_unacked, at most.
+        self.max_raised = _count_option(opts, "max_raised", RAISED_PER_UNACKED * self.max_unacked)
         self.size_limit = _count_option(opts, "size_limit", 1000)
         self.keepalive_interval = _seconds_option(opts, "keepalive_interval", DEFAULT_KEEPALIVE_INTERVAL)
         _seconds_option(opts, "polling_interval", self.polling_interval)  # kombu's own: checked here all the same

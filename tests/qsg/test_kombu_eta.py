@@ -87,6 +87,27 @@ def test_a_prefetch_count_raised_above_the_first_gets_its_rise(group: LocalGroup
                 m.ack()
 
 
+def test_a_raised_prefetch_count_adds_at_most_max_raised() -> None:
+    """A consumer that raises its prefetch count far above its first (a plain basic_qos, or Celery holding many
+    delayed tasks) holds at most ``max_raised`` more than ``max_unacked``: each delivery is one of the member
+    connections its whole host may open, and one consumer must not take them all."""
+    from types import SimpleNamespace
+
+    channel = SimpleNamespace(transport=SimpleNamespace(max_unacked=16, max_raised=4), do_restore=False)
+    qos = kt.QoS(channel, 1)
+    assert qos._limit() == 1
+    qos.prefetch_count = 500
+    assert qos._limit() == 1 + 4
+    qos.prefetch_count = 3
+    assert qos._limit() == 1 + 2
+    url = kt.members_url([("127.0.0.1", 1)], "token")
+    with kombu.Connection(url, transport_options={"max_unacked": 8}) as conn:  # made, never connected
+        assert conn.transport.max_raised == 32  # by default four times max_unacked
+    with kombu.Connection(url, transport_options={"max_raised": 0}) as conn, pytest.raises(ValueError,
+                                                                                            match="max_raised"):
+        conn.transport  # noqa: B018 - made on first use, its options checked then
+
+
 def test_a_celery_worker_holding_delayed_tasks_runs_the_tasks_due_now(group: LocalGroup, tmp_path: Path) -> None:
     """A worker with prefetch 1 and ``max_unacked`` 2 gets four tasks with a countdown of two minutes, then tasks
     due now: it runs those at once."""
