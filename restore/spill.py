@@ -29,7 +29,8 @@ READ_SIZE = 1 << 20
 PREFIX = ".restore-spill-"
 #: A spill directory is made under this prefix and renamed to PREFIX once its lock is held, so that no directory
 #: named PREFIX... is ever seen without its lock: a restore killed between the two steps leaves a MAKING one, which
-#: the next restore removes like any other left behind.
+#: a later restore removes once it is older than UNLOCKED_GRACE_S (never by its lock: between the lock file's creation
+#: and its flock, another restore would take the lock and remove the directory under its maker).
 MAKING = ".restore-making-"
 #: A spill directory's lock file: its maker holds an exclusive flock on it while the directory is in use. The
 #: kernel lets go of it when the maker dies, however it dies (SIGKILL, the OOM killer), so a directory whose lock can
@@ -50,9 +51,18 @@ class SpillDir:
         if parent is not None:
             private_dir(Path(parent))
         making = Path(tempfile.mkdtemp(prefix=MAKING, dir=parent))  # mkdtemp: mode 0700
-        self._owner = _hold(making / OWNER)
+        try:
+            self._owner = _hold(making / OWNER)
+        except BaseException:
+            shutil.rmtree(making, ignore_errors=True)
+            raise
         self.path = making.with_name(PREFIX + making.name[len(MAKING):])
-        os.rename(making, self.path)
+        try:
+            os.rename(making, self.path)
+        except BaseException:
+            os.close(self._owner)
+            shutil.rmtree(making, ignore_errors=True)
+            raise
         self.bytes_written = 0
         self.removed = remove_left_behind(self.path.parent, keep=self.path)
 
@@ -101,9 +111,14 @@ def remove_left_behind(parent: Path, keep: Path) -> list[Path]:
         path = Path(entry.path)
         if not entry.name.startswith((PREFIX, MAKING)) or path == keep or not entry.is_dir(follow_symlinks=False):
             continue
+        making = entry.name.startswith(MAKING)  # its lock may not be taken yet: judged by its age alone
         try:
-            fd = os.open(path / OWNER, os.O_RDWR | os.O_NOFOLLOW)
+            fd = -1 if making else os.open(path / OWNER, os.O_RDWR | os.O_NOFOLLOW)
         except FileNotFoundError:
+            fd = -1
+        except OSError:  # another user's, or not ours to read: left alone
+            continue
+        if fd < 0:
             try:
                 old = time.time() - entry.stat(follow_symlinks=False).st_mtime > UNLOCKED_GRACE_S
             except OSError:
@@ -111,8 +126,6 @@ def remove_left_behind(parent: Path, keep: Path) -> list[Path]:
             if old:
                 shutil.rmtree(path, ignore_errors=True)
                 removed.append(path)
-            continue
-        except OSError:  # another user's, or not ours to read: left alone
             continue
         try:
             try:

@@ -116,11 +116,37 @@ def test_a_spill_directory_is_never_seen_under_its_name_before_its_lock_is_held(
     assert seen == [[]]
 
 
-def test_a_directory_left_while_being_made_is_removed_by_the_next_restore(tmp_path: Path) -> None:
+def test_a_directory_left_while_being_made_is_removed_by_a_restore_once_old(tmp_path: Path) -> None:
+    """A directory still under its making name may be one another restore is making (its lock not taken yet): a
+    restore removes it only once older than UNLOCKED_GRACE_S, whatever its lock file says."""
     work = tmp_path / "work"
     work.mkdir(mode=0o700)
-    left = work / f"{MAKING}abc"
-    left.mkdir(mode=0o700)
-    (left / ".owner").touch()
+    young, left = work / f"{MAKING}new", work / f"{MAKING}old"
+    for d in (young, left):
+        d.mkdir(mode=0o700)
+        (d / ".owner").touch()
+    past = time.time() - spill_module.UNLOCKED_GRACE_S - 60
+    os.utime(left, (past, past))
     with SpillDir(work) as mine:
-        assert mine.removed == [left] and not left.exists()
+        assert mine.removed == [left] and not left.exists() and young.exists()
+
+
+def test_a_restore_making_its_directory_is_not_removed_by_another_restore(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another restore's clean-up between the lock file's creation and its flock: the lock could be taken then, and
+    the directory was removed under its maker, which failed (FileNotFoundError at its rename)."""
+    work = tmp_path / "work"
+    work.mkdir(mode=0o700)
+    removed_by_the_other: list[list[Path]] = []
+
+    def slow_hold(path: Path) -> int:
+        fd = spill_module.open_private(path, os.O_RDWR | os.O_CREAT | os.O_EXCL)  # the lock file, not locked yet
+        removed_by_the_other.append(spill_module.remove_left_behind(work, keep=work / "none"))
+        import fcntl
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return fd
+
+    monkeypatch.setattr(spill_module, "_hold", slow_hold)
+    with SpillDir(work) as mine:
+        assert mine.path.is_dir() and (mine.path / ".owner").exists()
+    assert removed_by_the_other == [[]]
