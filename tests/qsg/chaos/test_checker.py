@@ -557,6 +557,23 @@ def test_a_refused_stray_member_is_no_cf_loss_but_a_cf_killed_step_is() -> None:
     only(h.findings(), "resurrected")
 
 
+def test_a_peer_clock_skew_that_failed_before_its_cf_loss_is_no_cf_loss() -> None:
+    """peer-clock-skew loses the CF at its end (its "CF killed" step): one whose victim died while starting (the
+    fault failed before) lost nothing, and a non-persistent message delivered after it is no resurrection."""
+    for lost in (False, True):
+        h = Hist()
+        h.put("p", None, "np1", persistent=False)
+        h.fault(1, "peer-clock-skew", "inject")
+        if lost:
+            h.fault(1, "peer-clock-skew", "CF killed")
+        h.fault(1, "peer-clock-skew", "recovered")
+        h.drain("np1")
+        if lost:
+            only(h.findings(), "resurrected")
+        else:
+            assert h.findings()["resurrected"] == 0
+
+
 # --- units of work sent to a service (qsg.chaos.uowcheck) --------------------------------------------------------
 RECV = {1: ["RECV_ONLY"], 2: ["RECV_FIRST", "RECV_LAST"], 3: ["RECV_FIRST", "RECV_MIDDLE", "RECV_LAST"]}
 
