@@ -18,6 +18,7 @@ from qsg.chaos.faults.kind import Draw, FaultError, FaultKind, FaultSpec, Step, 
 from qsg.chaos.faults.restores import lose_cf
 from qsg.chaos.group import BULK_QUEUE, ChaosGroup
 from qsg.chaos.workload import PutSpec, Runner
+from qsg.local_group import LocalGroupError
 from sqm.core.failpoints import ENV_VAR as FAILPOINTS_ENV
 from sqm.service.client import Client
 from sqm.service.server import EXIT_CONFIG, EXIT_FENCED
@@ -138,8 +139,7 @@ def peer_clock_skew(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
         time.sleep(IDLE_SETTLE_S)  # the coordinator's resolves of what it prepared end: nothing moves its clock
     try:
         g.c.kill_manager(victim, signal.SIGTERM, timeout=30.0)
-        hit = int(f.params.get("commit", 3))
-        g.c.restart_manager(victim, timeout=60.0, env={FAILPOINTS_ENV: f"after-log-force={hit}"})
+        hit = restart_to_die(g, victim, int(f.params.get("commit", 3)), step)
         step(f"{victim} restarted, to die after forcing its COMMIT number {hit}")
         code = g.c.wait_manager_exit(victim, timeout=30.0)
         if code is None:  # too few commits reached it: kill it anyway
@@ -164,6 +164,28 @@ def peer_clock_skew(g: ChaosGroup, f: FaultSpec, step: Step) -> dict[str, Any]:
     out.update(lose_cf(g, f, step))
     out["restart_s"] = restart(g, victim, step)  # without the failpoint
     return out
+
+
+DIE_WHILE_STARTING_TRIES = 4
+
+
+def restart_to_die(g: ChaosGroup, victim: str, hit: int, step: Step) -> int:
+    """Restart ``victim`` armed to die right after its ``hit``-th force of COMMITs; returns the ``hit`` it serves
+    with. Its restart commits units of work of its own (the conversation service settles what its log left), so it
+    may reach a small ``hit`` while starting: it is then restarted with twice the count (its peers recover it
+    meanwhile, as after any death), up to DIE_WHILE_STARTING_TRIES times, so that it dies while it serves."""
+    for attempt in range(DIE_WHILE_STARTING_TRIES):
+        try:
+            g.c.restart_manager(victim, timeout=60.0, env={FAILPOINTS_ENV: f"after-log-force={hit}"})
+            return hit
+        except LocalGroupError as e:
+            if "while starting" not in str(e) or attempt == DIE_WHILE_STARTING_TRIES - 1:
+                raise
+            step(f"{victim} died at the failpoint while starting (its restart's own commits): armed again with "
+                 f"{hit * 2}, once a peer has recovered it")
+            g.wait_peer_recovered(victim, 30.0)
+            hit *= 2
+    raise AssertionError("unreachable")
 
 
 def _peers_behind(d: Draw) -> tuple[float, dict[str, Any]]:
