@@ -89,6 +89,10 @@ def test_a_half_closed_put_hears_its_201_and_a_half_closed_get_takes_nothing(mem
         assert b"half-close" in reply
     reply = half_closed(member, BROWSE)
     assert reply.startswith(b"HTTP/1.1 200 ") and reply.endswith(b"\r\n\r\nhalf"), reply[:300]
+    with connect(member) as s:  # the module's other tests find Q1 empty, whatever their order
+        s.sendall(f"DELETE {PATH} HTTP/1.1\r\nHost: x\r\nAuthorization: {AUTH}\r\nibm-mq-rest-csrf-token: 1\r\n"
+                  "Connection: close\r\n\r\n".encode())
+        assert read_to_end(s).startswith(b"HTTP/1.1 200 ")
 
 
 def reset(s: socket.socket) -> None:
@@ -111,7 +115,7 @@ def given_back(member: RunningServer, site: GuardedSite, what: str) -> None:
         wait_until(lambda: site.cap.open == 0, 10, what)
         with connect(member) as s:
             s.sendall(close)
-            if read_to_end(s).startswith(b"HTTP/1.1 204 "):
+            if read_to_end(s).startswith(b"HTTP/1.1 "):  # answered (refused at the cap: reset, nothing read)
                 break
         assert time.monotonic() < deadline, f"{what}: a new connection was never answered"
     wait_until(lambda: site.cap.open == 0, 10, what)
