@@ -15,7 +15,8 @@ repository.json is replaced atomically (cfemu.durable.replace_file: temp file, f
      "structures": {"APP1": {"name", "max_entries", "max_bytes", "recauto", "lrsn", "defined_at", "updated_at"}},
      "queues": {"Q1": {"name", "structure", "backout_threshold", "backout_queue", "max_msg_length", "lrsn",
                        "defined_at", "updated_at"}},
-     "members": {"QM1": {"log": "<absolute log directory>", "joined_at", "last_joined_at"}},
+     "members": {"QM1": {"log": "<absolute log directory>", "joined_at", "last_joined_at",
+                         "log_lost": {"declared_at", "lrsn", "pending", "new_log_at"}}},   (log_lost: sqm log lost)
      "migrated": {"APP1": {"migration", "unload", "source_cf", "migrated_at"}},
      "uow_defaults": {"store", "max_uows", "status_lifetime", "updated_at"}}   the group's defaults for services
 
@@ -31,7 +32,8 @@ not (the structure's history began at its first definition).
 Who writes it: every define path (``define_structure`` / ``define_queue`` below: the qsg CLI, the service's
 define operation, the cluster launcher), every member when it joins (``open_group_repository`` then
 ``record_member``), and restore (the definitions it recreates). Membership is how restore knows every log it
-must read: a member the repository knows but whose log is missing stops a restore.
+must read: a member the repository knows but whose log is missing stops a restore, and its own start
+(sqm.core.own_log), until the operator declares the log lost for good (``declare_log_lost``, ``sqm log lost``).
 
 One log root, one group. A member whose log root holds another repository (or none, while the CF knows the
 group's) refuses to join (``RepositoryError``): peer recovery, backup and restore read every member's log under
@@ -68,6 +70,7 @@ FORMAT = "cfemu-group-repository"
 VERSION = 1
 MIGRATED = "migrated"  # the section of the structures a store migration unloaded
 LOADED = "loaded"  # the section of the structures a store migration loaded here
+LOG_LOST = "log_lost"  # in a member's record: its log was declared lost for good (declare_log_lost)
 UOW_DEFAULTS = "uow_defaults"  # the section of the group's defaults for its services
 
 State = dict[str, Any]
@@ -180,12 +183,33 @@ class GroupRepository:
                                                   "updated_at": _iso()}
         self.update(change)
 
-    def record_member(self, member: str, log_dir: Path) -> None:
+    def record_member(self, member: str, log_dir: Path, *, began_anew: bool = False) -> None:
+        """A member's join, with where it logs. began_anew: its log was declared lost (declare_log_lost) and this
+        join begins the new one; the declaration is kept (restore refuses the bases it makes unusable), no longer
+        pending."""
         def change(state: State) -> None:
             old = state["members"].get(member) or {}
-            state["members"][member] = {"log": str(Path(log_dir).absolute()),
-                                        "joined_at": old.get("joined_at", _iso()), "last_joined_at": _iso()}
+            rec = {"log": str(Path(log_dir).absolute()), "joined_at": old.get("joined_at", _iso()),
+                   "last_joined_at": _iso()}
+            if old.get(LOG_LOST):
+                rec[LOG_LOST] = {**old[LOG_LOST], **({"pending": False, "new_log_at": _iso()} if began_anew else {})}
+            state["members"][member] = rec
         self.update(change)
+
+    def declare_log_lost(self, member: str, lrsn: int) -> dict[str, Any]:
+        """Record that `member`'s log is lost for good (sqm log lost): its next start begins a new log, purges and
+        COLD and WARM starts go on without it, and a restore refuses every base whose replay starts below `lrsn`
+        (what the lost log held from there on is gone). RepositoryError when the group has no such member."""
+        declared: dict[str, Any] = {"declared_at": _iso(), "lrsn": int(lrsn), "pending": True}
+
+        def change(state: State) -> None:
+            rec = state["members"].get(member)
+            if rec is None:
+                raise RepositoryError(f"the group has no member {member} (members: "
+                                      f"{', '.join(sorted(state['members'])) or 'none'})")
+            rec[LOG_LOST] = declared
+        self.update(change)
+        return declared
 
     # --- what it knows ---------------------------------------------------------------------------------------
     def structure(self, name: str) -> tuple[StructureDef, int] | None:
@@ -263,6 +287,17 @@ class GroupRepository:
     def members(self) -> dict[str, str]:
         """Member -> its log directory, for every member that ever joined."""
         return {m: str(rec.get("log", "")) for m, rec in ((self.load() or {}).get("members") or {}).items()}
+
+    def member(self, name: str) -> dict[str, Any] | None:
+        """What the repository records of one member (its log, its joins, a declared loss of its log), or None."""
+        rec = ((self.load() or {}).get("members") or {}).get(name)
+        return dict(rec) if rec else None
+
+    def lost_logs(self) -> dict[str, dict[str, Any]]:
+        """Member -> the declared loss of its log ({"declared_at", "lrsn", "pending": no new log begun yet}), for
+        every member whose log was declared lost."""
+        return {m: dict(rec[LOG_LOST]) for m, rec in ((self.load() or {}).get("members") or {}).items()
+                if rec.get(LOG_LOST)}
 
 
 def migrated_refusal(structure: str, record: Mapping[str, Any], doing: str) -> str:

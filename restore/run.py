@@ -420,14 +420,39 @@ def member_log_dirs(log_root: Path, members: Mapping[str, str] | list[str], repl
     return [found[name] for name in sorted(found)]
 
 
+def without_lost_logs(members: Mapping[str, str], repo: GroupRepository) -> dict[str, str]:
+    """`members` less those whose log was declared lost and who have not begun a new one (sqm log lost): there is
+    no log of theirs to read, and none is missing: what the lost one held is gone (refuse_lost_logs), and they
+    wrote nothing since."""
+    pending = {m for m, lost in repo.lost_logs().items() if lost.get("pending")}
+    return {m: where for m, where in members.items() if m not in pending}
+
+
+def refuse_lost_logs(repo: GroupRepository, structure: str, base: Mapping[str, Any]) -> None:
+    """A base whose replay starts below the moment a member's log was declared lost would need that log's records
+    from its replay start on: the restore would lose what they held (a committed put not loaded, a consumed
+    message back). Refused, naming the member and what can be done."""
+    replay_from = int(base["replay_from"])
+    for member, lost in sorted(repo.lost_logs().items()):
+        if int(lost["lrsn"]) > replay_from:
+            raise RestoreError(
+                f"the log of member {member} was declared lost for good on {lost.get('declared_at', '?')} (sqm log "
+                f"lost, LRSN {lost['lrsn']}), and {describe_start(base)}: its records from LRSN {replay_from} on are "
+                f"gone, and the restore would lose what they held; start {structure} COLD ('cfemu pstore start {structure} "
+                f"--mode COLD --confirm {structure}': its messages are lost), or restore from a base taken after the "
+                "loss (--backup ID)")
+
+
 def refuse_missing_member_logs(admin: Admin, structure: str, what: str, log_root: Path) -> None:
     """Every member the group knows must have its log under log_root before a structure starts empty (a purge, a
     COLD or WARM start): each unit of work whose COMMIT a member logged but had not applied gets a tombstone
     (committed_before_base), so that the member's retry finds its commit standing. Without a member's log its units
     of work would get none: its restart would hear "lost with the CF", log BACKOUT after its COMMIT and fail on the
-    structures that kept the commit, at every restart. `what` names the operation in the refusal."""
+    structures that kept the commit, at every restart. `what` names the operation in the refusal. A member whose
+    log was declared lost is not waited for: its next start begins a new log and backs its units of work out."""
+    repo = GroupRepository(log_root)
     try:
-        member_log_dirs(log_root, known_members(GroupRepository(log_root), {}, admin), 0)
+        member_log_dirs(log_root, without_lost_logs(known_members(repo, {}, admin), repo), 0)
     except RestoreError as e:
         raise RestoreError(f"{what} of {structure} reads every member's log (the commits they logged and had not "
                            f"applied keep their outcome): {e}") from None
@@ -692,7 +717,7 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
             raise  # a damaged newest backup is said, not passed over, unless the logs alone are asked for
         found, no_backup = None, e
     manifest = found.manifest if found is not None else {}
-    members = known_members(repo, manifest, admin)
+    members = without_lost_logs(known_members(repo, manifest, admin), repo)
     log_dirs = member_log_dirs(log_root, members, int(manifest.get("replay_from", 0)))
     for log_dir in log_dirs:
         refuse_others_writing(log_dir)
@@ -707,6 +732,7 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
     _refuse_loaded_from_definition(repo, structure, manifest)
     replay_from = int(manifest["replay_from"])
     _logs_reach_back(log_dirs, structure, manifest)
+    refuse_lost_logs(repo, structure, manifest)
     decisions_seen = _decisions_logged(log_root)  # before the plan reads them: compared under the log's lock
     timer = PhaseTimer(progress)
     now = now_ms if now_ms is not None else time.time_ns() // 1_000_000

@@ -4,6 +4,7 @@
     sqm log status [--member QM1 | --all] [--json]   each segment: LRSN range, active/inactive/archived, why kept
     sqm log archive [--member QM1 | --all] [--archive-dir DIR]
     sqm log prune [--member QM1 | --all] [--below N]
+    sqm log lost MEMBER --confirm MEMBER             declare a member's log lost for good (sqm.core.own_log)
 
 What is needed is computed by sqm.core.retention from the log and the CF (its backup catalog, the structures): a
 segment is kept while a restart, a peer's recovery, an active or in-doubt unit of work, or a structure's CF
@@ -21,8 +22,9 @@ from typing import Any
 from cfemu.admin import Admin
 from cfemu.clitools import CLIError, Output, add_settings_arguments, require_url, settings, whole
 from cfemu.connection import connect
+from cfemu.repository import GroupRepository, now_lrsn
 from sqm.core.retention import Retention, log_retention
-from sqm.log import LogLockedError, LogReader, RecordLog, find_log_dirs
+from sqm.log import LogLockedError, LogReader, RecordLog, find_log_dirs, holds_log
 from sqm.log.format import archived_segments, read_manifest
 
 ACTIVE, INACTIVE, ARCHIVED = "active", "inactive", "archived"
@@ -145,8 +147,49 @@ def cmd_prune(args: argparse.Namespace, out: Output) -> int:
     return 0
 
 
+def cmd_lost(args: argparse.Namespace, out: Output) -> int:
+    """Declare a member's log lost for good (sqm.core.own_log): its next start begins a new log, purges and COLD and
+    WARM starts go on without it, and restore refuses every base whose replay starts below now."""
+    member, log_root = args.lost_member, settings(args).log_root
+    if args.confirm != member:
+        raise CLIError(f"declaring {member}'s log lost gives up its in-flight and committed-not-applied units of work "
+                       f"and every restore from a base taken before now: confirm with --confirm {member}")
+    repo = GroupRepository(log_root)
+    known = repo.member(member)
+    if known is None:
+        raise CLIError(f"the group under {log_root} has no member {member} (members: "
+                       f"{', '.join(sorted(repo.members())) or 'none'})")
+    log_dir = log_root / member
+    if holds_log(log_dir):
+        raise CLIError(f"{log_dir} holds {member}'s log: it is not lost, and the member starts from it")
+    # Above every LRSN the group may have logged: the LRSNs of the logs that are left, and the physical clock every
+    # LRSN clock starts from. A base whose replay starts below it may need the lost log's records.
+    top = max((s.max_lrsn for d in find_log_dirs(log_root) for s in LogReader(d).segments()
+               if s.max_lrsn is not None), default=0)
+    declared = repo.declare_log_lost(member, max(now_lrsn(), top + 1))
+    if out.as_json:
+        out.json({"member": member, "log_dir": str(log_dir), **declared})
+    else:
+        out.line(f"{member}'s log declared lost for good (LRSN {declared['lrsn']}): its next start begins a new log "
+                 f"at {log_dir} and backs its units of work on the CF out; purges and COLD and WARM starts go on "
+                 "without it; a HOT restore from a base taken before now is refused")
+    return 0
+
+
+def add_lost_parser(verbs: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    text = ("declare a member's log lost for good (its volume gone): the member then starts with a new log, and "
+            "restores from bases taken before are refused")
+    p = verbs.add_parser("lost", help=text, description=text[0].upper() + text[1:] + ".")
+    p.add_argument("lost_member", metavar="MEMBER")
+    p.add_argument("--confirm", metavar="MEMBER", required=True, help="the member's name again")
+    add_settings_arguments(p, "log_root", "cluster_dir", "cf_dir")
+    p.add_argument("--json", action="store_true", help="JSON instead of a line")
+    p.add_argument("-v", "--verbose", action="store_true", help="a traceback with errors")
+    p.set_defaults(func=cmd_lost)
+
+
 def add_log_admin_parsers(verbs: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add ``status``, ``archive`` and ``prune`` to ``sqm log``'s verbs."""
+    """Add ``status``, ``archive``, ``prune`` and ``lost`` to ``sqm log``'s verbs."""
     specs = (("status", cmd_status, "each log segment: LRSN range, active/inactive/archived, and why it is kept"),
              ("archive", cmd_archive, "archive the inactive segments of a stopped member's log (copied, verified, "
                                       "fsynced, then removed from the active log)"),
@@ -165,6 +208,7 @@ def add_log_admin_parsers(verbs: argparse._SubParsersAction[argparse.ArgumentPar
         p.add_argument("--json", action="store_true", help="JSON instead of a table")
         p.add_argument("-v", "--verbose", action="store_true", help="a traceback with errors")
         p.set_defaults(func=func)
+    add_lost_parser(verbs)
 
 
 __all__ = ["add_log_admin_parsers", "prune_log", "segment_rows"]

@@ -50,6 +50,7 @@ from sqm.core.failpoints import failpoint
 from sqm.core.hooks import Hooks
 from sqm.core.logspace import LogSpace
 from sqm.core.outcomes import Outcomes
+from sqm.core.own_log import begins_anew
 from sqm.core.recauto import StructureRecovery
 from sqm.core.records import INBACKOUT, INCOMMIT, INDOUBT, INFLIGHT, Record
 from sqm.core.recovery import recover_peers, restart
@@ -142,6 +143,7 @@ class QueueManager(Outcomes, LogSpace):
         # backup and restore do not read would have its committed work dropped by them (invariant 1,
         # docs/invariants.md; the group repository: cfemu.repository).
         self.repository = open_group_repository(self.admin, self.config.log_root, who=self.name)
+        anew = begins_anew(self.repository, self.name, self.log_dir)  # before anything is created there
         self.log = RecordLog(self.log_dir, self.name, segment_bytes=self.config.segment_bytes,
                              ring=self.config.log_ring if self.config.log_mode == CIRCULAR else 0)
         repo_id = self.repository.id
@@ -157,7 +159,10 @@ class QueueManager(Outcomes, LogSpace):
         if self.config.pstore_report is not None and self.store_report is None:
             self.store_report = StoreReport(Path(self.config.pstore_report), self.name)
         try:
-            self.repository.record_member(self.name, self.log_dir)  # restore then knows to read this log
+            self.repository.record_member(self.name, self.log_dir, began_anew=anew)  # restore reads this log
+            if anew:
+                log.warning("%s: its log was declared lost; a new log begins at %s (its units of work on "
+                            "the CF are backed out by this restart)", self.name, self.log_dir)
             self.caller.epoch = self.admin.join(self.name, {"pid": os.getpid(), "log": str(self.log_dir)},
                                                 self.config.lease_ms)
             self.running = True

@@ -27,12 +27,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cfemu.errors import BackedOutError, MQError, StructureFailedError
+from cfemu.repository import GroupRepository
 from sqm.core.backupnote import note_from_log, note_new_backups
 from sqm.core.cfcall import CF_DOWN
 from sqm.core.records import INBACKOUT, INCOMMIT, INDOUBT, INFLIGHT, Record
 from sqm.core.relog import fitted
 from sqm.core.uow import UnitOfWork, rebuild_table
-from sqm.log import LogReader, RecordLog
+from sqm.log import LogReader, RecordLog, holds_log
 
 if TYPE_CHECKING:
     from sqm.core.member import RecoveringMember
@@ -267,8 +268,9 @@ def _cannot_read_log(qm: RecoveringMember, failed: str, log_dir: Path) -> None:
     if time.monotonic() - _UNREADABLE_SAID.get(key, -math.inf) < 60.0:
         return
     _UNREADABLE_SAID[key] = time.monotonic()
-    log.error("%s: cannot read the log of %s at %s (not a directory here): its work is not recovered; it stays "
-              "fenced with its entries locked until its log is back there or it restarts", qm.name, failed, log_dir)
+    log.error("%s: cannot read the log of %s at %s (no log there): its work is not recovered; it stays fenced with "
+              "its entries locked until its log is back there, it restarts, or its log is declared lost for good "
+              "(sqm log lost)", qm.name, failed, log_dir)
 
 
 def recover_peers(qm: RecoveringMember) -> list[PeerRecoveryReport]:
@@ -298,12 +300,19 @@ def recover_peer(qm: RecoveringMember, failed: str) -> PeerRecoveryReport | None
         log.info("%s: %s holds a lease again (it restarted) or left the group: nothing to recover", qm.name, failed)
         return rep
     log_dir = qm.config.log_root / failed
-    if not log_dir.is_dir():
+    if holds_log(log_dir):
+        table, _, high = _table_from_log(LogReader(log_dir), failed)
+    elif (GroupRepository(qm.config.log_root).lost_logs().get(failed) or {}).get("pending"):
+        # Its log was declared lost for good (sqm log lost): nothing but the CF is left to decide its work, and
+        # every UOW found there is backed out, as its own restart with a new log would.
+        log.warning("%s: the log of %s was declared lost: its units of work on the CF are backed out", qm.name,
+                    failed)
+        table, high = {}, 0
+    else:
         # Without the log, a UOW found only in the CF could be in flight (back it out) or committed with its
         # COMMIT forced (complete it): backing them all out lost committed messages.
         _cannot_read_log(qm, failed, log_dir)
         return None
-    table, _, high = _table_from_log(LogReader(log_dir), failed)
     # As restart does: every RECOVERY record this member writes for the failed one sorts after everything the
     # failed member logged, whatever our own clock says. A peer whose clock lags (skewed, or idle since before
     # the failed member's last operations) would decide a UOW below its own operations, and restore would leave

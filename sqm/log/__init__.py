@@ -12,7 +12,7 @@ from sqm.log.format import (
     LogPosition,
     SegmentInfo,
 )
-from sqm.log.reader import LogReader, find_log_dirs, merged_records, one_log_per_member
+from sqm.log.reader import LogReader, find_log_dirs, holds_log, merged_records, one_log_per_member
 from sqm.log.writer import (
     ArchiveOutcome,
     LogFullError,
@@ -36,6 +36,7 @@ __all__ = [
     "RecordLog",
     "SegmentInfo",
     "find_log_dirs",
+    "holds_log",
     "merged_records",
     "one_log_per_member",
     "writer_is_open",

@@ -204,8 +204,15 @@ def find_log_dirs(root: str | Path) -> list[Path]:
     if not rootp.is_dir():
         return out
     for p in sorted(rootp.iterdir()):
-        if not p.is_dir():
-            continue
-        if (p / MANIFEST_NAME).is_file() or any(SEGMENT_RE.match(c.name) for c in p.iterdir()):
+        if p.is_dir() and holds_log(p):
             out.append(p)
     return out
+
+
+def holds_log(directory: str | Path) -> bool:
+    """Whether ``directory`` holds a record log (a manifest or segment files); False when it does not exist."""
+    d = Path(directory)
+    try:
+        return (d / MANIFEST_NAME).is_file() or any(SEGMENT_RE.match(c.name) for c in d.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return False
