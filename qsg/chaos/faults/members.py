@@ -1,5 +1,6 @@
 """Faults of the members themselves: an SQM killed, paused past its lease, its log disk full, its clock skewed
-(or its peers'), a member started with a log root of its own, and a slow restart on a busy machine."""
+(or its peers'), a member started with a log root of its own, its log volume missing, and a slow restart on a busy
+machine."""
 
 from __future__ import annotations
 
@@ -249,6 +250,56 @@ register(FaultKind(
         "with the configuration exit code (2), as peer recovery, backup and restore read only the group's log root. "
         "Should it join, two persistent puts are committed through it as client `stray-<n>` (in the history) and the "
         "CF is lost: the checker then finds them lost"))
+
+
+def log_volume_missing(g: ChaosGroup, f: FaultSpec, step: Step, timeout: float = 45.0) -> dict[str, Any]:
+    """An SQM is killed -9 and its log volume does not come back: its directory is left as an empty mount point.
+    Its peers must decide none of its work (its in-flight units of work may hold forced COMMITs), and its restart
+    must refuse with the configuration exit code rather than begin a new, empty log (its restart would back out
+    what it committed). The volume then comes back, and it restarts and recovers its work from it."""
+    log_dir = g.c.log_root / f.target
+    away = g.dir / f"log-volume-{f.n}-{f.target}"
+    g.c.kill_manager(f.target, signal.SIGKILL)
+    step("killed")
+    log_dir.rename(away)
+    log_dir.mkdir()
+    step(f"{f.target}'s log volume gone, its mount point empty")
+    time.sleep(f.hold)  # its lease lapses meanwhile: its peers find no log to recover it from
+    ready = g.dir / "run" / f"{f.target}.ready"
+    proc = g.start_stray_member(f.target, g.c.log_root, ready)
+    out: dict[str, Any] = {}
+    try:
+        try:
+            out["exit_code"] = code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise FaultError(f"{f.target} neither refused nor served within {timeout:g}s without its log") from None
+        step(f"{f.target} refused to start without its log: exit code {code}")
+        if code != EXIT_CONFIG or ready.exists():
+            raise FaultError(f"{f.target} started without its log (exit code {code}, not the configuration error "
+                             f"{EXIT_CONFIG}); see run/{f.target}.log")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if any(log_dir.iterdir()):  # a log begun without the old one: kept aside for the report
+            log_dir.rename(g.dir / f"log-begun-anew-{f.n}-{f.target}")
+        else:
+            log_dir.rmdir()
+        away.rename(log_dir)
+    step("heal")
+    out["restart_s"] = restart(g, f.target, step)
+    return out
+
+
+def _volume_gone_for(d: Draw) -> tuple[float, dict[str, Any]]:
+    return d.lease_ms / 1000 + d.rnd.choice((0.5, 2.0)), {}  # past its lease: its peers look for its log
+
+
+register(FaultKind(
+    "log-volume-missing", log_volume_missing, number=34, cost_s=9.0, draw=_volume_gone_for,
+    doc="`kill -9` of an SQM whose log volume does not come back (its directory left an empty mount point) past its "
+        "lease: its peers must decide none of its work, and `sqm run` of it must refuse with the configuration exit "
+        "code (2) rather than begin a new log; the volume then comes back and it restarts from its log"))
 
 
 def _commit_through(g: ChaosGroup, name: str, ready: Path, n: int) -> None:

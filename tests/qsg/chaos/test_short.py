@@ -214,6 +214,16 @@ def test_snoop_run_finds_nothing(tmp_path: Path) -> None:
 
 @pytest.mark.e2e
 @pytest.mark.slow
+def test_log_volume_missing_run_finds_nothing(tmp_path: Path) -> None:
+    """The fault kind log-volume-missing: a member killed -9 whose log volume does not come back is recovered by no
+    peer and refuses to start (the configuration exit code) until the volume is back; then it restarts from its log
+    and the checker finds nothing lost or half-applied."""
+    s = kind_run(tmp_path, "log-volume-missing", 1, 12)
+    assert all(f["timings"]["exit_code"] == 2 for f in s["faults"]), s["faults"]
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
 def test_a_commit_while_a_restore_loads_is_answered_pending_and_nothing_is_lost(tmp_path: Path) -> None:
     """The fault kind restore-race, seed 6 (APP1, held at its load): while its first restore is held at the start of
     its load (after it read the logs), the fault's own unit of work (a put and a get on EDGE) is committed: the
