@@ -329,6 +329,13 @@ def reopen(client: redis.Redis, structure: str, *, log_root: str | Path | None =
     state = header.get("state", "") or "FAILED"  # missing from the CF: lost with it (Admin.state)
     record = repo.migrated().get(structure)
     target = _loaded_target(record)
+    if target is not None and not target_given_up and target["cf"] == "?":
+        raise LoadedElsewhereError(
+            f"whether structure {structure}'s unload (migration {target['migration']}) was loaded into another CF "
+            f"cannot be told: its target record {_target_record(record)} cannot be read (its directory is not there, "
+            f"or the record is damaged); a target would serve its messages, and the source reopened would serve them "
+            f"twice; bring the unload's directory back, or, once any target is given up: reopen with "
+            f"--target-given-up")
     if target is not None and not target_given_up:
         raise LoadedElsewhereError(
             f"structure {structure}'s unload (migration {target.get('migration', '?')}) is loaded into CF "
@@ -358,16 +365,21 @@ def _target_record(record: Mapping[str, Any] | None) -> Path:
 
 
 def _loaded_target(record: Mapping[str, Any] | None) -> dict[str, str] | None:
-    """The store the recorded unload was loaded into (its directory's target record), or None: not loaded, or its
-    directory is not readable here (then the operator's --confirm alone stands for it)."""
+    """The store the recorded unload was loaded into (its directory's target record), or None: not loaded (its
+    directory is here and records no target). A directory that is not here (removed, a volume not mounted) or a
+    record that cannot be read answers an unknown target: whether it was loaded cannot be told, which refuses more,
+    never less."""
     unload = (record or {}).get("unload")
     if not unload:
         return None
     path = _target_record(record)
+    unknown = {"cf": "?", "structure": "?", "group": "?", "migration": str((record or {}).get("migration", "?"))}
     try:
-        return read_target(path) if path.exists() else None
+        if path.exists():
+            return read_target(path)
+        return None if path.parent.is_dir() else unknown
     except (OSError, ValueError):
-        return {"cf": "?", "structure": "?", "group": "?", "migration": str((record or {}).get("migration", "?"))}
+        return unknown
 
 
 @dataclass

@@ -81,3 +81,21 @@ def test_an_unload_never_loaded_is_reopened_on_confirm_alone(fresh_redis: Embedd
     _unloaded(url, tmp_path)
     st = migrate.reopen(connect(url), S)
     assert st["state"] == "ACTIVE" and st["target_given_up"] is None
+
+
+def test_an_unload_whose_directory_is_not_there_refuses_as_a_loaded_one(fresh_redis: EmbeddedRedis,
+                                                                         tmp_path: Path) -> None:
+    """The unload's directory removed or its volume not mounted here: whether it was loaded elsewhere cannot be
+    told, so --confirm alone does not reopen the source (a target may serve the messages); the directory back, or
+    --target-given-up, reopens it."""
+    url = fresh_redis.url
+    unload = _unloaded(url, tmp_path)
+    away = tmp_path / "unmounted"
+    unload.rename(away)
+    refused = _reopen_cli(url)
+    assert refused.returncode == 2, (refused.stdout, refused.stderr)
+    assert refused.stderr.count("\n") == 1 and "cannot be told" in refused.stderr, refused.stderr
+    assert "--target-given-up" in refused.stderr and "Traceback" not in refused.stderr
+    assert Admin(connect(url)).state(S) == migrate.MIGRATED
+    away.rename(unload)
+    assert migrate.reopen(connect(url), S)["state"] == "ACTIVE"
