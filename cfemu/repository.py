@@ -184,15 +184,17 @@ class GroupRepository:
         self.update(change)
 
     def record_member(self, member: str, log_dir: Path, *, began_anew: bool = False) -> None:
-        """A member's join, with where it logs. began_anew: its log was declared lost (declare_log_lost) and this
-        join begins the new one; the declaration is kept (restore refuses the bases it makes unusable), no longer
-        pending."""
+        """A member's join, with where it logs. A declared loss of its log (declare_log_lost) is no longer pending
+        once it joins with a log: the new one it began (began_anew), or the old one, back after all. The declaration
+        is kept: restore refuses the bases taken before it, whichever log the member went on with."""
         def change(state: State) -> None:
             old = state["members"].get(member) or {}
             rec = {"log": str(Path(log_dir).absolute()), "joined_at": old.get("joined_at", _iso()),
                    "last_joined_at": _iso()}
             if old.get(LOG_LOST):
-                rec[LOG_LOST] = {**old[LOG_LOST], **({"pending": False, "new_log_at": _iso()} if began_anew else {})}
+                went_on = {"new_log_at": _iso()} if began_anew else {"log_back_at": _iso()}
+                rec[LOG_LOST] = {**old[LOG_LOST], **({"pending": False, **went_on} if old[LOG_LOST].get("pending")
+                                                     else {})}
             state["members"][member] = rec
         self.update(change)
 
@@ -200,7 +202,9 @@ class GroupRepository:
         """Record that `member`'s log is lost for good (sqm log lost): its next start begins a new log, purges and
         COLD and WARM starts go on without it, and a restore refuses every base whose replay starts below `lrsn`
         (what the lost log held from there on is gone). RepositoryError when the group has no such member."""
-        declared: dict[str, Any] = {"declared_at": _iso(), "lrsn": int(lrsn), "pending": True}
+        # to the microsecond: restore compares it with the times backups began (restore.run.refuse_lost_logs)
+        declared: dict[str, Any] = {"declared_at": datetime.now(UTC).isoformat(timespec="microseconds"),
+                                    "lrsn": int(lrsn), "pending": True}
 
         def change(state: State) -> None:
             rec = state["members"].get(member)

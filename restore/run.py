@@ -97,7 +97,7 @@ from sqm.core.group_logs import split_log_dirs
 from sqm.core.records import INCOMMIT
 from sqm.core.relog import newest_pass
 from sqm.core.uow import rebuild_table
-from sqm.log import LogFormatError, LogLockedError, LogReader, RecordLog, find_log_dirs
+from sqm.log import LogFormatError, LogLockedError, LogReader, RecordLog, find_log_dirs, holds_log
 from sqm.log.format import log_segments, read_manifest
 
 log = logging.getLogger("restore.run")
@@ -420,27 +420,44 @@ def member_log_dirs(log_root: Path, members: Mapping[str, str] | list[str], repl
     return [found[name] for name in sorted(found)]
 
 
-def without_lost_logs(members: Mapping[str, str], repo: GroupRepository) -> dict[str, str]:
-    """`members` less those whose log was declared lost and who have not begun a new one (sqm log lost): there is
-    no log of theirs to read, and none is missing: what the lost one held is gone (refuse_lost_logs), and they
-    wrote nothing since."""
-    pending = {m for m, lost in repo.lost_logs().items() if lost.get("pending")}
-    return {m: where for m, where in members.items() if m not in pending}
+def without_lost_logs(members: Mapping[str, str], repo: GroupRepository, log_root: Path) -> dict[str, str]:
+    """`members` less those whose log was declared lost (sqm log lost) and who have no log under log_root (they
+    have not begun a new one, and the old one is not back): there is none of theirs to read, and none is missing:
+    what the lost one held is gone (refuse_lost_logs), and they wrote nothing since."""
+    lost = repo.lost_logs()
+    return {m: where for m, where in members.items() if m not in lost or holds_log(Path(log_root) / m)}
 
 
 def refuse_lost_logs(repo: GroupRepository, structure: str, base: Mapping[str, Any]) -> None:
-    """A base whose replay starts below the moment a member's log was declared lost would need that log's records
-    from its replay start on: the restore would lose what they held (a committed put not loaded, a consumed
-    message back). Refused, naming the member and what can be done."""
-    replay_from = int(base["replay_from"])
+    """A base begun before a member's log was declared lost may need that log's records: the member may have died
+    after it began, with work in it that its lost log alone holds (a committed put not loaded, a consumed message
+    back). A base begun after the declaration needs none of them: the member was dead by then, and what it applied
+    on the CF is in the base, what peers decided for it in their logs. Begun after means both by the LRSN the
+    declaration recorded and by the wall clock (LRSN clocks run ahead of the wall clock when a member's did: the
+    declaration cannot see the lost log's highest LRSN). Refused, naming the member and what can be done."""
+    begun = int(base.get("start_lrsn") or base["replay_from"])
+    started_at = _utc(base.get("started_at"))
     for member, lost in sorted(repo.lost_logs().items()):
-        if int(lost["lrsn"]) > replay_from:
+        declared_at = _utc(lost.get("declared_at"))
+        after = begun > int(lost["lrsn"]) and (started_at is None or declared_at is None or started_at > declared_at)
+        if not after:
             raise RestoreError(
                 f"the log of member {member} was declared lost for good on {lost.get('declared_at', '?')} (sqm log "
-                f"lost, LRSN {lost['lrsn']}), and {describe_start(base)}: its records from LRSN {replay_from} on are "
-                f"gone, and the restore would lose what they held; start {structure} COLD ('cfemu pstore start {structure} "
-                f"--mode COLD --confirm {structure}': its messages are lost), or restore from a base taken after the "
-                "loss (--backup ID)")
+                f"lost, LRSN {lost['lrsn']}), and {describe_start(base)}, begun before that: what the lost log held "
+                f"after it began is gone, and the restore would lose it; start {structure} COLD ('cfemu pstore start "
+                f"{structure} --mode COLD --confirm {structure}': its messages are lost), or restore from a backup "
+                "begun after the declaration (--backup ID)")
+
+
+def _utc(iso: Any) -> datetime | None:
+    """An ISO 8601 time as an aware UTC datetime (one without a zone is UTC), or None."""
+    if not iso:
+        return None
+    try:
+        t = datetime.fromisoformat(str(iso))
+    except ValueError:
+        return None
+    return t if t.tzinfo is not None else t.replace(tzinfo=UTC)
 
 
 def refuse_missing_member_logs(admin: Admin, structure: str, what: str, log_root: Path) -> None:
@@ -452,7 +469,7 @@ def refuse_missing_member_logs(admin: Admin, structure: str, what: str, log_root
     log was declared lost is not waited for: its next start begins a new log and backs its units of work out."""
     repo = GroupRepository(log_root)
     try:
-        member_log_dirs(log_root, without_lost_logs(known_members(repo, {}, admin), repo), 0)
+        member_log_dirs(log_root, without_lost_logs(known_members(repo, {}, admin), repo, log_root), 0)
     except RestoreError as e:
         raise RestoreError(f"{what} of {structure} reads every member's log (the commits they logged and had not "
                            f"applied keep their outcome): {e}") from None
@@ -717,7 +734,7 @@ def run_restore(client: redis.Redis, structure: str, *, backup_root: Path, log_r
             raise  # a damaged newest backup is said, not passed over, unless the logs alone are asked for
         found, no_backup = None, e
     manifest = found.manifest if found is not None else {}
-    members = without_lost_logs(known_members(repo, manifest, admin), repo)
+    members = without_lost_logs(known_members(repo, manifest, admin), repo, Path(log_root))
     log_dirs = member_log_dirs(log_root, members, int(manifest.get("replay_from", 0)))
     for log_dir in log_dirs:
         refuse_others_writing(log_dir)

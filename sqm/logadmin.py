@@ -19,6 +19,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+import redis
+
 from cfemu.admin import Admin
 from cfemu.clitools import CLIError, Output, add_settings_arguments, require_url, settings, whole
 from cfemu.connection import connect
@@ -162,6 +164,10 @@ def cmd_lost(args: argparse.Namespace, out: Output) -> int:
     log_dir = log_root / member
     if holds_log(log_dir):
         raise CLIError(f"{log_dir} holds {member}'s log: it is not lost, and the member starts from it")
+    left = _lease_left_ms(args, member)
+    if left is not None:
+        raise CLIError(f"{member} holds a live lease in the CF ({left} ms left): it runs, its log where this host "
+                       "cannot see it, or it died less than a lease ago: stop it, or wait for its lease to lapse")
     # Above every LRSN the group may have logged: the LRSNs of the logs that are left, and the physical clock every
     # LRSN clock starts from. A base whose replay starts below it may need the lost log's records.
     top = max((s.max_lrsn for d in find_log_dirs(log_root) for s in LogReader(d).segments()
@@ -176,13 +182,27 @@ def cmd_lost(args: argparse.Namespace, out: Output) -> int:
     return 0
 
 
+def _lease_left_ms(args: argparse.Namespace, member: str) -> int | None:
+    """What is left of `member`'s lease in the CF (joined, not lapsed), or None: no lease, no CF given, or the CF
+    does not answer (a CF lost is the usual reason to declare a log lost, and no member runs without it)."""
+    url = settings(args).redis_url
+    if not url:
+        return None
+    try:
+        info = Admin(connect(url)).members().get(member)
+    except (redis.exceptions.RedisError, OSError):
+        return None
+    left = int(info.get("lease_ms", -1)) if info is not None else -1
+    return left if left >= 0 else None
+
+
 def add_lost_parser(verbs: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     text = ("declare a member's log lost for good (its volume gone): the member then starts with a new log, and "
             "restores from bases taken before are refused")
     p = verbs.add_parser("lost", help=text, description=text[0].upper() + text[1:] + ".")
     p.add_argument("lost_member", metavar="MEMBER")
     p.add_argument("--confirm", metavar="MEMBER", required=True, help="the member's name again")
-    add_settings_arguments(p, "log_root", "cluster_dir", "cf_dir")
+    add_settings_arguments(p, "redis_url", "log_root", "cluster_dir", "cf_dir")
     p.add_argument("--json", action="store_true", help="JSON instead of a line")
     p.add_argument("-v", "--verbose", action="store_true", help="a traceback with errors")
     p.set_defaults(func=cmd_lost)

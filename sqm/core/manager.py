@@ -146,18 +146,19 @@ class QueueManager(Outcomes, LogSpace):
         anew = begins_anew(self.repository, self.name, self.log_dir)  # before anything is created there
         self.log = RecordLog(self.log_dir, self.name, segment_bytes=self.config.segment_bytes,
                              ring=self.config.log_ring if self.config.log_mode == CIRCULAR else 0)
-        repo_id = self.repository.id
-        if repo_id is not None:  # the log says whose it is: another group's log root never reads it as its own
-            try:
+        try:
+            repo_id = self.repository.id
+            if repo_id is not None:  # the log says whose it is: another group's log root never reads it as its own
                 self.log.stamp_group(repo_id)
-            except BaseException:
-                self.log.close()
-                raise
-        self.log.before_shared_flush = partial(failpoint, "group-force")
-        last = self.log.last_checkpoint()
-        self.relog_passes = relog.last_passes(last[1] if last else None)
-        if self.config.pstore_report is not None and self.store_report is None:
-            self.store_report = StoreReport(Path(self.config.pstore_report), self.name)
+            self.log.before_shared_flush = partial(failpoint, "group-force")
+            last = self.log.last_checkpoint()
+            self.relog_passes = relog.last_passes(last[1] if last else None)
+            if self.config.pstore_report is not None and self.store_report is None:
+                self.store_report = StoreReport(Path(self.config.pstore_report), self.name)
+        except BaseException:
+            self.log.close()
+            self.log = None
+            raise
         try:
             self.repository.record_member(self.name, self.log_dir, began_anew=anew)  # restore reads this log
             if anew:
