@@ -178,7 +178,7 @@ def cmd_lost(args: argparse.Namespace, out: Output) -> int:
     else:
         out.line(f"{member}'s log declared lost for good (LRSN {declared['lrsn']}): its next start begins a new log "
                  f"at {log_dir} and backs its units of work on the CF out; purges and COLD and WARM starts go on "
-                 "without it; a HOT restore from a base taken before now is refused")
+                 "without it; a HOT restore from a base begun before now is refused")
     return 0
 
 
