@@ -29,6 +29,7 @@ QUICKEST: dict[str, list[str]] = {
     "bench_restore.py": ["--quick", "--sizes", "2000:4000", "--calibration-records", "2000"],
     "bench_restore_overlap.py": ["--quick", "--size", "2000:4000"],
     "bench_spark.py": ["--quick", "--sizes", "5000", "--masters", "--workers"],  # the local engine only: no JVM
+    "bench_spark_floor.py": ["--quick", "--engines", "duckdb"],  # no JVM
     "bench_peers.py": ["--quick", "--seconds", "0.5", "--clients", "1", "--client-procs", "1", "--no-install"],
     "bench_uow.py": ["--quick", "--seconds", "0.3"],  # --quick is 1 round; the windows shorter still
     "bench_pubsub.py": ["--quick", "--seconds", "0.2", "--subscribers", "1", "3"],
