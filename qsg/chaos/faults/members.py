@@ -5,6 +5,7 @@ machine."""
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -261,8 +262,7 @@ def log_volume_missing(g: ChaosGroup, f: FaultSpec, step: Step, timeout: float =
     away = g.dir / f"log-volume-{f.n}-{f.target}"
     g.c.kill_manager(f.target, signal.SIGKILL)
     step("killed")
-    log_dir.rename(away)
-    log_dir.mkdir()
+    _empty_into(log_dir, away)
     step(f"{f.target}'s log volume gone, its mount point empty")
     time.sleep(f.hold)  # its lease lapses meanwhile: its peers find no log to recover it from
     ready = g.dir / "run" / f"{f.target}.ready"
@@ -282,13 +282,20 @@ def log_volume_missing(g: ChaosGroup, f: FaultSpec, step: Step, timeout: float =
             proc.kill()
             proc.wait()
         if any(log_dir.iterdir()):  # a log begun without the old one: kept aside for the report
-            log_dir.rename(g.dir / f"log-begun-anew-{f.n}-{f.target}")
-        else:
-            log_dir.rmdir()
-        away.rename(log_dir)
+            _empty_into(log_dir, g.dir / f"log-begun-anew-{f.n}-{f.target}")
+        _empty_into(away, log_dir)
+        away.rmdir()
     step("heal")
     out["restart_s"] = restart(g, f.target, step)
     return out
+
+
+def _empty_into(directory: Path, into: Path) -> None:
+    """Move what `directory` holds into `into` (made if need be), leaving `directory` empty. The directory itself
+    stays: it may be a mount point (the disk-full kind's tmpfs), which cannot be renamed."""
+    into.mkdir(exist_ok=True)
+    for child in list(directory.iterdir()):
+        shutil.move(child, into / child.name)
 
 
 def _volume_gone_for(d: Draw) -> tuple[float, dict[str, Any]]:
