@@ -1,8 +1,8 @@
 """The floor under any Spark plan of restore (BENCHMARKS.md, "spark floor"): the least work every plan of the fold
 must do, run on Spark and on DuckDB over the same records, against the columnar engine's whole plan.
 
-Issue 31 asks Spark's plan of 1M messages (2M log records) on 2 standalone workers to be within 2x of the local
-engine. Whatever its shape, a plan of the fold must read every record, decide each unit of work's outcome from its
+The goal for Spark (BENCHMARKS.md, "restore and backup, newest figures") is its plan of 1M messages (2M log records)
+on 2 standalone workers within 2x of the local engine. Whatever its shape, a plan of the fold must read every record, decide each unit of work's outcome from its
 records (a grouping by UOW id), give every entry's events their outcomes (a join by UOW id), and reduce each
 entry's events to the last decisive one (a grouping by entry id): that is this benchmark's query, with none of the
 fold's rules (carried UOWs, in-doubt, relogs, purges, copies from the backup), so every real plan costs more. If

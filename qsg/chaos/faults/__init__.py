@@ -95,8 +95,11 @@ def schedule(seed: int, kinds: tuple[str, ...], duration: float, managers: list[
     if not kinds:
         return []
     rnd = random.Random(f"faults-{seed}")
-    # A stride coprime with the number of kinds, so that consecutive seeds start at every kind in turn.
-    stride = next(k for k in (3, 5, 7, 11, 13, 1) if math.gcd(k, len(kinds)) == 1)
+    # A stride coprime with the number of kinds, so that consecutive seeds start at every kind in turn; the one
+    # nearest a third of them, so that consecutive seeds start far apart and a few seeds of a few faults each
+    # cover every kind (a kind that fills a run alone, as huge-uow, leaves the one after it to another seed's start).
+    stride = min((k for k in range(1, len(kinds) + 1) if math.gcd(k, len(kinds)) == 1),
+                 key=lambda k: (abs(3 * k - len(kinds)), k))
     start = (seed * stride) % len(kinds)
     order = kinds[start:] + kinds[:start]
     out: list[FaultSpec] = []
