@@ -66,6 +66,7 @@ log = logging.getLogger("cfemu.repository")
 DIRECTORY = "_group"  # under the log root, beside the members' logs (not a log: no manifest.json, no segments)
 FILE = "repository.json"
 LOCK = "lock"
+LOG_MANIFEST = "manifest.json"  # a member log's manifest (sqm.log.format.MANIFEST_NAME): its "group" stamp
 FORMAT = "cfemu-group-repository"
 VERSION = 1
 MIGRATED = "migrated"  # the section of the structures a store migration unloaded
@@ -105,6 +106,7 @@ class GroupRepository:
         try:
             raw = self.path.read_bytes()
         except FileNotFoundError:
+            self.refuse_lost()
             return None
         except OSError as e:
             raise RepositoryError(f"the group repository {self.path} cannot be read: {e}") from None
@@ -120,6 +122,44 @@ class GroupRepository:
         for section in ("structures", "queues", "members"):
             state.setdefault(section, {})
         return state
+
+    def stamped_logs(self) -> dict[str, str]:
+        """Log directory -> the group repository id its manifest is stamped with, for every stamped log under the
+        log root (each member stamps its log at its start: sqm.log.RecordLog.stamp_group; restore stamps its own).
+        The manifest is read here as the JSON it is (<dir>/manifest.json, its "group"): cfemu is below sqm."""
+        out: dict[str, str] = {}
+        try:
+            entries = sorted(self.log_root.iterdir())
+        except (FileNotFoundError, NotADirectoryError):
+            return out
+        for d in entries:
+            if d.name == DIRECTORY:
+                continue
+            try:
+                manifest = json.loads((d / LOG_MANIFEST).read_bytes())
+            except (OSError, ValueError):
+                continue  # not a log, or one the log's own readers will name
+            if isinstance(manifest, dict) and manifest.get("group"):
+                out[d.name] = str(manifest["group"])
+        return out
+
+    def refuse_lost(self) -> None:
+        """RepositoryError when there is no repository and the logs under the log root are stamped with one's id:
+        the group had a repository and it was deleted (or its volume is not mounted). Going on would make a new,
+        empty one, forgetting the group's members, definitions, declared lost logs and migrated structures, and
+        every member's start would then be refused (its log "of another group")."""
+        if self.path.exists():
+            return
+        stamped = self.stamped_logs()
+        if not stamped:
+            return  # a new group (or one from before logs were stamped): the repository is made when first written
+        ids = sorted(set(stamped.values()), key=lambda i: -list(stamped.values()).count(i))
+        logs = ", ".join(sorted(stamped))
+        raise RepositoryError(
+            f"the group repository {self.path} is missing, and the logs under {self.log_root} ({logs}) are stamped "
+            f"with its id {' or '.join(ids)}: it was deleted or its volume is not mounted; a new one would forget "
+            f"the group's members, definitions and declared lost logs, so nothing was changed: put it back from a "
+            f"copy (owner-only) and run again")
 
     @property
     def id(self) -> str | None:
@@ -140,6 +180,7 @@ class GroupRepository:
     def update(self, change: Callable[[State], None]) -> State:
         """Read, change and durably replace the repository under its lock (created when missing; not rewritten
         when the change changed nothing)."""
+        self.refuse_lost()  # before _locked makes the directory: a refused write leaves nothing behind
         with self._locked():
             old = self.load()
             state = json.loads(json.dumps(old)) if old else {
