@@ -121,6 +121,15 @@ class GroupRepository:
                                   f"version reads {VERSION}")
         for section in ("structures", "queues", "members"):
             state.setdefault(section, {})
+        for section in ("structures", "queues", "members", MIGRATED, LOADED, UOW_DEFAULTS):
+            value = state.get(section)
+            if not isinstance(value, dict) and (value is not None or section in ("structures", "queues", "members")):
+                raise RepositoryError(f"the group repository {self.path} is damaged: its {section!r} is "
+                                      f"{type(value).__name__}, not an object; put it back from a copy")
+        for member, rec in state["members"].items():  # restore reads every member's log by them: none passed over
+            if not isinstance(rec, dict):
+                raise RepositoryError(f"the group repository {self.path} is damaged: its 'members' entry {member!r} "
+                                      f"is {type(rec).__name__}, not an object; put it back from a copy")
         return state
 
     def stamped_logs(self) -> dict[str, str]:
@@ -207,7 +216,8 @@ class GroupRepository:
     def _record(self, section: str, name: str, definition: dict[str, Any], lrsn: int) -> None:
         """A definition of ``section``; a replaced one keeps the LRSN and the time it was first defined."""
         def change(state: State) -> None:
-            old = state[section].get(name) or {}
+            old = state[section].get(name)
+            old = old if isinstance(old, dict) else {}  # a malformed one (edited by hand) is defined again over
             state[section][name] = {**definition, "lrsn": int(old.get("lrsn", lrsn)),
                                     "defined_at": old.get("defined_at", _iso()), "updated_at": _iso()}
         self.update(change)
@@ -262,7 +272,11 @@ class GroupRepository:
         rec = ((self.load() or {}).get("structures") or {}).get(name)
         if rec is None:
             return None
-        return _structure_def(name, rec), int(rec["lrsn"])
+        try:
+            lrsn = int(rec["lrsn"])
+        except (ValueError, TypeError, KeyError):  # malformed (edited by hand): unknown, as adopt's, read from 0
+            lrsn = 0
+        return _structure_def(name, rec), lrsn
 
     def structures(self) -> dict[str, StructureDef]:
         """Every structure the repository defines, by name (an entry written before RECAUTO existed reads as on)."""
@@ -274,10 +288,10 @@ class GroupRepository:
         passed over with a warning, so that it cannot stop every member's start."""
         out = []
         for name, rec in ((self.load() or {}).get("queues") or {}).items():
-            if structure is None or rec.get("structure") == structure:
+            if structure is None or (isinstance(rec, dict) and rec.get("structure") == structure):
                 try:
                     out.append(QueueDef.from_dict(rec))
-                except (ValueError, TypeError, KeyError) as e:
+                except (ValueError, TypeError, KeyError, AttributeError) as e:
                     log.warning("group repository: the definition of queue %s is malformed (%s): passed over; "
                                 "define it again", name, e)
         return sorted(out, key=lambda q: q.name)
@@ -396,7 +410,7 @@ def _structure_def(name: str, rec: Mapping[str, Any]) -> StructureDef:
     except (ValueError, TypeError, KeyError) as e:
         log.warning("group repository: the definition of structure %s is malformed (%s): read as unlimited; "
                     "'cfemu alter structure %s' sets it again", name, e, name)
-        return StructureDef(name, recauto=bool(rec.get("recauto", True)))
+        return StructureDef(name, recauto=bool(rec.get("recauto", True)) if isinstance(rec, Mapping) else True)
 
 
 def redefine_survivors(admin: Admin, repo: GroupRepository) -> list[str]:
