@@ -508,6 +508,9 @@ def changed_since(seen: Seen, now: Seen) -> NotOwnerError | None:
     if now.cf != seen.cf:
         return CFReplacedError(f"the CF is another server now (run id {seen.cf[:12]} when the restore started, "
                                f"{now.cf[:12]} now): it was restarted")
+    if now.gen != seen.gen and now.state == "RECOVERING":  # a restore or a purge defined it again, not finished
+        return NotOwnerError(f"another restore or a purge took the structure over since this one started and has "
+                             f"not finished (now RECOVERING, generation {now.gen})")
     if now.gen != seen.gen or (now.state == "ACTIVE" and seen.state != "ACTIVE"):
         by = "another restore restored" if now.restored_from else "a purge emptied"
         return NotOwnerError(f"{by} the structure since this one started (now {now.state or 'gone'}, generation "
