@@ -381,6 +381,10 @@ def open_group_repository(admin: Admin, log_root: str | os.PathLike[str], *, who
         redefine_survivors(admin, repo)
         repo.adopt(admin.structures(), admin.queues())  # definitions made without the repository
         _sync_uow_defaults(admin, repo)
+    elif mine is None and Path(recorded["path"]).absolute() == repo.path:
+        raise RepositoryError(
+            f"{who}: the group repository {repo.path} is missing, and the CF records it there as the group's (id "
+            f"{recorded['id']}): it was deleted or its volume is not mounted; put it back from a copy and run again")
     else:
         raise RepositoryError(
             f"{who}: the log root {repo.log_root} is not the group's: the CF records the group's repository at "

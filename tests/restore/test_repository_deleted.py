@@ -97,3 +97,16 @@ def test_a_new_group_on_an_empty_log_root_still_makes_its_repository(redis_url: 
     define_group(redis_url, queues=("Q1",))
     start_qm(redis_url, logs, "QM1", background=False).stop()
     assert GroupRepository(logs).id
+
+
+def test_a_define_says_the_repository_the_cf_records_at_this_path_is_missing(redis_url: str, tmp_path: Path) -> None:
+    """No log stamped yet (only defines so far): the CF's record of the repository at this very path says it."""
+    logs, backups = tmp_path / "logs", tmp_path / "backups"
+    env = settings_env(redis_url, logs, backups)
+    assert tool("qsg.cli", "define", "structure", "APP1", env=env).returncode == 0
+    (logs / "_group" / "repository.json").unlink()
+    r = tool("qsg.cli", "define", "queue", "Q1", "--structure", "APP1", env=env)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert f"the group repository {logs}/_group/repository.json is missing, and the CF records it there" in r.stderr
+    assert "is not the group's" not in r.stderr
+    assert not (logs / "_group" / "repository.json").exists()
