@@ -50,7 +50,7 @@ from sqm.core.failpoints import failpoint
 from sqm.core.hooks import Hooks
 from sqm.core.logspace import LogSpace
 from sqm.core.outcomes import Outcomes
-from sqm.core.own_log import begins_anew
+from sqm.core.own_log import begins_anew, join_info, refuse_live_elsewhere
 from sqm.core.recauto import StructureRecovery
 from sqm.core.records import INBACKOUT, INCOMMIT, INDOUBT, INFLIGHT, Record
 from sqm.core.recovery import recover_peers, restart
@@ -160,12 +160,13 @@ class QueueManager(Outcomes, LogSpace):
             self.log = None
             raise
         try:
+            # Before anything of this start is recorded: another incarnation that runs is not fenced by it.
+            refuse_live_elsewhere(self.admin.members(), self.name, self.log_dir)
             self.repository.record_member(self.name, self.log_dir, began_anew=anew)  # restore reads this log
             if anew:
                 log.warning("%s: its log was declared lost; a new log begins at %s (its units of work on "
                             "the CF are backed out by this restart)", self.name, self.log_dir)
-            self.caller.epoch = self.admin.join(self.name, {"pid": os.getpid(), "log": str(self.log_dir)},
-                                                self.config.lease_ms)
+            self.caller.epoch = self.admin.join(self.name, join_info(self.log_dir, os.getpid()), self.config.lease_ms)
             self.running = True
             # The lease is renewed from the join on: restart recovery, its checkpoint and relog pass may take
             # longer than the lease, and a member that stopped renewing meanwhile was fenced by a peer as soon as
@@ -446,7 +447,7 @@ class QueueManager(Outcomes, LogSpace):
                 raise FencedError(f"queue manager {self.name} was fenced by peer recovery; restart it")
             if rc < 0:  # the CF was lost and rebuilt: join the group again, with a higher epoch
                 self._reclaim_repository()
-                self.caller.epoch = admin.join(self.name, {"pid": os.getpid(), "log": str(self.log_dir),
+                self.caller.epoch = admin.join(self.name, {**join_info(self.log_dir, os.getpid()),
                                                            "min_epoch": self.caller.epoch + 1},
                                                self.config.lease_ms)
                 self._queue_cache.clear()

@@ -10,14 +10,48 @@ new log, and restore refuses the bases that needed the old one."""
 
 from __future__ import annotations
 
+import socket
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from cfemu.repository import LOG_LOST, GroupRepository, RepositoryError
 from sqm.log import holds_log
 
+HOST = socket.gethostname()  # in the member's join info: where an incarnation runs
+
 
 class OwnLogMissingError(RepositoryError):
     """The group knows this member's log, and its log directory holds none."""
+
+
+class RunsElsewhereError(RepositoryError):
+    """Another incarnation of this member holds a live lease, on another host or from another log."""
+
+
+def refuse_live_elsewhere(members: Mapping[str, Mapping[str, Any]], member: str, log_dir: Path) -> None:
+    """RunsElsewhereError when the CF lists `member` with a live lease joined from another host, or from another log
+    directory: a copy of its log volume (a snapshot restored on a standby host, a shared volume whose locks do not
+    cross hosts) that the log's writer lock cannot see. Let in, its join would fence the running incarnation and its
+    restart back out, from the stale copy, units of work that one is committing: two histories for one member. On
+    the same host and log, the writer lock held for this start says the previous incarnation is gone, and its lease
+    is only left to lapse. members: the CF's (cfemu.admin.Admin.members)."""
+    info = members.get(member)
+    if info is None or int(info.get("lease_ms", -1)) < 0:
+        return
+    host, log = str(info.get("host") or HOST), str(info.get("log") or "")
+    if host == HOST and (not log or Path(log).absolute() == log_dir.absolute()):
+        return
+    raise RunsElsewhereError(
+        f"{member}: another incarnation holds a live lease in the CF ({info.get('lease_ms')} ms left), joined from "
+        f"host {host} (pid {info.get('pid', '?')}) with its log at {log or '?'}, not this one's {HOST}:{log_dir}: it "
+        "may be running there, and this start would fence it; stop it, or wait for its lease to lapse and start "
+        "again")
+
+
+def join_info(log_dir: Path, pid: int) -> dict[str, Any]:
+    """What a member's join records of where it runs (refuse_live_elsewhere reads it)."""
+    return {"pid": pid, "log": str(log_dir), "host": HOST}
 
 
 def begins_anew(repo: GroupRepository, member: str, log_dir: Path) -> bool:
@@ -40,4 +74,4 @@ def begins_anew(repo: GroupRepository, member: str, log_dir: Path) -> bool:
         "again (a new log begins; its units of work on the CF are backed out)")
 
 
-__all__ = ["OwnLogMissingError", "begins_anew"]
+__all__ = ["HOST", "OwnLogMissingError", "RunsElsewhereError", "begins_anew", "join_info", "refuse_live_elsewhere"]
