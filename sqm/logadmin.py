@@ -71,18 +71,39 @@ def cmd_status(args: argparse.Namespace, out: Output) -> int:
     admin, log_root = _admin(args)
     rows: list[dict[str, Any]] = []
     members = []
-    for d in _dirs(args, log_root):
+    lost = [{"member": m, **rec} for m, rec in sorted(GroupRepository(log_root).lost_logs().items())
+            if not args.member or m == args.member]
+    try:
+        dirs = _dirs(args, log_root)
+    except CLIError:
+        if not lost:  # no log at all, and none declared lost: the log root is the wrong one
+            raise
+        dirs = []
+    for d in dirs:
         ret = log_retention(d, admin, log_root)
         members.append({"member": ret.member, "needed_from_lrsn": ret.lrsn, "unknown": ret.unknown,
                         "needs": [{"kind": n.kind, "lrsn": n.lrsn, "why": n.why} for n in ret.needs]})
         rows += segment_rows(d, ret)
     if out.as_json:
-        out.json({"log_root": str(log_root), "members": members, "segments": rows})
+        out.json({"log_root": str(log_root), "members": members, "segments": rows, "lost_logs": lost})
         return 0
     out.table(f"log segments under {log_root}", ["member", "segment", "LRSN range", "records", "state", "kept for"],
               [[r["member"], r["segment"], f"{r['min_lrsn']}..{r['max_lrsn']}" if r["records"] else "empty",
                 r["records"], r["state"], "; ".join(r["kept_for"]) or "-"] for r in rows])
+    if lost:
+        out.table("logs declared lost for good (sqm log lost): a HOT restore from a base begun before is refused",
+                  ["member", "declared", "LRSN", "since"],
+                  [[r["member"], r.get("declared_at", "?"), r.get("lrsn", "?"), _since(r)] for r in lost])
     return 0
+
+
+def _since(lost: dict[str, Any]) -> str:
+    """What a member whose log was declared lost did since (GroupRepository.record_member)."""
+    if lost.get("pending"):
+        return "no log yet: purges, COLD and WARM starts go on without it"
+    if lost.get("new_log_at"):
+        return f"a new log begun {lost['new_log_at']}"
+    return f"its log back {lost.get('log_back_at', '?')}"
 
 
 def _open_stopped(d: Path) -> RecordLog:

@@ -123,9 +123,14 @@ def test_a_member_declared_lost_begins_a_new_log_and_backs_its_work_out(
     assert r.returncode == 0, r.stderr
     declared = json.loads(r.stdout)
     assert declared["member"] == "QM1" and declared["pending"] is True and declared["lrsn"] > 0
+    status = tool("sqm.cli", "log", "status", "--json", env=env)
+    assert status.returncode == 0, status.stderr
+    assert [(x["member"], x["pending"]) for x in json.loads(status.stdout)["lost_logs"]] == [("QM1", True)]
     assert _bodies(fresh_redis.url, logs) == [b"kept"]  # a new log: the unit of work it cannot decide is backed out
     lost = GroupRepository(logs).lost_logs()["QM1"]
     assert lost["pending"] is False and lost["lrsn"] == declared["lrsn"]
+    shown = tool("sqm.cli", "log", "status", env=env)
+    assert shown.returncode == 0 and "declared lost for good" in shown.stdout and "a new log begun" in shown.stdout
     shutil.rmtree(logs / "QM1")  # lost again: the old declaration does not let it begin anew by itself
     with pytest.raises(OwnLogMissingError):
         start_qm(fresh_redis.url, logs, "QM1", background=False)
