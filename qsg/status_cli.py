@@ -115,7 +115,7 @@ def gather_status(admin: Admin, root: Path) -> dict[str, Any]:
         except (LogFormatError, OSError) as e:
             log_range = {"error": str(e)}
         members.append({"name": name, "epoch": m.get("epoch"), "lease_ms": m.get("lease_ms"), "pid": m.get("pid"),
-                        "log": str(log_dir), "log_range": log_range, "uows": uows_by_member.get(name, 0)})
+                        "host": m.get("host"), "log": str(log_dir), "log_range": log_range, "uows": uows_by_member.get(name, 0)})
     bad_records += [f"{where}[{field!r}] skipped: {why}" for (where, field), why in sorted(admin.bad_entries.items())]
     for qname, q in qdefs.items():
         if not any(x["name"] == qname for x in queues):
@@ -221,8 +221,9 @@ def cmd_status(args: argparse.Namespace, out: Output) -> int:
     out.table("queues", ["queue", "structure", "UP", "CP", "UG", "EX", "backout threshold", "backout queue"],
               [(q["name"], q["structure"], *((q["depth"] or {}).get(st) for st in ("UP", "CP", "UG", "EX")),
                 q["backout_threshold"] or "-", q["backout_queue"] or "-") for q in doc["queues"]])
-    out.table("members", ["SQM", "lease", "epoch", "pid", "log LRSN range", "log records", "UOWs"],
-              [(m["name"], f"{m['lease_ms']} ms" if (m["lease_ms"] or -1) >= 0 else "lapsed", m["epoch"], m["pid"],
+    out.table("members", ["SQM", "lease", "epoch", "host", "pid", "log LRSN range", "log records", "UOWs"],
+              [(m["name"], f"{m['lease_ms']} ms" if (m["lease_ms"] or -1) >= 0 else "lapsed", m["epoch"],
+                m["host"] or "-", m["pid"],
                 f"{m['log_range'].get('first_lrsn')}..{m['log_range'].get('last_lrsn')}"
                 if "error" not in m["log_range"] else m["log_range"]["error"],
                 m["log_range"].get("records"), m["uows"]) for m in doc["members"]])

@@ -9,6 +9,7 @@ and log (a restart after kill -9, the writer lock held) it goes on at once. Real
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -55,3 +56,17 @@ def test_another_host_with_the_same_log_path_is_refused_and_a_restart_here_is_no
         start_qm(redis_url, logs, "QM1", background=False, lease_ms=60_000)
     monkeypatch.undo()
     start_qm(redis_url, logs, "QM1", background=False, lease_ms=60_000).stop()  # the lease still live: goes on
+
+
+def test_the_host_a_member_runs_on_is_in_its_join_and_in_cfemu_status(redis_url: str, tmp_path: Path) -> None:
+    """Where each member runs is what the operator reads first when a start is refused: cfemu status shows it."""
+    from qsg.status_cli import gather_status
+
+    define_group(redis_url, queues=("Q1",))
+    qm = start_qm(redis_url, tmp_path / "logs", "QM1", background=False)
+    try:
+        assert Admin(qm.redis).members()["QM1"]["host"] == own_log.HOST
+        (member,) = gather_status(Admin(qm.redis), tmp_path / "logs")["members"]
+        assert (member["name"], member["host"], member["pid"]) == ("QM1", own_log.HOST, os.getpid())
+    finally:
+        qm.stop()
