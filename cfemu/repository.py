@@ -50,6 +50,7 @@ import logging
 import os
 import secrets
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict
 from datetime import UTC, datetime
@@ -162,7 +163,7 @@ class GroupRepository:
         stamped = self.stamped_logs()
         if not stamped:
             return  # a new group (or one from before logs were stamped): the repository is made when first written
-        ids = sorted(set(stamped.values()), key=lambda i: -list(stamped.values()).count(i))
+        ids = [i for i, _ in Counter(stamped.values()).most_common()]  # the most logs' id first
         logs = ", ".join(sorted(stamped))
         raise RepositoryError(
             f"the group repository {self.path} is missing, and the logs under {self.log_root} ({logs}) are stamped "
@@ -251,8 +252,9 @@ class GroupRepository:
 
     def declare_log_lost(self, member: str, lrsn: int) -> dict[str, Any]:
         """Record that `member`'s log is lost for good (sqm log lost): its next start begins a new log, purges and
-        COLD and WARM starts go on without it, and a restore refuses every base whose replay starts below `lrsn`
-        (what the lost log held from there on is gone). RepositoryError when the group has no such member."""
+        COLD and WARM starts go on without it, and a restore refuses every base begun before the declaration, by
+        `lrsn` and by the time it records (restore.run.refuse_lost_logs). RepositoryError when the group has no
+        such member."""
         # to the microsecond: restore compares it with the times backups began (restore.run.refuse_lost_logs)
         declared: dict[str, Any] = {"declared_at": datetime.now(UTC).isoformat(timespec="microseconds"),
                                     "lrsn": int(lrsn), "pending": True}
