@@ -244,9 +244,12 @@ class _Readers:
 
 
 # ------------------------------------------------------------------------------------------------ the plan
-# Each statement is one step of the reference; $-names are bound by _run. Tables: recs (a record a row, `seq` its
-# place in the merged log), ev (entry id a record names), descs (a descriptor a row: "B" a backup copy, "P" a put's,
-# "R" a relog copy, "D" a copy an outcome record carries), base_uows (plan.Base.carried).
+# Each statement is one step of the reference; $-names are bound by _run. Tables: r (a record a row, `seq` its place
+# in the merged log), eev (an entry a record names, with the record), descs (a descriptor a row, where the readers
+# put it: a backup's copy, "B" where the fold names its source; the one an entry record carries, a put's "P" or a
+# relog copy's "R"; a copy an outcome record carries, "D"), base_uows (plan.Base.carried). A descriptor is found by
+# its record's rid alone, but for a "D": an outcome record may carry several (the fold's states name theirs by
+# source label, rid and entry id).
 
 # An entry's state before any event (the fold's start): its best copy b (or none), of which a copy that is expired
 # is not folded.
@@ -280,25 +283,29 @@ FROM (
   LEFT JOIN (SELECT rid, g FROM raw_ss WHERE s = $S) sg USING (rid)
   WHERE (kd.role = 'entry' AND x.mine) OR kd.role = 'outcome');
 DROP TABLE raw_recs;
-CREATE TABLE ev AS
-SELECT DISTINCT e.rid, e.eid FROM raw_ev e JOIN r USING (rid)
+-- the records on each entry (plan_local's by_entry; `kept` as r says: an outcome record not kept still counts for
+-- the entries a decision's records carry, odata below), each entry a record names once: a record names an entry
+-- once where it names it by its descriptor ("e") or "i", and a list ("ids", "dd") may name one twice
+DELETE FROM raw_ev WHERE src IN ($SRC_IDS, $SRC_DD) AND rowid NOT IN (
+  SELECT min(rowid) FROM raw_ev WHERE src IN ($SRC_IDS, $SRC_DD) GROUP BY rid, src, eid, dds);
+CREATE TABLE eev AS
+SELECT e.eid, r.rid, r.l, r.k, r.role, r.u, r.rank, r.copy, r.carries, r.kept FROM raw_ev e JOIN r USING (rid)
 WHERE (r.role = 'entry' AND e.src = r.idsrc) OR (r.role = 'outcome' AND e.src = $SRC_DD AND e.dds = $S);
 -- (an entry record's structure is $S: r keeps no other)
-CREATE TABLE descs AS
-SELECT 'B' AS src, rid, eid, s, q, p, exp, st, u, l, o1, o2, bc, f, boff, blen, doff, dlen
-FROM raw_descs WHERE src = $SRC_BACKUP
-UNION ALL
-SELECT CASE WHEN r.copy THEN 'R' ELSE 'P' END, d.rid, d.eid, $S, d.q, d.p, d.exp, d.st, d.u, d.l, d.o1, d.o2,
-       d.bc, d.f, d.boff, d.blen, d.doff, d.dlen
-FROM raw_descs d JOIN r USING (rid)
-WHERE d.src = $SRC_E AND r.role = 'entry' AND r.descsrc = $SRC_E
-UNION ALL
-SELECT 'D', rid, eid, s, q, p, exp, st, u, l, o1, o2, bc, f, boff, blen, doff, dlen FROM (
-  SELECT d.*, row_number() OVER (PARTITION BY d.rid, d.eid ORDER BY d.pos DESC) AS rn
-  FROM raw_descs d JOIN r USING (rid) WHERE d.src = $SRC_DD AND d.s = $S AND r.role = 'outcome')
-WHERE rn = 1;
+-- the descriptors, where the readers put them (their src: $SRC_BACKUP a backup's copy "B", $SRC_E the one an
+-- entry record carries, a put's "P" or a relog copy's "R", $SRC_DD a copy an outcome record carries "D"), less
+-- those no statement reads: an entry record's of another structure, and of an outcome record's copies those of
+-- another structure and all but the last it carries of each entry; named by their labels where they are read
+DELETE FROM raw_descs
+WHERE src = $SRC_E AND rid NOT IN (SELECT rid FROM r WHERE role = 'entry' AND descsrc = $SRC_E);
+CREATE TABLE dkeep AS
+SELECT d.rid, d.eid, max(d.pos) AS pos FROM raw_descs d JOIN r USING (rid)
+WHERE d.src = $SRC_DD AND d.s = $S AND r.role = 'outcome' GROUP BY d.rid, d.eid;
+DELETE FROM raw_descs d WHERE d.src = $SRC_DD AND NOT EXISTS (
+  SELECT 1 FROM dkeep k WHERE k.rid = d.rid AND k.eid = d.eid AND k.pos = d.pos);
+DROP TABLE dkeep;
+ALTER TABLE raw_descs RENAME TO descs;
 DROP TABLE raw_ev;
-DROP TABLE raw_descs;
 
 -- the UOWs a relog copy of this incarnation shows holding an entry: their older outcome records count
 CREATE TABLE holders AS SELECT DISTINCT holder AS u FROM r WHERE kept AND holder <> '';
@@ -348,27 +355,23 @@ SELECT u, eid, rid FROM (
   SELECT *, row_number() OVER (PARTITION BY u, eid ORDER BY grp, l, dby, ord) AS rn FROM (
     SELECT o.u, e.eid, o.rid, CASE WHEN o.outranks THEN 1 ELSE 0 END AS grp, o.l, coalesce(o.dby, '') AS dby,
            o.seq AS ord
-    FROM orecs o JOIN oa USING (u) JOIN ev e ON e.rid = o.rid
+    FROM orecs o JOIN oa USING (u) JOIN eev e ON e.rid = o.rid
     WHERE o.dec = oa.kind AND (o.outranks OR o.l < oa.fl)
     UNION ALL
     SELECT o.u, e.eid, o.rid, 0, 0, '', -o.seq
-    FROM own o JOIN ob USING (u) JOIN ev e ON e.rid = o.rid WHERE o.seq > ob.b))
+    FROM own o JOIN ob USING (u) JOIN eev e ON e.rid = o.rid WHERE o.seq > ob.b))
 WHERE rn = 1;
 -- (each table is dropped after the last statement that reads it: DuckDB's share of a small memory limit goes to
 -- the statements that follow rather than to spilling what no statement reads again)
 DROP TABLE holders; DROP TABLE firsts; DROP TABLE oa; DROP TABLE own; DROP TABLE lastrec; DROP TABLE ob;
 DROP TABLE structs; DROP TABLE orecs;
 
--- the records on each entry (plan_local's by_entry), and every entry (copied or named)
-CREATE TABLE eev AS
-SELECT e.eid, r.rid, r.l, r.k, r.role, r.u, r.rank, r.copy, r.carries
-FROM ev e JOIN r USING (rid) WHERE r.kept;
+DELETE FROM eev WHERE NOT kept;
 -- the records and their entry ids are not read past here: their memory goes to the statements that follow
 CREATE TABLE members AS
 SELECT m, sum(n)::BIGINT AS n FROM (SELECT m, count(*) AS n FROM r WHERE kept GROUP BY m UNION ALL SELECT m, n FROM ends)
 GROUP BY m;
 DROP TABLE ends;
-DROP TABLE ev;
 DROP TABLE r;
 -- (with what quick asks of each: how many records name it and how many backup copies it has, and of the one
 -- record that may be its only one, the rid, kind, UOW, LRSN, and whether it is a PUT, GET or EXPIRE rather than a
@@ -379,7 +382,7 @@ SELECT eid, row_number() OVER () AS eix, count(rid) AS nrec, count(*) - count(ri
 FROM (
   SELECT eid, NULL::BIGINT AS rid, NULL::VARCHAR AS k, NULL::VARCHAR AS u, NULL::BIGINT AS l,
          NULL::BOOLEAN AS plain
-  FROM descs WHERE src = 'B'
+  FROM descs WHERE src = $SRC_BACKUP
   UNION ALL
   SELECT eid, rid, k, u, l, role = 'entry' AND NOT copy FROM eev)
 GROUP BY eid;
@@ -387,10 +390,10 @@ GROUP BY eid;
 CREATE TABLE best AS
 SELECT eid, src, rid, st, u, l, o1, o2, bc FROM (
   SELECT *, row_number() OVER (PARTITION BY eid ORDER BY l DESC, grp, ord) AS rn FROM (
-    SELECT eid, src, rid, st, u, l, o1, o2, bc, 0 AS grp, rid AS ord FROM descs WHERE src = 'B'
+    SELECT eid, 'B' AS src, rid, st, u, l, o1, o2, bc, 0 AS grp, rid AS ord FROM descs WHERE src = $SRC_BACKUP
     UNION ALL
-    SELECT d.eid, d.src, d.rid, d.st, d.u, d.l, d.o1, d.o2, d.bc, 1, e.l::HUGEINT * 18446744073709551616 + e.rid
-    FROM eev e JOIN descs d ON d.src = 'R' AND d.rid = e.rid AND d.eid = e.eid WHERE e.copy))
+    SELECT d.eid, 'R', d.rid, d.st, d.u, d.l, d.o1, d.o2, d.bc, 1, e.l::HUGEINT * 18446744073709551616 + e.rid
+    FROM eev e JOIN descs d ON d.src = $SRC_E AND d.rid = e.rid AND d.eid = e.eid WHERE e.copy))
 WHERE rn = 1;
 -- the UOWs each entry's fold needs (settle.uows_named), and the highest LRSN of each one's operations on it
 CREATE TABLE named AS
@@ -444,10 +447,10 @@ DROP TABLE ents;
 CREATE TABLE folds AS SELECT eix, eid FROM slow ANTI JOIN (SELECT eid FROM best WHERE st = 'EX') USING (eid);
 CREATE TABLE evd AS
 SELECT f.eix, e.eid, e.l AS pos, e.rank, e.rid AS tie, e.k::VARCHAR AS kind, e.u AS eu, NULL::VARCHAR AS ok,
-       d.src AS d_src, d.rid AS d_rid, d.st AS d_st, d.u AS d_u, d.l AS d_l, d.o1 AS d_o1, d.o2 AS d_o2,
-       d.bc AS d_bc
+       CASE WHEN d.rid IS NOT NULL THEN 'P' END AS d_src, d.rid AS d_rid, d.st AS d_st, d.u AS d_u, d.l AS d_l,
+       d.o1 AS d_o1, d.o2 AS d_o2, d.bc AS d_bc
 FROM eev e JOIN folds f USING (eid)
-LEFT JOIN descs d ON e.k = 'PUT' AND d.src = 'P' AND d.rid = e.rid AND d.eid = e.eid
+LEFT JOIN descs d ON e.k = 'PUT' AND d.src = $SRC_E AND d.rid = e.rid AND d.eid = e.eid
 WHERE e.role = 'entry' AND NOT e.copy;
 DROP TABLE eev;
 CREATE TABLE evo AS
@@ -456,9 +459,10 @@ SELECT f.eix, n.eid, CASE WHEN o.lrsn > coalesce(n.top, 0) THEN o.lrsn ELSE coal
 FROM named n JOIN folds f USING (eid) JOIN outc o USING (u) WHERE o.kind <> 'D';
 DROP TABLE named;
 INSERT INTO evd
-SELECT x.eix, x.eid, x.pos, $OUTCOME_RANK, NULL, 'O', x.u, x.kind, d.src, d.rid, d.st, d.u, d.l, d.o1, d.o2, d.bc
+SELECT x.eix, x.eid, x.pos, $OUTCOME_RANK, NULL, 'O', x.u, x.kind, CASE WHEN d.rid IS NOT NULL THEN 'D' END, d.rid,
+       d.st, d.u, d.l, d.o1, d.o2, d.bc
 FROM evo x LEFT JOIN odata od ON x.kind = 'B' AND od.u = x.u AND od.eid = x.eid
-LEFT JOIN descs d ON d.src = 'D' AND d.rid = od.rid AND d.eid = x.eid;
+LEFT JOIN descs d ON d.src = $SRC_DD AND d.rid = od.rid AND d.eid = x.eid;
 DROP TABLE evo;
 CREATE TABLE evs AS
 SELECT eix, row_number() OVER (PARTITION BY eix ORDER BY pos, rank, tie, eu) AS ord, * EXCLUDE (eix) FROM evd;
@@ -595,7 +599,8 @@ FINAL_SQL = """
 -- (with where its base descriptor and data are, and for a committed put quick folded its put's backout count, its
 -- descriptor's, read here)
 CREATE TABLE fin AS
-SELECT f.eix, f.eid, f.st, f.u, f.l, f.o1, f.o2, coalesce(f.bc, d.bc) AS bc, f.src, f.rid, f.mask, d.s, d.q, d.p,
+SELECT f.eix, f.eid, f.st, f.u, f.l, f.o1, f.o2, coalesce(f.bc, d.bc) AS bc, f.src, f.rid, f.mask,
+  coalesce(d.s, $S) AS s, d.q, d.p,
   d.f, d.boff, d.blen, d.doff, d.dlen,
   CASE WHEN f.st IS NULL THEN f.fate
        WHEN f.ord = 0 AND f.st = 'EX' THEN 'expired'
@@ -605,11 +610,11 @@ SELECT f.eix, f.eid, f.st, f.u, f.l, f.o1, f.o2, coalesce(f.bc, d.bc) AS bc, f.s
        ELSE 'restored' END AS disp
 FROM (SELECT * FROM quick UNION ALL BY NAME SELECT * FROM still
       UNION ALL BY NAME SELECT f.*, t.eid FROM folded f JOIN touched t USING (eix)) f
-LEFT JOIN descs d ON d.src = f.src AND d.rid = f.rid AND d.eid = f.eid;
+LEFT JOIN descs d ON d.rid = f.rid AND (f.src <> 'D' OR d.eid = f.eid);
 DROP TABLE quick; DROP TABLE still; DROP TABLE folded; DROP TABLE starts; DROP TABLE touched; DROP TABLE evs;
 DROP TABLE IF EXISTS evs_range; DROP TABLE IF EXISTS fs;
 -- of the descriptors, the plan's outcomes (SqlOutcomes) read those outcome records carry ("D") from here on
-CREATE TABLE carried AS SELECT * FROM descs WHERE src = 'D';
+CREATE TABLE carried AS SELECT 'D' AS src, * EXCLUDE (src) FROM descs WHERE src = $SRC_DD;
 DROP TABLE descs;
 ALTER TABLE carried RENAME TO descs;
 """
@@ -1057,7 +1062,7 @@ def _run(con: duckdb.DuckDBPyConnection, spill: SpillDir, structure: str, base: 
     timings: dict[str, float] = {}
     params = {"G": base.gen, "R": restore_lrsn, "NOW": now_ms, "OUTCOME_RANK": OUTCOME_RANK,
               "CONTROL_SUFFIX": CONTROL_SUFFIX, "ST": ST, "U": U, "L": L, "O1": O1, "O2": O2, "BC": BC,
-              "S": structure, "SRC_E": SRC_E, "SRC_DD": SRC_DD, "SRC_BACKUP": SRC_BACKUP}
+              "S": structure, "SRC_E": SRC_E, "SRC_IDS": SRC_IDS, "SRC_DD": SRC_DD, "SRC_BACKUP": SRC_BACKUP}
     _execute(con, _bind(PLAN_SQL, params), timings)
     touched = con.execute("SELECT count(*), coalesce(max(eix), 0) FROM touched").fetchone() or (0, 0)
     step = max(1, int(touched[1]) * fold_rows // max(1, int(touched[0]))) if touched[0] else 1
