@@ -76,6 +76,11 @@ MEMBERS = ("QM1", "QM2", "QM3")
 QUEUES = ("Q0", "Q1", "Q2", "Q3")
 REPLAY_FROM = 10_000_000
 NOW_MS = 1_700_000_000_000
+# Ids shaped as the product makes them, since their length is what the plan's tables hold and compare: an entry's
+# id 12 random bytes in hex, a message id 24 (sqm.core.connection), a UOW's id its member, its epoch (the time it
+# joined, ms) in hex and a sequence number (sqm.core.manager.new_uow). Here a number times an odd constant, modulo
+# the id's width: a different id for every number, that looks random.
+ID_MIX = 0x9E3779B97F4A7C15F39CC0605CEDC835
 RESULTS = ROOT / "bench" / "results" / "restore.jsonl"
 PUT_SHARE, PUT_BACKOUT, GET_BACKOUT = 0.68, 0.03, 0.05
 # Per UOW: 2.5 operations on average, then COMMIT or BACKOUT and END.
@@ -116,12 +121,15 @@ def generate(root: Path, records: int, final: int, body_size: int, seed: int = 1
     body = rnd.randbytes(body_size)
 
     def eid(n: int) -> str:
-        return f"m{n:011x}"
+        return f"{n * ID_MIX % (1 << 96):024x}"
+
+    def msgid(n: int) -> str:
+        return f"{n * ID_MIX % (1 << 192):048x}"
 
     backup_n = max(1000, final - int(records * NET_PER_RECORD))
     writer = BackupWriter(root / "backup" / S / "b", backup_keys=bench_keys(root))
     for n in range(backup_n):
-        e = Entry(id=eid(n), queue=QUEUES[n % 4], put_time=NOW_MS - 10**6, msgid=f"{n:016x}").wire()
+        e = Entry(id=eid(n), queue=QUEUES[n % 4], put_time=NOW_MS - 10**6, msgid=msgid(n)).wire()
         e.update(st="CP", l=REPLAY_FROM - 1000 + n % 900, o1=n, o2=n)
         writer.add(3, e, body)
         available.append(n)
@@ -144,13 +152,13 @@ def generate(root: Path, records: int, final: int, body_size: int, seed: int = 1
     def put_uow(member: str, finish: bool) -> None:
         nonlocal lrsn, seq, next_n
         seq += 1
-        u = f"{member}.1.{seq}"
+        u = f"{member}.{NOW_MS:x}.{seq}"
         mine = []
         for _ in range(rnd.randint(1, 4)):
             lrsn += 1
             n = next_n
             next_n += 1
-            e = Entry(id=eid(n), queue=QUEUES[n % 4], put_time=lrsn // 1000, msgid=f"{n:016x}").wire()
+            e = Entry(id=eid(n), queue=QUEUES[n % 4], put_time=lrsn // 1000, msgid=msgid(n)).wire()
             log(member, sqm.core.records.put(u, lrsn, structure=S, gen=1, entry=e, data=body))
             mine.append(n)
         if not finish:
@@ -171,7 +179,7 @@ def generate(root: Path, records: int, final: int, body_size: int, seed: int = 1
     def get_uow(member: str, finish: bool) -> None:
         nonlocal lrsn, seq
         seq += 1
-        u = f"{member}.1.{seq}"
+        u = f"{member}.{NOW_MS:x}.{seq}"
         taken = []
         for _ in range(min(rnd.randint(1, 4), len(available))):
             lrsn += 1

@@ -60,8 +60,10 @@ static int col_int(Col *c, int64_t v, int valid) {
     return 0;
 }
 
-static int col_str(Col *c, const char *s, size_t len, int valid) {
+/* A string value of `a` then `b` (NULL, 0: nothing more). */
+static int col_str2(Col *c, const char *a, size_t alen, const char *b, size_t blen, int valid) {
     if (col_grow(c)) return -1;
+    size_t len = alen + blen;
     if (valid && len) {
         if (c->slen + len > c->scap) {
             size_t cap = c->scap ? c->scap : 4096;
@@ -71,12 +73,39 @@ static int col_str(Col *c, const char *s, size_t len, int valid) {
             c->s = ns;
             c->scap = cap;
         }
-        memcpy(c->s + c->slen, s, len);
+        memcpy(c->s + c->slen, a, alen);
+        if (blen) memcpy(c->s + c->slen + alen, b, blen);
         c->slen += len;
     }
     c->valid[c->n] = (uint8_t)valid;
     c->i[++c->n] = (int64_t)c->slen;
     return 0;
+}
+
+static int col_str(Col *c, const char *s, size_t len, int valid) { return col_str2(c, s, len, NULL, 0, valid); }
+
+static int hex_digit(char ch) {
+    if (ch >= '0' && ch <= '9') return ch - '0';
+    if (ch >= 'a' && ch <= 'f') return ch - 'a' + 10;
+    return -1;
+}
+
+/* An entry id as the plan's tables hold it (restore.columns.entry_id reads it back): the 12 bytes its 24 lowercase
+ * hex digits spell, for the ids members make, which DuckDB then holds inline (a string of more than 12 bytes it
+ * keeps apart, behind a pointer, in every table, join and grouping); any other id as its UTF-8 after a marker,
+ * "~", or "!~" for an id of 11 bytes: never 12 bytes long, so that no two ids are held alike. */
+static int col_eid(Col *c, const char *s, size_t len) {
+    if (len == 24) {
+        char b[12];
+        int k = 0;
+        for (; k < 12; k++) {
+            int hi = hex_digit(s[2 * k]), lo = hex_digit(s[2 * k + 1]);
+            if (hi < 0 || lo < 0) break;
+            b[k] = (char)(hi << 4 | lo);
+        }
+        if (k == 12) return col_str(c, b, 12, 1);
+    }
+    return len == 11 ? col_str2(c, "!~", 2, s, len, 1) : col_str2(c, "~", 1, s, len, 1);
 }
 
 static void col_truncate(Col *c, Py_ssize_t n) {
@@ -415,7 +444,7 @@ static int take_desc(Rd *r, Tables *t, const uint8_t *base, int64_t rid, int64_t
     e |= col_int(&d[D_RID], rid, 1);
     e |= col_int(&d[D_SRC], src, 1);
     e |= col_int(&d[D_POS], pos, 1);
-    e |= col_str(&d[D_EID], strs[D_EID], lens[D_EID], 1);
+    e |= col_eid(&d[D_EID], strs[D_EID], lens[D_EID]);
     e |= col_str(&d[D_S], s, slen, s != NULL);
     e |= col_str(&d[D_Q], strs[D_Q], lens[D_Q], 1);  /* q absent: "" (desc.get("q", "")) */
     /* p, exp, o1, o2, bc absent or nil: 0 (int(desc.get(name, 0))) */
@@ -517,7 +546,7 @@ static int take_record(Rd *r, Tables *t, const uint8_t *base, int64_t rid, int64
             const char *i;
             size_t il;
             if (rd_str(r, &i, &il) != 1 || !utf8_ok((const uint8_t *)i, il)) return -1;
-            if (col_int(&t->e[E_RID], rid, 1) || col_int(&t->e[E_SRC], SRC_I, 1) || col_str(&t->e[E_EID], i, il, 1) ||
+            if (col_int(&t->e[E_RID], rid, 1) || col_int(&t->e[E_SRC], SRC_I, 1) || col_eid(&t->e[E_EID], i, il) ||
                 col_str(&t->e[E_DDS], NULL, 0, 0))
                 return -2;
         } else if (key_is(key, kl, "ids")) {
@@ -528,7 +557,7 @@ static int take_record(Rd *r, Tables *t, const uint8_t *base, int64_t rid, int64
                 size_t il;
                 if (rd_str(r, &i, &il) != 1 || !utf8_ok((const uint8_t *)i, il)) return -1;
                 if (col_int(&t->e[E_RID], rid, 1) || col_int(&t->e[E_SRC], SRC_IDS, 1) ||
-                    col_str(&t->e[E_EID], i, il, 1) || col_str(&t->e[E_DDS], NULL, 0, 0))
+                    col_eid(&t->e[E_EID], i, il) || col_str(&t->e[E_DDS], NULL, 0, 0))
                     return -2;
             }
         } else if (key_is(key, kl, "dd")) {

@@ -10,7 +10,8 @@ backups:
          descriptor names; "" for none), and seg, m, f (segment, member, source) added here;
   ss     a record's {structure: generation} a row each: rid, s, g;
   ev     each entry id a record names, with where it names it: rid, src (SRC_E its descriptor "e", SRC_I "i",
-         SRC_IDS "ids", SRC_DD a copy in "dd"), eid, dds (the structure of a "dd" copy);
+         SRC_IDS "ids", SRC_DD a copy in "dd"), eid (as bytes: entry_id reads it), dds (the structure of a "dd"
+         copy);
   descs  each descriptor a record carries or the backup holds: rid, src (SRC_E, SRC_DD, SRC_BACKUP), pos (its
          place in "dd"), eid, s, q, p, exp, st, u, l, o1, o2, bc, and where its bytes and its data are: boff,
          blen, doff, dlen, in source f.
@@ -62,16 +63,32 @@ SRC_E, SRC_I, SRC_IDS, SRC_DD, SRC_BACKUP = 0, 1, 2, 3, 4
 STOP_END, STOP_FRAME, STOP_BODY = 0, 1, 2
 
 # Strings as the C reader makes them (64-bit offsets): DuckDB reads them as they are, no copy into 32-bit ones.
-_I64, _STR = pa.int64(), pa.large_string()
+_I64, _STR, _BIN = pa.int64(), pa.large_string(), pa.large_binary()
 RECS = pa.schema([("rid", _I64), ("l", _I64), ("off", _I64), ("k", _STR), ("u", _STR), ("s", _STR), ("g", _I64),
                   ("at", _I64), ("o", _STR), ("by", _STR), ("eu", _STR), ("seg", _I64), ("m", _STR), ("f", _I64)])
 SS = pa.schema([("rid", _I64), ("s", _STR), ("g", _I64)])
-EV = pa.schema([("rid", _I64), ("src", _I64), ("eid", _STR), ("dds", _STR)])
-DESCS = pa.schema([("rid", _I64), ("src", _I64), ("pos", _I64), ("eid", _STR), ("s", _STR), ("q", _STR),
+EV = pa.schema([("rid", _I64), ("src", _I64), ("eid", _BIN), ("dds", _STR)])
+DESCS = pa.schema([("rid", _I64), ("src", _I64), ("pos", _I64), ("eid", _BIN), ("s", _STR), ("q", _STR),
                    ("p", _I64), ("exp", _I64), ("st", _STR), ("u", _STR), ("l", _I64), ("o1", _I64), ("o2", _I64),
                    ("bc", _I64), ("boff", _I64), ("blen", _I64), ("doff", _I64), ("dlen", _I64), ("f", _I64)])
 TABLES = {"recs": RECS, "ss": SS, "ev": EV, "descs": DESCS}
 _C_COLUMNS = {"recs": 11, "ss": 3, "ev": 4, "descs": 18}  # the columns the C reader makes, in schema order
+
+
+def entry_id(held: bytes) -> str:
+    """An entry id as the readers hold it (`eid` of ev and descs), as text again: the 12 bytes of an id of 24
+    lowercase hex digits (the ids members make: DuckDB keeps 12 bytes inline, a longer string apart), any other id
+    its UTF-8 after "~", or "!~" for one of 11 bytes, so that none is 12 bytes long (restore/_columns.c, col_eid).
+    ENTRY_ID_SQL is the same in the plan's SQL."""
+    if len(held) == 12:
+        return held.hex()
+    return held[2 if held[:1] == b"!" else 1:].decode()
+
+
+# entry_id as a DuckDB macro: entry_id(eid) in the plan's statements.
+ENTRY_ID_SQL = """CREATE MACRO entry_id(x) AS
+CASE WHEN octet_length(x) = 12 THEN lower(hex(x))
+     WHEN starts_with(decode(x), '!') THEN substr(decode(x), 3) ELSE substr(decode(x), 2) END"""
 
 
 def require_readers() -> None:
@@ -96,8 +113,8 @@ def _arrays(cols: Sequence[tuple[bytes, bytes | None, bytes | None, int]], schem
     out = []
     for (values, data, bitmap, nulls), field in zip(cols, schema, strict=False):
         validity = None if bitmap is None else pa.py_buffer(bitmap)
-        if field.type == _STR:
-            arr = pa.Array.from_buffers(_STR, n, [validity, pa.py_buffer(values), pa.py_buffer(data)], nulls)
+        if field.type in (_STR, _BIN):
+            arr = pa.Array.from_buffers(field.type, n, [validity, pa.py_buffer(values), pa.py_buffer(data)], nulls)
         else:
             arr = pa.Array.from_buffers(_I64, n, [validity, pa.py_buffer(values)], nulls)
         out.append(arr)

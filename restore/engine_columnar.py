@@ -51,6 +51,7 @@ from cfemu.progress import Progress, no_progress
 from cfemu.uow_attributes import CONTROL_SUFFIX
 from restore import columnar_staged
 from restore.columns import (
+    ENTRY_ID_SQL,
     SRC_BACKUP,
     SRC_DD,
     SRC_E,
@@ -621,13 +622,13 @@ ALTER TABLE carried RENAME TO descs;
 
 # The survivors in the CF's order (settle.load_key), each with its base descriptor and data.
 SURVIVORS_SQL = """
-SELECT f.eid, f.disp, f.s, f.st, f.u, f.l, f.o1, f.o2, f.bc, f.mask, f.src, f.f::BIGINT AS f, f.boff,
+SELECT entry_id(f.eid) AS eid, f.disp, f.s, f.st, f.u, f.l, f.o1, f.o2, f.bc, f.mask, f.src, f.f::BIGINT AS f, f.boff,
        f.blen::BIGINT AS blen, f.doff, f.dlen::BIGINT AS dlen, c.blob, c.data
 FROM fin f LEFT JOIN ctl c ON c.eix = f.eix
 WHERE f.disp IN ('restored', 'in-doubt')
 ORDER BY f.q, CASE f.st WHEN 'CP' THEN 0 WHEN 'UP' THEN 1 ELSE 2 END,
          CASE f.st WHEN 'CP' THEN -f.p WHEN 'UP' THEN f.o2 ELSE f.l END,
-         CASE f.st WHEN 'CP' THEN f.o1 ELSE 0 END, CASE f.st WHEN 'CP' THEN f.o2 ELSE 0 END, f.eid
+         CASE f.st WHEN 'CP' THEN f.o1 ELSE 0 END, CASE f.st WHEN 'CP' THEN f.o2 ELSE 0 END, entry_id(f.eid)
 """
 
 
@@ -719,8 +720,9 @@ class SqlOutcomes(Mapping[str, Outcome]):
         if row is None:
             raise KeyError(uow)
         rows = cur.execute(
-            "SELECT od.eid, d.s, d.f, d.boff, d.blen, d.doff, d.dlen FROM odata od JOIN descs d ON d.src = 'D' AND "
-            "d.rid = od.rid AND d.eid = od.eid WHERE od.u = ? AND ? = 'B' ORDER BY od.eid", [uow, row[0]]).fetchall()
+            "SELECT entry_id(od.eid), d.s, d.f, d.boff, d.blen, d.doff, d.dlen FROM odata od JOIN descs d ON "
+            "d.src = 'D' AND d.rid = od.rid AND d.eid = od.eid WHERE od.u = ? AND ? = 'B' ORDER BY 1",
+            [uow, row[0]]).fetchall()
         read = read_back(self.sources, [r[2:] for r in rows])
         data = {r[0]: (r[1], _descriptor(desc, "D"), blob) for r, (desc, blob) in zip(rows, read, strict=True)}
         return Outcome(row[0], int(row[1]), row[2], data, tuple(row[3] or ()))
@@ -742,7 +744,8 @@ class ColumnarSettled(Collection[Settled]):
     def __iter__(self) -> Iterator[Settled]:
         yield from self.plan.in_load_order()
         for batch in _batches(self.plan.cursor(),
-                              "SELECT eid, disp FROM fin WHERE disp NOT IN ('restored', 'in-doubt') ORDER BY eid"):
+                              "SELECT entry_id(eid), disp FROM fin WHERE disp NOT IN ('restored', 'in-doubt') "
+                              "ORDER BY 1"):
             for eid, disp in zip(*(c.to_pylist() for c in batch.columns), strict=True):
                 yield Settled(eid, disp)
 
@@ -924,6 +927,7 @@ class ColumnarEngine:
         con.execute(f"SET temp_directory = '{tmp}'")
         con.execute(f"SET threads = {self.workers}")
         con.execute("SET preserve_insertion_order = false")
+        con.execute(ENTRY_ID_SQL)
         kinds = kinds_table()
         for enum, values in ((KIND_ENUM, kinds["k"].to_pylist()), (ROLE_ENUM, [r.value for r in Role])):
             con.execute(f"CREATE TYPE {enum} AS ENUM ({', '.join(_literal(v) for v in values)})")

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import crc32c
+import duckdb
 import msgpack
 import pyarrow as pa
 import pytest
@@ -19,6 +20,7 @@ from backup.files import BackupWriter, ChecksumMismatchError, CorruptFrameError,
 from cfemu.entry import Entry
 from restore import _columns  # type: ignore[attr-defined]
 from restore.columns import (
+    ENTRY_ID_SQL,
     SRC_BACKUP,
     SRC_DD,
     SRC_E,
@@ -27,6 +29,7 @@ from restore.columns import (
     Pieces,
     Scanned,
     Source,
+    entry_id,
     log_segments_read,
     read_back,
     scan_backup_file,
@@ -104,7 +107,7 @@ def test_a_log_read_into_columns_holds_every_record_and_field_the_logs_reader_gi
             rec["k"], rec.get("u"), rec.get("s"), rec.get("g"), rec.get("at"), rec.get("o"), rec.get("by"))
         assert row["eu"] == ((rec["e"].get("u") or "") if "e" in rec else None)
     by_rid = {r["rid"]: rec for r, (_, rec) in zip(rows, want, strict=True)}
-    ids = {(e["rid"], e["src"], e["eid"], e["dds"]) for e in tables["ev"]}
+    ids = {(e["rid"], e["src"], entry_id(e["eid"]), e["dds"]) for e in tables["ev"]}
     expected = set()
     for rid, rec in by_rid.items():
         if "e" in rec:
@@ -124,7 +127,7 @@ def test_a_log_read_into_columns_holds_every_record_and_field_the_logs_reader_gi
         carried = (rec["e"], rec.get("d", b"")) if x["src"] == SRC_E else (rec["dd"][x["pos"]][1],
                                                                             rec["dd"][x["pos"]][2])
         assert msgpack.unpackb(desc) == carried[0] and data == carried[1]
-        assert (x["eid"], x["q"], x["st"], x["u"], x["l"]) == (
+        assert (entry_id(x["eid"]), x["q"], x["st"], x["u"], x["l"]) == (
             carried[0]["id"], carried[0]["q"], carried[0].get("st"), carried[0].get("u") or "", carried[0]["l"])
 
 
@@ -193,7 +196,7 @@ def test_a_record_the_c_reader_does_not_take_is_read_by_the_logs_reader_and_pack
     want = list(LogSlice(str(d), None, 0).records())
     assert [(r["l"], r["off"], r["k"]) for r in rows] == [(k[0], k[3], rec["k"]) for k, rec in want]
     repacked = rows[-2]
-    assert [e["eid"] for e in tables["ev"] if e["rid"] == repacked["rid"]] == ["m2"]
+    assert [entry_id(e["eid"]) for e in tables["ev"] if e["rid"] == repacked["rid"]] == ["m2"]
 
 
 def _backup(tmp_path: Path, n: int = 50) -> Path:
@@ -220,7 +223,7 @@ def test_a_backups_files_read_into_columns_hold_every_copy(tmp_path: Path) -> No
     for j, info in enumerate(b.manifest["files"]):
         descs += _copies(b.path, info, j << 20)
     assert len(b.manifest["files"]) > 2
-    assert [(x["src"], x["s"], x["eid"], x["l"], x["o1"], x["dlen"]) for x in descs] == [
+    assert [(x["src"], x["s"], entry_id(x["eid"]), x["l"], x["o1"], x["dlen"]) for x in descs] == [
         (SRC_BACKUP, s, d["id"], d["l"], d["o1"], len(data)) for s, d, data in want]
 
 
@@ -339,3 +342,26 @@ def test_the_c_readers_allocate_nothing_that_needs_the_gil_while_they_run_withou
     assert done.returncode == 0, done.stderr[-2000:]
     records, copies = map(int, done.stdout.split())
     assert records > 1000 and copies == 50
+
+
+def test_entry_ids_of_every_shape_are_held_apart_and_read_back(tmp_path: Path) -> None:
+    """The readers hold an id of 24 lowercase hex digits (the ids members make) as its 12 bytes, any other id as its
+    text after a marker that keeps it from being 12 bytes long: no two ids are held alike, and entry_id (and its
+    SQL twin, which the plan's output uses) gives each back as it was."""
+    hexed = "0123456789abcdef01234567"
+    ids = [hexed, hexed.upper(), hexed[:12], bytes.fromhex(hexed).decode("latin-1").encode().decode(),
+           "~" + hexed[:11], "!~" + hexed[:10], "!" + hexed[:10], "~~" + hexed[:10], hexed[:11], "é" * 6, "x", ""]
+    d = tmp_path / "logs" / "QM1"
+    with RecordLog(d, "QM1") as log:
+        for k, eid in enumerate(ids):
+            log.append(records.put(f"QM1.1.{k}", 10 + k, structure=S, gen=1, entry=Entry(eid, "Q1").wire(), data=b""))
+        log.force()
+    _, (tables, _) = _scan_log(d, 0, tmp_path)
+    held = [e["eid"] for e in tables["ev"]]
+    assert len(set(held)) == len(ids) and held[0] == bytes.fromhex(hexed)
+    assert all(len(h) != 12 for h in held[1:])
+    assert [entry_id(h) for h in held] == ids
+    con = duckdb.connect()
+    con.execute(ENTRY_ID_SQL)
+    assert [t for (t,) in con.execute("SELECT entry_id(x) FROM (SELECT unnest(?::BLOB[]) AS x)", [held]).fetchall()] \
+        == ids

@@ -57,6 +57,15 @@ class History:
     carried: list[str] = field(default_factory=list)  # in-doubt UOWs holding entries when the generation moved on
 
 
+def entry_id_of_some_shape(k: int) -> str:
+    """A new entry id: mostly as members make them (12 random bytes in hex, which restore's columnar readers hold as
+    those 12 bytes), every fourth of another shape that they must hold apart from those (restore.columns.entry_id):
+    upper-case hex, 12 bytes of text, 11 beginning with "!", 12 beginning with "~", and not ASCII."""
+    shapes = (lambda: os.urandom(12).hex().upper(), lambda: os.urandom(6).hex(), lambda: "!" + os.urandom(5).hex(),
+              lambda: "~" + os.urandom(5).hex() + "x", lambda: "é" + os.urandom(4).hex())
+    return os.urandom(12).hex() if k % 4 else shapes[k // 4 % len(shapes)]()
+
+
 def simulate(rnd: random.Random, steps: int, body_bytes: int = 16, carry: bool = False) -> History:
     """A random history of three members. carry: the restore that moves the generation on comes in the first
     half, carrying an in-doubt UOW that holds entries (one is prepared just before it, if none is), and the backup
@@ -163,7 +172,7 @@ def simulate(rnd: random.Random, steps: int, body_bytes: int = 16, carry: bool =
         op = rnd.choices(("put", "get", "commit", "backout", "prepare", "recover", "expire"),
                          (8, 5, 4, 2, 1, 1, 1))[0]
         if op == "put":
-            eid = os.urandom(6).hex()
+            eid = entry_id_of_some_shape(len(entries))
             s = S if rnd.random() < 0.8 else OTHER
             u = uow_of(member)
             at = tick()
