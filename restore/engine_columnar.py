@@ -245,8 +245,8 @@ class _Readers:
 
 
 # ------------------------------------------------------------------------------------------------ the plan
-# Each statement is one step of the reference; $-names are bound by _run. Tables: r (a record a row, `seq` its place
-# in the merged log), eev (an entry a record names, with the record), descs (a descriptor a row, where the readers
+# Each statement is one step of the reference; $-names are bound by _run. Tables: re and ro (a record a row: an
+# entry record, an outcome record; `seq` its place in the merged log), eev (an entry a record names, with the record), descs (a descriptor a row, where the readers
 # put it: a backup's copy, "B" where the fold names its source; the one an entry record carries, a put's "P" or a
 # relog copy's "R"; a copy an outcome record carries, "D"), base_uows (plan.Base.carried). A descriptor is found by
 # its record's rid alone, but for a "D": an outcome record may carry several (the fold's states name theirs by
@@ -263,45 +263,49 @@ PLAN_SQL = """
 -- record the entries it carries of this structure, plan.restrict), then the descriptors (a backup's copy "B", a
 -- put's "P", a relog copy "R", a copy an outcome record carries "D": the last it carries of each entry)
 -- the UOWs whose outcome is applied on the CF (their END records, each kept by the generation rule), and how many
--- of those records each member logged (members, below): r holds the records the rest of the plan reads
+-- of those records each member logged (members, below): re and ro hold the records the rest of the plan reads
 CREATE TABLE endrecs AS SELECT x.u, x.m FROM raw_recs x JOIN kinds kd USING (k) WHERE kd.role = 'end';
 -- only an owner's END ends a UOW for the in-commit tombstones (plan.ends_for_its_owner): a peer's does not
 CREATE TABLE ended AS SELECT DISTINCT u FROM endrecs WHERE split_part(u, '.', 1) = m;
 CREATE TABLE ends AS SELECT m, count(*) AS n FROM endrecs GROUP BY m;
 DROP TABLE endrecs;
--- the generation rule (plan.current_incarnation) as `kept`
-CREATE TABLE r AS
-SELECT *,
-       ($G <= 0 OR coalesce(u IN (SELECT u FROM base_uows), false) OR gen IS NULL
-        OR (gen = 0 AND role = 'outcome') OR (gen <> 0 AND gen >= $G)) AS kept
-FROM (
-  SELECT x.rid, x.l, x.m, x.k, kd.role, x.u,
-         CASE WHEN kd.role = 'entry' THEN x.g WHEN kd.role = 'outcome' THEN sg.g END AS gen,
-         x.at, CASE WHEN x.oc THEN kd.dec_c ELSE kd.dec_b END AS dec, kd.outranks, kd.rank, kd.copy,
-         kd.carries, x.by AS dby, CASE WHEN kd.copy THEN coalesce(x.eu, '') ELSE '' END AS holder, kd.idsrc,
-         kd.descsrc
-  FROM raw_recs x JOIN kinds kd USING (k)
-  LEFT JOIN (SELECT rid, g FROM raw_ss WHERE s = $S) sg USING (rid)
-  WHERE (kd.role = 'entry' AND x.mine) OR kd.role = 'outcome');
+-- the records the rest of the plan reads, the entry records of the structure (re) apart from the outcome records
+-- (ro), each with what its kind's row says of it that the plan reads of it, and `kept`: the generation rule
+-- (plan.current_incarnation), by an entry record's own generation and by an outcome record's of the structure
+CREATE TABLE re AS
+SELECT x.rid, x.l, x.m, x.k, x.u, CASE WHEN kd.copy THEN coalesce(x.eu, '') ELSE '' END AS holder,
+       ($G <= 0 OR coalesce(x.u IN (SELECT u FROM base_uows), false) OR x.g IS NULL OR (x.g <> 0 AND x.g >= $G))
+         AS kept
+FROM raw_recs x JOIN kinds kd USING (k) WHERE kd.role = 'entry' AND x.mine;
+CREATE TABLE ro AS
+SELECT x.rid, x.l, x.m, x.k, x.u, x."at", CASE WHEN x.oc THEN kd.dec_c ELSE kd.dec_b END AS dec, kd.outranks,
+       x.by AS dby,
+       ($G <= 0 OR coalesce(x.u IN (SELECT u FROM base_uows), false) OR sg.g IS NULL OR sg.g = 0 OR sg.g >= $G)
+         AS kept
+FROM raw_recs x JOIN kinds kd USING (k) LEFT JOIN (SELECT rid, g FROM raw_ss WHERE s = $S) sg USING (rid)
+WHERE kd.role = 'outcome';
 DROP TABLE raw_recs;
--- the records on each entry (plan_local's by_entry; `kept` as r says: an outcome record not kept still counts for
--- the entries a decision's records carry, odata below), each entry a record names once: a record names an entry
--- once where it names it by its descriptor ("e") or "i", and a list ("ids", "dd") may name one twice
+-- the records on each entry (plan_local's by_entry; `kept` as re and ro say: an outcome record not kept still
+-- counts for the entries a decision's records carry, odata below), each entry a record names once: a record names
+-- an entry once where it names it by its descriptor ("e") or "i", and a list ("ids", "dd") may name one twice
 DELETE FROM raw_ev WHERE src IN ($SRC_IDS, $SRC_DD) AND rowid NOT IN (
   SELECT min(rowid) FROM raw_ev WHERE src IN ($SRC_IDS, $SRC_DD) GROUP BY rid, src, eid, dds);
 CREATE TABLE eev AS
-SELECT e.eid, r.rid, r.l, r.k, r.role, r.u, r.rank, r.copy, r.carries, r.kept FROM raw_ev e JOIN r USING (rid)
-WHERE (r.role = 'entry' AND e.src = r.idsrc) OR (r.role = 'outcome' AND e.src = $SRC_DD AND e.dds = $S);
--- (an entry record's structure is $S: r keeps no other)
+SELECT e.eid, r.rid, r.l, r.k, kd.role, r.u, kd.rank, kd.copy, kd.carries, r.kept
+FROM raw_ev e JOIN re r USING (rid) JOIN kinds kd USING (k) WHERE e.src = kd.idsrc
+UNION ALL
+SELECT e.eid, r.rid, r.l, r.k, kd.role, r.u, kd.rank, kd.copy, kd.carries, r.kept
+FROM raw_ev e JOIN ro r USING (rid) JOIN kinds kd USING (k) WHERE e.src = $SRC_DD AND e.dds = $S;
+-- (an entry record's structure is $S: re keeps no other)
 -- the descriptors, where the readers put them (their src: $SRC_BACKUP a backup's copy "B", $SRC_E the one an
 -- entry record carries, a put's "P" or a relog copy's "R", $SRC_DD a copy an outcome record carries "D"), less
 -- those no statement reads: an entry record's of another structure, and of an outcome record's copies those of
 -- another structure and all but the last it carries of each entry; named by their labels where they are read
 DELETE FROM raw_descs
-WHERE src = $SRC_E AND rid NOT IN (SELECT rid FROM r WHERE role = 'entry' AND descsrc = $SRC_E);
+WHERE src = $SRC_E AND rid NOT IN (SELECT rid FROM re JOIN kinds USING (k) WHERE descsrc = $SRC_E);
 CREATE TABLE dkeep AS
-SELECT d.rid, d.eid, max(d.pos) AS pos FROM raw_descs d JOIN r USING (rid)
-WHERE d.src = $SRC_DD AND d.s = $S AND r.role = 'outcome' GROUP BY d.rid, d.eid;
+SELECT d.rid, d.eid, max(d.pos) AS pos FROM raw_descs d JOIN ro USING (rid)
+WHERE d.src = $SRC_DD AND d.s = $S GROUP BY d.rid, d.eid;
 DELETE FROM raw_descs d WHERE d.src = $SRC_DD AND NOT EXISTS (
   SELECT 1 FROM dkeep k WHERE k.rid = d.rid AND k.eid = d.eid AND k.pos = d.pos);
 DROP TABLE dkeep;
@@ -309,13 +313,13 @@ ALTER TABLE raw_descs RENAME TO descs;
 DROP TABLE raw_ev;
 
 -- the UOWs a relog copy of this incarnation shows holding an entry: their older outcome records count
-CREATE TABLE holders AS SELECT DISTINCT holder AS u FROM r WHERE kept AND holder <> '';
+CREATE TABLE holders AS SELECT DISTINCT holder AS u FROM re WHERE kept AND holder <> '';
 -- (each with where it lies in the merged log, `seq`: by (LRSN, member, segment, offset), which is (LRSN, rid), since
 -- the readers number the records of each member's log in order, the members' logs in the order of their names
 -- (ColumnarEngine._jobs): no sort needed)
 CREATE TABLE orecs AS
-SELECT *, l::HUGEINT * 18446744073709551616 + rid AS seq FROM r
-WHERE role = 'outcome' AND (kept OR u IN (SELECT u FROM holders));
+SELECT *, l::HUGEINT * 18446744073709551616 + rid AS seq FROM ro
+WHERE kept OR u IN (SELECT u FROM holders);
 
 -- settle.decide_outcome: a decision that outranks the owner's (RECOVERY): its first by (LRSN, by) decides
 CREATE TABLE firsts AS
@@ -370,10 +374,13 @@ DROP TABLE structs; DROP TABLE orecs;
 DELETE FROM eev WHERE NOT kept;
 -- the records and their entry ids are not read past here: their memory goes to the statements that follow
 CREATE TABLE members AS
-SELECT m, sum(n)::BIGINT AS n FROM (SELECT m, count(*) AS n FROM r WHERE kept GROUP BY m UNION ALL SELECT m, n FROM ends)
+SELECT m, sum(n)::BIGINT AS n FROM (
+  SELECT m, count(*) AS n FROM re WHERE kept GROUP BY m UNION ALL SELECT m, count(*) FROM ro WHERE kept GROUP BY m
+  UNION ALL SELECT m, n FROM ends)
 GROUP BY m;
 DROP TABLE ends;
-DROP TABLE r;
+DROP TABLE re;
+DROP TABLE ro;
 -- (with what quick asks of each: how many records name it and how many backup copies it has, and of the one
 -- record that may be its only one, the rid, kind, UOW, LRSN, and whether it is a PUT, GET or EXPIRE rather than a
 -- copy or an outcome)
