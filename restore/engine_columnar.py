@@ -246,11 +246,11 @@ class _Readers:
 
 # ------------------------------------------------------------------------------------------------ the plan
 # Each statement is one step of the reference; $-names are bound by _run. Tables: re and ro (a record a row: an
-# entry record, an outcome record; `seq` its place in the merged log), eev (an entry a record names, with the record), descs (a descriptor a row, where the readers
-# put it: a backup's copy, "B" where the fold names its source; the one an entry record carries, a put's "P" or a
-# relog copy's "R"; a copy an outcome record carries, "D"), base_uows (plan.Base.carried). A descriptor is found by
-# its record's rid alone, but for a "D": an outcome record may carry several (the fold's states name theirs by
-# source label, rid and entry id).
+# entry record, an outcome record; `seq` its place in the merged log), eev (an entry a record names, with the
+# record), descs (a descriptor a row, where the readers put it: a backup's copy, "B" where the fold names its
+# source; the one an entry record carries, a put's "P" or a relog copy's "R"; a copy an outcome record carries,
+# "D"), base_uows (plan.Base.carried). A descriptor is found by its record's rid alone, but for a "D": an outcome
+# record may carry several (the fold's states name theirs by source label, rid and entry id).
 
 # An entry's state before any event (the fold's start): its best copy b (or none), of which a copy that is expired
 # is not folded.
