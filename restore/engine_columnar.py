@@ -388,7 +388,7 @@ CREATE TABLE ents AS
 SELECT eid, row_number() OVER () AS eix, count(rid) AS nrec, count(*) - count(rid) AS nb, any_value(rid) AS rid,
        any_value(k) AS k, any_value(u) AS u, any_value(l) AS l, bool_and(plain) AS plain
 FROM (
-  SELECT eid, NULL::BIGINT AS rid, NULL::VARCHAR AS k, NULL::VARCHAR AS u, NULL::BIGINT AS l,
+  SELECT eid, NULL::BIGINT AS rid, NULL::$KIND_ENUM AS k, NULL::VARCHAR AS u, NULL::BIGINT AS l,
          NULL::BOOLEAN AS plain
   FROM descs WHERE src = $SRC_BACKUP
   UNION ALL
@@ -492,7 +492,7 @@ FROM slow n LEFT JOIN best b USING (eid) ANTI JOIN touched t USING (eix);
 CREATE TABLE folded AS SELECT * EXCLUDE (eid) FROM still LIMIT 0;
 DROP TABLE best;
 DROP TABLE slow;
-""".replace("$BEST_STATE", BEST_STATE)  # bound here, where the others are bound by _run
+""".replace("$BEST_STATE", BEST_STATE).replace("$KIND_ENUM", KIND_ENUM)  # bound here, the others by _run
 
 # The fold of the entries some event names, eix from $LO to below $HI (a range holds its entries' states and
 # events in memory, hence the ranges). settle.settle's transition (STEP_SQL) is applied to each entry's state once
