@@ -32,6 +32,13 @@ STRUCTURES, QUEUES, MEMBERS, EPOCHS = keys.structure_defs(), keys.queue_defs(), 
 STRUCTURE_STATES = ("ACTIVE", "FAILED", "RECOVERING")
 
 
+def lease_left_ms(info: Mapping[str, Any] | None) -> int | None:
+    """What is left of a member's lease, as Admin.members lists the member (`info`), or None: not listed, or its
+    lease lapsed (the CF's PTTL of a key that is gone is negative)."""
+    left = int(info.get("lease_ms", -1)) if info is not None else -1
+    return left if left >= 0 else None
+
+
 class AdminError(ValueError):
     """A definition request that cannot be carried out (already defined, unknown name, bad value)."""
 
@@ -381,7 +388,7 @@ class Admin:
 
     def lapsed_members(self) -> list[str]:
         """Members registered in the group whose lease has run out (failed, or paused past the lease)."""
-        return [m for m, info in self.members().items() if info["lease_ms"] < 0]
+        return [m for m, info in self.members().items() if lease_left_ms(info) is None]
 
     def try_recovery_lock(self, failed: str, by: str, ttl_ms: int) -> bool:
         return bool(self.redis.set(keys.recovery_lock(failed), by, nx=True, px=ttl_ms))

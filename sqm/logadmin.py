@@ -21,7 +21,7 @@ from typing import Any
 
 import redis
 
-from cfemu.admin import Admin
+from cfemu.admin import Admin, lease_left_ms
 from cfemu.clitools import CLIError, Output, add_settings_arguments, require_url, settings, whole
 from cfemu.connection import connect
 from cfemu.repository import GroupRepository, now_lrsn
@@ -210,11 +210,9 @@ def _lease_left_ms(args: argparse.Namespace, member: str) -> int | None:
     if not url:
         return None
     try:
-        info = Admin(connect(url)).members().get(member)
+        return lease_left_ms(Admin(connect(url)).members().get(member))
     except (redis.exceptions.RedisError, OSError):
         return None
-    left = int(info.get("lease_ms", -1)) if info is not None else -1
-    return left if left >= 0 else None
 
 
 def add_lost_parser(verbs: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

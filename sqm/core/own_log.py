@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from cfemu.admin import lease_left_ms
 from cfemu.repository import LOG_LOST, GroupRepository, RepositoryError
 from sqm.log import holds_log
 
@@ -37,13 +38,14 @@ def refuse_live_elsewhere(members: Mapping[str, Mapping[str, Any]], member: str,
     the same host and log, the writer lock held for this start says the previous incarnation is gone, and its lease
     is only left to lapse. members: the CF's (cfemu.admin.Admin.members)."""
     info = members.get(member)
-    if info is None or int(info.get("lease_ms", -1)) < 0:
+    left = lease_left_ms(info)
+    if info is None or left is None:
         return
     host, log = str(info.get("host") or HOST), str(info.get("log") or "")
     if host == HOST and (not log or Path(log).absolute() == log_dir.absolute()):
         return
     raise RunsElsewhereError(
-        f"{member}: another incarnation holds a live lease in the CF ({info.get('lease_ms')} ms left), joined from "
+        f"{member}: another incarnation holds a live lease in the CF ({left} ms left), joined from "
         f"host {host} (pid {info.get('pid', '?')}) with its log at {log or '?'}, not this one's {HOST}:{log_dir}: it "
         "may be running there, and this start would fence it; stop it, or wait for its lease to lapse and start "
         "again")
