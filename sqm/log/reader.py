@@ -200,13 +200,9 @@ def merged_records(
 def find_log_dirs(root: str | Path) -> list[Path]:
     """Subdirectories of ``root`` (one level) that hold a record log (a manifest or segment files), sorted."""
     rootp = Path(root)
-    out: list[Path] = []
     if not rootp.is_dir():
-        return out
-    for p in sorted(rootp.iterdir()):
-        if p.is_dir() and holds_log(p):
-            out.append(p)
-    return out
+        return []
+    return [p for p in sorted(rootp.iterdir()) if holds_log(p)]  # a file is not a directory: it holds no log
 
 
 def holds_log(directory: str | Path) -> bool:

@@ -589,3 +589,15 @@ def test_a_segment_that_cannot_be_made_fails_the_log_and_closes_no_other_file(
         assert os.path.getsize(tmp_path / "another-file") == 0  # and nothing was written to it
     finally:
         os.close(other)
+
+
+def test_the_logs_under_a_log_root_are_its_directories_that_hold_one(tmp_path: Path) -> None:
+    """find_log_dirs: a member's directory with its log is found; a file, an empty directory (a mount point with
+    its volume not mounted) and a root that is not there are not."""
+    with RecordLog(tmp_path / "QM1", "QM1") as log:
+        log.append({"k": "X", "l": 1})
+        log.force()
+    (tmp_path / "QM2").mkdir()
+    (tmp_path / "notes.txt").write_text("not a log")
+    assert find_log_dirs(tmp_path) == [tmp_path / "QM1"]
+    assert find_log_dirs(tmp_path / "missing") == []
