@@ -63,7 +63,8 @@ from rich.console import Console
 from rich.table import Table
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+if str(ROOT) not in sys.path:  # a driver that imports this module may have put it last, behind the tree it profiles
+    sys.path.insert(0, str(ROOT))
 
 import sqm.core.records  # noqa: E402
 from backup.files import BackupWriter  # noqa: E402

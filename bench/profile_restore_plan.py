@@ -35,7 +35,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# This tree goes last: the one PYTHONPATH names, if any, is the one imported and profiled (bench_restore, imported
+# from this directory, then leaves sys.path as it is).
+sys.path.append(str(Path(__file__).resolve().parents[1]))
 
 import bench_restore as br  # noqa: E402  (this directory's: run as a script)
 
