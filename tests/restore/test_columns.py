@@ -258,6 +258,32 @@ def test_frames_that_run_past_a_chunk_are_read_again_whole(tmp_path: Path, monke
     assert len(whole_backup) > 3
 
 
+def test_a_files_chunks_are_read_into_one_buffer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each chunk of a file is read into the same buffer: a buffer made afresh for each chunk is memory the kernel
+    maps, faults in, zeroes and unmaps again every chunk (BENCHMARKS.md, "The readers' buffer"). The records and
+    copies are the same as read whole."""
+    d = _log(tmp_path, 80, segment_bytes=1 << 20)
+    b = read_backup(_backup(tmp_path))
+    whole_log = _scan_log(d, 0, tmp_path)[0]
+    whole_backup = _copies(b.path, b.manifest["files"][0])
+    read_into: list[Any] = []  # the buffers themselves, kept: no two of them can share an id
+    preadv = os.preadv
+
+    def counting(fd: int, views: list[memoryview], off: int) -> int:
+        read_into.append(views[0].obj)
+        return preadv(fd, views, off)
+
+    monkeypatch.setattr("restore.columns.CHUNK", 4096)
+    monkeypatch.setattr("restore.columns.os.preadv", counting)
+    assert _scan_log(d, 0, tmp_path)[0] == whole_log
+    assert len(list(d.glob("seg-*.log"))) == 1
+    assert len(read_into) > 3 and len({id(x) for x in read_into}) == 1
+    read_into.clear()
+    monkeypatch.setattr("restore.columns.CHUNK", 256)  # a backup file here is 2,000 bytes, each frame below 256
+    assert _copies(b.path, b.manifest["files"][0]) == whole_backup
+    assert len(read_into) > 1 and len({id(x) for x in read_into}) == 1
+
+
 def test_without_its_c_readers_the_columnar_engine_says_so_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     """The extension is optional (an image without a C compiler installs the package without it): asking for the
     columnar engine there fails at once, naming what is missing and the way out."""
