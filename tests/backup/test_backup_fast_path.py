@@ -103,6 +103,19 @@ def test_persistence_at_sight_never_says_persistent_when_the_descriptor_is_not()
     """_persistent_at_sight answers True only where the decoded descriptor is persistent (it may answer False
     for a persistent one: the caller decodes it then), for hand-made traps and random strings full of the key's
     bytes."""
+    seen = 0
+    for w in _trap_cases():
+        raw = msgpack.packb(w, use_bin_type=False, unicode_errors="surrogateescape")
+        truth = bulk.unpack_wire(raw).get("per", 1) == 1
+        if _persistent_at_sight(raw):
+            assert truth, w
+            seen += 1
+    assert _persistent_at_sight(msgpack.packb(_wire(1), use_bin_type=False))
+    assert seen > 200, "the shortcut should still take the descriptors without traps"
+
+
+def _trap_cases() -> list[dict[str, Any]]:
+    """Descriptors whose strings are full of the "per" key's bytes, with "per" 0, 1 or missing."""
     rng = random.Random(15)
     pieces = ["£per\x00", "£per\x01", "per", "\x01", "\x00", "a", "£"]
     cases = list(_cases())
@@ -113,15 +126,19 @@ def test_persistence_at_sight_never_says_persistent_when_the_descriptor_is_not()
         if rng.random() < 0.2:
             del w["per"]
         cases.append(w)
-    seen = 0
-    for w in cases:
-        raw = msgpack.packb(w, use_bin_type=False, unicode_errors="surrogateescape")
-        truth = bulk.unpack_wire(raw).get("per", 1) == 1
-        if _persistent_at_sight(raw):
-            assert truth, w
-            seen += 1
-    assert _persistent_at_sight(msgpack.packb(_wire(1), use_bin_type=False))
-    assert seen > 200, "the shortcut should still take the descriptors without traps"
+    return cases
+
+
+def test_the_c_selection_takes_at_sight_what_the_python_rule_takes() -> None:
+    """backup._frames' select_append asks decide of exactly the descriptors _persistent_at_sight does not take at
+    sight, on the trap cases: the C search for the key is the rule's."""
+    assert files._frames is not None, "backup._frames was not built (make venv)"
+    raws = [msgpack.packb(w, use_bin_type=False, unicode_errors="surrogateescape") for w in _trap_cases()]
+    asked: list[bytes] = []
+    files._frames.select_append(bytearray(), b"\x93\x00", list(raws), [b"d"] * len(raws), 1 << 30, True,
+                                lambda raw: asked.append(raw) or True)
+    assert asked == [raw for raw in raws if not _persistent_at_sight(raw)]
+    assert 200 < len(asked) < len(raws) - 200
 
 
 def test_select_raw_keeps_and_counts_what_decoding_keeps() -> None:

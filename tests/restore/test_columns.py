@@ -89,8 +89,11 @@ def _scan_log(d: Path, min_lrsn: int, spill: Path) -> tuple[list[dict[str, Any]]
 
 
 def test_the_c_readers_crc32c_is_the_frames_checksum() -> None:
+    """Also at the lengths where the native CRC runs three chains side by side and joins them (three blocks of 256
+    bytes, of 8 KiB), and across their ends."""
     rng = random.Random(1)
-    for n in (0, 1, 7, 8, 9, 63, 64, 1000, 4099):
+    for n in (0, 1, 7, 8, 9, 63, 64, 767, 768, 769, 1000, 1535, 1536, 4099, 3 * 8192 - 1, 3 * 8192, 3 * 8192 + 9,
+              6 * 8192 + 3 * 256 + 5, 100_003):
         data = rng.randbytes(n)
         assert _columns.crc32c(data) == crc32c.crc32c(data)
 
