@@ -42,40 +42,28 @@ static inline uint32_t crc_shift(uint32_t zeros[4][256], uint32_t c) {
     return zeros[0][c & 0xff] ^ zeros[1][(c >> 8) & 0xff] ^ zeros[2][(c >> 16) & 0xff] ^ zeros[3][c >> 24];
 }
 
+/* Three blocks of `block` bytes at p as three chains side by side; the first chain's CRC is shifted over each of
+ * the other blocks (`zeros`: the operator of `block` zero bytes) and joined with theirs. */
+__attribute__((target("sse4.2"))) static inline uint64_t crc_three(uint64_t c, const uint8_t *p, size_t block,
+                                                                   uint32_t zeros[4][256]) {
+    uint64_t c1 = 0, c2 = 0;
+    for (const uint8_t *end = p + block; p < end; p += 8) {
+        uint64_t w0, w1, w2;
+        memcpy(&w0, p, 8);
+        memcpy(&w1, p + block, 8);
+        memcpy(&w2, p + 2 * block, 8);
+        c = __builtin_ia32_crc32di(c, w0);
+        c1 = __builtin_ia32_crc32di(c1, w1);
+        c2 = __builtin_ia32_crc32di(c2, w2);
+    }
+    c = crc_shift(zeros, (uint32_t)c) ^ (uint32_t)c1;
+    return crc_shift(zeros, (uint32_t)c) ^ (uint32_t)c2;
+}
+
 __attribute__((target("sse4.2"))) static uint32_t crc_hw(uint32_t c32, const uint8_t *p, size_t n) {
     uint64_t c = c32;
-    while (n >= 3 * CRC_LONG) { /* the three chains, then the first shifted over each of the others */
-        uint64_t c1 = 0, c2 = 0;
-        for (const uint8_t *end = p + CRC_LONG; p < end; p += 8) {
-            uint64_t w0, w1, w2;
-            memcpy(&w0, p, 8);
-            memcpy(&w1, p + CRC_LONG, 8);
-            memcpy(&w2, p + 2 * CRC_LONG, 8);
-            c = __builtin_ia32_crc32di(c, w0);
-            c1 = __builtin_ia32_crc32di(c1, w1);
-            c2 = __builtin_ia32_crc32di(c2, w2);
-        }
-        c = crc_shift(crc_long, (uint32_t)c) ^ (uint32_t)c1;
-        c = crc_shift(crc_long, (uint32_t)c) ^ (uint32_t)c2;
-        p += 2 * CRC_LONG;
-        n -= 3 * CRC_LONG;
-    }
-    while (n >= 3 * CRC_SHORT) {
-        uint64_t c1 = 0, c2 = 0;
-        for (const uint8_t *end = p + CRC_SHORT; p < end; p += 8) {
-            uint64_t w0, w1, w2;
-            memcpy(&w0, p, 8);
-            memcpy(&w1, p + CRC_SHORT, 8);
-            memcpy(&w2, p + 2 * CRC_SHORT, 8);
-            c = __builtin_ia32_crc32di(c, w0);
-            c1 = __builtin_ia32_crc32di(c1, w1);
-            c2 = __builtin_ia32_crc32di(c2, w2);
-        }
-        c = crc_shift(crc_short, (uint32_t)c) ^ (uint32_t)c1;
-        c = crc_shift(crc_short, (uint32_t)c) ^ (uint32_t)c2;
-        p += 2 * CRC_SHORT;
-        n -= 3 * CRC_SHORT;
-    }
+    for (; n >= 3 * CRC_LONG; p += 3 * CRC_LONG, n -= 3 * CRC_LONG) c = crc_three(c, p, CRC_LONG, crc_long);
+    for (; n >= 3 * CRC_SHORT; p += 3 * CRC_SHORT, n -= 3 * CRC_SHORT) c = crc_three(c, p, CRC_SHORT, crc_short);
     while (n >= 8) {
         uint64_t w;
         memcpy(&w, p, 8);
