@@ -56,6 +56,18 @@ def test_a_python_snippet_runs_as_written(number: int, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_the_python_snippets_run_one_after_another_in_one_directory(tmp_path: Path) -> None:
+    """As a reader runs them: each snippet in the same directory as the one before, whose var/ (its CF's data, its
+    members' logs) is still there; each runs again there too."""
+    for number in (*range(len(EXPECTED)), 0):
+        done = subprocess.run([sys.executable, "-c", python_snippets()[number]], cwd=tmp_path, env=clean_env(),
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip().splitlines()[-1] == EXPECTED[number], done.stdout
+    assert (tmp_path / "var").is_dir()
+
+
+@pytest.mark.slow
 def test_the_migration_commands_run_as_written_against_a_local_group(tmp_path: Path) -> None:
     env = clean_env()
 
