@@ -193,7 +193,7 @@ def _scan_file(fd: int, start: int, size: int, *, capacity: int, first_frame: in
         want = min(size - off, max(CHUNK, _frame_bytes(fd, off, size)))
         if want > len(buf):
             buf = bytearray(want)
-        got = os.preadv(fd, [memoryview(buf)[:want]], off)
+        got = _read_into(fd, memoryview(buf)[:want], off)
         if not got:
             break
         if hashed is not None and off + got > upto:
@@ -214,6 +214,19 @@ def _scan_file(fd: int, start: int, size: int, *, capacity: int, first_frame: in
 
 
 CHUNK = 8 << 20  # bytes of a file a reader holds at a time
+
+
+def _read_into(fd: int, view: memoryview, off: int) -> int:
+    """The bytes read into `view` from `off` on: as many as it holds, fewer only at the file's end. A read may return
+    fewer bytes than asked before the end (some file systems do): taken as the end of the chunk, it would cut the
+    first frame short and read as a damaged one."""
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], off + got)
+        if not n:
+            break
+        got += n
+    return got
 
 
 def _frame_bytes(fd: int, off: int, size: int) -> int:

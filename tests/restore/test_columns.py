@@ -287,6 +287,26 @@ def test_a_files_chunks_are_read_into_one_buffer(tmp_path: Path, monkeypatch: py
     assert len(read_into) > 1 and len({id(x) for x in read_into}) == 1
 
 
+def test_reads_that_return_fewer_bytes_than_asked_read_the_same(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read may return fewer bytes than asked before a file's end (NFS, FUSE): the reader reads on until its
+    chunk is whole, and the same records and copies come out, the backup's sha256 and frame count checked."""
+    d = _log(tmp_path, 80, segment_bytes=1 << 20)
+    b = read_backup(_backup(tmp_path))
+    whole_log = _scan_log(d, 0, tmp_path)[0]
+    whole_backup = [_copies(b.path, info) for info in b.manifest["files"]]
+    rng = random.Random(3)
+    preadv = os.preadv
+
+    def short(fd: int, views: list[memoryview], off: int) -> int:
+        return preadv(fd, [views[0][:max(1, rng.randrange(len(views[0]) + 1))]], off)
+
+    monkeypatch.setattr("restore.columns.CHUNK", 4096)
+    monkeypatch.setattr("restore.columns.os.preadv", short)
+    assert _scan_log(d, 0, tmp_path)[0] == whole_log
+    assert [_copies(b.path, info) for info in b.manifest["files"]] == whole_backup
+
+
 def test_without_its_c_readers_the_columnar_engine_says_so_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     """The extension is optional (an image without a C compiler installs the package without it): asking for the
     columnar engine there fails at once, naming what is missing and the way out."""
