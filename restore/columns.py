@@ -23,6 +23,7 @@ where a live log ends; a record it decodes that the C reader did not take is pac
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -406,14 +407,27 @@ def read_back(sources: Sequence[Source], pieces: Sequence[tuple[int, int, int, i
             if fd is None:
                 fd = fds[f] = sources[f].open()
             if dlen and doff >= boff + blen and doff - (boff + blen) < 16:  # adjacent: one read
-                whole = os.pread(fd, doff + dlen - boff, boff)
+                whole = _pread_exactly(fd, doff + dlen - boff, boff)
                 out.append((whole[:blen], whole[doff - boff:]))
             else:
-                out.append((os.pread(fd, blen, boff), os.pread(fd, dlen, doff) if dlen else b""))
+                out.append((_pread_exactly(fd, blen, boff), _pread_exactly(fd, dlen, doff) if dlen else b""))
     finally:
         for fd in fds.values():
             os.close(fd)
     return out
+
+
+def _pread_exactly(fd: int, n: int, off: int) -> bytes:
+    """The `n` bytes at `off`, read on where a read returns fewer (as read_pieces does in C); OSError (EIO) when
+    the file ends before them: a source cut short since it was read, never a piece restored short."""
+    out = bytearray()
+    while len(out) < n:
+        got = os.pread(fd, n - len(out), off + len(out))
+        if not got:
+            raise OSError(errno.EIO, f"a restore's source ends at byte {off + len(out)}, inside a piece it read "
+                                     f"there ({n} bytes at {off})")
+        out += got
+    return bytes(out)
 
 
 class Pieces:

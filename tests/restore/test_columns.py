@@ -307,6 +307,24 @@ def test_reads_that_return_fewer_bytes_than_asked_read_the_same(tmp_path: Path,
     assert [_copies(b.path, info) for info in b.manifest["files"]] == whole_backup
 
 
+def test_pieces_read_back_whole_from_reads_that_return_fewer_bytes(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """read_back reads on where a read returns fewer bytes than asked (as read_pieces does in C), and a source cut
+    short since it was read is an OSError naming the place, never a descriptor or data restored short."""
+    path = tmp_path / "source"
+    data = random.Random(4).randbytes(50_000)
+    path.write_bytes(data)
+    pieces = [(0, 0, 100, 100, 900), (0, 5_000, 3_000, 20_000, 25_000), (0, 49_000, 1_000, 0, 0)]
+    expected = [(data[b:b + bl], data[d:d + dl] if dl else b"") for _, b, bl, d, dl in pieces]
+    rng = random.Random(5)
+    pread = os.pread
+    monkeypatch.setattr("restore.columns.os.pread", lambda fd, n, off: pread(fd, max(1, rng.randrange(n + 1)), off))
+    assert read_back([Source(str(path))], pieces) == expected
+    monkeypatch.undo()
+    with pytest.raises(OSError, match=r"ends at byte 50000, inside a piece"):
+        read_back([Source(str(path))], [(0, 49_000, 1_001, 0, 0)])
+
+
 def test_without_its_c_readers_the_columnar_engine_says_so_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     """The extension is optional (an image without a C compiler installs the package without it): asking for the
     columnar engine there fails at once, naming what is missing and the way out."""
