@@ -67,7 +67,7 @@ from cfemu.clitools import (
     whole,
 )
 from cfemu.clitools import styled_table as _table
-from cfemu.connection import connect
+from cfemu.connection import check_url, connect
 from cfemu.credentials import BackupKeys
 from cfemu.errors import StructureFailedError
 from cfemu.settings import ENV_BACKUP_DIR, Settings
@@ -305,13 +305,16 @@ def cmd_schedule(args: argparse.Namespace, out: Output) -> int:
     keep_age = parse_age(args.keep_age) if args.keep_age else None
     if keep_age is not None and not args.keep:
         raise ValueError("--keep-age needs a retention: --keep 0 keeps every backup")
+    found = settings(args)
+    if found.redis_url:  # a URL no connection can be made with is refused before the loop starts
+        check_url(found.redis_url)
     configure_logging(args.verbose, as_json=out.as_json)
     metrics = SchedulerMetrics(args.interval, args.keep)
     if args.metrics_port is not None:
         port = exposition.serve([metrics], args.metrics_host, args.metrics_port)
         logging.getLogger("backup.schedule").info("backup scheduler: metrics on http://%s:%d/metrics",
                                                   args.metrics_host, port)
-    run_backup_scheduler(args.interval, settings(args), args.structure, keep=args.keep, metrics=metrics,
+    run_backup_scheduler(args.interval, found, args.structure, keep=args.keep, metrics=metrics,
                          keep_age=keep_age)
     return 0
 

@@ -38,7 +38,7 @@ from rich.table import Table
 
 from cfemu import settings as _settings
 from cfemu.admin import AdminError
-from cfemu.connection import ConnectionConfigError
+from cfemu.connection import ConnectionConfigError, check_url
 from cfemu.errors import MQError
 from cfemu.settings import Settings
 
@@ -104,7 +104,7 @@ def require_url(s: Settings) -> str:
     if not s.redis_url:
         raise CLIError(f"no CF found: pass --redis-url, set ${_settings.ENV_URL}, or start one ('cfemu cluster up' "
                        "or 'cfemu cf start')")
-    return s.redis_url
+    return check_url(s.redis_url)
 
 
 # --- output -----------------------------------------------------------------------------------------------------

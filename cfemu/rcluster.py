@@ -74,7 +74,8 @@ def is_cluster(client: object) -> bool:
     return isinstance(client, RedisCluster)
 
 
-def _seeds(url: str) -> list[ClusterNode]:
+def seeds(url: str) -> list[ClusterNode]:
+    """The cluster URL's addresses (its own and each ``node``); ValueError naming a bad one."""
     parts = urlsplit(url)
     try:
         nodes = [ClusterNode(parts.hostname or "127.0.0.1", parts.port or 6379)]
@@ -109,7 +110,7 @@ def connect_cluster(url: str, *, opts: dict[str, Any], max_connections: int | No
                 super().__init__(timeout=pool_timeout, **kwargs)
 
         kw.update(connection_pool_class=_NodePool, max_connections=max_connections)
-    client = CFCluster(startup_nodes=_seeds(url), retry=Retry(NoBackoff(), 0), require_full_coverage=False,
+    client = CFCluster(startup_nodes=seeds(url), retry=Retry(NoBackoff(), 0), require_full_coverage=False,
                        dynamic_startup_nodes=True, **kw)
     return cast(redis.Redis, client)
 

@@ -95,6 +95,18 @@ class Parents(NamedTuple):
     server: argparse.ArgumentParser  # --server endpoints (else an in-process SQM), their token, --qm-name
 
 
+def endpoint(text: str) -> str:
+    """An argparse type: a member's service as HOST:PORT (sqm.service.client.parse_endpoint's rule), refused in
+    one line when it is not one, before the command starts anything."""
+    from sqm.service.client import parse_endpoint
+
+    try:
+        parse_endpoint(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def parents() -> Parents:
     common = Parser(add_help=False)
     common.add_argument("--json", action="store_true", help="print one JSON document")
@@ -102,7 +114,7 @@ def parents() -> Parents:
     where = Parser(add_help=False)
     add_settings_arguments(where, "redis_url", "log_root", "cluster_dir", "cf_dir")
     server = Parser(add_help=False)
-    server.add_argument("--server", action="append", default=[], metavar="HOST:PORT",
+    server.add_argument("--server", action="append", default=[], metavar="HOST:PORT", type=endpoint,
                         help="go through an SQM server (repeat for failover); default: an in-process SQM")
     add_settings_arguments(server, "token")
     server.add_argument("--qm-name", default=OPERATOR_QM, help=f"in-process SQM name (default {OPERATOR_QM})")

@@ -22,7 +22,7 @@ from typing import Any
 from rich.markup import escape
 
 from cfemu.clitools import CLIError, Output, add_settings_arguments, settings
-from qsg.cli_common import Parents, Parser
+from qsg.cli_common import Parents, Parser, endpoint
 from qsg.local_group import LocalGroup, LocalGroupError
 from qsg.member_answers import Answered, ask_each_member, name_unanswered, raise_if_partial
 from sqm.operations import OPERATOR, one_line
@@ -45,7 +45,7 @@ def conn_arguments(parser: Parser, parents: Parents) -> None:
 
 def member_arguments(parser: argparse.ArgumentParser) -> None:
     """--server and --server-ca: the members' services to ask (default: the local cluster's)."""
-    parser.add_argument("--server", action="append", default=[], metavar="HOST:PORT",
+    parser.add_argument("--server", action="append", default=[], metavar="HOST:PORT", type=endpoint,
                         help="a member's service (repeat for each); default: every member of the local cluster")
     parser.add_argument("--server-ca", metavar="PEM",
                         help="the CA (or certificate) that signed the members' TLS certificates, when they serve TLS")

@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from cfemu.clitools import CLIError, Output, add_settings_arguments, configure_logging
+from cfemu.connection import check_url
 from cfemu.settings import find_cluster_dir, read_cluster_file
-from qsg.cli_common import Parents, seconds, whole
+from qsg.cli_common import Parents, endpoint, seconds, whole
 from sqm.service.client import client_tls_context
 from sqm.service.config import is_loopback_host
 
@@ -74,9 +75,11 @@ def cmd_console(args: argparse.Namespace, out: Output) -> int:
                        "--tls-key), since the operator's token is typed into its login form")
     source = GroupSource({k: getattr(args, k) for k in WHERE if getattr(args, k, None)}, tuple(args.server),
                          member_tls)
-    if not source.settings().redis_url:
+    url = source.settings().redis_url
+    if not url:
         raise CLIError("no CF found: pass --redis-url or --cluster-dir, set $REDIS_URL, or start one ('cfemu "
                        "cluster up' or 'cfemu cf start')")
+    check_url(url)
     if not source.operator_token():
         raise CLIError("the group has no operator token, so nobody could log in: 'cfemu secrets init' makes one "
                        "(operator.token in the secrets directory), or set $SQM_OPERATOR_TOKEN")
@@ -119,7 +122,7 @@ def console_arguments(p: argparse.ArgumentParser, parents: Parents) -> None:
                    help=f"the port (default {DEFAULT_PORT}; 0: any free one, see --ready-file)")
     p.add_argument("--tls-cert", help="serve HTTPS with this certificate (default: the cluster members' own)")
     p.add_argument("--tls-key", help="the certificate's private key")
-    p.add_argument("--server", action="append", default=[], metavar="HOST:PORT",
+    p.add_argument("--server", action="append", default=[], metavar="HOST:PORT", type=endpoint,
                    help="a member's service endpoint (repeat; a local cluster's are found in its cluster.json)")
     p.add_argument("--server-ca", help="the CA that signed the members' certificates, when their service has TLS")
     p.add_argument("--interval", type=seconds(0.2, 3600), default=2.0,

@@ -34,6 +34,13 @@ ERRORS: list[tuple[str, Main, list[str], str]] = [
     ("cfbackup", backup_cli.main, ["run", "APP1"], "no CF found: pass --redis-url"),
     ("cfrestore", restore_cli.main, ["run", "APP1", "--redis-url", "http://x"], "unsupported URL scheme"),
     ("cfrestore", restore_cli.main, ["plan", "APP1"], "no CF found: pass --redis-url"),
+    # a URL no connection can be made with, refused before a server or a loop starts (each poll had failed)
+    ("cfemu", cfemu_cli.main, ["console", "--redis-url", "redis://[::1"], "Invalid IPv6 URL"),
+    ("cfemu", cfemu_cli.main, ["exporter", "--redis-url", "redis://127.0.0.1:99999"], "Port out of range"),
+    ("cfbackup", backup_cli.main, ["schedule", "--interval", "60", "--redis-url", "redis://127.0.0.1:-1"],
+     "Port could not be cast"),
+    ("cfbackup", backup_cli.main, ["run", "APP1", "--redis-url", "redis+cluster://127.0.0.1:1/?node=h:x"],
+     "bad address in the cluster URL"),
 ]
 
 
@@ -123,7 +130,11 @@ def test_a_definitions_number_beyond_what_the_cf_holds_is_one_line(argv: list[st
     (sqm_cli.main, ["log", "print"], "sqm log print: error: one of the arguments --member --all is required"),
     (chaos_cli.main, ["run", "--bogus"], "error: unrecognized arguments: --bogus"),
     (backup_cli.main, ["run"], "cfbackup run: error: the following arguments are required"),
-], ids=["cfrestore-engine", "cfrestore-audit", "sqm-log-print", "chaos-run", "cfbackup-run"])
+    (cfemu_cli.main, ["console", "--server", "host:"], "cfemu console: error: argument --server: bad endpoint"),
+    (cfemu_cli.main, ["conn", "--server", "127.0.0.1:abc"], "cfemu conn: error: argument --server: bad endpoint"),
+    (cfemu_cli.main, ["put", "Q1", "x", "--server", ":1"], "cfemu put: error: argument --server: bad endpoint"),
+], ids=["cfrestore-engine", "cfrestore-audit", "sqm-log-print", "chaos-run", "cfbackup-run", "console-server",
+        "conn-server", "put-server"])
 def test_every_commands_usage_error_is_one_line(main: Main, argv: list[str], words: str, nowhere: Path,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     """argparse's own usage errors print the usage block then the error; every command's parser says it in one
