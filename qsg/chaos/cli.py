@@ -19,7 +19,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from cfemu.clitools import Output, Parser, run_command
+from cfemu.clitools import Output, Parser, lease_ms, run_command, seconds, whole
 from qsg.chaos.checker import FINDING_KINDS, check
 from qsg.chaos.faults import (
     CF_LINK_KINDS,
@@ -40,31 +40,27 @@ def _kinds(text: str) -> tuple[str, ...]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _positive(text: str) -> float:
-    v = float(text)
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, not {text}")
-    return v
+DAY_S = 86_400.0  # the longest a run's durations may be: a NaN, an infinity or 1e30 ran a workload without end
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="cfemu chaos", description=__doc__.split("\n\n")[0] if __doc__ else None)
     sub = p.add_subparsers(dest="command", required=True)
     common = Parser(add_help=False)
-    common.add_argument("--duration", type=_positive, default=25.0, help="seconds of workload per seed (25)")
+    common.add_argument("--duration", type=seconds(0, DAY_S, above=True), default=25.0, help="seconds of workload per seed (25)")
     common.add_argument("--faults", type=_kinds, default=parse_kinds("all"), metavar="KINDS",
                         help="all (default: every kind but the duplexed CF's), short, none, or a comma-separated "
                              "list (see 'cfemu chaos kinds')")
-    common.add_argument("--clients", type=int, default=8, help="client threads (8)")
-    common.add_argument("--managers", type=int, default=3, help="SQM servers (3)")
-    common.add_argument("--lease-ms", type=int, default=3000, help="SQM lease (3000)")
-    common.add_argument("--backup-interval", type=_positive, default=4.0, help="seconds between backups (4)")
+    common.add_argument("--clients", type=whole(1, 1000), default=8, help="client threads (8)")
+    common.add_argument("--managers", type=whole(1, 9), default=3, help="SQM servers (3)")
+    common.add_argument("--lease-ms", type=lease_ms, default=3000, help="SQM lease (3000)")
+    common.add_argument("--backup-interval", type=seconds(0, DAY_S, above=True), default=4.0, help="seconds between backups (4)")
     common.add_argument("--dir", type=Path, default=Path("var/chaos"), help="report directory (var/chaos)")
     common.add_argument("--keep-cluster", action="store_true", help="keep the cluster's logs and backups")
     common.add_argument("--redis-cluster", type=int, default=0, metavar="N",
                         help="the CF as a Redis Cluster of N masters (3-16); without the cf-link kinds, and "
                              "'short' is then: " + ",".join(CLUSTER_SHORT_KINDS))
-    common.add_argument("--serve-within", type=_positive, default=None, metavar="SECONDS",
+    common.add_argument("--serve-within", type=seconds(0, DAY_S, above=True), default=None, metavar="SECONDS",
                         help="every member must serve again this soon after each fault's heal (default per kind: "
                              "twice the lease + 20 s + the kind's allowance); later is a liveness finding")
     common.add_argument("--rest", action="store_true",
@@ -78,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", parents=[common], help="one seed")
     run.add_argument("--seed", type=int, default=1)
     soak = sub.add_parser("soak", parents=[common], help="many seeds, every fault kind by default")
-    soak.add_argument("--seeds", type=int, default=20, help="how many seeds (20)")
+    soak.add_argument("--seeds", type=whole(1, 100_000), default=20, help="how many seeds (20)")
     soak.add_argument("--first-seed", type=int, default=1)
     chk = sub.add_parser("check", help="check a recorded history file")
     chk.add_argument("history", type=Path)

@@ -76,19 +76,26 @@ class History:
 
 
 def load_history(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Every event of a history file; a torn last line (the runner was killed mid-write) is left out."""
-    events = []
-    with open(path, encoding="utf-8") as f:
+    """Every event of a history file; a torn last line (the runner was killed mid-write) is left out. A file that
+    holds no event, or a line that is not one (a JSON object with its "type"), is not a history: ValueError, never
+    a check that finds nothing in it."""
+    events: list[dict[str, Any]] = []
+    with open(path, encoding="utf-8", errors="replace") as f:
         lines = f.read().split("\n")
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            events.append(json.loads(line))
+            event = json.loads(line)
         except json.JSONDecodeError:
-            if n >= len(lines) - 1:
+            if n >= len(lines) - 1 and events:
                 break
-            raise ValueError(f"{path}: line {n} is not JSON") from None
+            raise ValueError(f"{path}: line {n} is not JSON: not a chaos history") from None
+        if not isinstance(event, dict) or "type" not in event:
+            raise ValueError(f"{path}: line {n} is not an event of a chaos history (a JSON object with its \"type\")")
+        events.append(event)
+    if not events:
+        raise ValueError(f"{path}: no event in it: not a chaos history (a run's history.jsonl)")
     return events
 
 

@@ -41,6 +41,7 @@ ERRORS: list[tuple[str, Main, list[str], str]] = [
      "Port could not be cast"),
     ("cfbackup", backup_cli.main, ["run", "APP1", "--redis-url", "redis+cluster://127.0.0.1:1/?node=h:x"],
      "bad address in the cluster URL"),
+    ("cfemu chaos", chaos_cli.main, ["check", "/dev/null"], "not a chaos history"),
 ]
 
 
@@ -133,8 +134,11 @@ def test_a_definitions_number_beyond_what_the_cf_holds_is_one_line(argv: list[st
     (cfemu_cli.main, ["console", "--server", "host:"], "cfemu console: error: argument --server: bad endpoint"),
     (cfemu_cli.main, ["conn", "--server", "127.0.0.1:abc"], "cfemu conn: error: argument --server: bad endpoint"),
     (cfemu_cli.main, ["put", "Q1", "x", "--server", ":1"], "cfemu put: error: argument --server: bad endpoint"),
+    (chaos_cli.main, ["soak", "--seeds", "0"], "argument --seeds: must be a whole number from 1"),
+    (chaos_cli.main, ["run", "--duration", "nan"], "argument --duration: must be a number > 0"),
+    (chaos_cli.main, ["run", "--clients", "99999999999999999999"], "argument --clients: must be a whole number"),
 ], ids=["cfrestore-engine", "cfrestore-audit", "sqm-log-print", "chaos-run", "cfbackup-run", "console-server",
-        "conn-server", "put-server"])
+        "conn-server", "put-server", "chaos-seeds", "chaos-duration", "chaos-clients"])
 def test_every_commands_usage_error_is_one_line(main: Main, argv: list[str], words: str, nowhere: Path,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     """argparse's own usage errors print the usage block then the error; every command's parser says it in one

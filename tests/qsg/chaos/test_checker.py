@@ -3,11 +3,15 @@ a clean history, and the allowed anomalies (non-persistent loss, unknown outcome
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
+
+import pytest
 
 from cfemu.errors import OutcomePendingError, OutcomeUnknownError
 from qsg.chaos.bodies import make_body, pending_delivery
 from qsg.chaos.checker import FINDING_KINDS, check
+from qsg.chaos.history import load_history
 from sqm.core.connection import Message
 
 
@@ -83,6 +87,23 @@ def clean_base() -> Hist:
     h.drain("m2", "Q3")
     h.drain("m3")
     return h
+
+
+@pytest.mark.parametrize("content", [b"", b"\n\n", b"not json {", b"[1, 2]\n", b"{\"t\": 1}\n", b"\xff\xfe\x00garbage"],
+                         ids=["empty", "blank", "not-json", "not-an-object", "no-type", "bytes"])
+def test_a_file_that_is_not_a_history_is_refused_not_checked(tmp_path: Path, content: bytes) -> None:
+    """`cfemu chaos check` of a file that holds no event of a run had answered "no findings" and exit 0: an
+    operator checking the wrong file would read it as a clean run."""
+    path = tmp_path / "history.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match="chaos history"):
+        load_history(path)
+
+
+def test_a_torn_last_line_is_left_out_of_a_history(tmp_path: Path) -> None:
+    path = tmp_path / "history.jsonl"
+    path.write_text('{"type": "note", "t": 0}\n{"type": "invoke", "id": 1, "t":')
+    assert load_history(path) == [{"type": "note", "t": 0}]
 
 
 def test_a_clean_history_reports_nothing() -> None:
