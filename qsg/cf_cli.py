@@ -36,17 +36,18 @@ def cmd_cf(args: argparse.Namespace, out: Output) -> int:
             running = None
         if running is not None:
             raise CLIError(f"a CF already runs from {cf_dir} at {running.url} (pid {running.pid})")
-        # Secured from its first start: the default user off, one user per role, passwords in cf_dir/secrets.
-        passwords = credentials.create(cf_dir / credentials.SECRETS_DIR)
+        # What the arguments name is checked before anything is made: a start refused leaves no directory behind.
         if (args.tls_cert is None) != (args.tls_key is None) or (args.tls_ca and not args.tls_cert):
             raise CLIError("TLS needs both --tls-cert and --tls-key (and --tls-ca only with them)")
         for flag, path in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key), ("--tls-ca", args.tls_ca)):
             if path is not None and not Path(path).is_file():
-                raise CLIError(f"{flag}: no such file: {path}")
+                raise CLIError(f"{flag}: not a file: {path}")
         try:
             server = find_server(tls=args.tls_cert is not None, forced=args.server_binary)
         except ServerError as e:
             raise CLIError(str(e)) from None
+        # Secured from its first start: the default user off, one user per role, passwords in cf_dir/secrets.
+        passwords = credentials.create(cf_dir / credentials.SECRETS_DIR)
         srv = EmbeddedRedis(port=args.port, data_dir=cf_dir, appendonly=args.appendonly, detach=True,
                             acl_users=credentials.acl_lines(passwords), binary=server.path,
                             tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,

