@@ -111,9 +111,11 @@ _PLAIN: dict[str, Any] = {
 def check_url(url: str) -> str:
     """The CF URL as given, or ConnectionConfigError in one line saying why connect() could make no connection
     with it (its scheme, its host, its port, a duplexed or cluster URL's other addresses), found without
-    connecting. The URL is not repeated where it cannot be read: it may hold a password."""
+    connecting. The URL is shown with its password hidden, and not at all where it cannot be read."""
+    shown = ""
     try:
         parts = urlsplit(url)
+        shown = f" ({redact(url)!r})"
         _ = parts.port
         if parts.scheme not in ("redis", "rediss", "unix", *rcluster.SCHEMES):
             raise ValueError(f"unsupported URL scheme {parts.scheme!r} (use redis://, rediss://, unix:// or "
@@ -124,7 +126,7 @@ def check_url(url: str) -> str:
             paired = duplex.pool_options(url)
             redis.connection.parse_url(paired[0] if paired is not None else url)
     except ValueError as e:
-        raise ConnectionConfigError(f"the CF URL is not one a connection can be made with: {e}") from None
+        raise ConnectionConfigError(f"the CF URL is not one a connection can be made with: {e}{shown}") from None
     return url
 
 
