@@ -86,10 +86,18 @@ def cmd_secrets(args: argparse.Namespace, out: Output) -> int:
     """cfemu secrets init: the group's secrets in DIR (kept when they exist), and optionally the CF's ACL file for
     them (for a CF this command does not start: docker-compose's redis-server, or an external Redis)."""
     directory = Path(args.dir)
+    acl = Path(args.acl_file) if args.acl_file else None
+    # Checked before anything is made. The ACL file is written in the path's place (a new file renamed over it):
+    # a device, a pipe, a directory or a link there would be replaced (run as root, /dev/null was).
+    if acl is not None and (acl.is_symlink() or (acl.exists() and not acl.is_file())):
+        raise CLIError(f"--acl-file: {acl} exists and is not a regular file: name a new file or the ACL file itself")
+    if acl is not None and not acl.parent.is_dir():
+        raise CLIError(f"--acl-file: {acl.parent} is not a directory")
+    if acl is None and args.acl_owner is not None:
+        raise CLIError("--acl-owner owns the ACL file: it needs --acl-file")
     passwords = credentials.create(directory)
     info: dict[str, Any] = {"dir": str(directory.resolve()), "files": sorted(p.name for p in directory.iterdir())}
-    if args.acl_file:
-        acl = Path(args.acl_file)
+    if acl is not None:
         write_private(acl, "".join(line + "\n" for line in credentials.acl_lines(passwords)).encode())
         if args.acl_owner is not None:  # the redis-server that reads it may run as another user (its image's)
             os.chown(acl, args.acl_owner, -1)

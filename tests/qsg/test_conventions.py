@@ -194,3 +194,25 @@ def test_with_json_an_error_is_a_json_document_on_stdout_too(nowhere: Path,
     out, err = capsys.readouterr()
     assert json.loads(out) == {"error": err.removeprefix("cfemu: error: ").rstrip("\n"), "exit": 2}
     assert err.startswith("cfemu: error: no CF found") and err.count("\n") == 1
+
+
+def test_secrets_init_never_writes_its_acl_file_over_what_is_not_a_regular_file(
+        nowhere: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The ACL file is written in its path's place: given a device (run as root, /dev/null was replaced by a
+    regular file), a pipe, a directory or a link, it is refused in one line, and no secrets directory is made."""
+    fifo, link = nowhere / "fifo", nowhere / "link"
+    os.mkfifo(fifo)
+    (nowhere / "target").write_text("kept")
+    link.symlink_to(nowhere / "target")
+    for acl, words in ((fifo, "is not a regular file"), (nowhere, "is not a regular file"),
+                       (link, "is not a regular file"), (nowhere / "missing" / "acl", "is not a directory")):
+        assert cfemu_cli.main(["secrets", "init", "--dir", str(nowhere / "secrets"), "--acl-file", str(acl)]) == 2
+        _, err = capsys.readouterr()
+        assert err.count("\n") == 1 and words in err, err
+        assert not (nowhere / "secrets").exists()
+    assert fifo.is_fifo() and link.is_symlink() and (nowhere / "target").read_text() == "kept"
+    assert cfemu_cli.main(["secrets", "init", "--dir", str(nowhere / "secrets"), "--acl-owner", "0"]) == 2
+    assert "needs --acl-file" in capsys.readouterr().err
+    assert cfemu_cli.main(["secrets", "init", "--dir", str(nowhere / "secrets"), "--acl-file",
+                           str(nowhere / "users.acl")]) == 0
+    assert (nowhere / "users.acl").is_file()
