@@ -420,13 +420,11 @@ def read_back(sources: Sequence[Source], pieces: Sequence[tuple[int, int, int, i
 def _pread_exactly(fd: int, n: int, off: int) -> bytes:
     """The `n` bytes at `off`, read on where a read returns fewer (as read_pieces does in C); OSError (EIO) when
     the file ends before them: a source cut short since it was read, never a piece restored short."""
-    out = bytearray()
-    while len(out) < n:
-        got = os.pread(fd, n - len(out), off + len(out))
-        if not got:
-            raise OSError(errno.EIO, f"a restore's source ends at byte {off + len(out)}, inside a piece it read "
-                                     f"there ({n} bytes at {off})")
-        out += got
+    out = bytearray(n)
+    got = _read_into(fd, memoryview(out), off)
+    if got < n:
+        raise OSError(errno.EIO, f"a restore's source ends at byte {off + got}, inside a piece it read "
+                                 f"there ({n} bytes at {off})")
     return bytes(out)
 
 

@@ -317,8 +317,12 @@ def test_pieces_read_back_whole_from_reads_that_return_fewer_bytes(tmp_path: Pat
     pieces = [(0, 0, 100, 100, 900), (0, 5_000, 3_000, 20_000, 25_000), (0, 49_000, 1_000, 0, 0)]
     expected = [(data[b:b + bl], data[d:d + dl] if dl else b"") for _, b, bl, d, dl in pieces]
     rng = random.Random(5)
-    pread = os.pread
-    monkeypatch.setattr("restore.columns.os.pread", lambda fd, n, off: pread(fd, max(1, rng.randrange(n + 1)), off))
+    preadv = os.preadv
+
+    def short(fd: int, views: list[memoryview], off: int) -> int:
+        return preadv(fd, [views[0][:max(1, rng.randrange(len(views[0]) + 1))]], off)
+
+    monkeypatch.setattr("restore.columns.os.preadv", short)
     assert read_back([Source(str(path))], pieces) == expected
     monkeypatch.undo()
     with pytest.raises(OSError, match=r"ends at byte 50000, inside a piece"):
