@@ -1,7 +1,7 @@
 """The durable backup catalog is the backup directory tree itself: <root>/<STRUCTURE>/<backup-id>/.
 
 Listing reads each backup's manifest (its signature checked with the group's backup keys) and checks its files'
-presence and sizes; `deep` also reads every frame (CRC32C, sha256, frame counts), as `cfbackup verify` does. A
+presence and sizes; `deep` also reads every frame (CRC32C, digests, frame counts), as `cfbackup verify` does. A
 backup is ok, corrupt (damaged: a file, a frame, a checksum), incomplete (no manifest: unfinished), unsigned
 (taken before backups were signed: ok only with the operator's override) or untrusted (not the group's backup as
 it was written: its signature does not match or is another key's, it names files outside itself, or it is a

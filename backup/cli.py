@@ -13,7 +13,7 @@
   cfbackup list [STRUCTURE] [--deep]             backups, newest first, with their state (ok/corrupt/incomplete)
   cfbackup show ID                               one backup's manifest: LRSN range, steps, files
   cfbackup verify ID                             read everything: the signature, every frame's CRC, every
-                                                 file's sha256
+                                                 file's digest
   cfbackup sign ID                               sign a backup again with the current key, once all of it checks
                                                  (after a key rotation; with --accept-unsigned, adopt an old one)
   cfbackup prune STRUCTURE --keep N | --older-than AGE
@@ -250,8 +250,8 @@ def cmd_verify(args: argparse.Namespace, out: Output) -> int:
                   "bytes": manifest["bytes"], "files": len(manifest["files"]), "signed": signed,
                   "key": manifest["signature"]["key"] if signed else None})
     else:
-        how = (f"its signature (key {manifest['signature']['key']}), every CRC and sha256 match" if signed else
-               "UNSIGNED (accepted with --accept-unsigned), every CRC and sha256 match")
+        how = (f"its signature (key {manifest['signature']['key']}), every CRC and digest match" if signed else
+               "UNSIGNED (accepted with --accept-unsigned), every CRC and digest match")
         out.line(f"backup {manifest['id']} is good: {frames} frames in {len(manifest['files'])} file(s), "
                  f"{_mib(manifest['bytes'])} MiB of data; {how}")
     return 0

@@ -2,7 +2,7 @@
 
 BackupWriter streams frames into entry files as the backup copies entries and writes the manifest last,
 atomically, so that a backup without a manifest is always an unfinished one. The manifest carries every entry
-file's size, sha256 and frame count, and is signed with the group's backup key (HMAC-SHA256 over its canonical
+file's size, digest (backup.digest) and frame count, and is signed with the group's backup key (HMAC-SHA256 over its canonical
 JSON: cfemu.credentials.BackupKeys, found by cfemu.settings), so that the manifest and, through its digests, the
 entry files are the group's: nobody without the key can alter a backup (its replay start, a body, its members)
 and have it accepted. read_backup() opens a backup and refuses anything that is not exactly what the manifest
@@ -42,6 +42,7 @@ import crc32c
 import msgpack
 
 from backup.bounded_json import JSONFileError, load_json_bounded
+from backup.digest import WRITTEN, WRITTEN_FORMAT, digest_of_format, file_digest, new_hasher, signed_format
 from cfemu import settings
 from cfemu.bulk import Bulks
 from cfemu.credentials import BackupKeys, key_id
@@ -56,7 +57,8 @@ try:
 except ImportError:  # installed where no C compiler was (the extension is optional): add_raw frames in Python
     _frames = None
 
-FORMAT_VERSION = 2  # the manifest's: signed with the group's backup key
+# A signed manifest is format 2 (its files' digest SHA-256) or 3 (BLAKE3, what is written): backup.digest.
+SIGNED_FORMATS = (2, WRITTEN_FORMAT)
 UNSIGNED_FORMAT = 1  # a manifest from before signing: an unkeyed checksum only (read with accept_unsigned)
 ENTRY_FILE_VERSION = 1
 MAGIC = b"CFBKP1\n"
@@ -64,7 +66,6 @@ FILE_HEADER = MAGIC + struct.pack("<H", ENTRY_FILE_VERSION)
 SIGNATURE_ALG = "hmac-sha256"
 _MAC_CONTEXT = b"cfemu backup manifest v2\n"  # what the MAC is of: only a manifest, never another message
 ENTRY_NAME_RE = re.compile(r"entries-[0-9]{4,6}\.bin")  # what the writer names entry files (fullmatch)
-_SHA256_RE = re.compile(r"[0-9a-f]{64}")
 FRAME_HEAD = struct.Struct("<II")  # length, CRC32C of the body
 MANIFEST_NAME = "manifest.json"
 ROLL_BYTES = 256 * 2**20
@@ -100,7 +101,7 @@ class CorruptFrameError(BackupError):
 
 
 class ChecksumMismatchError(BackupError):
-    """The manifest's checksum, or a file's sha256, size or frame count, does not match."""
+    """The manifest's checksum, or a file's digest, size or frame count, does not match."""
 
 
 class ForeignBackupError(BackupError):
@@ -186,9 +187,10 @@ def manifest_mac(manifest: dict[str, Any], key: bytes) -> str:
 
 
 def sign_manifest(manifest: dict[str, Any], key: bytes) -> dict[str, Any]:
-    """The manifest as format 2, signed with key: {"alg", "key" (its id), "mac"} in `signature`."""
+    """The manifest signed with key: {"alg", "key" (its id), "mac"} in `signature`; its format the one of its
+    files' digest (backup.digest.signed_format)."""
     out = {k: v for k, v in manifest.items() if k not in ("signature", "checksum")}
-    out["format"] = FORMAT_VERSION
+    out["format"] = signed_format(out.get("files") or [])
     out["signature"] = {"alg": SIGNATURE_ALG, "key": key_id(key), "mac": manifest_mac(out, key)}
     return out
 
@@ -343,7 +345,7 @@ class BackupWriter:
     """Writes one backup directory: frames into entry files (rolled at roll_bytes), then the manifest.
 
     Frames are gathered in memory and handed, ~1 MiB at a time, to one writing thread that writes them and
-    updates the file's sha256 (both let go of the GIL), so that the copy loop goes on meanwhile; the files are
+    updates the file's digest (both let go of the GIL), so that the copy loop goes on meanwhile; the files are
     fsynced, in order, before the manifest is written (finish)."""
 
     def __init__(self, directory: Path, *, roll_bytes: int = ROLL_BYTES,
@@ -356,7 +358,7 @@ class BackupWriter:
         self.files: list[dict[str, Any]] = []
         self._packer = _packer()
         self._file: _EntryFile | None = None
-        self._sha = hashlib.sha256()
+        self._sha = new_hasher()
         self._size = 0  # bytes of the current file, buffered ones included
         self._frames = 0
         self._buf = bytearray()  # frames not yet handed to the writing thread
@@ -371,7 +373,7 @@ class BackupWriter:
         name = f"entries-{len(self.files) + 1:04d}.bin"
         self._file = _EntryFile(self.directory / name)
         self.files.append({"name": name})
-        self._sha = hashlib.sha256()
+        self._sha = new_hasher()
         self._size = self._frames = 0
         self._buf += FILE_HEADER
         self._size += len(FILE_HEADER)
@@ -407,7 +409,7 @@ class BackupWriter:
         self._file.finish()
         self._file.close()
         self._file = None
-        self.files[-1].update(size=self._size, sha256=self._sha.hexdigest(), frames=self._frames)
+        self.files[-1].update({"size": self._size, "frames": self._frames, WRITTEN: self._sha.hexdigest()})
 
     def add(self, step: int, descriptor: dict[str, Any], data: bytes) -> None:
         """One copied entry: a frame [step, descriptor (wire form), data]."""
@@ -591,7 +593,8 @@ def _symlink(path: Path) -> UntrustedBackupError:
 
 
 def _read_entry_file(path: Path, info: dict[str, Any]) -> Iterator[tuple[int, dict[str, Any], bytes]]:
-    sha = hashlib.sha256()
+    digest, expected = file_digest(info)
+    sha = new_hasher(digest)
     frames = 0
     with _open_file(path) as f:
         header = f.read(len(FILE_HEADER))
@@ -620,8 +623,8 @@ def _read_entry_file(path: Path, info: dict[str, Any]) -> Iterator[tuple[int, di
             frames += 1
             offset += FRAME_HEAD.size + length
             yield int(step), descriptor, bytes(data)
-    if sha.hexdigest() != info["sha256"]:
-        raise ChecksumMismatchError(f"{path}: sha256 does not match the manifest")
+    if sha.hexdigest() != expected:
+        raise ChecksumMismatchError(f"{path}: {digest} does not match the manifest")
     if frames != info["frames"]:
         raise ChecksumMismatchError(f"{path}: {frames} frames, the manifest says {info['frames']}")
 
@@ -665,9 +668,7 @@ def read_manifest(path: Path, *, backup_keys: BackupKeys | None = None) -> dict[
     if not hmac.compare_digest(manifest_mac(manifest, key), signature["mac"]):
         raise UntrustedBackupError(f"{mpath}: the signature does not match: the manifest was altered after it "
                                    f"was signed: refused")
-    if manifest.get("format") != FORMAT_VERSION:
-        raise ChecksumMismatchError(f"{mpath}: backup format {manifest.get('format')!r} is not supported "
-                                    f"(this tool reads format {FORMAT_VERSION}, and {UNSIGNED_FORMAT} unsigned)")
+    _check_format(mpath, manifest, SIGNED_FORMATS)
     return manifest
 
 
@@ -686,9 +687,26 @@ def _check_file_list(path: Path, manifest: dict[str, Any]) -> None:
         if name in seen:
             raise UntrustedBackupError(f"{mpath}: the entry file {name} is listed twice: refused")
         seen.add(name)
-        if (not isinstance(info.get("size"), int) or not isinstance(info.get("frames"), int)
-                or not isinstance(info.get("sha256"), str) or not _SHA256_RE.fullmatch(info["sha256"])):
-            raise ChecksumMismatchError(f"{mpath}: bad size, sha256 or frame count for {name}")
+        try:
+            file_digest(info)
+        except ValueError:
+            raise ChecksumMismatchError(f"{mpath}: bad digest for {name}") from None
+        if not isinstance(info.get("size"), int) or not isinstance(info.get("frames"), int):
+            raise ChecksumMismatchError(f"{mpath}: bad size or frame count for {name}")
+
+
+def _check_format(mpath: Path, manifest: dict[str, Any], formats: tuple[int, ...]) -> None:
+    """The manifest's format is one of `formats` (those read signed, or unsigned), and its files carry that
+    format's digest: a manifest whose digests are not its format's is refused before any file is read."""
+    fmt = manifest.get("format")
+    digest = digest_of_format(fmt)
+    if digest is None or fmt not in formats:
+        raise ChecksumMismatchError(f"{mpath}: backup format {fmt!r} is not supported (this tool reads formats "
+                                    f"{', '.join(map(str, SIGNED_FORMATS))}, and {UNSIGNED_FORMAT} unsigned)")
+    for info in manifest["files"]:
+        if file_digest(info)[0] != digest:
+            raise ChecksumMismatchError(f"{mpath}: {info['name']} has a {file_digest(info)[0]} digest; a format "
+                                        f"{fmt} manifest's files have {digest}: refused")
 
 
 def _unsigned(path: Path, manifest: dict[str, Any], keys: BackupKeys) -> dict[str, Any]:
@@ -705,6 +723,7 @@ def _unsigned(path: Path, manifest: dict[str, Any], keys: BackupKeys) -> dict[st
                                   f"(removed): refused, even with --accept-unsigned")
     if manifest_checksum(manifest) != manifest["checksum"]:
         raise ChecksumMismatchError(f"{mpath}: manifest checksum mismatch (the manifest was altered or damaged)")
+    _check_format(mpath, manifest, (UNSIGNED_FORMAT,))
     log.warning("backup %s is unsigned (taken before backups were signed): used because of --accept-unsigned",
                 path.name)
     return manifest
@@ -731,7 +750,7 @@ def _check_files(path: Path, manifest: dict[str, Any]) -> None:
 def read_backup(path: str | Path, *, structure: str | None = None, group: str | None = None,
                 backup_keys: BackupKeys | None = None) -> Backup:
     """Open the backup at `path` for reading: the manifest's signature and file names, owner and file sizes are
-    checked now, frames (CRC32C), sha256 and frame counts as copies() reads them. Raises a BackupError subclass."""
+    checked now, frames (CRC32C), digests and frame counts as copies() reads them. Raises a BackupError subclass."""
     path = Path(path)
     manifest = read_manifest(path, backup_keys=backup_keys)
     if manifest.get("id") != path.name:  # an old backup copied under a newer id would pass for the latest

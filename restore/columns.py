@@ -24,7 +24,6 @@ where a live log ends; a record it decodes that the C reader did not take is pac
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ import msgpack
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from backup.digest import file_digest, new_hasher
 from backup.files import (
     FILE_HEADER,
     ChecksumMismatchError,
@@ -314,7 +314,7 @@ def scan_segment(directory: Path, segno: int, path: Path, member: str, *, is_las
 def scan_backup_file(backup_dir: Path, info: dict[str, Any], *, first_rid: int, source: int, structure: str,
                      emit: Emit) -> int:
     """One backup entry file's copies as a descs table (src SRC_BACKUP, rid their place in the backup), handed to
-    `emit` a chunk at a time; the file checked as backup.files reads it (its header, every frame's CRC, its sha256
+    `emit` a chunk at a time; the file checked as backup.files reads it (its header, every frame's CRC, its digest
     and frame count: a file that fails raises once all of it is read). A frame the C reader does not take raises
     CorruptFrameError, or for an entry id that is not text, cfemu.bulk.unloadable's error. Returns the copies."""
 
@@ -334,7 +334,9 @@ def scan_backup_file(backup_dir: Path, info: dict[str, Any], *, first_rid: int, 
         header = os.pread(fd, len(FILE_HEADER), 0)
         if header != FILE_HEADER:
             raise ChecksumMismatchError(f"{path}: not a backup entry file of this version (bad header)")
-        sha = hashlib.sha256(header)
+        digest, expected = file_digest(info)
+        sha = new_hasher(digest)
+        sha.update(header)
         records, off, stop = _scan_file(fd, len(FILE_HEADER), size, capacity=size, first_frame=len(FILE_HEADER),
                                         min_lrsn=0, backup=True, first_rid=first_rid, const={"f": source},
                                         emit=with_structure, hashed=sha)
@@ -350,8 +352,8 @@ def scan_backup_file(backup_dir: Path, info: dict[str, Any], *, first_rid: int, 
             raise _unreadable_copy(path, os.pread(fd, _frame_bytes(fd, off, size) or 8, off), off)
     finally:
         os.close(fd)
-    if sha.hexdigest() != info["sha256"]:
-        raise ChecksumMismatchError(f"{path}: sha256 does not match the manifest")
+    if sha.hexdigest() != expected:
+        raise ChecksumMismatchError(f"{path}: {digest} does not match the manifest")
     if records != info["frames"]:
         raise ChecksumMismatchError(f"{path}: {records} frames, the manifest says {info['frames']}")
     return records

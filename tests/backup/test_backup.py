@@ -109,8 +109,8 @@ def test_a_changed_manifest_no_longer_matches_its_signature(tmp_path: Path) -> N
         read_backup(path)
 
 
-def test_frame_rewritten_with_a_valid_crc_is_a_sha256_mismatch(tmp_path: Path) -> None:
-    """A change the frame CRC cannot see (a body rewritten with a matching CRC) still fails the file's sha256."""
+def test_frame_rewritten_with_a_valid_crc_is_a_digest_mismatch(tmp_path: Path) -> None:
+    """A change the frame CRC cannot see (a body rewritten with a matching CRC) still fails the file's digest."""
     path = _write_backup(tmp_path, n=2, roll_bytes=10**6)
     f = path / "entries-0001.bin"
     raw = bytearray(f.read_bytes())
@@ -118,7 +118,7 @@ def test_frame_rewritten_with_a_valid_crc_is_a_sha256_mismatch(tmp_path: Path) -
     body = bytes(raw[17:17 + length]).replace(b"d00", b"d99")
     raw[9:17 + length] = FRAME_HEAD.pack(length, crc32c.crc32c(body)) + body
     f.write_bytes(bytes(raw))
-    with pytest.raises(ChecksumMismatchError, match="entries-0001.bin: sha256 does not match the manifest"):
+    with pytest.raises(ChecksumMismatchError, match="entries-0001.bin: blake3 does not match the manifest"):
         verify(path)
 
 

@@ -49,7 +49,7 @@ def test_add_raw_writes_the_bytes_add_writes(tmp_path: Path) -> None:
     b.add_raw(3, [(pack(w), d) for w, d in copies[5:]])
     ma, mb = a.finish({"id": "a"}), b.finish({"id": "b"})
     assert len(ma["files"]) > 2
-    assert [f["sha256"] for f in ma["files"]] == [f["sha256"] for f in mb["files"]]
+    assert [f["blake3"] for f in ma["files"]] == [f["blake3"] for f in mb["files"]]
     for f in ma["files"]:
         assert (tmp_path / "S" / "a" / f["name"]).read_bytes() == (tmp_path / "S" / "b" / f["name"]).read_bytes()
 
@@ -70,7 +70,7 @@ def test_add_raw_of_whole_batches_writes_the_bytes_add_writes(tmp_path: Path) ->
         b.add_raw(4, [(pack(w), d) for w, d in batch])
     ma, mb = a.finish({"id": "a"}), b.finish({"id": "b"})
     assert len(ma["files"]) > 3
-    assert [(f["sha256"], f["frames"]) for f in ma["files"]] == [(f["sha256"], f["frames"]) for f in mb["files"]]
+    assert [(f["blake3"], f["frames"]) for f in ma["files"]] == [(f["blake3"], f["frames"]) for f in mb["files"]]
 
 
 def test_the_cf_bytes_read_back_as_the_wire_form(tmp_path: Path) -> None:
@@ -234,8 +234,8 @@ def test_the_backup_selected_in_c_is_the_backup_selected_in_python(
     for c, py in zip(by_path["True"], by_path["False"], strict=True):
         counts = ["snapshot", "copied", "skipped_nonpersistent", "vanished", "excluded", "bytes"]
         assert [[s[k] for k in counts] for s in c["steps"]] == [[s[k] for k in counts] for s in py["steps"]]
-        assert [(f["size"], f["sha256"], f["frames"]) for f in c["files"]] == [
-            (f["size"], f["sha256"], f["frames"]) for f in py["files"]]
+        assert [(f["size"], f["blake3"], f["frames"]) for f in c["files"]] == [
+            (f["size"], f["blake3"], f["frames"]) for f in py["files"]]
         for key in ("entries", "bytes", "nonpersistent_skipped", "excluded", "replay_from"):
             assert c[key] == py[key], key
         for fc, fp in zip(c["files"], py["files"], strict=True):

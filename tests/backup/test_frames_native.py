@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import hashlib
 import os
 import random
 import struct
@@ -18,6 +17,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import blake3
 import pytest
 
 from backup import files
@@ -63,8 +63,8 @@ def test_c_and_python_framing_write_the_same_files(tmp_path: Path, monkeypatch: 
     monkeypatch.setattr(files, "_frames", None)
     py = _write(tmp_path / "S" / "py", batches, step)
     assert len(c["files"]) > 3, "the batches should roll the entry files"
-    assert [(f["name"], f["size"], f["sha256"], f["frames"]) for f in c["files"]] == [
-        (f["name"], f["size"], f["sha256"], f["frames"]) for f in py["files"]]
+    assert [(f["name"], f["size"], f["blake3"], f["frames"]) for f in c["files"]] == [
+        (f["name"], f["size"], f["blake3"], f["frames"]) for f in py["files"]]
     for f in c["files"]:
         assert (tmp_path / "S" / "c" / f["name"]).read_bytes() == (tmp_path / "S" / "py" / f["name"]).read_bytes()
     frames_c = list(read_backup(tmp_path / "S" / "c").frames())
@@ -95,7 +95,7 @@ def test_a_batch_that_fits_exactly_is_framed_whole_and_one_byte_over_rolls(
             w.add_raw(2, first)
             w.add_raw(2, first * 3)
             m = w.finish({"id": d.name})
-            seen.append([(f["size"], f["frames"], f["sha256"]) for f in m["files"]])
+            seen.append([(f["size"], f["frames"], f["blake3"]) for f in m["files"]])
         assert seen[0] == seen[1]
         assert len(seen[0]) == entry_files
 
@@ -198,8 +198,8 @@ def test_selecting_in_c_writes_what_select_raw_and_add_raw_write(tmp_path: Path,
     assert total.copied > 500 and total.vanished > 20 and total.skipped_nonpersistent > 50
     assert (total.excluded > 50) == exclint
     assert len(c["files"]) > 3, "the parts should roll the entry files"
-    assert [(f["name"], f["size"], f["sha256"], f["frames"]) for f in c["files"]] == [
-        (f["name"], f["size"], f["sha256"], f["frames"]) for f in py["files"]]
+    assert [(f["name"], f["size"], f["blake3"], f["frames"]) for f in c["files"]] == [
+        (f["name"], f["size"], f["blake3"], f["frames"]) for f in py["files"]]
     for f in c["files"]:
         assert (tmp_path / "S" / "c" / f["name"]).read_bytes() == (tmp_path / "S" / "py" / f["name"]).read_bytes()
     kept = [(raw, d) for descs, datas in parts for raw, d in select_raw(StepCount(), descs, datas, keep)]
@@ -291,8 +291,8 @@ def test_entry_files_written_past_the_page_cache_hold_the_same_bytes(tmp_path: P
     monkeypatch.undo()
     assert len(direct["files"]) > 3
     for other in (cached, refused):
-        assert [(f["name"], f["size"], f["sha256"]) for f in direct["files"]] == [
-            (f["name"], f["size"], f["sha256"]) for f in other["files"]]
+        assert [(f["name"], f["size"], f["blake3"]) for f in direct["files"]] == [
+            (f["name"], f["size"], f["blake3"]) for f in other["files"]]
     for f in direct["files"]:
         data = (tmp_path / "S" / "direct" / f["name"]).read_bytes()
         assert len(data) == f["size"]
@@ -306,7 +306,7 @@ def _same_files(directory: Path, reference: Path, manifest: dict[str, Any]) -> N
     for f in manifest["files"]:
         data = (directory / f["name"]).read_bytes()
         assert len(data) == f["size"]
-        assert hashlib.sha256(data).hexdigest() == f["sha256"]
+        assert blake3.blake3(data).hexdigest() == f["blake3"]
         assert data == (reference / f["name"]).read_bytes()
 
 
@@ -351,8 +351,8 @@ def test_a_file_system_that_refuses_o_direct_at_the_open_gets_the_page_cache(
     manifest, seen = _direct_write(tmp_path / "S" / "nodirect", batches)
     monkeypatch.undo()
     assert refused and not any(seen)
-    assert [(f["name"], f["size"], f["sha256"]) for f in manifest["files"]] == [
-        (f["name"], f["size"], f["sha256"]) for f in cached["files"]]
+    assert [(f["name"], f["size"], f["blake3"]) for f in manifest["files"]] == [
+        (f["name"], f["size"], f["blake3"]) for f in cached["files"]]
     _same_files(tmp_path / "S" / "nodirect", tmp_path / "S" / "cached", manifest)
 
 
@@ -377,7 +377,7 @@ def test_an_o_direct_write_refused_after_a_short_write_goes_on_from_where_it_sto
     manifest, seen = _direct_write(tmp_path / "S" / "short", batches)
     monkeypatch.undo()
     assert calls == ["short", "refused"] and seen[0]
-    assert [(f["name"], f["size"], f["sha256"]) for f in manifest["files"]] == [
-        (f["name"], f["size"], f["sha256"]) for f in cached["files"]]
+    assert [(f["name"], f["size"], f["blake3"]) for f in manifest["files"]] == [
+        (f["name"], f["size"], f["blake3"]) for f in cached["files"]]
     _same_files(tmp_path / "S" / "short", tmp_path / "S" / "cached", manifest)
     assert list(read_backup(tmp_path / "S" / "short").frames()) == list(read_backup(tmp_path / "S" / "cached").frames())

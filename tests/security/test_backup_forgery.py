@@ -2,7 +2,7 @@
 start, a body or the member list and recomputing it would pass, and restore would then resurrect consumed messages,
 drop committed ones or load a forged body; and a file name in the manifest must not point outside the backup.
 
-So the manifest carries every entry file's sha256 and is signed with the group's backup key (HMAC-SHA256), found
+So the manifest carries every entry file's digest and is signed with the group's backup key (HMAC-SHA256), found
 by every command through the settings resolver (here: $CFEMU_SECRETS_DIR, tests/conftest.py). Each test does what
 an attacker who can write the backup directory would do, with the format docs/backup-format.md describes, to a
 real backup taken by `cfbackup run` of a real group, and runs the real `cfbackup verify` and `cfrestore run`:
@@ -21,10 +21,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import blake3
 import crc32c
 import pytest
 import redis
 
+from backup.files import manifest_mac, sign_manifest
 from cfemu import credentials, keys
 from cfemu.private_files import private_dir
 from tests.support.group import define_group, start_qm
@@ -142,6 +144,18 @@ def old_checksum(m: dict[str, Any]) -> str:
                           .encode()).hexdigest()
 
 
+def sha256_files(group: Group, m: dict[str, Any]) -> list[dict[str, Any]]:
+    """The manifest's file records as backups before format 3 wrote them: each file's SHA-256."""
+    return [{**{k: v for k, v in f.items() if k != "blake3"},
+             "sha256": hashlib.sha256((group.path / f["name"]).read_bytes()).hexdigest()} for f in m["files"]]
+
+
+def group_key() -> bytes:
+    key = credentials.backup_keys(Path(os.environ[credentials.ENV_SECRETS_DIR])).current
+    assert key is not None
+    return key
+
+
 def forge(group: Group, change: dict[str, Any]) -> None:
     """Edit the manifest and recompute the checksum, as the attacker of the finding did."""
     m = {**group.manifest(), **change}
@@ -159,9 +173,9 @@ def check_refused(group: Group, *also: str) -> None:
 # --- the happy path -----------------------------------------------------------------------------------------------
 def test_a_signed_backup_verifies_and_restores_everything(group: Group) -> None:
     m = group.manifest()
-    assert m["format"] == 2 and set(m["signature"]) == {"alg", "key", "mac"} and m["signature"]["alg"] == \
+    assert m["format"] == 3 and set(m["signature"]) == {"alg", "key", "mac"} and m["signature"]["alg"] == \
         "hmac-sha256" and "checksum" not in m
-    assert all(len(f["sha256"]) == 64 for f in m["files"])
+    assert all(len(f["blake3"]) == 64 and "sha256" not in f for f in m["files"])
     ok = group.cfbackup("verify", group.id)
     assert ok.returncode == 0 and "its signature (key " in ok.stdout, ok.stderr
     restored = group.cfrestore("--json")
@@ -187,7 +201,7 @@ def test_a_changed_member_list_is_refused(group: Group) -> None:
 
 
 def test_a_forged_body_is_refused_on_both_engines(group: Group) -> None:
-    """A body replaced in the entry file with a valid frame CRC, the file's sha256 and the checksum recomputed."""
+    """A body replaced in the entry file with a valid frame CRC, the file's digest and the checksum recomputed."""
     f = group.path / "entries-0001.bin"
     raw = bytearray(f.read_bytes())
     at = raw.index(b"msg-05")
@@ -201,7 +215,7 @@ def test_a_forged_body_is_refused_on_both_engines(group: Group) -> None:
         offset += 8 + length
     f.write_bytes(bytes(raw))
     m = group.manifest()
-    m["files"][0]["sha256"] = hashlib.sha256(bytes(raw)).hexdigest()
+    m["files"][0]["blake3"] = blake3.blake3(bytes(raw)).hexdigest()
     forge(group, {"files": m["files"]})
     check_refused(group, "the signature does not match")
     group.refused(group.cfrestore("--engine", "spark"), group.manifest_path, "the signature does not match")
@@ -219,11 +233,11 @@ def test_a_changed_entry_file_is_refused_naming_it(group: Group) -> None:
     raw[9 + 8 + length - 1] ^= 0x01  # the last byte of the first frame's body: its data
     raw[13:17] = crc32c.crc32c(bytes(raw[17:17 + length])).to_bytes(4, "little")
     f.write_bytes(bytes(raw))
-    group.refused(group.cfbackup("verify", group.id), f, "sha256 does not match the manifest")
-    group.refused(group.cfrestore(), f, "sha256 does not match the manifest")
+    group.refused(group.cfbackup("verify", group.id), f, "blake3 does not match the manifest")
+    group.refused(group.cfrestore(), f, "blake3 does not match the manifest")
     group.nothing_restored()
     m = group.manifest()
-    m["files"][0]["sha256"] = hashlib.sha256(bytes(raw)).hexdigest()
+    m["files"][0]["blake3"] = blake3.blake3(bytes(raw)).hexdigest()
     forge(group, {"files": m["files"]})
     check_refused(group, "the signature does not match")
 
@@ -312,6 +326,7 @@ def test_an_unsigned_backup_is_refused_unless_the_operator_accepts_it(group: Gro
     the override; with --accept-unsigned it is used, and that is logged."""
     m = {k: v for k, v in group.manifest().items() if k != "signature"}
     m["format"] = 1
+    m["files"] = sha256_files(group, m)
     m["checksum"] = old_checksum(m)
     group.write_manifest(m)
     check_refused(group, "not signed", "--accept-unsigned")
@@ -340,3 +355,44 @@ def test_a_signature_removed_from_a_signed_manifest_is_refused_even_with_the_ove
                   "without its signature (removed)")
     group.refused(group.cfrestore("--accept-unsigned"), group.manifest_path, "without its signature (removed)")
     group.nothing_restored()
+
+
+# --- the digest of the entry files ----------------------------------------------------------------------------------
+def test_a_backup_of_format_2_with_sha256_digests_still_verifies_restores_and_signs_again(group: Group) -> None:
+    """Backups taken before format 3 carry SHA-256 digests in a format 2 manifest: read as they are; signing one
+    again keeps its format and digests."""
+    m = group.manifest()
+    m["files"] = sha256_files(group, m)
+    old = sign_manifest(m, group_key())
+    assert old["format"] == 2
+    group.write_manifest(old)
+    ok = group.cfbackup("verify", group.id)
+    assert ok.returncode == 0 and "its signature (key " in ok.stdout, ok.stderr
+    assert group.cfbackup("sign", group.id).returncode == 0
+    again = group.manifest()
+    assert again["format"] == 2 and all("sha256" in f and "blake3" not in f for f in again["files"])
+    restored = group.cfrestore("--json")
+    assert restored.returncode == 0, restored.stderr
+    assert group.bodies() == SURVIVORS
+
+
+@pytest.mark.parametrize("fmt,digest", [(3, "sha256"), (2, "blake3")])
+def test_a_manifest_whose_digests_are_not_its_formats_is_refused(group: Group, fmt: int, digest: str) -> None:
+    """Signed by the group's key (an insider, or a tool's bug), a manifest whose files carry another digest than
+    its format names is refused before any entry file is read, naming both."""
+    m = {k: v for k, v in group.manifest().items() if k != "signature"}
+    m["format"] = fmt
+    if digest == "sha256":
+        m["files"] = sha256_files(group, m)
+    key = group_key()
+    m["signature"] = {"alg": "hmac-sha256", "key": credentials.key_id(key), "mac": manifest_mac(m, key)}
+    group.write_manifest(m)
+    other = "blake3" if digest == "sha256" else "sha256"
+    check_refused(group, f"has a {digest} digest; a format {fmt} manifest's files have {other}")
+
+
+def test_a_file_record_with_two_digests_is_refused(group: Group) -> None:
+    m = group.manifest()
+    m["files"][0]["sha256"] = "0" * 64
+    forge(group, {"files": m["files"]})
+    check_refused(group, "bad digest for entries-0001.bin")
