@@ -17,7 +17,7 @@ $(BIN)/python:
 # Re-install only when pyproject.toml (or the C sources its build compiles) changed since the last successful
 # install. The native parts are optional to pip, which builds on without a word when one fails to compile:
 # native/check_built.py names each one missing (and fails where NATIVE_REQUIRED=1, as in CI).
-$(STAMP): pyproject.toml setup.py restore/_columns.c backup/_frames.c cfemu/_bulk.c cfemu/_cfmodule.c native/crc32c.h | $(BIN)/python
+$(STAMP): pyproject.toml setup.py restore/_columns.c backup/_frames.c cfemu/_bulk.c cfemu/_cfmodule.c native/crc32c.h native/msgpack_key.h | $(BIN)/python
 	$(BIN)/python -m pip install -q --disable-pip-version-check --upgrade pip setuptools wheel
 	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[dev,spark,kombu]'
 	$(BIN)/python native/check_built.py

@@ -26,6 +26,7 @@
 #include <string.h>
 
 #include "crc32c.h" /* native/: shared with restore._columns */
+#include "msgpack_key.h" /* native/: shared with cfemu._bulk */
 
 #define FRAME_HEAD 8
 
@@ -132,18 +133,8 @@ done:
 static const uint8_t PER_KEY[4] = {0xa3, 'p', 'e', 'r'};
 #define PERSISTENT 1
 
-/* The first "per" key in p[0:n], or NULL: memchr for its first byte, then the three after it. A descriptor is some
- * hundred bytes, where memmem's set-up for each call cost more than the search (a twentieth of a backup's CPU). */
-static const uint8_t *find_key(const uint8_t *p, size_t n) {
-    const uint8_t *end = p + n;
-    while ((size_t)(end - p) >= sizeof PER_KEY) {
-        const uint8_t *k = memchr(p, PER_KEY[0], (size_t)(end - p) - (sizeof PER_KEY - 1));
-        if (k == NULL) return NULL;
-        if (memcmp(k + 1, PER_KEY + 1, sizeof PER_KEY - 1) == 0) return k;
-        p = k + 1;
-    }
-    return NULL;
-}
+/* The first "per" key in p[0:n], or NULL. */
+static const uint8_t *find_key(const uint8_t *p, size_t n) { return find_msgpack_key(p, n, PER_KEY); }
 
 /* backup.protocol._persistent_at_sight: "per" once, followed by 1 (raw.find, the byte at i + 4, raw.find from
  * i + 4). */

@@ -10,12 +10,13 @@
  * each (0 <= limit < 2**61), one entry at least. A descriptor's data length is read at sight as cfemu.bulk.data_length reads it (its
  * "len" key once, an unsigned integer behind it); any other descriptor is handed to length_of (data_length
  * itself, which decodes it). */
-#define _GNU_SOURCE /* memmem */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
+
+#include "msgpack_key.h"
 
 #define MAX_LIMIT (1LL << 61)
 
@@ -24,10 +25,10 @@ static const uint8_t LEN_KEY[4] = {0xa3, 'l', 'e', 'n'}; /* msgpack's "len", a f
 /* The data length at sight (cfemu.bulk.data_length's rule), or -1 where it cannot be read so. */
 static long long length_at_sight(const uint8_t *raw, size_t n) {
     if (n < sizeof LEN_KEY) return -1;
-    const uint8_t *k = memmem(raw, n, LEN_KEY, sizeof LEN_KEY);
+    const uint8_t *k = find_msgpack_key(raw, n, LEN_KEY);
     if (k == NULL) return -1;
     size_t i = (size_t)(k - raw), j = i + 4;
-    if (n - j >= sizeof LEN_KEY && memmem(raw + j, n - j, LEN_KEY, sizeof LEN_KEY) != NULL) return -1;
+    if (n - j >= sizeof LEN_KEY && find_msgpack_key(raw + j, n - j, LEN_KEY) != NULL) return -1;
     if (j >= n) return -1;
     uint8_t first = raw[j];
     if (first < 0x80) return first;
