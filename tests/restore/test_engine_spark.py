@@ -411,9 +411,9 @@ def test_an_entry_file_changed_since_the_backup_fails_the_spark_plan_with_the_ba
     raw[9 + 8 + length - 1] ^= 0x01  # the last byte of the first frame's body: its data
     raw[13:17] = crc32c.crc32c(bytes(raw[17:17 + length])).to_bytes(4, "little")
     f.write_bytes(bytes(raw))
-    with pytest.raises(ChecksumMismatchError, match=f"^{re.escape(str(f))}: sha256 does not match the manifest$"):
+    with pytest.raises(ChecksumMismatchError, match=f"^{re.escape(str(f))}: blake3 does not match the manifest$"):
         LocalEngine().plan(S, backup, log_dirs, h.replay_from, NOW_MS)
-    with pytest.raises(ChecksumMismatchError, match=f"^{re.escape(str(f))}: sha256 does not match the manifest$"):
+    with pytest.raises(ChecksumMismatchError, match=f"^{re.escape(str(f))}: blake3 does not match the manifest$"):
         SparkEngine(spark=spark).plan(S, backup, log_dirs, h.replay_from, NOW_MS)
 
 
