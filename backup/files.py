@@ -42,7 +42,15 @@ import crc32c
 import msgpack
 
 from backup.bounded_json import JSONFileError, load_json_bounded
-from backup.digest import WRITTEN, WRITTEN_FORMAT, digest_of_format, file_digest, new_hasher, signed_format
+from backup.digest import (
+    WRITTEN,
+    WRITTEN_FORMAT,
+    Gathered,
+    digest_of_format,
+    file_digest,
+    new_hasher,
+    signed_format,
+)
 from cfemu import settings
 from cfemu.bulk import Bulks
 from cfemu.credentials import BackupKeys, key_id
@@ -594,7 +602,7 @@ def _symlink(path: Path) -> UntrustedBackupError:
 
 def _read_entry_file(path: Path, info: dict[str, Any]) -> Iterator[tuple[int, dict[str, Any], bytes]]:
     digest, expected = file_digest(info)
-    sha = new_hasher(digest)
+    sha = Gathered(digest)
     frames = 0
     with _open_file(path) as f:
         header = f.read(len(FILE_HEADER))
