@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,8 +60,9 @@ class Entry:
 
 def check_properties(props: dict[str, Any]) -> dict[str, PropertyValue]:
     """User properties: non-empty str names, str/int/float/bool values (the CF's Lua msgpack keeps only those
-    intact, integers within +-2^53), at most cfemu.limits.MAX_PROPERTIES_LENGTH bytes packed (so that every
-    descriptor fits its allowance). No properties (most messages have none) pack to one byte: nothing to check."""
+    intact, integers within +-2^53), floats finite (NaN and infinity have no JSON form: the REST API could not
+    return the message, nor any list holding it), at most cfemu.limits.MAX_PROPERTIES_LENGTH bytes packed (so that
+    every descriptor fits its allowance). No properties (most messages have none) pack to one byte: nothing to check."""
     if not props:
         return {}
     for k, v in props.items():
@@ -69,5 +71,7 @@ def check_properties(props: dict[str, Any]) -> dict[str, PropertyValue]:
                              "float or bool")
         if isinstance(v, int) and not isinstance(v, bool) and not -2**53 <= v <= 2**53:
             raise ValueError(f"message property {k[:40]!r}: integer out of range (Lua keeps +-2^53 exactly)")
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ValueError(f"message property {k[:40]!r}: a float must be finite, not {v}")
     check_properties_length(props)
     return dict(props)

@@ -61,7 +61,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from cfemu.cf import Browsed
-from cfemu.errors import BackedOutError, MQError, OutcomePendingError, OutcomeUnknownError
+from cfemu.errors import BackedOutError, BadRequestError, MQError, OutcomePendingError, OutcomeUnknownError
 from sqm.core.connection import Message
 from sqm.core.messaging import UnitOfWorkScope
 from sqm.service.client_conversations import ConversationCalls
@@ -73,7 +73,9 @@ from sqm.service.protocol import (
     AUTH_METHOD,
     DEFAULT_MAX_FRAME,
     HEADER,
+    MAX_BATCH,
     MIN_FRAME,
+    PRE_HELLO_MAX_FRAME,
     PROOF_BYTES,
     PROTOCOL_VERSION,
     ROLES,
@@ -153,7 +155,9 @@ def handshake(sock: socket.socket, *, token: str | None, role: str = APPLICATION
     nonce = new_nonce()
     sock.sendall(encode_frame({"id": 0, "op": "hello", "args": {
         "client": client_name, "max_frame": max_frame, "version": PROTOCOL_VERSION, "nonce": nonce}}))
-    hello = _result(recv_frame(sock, max_frame))
+    # Until the server has proven it holds the token, its replies are a stranger's: as short as a peer's frames before
+    # it authenticates, and decoded within a request's bounds (a handshake reply is a small map).
+    hello = _result(recv_frame(sock, PRE_HELLO_MAX_FRAME, trusted=False))
     auth = hello.get("auth") or {}
     where = f"{hello.get('qmgr', '?')} at {where}"
     if not auth.get("required"):
@@ -177,7 +181,7 @@ def handshake(sock: socket.socket, *, token: str | None, role: str = APPLICATION
 
     sock.sendall(encode_frame({"id": 0, "op": "auth", "args": {
         "role": role, "proof": auth_proof(token, transcript("client"))}}))
-    done = _result(recv_frame(sock, max_frame))
+    done = _result(recv_frame(sock, PRE_HELLO_MAX_FRAME, trusted=False))
     proof = done.get("proof")
     if not (isinstance(proof, bytes) and len(proof) == PROOF_BYTES
             and hmac.compare_digest(proof, auth_proof(token, transcript("server")))):
@@ -458,6 +462,8 @@ class Client(ConversationCalls, PubSubCalls, UnitOfWorkScope):
                 item["queue"] = queue
             item["body"] = bytes(item["body"])
             wire.append(item)
+        if not 1 <= len(wire) <= MAX_BATCH:  # a longer array is past what a member decodes (ProtocolError)
+            raise BadRequestError(f"put_batch: 1-{MAX_BATCH} messages, not {len(wire)}")
         result = self._call("put_batch", {"messages": wire, "syncpoint": syncpoint, "commit": commit},
                             syncpoint=syncpoint and not commit)
         done = [Message(body=item["body"], queue=item["queue"], correlid=item.get("correlid", b""),
@@ -512,6 +518,8 @@ class Client(ConversationCalls, PubSubCalls, UnitOfWorkScope):
     def indoubt(self, xids: Sequence[str] | None = None) -> list[dict[str, Any]]:
         """In-doubt UOWs of the queue manager this client is connected to: an operator may list all; an
         application lists its own, those of the ``xids`` it names."""
+        if xids is not None and len(xids) > MAX_BATCH:  # a longer array is past what a member decodes
+            raise BadRequestError(f"indoubt: at most {MAX_BATCH} xids, not {len(xids)}")
         return list(self._call("indoubt", {} if xids is None else {"xids": list(xids)}))
 
     def resolve(self, uow: str, commit: bool, xid: str | None = None) -> None:

@@ -59,7 +59,7 @@ import msgpack
 
 from cfemu import errors, thread_packer
 from cfemu.errors import MessageTooBigError, MQError
-from cfemu.limits import DESCRIPTOR_ALLOWANCE, MAX_MSG_LENGTH
+from cfemu.limits import DESCRIPTOR_ALLOWANCE, MAX_MSG_LENGTH, MAX_PROPERTIES_LENGTH
 from sqm.core.connection import Message
 from sqm.operations import APPLICATION, OPERATOR, ROLES, NotLoggedOnError, arg
 
@@ -80,6 +80,26 @@ MAX_FRAME = MAX_MSG_LENGTH + DESCRIPTOR_ALLOWANCE + ENVELOPE
 DEFAULT_MAX_FRAME = MAX_FRAME
 MIN_FRAME = 4096  # the least a server or a client may set: room for the envelope and a small message
 PRE_HELLO_MAX_FRAME = 64 * 2**10  # frames a peer may send before it has authenticated
+
+# --- what a request may decode to ------------------------------------------------------------------------------
+# A frame's bytes become Python objects, and few bytes can become many: an empty map is one byte on the wire and
+# about 70 in memory, so a frame of 30 MB of them decoded to 2 GB, and making and freeing them held the GIL for
+# seconds. A request (and any frame a peer sends before it has proven itself) is therefore decoded within bounds
+# taken from what the protocol carries, so that what it decodes to stays within a small multiple of its bytes; a
+# frame past them is a ProtocolError, found from a container's declared length before anything is made, or once the
+# allowance of items is spent.
+# The most messages one put_batch or get_batch request carries, and the longest array any request holds (a
+# put_batch's messages, an indoubt's xids); their bytes are bounded by the frame, and MAXUMSGS counts each message.
+MAX_BATCH = 1_000
+# The largest map a request holds: a message's properties, each of which packs to at least 3 bytes (a one-character
+# name and a one-byte value) within cfemu.limits.MAX_PROPERTIES_LENGTH.
+MAX_REQUEST_MAP = MAX_PROPERTIES_LENGTH // 3
+# What a request may hold in all, counted in items (each array and map, each element of an array and each entry of
+# a map; at most about 100 bytes of memory each): REQUEST_ITEMS, plus one for every ITEM_BYTES of its frame. That
+# carries any batch of MAX_BATCH messages with every field of a put, and properties of a dozen bytes or more each;
+# and it keeps a request within about 7 times its bytes (bodies and strings decode to as many bytes as they take).
+REQUEST_ITEMS = 32_768
+ITEM_BYTES = 16
 
 # --- roles and authentication ----------------------------------------------------------------------------------
 AUTH_METHOD = "hmac-sha256"
@@ -176,10 +196,62 @@ def encode_frame(obj: Any) -> bytes:
 
 
 def decode_body(body: bytes | bytearray | memoryview) -> Any:
-    """Unpack a frame body (where it lies, given a memoryview); anything msgpack cannot read is a ProtocolError."""
+    """Unpack a frame body (where it lies, given a memoryview); anything msgpack cannot read is a ProtocolError.
+    Unbounded: for what a peer that has proven itself sends (a member's replies, after the handshake)."""
     try:
         return msgpack.unpackb(body, raw=False, strict_map_key=True)
     except Exception as e:  # msgpack raises several unrelated types (ExtraData, FormatError, ValueError, ...)
+        raise ProtocolError(f"frame is not valid msgpack: {type(e).__name__}: {e}") from None
+
+
+def request_items(length: int) -> int:
+    """The items (arrays, maps, their elements and entries) a frame body of ``length`` bytes may decode to."""
+    return REQUEST_ITEMS + length // ITEM_BYTES
+
+
+class _Items:
+    """The allowance of items of one decode, spent as each array or map is made (msgpack's hooks: a container is
+    passed once it is whole, so its elements, and the containers inside it, have been counted by then)."""
+
+    __slots__ = ("left",)
+
+    def __init__(self, left: int) -> None:
+        self.left = left
+
+    def spend(self, container: Any) -> Any:
+        self.left -= len(container) + 1
+        if self.left < 0:
+            raise _TooManyItems
+        return container
+
+
+class _TooManyItems(Exception):
+    pass
+
+
+def decode_request(body: bytes | bytearray | memoryview) -> Any:
+    """Unpack the body of a frame from a peer not trusted with the member's memory (any request; a server's reply
+    before it has proven itself), within the bounds above: a ProtocolError, in time bounded by the allowance, for a
+    frame that holds more than a request carries."""
+    length = len(body)
+    bounds: dict[str, Any] = {"max_array_len": MAX_BATCH, "max_map_len": MAX_REQUEST_MAP, "max_ext_len": 0,
+                              "max_str_len": length, "max_bin_len": length}
+    allowed = request_items(length)
+    if length > allowed:  # each item takes at least a byte: a shorter body cannot hold more than its allowance
+        items = _Items(allowed)
+        bounds["object_hook"] = bounds["list_hook"] = items.spend
+    try:
+        return msgpack.unpackb(body, raw=False, strict_map_key=True, **bounds)
+    except _TooManyItems:
+        raise ProtocolError(f"frame of {length} bytes holds more than the {allowed} arrays, maps and their "
+                            f"elements a request of its length may (at most {REQUEST_ITEMS} and one for every "
+                            f"{ITEM_BYTES} bytes)") from None
+    except ValueError as e:  # msgpack's bounds: "<n> exceeds max_array_len(<limit>)" and the like
+        if "exceeds max_" in str(e):
+            raise ProtocolError(f"frame holds more than a request carries: {e} (at most {MAX_BATCH} elements in an "
+                                f"array, {MAX_REQUEST_MAP} entries in a map, no extension types)") from None
+        raise ProtocolError(f"frame is not valid msgpack: {type(e).__name__}: {e}") from None
+    except Exception as e:  # msgpack raises several unrelated types (ExtraData, FormatError, StackError, ...)
         raise ProtocolError(f"frame is not valid msgpack: {type(e).__name__}: {e}") from None
 
 
@@ -219,10 +291,12 @@ def recv_exactly(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def recv_frame(sock: socket.socket, max_frame: int) -> Any:
+def recv_frame(sock: socket.socket, max_frame: int, *, trusted: bool = True) -> Any:
+    """The next frame from a blocking socket, decoded (within a request's bounds unless the peer is ``trusted``)."""
     (length,) = HEADER.unpack(recv_exactly(sock, HEADER.size))
     check_length(length, max_frame)
-    return decode_body(recv_exactly(sock, length))
+    body = recv_exactly(sock, length)
+    return decode_body(body) if trusted else decode_request(body)
 
 
 def recv_frame_length(sock: socket.socket, buf: bytearray, max_frame: int, chunk: int = 65536) -> int | None:
@@ -328,9 +402,9 @@ def message_from_wire(obj: dict[str, Any]) -> Message:
 
 __all__ = ["APPLICATION", "AUTH_METHOD", "DEFAULT_MAX_FRAME", "ENVELOPE", "ERROR_CLASSES", "NONCE_BYTES", "OPERATOR",
            "ROLES", "ConnectionLimitError", "FrameTooLargeError", "HEADER", "MAX_FRAME",
-           "MESSAGE_COST", "MIN_FRAME", "MessageTooBigForChannelError", "NotAuthorizedError", "NotLoggedOnError",
+           "MAX_BATCH", "MAX_REQUEST_MAP", "MESSAGE_COST", "MIN_FRAME", "MessageTooBigForChannelError", "NotAuthorizedError", "NotLoggedOnError",
            "SessionLostError",
-           "PRE_HELLO_MAX_FRAME", "PROOF_BYTES", "PROTOCOL_VERSION", "auth_proof", "auth_transcript", "new_nonce", "proof_matches", "ProtocolError", "QueueManagerUnavailableError",
-           "QuiescingError", "arg", "check_length", "decode_body", "encode_frame", "error_from_wire", "error_reply",
+           "ITEM_BYTES", "PRE_HELLO_MAX_FRAME", "PROOF_BYTES", "PROTOCOL_VERSION", "REQUEST_ITEMS", "auth_proof", "auth_transcript", "new_nonce", "proof_matches", "ProtocolError", "QueueManagerUnavailableError",
+           "QuiescingError", "arg", "check_length", "decode_body", "decode_request", "encode_frame", "error_from_wire", "error_reply",
            "message_from_wire", "message_to_wire", "ok_reply", "parse_request", "read_frame", "read_frame_length",
-           "recv_frame", "recv_frame_length", "recv_until"]
+           "recv_frame", "recv_frame_length", "recv_until", "request_items"]

@@ -20,14 +20,18 @@ from sqm.core.manager import QueueManager
 from sqm.core.syncpoint_calls import Done, SyncCommit, SyncGet, SyncPut
 from sqm.core.uow import UnitOfWork
 from sqm.operations import ANY_ROLE, OPERATOR, OPERATOR_ONLY, Operation, arg, short
-from sqm.service.protocol import ENVELOPE, MESSAGE_COST, NotAuthorizedError, error_reply, message_to_wire
+from sqm.service.protocol import (
+    ENVELOPE,
+    MAX_BATCH,
+    MESSAGE_COST,
+    NotAuthorizedError,
+    error_reply,
+    message_to_wire,
+)
 from sqm.service.queue_activity import QueueActivity
 
 COMPANION_SUFFIXES = (DATA_SUFFIX, CONTROL_SUFFIX, PUB_SUFFIX, SUB_SUFFIX)
 MAX_BROWSE = 10_000
-# The most messages one put_batch or get_batch request carries; their bytes are bounded by the frame (and the
-# member's budget of request bytes in flight), and MAXUMSGS counts each message.
-MAX_BATCH = 1_000
 PUT_REPLY_COST = 160  # what one message costs a put_batch reply: its ids, times and the field names
 MAX_UOW_ATTRIBUTES = 16  # entries of a define's UOW attribute map (UowAttributes has 7)
 

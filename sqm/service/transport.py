@@ -59,7 +59,7 @@ from sqm.service.protocol import (
     FrameTooLargeError,
     NotAuthorizedError,
     ProtocolError,
-    decode_body,
+    decode_request,
     encode_frame,
     error_reply,
     parse_request,
@@ -753,10 +753,13 @@ class Transport:
         """The request a frame holds (id, op, args), or the error reply to a malformed one (logged, counted)."""
         obj: Any = None
         try:
-            obj = decode_body(body)
+            obj = decode_request(body)
             return parse_request(obj)
         except ProtocolError as e:
-            known_id = obj.get("id") if isinstance(obj, dict) and isinstance(obj.get("id"), int) else None
+            if obj is None:  # not decoded (past a request's bounds, or not msgpack): its first bytes may name it
+                known_id, _ = peek_request(bytes(body[:PEEK_BYTES]))
+            else:
+                known_id = obj.get("id") if isinstance(obj, dict) and isinstance(obj.get("id"), int) else None
             log.info("%s: connection %d: bad request: %.200s", self.host.name, session.number, e)
             self.stats.count((OP_LABEL_UNKNOWN, e.reason_name))
             return error_reply(known_id, e)
