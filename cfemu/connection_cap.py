@@ -7,9 +7,10 @@ descriptors and keeps every other client out. The cap keeps a door's share of th
 one address from taking the whole share.
 
 - Past the per-peer cap a new connection is closed at once.
-- Past the total cap, the door makes room rather than refuse the newcomer: the oldest connection that has no request
-  under way is closed (evicted) in its place, first one that has not sent a whole request head yet, else one idle
-  between requests; only when every connection has a request under way is the newcomer closed at once. A cap that
+- Past the total cap, the door makes room rather than refuse the newcomer: a connection that has no request under
+  way is closed (evicted) in its place: one that has not sent a whole request head yet before one idle between
+  requests, of those one from the address that holds the most connections, of those the oldest; only when every
+  connection has a request under way is the newcomer closed at once. A cap that
   only refused was held by a few local addresses (127.0.0.2, 127.0.0.3, ...: each under its per-peer cap) sending a
   partial request head on every connection and reopening each the door closed: no other client got in.
 
@@ -79,14 +80,20 @@ class ConnectionCap:
         return None
 
     def _oldest_waiting(self) -> Held | None:
-        idle: Held | None = None
-        for held in self._held:
+        """The connection to evict: one waiting for its head before one idle, then one of the address that holds
+        the most connections, then the oldest. By the address first: an evicted connection reopened at once evicts
+        another in turn, and taken by age alone that round would come to a newcomer of another address before its
+        head had arrived."""
+        best: tuple[int, int] | None = None
+        chosen: Held | None = None
+        for held, peer in self._held.items():
             waiting = held.waiting()
-            if waiting == "head":
-                return held
-            if waiting == "idle" and idle is None:
-                idle = held
-        return idle
+            if waiting is None:
+                continue
+            rank = (1 if waiting == "head" else 0, self._peers[peer])
+            if best is None or rank > best:  # strictly: the oldest of equals stays
+                best, chosen = rank, held
+        return chosen
 
     def _forget(self, held: Held) -> None:
         peer = self._held.pop(held)

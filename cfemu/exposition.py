@@ -54,7 +54,7 @@ def histogram(name: str, help_text: str, labels: list[str],
 
 # The bounds of an exporter's HTTP server: whoever reaches the port may connect, and each connection holds a thread.
 EXPORTER_READ_TIMEOUT_S = 5.0  # a connection must send its whole request head within this long of its accept
-EXPORTER_MAX_CONNECTIONS = 16  # connections served at once; past it the oldest without a whole head is closed
+EXPORTER_MAX_CONNECTIONS = 16  # connections served at once; past it one without a whole head is closed
 EXPORTER_MAX_CONNECTIONS_PER_PEER = 4  # of them from one address; past it a new one is closed at once
 
 
@@ -122,7 +122,7 @@ class _DeadlineHandler(MetricsHandler):
 class _CappedServer(ThreadingHTTPServer):
     """The client library's threaded server with a cap on the connections it serves at once (each is a thread)
     and a deadline on each one's request head (cfemu.connection_cap: past the per-address cap a new connection is
-    closed unanswered; past the total cap the oldest that has not sent its whole request head is closed to make
+    closed unanswered; past the total cap one that has not sent its whole request head is closed to make
     room)."""
 
     daemon_threads = True

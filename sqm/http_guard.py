@@ -2,9 +2,10 @@
 authenticated: a cap on open connections, a short wait for a request's head, a keep-alive timeout, and a log that a
 flood cannot flood.
 
-- A connection past the per-peer cap (cfemu.connection_cap) is closed at once, unanswered; past the total cap the
-  oldest connection without a request under way (no whole request head yet, else idle between requests) is closed
-  to make room for the newcomer, which is refused only when every connection has a request under way.
+- A connection past the per-peer cap (cfemu.connection_cap) is closed at once, unanswered; past the total cap a
+  connection without a request under way (no whole request head yet before idle between requests; of the address
+  holding the most; the oldest: cfemu.connection_cap) is closed to make room for the newcomer, which is refused only
+  when every connection has a request under way.
 - A peer that half-closes (ends its sending side) after whole requests still gets their replies (pipelined ones
   too), and the connection is closed once they are sent: the end of the peer's stream means no more requests, not "do not answer" (aiohttp alone
   closed the connection at once, so a put was committed and its 201 never sent). A connection with no request under
@@ -142,7 +143,7 @@ class _Guarded(asyncio.Protocol):
             return
         what = "no whole request head yet" if self.timer is not None else "idle between requests"
         self.site.warn("evict", "%s: a connection from %s closed to make room for a new one: the cap of %d "
-                       "connections at once is reached and it was the oldest waiting (%s; closed so far: %d)",
+                       "connections at once is reached and it had no request under way (%s; closed so far: %d)",
                        self.site.what, self.peer, self.site.cap.total, what, self.site.cap.evicted)
         self.transport.abort()
 

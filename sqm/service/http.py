@@ -7,7 +7,7 @@ operator's explicit choice, and logged as unauthenticated.
 Whoever reaches the port may ask, so what a request costs is bounded: a collection of /metrics reads the CF (several
 commands per queue), so one page serves every scrape for ``cache_s`` after it was collected, and one collection runs
 at a time (scrapes that come meanwhile wait for it and share its page); the connections open at once are capped
-(cfemu.connection_cap: past the per-address cap a new one is closed at once; past the total cap the oldest one that
+(cfemu.connection_cap: past the per-address cap a new one is closed at once; past the total cap one that
 has not sent its whole request head yet is closed to make room), and each must send its request head within
 ``head_timeout_s`` of its accept.
 """

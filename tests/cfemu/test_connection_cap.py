@@ -1,6 +1,6 @@
-"""The doors' connection cap: past the per-address cap a newcomer is refused; past the total cap the oldest
-connection that waits for its first request head is evicted for it, else the oldest idle one, and the newcomer is
-refused only when every connection has a request under way."""
+"""The doors' connection cap: past the per-address cap a newcomer is refused; past the total cap a connection that
+waits for its first request head is evicted for it, else an idle one, of those one of the address holding the most
+connections, then the oldest; the newcomer is refused only when every connection has a request under way."""
 
 from __future__ import annotations
 
@@ -45,3 +45,21 @@ def test_the_oldest_waiting_connection_makes_room_and_the_per_address_cap_still_
     for c in held:
         cap.release("a", c)
     assert cap.open == 0
+
+
+def test_the_address_holding_the_most_connections_gives_way_first() -> None:
+    """An evicted connection reopened at once evicts another: by age alone that round reached a newcomer of another
+    address before its head came; the address holding the most connections gives way first."""
+    cap = ConnectionCap(total=4, per_peer=2)
+    crowd = [(_Conn("head"), peer) for peer in ("c1", "c2") for _ in range(2)]
+    for c, peer in crowd:
+        assert cap.admit(peer, c) is None
+    lone = _Conn("head")
+    assert cap.admit("lone", lone) is None
+    for _ in range(10):  # each evicted one reopened at once, from its address
+        [(evicted, peer)] = [(c, p) for c, p in crowd if c.evicted]
+        crowd.remove((evicted, peer))
+        crowd.append((_Conn("head"), peer))
+        assert cap.admit(peer, crowd[-1][0]) is None
+        assert not lone.evicted
+    assert cap.evicted == 11
