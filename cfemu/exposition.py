@@ -9,6 +9,7 @@ cfemu.cf_exporter). Their names and the alerts on them: docs/metrics.md.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import socket
 import sys
@@ -25,7 +26,7 @@ from prometheus_client.core import CollectorRegistry, GaugeMetricFamily, Histogr
 from prometheus_client.exposition import MetricsHandler
 from prometheus_client.registry import Collector
 
-from cfemu.connection_cap import ConnectionCap, peer_of
+from cfemu.connection_cap import ConnectionCap, Waiting, peer_of
 from cfemu.latency import Latency
 from cfemu.sockets import is_loopback_host
 
@@ -52,30 +53,97 @@ def histogram(name: str, help_text: str, labels: list[str],
 
 
 # The bounds of an exporter's HTTP server: whoever reaches the port may connect, and each connection holds a thread.
-EXPORTER_READ_TIMEOUT_S = 5.0  # a connection must send its request (and may stay idle) at most this long
-EXPORTER_MAX_CONNECTIONS = 16  # connections served at once; past it a new one is closed at once
-EXPORTER_MAX_CONNECTIONS_PER_PEER = 4  # of them from one address
+EXPORTER_READ_TIMEOUT_S = 5.0  # a connection must send its whole request head within this long of its accept
+EXPORTER_MAX_CONNECTIONS = 16  # connections served at once; past it one without a whole head is closed
+EXPORTER_MAX_CONNECTIONS_PER_PEER = 4  # of them from one address; past it a new one is closed at once
+
+
+class _Connection:
+    """One connection of an exporter's server: the time its request head must be whole by (its accept's, plus the
+    read timeout), and whether it is (the cap may evict it until then)."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self.sock = sock
+        self.deadline = deadline
+        self.head_read = False
+
+    def waiting(self) -> Waiting:
+        return None if self.head_read else "head"
+
+    def evict(self) -> None:
+        """Ends the handler's read (its thread closes the socket): called on the accept thread."""
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+
+
+class _ReadByDeadline(io.RawIOBase):
+    """A connection's socket read with what is left of its deadline as each read's timeout: a peer that sends a
+    byte now and then is closed at the deadline all the same (a socket timeout alone is per read)."""
+
+    def __init__(self, conn: _Connection) -> None:
+        self.conn = conn
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        left = self.conn.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("no whole request head within the read timeout of the accept")
+        self.conn.sock.settimeout(left)
+        return self.conn.sock.recv_into(buffer)
+
+
+class _DeadlineHandler(MetricsHandler):
+    """The client library's handler, reading its request head by the connection's deadline."""
+
+    server: _CappedServer
+
+    def setup(self) -> None:
+        super().setup()
+        conn = self.server.connections.get(self.request)
+        if conn is not None:
+            self.rfile.close()  # the socket's own file: left open, it would keep the socket from closing
+            self.rfile = io.BufferedReader(_ReadByDeadline(conn))
+
+    def parse_request(self) -> bool:
+        ok = super().parse_request()  # it reads the headers, by the deadline too
+        conn = self.server.connections.get(self.request)
+        if conn is not None:
+            conn.head_read = True  # a request under way: not evicted any more
+        if self.timeout is not None:
+            self.connection.settimeout(self.timeout)  # the reply's writes: the read timeout, not what was left
+        return bool(ok)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the library's name
+        """Not printed: a flood of refused requests would flood stderr."""
 
 
 class _CappedServer(ThreadingHTTPServer):
-    """The client library's threaded server with a cap on the connections it serves at once (each is a thread) and
-    a read timeout on each (the handler's): a connection past the cap is closed unanswered, an idle one is closed."""
+    """The client library's threaded server with a cap on the connections it serves at once (each is a thread)
+    and a deadline on each one's request head (cfemu.connection_cap: past the per-address cap a new connection is
+    closed unanswered; past the total cap one that has not sent its whole request head is closed to make
+    room)."""
 
     daemon_threads = True
     request_queue_size = 64  # the listen backlog (socketserver's 5 made a flood's connections wait for SYN retries)
     cap: ConnectionCap
+    read_timeout_s: float
+    connections: dict[Any, _Connection]
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if self.cap.admit(peer_of(client_address)) is not None:
+        conn = _Connection(request, time.monotonic() + self.read_timeout_s)
+        if self.cap.admit(peer_of(client_address), conn) is not None:
             self.shutdown_request(request)
             return
+        self.connections[request] = conn
         super().process_request(request, client_address)
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self.cap.release(peer_of(client_address))
+            self.cap.release(peer_of(client_address), self.connections.pop(request))
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A peer's broken or timed-out request is not the process's error: not printed (a flood of them would
@@ -87,18 +155,19 @@ def serve(collectors: Iterable[Collector], host: str, port: int, *, read_timeout
           max_connections_per_peer: int = EXPORTER_MAX_CONNECTIONS_PER_PEER) -> int:
     """Serve /metrics of ``collectors`` and the process's own (CPU, memory, open files, start time) on host:port,
     in a thread of an HTTP server (the client library's handler, at most ``max_connections`` connections at once,
-    ``max_connections_per_peer`` from one address, each closed after ``read_timeout_s`` without a request); the
+    ``max_connections_per_peer`` from one address, each closed unless its whole request head came within
+    ``read_timeout_s`` of its accept, however it trickles in); the
     port it listens on (0: one the system chose). /metrics has no authentication: on an address beyond loopback, a
     one-line warning on stderr says so (exposure_warning)."""
     registry = CollectorRegistry(auto_describe=False)
     for c in (*collectors, PROCESS_COLLECTOR):
         registry.register(c)
-    handler = type("BoundedMetricsHandler", (MetricsHandler,), {"registry": registry, "timeout": read_timeout_s,
-                                                                "log_message": lambda *a: None})
+    handler = type("BoundedMetricsHandler", (_DeadlineHandler,), {"registry": registry, "timeout": read_timeout_s})
     server_class = type("ExporterServer", (_CappedServer,), {
         "address_family": socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
                                              flags=socket.AI_PASSIVE)[0][0],
-        "cap": ConnectionCap(max_connections, max_connections_per_peer)})
+        "cap": ConnectionCap(max_connections, max_connections_per_peer), "read_timeout_s": read_timeout_s,
+        "connections": {}})
     server = server_class((host, port), handler)
     threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
     bound = int(server.server_port)

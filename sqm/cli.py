@@ -150,13 +150,17 @@ def add_run_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
     p.add_argument("--rest-keepalive-timeout", type=seconds(0, MAX_SECONDS, above=True), default=30.0,
                    help="seconds a REST connection may stay idle between requests (default 30)")
     p.add_argument("--rest-max-connections", type=CONNECTIONS, default=256,
-                   help="REST connections open at once; past it a new one is closed at once (default 256)")
+                   help="REST connections open at once; past it one without a request under way is closed to "
+                        "make room for a new one (default 256)")
     p.add_argument("--rest-max-connections-per-peer", type=CONNECTIONS, default=64,
-                   help="REST connections open at once from one address (default 64)")
+                   help="REST connections open at once from one address; past it a new one is closed at once "
+                        "(default 64)")
     p.add_argument("--metrics-max-connections", type=CONNECTIONS, default=32,
-                   help="metrics-port connections open at once; past it a new one is closed at once (default 32)")
+                   help="metrics-port connections open at once; past it one without a whole request head is "
+                        "closed to make room for a new one (default 32)")
     p.add_argument("--metrics-max-connections-per-peer", type=CONNECTIONS, default=8,
-                   help="metrics-port connections open at once from one address (default 8)")
+                   help="metrics-port connections open at once from one address; past it a new one is closed at "
+                        "once (default 8)")
     p.add_argument("--metrics-cache", type=seconds(0, MAX_SECONDS), default=1.0,
                    help="seconds a collected /metrics page is served again before the next collection (default 1; "
                         "0: collect for every scrape, one at a time)")

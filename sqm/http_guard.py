@@ -2,7 +2,10 @@
 authenticated: a cap on open connections, a short wait for a request's head, a keep-alive timeout, and a log that a
 flood cannot flood.
 
-- A connection past the cap (total, or per peer address: cfemu.connection_cap) is closed at once, unanswered.
+- A connection past the per-peer cap (cfemu.connection_cap) is closed at once, unanswered; past the total cap a
+  connection without a request under way (no whole request head yet before idle between requests; of the address
+  holding the most; the oldest: cfemu.connection_cap) is closed to make room for the newcomer, which is refused only
+  when every connection has a request under way.
 - A peer that half-closes (ends its sending side) after whole requests still gets their replies (pipelined ones
   too), and the connection is closed once they are sent: the end of the peer's stream means no more requests, not "do not answer" (aiohttp alone
   closed the connection at once, so a put was committed and its 201 never sent). A connection with no request under
@@ -31,7 +34,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_runner import BaseSite
 
-from cfemu.connection_cap import ConnectionCap, peer_of
+from cfemu.connection_cap import ConnectionCap, Waiting, peer_of
 from cfemu.sockets import is_loopback_ip
 from sqm.operations import one_line
 from sqm.throttled_log import ThrottledLog
@@ -111,7 +114,7 @@ class _Guarded(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.peer = peer_of(transport.get_extra_info("peername"))
-        refusal = self.site.cap.admit(self.peer)
+        refusal = self.site.cap.admit(self.peer, self)
         if refusal is not None:
             self.inner = None
             transport.abort()
@@ -122,6 +125,27 @@ class _Guarded(asyncio.Protocol):
         self.timer = asyncio.get_running_loop().call_later(self.site.limits.head_timeout_s, self._head_late)
         assert self.inner is not None
         self.inner.connection_made(transport)
+
+    def waiting(self) -> Waiting:
+        """For the cap: "head" before the first request head is whole, "idle" when aiohttp waits for the next
+        request (or its head is partial), None while a request is under way (or the peer has ended its stream)."""
+        if self.inner is None or self.transport is None or self.transport.is_closing():
+            return None
+        if self.timer is not None:
+            return "head"
+        if isinstance(self.inner, RequestHandler) and not self.peer_finished and _idle(self.inner):
+            return "idle"
+        return None
+
+    def evict(self) -> None:
+        """Closed by the cap to make room for a newer connection (it had no request under way)."""
+        if self.transport is None or self.transport.is_closing():
+            return
+        what = "no whole request head yet" if self.timer is not None else "idle between requests"
+        self.site.warn("evict", "%s: a connection from %s closed to make room for a new one: the cap of %d "
+                       "connections at once is reached and it had no request under way (%s; closed so far: %d)",
+                       self.site.what, self.peer, self.site.cap.total, what, self.site.cap.evicted)
+        self.transport.abort()
 
     def _head_late(self) -> None:
         self.timer = None
@@ -181,7 +205,7 @@ class _Guarded(asyncio.Protocol):
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
-        self.site.cap.release(self.peer)
+        self.site.cap.release(self.peer, self)
         inner, self.inner = self.inner, None
         inner.connection_lost(exc)
 

@@ -17,9 +17,14 @@ CSRF token of every action.
 - CSRF: each session has its own random token, put into every form the console renders (a hidden field) and
   checked in constant time on every POST; a POST whose Origin (when the browser sends one) is not the console's
   own is refused too.
-- Login attempts from one client address are taken one at a time (LoginGate): each waits for the one before it,
-  that one's failure delay included, so parallel guesses are throttled as much as consecutive ones; at most
-  LOGIN_WAITING wait at once per address, more are refused at once (429).
+- The right token is let in at once (fingerprint_matches against the token as it is now). Any other attempt is
+  a failure, and the failures of one client address are taken one at a time (LoginGate): each waits for the one
+  before it, that one's failure delay included, so parallel guesses are answered as slowly as consecutive ones; at
+  most LOGIN_WAITING wait at once per address, more are refused at once (429). Every local client is the one
+  loopback address: were the right token queued too, a local peer keeping wrong guesses queued would keep the
+  operator out. The price: a guesser learns of a right guess at once, whatever its failures wait for, so the
+  throttle slows and counts failures but does not bound how fast guesses are checked; the token's strength does
+  (32 random bytes from the group's secrets: not guessable at any rate).
 - A token typed in clear may only travel over loopback or TLS: a login from another host without TLS is refused.
 """
 
@@ -109,6 +114,15 @@ def token_matches(expected: str | None, sent: str) -> bool:
     return hmac.compare_digest(expected.encode(), sent.strip().encode())
 
 
+def fingerprint_matches(fingerprint: str | None, sent: str) -> bool:
+    """Is the token typed at login the one whose fingerprint is ``fingerprint`` (constant time; never with no
+    token)."""
+    theirs = token_fingerprint(sent.strip())
+    if not fingerprint or theirs is None:
+        return False
+    return hmac.compare_digest(fingerprint.encode(), theirs.encode())
+
+
 class LoginBusyError(RuntimeError):
     """Too many login attempts from one address at once."""
 
@@ -172,4 +186,5 @@ class TokenWatch:
 
 
 __all__ = ["CSRF_FIELD", "LOGIN_WAITING", "LoginBusyError", "LoginGate", "MAX_SESSIONS", "SESSION_COOKIE", "SESSION_IDLE_S", "SESSION_MAX_S", "Session", "Sessions",
-           "REFRESH_HEADER", "TOKEN_RECHECK_S", "TokenWatch", "token_fingerprint", "token_matches"]
+           "REFRESH_HEADER", "TOKEN_RECHECK_S", "TokenWatch", "fingerprint_matches", "token_fingerprint",
+           "token_matches"]

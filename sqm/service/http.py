@@ -7,8 +7,9 @@ operator's explicit choice, and logged as unauthenticated.
 Whoever reaches the port may ask, so what a request costs is bounded: a collection of /metrics reads the CF (several
 commands per queue), so one page serves every scrape for ``cache_s`` after it was collected, and one collection runs
 at a time (scrapes that come meanwhile wait for it and share its page); the connections open at once are capped
-(cfemu.connection_cap: past the cap a new one is closed at once), and each must send its request head within
-``head_timeout_s``.
+(cfemu.connection_cap: past the per-address cap a new one is closed at once; past the total cap one that
+has not sent its whole request head yet is closed to make room), and each must send its request head within
+``head_timeout_s`` of its accept.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections.abc import Callable
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import CollectorRegistry
 
-from cfemu.connection_cap import ConnectionCap, peer_of
+from cfemu.connection_cap import ConnectionCap, Waiting, peer_of
 from sqm.core.manager import CF_DOWN, QueueManager
 
 
@@ -51,6 +52,20 @@ class MetricsPage:
             return self._page
 
 
+class _Connection:
+    """One metrics-port connection, as the cap sees it: waiting for its head until it has read it."""
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self.writer = writer
+        self.head_read = False
+
+    def waiting(self) -> Waiting:
+        return None if self.head_read else "head"
+
+    def evict(self) -> None:
+        self.writer.transport.abort()
+
+
 class HealthEndpoint:
     """The HTTP endpoint of one server: ``serve`` is the listener's callback."""
 
@@ -67,7 +82,13 @@ class HealthEndpoint:
 
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = peer_of(writer.get_extra_info("peername"))
-        refusal = self.cap.admit(peer)
+        held = _Connection(writer)
+        evicted = self.cap.evicted
+        refusal = self.cap.admit(peer, held)
+        if self.cap.evicted != evicted:
+            self.warn("metrics-evict", "%s: a metrics-port connection closed to make room for one from %s: the cap "
+                      "of %d connections at once is reached and it had sent no whole request head (closed so far: %d)",
+                      self.qm.name, peer, self.cap.total, self.cap.evicted)
         if refusal is not None:
             self.warn("metrics-cap", "%s: a metrics-port connection from %s closed at once: the cap of %s is reached "
                       "(--metrics-max-connections; closed so far: %d)", self.qm.name, peer, refusal, self.cap.refused)
@@ -75,16 +96,17 @@ class HealthEndpoint:
             return
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self.head_timeout_s)
+            held.head_read = True
             parts = head.split(b"\r\n", 1)[0].split()
             path = parts[1].decode(errors="replace").split("?", 1)[0] if len(parts) >= 2 else ""
             status, ctype, body = await self.route(path)
             writer.write(f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
                          f"Connection: close\r\n\r\n".encode() + body)
-            await writer.drain()
+            await asyncio.wait_for(writer.drain(), self.head_timeout_s)  # a peer that does not read is not waited for
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ConnectionError):
             pass
         finally:
-            self.cap.release(peer)
+            self.cap.release(peer, held)
             writer.close()
 
     async def route(self, path: str) -> tuple[str, str, bytes]:

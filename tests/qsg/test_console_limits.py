@@ -14,6 +14,7 @@ import pytest
 from qsg.console.app import Console
 from qsg.console.source import GroupSource
 from sqm.http_guard import HttpLimits
+from tests.support.slowloris import Slowloris
 
 
 @pytest.fixture
@@ -64,5 +65,36 @@ def test_the_console_caps_connections_and_closes_idle_ones(where: dict[str, str]
             for _, w in held:
                 w.close()
             await runner.cleanup()
+
+    asyncio.run(scenario())
+
+
+def test_a_slowloris_from_several_addresses_does_not_keep_the_operator_out(where: dict[str, str]) -> None:
+    """Two local addresses, each under its per-address cap, hold every connection of the console with partial
+    request heads and reopen each it closes. Before, every newcomer was closed at once (curl: status 000); now the
+    oldest connection without a whole head is closed to make room, and the operator's page is served each time."""
+    console = Console(GroupSource(where), interval_s=3600)
+    limits = HttpLimits(head_timeout_s=30, keepalive_timeout_s=30, max_connections=8, max_connections_per_peer=4)
+
+    async def get_login(port: int) -> bytes:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(b"GET /login HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+            return (await asyncio.wait_for(reader.read(), 5))[:15]
+        except ConnectionResetError:
+            return b""
+        finally:
+            writer.close()
+
+    async def scenario() -> None:
+        runner = await console.serve("127.0.0.1", 0, None, limits)
+        port = runner.addresses[0][1]
+        try:
+            with Slowloris(port, ["127.0.0.2", "127.0.0.3"], 4, b"GET /login HTTP/1.1\r\n"):
+                await asyncio.sleep(0.3)
+                replies = [await get_login(port) for _ in range(10)]
+        finally:
+            await runner.cleanup()
+        assert replies == [b"HTTP/1.1 200 OK"] * 10, replies
 
     asyncio.run(scenario())

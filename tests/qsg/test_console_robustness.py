@@ -30,6 +30,7 @@ from qsg.console.history import QUEUES_SAMPLED, SAMPLES, History, Sample
 from qsg.console.jobs import DONE, KEPT, RUNNING, Job, JobRefusedError, Jobs
 from qsg.console.security import REFRESH_HEADER, SESSION_IDLE_S, LoginGate
 from qsg.console.source import GroupSource
+from sqm.service import auth
 from sqm.service.auth import Failures
 from tests.support.waits import wait_until
 
@@ -274,6 +275,48 @@ def test_parallel_failed_logins_from_one_address_are_throttled_as_consecutive_on
             assert sorted(r.status for r in replies) == [401, 401, 429]
             busy = next(r for r in replies if r.status == 429)
             assert "login attempts from 127.0.0.1 are waiting already" in await busy.text()
+
+    asyncio.run(scenario())
+
+
+def test_a_local_peer_keeping_wrong_logins_queued_does_not_keep_the_operator_out(
+        where: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every local client is the one loopback address: twelve wrong logins in a loop kept the address's queue full,
+    and the operator's right token got 429 five times of five. The right token is now let in at once; the wrong
+    ones are still answered one at a time after their delays, and counted."""
+    monkeypatch.setattr(auth, "AUTH_DELAY_MAX_S", 0.4)  # the queue's delays short: the server's cleanup waits for them
+    token = "the-operator-token-of-the-queue-test"
+    console = Console(GroupSource({**where, "token": token}), interval_s=3600)
+
+    async def scenario() -> None:
+        runner = await console.serve("127.0.0.1", 0, None)
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}/login"
+        stop = asyncio.Event()
+        statuses: list[int] = []
+
+        async def guesser(http: aiohttp.ClientSession) -> None:
+            while not stop.is_set():
+                async with http.post(url, data={"token": "wrong"}, allow_redirects=False) as r:
+                    statuses.append(r.status)
+
+        try:
+            async with aiohttp.ClientSession() as attacker, aiohttp.ClientSession() as operator:
+                guessers = [asyncio.create_task(guesser(attacker)) for _ in range(12)]
+                await asyncio.sleep(1.5)
+                answers = []
+                for _ in range(5):
+                    async with operator.post(url, data={"token": token}, allow_redirects=False) as r:
+                        answers.append(r.status)
+                    await asyncio.sleep(0.2)
+                stop.set()
+                for task in guessers:
+                    task.cancel()
+                await asyncio.gather(*guessers, return_exceptions=True)
+        finally:
+            await runner.cleanup()
+        assert answers == [303] * 5, answers
+        assert set(statuses) <= {401, 429} and 429 in statuses, statuses  # the guesses: still queued and refused
+        assert console.failures.record("127.0.0.1", time.monotonic())[0] > 3  # and counted
 
     asyncio.run(scenario())
 

@@ -20,6 +20,7 @@ import pytest
 from sqm.service.client import Client
 from tests.support.raw_sockets import closed_by_server, exchange
 from tests.support.service_proc import TOKEN, ServerProc, fresh_group, start_server
+from tests.support.slowloris import Slowloris
 
 REST = "/ibmmq/rest/v3/messaging/qmgr/QM1/queue/Q1/message"
 
@@ -96,6 +97,40 @@ def test_rest_connections_are_capped_and_idle_ones_closed(redis_server: Any, tmp
             s.close()
         srv.stop()
     assert "closed at once: the cap of 3 connections at once from 127.0.0.1 is reached" in srv.log_text()
+
+
+def test_a_slowloris_from_several_addresses_does_not_keep_a_client_out_of_the_rest_door(
+        redis_server: Any, tmp_path: Path) -> None:
+    """Two local addresses, each under its per-address cap, hold the whole door with partial request heads and
+    reopen every connection it closes. Before, the cap refused every newcomer (0 of 10 requests answered, as 0 of 40
+    against the default caps with four addresses); now the oldest connection without a whole head is closed to make
+    room, and the client is served every time."""
+    srv, port = rest_member(redis_server, tmp_path, "--http-head-timeout", "30", "--rest-max-connections", "8",
+                            "--rest-max-connections-per-peer", "4")
+    try:
+        with Slowloris(port, ["127.0.0.2", "127.0.0.3"], 4) as attack:
+            time.sleep(0.3)
+            replies = [rest_request(port, "GET")[:12] for _ in range(10)]
+            assert attack.opened > 8  # it did reopen the connections the door closed
+        assert replies == [b"HTTP/1.1 204"] * 10, replies
+    finally:
+        srv.stop()
+    assert "closed to make room for a new one" in srv.log_text()
+
+
+def test_a_slowloris_from_several_addresses_does_not_keep_a_scraper_out_of_the_metrics_port(
+        redis_server: Any, tmp_path: Path) -> None:
+    """The same against the member's metrics port (four addresses of eight filled it with the defaults)."""
+    fresh_group(redis_server)
+    srv = start_server(redis_server.url, tmp_path, "QM1", "--metrics-max-connections", "4",
+                       "--metrics-max-connections-per-peer", "2", "--http-head-timeout", "30")
+    try:
+        with Slowloris(srv.metrics_port, ["127.0.0.2", "127.0.0.3"], 2, b"GET /metrics HTTP/1.1\r\n"):
+            time.sleep(0.3)
+            replies = [exchange(srv.metrics_port, b"GET /healthz HTTP/1.0\r\n\r\n")[:15] for _ in range(10)]
+        assert replies == [b"HTTP/1.1 200 OK"] * 10, replies
+    finally:
+        srv.stop()
 
 
 def test_malformed_requests_do_not_flood_the_members_log(redis_server: Any, tmp_path: Path) -> None:
