@@ -9,7 +9,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECKED = ("cfemu", "sqm", "backup", "restore", "qsg", "bench", "tests", "docs", "examples")
-CITATION = re.compile(r"issue [0-9]+|hole [0-9]+|review R[0-9]", re.IGNORECASE)
+CITATION = re.compile(r"\bissue [0-9]+|\bhole [0-9]+|\breview R[0-9]", re.IGNORECASE)
 
 
 def citations(files: list[Path], root: Path = ROOT) -> list[str]:
@@ -30,3 +30,9 @@ def test_the_check_sees_a_citation(tmp_path: Path) -> None:
     cited = tmp_path / "cited.py"
     cited.write_text("x = 1\n# the fix of Issue " + "7\n")
     assert citations([cited], tmp_path) == ["cited.py:2"]
+
+
+def test_a_word_that_ends_in_hole_or_issue_is_not_a_citation(tmp_path: Path) -> None:
+    prose = tmp_path / "prose.md"
+    prose.write_text("closed unless its request head is whole 5 s after its accept\na reissue 3 times\n")
+    assert citations([prose], tmp_path) == []
