@@ -296,10 +296,11 @@ class Console:
                                       "--tls-cert and --tls-key")
         form = await _form(request)
         sent = form.get("token")
-        fingerprint = self.token.current()  # cheap: a stat, the token read again only when it may have changed
+        fingerprint = self.token.strong()  # cheap: a stat, the token read again only when it may have changed
         if isinstance(sent, str) and fingerprint_matches(fingerprint, sent):
-            # The right token is let in at once, never queued behind its address's failures: every local client is
-            # the one loopback address, so a local peer keeping wrong guesses queued kept the operator out (429).
+            # A strong token is let in at once, never queued behind its address's failures: every local client is
+            # the one loopback address, so a local peer keeping wrong guesses queued would keep the operator out.
+            # A weak one waits its turn, so that guesses of it are checked no faster than the failures' delays.
             return self._logged_in(request, fingerprint)
         try:
             async with self.login_gate.turn(request.remote or "?"):

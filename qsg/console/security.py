@@ -17,14 +17,16 @@ CSRF token of every action.
 - CSRF: each session has its own random token, put into every form the console renders (a hidden field) and
   checked in constant time on every POST; a POST whose Origin (when the browser sends one) is not the console's
   own is refused too.
-- The right token is let in at once (fingerprint_matches against the token as it is now). Any other attempt is
-  a failure, and the failures of one client address are taken one at a time (LoginGate): each waits for the one
-  before it, that one's failure delay included, so parallel guesses are answered as slowly as consecutive ones; at
-  most LOGIN_WAITING wait at once per address, more are refused at once (429). Every local client is the one
-  loopback address: were the right token queued too, a local peer keeping wrong guesses queued would keep the
-  operator out. The price: a guesser learns of a right guess at once, whatever its failures wait for, so the
-  throttle slows and counts failures but does not bound how fast guesses are checked; the token's strength does
-  (32 random bytes from the group's secrets: not guessable at any rate).
+- Login attempts of one client address are taken one at a time (LoginGate): each waits for the one before it,
+  that one's failure delay included, so parallel guesses are answered as slowly as consecutive ones; at most
+  LOGIN_WAITING wait at once per address, more are refused at once (429). Every local client is the one loopback
+  address, so a local peer keeping wrong guesses queued would keep the operator out: a strong token (at least
+  STRONG_TOKEN_CHARS characters, as the group's generated tokens are: 32 random bytes) is therefore let in at once
+  when it is right (fingerprint_matches against the token as it is now), never queued. The price: a guesser learns
+  of a right guess at once, so for a strong token the throttle slows and counts failures but does not bound how
+  fast guesses are checked; its strength does (not guessable at any rate). A shorter token (an operator's own,
+  set by flag or environment) has no such path: every attempt waits its turn, so its guesses are checked no faster
+  than the failures' delays allow.
 - A token typed in clear may only travel over loopback or TLS: a login from another host without TLS is refused.
 """
 
@@ -47,6 +49,7 @@ SESSION_MAX_S = 12 * 3600.0
 MAX_SESSIONS = 256
 CSRF_FIELD = "csrf_token"
 TOKEN_RECHECK_S = 5.0
+STRONG_TOKEN_CHARS = 32  # a token this long is let in at once when right (the generated ones: 43 characters)
 LOGIN_WAITING = 8  # login attempts of one address waiting for their turn (the one being checked included)
 REFRESH_HEADER = "X-Console-Refresh"  # sent by the page's script on its automatic refresh: not the operator
 
@@ -165,26 +168,37 @@ class TokenWatch:
                  recheck_s: float = TOKEN_RECHECK_S) -> None:
         self._read, self._stamp, self.recheck_s = read, stamp, recheck_s
         self._lock = threading.Lock()
-        self._seen: tuple[Hashable, str | None, float] | None = None  # (stamp, fingerprint, when read)
+        # (stamp, fingerprint, strong, when read)
+        self._seen: tuple[Hashable, str | None, bool, float] | None = None
 
     def refresh(self) -> str | None:
-        """Read the token now; the token (its fingerprint is remembered)."""
+        """Read the token now; the token (its fingerprint and strength are remembered)."""
         stamp = self._stamp()  # before the read: a change in between makes the next current() read again
         token = self._read()
+        strong = token is not None and len(token.strip()) >= STRONG_TOKEN_CHARS
         with self._lock:
-            self._seen = (stamp, token_fingerprint(token), time.monotonic())
+            self._seen = (stamp, token_fingerprint(token), strong, time.monotonic())
         return token
 
-    def current(self) -> str | None:
-        """The fingerprint of the operator token as it is now."""
+    def _now(self) -> tuple[Hashable, str | None, bool, float]:
         seen = self._seen
-        if seen is None or seen[0] != self._stamp() or time.monotonic() - seen[2] > self.recheck_s:
+        if seen is None or seen[0] != self._stamp() or time.monotonic() - seen[3] > self.recheck_s:
             self.refresh()
             seen = self._seen
         assert seen is not None
-        return seen[1]
+        return seen
+
+    def current(self) -> str | None:
+        """The fingerprint of the operator token as it is now."""
+        return self._now()[1]
+
+    def strong(self) -> str | None:
+        """The fingerprint of the operator token as it is now when the token is strong (STRONG_TOKEN_CHARS or
+        more), else None: what a login may be let in with at once."""
+        _, fingerprint, strong, _ = self._now()
+        return fingerprint if strong else None
 
 
 __all__ = ["CSRF_FIELD", "LOGIN_WAITING", "LoginBusyError", "LoginGate", "MAX_SESSIONS", "SESSION_COOKIE", "SESSION_IDLE_S", "SESSION_MAX_S", "Session", "Sessions",
-           "REFRESH_HEADER", "TOKEN_RECHECK_S", "TokenWatch", "fingerprint_matches", "token_fingerprint",
+           "REFRESH_HEADER", "STRONG_TOKEN_CHARS", "TOKEN_RECHECK_S", "TokenWatch", "fingerprint_matches", "token_fingerprint",
            "token_matches"]

@@ -321,6 +321,37 @@ def test_a_local_peer_keeping_wrong_logins_queued_does_not_keep_the_operator_out
     asyncio.run(scenario())
 
 
+@pytest.mark.parametrize(("token", "right_answer"), [
+    ("the-operator-token-long-enough-to-pass-at-once", 303),  # strong: let in at once, past the queue
+    ("short-token", 429),  # weak: waits its turn like any guess, so the full queue refuses it too
+])
+def test_only_a_strong_token_is_let_in_past_its_addresss_queue(where: dict[str, str], token: str,
+                                                               right_answer: int) -> None:
+    """Letting the right token past the queue means guesses are checked at once, however slowly failures are
+    answered: harmless for 32 random bytes, a brute-force door for an operator's short token. A short token's login
+    waits its turn, so with the address's queue full of guesses it is refused (429) like them."""
+    console = Console(GroupSource({**where, "token": token}), interval_s=3600)
+    console.login_gate = LoginGate(waiting=2)
+
+    async def scenario() -> None:
+        async with TestClient(TestServer(console.app)) as client:
+            guesses = [asyncio.create_task(client.post("/login", data={"token": f"guess {i}"})) for i in range(2)]
+            for _ in range(500):  # both guesses in the address's queue
+                if _queued(console) == 2:
+                    break
+                await asyncio.sleep(0.01)
+            assert _queued(console) == 2
+            right = await client.post("/login", data={"token": token}, allow_redirects=False)
+            assert right.status == right_answer
+            assert sorted(r.status for r in await asyncio.gather(*guesses)) == [401, 401]
+
+    asyncio.run(scenario())
+
+
+def _queued(console: Console) -> int:
+    return sum(n for _, n in console.login_gate._by_peer.values())
+
+
 def test_a_request_naming_another_host_is_refused(where: dict[str, str]) -> None:
     """DNS rebinding: a page of rebound.example whose name now resolves to 127.0.0.1 sends Host: rebound.example.
     The console answers its own names and addresses only."""
