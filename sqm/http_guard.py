@@ -14,6 +14,10 @@ flood cannot flood.
 - A connection must deliver its first request's head within ``head_timeout_s`` of opening (a TLS one: its handshake
   too), else it is closed; between requests, aiohttp closes a connection idle for ``keepalive_timeout_s`` (its
   keep-alive timer, which also bounds a later request's head: the connection is idle until the head is whole).
+- A request's body must be whole within ``head_timeout_s`` plus its length at BODY_MIN_RATE bytes a second
+  (``read_body``), else it is answered 408 and its connection closed: the head timeout ends once the head is whole,
+  and aiohttp waits for a body as long as it trickles, so one peer sending a byte now and then held a connection (and
+  the REST door's admitted slot) for ever.
 - aiohttp's own error lines (a traceback at ERROR for one malformed request) and the event loop's accept errors
   (one per refused accept when the process is out of file descriptors) go out as one WARNING line a second per
   kind at most, without traceback (sqm.throttled_log); the rest are counted and said with the next line.
@@ -55,6 +59,25 @@ class HttpLimits:
             raise ValueError(f"{what}: the head and keep-alive timeouts must be > 0 s")
         if min(self.max_connections, self.max_connections_per_peer) < 1:
             raise ValueError(f"{what}: connection caps must be at least 1")
+
+
+BODY_MIN_RATE = 64 * 1024  # bytes a second: the least rate a request's body may arrive at (read_body)
+
+
+async def read_body(request: web.Request, head_timeout_s: float) -> bytes:
+    """The request's body (aiohttp keeps it: a later ``request.read()`` or ``post()`` gets the same), whole within
+    ``head_timeout_s`` plus its length (the door's body limit when the head says none) at BODY_MIN_RATE; else
+    HTTPRequestTimeout (408), its connection closed once answered."""
+    said = request.content_length
+    length = min(request.client_max_size if said is None else said, request.client_max_size)
+    try:
+        async with asyncio.timeout(head_timeout_s + length / BODY_MIN_RATE):
+            return await request.read()
+    except TimeoutError:
+        late = web.HTTPRequestTimeout(text=f"the request's body of {length} bytes did not arrive within "
+                                           f"{head_timeout_s + length / BODY_MIN_RATE:g} s\n")
+        late.force_close()
+        raise late from None
 
 
 CLOSE_CHECK_S = 0.02  # how often a half-closed connection looks whether its requests are all answered
@@ -278,8 +301,10 @@ class GuardedSite(BaseSite):
 
 
 def runner_kwargs(limits: HttpLimits, log: logging.Logger) -> dict[str, Any]:
-    """What an AppRunner of a guarded door takes: the keep-alive timeout and the throttled error log."""
-    return {"keepalive_timeout": limits.keepalive_timeout_s,
+    """What an AppRunner of a guarded door takes: the keep-alive timeout, the throttled error log, and how long a
+    body left unread after its reply (a refusal before the body, a late body's 408) is read and dropped before the
+    connection closes: the head timeout (aiohttp's lingering; its own 10 s otherwise)."""
+    return {"keepalive_timeout": limits.keepalive_timeout_s, "lingering_time": limits.head_timeout_s,
             "logger": _AiohttpLog(log.name + ".http", ThrottledLog(log))}
 
 
@@ -308,4 +333,5 @@ def throttle_accept_errors(loop: asyncio.AbstractEventLoop, warn: ThrottledLog) 
 _THROTTLED_LOOPS: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()  # handler installed once a loop
 
 
-__all__ = ["GuardedSite", "HttpLimits", "peer_has_finished", "runner_kwargs", "throttle_accept_errors"]
+__all__ = ["BODY_MIN_RATE", "GuardedSite", "HttpLimits", "peer_has_finished", "read_body", "runner_kwargs",
+           "throttle_accept_errors"]

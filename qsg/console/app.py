@@ -54,7 +54,7 @@ from qsg.console.security import (
     token_matches,
 )
 from qsg.console.source import GroupSource
-from sqm.http_guard import GuardedSite, HttpLimits, runner_kwargs
+from sqm.http_guard import GuardedSite, HttpLimits, read_body, runner_kwargs
 from sqm.operations import one_line
 from sqm.service.auth import Failures
 from sqm.service.config import is_loopback_ip
@@ -108,8 +108,10 @@ def _wildcard(host: str) -> bool:
         return False
 
 
-async def _form(request: web.Request) -> Any:
-    """The request's form; a body that is not one (bytes that are not UTF-8 in a urlencoded form) is a 400."""
+async def _form(request: web.Request, head_timeout_s: float) -> Any:
+    """The request's form, its body whole within the door's time (sqm.http_guard.read_body, else 408); a body that is
+    not one (bytes that are not UTF-8 in a urlencoded form) is a 400."""
+    await read_body(request, head_timeout_s)
     try:
         return await request.post()
     except ValueError as e:  # UnicodeDecodeError among them
@@ -133,6 +135,7 @@ class Console:
         self.jobs = Jobs(on_change=self._job_changed)
         self.failures = Failures()
         self.login_gate = LoginGate()
+        self.limits = HttpLimits(max_connections=64, max_connections_per_peer=32)  # serve's default
         self._errors = ThrottledLog(log)  # a peer's requests must not be able to flood the log with tracebacks
         self.snapshot: dict[str, Any] | None = None
         self.charts = self._draw_charts()  # drawn once per snapshot, in the poller's thread; pages reuse them
@@ -234,7 +237,7 @@ class Console:
                     # repr: an Origin of bytes that are not UTF-8 cannot be written back as they came
                     raise web.HTTPForbidden(text=f"a form from another origin ({origin[:100]!r}) is refused")
                 if not public:
-                    form = await _form(request)
+                    form = await _form(request, self.limits.head_timeout_s)
                     sent = form.get(CSRF_FIELD)
                     if not _session(request).csrf_ok(sent if isinstance(sent, str) else None):
                         raise web.HTTPForbidden(text="missing or wrong CSRF token: reload the page and try again")
@@ -294,7 +297,7 @@ class Console:
             return self._render("login.html", 403, insecure=True,
                                 error="this console serves no TLS: log in from its own host, or start it with "
                                       "--tls-cert and --tls-key")
-        form = await _form(request)
+        form = await _form(request, self.limits.head_timeout_s)
         sent = form.get("token")
         fingerprint = self.token.strong()  # cheap: a stat, the token read again only when it may have changed
         if isinstance(sent, str) and fingerprint_matches(fingerprint, sent):
@@ -362,7 +365,7 @@ class Console:
         action = ACTIONS.get(request.match_info["name"])
         if action is None:
             raise web.HTTPNotFound(text=f"no action {request.match_info['name'][:40]}")
-        form = await _form(request)
+        form = await _form(request, self.limits.head_timeout_s)
         fields = {k: v for k, v in form.items() if isinstance(v, str)}
         if self.snapshot is None:
             session.flashes.append(("error", "the console has not read the group yet: try again in a moment"))
@@ -393,7 +396,7 @@ class Console:
         """Start serving, under ``limits`` (sqm.http_guard: a cap on connections, a wait for a request's head, a
         keep-alive timeout, a throttled error log); the runner (its address: runner.addresses) to clean up when
         done."""
-        limits = limits or HttpLimits(max_connections=64, max_connections_per_peer=32)
+        limits = self.limits = limits or self.limits
         if host and not _wildcard(host):
             self.allowed_hosts.add(host.lower())
         else:  # every address of this machine: its names too

@@ -43,7 +43,7 @@ from cfemu.limits import MAX_ID_LENGTH
 from sqm.core.client_watch import ClientWatch
 from sqm.core.connection import MAX_EXPIRY_MS, Connection, Message
 from sqm.core.manager import CF_DOWN
-from sqm.http_guard import GuardedSite, HttpLimits, peer_has_finished, runner_kwargs
+from sqm.http_guard import GuardedSite, HttpLimits, peer_has_finished, read_body, runner_kwargs
 from sqm.operations import APPLICATION, OPERATOR, one_line, short
 from sqm.request_slots import RequestSlots
 from sqm.service import queue_ops
@@ -534,7 +534,7 @@ class RestEndpoint:
         session = await self._admit(request)
         v3 = "/v3/" in request.path
         args = self._put_args(request, v3=v3)
-        raw = await request.read()
+        raw = await read_body(request, self.config.http_head_timeout_s)
         try:
             raw.decode("utf-8")
         except UnicodeDecodeError:

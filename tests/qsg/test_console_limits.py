@@ -98,3 +98,33 @@ def test_a_slowloris_from_several_addresses_does_not_keep_the_operator_out(where
         assert replies == [b"HTTP/1.1 200 OK"] * 10, replies
 
     asyncio.run(scenario())
+
+
+def test_a_body_that_trickles_in_is_answered_408_and_its_connection_closed(where: dict[str, str]) -> None:
+    """A login whose head is whole and whose body comes a byte at a time: the head timeout was over and aiohttp
+    waited for the body as long as bytes kept coming, the connection held for ever. Its body must now be whole
+    within the head timeout (plus its length at the least rate), else 408, the connection closed."""
+    console = Console(GroupSource(where), interval_s=3600)
+    limits = HttpLimits(head_timeout_s=0.5, keepalive_timeout_s=30, max_connections=8, max_connections_per_peer=4)
+
+    async def scenario() -> None:
+        runner = await console.serve("127.0.0.1", 0, None, limits)
+        reader, writer = await asyncio.open_connection("127.0.0.1", runner.addresses[0][1])
+        try:
+            writer.write(b"POST /login HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/x-www-form-urlencoded"
+                         b"\r\nContent-Length: 100\r\n\r\ntoken=")
+            t0, answer = time.monotonic(), b""
+            while time.monotonic() - t0 < 5 and not answer:
+                writer.write(b"x")
+                try:
+                    answer = await asyncio.wait_for(reader.read(65536), 0.2)
+                except TimeoutError:
+                    pass
+            assert answer.startswith(b"HTTP/1.1 408 "), answer[:80] or "no answer in 5 s"
+            assert time.monotonic() - t0 < 2.0
+            assert await closed_by_server(reader, 2.0), "the connection of a late body was kept open"
+        finally:
+            writer.close()
+            await runner.cleanup()
+
+    asyncio.run(scenario())

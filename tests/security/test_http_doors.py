@@ -99,6 +99,34 @@ def test_rest_connections_are_capped_and_idle_ones_closed(redis_server: Any, tmp
     assert "closed at once: the cap of 3 connections at once from 127.0.0.1 is reached" in srv.log_text()
 
 
+def test_a_put_whose_body_trickles_in_is_refused_408_and_nothing_is_put(redis_server: Any, tmp_path: Path) -> None:
+    """An authenticated put whose body comes a byte at a time held its connection and its admitted slot for as long
+    as bytes kept coming. Its body must be whole within the head timeout (plus its length at the least rate): else
+    408, the connection closed, and no message put."""
+    srv, port = rest_member(redis_server, tmp_path, "--http-head-timeout", "1")
+    auth = "Basic " + base64.b64encode(f"x:{TOKEN}".encode()).decode()
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.sendall((f"POST {REST} HTTP/1.1\r\nHost: x\r\nAuthorization: {auth}\r\nibm-mq-rest-csrf-token: 1"
+                       "\r\nContent-Type: text/plain;charset=utf-8\r\nContent-Length: 100\r\n\r\nbody").encode())
+            s.settimeout(0.2)
+            t0, answer = time.monotonic(), b""
+            while time.monotonic() - t0 < 6 and not answer:
+                s.sendall(b"x")
+                try:
+                    answer = s.recv(65536)
+                except TimeoutError:
+                    pass
+            assert answer.startswith(b"HTTP/1.1 408 "), answer[:80] or b"no answer in 6 s"
+            assert time.monotonic() - t0 < 3.0
+            assert closed_by_server(s, 3.0), "the connection of a late body was kept open"
+        with Client(srv.endpoint, token=TOKEN) as c:
+            assert len(c.browse("Q1", 10)) == 0
+        assert rest_request(port, "GET").startswith(b"HTTP/1.1 204 ")  # the door serves after it
+    finally:
+        srv.stop()
+
+
 def test_a_slowloris_from_several_addresses_does_not_keep_a_client_out_of_the_rest_door(
         redis_server: Any, tmp_path: Path) -> None:
     """Two local addresses, each under its per-address cap, hold the whole door with partial request heads and
