@@ -39,6 +39,7 @@ from sqm.core.messaging import UnitOfWorkScope
 from sqm.core.outcomes import Decided
 from sqm.core.random_bytes import random_bytes
 from sqm.core.records import INDOUBT, INFLIGHT, Record
+from sqm.core.scans import ScanSlots
 from sqm.core.uow import UnitOfWork
 from sqm.request_slots import nap
 
@@ -73,6 +74,10 @@ class QueueManagerPort(MemberWork, Protocol):
     @property
     def log_failed(self) -> str:
         """Why the log cannot be written (empty: it can)."""
+        ...
+    @property
+    def scans(self) -> ScanSlots:
+        """The member's scan slots: each call of a multi-call scan runs in one (sqm.core.scans)."""
         ...
 
     def check_usable(self) -> None: ...
@@ -652,11 +657,13 @@ class Connection(UnitOfWorkScope):
 
     def browse(self, queue: str, limit: int = 100, *, max_bytes: int = 0, each: int = 0) -> Browsed[Message]:
         """Up to ``limit`` available messages, not taken; ``max_bytes``/``each`` bound the reply (Structure.browse):
-        ``more`` on the result says one was left out."""
+        ``more`` on the result says one was left out. The CF is read a bounded page a call, each call under one of
+        the member's scan slots (sqm.core.scans)."""
         qm = self.qm
         qdef = qm.queue_def(queue)
         s = qm.structure(qdef.structure)
-        found = qm.cf_call(lambda: s.browse(queue, limit, now_ms(), max_bytes=max_bytes, each=each))
+        found = qm.cf_call(lambda: s.browse(queue, limit, now_ms(), max_bytes=max_bytes, each=each,
+                                            gate=qm.scans.call))
         return Browsed((Message.from_entry(e, d) for e, d in found), more=found.more)
 
     # --- syncpoint ----------------------------------------------------------------------------------------
