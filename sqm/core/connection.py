@@ -28,7 +28,7 @@ from cfemu.errors import (
     SyncpointLimitError,
     TruncatedMessageError,
 )
-from cfemu.limits import check_id
+from cfemu.limits import CF_STEP, check_id
 from cfemu.settings import ENV_MAX_UMSGS
 from sqm.core import records
 from sqm.core.client_watch import ClientWatch
@@ -665,6 +665,38 @@ class Connection(UnitOfWorkScope):
         found = qm.cf_call(lambda: s.browse(queue, limit, now_ms(), max_bytes=max_bytes, each=each,
                                             gate=qm.scans.call))
         return Browsed((Message.from_entry(e, d) for e, d in found), more=found.more)
+
+    def browse_matching(self, queue: str, match: str, values: Sequence[bytes], limit: int, *,
+                        bodies: bool = True) -> list[Message]:
+        """Up to ``limit`` available messages whose message id (``match`` 'm') or correlation id ('c') is one of
+        ``values``, not taken, in get order. The queue's index of each id is read a bounded batch per CF call
+        (peek_scan.lua, CF_STEP entries at a time, each call under one of the member's scan slots), so that a call
+        costs the CF a batch however long the queue, and a lookup in all the messages that have that id, not the
+        queue's. Without ``bodies`` the messages come without their data (a list of descriptors), and only the
+        best ``limit`` of them are kept at any time either way."""
+        qm = self.qm
+        s = qm.structure(qm.queue_def(queue).structure)
+        now = now_ms()
+        best: list[tuple[tuple[int, int, int], Entry, bytes]] = []
+        seen: set[str] = set()
+        for value in dict.fromkeys(v.hex() for v in values):
+            cursor = "0"
+            while True:
+                with qm.scans.call():
+                    cursor, found = qm.cf_call(partial(s.peek_scan, queue, match, value, cursor, CF_STEP))
+                for e, data in found:
+                    # Available only: committed (a held get's entry is taken), and not expired (get never takes it).
+                    if e.id in seen or e.state != "CP" or 0 < e.expiry <= now:
+                        continue
+                    seen.add(e.id)
+                    best.append(((-e.priority, *e.order), e, data if bodies else b""))
+                if len(best) > limit:
+                    best.sort(key=lambda b: b[0])
+                    del best[limit:]
+                if cursor == "0":
+                    break
+        best.sort(key=lambda b: b[0])
+        return [Message.from_entry(e, data) for _, e, data in best[:limit]]
 
     # --- syncpoint ----------------------------------------------------------------------------------------
     def commit(self) -> None:

@@ -254,6 +254,20 @@ def browse(svc: Service, session: Session, args: dict[str, Any]) -> dict[str, An
     return {"messages": [message_to_wire(m) for m in found], "more": found.more}
 
 
+def browse_matching(svc: Service, session: Session, queue: str, match: str, values: list[bytes], limit: int, *,
+                    bodies: bool = True) -> list[Message]:
+    """Up to ``limit`` available messages of ``queue`` whose message id (``match`` 'm') or correlation id ('c') is
+    one of ``values``, in get order, not taken (Connection.browse_matching: the id's index in bounded batches, not
+    the queue), under browse's rules of who may browse what."""
+    if not 1 <= limit <= MAX_BROWSE:
+        raise BadRequestError(f"browse: limit must be 1-{MAX_BROWSE}, not {limit}")
+    if session.role != OPERATOR:
+        _plain(svc, queue, "browse")
+    found = _connection(svc, session).browse_matching(queue, match, values, limit, bodies=bodies)
+    session.queues.add(queue)
+    return found
+
+
 def _too_long(svc: Service, session: Session, op: str, queue: str,
               e: TruncatedMessageError) -> TruncatedMessageError:
     detail = e.args[0] if e.args else ""

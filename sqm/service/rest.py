@@ -212,6 +212,13 @@ def decode_id(value: str, *, text_ok: bool, what: str, bad: Callable[[str, str, 
     return raw
 
 
+def correlid_forms(correlid: bytes) -> list[bytes]:
+    """The stored correlation ids a browse by ``correlid`` matches: as given, and as MQ's 24-byte field holds a
+    shorter one (padded with NULs), either way round: a native client may have put it padded, a REST one not."""
+    bare = correlid.rstrip(b"\0")
+    return list(dict.fromkeys((correlid, bare, bare.ljust(MAX_ID_LENGTH, b"\0"))))
+
+
 def md_headers(m: Message, now_ms: int) -> dict[str, str]:
     """The ``ibm-mq-md-*`` and ``ibm-mq-usr-*`` headers of a message got or browsed."""
     h = {MD + "messageId": encode_id(m.msgid, text_ok=False),
@@ -717,18 +724,20 @@ class RestEndpoint:
             return "unknown"
         return ""
 
-    async def _browse(self, request: web.Request, session: RestSession, limit: int) -> list[Message]:
+    async def _browse(self, request: web.Request, session: RestSession, limit: int, *,
+                      bodies: bool = True) -> list[Message]:
+        """Up to ``limit`` messages in get order, not taken; with a messageId or correlationId, those with that id
+        only, found through the CF's index of the id (queue_ops.browse_matching: a bounded batch per CF call,
+        however long the queue), never by reading the queue."""
         sel = self._selection(request, "/v3/" in request.path)
         queue = queue_of(request)
-        scan = queue_ops.MAX_BROWSE if sel else limit
+        if sel:
+            match, values = ("m", [sel["msgid"]]) if "msgid" in sel else ("c", correlid_forms(sel["correlid"]))
+            return await self._run(session, "browse", lambda: queue_ops.browse_matching(
+                self.server, session, queue, match, values, limit, bodies=bodies))
         found = await self._run(session, "browse", lambda: queue_ops.browse(
-            self.server, session, {"queue": queue, "limit": scan}))
-        messages = [message_from_wire(w) for w in found["messages"]]
-        if "msgid" in sel:
-            messages = [m for m in messages if m.msgid == sel["msgid"]]
-        if "correlid" in sel:
-            messages = [m for m in messages if m.correlid.rstrip(b"\0") == sel["correlid"].rstrip(b"\0")]
-        return messages[:limit]
+            self.server, session, {"queue": queue, "limit": limit}))
+        return [message_from_wire(w) for w in found["messages"]]
 
     async def browse_one(self, request: web.Request) -> web.Response:
         """The first message (or the first with the messageId or correlationId asked for), left on its queue."""
@@ -749,7 +758,7 @@ class RestEndpoint:
         if limit is None or not 1 <= limit <= MAX_LIST:
             raise bad_query("limit", raw, f"limit is 1-{MAX_LIST}.")
         async with self._handle(session):
-            found = await self._browse(request, session, limit)
+            found = await self._browse(request, session, limit, bodies=False)  # a summary carries no body
         now = int(time.time() * 1000)
         return web.json_response({"messages": [summary(m, now) for m in found]})
 
