@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import binascii
 import hmac
 import json
 import logging
@@ -128,6 +127,15 @@ STATUS_OF_REASON = {
     2046: 400, 2030: 400, 2080: 400,  # a bad value; a message too big for the queue; too long to carry
     2161: 503, 2009: 503, 2373: 503, 2102: 503, 2192: 503, 2024: 503,  # stopping, CF or log trouble, full: retry
 }
+
+
+def utf8(text: str) -> bool:
+    """Whether ``text`` is text in UTF-8: no lone surrogates (what aiohttp makes of bytes that are not UTF-8)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def echo(text: str) -> str:
@@ -427,14 +435,18 @@ class RestEndpoint:
         if scheme.lower() == "basic":
             try:
                 _, _, token = base64.b64decode(cred.strip(), validate=True).decode("utf-8").partition(":")
-            except (binascii.Error, UnicodeDecodeError):
+            except ValueError:  # not base64 (binascii.Error), not ASCII, a password not UTF-8 (UnicodeDecodeError)
                 token = None
         elif scheme.lower() == "bearer":
             token = cred.strip()
+        # aiohttp hands a header's bytes that are not UTF-8 on as lone surrogates, which no token holds and which
+        # cannot be compared as bytes: refused here as credentials this member does not accept, never a 500.
+        if token is not None and not utf8(token):
+            token = None
         if token is None:
             self.server.stats.auth_failures["not_authenticated"] += 1
             raise RestError(401, "MQWB0104E", "The REST API request is not authenticated.",
-                            "The request carried no credentials this member accepts.",
+                            "The request carried no credentials this member accepts (a token is text in UTF-8).",
                             "Send HTTP basic authentication whose password is the group's application token "
                             "(service.token), or Authorization: Bearer with that token.", reason=2035,
                             headers=challenge)
