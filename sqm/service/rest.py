@@ -24,6 +24,7 @@ import base64
 import hmac
 import json
 import logging
+import math
 import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -102,6 +103,30 @@ class RestSession:
         return self.reply_limit
 
 
+def finite(value: Any) -> Any:
+    """``value`` with every float that is not finite given as a string ("NaN", "Infinity", "-Infinity"), in lists
+    and maps too: JSON has no such numbers, and a reply holding one (``NaN`` bare, as Python writes it) is one that
+    JavaScript's JSON.parse and strict parsers refuse whole. The puts refuse such a property (cfemu.entry.
+    check_properties), but a message stored before that rule, or put by another path, may still hold one."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(v) for v in value]
+    return value
+
+
+def to_json(value: Any) -> str:
+    """``value`` as strict JSON (finite: never NaN or Infinity)."""
+    return json.dumps(finite(value), allow_nan=False)
+
+
+def json_reply(body: Any, *, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    """A JSON reply, strict JSON always (to_json)."""
+    return web.json_response(body, status=status, headers=headers, content_type="application/json", dumps=to_json)
+
+
 class RestError(Exception):
     """An error reply: HTTP status and one element of IBM's error array."""
 
@@ -116,8 +141,7 @@ class RestError(Exception):
                                 "explanation": self.explanation, "action": self.action}
         if self.reason is not None:
             item.update(completionCode=2, reasonCode=self.reason)
-        return web.json_response({"error": [item]}, status=self.status, headers=self.headers,
-                                 content_type="application/json")
+        return json_reply({"error": [item]}, status=self.status, headers=self.headers)
 
 
 # The HTTP status of an MQ reason code the queue manager gave (the rest are 500).
@@ -236,7 +260,8 @@ def md_headers(m: Message, now_ms: int) -> dict[str, str]:
     if m.correlid.strip(b"\0"):
         h[MD + "correlationId"] = encode_id(m.correlid, text_ok=True)
     for name, value in (m.properties or {}).items():
-        h[USR + str(name)] = value if isinstance(value, str) else json.dumps(value)
+        shown = finite(value)  # a number that is not finite as its name, as a string property would show
+        h[USR + str(name)] = shown if isinstance(shown, str) else to_json(shown)
     return h
 
 
@@ -772,7 +797,7 @@ class RestEndpoint:
         async with self._handle(session):
             found = await self._browse(request, session, limit, bodies=False)  # a summary carries no body
         now = int(time.time() * 1000)
-        return web.json_response({"messages": [summary(m, now) for m in found]})
+        return json_reply({"messages": [summary(m, now) for m in found]})
 
 
 __all__ = ["CSRF_HEADER", "RestEndpoint", "RestError", "RestServer", "RestSession", "decode_id", "encode_id"]
