@@ -610,7 +610,7 @@ class Structure:
 
     def browse(self, queue: str, limit: int, now_ms: int, *, max_bytes: int = 0, each: int = 0,
                gate: Callable[[], AbstractContextManager[object]] = nullcontext, step: int = CF_STEP,
-               step_bytes: int = CF_STEP_BYTES) -> Browsed[tuple[Entry, bytes]]:
+               step_bytes: int = CF_STEP_BYTES, exact_more: bool = True) -> Browsed[tuple[Entry, bytes]]:
         """Up to ``limit`` available messages without taking them, in get order. ``max_bytes`` (0: any) bounds the
         sum of their lengths (data plus stored descriptor, plus ``each`` per message): as many as fit, ``more`` set
         when one was left out; TruncatedMessageError when not even the first fits.
@@ -619,7 +619,10 @@ class Structure:
         entries and carries at most ``step_bytes``, so that a long queue (of expired messages, say) or a large
         ``limit`` never holds the CF in one call. Each call runs inside ``gate()`` (a member's scan slots:
         sqm.core.scans). An entry there for the whole browse is returned once; one that comes or goes meanwhile
-        may or may not be."""
+        may or may not be. To tell whether another available message was left out, a browse that has its ``limit``
+        reads on to the next one, past every expired message between; a caller that does not use ``more`` passes
+        ``exact_more`` False and the browse stops at its ``limit``, ``more`` then saying only that it stopped before
+        the queue's end."""
         found: list[tuple[Entry, bytes]] = []
         cursor, used = "", 0
         while True:
@@ -628,8 +631,8 @@ class Structure:
                                         held=len(found), used=used, step=step, step_bytes=step_bytes)
             found.extend(page.found)
             used += page.carried
-            if page.more or not page.cursor:
-                return Browsed(found, more=page.more)
+            if page.more or not page.cursor or (len(found) >= limit and not exact_more):
+                return Browsed(found, more=page.more or bool(page.cursor))
             cursor = page.cursor
 
     def browse_page(self, queue: str, limit: int, now_ms: int, *, max_bytes: int = 0, each: int = 0,

@@ -655,15 +655,17 @@ class Connection(UnitOfWorkScope):
             uow.doomed = uow.doomed or f"structure {sname} was restored during a batch of it"
         uow.structures[sname] = gen
 
-    def browse(self, queue: str, limit: int = 100, *, max_bytes: int = 0, each: int = 0) -> Browsed[Message]:
+    def browse(self, queue: str, limit: int = 100, *, max_bytes: int = 0, each: int = 0,
+               exact_more: bool = True) -> Browsed[Message]:
         """Up to ``limit`` available messages, not taken; ``max_bytes``/``each`` bound the reply (Structure.browse):
-        ``more`` on the result says one was left out. The CF is read a bounded page a call, each call under one of
-        the member's scan slots (sqm.core.scans)."""
+        ``more`` on the result says one was left out (``exact_more`` False: only that the browse stopped before the
+        queue's end, which spares reading past ``limit``). The CF is read a bounded page a call, each call under
+        one of the member's scan slots (sqm.core.scans)."""
         qm = self.qm
         qdef = qm.queue_def(queue)
         s = qm.structure(qdef.structure)
         found = qm.cf_call(lambda: s.browse(queue, limit, now_ms(), max_bytes=max_bytes, each=each,
-                                            gate=qm.scans.call))
+                                            gate=qm.scans.call, exact_more=exact_more))
         return Browsed((Message.from_entry(e, d) for e, d in found), more=found.more)
 
     def browse_matching(self, queue: str, match: str, values: Sequence[bytes], limit: int, *,

@@ -772,9 +772,9 @@ class RestEndpoint:
             match, values = ("m", [sel["msgid"]]) if "msgid" in sel else ("c", correlid_forms(sel["correlid"]))
             return await self._run(session, "browse", lambda: queue_ops.browse_matching(
                 self.server, session, queue, match, values, limit, bodies=bodies))
-        found = await self._run(session, "browse", lambda: queue_ops.browse(
-            self.server, session, {"queue": queue, "limit": limit}))
-        return [message_from_wire(w) for w in found["messages"]]
+        # A REST reply says nothing of messages left out: the browse stops at its limit.
+        return await self._run(session, "browse", lambda: list(queue_ops.browse_messages(
+            self.server, session, queue, limit, exact_more=False)))
 
     async def browse_one(self, request: web.Request) -> web.Response:
         """The first message (or the first with the messageId or correlationId asked for), left on its queue."""

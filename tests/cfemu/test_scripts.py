@@ -573,6 +573,19 @@ class TestBrowse:
         assert found == ["live"] and calls == 1001 // CF_STEP + 1
         assert [e.id for e, _ in s.browse(Q, 10, NOW)] == ["live"]
 
+    def test_a_browse_reads_past_its_limit_only_to_tell_more(self, s: Structure, qm1: Caller,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+        s.put(qm1, entry("live"), b"live")
+        for i in range(1000):
+            s.put(qm1, entry(f"x{i:04d}", expiry=1_000), b"x")  # expired by NOW, behind the live one
+        calls, real = [], s.browse_page
+        monkeypatch.setattr(s, "browse_page", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+        exact = s.browse(Q, 1, NOW)  # another available message? only the whole queue says: none
+        assert ([e.id for e, _ in exact], exact.more, len(calls)) == (["live"], False, 1001 // CF_STEP + 1)
+        calls.clear()
+        quick = s.browse(Q, 1, NOW, exact_more=False)  # stops at its limit: "more" says only that it stopped
+        assert ([e.id for e, _ in quick], quick.more, len(calls)) == (["live"], True, 1)
+
     def test_paging_returns_the_messages_in_get_order(self, s: Structure, qm1: Caller) -> None:
         want: dict[int, list[str]] = {p: [] for p in range(10)}
         for i in range(700):
