@@ -768,6 +768,8 @@ class RestEndpoint:
         however long the queue), never by reading the queue."""
         sel = self._selection(request, "/v3/" in request.path)
         queue = queue_of(request)
+        if sel.get("correlid") == b"":  # no correlation id to match: the next message, as a DELETE takes it
+            del sel["correlid"]
         if sel:
             match, values = ("m", [sel["msgid"]]) if "msgid" in sel else ("c", correlid_forms(sel["correlid"]))
             return await self._run(session, "browse", lambda: queue_ops.browse_matching(

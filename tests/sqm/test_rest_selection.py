@@ -86,6 +86,7 @@ def test_a_lookup_by_id_reads_the_ids_index_in_bounded_batches_not_the_queue(
 
         assert calls["browse_page"] == []  # the queue itself was never read
         assert calls["peek_scan"] and max(calls["peek_scan"]) <= CF_STEP
+        assert get(member, "?correlationId=").body == get(member, "").body  # none to match, as a DELETE reads it
         taker.close()
     finally:
         conn.close()
