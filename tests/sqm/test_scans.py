@@ -15,6 +15,8 @@ from cfemu.cf import Structure
 from sqm.core.manager import QueueManager
 from sqm.core.scans import ScanSlots
 from sqm.request_slots import RequestSlots
+from sqm.service.config import ServerConfig, ServerConfigError
+from sqm.service.server import SQMServer
 
 
 class Overlap:
@@ -132,3 +134,13 @@ def test_the_pages_of_a_members_browses_run_under_its_scan_slots(qm: QueueManage
     _together(6, browse)
     assert slow_pages.most == 2 and qm.scans.waits > 0
     conn.close()
+
+
+def test_sqm_run_gives_its_member_the_scan_slots_it_was_told(redis_url: str, tmp_path: Any) -> None:
+    server = SQMServer(ServerConfig(name="QM1", log_root=tmp_path, redis_url=redis_url, token="t", scan_slots=3))
+    try:
+        assert server.qm.scans.n == 3
+    finally:
+        server.qm.redis.close()
+    with pytest.raises(ServerConfigError, match="scan slots must be at least 1 and at most 1024, not 0"):
+        ServerConfig(name="QM1", log_root=tmp_path, token="t", scan_slots=0).check()
