@@ -140,6 +140,8 @@ def test_sqm_run_gives_its_member_the_scan_slots_it_was_told(redis_url: str, tmp
     server = SQMServer(ServerConfig(name="QM1", log_root=tmp_path, redis_url=redis_url, token="t", scan_slots=3))
     try:
         assert server.qm.scans.n == 3
+        stats = server.server_stats()  # what /metrics shows of them
+        assert (stats["scan_slots"], stats["waiting_for_scan_slot"], stats["scan_slot_waits"]) == (3, 0, 0)
     finally:
         server.qm.redis.close()
     with pytest.raises(ServerConfigError, match="scan slots must be at least 1 and at most 1024, not 0"):
