@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, TypeVar
 
@@ -14,7 +15,7 @@ import redis
 from cfemu import bulk, duplex, keys, lua, rcluster, server_module
 from cfemu.entry import Entry
 from cfemu.errors import MQError, StructureFailedError, from_script_error
-from cfemu.limits import CF_STEP
+from cfemu.limits import CF_STEP, CF_STEP_BYTES
 from cfemu.redis_internals import hiredis_io, one_attempt, pack, retry_errors
 from cfemu.resp import exchange, receive, send
 from cfemu.server_module import TO_SCRIPT
@@ -476,6 +477,15 @@ class PClockReply(NamedTuple):
     cf_ms: int  # the CF's own time, ms since the epoch
 
 
+class BrowsePage(NamedTuple):
+    """One call of a browse (browse.lua)."""
+
+    found: list[tuple[Entry, bytes]]  # in get order
+    more: bool  # an available message was left out by the count or the bytes: the browse is over
+    cursor: str  # where the next call goes on; "" once the queue's end was reached
+    carried: int  # the bytes ``found`` took of the browse's byte bound (data, descriptor and ``each`` per message)
+
+
 class Browsed(list[T]):
     """The messages a browse returned, in get order; ``more`` when an available message was left out (by the count
     or by the byte bound of a caller that must carry the reply: browse again with room, or after taking some)."""
@@ -598,13 +608,44 @@ class Structure:
             if not got.again:
                 return GetCommittedReply(got, None, done)
 
-    def browse(self, queue: str, limit: int, now_ms: int, *, max_bytes: int = 0,
-               each: int = 0) -> Browsed[tuple[Entry, bytes]]:
-        """Up to ``limit`` available messages without taking them. ``max_bytes`` (0: any) bounds the sum of their
-        lengths (data plus stored descriptor, plus ``each`` per message): as many as fit, ``more`` set when one was
-        left out; TruncatedMessageError when not even the first fits."""
-        out = self._call("browse", None, [queue, limit, now_ms, max_bytes, each])
-        return Browsed(_pairs(out[1:]), more=bool(int(out[0])))
+    def browse(self, queue: str, limit: int, now_ms: int, *, max_bytes: int = 0, each: int = 0,
+               gate: Callable[[], AbstractContextManager[object]] = nullcontext, step: int = CF_STEP,
+               step_bytes: int = CF_STEP_BYTES, exact_more: bool = True) -> Browsed[tuple[Entry, bytes]]:
+        """Up to ``limit`` available messages without taking them, in get order. ``max_bytes`` (0: any) bounds the
+        sum of their lengths (data plus stored descriptor, plus ``each`` per message): as many as fit, ``more`` set
+        when one was left out; TruncatedMessageError when not even the first fits.
+
+        A run of browse_page calls, each going on from the last one's cursor: one call visits at most ``step``
+        entries and carries at most ``step_bytes``, so that a long queue (of expired messages, say) or a large
+        ``limit`` never holds the CF in one call. Each call runs inside ``gate()`` (a member's scan slots:
+        sqm.core.scans). An entry there for the whole browse is returned once; one that comes or goes meanwhile
+        may or may not be. To tell whether another available message was left out, a browse that has its ``limit``
+        reads on to the next one, past every expired message between; a caller that does not use ``more`` passes
+        ``exact_more`` False and the browse stops at its ``limit``, ``more`` then saying only that it stopped before
+        the queue's end."""
+        found: list[tuple[Entry, bytes]] = []
+        cursor, used = "", 0
+        while True:
+            with gate():
+                page = self.browse_page(queue, limit, now_ms, max_bytes=max_bytes, each=each, cursor=cursor,
+                                        held=len(found), used=used, step=step, step_bytes=step_bytes)
+            found.extend(page.found)
+            used += page.carried
+            if page.more or not page.cursor or (len(found) >= limit and not exact_more):
+                return Browsed(found, more=page.more or bool(page.cursor))
+            cursor = page.cursor
+
+    def browse_page(self, queue: str, limit: int, now_ms: int, *, max_bytes: int = 0, each: int = 0,
+                    cursor: str = "", held: int = 0, used: int = 0, step: int = CF_STEP,
+                    step_bytes: int = CF_STEP_BYTES) -> BrowsePage:
+        """One call of a browse (browse.lua), from ``cursor`` ("": the queue's head): ``held`` messages and ``used``
+        bytes of ``max_bytes`` are what the browse's earlier calls returned. It visits at most ``step`` entries,
+        expired ones included, and carries at most ``step_bytes`` (its first message whatever its length)."""
+        out = self._call("browse", None, [queue, limit, now_ms, max_bytes, each, cursor, held, used, step,
+                                          step_bytes])
+        flat = out[2:]
+        carried = sum(len(flat[i]) + len(flat[i + 1] or b"") + each for i in range(0, len(flat), 2))
+        return BrowsePage(_pairs(flat), bool(int(out[0])), keys.text(out[1]), carried)
 
     def peek(self, queue: str, match: str, value: str, limit: int = 100) -> list[tuple[Entry, bytes]]:
         """Entries of ``queue`` whose message id (match 'm') or correlation id ('c') is ``value`` (hex), committed or

@@ -46,6 +46,7 @@ from cfemu.clitools import (
 from cfemu.limits import MAX_MSG_LENGTH
 from cfemu.settings import Settings, operator_token
 from sqm.core.recauto import RecoverStructure
+from sqm.core.scans import DEFAULT_SCAN_SLOTS, MAX_SCAN_SLOTS
 from sqm.core.storereport import DEFAULT_NAME, REPORT_ENV, report_path
 from sqm.logadmin import add_log_admin_parsers
 from sqm.logprint import LOG_ERRORS, add_log_parser
@@ -171,6 +172,10 @@ def add_run_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParse
     p.add_argument("--request-slots", type=whole(1, MAX_SLOTS), default=default_slots(),
                    help="requests doing their work at once, each up to its first wait (for the log, a message); "
                         f"the others wait for a slot (default: CPUs + 1, here {default_slots()}; at most {MAX_SLOTS})")
+    p.add_argument("--scan-slots", type=whole(1, MAX_SCAN_SLOTS), default=DEFAULT_SCAN_SLOTS,
+                   help="calls of multi-call scans (browse pages, peek scans) this member has in the CF at once; the "
+                        "others wait for a slot, so that many browsers at once cannot keep the CF busy (default "
+                        f"{DEFAULT_SCAN_SLOTS}; at most {MAX_SCAN_SLOTS})")
     p.add_argument("--slot-lease-ms", type=whole(1, MAX_MS), default=int(LEASE_S * 1000),
                    help="a request that holds its slot this long counts as waiting (on a slow CF, a lock), and a "
                         f"queued request takes the slot back (default {int(LEASE_S * 1000)})")
@@ -228,6 +233,7 @@ def cmd_run(args: argparse.Namespace, out: Output) -> int:
         metrics_max_connections=args.metrics_max_connections,
         metrics_max_connections_per_peer=args.metrics_max_connections_per_peer, metrics_cache_s=args.metrics_cache,
         cf_connections=args.cf_connections, request_slots=args.request_slots, slot_lease_ms=args.slot_lease_ms,
+        scan_slots=args.scan_slots,
         event_loop=not args.thread_per_connection,
         logload=args.logload, max_umsgs=max_umsgs, max_frame=args.max_frame, log_mode=args.log_mode, log_ring=args.log_ring,
         log_archive_dir=found.log_archive_dir, segment_bytes=max(4096, int(args.log_segment_mb * 2**20)),

@@ -313,8 +313,9 @@ def expire_idle(qm: Member, svc: ctl.Service, pc: int, cursor: str = "0", count:
     """One bounded batch of the service's conversation records (the sweeper's): a conversation that is over
     (convrecord.idle: no active UOW for CONV-NONACT) has its record removed; its id may begin a new one. Returns
     the cursor of the next batch ("0": pass over) and how many ended."""
-    nxt, found = qm.cf_call(lambda: qm.structure(svc.structure).peek_scan(svc.control, "c", RECORD_CID_HEX, cursor,
-                                                                          count))
+    with qm.scans.call():  # one of the member's scan slots for the batch (sqm.core.scans)
+        nxt, found = qm.cf_call(lambda: qm.structure(svc.structure).peek_scan(svc.control, "c", RECORD_CID_HEX,
+                                                                              cursor, count))
     ended = 0
     held_open: set[str] | None = None  # conversations with a UOW its sender holds open: read once, when needed
     for _, data in found:

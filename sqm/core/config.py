@@ -10,6 +10,7 @@ from typing import Any
 
 from cfemu.progress import Progress
 from cfemu.settings import DEFAULT_MAX_UMSGS
+from sqm.core.scans import DEFAULT_SCAN_SLOTS
 
 LINEAR, CIRCULAR = "linear", "circular"
 LOG_MODES = (LINEAR, CIRCULAR)
@@ -42,6 +43,8 @@ class QueueManagerConfig:
     # MQRC_RESOURCE_PROBLEM; a local limit is never reported as a failed CF structure.
     cf_connections: int = 64
     cf_pool_timeout_s: float = 30.0
+    # Calls of multi-call scans (browse pages, peek scans) in the CF at once (sqm.core.scans): the rest wait here.
+    scan_slots: int = DEFAULT_SCAN_SLOTS
     # Selective relogging (docs/log-management.md): the CPL's n (0: no relogging), the relog lock's lease, the
     # entries one relog_scan batch looks at.
     cpl_entries: int = 3

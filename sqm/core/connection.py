@@ -28,7 +28,7 @@ from cfemu.errors import (
     SyncpointLimitError,
     TruncatedMessageError,
 )
-from cfemu.limits import check_id
+from cfemu.limits import CF_STEP, check_id
 from cfemu.settings import ENV_MAX_UMSGS
 from sqm.core import records
 from sqm.core.client_watch import ClientWatch
@@ -39,6 +39,7 @@ from sqm.core.messaging import UnitOfWorkScope
 from sqm.core.outcomes import Decided
 from sqm.core.random_bytes import random_bytes
 from sqm.core.records import INDOUBT, INFLIGHT, Record
+from sqm.core.scans import ScanSlots
 from sqm.core.uow import UnitOfWork
 from sqm.request_slots import nap
 
@@ -73,6 +74,10 @@ class QueueManagerPort(MemberWork, Protocol):
     @property
     def log_failed(self) -> str:
         """Why the log cannot be written (empty: it can)."""
+        ...
+    @property
+    def scans(self) -> ScanSlots:
+        """The member's scan slots: each call of a multi-call scan runs in one (sqm.core.scans)."""
         ...
 
     def check_usable(self) -> None: ...
@@ -650,14 +655,50 @@ class Connection(UnitOfWorkScope):
             uow.doomed = uow.doomed or f"structure {sname} was restored during a batch of it"
         uow.structures[sname] = gen
 
-    def browse(self, queue: str, limit: int = 100, *, max_bytes: int = 0, each: int = 0) -> Browsed[Message]:
+    def browse(self, queue: str, limit: int = 100, *, max_bytes: int = 0, each: int = 0,
+               exact_more: bool = True) -> Browsed[Message]:
         """Up to ``limit`` available messages, not taken; ``max_bytes``/``each`` bound the reply (Structure.browse):
-        ``more`` on the result says one was left out."""
+        ``more`` on the result says one was left out (``exact_more`` False: only that the browse stopped before the
+        queue's end, which spares reading past ``limit``). The CF is read a bounded page a call, each call under
+        one of the member's scan slots (sqm.core.scans)."""
         qm = self.qm
         qdef = qm.queue_def(queue)
         s = qm.structure(qdef.structure)
-        found = qm.cf_call(lambda: s.browse(queue, limit, now_ms(), max_bytes=max_bytes, each=each))
+        found = qm.cf_call(lambda: s.browse(queue, limit, now_ms(), max_bytes=max_bytes, each=each,
+                                            gate=qm.scans.call, exact_more=exact_more))
         return Browsed((Message.from_entry(e, d) for e, d in found), more=found.more)
+
+    def browse_matching(self, queue: str, match: str, values: Sequence[bytes], limit: int, *,
+                        bodies: bool = True) -> list[Message]:
+        """Up to ``limit`` available messages whose message id (``match`` 'm') or correlation id ('c') is one of
+        ``values``, not taken, in get order. The queue's index of each id is read a bounded batch per CF call
+        (peek_scan.lua, CF_STEP entries at a time, each call under one of the member's scan slots), so that a call
+        costs the CF a batch however long the queue, and a lookup in all the messages that have that id, not the
+        queue's. Without ``bodies`` the messages come without their data (a list of descriptors), and only the
+        best ``limit`` of them are kept at any time either way."""
+        qm = self.qm
+        s = qm.structure(qm.queue_def(queue).structure)
+        now = now_ms()
+        best: list[tuple[tuple[int, int, int], Entry, bytes]] = []
+        seen: set[str] = set()
+        for value in dict.fromkeys(v.hex() for v in values):
+            cursor = "0"
+            while True:
+                with qm.scans.call():
+                    cursor, found = qm.cf_call(partial(s.peek_scan, queue, match, value, cursor, CF_STEP))
+                for e, data in found:
+                    # Available only: committed (a held get's entry is taken), and not expired (get never takes it).
+                    if e.id in seen or e.state != "CP" or 0 < e.expiry <= now:
+                        continue
+                    seen.add(e.id)
+                    best.append(((-e.priority, *e.order), e, data if bodies else b""))
+                if len(best) > limit:
+                    best.sort(key=lambda b: b[0])
+                    del best[limit:]
+                if cursor == "0":
+                    break
+        best.sort(key=lambda b: b[0])
+        return [Message.from_entry(e, data) for _, e, data in best[:limit]]
 
     # --- syncpoint ----------------------------------------------------------------------------------------
     def commit(self) -> None:

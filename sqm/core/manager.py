@@ -55,6 +55,7 @@ from sqm.core.recauto import StructureRecovery
 from sqm.core.records import INBACKOUT, INCOMMIT, INDOUBT, INFLIGHT, Record
 from sqm.core.recovery import recover_peers, restart
 from sqm.core.retention import Retention
+from sqm.core.scans import ScanSlots
 from sqm.core.storereport import StoreReport
 from sqm.core.uow import UnitOfWork
 from sqm.log import RecordLog, RecordRefusedError
@@ -89,6 +90,7 @@ class QueueManager(Outcomes, LogSpace):
         self.redis = client if client is not None else connect(
             config.redis_url, max_connections=config.cf_connections, pool_timeout=config.cf_pool_timeout_s)
         self.cf = GroupedCF(self.redis)  # concurrent requests' CF calls share round trips (sqm.core.cfgroup)
+        self.scans = ScanSlots(config.scan_slots)  # the calls of its scans in the CF at once (sqm.core.scans)
         self.admin = Admin(self.redis)
         # The lease is renewed over connections of its own: requests that take every connection of the pool, or a
         # long step holding one, never make a renewal wait for a free one (a member given a client shares it).

@@ -206,8 +206,9 @@ def scan_entries(qm: Member, t: Topic, letter: bytes, batch: int = SCAN_BATCH) -
     seen: set[str] = set()
     cursor = "0"
     while True:
-        cursor, found = qm.cf_call(lambda c=cursor: qm.structure(t.structure).peek_scan(  # type: ignore[misc]
-            t.sub_queue, "c", letter.hex(), c, batch))
+        with qm.scans.call():  # one of the member's scan slots for each batch (sqm.core.scans)
+            cursor, found = qm.cf_call(lambda c=cursor: qm.structure(t.structure).peek_scan(  # type: ignore[misc]
+                t.sub_queue, "c", letter.hex(), c, batch))
         for entry, data in found:
             if entry.id not in seen:
                 seen.add(entry.id)

@@ -16,6 +16,7 @@ from pathlib import Path
 from cfemu.settings import DEFAULT_MAX_UMSGS, MAX_MAX_UMSGS
 from cfemu.sockets import is_loopback_host, is_loopback_ip
 from sqm.core.recauto import RecoverStructure
+from sqm.core.scans import DEFAULT_SCAN_SLOTS, MAX_SCAN_SLOTS
 from sqm.operations import APPLICATION, OPERATOR
 from sqm.request_slots import LEASE_S, MAX_SLOTS, default_slots
 from sqm.service.protocol import DEFAULT_MAX_FRAME, MAX_FRAME, MIN_FRAME
@@ -75,6 +76,8 @@ class ServerConfig:
     # requests doing their work at once, up to their first wait (sqm.request_slots); the rest wait for a slot
     request_slots: int = field(default_factory=default_slots)
     slot_lease_ms: int = int(LEASE_S * 1000)  # a request holding its slot this long counts as waiting
+    # calls of multi-call scans (browse pages, peek scans) in the CF at once (sqm.core.scans); the rest wait here
+    scan_slots: int = DEFAULT_SCAN_SLOTS
     # Authenticated plain connections served by one event loop that runs the puts and gets outside syncpoint that
     # arrive together as one batch (sqm.service.batch_loop); False: each by its own thread (the direct loop)
     event_loop: bool = True
@@ -139,6 +142,8 @@ class ServerConfig:
         if not 1 <= self.request_slots <= MAX_SLOTS:
             raise ServerConfigError(f"request slots must be at least 1 and at most {MAX_SLOTS}, not "
                                     f"{self.request_slots}")
+        if not 1 <= self.scan_slots <= MAX_SCAN_SLOTS:
+            raise ServerConfigError(f"scan slots must be at least 1 and at most {MAX_SCAN_SLOTS}, not {self.scan_slots}")
         if self.slot_lease_ms < 1:
             raise ServerConfigError(f"a request slot's lease must be at least 1 ms, not {self.slot_lease_ms}")
         if not 1 <= self.max_umsgs <= MAX_MAX_UMSGS:

@@ -76,6 +76,11 @@ SERVER_VALUES: tuple[tuple[type[CounterMetricFamily] | type[GaugeMetricFamily], 
     (CounterMetricFamily, "slot_waits", "Requests that waited for a request slot", "slot_waits"),
     (CounterMetricFamily, "slot_leases_expired", "Request slots taken back from requests that held theirs past "
      "--slot-lease-ms (waiting on the CF or a lock)", "slot_leases_expired"),
+    # Scan slots (sqm.core.scans): waiters most of the time while the CF is idle say --scan-slots is too low.
+    (GaugeMetricFamily, "scan_slots", "Calls of multi-call scans (browse pages, peek scans) that may be in the CF "
+     "at once (--scan-slots)", "scan_slots"),
+    (GaugeMetricFamily, "waiting_for_scan_slot", "Calls of scans waiting for a scan slot now", "waiting_for_scan_slot"),
+    (CounterMetricFamily, "scan_slot_waits", "Calls of scans that waited for a scan slot", "scan_slot_waits"),
     # The budget of request bytes in flight (sqm.service.transport): in use near the limit, and refusals, say
     # large requests (puts of large messages) come faster than the member takes them in.
     (GaugeMetricFamily, "request_bytes_in_flight", "Bytes of requests (and large replies) in flight now, counted "

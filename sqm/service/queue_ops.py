@@ -10,6 +10,7 @@ import time
 from typing import Any, Protocol
 
 from cfemu import repository
+from cfemu.cf import Browsed
 from cfemu.errors import BadRequestError, MQError, OutcomeUnknownError, TruncatedMessageError
 from cfemu.topic_attributes import PUB_SUFFIX, SUB_SUFFIX
 from cfemu.uow_attributes import CONTROL_SUFFIX, DATA_SUFFIX
@@ -240,18 +241,42 @@ def _batch_reply(done: BatchResult, messages: list[dict[str, Any]]) -> dict[str,
 
 def browse(svc: Service, session: Session, args: dict[str, Any]) -> dict[str, Any]:
     limit = arg(args, "browse", "limit", int, 100)
+    queue = arg(args, "browse", "queue", str)
+    found = browse_messages(svc, session, queue, limit)
+    return {"messages": [message_to_wire(m) for m in found], "more": found.more}
+
+
+def browse_messages(svc: Service, session: Session, queue: str, limit: int, *,
+                    exact_more: bool = True) -> Browsed[Message]:
+    """Up to ``limit`` available messages of ``queue`` in get order, not taken, as many as one reply carries:
+    ``more`` on the result says some were left out (Connection.browse; ``exact_more`` False for a caller that does
+    not pass ``more`` on), under browse's rules of who may browse what."""
     if not 1 <= limit <= MAX_BROWSE:
         raise BadRequestError(f"browse: limit must be 1-{MAX_BROWSE}, not {limit}")
-    queue = arg(args, "browse", "queue", str)
     if session.role != OPERATOR:
         _plain(svc, queue, "browse")
     conn = _connection(svc, session)
     try:  # as many as one reply carries; "more" tells the client it did not get them all
-        found = conn.browse(queue, limit, max_bytes=session.reply_limit - ENVELOPE, each=MESSAGE_COST)
+        found = conn.browse(queue, limit, max_bytes=session.reply_limit - ENVELOPE, each=MESSAGE_COST,
+                            exact_more=exact_more)
     except TruncatedMessageError as e:
         raise _too_long(svc, session, "browse", queue, e) from None
     session.queues.add(queue)
-    return {"messages": [message_to_wire(m) for m in found], "more": found.more}
+    return found
+
+
+def browse_matching(svc: Service, session: Session, queue: str, match: str, values: list[bytes], limit: int, *,
+                    bodies: bool = True) -> list[Message]:
+    """Up to ``limit`` available messages of ``queue`` whose message id (``match`` 'm') or correlation id ('c') is
+    one of ``values``, in get order, not taken (Connection.browse_matching: the id's index in bounded batches, not
+    the queue), under browse's rules of who may browse what."""
+    if not 1 <= limit <= MAX_BROWSE:
+        raise BadRequestError(f"browse: limit must be 1-{MAX_BROWSE}, not {limit}")
+    if session.role != OPERATOR:
+        _plain(svc, queue, "browse")
+    found = _connection(svc, session).browse_matching(queue, match, values, limit, bodies=bodies)
+    session.queues.add(queue)
+    return found
 
 
 def _too_long(svc: Service, session: Session, op: str, queue: str,

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import binascii
 import hmac
 import json
 import logging
+import math
 import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -103,6 +103,30 @@ class RestSession:
         return self.reply_limit
 
 
+def finite(value: Any) -> Any:
+    """``value`` with every float that is not finite given as a string ("NaN", "Infinity", "-Infinity"), in lists
+    and maps too: JSON has no such numbers, and a reply holding one (``NaN`` bare, as Python writes it) is one that
+    JavaScript's JSON.parse and strict parsers refuse whole. The puts refuse such a property (cfemu.entry.
+    check_properties), but a message stored before that rule, or put by another path, may still hold one."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(v) for v in value]
+    return value
+
+
+def to_json(value: Any) -> str:
+    """``value`` as strict JSON (finite: never NaN or Infinity)."""
+    return json.dumps(finite(value), allow_nan=False)
+
+
+def json_reply(body: Any, *, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    """A JSON reply, strict JSON always (to_json)."""
+    return web.json_response(body, status=status, headers=headers, content_type="application/json", dumps=to_json)
+
+
 class RestError(Exception):
     """An error reply: HTTP status and one element of IBM's error array."""
 
@@ -117,8 +141,7 @@ class RestError(Exception):
                                 "explanation": self.explanation, "action": self.action}
         if self.reason is not None:
             item.update(completionCode=2, reasonCode=self.reason)
-        return web.json_response({"error": [item]}, status=self.status, headers=self.headers,
-                                 content_type="application/json")
+        return json_reply({"error": [item]}, status=self.status, headers=self.headers)
 
 
 # The HTTP status of an MQ reason code the queue manager gave (the rest are 500).
@@ -128,6 +151,15 @@ STATUS_OF_REASON = {
     2046: 400, 2030: 400, 2080: 400,  # a bad value; a message too big for the queue; too long to carry
     2161: 503, 2009: 503, 2373: 503, 2102: 503, 2192: 503, 2024: 503,  # stopping, CF or log trouble, full: retry
 }
+
+
+def utf8(text: str) -> bool:
+    """Whether ``text`` is text in UTF-8: no lone surrogates (what aiohttp makes of bytes that are not UTF-8)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def echo(text: str) -> str:
@@ -212,6 +244,13 @@ def decode_id(value: str, *, text_ok: bool, what: str, bad: Callable[[str, str, 
     return raw
 
 
+def correlid_forms(correlid: bytes) -> list[bytes]:
+    """The stored correlation ids a browse by ``correlid`` matches: as given, and as MQ's 24-byte field holds a
+    shorter one (padded with NULs), either way round: a native client may have put it padded, a REST one not."""
+    bare = correlid.rstrip(b"\0")
+    return list(dict.fromkeys((correlid, bare, bare.ljust(MAX_ID_LENGTH, b"\0"))))
+
+
 def md_headers(m: Message, now_ms: int) -> dict[str, str]:
     """The ``ibm-mq-md-*`` and ``ibm-mq-usr-*`` headers of a message got or browsed."""
     h = {MD + "messageId": encode_id(m.msgid, text_ok=False),
@@ -221,7 +260,8 @@ def md_headers(m: Message, now_ms: int) -> dict[str, str]:
     if m.correlid.strip(b"\0"):
         h[MD + "correlationId"] = encode_id(m.correlid, text_ok=True)
     for name, value in (m.properties or {}).items():
-        h[USR + str(name)] = value if isinstance(value, str) else json.dumps(value)
+        shown = finite(value)  # a number that is not finite as its name, as a string property would show
+        h[USR + str(name)] = shown if isinstance(shown, str) else to_json(shown)
     return h
 
 
@@ -420,14 +460,18 @@ class RestEndpoint:
         if scheme.lower() == "basic":
             try:
                 _, _, token = base64.b64decode(cred.strip(), validate=True).decode("utf-8").partition(":")
-            except (binascii.Error, UnicodeDecodeError):
+            except ValueError:  # not base64 (binascii.Error), not ASCII, a password not UTF-8 (UnicodeDecodeError)
                 token = None
         elif scheme.lower() == "bearer":
             token = cred.strip()
+        # aiohttp hands a header's bytes that are not UTF-8 on as lone surrogates, which no token holds and which
+        # cannot be compared as bytes: refused here as credentials this member does not accept, never a 500.
+        if token is not None and not utf8(token):
+            token = None
         if token is None:
             self.server.stats.auth_failures["not_authenticated"] += 1
             raise RestError(401, "MQWB0104E", "The REST API request is not authenticated.",
-                            "The request carried no credentials this member accepts.",
+                            "The request carried no credentials this member accepts (a token is text in UTF-8).",
                             "Send HTTP basic authentication whose password is the group's application token "
                             "(service.token), or Authorization: Bearer with that token.", reason=2035,
                             headers=challenge)
@@ -717,18 +761,22 @@ class RestEndpoint:
             return "unknown"
         return ""
 
-    async def _browse(self, request: web.Request, session: RestSession, limit: int) -> list[Message]:
+    async def _browse(self, request: web.Request, session: RestSession, limit: int, *,
+                      bodies: bool = True) -> list[Message]:
+        """Up to ``limit`` messages in get order, not taken; with a messageId or correlationId, those with that id
+        only, found through the CF's index of the id (queue_ops.browse_matching: a bounded batch per CF call,
+        however long the queue), never by reading the queue."""
         sel = self._selection(request, "/v3/" in request.path)
         queue = queue_of(request)
-        scan = queue_ops.MAX_BROWSE if sel else limit
-        found = await self._run(session, "browse", lambda: queue_ops.browse(
-            self.server, session, {"queue": queue, "limit": scan}))
-        messages = [message_from_wire(w) for w in found["messages"]]
-        if "msgid" in sel:
-            messages = [m for m in messages if m.msgid == sel["msgid"]]
-        if "correlid" in sel:
-            messages = [m for m in messages if m.correlid.rstrip(b"\0") == sel["correlid"].rstrip(b"\0")]
-        return messages[:limit]
+        if sel.get("correlid") == b"":  # no correlation id to match: the next message, as a DELETE takes it
+            del sel["correlid"]
+        if sel:
+            match, values = ("m", [sel["msgid"]]) if "msgid" in sel else ("c", correlid_forms(sel["correlid"]))
+            return await self._run(session, "browse", lambda: queue_ops.browse_matching(
+                self.server, session, queue, match, values, limit, bodies=bodies))
+        # A REST reply says nothing of messages left out: the browse stops at its limit.
+        return await self._run(session, "browse", lambda: list(queue_ops.browse_messages(
+            self.server, session, queue, limit, exact_more=False)))
 
     async def browse_one(self, request: web.Request) -> web.Response:
         """The first message (or the first with the messageId or correlationId asked for), left on its queue."""
@@ -749,9 +797,9 @@ class RestEndpoint:
         if limit is None or not 1 <= limit <= MAX_LIST:
             raise bad_query("limit", raw, f"limit is 1-{MAX_LIST}.")
         async with self._handle(session):
-            found = await self._browse(request, session, limit)
+            found = await self._browse(request, session, limit, bodies=False)  # a summary carries no body
         now = int(time.time() * 1000)
-        return web.json_response({"messages": [summary(m, now) for m in found]})
+        return json_reply({"messages": [summary(m, now) for m in found]})
 
 
 __all__ = ["CSRF_HEADER", "RestEndpoint", "RestError", "RestServer", "RestSession", "decode_id", "encode_id"]

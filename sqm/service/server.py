@@ -98,7 +98,7 @@ class SQMServer:
         self.ssl = config.ssl_context()
         self.qm = qm if qm is not None else QueueManager(QueueManagerConfig(
             name=config.name, log_root=Path(config.log_root), redis_url=config.redis_url, lease_ms=config.lease_ms,
-            cf_connections=config.cf_connections,
+            cf_connections=config.cf_connections, scan_slots=config.scan_slots,
             logload=config.logload, clock_skew_us=config.clock_skew_ms * 1000,
             log_mode=config.log_mode, log_ring=config.log_ring, log_archive_dir=config.log_archive_dir,
             segment_bytes=config.segment_bytes, checkpoint_interval_s=config.checkpoint_interval_s,
@@ -185,6 +185,8 @@ class SQMServer:
                 "closed": {r: st.closed[r] for r in CLOSE_REASONS},
                 "request_slots": self.slots.n, "waiting_for_slot": self.slots.waiting,
                 "slot_waits": self.slots.waits, "slot_leases_expired": self.slots.expired,
+                "scan_slots": self.qm.scans.n, "waiting_for_scan_slot": self.qm.scans.waiting,
+                "scan_slot_waits": self.qm.scans.waits,
                 "request_bytes_in_flight": budget.used, "request_bytes_limit": budget.limit,
                 "request_budget_waits": budget.waits, "request_budget_refusals": budget.refused}
 

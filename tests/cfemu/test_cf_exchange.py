@@ -138,7 +138,7 @@ def test_in_a_pipeline_a_call_that_cannot_be_sent_fails_alone(redis_factory: Cal
     now = int(time.time() * 1000)
     browse = ("browse", "APP1", ["Q1", 10, now, 0, 0])
     out = cf.run_many([browse, ("browse", "APP1", ["Q1", None, now, 0, 0]), browse])
-    assert out[0] == out[2] == [0]  # each: nothing more, no message
+    assert out[0] == out[2] == [0, b""]  # each: nothing more, the queue's end, no message
     assert isinstance(out[1], redis.exceptions.DataError)
     [alone] = cf.run_many([("browse", "APP1", ["Q1", None, now, 0, 0])])  # nothing to send at all
     assert isinstance(alone, redis.exceptions.DataError)

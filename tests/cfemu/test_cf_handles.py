@@ -53,9 +53,9 @@ def test_a_pipelines_small_commands_go_to_the_socket_as_one_write(redis_url: str
 
         monkeypatch.setattr(cfmod, "exchange", counted)
         browse = ("browse", "APP1", ["Q1", 10, 0, 0, 0])
-        assert cf.run_many([browse] * 3) == [[0], [0], [0]]  # each: nothing more, no message
+        assert cf.run_many([browse] * 3) == [[0, b""]] * 3  # each: nothing more, the queue's end, no message
         monkeypatch.setattr(cfmod, "JOINED_SEND", 10)  # commands longer than that in all: written one by one
-        assert cf.run_many([browse] * 3) == [[0], [0], [0]]  # each: nothing more, no message
+        assert cf.run_many([browse] * 3) == [[0, b""]] * 3  # each: nothing more, the queue's end, no message
         assert sent == [1, 3]
     finally:
         client.close()

@@ -558,9 +558,86 @@ class TestBrowse:
             s.browse(Q, 10, NOW, max_bytes=500)
         assert e.value.reason == 2080 and "message big is" in str(e.value)
 
+    # --- a page at a time: one call's cost is bounded however long the queue or large the limit ---------------
+    def test_one_call_visits_at_most_a_step_of_entries(self, s: Structure, qm1: Caller) -> None:
+        for i in range(1000):
+            s.put(qm1, entry(f"x{i:04d}", expiry=1_000), b"x")  # expired by NOW
+        s.put(qm1, entry("live"), b"live")
+        first = s.browse_page(Q, 10, NOW)
+        assert (first.found, first.more) == ([], False) and first.cursor.startswith(f"0:{CF_STEP}:")
+        cursor, calls, found = first.cursor, 1, []
+        while cursor:
+            page = s.browse_page(Q, 10, NOW, cursor=cursor)
+            found += [e.id for e, _ in page.found]
+            cursor, calls = page.cursor, calls + 1
+        assert found == ["live"] and calls == 1001 // CF_STEP + 1
+        assert [e.id for e, _ in s.browse(Q, 10, NOW)] == ["live"]
+
+    def test_a_browse_reads_past_its_limit_only_to_tell_more(self, s: Structure, qm1: Caller,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+        s.put(qm1, entry("live"), b"live")
+        for i in range(1000):
+            s.put(qm1, entry(f"x{i:04d}", expiry=1_000), b"x")  # expired by NOW, behind the live one
+        calls, real = [], s.browse_page
+        monkeypatch.setattr(s, "browse_page", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+        exact = s.browse(Q, 1, NOW)  # another available message? only the whole queue says: none
+        assert ([e.id for e, _ in exact], exact.more, len(calls)) == (["live"], False, 1001 // CF_STEP + 1)
+        calls.clear()
+        quick = s.browse(Q, 1, NOW, exact_more=False)  # stops at its limit: "more" says only that it stopped
+        assert ([e.id for e, _ in quick], quick.more, len(calls)) == (["live"], True, 1)
+
+    def test_paging_returns_the_messages_in_get_order(self, s: Structure, qm1: Caller) -> None:
+        want: dict[int, list[str]] = {p: [] for p in range(10)}
+        for i in range(700):
+            p = (i * 7) % 10
+            expired = i % 5 == 0
+            s.put(qm1, entry(f"m{i:03d}", priority=p, **({"expiry": 1_000} if expired else {})), b"d%d" % i)
+            if not expired:
+                want[p].append(f"m{i:03d}")
+        order = [eid for p in range(9, -1, -1) for eid in want[p]]
+        assert [e.id for e, _ in s.browse(Q, 1000, NOW)] == order  # 700 entries: three calls of a step
+        for step in (1, 7, 100):
+            assert [e.id for e, _ in s.browse(Q, 1000, NOW, step=step)] == order
+        some = s.browse(Q, 300, NOW, step=7)
+        assert [e.id for e, _ in some] == order[:300] and some.more
+        every = s.browse(Q, len(order), NOW, step=7)
+        assert [e.id for e, _ in every] == order and not every.more
+        each = 10  # by bytes across calls: what fits, "more", and no refusal for a later call's first message
+        room = sum(carried_length(s, eid) + each for eid in order[:50])
+        bounded = s.browse(Q, 1000, NOW, max_bytes=room, each=each, step=7)
+        assert [e.id for e, _ in bounded] == order[:50] and bounded.more
+
+    def test_a_call_carries_at_most_its_bytes_but_always_one_message(self, s: Structure, qm1: Caller) -> None:
+        for eid in ("a", "b", "c"):
+            s.put(qm1, entry(eid), eid.encode() * 1000)
+        page = s.browse_page(Q, 10, NOW, step_bytes=1)
+        assert [e.id for e, _ in page.found] == ["a"] and page.cursor and not page.more
+        two = carried_length(s, "a") + carried_length(s, "b")
+        assert [e.id for e, _ in s.browse_page(Q, 10, NOW, step_bytes=two).found] == ["a", "b"]
+        assert [e.id for e, _ in s.browse(Q, 10, NOW, step_bytes=1)] == ["a", "b", "c"]
+
+    def test_a_cursor_goes_on_after_messages_were_taken_or_made_available(self, s: Structure,
+                                                                          qm1: Caller) -> None:
+        for i in range(20):
+            s.put(qm1, entry(f"m{i:02d}"), b"x")
+        page = s.browse_page(Q, 100, NOW, step=8)
+        assert [e.id for e, _ in page.found] == [f"m{i:02d}" for i in range(8)]
+        for _ in range(5):  # the five oldest taken: the positions after them move down by five
+            s.get(qm1, Q, uow="T1", now_ms=NOW)
+        s.put(qm1, entry("late"), b"x")  # after the cursor in get order: the browse sees it
+        rest = []
+        cursor = page.cursor
+        while cursor:
+            nxt = s.browse_page(Q, 100, NOW, cursor=cursor, held=len(page.found), step=8)
+            rest += [e.id for e, _ in nxt.found]
+            cursor = nxt.cursor
+        assert rest == [f"m{i:02d}" for i in range(8, 20)] + ["late"]
+
     def test_refusals(self, admin: Admin, s: Structure) -> None:
         with pytest.raises(UnknownObjectError):
             s.browse("NOQ", 10, NOW)
+        with pytest.raises(BadRequestError, match="cursor"):
+            s.browse_page(Q, 10, NOW, cursor="x")
         with pytest.raises(StructureFailedError, match="not in the CF"):
             CF(admin.redis).structure("NOPE").browse(Q, 10, NOW)
         admin.set_state(S, "RECOVERING")

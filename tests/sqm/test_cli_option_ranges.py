@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from sqm import cli as sqm_cli
+from sqm.core.scans import MAX_SCAN_SLOTS
 from sqm.request_slots import MAX_SLOTS
 from sqm.service.config import MAX_REST_WORKERS
 from sqm.service.protocol import MAX_FRAME, MIN_FRAME
@@ -72,6 +73,7 @@ OPTIONS: list[tuple[list[str], str, list[str]]] = [
     (RUN, "--lease-ms", wholes(500, YEAR_MS)),
     (RUN, "--cf-connections", wholes(4, 10_000)),
     (RUN, "--request-slots", wholes(1, MAX_SLOTS)),
+    (RUN, "--scan-slots", wholes(1, MAX_SCAN_SLOTS)),
     (RUN, "--slot-lease-ms", wholes(1, YEAR_MS)),
     (RUN, "--logload", wholes(1, 16_000_000)),
     (RUN, "--max-frame", wholes(MIN_FRAME, MAX_FRAME)),
