@@ -11,7 +11,17 @@ refused at once (LogonThrottledError). A token seen in the window passes at once
 its token is not slowed.
 
 The price, as for any lockout: while a user id's token is being guessed, a logon with a token the window has not
-seen (the right one too) waits or is refused. Said in the member's log, once a minute per user id."""
+seen (the right one too) waits or is refused. Said in the member's log, once a minute per user id.
+
+What it remembers is bounded (USERS_TRACKED user ids), and forgetting a user id gives it FREE guesses again:
+flooding the table with logons of new user ids pushed a guessed user out, and with it the brake (a token found at
+about 10 guesses a second). So user ids whose window is over are forgotten first, and while more than
+USERS_UNPACED user ids are in their window, each logon of a user id not remembered waits EVICT_DELAY_S after the
+one before it, member-wide (refused past WAIT_MAX_S); only then, at USERS_TRACKED, is the least recently used
+pushed out. To push a guessed user out a flood must add at least USERS_TRACKED - USERS_UNPACED user ids at that
+pace, longer than the window: the brake holds. The price: while more than USERS_UNPACED user ids have logged on
+within FORGET_S (a flood of new user ids, or a member with that many users), logons of user ids not remembered are
+paced at 1/EVICT_DELAY_S a second; users remembered are not. Said in the member's log, once a minute."""
 
 from __future__ import annotations
 
@@ -32,7 +42,9 @@ FORGET_S = 300.0
 DELAY_BASE_S = 0.25
 DELAY_MAX_S = 5.0
 WAIT_MAX_S = 10.0  # a logon is refused rather than held longer than this (well inside a client's request timeout)
-USERS_TRACKED = 4096  # user ids remembered (the least recently used forgotten first)
+USERS_TRACKED = 32768  # user ids remembered (those whose window is over forgotten first)
+USERS_UNPACED = 8192  # user ids in their window beyond which a new one is paced
+EVICT_DELAY_S = 0.0125  # between logons of new user ids beyond USERS_UNPACED (member-wide)
 TOKENS_KEPT = 64  # digests remembered per user id (the oldest forgotten first)
 WARN_EVERY_S = 60.0
 
@@ -52,6 +64,8 @@ class LogonGuesses:
         self._key = secrets.token_bytes(32)  # digests of tokens mean nothing outside this process
         self._users: OrderedDict[str, _User] = OrderedDict()
         self._lock = threading.Lock()
+        self._evict_next_at = 0.0  # when the next logon that pushes out a live user id may pass
+        self._evict_warned_at = float("-inf")
 
     def _digest(self, token: str) -> bytes:
         return hmac.new(self._key, token.encode(), hashlib.sha256).digest()[:16]
@@ -61,10 +75,13 @@ class LogonGuesses:
         WAIT_MAX_S. Counts the logon."""
         digest = self._digest(token)
         with self._lock:
-            u = self._users.pop(user, None) or _User()
-            self._users[user] = u
-            while len(self._users) > USERS_TRACKED:
-                self._users.popitem(last=False)
+            u = self._users.get(user)
+            wait = 0.0
+            if u is None:
+                wait = self._make_room(peer, now)
+                u = self._users[user] = _User()
+            else:
+                self._users.move_to_end(user)
             for d, at in list(u.seen.items()):
                 if now - at > FORGET_S:
                     del u.seen[d]
@@ -76,7 +93,7 @@ class LogonGuesses:
                 return 0.0
             if len(u.seen) < FREE:
                 u.seen[digest] = now
-                return 0.0
+                return wait
             start = max(now, u.next_at)
             if start - now > WAIT_MAX_S:
                 self._warn(user, u, peer, now, refused=True)
@@ -91,6 +108,38 @@ class LogonGuesses:
             self._warn(user, u, peer, now, refused=False)
             return start - now
 
+    def _make_room(self, peer: str, now: float) -> float:
+        """Room for one more user id (the seconds it waits first, or LogonThrottledError): those whose window is
+        over forgotten first (two at most a call: the table drains as fast as it fills); past USERS_UNPACED one
+        at a time, EVICT_DELAY_S apart; at USERS_TRACKED the least recently used pushed out."""
+        for _ in range(2):
+            oldest = next(iter(self._users.values()), None)
+            if oldest is None or (oldest.seen and now - max(oldest.seen.values()) <= FORGET_S):
+                break
+            self._users.popitem(last=False)
+        if len(self._users) < min(USERS_UNPACED, USERS_TRACKED):
+            return 0.0
+        start = max(now, self._evict_next_at)
+        if start - now > WAIT_MAX_S:
+            self._warn_full(peer, now, refused=True)
+            raise LogonThrottledError(
+                f"logon: {len(self._users)} user ids have logged on in the last {FORGET_S:.0f} s, more than this "
+                "member lets in at once (a flood of new user ids?): a user id not among them must try again later")
+        self._evict_next_at = start + EVICT_DELAY_S
+        if len(self._users) >= USERS_TRACKED:
+            self._users.popitem(last=False)
+        self._warn_full(peer, now, refused=False)
+        return start - now
+
+    def _warn_full(self, peer: str, now: float, *, refused: bool) -> None:
+        if now - self._evict_warned_at < WARN_EVERY_S:
+            return
+        self._evict_warned_at = now
+        log.warning("logons of %d user ids in the last %.0f s, more than the member lets in at once, the latest from %s "
+                    "(a flood of new user ids, to push a guessed one out?): logons of user ids not among them %s",
+                    len(self._users), FORGET_S, peer,
+                    "are refused for now" if refused else f"wait {EVICT_DELAY_S * 1000:.0f} ms each, one at a time")
+
     def _warn(self, user: str, u: _User, peer: str, now: float, *, refused: bool) -> None:
         if now - u.warned_at < WARN_EVERY_S:
             return
@@ -100,4 +149,6 @@ class LogonGuesses:
                     "is refused for now" if refused else f"waits, up to {WAIT_MAX_S:.0f} s")
 
 
-__all__ = ["DELAY_BASE_S", "DELAY_MAX_S", "FORGET_S", "FREE", "WAIT_MAX_S", "LogonGuesses"]
+__all__ = ["DELAY_BASE_S", "DELAY_MAX_S", "EVICT_DELAY_S", "FORGET_S", "FREE", "USERS_TRACKED", "USERS_UNPACED",
+           "WAIT_MAX_S",
+           "LogonGuesses"]

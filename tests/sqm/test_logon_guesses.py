@@ -14,6 +14,7 @@ from sqm.conversations import logon_guesses
 from sqm.conversations.logon_guesses import (
     DELAY_BASE_S,
     DELAY_MAX_S,
+    EVICT_DELAY_S,
     FORGET_S,
     FREE,
     WAIT_MAX_S,
@@ -67,6 +68,48 @@ def test_what_it_keeps_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
         except LogonThrottledError:
             pass
     assert len(g._users) == 10 and len(g._users["alice"].seen) <= 8
+
+
+def test_a_flood_of_new_user_ids_does_not_push_a_guessed_user_out_of_the_brake(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The table was least recently used first: FREE guesses for the victim, then as many logons of new user ids
+    as the table holds, pushed her out, and her next FREE guesses passed at once again (a token found at about 10
+    guesses a second). A user id still in its window is now pushed out only EVICT_DELAY_S after the one before,
+    member-wide: a flood that waits as told reaches the victim only once her window is over (the table's size
+    times EVICT_DELAY_S is longer than the window, as with the shipped values), and one that does not wait is
+    refused past WAIT_MAX_S."""
+    assert (logon_guesses.USERS_TRACKED - logon_guesses.USERS_UNPACED) * EVICT_DELAY_S > FORGET_S  # as shipped
+    monkeypatch.setattr(logon_guesses, "USERS_TRACKED", 50)
+    monkeypatch.setattr(logon_guesses, "USERS_UNPACED", 10)
+    monkeypatch.setattr(logon_guesses, "EVICT_DELAY_S", FORGET_S / 39)  # the same rule, a small table
+    g = LogonGuesses()
+    for i in range(FREE):
+        g.delay("dave", f"guess{i}", "attacker", 0.0)
+    now, filler = 0.0, 0
+    while "dave" in g._users:  # the patient flood: each logon waits as it is told
+        now += g.delay(f"filler{filler}", "t", "attacker", now)
+        filler += 1
+    assert now > FORGET_S, f"the victim pushed out after {now:.0f} s, inside her window of {FORGET_S:.0f} s"
+    assert "a flood of new user ids" in caplog.text
+    # the impatient flood: refused once the push-outs queued pass WAIT_MAX_S
+    g = LogonGuesses()
+    for i in range(FREE):
+        g.delay("dave", f"guess{i}", "attacker", 0.0)
+    with pytest.raises(LogonThrottledError, match="user ids have logged on in the last"):
+        for i in range(100):
+            g.delay(f"filler{i}", "t", "attacker", 0.0)
+    assert "dave" in g._users and g._users["dave"].delays == 0
+    assert g.delay("dave", "guess-after-the-flood", "attacker", 0.0) == 0.0  # the first beyond FREE: no wait yet,
+    assert g._users["dave"].delays == 1  # but counted where the brake was: no free guesses again
+
+
+def test_a_user_id_whose_window_is_over_makes_room_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(logon_guesses, "USERS_TRACKED", 5)
+    g = LogonGuesses()
+    for i in range(5):
+        g.delay(f"old{i}", "t", "peer", 0.0)
+    assert [g.delay(f"new{i}", "t", "peer", FORGET_S + 1.0) for i in range(5)] == [0.0] * 5
+    assert sorted(g._users) == [f"new{i}" for i in range(5)]
 
 
 @pytest.mark.slow
