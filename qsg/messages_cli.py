@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import msgpack
 
-from cfemu.clitools import CLIError, Output, PhaseBars, require_url, settings
+from cfemu.clitools import CLIError, Output, PhaseBars, cf_name, require_url, settings
 from cfemu.errors import FencedError, NoMessageError
 from cfemu.signals import handling
 from cfemu.uow_attributes import CONTROL_SUFFIX, DATA_SUFFIX
@@ -299,7 +299,7 @@ def cmd_browse(args: argparse.Namespace, out: Output) -> int:
 
 
 def put_arguments(p: argparse.ArgumentParser, parents: Parents) -> None:
-    p.add_argument("queue")
+    p.add_argument("queue", type=cf_name("queue"))
     p.add_argument("messages", nargs="+", metavar="MESSAGE")
     p.add_argument("--count", type=whole(1, MAX_PUT_COUNT), default=1,
                    help=f"put the messages this many times (1-{MAX_PUT_COUNT})")
@@ -311,7 +311,7 @@ def put_arguments(p: argparse.ArgumentParser, parents: Parents) -> None:
 
 
 def get_arguments(p: argparse.ArgumentParser, parents: Parents) -> None:
-    p.add_argument("queue")
+    p.add_argument("queue", type=cf_name("queue"))
     how_many = p.add_mutually_exclusive_group()
     how_many.add_argument("--count", type=whole(1), default=1)
     how_many.add_argument("--all", action="store_true", help="until the queue is empty")
@@ -319,5 +319,5 @@ def get_arguments(p: argparse.ArgumentParser, parents: Parents) -> None:
 
 
 def browse_arguments(p: argparse.ArgumentParser, parents: Parents) -> None:
-    p.add_argument("queue")
+    p.add_argument("queue", type=cf_name("queue"))
     p.add_argument("--limit", type=whole(1), default=100)
