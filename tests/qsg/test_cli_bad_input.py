@@ -5,6 +5,9 @@ certificate that is not PEM. In process, through each console script's main(), a
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -153,3 +156,28 @@ def test_secrets_init_keeps_an_acl_file_that_holds_another_acl(nowhere: Path,
                                  "--json"]) == 0
     assert acl.read_text() == written
     capsys.readouterr()
+
+
+def _sqm_run(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess[str]:
+    """`sqm run` as an operator runs it, a subprocess, with a token and no settings from anywhere else."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CFEMU_", "SQM_")) and k != "REDIS_URL"}
+    return subprocess.run([sys.executable, "-m", "sqm.cli", "run", "--log-root", str(tmp_path / "logs"), *argv],
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path,
+                          env={**env, "SQM_TOKEN": "a-token-for-this-test"})
+
+
+@pytest.mark.parametrize(("argv", "code", "words"), [
+    (["--name", "QM1", "--redis-url", NO_CF, "--cf-wait", "0"], 1,
+     "sqm: error: QM1: MQRC_CF_STRUC_FAILED (2373): the CF did not answer within 0s"),
+    (["--name", "QM1", "--redis-url", NO_CF, "--tls-cert", "{tmp}/file", "--tls-key", "{tmp}/file"], 2,
+     "sqm: error: TLS certificate {tmp}/file and key {tmp}/file: not a PEM certificate and its private key"),
+    (["--name", "QM.1", "--redis-url", NO_CF], 2, "sqm run: error: argument --name: bad member name 'QM.1'"),
+], ids=["cf-unreachable", "tls-not-pem", "bad-name"])
+def test_sqm_run_that_cannot_start_says_why_in_one_line(tmp_path: Path, argv: list[str], code: int,
+                                                        words: str) -> None:
+    (tmp_path / "file").write_text("not PEM\n")
+    done = _sqm_run(tmp_path, *(a.replace("{tmp}", str(tmp_path)) for a in argv))
+    assert done.returncode == code, done.stderr
+    assert "Traceback" not in done.stderr and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith(words.replace("{tmp}", str(tmp_path))), done.stderr
+    assert not (tmp_path / "logs").exists()  # no member log, no group repository: nothing joined
